@@ -1,0 +1,349 @@
+//! The detokenizer actor: turns each step's tokens into text per choice, finds stop strings
+//! (asking the scheduler to finish those sequences), and delivers deltas to the clients' sinks.
+//! A sink whose client went away makes it abort the request at once.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use actix::{Actor, Addr, AsyncContext, Context, Handler, Message};
+use switchyard_gpu::model::Tokenizer;
+use switchyard_policies::{FinishReason, RequestId};
+
+use super::engine::{
+    ChoiceDelta, EngineOutput, InFlight, OutputSink, SubmitError, SubmitErrorKind,
+};
+use super::scheduler::{Finish, SchedulerActor};
+use crate::core::CoreEvent;
+use crate::detokenizer::IncrementalDetokenizer;
+
+/// How often sinks of queued requests are checked for departed clients.
+const SINK_CHECK_INTERVAL: Duration = Duration::from_millis(100);
+
+/// Registers the choices of one request before they are submitted to the scheduler.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Register {
+    /// Scheduler ids of the choices, in choice order.
+    pub ids: Vec<RequestId>,
+    /// Where the request's output goes.
+    pub sink: Box<dyn OutputSink>,
+    /// Stop strings.
+    pub stop: Vec<String>,
+    /// When the request arrived, for latency metrics.
+    pub arrival: Instant,
+    /// Counts the request as in flight until its last choice ends.
+    pub guard: InFlight,
+}
+
+/// The events of one step, or the failure of its requests.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct StepEvents {
+    events: Vec<CoreEvent>,
+    failed: Option<(Vec<RequestId>, SubmitError)>,
+}
+
+impl StepEvents {
+    /// A completed step's events.
+    pub fn new(events: Vec<CoreEvent>) -> Self {
+        Self {
+            events,
+            failed: None,
+        }
+    }
+    /// A step whose execution failed.
+    pub fn failed(ids: Vec<RequestId>, message: String) -> Self {
+        Self {
+            events: Vec::new(),
+            failed: Some((
+                ids,
+                SubmitError {
+                    kind: SubmitErrorKind::Internal,
+                    message,
+                },
+            )),
+        }
+    }
+    /// Requests the scheduler refused to queue.
+    pub fn rejected(ids: Vec<RequestId>, message: String) -> Self {
+        Self {
+            events: Vec::new(),
+            failed: Some((
+                ids,
+                SubmitError {
+                    kind: SubmitErrorKind::InvalidRequest,
+                    message,
+                },
+            )),
+        }
+    }
+}
+
+/// One request's sink, shared by its choices.
+struct RequestSink {
+    sink: Box<dyn OutputSink>,
+    arrival: Instant,
+    first_token: Option<Instant>,
+    last_token: Option<Instant>,
+    open_choices: usize,
+    /// Scheduler ids of all choices, to abort them together.
+    ids: Vec<RequestId>,
+    /// Released with the last choice.
+    _guard: InFlight,
+}
+
+struct ChoiceState {
+    index: u32,
+    detok: IncrementalDetokenizer,
+    tokens: u32,
+    request: Rc<RefCell<RequestSink>>,
+}
+
+/// Owns the per-choice text state and the sinks.
+pub struct DetokenizerActor {
+    tokenizer: Arc<Tokenizer>,
+    scheduler: Option<Addr<SchedulerActor>>,
+    choices: HashMap<RequestId, ChoiceState>,
+}
+
+impl DetokenizerActor {
+    /// Builds the actor; the scheduler address is set once it exists.
+    pub fn new(tokenizer: Arc<Tokenizer>) -> Self {
+        Self {
+            tokenizer,
+            scheduler: None,
+            choices: HashMap::new(),
+        }
+    }
+
+    fn finish_in_scheduler(&self, ids: Vec<(RequestId, FinishReason)>) {
+        if let (Some(s), false) = (&self.scheduler, ids.is_empty()) {
+            s.do_send(Finish(ids));
+        }
+    }
+
+    /// Drops every choice of a request whose client is gone and aborts them in the scheduler.
+    fn abort_request(&mut self, request: &Rc<RefCell<RequestSink>>) {
+        let ids = request.borrow().ids.clone();
+        let mut aborted = Vec::new();
+        for id in ids {
+            if self.choices.remove(&id).is_some() {
+                aborted.push((id, FinishReason::Abort));
+            }
+        }
+        metrics::counter!("switchyard:request_aborted_total").increment(1);
+        self.finish_in_scheduler(aborted);
+    }
+}
+
+/// Sets the scheduler address (the two actors know each other).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct SetScheduler(pub Addr<SchedulerActor>);
+
+impl Actor for DetokenizerActor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        ctx.run_interval(SINK_CHECK_INTERVAL, |act, _| {
+            let mut gone: Vec<Rc<RefCell<RequestSink>>> = Vec::new();
+            for c in act.choices.values() {
+                if c.request.borrow().sink.is_closed()
+                    && !gone.iter().any(|g| Rc::ptr_eq(g, &c.request))
+                {
+                    gone.push(c.request.clone());
+                }
+            }
+            for r in gone {
+                act.abort_request(&r);
+            }
+        });
+    }
+}
+
+impl Handler<SetScheduler> for DetokenizerActor {
+    type Result = ();
+    fn handle(&mut self, msg: SetScheduler, _: &mut Context<Self>) {
+        self.scheduler = Some(msg.0);
+    }
+}
+
+impl Handler<Register> for DetokenizerActor {
+    type Result = ();
+    fn handle(&mut self, msg: Register, _: &mut Context<Self>) {
+        let request = Rc::new(RefCell::new(RequestSink {
+            sink: msg.sink,
+            arrival: msg.arrival,
+            first_token: None,
+            last_token: None,
+            open_choices: msg.ids.len(),
+            ids: msg.ids.clone(),
+            _guard: msg.guard,
+        }));
+        for (index, id) in msg.ids.into_iter().enumerate() {
+            self.choices.insert(
+                id,
+                ChoiceState {
+                    index: index as u32,
+                    detok: IncrementalDetokenizer::new(msg.stop.clone()),
+                    tokens: 0,
+                    request: request.clone(),
+                },
+            );
+        }
+    }
+}
+
+impl Handler<StepEvents> for DetokenizerActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: StepEvents, _: &mut Context<Self>) {
+        let now = Instant::now();
+        if let Some((ids, error)) = msg.failed {
+            let mut told: Vec<Rc<RefCell<RequestSink>>> = Vec::new();
+            for id in ids {
+                if let Some(c) = self.choices.remove(&id) {
+                    if !told.iter().any(|t| Rc::ptr_eq(t, &c.request)) {
+                        c.request
+                            .borrow_mut()
+                            .sink
+                            .send(EngineOutput::Error(error.clone()));
+                        told.push(c.request.clone());
+                    }
+                }
+            }
+            // Other choices of the same requests cannot complete a response any more.
+            for r in told {
+                self.abort_request(&r);
+            }
+            return;
+        }
+        // Deltas of this step, in event order, one per choice.
+        let mut deltas: Vec<(RequestId, ChoiceDelta)> = Vec::new();
+        let mut stopped: Vec<(RequestId, FinishReason)> = Vec::new();
+        let mut generated = 0u64;
+        for event in msg.events {
+            match event {
+                CoreEvent::Token {
+                    id,
+                    token,
+                    logprob,
+                    top_logprobs,
+                } => {
+                    let Some(c) = self.choices.get_mut(&id) else {
+                        continue;
+                    };
+                    if c.detok.is_stopped() {
+                        continue;
+                    }
+                    generated += 1;
+                    c.tokens += 1;
+                    {
+                        let mut r = c.request.borrow_mut();
+                        match r.first_token {
+                            None => {
+                                r.first_token = Some(now);
+                                metrics::histogram!("switchyard:time_to_first_token_seconds")
+                                    .record((now - r.arrival).as_secs_f64());
+                            }
+                            Some(_) => {
+                                if let Some(last) = r.last_token {
+                                    metrics::histogram!("switchyard:inter_token_latency_seconds")
+                                        .record((now - last).as_secs_f64());
+                                }
+                            }
+                        }
+                        r.last_token = Some(now);
+                    }
+                    let bytes = if self.tokenizer.is_special(token) {
+                        &[][..]
+                    } else {
+                        self.tokenizer.token_bytes(token).unwrap_or(&[])
+                    };
+                    let out = c.detok.push(bytes);
+                    let pos = match deltas.iter().position(|(d, _)| *d == id) {
+                        Some(p) => p,
+                        None => {
+                            deltas.push((
+                                id,
+                                ChoiceDelta {
+                                    index: c.index,
+                                    ..Default::default()
+                                },
+                            ));
+                            deltas.len() - 1
+                        }
+                    };
+                    let d = &mut deltas[pos].1;
+                    d.text.push_str(&out.text);
+                    d.token_ids.push(token);
+                    if logprob.is_some() || !top_logprobs.is_empty() {
+                        d.logprobs.push((token, logprob, top_logprobs));
+                    }
+                    if out.stopped {
+                        d.finish = Some((FinishReason::Stop, c.tokens));
+                        stopped.push((id, FinishReason::Stop));
+                    }
+                }
+                CoreEvent::Finished { id, reason } => {
+                    let Some(c) = self.choices.get_mut(&id) else {
+                        continue;
+                    };
+                    if c.detok.is_stopped() {
+                        continue;
+                    }
+                    let rest = c.detok.finish();
+                    let pos = match deltas.iter().position(|(d, _)| *d == id) {
+                        Some(p) => p,
+                        None => {
+                            deltas.push((
+                                id,
+                                ChoiceDelta {
+                                    index: c.index,
+                                    ..Default::default()
+                                },
+                            ));
+                            deltas.len() - 1
+                        }
+                    };
+                    let d = &mut deltas[pos].1;
+                    d.text.push_str(&rest.text);
+                    d.finish = Some((reason, c.tokens));
+                }
+            }
+        }
+        metrics::counter!("switchyard:generation_tokens_total").increment(generated);
+        self.finish_in_scheduler(stopped);
+        let mut gone: Vec<Rc<RefCell<RequestSink>>> = Vec::new();
+        for (id, delta) in deltas {
+            let finished = delta.finish;
+            let Some(c) = self.choices.get(&id) else {
+                continue;
+            };
+            let request = c.request.clone();
+            let delivered = request.borrow_mut().sink.send(EngineOutput::Delta(delta));
+            if !delivered {
+                if !gone.iter().any(|g| Rc::ptr_eq(g, &request)) {
+                    gone.push(request);
+                }
+                continue;
+            }
+            if let Some((reason, _)) = finished {
+                self.choices.remove(&id);
+                let mut r = request.borrow_mut();
+                r.open_choices = r.open_choices.saturating_sub(1);
+                if r.open_choices == 0 {
+                    metrics::histogram!("switchyard:e2e_request_latency_seconds")
+                        .record((now - r.arrival).as_secs_f64());
+                    metrics::counter!("switchyard:request_success_total", "finished_reason" => reason.as_str()).increment(1);
+                }
+            }
+        }
+        for r in gone {
+            self.abort_request(&r);
+        }
+    }
+}

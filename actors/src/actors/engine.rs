@@ -1,0 +1,409 @@
+//! The [`Engine`] handle: a `Clone` value holding only actor addresses. Front ends submit
+//! requests with a sink for the output; everything else happens in the actors.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use actix::{Actor, Addr, SyncArbiter};
+use switchyard_gpu::backend::{Backend, SamplingParams};
+use switchyard_gpu::model::{ChatTemplate, Tokenizer};
+use switchyard_policies::{
+    FinishReason, Policy, Request, RequestId, SamplingLimits, SchedulerConfig, SchedulerStats,
+    SloTargets,
+};
+
+use super::detokenizer::{DetokenizerActor, Register, SetScheduler, StepEvents};
+use super::executor::ExecutorActor;
+use super::scheduler::{GetStats, SchedulerActor, Submit, SwapPolicy};
+use super::tokenizer::{Decode, Encode, TokenizerActor};
+use crate::core::{EngineCoreConfig, StepCore, SubmitOptions};
+use crate::EngineError;
+
+/// What the engine needs beyond the model.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Limits and KV geometry for the scheduling core.
+    pub scheduler: SchedulerConfig,
+    /// Key of the prefix-cache block hash (random per process).
+    pub hash_key: [u64; 2],
+    /// Threads in the tokenizer pool.
+    pub tokenizer_threads: usize,
+    /// Requests in flight at once before new ones are refused as overloaded.
+    pub max_pending_requests: usize,
+    /// Tier SLO targets by tier name.
+    pub tier_slos: Vec<(String, SloTargets)>,
+}
+
+/// A prompt as the client gave it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PromptSource {
+    /// Text, tokenized with the model's special tokens.
+    Text(String),
+    /// Token ids, used as they are.
+    Tokens(Vec<u32>),
+    /// Chat messages as (role, content), rendered by the chat template.
+    Chat(Vec<(String, String)>),
+}
+
+/// One client request.
+#[derive(Debug, Clone)]
+pub struct RequestOptions {
+    /// The prompt.
+    pub prompt: PromptSource,
+    /// Sampler settings; with a seed, choice `i` uses `seed + i`.
+    pub sampling: SamplingParams,
+    /// Stop strings.
+    pub stop: Vec<String>,
+    /// Number of choices.
+    pub n: u32,
+    /// Completion limit; `None` means up to the context window.
+    pub max_tokens: Option<u32>,
+    /// Lower is more urgent.
+    pub priority: i32,
+    /// Tier name.
+    pub tier: String,
+    /// Tenant name.
+    pub tenant: String,
+}
+
+/// New output for one choice.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ChoiceDelta {
+    /// The choice.
+    pub index: u32,
+    /// Text released since the previous delta.
+    pub text: String,
+    /// Tokens sampled since the previous delta.
+    pub token_ids: Vec<u32>,
+    /// (token, its logprob, top alternatives) per token, when asked.
+    pub logprobs: Vec<(u32, Option<f32>, Vec<(u32, f32)>)>,
+    /// Set on the last delta: why the choice ended and how many tokens it generated.
+    pub finish: Option<(FinishReason, u32)>,
+}
+
+/// What a request's sink receives: one `Prompt`, then deltas, or one `Error`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum EngineOutput {
+    /// The request was accepted.
+    Prompt {
+        /// Prompt length in tokens.
+        prompt_tokens: u32,
+    },
+    /// New output for one choice.
+    Delta(ChoiceDelta),
+    /// The request failed; nothing follows.
+    Error(SubmitError),
+}
+
+/// Where a request's output goes. Dropping the sink closes the client's stream.
+pub trait OutputSink: Send + 'static {
+    /// Delivers an output; `false` means the client is gone and the request must be aborted.
+    fn send(&mut self, output: EngineOutput) -> bool;
+    /// Whether the client is gone.
+    fn is_closed(&self) -> bool;
+}
+
+/// Classes of request failure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SubmitErrorKind {
+    /// Bad input for this model.
+    InvalidRequest,
+    /// Prompt plus completion exceed the context window.
+    ContextLengthExceeded,
+    /// Too many requests in flight.
+    Overloaded,
+    /// The engine is shutting down.
+    Unavailable,
+    /// A backend failure.
+    Internal,
+}
+
+/// Why a request failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct SubmitError {
+    /// The class.
+    pub kind: SubmitErrorKind,
+    /// For the client.
+    pub message: String,
+}
+
+impl SubmitError {
+    fn new(kind: SubmitErrorKind, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+        }
+    }
+}
+
+/// Counts requests in flight; the count drops when the guard does.
+pub(crate) struct InFlight(Arc<AtomicUsize>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// The engine handle.
+#[derive(Clone)]
+pub struct Engine {
+    scheduler: Addr<SchedulerActor>,
+    detokenizer: Addr<DetokenizerActor>,
+    tokenizers: Addr<TokenizerActor>,
+    next_id: Arc<AtomicU64>,
+    in_flight: Arc<AtomicUsize>,
+    config: Arc<EngineConfig>,
+}
+
+impl Engine {
+    /// Starts the actors; must run inside an actix `System`.
+    pub fn start(
+        config: EngineConfig,
+        backend: Box<dyn Backend>,
+        tokenizer: Arc<Tokenizer>,
+        template: Option<Arc<ChatTemplate>>,
+        policy: Box<dyn Policy>,
+    ) -> Result<Self, EngineError> {
+        let core = StepCore::new(
+            EngineCoreConfig {
+                scheduler: config.scheduler.clone(),
+                hash_key: config.hash_key,
+            },
+            policy,
+        )?;
+        let slot = parking_slot(backend);
+        let executor = SyncArbiter::start(1, move || {
+            ExecutorActor::new(slot.lock().unwrap_or_else(|p| p.into_inner()).take())
+        });
+        let tok = tokenizer.clone();
+        let tokenizers = SyncArbiter::start(config.tokenizer_threads.max(1), move || {
+            TokenizerActor::new(tok.clone(), template.clone())
+        });
+        let detokenizer = DetokenizerActor::new(tokenizer).start();
+        let scheduler = SchedulerActor::new(core, executor, detokenizer.clone()).start();
+        detokenizer.do_send(SetScheduler(scheduler.clone()));
+        Ok(Self {
+            scheduler,
+            detokenizer,
+            tokenizers,
+            next_id: Arc::new(AtomicU64::new(1)),
+            in_flight: Arc::new(AtomicUsize::new(0)),
+            config: Arc::new(config),
+        })
+    }
+
+    /// The context window in tokens.
+    pub fn max_model_len(&self) -> usize {
+        self.config.scheduler.max_model_len
+    }
+
+    /// Requests in flight.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::Acquire)
+    }
+
+    /// Queues a request. Its outputs, or an error, arrive at `sink`; dropping the receiving
+    /// side of the sink aborts the request.
+    pub fn submit(&self, options: RequestOptions, mut sink: Box<dyn OutputSink>) {
+        let previous = self.in_flight.fetch_add(1, Ordering::AcqRel);
+        let guard = InFlight(self.in_flight.clone());
+        if previous >= self.config.max_pending_requests {
+            sink.send(EngineOutput::Error(SubmitError::new(
+                SubmitErrorKind::Overloaded,
+                format!("{previous} requests are in flight; retry shortly"),
+            )));
+            return;
+        }
+        let this = self.clone();
+        actix::spawn(async move {
+            let arrival = Instant::now();
+            let ids = match this
+                .tokenizers
+                .send(Encode {
+                    source: options.prompt.clone(),
+                    add_generation_prompt: true,
+                })
+                .await
+            {
+                Ok(Ok(ids)) => ids,
+                Ok(Err(e)) => {
+                    sink.send(EngineOutput::Error(e));
+                    return;
+                }
+                Err(_) => {
+                    sink.send(EngineOutput::Error(SubmitError::new(
+                        SubmitErrorKind::Unavailable,
+                        "the engine is shutting down",
+                    )));
+                    return;
+                }
+            };
+            match this.admit(options, ids, sink, guard, arrival) {
+                Ok(()) => {}
+                Err((e, mut sink)) => {
+                    sink.send(EngineOutput::Error(e));
+                }
+            }
+        });
+    }
+
+    /// Validates lengths, registers the choices with the detokenizer and submits them.
+    #[allow(clippy::result_large_err)]
+    fn admit(
+        &self,
+        options: RequestOptions,
+        prompt: Vec<u32>,
+        mut sink: Box<dyn OutputSink>,
+        guard: InFlight,
+        arrival: Instant,
+    ) -> Result<(), (SubmitError, Box<dyn OutputSink>)> {
+        let max_len = self.max_model_len();
+        if prompt.is_empty() {
+            return Err((
+                SubmitError::new(SubmitErrorKind::InvalidRequest, "the prompt is empty"),
+                sink,
+            ));
+        }
+        if prompt.len() >= max_len {
+            return Err((
+                SubmitError::new(
+                    SubmitErrorKind::ContextLengthExceeded,
+                    format!(
+                        "the prompt has {} tokens; this model's context is {max_len} tokens",
+                        prompt.len()
+                    ),
+                ),
+                sink,
+            ));
+        }
+        let room = (max_len - prompt.len()) as u32;
+        let max_tokens = options.max_tokens.unwrap_or(room);
+        if max_tokens > room {
+            return Err((
+                SubmitError::new(
+                    SubmitErrorKind::ContextLengthExceeded,
+                    format!(
+                        "this model's context is {max_len} tokens; the prompt has {} and max_tokens asks for {max_tokens} more",
+                        prompt.len()
+                    ),
+                ),
+                sink,
+            ));
+        }
+        metrics::counter!("switchyard:prompt_tokens_total").increment(prompt.len() as u64);
+        if !sink.send(EngineOutput::Prompt {
+            prompt_tokens: prompt.len() as u32,
+        }) {
+            return Ok(());
+        }
+        let prompt: Arc<[u32]> = prompt.into();
+        let slo = self
+            .config
+            .tier_slos
+            .iter()
+            .find(|(name, _)| *name == options.tier)
+            .map(|(_, s)| s.clone())
+            .unwrap_or(SloTargets {
+                ttft_ms: None,
+                tpot_ms: None,
+            });
+        let eos = options.sampling.eos_token_ids.first().copied();
+        let mut stop_ids = options.sampling.stop_token_ids.clone();
+        stop_ids.extend(options.sampling.eos_token_ids.iter().skip(1).copied());
+        let mut submits = Vec::with_capacity(options.n as usize);
+        let mut ids = Vec::with_capacity(options.n as usize);
+        for i in 0..options.n.max(1) {
+            let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
+            let mut sampling = options.sampling.clone();
+            sampling.seed = options.sampling.seed.map(|s| s.wrapping_add(u64::from(i)));
+            ids.push(id);
+            submits.push(SubmitOptions {
+                request: Request {
+                    id,
+                    tenant: options.tenant.clone(),
+                    tier: options.tier.clone(),
+                    priority: options.priority,
+                    lora_adapter: None,
+                    arrival: switchyard_policies::Timestamp(0),
+                    slo: slo.clone(),
+                    prompt: prompt.clone(),
+                    limits: SamplingLimits {
+                        max_tokens,
+                        min_tokens: options.sampling.min_tokens,
+                        stop_token_ids: if options.sampling.ignore_eos {
+                            options.sampling.stop_token_ids.clone()
+                        } else {
+                            stop_ids.clone()
+                        },
+                        eos_token_id: eos,
+                        ignore_eos: options.sampling.ignore_eos,
+                    },
+                    cache_salt: None,
+                },
+                sampling: Arc::new(sampling),
+            });
+        }
+        self.detokenizer.do_send(Register {
+            ids: ids.clone(),
+            sink,
+            stop: options.stop,
+            arrival,
+            guard,
+        });
+        let scheduler = self.scheduler.clone();
+        let detokenizer = self.detokenizer.clone();
+        actix::spawn(async move {
+            let failure = match scheduler.send(Submit(submits)).await {
+                Ok(Ok(())) => return,
+                Ok(Err(e)) => e.to_string(),
+                Err(_) => "the engine is shutting down".to_string(),
+            };
+            detokenizer.do_send(StepEvents::rejected(ids, failure));
+        });
+        Ok(())
+    }
+
+    /// Tokenizes a prompt (chat messages through the template).
+    pub async fn tokenize(
+        &self,
+        source: PromptSource,
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>, SubmitError> {
+        self.tokenizers
+            .send(Encode {
+                source,
+                add_generation_prompt,
+            })
+            .await
+            .map_err(|_| {
+                SubmitError::new(SubmitErrorKind::Unavailable, "the engine is shutting down")
+            })?
+    }
+
+    /// Turns token ids into text.
+    pub async fn detokenize(&self, ids: Vec<u32>) -> Result<String, SubmitError> {
+        self.tokenizers.send(Decode(ids)).await.map_err(|_| {
+            SubmitError::new(SubmitErrorKind::Unavailable, "the engine is shutting down")
+        })?
+    }
+
+    /// Replaces the policy at the next step boundary.
+    pub fn swap_policy(&self, policy: Box<dyn Policy>) {
+        self.scheduler.do_send(SwapPolicy(policy));
+    }
+
+    /// Queue and cache statistics.
+    pub async fn stats(&self) -> Result<SchedulerStats, SubmitError> {
+        self.scheduler.send(GetStats).await.map_err(|_| {
+            SubmitError::new(SubmitErrorKind::Unavailable, "the engine is shutting down")
+        })
+    }
+}
+
+/// Moves the backend into the executor thread exactly once.
+fn parking_slot(backend: Box<dyn Backend>) -> Arc<std::sync::Mutex<Option<Box<dyn Backend>>>> {
+    Arc::new(std::sync::Mutex::new(Some(backend)))
+}

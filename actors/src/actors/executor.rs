@@ -1,0 +1,47 @@
+//! The executor actor: owns the backend on a dedicated thread (a one-thread `SyncArbiter`).
+
+use actix::{Actor, Handler, Message, SyncContext};
+use switchyard_gpu::backend::{Backend, Batch, SeqOutput};
+use switchyard_gpu::GpuError;
+
+/// Runs one batch after dropping the state of sequences that ended.
+#[derive(Message)]
+#[rtype(result = "Result<Vec<SeqOutput>, GpuError>")]
+pub struct Execute {
+    /// The batch.
+    pub batch: Batch,
+    /// Sequences whose per-sequence backend state must be released first.
+    pub release: Vec<u64>,
+}
+
+/// Holds the backend; lives on its own OS thread.
+pub struct ExecutorActor {
+    /// The backend; `None` only if the executor thread was restarted after a panic, since the
+    /// backend cannot be rebuilt here.
+    backend: Option<Box<dyn Backend>>,
+}
+
+impl ExecutorActor {
+    /// Wraps a backend.
+    pub fn new(backend: Option<Box<dyn Backend>>) -> Self {
+        Self { backend }
+    }
+}
+
+impl Actor for ExecutorActor {
+    type Context = SyncContext<Self>;
+}
+
+impl Handler<Execute> for ExecutorActor {
+    type Result = Result<Vec<SeqOutput>, GpuError>;
+
+    fn handle(&mut self, msg: Execute, _: &mut SyncContext<Self>) -> Self::Result {
+        let backend = self.backend.as_mut().ok_or_else(|| {
+            GpuError::Internal("the executor thread restarted and lost its backend".into())
+        })?;
+        for id in msg.release {
+            backend.release(id);
+        }
+        backend.execute(&msg.batch)
+    }
+}

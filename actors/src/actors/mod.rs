@@ -1,0 +1,22 @@
+//! The actix actors of the server and the [`Engine`] handle that fronts them.
+//!
+//! ```text
+//! Engine::submit ──► Tokenizer pool ──► Detokenizer (register) ──► Scheduler ──► Executor
+//!                                            ▲                         │  ▲          │
+//!                                            └──── step events ────────┘  └─outputs──┘
+//! ```
+//!
+//! Per step the scheduler makes one round trip to the executor and sends one message to the
+//! detokenizer. The executor owns the backend on its own thread, so neither the HTTP workers nor
+//! the scheduler ever wait on model code.
+
+mod detokenizer;
+mod engine;
+mod executor;
+mod scheduler;
+mod tokenizer;
+
+pub use engine::{
+    ChoiceDelta, Engine, EngineConfig, EngineOutput, OutputSink, PromptSource, RequestOptions,
+    SubmitError, SubmitErrorKind,
+};

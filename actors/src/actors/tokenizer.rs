@@ -1,0 +1,105 @@
+//! The tokenizer pool: sync actors on their own threads apply the chat template and encode, so
+//! neither HTTP workers nor the scheduler spend time on it.
+
+use std::sync::Arc;
+
+use actix::{Actor, Handler, Message, SyncContext};
+use switchyard_gpu::model::{ChatMessage, ChatTemplate, Tokenizer};
+
+use super::engine::{PromptSource, SubmitError, SubmitErrorKind};
+
+/// Turns a prompt into token ids.
+#[derive(Message)]
+#[rtype(result = "Result<Vec<u32>, SubmitError>")]
+pub struct Encode {
+    /// What to encode.
+    pub source: PromptSource,
+    /// For chat: append the assistant generation prompt.
+    pub add_generation_prompt: bool,
+}
+
+/// Turns token ids back into text.
+#[derive(Message)]
+#[rtype(result = "Result<String, SubmitError>")]
+pub struct Decode(pub Vec<u32>);
+
+/// One tokenizer thread.
+pub struct TokenizerActor {
+    tokenizer: Arc<Tokenizer>,
+    template: Option<Arc<ChatTemplate>>,
+}
+
+impl TokenizerActor {
+    /// Shares the model's tokenizer and chat template.
+    pub fn new(tokenizer: Arc<Tokenizer>, template: Option<Arc<ChatTemplate>>) -> Self {
+        Self {
+            tokenizer,
+            template,
+        }
+    }
+}
+
+impl Actor for TokenizerActor {
+    type Context = SyncContext<Self>;
+}
+
+fn invalid(message: String) -> SubmitError {
+    SubmitError {
+        kind: SubmitErrorKind::InvalidRequest,
+        message,
+    }
+}
+
+impl Handler<Encode> for TokenizerActor {
+    type Result = Result<Vec<u32>, SubmitError>;
+
+    fn handle(&mut self, msg: Encode, _: &mut SyncContext<Self>) -> Self::Result {
+        match msg.source {
+            PromptSource::Tokens(ids) => {
+                let vocab = self.tokenizer.vocab_size();
+                if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+                    return Err(invalid(format!(
+                        "token id {bad} is outside the vocabulary (size {vocab})"
+                    )));
+                }
+                Ok(ids)
+            }
+            PromptSource::Text(text) => self
+                .tokenizer
+                .encode(&text, true)
+                .map_err(|e| invalid(e.to_string())),
+            PromptSource::Chat(messages) => {
+                let template = self.template.as_ref().ok_or_else(|| {
+                    invalid("this model has no chat template; use /v1/completions".into())
+                })?;
+                let messages: Vec<ChatMessage> = messages
+                    .into_iter()
+                    .map(|(role, content)| ChatMessage { role, content })
+                    .collect();
+                let text = template
+                    .render(&messages, msg.add_generation_prompt)
+                    .map_err(|e| invalid(e.to_string()))?;
+                // The template already wrote the special tokens it wants.
+                self.tokenizer
+                    .encode(&text, false)
+                    .map_err(|e| invalid(e.to_string()))
+            }
+        }
+    }
+}
+
+impl Handler<Decode> for TokenizerActor {
+    type Result = Result<String, SubmitError>;
+
+    fn handle(&mut self, msg: Decode, _: &mut SyncContext<Self>) -> Self::Result {
+        let vocab = self.tokenizer.vocab_size();
+        if let Some(bad) = msg.0.iter().find(|&&t| t as usize >= vocab) {
+            return Err(invalid(format!(
+                "token id {bad} is outside the vocabulary (size {vocab})"
+            )));
+        }
+        self.tokenizer
+            .decode(&msg.0, true)
+            .map_err(|e| invalid(e.to_string()))
+    }
+}

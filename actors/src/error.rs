@@ -1,0 +1,21 @@
+//! Errors of the engine layer.
+
+/// What can go wrong inside the engine.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// The scheduler rejected a request or a configuration.
+    #[error(transparent)]
+    Scheduler(#[from] switchyard_policies::SchedulerError),
+    /// The backend failed to execute a step or to load.
+    #[error(transparent)]
+    Backend(#[from] switchyard_gpu::GpuError),
+    /// A request id was submitted twice.
+    #[error("request {0} is already in flight")]
+    DuplicateRequest(u64),
+    /// The scheduler planned a sequence the engine has no record of (an internal invariant broke).
+    #[error("sequence {0} is scheduled but unknown to the engine")]
+    UnknownSequence(u64),
+    /// The engine stopped before it could answer.
+    #[error("the engine has shut down")]
+    ShutDown,
+}

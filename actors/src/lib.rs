@@ -1,0 +1,14 @@
+//! The serving engine. [`EngineCore`] is the synchronous step loop (plan, execute, apply) shared
+//! by offline generation, the throughput benchmark and the scheduler actor; the actix actors that
+//! wrap it for the server live beside it.
+
+pub mod actors;
+mod core;
+mod detokenizer;
+mod error;
+
+pub use crate::core::{
+    CoreEvent, EngineCore, EngineCoreConfig, PreparedStep, StepCore, StepReport, SubmitOptions,
+};
+pub use crate::detokenizer::{Detokenized, IncrementalDetokenizer};
+pub use crate::error::EngineError;

@@ -1,0 +1,241 @@
+//! API configuration, API keys, tenants and the bearer-token middleware.
+//!
+//! Keys are compared in constant time (`subtle`), and every configured key is compared on every
+//! request, so neither the position of a key in the list nor the length of a matching prefix
+//! shows in the response time.
+
+use std::sync::Arc;
+
+use actix_web::body::MessageBody;
+use actix_web::dev::{ServiceRequest, ServiceResponse};
+use actix_web::http::header;
+use actix_web::middleware::Next;
+use actix_web::{web, HttpMessage};
+use subtle::ConstantTimeEq;
+
+use crate::error::ApiError;
+use crate::state::ApiState;
+
+/// HTTP-layer settings, filled from the YAML config by the binary.
+#[derive(Clone, PartialEq)]
+pub struct ApiConfig {
+    /// Accepted API keys. Empty means the API is open and every request belongs to
+    /// [`ApiConfig::anonymous_tenant`] at [`ApiConfig::default_tier`].
+    pub api_keys: Vec<ApiKeyEntry>,
+    /// Key for `/admin/*`; `None` disables the admin routes (always 401).
+    pub admin_key: Option<String>,
+    /// Largest accepted request body in bytes (larger → 413).
+    pub max_body_bytes: usize,
+    /// Tier of requests on an open API.
+    pub default_tier: String,
+    /// Tenant of requests on an open API.
+    pub anonymous_tenant: String,
+}
+
+impl Default for ApiConfig {
+    fn default() -> Self {
+        Self {
+            api_keys: Vec::new(),
+            admin_key: None,
+            max_body_bytes: 4 * 1024 * 1024,
+            default_tier: "standard".to_owned(),
+            anonymous_tenant: "anonymous".to_owned(),
+        }
+    }
+}
+
+/// One API key and whom it stands for.
+#[derive(Clone, PartialEq, Eq)]
+pub struct ApiKeyEntry {
+    /// The secret bearer token.
+    pub key: String,
+    /// Tenant the key belongs to (fair share, cache isolation); a bounded, configured name.
+    pub tenant: String,
+    /// Service tier of the key's requests.
+    pub tier: String,
+}
+
+impl std::fmt::Debug for ApiConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ApiConfig")
+            .field("api_keys", &self.api_keys)
+            .field("admin_key", &self.admin_key.as_ref().map(|_| "<redacted>"))
+            .field("max_body_bytes", &self.max_body_bytes)
+            .field("default_tier", &self.default_tier)
+            .field("anonymous_tenant", &self.anonymous_tenant)
+            .finish()
+    }
+}
+
+impl std::fmt::Debug for ApiKeyEntry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ApiKeyEntry")
+            .field("key", &"<redacted>")
+            .field("tenant", &self.tenant)
+            .field("tier", &self.tier)
+            .finish()
+    }
+}
+
+/// Who sent a request, attached to it by the middleware; handlers extract it with
+/// `web::ReqData<Principal>`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Principal {
+    /// The caller's tenant.
+    pub tenant: String,
+    /// The caller's tier.
+    pub tier: String,
+}
+
+/// The bearer token of a request, if it has a well-formed `Authorization` header.
+fn bearer_token(req: &ServiceRequest) -> Option<&[u8]> {
+    let value = req.headers().get(header::AUTHORIZATION)?.as_bytes();
+    let scheme = value.get(..7)?;
+    if !scheme.eq_ignore_ascii_case(b"bearer ") {
+        return None;
+    }
+    value.get(7..).map(<[u8]>::trim_ascii)
+}
+
+/// Constant-time equality of a presented token and a configured secret.
+fn secret_matches(presented: &[u8], secret: &str) -> bool {
+    // `ct_eq` on slices of different length returns false early, which leaks only the length.
+    bool::from(presented.ct_eq(secret.as_bytes()))
+}
+
+impl ApiConfig {
+    /// Finds the principal for a presented token, comparing against every key.
+    pub fn authenticate(&self, presented: Option<&[u8]>) -> Result<Principal, ApiError> {
+        if self.api_keys.is_empty() {
+            return Ok(Principal {
+                tenant: self.anonymous_tenant.clone(),
+                tier: self.default_tier.clone(),
+            });
+        }
+        let presented = presented.ok_or(ApiError::Unauthorized(
+            "Missing API key: send it as `Authorization: Bearer <key>`.",
+        ))?;
+        let mut found: Option<&ApiKeyEntry> = None;
+        for entry in &self.api_keys {
+            if secret_matches(presented, &entry.key) && found.is_none() {
+                found = Some(entry);
+            }
+        }
+        found
+            .map(|e| Principal {
+                tenant: e.tenant.clone(),
+                tier: e.tier.clone(),
+            })
+            .ok_or(ApiError::Unauthorized("Incorrect API key provided."))
+    }
+
+    /// Checks a presented token against the admin key.
+    pub fn authenticate_admin(&self, presented: Option<&[u8]>) -> Result<(), ApiError> {
+        match (&self.admin_key, presented) {
+            (Some(secret), Some(token)) if secret_matches(token, secret) => Ok(()),
+            (None, _) => Err(ApiError::Unauthorized(
+                "The admin API is disabled on this server.",
+            )),
+            (Some(_), None) => Err(ApiError::Unauthorized(
+                "Missing admin key: send it as `Authorization: Bearer <key>`.",
+            )),
+            (Some(_), Some(_)) => Err(ApiError::Unauthorized("Incorrect admin key provided.")),
+        }
+    }
+}
+
+fn config_of(req: &ServiceRequest) -> Result<Arc<ApiConfig>, ApiError> {
+    req.app_data::<web::Data<ApiState>>()
+        .map(|state| Arc::clone(&state.config))
+        .ok_or_else(|| {
+            ApiError::Engine(crate::engine::EngineError::new(
+                crate::engine::EngineErrorKind::Internal,
+                "ApiState missing from app data",
+            ))
+        })
+}
+
+/// Middleware for the model routes: authenticates the API key and attaches a [`Principal`].
+pub async fn require_api_key(
+    req: ServiceRequest,
+    next: Next<impl MessageBody + 'static>,
+) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
+    let config = config_of(&req)?;
+    let principal = config.authenticate(bearer_token(&req))?;
+    req.extensions_mut().insert(principal);
+    next.call(req).await
+}
+
+/// Middleware for `/admin/*`: requires the admin key.
+pub async fn require_admin_key(
+    req: ServiceRequest,
+    next: Next<impl MessageBody + 'static>,
+) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
+    let config = config_of(&req)?;
+    config.authenticate_admin(bearer_token(&req))?;
+    next.call(req).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config() -> ApiConfig {
+        ApiConfig {
+            api_keys: vec![
+                ApiKeyEntry {
+                    key: "sk-a".into(),
+                    tenant: "acme".into(),
+                    tier: "premium".into(),
+                },
+                ApiKeyEntry {
+                    key: "sk-b".into(),
+                    tenant: "bob".into(),
+                    tier: "batch".into(),
+                },
+            ],
+            admin_key: Some("adm".into()),
+            ..ApiConfig::default()
+        }
+    }
+
+    #[test]
+    fn each_key_maps_to_its_tenant_and_tier() {
+        let p = config().authenticate(Some(b"sk-b")).unwrap();
+        assert_eq!((p.tenant.as_str(), p.tier.as_str()), ("bob", "batch"));
+    }
+
+    #[test]
+    fn wrong_missing_and_prefix_keys_are_refused() {
+        let c = config();
+        for presented in [Some(&b"sk-"[..]), Some(b"sk-ab"), Some(b""), None] {
+            assert!(matches!(
+                c.authenticate(presented),
+                Err(ApiError::Unauthorized(_))
+            ));
+        }
+    }
+
+    #[test]
+    fn open_api_uses_anonymous_tenant() {
+        let p = ApiConfig::default().authenticate(None).unwrap();
+        assert_eq!(p.tenant, "anonymous");
+        assert_eq!(p.tier, "standard");
+    }
+
+    #[test]
+    fn admin_key_is_separate_from_api_keys() {
+        let c = config();
+        assert!(c.authenticate_admin(Some(b"adm")).is_ok());
+        assert!(c.authenticate_admin(Some(b"sk-a")).is_err());
+        assert!(ApiConfig::default()
+            .authenticate_admin(Some(b"adm"))
+            .is_err());
+    }
+
+    #[test]
+    fn debug_output_redacts_keys() {
+        let text = format!("{:?}", config());
+        assert!(!text.contains("sk-a") && !text.contains("sk-b") && !text.contains("adm\""));
+    }
+}

@@ -1,0 +1,101 @@
+//! Reading a JSON request body under the size limit, with errors that name the field at fault.
+
+use actix_web::http::header;
+use actix_web::{web, HttpRequest};
+use bytes::BytesMut;
+use futures_util::StreamExt;
+use serde::de::DeserializeOwned;
+
+use crate::error::ApiError;
+
+/// Reads the whole body (at most `limit` bytes, else 413) and parses it as JSON, whatever the
+/// `Content-Type` (as `curl -d` sends form encoding). Type errors name the field's path as
+/// `param`; a missing required field is named too.
+pub(crate) async fn read_json<T: DeserializeOwned>(
+    req: &HttpRequest,
+    mut payload: web::Payload,
+    limit: usize,
+) -> Result<T, ApiError> {
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|len| len > u64::try_from(limit).unwrap_or(u64::MAX)) {
+        return Err(ApiError::PayloadTooLarge { limit });
+    }
+    let mut body = BytesMut::new();
+    while let Some(chunk) = payload.next().await {
+        let chunk = chunk.map_err(|e| ApiError::InvalidRequest {
+            message: format!("Could not read the request body: {e}"),
+            param: None,
+        })?;
+        if body.len().saturating_add(chunk.len()) > limit {
+            return Err(ApiError::PayloadTooLarge { limit });
+        }
+        body.extend_from_slice(&chunk);
+    }
+    parse_json(&body)
+}
+
+/// Parses JSON, naming the offending field in the error.
+pub(crate) fn parse_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let value = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let path = e.path().to_string();
+        let message = e.inner().to_string();
+        // Only data errors (wrong type, missing field) belong to a field; serde_path_to_error
+        // writes "." for the root and "?" where it lost track.
+        let param = match (e.inner().classify(), path.as_str()) {
+            (serde_json::error::Category::Data, ".") => missing_field(&message),
+            (serde_json::error::Category::Data, p) if !p.contains('?') => Some(path),
+            _ => None,
+        };
+        ApiError::InvalidRequest {
+            message: format!("Invalid JSON body: {message}"),
+            param,
+        }
+    })?;
+    de.end().map_err(|e| ApiError::InvalidRequest {
+        message: format!("Invalid JSON body: {e}"),
+        param: None,
+    })?;
+    Ok(value)
+}
+
+/// The field named by serde's "missing field `x`" message.
+fn missing_field(message: &str) -> Option<String> {
+    let rest = message.strip_prefix("missing field `")?;
+    rest.split('`').next().map(str::to_owned)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::schema::CompletionRequest;
+
+    fn param(body: &str) -> Option<String> {
+        match parse_json::<CompletionRequest>(body.as_bytes()) {
+            Err(ApiError::InvalidRequest { param, .. }) => param,
+            other => panic!("expected invalid request, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn type_errors_name_the_field() {
+        assert_eq!(
+            param(r#"{"prompt":"x","temperature":"hot"}"#).as_deref(),
+            Some("temperature")
+        );
+        assert_eq!(param(r#"{"prompt":"x","n":-1}"#).as_deref(), Some("n"));
+        assert_eq!(param(r#"{"prompt":{"a":1}}"#).as_deref(), Some("prompt"));
+    }
+
+    #[test]
+    fn missing_fields_and_syntax_errors() {
+        assert_eq!(param(r#"{"max_tokens":3}"#).as_deref(), Some("prompt"));
+        assert_eq!(param(r#"{"prompt":"x""#), None);
+        assert_eq!(param(r#"{"prompt":"x"} trailing"#), None);
+        assert_eq!(param(""), None);
+    }
+}

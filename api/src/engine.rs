@@ -1,0 +1,434 @@
+//! The port between the HTTP layer and the serving engine.
+//!
+//! `api` knows HTTP and nothing of actors, schedulers or models; the engine (the `actors` crate)
+//! knows no HTTP. They meet here: the engine implements [`Engine`], the routes call it. Every type
+//! in this module is plain owned data, so the engine can move it across actor boundaries.
+//!
+//! # The request protocol
+//!
+//! [`Engine::submit`] hands over one [`GenerateRequest`] and returns the receiving half of a
+//! bounded channel of [`EngineEvent`]s. The engine must send, in order:
+//!
+//! 1. exactly one [`EngineEvent::Prompt`] once the request is tokenized, validated against the
+//!    context window and queued — or a single [`EngineEvent::Error`] instead, and nothing after it.
+//!    The HTTP layer holds the response head (status and, for streams, the SSE headers) until
+//!    this event, so validation errors get a proper status: send it on admission to the waiting
+//!    queue, not on the first token;
+//! 2. any number of [`EngineEvent::Delta`]s, each for one choice (`index < n`), with the text and
+//!    tokens produced since that choice's previous delta (one delta per step and choice);
+//! 3. for every choice, exactly one delta with `finish` set; it is that choice's last delta, and
+//!    its `text` may be empty (a stop string matched, or the request ended on a token that
+//!    produced no text).
+//!
+//! The engine closes the channel (drops its sender) after the last choice finished. A
+//! [`EngineEvent::Error`] after the prompt event ends the whole request: the HTTP layer stops
+//! reading and reports the error (as an error chunk then `[DONE]` when streaming).
+//!
+//! # Cancellation
+//!
+//! **Dropping the receiver is the abort signal.** The HTTP layer owns the receiver inside the
+//! response: a streaming response's body owns it, so a client that disconnects makes actix-web
+//! drop the body and with it the receiver; a non-streaming request's handler future owns it, and
+//! actix-web drops that future when its connection closes. The engine must therefore treat a
+//! failed `send` as "abort this request now and free its KV blocks", and should also watch
+//! `Sender::is_closed()` (or await `Sender::closed()`) for requests that are still waiting or
+//! prefilling, so an abandoned request does not wait for its first token to be noticed.
+//!
+//! The channel is bounded: the engine must never block its scheduling loop on a full channel.
+//! Use `try_send` and, when the client reads too slowly to keep up, either buffer per request in
+//! the detokenizer (merging deltas) or abort the request; that choice belongs to the engine.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::mpsc;
+
+/// A boxed future returned by the engine's asynchronous queries.
+///
+/// It is not required to be `Send`: actix-web runs each worker's handlers on a single-threaded
+/// runtime, so the engine may return futures that hold `Rc`s or actix `Request`s.
+pub type EngineFuture<T> = Pin<Box<dyn Future<Output = Result<T, EngineError>> + 'static>>;
+
+/// The serving engine as the HTTP layer sees it.
+///
+/// Implementations are shared by every HTTP worker thread behind an `Arc<dyn Engine>`; methods
+/// must return quickly (send a message, never run model code on the caller's thread).
+pub trait Engine: Send + Sync + 'static {
+    /// The served model's name: the only value `model` may take in a request, and the id listed
+    /// by `GET /v1/models`.
+    fn model_name(&self) -> &str;
+
+    /// The context window in tokens: prompt plus completion may not exceed it.
+    fn max_model_len(&self) -> usize;
+
+    /// Whether the model is loaded and requests will be served; `GET /ready` answers 503 until
+    /// this returns true.
+    fn is_ready(&self) -> bool;
+
+    /// Queues one generation request. See the module docs for the events the engine must send and
+    /// for the abort-on-drop contract. An error here (for instance
+    /// [`EngineErrorKind::Overloaded`] when the waiting queue is full) rejects the request before
+    /// any event.
+    fn submit(&self, request: GenerateRequest) -> Result<mpsc::Receiver<EngineEvent>, EngineError>;
+
+    /// Tokenizes text, or chat messages through the model's chat template.
+    fn tokenize(&self, input: TokenizeInput) -> EngineFuture<Vec<u32>>;
+
+    /// Turns token ids back into text. Unknown ids are an [`EngineErrorKind::InvalidRequest`].
+    fn detokenize(&self, token_ids: Vec<u32>) -> EngineFuture<String>;
+
+    /// The scheduling policy in force.
+    fn policy(&self) -> EngineFuture<PolicyInfo>;
+
+    /// Replaces the scheduling policy. It takes effect at the next scheduler step; requests in
+    /// flight continue. The engine logs and counts the swap ([`crate::metrics::POLICY_SWAPS`]).
+    /// An unknown name or bad parameters are an [`EngineErrorKind::InvalidRequest`] naming the
+    /// parameter.
+    fn swap_policy(&self, spec: PolicySpec) -> EngineFuture<PolicyInfo>;
+}
+
+/// One generation request, validated and bounded by the HTTP layer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerateRequest {
+    /// The OpenAI response id (`cmpl-…`, `chatcmpl-…`, plus `-<prompt>` for multi-prompt
+    /// requests), for logs. Random unless the client sent `X-Request-Id`, so it is not
+    /// guaranteed unique: the engine keys requests by ids of its own.
+    pub request_id: String,
+    /// What to continue: text, token ids or chat messages.
+    pub prompt: PromptInput,
+    /// Sampler settings.
+    pub sampling: SamplingOptions,
+    /// Stop strings (at most [`crate::schema::MAX_STOP_STRINGS`]); matched text is not returned.
+    pub stop: Vec<String>,
+    /// Number of choices to generate from the one prompt (1 ..= [`crate::schema::MAX_N`]).
+    pub n: u32,
+    /// Completion length limit; `None` means up to the context window.
+    pub max_tokens: Option<u32>,
+    /// Number of top alternatives to report per sampled token; `None` means no logprobs.
+    pub logprobs: Option<u32>,
+    /// Whether [`EngineEvent::Prompt`] must carry the prompt's logprobs (completions' `echo`
+    /// together with `logprobs`).
+    pub prompt_logprobs: Option<u32>,
+    /// Scheduling priority as vLLM defines it: lower values are served first; default 0.
+    pub priority: i32,
+    /// Service tier (from the API key), for SLO-aware and fair-share policies.
+    pub tier: String,
+    /// Tenant (from the API key), for fair share and prefix-cache isolation.
+    pub tenant: String,
+}
+
+/// The input a generation continues from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PromptInput {
+    /// Raw text, tokenized with the model's special tokens added.
+    Text(String),
+    /// Pre-tokenized input, used as is.
+    Tokens(Vec<u32>),
+    /// Chat messages, rendered through the model's chat template with the generation prompt.
+    Chat(Vec<ChatMessage>),
+}
+
+/// One chat message, reduced to text.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChatMessage {
+    /// Who wrote the message.
+    pub role: ChatRole,
+    /// The message text (text parts of a multi-part message are joined with newlines).
+    pub content: String,
+}
+
+/// The author of a chat message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ChatRole {
+    /// Instructions (OpenAI's `system`).
+    System,
+    /// Instructions (OpenAI's newer `developer`); templates usually treat it as `system`.
+    Developer,
+    /// The end user.
+    User,
+    /// The model.
+    Assistant,
+}
+
+impl ChatRole {
+    /// The role's name as chat templates expect it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::System => "system",
+            Self::Developer => "developer",
+            Self::User => "user",
+            Self::Assistant => "assistant",
+        }
+    }
+}
+
+/// Sampler settings, all validated against OpenAI's and vLLM's ranges.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingOptions {
+    /// Softmax temperature in [0, 2]; 0 means greedy.
+    pub temperature: f32,
+    /// Nucleus sampling mass in (0, 1].
+    pub top_p: f32,
+    /// Keep only the k most likely tokens; 0 disables.
+    pub top_k: u32,
+    /// Drop tokens whose probability is below `min_p` times the top token's; 0 disables.
+    pub min_p: f32,
+    /// OpenAI presence penalty in [-2, 2].
+    pub presence_penalty: f32,
+    /// OpenAI frequency penalty in [-2, 2].
+    pub frequency_penalty: f32,
+    /// Multiplicative repetition penalty (> 0); 1 disables.
+    pub repetition_penalty: f32,
+    /// Seed for reproducible sampling; `None` draws one.
+    pub seed: Option<u64>,
+    /// Additive biases in [-100, 100] per token id (at most [`crate::schema::MAX_LOGIT_BIAS`]).
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Token ids that end a choice (besides EOS), at most [`crate::schema::MAX_STOP_TOKEN_IDS`].
+    pub stop_token_ids: Vec<u32>,
+    /// EOS and stop tokens are not allowed before this many tokens were generated.
+    pub min_tokens: u32,
+    /// Keep generating past EOS (benchmarking).
+    pub ignore_eos: bool,
+}
+
+impl Default for SamplingOptions {
+    fn default() -> Self {
+        Self {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            seed: None,
+            logit_bias: Vec::new(),
+            stop_token_ids: Vec::new(),
+            min_tokens: 0,
+            ignore_eos: false,
+        }
+    }
+}
+
+/// What the engine reports about a request, in the order the module docs describe.
+#[derive(Debug, Clone, PartialEq)]
+pub enum EngineEvent {
+    /// The request was accepted: its prompt length and, if asked, the prompt's logprobs.
+    Prompt {
+        /// Number of prompt tokens (after the chat template).
+        prompt_tokens: u32,
+        /// One entry per prompt token when `prompt_logprobs` was asked (the first has no
+        /// logprob).
+        prompt_logprobs: Option<Vec<TokenLogprob>>,
+    },
+    /// New output for one choice.
+    Delta(Delta),
+    /// The request failed; nothing follows.
+    Error(EngineError),
+}
+
+/// New output for one choice since its previous delta.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Delta {
+    /// The choice, `0 .. n`.
+    pub index: u32,
+    /// Newly released text (never splits a UTF-8 character, never contains a stop string).
+    pub text: String,
+    /// The tokens sampled since the previous delta.
+    pub token_ids: Vec<u32>,
+    /// One entry per token in `token_ids` when logprobs were asked, else empty.
+    pub logprobs: Vec<TokenLogprob>,
+    /// Set on the choice's last delta.
+    pub finish: Option<Finish>,
+}
+
+/// How and when a choice ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Finish {
+    /// Why it ended.
+    pub reason: FinishReason,
+    /// Total tokens generated for this choice.
+    pub completion_tokens: u32,
+}
+
+/// Why a choice ended; also the bounded `finished_reason` metric label. A request the engine
+/// gives up on (shutdown, relegation) ends with an [`EngineEvent::Error`] instead, since OpenAI
+/// clients know no other finish reason.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// EOS, a stop token or a stop string.
+    Stop,
+    /// `max_tokens` or the context window was reached.
+    Length,
+}
+
+impl FinishReason {
+    /// The name used on the wire and as metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Stop => "stop",
+            Self::Length => "length",
+        }
+    }
+}
+
+/// The log probability of one token and the most likely alternatives at its position.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    /// The token's id.
+    pub token_id: u32,
+    /// The token's text (lossy for byte-fallback tokens).
+    pub token: String,
+    /// Its log probability; `None` for the first prompt token, which has no context.
+    pub logprob: Option<f32>,
+    /// The most likely alternatives, best first (at most the requested number).
+    pub top: Vec<TopLogprob>,
+}
+
+/// One alternative token at a position.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TopLogprob {
+    /// The token's id.
+    pub token_id: u32,
+    /// The token's text.
+    pub token: String,
+    /// Its log probability.
+    pub logprob: f32,
+}
+
+/// Input for [`Engine::tokenize`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum TokenizeInput {
+    /// Plain text.
+    Text {
+        /// The text.
+        text: String,
+        /// Whether to add the tokenizer's special tokens (BOS).
+        add_special_tokens: bool,
+    },
+    /// Chat messages through the chat template.
+    Chat {
+        /// The messages.
+        messages: Vec<ChatMessage>,
+        /// Whether to append the assistant generation prompt.
+        add_generation_prompt: bool,
+    },
+}
+
+/// A policy to switch to: a registered name and its YAML/JSON parameters.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PolicySpec {
+    /// Registered policy name, e.g. `fcfs`, `priority`, `slo-aware`.
+    pub name: String,
+    /// Policy parameters; `{}` means the policy's defaults.
+    #[serde(default = "empty_params")]
+    pub params: serde_json::Value,
+}
+
+fn empty_params() -> serde_json::Value {
+    serde_json::Value::Object(serde_json::Map::new())
+}
+
+/// The scheduling policy in force.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PolicyInfo {
+    /// Registered policy name.
+    pub name: String,
+    /// Its effective parameters (defaults filled in).
+    pub params: serde_json::Value,
+    /// Policies the engine can swap to.
+    pub available: Vec<String>,
+}
+
+/// Why the engine refused or failed a request. The HTTP layer maps [`EngineErrorKind`] to a
+/// status in one place (`crate::error`).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{message}")]
+pub struct EngineError {
+    /// The class of failure.
+    pub kind: EngineErrorKind,
+    /// Human-readable explanation, shown to the client.
+    pub message: String,
+    /// The request field at fault, if any (OpenAI's `param`).
+    pub param: Option<String>,
+}
+
+impl EngineError {
+    /// An error without a `param`.
+    pub fn new(kind: EngineErrorKind, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+            param: None,
+        }
+    }
+
+    /// Names the request field at fault.
+    #[must_use]
+    pub fn with_param(mut self, param: impl Into<String>) -> Self {
+        self.param = Some(param.into());
+        self
+    }
+}
+
+/// Classes of engine failure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EngineErrorKind {
+    /// The request is invalid for this model (token id out of vocabulary, bad policy params…).
+    InvalidRequest,
+    /// Prompt plus `max_tokens` exceed the context window.
+    ContextLengthExceeded,
+    /// The queue is full; the client should retry after the given number of seconds.
+    Overloaded {
+        /// Suggested wait before retrying, in seconds.
+        retry_after_secs: u32,
+    },
+    /// The engine is not ready or is shutting down.
+    Unavailable,
+    /// A bug or a backend failure; the message is logged, the client gets a generic one.
+    Internal,
+}
+
+impl fmt::Display for EngineErrorKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let name = match self {
+            Self::InvalidRequest => "invalid_request",
+            Self::ContextLengthExceeded => "context_length_exceeded",
+            Self::Overloaded { .. } => "overloaded",
+            Self::Unavailable => "unavailable",
+            Self::Internal => "internal",
+        };
+        f.write_str(name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn policy_spec_defaults_params_to_empty_object() {
+        let spec: PolicySpec = serde_json::from_str(r#"{"name":"fcfs"}"#).unwrap();
+        assert_eq!(spec.params, serde_json::json!({}));
+    }
+
+    #[test]
+    fn engine_error_displays_its_message_and_keeps_param() {
+        let e = EngineError::new(EngineErrorKind::InvalidRequest, "token 99 out of range")
+            .with_param("logit_bias");
+        assert_eq!(e.to_string(), "token 99 out of range");
+        assert_eq!(e.param.as_deref(), Some("logit_bias"));
+    }
+
+    #[test]
+    fn finish_reasons_match_the_wire_names() {
+        for r in [FinishReason::Stop, FinishReason::Length] {
+            let wire = serde_json::to_value(r).unwrap();
+            assert_eq!(wire, serde_json::Value::String(r.as_str().to_owned()));
+        }
+    }
+}

@@ -1,0 +1,272 @@
+//! The one place where failures become HTTP statuses and OpenAI error bodies.
+//!
+//! Every route returns `Result<_, ApiError>`; [`ApiError`]'s `ResponseError` implementation is
+//! the only code that picks a status code. The body is OpenAI's:
+//! `{"error": {"message": …, "type": …, "param": …, "code": …}}`. Streams that fail after their
+//! first byte send the same body as an SSE chunk ([`ApiError::to_body`]).
+
+use actix_web::http::{header, StatusCode};
+use actix_web::{HttpResponse, ResponseError};
+use serde::Serialize;
+
+use crate::engine::{EngineError, EngineErrorKind};
+
+/// Everything a request can fail with.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ApiError {
+    /// A parameter is missing, malformed or out of range (400).
+    #[error("{message}")]
+    InvalidRequest {
+        /// What is wrong, for the client.
+        message: String,
+        /// The offending field, if one is at fault.
+        param: Option<String>,
+    },
+    /// The request names a model this server does not serve (404).
+    #[error("The model `{0}` does not exist.")]
+    ModelNotFound(String),
+    /// No route matches the path (404).
+    #[error("No route for {method} {path}.")]
+    RouteNotFound {
+        /// The request's method.
+        method: String,
+        /// The request's path.
+        path: String,
+    },
+    /// The path exists but not for this method (405).
+    #[error("Method {method} is not allowed on {path}.")]
+    MethodNotAllowed {
+        /// The request's method.
+        method: String,
+        /// The request's path.
+        path: String,
+    },
+    /// The API key is missing or wrong (401).
+    #[error("{0}")]
+    Unauthorized(&'static str),
+    /// The body exceeds the configured limit (413).
+    #[error("Request body exceeds the limit of {limit} bytes.")]
+    PayloadTooLarge {
+        /// The limit in bytes.
+        limit: usize,
+    },
+    /// The server is shutting down and accepts no new work (503).
+    #[error("The server is shutting down.")]
+    Draining,
+    /// The metrics recorder was not handed to the API (404 on `/metrics`).
+    #[error("Metrics are not enabled on this server.")]
+    MetricsDisabled,
+    /// The engine refused or failed the request; its kind picks the status.
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+}
+
+/// OpenAI's error envelope.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ErrorBody {
+    /// The error itself.
+    pub error: ErrorDetail,
+}
+
+/// OpenAI's error object.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ErrorDetail {
+    /// Human-readable explanation.
+    pub message: String,
+    /// Error class, e.g. `invalid_request_error`.
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    /// The request field at fault, or null.
+    pub param: Option<String>,
+    /// Machine-readable code, e.g. `model_not_found`, or null.
+    pub code: Option<&'static str>,
+}
+
+const INVALID_REQUEST: &str = "invalid_request_error";
+const SERVER_ERROR: &str = "server_error";
+
+impl ApiError {
+    /// A 400 naming the field at fault.
+    pub fn invalid(param: impl Into<String>, message: impl Into<String>) -> Self {
+        Self::InvalidRequest {
+            message: message.into(),
+            param: Some(param.into()),
+        }
+    }
+
+    /// Status, error type and code: the single mapping table.
+    fn classify(&self) -> (StatusCode, &'static str, Option<&'static str>) {
+        match self {
+            Self::InvalidRequest { .. } => (StatusCode::BAD_REQUEST, INVALID_REQUEST, None),
+            Self::ModelNotFound(_) => (
+                StatusCode::NOT_FOUND,
+                INVALID_REQUEST,
+                Some("model_not_found"),
+            ),
+            Self::RouteNotFound { .. } => (StatusCode::NOT_FOUND, INVALID_REQUEST, None),
+            Self::MetricsDisabled => (StatusCode::NOT_FOUND, INVALID_REQUEST, None),
+            Self::MethodNotAllowed { .. } => {
+                (StatusCode::METHOD_NOT_ALLOWED, INVALID_REQUEST, None)
+            }
+            Self::Unauthorized(_) => (
+                StatusCode::UNAUTHORIZED,
+                INVALID_REQUEST,
+                Some("invalid_api_key"),
+            ),
+            Self::PayloadTooLarge { .. } => (
+                StatusCode::PAYLOAD_TOO_LARGE,
+                INVALID_REQUEST,
+                Some("request_too_large"),
+            ),
+            Self::Draining => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                SERVER_ERROR,
+                Some("shutting_down"),
+            ),
+            Self::Engine(e) => match e.kind {
+                EngineErrorKind::InvalidRequest => (StatusCode::BAD_REQUEST, INVALID_REQUEST, None),
+                EngineErrorKind::ContextLengthExceeded => (
+                    StatusCode::BAD_REQUEST,
+                    INVALID_REQUEST,
+                    Some("context_length_exceeded"),
+                ),
+                EngineErrorKind::Overloaded { .. } => (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    SERVER_ERROR,
+                    Some("overloaded"),
+                ),
+                EngineErrorKind::Unavailable => (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    SERVER_ERROR,
+                    Some("unavailable"),
+                ),
+                EngineErrorKind::Internal => {
+                    (StatusCode::INTERNAL_SERVER_ERROR, SERVER_ERROR, None)
+                }
+            },
+        }
+    }
+
+    /// Seconds a client should wait before retrying, for the `Retry-After` header.
+    fn retry_after_secs(&self) -> Option<u32> {
+        match self {
+            Self::Draining => Some(5),
+            Self::Engine(e) => match e.kind {
+                EngineErrorKind::Overloaded { retry_after_secs } => Some(retry_after_secs.max(1)),
+                EngineErrorKind::Unavailable => Some(5),
+                _ => None,
+            },
+            _ => None,
+        }
+    }
+
+    /// The OpenAI error body for this error.
+    pub fn to_body(&self) -> ErrorBody {
+        let (_, kind, code) = self.classify();
+        let (message, param) = match self {
+            Self::InvalidRequest { message, param } => (message.clone(), param.clone()),
+            Self::ModelNotFound(_) => (self.to_string(), Some("model".to_owned())),
+            Self::Engine(e) if e.kind == EngineErrorKind::Internal => {
+                // The detail goes to the log, not to the client.
+                ("The server had an internal error.".to_owned(), None)
+            }
+            Self::Engine(e) => (e.message.clone(), e.param.clone()),
+            _ => (self.to_string(), None),
+        };
+        ErrorBody {
+            error: ErrorDetail {
+                message,
+                kind,
+                param,
+                code,
+            },
+        }
+    }
+}
+
+impl ResponseError for ApiError {
+    fn status_code(&self) -> StatusCode {
+        self.classify().0
+    }
+
+    fn error_response(&self) -> HttpResponse {
+        if let Self::Engine(e) = self {
+            if e.kind == EngineErrorKind::Internal {
+                tracing::error!(error = %e.message, "engine failure");
+            }
+        }
+        let mut response = HttpResponse::build(self.status_code());
+        if let Some(secs) = self.retry_after_secs() {
+            response.insert_header((header::RETRY_AFTER, secs.to_string()));
+        }
+        response.json(self.to_body())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use actix_web::body::MessageBody;
+
+    fn body_json(e: &ApiError) -> serde_json::Value {
+        let bytes = e.error_response().into_body().try_into_bytes().unwrap();
+        serde_json::from_slice(&bytes).unwrap()
+    }
+
+    #[test]
+    fn invalid_request_names_its_param() {
+        let e = ApiError::invalid("temperature", "temperature must be in [0, 2]");
+        assert_eq!(e.status_code(), StatusCode::BAD_REQUEST);
+        assert_eq!(
+            body_json(&e),
+            serde_json::json!({"error": {"message": "temperature must be in [0, 2]",
+                "type": "invalid_request_error", "param": "temperature", "code": null}})
+        );
+    }
+
+    #[test]
+    fn overload_is_503_with_retry_after() {
+        let e = ApiError::from(EngineError::new(
+            EngineErrorKind::Overloaded {
+                retry_after_secs: 3,
+            },
+            "queue full",
+        ));
+        let response = e.error_response();
+        assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(response.headers().get(header::RETRY_AFTER).unwrap(), "3");
+        assert_eq!(body_json(&e)["error"]["code"], "overloaded");
+    }
+
+    #[test]
+    fn internal_errors_hide_their_detail() {
+        let e = ApiError::from(EngineError::new(
+            EngineErrorKind::Internal,
+            "cuda oom at 0x1",
+        ));
+        assert_eq!(e.status_code(), StatusCode::INTERNAL_SERVER_ERROR);
+        let body = body_json(&e);
+        assert!(!body["error"]["message"].as_str().unwrap().contains("cuda"));
+    }
+
+    #[test]
+    fn context_length_keeps_engine_param_and_code() {
+        let e = ApiError::from(
+            EngineError::new(EngineErrorKind::ContextLengthExceeded, "too long")
+                .with_param("prompt"),
+        );
+        let body = body_json(&e);
+        assert_eq!(body["error"]["code"], "context_length_exceeded");
+        assert_eq!(body["error"]["param"], "prompt");
+        assert_eq!(e.status_code(), StatusCode::BAD_REQUEST);
+    }
+
+    #[test]
+    fn model_not_found_is_404_with_code() {
+        let e = ApiError::ModelNotFound("gpt-9".into());
+        assert_eq!(e.status_code(), StatusCode::NOT_FOUND);
+        let body = body_json(&e);
+        assert_eq!(body["error"]["code"], "model_not_found");
+        assert_eq!(body["error"]["param"], "model");
+    }
+}

@@ -1,0 +1,312 @@
+//! Driving the engine for one HTTP request: submit one engine request per prompt, wait until
+//! every prompt is accepted, then hand out the choices' deltas in arrival order.
+//!
+//! A [`Generation`] owns the engine receivers; dropping it (client gone, handler future dropped,
+//! stream body dropped) drops them and so aborts every engine request it holds.
+
+use std::collections::VecDeque;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use futures_util::stream::{SelectAll, Stream, StreamExt};
+use tokio::sync::mpsc;
+
+use crate::engine::{Delta, Engine, EngineError, EngineErrorKind, EngineEvent, TokenLogprob};
+use crate::error::ApiError;
+
+/// One prompt's event channel, tagged with the prompt's position.
+struct Tagged {
+    prompt: usize,
+    rx: mpsc::Receiver<EngineEvent>,
+}
+
+impl Stream for Tagged {
+    type Item = (usize, EngineEvent);
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let prompt = self.prompt;
+        self.rx.poll_recv(cx).map(|e| e.map(|e| (prompt, e)))
+    }
+}
+
+/// A delta with its OpenAI choice index (prompt × n + choice).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct ChoiceDelta {
+    /// OpenAI choice index.
+    pub choice: u32,
+    /// The prompt the choice belongs to.
+    pub prompt: usize,
+    /// The engine's delta.
+    pub delta: Delta,
+}
+
+/// The running generation of one HTTP request.
+pub(crate) struct Generation {
+    events: SelectAll<Tagged>,
+    early: VecDeque<(usize, Delta)>,
+    n: u32,
+    /// Prompt tokens per prompt.
+    pub prompt_tokens: Vec<u32>,
+    /// Prompt logprobs per prompt, when asked.
+    pub prompt_logprobs: Vec<Option<Vec<TokenLogprob>>>,
+    finished: Vec<bool>,
+    remaining: usize,
+    /// Param named by a context-length error without one (`prompt` or `messages`).
+    prompt_param: &'static str,
+}
+
+fn protocol_error(message: &str) -> ApiError {
+    ApiError::Engine(EngineError::new(
+        EngineErrorKind::Internal,
+        format!("engine protocol violation: {message}"),
+    ))
+}
+
+impl Generation {
+    /// Submits the requests (one per prompt, each with `n` choices) and waits until the engine
+    /// accepted all of them, so that validation errors become an HTTP error status rather than
+    /// an error inside a stream.
+    pub(crate) async fn start(
+        engine: &dyn Engine,
+        requests: Vec<crate::engine::GenerateRequest>,
+        n: u32,
+        prompt_param: &'static str,
+    ) -> Result<Self, ApiError> {
+        let mut receivers = Vec::with_capacity(requests.len());
+        for request in requests {
+            // On error the receivers collected so far drop here, aborting those requests.
+            let rx = engine
+                .submit(request)
+                .map_err(|e| with_prompt_param(e, prompt_param))?;
+            receivers.push(rx);
+        }
+        Self::accept(receivers, n, prompt_param).await
+    }
+
+    /// Waits for every prompt's [`EngineEvent::Prompt`], buffering deltas that arrive early.
+    async fn accept(
+        receivers: Vec<mpsc::Receiver<EngineEvent>>,
+        n: u32,
+        prompt_param: &'static str,
+    ) -> Result<Self, ApiError> {
+        let prompts = receivers.len();
+        let mut events = SelectAll::new();
+        for (prompt, rx) in receivers.into_iter().enumerate() {
+            events.push(Tagged { prompt, rx });
+        }
+        let choices = prompts.saturating_mul(usize::try_from(n).unwrap_or(usize::MAX));
+        let mut generation = Self {
+            events,
+            early: VecDeque::new(),
+            n,
+            prompt_tokens: vec![0; prompts],
+            prompt_logprobs: vec![None; prompts],
+            finished: vec![false; choices],
+            remaining: choices,
+            prompt_param,
+        };
+        let mut accepted = vec![false; prompts];
+        let mut waiting = prompts;
+        while waiting > 0 {
+            let Some((prompt, event)) = generation.events.next().await else {
+                return Err(protocol_error("channel closed before the prompt event"));
+            };
+            match event {
+                EngineEvent::Prompt {
+                    prompt_tokens,
+                    prompt_logprobs,
+                } if !accepted[prompt] => {
+                    accepted[prompt] = true;
+                    waiting -= 1;
+                    generation.prompt_tokens[prompt] = prompt_tokens;
+                    generation.prompt_logprobs[prompt] = prompt_logprobs;
+                }
+                EngineEvent::Prompt { .. } => return Err(protocol_error("second prompt event")),
+                EngineEvent::Delta(_) if !accepted[prompt] => {
+                    return Err(protocol_error("delta before the prompt event"))
+                }
+                EngineEvent::Delta(delta) => generation.early.push_back((prompt, delta)),
+                EngineEvent::Error(e) => return Err(with_prompt_param(e, prompt_param)),
+            }
+        }
+        Ok(generation)
+    }
+
+    /// Choices per prompt.
+    pub(crate) fn n(&self) -> u32 {
+        self.n
+    }
+
+    /// Number of choices over all prompts.
+    pub(crate) fn choices(&self) -> usize {
+        self.finished.len()
+    }
+
+    /// Sum of the prompts' token counts.
+    pub(crate) fn total_prompt_tokens(&self) -> u32 {
+        self.prompt_tokens
+            .iter()
+            .fold(0u32, |acc, &t| acc.saturating_add(t))
+    }
+
+    /// The next delta, `None` once every choice finished, or the error that ended the request.
+    pub(crate) async fn next(&mut self) -> Option<Result<ChoiceDelta, ApiError>> {
+        loop {
+            if self.remaining == 0 {
+                return None;
+            }
+            let (prompt, delta) = match self.early.pop_front() {
+                Some(early) => early,
+                None => match self.events.next().await {
+                    None => {
+                        self.remaining = 0;
+                        return Some(Err(protocol_error(
+                            "channel closed before every choice finished",
+                        )));
+                    }
+                    Some((_, EngineEvent::Prompt { .. })) => {
+                        self.remaining = 0;
+                        return Some(Err(protocol_error("second prompt event")));
+                    }
+                    Some((_, EngineEvent::Error(e))) => {
+                        self.remaining = 0;
+                        return Some(Err(with_prompt_param(e, self.prompt_param)));
+                    }
+                    Some((prompt, EngineEvent::Delta(delta))) => (prompt, delta),
+                },
+            };
+            if delta.index >= self.n {
+                self.remaining = 0;
+                return Some(Err(protocol_error("delta index out of range")));
+            }
+            let choice = u32::try_from(prompt)
+                .unwrap_or(u32::MAX)
+                .saturating_mul(self.n)
+                .saturating_add(delta.index);
+            let Some(done) = usize::try_from(choice)
+                .ok()
+                .and_then(|c| self.finished.get_mut(c))
+            else {
+                self.remaining = 0;
+                return Some(Err(protocol_error("choice out of range")));
+            };
+            if *done {
+                // Output after a choice's last delta breaks the protocol; drop it.
+                continue;
+            }
+            if delta.finish.is_some() {
+                *done = true;
+                self.remaining -= 1;
+            }
+            return Some(Ok(ChoiceDelta {
+                choice,
+                prompt,
+                delta,
+            }));
+        }
+    }
+}
+
+fn with_prompt_param(mut e: EngineError, param: &'static str) -> ApiError {
+    if e.kind == EngineErrorKind::ContextLengthExceeded && e.param.is_none() {
+        e.param = Some(param.to_owned());
+    }
+    ApiError::Engine(e)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::{Finish, FinishReason};
+
+    fn delta(index: u32, text: &str, finish: bool) -> EngineEvent {
+        EngineEvent::Delta(Delta {
+            index,
+            text: text.to_owned(),
+            token_ids: vec![1],
+            logprobs: Vec::new(),
+            finish: finish.then_some(Finish {
+                reason: FinishReason::Stop,
+                completion_tokens: 1,
+            }),
+        })
+    }
+
+    fn prompt(tokens: u32) -> EngineEvent {
+        EngineEvent::Prompt {
+            prompt_tokens: tokens,
+            prompt_logprobs: None,
+        }
+    }
+
+    fn channel(events: Vec<EngineEvent>) -> mpsc::Receiver<EngineEvent> {
+        let (tx, rx) = mpsc::channel(events.len() + 1);
+        for e in events {
+            tx.try_send(e).unwrap();
+        }
+        rx
+    }
+
+    fn block_on<F: std::future::Future>(f: F) -> F::Output {
+        futures_util::FutureExt::now_or_never(f).expect("all events are buffered")
+    }
+
+    #[test]
+    fn choices_are_numbered_prompt_major_and_early_deltas_kept() {
+        let a = channel(vec![prompt(2), delta(1, "a1", true), delta(0, "a0", true)]);
+        let b = channel(vec![
+            prompt(3),
+            delta(0, "b0", false),
+            delta(0, "", true),
+            delta(1, "b1", true),
+        ]);
+        let mut g = block_on(Generation::accept(vec![a, b], 2, "prompt")).unwrap();
+        assert_eq!(g.total_prompt_tokens(), 5);
+        let mut seen = Vec::new();
+        while let Some(d) = block_on(g.next()) {
+            let d = d.unwrap();
+            seen.push((d.choice, d.delta.text));
+        }
+        seen.sort();
+        let expected = [(0, "a0"), (1, "a1"), (2, ""), (2, "b0"), (3, "b1")];
+        assert_eq!(seen, expected.map(|(c, t)| (c, t.to_owned())));
+    }
+
+    #[test]
+    fn an_error_before_the_prompt_event_fails_the_start() {
+        let e = EngineError::new(EngineErrorKind::ContextLengthExceeded, "too long");
+        let rx = channel(vec![EngineEvent::Error(e)]);
+        match block_on(Generation::accept(vec![rx], 1, "messages")) {
+            Err(ApiError::Engine(e)) => assert_eq!(e.param.as_deref(), Some("messages")),
+            _ => panic!("expected the engine error"),
+        }
+    }
+
+    #[test]
+    fn protocol_violations_are_internal_errors() {
+        let cases = [
+            vec![prompt(1), delta(3, "x", true)],
+            vec![prompt(1), delta(0, "x", false)],
+            vec![prompt(1), prompt(1)],
+        ];
+        for events in cases {
+            let mut g = block_on(Generation::accept(vec![channel(events)], 1, "prompt")).unwrap();
+            let mut last = None;
+            while let Some(d) = block_on(g.next()) {
+                last = Some(d);
+            }
+            match last {
+                Some(Err(ApiError::Engine(e))) => assert_eq!(e.kind, EngineErrorKind::Internal),
+                other => panic!("expected a protocol error, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn output_after_a_choice_finished_is_dropped() {
+        let rx = channel(vec![prompt(1), delta(0, "x", true), delta(0, "late", true)]);
+        let mut g = block_on(Generation::accept(vec![rx], 1, "prompt")).unwrap();
+        assert_eq!(block_on(g.next()).unwrap().unwrap().delta.text, "x");
+        assert!(block_on(g.next()).is_none());
+    }
+}

@@ -1,0 +1,41 @@
+//! Switchyard's HTTP layer: an OpenAI-compatible API on actix-web.
+//!
+//! The crate knows HTTP and nothing of the engine's internals: it talks to the engine through
+//! the [`Engine`] port (see [`engine`] for the request protocol and the abort-on-drop contract).
+//!
+//! Routes: `POST /v1/completions`, `POST /v1/chat/completions` (JSON or SSE), `GET /v1/models`,
+//! `POST /tokenize`, `POST /detokenize` (all behind the API key), `GET /health`, `GET /ready`,
+//! `GET /metrics`, and `GET`/`PUT /admin/policy` (behind the admin key).
+//!
+//! ```no_run
+//! # use std::sync::Arc;
+//! # async fn run(engine: Arc<dyn switchyard_api::Engine>) -> std::io::Result<()> {
+//! use switchyard_api::{ApiConfig, ApiState, ServerOptions};
+//! let metrics = switchyard_api::metrics::install_prometheus_recorder().ok();
+//! let state = ApiState::new(engine, ApiConfig::default(), metrics);
+//! let server = switchyard_api::build_server(state.clone(), &ServerOptions::default())?;
+//! // On SIGTERM: state.begin_drain(); wait for state.wait_idle() (bounded);
+//! // then server.handle().stop(true).
+//! server.await
+//! # }
+//! ```
+
+#![warn(missing_docs)]
+
+pub mod auth;
+mod body;
+pub mod engine;
+pub mod error;
+mod generation;
+pub mod metrics;
+mod routes;
+pub mod schema;
+mod server;
+mod sse;
+mod state;
+
+pub use auth::{ApiConfig, ApiKeyEntry, Principal};
+pub use engine::Engine;
+pub use error::ApiError;
+pub use server::{build_server, configure, ServerOptions};
+pub use state::ApiState;

@@ -1,0 +1,243 @@
+//! Metric names, descriptions and the Prometheus recorder.
+//!
+//! The engine metrics mirror vLLM's production metrics (`vllm:num_requests_running`,
+//! `vllm:time_to_first_token_seconds`, …; see vLLM's "Production Metrics" documentation) under
+//! the `switchyard:` prefix, with the same meaning and units, so existing dashboards need only a
+//! prefix change. The engine records them through the `metrics` crate with these constants; the
+//! HTTP layer records the `HTTP_*` ones itself. Labels are bounded: `finished_reason`
+//! (`stop`/`length`), `tier` and `policy` (configured names), `route` (route templates) and
+//! `status` (HTTP status codes) — never a user-supplied string.
+
+use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+/// Gauge: requests currently in a running batch.
+pub const NUM_REQUESTS_RUNNING: &str = "switchyard:num_requests_running";
+/// Gauge: requests waiting to be scheduled (including preempted ones).
+pub const NUM_REQUESTS_WAITING: &str = "switchyard:num_requests_waiting";
+/// Gauge: fraction of KV-cache blocks in use, in [0, 1].
+pub const KV_CACHE_USAGE_PERC: &str = "switchyard:kv_cache_usage_perc";
+/// Counter: prompt tokens looked up in the prefix cache.
+pub const PREFIX_CACHE_QUERIES: &str = "switchyard:prefix_cache_queries_total";
+/// Counter: prompt tokens found in the prefix cache.
+pub const PREFIX_CACHE_HITS: &str = "switchyard:prefix_cache_hits_total";
+/// Counter: preemptions (a running request sent back to waiting).
+pub const NUM_PREEMPTIONS: &str = "switchyard:num_preemptions_total";
+/// Counter: prefill tokens processed.
+pub const PROMPT_TOKENS: &str = "switchyard:prompt_tokens_total";
+/// Counter: tokens generated.
+pub const GENERATION_TOKENS: &str = "switchyard:generation_tokens_total";
+/// Counter, label `finished_reason`: requests that finished.
+pub const REQUEST_SUCCESS: &str = "switchyard:request_success_total";
+/// Counter: requests aborted (client gone, shutdown, relegated).
+pub const REQUEST_ABORTED: &str = "switchyard:request_aborted_total";
+/// Histogram, seconds: arrival to first generated token.
+pub const TIME_TO_FIRST_TOKEN: &str = "switchyard:time_to_first_token_seconds";
+/// Histogram, seconds: between consecutive generated tokens of a request.
+pub const INTER_TOKEN_LATENCY: &str = "switchyard:inter_token_latency_seconds";
+/// Histogram, seconds: mean time per output token after the first, per request (TPOT).
+pub const TIME_PER_OUTPUT_TOKEN: &str = "switchyard:time_per_output_token_seconds";
+/// Histogram, seconds: arrival to finish.
+pub const E2E_REQUEST_LATENCY: &str = "switchyard:e2e_request_latency_seconds";
+/// Histogram, seconds: time spent waiting before first being scheduled.
+pub const REQUEST_QUEUE_TIME: &str = "switchyard:request_queue_time_seconds";
+/// Gauge, label `policy`: 1 for the scheduling policy in force, 0 for the others seen.
+pub const POLICY_INFO: &str = "switchyard:policy_info";
+/// Counter: scheduling-policy hot swaps.
+pub const POLICY_SWAPS: &str = "switchyard:policy_swaps_total";
+/// Counter, labels `route` and `status`: HTTP responses.
+pub const HTTP_REQUESTS: &str = "switchyard:http_requests_total";
+/// Histogram, seconds, label `route`: time until the response head is ready.
+pub const HTTP_REQUEST_DURATION: &str = "switchyard:http_request_duration_seconds";
+/// Gauge: generation requests the HTTP layer is serving (streams included).
+pub const HTTP_IN_FLIGHT: &str = "switchyard:http_requests_in_flight";
+
+/// Label key of [`REQUEST_SUCCESS`].
+pub const LABEL_FINISHED_REASON: &str = "finished_reason";
+/// Label key of [`POLICY_INFO`].
+pub const LABEL_POLICY: &str = "policy";
+/// Label key for a request's tier.
+pub const LABEL_TIER: &str = "tier";
+
+/// vLLM's TTFT buckets, in seconds.
+const TTFT_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+];
+/// vLLM's inter-token latency buckets, in seconds.
+const ITL_BUCKETS: &[f64] = &[
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0,
+];
+/// vLLM's request-latency buckets (E2E, queue time), in seconds.
+const REQUEST_LATENCY_BUCKETS: &[f64] = &[
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+    480.0, 960.0, 1920.0, 7680.0,
+];
+/// Buckets for the HTTP layer's own latency, in seconds.
+const HTTP_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    60.0,
+];
+
+/// Why the recorder could not be installed.
+#[derive(Debug, thiserror::Error)]
+pub enum MetricsError {
+    /// Another recorder is installed already, or a bucket list is invalid.
+    #[error("cannot install the Prometheus recorder: {0}")]
+    Install(#[from] metrics_exporter_prometheus::BuildError),
+}
+
+/// Builds the Prometheus recorder with vLLM's histogram buckets, installs it as the process's
+/// global `metrics` recorder and describes every metric. Call it once, at start-up, before the
+/// engine records anything; hand the returned handle to [`crate::ApiState::new`] so `/metrics`
+/// can render it.
+pub fn install_prometheus_recorder() -> Result<PrometheusHandle, MetricsError> {
+    let handle = prometheus_builder()?.install_recorder()?;
+    describe_metrics();
+    Ok(handle)
+}
+
+fn prometheus_builder() -> Result<PrometheusBuilder, MetricsError> {
+    let mut builder = PrometheusBuilder::new();
+    for (name, buckets) in [
+        (TIME_TO_FIRST_TOKEN, TTFT_BUCKETS),
+        (INTER_TOKEN_LATENCY, ITL_BUCKETS),
+        (TIME_PER_OUTPUT_TOKEN, ITL_BUCKETS),
+        (E2E_REQUEST_LATENCY, REQUEST_LATENCY_BUCKETS),
+        (REQUEST_QUEUE_TIME, REQUEST_LATENCY_BUCKETS),
+        (HTTP_REQUEST_DURATION, HTTP_BUCKETS),
+    ] {
+        builder = builder.set_buckets_for_metric(Matcher::Full(name.to_owned()), buckets)?;
+    }
+    Ok(builder)
+}
+
+/// Registers help text and units for every metric (idempotent).
+pub fn describe_metrics() {
+    describe_gauge!(NUM_REQUESTS_RUNNING, "Requests in the running batch.");
+    describe_gauge!(
+        NUM_REQUESTS_WAITING,
+        "Requests waiting to be scheduled, preempted ones included."
+    );
+    describe_gauge!(
+        KV_CACHE_USAGE_PERC,
+        Unit::Percent,
+        "KV-cache usage: 1 means every block is in use."
+    );
+    describe_counter!(
+        PREFIX_CACHE_QUERIES,
+        Unit::Count,
+        "Prompt tokens looked up in the prefix cache."
+    );
+    describe_counter!(
+        PREFIX_CACHE_HITS,
+        Unit::Count,
+        "Prompt tokens found in the prefix cache."
+    );
+    describe_counter!(NUM_PREEMPTIONS, Unit::Count, "Preemptions.");
+    describe_counter!(PROMPT_TOKENS, Unit::Count, "Prefill tokens processed.");
+    describe_counter!(GENERATION_TOKENS, Unit::Count, "Tokens generated.");
+    describe_counter!(
+        REQUEST_SUCCESS,
+        Unit::Count,
+        "Finished requests, by finish reason."
+    );
+    describe_counter!(REQUEST_ABORTED, Unit::Count, "Aborted requests.");
+    describe_histogram!(
+        TIME_TO_FIRST_TOKEN,
+        Unit::Seconds,
+        "Time from arrival to the first generated token."
+    );
+    describe_histogram!(
+        INTER_TOKEN_LATENCY,
+        Unit::Seconds,
+        "Time between consecutive generated tokens."
+    );
+    describe_histogram!(
+        TIME_PER_OUTPUT_TOKEN,
+        Unit::Seconds,
+        "Mean time per output token after the first, per request."
+    );
+    describe_histogram!(
+        E2E_REQUEST_LATENCY,
+        Unit::Seconds,
+        "Time from arrival to finish."
+    );
+    describe_histogram!(
+        REQUEST_QUEUE_TIME,
+        Unit::Seconds,
+        "Time waiting before first being scheduled."
+    );
+    describe_gauge!(POLICY_INFO, "1 for the scheduling policy in force.");
+    describe_counter!(POLICY_SWAPS, Unit::Count, "Scheduling-policy hot swaps.");
+    describe_counter!(
+        HTTP_REQUESTS,
+        Unit::Count,
+        "HTTP responses by route and status."
+    );
+    describe_histogram!(
+        HTTP_REQUEST_DURATION,
+        Unit::Seconds,
+        "Time until the HTTP response head is ready, by route."
+    );
+    describe_gauge!(
+        HTTP_IN_FLIGHT,
+        "Generation requests being served, streams included."
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ALL: &[&str] = &[
+        NUM_REQUESTS_RUNNING,
+        NUM_REQUESTS_WAITING,
+        KV_CACHE_USAGE_PERC,
+        PREFIX_CACHE_QUERIES,
+        PREFIX_CACHE_HITS,
+        NUM_PREEMPTIONS,
+        PROMPT_TOKENS,
+        GENERATION_TOKENS,
+        REQUEST_SUCCESS,
+        REQUEST_ABORTED,
+        TIME_TO_FIRST_TOKEN,
+        INTER_TOKEN_LATENCY,
+        TIME_PER_OUTPUT_TOKEN,
+        E2E_REQUEST_LATENCY,
+        REQUEST_QUEUE_TIME,
+        POLICY_INFO,
+        POLICY_SWAPS,
+        HTTP_REQUESTS,
+        HTTP_REQUEST_DURATION,
+        HTTP_IN_FLIGHT,
+    ];
+
+    #[test]
+    fn names_are_prefixed_valid_prometheus_names() {
+        for name in ALL {
+            let rest = name.strip_prefix("switchyard:").unwrap();
+            assert!(
+                rest.chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'),
+                "{name}"
+            );
+        }
+    }
+
+    #[test]
+    fn histograms_render_with_vllm_buckets() {
+        let recorder = prometheus_builder().unwrap().build_recorder();
+        let handle = recorder.handle();
+        metrics::with_local_recorder(&recorder, || {
+            describe_metrics();
+            metrics::histogram!(TIME_TO_FIRST_TOKEN).record(0.03);
+            metrics::counter!(REQUEST_SUCCESS, LABEL_FINISHED_REASON => "stop").increment(2);
+        });
+        let text = handle.render();
+        assert!(text.contains("switchyard:time_to_first_token_seconds_bucket{le=\"0.04\"} 1"));
+        assert!(text.contains("switchyard:time_to_first_token_seconds_bucket{le=\"0.02\"} 0"));
+        assert!(text.contains("switchyard:request_success_total{finished_reason=\"stop\"} 2"));
+    }
+}

@@ -1,0 +1,225 @@
+//! `POST /v1/completions`.
+
+use actix_web::{web, HttpRequest, HttpResponse};
+use bytes::Bytes;
+
+use super::{check_model, engine_requests, request_id_header};
+use crate::auth::Principal;
+use crate::body::read_json;
+use crate::engine::{PromptInput, TokenLogprob};
+use crate::error::ApiError;
+use crate::generation::{ChoiceDelta, Generation};
+use crate::schema::{
+    CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage,
+};
+use crate::sse::{frame, sse_response, ChunkWriter};
+use crate::state::{request_id, unix_now, ApiState};
+
+/// Handles `POST /v1/completions`.
+pub(crate) async fn completions(
+    state: web::Data<ApiState>,
+    principal: web::ReqData<Principal>,
+    req: HttpRequest,
+    payload: web::Payload,
+) -> Result<HttpResponse, ApiError> {
+    let in_flight = state.admit()?;
+    let body: CompletionRequest = read_json(&req, payload, state.config.max_body_bytes).await?;
+    check_model(&state, body.model.as_deref())?;
+    let validated = body.validate(state.engine.max_model_len())?;
+    let id = request_id("cmpl-", request_id_header(&req));
+
+    let echo_texts = if validated.echo {
+        let mut texts = Vec::with_capacity(validated.prompts.len());
+        for prompt in &validated.prompts {
+            texts.push(match prompt {
+                PromptInput::Text(text) => text.clone(),
+                PromptInput::Tokens(ids) => state.engine.detokenize(ids.clone()).await?,
+                PromptInput::Chat(_) => String::new(),
+            });
+        }
+        Some(texts)
+    } else {
+        None
+    };
+    let prompt_logprobs = validated.logprobs.filter(|_| validated.echo);
+    let requests = engine_requests(&id, &validated, &principal, prompt_logprobs);
+    let generation = Generation::start(&*state.engine, requests, validated.n, "prompt").await?;
+
+    let writer = CompletionWriter {
+        id,
+        created: unix_now(),
+        model: state.engine.model_name().to_owned(),
+        echo: echo_texts,
+        logprobs: validated.logprobs.is_some(),
+        offsets: vec![0; generation.choices()],
+        usage_field: validated.include_usage.then_some(None),
+    };
+    if validated.stream {
+        return Ok(sse_response(
+            generation,
+            writer,
+            validated.include_usage,
+            in_flight,
+        ));
+    }
+    let response = collect(generation, writer).await?;
+    drop(in_flight);
+    Ok(HttpResponse::Ok().json(response))
+}
+
+/// Builds completion chunks and tracks each choice's text offset for logprobs.
+struct CompletionWriter {
+    id: String,
+    created: u64,
+    model: String,
+    /// Per prompt, the text to prepend (when `echo`).
+    echo: Option<Vec<String>>,
+    logprobs: bool,
+    /// Per choice, characters sent so far (for `text_offset`).
+    offsets: Vec<u32>,
+    /// `Some(None)` when every chunk carries `"usage": null`.
+    usage_field: Option<Option<Usage>>,
+}
+
+impl CompletionWriter {
+    fn response(
+        &self,
+        choices: Vec<CompletionChoice>,
+        usage: Option<Option<Usage>>,
+    ) -> CompletionResponse {
+        CompletionResponse {
+            id: self.id.clone(),
+            object: "text_completion",
+            created: self.created,
+            model: self.model.clone(),
+            choices,
+            usage,
+        }
+    }
+
+    /// The echoed prompt of every choice, with its logprobs when asked.
+    fn echo_choices(&mut self, generation: &Generation) -> Vec<CompletionChoice> {
+        let Some(echo) = &self.echo else {
+            return Vec::new();
+        };
+        let n = generation.n();
+        let mut choices = Vec::with_capacity(generation.choices());
+        for (prompt, text) in echo.iter().enumerate() {
+            let prompt_logprobs = generation.prompt_logprobs.get(prompt).cloned().flatten();
+            for i in 0..n {
+                let index = u32::try_from(prompt)
+                    .unwrap_or(u32::MAX)
+                    .saturating_mul(n)
+                    .saturating_add(i);
+                let chars = u32::try_from(text.chars().count()).unwrap_or(u32::MAX);
+                let logprobs = self.logprobs.then(|| {
+                    let mut lp = CompletionLogprobs::default();
+                    lp.extend(prompt_logprobs.as_deref().unwrap_or_default(), 0);
+                    lp
+                });
+                if let Some(offset) = usize::try_from(index)
+                    .ok()
+                    .and_then(|i| self.offsets.get_mut(i))
+                {
+                    *offset = chars;
+                }
+                choices.push(CompletionChoice {
+                    index,
+                    text: text.clone(),
+                    logprobs,
+                    finish_reason: None,
+                });
+            }
+        }
+        choices
+    }
+
+    fn delta_choice(&mut self, delta: &ChoiceDelta) -> CompletionChoice {
+        let offset = usize::try_from(delta.choice)
+            .ok()
+            .and_then(|i| self.offsets.get_mut(i));
+        let logprobs = match offset {
+            Some(offset) => {
+                let start = *offset;
+                *offset = start.saturating_add(
+                    u32::try_from(delta.delta.text.chars().count()).unwrap_or(u32::MAX),
+                );
+                self.logprobs
+                    .then(|| logprobs_from(&delta.delta.logprobs, start))
+            }
+            None => None,
+        };
+        CompletionChoice {
+            index: delta.choice,
+            text: delta.delta.text.clone(),
+            logprobs,
+            finish_reason: delta.delta.finish.map(|f| f.reason.as_str()),
+        }
+    }
+}
+
+fn logprobs_from(logprobs: &[TokenLogprob], start: u32) -> CompletionLogprobs {
+    let mut out = CompletionLogprobs::default();
+    out.extend(logprobs, start);
+    out
+}
+
+impl ChunkWriter for CompletionWriter {
+    fn opening(&mut self, generation: &Generation) -> Vec<Bytes> {
+        self.echo_choices(generation)
+            .into_iter()
+            .map(|choice| frame(&self.response(vec![choice], self.usage_field)))
+            .collect()
+    }
+
+    fn delta(&mut self, delta: ChoiceDelta) -> Option<Bytes> {
+        let choice = self.delta_choice(&delta);
+        Some(frame(&self.response(vec![choice], self.usage_field)))
+    }
+
+    fn usage(&self, usage: Usage) -> Bytes {
+        frame(&self.response(Vec::new(), Some(Some(usage))))
+    }
+}
+
+/// Waits for every choice and assembles the non-streaming response.
+async fn collect(
+    mut generation: Generation,
+    mut writer: CompletionWriter,
+) -> Result<CompletionResponse, ApiError> {
+    let mut choices: Vec<CompletionChoice> = writer.echo_choices(&generation);
+    if choices.is_empty() {
+        choices = (0..generation.choices())
+            .map(|i| CompletionChoice {
+                index: u32::try_from(i).unwrap_or(u32::MAX),
+                text: String::new(),
+                logprobs: writer.logprobs.then(CompletionLogprobs::default),
+                finish_reason: None,
+            })
+            .collect();
+    }
+    let mut completion_tokens = 0u32;
+    while let Some(delta) = generation.next().await {
+        let delta = delta?;
+        let part = writer.delta_choice(&delta);
+        let Some(choice) = usize::try_from(delta.choice)
+            .ok()
+            .and_then(|i| choices.get_mut(i))
+        else {
+            continue;
+        };
+        choice.text.push_str(&part.text);
+        if let (Some(all), Some(new)) = (choice.logprobs.as_mut(), part.logprobs) {
+            all.tokens.extend(new.tokens);
+            all.token_logprobs.extend(new.token_logprobs);
+            all.top_logprobs.extend(new.top_logprobs);
+            all.text_offset.extend(new.text_offset);
+        }
+        if let Some(finish) = delta.delta.finish {
+            choice.finish_reason = Some(finish.reason.as_str());
+            completion_tokens = completion_tokens.saturating_add(finish.completion_tokens);
+        }
+    }
+    let usage = Usage::new(generation.total_prompt_tokens(), completion_tokens);
+    Ok(writer.response(choices, Some(Some(usage))))
+}

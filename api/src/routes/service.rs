@@ -1,0 +1,178 @@
+//! Models, tokenizer, health, readiness, metrics and admin routes.
+
+use actix_web::http::header;
+use actix_web::{web, HttpRequest, HttpResponse};
+use serde::{Deserialize, Serialize};
+
+use super::check_model;
+use crate::body::read_json;
+use crate::engine::{EngineError, EngineErrorKind, PolicySpec, TokenizeInput};
+use crate::error::ApiError;
+use crate::schema::{parse_messages, MessageField, ModelCard, ModelList, MAX_DETOKENIZE_TOKENS};
+use crate::state::ApiState;
+
+/// `GET /v1/models`.
+pub(crate) async fn list_models(state: web::Data<ApiState>) -> HttpResponse {
+    HttpResponse::Ok().json(ModelList {
+        object: "list",
+        data: vec![ModelCard {
+            id: state.engine.model_name().to_owned(),
+            object: "model",
+            created: state.started,
+            owned_by: "switchyard",
+            max_model_len: state.engine.max_model_len(),
+        }],
+    })
+}
+
+/// Body of `POST /tokenize` (vLLM's shape): a `prompt`, or chat `messages`.
+#[derive(Debug, Deserialize)]
+pub(crate) struct TokenizeRequest {
+    model: Option<String>,
+    prompt: Option<String>,
+    messages: Option<Vec<MessageField>>,
+    add_special_tokens: Option<bool>,
+    add_generation_prompt: Option<bool>,
+}
+
+/// Response of `POST /tokenize`.
+#[derive(Debug, Serialize)]
+pub(crate) struct TokenizeResponse {
+    count: usize,
+    max_model_len: usize,
+    tokens: Vec<u32>,
+}
+
+/// `POST /tokenize`.
+pub(crate) async fn tokenize(
+    state: web::Data<ApiState>,
+    req: HttpRequest,
+    payload: web::Payload,
+) -> Result<HttpResponse, ApiError> {
+    let body: TokenizeRequest = read_json(&req, payload, state.config.max_body_bytes).await?;
+    check_model(&state, body.model.as_deref())?;
+    let input = match (body.prompt, body.messages) {
+        (Some(text), None) => TokenizeInput::Text {
+            text,
+            add_special_tokens: body.add_special_tokens.unwrap_or(true),
+        },
+        (None, Some(messages)) => TokenizeInput::Chat {
+            messages: parse_messages(messages)?,
+            add_generation_prompt: body.add_generation_prompt.unwrap_or(true),
+        },
+        _ => {
+            return Err(ApiError::invalid(
+                "prompt",
+                "send exactly one of `prompt` and `messages`",
+            ))
+        }
+    };
+    let tokens = state.engine.tokenize(input).await?;
+    Ok(HttpResponse::Ok().json(TokenizeResponse {
+        count: tokens.len(),
+        max_model_len: state.engine.max_model_len(),
+        tokens,
+    }))
+}
+
+/// Body of `POST /detokenize`.
+#[derive(Debug, Deserialize)]
+pub(crate) struct DetokenizeRequest {
+    model: Option<String>,
+    tokens: Vec<u32>,
+}
+
+/// Response of `POST /detokenize`.
+#[derive(Debug, Serialize)]
+pub(crate) struct DetokenizeResponse {
+    prompt: String,
+}
+
+/// `POST /detokenize`.
+pub(crate) async fn detokenize(
+    state: web::Data<ApiState>,
+    req: HttpRequest,
+    payload: web::Payload,
+) -> Result<HttpResponse, ApiError> {
+    let body: DetokenizeRequest = read_json(&req, payload, state.config.max_body_bytes).await?;
+    check_model(&state, body.model.as_deref())?;
+    if body.tokens.len() > MAX_DETOKENIZE_TOKENS {
+        return Err(ApiError::invalid(
+            "tokens",
+            format!("at most {MAX_DETOKENIZE_TOKENS} tokens"),
+        ));
+    }
+    let prompt = state.engine.detokenize(body.tokens).await?;
+    Ok(HttpResponse::Ok().json(DetokenizeResponse { prompt }))
+}
+
+/// `GET /health`: the process is alive.
+pub(crate) async fn health() -> HttpResponse {
+    HttpResponse::Ok().finish()
+}
+
+/// `GET /ready`: 200 once the engine is ready, 503 before and while draining.
+pub(crate) async fn ready(state: web::Data<ApiState>) -> Result<HttpResponse, ApiError> {
+    if state.is_draining() {
+        return Err(ApiError::Draining);
+    }
+    if !state.engine.is_ready() {
+        return Err(ApiError::Engine(EngineError::new(
+            EngineErrorKind::Unavailable,
+            "The model is still loading.",
+        )));
+    }
+    Ok(HttpResponse::Ok().json(serde_json::json!({"status": "ready"})))
+}
+
+/// `GET /metrics`: Prometheus text exposition.
+pub(crate) async fn metrics(state: web::Data<ApiState>) -> Result<HttpResponse, ApiError> {
+    let handle = state.metrics.as_ref().ok_or(ApiError::MetricsDisabled)?;
+    handle.run_upkeep();
+    Ok(HttpResponse::Ok()
+        .insert_header((
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        ))
+        .body(handle.render()))
+}
+
+/// `GET /admin/policy`.
+pub(crate) async fn get_policy(state: web::Data<ApiState>) -> Result<HttpResponse, ApiError> {
+    Ok(HttpResponse::Ok().json(state.engine.policy().await?))
+}
+
+/// `PUT /admin/policy`: hot-swaps the scheduling policy.
+pub(crate) async fn put_policy(
+    state: web::Data<ApiState>,
+    req: HttpRequest,
+    payload: web::Payload,
+) -> Result<HttpResponse, ApiError> {
+    let spec: PolicySpec = read_json(&req, payload, state.config.max_body_bytes).await?;
+    if spec.name.is_empty() || spec.name.len() > 64 {
+        return Err(ApiError::invalid(
+            "name",
+            "policy name must be 1 to 64 bytes",
+        ));
+    }
+    let name = spec.name.clone();
+    let info = state.engine.swap_policy(spec).await?;
+    tracing::info!(requested = %name, policy = %info.name, "scheduling policy swapped through the admin API");
+    Ok(HttpResponse::Ok().json(info))
+}
+
+/// Fallback for unknown paths.
+pub(crate) async fn not_found(req: HttpRequest) -> Result<HttpResponse, ApiError> {
+    Err(ApiError::RouteNotFound {
+        method: req.method().to_string(),
+        path: req.path().chars().take(256).collect(),
+    })
+}
+
+/// Fallback for a known path with the wrong method.
+pub(crate) async fn method_not_allowed(req: HttpRequest) -> Result<HttpResponse, ApiError> {
+    Err(ApiError::MethodNotAllowed {
+        method: req.method().to_string(),
+        path: req.path().chars().take(256).collect(),
+    })
+}

@@ -1,0 +1,38 @@
+//! OpenAI wire types: request bodies with their validation, response bodies and stream chunks.
+
+mod request;
+mod response;
+mod sampling;
+
+pub use request::{
+    parse_messages, ChatRequest, CompletionRequest, ContentField, ContentPart, MessageField,
+    PromptField, StopField, StreamOptions, Validated,
+};
+pub use response::*;
+pub use sampling::SamplerFields;
+
+pub use limits::*;
+
+/// Bounds on every count a request can carry.
+pub mod limits {
+    /// Most choices per prompt (`n`).
+    pub const MAX_N: u32 = 16;
+    /// Most prompts in one completions request.
+    pub const MAX_PROMPTS: usize = 32;
+    /// Most choices in one request (prompts × n).
+    pub const MAX_CHOICES: usize = 64;
+    /// Most chat messages in one request.
+    pub const MAX_MESSAGES: usize = 1024;
+    /// Most stop strings.
+    pub const MAX_STOP_STRINGS: usize = 4;
+    /// Longest stop string in bytes.
+    pub const MAX_STOP_STRING_BYTES: usize = 256;
+    /// Most stop token ids.
+    pub const MAX_STOP_TOKEN_IDS: usize = 64;
+    /// Most `logit_bias` entries.
+    pub const MAX_LOGIT_BIAS: usize = 300;
+    /// Most alternatives per token (`logprobs`, `top_logprobs`).
+    pub const MAX_LOGPROBS: u32 = 20;
+    /// Most token ids accepted by `/detokenize`.
+    pub const MAX_DETOKENIZE_TOKENS: usize = 1 << 20;
+}

@@ -1,0 +1,650 @@
+//! OpenAI request bodies for `/v1/completions` and `/v1/chat/completions`, with vLLM's extra
+//! sampler fields, and their validation into the engine's [`GenerateRequest`].
+//!
+//! Fields follow OpenAI's API reference and vLLM's `CompletionRequest` / `ChatCompletionRequest`
+//! extensions (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`,
+//! `stop_token_ids`, `priority`). Unknown fields are ignored, as OpenAI and vLLM do; known fields
+//! this server cannot honour (tools, `suffix`, `best_of`, JSON mode) are rejected with a 400 naming
+//! them rather than silently ignored.
+
+use std::collections::HashMap;
+
+use serde::Deserialize;
+
+use super::limits::*;
+use super::sampling::SamplerFields;
+use crate::engine::{ChatMessage, ChatRole, PromptInput, SamplingOptions};
+use crate::error::ApiError;
+
+/// `prompt`: a string, a list of strings, a list of token ids or a list of token-id lists.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(untagged)]
+pub enum PromptField {
+    /// One text prompt.
+    Text(String),
+    /// One token-id prompt.
+    Tokens(Vec<u32>),
+    /// Several text prompts.
+    Texts(Vec<String>),
+    /// Several token-id prompts.
+    TokenLists(Vec<Vec<u32>>),
+}
+
+/// `stop`: one string or a list.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(untagged)]
+pub enum StopField {
+    /// One stop string.
+    One(String),
+    /// Several stop strings.
+    Many(Vec<String>),
+}
+
+/// `stream_options`.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+pub struct StreamOptions {
+    /// Send a final chunk with the token usage before `[DONE]`.
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// Body of `POST /v1/completions`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct CompletionRequest {
+    /// Model name; optional (defaults to the served model), 404 if it names another.
+    pub model: Option<String>,
+    /// The prompt(s).
+    pub prompt: PromptField,
+    /// Completion length limit.
+    pub max_tokens: Option<u32>,
+    /// Choices per prompt.
+    pub n: Option<u32>,
+    /// Stop strings.
+    pub stop: Option<StopField>,
+    /// Number of top logprobs per token (0 ..= 20).
+    pub logprobs: Option<u32>,
+    /// Prepend the prompt to the completion.
+    pub echo: Option<bool>,
+    /// Stream over SSE.
+    pub stream: Option<bool>,
+    /// Streaming options.
+    pub stream_options: Option<StreamOptions>,
+    /// Not supported (server-side best-of); only `best_of == n` is accepted.
+    pub best_of: Option<u32>,
+    /// Not supported (insertion); only empty is accepted.
+    pub suffix: Option<String>,
+    /// Scheduling priority (vLLM: lower first).
+    pub priority: Option<i32>,
+    /// End-user id; accepted and ignored (never a metric label).
+    pub user: Option<String>,
+    /// `temperature`.
+    pub temperature: Option<f32>,
+    /// `top_p`.
+    pub top_p: Option<f32>,
+    /// `top_k`.
+    pub top_k: Option<i64>,
+    /// `min_p`.
+    pub min_p: Option<f32>,
+    /// `presence_penalty`.
+    pub presence_penalty: Option<f32>,
+    /// `frequency_penalty`.
+    pub frequency_penalty: Option<f32>,
+    /// `repetition_penalty`.
+    pub repetition_penalty: Option<f32>,
+    /// `seed`.
+    pub seed: Option<i64>,
+    /// `logit_bias`.
+    pub logit_bias: Option<HashMap<String, f32>>,
+    /// `stop_token_ids`.
+    pub stop_token_ids: Option<Vec<u32>>,
+    /// `min_tokens`.
+    pub min_tokens: Option<u32>,
+    /// `ignore_eos`.
+    pub ignore_eos: Option<bool>,
+}
+
+/// Body of `POST /v1/chat/completions`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatRequest {
+    /// Model name; optional (defaults to the served model), 404 if it names another.
+    pub model: Option<String>,
+    /// The conversation.
+    pub messages: Vec<MessageField>,
+    /// Completion length limit (deprecated name).
+    pub max_tokens: Option<u32>,
+    /// Completion length limit (current name; wins over `max_tokens`).
+    pub max_completion_tokens: Option<u32>,
+    /// Choices.
+    pub n: Option<u32>,
+    /// Stop strings.
+    pub stop: Option<StopField>,
+    /// Return logprobs of the output tokens.
+    pub logprobs: Option<bool>,
+    /// Alternatives per token (0 ..= 20); requires `logprobs`.
+    pub top_logprobs: Option<u32>,
+    /// Stream over SSE.
+    pub stream: Option<bool>,
+    /// Streaming options.
+    pub stream_options: Option<StreamOptions>,
+    /// Not supported unless empty.
+    pub tools: Option<Vec<serde_json::Value>>,
+    /// Not supported unless `"none"`.
+    pub tool_choice: Option<serde_json::Value>,
+    /// Only `{"type": "text"}` is supported.
+    pub response_format: Option<serde_json::Value>,
+    /// Scheduling priority (vLLM: lower first).
+    pub priority: Option<i32>,
+    /// End-user id; accepted and ignored.
+    pub user: Option<String>,
+    /// `temperature`.
+    pub temperature: Option<f32>,
+    /// `top_p`.
+    pub top_p: Option<f32>,
+    /// `top_k`.
+    pub top_k: Option<i64>,
+    /// `min_p`.
+    pub min_p: Option<f32>,
+    /// `presence_penalty`.
+    pub presence_penalty: Option<f32>,
+    /// `frequency_penalty`.
+    pub frequency_penalty: Option<f32>,
+    /// `repetition_penalty`.
+    pub repetition_penalty: Option<f32>,
+    /// `seed`.
+    pub seed: Option<i64>,
+    /// `logit_bias`.
+    pub logit_bias: Option<HashMap<String, f32>>,
+    /// `stop_token_ids`.
+    pub stop_token_ids: Option<Vec<u32>>,
+    /// `min_tokens`.
+    pub min_tokens: Option<u32>,
+    /// `ignore_eos`.
+    pub ignore_eos: Option<bool>,
+}
+
+/// One message of `messages`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct MessageField {
+    /// `system`, `developer`, `user` or `assistant`.
+    pub role: String,
+    /// Text, or a list of content parts of which only `text` parts are supported.
+    pub content: Option<ContentField>,
+    /// Participant name; accepted and ignored.
+    pub name: Option<String>,
+}
+
+/// A message's `content`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum ContentField {
+    /// Plain text.
+    Text(String),
+    /// Content parts.
+    Parts(Vec<ContentPart>),
+}
+
+/// One content part.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ContentPart {
+    /// Part type; only `text` is supported.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The text of a `text` part.
+    pub text: Option<String>,
+}
+
+macro_rules! sampler_fields {
+    ($req:expr) => {
+        SamplerFields {
+            temperature: $req.temperature,
+            top_p: $req.top_p,
+            top_k: $req.top_k,
+            min_p: $req.min_p,
+            presence_penalty: $req.presence_penalty,
+            frequency_penalty: $req.frequency_penalty,
+            repetition_penalty: $req.repetition_penalty,
+            seed: $req.seed,
+            logit_bias: $req.logit_bias.clone(),
+            stop_token_ids: $req.stop_token_ids.clone(),
+            min_tokens: $req.min_tokens,
+            ignore_eos: $req.ignore_eos,
+        }
+    };
+}
+
+/// A request reduced to what the engine needs, shared by both endpoints.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Validated {
+    /// One engine input per prompt (chat has exactly one).
+    pub prompts: Vec<PromptInput>,
+    /// Sampler settings.
+    pub sampling: SamplingOptions,
+    /// Stop strings.
+    pub stop: Vec<String>,
+    /// Choices per prompt.
+    pub n: u32,
+    /// Completion length limit.
+    pub max_tokens: Option<u32>,
+    /// Top-logprobs count per sampled token, if asked.
+    pub logprobs: Option<u32>,
+    /// Prepend the prompt (completions only).
+    pub echo: bool,
+    /// Stream over SSE.
+    pub stream: bool,
+    /// Send a usage chunk at the end of the stream.
+    pub include_usage: bool,
+    /// Scheduling priority.
+    pub priority: i32,
+}
+
+fn parse_stop(stop: Option<StopField>) -> Result<Vec<String>, ApiError> {
+    let stop = match stop {
+        None => Vec::new(),
+        Some(StopField::One(s)) => vec![s],
+        Some(StopField::Many(list)) => list,
+    };
+    if stop.len() > MAX_STOP_STRINGS {
+        return Err(ApiError::invalid(
+            "stop",
+            format!("at most {MAX_STOP_STRINGS} stop strings are allowed"),
+        ));
+    }
+    for s in &stop {
+        if s.is_empty() || s.len() > MAX_STOP_STRING_BYTES {
+            return Err(ApiError::invalid(
+                "stop",
+                format!("stop strings must be 1 to {MAX_STOP_STRING_BYTES} bytes long"),
+            ));
+        }
+    }
+    Ok(stop)
+}
+
+fn parse_n(n: Option<u32>) -> Result<u32, ApiError> {
+    match n.unwrap_or(1) {
+        n @ 1..=MAX_N => Ok(n),
+        n => Err(ApiError::invalid(
+            "n",
+            format!("n must be in [1, {MAX_N}], got {n}"),
+        )),
+    }
+}
+
+fn parse_max_tokens(
+    param: &str,
+    value: Option<u32>,
+    max_model_len: usize,
+) -> Result<Option<u32>, ApiError> {
+    match value {
+        Some(0) => Err(ApiError::invalid(
+            param,
+            format!("{param} must be at least 1"),
+        )),
+        Some(v) if usize::try_from(v).map_or(true, |v| v > max_model_len) => {
+            Err(ApiError::invalid(
+                param,
+                format!("{param} must be at most the context length {max_model_len}, got {v}"),
+            ))
+        }
+        v => Ok(v),
+    }
+}
+
+fn check_token_prompt(tokens: Vec<u32>, max_model_len: usize) -> Result<PromptInput, ApiError> {
+    if tokens.is_empty() {
+        return Err(ApiError::invalid("prompt", "prompt must not be empty"));
+    }
+    if tokens.len() > max_model_len {
+        return Err(ApiError::Engine(
+            crate::engine::EngineError::new(
+                crate::engine::EngineErrorKind::ContextLengthExceeded,
+                format!(
+                    "The prompt has {} tokens, more than the context length {max_model_len}.",
+                    tokens.len()
+                ),
+            )
+            .with_param("prompt"),
+        ));
+    }
+    Ok(PromptInput::Tokens(tokens))
+}
+
+fn check_text_prompt(text: String) -> Result<PromptInput, ApiError> {
+    if text.is_empty() {
+        return Err(ApiError::invalid("prompt", "prompt must not be empty"));
+    }
+    Ok(PromptInput::Text(text))
+}
+
+impl CompletionRequest {
+    /// Validates the request against the limits and the context window.
+    pub fn validate(self, max_model_len: usize) -> Result<Validated, ApiError> {
+        let sampling = sampler_fields!(self).validate()?;
+        let n = parse_n(self.n)?;
+        if self.best_of.is_some_and(|b| b != n) {
+            return Err(ApiError::invalid(
+                "best_of",
+                "best_of is not supported (only best_of equal to n)",
+            ));
+        }
+        if self.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
+            return Err(ApiError::invalid("suffix", "suffix is not supported"));
+        }
+        if let Some(k) = self.logprobs.filter(|&k| k > MAX_LOGPROBS) {
+            return Err(ApiError::invalid(
+                "logprobs",
+                format!("logprobs must be in [0, {MAX_LOGPROBS}], got {k}"),
+            ));
+        }
+        let prompts = match self.prompt {
+            PromptField::Text(text) => vec![check_text_prompt(text)?],
+            PromptField::Tokens(tokens) => vec![check_token_prompt(tokens, max_model_len)?],
+            PromptField::Texts(texts) => {
+                check_prompt_count(texts.len(), n)?;
+                texts
+                    .into_iter()
+                    .map(check_text_prompt)
+                    .collect::<Result<_, _>>()?
+            }
+            PromptField::TokenLists(lists) => {
+                check_prompt_count(lists.len(), n)?;
+                lists
+                    .into_iter()
+                    .map(|t| check_token_prompt(t, max_model_len))
+                    .collect::<Result<_, _>>()?
+            }
+        };
+        let stream = self.stream.unwrap_or(false);
+        Ok(Validated {
+            prompts,
+            sampling,
+            stop: parse_stop(self.stop)?,
+            n,
+            max_tokens: parse_max_tokens("max_tokens", self.max_tokens, max_model_len)?,
+            logprobs: self.logprobs,
+            echo: self.echo.unwrap_or(false),
+            stream,
+            include_usage: stream_usage(stream, self.stream_options)?,
+            priority: self.priority.unwrap_or(0),
+        })
+    }
+}
+
+fn check_prompt_count(count: usize, n: u32) -> Result<(), ApiError> {
+    if count == 0 {
+        return Err(ApiError::invalid("prompt", "prompt must not be empty"));
+    }
+    let choices = count.saturating_mul(usize::try_from(n).unwrap_or(usize::MAX));
+    if count > MAX_PROMPTS || choices > MAX_CHOICES {
+        return Err(ApiError::invalid(
+            "prompt",
+            format!(
+                "at most {MAX_PROMPTS} prompts and {MAX_CHOICES} choices (prompts × n) per request"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn stream_usage(stream: bool, options: Option<StreamOptions>) -> Result<bool, ApiError> {
+    match options {
+        Some(_) if !stream => Err(ApiError::invalid(
+            "stream_options",
+            "stream_options is only allowed when stream is true",
+        )),
+        options => Ok(options.is_some_and(|o| o.include_usage)),
+    }
+}
+
+impl ChatRequest {
+    /// Validates the request against the limits and the context window.
+    pub fn validate(self, max_model_len: usize) -> Result<Validated, ApiError> {
+        let sampling = sampler_fields!(self).validate()?;
+        let n = parse_n(self.n)?;
+        if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
+            return Err(ApiError::invalid("tools", "tool calling is not supported"));
+        }
+        if let Some(choice) = &self.tool_choice {
+            if !(choice.is_null() || choice == "none") {
+                return Err(ApiError::invalid(
+                    "tool_choice",
+                    "tool calling is not supported",
+                ));
+            }
+        }
+        if let Some(format) = &self.response_format {
+            if !(format.is_null() || format.get("type").is_some_and(|t| t == "text")) {
+                return Err(ApiError::invalid(
+                    "response_format",
+                    "only response_format {\"type\": \"text\"} is supported",
+                ));
+            }
+        }
+        let logprobs = match (self.logprobs.unwrap_or(false), self.top_logprobs) {
+            (_, Some(k)) if k > MAX_LOGPROBS => {
+                return Err(ApiError::invalid(
+                    "top_logprobs",
+                    format!("top_logprobs must be in [0, {MAX_LOGPROBS}], got {k}"),
+                ))
+            }
+            (false, Some(_)) => {
+                return Err(ApiError::invalid(
+                    "top_logprobs",
+                    "top_logprobs requires logprobs to be true",
+                ))
+            }
+            (true, k) => Some(k.unwrap_or(0)),
+            (false, None) => None,
+        };
+        let messages = parse_messages(self.messages)?;
+        let max_tokens = match self.max_completion_tokens {
+            Some(v) => parse_max_tokens("max_completion_tokens", Some(v), max_model_len)?,
+            None => parse_max_tokens("max_tokens", self.max_tokens, max_model_len)?,
+        };
+        let stream = self.stream.unwrap_or(false);
+        Ok(Validated {
+            prompts: vec![PromptInput::Chat(messages)],
+            sampling,
+            stop: parse_stop(self.stop)?,
+            n,
+            max_tokens,
+            logprobs,
+            echo: false,
+            stream,
+            include_usage: stream_usage(stream, self.stream_options)?,
+            priority: self.priority.unwrap_or(0),
+        })
+    }
+}
+
+/// Validates `messages` and reduces each to role and text.
+pub fn parse_messages(messages: Vec<MessageField>) -> Result<Vec<ChatMessage>, ApiError> {
+    if messages.is_empty() {
+        return Err(ApiError::invalid("messages", "messages must not be empty"));
+    }
+    if messages.len() > MAX_MESSAGES {
+        return Err(ApiError::invalid(
+            "messages",
+            format!("at most {MAX_MESSAGES} messages are allowed"),
+        ));
+    }
+    messages
+        .into_iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let role = match m.role.as_str() {
+                "system" => ChatRole::System,
+                "developer" => ChatRole::Developer,
+                "user" => ChatRole::User,
+                "assistant" => ChatRole::Assistant,
+                other => {
+                    return Err(ApiError::invalid(
+                        format!("messages[{i}].role"),
+                        format!("role {other:?} is not supported"),
+                    ))
+                }
+            };
+            let content = match m.content {
+                None => String::new(),
+                Some(ContentField::Text(text)) => text,
+                Some(ContentField::Parts(parts)) => {
+                    let mut texts = Vec::with_capacity(parts.len());
+                    for (j, part) in parts.into_iter().enumerate() {
+                        match (part.kind.as_str(), part.text) {
+                            ("text", Some(text)) => texts.push(text),
+                            _ => {
+                                return Err(ApiError::invalid(
+                                    format!("messages[{i}].content[{j}]"),
+                                    "only text content parts are supported",
+                                ))
+                            }
+                        }
+                    }
+                    texts.join("\n")
+                }
+            };
+            Ok(ChatMessage { role, content })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn completion(json: serde_json::Value) -> Result<Validated, ApiError> {
+        let req: CompletionRequest = serde_json::from_value(json).unwrap();
+        req.validate(128)
+    }
+
+    fn param_of(result: Result<Validated, ApiError>) -> Option<String> {
+        match result {
+            Err(ApiError::InvalidRequest { param, .. }) => param,
+            Err(ApiError::Engine(e)) => e.param,
+            other => panic!("expected an error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn defaults_are_openai_defaults() {
+        let v = completion(serde_json::json!({"prompt": "hi"})).unwrap();
+        assert_eq!(v.n, 1);
+        assert_eq!(v.sampling, SamplingOptions::default());
+        assert!(!v.stream && !v.echo && !v.include_usage);
+        assert_eq!(v.prompts, vec![PromptInput::Text("hi".into())]);
+    }
+
+    #[test]
+    fn prompt_shapes_are_all_accepted() {
+        let v = completion(serde_json::json!({"prompt": ["a", "b"]})).unwrap();
+        assert_eq!(v.prompts.len(), 2);
+        let v = completion(serde_json::json!({"prompt": [1, 2, 3]})).unwrap();
+        assert_eq!(v.prompts, vec![PromptInput::Tokens(vec![1, 2, 3])]);
+        let v = completion(serde_json::json!({"prompt": [[1], [2, 3]]})).unwrap();
+        assert_eq!(v.prompts[1], PromptInput::Tokens(vec![2, 3]));
+    }
+
+    #[test]
+    fn out_of_range_fields_name_their_param() {
+        let cases = [
+            (
+                serde_json::json!({"prompt": "x", "temperature": 2.5}),
+                "temperature",
+            ),
+            (serde_json::json!({"prompt": "x", "top_p": 0.0}), "top_p"),
+            (serde_json::json!({"prompt": "x", "top_k": -2}), "top_k"),
+            (serde_json::json!({"prompt": "x", "n": 17}), "n"),
+            (serde_json::json!({"prompt": "x", "n": 0}), "n"),
+            (
+                serde_json::json!({"prompt": "x", "logprobs": 21}),
+                "logprobs",
+            ),
+            (
+                serde_json::json!({"prompt": "x", "max_tokens": 0}),
+                "max_tokens",
+            ),
+            (
+                serde_json::json!({"prompt": "x", "max_tokens": 129}),
+                "max_tokens",
+            ),
+            (
+                serde_json::json!({"prompt": "x", "stop": ["a","b","c","d","e"]}),
+                "stop",
+            ),
+            (serde_json::json!({"prompt": "x", "stop": [""]}), "stop"),
+            (
+                serde_json::json!({"prompt": "x", "logit_bias": {"abc": 1}}),
+                "logit_bias",
+            ),
+            (
+                serde_json::json!({"prompt": "x", "logit_bias": {"5": 101}}),
+                "logit_bias",
+            ),
+            (serde_json::json!({"prompt": ""}), "prompt"),
+            (serde_json::json!({"prompt": []}), "prompt"),
+            (serde_json::json!({"prompt": vec![1u32; 129]}), "prompt"),
+            (serde_json::json!({"prompt": "x", "best_of": 3}), "best_of"),
+            (
+                serde_json::json!({"prompt": "x", "stream_options": {"include_usage": true}}),
+                "stream_options",
+            ),
+        ];
+        for (json, param) in cases {
+            assert_eq!(
+                param_of(completion(json.clone())).as_deref(),
+                Some(param),
+                "{json}"
+            );
+        }
+    }
+
+    #[test]
+    fn chat_maps_logprobs_and_max_completion_tokens() {
+        let req: ChatRequest = serde_json::from_value(serde_json::json!({
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+            "logprobs": true, "top_logprobs": 3, "max_tokens": 5, "max_completion_tokens": 7
+        }))
+        .unwrap();
+        let v = req.validate(128).unwrap();
+        assert_eq!(v.logprobs, Some(3));
+        assert_eq!(v.max_tokens, Some(7));
+        assert_eq!(
+            v.prompts,
+            vec![PromptInput::Chat(vec![ChatMessage {
+                role: ChatRole::User,
+                content: "hi".into()
+            }])]
+        );
+    }
+
+    #[test]
+    fn chat_rejects_tools_and_unknown_roles() {
+        let bad = [
+            (
+                serde_json::json!({"messages": [{"role": "tool", "content": "x"}]}),
+                "messages[0].role",
+            ),
+            (
+                serde_json::json!({"messages": [{"role": "user", "content": "x"}], "tools": [{}]}),
+                "tools",
+            ),
+            (serde_json::json!({"messages": []}), "messages"),
+            (
+                serde_json::json!({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}),
+                "top_logprobs",
+            ),
+            (
+                serde_json::json!({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+                "messages[0].content[0]",
+            ),
+        ];
+        for (json, param) in bad {
+            let req: ChatRequest = serde_json::from_value(json.clone()).unwrap();
+            assert_eq!(
+                param_of(req.validate(128)).as_deref(),
+                Some(param),
+                "{json}"
+            );
+        }
+    }
+}

@@ -1,0 +1,337 @@
+//! OpenAI response bodies and SSE stream chunks for completions and chat completions, and the
+//! conversions of the engine's logprobs into OpenAI's two (different) logprob shapes.
+
+use serde::ser::{SerializeMap, Serializer};
+use serde::Serialize;
+
+use crate::engine::{TokenLogprob, TopLogprob};
+
+/// Token counts of a request.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Usage {
+    /// Prompt tokens (counted once per prompt, whatever `n`).
+    pub prompt_tokens: u32,
+    /// Generated tokens over all choices.
+    pub completion_tokens: u32,
+    /// Their sum.
+    pub total_tokens: u32,
+}
+
+impl Usage {
+    /// Usage from the two counts.
+    pub fn new(prompt_tokens: u32, completion_tokens: u32) -> Self {
+        Self {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens.saturating_add(completion_tokens),
+        }
+    }
+}
+
+/// A `/v1/completions` response, or one stream chunk of it (same shape, as in OpenAI's API).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CompletionResponse {
+    /// Request id (`cmpl-…`).
+    pub id: String,
+    /// Always `text_completion`.
+    pub object: &'static str,
+    /// Unix time of the request, in seconds.
+    pub created: u64,
+    /// The served model.
+    pub model: String,
+    /// Choices (all of them, or those with news in a chunk).
+    pub choices: Vec<CompletionChoice>,
+    /// Absent, null (stream chunks with `include_usage`) or the usage.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Option<Usage>>,
+}
+
+/// One completion choice.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CompletionChoice {
+    /// Choice index: prompt index × n + choice within the prompt.
+    pub index: u32,
+    /// Generated text (with the prompt in front when `echo`).
+    pub text: String,
+    /// Logprobs when asked, else null.
+    pub logprobs: Option<CompletionLogprobs>,
+    /// `stop` or `length` once finished, else null.
+    pub finish_reason: Option<&'static str>,
+}
+
+/// The legacy completions logprobs object.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct CompletionLogprobs {
+    /// Token texts.
+    pub tokens: Vec<String>,
+    /// Their logprobs (null for the first prompt token).
+    pub token_logprobs: Vec<Option<f32>>,
+    /// Per position, a map of alternative token text to logprob (null when none).
+    pub top_logprobs: Vec<Option<TopLogprobMap>>,
+    /// Per token, its character offset in the choice's text.
+    pub text_offset: Vec<u32>,
+}
+
+/// Alternatives at one position, serialized as a JSON object in likelihood order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TopLogprobMap(pub Vec<TopLogprob>);
+
+impl Serialize for TopLogprobMap {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let mut map = serializer.serialize_map(Some(self.0.len()))?;
+        for top in &self.0 {
+            map.serialize_entry(&top.token, &top.logprob)?;
+        }
+        map.end()
+    }
+}
+
+impl CompletionLogprobs {
+    /// Appends tokens whose text starts at character `offset` of the choice text; returns the
+    /// offset after them.
+    pub fn extend(&mut self, logprobs: &[TokenLogprob], mut offset: u32) -> u32 {
+        for lp in logprobs {
+            self.tokens.push(lp.token.clone());
+            self.token_logprobs.push(lp.logprob);
+            self.top_logprobs
+                .push(lp.logprob.map(|_| TopLogprobMap(lp.top.clone())));
+            self.text_offset.push(offset);
+            let chars = u32::try_from(lp.token.chars().count()).unwrap_or(u32::MAX);
+            offset = offset.saturating_add(chars);
+        }
+        offset
+    }
+}
+
+/// A `/v1/chat/completions` response.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ChatResponse {
+    /// Request id (`chatcmpl-…`).
+    pub id: String,
+    /// Always `chat.completion`.
+    pub object: &'static str,
+    /// Unix time of the request, in seconds.
+    pub created: u64,
+    /// The served model.
+    pub model: String,
+    /// The choices.
+    pub choices: Vec<ChatChoice>,
+    /// Token usage.
+    pub usage: Usage,
+}
+
+/// One chat choice.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ChatChoice {
+    /// Choice index.
+    pub index: u32,
+    /// The assistant's message.
+    pub message: ChatResponseMessage,
+    /// Logprobs when asked, else null.
+    pub logprobs: Option<ChatLogprobs>,
+    /// `stop` or `length`.
+    pub finish_reason: Option<&'static str>,
+}
+
+/// The assistant's message.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ChatResponseMessage {
+    /// Always `assistant`.
+    pub role: &'static str,
+    /// The generated text.
+    pub content: String,
+}
+
+/// Chat logprobs.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct ChatLogprobs {
+    /// One entry per generated token.
+    pub content: Vec<ChatTokenLogprob>,
+}
+
+/// One generated token's logprob in the chat shape.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ChatTokenLogprob {
+    /// Token text.
+    pub token: String,
+    /// Its logprob.
+    pub logprob: f32,
+    /// UTF-8 bytes of the token text.
+    pub bytes: Vec<u8>,
+    /// Alternatives, best first.
+    pub top_logprobs: Vec<ChatTopLogprob>,
+}
+
+/// One alternative in the chat shape.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ChatTopLogprob {
+    /// Token text.
+    pub token: String,
+    /// Its logprob.
+    pub logprob: f32,
+    /// UTF-8 bytes of the token text.
+    pub bytes: Vec<u8>,
+}
+
+/// OpenAI's stand-in logprob for a token outside the reported alternatives.
+const VERY_UNLIKELY: f32 = -9999.0;
+
+impl ChatLogprobs {
+    /// Converts engine logprobs of generated tokens.
+    pub fn from_engine(logprobs: &[TokenLogprob]) -> Self {
+        Self {
+            content: logprobs
+                .iter()
+                .map(|lp| ChatTokenLogprob {
+                    token: lp.token.clone(),
+                    logprob: lp.logprob.unwrap_or(VERY_UNLIKELY),
+                    bytes: lp.token.as_bytes().to_vec(),
+                    top_logprobs: lp
+                        .top
+                        .iter()
+                        .map(|t| ChatTopLogprob {
+                            token: t.token.clone(),
+                            logprob: t.logprob,
+                            bytes: t.token.as_bytes().to_vec(),
+                        })
+                        .collect(),
+                })
+                .collect(),
+        }
+    }
+}
+
+/// One chat stream chunk.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ChatChunk {
+    /// Request id, the same in every chunk.
+    pub id: String,
+    /// Always `chat.completion.chunk`.
+    pub object: &'static str,
+    /// Unix time of the request, the same in every chunk.
+    pub created: u64,
+    /// The served model.
+    pub model: String,
+    /// Choices with news (empty in the usage chunk).
+    pub choices: Vec<ChatChunkChoice>,
+    /// Absent, null (with `include_usage`) or the usage (last chunk).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Option<Usage>>,
+}
+
+/// One choice in a chat stream chunk.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ChatChunkChoice {
+    /// Choice index.
+    pub index: u32,
+    /// What is new.
+    pub delta: ChatDelta,
+    /// Logprobs of the new tokens when asked, else null.
+    pub logprobs: Option<ChatLogprobs>,
+    /// Set on the choice's last chunk.
+    pub finish_reason: Option<&'static str>,
+}
+
+/// The new part of the assistant's message.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct ChatDelta {
+    /// `assistant` in each choice's first chunk.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<&'static str>,
+    /// New text.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+}
+
+/// `GET /v1/models`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ModelList {
+    /// Always `list`.
+    pub object: &'static str,
+    /// The served models.
+    pub data: Vec<ModelCard>,
+}
+
+/// One served model.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ModelCard {
+    /// Model name.
+    pub id: String,
+    /// Always `model`.
+    pub object: &'static str,
+    /// Unix time the server started.
+    pub created: u64,
+    /// Always `switchyard`.
+    pub owned_by: &'static str,
+    /// Context window (vLLM's extension).
+    pub max_model_len: usize,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lp(token: &str, logprob: Option<f32>, top: &[(&str, f32)]) -> TokenLogprob {
+        TokenLogprob {
+            token_id: 0,
+            token: token.to_owned(),
+            logprob,
+            top: top
+                .iter()
+                .map(|&(t, l)| TopLogprob {
+                    token_id: 0,
+                    token: t.to_owned(),
+                    logprob: l,
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn completion_logprobs_track_character_offsets() {
+        let mut out = CompletionLogprobs::default();
+        let end = out.extend(
+            &[
+                lp("hé", None, &[]),
+                lp(" llo", Some(-0.5), &[(" llo", -0.5)]),
+            ],
+            3,
+        );
+        assert_eq!(end, 9);
+        let json = serde_json::to_value(&out).unwrap();
+        assert_eq!(
+            json,
+            serde_json::json!({"tokens": ["hé", " llo"], "token_logprobs": [null, -0.5],
+                "top_logprobs": [null, {" llo": -0.5}], "text_offset": [3, 5]})
+        );
+    }
+
+    #[test]
+    fn top_logprob_map_keeps_likelihood_order() {
+        let map = TopLogprobMap(lp("x", Some(-0.1), &[("b", -0.1), ("a", -2.0)]).top);
+        assert_eq!(
+            serde_json::to_string(&map).unwrap(),
+            r#"{"b":-0.1,"a":-2.0}"#
+        );
+    }
+
+    #[test]
+    fn usage_chunk_field_is_absent_null_or_set() {
+        let mut chunk = ChatChunk {
+            id: "c".into(),
+            object: "chat.completion.chunk",
+            created: 1,
+            model: "m".into(),
+            choices: vec![],
+            usage: None,
+        };
+        assert!(serde_json::to_value(&chunk).unwrap().get("usage").is_none());
+        chunk.usage = Some(None);
+        assert!(serde_json::to_value(&chunk).unwrap()["usage"].is_null());
+        chunk.usage = Some(Some(Usage::new(2, 3)));
+        assert_eq!(
+            serde_json::to_value(&chunk).unwrap()["usage"]["total_tokens"],
+            5
+        );
+    }
+}

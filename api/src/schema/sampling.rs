@@ -1,0 +1,193 @@
+//! Validation of the sampler fields shared by completions and chat completions, against
+//! OpenAI's documented ranges and vLLM's `SamplingParams` checks.
+
+use std::collections::HashMap;
+
+use super::limits::{MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS};
+use crate::engine::SamplingOptions;
+use crate::error::ApiError;
+
+/// Sampler fields shared by both endpoints, before validation.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SamplerFields {
+    /// `temperature`.
+    pub temperature: Option<f32>,
+    /// `top_p`.
+    pub top_p: Option<f32>,
+    /// `top_k` (vLLM): -1 or 0 disable.
+    pub top_k: Option<i64>,
+    /// `min_p` (vLLM).
+    pub min_p: Option<f32>,
+    /// `presence_penalty`.
+    pub presence_penalty: Option<f32>,
+    /// `frequency_penalty`.
+    pub frequency_penalty: Option<f32>,
+    /// `repetition_penalty` (vLLM).
+    pub repetition_penalty: Option<f32>,
+    /// `seed`.
+    pub seed: Option<i64>,
+    /// `logit_bias`: token id (as a string) to bias.
+    pub logit_bias: Option<HashMap<String, f32>>,
+    /// `stop_token_ids` (vLLM).
+    pub stop_token_ids: Option<Vec<u32>>,
+    /// `min_tokens` (vLLM).
+    pub min_tokens: Option<u32>,
+    /// `ignore_eos` (vLLM).
+    pub ignore_eos: Option<bool>,
+}
+
+fn check_range(param: &str, value: Option<f32>, lo: f32, hi: f32) -> Result<(), ApiError> {
+    match value {
+        Some(v) if !(v.is_finite() && v >= lo && v <= hi) => Err(ApiError::invalid(
+            param,
+            format!("{param} must be in [{lo}, {hi}], got {v}"),
+        )),
+        _ => Ok(()),
+    }
+}
+
+impl SamplerFields {
+    /// Validates every field against OpenAI's and vLLM's ranges.
+    pub fn validate(self) -> Result<SamplingOptions, ApiError> {
+        check_range("temperature", self.temperature, 0.0, 2.0)?;
+        check_range("min_p", self.min_p, 0.0, 1.0)?;
+        check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)?;
+        check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)?;
+        check_range("repetition_penalty", self.repetition_penalty, 0.01, 10.0)?;
+        if let Some(p) = self.top_p {
+            if !(p.is_finite() && p > 0.0 && p <= 1.0) {
+                return Err(ApiError::invalid(
+                    "top_p",
+                    format!("top_p must be in (0, 1], got {p}"),
+                ));
+            }
+        }
+        let top_k = match self.top_k {
+            None | Some(-1) | Some(0) => 0,
+            Some(k) if (1..=i64::from(u32::MAX)).contains(&k) => u32::try_from(k).unwrap_or(0),
+            Some(k) => {
+                return Err(ApiError::invalid(
+                    "top_k",
+                    format!("top_k must be -1 (disabled) or at least 1, got {k}"),
+                ))
+            }
+        };
+        let logit_bias = parse_logit_bias(self.logit_bias)?;
+        let stop_token_ids = self.stop_token_ids.unwrap_or_default();
+        if stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
+            return Err(ApiError::invalid(
+                "stop_token_ids",
+                format!("at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed"),
+            ));
+        }
+        let defaults = SamplingOptions::default();
+        Ok(SamplingOptions {
+            temperature: self.temperature.unwrap_or(defaults.temperature),
+            top_p: self.top_p.unwrap_or(defaults.top_p),
+            top_k,
+            min_p: self.min_p.unwrap_or(defaults.min_p),
+            presence_penalty: self.presence_penalty.unwrap_or(0.0),
+            frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
+            repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
+            // OpenAI seeds are signed 64-bit; reinterpreting the bits keeps every seed distinct.
+            seed: self.seed.map(|s| u64::from_ne_bytes(s.to_ne_bytes())),
+            logit_bias,
+            stop_token_ids,
+            min_tokens: self.min_tokens.unwrap_or(0),
+            ignore_eos: self.ignore_eos.unwrap_or(false),
+        })
+    }
+}
+
+fn parse_logit_bias(raw: Option<HashMap<String, f32>>) -> Result<Vec<(u32, f32)>, ApiError> {
+    let Some(raw) = raw else {
+        return Ok(Vec::new());
+    };
+    if raw.len() > MAX_LOGIT_BIAS {
+        return Err(ApiError::invalid(
+            "logit_bias",
+            format!("at most {MAX_LOGIT_BIAS} logit_bias entries are allowed"),
+        ));
+    }
+    let mut bias = Vec::with_capacity(raw.len());
+    for (key, value) in raw {
+        let token: u32 = key.trim().parse().map_err(|_| {
+            ApiError::invalid(
+                "logit_bias",
+                format!("logit_bias keys must be token ids, got {key:?}"),
+            )
+        })?;
+        if !(value.is_finite() && (-100.0..=100.0).contains(&value)) {
+            return Err(ApiError::invalid(
+                "logit_bias",
+                format!("logit_bias values must be in [-100, 100], got {value}"),
+            ));
+        }
+        bias.push((token, value));
+    }
+    bias.sort_by_key(|&(token, _)| token);
+    Ok(bias)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn param_of(fields: SamplerFields) -> Option<String> {
+        match fields.validate() {
+            Err(ApiError::InvalidRequest { param, .. }) => param,
+            other => panic!("expected an error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn logit_bias_is_bounded_in_count_and_value() {
+        let too_many: HashMap<String, f32> = (0..=MAX_LOGIT_BIAS as u32)
+            .map(|t| (t.to_string(), 1.0))
+            .collect();
+        let fields = SamplerFields {
+            logit_bias: Some(too_many),
+            ..SamplerFields::default()
+        };
+        assert_eq!(param_of(fields).as_deref(), Some("logit_bias"));
+        let fields = SamplerFields {
+            logit_bias: Some(HashMap::from([("3".to_owned(), -100.5)])),
+            ..SamplerFields::default()
+        };
+        assert_eq!(param_of(fields).as_deref(), Some("logit_bias"));
+    }
+
+    #[test]
+    fn nan_and_infinite_values_are_refused() {
+        let fields = SamplerFields {
+            repetition_penalty: Some(f32::NAN),
+            ..SamplerFields::default()
+        };
+        assert_eq!(param_of(fields).as_deref(), Some("repetition_penalty"));
+        let fields = SamplerFields {
+            top_p: Some(f32::INFINITY),
+            ..SamplerFields::default()
+        };
+        assert_eq!(param_of(fields).as_deref(), Some("top_p"));
+    }
+
+    #[test]
+    fn top_k_minus_one_and_zero_disable() {
+        for k in [-1, 0] {
+            let fields = SamplerFields {
+                top_k: Some(k),
+                ..SamplerFields::default()
+            };
+            assert_eq!(fields.validate().unwrap().top_k, 0);
+        }
+    }
+
+    #[test]
+    fn negative_seeds_keep_their_bits() {
+        let fields = SamplerFields {
+            seed: Some(-2),
+            ..SamplerFields::default()
+        };
+        assert_eq!(fields.validate().unwrap().seed, Some(u64::MAX - 1));
+    }
+}

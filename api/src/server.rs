@@ -1,0 +1,158 @@
+//! Route table, HTTP metrics middleware and the server builder.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use actix_web::body::MessageBody;
+use actix_web::dev::{Server, ServiceRequest, ServiceResponse};
+use actix_web::middleware::{from_fn, Next};
+use actix_web::{web, App, HttpServer};
+
+use crate::auth::{require_admin_key, require_api_key};
+use crate::metrics::{HTTP_REQUESTS, HTTP_REQUEST_DURATION};
+use crate::routes;
+use crate::state::ApiState;
+
+/// Registers every route on an actix-web app or scope.
+///
+/// ```no_run
+/// # fn f(state: switchyard_api::ApiState) {
+/// let app = actix_web::App::new().configure(|cfg| switchyard_api::configure(cfg, state.clone()));
+/// # }
+/// ```
+pub fn configure(cfg: &mut web::ServiceConfig, state: ApiState) {
+    let method_not_allowed = || web::to(routes::method_not_allowed);
+    cfg.app_data(web::Data::new(state))
+        .service(
+            web::scope("/v1")
+                .wrap(from_fn(require_api_key))
+                .wrap(from_fn(record_http))
+                .service(
+                    web::resource("/completions")
+                        .route(web::post().to(routes::completions))
+                        .default_service(method_not_allowed()),
+                )
+                .service(
+                    web::resource("/chat/completions")
+                        .route(web::post().to(routes::chat_completions))
+                        .default_service(method_not_allowed()),
+                )
+                .service(
+                    web::resource("/models")
+                        .route(web::get().to(routes::list_models))
+                        .default_service(method_not_allowed()),
+                ),
+        )
+        .service(
+            web::scope("/admin")
+                .wrap(from_fn(require_admin_key))
+                .wrap(from_fn(record_http))
+                .service(
+                    web::resource("/policy")
+                        .route(web::get().to(routes::get_policy))
+                        .route(web::put().to(routes::put_policy))
+                        .default_service(method_not_allowed()),
+                ),
+        )
+        .service(
+            web::scope("")
+                .wrap(from_fn(record_http))
+                .service(
+                    web::resource("/tokenize")
+                        .wrap(from_fn(require_api_key))
+                        .route(web::post().to(routes::tokenize))
+                        .default_service(method_not_allowed()),
+                )
+                .service(
+                    web::resource("/detokenize")
+                        .wrap(from_fn(require_api_key))
+                        .route(web::post().to(routes::detokenize))
+                        .default_service(method_not_allowed()),
+                )
+                .service(
+                    web::resource("/health")
+                        .route(web::get().to(routes::health))
+                        .default_service(method_not_allowed()),
+                )
+                .service(
+                    web::resource("/ready")
+                        .route(web::get().to(routes::ready))
+                        .default_service(method_not_allowed()),
+                )
+                .service(
+                    web::resource("/metrics")
+                        .route(web::get().to(routes::metrics))
+                        .default_service(method_not_allowed()),
+                ),
+        )
+        .default_service(web::to(routes::not_found));
+}
+
+/// Counts responses by route template and status, and times them.
+async fn record_http(
+    req: ServiceRequest,
+    next: Next<impl MessageBody + 'static>,
+) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
+    let start = Instant::now();
+    let fallback = req.match_pattern();
+    let result = next.call(req).await;
+    let (route, status) = match &result {
+        Ok(res) => (res.request().match_pattern(), res.status()),
+        Err(e) => (fallback, e.as_response_error().status_code()),
+    };
+    let route = route.unwrap_or_else(|| "unmatched".to_owned());
+    let status = status.as_u16().to_string();
+    metrics::counter!(HTTP_REQUESTS, "route" => route.clone(), "status" => status).increment(1);
+    metrics::histogram!(HTTP_REQUEST_DURATION, "route" => route)
+        .record(start.elapsed().as_secs_f64());
+    result
+}
+
+/// How to run the HTTP server.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ServerOptions {
+    /// Addresses to listen on.
+    pub bind: Vec<SocketAddr>,
+    /// HTTP worker threads; 0 means one per CPU core.
+    pub workers: usize,
+    /// Time a client may take to send its request head (else 408).
+    pub client_request_timeout: Duration,
+    /// Time actix waits for open connections after `stop(true)` before closing them.
+    pub shutdown_timeout: Duration,
+}
+
+impl Default for ServerOptions {
+    fn default() -> Self {
+        Self {
+            bind: vec![SocketAddr::from(([127, 0, 0, 1], 8000))],
+            workers: 0,
+            client_request_timeout: Duration::from_secs(10),
+            shutdown_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Binds the server. The caller awaits the returned [`Server`] inside an actix (or
+/// `#[actix_web::main]`) runtime and keeps `server.handle()` to stop it. actix-web's own
+/// signal handling is disabled: the binary drains with [`ApiState::begin_drain`] and
+/// [`ApiState::wait_idle`], then calls `handle.stop(true)`.
+pub fn build_server(state: ApiState, options: &ServerOptions) -> std::io::Result<Server> {
+    let app_state = state.clone();
+    let mut server = HttpServer::new(move || {
+        let state = app_state.clone();
+        App::new().configure(move |cfg| configure(cfg, state))
+    })
+    .disable_signals()
+    // A client that closes its end has left: end the connection, which drops the handler
+    // future or the response body and so aborts the engine request (see `engine` docs).
+    .h1_allow_half_closed(false)
+    .client_request_timeout(options.client_request_timeout)
+    .shutdown_timeout(options.shutdown_timeout.as_secs());
+    if options.workers > 0 {
+        server = server.workers(options.workers);
+    }
+    for addr in &options.bind {
+        server = server.bind(addr)?;
+    }
+    Ok(server.run())
+}

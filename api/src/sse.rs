@@ -1,0 +1,131 @@
+//! Server-sent events in OpenAI's framing: `data: {json}\n\n` per chunk, an optional usage
+//! chunk, then `data: [DONE]\n\n`. An error after the stream started is sent as an OpenAI error
+//! body chunk, then `[DONE]`.
+//!
+//! The response body owns the [`Generation`]; when the client disconnects actix-web drops the
+//! body, which drops the engine receivers and so aborts the engine requests.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+
+use actix_web::http::header;
+use actix_web::HttpResponse;
+use bytes::Bytes;
+use serde::Serialize;
+
+use crate::error::ApiError;
+use crate::generation::{ChoiceDelta, Generation};
+use crate::schema::Usage;
+use crate::state::InFlight;
+
+/// The last frame of every stream.
+pub(crate) const DONE_FRAME: &[u8] = b"data: [DONE]\n\n";
+
+/// Endpoint-specific chunk building.
+pub(crate) trait ChunkWriter: 'static {
+    /// Frames to send before the first delta (chat: the role; completions: echoed prompts).
+    fn opening(&mut self, generation: &Generation) -> Vec<Bytes>;
+    /// The frame for one delta, or `None` if it carries nothing to send.
+    fn delta(&mut self, delta: ChoiceDelta) -> Option<Bytes>;
+    /// The final usage frame.
+    fn usage(&self, usage: Usage) -> Bytes;
+}
+
+/// One `data:` frame holding `value` as JSON.
+pub(crate) fn frame<T: Serialize>(value: &T) -> Bytes {
+    let mut out = b"data: ".to_vec();
+    if serde_json::to_writer(&mut out, value).is_err() {
+        out.truncate(6);
+        out.extend_from_slice(
+            br#"{"error":{"message":"failed to encode a chunk","type":"server_error","param":null,"code":null}}"#,
+        );
+    }
+    out.extend_from_slice(b"\n\n");
+    Bytes::from(out)
+}
+
+struct SseState<W> {
+    generation: Generation,
+    writer: W,
+    queue: VecDeque<Bytes>,
+    include_usage: bool,
+    completion_tokens: u32,
+    done: bool,
+    _in_flight: InFlight,
+}
+
+/// Streams a started generation as an SSE response.
+pub(crate) fn sse_response<W: ChunkWriter>(
+    generation: Generation,
+    mut writer: W,
+    include_usage: bool,
+    in_flight: InFlight,
+) -> HttpResponse {
+    let queue = writer.opening(&generation).into();
+    let state = SseState {
+        generation,
+        writer,
+        queue,
+        include_usage,
+        completion_tokens: 0,
+        done: false,
+        _in_flight: in_flight,
+    };
+    let body = futures_util::stream::unfold(state, |mut st| async move {
+        loop {
+            if let Some(frame) = st.queue.pop_front() {
+                return Some((Ok::<_, Infallible>(frame), st));
+            }
+            if st.done {
+                return None;
+            }
+            match st.generation.next().await {
+                Some(Ok(delta)) => {
+                    if let Some(finish) = delta.delta.finish {
+                        st.completion_tokens = st
+                            .completion_tokens
+                            .saturating_add(finish.completion_tokens);
+                    }
+                    if let Some(frame) = st.writer.delta(delta) {
+                        st.queue.push_back(frame);
+                    }
+                }
+                Some(Err(error)) => {
+                    tracing::warn!(error = %error, "generation failed mid-stream");
+                    st.queue.push_back(frame(&error_body(&error)));
+                    st.queue.push_back(Bytes::from_static(DONE_FRAME));
+                    st.done = true;
+                }
+                None => {
+                    if st.include_usage {
+                        let usage =
+                            Usage::new(st.generation.total_prompt_tokens(), st.completion_tokens);
+                        st.queue.push_back(st.writer.usage(usage));
+                    }
+                    st.queue.push_back(Bytes::from_static(DONE_FRAME));
+                    st.done = true;
+                }
+            }
+        }
+    });
+    HttpResponse::Ok()
+        .insert_header((header::CONTENT_TYPE, "text/event-stream"))
+        .insert_header((header::CACHE_CONTROL, "no-cache"))
+        .insert_header(("X-Accel-Buffering", "no"))
+        .streaming(body)
+}
+
+fn error_body(error: &ApiError) -> crate::error::ErrorBody {
+    error.to_body()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_are_data_lines_with_blank_line() {
+        let f = frame(&serde_json::json!({"a": 1}));
+        assert_eq!(&f[..], b"data: {\"a\":1}\n\n");
+    }
+}

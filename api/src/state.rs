@@ -1,0 +1,173 @@
+//! Shared state of the HTTP layer: the engine port, the configuration, the metrics handle and
+//! the drain switch used for graceful shutdown.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use metrics_exporter_prometheus::PrometheusHandle;
+use tokio::sync::watch;
+
+use crate::auth::ApiConfig;
+use crate::engine::{Engine, EngineError, EngineErrorKind};
+use crate::error::ApiError;
+use crate::metrics::HTTP_IN_FLIGHT;
+
+/// Everything the routes share. Cheap to clone; one clone per HTTP worker.
+#[derive(Clone)]
+pub struct ApiState {
+    /// The engine behind the API.
+    pub(crate) engine: Arc<dyn Engine>,
+    /// HTTP settings.
+    pub(crate) config: Arc<ApiConfig>,
+    /// Renders `/metrics`; `None` answers 404 there.
+    pub(crate) metrics: Option<PrometheusHandle>,
+    /// Drain switch and in-flight count.
+    lifecycle: Arc<Lifecycle>,
+    /// Unix time the state was created, for `/v1/models`.
+    pub(crate) started: u64,
+}
+
+struct Lifecycle {
+    draining: AtomicBool,
+    in_flight: watch::Sender<usize>,
+}
+
+impl ApiState {
+    /// State for [`crate::configure`]. `metrics` comes from
+    /// [`crate::metrics::install_prometheus_recorder`].
+    pub fn new(
+        engine: Arc<dyn Engine>,
+        config: ApiConfig,
+        metrics: Option<PrometheusHandle>,
+    ) -> Self {
+        let (in_flight, _) = watch::channel(0);
+        Self {
+            engine,
+            config: Arc::new(config),
+            metrics,
+            lifecycle: Arc::new(Lifecycle {
+                draining: AtomicBool::new(false),
+                in_flight,
+            }),
+            started: unix_now(),
+        }
+    }
+
+    /// Stops accepting generation requests: from now on they, and `/ready`, answer 503 with
+    /// `Retry-After`, while requests already in flight (streams included) run to completion.
+    pub fn begin_drain(&self) {
+        self.lifecycle.draining.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether [`ApiState::begin_drain`] was called.
+    pub fn is_draining(&self) -> bool {
+        self.lifecycle.draining.load(Ordering::SeqCst)
+    }
+
+    /// Generation requests being served now (a stream counts until its last byte or its client
+    /// leaves).
+    pub fn in_flight(&self) -> usize {
+        *self.lifecycle.in_flight.borrow()
+    }
+
+    /// Resolves once no generation request is in flight. Wrap it in a timeout for a bounded
+    /// drain.
+    pub async fn wait_idle(&self) {
+        let mut rx = self.lifecycle.in_flight.subscribe();
+        // `wait_for` only fails if the sender is gone, and `self` holds it.
+        let _ = rx.wait_for(|&n| n == 0).await;
+    }
+
+    /// Admits one generation request, or refuses it while draining or before the engine is
+    /// ready.
+    pub(crate) fn admit(&self) -> Result<InFlight, ApiError> {
+        if self.is_draining() {
+            return Err(ApiError::Draining);
+        }
+        if !self.engine.is_ready() {
+            return Err(ApiError::Engine(EngineError::new(
+                EngineErrorKind::Unavailable,
+                "The model is still loading.",
+            )));
+        }
+        self.lifecycle.in_flight.send_modify(|n| *n += 1);
+        metrics::gauge!(HTTP_IN_FLIGHT).increment(1.0);
+        Ok(InFlight {
+            lifecycle: Arc::clone(&self.lifecycle),
+        })
+    }
+}
+
+/// Marks one generation request as in flight until dropped.
+pub(crate) struct InFlight {
+    lifecycle: Arc<Lifecycle>,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.lifecycle
+            .in_flight
+            .send_modify(|n| *n = n.saturating_sub(1));
+        metrics::gauge!(HTTP_IN_FLIGHT).decrement(1.0);
+    }
+}
+
+/// Seconds since the Unix epoch (0 if the clock is before it).
+pub(crate) fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// A fresh request id: `prefix` and 32 random hex digits, or the client's `X-Request-Id` if it
+/// is short and plain (`[A-Za-z0-9._-]{1,64}`).
+pub(crate) fn request_id(prefix: &str, client_id: Option<&str>) -> String {
+    if let Some(id) = client_id.filter(|id| {
+        (1..=64).contains(&id.len())
+            && id
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+    }) {
+        return format!("{prefix}{id}");
+    }
+    let mut bytes = [0u8; 16];
+    if getrandom::fill(&mut bytes).is_err() {
+        // Without OS randomness fall back to time and a counter: unique, merely guessable.
+        static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        bytes[..8].copy_from_slice(&n.to_le_bytes());
+        bytes[8..].copy_from_slice(&(nanos as u64).to_le_bytes());
+    }
+    let mut id = String::with_capacity(prefix.len() + 32);
+    id.push_str(prefix);
+    for b in bytes {
+        id.push(char::from(b"0123456789abcdef"[usize::from(b >> 4)]));
+        id.push(char::from(b"0123456789abcdef"[usize::from(b & 15)]));
+    }
+    id
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_ids_are_unique_hex() {
+        let a = request_id("cmpl-", None);
+        let b = request_id("cmpl-", None);
+        assert_ne!(a, b);
+        assert_eq!(a.len(), 5 + 32);
+        assert!(a[5..].bytes().all(|c| c.is_ascii_hexdigit()));
+    }
+
+    #[test]
+    fn client_request_ids_are_used_only_when_plain() {
+        assert_eq!(request_id("cmpl-", Some("abc-1")), "cmpl-abc-1");
+        assert_ne!(request_id("cmpl-", Some("a b")), "cmpl-a b");
+        assert_ne!(request_id("cmpl-", Some(&"x".repeat(65))).len(), 70);
+    }
+}

@@ -1,0 +1,434 @@
+//! A deterministic test double of the engine port, and helpers to drive the app in process.
+//!
+//! `EchoEngine` tokenizes bytes (token id = byte value), so a prompt of k ASCII characters has k
+//! tokens. Choice `i` of a request repeats the prompt's text rotated left by `i` characters,
+//! one character (= one token) per delta, until `max_tokens` (default: the rest of the context
+//! window). A stop string truncates the output before it (finish reason `stop`). With logprobs,
+//! every sampled token has logprob -0.5 and its alternatives are the token itself (-0.5) then
+//! `"~"` (-2.0), cut to the requested count; prompt logprobs are null for the first token, -1.0
+//! after. Chat messages render as `role: content\n` lines followed by `assistant:`.
+
+#![allow(dead_code)]
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use actix_web::body::MessageBody;
+use actix_web::dev::{Service, ServiceResponse};
+use actix_web::http::StatusCode;
+use actix_web::{test, App};
+use switchyard_api::engine::{
+    ChatMessage, Delta, Engine, EngineError, EngineErrorKind, EngineEvent, EngineFuture, Finish,
+    FinishReason, GenerateRequest, PolicyInfo, PolicySpec, PromptInput, TokenLogprob,
+    TokenizeInput, TopLogprob,
+};
+use switchyard_api::{ApiConfig, ApiKeyEntry, ApiState};
+use tokio::sync::mpsc;
+
+pub const MODEL: &str = "echo-1";
+pub const KEY: &str = "sk-test-acme";
+pub const ADMIN_KEY: &str = "admin-secret";
+
+pub struct EchoEngine {
+    pub max_model_len: usize,
+    pub ready: AtomicBool,
+    pub overloaded: AtomicBool,
+    /// Accept requests but never finish them; the senders are kept here.
+    pub hang: AtomicBool,
+    /// End every request with an `Unavailable` error right after its first delta.
+    pub fail_mid_stream: AtomicBool,
+    pub held: Mutex<Vec<mpsc::Sender<EngineEvent>>>,
+    pub submitted: Mutex<Vec<GenerateRequest>>,
+    pub policy: Mutex<PolicyInfo>,
+}
+
+impl EchoEngine {
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self {
+            max_model_len: 64,
+            ready: AtomicBool::new(true),
+            overloaded: AtomicBool::new(false),
+            hang: AtomicBool::new(false),
+            fail_mid_stream: AtomicBool::new(false),
+            held: Mutex::new(Vec::new()),
+            submitted: Mutex::new(Vec::new()),
+            policy: Mutex::new(PolicyInfo {
+                name: "fcfs".into(),
+                params: serde_json::json!({}),
+                available: vec!["fcfs".into(), "priority".into()],
+            }),
+        })
+    }
+
+    pub fn last_request(&self) -> GenerateRequest {
+        self.submitted.lock().unwrap().last().cloned().unwrap()
+    }
+}
+
+pub fn render_chat(messages: &[ChatMessage], add_generation_prompt: bool) -> String {
+    let mut text = String::new();
+    for m in messages {
+        text.push_str(m.role.as_str());
+        text.push_str(": ");
+        text.push_str(&m.content);
+        text.push('\n');
+    }
+    if add_generation_prompt {
+        text.push_str("assistant:");
+    }
+    text
+}
+
+fn token_text(id: u32) -> String {
+    u8::try_from(id).map_or_else(|_| "?".into(), |b| char::from(b).to_string())
+}
+
+fn sampled_logprob(id: u32, top: u32) -> TokenLogprob {
+    let alternatives = [
+        TopLogprob {
+            token_id: id,
+            token: token_text(id),
+            logprob: -0.5,
+        },
+        TopLogprob {
+            token_id: u32::from(b'~'),
+            token: "~".into(),
+            logprob: -2.0,
+        },
+    ];
+    TokenLogprob {
+        token_id: id,
+        token: token_text(id),
+        logprob: Some(-0.5),
+        top: alternatives.into_iter().take(top as usize).collect(),
+    }
+}
+
+impl Engine for EchoEngine {
+    fn model_name(&self) -> &str {
+        MODEL
+    }
+
+    fn max_model_len(&self) -> usize {
+        self.max_model_len
+    }
+
+    fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::SeqCst)
+    }
+
+    fn submit(&self, request: GenerateRequest) -> Result<mpsc::Receiver<EngineEvent>, EngineError> {
+        if self.overloaded.load(Ordering::SeqCst) {
+            return Err(EngineError::new(
+                EngineErrorKind::Overloaded {
+                    retry_after_secs: 2,
+                },
+                "The waiting queue is full.",
+            ));
+        }
+        self.submitted.lock().unwrap().push(request.clone());
+        let prompt: Vec<u32> = match &request.prompt {
+            PromptInput::Text(text) => text.bytes().map(u32::from).collect(),
+            PromptInput::Tokens(ids) => ids.clone(),
+            PromptInput::Chat(messages) => {
+                render_chat(messages, true).bytes().map(u32::from).collect()
+            }
+        };
+        let mut events = Vec::new();
+        let budget = self.max_model_len.saturating_sub(prompt.len());
+        let max_tokens = request.max_tokens.map_or(budget, |m| m as usize);
+        if prompt.len() + max_tokens > self.max_model_len {
+            events.push(EngineEvent::Error(EngineError::new(
+                EngineErrorKind::ContextLengthExceeded,
+                format!(
+                    "This model's maximum context length is {} tokens; the request has {} prompt tokens and asks for {max_tokens}.",
+                    self.max_model_len,
+                    prompt.len()
+                ),
+            )));
+        } else if let Some(&(bad, _)) = request.sampling.logit_bias.iter().find(|(t, _)| *t > 255) {
+            events.push(EngineEvent::Error(
+                EngineError::new(
+                    EngineErrorKind::InvalidRequest,
+                    format!("token id {bad} is out of vocabulary"),
+                )
+                .with_param("logit_bias"),
+            ));
+        } else {
+            events.push(EngineEvent::Prompt {
+                prompt_tokens: prompt.len() as u32,
+                prompt_logprobs: request.prompt_logprobs.map(|k| {
+                    prompt
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &id)| TokenLogprob {
+                            token_id: id,
+                            token: token_text(id),
+                            logprob: (i > 0).then_some(-1.0),
+                            top: if i > 0 {
+                                sampled_logprob(id, k).top
+                            } else {
+                                Vec::new()
+                            },
+                        })
+                        .collect()
+                }),
+            });
+            if !self.hang.load(Ordering::SeqCst) {
+                push_outputs(&mut events, &request, &prompt, max_tokens);
+            }
+            if self.fail_mid_stream.load(Ordering::SeqCst) {
+                events.truncate(2);
+                events.push(EngineEvent::Error(EngineError::new(
+                    EngineErrorKind::Unavailable,
+                    "The engine is shutting down.",
+                )));
+            }
+        }
+        let (tx, rx) = mpsc::channel(events.len() + 1);
+        for event in events {
+            tx.try_send(event)
+                .map_err(|_| EngineError::new(EngineErrorKind::Internal, "channel full"))?;
+        }
+        if self.hang.load(Ordering::SeqCst) {
+            self.held.lock().unwrap().push(tx);
+        }
+        Ok(rx)
+    }
+
+    fn tokenize(&self, input: TokenizeInput) -> EngineFuture<Vec<u32>> {
+        let text = match input {
+            TokenizeInput::Text { text, .. } => text,
+            TokenizeInput::Chat {
+                messages,
+                add_generation_prompt,
+            } => render_chat(&messages, add_generation_prompt),
+        };
+        Box::pin(async move { Ok(text.bytes().map(u32::from).collect()) })
+    }
+
+    fn detokenize(&self, token_ids: Vec<u32>) -> EngineFuture<String> {
+        Box::pin(async move {
+            let bytes = token_ids
+                .iter()
+                .map(|&t| u8::try_from(t))
+                .collect::<Result<Vec<u8>, _>>()
+                .map_err(|_| {
+                    EngineError::new(
+                        EngineErrorKind::InvalidRequest,
+                        "token id out of vocabulary",
+                    )
+                    .with_param("tokens")
+                })?;
+            Ok(String::from_utf8_lossy(&bytes).into_owned())
+        })
+    }
+
+    fn policy(&self) -> EngineFuture<PolicyInfo> {
+        let info = self.policy.lock().unwrap().clone();
+        Box::pin(async move { Ok(info) })
+    }
+
+    fn swap_policy(&self, spec: PolicySpec) -> EngineFuture<PolicyInfo> {
+        let mut policy = self.policy.lock().unwrap();
+        let result = if policy.available.contains(&spec.name) {
+            policy.name = spec.name;
+            policy.params = spec.params;
+            Ok(policy.clone())
+        } else {
+            Err(EngineError::new(
+                EngineErrorKind::InvalidRequest,
+                format!("unknown policy {:?}", spec.name),
+            )
+            .with_param("name"))
+        };
+        Box::pin(async move { result })
+    }
+}
+
+/// Each choice's full output, then one delta per character, round-robin over choices.
+fn push_outputs(
+    events: &mut Vec<EngineEvent>,
+    request: &GenerateRequest,
+    prompt: &[u32],
+    max_tokens: usize,
+) {
+    let n = request.n as usize;
+    let outputs: Vec<(Vec<u32>, FinishReason)> = (0..n)
+        .map(|i| {
+            let mut ids: Vec<u32> = prompt
+                .iter()
+                .cycle()
+                .skip(i)
+                .take(max_tokens)
+                .copied()
+                .collect();
+            let text: String = ids.iter().map(|&t| token_text(t)).collect();
+            let cut = request
+                .stop
+                .iter()
+                .filter_map(|s| text.find(s.as_str()))
+                .min();
+            match cut {
+                Some(at) => {
+                    ids.truncate(at);
+                    (ids, FinishReason::Stop)
+                }
+                None => (ids, FinishReason::Length),
+            }
+        })
+        .collect();
+    let longest = outputs
+        .iter()
+        .map(|(ids, _)| ids.len())
+        .max()
+        .unwrap_or(0)
+        .max(1);
+    for step in 0..longest {
+        for (i, (ids, reason)) in outputs.iter().enumerate() {
+            let last = step + 1 == ids.len().max(1);
+            if step >= ids.len().max(1) {
+                continue;
+            }
+            let token_ids: Vec<u32> = ids.get(step).copied().into_iter().collect();
+            events.push(EngineEvent::Delta(Delta {
+                index: i as u32,
+                text: token_ids.iter().map(|&t| token_text(t)).collect(),
+                logprobs: match request.logprobs {
+                    Some(k) => token_ids.iter().map(|&t| sampled_logprob(t, k)).collect(),
+                    None => Vec::new(),
+                },
+                token_ids,
+                finish: last.then_some(Finish {
+                    reason: *reason,
+                    completion_tokens: ids.len() as u32,
+                }),
+            }));
+        }
+    }
+}
+
+pub fn api_config() -> ApiConfig {
+    ApiConfig {
+        api_keys: vec![ApiKeyEntry {
+            key: KEY.into(),
+            tenant: "acme".into(),
+            tier: "premium".into(),
+        }],
+        admin_key: Some(ADMIN_KEY.into()),
+        max_body_bytes: 4096,
+        ..ApiConfig::default()
+    }
+}
+
+/// The process-wide recorder (installed once per test binary).
+pub fn metrics_handle() -> metrics_exporter_prometheus::PrometheusHandle {
+    static HANDLE: OnceLock<metrics_exporter_prometheus::PrometheusHandle> = OnceLock::new();
+    HANDLE
+        .get_or_init(|| switchyard_api::metrics::install_prometheus_recorder().unwrap())
+        .clone()
+}
+
+pub async fn app(
+    engine: Arc<EchoEngine>,
+    config: ApiConfig,
+) -> (
+    ApiState,
+    impl Service<
+        actix_http::Request,
+        Response = ServiceResponse<impl MessageBody>,
+        Error = actix_web::Error,
+    >,
+) {
+    let state = ApiState::new(engine, config, Some(metrics_handle()));
+    let app_state = state.clone();
+    let service = test::init_service(
+        App::new().configure(move |cfg| switchyard_api::configure(cfg, app_state)),
+    )
+    .await;
+    (state, service)
+}
+
+pub struct Reply {
+    pub status: StatusCode,
+    pub headers: actix_web::http::header::HeaderMap,
+    pub body: bytes::Bytes,
+}
+
+impl Reply {
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("{e}: {:?}", self.body))
+    }
+
+    pub fn text(&self) -> &str {
+        std::str::from_utf8(&self.body).unwrap()
+    }
+
+    /// Asserts an OpenAI error body with this status, type and param; returns the body.
+    pub fn assert_error(&self, status: u16, kind: &str, param: Option<&str>) -> serde_json::Value {
+        assert_eq!(self.status.as_u16(), status, "{}", self.text());
+        let body = self.json();
+        let error = &body["error"];
+        assert!(
+            error["message"].as_str().is_some_and(|m| !m.is_empty()),
+            "{body}"
+        );
+        assert_eq!(error["type"], kind, "{body}");
+        assert_eq!(error["param"].as_str(), param, "{body}");
+        assert!(error.get("code").is_some(), "{body}");
+        body
+    }
+}
+
+pub async fn send<S, B>(service: &S, request: test::TestRequest) -> Reply
+where
+    S: Service<actix_http::Request, Response = ServiceResponse<B>, Error = actix_web::Error>,
+    B: MessageBody,
+{
+    match service.call(request.to_request()).await {
+        Ok(response) => {
+            let status = response.status();
+            let headers = response.headers().clone();
+            let body = test::read_body(response).await;
+            Reply {
+                status,
+                headers,
+                body,
+            }
+        }
+        // Errors from middleware reach the server as `Err`; render them as it would.
+        Err(error) => {
+            let response = error.error_response();
+            let status = response.status();
+            let headers = response.headers().clone();
+            let body = actix_web::body::to_bytes(response.into_body())
+                .await
+                .unwrap();
+            Reply {
+                status,
+                headers,
+                body,
+            }
+        }
+    }
+}
+
+pub fn post(path: &str, body: &serde_json::Value) -> test::TestRequest {
+    test::TestRequest::post()
+        .uri(path)
+        .insert_header(("authorization", format!("Bearer {KEY}")))
+        .set_payload(body.to_string())
+}
+
+/// Splits an SSE body into its `data:` payloads, asserting the framing is exact.
+pub fn sse_payloads(body: &str) -> Vec<&str> {
+    assert!(body.ends_with("data: [DONE]\n\n"), "{body:?}");
+    let frames: Vec<&str> = body.split_terminator("\n\n").collect();
+    frames
+        .iter()
+        .map(|f| {
+            f.strip_prefix("data: ")
+                .unwrap_or_else(|| panic!("bad frame {f:?}"))
+        })
+        .collect()
+}

@@ -1,0 +1,382 @@
+//! Errors, auth, admin, limits, readiness, draining, metrics and disconnects over the in-process
+//! app with the echo engine (tests/common).
+
+mod common;
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use actix_web::body::MessageBody;
+use actix_web::dev::Service;
+use actix_web::test::TestRequest;
+use common::*;
+use serde_json::{json, Value};
+
+const BAD: &str = "invalid_request_error";
+
+/// One bad input: the path, the raw body, the expected status and `param`.
+async fn check_bad(path: &str, body: &str, status: u16, param: Option<&str>) -> Value {
+    let (_, app) = app(EchoEngine::new(), api_config()).await;
+    let request = TestRequest::post()
+        .uri(path)
+        .insert_header(("authorization", format!("Bearer {KEY}")))
+        .set_payload(body.to_owned());
+    let body = send(&app, request).await.assert_error(status, BAD, param);
+    // The server keeps serving after a bad request.
+    let good = send(
+        &app,
+        post("/v1/completions", &json!({"prompt": "ok", "max_tokens": 1})),
+    )
+    .await;
+    assert_eq!(good.status, 200);
+    body
+}
+
+#[actix_web::test]
+async fn bad_inputs_get_400_with_the_field_named() {
+    let bias: serde_json::Map<String, Value> =
+        (0..301).map(|t| (t.to_string(), json!(1))).collect();
+    let cases: Vec<(&str, String, Option<&str>)> = vec![
+        ("/v1/completions", r#"{"prompt": "#.into(), None),
+        ("/v1/completions", String::new(), None),
+        ("/v1/completions", r#"{"max_tokens": 3}"#.into(), Some("prompt")),
+        ("/v1/completions", r#"{"prompt": "x", "temperature": "hot"}"#.into(), Some("temperature")),
+        ("/v1/completions", r#"{"prompt": "x", "temperature": 3}"#.into(), Some("temperature")),
+        ("/v1/completions", r#"{"prompt": "x", "top_p": 0}"#.into(), Some("top_p")),
+        ("/v1/completions", r#"{"prompt": "x", "n": 17}"#.into(), Some("n")),
+        ("/v1/completions", r#"{"prompt": "x", "max_tokens": 0}"#.into(), Some("max_tokens")),
+        ("/v1/completions", r#"{"prompt": "x", "logprobs": 21}"#.into(), Some("logprobs")),
+        ("/v1/completions", r#"{"prompt": "x", "stop": ["a","b","c","d","e"]}"#.into(), Some("stop")),
+        ("/v1/completions", json!({"prompt": "x", "logit_bias": bias}).to_string(), Some("logit_bias")),
+        ("/v1/completions", r#"{"prompt": "x", "logit_bias": {"5": 150}}"#.into(), Some("logit_bias")),
+        ("/v1/completions", r#"{"prompt": "x", "logit_bias": {"999": 1}}"#.into(), Some("logit_bias")),
+        ("/v1/completions", r#"{"prompt": "x", "stream": true, "n": 0}"#.into(), Some("n")),
+        ("/v1/chat/completions", r#"{"messages": []}"#.into(), Some("messages")),
+        ("/v1/chat/completions", r#"{"messages": [{"role": "tool", "content": "x"}]}"#.into(), Some("messages[0].role")),
+        ("/v1/chat/completions", r#"{"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 21}"#.into(), Some("top_logprobs")),
+        ("/v1/chat/completions", r#"{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}"#.into(), Some("tools")),
+        ("/v1/chat/completions", r#"{"messages": [{"role": "user", "content": 5}]}"#.into(), Some("messages[0].content")),
+    ];
+    for (path, body, param) in cases {
+        let error = check_bad(path, &body, 400, param).await;
+        assert!(error["error"]["code"].is_null(), "{body}: {error}");
+    }
+}
+
+#[actix_web::test]
+async fn context_overflow_is_400_context_length_exceeded() {
+    let long = "x".repeat(60);
+    let error = check_bad(
+        "/v1/completions",
+        &json!({"prompt": long, "max_tokens": 10}).to_string(),
+        400,
+        Some("prompt"),
+    )
+    .await;
+    assert_eq!(error["error"]["code"], "context_length_exceeded");
+    let tokens = vec![1u32; 65];
+    let error = check_bad(
+        "/v1/completions",
+        &json!({"prompt": tokens}).to_string(),
+        400,
+        Some("prompt"),
+    )
+    .await;
+    assert_eq!(error["error"]["code"], "context_length_exceeded");
+    let body = json!({"messages": [{"role": "user", "content": long}], "stream": true});
+    let error = check_bad(
+        "/v1/chat/completions",
+        &body.to_string(),
+        400,
+        Some("messages"),
+    )
+    .await;
+    assert_eq!(error["error"]["code"], "context_length_exceeded");
+}
+
+#[actix_web::test]
+async fn unknown_model_is_404_model_not_found() {
+    let error = check_bad(
+        "/v1/chat/completions",
+        r#"{"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}"#,
+        404,
+        Some("model"),
+    )
+    .await;
+    assert_eq!(error["error"]["code"], "model_not_found");
+}
+
+#[actix_web::test]
+async fn oversized_body_is_413() {
+    let body = json!({"prompt": "x".repeat(5000)}).to_string();
+    let error = check_bad("/v1/completions", &body, 413, None).await;
+    assert_eq!(error["error"]["code"], "request_too_large");
+}
+
+#[actix_web::test]
+async fn unknown_routes_and_methods_get_openai_bodies() {
+    let (_, app) = app(EchoEngine::new(), api_config()).await;
+    send(&app, TestRequest::get().uri("/nope"))
+        .await
+        .assert_error(404, BAD, None);
+    let request = TestRequest::get()
+        .uri("/v1/completions")
+        .insert_header(("authorization", format!("Bearer {KEY}")));
+    send(&app, request).await.assert_error(405, BAD, None);
+    let request = TestRequest::get()
+        .uri("/v1/embeddings")
+        .insert_header(("authorization", format!("Bearer {KEY}")));
+    send(&app, request).await.assert_error(404, BAD, None);
+}
+
+#[actix_web::test]
+async fn api_key_is_required_and_checked() {
+    let (_, app) = app(EchoEngine::new(), api_config()).await;
+    let body = json!({"prompt": "x", "max_tokens": 1}).to_string();
+    let cases = [
+        None,
+        Some("Bearer wrong"),
+        Some("Bearer sk-test-acm"),
+        Some(ADMIN_KEY),
+        Some("Basic c2stdGVzdC1hY21l"),
+    ];
+    for auth in cases {
+        let mut request = TestRequest::post()
+            .uri("/v1/completions")
+            .set_payload(body.clone());
+        if let Some(auth) = auth {
+            request = request.insert_header(("authorization", auth));
+        }
+        let error = send(&app, request).await.assert_error(401, BAD, None);
+        assert_eq!(error["error"]["code"], "invalid_api_key", "{auth:?}");
+    }
+    let tokenize = TestRequest::post()
+        .uri("/tokenize")
+        .set_payload(r#"{"prompt": "x"}"#);
+    send(&app, tokenize).await.assert_error(401, BAD, None);
+    let lower = TestRequest::post()
+        .uri("/v1/completions")
+        .insert_header(("authorization", format!("bearer {KEY}")))
+        .set_payload(body);
+    assert_eq!(send(&app, lower).await.status, 200);
+    assert_eq!(
+        send(&app, TestRequest::get().uri("/health")).await.status,
+        200
+    );
+}
+
+#[actix_web::test]
+async fn open_api_serves_without_key_as_anonymous() {
+    let engine = EchoEngine::new();
+    let config = switchyard_api::ApiConfig {
+        max_body_bytes: 4096,
+        ..Default::default()
+    };
+    let (_, app) = app(engine.clone(), config).await;
+    let request = TestRequest::post()
+        .uri("/v1/completions")
+        .set_payload(r#"{"prompt": "x", "max_tokens": 1}"#);
+    assert_eq!(send(&app, request).await.status, 200);
+    assert_eq!(engine.last_request().tenant, "anonymous");
+}
+
+#[actix_web::test]
+async fn admin_policy_needs_the_admin_key_and_swaps() {
+    let engine = EchoEngine::new();
+    let (_, app) = app(engine.clone(), api_config()).await;
+    let admin = |r: TestRequest| r.insert_header(("authorization", format!("Bearer {ADMIN_KEY}")));
+    let with_api_key = TestRequest::get()
+        .uri("/admin/policy")
+        .insert_header(("authorization", format!("Bearer {KEY}")));
+    send(&app, with_api_key).await.assert_error(401, BAD, None);
+    let reply = send(&app, admin(TestRequest::get().uri("/admin/policy"))).await;
+    assert_eq!(reply.json()["name"], "fcfs");
+    let swap = admin(TestRequest::put().uri("/admin/policy"))
+        .set_payload(r#"{"name": "priority", "params": {"aging_s": 5}}"#);
+    let reply = send(&app, swap).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(reply.json()["name"], "priority");
+    assert_eq!(engine.policy.lock().unwrap().params, json!({"aging_s": 5}));
+    let unknown =
+        admin(TestRequest::put().uri("/admin/policy")).set_payload(r#"{"name": "lottery"}"#);
+    send(&app, unknown)
+        .await
+        .assert_error(400, BAD, Some("name"));
+    let (_, closed) = app_without_admin().await;
+    let request = admin(TestRequest::get().uri("/admin/policy"));
+    send(&closed, request).await.assert_error(401, BAD, None);
+}
+
+async fn app_without_admin() -> (
+    switchyard_api::ApiState,
+    impl Service<
+        actix_http::Request,
+        Response = actix_web::dev::ServiceResponse<impl MessageBody>,
+        Error = actix_web::Error,
+    >,
+) {
+    app(
+        EchoEngine::new(),
+        switchyard_api::ApiConfig {
+            admin_key: None,
+            ..api_config()
+        },
+    )
+    .await
+}
+
+#[actix_web::test]
+async fn ready_is_503_until_the_engine_is_ready_and_while_draining() {
+    let engine = EchoEngine::new();
+    engine.ready.store(false, Ordering::SeqCst);
+    let (state, app) = app(engine.clone(), api_config()).await;
+    let reply = send(&app, TestRequest::get().uri("/ready")).await;
+    reply.assert_error(503, "server_error", None);
+    assert!(reply.headers.contains_key("retry-after"));
+    let early = send(&app, post("/v1/completions", &json!({"prompt": "x"}))).await;
+    assert_eq!(
+        early.assert_error(503, "server_error", None)["error"]["code"],
+        "unavailable"
+    );
+    engine.ready.store(true, Ordering::SeqCst);
+    assert_eq!(
+        send(&app, TestRequest::get().uri("/ready")).await.status,
+        200
+    );
+    state.begin_drain();
+    send(&app, TestRequest::get().uri("/ready"))
+        .await
+        .assert_error(503, "server_error", None);
+    let reply = send(&app, post("/v1/completions", &json!({"prompt": "x"}))).await;
+    assert_eq!(
+        reply.assert_error(503, "server_error", None)["error"]["code"],
+        "shutting_down"
+    );
+    assert_eq!(
+        send(&app, TestRequest::get().uri("/health")).await.status,
+        200
+    );
+}
+
+#[actix_web::test]
+async fn overload_is_503_with_retry_after() {
+    let engine = EchoEngine::new();
+    engine.overloaded.store(true, Ordering::SeqCst);
+    let (_, app) = app(engine, api_config()).await;
+    let reply = send(
+        &app,
+        post(
+            "/v1/chat/completions",
+            &json!({"messages": [{"role": "user", "content": "x"}], "stream": true}),
+        ),
+    )
+    .await;
+    assert_eq!(
+        reply.assert_error(503, "server_error", None)["error"]["code"],
+        "overloaded"
+    );
+    assert_eq!(reply.headers.get("retry-after").unwrap(), "2");
+}
+
+#[actix_web::test]
+async fn an_error_mid_stream_is_an_error_chunk_then_done() {
+    let engine = EchoEngine::new();
+    engine.fail_mid_stream.store(true, Ordering::SeqCst);
+    let (_, app) = app(engine, api_config()).await;
+    let reply = send(
+        &app,
+        post(
+            "/v1/completions",
+            &json!({"prompt": "ab", "max_tokens": 2, "stream": true}),
+        ),
+    )
+    .await;
+    assert_eq!(reply.status, 200);
+    let payloads = sse_payloads(reply.text());
+    assert_eq!(payloads.len(), 3, "{payloads:?}");
+    assert_eq!(
+        serde_json::from_str::<Value>(payloads[0]).unwrap()["choices"][0]["text"],
+        "a"
+    );
+    let error: Value = serde_json::from_str(payloads[1]).unwrap();
+    assert_eq!(
+        error,
+        json!({"error": {"message": "The engine is shutting down.", "type": "server_error", "param": null, "code": "unavailable"}})
+    );
+}
+
+#[actix_web::test]
+async fn dropping_a_stream_drops_the_engine_receiver() {
+    let engine = EchoEngine::new();
+    engine.hang.store(true, Ordering::SeqCst);
+    let (state, app) = app(engine.clone(), api_config()).await;
+    let body = json!({"messages": [{"role": "user", "content": "x"}], "stream": true});
+    let response = app
+        .call(post("/v1/chat/completions", &body).to_request())
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let mut body = Box::pin(response.into_body());
+    let first = match futures_util::future::poll_fn(|cx| body.as_mut().poll_next(cx)).await {
+        Some(Ok(bytes)) => bytes,
+        _ => panic!("the stream must open with the role chunk"),
+    };
+    assert!(first.starts_with(b"data: {"), "{first:?}");
+    let sender = engine.held.lock().unwrap().pop().unwrap();
+    assert!(!sender.is_closed());
+    assert_eq!(state.in_flight(), 1);
+    drop(body);
+    assert!(sender.is_closed(), "the engine must see the abort");
+    assert_eq!(state.in_flight(), 0);
+}
+
+#[actix_web::test]
+async fn dropping_a_pending_request_drops_the_engine_receiver() {
+    let engine = EchoEngine::new();
+    engine.hang.store(true, Ordering::SeqCst);
+    let (state, app) = app(engine.clone(), api_config()).await;
+    let call = app.call(post("/v1/completions", &json!({"prompt": "x"})).to_request());
+    // The engine never finishes, so the call cannot complete; the timeout drops it.
+    assert!(tokio::time::timeout(Duration::from_millis(50), call)
+        .await
+        .is_err());
+    let sender = engine.held.lock().unwrap().pop().unwrap();
+    assert!(sender.is_closed());
+    assert_eq!(state.in_flight(), 0);
+    tokio::time::timeout(Duration::from_secs(5), state.wait_idle())
+        .await
+        .unwrap();
+}
+
+#[actix_web::test]
+async fn metrics_render_http_counters() {
+    let (_, app) = app(EchoEngine::new(), api_config()).await;
+    assert_eq!(
+        send(
+            &app,
+            post("/v1/completions", &json!({"prompt": "x", "max_tokens": 1}))
+        )
+        .await
+        .status,
+        200
+    );
+    let reply = send(&app, TestRequest::get().uri("/metrics")).await;
+    assert_eq!(reply.status, 200);
+    assert!(reply
+        .headers
+        .get("content-type")
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .starts_with("text/plain"));
+    let text = reply.text();
+    assert!(
+        text.contains("# TYPE switchyard:http_requests_total counter"),
+        "{text}"
+    );
+    assert!(
+        text.contains(r#"switchyard:http_requests_total{route="/v1/completions",status="200"}"#),
+        "{text}"
+    );
+    assert!(text.contains("switchyard:http_request_duration_seconds_bucket{route=\"/v1/completions\",le=\"0.0005\"}"), "{text}");
+}

@@ -1,0 +1,95 @@
+//! Finds the line of a dotted field path in YAML text, for errors about rules that span fields
+//! (the YAML parser already locates type and range errors itself).
+
+/// Returns the 1-based line where `path` (e.g. `scheduler.policy.name` or
+/// `server.api_keys[1].tier`) is written in block-style YAML, or `None` when it cannot be found
+/// (flow style, or a field that was left to its default).
+pub fn locate(text: &str, path: &str) -> Option<usize> {
+    let mut parent_indent: Option<usize> = None;
+    let mut start = 0usize;
+    let lines: Vec<&str> = text.lines().collect();
+    let mut found = None;
+    for segment in path.split('.') {
+        let (key, index) = match segment.split_once('[') {
+            Some((k, rest)) => (k, rest.trim_end_matches(']').parse::<usize>().ok()),
+            None => (segment, None),
+        };
+        let mut hit = None;
+        for (i, line) in lines.iter().enumerate().skip(start) {
+            let indent = line.len() - line.trim_start().len();
+            let body = line.trim_start().trim_start_matches("- ");
+            if line.trim().is_empty() || line.trim_start().starts_with('#') {
+                continue;
+            }
+            if let Some(p) = parent_indent {
+                if indent <= p && i > start {
+                    break;
+                }
+            }
+            if body.starts_with(&format!("{key}:")) {
+                hit = Some((i, indent));
+                break;
+            }
+        }
+        let (mut line_no, mut indent) = hit?;
+        if let Some(n) = index {
+            // Walk to the n-th `- ` item below the key.
+            let mut seen = 0usize;
+            let mut item = None;
+            for (i, line) in lines.iter().enumerate().skip(line_no + 1) {
+                let ind = line.len() - line.trim_start().len();
+                if line.trim().is_empty() || line.trim_start().starts_with('#') {
+                    continue;
+                }
+                if ind <= indent && !line.trim_start().starts_with("- ") {
+                    break;
+                }
+                if line.trim_start().starts_with("- ") {
+                    if seen == n {
+                        item = Some((i, ind));
+                        break;
+                    }
+                    seen += 1;
+                }
+            }
+            let (i, ind) = item?;
+            line_no = i;
+            indent = ind;
+            // The item's first key sits on the dash line: let the next segment search from it.
+            start = line_no;
+            parent_indent = Some(indent.saturating_sub(1));
+            found = Some(line_no + 1);
+            continue;
+        }
+        start = line_no + 1;
+        parent_indent = Some(indent);
+        found = Some(line_no + 1);
+    }
+    found
+}
+
+#[cfg(test)]
+mod tests {
+    use super::locate;
+
+    const TEXT: &str = "# comment\nserver:\n  port: 80\n  api_keys:\n    - key: aaaaaaaa\n      tenant: a\n    - key: bbbbbbbb\n      tier: gold\nscheduler:\n  policy:\n    name: x\n";
+
+    #[test]
+    fn finds_nested_keys() {
+        assert_eq!(locate(TEXT, "server.port"), Some(3));
+        assert_eq!(locate(TEXT, "scheduler.policy.name"), Some(11));
+        assert_eq!(locate(TEXT, "scheduler"), Some(9));
+    }
+
+    #[test]
+    fn finds_list_items() {
+        assert_eq!(locate(TEXT, "server.api_keys[1].tier"), Some(8));
+        assert_eq!(locate(TEXT, "server.api_keys[0].key"), Some(5));
+    }
+
+    #[test]
+    fn missing_fields_have_no_line() {
+        assert_eq!(locate(TEXT, "cache.block_size"), None);
+        assert_eq!(locate(TEXT, "server.host"), None);
+    }
+}

@@ -1,0 +1,429 @@
+//! The configuration schema: sections, defaults and the rules that span fields.
+//!
+//! Every number a file controls is bounded here, while deserializing, so that the YAML parser
+//! reports the line of an out-of-range value.
+
+use serde::{Deserialize, Deserializer, Serialize};
+use std::collections::BTreeMap;
+
+/// Deserializes an integer and checks it lies in `MIN..=MAX`.
+fn int_in<'de, D: Deserializer<'de>, const MIN: u64, const MAX: u64>(
+    d: D,
+) -> Result<u64, D::Error> {
+    let v = u64::deserialize(d)?;
+    if (MIN..=MAX).contains(&v) {
+        Ok(v)
+    } else {
+        Err(serde::de::Error::custom(format!(
+            "{v} is out of range {MIN}..={MAX}"
+        )))
+    }
+}
+
+fn usize_in<'de, D: Deserializer<'de>, const MIN: u64, const MAX: u64>(
+    d: D,
+) -> Result<usize, D::Error> {
+    let v = int_in::<D, MIN, MAX>(d)?;
+    usize::try_from(v).map_err(serde::de::Error::custom)
+}
+
+fn u16_in<'de, D: Deserializer<'de>, const MIN: u64, const MAX: u64>(
+    d: D,
+) -> Result<u16, D::Error> {
+    let v = int_in::<D, MIN, MAX>(d)?;
+    u16::try_from(v).map_err(serde::de::Error::custom)
+}
+
+fn fraction<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+    let v = f64::deserialize(d)?;
+    if v > 0.0 && v <= 1.0 {
+        Ok(v)
+    } else {
+        Err(serde::de::Error::custom(format!("{v} must be in (0, 1]")))
+    }
+}
+
+fn opt_positive_ms<'de, D: Deserializer<'de>>(d: D) -> Result<Option<f64>, D::Error> {
+    match Option::<f64>::deserialize(d)? {
+        Some(v) if !(v.is_finite() && v > 0.0 && v <= 3_600_000.0) => {
+            Err(serde::de::Error::custom(format!(
+                "{v} must be a positive number of milliseconds (at most one hour)"
+            )))
+        }
+        other => Ok(other),
+    }
+}
+
+fn weight<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+    let v = f64::deserialize(d)?;
+    if v.is_finite() && v > 0.0 && v <= 1e6 {
+        Ok(v)
+    } else {
+        Err(serde::de::Error::custom(format!(
+            "{v} must be a positive weight (at most 1e6)"
+        )))
+    }
+}
+
+/// The whole configuration file.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// Which model to serve and on which backend.
+    pub model: ModelSection,
+    /// HTTP listener, keys and limits.
+    pub server: ServerSection,
+    /// KV cache geometry.
+    pub cache: CacheSection,
+    /// Batching limits and the scheduling policy.
+    pub scheduler: SchedulerSection,
+    /// SLO tiers by name (e.g. premium, standard, batch).
+    pub tiers: BTreeMap<String, TierConfig>,
+    /// Logging.
+    pub logging: LoggingSection,
+}
+
+/// Which backend executes the model.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendKind {
+    /// CUDA when a GPU and the CUDA libraries are present, otherwise CPU.
+    #[default]
+    Auto,
+    /// The CPU backend.
+    Cpu,
+    /// The CUDA backend (needs the `cuda` feature and a GPU).
+    Cuda,
+}
+
+/// How weights are obtained.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum LoadFormat {
+    /// Decide from the path: a `.gguf` file or a Hugging Face directory.
+    #[default]
+    Auto,
+    /// A GGUF file.
+    Gguf,
+    /// A Hugging Face directory with config.json and safetensors.
+    Safetensors,
+    /// Random weights for `model.architecture` (benchmarks without weight files).
+    Dummy,
+}
+
+/// The `model:` section.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelSection {
+    /// A GGUF file or a Hugging Face directory; `~` expands to the home directory. When empty,
+    /// the embedded default (SmolLM2-135M-Instruct, fetched by `switchyard model fetch`) is used.
+    pub path: String,
+    /// The name clients use in the `model` field; defaults to the file's name.
+    pub served_name: Option<String>,
+    /// Backend selection.
+    pub backend: BackendKind,
+    /// How weights are loaded.
+    pub load_format: LoadFormat,
+    /// Architecture preset for `load_format: dummy` (`smollm2-135m`, `llama-3-8b`).
+    pub architecture: Option<String>,
+    /// Longest prompt plus output accepted; defaults to the model's context length.
+    pub max_model_len: Option<usize>,
+    /// CPU threads for the CPU backend (0 = all cores).
+    #[serde(deserialize_with = "usize_in::<_, 0, 1024>")]
+    pub threads: usize,
+}
+
+impl Default for ModelSection {
+    fn default() -> Self {
+        Self {
+            path: String::new(),
+            served_name: None,
+            backend: BackendKind::Auto,
+            load_format: LoadFormat::Auto,
+            architecture: None,
+            max_model_len: None,
+            threads: 0,
+        }
+    }
+}
+
+/// One API key and who it belongs to.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ApiKeyEntry {
+    /// The secret bearer token.
+    pub key: String,
+    /// Tenant name (bounded label for fair share and metrics).
+    pub tenant: String,
+    /// Default tier for this tenant's requests.
+    #[serde(default)]
+    pub tier: Option<String>,
+}
+
+/// The `server:` section.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerSection {
+    /// Address to bind.
+    pub host: String,
+    /// Port to bind (0 picks a free port and logs it).
+    #[serde(deserialize_with = "u16_in::<_, 0, 65535>")]
+    pub port: u16,
+    /// API keys inline; when both this and `api_keys_file` are empty, no key is required.
+    pub api_keys: Vec<ApiKeyEntry>,
+    /// A YAML file holding a list of API keys (same shape as `api_keys`).
+    pub api_keys_file: Option<String>,
+    /// Bearer token for /admin routes; admin routes are disabled when unset.
+    pub admin_key: Option<String>,
+    /// Largest accepted request body in bytes.
+    #[serde(deserialize_with = "usize_in::<_, 1024, 67108864>")]
+    pub max_body_bytes: usize,
+    /// Requests admitted at once before answering 503 with Retry-After.
+    #[serde(deserialize_with = "usize_in::<_, 1, 1000000>")]
+    pub max_pending_requests: usize,
+    /// Seconds to let in-flight requests finish after SIGTERM.
+    #[serde(deserialize_with = "int_in::<_, 0, 3600>")]
+    pub drain_timeout_s: u64,
+    /// HTTP worker threads (0 = one per core).
+    #[serde(deserialize_with = "usize_in::<_, 0, 256>")]
+    pub workers: usize,
+}
+
+impl Default for ServerSection {
+    fn default() -> Self {
+        Self {
+            host: "127.0.0.1".into(),
+            port: 8000,
+            api_keys: Vec::new(),
+            api_keys_file: None,
+            admin_key: None,
+            max_body_bytes: 4 << 20,
+            max_pending_requests: 4096,
+            drain_timeout_s: 30,
+            workers: 0,
+        }
+    }
+}
+
+/// The `cache:` section.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct CacheSection {
+    /// Tokens per KV block.
+    #[serde(deserialize_with = "usize_in::<_, 1, 1024>")]
+    pub block_size: usize,
+    /// Number of KV blocks; when unset it follows from `kv_cache_mb` (CPU) or
+    /// `gpu_memory_utilization` (CUDA).
+    pub num_blocks: Option<usize>,
+    /// KV cache size in MiB for the CPU backend.
+    #[serde(deserialize_with = "usize_in::<_, 1, 1048576>")]
+    pub kv_cache_mb: usize,
+    /// Fraction of GPU memory the CUDA backend may use for weights, activations and KV.
+    #[serde(deserialize_with = "fraction")]
+    pub gpu_memory_utilization: f64,
+    /// Reuse KV blocks of identical prefixes across requests.
+    pub prefix_caching: bool,
+}
+
+impl Default for CacheSection {
+    fn default() -> Self {
+        Self {
+            block_size: 16,
+            num_blocks: None,
+            kv_cache_mb: 512,
+            gpu_memory_utilization: 0.9,
+            prefix_caching: true,
+        }
+    }
+}
+
+/// A policy by registered name, with its parameters.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct PolicySpec {
+    /// Registered policy name (`fcfs`, `priority`, `slo-aware`, `chunked-prefill`, `fair-share`).
+    pub name: String,
+    /// Policy parameters; each policy validates its own.
+    #[serde(default)]
+    pub params: serde_yaml::Value,
+}
+
+impl Default for PolicySpec {
+    fn default() -> Self {
+        Self {
+            name: "fcfs".into(),
+            params: serde_yaml::Value::Null,
+        }
+    }
+}
+
+/// The `scheduler:` section.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct SchedulerSection {
+    /// Most sequences in one step.
+    #[serde(deserialize_with = "usize_in::<_, 1, 65536>")]
+    pub max_num_seqs: usize,
+    /// Most tokens (prefill chunks plus decodes) in one step.
+    #[serde(deserialize_with = "usize_in::<_, 1, 1048576>")]
+    pub max_num_batched_tokens: usize,
+    /// The scheduling policy.
+    pub policy: PolicySpec,
+}
+
+impl Default for SchedulerSection {
+    fn default() -> Self {
+        Self {
+            max_num_seqs: 256,
+            max_num_batched_tokens: 8192,
+            policy: PolicySpec::default(),
+        }
+    }
+}
+
+/// One SLO tier.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct TierConfig {
+    /// Time-to-first-token target in milliseconds.
+    #[serde(default, deserialize_with = "opt_positive_ms")]
+    pub ttft_ms: Option<f64>,
+    /// Time-per-output-token target in milliseconds.
+    #[serde(default, deserialize_with = "opt_positive_ms")]
+    pub tpot_ms: Option<f64>,
+    /// Share weight for fair scheduling.
+    #[serde(default = "one", deserialize_with = "weight")]
+    pub weight: f64,
+    /// Whether running requests of this tier may be preempted for other tiers.
+    #[serde(default)]
+    pub preemptible: bool,
+}
+
+fn one() -> f64 {
+    1.0
+}
+
+/// Log output format.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines.
+    #[default]
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// The `logging:` section.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct LoggingSection {
+    /// A tracing filter such as `info` or `switchyard=debug,info`.
+    pub level: String,
+    /// Output format.
+    pub format: LogFormat,
+}
+
+impl Default for LoggingSection {
+    fn default() -> Self {
+        Self {
+            level: "info".into(),
+            format: LogFormat::Text,
+        }
+    }
+}
+
+/// Most tiers a configuration may declare (tier names become metric labels).
+pub const MAX_TIERS: usize = 32;
+
+impl Config {
+    /// Checks rules that span fields; returns the dotted field path and a message.
+    pub fn validate(&self) -> Result<(), (String, String)> {
+        if self.tiers.len() > MAX_TIERS {
+            return Err((
+                "tiers".into(),
+                format!("at most {MAX_TIERS} tiers are allowed"),
+            ));
+        }
+        for name in self.tiers.keys() {
+            if name.is_empty()
+                || name.len() > 64
+                || !name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+            {
+                return Err((
+                    format!("tiers.{name}"),
+                    "tier names are 1-64 characters of [A-Za-z0-9_-]".into(),
+                ));
+            }
+        }
+        for (i, k) in self.server.api_keys.iter().enumerate() {
+            if k.key.len() < 8 || k.key.len() > 512 {
+                return Err((
+                    format!("server.api_keys[{i}].key"),
+                    "API keys must be 8-512 bytes".into(),
+                ));
+            }
+            if let Some(t) = &k.tier {
+                if !self.tiers.contains_key(t) {
+                    return Err((
+                        format!("server.api_keys[{i}].tier"),
+                        format!("unknown tier `{t}`"),
+                    ));
+                }
+            }
+        }
+        if let Some(k) = &self.server.admin_key {
+            if k.len() < 8 || k.len() > 512 {
+                return Err((
+                    "server.admin_key".into(),
+                    "the admin key must be 8-512 bytes".into(),
+                ));
+            }
+        }
+        if let Some(n) = self.cache.num_blocks {
+            if n == 0 || n > 1 << 24 {
+                return Err((
+                    "cache.num_blocks".into(),
+                    format!("{n} is out of range 1..=16777216"),
+                ));
+            }
+        }
+        if let Some(n) = self.model.max_model_len {
+            if n == 0 || n > 1 << 22 {
+                return Err((
+                    "model.max_model_len".into(),
+                    format!("{n} is out of range 1..=4194304"),
+                ));
+            }
+        }
+        if self.model.load_format == LoadFormat::Dummy && self.model.architecture.is_none() {
+            return Err((
+                "model.architecture".into(),
+                "load_format: dummy needs an architecture (smollm2-135m, llama-3-8b)".into(),
+            ));
+        }
+        if self.scheduler.max_num_batched_tokens < self.scheduler.max_num_seqs {
+            return Err((
+                "scheduler.max_num_batched_tokens".into(),
+                "must be at least max_num_seqs".into(),
+            ));
+        }
+        if self.scheduler.policy.name.is_empty() {
+            return Err((
+                "scheduler.policy.name".into(),
+                "a policy name is required".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Tiers in name order as (name, config) pairs.
+    pub fn tier_list(&self) -> Vec<(String, TierConfig)> {
+        self.tiers
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
+    }
+}

@@ -1,0 +1,91 @@
+//! Configuration errors name the file, the line and the field.
+
+use switchyard_config::{Config, ConfigError};
+
+fn check_err(yaml: &str, expect_line: Option<usize>, expect_in_message: &str) {
+    let err = Config::from_yaml_str(yaml, "test.yaml").expect_err("config should be rejected");
+    let text = err.to_string();
+    assert!(
+        text.contains(expect_in_message),
+        "message `{text}` lacks `{expect_in_message}`"
+    );
+    assert!(
+        text.starts_with("test.yaml"),
+        "message `{text}` does not name the file"
+    );
+    let line = match &err {
+        ConfigError::Parse { line, .. } | ConfigError::Invalid { line, .. } => *line,
+        other => panic!("unexpected error kind {other:?}"),
+    };
+    assert_eq!(line, expect_line, "wrong line in `{text}`");
+}
+
+#[test]
+fn out_of_range_block_size_is_located() {
+    check_err("cache:\n  block_size: 0\n", Some(2), "out of range");
+}
+
+#[test]
+fn unknown_field_is_named() {
+    check_err("scheduler:\n  max_num_seq: 4\n", Some(2), "max_num_seq");
+}
+
+#[test]
+fn wrong_type_is_located() {
+    check_err(
+        "server:\n  host: localhost\n  port: eighty\n",
+        Some(3),
+        "port",
+    );
+}
+
+#[test]
+fn cross_field_rule_is_located() {
+    check_err(
+        "tiers:\n  gold: { ttft_ms: 100 }\nserver:\n  api_keys:\n    - key: abcdefgh12\n      tenant: t\n      tier: silver\n",
+        Some(7),
+        "unknown tier `silver`",
+    );
+}
+
+#[test]
+fn negative_slo_is_rejected() {
+    check_err("tiers:\n  gold:\n    ttft_ms: -5\n", Some(3), "positive");
+}
+
+#[test]
+fn empty_file_gives_defaults() {
+    let cfg = Config::from_yaml_str("", "empty.yaml").unwrap();
+    assert_eq!(cfg, Config::default());
+    assert_eq!(cfg.server.port, 8000);
+    assert!(cfg.cache.prefix_caching);
+}
+
+#[test]
+fn overrides_apply_and_are_validated() {
+    let cfg = Config::from_yaml_with_overrides(
+        "server: { port: 80 }",
+        "o.yaml",
+        &["server.port=9001".into()],
+    )
+    .unwrap();
+    assert_eq!(cfg.server.port, 9001);
+    let err =
+        Config::from_yaml_with_overrides("", "o.yaml", &["cache.block_size=0".into()]).unwrap_err();
+    assert!(err.to_string().contains("overrides"), "{err}");
+}
+
+#[test]
+fn example_configs_are_valid() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/examples");
+    let mut n = 0;
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().to_string();
+        if name.ends_with(".yaml") && !name.starts_with("sim-") {
+            Config::from_file(&path).unwrap_or_else(|e| panic!("{e}"));
+            n += 1;
+        }
+    }
+    assert!(n >= 1, "no example server configs found in {dir}");
+}

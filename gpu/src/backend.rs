@@ -1,0 +1,423 @@
+//! The executor interface: one [`Backend::execute`] call runs one scheduler step (a batch that
+//! mixes prefill chunks and decodes, each sequence with its block table) and returns the
+//! sampled tokens and requested logprobs. [`CpuBackend`] implements it on the CPU; a CUDA
+//! backend implements the same trait.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use rand::{RngCore, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use rayon::prelude::*;
+
+use crate::cpu::attention::QueryPos;
+use crate::cpu::kv_cache::KvCache;
+use crate::cpu::llama::{LlamaModel, StepInput};
+use crate::error::GpuError;
+use crate::model::{LlamaConfig, ModelWeights};
+pub use crate::sampler::SamplingParams;
+use crate::sampler::{log_softmax, top_n, SeqSampler};
+
+/// One sequence's part of a step.
+#[derive(Clone, Debug)]
+pub struct SeqInput {
+    /// The scheduler's id of the sequence (keys the sampler state).
+    pub seq_id: u64,
+    /// Tokens already in the KV cache (earlier steps and prefix-cache hits); the first token
+    /// of `tokens` sits at this position.
+    pub num_computed_tokens: usize,
+    /// This step's tokens: a prefill chunk, or the one token of a decode.
+    pub tokens: Vec<u32>,
+    /// KV block ids covering positions `0..num_computed_tokens + tokens.len()`.
+    pub block_table: Vec<u32>,
+    /// Whether to sample a token after the last of `tokens`.
+    pub sample: bool,
+    /// Sampling parameters of the request.
+    pub sampling: Arc<SamplingParams>,
+    /// LoRA adapter id (the CPU backend runs none and rejects a batch that names one).
+    pub adapter: Option<u32>,
+}
+
+/// One scheduler step.
+#[derive(Clone, Debug, Default)]
+pub struct Batch {
+    /// The sequences of the step, each at most once.
+    pub seqs: Vec<SeqInput>,
+}
+
+/// The logprob of one prompt token given the tokens before it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PromptLogprob {
+    /// Position of the token in the prompt (at least 1).
+    pub position: usize,
+    /// The prompt token.
+    pub token: u32,
+    /// Its logprob.
+    pub logprob: f32,
+    /// The most likely tokens at this position with their logprobs, best first.
+    pub top_logprobs: Vec<(u32, f32)>,
+}
+
+/// What a step produced for one sequence (one per [`SeqInput`], in batch order).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SeqOutput {
+    /// The sequence.
+    pub seq_id: u64,
+    /// The sampled token, when `sample` was set.
+    pub token: Option<u32>,
+    /// Its logprob under the raw model distribution, when logprobs were requested.
+    pub logprob: Option<f32>,
+    /// The requested number of most likely tokens with their logprobs, best first.
+    pub top_logprobs: Vec<(u32, f32)>,
+    /// Prompt logprobs of the positions this step completed, when requested.
+    pub prompt_logprobs: Vec<PromptLogprob>,
+}
+
+/// A model executor.
+pub trait Backend: Send {
+    /// A short description ("cpu (avx512-vnni, 2 threads)").
+    fn name(&self) -> &str;
+    /// Number of KV cache blocks (block ids run `0..num_kv_blocks`).
+    fn num_kv_blocks(&self) -> usize;
+    /// Token slots per KV block.
+    fn block_size(&self) -> usize;
+    /// Most tokens one batch may hold.
+    fn max_batch_tokens(&self) -> usize;
+    /// Runs one step.
+    fn execute(&mut self, batch: &Batch) -> Result<Vec<SeqOutput>, GpuError>;
+    /// Drops the sampler state of a finished, aborted or preempted sequence.
+    fn release(&mut self, seq_id: u64);
+}
+
+/// Settings of a [`CpuBackend`].
+#[derive(Clone, Debug)]
+pub struct CpuBackendConfig {
+    /// Number of KV cache blocks.
+    pub num_kv_blocks: usize,
+    /// Token slots per block.
+    pub block_size: usize,
+    /// Worker threads (0: one per core).
+    pub threads: usize,
+    /// Most tokens per batch.
+    pub max_batch_tokens: usize,
+    /// Seed of the streams of requests that bring none.
+    pub seed: u64,
+}
+
+impl Default for CpuBackendConfig {
+    fn default() -> Self {
+        CpuBackendConfig {
+            num_kv_blocks: 1024,
+            block_size: 16,
+            threads: 0,
+            max_batch_tokens: 8192,
+            seed: 0,
+        }
+    }
+}
+
+/// Most rows of logits one step may compute (prompt logprobs need a row per prompt token;
+/// the scheduler sends such prompts in chunks of at most this many tokens).
+pub const MAX_LOGIT_ROWS: usize = 2048;
+
+/// A batch flattened for the forward pass: tokens, their positions, the rows needing logits.
+type FlatBatch = (Vec<u32>, Vec<QueryPos>, Vec<usize>);
+
+/// Sampler state of a sequence across steps.
+struct SeqState {
+    sampler: SeqSampler,
+    /// No token sampled yet: fed tokens are prompt tokens.
+    in_prompt: bool,
+    /// Log-softmax of the last row of the previous prompt chunk (for prompt logprobs).
+    pending: Option<Vec<f32>>,
+}
+
+/// The CPU backend: the Llama forward pass of [`crate::cpu::llama`] with a paged KV cache,
+/// running in its own thread pool.
+pub struct CpuBackend {
+    model: LlamaModel,
+    cache: KvCache,
+    pool: rayon::ThreadPool,
+    states: HashMap<u64, SeqState>,
+    seeds: ChaCha8Rng,
+    max_batch_tokens: usize,
+    name: String,
+}
+
+impl CpuBackend {
+    /// A backend running `model` with a KV cache of `cfg.num_kv_blocks` blocks.
+    pub fn new(model: LlamaModel, cfg: &CpuBackendConfig) -> Result<Self, GpuError> {
+        let c = &model.config;
+        let cache = KvCache::new(
+            c.num_layers,
+            cfg.num_kv_blocks,
+            cfg.block_size,
+            c.num_kv_heads,
+            c.head_dim,
+        )?;
+        if cfg.max_batch_tokens == 0 || cfg.max_batch_tokens > 1 << 20 {
+            return Err(GpuError::InvalidConfig(
+                "max_batch_tokens must be in 1..=1048576".into(),
+            ));
+        }
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(cfg.threads)
+            .thread_name(|i| format!("cpu-backend-{i}"))
+            .build()
+            .map_err(|e| {
+                GpuError::InvalidConfig(format!("cannot start the CPU thread pool: {e}"))
+            })?;
+        let name = format!(
+            "cpu ({:?}, {} threads)",
+            model.isa(),
+            pool.current_num_threads()
+        );
+        Ok(CpuBackend {
+            model,
+            cache,
+            pool,
+            states: HashMap::new(),
+            seeds: ChaCha8Rng::seed_from_u64(cfg.seed),
+            max_batch_tokens: cfg.max_batch_tokens,
+            name,
+        })
+    }
+
+    /// Builds the model from tensors and config, then the backend.
+    pub fn from_weights(
+        config: &LlamaConfig,
+        weights: &ModelWeights,
+        cfg: &CpuBackendConfig,
+    ) -> Result<Self, GpuError> {
+        Self::new(LlamaModel::from_weights(config, weights)?, cfg)
+    }
+
+    /// The model.
+    pub fn model(&self) -> &LlamaModel {
+        &self.model
+    }
+
+    /// Mutable access to the model (to pin an instruction set in tests).
+    pub fn model_mut(&mut self) -> &mut LlamaModel {
+        &mut self.model
+    }
+
+    /// Runs the forward pass only and returns the logits of the last token of every sequence
+    /// (`seqs.len() * vocab_size`), touching no sampler state; for tests and benchmarks.
+    pub fn logits(&mut self, batch: &Batch) -> Result<Vec<f32>, GpuError> {
+        let (tokens, queries, rows) = self.flatten(batch, |_, s| vec![s.tokens.len() - 1])?;
+        let tables: Vec<&[u32]> = batch
+            .seqs
+            .iter()
+            .map(|s| s.block_table.as_slice())
+            .collect();
+        let step = StepInput {
+            tokens: &tokens,
+            queries: &queries,
+            tables: &tables,
+        };
+        let (model, cache) = (&self.model, &mut self.cache);
+        self.pool.install(|| model.forward(cache, &step, &rows))
+    }
+
+    /// Checks the batch and flattens it; `rows` names the chunk rows whose logits each
+    /// sequence needs.
+    fn flatten(
+        &self,
+        batch: &Batch,
+        rows: impl Fn(usize, &SeqInput) -> Vec<usize>,
+    ) -> Result<FlatBatch, GpuError> {
+        let bad = |m: String| Err(GpuError::BadBatch(m));
+        let total: usize = batch.seqs.iter().map(|s| s.tokens.len()).sum();
+        if total > self.max_batch_tokens {
+            return bad(format!(
+                "{total} tokens exceed the batch limit of {}",
+                self.max_batch_tokens
+            ));
+        }
+        let mut ids = HashSet::new();
+        let mut tokens = Vec::with_capacity(total);
+        let mut queries = Vec::with_capacity(total);
+        let mut logit_rows = Vec::new();
+        for (i, s) in batch.seqs.iter().enumerate() {
+            if !ids.insert(s.seq_id) {
+                return bad(format!("sequence {} appears twice", s.seq_id));
+            }
+            if s.tokens.is_empty() {
+                return bad(format!("sequence {} has no tokens", s.seq_id));
+            }
+            if let Some(a) = s.adapter {
+                return bad(format!(
+                    "LoRA adapter {a}: the CPU backend runs no adapters"
+                ));
+            }
+            if s.num_computed_tokens > self.model.config.max_position_embeddings {
+                return bad(format!(
+                    "sequence {} starts past the context window",
+                    s.seq_id
+                ));
+            }
+            s.sampling.validate(self.model.config.vocab_size)?;
+            let base = tokens.len();
+            logit_rows.extend(rows(i, s).into_iter().map(|r| base + r));
+            tokens.extend_from_slice(&s.tokens);
+            queries.extend((0..s.tokens.len()).map(|j| QueryPos {
+                pos: s.num_computed_tokens + j,
+                seq: i,
+            }));
+        }
+        if logit_rows.len() > MAX_LOGIT_ROWS {
+            return bad(format!(
+                "{} rows of logits (prompt logprobs) exceed {MAX_LOGIT_ROWS} per step",
+                logit_rows.len()
+            ));
+        }
+        Ok((tokens, queries, logit_rows))
+    }
+
+    /// Whether `s` needs the logits of every chunk row (prompt logprobs still being produced).
+    fn wants_prompt_logprobs(&self, s: &SeqInput) -> bool {
+        s.sampling.prompt_logprobs.is_some()
+            && self.states.get(&s.seq_id).is_none_or(|st| st.in_prompt)
+    }
+}
+
+impl Backend for CpuBackend {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn num_kv_blocks(&self) -> usize {
+        self.cache.num_blocks
+    }
+
+    fn block_size(&self) -> usize {
+        self.cache.block_size
+    }
+
+    fn max_batch_tokens(&self) -> usize {
+        self.max_batch_tokens
+    }
+
+    fn execute(&mut self, batch: &Batch) -> Result<Vec<SeqOutput>, GpuError> {
+        let prompt_lp: Vec<bool> = batch
+            .seqs
+            .iter()
+            .map(|s| self.wants_prompt_logprobs(s))
+            .collect();
+        let (tokens, queries, rows) = self.flatten(batch, |i, s| {
+            if prompt_lp[i] {
+                (0..s.tokens.len()).collect()
+            } else if s.sample {
+                vec![s.tokens.len() - 1]
+            } else {
+                Vec::new()
+            }
+        })?;
+        let tables: Vec<&[u32]> = batch
+            .seqs
+            .iter()
+            .map(|s| s.block_table.as_slice())
+            .collect();
+        let step = StepInput {
+            tokens: &tokens,
+            queries: &queries,
+            tables: &tables,
+        };
+        let (model, cache) = (&self.model, &mut self.cache);
+        let logits = self.pool.install(|| model.forward(cache, &step, &rows))?;
+        let vocab = self.model.config.vocab_size;
+        // Hand each sequence its state and its rows of logits, then sample in parallel.
+        let mut work = Vec::with_capacity(batch.seqs.len());
+        let mut offset = 0;
+        for (i, s) in batch.seqs.iter().enumerate() {
+            let n = if prompt_lp[i] {
+                s.tokens.len()
+            } else {
+                usize::from(s.sample)
+            };
+            let state = match self.states.remove(&s.seq_id) {
+                Some(st) => st,
+                None => {
+                    let seed = s.sampling.seed.unwrap_or_else(|| self.seeds.next_u64());
+                    SeqState {
+                        sampler: SeqSampler::new(seed),
+                        in_prompt: true,
+                        pending: None,
+                    }
+                }
+            };
+            work.push((
+                s,
+                state,
+                &logits[offset * vocab..(offset + n) * vocab],
+                prompt_lp[i],
+            ));
+            offset += n;
+        }
+        let outputs: Vec<SeqOutput> = self.pool.install(|| {
+            work.par_iter_mut()
+                .map(|(s, st, l, plp)| step_sequence(s, st, l, *plp, vocab))
+                .collect()
+        });
+        for (s, st, _, _) in work {
+            self.states.insert(s.seq_id, st);
+        }
+        Ok(outputs)
+    }
+
+    fn release(&mut self, seq_id: u64) {
+        self.states.remove(&seq_id);
+    }
+}
+
+/// Updates one sequence's state with this step's tokens and logits rows; samples if asked.
+fn step_sequence(
+    s: &SeqInput,
+    st: &mut SeqState,
+    logits: &[f32],
+    prompt_lp: bool,
+    vocab: usize,
+) -> SeqOutput {
+    let mut out = SeqOutput {
+        seq_id: s.seq_id,
+        token: None,
+        logprob: None,
+        top_logprobs: Vec::new(),
+        prompt_logprobs: Vec::new(),
+    };
+    if st.in_prompt {
+        st.sampler.observe_prompt(&s.tokens);
+    }
+    if prompt_lp {
+        let n = s.sampling.prompt_logprobs.unwrap_or(0) as usize;
+        let entry = |lp: &[f32], position: usize, token: u32| PromptLogprob {
+            position,
+            token,
+            logprob: lp.get(token as usize).copied().unwrap_or(f32::NEG_INFINITY),
+            top_logprobs: top_n(lp, n),
+        };
+        if let Some(prev) = st.pending.take() {
+            out.prompt_logprobs
+                .push(entry(&prev, s.num_computed_tokens, s.tokens[0]));
+        }
+        let rows: Vec<Vec<f32>> = logits.chunks_exact(vocab).map(log_softmax).collect();
+        for (j, lp) in rows.iter().enumerate().take(s.tokens.len() - 1) {
+            out.prompt_logprobs
+                .push(entry(lp, s.num_computed_tokens + j + 1, s.tokens[j + 1]));
+        }
+        if !s.sample {
+            st.pending = rows.into_iter().last();
+        }
+    }
+    if s.sample {
+        let last = logits.len() / vocab - 1;
+        let sampled = st.sampler.sample(&logits[last * vocab..], &s.sampling);
+        st.in_prompt = false;
+        st.pending = None;
+        out.token = Some(sampled.token);
+        out.logprob = sampled.logprob;
+        out.top_logprobs = sampled.top_logprobs;
+    }
+    out
+}

@@ -1,0 +1,353 @@
+//! The Llama forward pass (Touvron et al. 2023; Llama 3 RoPE scaling) for one batch that mixes
+//! prefill chunks and decode tokens of different sequences: the tokens are flattened, every
+//! token carries its position and sequence, keys and values go to the paged KV cache at the
+//! slots named by the sequence's block table, and logits are computed only for the rows asked
+//! for. The projections of a layer that read the same input run as one parallel matrix
+//! multiply (Q|K|V and gate|up), so a step costs 4 parallel regions per layer.
+
+use rand::{RngCore, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use super::attention::{attention, AttentionBatch, QueryPos};
+use super::kv_cache::KvCache;
+use super::matmul::{linear, Isa};
+use super::ops::{rms_norm, swiglu, Rope};
+use super::quant::{QActs, Weight};
+use crate::error::GpuError;
+use crate::model::{DType, LlamaConfig, ModelWeights};
+
+/// The weights of one transformer block.
+struct Layer {
+    attn_norm: Vec<f32>,
+    q: Weight,
+    k: Weight,
+    v: Weight,
+    o: Weight,
+    ffn_norm: Vec<f32>,
+    gate: Weight,
+    up: Weight,
+    down: Weight,
+}
+
+/// A Llama-family model ready to run on the CPU (weights repacked for the kernels).
+pub struct LlamaModel {
+    /// Architecture.
+    pub config: LlamaConfig,
+    embed: Weight,
+    lm_head: Option<Weight>,
+    norm: Vec<f32>,
+    layers: Vec<Layer>,
+    rope: Rope,
+    isa: Isa,
+}
+
+/// The flattened tokens of one step.
+#[derive(Clone, Copy, Debug)]
+pub struct StepInput<'a> {
+    /// Token ids, all sequences' tokens one after the other.
+    pub tokens: &'a [u32],
+    /// Position and sequence of each token.
+    pub queries: &'a [QueryPos],
+    /// Block table of each sequence.
+    pub tables: &'a [&'a [u32]],
+}
+
+fn vector(weights: &ModelWeights, name: &str, len: usize) -> Result<Vec<f32>, GpuError> {
+    let t = weights.get(name)?;
+    if t.num_elements() != len || t.dtype.is_quantized() {
+        return Err(GpuError::BadTensor {
+            tensor: name.into(),
+            reason: format!("expected {len} float values, got {:?} {}", t.shape, t.dtype),
+        });
+    }
+    Ok(t.to_f32_vec())
+}
+
+fn matrix(
+    weights: &ModelWeights,
+    name: &str,
+    rows: usize,
+    cols: usize,
+) -> Result<Weight, GpuError> {
+    let t = weights.get(name)?;
+    if t.shape != [rows, cols] {
+        return Err(GpuError::BadTensor {
+            tensor: name.into(),
+            reason: format!("expected shape [{rows}, {cols}], got {:?}", t.shape),
+        });
+    }
+    Weight::from_view(name, &t)
+}
+
+impl LlamaModel {
+    /// Builds the model from its tensors (canonical GGUF names), checking every shape.
+    pub fn from_weights(config: &LlamaConfig, weights: &ModelWeights) -> Result<Self, GpuError> {
+        config.validate()?;
+        let c = config;
+        let (h, hd) = (c.hidden_size, c.head_dim);
+        if c.num_kv_heads == 0
+            || !c.num_heads.is_multiple_of(c.num_kv_heads)
+            || !hd.is_multiple_of(2)
+        {
+            return Err(GpuError::InvalidConfig(format!(
+                "{} heads, {} KV heads, head dimension {hd}",
+                c.num_heads, c.num_kv_heads
+            )));
+        }
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for i in 0..c.num_layers {
+            let n = |s: &str| format!("blk.{i}.{s}.weight");
+            layers.push(Layer {
+                attn_norm: vector(weights, &n("attn_norm"), h)?,
+                q: matrix(weights, &n("attn_q"), c.num_heads * hd, h)?,
+                k: matrix(weights, &n("attn_k"), c.num_kv_heads * hd, h)?,
+                v: matrix(weights, &n("attn_v"), c.num_kv_heads * hd, h)?,
+                o: matrix(weights, &n("attn_output"), h, c.num_heads * hd)?,
+                ffn_norm: vector(weights, &n("ffn_norm"), h)?,
+                gate: matrix(weights, &n("ffn_gate"), c.intermediate_size, h)?,
+                up: matrix(weights, &n("ffn_up"), c.intermediate_size, h)?,
+                down: matrix(weights, &n("ffn_down"), h, c.intermediate_size)?,
+            });
+        }
+        let embed = matrix(weights, "token_embd.weight", c.vocab_size, h)?;
+        let lm_head = if weights.contains("output.weight") {
+            Some(matrix(weights, "output.weight", c.vocab_size, h)?)
+        } else if c.tie_word_embeddings {
+            None
+        } else {
+            return Err(GpuError::TensorNotFound("output.weight".into()));
+        };
+        Ok(LlamaModel {
+            config: c.clone(),
+            embed,
+            lm_head,
+            norm: vector(weights, "output_norm.weight", h)?,
+            layers,
+            rope: Rope::new(c),
+            isa: Isa::detect(),
+        })
+    }
+
+    /// Random weights of the shape of `config` (Q4_1 projections, Q8_0 embeddings as in the
+    /// SmolLM2 GGUF, unit norms), reproducible from `seed`; for benchmarks and shape tests.
+    pub fn dummy(config: &LlamaConfig, seed: u64) -> Result<Self, GpuError> {
+        Self::from_weights(config, &dummy_weights(config, seed)?)
+    }
+
+    /// Forces an instruction set (tests compare them); fails if the CPU lacks it.
+    pub fn set_isa(&mut self, isa: Isa) -> Result<(), GpuError> {
+        if !isa.is_supported() {
+            return Err(GpuError::InvalidConfig(format!(
+                "this CPU cannot run {isa:?} kernels"
+            )));
+        }
+        self.isa = isa;
+        Ok(())
+    }
+
+    /// The instruction set the kernels use.
+    pub fn isa(&self) -> Isa {
+        self.isa
+    }
+
+    /// Bytes of weights held (after repacking).
+    pub fn weight_bytes(&self) -> usize {
+        let w = |w: &Weight| match w {
+            Weight::Quant(q) => q.bytes(),
+            Weight::Float(f) => f.w.len() * 4,
+        };
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down]
+                    .iter()
+                    .map(|x| w(x))
+                    .sum::<usize>()
+            })
+            .sum();
+        layers + w(&self.embed) + self.lm_head.as_ref().map_or(0, w)
+    }
+
+    /// Checks that every token is in the vocabulary and every position has a valid cache slot.
+    fn validate(&self, cache: &KvCache, step: &StepInput<'_>) -> Result<(), GpuError> {
+        let bad = |m: String| Err(GpuError::BadBatch(m));
+        if step.tokens.len() != step.queries.len() {
+            return bad("tokens and positions differ in length".into());
+        }
+        if let Some(&t) = step
+            .tokens
+            .iter()
+            .find(|&&t| t as usize >= self.config.vocab_size)
+        {
+            return bad(format!(
+                "token {t} is outside the vocabulary ({})",
+                self.config.vocab_size
+            ));
+        }
+        for q in step.queries {
+            let Some(table) = step.tables.get(q.seq) else {
+                return bad(format!("no block table for sequence {}", q.seq));
+            };
+            if q.pos >= self.config.max_position_embeddings {
+                return bad(format!("position {} exceeds the context window", q.pos));
+            }
+            let need = q.pos / cache.block_size + 1;
+            if table.len() < need {
+                return bad(format!(
+                    "block table of {} blocks cannot hold position {}",
+                    table.len(),
+                    q.pos
+                ));
+            }
+            if let Some(&b) = table[..need]
+                .iter()
+                .find(|&&b| b as usize >= cache.num_blocks)
+            {
+                return bad(format!(
+                    "block id {b} out of range (cache has {})",
+                    cache.num_blocks
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs one step: writes the keys and values of every token into `cache` and returns the
+    /// logits (`logit_rows.len() * vocab_size`) of the flattened tokens `logit_rows`.
+    pub fn forward(
+        &self,
+        cache: &mut KvCache,
+        step: &StepInput<'_>,
+        logit_rows: &[usize],
+    ) -> Result<Vec<f32>, GpuError> {
+        self.validate(cache, step)?;
+        let c = &self.config;
+        if cache.layers != c.num_layers
+            || cache.kv_heads != c.num_kv_heads
+            || cache.head_dim != c.head_dim
+        {
+            return Err(GpuError::Internal(
+                "KV cache shape does not match the model".into(),
+            ));
+        }
+        if let Some(&r) = logit_rows.iter().find(|&&r| r >= step.tokens.len()) {
+            return Err(GpuError::Internal(format!("logit row {r} out of range")));
+        }
+        let t = step.tokens.len();
+        let (h, hd, isa) = (c.hidden_size, c.head_dim, self.isa);
+        let (qw, kvw, inter) = (c.num_heads * hd, c.num_kv_heads * hd, c.intermediate_size);
+        let qkv_w = qw + 2 * kvw;
+        let mut x = vec![0f32; t * h];
+        for (row, &tok) in x.chunks_exact_mut(h).zip(step.tokens) {
+            self.embed.row_f32(tok as usize, row);
+        }
+        let mut cs = vec![0f32; t * hd];
+        for (q, row) in step.queries.iter().zip(cs.chunks_exact_mut(hd)) {
+            self.rope.table(q.pos, row);
+        }
+        let mut xn = vec![0f32; t * h];
+        let mut xq = QActs::default();
+        let mut qkv = vec![0f32; t * qkv_w];
+        let mut qbuf = vec![0f32; t * qw];
+        let mut att = vec![0f32; t * qw];
+        let mut tmp = vec![0f32; t * h];
+        let mut gu = vec![0f32; t * 2 * inter];
+        let mut act = vec![0f32; t * inter];
+        let batch = AttentionBatch {
+            queries: step.queries,
+            tables: step.tables,
+            num_heads: c.num_heads,
+        };
+        for (li, l) in self.layers.iter().enumerate() {
+            rms_norm(&x, &l.attn_norm, c.rms_norm_eps, &mut xn);
+            xq.quantize_into(&xn, t, h);
+            linear(&[&l.q, &l.k, &l.v], &xn, &xq, t, &mut qkv, isa)?;
+            for (i, row) in qkv.chunks_exact_mut(qkv_w).enumerate() {
+                let q = step.queries[i];
+                let (qpart, rest) = row.split_at_mut(qw);
+                let (kpart, vpart) = rest.split_at_mut(kvw);
+                self.rope.apply(qpart, &cs[i * hd..(i + 1) * hd]);
+                self.rope.apply(kpart, &cs[i * hd..(i + 1) * hd]);
+                let table = step.tables[q.seq];
+                let block = table[q.pos / cache.block_size] as usize;
+                cache.write(li, block, q.pos % cache.block_size, kpart, vpart);
+                qbuf[i * qw..(i + 1) * qw].copy_from_slice(qpart);
+            }
+            attention(li, &qbuf, cache, &batch, &mut att, isa);
+            xq.quantize_into(&att, t, qw);
+            linear(&[&l.o], &att, &xq, t, &mut tmp, isa)?;
+            x.iter_mut().zip(&tmp).for_each(|(a, b)| *a += b);
+            rms_norm(&x, &l.ffn_norm, c.rms_norm_eps, &mut xn);
+            xq.quantize_into(&xn, t, h);
+            linear(&[&l.gate, &l.up], &xn, &xq, t, &mut gu, isa)?;
+            swiglu(&gu, inter, &mut act);
+            xq.quantize_into(&act, t, inter);
+            linear(&[&l.down], &act, &xq, t, &mut tmp, isa)?;
+            x.iter_mut().zip(&tmp).for_each(|(a, b)| *a += b);
+        }
+        let r = logit_rows.len();
+        let mut sel = Vec::with_capacity(r * h);
+        for &i in logit_rows {
+            sel.extend_from_slice(&x[i * h..(i + 1) * h]);
+        }
+        let mut normed = vec![0f32; r * h];
+        rms_norm(&sel, &self.norm, c.rms_norm_eps, &mut normed);
+        xq.quantize_into(&normed, r, h);
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        let mut logits = vec![0f32; r * c.vocab_size];
+        linear(&[head], &normed, &xq, r, &mut logits, isa)?;
+        Ok(logits)
+    }
+}
+
+/// Random tensors for [`LlamaModel::dummy`].
+pub fn dummy_weights(c: &LlamaConfig, seed: u64) -> Result<ModelWeights, GpuError> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut w = ModelWeights::new();
+    let mut quant = |w: &mut ModelWeights, name: String, rows: usize, cols: usize, dtype: DType| {
+        let blocks = rows * (cols / 32);
+        let bb = dtype.block_bytes();
+        let mut data = vec![0u8; blocks * bb];
+        rng.fill_bytes(&mut data);
+        // Scales giving values of standard deviation ~ 1/sqrt(cols); offsets centre them.
+        let d = if dtype == DType::Q8_0 {
+            1.0 / 73.0
+        } else {
+            1.0 / 4.6
+        } / (cols as f32).sqrt();
+        for b in data.chunks_exact_mut(bb) {
+            b[..2].copy_from_slice(&half::f16::from_f32(d).to_le_bytes());
+            if dtype == DType::Q4_1 {
+                b[2..4].copy_from_slice(&half::f16::from_f32(-7.5 * d).to_le_bytes());
+            }
+        }
+        w.insert_owned(name, dtype, vec![rows, cols], data)
+    };
+    let ones = |n: usize| (0..n).flat_map(|_| 1f32.to_le_bytes()).collect::<Vec<u8>>();
+    let (h, hd) = (c.hidden_size, c.head_dim);
+    quant(
+        &mut w,
+        "token_embd.weight".into(),
+        c.vocab_size,
+        h,
+        DType::Q8_0,
+    )?;
+    if !c.tie_word_embeddings {
+        quant(&mut w, "output.weight".into(), c.vocab_size, h, DType::Q8_0)?;
+    }
+    w.insert_owned("output_norm.weight", DType::F32, vec![h], ones(h))?;
+    for i in 0..c.num_layers {
+        let n = |s: &str| format!("blk.{i}.{s}.weight");
+        w.insert_owned(n("attn_norm"), DType::F32, vec![h], ones(h))?;
+        w.insert_owned(n("ffn_norm"), DType::F32, vec![h], ones(h))?;
+        quant(&mut w, n("attn_q"), c.num_heads * hd, h, DType::Q4_1)?;
+        quant(&mut w, n("attn_k"), c.num_kv_heads * hd, h, DType::Q4_1)?;
+        quant(&mut w, n("attn_v"), c.num_kv_heads * hd, h, DType::Q4_1)?;
+        quant(&mut w, n("attn_output"), h, c.num_heads * hd, DType::Q4_1)?;
+        quant(&mut w, n("ffn_gate"), c.intermediate_size, h, DType::Q4_1)?;
+        quant(&mut w, n("ffn_up"), c.intermediate_size, h, DType::Q4_1)?;
+        quant(&mut w, n("ffn_down"), h, c.intermediate_size, DType::Q4_1)?;
+    }
+    Ok(w)
+}

@@ -1,0 +1,10 @@
+//! The executor side of Switchyard: the `Backend` trait, the CPU backend, model loading
+//! (GGUF, safetensors), tokenizer and chat templates, and the sampler.
+
+pub mod error;
+pub mod model;
+
+pub use error::GpuError;
+pub mod backend;
+pub mod cpu;
+pub mod sampler;

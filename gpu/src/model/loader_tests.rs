@@ -1,0 +1,269 @@
+//! Loader tests: the real SmolLM2 GGUF file and a tiny Hugging Face checkpoint written here.
+
+use std::path::PathBuf;
+
+use safetensors::tensor::{Dtype as StDtype, TensorView as StView};
+
+use super::*;
+use crate::model::chat_template::ChatMessage;
+use crate::model::config::RopeStyle;
+use crate::model::fetch::test_model_path;
+use crate::model::gguf::parse_header;
+use crate::model::gguf::tests::GgufWriter;
+use crate::model::tensor::DType;
+
+#[test]
+fn loads_smollm2_gguf() {
+    let m = load_model(&test_model_path(), false).unwrap();
+    // Hyper-parameters published with SmolLM2-135M (issue 3).
+    let c = &m.config;
+    assert_eq!(
+        (
+            c.num_layers,
+            c.hidden_size,
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim
+        ),
+        (30, 576, 9, 3, 64)
+    );
+    assert_eq!((c.intermediate_size, c.vocab_size), (1536, 49152));
+    assert_eq!(c.rope_theta, 100_000.0);
+    assert_eq!(c.rope_style, RopeStyle::Interleaved);
+    assert!(c.tie_word_embeddings && !m.weights.contains("output.weight"));
+    assert_eq!(c.max_position_embeddings, 8192);
+    assert_eq!(
+        (c.bos_token_id, c.eos_token_ids.clone()),
+        (Some(1), vec![2])
+    );
+    let emb = m.weights.get("token_embd.weight").unwrap();
+    assert_eq!(
+        (emb.dtype, emb.shape.clone()),
+        (DType::Q8_0, vec![49152, 576])
+    );
+    let q = m.weights.get("blk.29.attn_q.weight").unwrap();
+    assert_eq!((q.dtype, q.shape.clone()), (DType::Q4_1, vec![576, 576]));
+    assert_eq!(
+        m.weights.get("output_norm.weight").unwrap().dtype,
+        DType::F32
+    );
+    let out = m
+        .chat_template
+        .as_ref()
+        .unwrap()
+        .render(&[ChatMessage::new("user", "hi")], true)
+        .unwrap();
+    assert!(out.starts_with("<|im_start|>system\n") && out.ends_with("<|im_start|>assistant\n"));
+    assert_eq!(m.tokenizer.encode("<|im_end|>", false).unwrap(), vec![2]);
+}
+
+fn scratch(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("sy-load-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Writes a 1-layer Llama checkpoint (hidden 4, 2 heads of 2, 1 KV head, FFN 8, vocab 10)
+/// with `q_rows` rows in the q projection (4 is correct).
+fn write_tiny_hf(dir: &Path, q_rows: usize) {
+    std::fs::write(
+        dir.join("config.json"),
+        r#"{"model_type": "llama", "num_hidden_layers": 1, "hidden_size": 4,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 8,
+            "vocab_size": 10, "tie_word_embeddings": true, "bos_token_id": 0,
+            "eos_token_id": 0, "rope_theta": 10000.0}"#,
+    )
+    .unwrap();
+    let shapes: Vec<(String, Vec<usize>)> = vec![
+        ("model.embed_tokens.weight".into(), vec![10, 4]),
+        ("model.norm.weight".into(), vec![4]),
+        ("model.layers.0.input_layernorm.weight".into(), vec![4]),
+        (
+            "model.layers.0.self_attn.q_proj.weight".into(),
+            vec![q_rows, 4],
+        ),
+        ("model.layers.0.self_attn.k_proj.weight".into(), vec![2, 4]),
+        ("model.layers.0.self_attn.v_proj.weight".into(), vec![2, 4]),
+        ("model.layers.0.self_attn.o_proj.weight".into(), vec![4, 4]),
+        (
+            "model.layers.0.post_attention_layernorm.weight".into(),
+            vec![4],
+        ),
+        ("model.layers.0.mlp.gate_proj.weight".into(), vec![8, 4]),
+        ("model.layers.0.mlp.up_proj.weight".into(), vec![8, 4]),
+        ("model.layers.0.mlp.down_proj.weight".into(), vec![4, 8]),
+    ];
+    let data: Vec<Vec<u8>> = shapes
+        .iter()
+        .map(|(_, s)| vec![0u8; 2 * s.iter().product::<usize>()])
+        .collect();
+    let views: Vec<(String, StView<'_>)> = shapes
+        .iter()
+        .zip(&data)
+        .map(|((n, s), d)| (n.clone(), StView::new(StDtype::BF16, s.clone(), d).unwrap()))
+        .collect();
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+    // A tokenizer.json made from a tiny byte-level BPE vocabulary.
+    let mut w = GgufWriter::default();
+    w.string("tokenizer.ggml.model", "gpt2")
+        .string("tokenizer.ggml.pre", "smollm")
+        .str_array("tokenizer.ggml.tokens", &["<s>", "a", "b", "ab", "1", "2"])
+        .i32_array("tokenizer.ggml.token_type", &[3, 1, 1, 1, 1, 1])
+        .str_array("tokenizer.ggml.merges", &["a b"]);
+    let h = parse_header(&w.build(), Path::new("t")).unwrap();
+    let json = Tokenizer::from_gguf(&h).unwrap().to_json().unwrap();
+    std::fs::write(dir.join("tokenizer.json"), json).unwrap();
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        r#"{"bos_token": "<s>", "chat_template": "{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}"}"#,
+    )
+    .unwrap();
+}
+
+#[test]
+fn loads_tiny_hf_checkpoint() {
+    let d = scratch("hf");
+    write_tiny_hf(&d, 4);
+    let m = load_model(&d, true).unwrap();
+    assert_eq!(m.config.rope_style, RopeStyle::Halves);
+    assert_eq!(m.config.head_dim, 2);
+    assert_eq!(
+        m.weights.get("blk.0.ffn_down.weight").unwrap().shape,
+        vec![4, 8]
+    );
+    assert_eq!(
+        m.weights.get("blk.0.attn_q.weight").unwrap().dtype,
+        DType::BF16
+    );
+    assert_eq!(
+        m.tokenizer.encode("ab12<s>", false).unwrap(),
+        vec![3, 4, 5, 0]
+    );
+    assert_eq!(m.tokenizer.eos_token_ids(), &[0]);
+    let t = m.chat_template.unwrap();
+    assert_eq!(
+        t.render(&[ChatMessage::new("user", "x")], false).unwrap(),
+        "<s>x"
+    );
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+#[test]
+fn wrong_tensor_shape_names_the_tensor() {
+    let d = scratch("shape");
+    write_tiny_hf(&d, 6);
+    let e = load_model(&d, false).unwrap_err().to_string();
+    assert!(
+        e.contains("blk.0.attn_q.weight") && e.contains("expected [4, 4]"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+#[test]
+fn missing_tensor_and_missing_file_are_errors() {
+    let d = scratch("missing");
+    write_tiny_hf(&d, 4);
+    std::fs::remove_file(d.join("tokenizer.json")).unwrap();
+    assert!(load_model(&d, false)
+        .unwrap_err()
+        .to_string()
+        .contains("tokenizer.json"));
+    std::fs::remove_file(d.join("model.safetensors")).unwrap();
+    assert!(load_model(&d, false).is_err());
+    assert!(load_model(&d.join("nope.gguf"), false)
+        .unwrap_err()
+        .to_string()
+        .contains("nope.gguf"));
+    // A GGUF without the layer tensors.
+    let mut w = GgufWriter::default();
+    w.string("general.architecture", "llama")
+        .u32("llama.block_count", 1)
+        .u32("llama.embedding_length", 32)
+        .u32("llama.attention.head_count", 2)
+        .u32("llama.feed_forward_length", 64)
+        .string("tokenizer.ggml.model", "gpt2")
+        .string("tokenizer.ggml.pre", "gpt2")
+        .str_array("tokenizer.ggml.tokens", &["a", "b"])
+        .str_array("tokenizer.ggml.merges", &[])
+        .tensor("token_embd.weight", &[32, 2], 0, vec![0u8; 256]);
+    let p = d.join("m.gguf");
+    std::fs::write(&p, w.build()).unwrap();
+    let e = load_model(&p, false).unwrap_err().to_string();
+    assert!(
+        e.contains("output_norm.weight") && e.contains("not found"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+#[test]
+fn loads_tiny_llama3_gguf_with_rope_freqs() {
+    use crate::model::config::{llama3_freq_factors, RopeScaling};
+    let (h, heads, kv, ff, vocab) = (128u64, 2u64, 1u64, 64u64, 4u64);
+    let hd = h / heads;
+    let zeros = |n: u64| vec![0u8; 4 * n as usize];
+    let want = RopeScaling {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 8192,
+    };
+    let freqs: Vec<u8> = llama3_freq_factors(&want, 500_000.0, hd as usize)
+        .iter()
+        .flat_map(|f| f.to_le_bytes())
+        .collect();
+    let mut w = GgufWriter::default();
+    w.string("general.architecture", "llama")
+        .string("general.name", "tiny-llama3")
+        .u32("llama.block_count", 1)
+        .u32("llama.embedding_length", h as u32)
+        .u32("llama.attention.head_count", heads as u32)
+        .u32("llama.attention.head_count_kv", kv as u32)
+        .u32("llama.feed_forward_length", ff as u32)
+        .f32("llama.rope.freq_base", 500_000.0)
+        .string("tokenizer.ggml.model", "gpt2")
+        .string("tokenizer.ggml.pre", "llama-bpe")
+        .str_array("tokenizer.ggml.tokens", &["a", "b", "c", "d"])
+        .str_array("tokenizer.ggml.merges", &[])
+        .tensor("token_embd.weight", &[h, vocab], 0, zeros(h * vocab))
+        .tensor("output.weight", &[h, vocab], 0, zeros(h * vocab))
+        .tensor("output_norm.weight", &[h], 0, zeros(h))
+        .tensor("rope_freqs.weight", &[hd / 2], 0, freqs)
+        .tensor("blk.0.attn_norm.weight", &[h], 0, zeros(h))
+        .tensor("blk.0.ffn_norm.weight", &[h], 0, zeros(h))
+        .tensor("blk.0.attn_q.weight", &[h, h], 0, zeros(h * h))
+        .tensor("blk.0.attn_k.weight", &[h, kv * hd], 0, zeros(h * kv * hd))
+        .tensor("blk.0.attn_v.weight", &[h, kv * hd], 0, zeros(h * kv * hd))
+        .tensor("blk.0.attn_output.weight", &[h, h], 0, zeros(h * h))
+        .tensor("blk.0.ffn_gate.weight", &[h, ff], 0, zeros(h * ff))
+        .tensor("blk.0.ffn_up.weight", &[h, ff], 0, zeros(h * ff))
+        .tensor("blk.0.ffn_down.weight", &[ff, h], 0, zeros(h * ff));
+    let d = scratch("llama3");
+    let p = d.join("tiny.gguf");
+    std::fs::write(&p, w.build()).unwrap();
+    // The directory holding a single GGUF file loads it too.
+    assert_eq!(load_model(&d, false).unwrap().name, "tiny-llama3");
+    std::fs::write(d.join("other.gguf"), b"").unwrap();
+    let e = load_model(&d, false).unwrap_err().to_string();
+    assert!(e.contains("several .gguf"), "{e}");
+    let m = load_model(&p, false).unwrap();
+    assert_eq!(m.name, "tiny-llama3");
+    assert!(!m.config.tie_word_embeddings);
+    let s = m.config.rope_scaling.unwrap();
+    assert_eq!((s.factor, s.original_max_position_embeddings), (8.0, 8192));
+    assert!((s.low_freq_factor - 1.0).abs() < 1e-3 && (s.high_freq_factor - 4.0).abs() < 1e-3);
+    assert!(m.chat_template.is_none());
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+/// The engine moves a loaded model to the executor thread and shares the tokenizer and the
+/// template between tokenizer workers.
+#[test]
+fn loaded_model_is_send_and_sync() {
+    fn check<T: Send + Sync>() {}
+    check::<LoadedModel>();
+    check::<Tokenizer>();
+    check::<ChatTemplate>();
+}

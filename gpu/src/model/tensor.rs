@@ -1,0 +1,313 @@
+//! Tensor storage types shared by the model loaders and the compute backends: [`DType`],
+//! [`TensorView`] (a borrowed tensor) and [`ModelWeights`] (all tensors of a model, owning the
+//! memory maps they live in).
+
+use std::collections::HashMap;
+
+use memmap2::Mmap;
+
+use crate::error::GpuError;
+
+/// Storage type of a tensor. The quantized types are ggml's block formats (see
+/// [`crate::model::quant_blocks`]): 32 values per block along the contiguous dimension.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum DType {
+    /// IEEE 754 single precision.
+    F32,
+    /// IEEE 754 half precision.
+    F16,
+    /// bfloat16.
+    BF16,
+    /// ggml Q8_0: `{d: f16, qs: [i8; 32]}`, 34 bytes per 32 values.
+    Q8_0,
+    /// ggml Q4_0: `{d: f16, qs: [u8; 16]}`, 18 bytes per 32 values.
+    Q4_0,
+    /// ggml Q4_1: `{d: f16, m: f16, qs: [u8; 16]}`, 20 bytes per 32 values.
+    Q4_1,
+}
+
+impl DType {
+    /// Number of values stored in one block (1 for the float types).
+    pub const fn block_len(self) -> usize {
+        match self {
+            DType::F32 | DType::F16 | DType::BF16 => 1,
+            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => 32,
+        }
+    }
+
+    /// Bytes of one block.
+    pub const fn block_bytes(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::F16 | DType::BF16 => 2,
+            DType::Q8_0 => 34,
+            DType::Q4_0 => 18,
+            DType::Q4_1 => 20,
+        }
+    }
+
+    /// Whether this is one of the block-quantized types.
+    pub const fn is_quantized(self) -> bool {
+        self.block_len() > 1
+    }
+
+    /// Bytes needed for a row of `n` values, or `None` when `n` is not a whole number of
+    /// blocks or the size overflows.
+    pub fn row_bytes(self, n: usize) -> Option<usize> {
+        if !n.is_multiple_of(self.block_len()) {
+            return None;
+        }
+        (n / self.block_len()).checked_mul(self.block_bytes())
+    }
+
+    /// Bytes needed for a tensor of this type and `shape` (PyTorch order, last dimension
+    /// contiguous), or `None` on overflow or when the last dimension is not a whole number of
+    /// blocks.
+    pub fn tensor_bytes(self, shape: &[usize]) -> Option<usize> {
+        let (last, rest) = match shape.split_last() {
+            Some(x) => x,
+            None => return Some(self.block_bytes()).filter(|_| !self.is_quantized()),
+        };
+        let rows = rest.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d))?;
+        self.row_bytes(*last)?.checked_mul(rows)
+    }
+
+    /// The conventional name of the type (as in ggml).
+    pub const fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "F32",
+            DType::F16 => "F16",
+            DType::BF16 => "BF16",
+            DType::Q8_0 => "Q8_0",
+            DType::Q4_0 => "Q4_0",
+            DType::Q4_1 => "Q4_1",
+        }
+    }
+}
+
+impl std::fmt::Display for DType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A tensor as stored in the file, borrowed from the memory map.
+#[derive(Clone, Debug)]
+pub struct TensorView<'a> {
+    /// Storage type.
+    pub dtype: DType,
+    /// Row-major shape, PyTorch order: a linear layer weight is `[out_features, in_features]`;
+    /// the LAST dimension is contiguous (GGUF's `ne[0]`), quantized blocks run along it.
+    pub shape: Vec<usize>,
+    /// Exactly the bytes of the tensor (little-endian), length validated against shape and
+    /// dtype. No alignment is guaranteed: read values with `from_le_bytes`.
+    pub data: &'a [u8],
+}
+
+impl TensorView<'_> {
+    /// Number of elements.
+    pub fn num_elements(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Dequantizes or converts the whole tensor to `f32`, row-major.
+    pub fn to_f32_vec(&self) -> Vec<f32> {
+        crate::model::dequant::to_f32(self.dtype, self.data)
+    }
+}
+
+/// Where the bytes of a [`ModelWeights`] live.
+#[derive(Debug)]
+enum Storage {
+    /// A read-only memory map of a model file.
+    Mapped(Mmap),
+    /// Bytes owned in memory (dummy weights, tests).
+    Owned(Vec<u8>),
+}
+
+impl Storage {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Storage::Mapped(m) => m,
+            Storage::Owned(v) => v,
+        }
+    }
+}
+
+/// Where one tensor lives inside the storages of a [`ModelWeights`].
+#[derive(Clone, Debug)]
+struct TensorEntry {
+    storage: usize,
+    offset: usize,
+    len: usize,
+    dtype: DType,
+    shape: Vec<usize>,
+}
+
+/// All tensors of a model under their canonical (GGUF) names; owns the memory maps (or
+/// buffers) the tensors are borrowed from.
+#[derive(Debug, Default)]
+pub struct ModelWeights {
+    storages: Vec<Storage>,
+    tensors: HashMap<String, TensorEntry>,
+}
+
+impl ModelWeights {
+    /// An empty set of weights.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds a memory map and returns its index for [`ModelWeights::insert_tensor`].
+    pub(crate) fn add_mmap(&mut self, map: Mmap) -> usize {
+        self.storages.push(Storage::Mapped(map));
+        self.storages.len() - 1
+    }
+
+    /// Registers a tensor at `offset..offset+len` of storage `storage`, checking bounds and
+    /// that `len` matches the shape and dtype.
+    pub(crate) fn insert_tensor(
+        &mut self,
+        name: String,
+        storage: usize,
+        offset: usize,
+        dtype: DType,
+        shape: Vec<usize>,
+    ) -> Result<(), GpuError> {
+        let bad = |reason: String| GpuError::BadTensor {
+            tensor: name.clone(),
+            reason,
+        };
+        let len = dtype
+            .tensor_bytes(&shape)
+            .ok_or_else(|| bad(format!("shape {shape:?} is invalid for {dtype}")))?;
+        let total = self
+            .storages
+            .get(storage)
+            .map(|s| s.bytes().len())
+            .ok_or_else(|| bad("unknown storage".into()))?;
+        match offset.checked_add(len) {
+            Some(end) if end <= total => {}
+            _ => {
+                return Err(bad(format!(
+                    "data {offset}+{len} lies outside the file ({total} bytes)"
+                )))
+            }
+        }
+        if self.tensors.contains_key(&name) {
+            return Err(bad("duplicate tensor name".into()));
+        }
+        self.tensors.insert(
+            name,
+            TensorEntry {
+                storage,
+                offset,
+                len,
+                dtype,
+                shape,
+            },
+        );
+        Ok(())
+    }
+
+    /// Adds a tensor whose bytes are owned in memory (used for dummy weights and tests).
+    pub fn insert_owned(
+        &mut self,
+        name: impl Into<String>,
+        dtype: DType,
+        shape: Vec<usize>,
+        data: Vec<u8>,
+    ) -> Result<(), GpuError> {
+        let name = name.into();
+        if dtype.tensor_bytes(&shape) != Some(data.len()) {
+            return Err(GpuError::BadTensor {
+                tensor: name,
+                reason: format!(
+                    "{} bytes do not match shape {shape:?} of {dtype}",
+                    data.len()
+                ),
+            });
+        }
+        self.storages.push(Storage::Owned(data));
+        let idx = self.storages.len() - 1;
+        self.insert_tensor(name, idx, 0, dtype, shape)
+    }
+
+    /// The tensor called `name`; the error names the tensor when it is missing.
+    pub fn get(&self, name: &str) -> Result<TensorView<'_>, GpuError> {
+        let e = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| GpuError::TensorNotFound(name.to_string()))?;
+        let data = self
+            .storages
+            .get(e.storage)
+            .and_then(|s| s.bytes().get(e.offset..e.offset + e.len))
+            .ok_or_else(|| GpuError::BadTensor {
+                tensor: name.to_string(),
+                reason: "data out of bounds".into(),
+            })?;
+        Ok(TensorView {
+            dtype: e.dtype,
+            shape: e.shape.clone(),
+            data,
+        })
+    }
+
+    /// Whether a tensor called `name` exists.
+    pub fn contains(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    /// Names of all tensors, sorted.
+    pub fn names(&self) -> Vec<&str> {
+        let mut v: Vec<&str> = self.tensors.keys().map(String::as_str).collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// Number of tensors.
+    pub fn len(&self) -> usize {
+        self.tensors.len()
+    }
+
+    /// Whether there are no tensors.
+    pub fn is_empty(&self) -> bool {
+        self.tensors.is_empty()
+    }
+
+    /// Total bytes of tensor data.
+    pub fn total_bytes(&self) -> usize {
+        self.tensors.values().map(|e| e.len).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tensor_bytes_checks_blocks_and_overflow() {
+        assert_eq!(DType::Q4_1.tensor_bytes(&[3, 64]), Some(3 * 2 * 20));
+        assert_eq!(DType::F16.tensor_bytes(&[5]), Some(10));
+        assert_eq!(DType::Q8_0.tensor_bytes(&[2, 33]), None);
+        assert_eq!(DType::F32.tensor_bytes(&[usize::MAX, 2]), None);
+    }
+
+    #[test]
+    fn get_reports_missing_tensor_by_name() {
+        let mut w = ModelWeights::new();
+        w.insert_owned("a", DType::F32, vec![2], vec![0; 8])
+            .unwrap();
+        assert!(w.contains("a"));
+        assert_eq!(w.get("a").unwrap().data.len(), 8);
+        let err = w.get("blk.0.attn_q.weight").unwrap_err().to_string();
+        assert!(err.contains("blk.0.attn_q.weight"), "{err}");
+        assert!(w
+            .insert_owned("b", DType::F32, vec![3], vec![0; 8])
+            .is_err());
+        assert!(w
+            .insert_owned("a", DType::F32, vec![2], vec![0; 8])
+            .is_err());
+    }
+}

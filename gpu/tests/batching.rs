@@ -1,0 +1,327 @@
+//! Batch invariance of the CPU backend on the real SmolLM2-135M Q4_1 file: a sequence gives
+//! the same logits and greedy tokens whether it runs alone or batched with others (mixing
+//! prefill chunks and decodes), whether its prompt is prefilled in one go or in chunks, and
+//! whether its prefix is recomputed or read from another sequence's KV blocks.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use switchyard_gpu::backend::{
+    Backend, Batch, CpuBackend, CpuBackendConfig, SamplingParams, SeqInput,
+};
+use switchyard_gpu::model::gguf::GgufFile;
+use switchyard_gpu::model::LlamaConfig;
+use switchyard_gpu::GpuError;
+
+const BLOCK: usize = 16;
+const BLOCKS_PER_SEQ: usize = 12;
+
+fn model_file() -> PathBuf {
+    let dir = std::env::var("SWITCHYARD_MODEL_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| {
+            PathBuf::from(std::env::var("HOME").unwrap_or_default())
+                .join(".cache/switchyard/models/smollm2-135m")
+        });
+    dir.join("SmolLM2-135M-Instruct.Q4_1.gguf")
+}
+
+fn backend() -> CpuBackend {
+    let path = model_file();
+    assert!(
+        path.exists(),
+        "{} is missing: run `switchyard model fetch smollm2-135m` first",
+        path.display()
+    );
+    let (header, weights) = GgufFile::open(&path)
+        .and_then(|f| f.into_weights())
+        .expect("read the GGUF file");
+    let config = LlamaConfig::from_gguf(&header).expect("model config");
+    let cfg = CpuBackendConfig {
+        num_kv_blocks: 8 * BLOCKS_PER_SEQ,
+        block_size: BLOCK,
+        threads: 2,
+        ..Default::default()
+    };
+    CpuBackend::from_weights(&config, &weights, &cfg).expect("backend")
+}
+
+fn prompt(len: usize, salt: u32) -> Vec<u32> {
+    (0..len as u32)
+        .map(|i| (i * 2654 + salt * 7919 + i * i * 13) % 48_000 + 200)
+        .collect()
+}
+
+fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in row.iter().enumerate() {
+        if v > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// A sequence driven by hand: its tokens so far, how many are in the cache, its blocks.
+struct Seq {
+    id: u64,
+    tokens: Vec<u32>,
+    computed: usize,
+    table: Vec<u32>,
+    /// Logits at every point where the next token was decided.
+    logits: Vec<Vec<f32>>,
+}
+
+impl Seq {
+    fn new(id: u64, prompt: Vec<u32>, slot: usize) -> Self {
+        let first = (slot * BLOCKS_PER_SEQ) as u32;
+        Seq {
+            id,
+            tokens: prompt,
+            computed: 0,
+            table: (first..first + BLOCKS_PER_SEQ as u32).collect(),
+            logits: Vec::new(),
+        }
+    }
+
+    /// The next `chunk` tokens (or fewer, up to the end of what is known).
+    fn input(&self, chunk: usize) -> SeqInput {
+        let end = self.computed.saturating_add(chunk).min(self.tokens.len());
+        SeqInput {
+            seq_id: self.id,
+            num_computed_tokens: self.computed,
+            tokens: self.tokens[self.computed..end].to_vec(),
+            block_table: self.table.clone(),
+            sample: end == self.tokens.len(),
+            sampling: Arc::new(SamplingParams::greedy()),
+            adapter: None,
+        }
+    }
+}
+
+/// Runs one step over `(sequence, chunk)` pairs; sequences whose chunk reaches the end of
+/// their tokens get their greedy next token appended.
+fn step(be: &mut CpuBackend, seqs: &mut [Seq], chunks: &[(usize, usize)]) {
+    let batch = Batch {
+        seqs: chunks.iter().map(|&(i, c)| seqs[i].input(c)).collect(),
+    };
+    let logits = be.logits(&batch).expect("forward");
+    let vocab = logits.len() / batch.seqs.len();
+    for (k, &(i, _)) in chunks.iter().enumerate() {
+        let s = &mut seqs[i];
+        let input = &batch.seqs[k];
+        s.computed += input.tokens.len();
+        if input.sample {
+            let row = logits[k * vocab..(k + 1) * vocab].to_vec();
+            s.tokens.push(argmax(&row));
+            s.logits.push(row);
+        }
+    }
+}
+
+/// Each sequence alone: the whole prompt in one step, then `decodes` greedy steps.
+fn alone(prompts: &[Vec<u32>], decodes: usize) -> Vec<Seq> {
+    let mut out = Vec::new();
+    for (i, p) in prompts.iter().enumerate() {
+        let mut be = backend();
+        let mut seqs = vec![Seq::new(i as u64, p.clone(), 0)];
+        step(&mut be, &mut seqs, &[(0, p.len())]);
+        for _ in 0..decodes {
+            step(&mut be, &mut seqs, &[(0, 1)]);
+        }
+        out.extend(seqs);
+    }
+    out
+}
+
+/// Both runs agree on every token and every decision point they have in common (at least 3).
+fn assert_same(a: &Seq, b: &Seq) {
+    let n = a.tokens.len().min(b.tokens.len());
+    assert_eq!(a.tokens[..n], b.tokens[..n], "sequence {}", a.id);
+    assert!(
+        a.logits.len().min(b.logits.len()) >= 3,
+        "too few decision points"
+    );
+    for (x, y) in a.logits.iter().zip(&b.logits) {
+        let diff = x
+            .iter()
+            .zip(y)
+            .map(|(p, q)| (p - q).abs())
+            .fold(0f32, f32::max);
+        assert!(diff <= 1e-4, "sequence {}: logits differ by {diff}", a.id);
+    }
+}
+
+#[test]
+fn batched_sequences_match_each_sequence_alone() {
+    let prompts = vec![prompt(37, 1), prompt(5, 2), prompt(70, 3)];
+    let reference = alone(&prompts, 6);
+    let mut be = backend();
+    let mut seqs: Vec<Seq> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| Seq::new(i as u64, p.clone(), i + 1))
+        .collect();
+    // A: chunks of 20 + 17; B: whole prompt, then decodes; C: chunks of 32 + 38. Sequences
+    // join and leave the batch at different steps.
+    step(&mut be, &mut seqs, &[(0, 20), (1, 5)]);
+    step(&mut be, &mut seqs, &[(1, 1), (0, 17), (2, 32)]);
+    step(&mut be, &mut seqs, &[(2, 38), (0, 1), (1, 1)]);
+    for _ in 0..4 {
+        step(&mut be, &mut seqs, &[(0, 1), (1, 1), (2, 1)]);
+    }
+    step(&mut be, &mut seqs, &[(0, 1), (2, 1)]);
+    step(&mut be, &mut seqs, &[(0, 1)]);
+    step(&mut be, &mut seqs, &[(2, 1), (1, 1)]);
+    for (a, b) in seqs.iter().zip(&reference) {
+        assert_same(a, b);
+    }
+}
+
+#[test]
+fn chunked_prefill_matches_one_shot_prefill() {
+    let p = prompt(45, 9);
+    let reference = alone(std::slice::from_ref(&p), 2);
+    let mut be = backend();
+    let mut seqs = vec![Seq::new(0, p, 3)];
+    for chunk in [7, 1, 16, 21, 1, 1] {
+        step(&mut be, &mut seqs, &[(0, chunk)]);
+    }
+    assert_same(&seqs[0], &reference[0]);
+}
+
+#[test]
+fn prefix_blocks_of_another_sequence_match_recompute() {
+    let shared = prompt(2 * BLOCK, 4);
+    let with_suffix = |salt| [shared.clone(), prompt(9, salt)].concat();
+    let reference = alone(&[with_suffix(6)], 3);
+    let mut be = backend();
+    let mut seqs = vec![
+        Seq::new(0, with_suffix(5), 0),
+        Seq::new(1, with_suffix(6), 1),
+    ];
+    step(&mut be, &mut seqs, &[(0, 41)]);
+    // Sequence 1 reuses the two full prefix blocks of sequence 0 and computes only its suffix.
+    let prefix = seqs[0].table[..2].to_vec();
+    seqs[1].table[..2].copy_from_slice(&prefix);
+    seqs[1].computed = 2 * BLOCK;
+    step(&mut be, &mut seqs, &[(1, 9), (0, 1)]);
+    step(&mut be, &mut seqs, &[(1, 1), (0, 1)]);
+    step(&mut be, &mut seqs, &[(1, 1)]);
+    seqs[1].id = 0; // compared with the reference's id
+    assert_same(&seqs[1], &reference[0]);
+}
+
+#[test]
+fn greedy_execute_returns_the_argmax_and_seeded_sampling_ignores_batch_mates() {
+    let mut be = backend();
+    let s = Seq::new(1, prompt(12, 8), 1);
+    let logits = be
+        .logits(&Batch {
+            seqs: vec![s.input(12)],
+        })
+        .expect("forward");
+    let out = be
+        .execute(&Batch {
+            seqs: vec![s.input(12)],
+        })
+        .expect("execute");
+    assert_eq!(out[0].token, Some(argmax(&logits)));
+
+    let seeded = Arc::new(SamplingParams {
+        temperature: 0.9,
+        top_p: 0.95,
+        seed: Some(42),
+        ..Default::default()
+    });
+    let run = |mates: usize| {
+        let mut be = backend();
+        let mut seqs: Vec<Seq> = (0..=mates)
+            .map(|i| Seq::new(i as u64, prompt(10 + 3 * i, i as u32), i))
+            .collect();
+        for _ in 0..8 {
+            let batch = Batch {
+                seqs: seqs
+                    .iter()
+                    .map(|s| SeqInput {
+                        sampling: seeded.clone(),
+                        ..s.input(usize::MAX)
+                    })
+                    .map(|mut i| {
+                        i.sample = true;
+                        i
+                    })
+                    .collect(),
+            };
+            let out = be.execute(&batch).expect("execute");
+            for (s, o) in seqs.iter_mut().zip(out) {
+                s.computed = s.tokens.len();
+                s.tokens.push(o.token.expect("sampled"));
+            }
+        }
+        seqs.swap_remove(0).tokens
+    };
+    assert_eq!(run(0), run(3));
+}
+
+#[test]
+fn malformed_batches_are_errors_not_panics() {
+    let mut be = backend();
+    let good = Seq::new(0, prompt(20, 1), 0).input(20);
+    let cases = [
+        SeqInput {
+            block_table: vec![0],
+            ..good.clone()
+        },
+        SeqInput {
+            block_table: vec![0, 10_000],
+            ..good.clone()
+        },
+        SeqInput {
+            tokens: vec![1, 2, 60_000],
+            ..good.clone()
+        },
+        SeqInput {
+            tokens: vec![],
+            ..good.clone()
+        },
+        SeqInput {
+            num_computed_tokens: 1 << 40,
+            ..good.clone()
+        },
+        SeqInput {
+            adapter: Some(3),
+            ..good.clone()
+        },
+        SeqInput {
+            sampling: Arc::new(SamplingParams {
+                top_p: 2.0,
+                ..Default::default()
+            }),
+            ..good.clone()
+        },
+    ];
+    for bad in cases {
+        let r = be.execute(&Batch {
+            seqs: vec![bad.clone()],
+        });
+        assert!(
+            matches!(r, Err(GpuError::BadBatch(_) | GpuError::BadSampling(_))),
+            "{bad:?} gave {r:?}"
+        );
+    }
+    let twice = Batch {
+        seqs: vec![good.clone(), good.clone()],
+    };
+    assert!(matches!(be.execute(&twice), Err(GpuError::BadBatch(_))));
+    let huge = SeqInput {
+        tokens: vec![1; 9000],
+        ..good.clone()
+    };
+    assert!(matches!(
+        be.execute(&Batch { seqs: vec![huge] }),
+        Err(GpuError::BadBatch(_))
+    ));
+    // The backend still works afterwards.
+    assert!(be.execute(&Batch { seqs: vec![good] }).is_ok());
+}

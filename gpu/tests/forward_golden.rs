@@ -1,0 +1,144 @@
+//! Teacher-forced agreement of the CPU forward pass with Hugging Face transformers (float32,
+//! weights dequantized from the same GGUF; `gpu/reference/make_golden.py` made the fixture):
+//! feeding each reference prompt plus its 32 reference greedy tokens, our argmax must match the
+//! reference's at >= 99% of the generated positions and our logprob of the reference token must
+//! be within 0.05 nats of the reference's on average.
+
+use std::path::PathBuf;
+
+use serde_json::Value;
+use switchyard_gpu::cpu::attention::QueryPos;
+use switchyard_gpu::cpu::kv_cache::KvCache;
+use switchyard_gpu::cpu::llama::{LlamaModel, StepInput};
+use switchyard_gpu::cpu::matmul::Isa;
+use switchyard_gpu::model::gguf::GgufFile;
+use switchyard_gpu::model::LlamaConfig;
+use switchyard_gpu::sampler::log_softmax;
+
+fn model() -> LlamaModel {
+    let dir = std::env::var("SWITCHYARD_MODEL_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| {
+            PathBuf::from(std::env::var("HOME").unwrap_or_default())
+                .join(".cache/switchyard/models/smollm2-135m")
+        });
+    let path = dir.join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(
+        path.exists(),
+        "{} is missing: run `switchyard model fetch smollm2-135m` first",
+        path.display()
+    );
+    let (header, weights) = GgufFile::open(&path)
+        .and_then(|f| f.into_weights())
+        .expect("read the GGUF file");
+    let config = LlamaConfig::from_gguf(&header).expect("model config");
+    LlamaModel::from_weights(&config, &weights).expect("model")
+}
+
+fn fixture() -> Value {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/smollm2_golden.json");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e} (made by gpu/reference/make_golden.py)",
+            path.display()
+        )
+    });
+    serde_json::from_str(&text).expect("fixture is JSON")
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .expect("an id array")
+        .iter()
+        .map(|x| x.as_u64().expect("an id") as u32)
+        .collect()
+}
+
+/// (positions agreeing on the argmax, positions, sum of |logprob difference|).
+fn teacher_forced(model: &LlamaModel, generation: &Value) -> (usize, usize, f64) {
+    let prompt = ids(&generation["prompt_ids"]);
+    let tokens = ids(&generation["tokens"]);
+    let steps = generation["steps"].as_array().expect("steps");
+    assert_eq!(steps.len(), tokens.len());
+    let all: Vec<u32> = prompt
+        .iter()
+        .chain(&tokens[..tokens.len() - 1])
+        .copied()
+        .collect();
+    let c = &model.config;
+    let block = 16;
+    let blocks = all.len().div_ceil(block);
+    let mut cache =
+        KvCache::new(c.num_layers, blocks, block, c.num_kv_heads, c.head_dim).expect("cache");
+    let table: Vec<u32> = (0..blocks as u32).collect();
+    let queries: Vec<QueryPos> = (0..all.len()).map(|pos| QueryPos { pos, seq: 0 }).collect();
+    // Row prompt.len() - 1 + i predicts tokens[i].
+    let rows: Vec<usize> = (0..tokens.len()).map(|i| prompt.len() - 1 + i).collect();
+    let step = StepInput {
+        tokens: &all,
+        queries: &queries,
+        tables: &[&table],
+    };
+    let logits = model.forward(&mut cache, &step, &rows).expect("forward");
+    let vocab = c.vocab_size;
+    let (mut agree, mut diff) = (0, 0f64);
+    for (i, s) in steps.iter().enumerate() {
+        let lp = log_softmax(&logits[i * vocab..(i + 1) * vocab]);
+        let best = lp
+            .iter()
+            .enumerate()
+            .fold(0, |b, (j, &v)| if v > lp[b] { j } else { b });
+        let ref_best = s["top5"][0][0].as_u64().expect("top5 id") as usize;
+        agree += usize::from(best == ref_best);
+        if best != ref_best {
+            let gap =
+                s["top5"][0][1].as_f64().unwrap_or(0.0) - s["top5"][1][1].as_f64().unwrap_or(0.0);
+            eprintln!(
+                "  position {i}: reference top-1 {ref_best} (gap to its top-2 {gap:.4} nats), ours {best} (ours {:.4} vs {:.4})",
+                lp[best],
+                lp[ref_best]
+            );
+        }
+        let ref_lp = s["logprob"].as_f64().expect("logprob");
+        diff += (f64::from(lp[tokens[i] as usize]) - ref_lp).abs();
+    }
+    (agree, steps.len(), diff)
+}
+
+fn check(isa: Isa) {
+    let mut model = model();
+    if model.set_isa(isa).is_err() {
+        eprintln!("{isa:?} is not supported here; skipped");
+        return;
+    }
+    let fx = fixture();
+    let gens = fx["generations"].as_array().expect("generations");
+    assert!(!gens.is_empty());
+    let (mut agree, mut total, mut diff) = (0, 0, 0f64);
+    for g in gens {
+        let (a, n, d) = teacher_forced(&model, g);
+        eprintln!(
+            "{isa:?} {}: top-1 {a}/{n}, mean |dlogprob| {:.4}",
+            g["name"],
+            d / n as f64
+        );
+        agree += a;
+        total += n;
+        diff += d;
+    }
+    let agreement = agree as f64 / total as f64;
+    let mean = diff / total as f64;
+    eprintln!("{isa:?}: top-1 agreement {agreement:.4} over {total} positions, mean |dlogprob| {mean:.4} nats");
+    assert!(agreement >= 0.99, "top-1 agreement {agreement}");
+    assert!(mean <= 0.05, "mean |logprob difference| {mean}");
+}
+
+#[test]
+fn teacher_forced_logprobs_match_transformers() {
+    check(Isa::detect());
+}
+
+#[test]
+fn teacher_forced_logprobs_match_transformers_with_avx2_kernels() {
+    check(Isa::Avx2);
+}

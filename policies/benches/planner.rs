@@ -1,0 +1,216 @@
+//! One planner step (schedule + apply_outputs) at 256 running decode sequences, per policy,
+//! and the per-request cost of admitting and prefilling a 2048-token prompt.
+
+use std::hint::black_box;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, Criterion};
+use switchyard_policies::*;
+
+const SEQS: usize = 256;
+const PROMPT: usize = 512;
+/// Decode steps before the scheduler is rebuilt (keeps contexts realistic).
+const STEPS_PER_SETUP: usize = 1000;
+
+fn tiers() -> Vec<TierSpec> {
+    vec![
+        TierSpec {
+            name: "premium".into(),
+            ttft_ms: Some(200.0),
+            tpot_ms: Some(40.0),
+            weight: 4.0,
+            preemptible: false,
+        },
+        TierSpec {
+            name: "standard".into(),
+            ttft_ms: Some(1000.0),
+            tpot_ms: Some(100.0),
+            weight: 1.0,
+            preemptible: false,
+        },
+        TierSpec {
+            name: "batch".into(),
+            ttft_ms: None,
+            tpot_ms: None,
+            weight: 1.0,
+            preemptible: true,
+        },
+    ]
+}
+
+fn request(i: usize, prompt: Arc<[u32]>, max_tokens: u32) -> Request {
+    Request {
+        id: RequestId(i as u64),
+        tenant: format!("tenant{}", i % 8),
+        tier: ["premium", "standard", "batch"][i % 3].into(),
+        priority: (i % 4) as i32,
+        lora_adapter: None,
+        arrival: Timestamp(i as u64),
+        slo: SloTargets::default(),
+        prompt,
+        limits: SamplingLimits {
+            max_tokens,
+            ..SamplingLimits::default()
+        },
+        cache_salt: None,
+    }
+}
+
+/// A scheduler whose 256 sequences have finished prefill and are decoding.
+fn decoding_scheduler(policy: &str) -> (Scheduler, Timestamp) {
+    decoding_scheduler_with(policy, &serde_yaml::Value::Null)
+}
+
+fn decoding_scheduler_with(policy: &str, params: &serde_yaml::Value) -> (Scheduler, Timestamp) {
+    let config = SchedulerConfig {
+        max_num_seqs: SEQS,
+        max_num_batched_tokens: 8192,
+        block_size: 16,
+        num_gpu_blocks: 32_768,
+        enable_prefix_caching: true,
+        max_model_len: 1 << 16,
+        tiers: tiers(),
+    };
+    let p = PolicyRegistry::with_builtins()
+        .create(policy, &serde_yaml::Value::Null, &tiers())
+        .unwrap();
+    let mut s = Scheduler::new(config, p, [3, 4]).unwrap();
+    let setup_end = decode_all(&mut s);
+    let policy = PolicyRegistry::with_builtins()
+        .create(policy, params, &tiers())
+        .unwrap();
+    s.swap_policy(policy);
+    (s, setup_end)
+}
+
+/// Adds 256 requests and runs until all of them decode.
+fn decode_all(s: &mut Scheduler) -> Timestamp {
+    for i in 0..SEQS {
+        let prompt: Arc<[u32]> = (0..PROMPT).map(|k| (i * PROMPT + k) as u32).collect();
+        s.add_request(request(i, prompt, 60_000)).unwrap();
+    }
+    let mut now = Timestamp(0);
+    loop {
+        let plan = s.schedule(now);
+        let outs: Vec<StepOutput> = plan
+            .seqs
+            .iter()
+            .filter(|q| q.samples)
+            .map(|q| StepOutput { id: q.id, token: 1 })
+            .collect();
+        now = now.saturating_add(10_000);
+        s.apply_outputs(&plan, &outs, now);
+        if plan.seqs.iter().all(|q| !q.is_prefill) && plan.seqs.len() == SEQS {
+            break;
+        }
+    }
+    now
+}
+
+/// Times `iters` steps (schedule_into + apply_outputs), rebuilding the scheduler every
+/// `STEPS_PER_SETUP` steps outside the timed region.
+fn time_steps(iters: u64, policy: &str, params: &serde_yaml::Value, expect: usize) -> Duration {
+    let mut total = Duration::ZERO;
+    let (mut s, mut now) = decoding_scheduler_with(policy, params);
+    let mut plan = StepPlan::default();
+    let mut outs = Vec::with_capacity(SEQS);
+    let mut k = 0;
+    for _ in 0..iters {
+        if k == STEPS_PER_SETUP {
+            (s, now) = decoding_scheduler_with(policy, params);
+            k = 0;
+        }
+        let t = Instant::now();
+        s.schedule_into(now, &mut plan);
+        outs.clear();
+        outs.extend(
+            plan.seqs
+                .iter()
+                .filter(|q| q.samples)
+                .map(|q| StepOutput { id: q.id, token: 1 }),
+        );
+        now = now.saturating_add(10_000);
+        black_box(s.apply_outputs(&plan, &outs, now));
+        total += t.elapsed();
+        assert_eq!(plan.seqs.len(), expect);
+        k += 1;
+    }
+    total
+}
+
+fn planner_step(c: &mut Criterion) {
+    let mut group = c.benchmark_group("planner_step_256_decodes");
+    for policy in PolicyRegistry::with_builtins().names() {
+        group.bench_function(policy, |b| {
+            b.iter_custom(|iters| time_steps(iters, policy, &serde_yaml::Value::Null, SEQS))
+        });
+    }
+    // A constrained step: a 128-token budget for 256 decodes forces the ranked path.
+    let tight: serde_yaml::Value = serde_yaml::from_str("{token_budget: 128}").unwrap_or_default();
+    group.bench_function("chunked-prefill, budget 128 (ranked path)", |b| {
+        b.iter_custom(|iters| time_steps(iters, "chunked-prefill", &tight, 128))
+    });
+    group.bench_function("fcfs, allocating schedule()", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            let (mut s, mut now) = decoding_scheduler("fcfs");
+            let mut k = 0;
+            for _ in 0..iters {
+                if k == STEPS_PER_SETUP {
+                    (s, now) = decoding_scheduler("fcfs");
+                    k = 0;
+                }
+                let t = Instant::now();
+                let plan = s.schedule(now);
+                let outs: Vec<StepOutput> = plan
+                    .seqs
+                    .iter()
+                    .filter(|q| q.samples)
+                    .map(|q| StepOutput { id: q.id, token: 1 })
+                    .collect();
+                now = now.saturating_add(10_000);
+                black_box(s.apply_outputs(&plan, &outs, now));
+                total += t.elapsed();
+                k += 1;
+            }
+            total
+        })
+    });
+    group.finish();
+}
+
+fn admission(c: &mut Criterion) {
+    // Per request: add, prefill 2048 tokens (hashing 127 blocks, allocating 128), sample
+    // one token and finish (max_tokens = 1), all full blocks entering the prefix cache.
+    let config = SchedulerConfig {
+        num_gpu_blocks: 16_384,
+        max_model_len: 4096,
+        ..SchedulerConfig::default()
+    };
+    let p = PolicyRegistry::with_builtins()
+        .create("fcfs", &serde_yaml::Value::Null, &[])
+        .unwrap();
+    let mut s = Scheduler::new(config, p, [5, 6]).unwrap();
+    let mut next = 0u64;
+    let mut plan = StepPlan::default();
+    c.bench_function("request_lifecycle/2048-token prompt, 1 output", |b| {
+        b.iter(|| {
+            next += 1;
+            let prompt: Arc<[u32]> = (0..2048u32)
+                .map(|k| k.wrapping_mul(2_654_435_761) ^ next as u32)
+                .collect();
+            s.add_request(request(next as usize, prompt, 1)).unwrap();
+            s.schedule_into(Timestamp(next), &mut plan);
+            let outs = [StepOutput {
+                id: RequestId(next),
+                token: 1,
+            }];
+            black_box(s.apply_outputs(&plan, &outs, Timestamp(next)));
+            s.forget(RequestId(next));
+        })
+    });
+}
+
+criterion_group!(benches, planner_step, admission);
+criterion_main!(benches);

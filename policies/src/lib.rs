@@ -1,0 +1,63 @@
+//! Switchyard's scheduling core: request state, the KV block allocator with automatic
+//! prefix caching, the continuous-batching step planner and the policy plugins.
+//!
+//! Synchronous, deterministic and IO-free: time is passed in, randomness only enters
+//! through the prefix-hash key. The simulator and the engine run this very code.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use switchyard_policies::*;
+//!
+//! let policy = PolicyRegistry::with_builtins()
+//!     .create("fcfs", &serde_yaml::Value::Null, &[])
+//!     .unwrap();
+//! let config = SchedulerConfig { num_gpu_blocks: 64, ..SchedulerConfig::default() };
+//! let mut sched = Scheduler::new(config, policy, [1, 2]).unwrap();
+//! sched
+//!     .add_request(Request {
+//!         id: RequestId(1),
+//!         tenant: "acme".into(),
+//!         tier: String::new(),
+//!         priority: 0,
+//!         lora_adapter: None,
+//!         arrival: Timestamp(0),
+//!         slo: SloTargets::default(),
+//!         prompt: Arc::from(vec![7u32; 40]),
+//!         limits: SamplingLimits { max_tokens: 2, ..SamplingLimits::default() },
+//!         cache_salt: None,
+//!     })
+//!     .unwrap();
+//! let mut now = Timestamp(0);
+//! while sched.has_unfinished() {
+//!     let plan = sched.schedule(now);
+//!     let outputs: Vec<StepOutput> = plan
+//!         .seqs
+//!         .iter()
+//!         .filter(|s| s.samples)
+//!         .map(|s| StepOutput { id: s.id, token: 42 })
+//!         .collect();
+//!     now = now.saturating_add(1_000);
+//!     sched.apply_outputs(&plan, &outputs, now);
+//! }
+//! assert_eq!(sched.output_tokens(RequestId(1)), Some(&[42, 42][..]));
+//! ```
+
+pub mod block_pool;
+pub mod error;
+mod planner;
+pub mod policy;
+pub mod prefix_hash;
+pub mod scheduler;
+pub mod sequence;
+pub mod types;
+
+pub use block_pool::BlockPool;
+pub use error::{PolicyError, SchedulerError};
+pub use policy::{
+    ChunkedPrefill, FairShare, Fcfs, Policy, PolicyEvent, PolicyFactory, PolicyRegistry,
+    PriorityPolicy, Rank, SloAware, StepContext,
+};
+pub use prefix_hash::{BlockHasher, HashExtras, PrefixHash};
+pub use scheduler::{validate_config, Scheduler};
+pub use sequence::SeqView;
+pub use types::*;

@@ -1,0 +1,615 @@
+//! The step planner: continuous batching with chunked prefill, prefix-aware admission and
+//! preemption by recompute, in the shape of vLLM's V1 scheduler.
+//!
+//! One step:
+//! 1. The policy sets the token budget (clamped to `max_num_batched_tokens`).
+//! 2. Running sequences get their next chunk (1 token for a decode). If all of them fit in
+//!    the budget and the free blocks, they are scheduled in queue order and ranking is
+//!    skipped (the outcome cannot depend on the order; this is the steady decode state).
+//!    Otherwise they are served in rank order, and when the pool runs dry the lowest-ranked
+//!    running sequence not yet scheduled is preempted (possibly the one being scheduled).
+//!    If anything was preempted, nothing is admitted.
+//! 3. Waiting sequences, in rank order, are admitted while seats, budget and blocks last:
+//!    their longest cached prefix is pinned (at least the last token is always recomputed,
+//!    so a token can be sampled), the rest is a prefill chunk. When a sequence does not
+//!    fit, the policy may name lower-ranked running victims (`may_preempt`); otherwise
+//!    admission stops (no overtaking, so FCFS order is preserved).
+//!
+//! Preemption frees every block (full ones stay cached) and keeps the generated tokens, so
+//! the recompute covers prompt + output. Per step the planner does O(running) work
+//! (O(running · log running) when constrained) plus O(waiting) ranking when something waits;
+//! block hashes are computed once per block per request. Plans carry only the blocks each
+//! sequence gained since it was last scheduled (vLLM V1's `new_block_ids`).
+
+use std::collections::HashMap;
+
+use crate::policy::{PolicyEvent, StepContext};
+use crate::prefix_hash::BlockHasher;
+use crate::scheduler::{Ranked, Scheduler};
+use crate::sequence::{SeqView, Sequence};
+use crate::types::{
+    RequestId, RequestState, ScheduledSeq, SeqEvent, StepOutput, StepPlan, Timestamp, TokenId,
+};
+use crate::BlockPool;
+
+/// Registers the leading full, computed blocks of `seq` in the prefix cache.
+#[inline]
+fn cache_full_blocks(hasher: &BlockHasher, pool: &mut BlockPool, seq: &mut Sequence) {
+    let full = pool.full_blocks(seq.num_computed);
+    if full <= seq.num_cached_blocks {
+        return;
+    }
+    let extras = seq.hash_extras();
+    let mut hashes = std::mem::take(&mut seq.hashes);
+    hasher.extend_chain(&mut hashes, seq.tokens(), pool.block_size(), full, extras);
+    let start = seq.num_cached_blocks;
+    let end = full.min(hashes.len()).min(seq.block_table.len());
+    if start < end {
+        for (&b, &h) in seq.block_table[start..end].iter().zip(&hashes[start..end]) {
+            pool.cache_block(b, h);
+        }
+    }
+    seq.hashes = hashes;
+    seq.num_cached_blocks = full;
+}
+
+/// Writes entry `n` of `plan.seqs`, reusing its allocation, with the blocks the sequence
+/// gained since it was last sent.
+fn write_entry(plan: &mut StepPlan, n: usize, seq: &mut Sequence, num_new: usize) {
+    let computed = seq.num_computed;
+    let total = seq.num_tokens();
+    let first = seq.blocks_sent.min(seq.block_table.len());
+    let fresh = &seq.block_table[first..];
+    let entry = ScheduledSeq {
+        id: seq.id,
+        num_computed_tokens: computed,
+        num_new_tokens: num_new,
+        first_new_block: first,
+        new_blocks: Vec::new(),
+        is_prefill: total - computed > 1,
+        samples: computed + num_new == total,
+    };
+    match plan.seqs.get_mut(n) {
+        Some(slot) => {
+            let mut blocks = std::mem::take(&mut slot.new_blocks);
+            blocks.clear();
+            blocks.extend_from_slice(fresh);
+            *slot = ScheduledSeq {
+                new_blocks: blocks,
+                ..entry
+            };
+        }
+        None => plan.seqs.push(ScheduledSeq {
+            new_blocks: fresh.to_vec(),
+            ..entry
+        }),
+    }
+    seq.blocks_sent = seq.block_table.len();
+    plan.num_batched_tokens += num_new;
+}
+
+/// Mutable state of the plan being built.
+struct Building<'p> {
+    /// The plan (entries past `len` are stale buffers kept for reuse).
+    plan: &'p mut StepPlan,
+    /// Valid entries.
+    len: usize,
+    /// Tokens left in the budget.
+    budget: usize,
+}
+
+impl Scheduler {
+    /// Plans the next step at `now`.
+    pub fn schedule(&mut self, now: Timestamp) -> StepPlan {
+        let mut plan = StepPlan::default();
+        self.schedule_into(now, &mut plan);
+        plan
+    }
+
+    /// Like [`Scheduler::schedule`], reusing `plan`'s allocations (the engine's hot path).
+    pub fn schedule_into(&mut self, now: Timestamp, plan: &mut StepPlan) {
+        plan.preempted.clear();
+        plan.num_batched_tokens = 0;
+        self.last_slots.clear();
+        let ctx = StepContext {
+            now,
+            max_num_batched_tokens: self.config.max_num_batched_tokens,
+            max_num_seqs: self.config.max_num_seqs,
+            seqs: &self.seqs,
+            running: &self.running,
+        };
+        let budget = self
+            .policy
+            .token_budget(&ctx)
+            .clamp(1, self.config.max_num_batched_tokens);
+        let mut b = Building {
+            plan,
+            len: 0,
+            budget,
+        };
+        let mut order = std::mem::take(&mut self.order);
+        let mut ranked = self.schedule_running(now, &mut order, &mut b);
+        let running_before = self.running.len();
+        if b.plan.preempted.is_empty() {
+            self.admit_waiting(now, &mut order, &mut ranked, &mut b);
+        }
+        self.order = order;
+        b.plan.seqs.truncate(b.len);
+        let seqs = &self.seqs;
+        let admitted_any = self.running.len() != running_before;
+        if !b.plan.preempted.is_empty() {
+            self.running
+                .retain(|&s| slot_ref(seqs, s).is_some_and(|q| q.state == RequestState::Running));
+        }
+        // Admissions push to `running` (their waiting entries are dropped here).
+        if admitted_any || !b.plan.preempted.is_empty() {
+            self.waiting.retain(|&s| {
+                slot_ref(seqs, s).is_some_and(|q| {
+                    matches!(q.state, RequestState::Waiting | RequestState::Preempted)
+                })
+            });
+        }
+    }
+
+    fn rank_into(&self, slots: &[u32], now: Timestamp, out: &mut Vec<Ranked>) {
+        out.clear();
+        for &slot in slots {
+            if let Some(s) = self.seq(slot) {
+                out.push(Ranked {
+                    rank: self.policy.rank(SeqView::new(s), now),
+                    arrival: s.req.arrival,
+                    id: s.id,
+                    slot,
+                });
+            }
+        }
+    }
+
+    /// Schedules every running sequence's whole next chunk in queue order, in one pass.
+    ///
+    /// When everything fits, rank order cannot change the outcome, so ranking is skipped.
+    /// Returns false, with the plan and the allocations rolled back, as soon as the budget
+    /// or the free blocks would run out. (At the start of a step every running sequence
+    /// has sent its whole table, so the blocks past `first_new_block` are this step's.)
+    fn schedule_all_running(&mut self, b: &mut Building<'_>) -> bool {
+        let budget = b.budget;
+        let mut fits = true;
+        for &slot in &self.running {
+            let Some(seq) = self.seqs.get_mut(slot as usize).and_then(|s| s.as_mut()) else {
+                continue;
+            };
+            let total = seq.num_tokens();
+            let num_new = total - seq.num_computed;
+            if num_new == 0 {
+                continue;
+            }
+            let need = self
+                .pool
+                .blocks_for(total)
+                .saturating_sub(seq.block_table.len());
+            if num_new > b.budget || need > self.pool.num_free() {
+                fits = false;
+                break;
+            }
+            for _ in 0..need {
+                match self.pool.allocate() {
+                    Some(blk) => seq.block_table.push(blk),
+                    None => self.pool_errors += 1,
+                }
+            }
+            write_entry(b.plan, b.len, seq, num_new);
+            b.len += 1;
+            b.budget -= num_new;
+            self.last_slots.push(slot);
+        }
+        if fits {
+            return true;
+        }
+        for (entry, &slot) in b.plan.seqs[..b.len].iter().zip(&self.last_slots) {
+            let Some(seq) = self.seqs.get_mut(slot as usize).and_then(|s| s.as_mut()) else {
+                continue;
+            };
+            while seq.block_table.len() > entry.first_new_block {
+                if let Some(blk) = seq.block_table.pop() {
+                    if self.pool.free(blk).is_err() {
+                        self.pool_errors += 1;
+                    }
+                }
+            }
+            seq.blocks_sent = entry.first_new_block;
+        }
+        self.last_slots.clear();
+        b.len = 0;
+        b.budget = budget;
+        b.plan.num_batched_tokens = 0;
+        false
+    }
+
+    /// Schedules running sequences. Returns `Some(n)` when `order` holds them ranked (the
+    /// first `n` still running), `None` when the fast path skipped ranking.
+    fn schedule_running(
+        &mut self,
+        now: Timestamp,
+        order: &mut Vec<Ranked>,
+        b: &mut Building<'_>,
+    ) -> Option<usize> {
+        order.clear();
+        if self.schedule_all_running(b) {
+            return None;
+        }
+        self.rank_into(&self.running, now, order);
+        order.sort_unstable();
+        let mut end = order.len();
+        let mut i = 0;
+        while i < end {
+            let slot = order[i].slot;
+            i += 1;
+            let Some(seq) = self.seq(slot) else { continue };
+            let remaining = seq.num_tokens() - seq.num_computed;
+            let num_new = remaining.min(b.budget);
+            if num_new == 0 {
+                continue;
+            }
+            let need = self
+                .pool
+                .blocks_for(seq.num_computed + num_new)
+                .saturating_sub(seq.block_table.len());
+            loop {
+                if self.pool.num_free() >= need {
+                    self.grow_and_emit(slot, need, num_new, b);
+                    break;
+                }
+                end -= 1;
+                let victim = order[end].slot;
+                self.preempt(victim, now, b);
+                if victim == slot {
+                    break;
+                }
+            }
+        }
+        Some(end)
+    }
+
+    /// Allocates `need` more blocks for a running sequence and adds it to the plan.
+    fn grow_and_emit(&mut self, slot: u32, need: usize, num_new: usize, b: &mut Building<'_>) {
+        let Some(seq) = self.seqs.get_mut(slot as usize).and_then(|s| s.as_mut()) else {
+            return;
+        };
+        for _ in 0..need {
+            match self.pool.allocate() {
+                Some(blk) => seq.block_table.push(blk),
+                None => {
+                    // Unreachable: the caller checked num_free.
+                    self.pool_errors += 1;
+                    return;
+                }
+            }
+        }
+        write_entry(b.plan, b.len, seq, num_new);
+        b.len += 1;
+        b.budget -= num_new;
+        self.last_slots.push(slot);
+    }
+
+    /// Preempts a running sequence by recompute, unscheduling it if it was planned.
+    fn preempt(&mut self, slot: u32, now: Timestamp, b: &mut Building<'_>) {
+        if let Some(pos) = self.last_slots.iter().position(|&s| s == slot) {
+            let removed = b.plan.seqs[pos].num_new_tokens;
+            b.plan.seqs[pos..b.len].rotate_left(1);
+            b.len -= 1;
+            b.budget += removed;
+            b.plan.num_batched_tokens -= removed;
+            self.last_slots.remove(pos);
+        }
+        let Some(seq) = self.seqs.get_mut(slot as usize).and_then(|s| s.as_mut()) else {
+            return;
+        };
+        for &blk in seq.block_table.iter().rev() {
+            if self.pool.free(blk).is_err() {
+                self.pool_errors += 1;
+            }
+        }
+        seq.block_table.clear();
+        seq.blocks_sent = 0;
+        seq.num_computed = 0;
+        seq.num_cached_blocks = 0;
+        seq.state = RequestState::Preempted;
+        seq.queued_at = now;
+        seq.num_preemptions = seq.num_preemptions.saturating_add(1);
+        self.num_preemptions += 1;
+        self.waiting.push(slot);
+        b.plan.preempted.push(seq.id);
+    }
+
+    /// Admits waiting sequences in rank order. `order[..ranked]` is the step's ranked
+    /// running set (victim candidates for policy preemption), ranked here on first need.
+    fn admit_waiting(
+        &mut self,
+        now: Timestamp,
+        order: &mut Vec<Ranked>,
+        ranked: &mut Option<usize>,
+        b: &mut Building<'_>,
+    ) {
+        if self.waiting.is_empty() || b.budget == 0 {
+            return;
+        }
+        let step_running = self.running.len();
+        let mut worder = std::mem::take(&mut self.wait_order);
+        self.rank_into(&self.waiting, now, &mut worder);
+        // At most max_num_seqs admissions, plus the one that fails, are ever examined.
+        let k = worder.len().min(self.config.max_num_seqs.saturating_add(1));
+        if k > 0 && k < worder.len() {
+            worder.select_nth_unstable(k - 1);
+        }
+        worder[..k].sort_unstable();
+        let mut num_running = self.running.len();
+        for &cand in &worder[..k] {
+            if b.budget == 0 {
+                break;
+            }
+            if num_running >= self.config.max_num_seqs {
+                let end = *ranked.get_or_insert_with(|| {
+                    self.rank_into(&self.running[..step_running], now, order);
+                    order.sort_unstable();
+                    order.len()
+                });
+                if !self.preempt_for(cand, 0, &order[..end], now, b, &mut num_running) {
+                    break;
+                }
+            }
+            let mut retried = false;
+            let admitted = loop {
+                match self.try_admit(cand.slot, b) {
+                    Ok(()) => break true,
+                    Err(deficit) => {
+                        if retried {
+                            break false;
+                        }
+                        let end = *ranked.get_or_insert_with(|| {
+                            self.rank_into(&self.running[..step_running], now, order);
+                            order.sort_unstable();
+                            order.len()
+                        });
+                        if !self.preempt_for(cand, deficit, &order[..end], now, b, &mut num_running)
+                        {
+                            break false;
+                        }
+                        retried = true;
+                    }
+                }
+            };
+            if !admitted {
+                break;
+            }
+            num_running += 1;
+        }
+        self.wait_order = worder;
+    }
+
+    /// Admits one waiting sequence if its blocks fit; otherwise returns the block deficit.
+    fn try_admit(&mut self, slot: u32, b: &mut Building<'_>) -> Result<(), usize> {
+        let caching = self.config.enable_prefix_caching;
+        let Some(seq) = self.seqs.get_mut(slot as usize).and_then(|s| s.as_mut()) else {
+            return Ok(());
+        };
+        let bs = self.pool.block_size();
+        let total = seq.num_tokens();
+        self.matched.clear();
+        if caching {
+            // Leave at least the last token to compute, so that a token can be sampled.
+            let max_blocks = (total - 1) / bs;
+            if seq.hashes.len() < max_blocks {
+                let extras = seq.hash_extras();
+                let mut hashes = std::mem::take(&mut seq.hashes);
+                self.hasher
+                    .extend_chain(&mut hashes, seq.tokens(), bs, max_blocks, extras);
+                seq.hashes = hashes;
+            }
+            let upto = max_blocks.min(seq.hashes.len());
+            self.pool
+                .match_prefix(&seq.hashes[..upto], &mut self.matched);
+        }
+        let computed = self.matched.len() * bs;
+        let num_new = (total - computed).min(b.budget);
+        let need_new = self.pool.blocks_for(computed + num_new) - self.matched.len();
+        let evictable = self
+            .matched
+            .iter()
+            .filter(|&&blk| self.pool.ref_count(blk) == Some(0))
+            .count();
+        let available = self.pool.num_free().saturating_sub(evictable);
+        if available < need_new {
+            return Err(need_new - available);
+        }
+        seq.block_table.clear();
+        seq.blocks_sent = 0;
+        for &blk in &self.matched {
+            match self.pool.touch(blk) {
+                Ok(()) => seq.block_table.push(blk),
+                Err(_) => self.pool_errors += 1,
+            }
+        }
+        for _ in 0..need_new {
+            match self.pool.allocate() {
+                Some(blk) => seq.block_table.push(blk),
+                None => self.pool_errors += 1,
+            }
+        }
+        seq.num_computed = computed;
+        seq.num_cached_blocks = self.matched.len();
+        seq.state = RequestState::Running;
+        if caching {
+            self.prefix_queries += total as u64;
+            self.prefix_hits += computed as u64;
+        }
+        write_entry(b.plan, b.len, seq, num_new);
+        b.len += 1;
+        b.budget -= num_new;
+        self.last_slots.push(slot);
+        self.running.push(slot);
+        Ok(())
+    }
+
+    /// Preempts running sequences the policy allows (lowest rank first, only ranks after
+    /// `cand`) if together they free a seat and `blocks` blocks; otherwise preempts nothing.
+    fn preempt_for(
+        &mut self,
+        cand: Ranked,
+        blocks: usize,
+        running: &[Ranked],
+        now: Timestamp,
+        b: &mut Building<'_>,
+        num_running: &mut usize,
+    ) -> bool {
+        let mut victims = std::mem::take(&mut self.victims);
+        victims.clear();
+        let mut freed = 0usize;
+        if let Some(w) = slot_ref(&self.seqs, cand.slot) {
+            for r in running.iter().rev() {
+                if *r <= cand {
+                    break;
+                }
+                let Some(v) = slot_ref(&self.seqs, r.slot) else {
+                    continue;
+                };
+                if v.state != RequestState::Running
+                    || !self
+                        .policy
+                        .may_preempt(SeqView::new(w), SeqView::new(v), now)
+                {
+                    continue;
+                }
+                freed += v
+                    .block_table
+                    .iter()
+                    .filter(|&&blk| self.pool.ref_count(blk) == Some(1))
+                    .count();
+                victims.push(r.slot);
+                if freed >= blocks {
+                    break;
+                }
+            }
+        }
+        let ok = !victims.is_empty() && freed >= blocks;
+        if ok {
+            for &v in &victims {
+                self.preempt(v, now, b);
+                *num_running = num_running.saturating_sub(1);
+            }
+        }
+        self.victims = victims;
+        ok
+    }
+
+    /// Applies a step's sampled tokens: advances computed tokens, fills the prefix cache,
+    /// appends outputs, finishes sequences that hit a stop condition (freeing their blocks)
+    /// and returns what happened.
+    ///
+    /// `plan` must be the latest plan from [`Scheduler::schedule`]; entries for requests
+    /// finished or aborted in between are skipped. A sampling entry without an output is
+    /// rolled back so its last position is fed again next step.
+    pub fn apply_outputs(
+        &mut self,
+        plan: &StepPlan,
+        outputs: &[StepOutput],
+        now: Timestamp,
+    ) -> Vec<SeqEvent> {
+        let mut events = Vec::with_capacity(outputs.len() + outputs.len() / 8);
+        let slots_valid = self.last_slots.len() == plan.seqs.len();
+        let mut cursor = 0usize;
+        let mut by_id: Option<HashMap<RequestId, TokenId>> = None;
+        let mut any_ended = false;
+        for (i, sched) in plan.seqs.iter().enumerate() {
+            let slot = match self.last_slots.get(i) {
+                Some(&s)
+                    if slots_valid && slot_ref(&self.seqs, s).is_some_and(|q| q.id == sched.id) =>
+                {
+                    s
+                }
+                _ => match self.index.get(&sched.id) {
+                    Some(&s) => s,
+                    None => continue,
+                },
+            };
+            let Some(seq) = self.seqs.get_mut(slot as usize).and_then(|s| s.as_mut()) else {
+                continue;
+            };
+            let after = sched.num_computed_tokens + sched.num_new_tokens;
+            if seq.state != RequestState::Running
+                || seq.num_computed != sched.num_computed_tokens
+                || after > seq.num_tokens()
+                || seq.block_table.len() < self.pool.blocks_for(after)
+            {
+                continue; // stale entry
+            }
+            seq.num_computed = after;
+            let p = seq.prompt_len;
+            let prompt_tokens = after.min(p).saturating_sub(seq.max_computed.min(p));
+            seq.max_computed = seq.max_computed.max(after);
+            cache_full_blocks(&self.hasher, &mut self.pool, seq);
+            let mut output_tokens = 0;
+            let mut stop = None;
+            if sched.samples && after == seq.num_tokens() {
+                let token = match outputs.get(cursor) {
+                    Some(o) if o.id == sched.id => {
+                        cursor += 1;
+                        Some(o.token)
+                    }
+                    _ => by_id
+                        .get_or_insert_with(|| outputs.iter().map(|o| (o.id, o.token)).collect())
+                        .get(&sched.id)
+                        .copied(),
+                };
+                match token {
+                    None => seq.num_computed -= 1,
+                    Some(t) => {
+                        seq.output.push(t);
+                        output_tokens = 1;
+                        if seq.first_token_at.is_none() {
+                            seq.first_token_at = Some(now);
+                            events.push(SeqEvent::FirstToken {
+                                id: sched.id,
+                                at: now,
+                            });
+                        }
+                        seq.last_token_at = Some(now);
+                        events.push(SeqEvent::Token {
+                            id: sched.id,
+                            token: t,
+                            at: now,
+                        });
+                        stop = seq.stop_reason(t);
+                    }
+                }
+            }
+            self.policy.observe(PolicyEvent::Served {
+                seq: SeqView::new(seq),
+                prompt_tokens,
+                output_tokens,
+            });
+            if let Some(reason) = stop {
+                self.release(slot, RequestState::Finished(reason));
+                events.push(SeqEvent::Finished {
+                    id: sched.id,
+                    reason,
+                    at: now,
+                });
+                any_ended = true;
+            }
+        }
+        if any_ended {
+            let seqs = &self.seqs;
+            self.running
+                .retain(|&s| slot_ref(seqs, s).is_some_and(|q| q.state == RequestState::Running));
+        }
+        events
+    }
+}
+
+fn slot_ref(seqs: &[Option<Sequence>], slot: u32) -> Option<&Sequence> {
+    seqs.get(slot as usize).and_then(|s| s.as_ref())
+}
+
+#[cfg(test)]
+#[path = "planner_tests.rs"]
+mod tests;

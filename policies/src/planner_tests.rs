@@ -1,0 +1,453 @@
+//! Planner and life-cycle tests on small hand-made cases; expected values derived by hand
+//! in the comments.
+
+use std::sync::Arc;
+
+use crate::policy::{ChunkedPrefill, Fcfs, Policy, PolicyRegistry, PriorityPolicy};
+use crate::types::*;
+use crate::{Scheduler, SchedulerError};
+
+fn config(blocks: usize, block_size: usize) -> SchedulerConfig {
+    SchedulerConfig {
+        max_num_seqs: 8,
+        max_num_batched_tokens: 1024,
+        block_size,
+        num_gpu_blocks: blocks,
+        enable_prefix_caching: true,
+        max_model_len: 1024,
+        tiers: Vec::new(),
+    }
+}
+
+fn sched(c: SchedulerConfig, p: Box<dyn Policy>) -> Scheduler {
+    Scheduler::new(c, p, [11, 22]).unwrap()
+}
+
+fn req(id: u64, arrival: u64, prompt: Vec<u32>, max_tokens: u32) -> Request {
+    Request {
+        id: RequestId(id),
+        tenant: "t".into(),
+        tier: String::new(),
+        priority: 0,
+        lora_adapter: None,
+        arrival: Timestamp(arrival),
+        slo: SloTargets::default(),
+        prompt: Arc::from(prompt),
+        limits: SamplingLimits {
+            max_tokens,
+            ..SamplingLimits::default()
+        },
+        cache_salt: None,
+    }
+}
+
+/// Runs one step, sampling `token` for every sampling entry.
+fn step(s: &mut Scheduler, now: u64, token: u32) -> (StepPlan, Vec<SeqEvent>) {
+    let plan = s.schedule(Timestamp(now));
+    let outs: Vec<StepOutput> = plan
+        .seqs
+        .iter()
+        .filter(|q| q.samples)
+        .map(|q| StepOutput { id: q.id, token })
+        .collect();
+    let ev = s.apply_outputs(&plan, &outs, Timestamp(now));
+    s.check_invariants().unwrap();
+    (plan, ev)
+}
+
+#[test]
+fn prefill_then_decode_with_block_growth() {
+    let mut s = sched(config(16, 16), Box::new(Fcfs));
+    s.add_request(req(1, 0, vec![5; 40], 3)).unwrap();
+    // Step 1: 40 prompt tokens in 3 blocks, sampling the first token.
+    let (p, ev) = step(&mut s, 1, 9);
+    assert_eq!(p.seqs.len(), 1);
+    let q = &p.seqs[0];
+    assert_eq!((q.num_computed_tokens, q.num_new_tokens), (0, 40));
+    assert!(q.is_prefill && q.samples);
+    assert_eq!((q.first_new_block, q.new_blocks.len()), (0, 3));
+    assert_eq!(
+        ev[0],
+        SeqEvent::FirstToken {
+            id: RequestId(1),
+            at: Timestamp(1)
+        }
+    );
+    // Step 2: decode of token 41, still 3 blocks (41 <= 48).
+    let (p, _) = step(&mut s, 2, 9);
+    let q = &p.seqs[0];
+    assert_eq!(
+        (q.num_computed_tokens, q.num_new_tokens, q.is_prefill),
+        (40, 1, false)
+    );
+    assert_eq!((q.first_new_block, q.new_blocks.len()), (3, 0));
+    assert_eq!(s.block_table(RequestId(1)).map(|t| t.len()), Some(3));
+    // Step 3 samples the third token: max_tokens reached, blocks freed at once.
+    let (_, ev) = step(&mut s, 3, 9);
+    assert_eq!(
+        ev.last(),
+        Some(&SeqEvent::Finished {
+            id: RequestId(1),
+            reason: FinishReason::Length,
+            at: Timestamp(3)
+        })
+    );
+    assert_eq!(s.stats().num_free_blocks, 16);
+    assert!(!s.has_unfinished());
+    assert_eq!(s.output_tokens(RequestId(1)), Some(&[9, 9, 9][..]));
+}
+
+#[test]
+fn long_prompt_is_chunked_by_the_token_budget() {
+    let mut c = config(16, 16);
+    c.max_num_batched_tokens = 16;
+    let mut s = sched(c, Box::new(Fcfs));
+    s.add_request(req(1, 0, vec![5; 40], 1)).unwrap();
+    let mut chunks = Vec::new();
+    for t in 0..3 {
+        let (p, _) = step(&mut s, t, 1);
+        chunks.push((p.seqs[0].num_new_tokens, p.seqs[0].samples));
+    }
+    assert_eq!(chunks, vec![(16, false), (16, false), (8, true)]);
+}
+
+#[test]
+fn policy_budget_is_applied_and_decodes_go_first() {
+    let mut s = sched(config(64, 16), Box::new(ChunkedPrefill::new(10)));
+    s.add_request(req(1, 0, vec![1; 4], 5)).unwrap();
+    step(&mut s, 0, 1); // request 1 prefilled, now decoding
+    s.add_request(req(2, 1, vec![2; 30], 5)).unwrap();
+    // Budget 10: the decode of 1 takes 1 token, request 2 gets a 9-token chunk.
+    let (p, _) = step(&mut s, 2, 1);
+    let got: Vec<_> = p.seqs.iter().map(|q| (q.id.0, q.num_new_tokens)).collect();
+    assert_eq!(got, vec![(1, 1), (2, 9)]);
+    assert_eq!(p.num_batched_tokens, 10);
+}
+
+#[test]
+fn prefix_hits_keep_the_last_token_to_recompute() {
+    let mut s = sched(config(16, 16), Box::new(Fcfs));
+    let prompt: Vec<u32> = (0..40).collect();
+    s.add_request(req(1, 0, prompt.clone(), 1)).unwrap();
+    step(&mut s, 0, 7);
+    // Request 2 shares the 40-token prompt: blocks 0 and 1 (32 tokens) are cached; the
+    // third block was never full, so 8 tokens are computed.
+    s.add_request(req(2, 1, prompt.clone(), 1)).unwrap();
+    let (p, _) = step(&mut s, 1, 7);
+    assert_eq!(
+        (p.seqs[0].num_computed_tokens, p.seqs[0].num_new_tokens),
+        (32, 8)
+    );
+    // Request 3's 32-token prompt is fully cached, but its last token is recomputed:
+    // only one block (16 tokens) may be reused.
+    s.add_request(req(3, 2, prompt[..32].to_vec(), 1)).unwrap();
+    let (p, _) = step(&mut s, 2, 7);
+    assert_eq!(
+        (p.seqs[0].num_computed_tokens, p.seqs[0].num_new_tokens),
+        (16, 16)
+    );
+    let st = s.stats();
+    assert_eq!((st.prefix_queries, st.prefix_hits), (40 + 40 + 32, 32 + 16));
+}
+
+#[test]
+fn different_salt_or_adapter_does_not_share_blocks() {
+    let mut s = sched(config(16, 16), Box::new(Fcfs));
+    let prompt: Vec<u32> = (0..40).collect();
+    s.add_request(req(1, 0, prompt.clone(), 1)).unwrap();
+    step(&mut s, 0, 7);
+    let mut salted = req(2, 1, prompt.clone(), 1);
+    salted.cache_salt = Some(99);
+    let mut lora = req(3, 1, prompt, 1);
+    lora.lora_adapter = Some(4);
+    s.add_request(salted).unwrap();
+    s.add_request(lora).unwrap();
+    let (p, _) = step(&mut s, 1, 7);
+    assert!(p.seqs.iter().all(|q| q.num_computed_tokens == 0));
+}
+
+#[test]
+fn out_of_blocks_preempts_the_newest_and_recomputes_prompt_and_output() {
+    // 4 blocks of 4 tokens; two 8-token prompts fill the pool in step 1.
+    let mut s = sched(config(4, 4), Box::new(Fcfs));
+    s.add_request(req(1, 0, (0..8).collect(), 8)).unwrap();
+    s.add_request(req(2, 1, (100..108).collect(), 8)).unwrap();
+    let (p, _) = step(&mut s, 0, 50);
+    assert_eq!(p.seqs.len(), 2);
+    assert_eq!(s.stats().num_free_blocks, 0);
+    // Step 2: request 1 needs a third block for token 9, so request 2 (ranked last) goes.
+    let (p, _) = step(&mut s, 1, 51);
+    assert_eq!(p.preempted, vec![RequestId(2)]);
+    assert_eq!(
+        p.seqs.iter().map(|q| q.id).collect::<Vec<_>>(),
+        vec![RequestId(1)]
+    );
+    assert_eq!(s.request_state(RequestId(2)), Some(RequestState::Preempted));
+    assert_eq!(s.output_tokens(RequestId(2)), Some(&[50][..]));
+    assert_eq!(s.stats().num_preemptions, 1);
+    // Abort request 1; request 2 is re-admitted: its 8 prompt tokens were cached as two full
+    // blocks, but one was evicted for request 1's third block (LRU: request 2 freed its
+    // last block first). 9 tokens (prompt + output) minus the hit are recomputed.
+    assert!(s.abort(RequestId(1)));
+    let (p, _) = step(&mut s, 2, 52);
+    let q = &p.seqs[0];
+    assert_eq!(q.id, RequestId(2));
+    assert_eq!(
+        (q.num_computed_tokens, q.num_new_tokens, q.samples),
+        (4, 5, true)
+    );
+    assert_eq!(s.output_tokens(RequestId(2)), Some(&[50, 52][..]));
+}
+
+#[test]
+fn abort_and_finish_from_every_state_free_everything() {
+    let mut s = sched(config(8, 4), Box::new(Fcfs));
+    s.add_request(req(1, 0, vec![1; 8], 4)).unwrap();
+    s.add_request(req(2, 0, vec![2; 8], 4)).unwrap();
+    step(&mut s, 0, 3);
+    s.add_request(req(3, 1, vec![3; 4], 4)).unwrap();
+    assert!(s.abort(RequestId(3))); // waiting
+    assert!(s.finish(RequestId(1), FinishReason::Stop)); // running
+    assert!(!s.finish(RequestId(1), FinishReason::Stop), "already ended");
+    assert!(!s.abort(RequestId(77)));
+    s.check_invariants().unwrap();
+    assert_eq!(s.request_state(RequestId(3)), Some(RequestState::Aborted));
+    assert_eq!(
+        s.request_state(RequestId(1)),
+        Some(RequestState::Finished(FinishReason::Stop))
+    );
+    assert!(s.finish(RequestId(2), FinishReason::Abort));
+    assert_eq!(s.request_state(RequestId(2)), Some(RequestState::Aborted));
+    assert_eq!(s.stats().num_free_blocks, 8);
+    assert!(s.forget(RequestId(2)));
+    assert_eq!(s.request_state(RequestId(2)), None);
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn entries_of_requests_ended_between_schedule_and_apply_are_skipped() {
+    let mut s = sched(config(8, 4), Box::new(Fcfs));
+    s.add_request(req(1, 0, vec![1; 4], 4)).unwrap();
+    let plan = s.schedule(Timestamp(0));
+    assert!(s.abort(RequestId(1)));
+    let ev = s.apply_outputs(
+        &plan,
+        &[StepOutput {
+            id: RequestId(1),
+            token: 5,
+        }],
+        Timestamp(1),
+    );
+    assert!(ev.is_empty());
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn missing_output_is_rolled_back_and_sampled_again() {
+    let mut s = sched(config(8, 4), Box::new(Fcfs));
+    s.add_request(req(1, 0, vec![1; 4], 4)).unwrap();
+    let plan = s.schedule(Timestamp(0));
+    assert!(s.apply_outputs(&plan, &[], Timestamp(0)).is_empty());
+    let (p, _) = step(&mut s, 1, 5);
+    // The 4-token block is full and cached, but the last prompt token is fed again so that
+    // a token can be sampled.
+    assert_eq!(
+        (p.seqs[0].num_computed_tokens, p.seqs[0].num_new_tokens),
+        (3, 1)
+    );
+    assert_eq!(s.output_tokens(RequestId(1)), Some(&[5][..]));
+}
+
+#[test]
+fn stop_conditions_respect_min_tokens_and_ignore_eos() {
+    let mut s = sched(config(16, 4), Box::new(Fcfs));
+    let mut a = req(1, 0, vec![1; 4], 10);
+    a.limits.eos_token_id = Some(0);
+    a.limits.min_tokens = 2;
+    let mut b = req(2, 0, vec![1; 4], 3);
+    b.limits.eos_token_id = Some(0);
+    b.limits.ignore_eos = true;
+    let mut c = req(3, 0, vec![1; 4], 10);
+    c.limits.stop_token_ids = vec![0];
+    for r in [a, b, c] {
+        s.add_request(r).unwrap();
+    }
+    let mut ended = Vec::new();
+    for t in 0..5 {
+        for e in step(&mut s, t, 0).1 {
+            if let SeqEvent::Finished { id, reason, .. } = e {
+                ended.push((id.0, reason, s.output_tokens(id).map_or(0, |o| o.len())));
+            }
+        }
+    }
+    ended.sort_by_key(|e| e.0);
+    assert_eq!(
+        ended,
+        vec![
+            (1, FinishReason::Eos, 2),
+            (2, FinishReason::Length, 3),
+            (3, FinishReason::Stop, 1)
+        ]
+    );
+}
+
+#[test]
+fn invalid_requests_are_rejected_with_the_reason() {
+    let mut s = sched(config(4, 4), Box::new(Fcfs));
+    let too_long = s.add_request(req(1, 0, vec![1; 1000], 100)).err().unwrap();
+    assert!(matches!(
+        too_long,
+        SchedulerError::TooLong {
+            max_model_len: 1024,
+            ..
+        }
+    ));
+    // 10 + 7 = 17 tokens need 5 blocks of 4; the pool has 4.
+    let big = s.add_request(req(2, 0, vec![1; 10], 7)).err().unwrap();
+    assert_eq!(
+        big,
+        SchedulerError::ExceedsKvCapacity {
+            id: RequestId(2),
+            needed: 5,
+            capacity: 4
+        }
+    );
+    assert!(s.add_request(req(3, 0, vec![], 1)).is_err());
+    assert!(s.add_request(req(4, 0, vec![1], 0)).is_err());
+    s.add_request(req(5, 0, vec![1], 1)).unwrap();
+    assert_eq!(
+        s.add_request(req(5, 0, vec![1], 1)),
+        Err(SchedulerError::DuplicateRequest(RequestId(5)))
+    );
+    let mut bad_slo = req(6, 0, vec![1], 1);
+    bad_slo.slo.ttft_ms = Some(f64::NAN);
+    assert!(s
+        .add_request(bad_slo)
+        .err()
+        .unwrap()
+        .to_string()
+        .contains("slo.ttft_ms"));
+}
+
+#[test]
+fn config_errors_name_the_field() {
+    let mut c = config(4, 4);
+    c.block_size = 0;
+    let e = Scheduler::new(c, Box::new(Fcfs), [0, 0])
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("block_size"), "{e}");
+}
+
+#[test]
+fn urgent_request_preempts_at_max_num_seqs() {
+    // vLLM #40004: a full running set must not block more urgent waiting work.
+    let mut c = config(16, 4);
+    c.max_num_seqs = 1;
+    let mut s = sched(c, Box::new(PriorityPolicy::new(0.0, true, 3)));
+    let mut low = req(1, 0, vec![1; 4], 10);
+    low.priority = 5;
+    s.add_request(low).unwrap();
+    step(&mut s, 0, 3);
+    let mut high = req(2, 1, vec![2; 4], 10);
+    high.priority = 0;
+    s.add_request(high).unwrap();
+    let (p, _) = step(&mut s, 1, 3);
+    assert_eq!(p.preempted, vec![RequestId(1)]);
+    assert_eq!(p.seqs.iter().map(|q| q.id.0).collect::<Vec<_>>(), vec![2]);
+    // An equally urgent request does not preempt.
+    let mut same = req(3, 2, vec![3; 4], 10);
+    same.priority = 0;
+    s.add_request(same).unwrap();
+    let (p, _) = step(&mut s, 2, 3);
+    assert!(p.preempted.is_empty());
+    assert_eq!(p.seqs.iter().map(|q| q.id.0).collect::<Vec<_>>(), vec![2]);
+}
+
+#[test]
+fn swapping_policy_keeps_every_request() {
+    let mut s = sched(config(16, 4), Box::new(Fcfs));
+    for i in 0..4 {
+        s.add_request(req(i, i, vec![1; 6], 3)).unwrap();
+    }
+    step(&mut s, 0, 1);
+    let old = s.swap_policy(Box::new(ChunkedPrefill::new(4)));
+    assert_eq!(old.name(), "fcfs");
+    assert_eq!(s.policy_name(), "chunked-prefill");
+    let mut done = 0;
+    for t in 1..100 {
+        done += step(&mut s, t, 1)
+            .1
+            .iter()
+            .filter(|e| matches!(e, SeqEvent::Finished { .. }))
+            .count();
+        if !s.has_unfinished() {
+            break;
+        }
+    }
+    assert_eq!(done, 4);
+}
+
+#[test]
+fn fair_share_admits_the_least_served_tenant_first() {
+    let mut c = config(64, 4);
+    c.max_num_seqs = 1;
+    let fs = PolicyRegistry::with_builtins()
+        .create("fair-share", &serde_yaml::Value::Null, &[])
+        .unwrap();
+    let mut s = sched(c, fs);
+    let mut a1 = req(1, 0, vec![1; 8], 1);
+    a1.tenant = "a".into();
+    s.add_request(a1).unwrap();
+    step(&mut s, 0, 3); // tenant a: 8 prompt + 2 * 1 output = 10 virtual tokens
+                        // b joins while no tenant is live, so it keeps counter 0; a's next request lifts a to
+                        // max(10, min live counter = 0) = 10.
+    let mut b1 = req(3, 2, vec![2; 4], 1);
+    b1.tenant = "b".into();
+    s.add_request(b1).unwrap();
+    let mut a2 = req(2, 1, vec![1; 4], 1);
+    a2.tenant = "a".into();
+    s.add_request(a2).unwrap();
+    // b (counter 0) goes before a (counter 10) although a's request arrived first.
+    let (p, _) = step(&mut s, 3, 3);
+    assert_eq!(p.seqs.iter().map(|q| q.id.0).collect::<Vec<_>>(), vec![3]);
+}
+
+#[test]
+fn slo_aware_preempts_preemptible_tier_for_feasible_work() {
+    let mut c = config(64, 4);
+    c.max_num_seqs = 1;
+    c.tiers = vec![
+        TierSpec {
+            name: "premium".into(),
+            ttft_ms: Some(1000.0),
+            tpot_ms: None,
+            weight: 1.0,
+            preemptible: false,
+        },
+        TierSpec {
+            name: "batch".into(),
+            ttft_ms: None,
+            tpot_ms: None,
+            weight: 1.0,
+            preemptible: true,
+        },
+    ];
+    let p = PolicyRegistry::with_builtins()
+        .create("slo-aware", &serde_yaml::Value::Null, &c.tiers)
+        .unwrap();
+    let mut s = sched(c, p);
+    let mut batch = req(1, 0, vec![1; 4], 50);
+    batch.tier = "batch".into();
+    s.add_request(batch).unwrap();
+    step(&mut s, 0, 3);
+    let mut premium = req(2, 1_000, vec![2; 4], 5);
+    premium.tier = "premium".into();
+    s.add_request(premium).unwrap();
+    let (p, _) = step(&mut s, 2_000, 3);
+    assert_eq!(p.preempted, vec![RequestId(1)]);
+    assert_eq!(p.seqs.iter().map(|q| q.id.0).collect::<Vec<_>>(), vec![2]);
+    // The premium request sets no SLO itself: it is feasible through its tier's TTFT.
+    assert_eq!(s.request_state(RequestId(1)), Some(RequestState::Preempted));
+}

@@ -1,0 +1,220 @@
+//! Reading policy parameters from YAML with errors that name the field.
+
+use std::collections::BTreeMap;
+
+use serde_yaml::{Mapping, Value};
+
+use crate::error::PolicyError;
+
+/// Most entries accepted in a map-valued parameter (e.g. per-tenant weights).
+pub(crate) const MAX_MAP_ENTRIES: usize = 4096;
+/// Longest key accepted in a map-valued parameter.
+pub(crate) const MAX_KEY_LEN: usize = 256;
+
+/// A validated parameter mapping of one policy.
+pub(crate) struct Params<'v> {
+    /// The policy name, for error messages.
+    policy: &'static str,
+    /// The mapping (empty when the parameters were null).
+    map: Option<&'v Mapping>,
+}
+
+impl<'v> Params<'v> {
+    /// Accepts null or a mapping whose keys are all in `known`.
+    pub(crate) fn new(
+        policy: &'static str,
+        value: &'v Value,
+        known: &[&str],
+    ) -> Result<Self, PolicyError> {
+        let map = match value {
+            Value::Null => None,
+            Value::Mapping(m) => Some(m),
+            other => {
+                return Err(PolicyError::InvalidParam {
+                    policy,
+                    field: "params".into(),
+                    reason: format!("expected a mapping, got {}", kind(other)),
+                })
+            }
+        };
+        if let Some(m) = map {
+            for k in m.keys() {
+                let Some(name) = k.as_str() else {
+                    return Err(PolicyError::InvalidParam {
+                        policy,
+                        field: format!("{k:?}"),
+                        reason: "parameter names must be strings".into(),
+                    });
+                };
+                if !known.contains(&name) {
+                    return Err(PolicyError::InvalidParam {
+                        policy,
+                        field: name.chars().take(MAX_KEY_LEN).collect(),
+                        reason: format!("unknown parameter; known: {}", known.join(", ")),
+                    });
+                }
+            }
+        }
+        Ok(Self { policy, map })
+    }
+
+    fn get(&self, field: &str) -> Option<&'v Value> {
+        self.map.and_then(|m| m.get(field))
+    }
+
+    fn err(&self, field: &str, reason: String) -> PolicyError {
+        PolicyError::InvalidParam {
+            policy: self.policy,
+            field: field.to_string(),
+            reason,
+        }
+    }
+
+    /// A finite number in `min..=max`, or `default` when absent.
+    pub(crate) fn f64_in(
+        &self,
+        field: &str,
+        default: f64,
+        min: f64,
+        max: f64,
+    ) -> Result<f64, PolicyError> {
+        let Some(v) = self.get(field) else {
+            return Ok(default);
+        };
+        let x = v
+            .as_f64()
+            .ok_or_else(|| self.err(field, format!("expected a number, got {}", kind(v))))?;
+        if !x.is_finite() || x < min || x > max {
+            return Err(self.err(field, format!("must be in {min}..={max}, got {x}")));
+        }
+        Ok(x)
+    }
+
+    /// An integer in `min..=max`, or `default` when absent.
+    pub(crate) fn u64_in(
+        &self,
+        field: &str,
+        default: u64,
+        min: u64,
+        max: u64,
+    ) -> Result<u64, PolicyError> {
+        let Some(v) = self.get(field) else {
+            return Ok(default);
+        };
+        let x = v.as_u64().ok_or_else(|| {
+            self.err(
+                field,
+                format!("expected a non-negative integer, got {}", kind(v)),
+            )
+        })?;
+        if x < min || x > max {
+            return Err(self.err(field, format!("must be in {min}..={max}, got {x}")));
+        }
+        Ok(x)
+    }
+
+    /// A boolean, or `default` when absent.
+    pub(crate) fn bool(&self, field: &str, default: bool) -> Result<bool, PolicyError> {
+        match self.get(field) {
+            None => Ok(default),
+            Some(v) => v
+                .as_bool()
+                .ok_or_else(|| self.err(field, format!("expected true or false, got {}", kind(v)))),
+        }
+    }
+
+    /// A map from short strings to positive finite numbers (empty when absent).
+    pub(crate) fn positive_map(&self, field: &str) -> Result<BTreeMap<String, f64>, PolicyError> {
+        let Some(v) = self.get(field) else {
+            return Ok(BTreeMap::new());
+        };
+        let m = v
+            .as_mapping()
+            .ok_or_else(|| self.err(field, format!("expected a mapping, got {}", kind(v))))?;
+        if m.len() > MAX_MAP_ENTRIES {
+            return Err(self.err(field, format!("at most {MAX_MAP_ENTRIES} entries")));
+        }
+        let mut out = BTreeMap::new();
+        for (k, val) in m {
+            let key = k
+                .as_str()
+                .filter(|s| s.len() <= MAX_KEY_LEN)
+                .ok_or_else(|| {
+                    self.err(
+                        field,
+                        format!("keys must be strings of at most {MAX_KEY_LEN} bytes"),
+                    )
+                })?;
+            let x = val
+                .as_f64()
+                .filter(|x| x.is_finite() && *x > 0.0)
+                .ok_or_else(|| {
+                    self.err(
+                        field,
+                        format!("value for `{key}` must be a positive number"),
+                    )
+                })?;
+            out.insert(key.to_string(), x);
+        }
+        Ok(out)
+    }
+}
+
+fn kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Sequence(_) => "a list",
+        Value::Mapping(_) => "a mapping",
+        Value::Tagged(_) => "a tagged value",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn yaml(s: &str) -> Value {
+        serde_yaml::from_str(s).unwrap()
+    }
+
+    #[test]
+    fn unknown_field_is_named() {
+        let v = yaml("{budget: 3}");
+        let e = Params::new("x", &v, &["token_budget"])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("`budget`") && e.contains("token_budget"), "{e}");
+    }
+
+    #[test]
+    fn bad_type_and_range_name_the_field() {
+        let v = yaml("{a: hello, b: -1, c: 2.5}");
+        let p = Params::new("x", &v, &["a", "b", "c"]).unwrap();
+        let e = p.f64_in("a", 1.0, 0.0, 10.0).err().unwrap().to_string();
+        assert!(e.contains("`a`") && e.contains("a string"), "{e}");
+        let e = p.u64_in("b", 1, 0, 10).err().unwrap().to_string();
+        assert!(e.contains("`b`"), "{e}");
+        let e = p.u64_in("c", 1, 0, 10).err().unwrap().to_string();
+        assert!(e.contains("`c`"), "{e}");
+        assert_eq!(p.f64_in("c", 1.0, 0.0, 10.0), Ok(2.5));
+        assert_eq!(p.f64_in("missing", 1.5, 0.0, 10.0), Ok(1.5));
+    }
+
+    #[test]
+    fn non_mapping_params_are_refused() {
+        let v = yaml("[1, 2]");
+        assert!(Params::new("x", &v, &[]).is_err());
+    }
+
+    #[test]
+    fn positive_map_validates_values() {
+        let v = yaml("{w: {a: 2, b: 0}}");
+        let p = Params::new("x", &v, &["w"]).unwrap();
+        let e = p.positive_map("w").err().unwrap().to_string();
+        assert!(e.contains("`w`") && e.contains("`b`"), "{e}");
+    }
+}

@@ -1,0 +1,316 @@
+//! SLO-aware scheduling after Niyama (Goel et al., "Niyama: Breaking the Silos of LLM
+//! Inference Serving", arXiv 2503.22562), with goodput in DistServe's sense (requests that
+//! meet both their TTFT and TPOT targets).
+//!
+//! Every request with a target has a deadline for its next milestone: the first token is
+//! due at `arrival + ttft`, output token *n + 1* at `first_token + n · tpot`. Its slack is
+//! that deadline minus now minus the estimated time to reach it (a linear step-cost model:
+//! `step_overhead_ms` per step plus `prefill_us_per_token` per prompt token still to feed).
+//!
+//! * Ordering: least slack first among requests that can still make their deadline.
+//! * Relegation: a request whose slack is negative can no longer make it; it moves behind
+//!   every feasible request (earliest deadline first among the relegated), so one late
+//!   request does not make others late too. Requests without targets follow, FCFS.
+//! * Tiers marked `preemptible` in the scheduler's config go last, and a feasible request may preempt their running
+//!   work when admission is blocked.
+//! * Slack-sized chunks: the step's token budget is what the tightest running decode can
+//!   afford before its next token is due (at least one TPOT, so a late decode keeps the
+//!   target pace), so prefill chunks grow when decodes have slack and shrink when they do
+//!   not (never below `min_chunk_tokens` of prefill).
+
+use crate::error::PolicyError;
+use crate::policy::params::Params;
+use crate::policy::{Policy, Rank, StepContext};
+use crate::sequence::SeqView;
+use crate::types::{TierSpec, Timestamp};
+
+/// Registered name.
+pub(crate) const NAME: &str = "slo-aware";
+
+/// Rank class of requests that can still meet their deadline.
+const FEASIBLE: i64 = 0;
+/// Rank class of requests that missed (or will miss) their deadline.
+const RELEGATED: i64 = 1;
+/// Rank class of requests without a target (FCFS among themselves).
+const NO_TARGET: i64 = 2;
+/// Rank class of preemptible tiers.
+const PREEMPTIBLE: i64 = 3;
+
+/// Niyama-style deadline scheduling with relegation and slack-sized chunks.
+#[derive(Clone, Debug)]
+pub struct SloAware {
+    /// Estimated fixed cost of one step, in microseconds.
+    step_overhead_us: f64,
+    /// Estimated prefill cost per token, in microseconds.
+    prefill_us_per_token: f64,
+    /// Smallest prefill chunk a step keeps room for even when decodes are tight.
+    min_chunk_tokens: usize,
+    /// Fraction of a decode's time to its next deadline that one step may use (headroom
+    /// for cost-model error).
+    pace_fraction: f64,
+}
+
+impl SloAware {
+    /// A policy with the given step-cost estimates and `pace_fraction` 0.9.
+    pub fn new(step_overhead_ms: f64, prefill_us_per_token: f64, min_chunk_tokens: usize) -> Self {
+        Self {
+            step_overhead_us: step_overhead_ms * 1e3,
+            prefill_us_per_token,
+            min_chunk_tokens,
+            pace_fraction: 0.9,
+        }
+    }
+
+    /// Builds the policy from `{step_overhead_ms, prefill_us_per_token, min_chunk_tokens,
+    /// pace_fraction}` (defaults 8, 25, 256 and 0.9: roughly Llama-3-8B on one H200).
+    pub fn create(
+        params: &serde_yaml::Value,
+        _tiers: &[TierSpec],
+    ) -> Result<Box<dyn Policy>, PolicyError> {
+        let p = Params::new(
+            NAME,
+            params,
+            &[
+                "step_overhead_ms",
+                "prefill_us_per_token",
+                "min_chunk_tokens",
+            ],
+        )?;
+        let overhead = p.f64_in("step_overhead_ms", 8.0, 0.0, 1e6)?;
+        let per_token = p.f64_in("prefill_us_per_token", 25.0, 1e-6, 1e9)?;
+        let min_chunk = p.u64_in("min_chunk_tokens", 256, 1, 1 << 24)? as usize;
+        let pace = p.f64_in("pace_fraction", 0.9, 0.05, 1.0)?;
+        Ok(Box::new(Self {
+            pace_fraction: pace,
+            ..Self::new(overhead, per_token, min_chunk)
+        }))
+    }
+
+    /// Deadline of the next milestone (first token or next token), if the request has a target.
+    pub fn deadline(&self, seq: SeqView<'_>) -> Option<Timestamp> {
+        match seq.first_token_at() {
+            None => {
+                let ttft = seq.slo().ttft_ms?;
+                Some(seq.arrival().saturating_add(ms_to_us(ttft)))
+            }
+            Some(first) => {
+                let tpot = seq.slo().tpot_ms?;
+                let n = seq.num_output_tokens() as f64;
+                Some(first.saturating_add(ms_to_us(tpot * n)))
+            }
+        }
+    }
+
+    /// Estimated microseconds until the next milestone if served from now on.
+    fn work_us(&self, seq: SeqView<'_>) -> f64 {
+        let prefill = match seq.num_uncomputed_tokens() {
+            0 | 1 => 0.0,
+            n => n as f64,
+        };
+        self.step_overhead_us + prefill * self.prefill_us_per_token
+    }
+
+    /// Slack in microseconds (negative when the deadline can no longer be met).
+    pub fn slack_us(&self, seq: SeqView<'_>, now: Timestamp) -> Option<i64> {
+        let d = self.deadline(seq)?;
+        Some(d.0 as i64 - now.0 as i64 - self.work_us(seq) as i64)
+    }
+}
+
+fn ms_to_us(ms: f64) -> u64 {
+    if ms.is_finite() && ms > 0.0 {
+        (ms * 1e3).min(u64::MAX as f64) as u64
+    } else {
+        0
+    }
+}
+
+impl Policy for SloAware {
+    fn name(&self) -> &str {
+        NAME
+    }
+
+    fn rank(&self, seq: SeqView<'_>, now: Timestamp) -> Rank {
+        if seq.preemptible() {
+            return Rank {
+                class: PREEMPTIBLE,
+                key: 0,
+            };
+        }
+        match (self.slack_us(seq, now), self.deadline(seq)) {
+            (Some(slack), _) if slack >= 0 => Rank {
+                class: FEASIBLE,
+                key: slack,
+            },
+            (Some(_), Some(d)) => Rank {
+                class: RELEGATED,
+                key: d.0 as i64,
+            },
+            _ => Rank {
+                class: NO_TARGET,
+                key: 0,
+            },
+        }
+    }
+
+    fn may_preempt(&self, waiting: SeqView<'_>, running: SeqView<'_>, now: Timestamp) -> bool {
+        running.preemptible() && !waiting.preemptible() && self.rank(waiting, now).class == FEASIBLE
+    }
+
+    fn token_budget(&self, ctx: &StepContext<'_>) -> usize {
+        let mut decodes = 0usize;
+        let mut tightest: Option<f64> = None;
+        for s in ctx.running() {
+            if s.is_prefill() {
+                continue;
+            }
+            decodes += 1;
+            if s.preemptible() {
+                continue;
+            }
+            let (Some(d), Some(tpot)) = (self.deadline(s), s.slo().tpot_ms) else {
+                continue;
+            };
+            // Time this step may take: until the next token is due, but never less than one
+            // TPOT, so a decode that is already late keeps the target pace from now on.
+            let left = (d.0 as f64 - ctx.now.0 as f64).max(tpot * 1e3) * self.pace_fraction;
+            tightest = Some(tightest.map_or(left, |t| t.min(left)));
+        }
+        let Some(left) = tightest else {
+            return ctx.max_num_batched_tokens;
+        };
+        // Every token of the step (decodes included) costs `prefill_us_per_token`.
+        let affordable = ((left - self.step_overhead_us) / self.prefill_us_per_token).max(0.0);
+        (affordable as usize)
+            .max(decodes.saturating_add(self.min_chunk_tokens))
+            .min(ctx.max_num_batched_tokens)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::testutil::{decoding, seq};
+    use crate::sequence::Sequence;
+    use crate::types::{RequestState, SloTargets};
+
+    fn policy() -> SloAware {
+        // 1 ms per step, 10 us per prefill token, chunks of at least 8 tokens.
+        SloAware::new(1.0, 10.0, 8)
+    }
+
+    fn with_slo(mut s: Sequence, ttft: Option<f64>, tpot: Option<f64>) -> Sequence {
+        s.slo = SloTargets {
+            ttft_ms: ttft,
+            tpot_ms: tpot,
+        };
+        s
+    }
+
+    #[test]
+    fn ttft_slack_counts_prefill_work() {
+        // Arrives at 0 with 101 prompt tokens and a 10 ms TTFT; at t = 2 ms the slack is
+        // 10000 - 2000 - (1000 + 101 * 10) = 5990 us.
+        let s = with_slo(seq(1, 0, 101), Some(10.0), None);
+        assert_eq!(
+            policy().slack_us(SeqView::new(&s), Timestamp(2_000)),
+            Some(5_990)
+        );
+    }
+
+    #[test]
+    fn tpot_deadline_follows_first_token() {
+        // First token at 5 ms, 3 outputs, 20 ms TPOT: the 4th token is due at 65 ms.
+        let s = with_slo(decoding(seq(1, 0, 10), 3, 5_000), Some(10.0), Some(20.0));
+        assert_eq!(policy().deadline(SeqView::new(&s)), Some(Timestamp(65_000)));
+    }
+
+    #[test]
+    fn orders_feasible_by_slack_then_relegated_then_untargeted_then_preemptible() {
+        let p = policy();
+        let now = Timestamp(10_000);
+        let tight = with_slo(seq(1, 0, 1), Some(13.0), None); // slack 13000-10000-1000 = 2000
+        let loose = with_slo(seq(2, 0, 1), Some(50.0), None); // slack 39000
+        let late = with_slo(seq(3, 0, 1), Some(5.0), None); // deadline passed
+        let none = seq(4, 0, 1);
+        let mut batch = with_slo(seq(5, 0, 1), Some(100.0), None);
+        batch.preemptible = true;
+        let ranks: Vec<Rank> = [&tight, &loose, &late, &none, &batch]
+            .iter()
+            .map(|s| p.rank(SeqView::new(s), now))
+            .collect();
+        assert_eq!(
+            ranks[0],
+            Rank {
+                class: FEASIBLE,
+                key: 2_000
+            }
+        );
+        assert_eq!(
+            ranks[1],
+            Rank {
+                class: FEASIBLE,
+                key: 39_000
+            }
+        );
+        assert_eq!(
+            ranks[2],
+            Rank {
+                class: RELEGATED,
+                key: 5_000
+            }
+        );
+        assert!(ranks.windows(2).all(|w| w[0] < w[1]), "{ranks:?}");
+    }
+
+    #[test]
+    fn feasible_work_may_preempt_only_preemptible_tiers() {
+        let p = policy();
+        let now = Timestamp(0);
+        let urgent = with_slo(seq(1, 0, 1), Some(100.0), None);
+        let mut batch = decoding(seq(2, 0, 1), 1, 0);
+        batch.preemptible = true;
+        let other = with_slo(decoding(seq(3, 0, 1), 1, 0), None, Some(1000.0));
+        assert!(p.may_preempt(SeqView::new(&urgent), SeqView::new(&batch), now));
+        assert!(!p.may_preempt(SeqView::new(&urgent), SeqView::new(&other), now));
+        assert!(!p.may_preempt(SeqView::new(&batch), SeqView::new(&batch), now));
+    }
+
+    #[test]
+    fn budget_is_sized_by_the_tightest_decode() {
+        let p = policy();
+        // a: first token at 0, 2 outputs, 5 ms TPOT: the next token is due at 10 ms.
+        // At t = 2 ms it has 8000 us, 0.9 of it usable: (7200 - 1000) / 10 = 620 tokens.
+        let a = with_slo(decoding(seq(1, 0, 4), 2, 0), None, Some(5.0));
+        let b = with_slo(decoding(seq(2, 0, 4), 1, 0), None, Some(50.0));
+        let seqs = vec![Some(a), Some(b)];
+        let running = [0u32, 1];
+        let ctx = StepContext {
+            now: Timestamp(2_000),
+            max_num_batched_tokens: 8192,
+            max_num_seqs: 8,
+            seqs: &seqs,
+            running: &running,
+        };
+        assert_eq!(p.token_budget(&ctx), 620);
+        // At 20 ms a is late: the step may take 0.9 TPOT, (4500 - 1000) / 10 = 350.
+        let late = StepContext {
+            now: Timestamp(20_000),
+            ..ctx
+        };
+        assert_eq!(p.token_budget(&late), 350);
+        // When even one TPOT does not cover the step overhead, the minimum chunk remains.
+        let slow = SloAware::new(6.0, 10.0, 8);
+        assert_eq!(slow.token_budget(&late), 2 + 8);
+        // Without running decodes with a TPOT target the configured limit applies.
+        let none = StepContext {
+            running: &[],
+            ..ctx
+        };
+        assert_eq!(p.token_budget(&none), 8192);
+        assert_eq!(
+            seqs[0].as_ref().map(|s| s.state),
+            Some(RequestState::Running)
+        );
+    }
+}

@@ -1,0 +1,526 @@
+//! The scheduler: owns the request table, the queues, the [`BlockPool`] and the policy.
+//!
+//! This file holds construction, validation, the public queries and the life-cycle
+//! operations that can happen at any time (finish, abort, policy swap); the per-step planner
+//! (`schedule`, `apply_outputs`) lives in `planner.rs`.
+//!
+//! Every operation checks its own budgets and invariants, so a policy can only reorder work:
+//! it cannot leak a block, exceed a limit or lose a request. [`Scheduler::check_invariants`]
+//! verifies the whole state and is what the property tests call after every step.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
+use crate::block_pool::{BlockPool, MAX_BLOCKS};
+use crate::error::SchedulerError;
+use crate::policy::{Policy, PolicyEvent, Rank};
+use crate::prefix_hash::BlockHasher;
+use crate::sequence::{SeqView, Sequence};
+use crate::types::{
+    BlockId, FinishReason, Request, RequestId, RequestState, SchedulerConfig, SchedulerStats,
+    SloTargets, Timestamp, TokenId,
+};
+
+/// Longest tenant or tier label accepted.
+pub const MAX_LABEL_LEN: usize = 256;
+/// Most stop token ids per request.
+pub const MAX_STOP_TOKEN_IDS: usize = 1024;
+/// Most tiers per scheduler.
+pub const MAX_TIERS: usize = 64;
+/// Largest block size accepted.
+pub const MAX_BLOCK_SIZE: usize = 4096;
+/// Most distinct tenant labels per scheduler.
+pub const MAX_TENANTS: usize = 1 << 16;
+/// Largest `max_num_seqs`, `max_num_batched_tokens` and `max_model_len` accepted.
+pub const MAX_LIMIT: usize = 1 << 24;
+
+/// Fibonacci hashing for request ids (ids are chosen by the engine, not by clients).
+#[derive(Default)]
+pub(crate) struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = (self.0 ^ v).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+
+pub(crate) type IdMap<V> = HashMap<RequestId, V, BuildHasherDefault<IdHasher>>;
+
+/// A sequence slot with its sort key for one step.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) struct Ranked {
+    /// The policy's rank.
+    pub(crate) rank: Rank,
+    /// Tie-breaker: arrival.
+    pub(crate) arrival: Timestamp,
+    /// Tie-breaker: id.
+    pub(crate) id: RequestId,
+    /// Slab slot.
+    pub(crate) slot: u32,
+}
+
+/// Continuous-batching scheduler with prefix caching and pluggable policies.
+pub struct Scheduler {
+    /// Limits (validated).
+    pub(crate) config: SchedulerConfig,
+    /// The active policy.
+    pub(crate) policy: Box<dyn Policy>,
+    /// KV blocks and prefix cache.
+    pub(crate) pool: BlockPool,
+    /// Keyed block hasher.
+    pub(crate) hasher: BlockHasher,
+    /// Sequences by slot; `None` for forgotten slots.
+    pub(crate) seqs: Vec<Option<Sequence>>,
+    /// Slots available for reuse.
+    pub(crate) free_slots: Vec<u32>,
+    /// Slot of every known request.
+    pub(crate) index: IdMap<u32>,
+    /// Interned tenant labels.
+    pub(crate) tenants: HashMap<String, u32>,
+    /// Slots of running sequences.
+    pub(crate) running: Vec<u32>,
+    /// Slots of waiting (new or preempted) sequences.
+    pub(crate) waiting: Vec<u32>,
+    /// Scratch: running sequences ranked for the current step.
+    pub(crate) order: Vec<Ranked>,
+    /// Scratch: waiting sequences ranked for the current step.
+    pub(crate) wait_order: Vec<Ranked>,
+    /// Scratch: prefix-matched blocks of the candidate being admitted.
+    pub(crate) matched: Vec<BlockId>,
+    /// Scratch: victims chosen for a policy preemption.
+    pub(crate) victims: Vec<u32>,
+    /// Slot of each entry of the last plan (same order), to skip id lookups.
+    pub(crate) last_slots: Vec<u32>,
+    /// Tokens looked up in the prefix cache.
+    pub(crate) prefix_queries: u64,
+    /// Tokens found in the prefix cache.
+    pub(crate) prefix_hits: u64,
+    /// Preemptions since start.
+    pub(crate) num_preemptions: u64,
+    /// Allocator calls that failed (a core bug; reported by `check_invariants`).
+    pub(crate) pool_errors: u64,
+}
+
+fn config_err(field: &'static str, reason: String) -> SchedulerError {
+    SchedulerError::InvalidConfig { field, reason }
+}
+
+fn check_limit(field: &'static str, v: usize, max: usize) -> Result<(), SchedulerError> {
+    if v == 0 || v > max {
+        return Err(config_err(field, format!("must be in 1..={max}, got {v}")));
+    }
+    Ok(())
+}
+
+fn check_target(v: Option<f64>) -> Result<(), String> {
+    match v {
+        Some(x) if !(x.is_finite() && x > 0.0) => {
+            Err(format!("must be a positive number, got {x}"))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Validates a scheduler configuration.
+pub fn validate_config(c: &SchedulerConfig) -> Result<(), SchedulerError> {
+    check_limit("max_num_seqs", c.max_num_seqs, MAX_LIMIT)?;
+    check_limit(
+        "max_num_batched_tokens",
+        c.max_num_batched_tokens,
+        MAX_LIMIT,
+    )?;
+    check_limit("block_size", c.block_size, MAX_BLOCK_SIZE)?;
+    check_limit("num_gpu_blocks", c.num_gpu_blocks, MAX_BLOCKS)?;
+    check_limit("max_model_len", c.max_model_len, MAX_LIMIT)?;
+    if c.tiers.len() > MAX_TIERS {
+        return Err(config_err("tiers", format!("at most {MAX_TIERS} tiers")));
+    }
+    for (i, t) in c.tiers.iter().enumerate() {
+        if t.name.len() > MAX_LABEL_LEN {
+            return Err(config_err(
+                "tiers.name",
+                format!("longer than {MAX_LABEL_LEN} bytes"),
+            ));
+        }
+        if c.tiers[..i].iter().any(|o| o.name == t.name) {
+            return Err(config_err(
+                "tiers.name",
+                format!("tier `{}` defined twice", t.name),
+            ));
+        }
+        check_target(t.ttft_ms)
+            .map_err(|r| config_err("tiers.ttft_ms", format!("tier `{}`: {r}", t.name)))?;
+        check_target(t.tpot_ms)
+            .map_err(|r| config_err("tiers.tpot_ms", format!("tier `{}`: {r}", t.name)))?;
+        if !(t.weight.is_finite() && t.weight > 0.0) {
+            return Err(config_err(
+                "tiers.weight",
+                format!(
+                    "tier `{}`: must be a positive number, got {}",
+                    t.name, t.weight
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+impl Scheduler {
+    /// A scheduler with an empty pool of `config.num_gpu_blocks` blocks.
+    ///
+    /// `hash_key` keys the prefix-cache hash; draw it at random once per process.
+    pub fn new(
+        config: SchedulerConfig,
+        policy: Box<dyn Policy>,
+        hash_key: [u64; 2],
+    ) -> Result<Self, SchedulerError> {
+        validate_config(&config)?;
+        let pool = BlockPool::new(config.num_gpu_blocks, config.block_size)?;
+        Ok(Self {
+            config,
+            policy,
+            pool,
+            hasher: BlockHasher::new(hash_key),
+            seqs: Vec::new(),
+            free_slots: Vec::new(),
+            index: IdMap::default(),
+            tenants: HashMap::new(),
+            running: Vec::new(),
+            waiting: Vec::new(),
+            order: Vec::new(),
+            wait_order: Vec::new(),
+            matched: Vec::new(),
+            victims: Vec::new(),
+            last_slots: Vec::new(),
+            prefix_queries: 0,
+            prefix_hits: 0,
+            num_preemptions: 0,
+            pool_errors: 0,
+        })
+    }
+
+    /// The validated configuration.
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    /// The active policy's name.
+    pub fn policy_name(&self) -> &str {
+        self.policy.name()
+    }
+
+    /// The block pool (read-only).
+    pub fn block_pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    /// Queues a request after validating its lengths and labels.
+    pub fn add_request(&mut self, req: Request) -> Result<(), SchedulerError> {
+        let id = req.id;
+        let invalid = |field: &'static str, reason: String| SchedulerError::InvalidRequest {
+            id,
+            field,
+            reason,
+        };
+        if self.index.contains_key(&id) {
+            return Err(SchedulerError::DuplicateRequest(id));
+        }
+        if req.prompt.is_empty() {
+            return Err(invalid("prompt", "must contain at least one token".into()));
+        }
+        if req.tenant.len() > MAX_LABEL_LEN {
+            return Err(invalid(
+                "tenant",
+                format!("longer than {MAX_LABEL_LEN} bytes"),
+            ));
+        }
+        if req.tier.len() > MAX_LABEL_LEN {
+            return Err(invalid(
+                "tier",
+                format!("longer than {MAX_LABEL_LEN} bytes"),
+            ));
+        }
+        let l = &req.limits;
+        if l.max_tokens == 0 {
+            return Err(invalid("max_tokens", "must be at least 1".into()));
+        }
+        if l.min_tokens > l.max_tokens {
+            return Err(invalid(
+                "min_tokens",
+                format!("{} exceeds max_tokens {}", l.min_tokens, l.max_tokens),
+            ));
+        }
+        if l.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
+            return Err(invalid(
+                "stop_token_ids",
+                format!("more than {MAX_STOP_TOKEN_IDS}"),
+            ));
+        }
+        check_target(req.slo.ttft_ms).map_err(|r| invalid("slo.ttft_ms", r))?;
+        check_target(req.slo.tpot_ms).map_err(|r| invalid("slo.tpot_ms", r))?;
+        let max_len = req.prompt.len().saturating_add(l.max_tokens as usize);
+        if max_len > self.config.max_model_len {
+            return Err(SchedulerError::TooLong {
+                id,
+                prompt_len: req.prompt.len(),
+                max_tokens: l.max_tokens as usize,
+                max_model_len: self.config.max_model_len,
+            });
+        }
+        let needed = self.pool.blocks_for(max_len);
+        if needed > self.pool.num_blocks() {
+            return Err(SchedulerError::ExceedsKvCapacity {
+                id,
+                needed,
+                capacity: self.pool.num_blocks(),
+            });
+        }
+        // Unknown tiers get no defaults (the engine validates tier names at its edge).
+        let tier = self.config.tiers.iter().find(|t| t.name == req.tier);
+        let slo = SloTargets {
+            ttft_ms: req.slo.ttft_ms.or(tier.and_then(|t| t.ttft_ms)),
+            tpot_ms: req.slo.tpot_ms.or(tier.and_then(|t| t.tpot_ms)),
+        };
+        let tenant_id = match self.tenants.get(&req.tenant) {
+            Some(&t) => t,
+            None if self.tenants.len() >= MAX_TENANTS => {
+                return Err(invalid(
+                    "tenant",
+                    format!("more than {MAX_TENANTS} distinct tenants"),
+                ));
+            }
+            None => {
+                let t = self.tenants.len() as u32;
+                self.tenants.insert(req.tenant.clone(), t);
+                t
+            }
+        };
+        let preemptible = tier.is_some_and(|t| t.preemptible);
+        let seq = Sequence::new(req, slo, tenant_id, preemptible);
+        let slot = match self.free_slots.pop() {
+            Some(s) => {
+                self.seqs[s as usize] = Some(seq);
+                s
+            }
+            None => {
+                self.seqs.push(Some(seq));
+                (self.seqs.len() - 1) as u32
+            }
+        };
+        self.index.insert(id, slot);
+        self.waiting.push(slot);
+        if let Some(s) = self.seqs[slot as usize].as_ref() {
+            self.policy.observe(PolicyEvent::Arrived(SeqView::new(s)));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn seq(&self, slot: u32) -> Option<&Sequence> {
+        self.seqs.get(slot as usize).and_then(|s| s.as_ref())
+    }
+
+    /// Ends a request in any live state with `reason`, freeing its blocks at once.
+    ///
+    /// Returns false for unknown or already ended requests. Full computed blocks stay in
+    /// the prefix cache.
+    pub fn finish(&mut self, id: RequestId, reason: FinishReason) -> bool {
+        let state = match reason {
+            FinishReason::Abort => RequestState::Aborted,
+            r => RequestState::Finished(r),
+        };
+        self.end(id, state)
+    }
+
+    /// Aborts a request in any live state; see [`Scheduler::finish`].
+    pub fn abort(&mut self, id: RequestId) -> bool {
+        self.end(id, RequestState::Aborted)
+    }
+
+    fn end(&mut self, id: RequestId, terminal: RequestState) -> bool {
+        let Some(&slot) = self.index.get(&id) else {
+            return false;
+        };
+        let Some(state) = self.seq(slot).map(|s| s.state) else {
+            return false;
+        };
+        let queue = match state {
+            RequestState::Running => &mut self.running,
+            RequestState::Waiting | RequestState::Preempted => &mut self.waiting,
+            RequestState::Finished(_) | RequestState::Aborted => return false,
+        };
+        if let Some(pos) = queue.iter().position(|&s| s == slot) {
+            queue.swap_remove(pos);
+        }
+        self.release(slot, terminal);
+        true
+    }
+
+    /// Frees a sequence's blocks (last block first, so the tail of a prefix is evicted
+    /// before its head), marks it ended and tells the policy. Queues are the caller's job.
+    pub(crate) fn release(&mut self, slot: u32, terminal: RequestState) {
+        let Some(seq) = self.seqs.get_mut(slot as usize).and_then(|s| s.as_mut()) else {
+            return;
+        };
+        for &b in seq.block_table.iter().rev() {
+            // Table blocks are referenced by construction; a failure would be a core bug,
+            // which check_invariants reports.
+            if self.pool.free(b).is_err() {
+                self.pool_errors += 1;
+            }
+        }
+        seq.block_table.clear();
+        seq.blocks_sent = 0;
+        seq.num_cached_blocks = 0;
+        seq.state = terminal;
+        self.policy
+            .observe(PolicyEvent::Departed(SeqView::new(seq)));
+    }
+
+    /// Forgets an ended request (its outputs and state), so long-running engines do not
+    /// accumulate records. Returns false for unknown or live requests.
+    pub fn forget(&mut self, id: RequestId) -> bool {
+        let Some(&slot) = self.index.get(&id) else {
+            return false;
+        };
+        if !self.seq(slot).is_some_and(|s| s.state.is_terminal()) {
+            return false;
+        }
+        self.index.remove(&id);
+        self.seqs[slot as usize] = None;
+        self.free_slots.push(slot);
+        true
+    }
+
+    /// Installs `policy` between two steps and returns the old one.
+    ///
+    /// The queues are untouched (no request is lost or duplicated); the new policy is told
+    /// about every live request, in arrival order, as if they had just arrived.
+    pub fn swap_policy(&mut self, policy: Box<dyn Policy>) -> Box<dyn Policy> {
+        let old = std::mem::replace(&mut self.policy, policy);
+        let mut live: Vec<u32> = self.running.iter().chain(&self.waiting).copied().collect();
+        live.sort_unstable_by_key(|&s| self.seq(s).map(|q| (q.req.arrival, q.req.id)));
+        for slot in live {
+            if let Some(s) = self.seqs.get(slot as usize).and_then(|s| s.as_ref()) {
+                self.policy.observe(PolicyEvent::Arrived(SeqView::new(s)));
+            }
+        }
+        old
+    }
+
+    /// Counters and gauges (vLLM's meanings).
+    pub fn stats(&self) -> SchedulerStats {
+        SchedulerStats {
+            num_running: self.running.len(),
+            num_waiting: self.waiting.len(),
+            kv_usage: self.pool.usage(),
+            num_free_blocks: self.pool.num_free(),
+            prefix_queries: self.prefix_queries,
+            prefix_hits: self.prefix_hits,
+            num_preemptions: self.num_preemptions,
+        }
+    }
+
+    /// Whether any request is waiting or running.
+    pub fn has_unfinished(&self) -> bool {
+        !self.running.is_empty() || !self.waiting.is_empty()
+    }
+
+    /// The full KV block table of a running request (empty for waiting ones).
+    pub fn block_table(&self, id: RequestId) -> Option<&[BlockId]> {
+        self.index
+            .get(&id)
+            .and_then(|&s| self.seq(s))
+            .map(|s| s.block_table.as_slice())
+    }
+
+    /// The state of a known request.
+    pub fn request_state(&self, id: RequestId) -> Option<RequestState> {
+        self.index
+            .get(&id)
+            .and_then(|&s| self.seq(s))
+            .map(|s| s.state)
+    }
+
+    /// The tokens generated so far for a known request (kept after it ends, until forgotten).
+    pub fn output_tokens(&self, id: RequestId) -> Option<&[TokenId]> {
+        self.index
+            .get(&id)
+            .and_then(|&s| self.seq(s))
+            .map(|s| s.output.as_slice())
+    }
+
+    /// Verifies refcounts against block tables, the free list, queue membership and limits.
+    pub fn check_invariants(&self) -> Result<(), SchedulerError> {
+        let bad = |m: String| Err(SchedulerError::Invariant(m));
+        self.pool.check_invariants()?;
+        if self.pool_errors > 0 {
+            return bad(format!("{} failed allocator calls", self.pool_errors));
+        }
+        if self.running.len() > self.config.max_num_seqs {
+            return bad(format!("{} running > max_num_seqs", self.running.len()));
+        }
+        let mut refs = vec![0u32; self.pool.num_blocks()];
+        let mut queued = vec![0u8; self.seqs.len()];
+        for &slot in &self.running {
+            let Some(s) = self.seq(slot) else {
+                return bad(format!("running slot {slot} empty"));
+            };
+            if s.state != RequestState::Running {
+                return bad(format!("{:?} in running queue as {:?}", s.req.id, s.state));
+            }
+            if s.num_computed > s.num_tokens()
+                || s.block_table.len() < self.pool.blocks_for(s.num_computed)
+            {
+                return bad(format!("{:?} block table too short", s.req.id));
+            }
+            for &b in &s.block_table {
+                match refs.get_mut(b as usize) {
+                    Some(r) => *r += 1,
+                    None => return bad(format!("{:?} holds unknown block {b}", s.req.id)),
+                }
+            }
+            queued[slot as usize] += 1;
+        }
+        for &slot in &self.waiting {
+            let Some(s) = self.seq(slot) else {
+                return bad(format!("waiting slot {slot} empty"));
+            };
+            if !matches!(s.state, RequestState::Waiting | RequestState::Preempted)
+                || !s.block_table.is_empty()
+            {
+                return bad(format!("{:?} in waiting queue as {:?}", s.req.id, s.state));
+            }
+            queued[slot as usize] += 1;
+        }
+        for (slot, s) in self.seqs.iter().enumerate() {
+            let Some(s) = s else { continue };
+            let want = u8::from(!s.state.is_terminal());
+            if queued[slot] != want {
+                return bad(format!(
+                    "{:?} ({:?}) queued {} times",
+                    s.req.id, s.state, queued[slot]
+                ));
+            }
+            if s.state.is_terminal() && !s.block_table.is_empty() {
+                return bad(format!("ended {:?} still holds blocks", s.req.id));
+            }
+        }
+        for (b, &r) in refs.iter().enumerate() {
+            let have = self.pool.ref_count(b as BlockId).unwrap_or(u32::MAX);
+            if have != r {
+                return bad(format!(
+                    "block {b}: refcount {have}, referenced by {r} tables"
+                ));
+            }
+        }
+        Ok(())
+    }
+}

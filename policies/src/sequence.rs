@@ -1,0 +1,229 @@
+//! A request's scheduling state inside the core, and the read-only view policies get of it.
+
+use crate::prefix_hash::{HashExtras, PrefixHash, PromptAndOutput};
+use crate::types::{
+    BlockId, FinishReason, Request, RequestId, RequestState, SloTargets, Timestamp, TokenId,
+};
+
+/// Everything the core tracks about one request.
+///
+/// `repr(C)` with the fields every step touches first, so that a step reads two cache lines
+/// per sequence: this is what keeps a 256-sequence step within its time budget.
+#[derive(Clone, Debug)]
+#[repr(C, align(64))]
+pub(crate) struct Sequence {
+    /// Current life-cycle state.
+    pub(crate) state: RequestState,
+    /// Times this request was preempted.
+    pub(crate) num_preemptions: u32,
+    /// Tokens whose KV is in `block_table`.
+    pub(crate) num_computed: usize,
+    /// Length of `block_table` already sent in a plan (blocks past it are new).
+    pub(crate) blocks_sent: usize,
+    /// Leading blocks of `block_table` that are registered in (or came from) the cache.
+    pub(crate) num_cached_blocks: usize,
+    /// Prompt length (copied out of `req` for locality).
+    pub(crate) prompt_len: usize,
+    /// KV blocks, one per `block_size` tokens; empty unless running.
+    pub(crate) block_table: Vec<BlockId>,
+    /// Request id (copied out of `req` for locality).
+    pub(crate) id: RequestId,
+    /// Generated tokens so far (kept across preemption).
+    pub(crate) output: Vec<TokenId>,
+    /// Highest `num_computed` ever reached (recompute is not charged twice to policies).
+    pub(crate) max_computed: usize,
+    /// `limits.max_tokens` (copied for locality).
+    pub(crate) max_tokens: u32,
+    /// `limits.min_tokens` (copied for locality).
+    pub(crate) min_tokens: u32,
+    /// The EOS token to stop at (None when absent or ignored).
+    pub(crate) stop_eos: Option<TokenId>,
+    /// Whether `limits.stop_token_ids` is non-empty.
+    pub(crate) has_stop_ids: bool,
+    /// Whether the request's tier is marked preemptible.
+    pub(crate) preemptible: bool,
+    /// Dense per-scheduler tenant number (interned label).
+    pub(crate) tenant_id: u32,
+    /// When the first output token was produced.
+    pub(crate) first_token_at: Option<Timestamp>,
+    /// When the latest output token was produced.
+    pub(crate) last_token_at: Option<Timestamp>,
+    /// When the request last entered the waiting queue.
+    pub(crate) queued_at: Timestamp,
+    /// Chained hashes of the leading full blocks of prompt + output (computed once each).
+    pub(crate) hashes: Vec<PrefixHash>,
+    /// SLO targets after filling gaps from the tier.
+    pub(crate) slo: SloTargets,
+    /// The request as submitted (prompt shared through `Arc`).
+    pub(crate) req: Request,
+}
+
+impl Sequence {
+    pub(crate) fn new(req: Request, slo: SloTargets, tenant_id: u32, preemptible: bool) -> Self {
+        let l = &req.limits;
+        Self {
+            state: RequestState::Waiting,
+            num_preemptions: 0,
+            num_computed: 0,
+            blocks_sent: 0,
+            num_cached_blocks: 0,
+            prompt_len: req.prompt.len(),
+            block_table: Vec::new(),
+            id: req.id,
+            output: Vec::new(),
+            max_computed: 0,
+            max_tokens: l.max_tokens,
+            min_tokens: l.min_tokens,
+            stop_eos: l.eos_token_id.filter(|_| !l.ignore_eos),
+            has_stop_ids: !l.stop_token_ids.is_empty(),
+            preemptible,
+            tenant_id,
+            first_token_at: None,
+            last_token_at: None,
+            queued_at: req.arrival,
+            hashes: Vec::new(),
+            slo,
+            req,
+        }
+    }
+
+    /// Prompt plus output tokens.
+    pub(crate) fn num_tokens(&self) -> usize {
+        self.prompt_len + self.output.len()
+    }
+
+    pub(crate) fn tokens(&self) -> PromptAndOutput<'_> {
+        PromptAndOutput {
+            prompt: &self.req.prompt,
+            output: &self.output,
+        }
+    }
+
+    pub(crate) fn hash_extras(&self) -> HashExtras {
+        HashExtras {
+            lora_adapter: self.req.lora_adapter,
+            cache_salt: self.req.cache_salt.unwrap_or(0),
+        }
+    }
+
+    /// Checks the stop conditions after a token was appended (vLLM's order: EOS/stop ids
+    /// once `min_tokens` are out, then the length limit).
+    #[inline]
+    pub(crate) fn stop_reason(&self, token: TokenId) -> Option<FinishReason> {
+        let n = self.output.len();
+        if n >= self.min_tokens as usize {
+            if self.stop_eos == Some(token) {
+                return Some(FinishReason::Eos);
+            }
+            if self.has_stop_ids && self.req.limits.stop_token_ids.contains(&token) {
+                return Some(FinishReason::Stop);
+            }
+        }
+        if n >= self.max_tokens as usize {
+            return Some(FinishReason::Length);
+        }
+        None
+    }
+}
+
+/// Read-only view of a sequence handed to policies.
+#[derive(Copy, Clone, Debug)]
+pub struct SeqView<'a> {
+    /// The viewed sequence.
+    seq: &'a Sequence,
+}
+
+impl<'a> SeqView<'a> {
+    pub(crate) fn new(seq: &'a Sequence) -> Self {
+        Self { seq }
+    }
+
+    /// The request id.
+    pub fn id(&self) -> RequestId {
+        self.seq.id
+    }
+    /// The tenant label.
+    pub fn tenant(&self) -> &'a str {
+        &self.seq.req.tenant
+    }
+    /// A dense number for the tenant, stable for the scheduler's lifetime (index tables
+    /// with it instead of hashing the label on the hot path).
+    pub fn tenant_id(&self) -> u32 {
+        self.seq.tenant_id
+    }
+    /// Whether the request's tier is marked preemptible in the scheduler's config.
+    pub fn preemptible(&self) -> bool {
+        self.seq.preemptible
+    }
+    /// The tier name.
+    pub fn tier(&self) -> &'a str {
+        &self.seq.req.tier
+    }
+    /// The request's priority (lower = more urgent).
+    pub fn priority(&self) -> i32 {
+        self.seq.req.priority
+    }
+    /// The LoRA adapter, if any.
+    pub fn lora_adapter(&self) -> Option<u32> {
+        self.seq.req.lora_adapter
+    }
+    /// Arrival time.
+    pub fn arrival(&self) -> Timestamp {
+        self.seq.req.arrival
+    }
+    /// When the request last entered the waiting queue (arrival or latest preemption).
+    pub fn queued_at(&self) -> Timestamp {
+        self.seq.queued_at
+    }
+    /// SLO targets, with gaps filled from the tier.
+    pub fn slo(&self) -> &'a SloTargets {
+        &self.seq.slo
+    }
+    /// The life-cycle state.
+    pub fn state(&self) -> RequestState {
+        self.seq.state
+    }
+    /// Whether the sequence holds KV blocks.
+    pub fn is_running(&self) -> bool {
+        self.seq.state == RequestState::Running
+    }
+    /// Prompt length in tokens.
+    pub fn prompt_len(&self) -> usize {
+        self.seq.prompt_len
+    }
+    /// Output tokens generated so far.
+    pub fn num_output_tokens(&self) -> usize {
+        self.seq.output.len()
+    }
+    /// The `max_tokens` limit.
+    pub fn max_tokens(&self) -> usize {
+        self.seq.max_tokens as usize
+    }
+    /// Tokens whose KV is computed.
+    pub fn num_computed_tokens(&self) -> usize {
+        self.seq.num_computed
+    }
+    /// Tokens still to feed before the next token can be sampled (1 for a decode).
+    pub fn num_uncomputed_tokens(&self) -> usize {
+        self.seq.num_tokens() - self.seq.num_computed
+    }
+    /// Whether more than one token must be fed before the next sample (prefill or recompute).
+    pub fn is_prefill(&self) -> bool {
+        self.num_uncomputed_tokens() > 1
+    }
+    /// When the first output token was produced.
+    pub fn first_token_at(&self) -> Option<Timestamp> {
+        self.seq.first_token_at
+    }
+    /// When the latest output token was produced.
+    pub fn last_token_at(&self) -> Option<Timestamp> {
+        self.seq.last_token_at
+    }
+    /// Times this request was preempted.
+    pub fn num_preemptions(&self) -> u32 {
+        self.seq.num_preemptions
+    }
+}
+
+// The per-step fields must stay within the first two cache lines.
+const _: () = assert!(std::mem::offset_of!(Sequence, tenant_id) + 4 <= 128);

@@ -1,0 +1,310 @@
+//! Plain data shared by the scheduler, the policies, the simulator and the engine:
+//! identifiers, time, requests, configuration, step plans and events.
+
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+/// Microseconds, the unit of every duration in this crate.
+pub type Micros = u64;
+
+/// A token id of the model's vocabulary.
+pub type TokenId = u32;
+
+/// Index of a KV block in the [`crate::BlockPool`].
+pub type BlockId = u32;
+
+/// Microseconds on the caller's clock (virtual in the simulator, monotonic in the engine).
+#[derive(
+    Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Serialize, Deserialize,
+)]
+pub struct Timestamp(pub u64);
+
+impl Timestamp {
+    /// Converts seconds to a timestamp; negative or NaN inputs give zero, huge ones saturate.
+    pub fn from_secs_f64(secs: f64) -> Self {
+        let us = secs * 1e6;
+        if us.is_nan() || us <= 0.0 {
+            Timestamp(0)
+        } else if us >= u64::MAX as f64 {
+            Timestamp(u64::MAX)
+        } else {
+            Timestamp(us as u64)
+        }
+    }
+
+    /// Converts milliseconds to a timestamp (same clamping as [`Timestamp::from_secs_f64`]).
+    pub fn from_millis_f64(ms: f64) -> Self {
+        Self::from_secs_f64(ms / 1e3)
+    }
+
+    /// The timestamp in seconds.
+    pub fn as_secs_f64(self) -> f64 {
+        self.0 as f64 / 1e6
+    }
+
+    /// Microseconds elapsed from `earlier` to `self`, zero if `earlier` is later.
+    pub fn saturating_sub(self, earlier: Timestamp) -> Micros {
+        self.0.saturating_sub(earlier.0)
+    }
+
+    /// `self` moved `us` microseconds later, saturating at the end of time.
+    pub fn saturating_add(self, us: Micros) -> Timestamp {
+        Timestamp(self.0.saturating_add(us))
+    }
+}
+
+/// Identifier of a request, unique among the requests a scheduler knows.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct RequestId(pub u64);
+
+/// SLO targets of a request (from its tier); `None` means no target.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct SloTargets {
+    /// Time-to-first-token target in milliseconds.
+    pub ttft_ms: Option<f64>,
+    /// Time-per-output-token target in milliseconds (after the first token).
+    pub tpot_ms: Option<f64>,
+}
+
+/// Limits that decide when a sequence finishes (the sampler's values live in `gpu`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SamplingLimits {
+    /// Maximum number of output tokens (at least 1).
+    pub max_tokens: u32,
+    /// Stop and EOS tokens are ignored until this many tokens were generated.
+    pub min_tokens: u32,
+    /// Token ids that end the sequence with [`FinishReason::Stop`].
+    pub stop_token_ids: Vec<TokenId>,
+    /// The model's end-of-sequence token, if any.
+    pub eos_token_id: Option<TokenId>,
+    /// Whether to keep generating past the EOS token.
+    pub ignore_eos: bool,
+}
+
+impl Default for SamplingLimits {
+    fn default() -> Self {
+        Self {
+            max_tokens: 16,
+            min_tokens: 0,
+            stop_token_ids: Vec::new(),
+            eos_token_id: None,
+            ignore_eos: false,
+        }
+    }
+}
+
+/// A generation request as the scheduler sees it: tokens, limits and scheduling metadata.
+#[derive(Clone, Debug)]
+pub struct Request {
+    /// Unique id chosen by the caller.
+    pub id: RequestId,
+    /// Bounded tenant label, used by fair share.
+    pub tenant: String,
+    /// Tier name (e.g. "premium"); "" is the default tier.
+    pub tier: String,
+    /// Lower value = more urgent (vLLM convention).
+    pub priority: i32,
+    /// LoRA adapter id, part of the prefix-cache key.
+    pub lora_adapter: Option<u32>,
+    /// Arrival time on the caller's clock.
+    pub arrival: Timestamp,
+    /// SLO targets; a `None` target is taken from the request's tier.
+    pub slo: SloTargets,
+    /// Prompt token ids (shared, so traces can reuse big prompts cheaply).
+    pub prompt: Arc<[TokenId]>,
+    /// Stop conditions.
+    pub limits: SamplingLimits,
+    /// Prefix-cache salt; `None` or `Some(0)` share the cache with every tenant.
+    pub cache_salt: Option<u64>,
+}
+
+/// Why a sequence finished.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// `max_tokens` reached.
+    Length,
+    /// A stop token id or a stop string.
+    Stop,
+    /// The end-of-sequence token.
+    Eos,
+    /// Aborted by the caller.
+    Abort,
+}
+
+impl FinishReason {
+    /// A short lowercase label (bounded, usable as a metric label).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Length => "length",
+            FinishReason::Stop => "stop",
+            FinishReason::Eos => "eos",
+            FinishReason::Abort => "abort",
+        }
+    }
+}
+
+/// Life-cycle state: waiting → running → finished | aborted; running → preempted → running.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RequestState {
+    /// Queued, never admitted.
+    Waiting,
+    /// Admitted: holds KV blocks and is scheduled in steps.
+    Running,
+    /// Preempted by recompute: back in the waiting queue, blocks freed, outputs kept.
+    Preempted,
+    /// Ended normally (or by [`crate::Scheduler::finish`]).
+    Finished(FinishReason),
+    /// Ended by [`crate::Scheduler::abort`].
+    Aborted,
+}
+
+impl RequestState {
+    /// Whether the request has ended (finished or aborted).
+    pub fn is_terminal(self) -> bool {
+        matches!(self, RequestState::Finished(_) | RequestState::Aborted)
+    }
+}
+
+/// A service tier: SLO targets, fair-share weight and whether its work may be preempted.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TierSpec {
+    /// Tier name as used in [`Request::tier`].
+    pub name: String,
+    /// Time-to-first-token target in milliseconds.
+    pub ttft_ms: Option<f64>,
+    /// Time-per-output-token target in milliseconds.
+    pub tpot_ms: Option<f64>,
+    /// Relative weight (> 0) for fair-share accounting.
+    pub weight: f64,
+    /// Whether running work of this tier may be preempted for other tiers.
+    pub preemptible: bool,
+}
+
+/// Limits and sizes of one scheduler instance.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SchedulerConfig {
+    /// Maximum number of running sequences (default 256).
+    pub max_num_seqs: usize,
+    /// Maximum tokens fed to the model in one step (default 8192).
+    pub max_num_batched_tokens: usize,
+    /// Tokens per KV block (default 16).
+    pub block_size: usize,
+    /// KV capacity in blocks.
+    pub num_gpu_blocks: usize,
+    /// Whether full blocks are shared through the prefix cache (default true).
+    pub enable_prefix_caching: bool,
+    /// Bound on prompt + output tokens; longer requests are rejected.
+    pub max_model_len: usize,
+    /// Service tiers known to this scheduler.
+    pub tiers: Vec<TierSpec>,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        Self {
+            max_num_seqs: 256,
+            max_num_batched_tokens: 8192,
+            block_size: 16,
+            num_gpu_blocks: 8192,
+            enable_prefix_caching: true,
+            max_model_len: 8192,
+            tiers: Vec::new(),
+        }
+    }
+}
+
+/// One sequence's work in a step.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ScheduledSeq {
+    /// The request.
+    pub id: RequestId,
+    /// Tokens already in KV before this step (including prefix-cache hits).
+    pub num_computed_tokens: usize,
+    /// Tokens fed this step (a prefill chunk, or 1 for a decode).
+    pub num_new_tokens: usize,
+    /// Index in the sequence's block table where `new_blocks` start; 0 when the whole
+    /// table is sent (new admission or resumption after preemption).
+    pub first_new_block: usize,
+    /// Blocks appended to the sequence's block table since it was last scheduled (vLLM V1
+    /// sends new block ids only). Keep a mirror per request: `table.truncate(first_new_block);
+    /// table.extend(new_blocks)`; the result covers `num_computed_tokens + num_new_tokens`
+    /// and equals [`crate::Scheduler::block_table`].
+    pub new_blocks: Vec<BlockId>,
+    /// Whether more than one uncomputed token remained before this step (prefill or recompute).
+    pub is_prefill: bool,
+    /// Whether this step's last position yields a sampled token.
+    pub samples: bool,
+}
+
+/// The work of one step, produced by [`crate::Scheduler::schedule`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StepPlan {
+    /// Scheduled sequences: running ones first (in rank order when the step is constrained,
+    /// queue order when everything fits), then admissions in rank order.
+    pub seqs: Vec<ScheduledSeq>,
+    /// Requests sent back to waiting this step (preemption by recompute).
+    pub preempted: Vec<RequestId>,
+    /// Sum of `num_new_tokens` over `seqs`.
+    pub num_batched_tokens: usize,
+}
+
+/// A sampled token for one scheduled sequence with `samples == true`.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct StepOutput {
+    /// The request.
+    pub id: RequestId,
+    /// The sampled token.
+    pub token: TokenId,
+}
+
+/// What happened to a sequence while applying a step's outputs.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum SeqEvent {
+    /// The first output token was produced (TTFT); a `Token` event follows.
+    FirstToken {
+        /// The request.
+        id: RequestId,
+        /// When.
+        at: Timestamp,
+    },
+    /// An output token was produced.
+    Token {
+        /// The request.
+        id: RequestId,
+        /// The token.
+        token: TokenId,
+        /// When.
+        at: Timestamp,
+    },
+    /// The sequence ended; its blocks are already freed.
+    Finished {
+        /// The request.
+        id: RequestId,
+        /// Why.
+        reason: FinishReason,
+        /// When.
+        at: Timestamp,
+    },
+}
+
+/// A snapshot of the scheduler's counters (vLLM's metric meanings).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct SchedulerStats {
+    /// Sequences holding KV blocks.
+    pub num_running: usize,
+    /// Sequences waiting for admission (new and preempted).
+    pub num_waiting: usize,
+    /// Fraction of blocks not free (0..=1); cached free blocks count as free.
+    pub kv_usage: f64,
+    /// Free blocks (including evictable cached ones).
+    pub num_free_blocks: usize,
+    /// Tokens looked up in the prefix cache at admission.
+    pub prefix_queries: u64,
+    /// Tokens found in the prefix cache at admission.
+    pub prefix_hits: u64,
+    /// Preemptions since start.
+    pub num_preemptions: u64,
+}

@@ -1,0 +1,373 @@
+//! Property tests over random workloads for every registered policy: no block leaked or
+//! double-freed, refcounts equal block-table references, per-step budgets respected, every
+//! admitted request ends, and hot swaps to every other policy lose or duplicate nothing.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
+
+use proptest::prelude::*;
+use switchyard_policies::*;
+
+/// Step bound for one run; workloads are small, so a live scheduler ends far earlier.
+const MAX_STEPS: u64 = 20_000;
+/// Simulated milliseconds per step (deadlines and aging see time move).
+const STEP_US: u64 = 5_000;
+const EOS: TokenId = 0;
+
+#[derive(Clone, Debug)]
+struct Spec {
+    arrival_step: u64,
+    /// Shared-prefix group (tokens depend only on the group), for prefix-cache hits.
+    group: u32,
+    prefix_len: usize,
+    suffix_len: usize,
+    max_tokens: u32,
+    priority: i32,
+    tenant: u8,
+    tier: u8,
+    salted: bool,
+    eos: bool,
+    /// Abort or finish this many steps after arrival (None = run to completion).
+    end_after: Option<(u64, bool)>,
+}
+
+#[derive(Clone, Debug)]
+struct Workload {
+    block_size: usize,
+    num_gpu_blocks: usize,
+    max_num_seqs: usize,
+    max_num_batched_tokens: usize,
+    caching: bool,
+    reqs: Vec<Spec>,
+    swap_every: u64,
+}
+
+fn spec() -> impl Strategy<Value = Spec> {
+    (
+        (0u64..40, 0u32..3, 0usize..24, 1usize..20, 1u32..12),
+        (-2i32..3, 0u8..3, 0u8..3, any::<bool>(), any::<bool>()),
+        prop::option::weighted(0.2, (0u64..30, any::<bool>())),
+    )
+        .prop_map(
+            |(
+                (arrival_step, group, prefix_len, suffix_len, max_tokens),
+                (priority, tenant, tier, salted, eos),
+                end_after,
+            )| Spec {
+                arrival_step,
+                group,
+                prefix_len,
+                suffix_len,
+                max_tokens,
+                priority,
+                tenant,
+                tier,
+                salted,
+                eos,
+                end_after,
+            },
+        )
+}
+
+fn workload() -> impl Strategy<Value = Workload> {
+    (
+        prop::sample::select(vec![1usize, 2, 4, 8]),
+        4usize..48,
+        1usize..8,
+        1usize..64,
+        any::<bool>(),
+        prop::collection::vec(spec(), 1..24),
+        1u64..40,
+    )
+        .prop_map(
+            |(
+                block_size,
+                num_gpu_blocks,
+                max_num_seqs,
+                max_num_batched_tokens,
+                caching,
+                reqs,
+                swap_every,
+            )| Workload {
+                block_size,
+                num_gpu_blocks,
+                max_num_seqs,
+                max_num_batched_tokens,
+                caching,
+                reqs,
+                swap_every,
+            },
+        )
+}
+
+fn tiers() -> Vec<TierSpec> {
+    let t = |name: &str, ttft, tpot, preemptible| TierSpec {
+        name: name.into(),
+        ttft_ms: ttft,
+        tpot_ms: tpot,
+        weight: 1.0,
+        preemptible,
+    };
+    vec![
+        t("premium", Some(50.0), Some(10.0), false),
+        t("standard", Some(500.0), None, false),
+        t("batch", None, None, true),
+    ]
+}
+
+fn make_policy(name: &str) -> Box<dyn Policy> {
+    let reg = PolicyRegistry::with_builtins();
+    let params: serde_yaml::Value = match name {
+        // Short aging so that aging actually happens within a run.
+        "priority" => serde_yaml::from_str("{aging_interval_ms: 20}").unwrap(),
+        "chunked-prefill" => serde_yaml::from_str("{token_budget: 8}").unwrap(),
+        "slo-aware" => serde_yaml::from_str(
+            "{step_overhead_ms: 5, prefill_us_per_token: 100, min_chunk_tokens: 2}",
+        )
+        .unwrap(),
+        "fair-share" => serde_yaml::from_str("{tenant_weights: {t0: 2}}").unwrap(),
+        _ => serde_yaml::Value::Null,
+    };
+    reg.create(name, &params, &tiers()).unwrap()
+}
+
+fn request(i: usize, s: &Spec) -> Request {
+    let mut prompt: Vec<TokenId> = (0..s.prefix_len)
+        .map(|k| 1 + s.group * 1000 + k as u32)
+        .collect();
+    prompt.extend((0..s.suffix_len).map(|k| 50_000 + (i * 100 + k) as u32));
+    Request {
+        id: RequestId(i as u64),
+        tenant: format!("t{}", s.tenant),
+        tier: ["premium", "standard", "batch"][s.tier as usize].into(),
+        priority: s.priority,
+        lora_adapter: None,
+        arrival: Timestamp(s.arrival_step * STEP_US),
+        slo: SloTargets::default(),
+        prompt: Arc::from(prompt),
+        limits: SamplingLimits {
+            max_tokens: s.max_tokens,
+            min_tokens: 0,
+            stop_token_ids: vec![],
+            eos_token_id: s.eos.then_some(EOS),
+            ignore_eos: false,
+        },
+        cache_salt: s.salted.then_some(s.tenant as u64 + 1),
+    }
+}
+
+/// Deterministic "sampled" token: EOS now and then, otherwise a small vocabulary.
+fn token(id: RequestId, step: u64) -> TokenId {
+    let h = id.0.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ step.wrapping_mul(0xC2B2_AE3D_27D4_EB4F);
+    (h >> 59) as TokenId // 0..32, EOS with probability 1/32
+}
+
+fn check_plan(
+    w: &Workload,
+    s: &Scheduler,
+    plan: &StepPlan,
+    mirrors: &mut HashMap<RequestId, Vec<BlockId>>,
+) -> Result<(), TestCaseError> {
+    prop_assert!(plan.seqs.len() <= w.max_num_seqs, "max_num_seqs exceeded");
+    let sum: usize = plan.seqs.iter().map(|q| q.num_new_tokens).sum();
+    prop_assert_eq!(sum, plan.num_batched_tokens);
+    prop_assert!(
+        sum <= w.max_num_batched_tokens,
+        "token budget exceeded: {} > {}",
+        sum,
+        w.max_num_batched_tokens
+    );
+    let ids: BTreeSet<RequestId> = plan.seqs.iter().map(|q| q.id).collect();
+    prop_assert_eq!(ids.len(), plan.seqs.len(), "a request scheduled twice");
+    for p in &plan.preempted {
+        prop_assert!(!ids.contains(p), "preempted request still scheduled");
+    }
+    let pool = s.block_pool();
+    let mut uses: HashMap<BlockId, u32> = HashMap::new();
+    for q in &plan.seqs {
+        prop_assert!(q.num_new_tokens >= 1);
+        // Rebuild the request's table from the plan's deltas, as the engine does.
+        let table = mirrors.entry(q.id).or_default();
+        prop_assert!(
+            q.first_new_block <= table.len(),
+            "delta starts past the mirror"
+        );
+        table.truncate(q.first_new_block);
+        table.extend_from_slice(&q.new_blocks);
+        prop_assert_eq!(
+            Some(table.as_slice()),
+            s.block_table(q.id),
+            "mirror differs"
+        );
+        let need = (q.num_computed_tokens + q.num_new_tokens).div_ceil(w.block_size);
+        prop_assert!(table.len() >= need, "block table too short");
+        let distinct: BTreeSet<_> = table.iter().collect();
+        prop_assert_eq!(distinct.len(), table.len(), "block twice in one table");
+        for &b in table.iter() {
+            *uses.entry(b).or_default() += 1;
+        }
+        prop_assert_eq!(s.request_state(q.id), Some(RequestState::Running));
+    }
+    for (&b, &n) in &uses {
+        let rc = pool.ref_count(b).unwrap_or(0);
+        prop_assert!(
+            rc >= n,
+            "block {} used by {} tables but refcount {}",
+            b,
+            n,
+            rc
+        );
+    }
+    prop_assert!(pool.num_free() + uses.len() <= pool.num_blocks());
+    Ok(())
+}
+
+/// Runs the workload under `first`, swapping through `swaps` every `swap_every` steps.
+fn run(w: &Workload, first: &str, swaps: &[&str]) -> Result<(), TestCaseError> {
+    let config = SchedulerConfig {
+        max_num_seqs: w.max_num_seqs,
+        max_num_batched_tokens: w.max_num_batched_tokens,
+        block_size: w.block_size,
+        num_gpu_blocks: w.num_gpu_blocks,
+        enable_prefix_caching: w.caching,
+        max_model_len: 4096,
+        tiers: tiers(),
+    };
+    let mut s = Scheduler::new(config, make_policy(first), [7, 9]).unwrap();
+    let mut admitted: BTreeMap<RequestId, &Spec> = BTreeMap::new();
+    let mut ended: BTreeMap<RequestId, FinishReason> = BTreeMap::new();
+    let mut outputs_seen: HashMap<RequestId, usize> = HashMap::new();
+    let mut mirrors: HashMap<RequestId, Vec<BlockId>> = HashMap::new();
+    let last_arrival = w.reqs.iter().map(|r| r.arrival_step).max().unwrap_or(0);
+    let mut swaps = swaps.iter();
+    let mut step = 0u64;
+    while step < MAX_STEPS {
+        let now = Timestamp(step * STEP_US);
+        for (i, r) in w.reqs.iter().enumerate() {
+            if r.arrival_step == step {
+                let id = RequestId(i as u64);
+                let needed =
+                    (r.prefix_len + r.suffix_len + r.max_tokens as usize).div_ceil(w.block_size);
+                match s.add_request(request(i, r)) {
+                    Ok(()) => {
+                        prop_assert!(needed <= w.num_gpu_blocks);
+                        admitted.insert(id, r);
+                    }
+                    Err(e) => {
+                        prop_assert!(needed > w.num_gpu_blocks, "unexpected rejection: {}", e);
+                        prop_assert_eq!(s.request_state(id), None);
+                    }
+                }
+            }
+            if let Some((after, abort)) = r.end_after {
+                let id = RequestId(i as u64);
+                if r.arrival_step + after == step && admitted.contains_key(&id) {
+                    let live = s.request_state(id).is_some_and(|st| !st.is_terminal());
+                    let done = if abort {
+                        s.abort(id)
+                    } else {
+                        s.finish(id, FinishReason::Stop)
+                    };
+                    prop_assert_eq!(done, live);
+                    if done {
+                        let reason = if abort {
+                            FinishReason::Abort
+                        } else {
+                            FinishReason::Stop
+                        };
+                        prop_assert!(ended.insert(id, reason).is_none());
+                    }
+                    s.check_invariants()
+                        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                }
+            }
+        }
+        if step > 0 && step % w.swap_every == 0 {
+            if let Some(next) = swaps.next() {
+                let before = s.stats();
+                s.swap_policy(make_policy(next));
+                let after = s.stats();
+                prop_assert_eq!(before.num_running, after.num_running);
+                prop_assert_eq!(before.num_waiting, after.num_waiting);
+            }
+        }
+        let plan = s.schedule(now);
+        check_plan(w, &s, &plan, &mut mirrors)?;
+        s.check_invariants()
+            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        let outs: Vec<StepOutput> = plan
+            .seqs
+            .iter()
+            .filter(|q| q.samples)
+            .map(|q| StepOutput {
+                id: q.id,
+                token: token(q.id, step),
+            })
+            .collect();
+        for e in s.apply_outputs(&plan, &outs, now) {
+            match e {
+                SeqEvent::Token { id, .. } => *outputs_seen.entry(id).or_default() += 1,
+                SeqEvent::Finished { id, reason, .. } => {
+                    prop_assert!(
+                        ended.insert(id, reason).is_none(),
+                        "{:?} finished twice",
+                        id
+                    );
+                }
+                SeqEvent::FirstToken { .. } => {}
+            }
+        }
+        s.check_invariants()
+            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        step += 1;
+        if step > last_arrival && !s.has_unfinished() {
+            break;
+        }
+    }
+    prop_assert!(
+        !s.has_unfinished(),
+        "requests still live after {} steps",
+        MAX_STEPS
+    );
+    // Every admitted request ended exactly once, with outputs consistent with its limits.
+    prop_assert_eq!(ended.len(), admitted.len());
+    for (id, spec) in &admitted {
+        let out = s.output_tokens(*id).unwrap_or(&[]);
+        prop_assert_eq!(out.len(), outputs_seen.get(id).copied().unwrap_or(0));
+        prop_assert!(out.len() <= spec.max_tokens as usize);
+        match ended[id] {
+            FinishReason::Length => prop_assert_eq!(out.len(), spec.max_tokens as usize),
+            FinishReason::Eos => prop_assert_eq!(out.last(), Some(&EOS)),
+            _ => {}
+        }
+    }
+    let st = s.stats();
+    prop_assert_eq!(
+        st.num_free_blocks,
+        w.num_gpu_blocks,
+        "blocks leaked at the end"
+    );
+    prop_assert!(st.prefix_hits <= st.prefix_queries);
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    #[test]
+    fn every_policy_keeps_invariants_and_ends_every_request(w in workload()) {
+        for name in PolicyRegistry::with_builtins().names() {
+            run(&w, name, &[]).map_err(|e| TestCaseError::fail(format!("policy {name}: {e}")))?;
+        }
+    }
+
+    #[test]
+    fn hot_swaps_to_every_other_policy_lose_nothing(w in workload()) {
+        let names = PolicyRegistry::with_builtins().names();
+        for first in &names {
+            let others: Vec<&str> = names.iter().copied().filter(|n| n != first).collect();
+            run(&w, first, &others)
+                .map_err(|e| TestCaseError::fail(format!("policy {first} with swaps: {e}")))?;
+        }
+    }
+}

@@ -1,0 +1,591 @@
+//! Step-cost model: how long one engine step (one batched forward pass) takes.
+//!
+//! Two models share one interface, [`CostModel::step_time`]:
+//!
+//! **Roofline** (Williams, Waterman, Patterson, "Roofline: an insightful
+//! visual performance model", CACM 2009). A step is bound either by compute or
+//! by memory traffic:
+//!
+//! ```text
+//! step_s = max(flops / (peak_flops * compute_eff), bytes / (bandwidth * memory_eff))
+//!          + step_overhead_s + layers * layer_overhead_s
+//! flops  = 2 * T * P_layer * L            (every batched token through every GEMM)
+//!        + 2 * S * hidden * vocab         (lm_head, sampled positions only)
+//!        + 4 * L * q_dim * A              (QK^T and PV; A = Σ keys attended per new token)
+//! bytes  = W * bytes_per_weight           (weights read once per step)
+//!        + K * kv_bytes_per_token         (K = Σ over sequences of context + new tokens)
+//! ```
+//!
+//! with `T` batched tokens, `S` sampled sequences, `P_layer` the matrix
+//! parameters of one layer (Q, K, V, O, gate, up, down), `W` the parameters read
+//! per step (all layers, final norm, lm_head; embedding rows are gathered, not
+//! streamed) and `kv_bytes_per_token = 2 * L * kv_heads * head_dim *
+//! bytes_per_kv`. Activations are ignored (they are small next to weights and
+//! KV at serving batch sizes). This is the level of detail of DistServe's
+//! latency model (Zhong et al., OSDI'24, §4: prefill is compute-bound and
+//! grows with tokens, decode is bandwidth-bound and grows with batch and
+//! context) and a closed-form stand-in for Vidur's profiled per-operator
+//! costs (Agrawal et al., MLSys'24), which split a step into GEMMs sized by the
+//! batched tokens and attention sized by the context.
+//!
+//! **Calibrated**: a linear model fitted on the real engine, as Vidur fits
+//! operator runtimes:
+//!
+//! ```text
+//! step_s = intercept_s + per_token_s * T + per_prefill_token_s * T_prefill
+//!        + per_decode_seq_s * D + per_sampled_seq_s * S
+//!        + per_kv_token_s * K + per_attention_pair_s * A
+//! ```
+//!
+//! loaded from a YAML or JSON file that the engine writes; when given, it
+//! replaces the roofline.
+
+use crate::error::SimError;
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+/// Shape of a transformer decoder (Llama family).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSpec {
+    /// Name shown in reports.
+    pub name: String,
+    /// Number of decoder layers.
+    pub num_layers: u64,
+    /// Hidden (model) dimension.
+    pub hidden_size: u64,
+    /// Query heads.
+    pub num_heads: u64,
+    /// Key/value heads (grouped-query attention).
+    pub num_kv_heads: u64,
+    /// Per-head dimension; defaults to `hidden_size / num_heads`.
+    #[serde(default)]
+    pub head_dim: Option<u64>,
+    /// FFN (intermediate) dimension of the SwiGLU MLP.
+    pub ffn_size: u64,
+    /// Vocabulary size.
+    pub vocab_size: u64,
+    /// Whether lm_head shares the embedding matrix.
+    #[serde(default)]
+    pub tied_embeddings: bool,
+    /// Bytes per weight element (2 for bf16).
+    pub bytes_per_weight: f64,
+    /// Bytes per KV-cache element (2 for bf16).
+    pub bytes_per_kv: f64,
+}
+
+impl ModelSpec {
+    /// Llama-3-8B (Meta, 2024): 32 layers, hidden 4096, 32/8 heads, FFN 14336, vocab 128256, bf16.
+    pub fn llama_3_8b() -> Self {
+        ModelSpec {
+            name: "llama-3-8b".into(),
+            num_layers: 32,
+            hidden_size: 4096,
+            num_heads: 32,
+            num_kv_heads: 8,
+            head_dim: None,
+            ffn_size: 14336,
+            vocab_size: 128_256,
+            tied_embeddings: false,
+            bytes_per_weight: 2.0,
+            bytes_per_kv: 2.0,
+        }
+    }
+
+    /// SmolLM2-135M (Hugging Face, 2024): 30 layers, hidden 576, 9/3 heads, FFN 1536, vocab 49152, tied, bf16.
+    pub fn smollm2_135m() -> Self {
+        ModelSpec {
+            name: "smollm2-135m".into(),
+            num_layers: 30,
+            hidden_size: 576,
+            num_heads: 9,
+            num_kv_heads: 3,
+            head_dim: None,
+            ffn_size: 1536,
+            vocab_size: 49_152,
+            tied_embeddings: true,
+            bytes_per_weight: 2.0,
+            bytes_per_kv: 2.0,
+        }
+    }
+
+    /// A preset by name (`llama-3-8b`, `smollm2-135m`).
+    pub fn preset(name: &str) -> Option<Self> {
+        match name {
+            "llama-3-8b" => Some(Self::llama_3_8b()),
+            "smollm2-135m" => Some(Self::smollm2_135m()),
+            _ => None,
+        }
+    }
+
+    /// Checks that every dimension is positive and bounded.
+    pub fn validate(&self) -> Result<(), String> {
+        let dims = [
+            ("num_layers", self.num_layers, 1024),
+            ("hidden_size", self.hidden_size, 1 << 17),
+            ("num_heads", self.num_heads, 1024),
+            ("num_kv_heads", self.num_kv_heads, 1024),
+            ("head_dim", self.head_dim(), 1 << 12),
+            ("ffn_size", self.ffn_size, 1 << 19),
+            ("vocab_size", self.vocab_size, 1 << 22),
+        ];
+        for (name, v, max) in dims {
+            if v == 0 || v > max {
+                return Err(format!("model.{name} = {v} outside 1..={max}"));
+            }
+        }
+        if self.num_kv_heads > self.num_heads {
+            return Err("model.num_kv_heads exceeds num_heads".into());
+        }
+        for (name, v) in [
+            ("bytes_per_weight", self.bytes_per_weight),
+            ("bytes_per_kv", self.bytes_per_kv),
+        ] {
+            if !(v.is_finite() && v > 0.0 && v <= 8.0) {
+                return Err(format!("model.{name} = {v} outside (0, 8]"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Per-head dimension.
+    pub fn head_dim(&self) -> u64 {
+        self.head_dim
+            .unwrap_or(self.hidden_size / self.num_heads.max(1))
+    }
+
+    /// Query projection width (`num_heads * head_dim`).
+    pub fn q_dim(&self) -> u64 {
+        self.num_heads * self.head_dim()
+    }
+
+    /// Key (or value) projection width (`num_kv_heads * head_dim`).
+    pub fn kv_dim(&self) -> u64 {
+        self.num_kv_heads * self.head_dim()
+    }
+
+    /// Matrix parameters of one layer: Q, K, V, O projections and the SwiGLU MLP.
+    pub fn layer_matrix_params(&self) -> u64 {
+        let h = self.hidden_size;
+        h * (self.q_dim() + 2 * self.kv_dim()) + self.q_dim() * h + 3 * h * self.ffn_size
+    }
+
+    /// All parameters of one layer, including its two RMSNorm weight vectors.
+    pub fn layer_params(&self) -> u64 {
+        self.layer_matrix_params() + 2 * self.hidden_size
+    }
+
+    /// Total parameter count (embeddings, layers, final norm, untied lm_head).
+    pub fn total_params(&self) -> u64 {
+        let embed = self.vocab_size * self.hidden_size;
+        let head = if self.tied_embeddings { 0 } else { embed };
+        embed + self.num_layers * self.layer_params() + self.hidden_size + head
+    }
+
+    /// Parameters streamed from memory in one step: layers, final norm, lm_head.
+    pub fn streamed_params(&self) -> u64 {
+        self.num_layers * self.layer_params()
+            + self.hidden_size
+            + self.vocab_size * self.hidden_size
+    }
+
+    /// Bytes of all weights resident on the device.
+    pub fn weight_bytes(&self) -> f64 {
+        self.total_params() as f64 * self.bytes_per_weight
+    }
+
+    /// KV-cache bytes per token (keys and values of every layer).
+    pub fn kv_bytes_per_token(&self) -> f64 {
+        2.0 * (self.num_layers * self.kv_dim()) as f64 * self.bytes_per_kv
+    }
+}
+
+/// An accelerator's roofline parameters and fixed costs.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HardwareSpec {
+    /// Name shown in reports.
+    pub name: String,
+    /// Peak dense FLOP/s at the weight precision.
+    pub peak_flops: f64,
+    /// Memory bandwidth in bytes/s.
+    pub memory_bandwidth: f64,
+    /// Device memory in bytes (for the KV capacity).
+    pub memory_bytes: f64,
+    /// Fraction of `peak_flops` a whole step achieves.
+    pub compute_efficiency: f64,
+    /// Fraction of `memory_bandwidth` a whole step achieves.
+    pub memory_efficiency: f64,
+    /// Fixed cost per step in seconds (scheduling, launch, sampling).
+    pub step_overhead_s: f64,
+    /// Fixed cost per layer per step in seconds (kernel launches, syncs).
+    pub layer_overhead_s: f64,
+}
+
+impl HardwareSpec {
+    /// NVIDIA H200 (141 GB HBM3e) with the figures measured on our test host
+    /// (DESIGN.md GPU notes: bf16 GEMM ~790 TFLOP/s, copy ~4.3 TB/s). The
+    /// efficiencies (0.8 compute, 0.9 memory) account for non-GEMM work and
+    /// small shapes; the overheads (0.5 ms per step, 5 µs per layer) are
+    /// assumptions until a calibration file replaces them.
+    pub fn h200() -> Self {
+        HardwareSpec {
+            name: "h200".into(),
+            peak_flops: 790e12,
+            memory_bandwidth: 4.3e12,
+            memory_bytes: 141e9,
+            compute_efficiency: 0.8,
+            memory_efficiency: 0.9,
+            step_overhead_s: 0.5e-3,
+            layer_overhead_s: 5e-6,
+        }
+    }
+
+    /// A preset by name (`h200`).
+    pub fn preset(name: &str) -> Option<Self> {
+        (name == "h200").then(Self::h200)
+    }
+
+    /// Checks that every figure is positive, finite and plausible.
+    pub fn validate(&self) -> Result<(), String> {
+        let checks = [
+            ("peak_flops", self.peak_flops, 1e3, 1e18),
+            ("memory_bandwidth", self.memory_bandwidth, 1e3, 1e15),
+            ("memory_bytes", self.memory_bytes, 1e6, 1e14),
+            ("compute_efficiency", self.compute_efficiency, 1e-3, 1.0),
+            ("memory_efficiency", self.memory_efficiency, 1e-3, 1.0),
+            ("step_overhead_s", self.step_overhead_s, 0.0, 10.0),
+            ("layer_overhead_s", self.layer_overhead_s, 0.0, 1.0),
+        ];
+        for (name, v, lo, hi) in checks {
+            if !(v.is_finite() && v >= lo && v <= hi) {
+                return Err(format!("hardware.{name} = {v} outside [{lo}, {hi}]"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The work of one step, aggregated over its sequences.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepShape {
+    /// Sequences in the step.
+    pub num_seqs: u64,
+    /// Tokens fed through the model (`T`).
+    pub num_tokens: u64,
+    /// Of which prompt (prefill) tokens.
+    pub num_prefill_tokens: u64,
+    /// Sequences decoding one token.
+    pub num_decode_seqs: u64,
+    /// Sequences whose last position is sampled (`S`).
+    pub num_sampled: u64,
+    /// Σ over sequences of context + new tokens: KV read and written (`K`).
+    pub kv_tokens: u64,
+    /// Σ over new tokens of the keys each attends to, causal (`A`).
+    pub attention_pairs: u64,
+}
+
+impl StepShape {
+    /// Adds one sequence with `computed` tokens already in KV and `new` tokens this step.
+    pub fn add_seq(&mut self, computed: u64, new: u64, is_prefill: bool, samples: bool) {
+        self.num_seqs += 1;
+        self.num_tokens += new;
+        if is_prefill {
+            self.num_prefill_tokens += new;
+        } else {
+            self.num_decode_seqs += 1;
+        }
+        self.num_sampled += u64::from(samples);
+        self.kv_tokens += computed + new;
+        // New token j (1-based) attends to computed + j keys.
+        self.attention_pairs += new * computed + new * (new + 1) / 2;
+    }
+}
+
+/// Fitted coefficients of the linear step-time model (all in seconds).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Calibration {
+    /// Model the fit was made on (informational).
+    #[serde(default)]
+    pub model: Option<String>,
+    /// Hardware the fit was made on (informational).
+    #[serde(default)]
+    pub hardware: Option<String>,
+    /// Constant cost per step.
+    #[serde(default)]
+    pub intercept_s: f64,
+    /// Cost per batched token.
+    #[serde(default)]
+    pub per_token_s: f64,
+    /// Extra cost per prefill token.
+    #[serde(default)]
+    pub per_prefill_token_s: f64,
+    /// Cost per decoding sequence.
+    #[serde(default)]
+    pub per_decode_seq_s: f64,
+    /// Cost per sampled sequence.
+    #[serde(default)]
+    pub per_sampled_seq_s: f64,
+    /// Cost per KV token read or written.
+    #[serde(default)]
+    pub per_kv_token_s: f64,
+    /// Cost per attention (query, key) pair.
+    #[serde(default)]
+    pub per_attention_pair_s: f64,
+}
+
+/// Shortest step the calibrated model returns (a fit may go below zero at tiny shapes).
+const MIN_STEP_S: f64 = 1e-6;
+
+impl Calibration {
+    /// Loads a calibration file (YAML or JSON).
+    pub fn load(path: &Path) -> Result<Self, SimError> {
+        let text = crate::spec::read_text(path, crate::spec::MAX_SPEC_BYTES)?;
+        let cal: Calibration = serde_yaml::from_str(&text).map_err(|e| {
+            let at = e
+                .location()
+                .map(|l| format!("line {}: ", l.line()))
+                .unwrap_or_default();
+            SimError::Calibration {
+                path: path.to_path_buf(),
+                message: format!("{at}{e}"),
+            }
+        })?;
+        cal.validate().map_err(|message| SimError::Calibration {
+            path: path.to_path_buf(),
+            message,
+        })?;
+        Ok(cal)
+    }
+
+    /// Checks that every coefficient is finite and below one second.
+    pub fn validate(&self) -> Result<(), String> {
+        let c = [
+            ("intercept_s", self.intercept_s),
+            ("per_token_s", self.per_token_s),
+            ("per_prefill_token_s", self.per_prefill_token_s),
+            ("per_decode_seq_s", self.per_decode_seq_s),
+            ("per_sampled_seq_s", self.per_sampled_seq_s),
+            ("per_kv_token_s", self.per_kv_token_s),
+            ("per_attention_pair_s", self.per_attention_pair_s),
+        ];
+        for (name, v) in c {
+            if !(v.is_finite() && v.abs() < 1.0) {
+                return Err(format!(
+                    "{name} = {v} must be finite and below 1 s in magnitude"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn step_time(&self, s: &StepShape) -> f64 {
+        let t = self.intercept_s
+            + self.per_token_s * s.num_tokens as f64
+            + self.per_prefill_token_s * s.num_prefill_tokens as f64
+            + self.per_decode_seq_s * s.num_decode_seqs as f64
+            + self.per_sampled_seq_s * s.num_sampled as f64
+            + self.per_kv_token_s * s.kv_tokens as f64
+            + self.per_attention_pair_s * s.attention_pairs as f64;
+        t.max(MIN_STEP_S)
+    }
+}
+
+/// A step-time model.
+#[derive(Clone, Debug, PartialEq)]
+pub enum CostModel {
+    /// The analytical roofline.
+    Roofline {
+        /// The model's shape.
+        model: ModelSpec,
+        /// The accelerator.
+        hardware: HardwareSpec,
+    },
+    /// A linear model fitted on the real engine.
+    Calibrated(Calibration),
+}
+
+/// The roofline's two bounds for one step, for reports and tests.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RooflineTerms {
+    /// Floating-point operations.
+    pub flops: f64,
+    /// Bytes moved.
+    pub bytes: f64,
+    /// Compute-bound time in seconds.
+    pub compute_s: f64,
+    /// Memory-bound time in seconds.
+    pub memory_s: f64,
+    /// Fixed costs in seconds.
+    pub fixed_s: f64,
+}
+
+impl CostModel {
+    /// Seconds one step of this shape takes. An empty step costs only the fixed overheads.
+    pub fn step_time(&self, shape: &StepShape) -> f64 {
+        match self {
+            CostModel::Roofline { model, hardware } => {
+                let t = roofline_terms(model, hardware, shape);
+                t.compute_s.max(t.memory_s) + t.fixed_s
+            }
+            CostModel::Calibrated(c) => c.step_time(shape),
+        }
+    }
+}
+
+/// The roofline terms of one step.
+pub fn roofline_terms(model: &ModelSpec, hw: &HardwareSpec, s: &StepShape) -> RooflineTerms {
+    let layers = model.num_layers as f64;
+    let gemm = 2.0 * s.num_tokens as f64 * model.layer_matrix_params() as f64 * layers
+        + 2.0 * s.num_sampled as f64 * (model.hidden_size * model.vocab_size) as f64;
+    let attention = 4.0 * layers * model.q_dim() as f64 * s.attention_pairs as f64;
+    let flops = gemm + attention;
+    let bytes = if s.num_seqs == 0 {
+        0.0
+    } else {
+        model.streamed_params() as f64 * model.bytes_per_weight
+            + s.kv_tokens as f64 * model.kv_bytes_per_token()
+    };
+    RooflineTerms {
+        flops,
+        bytes,
+        compute_s: flops / (hw.peak_flops * hw.compute_efficiency),
+        memory_s: bytes / (hw.memory_bandwidth * hw.memory_efficiency),
+        fixed_s: hw.step_overhead_s + layers * hw.layer_overhead_s,
+    }
+}
+
+/// KV blocks that fit in `memory_utilization` of the device after the weights,
+/// or `None` when the weights alone do not fit.
+pub fn kv_capacity_blocks(
+    model: &ModelSpec,
+    hw: &HardwareSpec,
+    memory_utilization: f64,
+    block_size: usize,
+) -> Option<usize> {
+    let free = hw.memory_bytes * memory_utilization - model.weight_bytes();
+    let per_block = model.kv_bytes_per_token() * block_size as f64;
+    (free > 0.0 && per_block > 0.0).then(|| (free / per_block).floor() as usize)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn toy() -> (ModelSpec, HardwareSpec) {
+        let m = ModelSpec {
+            name: "toy".into(),
+            num_layers: 2,
+            hidden_size: 4,
+            num_heads: 2,
+            num_kv_heads: 1,
+            head_dim: None,
+            ffn_size: 8,
+            vocab_size: 10,
+            tied_embeddings: false,
+            bytes_per_weight: 2.0,
+            bytes_per_kv: 2.0,
+        };
+        let h = HardwareSpec {
+            name: "toy".into(),
+            peak_flops: 1000.0,
+            memory_bandwidth: 100.0,
+            memory_bytes: 1e6,
+            compute_efficiency: 1.0,
+            memory_efficiency: 1.0,
+            step_overhead_s: 0.5,
+            layer_overhead_s: 0.25,
+        };
+        (m, h)
+    }
+
+    #[test]
+    fn published_parameter_counts() {
+        // Hugging Face model cards / safetensors metadata: 8,030,261,248 and 134,515,008.
+        assert_eq!(ModelSpec::llama_3_8b().total_params(), 8_030_261_248);
+        assert_eq!(ModelSpec::smollm2_135m().total_params(), 134_515_008);
+        // Llama-3-8B: 2 (K,V) * 32 layers * 8 heads * 128 dims * 2 bytes = 128 KiB per token.
+        assert_eq!(ModelSpec::llama_3_8b().kv_bytes_per_token(), 131_072.0);
+    }
+
+    #[test]
+    fn roofline_matches_hand_computation() {
+        // By hand: layer matrix params 4*(4+2+2) + 4*4 + 3*4*8 = 144, norms 8 -> 152.
+        // One 3-token prefill from empty, sampled: pairs 1+2+3 = 6.
+        // flops = 2*3*144*2 + 2*1*4*10 + 4*2*4*6 = 1728 + 80 + 192 = 2000 -> 2 s.
+        // bytes = (2*152 + 4 + 10*4)*2 + 3 * (2*2*2*2) = 696 + 48 = 744 -> 7.44 s.
+        // fixed = 0.5 + 2*0.25 = 1.0; step = 8.44 s.
+        let (m, h) = toy();
+        let mut s = StepShape::default();
+        s.add_seq(0, 3, true, true);
+        let t = roofline_terms(&m, &h, &s);
+        assert_eq!(t.flops, 2000.0);
+        assert_eq!(t.bytes, 744.0);
+        let cost = CostModel::Roofline {
+            model: m,
+            hardware: h,
+        };
+        assert!((cost.step_time(&s) - 8.44).abs() < 1e-12);
+        assert_eq!(cost.step_time(&StepShape::default()), 1.0);
+    }
+
+    #[test]
+    fn llama_on_h200_is_memory_bound_in_decode_and_compute_bound_in_prefill() {
+        let (m, h) = (ModelSpec::llama_3_8b(), HardwareSpec::h200());
+        let mut decode = StepShape::default();
+        decode.add_seq(1000, 1, false, true);
+        let t = roofline_terms(&m, &h, &decode);
+        assert!(t.memory_s > 10.0 * t.compute_s);
+        // 7,504,924,672 params * 2 B + 1001 tokens * 128 KiB = 15.141 GB at
+        // 0.9 * 4.3 TB/s = 3.912 ms, plus 0.5 + 32 * 0.005 = 0.66 ms fixed.
+        let step = CostModel::Roofline {
+            model: m.clone(),
+            hardware: h.clone(),
+        }
+        .step_time(&decode);
+        assert!((step - 4.5724e-3).abs() < 0.001e-3, "{step}");
+        let mut prefill = StepShape::default();
+        prefill.add_seq(0, 4096, true, true);
+        let t = roofline_terms(&m, &h, &prefill);
+        assert!(t.compute_s > 5.0 * t.memory_s);
+    }
+
+    #[test]
+    fn calibration_overrides_and_rejects_bad_files() {
+        let dir = std::env::temp_dir().join(format!("sy-cal-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let good = dir.join("cal.json");
+        std::fs::write(
+            &good,
+            r#"{"intercept_s": 0.001, "per_token_s": 1e-5, "per_kv_token_s": 1e-8}"#,
+        )
+        .unwrap();
+        let cal = Calibration::load(&good).unwrap();
+        let mut s = StepShape::default();
+        s.add_seq(100, 10, true, false);
+        // 0.001 + 10 * 1e-5 + 110 * 1e-8
+        assert!((CostModel::Calibrated(cal).step_time(&s) - 0.0011011).abs() < 1e-12);
+        let bad = dir.join("bad.yaml");
+        std::fs::write(&bad, "intercept_s: 0.001\nper_tokn_s: 2\n").unwrap();
+        let err = Calibration::load(&bad).unwrap_err().to_string();
+        assert!(
+            err.contains("bad.yaml") && err.contains("line 2") && err.contains("per_tokn_s"),
+            "{err}"
+        );
+        std::fs::write(&bad, "intercept_s: .nan\n").unwrap();
+        assert!(Calibration::load(&bad).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn kv_capacity_of_llama_on_h200() {
+        // (141e9 * 0.9 - 8,030,261,248 * 2) / (131,072 * 16) = 52,852.38 -> 52,852 blocks.
+        let n = kv_capacity_blocks(&ModelSpec::llama_3_8b(), &HardwareSpec::h200(), 0.9, 16);
+        assert_eq!(n, Some(52_852));
+        assert!(ModelSpec::llama_3_8b().validate().is_ok());
+        let mut bad = ModelSpec::smollm2_135m();
+        bad.num_heads = 0;
+        assert!(bad.validate().is_err());
+    }
+}

@@ -1,0 +1,733 @@
+//! The discrete-event loop: a virtual clock in microseconds drives the real
+//! scheduling core (`switchyard_policies::Scheduler`) step by step.
+//!
+//! Events are request arrivals and step completions. At each step boundary the
+//! loop admits every request that has arrived, asks the scheduler for a plan
+//! at `now`, costs the plan with the [`CostModel`], advances the clock by that
+//! cost and applies one invented (deterministic) token per sampling sequence
+//! at the step's end time. When nothing can run the clock jumps to the next
+//! arrival. This is the iteration-level structure of Vidur (Agrawal et al.,
+//! MLSys'24) with the scheduler itself, not a model of it, in the loop.
+//!
+//! Same inputs and seed give byte-identical outputs: no wall clock, no hash
+//! map iteration, requests identified by their trace index.
+
+use crate::cost::{kv_capacity_blocks, Calibration, CostModel, HardwareSpec, ModelSpec, StepShape};
+use crate::error::SimError;
+use crate::report::{RequestRecord, RunCounters};
+use crate::spec::{PolicySpec, ProcessKind, SimulationSpec, TierConf};
+use crate::trace::{self, ArrivalProcess, LoadOptions, TraceFormat, TraceRequest};
+use std::collections::BTreeMap;
+use std::io::IsTerminal;
+use switchyard_policies::{
+    PolicyRegistry, Request, RequestId, SamplingLimits, Scheduler, SchedulerConfig, SeqEvent,
+    SloTargets, StepOutput, StepPlan, TierSpec, Timestamp,
+};
+
+/// Requests sampled (evenly over the trace) to estimate capacity.
+const CAPACITY_SAMPLE: usize = 2000;
+/// Consecutive empty plans with nothing left to arrive before the run is declared stalled.
+const MAX_IDLE_TICKS: u32 = 100_000;
+/// Virtual time that passes on an empty plan with nothing left to arrive.
+const IDLE_TICK_US: u64 = 1_000;
+/// Most scheduler-time samples kept per run (older ones are merged two by two).
+const MAX_SAMPLES: usize = 1 << 16;
+
+/// One snapshot of the scheduler after a step.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepSample {
+    /// Virtual time in seconds.
+    pub t_s: f64,
+    /// Waiting requests.
+    pub waiting: u32,
+    /// Running requests.
+    pub running: u32,
+    /// KV usage (0..1).
+    pub kv_usage: f64,
+}
+
+/// The raw result of simulating one policy.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PolicyRun {
+    /// Policy label.
+    pub label: String,
+    /// One record per trace request, in trace order.
+    pub records: Vec<RequestRecord>,
+    /// Every inter-token gap, in ms.
+    pub itls_ms: Vec<f64>,
+    /// Scheduler snapshots over time (thinned to at most 65,536).
+    pub samples: Vec<StepSample>,
+    /// Scheduler counters.
+    pub counters: RunCounters,
+}
+
+/// A spec resolved into the pieces the loop needs.
+#[derive(Clone, Debug)]
+pub struct Simulation {
+    /// The spec it came from.
+    pub spec: SimulationSpec,
+    /// The step-cost model.
+    pub cost: CostModel,
+    /// The model shape.
+    pub model: ModelSpec,
+    /// The hardware.
+    pub hardware: HardwareSpec,
+    /// The scheduler configuration used for every policy.
+    pub scheduler: SchedulerConfig,
+}
+
+/// A loaded workload.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Workload {
+    /// Requests sorted by arrival.
+    pub requests: Vec<TraceRequest>,
+    /// Capacity estimate (requests/s) when a load fraction was asked for.
+    pub estimated_capacity_rps: Option<f64>,
+}
+
+impl Simulation {
+    /// Resolves presets, the calibration file and the KV capacity.
+    pub fn new(spec: &SimulationSpec) -> Result<Self, SimError> {
+        let cli = std::path::Path::new("<spec>");
+        let model = spec.model_spec().map_err(|m| SimError::spec(cli, m))?;
+        let hardware = spec.hardware_spec().map_err(|m| SimError::spec(cli, m))?;
+        let cost = match &spec.calibration {
+            Some(path) => CostModel::Calibrated(Calibration::load(path)?),
+            None => CostModel::Roofline {
+                model: model.clone(),
+                hardware: hardware.clone(),
+            },
+        };
+        let c = &spec.cache;
+        let num_gpu_blocks = match c.num_gpu_blocks {
+            Some(n) => n,
+            None => kv_capacity_blocks(&model, &hardware, c.gpu_memory_utilization, c.block_size)
+                .filter(|n| *n > 0)
+                .ok_or_else(|| {
+                    SimError::spec(
+                        cli,
+                        format!("{} does not fit in {} memory", model.name, hardware.name),
+                    )
+                })?
+                .min(1 << 26),
+        };
+        let max_model_len = spec
+            .scheduler
+            .max_model_len
+            .unwrap_or_else(|| num_gpu_blocks.saturating_mul(c.block_size).min(1 << 24));
+        let tiers = spec
+            .tiers
+            .iter()
+            .map(|(name, t)| TierSpec {
+                name: name.clone(),
+                ttft_ms: t.ttft_ms,
+                tpot_ms: t.tpot_ms,
+                weight: t.weight,
+                preemptible: t.preemptible,
+            })
+            .collect();
+        let scheduler = SchedulerConfig {
+            max_num_seqs: spec.scheduler.max_num_seqs,
+            max_num_batched_tokens: spec.scheduler.max_num_batched_tokens,
+            block_size: c.block_size,
+            num_gpu_blocks,
+            enable_prefix_caching: c.prefix_caching,
+            max_model_len,
+            tiers,
+        };
+        switchyard_policies::validate_config(&scheduler)
+            .map_err(|e| SimError::Scheduler(e.to_string()))?;
+        // Fail on an unknown policy or bad parameters before any trace is read.
+        let registry = PolicyRegistry::with_builtins();
+        for p in &spec.policies {
+            registry
+                .create(&p.name, &p.params, &scheduler.tiers)
+                .map_err(|e| SimError::Policy {
+                    name: p.name.clone(),
+                    message: e.to_string(),
+                })?;
+        }
+        Ok(Simulation {
+            spec: spec.clone(),
+            cost,
+            model,
+            hardware,
+            scheduler,
+        })
+    }
+
+    /// Loads the trace and shapes it: tier/tenant mix, time scale, rate or load.
+    pub fn load_workload(&self) -> Result<Workload, SimError> {
+        let w = &self.spec.workload;
+        let options = LoadOptions {
+            limit: w.limit,
+            start_s: w.start_s,
+            end_s: w.end_s,
+        };
+        let arrival = w.arrival.clone().unwrap_or_default();
+        let mut requests = if w.format == TraceFormat::Sharegpt {
+            let rate = arrival.rate.unwrap_or(1.0);
+            let process = match arrival.process.unwrap_or(ProcessKind::Poisson) {
+                ProcessKind::Poisson => ArrivalProcess::Poisson { rate },
+                ProcessKind::Gamma => ArrivalProcess::Gamma {
+                    rate,
+                    cv: arrival.cv.unwrap_or(1.0),
+                },
+            };
+            let file = std::fs::File::open(&w.trace).map_err(|e| SimError::io(&w.trace, e))?;
+            trace::load_sharegpt(
+                std::io::BufReader::new(file),
+                &w.trace,
+                &options,
+                &process,
+                self.spec.seed,
+            )?
+        } else {
+            trace::load_trace(&w.trace, w.format, &options)?
+        };
+        trace::assign_mix(
+            &mut requests,
+            &w.mix.tier_mix(),
+            &w.mix.tenant_mix(),
+            self.spec.seed,
+        )
+        .map_err(|m| SimError::spec(&w.trace, m))?;
+        if let Some(f) = w.time_scale {
+            trace::scale_time(&mut requests, f);
+        }
+        let mut estimated_capacity_rps = None;
+        if w.format != TraceFormat::Sharegpt {
+            if let Some(rate) = arrival.rate {
+                trace::rescale_to_rate(&mut requests, rate);
+            }
+        }
+        if let Some(load) = arrival.load {
+            let capacity = self.estimate_capacity(&requests)?;
+            estimated_capacity_rps = Some(capacity);
+            if w.format == TraceFormat::Sharegpt {
+                // Generated at one request per second: gaps scale linearly with 1/rate.
+                trace::scale_time(&mut requests, 1.0 / (load * capacity));
+            } else {
+                trace::rescale_to_rate(&mut requests, load * capacity);
+            }
+        }
+        Ok(Workload {
+            requests,
+            estimated_capacity_rps,
+        })
+    }
+
+    /// Capacity in requests/s: the throughput of `fcfs` when an even sample of
+    /// up to 2,000 requests all arrive at once (saturation throughput).
+    pub fn estimate_capacity(&self, requests: &[TraceRequest]) -> Result<f64, SimError> {
+        let stride = requests.len().div_ceil(CAPACITY_SAMPLE).max(1);
+        let sample: Vec<TraceRequest> = requests
+            .iter()
+            .step_by(stride)
+            .map(|r| TraceRequest {
+                arrival_s: 0.0,
+                ..r.clone()
+            })
+            .collect();
+        let run = self.run_policy(&PolicySpec::named("fcfs"), &sample, false)?;
+        let finished = run.records.iter().filter(|r| r.finish_s.is_some()).count();
+        let makespan = run
+            .records
+            .iter()
+            .filter_map(|r| r.finish_s)
+            .fold(0.0, f64::max);
+        if finished == 0 || makespan <= 0.0 {
+            return Err(SimError::Scheduler(
+                "capacity estimate: no request finished".into(),
+            ));
+        }
+        Ok(finished as f64 / makespan)
+    }
+
+    /// Simulates `requests` (sorted by arrival) under one policy.
+    pub fn run_policy(
+        &self,
+        policy: &PolicySpec,
+        requests: &[TraceRequest],
+        progress: bool,
+    ) -> Result<PolicyRun, SimError> {
+        let registry = PolicyRegistry::with_builtins();
+        let boxed = registry
+            .create(&policy.name, &policy.params, &self.scheduler.tiers)
+            .map_err(|e| SimError::Policy {
+                name: policy.name.clone(),
+                message: e.to_string(),
+            })?;
+        let key = [
+            trace::mix64(self.spec.seed ^ 0x5357_4954_4348),
+            trace::mix64(self.spec.seed.wrapping_add(1)),
+        ];
+        let sched = Scheduler::new(self.scheduler.clone(), boxed, key)
+            .map_err(|e| SimError::Scheduler(e.to_string()))?;
+        let bar = progress_bar(progress, requests.len(), policy.label());
+        let mut lp = Loop::new(self, sched, requests, policy.label());
+        let result = lp.run(bar.as_ref());
+        if let Some(b) = bar {
+            b.finish_and_clear();
+        }
+        result?;
+        Ok(lp.into_run())
+    }
+}
+
+fn progress_bar(progress: bool, len: usize, label: &str) -> Option<indicatif::ProgressBar> {
+    if !progress || !std::io::stderr().is_terminal() {
+        return None;
+    }
+    let bar = indicatif::ProgressBar::new(len as u64);
+    if let Ok(style) = indicatif::ProgressStyle::with_template(
+        "{prefix:>16} [{bar:40}] {pos}/{len} requests {elapsed}",
+    ) {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar.set_prefix(label.to_string());
+    Some(bar)
+}
+
+/// Per-request progress, indexed by trace position.
+#[derive(Clone, Copy, Default)]
+struct Track {
+    first_scheduled: Option<u64>,
+    first_token: Option<u64>,
+    last_token: Option<u64>,
+    finish: Option<u64>,
+    generated: u64,
+    preemptions: u64,
+    outcome: Outcome,
+}
+
+#[derive(Clone, Copy, Default, PartialEq)]
+enum Outcome {
+    #[default]
+    Unfinished,
+    Rejected,
+    Finished(switchyard_policies::FinishReason),
+}
+
+struct Loop<'a> {
+    sim: &'a Simulation,
+    sched: Scheduler,
+    requests: &'a [TraceRequest],
+    arrivals_us: Vec<u64>,
+    tiers: &'a BTreeMap<String, TierConf>,
+    label: String,
+    tracks: Vec<Track>,
+    itls_ms: Vec<f64>,
+    samples: Vec<StepSample>,
+    sample_stride: usize,
+    steps_since_sample: usize,
+    steps: u64,
+    kv_weighted: f64,
+    kv_max: f64,
+    last_sample: (u64, f64),
+}
+
+impl<'a> Loop<'a> {
+    fn new(
+        sim: &'a Simulation,
+        sched: Scheduler,
+        requests: &'a [TraceRequest],
+        label: &str,
+    ) -> Self {
+        Loop {
+            sim,
+            sched,
+            requests,
+            arrivals_us: requests
+                .iter()
+                .map(|r| Timestamp::from_secs_f64(r.arrival_s).0)
+                .collect(),
+            tiers: &sim.spec.tiers,
+            label: label.to_string(),
+            tracks: vec![Track::default(); requests.len()],
+            itls_ms: Vec::new(),
+            samples: Vec::new(),
+            sample_stride: 1,
+            steps_since_sample: 0,
+            steps: 0,
+            kv_weighted: 0.0,
+            kv_max: 0.0,
+            last_sample: (0, 0.0),
+        }
+    }
+
+    fn request(&self, i: usize) -> Request {
+        let r = &self.requests[i];
+        let tier = self.tiers.get(&r.tier);
+        Request {
+            id: RequestId(i as u64),
+            tenant: r.tenant.clone(),
+            tier: r.tier.clone(),
+            priority: r.priority.unwrap_or_else(|| tier.map_or(0, |t| t.priority)),
+            lora_adapter: r.adapter,
+            arrival: Timestamp(self.arrivals_us[i]),
+            slo: SloTargets {
+                ttft_ms: tier.and_then(|t| t.ttft_ms),
+                tpot_ms: tier.and_then(|t| t.tpot_ms),
+            },
+            prompt: r.prompt.clone(),
+            limits: SamplingLimits {
+                max_tokens: r.output_len,
+                min_tokens: 0,
+                stop_token_ids: Vec::new(),
+                eos_token_id: None,
+                ignore_eos: true,
+            },
+            cache_salt: None,
+        }
+    }
+
+    fn run(&mut self, bar: Option<&indicatif::ProgressBar>) -> Result<(), SimError> {
+        let n = self.requests.len();
+        let mut now = 0u64;
+        let mut next = 0usize;
+        let mut idle_ticks = 0u32;
+        let mut finished = 0usize;
+        let mut plan = StepPlan::default();
+        let mut outputs: Vec<StepOutput> = Vec::new();
+        loop {
+            while next < n && self.arrivals_us[next] <= now {
+                if self.sched.add_request(self.request(next)).is_err() {
+                    self.tracks[next].outcome = Outcome::Rejected;
+                    finished += 1;
+                }
+                next += 1;
+            }
+            if !self.sched.has_unfinished() {
+                match self.arrivals_us.get(next) {
+                    Some(&t) => {
+                        now = now.max(t);
+                        continue;
+                    }
+                    None => break,
+                }
+            }
+            self.sched.schedule_into(Timestamp(now), &mut plan);
+            for id in &plan.preempted {
+                if let Some(t) = self.tracks.get_mut(id.0 as usize) {
+                    t.preemptions += 1;
+                }
+            }
+            if plan.seqs.is_empty() {
+                if let Some(&t) = self.arrivals_us.get(next) {
+                    now = now.max(t);
+                    continue;
+                }
+                idle_ticks += 1;
+                if idle_ticks > MAX_IDLE_TICKS {
+                    let stats = self.sched.stats();
+                    return Err(SimError::Stalled {
+                        policy: self.label.clone(),
+                        at_s: now as f64 / 1e6,
+                        waiting: stats.num_waiting,
+                        running: stats.num_running,
+                    });
+                }
+                now += IDLE_TICK_US;
+                continue;
+            }
+            idle_ticks = 0;
+            let mut shape = StepShape::default();
+            outputs.clear();
+            for s in &plan.seqs {
+                shape.add_seq(
+                    s.num_computed_tokens as u64,
+                    s.num_new_tokens as u64,
+                    s.is_prefill,
+                    s.samples,
+                );
+                let mut generated = 0;
+                if let Some(t) = self.tracks.get_mut(s.id.0 as usize) {
+                    t.first_scheduled.get_or_insert(now);
+                    generated = t.generated;
+                }
+                if s.samples {
+                    // Invented output: deterministic in (request, position), never EOS-checked.
+                    let token = trace::mix64(s.id.0 << 24 ^ generated) as u32;
+                    outputs.push(StepOutput { id: s.id, token });
+                }
+            }
+            let dt = self.sim.cost.step_time(&shape);
+            now += ((dt * 1e6).round() as u64).max(1);
+            self.steps += 1;
+            for ev in self.sched.apply_outputs(&plan, &outputs, Timestamp(now)) {
+                finished += usize::from(self.on_event(ev));
+            }
+            self.sample(now);
+            if let Some(b) = bar.filter(|_| self.steps & 0xff == 0) {
+                b.set_position(finished as u64);
+            }
+        }
+        Ok(())
+    }
+
+    /// Records one event; returns whether a request finished.
+    fn on_event(&mut self, ev: SeqEvent) -> bool {
+        match ev {
+            SeqEvent::FirstToken { id, at } => {
+                if let Some(t) = self.tracks.get_mut(id.0 as usize) {
+                    t.first_token.get_or_insert(at.0);
+                }
+                false
+            }
+            SeqEvent::Token { id, at, .. } => {
+                if let Some(t) = self.tracks.get_mut(id.0 as usize) {
+                    if let Some(last) = t.last_token {
+                        self.itls_ms.push(at.0.saturating_sub(last) as f64 / 1e3);
+                    }
+                    t.last_token = Some(at.0);
+                    t.generated += 1;
+                }
+                false
+            }
+            SeqEvent::Finished { id, reason, at } => {
+                if let Some(t) = self.tracks.get_mut(id.0 as usize) {
+                    t.finish = Some(at.0);
+                    t.outcome = Outcome::Finished(reason);
+                }
+                self.sched.forget(id);
+                true
+            }
+        }
+    }
+
+    fn sample(&mut self, now: u64) {
+        let stats = self.sched.stats();
+        let (t_prev, kv_prev) = self.last_sample;
+        self.kv_weighted += kv_prev * now.saturating_sub(t_prev) as f64;
+        self.last_sample = (now, stats.kv_usage);
+        self.kv_max = self.kv_max.max(stats.kv_usage);
+        self.steps_since_sample += 1;
+        if self.steps_since_sample < self.sample_stride {
+            return;
+        }
+        self.steps_since_sample = 0;
+        if self.samples.len() >= MAX_SAMPLES {
+            // Keep every other sample and halve the rate from now on.
+            let mut i = 0;
+            self.samples.retain(|_| {
+                i += 1;
+                i % 2 == 1
+            });
+            self.sample_stride *= 2;
+        }
+        self.samples.push(StepSample {
+            t_s: now as f64 / 1e6,
+            waiting: stats.num_waiting as u32,
+            running: stats.num_running as u32,
+            kv_usage: stats.kv_usage,
+        });
+    }
+
+    fn into_run(self) -> PolicyRun {
+        let stats = self.sched.stats();
+        let end = self.last_sample.0;
+        let start = self.arrivals_us.first().copied().unwrap_or(0);
+        let span = end.saturating_sub(start) as f64;
+        let counters = RunCounters {
+            steps: self.steps,
+            preemptions: stats.num_preemptions,
+            prefix_queries: stats.prefix_queries,
+            prefix_hits: stats.prefix_hits,
+            kv_usage_mean: if span > 0.0 {
+                self.kv_weighted / span
+            } else {
+                0.0
+            },
+            kv_usage_max: self.kv_max,
+        };
+        let records = self
+            .tracks
+            .iter()
+            .zip(self.requests)
+            .zip(&self.arrivals_us)
+            .enumerate()
+            .map(|(i, ((t, r), &a))| record(i, t, a, r, self.tiers.get(&r.tier)))
+            .collect();
+        PolicyRun {
+            label: self.label,
+            records,
+            itls_ms: self.itls_ms,
+            samples: self.samples,
+            counters,
+        }
+    }
+}
+
+fn record(
+    i: usize,
+    t: &Track,
+    arrival_us: u64,
+    r: &TraceRequest,
+    tier: Option<&TierConf>,
+) -> RequestRecord {
+    // Integer microseconds divided once, so values print exactly (0.116444, not 0.11644399999999999).
+    let secs = |us: Option<u64>| us.map(|v| v as f64 / 1e6);
+    let since_arrival_ms = |us: Option<u64>| us.map(|v| v.saturating_sub(arrival_us) as f64 / 1e3);
+    let ttft_ms = since_arrival_ms(t.first_token);
+    let e2e_ms = since_arrival_ms(t.finish);
+    let tpot_ms = match (t.first_token, t.finish) {
+        (Some(a), Some(b)) if t.generated > 1 => {
+            Some(b.saturating_sub(a) as f64 / 1e3 / (t.generated - 1) as f64)
+        }
+        _ => None,
+    };
+    let done = t.finish.is_some();
+    let met = |target: Option<f64>, value: Option<f64>| {
+        target.map(|limit| done && value.is_none_or(|v| v <= limit))
+    };
+    RequestRecord {
+        id: i as u64,
+        tenant: r.tenant.clone(),
+        tier: r.tier.clone(),
+        prompt_len: r.prompt.len() as u64,
+        output_len: u64::from(r.output_len),
+        generated: t.generated,
+        arrival_s: arrival_us as f64 / 1e6,
+        first_scheduled_s: secs(t.first_scheduled),
+        first_token_s: secs(t.first_token),
+        finish_s: secs(t.finish),
+        outcome: match t.outcome {
+            Outcome::Unfinished => "unfinished".into(),
+            Outcome::Rejected => "rejected".into(),
+            Outcome::Finished(reason) => reason.as_str().into(),
+        },
+        preemptions: t.preemptions,
+        ttft_ms,
+        tpot_ms,
+        e2e_ms,
+        met_ttft: met(tier.and_then(|c| c.ttft_ms), ttft_ms),
+        met_tpot: met(tier.and_then(|c| c.tpot_ms), tpot_ms),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cost::Calibration;
+    use std::path::Path;
+    use std::sync::Arc;
+
+    const SPEC: &str = "
+policies: [{name: fcfs}]
+tiers: {gold: {ttft_ms: 1.5, tpot_ms: 0.9}}
+scheduler: {max_num_seqs: 4, max_model_len: 100}
+cache: {num_gpu_blocks: 64}
+workload: {trace: unused.csv, format: azure}
+";
+
+    /// A simulation whose every step costs exactly 1 ms.
+    fn one_ms_steps() -> Simulation {
+        let spec = SimulationSpec::from_yaml_str(SPEC, Path::new("t.yaml")).unwrap();
+        let mut sim = Simulation::new(&spec).unwrap();
+        sim.cost = CostModel::Calibrated(Calibration {
+            intercept_s: 1e-3,
+            ..Default::default()
+        });
+        sim
+    }
+
+    fn req(arrival_s: f64, prompt: usize, output: u32, tier: &str) -> TraceRequest {
+        TraceRequest {
+            arrival_s,
+            prompt: Arc::from(vec![1u32; prompt]),
+            output_len: output,
+            tenant: String::new(),
+            tier: tier.into(),
+            priority: None,
+            adapter: None,
+        }
+    }
+
+    #[test]
+    fn timestamps_follow_the_step_costs() {
+        // By hand: request 0 prefills in step [0, 1] ms (first token at 1 ms) and
+        // decodes at 2 and 3 ms; request 1 arrives at 10 s to an idle engine.
+        let sim = one_ms_steps();
+        let rs = vec![req(0.0, 32, 3, "gold"), req(10.0, 8, 1, "")];
+        let run = sim
+            .run_policy(&PolicySpec::named("fcfs"), &rs, false)
+            .unwrap();
+        let a = &run.records[0];
+        assert_eq!(
+            (a.first_scheduled_s, a.first_token_s, a.finish_s),
+            (Some(0.0), Some(0.001), Some(0.003))
+        );
+        assert_eq!(
+            (a.ttft_ms, a.tpot_ms, a.e2e_ms),
+            (Some(1.0), Some(1.0), Some(3.0))
+        );
+        assert_eq!((a.generated, a.outcome.as_str()), (3, "length"));
+        assert_eq!((a.met_ttft, a.met_tpot), (Some(true), Some(false)));
+        let b = &run.records[1];
+        assert_eq!(
+            (b.first_scheduled_s, b.finish_s, b.tpot_ms),
+            (Some(10.0), Some(10.001), None)
+        );
+        assert_eq!((b.met_ttft, b.met_tpot), (None, None));
+        assert_eq!(run.itls_ms, vec![1.0, 1.0]);
+        assert_eq!(run.counters.steps, 4);
+    }
+
+    #[test]
+    fn too_long_requests_are_rejected_not_fatal() {
+        let sim = one_ms_steps();
+        let rs = vec![req(0.0, 99, 5, ""), req(0.0, 10, 1, "")];
+        let run = sim
+            .run_policy(&PolicySpec::named("fcfs"), &rs, false)
+            .unwrap();
+        assert_eq!(run.records[0].outcome, "rejected");
+        assert_eq!(run.records[0].finish_s, None);
+        assert_eq!(run.records[1].outcome, "length");
+    }
+
+    #[test]
+    fn capacity_is_saturation_throughput() {
+        // Eight 1-token requests, four sequences per 1 ms step: 8 / 2 ms = 4000 req/s.
+        let sim = one_ms_steps();
+        let rs: Vec<TraceRequest> = (0..8).map(|i| req(f64::from(i), 16, 1, "")).collect();
+        assert_eq!(sim.estimate_capacity(&rs).unwrap(), 4000.0);
+    }
+
+    #[test]
+    fn unknown_policy_lists_the_known_ones() {
+        let sim = one_ms_steps();
+        let err = sim
+            .run_policy(&PolicySpec::named("lifo"), &[], false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("lifo") && err.contains("fcfs") && err.contains("slo-aware"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn every_policy_finishes_a_mixed_workload() {
+        let sim = one_ms_steps();
+        let rs: Vec<TraceRequest> = (0..40)
+            .map(|i| {
+                req(
+                    f64::from(i) * 0.002,
+                    10 + (i as usize * 7) % 60,
+                    1 + (i % 9),
+                    if i % 3 == 0 { "gold" } else { "" },
+                )
+            })
+            .collect();
+        for name in PolicyRegistry::with_builtins().names() {
+            let run = sim
+                .run_policy(&PolicySpec::named(name), &rs, false)
+                .unwrap();
+            assert!(run.records.iter().all(|r| r.outcome == "length"), "{name}");
+            let generated: u64 = run.records.iter().map(|r| r.generated).sum();
+            let wanted: u64 = rs.iter().map(|r| u64::from(r.output_len)).sum();
+            assert_eq!(generated, wanted, "{name}");
+        }
+    }
+}

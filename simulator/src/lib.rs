@@ -1,0 +1,135 @@
+//! switchyard-simulator: a discrete-event simulator that replays request
+//! traces against Switchyard's scheduling core (`switchyard-policies`) with a
+//! virtual clock and a step-cost model, and reports latency, throughput and
+//! SLO attainment per policy.
+//!
+//! ```no_run
+//! use std::path::Path;
+//! use switchyard_simulator::{run, SimulationSpec};
+//!
+//! let spec = SimulationSpec::from_yaml_file(Path::new("config/examples/sim-azure-tiers.yaml"))?;
+//! let comparison = run(&spec, Path::new("out"), true)?;
+//! print!("{}", comparison.to_text());
+//! # Ok::<(), switchyard_simulator::SimError>(())
+//! ```
+
+pub mod cost;
+pub mod engine;
+pub mod error;
+pub mod plot;
+pub mod report;
+pub mod spec;
+pub mod trace;
+
+pub use engine::{PolicyRun, Simulation, Workload};
+pub use error::SimError;
+pub use report::Comparison;
+pub use spec::{CliOptions, SimulationSpec};
+pub use trace::TraceFormat;
+
+use report::PolicySummary;
+use std::path::Path;
+
+/// Runs every policy of `spec` on its workload without writing files.
+/// `progress` shows a bar per policy when stderr is a terminal.
+pub fn simulate(
+    spec: &SimulationSpec,
+    progress: bool,
+) -> Result<(Comparison, Vec<PolicyRun>), SimError> {
+    let sim = Simulation::new(spec)?;
+    let workload = sim.load_workload()?;
+    let requests = &workload.requests;
+    let mut runs = Vec::with_capacity(spec.policies.len());
+    for policy in &spec.policies {
+        runs.push(sim.run_policy(policy, requests, progress)?);
+    }
+    let span = match (requests.first(), requests.last()) {
+        (Some(a), Some(b)) if b.arrival_s > a.arrival_s => b.arrival_s - a.arrival_s,
+        _ => 0.0,
+    };
+    let comparison = Comparison {
+        model: sim.model.name.clone(),
+        hardware: match sim.cost {
+            cost::CostModel::Calibrated(_) => "calibrated".into(),
+            cost::CostModel::Roofline { .. } => sim.hardware.name.clone(),
+        },
+        requests: requests.len() as u64,
+        arrival_rate: if span > 0.0 {
+            (requests.len() - 1) as f64 / span
+        } else {
+            0.0
+        },
+        estimated_capacity_rps: workload.estimated_capacity_rps,
+        policies: runs
+            .iter_mut()
+            .map(|r| PolicySummary::new(&r.label, &r.records, &mut r.itls_ms, r.counters.clone()))
+            .collect(),
+    };
+    Ok((comparison, runs))
+}
+
+/// Runs every policy of `spec` and writes into `out_dir` (created if needed):
+/// `summary.json`, `summary.txt`, `requests-<policy>.jsonl` per policy and the
+/// plots `ttft_cdf.svg`, `e2e_cdf.svg`, `queue.svg`, `kv_usage.svg`.
+pub fn run(spec: &SimulationSpec, out_dir: &Path, progress: bool) -> Result<Comparison, SimError> {
+    let (comparison, runs) = simulate(spec, progress)?;
+    write_outputs(out_dir, &comparison, &runs)?;
+    Ok(comparison)
+}
+
+/// Writes the summary, per-request JSONL and plots of a finished run.
+pub fn write_outputs(
+    out_dir: &Path,
+    comparison: &Comparison,
+    runs: &[PolicyRun],
+) -> Result<(), SimError> {
+    std::fs::create_dir_all(out_dir).map_err(|e| SimError::io(out_dir, e))?;
+    comparison.write(out_dir)?;
+    for r in runs {
+        report::write_requests_jsonl(
+            &out_dir.join(format!("requests-{}.jsonl", r.label)),
+            &r.records,
+        )?;
+    }
+    let cdf = |f: fn(&report::RequestRecord) -> Option<f64>| -> Vec<(String, Vec<(f64, f64)>)> {
+        runs.iter()
+            .map(|r| {
+                let mut v: Vec<f64> = r.records.iter().filter_map(f).collect();
+                (r.label.clone(), plot::cdf_points(&mut v))
+            })
+            .collect()
+    };
+    plot::plot_cdfs(
+        &out_dir.join("ttft_cdf.svg"),
+        "Time to first token (CDF)",
+        &cdf(|r| r.ttft_ms),
+    )?;
+    plot::plot_cdfs(
+        &out_dir.join("e2e_cdf.svg"),
+        "End-to-end latency (CDF)",
+        &cdf(|r| r.e2e_ms),
+    )?;
+    let series = |f: fn(&engine::StepSample) -> f64| -> Vec<(String, Vec<(f64, f64)>)> {
+        runs.iter()
+            .map(|r| {
+                (
+                    r.label.clone(),
+                    r.samples.iter().map(|s| (s.t_s, f(s))).collect(),
+                )
+            })
+            .collect()
+    };
+    plot::plot_series(
+        &out_dir.join("queue.svg"),
+        "Waiting requests",
+        "requests",
+        &series(|s| f64::from(s.waiting)),
+    )?;
+    plot::plot_series(
+        &out_dir.join("kv_usage.svg"),
+        "KV cache usage",
+        "fraction of blocks",
+        &series(|s| s.kv_usage),
+    )?;
+    Ok(())
+}

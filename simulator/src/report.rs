@@ -1,0 +1,485 @@
+//! Reports: per-request records, per-policy summaries and a side-by-side
+//! comparison, as JSON(L) and a plain-text table.
+//!
+//! Metric definitions follow vLLM's benchmark conventions: TTFT = first token
+//! − arrival; TPOT = (finish − first token) / (output tokens − 1); ITL = gap
+//! between consecutive tokens of a request; E2E = finish − arrival.
+//! Percentiles interpolate linearly between order statistics (NumPy's
+//! default). SLO attainment is the fraction of a tier's requests (rejected and
+//! unfinished ones count as misses) meeting a target; goodput is the rate of
+//! requests meeting both TTFT and TPOT targets, as defined by DistServe (Zhong
+//! et al., OSDI'24).
+
+use crate::error::SimError;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::io::Write as _;
+use std::path::Path;
+
+/// What happened to one request, in seconds of virtual time.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct RequestRecord {
+    /// Index of the request in the trace.
+    pub id: u64,
+    /// Tenant label.
+    pub tenant: String,
+    /// Tier name.
+    pub tier: String,
+    /// Prompt tokens.
+    pub prompt_len: u64,
+    /// Output tokens requested.
+    pub output_len: u64,
+    /// Output tokens generated.
+    pub generated: u64,
+    /// Arrival time.
+    pub arrival_s: f64,
+    /// First time the request was in a step.
+    pub first_scheduled_s: Option<f64>,
+    /// Time of the first output token.
+    pub first_token_s: Option<f64>,
+    /// Time it finished.
+    pub finish_s: Option<f64>,
+    /// Finish reason (`length`, `stop`, ...), `rejected` or `unfinished`.
+    pub outcome: String,
+    /// Times it was preempted.
+    pub preemptions: u64,
+    /// Time to first token in ms.
+    pub ttft_ms: Option<f64>,
+    /// Time per output token after the first, in ms.
+    pub tpot_ms: Option<f64>,
+    /// End-to-end latency in ms.
+    pub e2e_ms: Option<f64>,
+    /// Whether the tier's TTFT target was met (`None`: no target).
+    pub met_ttft: Option<bool>,
+    /// Whether the tier's TPOT target was met (`None`: no target).
+    pub met_tpot: Option<bool>,
+}
+
+impl RequestRecord {
+    /// Whether both targets were met (a missing target counts as met).
+    pub fn met_slo(&self) -> bool {
+        self.finish_s.is_some() && self.met_ttft != Some(false) && self.met_tpot != Some(false)
+    }
+}
+
+/// Mean and percentiles of a latency sample, in ms.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct LatencyStats {
+    /// Number of values.
+    pub count: u64,
+    /// Mean.
+    pub mean: f64,
+    /// Median.
+    pub p50: f64,
+    /// 90th percentile.
+    pub p90: f64,
+    /// 99th percentile.
+    pub p99: f64,
+}
+
+impl LatencyStats {
+    /// Statistics of `values` (sorted in place). All zero for an empty sample.
+    pub fn from_values(values: &mut [f64]) -> Self {
+        if values.is_empty() {
+            return LatencyStats::default();
+        }
+        values.sort_by(f64::total_cmp);
+        let n = values.len();
+        LatencyStats {
+            count: n as u64,
+            mean: values.iter().sum::<f64>() / n as f64,
+            p50: percentile(values, 50.0),
+            p90: percentile(values, 90.0),
+            p99: percentile(values, 99.0),
+        }
+    }
+}
+
+/// The `p`-th percentile of sorted, non-empty `sorted`, interpolating linearly.
+pub fn percentile(sorted: &[f64], p: f64) -> f64 {
+    let Some(last) = sorted.len().checked_sub(1) else {
+        return 0.0;
+    };
+    let rank = (p / 100.0).clamp(0.0, 1.0) * last as f64;
+    let lo = rank.floor() as usize;
+    let hi = rank.ceil() as usize;
+    sorted[lo] + (sorted[hi] - sorted[lo]) * (rank - lo as f64)
+}
+
+/// SLO results of one tier.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct TierSummary {
+    /// Tier name ("" = default).
+    pub tier: String,
+    /// Requests of this tier.
+    pub requests: u64,
+    /// Of which finished.
+    pub finished: u64,
+    /// Fraction meeting the TTFT target (`None`: no target).
+    pub ttft_attainment: Option<f64>,
+    /// Fraction meeting the TPOT target (`None`: no target).
+    pub tpot_attainment: Option<f64>,
+    /// Fraction meeting both.
+    pub slo_attainment: f64,
+    /// Requests per second meeting both.
+    pub goodput_rps: f64,
+    /// TTFT of the tier's finished requests.
+    pub ttft_ms: LatencyStats,
+    /// TPOT of the tier's finished requests.
+    pub tpot_ms: LatencyStats,
+}
+
+/// Scheduler-level figures of a run, gathered by the engine.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct RunCounters {
+    /// Steps executed.
+    pub steps: u64,
+    /// Total preemptions.
+    pub preemptions: u64,
+    /// Prompt tokens looked up in the prefix cache.
+    pub prefix_queries: u64,
+    /// Of which found.
+    pub prefix_hits: u64,
+    /// Time-weighted mean KV usage (0..1).
+    pub kv_usage_mean: f64,
+    /// Peak KV usage (0..1).
+    pub kv_usage_max: f64,
+}
+
+/// Everything reported for one policy.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct PolicySummary {
+    /// Policy label.
+    pub policy: String,
+    /// Requests in the workload.
+    pub requests: u64,
+    /// Finished requests.
+    pub finished: u64,
+    /// Requests the scheduler rejected (too long).
+    pub rejected: u64,
+    /// First arrival to last finish, in virtual seconds.
+    pub duration_s: f64,
+    /// Finished requests per second.
+    pub request_throughput: f64,
+    /// Generated tokens per second.
+    pub output_token_throughput: f64,
+    /// Time to first token.
+    pub ttft_ms: LatencyStats,
+    /// Time per output token.
+    pub tpot_ms: LatencyStats,
+    /// Inter-token latency.
+    pub itl_ms: LatencyStats,
+    /// End-to-end latency.
+    pub e2e_ms: LatencyStats,
+    /// Arrival to first scheduled.
+    pub queue_ms: LatencyStats,
+    /// Prefix-cache hit rate (hit tokens / queried tokens).
+    pub prefix_cache_hit_rate: f64,
+    /// Fraction of all requests meeting both targets of their tier.
+    pub slo_attainment: f64,
+    /// Requests per second meeting both targets.
+    pub goodput_rps: f64,
+    /// Scheduler counters.
+    pub counters: RunCounters,
+    /// Per-tier SLO results, by tier name.
+    pub tiers: Vec<TierSummary>,
+}
+
+impl PolicySummary {
+    /// Summarises one run.
+    pub fn new(
+        policy: &str,
+        records: &[RequestRecord],
+        itls_ms: &mut [f64],
+        counters: RunCounters,
+    ) -> Self {
+        let first = records
+            .iter()
+            .map(|r| r.arrival_s)
+            .fold(f64::INFINITY, f64::min);
+        let last = records
+            .iter()
+            .filter_map(|r| r.finish_s)
+            .fold(f64::NEG_INFINITY, f64::max);
+        let duration_s = if last > first { last - first } else { 0.0 };
+        let per_s = |x: f64| {
+            if duration_s > 0.0 {
+                x / duration_s
+            } else {
+                0.0
+            }
+        };
+        let finished = records.iter().filter(|r| r.finish_s.is_some()).count() as u64;
+        let generated: u64 = records.iter().map(|r| r.generated).sum();
+        let met = records.iter().filter(|r| r.met_slo()).count() as f64;
+        let mut tiers: BTreeMap<&str, Vec<&RequestRecord>> = BTreeMap::new();
+        for r in records {
+            tiers.entry(r.tier.as_str()).or_default().push(r);
+        }
+        let tiers = tiers
+            .into_iter()
+            .map(|(tier, rs)| tier_summary(tier, &rs, duration_s))
+            .collect();
+        PolicySummary {
+            policy: policy.to_string(),
+            requests: records.len() as u64,
+            finished,
+            rejected: records.iter().filter(|r| r.outcome == "rejected").count() as u64,
+            duration_s,
+            request_throughput: per_s(finished as f64),
+            output_token_throughput: per_s(generated as f64),
+            ttft_ms: stats_of(records.iter(), |r| r.ttft_ms),
+            tpot_ms: stats_of(records.iter(), |r| r.tpot_ms),
+            itl_ms: LatencyStats::from_values(itls_ms),
+            e2e_ms: stats_of(records.iter(), |r| r.e2e_ms),
+            queue_ms: stats_of(records.iter(), |r| {
+                r.first_scheduled_s.map(|s| (s - r.arrival_s) * 1e3)
+            }),
+            prefix_cache_hit_rate: ratio(
+                counters.prefix_hits as f64,
+                counters.prefix_queries as f64,
+            ),
+            slo_attainment: ratio(met, records.len() as f64),
+            goodput_rps: per_s(met),
+            counters,
+            tiers,
+        }
+    }
+}
+
+fn ratio(a: f64, b: f64) -> f64 {
+    if b > 0.0 {
+        a / b
+    } else {
+        0.0
+    }
+}
+
+fn stats_of<'a>(
+    records: impl Iterator<Item = &'a RequestRecord>,
+    f: impl Fn(&RequestRecord) -> Option<f64>,
+) -> LatencyStats {
+    let mut v: Vec<f64> = records.filter_map(f).collect();
+    LatencyStats::from_values(&mut v)
+}
+
+fn tier_summary(tier: &str, rs: &[&RequestRecord], duration_s: f64) -> TierSummary {
+    let n = rs.len() as f64;
+    let attainment = |get: fn(&RequestRecord) -> Option<bool>| {
+        let targeted = rs.iter().filter(|r| get(r).is_some()).count();
+        (targeted > 0).then(|| rs.iter().filter(|r| get(r) == Some(true)).count() as f64 / n)
+    };
+    let met = rs.iter().filter(|r| r.met_slo()).count() as f64;
+    TierSummary {
+        tier: tier.to_string(),
+        requests: rs.len() as u64,
+        finished: rs.iter().filter(|r| r.finish_s.is_some()).count() as u64,
+        ttft_attainment: attainment(|r| r.met_ttft),
+        tpot_attainment: attainment(|r| r.met_tpot),
+        slo_attainment: ratio(met, n),
+        goodput_rps: ratio(met, duration_s),
+        ttft_ms: stats_of(rs.iter().copied(), |r| r.ttft_ms),
+        tpot_ms: stats_of(rs.iter().copied(), |r| r.tpot_ms),
+    }
+}
+
+/// Several policies run on the same workload.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Comparison {
+    /// Model name.
+    pub model: String,
+    /// Hardware name (or "calibrated").
+    pub hardware: String,
+    /// Requests in the workload.
+    pub requests: u64,
+    /// Arrival rate of the workload (requests/s over its span).
+    pub arrival_rate: f64,
+    /// Estimated capacity in requests/s when a load was asked for.
+    pub estimated_capacity_rps: Option<f64>,
+    /// One summary per policy, in spec order.
+    pub policies: Vec<PolicySummary>,
+}
+
+impl Comparison {
+    /// A plain-text table: one row per policy, then per-tier SLO rows.
+    pub fn to_text(&self) -> String {
+        let mut s = String::new();
+        let cap = self
+            .estimated_capacity_rps
+            .map(|c| format!(", estimated capacity {c:.2} req/s"))
+            .unwrap_or_default();
+        let _ = writeln!(
+            s,
+            "{} on {}: {} requests at {:.2} req/s{cap}\n",
+            self.model, self.hardware, self.requests, self.arrival_rate
+        );
+        let _ = writeln!(
+            s,
+            "{:<18} {:>8} {:>8} {:>9} {:>9} {:>9} {:>8} {:>8} {:>9} {:>9} {:>7} {:>6} {:>6} {:>6}",
+            "policy",
+            "req/s",
+            "tok/s",
+            "ttft p50",
+            "ttft p99",
+            "tpot p50",
+            "tpot p99",
+            "itl p99",
+            "e2e p50",
+            "e2e p99",
+            "preempt",
+            "hit%",
+            "kv%",
+            "slo%"
+        );
+        for p in &self.policies {
+            let _ = writeln!(
+                s,
+                "{:<18} {:>8.2} {:>8.1} {:>9.1} {:>9.1} {:>9.2} {:>8.2} {:>8.2} {:>9.1} {:>9.1} {:>7} {:>6.1} {:>6.1} {:>6.1}",
+                p.policy, p.request_throughput, p.output_token_throughput, p.ttft_ms.p50, p.ttft_ms.p99,
+                p.tpot_ms.p50, p.tpot_ms.p99, p.itl_ms.p99, p.e2e_ms.p50, p.e2e_ms.p99,
+                p.counters.preemptions, 100.0 * p.prefix_cache_hit_rate,
+                100.0 * p.counters.kv_usage_mean, 100.0 * p.slo_attainment
+            );
+        }
+        let tiered = self
+            .policies
+            .iter()
+            .any(|p| p.tiers.iter().any(|t| !t.tier.is_empty()));
+        if tiered {
+            let _ = writeln!(
+                s,
+                "\n{:<18} {:<10} {:>6} {:>7} {:>7} {:>7} {:>9} {:>9} {:>9}",
+                "policy",
+                "tier",
+                "reqs",
+                "ttft%",
+                "tpot%",
+                "slo%",
+                "goodput",
+                "ttft p99",
+                "tpot p99"
+            );
+            for p in &self.policies {
+                for t in &p.tiers {
+                    let pct =
+                        |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{:.1}", 100.0 * v));
+                    let _ = writeln!(
+                        s,
+                        "{:<18} {:<10} {:>6} {:>7} {:>7} {:>7.1} {:>9.2} {:>9.1} {:>9.2}",
+                        p.policy,
+                        t.tier,
+                        t.requests,
+                        pct(t.ttft_attainment),
+                        pct(t.tpot_attainment),
+                        100.0 * t.slo_attainment,
+                        t.goodput_rps,
+                        t.ttft_ms.p99,
+                        t.tpot_ms.p99
+                    );
+                }
+            }
+        }
+        s
+    }
+
+    /// Writes `summary.json` and `summary.txt` into `dir`.
+    pub fn write(&self, dir: &Path) -> Result<(), SimError> {
+        let json = dir.join("summary.json");
+        let text = serde_json::to_string_pretty(self)
+            .map_err(|e| SimError::io(&json, std::io::Error::other(e)))?;
+        std::fs::write(&json, text + "\n").map_err(|e| SimError::io(&json, e))?;
+        let txt = dir.join("summary.txt");
+        std::fs::write(&txt, self.to_text()).map_err(|e| SimError::io(&txt, e))
+    }
+}
+
+/// Writes one JSON object per request to `path`.
+pub fn write_requests_jsonl(path: &Path, records: &[RequestRecord]) -> Result<(), SimError> {
+    let file = std::fs::File::create(path).map_err(|e| SimError::io(path, e))?;
+    let mut w = std::io::BufWriter::new(file);
+    for r in records {
+        serde_json::to_writer(&mut w, r)
+            .map_err(|e| SimError::io(path, std::io::Error::other(e)))?;
+        w.write_all(b"\n").map_err(|e| SimError::io(path, e))?;
+    }
+    w.flush().map_err(|e| SimError::io(path, e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_match_numpy_linear() {
+        // numpy.percentile([1, 2, 3, 4], [50, 90, 99]) = [2.5, 3.7, 3.97]
+        let mut v = vec![4.0, 1.0, 3.0, 2.0];
+        let s = LatencyStats::from_values(&mut v);
+        assert_eq!((s.count, s.mean, s.p50), (4, 2.5, 2.5));
+        assert!((s.p90 - 3.7).abs() < 1e-12 && (s.p99 - 3.97).abs() < 1e-12);
+        assert_eq!(LatencyStats::from_values(&mut []), LatencyStats::default());
+        assert_eq!(percentile(&[7.0], 99.0), 7.0);
+    }
+
+    fn rec(tier: &str, arrival: f64, finish: Option<f64>, met_ttft: Option<bool>) -> RequestRecord {
+        RequestRecord {
+            tier: tier.into(),
+            arrival_s: arrival,
+            finish_s: finish,
+            generated: if finish.is_some() { 10 } else { 0 },
+            ttft_ms: finish.map(|_| 100.0),
+            e2e_ms: finish.map(|f| (f - arrival) * 1e3),
+            met_ttft,
+            met_tpot: finish.map(|_| true),
+            outcome: if finish.is_some() {
+                "length".into()
+            } else {
+                "rejected".into()
+            },
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn summary_counts_attainment_and_goodput() {
+        let rs = vec![
+            rec("premium", 0.0, Some(2.0), Some(true)),
+            rec("premium", 1.0, Some(4.0), Some(false)),
+            rec("premium", 2.0, None, None),
+            rec("batch", 3.0, Some(5.0), None),
+        ];
+        let s = PolicySummary::new(
+            "fcfs",
+            &rs,
+            &mut [],
+            RunCounters {
+                prefix_queries: 10,
+                prefix_hits: 4,
+                ..Default::default()
+            },
+        );
+        assert_eq!((s.requests, s.finished, s.rejected), (4, 3, 1));
+        assert_eq!(s.duration_s, 5.0);
+        assert_eq!(s.request_throughput, 0.6);
+        assert_eq!(s.output_token_throughput, 6.0);
+        assert_eq!(s.prefix_cache_hit_rate, 0.4);
+        // Met: request 0 (premium) and 3 (batch, no TTFT target).
+        assert_eq!(s.slo_attainment, 0.5);
+        assert_eq!(s.goodput_rps, 0.4);
+        let premium = s.tiers.iter().find(|t| t.tier == "premium").unwrap();
+        assert_eq!(premium.requests, 3);
+        assert!((premium.ttft_attainment.unwrap() - 1.0 / 3.0).abs() < 1e-12);
+        assert!((premium.slo_attainment - 1.0 / 3.0).abs() < 1e-12);
+        let batch = s.tiers.iter().find(|t| t.tier == "batch").unwrap();
+        assert_eq!(batch.ttft_attainment, None);
+        let c = Comparison {
+            policies: vec![s],
+            ..Default::default()
+        };
+        let text = c.to_text();
+        assert!(
+            text.contains("fcfs") && text.contains("premium") && text.contains("33.3"),
+            "{text}"
+        );
+    }
+}

@@ -1,0 +1,630 @@
+//! The simulation spec: one YAML file (or a set of CLI flags) describing the
+//! model, hardware, KV capacity, scheduler limits, policies with parameters,
+//! tiers and the workload. Unknown fields are errors, and every error names
+//! the file with the line and column serde_yaml reports.
+//!
+//! ```yaml
+//! seed: 1
+//! model: llama-3-8b            # a preset name, or the fields of `ModelSpec`
+//! hardware: h200               # a preset name, or the fields of `HardwareSpec`
+//! calibration: cal.yaml        # optional, replaces the roofline
+//! cache: { block_size: 16, gpu_memory_utilization: 0.9, prefix_caching: true }
+//! scheduler: { max_num_seqs: 256, max_num_batched_tokens: 8192 }
+//! policies: [ { name: fcfs }, { name: slo-aware, params: {} } ]
+//! tiers:
+//!   premium: { ttft_ms: 500, tpot_ms: 50, weight: 4, priority: 0 }
+//!   batch: { preemptible: true, priority: 2 }
+//! workload:
+//!   trace: ../../shared/traces/AzureLLMInferenceTrace_code.csv   # relative to this file
+//!   format: azure
+//!   arrival: { load: 0.9 }     # or { rate: 20 }; sharegpt: { process: gamma, cv: 2, rate: 5 }
+//!   mix: { tiers: { premium: 0.2, standard: 0.5, batch: 0.3 } }
+//! ```
+
+use crate::cost::{HardwareSpec, ModelSpec};
+use crate::error::SimError;
+use crate::trace::{LabelMix, TraceFormat};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// Most policies compared in one run.
+pub const MAX_POLICIES: usize = 32;
+/// Largest spec or calibration file read, in bytes.
+pub const MAX_SPEC_BYTES: u64 = 1 << 20;
+
+/// Reads a UTF-8 text file of at most `max` bytes.
+pub(crate) fn read_text(path: &Path, max: u64) -> Result<String, SimError> {
+    use std::io::Read;
+    let file = std::fs::File::open(path).map_err(|e| SimError::io(path, e))?;
+    let mut text = String::new();
+    file.take(max + 1)
+        .read_to_string(&mut text)
+        .map_err(|e| SimError::io(path, e))?;
+    if text.len() as u64 > max {
+        return Err(SimError::spec(
+            path,
+            format!("file larger than {max} bytes"),
+        ));
+    }
+    Ok(text)
+}
+
+/// Most tiers (or tenants) in a spec.
+pub const MAX_LABELS: usize = 256;
+
+/// A complete simulation description.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SimulationSpec {
+    /// Seed for mixes, arrivals and the prefix-hash key.
+    #[serde(default)]
+    pub seed: u64,
+    /// The model: a preset name or a full shape.
+    #[serde(default = "default_model")]
+    pub model: ModelChoice,
+    /// The accelerator: a preset name or full figures.
+    #[serde(default = "default_hardware")]
+    pub hardware: HardwareChoice,
+    /// Optional calibration file (relative to the spec file) replacing the roofline.
+    #[serde(default)]
+    pub calibration: Option<PathBuf>,
+    /// KV cache layout and capacity.
+    #[serde(default)]
+    pub cache: CacheSection,
+    /// Batch limits.
+    #[serde(default)]
+    pub scheduler: SchedulerLimits,
+    /// Policies to compare, each run on the same workload.
+    pub policies: Vec<PolicySpec>,
+    /// Service tiers by name.
+    #[serde(default)]
+    pub tiers: BTreeMap<String, TierConf>,
+    /// The request workload.
+    pub workload: WorkloadSpec,
+}
+
+fn default_model() -> ModelChoice {
+    ModelChoice::Preset("llama-3-8b".into())
+}
+
+fn default_hardware() -> HardwareChoice {
+    HardwareChoice::Preset("h200".into())
+}
+
+/// A model preset name or an inline shape.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum ModelChoice {
+    /// `llama-3-8b` or `smollm2-135m`.
+    Preset(String),
+    /// A full model shape.
+    Custom(ModelSpec),
+}
+
+/// A hardware preset name or inline figures.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum HardwareChoice {
+    /// `h200`.
+    Preset(String),
+    /// Full figures.
+    Custom(HardwareSpec),
+}
+
+/// KV cache settings.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CacheSection {
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// KV blocks; computed from device memory when absent.
+    pub num_gpu_blocks: Option<usize>,
+    /// Fraction of device memory for weights plus KV.
+    pub gpu_memory_utilization: f64,
+    /// Automatic prefix caching.
+    pub prefix_caching: bool,
+}
+
+impl Default for CacheSection {
+    fn default() -> Self {
+        CacheSection {
+            block_size: 16,
+            num_gpu_blocks: None,
+            gpu_memory_utilization: 0.9,
+            prefix_caching: true,
+        }
+    }
+}
+
+/// Scheduler batch limits.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SchedulerLimits {
+    /// Most sequences per step.
+    pub max_num_seqs: usize,
+    /// Most tokens per step.
+    pub max_num_batched_tokens: usize,
+    /// Longest prompt + output; longer requests are rejected. Defaults to the KV capacity.
+    pub max_model_len: Option<usize>,
+}
+
+impl Default for SchedulerLimits {
+    fn default() -> Self {
+        SchedulerLimits {
+            max_num_seqs: 256,
+            max_num_batched_tokens: 8192,
+            max_model_len: None,
+        }
+    }
+}
+
+/// One policy to run, with its YAML parameters.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PolicySpec {
+    /// Registered policy name.
+    pub name: String,
+    /// Label in reports and file names; defaults to `name`.
+    #[serde(default)]
+    pub label: Option<String>,
+    /// Policy parameters, passed to the registry as is.
+    #[serde(default)]
+    pub params: serde_yaml::Value,
+}
+
+impl PolicySpec {
+    /// A policy by name with default parameters.
+    pub fn named(name: &str) -> Self {
+        PolicySpec {
+            name: name.to_string(),
+            label: None,
+            params: serde_yaml::Value::Null,
+        }
+    }
+
+    /// The label used in reports.
+    pub fn label(&self) -> &str {
+        self.label.as_deref().unwrap_or(&self.name)
+    }
+}
+
+/// A service tier.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TierConf {
+    /// Time-to-first-token target in ms.
+    #[serde(default)]
+    pub ttft_ms: Option<f64>,
+    /// Time-per-output-token target in ms.
+    #[serde(default)]
+    pub tpot_ms: Option<f64>,
+    /// Share weight.
+    #[serde(default = "one")]
+    pub weight: f64,
+    /// Whether its requests may be preempted first.
+    #[serde(default)]
+    pub preemptible: bool,
+    /// Priority given to its requests that carry none (lower is more urgent).
+    #[serde(default)]
+    pub priority: i32,
+}
+
+fn one() -> f64 {
+    1.0
+}
+
+/// The workload: a trace and how to shape it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkloadSpec {
+    /// Trace file, relative to the spec file.
+    pub trace: PathBuf,
+    /// Its format.
+    pub format: TraceFormat,
+    /// Keep at most this many requests.
+    #[serde(default)]
+    pub limit: Option<usize>,
+    /// Drop requests before this time (s, trace clock).
+    #[serde(default)]
+    pub start_s: Option<f64>,
+    /// Drop requests at or after this time (s, trace clock).
+    #[serde(default)]
+    pub end_s: Option<f64>,
+    /// Multiply arrival times by this factor (after loading).
+    #[serde(default)]
+    pub time_scale: Option<f64>,
+    /// Arrival rate or load; required for sharegpt.
+    #[serde(default)]
+    pub arrival: Option<ArrivalSpec>,
+    /// Tier and tenant mixes for requests without labels.
+    #[serde(default)]
+    pub mix: MixSpec,
+}
+
+/// Arrival shaping: a rate or a load fraction of the estimated capacity.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ArrivalSpec {
+    /// `poisson` (default) or `gamma`; used for traces without timestamps.
+    #[serde(default)]
+    pub process: Option<ProcessKind>,
+    /// Mean requests per second.
+    #[serde(default)]
+    pub rate: Option<f64>,
+    /// Fraction of the estimated capacity (saturation throughput under fcfs).
+    #[serde(default)]
+    pub load: Option<f64>,
+    /// Coefficient of variation of gamma gaps.
+    #[serde(default)]
+    pub cv: Option<f64>,
+}
+
+/// Arrival process kinds.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ProcessKind {
+    /// Exponential gaps.
+    Poisson,
+    /// Gamma gaps with a given cv.
+    Gamma,
+}
+
+/// Weighted label mixes.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MixSpec {
+    /// Tier name → weight.
+    #[serde(default)]
+    pub tiers: BTreeMap<String, f64>,
+    /// Tenant name → weight.
+    #[serde(default)]
+    pub tenants: BTreeMap<String, f64>,
+}
+
+impl MixSpec {
+    /// The tier mix in name order.
+    pub fn tier_mix(&self) -> LabelMix {
+        to_mix(&self.tiers)
+    }
+
+    /// The tenant mix in name order.
+    pub fn tenant_mix(&self) -> LabelMix {
+        to_mix(&self.tenants)
+    }
+}
+
+fn to_mix(m: &BTreeMap<String, f64>) -> LabelMix {
+    LabelMix {
+        entries: m.iter().map(|(k, v)| (k.clone(), *v)).collect(),
+    }
+}
+
+impl SimulationSpec {
+    /// Parses and validates a YAML spec; relative paths become relative to the file's directory.
+    pub fn from_yaml_file(path: &Path) -> Result<Self, SimError> {
+        let text = read_text(path, MAX_SPEC_BYTES)?;
+        let mut spec = Self::from_yaml_str(&text, path)?;
+        let base = path.parent().unwrap_or(Path::new("."));
+        if spec.workload.trace.is_relative() {
+            spec.workload.trace = base.join(&spec.workload.trace);
+        }
+        if let Some(c) = spec.calibration.as_mut().filter(|c| c.is_relative()) {
+            *c = base.join(&*c);
+        }
+        Ok(spec)
+    }
+
+    /// Parses and validates YAML text; `path` is only used in messages.
+    pub fn from_yaml_str(text: &str, path: &Path) -> Result<Self, SimError> {
+        let spec: SimulationSpec = serde_yaml::from_str(text).map_err(|e| SimError::Spec {
+            path: path.to_path_buf(),
+            line: e.location().map(|l| l.line()),
+            column: e.location().map(|l| l.column()),
+            message: e.to_string(),
+        })?;
+        spec.validate().map_err(|m| SimError::spec(path, m))?;
+        Ok(spec)
+    }
+
+    /// The model shape (preset resolved).
+    pub fn model_spec(&self) -> Result<ModelSpec, String> {
+        let m = match &self.model {
+            ModelChoice::Preset(name) => ModelSpec::preset(name).ok_or_else(|| {
+                format!("model: unknown preset `{name}` (known: llama-3-8b, smollm2-135m)")
+            })?,
+            ModelChoice::Custom(m) => m.clone(),
+        };
+        m.validate()?;
+        Ok(m)
+    }
+
+    /// The hardware figures (preset resolved).
+    pub fn hardware_spec(&self) -> Result<HardwareSpec, String> {
+        let h = match &self.hardware {
+            HardwareChoice::Preset(name) => HardwareSpec::preset(name)
+                .ok_or_else(|| format!("hardware: unknown preset `{name}` (known: h200)"))?,
+            HardwareChoice::Custom(h) => h.clone(),
+        };
+        h.validate()?;
+        Ok(h)
+    }
+
+    /// Checks ranges and cross-field rules that serde cannot.
+    pub fn validate(&self) -> Result<(), String> {
+        self.model_spec()?;
+        self.hardware_spec()?;
+        let c = &self.cache;
+        if !(1..=1024).contains(&c.block_size) {
+            return Err(format!(
+                "cache.block_size {} outside 1..=1024",
+                c.block_size
+            ));
+        }
+        if c.num_gpu_blocks.is_some_and(|n| n == 0 || n > 1 << 26) {
+            return Err("cache.num_gpu_blocks outside 1..=67108864".into());
+        }
+        if !(c.gpu_memory_utilization > 0.0 && c.gpu_memory_utilization <= 1.0) {
+            return Err("cache.gpu_memory_utilization must be in (0, 1]".into());
+        }
+        let s = &self.scheduler;
+        if !(1..=1 << 16).contains(&s.max_num_seqs) {
+            return Err("scheduler.max_num_seqs outside 1..=65536".into());
+        }
+        if !(1..=1 << 22).contains(&s.max_num_batched_tokens) {
+            return Err("scheduler.max_num_batched_tokens outside 1..=4194304".into());
+        }
+        if s.max_model_len.is_some_and(|n| n == 0 || n > 1 << 24) {
+            return Err("scheduler.max_model_len outside 1..=16777216".into());
+        }
+        if self.policies.is_empty() || self.policies.len() > MAX_POLICIES {
+            return Err(format!("policies: give 1..={MAX_POLICIES} policies"));
+        }
+        let mut labels: Vec<&str> = self.policies.iter().map(PolicySpec::label).collect();
+        if labels.iter().any(|l| !valid_label(l)) {
+            return Err("policies: labels must be 1-64 characters of [A-Za-z0-9_.-]".into());
+        }
+        labels.sort_unstable();
+        if let Some(w) = labels.windows(2).find(|w| w[0] == w[1]) {
+            return Err(format!(
+                "policies: label `{}` appears twice; set `label` to tell them apart",
+                w[0]
+            ));
+        }
+        if self.tiers.len() > MAX_LABELS {
+            return Err(format!("tiers: at most {MAX_LABELS}"));
+        }
+        for (name, t) in &self.tiers {
+            let ok = |v: Option<f64>| v.is_none_or(|v| v.is_finite() && v > 0.0);
+            let weight_ok = t.weight.is_finite() && t.weight > 0.0;
+            if !(ok(t.ttft_ms) && ok(t.tpot_ms) && weight_ok) {
+                return Err(format!("tiers.{name}: targets and weight must be positive"));
+            }
+        }
+        self.validate_workload()
+    }
+
+    fn validate_workload(&self) -> Result<(), String> {
+        let w = &self.workload;
+        if w.format == TraceFormat::Sharegpt && (w.start_s.is_some() || w.end_s.is_some()) {
+            return Err("workload: start_s/end_s need timestamps; use `limit` for sharegpt".into());
+        }
+        if w.time_scale.is_some_and(|f| !(f.is_finite() && f > 0.0)) {
+            return Err("workload.time_scale must be positive".into());
+        }
+        for (kind, mix) in [("tiers", &w.mix.tiers), ("tenants", &w.mix.tenants)] {
+            if mix.len() > MAX_LABELS {
+                return Err(format!("workload.mix.{kind}: at most {MAX_LABELS} entries"));
+            }
+            if mix.keys().any(|k| k.len() > crate::trace::MAX_LABEL_BYTES) {
+                return Err(format!("workload.mix.{kind}: names are at most 64 bytes"));
+            }
+            if !mix.is_empty() && !mix.values().all(|v| v.is_finite() && *v >= 0.0) {
+                return Err(format!("workload.mix.{kind}: weights must be non-negative"));
+            }
+        }
+        if let Some(unknown) = w.mix.tiers.keys().find(|t| !self.tiers.contains_key(*t)) {
+            return Err(format!(
+                "workload.mix.tiers: tier `{unknown}` is not defined under `tiers`"
+            ));
+        }
+        match &w.arrival {
+            Some(a) => {
+                if a.rate.is_some() == a.load.is_some() {
+                    return Err("workload.arrival: give exactly one of `rate` and `load`".into());
+                }
+                if a.rate
+                    .is_some_and(|r| !(r.is_finite() && r > 0.0 && r <= 1e9))
+                {
+                    return Err("workload.arrival.rate must be in (0, 1e9]".into());
+                }
+                if a.load
+                    .is_some_and(|l| !(l.is_finite() && l > 0.0 && l <= 100.0))
+                {
+                    return Err("workload.arrival.load must be in (0, 100]".into());
+                }
+                if a.process == Some(ProcessKind::Gamma) && a.cv.is_none() {
+                    return Err("workload.arrival: the gamma process needs `cv`".into());
+                }
+                Ok(())
+            }
+            None if w.format == TraceFormat::Sharegpt => {
+                Err("workload.arrival: the sharegpt format needs a `rate` or a `load`".into())
+            }
+            None => Ok(()),
+        }
+    }
+}
+
+fn valid_label(l: &str) -> bool {
+    !l.is_empty()
+        && l.len() <= 64
+        && l.chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
+}
+
+/// Flags of `switchyard simulate --trace ...`, turned into a spec by [`SimulationSpec::from_cli`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct CliOptions {
+    /// Trace file.
+    pub trace: PathBuf,
+    /// Its format.
+    pub format: TraceFormat,
+    /// Policy names (each with default parameters); `["all"]` means every registered policy.
+    pub policies: Vec<String>,
+    /// Seed.
+    pub seed: u64,
+    /// Model preset name.
+    pub model: String,
+    /// Hardware preset name.
+    pub hardware: String,
+    /// Keep at most this many requests.
+    pub limit: Option<usize>,
+    /// Arrival rate in requests/s (exclusive with `load`).
+    pub rate: Option<f64>,
+    /// Load fraction of capacity (exclusive with `rate`); sharegpt defaults to 0.8.
+    pub load: Option<f64>,
+    /// Multiply arrival times by this factor (2 = half the rate).
+    pub time_scale: Option<f64>,
+}
+
+impl SimulationSpec {
+    /// Builds a spec from CLI flags with default cache, scheduler and no tiers.
+    pub fn from_cli(o: &CliOptions) -> Result<Self, SimError> {
+        let cli = Path::new("<cli>");
+        let load = match (o.rate, o.load, o.format) {
+            (None, None, TraceFormat::Sharegpt) => Some(0.8),
+            (_, l, _) => l,
+        };
+        let arrival = (o.rate.is_some() || load.is_some()).then_some(ArrivalSpec {
+            process: None,
+            rate: o.rate,
+            load,
+            cv: None,
+        });
+        let spec = SimulationSpec {
+            seed: o.seed,
+            model: ModelChoice::Preset(o.model.clone()),
+            hardware: HardwareChoice::Preset(o.hardware.clone()),
+            calibration: None,
+            cache: CacheSection::default(),
+            scheduler: SchedulerLimits::default(),
+            policies: if o.policies.len() == 1 && o.policies[0] == "all" {
+                switchyard_policies::PolicyRegistry::with_builtins()
+                    .names()
+                    .into_iter()
+                    .map(PolicySpec::named)
+                    .collect()
+            } else {
+                o.policies.iter().map(|n| PolicySpec::named(n)).collect()
+            },
+            tiers: BTreeMap::new(),
+            workload: WorkloadSpec {
+                trace: o.trace.clone(),
+                format: o.format,
+                limit: o.limit,
+                start_s: None,
+                end_s: None,
+                time_scale: o.time_scale,
+                arrival,
+                mix: MixSpec::default(),
+            },
+        };
+        spec.validate().map_err(|m| SimError::spec(cli, m))?;
+        Ok(spec)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = "
+seed: 3
+model: smollm2-135m
+policies: [{name: fcfs}, {name: fcfs, label: fcfs-2, params: {x: 1}}]
+tiers:
+  premium: {ttft_ms: 200, tpot_ms: 40, weight: 4}
+  batch: {preemptible: true, priority: 2}
+workload:
+  trace: t.csv
+  format: azure
+  arrival: {load: 0.9}
+  mix: {tiers: {premium: 1, batch: 3}}
+";
+
+    fn parse(text: &str) -> Result<SimulationSpec, SimError> {
+        SimulationSpec::from_yaml_str(text, Path::new("sim.yaml"))
+    }
+
+    #[test]
+    fn parses_a_full_spec_with_defaults() {
+        let s = parse(GOOD).unwrap();
+        assert_eq!(s.seed, 3);
+        assert_eq!(s.model_spec().unwrap().name, "smollm2-135m");
+        assert_eq!(s.hardware_spec().unwrap().name, "h200");
+        assert_eq!(s.cache.block_size, 16);
+        assert_eq!(s.scheduler.max_num_seqs, 256);
+        assert_eq!(s.policies[1].label(), "fcfs-2");
+        assert_eq!(s.tiers["batch"].weight, 1.0);
+        assert_eq!(s.workload.mix.tier_mix().entries[0].0, "batch");
+    }
+
+    #[test]
+    fn errors_name_file_line_and_field() {
+        let typo = GOOD.replace("weight: 4", "wieght: 4");
+        let err = parse(&typo).unwrap_err().to_string();
+        assert!(
+            err.starts_with("sim.yaml:6:") && err.contains("wieght"),
+            "{err}"
+        );
+        let cases = [
+            (
+                GOOD.replace("smollm2-135m", "gpt-9"),
+                "unknown preset `gpt-9`",
+            ),
+            (GOOD.replace("label: fcfs-2, ", ""), "appears twice"),
+            (
+                GOOD.replace("{load: 0.9}", "{load: 0.9, rate: 2}"),
+                "exactly one of",
+            ),
+            (GOOD.replace("premium: 1,", "gold: 1,"), "tier `gold`"),
+            (GOOD.replace("format: azure", "format: csv"), "sim.yaml:10:"),
+            (GOOD.replace("ttft_ms: 200", "ttft_ms: -1"), "tiers.premium"),
+        ];
+        for (text, want) in cases {
+            let err = parse(&text).unwrap_err().to_string();
+            assert!(
+                err.starts_with("sim.yaml") && err.contains(want),
+                "want {want}: {err}"
+            );
+        }
+    }
+
+    #[test]
+    fn cli_specs_default_sharegpt_load_and_check_policies() {
+        let mut o = CliOptions {
+            trace: "x.csv".into(),
+            format: TraceFormat::Sharegpt,
+            policies: vec!["fcfs".into()],
+            seed: 0,
+            model: "llama-3-8b".into(),
+            hardware: "h200".into(),
+            limit: None,
+            rate: None,
+            load: None,
+            time_scale: None,
+        };
+        let s = SimulationSpec::from_cli(&o).unwrap();
+        assert_eq!(s.workload.arrival.as_ref().and_then(|a| a.load), Some(0.8));
+        o.policies = vec!["all".into()];
+        let all = SimulationSpec::from_cli(&o).unwrap();
+        let names: Vec<&str> = all.policies.iter().map(|p| p.name.as_str()).collect();
+        assert!(names.contains(&"fcfs") && names.contains(&"slo-aware") && names.len() >= 5);
+        o.policies.clear();
+        assert!(SimulationSpec::from_cli(&o)
+            .unwrap_err()
+            .to_string()
+            .starts_with("<cli>"));
+    }
+}

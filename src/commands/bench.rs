@@ -1,0 +1,223 @@
+//! `switchyard bench throughput`: offline throughput through the scheduling core and a backend,
+//! printing the fields `vllm bench throughput` prints.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::Context;
+use switchyard_actors::{CoreEvent, SubmitOptions};
+use switchyard_gpu::backend::SamplingParams;
+use switchyard_policies::{
+    Request, RequestId, SamplingLimits, SchedulerConfig, SloTargets, Timestamp,
+};
+
+use super::runtime;
+use crate::cli::{BenchCommand, BenchDataset, ThroughputArgs};
+
+/// Most prompts one benchmark run accepts.
+const MAX_PROMPTS: usize = 100_000;
+/// CPU KV cache budget for the benchmark, MiB.
+const KV_MB: usize = 2048;
+
+pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
+    match cmd {
+        BenchCommand::Throughput(args) => throughput(args),
+        BenchCommand::Serve(args) => super::bench_serve::run(args),
+    }
+}
+
+/// A small deterministic generator (SplitMix64) for random prompt tokens and dataset sampling.
+struct SplitMix(u64);
+
+impl SplitMix {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+}
+
+/// Reads (prompt, output) lengths from a ShareGPT lengths CSV.
+fn sharegpt_lengths(path: &Path, max_model_len: usize) -> anyhow::Result<Vec<(usize, usize)>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate().skip(1) {
+        let mut fields = line.split(',');
+        let mut num = |name: &str| -> anyhow::Result<usize> {
+            fields
+                .next()
+                .and_then(|f| f.trim().parse().ok())
+                .with_context(|| {
+                    format!("{}:{}: field {name} is not a number", path.display(), i + 1)
+                })
+        };
+        let (p, o) = (num("num_prefill_tokens")?, num("num_decode_tokens")?);
+        if p >= 1 && o >= 1 && p + o <= max_model_len {
+            out.push((p, o));
+        }
+    }
+    anyhow::ensure!(!out.is_empty(), "{} has no usable rows", path.display());
+    Ok(out)
+}
+
+fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        (1..=MAX_PROMPTS).contains(&args.num_prompts),
+        "--num-prompts must be 1..={MAX_PROMPTS}"
+    );
+    anyhow::ensure!(
+        args.backend == "auto" || args.backend == "cpu",
+        "backend `{}` is not built into this binary (available: auto, cpu)",
+        args.backend
+    );
+    // Real weights from a file, or random weights of a named architecture.
+    let (config, model) = match &args.dummy {
+        Some(arch) => {
+            let config = runtime::preset(arch)?;
+            let model = switchyard_gpu::cpu::llama::LlamaModel::dummy(&config, args.seed)?;
+            (config, model)
+        }
+        None => {
+            let path = runtime::resolve_model_path(args.model.as_deref())?;
+            let loaded = runtime::load(&path)?;
+            let model = switchyard_gpu::cpu::llama::LlamaModel::from_weights(
+                &loaded.config,
+                &loaded.weights,
+            )?;
+            (loaded.config, model)
+        }
+    };
+    let vocab = config.vocab_size as u64;
+    let max_model_len = config.max_position_embeddings;
+    let mut rng = SplitMix(args.seed);
+    let lengths: Vec<(usize, usize)> = match args.dataset {
+        BenchDataset::Random => {
+            anyhow::ensure!(
+                args.input_len >= 1 && args.output_len >= 1,
+                "--input-len and --output-len must be at least 1"
+            );
+            anyhow::ensure!(
+                args.input_len + args.output_len <= max_model_len,
+                "input + output length exceed the context ({max_model_len})"
+            );
+            vec![(args.input_len, args.output_len); args.num_prompts]
+        }
+        BenchDataset::Sharegpt => {
+            let file = args.dataset_path.clone().unwrap_or_else(|| {
+                "../shared/traces/sharegpt_8k_filtered_stats_llama2_tokenizer.csv".into()
+            });
+            let all = sharegpt_lengths(&file, max_model_len)?;
+            (0..args.num_prompts)
+                .map(|_| all[rng.below(all.len() as u64) as usize])
+                .collect()
+        }
+    };
+    let block_size = 16;
+    let num_blocks = runtime::cpu_kv_blocks(&config, block_size, KV_MB);
+    let settings = runtime::CpuSettings {
+        num_blocks,
+        block_size,
+        threads: args.threads,
+        max_batch_tokens: args.max_num_batched_tokens,
+    };
+    let backend = runtime::cpu_backend_for(model, &settings)?;
+    let scheduler = SchedulerConfig {
+        max_num_seqs: args.max_num_seqs,
+        max_num_batched_tokens: args.max_num_batched_tokens,
+        block_size,
+        num_gpu_blocks: num_blocks,
+        enable_prefix_caching: true,
+        max_model_len,
+        tiers: Vec::new(),
+    };
+    let mut engine = runtime::offline_core(backend, scheduler)?;
+    let sampling = Arc::new(SamplingParams {
+        ignore_eos: true,
+        ..SamplingParams::default()
+    });
+    let mut prompt_tokens = 0usize;
+    for (i, &(input, output)) in lengths.iter().enumerate() {
+        // Random ids away from the first 256 (special and byte tokens), unique per prompt.
+        let prompt: Vec<u32> = (0..input)
+            .map(|_| (256 + rng.below(vocab.saturating_sub(256).max(1))) as u32)
+            .collect();
+        prompt_tokens += input;
+        engine.core().add_request(SubmitOptions {
+            request: Request {
+                id: RequestId(i as u64),
+                tenant: String::new(),
+                tier: String::new(),
+                priority: 0,
+                lora_adapter: None,
+                arrival: Timestamp(0),
+                slo: SloTargets {
+                    ttft_ms: None,
+                    tpot_ms: None,
+                },
+                prompt: prompt.into(),
+                limits: SamplingLimits {
+                    max_tokens: output as u32,
+                    min_tokens: 0,
+                    stop_token_ids: Vec::new(),
+                    eos_token_id: None,
+                    ignore_eos: true,
+                },
+                cache_salt: None,
+            },
+            sampling: sampling.clone(),
+        })?;
+    }
+    let bar = super::progress_bar(args.num_prompts as u64, "requests");
+    let start = Instant::now();
+    let (mut output_tokens, mut steps, mut overhead_us) = (0usize, 0u64, 0u64);
+    while engine.core().has_unfinished() {
+        let report = engine.step(Timestamp(start.elapsed().as_micros() as u64))?;
+        steps += 1;
+        overhead_us += report.plan_us + report.apply_us;
+        for e in &report.events {
+            match e {
+                CoreEvent::Token { .. } => output_tokens += 1,
+                CoreEvent::Finished { .. } => bar.inc(1),
+            }
+        }
+    }
+    bar.finish_and_clear();
+    let secs = start.elapsed().as_secs_f64().max(1e-9);
+    let n = lengths.len() as f64;
+    let result = serde_json::json!({
+        "elapsed_time": secs,
+        "num_requests": lengths.len(),
+        "total_num_tokens": prompt_tokens + output_tokens,
+        "requests_per_second": n / secs,
+        "tokens_per_second": (prompt_tokens + output_tokens) as f64 / secs,
+        "output_tokens_per_second": output_tokens as f64 / secs,
+        "total_prompt_tokens": prompt_tokens,
+        "total_output_tokens": output_tokens,
+        "steps": steps,
+        "engine_overhead_us_per_step": overhead_us as f64 / steps.max(1) as f64,
+    });
+    if args.json {
+        println!("{result}");
+    } else {
+        println!(
+            "Throughput: {:.2} requests/s, {:.2} total tokens/s, {:.2} output tokens/s",
+            n / secs,
+            (prompt_tokens + output_tokens) as f64 / secs,
+            output_tokens as f64 / secs
+        );
+        println!("Total num prompt tokens:  {prompt_tokens}");
+        println!("Total num output tokens:  {output_tokens}");
+        println!(
+            "Engine overhead (plan + apply) per step: {:.1} us over {steps} steps",
+            overhead_us as f64 / steps.max(1) as f64
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,191 @@
+//! `switchyard generate`: several prompts generated together through the scheduling core
+//! (continuous batching), printed as they finish; a single prompt streams to stdout.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::sync::Arc;
+use std::time::Instant;
+
+use switchyard_actors::{CoreEvent, IncrementalDetokenizer, SubmitOptions};
+use switchyard_gpu::backend::SamplingParams;
+use switchyard_gpu::model::ChatMessage;
+use switchyard_policies::{
+    Request, RequestId, SamplingLimits, SchedulerConfig, SloTargets, Timestamp,
+};
+
+use super::runtime;
+use crate::cli::GenerateArgs;
+
+/// KV cache budget for offline generation, MiB.
+const KV_MB: usize = 512;
+
+struct Output {
+    prompt_tokens: usize,
+    tokens: Vec<u32>,
+    text: String,
+    detok: IncrementalDetokenizer,
+    finish: Option<&'static str>,
+}
+
+pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
+    let path = runtime::resolve_model_path(args.model.as_deref())?;
+    let model = runtime::load(&path)?;
+    let tokenizer = model.tokenizer.clone();
+    let mut prompts = Vec::with_capacity(args.prompt.len());
+    for p in &args.prompt {
+        let ids = if args.chat {
+            let template = model.chat_template.as_ref().ok_or_else(|| {
+                anyhow::anyhow!("{} has no chat template; drop --chat", path.display())
+            })?;
+            let text = template.render(
+                &[ChatMessage {
+                    role: "user".into(),
+                    content: p.clone(),
+                }],
+                true,
+            )?;
+            tokenizer.encode(&text, false)?
+        } else {
+            tokenizer.encode(p, true)?
+        };
+        anyhow::ensure!(!ids.is_empty(), "prompt {p:?} has no tokens");
+        prompts.push(ids);
+    }
+    let max_model_len = model.config.max_position_embeddings;
+    let block_size = 16;
+    let num_blocks = runtime::cpu_kv_blocks(&model.config, block_size, KV_MB);
+    let settings = runtime::CpuSettings {
+        num_blocks,
+        block_size,
+        threads: args.threads,
+        max_batch_tokens: 2048,
+    };
+    let backend = runtime::cpu_backend(&model.config, &model.weights, &settings)?;
+    drop(model);
+    let scheduler = SchedulerConfig {
+        max_num_seqs: 256,
+        max_num_batched_tokens: 2048,
+        block_size,
+        num_gpu_blocks: num_blocks,
+        enable_prefix_caching: true,
+        max_model_len,
+        tiers: Vec::new(),
+    };
+    let mut engine = runtime::offline_core(backend, scheduler)?;
+    let eos = tokenizer.eos_token_ids().to_vec();
+    let mut outputs = BTreeMap::new();
+    for (i, ids) in prompts.into_iter().enumerate() {
+        let id = RequestId(i as u64);
+        let sampling = SamplingParams {
+            temperature: args.temperature,
+            top_p: args.top_p,
+            top_k: args.top_k,
+            seed: args.seed.map(|s| s.wrapping_add(i as u64)),
+            eos_token_ids: eos.clone(),
+            ..SamplingParams::default()
+        };
+        outputs.insert(
+            id,
+            Output {
+                prompt_tokens: ids.len(),
+                tokens: Vec::new(),
+                text: String::new(),
+                detok: IncrementalDetokenizer::new(Vec::new()),
+                finish: None,
+            },
+        );
+        engine.core().add_request(SubmitOptions {
+            request: Request {
+                id,
+                tenant: String::new(),
+                tier: String::new(),
+                priority: 0,
+                lora_adapter: None,
+                arrival: Timestamp(0),
+                slo: SloTargets {
+                    ttft_ms: None,
+                    tpot_ms: None,
+                },
+                prompt: ids.into(),
+                limits: SamplingLimits {
+                    max_tokens: args.max_tokens,
+                    min_tokens: 0,
+                    stop_token_ids: eos.iter().skip(1).copied().collect(),
+                    eos_token_id: eos.first().copied(),
+                    ignore_eos: false,
+                },
+                cache_salt: None,
+            },
+            sampling: Arc::new(sampling),
+        })?;
+    }
+    let stream = outputs.len() == 1 && !args.json;
+    let start = Instant::now();
+    let mut generated = 0usize;
+    let mut stdout = std::io::stdout().lock();
+    while engine.core().has_unfinished() {
+        let now = Timestamp(start.elapsed().as_micros() as u64);
+        let report = engine.step(now)?;
+        for event in report.events {
+            match event {
+                CoreEvent::Token { id, token, .. } => {
+                    let Some(out) = outputs.get_mut(&id) else {
+                        continue;
+                    };
+                    generated += 1;
+                    out.tokens.push(token);
+                    let bytes = if tokenizer.is_special(token) {
+                        &[][..]
+                    } else {
+                        tokenizer.token_bytes(token).unwrap_or(&[])
+                    };
+                    let piece = out.detok.push(bytes).text;
+                    if stream {
+                        write!(stdout, "{piece}")?;
+                        stdout.flush()?;
+                    }
+                    out.text.push_str(&piece);
+                }
+                CoreEvent::Finished { id, reason } => {
+                    let Some(out) = outputs.get_mut(&id) else {
+                        continue;
+                    };
+                    let rest = out.detok.finish().text;
+                    if stream {
+                        writeln!(stdout, "{rest}")?;
+                    }
+                    out.text.push_str(&rest);
+                    out.finish = Some(reason.as_str());
+                }
+            }
+        }
+    }
+    let secs = start.elapsed().as_secs_f64();
+    if !stream {
+        for (id, out) in &outputs {
+            if args.json {
+                let line = serde_json::json!({
+                    "index": id.0,
+                    "prompt": args.prompt[id.0 as usize],
+                    "text": out.text,
+                    "prompt_tokens": out.prompt_tokens,
+                    "completion_tokens": out.tokens.len(),
+                    "finish_reason": out.finish,
+                });
+                writeln!(stdout, "{line}")?;
+            } else {
+                writeln!(
+                    stdout,
+                    "--- [{}] {}\n{}",
+                    id.0, args.prompt[id.0 as usize], out.text
+                )?;
+            }
+        }
+    }
+    eprintln!(
+        "{generated} tokens for {} prompts in {secs:.2} s ({:.1} tok/s)",
+        outputs.len(),
+        generated as f64 / secs.max(1e-9)
+    );
+    Ok(())
+}

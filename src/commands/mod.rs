@@ -1,0 +1,58 @@
+//! One module per subcommand; each turns parsed arguments into calls on the library crates.
+
+mod bench;
+mod bench_serve;
+mod config;
+mod generate;
+mod model;
+mod runtime;
+mod serve;
+mod simulate;
+
+use crate::cli::{Cli, Command};
+use std::io::IsTerminal;
+
+/// Dispatches a parsed command line.
+pub fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Config(cmd) => config::run(cmd),
+        Command::Model(cmd) => model::run(cmd),
+        Command::Generate(args) => generate::run(args),
+        Command::Bench(cmd) => bench::run(cmd),
+        Command::Serve(args) => serve::run(args),
+        Command::Simulate(args) => simulate::run(args),
+    }
+}
+
+/// Whether to draw progress bars: only on a terminal.
+pub fn progress_enabled() -> bool {
+    std::io::stderr().is_terminal()
+}
+
+/// Installs the tracing subscriber once, honouring `RUST_LOG` over the configured level.
+pub fn init_logging(level: &str, json: bool) {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(level));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let _ = if json {
+        builder.json().try_init()
+    } else {
+        builder.try_init()
+    };
+}
+
+/// A progress bar on terminals, hidden when stderr is piped.
+pub fn progress_bar(len: u64, unit: &str) -> indicatif::ProgressBar {
+    if !progress_enabled() {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new(len);
+    let style = indicatif::ProgressStyle::with_template(&format!(
+        "{{bar:40}} {{pos}}/{{len}} {unit} ({{eta}})"
+    ))
+    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar());
+    bar.set_style(style);
+    bar
+}

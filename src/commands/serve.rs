@@ -1,0 +1,497 @@
+//! `switchyard serve`: the YAML-configured OpenAI-compatible server.
+//!
+//! The HTTP layer (`switchyard-api`) talks to the engine through its `Engine` port; this module
+//! adapts the actor engine (`switchyard-actors`) to that port, so neither crate knows the other.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use parking_lot::Mutex;
+use switchyard_actors::actors::{
+    ChoiceDelta, Engine as ActorEngine, EngineConfig, EngineOutput, OutputSink, PromptSource,
+    RequestOptions, SubmitError, SubmitErrorKind,
+};
+use switchyard_api::engine::{
+    self as port, Delta, EngineError, EngineErrorKind, EngineEvent, EngineFuture, Finish,
+    GenerateRequest, PolicyInfo, PolicySpec, TokenLogprob, TokenizeInput, TopLogprob,
+};
+use switchyard_api::{ApiConfig, ApiKeyEntry, ApiState, ServerOptions};
+use switchyard_config::{BackendKind, Config, LoadFormat};
+use switchyard_gpu::backend::SamplingParams;
+use switchyard_gpu::model::Tokenizer;
+use switchyard_policies::{FinishReason, PolicyRegistry, SchedulerConfig, SloTargets, TierSpec};
+use tokio::sync::mpsc;
+
+use super::runtime;
+use crate::cli::ServeArgs;
+
+/// Deltas buffered per request before a slow client is cut off.
+const CHANNEL_CAPACITY: usize = 4096;
+
+pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let config = super::config::load(&args.config, &args.overrides)?;
+    super::init_logging(
+        &config.logging.level,
+        config.logging.format == switchyard_config::LogFormat::Json,
+    );
+    anyhow::ensure!(
+        config.model.load_format != LoadFormat::Dummy,
+        "load_format: dummy is for benchmarks; serve needs real weights"
+    );
+    if config.model.backend == BackendKind::Cuda {
+        anyhow::bail!("backend: cuda is not available in this build (the CUDA backend is not implemented yet); use cpu or auto");
+    }
+    let path = if config.model.path.is_empty() {
+        runtime::resolve_model_path(None)?
+    } else {
+        runtime::resolve_model_path(Some(Path::new(&config.model.path)))?
+    };
+    tracing::info!(backend = "cpu", model = %path.display(), "loading model");
+    metrics::gauge!("switchyard:backend_info", "backend" => "cpu").set(1.0);
+    let mut model = runtime::load(&path)?;
+    let model_name = config
+        .model
+        .served_name
+        .clone()
+        .unwrap_or_else(|| model.name.clone());
+    let max_model_len = config
+        .model
+        .max_model_len
+        .unwrap_or(model.config.max_position_embeddings)
+        .min(model.config.max_position_embeddings);
+    let tokenizer = Arc::new(model.tokenizer.clone());
+    let template = model.chat_template.take().map(Arc::new);
+    let block_size = config.cache.block_size;
+    let num_blocks = config.cache.num_blocks.unwrap_or_else(|| {
+        runtime::cpu_kv_blocks(&model.config, block_size, config.cache.kv_cache_mb)
+    });
+    let settings = runtime::CpuSettings {
+        num_blocks,
+        block_size,
+        threads: config.model.threads,
+        max_batch_tokens: config.scheduler.max_num_batched_tokens,
+    };
+    let backend = runtime::cpu_backend(&model.config, &model.weights, &settings)?;
+    drop(model);
+    let tiers: Vec<TierSpec> = config
+        .tiers
+        .iter()
+        .map(|(name, t)| TierSpec {
+            name: name.clone(),
+            ttft_ms: t.ttft_ms,
+            tpot_ms: t.tpot_ms,
+            weight: t.weight,
+            preemptible: t.preemptible,
+        })
+        .collect();
+    let registry = PolicyRegistry::with_builtins();
+    let policy = registry
+        .create(
+            &config.scheduler.policy.name,
+            &config.scheduler.policy.params,
+            &tiers,
+        )
+        .with_context(|| format!("{}: scheduler.policy", args.config.display()))?;
+    let engine_config = EngineConfig {
+        scheduler: SchedulerConfig {
+            max_num_seqs: config.scheduler.max_num_seqs,
+            max_num_batched_tokens: config.scheduler.max_num_batched_tokens,
+            block_size,
+            num_gpu_blocks: num_blocks,
+            enable_prefix_caching: config.cache.prefix_caching,
+            max_model_len,
+            tiers: tiers.clone(),
+        },
+        hash_key: runtime::random_hash_key(),
+        tokenizer_threads: 2,
+        max_pending_requests: config.server.max_pending_requests,
+        tier_slos: tiers
+            .iter()
+            .map(|t| {
+                (
+                    t.name.clone(),
+                    SloTargets {
+                        ttft_ms: t.ttft_ms,
+                        tpot_ms: t.tpot_ms,
+                    },
+                )
+            })
+            .collect(),
+    };
+    let api_config = api_config(&config)?;
+    let options = ServerOptions {
+        bind: vec![format!("{}:{}", config.server.host, config.server.port)
+            .parse()
+            .with_context(|| {
+                format!("server.host `{}` is not an IP address", config.server.host)
+            })?],
+        workers: config.server.workers,
+        shutdown_timeout: Duration::from_secs(config.server.drain_timeout_s),
+        ..ServerOptions::default()
+    };
+    let drain = Duration::from_secs(config.server.drain_timeout_s);
+    let policy_info = PolicyInfo {
+        name: config.scheduler.policy.name.clone(),
+        params: serde_json::to_value(&config.scheduler.policy.params)
+            .unwrap_or(serde_json::Value::Null),
+        available: registry.names().iter().map(|s| s.to_string()).collect(),
+    };
+    let config_path = args.config.clone();
+    let overrides = args.overrides.clone();
+    actix_web::rt::System::new().block_on(async move {
+        let engine =
+            ActorEngine::start(engine_config, backend, tokenizer.clone(), template, policy)?;
+        let adapter = Arc::new(EngineAdapter {
+            engine,
+            tokenizer,
+            model_name,
+            max_model_len,
+            ready: AtomicBool::new(true),
+            tiers,
+            policy: Mutex::new(policy_info),
+        });
+        let metrics = switchyard_api::metrics::install_prometheus_recorder().ok();
+        switchyard_api::metrics::describe_metrics();
+        let state = ApiState::new(adapter.clone(), api_config, metrics);
+        let server = switchyard_api::build_server(state.clone(), &options)?;
+        let handle = server.handle();
+        tracing::info!(addr = ?options.bind, "serving");
+        // Signals: SIGTERM/SIGINT drain then stop; SIGHUP re-reads the policy section.
+        actix_web::rt::spawn(async move {
+            use tokio::signal::unix::{signal, SignalKind};
+            let (Ok(mut term), Ok(mut int), Ok(mut hup)) = (
+                signal(SignalKind::terminate()),
+                signal(SignalKind::interrupt()),
+                signal(SignalKind::hangup()),
+            ) else {
+                tracing::error!("cannot install signal handlers");
+                return;
+            };
+            loop {
+                tokio::select! {
+                    _ = term.recv() => break,
+                    _ = int.recv() => break,
+                    _ = hup.recv() => reload_policy(&adapter, &config_path, &overrides),
+                }
+            }
+            tracing::info!(
+                timeout_s = drain.as_secs(),
+                "draining: new requests get 503"
+            );
+            state.begin_drain();
+            let _ = tokio::time::timeout(drain, state.wait_idle()).await;
+            handle.stop(true).await;
+        });
+        server.await?;
+        tracing::info!("stopped");
+        anyhow::Ok(())
+    })
+}
+
+/// Builds the HTTP layer's settings: API keys inline and from `api_keys_file`.
+fn api_config(config: &Config) -> anyhow::Result<ApiConfig> {
+    let mut keys: Vec<ApiKeyEntry> = config
+        .server
+        .api_keys
+        .iter()
+        .map(|k| ApiKeyEntry {
+            key: k.key.clone(),
+            tenant: k.tenant.clone(),
+            tier: k.tier.clone().unwrap_or_else(|| "standard".into()),
+        })
+        .collect();
+    if let Some(file) = &config.server.api_keys_file {
+        let path = runtime::expand_home(Path::new(file));
+        let meta = std::fs::metadata(&path)
+            .with_context(|| format!("server.api_keys_file {}", path.display()))?;
+        anyhow::ensure!(
+            meta.len() <= switchyard_config::MAX_CONFIG_BYTES,
+            "{} is too large",
+            path.display()
+        );
+        let text = std::fs::read_to_string(&path)?;
+        let entries: Vec<switchyard_config::ApiKeyEntry> =
+            serde_yaml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+        for k in entries {
+            anyhow::ensure!(
+                k.key.len() >= 8 && k.key.len() <= 512,
+                "{}: API keys must be 8-512 bytes",
+                path.display()
+            );
+            keys.push(ApiKeyEntry {
+                key: k.key,
+                tenant: k.tenant,
+                tier: k.tier.unwrap_or_else(|| "standard".into()),
+            });
+        }
+    }
+    Ok(ApiConfig {
+        api_keys: keys,
+        admin_key: config.server.admin_key.clone(),
+        max_body_bytes: config.server.max_body_bytes,
+        ..ApiConfig::default()
+    })
+}
+
+/// SIGHUP: re-reads the policy section of the config file and swaps the policy.
+fn reload_policy(adapter: &EngineAdapter, path: &Path, overrides: &[String]) {
+    match super::config::load(path, overrides) {
+        Ok(cfg) => {
+            let spec = PolicySpec {
+                name: cfg.scheduler.policy.name.clone(),
+                params: serde_json::to_value(&cfg.scheduler.policy.params)
+                    .unwrap_or(serde_json::Value::Null),
+            };
+            match adapter.swap(spec) {
+                Ok(info) => tracing::info!(policy = %info.name, "SIGHUP: policy reloaded"),
+                Err(e) => tracing::error!(error = %e, "SIGHUP: policy not reloaded"),
+            }
+        }
+        Err(e) => tracing::error!(error = %e, "SIGHUP: config not reloaded"),
+    }
+}
+
+/// Adapts the actor engine to the HTTP layer's port.
+struct EngineAdapter {
+    engine: ActorEngine,
+    tokenizer: Arc<Tokenizer>,
+    model_name: String,
+    max_model_len: usize,
+    ready: AtomicBool,
+    tiers: Vec<TierSpec>,
+    policy: Mutex<PolicyInfo>,
+}
+
+impl EngineAdapter {
+    fn swap(&self, spec: PolicySpec) -> Result<PolicyInfo, EngineError> {
+        let params: serde_yaml::Value = serde_yaml::to_value(&spec.params).map_err(|e| {
+            EngineError::new(EngineErrorKind::InvalidRequest, e.to_string()).with_param("params")
+        })?;
+        let registry = PolicyRegistry::with_builtins();
+        let policy = registry
+            .create(&spec.name, &params, &self.tiers)
+            .map_err(|e| {
+                EngineError::new(EngineErrorKind::InvalidRequest, e.to_string()).with_param("name")
+            })?;
+        self.engine.swap_policy(policy);
+        let mut info = self.policy.lock();
+        *info = PolicyInfo {
+            name: spec.name,
+            params: spec.params,
+            available: registry.names().iter().map(|s| s.to_string()).collect(),
+        };
+        metrics::gauge!("switchyard:policy_info", "policy" => policy_label(&info.name)).set(1.0);
+        tracing::info!(policy = %info.name, "scheduling policy swap requested");
+        Ok(info.clone())
+    }
+}
+
+/// Policy names are registered names, so they are a bounded label set.
+fn policy_label(name: &str) -> &'static str {
+    match name {
+        "fcfs" => "fcfs",
+        "priority" => "priority",
+        "slo-aware" => "slo-aware",
+        "chunked-prefill" => "chunked-prefill",
+        "fair-share" => "fair-share",
+        _ => "other",
+    }
+}
+
+fn to_port_error(e: SubmitError) -> EngineError {
+    let kind = match e.kind {
+        SubmitErrorKind::InvalidRequest => EngineErrorKind::InvalidRequest,
+        SubmitErrorKind::ContextLengthExceeded => EngineErrorKind::ContextLengthExceeded,
+        SubmitErrorKind::Overloaded => EngineErrorKind::Overloaded {
+            retry_after_secs: 1,
+        },
+        SubmitErrorKind::Unavailable => EngineErrorKind::Unavailable,
+        SubmitErrorKind::Internal => EngineErrorKind::Internal,
+    };
+    EngineError::new(kind, e.message)
+}
+
+/// Delivers engine outputs to an HTTP response's channel, converting them to the port's events.
+struct ChannelSink {
+    tx: mpsc::Sender<EngineEvent>,
+    tokenizer: Arc<Tokenizer>,
+}
+
+impl ChannelSink {
+    fn token_text(&self, id: u32) -> String {
+        self.tokenizer
+            .token_bytes(id)
+            .map(|b| String::from_utf8_lossy(b).into_owned())
+            .unwrap_or_default()
+    }
+
+    fn delta(&self, d: ChoiceDelta) -> Delta {
+        let logprobs = d
+            .logprobs
+            .into_iter()
+            .map(|(id, lp, top)| TokenLogprob {
+                token_id: id,
+                token: self.token_text(id),
+                logprob: lp,
+                top: top
+                    .into_iter()
+                    .map(|(t, l)| TopLogprob {
+                        token_id: t,
+                        token: self.token_text(t),
+                        logprob: l,
+                    })
+                    .collect(),
+            })
+            .collect();
+        let finish = d.finish.map(|(reason, n)| Finish {
+            reason: match reason {
+                FinishReason::Length => port::FinishReason::Length,
+                _ => port::FinishReason::Stop,
+            },
+            completion_tokens: n,
+        });
+        Delta {
+            index: d.index,
+            text: d.text,
+            token_ids: d.token_ids,
+            logprobs,
+            finish,
+        }
+    }
+}
+
+impl OutputSink for ChannelSink {
+    fn send(&mut self, output: EngineOutput) -> bool {
+        let event = match output {
+            EngineOutput::Prompt { prompt_tokens } => EngineEvent::Prompt {
+                prompt_tokens,
+                prompt_logprobs: None,
+            },
+            EngineOutput::Delta(d) => EngineEvent::Delta(self.delta(d)),
+            EngineOutput::Error(e) => EngineEvent::Error(to_port_error(e)),
+        };
+        // A full channel means the client reads far slower than we generate: cut it off
+        // rather than block the engine.
+        self.tx.try_send(event).is_ok()
+    }
+
+    fn is_closed(&self) -> bool {
+        self.tx.is_closed()
+    }
+}
+
+impl port::Engine for EngineAdapter {
+    fn model_name(&self) -> &str {
+        &self.model_name
+    }
+
+    fn max_model_len(&self) -> usize {
+        self.max_model_len
+    }
+
+    fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::Acquire)
+    }
+
+    fn submit(&self, request: GenerateRequest) -> Result<mpsc::Receiver<EngineEvent>, EngineError> {
+        if request.prompt_logprobs.is_some() {
+            return Err(EngineError::new(
+                EngineErrorKind::InvalidRequest,
+                "prompt logprobs (echo with logprobs) are not supported yet",
+            )
+            .with_param("echo"));
+        }
+        let s = &request.sampling;
+        let sampling = SamplingParams {
+            temperature: s.temperature,
+            top_p: s.top_p,
+            top_k: s.top_k,
+            min_p: s.min_p,
+            seed: s.seed,
+            repetition_penalty: s.repetition_penalty,
+            presence_penalty: s.presence_penalty,
+            frequency_penalty: s.frequency_penalty,
+            logit_bias: s.logit_bias.clone(),
+            min_tokens: s.min_tokens,
+            ignore_eos: s.ignore_eos,
+            stop_token_ids: s.stop_token_ids.clone(),
+            eos_token_ids: self.tokenizer.eos_token_ids().to_vec(),
+            logprobs: request.logprobs,
+            ..SamplingParams::default()
+        };
+        let prompt = match request.prompt {
+            port::PromptInput::Text(t) => PromptSource::Text(t),
+            port::PromptInput::Tokens(t) => PromptSource::Tokens(t),
+            port::PromptInput::Chat(m) => PromptSource::Chat(
+                m.into_iter()
+                    .map(|m| (m.role.as_str().to_string(), m.content))
+                    .collect(),
+            ),
+        };
+        let (tx, rx) = mpsc::channel(CHANNEL_CAPACITY);
+        let options = RequestOptions {
+            prompt,
+            sampling,
+            stop: request.stop,
+            n: request.n,
+            max_tokens: request.max_tokens,
+            priority: request.priority,
+            tier: request.tier,
+            tenant: request.tenant,
+        };
+        self.engine.submit(
+            options,
+            Box::new(ChannelSink {
+                tx,
+                tokenizer: self.tokenizer.clone(),
+            }),
+        );
+        Ok(rx)
+    }
+
+    fn tokenize(&self, input: TokenizeInput) -> EngineFuture<Vec<u32>> {
+        let engine = self.engine.clone();
+        Box::pin(async move {
+            let (source, add_generation_prompt) = match input {
+                TokenizeInput::Text {
+                    text,
+                    add_special_tokens: _,
+                } => (PromptSource::Text(text), false),
+                TokenizeInput::Chat {
+                    messages,
+                    add_generation_prompt,
+                } => (
+                    PromptSource::Chat(
+                        messages
+                            .into_iter()
+                            .map(|m| (m.role.as_str().to_string(), m.content))
+                            .collect(),
+                    ),
+                    add_generation_prompt,
+                ),
+            };
+            engine
+                .tokenize(source, add_generation_prompt)
+                .await
+                .map_err(to_port_error)
+        })
+    }
+
+    fn detokenize(&self, token_ids: Vec<u32>) -> EngineFuture<String> {
+        let engine = self.engine.clone();
+        Box::pin(async move { engine.detokenize(token_ids).await.map_err(to_port_error) })
+    }
+
+    fn policy(&self) -> EngineFuture<PolicyInfo> {
+        let info = self.policy.lock().clone();
+        Box::pin(async move { Ok(info) })
+    }
+
+    fn swap_policy(&self, spec: PolicySpec) -> EngineFuture<PolicyInfo> {
+        let result = self.swap(spec);
+        Box::pin(async move { result })
+    }
+}

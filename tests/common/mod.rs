@@ -1,0 +1,254 @@
+//! Helpers for end-to-end tests: start the real `switchyard` binary on a loopback port with the
+//! embedded SmolLM2 model, and speak just enough HTTP/1.1 to drive it.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The embedded model, as `switchyard model fetch smollm2-135m` leaves it.
+pub fn model_path() -> PathBuf {
+    let dir = std::env::var_os("SWITCHYARD_MODEL_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").expect("HOME is set"))
+                .join(".cache/switchyard/models")
+        });
+    let p = dir.join("smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(
+        p.exists(),
+        "{} is missing: run `switchyard model fetch smollm2-135m` first",
+        p.display()
+    );
+    p
+}
+
+/// A running server; killed on drop.
+pub struct Server {
+    pub port: u16,
+    pub child: Child,
+    pub dir: PathBuf,
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+impl Server {
+    /// Starts the binary with `extra_yaml` appended to a base config and waits for /ready.
+    pub fn start(name: &str, extra_yaml: &str) -> Server {
+        Self::start_with(name, "", extra_yaml)
+    }
+
+    /// Like [`Server::start`], with `server_lines` (indented two spaces) added to `server:`.
+    pub fn start_with(name: &str, server_lines: &str, extra_yaml: &str) -> Server {
+        let model = model_path();
+        let port = free_port();
+        let dir =
+            std::env::temp_dir().join(format!("switchyard-e2e-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let config = dir.join("config.yaml");
+        let yaml = format!(
+            "model:\n  path: {}\n  threads: 2\nserver:\n  host: 127.0.0.1\n  port: {port}\n  drain_timeout_s: 20\n{server_lines}{extra_yaml}",
+            model.display()
+        );
+        std::fs::write(&config, yaml).expect("write config");
+        let log = std::fs::File::create(dir.join("server.log")).expect("log file");
+        let child = Command::new(env!("CARGO_BIN_EXE_switchyard"))
+            .args(["serve", "--config"])
+            .arg(&config)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("start switchyard serve");
+        let server = Server { port, child, dir };
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            if let Ok(r) = server.request("GET", "/ready", None, &[]) {
+                if r.status == 200 {
+                    return server;
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "server did not become ready; log:\n{}",
+                server.log()
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// The server's stderr so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("server.log")).unwrap_or_default()
+    }
+
+    /// Sends one request and reads the whole response.
+    pub fn request(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&str>,
+        headers: &[(&str, &str)],
+    ) -> std::io::Result<Response> {
+        let mut stream = TcpStream::connect(("127.0.0.1", self.port))?;
+        stream.set_read_timeout(Some(Duration::from_secs(300)))?;
+        write_request(&mut stream, method, path, body, headers)?;
+        read_response(&mut stream)
+    }
+
+    /// POSTs JSON and parses the JSON reply.
+    pub fn post_json(&self, path: &str, body: &serde_json::Value) -> (u16, serde_json::Value) {
+        let r = self
+            .request("POST", path, Some(&body.to_string()), &[])
+            .expect("request");
+        let v = serde_json::from_str(&r.body).unwrap_or(serde_json::Value::String(r.body.clone()));
+        (r.status, v)
+    }
+
+    /// Opens a connection, sends a request and returns the stream without reading.
+    pub fn open(&self, method: &str, path: &str, body: Option<&str>) -> TcpStream {
+        let mut stream = TcpStream::connect(("127.0.0.1", self.port)).expect("connect");
+        write_request(&mut stream, method, path, body, &[]).expect("send");
+        stream
+    }
+
+    /// Reads a metric's value from /metrics (first sample whose name matches exactly, any labels).
+    pub fn metric(&self, name: &str) -> Option<f64> {
+        let r = self.request("GET", "/metrics", None, &[]).ok()?;
+        r.body.lines().find_map(|l| {
+            let (lhs, value) = l.rsplit_once(' ')?;
+            let metric = lhs.split('{').next()?;
+            (metric == name).then(|| value.parse().ok()).flatten()
+        })
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn write_request(
+    stream: &mut TcpStream,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+    headers: &[(&str, &str)],
+) -> std::io::Result<()> {
+    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n");
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    if let Some(b) = body {
+        req.push_str(&format!(
+            "Content-Type: application/json\r\nContent-Length: {}\r\n",
+            b.len()
+        ));
+    }
+    req.push_str("\r\n");
+    if let Some(b) = body {
+        req.push_str(b);
+    }
+    stream.write_all(req.as_bytes())
+}
+
+/// A parsed HTTP response.
+#[derive(Debug)]
+pub struct Response {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: String,
+}
+
+impl Response {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// Reads a response with Content-Length, chunked encoding, or until close.
+pub fn read_response(stream: &mut TcpStream) -> std::io::Result<Response> {
+    let mut reader = BufReader::new(stream);
+    let mut line = String::new();
+    reader.read_line(&mut line)?;
+    let status = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let mut headers = Vec::new();
+    loop {
+        line.clear();
+        reader.read_line(&mut line)?;
+        let l = line.trim_end();
+        if l.is_empty() {
+            break;
+        }
+        if let Some((k, v)) = l.split_once(':') {
+            headers.push((k.trim().to_string(), v.trim().to_string()));
+        }
+    }
+    let get = |n: &str| {
+        headers
+            .iter()
+            .find(|(k, _): &&(String, String)| k.eq_ignore_ascii_case(n))
+            .map(|(_, v)| v.clone())
+    };
+    let mut body = Vec::new();
+    if get("transfer-encoding").is_some_and(|v| v.eq_ignore_ascii_case("chunked")) {
+        loop {
+            line.clear();
+            reader.read_line(&mut line)?;
+            let size = usize::from_str_radix(line.trim(), 16).unwrap_or(0);
+            if size == 0 {
+                break;
+            }
+            let mut chunk = vec![0; size];
+            reader.read_exact(&mut chunk)?;
+            body.extend_from_slice(&chunk);
+            line.clear();
+            reader.read_line(&mut line)?;
+        }
+    } else if let Some(len) = get("content-length").and_then(|v| v.parse::<usize>().ok()) {
+        body.resize(len, 0);
+        reader.read_exact(&mut body)?;
+    } else {
+        reader.read_to_end(&mut body)?;
+    }
+    Ok(Response {
+        status,
+        headers,
+        body: String::from_utf8_lossy(&body).into_owned(),
+    })
+}
+
+/// Splits an SSE body into its `data:` payloads, checking the framing exactly: every event is
+/// one `data: ` line followed by a blank line.
+pub fn sse_events(body: &str) -> Vec<String> {
+    assert!(
+        body.ends_with("\n\n"),
+        "SSE body must end with a blank line: {body:?}"
+    );
+    body.split_terminator("\n\n")
+        .map(|event| {
+            let payload = event
+                .strip_prefix("data: ")
+                .unwrap_or_else(|| panic!("event without `data: `: {event:?}"));
+            assert!(!payload.contains('\n'), "multi-line event: {event:?}");
+            payload.to_string()
+        })
+        .collect()
+}

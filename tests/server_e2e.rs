@@ -1,0 +1,259 @@
+//! End-to-end tests: the real binary, SmolLM2 on the CPU, HTTP on loopback.
+//!
+//! One server serves the read-only cases (startup costs a few seconds); tests that change server
+//! state (policy swap, shutdown) start their own.
+
+mod common;
+
+use common::{sse_events, Server};
+use serde_json::{json, Value};
+use std::sync::OnceLock;
+
+fn shared() -> &'static Server {
+    static SERVER: OnceLock<Server> = OnceLock::new();
+    SERVER.get_or_init(|| {
+        Server::start(
+            "shared",
+            "scheduler:\n  max_num_seqs: 16\n  max_num_batched_tokens: 1024\n",
+        )
+    })
+}
+
+fn completion(prompt: &str, extra: Value) -> Value {
+    let mut body = json!({"model": "x", "prompt": prompt, "max_tokens": 12, "temperature": 0});
+    if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
+        for (k, v) in e {
+            b.insert(k.clone(), v.clone());
+        }
+    }
+    body
+}
+
+fn model_name(server: &Server) -> String {
+    let r = server
+        .request("GET", "/v1/models", None, &[])
+        .expect("models");
+    let v: Value = serde_json::from_str(&r.body).expect("json");
+    v["data"][0]["id"].as_str().expect("a model id").to_string()
+}
+
+fn complete(server: &Server, prompt: &str, extra: Value) -> Value {
+    let mut body = completion(prompt, extra);
+    body["model"] = json!(model_name(server));
+    let (status, v) = server.post_json("/v1/completions", &body);
+    assert_eq!(
+        status,
+        200,
+        "completion failed: {v}\nlog:\n{}",
+        server.log()
+    );
+    v
+}
+
+#[test]
+fn completion_is_sensible_and_counts_usage() {
+    let s = shared();
+    let v = complete(s, "The capital of France is", json!({}));
+    let text = v["choices"][0]["text"].as_str().expect("text");
+    assert!(text.contains("Paris"), "unexpected continuation {text:?}");
+    let (status, tok) = s.post_json(
+        "/tokenize",
+        &json!({"model": model_name(s), "prompt": "The capital of France is"}),
+    );
+    assert_eq!(status, 200, "{tok}");
+    let n_prompt = tok["tokens"]
+        .as_array()
+        .map(|a| a.len())
+        .or_else(|| tok["count"].as_u64().map(|c| c as usize))
+        .expect("token list");
+    assert_eq!(v["usage"]["prompt_tokens"].as_u64(), Some(n_prompt as u64));
+    let completion_tokens = v["usage"]["completion_tokens"]
+        .as_u64()
+        .expect("completion tokens");
+    assert!((1..=12).contains(&completion_tokens));
+    assert_eq!(
+        v["usage"]["total_tokens"].as_u64(),
+        Some(n_prompt as u64 + completion_tokens)
+    );
+}
+
+#[test]
+fn streaming_matches_the_non_streaming_text() {
+    let s = shared();
+    let plain = complete(s, "Once upon a time", json!({}));
+    let mut body = completion(
+        "Once upon a time",
+        json!({"stream": true, "stream_options": {"include_usage": true}}),
+    );
+    body["model"] = json!(model_name(s));
+    let r = s
+        .request("POST", "/v1/completions", Some(&body.to_string()), &[])
+        .expect("stream");
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(r
+        .header("content-type")
+        .unwrap_or_default()
+        .starts_with("text/event-stream"));
+    let events = sse_events(&r.body);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).expect("chunk json"))
+        .collect();
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| {
+            c["choices"]
+                .get(0)?
+                .get("text")?
+                .as_str()
+                .map(str::to_string)
+        })
+        .collect();
+    assert_eq!(
+        text,
+        plain["choices"][0]["text"].as_str().unwrap_or_default()
+    );
+    let usage = chunks
+        .iter()
+        .rev()
+        .find(|c| c["usage"].is_object())
+        .expect("a usage chunk");
+    assert_eq!(
+        usage["usage"]["completion_tokens"],
+        plain["usage"]["completion_tokens"]
+    );
+}
+
+#[test]
+fn chat_completion_answers() {
+    let s = shared();
+    let body = json!({"model": model_name(s), "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 16, "temperature": 0});
+    let (status, v) = s.post_json("/v1/chat/completions", &body);
+    assert_eq!(status, 200, "{v}");
+    let content = v["choices"][0]["message"]["content"]
+        .as_str()
+        .expect("content");
+    assert!(content.contains("Paris"), "unexpected answer {content:?}");
+    assert_eq!(v["choices"][0]["message"]["role"], "assistant");
+}
+
+#[test]
+fn seeded_sampling_is_reproducible_and_n_gives_choices() {
+    let s = shared();
+    let a = complete(
+        s,
+        "My favourite colour is",
+        json!({"temperature": 1.0, "seed": 7, "n": 2}),
+    );
+    let b = complete(
+        s,
+        "My favourite colour is",
+        json!({"temperature": 1.0, "seed": 7, "n": 2}),
+    );
+    assert_eq!(a["choices"].as_array().map(Vec::len), Some(2));
+    let texts = |v: &Value| {
+        let mut t: Vec<(u64, String)> = v["choices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| {
+                (
+                    c["index"].as_u64().unwrap(),
+                    c["text"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect();
+        t.sort();
+        t
+    };
+    assert_eq!(texts(&a), texts(&b));
+    assert_eq!(
+        texts(&a).iter().map(|t| t.0).collect::<Vec<_>>(),
+        vec![0, 1]
+    );
+}
+
+#[test]
+fn stop_string_truncates_and_reports_stop() {
+    let s = shared();
+    let full = complete(s, "The capital of France is", json!({"max_tokens": 12}));
+    let text = full["choices"][0]["text"].as_str().unwrap().to_string();
+    let stop = "Paris";
+    let pos = text.find(stop).expect("greedy text mentions Paris");
+    let v = complete(
+        s,
+        "The capital of France is",
+        json!({"max_tokens": 12, "stop": [stop]}),
+    );
+    assert_eq!(v["choices"][0]["text"].as_str(), Some(&text[..pos]));
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+}
+
+#[test]
+fn bad_inputs_get_openai_errors_and_the_server_keeps_serving() {
+    let s = shared();
+    let name = model_name(s);
+    let cases: Vec<(Value, u16, &str)> = vec![
+        (
+            json!({"model": name, "prompt": "hi", "temperature": 5}),
+            400,
+            "temperature",
+        ),
+        (json!({"model": name, "prompt": "hi", "n": 1000}), 400, "n"),
+        (
+            json!({"model": name, "prompt": "hi", "max_tokens": 100000000}),
+            400,
+            "max_tokens",
+        ),
+        (
+            json!({"model": "no-such-model", "prompt": "hi"}),
+            404,
+            "model",
+        ),
+        (json!({"model": name}), 400, "prompt"),
+        (json!({"model": name, "prompt": [99999999]}), 400, ""),
+    ];
+    for (body, status, param) in cases {
+        let (got, v) = s.post_json("/v1/completions", &body);
+        assert_eq!(got, status, "{body} -> {v}");
+        assert!(v["error"]["message"].is_string(), "{v}");
+        assert!(v["error"]["type"].is_string(), "{v}");
+        if !param.is_empty() {
+            assert_eq!(v["error"]["param"], param, "{body} -> {v}");
+        }
+    }
+    let r = s
+        .request("POST", "/v1/completions", Some("{not json"), &[])
+        .expect("request");
+    assert_eq!(r.status, 400);
+    complete(s, "Still alive?", json!({"max_tokens": 2}));
+}
+
+#[test]
+fn context_length_is_enforced_with_its_code() {
+    let s = shared();
+    let long = "hello ".repeat(9000);
+    let (status, v) = s.post_json(
+        "/v1/completions",
+        &json!({"model": model_name(s), "prompt": long, "max_tokens": 10}),
+    );
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["code"], "context_length_exceeded", "{v}");
+}
+
+#[test]
+fn metrics_are_exported() {
+    let s = shared();
+    complete(s, "Metrics", json!({"max_tokens": 2}));
+    let r = s.request("GET", "/metrics", None, &[]).expect("metrics");
+    assert_eq!(r.status, 200);
+    for name in [
+        "switchyard:generation_tokens_total",
+        "switchyard:prompt_tokens_total",
+        "switchyard:time_to_first_token_seconds",
+        "switchyard:kv_cache_usage_perc",
+    ] {
+        assert!(r.body.contains(name), "missing {name} in\n{}", r.body);
+    }
+}

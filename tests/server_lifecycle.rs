@@ -1,0 +1,170 @@
+//! End-to-end tests of server state: auth, policy hot swap under load, client disconnects and
+//! SIGTERM draining. Each test starts its own server.
+
+mod common;
+
+use common::{sse_events, Server};
+use serde_json::{json, Value};
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+const KEYS: &str =
+    "  admin_key: admin-secret-key\n  api_keys:\n    - { key: tenant-a-key-0001, tenant: a }\n";
+
+fn models(server: &Server, key: &str) -> (u16, Value) {
+    let auth = format!("Bearer {key}");
+    let r = server
+        .request("GET", "/v1/models", None, &[("Authorization", &auth)])
+        .expect("request");
+    (
+        r.status,
+        serde_json::from_str(&r.body).unwrap_or(Value::Null),
+    )
+}
+
+#[test]
+fn api_keys_and_admin_policy_swap_under_load() {
+    let s = Server::start_with("swap", KEYS, "scheduler:\n  max_num_seqs: 8\n");
+    let (status, v) = models(&s, "wrong-key-000000");
+    assert_eq!(status, 401, "{v}");
+    assert!(v["error"]["type"].is_string(), "{v}");
+    let (status, v) = models(&s, "tenant-a-key-0001");
+    assert_eq!(status, 200, "{v}");
+    let model = v["data"][0]["id"].as_str().unwrap().to_string();
+
+    // Load: 6 concurrent completions while the policy is swapped twice.
+    let port = s.port;
+    let workers: Vec<_> = (0..6)
+        .map(|i| {
+            let model = model.clone();
+            std::thread::spawn(move || {
+                let body = json!({"model": model, "prompt": format!("Count to ten: {i}"), "max_tokens": 16, "temperature": 0, "ignore_eos": true}).to_string();
+                let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+                let req = format!(
+                    "POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: Bearer tenant-a-key-0001\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+                    body.len()
+                );
+                stream.write_all(req.as_bytes()).unwrap();
+                common::read_response(&mut stream).unwrap()
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let admin = [("Authorization", "Bearer admin-secret-key")];
+    for name in ["priority", "fcfs"] {
+        let body = json!({"name": name, "params": {}}).to_string();
+        let r = s
+            .request("PUT", "/admin/policy", Some(&body), &admin)
+            .expect("swap");
+        assert_eq!(r.status, 200, "{}", r.body);
+        let r = s
+            .request("GET", "/admin/policy", None, &admin)
+            .expect("get policy");
+        let v: Value = serde_json::from_str(&r.body).unwrap();
+        assert_eq!(v["name"], name);
+    }
+    let r = s
+        .request(
+            "PUT",
+            "/admin/policy",
+            Some(r#"{"name":"no-such-policy"}"#),
+            &admin,
+        )
+        .expect("bad swap");
+    assert_eq!(r.status, 400, "{}", r.body);
+    let r = s
+        .request(
+            "GET",
+            "/admin/policy",
+            None,
+            &[("Authorization", "Bearer tenant-a-key-0001")],
+        )
+        .expect("non-admin");
+    assert_eq!(r.status, 401);
+    for w in workers {
+        let r = w.join().unwrap();
+        assert_eq!(r.status, 200, "{}", r.body);
+        let v: Value = serde_json::from_str(&r.body).unwrap();
+        assert_eq!(
+            v["usage"]["completion_tokens"], 16,
+            "request lost tokens across the swap: {v}"
+        );
+    }
+    assert!(s.metric("switchyard:policy_swaps_total").unwrap_or(0.0) >= 2.0);
+}
+
+#[test]
+fn client_disconnect_aborts_and_frees_blocks() {
+    let s = Server::start("disconnect", "cache:\n  prefix_caching: false\n");
+    let model = {
+        let r = s.request("GET", "/v1/models", None, &[]).unwrap();
+        serde_json::from_str::<Value>(&r.body).unwrap()["data"][0]["id"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    let body = json!({"model": model, "prompt": "Tell me a very long story", "max_tokens": 2000, "ignore_eos": true, "stream": true}).to_string();
+    let stream = s.open("POST", "/v1/completions", Some(&body));
+    // Wait until it is running, then hang up.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while s.metric("switchyard:num_requests_running").unwrap_or(0.0) < 1.0 {
+        assert!(Instant::now() < deadline, "request never ran");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(s.metric("switchyard:kv_cache_usage_perc").unwrap_or(0.0) > 0.0);
+    drop(stream);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let running = s.metric("switchyard:num_requests_running").unwrap_or(1.0);
+        let usage = s.metric("switchyard:kv_cache_usage_perc").unwrap_or(1.0);
+        if running == 0.0 && usage == 0.0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "blocks not freed after disconnect: running={running} usage={usage}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn sigterm_drains_in_flight_requests_then_exits_zero() {
+    let mut s = Server::start("drain", "");
+    let model = {
+        let r = s.request("GET", "/v1/models", None, &[]).unwrap();
+        serde_json::from_str::<Value>(&r.body).unwrap()["data"][0]["id"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    let body = json!({"model": model, "prompt": "Write a list of fruits", "max_tokens": 48, "ignore_eos": true, "stream": true}).to_string();
+    let mut stream = s.open("POST", "/v1/completions", Some(&body));
+    std::thread::sleep(Duration::from_millis(300));
+    let pid = s.child.id().to_string();
+    let status = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .expect("kill");
+    assert!(status.success());
+    std::thread::sleep(Duration::from_millis(200));
+    // New work is refused while draining.
+    if let Ok(r) = s.request("GET", "/ready", None, &[]) {
+        assert_eq!(r.status, 503);
+    }
+    let r = common::read_response(&mut stream).expect("in-flight stream completes");
+    let events = sse_events(&r.body);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let code = loop {
+        if let Some(code) = s.child.try_wait().expect("wait") {
+            break code;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "server did not exit after draining"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(code.success(), "exit status {code:?}\n{}", s.log());
+}
