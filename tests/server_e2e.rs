@@ -125,17 +125,50 @@ fn streaming_matches_the_non_streaming_text() {
     );
 }
 
+/// The reference continuation of a golden prompt, decoded by Hugging Face transformers
+/// (gpu/tests/fixtures/smollm2_golden.json, made by gpu/reference/make_golden.py).
+fn golden_completion(name: &str) -> String {
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/gpu/tests/fixtures/smollm2_golden.json"
+    ))
+    .expect("fixture");
+    let v: Value = serde_json::from_str(&text).expect("fixture json");
+    let g = v["generations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|g| g["name"] == name)
+        .expect("golden generation");
+    g["completion"].as_str().unwrap().to_string()
+}
+
 #[test]
-fn chat_completion_answers() {
+fn chat_completion_follows_the_reference_greedy_answer() {
     let s = shared();
-    let body = json!({"model": model_name(s), "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 16, "temperature": 0});
+    let body = json!({"model": model_name(s), "messages": [{"role": "user", "content": "Write a haiku about trains."}], "max_tokens": 12, "temperature": 0});
     let (status, v) = s.post_json("/v1/chat/completions", &body);
     assert_eq!(status, 200, "{v}");
     let content = v["choices"][0]["message"]["content"]
         .as_str()
         .expect("content");
-    assert!(content.contains("Paris"), "unexpected answer {content:?}");
+    let reference = golden_completion("chat-haiku");
+    assert!(
+        !content.is_empty() && reference.starts_with(content),
+        "{content:?} is not a prefix of the reference {reference:?}"
+    );
     assert_eq!(v["choices"][0]["message"]["role"], "assistant");
+}
+
+#[test]
+fn raw_completion_follows_the_reference_greedy_answer() {
+    let v = complete(shared(), "1, 2, 3, 4, 5,", json!({"max_tokens": 12}));
+    let text = v["choices"][0]["text"].as_str().unwrap();
+    let reference = golden_completion("raw-count");
+    assert!(
+        !text.is_empty() && reference.starts_with(text),
+        "{text:?} is not a prefix of the reference {reference:?}"
+    );
 }
 
 #[test]

@@ -248,6 +248,7 @@ impl LlamaModel {
         }
         let mut xn = vec![0f32; t * h];
         let mut xq = QActs::default();
+        let mut ps = PreciseScratch::default();
         let mut qkv = vec![0f32; t * qkv_w];
         let mut qbuf = vec![0f32; t * qw];
         let mut att = vec![0f32; t * qw];
@@ -262,7 +263,11 @@ impl LlamaModel {
         for (li, l) in self.layers.iter().enumerate() {
             rms_norm(&x, &l.attn_norm, c.rms_norm_eps, &mut xn);
             xq.quantize_into(&xn, t, h);
-            linear(&[&l.q, &l.k, &l.v], &xn, &xq, t, &mut qkv, isa)?;
+            if std::env::var("XXMODE").unwrap_or_default().contains("qkv") {
+                precise_linear(&[&l.q, &l.k, &l.v], &xn, t, &mut qkv, isa, &mut ps)?;
+            } else {
+                linear(&[&l.q, &l.k, &l.v], &xn, &xq, t, &mut qkv, isa)?;
+            }
             for (i, row) in qkv.chunks_exact_mut(qkv_w).enumerate() {
                 let q = step.queries[i];
                 let (qpart, rest) = row.split_at_mut(qw);
@@ -276,14 +281,26 @@ impl LlamaModel {
             }
             attention(li, &qbuf, cache, &batch, &mut att, isa);
             xq.quantize_into(&att, t, qw);
-            linear(&[&l.o], &att, &xq, t, &mut tmp, isa)?;
+            if std::env::var("XXMODE").unwrap_or_default().contains("o") {
+                precise_linear(&[&l.o], &att, t, &mut tmp, isa, &mut ps)?;
+            } else {
+                linear(&[&l.o], &att, &xq, t, &mut tmp, isa)?;
+            }
             x.iter_mut().zip(&tmp).for_each(|(a, b)| *a += b);
             rms_norm(&x, &l.ffn_norm, c.rms_norm_eps, &mut xn);
             xq.quantize_into(&xn, t, h);
-            linear(&[&l.gate, &l.up], &xn, &xq, t, &mut gu, isa)?;
+            if std::env::var("XXMODE").unwrap_or_default().contains("gu") {
+                precise_linear(&[&l.gate, &l.up], &xn, t, &mut gu, isa, &mut ps)?;
+            } else {
+                linear(&[&l.gate, &l.up], &xn, &xq, t, &mut gu, isa)?;
+            }
             swiglu(&gu, inter, &mut act);
             xq.quantize_into(&act, t, inter);
-            linear(&[&l.down], &act, &xq, t, &mut tmp, isa)?;
+            if std::env::var("XXMODE").unwrap_or_default().contains("down") {
+                precise_linear(&[&l.down], &act, t, &mut tmp, isa, &mut ps)?;
+            } else {
+                linear(&[&l.down], &act, &xq, t, &mut tmp, isa)?;
+            }
             x.iter_mut().zip(&tmp).for_each(|(a, b)| *a += b);
         }
         let r = logit_rows.len();
@@ -296,9 +313,48 @@ impl LlamaModel {
         xq.quantize_into(&normed, r, h);
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         let mut logits = vec![0f32; r * c.vocab_size];
-        linear(&[head], &normed, &xq, r, &mut logits, isa)?;
+        if std::env::var("XXMODE").unwrap_or_default().contains("head") {
+            precise_linear(&[head], &normed, r, &mut logits, isa, &mut ps)?;
+        } else {
+            linear(&[head], &normed, &xq, r, &mut logits, isa)?;
+        }
         Ok(logits)
     }
+}
+
+/// Scratch buffers of [`precise_linear`].
+#[derive(Default)]
+struct PreciseScratch {
+    acts: QActs,
+    x2: Vec<f32>,
+    out2: Vec<f32>,
+}
+
+/// `linear` with two-level int8 activations (see [`QActs::quantize_residual_into`]).
+fn precise_linear(
+    parts: &[&Weight],
+    x: &[f32],
+    t: usize,
+    out: &mut [f32],
+    isa: Isa,
+    s: &mut PreciseScratch,
+) -> Result<(), GpuError> {
+    let cols = parts.first().map_or(0, |w| w.cols());
+    let rows = out.len() / t.max(1);
+    s.acts.quantize_residual_into(x, t, cols, &mut s.x2);
+    s.out2.clear();
+    s.out2.resize(2 * t * rows, 0.0);
+    linear(parts, &s.x2, &s.acts, 2 * t, &mut s.out2, isa)?;
+    for (o, pair) in out
+        .chunks_exact_mut(rows)
+        .zip(s.out2.chunks_exact(2 * rows))
+    {
+        let (a, b) = pair.split_at(rows);
+        for ((o, &a), &b) in o.iter_mut().zip(a).zip(b) {
+            *o = a + b;
+        }
+    }
+    Ok(())
 }
 
 /// Random tensors for [`LlamaModel::dummy`].
