@@ -12,7 +12,7 @@ use rayon::prelude::*;
 
 use crate::cpu::attention::QueryPos;
 use crate::cpu::kv_cache::KvCache;
-use crate::cpu::llama::{LlamaModel, StepInput};
+use crate::cpu::llama::{ActivationPrecision, LlamaModel, StepInput};
 use crate::error::GpuError;
 use crate::model::{LlamaConfig, ModelWeights};
 pub use crate::sampler::SamplingParams;
@@ -102,6 +102,8 @@ pub struct CpuBackendConfig {
     pub max_batch_tokens: usize,
     /// Seed of the streams of requests that bring none.
     pub seed: u64,
+    /// Precision of the activations entering the quantized matrix multiplies.
+    pub precision: ActivationPrecision,
 }
 
 impl Default for CpuBackendConfig {
@@ -112,6 +114,7 @@ impl Default for CpuBackendConfig {
             threads: 0,
             max_batch_tokens: 8192,
             seed: 0,
+            precision: ActivationPrecision::default(),
         }
     }
 }
@@ -146,7 +149,8 @@ pub struct CpuBackend {
 
 impl CpuBackend {
     /// A backend running `model` with a KV cache of `cfg.num_kv_blocks` blocks.
-    pub fn new(model: LlamaModel, cfg: &CpuBackendConfig) -> Result<Self, GpuError> {
+    pub fn new(mut model: LlamaModel, cfg: &CpuBackendConfig) -> Result<Self, GpuError> {
+        model.set_precision(cfg.precision);
         let c = &model.config;
         let cache = KvCache::new(
             c.num_layers,

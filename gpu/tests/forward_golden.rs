@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use serde_json::Value;
 use switchyard_gpu::cpu::attention::QueryPos;
 use switchyard_gpu::cpu::kv_cache::KvCache;
-use switchyard_gpu::cpu::llama::{LlamaModel, StepInput};
+use switchyard_gpu::cpu::llama::{ActivationPrecision, LlamaModel, StepInput};
 use switchyard_gpu::cpu::matmul::Isa;
 use switchyard_gpu::model::gguf::GgufFile;
 use switchyard_gpu::model::LlamaConfig;
@@ -105,8 +105,9 @@ fn teacher_forced(model: &LlamaModel, generation: &Value) -> (usize, usize, f64)
     (agree, steps.len(), diff)
 }
 
-fn check(isa: Isa) {
+fn check(isa: Isa, precision: ActivationPrecision) {
     let mut model = model();
+    model.set_precision(precision);
     if model.set_isa(isa).is_err() {
         eprintln!("{isa:?} is not supported here; skipped");
         return;
@@ -128,17 +129,22 @@ fn check(isa: Isa) {
     }
     let agreement = agree as f64 / total as f64;
     let mean = diff / total as f64;
-    eprintln!("{isa:?}: top-1 agreement {agreement:.4} over {total} positions, mean |dlogprob| {mean:.4} nats");
+    eprintln!("{isa:?} {precision:?}: top-1 agreement {agreement:.4} over {total} positions, mean |dlogprob| {mean:.4} nats");
     assert!(agreement >= 0.99, "top-1 agreement {agreement}");
     assert!(mean <= 0.05, "mean |logprob difference| {mean}");
 }
 
 #[test]
 fn teacher_forced_logprobs_match_transformers() {
-    check(Isa::detect());
+    check(Isa::detect(), ActivationPrecision::default());
 }
 
 #[test]
 fn teacher_forced_logprobs_match_transformers_with_avx2_kernels() {
-    check(Isa::Avx2);
+    check(Isa::Avx2, ActivationPrecision::default());
+}
+
+#[test]
+fn teacher_forced_logprobs_match_transformers_with_precise_activations() {
+    check(Isa::detect(), ActivationPrecision::Precise);
 }

@@ -29,6 +29,24 @@ struct Layer {
     down: Weight,
 }
 
+/// How precisely the activations entering the quantized matrix multiplies are represented.
+///
+/// Measured on the golden fixture (SmolLM2 Q4_1, teacher-forced against transformers in
+/// `f32`): `Int8` agrees on the top token at 98.3% of positions (mean |logprob error| 0.029
+/// nats), `Mixed` at 99.7% (0.020), `Precise` at 100% (0.0004).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub enum ActivationPrecision {
+    /// int8 per 32-value block everywhere (llama.cpp's choice): fastest.
+    Int8,
+    /// Two-level int8 (about 15 bits) for the Q/K/V projections, whose normalised inputs
+    /// carry the outlier channels that int8 rounds worst; int8 elsewhere. About 10% slower
+    /// than `Int8` when compute-bound.
+    #[default]
+    Mixed,
+    /// Two-level int8 for every projection: close to `f32`, about 2x the multiply work.
+    Precise,
+}
+
 /// A Llama-family model ready to run on the CPU (weights repacked for the kernels).
 pub struct LlamaModel {
     /// Architecture.
@@ -39,6 +57,7 @@ pub struct LlamaModel {
     layers: Vec<Layer>,
     rope: Rope,
     isa: Isa,
+    precision: ActivationPrecision,
 }
 
 /// The flattened tokens of one step.
@@ -125,6 +144,7 @@ impl LlamaModel {
             layers,
             rope: Rope::new(c),
             isa: Isa::detect(),
+            precision: ActivationPrecision::default(),
         })
     }
 
@@ -143,6 +163,16 @@ impl LlamaModel {
         }
         self.isa = isa;
         Ok(())
+    }
+
+    /// Sets the activation precision.
+    pub fn set_precision(&mut self, precision: ActivationPrecision) {
+        self.precision = precision;
+    }
+
+    /// The activation precision.
+    pub fn precision(&self) -> ActivationPrecision {
+        self.precision
     }
 
     /// The instruction set the kernels use.
@@ -263,7 +293,7 @@ impl LlamaModel {
         for (li, l) in self.layers.iter().enumerate() {
             rms_norm(&x, &l.attn_norm, c.rms_norm_eps, &mut xn);
             xq.quantize_into(&xn, t, h);
-            if std::env::var("XXMODE").unwrap_or_default().contains("qkv") {
+            if self.precision != ActivationPrecision::Int8 {
                 precise_linear(&[&l.q, &l.k, &l.v], &xn, t, &mut qkv, isa, &mut ps)?;
             } else {
                 linear(&[&l.q, &l.k, &l.v], &xn, &xq, t, &mut qkv, isa)?;
@@ -281,7 +311,7 @@ impl LlamaModel {
             }
             attention(li, &qbuf, cache, &batch, &mut att, isa);
             xq.quantize_into(&att, t, qw);
-            if std::env::var("XXMODE").unwrap_or_default().contains("o") {
+            if self.precision == ActivationPrecision::Precise {
                 precise_linear(&[&l.o], &att, t, &mut tmp, isa, &mut ps)?;
             } else {
                 linear(&[&l.o], &att, &xq, t, &mut tmp, isa)?;
@@ -289,14 +319,14 @@ impl LlamaModel {
             x.iter_mut().zip(&tmp).for_each(|(a, b)| *a += b);
             rms_norm(&x, &l.ffn_norm, c.rms_norm_eps, &mut xn);
             xq.quantize_into(&xn, t, h);
-            if std::env::var("XXMODE").unwrap_or_default().contains("gu") {
+            if self.precision == ActivationPrecision::Precise {
                 precise_linear(&[&l.gate, &l.up], &xn, t, &mut gu, isa, &mut ps)?;
             } else {
                 linear(&[&l.gate, &l.up], &xn, &xq, t, &mut gu, isa)?;
             }
             swiglu(&gu, inter, &mut act);
             xq.quantize_into(&act, t, inter);
-            if std::env::var("XXMODE").unwrap_or_default().contains("down") {
+            if self.precision == ActivationPrecision::Precise {
                 precise_linear(&[&l.down], &act, t, &mut tmp, isa, &mut ps)?;
             } else {
                 linear(&[&l.down], &act, &xq, t, &mut tmp, isa)?;
@@ -313,7 +343,7 @@ impl LlamaModel {
         xq.quantize_into(&normed, r, h);
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         let mut logits = vec![0f32; r * c.vocab_size];
-        if std::env::var("XXMODE").unwrap_or_default().contains("head") {
+        if self.precision == ActivationPrecision::Precise {
             precise_linear(&[head], &normed, r, &mut logits, isa, &mut ps)?;
         } else {
             linear(&[head], &normed, &xq, r, &mut logits, isa)?;
