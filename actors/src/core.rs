@@ -298,3 +298,195 @@ impl EngineCore {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use switchyard_gpu::GpuError;
+    use switchyard_policies::{PolicyRegistry, SamplingLimits, SloTargets};
+
+    /// A backend double that "samples" the next integer after the last fed token, and records
+    /// what it was asked to do.
+    #[derive(Default)]
+    struct NextTokenBackend {
+        released: std::sync::Arc<std::sync::Mutex<Vec<u64>>>,
+        fed: std::sync::Arc<std::sync::Mutex<Vec<(u64, usize, Vec<u32>)>>>,
+    }
+
+    impl Backend for NextTokenBackend {
+        fn name(&self) -> &str {
+            "next-token"
+        }
+        fn num_kv_blocks(&self) -> usize {
+            64
+        }
+        fn block_size(&self) -> usize {
+            4
+        }
+        fn max_batch_tokens(&self) -> usize {
+            1024
+        }
+        fn execute(&mut self, batch: &Batch) -> Result<Vec<SeqOutput>, GpuError> {
+            let mut out = Vec::new();
+            for s in &batch.seqs {
+                assert!(
+                    s.block_table.len() * 4 >= s.num_computed_tokens + s.tokens.len(),
+                    "block table too short"
+                );
+                self.fed
+                    .lock()
+                    .unwrap()
+                    .push((s.seq_id, s.num_computed_tokens, s.tokens.clone()));
+                let last = *s.tokens.last().unwrap();
+                out.push(SeqOutput {
+                    seq_id: s.seq_id,
+                    token: s.sample.then_some(last + 1),
+                    logprob: None,
+                    top_logprobs: Vec::new(),
+                    prompt_logprobs: Vec::new(),
+                });
+            }
+            Ok(out)
+        }
+        fn release(&mut self, seq_id: u64) {
+            self.released.lock().unwrap().push(seq_id);
+        }
+    }
+
+    fn request(id: u64, prompt: Vec<u32>, max_tokens: u32, eos: Option<u32>) -> SubmitOptions {
+        SubmitOptions {
+            request: Request {
+                id: RequestId(id),
+                tenant: "t".into(),
+                tier: String::new(),
+                priority: 0,
+                lora_adapter: None,
+                arrival: Timestamp(0),
+                slo: SloTargets::default(),
+                prompt: prompt.into(),
+                limits: SamplingLimits {
+                    max_tokens,
+                    eos_token_id: eos,
+                    ..SamplingLimits::default()
+                },
+                cache_salt: None,
+            },
+            sampling: Arc::new(SamplingParams::default()),
+        }
+    }
+
+    fn engine(backend: NextTokenBackend) -> EngineCore {
+        let scheduler = SchedulerConfig {
+            max_num_seqs: 8,
+            max_num_batched_tokens: 6,
+            block_size: 4,
+            num_gpu_blocks: 64,
+            enable_prefix_caching: true,
+            max_model_len: 128,
+            tiers: Vec::new(),
+        };
+        let policy = PolicyRegistry::with_builtins()
+            .create("fcfs", &serde_yaml::Value::Null, &[])
+            .unwrap();
+        EngineCore::new(
+            EngineCoreConfig {
+                scheduler,
+                hash_key: [1, 2],
+            },
+            policy,
+            Box::new(backend),
+        )
+        .unwrap()
+    }
+
+    fn run_to_end(e: &mut EngineCore) -> Vec<CoreEvent> {
+        let mut events = Vec::new();
+        for step in 0..1000u64 {
+            if !e.core().has_unfinished() {
+                return events;
+            }
+            events.extend(e.step(Timestamp(step * 1000)).unwrap().events);
+        }
+        panic!("did not finish in 1000 steps");
+    }
+
+    #[test]
+    fn chunked_prompts_are_fed_in_order_and_outputs_follow() {
+        let backend = NextTokenBackend::default();
+        let fed = backend.fed.clone();
+        let mut e = engine(backend);
+        // A 10-token prompt with a 6-token budget is prefilled in two chunks.
+        e.core()
+            .add_request(request(1, (100..110).collect(), 3, None))
+            .unwrap();
+        let events = run_to_end(&mut e);
+        let tokens: Vec<u32> = events
+            .iter()
+            .filter_map(|ev| {
+                if let CoreEvent::Token { token, .. } = ev {
+                    Some(*token)
+                } else {
+                    None
+                }
+            })
+            .collect();
+        assert_eq!(tokens, vec![110, 111, 112]);
+        assert!(matches!(
+            events.last(),
+            Some(CoreEvent::Finished {
+                reason: FinishReason::Length,
+                ..
+            })
+        ));
+        // Every position is fed exactly once, in order: the prompt, then each output but the last.
+        let fed = fed.lock().unwrap();
+        let mut next = 0usize;
+        let mut all = Vec::new();
+        for (_, start, toks) in fed.iter() {
+            assert_eq!(*start, next, "gap or overlap in fed positions");
+            next += toks.len();
+            all.extend_from_slice(toks);
+        }
+        assert_eq!(all, (100..112).collect::<Vec<u32>>());
+    }
+
+    #[test]
+    fn eos_finishes_and_releases_backend_state() {
+        let backend = NextTokenBackend::default();
+        let released = backend.released.clone();
+        let mut e = engine(backend);
+        e.core()
+            .add_request(request(7, vec![1, 2, 3], 50, Some(5)))
+            .unwrap();
+        let events = run_to_end(&mut e);
+        assert!(
+            events.contains(&CoreEvent::Finished {
+                id: RequestId(7),
+                reason: FinishReason::Eos
+            }),
+            "{events:?}"
+        );
+        // Release reaches the backend with the next step's batch.
+        e.core().add_request(request(8, vec![9], 1, None)).unwrap();
+        run_to_end(&mut e);
+        assert!(released.lock().unwrap().contains(&7));
+    }
+
+    #[test]
+    fn abort_frees_every_block_and_duplicates_are_rejected() {
+        let mut e = engine(NextTokenBackend::default());
+        e.core()
+            .add_request(request(1, (0..20).collect(), 100, None))
+            .unwrap();
+        assert!(matches!(
+            e.core().add_request(request(1, vec![1], 1, None)),
+            Err(EngineError::DuplicateRequest(1))
+        ));
+        e.step(Timestamp(0)).unwrap();
+        assert!(e.core().stats().kv_usage > 0.0);
+        assert!(e.core().abort(RequestId(1)));
+        assert!(!e.core().has_unfinished());
+        assert_eq!(e.core().stats().num_running, 0);
+        assert_eq!(e.step(Timestamp(1)).unwrap().num_seqs, 0);
+    }
+}

@@ -84,7 +84,10 @@ struct HeadJob<'a> {
 #[target_feature(enable = "avx512f")]
 unsafe fn attend_avx512(job: &HeadJob<'_>, q: &[f32], out: &mut [f32]) {
     let c = job.cache;
-    if c.block_size % L == 0 && c.head_dim % 4 == 0 && (c.head_dim == 64 || c.head_dim == 128) {
+    if c.block_size.is_multiple_of(L)
+        && c.head_dim.is_multiple_of(4)
+        && (c.head_dim == 64 || c.head_dim == 128)
+    {
         let mut scores = vec![0f32; job.ctx];
         x86::scores(job, q, &mut scores);
         let inv = softmax_unnormalised(&mut scores);

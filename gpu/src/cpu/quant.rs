@@ -539,6 +539,30 @@ mod tests {
     }
 
     #[test]
+    fn residual_rows_add_up_to_fifteen_bits() {
+        let x: Vec<f32> = (0..128)
+            .map(|i| ((i * 37 % 23) as f32 - 11.0) * 0.3 + (i as f32).sin())
+            .collect();
+        let mut a = QActs::default();
+        let mut scratch = Vec::new();
+        a.quantize_residual_into(&x, 2, 64, &mut scratch);
+        assert_eq!(a.tokens, 4);
+        for t in 0..2 {
+            for i in 0..64 {
+                let (hi, lo) = (2 * t, 2 * t + 1);
+                let back = a.d[hi * 2 + i / 32] * f32::from(a.qs[hi * 64 + i])
+                    + a.d[lo * 2 + i / 32] * f32::from(a.qs[lo * 64 + i]);
+                // The first level's step is amax / 127; the second splits it 254 ways.
+                let step = a.d[hi * 2 + i / 32];
+                assert!(
+                    (back - x[t * 64 + i]).abs() <= step / 254.0 + 1e-6,
+                    "{t} {i}"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn bad_shapes_are_errors() {
         let data = vec![0u8; 40];
         let view = TensorView {
