@@ -58,6 +58,9 @@ pub enum CoreEvent {
     },
 }
 
+/// A sampled token's logprob and the top alternatives, as the backend reported them.
+type SampledLogprobs = (Option<f32>, Vec<(TokenId, f32)>);
+
 /// What one step did, for callers that report progress and engine overhead.
 #[derive(Debug, Clone, Default)]
 pub struct StepReport {
@@ -211,7 +214,7 @@ impl StepCore {
         outputs: Vec<SeqOutput>,
         now: Timestamp,
     ) -> Vec<CoreEvent> {
-        let mut logprobs: HashMap<u64, (Option<f32>, Vec<(TokenId, f32)>)> = HashMap::new();
+        let mut logprobs: HashMap<u64, SampledLogprobs> = HashMap::new();
         let mut sampled = Vec::with_capacity(outputs.len());
         for o in outputs {
             if let Some(token) = o.token {

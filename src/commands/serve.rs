@@ -332,11 +332,12 @@ impl ChannelSink {
         let logprobs = d
             .logprobs
             .into_iter()
-            .map(|(id, lp, top)| TokenLogprob {
-                token_id: id,
-                token: self.token_text(id),
-                logprob: lp,
-                top: top
+            .map(|t| TokenLogprob {
+                token_id: t.token,
+                token: self.token_text(t.token),
+                logprob: t.logprob,
+                top: t
+                    .top
                     .into_iter()
                     .map(|(t, l)| TopLogprob {
                         token_id: t,

@@ -13,7 +13,7 @@ use switchyard_gpu::model::Tokenizer;
 use switchyard_policies::{FinishReason, RequestId};
 
 use super::engine::{
-    ChoiceDelta, EngineOutput, InFlight, OutputSink, SubmitError, SubmitErrorKind,
+    ChoiceDelta, EngineOutput, InFlight, OutputSink, SubmitError, SubmitErrorKind, TokenLogprobs,
 };
 use super::scheduler::{Finish, SchedulerActor};
 use crate::core::CoreEvent;
@@ -281,7 +281,11 @@ impl Handler<StepEvents> for DetokenizerActor {
                     d.text.push_str(&out.text);
                     d.token_ids.push(token);
                     if logprob.is_some() || !top_logprobs.is_empty() {
-                        d.logprobs.push((token, logprob, top_logprobs));
+                        d.logprobs.push(TokenLogprobs {
+                            token,
+                            logprob,
+                            top: top_logprobs,
+                        });
                     }
                     if out.stopped {
                         d.finish = Some((FinishReason::Stop, c.tokens));

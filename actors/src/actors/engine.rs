@@ -76,10 +76,21 @@ pub struct ChoiceDelta {
     pub text: String,
     /// Tokens sampled since the previous delta.
     pub token_ids: Vec<u32>,
-    /// (token, its logprob, top alternatives) per token, when asked.
-    pub logprobs: Vec<(u32, Option<f32>, Vec<(u32, f32)>)>,
+    /// One entry per token, when logprobs were asked.
+    pub logprobs: Vec<TokenLogprobs>,
     /// Set on the last delta: why the choice ended and how many tokens it generated.
     pub finish: Option<(FinishReason, u32)>,
+}
+
+/// A generated token with its logprob and the most likely alternatives.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    /// The token.
+    pub token: u32,
+    /// Its logprob under the model.
+    pub logprob: Option<f32>,
+    /// The most likely tokens at its position, best first.
+    pub top: Vec<(u32, f32)>,
 }
 
 /// What a request's sink receives: one `Prompt`, then deltas, or one `Error`.
