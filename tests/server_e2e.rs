@@ -1,22 +1,21 @@
 //! End-to-end tests: the real binary, SmolLM2 on the CPU, HTTP on loopback.
 //!
-//! One server serves the read-only cases (startup costs a few seconds); tests that change server
-//! state (policy swap, shutdown) start their own.
+//! Each test starts its own server (about half a second with SmolLM2), so no server outlives
+//! its test; tests that change server state (policy swap, shutdown) are in server_lifecycle.rs.
 
 mod common;
 
 use common::{sse_events, Server};
 use serde_json::{json, Value};
-use std::sync::OnceLock;
 
-fn shared() -> &'static Server {
-    static SERVER: OnceLock<Server> = OnceLock::new();
-    SERVER.get_or_init(|| {
-        Server::start(
-            "shared",
-            "scheduler:\n  max_num_seqs: 16\n  max_num_batched_tokens: 1024\n",
-        )
-    })
+fn server() -> Server {
+    Server::start(
+        "e2e",
+        "scheduler:
+  max_num_seqs: 16
+  max_num_batched_tokens: 1024
+",
+    )
 }
 
 fn completion(prompt: &str, extra: Value) -> Value {
@@ -52,7 +51,7 @@ fn complete(server: &Server, prompt: &str, extra: Value) -> Value {
 
 #[test]
 fn completion_is_sensible_and_counts_usage() {
-    let s = shared();
+    let s = &server();
     let v = complete(s, "The capital of France is", json!({}));
     let text = v["choices"][0]["text"].as_str().expect("text");
     assert!(text.contains("Paris"), "unexpected continuation {text:?}");
@@ -79,7 +78,7 @@ fn completion_is_sensible_and_counts_usage() {
 
 #[test]
 fn streaming_matches_the_non_streaming_text() {
-    let s = shared();
+    let s = &server();
     let plain = complete(s, "Once upon a time", json!({}));
     let mut body = completion(
         "Once upon a time",
@@ -145,7 +144,7 @@ fn golden_completion(name: &str) -> String {
 
 #[test]
 fn chat_completion_follows_the_reference_greedy_answer() {
-    let s = shared();
+    let s = &server();
     let body = json!({"model": model_name(s), "messages": [{"role": "user", "content": "Write a haiku about trains."}], "max_tokens": 12, "temperature": 0});
     let (status, v) = s.post_json("/v1/chat/completions", &body);
     assert_eq!(status, 200, "{v}");
@@ -162,7 +161,7 @@ fn chat_completion_follows_the_reference_greedy_answer() {
 
 #[test]
 fn raw_completion_follows_the_reference_greedy_answer() {
-    let v = complete(shared(), "1, 2, 3, 4, 5,", json!({"max_tokens": 12}));
+    let v = complete(&server(), "1, 2, 3, 4, 5,", json!({"max_tokens": 12}));
     let text = v["choices"][0]["text"].as_str().unwrap();
     let reference = golden_completion("raw-count");
     assert!(
@@ -173,7 +172,7 @@ fn raw_completion_follows_the_reference_greedy_answer() {
 
 #[test]
 fn seeded_sampling_is_reproducible_and_n_gives_choices() {
-    let s = shared();
+    let s = &server();
     let a = complete(
         s,
         "My favourite colour is",
@@ -209,7 +208,7 @@ fn seeded_sampling_is_reproducible_and_n_gives_choices() {
 
 #[test]
 fn stop_string_truncates_and_reports_stop() {
-    let s = shared();
+    let s = &server();
     let full = complete(s, "The capital of France is", json!({"max_tokens": 12}));
     let text = full["choices"][0]["text"].as_str().unwrap().to_string();
     let stop = "Paris";
@@ -225,7 +224,7 @@ fn stop_string_truncates_and_reports_stop() {
 
 #[test]
 fn bad_inputs_get_openai_errors_and_the_server_keeps_serving() {
-    let s = shared();
+    let s = &server();
     let name = model_name(s);
     let cases: Vec<(Value, u16, &str)> = vec![
         (
@@ -265,7 +264,7 @@ fn bad_inputs_get_openai_errors_and_the_server_keeps_serving() {
 
 #[test]
 fn context_length_is_enforced_with_its_code() {
-    let s = shared();
+    let s = &server();
     let long = "hello ".repeat(9000);
     let (status, v) = s.post_json(
         "/v1/completions",
@@ -277,7 +276,7 @@ fn context_length_is_enforced_with_its_code() {
 
 #[test]
 fn metrics_are_exported() {
-    let s = shared();
+    let s = &server();
     complete(s, "Metrics", json!({"max_tokens": 2}));
     let r = s.request("GET", "/metrics", None, &[]).expect("metrics");
     assert_eq!(r.status, 200);

@@ -50,8 +50,10 @@ impl Server {
     pub fn start_with(name: &str, server_lines: &str, extra_yaml: &str) -> Server {
         let model = model_path();
         let port = free_port();
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let dir =
-            std::env::temp_dir().join(format!("switchyard-e2e-{name}-{}", std::process::id()));
+            std::env::temp_dir().join(format!("switchyard-e2e-{name}-{}-{n}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("temp dir");
         let config = dir.join("config.yaml");
         let yaml = format!(
@@ -135,6 +137,7 @@ impl Drop for Server {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 

@@ -402,12 +402,13 @@ impl QActs {
     }
 }
 
-/// Rounds to the nearest integer, ties to even, for |v| < 2^22 (adding and subtracting
-/// 1.5 * 2^23 leaves no fraction bits), branch-free and vectorisable unlike `f32::round`.
+/// `v` rounded to the nearest integer (ties to even) for |v| <= 2^22: adding 1.5 * 2^23
+/// leaves the integer in the low mantissa bits, read back with integer arithmetic. Unlike
+/// `f32::round` (a libm call) and `as i32` (saturating, scalar), this vectorises.
 #[inline(always)]
-fn round_small(v: f32) -> f32 {
+fn round_to_i32(v: f32) -> i32 {
     const MAGIC: f32 = 12_582_912.0;
-    (v + MAGIC) - MAGIC
+    (v + MAGIC).to_bits() as i32 - MAGIC.to_bits() as i32
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -453,8 +454,8 @@ fn quantize_row(x: &[f32], qs: &mut [i8], d: &mut [f32], s: &mut [f32], qsum: &m
         let id = if scale > 0.0 { 1.0 / scale } else { 0.0 };
         let mut sum = 0i32;
         for (q, &v) in qb.iter_mut().zip(xb) {
-            // In range after the clamp, so the integer conversion is exact.
-            let r = round_small(v * id).clamp(-127.0, 127.0) as i32;
+            // The second clamp only matters for a NaN input.
+            let r = round_to_i32((v * id).clamp(-127.0, 127.0)).clamp(-127, 127);
             *q = r as i8;
             sum += r;
         }
