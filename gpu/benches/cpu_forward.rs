@@ -1,7 +1,8 @@
 //! CPU forward-pass throughput on SmolLM2-135M (the Q4_1 GGUF when it is in the model cache,
 //! else random weights of the same shapes and types): batch-1 decode, a 512-token prefill, and
 //! one decode step of 32 concurrent sequences. Criterion reports tokens per second.
-//! `SWITCHYARD_THREADS` sets the thread count (default: all cores).
+//! `SWITCHYARD_THREADS` sets the thread count (default: all cores), `SWITCHYARD_PRECISION`
+//! the activation precision (`int8`, `mixed`: the default, `precise`).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -10,7 +11,7 @@ use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use switchyard_gpu::backend::{
     Backend, Batch, CpuBackend, CpuBackendConfig, SamplingParams, SeqInput,
 };
-use switchyard_gpu::cpu::llama::LlamaModel;
+use switchyard_gpu::cpu::llama::{ActivationPrecision, LlamaModel};
 use switchyard_gpu::model::gguf::GgufFile;
 use switchyard_gpu::model::LlamaConfig;
 
@@ -66,10 +67,16 @@ fn bench(c: &mut Criterion) {
         .ok()
         .and_then(|t| t.parse().ok())
         .unwrap_or(0);
+    let precision = match std::env::var("SWITCHYARD_PRECISION").as_deref() {
+        Ok("int8") => ActivationPrecision::Int8,
+        Ok("precise") => ActivationPrecision::Precise,
+        _ => ActivationPrecision::Mixed,
+    };
     let cfg = CpuBackendConfig {
         num_kv_blocks: 33 * 40,
         block_size: 16,
         threads,
+        precision,
         ..Default::default()
     };
     let mut be = CpuBackend::new(model(), &cfg).expect("backend");

@@ -14,7 +14,7 @@ use crate::cpu::attention::QueryPos;
 use crate::cpu::kv_cache::KvCache;
 use crate::cpu::llama::{ActivationPrecision, LlamaModel, StepInput};
 use crate::error::GpuError;
-use crate::model::{LlamaConfig, ModelWeights};
+use crate::model::{LlamaConfig, LoadedModel, ModelWeights};
 pub use crate::sampler::SamplingParams;
 use crate::sampler::{log_softmax, top_n, SeqSampler};
 
@@ -194,6 +194,11 @@ impl CpuBackend {
         cfg: &CpuBackendConfig,
     ) -> Result<Self, GpuError> {
         Self::new(LlamaModel::from_weights(config, weights)?, cfg)
+    }
+
+    /// Builds the backend for a model returned by [`crate::model::load_model`].
+    pub fn from_loaded(model: &LoadedModel, cfg: &CpuBackendConfig) -> Result<Self, GpuError> {
+        Self::from_weights(&model.config, &model.weights, cfg)
     }
 
     /// The model.

@@ -8,3 +8,6 @@ pub use error::GpuError;
 pub mod backend;
 pub mod cpu;
 pub mod sampler;
+pub use backend::{Backend, Batch, CpuBackend, CpuBackendConfig, SeqInput, SeqOutput};
+pub use cpu::llama::ActivationPrecision;
+pub use sampler::SamplingParams;

@@ -325,3 +325,72 @@ fn malformed_batches_are_errors_not_panics() {
     // The backend still works afterwards.
     assert!(be.execute(&Batch { seqs: vec![good] }).is_ok());
 }
+
+#[test]
+fn prompt_logprobs_over_chunks_match_prefix_recompute() {
+    let p = prompt(18, 11);
+    let params = Arc::new(SamplingParams {
+        prompt_logprobs: Some(2),
+        logprobs: Some(3),
+        ..SamplingParams::greedy()
+    });
+    let mut be = backend();
+    let s = Seq::new(7, p.clone(), 2);
+    let first = SeqInput {
+        sampling: params.clone(),
+        sample: false,
+        ..s.input(10)
+    };
+    let second = SeqInput {
+        sampling: params.clone(),
+        num_computed_tokens: 10,
+        tokens: p[10..].to_vec(),
+        ..s.input(18)
+    };
+    let mut got = be
+        .execute(&Batch { seqs: vec![first] })
+        .expect("chunk 1")
+        .remove(0)
+        .prompt_logprobs;
+    let out = be
+        .execute(&Batch { seqs: vec![second] })
+        .expect("chunk 2")
+        .remove(0);
+    got.extend(out.prompt_logprobs.clone());
+    assert_eq!(
+        got.iter().map(|e| e.position).collect::<Vec<_>>(),
+        (1..18).collect::<Vec<_>>()
+    );
+    // Reference: the last row of each prefix, recomputed from scratch.
+    let mut fresh = backend();
+    for e in &got {
+        let prefix = Seq::new(0, p[..e.position].to_vec(), 0);
+        let lp = switchyard_gpu::sampler::log_softmax(
+            &fresh
+                .logits(&Batch {
+                    seqs: vec![prefix.input(e.position)],
+                })
+                .expect("prefix"),
+        );
+        assert_eq!(e.token, p[e.position]);
+        assert!(
+            (e.logprob - lp[e.token as usize]).abs() < 1e-4,
+            "position {}",
+            e.position
+        );
+        assert_eq!(e.top_logprobs.len(), 2);
+        assert_eq!(e.top_logprobs[0].0, argmax(&lp));
+    }
+    // The sampled token's logprob and top-3 come from the same distribution.
+    let token = out.token.expect("sampled");
+    let lp = switchyard_gpu::sampler::log_softmax(
+        &fresh
+            .logits(&Batch {
+                seqs: vec![Seq::new(0, p.clone(), 0).input(18)],
+            })
+            .expect("full"),
+    );
+    assert_eq!(token, argmax(&lp));
+    assert!((out.logprob.unwrap_or(f32::NAN) - lp[token as usize]).abs() < 1e-4);
+    assert_eq!(out.top_logprobs.len(), 3);
+}

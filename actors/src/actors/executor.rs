@@ -4,9 +4,18 @@ use actix::{Actor, Handler, Message, SyncContext};
 use switchyard_gpu::backend::{Backend, Batch, SeqOutput};
 use switchyard_gpu::GpuError;
 
+/// A batch's outputs and the time the backend took, so the scheduler can tell its own
+/// overhead from model time.
+pub struct Executed {
+    /// One output per sequence of the batch.
+    pub outputs: Vec<SeqOutput>,
+    /// Microseconds inside `Backend::execute`.
+    pub execute_us: u64,
+}
+
 /// Runs one batch after dropping the state of sequences that ended.
 #[derive(Message)]
-#[rtype(result = "Result<Vec<SeqOutput>, GpuError>")]
+#[rtype(result = "Result<Executed, GpuError>")]
 pub struct Execute {
     /// The batch.
     pub batch: Batch,
@@ -33,7 +42,7 @@ impl Actor for ExecutorActor {
 }
 
 impl Handler<Execute> for ExecutorActor {
-    type Result = Result<Vec<SeqOutput>, GpuError>;
+    type Result = Result<Executed, GpuError>;
 
     fn handle(&mut self, msg: Execute, _: &mut SyncContext<Self>) -> Self::Result {
         let backend = self.backend.as_mut().ok_or_else(|| {
@@ -42,6 +51,11 @@ impl Handler<Execute> for ExecutorActor {
         for id in msg.release {
             backend.release(id);
         }
-        backend.execute(&msg.batch)
+        let start = std::time::Instant::now();
+        let outputs = backend.execute(&msg.batch)?;
+        Ok(Executed {
+            outputs,
+            execute_us: start.elapsed().as_micros() as u64,
+        })
     }
 }

@@ -89,6 +89,7 @@ impl SchedulerActor {
             return;
         }
         let now = self.now();
+        let step_start = Instant::now();
         let prepared = match self.core.prepare(now) {
             Ok(Some(p)) => p,
             Ok(None) => {
@@ -109,8 +110,8 @@ impl SchedulerActor {
         });
         ctx.spawn(fut.into_actor(self).map(move |result, act, ctx| {
             act.stepping = false;
-            let outputs = match result {
-                Ok(Ok(outputs)) => outputs,
+            let executed = match result {
+                Ok(Ok(executed)) => executed,
                 Ok(Err(e)) => {
                     // A backend failure fails the requests of this step rather than the server.
                     tracing::error!(error = %e, "executing a step failed; aborting its requests");
@@ -129,9 +130,15 @@ impl SchedulerActor {
                 }
             };
             let now = act.now();
-            let events = act.core.complete(&plan, outputs, now);
+            let events = act.core.complete(&plan, executed.outputs, now);
             act.publish_stats();
             act.detokenizer.do_send(StepEvents::new(events));
+            // The engine's own cost of this step: planning, the executor round trip, applying
+            // outputs and handing them to the detokenizer, without the model's time.
+            let total_us = step_start.elapsed().as_micros() as u64;
+            metrics::histogram!("switchyard:engine_step_overhead_seconds")
+                .record(total_us.saturating_sub(executed.execute_us) as f64 / 1e6);
+            metrics::gauge!("switchyard:engine_batch_size").set(plan.seqs.len() as f64);
             act.kick(ctx);
         }));
     }
