@@ -295,10 +295,11 @@ impl LlamaModel {
         };
         for (li, l) in self.layers.iter().enumerate() {
             rms_norm(&x, &l.attn_norm, c.rms_norm_eps, &mut xn);
-            xq.quantize_into(&xn, t, h);
+            // Each projection quantizes its input only in the form it uses.
             if self.precision != ActivationPrecision::Int8 {
                 precise_linear(&[&l.q, &l.k, &l.v], &xn, t, &mut qkv, isa, &mut ps)?;
             } else {
+                xq.quantize_into(&xn, t, h);
                 linear(&[&l.q, &l.k, &l.v], &xn, &xq, t, &mut qkv, isa)?;
             }
             for (i, row) in qkv.chunks_exact_mut(qkv_w).enumerate() {
@@ -313,25 +314,25 @@ impl LlamaModel {
                 qbuf[i * qw..(i + 1) * qw].copy_from_slice(qpart);
             }
             attention(li, &qbuf, cache, &batch, &mut att, isa);
-            xq.quantize_into(&att, t, qw);
             if self.precision == ActivationPrecision::Precise {
                 precise_linear(&[&l.o], &att, t, &mut tmp, isa, &mut ps)?;
             } else {
+                xq.quantize_into(&att, t, qw);
                 linear(&[&l.o], &att, &xq, t, &mut tmp, isa)?;
             }
             x.iter_mut().zip(&tmp).for_each(|(a, b)| *a += b);
             rms_norm(&x, &l.ffn_norm, c.rms_norm_eps, &mut xn);
-            xq.quantize_into(&xn, t, h);
             if self.precision == ActivationPrecision::Precise {
                 precise_linear(&[&l.gate, &l.up], &xn, t, &mut gu, isa, &mut ps)?;
             } else {
+                xq.quantize_into(&xn, t, h);
                 linear(&[&l.gate, &l.up], &xn, &xq, t, &mut gu, isa)?;
             }
             swiglu(&gu, inter, &mut act);
-            xq.quantize_into(&act, t, inter);
             if self.precision != ActivationPrecision::Int8 {
                 precise_linear(&[&l.down], &act, t, &mut tmp, isa, &mut ps)?;
             } else {
+                xq.quantize_into(&act, t, inter);
                 linear(&[&l.down], &act, &xq, t, &mut tmp, isa)?;
             }
             x.iter_mut().zip(&tmp).for_each(|(a, b)| *a += b);
@@ -343,12 +344,12 @@ impl LlamaModel {
         }
         let mut normed = vec![0f32; r * h];
         rms_norm(&sel, &self.norm, c.rms_norm_eps, &mut normed);
-        xq.quantize_into(&normed, r, h);
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         let mut logits = vec![0f32; r * c.vocab_size];
         if self.precision == ActivationPrecision::Precise {
             precise_linear(&[head], &normed, r, &mut logits, isa, &mut ps)?;
         } else {
+            xq.quantize_into(&normed, r, h);
             linear(&[head], &normed, &xq, r, &mut logits, isa)?;
         }
         Ok(logits)
