@@ -49,6 +49,26 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     } else {
         runtime::resolve_model_path(Some(Path::new(&config.model.path)))?
     };
+    // Check the policy before the (slow) model load, so a typo fails fast.
+    let tiers: Vec<TierSpec> = config
+        .tiers
+        .iter()
+        .map(|(name, t)| TierSpec {
+            name: name.clone(),
+            ttft_ms: t.ttft_ms,
+            tpot_ms: t.tpot_ms,
+            weight: t.weight,
+            preemptible: t.preemptible,
+        })
+        .collect();
+    let registry = PolicyRegistry::with_builtins();
+    let policy = registry
+        .create(
+            &config.scheduler.policy.name,
+            &config.scheduler.policy.params,
+            &tiers,
+        )
+        .with_context(|| format!("{}: scheduler.policy", args.config.display()))?;
     tracing::info!(backend = "cpu", model = %path.display(), "loading model");
     metrics::gauge!("switchyard:backend_info", "backend" => "cpu").set(1.0);
     let mut model = runtime::load(&path)?;
@@ -76,25 +96,6 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     };
     let backend = runtime::cpu_backend(&model.config, &model.weights, &settings)?;
     drop(model);
-    let tiers: Vec<TierSpec> = config
-        .tiers
-        .iter()
-        .map(|(name, t)| TierSpec {
-            name: name.clone(),
-            ttft_ms: t.ttft_ms,
-            tpot_ms: t.tpot_ms,
-            weight: t.weight,
-            preemptible: t.preemptible,
-        })
-        .collect();
-    let registry = PolicyRegistry::with_builtins();
-    let policy = registry
-        .create(
-            &config.scheduler.policy.name,
-            &config.scheduler.policy.params,
-            &tiers,
-        )
-        .with_context(|| format!("{}: scheduler.policy", args.config.display()))?;
     let engine_config = EngineConfig {
         scheduler: SchedulerConfig {
             max_num_seqs: config.scheduler.max_num_seqs,
