@@ -284,7 +284,10 @@ fn metrics_are_exported() {
         "switchyard:generation_tokens_total",
         "switchyard:prompt_tokens_total",
         "switchyard:time_to_first_token_seconds",
+        "switchyard:request_queue_time_seconds",
         "switchyard:kv_cache_usage_perc",
+        "switchyard:policy_info",
+        "switchyard:backend_info",
     ] {
         assert!(r.body.contains(name), "missing {name} in\n{}", r.body);
     }

@@ -89,6 +89,22 @@ pub struct PreparedStep {
     pub release: Vec<u64>,
     /// Microseconds spent planning.
     pub plan_us: u64,
+    /// Queue times (arrival to first scheduled, microseconds) of requests scheduled for the first
+    /// time in this step.
+    pub queue_times_us: Vec<u64>,
+}
+
+/// What the engine keeps per request in flight.
+#[derive(Debug)]
+struct LiveRequest {
+    /// Prompt tokens.
+    prompt: Arc<[TokenId]>,
+    /// Sampler settings.
+    sampling: Arc<SamplingParams>,
+    /// Arrival on the engine clock.
+    arrival: Timestamp,
+    /// Whether it has been scheduled at least once.
+    started: bool,
 }
 
 /// The scheduling side of the engine: the policies core plus the prompt and sampler settings of
@@ -96,8 +112,8 @@ pub struct PreparedStep {
 /// executor actor owns the backend on its own thread.
 pub struct StepCore {
     scheduler: Scheduler,
-    /// Prompt tokens and sampler settings of requests in flight.
-    live: HashMap<RequestId, (Arc<[TokenId]>, Arc<SamplingParams>)>,
+    /// Requests in flight.
+    live: HashMap<RequestId, LiveRequest>,
     /// Sequences that ended since the last prepared step; their backend state is released.
     ended: Vec<u64>,
 }
@@ -119,9 +135,14 @@ impl StepCore {
         if self.live.contains_key(&id) {
             return Err(EngineError::DuplicateRequest(id.0));
         }
-        let prompt = submit.request.prompt.clone();
+        let live = LiveRequest {
+            prompt: submit.request.prompt.clone(),
+            sampling: submit.sampling,
+            arrival: submit.request.arrival,
+            started: false,
+        };
         self.scheduler.add_request(submit.request)?;
-        self.live.insert(id, (prompt, submit.sampling));
+        self.live.insert(id, live);
         Ok(())
     }
 
@@ -168,11 +189,17 @@ impl StepCore {
             return Ok(None);
         }
         let mut seqs = Vec::with_capacity(plan.seqs.len());
+        let mut queue_times_us = Vec::new();
         for s in &plan.seqs {
-            let (prompt, sampling) = self
+            let live = self
                 .live
-                .get(&s.id)
+                .get_mut(&s.id)
                 .ok_or(EngineError::UnknownSequence(s.id.0))?;
+            if !live.started {
+                live.started = true;
+                queue_times_us.push(now.saturating_sub(live.arrival));
+            }
+            let (prompt, sampling) = (&live.prompt, &live.sampling);
             let end = s.num_computed_tokens + s.num_new_tokens;
             let outputs = self.scheduler.output_tokens(s.id).unwrap_or(&[]);
             let mut tokens = Vec::with_capacity(s.num_new_tokens);
@@ -200,6 +227,7 @@ impl StepCore {
         }
         let release = std::mem::take(&mut self.ended);
         Ok(Some(PreparedStep {
+            queue_times_us,
             plan,
             batch: Batch { seqs },
             release,

@@ -33,6 +33,14 @@ const CHANNEL_CAPACITY: usize = 4096;
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let config = super::config::load(&args.config, &args.overrides)?;
+    // The recorder goes in first so that no metric recorded during start-up is lost.
+    let prometheus = match switchyard_api::metrics::install_prometheus_recorder() {
+        Ok(handle) => Some(handle),
+        Err(e) => {
+            eprintln!("warning: /metrics disabled: {e}");
+            None
+        }
+    };
     super::init_logging(
         &config.logging.level,
         config.logging.format == switchyard_config::LogFormat::Json,
@@ -154,9 +162,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             tiers,
             policy: Mutex::new(policy_info),
         });
-        let metrics = switchyard_api::metrics::install_prometheus_recorder().ok();
-        switchyard_api::metrics::describe_metrics();
-        let state = ApiState::new(adapter.clone(), api_config, metrics);
+        metrics::gauge!(switchyard_api::metrics::POLICY_INFO, "policy" => policy_label(&adapter.policy.lock().name)).set(1.0);
+        let state = ApiState::new(adapter.clone(), api_config, prometheus);
         let server = switchyard_api::build_server(state.clone(), &options)?;
         let handle = server.handle();
         tracing::info!(addr = ?options.bind, "serving");
@@ -279,12 +286,16 @@ impl EngineAdapter {
             })?;
         self.engine.swap_policy(policy);
         let mut info = self.policy.lock();
+        metrics::gauge!(switchyard_api::metrics::POLICY_INFO, "policy" => policy_label(&info.name))
+            .set(0.0);
+        metrics::counter!(switchyard_api::metrics::POLICY_SWAPS).increment(1);
         *info = PolicyInfo {
             name: spec.name,
             params: spec.params,
             available: registry.names().iter().map(|s| s.to_string()).collect(),
         };
-        metrics::gauge!("switchyard:policy_info", "policy" => policy_label(&info.name)).set(1.0);
+        metrics::gauge!(switchyard_api::metrics::POLICY_INFO, "policy" => policy_label(&info.name))
+            .set(1.0);
         tracing::info!(policy = %info.name, "scheduling policy swap requested");
         Ok(info.clone())
     }

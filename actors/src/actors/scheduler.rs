@@ -102,6 +102,9 @@ impl SchedulerActor {
             }
         };
         self.stepping = true;
+        for q in &prepared.queue_times_us {
+            metrics::histogram!("switchyard:request_queue_time_seconds").record(*q as f64 / 1e6);
+        }
         metrics::histogram!("switchyard:engine_plan_seconds").record(prepared.plan_us as f64 / 1e6);
         let plan = prepared.plan;
         let fut = self.executor.send(Execute {
@@ -165,7 +168,10 @@ impl Handler<Submit> for SchedulerActor {
 
     fn handle(&mut self, msg: Submit, ctx: &mut Context<Self>) -> Self::Result {
         let mut added = Vec::with_capacity(msg.0.len());
-        for submit in msg.0 {
+        let now = self.now();
+        for mut submit in msg.0 {
+            // Arrival on the engine clock: policies order, age and set deadlines by it.
+            submit.request.arrival = now;
             let id = submit.request.id;
             if let Err(e) = self.core.add_request(submit) {
                 // All choices of a request go in together or not at all.
@@ -196,7 +202,6 @@ impl Handler<SwapPolicy> for SchedulerActor {
     type Result = ();
     fn handle(&mut self, msg: SwapPolicy, ctx: &mut Context<Self>) {
         self.pending_swap = Some(msg.0);
-        metrics::counter!("switchyard:policy_swaps_total").increment(1);
         self.kick(ctx);
     }
 }

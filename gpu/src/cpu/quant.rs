@@ -337,17 +337,7 @@ impl QActs {
 
     /// Like [`QActs::quantize`], reusing this value's buffers.
     pub fn quantize_into(&mut self, x: &[f32], tokens: usize, cols: usize) {
-        let nb = cols.div_ceil(QK);
-        self.tokens = tokens;
-        self.blocks = nb;
-        self.qs.clear();
-        self.qs.resize(tokens * nb * QK, 0);
-        self.d.clear();
-        self.d.resize(tokens * nb, 0.0);
-        self.s.clear();
-        self.s.resize(tokens * nb, 0.0);
-        self.qsum.clear();
-        self.qsum.resize(tokens * nb, 0);
+        let nb = self.reset(tokens, cols);
         if cols == 0 {
             return;
         }
@@ -360,15 +350,22 @@ impl QActs {
         let isa = Isa::detect();
         // Small batches are not worth waking the other workers for.
         rows.with_min_len(16)
-            .for_each(|((((x, q), d), s), n)| match isa {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: `Isa::detect` found the features.
-                Isa::Avx512Vnni => unsafe { quantize_row_avx512(x, q, d, s, n) },
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: as above.
-                Isa::Avx2 => unsafe { quantize_row_avx2(x, q, d, s, n) },
-                _ => quantize_row(x, q, d, s, n),
-            });
+            .for_each(|((((x, q), d), s), n)| quantize_row_isa(isa, x, q, d, s, n));
+    }
+
+    /// Sizes the buffers for `tokens` rows of `cols` values (every quant and scale is then
+    /// written by the quantizer; the padding of a partial last block stays zero) and returns
+    /// the blocks per row.
+    fn reset(&mut self, tokens: usize, cols: usize) -> usize {
+        let nb = cols.div_ceil(QK);
+        self.tokens = tokens;
+        self.blocks = nb;
+        self.qs.clear();
+        self.qs.resize(tokens * nb * QK, 0);
+        self.d.resize(tokens * nb, 0.0);
+        self.s.resize(tokens * nb, 0.0);
+        self.qsum.resize(tokens * nb, 0);
+        nb
     }
 }
 
@@ -377,7 +374,8 @@ impl QActs {
     /// quantization of row `t` of `x`, row `2t + 1` the int8 quantization of what row `2t`
     /// missed. The sum of a matrix's products with the two rows is its product with `x` to
     /// about 15 bits, at the cost of one more token per token (the weights, loaded once per
-    /// tile, are shared).
+    /// tile, are shared). `scratch` receives the two rows in `f32` (`2 * tokens * cols`: the
+    /// dequantized first level, then the residual), for weights that take `f32` inputs.
     pub fn quantize_residual_into(
         &mut self,
         x: &[f32],
@@ -385,20 +383,59 @@ impl QActs {
         cols: usize,
         scratch: &mut Vec<f32>,
     ) {
-        let nb = cols.div_ceil(QK);
         scratch.clear();
         scratch.resize(2 * tokens * cols, 0.0);
-        let mut first = QActs::default();
-        first.quantize_into(x, tokens, cols);
-        for t in 0..tokens {
-            let (hi, lo) = scratch[2 * t * cols..(2 * t + 2) * cols].split_at_mut(cols);
-            let xs = &x[t * cols..(t + 1) * cols];
-            for (i, ((h, l), &v)) in hi.iter_mut().zip(lo.iter_mut()).zip(xs).enumerate() {
-                *h = first.d[t * nb + i / QK] * f32::from(first.qs[t * nb * QK + i]);
-                *l = v - *h;
-            }
+        let nb = self.reset(2 * tokens, cols);
+        if cols == 0 {
+            return;
         }
-        self.quantize_into(scratch, 2 * tokens, cols);
+        let rows = x
+            .par_chunks(cols)
+            .zip(scratch.par_chunks_mut(2 * cols))
+            .zip(self.qs.par_chunks_mut(2 * nb * QK))
+            .zip(self.d.par_chunks_mut(2 * nb))
+            .zip(self.s.par_chunks_mut(2 * nb))
+            .zip(self.qsum.par_chunks_mut(2 * nb));
+        let isa = Isa::detect();
+        // Small batches are not worth waking the other workers for (as `quantize_into`).
+        rows.with_min_len(8).for_each(|(((((x, f), q), d), s), n)| {
+            let (q0, q1) = q.split_at_mut(nb * QK);
+            let (d0, d1) = d.split_at_mut(nb);
+            let (s0, s1) = s.split_at_mut(nb);
+            let (n0, n1) = n.split_at_mut(nb);
+            quantize_row_isa(isa, x, q0, d0, s0, n0);
+            let (hi, lo) = f.split_at_mut(cols);
+            let blocks = hi.chunks_mut(QK).zip(lo.chunks_mut(QK)).zip(x.chunks(QK));
+            for (((hb, lb), xb), (qb, &db)) in blocks.zip(q0.chunks_exact(QK).zip(&*d0)) {
+                for (((h, l), &v), &qv) in hb.iter_mut().zip(lb.iter_mut()).zip(xb).zip(qb) {
+                    *h = db * f32::from(qv);
+                    *l = v - *h;
+                }
+            }
+            quantize_row_isa(isa, lo, q1, d1, s1, n1);
+        });
+    }
+}
+
+/// Quantizes one row (see [`QActs`]) with the kernel of `isa` (one that [`Isa::detect`]
+/// returned).
+#[inline(always)]
+fn quantize_row_isa(
+    isa: Isa,
+    x: &[f32],
+    q: &mut [i8],
+    d: &mut [f32],
+    s: &mut [f32],
+    n: &mut [i32],
+) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Isa::detect` found the features.
+        Isa::Avx512Vnni => unsafe { quantize_row_avx512(x, q, d, s, n) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx2 => unsafe { quantize_row_avx2(x, q, d, s, n) },
+        _ => quantize_row(x, q, d, s, n),
     }
 }
 
