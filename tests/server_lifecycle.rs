@@ -168,3 +168,49 @@ fn sigterm_drains_in_flight_requests_then_exits_zero() {
     };
     assert!(code.success(), "exit status {code:?}\n{}", s.log());
 }
+
+#[test]
+fn sighup_rereads_the_policy_section() {
+    let s = Server::start_with("sighup", KEYS, "scheduler:\n  policy: { name: fcfs }\n");
+    let admin = [("Authorization", "Bearer admin-secret-key")];
+    let policy = |s: &Server| -> Value {
+        let r = s
+            .request("GET", "/admin/policy", None, &admin)
+            .expect("get policy");
+        serde_json::from_str(&r.body).expect("json")
+    };
+    assert_eq!(policy(&s)["name"], "fcfs");
+    let config = s.dir.join("config.yaml");
+    let text = std::fs::read_to_string(&config).unwrap().replace(
+        "name: fcfs",
+        "name: chunked-prefill, params: { token_budget: 256 }",
+    );
+    std::fs::write(&config, text).unwrap();
+    let pid = s.child.id().to_string();
+    assert!(std::process::Command::new("kill")
+        .args(["-HUP", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while policy(&s)["name"] != "chunked-prefill" {
+        assert!(
+            Instant::now() < deadline,
+            "policy not reloaded: {}\n{}",
+            policy(&s),
+            s.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(policy(&s)["params"]["token_budget"], 256);
+    // Still serving.
+    let r = s
+        .request(
+            "GET",
+            "/v1/models",
+            None,
+            &[("Authorization", "Bearer tenant-a-key-0001")],
+        )
+        .unwrap();
+    assert_eq!(r.status, 200);
+}
