@@ -80,11 +80,12 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     tracing::info!(backend = "cpu", model = %path.display(), "loading model");
     metrics::gauge!("switchyard:backend_info", "backend" => "cpu").set(1.0);
     let mut model = runtime::load(&path)?;
-    let model_name = config
-        .model
-        .served_name
-        .clone()
-        .unwrap_or_else(|| model.name.clone());
+    // Clients name the model by its file (or directory) stem unless a served name is configured.
+    let model_name = config.model.served_name.clone().unwrap_or_else(|| {
+        path.file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| model.name.clone())
+    });
     let max_model_len = config
         .model
         .max_model_len
