@@ -292,3 +292,40 @@ fn metrics_are_exported() {
         assert!(r.body.contains(name), "missing {name} in\n{}", r.body);
     }
 }
+
+#[test]
+fn logprobs_match_the_reference_distribution() {
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/gpu/tests/fixtures/smollm2_golden.json"
+    ))
+    .expect("fixture");
+    let fixture: Value = serde_json::from_str(&text).expect("fixture json");
+    let g = fixture["generations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|g| g["name"] == "raw-count")
+        .expect("raw-count");
+    let v = complete(
+        &server(),
+        "1, 2, 3, 4, 5,",
+        json!({"max_tokens": 4, "logprobs": 3}),
+    );
+    let lp = &v["choices"][0]["logprobs"];
+    let got = lp["token_logprobs"].as_array().expect("token_logprobs");
+    assert_eq!(got.len(), 4, "{lp}");
+    for (i, l) in got.iter().enumerate() {
+        let ours = l.as_f64().unwrap();
+        let reference = g["steps"][i]["logprob"].as_f64().unwrap();
+        assert!(
+            (ours - reference).abs() < 0.1,
+            "step {i}: logprob {ours} vs reference {reference}"
+        );
+        assert_eq!(
+            lp["top_logprobs"][i].as_object().map(|o| o.len()),
+            Some(3),
+            "{lp}"
+        );
+    }
+}
