@@ -329,3 +329,58 @@ fn logprobs_match_the_reference_distribution() {
         );
     }
 }
+
+#[test]
+fn echo_prompt_logprobs_match_the_reference_teacher_forced() {
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/gpu/tests/fixtures/smollm2_golden.json"
+    ))
+    .expect("fixture");
+    let fixture: Value = serde_json::from_str(&text).expect("fixture json");
+    let g = fixture["generations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|g| g["name"] == "raw-alphabet")
+        .expect("raw-alphabet");
+    let prompt: Vec<u64> = g["prompt_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    let generated: Vec<u64> = g["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    let k = 8;
+    let ids: Vec<u64> = prompt
+        .iter()
+        .chain(generated[..k].iter())
+        .copied()
+        .collect();
+    let s = server();
+    let body = json!({"model": model_name(&s), "prompt": ids, "max_tokens": 1, "temperature": 0, "echo": true, "logprobs": 1});
+    let (status, v) = s.post_json("/v1/completions", &body);
+    assert_eq!(status, 200, "{v}");
+    let lps = v["choices"][0]["logprobs"]["token_logprobs"]
+        .as_array()
+        .expect("token_logprobs");
+    assert_eq!(
+        lps.len(),
+        ids.len() + 1,
+        "echoed prompt plus one generated token"
+    );
+    assert!(lps[0].is_null(), "the first prompt token has no logprob");
+    for i in 0..k {
+        let ours = lps[prompt.len() + i].as_f64().expect("a logprob");
+        let reference = g["steps"][i]["logprob"].as_f64().unwrap();
+        assert!(
+            (ours - reference).abs() < 0.1,
+            "position {i}: {ours} vs reference {reference}"
+        );
+    }
+}

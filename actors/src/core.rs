@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use switchyard_gpu::backend::{Backend, Batch, SamplingParams, SeqInput, SeqOutput};
+use switchyard_gpu::backend::{Backend, Batch, PromptLogprob, SamplingParams, SeqInput, SeqOutput};
 use switchyard_policies::{
     FinishReason, Policy, Request, RequestId, Scheduler, SchedulerConfig, SchedulerStats, SeqEvent,
     StepOutput, StepPlan, Timestamp, TokenId,
@@ -48,6 +48,13 @@ pub enum CoreEvent {
         logprob: Option<f32>,
         /// The most likely alternatives, when logprobs were requested.
         top_logprobs: Vec<(TokenId, f32)>,
+    },
+    /// Logprobs of prompt positions completed in this step (requests that asked for them).
+    PromptLogprobs {
+        /// The request.
+        id: RequestId,
+        /// (position, token, its logprob, top alternatives) per completed prompt position.
+        entries: Vec<PromptLogprob>,
     },
     /// The request ended; its KV blocks are already freed.
     Finished {
@@ -244,7 +251,16 @@ impl StepCore {
     ) -> Vec<CoreEvent> {
         let mut logprobs: HashMap<u64, SampledLogprobs> = HashMap::new();
         let mut sampled = Vec::with_capacity(outputs.len());
+        let mut events = Vec::with_capacity(outputs.len());
         for o in outputs {
+            // Prompt logprobs come before the step's tokens: a request's first token follows
+            // its last prompt position.
+            if !o.prompt_logprobs.is_empty() {
+                events.push(CoreEvent::PromptLogprobs {
+                    id: RequestId(o.seq_id),
+                    entries: o.prompt_logprobs,
+                });
+            }
             if let Some(token) = o.token {
                 sampled.push(StepOutput {
                     id: RequestId(o.seq_id),
@@ -255,7 +271,6 @@ impl StepCore {
                 }
             }
         }
-        let mut events = Vec::with_capacity(sampled.len());
         for event in self.scheduler.apply_outputs(plan, &sampled, now) {
             match event {
                 SeqEvent::Token { id, token, .. } => {

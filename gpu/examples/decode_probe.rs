@@ -83,13 +83,21 @@ fn main() {
             .map(|id| seq(id, CONTEXT, vec![1234 + id as u32], blocks))
             .collect(),
     };
-    let t0 = std::time::Instant::now();
+    let mut ts = vec![];
     for _ in 0..n {
+        let t0 = std::time::Instant::now();
         if phase == "d1" {
             be.execute(&one).unwrap();
         } else if phase == "d32" {
             be.execute(&many).unwrap();
         }
+        ts.push(t0.elapsed().as_secs_f64() * 1e3);
     }
-    eprintln!("{phase} {n}: {:?} per step", t0.elapsed() / n.max(1) as u32);
+    ts.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    eprintln!(
+        "{phase} {n}: min {:.3} ms p25 {:.3} med {:.3}",
+        ts[0],
+        ts[n / 4],
+        ts[n / 2]
+    );
 }

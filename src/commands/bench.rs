@@ -185,6 +185,7 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
             match e {
                 CoreEvent::Token { .. } => output_tokens += 1,
                 CoreEvent::Finished { .. } => bar.inc(1),
+                CoreEvent::PromptLogprobs { .. } => {}
             }
         }
     }

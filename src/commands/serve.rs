@@ -12,7 +12,7 @@ use anyhow::Context;
 use parking_lot::Mutex;
 use switchyard_actors::actors::{
     ChoiceDelta, Engine as ActorEngine, EngineConfig, EngineOutput, OutputSink, PromptSource,
-    RequestOptions, SubmitError, SubmitErrorKind,
+    RequestOptions, SubmitError, SubmitErrorKind, TokenLogprobs,
 };
 use switchyard_api::engine::{
     self as port, Delta, EngineError, EngineErrorKind, EngineEvent, EngineFuture, Finish,
@@ -20,7 +20,7 @@ use switchyard_api::engine::{
 };
 use switchyard_api::{ApiConfig, ApiKeyEntry, ApiState, ServerOptions};
 use switchyard_config::{BackendKind, Config, LoadFormat};
-use switchyard_gpu::backend::SamplingParams;
+use switchyard_gpu::backend::{SamplingParams, MAX_LOGIT_ROWS};
 use switchyard_gpu::model::Tokenizer;
 use switchyard_policies::{FinishReason, PolicyRegistry, SchedulerConfig, SloTargets, TierSpec};
 use tokio::sync::mpsc;
@@ -159,6 +159,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             tokenizer,
             model_name,
             max_model_len,
+            max_batched_tokens: config.scheduler.max_num_batched_tokens,
             ready: AtomicBool::new(true),
             tiers,
             policy: Mutex::new(policy_info),
@@ -269,6 +270,7 @@ struct EngineAdapter {
     tokenizer: Arc<Tokenizer>,
     model_name: String,
     max_model_len: usize,
+    max_batched_tokens: usize,
     ready: AtomicBool,
     tiers: Vec<TierSpec>,
     policy: Mutex<PolicyInfo>,
@@ -341,10 +343,8 @@ impl ChannelSink {
             .unwrap_or_default()
     }
 
-    fn delta(&self, d: ChoiceDelta) -> Delta {
-        let logprobs = d
-            .logprobs
-            .into_iter()
+    fn logprobs(&self, list: Vec<TokenLogprobs>) -> Vec<TokenLogprob> {
+        list.into_iter()
             .map(|t| TokenLogprob {
                 token_id: t.token,
                 token: self.token_text(t.token),
@@ -359,7 +359,11 @@ impl ChannelSink {
                     })
                     .collect(),
             })
-            .collect();
+            .collect()
+    }
+
+    fn delta(&self, d: ChoiceDelta) -> Delta {
+        let logprobs = self.logprobs(d.logprobs);
         let finish = d.finish.map(|(reason, n)| Finish {
             reason: match reason {
                 FinishReason::Length => port::FinishReason::Length,
@@ -380,9 +384,12 @@ impl ChannelSink {
 impl OutputSink for ChannelSink {
     fn send(&mut self, output: EngineOutput) -> bool {
         let event = match output {
-            EngineOutput::Prompt { prompt_tokens } => EngineEvent::Prompt {
+            EngineOutput::Prompt {
                 prompt_tokens,
-                prompt_logprobs: None,
+                prompt_logprobs,
+            } => EngineEvent::Prompt {
+                prompt_tokens,
+                prompt_logprobs: prompt_logprobs.map(|l| self.logprobs(l)),
             },
             EngineOutput::Delta(d) => EngineEvent::Delta(self.delta(d)),
             EngineOutput::Error(e) => EngineEvent::Error(to_port_error(e)),
@@ -411,10 +418,14 @@ impl port::Engine for EngineAdapter {
     }
 
     fn submit(&self, request: GenerateRequest) -> Result<mpsc::Receiver<EngineEvent>, EngineError> {
-        if request.prompt_logprobs.is_some() {
+        // The CPU backend computes at most MAX_LOGIT_ROWS rows of logits per step; a step of
+        // prompt-logprob requests has up to max_num_batched_tokens of them.
+        if request.prompt_logprobs.is_some() && self.max_batched_tokens > MAX_LOGIT_ROWS {
             return Err(EngineError::new(
                 EngineErrorKind::InvalidRequest,
-                "prompt logprobs (echo with logprobs) are not supported yet",
+                format!(
+                    "echo with logprobs needs scheduler.max_num_batched_tokens <= {MAX_LOGIT_ROWS} on this server"
+                ),
             )
             .with_param("echo"));
         }
@@ -455,6 +466,7 @@ impl port::Engine for EngineAdapter {
             priority: request.priority,
             tier: request.tier,
             tenant: request.tenant,
+            prompt_logprobs: request.prompt_logprobs,
         };
         self.engine.submit(
             options,

@@ -36,6 +36,8 @@ pub struct Register {
     pub arrival: Instant,
     /// Counts the request as in flight until its last choice ends.
     pub guard: InFlight,
+    /// The prompt, when its logprobs were asked: the prompt event then waits for them.
+    pub pending_prompt: Option<Arc<[u32]>>,
 }
 
 /// The events of one step, or the failure of its requests.
@@ -93,6 +95,9 @@ struct RequestSink {
     ids: Vec<RequestId>,
     /// Released with the last choice.
     _guard: InFlight,
+    /// The prompt while its logprobs are still being computed; `None` once the prompt event
+    /// went out.
+    pending_prompt: Option<Arc<[u32]>>,
 }
 
 struct ChoiceState {
@@ -100,6 +105,9 @@ struct ChoiceState {
     detok: IncrementalDetokenizer,
     tokens: u32,
     request: Rc<RefCell<RequestSink>>,
+    /// Prompt logprobs by position (1..), filled as the prompt is computed; positions may
+    /// arrive again after a preemption and are then overwritten.
+    prompt_logprobs: Vec<Option<TokenLogprobs>>,
 }
 
 /// Owns the per-choice text state and the sinks.
@@ -122,6 +130,28 @@ impl DetokenizerActor {
     fn finish_in_scheduler(&self, ids: Vec<(RequestId, FinishReason)>) {
         if let (Some(s), false) = (&self.scheduler, ids.is_empty()) {
             s.do_send(Finish(ids));
+        }
+    }
+
+    /// Sends a request's deferred prompt event with the prompt logprobs known so far (positions
+    /// not computed, such as the first, have none).
+    fn flush_prompt(request: &mut RequestSink, known: &[Option<TokenLogprobs>]) {
+        if let Some(prompt) = request.pending_prompt.take() {
+            let list = prompt
+                .iter()
+                .enumerate()
+                .map(|(pos, &token)| {
+                    known.get(pos).cloned().flatten().unwrap_or(TokenLogprobs {
+                        token,
+                        logprob: None,
+                        top: Vec::new(),
+                    })
+                })
+                .collect();
+            request.sink.send(EngineOutput::Prompt {
+                prompt_tokens: prompt.len() as u32,
+                prompt_logprobs: Some(list),
+            });
         }
     }
 
@@ -182,7 +212,9 @@ impl Handler<Register> for DetokenizerActor {
             open_choices: msg.ids.len(),
             ids: msg.ids.clone(),
             _guard: msg.guard,
+            pending_prompt: msg.pending_prompt.clone(),
         }));
+        let prompt_len = msg.pending_prompt.as_ref().map_or(0, |p| p.len());
         for (index, id) in msg.ids.into_iter().enumerate() {
             self.choices.insert(
                 id,
@@ -191,6 +223,7 @@ impl Handler<Register> for DetokenizerActor {
                     detok: IncrementalDetokenizer::new(msg.stop.clone()),
                     tokens: 0,
                     request: request.clone(),
+                    prompt_logprobs: vec![None; prompt_len],
                 },
             );
         }
@@ -236,6 +269,8 @@ impl Handler<StepEvents> for DetokenizerActor {
                     let Some(c) = self.choices.get_mut(&id) else {
                         continue;
                     };
+                    // The prompt event always precedes a choice's first delta.
+                    Self::flush_prompt(&mut c.request.borrow_mut(), &c.prompt_logprobs);
                     if c.detok.is_stopped() {
                         continue;
                     }
@@ -290,6 +325,24 @@ impl Handler<StepEvents> for DetokenizerActor {
                     if out.stopped {
                         d.finish = Some((FinishReason::Stop, c.tokens));
                         stopped.push((id, FinishReason::Stop));
+                    }
+                }
+                CoreEvent::PromptLogprobs { id, entries } => {
+                    let Some(c) = self.choices.get_mut(&id) else {
+                        continue;
+                    };
+                    for e in entries {
+                        if let Some(slot) = c.prompt_logprobs.get_mut(e.position) {
+                            *slot = Some(TokenLogprobs {
+                                token: e.token,
+                                logprob: Some(e.logprob),
+                                top: e.top_logprobs,
+                            });
+                        }
+                    }
+                    // The first choice whose prompt is complete releases the prompt event.
+                    if c.prompt_logprobs.iter().skip(1).all(Option::is_some) {
+                        Self::flush_prompt(&mut c.request.borrow_mut(), &c.prompt_logprobs);
                     }
                 }
                 CoreEvent::Finished { id, reason } => {

@@ -65,6 +65,9 @@ pub struct RequestOptions {
     pub tier: String,
     /// Tenant name.
     pub tenant: String,
+    /// Report this many top alternatives for every prompt position (completions' `echo` with
+    /// `logprobs`); the request then skips the prefix cache, whose tokens are never recomputed.
+    pub prompt_logprobs: Option<u32>,
 }
 
 /// New output for one choice.
@@ -100,6 +103,9 @@ pub enum EngineOutput {
     Prompt {
         /// Prompt length in tokens.
         prompt_tokens: u32,
+        /// One entry per prompt token when prompt logprobs were asked (the first token, which
+        /// has no context, has no logprob).
+        prompt_logprobs: Option<Vec<TokenLogprobs>>,
     },
     /// New output for one choice.
     Delta(ChoiceDelta),
@@ -305,9 +311,13 @@ impl Engine {
             ));
         }
         metrics::counter!("switchyard:prompt_tokens_total").increment(prompt.len() as u64);
-        if !sink.send(EngineOutput::Prompt {
-            prompt_tokens: prompt.len() as u32,
-        }) {
+        // With prompt logprobs the detokenizer sends the prompt event once they are computed.
+        if options.prompt_logprobs.is_none()
+            && !sink.send(EngineOutput::Prompt {
+                prompt_tokens: prompt.len() as u32,
+                prompt_logprobs: None,
+            })
+        {
             return Ok(());
         }
         let prompt: Arc<[u32]> = prompt.into();
@@ -330,6 +340,7 @@ impl Engine {
             let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
             let mut sampling = options.sampling.clone();
             sampling.seed = options.sampling.seed.map(|s| s.wrapping_add(u64::from(i)));
+            sampling.prompt_logprobs = options.prompt_logprobs;
             ids.push(id);
             submits.push(SubmitOptions {
                 request: Request {
@@ -352,13 +363,18 @@ impl Engine {
                         eos_token_id: eos,
                         ignore_eos: options.sampling.ignore_eos,
                     },
-                    cache_salt: None,
+                    // Prompt logprobs need every prompt position computed: a salt of its own
+                    // keeps the request off shared prefix blocks.
+                    cache_salt: options
+                        .prompt_logprobs
+                        .map(|_| (id.0 ^ 0x5bd1_e995_0000_0000) | 1),
                 },
                 sampling: Arc::new(sampling),
             });
         }
         self.detokenizer.do_send(Register {
             ids: ids.clone(),
+            pending_prompt: options.prompt_logprobs.map(|_| prompt.clone()),
             sink,
             stop: options.stop,
             arrival,

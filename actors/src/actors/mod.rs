@@ -18,5 +18,5 @@ mod tokenizer;
 
 pub use engine::{
     ChoiceDelta, Engine, EngineConfig, EngineOutput, OutputSink, PromptSource, RequestOptions,
-    SubmitError, SubmitErrorKind,
+    SubmitError, SubmitErrorKind, TokenLogprobs,
 };
