@@ -351,12 +351,15 @@ mod tests {
     use switchyard_gpu::GpuError;
     use switchyard_policies::{PolicyRegistry, SamplingLimits, SloTargets};
 
+    /// (sequence, first position, tokens) of every sequence fed to the backend, in order.
+    type FedLog = std::sync::Arc<std::sync::Mutex<Vec<(u64, usize, Vec<u32>)>>>;
+
     /// A backend double that "samples" the next integer after the last fed token, and records
     /// what it was asked to do.
     #[derive(Default)]
     struct NextTokenBackend {
         released: std::sync::Arc<std::sync::Mutex<Vec<u64>>>,
-        fed: std::sync::Arc<std::sync::Mutex<Vec<(u64, usize, Vec<u32>)>>>,
+        fed: FedLog,
     }
 
     impl Backend for NextTokenBackend {
