@@ -199,7 +199,12 @@ impl Engine {
         let tokenizers = SyncArbiter::start(config.tokenizer_threads.max(1), move || {
             TokenizerActor::new(tok.clone(), template.clone())
         });
-        let detokenizer = DetokenizerActor::new(tokenizer).start();
+        // The detokenizer gets a thread of its own so that text work and client sends never
+        // delay the scheduler's next step.
+        let detok_thread = actix::Arbiter::new();
+        let detokenizer = DetokenizerActor::start_in_arbiter(&detok_thread.handle(), move |_| {
+            DetokenizerActor::new(tokenizer)
+        });
         let scheduler = SchedulerActor::new(core, executor, detokenizer.clone()).start();
         detokenizer.do_send(SetScheduler(scheduler.clone()));
         Ok(Self {
