@@ -124,22 +124,30 @@ fn streaming_matches_the_non_streaming_text() {
     );
 }
 
-/// The reference continuation of a golden prompt, decoded by Hugging Face transformers
+/// A golden generation made by Hugging Face transformers
 /// (gpu/tests/fixtures/smollm2_golden.json, made by gpu/reference/make_golden.py).
-fn golden_completion(name: &str) -> String {
-    let text = std::fs::read_to_string(concat!(
+fn golden(name: &str) -> Value {
+    let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/gpu/tests/fixtures/smollm2_golden.json"
-    ))
-    .expect("fixture");
-    let v: Value = serde_json::from_str(&text).expect("fixture json");
-    let g = v["generations"]
+    );
+    let fixture: Value = serde_json::from_str(&std::fs::read_to_string(path).expect("fixture"))
+        .expect("fixture json");
+    let found = fixture["generations"]
         .as_array()
-        .unwrap()
+        .expect("generations")
         .iter()
         .find(|g| g["name"] == name)
-        .expect("golden generation");
-    g["completion"].as_str().unwrap().to_string()
+        .cloned();
+    found.unwrap_or_else(|| panic!("no golden generation {name}"))
+}
+
+/// The reference continuation (decoded text) of a golden prompt.
+fn golden_completion(name: &str) -> String {
+    golden(name)["completion"]
+        .as_str()
+        .expect("completion")
+        .to_string()
 }
 
 #[test]
@@ -295,18 +303,7 @@ fn metrics_are_exported() {
 
 #[test]
 fn logprobs_match_the_reference_distribution() {
-    let text = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/gpu/tests/fixtures/smollm2_golden.json"
-    ))
-    .expect("fixture");
-    let fixture: Value = serde_json::from_str(&text).expect("fixture json");
-    let g = fixture["generations"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|g| g["name"] == "raw-count")
-        .expect("raw-count");
+    let g = golden("raw-count");
     let v = complete(
         &server(),
         "1, 2, 3, 4, 5,",
@@ -332,18 +329,7 @@ fn logprobs_match_the_reference_distribution() {
 
 #[test]
 fn echo_prompt_logprobs_match_the_reference_teacher_forced() {
-    let text = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/gpu/tests/fixtures/smollm2_golden.json"
-    ))
-    .expect("fixture");
-    let fixture: Value = serde_json::from_str(&text).expect("fixture json");
-    let g = fixture["generations"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|g| g["name"] == "raw-alphabet")
-        .expect("raw-alphabet");
+    let g = golden("raw-alphabet");
     let prompt: Vec<u64> = g["prompt_ids"]
         .as_array()
         .unwrap()

@@ -6,11 +6,11 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Context;
-use switchyard_actors::{CoreEvent, SubmitOptions};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use switchyard_actors::CoreEvent;
 use switchyard_gpu::backend::SamplingParams;
-use switchyard_policies::{
-    Request, RequestId, SamplingLimits, SchedulerConfig, SloTargets, Timestamp,
-};
+use switchyard_policies::{SamplingLimits, SchedulerConfig, Timestamp};
 
 use super::runtime;
 use crate::cli::{BenchCommand, BenchDataset, ThroughputArgs};
@@ -24,22 +24,6 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
         BenchCommand::Throughput(args) => throughput(args),
         BenchCommand::Serve(args) => super::bench_serve::run(args),
-    }
-}
-
-/// A small deterministic generator (SplitMix64) for random prompt tokens and dataset sampling.
-struct SplitMix(u64);
-
-impl SplitMix {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
     }
 }
 
@@ -96,7 +80,7 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
     };
     let vocab = config.vocab_size as u64;
     let max_model_len = config.max_position_embeddings;
-    let mut rng = SplitMix(args.seed);
+    let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
     let lengths: Vec<(usize, usize)> = match args.dataset {
         BenchDataset::Random => {
             anyhow::ensure!(
@@ -115,7 +99,7 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
             });
             let all = sharegpt_lengths(&file, max_model_len)?;
             (0..args.num_prompts)
-                .map(|_| all[rng.below(all.len() as u64) as usize])
+                .map(|_| all[rng.random_range(0..all.len())])
                 .collect()
         }
     };
@@ -146,33 +130,20 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
     for (i, &(input, output)) in lengths.iter().enumerate() {
         // Random ids away from the first 256 (special and byte tokens), unique per prompt.
         let prompt: Vec<u32> = (0..input)
-            .map(|_| (256 + rng.below(vocab.saturating_sub(256).max(1))) as u32)
+            .map(|_| (256 + rng.random_range(0..vocab.saturating_sub(256).max(1))) as u32)
             .collect();
         prompt_tokens += input;
-        engine.core().add_request(SubmitOptions {
-            request: Request {
-                id: RequestId(i as u64),
-                tenant: String::new(),
-                tier: String::new(),
-                priority: 0,
-                lora_adapter: None,
-                arrival: Timestamp(0),
-                slo: SloTargets {
-                    ttft_ms: None,
-                    tpot_ms: None,
-                },
-                prompt: prompt.into(),
-                limits: SamplingLimits {
-                    max_tokens: output as u32,
-                    min_tokens: 0,
-                    stop_token_ids: Vec::new(),
-                    eos_token_id: None,
-                    ignore_eos: true,
-                },
-                cache_salt: None,
-            },
-            sampling: sampling.clone(),
-        })?;
+        let limits = SamplingLimits {
+            max_tokens: output as u32,
+            ignore_eos: true,
+            ..SamplingLimits::default()
+        };
+        engine.core().add_request(runtime::offline_request(
+            i as u64,
+            prompt,
+            limits,
+            sampling.clone(),
+        ))?;
     }
     let bar = super::progress_bar(args.num_prompts as u64, "requests");
     let start = Instant::now();

@@ -11,6 +11,8 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
 use serde_json::json;
 
 use crate::cli::{ServeBenchArgs, ServeDataset};
@@ -52,25 +54,10 @@ fn parse_url(url: &str) -> anyhow::Result<Target> {
     Ok(Target { host, port, prefix })
 }
 
-/// Deterministic SplitMix64 for prompts and arrivals.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
-
 /// (prompt token count, output tokens, arrival offset in seconds if the dataset has one).
 fn workload(
     args: &ServeBenchArgs,
-    rng: &mut Rng,
+    rng: &mut ChaCha8Rng,
 ) -> anyhow::Result<Vec<(usize, usize, Option<f64>)>> {
     let n = args.num_prompts;
     match args.dataset {
@@ -128,7 +115,7 @@ fn workload(
                 return Ok(rows);
             }
             Ok((0..n)
-                .map(|_| rows[(rng.next() % rows.len() as u64) as usize])
+                .map(|_| rows[rng.random_range(0..rows.len())])
                 .collect())
         }
     }
@@ -155,7 +142,7 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
         None => first_model(&target, args.api_key.as_deref())
             .context("asking /v1/models for the model name (or pass --model)")?,
     };
-    let mut rng = Rng(args.seed);
+    let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
     let work = workload(&args, &mut rng)?;
     let concurrency = args.max_concurrency.unwrap_or(usize::MAX).max(1);
     let (tx, rx) = mpsc::channel::<Sample>();
@@ -170,7 +157,7 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
             (Some(t), _) => t / args.time_scale.max(1e-9),
             (None, Some(rate)) if rate.is_finite() && rate > 0.0 => {
                 let t = next_arrival;
-                next_arrival += -(1.0 - rng.unit()).ln() / rate;
+                next_arrival += -(1.0 - rng.random::<f64>()).ln() / rate;
                 t
             }
             _ => 0.0,
@@ -185,7 +172,7 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
             bar.inc(1);
         }
         let prompt: Vec<u32> = (0..input)
-            .map(|_| args.token_offset + (rng.next() % args.token_range.max(1) as u64) as u32)
+            .map(|_| args.token_offset + rng.random_range(0..args.token_range.max(1)))
             .collect();
         let body = json!({
             "model": model, "prompt": prompt, "max_tokens": output, "temperature": 0.0,

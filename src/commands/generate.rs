@@ -6,12 +6,10 @@ use std::io::Write;
 use std::sync::Arc;
 use std::time::Instant;
 
-use switchyard_actors::{CoreEvent, IncrementalDetokenizer, SubmitOptions};
+use switchyard_actors::{CoreEvent, IncrementalDetokenizer};
 use switchyard_gpu::backend::SamplingParams;
 use switchyard_gpu::model::ChatMessage;
-use switchyard_policies::{
-    Request, RequestId, SamplingLimits, SchedulerConfig, SloTargets, Timestamp,
-};
+use switchyard_policies::{RequestId, SamplingLimits, SchedulerConfig, Timestamp};
 
 use super::runtime;
 use crate::cli::GenerateArgs;
@@ -94,30 +92,18 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
                 finish: None,
             },
         );
-        engine.core().add_request(SubmitOptions {
-            request: Request {
-                id,
-                tenant: String::new(),
-                tier: String::new(),
-                priority: 0,
-                lora_adapter: None,
-                arrival: Timestamp(0),
-                slo: SloTargets {
-                    ttft_ms: None,
-                    tpot_ms: None,
-                },
-                prompt: ids.into(),
-                limits: SamplingLimits {
-                    max_tokens: args.max_tokens,
-                    min_tokens: 0,
-                    stop_token_ids: eos.iter().skip(1).copied().collect(),
-                    eos_token_id: eos.first().copied(),
-                    ignore_eos: false,
-                },
-                cache_salt: None,
-            },
-            sampling: Arc::new(sampling),
-        })?;
+        let limits = SamplingLimits {
+            max_tokens: args.max_tokens,
+            stop_token_ids: eos.iter().skip(1).copied().collect(),
+            eos_token_id: eos.first().copied(),
+            ..SamplingLimits::default()
+        };
+        engine.core().add_request(runtime::offline_request(
+            id.0,
+            ids,
+            limits,
+            Arc::new(sampling),
+        ))?;
     }
     let stream = outputs.len() == 1 && !args.json;
     let start = Instant::now();

@@ -169,6 +169,28 @@ impl DetokenizerActor {
     }
 }
 
+/// The delta of choice `id` in this step, created on first use.
+fn delta_of(
+    deltas: &mut Vec<(RequestId, ChoiceDelta)>,
+    id: RequestId,
+    index: u32,
+) -> &mut ChoiceDelta {
+    let pos = match deltas.iter().position(|(d, _)| *d == id) {
+        Some(p) => p,
+        None => {
+            deltas.push((
+                id,
+                ChoiceDelta {
+                    index,
+                    ..Default::default()
+                },
+            ));
+            deltas.len() - 1
+        }
+    };
+    &mut deltas[pos].1
+}
+
 /// Sets the scheduler address (the two actors know each other).
 #[derive(Message)]
 #[rtype(result = "()")]
@@ -299,20 +321,7 @@ impl Handler<StepEvents> for DetokenizerActor {
                         self.tokenizer.token_bytes(token).unwrap_or(&[])
                     };
                     let out = c.detok.push(bytes);
-                    let pos = match deltas.iter().position(|(d, _)| *d == id) {
-                        Some(p) => p,
-                        None => {
-                            deltas.push((
-                                id,
-                                ChoiceDelta {
-                                    index: c.index,
-                                    ..Default::default()
-                                },
-                            ));
-                            deltas.len() - 1
-                        }
-                    };
-                    let d = &mut deltas[pos].1;
+                    let d = delta_of(&mut deltas, id, c.index);
                     d.text.push_str(&out.text);
                     d.token_ids.push(token);
                     if logprob.is_some() || !top_logprobs.is_empty() {
@@ -353,20 +362,7 @@ impl Handler<StepEvents> for DetokenizerActor {
                         continue;
                     }
                     let rest = c.detok.finish();
-                    let pos = match deltas.iter().position(|(d, _)| *d == id) {
-                        Some(p) => p,
-                        None => {
-                            deltas.push((
-                                id,
-                                ChoiceDelta {
-                                    index: c.index,
-                                    ..Default::default()
-                                },
-                            ));
-                            deltas.len() - 1
-                        }
-                    };
-                    let d = &mut deltas[pos].1;
+                    let d = delta_of(&mut deltas, id, c.index);
                     d.text.push_str(&rest.text);
                     d.finish = Some((reason, c.tokens));
                 }
