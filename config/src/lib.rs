@@ -64,6 +64,14 @@ pub enum ConfigError {
     },
 }
 
+/// The key written on 1-based `line` of block-style YAML (`  block_size: 0` gives `block_size`).
+fn key_on_line(text: &str, line: usize) -> Option<&str> {
+    let l = text.lines().nth(line.checked_sub(1)?)?;
+    let (key, _) = l.trim_start().trim_start_matches("- ").split_once(':')?;
+    let key = key.trim();
+    (!key.is_empty() && key.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')).then_some(key)
+}
+
 /// Upper bound on the size of a configuration file we are willing to parse.
 pub const MAX_CONFIG_BYTES: u64 = 1 << 20;
 
@@ -109,10 +117,21 @@ impl Config {
         file: &str,
         overrides: &[String],
     ) -> Result<Self, ConfigError> {
-        let parse_err = |file: &str, e: serde_yaml::Error| ConfigError::Parse {
-            file: file.to_string(),
-            line: e.location().map(|l| l.line()),
-            message: e.to_string(),
+        let parse_err = |file: &str, e: serde_yaml::Error| {
+            let line = e.location().map(|l| l.line());
+            let mut message = e.to_string();
+            // Range checks run inside a field's deserializer, where the parser's message names
+            // only the enclosing section: name the key written on the error's line too.
+            if let Some(key) = line.and_then(|l| key_on_line(text, l)) {
+                if !message.contains(key) {
+                    message = format!("field `{key}`: {message}");
+                }
+            }
+            ConfigError::Parse {
+                file: file.to_string(),
+                line,
+                message,
+            }
         };
         // An empty file is the all-defaults configuration.
         let mut config: Config = if text.trim().is_empty() {

@@ -23,6 +23,7 @@ fn check_err(yaml: &str, expect_line: Option<usize>, expect_in_message: &str) {
 #[test]
 fn out_of_range_block_size_is_located() {
     check_err("cache:\n  block_size: 0\n", Some(2), "out of range");
+    check_err("cache:\n  block_size: 0\n", Some(2), "block_size");
 }
 
 #[test]

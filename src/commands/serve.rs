@@ -58,17 +58,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         runtime::resolve_model_path(Some(Path::new(&config.model.path)))?
     };
     // Check the policy before the (slow) model load, so a typo fails fast.
-    let tiers: Vec<TierSpec> = config
-        .tiers
-        .iter()
-        .map(|(name, t)| TierSpec {
-            name: name.clone(),
-            ttft_ms: t.ttft_ms,
-            tpot_ms: t.tpot_ms,
-            weight: t.weight,
-            preemptible: t.preemptible,
-        })
-        .collect();
+    let tiers: Vec<TierSpec> = super::config::tier_specs(&config);
     let registry = PolicyRegistry::with_builtins();
     let policy = registry
         .create(
