@@ -5,10 +5,28 @@ mod common;
 
 use common::Server;
 use std::path::PathBuf;
-use std::process::Command;
+use std::process::{Command, Output};
 
 fn switchyard() -> Command {
     Command::new(env!("CARGO_BIN_EXE_switchyard"))
+}
+
+/// Runs a command that must succeed; returns its stdout.
+fn succeeds(cmd: &mut Command) -> String {
+    let out: Output = cmd.output().expect("run switchyard");
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Runs a command that must fail; returns its stderr.
+fn fails(cmd: &mut Command) -> String {
+    let out: Output = cmd.output().expect("run switchyard");
+    assert!(!out.status.success(), "{cmd:?} should have failed");
+    String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
 fn temp_dir(name: &str) -> PathBuf {
@@ -20,36 +38,24 @@ fn temp_dir(name: &str) -> PathBuf {
 
 #[test]
 fn config_check_prints_the_effective_config_and_locates_errors() {
-    let out = switchyard()
-        .args([
-            "config",
-            "check",
-            "config/examples/multi-tenant.yaml",
-            "--set",
-            "server.port=9123",
-        ])
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .output()
-        .expect("run");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let yaml = succeeds(
+        switchyard()
+            .args([
+                "config",
+                "check",
+                "config/examples/multi-tenant.yaml",
+                "--set",
+                "server.port=9123",
+            ])
+            .current_dir(env!("CARGO_MANIFEST_DIR")),
     );
-    let yaml = String::from_utf8_lossy(&out.stdout);
     assert!(yaml.contains("port: 9123"), "{yaml}");
     assert!(yaml.contains("slo-aware"), "{yaml}");
 
     let dir = temp_dir("config");
     let bad = dir.join("bad.yaml");
     std::fs::write(&bad, "server:\n  port: 80\ncache:\n  block_size: 0\n").unwrap();
-    let out = switchyard()
-        .args(["config", "check"])
-        .arg(&bad)
-        .output()
-        .expect("run");
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = fails(switchyard().args(["config", "check"]).arg(&bad));
     assert!(
         err.contains(&format!("{}:4", bad.display())),
         "error does not name file and line: {err}"
@@ -57,6 +63,13 @@ fn config_check_prints_the_effective_config_and_locates_errors() {
     assert!(
         err.contains("block_size"),
         "error does not name the field: {err}"
+    );
+
+    std::fs::write(&bad, "scheduler:\n  policy: { name: lottery }\n").unwrap();
+    let err = fails(switchyard().args(["config", "check"]).arg(&bad));
+    assert!(
+        err.contains("known policies: fcfs"),
+        "unknown policy not reported with the known ones: {err}"
     );
 }
 
@@ -70,30 +83,26 @@ fn simulate_writes_summary_requests_and_plots_for_each_policy() {
         "{} is missing (CI has ../shared beside the checkout)",
         trace.display()
     );
-    let out = switchyard()
-        .args([
+    let simulate = |policies: &str| {
+        let mut cmd = switchyard();
+        cmd.args([
             "simulate",
             "--format",
             "azure",
-            "--policies",
-            "fcfs,slo-aware",
             "--limit",
             "300",
             "--seed",
             "3",
+            "--policies",
+            policies,
             "--trace",
         ])
         .arg(&trace)
         .arg("--out")
-        .arg(&dir)
-        .output()
-        .expect("run");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let table = String::from_utf8_lossy(&out.stdout);
+        .arg(&dir);
+        cmd
+    };
+    let table = succeeds(&mut simulate("fcfs,slo-aware"));
     assert!(
         table.contains("fcfs") && table.contains("slo-aware"),
         "{table}"
@@ -116,26 +125,8 @@ fn simulate_writes_summary_requests_and_plots_for_each_policy() {
         .count();
     assert_eq!(lines, 300);
 
-    let out = switchyard()
-        .args([
-            "simulate",
-            "--format",
-            "azure",
-            "--policies",
-            "fcfs,nope",
-            "--trace",
-        ])
-        .arg(&trace)
-        .arg("--out")
-        .arg(&dir)
-        .output()
-        .expect("run");
-    assert!(!out.status.success());
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains("known policies: fcfs"),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let err = fails(&mut simulate("fcfs,nope"));
+    assert!(err.contains("known policies: fcfs"), "{err}");
 }
 
 #[test]
@@ -143,30 +134,24 @@ fn bench_serve_reports_vllm_labels_against_a_live_server() {
     let server = Server::start("bench", "");
     let dir = temp_dir("bench");
     let result = dir.join("result.json");
-    let out = switchyard()
-        .args([
-            "bench",
-            "serve",
-            "--max-concurrency",
-            "4",
-            "--num-prompts",
-            "6",
-            "--input-len",
-            "16",
-            "--output-len",
-            "8",
-            "--base-url",
-        ])
-        .arg(format!("http://127.0.0.1:{}", server.port))
-        .arg("--result-file")
-        .arg(&result)
-        .output()
-        .expect("run");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
+    let stdout = succeeds(
+        switchyard()
+            .args([
+                "bench",
+                "serve",
+                "--max-concurrency",
+                "4",
+                "--num-prompts",
+                "6",
+                "--input-len",
+                "16",
+                "--output-len",
+                "8",
+            ])
+            .arg("--base-url")
+            .arg(format!("http://127.0.0.1:{}", server.port))
+            .arg("--result-file")
+            .arg(&result),
     );
     for label in [
         "Successful requests:",

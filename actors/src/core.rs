@@ -11,8 +11,8 @@ use std::time::Instant;
 
 use switchyard_gpu::backend::{Backend, Batch, PromptLogprob, SamplingParams, SeqInput, SeqOutput};
 use switchyard_policies::{
-    FinishReason, Policy, Request, RequestId, Scheduler, SchedulerConfig, SchedulerStats, SeqEvent,
-    StepOutput, StepPlan, Timestamp, TokenId,
+    FinishReason, Policy, Request, RequestId, SamplingLimits, Scheduler, SchedulerConfig,
+    SchedulerStats, SeqEvent, SloTargets, StepOutput, StepPlan, Timestamp, TokenId,
 };
 
 use crate::EngineError;
@@ -33,6 +33,33 @@ pub struct SubmitOptions {
     pub request: Request,
     /// What the sampler needs.
     pub sampling: Arc<SamplingParams>,
+}
+
+impl SubmitOptions {
+    /// An offline request (generation, benchmarks): no tenant, tier or SLO, arriving at time
+    /// zero.
+    pub fn offline(
+        id: u64,
+        prompt: Vec<TokenId>,
+        limits: SamplingLimits,
+        sampling: Arc<SamplingParams>,
+    ) -> Self {
+        Self {
+            request: Request {
+                id: RequestId(id),
+                tenant: String::new(),
+                tier: String::new(),
+                priority: 0,
+                lora_adapter: None,
+                arrival: Timestamp(0),
+                slo: SloTargets::default(),
+                prompt: prompt.into(),
+                limits,
+                cache_salt: None,
+            },
+            sampling,
+        }
+    }
 }
 
 /// Something that happened to a request during a step.
@@ -403,25 +430,12 @@ mod tests {
     }
 
     fn request(id: u64, prompt: Vec<u32>, max_tokens: u32, eos: Option<u32>) -> SubmitOptions {
-        SubmitOptions {
-            request: Request {
-                id: RequestId(id),
-                tenant: "t".into(),
-                tier: String::new(),
-                priority: 0,
-                lora_adapter: None,
-                arrival: Timestamp(0),
-                slo: SloTargets::default(),
-                prompt: prompt.into(),
-                limits: SamplingLimits {
-                    max_tokens,
-                    eos_token_id: eos,
-                    ..SamplingLimits::default()
-                },
-                cache_salt: None,
-            },
-            sampling: Arc::new(SamplingParams::default()),
-        }
+        let limits = SamplingLimits {
+            max_tokens,
+            eos_token_id: eos,
+            ..SamplingLimits::default()
+        };
+        SubmitOptions::offline(id, prompt, limits, Arc::new(SamplingParams::default()))
     }
 
     fn engine(backend: NextTokenBackend) -> EngineCore {

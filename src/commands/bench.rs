@@ -8,7 +8,7 @@ use std::time::Instant;
 use anyhow::Context;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use switchyard_actors::CoreEvent;
+use switchyard_actors::{CoreEvent, SubmitOptions};
 use switchyard_gpu::backend::SamplingParams;
 use switchyard_policies::{SamplingLimits, SchedulerConfig, Timestamp};
 
@@ -138,7 +138,7 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
             ignore_eos: true,
             ..SamplingLimits::default()
         };
-        engine.core().add_request(runtime::offline_request(
+        engine.core().add_request(SubmitOptions::offline(
             i as u64,
             prompt,
             limits,

@@ -6,7 +6,7 @@ use std::io::Write;
 use std::sync::Arc;
 use std::time::Instant;
 
-use switchyard_actors::{CoreEvent, IncrementalDetokenizer};
+use switchyard_actors::{CoreEvent, IncrementalDetokenizer, SubmitOptions};
 use switchyard_gpu::backend::SamplingParams;
 use switchyard_gpu::model::ChatMessage;
 use switchyard_policies::{RequestId, SamplingLimits, SchedulerConfig, Timestamp};
@@ -98,7 +98,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             eos_token_id: eos.first().copied(),
             ..SamplingLimits::default()
         };
-        engine.core().add_request(runtime::offline_request(
+        engine.core().add_request(SubmitOptions::offline(
             id.0,
             ids,
             limits,

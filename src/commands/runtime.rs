@@ -4,16 +4,11 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
-use std::sync::Arc;
-
-use switchyard_actors::{EngineCore, EngineCoreConfig, SubmitOptions};
-use switchyard_gpu::backend::SamplingParams;
+use switchyard_actors::{EngineCore, EngineCoreConfig};
 use switchyard_gpu::backend::{Backend, CpuBackend, CpuBackendConfig};
 use switchyard_gpu::cpu::llama::LlamaModel;
 use switchyard_gpu::model::{fetch, LlamaConfig, LoadedModel};
-use switchyard_policies::{
-    PolicyRegistry, Request, RequestId, SamplingLimits, SchedulerConfig, SloTargets, Timestamp,
-};
+use switchyard_policies::{PolicyRegistry, SchedulerConfig};
 
 /// The embedded default model.
 pub const DEFAULT_MODEL: &str = "smollm2-135m";
@@ -101,30 +96,6 @@ pub fn preset(name: &str) -> anyhow::Result<LlamaConfig> {
         "smollm2-135m" => Ok(LlamaConfig::smollm2_135m()),
         "llama-3-8b" => Ok(LlamaConfig::llama3_8b()),
         other => anyhow::bail!("unknown architecture `{other}` (known: smollm2-135m, llama-3-8b)"),
-    }
-}
-
-/// An offline request: no tenant, tier or SLO, arriving at time zero.
-pub fn offline_request(
-    id: u64,
-    prompt: Vec<u32>,
-    limits: SamplingLimits,
-    sampling: Arc<SamplingParams>,
-) -> SubmitOptions {
-    SubmitOptions {
-        request: Request {
-            id: RequestId(id),
-            tenant: String::new(),
-            tier: String::new(),
-            priority: 0,
-            lora_adapter: None,
-            arrival: Timestamp(0),
-            slo: SloTargets::default(),
-            prompt: prompt.into(),
-            limits,
-            cache_salt: None,
-        },
-        sampling,
     }
 }
 
