@@ -11,8 +11,9 @@ use std::time::Instant;
 
 use switchyard_gpu::backend::{Backend, Batch, PromptLogprob, SamplingParams, SeqInput, SeqOutput};
 use switchyard_policies::{
-    FinishReason, Policy, Request, RequestId, SamplingLimits, Scheduler, SchedulerConfig,
-    SchedulerStats, SeqEvent, SloTargets, StepOutput, StepPlan, Timestamp, TokenId,
+    BlockId, BlockPool, FinishReason, KvCommit, Policy, Request, RequestId, SamplingLimits,
+    Scheduler, SchedulerConfig, SchedulerStats, SeqEvent, SloTargets, StepOutput, StepPlan,
+    Timestamp, TokenId,
 };
 
 use crate::EngineError;
@@ -128,6 +129,19 @@ pub struct PreparedStep {
     pub queue_times_us: Vec<u64>,
 }
 
+/// A plan whose block changes are on their way to the allocator actor.
+#[derive(Debug)]
+pub struct PlannedStep {
+    /// The plan; its reserved blocks get ids in [`StepCore::assign`].
+    pub plan: StepPlan,
+    /// The block changes for the allocator.
+    pub commit: KvCommit,
+    /// The step's time on the engine clock.
+    pub now: Timestamp,
+    /// When planning began (for the plan-time metric).
+    started: Instant,
+}
+
 /// What the engine keeps per request in flight.
 #[derive(Debug)]
 struct LiveRequest {
@@ -195,6 +209,11 @@ impl StepCore {
         known
     }
 
+    /// Whether block changes wait for a commit to the allocator.
+    pub fn has_uncommitted(&self) -> bool {
+        self.scheduler.ledger().has_uncommitted()
+    }
+
     /// Whether any request is waiting or running.
     pub fn has_unfinished(&self) -> bool {
         self.scheduler.has_unfinished()
@@ -215,20 +234,62 @@ impl StepCore {
         self.scheduler.output_tokens(id)
     }
 
-    /// Plans a step at time `now`; `None` when there is nothing to run.
+    /// Plans a step at time `now` and commits its block changes to the core's own allocator;
+    /// `None` when there is nothing to run.
     pub fn prepare(&mut self, now: Timestamp) -> Result<Option<PreparedStep>, EngineError> {
         let t0 = Instant::now();
         let plan = self.scheduler.schedule(now);
+        self.build(plan, now, t0)
+    }
+
+    /// Hands the KV block pool to an allocator actor; from then on steps go through
+    /// [`StepCore::plan`], the allocator, [`StepCore::assign`] and [`StepCore::build`].
+    pub fn detach_allocator(&mut self) -> Option<BlockPool> {
+        self.scheduler.detach_allocator()
+    }
+
+    /// Plans a step at time `now` against the core's view of the KV blocks. The commit must
+    /// reach the allocator, and its block ids come back through [`StepCore::assign`], before
+    /// anything else changes the core.
+    pub fn plan(&mut self, now: Timestamp) -> PlannedStep {
+        let started = Instant::now();
+        let mut plan = StepPlan::default();
+        let commit = self.scheduler.plan_into(now, &mut plan);
+        PlannedStep {
+            plan,
+            commit,
+            now,
+            started,
+        }
+    }
+
+    /// Writes the allocator's block ids into the planned step.
+    pub fn assign(&mut self, step: &mut PlannedStep, ids: &[BlockId]) -> Result<(), EngineError> {
+        Ok(self.scheduler.assign_blocks(&mut step.plan, ids)?)
+    }
+
+    /// Turns a committed plan into the backend's batch; `None` when the plan is empty.
+    /// Sequences that ended since the plan was made are left out (their plan entries are
+    /// skipped when outputs are applied).
+    pub fn build_step(&mut self, step: PlannedStep) -> Result<Option<PreparedStep>, EngineError> {
+        self.build(step.plan, step.now, step.started)
+    }
+
+    fn build(
+        &mut self,
+        plan: StepPlan,
+        now: Timestamp,
+        t0: Instant,
+    ) -> Result<Option<PreparedStep>, EngineError> {
         if plan.seqs.is_empty() {
             return Ok(None);
         }
         let mut seqs = Vec::with_capacity(plan.seqs.len());
         let mut queue_times_us = Vec::new();
         for s in &plan.seqs {
-            let live = self
-                .live
-                .get_mut(&s.id)
-                .ok_or(EngineError::UnknownSequence(s.id.0))?;
+            let Some(live) = self.live.get_mut(&s.id) else {
+                continue;
+            };
             if !live.started {
                 live.started = true;
                 queue_times_us.push(now.saturating_sub(live.arrival));
@@ -376,7 +437,7 @@ impl EngineCore {
 mod tests {
     use super::*;
     use switchyard_gpu::GpuError;
-    use switchyard_policies::{PolicyRegistry, SamplingLimits, SloTargets};
+    use switchyard_policies::{PolicyRegistry, SamplingLimits};
 
     /// (sequence, first position, tokens) of every sequence fed to the backend, in order.
     type FedLog = std::sync::Arc<std::sync::Mutex<Vec<(u64, usize, Vec<u32>)>>>;

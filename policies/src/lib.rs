@@ -42,6 +42,7 @@
 //! assert_eq!(sched.output_tokens(RequestId(1)), Some(&[42, 42][..]));
 //! ```
 
+pub mod block_ledger;
 pub mod block_pool;
 pub mod error;
 mod planner;
@@ -51,6 +52,7 @@ pub mod scheduler;
 pub mod sequence;
 pub mod types;
 
+pub use block_ledger::{BlockLedger, KvCommit, PENDING_BLOCK};
 pub use block_pool::BlockPool;
 pub use error::{PolicyError, SchedulerError};
 pub use policy::{

@@ -23,18 +23,20 @@
 
 use std::collections::HashMap;
 
+use crate::block_ledger::{BlockLedger, KvCommit, PENDING_BLOCK};
+use crate::error::SchedulerError;
 use crate::policy::{PolicyEvent, StepContext};
 use crate::prefix_hash::BlockHasher;
 use crate::scheduler::{Ranked, Scheduler};
 use crate::sequence::{SeqView, Sequence};
 use crate::types::{
-    RequestId, RequestState, ScheduledSeq, SeqEvent, StepOutput, StepPlan, Timestamp, TokenId,
+    BlockId, RequestId, RequestState, ScheduledSeq, SeqEvent, StepOutput, StepPlan, Timestamp,
+    TokenId,
 };
-use crate::BlockPool;
 
 /// Registers the leading full, computed blocks of `seq` in the prefix cache.
 #[inline]
-fn cache_full_blocks(hasher: &BlockHasher, pool: &mut BlockPool, seq: &mut Sequence) {
+fn cache_full_blocks(hasher: &BlockHasher, pool: &mut BlockLedger, seq: &mut Sequence) {
     let full = pool.full_blocks(seq.num_computed);
     if full <= seq.num_cached_blocks {
         return;
@@ -106,8 +108,76 @@ impl Scheduler {
         plan
     }
 
-    /// Like [`Scheduler::schedule`], reusing `plan`'s allocations (the engine's hot path).
+    /// Like [`Scheduler::schedule`], reusing `plan`'s allocations: plans, then commits the
+    /// block changes to the scheduler's own pool. With the pool detached, use
+    /// [`Scheduler::plan_into`] and [`Scheduler::assign_blocks`] instead.
     pub fn schedule_into(&mut self, now: Timestamp, plan: &mut StepPlan) {
+        if self.allocator.is_none() {
+            // A caller bug: the plan would carry reserved, unassigned blocks.
+            self.pool_errors += 1;
+            plan.seqs.clear();
+            plan.preempted.clear();
+            plan.num_batched_tokens = 0;
+            return;
+        }
+        let commit = self.plan_into(now, plan);
+        let mut ids = std::mem::take(&mut self.assigned);
+        ids.clear();
+        let committed = match self.allocator.as_mut() {
+            Some(pool) => pool.commit(&commit, &mut ids).is_ok(),
+            None => false,
+        };
+        if !committed || self.assign_blocks(plan, &ids).is_err() {
+            self.pool_errors += 1;
+        }
+        self.assigned = ids;
+    }
+
+    /// Writes the ids the allocator gave this step's reserved blocks into the block tables
+    /// and the plan's block deltas. `plan` is the one [`Scheduler::plan_into`] just built.
+    pub fn assign_blocks(
+        &mut self,
+        plan: &mut StepPlan,
+        ids: &[BlockId],
+    ) -> Result<(), SchedulerError> {
+        self.ledger.assign(ids)?;
+        if ids.is_empty() {
+            return Ok(());
+        }
+        if self.last_slots.len() != plan.seqs.len() {
+            return Err(SchedulerError::Invariant(
+                "plan does not match the last step".into(),
+            ));
+        }
+        let mut next = ids.iter();
+        for (entry, &slot) in plan.seqs.iter_mut().zip(&self.last_slots) {
+            let Some(seq) = self.seqs.get_mut(slot as usize).and_then(|s| s.as_mut()) else {
+                continue;
+            };
+            let first = entry.first_new_block.min(seq.block_table.len());
+            for b in &mut seq.block_table[first..] {
+                if *b == PENDING_BLOCK {
+                    *b = *next.next().ok_or_else(|| {
+                        SchedulerError::Invariant("fewer ids than reserved blocks".into())
+                    })?;
+                }
+            }
+            entry.new_blocks.clear();
+            entry
+                .new_blocks
+                .extend_from_slice(&seq.block_table[first..]);
+        }
+        if next.next().is_some() {
+            return Err(SchedulerError::Invariant(
+                "more ids than reserved blocks".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Plans the next step against the ledger and returns the block changes to commit to the
+    /// allocator; fresh blocks appear as [`PENDING_BLOCK`] until [`Scheduler::assign_blocks`].
+    pub fn plan_into(&mut self, now: Timestamp, plan: &mut StepPlan) -> KvCommit {
         plan.preempted.clear();
         plan.num_batched_tokens = 0;
         self.last_slots.clear();
@@ -149,6 +219,7 @@ impl Scheduler {
                 })
             });
         }
+        self.ledger.take_commit()
     }
 
     fn rank_into(&self, slots: &[u32], now: Timestamp, out: &mut Vec<Ranked>) {
@@ -184,15 +255,15 @@ impl Scheduler {
                 continue;
             }
             let need = self
-                .pool
+                .ledger
                 .blocks_for(total)
                 .saturating_sub(seq.block_table.len());
-            if num_new > b.budget || need > self.pool.num_free() {
+            if num_new > b.budget || need > self.ledger.num_free() {
                 fits = false;
                 break;
             }
             for _ in 0..need {
-                match self.pool.allocate() {
+                match self.ledger.reserve() {
                     Some(blk) => seq.block_table.push(blk),
                     None => self.pool_errors += 1,
                 }
@@ -211,7 +282,7 @@ impl Scheduler {
             };
             while seq.block_table.len() > entry.first_new_block {
                 if let Some(blk) = seq.block_table.pop() {
-                    if self.pool.free(blk).is_err() {
+                    if self.ledger.free(blk).is_err() {
                         self.pool_errors += 1;
                     }
                 }
@@ -251,11 +322,11 @@ impl Scheduler {
                 continue;
             }
             let need = self
-                .pool
+                .ledger
                 .blocks_for(seq.num_computed + num_new)
                 .saturating_sub(seq.block_table.len());
             loop {
-                if self.pool.num_free() >= need {
+                if self.ledger.num_free() >= need {
                     self.grow_and_emit(slot, need, num_new, b);
                     break;
                 }
@@ -276,7 +347,7 @@ impl Scheduler {
             return;
         };
         for _ in 0..need {
-            match self.pool.allocate() {
+            match self.ledger.reserve() {
                 Some(blk) => seq.block_table.push(blk),
                 None => {
                     // Unreachable: the caller checked num_free.
@@ -305,7 +376,7 @@ impl Scheduler {
             return;
         };
         for &blk in seq.block_table.iter().rev() {
-            if self.pool.free(blk).is_err() {
+            if self.ledger.free(blk).is_err() {
                 self.pool_errors += 1;
             }
         }
@@ -392,7 +463,7 @@ impl Scheduler {
         let Some(seq) = self.seqs.get_mut(slot as usize).and_then(|s| s.as_mut()) else {
             return Ok(());
         };
-        let bs = self.pool.block_size();
+        let bs = self.ledger.block_size();
         let total = seq.num_tokens();
         self.matched.clear();
         if caching {
@@ -406,31 +477,31 @@ impl Scheduler {
                 seq.hashes = hashes;
             }
             let upto = max_blocks.min(seq.hashes.len());
-            self.pool
+            self.ledger
                 .match_prefix(&seq.hashes[..upto], &mut self.matched);
         }
         let computed = self.matched.len() * bs;
         let num_new = (total - computed).min(b.budget);
-        let need_new = self.pool.blocks_for(computed + num_new) - self.matched.len();
+        let need_new = self.ledger.blocks_for(computed + num_new) - self.matched.len();
         let evictable = self
             .matched
             .iter()
-            .filter(|&&blk| self.pool.ref_count(blk) == Some(0))
+            .filter(|&&blk| self.ledger.ref_count(blk) == Some(0))
             .count();
-        let available = self.pool.num_free().saturating_sub(evictable);
+        let available = self.ledger.num_free().saturating_sub(evictable);
         if available < need_new {
             return Err(need_new - available);
         }
         seq.block_table.clear();
         seq.blocks_sent = 0;
         for &blk in &self.matched {
-            match self.pool.touch(blk) {
+            match self.ledger.touch(blk) {
                 Ok(()) => seq.block_table.push(blk),
                 Err(_) => self.pool_errors += 1,
             }
         }
         for _ in 0..need_new {
-            match self.pool.allocate() {
+            match self.ledger.reserve() {
                 Some(blk) => seq.block_table.push(blk),
                 None => self.pool_errors += 1,
             }
@@ -482,7 +553,7 @@ impl Scheduler {
                 freed += v
                     .block_table
                     .iter()
-                    .filter(|&&blk| self.pool.ref_count(blk) == Some(1))
+                    .filter(|&&blk| self.ledger.ref_count(blk) == Some(1))
                     .count();
                 victims.push(r.slot);
                 if freed >= blocks {
@@ -538,7 +609,7 @@ impl Scheduler {
             if seq.state != RequestState::Running
                 || seq.num_computed != sched.num_computed_tokens
                 || after > seq.num_tokens()
-                || seq.block_table.len() < self.pool.blocks_for(after)
+                || seq.block_table.len() < self.ledger.blocks_for(after)
             {
                 continue; // stale entry
             }
@@ -546,7 +617,7 @@ impl Scheduler {
             let p = seq.prompt_len;
             let prompt_tokens = after.min(p).saturating_sub(seq.max_computed.min(p));
             seq.max_computed = seq.max_computed.max(after);
-            cache_full_blocks(&self.hasher, &mut self.pool, seq);
+            cache_full_blocks(&self.hasher, &mut self.ledger, seq);
             let mut output_tokens = 0;
             let mut stop = None;
             if sched.samples && after == seq.num_tokens() {

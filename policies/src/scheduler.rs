@@ -1,4 +1,5 @@
-//! The scheduler: owns the request table, the queues, the [`BlockPool`] and the policy.
+//! The scheduler: owns the request table, the queues, the block ledger (and, unless handed to
+//! an allocator actor, the [`BlockPool`]) and the policy.
 //!
 //! This file holds construction, validation, the public queries and the life-cycle
 //! operations that can happen at any time (finish, abort, policy swap); the per-step planner
@@ -11,6 +12,7 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
+use crate::block_ledger::BlockLedger;
 use crate::block_pool::{BlockPool, MAX_BLOCKS};
 use crate::error::SchedulerError;
 use crate::policy::{Policy, PolicyEvent, Rank};
@@ -73,8 +75,13 @@ pub struct Scheduler {
     pub(crate) config: SchedulerConfig,
     /// The active policy.
     pub(crate) policy: Box<dyn Policy>,
-    /// KV blocks and prefix cache.
-    pub(crate) pool: BlockPool,
+    /// The planner's exact view of the KV blocks and the prefix cache.
+    pub(crate) ledger: BlockLedger,
+    /// The allocator itself when the scheduler commits its own plans (the simulator, offline
+    /// engines); `None` once handed to an allocator actor with [`Scheduler::detach_allocator`].
+    pub(crate) allocator: Option<BlockPool>,
+    /// Scratch: block ids of the last commit.
+    pub(crate) assigned: Vec<BlockId>,
     /// Keyed block hasher.
     pub(crate) hasher: BlockHasher,
     /// Sequences by slot; `None` for forgotten slots.
@@ -184,10 +191,13 @@ impl Scheduler {
     ) -> Result<Self, SchedulerError> {
         validate_config(&config)?;
         let pool = BlockPool::new(config.num_gpu_blocks, config.block_size)?;
+        let ledger = BlockLedger::new(config.num_gpu_blocks, config.block_size)?;
         Ok(Self {
             config,
             policy,
-            pool,
+            ledger,
+            allocator: Some(pool),
+            assigned: Vec::new(),
             hasher: BlockHasher::new(hash_key),
             seqs: Vec::new(),
             free_slots: Vec::new(),
@@ -217,9 +227,23 @@ impl Scheduler {
         self.policy.name()
     }
 
-    /// The block pool (read-only).
-    pub fn block_pool(&self) -> &BlockPool {
-        &self.pool
+    /// The planner's view of the KV blocks (read-only).
+    pub fn ledger(&self) -> &BlockLedger {
+        &self.ledger
+    }
+
+    /// The block pool, while the scheduler commits its own plans (see
+    /// [`Scheduler::detach_allocator`]).
+    pub fn block_pool(&self) -> Option<&BlockPool> {
+        self.allocator.as_ref()
+    }
+
+    /// Hands the block pool to an external allocator (the engine's allocator actor). From
+    /// then on, plan with [`Scheduler::plan_into`], apply the returned [`crate::KvCommit`] to the
+    /// pool, and give the ids back through [`Scheduler::assign_blocks`] before the next plan.
+    /// `None` if already detached.
+    pub fn detach_allocator(&mut self) -> Option<BlockPool> {
+        self.allocator.take()
     }
 
     /// Queues a request after validating its lengths and labels.
@@ -275,12 +299,12 @@ impl Scheduler {
                 max_model_len: self.config.max_model_len,
             });
         }
-        let needed = self.pool.blocks_for(max_len);
-        if needed > self.pool.num_blocks() {
+        let needed = self.ledger.blocks_for(max_len);
+        if needed > self.ledger.num_blocks() {
             return Err(SchedulerError::ExceedsKvCapacity {
                 id,
                 needed,
-                capacity: self.pool.num_blocks(),
+                capacity: self.ledger.num_blocks(),
             });
         }
         // Unknown tiers get no defaults (the engine validates tier names at its edge).
@@ -372,7 +396,7 @@ impl Scheduler {
         for &b in seq.block_table.iter().rev() {
             // Table blocks are referenced by construction; a failure would be a core bug,
             // which check_invariants reports.
-            if self.pool.free(b).is_err() {
+            if self.ledger.free(b).is_err() {
                 self.pool_errors += 1;
             }
         }
@@ -420,8 +444,8 @@ impl Scheduler {
         SchedulerStats {
             num_running: self.running.len(),
             num_waiting: self.waiting.len(),
-            kv_usage: self.pool.usage(),
-            num_free_blocks: self.pool.num_free(),
+            kv_usage: self.ledger.usage(),
+            num_free_blocks: self.ledger.num_free(),
             prefix_queries: self.prefix_queries,
             prefix_hits: self.prefix_hits,
             num_preemptions: self.num_preemptions,
@@ -460,14 +484,20 @@ impl Scheduler {
     /// Verifies refcounts against block tables, the free list, queue membership and limits.
     pub fn check_invariants(&self) -> Result<(), SchedulerError> {
         let bad = |m: String| Err(SchedulerError::Invariant(m));
-        self.pool.check_invariants()?;
+        self.ledger.check_invariants()?;
+        if let Some(pool) = &self.allocator {
+            pool.check_invariants()?;
+            if !self.ledger.has_uncommitted() {
+                self.ledger.check_against(pool)?;
+            }
+        }
         if self.pool_errors > 0 {
             return bad(format!("{} failed allocator calls", self.pool_errors));
         }
         if self.running.len() > self.config.max_num_seqs {
             return bad(format!("{} running > max_num_seqs", self.running.len()));
         }
-        let mut refs = vec![0u32; self.pool.num_blocks()];
+        let mut refs = vec![0u32; self.ledger.num_blocks()];
         let mut queued = vec![0u8; self.seqs.len()];
         for &slot in &self.running {
             let Some(s) = self.seq(slot) else {
@@ -477,7 +507,7 @@ impl Scheduler {
                 return bad(format!("{:?} in running queue as {:?}", s.req.id, s.state));
             }
             if s.num_computed > s.num_tokens()
-                || s.block_table.len() < self.pool.blocks_for(s.num_computed)
+                || s.block_table.len() < self.ledger.blocks_for(s.num_computed)
             {
                 return bad(format!("{:?} block table too short", s.req.id));
             }
@@ -514,7 +544,7 @@ impl Scheduler {
             }
         }
         for (b, &r) in refs.iter().enumerate() {
-            let have = self.pool.ref_count(b as BlockId).unwrap_or(u32::MAX);
+            let have = self.ledger.ref_count(b as BlockId).unwrap_or(u32::MAX);
             if have != r {
                 return bad(format!(
                     "block {b}: refcount {have}, referenced by {r} tables"

@@ -182,7 +182,9 @@ fn check_plan(
     for p in &plan.preempted {
         prop_assert!(!ids.contains(p), "preempted request still scheduled");
     }
-    let pool = s.block_pool();
+    let pool = s
+        .block_pool()
+        .expect("the scheduler commits to its own pool");
     let mut uses: HashMap<BlockId, u32> = HashMap::new();
     for q in &plan.seqs {
         prop_assert!(q.num_new_tokens >= 1);

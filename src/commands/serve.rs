@@ -471,11 +471,11 @@ impl port::Engine for EngineAdapter {
     fn tokenize(&self, input: TokenizeInput) -> EngineFuture<Vec<u32>> {
         let engine = self.engine.clone();
         Box::pin(async move {
-            let (source, add_generation_prompt) = match input {
+            let (source, add_generation_prompt, add_special) = match input {
                 TokenizeInput::Text {
                     text,
-                    add_special_tokens: _,
-                } => (PromptSource::Text(text), false),
+                    add_special_tokens,
+                } => (PromptSource::Text(text), false, add_special_tokens),
                 TokenizeInput::Chat {
                     messages,
                     add_generation_prompt,
@@ -487,10 +487,11 @@ impl port::Engine for EngineAdapter {
                             .collect(),
                     ),
                     add_generation_prompt,
+                    true,
                 ),
             };
             engine
-                .tokenize(source, add_generation_prompt)
+                .tokenize(source, add_generation_prompt, add_special)
                 .await
                 .map_err(to_port_error)
         })

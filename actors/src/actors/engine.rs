@@ -13,6 +13,7 @@ use switchyard_policies::{
     SloTargets,
 };
 
+use super::allocator::KvAllocatorActor;
 use super::detokenizer::{DetokenizerActor, Register, SetScheduler, StepEvents};
 use super::executor::ExecutorActor;
 use super::scheduler::{GetStats, SchedulerActor, Submit, SwapPolicy};
@@ -184,7 +185,7 @@ impl Engine {
         template: Option<Arc<ChatTemplate>>,
         policy: Box<dyn Policy>,
     ) -> Result<Self, EngineError> {
-        let core = StepCore::new(
+        let mut core = StepCore::new(
             EngineCoreConfig {
                 scheduler: config.scheduler.clone(),
                 hash_key: config.hash_key,
@@ -205,7 +206,15 @@ impl Engine {
         let detokenizer = DetokenizerActor::start_in_arbiter(&detok_thread.handle(), move |_| {
             DetokenizerActor::new(tokenizer)
         });
-        let scheduler = SchedulerActor::new(core, executor, detokenizer.clone()).start();
+        let pool = core.detach_allocator().ok_or_else(|| {
+            EngineError::Scheduler(switchyard_policies::SchedulerError::Invariant(
+                "the block pool is already detached".into(),
+            ))
+        })?;
+        // The allocator shares the scheduler's thread: a commit is a mailbox hop, not a
+        // thread hand-off, and only scheduler messages reach it.
+        let allocator = KvAllocatorActor::new(pool).start();
+        let scheduler = SchedulerActor::new(core, allocator, executor, detokenizer.clone()).start();
         detokenizer.do_send(SetScheduler(scheduler.clone()));
         Ok(Self {
             scheduler,
@@ -247,6 +256,7 @@ impl Engine {
                 .send(Encode {
                     source: options.prompt.clone(),
                     add_generation_prompt: true,
+                    add_special_tokens: true,
                 })
                 .await
             {
@@ -403,11 +413,13 @@ impl Engine {
         &self,
         source: PromptSource,
         add_generation_prompt: bool,
+        add_special_tokens: bool,
     ) -> Result<Vec<u32>, SubmitError> {
         self.tokenizers
             .send(Encode {
                 source,
                 add_generation_prompt,
+                add_special_tokens,
             })
             .await
             .map_err(|_| {

@@ -1,15 +1,18 @@
 //! The actix actors of the server and the [`Engine`] handle that fronts them.
 //!
 //! ```text
-//! Engine::submit ──► Tokenizer pool ──► Detokenizer (register) ──► Scheduler ──► Executor
-//!                                            ▲                         │  ▲          │
-//!                                            └──── step events ────────┘  └─outputs──┘
+//! Engine::submit ──► Tokenizer pool ──► Detokenizer (register) ──► Scheduler ◄──► KV allocator
+//!                                            ▲                         │  ▲
+//!                                            └──── step events ────────┘  │ outputs
+//!                                                                      Executor
 //! ```
 //!
-//! Per step the scheduler makes one round trip to the executor and sends one message to the
+//! Per step the scheduler makes one round trip to the KV allocator (commit the plan's block
+//! changes, get the new block ids), one to the executor, and sends one message to the
 //! detokenizer. The executor owns the backend on its own thread, so neither the HTTP workers nor
 //! the scheduler ever wait on model code.
 
+mod allocator;
 mod detokenizer;
 mod engine;
 mod executor;

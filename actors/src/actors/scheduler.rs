@@ -1,14 +1,15 @@
-//! The scheduler actor: owns the scheduling core ([`StepCore`]) and drives steps, one executor
-//! round trip and one detokenizer message per step.
+//! The scheduler actor: owns the scheduling core ([`StepCore`]) and drives steps: one round trip
+//! to the KV allocator, one to the executor and one message to the detokenizer per step.
 
 use std::time::Instant;
 
 use actix::{Actor, ActorFutureExt, Addr, AsyncContext, Context, Handler, Message, WrapFuture};
-use switchyard_policies::{FinishReason, Policy, RequestId, SchedulerStats, Timestamp};
+use switchyard_policies::{FinishReason, Policy, RequestId, SchedulerStats, StepPlan, Timestamp};
 
+use super::allocator::{Commit, KvAllocatorActor};
 use super::detokenizer::{DetokenizerActor, StepEvents};
 use super::executor::{Execute, ExecutorActor};
-use crate::core::{StepCore, SubmitOptions};
+use crate::core::{PreparedStep, StepCore, SubmitOptions};
 use crate::EngineError;
 
 /// Queues requests (all choices of one client request together).
@@ -34,9 +35,14 @@ pub struct GetStats;
 /// Owns the core and the step loop.
 pub struct SchedulerActor {
     core: StepCore,
+    allocator: Addr<KvAllocatorActor>,
     executor: Addr<ExecutorActor>,
     detokenizer: Addr<DetokenizerActor>,
-    /// A step is in flight on the executor.
+    /// Finishes that arrived while a commit was in flight.
+    deferred: Vec<(RequestId, FinishReason)>,
+    /// A commit is in flight on the allocator.
+    committing: bool,
+    /// A step is in flight (on the allocator or the executor).
     stepping: bool,
     /// Origin of the engine clock passed to the core.
     origin: Instant,
@@ -48,13 +54,17 @@ impl SchedulerActor {
     /// Builds the actor around a core.
     pub fn new(
         core: StepCore,
+        allocator: Addr<KvAllocatorActor>,
         executor: Addr<ExecutorActor>,
         detokenizer: Addr<DetokenizerActor>,
     ) -> Self {
         Self {
             core,
+            allocator,
             executor,
             detokenizer,
+            deferred: Vec::new(),
+            committing: false,
             stepping: false,
             origin: Instant::now(),
             pending_swap: None,
@@ -75,7 +85,8 @@ impl SchedulerActor {
         metrics::counter!("switchyard:num_preemptions_total").absolute(s.num_preemptions);
     }
 
-    /// Starts a step unless one is in flight or there is nothing to do.
+    /// Starts a step unless one is in flight or there is nothing to do: plan, commit the
+    /// block changes with the allocator, then run the batch on the executor.
     fn kick(&mut self, ctx: &mut Context<Self>) {
         if self.stepping {
             return;
@@ -84,24 +95,76 @@ impl SchedulerActor {
             let old = self.core.swap_policy(policy);
             tracing::info!(from = old.name(), "scheduling policy swapped");
         }
-        if !self.core.has_unfinished() {
+        if !self.core.has_unfinished() && !self.core.has_uncommitted() {
             self.publish_stats();
             return;
         }
-        let now = self.now();
         let step_start = Instant::now();
-        let prepared = match self.core.prepare(now) {
-            Ok(Some(p)) => p,
-            Ok(None) => {
-                self.publish_stats();
-                return;
-            }
-            Err(e) => {
-                tracing::error!(error = %e, "planning a step failed");
-                return;
-            }
-        };
+        let mut planned = self.core.plan(self.now());
+        if planned.plan.seqs.is_empty() && planned.commit.is_empty() {
+            self.publish_stats();
+            return;
+        }
+        // Until the ids are back, requests may not end (their blocks are in the commit):
+        // finishes arriving meanwhile wait in `deferred`.
         self.stepping = true;
+        self.committing = true;
+        let commit = std::mem::take(&mut planned.commit);
+        let fut = self.allocator.send(Commit(commit));
+        ctx.spawn(fut.into_actor(self).map(move |result, act, ctx| {
+            act.committing = false;
+            let ids = match result {
+                Ok(Ok(ids)) => ids,
+                Ok(Err(e)) => return act.fail_step(planned.plan, &e.to_string(), ctx),
+                Err(e) => {
+                    tracing::error!(error = %e, "the KV allocator is gone");
+                    return;
+                }
+            };
+            if let Err(e) = act.core.assign(&mut planned, &ids) {
+                return act.fail_step(planned.plan, &e.to_string(), ctx);
+            }
+            metrics::histogram!("switchyard:engine_kv_commit_seconds")
+                .record(step_start.elapsed().as_secs_f64());
+            act.apply_deferred();
+            match act.core.build_step(planned) {
+                Ok(Some(prepared)) => act.execute(prepared, step_start, ctx),
+                Ok(None) => {
+                    act.stepping = false;
+                    act.publish_stats();
+                    ctx.notify(Kick);
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "building a batch failed");
+                    act.stepping = false;
+                }
+            }
+        }));
+    }
+
+    /// Ends the requests of a step that cannot run, and carries on with the rest.
+    fn fail_step(&mut self, plan: StepPlan, error: &str, ctx: &mut Context<Self>) {
+        tracing::error!(error, "a step failed; aborting its requests");
+        self.stepping = false;
+        let ids: Vec<RequestId> = plan.seqs.iter().map(|s| s.id).collect();
+        for id in &ids {
+            self.core.abort(*id);
+        }
+        self.apply_deferred();
+        self.detokenizer
+            .do_send(StepEvents::failed(ids, error.to_string()));
+        ctx.notify(Kick);
+    }
+
+    /// Applies the finishes that arrived while a commit was in flight.
+    fn apply_deferred(&mut self) {
+        for (id, reason) in std::mem::take(&mut self.deferred) {
+            self.core.finish(id, reason);
+        }
+    }
+
+    /// Sends a committed batch to the executor and applies its outputs.
+    fn execute(&mut self, prepared: PreparedStep, step_start: Instant, ctx: &mut Context<Self>) {
         for q in &prepared.queue_times_us {
             metrics::histogram!("switchyard:request_queue_time_seconds").record(*q as f64 / 1e6);
         }
@@ -112,32 +175,22 @@ impl SchedulerActor {
             release: prepared.release,
         });
         ctx.spawn(fut.into_actor(self).map(move |result, act, ctx| {
-            act.stepping = false;
             let executed = match result {
                 Ok(Ok(executed)) => executed,
-                Ok(Err(e)) => {
-                    // A backend failure fails the requests of this step rather than the server.
-                    tracing::error!(error = %e, "executing a step failed; aborting its requests");
-                    let ids: Vec<RequestId> = plan.seqs.iter().map(|s| s.id).collect();
-                    for id in &ids {
-                        act.core.abort(*id);
-                    }
-                    act.detokenizer
-                        .do_send(StepEvents::failed(ids, e.to_string()));
-                    ctx.notify(Kick);
-                    return;
-                }
+                // A backend failure fails the requests of this step rather than the server.
+                Ok(Err(e)) => return act.fail_step(plan, &e.to_string(), ctx),
                 Err(e) => {
                     tracing::error!(error = %e, "the executor is gone");
                     return;
                 }
             };
+            act.stepping = false;
             let now = act.now();
             let events = act.core.complete(&plan, executed.outputs, now);
             act.publish_stats();
             act.detokenizer.do_send(StepEvents::new(events));
-            // The engine's own cost of this step: planning, the executor round trip, applying
-            // outputs and handing them to the detokenizer, without the model's time.
+            // The engine's own cost of this step: planning, the allocator and executor round
+            // trips, applying outputs and handing them to the detokenizer, without model time.
             let total_us = step_start.elapsed().as_micros() as u64;
             metrics::histogram!("switchyard:engine_step_overhead_seconds")
                 .record(total_us.saturating_sub(executed.execute_us) as f64 / 1e6);
@@ -190,8 +243,14 @@ impl Handler<Submit> for SchedulerActor {
 impl Handler<Finish> for SchedulerActor {
     type Result = ();
     fn handle(&mut self, msg: Finish, ctx: &mut Context<Self>) {
-        for (id, reason) in msg.0 {
-            self.core.finish(id, reason);
+        if self.committing {
+            // A commit is in flight; ending a request now would change its blocks under it.
+            // The step's continuation applies these as soon as the ids are back.
+            self.deferred.extend(msg.0);
+        } else {
+            for (id, reason) in msg.0 {
+                self.core.finish(id, reason);
+            }
         }
         self.publish_stats();
         self.kick(ctx);

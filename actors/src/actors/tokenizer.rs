@@ -16,6 +16,9 @@ pub struct Encode {
     pub source: PromptSource,
     /// For chat: append the assistant generation prompt.
     pub add_generation_prompt: bool,
+    /// Add the tokenizer's special tokens (BOS) to a text prompt; chat prompts get theirs
+    /// from the template.
+    pub add_special_tokens: bool,
 }
 
 /// Turns token ids back into text.
@@ -66,7 +69,7 @@ impl Handler<Encode> for TokenizerActor {
             }
             PromptSource::Text(text) => self
                 .tokenizer
-                .encode(&text, true)
+                .encode(&text, msg.add_special_tokens)
                 .map_err(|e| invalid(e.to_string())),
             PromptSource::Chat(messages) => {
                 let template = self.template.as_ref().ok_or_else(|| {

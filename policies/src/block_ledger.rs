@@ -1,0 +1,463 @@
+//! The scheduler's exact view of the KV block allocator, and the commit that carries one
+//! step's block changes to it.
+//!
+//! The [`BlockPool`] (free list, eviction order, block ids) belongs to the allocator, which in
+//! the server is an actor of its own. The planner decides with a [`BlockLedger`]: refcounts,
+//! the prefix-cache index and the free count, kept equal to the pool's because only the
+//! scheduler's commits change the pool. Fresh blocks are only *reserved* while planning (a
+//! table entry of [`PENDING_BLOCK`]); the commit applies, in this order,
+//!
+//! 1. prefix-cache registrations of blocks computed since the last commit,
+//! 2. pins of cached blocks matched by admitted requests,
+//! 3. frees (finished, aborted, preempted requests),
+//! 4. the allocation of the reserved blocks, least recently used first,
+//!
+//! and returns the ids, which [`crate::Scheduler::assign_blocks`] writes into the tables. The
+//! order makes the commit infallible: pins come before the allocations that could evict a
+//! matched block, frees before the allocations that counted on them, and the planner never
+//! reserves more than the ledger's free count, which equals the pool's. The ledger learns the
+//! evictions from the ids it gets back (an allocated block loses its cached prefix).
+
+use std::collections::HashMap;
+use std::hash::BuildHasherDefault;
+
+use crate::block_pool::{BlockPool, PassThroughHasher, MAX_BLOCKS};
+use crate::error::SchedulerError;
+use crate::prefix_hash::PrefixHash;
+use crate::types::BlockId;
+
+/// A table entry reserved during planning; the commit replaces it with a real block id.
+pub const PENDING_BLOCK: BlockId = BlockId::MAX;
+
+/// One step's changes to the block pool, in the order the allocator applies them.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct KvCommit {
+    /// Full, computed blocks to register in the prefix cache.
+    pub cache: Vec<(BlockId, PrefixHash)>,
+    /// Blocks gaining one reference (cached prefixes matched at admission).
+    pub pin: Vec<BlockId>,
+    /// Blocks losing one reference.
+    pub free: Vec<BlockId>,
+    /// Fresh blocks to allocate; their ids fill the reserved table entries in plan order.
+    pub allocate: usize,
+}
+
+impl KvCommit {
+    /// Whether the commit changes nothing.
+    pub fn is_empty(&self) -> bool {
+        self.cache.is_empty() && self.pin.is_empty() && self.free.is_empty() && self.allocate == 0
+    }
+}
+
+impl BlockPool {
+    /// Applies a commit and appends the allocated ids to `out`.
+    ///
+    /// A commit built by the scheduler's ledger always applies; an error means the ledger and
+    /// the pool diverged (a core bug), and the pool may then be partly updated.
+    pub fn commit(&mut self, c: &KvCommit, out: &mut Vec<BlockId>) -> Result<(), SchedulerError> {
+        for &(b, h) in &c.cache {
+            self.cache_block(b, h);
+        }
+        for &b in &c.pin {
+            self.touch(b)?;
+        }
+        for &b in &c.free {
+            self.free(b)?;
+        }
+        if c.allocate > self.num_free() {
+            return Err(SchedulerError::Invariant(format!(
+                "commit allocates {} blocks, {} free",
+                c.allocate,
+                self.num_free()
+            )));
+        }
+        out.reserve(c.allocate);
+        for _ in 0..c.allocate {
+            match self.allocate() {
+                Some(b) => out.push(b),
+                None => return Err(SchedulerError::Invariant("free list ran dry".into())),
+            }
+        }
+        Ok(())
+    }
+}
+
+type CacheMap = HashMap<PrefixHash, BlockId, BuildHasherDefault<PassThroughHasher>>;
+
+/// Refcounts, prefix index and free count of the allocator's pool, as of the last commit
+/// plus the changes recorded since (see the module docs).
+#[derive(Clone, Debug)]
+pub struct BlockLedger {
+    block_size: usize,
+    block_shift: Option<u32>,
+    refs: Vec<u32>,
+    hashes: Vec<Option<PrefixHash>>,
+    cache: CacheMap,
+    /// Blocks with no reference, minus the reserved ones.
+    num_free: usize,
+    /// Blocks reserved since the last commit.
+    reserved: usize,
+    /// Changes since the last commit.
+    log: KvCommit,
+}
+
+impl BlockLedger {
+    /// The view of a fresh pool of `num_blocks` blocks of `block_size` tokens.
+    pub fn new(num_blocks: usize, block_size: usize) -> Result<Self, SchedulerError> {
+        if num_blocks == 0 || num_blocks > MAX_BLOCKS {
+            return Err(SchedulerError::InvalidConfig {
+                field: "num_gpu_blocks",
+                reason: format!("must be in 1..={MAX_BLOCKS}, got {num_blocks}"),
+            });
+        }
+        if block_size == 0 {
+            return Err(SchedulerError::InvalidConfig {
+                field: "block_size",
+                reason: "must be at least 1".into(),
+            });
+        }
+        Ok(Self {
+            block_size,
+            block_shift: block_size
+                .is_power_of_two()
+                .then(|| block_size.trailing_zeros()),
+            refs: vec![0; num_blocks],
+            hashes: vec![None; num_blocks],
+            cache: CacheMap::with_capacity_and_hasher(num_blocks.min(1 << 20), Default::default()),
+            num_free: num_blocks,
+            reserved: 0,
+            log: KvCommit::default(),
+        })
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Number of blocks in the pool.
+    pub fn num_blocks(&self) -> usize {
+        self.refs.len()
+    }
+
+    /// Blocks that can still be reserved (free or cached-evictable, not yet reserved).
+    pub fn num_free(&self) -> usize {
+        self.num_free
+    }
+
+    /// Fraction of blocks in use (0..=1).
+    pub fn usage(&self) -> f64 {
+        1.0 - self.num_free as f64 / self.num_blocks() as f64
+    }
+
+    /// Blocks registered in the prefix cache.
+    pub fn num_cached(&self) -> usize {
+        self.cache.len()
+    }
+
+    /// Blocks reserved since the last commit.
+    pub fn num_reserved(&self) -> usize {
+        self.reserved
+    }
+
+    /// Whether changes or reservations wait for a commit.
+    pub fn has_uncommitted(&self) -> bool {
+        self.reserved != 0 || !self.log.is_empty()
+    }
+
+    /// References to `block`: 1 for a reserved entry, `None` for an id outside the pool.
+    pub fn ref_count(&self, block: BlockId) -> Option<u32> {
+        if block == PENDING_BLOCK {
+            return Some(1);
+        }
+        self.refs.get(block as usize).copied()
+    }
+
+    /// Blocks needed to hold `tokens` tokens.
+    pub fn blocks_for(&self, tokens: usize) -> usize {
+        match self.block_shift {
+            Some(s) => (tokens >> s) + usize::from(tokens & (self.block_size - 1) != 0),
+            None => tokens.div_ceil(self.block_size),
+        }
+    }
+
+    /// Full blocks among `tokens` tokens.
+    pub fn full_blocks(&self, tokens: usize) -> usize {
+        match self.block_shift {
+            Some(s) => tokens >> s,
+            None => tokens / self.block_size,
+        }
+    }
+
+    /// Reserves a fresh block; the commit allocates it. `None` when none is free.
+    pub fn reserve(&mut self) -> Option<BlockId> {
+        if self.num_free == 0 {
+            return None;
+        }
+        self.num_free -= 1;
+        self.reserved += 1;
+        Some(PENDING_BLOCK)
+    }
+
+    /// Adds a reference to a cached block (a prefix hit).
+    pub fn touch(&mut self, block: BlockId) -> Result<(), SchedulerError> {
+        let r = self
+            .refs
+            .get_mut(block as usize)
+            .ok_or(SchedulerError::UnknownBlock(block))?;
+        if *r == 0 {
+            self.num_free -= 1;
+        }
+        *r += 1;
+        self.log.pin.push(block);
+        Ok(())
+    }
+
+    /// Drops one reference, or cancels a reservation.
+    pub fn free(&mut self, block: BlockId) -> Result<(), SchedulerError> {
+        if block == PENDING_BLOCK {
+            if self.reserved == 0 {
+                return Err(SchedulerError::DoubleFree(block));
+            }
+            self.reserved -= 1;
+            self.num_free += 1;
+            return Ok(());
+        }
+        let r = self
+            .refs
+            .get_mut(block as usize)
+            .ok_or(SchedulerError::UnknownBlock(block))?;
+        if *r == 0 {
+            return Err(SchedulerError::DoubleFree(block));
+        }
+        *r -= 1;
+        if *r == 0 {
+            self.num_free += 1;
+        }
+        self.log.free.push(block);
+        Ok(())
+    }
+
+    /// Registers a full, computed, referenced block under `hash`, with the pool's rules
+    /// ([`BlockPool::cache_block`]).
+    pub fn cache_block(&mut self, block: BlockId, hash: PrefixHash) -> bool {
+        let i = block as usize;
+        if self.refs.get(i).is_none_or(|&r| r == 0) || self.hashes[i].is_some() {
+            return false;
+        }
+        if self.cache.contains_key(&hash) {
+            return false;
+        }
+        self.cache.insert(hash, block);
+        self.hashes[i] = Some(hash);
+        self.log.cache.push((block, hash));
+        true
+    }
+
+    /// Appends to `out` the cached blocks of the longest cached prefix of `hashes`.
+    pub fn match_prefix(&self, hashes: &[PrefixHash], out: &mut Vec<BlockId>) -> usize {
+        let start = out.len();
+        for h in hashes {
+            match self.cache.get(h) {
+                Some(&b) => out.push(b),
+                None => break,
+            }
+        }
+        out.len() - start
+    }
+
+    /// The changes since the last commit, for the allocator; the reserved blocks stay
+    /// reserved until [`BlockLedger::assign`] gets their ids.
+    pub fn take_commit(&mut self) -> KvCommit {
+        let mut c = std::mem::take(&mut self.log);
+        c.allocate = self.reserved;
+        c
+    }
+
+    /// Records the ids the allocator gave the reserved blocks: each is referenced once, and
+    /// any cached prefix it held is gone (evicted).
+    pub fn assign(&mut self, ids: &[BlockId]) -> Result<(), SchedulerError> {
+        if ids.len() != self.reserved {
+            return Err(SchedulerError::Invariant(format!(
+                "{} blocks reserved, {} allocated",
+                self.reserved,
+                ids.len()
+            )));
+        }
+        for &b in ids {
+            let i = b as usize;
+            match self.refs.get(i) {
+                Some(0) => {}
+                Some(r) => {
+                    return Err(SchedulerError::Invariant(format!(
+                        "allocated block {b} has {r} references"
+                    )))
+                }
+                None => return Err(SchedulerError::UnknownBlock(b)),
+            }
+            self.refs[i] = 1;
+            if let Some(h) = self.hashes[i].take() {
+                if self.cache.get(&h) == Some(&b) {
+                    self.cache.remove(&h);
+                }
+            }
+        }
+        self.reserved = 0;
+        Ok(())
+    }
+
+    /// Checks the ledger against the pool it mirrors (between steps, after a commit).
+    pub fn check_against(&self, pool: &BlockPool) -> Result<(), SchedulerError> {
+        let bad = |m: String| Err(SchedulerError::Invariant(m));
+        if pool.num_blocks() != self.num_blocks() {
+            return bad("ledger and pool differ in size".into());
+        }
+        if self.has_uncommitted() {
+            return bad("ledger holds uncommitted changes".into());
+        }
+        if pool.num_free() != self.num_free {
+            return bad(format!(
+                "pool has {} free blocks, ledger {}",
+                pool.num_free(),
+                self.num_free
+            ));
+        }
+        if pool.num_cached() != self.cache.len() {
+            return bad(format!(
+                "pool caches {} blocks, ledger {}",
+                pool.num_cached(),
+                self.cache.len()
+            ));
+        }
+        for b in 0..self.num_blocks() {
+            let id = b as BlockId;
+            if pool.ref_count(id) != Some(self.refs[b]) || pool.block_hash(id) != self.hashes[b] {
+                return bad(format!("block {b} differs between ledger and pool"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Verifies the free count and the cache index against the refcounts.
+    pub fn check_invariants(&self) -> Result<(), SchedulerError> {
+        let free = self.refs.iter().filter(|&&r| r == 0).count();
+        if free != self.num_free + self.reserved {
+            return Err(SchedulerError::Invariant(format!(
+                "{free} unreferenced blocks, ledger counts {} free + {} reserved",
+                self.num_free, self.reserved
+            )));
+        }
+        for (h, &b) in &self.cache {
+            if self.hashes.get(b as usize).copied().flatten() != Some(*h) {
+                return Err(SchedulerError::Invariant(format!(
+                    "ledger cache entry for {b} stale"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn h(v: u128) -> PrefixHash {
+        PrefixHash(v)
+    }
+
+    /// Commits the ledger's changes to `pool` and hands back the ids.
+    fn commit(l: &mut BlockLedger, pool: &mut BlockPool) -> Vec<BlockId> {
+        let c = l.take_commit();
+        let mut ids = Vec::new();
+        pool.commit(&c, &mut ids).unwrap();
+        l.assign(&ids).unwrap();
+        l.check_against(pool).unwrap();
+        pool.check_invariants().unwrap();
+        ids
+    }
+
+    #[test]
+    fn reservations_become_the_pools_blocks() {
+        let mut l = BlockLedger::new(3, 4).unwrap();
+        let mut p = BlockPool::new(3, 4).unwrap();
+        assert_eq!(l.reserve(), Some(PENDING_BLOCK));
+        assert_eq!(l.reserve(), Some(PENDING_BLOCK));
+        assert_eq!(l.num_free(), 1);
+        assert_eq!(commit(&mut l, &mut p), vec![0, 1]);
+        assert_eq!(l.ref_count(0), Some(1));
+    }
+
+    #[test]
+    fn a_cancelled_reservation_is_not_allocated() {
+        let mut l = BlockLedger::new(2, 4).unwrap();
+        let mut p = BlockPool::new(2, 4).unwrap();
+        let r = l.reserve().unwrap();
+        l.free(r).unwrap();
+        assert_eq!(l.free(r), Err(SchedulerError::DoubleFree(PENDING_BLOCK)));
+        assert_eq!(commit(&mut l, &mut p), Vec::<BlockId>::new());
+        assert_eq!(p.num_free(), 2);
+    }
+
+    #[test]
+    fn the_ledger_learns_evictions_from_the_allocated_ids() {
+        let mut l = BlockLedger::new(2, 4).unwrap();
+        let mut p = BlockPool::new(2, 4).unwrap();
+        l.reserve();
+        l.reserve();
+        let ids = commit(&mut l, &mut p);
+        assert!(l.cache_block(ids[0], h(7)));
+        l.free(ids[0]).unwrap();
+        l.free(ids[1]).unwrap();
+        commit(&mut l, &mut p);
+        let mut out = Vec::new();
+        assert_eq!(
+            l.match_prefix(&[h(7)], &mut out),
+            1,
+            "freed block stays cached"
+        );
+        // Two fresh blocks need the cached one too: it is evicted, in both views.
+        l.reserve();
+        l.reserve();
+        commit(&mut l, &mut p);
+        out.clear();
+        assert_eq!(l.match_prefix(&[h(7)], &mut out), 0);
+        assert_eq!(p.lookup(h(7)), None);
+    }
+
+    #[test]
+    fn pins_come_before_allocations_so_a_matched_block_survives() {
+        // One cached free block and one plain free block; a step matches the cached one and
+        // reserves one more: the commit must pin first and allocate the other.
+        let mut l = BlockLedger::new(2, 4).unwrap();
+        let mut p = BlockPool::new(2, 4).unwrap();
+        l.reserve();
+        l.reserve();
+        let ids = commit(&mut l, &mut p);
+        assert!(l.cache_block(ids[1], h(9)));
+        l.free(ids[0]).unwrap();
+        l.free(ids[1]).unwrap();
+        commit(&mut l, &mut p);
+        let mut m = Vec::new();
+        l.match_prefix(&[h(9)], &mut m);
+        l.touch(m[0]).unwrap();
+        l.reserve().unwrap();
+        assert_eq!(l.reserve(), None);
+        let got = commit(&mut l, &mut p);
+        assert_eq!(got, vec![ids[0]]);
+        assert_eq!(p.lookup(h(9)), Some(ids[1]));
+    }
+
+    #[test]
+    fn bad_frees_and_mismatched_assignments_are_errors() {
+        let mut l = BlockLedger::new(2, 4).unwrap();
+        assert_eq!(l.free(0), Err(SchedulerError::DoubleFree(0)));
+        assert_eq!(l.free(5), Err(SchedulerError::UnknownBlock(5)));
+        assert_eq!(l.touch(5), Err(SchedulerError::UnknownBlock(5)));
+        l.reserve();
+        assert!(l.assign(&[]).is_err());
+        assert!(l.assign(&[9]).is_err());
+        assert!(BlockLedger::new(0, 4).is_err());
+        assert!(BlockLedger::new(4, 0).is_err());
+    }
+}
