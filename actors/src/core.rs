@@ -164,6 +164,8 @@ pub struct StepCore {
     live: HashMap<RequestId, LiveRequest>,
     /// Sequences that ended since the last prepared step; their backend state is released.
     ended: Vec<u64>,
+    /// The last batch's entries, refilled by the next step.
+    spare: Vec<SeqInput>,
 }
 
 impl StepCore {
@@ -174,6 +176,7 @@ impl StepCore {
             scheduler,
             live: HashMap::new(),
             ended: Vec::new(),
+            spare: Vec::new(),
         })
     }
 
@@ -284,7 +287,10 @@ impl StepCore {
         if plan.seqs.is_empty() {
             return Ok(None);
         }
-        let mut seqs = Vec::with_capacity(plan.seqs.len());
+        // Entries of the last batch are refilled in place: no allocation per sequence in the
+        // steady state.
+        let mut seqs = std::mem::take(&mut self.spare);
+        let mut n = 0;
         let mut queue_times_us = Vec::new();
         for s in &plan.seqs {
             let Some(live) = self.live.get_mut(&s.id) else {
@@ -294,32 +300,46 @@ impl StepCore {
                 live.started = true;
                 queue_times_us.push(now.saturating_sub(live.arrival));
             }
-            let (prompt, sampling) = (&live.prompt, &live.sampling);
+            if n == seqs.len() {
+                seqs.push(SeqInput {
+                    seq_id: 0,
+                    num_computed_tokens: 0,
+                    tokens: Vec::new(),
+                    block_table: Vec::new(),
+                    sample: false,
+                    sampling: live.sampling.clone(),
+                    adapter: None,
+                });
+            }
+            let entry = &mut seqs[n];
+            n += 1;
+            entry.seq_id = s.id.0;
+            entry.num_computed_tokens = s.num_computed_tokens;
+            entry.sample = s.samples;
+            entry.adapter = None;
+            if !Arc::ptr_eq(&entry.sampling, &live.sampling) {
+                entry.sampling = live.sampling.clone();
+            }
+            let prompt = &live.prompt;
             let end = s.num_computed_tokens + s.num_new_tokens;
             let outputs = self.scheduler.output_tokens(s.id).unwrap_or(&[]);
-            let mut tokens = Vec::with_capacity(s.num_new_tokens);
+            entry.tokens.clear();
             for i in s.num_computed_tokens..end {
                 let t = if i < prompt.len() {
                     prompt.get(i)
                 } else {
                     outputs.get(i - prompt.len())
                 };
-                tokens.push(*t.ok_or(EngineError::UnknownSequence(s.id.0))?);
+                entry
+                    .tokens
+                    .push(*t.ok_or(EngineError::UnknownSequence(s.id.0))?);
             }
-            seqs.push(SeqInput {
-                seq_id: s.id.0,
-                num_computed_tokens: s.num_computed_tokens,
-                tokens,
-                block_table: self
-                    .scheduler
-                    .block_table(s.id)
-                    .map(<[_]>::to_vec)
-                    .unwrap_or_default(),
-                sample: s.samples,
-                sampling: sampling.clone(),
-                adapter: None,
-            });
+            entry.block_table.clear();
+            entry
+                .block_table
+                .extend_from_slice(self.scheduler.block_table(s.id).unwrap_or_default());
         }
+        seqs.truncate(n);
         let release = std::mem::take(&mut self.ended);
         Ok(Some(PreparedStep {
             queue_times_us,
@@ -328,6 +348,11 @@ impl StepCore {
             release,
             plan_us: t0.elapsed().as_micros() as u64,
         }))
+    }
+
+    /// Gives back a batch that ran, so the next step reuses its buffers.
+    pub fn recycle(&mut self, batch: Batch) {
+        self.spare = batch.seqs;
     }
 
     /// Applies the backend's outputs for a prepared step and returns what happened.
@@ -422,6 +447,7 @@ impl EngineCore {
         let outputs = self.backend.execute(&prepared.batch)?;
         let t2 = Instant::now();
         let events = self.core.complete(&prepared.plan, outputs, now);
+        self.core.recycle(prepared.batch);
         Ok(StepReport {
             events,
             num_seqs: prepared.plan.seqs.len(),

@@ -169,15 +169,26 @@ impl DetokenizerActor {
     }
 }
 
-/// The delta of choice `id` in this step, created on first use.
-fn delta_of(
-    deltas: &mut Vec<(RequestId, ChoiceDelta)>,
-    id: RequestId,
-    index: u32,
-) -> &mut ChoiceDelta {
-    let pos = match deltas.iter().position(|(d, _)| *d == id) {
-        Some(p) => p,
-        None => {
+/// The deltas of one step, in event order, one per choice.
+#[derive(Default)]
+struct StepDeltas {
+    deltas: Vec<(RequestId, ChoiceDelta)>,
+    /// Position of each choice's delta in `deltas`.
+    index: HashMap<RequestId, usize>,
+}
+
+impl StepDeltas {
+    fn with_capacity(n: usize) -> Self {
+        Self {
+            deltas: Vec::with_capacity(n),
+            index: HashMap::with_capacity(n),
+        }
+    }
+
+    /// The delta of choice `id`, created on first use.
+    fn of(&mut self, id: RequestId, index: u32) -> &mut ChoiceDelta {
+        let deltas = &mut self.deltas;
+        let pos = *self.index.entry(id).or_insert_with(|| {
             deltas.push((
                 id,
                 ChoiceDelta {
@@ -186,9 +197,9 @@ fn delta_of(
                 },
             ));
             deltas.len() - 1
-        }
-    };
-    &mut deltas[pos].1
+        });
+        &mut deltas[pos].1
+    }
 }
 
 /// Sets the scheduler address (the two actors know each other).
@@ -277,7 +288,7 @@ impl Handler<StepEvents> for DetokenizerActor {
             return;
         }
         // Deltas of this step, in event order, one per choice.
-        let mut deltas: Vec<(RequestId, ChoiceDelta)> = Vec::new();
+        let mut deltas = StepDeltas::with_capacity(msg.events.len());
         let mut stopped: Vec<(RequestId, FinishReason)> = Vec::new();
         let mut generated = 0u64;
         for event in msg.events {
@@ -321,7 +332,7 @@ impl Handler<StepEvents> for DetokenizerActor {
                         self.tokenizer.token_bytes(token).unwrap_or(&[])
                     };
                     let out = c.detok.push(bytes);
-                    let d = delta_of(&mut deltas, id, c.index);
+                    let d = deltas.of(id, c.index);
                     d.text.push_str(&out.text);
                     d.token_ids.push(token);
                     if logprob.is_some() || !top_logprobs.is_empty() {
@@ -362,7 +373,7 @@ impl Handler<StepEvents> for DetokenizerActor {
                         continue;
                     }
                     let rest = c.detok.finish();
-                    let d = delta_of(&mut deltas, id, c.index);
+                    let d = deltas.of(id, c.index);
                     d.text.push_str(&rest.text);
                     d.finish = Some((reason, c.tokens));
                 }
@@ -371,7 +382,7 @@ impl Handler<StepEvents> for DetokenizerActor {
         metrics::counter!("switchyard:generation_tokens_total").increment(generated);
         self.finish_in_scheduler(stopped);
         let mut gone: Vec<Rc<RefCell<RequestSink>>> = Vec::new();
-        for (id, delta) in deltas {
+        for (id, delta) in deltas.deltas {
             let finished = delta.finish;
             let Some(c) = self.choices.get(&id) else {
                 continue;

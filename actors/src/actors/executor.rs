@@ -11,6 +11,8 @@ pub struct Executed {
     pub outputs: Vec<SeqOutput>,
     /// Microseconds inside `Backend::execute`.
     pub execute_us: u64,
+    /// The batch, returned so the scheduler can reuse its buffers for the next step.
+    pub batch: Batch,
 }
 
 /// Runs one batch after dropping the state of sequences that ended.
@@ -56,6 +58,7 @@ impl Handler<Execute> for ExecutorActor {
         Ok(Executed {
             outputs,
             execute_us: start.elapsed().as_micros() as u64,
+            batch: msg.batch,
         })
     }
 }

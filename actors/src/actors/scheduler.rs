@@ -187,6 +187,7 @@ impl SchedulerActor {
             act.stepping = false;
             let now = act.now();
             let events = act.core.complete(&plan, executed.outputs, now);
+            act.core.recycle(executed.batch);
             act.publish_stats();
             act.detokenizer.do_send(StepEvents::new(events));
             // The engine's own cost of this step: planning, the allocator and executor round
