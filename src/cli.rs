@@ -137,6 +137,9 @@ pub struct GenerateArgs {
     /// Seed for reproducible sampling.
     #[arg(long)]
     pub seed: Option<u64>,
+    /// Backend: auto, cpu or cuda.
+    #[arg(long, default_value = "auto")]
+    pub backend: String,
     /// CPU threads (0 = all cores).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
@@ -150,7 +153,7 @@ pub struct GenerateArgs {
 pub enum BenchCommand {
     /// Offline throughput through the scheduler and a backend, as `vllm bench throughput`.
     #[command(
-        after_help = "Examples:\n  switchyard bench throughput --input-len 128 --output-len 128 --num-prompts 32\n  switchyard bench throughput --dataset sharegpt --num-prompts 64 --json"
+        after_help = "Examples:\n  switchyard bench throughput --input-len 128 --output-len 128 --num-prompts 32\n  switchyard bench throughput --dataset sharegpt --num-prompts 64 --json\n  switchyard bench throughput --backend cuda --dummy llama-3-8b --decode-batch 1 --input-len 128 --output-len 256"
     )]
     Throughput(ThroughputArgs),
     /// Load against a running OpenAI-compatible server, as `vllm bench serve`.
@@ -275,6 +278,13 @@ pub struct ThroughputArgs {
     /// CPU threads (0 = all cores).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
+    /// Decode latency at a fixed batch: run exactly this many prompts together and report the
+    /// median step time once all have their first token (batch-1 ms/token with 1).
+    #[arg(long)]
+    pub decode_batch: Option<usize>,
+    /// Fraction of GPU memory the CUDA backend may hold (weights, buffers, KV cache).
+    #[arg(long, default_value_t = 0.9)]
+    pub gpu_memory_utilization: f64,
     /// Seed for the random prompts.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,

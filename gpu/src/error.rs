@@ -66,6 +66,9 @@ pub enum GpuError {
     /// Sampling parameters are out of range.
     #[error("invalid sampling parameters: {0}")]
     BadSampling(String),
+    /// The CUDA driver, NVRTC or cuBLAS failed, or is missing.
+    #[error("CUDA error: {0}")]
+    Cuda(String),
     /// An internal invariant of the compute code was violated (a bug, never user input).
     #[error("internal error: {0}")]
     Internal(String),

@@ -7,6 +7,8 @@ pub mod model;
 pub use error::GpuError;
 pub mod backend;
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod sampler;
 pub use backend::{Backend, Batch, CpuBackend, CpuBackendConfig, SeqInput, SeqOutput};
 pub use cpu::llama::ActivationPrecision;

@@ -56,28 +56,24 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
         (1..=MAX_PROMPTS).contains(&args.num_prompts),
         "--num-prompts must be 1..={MAX_PROMPTS}"
     );
-    anyhow::ensure!(
-        args.backend == "auto" || args.backend == "cpu",
-        "backend `{}` is not built into this binary (available: auto, cpu)",
-        args.backend
-    );
+    let kind = runtime::parse_backend(&args.backend)?;
+    if let Some(b) = args.decode_batch {
+        anyhow::ensure!((1..=4096).contains(&b), "--decode-batch must be 1..=4096");
+    }
     // Real weights from a file, or random weights of a named architecture.
-    let (config, model) = match &args.dummy {
-        Some(arch) => {
-            let config = runtime::preset(arch)?;
-            let model = switchyard_gpu::cpu::llama::LlamaModel::dummy(&config, args.seed)?;
-            (config, model)
-        }
+    let loaded = match &args.dummy {
+        Some(_) => None,
         None => {
             let path = runtime::resolve_model_path(args.model.as_deref())?;
-            let loaded = runtime::load(&path)?;
-            let model = switchyard_gpu::cpu::llama::LlamaModel::from_weights(
-                &loaded.config,
-                &loaded.weights,
-            )?;
-            (loaded.config, model)
+            Some(runtime::load(&path)?)
         }
     };
+    let source = match (&args.dummy, &loaded) {
+        (Some(arch), _) => runtime::ModelSource::Dummy(runtime::preset(arch)?, args.seed),
+        (None, Some(m)) => runtime::ModelSource::Loaded(&m.config, &m.weights),
+        (None, None) => anyhow::bail!("no model"),
+    };
+    let config = source.config().clone();
     let vocab = config.vocab_size as u64;
     let max_model_len = config.max_position_embeddings;
     let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
@@ -91,7 +87,8 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
                 args.input_len + args.output_len <= max_model_len,
                 "input + output length exceed the context ({max_model_len})"
             );
-            vec![(args.input_len, args.output_len); args.num_prompts]
+            let n = args.decode_batch.unwrap_or(args.num_prompts);
+            vec![(args.input_len, args.output_len); n]
         }
         BenchDataset::Sharegpt => {
             let file = args.dataset_path.clone().unwrap_or_else(|| {
@@ -104,16 +101,22 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
         }
     };
     let block_size = 16;
-    let num_blocks = runtime::cpu_kv_blocks(&config, block_size, KV_MB);
-    let settings = runtime::CpuSettings {
-        num_blocks,
+    let max_num_seqs = args.decode_batch.unwrap_or(args.max_num_seqs);
+    let settings = runtime::BackendSettings {
+        num_blocks: None,
+        kv_cache_mb: KV_MB,
+        gpu_memory_utilization: args.gpu_memory_utilization,
         block_size,
         threads: args.threads,
         max_batch_tokens: args.max_num_batched_tokens,
+        max_num_seqs,
     };
-    let backend = runtime::cpu_backend_for(model, &settings)?;
+    let (backend, chosen) = runtime::build_backend(kind, source, &settings)?;
+    drop(loaded);
+    let num_blocks = backend.num_kv_blocks();
+    let backend_name = backend.name().to_string();
     let scheduler = SchedulerConfig {
-        max_num_seqs: args.max_num_seqs,
+        max_num_seqs,
         max_num_batched_tokens: args.max_num_batched_tokens,
         block_size,
         num_gpu_blocks: num_blocks,
@@ -145,25 +148,52 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
             sampling.clone(),
         ))?;
     }
-    let bar = super::progress_bar(args.num_prompts as u64, "requests");
+    let bar = super::progress_bar(lengths.len() as u64, "requests");
     let start = Instant::now();
     let (mut output_tokens, mut steps, mut overhead_us) = (0usize, 0u64, 0u64);
+    // Decode steps: those after every request has its first token and before any finishes.
+    let mut first_token = std::collections::HashSet::new();
+    let mut finished_any = false;
+    let mut decode_step_us: Vec<u64> = Vec::new();
     while engine.core().has_unfinished() {
+        let all_started = first_token.len() == lengths.len();
+        let t0 = Instant::now();
         let report = engine.step(Timestamp(start.elapsed().as_micros() as u64))?;
+        let step_us = t0.elapsed().as_micros() as u64;
         steps += 1;
         overhead_us += report.plan_us + report.apply_us;
+        let mut finished_now = false;
         for e in &report.events {
             match e {
-                CoreEvent::Token { .. } => output_tokens += 1,
-                CoreEvent::Finished { .. } => bar.inc(1),
+                CoreEvent::Token { id, .. } => {
+                    output_tokens += 1;
+                    first_token.insert(*id);
+                }
+                CoreEvent::Finished { .. } => {
+                    bar.inc(1);
+                    finished_now = true;
+                }
                 CoreEvent::PromptLogprobs { .. } => {}
             }
         }
+        if all_started && !finished_any && !finished_now {
+            decode_step_us.push(step_us);
+        }
+        finished_any |= finished_now;
     }
     bar.finish_and_clear();
     let secs = start.elapsed().as_secs_f64().max(1e-9);
     let n = lengths.len() as f64;
-    let result = serde_json::json!({
+    decode_step_us.sort_unstable();
+    let median_ms = decode_step_us
+        .get(decode_step_us.len() / 2)
+        .map(|&us| us as f64 / 1000.0);
+    let mut result = serde_json::json!({
+        "backend": match chosen {
+            switchyard_config::BackendKind::Cuda => "cuda",
+            _ => "cpu",
+        },
+        "backend_name": backend_name,
         "elapsed_time": secs,
         "num_requests": lengths.len(),
         "total_num_tokens": prompt_tokens + output_tokens,
@@ -175,6 +205,12 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
         "steps": steps,
         "engine_overhead_us_per_step": overhead_us as f64 / steps.max(1) as f64,
     });
+    if let (Some(b), Some(ms)) = (args.decode_batch, median_ms) {
+        result["decode_batch"] = b.into();
+        result["decode_steps_measured"] = decode_step_us.len().into();
+        result["decode_ms_per_step_median"] = ms.into();
+        result["decode_tokens_per_second"] = (b as f64 * 1000.0 / ms).into();
+    }
     if args.json {
         println!("{result}");
     } else {
@@ -190,6 +226,14 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
             "Engine overhead (plan + apply) per step: {:.1} us over {steps} steps",
             overhead_us as f64 / steps.max(1) as f64
         );
+        println!("Backend: {backend_name}");
+        if let (Some(b), Some(ms)) = (args.decode_batch, median_ms) {
+            println!(
+                "Decode at batch {b}: {ms:.3} ms per step (median of {} steps), {:.0} tokens/s",
+                decode_step_us.len(),
+                b as f64 * 1000.0 / ms
+            );
+        }
     }
     Ok(())
 }

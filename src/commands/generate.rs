@@ -51,15 +51,22 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     }
     let max_model_len = model.config.max_position_embeddings;
     let block_size = 16;
-    let num_blocks = runtime::cpu_kv_blocks(&model.config, block_size, KV_MB);
-    let settings = runtime::CpuSettings {
-        num_blocks,
+    let settings = runtime::BackendSettings {
+        num_blocks: None,
+        kv_cache_mb: KV_MB,
+        gpu_memory_utilization: 0.9,
         block_size,
         threads: args.threads,
         max_batch_tokens: 2048,
+        max_num_seqs: 256,
     };
-    let backend = runtime::cpu_backend(&model.config, &model.weights, &settings)?;
+    let (backend, _) = runtime::build_backend(
+        runtime::parse_backend(&args.backend)?,
+        runtime::ModelSource::Loaded(&model.config, &model.weights),
+        &settings,
+    )?;
     drop(model);
+    let num_blocks = backend.num_kv_blocks();
     let scheduler = SchedulerConfig {
         max_num_seqs: 256,
         max_num_batched_tokens: 2048,

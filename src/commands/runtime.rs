@@ -5,9 +5,10 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use switchyard_actors::{EngineCore, EngineCoreConfig};
+use switchyard_config::BackendKind;
 use switchyard_gpu::backend::{Backend, CpuBackend, CpuBackendConfig};
 use switchyard_gpu::cpu::llama::LlamaModel;
-use switchyard_gpu::model::{fetch, LlamaConfig, LoadedModel};
+use switchyard_gpu::model::{fetch, LlamaConfig, LoadedModel, ModelWeights};
 use switchyard_policies::{PolicyRegistry, SchedulerConfig};
 
 /// The embedded default model.
@@ -63,15 +64,6 @@ pub struct CpuSettings {
     pub max_batch_tokens: usize,
 }
 
-/// Builds the CPU backend over loaded weights.
-pub fn cpu_backend(
-    config: &LlamaConfig,
-    weights: &switchyard_gpu::model::ModelWeights,
-    s: &CpuSettings,
-) -> anyhow::Result<Box<dyn Backend>> {
-    cpu_backend_for(LlamaModel::from_weights(config, weights)?, s)
-}
-
 /// Builds the CPU backend over a model.
 pub fn cpu_backend_for(model: LlamaModel, s: &CpuSettings) -> anyhow::Result<Box<dyn Backend>> {
     let cfg = CpuBackendConfig {
@@ -88,6 +80,161 @@ pub fn cpu_backend_for(model: LlamaModel, s: &CpuSettings) -> anyhow::Result<Box
         "backend ready"
     );
     Ok(Box::new(backend))
+}
+
+/// Where a backend's weights come from.
+pub enum ModelSource<'a> {
+    /// Loaded weights.
+    Loaded(&'a LlamaConfig, &'a ModelWeights),
+    /// Random weights of an architecture, from a seed.
+    Dummy(LlamaConfig, u64),
+}
+
+impl ModelSource<'_> {
+    /// The architecture.
+    pub fn config(&self) -> &LlamaConfig {
+        match self {
+            ModelSource::Loaded(c, _) => c,
+            ModelSource::Dummy(c, _) => c,
+        }
+    }
+}
+
+/// Settings of whichever backend is built.
+pub struct BackendSettings {
+    /// KV cache blocks; `None` sizes the cache from `kv_cache_mb` (CPU) or
+    /// `gpu_memory_utilization` (CUDA).
+    pub num_blocks: Option<usize>,
+    /// CPU KV cache budget, MiB.
+    pub kv_cache_mb: usize,
+    /// Fraction of GPU memory the CUDA backend may hold.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub gpu_memory_utilization: f64,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// CPU worker threads (0 = all cores).
+    pub threads: usize,
+    /// Most tokens per step.
+    pub max_batch_tokens: usize,
+    /// Most sequences per step (CUDA graphs are captured up to this batch size).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub max_num_seqs: usize,
+}
+
+/// Parses a `--backend` flag.
+pub fn parse_backend(s: &str) -> anyhow::Result<BackendKind> {
+    match s {
+        "auto" => Ok(BackendKind::Auto),
+        "cpu" => Ok(BackendKind::Cpu),
+        "cuda" => Ok(BackendKind::Cuda),
+        other => anyhow::bail!("unknown backend `{other}` (auto, cpu or cuda)"),
+    }
+}
+
+/// Whether this binary can run the CUDA backend here: built with the `cuda` feature, and a GPU
+/// with the driver, NVRTC and cuBLAS present (checked without panicking). `Err` says why not.
+pub fn cuda_usable() -> Result<String, String> {
+    #[cfg(feature = "cuda")]
+    {
+        switchyard_gpu::cuda::probe()
+            .map(|i| {
+                format!(
+                    "{} (sm_{}{}, {} MiB)",
+                    i.name,
+                    i.compute_capability.0,
+                    i.compute_capability.1,
+                    i.total_memory >> 20
+                )
+            })
+            .map_err(|e| e.to_string())
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        Err("this binary was built without the `cuda` feature".into())
+    }
+}
+
+/// Builds the backend `kind` asks for: `auto` picks CUDA when [`cuda_usable`], else the CPU.
+/// Logs the choice and sets `switchyard:backend_info{backend}`. Returns the kind chosen.
+pub fn build_backend(
+    kind: BackendKind,
+    source: ModelSource<'_>,
+    s: &BackendSettings,
+) -> anyhow::Result<(Box<dyn Backend>, BackendKind)> {
+    let chosen = match kind {
+        BackendKind::Cpu => BackendKind::Cpu,
+        BackendKind::Cuda => match cuda_usable() {
+            Ok(_) => BackendKind::Cuda,
+            Err(why) => anyhow::bail!("backend cuda is not available: {why}"),
+        },
+        BackendKind::Auto => match cuda_usable() {
+            Ok(gpu) => {
+                tracing::info!(%gpu, "backend auto: a GPU is present");
+                BackendKind::Cuda
+            }
+            Err(why) => {
+                tracing::info!(reason = %why, "backend auto: using the CPU");
+                BackendKind::Cpu
+            }
+        },
+    };
+    let label = if chosen == BackendKind::Cuda {
+        "cuda"
+    } else {
+        "cpu"
+    };
+    metrics::gauge!("switchyard:backend_info", "backend" => label).set(1.0);
+    let backend = match chosen {
+        BackendKind::Cuda => cuda_backend(source, s)?,
+        _ => {
+            let config = source.config().clone();
+            let model = match source {
+                ModelSource::Loaded(c, w) => LlamaModel::from_weights(c, w)?,
+                ModelSource::Dummy(c, seed) => LlamaModel::dummy(&c, seed)?,
+            };
+            let settings = CpuSettings {
+                num_blocks: s
+                    .num_blocks
+                    .unwrap_or_else(|| cpu_kv_blocks(&config, s.block_size, s.kv_cache_mb)),
+                block_size: s.block_size,
+                threads: s.threads,
+                max_batch_tokens: s.max_batch_tokens,
+            };
+            cpu_backend_for(model, &settings)?
+        }
+    };
+    Ok((backend, chosen))
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_backend(source: ModelSource<'_>, s: &BackendSettings) -> anyhow::Result<Box<dyn Backend>> {
+    use switchyard_gpu::cuda::{CudaBackend, CudaBackendConfig, WeightSource};
+    let cfg = CudaBackendConfig {
+        num_kv_blocks: s.num_blocks,
+        gpu_memory_utilization: s.gpu_memory_utilization,
+        block_size: s.block_size,
+        max_batch_tokens: s.max_batch_tokens,
+        max_num_seqs: s.max_num_seqs,
+        cuda_graphs: std::env::var_os("SWITCHYARD_NO_CUDA_GRAPHS").is_none(),
+        ..CudaBackendConfig::default()
+    };
+    let started = std::time::Instant::now();
+    let backend = match source {
+        ModelSource::Loaded(c, w) => CudaBackend::new(c, WeightSource::Loaded(w), &cfg)?,
+        ModelSource::Dummy(c, seed) => CudaBackend::new(&c, WeightSource::Dummy(seed), &cfg)?,
+    };
+    tracing::info!(
+        backend = backend.name(),
+        blocks = backend.num_kv_blocks(),
+        secs = started.elapsed().as_secs_f64(),
+        "backend ready"
+    );
+    Ok(Box::new(backend))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_backend(_: ModelSource<'_>, _: &BackendSettings) -> anyhow::Result<Box<dyn Backend>> {
+    anyhow::bail!("this binary was built without the `cuda` feature")
 }
 
 /// A named architecture preset for random (dummy) weights.

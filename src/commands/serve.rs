@@ -19,7 +19,7 @@ use switchyard_api::engine::{
     GenerateRequest, PolicyInfo, PolicySpec, TokenLogprob, TokenizeInput, TopLogprob,
 };
 use switchyard_api::{ApiConfig, ApiKeyEntry, ApiState, ServerOptions};
-use switchyard_config::{BackendKind, Config, LoadFormat};
+use switchyard_config::{Config, LoadFormat};
 use switchyard_gpu::backend::{SamplingParams, MAX_LOGIT_ROWS};
 use switchyard_gpu::model::Tokenizer;
 use switchyard_policies::{FinishReason, PolicyRegistry, SchedulerConfig, SloTargets, TierSpec};
@@ -49,9 +49,6 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         config.model.load_format != LoadFormat::Dummy,
         "load_format: dummy is for benchmarks; serve needs real weights"
     );
-    if config.model.backend == BackendKind::Cuda {
-        anyhow::bail!("backend: cuda is not available in this build (the CUDA backend is not implemented yet); use cpu or auto");
-    }
     let path = if config.model.path.is_empty() {
         runtime::resolve_model_path(None)?
     } else {
@@ -67,8 +64,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             &tiers,
         )
         .with_context(|| format!("{}: scheduler.policy", args.config.display()))?;
-    tracing::info!(backend = "cpu", model = %path.display(), "loading model");
-    metrics::gauge!("switchyard:backend_info", "backend" => "cpu").set(1.0);
+    tracing::info!(model = %path.display(), "loading model");
     let mut model = runtime::load(&path)?;
     // Clients name the model by its file (or directory) stem unless a served name is configured.
     let model_name = config.model.served_name.clone().unwrap_or_else(|| {
@@ -84,16 +80,22 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let tokenizer = Arc::new(model.tokenizer.clone());
     let template = model.chat_template.take().map(Arc::new);
     let block_size = config.cache.block_size;
-    let num_blocks = config.cache.num_blocks.unwrap_or_else(|| {
-        runtime::cpu_kv_blocks(&model.config, block_size, config.cache.kv_cache_mb)
-    });
-    let settings = runtime::CpuSettings {
-        num_blocks,
+    let settings = runtime::BackendSettings {
+        num_blocks: config.cache.num_blocks,
+        kv_cache_mb: config.cache.kv_cache_mb,
+        gpu_memory_utilization: config.cache.gpu_memory_utilization,
         block_size,
         threads: config.model.threads,
         max_batch_tokens: config.scheduler.max_num_batched_tokens,
+        max_num_seqs: config.scheduler.max_num_seqs,
     };
-    let backend = runtime::cpu_backend(&model.config, &model.weights, &settings)?;
+    let (backend, _) = runtime::build_backend(
+        config.model.backend,
+        runtime::ModelSource::Loaded(&model.config, &model.weights),
+        &settings,
+    )?;
+    // The scheduler plans with the blocks the backend actually holds.
+    let num_blocks = backend.num_kv_blocks();
     drop(model);
     let engine_config = EngineConfig {
         scheduler: SchedulerConfig {

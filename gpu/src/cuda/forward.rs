@@ -1,0 +1,422 @@
+//! The Llama forward pass on the device: activation buffers sized for the largest step, the
+//! paged KV cache, the launch sequence of one step (four cuBLAS GEMMs and five kernels per
+//! layer), and CUDA graphs of decode steps, one per batch-size bucket.
+//!
+//! A decode step of `n` sequences runs in the graph of the smallest bucket `B >= n`: the step
+//! buffer is packed with the capacities of `B` (padding tokens write no KV and attend to
+//! nothing), so every kernel argument, GEMM shape and buffer address of the capture stays valid
+//! on replay; only the contents of the step buffer change.
+
+use std::collections::HashMap;
+
+use cudarc::driver::{sys, CudaGraph};
+
+use super::device::{cuda_err, Arg, DevMem, Gpu};
+use super::step::{grid_splits, Layout, MAX_SPLITS};
+use super::weights::GpuWeights;
+use crate::error::GpuError;
+use crate::model::{LlamaConfig, RopeStyle};
+
+/// Decode batch sizes that get a CUDA graph.
+pub(crate) const GRAPH_BUCKETS: [usize; 9] = [1, 2, 4, 8, 16, 32, 64, 128, 256];
+
+/// Activation buffers and the KV cache.
+pub(crate) struct Buffers {
+    pub x: DevMem,
+    pub xn: DevMem,
+    pub qkv: DevMem,
+    pub q: DevMem,
+    pub att: DevMem,
+    pub gu: DevMem,
+    pub act: DevMem,
+    pub xs: DevMem,
+    pub logits: DevMem,
+    pub part_acc: DevMem,
+    pub part_ml: DevMem,
+    pub step: DevMem,
+    pub sampled: DevMem,
+    pub kv: DevMem,
+    /// Tokens per step at most.
+    pub max_tokens: usize,
+    /// Logit rows per step at most.
+    pub max_rows: usize,
+    /// Tokens of a step that may use split-K attention.
+    pub split_tokens: usize,
+    /// Bytes of one layer's keys (values follow).
+    pub kv_layer_bytes: usize,
+}
+
+/// Bytes of KV cache per block.
+pub(crate) fn kv_block_bytes(c: &LlamaConfig, block_size: usize) -> usize {
+    2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * 2
+}
+
+/// Bytes of the step buffer for `tokens` tokens and `rows` logit rows with block tables of at
+/// most `stride` entries.
+pub(crate) fn step_bytes(tokens: usize, rows: usize, stride: usize) -> usize {
+    Layout::new(tokens, tokens, rows, rows).tables + 4 * tokens * stride
+}
+
+impl Buffers {
+    /// Activation buffers for `max_tokens` tokens and `max_rows` logit rows (without the KV
+    /// cache, which is sized from what is left: see [`Buffers::with_cache`]).
+    pub fn activation_bytes(
+        c: &LlamaConfig,
+        max_tokens: usize,
+        max_rows: usize,
+        block_size: usize,
+    ) -> usize {
+        let (h, hd) = (c.hidden_size, c.head_dim);
+        let (qw, kvw, inter) = (c.num_heads * hd, c.num_kv_heads * hd, c.intermediate_size);
+        let t = max_tokens;
+        let split_t = t.min(GRAPH_BUCKETS[GRAPH_BUCKETS.len() - 1]);
+        let stride = c.max_position_embeddings / block_size + 1;
+        t * h * 4
+            + t * h * 2
+            + t * (qw + 2 * kvw) * 4
+            + 2 * t * qw * 2
+            + t * 2 * inter * 2
+            + t * inter * 2
+            + max_rows * h * 2
+            + max_rows * c.vocab_size * 4
+            + split_t * c.num_heads * MAX_SPLITS * (hd + 2) * 4
+            + step_bytes(t, max_rows, stride)
+            + max_rows * 4
+    }
+
+    /// Allocates the buffers and a cache of `blocks` blocks.
+    pub fn with_cache(
+        gpu: &Gpu,
+        c: &LlamaConfig,
+        max_tokens: usize,
+        max_rows: usize,
+        blocks: usize,
+        block_size: usize,
+    ) -> Result<Self, GpuError> {
+        let (h, hd) = (c.hidden_size, c.head_dim);
+        let (qw, kvw, inter) = (c.num_heads * hd, c.num_kv_heads * hd, c.intermediate_size);
+        let t = max_tokens;
+        let split_tokens = t.min(GRAPH_BUCKETS[GRAPH_BUCKETS.len() - 1]);
+        let stride = c.max_position_embeddings / block_size + 1;
+        let kv_layer_bytes = blocks * block_size * kvw * 2;
+        Ok(Buffers {
+            x: gpu.alloc(t * h * 4)?,
+            xn: gpu.alloc(t * h * 2)?,
+            qkv: gpu.alloc(t * (qw + 2 * kvw) * 4)?,
+            q: gpu.alloc(t * qw * 2)?,
+            att: gpu.alloc(t * qw * 2)?,
+            gu: gpu.alloc(t * 2 * inter * 2)?,
+            act: gpu.alloc(t * inter * 2)?,
+            xs: gpu.alloc(max_rows * h * 2)?,
+            logits: gpu.alloc(max_rows * c.vocab_size * 4)?,
+            part_acc: gpu.alloc(split_tokens * c.num_heads * MAX_SPLITS * hd * 4)?,
+            part_ml: gpu.alloc(split_tokens * c.num_heads * MAX_SPLITS * 2 * 4)?,
+            step: gpu.alloc(step_bytes(t, max_rows, stride))?,
+            sampled: gpu.alloc(max_rows * 4)?,
+            kv: gpu.alloc(2 * c.num_layers * kv_layer_bytes)?,
+            max_tokens,
+            max_rows,
+            split_tokens,
+            kv_layer_bytes,
+        })
+    }
+}
+
+/// Shapes of one forward launch sequence.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Launch {
+    /// Tokens (padded to the bucket in a graph).
+    pub tokens: usize,
+    /// Attention tiles.
+    pub tiles: usize,
+    /// Logit rows.
+    pub rows: usize,
+    /// Attention grid splits (1: no combine step).
+    pub z: usize,
+    /// Where the arrays sit in the step buffer.
+    pub layout: Layout,
+}
+
+/// Enqueues the forward pass of one step (no synchronisation, so it can be captured).
+pub(crate) fn enqueue(
+    gpu: &Gpu,
+    c: &LlamaConfig,
+    w: &GpuWeights,
+    b: &Buffers,
+    block_size: usize,
+    l: &Launch,
+) -> Result<(), GpuError> {
+    let k = &gpu.k;
+    let (h, hd) = (c.hidden_size, c.head_dim);
+    let (nh, nkv, inter) = (c.num_heads, c.num_kv_heads, c.intermediate_size);
+    let (qw, kvw) = (nh * hd, nkv * hd);
+    let t = l.tokens;
+    let s = |off: usize| b.step.at(off);
+    let lay = &l.layout;
+    let ti = t as u32;
+    let i32v = |v: usize| Arg::I32(v as i32);
+    gpu.timed("embed", || {
+        gpu.launch(
+            &k.embed,
+            (ti, 1, 1),
+            256,
+            &[
+                Arg::Ptr(w.embed.ptr()),
+                Arg::Ptr(s(lay.tokens)?),
+                Arg::Ptr(b.x.ptr()),
+                i32v(h),
+            ],
+        )
+    })?;
+    let attention = match hd {
+        64 => &k.attention_64,
+        128 => &k.attention_128,
+        other => {
+            return Err(GpuError::InvalidConfig(format!(
+                "the CUDA backend supports head dimensions 64 and 128, not {other}"
+            )))
+        }
+    };
+    let norm = |src_rows: u64, weight: u64, out: u64, rows: usize| {
+        gpu.timed("rms_norm", || {
+            gpu.launch(
+                &k.rms_norm,
+                (rows as u32, 1, 1),
+                256,
+                &[
+                    Arg::Ptr(b.x.ptr()),
+                    Arg::Ptr(weight),
+                    Arg::Ptr(out),
+                    Arg::Ptr(src_rows),
+                    i32v(h),
+                    Arg::F32(c.rms_norm_eps),
+                ],
+            )
+        })
+    };
+    let interleaved = i32::from(c.rope_style == RopeStyle::Interleaved);
+    let scale = 1.0 / (hd as f32).sqrt();
+    for (li, layer) in w.layers.iter().enumerate() {
+        let kc = b.kv.at(2 * li * b.kv_layer_bytes)?;
+        let vc = b.kv.at((2 * li + 1) * b.kv_layer_bytes)?;
+        norm(0, layer.attn_norm.ptr(), b.xn.ptr(), t)?;
+        gpu.timed("gemm_qkv", || {
+            gpu.gemm(
+                layer.qkv.ptr(),
+                b.xn.ptr(),
+                b.qkv.ptr(),
+                qw + 2 * kvw,
+                t,
+                h,
+                0.0,
+                true,
+            )
+        })?;
+        gpu.timed("rope_store_kv", || {
+            gpu.launch(
+                &k.rope_store_kv,
+                (ti, 1, 1),
+                256,
+                &[
+                    Arg::Ptr(b.qkv.ptr()),
+                    Arg::Ptr(b.q.ptr()),
+                    Arg::Ptr(kc),
+                    Arg::Ptr(vc),
+                    Arg::Ptr(s(lay.pos)?),
+                    Arg::Ptr(s(lay.slots)?),
+                    Arg::Ptr(w.inv_freq.ptr()),
+                    i32v(nh),
+                    i32v(nkv),
+                    i32v(hd),
+                    Arg::I32(interleaved),
+                ],
+            )
+        })?;
+        gpu.timed("attention", || {
+            gpu.launch(
+                attention,
+                (l.tiles as u32, nkv as u32, l.z as u32),
+                128,
+                &[
+                    Arg::Ptr(b.q.ptr()),
+                    Arg::Ptr(kc),
+                    Arg::Ptr(vc),
+                    Arg::Ptr(s(lay.pos)?),
+                    Arg::Ptr(s(lay.tile_seq)?),
+                    Arg::Ptr(s(lay.tile_q0)?),
+                    Arg::Ptr(s(lay.tile_qn)?),
+                    Arg::Ptr(s(lay.tables)?),
+                    Arg::Ptr(s(lay.meta)?),
+                    Arg::Ptr(b.part_acc.ptr()),
+                    Arg::Ptr(b.part_ml.ptr()),
+                    Arg::Ptr(b.att.ptr()),
+                    i32v(nh),
+                    i32v(nkv),
+                    i32v(block_size),
+                    Arg::F32(scale),
+                ],
+            )
+        })?;
+        if l.z > 1 {
+            gpu.timed("attention_combine", || {
+                gpu.launch(
+                    &k.attention_combine,
+                    (ti, nh as u32, 1),
+                    hd as u32,
+                    &[
+                        Arg::Ptr(b.part_acc.ptr()),
+                        Arg::Ptr(b.part_ml.ptr()),
+                        Arg::Ptr(s(lay.pos)?),
+                        Arg::Ptr(s(lay.meta)?),
+                        Arg::Ptr(b.att.ptr()),
+                        i32v(nh),
+                        i32v(hd),
+                        i32v(l.z),
+                    ],
+                )
+            })?;
+        }
+        // The output projection adds onto the residual stream (beta = 1, f32).
+        gpu.timed("gemm_o", || {
+            gpu.gemm(layer.o.ptr(), b.att.ptr(), b.x.ptr(), h, t, qw, 1.0, true)
+        })?;
+        norm(0, layer.ffn_norm.ptr(), b.xn.ptr(), t)?;
+        gpu.timed("gemm_gate_up", || {
+            gpu.gemm(
+                layer.gate_up.ptr(),
+                b.xn.ptr(),
+                b.gu.ptr(),
+                2 * inter,
+                t,
+                h,
+                0.0,
+                false,
+            )
+        })?;
+        let total = t * inter;
+        gpu.timed("silu_mul", || {
+            gpu.launch(
+                &k.silu_mul,
+                (total.div_ceil(256).min(65_536) as u32, 1, 1),
+                256,
+                &[
+                    Arg::Ptr(b.gu.ptr()),
+                    Arg::Ptr(b.act.ptr()),
+                    i32v(inter),
+                    Arg::U64(total as u64),
+                ],
+            )
+        })?;
+        gpu.timed("gemm_down", || {
+            gpu.gemm(
+                layer.down.ptr(),
+                b.act.ptr(),
+                b.x.ptr(),
+                h,
+                t,
+                inter,
+                1.0,
+                true,
+            )
+        })?;
+    }
+    norm(s(lay.logit_rows)?, w.norm.ptr(), b.xs.ptr(), l.rows)?;
+    gpu.timed("gemm_lm_head", || {
+        gpu.gemm(
+            w.lm_head(),
+            b.xs.ptr(),
+            b.logits.ptr(),
+            c.vocab_size,
+            l.rows,
+            h,
+            0.0,
+            true,
+        )
+    })
+}
+
+/// A captured graph, movable to the executor thread.
+struct SendGraph(CudaGraph);
+
+// SAFETY: CUDA graph and graph-exec handles are plain driver handles usable from any thread
+// whose current context is theirs (the backend binds its context before every use); the
+// backend owns them exclusively and uses them from one thread at a time (`&mut self`).
+unsafe impl Send for SendGraph {}
+
+/// Captured decode graphs by bucket size.
+#[derive(Default)]
+pub(crate) struct Graphs {
+    graphs: HashMap<usize, SendGraph>,
+    /// Buckets whose capture failed (run eagerly from then on).
+    failed: Vec<usize>,
+}
+
+/// The launch shape of the decode bucket `bucket`.
+pub(crate) fn bucket_launch(bucket: usize, kv_heads: usize) -> Launch {
+    Launch {
+        tokens: bucket,
+        tiles: bucket,
+        rows: bucket,
+        z: grid_splits(bucket, kv_heads, MAX_SPLITS),
+        layout: Layout::new(bucket, bucket, bucket, bucket),
+    }
+}
+
+/// The smallest bucket holding `n` sequences.
+pub(crate) fn bucket_for(n: usize, max: usize) -> Option<usize> {
+    GRAPH_BUCKETS.iter().copied().find(|&b| b >= n && b <= max)
+}
+
+impl Graphs {
+    /// Replays the graph of `bucket`, capturing it first if needed. Returns false when the
+    /// bucket cannot be captured (the caller runs the step eagerly).
+    pub fn run(
+        &mut self,
+        gpu: &Gpu,
+        c: &LlamaConfig,
+        w: &GpuWeights,
+        b: &Buffers,
+        block_size: usize,
+        bucket: usize,
+    ) -> Result<bool, GpuError> {
+        if self.failed.contains(&bucket) {
+            return Ok(false);
+        }
+        if let std::collections::hash_map::Entry::Vacant(slot) = self.graphs.entry(bucket) {
+            let l = bucket_launch(bucket, c.num_kv_heads);
+            gpu.stream
+                .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                .map_err(|e| cuda_err("begin capture", e))?;
+            let enq = enqueue(gpu, c, w, b, block_size, &l);
+            let end = gpu.stream.end_capture(sys::CUgraphInstantiate_flags(0));
+            match (enq, end) {
+                (Ok(()), Ok(Some(g))) => {
+                    tracing::debug!(bucket, "captured a decode graph");
+                    slot.insert(SendGraph(g));
+                }
+                (enq, end) => {
+                    tracing::warn!(
+                        bucket,
+                        enqueue = ?enq.err(),
+                        capture = ?end.err(),
+                        "CUDA graph capture failed; this bucket runs without a graph"
+                    );
+                    self.failed.push(bucket);
+                    return Ok(false);
+                }
+            }
+        }
+        match self.graphs.get(&bucket) {
+            Some(g) => {
+                g.0.launch().map_err(|e| cuda_err("graph launch", e))?;
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
+    /// Number of captured graphs.
+    pub fn len(&self) -> usize {
+        self.graphs.len()
+    }
+}

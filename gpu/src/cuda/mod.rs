@@ -1,0 +1,528 @@
+//! The CUDA backend (cargo feature `cuda`): the [`Backend`] trait on an NVIDIA GPU through
+//! cudarc, with bf16 weights, a paged bf16 KV cache, cuBLAS GEMMs, NVRTC-compiled kernels
+//! (`gpu/kernels/llama.cu`), CUDA graphs for decode steps and sampling on the GPU.
+//!
+//! Module map: [`device`] (library probe, context, NVRTC compile and disk cache, memory,
+//! launches, GEMM), `weights` (upload or random init on the device), `step` (batch checks
+//! and the packed step buffer), `forward` (buffers, the launch sequence, decode graphs),
+//! `sampling` (per-sequence state, logit edits, the sampling kernel).
+//!
+//! One step: check and flatten the batch on the host, copy the packed step buffer to the device
+//! in one transfer, run the forward pass (a graph replay for decode-only steps), copy raw logits
+//! rows to the host only for logprobs, apply the sparse logit edits, sample on the GPU and copy
+//! the sampled token ids back (the step's one synchronisation).
+
+pub mod device;
+mod forward;
+mod sampling;
+mod step;
+#[doc(hidden)]
+pub mod testing;
+mod weights;
+
+use std::collections::HashMap;
+
+use rand::{RngCore, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use crate::backend::{Backend, Batch, PromptLogprob, SeqOutput, MAX_LOGIT_ROWS};
+use crate::error::GpuError;
+use crate::model::{LlamaConfig, ModelWeights};
+use crate::sampler::{log_softmax, top_n};
+use device::Gpu;
+pub use device::{probe, DeviceInfo};
+use forward::{bucket_for, bucket_launch, Buffers, Graphs, Launch, GRAPH_BUCKETS};
+use sampling::{Edits, SampleArrays, SeqState};
+use step::{grid_splits, Layout, MAX_SPLITS};
+use weights::GpuWeights;
+
+/// Settings of a [`CudaBackend`].
+#[derive(Clone, Debug)]
+pub struct CudaBackendConfig {
+    /// CUDA device ordinal.
+    pub device: usize,
+    /// KV cache blocks; `None` sizes the cache from `gpu_memory_utilization`.
+    pub num_kv_blocks: Option<usize>,
+    /// Fraction of the device memory this process may hold (weights, buffers, KV cache).
+    pub gpu_memory_utilization: f64,
+    /// Token slots per block.
+    pub block_size: usize,
+    /// Most tokens per batch.
+    pub max_batch_tokens: usize,
+    /// Most sequences per batch (decode graphs are captured up to this size).
+    pub max_num_seqs: usize,
+    /// Capture CUDA graphs for decode-only steps.
+    pub cuda_graphs: bool,
+    /// Seed of the streams of requests that bring none.
+    pub seed: u64,
+}
+
+impl Default for CudaBackendConfig {
+    fn default() -> Self {
+        CudaBackendConfig {
+            device: 0,
+            num_kv_blocks: None,
+            gpu_memory_utilization: 0.9,
+            block_size: 16,
+            max_batch_tokens: 8192,
+            max_num_seqs: 256,
+            cuda_graphs: true,
+            seed: 0,
+        }
+    }
+}
+
+/// Memory kept free beyond the buffers: cuBLAS, graphs, the driver.
+const RESERVE_BYTES: usize = 1 << 30;
+
+/// The CUDA backend.
+pub struct CudaBackend {
+    // Field order is drop order: graphs and buffers before the weights, all before the device.
+    graphs: Graphs,
+    buf: Buffers,
+    edit_buf: Option<device::DevMem>,
+    weights: GpuWeights,
+    gpu: Gpu,
+    config: LlamaConfig,
+    block_size: usize,
+    num_blocks: usize,
+    max_graph_batch: usize,
+    states: HashMap<u64, SeqState>,
+    seeds: ChaCha8Rng,
+    host_step: Vec<u8>,
+    name: String,
+}
+
+/// Where the weights come from.
+pub enum WeightSource<'a> {
+    /// Loaded tensors (canonical GGUF names).
+    Loaded(&'a ModelWeights),
+    /// Random weights generated on the device from a seed.
+    Dummy(u64),
+}
+
+impl CudaBackend {
+    /// Opens the GPU, uploads (or generates) the weights and sizes the KV cache.
+    pub fn new(
+        config: &LlamaConfig,
+        source: WeightSource<'_>,
+        cfg: &CudaBackendConfig,
+    ) -> Result<Self, GpuError> {
+        config.validate()?;
+        if !matches!(config.head_dim, 64 | 128) {
+            return Err(GpuError::InvalidConfig(format!(
+                "the CUDA backend runs head dimensions 64 and 128, not {}",
+                config.head_dim
+            )));
+        }
+        if cfg.max_batch_tokens == 0 || cfg.max_batch_tokens > 1 << 16 {
+            return Err(GpuError::InvalidConfig(
+                "max_batch_tokens must be in 1..=65536".into(),
+            ));
+        }
+        if cfg.block_size == 0 || cfg.block_size > 1024 || cfg.max_num_seqs == 0 {
+            return Err(GpuError::InvalidConfig(
+                "block_size must be in 1..=1024 and max_num_seqs at least 1".into(),
+            ));
+        }
+        if !(cfg.gpu_memory_utilization > 0.0 && cfg.gpu_memory_utilization <= 1.0) {
+            return Err(GpuError::InvalidConfig(
+                "gpu_memory_utilization must be in (0, 1]".into(),
+            ));
+        }
+        let gpu = Gpu::open(cfg.device)?;
+        let weights = match source {
+            WeightSource::Loaded(w) => weights::from_model(&gpu, config, w)?,
+            WeightSource::Dummy(seed) => weights::dummy(&gpu, config, seed)?,
+        };
+        let max_tokens = cfg.max_batch_tokens;
+        let max_rows = max_tokens.min(MAX_LOGIT_ROWS.max(cfg.max_num_seqs));
+        let bs = cfg.block_size;
+        let per_block = forward::kv_block_bytes(config, bs);
+        let act = Buffers::activation_bytes(config, max_tokens, max_rows, bs);
+        let num_blocks = match cfg.num_kv_blocks {
+            Some(n) => n,
+            None => {
+                let (free, total) = gpu.mem_info()?;
+                let allowed = (total as f64 * cfg.gpu_memory_utilization) as usize;
+                let used = total - free;
+                let budget = allowed
+                    .saturating_sub(used)
+                    .saturating_sub(act + RESERVE_BYTES);
+                budget / per_block
+            }
+        };
+        let blocks_cap = (i32::MAX as usize) / bs;
+        if num_blocks == 0 || num_blocks > blocks_cap {
+            return Err(GpuError::InvalidConfig(format!(
+                "{num_blocks} KV blocks: too little GPU memory for the KV cache (weights {} MiB, buffers {} MiB)",
+                weights.bytes() >> 20,
+                act >> 20
+            )));
+        }
+        let buf = Buffers::with_cache(&gpu, config, max_tokens, max_rows, num_blocks, bs)?;
+        // Profiling times every launch on its own, so it runs without graphs.
+        let max_graph_batch = if cfg.cuda_graphs && gpu.prof.is_none() {
+            cfg.max_num_seqs
+                .min(max_tokens)
+                .min(max_rows)
+                .min(buf.split_tokens)
+                .min(GRAPH_BUCKETS[GRAPH_BUCKETS.len() - 1])
+        } else {
+            0
+        };
+        let name = format!(
+            "cuda ({}, sm_{}{}, {} MiB weights, {} KV blocks)",
+            gpu.info.name,
+            gpu.info.compute_capability.0,
+            gpu.info.compute_capability.1,
+            weights.bytes() >> 20,
+            num_blocks
+        );
+        Ok(CudaBackend {
+            graphs: Graphs::default(),
+            buf,
+            edit_buf: None,
+            weights,
+            gpu,
+            config: config.clone(),
+            block_size: bs,
+            num_blocks,
+            max_graph_batch,
+            states: HashMap::new(),
+            seeds: ChaCha8Rng::seed_from_u64(cfg.seed),
+            host_step: Vec::new(),
+            name,
+        })
+    }
+
+    /// The model's architecture.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    /// Number of decode graphs captured so far.
+    pub fn graphs_captured(&self) -> usize {
+        self.graphs.len()
+    }
+
+    /// Runs the forward pass only and returns the logits of the last token of every sequence
+    /// (`seqs.len() * vocab_size`), touching no sampler state; for tests and benchmarks.
+    pub fn logits(&mut self, batch: &Batch) -> Result<Vec<f32>, GpuError> {
+        self.logits_rows(batch, |s| vec![s.tokens.len() - 1])
+    }
+
+    /// The logits of the chosen chunk rows of every sequence (rows of each sequence in order).
+    pub fn logits_rows(
+        &mut self,
+        batch: &Batch,
+        rows: impl Fn(&crate::backend::SeqInput) -> Vec<usize>,
+    ) -> Result<Vec<f32>, GpuError> {
+        self.gpu.bind()?;
+        step::validate(
+            batch,
+            &self.config,
+            self.num_blocks,
+            self.block_size,
+            self.buf.max_tokens,
+        )?;
+        let group = self.config.num_heads / self.config.num_kv_heads;
+        let d = step::flatten(batch, group, self.block_size, |i| rows(&batch.seqs[i]))?;
+        let launch = self.eager_launch(&d);
+        self.upload_step(&d, &[], &launch)?;
+        forward::enqueue(
+            &self.gpu,
+            &self.config,
+            &self.weights,
+            &self.buf,
+            self.block_size,
+            &launch,
+        )?;
+        let vocab = self.config.vocab_size;
+        let mut out = vec![0f32; d.logit_rows.len() * vocab];
+        self.gpu.download(&mut out, self.buf.logits.ptr())?;
+        Ok(out)
+    }
+
+    /// The launch shape of a step run without a graph.
+    fn eager_launch(&self, d: &step::StepData) -> Launch {
+        let t = d.tokens.len();
+        let tiles = d.tile_qn.len();
+        let z = if t <= self.buf.split_tokens {
+            grid_splits(tiles, self.config.num_kv_heads, MAX_SPLITS)
+        } else {
+            1
+        };
+        let rows = d.logit_rows.len();
+        Launch {
+            tokens: t,
+            tiles,
+            rows,
+            z,
+            layout: Layout::new(t, tiles, rows, rows),
+        }
+    }
+
+    /// Packs and uploads the step buffer.
+    fn upload_step(
+        &mut self,
+        d: &step::StepData,
+        samples: &[step::SampleRow],
+        l: &Launch,
+    ) -> Result<(), GpuError> {
+        if l.rows > self.buf.max_rows || l.tokens > self.buf.max_tokens {
+            return Err(GpuError::Internal(format!(
+                "{} tokens and {} logit rows exceed the buffers",
+                l.tokens, l.rows
+            )));
+        }
+        let caps = (l.tokens, l.tiles, l.rows, l.rows);
+        step::pack(d, samples, &l.layout, caps, l.z, &mut self.host_step);
+        if self.host_step.len() > self.buf.step.bytes() {
+            return Err(GpuError::Internal(format!(
+                "step buffer of {} bytes exceeds {}",
+                self.host_step.len(),
+                self.buf.step.bytes()
+            )));
+        }
+        self.gpu.upload(self.buf.step.ptr(), &self.host_step)
+    }
+
+    fn wants_prompt_logprobs(&self, s: &crate::backend::SeqInput) -> bool {
+        s.sampling.prompt_logprobs.is_some()
+            && self.states.get(&s.seq_id).is_none_or(|st| st.in_prompt)
+    }
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        if let Some(report) = self.gpu.profile_report() {
+            eprintln!("{report}");
+        }
+    }
+}
+
+impl Backend for CudaBackend {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn num_kv_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    fn max_batch_tokens(&self) -> usize {
+        self.buf.max_tokens
+    }
+
+    fn execute(&mut self, batch: &Batch) -> Result<Vec<SeqOutput>, GpuError> {
+        self.gpu.bind()?;
+        let c = &self.config;
+        step::validate(
+            batch,
+            c,
+            self.num_blocks,
+            self.block_size,
+            self.buf.max_tokens,
+        )?;
+        let vocab = c.vocab_size;
+        let prompt_lp: Vec<bool> = batch
+            .seqs
+            .iter()
+            .map(|s| self.wants_prompt_logprobs(s))
+            .collect();
+        let group = c.num_heads / c.num_kv_heads;
+        let d = step::flatten(batch, group, self.block_size, |i| {
+            let s = &batch.seqs[i];
+            if prompt_lp[i] {
+                (0..s.tokens.len()).collect()
+            } else if s.sample {
+                vec![s.tokens.len() - 1]
+            } else {
+                Vec::new()
+            }
+        })?;
+        // Sequence states (new ones get their seed now, in batch order) and the rows to sample.
+        let mut samples = Vec::new();
+        let mut edits = Edits::default();
+        let mut first_row = Vec::with_capacity(batch.seqs.len());
+        let mut row = 0usize;
+        for (i, s) in batch.seqs.iter().enumerate() {
+            let st = match self.states.get_mut(&s.seq_id) {
+                Some(st) => st,
+                None => {
+                    let seed = s.sampling.seed.unwrap_or_else(|| self.seeds.next_u64());
+                    self.states.entry(s.seq_id).or_insert(SeqState::new(seed))
+                }
+            };
+            st.observe(s);
+            first_row.push(row);
+            let n = if prompt_lp[i] {
+                s.tokens.len()
+            } else {
+                usize::from(s.sample)
+            };
+            if s.sample {
+                let r = row + n - 1;
+                samples.push(st.sample_row(r, &s.sampling));
+                st.edits(r, &s.sampling, &mut edits);
+            }
+            row += n;
+        }
+        // Decode-only steps replay a graph.
+        let decode_only = batch.seqs.iter().all(|s| s.tokens.len() == 1 && s.sample);
+        let bucket = if decode_only {
+            bucket_for(batch.seqs.len(), self.max_graph_batch)
+        } else {
+            None
+        };
+        let mut ran_graph = false;
+        let mut launch = self.eager_launch(&d);
+        if let Some(b) = bucket {
+            let l = bucket_launch(b, c.num_kv_heads);
+            self.upload_step(&d, &samples, &l)?;
+            ran_graph = self.graphs.run(
+                &self.gpu,
+                &self.config,
+                &self.weights,
+                &self.buf,
+                self.block_size,
+                b,
+            )?;
+            if ran_graph {
+                launch = l;
+            }
+        }
+        if !ran_graph {
+            self.upload_step(&d, &samples, &launch)?;
+            forward::enqueue(
+                &self.gpu,
+                &self.config,
+                &self.weights,
+                &self.buf,
+                self.block_size,
+                &launch,
+            )?;
+        }
+        // Raw logits rows for logprobs, before any edit.
+        let mut raw: HashMap<usize, Vec<f32>> = HashMap::new();
+        for (i, s) in batch.seqs.iter().enumerate() {
+            let n = if prompt_lp[i] {
+                s.tokens.len()
+            } else if s.sample && s.sampling.logprobs.is_some() {
+                1
+            } else {
+                0
+            };
+            let end = first_row[i]
+                + if prompt_lp[i] {
+                    s.tokens.len()
+                } else {
+                    usize::from(s.sample)
+                };
+            for r in end - n..end {
+                let mut v = vec![0f32; vocab];
+                self.gpu
+                    .download(&mut v, self.buf.logits.at(r * vocab * 4)?)?;
+                raw.insert(r, v);
+            }
+        }
+        edits.apply(&self.gpu, &mut self.edit_buf, self.buf.logits.ptr(), vocab)?;
+        let lay = &launch.layout;
+        let at = |off: usize| self.buf.step.at(off);
+        let arrays = SampleArrays {
+            rows: at(lay.sample_rows)?,
+            temperature: at(lay.temperature)?,
+            top_k: at(lay.top_k)?,
+            top_p: at(lay.top_p)?,
+            min_p: at(lay.min_p)?,
+            seeds: at(lay.seeds)?,
+            counters: at(lay.counters)?,
+        };
+        self.gpu.timed("sample_rows", || {
+            sampling::sample(
+                &self.gpu,
+                self.buf.logits.ptr(),
+                vocab,
+                &arrays,
+                samples.len(),
+                self.buf.sampled.ptr(),
+            )
+        })?;
+        let mut tokens = vec![0i32; samples.len()];
+        self.gpu.download(&mut tokens, self.buf.sampled.ptr())?;
+        drop(edits);
+        // Outputs, in batch order.
+        let mut outputs = Vec::with_capacity(batch.seqs.len());
+        let mut next_sample = 0usize;
+        for (i, s) in batch.seqs.iter().enumerate() {
+            let Some(st) = self.states.get_mut(&s.seq_id) else {
+                return Err(GpuError::Internal("sequence state vanished".into()));
+            };
+            let mut out = SeqOutput {
+                seq_id: s.seq_id,
+                token: None,
+                logprob: None,
+                top_logprobs: Vec::new(),
+                prompt_logprobs: Vec::new(),
+            };
+            let r0 = first_row[i];
+            if prompt_lp[i] {
+                let n = s.sampling.prompt_logprobs.unwrap_or(0) as usize;
+                let entry = |lp: &[f32], position: usize, token: u32| PromptLogprob {
+                    position,
+                    token,
+                    logprob: lp.get(token as usize).copied().unwrap_or(f32::NEG_INFINITY),
+                    top_logprobs: top_n(lp, n),
+                };
+                if let Some(prev) = st.pending.take() {
+                    out.prompt_logprobs
+                        .push(entry(&prev, s.num_computed_tokens, s.tokens[0]));
+                }
+                let mut last = None;
+                for j in 0..s.tokens.len() {
+                    let lp = log_softmax(raw.get(&(r0 + j)).map_or(&[][..], |v| v));
+                    if j + 1 < s.tokens.len() {
+                        out.prompt_logprobs.push(entry(
+                            &lp,
+                            s.num_computed_tokens + j + 1,
+                            s.tokens[j + 1],
+                        ));
+                    }
+                    last = Some(lp);
+                }
+                if !s.sample {
+                    st.pending = last;
+                }
+            }
+            if s.sample {
+                let Some(&tok) = tokens.get(next_sample) else {
+                    return Err(GpuError::Internal("missing sampled token".into()));
+                };
+                let r = samples[next_sample].row as usize;
+                next_sample += 1;
+                let tok = u32::try_from(tok)
+                    .ok()
+                    .filter(|&t| (t as usize) < vocab)
+                    .ok_or_else(|| GpuError::Internal(format!("sampled token {tok}")))?;
+                if let (Some(n), Some(row)) = (s.sampling.logprobs, raw.get(&r)) {
+                    let lp = log_softmax(row);
+                    out.logprob = lp.get(tok as usize).copied();
+                    out.top_logprobs = top_n(&lp, n as usize);
+                }
+                st.record(tok, &s.sampling);
+                out.token = Some(tok);
+            }
+            outputs.push(out);
+        }
+        Ok(outputs)
+    }
+
+    fn release(&mut self, seq_id: u64) {
+        self.states.remove(&seq_id);
+    }
+}

@@ -1,0 +1,284 @@
+//! Sampling on the GPU with the semantics of [`crate::sampler`]: the host keeps each
+//! sequence's small state (seed, tokens sampled, the token sets the penalties read) and turns
+//! logit bias, `min_tokens` masking and the repetition / presence / frequency penalties into a
+//! sparse list of edits, one per (row, token), merged in the CPU sampler's order; the GPU
+//! applies them and samples (greedy, or temperature with top-k, top-p and min-p).
+//!
+//! The random number of a sequence's `n`-th sampled token is a hash of (seed, n), so a seed
+//! reproduces the same tokens whatever else is batched (the stream differs from the CPU
+//! backend's ChaCha stream). Logprobs are the log-softmax of the raw logits rows, copied to the
+//! host only when a request asks for logprobs or prompt logprobs.
+
+use std::collections::{HashMap, HashSet};
+
+use super::device::{Arg, DevMem, Gpu};
+use super::step::SampleRow;
+use crate::backend::SeqInput;
+use crate::error::GpuError;
+use crate::sampler::SamplingParams;
+
+/// Sampling state of one sequence across steps.
+pub(crate) struct SeqState {
+    /// Seed of the sequence's stream.
+    pub seed: u64,
+    /// Tokens sampled so far (also the stream counter).
+    pub sampled: u64,
+    /// No token sampled yet: fed tokens are prompt tokens.
+    pub in_prompt: bool,
+    /// Log-softmax of the last row of the previous prompt chunk (for prompt logprobs).
+    pub pending: Option<Vec<f32>>,
+    /// Prompt tokens (repetition penalty only).
+    seen: HashSet<u32>,
+    /// Output token counts (penalties only).
+    counts: HashMap<u32, u32>,
+}
+
+impl SeqState {
+    /// A fresh state.
+    pub fn new(seed: u64) -> Self {
+        SeqState {
+            seed,
+            sampled: 0,
+            in_prompt: true,
+            pending: None,
+            seen: HashSet::new(),
+            counts: HashMap::new(),
+        }
+    }
+
+    /// Records this step's fed tokens (prompt tokens while in the prompt).
+    pub fn observe(&mut self, s: &SeqInput) {
+        if self.in_prompt && s.sampling.repetition_penalty != 1.0 {
+            self.seen.extend(s.tokens.iter().copied());
+        }
+    }
+
+    /// Records a sampled token.
+    pub fn record(&mut self, token: u32, p: &SamplingParams) {
+        self.sampled += 1;
+        self.in_prompt = false;
+        self.pending = None;
+        if p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+            *self.counts.entry(token).or_insert(0) += 1;
+        }
+    }
+
+    /// The sampling row of this sequence at logits row `row`.
+    pub fn sample_row(&self, row: usize, p: &SamplingParams) -> SampleRow {
+        SampleRow {
+            row: row as i32,
+            temperature: p.temperature,
+            top_k: i32::try_from(p.top_k).unwrap_or(i32::MAX),
+            top_p: p.top_p,
+            min_p: p.min_p,
+            seed: self.seed,
+            counter: self.sampled,
+        }
+    }
+
+    /// Appends this row's logit edits (merged per token, in the CPU sampler's order: bias,
+    /// `min_tokens` mask, repetition penalty, presence and frequency penalties).
+    pub fn edits(&self, row: usize, p: &SamplingParams, out: &mut Edits) {
+        let mut m: HashMap<u32, Edit> = HashMap::new();
+        for &(id, b) in &p.logit_bias {
+            m.entry(id).or_default().bias += b;
+        }
+        if self.sampled < u64::from(p.min_tokens) {
+            let eos = p.eos_token_ids.iter().filter(|_| !p.ignore_eos);
+            for &id in p.stop_token_ids.iter().chain(eos) {
+                m.entry(id).or_default().mask = true;
+            }
+        }
+        if p.repetition_penalty != 1.0 {
+            for &id in self.seen.iter().chain(self.counts.keys()) {
+                m.entry(id).or_default().rep = p.repetition_penalty;
+            }
+        }
+        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+            for (&id, &c) in &self.counts {
+                m.entry(id).or_default().sub = p.frequency_penalty * c as f32 + p.presence_penalty;
+            }
+        }
+        let mut ids: Vec<u32> = m.keys().copied().collect();
+        ids.sort_unstable();
+        for id in ids {
+            let e = m[&id];
+            out.rows.push(row as i32);
+            out.tokens.push(id as i32);
+            out.bias.push(e.bias);
+            out.mask.push(i32::from(e.mask));
+            out.rep.push(e.rep);
+            out.sub.push(e.sub);
+        }
+    }
+}
+
+/// One merged logit edit.
+#[derive(Clone, Copy, Debug)]
+struct Edit {
+    bias: f32,
+    mask: bool,
+    rep: f32,
+    sub: f32,
+}
+
+impl Default for Edit {
+    fn default() -> Self {
+        Edit {
+            bias: 0.0,
+            mask: false,
+            rep: 1.0,
+            sub: 0.0,
+        }
+    }
+}
+
+/// The edits of one step, as columns.
+#[derive(Debug, Default)]
+pub(crate) struct Edits {
+    rows: Vec<i32>,
+    tokens: Vec<i32>,
+    bias: Vec<f32>,
+    mask: Vec<i32>,
+    rep: Vec<f32>,
+    sub: Vec<f32>,
+}
+
+impl Edits {
+    /// Number of edits.
+    pub fn len(&self) -> usize {
+        self.rows.len()
+    }
+
+    /// Uploads the edits to `buf` (grown as needed) and applies them to the logits.
+    pub fn apply(
+        &self,
+        gpu: &Gpu,
+        buf: &mut Option<DevMem>,
+        logits: u64,
+        vocab: usize,
+    ) -> Result<(), GpuError> {
+        let n = self.len();
+        if n == 0 {
+            return Ok(());
+        }
+        let col = n.div_ceil(2) * 8;
+        if buf.as_ref().is_none_or(|b| b.bytes() < 6 * col) {
+            *buf = Some(gpu.alloc(6 * col * 2)?);
+        }
+        let Some(b) = buf.as_ref() else {
+            return Err(GpuError::Internal("edit buffer missing".into()));
+        };
+        gpu.upload(b.at(0)?, &self.rows)?;
+        gpu.upload(b.at(col)?, &self.tokens)?;
+        gpu.upload(b.at(2 * col)?, &self.bias)?;
+        gpu.upload(b.at(3 * col)?, &self.mask)?;
+        gpu.upload(b.at(4 * col)?, &self.rep)?;
+        gpu.upload(b.at(5 * col)?, &self.sub)?;
+        gpu.launch(
+            &gpu.k.apply_logit_edits,
+            (n.div_ceil(256) as u32, 1, 1),
+            256,
+            &[
+                Arg::Ptr(logits),
+                Arg::U64(vocab as u64),
+                Arg::Ptr(b.at(0)?),
+                Arg::Ptr(b.at(col)?),
+                Arg::Ptr(b.at(2 * col)?),
+                Arg::Ptr(b.at(3 * col)?),
+                Arg::Ptr(b.at(4 * col)?),
+                Arg::Ptr(b.at(5 * col)?),
+                Arg::I32(n as i32),
+            ],
+        )?;
+        // The host columns are pageable memory: the copies are complete once the kernel that
+        // reads them has been ordered after them, but keep them alive until the step syncs.
+        Ok(())
+    }
+}
+
+/// Device addresses of the sampling arrays of a step buffer.
+pub(crate) struct SampleArrays {
+    pub rows: u64,
+    pub temperature: u64,
+    pub top_k: u64,
+    pub top_p: u64,
+    pub min_p: u64,
+    pub seeds: u64,
+    pub counters: u64,
+}
+
+/// Samples `n` rows into `out` (i32 per row).
+pub(crate) fn sample(
+    gpu: &Gpu,
+    logits: u64,
+    vocab: usize,
+    a: &SampleArrays,
+    n: usize,
+    out: u64,
+) -> Result<(), GpuError> {
+    gpu.launch(
+        &gpu.k.sample_rows,
+        (n as u32, 1, 1),
+        1024,
+        &[
+            Arg::Ptr(logits),
+            Arg::U64(vocab as u64),
+            Arg::Ptr(a.rows),
+            Arg::Ptr(a.temperature),
+            Arg::Ptr(a.top_k),
+            Arg::Ptr(a.top_p),
+            Arg::Ptr(a.min_p),
+            Arg::Ptr(a.seeds),
+            Arg::Ptr(a.counters),
+            Arg::Ptr(out),
+        ],
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn edits_merge_in_the_cpu_order() {
+        let p = SamplingParams {
+            logit_bias: vec![(3, 1.0), (3, 0.5), (7, -2.0)],
+            min_tokens: 1,
+            eos_token_ids: vec![2],
+            repetition_penalty: 1.5,
+            presence_penalty: 0.25,
+            frequency_penalty: 0.5,
+            ..SamplingParams::default()
+        };
+        let mut st = SeqState::new(1);
+        let s = SeqInput {
+            seq_id: 1,
+            num_computed_tokens: 0,
+            tokens: vec![3, 4],
+            block_table: vec![0],
+            sample: true,
+            sampling: std::sync::Arc::new(p.clone()),
+            adapter: None,
+        };
+        st.observe(&s);
+        let mut e = Edits::default();
+        st.edits(0, &p, &mut e);
+        // Tokens 2 (masked), 3 (bias 1.5, seen), 4 (seen), 7 (bias).
+        assert_eq!(e.tokens, vec![2, 3, 4, 7]);
+        assert_eq!(e.mask, vec![1, 0, 0, 0]);
+        assert_eq!(e.bias, vec![0.0, 1.5, 0.0, -2.0]);
+        assert_eq!(e.rep, vec![1.0, 1.5, 1.5, 1.0]);
+        st.record(9, &p);
+        st.record(9, &p);
+        let mut e = Edits::default();
+        st.edits(5, &p, &mut e);
+        // min_tokens reached: no mask; 9 is an output token twice.
+        assert_eq!(e.tokens, vec![3, 4, 7, 9]);
+        assert!(e.mask.iter().all(|&m| m == 0));
+        assert_eq!(e.sub[3], 0.5 * 2.0 + 0.25);
+        assert_eq!(e.rep[3], 1.5);
+        assert!(e.rows.iter().all(|&r| r == 5));
+        assert_eq!(st.sample_row(5, &p).counter, 2);
+    }
+}

@@ -1,0 +1,210 @@
+//! Entry points into single kernels for the CUDA test binary (`gpu/tests/cuda_*.rs`): paged
+//! attention over a cache the test fills, and the logit edits plus sampling kernels over logits
+//! the test chooses. Not part of the serving path.
+
+use std::sync::Arc;
+
+use half::bf16;
+
+use super::device::{Arg, Gpu};
+use super::sampling::{self, Edits, SampleArrays, SeqState};
+use super::step::{self, Layout, MAX_SPLITS};
+use crate::backend::{Batch, SeqInput};
+use crate::error::GpuError;
+use crate::sampler::SamplingParams;
+
+/// One sequence of an attention check.
+#[derive(Clone, Debug)]
+pub struct AttentionSeq {
+    /// Tokens already in the cache before this chunk.
+    pub computed: usize,
+    /// Query tokens of this chunk.
+    pub queries: usize,
+    /// Block table (covering `computed + queries` positions).
+    pub table: Vec<u32>,
+}
+
+/// Shapes of an attention check.
+#[derive(Clone, Debug)]
+pub struct AttentionShape {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+    pub num_blocks: usize,
+    /// Splits of the key range (grid z); `None` picks as the backend does.
+    pub splits: Option<usize>,
+}
+
+/// Runs the paged attention kernel: `q` is `[tokens, heads, head_dim]` (the sequences' chunks
+/// one after the other), `k` and `v` are the whole cache `[blocks * block_size, kv_heads,
+/// head_dim]`; returns the output `[tokens, heads, head_dim]`. Inputs are rounded to bf16 as the
+/// backend stores them.
+pub fn paged_attention(
+    s: &AttentionShape,
+    seqs: &[AttentionSeq],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+) -> Result<Vec<f32>, GpuError> {
+    let gpu = Gpu::open(0)?;
+    let (nh, nkv, hd) = (s.num_heads, s.num_kv_heads, s.head_dim);
+    let batch = Batch {
+        seqs: seqs
+            .iter()
+            .enumerate()
+            .map(|(i, a)| SeqInput {
+                seq_id: i as u64,
+                num_computed_tokens: a.computed,
+                tokens: vec![0; a.queries],
+                block_table: a.table.clone(),
+                sample: false,
+                sampling: Arc::new(SamplingParams::greedy()),
+                adapter: None,
+            })
+            .collect(),
+    };
+    let d = step::flatten(&batch, nh / nkv, s.block_size, |_| Vec::new())?;
+    let t = d.tokens.len();
+    let slots = s.num_blocks * s.block_size;
+    if q.len() != t * nh * hd || k.len() != slots * nkv * hd || v.len() != k.len() {
+        return Err(GpuError::BadBatch("attention check: sizes disagree".into()));
+    }
+    let tiles = d.tile_qn.len();
+    let z = s
+        .splits
+        .unwrap_or_else(|| step::grid_splits(tiles, nkv, MAX_SPLITS))
+        .clamp(1, MAX_SPLITS);
+    let lay = Layout::new(t, tiles, 0, 0);
+    let mut host = Vec::new();
+    step::pack(&d, &[], &lay, (t, tiles, 0, 0), z, &mut host);
+    let to_bf16 = |x: &[f32]| x.iter().map(|&f| bf16::from_f32(f)).collect::<Vec<bf16>>();
+    let (qb, kb, vb) = (to_bf16(q), to_bf16(k), to_bf16(v));
+    let stepbuf = gpu.alloc(host.len())?;
+    let qd = gpu.alloc(qb.len() * 2)?;
+    let kd = gpu.alloc(kb.len() * 2)?;
+    let vd = gpu.alloc(vb.len() * 2)?;
+    let out = gpu.alloc(t * nh * hd * 2)?;
+    let pacc = gpu.alloc(t * nh * z * hd * 4)?;
+    let pml = gpu.alloc(t * nh * z * 2 * 4)?;
+    gpu.upload(stepbuf.ptr(), &host)?;
+    gpu.upload(qd.ptr(), &qb)?;
+    gpu.upload(kd.ptr(), &kb)?;
+    gpu.upload(vd.ptr(), &vb)?;
+    let at = |o: usize| stepbuf.at(o);
+    let f = match hd {
+        64 => &gpu.k.attention_64,
+        128 => &gpu.k.attention_128,
+        _ => return Err(GpuError::InvalidConfig("head_dim must be 64 or 128".into())),
+    };
+    gpu.launch(
+        f,
+        (tiles as u32, nkv as u32, z as u32),
+        128,
+        &[
+            Arg::Ptr(qd.ptr()),
+            Arg::Ptr(kd.ptr()),
+            Arg::Ptr(vd.ptr()),
+            Arg::Ptr(at(lay.pos)?),
+            Arg::Ptr(at(lay.tile_seq)?),
+            Arg::Ptr(at(lay.tile_q0)?),
+            Arg::Ptr(at(lay.tile_qn)?),
+            Arg::Ptr(at(lay.tables)?),
+            Arg::Ptr(at(lay.meta)?),
+            Arg::Ptr(pacc.ptr()),
+            Arg::Ptr(pml.ptr()),
+            Arg::Ptr(out.ptr()),
+            Arg::I32(nh as i32),
+            Arg::I32(nkv as i32),
+            Arg::I32(s.block_size as i32),
+            Arg::F32(1.0 / (hd as f32).sqrt()),
+        ],
+    )?;
+    if z > 1 {
+        gpu.launch(
+            &gpu.k.attention_combine,
+            (t as u32, nh as u32, 1),
+            hd as u32,
+            &[
+                Arg::Ptr(pacc.ptr()),
+                Arg::Ptr(pml.ptr()),
+                Arg::Ptr(at(lay.pos)?),
+                Arg::Ptr(at(lay.meta)?),
+                Arg::Ptr(out.ptr()),
+                Arg::I32(nh as i32),
+                Arg::I32(hd as i32),
+                Arg::I32(z as i32),
+            ],
+        )?;
+    }
+    let mut o = vec![bf16::ZERO; t * nh * hd];
+    gpu.download(&mut o, out.ptr())?;
+    Ok(o.iter().map(|x| x.to_f32()).collect())
+}
+
+/// Applies each row's sampling parameters (edits from a fresh state that has seen `prompt`)
+/// to `logits` (`rows x vocab`) and samples one token per row, row `r` with seed `seed + r`
+/// and stream counter `counter`.
+pub fn sample(
+    logits: &[f32],
+    vocab: usize,
+    params: &[SamplingParams],
+    prompt: &[u32],
+    seed: u64,
+    counter: u64,
+) -> Result<Vec<u32>, GpuError> {
+    let gpu = Gpu::open(0)?;
+    let rows = params.len();
+    if logits.len() != rows * vocab {
+        return Err(GpuError::BadBatch("sample check: sizes disagree".into()));
+    }
+    let mut edits = Edits::default();
+    let mut samples = Vec::new();
+    for (r, p) in params.iter().enumerate() {
+        p.validate(vocab)?;
+        let mut st = SeqState::new(seed.wrapping_add(r as u64));
+        st.observe(&SeqInput {
+            seq_id: 0,
+            num_computed_tokens: 0,
+            tokens: prompt.to_vec(),
+            block_table: Vec::new(),
+            sample: true,
+            sampling: Arc::new(p.clone()),
+            adapter: None,
+        });
+        st.sampled = counter;
+        samples.push(st.sample_row(r, p));
+        st.edits(r, p, &mut edits);
+    }
+    let lay = Layout::new(0, 0, 0, rows);
+    let mut host = Vec::new();
+    step::pack(
+        &step::StepData::default(),
+        &samples,
+        &lay,
+        (0, 0, 0, rows),
+        1,
+        &mut host,
+    );
+    let stepbuf = gpu.alloc(host.len())?;
+    let ld = gpu.alloc(logits.len() * 4)?;
+    let out = gpu.alloc(rows * 4)?;
+    gpu.upload(stepbuf.ptr(), &host)?;
+    gpu.upload(ld.ptr(), logits)?;
+    let mut ebuf = None;
+    edits.apply(&gpu, &mut ebuf, ld.ptr(), vocab)?;
+    let at = |o: usize| stepbuf.at(o);
+    let arrays = SampleArrays {
+        rows: at(lay.sample_rows)?,
+        temperature: at(lay.temperature)?,
+        top_k: at(lay.top_k)?,
+        top_p: at(lay.top_p)?,
+        min_p: at(lay.min_p)?,
+        seeds: at(lay.seeds)?,
+        counters: at(lay.counters)?,
+    };
+    sampling::sample(&gpu, ld.ptr(), vocab, &arrays, rows, out.ptr())?;
+    let mut t = vec![0i32; rows];
+    gpu.download(&mut t, out.ptr())?;
+    Ok(t.iter().map(|&x| x as u32).collect())
+}

@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# Correctness checks and benchmarks of the CUDA backend on a GPU host, in one go.
+#
+# The GPU host has no cargo: build here, carry the binaries there.
+#   cargo build --release --features cuda
+#   cargo test --release --features cuda -p switchyard-gpu --no-run   # prints the test binary
+# Then on the GPU host:
+#   BIN=dir-with-switchyard-and-cuda_backend MODEL=path/to/SmolLM2-135M-Instruct.Q4_1.gguf \
+#     OUT=results-dir scripts/gpu-check.sh
+# SECTIONS picks parts (default: all): tests dummy model serve hf.
+# Results: $OUT/summary.txt (the table printed last), $OUT/*.json and logs.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+BIN=${BIN:-target/release}
+OUT=${OUT:-gpu-check-out}
+MODEL=${MODEL:-}
+SECTIONS=${SECTIONS:-"tests dummy model serve hf"}
+mkdir -p "$OUT"
+SY="$BIN/switchyard"
+TESTBIN=$(ls "$BIN"/cuda_backend* 2>/dev/null | grep -v '\.d$' | head -1)
+export RUST_LOG=${RUST_LOG:-info}
+export SWITCHYARD_KERNEL_CACHE=${SWITCHYARD_KERNEL_CACHE:-$OUT/kernel-cache}
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
+  [ -d "$d" ] && export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
+done
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+summary="$OUT/summary.txt"
+: >"$summary"
+note() { echo "$*" | tee -a "$summary"; }
+has() { [[ " $SECTIONS " == *" $1 "* ]]; }
+field() { python3 -c "import json,sys; d=json.load(open('$1')); print(d.get('$2', 'n/a'))" 2>/dev/null || echo n/a; }
+
+note "== gpu-check $(date -u +%FT%TZ) $(git rev-parse --short HEAD 2>/dev/null || echo nogit)"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader 2>&1 | tee -a "$summary"
+
+bench() { # name, then bench throughput arguments
+  local name=$1; shift
+  local t0=$SECONDS
+  timeout "${BENCH_TIMEOUT:-240}" "$SY" bench throughput --backend cuda --json "$@" >"$OUT/$name.json" 2>"$OUT/$name.log"
+  local rc=$?
+  local j="$OUT/$name.json"
+  note "$(printf '%-28s rc=%s %4ss out_tok/s=%s decode_ms/step=%s decode_tok/s=%s' "$name" "$rc" $((SECONDS - t0)) \
+    "$(field "$j" output_tokens_per_second)" "$(field "$j" decode_ms_per_step_median)" "$(field "$j" decode_tokens_per_second)")"
+  [ $rc -ne 0 ] && tail -5 "$OUT/$name.log" | tee -a "$summary"
+}
+
+if has tests && [ -n "$TESTBIN" ]; then
+  SWITCHYARD_MODEL_DIR=$( [ -n "$MODEL" ] && dirname "$MODEL" || echo /nonexistent ) \
+    timeout "${TEST_TIMEOUT:-300}" "$TESTBIN" --test-threads=1 --nocapture >"$OUT/tests.log" 2>&1
+  note "cuda tests rc=$?"
+  grep -E "^test |test result|top-1|relative logit|max \|error\|" "$OUT/tests.log" | sed 's/^/  /' | tail -40 | tee -a "$summary" >/dev/null
+fi
+
+if has dummy; then
+  bench llama8b-decode-b1 --dummy llama-3-8b --decode-batch 1 --input-len 128 --output-len 256
+  bench llama8b-offline-2000 --dummy llama-3-8b --num-prompts 2000 --input-len 128 --output-len 128
+  bench smollm2-dummy-decode-b1 --dummy smollm2-135m --decode-batch 1 --input-len 128 --output-len 256
+  bench smollm2-dummy-decode-b256 --dummy smollm2-135m --decode-batch 256 --input-len 128 --output-len 128
+fi
+
+if has model && [ -n "$MODEL" ] && [ -f "$MODEL" ]; then
+  bench smollm2-decode-b1 --model "$MODEL" --decode-batch 1 --input-len 128 --output-len 256
+  bench smollm2-decode-b256 --model "$MODEL" --decode-batch 256 --input-len 128 --output-len 128
+  bench smollm2-offline-2000 --model "$MODEL" --num-prompts 2000 --input-len 128 --output-len 128
+  "$SY" generate --backend cuda --model "$MODEL" --chat --max-tokens 32 --prompt "What is the capital of France?" \
+    >"$OUT/generate.txt" 2>"$OUT/generate.log"
+  note "generate rc=$?: $(head -c 300 "$OUT/generate.txt" | tr '\n' ' ')"
+fi
+
+if has serve && [ -n "$MODEL" ] && [ -f "$MODEL" ]; then
+  cat >"$OUT/serve.yaml" <<EOF
+model: { path: $MODEL, backend: cuda }
+server: { host: 127.0.0.1, port: 18431 }
+cache: { gpu_memory_utilization: 0.5 }
+EOF
+  "$SY" serve --config "$OUT/serve.yaml" >"$OUT/serve.log" 2>&1 &
+  spid=$!
+  ok=0
+  for _ in $(seq 1 120); do
+    if curl -sf http://127.0.0.1:18431/health >/dev/null 2>&1; then ok=1; break; fi
+    sleep 0.5
+  done
+  if [ $ok = 1 ]; then
+    curl -s http://127.0.0.1:18431/v1/completions -H 'content-type: application/json' \
+      -d '{"model":"SmolLM2-135M-Instruct.Q4_1","prompt":"The capital of France is","max_tokens":16,"temperature":0,"logprobs":2}' \
+      >"$OUT/serve-completion.json"
+    note "serve completion: $(head -c 400 "$OUT/serve-completion.json")"
+    curl -s http://127.0.0.1:18431/metrics | grep -E "backend_info" | head -3 | tee -a "$summary"
+  else
+    note "serve did not come up"; tail -5 "$OUT/serve.log" | tee -a "$summary"
+  fi
+  kill "$spid" 2>/dev/null; wait "$spid" 2>/dev/null
+fi
+
+if has hf && [ -f gpu/reference/hf_bench.py ]; then
+  timeout 300 python3 gpu/reference/hf_bench.py >"$OUT/hf_bench.log" 2>&1
+  note "hf_bench rc=$?: $(tail -c 600 "$OUT/hf_bench.log" | tr '\n' ' ')"
+fi
+
+echo
+cat "$summary"
