@@ -370,3 +370,66 @@ fn echo_prompt_logprobs_match_the_reference_teacher_forced() {
         );
     }
 }
+
+#[test]
+fn responses_and_stream_chunks_are_openai_wire_compatible() {
+    use async_openai::types::chat::{
+        CreateChatCompletionResponse, CreateChatCompletionStreamResponse,
+    };
+    use async_openai::types::completions::CreateCompletionResponse;
+    use async_openai::types::models::ListModelResponse;
+
+    let s = &server();
+    let model = model_name(s);
+    let r = s.request("GET", "/v1/models", None, &[]).expect("models");
+    let models: ListModelResponse = serde_json::from_str(&r.body).expect("model list");
+    assert!(models.data.iter().any(|m| m.id == model));
+
+    let (status, v) = s.post_json(
+        "/v1/completions",
+        &json!({"model": model, "prompt": "Hello", "max_tokens": 4, "logprobs": 2}),
+    );
+    assert_eq!(status, 200, "{v}");
+    let c: CreateCompletionResponse = serde_json::from_value(v).expect("completion");
+    assert_eq!(c.choices.len(), 1);
+    assert!(c.usage.is_some_and(|u| u.completion_tokens >= 1));
+
+    let chat =
+        json!({"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4});
+    let (status, v) = s.post_json("/v1/chat/completions", &chat);
+    assert_eq!(status, 200, "{v}");
+    let c: CreateChatCompletionResponse = serde_json::from_value(v).expect("chat completion");
+    assert!(c.choices[0].message.content.is_some());
+
+    let mut stream = chat.clone();
+    stream["stream"] = json!(true);
+    stream["stream_options"] = json!({"include_usage": true});
+    let r = s
+        .request(
+            "POST",
+            "/v1/chat/completions",
+            Some(&stream.to_string()),
+            &[],
+        )
+        .expect("chat stream");
+    assert_eq!(r.status, 200, "{}", r.body);
+    let events = sse_events(&r.body);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<CreateChatCompletionStreamResponse> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap_or_else(|err| panic!("{err}: {e}")))
+        .collect();
+    assert!(chunks.iter().any(|c| c.usage.is_some()), "no usage chunk");
+
+    let mut stream = json!({"model": model, "prompt": "Hello", "max_tokens": 4, "stream": true});
+    stream["stream_options"] = json!({"include_usage": true});
+    let r = s
+        .request("POST", "/v1/completions", Some(&stream.to_string()), &[])
+        .expect("completion stream");
+    assert_eq!(r.status, 200, "{}", r.body);
+    let events = sse_events(&r.body);
+    for e in &events[..events.len() - 1] {
+        let _: CreateCompletionResponse =
+            serde_json::from_str(e).unwrap_or_else(|err| panic!("{err}: {e}"));
+    }
+}
