@@ -21,7 +21,7 @@
 use std::collections::HashMap;
 use std::hash::BuildHasherDefault;
 
-use crate::block_pool::{BlockPool, PassThroughHasher, MAX_BLOCKS};
+use crate::block_pool::{BlockGeometry, BlockPool, PassThroughHasher};
 use crate::error::SchedulerError;
 use crate::prefix_hash::PrefixHash;
 use crate::types::BlockId;
@@ -88,8 +88,7 @@ type CacheMap = HashMap<PrefixHash, BlockId, BuildHasherDefault<PassThroughHashe
 /// plus the changes recorded since (see the module docs).
 #[derive(Clone, Debug)]
 pub struct BlockLedger {
-    block_size: usize,
-    block_shift: Option<u32>,
+    geometry: BlockGeometry,
     refs: Vec<u32>,
     hashes: Vec<Option<PrefixHash>>,
     cache: CacheMap,
@@ -104,23 +103,8 @@ pub struct BlockLedger {
 impl BlockLedger {
     /// The view of a fresh pool of `num_blocks` blocks of `block_size` tokens.
     pub fn new(num_blocks: usize, block_size: usize) -> Result<Self, SchedulerError> {
-        if num_blocks == 0 || num_blocks > MAX_BLOCKS {
-            return Err(SchedulerError::InvalidConfig {
-                field: "num_gpu_blocks",
-                reason: format!("must be in 1..={MAX_BLOCKS}, got {num_blocks}"),
-            });
-        }
-        if block_size == 0 {
-            return Err(SchedulerError::InvalidConfig {
-                field: "block_size",
-                reason: "must be at least 1".into(),
-            });
-        }
         Ok(Self {
-            block_size,
-            block_shift: block_size
-                .is_power_of_two()
-                .then(|| block_size.trailing_zeros()),
+            geometry: BlockGeometry::new(num_blocks, block_size)?,
             refs: vec![0; num_blocks],
             hashes: vec![None; num_blocks],
             cache: CacheMap::with_capacity_and_hasher(num_blocks.min(1 << 20), Default::default()),
@@ -132,7 +116,7 @@ impl BlockLedger {
 
     /// Tokens per block.
     pub fn block_size(&self) -> usize {
-        self.block_size
+        self.geometry.block_size()
     }
 
     /// Number of blocks in the pool.
@@ -175,18 +159,12 @@ impl BlockLedger {
 
     /// Blocks needed to hold `tokens` tokens.
     pub fn blocks_for(&self, tokens: usize) -> usize {
-        match self.block_shift {
-            Some(s) => (tokens >> s) + usize::from(tokens & (self.block_size - 1) != 0),
-            None => tokens.div_ceil(self.block_size),
-        }
+        self.geometry.blocks_for(tokens)
     }
 
     /// Full blocks among `tokens` tokens.
     pub fn full_blocks(&self, tokens: usize) -> usize {
-        match self.block_shift {
-            Some(s) => tokens >> s,
-            None => tokens / self.block_size,
-        }
+        self.geometry.full_blocks(tokens)
     }
 
     /// Reserves a fresh block; the commit allocates it. `None` when none is free.

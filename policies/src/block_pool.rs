@@ -43,6 +43,59 @@ impl Hasher for PassThroughHasher {
 
 type CacheMap = HashMap<PrefixHash, BlockId, BuildHasherDefault<PassThroughHasher>>;
 
+/// Block size arithmetic shared by the pool and the ledger (divisions are on the hot path, so
+/// a power-of-two size uses shifts).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct BlockGeometry {
+    block_size: usize,
+    /// log2(block_size) when it is a power of two.
+    block_shift: Option<u32>,
+}
+
+impl BlockGeometry {
+    /// Validates a pool of `num_blocks` blocks of `block_size` tokens.
+    pub(crate) fn new(num_blocks: usize, block_size: usize) -> Result<Self, SchedulerError> {
+        if num_blocks == 0 || num_blocks > MAX_BLOCKS {
+            return Err(SchedulerError::InvalidConfig {
+                field: "num_gpu_blocks",
+                reason: format!("must be in 1..={MAX_BLOCKS}, got {num_blocks}"),
+            });
+        }
+        if block_size == 0 {
+            return Err(SchedulerError::InvalidConfig {
+                field: "block_size",
+                reason: "must be at least 1".into(),
+            });
+        }
+        Ok(Self {
+            block_size,
+            block_shift: block_size
+                .is_power_of_two()
+                .then(|| block_size.trailing_zeros()),
+        })
+    }
+
+    pub(crate) fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Blocks needed to hold `tokens` tokens.
+    pub(crate) fn blocks_for(&self, tokens: usize) -> usize {
+        match self.block_shift {
+            Some(s) => (tokens >> s) + usize::from(tokens & (self.block_size - 1) != 0),
+            None => tokens.div_ceil(self.block_size),
+        }
+    }
+
+    /// Full blocks among `tokens` tokens.
+    pub(crate) fn full_blocks(&self, tokens: usize) -> usize {
+        match self.block_shift {
+            Some(s) => tokens >> s,
+            None => tokens / self.block_size,
+        }
+    }
+}
+
 /// Per-block metadata. `prev`/`next` link the free list; they are meaningless when in use.
 #[derive(Clone, Debug)]
 struct BlockMeta {
@@ -59,10 +112,7 @@ struct BlockMeta {
 /// Fixed-size KV blocks with refcounts, an LRU free list and a prefix cache.
 #[derive(Clone, Debug)]
 pub struct BlockPool {
-    /// Tokens per block.
-    block_size: usize,
-    /// log2(block_size) when it is a power of two (divisions are on the hot path).
-    block_shift: Option<u32>,
+    geometry: BlockGeometry,
     /// `num_blocks` real blocks followed by the free-list sentinel.
     meta: Vec<BlockMeta>,
     /// Blocks with `ref_count == 0` (free or cached-and-evictable).
@@ -74,18 +124,7 @@ pub struct BlockPool {
 impl BlockPool {
     /// A pool of `num_blocks` blocks of `block_size` tokens, all free.
     pub fn new(num_blocks: usize, block_size: usize) -> Result<Self, SchedulerError> {
-        if num_blocks == 0 || num_blocks > MAX_BLOCKS {
-            return Err(SchedulerError::InvalidConfig {
-                field: "num_gpu_blocks",
-                reason: format!("must be in 1..={MAX_BLOCKS}, got {num_blocks}"),
-            });
-        }
-        if block_size == 0 {
-            return Err(SchedulerError::InvalidConfig {
-                field: "block_size",
-                reason: "must be at least 1".into(),
-            });
-        }
+        let geometry = BlockGeometry::new(num_blocks, block_size)?;
         let sentinel = num_blocks as u32;
         let meta = (0..=num_blocks)
             .map(|i| {
@@ -99,10 +138,7 @@ impl BlockPool {
             })
             .collect();
         Ok(Self {
-            block_size,
-            block_shift: block_size
-                .is_power_of_two()
-                .then(|| block_size.trailing_zeros()),
+            geometry,
             meta,
             num_free: num_blocks,
             // Every block may end up cached: reserve once instead of rehashing on the hot path.
@@ -112,7 +148,7 @@ impl BlockPool {
 
     /// Tokens per block.
     pub fn block_size(&self) -> usize {
-        self.block_size
+        self.geometry.block_size()
     }
 
     /// Number of blocks in the pool.
@@ -147,18 +183,12 @@ impl BlockPool {
 
     /// Blocks needed to hold `tokens` tokens.
     pub fn blocks_for(&self, tokens: usize) -> usize {
-        match self.block_shift {
-            Some(s) => (tokens >> s) + usize::from(tokens & (self.block_size - 1) != 0),
-            None => tokens.div_ceil(self.block_size),
-        }
+        self.geometry.blocks_for(tokens)
     }
 
     /// Full blocks among `tokens` tokens.
     pub fn full_blocks(&self, tokens: usize) -> usize {
-        match self.block_shift {
-            Some(s) => tokens >> s,
-            None => tokens / self.block_size,
-        }
+        self.geometry.full_blocks(tokens)
     }
 
     fn real(&self, block: BlockId) -> Option<&BlockMeta> {
