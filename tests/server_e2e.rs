@@ -433,3 +433,56 @@ fn responses_and_stream_chunks_are_openai_wire_compatible() {
             serde_json::from_str(e).unwrap_or_else(|err| panic!("{err}: {e}"));
     }
 }
+
+#[test]
+fn echo_logprobs_of_a_prompt_longer_than_a_steps_logit_rows() {
+    // With 4096 batched tokens a step could hold more prompt positions than the backend
+    // computes logits for (2048 rows); the scheduler chunks such prompts instead, so every
+    // position still gets its logprob and the early ones still match the reference.
+    let g = golden("raw-alphabet");
+    let ids_of = |key: &str| -> Vec<u64> {
+        g[key]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap())
+            .collect()
+    };
+    let (prompt, generated) = (ids_of("prompt_ids"), ids_of("tokens"));
+    let k = 8;
+    let mut ids: Vec<u64> = prompt.iter().chain(&generated[..k]).copied().collect();
+    let head = ids.clone();
+    while ids.len() < 2300 {
+        ids.extend_from_slice(&head);
+    }
+    ids.truncate(2300);
+    let s = Server::start(
+        "e2e-long-echo",
+        "scheduler:
+  max_num_seqs: 16
+  max_num_batched_tokens: 4096
+",
+    );
+    let body = json!({"model": model_name(&s), "prompt": ids, "max_tokens": 1, "temperature": 0, "echo": true, "logprobs": 1});
+    let (status, v) = s.post_json("/v1/completions", &body);
+    assert_eq!(status, 200, "{v}");
+    let lps = v["choices"][0]["logprobs"]["token_logprobs"]
+        .as_array()
+        .expect("token_logprobs");
+    assert_eq!(lps.len(), ids.len() + 1);
+    assert!(lps[0].is_null());
+    for (i, lp) in lps.iter().enumerate().skip(1) {
+        let x = lp
+            .as_f64()
+            .unwrap_or_else(|| panic!("position {i} has no logprob"));
+        assert!(x.is_finite() && x <= 0.0, "position {i}: {x}");
+    }
+    for i in 0..k {
+        let ours = lps[prompt.len() + i].as_f64().unwrap();
+        let reference = g["steps"][i]["logprob"].as_f64().unwrap();
+        assert!(
+            (ours - reference).abs() < 0.1,
+            "position {i}: {ours} vs reference {reference}"
+        );
+    }
+}

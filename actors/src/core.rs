@@ -534,6 +534,7 @@ mod tests {
             enable_prefix_caching: true,
             max_model_len: 128,
             tiers: Vec::new(),
+            max_logit_rows: usize::MAX,
         };
         let policy = PolicyRegistry::with_builtins()
             .create("fcfs", &serde_yaml::Value::Null, &[])

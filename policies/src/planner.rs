@@ -98,6 +98,35 @@ struct Building<'p> {
     len: usize,
     /// Tokens left in the budget.
     budget: usize,
+    /// Logit rows left for the prefill chunks of prompt-logprob requests.
+    logit_rows: usize,
+}
+
+impl Building<'_> {
+    /// Most new tokens `seq` may get from the logit-row budget.
+    fn logit_cap(&self, seq: &Sequence) -> usize {
+        if seq.req.limits.prompt_logits {
+            self.logit_rows
+        } else {
+            usize::MAX
+        }
+    }
+
+    /// Charges a scheduled chunk to the budgets.
+    fn charge(&mut self, seq: &Sequence, num_new: usize) {
+        self.budget -= num_new;
+        if seq.req.limits.prompt_logits {
+            self.logit_rows -= num_new;
+        }
+    }
+
+    /// Refunds an unscheduled chunk.
+    fn refund(&mut self, seq: &Sequence, num_new: usize) {
+        self.budget += num_new;
+        if seq.req.limits.prompt_logits {
+            self.logit_rows += num_new;
+        }
+    }
 }
 
 impl Scheduler {
@@ -196,6 +225,10 @@ impl Scheduler {
             plan,
             len: 0,
             budget,
+            logit_rows: self
+                .config
+                .max_logit_rows
+                .saturating_sub(self.config.max_num_seqs),
         };
         let mut order = std::mem::take(&mut self.order);
         let mut ranked = self.schedule_running(now, &mut order, &mut b);
@@ -243,7 +276,7 @@ impl Scheduler {
     /// or the free blocks would run out. (At the start of a step every running sequence
     /// has sent its whole table, so the blocks past `first_new_block` are this step's.)
     fn schedule_all_running(&mut self, b: &mut Building<'_>) -> bool {
-        let budget = b.budget;
+        let (budget, logit_rows) = (b.budget, b.logit_rows);
         let mut fits = true;
         for &slot in &self.running {
             let Some(seq) = self.seqs.get_mut(slot as usize).and_then(|s| s.as_mut()) else {
@@ -258,7 +291,7 @@ impl Scheduler {
                 .ledger
                 .blocks_for(total)
                 .saturating_sub(seq.block_table.len());
-            if num_new > b.budget || need > self.ledger.num_free() {
+            if num_new > b.budget.min(b.logit_cap(seq)) || need > self.ledger.num_free() {
                 fits = false;
                 break;
             }
@@ -270,7 +303,7 @@ impl Scheduler {
             }
             write_entry(b.plan, b.len, seq, num_new);
             b.len += 1;
-            b.budget -= num_new;
+            b.charge(seq, num_new);
             self.last_slots.push(slot);
         }
         if fits {
@@ -292,6 +325,7 @@ impl Scheduler {
         self.last_slots.clear();
         b.len = 0;
         b.budget = budget;
+        b.logit_rows = logit_rows;
         b.plan.num_batched_tokens = 0;
         false
     }
@@ -317,7 +351,7 @@ impl Scheduler {
             i += 1;
             let Some(seq) = self.seq(slot) else { continue };
             let remaining = seq.num_tokens() - seq.num_computed;
-            let num_new = remaining.min(b.budget);
+            let num_new = remaining.min(b.budget).min(b.logit_cap(seq));
             if num_new == 0 {
                 continue;
             }
@@ -358,7 +392,7 @@ impl Scheduler {
         }
         write_entry(b.plan, b.len, seq, num_new);
         b.len += 1;
-        b.budget -= num_new;
+        b.charge(seq, num_new);
         self.last_slots.push(slot);
     }
 
@@ -368,7 +402,9 @@ impl Scheduler {
             let removed = b.plan.seqs[pos].num_new_tokens;
             b.plan.seqs[pos..b.len].rotate_left(1);
             b.len -= 1;
-            b.budget += removed;
+            if let Some(seq) = slot_ref(&self.seqs, slot) {
+                b.refund(seq, removed);
+            }
             b.plan.num_batched_tokens -= removed;
             self.last_slots.remove(pos);
         }
@@ -416,6 +452,10 @@ impl Scheduler {
         let mut num_running = self.running.len();
         for &cand in &worder[..k] {
             if b.budget == 0 {
+                break;
+            }
+            // A prompt-logprob request waits for a step with logit rows left (no overtaking).
+            if slot_ref(&self.seqs, cand.slot).is_some_and(|q| b.logit_cap(q) == 0) {
                 break;
             }
             if num_running >= self.config.max_num_seqs {
@@ -481,7 +521,8 @@ impl Scheduler {
                 .match_prefix(&seq.hashes[..upto], &mut self.matched);
         }
         let computed = self.matched.len() * bs;
-        let num_new = (total - computed).min(b.budget);
+        let num_new = (total - computed).min(b.budget).min(b.logit_cap(seq));
+
         let need_new = self.ledger.blocks_for(computed + num_new) - self.matched.len();
         let evictable = self
             .matched
@@ -515,7 +556,7 @@ impl Scheduler {
         }
         write_entry(b.plan, b.len, seq, num_new);
         b.len += 1;
-        b.budget -= num_new;
+        b.charge(seq, num_new);
         self.last_slots.push(slot);
         self.running.push(slot);
         Ok(())

@@ -16,6 +16,7 @@ fn config(blocks: usize, block_size: usize) -> SchedulerConfig {
         enable_prefix_caching: true,
         max_model_len: 1024,
         tiers: Vec::new(),
+        max_logit_rows: usize::MAX,
     }
 }
 
@@ -450,4 +451,48 @@ fn slo_aware_preempts_preemptible_tier_for_feasible_work() {
     assert_eq!(p.seqs.iter().map(|q| q.id.0).collect::<Vec<_>>(), vec![2]);
     // The premium request sets no SLO itself: it is feasible through its tier's TTFT.
     assert_eq!(s.request_state(RequestId(1)), Some(RequestState::Preempted));
+}
+
+#[test]
+fn prompt_logprob_chunks_fit_the_logit_row_budget() {
+    // 8 seats keep 8 of the 20 rows; the 12 left bound the chunks of the prompt-logprob
+    // request: 30 prompt tokens go as 12 + 12 + 6, while an ordinary request beside it is
+    // prefilled whole.
+    let c = SchedulerConfig {
+        max_logit_rows: 20,
+        ..config(64, 4)
+    };
+    let mut s = sched(c, Box::new(Fcfs));
+    let mut r = req(1, 0, vec![3; 30], 2);
+    r.limits.prompt_logits = true;
+    s.add_request(r).unwrap();
+    s.add_request(req(2, 0, vec![4; 30], 2)).unwrap();
+    let mut chunks = Vec::new();
+    for now in 1..=3 {
+        let (p, _) = step(&mut s, now, 7);
+        for q in &p.seqs {
+            if q.id == RequestId(1) {
+                chunks.push(q.num_new_tokens);
+            } else if now == 1 {
+                assert_eq!(q.num_new_tokens, 30, "the ordinary request is not capped");
+            }
+        }
+    }
+    assert_eq!(chunks, vec![12, 12, 6]);
+
+    // With no row to spare beyond the seats, such a request is refused up front.
+    let c = SchedulerConfig {
+        max_logit_rows: 8,
+        ..config(64, 4)
+    };
+    let mut s = sched(c, Box::new(Fcfs));
+    let mut r = req(3, 0, vec![3; 30], 2);
+    r.limits.prompt_logits = true;
+    assert!(matches!(
+        s.add_request(r),
+        Err(SchedulerError::InvalidRequest {
+            field: "prompt_logprobs",
+            ..
+        })
+    ));
 }

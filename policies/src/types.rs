@@ -80,6 +80,9 @@ pub struct SamplingLimits {
     pub eos_token_id: Option<TokenId>,
     /// Whether to keep generating past the EOS token.
     pub ignore_eos: bool,
+    /// Every prompt position needs a row of logits (prompt logprobs): the request's prefill
+    /// chunks count against the step's logit-row budget ([`SchedulerConfig::max_logit_rows`]).
+    pub prompt_logits: bool,
 }
 
 impl Default for SamplingLimits {
@@ -90,6 +93,7 @@ impl Default for SamplingLimits {
             stop_token_ids: Vec::new(),
             eos_token_id: None,
             ignore_eos: false,
+            prompt_logits: false,
         }
     }
 }
@@ -200,6 +204,15 @@ pub struct SchedulerConfig {
     pub max_model_len: usize,
     /// Service tiers known to this scheduler.
     pub tiers: Vec<TierSpec>,
+    /// Most rows of logits the backend computes in one step. One row is kept for every
+    /// sequence that may sample; the rest bounds the prefill chunks of requests that need
+    /// logits for every prompt position ([`SamplingLimits::prompt_logits`]).
+    #[serde(default = "unbounded")]
+    pub max_logit_rows: usize,
+}
+
+fn unbounded() -> usize {
+    usize::MAX
 }
 
 impl Default for SchedulerConfig {
@@ -212,6 +225,7 @@ impl Default for SchedulerConfig {
             enable_prefix_caching: true,
             max_model_len: 8192,
             tiers: Vec::new(),
+            max_logit_rows: usize::MAX,
         }
     }
 }

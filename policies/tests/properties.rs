@@ -29,6 +29,8 @@ struct Spec {
     eos: bool,
     /// Abort or finish this many steps after arrival (None = run to completion).
     end_after: Option<(u64, bool)>,
+    /// Needs logits for every prompt position (prompt logprobs).
+    prompt_logits: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -40,19 +42,24 @@ struct Workload {
     caching: bool,
     reqs: Vec<Spec>,
     swap_every: u64,
+    /// Logit rows per step beyond one per seat.
+    spare_logit_rows: usize,
 }
 
 fn spec() -> impl Strategy<Value = Spec> {
     (
         (0u64..40, 0u32..3, 0usize..24, 1usize..20, 1u32..12),
         (-2i32..3, 0u8..3, 0u8..3, any::<bool>(), any::<bool>()),
-        prop::option::weighted(0.2, (0u64..30, any::<bool>())),
+        (
+            prop::option::weighted(0.2, (0u64..30, any::<bool>())),
+            prop::bool::weighted(0.2),
+        ),
     )
         .prop_map(
             |(
                 (arrival_step, group, prefix_len, suffix_len, max_tokens),
                 (priority, tenant, tier, salted, eos),
-                end_after,
+                (end_after, prompt_logits),
             )| Spec {
                 arrival_step,
                 group,
@@ -65,6 +72,7 @@ fn spec() -> impl Strategy<Value = Spec> {
                 salted,
                 eos,
                 end_after,
+                prompt_logits,
             },
         )
 }
@@ -77,7 +85,7 @@ fn workload() -> impl Strategy<Value = Workload> {
         1usize..64,
         any::<bool>(),
         prop::collection::vec(spec(), 1..24),
-        1u64..40,
+        (1u64..40, 1usize..16),
     )
         .prop_map(
             |(
@@ -87,7 +95,7 @@ fn workload() -> impl Strategy<Value = Workload> {
                 max_num_batched_tokens,
                 caching,
                 reqs,
-                swap_every,
+                (swap_every, spare_logit_rows),
             )| Workload {
                 block_size,
                 num_gpu_blocks,
@@ -96,6 +104,7 @@ fn workload() -> impl Strategy<Value = Workload> {
                 caching,
                 reqs,
                 swap_every,
+                spare_logit_rows,
             },
         )
 }
@@ -151,6 +160,7 @@ fn request(i: usize, s: &Spec) -> Request {
             stop_token_ids: vec![],
             eos_token_id: s.eos.then_some(EOS),
             ignore_eos: false,
+            prompt_logits: s.prompt_logits,
         },
         cache_salt: s.salted.then_some(s.tenant as u64 + 1),
     }
@@ -176,6 +186,18 @@ fn check_plan(
         "token budget exceeded: {} > {}",
         sum,
         w.max_num_batched_tokens
+    );
+    let logit_rows: usize = plan
+        .seqs
+        .iter()
+        .filter(|q| w.reqs[q.id.0 as usize].prompt_logits)
+        .map(|q| q.num_new_tokens)
+        .sum();
+    prop_assert!(
+        logit_rows <= w.spare_logit_rows,
+        "prompt-logprob chunks take {} logit rows, {} spare",
+        logit_rows,
+        w.spare_logit_rows
     );
     let ids: BTreeSet<RequestId> = plan.seqs.iter().map(|q| q.id).collect();
     prop_assert_eq!(ids.len(), plan.seqs.len(), "a request scheduled twice");
@@ -234,6 +256,7 @@ fn run(w: &Workload, first: &str, swaps: &[&str]) -> Result<(), TestCaseError> {
         enable_prefix_caching: w.caching,
         max_model_len: 4096,
         tiers: tiers(),
+        max_logit_rows: w.max_num_seqs + w.spare_logit_rows,
     };
     let mut s = Scheduler::new(config, make_policy(first), [7, 9]).unwrap();
     let mut admitted: BTreeMap<RequestId, &Spec> = BTreeMap::new();

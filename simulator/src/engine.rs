@@ -134,6 +134,8 @@ impl Simulation {
             enable_prefix_caching: c.prefix_caching,
             max_model_len,
             tiers,
+            // Traces carry no prompt-logprob requests.
+            max_logit_rows: usize::MAX,
         };
         switchyard_policies::validate_config(&scheduler)
             .map_err(|e| SimError::Scheduler(e.to_string()))?;
@@ -377,6 +379,7 @@ impl<'a> Loop<'a> {
                 stop_token_ids: Vec::new(),
                 eos_token_id: None,
                 ignore_eos: true,
+                prompt_logits: false,
             },
             cache_salt: None,
         }

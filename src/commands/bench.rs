@@ -123,6 +123,7 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
         enable_prefix_caching: true,
         max_model_len,
         tiers: Vec::new(),
+        max_logit_rows: switchyard_gpu::backend::MAX_LOGIT_ROWS,
     };
     let mut engine = runtime::offline_core(backend, scheduler)?;
     let sampling = Arc::new(SamplingParams {

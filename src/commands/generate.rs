@@ -75,6 +75,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         enable_prefix_caching: true,
         max_model_len,
         tiers: Vec::new(),
+        max_logit_rows: switchyard_gpu::backend::MAX_LOGIT_ROWS,
     };
     let mut engine = runtime::offline_core(backend, scheduler)?;
     let eos = tokenizer.eos_token_ids().to_vec();

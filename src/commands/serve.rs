@@ -106,6 +106,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             enable_prefix_caching: config.cache.prefix_caching,
             max_model_len,
             tiers: tiers.clone(),
+            max_logit_rows: MAX_LOGIT_ROWS,
         },
         hash_key: runtime::random_hash_key(),
         tokenizer_threads: 2,
@@ -151,7 +152,6 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             tokenizer,
             model_name,
             max_model_len,
-            max_batched_tokens: config.scheduler.max_num_batched_tokens,
             ready: AtomicBool::new(true),
             tiers,
             policy: Mutex::new(policy_info),
@@ -262,7 +262,6 @@ struct EngineAdapter {
     tokenizer: Arc<Tokenizer>,
     model_name: String,
     max_model_len: usize,
-    max_batched_tokens: usize,
     ready: AtomicBool,
     tiers: Vec<TierSpec>,
     policy: Mutex<PolicyInfo>,
@@ -410,17 +409,6 @@ impl port::Engine for EngineAdapter {
     }
 
     fn submit(&self, request: GenerateRequest) -> Result<mpsc::Receiver<EngineEvent>, EngineError> {
-        // The CPU backend computes at most MAX_LOGIT_ROWS rows of logits per step; a step of
-        // prompt-logprob requests has up to max_num_batched_tokens of them.
-        if request.prompt_logprobs.is_some() && self.max_batched_tokens > MAX_LOGIT_ROWS {
-            return Err(EngineError::new(
-                EngineErrorKind::InvalidRequest,
-                format!(
-                    "echo with logprobs needs scheduler.max_num_batched_tokens <= {MAX_LOGIT_ROWS} on this server"
-                ),
-            )
-            .with_param("echo"));
-        }
         let s = &request.sampling;
         let sampling = SamplingParams {
             temperature: s.temperature,

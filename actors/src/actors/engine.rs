@@ -377,6 +377,7 @@ impl Engine {
                         },
                         eos_token_id: eos,
                         ignore_eos: options.sampling.ignore_eos,
+                        prompt_logits: options.prompt_logprobs.is_some(),
                     },
                     // Prompt logprobs need every prompt position computed: a salt of its own
                     // keeps the request off shared prefix blocks.
