@@ -52,15 +52,29 @@ impl IncrementalDetokenizer {
 
     /// Feeds the bytes of one token and returns the text that can be released now.
     pub fn push(&mut self, bytes: &[u8]) -> Detokenized {
+        let mut text = String::new();
+        let stopped = self.push_into(bytes, &mut text);
+        Detokenized { text, stopped }
+    }
+
+    /// Like [`IncrementalDetokenizer::push`], appending the released text to `out`; returns
+    /// whether a stop string ended the sequence. Without stop strings and split characters
+    /// (the common case) this allocates nothing.
+    pub fn push_into(&mut self, bytes: &[u8], out: &mut String) -> bool {
         if self.stopped {
-            return Detokenized {
-                text: String::new(),
-                stopped: true,
-            };
+            return true;
+        }
+        if self.stop.is_empty() && self.pending.is_empty() {
+            if let Ok(text) = std::str::from_utf8(bytes) {
+                out.push_str(text);
+                return false;
+            }
         }
         self.pending.extend_from_slice(bytes);
         let decoded = self.take_complete_chars();
-        self.release(decoded)
+        let released = self.release(decoded);
+        out.push_str(&released.text);
+        released.stopped
     }
 
     /// Ends the stream: releases held text and renders a trailing incomplete character as U+FFFD.

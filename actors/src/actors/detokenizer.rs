@@ -331,9 +331,8 @@ impl Handler<StepEvents> for DetokenizerActor {
                     } else {
                         self.tokenizer.token_bytes(token).unwrap_or(&[])
                     };
-                    let out = c.detok.push(bytes);
                     let d = deltas.of(id, c.index);
-                    d.text.push_str(&out.text);
+                    let stopped_now = c.detok.push_into(bytes, &mut d.text);
                     d.token_ids.push(token);
                     if logprob.is_some() || !top_logprobs.is_empty() {
                         d.logprobs.push(TokenLogprobs {
@@ -342,7 +341,7 @@ impl Handler<StepEvents> for DetokenizerActor {
                             top: top_logprobs,
                         });
                     }
-                    if out.stopped {
+                    if stopped_now {
                         d.finish = Some((FinishReason::Stop, c.tokens));
                         stopped.push((id, FinishReason::Stop));
                     }
