@@ -7,7 +7,17 @@
 # Then on the GPU host:
 #   BIN=dir-with-switchyard-and-cuda_backend MODEL=path/to/SmolLM2-135M-Instruct.Q4_1.gguf \
 #     OUT=results-dir scripts/gpu-check.sh
-# SECTIONS picks parts (default: all): tests dummy model serve hf.
+# SECTIONS picks parts (default: all): tests gemv ref dummy variants profile model serve hf.
+#   tests     the cuda_backend test binary (GGUF-dependent tests skip without MODEL)
+#   gemv      GEMV kernels against cuBLAS, time per product at every projection shape
+#   ref       gpu/reference/ref_logits.py (for each of REF_LAYERS, default "4 8": that many
+#             layers at full width) and the test comparing the CUDA backend's logits with
+#             transformers' float32 ones
+#   dummy     batch-1 / batch-256 decode and offline benchmarks on random weights (OFFLINE=0
+#             leaves out the 2000-prompt offline run)
+#   variants  batch-1 decode with each SWITCHYARD_CUDA_GEMV mode and with PDL off (VARIANTS),
+#             Llama decode at VARIANT_BATCHES with and without the GEMV kernels
+#   profile   batch-1 decode with SWITCHYARD_CUDA_PROFILE=1 (per-kernel breakdown)
 # Results: $OUT/summary.txt (the table printed last), $OUT/*.json and logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +25,7 @@ cd "$(dirname "$0")/.."
 BIN=${BIN:-target/release}
 OUT=${OUT:-gpu-check-out}
 MODEL=${MODEL:-}
-SECTIONS=${SECTIONS:-"tests dummy model serve hf"}
+SECTIONS=${SECTIONS:-"tests gemv ref dummy variants profile model serve hf"}
 mkdir -p "$OUT"
 SY="$BIN/switchyard"
 TESTBIN=$(ls "$BIN"/cuda_backend* 2>/dev/null | grep -v '\.d$' | head -1)
@@ -52,11 +62,59 @@ if has tests && [ -n "$TESTBIN" ]; then
   grep -E "^test |test result|top-1|relative logit|max \|error\|" "$OUT/tests.log" | sed 's/^/  /' | tail -40 | tee -a "$summary" >/dev/null
 fi
 
+if has gemv && [ -n "$TESTBIN" ]; then
+  timeout "${TEST_TIMEOUT:-300}" "$TESTBIN" gemv_bandwidth --ignored --nocapture >"$OUT/gemv_bandwidth.log" 2>&1
+  note "gemv_bandwidth rc=$?"
+  grep -E "^(shape|llama|smollm2)" "$OUT/gemv_bandwidth.log" | sed 's/^/  /' | tee -a "$summary" >/dev/null
+fi
+
+if has ref && [ -n "$TESTBIN" ] && [ -f gpu/reference/ref_logits.py ]; then
+  for layers in ${REF_LAYERS:-4 8}; do
+    dir=/tmp/switchyard-ref-llama3-8b-L$layers
+    t0=$SECONDS
+    PYTHONUNBUFFERED=1 timeout "${REF_TIMEOUT:-400}" python3 gpu/reference/ref_logits.py \
+      --layers "$layers" --out-dir "$dir" --reuse-weights --copy-to "$OUT/ref-L$layers" >"$OUT/ref_logits-L$layers.log" 2>&1
+    note "ref_logits.py rc=$? ($layers layers, $((SECONDS - t0)) s): $(grep -E 'bf16 vs float32' "$OUT/ref_logits-L$layers.log" | tail -1)"
+    SWITCHYARD_REF_LOGITS_DIR="$dir" timeout "${TEST_TIMEOUT:-300}" "$TESTBIN" \
+      llama3_8b_shape_matches_transformers_float32 --nocapture >"$OUT/ref_test-L$layers.log" 2>&1
+    note "ref logits test ($layers layers) rc=$?"
+    grep -E "reference checkpoint|position|worst|test result" "$OUT/ref_test-L$layers.log" | sed 's/^/  /' | tee -a "$summary" >/dev/null
+    rm -rf "$dir" "$OUT/ref-L$layers/ref_logits.f32"
+  done
+fi
+
 if has dummy; then
   bench llama8b-decode-b1 --dummy llama-3-8b --decode-batch 1 --input-len 128 --output-len 256
-  bench llama8b-offline-2000 --dummy llama-3-8b --num-prompts 2000 --input-len 128 --output-len 128
+  [ "${OFFLINE:-1}" = 1 ] && bench llama8b-offline-2000 --dummy llama-3-8b --num-prompts 2000 --input-len 128 --output-len 128
   bench smollm2-dummy-decode-b1 --dummy smollm2-135m --decode-batch 1 --input-len 128 --output-len 256
   bench smollm2-dummy-decode-b256 --dummy smollm2-135m --decode-batch 256 --input-len 128 --output-len 128
+fi
+
+if has variants; then
+  # MODE[:nopdl] for SWITCHYARD_CUDA_GEMV (and SWITCHYARD_CUDA_PDL=0), batch 1, both models.
+  for spec in ${VARIANTS:-off plain glu auto norm off:nopdl auto:nopdl}; do
+    mode=${spec%%:*}
+    pdl=1
+    [[ $spec == *:nopdl ]] && pdl=0
+    for m in llama-3-8b smollm2-135m; do
+      SWITCHYARD_CUDA_PDL=$pdl SWITCHYARD_CUDA_GEMV=$mode bench "$m-b1-${spec/:/-}" --dummy "$m" \
+        --decode-batch 1 --input-len 128 --output-len 256
+    done
+  done
+  # Larger decode batches (the GEMV kernels take up to 64 tokens) against cuBLAS.
+  for b in ${VARIANT_BATCHES:-8 16 64}; do
+    for mode in off auto; do
+      SWITCHYARD_CUDA_GEMV=$mode bench "llama-3-8b-b$b-$mode" --dummy llama-3-8b --decode-batch "$b" \
+        --input-len 128 --output-len 128
+    done
+  done
+fi
+
+if has profile; then
+  for m in llama-3-8b smollm2-135m; do
+    SWITCHYARD_CUDA_PROFILE=1 bench "profile-$m-b1" --dummy "$m" --decode-batch 1 --input-len 128 --output-len 64
+    grep -A30 "kernel time by class" "$OUT/profile-$m-b1.log" | sed 's/^/  /' | tee -a "$summary" >/dev/null
+  done
 fi
 
 if has model && [ -n "$MODEL" ] && [ -f "$MODEL" ]; then

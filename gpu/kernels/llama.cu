@@ -1,5 +1,6 @@
 // Switchyard's CUDA kernels for the Llama forward pass and GPU sampling, compiled by NVRTC at
-// start for the device's architecture (gpu/src/cuda/device.rs). Matrix products are cuBLAS's;
+// start for the device's architecture (gpu/src/cuda/device.rs). Matrix products are cuBLAS's
+// for steps of more than 64 tokens and gemv.cu's (compiled after this file) for smaller ones;
 // these kernels are the element-wise, attention and sampling parts around them.
 //
 // Layouts: activations are row-major [tokens, features]; the residual stream is f32, matrix
@@ -13,6 +14,32 @@ typedef unsigned long long u64;
 typedef unsigned int u32;
 
 #define NEG_INF (-__int_as_float(0x7f800000))
+
+// Programmatic dependent launch (Hopper). The host may launch every kernel with the
+// programmatic-serialization attribute (gpu/src/cuda/device.rs): the next kernel in the stream
+// can then be scheduled once every block of this one has run pdl_trigger(), and must run
+// pdl_wait() (which returns once the previous kernel has completed and its writes are visible)
+// before it reads anything an earlier kernel wrote or writes anything an earlier kernel reads.
+// Every kernel here starts with PDL_ENTER(), or, like the GEMV kernels, does only independent
+// work (prefetching weights) between the trigger and the wait. Both are no-ops without the
+// attribute and below sm_90.
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+#define PDL_ENTER() \
+    do {            \
+        pdl_trigger(); \
+        pdl_wait();    \
+    } while (0)
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -47,6 +74,43 @@ __device__ float block_max(float v, float* red) {
     return warp_max(t);
 }
 
+// Sum of squares of h floats by one warp: lane-strided (float4 pieces when h % 4 == 0),
+// sequential per lane with explicit fused multiply-adds, then the butterfly. rms_norm and the
+// GEMV norm prologue (gemv.cu) both use it and rms_inv, so a token is normalised to the same
+// bits whichever kernel does it.
+__device__ __forceinline__ float warp_sumsq(const float* __restrict__ xr, int h, int lane) {
+    float ss = 0.f;
+    if ((h & 3) == 0) {
+        const float4* x4 = reinterpret_cast<const float4*>(xr);
+#pragma unroll 8
+        for (int i = lane; i < (h >> 2); i += 32) {
+            float4 v = x4[i];
+            ss = __fmaf_rn(v.x, v.x, ss);
+            ss = __fmaf_rn(v.y, v.y, ss);
+            ss = __fmaf_rn(v.z, v.z, ss);
+            ss = __fmaf_rn(v.w, v.w, ss);
+        }
+    } else {
+        for (int i = lane; i < h; i += 32) ss = __fmaf_rn(xr[i], xr[i], ss);
+    }
+    return warp_sum(ss);
+}
+
+// 1 / sqrt(ss / h + eps), each operation rounded once.
+__device__ __forceinline__ float rms_inv(float ss, int h, float eps) {
+    return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)h), eps)));
+}
+
+// The normalised value w * (x * inv) (two rounded products).
+__device__ __forceinline__ float rms_scale(float x, float w, float inv) {
+    return __fmul_rn(w, __fmul_rn(x, inv));
+}
+
+// SwiGLU of a bf16 gate and up value, as f32: silu(g) * u (silu_mul and the GEMV epilogue).
+__device__ __forceinline__ float silu_times(float g, float u) {
+    return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.f, expf(-g))), u);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Weights initialisation (load_format: dummy) and embedding.
 
@@ -58,6 +122,7 @@ __device__ __forceinline__ u64 mix64(u64 z) {
 
 // p[i] = scale * uniform(-1, 1), a pure function of (seed, i).
 extern "C" __global__ void init_uniform_bf16(bf16* p, u64 n, u64 seed, float scale) {
+    PDL_ENTER();
     u64 stride = (u64)gridDim.x * blockDim.x;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
         u64 z = mix64(seed ^ mix64(i + 0x9e3779b97f4a7c15ull));
@@ -67,12 +132,14 @@ extern "C" __global__ void init_uniform_bf16(bf16* p, u64 n, u64 seed, float sca
 }
 
 extern "C" __global__ void fill_f32(float* p, u64 n, float v) {
+    PDL_ENTER();
     u64 stride = (u64)gridDim.x * blockDim.x;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) p[i] = v;
 }
 
 // x[t] = table[tokens[t]] as f32. Grid: one block per token.
 extern "C" __global__ void embed(const bf16* table, const int* tokens, float* x, int h) {
+    PDL_ENTER();
     int t = blockIdx.x;
     const bf16* row = table + (u64)tokens[t] * h;
     for (int i = threadIdx.x; i < h; i += blockDim.x) x[(u64)t * h + i] = __bfloat162float(row[i]);
@@ -80,18 +147,36 @@ extern "C" __global__ void embed(const bf16* table, const int* tokens, float* x,
 
 // ---------------------------------------------------------------------------------------------
 // RMSNorm: out[r] = w * x[src] / sqrt(mean(x[src]^2) + eps), src = rows ? rows[r] : r.
+// Grid: one block per row; warp 0 sums the squares (warp_sumsq), every thread writes.
 extern "C" __global__ void rms_norm(const float* x, const float* w, bf16* out, const int* rows,
                                     int h, float eps) {
-    __shared__ float red[32];
+    PDL_ENTER();
+    __shared__ float inv_s;
     int r = blockIdx.x;
     int src = rows ? rows[r] : r;
     const float* xr = x + (u64)src * h;
-    float ss = 0.f;
-    for (int i = threadIdx.x; i < h; i += blockDim.x) ss += xr[i] * xr[i];
-    ss = block_sum(ss, red);
-    float inv = 1.0f / sqrtf(ss / (float)h + eps);
+    bf16* o = out + (u64)r * h;
+    if (threadIdx.x < 32) {
+        float ss = warp_sumsq(xr, h, threadIdx.x);
+        if (threadIdx.x == 0) inv_s = rms_inv(ss, h, eps);
+    }
+    __syncthreads();
+    float inv = inv_s;
+    if ((h & 3) == 0) {
+        const float4* x4 = reinterpret_cast<const float4*>(xr);
+        const float4* w4 = reinterpret_cast<const float4*>(w);
+#pragma unroll 4
+        for (int i = threadIdx.x; i < (h >> 2); i += blockDim.x) {
+            float4 v = x4[i], g = w4[i];
+            reinterpret_cast<__nv_bfloat162*>(o)[2 * i] =
+                __floats2bfloat162_rn(rms_scale(v.x, g.x, inv), rms_scale(v.y, g.y, inv));
+            reinterpret_cast<__nv_bfloat162*>(o)[2 * i + 1] =
+                __floats2bfloat162_rn(rms_scale(v.z, g.z, inv), rms_scale(v.w, g.w, inv));
+        }
+        return;
+    }
     for (int i = threadIdx.x; i < h; i += blockDim.x)
-        out[(u64)r * h + i] = __float2bfloat16(w[i] * (xr[i] * inv));
+        o[i] = __float2bfloat16(rms_scale(xr[i], w[i], inv));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -101,6 +186,7 @@ extern "C" __global__ void rope_store_kv(const float* qkv, bf16* q, bf16* kc, bf
                                          const int* pos, const long long* slots,
                                          const float* inv_freq, int nh, int nkv, int hd,
                                          int interleaved) {
+    PDL_ENTER();
     int t = blockIdx.x;
     int half = hd / 2;
     int width = (nh + 2 * nkv) * hd;
@@ -139,12 +225,13 @@ extern "C" __global__ void rope_store_kv(const float* qkv, bf16* q, bf16* kc, bf
 // ---------------------------------------------------------------------------------------------
 // SwiGLU: gu is [T, 2 inter] (gate | up); out[t, i] = silu(gate) * up.
 extern "C" __global__ void silu_mul(const bf16* gu, bf16* out, int inter, u64 total) {
+    PDL_ENTER();
     u64 stride = (u64)gridDim.x * blockDim.x;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
         u64 t = i / inter, j = i % inter;
         float g = __bfloat162float(gu[t * 2 * inter + j]);
         float u = __bfloat162float(gu[t * 2 * inter + inter + j]);
-        out[i] = __float2bfloat16(g / (1.f + expf(-g)) * u);
+        out[i] = __float2bfloat16(silu_times(g, u));
     }
 }
 
@@ -295,6 +382,7 @@ __device__ void attention_body(const bf16* __restrict__ q, const bf16* __restric
         const int* tile_q0, const int* tile_qn, const int* block_tables, const int* meta,        \
         float* part_acc, float* part_ml, bf16* out, int nh, int nkv, int block_size,             \
         float scale) {                                                                           \
+        PDL_ENTER();                                                                             \
         attention_body<HD>(q, kc, vc, pos, tile_seq, tile_q0, tile_qn, block_tables, meta,       \
                            part_acc, part_ml, out, nh, nkv, block_size, scale);                  \
     }
@@ -307,6 +395,7 @@ ATTENTION_KERNEL(128)
 extern "C" __global__ void attention_combine(const float* part_acc, const float* part_ml,
                                              const int* pos, const int* meta, bf16* out, int nh,
                                              int hd, int max_splits) {
+    PDL_ENTER();
     int t = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
     int nsplit = meta[2], split_len = meta[1];
     int used = min(nsplit, pos[t] / split_len + 1);
@@ -335,6 +424,7 @@ extern "C" __global__ void apply_logit_edits(float* logits, u64 vocab, const int
                                              const int* tokens, const float* bias,
                                              const int* mask, const float* rep, const float* sub,
                                              int n) {
+    PDL_ENTER();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     float* l = logits + (u64)rows[i] * vocab + tokens[i];
@@ -366,6 +456,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_rows(const float* logits, u64 vocab, const int* rows, const float* temperature,
                 const int* top_k, const float* top_p, const float* min_p, const u64* seeds,
                 const u64* counters, int* out_tokens) {
+    PDL_ENTER();
     __shared__ float red[32];
     __shared__ float scan[SAMPLE_THREADS];
     __shared__ int found;
@@ -374,9 +465,21 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     int tid = threadIdx.x, n = (int)vocab;
     float T = temperature[s];
 
+    // Rows of a vocabulary that is a multiple of 4 are read as float4 (16-byte aligned).
+    const bool vec4 = (n & 3) == 0;
+
     // Max and the lowest index holding it.
     float mx = NEG_INF;
-    for (int i = tid; i < n; i += blockDim.x) mx = fmaxf(mx, l[i]);
+    if (vec4) {
+        const float4* l4 = reinterpret_cast<const float4*>(l);
+#pragma unroll 4
+        for (int i = tid; i < (n >> 2); i += blockDim.x) {
+            float4 v = l4[i];
+            mx = fmaxf(mx, fmaxf(fmaxf(v.x, v.y), fmaxf(v.z, v.w)));
+        }
+    } else {
+        for (int i = tid; i < n; i += blockDim.x) mx = fmaxf(mx, l[i]);
+    }
     mx = block_max(mx, red);
     if (tid == 0) found = n;
     __syncthreads();
@@ -431,13 +534,26 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
         }
         thr = max(res, thr);
     }
-    // Sum of the kept probabilities over each thread's contiguous chunk, then an inclusive scan.
-    int chunk = (n + blockDim.x - 1) / blockDim.x;
+    // Sum of the kept probabilities over each thread's contiguous chunk (a multiple of 4 with
+    // vec4, read as float4, in index order either way), then an inclusive scan.
+    int bd = blockDim.x;
+    int chunk = vec4 ? (n + 4 * bd - 1) / (4 * bd) * 4 : (n + bd - 1) / bd;
     int lo = min(n, tid * chunk), hi = min(n, lo + chunk);
     float part = 0.f;
-    for (int i = lo; i < hi; i++) {
-        float v = l[i];
-        if (fkey(v) >= thr && v >= floor_logit) part += __expf((v - mx) * inv_t);
+    if (vec4) {
+#pragma unroll 4
+        for (int i = lo; i < hi; i += 4) {
+            float4 v4 = *reinterpret_cast<const float4*>(l + i);
+            float vs[4] = {v4.x, v4.y, v4.z, v4.w};
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                if (fkey(vs[e]) >= thr && vs[e] >= floor_logit) part += __expf((vs[e] - mx) * inv_t);
+        }
+    } else {
+        for (int i = lo; i < hi; i++) {
+            float v = l[i];
+            if (fkey(v) >= thr && v >= floor_logit) part += __expf((v - mx) * inv_t);
+        }
     }
     scan[tid] = part;
     __syncthreads();

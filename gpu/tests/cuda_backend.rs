@@ -10,7 +10,14 @@
 //!   Hugging Face float32 golden fixture;
 //! - batched equals unbatched (chunked prefill, prefix hits, CUDA graphs on and off), seeded
 //!   sampling reproducible whatever else is batched;
-//! - a Llama-3-8B-shaped model (2 layers) against the CPU forward pass with near-f32 activations.
+//! - a Llama-3-8B-shaped model (2 layers) against the CPU forward pass with near-f32 activations;
+//! - the GEMV kernels (steps of at most 64 tokens) against a float64 reference for n = 1..8 and
+//!   13, 16, 40, 64 at every projection shape of Llama-3-8B and SmolLM2-135M (f32 and bf16
+//!   outputs, accumulation onto the output, the fused SiLU x up and RMSNorm variants), each
+//!   token's result bit-identical whatever n, and steps that run on them against the CPU forward
+//!   pass beside prefill steps that run on cuBLAS;
+//! - a random Llama-3-8B-shaped checkpoint from `gpu/reference/ref_logits.py` against
+//!   transformers in float32 (`SWITCHYARD_REF_LOGITS_DIR`).
 #![cfg(feature = "cuda")]
 
 use std::path::PathBuf;
@@ -23,7 +30,10 @@ use switchyard_gpu::backend::{Backend, Batch, SamplingParams, SeqInput};
 use switchyard_gpu::cpu::attention::QueryPos;
 use switchyard_gpu::cpu::kv_cache::KvCache;
 use switchyard_gpu::cpu::llama::{dummy_weights, ActivationPrecision, LlamaModel, StepInput};
-use switchyard_gpu::cuda::testing::{paged_attention, sample, AttentionSeq, AttentionShape};
+use switchyard_gpu::cuda::testing::{
+    paged_attention, sample, AttentionSeq, AttentionShape, MatmulInput, MatmulOutput, MatmulPath,
+    MatmulRig,
+};
 use switchyard_gpu::cuda::{probe, CudaBackend, CudaBackendConfig, WeightSource};
 use switchyard_gpu::model::gguf::GgufFile;
 use switchyard_gpu::model::{LlamaConfig, ModelWeights};
@@ -707,6 +717,589 @@ fn llama3_8b_shape_matches_a_float_reference() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// The GEMV kernels (steps of at most 64 tokens).
+
+/// `len` bf16 values uniform in [-scale, scale).
+fn rand_bf16(rng: &mut ChaCha8Rng, len: usize, scale: f32) -> Vec<half::bf16> {
+    (0..len)
+        .map(|_| {
+            // 23 random mantissa bits: [1, 2) -> [-1, 1).
+            let u = f32::from_bits(0x3f80_0000 | (rng.random::<u32>() >> 9));
+            half::bf16::from_f32((2.0 * (u - 1.0) - 1.0) * scale)
+        })
+        .collect()
+}
+
+fn rand_f32(rng: &mut ChaCha8Rng, len: usize, lo: f32, hi: f32) -> Vec<f32> {
+    (0..len).map(|_| rng.random_range(lo..hi)).collect()
+}
+
+/// Output rows to check: all of them for small outputs, else the first and last 16 and 1024
+/// drawn at random.
+fn check_rows(rng: &mut ChaCha8Rng, m: usize) -> Vec<usize> {
+    if m <= 4096 {
+        return (0..m).collect();
+    }
+    let mut r: Vec<usize> = (0..16).chain(m - 16..m).collect();
+    r.extend((0..1024).map(|_| rng.random_range(0..m)));
+    r
+}
+
+/// The product's reference in f64 over the checked rows: `[n, rows.len()]`.
+fn reference_product(
+    w: &[half::bf16],
+    a: &[f64],
+    n: usize,
+    k: usize,
+    m: usize,
+    rows: &[usize],
+    glu: bool,
+) -> Vec<f64> {
+    let dot = |r: usize, t: usize| -> f64 {
+        let wr = &w[r * k..(r + 1) * k];
+        let at = &a[t * k..(t + 1) * k];
+        wr.iter()
+            .zip(at)
+            .map(|(x, y)| f64::from(x.to_f32()) * y)
+            .sum()
+    };
+    let mut out = Vec::with_capacity(n * rows.len());
+    for t in 0..n {
+        for &r in rows {
+            if glu {
+                let round = |v: f64| f64::from(half::bf16::from_f64(v).to_f32());
+                let (g, u) = (round(dot(r, t)), round(dot(m + r, t)));
+                out.push(g / (1.0 + (-g).exp()) * u);
+            } else {
+                out.push(dot(r, t));
+            }
+        }
+    }
+    out
+}
+
+/// Relative L2 error and max |error| / max |reference| over the checked outputs.
+fn errors(got: &[f32], want: &[f64]) -> (f64, f64) {
+    let (mut num, mut den, mut maxe, mut maxr) = (0f64, 0f64, 0f64, 0f64);
+    for (g, w) in got.iter().zip(want) {
+        let e = (f64::from(*g) - w).abs();
+        num += e * e;
+        den += w * w;
+        maxe = maxe.max(e);
+        maxr = maxr.max(w.abs());
+    }
+    ((num / den.max(1e-300)).sqrt(), maxe / maxr.max(1e-300))
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Shape {
+    /// f32 output, beta 0 (QKV, lm_head).
+    F32,
+    /// f32 output accumulated onto (beta 1: the o and down projections onto the residual).
+    F32Acc,
+    /// bf16 output.
+    Bf16,
+    /// bf16 output, beta 1.
+    Bf16Acc,
+    /// gate|up with SiLU x up (m = the intermediate size).
+    Glu,
+    /// RMSNorm prologue, f32 output (QKV).
+    Norm,
+    /// RMSNorm prologue, SiLU x up (gate|up).
+    NormGlu,
+}
+
+/// Token counts checked: every n of the GEMV kernels' first token group, then the other groups.
+const GEMV_NS: [usize; 12] = [1, 2, 3, 4, 5, 6, 7, 8, 13, 16, 40, 64];
+
+fn check_gemv_shape(rng: &mut ChaCha8Rng, name: &str, m: usize, k: usize, kind: Shape) {
+    let glu = matches!(kind, Shape::Glu | Shape::NormGlu);
+    let norm = matches!(kind, Shape::Norm | Shape::NormGlu);
+    let wrows = if glu { 2 * m } else { m };
+    let w = rand_bf16(rng, wrows * k, 2.0 / (k as f32).sqrt());
+    let rig = MatmulRig::new(&w, k).expect("upload the weights");
+    let rows = check_rows(rng, m);
+    // The norm prologue takes at most 8 tokens.
+    let nmax = if norm { 8 } else { 64 };
+    let beta = if matches!(kind, Shape::F32Acc | Shape::Bf16Acc) {
+        1.0
+    } else {
+        0.0
+    };
+    let output = match kind {
+        Shape::F32 | Shape::F32Acc | Shape::Norm => MatmulOutput::F32 { beta },
+        Shape::Bf16 | Shape::Bf16Acc => MatmulOutput::Bf16 { beta },
+        Shape::Glu | Shape::NormGlu => MatmulOutput::Glu,
+    };
+    // Inputs for nmax tokens; a product of n tokens takes the first n rows, so token t must
+    // come out the same (to the bit) whatever n is.
+    let a = rand_bf16(rng, nmax * k, 1.0);
+    let x = rand_f32(rng, nmax * k, -3.0, 3.0);
+    let nw = rand_f32(rng, k, 0.5, 1.5);
+    let eps = 1e-5f32;
+    // Beta 0 must not read the output: start it as NaN.
+    let init: Vec<f32> = if beta == 0.0 {
+        vec![f32::NAN; nmax * m]
+    } else {
+        rand_f32(rng, nmax * m, -2.0, 2.0)
+    };
+    // The exact activations the product should see, and the reference over the checked rows
+    // with beta times the output's initial value (as stored: bf16 outputs start rounded).
+    let a64: Vec<f64> = if norm {
+        let mut a64 = Vec::with_capacity(nmax * k);
+        for t in 0..nmax {
+            let xr = &x[t * k..(t + 1) * k];
+            let ss: f64 = xr.iter().map(|v| f64::from(*v).powi(2)).sum();
+            let inv = 1.0 / (ss / k as f64 + f64::from(eps)).sqrt();
+            a64.extend(xr.iter().zip(&nw).map(|(v, g)| {
+                f64::from(half::bf16::from_f64(f64::from(*g) * f64::from(*v) * inv).to_f32())
+            }));
+        }
+        a64
+    } else {
+        a.iter().map(|v| f64::from(v.to_f32())).collect()
+    };
+    let mut want = reference_product(&w, &a64, nmax, k, m, &rows, glu);
+    if beta != 0.0 {
+        for t in 0..nmax {
+            for (j, &r) in rows.iter().enumerate() {
+                let b = init[t * m + r];
+                let b = if matches!(kind, Shape::Bf16Acc) {
+                    half::bf16::from_f32(b).to_f32()
+                } else {
+                    b
+                };
+                want[t * rows.len() + j] += f64::from(b) * f64::from(beta);
+            }
+        }
+    }
+    let pick = |v: &[f32], n: usize| -> Vec<f32> {
+        (0..n)
+            .flat_map(|t| rows.iter().map(move |&r| (t, r)))
+            .map(|(t, r)| v[t * m + r])
+            .collect()
+    };
+    let tol = match kind {
+        Shape::F32 | Shape::F32Acc => 1e-4,
+        Shape::Norm => 2e-3,
+        Shape::Bf16 | Shape::Bf16Acc => 6e-3,
+        Shape::Glu | Shape::NormGlu => 1.2e-2,
+    };
+    let mut worst = 0f64;
+    let mut prev: Option<Vec<f32>> = None;
+    for n in GEMV_NS.iter().copied().filter(|&n| n <= nmax) {
+        let input = if norm {
+            MatmulInput::Norm {
+                x: &x[..n * k],
+                weight: &nw,
+                eps,
+            }
+        } else {
+            MatmulInput::Bf16(&a[..n * k])
+        };
+        let got = rig
+            .run(input, n, output, &init[..n * m], MatmulPath::Routed)
+            .expect("GEMV");
+        assert!(
+            got.iter().all(|v| v.is_finite()),
+            "{name} n={n}: non-finite or unwritten outputs"
+        );
+        let picked = pick(&got, n);
+        let (rel, maxabs) = errors(&picked, &want[..n * rows.len()]);
+        worst = worst.max(rel);
+        assert!(
+            rel <= tol,
+            "{name} {kind:?} m={m} k={k} n={n}: relative L2 error {rel:.3e} > {tol:.0e} \
+             (max-abs ratio {maxabs:.3e})"
+        );
+        // Batch invariance: every token as computed in the previous (smaller) product.
+        if let Some(p) = &prev {
+            let common = p.len().min(got.len());
+            let same = p[..common]
+                .iter()
+                .zip(&got[..common])
+                .all(|(u, v)| u.to_bits() == v.to_bits());
+            assert!(same, "{name} n={n}: a token's result depends on n");
+        }
+        prev = Some(got.clone());
+        // cuBLAS on the same product, for scale (plain products only).
+        if !glu && !norm && (n == 1 || n == 64) {
+            let cb = rig
+                .run(input, n, output, &init[..n * m], MatmulPath::Cublas)
+                .expect("cuBLAS");
+            let (rel_cb, _) = errors(&pick(&cb, n), &want[..n * rows.len()]);
+            eprintln!("  {name} n={n}: relative L2 vs f64: GEMV {rel:.2e}, cuBLAS {rel_cb:.2e}");
+        }
+    }
+    eprintln!(
+        "GEMV {name} {kind:?} m={m} k={k}: n in {:?} pass, bit-identical across n, worst relative \
+         L2 error {worst:.2e}",
+        GEMV_NS.iter().filter(|&&n| n <= nmax).collect::<Vec<_>>()
+    );
+}
+
+#[test]
+fn gemv_matches_a_float64_reference() {
+    if !gpu() {
+        return;
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(8);
+    // (name, m, k, kind): every projection of both models as the forward pass runs it, plus
+    // shapes that are not multiples of the tiles.
+    let shapes = [
+        ("smollm2 qkv", 960, 576, Shape::F32),
+        ("smollm2 qkv+norm", 960, 576, Shape::Norm),
+        ("smollm2 o", 576, 576, Shape::F32Acc),
+        ("smollm2 gate_up", 3072, 576, Shape::Bf16),
+        ("smollm2 gate_up+silu", 1536, 576, Shape::Glu),
+        ("smollm2 gate_up+norm+silu", 1536, 576, Shape::NormGlu),
+        ("smollm2 down", 576, 1536, Shape::F32Acc),
+        ("smollm2 lm_head", 49152, 576, Shape::F32),
+        ("llama qkv", 6144, 4096, Shape::F32),
+        ("llama qkv+norm", 6144, 4096, Shape::Norm),
+        ("llama o", 4096, 4096, Shape::F32Acc),
+        ("llama gate_up+silu", 14336, 4096, Shape::Glu),
+        ("llama gate_up+norm+silu", 14336, 4096, Shape::NormGlu),
+        ("llama down", 4096, 14336, Shape::F32Acc),
+        ("llama lm_head", 128_256, 4096, Shape::F32),
+        ("odd", 37, 40, Shape::F32),
+        ("odd acc bf16", 45, 72, Shape::Bf16Acc),
+        ("odd silu", 13, 264, Shape::Glu),
+        ("odd norm", 21, 24, Shape::Norm),
+    ];
+    for (name, m, k, kind) in shapes {
+        check_gemv_shape(&mut rng, name, m, k, kind);
+    }
+}
+
+/// Time per product, GEMV kernels against cuBLAS, at every projection shape (not a check: a
+/// measurement for gpu/CUDA_NOTES.md; `cuda_backend gemv_bandwidth --ignored --nocapture`).
+/// GB/s counts the weights read once; SmolLM2's weights fit in L2 and read faster than HBM.
+#[test]
+#[ignore]
+fn gemv_bandwidth() {
+    if !gpu() {
+        return;
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(4);
+    // A random block repeated (the values only need to be nonzero and varied).
+    let block = rand_bf16(&mut rng, 1 << 20, 0.05);
+    let shapes = [
+        ("llama qkv", 6144, 4096, Shape::F32),
+        ("llama qkv+norm", 6144, 4096, Shape::Norm),
+        ("llama o", 4096, 4096, Shape::F32Acc),
+        ("llama gate_up+silu", 14336, 4096, Shape::Glu),
+        ("llama gate_up+norm+silu", 14336, 4096, Shape::NormGlu),
+        ("llama gate_up (plain)", 28672, 4096, Shape::Bf16),
+        ("llama down", 4096, 14336, Shape::F32Acc),
+        ("llama lm_head", 128_256, 4096, Shape::F32),
+        ("smollm2 qkv", 960, 576, Shape::F32),
+        ("smollm2 qkv+norm", 960, 576, Shape::Norm),
+        ("smollm2 o", 576, 576, Shape::F32Acc),
+        ("smollm2 gate_up+silu", 1536, 576, Shape::Glu),
+        ("smollm2 down", 576, 1536, Shape::F32Acc),
+        ("smollm2 lm_head", 49152, 576, Shape::F32),
+    ];
+    eprintln!("shape                        n   GEMV us    GB/s   cuBLAS us    GB/s");
+    for (name, m, k, kind) in shapes {
+        let glu = matches!(kind, Shape::Glu | Shape::NormGlu);
+        let norm = matches!(kind, Shape::Norm | Shape::NormGlu);
+        let wrows = if glu { 2 * m } else { m };
+        let w: Vec<half::bf16> = block.iter().copied().cycle().take(wrows * k).collect();
+        let rig = MatmulRig::new(&w, k).expect("upload");
+        drop(w);
+        let gb = (wrows * k * 2) as f64 / 1e9;
+        for n in [1usize, 8, 16, 64] {
+            if norm && n > 8 {
+                continue;
+            }
+            let a = rand_bf16(&mut rng, n * k, 1.0);
+            let x = rand_f32(&mut rng, n * k, -1.0, 1.0);
+            let nw = vec![1.0f32; k];
+            let init = vec![0.0f32; n * m];
+            let input = if norm {
+                MatmulInput::Norm {
+                    x: &x,
+                    weight: &nw,
+                    eps: 1e-5,
+                }
+            } else {
+                MatmulInput::Bf16(&a)
+            };
+            let output = match kind {
+                Shape::F32 | Shape::Norm => MatmulOutput::F32 { beta: 0.0 },
+                Shape::F32Acc => MatmulOutput::F32 { beta: 1.0 },
+                Shape::Bf16 => MatmulOutput::Bf16 { beta: 0.0 },
+                Shape::Bf16Acc => MatmulOutput::Bf16 { beta: 1.0 },
+                Shape::Glu | Shape::NormGlu => MatmulOutput::Glu,
+            };
+            let ours = rig
+                .time(input, n, output, &init, MatmulPath::Routed, 50)
+                .expect("time GEMV");
+            // cuBLAS on the plain product over the same rows (gate|up: both halves, bf16).
+            let cb = if norm {
+                None
+            } else if glu {
+                let init2 = vec![0.0f32; n * 2 * m];
+                Some(
+                    rig.time(
+                        MatmulInput::Bf16(&a),
+                        n,
+                        MatmulOutput::Bf16 { beta: 0.0 },
+                        &init2,
+                        MatmulPath::Cublas,
+                        50,
+                    )
+                    .expect("time cuBLAS"),
+                )
+            } else {
+                Some(
+                    rig.time(input, n, output, &init, MatmulPath::Cublas, 50)
+                        .expect("time cuBLAS"),
+                )
+            };
+            let cb_text = cb.map_or("          -       -".to_string(), |t| {
+                format!("{:>11.1} {:>7.0}", t * 1e3, gb / (t * 1e-3))
+            });
+            eprintln!(
+                "{name:<27} {n:>2} {:>9.1} {:>7.0} {cb_text}",
+                ours * 1e3,
+                gb / (ours * 1e-3)
+            );
+        }
+    }
+}
+
+/// Teacher-forced logits of `all` through the CUDA backend in four kinds of steps: a prefill
+/// chunk of 80 tokens with 76 logit rows (cuBLAS throughout), chunks of 5 and 20 tokens and
+/// single tokens (the GEMV kernels, for models that take them: SmolLM2 by default). Returns
+/// rows for positions 4..all.len().
+fn stepped_logits(b: &mut CudaBackend, all: &[u32]) -> Vec<f32> {
+    let p = Arc::new(SamplingParams::greedy());
+    let table: Vec<u32> = (0..all.len().div_ceil(16) as u32).collect();
+    let mut out = Vec::new();
+    let mut run = |computed: usize, end: usize, rows: Vec<usize>| {
+        let batch = Batch {
+            seqs: vec![one_seq(
+                0,
+                computed,
+                all[computed..end].to_vec(),
+                table.clone(),
+                &p,
+            )],
+        };
+        out.extend(b.logits_rows(&batch, |_| rows.clone()).expect("logits"));
+    };
+    run(0, 80, (4..80).collect());
+    run(80, 85, (0..5).collect());
+    run(85, 105, (0..20).collect());
+    for pos in 105..all.len() {
+        run(pos, pos + 1, vec![0]);
+    }
+    b.release(0);
+    out
+}
+
+fn rel_l2(g: &[f32], w: &[f32]) -> f64 {
+    let num: f64 = g.iter().zip(w).map(|(a, b)| f64::from(a - b).powi(2)).sum();
+    let den: f64 = w.iter().map(|b| f64::from(*b).powi(2)).sum();
+    (num / den).sqrt()
+}
+
+#[test]
+fn gemv_decode_steps_match_the_cpu() {
+    if !gpu() {
+        return;
+    }
+    let models = [
+        ("SmolLM2-135M (dummy)", LlamaConfig::smollm2_135m(), 21u64),
+        (
+            "Llama-3-8B shape, 2 layers (dummy)",
+            LlamaConfig {
+                num_layers: 2,
+                ..LlamaConfig::llama3_8b()
+            },
+            11,
+        ),
+    ];
+    for (name, c, seed) in models {
+        let w = dummy_weights(&c, seed).expect("dummy weights");
+        let mut cuda =
+            CudaBackend::new(&c, WeightSource::Loaded(&w), &cfg(32, false)).expect("backend");
+        let mut cpu = LlamaModel::from_weights(&c, &w).expect("cpu model");
+        cpu.set_precision(ActivationPrecision::Precise);
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let all: Vec<u32> = (0..113)
+            .map(|_| rng.random_range(300..c.vocab_size as u32))
+            .collect();
+        let got = stepped_logits(&mut cuda, &all);
+        let rows: Vec<usize> = (4..all.len()).collect();
+        let want = cpu_logits(&cpu, &all, &rows);
+        let v = c.vocab_size;
+        let (mut cublas, mut gemv) = (Vec::new(), Vec::new());
+        for (i, &pos) in rows.iter().enumerate() {
+            let e = rel_l2(&got[i * v..(i + 1) * v], &want[i * v..(i + 1) * v]);
+            assert!(e.is_finite(), "{name} position {pos}: non-finite logits");
+            if pos < 80 {
+                cublas.push(e);
+            } else {
+                gemv.push(e);
+            }
+        }
+        let max = |v: &[f64]| v.iter().cloned().fold(0f64, f64::max);
+        let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+        eprintln!(
+            "{name}: relative logit error vs CPU, 80-token prefill rows (cuBLAS) mean {:.2e} max \
+             {:.2e}; 5- and 20-token chunk and decode rows (the GEMV kernels where the model takes \
+             them) mean {:.2e} max {:.2e}",
+            mean(&cublas),
+            max(&cublas),
+            mean(&gemv),
+            max(&gemv)
+        );
+        assert!(
+            max(&gemv) <= (1.5 * max(&cublas)).max(2e-2),
+            "{name}: small steps are less accurate than the cuBLAS prefill"
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// A random Llama-3-8B-shaped checkpoint against transformers in float32
+// (gpu/reference/ref_logits.py; `SWITCHYARD_REF_LOGITS_DIR` names its output directory).
+
+fn argmax(v: &[f32]) -> usize {
+    v.iter()
+        .enumerate()
+        .fold(
+            (0, f32::NEG_INFINITY),
+            |b, (j, &x)| if x > b.1 { (j, x) } else { b },
+        )
+        .0
+}
+
+#[test]
+fn llama3_8b_shape_matches_transformers_float32() {
+    let Some(dir) = std::env::var_os("SWITCHYARD_REF_LOGITS_DIR").map(PathBuf::from) else {
+        eprintln!("skipping: SWITCHYARD_REF_LOGITS_DIR is not set");
+        return;
+    };
+    if !gpu() {
+        return;
+    }
+    let meta: Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("ref_logits.json")).expect("ref_logits.json"),
+    )
+    .expect("JSON");
+    assert_eq!(meta["format"], "switchyard-ref-logits/1");
+    let started = std::time::Instant::now();
+    let model = switchyard_gpu::model::load_model(&dir, false).expect("load the checkpoint");
+    let c = model.config.clone();
+    let tokens = ids(&meta["tokens"]);
+    let positions: Vec<usize> = meta["full_positions"]
+        .as_array()
+        .expect("full_positions")
+        .iter()
+        .map(|p| p.as_u64().expect("position") as usize)
+        .collect();
+    let v = c.vocab_size;
+    let raw = std::fs::read(dir.join("ref_logits.f32")).expect("ref_logits.f32");
+    assert_eq!(raw.len(), positions.len() * v * 4, "ref_logits.f32 size");
+    let reference: Vec<f32> = raw
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    let mut cuda = CudaBackend::new(
+        &c,
+        WeightSource::Loaded(&model.weights),
+        &cfg(tokens.len().div_ceil(16) + 4, false),
+    )
+    .expect("backend");
+    eprintln!(
+        "reference checkpoint: {} layers, vocab {v}, {} tokens, loaded in {:.1} s",
+        c.num_layers,
+        tokens.len(),
+        started.elapsed().as_secs_f64()
+    );
+    let p = Arc::new(SamplingParams::greedy());
+    let table: Vec<u32> = (0..tokens.len().div_ceil(16) as u32).collect();
+    let mut logits = |computed: usize, end: usize, rows: Vec<usize>| -> Vec<f32> {
+        let batch = Batch {
+            seqs: vec![one_seq(
+                0,
+                computed,
+                tokens[computed..end].to_vec(),
+                table.clone(),
+                &p,
+            )],
+        };
+        cuda.logits_rows(&batch, |_| rows.clone()).expect("logits")
+    };
+    // (a) One prefill of every token, logits at every position.
+    let every: Vec<usize> = (0..tokens.len()).collect();
+    let prefill = logits(0, tokens.len(), every);
+    // (b) Prefill up to the first of the last recorded positions, then decode the rest one
+    // token at a time (the GEMV path).
+    let tail: Vec<usize> = positions
+        .iter()
+        .copied()
+        .filter(|&q| q >= tokens.len() - 4)
+        .collect();
+    let first_tail = tail.first().copied().unwrap_or(tokens.len());
+    let _ = logits(0, first_tail, vec![]);
+    let mut decoded = std::collections::HashMap::new();
+    for q in first_tail..tokens.len() {
+        let row = logits(q, q + 1, vec![0]);
+        decoded.insert(q, row);
+    }
+    cuda.release(0);
+    let report = |label: &str, q: usize, got: &[f32], want: &[f32]| -> f64 {
+        let rel = rel_l2(got, want);
+        let maxe = got
+            .iter()
+            .zip(want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        let maxr = want.iter().map(|b| b.abs()).fold(0f32, f32::max);
+        eprintln!(
+            "  {label} position {q:>3}: relative L2 {rel:.3e}, max-abs ratio {:.3e}, argmax {} vs {}",
+            maxe / maxr,
+            argmax(got),
+            argmax(want)
+        );
+        rel
+    };
+    let mut worst = 0f64;
+    for (r, &q) in positions.iter().enumerate() {
+        let want = &reference[r * v..(r + 1) * v];
+        worst = worst.max(report("prefill", q, &prefill[q * v..(q + 1) * v], want));
+        if let Some(d) = decoded.get(&q) {
+            worst = worst.max(report("decode ", q, d, want));
+        }
+    }
+    // Top-1 at every position against the reference's recorded top ids.
+    let top = meta["top_ids"].as_array().expect("top_ids");
+    let agree = (0..tokens.len())
+        .filter(|&q| {
+            top[q][0].as_u64().map(|t| t as usize) == Some(argmax(&prefill[q * v..(q + 1) * v]))
+        })
+        .count();
+    let hf = &meta["hf_bf16_vs_ref"];
+    eprintln!(
+        "Llama-3-8B shape, {} layers, vs transformers float32: worst relative L2 {worst:.3e} \
+         (limit 2e-2), top-1 agreement {agree}/{} positions; transformers bf16 on the same \
+         checkpoint: relative L2 max {} mean {}, max-abs ratio {}, top-1 {}",
+        c.num_layers,
+        tokens.len(),
+        hf["rel_l2_max"],
+        hf["rel_l2_mean"],
+        hf["rel_maxabs_max"],
+        hf["top1_agreement"]
+    );
+    assert!(worst <= 2e-2, "relative L2 error {worst:.3e} over 2e-2");
+}
+
+// ---------------------------------------------------------------------------------------------
 // NVRTC alone (no GPU needed): the kernels compile for Hopper.
 
 #[test]
@@ -718,6 +1311,11 @@ fn kernels_compile_with_nvrtc() {
                 "attention_64",
                 "sample_rows",
                 "rope_store_kv",
+                "gemv_1",
+                "gemv_8",
+                "gemv_glu_4",
+                "gemv_norm_1",
+                "gemv_norm_glu_1",
             ] {
                 assert!(
                     ptx.contains(&format!(".entry {k}")),

@@ -1,6 +1,8 @@
 //! The CUDA device: library checks that never panic, the context and its one stream, cuBLAS,
-//! the kernels of `gpu/kernels/llama.cu` compiled by NVRTC for the device's architecture and
-//! cached on disk, device memory that frees itself, and raw kernel launches.
+//! the kernels of `gpu/kernels/llama.cu` and `gpu/kernels/gemv.cu` compiled by NVRTC for the
+//! device's architecture and cached on disk, device memory that frees itself, raw kernel
+//! launches, and the matrix products (cuBLAS, or the GEMV kernels for steps of at most
+//! [`GEMV_MAX_TOKENS`] tokens of models on the GEMV path: see [`GemvMode`]).
 //!
 //! cudarc loads libcuda, libnvrtc and libcublas at run time (`dynamic-loading`), so a binary
 //! built on a machine without CUDA runs on one with it; a missing library would panic inside
@@ -17,8 +19,88 @@ use sha2::{Digest, Sha256};
 
 use crate::error::GpuError;
 
-/// The CUDA C source of every kernel.
-const KERNELS: &str = include_str!("../../kernels/llama.cu");
+/// The CUDA C source of every kernel: one NVRTC unit (gemv.cu uses llama.cu's helpers).
+const KERNELS: &str = concat!(
+    include_str!("../../kernels/llama.cu"),
+    "\n",
+    include_str!("../../kernels/gemv.cu")
+);
+
+/// Most tokens (rows of the activations) that a matrix product may have to run on the GEMV
+/// kernels; larger ones go to cuBLAS. Up to this size every token's result is independent of
+/// the other tokens of the step (see gemv.cu), so decodes of up to 64 sequences, alone or
+/// batched with small prefill chunks, give the same bits.
+pub(crate) const GEMV_MAX_TOKENS: usize = 64;
+
+/// Most tokens for the RMSNorm prologue (every block re-reads the residual rows).
+pub(crate) const GEMV_NORM_MAX_TOKENS: usize = 8;
+
+/// Warps per multiprocessor that the GEMV grids aim for (2 resident blocks of 8 warps): a
+/// tile's warps split k only as far as needed to reach it, so large outputs run in about one
+/// wave of long-lived blocks instead of many short ones.
+const GEMV_WARPS_PER_SM: usize = 16;
+
+/// Largest hidden size for which mode `auto` runs the projections of small steps on the GEMV
+/// kernels (with SiLU x up in the gate|up epilogue and, up to 8 tokens, RMSNorm in the QKV and
+/// gate|up prologues). Measured on the H200 (gpu/CUDA_NOTES.md, v2): at SmolLM2-135M's sizes
+/// (576) a step is launch-bound and the fused GEMV path cuts batch-1 decode from 1.06 to 0.85
+/// ms; at Llama-3-8B's (4096) cuBLAS streams the large projections at 4.1-4.4 TB/s against the
+/// GEMV kernels' 3.3-3.5 and the GEMV path was slower (5.3-7.6 ms against 5.0), so larger
+/// models keep cuBLAS at every size.
+const GEMV_AUTO_MAX_HIDDEN: usize = 2048;
+
+/// Which path the matrix products of steps of at most [`GEMV_MAX_TOKENS`] tokens take
+/// (`SWITCHYARD_CUDA_GEMV`): `auto` (the default: the GEMV kernels with both fusions for
+/// hidden sizes up to [`GEMV_AUTO_MAX_HIDDEN`], cuBLAS above), `off` (cuBLAS always, as in
+/// v1), or, at every hidden size, `plain` (GEMV kernels, no fusion), `glu` (plus SiLU x up in
+/// the gate|up epilogue) or `norm` (plus the RMSNorm prologue). A benchmark and debugging
+/// switch; within the GEMV path all modes compute the same bits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum GemvMode {
+    Off,
+    Plain,
+    Glu,
+    Auto,
+    Norm,
+}
+
+impl GemvMode {
+    /// Reads `SWITCHYARD_CUDA_GEMV` (unknown values: `auto`, with a warning).
+    fn from_env() -> Self {
+        match std::env::var("SWITCHYARD_CUDA_GEMV").as_deref() {
+            Err(_) | Ok("") | Ok("auto") => GemvMode::Auto,
+            Ok("off") => GemvMode::Off,
+            Ok("plain") => GemvMode::Plain,
+            Ok("glu") => GemvMode::Glu,
+            Ok("norm") => GemvMode::Norm,
+            Ok(other) => {
+                tracing::warn!(
+                    value = other,
+                    "SWITCHYARD_CUDA_GEMV is off, plain, glu, auto or norm; using auto"
+                );
+                GemvMode::Auto
+            }
+        }
+    }
+}
+
+/// The activations of a GEMV launch.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum GemvInput {
+    /// bf16 rows `[n, k]`.
+    Bf16(u64),
+    /// The f32 residual rows `[n, k]`, RMS-normalised with `weight` (f32, k) in the prologue.
+    Norm { x: u64, weight: u64, eps: f32 },
+}
+
+/// What a GEMV launch writes.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum GemvOutput {
+    /// `C[n, m] = A · W^T + beta C`, f32 or bf16.
+    Plain { beta: f32, f32_out: bool },
+    /// `W` holds gate rows then up rows (`2m` rows); `act[n, m] = silu(gate) * up`, bf16.
+    Glu,
+}
 
 /// Wraps any CUDA-side error.
 pub(crate) fn cuda_err(what: &str, e: impl std::fmt::Debug) -> GpuError {
@@ -138,6 +220,11 @@ pub(crate) struct Kernels {
     pub attention_combine: CudaFunction,
     pub apply_logit_edits: CudaFunction,
     pub sample_rows: CudaFunction,
+    /// By token groups of 8: at most 8, 16, 32 and 64 tokens.
+    pub gemv: [CudaFunction; 4],
+    pub gemv_glu: [CudaFunction; 4],
+    pub gemv_norm: CudaFunction,
+    pub gemv_norm_glu: CudaFunction,
     _module: Arc<CudaModule>,
 }
 
@@ -158,6 +245,15 @@ pub(crate) struct Gpu {
     pub blas: CudaBlas,
     pub k: Kernels,
     pub info: DeviceInfo,
+    /// Which path the matrix products of small steps take.
+    pub gemv_mode: GemvMode,
+    /// Multiprocessors of the device.
+    pub sm_count: usize,
+    /// Launch kernels with programmatic dependent launch (sm_90 and newer, unless
+    /// `SWITCHYARD_CUDA_PDL=0`): a kernel may start while the previous one finishes; every
+    /// kernel waits for its predecessor (`pdl_wait` in the CUDA source) before touching data,
+    /// so only independent work (the GEMV kernels' weight prefetch) overlaps.
+    pub pdl: bool,
     /// cuBLAS workspace (set explicitly so that GEMMs can be captured in CUDA graphs).
     _workspace: DevMem,
 }
@@ -207,8 +303,29 @@ impl Gpu {
             attention_combine: f("attention_combine")?,
             apply_logit_edits: f("apply_logit_edits")?,
             sample_rows: f("sample_rows")?,
+            gemv: [f("gemv_1")?, f("gemv_2")?, f("gemv_4")?, f("gemv_8")?],
+            gemv_glu: [
+                f("gemv_glu_1")?,
+                f("gemv_glu_2")?,
+                f("gemv_glu_4")?,
+                f("gemv_glu_8")?,
+            ],
+            gemv_norm: f("gemv_norm_1")?,
+            gemv_norm_glu: f("gemv_norm_glu_1")?,
             _module: module,
         };
+        let gemv_mode = GemvMode::from_env();
+        let pdl = info.compute_capability.0 >= 9
+            && !matches!(
+                std::env::var("SWITCHYARD_CUDA_PDL").as_deref(),
+                Ok("0") | Ok("off")
+            );
+        let sm_count = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| cuda_err("multiprocessor count", e))?
+            .max(1) as usize;
+        tracing::info!(pdl, gemv = ?gemv_mode, sm_count, "CUDA launch settings");
+
         let prof = std::env::var_os("SWITCHYARD_CUDA_PROFILE")
             .map(|_| std::cell::RefCell::new(Profile::default()));
         Ok(Gpu {
@@ -218,6 +335,9 @@ impl Gpu {
             blas,
             k,
             info,
+            gemv_mode,
+            sm_count,
+            pdl,
             _workspace: workspace,
         })
     }
@@ -316,6 +436,37 @@ impl Gpu {
             .iter_mut()
             .map(|v| v.as_mut_ptr() as *mut c_void)
             .collect();
+        if self.pdl {
+            // SAFETY: a zeroed attribute is valid plain data; id and value are set below.
+            let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+            attr.id =
+                sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attr.value.programmaticStreamSerializationAllowed = 1;
+            let config = sys::CUlaunchConfig {
+                gridDimX: grid.0,
+                gridDimY: grid.1,
+                gridDimZ: grid.2,
+                blockDimX: block,
+                blockDimY: 1,
+                blockDimZ: 1,
+                sharedMemBytes: 0,
+                hStream: self.stream.cu_stream(),
+                attrs: &mut attr,
+                numAttrs: 1,
+            };
+            // SAFETY: as below; `config` and `attr` outlive the call, and every kernel of
+            // this backend waits for its predecessor before touching memory (see `pdl`).
+            return unsafe {
+                sys::cuLaunchKernelEx(
+                    &config,
+                    f.cu_function(),
+                    params.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+            }
+            .result()
+            .map_err(|e| cuda_err("kernel launch (programmatic dependent launch)", e));
+        }
         // SAFETY: the argument list matches the kernel's signature (each call site passes the
         // parameters of the kernel it names); every pointer is a live device allocation.
         unsafe {
@@ -360,10 +511,187 @@ impl Gpu {
             .map_err(|e| cuda_err("stream synchronise", e))
     }
 
+    /// Whether a product with `n` activation rows and inner size `k` over the device addresses
+    /// `ptrs` (weights, activations) runs on the GEMV kernels: GEMV on, 1 <= n <= 64, k a
+    /// multiple of 8 (16-byte pieces) within i32, every address 16-byte aligned.
+    pub fn gemv_fits(&self, n: usize, k: usize, ptrs: &[u64]) -> bool {
+        self.gemv_mode != GemvMode::Off
+            && (1..=GEMV_MAX_TOKENS).contains(&n)
+            && k.is_multiple_of(8)
+            && k > 0
+            && k <= i32::MAX as usize
+            && ptrs.iter().all(|p| p % 16 == 0)
+    }
+
+    /// Whether the gate|up product of small steps writes SiLU x up itself.
+    pub fn gemv_fuse_glu(&self) -> bool {
+        matches!(
+            self.gemv_mode,
+            GemvMode::Glu | GemvMode::Auto | GemvMode::Norm
+        )
+    }
+
+    /// Whether a model of hidden size `hidden` runs the projections of small steps on the GEMV
+    /// kernels (see [`GemvMode`]).
+    pub fn gemv_for_hidden(&self, hidden: usize) -> bool {
+        match self.gemv_mode {
+            GemvMode::Off => false,
+            GemvMode::Auto => hidden <= GEMV_AUTO_MAX_HIDDEN,
+            GemvMode::Plain | GemvMode::Glu | GemvMode::Norm => true,
+        }
+    }
+
+    /// Whether the QKV and gate|up products of a step of `n` tokens on the GEMV path normalise
+    /// the residual themselves.
+    pub fn gemv_fuse_norm(&self, n: usize) -> bool {
+        n <= GEMV_NORM_MAX_TOKENS && matches!(self.gemv_mode, GemvMode::Auto | GemvMode::Norm)
+    }
+
+    /// The GEMV kernels (`gpu/kernels/gemv.cu`): `W` bf16 `[m, k]` (`[2m, k]` for
+    /// [`GemvOutput::Glu`]) times `n` rows of activations, f32 accumulation. The caller checks
+    /// [`Gpu::gemv_fits`] with the input's addresses.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv(
+        &self,
+        w: u64,
+        input: GemvInput,
+        out: u64,
+        m: usize,
+        n: usize,
+        k: usize,
+        output: GemvOutput,
+    ) -> Result<(), GpuError> {
+        if m == 0 {
+            return Ok(());
+        }
+        let addrs = match input {
+            GemvInput::Bf16(a) => [w, a, 0],
+            GemvInput::Norm { x, weight, .. } => [w, x, weight],
+        };
+        if !self.gemv_fits(n, k, &addrs) {
+            return Err(GpuError::Internal(format!(
+                "GEMV of {n} x {k} does not fit the kernels (mode {:?})",
+                self.gemv_mode
+            )));
+        }
+        let rows_per_tile = match output {
+            GemvOutput::Plain { .. } => 16,
+            GemvOutput::Glu => 8,
+        };
+        let tiles = m.div_ceil(rows_per_tile);
+        if m > i32::MAX as usize / 2 {
+            return Err(GpuError::Internal(format!("GEMV with {m} rows")));
+        }
+        // Warps per tile: the most (up to 8) that keep the grid within the warps one wave of
+        // resident blocks holds. A function of the shape alone, never of n.
+        let budget = GEMV_WARPS_PER_SM * self.sm_count;
+        let wpt_log2 = (0..=3u32)
+            .rev()
+            .find(|&l| tiles << l <= budget)
+            .unwrap_or(0);
+        let blocks = tiles.div_ceil(8 >> wpt_log2);
+        let group = match n {
+            0..=8 => 0,
+            9..=16 => 1,
+            17..=32 => 2,
+            _ => 3,
+        };
+        let norm_input = matches!(input, GemvInput::Norm { .. });
+        if norm_input && n > GEMV_NORM_MAX_TOKENS {
+            return Err(GpuError::Internal(format!(
+                "the GEMV norm prologue takes at most {GEMV_NORM_MAX_TOKENS} tokens, not {n}"
+            )));
+        }
+        let (f, x, xf, nw, eps) = match (input, output) {
+            (GemvInput::Bf16(a), GemvOutput::Plain { .. }) => (&self.k.gemv[group], a, 0, 0, 0.0),
+            (GemvInput::Bf16(a), GemvOutput::Glu) => (&self.k.gemv_glu[group], a, 0, 0, 0.0),
+            (GemvInput::Norm { x, weight, eps }, GemvOutput::Plain { .. }) => {
+                (&self.k.gemv_norm, 0, x, weight, eps)
+            }
+            (GemvInput::Norm { x, weight, eps }, GemvOutput::Glu) => {
+                (&self.k.gemv_norm_glu, 0, x, weight, eps)
+            }
+        };
+        let (beta, f32_out) = match output {
+            GemvOutput::Plain { beta, f32_out } => (beta, f32_out),
+            GemvOutput::Glu => (0.0, false),
+        };
+        self.launch(
+            f,
+            (blocks as u32, 1, 1),
+            256,
+            &[
+                Arg::Ptr(w),
+                Arg::Ptr(x),
+                Arg::Ptr(xf),
+                Arg::Ptr(nw),
+                Arg::F32(eps),
+                Arg::Ptr(out),
+                Arg::I32(m as i32),
+                Arg::I32(n as i32),
+                Arg::I32(k as i32),
+                Arg::F32(beta),
+                Arg::I32(i32::from(f32_out)),
+                Arg::I32(wpt_log2 as i32),
+            ],
+        )
+    }
+
     /// `C[n, m] (ldc) = alpha * A[n, k] · W[m, k]^T + beta * C`, row-major, A and W bf16,
-    /// C bf16 or f32 (`c_f32`), accumulation in f32.
+    /// C bf16 or f32 (`c_f32`), accumulation in f32. Steps of at most [`GEMV_MAX_TOKENS`] rows
+    /// run on the GEMV kernels (when [`Gpu::gemv_fits`]), larger ones on cuBLAS.
     #[allow(clippy::too_many_arguments)]
     pub fn gemm(
+        &self,
+        w: u64,
+        a: u64,
+        c: u64,
+        m: usize,
+        n: usize,
+        k: usize,
+        beta: f32,
+        c_f32: bool,
+    ) -> Result<(), GpuError> {
+        self.gemm_with(true, w, a, c, m, n, k, beta, c_f32)
+    }
+
+    /// [`Gpu::gemm`], on the GEMV kernels only when `gemv` (and they fit).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_with(
+        &self,
+        gemv: bool,
+        w: u64,
+        a: u64,
+        c: u64,
+        m: usize,
+        n: usize,
+        k: usize,
+        beta: f32,
+        c_f32: bool,
+    ) -> Result<(), GpuError> {
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        if gemv && self.gemv_fits(n, k, &[w, a]) {
+            return self.gemv(
+                w,
+                GemvInput::Bf16(a),
+                c,
+                m,
+                n,
+                k,
+                GemvOutput::Plain {
+                    beta,
+                    f32_out: c_f32,
+                },
+            );
+        }
+        self.gemm_cublas(w, a, c, m, n, k, beta, c_f32)
+    }
+
+    /// [`Gpu::gemm`] on cuBLAS whatever the size.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_cublas(
         &self,
         w: u64,
         a: u64,
@@ -481,7 +809,7 @@ pub fn compile_ptx(cc: (i32, i32)) -> Result<String, GpuError> {
     let cached = cache_dir().map(|d| d.join(format!("llama-{arch}-{key}.ptx")));
     if let Some(p) = &cached {
         if let Ok(text) = std::fs::read_to_string(p) {
-            if text.contains(".entry sample_rows") {
+            if text.contains(".entry sample_rows") && text.contains(".entry gemv_norm_glu_1") {
                 tracing::debug!(path = %p.display(), "kernels from the cache");
                 return Ok(text);
             }
@@ -494,7 +822,7 @@ pub fn compile_ptx(cc: (i32, i32)) -> Result<String, GpuError> {
     }
     let options = CompileOptions {
         options: opts,
-        name: Some("llama.cu".into()),
+        name: Some("switchyard-kernels.cu".into()),
         ..CompileOptions::default()
     };
     let ptx = cudarc::nvrtc::compile_ptx_with_opts(KERNELS, options)

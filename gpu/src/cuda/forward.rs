@@ -1,6 +1,9 @@
 //! The Llama forward pass on the device: activation buffers sized for the largest step, the
-//! paged KV cache, the launch sequence of one step (four cuBLAS GEMMs and five kernels per
-//! layer), and CUDA graphs of decode steps, one per batch-size bucket.
+//! paged KV cache, the launch sequence of one step (four matrix products and five kernels per
+//! layer; for models on the GEMV path ([`Gpu::gemv_for_hidden`]), steps of at most 64 tokens
+//! run the products on the GEMV kernels, which also take over SiLU x up and, up to 8 tokens,
+//! the RMSNorms: see [`Gpu::gemv_fuse_glu`] and [`Gpu::gemv_fuse_norm`]), and CUDA graphs of
+//! decode steps, one per batch-size bucket.
 //!
 //! A decode step of `n` sequences runs in the graph of the smallest bucket `B >= n`: the step
 //! buffer is packed with the capacities of `B` (padding tokens write no KV and attend to
@@ -11,7 +14,7 @@ use std::collections::HashMap;
 
 use cudarc::driver::{sys, CudaGraph};
 
-use super::device::{cuda_err, Arg, DevMem, Gpu};
+use super::device::{cuda_err, Arg, DevMem, GemvInput, GemvOutput, Gpu};
 use super::step::{grid_splits, Layout, MAX_SPLITS};
 use super::weights::GpuWeights;
 use crate::error::GpuError;
@@ -196,22 +199,58 @@ pub(crate) fn enqueue(
     };
     let interleaved = i32::from(c.rope_style == RopeStyle::Interleaved);
     let scale = 1.0 / (hd as f32).sqrt();
+    // Small steps of models that take the GEMV path: the GEMV kernels, with SiLU x up in the
+    // gate|up epilogue and, up to 8 tokens, RMSNorm in the QKV and gate|up prologues (the same
+    // bits as the separate kernels, fewer launches).
+    let model_gemv = gpu.gemv_for_hidden(h);
+    let first = w.layers.first();
+    let small = model_gemv
+        && first.is_some_and(|f| {
+            gpu.gemv_fits(t, h, &[f.qkv.ptr(), f.gate_up.ptr(), b.x.ptr(), b.xn.ptr()])
+                && gpu.gemv_fits(t, qw, &[f.o.ptr(), b.att.ptr()])
+                && gpu.gemv_fits(t, inter, &[f.down.ptr(), b.act.ptr()])
+        });
+    let fuse_glu = small && gpu.gemv_fuse_glu();
+    let fuse_norm = small && gpu.gemv_fuse_norm(t);
+    let normed = |weight: &DevMem| GemvInput::Norm {
+        x: b.x.ptr(),
+        weight: weight.ptr(),
+        eps: c.rms_norm_eps,
+    };
     for (li, layer) in w.layers.iter().enumerate() {
         let kc = b.kv.at(2 * li * b.kv_layer_bytes)?;
         let vc = b.kv.at((2 * li + 1) * b.kv_layer_bytes)?;
-        norm(0, layer.attn_norm.ptr(), b.xn.ptr(), t)?;
-        gpu.timed("gemm_qkv", || {
-            gpu.gemm(
-                layer.qkv.ptr(),
-                b.xn.ptr(),
-                b.qkv.ptr(),
-                qw + 2 * kvw,
-                t,
-                h,
-                0.0,
-                true,
-            )
-        })?;
+        if fuse_norm {
+            gpu.timed("norm+gemv_qkv", || {
+                gpu.gemv(
+                    layer.qkv.ptr(),
+                    normed(&layer.attn_norm),
+                    b.qkv.ptr(),
+                    qw + 2 * kvw,
+                    t,
+                    h,
+                    GemvOutput::Plain {
+                        beta: 0.0,
+                        f32_out: true,
+                    },
+                )
+            })?;
+        } else {
+            norm(0, layer.attn_norm.ptr(), b.xn.ptr(), t)?;
+            gpu.timed(if small { "gemv_qkv" } else { "gemm_qkv" }, || {
+                gpu.gemm_with(
+                    small,
+                    layer.qkv.ptr(),
+                    b.xn.ptr(),
+                    b.qkv.ptr(),
+                    qw + 2 * kvw,
+                    t,
+                    h,
+                    0.0,
+                    true,
+                )
+            })?;
+        }
         gpu.timed("rope_store_kv", || {
             gpu.launch(
                 &k.rope_store_kv,
@@ -277,38 +316,87 @@ pub(crate) fn enqueue(
             })?;
         }
         // The output projection adds onto the residual stream (beta = 1, f32).
-        gpu.timed("gemm_o", || {
-            gpu.gemm(layer.o.ptr(), b.att.ptr(), b.x.ptr(), h, t, qw, 1.0, true)
-        })?;
-        norm(0, layer.ffn_norm.ptr(), b.xn.ptr(), t)?;
-        gpu.timed("gemm_gate_up", || {
-            gpu.gemm(
-                layer.gate_up.ptr(),
-                b.xn.ptr(),
-                b.gu.ptr(),
-                2 * inter,
-                t,
+        gpu.timed(if small { "gemv_o" } else { "gemm_o" }, || {
+            gpu.gemm_with(
+                small,
+                layer.o.ptr(),
+                b.att.ptr(),
+                b.x.ptr(),
                 h,
-                0.0,
-                false,
+                t,
+                qw,
+                1.0,
+                true,
             )
         })?;
-        let total = t * inter;
-        gpu.timed("silu_mul", || {
-            gpu.launch(
-                &k.silu_mul,
-                (total.div_ceil(256).min(65_536) as u32, 1, 1),
-                256,
-                &[
-                    Arg::Ptr(b.gu.ptr()),
-                    Arg::Ptr(b.act.ptr()),
-                    i32v(inter),
-                    Arg::U64(total as u64),
-                ],
-            )
-        })?;
-        gpu.timed("gemm_down", || {
-            gpu.gemm(
+        if fuse_glu {
+            // act = silu(gate) * up straight from the product.
+            if fuse_norm {
+                gpu.timed("norm+gemv_gate_up+silu", || {
+                    gpu.gemv(
+                        layer.gate_up.ptr(),
+                        normed(&layer.ffn_norm),
+                        b.act.ptr(),
+                        inter,
+                        t,
+                        h,
+                        GemvOutput::Glu,
+                    )
+                })?;
+            } else {
+                norm(0, layer.ffn_norm.ptr(), b.xn.ptr(), t)?;
+                gpu.timed("gemv_gate_up+silu", || {
+                    gpu.gemv(
+                        layer.gate_up.ptr(),
+                        GemvInput::Bf16(b.xn.ptr()),
+                        b.act.ptr(),
+                        inter,
+                        t,
+                        h,
+                        GemvOutput::Glu,
+                    )
+                })?;
+            }
+        } else {
+            norm(0, layer.ffn_norm.ptr(), b.xn.ptr(), t)?;
+            gpu.timed(
+                if small {
+                    "gemv_gate_up"
+                } else {
+                    "gemm_gate_up"
+                },
+                || {
+                    gpu.gemm_with(
+                        small,
+                        layer.gate_up.ptr(),
+                        b.xn.ptr(),
+                        b.gu.ptr(),
+                        2 * inter,
+                        t,
+                        h,
+                        0.0,
+                        false,
+                    )
+                },
+            )?;
+            let total = t * inter;
+            gpu.timed("silu_mul", || {
+                gpu.launch(
+                    &k.silu_mul,
+                    (total.div_ceil(256).min(65_536) as u32, 1, 1),
+                    256,
+                    &[
+                        Arg::Ptr(b.gu.ptr()),
+                        Arg::Ptr(b.act.ptr()),
+                        i32v(inter),
+                        Arg::U64(total as u64),
+                    ],
+                )
+            })?;
+        }
+        gpu.timed(if small { "gemv_down" } else { "gemm_down" }, || {
+            gpu.gemm_with(
+                small,
                 layer.down.ptr(),
                 b.act.ptr(),
                 b.x.ptr(),
@@ -321,18 +409,27 @@ pub(crate) fn enqueue(
         })?;
     }
     norm(s(lay.logit_rows)?, w.norm.ptr(), b.xs.ptr(), l.rows)?;
-    gpu.timed("gemm_lm_head", || {
-        gpu.gemm(
-            w.lm_head(),
-            b.xs.ptr(),
-            b.logits.ptr(),
-            c.vocab_size,
-            l.rows,
-            h,
-            0.0,
-            true,
-        )
-    })
+    let head_gemv = model_gemv && gpu.gemv_fits(l.rows, h, &[w.lm_head(), b.xs.ptr()]);
+    gpu.timed(
+        if head_gemv {
+            "gemv_lm_head"
+        } else {
+            "gemm_lm_head"
+        },
+        || {
+            gpu.gemm_with(
+                head_gemv,
+                w.lm_head(),
+                b.xs.ptr(),
+                b.logits.ptr(),
+                c.vocab_size,
+                l.rows,
+                h,
+                0.0,
+                true,
+            )
+        },
+    )
 }
 
 /// A captured graph, movable to the executor thread.

@@ -1,9 +1,10 @@
 //! The CUDA backend (cargo feature `cuda`): the [`Backend`] trait on an NVIDIA GPU through
-//! cudarc, with bf16 weights, a paged bf16 KV cache, cuBLAS GEMMs, NVRTC-compiled kernels
-//! (`gpu/kernels/llama.cu`), CUDA graphs for decode steps and sampling on the GPU.
+//! cudarc, with bf16 weights, a paged bf16 KV cache, cuBLAS GEMMs and skinny-GEMM (GEMV) kernels
+//! for small steps, NVRTC-compiled kernels (`gpu/kernels/llama.cu`, `gpu/kernels/gemv.cu`),
+//! CUDA graphs for decode steps and sampling on the GPU.
 //!
 //! Module map: [`device`] (library probe, context, NVRTC compile and disk cache, memory,
-//! launches, GEMM), `weights` (upload or random init on the device), `step` (batch checks
+//! launches, GEMM and GEMV), `weights` (upload or random init on the device), `step` (batch checks
 //! and the packed step buffer), `forward` (buffers, the launch sequence, decode graphs),
 //! `sampling` (per-sequence state, logit edits, the sampling kernel).
 //!

@@ -1,12 +1,13 @@
 //! Entry points into single kernels for the CUDA test binary (`gpu/tests/cuda_*.rs`): paged
-//! attention over a cache the test fills, and the logit edits plus sampling kernels over logits
-//! the test chooses. Not part of the serving path.
+//! attention over a cache the test fills, the matrix products (GEMV kernels and cuBLAS) over
+//! weights the test chooses, and the logit edits plus sampling kernels over logits the test
+//! chooses. Not part of the serving path.
 
 use std::sync::Arc;
 
 use half::bf16;
 
-use super::device::{Arg, Gpu};
+use super::device::{Arg, DevMem, GemvInput, GemvOutput, Gpu};
 use super::sampling::{self, Edits, SampleArrays, SeqState};
 use super::step::{self, Layout, MAX_SPLITS};
 use crate::backend::{Batch, SeqInput};
@@ -207,4 +208,242 @@ pub fn sample(
     let mut t = vec![0i32; rows];
     gpu.download(&mut t, out.ptr())?;
     Ok(t.iter().map(|&x| x as u32).collect())
+}
+
+/// The activations of a [`MatmulRig`] product.
+#[derive(Clone, Copy, Debug)]
+pub enum MatmulInput<'a> {
+    /// bf16 rows `[n, k]`.
+    Bf16(&'a [bf16]),
+    /// f32 residual rows `[n, k]`, RMS-normalised with `weight` (k values) on the way in, as
+    /// the fused QKV and gate|up products of small steps do.
+    Norm {
+        x: &'a [f32],
+        weight: &'a [f32],
+        eps: f32,
+    },
+}
+
+/// What a [`MatmulRig`] product writes.
+#[derive(Clone, Copy, Debug)]
+pub enum MatmulOutput {
+    /// `[n, m]` f32, `C = A · W^T + beta C`.
+    F32 { beta: f32 },
+    /// `[n, m]` bf16, `C = A · W^T + beta C`.
+    Bf16 { beta: f32 },
+    /// `[n, m]` bf16 `silu(gate) * up`, the weights holding `m` gate rows then `m` up rows.
+    Glu,
+}
+
+/// Which implementation a [`MatmulRig`] product runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MatmulPath {
+    /// As the forward pass routes it (`Gpu::gemm`: the GEMV kernels for at most 8 rows).
+    Routed,
+    /// cuBLAS (plain bf16 inputs and outputs only).
+    Cublas,
+}
+
+/// Values written past the output to catch stray stores.
+const GUARD: usize = 64;
+
+/// Weights on the device and the products of the forward pass over them.
+pub struct MatmulRig {
+    gpu: Gpu,
+    w: DevMem,
+    m: usize,
+    k: usize,
+}
+
+impl MatmulRig {
+    /// Uploads `w` (`rows x k` bf16, row-major; `rows` = m, or 2m for [`MatmulOutput::Glu`]).
+    pub fn new(w: &[bf16], k: usize) -> Result<Self, GpuError> {
+        if k == 0 || w.is_empty() || !w.len().is_multiple_of(k) {
+            return Err(GpuError::BadBatch("matmul check: W is not rows x k".into()));
+        }
+        let gpu = Gpu::open(0)?;
+        let wd = gpu.alloc(w.len() * 2)?;
+        gpu.upload(wd.ptr(), w)?;
+        gpu.sync()?;
+        Ok(MatmulRig {
+            gpu,
+            w: wd,
+            m: w.len() / k,
+            k,
+        })
+    }
+
+    /// Runs one product over `n` rows of `input`, the output starting as `init` (`n x m`
+    /// values, rounded to bf16 for bf16 outputs; NaN is fine where beta is 0), and returns
+    /// the output as f32. Fails if the kernel wrote past the output.
+    pub fn run(
+        &self,
+        input: MatmulInput<'_>,
+        n: usize,
+        output: MatmulOutput,
+        init: &[f32],
+        path: MatmulPath,
+    ) -> Result<Vec<f32>, GpuError> {
+        Ok(self.product(input, n, output, init, path, 0)?.0)
+    }
+
+    /// Mean milliseconds of one product over `iters` launches back to back (after 3 warm-up
+    /// launches), timed with CUDA events; the output then holds no meaningful values.
+    pub fn time(
+        &self,
+        input: MatmulInput<'_>,
+        n: usize,
+        output: MatmulOutput,
+        init: &[f32],
+        path: MatmulPath,
+        iters: usize,
+    ) -> Result<f64, GpuError> {
+        Ok(self.product(input, n, output, init, path, iters.max(1))?.1)
+    }
+
+    fn product(
+        &self,
+        input: MatmulInput<'_>,
+        n: usize,
+        output: MatmulOutput,
+        init: &[f32],
+        path: MatmulPath,
+        timing_iters: usize,
+    ) -> Result<(Vec<f32>, f64), GpuError> {
+        let gpu = &self.gpu;
+        let k = self.k;
+        let m = match output {
+            MatmulOutput::Glu if self.m.is_multiple_of(2) => self.m / 2,
+            MatmulOutput::Glu => {
+                return Err(GpuError::BadBatch("matmul check: GLU needs 2m rows".into()))
+            }
+            _ => self.m,
+        };
+        if init.len() != n * m {
+            return Err(GpuError::BadBatch("matmul check: init is not n x m".into()));
+        }
+        let f32_out = matches!(output, MatmulOutput::F32 { .. });
+        let elem = if f32_out { 4 } else { 2 };
+        let out = gpu.alloc((n * m + GUARD) * elem)?;
+        let guard = 12_345.0f32;
+        let mut init_g = init.to_vec();
+        init_g.extend(std::iter::repeat_n(guard, GUARD));
+        if f32_out {
+            gpu.upload(out.ptr(), &init_g)?;
+        } else {
+            let b: Vec<bf16> = init_g.iter().map(|&v| bf16::from_f32(v)).collect();
+            gpu.upload(out.ptr(), &b)?;
+            gpu.sync()?;
+        }
+        gpu.sync()?;
+
+        // Inputs.
+        let (gin, _bufs): (GemvInput, Vec<DevMem>) = match input {
+            MatmulInput::Bf16(a) => {
+                if a.len() != n * k {
+                    return Err(GpuError::BadBatch("matmul check: A is not n x k".into()));
+                }
+                let ad = gpu.alloc(a.len() * 2)?;
+                gpu.upload(ad.ptr(), a)?;
+                (GemvInput::Bf16(ad.ptr()), vec![ad])
+            }
+            MatmulInput::Norm { x, weight, eps } => {
+                if x.len() != n * k || weight.len() != k {
+                    return Err(GpuError::BadBatch("matmul check: norm input sizes".into()));
+                }
+                let xd = gpu.alloc(x.len() * 4)?;
+                let wd = gpu.alloc(weight.len() * 4)?;
+                gpu.upload(xd.ptr(), x)?;
+                gpu.upload(wd.ptr(), weight)?;
+                (
+                    GemvInput::Norm {
+                        x: xd.ptr(),
+                        weight: wd.ptr(),
+                        eps,
+                    },
+                    vec![xd, wd],
+                )
+            }
+        };
+        gpu.sync()?;
+        let launch = || -> Result<(), GpuError> {
+            match (path, gin, output) {
+                (MatmulPath::Routed, GemvInput::Bf16(a), MatmulOutput::F32 { beta })
+                | (MatmulPath::Routed, GemvInput::Bf16(a), MatmulOutput::Bf16 { beta }) => {
+                    gpu.gemm(self.w.ptr(), a, out.ptr(), m, n, k, beta, f32_out)?
+                }
+                (MatmulPath::Cublas, GemvInput::Bf16(a), MatmulOutput::F32 { beta })
+                | (MatmulPath::Cublas, GemvInput::Bf16(a), MatmulOutput::Bf16 { beta }) => {
+                    gpu.gemm_cublas(self.w.ptr(), a, out.ptr(), m, n, k, beta, f32_out)?
+                }
+                (MatmulPath::Routed, gin, output) => {
+                    let o = match output {
+                        MatmulOutput::F32 { beta } => GemvOutput::Plain {
+                            beta,
+                            f32_out: true,
+                        },
+                        MatmulOutput::Bf16 { beta } => GemvOutput::Plain {
+                            beta,
+                            f32_out: false,
+                        },
+                        MatmulOutput::Glu => GemvOutput::Glu,
+                    };
+                    gpu.gemv(self.w.ptr(), gin, out.ptr(), m, n, k, o)?
+                }
+                (MatmulPath::Cublas, _, _) => {
+                    return Err(GpuError::BadBatch(
+                        "matmul check: cuBLAS takes plain bf16 products only".into(),
+                    ))
+                }
+            }
+            Ok(())
+        };
+        let mut ms = 0.0;
+        if timing_iters == 0 {
+            launch()?;
+        } else {
+            for _ in 0..3 {
+                launch()?;
+            }
+            let ev = || {
+                gpu.ctx
+                    .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+                    .map_err(|e| super::device::cuda_err("event", e))
+            };
+            let (start, end) = (ev()?, ev()?);
+            start
+                .record(&gpu.stream)
+                .map_err(|e| super::device::cuda_err("event record", e))?;
+            for _ in 0..timing_iters {
+                launch()?;
+            }
+            end.record(&gpu.stream)
+                .map_err(|e| super::device::cuda_err("event record", e))?;
+            ms = f64::from(
+                start
+                    .elapsed_ms(&end)
+                    .map_err(|e| super::device::cuda_err("event time", e))?,
+            ) / timing_iters as f64;
+        }
+        let mut all = vec![0f32; n * m + GUARD];
+        if f32_out {
+            gpu.download(&mut all, out.ptr())?;
+        } else {
+            let mut b = vec![bf16::ZERO; n * m + GUARD];
+            gpu.download(&mut b, out.ptr())?;
+            all = b.iter().map(|v| v.to_f32()).collect();
+        }
+        let guard_back = if f32_out {
+            guard
+        } else {
+            bf16::from_f32(guard).to_f32()
+        };
+        if all[n * m..].iter().any(|&v| v != guard_back) {
+            return Err(GpuError::Internal(
+                "matmul check: a kernel wrote past the output".into(),
+            ));
+        }
+        all.truncate(n * m);
+        Ok((all, ms))
+    }
 }

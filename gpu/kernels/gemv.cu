@@ -1,0 +1,267 @@
+// Skinny GEMMs for steps of at most 64 tokens: every projection of such a step (decode steps
+// of up to 64 sequences, small prefill chunks) and the lm_head of any step with at most 64
+// logit rows run here instead of cuBLAS. Compiled after llama.cu, in the same NVRTC unit (its
+// typedefs, warp_sum, warp_sumsq, rms_inv, rms_scale, silu_times and pdl_* are used here).
+//
+//   y[t, r] = sum_k x[t, k] * W[r, k]  (+ beta * y[t, r]),   t < n <= 64, r < m
+//
+// W is bf16 [m, k] row-major (as the backend stores every projection), x bf16 [n, k], y f32 or
+// bf16 [n, m]; f32 accumulation. k must be a multiple of 8 and W, x 16-byte aligned (the host
+// checks and falls back to cuBLAS otherwise).
+//
+// Tensor cores. A warp multiplies a tile of 16 rows of W with the tokens 8 at a time:
+// mma.m16n8k16 with A = 16 rows x 16 k of W, B = 16 k x 8 tokens (tokens >= n are zeros),
+// D = 16 x 8 in f32. A sum over k does not depend on the order in which k is visited, so the k
+// slots of the mma fragments are a permutation of the physical k, the same for A and B: lane
+// (g = lane / 4, c = lane % 4) loads the 16 bytes W[row g][kb + 8c .. +8] and W[row g + 8][same]
+// (A fragment rows g and g + 8) and x[token 8j + g][same] (B fragment column g of token group
+// j); the first mma takes elements 0..3 of each piece (slots 2c, 2c+1 and 2c+8, 2c+9), the
+// second elements 4..7. So W streams in whole 16-byte loads (64 contiguous bytes per row and
+// step, several steps in flight per lane), and up to 64 tokens cost little more than one.
+//
+// Work split. A block has 8 warps; each tile of 16 rows (8 for the GLU variants) gets `wpt`
+// warps (1, 2, 4 or 8, chosen by the host from the number of tiles so that the grid is about
+// one wave of resident blocks) which split k into contiguous ranges; their partial tiles are
+// summed through shared memory in warp order.
+//
+// Batch invariance. Every output is the same function of its own token's inputs whatever n is:
+// columns of an mma do not interact, the k split depends only on the shape, the warp sum has a
+// fixed order, and fused epilogues and prologues compute what the separate kernels would (with
+// the same helpers). So a sequence decodes to the same bits alone or batched with up to 63
+// others, in any step of at most 64 tokens, and runs repeat exactly.
+//
+// Variants (one extern "C" kernel each, one signature; suffix _NG = token groups of 8, NG = 1,
+// 2, 4 or 8; the norm variants only with NG = 1):
+//   gemv        y = x W^T (+ beta y), y f32 (y_f32 = 1) or bf16;
+//   gemv_glu    W = [gate; up] with 2m rows: the tile's A rows are gate rows r and up rows
+//               m + r (8 of each), and the epilogue writes act[t, r] = silu(g) * u in bf16 with
+//               g, u rounded to bf16 first, exactly as silu_mul would from a bf16 gate|up output;
+//   *_norm      x is not given: the prologue computes RMSNorm of the f32 residual rows xf with
+//               weight nw (one warp per token, as rms_norm) and the B fragments are
+//               bf16(nw * (xf * inv)), the value rms_norm would have stored.
+
+#define GEMV_WARPS 8
+
+// 16 bytes of W, streamed: not kept in L1 (x is), with an L2 prefetch of the next bytes.
+__device__ __forceinline__ uint4 gemv_ld_w(const bf16* p) {
+    uint4 r;
+    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ void gemv_mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
+                                         u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32 gemv_pack(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<u32*>(&h);
+}
+
+// bf16(nw * (x * inv)) for 8 consecutive values, packed as the B fragment expects.
+__device__ __forceinline__ uint4 gemv_norm_piece(const float* __restrict__ xr,
+                                                 const float* __restrict__ nw, float inv) {
+    float4 x0 = __ldg(reinterpret_cast<const float4*>(xr));
+    float4 x1 = __ldg(reinterpret_cast<const float4*>(xr + 4));
+    float4 w0 = __ldg(reinterpret_cast<const float4*>(nw));
+    float4 w1 = __ldg(reinterpret_cast<const float4*>(nw + 4));
+    uint4 r;
+    r.x = gemv_pack(rms_scale(x0.x, w0.x, inv), rms_scale(x0.y, w0.y, inv));
+    r.y = gemv_pack(rms_scale(x0.z, w0.z, inv), rms_scale(x0.w, w0.w, inv));
+    r.z = gemv_pack(rms_scale(x1.x, w1.x, inv), rms_scale(x1.y, w1.y, inv));
+    r.w = gemv_pack(rms_scale(x1.z, w1.z, inv), rms_scale(x1.w, w1.w, inv));
+    return r;
+}
+
+template <bool GLU, bool NORM, int NG>
+__device__ __forceinline__ void gemv_body(const bf16* __restrict__ w, const bf16* __restrict__ x,
+                                          const float* __restrict__ xf,
+                                          const float* __restrict__ nw, float eps,
+                                          void* __restrict__ y, int m, int n, int k, float beta,
+                                          int y_f32, int wpt_log2) {
+    // k-steps of 32 per batch of loads: each lane has 2 x STEPS pieces of W in flight. With the
+    // minimum of one block per multiprocessor in __launch_bounds__, ptxas issues the whole
+    // batch of loads before the first mma (about 120 registers, 2 blocks per SM); without it,
+    // it interleaves them with the mmas and a warp has only one step's loads in flight.
+    constexpr int STEPS = (NORM || NG > 1) ? 4 : 8;
+    __shared__ float4 red[GEMV_WARPS][NG][32];
+    __shared__ float inv_s[8 * NG];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, c = lane & 3;
+    const int wpt = 1 << wpt_log2;          // warps per tile
+    const int tpb = GEMV_WARPS >> wpt_log2; // tiles per block
+    const int tile = blockIdx.x * tpb + (warp >> wpt_log2);
+    const int kw = warp & (wpt - 1);        // this warp's part of k
+
+    // The tile's A rows: g and g + 8.
+    int row_a, row_b;
+    if (GLU) {
+        row_a = tile * 8 + g;
+        row_b = m + row_a;
+    } else {
+        row_a = tile * 16 + g;
+        row_b = row_a + 8;
+    }
+    const bool ok_a = row_a < m;
+    const bool ok_b = GLU ? ok_a : row_b < m;
+
+    const int steps = (k + 31) >> 5;
+    const int per = (steps + wpt - 1) >> wpt_log2;
+    const int s_begin = kw * per;
+    const int s_end = min(steps, s_begin + per);
+    const int kc = 8 * c;
+    const bf16* wa = w + (u64)(ok_a ? row_a : 0) * k + kc;
+    const bf16* wb = w + (u64)(ok_b ? row_b : 0) * k + kc;
+
+    // Weights do not depend on earlier kernels: with programmatic dependent launch this block
+    // may start while the previous kernel still runs, so it asks for the first two batches of
+    // its W rows (a 128-byte line per two steps) in L2 before waiting for that kernel.
+    pdl_trigger();
+    if (c == 0) {
+#pragma unroll 4
+        for (int u = 0; u < 2 * STEPS; u += 2) {
+            if (s_begin + u >= s_end) break;
+            const int off = (s_begin + u) * 32;
+            if (ok_a) asm volatile("prefetch.global.L2 [%0];" ::"l"(wa + off));
+            if (ok_b) asm volatile("prefetch.global.L2 [%0];" ::"l"(wb + off));
+        }
+    }
+    pdl_wait();
+
+    if (NORM) {
+        // The inverse RMS of each token, one warp per token.
+        for (int t = warp; t < n; t += GEMV_WARPS) {
+            const float ss = warp_sumsq(xf + (u64)t * k, k, lane);
+            if (lane == 0) inv_s[t] = rms_inv(ss, k, eps);
+        }
+        __syncthreads();
+    }
+
+    float d[NG][4];
+#pragma unroll
+    for (int j = 0; j < NG; j++) d[j][0] = d[j][1] = d[j][2] = d[j][3] = 0.f;
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    for (int s = s_begin; s < s_end; s += STEPS) {
+        // Every W load of the batch is issued before the first mma: loads past the warp's
+        // range (or of rows that do not exist) read the lane's first piece instead, a valid
+        // address, and are replaced by zeros afterwards, so no load sits behind a branch.
+        uint4 P[STEPS], Q[STEPS], X1[STEPS];  // W rows g, g + 8; x token g (NG == 1)
+        bool in[STEPS];
+#pragma unroll
+        for (int u = 0; u < STEPS; u++) {
+            const int off = (s + u) * 32;
+            in[u] = s + u < s_end && off + kc < k;
+            const int o = in[u] ? off : 0;
+            P[u] = gemv_ld_w(wa + o);
+            Q[u] = gemv_ld_w(wb + o);
+            if (NG == 1) {
+                const int tg = g < n ? g : 0;
+                if (NORM)
+                    X1[u] = gemv_norm_piece(xf + (u64)tg * k + kc + o, nw + kc + o,
+                                            g < n ? inv_s[g] : 0.f);
+                else
+                    X1[u] = __ldg(reinterpret_cast<const uint4*>(x + (u64)tg * k + kc + o));
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < STEPS; u++) {
+            const uint4 p = in[u] && ok_a ? P[u] : zero;
+            const uint4 q = in[u] && ok_b ? Q[u] : zero;
+            const int o = in[u] ? (s + u) * 32 : 0;
+#pragma unroll
+            for (int j = 0; j < NG; j++) {
+                const int t = 8 * j + g;
+                uint4 xv;
+                if (NG == 1) {
+                    xv = X1[u];
+                } else {
+                    const int tg = t < n ? t : 0;
+                    if (NORM)
+                        xv = gemv_norm_piece(xf + (u64)tg * k + kc + o, nw + kc + o,
+                                             t < n ? inv_s[t] : 0.f);
+                    else
+                        xv = __ldg(reinterpret_cast<const uint4*>(x + (u64)tg * k + kc + o));
+                }
+                if (!(in[u] && t < n)) xv = zero;
+                // A registers: (row g, slots 2c..), (row g+8, 2c..), (row g, 2c+8..), (row g+8,
+                // 2c+8..); B: (slots 2c.., token 8j+g), (2c+8.., token 8j+g).
+                gemv_mma(d[j], p.x, q.x, p.y, q.y, xv.x, xv.y);
+                gemv_mma(d[j], p.z, q.z, p.w, q.w, xv.z, xv.w);
+            }
+        }
+    }
+
+    // d[j]: (row g, tokens 8j + 2c, 8j + 2c + 1), (row g + 8, same tokens).
+#pragma unroll
+    for (int j = 0; j < NG; j++) red[warp][j][lane] = make_float4(d[j][0], d[j][1], d[j][2], d[j][3]);
+    __syncthreads();
+    // One output pair per item: (tile of the block, token group, lane of the fragment, which
+    // of its two tokens); the tile's warps are summed in order.
+    const int items = tpb * NG * 64;
+    for (int idx = threadIdx.x; idx < items; idx += blockDim.x) {
+        const int tl = idx / (NG * 64), rem = idx % (NG * 64);
+        const int j = rem >> 6, L = (rem & 63) >> 1, h = rem & 1;
+        float r0 = 0.f, r1 = 0.f;
+        for (int q = 0; q < wpt; q++) {
+            const float4 v = red[tl * wpt + q][j][L];
+            r0 = __fadd_rn(r0, h ? v.y : v.x);
+            r1 = __fadd_rn(r1, h ? v.w : v.z);
+        }
+        const int gg = L >> 2, t = 8 * j + 2 * (L & 3) + h;
+        const int tile_o = blockIdx.x * tpb + tl;
+        if (t >= n) continue;
+        if (GLU) {
+            const int r = tile_o * 8 + gg;
+            if (r < m) {
+                const float gv = __bfloat162float(__float2bfloat16(r0));
+                const float uv = __bfloat162float(__float2bfloat16(r1));
+                reinterpret_cast<bf16*>(y)[(u64)t * m + r] = __float2bfloat16(silu_times(gv, uv));
+            }
+            continue;
+        }
+        const int ra = tile_o * 16 + gg, rb = ra + 8;
+        if (y_f32) {
+            float* yo = reinterpret_cast<float*>(y) + (u64)t * m;
+            if (ra < m) yo[ra] = beta != 0.f ? __fmaf_rn(beta, yo[ra], r0) : r0;
+            if (rb < m) yo[rb] = beta != 0.f ? __fmaf_rn(beta, yo[rb], r1) : r1;
+        } else {
+            bf16* yo = reinterpret_cast<bf16*>(y) + (u64)t * m;
+            if (ra < m)
+                yo[ra] = __float2bfloat16(
+                    beta != 0.f ? __fmaf_rn(beta, __bfloat162float(yo[ra]), r0) : r0);
+            if (rb < m)
+                yo[rb] = __float2bfloat16(
+                    beta != 0.f ? __fmaf_rn(beta, __bfloat162float(yo[rb]), r1) : r1);
+        }
+    }
+}
+
+// Grid: ceil(tiles / (8 >> wpt_log2)) blocks of GEMV_WARPS * 32 threads, tiles = ceil(m / 16)
+// (gemv, gemv_norm) or ceil(m / 8) (the glu variants, m = rows of act). Unused pointers may be
+// null.
+#define GEMV_KERNEL(NAME, GLU, NORM, NG, MINB)                                                    \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MINB)                           \
+        NAME##_##NG(const bf16* w, const bf16* x, const float* xf, const float* nw, float eps,    \
+                    void* y, int m, int n, int k, float beta, int y_f32, int wpt_log2) {         \
+        gemv_body<GLU, NORM, NG>(w, x, xf, nw, eps, y, m, n, k, beta, y_f32, wpt_log2);          \
+    }
+
+#define GEMV_VARIANTS(NG)               \
+    GEMV_KERNEL(gemv, false, false, NG, 1) \
+    GEMV_KERNEL(gemv_glu, true, false, NG, 1)
+
+GEMV_VARIANTS(1)
+GEMV_VARIANTS(2)
+GEMV_VARIANTS(4)
+GEMV_VARIANTS(8)
+// The norm prologue re-reads the residual rows in every block: only for steps of at most 8
+// tokens (and, by default, small hidden sizes: see gpu/src/cuda/device.rs).
+// (At most 128 registers, so that 2 blocks fit per SM: the batch of loads stays whole.)
+GEMV_KERNEL(gemv_norm, false, true, 1, 2)
+GEMV_KERNEL(gemv_norm_glu, true, true, 1, 2)
