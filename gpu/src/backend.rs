@@ -236,37 +236,20 @@ impl CpuBackend {
         batch: &Batch,
         rows: impl Fn(usize, &SeqInput) -> Vec<usize>,
     ) -> Result<FlatBatch, GpuError> {
+        validate_batch(
+            batch,
+            &self.model.config,
+            self.cache.num_blocks,
+            self.cache.block_size,
+            self.max_batch_tokens,
+            "CPU",
+        )?;
         let bad = |m: String| Err(GpuError::BadBatch(m));
         let total: usize = batch.seqs.iter().map(|s| s.tokens.len()).sum();
-        if total > self.max_batch_tokens {
-            return bad(format!(
-                "{total} tokens exceed the batch limit of {}",
-                self.max_batch_tokens
-            ));
-        }
-        let mut ids = HashSet::new();
         let mut tokens = Vec::with_capacity(total);
         let mut queries = Vec::with_capacity(total);
         let mut logit_rows = Vec::new();
         for (i, s) in batch.seqs.iter().enumerate() {
-            if !ids.insert(s.seq_id) {
-                return bad(format!("sequence {} appears twice", s.seq_id));
-            }
-            if s.tokens.is_empty() {
-                return bad(format!("sequence {} has no tokens", s.seq_id));
-            }
-            if let Some(a) = s.adapter {
-                return bad(format!(
-                    "LoRA adapter {a}: the CPU backend runs no adapters"
-                ));
-            }
-            if s.num_computed_tokens > self.model.config.max_position_embeddings {
-                return bad(format!(
-                    "sequence {} starts past the context window",
-                    s.seq_id
-                ));
-            }
-            s.sampling.validate(self.model.config.vocab_size)?;
             let base = tokens.len();
             logit_rows.extend(rows(i, s).into_iter().map(|r| base + r));
             tokens.extend_from_slice(&s.tokens);
@@ -380,6 +363,107 @@ impl Backend for CpuBackend {
     }
 }
 
+/// Checks a batch against the model and the KV cache (both backends): token count, unique
+/// sequences, tokens inside the vocabulary, positions inside the context window, block tables
+/// long enough and inside the cache, sampling parameters. `backend` names the caller in errors.
+pub(crate) fn validate_batch(
+    batch: &Batch,
+    c: &LlamaConfig,
+    num_blocks: usize,
+    block_size: usize,
+    max_tokens: usize,
+    backend: &str,
+) -> Result<(), GpuError> {
+    let bad = |m: String| Err(GpuError::BadBatch(m));
+    let total: usize = batch.seqs.iter().map(|s| s.tokens.len()).sum();
+    if total > max_tokens {
+        return bad(format!(
+            "{total} tokens exceed the batch limit of {max_tokens}"
+        ));
+    }
+    let mut ids = HashSet::new();
+    for s in &batch.seqs {
+        if !ids.insert(s.seq_id) {
+            return bad(format!("sequence {} appears twice", s.seq_id));
+        }
+        if s.tokens.is_empty() {
+            return bad(format!("sequence {} has no tokens", s.seq_id));
+        }
+        if let Some(a) = s.adapter {
+            return bad(format!(
+                "LoRA adapter {a}: the {backend} backend runs no adapters"
+            ));
+        }
+        if let Some(&t) = s.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+            return bad(format!(
+                "token {t} is outside the vocabulary ({})",
+                c.vocab_size
+            ));
+        }
+        let end = s.num_computed_tokens + s.tokens.len();
+        if end > c.max_position_embeddings {
+            return bad(format!(
+                "sequence {} reaches position {} past the context window ({})",
+                s.seq_id,
+                end - 1,
+                c.max_position_embeddings
+            ));
+        }
+        let need = (end - 1) / block_size + 1;
+        if s.block_table.len() < need {
+            return bad(format!(
+                "block table of {} blocks cannot hold position {}",
+                s.block_table.len(),
+                end - 1
+            ));
+        }
+        if let Some(&b) = s.block_table[..need]
+            .iter()
+            .find(|&&b| b as usize >= num_blocks)
+        {
+            return bad(format!(
+                "block id {b} out of range (cache has {num_blocks})"
+            ));
+        }
+        s.sampling.validate(c.vocab_size)?;
+    }
+    Ok(())
+}
+
+/// The prompt logprobs a step completed for one sequence, from the log-softmax `rows` of its
+/// tokens (one per token of `s.tokens`). The row held back from the sequence's previous chunk
+/// (`pending`) scores this chunk's first token, each row but the last scores the next token,
+/// and the last row is held back for the next chunk unless the step samples (then the prompt
+/// is complete). Both backends report prompt logprobs through this one function.
+pub(crate) fn prompt_logprobs(
+    s: &SeqInput,
+    pending: &mut Option<Vec<f32>>,
+    rows: impl IntoIterator<Item = Vec<f32>>,
+) -> Vec<PromptLogprob> {
+    let n = s.sampling.prompt_logprobs.unwrap_or(0) as usize;
+    let entry = |lp: &[f32], position: usize, token: u32| PromptLogprob {
+        position,
+        token,
+        logprob: lp.get(token as usize).copied().unwrap_or(f32::NEG_INFINITY),
+        top_logprobs: top_n(lp, n),
+    };
+    let mut out = Vec::with_capacity(s.tokens.len());
+    if let Some(prev) = pending.take() {
+        out.push(entry(&prev, s.num_computed_tokens, s.tokens[0]));
+    }
+    let mut last = None;
+    for (j, lp) in rows.into_iter().enumerate().take(s.tokens.len()) {
+        if let Some(&next) = s.tokens.get(j + 1) {
+            out.push(entry(&lp, s.num_computed_tokens + j + 1, next));
+        }
+        last = Some(lp);
+    }
+    if !s.sample {
+        *pending = last;
+    }
+    out
+}
+
 /// Updates one sequence's state with this step's tokens and logits rows; samples if asked.
 fn step_sequence(
     s: &SeqInput,
@@ -399,25 +483,11 @@ fn step_sequence(
         st.sampler.observe_prompt(&s.tokens);
     }
     if prompt_lp {
-        let n = s.sampling.prompt_logprobs.unwrap_or(0) as usize;
-        let entry = |lp: &[f32], position: usize, token: u32| PromptLogprob {
-            position,
-            token,
-            logprob: lp.get(token as usize).copied().unwrap_or(f32::NEG_INFINITY),
-            top_logprobs: top_n(lp, n),
-        };
-        if let Some(prev) = st.pending.take() {
-            out.prompt_logprobs
-                .push(entry(&prev, s.num_computed_tokens, s.tokens[0]));
-        }
-        let rows: Vec<Vec<f32>> = logits.chunks_exact(vocab).map(log_softmax).collect();
-        for (j, lp) in rows.iter().enumerate().take(s.tokens.len() - 1) {
-            out.prompt_logprobs
-                .push(entry(lp, s.num_computed_tokens + j + 1, s.tokens[j + 1]));
-        }
-        if !s.sample {
-            st.pending = rows.into_iter().last();
-        }
+        out.prompt_logprobs = prompt_logprobs(
+            s,
+            &mut st.pending,
+            logits.chunks_exact(vocab).map(log_softmax),
+        );
     }
     if s.sample {
         let last = logits.len() / vocab - 1;

@@ -1326,3 +1326,74 @@ fn kernels_compile_with_nvrtc() {
         Err(e) => eprintln!("skipping: {e}"),
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Prompt logprobs.
+
+/// Runs one prompt in two chunks (the first without sampling) with prompt logprobs and
+/// returns every reported (position, token, logprob, best alternative's logprob).
+fn chunked_prompt_logprobs(
+    backend: &mut dyn Backend,
+    prompt: &[u32],
+    split: usize,
+) -> Vec<(usize, u32, f32, f32)> {
+    let p = Arc::new(SamplingParams {
+        prompt_logprobs: Some(3),
+        logprobs: Some(1),
+        ..SamplingParams::greedy()
+    });
+    let table: Vec<u32> = (0..prompt.len().div_ceil(16) as u32).collect();
+    let mut first = one_seq(900, 0, prompt[..split].to_vec(), table.clone(), &p);
+    first.sample = false;
+    let second = one_seq(900, split, prompt[split..].to_vec(), table, &p);
+    let mut got = Vec::new();
+    for s in [first, second] {
+        let out = backend.execute(&Batch { seqs: vec![s] }).expect("execute");
+        for e in &out[0].prompt_logprobs {
+            assert_eq!(
+                e.top_logprobs.len(),
+                3,
+                "top alternatives at {}",
+                e.position
+            );
+            got.push((e.position, e.token, e.logprob, e.top_logprobs[0].1));
+        }
+    }
+    got
+}
+
+#[test]
+fn prompt_logprobs_match_the_cpu_backend_across_chunks() {
+    if !gpu() {
+        return;
+    }
+    let c = LlamaConfig::smollm2_135m();
+    let w = dummy_weights(&c, 5).expect("dummy");
+    let prompt = prompts(c.vocab_size)[1].clone(); // 40 tokens
+    let mut cuda =
+        CudaBackend::new(&c, WeightSource::Loaded(&w), &cfg(64, true)).expect("cuda backend");
+    let mut model = LlamaModel::from_weights(&c, &w).expect("cpu model");
+    model.set_precision(ActivationPrecision::Precise);
+    let mut cpu = switchyard_gpu::backend::CpuBackend::new(
+        model,
+        &switchyard_gpu::backend::CpuBackendConfig {
+            num_kv_blocks: 64,
+            ..Default::default()
+        },
+    )
+    .expect("cpu backend");
+    let ours = chunked_prompt_logprobs(&mut cuda, &prompt, 24);
+    let reference = chunked_prompt_logprobs(&mut cpu, &prompt, 24);
+    // Every position after the first, once, in order, across the chunk boundary.
+    let positions: Vec<usize> = ours.iter().map(|e| e.0).collect();
+    assert_eq!(positions, (1..prompt.len()).collect::<Vec<_>>());
+    assert_eq!(ours.len(), reference.len());
+    let mut worst = 0f32;
+    for (a, b) in ours.iter().zip(&reference) {
+        assert_eq!((a.0, a.1), (b.0, b.1));
+        assert_eq!(a.1, prompt[a.0], "the scored token is the prompt's");
+        worst = worst.max((a.2 - b.2).abs()).max((a.3 - b.3).abs());
+    }
+    eprintln!("prompt logprobs: worst |CUDA - CPU| {worst:.4} nats");
+    assert!(worst < 0.1, "prompt logprobs differ by {worst} nats");
+}

@@ -26,7 +26,7 @@ use std::collections::HashMap;
 use rand::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use crate::backend::{Backend, Batch, PromptLogprob, SeqOutput, MAX_LOGIT_ROWS};
+use crate::backend::{prompt_logprobs, validate_batch, Backend, Batch, SeqOutput, MAX_LOGIT_ROWS};
 use crate::error::GpuError;
 use crate::model::{LlamaConfig, ModelWeights};
 use crate::sampler::{log_softmax, top_n};
@@ -220,12 +220,13 @@ impl CudaBackend {
         rows: impl Fn(&crate::backend::SeqInput) -> Vec<usize>,
     ) -> Result<Vec<f32>, GpuError> {
         self.gpu.bind()?;
-        step::validate(
+        validate_batch(
             batch,
             &self.config,
             self.num_blocks,
             self.block_size,
             self.buf.max_tokens,
+            "CUDA",
         )?;
         let group = self.config.num_heads / self.config.num_kv_heads;
         let d = step::flatten(batch, group, self.block_size, |i| rows(&batch.seqs[i]))?;
@@ -323,12 +324,13 @@ impl Backend for CudaBackend {
     fn execute(&mut self, batch: &Batch) -> Result<Vec<SeqOutput>, GpuError> {
         self.gpu.bind()?;
         let c = &self.config;
-        step::validate(
+        validate_batch(
             batch,
             c,
             self.num_blocks,
             self.block_size,
             self.buf.max_tokens,
+            "CUDA",
         )?;
         let vocab = c.vocab_size;
         let prompt_lp: Vec<bool> = batch
@@ -473,32 +475,12 @@ impl Backend for CudaBackend {
             };
             let r0 = first_row[i];
             if prompt_lp[i] {
-                let n = s.sampling.prompt_logprobs.unwrap_or(0) as usize;
-                let entry = |lp: &[f32], position: usize, token: u32| PromptLogprob {
-                    position,
-                    token,
-                    logprob: lp.get(token as usize).copied().unwrap_or(f32::NEG_INFINITY),
-                    top_logprobs: top_n(lp, n),
-                };
-                if let Some(prev) = st.pending.take() {
-                    out.prompt_logprobs
-                        .push(entry(&prev, s.num_computed_tokens, s.tokens[0]));
-                }
-                let mut last = None;
-                for j in 0..s.tokens.len() {
-                    let lp = log_softmax(raw.get(&(r0 + j)).map_or(&[][..], |v| v));
-                    if j + 1 < s.tokens.len() {
-                        out.prompt_logprobs.push(entry(
-                            &lp,
-                            s.num_computed_tokens + j + 1,
-                            s.tokens[j + 1],
-                        ));
-                    }
-                    last = Some(lp);
-                }
-                if !s.sample {
-                    st.pending = last;
-                }
+                out.prompt_logprobs = prompt_logprobs(
+                    s,
+                    &mut st.pending,
+                    (0..s.tokens.len())
+                        .map(|j| log_softmax(raw.get(&(r0 + j)).map_or(&[][..], |v| v))),
+                );
             }
             if s.sample {
                 let Some(&tok) = tokens.get(next_sample) else {

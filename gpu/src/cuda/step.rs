@@ -7,11 +7,8 @@
 //! decode bucket of `B` sequences finds every array at the same address on each replay; the
 //! block tables come last, with their stride in the `meta` words the kernels read.
 
-use std::collections::HashSet;
-
 use crate::backend::{Batch, MAX_LOGIT_ROWS};
 use crate::error::GpuError;
-use crate::model::LlamaConfig;
 
 /// Query rows one attention block holds (`ATT_ROWS` in the kernels).
 pub(crate) const ATT_ROWS: usize = 32;
@@ -102,70 +99,6 @@ pub(crate) struct StepData {
     pub stride: usize,
     /// Longest key range of any tile (position of its last query + 1).
     pub max_keys: usize,
-}
-
-/// Checks a batch against the model and the cache, as the CPU backend does.
-pub(crate) fn validate(
-    batch: &Batch,
-    c: &LlamaConfig,
-    num_blocks: usize,
-    block_size: usize,
-    max_tokens: usize,
-) -> Result<(), GpuError> {
-    let bad = |m: String| Err(GpuError::BadBatch(m));
-    let total: usize = batch.seqs.iter().map(|s| s.tokens.len()).sum();
-    if total > max_tokens {
-        return bad(format!(
-            "{total} tokens exceed the batch limit of {max_tokens}"
-        ));
-    }
-    let mut ids = HashSet::new();
-    for s in &batch.seqs {
-        if !ids.insert(s.seq_id) {
-            return bad(format!("sequence {} appears twice", s.seq_id));
-        }
-        if s.tokens.is_empty() {
-            return bad(format!("sequence {} has no tokens", s.seq_id));
-        }
-        if let Some(a) = s.adapter {
-            return bad(format!(
-                "LoRA adapter {a}: the CUDA backend runs no adapters"
-            ));
-        }
-        if let Some(&t) = s.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
-            return bad(format!(
-                "token {t} is outside the vocabulary ({})",
-                c.vocab_size
-            ));
-        }
-        let end = s.num_computed_tokens + s.tokens.len();
-        if end > c.max_position_embeddings {
-            return bad(format!(
-                "sequence {} reaches position {} past the context window ({})",
-                s.seq_id,
-                end - 1,
-                c.max_position_embeddings
-            ));
-        }
-        let need = (end - 1) / block_size + 1;
-        if s.block_table.len() < need {
-            return bad(format!(
-                "block table of {} blocks cannot hold position {}",
-                s.block_table.len(),
-                end - 1
-            ));
-        }
-        if let Some(&b) = s.block_table[..need]
-            .iter()
-            .find(|&&b| b as usize >= num_blocks)
-        {
-            return bad(format!(
-                "block id {b} out of range (cache has {num_blocks})"
-            ));
-        }
-        s.sampling.validate(c.vocab_size)?;
-    }
-    Ok(())
 }
 
 /// Flattens a checked batch; `rows(i)` names the chunk rows of sequence `i` needing logits.
@@ -362,7 +295,9 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
+    use crate::backend::validate_batch;
     use crate::backend::{SamplingParams, SeqInput};
+    use crate::model::LlamaConfig;
 
     fn seq(id: u64, computed: usize, n: usize, table: Vec<u32>) -> SeqInput {
         SeqInput {
@@ -404,7 +339,7 @@ mod tests {
         let ok = Batch {
             seqs: vec![seq(1, 0, 3, vec![0])],
         };
-        assert!(validate(&ok, &c, 4, 16, 100).is_ok());
+        assert!(validate_batch(&ok, &c, 4, 16, 100, "CUDA").is_ok());
         for bad in [
             Batch {
                 seqs: vec![seq(1, 0, 3, vec![0]), seq(1, 0, 1, vec![1])],
@@ -419,9 +354,12 @@ mod tests {
                 seqs: vec![seq(1, 0, 0, vec![0])],
             },
         ] {
-            assert!(validate(&bad, &c, 4, 16, 100).is_err(), "{bad:?}");
+            assert!(
+                validate_batch(&bad, &c, 4, 16, 100, "CUDA").is_err(),
+                "{bad:?}"
+            );
         }
-        assert!(validate(&ok, &c, 4, 16, 2).is_err());
+        assert!(validate_batch(&ok, &c, 4, 16, 2, "CUDA").is_err());
     }
 
     #[test]
