@@ -17,7 +17,9 @@
 //!   token's result bit-identical whatever n, and steps that run on them against the CPU forward
 //!   pass beside prefill steps that run on cuBLAS;
 //! - a random Llama-3-8B-shaped checkpoint from `gpu/reference/ref_logits.py` against
-//!   transformers in float32 (`SWITCHYARD_REF_LOGITS_DIR`).
+//!   transformers in float32 (`SWITCHYARD_REF_LOGITS_DIR`);
+//! - prompt logprobs of a prompt run in two chunks against the CPU backend (every position once,
+//!   the held-back row across the chunk boundary).
 #![cfg(feature = "cuda")]
 
 use std::path::PathBuf;
