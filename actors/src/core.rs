@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use switchyard_gpu::backend::{Backend, Batch, PromptLogprob, SamplingParams, SeqInput, SeqOutput};
 use switchyard_policies::{
-    BlockId, BlockPool, FinishReason, KvCommit, Policy, Request, RequestId, SamplingLimits,
+    BlockId, BlockPool, FinishReason, IdMap, KvCommit, Policy, Request, RequestId, SamplingLimits,
     Scheduler, SchedulerConfig, SchedulerStats, SeqEvent, SloTargets, StepOutput, StepPlan,
     Timestamp, TokenId,
 };
@@ -161,7 +161,7 @@ struct LiveRequest {
 pub struct StepCore {
     scheduler: Scheduler,
     /// Requests in flight.
-    live: HashMap<RequestId, LiveRequest>,
+    live: IdMap<LiveRequest>,
     /// Sequences that ended since the last prepared step; their backend state is released.
     ended: Vec<u64>,
     /// The last batch's entries, refilled by the next step.
@@ -174,7 +174,7 @@ impl StepCore {
         let scheduler = Scheduler::new(config.scheduler, policy, config.hash_key)?;
         Ok(Self {
             scheduler,
-            live: HashMap::new(),
+            live: IdMap::default(),
             ended: Vec::new(),
             spare: Vec::new(),
         })

@@ -71,6 +71,7 @@ fn decoding_scheduler_with(policy: &str, params: &serde_yaml::Value) -> (Schedul
         enable_prefix_caching: true,
         max_model_len: 1 << 16,
         tiers: tiers(),
+        max_logit_rows: usize::MAX,
     };
     let p = PolicyRegistry::with_builtins()
         .create(policy, &serde_yaml::Value::Null, &tiers())

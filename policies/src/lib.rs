@@ -60,6 +60,6 @@ pub use policy::{
     PriorityPolicy, Rank, SloAware, StepContext,
 };
 pub use prefix_hash::{BlockHasher, HashExtras, PrefixHash};
-pub use scheduler::{validate_config, Scheduler};
+pub use scheduler::{validate_config, IdHasher, IdMap, Scheduler};
 pub use sequence::SeqView;
 pub use types::*;

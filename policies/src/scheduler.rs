@@ -36,9 +36,10 @@ pub const MAX_TENANTS: usize = 1 << 16;
 /// Largest `max_num_seqs`, `max_num_batched_tokens` and `max_model_len` accepted.
 pub const MAX_LIMIT: usize = 1 << 24;
 
-/// Fibonacci hashing for request ids (ids are chosen by the engine, not by clients).
+/// Fibonacci hashing for request ids (ids are chosen by the engine, not by clients, so there
+/// is no hash-flooding vector).
 #[derive(Default)]
-pub(crate) struct IdHasher(u64);
+pub struct IdHasher(u64);
 
 impl Hasher for IdHasher {
     fn finish(&self) -> u64 {
@@ -54,7 +55,8 @@ impl Hasher for IdHasher {
     }
 }
 
-pub(crate) type IdMap<V> = HashMap<RequestId, V, BuildHasherDefault<IdHasher>>;
+/// A map keyed by engine-assigned request ids.
+pub type IdMap<V> = HashMap<RequestId, V, BuildHasherDefault<IdHasher>>;
 
 /// A sequence slot with its sort key for one step.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]

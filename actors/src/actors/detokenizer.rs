@@ -3,14 +3,13 @@
 //! A sink whose client went away makes it abort the request at once.
 
 use std::cell::RefCell;
-use std::collections::HashMap;
 use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use actix::{Actor, Addr, AsyncContext, Context, Handler, Message};
 use switchyard_gpu::model::Tokenizer;
-use switchyard_policies::{FinishReason, RequestId};
+use switchyard_policies::{FinishReason, IdMap, RequestId};
 
 use super::engine::{
     ChoiceDelta, EngineOutput, InFlight, OutputSink, SubmitError, SubmitErrorKind, TokenLogprobs,
@@ -114,7 +113,7 @@ struct ChoiceState {
 pub struct DetokenizerActor {
     tokenizer: Arc<Tokenizer>,
     scheduler: Option<Addr<SchedulerActor>>,
-    choices: HashMap<RequestId, ChoiceState>,
+    choices: IdMap<ChoiceState>,
 }
 
 impl DetokenizerActor {
@@ -123,7 +122,7 @@ impl DetokenizerActor {
         Self {
             tokenizer,
             scheduler: None,
-            choices: HashMap::new(),
+            choices: IdMap::default(),
         }
     }
 
@@ -174,14 +173,14 @@ impl DetokenizerActor {
 struct StepDeltas {
     deltas: Vec<(RequestId, ChoiceDelta)>,
     /// Position of each choice's delta in `deltas`.
-    index: HashMap<RequestId, usize>,
+    index: IdMap<usize>,
 }
 
 impl StepDeltas {
     fn with_capacity(n: usize) -> Self {
         Self {
             deltas: Vec::with_capacity(n),
-            index: HashMap::with_capacity(n),
+            index: IdMap::with_capacity_and_hasher(n, Default::default()),
         }
     }
 
