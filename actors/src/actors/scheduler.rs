@@ -272,3 +272,121 @@ impl Handler<GetStats> for SchedulerActor {
         actix::MessageResult(self.core.stats())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+
+    use actix::SyncArbiter;
+    use switchyard_gpu::backend::{Backend, Batch, SamplingParams, SeqOutput};
+    use switchyard_gpu::model::Tokenizer;
+    use switchyard_gpu::GpuError;
+    use switchyard_policies::{PolicyRegistry, SamplingLimits, SchedulerConfig};
+
+    use super::*;
+    use crate::actors::allocator::KvAllocatorActor;
+    use crate::actors::detokenizer::SetScheduler;
+    use crate::core::EngineCoreConfig;
+
+    /// Samples token 1 at once and counts the tokens each sequence was fed.
+    struct CountingBackend(Arc<Mutex<HashMap<u64, usize>>>);
+
+    impl Backend for CountingBackend {
+        fn name(&self) -> &str {
+            "counting"
+        }
+        fn num_kv_blocks(&self) -> usize {
+            64
+        }
+        fn block_size(&self) -> usize {
+            4
+        }
+        fn max_batch_tokens(&self) -> usize {
+            1024
+        }
+        fn execute(&mut self, batch: &Batch) -> Result<Vec<SeqOutput>, GpuError> {
+            let mut fed = self.0.lock().unwrap();
+            Ok(batch
+                .seqs
+                .iter()
+                .map(|s| {
+                    *fed.entry(s.seq_id).or_default() += s.tokens.len();
+                    SeqOutput {
+                        seq_id: s.seq_id,
+                        token: s.sample.then_some(1),
+                        logprob: None,
+                        top_logprobs: Vec::new(),
+                        prompt_logprobs: Vec::new(),
+                    }
+                })
+                .collect())
+        }
+        fn release(&mut self, _: u64) {}
+    }
+
+    fn tokenizer() -> Arc<Tokenizer> {
+        let json = r#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],
+            "normalizer":null,"pre_tokenizer":{"type":"Whitespace"},"post_processor":null,
+            "decoder":null,"model":{"type":"WordLevel","vocab":{"a":0,"b":1,"c":2},"unk_token":"a"}}"#;
+        Arc::new(Tokenizer::from_json_bytes(json.as_bytes()).unwrap())
+    }
+
+    fn request(id: u64) -> SubmitOptions {
+        let limits = SamplingLimits {
+            max_tokens: 6,
+            ignore_eos: true,
+            ..SamplingLimits::default()
+        };
+        SubmitOptions::offline(id, vec![2; 10], limits, Arc::new(SamplingParams::default()))
+    }
+
+    #[actix::test]
+    async fn a_finish_during_the_allocator_commit_waits_for_the_block_ids() {
+        let fed = Arc::new(Mutex::new(HashMap::new()));
+        let backend = fed.clone();
+        let executor = SyncArbiter::start(1, move || {
+            ExecutorActor::new(Some(Box::new(CountingBackend(backend.clone()))))
+        });
+        let detokenizer = DetokenizerActor::new(tokenizer()).start();
+        let config = SchedulerConfig {
+            num_gpu_blocks: 64,
+            block_size: 4,
+            max_model_len: 64,
+            ..SchedulerConfig::default()
+        };
+        let policy = PolicyRegistry::with_builtins()
+            .create("fcfs", &serde_yaml::Value::Null, &[])
+            .unwrap();
+        let mut core = StepCore::new(
+            EngineCoreConfig {
+                scheduler: config,
+                hash_key: [1, 2],
+            },
+            policy,
+        )
+        .unwrap();
+        let allocator = KvAllocatorActor::new(core.detach_allocator().unwrap()).start();
+        let scheduler = SchedulerActor::new(core, allocator, executor, detokenizer.clone()).start();
+        detokenizer.do_send(SetScheduler(scheduler.clone()));
+        // Request 2 ends while the first step's commit (which reserved its blocks) is with
+        // the allocator; request 1, in the same step, must run to its end regardless.
+        scheduler.do_send(Submit(vec![request(1), request(2)]));
+        scheduler.do_send(Finish(vec![(RequestId(2), FinishReason::Abort)]));
+        for _ in 0..500 {
+            let s = scheduler.send(GetStats).await.unwrap();
+            if s.num_running == 0 && s.num_waiting == 0 && fed.lock().unwrap().contains_key(&1) {
+                break;
+            }
+            actix::clock::sleep(Duration::from_millis(2)).await;
+        }
+        let stats = scheduler.send(GetStats).await.unwrap();
+        assert_eq!((stats.num_running, stats.num_waiting), (0, 0));
+        assert_eq!(stats.kv_usage, 0.0, "every block is back");
+        let fed = fed.lock().unwrap();
+        // 10 prompt tokens, then one token per step for the 5 further outputs.
+        assert_eq!(fed.get(&1), Some(&15), "request 1 ran to its end: {fed:?}");
+        assert_eq!(fed.get(&2), None, "the aborted request never ran");
+    }
+}
