@@ -297,15 +297,7 @@ impl Backend for CpuBackend {
             .iter()
             .map(|s| self.wants_prompt_logprobs(s))
             .collect();
-        let (tokens, queries, rows) = self.flatten(batch, |i, s| {
-            if prompt_lp[i] {
-                (0..s.tokens.len()).collect()
-            } else if s.sample {
-                vec![s.tokens.len() - 1]
-            } else {
-                Vec::new()
-            }
-        })?;
+        let (tokens, queries, rows) = self.flatten(batch, |i, s| logit_rows_of(s, prompt_lp[i]))?;
         let tables: Vec<&[u32]> = batch
             .seqs
             .iter()
@@ -428,6 +420,18 @@ pub(crate) fn validate_batch(
         s.sampling.validate(c.vocab_size)?;
     }
     Ok(())
+}
+
+/// The rows of a sequence's chunk whose logits a step needs: every row while prompt logprobs
+/// are produced, else the last row when the step samples, else none.
+pub(crate) fn logit_rows_of(s: &SeqInput, prompt_logprobs: bool) -> Vec<usize> {
+    if prompt_logprobs {
+        (0..s.tokens.len()).collect()
+    } else if s.sample {
+        vec![s.tokens.len() - 1]
+    } else {
+        Vec::new()
+    }
 }
 
 /// The prompt logprobs a step completed for one sequence, from the log-softmax `rows` of its

@@ -26,7 +26,9 @@ use std::collections::HashMap;
 use rand::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use crate::backend::{prompt_logprobs, validate_batch, Backend, Batch, SeqOutput, MAX_LOGIT_ROWS};
+use crate::backend::{
+    logit_rows_of, prompt_logprobs, validate_batch, Backend, Batch, SeqOutput, MAX_LOGIT_ROWS,
+};
 use crate::error::GpuError;
 use crate::model::{LlamaConfig, ModelWeights};
 use crate::sampler::{log_softmax, top_n};
@@ -232,18 +234,23 @@ impl CudaBackend {
         let d = step::flatten(batch, group, self.block_size, |i| rows(&batch.seqs[i]))?;
         let launch = self.eager_launch(&d);
         self.upload_step(&d, &[], &launch)?;
+        self.enqueue(&launch)?;
+        let vocab = self.config.vocab_size;
+        let mut out = vec![0f32; d.logit_rows.len() * vocab];
+        self.gpu.download(&mut out, self.buf.logits.ptr())?;
+        Ok(out)
+    }
+
+    /// Enqueues the forward pass of the uploaded step without a graph.
+    fn enqueue(&self, launch: &Launch) -> Result<(), GpuError> {
         forward::enqueue(
             &self.gpu,
             &self.config,
             &self.weights,
             &self.buf,
             self.block_size,
-            &launch,
-        )?;
-        let vocab = self.config.vocab_size;
-        let mut out = vec![0f32; d.logit_rows.len() * vocab];
-        self.gpu.download(&mut out, self.buf.logits.ptr())?;
-        Ok(out)
+            launch,
+        )
     }
 
     /// The launch shape of a step run without a graph.
@@ -340,14 +347,7 @@ impl Backend for CudaBackend {
             .collect();
         let group = c.num_heads / c.num_kv_heads;
         let d = step::flatten(batch, group, self.block_size, |i| {
-            let s = &batch.seqs[i];
-            if prompt_lp[i] {
-                (0..s.tokens.len()).collect()
-            } else if s.sample {
-                vec![s.tokens.len() - 1]
-            } else {
-                Vec::new()
-            }
+            logit_rows_of(&batch.seqs[i], prompt_lp[i])
         })?;
         // Sequence states (new ones get their seed now, in batch order) and the rows to sample.
         let mut samples = Vec::new();
@@ -402,14 +402,7 @@ impl Backend for CudaBackend {
         }
         if !ran_graph {
             self.upload_step(&d, &samples, &launch)?;
-            forward::enqueue(
-                &self.gpu,
-                &self.config,
-                &self.weights,
-                &self.buf,
-                self.block_size,
-                &launch,
-            )?;
+            self.enqueue(&launch)?;
         }
         // Raw logits rows for logprobs, before any edit.
         let mut raw: HashMap<usize, Vec<f32>> = HashMap::new();
@@ -435,17 +428,7 @@ impl Backend for CudaBackend {
             }
         }
         edits.apply(&self.gpu, &mut self.edit_buf, self.buf.logits.ptr(), vocab)?;
-        let lay = &launch.layout;
-        let at = |off: usize| self.buf.step.at(off);
-        let arrays = SampleArrays {
-            rows: at(lay.sample_rows)?,
-            temperature: at(lay.temperature)?,
-            top_k: at(lay.top_k)?,
-            top_p: at(lay.top_p)?,
-            min_p: at(lay.min_p)?,
-            seeds: at(lay.seeds)?,
-            counters: at(lay.counters)?,
-        };
+        let arrays = SampleArrays::at(&launch.layout, |off| self.buf.step.at(off))?;
         self.gpu.timed("sample_rows", || {
             sampling::sample(
                 &self.gpu,

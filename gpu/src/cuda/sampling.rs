@@ -12,7 +12,7 @@
 use std::collections::{HashMap, HashSet};
 
 use super::device::{Arg, DevMem, Gpu};
-use super::step::SampleRow;
+use super::step::{Layout, SampleRow};
 use crate::backend::SeqInput;
 use crate::error::GpuError;
 use crate::sampler::SamplingParams;
@@ -206,6 +206,25 @@ pub(crate) struct SampleArrays {
     pub min_p: u64,
     pub seeds: u64,
     pub counters: u64,
+}
+
+impl SampleArrays {
+    /// The device addresses of the sampling arrays of a step buffer laid out as `lay`;
+    /// `at` turns a byte offset into the buffer into a device address.
+    pub(crate) fn at(
+        lay: &Layout,
+        at: impl Fn(usize) -> Result<u64, GpuError>,
+    ) -> Result<Self, GpuError> {
+        Ok(Self {
+            rows: at(lay.sample_rows)?,
+            temperature: at(lay.temperature)?,
+            top_k: at(lay.top_k)?,
+            top_p: at(lay.top_p)?,
+            min_p: at(lay.min_p)?,
+            seeds: at(lay.seeds)?,
+            counters: at(lay.counters)?,
+        })
+    }
 }
 
 /// Samples `n` rows into `out` (i32 per row).

@@ -194,16 +194,7 @@ pub fn sample(
     gpu.upload(ld.ptr(), logits)?;
     let mut ebuf = None;
     edits.apply(&gpu, &mut ebuf, ld.ptr(), vocab)?;
-    let at = |o: usize| stepbuf.at(o);
-    let arrays = SampleArrays {
-        rows: at(lay.sample_rows)?,
-        temperature: at(lay.temperature)?,
-        top_k: at(lay.top_k)?,
-        top_p: at(lay.top_p)?,
-        min_p: at(lay.min_p)?,
-        seeds: at(lay.seeds)?,
-        counters: at(lay.counters)?,
-    };
+    let arrays = SampleArrays::at(&lay, |o| stepbuf.at(o))?;
     sampling::sample(&gpu, ld.ptr(), vocab, &arrays, rows, out.ptr())?;
     let mut t = vec![0i32; rows];
     gpu.download(&mut t, out.ptr())?;
