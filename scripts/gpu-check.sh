@@ -15,8 +15,11 @@
 #             transformers' float32 ones
 #   dummy     batch-1 / batch-256 decode and offline benchmarks on random weights (OFFLINE=0
 #             leaves out the 2000-prompt offline run)
-#   variants  batch-1 decode with each SWITCHYARD_CUDA_GEMV mode and with PDL off (VARIANTS),
-#             Llama decode at VARIANT_BATCHES with and without the GEMV kernels
+#   variants  batch-1 decode with each SWITCHYARD_CUDA_GEMV mode, with PDL off (`:nopdl`) and
+#             with GemmEx instead of cuBLASLt (`:nolt`) (VARIANTS), Llama decode at
+#             VARIANT_BATCHES with and without the GEMV kernels
+#   offline   Llama-3-8B offline 2000 x 128/128 at each OFFLINE_CONFIGS entry
+#             (max_num_seqs:max_num_batched_tokens)
 #   profile   batch-1 decode with SWITCHYARD_CUDA_PROFILE=1 (per-kernel breakdown)
 # Results: $OUT/summary.txt (the table printed last), $OUT/*.json and logs.
 set -uo pipefail
@@ -25,7 +28,7 @@ cd "$(dirname "$0")/.."
 BIN=${BIN:-target/release}
 OUT=${OUT:-gpu-check-out}
 MODEL=${MODEL:-}
-SECTIONS=${SECTIONS:-"tests gemv ref dummy variants profile model serve hf"}
+SECTIONS=${SECTIONS:-"tests gemv ref dummy variants offline profile model serve hf"}
 mkdir -p "$OUT"
 SY="$BIN/switchyard"
 TESTBIN=$(ls "$BIN"/cuda_backend* 2>/dev/null | grep -v '\.d$' | head -1)
@@ -91,22 +94,34 @@ if has dummy; then
 fi
 
 if has variants; then
-  # MODE[:nopdl] for SWITCHYARD_CUDA_GEMV (and SWITCHYARD_CUDA_PDL=0), batch 1, both models.
-  for spec in ${VARIANTS:-off plain glu auto norm off:nopdl auto:nopdl}; do
+  # MODE[:nopdl][:nolt] for SWITCHYARD_CUDA_GEMV (SWITCHYARD_CUDA_PDL=0,
+  # SWITCHYARD_CUDA_BLASLT=0), batch 1, the models in VARIANT_MODELS.
+  for spec in ${VARIANTS:-off hybrid norm auto off:nopdl auto:nopdl off:nolt}; do
     mode=${spec%%:*}
     pdl=1
-    [[ $spec == *:nopdl ]] && pdl=0
-    for m in llama-3-8b smollm2-135m; do
-      SWITCHYARD_CUDA_PDL=$pdl SWITCHYARD_CUDA_GEMV=$mode bench "$m-b1-${spec/:/-}" --dummy "$m" \
-        --decode-batch 1 --input-len 128 --output-len 256
+    lt=1
+    [[ $spec == *:nopdl* ]] && pdl=0
+    [[ $spec == *:nolt* ]] && lt=0
+    for m in ${VARIANT_MODELS:-llama-3-8b smollm2-135m}; do
+      SWITCHYARD_CUDA_PDL=$pdl SWITCHYARD_CUDA_BLASLT=$lt SWITCHYARD_CUDA_GEMV=$mode \
+        bench "$m-b1-${spec//:/-}" --dummy "$m" --decode-batch 1 --input-len 128 --output-len 256
     done
   done
   # Larger decode batches (the GEMV kernels take up to 64 tokens) against cuBLAS.
-  for b in ${VARIANT_BATCHES:-8 16 64}; do
+  for b in ${VARIANT_BATCHES-8 16 64}; do
     for mode in off auto; do
       SWITCHYARD_CUDA_GEMV=$mode bench "llama-3-8b-b$b-$mode" --dummy llama-3-8b --decode-batch "$b" \
         --input-len 128 --output-len 128
     done
+  done
+fi
+
+if has offline; then
+  for spec in ${OFFLINE_CONFIGS:-256:8192 1024:16384}; do
+    IFS=: read -r seqs toks <<<"$spec"
+    bench "llama8b-offline-2000-${spec//:/-}" --dummy llama-3-8b \
+      --num-prompts 2000 --input-len 128 --output-len 128 --max-num-seqs "$seqs" \
+      --max-num-batched-tokens "$toks"
   done
 fi
 
@@ -115,6 +130,11 @@ if has profile; then
     SWITCHYARD_CUDA_PROFILE=1 bench "profile-$m-b1" --dummy "$m" --decode-batch 1 --input-len 128 --output-len 64
     grep -A30 "kernel time by class" "$OUT/profile-$m-b1.log" | sed 's/^/  /' | tee -a "$summary" >/dev/null
   done
+  if [ "${PROFILE_OFFLINE:-1}" = 1 ]; then
+    SWITCHYARD_CUDA_PROFILE=1 bench profile-llama8b-offline-512 --dummy llama-3-8b --num-prompts 512 \
+      --input-len 128 --output-len 128 --max-num-seqs "${PROFILE_SEQS:-256}" --max-num-batched-tokens 16384
+    grep -A30 "kernel time by class" "$OUT/profile-llama8b-offline-512.log" | sed 's/^/  /' | tee -a "$summary" >/dev/null
+  fi
 fi
 
 if has model && [ -n "$MODEL" ] && [ -f "$MODEL" ]; then
@@ -152,7 +172,7 @@ EOF
 fi
 
 if has hf && [ -f gpu/reference/hf_bench.py ]; then
-  timeout 300 python3 gpu/reference/hf_bench.py >"$OUT/hf_bench.log" 2>&1
+  timeout "${HF_TIMEOUT:-300}" python3 gpu/reference/hf_bench.py ${HF_ARGS:-} >"$OUT/hf_bench.log" 2>&1
   note "hf_bench rc=$?: $(tail -c 600 "$OUT/hf_bench.log" | tr '\n' ' ')"
 fi
 

@@ -121,8 +121,8 @@ __device__ __forceinline__ void gemv_body(const bf16* __restrict__ w, const bf16
 
     // Weights do not depend on earlier kernels: with programmatic dependent launch this block
     // may start while the previous kernel still runs, so it asks for the first two batches of
-    // its W rows (a 128-byte line per two steps) in L2 before waiting for that kernel.
-    pdl_trigger();
+    // its W rows (a 128-byte line per two steps) in L2 before waiting for that kernel, and
+    // lets the next kernel in only after the wait (see PDL_ENTER in llama.cu).
     if (c == 0) {
 #pragma unroll 4
         for (int u = 0; u < 2 * STEPS; u += 2) {
@@ -133,6 +133,7 @@ __device__ __forceinline__ void gemv_body(const bf16* __restrict__ w, const bf16
         }
     }
     pdl_wait();
+    pdl_trigger();
 
     if (NORM) {
         // The inverse RMS of each token, one warp per token.

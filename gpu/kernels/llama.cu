@@ -20,9 +20,13 @@ typedef unsigned int u32;
 // can then be scheduled once every block of this one has run pdl_trigger(), and must run
 // pdl_wait() (which returns once the previous kernel has completed and its writes are visible)
 // before it reads anything an earlier kernel wrote or writes anything an earlier kernel reads.
-// Every kernel here starts with PDL_ENTER(), or, like the GEMV kernels, does only independent
-// work (prefetching weights) between the trigger and the wait. Both are no-ops without the
-// attribute and below sm_90.
+// Every kernel here starts with PDL_ENTER(): wait, then trigger, so only the next kernel is
+// brought in early, while this one runs (its launch latency and, for the GEMV kernels, the L2
+// prefetch of its weights before their wait overlap this kernel). Triggering before the wait
+// would let the whole rest of the stream cascade in, every kernel's blocks resident and
+// spinning in pdl_wait() while they take the slots the running kernel needs (measured in v2:
+// the GEMV path went from 5.96 to 7.64 ms per Llama decode step with the trigger first). Both
+// are no-ops without the attribute and below sm_90.
 __device__ __forceinline__ void pdl_trigger() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -37,8 +41,8 @@ __device__ __forceinline__ void pdl_wait() {
 
 #define PDL_ENTER() \
     do {            \
-        pdl_trigger(); \
         pdl_wait();    \
+        pdl_trigger(); \
     } while (0)
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -236,183 +240,356 @@ extern "C" __global__ void silu_mul(const bf16* gu, bf16* out, int inter, u64 to
 }
 
 // ---------------------------------------------------------------------------------------------
-// Paged attention for prefill chunks and decodes in one launch.
+// Paged attention on the tensor cores (flash-attention 2 style), for prefill chunks and decodes
+// in one launch.
 //
-// Work is cut into tiles: a tile is up to `qn` consecutive query tokens of one sequence (their
-// positions increase by one), and a block handles one tile, one KV head (all query heads of its
-// group: rows = tokens x group) and one split of the key range. Keys are streamed 32 at a time
-// through shared memory (flash-attention-style online softmax, one warp per row); row r's query
-// at position p attends keys 0..=p, so cached prefix blocks (prefix-cache hits, earlier chunks)
-// are read through the block table like any other. With more than one split, each block writes
-// its unnormalised partial result and `attention_combine` merges them (split-K decoding for long
-// contexts; a launch with gridDim.z > 1 always goes through the combine step). meta[0] =
-// block-table stride, meta[1] = split length (a multiple of 32), meta[2] = number of splits in
-// use (at most gridDim.z).
+// Work is cut into tiles: a tile is up to MMA_ROWS / group consecutive query tokens of one
+// sequence (their positions increase by one), and a block handles one tile, one KV head (all
+// query heads of its group: rows = tokens x group, row r = token r / group, head r % group)
+// and one split of the key range; its warps own 16 rows each. Tiles of at most 16 rows
+// (decodes, small chunks) run in one-warp blocks (`attention_w1_*`), the others in four-warp
+// blocks (`attention_w4_*`): memory-bound decodes get many small resident blocks, and every
+// row is computed by the same instructions either way, so a row's bits never depend on which
+// kernel ran it. `tile_base`: the kernel's first tile in the step's list. Row r's query at position p
+// attends keys 0..=p, so cached prefix blocks (prefix-cache hits, earlier chunks) are read
+// through the block table like any other. Keys and values come through shared memory
+// MMA_KEYS at a time (cp.async, the values landing while the scores are computed); S = Q K^T
+// and O += P V run as mma.m16n8k16 (bf16 in, f32 accumulate) with fragments loaded by
+// ldmatrix, the online softmax in registers (exp2, the scale folded in). P enters the second
+// product as two bf16 terms (hi + lo), so it keeps about 16 bits as the f32 p it stands for.
+//
+// Split-K: with gridDim.z > 1, each block takes keys [split * len, (split + 1) * len) and writes
+// its unnormalised result and (max, sum) in log2 units; `attention_combine` merges them. A
+// row's result depends only on its own inputs and the split length (a multiple of MMA_KEYS),
+// never on the other rows of its tile or step. meta[0] = block-table stride, meta[1] = split
+// length, meta[2] = splits in use (at most gridDim.z).
 
-#define ATT_WARPS 4
-#define ATT_ROWS 32
-#define ATT_RPW (ATT_ROWS / ATT_WARPS)
-#define ATT_KEYS 32
+#define MMA_ROWS 64
+#define MMA_KEYS 64
 
-template <int HD>
-__device__ void attention_body(const bf16* __restrict__ q, const bf16* __restrict__ kc,
-                               const bf16* __restrict__ vc, const int* __restrict__ pos,
-                               const int* __restrict__ tile_seq, const int* __restrict__ tile_q0,
-                               const int* __restrict__ tile_qn,
-                               const int* __restrict__ block_tables, const int* __restrict__ meta,
-                               float* __restrict__ part_acc, float* __restrict__ part_ml,
-                               bf16* __restrict__ out, int nh, int nkv, int block_size,
-                               float scale) {
-    constexpr int DPL = HD / 32;  // dimensions per lane
-    __shared__ float q_s[ATT_ROWS][HD];
-    __shared__ float k_s[ATT_KEYS][HD + 1];
-    __shared__ bf16 v_s[ATT_KEYS][HD];
-
-    int tile = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
-    int qn = tile_qn[tile];
-    int nsplit = meta[2];
-    if (qn <= 0 || split >= nsplit) return;
-    int q0 = tile_q0[tile];
-    int seq = tile_seq[tile];
-    int group = nh / nkv;
-    int rows = qn * group;
-    int stride = meta[0], split_len = meta[1];
-    const int* table = block_tables + (long long)seq * stride;
-    int pmax = pos[q0 + qn - 1];
-    int kstart = split * split_len;
-    int kend = min(kstart + split_len, pmax + 1);
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-
-    // Queries of the tile, f32 in shared memory.
-    for (int i = threadIdx.x; i < rows * HD; i += blockDim.x) {
-        int r = i / HD, d = i % HD;
-        int t = q0 + r / group, head = kvh * group + r % group;
-        q_s[r][d] = __bfloat162float(q[((long long)t * nh + head) * HD + d]);
-    }
-
-    float m[ATT_RPW], l[ATT_RPW], acc[ATT_RPW][DPL];
-    int rpos[ATT_RPW];
-#pragma unroll
-    for (int i = 0; i < ATT_RPW; i++) {
-        m[i] = NEG_INF;
-        l[i] = 0.f;
-        int r = warp + i * ATT_WARPS;
-        rpos[i] = r < rows ? pos[q0 + r / group] : -1;
-#pragma unroll
-        for (int d = 0; d < DPL; d++) acc[i][d] = 0.f;
-    }
-
-    for (int kb = kstart; kb < kend; kb += ATT_KEYS) {
-        __syncthreads();
-        // Load 32 keys and values: 16-byte pieces, HD / 8 per key.
-        constexpr int PIECES = HD / 8;
-        for (int i = threadIdx.x; i < ATT_KEYS * PIECES; i += blockDim.x) {
-            int j = i / PIECES, c = i % PIECES;
-            int kp = kb + j;
-            uint4 kv4 = make_uint4(0, 0, 0, 0), vv4 = make_uint4(0, 0, 0, 0);
-            if (kp < kend) {
-                long long slot = (long long)table[kp / block_size] * block_size + kp % block_size;
-                long long off = (slot * nkv + kvh) * HD + c * 8;
-                kv4 = *reinterpret_cast<const uint4*>(kc + off);
-                vv4 = *reinterpret_cast<const uint4*>(vc + off);
-            }
-            const bf16* kh = reinterpret_cast<const bf16*>(&kv4);
-#pragma unroll
-            for (int e = 0; e < 8; e++) k_s[j][c * 8 + e] = __bfloat162float(kh[e]);
-            *reinterpret_cast<uint4*>(&v_s[j][c * 8]) = vv4;
-        }
-        __syncthreads();
-        int kp = kb + lane;
-#pragma unroll
-        for (int i = 0; i < ATT_RPW; i++) {
-            int r = warp + i * ATT_WARPS;
-            if (r >= rows) continue;  // warp-uniform
-            float s = 0.f;
-#pragma unroll 8
-            for (int d = 0; d < HD; d++) s += q_s[r][d] * k_s[lane][d];
-            s *= scale;
-            bool ok = kp < kend && kp <= rpos[i];
-            s = ok ? s : NEG_INF;
-            float cm = warp_max(s);
-            float mn = fmaxf(m[i], cm);
-            if (mn == NEG_INF) continue;  // nothing visible yet (warp-uniform)
-            float p = ok ? __expf(s - mn) : 0.f;
-            float corr = m[i] == NEG_INF ? 0.f : __expf(m[i] - mn);
-            l[i] = l[i] * corr + warp_sum(p);
-            m[i] = mn;
-#pragma unroll
-            for (int d = 0; d < DPL; d++) acc[i][d] *= corr;
-#pragma unroll 4
-            for (int j = 0; j < ATT_KEYS; j++) {
-                float pj = __shfl_sync(0xffffffffu, p, j);
-#pragma unroll
-                for (int d = 0; d < DPL; d++)
-                    acc[i][d] += pj * __bfloat162float(v_s[j][lane + 32 * d]);
-            }
-        }
-    }
-
-#pragma unroll
-    for (int i = 0; i < ATT_RPW; i++) {
-        int r = warp + i * ATT_WARPS;
-        if (r >= rows) continue;
-        int t = q0 + r / group, head = kvh * group + r % group;
-        if (gridDim.z == 1) {
-            float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
-            bf16* o = out + ((long long)t * nh + head) * HD;
-#pragma unroll
-            for (int d = 0; d < DPL; d++) o[lane + 32 * d] = __float2bfloat16(acc[i][d] * inv);
-        } else {
-            long long base = ((long long)t * nh + head) * gridDim.z + split;
-            float* a = part_acc + base * HD;
-#pragma unroll
-            for (int d = 0; d < DPL; d++) a[lane + 32 * d] = acc[i][d];
-            if (lane == 0) {
-                part_ml[base * 2] = m[i];
-                part_ml[base * 2 + 1] = l[i];
-            }
-        }
-    }
-    // Splits past this tile's keys still report an empty result for the combine step.
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    return (u32)__cvta_generic_to_shared(p);
 }
 
-#define ATTENTION_KERNEL(HD)                                                                     \
-    extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attention_##HD(                \
-        const bf16* q, const bf16* kc, const bf16* vc, const int* pos, const int* tile_seq,      \
-        const int* tile_q0, const int* tile_qn, const int* block_tables, const int* meta,        \
-        float* part_acc, float* part_ml, bf16* out, int nh, int nkv, int block_size,             \
-        float scale) {                                                                           \
-        PDL_ENTER();                                                                             \
-        attention_body<HD>(q, kc, vc, pos, tile_seq, tile_q0, tile_qn, block_tables, meta,       \
-                           part_acc, part_ml, out, nh, nkv, block_size, scale);                  \
+__device__ __forceinline__ void ldsm_x4(u32* r, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+
+__device__ __forceinline__ void ldsm_x4_t(u32* r, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+
+// 16 bytes global -> shared, zero-filled when !valid (src is then not read).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(valid ? 16 : 0)
+                 : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void mma_bf16(float* d, const u32* a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<u32*>(&h);
+}
+
+__device__ __forceinline__ float quad_max(float v) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+
+__device__ __forceinline__ float quad_sum(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+template <int HD, int WARPS>
+__device__ void attention_body(const bf16* __restrict__ q, const bf16* __restrict__ kc,
+                                   const bf16* __restrict__ vc, const int* __restrict__ pos,
+                                   const int* __restrict__ tile_seq,
+                                   const int* __restrict__ tile_q0,
+                                   const int* __restrict__ tile_qn,
+                                   const int* __restrict__ block_tables,
+                                   const int* __restrict__ meta, float* __restrict__ part_acc,
+                                   float* __restrict__ part_ml, bf16* __restrict__ out, int nh,
+                                   int nkv, int block_size, float scale, int tile_base) {
+    constexpr int ROWS = 16 * WARPS;
+    constexpr int LD = HD + 8;  // shared row stride in bf16: ldmatrix rows hit distinct banks
+    constexpr int PIECES = HD / 8;
+    constexpr int KT = HD / 16;       // k-steps of Q K^T
+    constexpr int NS = MMA_KEYS / 8;  // score n-tiles
+    constexpr int NO = HD / 8;        // output n-tiles
+    __shared__ __align__(16) bf16 k_s[MMA_KEYS * LD];
+    __shared__ __align__(16) bf16 v_s[MMA_KEYS * LD];
+
+    const int tile = tile_base + blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
+    const int qn = tile_qn[tile];
+    if (qn <= 0 || split >= meta[2]) return;
+    const int q0 = tile_q0[tile], seq = tile_seq[tile];
+    const int group = nh / nkv, rows = qn * group;
+    const int* table = block_tables + (long long)seq * meta[0];
+    const int kstart = split * meta[1];
+    const int kend = min(kstart + meta[1], pos[q0 + qn - 1] + 1);
+    // Splits past this tile's keys: the combine step never reads them.
+    if (kstart >= kend) return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t4 = lane & 3;
+
+    // Q rows of the tile through k_s into A fragments (zeros past `rows`).
+    for (int i = threadIdx.x; i < ROWS * PIECES; i += blockDim.x) {
+        const int r = i / PIECES, c = i % PIECES;
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (r < rows) {
+            const int t = q0 + r / group, head = kvh * group + r % group;
+            v = *reinterpret_cast<const uint4*>(q + ((long long)t * nh + head) * HD + c * 8);
+        }
+        *reinterpret_cast<uint4*>(k_s + r * LD + c * 8) = v;
     }
+    __syncthreads();
+    u32 qf[KT][4];
+    {
+        const int r = warp * 16 + (lane & 7) + 8 * ((lane >> 3) & 1);
+#pragma unroll
+        for (int kk = 0; kk < KT; kk++) ldsm_x4(qf[kk], k_s + r * LD + kk * 16 + 8 * (lane >> 4));
+    }
+    const int r_lo = warp * 16 + g, r_hi = r_lo + 8;
+    const int p_lo = r_lo < rows ? pos[q0 + r_lo / group] : -1;
+    const int p_hi = r_hi < rows ? pos[q0 + r_hi / group] : -1;
+    const bool active = warp * 16 < rows;  // warp-uniform
+    const float sl2 = scale * 1.4426950408889634f;
 
-ATTENTION_KERNEL(64)
-ATTENTION_KERNEL(128)
+    float o[NO][4];
+#pragma unroll
+    for (int n = 0; n < NO; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    float m_lo = NEG_INF, m_hi = NEG_INF, l_lo = 0.f, l_hi = 0.f;
 
-// Merges the splits of every (token, head): grid (tokens, heads), block hd threads. `pos`
-// gives each token's position, so splits past it (never written in this step) are skipped.
-extern "C" __global__ void attention_combine(const float* part_acc, const float* part_ml,
-                                             const int* pos, const int* meta, bf16* out, int nh,
-                                             int hd, int max_splits) {
-    PDL_ENTER();
-    int t = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
-    int nsplit = meta[2], split_len = meta[1];
-    int used = min(nsplit, pos[t] / split_len + 1);
-    long long base = ((long long)t * nh + head) * max_splits;
-    float mx = NEG_INF;
-    for (int s = 0; s < used; s++) mx = fmaxf(mx, part_ml[(base + s) * 2]);
-    float num = 0.f, den = 0.f;
-    if (mx != NEG_INF) {
-        for (int s = 0; s < used; s++) {
-            float ms = part_ml[(base + s) * 2];
-            if (ms == NEG_INF) continue;
-            float w = __expf(ms - mx);
-            den += w * part_ml[(base + s) * 2 + 1];
-            if (d < hd) num += w * part_acc[(base + s) * hd + d];
+    for (int kb = kstart; kb < kend; kb += MMA_KEYS) {
+        __syncthreads();  // k_s / v_s free (the Q staging or the previous chunk)
+        for (int i = threadIdx.x; i < MMA_KEYS * PIECES; i += blockDim.x) {
+            const int j = i / PIECES, c = i % PIECES, kp = kb + j;
+            const bool ok = kp < kend;
+            long long off = 0;
+            if (ok) {
+                const long long slot =
+                    (long long)table[kp / block_size] * block_size + kp % block_size;
+                off = (slot * nkv + kvh) * HD + c * 8;
+            }
+            cp_async16(k_s + j * LD + c * 8, kc + off, ok);
+        }
+        cp_async_commit();
+        for (int i = threadIdx.x; i < MMA_KEYS * PIECES; i += blockDim.x) {
+            const int j = i / PIECES, c = i % PIECES, kp = kb + j;
+            const bool ok = kp < kend;
+            long long off = 0;
+            if (ok) {
+                const long long slot =
+                    (long long)table[kp / block_size] * block_size + kp % block_size;
+                off = (slot * nkv + kvh) * HD + c * 8;
+            }
+            cp_async16(v_s + j * LD + c * 8, vc + off, ok);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+
+        u32 pa[MMA_KEYS / 16][4], pl[MMA_KEYS / 16][4];
+        if (active) {
+            float s[NS][4];
+#pragma unroll
+            for (int n = 0; n < NS; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+            const int kr = (lane & 7) + 8 * (lane >> 4), kcol = 8 * ((lane >> 3) & 1);
+#pragma unroll
+            for (int kk = 0; kk < KT; kk++) {
+#pragma unroll
+                for (int jj = 0; jj < MMA_KEYS / 16; jj++) {
+                    u32 b[4];
+                    ldsm_x4(b, k_s + (jj * 16 + kr) * LD + kk * 16 + kcol);
+                    mma_bf16(s[2 * jj], qf[kk], b[0], b[1]);
+                    mma_bf16(s[2 * jj + 1], qf[kk], b[2], b[3]);
+                }
+            }
+            // Causal mask and the online softmax; s[n]: (row g, keys kb + 8n + 2t4 + {0, 1}),
+            // then row g + 8.
+            float mx_lo = NEG_INF, mx_hi = NEG_INF;
+#pragma unroll
+            for (int n = 0; n < NS; n++) {
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const int kp = kb + 8 * n + 2 * t4 + e;
+                    // Explicitly rounded operations (here and below): no contraction that could
+                    // differ between the two kernels' instantiations.
+                    s[n][e] = kp <= p_lo ? __fmul_rn(s[n][e], sl2) : NEG_INF;
+                    s[n][2 + e] = kp <= p_hi ? __fmul_rn(s[n][2 + e], sl2) : NEG_INF;
+                    mx_lo = fmaxf(mx_lo, s[n][e]);
+                    mx_hi = fmaxf(mx_hi, s[n][2 + e]);
+                }
+            }
+            const float mn_lo = fmaxf(m_lo, quad_max(mx_lo));
+            const float mn_hi = fmaxf(m_hi, quad_max(mx_hi));
+            const float b_lo = mn_lo == NEG_INF ? 0.f : mn_lo;
+            const float b_hi = mn_hi == NEG_INF ? 0.f : mn_hi;
+            const float c_lo = exp2f(__fsub_rn(m_lo, b_lo)), c_hi = exp2f(__fsub_rn(m_hi, b_hi));
+            m_lo = mn_lo;
+            m_hi = mn_hi;
+            float sum_lo = 0.f, sum_hi = 0.f;
+#pragma unroll
+            for (int n = 0; n < NS; n++) {
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    s[n][e] = exp2f(__fsub_rn(s[n][e], b_lo));
+                    s[n][2 + e] = exp2f(__fsub_rn(s[n][2 + e], b_hi));
+                    sum_lo = __fadd_rn(sum_lo, s[n][e]);
+                    sum_hi = __fadd_rn(sum_hi, s[n][2 + e]);
+                }
+            }
+            // Per-lane partial sums, summed over the quad at the end.
+            l_lo = __fmaf_rn(l_lo, c_lo, sum_lo);
+            l_hi = __fmaf_rn(l_hi, c_hi, sum_hi);
+#pragma unroll
+            for (int n = 0; n < NO; n++) {
+                o[n][0] = __fmul_rn(o[n][0], c_lo);
+                o[n][1] = __fmul_rn(o[n][1], c_lo);
+                o[n][2] = __fmul_rn(o[n][2], c_hi);
+                o[n][3] = __fmul_rn(o[n][3], c_hi);
+            }
+            // P as A fragments: key step j = score tiles 2j (keys 2t4..) and 2j + 1 (+8); the
+            // high bf16 part in pa, the rest in pl.
+#pragma unroll
+            for (int j = 0; j < MMA_KEYS / 16; j++) {
+#pragma unroll
+                for (int h = 0; h < 4; h++) {
+                    const float* sv = s[2 * j + (h >> 1)] + 2 * (h & 1);
+                    pa[j][h] = pack_bf16(sv[0], sv[1]);
+                    const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(&pa[j][h]);
+                    pl[j][h] = pack_bf16(__fsub_rn(sv[0], __low2float(hi)),
+                                         __fsub_rn(sv[1], __high2float(hi)));
+                }
+            }
+        }
+        cp_async_wait<0>();
+        __syncthreads();
+        if (active) {
+            const int vr = (lane & 7) + 8 * ((lane >> 3) & 1), vcol = 8 * (lane >> 4);
+#pragma unroll
+            for (int j = 0; j < MMA_KEYS / 16; j++) {
+#pragma unroll
+                for (int dn = 0; dn < HD / 16; dn++) {
+                    u32 b[4];
+                    ldsm_x4_t(b, v_s + (j * 16 + vr) * LD + dn * 16 + vcol);
+                    mma_bf16(o[2 * dn], pa[j], b[0], b[1]);
+                    mma_bf16(o[2 * dn + 1], pa[j], b[2], b[3]);
+                    mma_bf16(o[2 * dn], pl[j], b[0], b[1]);
+                    mma_bf16(o[2 * dn + 1], pl[j], b[2], b[3]);
+                }
+            }
         }
     }
-    if (d < hd) out[((long long)t * nh + head) * hd + d] = __float2bfloat16(den > 0.f ? num / den : 0.f);
+
+    l_lo = quad_sum(l_lo);
+    l_hi = quad_sum(l_hi);
+    if (gridDim.z > 1) {
+        // Partial results: acc [(token, head) * gridDim.z + split][HD], (m, l) beside.
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+            const int r = half ? r_hi : r_lo;
+            if (r >= rows) continue;
+            const int t = q0 + r / group, head = kvh * group + r % group;
+            const long long base = ((long long)t * nh + head) * gridDim.z + split;
+            float* a = part_acc + base * HD + 2 * t4;
+#pragma unroll
+            for (int n = 0; n < NO; n++)
+                *reinterpret_cast<float2*>(a + 8 * n) =
+                    make_float2(o[n][2 * half], o[n][2 * half + 1]);
+            if (t4 == 0) {
+                part_ml[base * 2] = half ? m_hi : m_lo;
+                part_ml[base * 2 + 1] = half ? l_hi : l_lo;
+            }
+        }
+        return;
+    }
+    const float i_lo = l_lo > 0.f ? __frcp_rn(l_lo) : 0.f, i_hi = l_hi > 0.f ? __frcp_rn(l_hi) : 0.f;
+    if (r_lo < rows) {
+        const int t = q0 + r_lo / group, head = kvh * group + r_lo % group;
+        bf16* dst = out + ((long long)t * nh + head) * HD + 2 * t4;
+#pragma unroll
+        for (int n = 0; n < NO; n++)
+            *reinterpret_cast<__nv_bfloat162*>(dst + 8 * n) =
+                __floats2bfloat162_rn(__fmul_rn(o[n][0], i_lo), __fmul_rn(o[n][1], i_lo));
+    }
+    if (r_hi < rows) {
+        const int t = q0 + r_hi / group, head = kvh * group + r_hi % group;
+        bf16* dst = out + ((long long)t * nh + head) * HD + 2 * t4;
+#pragma unroll
+        for (int n = 0; n < NO; n++)
+            *reinterpret_cast<__nv_bfloat162*>(dst + 8 * n) =
+                __floats2bfloat162_rn(__fmul_rn(o[n][2], i_hi), __fmul_rn(o[n][3], i_hi));
+    }
+}
+
+// Grid (tiles, kv heads, splits), 32 * W threads.
+#define ATTENTION_KERNEL(HD, W)                                                                 \
+    extern "C" __global__ void __launch_bounds__(32 * W) attention_w##W##_##HD(                 \
+        const bf16* q, const bf16* kc, const bf16* vc, const int* pos, const int* tile_seq,     \
+        const int* tile_q0, const int* tile_qn, const int* block_tables, const int* meta,       \
+        float* part_acc, float* part_ml, bf16* out, int nh, int nkv, int block_size,            \
+        float scale, int tile_base) {                                                           \
+        PDL_ENTER();                                                                            \
+        attention_body<HD, W>(q, kc, vc, pos, tile_seq, tile_q0, tile_qn, block_tables, meta,   \
+                              part_acc, part_ml, out, nh, nkv, block_size, scale, tile_base);   \
+    }
+
+ATTENTION_KERNEL(64, 1)
+ATTENTION_KERNEL(128, 1)
+ATTENTION_KERNEL(64, 4)
+ATTENTION_KERNEL(128, 4)
+
+// Merges the splits of every (token, head) of the step's tiles: grid (tiles, heads), block hd
+// threads. `pos` gives each token's position, so splits past it (never written in this
+// step) are skipped.
+extern "C" __global__ void attention_combine(const float* part_acc, const float* part_ml,
+                                             const int* pos, const int* tile_q0,
+                                             const int* tile_qn, const int* meta, bf16* out,
+                                             int nh, int hd, int max_splits) {
+    PDL_ENTER();
+    int tile = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
+    int q0 = tile_q0[tile], qn = tile_qn[tile];
+    int nsplit = meta[2], split_len = meta[1];
+    for (int t = q0; t < q0 + qn; t++) {
+        int used = min(nsplit, pos[t] / split_len + 1);
+        long long base = ((long long)t * nh + head) * max_splits;
+        float mx = NEG_INF;
+        for (int s = 0; s < used; s++) mx = fmaxf(mx, part_ml[(base + s) * 2]);
+        float num = 0.f, den = 0.f;
+        if (mx != NEG_INF) {
+            for (int s = 0; s < used; s++) {
+                float ms = part_ml[(base + s) * 2];
+                if (ms == NEG_INF) continue;
+                float w = exp2f(ms - mx);  // (max, sum) in log2 units
+                den += w * part_ml[(base + s) * 2 + 1];
+                if (d < hd) num += w * part_acc[(base + s) * hd + d];
+            }
+        }
+        if (d < hd) out[((long long)t * nh + head) * hd + d] = __float2bfloat16(den > 0.f ? num / den : 0.f);
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -16,6 +16,9 @@
 //!   outputs, accumulation onto the output, the fused SiLU x up and RMSNorm variants), each
 //!   token's result bit-identical whatever n, and steps that run on them against the CPU forward
 //!   pass beside prefill steps that run on cuBLAS;
+//! - cuBLASLt (algorithm cached per shape; eagerly and captured in a CUDA graph while the shape
+//!   is new) and cublasGemmEx against a float64 reference at Llama-3-8B's projection shapes for
+//!   n = 1, 7, 300 and 2048 and an odd shape;
 //! - a random Llama-3-8B-shaped checkpoint from `gpu/reference/ref_logits.py` against
 //!   transformers in float32 (`SWITCHYARD_REF_LOGITS_DIR`);
 //! - prompt logprobs of a prompt run in two chunks against the CPU backend (every position once,
@@ -196,8 +199,16 @@ fn paged_attention_matches_naive() {
         (4, 4, 64, 8),
         (8, 1, 128, 32),
     ];
+    // Small tiles (decodes, small chunks) in one-warp and in four-warp blocks.
+    let variants = [
+        (Some(1), true),
+        (Some(3), true),
+        (None, true),
+        (Some(3), false),
+        (None, false),
+    ];
     for (nh, nkv, hd, bs) in shapes {
-        for splits in [Some(1), Some(3), None] {
+        for (splits, one_warp) in variants {
             let shape = AttentionShape {
                 num_heads: nh,
                 num_kv_heads: nkv,
@@ -205,6 +216,7 @@ fn paged_attention_matches_naive() {
                 block_size: bs,
                 num_blocks: 400,
                 splits,
+                one_warp,
             };
             // Decodes at random context lengths.
             let decodes: Vec<(usize, usize)> =
@@ -218,7 +230,14 @@ fn paged_attention_matches_naive() {
                 true,
             );
             // A long context.
-            check_attention(&mut rng, shape, &[(2000, 1), (1500, 3)], false);
+            check_attention(&mut rng, shape.clone(), &[(2000, 1), (1500, 3)], false);
+            // Whole prompts: several tiles per sequence, ragged ends, a long one.
+            check_attention(
+                &mut rng,
+                shape,
+                &[(0, 128), (0, 17), (0, 1000), (64, 64)],
+                false,
+            );
         }
     }
 }
@@ -974,9 +993,135 @@ fn gemv_matches_a_float64_reference() {
     }
 }
 
-/// Time per product, GEMV kernels against cuBLAS, at every projection shape (not a check: a
-/// measurement for gpu/CUDA_NOTES.md; `cuda_backend gemv_bandwidth --ignored --nocapture`).
-/// GB/s counts the weights read once; SmolLM2's weights fit in L2 and read faster than HBM.
+/// Up to `max` indices of `0..len`: all of them when there are few, else the first and last 8
+/// and the rest drawn at random.
+fn sample_indices(rng: &mut ChaCha8Rng, len: usize, max: usize) -> Vec<usize> {
+    if len <= max {
+        return (0..len).collect();
+    }
+    let mut r: Vec<usize> = (0..8).chain(len - 8..len).collect();
+    r.extend((0..max - 16).map(|_| rng.random_range(0..len)));
+    r
+}
+
+#[test]
+fn cublaslt_and_gemmex_match_a_float64_reference() {
+    if !gpu() {
+        return;
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    const LLAMA_NS: &[usize] = &[1, 7, 300, 2048];
+    // (name, m, k, output, token counts): Llama-3-8B's projections as the forward pass runs them
+    // on cuBLAS (o and down accumulate onto the f32 residual), and an odd shape.
+    let shapes: [(&str, usize, usize, Shape, &[usize]); 6] = [
+        ("llama qkv", 6144, 4096, Shape::F32, LLAMA_NS),
+        ("llama o", 4096, 4096, Shape::F32Acc, LLAMA_NS),
+        ("llama gate_up", 28672, 4096, Shape::Bf16, LLAMA_NS),
+        ("llama down", 4096, 14336, Shape::F32Acc, LLAMA_NS),
+        ("odd", 1000, 72, Shape::F32, &[1, 33]),
+        ("odd acc bf16", 1000, 72, Shape::Bf16Acc, &[33]),
+    ];
+    for (name, m, k, kind, ns) in shapes {
+        let w = rand_bf16(&mut rng, m * k, 2.0 / (k as f32).sqrt());
+        let rig = MatmulRig::new(&w, k).expect("upload the weights");
+        let rows = sample_indices(&mut rng, m, 512);
+        let nmax = ns.iter().copied().max().unwrap_or(1);
+        let a = rand_bf16(&mut rng, nmax * k, 1.0);
+        let (beta, f32_out) = match kind {
+            Shape::F32 => (0.0, true),
+            Shape::F32Acc => (1.0, true),
+            Shape::Bf16 => (0.0, false),
+            Shape::Bf16Acc => (1.0, false),
+            _ => unreachable!("plain products only"),
+        };
+        let output = if f32_out {
+            MatmulOutput::F32 { beta }
+        } else {
+            MatmulOutput::Bf16 { beta }
+        };
+        let tol = if f32_out { 1e-5 } else { 4e-3 };
+        for (i, &n) in ns.iter().enumerate() {
+            // Beta 0 must not read the output: start it as NaN.
+            let init: Vec<f32> = if beta == 0.0 {
+                vec![f32::NAN; n * m]
+            } else {
+                rand_f32(&mut rng, n * m, -2.0, 2.0)
+            };
+            let toks = sample_indices(&mut rng, n, 48);
+            let mut want = Vec::with_capacity(toks.len() * rows.len());
+            for &t in &toks {
+                let at = &a[t * k..(t + 1) * k];
+                for &r in &rows {
+                    let dot: f64 = w[r * k..(r + 1) * k]
+                        .iter()
+                        .zip(at)
+                        .map(|(x, y)| f64::from(x.to_f32()) * f64::from(y.to_f32()))
+                        .sum();
+                    let c0 = if beta == 0.0 {
+                        0.0
+                    } else if f32_out {
+                        init[t * m + r]
+                    } else {
+                        half::bf16::from_f32(init[t * m + r]).to_f32()
+                    };
+                    want.push(dot + f64::from(beta) * f64::from(c0));
+                }
+            }
+            let pick = |v: &[f32]| -> Vec<f32> {
+                toks.iter()
+                    .flat_map(|&t| rows.iter().map(move |&r| v[t * m + r]))
+                    .collect()
+            };
+            let input = MatmulInput::Bf16(&a[..n * k]);
+            let mut rel = Vec::new();
+            // The captured run comes first, so its shape is new to the plan cache and is
+            // planned during the capture; the eager cuBLASLt run then reuses that plan.
+            for path in [
+                MatmulPath::CublasLtCaptured,
+                MatmulPath::CublasLt,
+                MatmulPath::GemmEx,
+                MatmulPath::Cublas,
+            ] {
+                let got = rig
+                    .run(input, n, output, &init, path)
+                    .unwrap_or_else(|e| panic!("{name} n={n} {path:?}: {e}"));
+                assert!(
+                    got.iter().all(|v| v.is_finite()),
+                    "{name} n={n} {path:?}: non-finite or unwritten outputs"
+                );
+                let (e, maxabs) = errors(&pick(&got), &want);
+                assert!(
+                    e <= tol,
+                    "{name} m={m} k={k} n={n} {path:?}: relative L2 error {e:.3e} > {tol:.0e} \
+                     (max-abs ratio {maxabs:.3e})"
+                );
+                rel.push(e);
+                if path == MatmulPath::CublasLtCaptured {
+                    assert_eq!(
+                        rig.lt_cached_shapes(),
+                        i + 1,
+                        "{name} n={n}: the plan made during capture was not kept"
+                    );
+                }
+            }
+            assert_eq!(
+                rig.lt_cached_shapes(),
+                i + 1,
+                "{name} n={n}: one plan per shape"
+            );
+            eprintln!(
+                "{name} m={m} k={k} n={n}: relative L2 vs f64: cuBLASLt captured {:.2e}, \
+                 eager {:.2e}, GemmEx {:.2e}, default {:.2e}",
+                rel[0], rel[1], rel[2], rel[3]
+            );
+        }
+    }
+}
+
+/// Time per product, GEMV kernels against cuBLAS (cuBLASLt with its cached algorithm and
+/// cublasGemmEx side by side), at every projection shape (not a check: a measurement for
+/// gpu/CUDA_NOTES.md; `cuda_backend gemv_bandwidth --ignored --nocapture`). GB/s counts the
+/// weights read once; SmolLM2's weights fit in L2 and read faster than HBM.
 #[test]
 #[ignore]
 fn gemv_bandwidth() {
@@ -1002,7 +1147,9 @@ fn gemv_bandwidth() {
         ("smollm2 down", 576, 1536, Shape::F32Acc),
         ("smollm2 lm_head", 49152, 576, Shape::F32),
     ];
-    eprintln!("shape                        n   GEMV us    GB/s   cuBLAS us    GB/s");
+    eprintln!(
+        "shape                        n   GEMV us    GB/s   cuBLASLt us    GB/s     GemmEx us    GB/s"
+    );
     for (name, m, k, kind) in shapes {
         let glu = matches!(kind, Shape::Glu | Shape::NormGlu);
         let norm = matches!(kind, Shape::Norm | Shape::NormGlu);
@@ -1038,31 +1185,32 @@ fn gemv_bandwidth() {
             let ours = rig
                 .time(input, n, output, &init, MatmulPath::Routed, 50)
                 .expect("time GEMV");
-            // cuBLAS on the plain product over the same rows (gate|up: both halves, bf16).
-            let cb = if norm {
-                None
-            } else if glu {
-                let init2 = vec![0.0f32; n * 2 * m];
-                Some(
+            // cuBLAS on the plain product over the same rows (gate|up: both halves, bf16), on
+            // cuBLASLt and on GemmEx.
+            let cublas = |path: MatmulPath| -> String {
+                let t = if norm {
+                    return format!("{:>13} {:>7}", "-", "-");
+                } else if glu {
+                    let init2 = vec![0.0f32; n * 2 * m];
                     rig.time(
                         MatmulInput::Bf16(&a),
                         n,
                         MatmulOutput::Bf16 { beta: 0.0 },
                         &init2,
-                        MatmulPath::Cublas,
+                        path,
                         50,
                     )
-                    .expect("time cuBLAS"),
-                )
-            } else {
-                Some(
-                    rig.time(input, n, output, &init, MatmulPath::Cublas, 50)
-                        .expect("time cuBLAS"),
-                )
+                } else {
+                    rig.time(input, n, output, &init, path, 50)
+                }
+                .expect("time cuBLAS");
+                format!("{:>13.1} {:>7.0}", t * 1e3, gb / (t * 1e-3))
             };
-            let cb_text = cb.map_or("          -       -".to_string(), |t| {
-                format!("{:>11.1} {:>7.0}", t * 1e3, gb / (t * 1e-3))
-            });
+            let cb_text = format!(
+                "{} {}",
+                cublas(MatmulPath::CublasLt),
+                cublas(MatmulPath::GemmEx)
+            );
             eprintln!(
                 "{name:<27} {n:>2} {:>9.1} {:>7.0} {cb_text}",
                 ours * 1e3,

@@ -1,12 +1,14 @@
 //! The CUDA device: library checks that never panic, the context and its one stream, cuBLAS,
 //! the kernels of `gpu/kernels/llama.cu` and `gpu/kernels/gemv.cu` compiled by NVRTC for the
 //! device's architecture and cached on disk, device memory that frees itself, raw kernel
-//! launches, and the matrix products (cuBLAS, or the GEMV kernels for steps of at most
-//! [`GEMV_MAX_TOKENS`] tokens of models on the GEMV path: see [`GemvMode`]).
+//! launches, and the matrix products (cuBLASLt with an algorithm cached per shape, see `lt`,
+//! or cublasGemmEx; or the GEMV kernels for steps of at most [`GEMV_MAX_TOKENS`] tokens of
+//! models on the GEMV path: see [`GemvMode`]).
 //!
-//! cudarc loads libcuda, libnvrtc and libcublas at run time (`dynamic-loading`), so a binary
-//! built on a machine without CUDA runs on one with it; a missing library would panic inside
-//! cudarc, so [`probe`] checks for each before anything touches them.
+//! cudarc loads libcuda, libnvrtc, libcublas and libcublasLt at run time (`dynamic-loading`), so
+//! a binary built on a machine without CUDA runs on one with it; a missing library would panic
+//! inside cudarc, so [`probe`] checks for each before anything touches them (libcublasLt is
+//! optional: without it the products run on cublasGemmEx).
 
 use std::ffi::c_void;
 use std::path::PathBuf;
@@ -15,6 +17,8 @@ use std::sync::Arc;
 use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
 use cudarc::driver::{result as drv, sys, CudaContext, CudaFunction, CudaModule, CudaStream};
 use cudarc::nvrtc::{CompileOptions, Ptx};
+
+use super::lt;
 use sha2::{Digest, Sha256};
 
 use crate::error::GpuError;
@@ -46,15 +50,18 @@ const GEMV_WARPS_PER_SM: usize = 16;
 /// (576) a step is launch-bound and the fused GEMV path cuts batch-1 decode from 1.06 to 0.85
 /// ms; at Llama-3-8B's (4096) cuBLAS streams the large projections at 4.1-4.4 TB/s against the
 /// GEMV kernels' 3.3-3.5 and the GEMV path was slower (5.3-7.6 ms against 5.0), so larger
-/// models keep cuBLAS at every size.
+/// models take the hybrid route (see [`GemvMode`]).
 const GEMV_AUTO_MAX_HIDDEN: usize = 2048;
 
 /// Which path the matrix products of steps of at most [`GEMV_MAX_TOKENS`] tokens take
 /// (`SWITCHYARD_CUDA_GEMV`): `auto` (the default: the GEMV kernels with both fusions for
-/// hidden sizes up to [`GEMV_AUTO_MAX_HIDDEN`], cuBLAS above), `off` (cuBLAS always, as in
-/// v1), or, at every hidden size, `plain` (GEMV kernels, no fusion), `glu` (plus SiLU x up in
-/// the gate|up epilogue) or `norm` (plus the RMSNorm prologue). A benchmark and debugging
-/// switch; within the GEMV path all modes compute the same bits.
+/// hidden sizes up to [`GEMV_AUTO_MAX_HIDDEN`], the hybrid route above), `off` (cuBLAS always,
+/// as in v1), `hybrid` (at every hidden size: for steps of at most
+/// [`GEMV_NORM_MAX_TOKENS`] tokens the QKV product with the RMSNorm prologue and the output
+/// projection on the GEMV kernels, the rest on cuBLAS), or, at every hidden size, `plain` (GEMV
+/// kernels, no fusion), `glu` (plus SiLU x up in the gate|up epilogue) or `norm` (plus the
+/// RMSNorm prologue). A benchmark and debugging switch; within the GEMV path all modes compute
+/// the same bits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum GemvMode {
     Off,
@@ -62,6 +69,7 @@ pub(crate) enum GemvMode {
     Glu,
     Auto,
     Norm,
+    Hybrid,
 }
 
 impl GemvMode {
@@ -73,10 +81,11 @@ impl GemvMode {
             Ok("plain") => GemvMode::Plain,
             Ok("glu") => GemvMode::Glu,
             Ok("norm") => GemvMode::Norm,
+            Ok("hybrid") => GemvMode::Hybrid,
             Ok(other) => {
                 tracing::warn!(
                     value = other,
-                    "SWITCHYARD_CUDA_GEMV is off, plain, glu, auto or norm; using auto"
+                    "SWITCHYARD_CUDA_GEMV is off, plain, glu, auto, norm or hybrid; using auto"
                 );
                 GemvMode::Auto
             }
@@ -215,8 +224,10 @@ pub(crate) struct Kernels {
     pub rms_norm: CudaFunction,
     pub rope_store_kv: CudaFunction,
     pub silu_mul: CudaFunction,
-    pub attention_64: CudaFunction,
-    pub attention_128: CudaFunction,
+    /// Paged attention in one-warp blocks (tiles of at most 16 rows), head dims 64 and 128.
+    pub attention_w1: [CudaFunction; 2],
+    /// Paged attention in four-warp blocks (larger tiles).
+    pub attention_w4: [CudaFunction; 2],
     pub attention_combine: CudaFunction,
     pub apply_logit_edits: CudaFunction,
     pub sample_rows: CudaFunction,
@@ -254,7 +265,12 @@ pub(crate) struct Gpu {
     /// kernel waits for its predecessor (`pdl_wait` in the CUDA source) before touching data,
     /// so only independent work (the GEMV kernels' weight prefetch) overlaps.
     pub pdl: bool,
-    /// cuBLAS workspace (set explicitly so that GEMMs can be captured in CUDA graphs).
+    /// cuBLASLt with its per-shape plan cache (`None` without libcublasLt).
+    lt: Option<lt::Lt>,
+    /// Whether [`Gpu::gemm_cublas`] takes cuBLASLt (unless `SWITCHYARD_CUDA_BLASLT=0`).
+    blaslt: bool,
+    /// cuBLAS and cuBLASLt workspace (set explicitly so that GEMMs can be captured in CUDA
+    /// graphs; shared, as both enqueue on the one stream). Dropped after both handles.
     _workspace: DevMem,
 }
 
@@ -285,6 +301,8 @@ impl Gpu {
             .result()
             .map_err(|e| cuda_err("cublasSetWorkspace", e))?;
         }
+        let lt = lt::Lt::new(workspace.ptr(), CUBLAS_WORKSPACE);
+        let blaslt = lt::blaslt_enabled(std::env::var("SWITCHYARD_CUDA_BLASLT").ok().as_deref());
         let module = load_kernels(&ctx, info.compute_capability)?;
         let f = |name: &str| {
             module
@@ -298,8 +316,8 @@ impl Gpu {
             rms_norm: f("rms_norm")?,
             rope_store_kv: f("rope_store_kv")?,
             silu_mul: f("silu_mul")?,
-            attention_64: f("attention_64")?,
-            attention_128: f("attention_128")?,
+            attention_w1: [f("attention_w1_64")?, f("attention_w1_128")?],
+            attention_w4: [f("attention_w4_64")?, f("attention_w4_128")?],
             attention_combine: f("attention_combine")?,
             apply_logit_edits: f("apply_logit_edits")?,
             sample_rows: f("sample_rows")?,
@@ -324,7 +342,13 @@ impl Gpu {
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| cuda_err("multiprocessor count", e))?
             .max(1) as usize;
-        tracing::info!(pdl, gemv = ?gemv_mode, sm_count, "CUDA launch settings");
+        tracing::info!(
+            pdl,
+            gemv = ?gemv_mode,
+            sm_count,
+            gemm = if blaslt && lt.is_some() { "cublasLt" } else { "cublasGemmEx" },
+            "CUDA launch settings"
+        );
 
         let prof = std::env::var_os("SWITCHYARD_CUDA_PROFILE")
             .map(|_| std::cell::RefCell::new(Profile::default()));
@@ -338,6 +362,8 @@ impl Gpu {
             gemv_mode,
             sm_count,
             pdl,
+            lt,
+            blaslt,
             _workspace: workspace,
         })
     }
@@ -535,10 +561,22 @@ impl Gpu {
     /// kernels (see [`GemvMode`]).
     pub fn gemv_for_hidden(&self, hidden: usize) -> bool {
         match self.gemv_mode {
-            GemvMode::Off => false,
+            GemvMode::Off | GemvMode::Hybrid => false,
             GemvMode::Auto => hidden <= GEMV_AUTO_MAX_HIDDEN,
             GemvMode::Plain | GemvMode::Glu | GemvMode::Norm => true,
         }
+    }
+
+    /// Whether a step of `n` tokens of a model of hidden size `hidden` takes the hybrid route:
+    /// QKV (with the RMSNorm prologue) and the output projection on the GEMV kernels, gate|up,
+    /// down and the lm_head on cuBLAS (see [`GemvMode`]).
+    pub fn gemv_hybrid(&self, hidden: usize, n: usize) -> bool {
+        n <= GEMV_NORM_MAX_TOKENS
+            && match self.gemv_mode {
+                GemvMode::Hybrid => true,
+                GemvMode::Auto => hidden > GEMV_AUTO_MAX_HIDDEN,
+                _ => false,
+            }
     }
 
     /// Whether the QKV and gate|up products of a step of `n` tokens on the GEMV path normalise
@@ -689,9 +727,78 @@ impl Gpu {
         self.gemm_cublas(w, a, c, m, n, k, beta, c_f32)
     }
 
-    /// [`Gpu::gemm`] on cuBLAS whatever the size.
+    /// [`Gpu::gemm`] on cuBLAS whatever the size: cuBLASLt with the algorithm cached per shape
+    /// (`lt`), or cublasGemmEx for shapes cuBLASLt declines, without libcublasLt, or with
+    /// `SWITCHYARD_CUDA_BLASLT=0`. Capturable in a CUDA graph either way.
     #[allow(clippy::too_many_arguments)]
     pub fn gemm_cublas(
+        &self,
+        w: u64,
+        a: u64,
+        c: u64,
+        m: usize,
+        n: usize,
+        k: usize,
+        beta: f32,
+        c_f32: bool,
+    ) -> Result<(), GpuError> {
+        if self.blaslt && self.gemm_lt(w, a, c, m, n, k, beta, c_f32)? {
+            return Ok(());
+        }
+        self.gemm_ex(w, a, c, m, n, k, beta, c_f32)
+    }
+
+    /// [`Gpu::gemm_cublas`] on cuBLASLt whatever `SWITCHYARD_CUDA_BLASLT` says. Returns false,
+    /// having enqueued nothing, when cuBLASLt is not loaded or declines the shape (no algorithm,
+    /// plan cache full): the caller runs it on [`Gpu::gemm_ex`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_lt(
+        &self,
+        w: u64,
+        a: u64,
+        c: u64,
+        m: usize,
+        n: usize,
+        k: usize,
+        beta: f32,
+        c_f32: bool,
+    ) -> Result<bool, GpuError> {
+        if m == 0 || n == 0 {
+            return Ok(true);
+        }
+        let Some(lt) = &self.lt else {
+            return Ok(false);
+        };
+        // Asked only when a shape is first seen: failures while capturing are not remembered.
+        let capturing = || {
+            !matches!(
+                self.stream.capture_status(),
+                Ok(sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+            )
+        };
+        let outcome = lt.gemm(
+            self.stream.cu_stream() as _,
+            capturing,
+            w,
+            a,
+            c,
+            m,
+            n,
+            k,
+            beta,
+            c_f32,
+        )?;
+        Ok(outcome == lt::LtOutcome::Ran)
+    }
+
+    /// Shapes in the cuBLASLt plan cache (0 without cuBLASLt).
+    pub fn lt_cached_shapes(&self) -> usize {
+        self.lt.as_ref().map_or(0, |lt| lt.cached())
+    }
+
+    /// [`Gpu::gemm_cublas`] on cublasGemmEx (the algorithm chosen by cuBLAS on every call).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_ex(
         &self,
         w: u64,
         a: u64,

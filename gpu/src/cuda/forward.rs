@@ -15,7 +15,7 @@ use std::collections::HashMap;
 use cudarc::driver::{sys, CudaGraph};
 
 use super::device::{cuda_err, Arg, DevMem, GemvInput, GemvOutput, Gpu};
-use super::step::{grid_splits, Layout, MAX_SPLITS};
+use super::step::{grid_splits, one_warp_tiles, Layout, ATT_SMALL_ROWS, MAX_SPLITS};
 use super::weights::GpuWeights;
 use crate::error::GpuError;
 use crate::model::{LlamaConfig, RopeStyle};
@@ -132,6 +132,9 @@ pub(crate) struct Launch {
     pub tokens: usize,
     /// Attention tiles.
     pub tiles: usize,
+    /// Of them, the first ones for the one-warp attention blocks (see
+    /// [`super::step::one_warp_tiles`]; the four-warp kernel takes any tile).
+    pub small_tiles: usize,
     /// Logit rows.
     pub rows: usize,
     /// Attention grid splits (1: no combine step).
@@ -171,15 +174,6 @@ pub(crate) fn enqueue(
             ],
         )
     })?;
-    let attention = match hd {
-        64 => &k.attention_64,
-        128 => &k.attention_128,
-        other => {
-            return Err(GpuError::InvalidConfig(format!(
-                "the CUDA backend supports head dimensions 64 and 128, not {other}"
-            )))
-        }
-    };
     let norm = |src_rows: u64, weight: u64, out: u64, rows: usize| {
         gpu.timed("rms_norm", || {
             gpu.launch(
@@ -198,20 +192,26 @@ pub(crate) fn enqueue(
         })
     };
     let interleaved = i32::from(c.rope_style == RopeStyle::Interleaved);
-    let scale = 1.0 / (hd as f32).sqrt();
     // Small steps of models that take the GEMV path: the GEMV kernels, with SiLU x up in the
     // gate|up epilogue and, up to 8 tokens, RMSNorm in the QKV and gate|up prologues (the same
     // bits as the separate kernels, fewer launches).
+    // Larger models on the hybrid route (`Gpu::gemv_hybrid`): only the QKV product (with the
+    // norm prologue) and the output projection, where the GEMV kernels beat cuBLAS; the wide
+    // gate|up and down products and the lm_head stay on cuBLAS.
     let model_gemv = gpu.gemv_for_hidden(h);
+    let hybrid = !model_gemv && gpu.gemv_hybrid(h, t);
     let first = w.layers.first();
-    let small = model_gemv
+    let fits = (model_gemv || hybrid)
         && first.is_some_and(|f| {
             gpu.gemv_fits(t, h, &[f.qkv.ptr(), f.gate_up.ptr(), b.x.ptr(), b.xn.ptr()])
                 && gpu.gemv_fits(t, qw, &[f.o.ptr(), b.att.ptr()])
                 && gpu.gemv_fits(t, inter, &[f.down.ptr(), b.act.ptr()])
         });
+    // `small`: gate|up and down on the GEMV kernels; `qkv_o`: QKV and o.
+    let small = fits && model_gemv;
+    let qkv_o = fits;
     let fuse_glu = small && gpu.gemv_fuse_glu();
-    let fuse_norm = small && gpu.gemv_fuse_norm(t);
+    let fuse_norm = (small && gpu.gemv_fuse_norm(t)) || (fits && hybrid);
     let normed = |weight: &DevMem| GemvInput::Norm {
         x: b.x.ptr(),
         weight: weight.ptr(),
@@ -237,9 +237,9 @@ pub(crate) fn enqueue(
             })?;
         } else {
             norm(0, layer.attn_norm.ptr(), b.xn.ptr(), t)?;
-            gpu.timed(if small { "gemv_qkv" } else { "gemm_qkv" }, || {
+            gpu.timed(if qkv_o { "gemv_qkv" } else { "gemm_qkv" }, || {
                 gpu.gemm_with(
-                    small,
+                    qkv_o,
                     layer.qkv.ptr(),
                     b.xn.ptr(),
                     b.qkv.ptr(),
@@ -271,54 +271,25 @@ pub(crate) fn enqueue(
                 ],
             )
         })?;
-        gpu.timed("attention", || {
-            gpu.launch(
-                attention,
-                (l.tiles as u32, nkv as u32, l.z as u32),
-                128,
-                &[
-                    Arg::Ptr(b.q.ptr()),
-                    Arg::Ptr(kc),
-                    Arg::Ptr(vc),
-                    Arg::Ptr(s(lay.pos)?),
-                    Arg::Ptr(s(lay.tile_seq)?),
-                    Arg::Ptr(s(lay.tile_q0)?),
-                    Arg::Ptr(s(lay.tile_qn)?),
-                    Arg::Ptr(s(lay.tables)?),
-                    Arg::Ptr(s(lay.meta)?),
-                    Arg::Ptr(b.part_acc.ptr()),
-                    Arg::Ptr(b.part_ml.ptr()),
-                    Arg::Ptr(b.att.ptr()),
-                    i32v(nh),
-                    i32v(nkv),
-                    i32v(block_size),
-                    Arg::F32(scale),
-                ],
-            )
-        })?;
-        if l.z > 1 {
-            gpu.timed("attention_combine", || {
-                gpu.launch(
-                    &k.attention_combine,
-                    (ti, nh as u32, 1),
-                    hd as u32,
-                    &[
-                        Arg::Ptr(b.part_acc.ptr()),
-                        Arg::Ptr(b.part_ml.ptr()),
-                        Arg::Ptr(s(lay.pos)?),
-                        Arg::Ptr(s(lay.meta)?),
-                        Arg::Ptr(b.att.ptr()),
-                        i32v(nh),
-                        i32v(hd),
-                        i32v(l.z),
-                    ],
-                )
-            })?;
-        }
+        attention(
+            gpu,
+            &AttentionIo {
+                q: b.q.ptr(),
+                k: kc,
+                v: vc,
+                out: b.att.ptr(),
+                part_acc: b.part_acc.ptr(),
+                part_ml: b.part_ml.ptr(),
+                step: &b.step,
+            },
+            l,
+            (nh, nkv, hd),
+            block_size,
+        )?;
         // The output projection adds onto the residual stream (beta = 1, f32).
-        gpu.timed(if small { "gemv_o" } else { "gemm_o" }, || {
+        gpu.timed(if qkv_o { "gemv_o" } else { "gemm_o" }, || {
             gpu.gemm_with(
-                small,
+                qkv_o,
                 layer.o.ptr(),
                 b.att.ptr(),
                 b.x.ptr(),
@@ -432,6 +403,105 @@ pub(crate) fn enqueue(
     )
 }
 
+/// Where one layer's attention reads and writes.
+pub(crate) struct AttentionIo<'a> {
+    pub q: u64,
+    pub k: u64,
+    pub v: u64,
+    pub out: u64,
+    pub part_acc: u64,
+    pub part_ml: u64,
+    /// The step buffer (positions, tiles, block tables, meta at `l.layout`).
+    pub step: &'a DevMem,
+}
+
+/// One layer's paged attention: the one-warp kernel over the small tiles and the four-warp
+/// kernel over the others, each split `z` ways along the keys, then the combine step when
+/// `z > 1`.
+pub(crate) fn attention(
+    gpu: &Gpu,
+    io: &AttentionIo,
+    l: &Launch,
+    (nh, nkv, hd): (usize, usize, usize),
+    block_size: usize,
+) -> Result<(), GpuError> {
+    let k = &gpu.k;
+    let which = match hd {
+        64 => 0,
+        128 => 1,
+        other => {
+            return Err(GpuError::InvalidConfig(format!(
+                "the CUDA backend supports head dimensions 64 and 128, not {other}"
+            )))
+        }
+    };
+    let lay = &l.layout;
+    let s = |off: usize| io.step.at(off);
+    let i32v = |v: usize| Arg::I32(v as i32);
+    let parts = [
+        (&k.attention_w1[which], 0, l.small_tiles, 32),
+        (
+            &k.attention_w4[which],
+            l.small_tiles,
+            l.tiles - l.small_tiles,
+            128,
+        ),
+    ];
+    for (kernel, first, tiles, threads) in parts {
+        if tiles == 0 {
+            continue;
+        }
+        gpu.timed("attention", || {
+            gpu.launch(
+                kernel,
+                (tiles as u32, nkv as u32, l.z as u32),
+                threads,
+                &[
+                    Arg::Ptr(io.q),
+                    Arg::Ptr(io.k),
+                    Arg::Ptr(io.v),
+                    Arg::Ptr(s(lay.pos)?),
+                    Arg::Ptr(s(lay.tile_seq)?),
+                    Arg::Ptr(s(lay.tile_q0)?),
+                    Arg::Ptr(s(lay.tile_qn)?),
+                    Arg::Ptr(s(lay.tables)?),
+                    Arg::Ptr(s(lay.meta)?),
+                    Arg::Ptr(io.part_acc),
+                    Arg::Ptr(io.part_ml),
+                    Arg::Ptr(io.out),
+                    i32v(nh),
+                    i32v(nkv),
+                    i32v(block_size),
+                    Arg::F32(1.0 / (hd as f32).sqrt()),
+                    i32v(first),
+                ],
+            )
+        })?;
+    }
+    if l.z > 1 && l.tiles > 0 {
+        gpu.timed("attention_combine", || {
+            gpu.launch(
+                &k.attention_combine,
+                (l.tiles as u32, nh as u32, 1),
+                hd as u32,
+                &[
+                    Arg::Ptr(io.part_acc),
+                    Arg::Ptr(io.part_ml),
+                    Arg::Ptr(s(lay.pos)?),
+                    Arg::Ptr(s(lay.tile_q0)?),
+                    Arg::Ptr(s(lay.tile_qn)?),
+                    Arg::Ptr(s(lay.meta)?),
+                    Arg::Ptr(io.out),
+                    i32v(nh),
+                    i32v(hd),
+                    i32v(l.z),
+                ],
+            )
+        })?;
+    }
+    Ok(())
+}
+
 /// A captured graph, movable to the executor thread.
 struct SendGraph(CudaGraph);
 
@@ -448,13 +518,20 @@ pub(crate) struct Graphs {
     failed: Vec<usize>,
 }
 
-/// The launch shape of the decode bucket `bucket`.
-pub(crate) fn bucket_launch(bucket: usize, kv_heads: usize) -> Launch {
+/// The launch shape of the decode bucket `bucket` (one token per tile, `group` rows: the
+/// tiles [`super::step::flatten`] makes for decodes).
+pub(crate) fn bucket_launch(bucket: usize, c: &LlamaConfig) -> Launch {
+    let group = c.num_heads / c.num_kv_heads;
     Launch {
         tokens: bucket,
         tiles: bucket,
+        small_tiles: if group <= ATT_SMALL_ROWS {
+            one_warp_tiles(bucket, c.num_kv_heads)
+        } else {
+            0
+        },
         rows: bucket,
-        z: grid_splits(bucket, kv_heads, MAX_SPLITS),
+        z: grid_splits(bucket, c.num_kv_heads, MAX_SPLITS),
         layout: Layout::new(bucket, bucket, bucket, bucket),
     }
 }
@@ -480,7 +557,7 @@ impl Graphs {
             return Ok(false);
         }
         if let std::collections::hash_map::Entry::Vacant(slot) = self.graphs.entry(bucket) {
-            let l = bucket_launch(bucket, c.num_kv_heads);
+            let l = bucket_launch(bucket, c);
             gpu.stream
                 .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
                 .map_err(|e| cuda_err("begin capture", e))?;

@@ -4,8 +4,9 @@
 //! CUDA graphs for decode steps and sampling on the GPU.
 //!
 //! Module map: [`device`] (library probe, context, NVRTC compile and disk cache, memory,
-//! launches, GEMM and GEMV), `weights` (upload or random init on the device), `step` (batch checks
-//! and the packed step buffer), `forward` (buffers, the launch sequence, decode graphs),
+//! launches, GEMM and GEMV), `lt` (cuBLASLt matmul plans, one per shape, algorithm chosen once),
+//! `weights` (upload or random init on the device), `step` (batch checks and the packed step
+//! buffer), `forward` (buffers, the launch sequence, paged attention, decode graphs),
 //! `sampling` (per-sequence state, logit edits, the sampling kernel).
 //!
 //! One step: check and flatten the batch on the host, copy the packed step buffer to the device
@@ -15,6 +16,7 @@
 
 pub mod device;
 mod forward;
+mod lt;
 mod sampling;
 mod step;
 #[doc(hidden)]
@@ -266,6 +268,7 @@ impl CudaBackend {
         Launch {
             tokens: t,
             tiles,
+            small_tiles: step::one_warp_tiles(d.small_tiles, self.config.num_kv_heads),
             rows,
             z,
             layout: Layout::new(t, tiles, rows, rows),
@@ -386,7 +389,7 @@ impl Backend for CudaBackend {
         let mut ran_graph = false;
         let mut launch = self.eager_launch(&d);
         if let Some(b) = bucket {
-            let l = bucket_launch(b, c.num_kv_heads);
+            let l = bucket_launch(b, c);
             self.upload_step(&d, &samples, &l)?;
             ran_graph = self.graphs.run(
                 &self.gpu,

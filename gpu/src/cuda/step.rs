@@ -10,10 +10,14 @@
 use crate::backend::{Batch, MAX_LOGIT_ROWS};
 use crate::error::GpuError;
 
-/// Query rows one attention block holds (`ATT_ROWS` in the kernels).
-pub(crate) const ATT_ROWS: usize = 32;
-/// Keys per shared-memory chunk in the attention kernel (`ATT_KEYS`).
-pub(crate) const ATT_KEYS: usize = 32;
+/// Query rows one attention block holds (`MMA_ROWS` in the kernels): tokens x the query
+/// heads of one KV head.
+pub(crate) const ATT_ROWS: usize = 64;
+/// Keys per shared-memory chunk in the attention kernel (`MMA_KEYS`); split lengths are
+/// multiples of it.
+pub(crate) const ATT_KEYS: usize = 64;
+/// Tiles of at most this many rows run in the one-warp attention blocks.
+pub(crate) const ATT_SMALL_ROWS: usize = 16;
 /// Most splits of the key range (split-K decoding).
 pub(crate) const MAX_SPLITS: usize = 32;
 /// Attention blocks worth launching at least (about two per multiprocessor on an H100/H200).
@@ -99,6 +103,9 @@ pub(crate) struct StepData {
     pub stride: usize,
     /// Longest key range of any tile (position of its last query + 1).
     pub max_keys: usize,
+    /// The first `small_tiles` tiles have at most [`ATT_SMALL_ROWS`] rows (one-warp blocks);
+    /// the larger ones follow.
+    pub small_tiles: usize,
 }
 
 /// Flattens a checked batch; `rows(i)` names the chunk rows of sequence `i` needing logits.
@@ -108,7 +115,13 @@ pub(crate) fn flatten(
     block_size: usize,
     rows: impl Fn(usize) -> Vec<usize>,
 ) -> Result<StepData, GpuError> {
-    let qt = (ATT_ROWS / group).max(1);
+    if group == 0 || group > ATT_ROWS {
+        return Err(GpuError::InvalidConfig(format!(
+            "{group} query heads per KV head: the attention kernel takes 1 to {ATT_ROWS}"
+        )));
+    }
+    let qt = ATT_ROWS / group;
+    let mut large: Vec<(i32, i32, i32)> = Vec::new();
     let mut d = StepData {
         stride: batch
             .seqs
@@ -135,9 +148,13 @@ pub(crate) fn flatten(
         let mut j = 0;
         while j < n {
             let qn = qt.min(n - j);
-            d.tile_seq.push(i as i32);
-            d.tile_q0.push((base + j) as i32);
-            d.tile_qn.push(qn as i32);
+            if qn * group <= ATT_SMALL_ROWS {
+                d.tile_seq.push(i as i32);
+                d.tile_q0.push((base + j) as i32);
+                d.tile_qn.push(qn as i32);
+            } else {
+                large.push((i as i32, (base + j) as i32, qn as i32));
+            }
             j += qn;
         }
         d.max_keys = d.max_keys.max(s.num_computed_tokens + n);
@@ -146,6 +163,12 @@ pub(crate) fn flatten(
             .extend(s.block_table.iter().take(need).map(|&b| b as i32));
         d.tables
             .extend(std::iter::repeat_n(0, need - s.block_table.len().min(need)));
+    }
+    d.small_tiles = d.tile_qn.len();
+    for (seq, q0, qn) in large {
+        d.tile_seq.push(seq);
+        d.tile_q0.push(q0);
+        d.tile_qn.push(qn);
     }
     if d.logit_rows.len() > MAX_LOGIT_ROWS {
         return Err(GpuError::BadBatch(format!(
@@ -161,6 +184,18 @@ pub(crate) fn grid_splits(tiles: usize, kv_heads: usize, max_splits: usize) -> u
     TARGET_BLOCKS
         .div_ceil((tiles * kv_heads).max(1))
         .clamp(1, max_splits.max(1))
+}
+
+/// How many of the `small` tiles (listed first) run in one-warp blocks: all of them when they
+/// bring enough blocks to fill the device (decode batches, bound by memory throughput), none
+/// otherwise (a few tiles finish sooner in four-warp blocks, which share the loads). Both
+/// kernels compute every row with the same operations, so the choice never changes a result.
+pub(crate) fn one_warp_tiles(small: usize, kv_heads: usize) -> usize {
+    if small * kv_heads >= TARGET_BLOCKS {
+        small
+    } else {
+        0
+    }
 }
 
 /// (split length, splits in use) for keys up to `max_keys` and a grid of `z` splits.
@@ -323,14 +358,20 @@ mod tests {
         assert_eq!(d.slots[0], 7 * 16 + 14);
         assert_eq!(d.slots[19], 2 * 16 + 1);
         assert_eq!(d.slots[20], 5 * 16 + 3);
-        // 8 queries per tile with 4 heads per group: 8 + 8 + 4, then the decode.
-        assert_eq!(d.tile_qn, vec![8, 8, 4, 1]);
-        assert_eq!(d.tile_q0, vec![0, 8, 16, 20]);
-        assert_eq!(d.tile_seq, vec![0, 0, 0, 1]);
+        // 16 queries per tile with 4 heads per group: 16 + 4, then the decode; the tiles of
+        // at most 16 rows (the 4-token rest and the decode) first.
+        assert_eq!(d.tile_qn, vec![4, 1, 16]);
+        assert_eq!(d.tile_q0, vec![16, 20, 0]);
+        assert_eq!(d.tile_seq, vec![0, 1, 0]);
+        assert_eq!(d.small_tiles, 2);
         assert_eq!(d.stride, 4);
         assert_eq!(d.tables, vec![4, 7, 9, 2, 5, 0, 0, 0]);
         assert_eq!(d.logit_rows, vec![19, 20]);
         assert_eq!(d.max_keys, 50);
+        // Groups of 3 (SmolLM2): 21 tokens per tile; groups over 64 heads are refused.
+        let d = flatten(&batch, 3, 16, |_| vec![0]).unwrap();
+        assert_eq!((d.tile_qn.clone(), d.small_tiles), (vec![1, 20], 1));
+        assert!(flatten(&batch, 65, 16, |_| vec![0]).is_err());
     }
 
     #[test]

@@ -1,13 +1,14 @@
 //! Entry points into single kernels for the CUDA test binary (`gpu/tests/cuda_*.rs`): paged
-//! attention over a cache the test fills, the matrix products (GEMV kernels and cuBLAS) over
-//! weights the test chooses, and the logit edits plus sampling kernels over logits the test
-//! chooses. Not part of the serving path.
+//! attention over a cache the test fills, the matrix products (GEMV kernels, cuBLASLt and
+//! cublasGemmEx, eagerly or replayed from a CUDA graph) over weights the test chooses, and the
+//! logit edits plus sampling kernels over logits the test chooses. Not part of the serving path.
 
 use std::sync::Arc;
 
 use half::bf16;
 
-use super::device::{Arg, DevMem, GemvInput, GemvOutput, Gpu};
+use super::device::{DevMem, GemvInput, GemvOutput, Gpu};
+use super::forward::{self, Launch};
 use super::sampling::{self, Edits, SampleArrays, SeqState};
 use super::step::{self, Layout, MAX_SPLITS};
 use crate::backend::{Batch, SeqInput};
@@ -35,6 +36,8 @@ pub struct AttentionShape {
     pub num_blocks: usize,
     /// Splits of the key range (grid z); `None` picks as the backend does.
     pub splits: Option<usize>,
+    /// Tiles of at most 16 rows in one-warp blocks (else every tile in four-warp blocks).
+    pub one_warp: bool,
 }
 
 /// Runs the paged attention kernel: `q` is `[tokens, heads, head_dim]` (the sequences' chunks
@@ -92,52 +95,29 @@ pub fn paged_attention(
     gpu.upload(qd.ptr(), &qb)?;
     gpu.upload(kd.ptr(), &kb)?;
     gpu.upload(vd.ptr(), &vb)?;
-    let at = |o: usize| stepbuf.at(o);
-    let f = match hd {
-        64 => &gpu.k.attention_64,
-        128 => &gpu.k.attention_128,
-        _ => return Err(GpuError::InvalidConfig("head_dim must be 64 or 128".into())),
+    let launch = Launch {
+        tokens: t,
+        tiles,
+        small_tiles: if s.one_warp { d.small_tiles } else { 0 },
+        rows: 0,
+        z,
+        layout: lay,
     };
-    gpu.launch(
-        f,
-        (tiles as u32, nkv as u32, z as u32),
-        128,
-        &[
-            Arg::Ptr(qd.ptr()),
-            Arg::Ptr(kd.ptr()),
-            Arg::Ptr(vd.ptr()),
-            Arg::Ptr(at(lay.pos)?),
-            Arg::Ptr(at(lay.tile_seq)?),
-            Arg::Ptr(at(lay.tile_q0)?),
-            Arg::Ptr(at(lay.tile_qn)?),
-            Arg::Ptr(at(lay.tables)?),
-            Arg::Ptr(at(lay.meta)?),
-            Arg::Ptr(pacc.ptr()),
-            Arg::Ptr(pml.ptr()),
-            Arg::Ptr(out.ptr()),
-            Arg::I32(nh as i32),
-            Arg::I32(nkv as i32),
-            Arg::I32(s.block_size as i32),
-            Arg::F32(1.0 / (hd as f32).sqrt()),
-        ],
+    forward::attention(
+        &gpu,
+        &forward::AttentionIo {
+            q: qd.ptr(),
+            k: kd.ptr(),
+            v: vd.ptr(),
+            out: out.ptr(),
+            part_acc: pacc.ptr(),
+            part_ml: pml.ptr(),
+            step: &stepbuf,
+        },
+        &launch,
+        (nh, nkv, hd),
+        s.block_size,
     )?;
-    if z > 1 {
-        gpu.launch(
-            &gpu.k.attention_combine,
-            (t as u32, nh as u32, 1),
-            hd as u32,
-            &[
-                Arg::Ptr(pacc.ptr()),
-                Arg::Ptr(pml.ptr()),
-                Arg::Ptr(at(lay.pos)?),
-                Arg::Ptr(at(lay.meta)?),
-                Arg::Ptr(out.ptr()),
-                Arg::I32(nh as i32),
-                Arg::I32(hd as i32),
-                Arg::I32(z as i32),
-            ],
-        )?;
-    }
     let mut o = vec![bf16::ZERO; t * nh * hd];
     gpu.download(&mut o, out.ptr())?;
     Ok(o.iter().map(|x| x.to_f32()).collect())
@@ -231,8 +211,16 @@ pub enum MatmulOutput {
 pub enum MatmulPath {
     /// As the forward pass routes it (`Gpu::gemm`: the GEMV kernels for at most 8 rows).
     Routed,
-    /// cuBLAS (plain bf16 inputs and outputs only).
+    /// cuBLAS as the forward pass's large products run it (`Gpu::gemm_cublas`: cuBLASLt unless
+    /// `SWITCHYARD_CUDA_BLASLT=0`). This and the next three: plain bf16 inputs only.
     Cublas,
+    /// cuBLASLt with its per-shape plan (an error if it declines the shape).
+    CublasLt,
+    /// cublasGemmEx.
+    GemmEx,
+    /// cuBLASLt captured in a CUDA graph (a shape the rig has not run yet is planned during
+    /// the capture, as for a decode graph's first capture) and replayed.
+    CublasLtCaptured,
 }
 
 /// Values written past the output to catch stray stores.
@@ -262,6 +250,11 @@ impl MatmulRig {
             m: w.len() / k,
             k,
         })
+    }
+
+    /// Shapes in the cuBLASLt plan cache of the rig's device.
+    pub fn lt_cached_shapes(&self) -> usize {
+        self.gpu.lt_cached_shapes()
     }
 
     /// Runs one product over `n` rows of `input`, the output starting as `init` (`n x m`
@@ -367,6 +360,21 @@ impl MatmulRig {
                 | (MatmulPath::Cublas, GemvInput::Bf16(a), MatmulOutput::Bf16 { beta }) => {
                     gpu.gemm_cublas(self.w.ptr(), a, out.ptr(), m, n, k, beta, f32_out)?
                 }
+                (MatmulPath::GemmEx, GemvInput::Bf16(a), MatmulOutput::F32 { beta })
+                | (MatmulPath::GemmEx, GemvInput::Bf16(a), MatmulOutput::Bf16 { beta }) => {
+                    gpu.gemm_ex(self.w.ptr(), a, out.ptr(), m, n, k, beta, f32_out)?
+                }
+                (
+                    MatmulPath::CublasLt | MatmulPath::CublasLtCaptured,
+                    GemvInput::Bf16(a),
+                    MatmulOutput::F32 { beta } | MatmulOutput::Bf16 { beta },
+                ) => {
+                    if !gpu.gemm_lt(self.w.ptr(), a, out.ptr(), m, n, k, beta, f32_out)? {
+                        return Err(GpuError::Internal(format!(
+                            "matmul check: cuBLASLt declined m={m} n={n} k={k}"
+                        )));
+                    }
+                }
                 (MatmulPath::Routed, gin, output) => {
                     let o = match output {
                         MatmulOutput::F32 { beta } => GemvOutput::Plain {
@@ -381,13 +389,44 @@ impl MatmulRig {
                     };
                     gpu.gemv(self.w.ptr(), gin, out.ptr(), m, n, k, o)?
                 }
-                (MatmulPath::Cublas, _, _) => {
+                (
+                    MatmulPath::Cublas
+                    | MatmulPath::CublasLt
+                    | MatmulPath::GemmEx
+                    | MatmulPath::CublasLtCaptured,
+                    _,
+                    _,
+                ) => {
                     return Err(GpuError::BadBatch(
                         "matmul check: cuBLAS takes plain bf16 products only".into(),
                     ))
                 }
             }
             Ok(())
+        };
+        // The captured path: record the launch once, then every launch replays the graph.
+        let graph = if path == MatmulPath::CublasLtCaptured {
+            use cudarc::driver::sys;
+            gpu.stream
+                .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                .map_err(|e| super::device::cuda_err("begin capture", e))?;
+            let enq = launch();
+            let end = gpu.stream.end_capture(sys::CUgraphInstantiate_flags(0));
+            enq?;
+            Some(
+                end.map_err(|e| super::device::cuda_err("end capture", e))?
+                    .ok_or_else(|| GpuError::Internal("matmul check: empty graph".into()))?,
+            )
+        } else {
+            None
+        };
+        let launch = || -> Result<(), GpuError> {
+            match &graph {
+                Some(g) => g
+                    .launch()
+                    .map_err(|e| super::device::cuda_err("graph launch", e)),
+                None => launch(),
+            }
         };
         let mut ms = 0.0;
         if timing_iters == 0 {
