@@ -285,17 +285,21 @@ fn context_length_is_enforced_with_its_code() {
 #[test]
 fn metrics_are_exported() {
     let s = &server();
-    complete(s, "Metrics", json!({"max_tokens": 2}));
+    complete(s, "Metrics", json!({"max_tokens": 3, "ignore_eos": true}));
     let r = s.request("GET", "/metrics", None, &[]).expect("metrics");
     assert_eq!(r.status, 200);
     for name in [
         "switchyard:generation_tokens_total",
         "switchyard:prompt_tokens_total",
         "switchyard:time_to_first_token_seconds",
+        "switchyard:time_per_output_token_seconds_count",
+        "switchyard:e2e_request_latency_seconds_count",
         "switchyard:request_queue_time_seconds",
         "switchyard:kv_cache_usage_perc",
         "switchyard:policy_info",
         "switchyard:backend_info",
+        "# HELP switchyard:engine_step_overhead_seconds ",
+        "# HELP switchyard:kv_cache_cached_blocks ",
     ] {
         assert!(r.body.contains(name), "missing {name} in\n{}", r.body);
     }

@@ -6,6 +6,7 @@ pub mod actors;
 mod core;
 mod detokenizer;
 mod error;
+pub mod metric_names;
 
 pub use crate::core::{
     CoreEvent, EngineCore, EngineCoreConfig, PreparedStep, StepCore, StepReport, SubmitOptions,

@@ -11,12 +11,16 @@
 use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
+// The engine's metrics (recorded by switchyard-actors, whose `metric_names` holds the same
+// names; the binary's tests check that every one of those is described here).
 /// Gauge: requests currently in a running batch.
 pub const NUM_REQUESTS_RUNNING: &str = "switchyard:num_requests_running";
 /// Gauge: requests waiting to be scheduled (including preempted ones).
 pub const NUM_REQUESTS_WAITING: &str = "switchyard:num_requests_waiting";
 /// Gauge: fraction of KV-cache blocks in use, in [0, 1].
 pub const KV_CACHE_USAGE_PERC: &str = "switchyard:kv_cache_usage_perc";
+/// Gauge: KV-cache blocks held by the prefix cache only (reusable, evictable).
+pub const KV_CACHE_CACHED_BLOCKS: &str = "switchyard:kv_cache_cached_blocks";
 /// Counter: prompt tokens looked up in the prefix cache.
 pub const PREFIX_CACHE_QUERIES: &str = "switchyard:prefix_cache_queries_total";
 /// Counter: prompt tokens found in the prefix cache.
@@ -35,12 +39,23 @@ pub const REQUEST_ABORTED: &str = "switchyard:request_aborted_total";
 pub const TIME_TO_FIRST_TOKEN: &str = "switchyard:time_to_first_token_seconds";
 /// Histogram, seconds: between consecutive generated tokens of a request.
 pub const INTER_TOKEN_LATENCY: &str = "switchyard:inter_token_latency_seconds";
-/// Histogram, seconds: mean time per output token after the first, per request (TPOT).
+/// Histogram, seconds: mean time per output token after the first, per finished choice (TPOT;
+/// a choice of `n > 1` counts as its own sequence, as in vLLM).
 pub const TIME_PER_OUTPUT_TOKEN: &str = "switchyard:time_per_output_token_seconds";
 /// Histogram, seconds: arrival to finish.
 pub const E2E_REQUEST_LATENCY: &str = "switchyard:e2e_request_latency_seconds";
 /// Histogram, seconds: time spent waiting before first being scheduled.
 pub const REQUEST_QUEUE_TIME: &str = "switchyard:request_queue_time_seconds";
+/// Histogram, seconds: the scheduler's planning time per step.
+pub const ENGINE_PLAN: &str = "switchyard:engine_plan_seconds";
+/// Histogram, seconds: the KV-allocator round trip per step (commit sent to block ids back).
+pub const ENGINE_KV_COMMIT: &str = "switchyard:engine_kv_commit_seconds";
+/// Histogram, seconds: engine time per step outside the model (planning, the allocator commit,
+/// messages to the executor and detokenizer, applying outputs).
+pub const ENGINE_STEP_OVERHEAD: &str = "switchyard:engine_step_overhead_seconds";
+/// Gauge: sequences in the last step's batch.
+pub const ENGINE_BATCH_SIZE: &str = "switchyard:engine_batch_size";
+
 /// Gauge, label `policy`: 1 for the scheduling policy in force, 0 for the others seen.
 pub const POLICY_INFO: &str = "switchyard:policy_info";
 /// Counter: scheduling-policy hot swaps.
@@ -51,9 +66,13 @@ pub const HTTP_REQUESTS: &str = "switchyard:http_requests_total";
 pub const HTTP_REQUEST_DURATION: &str = "switchyard:http_request_duration_seconds";
 /// Gauge: generation requests the HTTP layer is serving (streams included).
 pub const HTTP_IN_FLIGHT: &str = "switchyard:http_requests_in_flight";
+/// Gauge, label `backend` (`cpu` or `cuda`): 1 for the backend the model runs on.
+pub const BACKEND_INFO: &str = "switchyard:backend_info";
 
 /// Label key of [`REQUEST_SUCCESS`].
 pub const LABEL_FINISHED_REASON: &str = "finished_reason";
+/// Label key of [`BACKEND_INFO`].
+pub const LABEL_BACKEND: &str = "backend";
 /// Label key of [`POLICY_INFO`].
 pub const LABEL_POLICY: &str = "policy";
 /// Label key for a request's tier.
@@ -185,16 +204,52 @@ pub fn describe_metrics() {
         HTTP_IN_FLIGHT,
         "Generation requests being served, streams included."
     );
+    describe_gauge!(
+        KV_CACHE_CACHED_BLOCKS,
+        Unit::Count,
+        "KV-cache blocks held only by the prefix cache (reusable, evictable)."
+    );
+    describe_gauge!(
+        ENGINE_BATCH_SIZE,
+        Unit::Count,
+        "Sequences in the last engine step."
+    );
+    describe_histogram!(
+        ENGINE_PLAN,
+        Unit::Seconds,
+        "Scheduler planning time per engine step."
+    );
+    describe_histogram!(
+        ENGINE_KV_COMMIT,
+        Unit::Seconds,
+        "KV-allocator round trip per engine step."
+    );
+    describe_histogram!(
+        ENGINE_STEP_OVERHEAD,
+        Unit::Seconds,
+        "Engine time per step outside the model: planning, the allocator commit, messages, applying outputs."
+    );
+    describe_gauge!(
+        BACKEND_INFO,
+        "1 for the backend the model runs on (label backend)."
+    );
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    const ALL: &[&str] = &[
+    const GAUGES: &[&str] = &[
         NUM_REQUESTS_RUNNING,
         NUM_REQUESTS_WAITING,
         KV_CACHE_USAGE_PERC,
+        KV_CACHE_CACHED_BLOCKS,
+        ENGINE_BATCH_SIZE,
+        POLICY_INFO,
+        HTTP_IN_FLIGHT,
+        BACKEND_INFO,
+    ];
+    const COUNTERS: &[&str] = &[
         PREFIX_CACHE_QUERIES,
         PREFIX_CACHE_HITS,
         NUM_PREEMPTIONS,
@@ -202,21 +257,57 @@ mod tests {
         GENERATION_TOKENS,
         REQUEST_SUCCESS,
         REQUEST_ABORTED,
+        POLICY_SWAPS,
+        HTTP_REQUESTS,
+    ];
+    const HISTOGRAMS: &[&str] = &[
         TIME_TO_FIRST_TOKEN,
         INTER_TOKEN_LATENCY,
         TIME_PER_OUTPUT_TOKEN,
         E2E_REQUEST_LATENCY,
         REQUEST_QUEUE_TIME,
-        POLICY_INFO,
-        POLICY_SWAPS,
-        HTTP_REQUESTS,
+        ENGINE_PLAN,
+        ENGINE_KV_COMMIT,
+        ENGINE_STEP_OVERHEAD,
         HTTP_REQUEST_DURATION,
-        HTTP_IN_FLIGHT,
     ];
+
+    fn all() -> impl Iterator<Item = &'static str> {
+        [GAUGES, COUNTERS, HISTOGRAMS]
+            .into_iter()
+            .flatten()
+            .copied()
+    }
+
+    #[test]
+    fn every_metric_has_help_text() {
+        let recorder = prometheus_builder().unwrap().build_recorder();
+        let handle = recorder.handle();
+        metrics::with_local_recorder(&recorder, || {
+            describe_metrics();
+            for &g in GAUGES {
+                metrics::gauge!(g).set(1.0);
+            }
+            for &c in COUNTERS {
+                metrics::counter!(c).increment(1);
+            }
+            for &h in HISTOGRAMS {
+                metrics::histogram!(h).record(0.5);
+            }
+        });
+        let text = handle.render();
+        for name in all() {
+            // The exporter writes HELP and TYPE only for described metrics.
+            assert!(
+                text.contains(&format!("# HELP {name} ")),
+                "{name} has no help text"
+            );
+        }
+    }
 
     #[test]
     fn names_are_prefixed_valid_prometheus_names() {
-        for name in ALL {
+        for name in all() {
             let rest = name.strip_prefix("switchyard:").unwrap();
             assert!(
                 rest.chars()

@@ -183,7 +183,11 @@ pub fn build_backend(
     } else {
         "cpu"
     };
-    metrics::gauge!("switchyard:backend_info", "backend" => label).set(1.0);
+    metrics::gauge!(
+        switchyard_api::metrics::BACKEND_INFO,
+        switchyard_api::metrics::LABEL_BACKEND => label
+    )
+    .set(1.0);
     let backend = match chosen {
         BackendKind::Cuda => cuda_backend(source, s)?,
         _ => {

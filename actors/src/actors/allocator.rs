@@ -7,6 +7,7 @@
 use actix::{Actor, Context, Handler, Message};
 use switchyard_policies::{BlockId, BlockPool, KvCommit};
 
+use crate::metric_names as names;
 use crate::EngineError;
 
 /// One step's block changes; the reply holds the ids of the blocks it allocated, in order.
@@ -36,7 +37,7 @@ impl Handler<Commit> for KvAllocatorActor {
     fn handle(&mut self, msg: Commit, _: &mut Context<Self>) -> Self::Result {
         let mut ids = Vec::with_capacity(msg.0.allocate);
         self.pool.commit(&msg.0, &mut ids)?;
-        metrics::gauge!("switchyard:kv_cache_cached_blocks").set(self.pool.num_cached() as f64);
+        metrics::gauge!(names::KV_CACHE_CACHED_BLOCKS).set(self.pool.num_cached() as f64);
         Ok(ids)
     }
 }

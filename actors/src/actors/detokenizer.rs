@@ -17,6 +17,7 @@ use super::engine::{
 use super::scheduler::{Finish, SchedulerActor};
 use crate::core::CoreEvent;
 use crate::detokenizer::IncrementalDetokenizer;
+use crate::metric_names as names;
 
 /// How often sinks of queued requests are checked for departed clients.
 const SINK_CHECK_INTERVAL: Duration = Duration::from_millis(100);
@@ -103,6 +104,9 @@ struct ChoiceState {
     index: u32,
     detok: IncrementalDetokenizer,
     tokens: u32,
+    /// When this choice's first and latest tokens arrived (its time per output token).
+    first_at: Option<Instant>,
+    last_at: Option<Instant>,
     request: Rc<RefCell<RequestSink>>,
     /// Prompt logprobs by position (1..), filled as the prompt is computed; positions may
     /// arrive again after a preemption and are then overwritten.
@@ -163,7 +167,7 @@ impl DetokenizerActor {
                 aborted.push((id, FinishReason::Abort));
             }
         }
-        metrics::counter!("switchyard:request_aborted_total").increment(1);
+        metrics::counter!(names::REQUEST_ABORTED).increment(1);
         self.finish_in_scheduler(aborted);
     }
 }
@@ -254,6 +258,8 @@ impl Handler<Register> for DetokenizerActor {
                     index: index as u32,
                     detok: IncrementalDetokenizer::new(msg.stop.clone()),
                     tokens: 0,
+                    first_at: None,
+                    last_at: None,
                     request: request.clone(),
                     prompt_logprobs: vec![None; prompt_len],
                 },
@@ -308,17 +314,19 @@ impl Handler<StepEvents> for DetokenizerActor {
                     }
                     generated += 1;
                     c.tokens += 1;
+                    c.first_at.get_or_insert(now);
+                    c.last_at = Some(now);
                     {
                         let mut r = c.request.borrow_mut();
                         match r.first_token {
                             None => {
                                 r.first_token = Some(now);
-                                metrics::histogram!("switchyard:time_to_first_token_seconds")
+                                metrics::histogram!(names::TIME_TO_FIRST_TOKEN)
                                     .record((now - r.arrival).as_secs_f64());
                             }
                             Some(_) => {
                                 if let Some(last) = r.last_token {
-                                    metrics::histogram!("switchyard:inter_token_latency_seconds")
+                                    metrics::histogram!(names::INTER_TOKEN_LATENCY)
                                         .record((now - last).as_secs_f64());
                                 }
                             }
@@ -377,7 +385,7 @@ impl Handler<StepEvents> for DetokenizerActor {
                 }
             }
         }
-        metrics::counter!("switchyard:generation_tokens_total").increment(generated);
+        metrics::counter!(names::GENERATION_TOKENS).increment(generated);
         self.finish_in_scheduler(stopped);
         let mut gone: Vec<Rc<RefCell<RequestSink>>> = Vec::new();
         for (id, delta) in deltas.deltas {
@@ -394,13 +402,24 @@ impl Handler<StepEvents> for DetokenizerActor {
                 continue;
             }
             if let Some((reason, _)) = finished {
-                self.choices.remove(&id);
+                if let Some(ChoiceState {
+                    tokens,
+                    first_at: Some(first),
+                    last_at: Some(last),
+                    ..
+                }) = self.choices.remove(&id)
+                {
+                    if tokens > 1 {
+                        metrics::histogram!(names::TIME_PER_OUTPUT_TOKEN)
+                            .record((last - first).as_secs_f64() / f64::from(tokens - 1));
+                    }
+                }
                 let mut r = request.borrow_mut();
                 r.open_choices = r.open_choices.saturating_sub(1);
                 if r.open_choices == 0 {
-                    metrics::histogram!("switchyard:e2e_request_latency_seconds")
+                    metrics::histogram!(names::E2E_REQUEST_LATENCY)
                         .record((now - r.arrival).as_secs_f64());
-                    metrics::counter!("switchyard:request_success_total", "finished_reason" => reason.as_str()).increment(1);
+                    metrics::counter!(names::REQUEST_SUCCESS, names::LABEL_FINISHED_REASON => reason.as_str()).increment(1);
                 }
             }
         }

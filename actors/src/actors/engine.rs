@@ -19,6 +19,7 @@ use super::executor::ExecutorActor;
 use super::scheduler::{GetStats, SchedulerActor, Submit, SwapPolicy};
 use super::tokenizer::{Decode, Encode, TokenizerActor};
 use crate::core::{EngineCoreConfig, StepCore, SubmitOptions};
+use crate::metric_names as names;
 use crate::EngineError;
 
 /// What the engine needs beyond the model.
@@ -325,7 +326,7 @@ impl Engine {
                 sink,
             ));
         }
-        metrics::counter!("switchyard:prompt_tokens_total").increment(prompt.len() as u64);
+        metrics::counter!(names::PROMPT_TOKENS).increment(prompt.len() as u64);
         // With prompt logprobs the detokenizer sends the prompt event once they are computed.
         if options.prompt_logprobs.is_none()
             && !sink.send(EngineOutput::Prompt {

@@ -10,6 +10,7 @@ use super::allocator::{Commit, KvAllocatorActor};
 use super::detokenizer::{DetokenizerActor, StepEvents};
 use super::executor::{Execute, ExecutorActor};
 use crate::core::{PreparedStep, StepCore, SubmitOptions};
+use crate::metric_names as names;
 use crate::EngineError;
 
 /// Queues requests (all choices of one client request together).
@@ -77,12 +78,12 @@ impl SchedulerActor {
 
     fn publish_stats(&self) {
         let s = self.core.stats();
-        metrics::gauge!("switchyard:num_requests_running").set(s.num_running as f64);
-        metrics::gauge!("switchyard:num_requests_waiting").set(s.num_waiting as f64);
-        metrics::gauge!("switchyard:kv_cache_usage_perc").set(s.kv_usage);
-        metrics::counter!("switchyard:prefix_cache_queries_total").absolute(s.prefix_queries);
-        metrics::counter!("switchyard:prefix_cache_hits_total").absolute(s.prefix_hits);
-        metrics::counter!("switchyard:num_preemptions_total").absolute(s.num_preemptions);
+        metrics::gauge!(names::NUM_REQUESTS_RUNNING).set(s.num_running as f64);
+        metrics::gauge!(names::NUM_REQUESTS_WAITING).set(s.num_waiting as f64);
+        metrics::gauge!(names::KV_CACHE_USAGE_PERC).set(s.kv_usage);
+        metrics::counter!(names::PREFIX_CACHE_QUERIES).absolute(s.prefix_queries);
+        metrics::counter!(names::PREFIX_CACHE_HITS).absolute(s.prefix_hits);
+        metrics::counter!(names::NUM_PREEMPTIONS).absolute(s.num_preemptions);
     }
 
     /// Starts a step unless one is in flight or there is nothing to do: plan, commit the
@@ -124,8 +125,7 @@ impl SchedulerActor {
             if let Err(e) = act.core.assign(&mut planned, &ids) {
                 return act.fail_step(planned.plan, &e.to_string(), ctx);
             }
-            metrics::histogram!("switchyard:engine_kv_commit_seconds")
-                .record(step_start.elapsed().as_secs_f64());
+            metrics::histogram!(names::ENGINE_KV_COMMIT).record(step_start.elapsed().as_secs_f64());
             act.apply_deferred();
             match act.core.build_step(planned) {
                 Ok(Some(prepared)) => act.execute(prepared, step_start, ctx),
@@ -166,9 +166,9 @@ impl SchedulerActor {
     /// Sends a committed batch to the executor and applies its outputs.
     fn execute(&mut self, prepared: PreparedStep, step_start: Instant, ctx: &mut Context<Self>) {
         for q in &prepared.queue_times_us {
-            metrics::histogram!("switchyard:request_queue_time_seconds").record(*q as f64 / 1e6);
+            metrics::histogram!(names::REQUEST_QUEUE_TIME).record(*q as f64 / 1e6);
         }
-        metrics::histogram!("switchyard:engine_plan_seconds").record(prepared.plan_us as f64 / 1e6);
+        metrics::histogram!(names::ENGINE_PLAN).record(prepared.plan_us as f64 / 1e6);
         let plan = prepared.plan;
         let fut = self.executor.send(Execute {
             batch: prepared.batch,
@@ -193,9 +193,9 @@ impl SchedulerActor {
             // The engine's own cost of this step: planning, the allocator and executor round
             // trips, applying outputs and handing them to the detokenizer, without model time.
             let total_us = step_start.elapsed().as_micros() as u64;
-            metrics::histogram!("switchyard:engine_step_overhead_seconds")
+            metrics::histogram!(names::ENGINE_STEP_OVERHEAD)
                 .record(total_us.saturating_sub(executed.execute_us) as f64 / 1e6);
-            metrics::gauge!("switchyard:engine_batch_size").set(plan.seqs.len() as f64);
+            metrics::gauge!(names::ENGINE_BATCH_SIZE).set(plan.seqs.len() as f64);
             act.kick(ctx);
         }));
     }

@@ -1,0 +1,81 @@
+//! Names of the metrics the engine records through the `metrics` crate (one place for the
+//! recording sites here and for `switchyard-api`, which describes them and serves
+//! `/metrics`). The request-level ones mirror vLLM's production metrics under the
+//! `switchyard:` prefix with the same meaning and units; the `engine_*` ones are Switchyard's
+//! own. Labels are bounded: `finished_reason` is `stop` or `length`.
+
+/// Gauge: requests currently in a running batch.
+pub const NUM_REQUESTS_RUNNING: &str = "switchyard:num_requests_running";
+/// Gauge: requests waiting to be scheduled (including preempted ones).
+pub const NUM_REQUESTS_WAITING: &str = "switchyard:num_requests_waiting";
+/// Gauge: fraction of KV-cache blocks in use, in [0, 1].
+pub const KV_CACHE_USAGE_PERC: &str = "switchyard:kv_cache_usage_perc";
+/// Gauge: KV-cache blocks held by the prefix cache only (reusable, evictable).
+pub const KV_CACHE_CACHED_BLOCKS: &str = "switchyard:kv_cache_cached_blocks";
+/// Counter: prompt tokens looked up in the prefix cache.
+pub const PREFIX_CACHE_QUERIES: &str = "switchyard:prefix_cache_queries_total";
+/// Counter: prompt tokens found in the prefix cache.
+pub const PREFIX_CACHE_HITS: &str = "switchyard:prefix_cache_hits_total";
+/// Counter: preemptions (a running request sent back to waiting).
+pub const NUM_PREEMPTIONS: &str = "switchyard:num_preemptions_total";
+/// Counter: prefill tokens processed.
+pub const PROMPT_TOKENS: &str = "switchyard:prompt_tokens_total";
+/// Counter: tokens generated.
+pub const GENERATION_TOKENS: &str = "switchyard:generation_tokens_total";
+/// Counter, label `finished_reason`: requests that finished.
+pub const REQUEST_SUCCESS: &str = "switchyard:request_success_total";
+/// Counter: requests aborted (client gone, shutdown, relegated).
+pub const REQUEST_ABORTED: &str = "switchyard:request_aborted_total";
+/// Histogram, seconds: arrival to first generated token.
+pub const TIME_TO_FIRST_TOKEN: &str = "switchyard:time_to_first_token_seconds";
+/// Histogram, seconds: between consecutive generated tokens of a request.
+pub const INTER_TOKEN_LATENCY: &str = "switchyard:inter_token_latency_seconds";
+/// Histogram, seconds: mean time per output token after the first, per finished choice (TPOT;
+/// a choice of `n > 1` counts as its own sequence, as in vLLM).
+pub const TIME_PER_OUTPUT_TOKEN: &str = "switchyard:time_per_output_token_seconds";
+/// Histogram, seconds: arrival to finish.
+pub const E2E_REQUEST_LATENCY: &str = "switchyard:e2e_request_latency_seconds";
+/// Histogram, seconds: time spent waiting before first being scheduled.
+pub const REQUEST_QUEUE_TIME: &str = "switchyard:request_queue_time_seconds";
+/// Histogram, seconds: the scheduler's planning time per step.
+pub const ENGINE_PLAN: &str = "switchyard:engine_plan_seconds";
+/// Histogram, seconds: the KV-allocator round trip per step (commit sent to block ids back).
+pub const ENGINE_KV_COMMIT: &str = "switchyard:engine_kv_commit_seconds";
+/// Histogram, seconds: engine time per step outside the model (planning, the allocator commit,
+/// messages to the executor and detokenizer, applying outputs).
+pub const ENGINE_STEP_OVERHEAD: &str = "switchyard:engine_step_overhead_seconds";
+/// Gauge: sequences in the last step's batch.
+pub const ENGINE_BATCH_SIZE: &str = "switchyard:engine_batch_size";
+
+/// Label key of [`REQUEST_SUCCESS`].
+pub const LABEL_FINISHED_REASON: &str = "finished_reason";
+
+/// Every name above, by kind (for describing them and for tests).
+pub const GAUGES: &[&str] = &[
+    NUM_REQUESTS_RUNNING,
+    NUM_REQUESTS_WAITING,
+    KV_CACHE_USAGE_PERC,
+    KV_CACHE_CACHED_BLOCKS,
+    ENGINE_BATCH_SIZE,
+];
+/// Counters among the names above.
+pub const COUNTERS: &[&str] = &[
+    PREFIX_CACHE_QUERIES,
+    PREFIX_CACHE_HITS,
+    NUM_PREEMPTIONS,
+    PROMPT_TOKENS,
+    GENERATION_TOKENS,
+    REQUEST_SUCCESS,
+    REQUEST_ABORTED,
+];
+/// Histograms among the names above.
+pub const HISTOGRAMS: &[&str] = &[
+    TIME_TO_FIRST_TOKEN,
+    INTER_TOKEN_LATENCY,
+    TIME_PER_OUTPUT_TOKEN,
+    E2E_REQUEST_LATENCY,
+    REQUEST_QUEUE_TIME,
+    ENGINE_PLAN,
+    ENGINE_KV_COMMIT,
+    ENGINE_STEP_OVERHEAD,
+];
