@@ -97,39 +97,62 @@ fn cfg(blocks: usize, graphs: bool) -> CudaBackendConfig {
 
 /// Naive attention over the same bf16-rounded inputs, in f64.
 fn naive(s: &AttentionShape, seqs: &[AttentionSeq], q: &[f32], k: &[f32], v: &[f32]) -> Vec<f32> {
-    let r = |x: f32| f64::from(half::bf16::from_f32(x).to_f32());
+    let r = |x: &f32| f64::from(half::bf16::from_f32(*x).to_f32());
     let (nh, nkv, hd) = (s.num_heads, s.num_kv_heads, s.head_dim);
     let group = nh / nkv;
-    let mut out = Vec::new();
-    let mut t = 0;
-    for a in seqs {
-        for j in 0..a.queries {
-            let p = a.computed + j;
-            for h in 0..nh {
-                let g = h / group;
-                let qv: Vec<f64> = (0..hd).map(|d| r(q[(t * nh + h) * hd + d])).collect();
-                let slot = |key: usize| {
-                    a.table[key / s.block_size] as usize * s.block_size + key % s.block_size
-                };
-                let scores: Vec<f64> = (0..=p)
-                    .map(|key| {
-                        let base = (slot(key) * nkv + g) * hd;
-                        (0..hd).map(|d| qv[d] * r(k[base + d])).sum::<f64>() / (hd as f64).sqrt()
-                    })
-                    .collect();
-                let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                let w: Vec<f64> = scores.iter().map(|x| (x - m).exp()).collect();
-                let z: f64 = w.iter().sum();
-                for d in 0..hd {
-                    let acc: f64 = (0..=p)
-                        .map(|key| w[key] * r(v[(slot(key) * nkv + g) * hd + d]))
-                        .sum();
-                    out.push((acc / z) as f32);
+    let (kr, vr): (Vec<f64>, Vec<f64>) = (k.iter().map(r).collect(), v.iter().map(r).collect());
+    // (sequence, position) of every query token, in output order.
+    let tokens: Vec<(usize, usize)> = seqs
+        .iter()
+        .enumerate()
+        .flat_map(|(i, a)| (0..a.queries).map(move |j| (i, a.computed + j)))
+        .collect();
+    let row = nh * hd;
+    let mut out = vec![0f32; tokens.len() * row];
+    // One token's output rows (all heads), from the bf16-rounded inputs, in f64.
+    let token = |t: usize, o: &mut [f32]| {
+        let (i, p) = tokens[t];
+        let a = &seqs[i];
+        let slot =
+            |key: usize| a.table[key / s.block_size] as usize * s.block_size + key % s.block_size;
+        let slots: Vec<usize> = (0..=p).map(slot).collect();
+        for h in 0..nh {
+            let g = h / group;
+            let qv: Vec<f64> = q[(t * nh + h) * hd..][..hd].iter().map(r).collect();
+            let scores: Vec<f64> = slots
+                .iter()
+                .map(|&sl| {
+                    let kv = &kr[(sl * nkv + g) * hd..][..hd];
+                    qv.iter().zip(kv).map(|(a, b)| a * b).sum::<f64>() / (hd as f64).sqrt()
+                })
+                .collect();
+            let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let w: Vec<f64> = scores.iter().map(|x| (x - m).exp()).collect();
+            let z: f64 = w.iter().sum();
+            let mut acc = vec![0f64; hd];
+            for (wk, &sl) in w.iter().zip(&slots) {
+                for (x, vv) in acc.iter_mut().zip(&vr[(sl * nkv + g) * hd..][..hd]) {
+                    *x += wk * vv;
                 }
             }
-            t += 1;
+            for (d, x) in acc.iter().enumerate() {
+                o[h * hd + d] = (x / z) as f32;
+            }
         }
-    }
+    };
+    // Tokens spread over the host's cores: long prompts make this the slow part of the test.
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let per = tokens.len().div_ceil(threads).max(1);
+    std::thread::scope(|sc| {
+        for (c, chunk) in out.chunks_mut(per * row).enumerate() {
+            let token = &token;
+            sc.spawn(move || {
+                for (j, o) in chunk.chunks_mut(row).enumerate() {
+                    token(c * per + j, o);
+                }
+            });
+        }
+    });
     out
 }
 
