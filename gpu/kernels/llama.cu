@@ -322,6 +322,26 @@ __device__ __forceinline__ float quad_sum(float v) {
     return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
+// Keys (or values) [kb, kb + MMA_KEYS) of KV head kvh from one layer's paged cache into shared
+// rows of LD elements, as one cp.async group; positions at or past kend are zero-filled.
+template <int HD, int LD>
+__device__ __forceinline__ void load_kv_chunk(bf16* dst, const bf16* __restrict__ cache,
+                                              const int* __restrict__ table, int kb, int kend,
+                                              int block_size, int nkv, int kvh) {
+    constexpr int PIECES = HD / 8;
+    for (int i = threadIdx.x; i < MMA_KEYS * PIECES; i += blockDim.x) {
+        const int j = i / PIECES, c = i % PIECES, kp = kb + j;
+        const bool ok = kp < kend;
+        long long off = 0;
+        if (ok) {
+            const long long slot = (long long)table[kp / block_size] * block_size + kp % block_size;
+            off = (slot * nkv + kvh) * HD + c * 8;
+        }
+        cp_async16(dst + j * LD + c * 8, cache + off, ok);
+    }
+    cp_async_commit();
+}
+
 template <int HD, int WARPS>
 __device__ void attention_body(const bf16* __restrict__ q, const bf16* __restrict__ kc,
                                    const bf16* __restrict__ vc, const int* __restrict__ pos,
@@ -384,31 +404,9 @@ __device__ void attention_body(const bf16* __restrict__ q, const bf16* __restric
 
     for (int kb = kstart; kb < kend; kb += MMA_KEYS) {
         __syncthreads();  // k_s / v_s free (the Q staging or the previous chunk)
-        for (int i = threadIdx.x; i < MMA_KEYS * PIECES; i += blockDim.x) {
-            const int j = i / PIECES, c = i % PIECES, kp = kb + j;
-            const bool ok = kp < kend;
-            long long off = 0;
-            if (ok) {
-                const long long slot =
-                    (long long)table[kp / block_size] * block_size + kp % block_size;
-                off = (slot * nkv + kvh) * HD + c * 8;
-            }
-            cp_async16(k_s + j * LD + c * 8, kc + off, ok);
-        }
-        cp_async_commit();
-        for (int i = threadIdx.x; i < MMA_KEYS * PIECES; i += blockDim.x) {
-            const int j = i / PIECES, c = i % PIECES, kp = kb + j;
-            const bool ok = kp < kend;
-            long long off = 0;
-            if (ok) {
-                const long long slot =
-                    (long long)table[kp / block_size] * block_size + kp % block_size;
-                off = (slot * nkv + kvh) * HD + c * 8;
-            }
-            cp_async16(v_s + j * LD + c * 8, vc + off, ok);
-        }
-        cp_async_commit();
-        cp_async_wait<1>();
+        load_kv_chunk<HD, LD>(k_s, kc, table, kb, kend, block_size, nkv, kvh);
+        load_kv_chunk<HD, LD>(v_s, vc, table, kb, kend, block_size, nkv, kvh);
+        cp_async_wait<1>();  // the keys; the values land while the scores are computed
         __syncthreads();
 
         u32 pa[MMA_KEYS / 16][4], pl[MMA_KEYS / 16][4];

@@ -93,6 +93,24 @@ impl GemvMode {
     }
 }
 
+/// One matrix product `C[n, m] = A[n, k] · W[m, k]^T + beta · C`, row-major: W (the weights)
+/// and A (the activations) bf16, C f32 or bf16 (`c_f32`), accumulation in f32. The pointers are
+/// device addresses of buffers of these shapes.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Product {
+    pub w: u64,
+    pub a: u64,
+    pub c: u64,
+    /// Rows of W (output features).
+    pub m: usize,
+    /// Rows of A (tokens).
+    pub n: usize,
+    /// The inner size.
+    pub k: usize,
+    pub beta: f32,
+    pub c_f32: bool,
+}
+
 /// The activations of a GEMV launch.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum GemvInput {
@@ -675,38 +693,24 @@ impl Gpu {
         )
     }
 
-    /// `C[n, m] (ldc) = alpha * A[n, k] · W[m, k]^T + beta * C`, row-major, A and W bf16,
-    /// C bf16 or f32 (`c_f32`), accumulation in f32. Steps of at most [`GEMV_MAX_TOKENS`] rows
-    /// run on the GEMV kernels (when [`Gpu::gemv_fits`]), larger ones on cuBLAS.
-    #[allow(clippy::too_many_arguments)]
-    pub fn gemm(
-        &self,
-        w: u64,
-        a: u64,
-        c: u64,
-        m: usize,
-        n: usize,
-        k: usize,
-        beta: f32,
-        c_f32: bool,
-    ) -> Result<(), GpuError> {
-        self.gemm_with(true, w, a, c, m, n, k, beta, c_f32)
+    /// The product `p`: steps of at most [`GEMV_MAX_TOKENS`] rows run on the GEMV kernels
+    /// (when [`Gpu::gemv_fits`]), larger ones on cuBLAS.
+    pub fn gemm(&self, p: Product) -> Result<(), GpuError> {
+        self.gemm_with(true, p)
     }
 
     /// [`Gpu::gemm`], on the GEMV kernels only when `gemv` (and they fit).
-    #[allow(clippy::too_many_arguments)]
-    pub fn gemm_with(
-        &self,
-        gemv: bool,
-        w: u64,
-        a: u64,
-        c: u64,
-        m: usize,
-        n: usize,
-        k: usize,
-        beta: f32,
-        c_f32: bool,
-    ) -> Result<(), GpuError> {
+    pub fn gemm_with(&self, gemv: bool, p: Product) -> Result<(), GpuError> {
+        let Product {
+            w,
+            a,
+            c,
+            m,
+            n,
+            k,
+            beta,
+            c_f32,
+        } = p;
         if m == 0 || n == 0 {
             return Ok(());
         }
@@ -724,46 +728,24 @@ impl Gpu {
                 },
             );
         }
-        self.gemm_cublas(w, a, c, m, n, k, beta, c_f32)
+        self.gemm_cublas(p)
     }
 
     /// [`Gpu::gemm`] on cuBLAS whatever the size: cuBLASLt with the algorithm cached per shape
     /// (`lt`), or cublasGemmEx for shapes cuBLASLt declines, without libcublasLt, or with
     /// `SWITCHYARD_CUDA_BLASLT=0`. Capturable in a CUDA graph either way.
-    #[allow(clippy::too_many_arguments)]
-    pub fn gemm_cublas(
-        &self,
-        w: u64,
-        a: u64,
-        c: u64,
-        m: usize,
-        n: usize,
-        k: usize,
-        beta: f32,
-        c_f32: bool,
-    ) -> Result<(), GpuError> {
-        if self.blaslt && self.gemm_lt(w, a, c, m, n, k, beta, c_f32)? {
+    pub fn gemm_cublas(&self, p: Product) -> Result<(), GpuError> {
+        if self.blaslt && self.gemm_lt(p)? {
             return Ok(());
         }
-        self.gemm_ex(w, a, c, m, n, k, beta, c_f32)
+        self.gemm_ex(p)
     }
 
     /// [`Gpu::gemm_cublas`] on cuBLASLt whatever `SWITCHYARD_CUDA_BLASLT` says. Returns false,
     /// having enqueued nothing, when cuBLASLt is not loaded or declines the shape (no algorithm,
     /// plan cache full): the caller runs it on [`Gpu::gemm_ex`].
-    #[allow(clippy::too_many_arguments)]
-    pub fn gemm_lt(
-        &self,
-        w: u64,
-        a: u64,
-        c: u64,
-        m: usize,
-        n: usize,
-        k: usize,
-        beta: f32,
-        c_f32: bool,
-    ) -> Result<bool, GpuError> {
-        if m == 0 || n == 0 {
+    pub fn gemm_lt(&self, p: Product) -> Result<bool, GpuError> {
+        if p.m == 0 || p.n == 0 {
             return Ok(true);
         }
         let Some(lt) = &self.lt else {
@@ -776,18 +758,7 @@ impl Gpu {
                 Ok(sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
             )
         };
-        let outcome = lt.gemm(
-            self.stream.cu_stream() as _,
-            capturing,
-            w,
-            a,
-            c,
-            m,
-            n,
-            k,
-            beta,
-            c_f32,
-        )?;
+        let outcome = lt.gemm(self.stream.cu_stream() as _, capturing, &p)?;
         Ok(outcome == lt::LtOutcome::Ran)
     }
 
@@ -797,18 +768,17 @@ impl Gpu {
     }
 
     /// [`Gpu::gemm_cublas`] on cublasGemmEx (the algorithm chosen by cuBLAS on every call).
-    #[allow(clippy::too_many_arguments)]
-    pub fn gemm_ex(
-        &self,
-        w: u64,
-        a: u64,
-        c: u64,
-        m: usize,
-        n: usize,
-        k: usize,
-        beta: f32,
-        c_f32: bool,
-    ) -> Result<(), GpuError> {
+    pub fn gemm_ex(&self, p: Product) -> Result<(), GpuError> {
+        let Product {
+            w,
+            a,
+            c,
+            m,
+            n,
+            k,
+            beta,
+            c_f32,
+        } = p;
         if m == 0 || n == 0 {
             return Ok(());
         }

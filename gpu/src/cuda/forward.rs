@@ -14,7 +14,7 @@ use std::collections::HashMap;
 
 use cudarc::driver::{sys, CudaGraph};
 
-use super::device::{cuda_err, Arg, DevMem, GemvInput, GemvOutput, Gpu};
+use super::device::{cuda_err, Arg, DevMem, GemvInput, GemvOutput, Gpu, Product};
 use super::step::{grid_splits, one_warp_tiles, Layout, ATT_SMALL_ROWS, MAX_SPLITS};
 use super::weights::GpuWeights;
 use crate::error::GpuError;
@@ -240,14 +240,16 @@ pub(crate) fn enqueue(
             gpu.timed(if qkv_o { "gemv_qkv" } else { "gemm_qkv" }, || {
                 gpu.gemm_with(
                     qkv_o,
-                    layer.qkv.ptr(),
-                    b.xn.ptr(),
-                    b.qkv.ptr(),
-                    qw + 2 * kvw,
-                    t,
-                    h,
-                    0.0,
-                    true,
+                    Product {
+                        w: layer.qkv.ptr(),
+                        a: b.xn.ptr(),
+                        c: b.qkv.ptr(),
+                        m: qw + 2 * kvw,
+                        n: t,
+                        k: h,
+                        beta: 0.0,
+                        c_f32: true,
+                    },
                 )
             })?;
         }
@@ -290,14 +292,16 @@ pub(crate) fn enqueue(
         gpu.timed(if qkv_o { "gemv_o" } else { "gemm_o" }, || {
             gpu.gemm_with(
                 qkv_o,
-                layer.o.ptr(),
-                b.att.ptr(),
-                b.x.ptr(),
-                h,
-                t,
-                qw,
-                1.0,
-                true,
+                Product {
+                    w: layer.o.ptr(),
+                    a: b.att.ptr(),
+                    c: b.x.ptr(),
+                    m: h,
+                    n: t,
+                    k: qw,
+                    beta: 1.0,
+                    c_f32: true,
+                },
             )
         })?;
         if fuse_glu {
@@ -339,14 +343,16 @@ pub(crate) fn enqueue(
                 || {
                     gpu.gemm_with(
                         small,
-                        layer.gate_up.ptr(),
-                        b.xn.ptr(),
-                        b.gu.ptr(),
-                        2 * inter,
-                        t,
-                        h,
-                        0.0,
-                        false,
+                        Product {
+                            w: layer.gate_up.ptr(),
+                            a: b.xn.ptr(),
+                            c: b.gu.ptr(),
+                            m: 2 * inter,
+                            n: t,
+                            k: h,
+                            beta: 0.0,
+                            c_f32: false,
+                        },
                     )
                 },
             )?;
@@ -368,14 +374,16 @@ pub(crate) fn enqueue(
         gpu.timed(if small { "gemv_down" } else { "gemm_down" }, || {
             gpu.gemm_with(
                 small,
-                layer.down.ptr(),
-                b.act.ptr(),
-                b.x.ptr(),
-                h,
-                t,
-                inter,
-                1.0,
-                true,
+                Product {
+                    w: layer.down.ptr(),
+                    a: b.act.ptr(),
+                    c: b.x.ptr(),
+                    m: h,
+                    n: t,
+                    k: inter,
+                    beta: 1.0,
+                    c_f32: true,
+                },
             )
         })?;
     }
@@ -390,14 +398,16 @@ pub(crate) fn enqueue(
         || {
             gpu.gemm_with(
                 head_gemv,
-                w.lm_head(),
-                b.xs.ptr(),
-                b.logits.ptr(),
-                c.vocab_size,
-                l.rows,
-                h,
-                0.0,
-                true,
+                Product {
+                    w: w.lm_head(),
+                    a: b.xs.ptr(),
+                    c: b.logits.ptr(),
+                    m: c.vocab_size,
+                    n: l.rows,
+                    k: h,
+                    beta: 0.0,
+                    c_f32: true,
+                },
             )
         },
     )

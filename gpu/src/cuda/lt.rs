@@ -32,6 +32,7 @@ use std::ffi::c_void;
 use cudarc::cublas::sys::cublasOperation_t;
 use cudarc::cublaslt::{result as lt, sys as lt_sys};
 
+use super::device::Product;
 use crate::error::GpuError;
 
 /// Most shapes the cache holds (Lt plans and shapes remembered as GemmEx together).
@@ -57,25 +58,15 @@ pub(crate) struct PlanKey {
 }
 
 impl PlanKey {
-    /// The key of a product over the device addresses `w`, `a` and `c`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        m: usize,
-        n: usize,
-        k: usize,
-        c_f32: bool,
-        beta: f32,
-        w: u64,
-        a: u64,
-        c: u64,
-    ) -> Self {
+    /// The key of a product (its shape, output type, accumulation and operand alignment).
+    pub fn new(p: &Product) -> Self {
         PlanKey {
-            m,
-            n,
-            k,
-            c_f32,
-            accumulate: beta != 0.0,
-            align_log2: [align_log2(w), align_log2(a), align_log2(c)],
+            m: p.m,
+            n: p.n,
+            k: p.k,
+            c_f32: p.c_f32,
+            accumulate: p.beta != 0.0,
+            align_log2: [align_log2(p.w), align_log2(p.a), align_log2(p.c)],
         }
     }
 
@@ -249,21 +240,14 @@ impl Lt {
 
     /// `C[n, m] = A[n, k] · W[m, k]^T + beta C` (see the module doc) on `stream`, if cuBLASLt
     /// takes the shape. `capturing` is asked only on a cache miss.
-    #[allow(clippy::too_many_arguments)]
     pub fn gemm(
         &self,
         stream: lt_sys::cudaStream_t,
         capturing: impl FnOnce() -> bool,
-        w: u64,
-        a: u64,
-        c: u64,
-        m: usize,
-        n: usize,
-        k: usize,
-        beta: f32,
-        c_f32: bool,
+        p: &Product,
     ) -> Result<LtOutcome, GpuError> {
-        let key = PlanKey::new(m, n, k, c_f32, beta, w, a, c);
+        let Product { w, a, c, beta, .. } = *p;
+        let key = PlanKey::new(p);
         let mut cache = self.cache.borrow_mut();
         if cache.get(&key).is_none() {
             if !cache.has_room() {
@@ -472,8 +456,31 @@ pub(crate) fn blaslt_enabled(value: Option<&str>) -> bool {
 mod tests {
     use super::*;
 
+    #[allow(clippy::too_many_arguments)]
+    fn product(
+        m: usize,
+        n: usize,
+        k: usize,
+        c_f32: bool,
+        beta: f32,
+        w: u64,
+        a: u64,
+        c: u64,
+    ) -> PlanKey {
+        PlanKey::new(&Product {
+            w,
+            a,
+            c,
+            m,
+            n,
+            k,
+            beta,
+            c_f32,
+        })
+    }
+
     fn key(n: usize) -> PlanKey {
-        PlanKey::new(4096, n, 4096, true, 0.0, 0x1000, 0x2000, 0x3000)
+        product(4096, n, 4096, true, 0.0, 0x1000, 0x2000, 0x3000)
     }
 
     #[test]
@@ -481,7 +488,7 @@ mod tests {
         const W: u64 = 0x7f00_0000;
         const A: u64 = 0x7f10_0000;
         const C: u64 = 0x7f20_0000;
-        let key = |m, n, k, c_f32, beta, c| PlanKey::new(m, n, k, c_f32, beta, W, A, c);
+        let key = |m, n, k, c_f32, beta, c| product(m, n, k, c_f32, beta, W, A, c);
         let base = key(6144, 7, 4096, true, 0.0, C);
         assert_eq!(base.align_log2, [8, 8, 8]);
         assert!(!base.accumulate);
@@ -499,12 +506,12 @@ mod tests {
         assert_eq!(offset_c.align_log2, [8, 8, 4]);
         assert_eq!(offset_c.align_bytes(2), 16);
         assert_ne!(base, offset_c);
-        let offset_a = PlanKey::new(6144, 7, 4096, true, 0.0, W, A + 2, C);
+        let offset_a = product(6144, 7, 4096, true, 0.0, W, A + 2, C);
         assert_eq!(offset_a.align_log2, [8, 1, 8]);
         // Alignment is capped at 256 bytes, so any two 256-aligned buffers share the plan.
         assert_eq!(
             base,
-            PlanKey::new(6144, 7, 4096, true, 0.0, 0x100, A + 0x100, C + 0x1000)
+            product(6144, 7, 4096, true, 0.0, 0x100, A + 0x100, C + 0x1000)
         );
     }
 

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use half::bf16;
 
-use super::device::{DevMem, GemvInput, GemvOutput, Gpu};
+use super::device::{DevMem, GemvInput, GemvOutput, Gpu, Product};
 use super::forward::{self, Launch};
 use super::sampling::{self, Edits, SampleArrays, SeqState};
 use super::step::{self, Layout, MAX_SPLITS};
@@ -350,26 +350,36 @@ impl MatmulRig {
             }
         };
         gpu.sync()?;
+        let product = |a: u64, beta: f32| Product {
+            w: self.w.ptr(),
+            a,
+            c: out.ptr(),
+            m,
+            n,
+            k,
+            beta,
+            c_f32: f32_out,
+        };
         let launch = || -> Result<(), GpuError> {
             match (path, gin, output) {
                 (MatmulPath::Routed, GemvInput::Bf16(a), MatmulOutput::F32 { beta })
                 | (MatmulPath::Routed, GemvInput::Bf16(a), MatmulOutput::Bf16 { beta }) => {
-                    gpu.gemm(self.w.ptr(), a, out.ptr(), m, n, k, beta, f32_out)?
+                    gpu.gemm(product(a, beta))?
                 }
                 (MatmulPath::Cublas, GemvInput::Bf16(a), MatmulOutput::F32 { beta })
                 | (MatmulPath::Cublas, GemvInput::Bf16(a), MatmulOutput::Bf16 { beta }) => {
-                    gpu.gemm_cublas(self.w.ptr(), a, out.ptr(), m, n, k, beta, f32_out)?
+                    gpu.gemm_cublas(product(a, beta))?
                 }
                 (MatmulPath::GemmEx, GemvInput::Bf16(a), MatmulOutput::F32 { beta })
                 | (MatmulPath::GemmEx, GemvInput::Bf16(a), MatmulOutput::Bf16 { beta }) => {
-                    gpu.gemm_ex(self.w.ptr(), a, out.ptr(), m, n, k, beta, f32_out)?
+                    gpu.gemm_ex(product(a, beta))?
                 }
                 (
                     MatmulPath::CublasLt | MatmulPath::CublasLtCaptured,
                     GemvInput::Bf16(a),
                     MatmulOutput::F32 { beta } | MatmulOutput::Bf16 { beta },
                 ) => {
-                    if !gpu.gemm_lt(self.w.ptr(), a, out.ptr(), m, n, k, beta, f32_out)? {
+                    if !gpu.gemm_lt(product(a, beta))? {
                         return Err(GpuError::Internal(format!(
                             "matmul check: cuBLASLt declined m={m} n={n} k={k}"
                         )));
