@@ -21,7 +21,8 @@
 #   offline   Llama-3-8B offline 2000 x 128/128 at each OFFLINE_CONFIGS entry
 #             (max_num_seqs:max_num_batched_tokens)
 #   profile   batch-1 decode with SWITCHYARD_CUDA_PROFILE=1 (per-kernel breakdown)
-# Results: $OUT/summary.txt (the table printed last), $OUT/*.json and logs.
+# Results: $OUT/summary.txt (the table printed last), $OUT/*.json and logs; with ARCHIVE=file,
+# all of them in one .tar.gz as well (the device tool returns at most 8 files).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -178,3 +179,8 @@ fi
 
 echo
 cat "$summary"
+# The device tool brings back at most 8 files: ARCHIVE=path (outside OUT) packs every log and
+# JSON into one.
+if [ -n "${ARCHIVE:-}" ]; then
+  tar -czf "$ARCHIVE" -C "$OUT" --exclude=kernel-cache . && echo "archive: $ARCHIVE"
+fi
