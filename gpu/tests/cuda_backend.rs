@@ -1480,8 +1480,11 @@ fn kernels_compile_with_nvrtc() {
     match switchyard_gpu::cuda::device::compile_ptx((9, 0)) {
         Ok(ptx) => {
             for k in [
-                "attention_128",
-                "attention_64",
+                "attention_w1_128",
+                "attention_w4_128",
+                "attention_w1_64",
+                "attention_w4_64",
+                "attention_combine",
                 "sample_rows",
                 "rope_store_kv",
                 "gemv_1",
