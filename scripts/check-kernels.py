@@ -3,6 +3,9 @@
 start) with NVRTC for each architecture given, then assembles the PTX with ptxas and prints
 registers, shared memory and spills per kernel. Machines without a GPU can run it: NVRTC, the
 CUDA headers and ptxas come from NVIDIA's PyPI wheels (scripts/check-kernels.sh fetches them).
+It also checks that every kernel the backend loads by name (`f("...")` in
+gpu/src/cuda/device.rs) is an entry of the module, so a renamed kernel fails here rather than at
+start on a GPU host.
 
 usage: check-kernels.py CUDA_DIR [sm_90 sm_80 ...]
 CUDA_DIR holds nvidia/cuda_nvrtc/lib, nvidia/cuda_runtime/include and nvidia/cuda_nvcc/bin.
@@ -10,6 +13,7 @@ Exit status 1 on any compile or assembly error.
 """
 import ctypes
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -25,6 +29,10 @@ def main():
     ptxas = os.path.join(cuda, "nvidia/cuda_nvcc/bin/ptxas")
     # The same unit and options as gpu/src/cuda/device.rs (KERNELS, compile_options).
     src = "\n".join(open(os.path.join(ROOT, "gpu/kernels", f)).read() for f in ("llama.cu", "gemv.cu"))
+    device_rs = open(os.path.join(ROOT, "gpu/src/cuda/device.rs")).read()
+    loaded = sorted(set(re.findall(r'\bf\("([A-Za-z0-9_]+)"\)', device_rs)))
+    if not loaded:
+        sys.exit("no kernel names found in gpu/src/cuda/device.rs")
     failed = False
     for arch in archs:
         prog = ctypes.c_void_p()
@@ -47,6 +55,11 @@ def main():
         lib.nvrtcGetPTXSize(prog, ctypes.byref(n))
         ptx = ctypes.create_string_buffer(n.value)
         lib.nvrtcGetPTX(prog, ptx)
+        entries = set(re.findall(r"\.entry ([A-Za-z0-9_]+)\(", ptx.value.decode(errors="replace")))
+        missing = [k for k in loaded if k not in entries]
+        if missing:
+            print(f"{arch}: the backend loads kernels the module lacks: {', '.join(missing)}")
+            failed = True
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "k.ptx")
             open(path, "wb").write(ptx.value)
