@@ -404,6 +404,16 @@ mod tests {
     }
 
     #[test]
+    fn small_tiles_take_one_warp_blocks_only_when_they_fill_the_device() {
+        // 264 blocks (about two per multiprocessor) is the line: 33 tiles x 8 KV heads.
+        assert_eq!(one_warp_tiles(1, 8), 0);
+        assert_eq!(one_warp_tiles(32, 8), 0);
+        assert_eq!(one_warp_tiles(33, 8), 33);
+        assert_eq!(one_warp_tiles(256, 3), 256);
+        assert_eq!(one_warp_tiles(0, 8), 0);
+    }
+
+    #[test]
     fn split_plans_cover_the_keys() {
         for keys in [1, 31, 32, 33, 200, 4096, 8191] {
             for z in [1, 2, 7, 32] {
