@@ -524,22 +524,18 @@ __device__ void attention_body(const bf16* __restrict__ q, const bf16* __restric
         }
         return;
     }
-    const float i_lo = l_lo > 0.f ? __frcp_rn(l_lo) : 0.f, i_hi = l_hi > 0.f ? __frcp_rn(l_hi) : 0.f;
-    if (r_lo < rows) {
-        const int t = q0 + r_lo / group, head = kvh * group + r_lo % group;
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        const int r = half ? r_hi : r_lo;
+        const float l = half ? l_hi : l_lo;
+        if (r >= rows) continue;
+        const float inv = l > 0.f ? __frcp_rn(l) : 0.f;
+        const int t = q0 + r / group, head = kvh * group + r % group;
         bf16* dst = out + ((long long)t * nh + head) * HD + 2 * t4;
 #pragma unroll
         for (int n = 0; n < NO; n++)
-            *reinterpret_cast<__nv_bfloat162*>(dst + 8 * n) =
-                __floats2bfloat162_rn(__fmul_rn(o[n][0], i_lo), __fmul_rn(o[n][1], i_lo));
-    }
-    if (r_hi < rows) {
-        const int t = q0 + r_hi / group, head = kvh * group + r_hi % group;
-        bf16* dst = out + ((long long)t * nh + head) * HD + 2 * t4;
-#pragma unroll
-        for (int n = 0; n < NO; n++)
-            *reinterpret_cast<__nv_bfloat162*>(dst + 8 * n) =
-                __floats2bfloat162_rn(__fmul_rn(o[n][2], i_hi), __fmul_rn(o[n][3], i_hi));
+            *reinterpret_cast<__nv_bfloat162*>(dst + 8 * n) = __floats2bfloat162_rn(
+                __fmul_rn(o[n][2 * half], inv), __fmul_rn(o[n][2 * half + 1], inv));
     }
 }
 

@@ -701,30 +701,20 @@ impl Gpu {
 
     /// [`Gpu::gemm`], on the GEMV kernels only when `gemv` (and they fit).
     pub fn gemm_with(&self, gemv: bool, p: Product) -> Result<(), GpuError> {
-        let Product {
-            w,
-            a,
-            c,
-            m,
-            n,
-            k,
-            beta,
-            c_f32,
-        } = p;
-        if m == 0 || n == 0 {
+        if p.m == 0 || p.n == 0 {
             return Ok(());
         }
-        if gemv && self.gemv_fits(n, k, &[w, a]) {
+        if gemv && self.gemv_fits(p.n, p.k, &[p.w, p.a]) {
             return self.gemv(
-                w,
-                GemvInput::Bf16(a),
-                c,
-                m,
-                n,
-                k,
+                p.w,
+                GemvInput::Bf16(p.a),
+                p.c,
+                p.m,
+                p.n,
+                p.k,
                 GemvOutput::Plain {
-                    beta,
-                    f32_out: c_f32,
+                    beta: p.beta,
+                    f32_out: p.c_f32,
                 },
             );
         }

@@ -306,32 +306,23 @@ pub(crate) fn enqueue(
         })?;
         if fuse_glu {
             // act = silu(gate) * up straight from the product.
-            if fuse_norm {
-                gpu.timed("norm+gemv_gate_up+silu", || {
-                    gpu.gemv(
-                        layer.gate_up.ptr(),
-                        normed(&layer.ffn_norm),
-                        b.act.ptr(),
-                        inter,
-                        t,
-                        h,
-                        GemvOutput::Glu,
-                    )
-                })?;
+            let (input, class) = if fuse_norm {
+                (normed(&layer.ffn_norm), "norm+gemv_gate_up+silu")
             } else {
                 norm(0, layer.ffn_norm.ptr(), b.xn.ptr(), t)?;
-                gpu.timed("gemv_gate_up+silu", || {
-                    gpu.gemv(
-                        layer.gate_up.ptr(),
-                        GemvInput::Bf16(b.xn.ptr()),
-                        b.act.ptr(),
-                        inter,
-                        t,
-                        h,
-                        GemvOutput::Glu,
-                    )
-                })?;
-            }
+                (GemvInput::Bf16(b.xn.ptr()), "gemv_gate_up+silu")
+            };
+            gpu.timed(class, || {
+                gpu.gemv(
+                    layer.gate_up.ptr(),
+                    input,
+                    b.act.ptr(),
+                    inter,
+                    t,
+                    h,
+                    GemvOutput::Glu,
+                )
+            })?;
         } else {
             norm(0, layer.ffn_norm.ptr(), b.xn.ptr(), t)?;
             gpu.timed(
