@@ -322,22 +322,44 @@ __device__ __forceinline__ float quad_sum(float v) {
     return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
-// Keys (or values) [kb, kb + MMA_KEYS) of KV head kvh from one layer's paged cache into shared
-// rows of LD elements, as one cp.async group; positions at or past kend are zero-filled.
-template <int HD, int LD>
+// The cache slots of the keys [kb, kb + MMA_KEYS) this warp copies: warp w copies keys
+// w * KPW .. (w + 1) * KPW - 1 of the chunk (KPW = MMA_KEYS / WARPS), and lane l looks up key
+// l + 32 r of that share in s[r] (-1 past kend). One or two block-table lookups per lane and
+// chunk, shared by the key and the value copies.
+template <int WARPS>
+__device__ __forceinline__ void chunk_slots(long long* s, const int* __restrict__ table, int kb,
+                                            int kend, int block_size) {
+    constexpr int KPW = MMA_KEYS / WARPS;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int r = 0; r < (KPW + 31) / 32; r++) {
+        const int lk = lane + 32 * r, kp = kb + warp * KPW + lk;
+        s[r] = lk < KPW && kp < kend
+                   ? (long long)table[kp / block_size] * block_size + kp % block_size
+                   : -1;
+    }
+}
+
+// This warp's share of the keys (or values) of a chunk, from KV head kvh of one layer's paged
+// cache into shared rows of LD elements, as one cp.async group: each instruction copies
+// 32 / (HD / 8) whole keys of 16-byte pieces; keys without a slot are zero-filled.
+template <int HD, int LD, int WARPS>
 __device__ __forceinline__ void load_kv_chunk(bf16* dst, const bf16* __restrict__ cache,
-                                              const int* __restrict__ table, int kb, int kend,
-                                              int block_size, int nkv, int kvh) {
-    constexpr int PIECES = HD / 8;
-    for (int i = threadIdx.x; i < MMA_KEYS * PIECES; i += blockDim.x) {
-        const int j = i / PIECES, c = i % PIECES, kp = kb + j;
-        const bool ok = kp < kend;
-        long long off = 0;
-        if (ok) {
-            const long long slot = (long long)table[kp / block_size] * block_size + kp % block_size;
-            off = (slot * nkv + kvh) * HD + c * 8;
+                                              const long long* s, int nkv, int kvh) {
+    constexpr int PIECES = HD / 8, KPI = 32 / PIECES, KPW = MMA_KEYS / WARPS;
+    constexpr int PER = KPW < 32 ? KPW : 32;  // keys per lookup register
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int c = lane % PIECES;
+#pragma unroll
+    for (int r = 0; r < (KPW + 31) / 32; r++) {
+#pragma unroll 4
+        for (int u = 0; u < PER / KPI; u++) {
+            const int lk = u * KPI + lane / PIECES;  // the key within this register's 32
+            const long long slot = __shfl_sync(0xffffffffu, s[r], lk);
+            const bool ok = slot >= 0;
+            cp_async16(dst + (warp * KPW + 32 * r + lk) * LD + c * 8,
+                       cache + (ok ? (slot * nkv + kvh) * HD + c * 8 : 0), ok);
         }
-        cp_async16(dst + j * LD + c * 8, cache + off, ok);
     }
     cp_async_commit();
 }
@@ -404,8 +426,10 @@ __device__ void attention_body(const bf16* __restrict__ q, const bf16* __restric
 
     for (int kb = kstart; kb < kend; kb += MMA_KEYS) {
         __syncthreads();  // k_s / v_s free (the Q staging or the previous chunk)
-        load_kv_chunk<HD, LD>(k_s, kc, table, kb, kend, block_size, nkv, kvh);
-        load_kv_chunk<HD, LD>(v_s, vc, table, kb, kend, block_size, nkv, kvh);
+        long long slots[(MMA_KEYS / WARPS + 31) / 32];
+        chunk_slots<WARPS>(slots, table, kb, kend, block_size);
+        load_kv_chunk<HD, LD, WARPS>(k_s, kc, slots, nkv, kvh);
+        load_kv_chunk<HD, LD, WARPS>(v_s, vc, slots, nkv, kvh);
         cp_async_wait<1>();  // the keys; the values land while the scores are computed
         __syncthreads();
 
