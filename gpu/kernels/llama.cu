@@ -227,10 +227,32 @@ extern "C" __global__ void rope_store_kv(const float* qkv, bf16* q, bf16* kc, bf
 }
 
 // ---------------------------------------------------------------------------------------------
-// SwiGLU: gu is [T, 2 inter] (gate | up); out[t, i] = silu(gate) * up.
+// SwiGLU: gu is [T, 2 inter] (gate | up); out[t, i] = silu(gate) * up. When inter is a
+// multiple of 8, each thread takes 8 consecutive outputs at a time (16-byte loads and store,
+// one index division per 8); the grid then covers total / 8 pieces. Every output is
+// silu_times of its own two inputs either way.
 extern "C" __global__ void silu_mul(const bf16* gu, bf16* out, int inter, u64 total) {
     PDL_ENTER();
     u64 stride = (u64)gridDim.x * blockDim.x;
+    if ((inter & 7) == 0) {
+        const u64 per_row = (u64)(inter >> 3);
+        for (u64 p = (u64)blockIdx.x * blockDim.x + threadIdx.x; p < (total >> 3); p += stride) {
+            const u64 t = p / per_row, j = (p % per_row) << 3;
+            const uint4 g8 = *reinterpret_cast<const uint4*>(gu + t * 2 * inter + j);
+            const uint4 u8 = *reinterpret_cast<const uint4*>(gu + t * 2 * inter + inter + j);
+            const __nv_bfloat162* g2 = reinterpret_cast<const __nv_bfloat162*>(&g8);
+            const __nv_bfloat162* u2 = reinterpret_cast<const __nv_bfloat162*>(&u8);
+            uint4 r;
+            __nv_bfloat162* r2 = reinterpret_cast<__nv_bfloat162*>(&r);
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                r2[e] = __floats2bfloat162_rn(
+                    silu_times(__low2float(g2[e]), __low2float(u2[e])),
+                    silu_times(__high2float(g2[e]), __high2float(u2[e])));
+            *reinterpret_cast<uint4*>(out + (p << 3)) = r;
+        }
+        return;
+    }
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
         u64 t = i / inter, j = i % inter;
         float g = __bfloat162float(gu[t * 2 * inter + j]);
@@ -424,18 +446,23 @@ __device__ void attention_body(const bf16* __restrict__ q, const bf16* __restric
     for (int n = 0; n < NO; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
     float m_lo = NEG_INF, m_hi = NEG_INF, l_lo = 0.f, l_hi = 0.f;
 
+    // The copies run one buffer ahead of the maths: the next chunk's keys are asked for as soon
+    // as this chunk's scores are computed (they land during the softmax and P V), its values as
+    // soon as P V is done (they land during the next scores). cp.async groups complete in
+    // order: K(c), V(c), K(c + 1), V(c + 1), ...
+    long long slots[(MMA_KEYS / WARPS + 31) / 32];
+    __syncthreads();  // k_s free: the Q fragments are loaded
+    chunk_slots<WARPS>(slots, table, kstart, kend, block_size);
+    load_kv_chunk<HD, LD, WARPS>(k_s, kc, slots, nkv, kvh);
+    load_kv_chunk<HD, LD, WARPS>(v_s, vc, slots, nkv, kvh);
     for (int kb = kstart; kb < kend; kb += MMA_KEYS) {
-        __syncthreads();  // k_s / v_s free (the Q staging or the previous chunk)
-        long long slots[(MMA_KEYS / WARPS + 31) / 32];
-        chunk_slots<WARPS>(slots, table, kb, kend, block_size);
-        load_kv_chunk<HD, LD, WARPS>(k_s, kc, slots, nkv, kvh);
-        load_kv_chunk<HD, LD, WARPS>(v_s, vc, slots, nkv, kvh);
-        cp_async_wait<1>();  // the keys; the values land while the scores are computed
+        const bool more = kb + MMA_KEYS < kend;  // block-uniform
+        cp_async_wait<1>();  // K(c); V(c) may still be in flight
         __syncthreads();
 
         u32 pa[MMA_KEYS / 16][4], pl[MMA_KEYS / 16][4];
+        float s[NS][4];
         if (active) {
-            float s[NS][4];
 #pragma unroll
             for (int n = 0; n < NS; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
             const int kr = (lane & 7) + 8 * (lane >> 4), kcol = 8 * ((lane >> 3) & 1);
@@ -449,6 +476,13 @@ __device__ void attention_body(const bf16* __restrict__ q, const bf16* __restric
                     mma_bf16(s[2 * jj + 1], qf[kk], b[2], b[3]);
                 }
             }
+        }
+        if (more) {
+            __syncthreads();  // every warp is done with k_s
+            chunk_slots<WARPS>(slots, table, kb + MMA_KEYS, kend, block_size);
+            load_kv_chunk<HD, LD, WARPS>(k_s, kc, slots, nkv, kvh);  // K(c + 1)
+        }
+        if (active) {
             // Causal mask and the online softmax; s[n]: (row g, keys kb + 8n + 2t4 + {0, 1}),
             // then row g + 8.
             float mx_lo = NEG_INF, mx_hi = NEG_INF;
@@ -507,7 +541,10 @@ __device__ void attention_body(const bf16* __restrict__ q, const bf16* __restric
                 }
             }
         }
-        cp_async_wait<0>();
+        if (more)
+            cp_async_wait<1>();  // V(c); K(c + 1) may still be in flight
+        else
+            cp_async_wait<0>();
         __syncthreads();
         if (active) {
             const int vr = (lane & 7) + 8 * ((lane >> 3) & 1), vcol = 8 * (lane >> 4);
@@ -523,6 +560,10 @@ __device__ void attention_body(const bf16* __restrict__ q, const bf16* __restric
                     mma_bf16(o[2 * dn + 1], pl[j], b[2], b[3]);
                 }
             }
+        }
+        if (more) {
+            __syncthreads();  // every warp is done with v_s
+            load_kv_chunk<HD, LD, WARPS>(v_s, vc, slots, nkv, kvh);  // V(c + 1)
         }
     }
 
