@@ -21,6 +21,7 @@
 #   offline   Llama-3-8B offline 2000 x 128/128 at each OFFLINE_CONFIGS entry
 #             (max_num_seqs:max_num_batched_tokens)
 #   profile   batch-1 decode with SWITCHYARD_CUDA_PROFILE=1 (per-kernel breakdown)
+#   ncu       Nsight Compute (--set full) on NCU_KERNELS in the offline profile workload
 # Results: $OUT/summary.txt (the table printed last), $OUT/*.json and logs; with ARCHIVE=file,
 # all of them in one .tar.gz as well (the device tool returns at most 8 files).
 set -uo pipefail
@@ -118,11 +119,13 @@ if has variants; then
 fi
 
 if has offline; then
+  # SEQS:TOKENS[:ENV=VALUE] (one environment setting for that run).
   for spec in ${OFFLINE_CONFIGS:-256:8192 1024:16384}; do
-    IFS=: read -r seqs toks <<<"$spec"
-    bench "llama8b-offline-2000-${spec//:/-}" --dummy llama-3-8b \
+    IFS=: read -r seqs toks envset <<<"$spec"
+    ( [ -n "$envset" ] && export "${envset?}"
+    bench "llama8b-offline-2000-${spec//[:=]/-}" --dummy llama-3-8b \
       --num-prompts 2000 --input-len 128 --output-len 128 --max-num-seqs "$seqs" \
-      --max-num-batched-tokens "$toks"
+      --max-num-batched-tokens "$toks" )
   done
 fi
 
@@ -135,6 +138,27 @@ if has profile; then
     SWITCHYARD_CUDA_PROFILE=1 bench profile-llama8b-offline-512 --dummy llama-3-8b --num-prompts 512 \
       --input-len 128 --output-len 128 --max-num-seqs "${PROFILE_SEQS:-256}" --max-num-batched-tokens 16384
     grep -A30 "kernel time by class" "$OUT/profile-llama8b-offline-512.log" | sed 's/^/  /' | tee -a "$summary" >/dev/null
+  fi
+fi
+
+if has ncu; then
+  # Nsight Compute on NCU_KERNELS (a regex) in the offline workload of the profile section,
+  # after NCU_SKIP matching launches (default: a decode step at a context of about 190).
+  ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  if [ -n "$ncu_bin" ]; then
+    t0=$SECONDS
+    timeout "${NCU_TIMEOUT:-300}" "$ncu_bin" --clock-control none --set full -f -o "$OUT/ncu" \
+      -k "regex:${NCU_KERNELS:-attention_w}" --launch-skip "${NCU_SKIP:-2000}" \
+      --launch-count "${NCU_COUNT:-2}" --kill yes \
+      "$SY" bench throughput --backend cuda --dummy llama-3-8b --num-prompts 512 --input-len 128 \
+      --output-len 128 --max-num-seqs "${PROFILE_SEQS:-256}" --max-num-batched-tokens 16384 \
+      >"$OUT/ncu.log" 2>&1
+    note "ncu rc=$? ($((SECONDS - t0)) s)"
+    "$ncu_bin" --import "$OUT/ncu.ncu-rep" --page details >"$OUT/ncu.txt" 2>&1
+    grep -E "^  [a-z_]+.*\(|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Shared Memory Config|Block Limit|Issued Warp|No Eligible|Warp Cycles Per Issued" \
+      "$OUT/ncu.txt" | sed 's/^/  /' | tee -a "$summary" >/dev/null
+  else
+    note "ncu: not found"
   fi
 fi
 

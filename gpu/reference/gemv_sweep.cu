@@ -1,0 +1,147 @@
+// GEMV bandwidth sweep on a GPU host (nvcc there; gpu/reference/gemv_sweep.sh builds and runs
+// it): the backend's own GEMV kernels (gpu/kernels/gemv.cu, or a variant of it named by
+// GEMV_SRC) at every Llama-3-8B projection shape, n = 1 and 8, with each warps-per-tile choice,
+// beside cublasGemmEx on the same product and two probes of the memory system alone: a
+// contiguous streaming read, and the GEMV kernels' access pattern (a warp owning 16 rows)
+// without the maths. Weights rotate through four copies so that nothing is served from L2.
+// A measurement for gpu/CUDA_NOTES.md, not a check.
+#include "../kernels/llama.cu"
+#include GEMV_SRC
+#include <cstdio>
+#include <vector>
+#include <functional>
+#include <algorithm>
+#include <cublas_v2.h>
+#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s at %d\n", cudaGetErrorString(e), __LINE__); exit(1);} } while (0)
+
+__global__ void fill(bf16* p, size_t n, u64 seed) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    u64 z = mix64(seed + i);
+    p[i] = __float2bfloat16(((int)(z & 0xffff) - 32768) / 32768.f * 0.05f);
+  }
+}
+__global__ void fillf(float* p, size_t n, u64 seed) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    u64 z = mix64(seed + i);
+    p[i] = ((int)(z & 0xffff) - 32768) / 32768.f;
+  }
+}
+// Pure streaming read, 8 x 16 B in flight per thread.
+__global__ void __launch_bounds__(256) probe_contig(const uint4* p, size_t n16, u32* out) {
+  u32 acc = 0;
+  size_t stride = (size_t)gridDim.x * blockDim.x;
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n16; i += 8 * stride) {
+    uint4 v[8];
+#pragma unroll
+    for (int u = 0; u < 8; u++) { size_t j = i + u * stride; v[u] = j < n16 ? gemv_ld_w((const bf16*)(p + j)) : make_uint4(0,0,0,0); }
+#pragma unroll
+    for (int u = 0; u < 8; u++) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+  }
+  if (acc == 0x12345678) out[0] = acc;
+}
+// The GEMV access pattern without the maths: a warp owns 16 rows (k elements each); LPR lanes
+// share a row (16 B each), so a lane covers RPL = 16 * LPR / 32 rows; per batch it issues LOADS
+// loads (rows fastest), then consumes them.
+template <int LPR, int LOADS>
+__global__ void __launch_bounds__(256) probe_rows(const bf16* w, int m, int k, u32* out) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int tile = blockIdx.x * 8 + warp;
+  constexpr int RPI = 32 / LPR, RPL = 16 / RPI, SPB = LOADS / RPL;  // steps per batch
+  const int r = lane / LPR, c = lane % LPR;
+  u32 acc = 0;
+  const bf16* wr = w + (size_t)(tile * 16 + r) * k + 8 * c;
+  if (tile * 16 >= m) return;
+  for (int s = 0; s < k; s += 8 * LPR * SPB) {
+    uint4 v[LOADS];
+#pragma unroll
+    for (int u = 0; u < LOADS; u++) {
+      const int ri = u % RPL, st = u / RPL;
+      int o = s + st * 8 * LPR;
+      v[u] = gemv_ld_w(wr + (size_t)ri * RPI * k + (o < k ? o : 0));
+    }
+#pragma unroll
+    for (int u = 0; u < LOADS; u++) acc ^= v[u].x ^ v[u].w;
+  }
+  if (acc == 0x12345678) out[0] = acc;
+}
+
+static float time_us(cudaStream_t st, int reps, const std::function<void()>& f) {
+  cudaEvent_t a, b; cudaEventCreate(&a); cudaEventCreate(&b);
+  for (int i = 0; i < 3; i++) f();
+  std::vector<float> v;
+  for (int rep = 0; rep < 5; rep++) {
+    cudaEventRecord(a, st);
+    for (int i = 0; i < reps; i++) f();
+    cudaEventRecord(b, st); cudaEventSynchronize(b);
+    float ms; cudaEventElapsedTime(&ms, a, b); v.push_back(ms * 1000.f / reps);
+  }
+  std::sort(v.begin(), v.end());
+  return v[2];
+}
+
+int main() {
+  int sms; cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  const size_t COPIES = 4;  // rotate weights so that nothing is served from L2
+  const size_t maxw = (size_t)28672 * 4096;
+  bf16* W; CK(cudaMalloc(&W, maxw * 2 * COPIES));
+  fill<<<1024, 256>>>(W, maxw * COPIES, 1);
+  bf16* X; CK(cudaMalloc(&X, 64 * 14336 * 2)); fill<<<64, 256>>>(X, 64 * 14336, 2);
+  float* XF; CK(cudaMalloc(&XF, 64 * 14336 * 4)); fillf<<<64, 256>>>(XF, 64 * 14336, 3);
+  float* NW; CK(cudaMalloc(&NW, 14336 * 4)); fillf<<<64, 256>>>(NW, 14336, 4);
+  float* Y; CK(cudaMalloc(&Y, (size_t)64 * 28672 * 4)); CK(cudaMemset(Y, 0, (size_t)64 * 28672 * 4));
+  u32* out; CK(cudaMalloc(&out, 4));
+  CK(cudaDeviceSynchronize());
+  cudaStream_t st = 0;
+  cublasHandle_t h; cublasCreate(&h);
+  printf("SMs %d, GEMV_SRC %s\n", sms, GEMV_SRC);
+  struct Shape { const char* name; int m, k; int kind; };  // kind 0 plain f32 out, 1 glu, 2 norm glu, 3 norm plain
+  Shape shapes[] = {{"qkv", 6144, 4096, 0}, {"qkv+norm", 6144, 4096, 3}, {"o", 4096, 4096, 0},
+                    {"gate_up+silu", 14336, 4096, 1}, {"gate_up+norm+silu", 14336, 4096, 2},
+                    {"down", 4096, 14336, 0}, {"lm_head/4", 128256 / 4, 4096, 0}};
+  int rot = 0;
+  // probes on the gate_up weight size
+  {
+    size_t n = (size_t)28672 * 4096;
+    double gb = n * 2 / 1e9;
+    float t = time_us(st, 20, [&] { probe_contig<<<sms * 8, 256>>>((const uint4*)(W + (rot++ % COPIES) * maxw), n / 8, out); });
+    printf("probe contig            %8.1f us %6.2f TB/s\n", t, gb / t * 1e3);
+#define PR(L, S) { float t = time_us(st, 20, [&] { probe_rows<L, S><<<28672 / 128, 256>>>(W + (rot++ % COPIES) * maxw, 28672, 4096, out); }); \
+    printf("probe rows LPR %2d LOADS %2d %8.1f us %6.2f TB/s\n", L, S, t, gb / t * 1e3); }
+    PR(4, 16) PR(4, 32) PR(8, 16) PR(16, 16) PR(32, 16) PR(32, 32)
+  }
+  for (auto& s : shapes) {
+    const bool glu = s.kind == 1 || s.kind == 2, norm = s.kind >= 2;
+    const int wrows = glu ? 2 * s.m : s.m;
+    const double gb = (double)wrows * s.k * 2 / 1e9;
+    const int tiles = glu ? s.m / 8 : (s.m + 15) / 16;
+    for (int n : {1, 8}) {
+      for (int wl = 0; wl <= 3; wl++) {
+        int blocks = (tiles + (8 >> wl) - 1) / (8 >> wl);
+        int warps = tiles << wl;
+        auto f = [&] {
+          const bf16* w = W + (rot++ % COPIES) * maxw;
+          if (s.kind == 0) gemv_1<<<blocks, 256>>>(w, X, nullptr, nullptr, 0.f, Y, s.m, n, s.k, 0.f, 1, wl);
+          else if (s.kind == 1) gemv_glu_1<<<blocks, 256>>>(w, X, nullptr, nullptr, 0.f, Y, s.m, n, s.k, 0.f, 0, wl);
+          else if (s.kind == 2) gemv_norm_glu_1<<<blocks, 256>>>(w, nullptr, XF, NW, 1e-5f, Y, s.m, n, s.k, 0.f, 0, wl);
+          else gemv_norm_1<<<blocks, 256>>>(w, nullptr, XF, NW, 1e-5f, Y, s.m, n, s.k, 0.f, 1, wl);
+        };
+        float t = time_us(st, 20, f);
+        CK(cudaGetLastError());
+        printf("%-18s n %d wpt %d blocks %5d warps/slots %.2f %8.1f us %6.2f TB/s\n", s.name, n, 1 << wl, blocks,
+               warps / (16.0 * sms), t, gb / t * 1e3);
+      }
+      if (!norm) {
+        float one = 1.f, zero = 0.f;
+        auto f = [&] {
+          const bf16* w = W + (rot++ % COPIES) * maxw;
+          cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, wrows, n, s.k, &one, w, CUDA_R_16BF, s.k, X, CUDA_R_16BF, s.k,
+                       &zero, Y, glu ? CUDA_R_16BF : CUDA_R_32F, wrows, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+        };
+        float t = time_us(st, 20, f);
+        printf("%-18s n %d cuBLAS                         %8.1f us %6.2f TB/s\n", s.name, n, t, gb / t * 1e3);
+      }
+    }
+  }
+  CK(cudaDeviceSynchronize());
+  return 0;
+}
