@@ -4,6 +4,8 @@
 # The GPU host has no cargo: build here, carry the binaries there.
 #   cargo build --release --features cuda
 #   cargo test --release --features cuda -p switchyard-gpu --no-run   # prints the test binary
+# or scripts/devbench-pack.sh NAME, which builds both into .devbench/NAME gzip-compressed (this
+# script unpacks *.gz in BIN) and, with MODEL_SPLIT=1, splits the SmolLM2 GGUF for two calls.
 # Then on the GPU host:
 #   BIN=dir-with-switchyard-and-cuda_backend MODEL=path/to/SmolLM2-135M-Instruct.Q4_1.gguf \
 #     OUT=results-dir scripts/gpu-check.sh
@@ -32,8 +34,13 @@ OUT=${OUT:-gpu-check-out}
 MODEL=${MODEL:-}
 SECTIONS=${SECTIONS:-"tests gemv ref dummy variants offline profile model serve hf"}
 mkdir -p "$OUT"
+# Binaries packed by scripts/devbench-pack.sh arrive gzip-compressed.
+for f in "$BIN"/*.gz; do
+  [ -e "$f" ] || continue
+  gunzip -c "$f" >"${f%.gz}" && chmod +x "${f%.gz}"
+done
 SY="$BIN/switchyard"
-TESTBIN=$(ls "$BIN"/cuda_backend* 2>/dev/null | grep -v '\.d$' | head -1)
+TESTBIN=$(ls "$BIN"/cuda_backend* 2>/dev/null | grep -v '\.d$' | grep -v '\.gz$' | head -1)
 export RUST_LOG=${RUST_LOG:-info}
 export SWITCHYARD_KERNEL_CACHE=${SWITCHYARD_KERNEL_CACHE:-$OUT/kernel-cache}
 for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do

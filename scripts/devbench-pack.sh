@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Packs what a run on a remote GPU host needs into folders git ignores, small enough for a
+# transfer limit of 64 MiB per call (such as this workplace's device tool):
+#   .devbench/NAME/  switchyard and the cuda_backend test binary, gzip-compressed (about 9 MB;
+#                    scripts/gpu-check.sh unpacks *.gz found in BIN)
+#   .devmodel/part1, .devmodel/part2 (with MODEL_SPLIT=1)
+#                    the SmolLM2 GGUF (98 MB) in two pieces, for two calls in quick succession:
+#                    the first copies part1 to the host's disk, the second joins it with part2
+#                    (`cat /root/part1 .devmodel/part2 > /tmp/smollm2.gguf`; sha256 in
+#                    gpu/tests/fixtures/smollm2_golden.json) while the machine is still warm.
+# usage: scripts/devbench-pack.sh [NAME]   (NAME defaults to the current branch)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+name=${1:-$(git rev-parse --abbrev-ref HEAD)}
+for d in .devbench .devmodel; do
+  git check-ignore -q "$d/x" || { echo "$d is not ignored by git" >&2; exit 1; }
+done
+cargo build --release --features cuda --bin switchyard
+test_bin=$(cargo test --release --features cuda -p switchyard-gpu --test cuda_backend --no-run \
+  --message-format=json 2>/dev/null | python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("target", {}).get("name") == "cuda_backend" and m.get("executable"):
+        print(m["executable"])')
+[ -x "$test_bin" ] || { echo "no cuda_backend test binary" >&2; exit 1; }
+out=.devbench/$name
+rm -rf "$out" && mkdir -p "$out"
+gzip -c target/release/switchyard >"$out/switchyard.gz"
+gzip -c "$test_bin" >"$out/$(basename "$test_bin").gz"
+echo "$out: $(du -sh "$out" | cut -f1) ($(git rev-parse --short HEAD))"
+if [ "${MODEL_SPLIT:-0}" = 1 ]; then
+  gguf=${MODEL:-$HOME/.cache/switchyard/models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf}
+  [ -f "$gguf" ] || { echo "no GGUF at $gguf (cargo run --release -- model fetch smollm2-135m)" >&2; exit 1; }
+  mkdir -p .devmodel
+  head -c 57671680 "$gguf" >.devmodel/part1
+  tail -c +57671681 "$gguf" >.devmodel/part2
+  cat .devmodel/part1 .devmodel/part2 | cmp - "$gguf"
+  ls -l .devmodel
+fi
