@@ -133,8 +133,9 @@ pub(crate) enum GemvOutput {
     Rope(RopeOut),
 }
 
-/// Where [`GemvOutput::Rope`] writes, and what it rotates with.
-#[derive(Clone, Copy, Debug)]
+/// Where [`GemvOutput::Rope`] writes, and what it rotates with (all null and zero for the
+/// other outputs, whose kernels ignore it).
+#[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct RopeOut {
     /// Q, bf16 `[n, heads, head_dim]`.
     pub q: u64,
@@ -730,16 +731,7 @@ impl Gpu {
         };
         let rope = match output {
             GemvOutput::Rope(r) => r,
-            _ => RopeOut {
-                q: 0,
-                k_cache: 0,
-                v_cache: 0,
-                pos: 0,
-                slots: 0,
-                inv_freq: 0,
-                heads: (0, 0, 0),
-                interleaved: false,
-            },
+            _ => RopeOut::default(),
         };
         let i32v = |v: usize| Arg::I32(v as i32);
         self.launch(
