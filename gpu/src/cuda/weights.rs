@@ -352,4 +352,58 @@ mod tests {
             &[0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15]
         );
     }
+
+    /// The kernels' view, emulated end to end: a head's Q rows stored in this order, the
+    /// product with an input, then the GEMV epilogue's rotation of each tile's rows g and
+    /// g + 8 written to the checkpoint positions — against rotating the checkpoint-order
+    /// product directly (the CPU backend's convention), for both RoPE styles.
+    #[test]
+    fn rotating_stored_rows_in_place_equals_rotating_the_checkpoint_rows() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+        let (hd, cols, pos) = (64usize, 24usize, 37.0f64);
+        let freq: Vec<f64> = (0..hd / 2)
+            .map(|j| 10000f64.powf(-2.0 * j as f64 / hd as f64))
+            .collect();
+        let w: Vec<Vec<f64>> = (0..hd)
+            .map(|_| (0..cols).map(|_| rng.random_range(-1.0..1.0)).collect())
+            .collect();
+        let x: Vec<f64> = (0..cols).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let dot = |row: &[f64]| row.iter().zip(&x).map(|(a, b)| a * b).sum::<f64>();
+        let rotate = |x0: f64, x1: f64, j: usize| {
+            let (s, c) = (pos * freq[j]).sin_cos();
+            (x0 * c - x1 * s, x1 * c + x0 * s)
+        };
+        for interleaved in [false, true] {
+            let pair = |j: usize| {
+                if interleaved {
+                    (2 * j, 2 * j + 1)
+                } else {
+                    (j, j + hd / 2)
+                }
+            };
+            // The reference: the checkpoint-order product, each pair rotated.
+            let y: Vec<f64> = w.iter().map(|r| dot(r)).collect();
+            let mut want = vec![0.0; hd];
+            for j in 0..hd / 2 {
+                let (a, b) = pair(j);
+                (want[a], want[b]) = rotate(y[a], y[b], j);
+            }
+            // The backend: stored rows, their product, the epilogue per tile row pair.
+            let order = rope_row_order(hd, interleaved);
+            let stored: Vec<f64> = order.iter().map(|&r| dot(&w[r])).collect();
+            let mut got = vec![f64::NAN; hd];
+            for ra in (0..hd).filter(|ra| ra % 16 < 8) {
+                let j = 8 * (ra >> 4) + (ra & 7);
+                let (a, b) = pair(j);
+                (got[a], got[b]) = rotate(stored[ra], stored[ra + 8], j);
+            }
+            for (g, w) in got.iter().zip(&want) {
+                assert!(
+                    (g - w).abs() < 1e-12,
+                    "interleaved {interleaved}: {g} vs {w}"
+                );
+            }
+        }
+    }
 }
