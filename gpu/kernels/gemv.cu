@@ -38,7 +38,13 @@
 //               g, u rounded to bf16 first, exactly as silu_mul would from a bf16 gate|up output;
 //   *_norm      x is not given: the prologue computes RMSNorm of the f32 residual rows xf with
 //               weight nw (one warp per token, as rms_norm) and the B fragments are
-//               bf16(nw * (xf * inv)), the value rms_norm would have stored.
+//               bf16(nw * (xf * inv)), the value rms_norm would have stored;
+//   gemv_rope   W is the fused QKV weight with its Q and K rows in the RoPE pair order (see
+//               llama.cu): rows g and g + 8 of a Q or K tile are the two elements of one
+//               rotation pair, so the epilogue rotates them (rope_rotate, as rope_store_kv
+//               does) and writes Q to rq and K and V to the cache slots rslots[t] (none for a
+//               slot < 0), in the checkpoint's element order; y is not written. The rope_*
+//               arguments are unused by the other variants.
 
 #define GEMV_WARPS 8
 
@@ -79,12 +85,53 @@ __device__ __forceinline__ uint4 gemv_norm_piece(const float* __restrict__ xr,
     return r;
 }
 
-template <bool GLU, bool NORM, int NG>
+// Where the RoPE variants write (see gemv_rope above): Q [T, nh, hd], the layer's K and V cache
+// [slots, nkv, hd], each token's position and slot, the rotation frequencies, and the head
+// shape; interleaved: pairs (2j, 2j + 1) rather than (j, j + hd / 2).
+struct GemvRope {
+    bf16* q;
+    bf16* kc;
+    bf16* vc;
+    const int* pos;
+    const long long* slots;
+    const float* inv_freq;
+    int nh, nkv, hd, interleaved;
+};
+
+// The RoPE epilogue for rows ra and ra + 8 (values v0, v1) of token t.
+__device__ __forceinline__ void gemv_rope_out(const GemvRope& r, int t, int ra, float v0,
+                                              float v1) {
+    const int qk = (r.nh + r.nkv) * r.hd;
+    const long long slot = r.slots[t];
+    if (ra < qk) {
+        const int head = ra / r.hd, p = ra % r.hd;  // p % 16 < 8: the pair's first row
+        const int j = 8 * (p >> 4) + (p & 7);
+        const int a = r.interleaved ? 2 * j : j;
+        const int b = r.interleaved ? 2 * j + 1 : j + r.hd / 2;
+        float y0, y1;
+        rope_rotate(v0, v1, (float)r.pos[t], r.inv_freq[j], &y0, &y1);
+        bf16* o;
+        if (head < r.nh)
+            o = r.q + ((u64)t * r.nh + head) * r.hd;
+        else if (slot >= 0)
+            o = r.kc + ((u64)slot * r.nkv + (head - r.nh)) * r.hd;
+        else
+            return;
+        o[a] = __float2bfloat16(y0);
+        o[b] = __float2bfloat16(y1);
+    } else if (slot >= 0) {
+        bf16* o = r.vc + (u64)slot * r.nkv * r.hd + (ra - qk);
+        o[0] = __float2bfloat16(v0);
+        o[8] = __float2bfloat16(v1);
+    }
+}
+
+template <bool GLU, bool NORM, bool ROPE, int NG>
 __device__ __forceinline__ void gemv_body(const bf16* __restrict__ w, const bf16* __restrict__ x,
                                           const float* __restrict__ xf,
                                           const float* __restrict__ nw, float eps,
                                           void* __restrict__ y, int m, int n, int k, float beta,
-                                          int y_f32, int wpt_log2) {
+                                          int y_f32, int wpt_log2, const GemvRope& rope) {
     // k-steps of 32 per batch of loads: each lane has 2 x STEPS pieces of W in flight. With the
     // minimum of one block per multiprocessor in __launch_bounds__, ptxas issues the whole
     // batch of loads before the first mma (about 120 registers, 2 blocks per SM); without it,
@@ -227,6 +274,10 @@ __device__ __forceinline__ void gemv_body(const bf16* __restrict__ w, const bf16
             continue;
         }
         const int ra = tile_o * 16 + gg, rb = ra + 8;
+        if (ROPE) {
+            if (ra < m) gemv_rope_out(rope, t, ra, r0, r1);
+            continue;
+        }
         if (y_f32) {
             float* yo = reinterpret_cast<float*>(y) + (u64)t * m;
             if (ra < m) yo[ra] = beta != 0.f ? __fmaf_rn(beta, yo[ra], r0) : r0;
@@ -246,16 +297,23 @@ __device__ __forceinline__ void gemv_body(const bf16* __restrict__ w, const bf16
 // Grid: ceil(tiles / (8 >> wpt_log2)) blocks of GEMV_WARPS * 32 threads, tiles = ceil(m / 16)
 // (gemv, gemv_norm) or ceil(m / 8) (the glu variants, m = rows of act). Unused pointers may be
 // null.
-#define GEMV_KERNEL(NAME, GLU, NORM, NG, MINB)                                                    \
+#define GEMV_KERNEL(NAME, GLU, NORM, ROPE, NG, MINB)                                              \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MINB)                           \
         NAME##_##NG(const bf16* w, const bf16* x, const float* xf, const float* nw, float eps,    \
-                    void* y, int m, int n, int k, float beta, int y_f32, int wpt_log2) {         \
-        gemv_body<GLU, NORM, NG>(w, x, xf, nw, eps, y, m, n, k, beta, y_f32, wpt_log2);          \
+                    void* y, int m, int n, int k, float beta, int y_f32, int wpt_log2,           \
+                    bf16* rope_q, bf16* rope_kc, bf16* rope_vc, const int* rope_pos,             \
+                    const long long* rope_slots, const float* rope_freq, int rope_nh,            \
+                    int rope_nkv, int rope_hd, int rope_interleaved) {                           \
+        const GemvRope rope{rope_q,   rope_kc,  rope_vc,  rope_pos,         rope_slots,          \
+                            rope_freq, rope_nh, rope_nkv, rope_hd, rope_interleaved};            \
+        gemv_body<GLU, NORM, ROPE, NG>(w, x, xf, nw, eps, y, m, n, k, beta, y_f32, wpt_log2,     \
+                                       rope);                                                    \
     }
 
-#define GEMV_VARIANTS(NG)               \
-    GEMV_KERNEL(gemv, false, false, NG, 1) \
-    GEMV_KERNEL(gemv_glu, true, false, NG, 1)
+#define GEMV_VARIANTS(NG)                          \
+    GEMV_KERNEL(gemv, false, false, false, NG, 1)     \
+    GEMV_KERNEL(gemv_glu, true, false, false, NG, 1)  \
+    GEMV_KERNEL(gemv_rope, false, false, true, NG, 1)
 
 GEMV_VARIANTS(1)
 GEMV_VARIANTS(2)
@@ -264,5 +322,6 @@ GEMV_VARIANTS(8)
 // The norm prologue re-reads the residual rows in every block: only for steps of at most 8
 // tokens (and, by default, small hidden sizes: see gpu/src/cuda/device.rs).
 // (At most 128 registers, so that 2 blocks fit per SM: the batch of loads stays whole.)
-GEMV_KERNEL(gemv_norm, false, true, 1, 2)
-GEMV_KERNEL(gemv_norm_glu, true, true, 1, 2)
+GEMV_KERNEL(gemv_norm, false, true, false, 1, 2)
+GEMV_KERNEL(gemv_norm_glu, true, true, false, 1, 2)
+GEMV_KERNEL(gemv_norm_rope, false, true, true, 1, 2)

@@ -184,8 +184,28 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, bf16* out, c
 }
 
 // ---------------------------------------------------------------------------------------------
-// RoPE on the Q and K parts of `qkv` (f32 [T, (nh + 2 nkv) hd]), Q written to `q` (bf16), K and
-// V written to the cache slots (slot < 0: a padding token, nothing written).
+// RoPE. The backend stores the Q and K rows of the fused QKV weight permuted within each head
+// (gpu/src/cuda/weights.rs, `rope_row_order`): the two rows of rotation pair j (j, j + hd/2, or
+// 2j, 2j + 1 for interleaved checkpoints) sit at rows 16 (j / 8) + j % 8 and that + 8, so in
+// one 16-row tile of the GEMV kernels, whose epilogue then rotates them in place (gemv.cu).
+// Both RoPE paths use rope_rotate, so a pair is rotated to the same bits by either.
+
+// Row of the first element of rotation pair j in a head of the permuted QKV weight (the second
+// is 8 rows further).
+__device__ __forceinline__ int rope_pair_row(int j) { return 16 * (j >> 3) + (j & 7); }
+
+// (x0, x1) rotated by the angle pos * freq, each operation rounded once.
+__device__ __forceinline__ void rope_rotate(float x0, float x1, float pos, float freq, float* y0,
+                                            float* y1) {
+    float s, c;
+    sincosf(__fmul_rn(pos, freq), &s, &c);
+    *y0 = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
+    *y1 = __fadd_rn(__fmul_rn(x1, c), __fmul_rn(x0, s));
+}
+
+// RoPE on the Q and K parts of `qkv` (f32 [T, (nh + 2 nkv) hd], Q and K rows in the permuted
+// order above), Q written to `q` (bf16), K and V written to the cache slots (slot < 0: a padding
+// token, nothing written); q and the cache hold every head in the checkpoint's order.
 extern "C" __global__ void rope_store_kv(const float* qkv, bf16* q, bf16* kc, bf16* vc,
                                          const int* pos, const long long* slots,
                                          const float* inv_freq, int nh, int nkv, int hd,
@@ -203,12 +223,9 @@ extern "C" __global__ void rope_store_kv(const float* qkv, bf16* q, bf16* kc, bf
         int head = i / half, j = i % half;
         int a = interleaved ? 2 * j : j;
         int b = interleaved ? 2 * j + 1 : j + half;
-        float ang = p * inv_freq[j];
-        float s, c;
-        sincosf(ang, &s, &c);
-        float x0 = row[head * hd + a], x1 = row[head * hd + b];
-        float y0 = x0 * c - x1 * s;
-        float y1 = x1 * c + x0 * s;
+        const int r = head * hd + rope_pair_row(j);
+        float y0, y1;
+        rope_rotate(row[r], row[r + 8], p, inv_freq[j], &y0, &y1);
         if (head < nh) {
             bf16* qo = q + (u64)t * nh * hd + head * hd;
             qo[a] = __float2bfloat16(y0);

@@ -1492,6 +1492,9 @@ fn kernels_compile_with_nvrtc() {
                 "gemv_glu_4",
                 "gemv_norm_1",
                 "gemv_norm_glu_1",
+                "gemv_rope_1",
+                "gemv_rope_8",
+                "gemv_norm_rope_1",
             ] {
                 assert!(
                     ptx.contains(&format!(".entry {k}")),

@@ -127,6 +127,30 @@ pub(crate) enum GemvOutput {
     Plain { beta: f32, f32_out: bool },
     /// `W` holds gate rows then up rows (`2m` rows); `act[n, m] = silu(gate) * up`, bf16.
     Glu,
+    /// `W` is a fused QKV weight with its Q and K rows in RoPE pair order (`rope_row_order` in
+    /// weights.rs): the epilogue rotates Q and K and writes Q and the cache, as
+    /// `rope_store_kv` would from the f32 product; the output address is not written.
+    Rope(RopeOut),
+}
+
+/// Where [`GemvOutput::Rope`] writes, and what it rotates with (all null and zero for the
+/// other outputs, whose kernels ignore it).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct RopeOut {
+    /// Q, bf16 `[n, heads, head_dim]`.
+    pub q: u64,
+    /// The layer's key and value cache, bf16 `[slots, kv_heads, head_dim]`.
+    pub k_cache: u64,
+    pub v_cache: u64,
+    /// Each token's position (`i32`) and cache slot (`i64`, < 0: none).
+    pub pos: u64,
+    pub slots: u64,
+    /// The rotation frequencies (`f32`, head_dim / 2).
+    pub inv_freq: u64,
+    /// (heads, kv heads, head dim).
+    pub heads: (usize, usize, usize),
+    /// Pairs (2j, 2j + 1) rather than (j, j + head_dim / 2).
+    pub interleaved: bool,
 }
 
 /// Wraps any CUDA-side error.
@@ -254,6 +278,10 @@ pub(crate) struct Kernels {
     pub gemv_glu: [CudaFunction; 4],
     pub gemv_norm: CudaFunction,
     pub gemv_norm_glu: CudaFunction,
+    /// The QKV product with RoPE and the KV store in its epilogue (token groups of 8 as
+    /// `gemv`), and with the RMSNorm prologue.
+    pub gemv_rope: [CudaFunction; 4],
+    pub gemv_norm_rope: CudaFunction,
     _module: Arc<CudaModule>,
 }
 
@@ -283,6 +311,9 @@ pub(crate) struct Gpu {
     /// kernel waits for its predecessor (`pdl_wait` in the CUDA source) before touching data,
     /// so only independent work (the GEMV kernels' weight prefetch) overlaps.
     pub pdl: bool,
+    /// Whether QKV products on the GEMV kernels apply RoPE and store K and V in their epilogue
+    /// (unless `SWITCHYARD_CUDA_ROPE_EPILOGUE=0`: then the f32 product and `rope_store_kv`).
+    pub rope_epilogue: bool,
     /// cuBLASLt with its per-shape plan cache (`None` without libcublasLt).
     lt: Option<lt::Lt>,
     /// Whether [`Gpu::gemm_cublas`] takes cuBLASLt (unless `SWITCHYARD_CUDA_BLASLT=0`).
@@ -348,6 +379,13 @@ impl Gpu {
             ],
             gemv_norm: f("gemv_norm_1")?,
             gemv_norm_glu: f("gemv_norm_glu_1")?,
+            gemv_rope: [
+                f("gemv_rope_1")?,
+                f("gemv_rope_2")?,
+                f("gemv_rope_4")?,
+                f("gemv_rope_8")?,
+            ],
+            gemv_norm_rope: f("gemv_norm_rope_1")?,
             _module: module,
         };
         let gemv_mode = GemvMode::from_env();
@@ -360,8 +398,13 @@ impl Gpu {
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| cuda_err("multiprocessor count", e))?
             .max(1) as usize;
+        let rope_epilogue = !matches!(
+            std::env::var("SWITCHYARD_CUDA_ROPE_EPILOGUE").as_deref(),
+            Ok("0") | Ok("off")
+        );
         tracing::info!(
             pdl,
+            rope_epilogue,
             gemv = ?gemv_mode,
             sm_count,
             gemm = if blaslt && lt.is_some() { "cublasLt" } else { "cublasGemmEx" },
@@ -380,6 +423,7 @@ impl Gpu {
             gemv_mode,
             sm_count,
             pdl,
+            rope_epilogue,
             lt,
             blaslt,
             _workspace: workspace,
@@ -631,9 +675,18 @@ impl Gpu {
             )));
         }
         let rows_per_tile = match output {
-            GemvOutput::Plain { .. } => 16,
+            GemvOutput::Plain { .. } | GemvOutput::Rope(_) => 16,
             GemvOutput::Glu => 8,
         };
+        if let GemvOutput::Rope(r) = output {
+            let (nh, nkv, hd) = r.heads;
+            if hd % 16 != 0 || m != (nh + 2 * nkv) * hd {
+                return Err(GpuError::Internal(format!(
+                    "the RoPE epilogue needs a QKV product of (heads + 2 kv heads) x head_dim \
+                     rows with head_dim a multiple of 16, not {m} rows for {nh}/{nkv} x {hd}"
+                )));
+            }
+        }
         let tiles = m.div_ceil(rows_per_tile);
         if m > i32::MAX as usize / 2 {
             return Err(GpuError::Internal(format!("GEMV with {m} rows")));
@@ -667,11 +720,20 @@ impl Gpu {
             (GemvInput::Norm { x, weight, eps }, GemvOutput::Glu) => {
                 (&self.k.gemv_norm_glu, 0, x, weight, eps)
             }
+            (GemvInput::Bf16(a), GemvOutput::Rope(_)) => (&self.k.gemv_rope[group], a, 0, 0, 0.0),
+            (GemvInput::Norm { x, weight, eps }, GemvOutput::Rope(_)) => {
+                (&self.k.gemv_norm_rope, 0, x, weight, eps)
+            }
         };
         let (beta, f32_out) = match output {
             GemvOutput::Plain { beta, f32_out } => (beta, f32_out),
-            GemvOutput::Glu => (0.0, false),
+            GemvOutput::Glu | GemvOutput::Rope(_) => (0.0, false),
         };
+        let rope = match output {
+            GemvOutput::Rope(r) => r,
+            _ => RopeOut::default(),
+        };
+        let i32v = |v: usize| Arg::I32(v as i32);
         self.launch(
             f,
             (blocks as u32, 1, 1),
@@ -689,6 +751,16 @@ impl Gpu {
                 Arg::F32(beta),
                 Arg::I32(i32::from(f32_out)),
                 Arg::I32(wpt_log2 as i32),
+                Arg::Ptr(rope.q),
+                Arg::Ptr(rope.k_cache),
+                Arg::Ptr(rope.v_cache),
+                Arg::Ptr(rope.pos),
+                Arg::Ptr(rope.slots),
+                Arg::Ptr(rope.inv_freq),
+                i32v(rope.heads.0),
+                i32v(rope.heads.1),
+                i32v(rope.heads.2),
+                Arg::I32(i32::from(rope.interleaved)),
             ],
         )
     }

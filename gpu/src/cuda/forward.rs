@@ -14,7 +14,7 @@ use std::collections::HashMap;
 
 use cudarc::driver::{sys, CudaGraph};
 
-use super::device::{cuda_err, Arg, DevMem, GemvInput, GemvOutput, Gpu, Product};
+use super::device::{cuda_err, Arg, DevMem, GemvInput, GemvOutput, Gpu, Product, RopeOut};
 use super::step::{grid_splits, one_warp_tiles, Layout, ATT_SMALL_ROWS, MAX_SPLITS};
 use super::weights::GpuWeights;
 use crate::error::GpuError;
@@ -220,8 +220,31 @@ pub(crate) fn enqueue(
     for (li, layer) in w.layers.iter().enumerate() {
         let kc = b.kv.at(2 * li * b.kv_layer_bytes)?;
         let vc = b.kv.at((2 * li + 1) * b.kv_layer_bytes)?;
+        // Steps on the GEMV kernels rotate Q and K and store K and V in the QKV product's
+        // epilogue (unless `SWITCHYARD_CUDA_ROPE_EPILOGUE=0`); the others write the f32 product
+        // for rope_store_kv.
+        let rope = GemvOutput::Rope(RopeOut {
+            q: b.q.ptr(),
+            k_cache: kc,
+            v_cache: vc,
+            pos: s(lay.pos)?,
+            slots: s(lay.slots)?,
+            inv_freq: w.inv_freq.ptr(),
+            heads: (nh, nkv, hd),
+            interleaved: interleaved != 0,
+        });
+        let rope_in_gemv = qkv_o && gpu.rope_epilogue;
+        let f32_qkv = GemvOutput::Plain {
+            beta: 0.0,
+            f32_out: true,
+        };
         if fuse_norm {
-            gpu.timed("norm+gemv_qkv", || {
+            let (class, output) = if rope_in_gemv {
+                ("norm+gemv_qkv+rope", rope)
+            } else {
+                ("norm+gemv_qkv", f32_qkv)
+            };
+            gpu.timed(class, || {
                 gpu.gemv(
                     layer.qkv.ptr(),
                     normed(&layer.attn_norm),
@@ -229,50 +252,63 @@ pub(crate) fn enqueue(
                     qw + 2 * kvw,
                     t,
                     h,
-                    GemvOutput::Plain {
-                        beta: 0.0,
-                        f32_out: true,
-                    },
+                    output,
                 )
             })?;
         } else {
             norm(0, layer.attn_norm.ptr(), b.xn.ptr(), t)?;
-            gpu.timed(if qkv_o { "gemv_qkv" } else { "gemm_qkv" }, || {
-                gpu.gemm_with(
-                    qkv_o,
-                    Product {
-                        w: layer.qkv.ptr(),
-                        a: b.xn.ptr(),
-                        c: b.qkv.ptr(),
-                        m: qw + 2 * kvw,
-                        n: t,
-                        k: h,
-                        beta: 0.0,
-                        c_f32: true,
-                    },
+            if rope_in_gemv {
+                gpu.timed("gemv_qkv+rope", || {
+                    gpu.gemv(
+                        layer.qkv.ptr(),
+                        GemvInput::Bf16(b.xn.ptr()),
+                        b.qkv.ptr(),
+                        qw + 2 * kvw,
+                        t,
+                        h,
+                        rope,
+                    )
+                })?;
+            } else {
+                gpu.timed(if qkv_o { "gemv_qkv" } else { "gemm_qkv" }, || {
+                    gpu.gemm_with(
+                        qkv_o,
+                        Product {
+                            w: layer.qkv.ptr(),
+                            a: b.xn.ptr(),
+                            c: b.qkv.ptr(),
+                            m: qw + 2 * kvw,
+                            n: t,
+                            k: h,
+                            beta: 0.0,
+                            c_f32: true,
+                        },
+                    )
+                })?;
+            }
+        }
+        if !rope_in_gemv {
+            gpu.timed("rope_store_kv", || {
+                gpu.launch(
+                    &k.rope_store_kv,
+                    (ti, 1, 1),
+                    256,
+                    &[
+                        Arg::Ptr(b.qkv.ptr()),
+                        Arg::Ptr(b.q.ptr()),
+                        Arg::Ptr(kc),
+                        Arg::Ptr(vc),
+                        Arg::Ptr(s(lay.pos)?),
+                        Arg::Ptr(s(lay.slots)?),
+                        Arg::Ptr(w.inv_freq.ptr()),
+                        i32v(nh),
+                        i32v(nkv),
+                        i32v(hd),
+                        Arg::I32(interleaved),
+                    ],
                 )
             })?;
         }
-        gpu.timed("rope_store_kv", || {
-            gpu.launch(
-                &k.rope_store_kv,
-                (ti, 1, 1),
-                256,
-                &[
-                    Arg::Ptr(b.qkv.ptr()),
-                    Arg::Ptr(b.q.ptr()),
-                    Arg::Ptr(kc),
-                    Arg::Ptr(vc),
-                    Arg::Ptr(s(lay.pos)?),
-                    Arg::Ptr(s(lay.slots)?),
-                    Arg::Ptr(w.inv_freq.ptr()),
-                    i32v(nh),
-                    i32v(nkv),
-                    i32v(hd),
-                    Arg::I32(interleaved),
-                ],
-            )
-        })?;
         attention(
             gpu,
             &AttentionIo {

@@ -4,13 +4,15 @@
 //!
 //! The projections that read the same input are stored fused, rows concatenated: Q|K|V as one
 //! `[(nh + 2 nkv) hd, hidden]` matrix and gate|up as one `[2 inter, hidden]` matrix, so a layer
-//! runs four GEMMs.
+//! runs four GEMMs. Within each head, the Q and K rows are stored in RoPE pair order
+//! ([`rope_row_order`]); random weights are generated in that order directly (a permutation of
+//! random rows is as random).
 
 use half::bf16;
 
 use super::device::{Arg, DevMem, Gpu};
 use crate::error::GpuError;
-use crate::model::{LlamaConfig, ModelWeights};
+use crate::model::{LlamaConfig, ModelWeights, RopeStyle};
 
 /// One transformer block on the device.
 pub(crate) struct GpuLayer {
@@ -77,19 +79,79 @@ fn tensor_f32(w: &ModelWeights, name: &str, len: usize) -> Result<Vec<f32>, GpuE
     Ok(t.to_f32_vec())
 }
 
+/// The order in which the backend stores the rows of one head of the Q and K weights: stored
+/// row `p` is the checkpoint's row `order[p]`. The two rows of RoPE pair `j` (`j` and
+/// `j + head_dim / 2`, or `2j` and `2j + 1` for interleaved checkpoints) go to rows
+/// `16 (j / 8) + j % 8` and that `+ 8`: the rows `g` and `g + 8` of one 16-row tile of the GEMV
+/// kernels, whose epilogue rotates them (`rope_pair_row` and `gemv_rope_out` in the CUDA
+/// source). `head_dim` must be a multiple of 16.
+pub(crate) fn rope_row_order(head_dim: usize, interleaved: bool) -> Vec<usize> {
+    let mut order = vec![0; head_dim];
+    for j in 0..head_dim / 2 {
+        let (a, b) = if interleaved {
+            (2 * j, 2 * j + 1)
+        } else {
+            (j, j + head_dim / 2)
+        };
+        let p = 16 * (j / 8) + j % 8;
+        order[p] = a;
+        order[p + 8] = b;
+    }
+    order
+}
+
+/// One part of a matrix upload: the tensor, its rows, and optionally the order of the rows
+/// within each head (`order.len()` rows per head; see [`rope_row_order`]).
+struct Part<'a> {
+    name: String,
+    rows: usize,
+    order: Option<&'a [usize]>,
+}
+
+impl Part<'_> {
+    fn plain(name: String, rows: usize) -> Self {
+        Part {
+            name,
+            rows,
+            order: None,
+        }
+    }
+}
+
 /// Uploads the concatenation of `parts` (each `rows x cols`) as one bf16 matrix.
 fn upload_bf16(
     gpu: &Gpu,
     w: &ModelWeights,
-    parts: &[(String, usize)],
+    parts: &[Part],
     cols: usize,
 ) -> Result<DevMem, GpuError> {
-    let rows: usize = parts.iter().map(|p| p.1).sum();
+    let rows: usize = parts.iter().map(|p| p.rows).sum();
     let m = gpu.alloc(rows * cols * 2)?;
     let mut off = 0usize;
-    for (name, r) in parts {
+    for Part {
+        name,
+        rows: r,
+        order,
+    } in parts
+    {
         let f = tensor_f32(w, name, r * cols)?;
-        let b: Vec<bf16> = f.iter().map(|&x| bf16::from_f32(x)).collect();
+        let mut b: Vec<bf16> = f.iter().map(|&x| bf16::from_f32(x)).collect();
+        if let Some(order) = order {
+            let hd = order.len();
+            if hd == 0 || r % hd != 0 {
+                return Err(GpuError::BadTensor {
+                    tensor: name.clone(),
+                    reason: format!("{r} rows are not whole heads of {hd}"),
+                });
+            }
+            let src = b.clone();
+            for head in 0..r / hd {
+                for (p, &from) in order.iter().enumerate() {
+                    let (dst, src_row) = ((head * hd + p) * cols, (head * hd + from) * cols);
+                    b[dst..dst + cols].copy_from_slice(&src[src_row..src_row + cols]);
+                }
+            }
+        }
         gpu.upload(m.at(off)?, &b)?;
         // The host buffer must outlive the asynchronous copy.
         gpu.sync()?;
@@ -115,6 +177,12 @@ pub(crate) fn from_model(
     crate::model::loader::validate_weights(c, w, false)?;
     let (h, hd) = (c.hidden_size, c.head_dim);
     let (q, kv, inter) = (c.num_heads * hd, c.num_kv_heads * hd, c.intermediate_size);
+    if hd % 16 != 0 {
+        return Err(GpuError::InvalidConfig(format!(
+            "the CUDA backend supports head dimensions 64 and 128, not {hd}"
+        )));
+    }
+    let order = rope_row_order(hd, c.rope_style == RopeStyle::Interleaved);
     let mut layers = Vec::with_capacity(c.num_layers);
     for i in 0..c.num_layers {
         let n = |s: &str| format!("blk.{i}.{s}.weight");
@@ -123,21 +191,46 @@ pub(crate) fn from_model(
             qkv: upload_bf16(
                 gpu,
                 w,
-                &[(n("attn_q"), q), (n("attn_k"), kv), (n("attn_v"), kv)],
+                &[
+                    Part {
+                        name: n("attn_q"),
+                        rows: q,
+                        order: Some(&order),
+                    },
+                    Part {
+                        name: n("attn_k"),
+                        rows: kv,
+                        order: Some(&order),
+                    },
+                    Part::plain(n("attn_v"), kv),
+                ],
                 h,
             )?,
-            o: upload_bf16(gpu, w, &[(n("attn_output"), h)], q)?,
+            o: upload_bf16(gpu, w, &[Part::plain(n("attn_output"), h)], q)?,
             ffn_norm: upload_f32(gpu, w, &n("ffn_norm"), h)?,
-            gate_up: upload_bf16(gpu, w, &[(n("ffn_gate"), inter), (n("ffn_up"), inter)], h)?,
-            down: upload_bf16(gpu, w, &[(n("ffn_down"), h)], inter)?,
+            gate_up: upload_bf16(
+                gpu,
+                w,
+                &[
+                    Part::plain(n("ffn_gate"), inter),
+                    Part::plain(n("ffn_up"), inter),
+                ],
+                h,
+            )?,
+            down: upload_bf16(gpu, w, &[Part::plain(n("ffn_down"), h)], inter)?,
         });
     }
-    let embed = upload_bf16(gpu, w, &[("token_embd.weight".into(), c.vocab_size)], h)?;
+    let embed = upload_bf16(
+        gpu,
+        w,
+        &[Part::plain("token_embd.weight".into(), c.vocab_size)],
+        h,
+    )?;
     let lm_head = if w.contains("output.weight") {
         Some(upload_bf16(
             gpu,
             w,
-            &[("output.weight".into(), c.vocab_size)],
+            &[Part::plain("output.weight".into(), c.vocab_size)],
             h,
         )?)
     } else {
@@ -215,4 +308,102 @@ pub(crate) fn dummy(gpu: &Gpu, c: &LlamaConfig, seed: u64) -> Result<GpuWeights,
         layers,
         inv_freq: inv_freq(gpu, c)?,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::rope_row_order;
+
+    /// The stored order is a permutation whose tile rows g and g + 8 hold the two elements of
+    /// one rotation pair, and the kernels' index arithmetic (`rope_pair_row`, and the pair index
+    /// the GEMV epilogue derives from a stored row) agrees with it.
+    #[test]
+    fn rope_rows_pair_up_eight_apart_in_each_tile() {
+        for hd in [16usize, 64, 128] {
+            for interleaved in [false, true] {
+                let order = rope_row_order(hd, interleaved);
+                let mut seen = vec![false; hd];
+                for &r in &order {
+                    assert!(!seen[r], "row {r} twice");
+                    seen[r] = true;
+                }
+                for j in 0..hd / 2 {
+                    let (a, b) = if interleaved {
+                        (2 * j, 2 * j + 1)
+                    } else {
+                        (j, j + hd / 2)
+                    };
+                    // rope_pair_row in llama.cu.
+                    let p = 16 * (j >> 3) + (j & 7);
+                    assert_eq!((order[p], order[p + 8]), (a, b), "hd {hd} pair {j}");
+                    assert_eq!(p / 16, (p + 8) / 16, "pair {j} split across tiles");
+                    // gemv_rope_out: the pair index from the first row.
+                    assert_eq!(8 * (p >> 4) + (p & 7), j);
+                    assert!(p % 16 < 8);
+                }
+            }
+        }
+        assert_eq!(
+            &rope_row_order(16, false)[..],
+            &[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]
+        );
+        assert_eq!(
+            &rope_row_order(16, true)[..],
+            &[0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15]
+        );
+    }
+
+    /// The kernels' view, emulated end to end: a head's Q rows stored in this order, the
+    /// product with an input, then the GEMV epilogue's rotation of each tile's rows g and
+    /// g + 8 written to the checkpoint positions — against rotating the checkpoint-order
+    /// product directly (the CPU backend's convention), for both RoPE styles.
+    #[test]
+    fn rotating_stored_rows_in_place_equals_rotating_the_checkpoint_rows() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+        let (hd, cols, pos) = (64usize, 24usize, 37.0f64);
+        let freq: Vec<f64> = (0..hd / 2)
+            .map(|j| 10000f64.powf(-2.0 * j as f64 / hd as f64))
+            .collect();
+        let w: Vec<Vec<f64>> = (0..hd)
+            .map(|_| (0..cols).map(|_| rng.random_range(-1.0..1.0)).collect())
+            .collect();
+        let x: Vec<f64> = (0..cols).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let dot = |row: &[f64]| row.iter().zip(&x).map(|(a, b)| a * b).sum::<f64>();
+        let rotate = |x0: f64, x1: f64, j: usize| {
+            let (s, c) = (pos * freq[j]).sin_cos();
+            (x0 * c - x1 * s, x1 * c + x0 * s)
+        };
+        for interleaved in [false, true] {
+            let pair = |j: usize| {
+                if interleaved {
+                    (2 * j, 2 * j + 1)
+                } else {
+                    (j, j + hd / 2)
+                }
+            };
+            // The reference: the checkpoint-order product, each pair rotated.
+            let y: Vec<f64> = w.iter().map(|r| dot(r)).collect();
+            let mut want = vec![0.0; hd];
+            for j in 0..hd / 2 {
+                let (a, b) = pair(j);
+                (want[a], want[b]) = rotate(y[a], y[b], j);
+            }
+            // The backend: stored rows, their product, the epilogue per tile row pair.
+            let order = rope_row_order(hd, interleaved);
+            let stored: Vec<f64> = order.iter().map(|&r| dot(&w[r])).collect();
+            let mut got = vec![f64::NAN; hd];
+            for ra in (0..hd).filter(|ra| ra % 16 < 8) {
+                let j = 8 * (ra >> 4) + (ra & 7);
+                let (a, b) = pair(j);
+                (got[a], got[b]) = rotate(stored[ra], stored[ra + 8], j);
+            }
+            for (g, w) in got.iter().zip(&want) {
+                assert!(
+                    (g - w).abs() < 1e-12,
+                    "interleaved {interleaved}: {g} vs {w}"
+                );
+            }
+        }
+    }
 }
