@@ -19,10 +19,10 @@
 // second elements 4..7. So W streams in whole 16-byte loads (64 contiguous bytes per row and
 // step, several steps in flight per lane), and up to 64 tokens cost little more than one.
 //
-// Work split. A block has 8 warps; each tile of 16 rows (8 for the GLU variants) gets `wpt`
-// warps (1, 2, 4 or 8, chosen by the host from the number of tiles so that the grid is about
-// one wave of resident blocks) which split k into contiguous ranges; their partial tiles are
-// summed through shared memory in warp order.
+// Work split. A block has wpb = blockDim.x / 32 warps (at most GEMV_WARPS); each tile of 16 rows
+// (8 for the GLU variants) gets `wpt` of them (wpt divides wpb; both chosen by the host from
+// the shape alone), which split k into contiguous ranges; their partial tiles are summed
+// through shared memory in warp order. A block takes wpb / wpt consecutive tiles.
 //
 // Batch invariance. Every output is the same function of its own token's inputs whatever n is:
 // columns of an mma do not interact, the k split depends only on the shape, the warp sum has a
@@ -84,7 +84,7 @@ __device__ __forceinline__ void gemv_body(const bf16* __restrict__ w, const bf16
                                           const float* __restrict__ xf,
                                           const float* __restrict__ nw, float eps,
                                           void* __restrict__ y, int m, int n, int k, float beta,
-                                          int y_f32, int wpt_log2) {
+                                          int y_f32, int wpt) {
     // k-steps of 32 per batch of loads: each lane has 2 x STEPS pieces of W in flight. With the
     // minimum of one block per multiprocessor in __launch_bounds__, ptxas issues the whole
     // batch of loads before the first mma (about 120 registers, 2 blocks per SM); without it,
@@ -94,10 +94,10 @@ __device__ __forceinline__ void gemv_body(const bf16* __restrict__ w, const bf16
     __shared__ float inv_s[8 * NG];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, c = lane & 3;
-    const int wpt = 1 << wpt_log2;          // warps per tile
-    const int tpb = GEMV_WARPS >> wpt_log2; // tiles per block
-    const int tile = blockIdx.x * tpb + (warp >> wpt_log2);
-    const int kw = warp & (wpt - 1);        // this warp's part of k
+    const int wpb = blockDim.x >> 5;  // warps per block
+    const int tpb = wpb / wpt;        // tiles per block
+    const int tile = blockIdx.x * tpb + warp / wpt;
+    const int kw = warp % wpt;        // this warp's part of k
 
     // The tile's A rows: g and g + 8.
     int row_a, row_b;
@@ -112,7 +112,7 @@ __device__ __forceinline__ void gemv_body(const bf16* __restrict__ w, const bf16
     const bool ok_b = GLU ? ok_a : row_b < m;
 
     const int steps = (k + 31) >> 5;
-    const int per = (steps + wpt - 1) >> wpt_log2;
+    const int per = (steps + wpt - 1) / wpt;
     const int s_begin = kw * per;
     const int s_end = min(steps, s_begin + per);
     const int kc = 8 * c;
@@ -137,7 +137,7 @@ __device__ __forceinline__ void gemv_body(const bf16* __restrict__ w, const bf16
 
     if (NORM) {
         // The inverse RMS of each token, one warp per token.
-        for (int t = warp; t < n; t += GEMV_WARPS) {
+        for (int t = warp; t < n; t += wpb) {
             const float ss = warp_sumsq(xf + (u64)t * k, k, lane);
             if (lane == 0) inv_s[t] = rms_inv(ss, k, eps);
         }
@@ -243,14 +243,15 @@ __device__ __forceinline__ void gemv_body(const bf16* __restrict__ w, const bf16
     }
 }
 
-// Grid: ceil(tiles / (8 >> wpt_log2)) blocks of GEMV_WARPS * 32 threads, tiles = ceil(m / 16)
+// Grid: ceil(tiles / (wpb / wpt)) blocks of 32 wpb threads (wpb <= GEMV_WARPS, wpt dividing
+// wpb), tiles = ceil(m / 16)
 // (gemv, gemv_norm) or ceil(m / 8) (the glu variants, m = rows of act). Unused pointers may be
 // null.
 #define GEMV_KERNEL(NAME, GLU, NORM, NG, MINB)                                                    \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MINB)                           \
         NAME##_##NG(const bf16* w, const bf16* x, const float* xf, const float* nw, float eps,    \
-                    void* y, int m, int n, int k, float beta, int y_f32, int wpt_log2) {         \
-        gemv_body<GLU, NORM, NG>(w, x, xf, nw, eps, y, m, n, k, beta, y_f32, wpt_log2);          \
+                    void* y, int m, int n, int k, float beta, int y_f32, int wpt) {              \
+        gemv_body<GLU, NORM, NG>(w, x, xf, nw, eps, y, m, n, k, beta, y_f32, wpt);               \
     }
 
 #define GEMV_VARIANTS(NG)               \

@@ -1,6 +1,7 @@
 // GEMV bandwidth sweep on a GPU host (nvcc there; gpu/reference/gemv_sweep.sh builds and runs
 // it): the backend's own GEMV kernels (gpu/kernels/gemv.cu, or a variant of it named by
-// GEMV_SRC) at every Llama-3-8B projection shape, n = 1 and 8, with each warps-per-tile choice,
+// GEMV_SRC) at every Llama-3-8B projection shape, n = 1 and 8, with every launch shape (warps
+// per block, warps per tile) they take,
 // beside cublasGemmEx on the same product and two probes of the memory system alone: a
 // contiguous streaming read, and the GEMV kernels' access pattern (a warp owning 16 rows)
 // without the maths. Weights rotate through four copies so that nothing is served from L2.
@@ -115,20 +116,31 @@ int main() {
     const double gb = (double)wrows * s.k * 2 / 1e9;
     const int tiles = glu ? s.m / 8 : (s.m + 15) / 16;
     for (int n : {1, 8}) {
-      for (int wl = 0; wl <= 3; wl++) {
-        int blocks = (tiles + (8 >> wl) - 1) / (8 >> wl);
-        int warps = tiles << wl;
-        auto f = [&] {
-          const bf16* w = W + (rot++ % COPIES) * maxw;
-          if (s.kind == 0) gemv_1<<<blocks, 256>>>(w, X, nullptr, nullptr, 0.f, Y, s.m, n, s.k, 0.f, 1, wl);
-          else if (s.kind == 1) gemv_glu_1<<<blocks, 256>>>(w, X, nullptr, nullptr, 0.f, Y, s.m, n, s.k, 0.f, 0, wl);
-          else if (s.kind == 2) gemv_norm_glu_1<<<blocks, 256>>>(w, nullptr, XF, NW, 1e-5f, Y, s.m, n, s.k, 0.f, 0, wl);
-          else gemv_norm_1<<<blocks, 256>>>(w, nullptr, XF, NW, 1e-5f, Y, s.m, n, s.k, 0.f, 1, wl);
-        };
-        float t = time_us(st, 20, f);
-        CK(cudaGetLastError());
-        printf("%-18s n %d wpt %d blocks %5d warps/slots %.2f %8.1f us %6.2f TB/s\n", s.name, n, 1 << wl, blocks,
-               warps / (16.0 * sms), t, gb / t * 1e3);
+      // Every launch shape the kernels take: wpb warps per block, wpt of them per tile (wpt
+      // divides wpb). "max/avg" is the most warps any SM gets in the first wave against the
+      // average (1.00: balanced), from the occupancy API.
+      for (int wpb = 1; wpb <= 8; wpb++) {
+        for (int wpt = 1; wpt <= wpb; wpt++) {
+          if (wpb % wpt != 0) continue;
+          const int tpb = wpb / wpt, blocks = (tiles + tpb - 1) / tpb;
+          const void* fn = s.kind == 0 ? (const void*)gemv_1 : s.kind == 1 ? (const void*)gemv_glu_1
+                           : s.kind == 2 ? (const void*)gemv_norm_glu_1 : (const void*)gemv_norm_1;
+          int bps = 0;
+          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&bps, fn, 32 * wpb, 0);
+          const int first = blocks < bps * sms ? blocks : bps * sms;
+          const double avg = (double)first * wpb / sms, mx = (double)((first + sms - 1) / sms) * wpb;
+          auto f = [&] {
+            const bf16* w = W + (rot++ % COPIES) * maxw;
+            if (s.kind == 0) gemv_1<<<blocks, 32 * wpb>>>(w, X, nullptr, nullptr, 0.f, Y, s.m, n, s.k, 0.f, 1, wpt);
+            else if (s.kind == 1) gemv_glu_1<<<blocks, 32 * wpb>>>(w, X, nullptr, nullptr, 0.f, Y, s.m, n, s.k, 0.f, 0, wpt);
+            else if (s.kind == 2) gemv_norm_glu_1<<<blocks, 32 * wpb>>>(w, nullptr, XF, NW, 1e-5f, Y, s.m, n, s.k, 0.f, 0, wpt);
+            else gemv_norm_1<<<blocks, 32 * wpb>>>(w, nullptr, XF, NW, 1e-5f, Y, s.m, n, s.k, 0.f, 1, wpt);
+          };
+          float t = time_us(st, 20, f);
+          CK(cudaGetLastError());
+          printf("%-18s n %d wpb %d wpt %d blocks %5d per-SM %d waves %.2f warps/SM %5.2f max/avg %.2f %8.1f us %6.2f TB/s\n",
+                 s.name, n, wpb, wpt, blocks, bps, (double)blocks / (bps * sms), avg, mx / avg, t, gb / t * 1e3);
+        }
       }
       if (!norm) {
         float one = 1.f, zero = 0.f;
