@@ -79,6 +79,84 @@ __device__ __forceinline__ uint4 gemv_norm_piece(const float* __restrict__ xr,
     return r;
 }
 
+// What a lane's loads and products need (see gemv_body).
+struct GemvLane {
+    const bf16* wa;  // W row g (this lane's 16-byte column)
+    const bf16* wb;  // W row g + 8 (gate|up: the up row)
+    const bf16* x;
+    const float* xf;
+    const float* nw;
+    const float* inv_s;
+    int n, k, kc, g;
+    bool ok_a, ok_b;
+    int s_end;
+};
+
+// Issues the loads of the batch of STEPS k-steps from step s: loads past the warp's range (or
+// of rows that do not exist) read the lane's first piece instead, a valid address, and are
+// replaced by zeros in gemv_compute, so no load sits behind a branch.
+template <bool NORM, int NG, int STEPS>
+__device__ __forceinline__ void gemv_load(const GemvLane& L, int s, uint4 (&P)[STEPS],
+                                          uint4 (&Q)[STEPS], uint4 (&X1)[STEPS],
+                                          bool (&in)[STEPS]) {
+#pragma unroll
+    for (int u = 0; u < STEPS; u++) {
+        const int off = (s + u) * 32;
+        in[u] = s + u < L.s_end && off + L.kc < L.k;
+        const int o = in[u] ? off : 0;
+        P[u] = gemv_ld_w(L.wa + o);
+        Q[u] = gemv_ld_w(L.wb + o);
+        if (NG == 1) {
+            const int tg = L.g < L.n ? L.g : 0;
+            if (NORM)
+                X1[u] = gemv_norm_piece(L.xf + (u64)tg * L.k + L.kc + o, L.nw + L.kc + o,
+                                        L.g < L.n ? L.inv_s[L.g] : 0.f);
+            else
+                X1[u] = __ldg(reinterpret_cast<const uint4*>(L.x + (u64)tg * L.k + L.kc + o));
+        }
+    }
+}
+
+// The products of a loaded batch, step after step, into d.
+template <bool NORM, int NG, int STEPS>
+__device__ __forceinline__ void gemv_compute(const GemvLane& L, int s, const uint4 (&P)[STEPS],
+                                             const uint4 (&Q)[STEPS], const uint4 (&X1)[STEPS],
+                                             const bool (&in)[STEPS], float (&d)[NG][4]) {
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+    for (int u = 0; u < STEPS; u++) {
+        const uint4 p = in[u] && L.ok_a ? P[u] : zero;
+        const uint4 q = in[u] && L.ok_b ? Q[u] : zero;
+        const int o = in[u] ? (s + u) * 32 : 0;
+#pragma unroll
+        for (int j = 0; j < NG; j++) {
+            const int t = 8 * j + L.g;
+            uint4 xv;
+            if (NG == 1) {
+                xv = X1[u];
+            } else {
+                const int tg = t < L.n ? t : 0;
+                if (NORM)
+                    xv = gemv_norm_piece(L.xf + (u64)tg * L.k + L.kc + o, L.nw + L.kc + o,
+                                         t < L.n ? L.inv_s[t] : 0.f);
+                else
+                    xv = __ldg(reinterpret_cast<const uint4*>(L.x + (u64)tg * L.k + L.kc + o));
+            }
+            if (!(in[u] && t < L.n)) xv = zero;
+            // A registers: (row g, slots 2c..), (row g+8, 2c..), (row g, 2c+8..), (row g+8,
+            // 2c+8..); B: (slots 2c.., token 8j+g), (2c+8.., token 8j+g).
+            gemv_mma(d[j], p.x, q.x, p.y, q.y, xv.x, xv.y);
+            gemv_mma(d[j], p.z, q.z, p.w, q.w, xv.z, xv.w);
+        }
+    }
+}
+
+// GEMV_PIPELINE (0 unless defined): two register buffers, the next batch's loads in flight
+// during this batch's products (a source variant for gpu/reference/gemv_sweep.sh, `pipe`).
+#ifndef GEMV_PIPELINE
+#define GEMV_PIPELINE 0
+#endif
+
 template <bool GLU, bool NORM, int NG>
 __device__ __forceinline__ void gemv_body(const bf16* __restrict__ w, const bf16* __restrict__ x,
                                           const float* __restrict__ xf,
@@ -147,56 +225,29 @@ __device__ __forceinline__ void gemv_body(const bf16* __restrict__ w, const bf16
     float d[NG][4];
 #pragma unroll
     for (int j = 0; j < NG; j++) d[j][0] = d[j][1] = d[j][2] = d[j][3] = 0.f;
-    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    const GemvLane L{wa, wb, x, xf, nw, inv_s, n, k, kc, g, ok_a, ok_b, s_end};
+#if GEMV_PIPELINE
+    // Two register buffers: the next batch's loads are in flight while this batch's products
+    // run. The same batches and the same products in the same order as below, so the same bits.
+    uint4 PA[STEPS], QA[STEPS], XA[STEPS], PB[STEPS], QB[STEPS], XB[STEPS];
+    bool inA[STEPS], inB[STEPS];
+    gemv_load<NORM, NG, STEPS>(L, s_begin, PA, QA, XA, inA);
+    for (int s = s_begin; s < s_end; s += 2 * STEPS) {
+        gemv_load<NORM, NG, STEPS>(L, s + STEPS, PB, QB, XB, inB);
+        gemv_compute<NORM, NG, STEPS>(L, s, PA, QA, XA, inA, d);
+        if (s + STEPS >= s_end) break;
+        gemv_load<NORM, NG, STEPS>(L, s + 2 * STEPS, PA, QA, XA, inA);
+        gemv_compute<NORM, NG, STEPS>(L, s + STEPS, PB, QB, XB, inB, d);
+    }
+#else
     for (int s = s_begin; s < s_end; s += STEPS) {
-        // Every W load of the batch is issued before the first mma: loads past the warp's
-        // range (or of rows that do not exist) read the lane's first piece instead, a valid
-        // address, and are replaced by zeros afterwards, so no load sits behind a branch.
+        // Every W load of the batch is issued before the first mma.
         uint4 P[STEPS], Q[STEPS], X1[STEPS];  // W rows g, g + 8; x token g (NG == 1)
         bool in[STEPS];
-#pragma unroll
-        for (int u = 0; u < STEPS; u++) {
-            const int off = (s + u) * 32;
-            in[u] = s + u < s_end && off + kc < k;
-            const int o = in[u] ? off : 0;
-            P[u] = gemv_ld_w(wa + o);
-            Q[u] = gemv_ld_w(wb + o);
-            if (NG == 1) {
-                const int tg = g < n ? g : 0;
-                if (NORM)
-                    X1[u] = gemv_norm_piece(xf + (u64)tg * k + kc + o, nw + kc + o,
-                                            g < n ? inv_s[g] : 0.f);
-                else
-                    X1[u] = __ldg(reinterpret_cast<const uint4*>(x + (u64)tg * k + kc + o));
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < STEPS; u++) {
-            const uint4 p = in[u] && ok_a ? P[u] : zero;
-            const uint4 q = in[u] && ok_b ? Q[u] : zero;
-            const int o = in[u] ? (s + u) * 32 : 0;
-#pragma unroll
-            for (int j = 0; j < NG; j++) {
-                const int t = 8 * j + g;
-                uint4 xv;
-                if (NG == 1) {
-                    xv = X1[u];
-                } else {
-                    const int tg = t < n ? t : 0;
-                    if (NORM)
-                        xv = gemv_norm_piece(xf + (u64)tg * k + kc + o, nw + kc + o,
-                                             t < n ? inv_s[t] : 0.f);
-                    else
-                        xv = __ldg(reinterpret_cast<const uint4*>(x + (u64)tg * k + kc + o));
-                }
-                if (!(in[u] && t < n)) xv = zero;
-                // A registers: (row g, slots 2c..), (row g+8, 2c..), (row g, 2c+8..), (row g+8,
-                // 2c+8..); B: (slots 2c.., token 8j+g), (2c+8.., token 8j+g).
-                gemv_mma(d[j], p.x, q.x, p.y, q.y, xv.x, xv.y);
-                gemv_mma(d[j], p.z, q.z, p.w, q.w, xv.z, xv.w);
-            }
-        }
+        gemv_load<NORM, NG, STEPS>(L, s, P, Q, X1, in);
+        gemv_compute<NORM, NG, STEPS>(L, s, P, Q, X1, in, d);
     }
+#endif
 
     // d[j]: (row g, tokens 8j + 2c, 8j + 2c + 1), (row g + 8, same tokens).
 #pragma unroll
