@@ -19,10 +19,10 @@
 // second elements 4..7. So W streams in whole 16-byte loads (64 contiguous bytes per row and
 // step, several steps in flight per lane), and up to 64 tokens cost little more than one.
 //
-// Work split. A block has 8 warps; each tile of 16 rows (8 for the GLU variants) gets `wpt`
-// warps (1, 2, 4 or 8, chosen by the host from the number of tiles so that the grid is about
-// one wave of resident blocks) which split k into contiguous ranges; their partial tiles are
-// summed through shared memory in warp order.
+// Work split. A block has wpb = blockDim.x / 32 warps (at most GEMV_WARPS); each tile of 16 rows
+// (8 for the GLU variants) gets `wpt` of them (wpt divides wpb; both chosen by the host from
+// the shape alone), which split k into contiguous ranges; their partial tiles are summed
+// through shared memory in warp order. A block takes wpb / wpt consecutive tiles.
 //
 // Batch invariance. Every output is the same function of its own token's inputs whatever n is:
 // columns of an mma do not interact, the k split depends only on the shape, the warp sum has a
@@ -126,25 +126,98 @@ __device__ __forceinline__ void gemv_rope_out(const GemvRope& r, int t, int ra, 
     }
 }
 
+// What a lane's loads and products need (see gemv_body).
+struct GemvLane {
+    const bf16* wa;  // W row g (this lane's 16-byte column)
+    const bf16* wb;  // W row g + 8 (gate|up: the up row)
+    const bf16* x;
+    const float* xf;
+    const float* nw;
+    const float* inv_s;
+    int n, k, kc, g;
+    bool ok_a, ok_b;
+    int s_end;
+};
+
+// Issues the loads of the batch of STEPS k-steps from step s: loads past the warp's range (or
+// of rows that do not exist) read the lane's first piece instead, a valid address, and are
+// replaced by zeros in gemv_compute, so no load sits behind a branch.
+template <bool NORM, int NG, int STEPS>
+__device__ __forceinline__ void gemv_load(const GemvLane& L, int s, uint4 (&P)[STEPS],
+                                          uint4 (&Q)[STEPS], uint4 (&X1)[STEPS],
+                                          bool (&in)[STEPS]) {
+#pragma unroll
+    for (int u = 0; u < STEPS; u++) {
+        const int off = (s + u) * 32;
+        in[u] = s + u < L.s_end && off + L.kc < L.k;
+        const int o = in[u] ? off : 0;
+        P[u] = gemv_ld_w(L.wa + o);
+        Q[u] = gemv_ld_w(L.wb + o);
+        if (NG == 1) {
+            const int tg = L.g < L.n ? L.g : 0;
+            if (NORM)
+                X1[u] = gemv_norm_piece(L.xf + (u64)tg * L.k + L.kc + o, L.nw + L.kc + o,
+                                        L.g < L.n ? L.inv_s[L.g] : 0.f);
+            else
+                X1[u] = __ldg(reinterpret_cast<const uint4*>(L.x + (u64)tg * L.k + L.kc + o));
+        }
+    }
+}
+
+// The products of a loaded batch, step after step, into d.
+template <bool NORM, int NG, int STEPS>
+__device__ __forceinline__ void gemv_compute(const GemvLane& L, int s, const uint4 (&P)[STEPS],
+                                             const uint4 (&Q)[STEPS], const uint4 (&X1)[STEPS],
+                                             const bool (&in)[STEPS], float (&d)[NG][4]) {
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+    for (int u = 0; u < STEPS; u++) {
+        const uint4 p = in[u] && L.ok_a ? P[u] : zero;
+        const uint4 q = in[u] && L.ok_b ? Q[u] : zero;
+        const int o = in[u] ? (s + u) * 32 : 0;
+#pragma unroll
+        for (int j = 0; j < NG; j++) {
+            const int t = 8 * j + L.g;
+            uint4 xv;
+            if (NG == 1) {
+                xv = X1[u];
+            } else {
+                const int tg = t < L.n ? t : 0;
+                if (NORM)
+                    xv = gemv_norm_piece(L.xf + (u64)tg * L.k + L.kc + o, L.nw + L.kc + o,
+                                         t < L.n ? L.inv_s[t] : 0.f);
+                else
+                    xv = __ldg(reinterpret_cast<const uint4*>(L.x + (u64)tg * L.k + L.kc + o));
+            }
+            if (!(in[u] && t < L.n)) xv = zero;
+            // A registers: (row g, slots 2c..), (row g+8, 2c..), (row g, 2c+8..), (row g+8,
+            // 2c+8..); B: (slots 2c.., token 8j+g), (2c+8.., token 8j+g).
+            gemv_mma(d[j], p.x, q.x, p.y, q.y, xv.x, xv.y);
+            gemv_mma(d[j], p.z, q.z, p.w, q.w, xv.z, xv.w);
+        }
+    }
+}
+
 template <bool GLU, bool NORM, bool ROPE, int NG>
 __device__ __forceinline__ void gemv_body(const bf16* __restrict__ w, const bf16* __restrict__ x,
                                           const float* __restrict__ xf,
                                           const float* __restrict__ nw, float eps,
                                           void* __restrict__ y, int m, int n, int k, float beta,
-                                          int y_f32, int wpt_log2, const GemvRope& rope) {
+                                          int y_f32, int wpt, const GemvRope& rope) {
     // k-steps of 32 per batch of loads: each lane has 2 x STEPS pieces of W in flight. With the
     // minimum of one block per multiprocessor in __launch_bounds__, ptxas issues the whole
-    // batch of loads before the first mma (about 120 registers, 2 blocks per SM); without it,
-    // it interleaves them with the mmas and a warp has only one step's loads in flight.
-    constexpr int STEPS = (NORM || NG > 1) ? 4 : 8;
+    // batch of loads before the first mma; without it, it interleaves them with the mmas and a
+    // warp has only one step's loads in flight. 4 rather than 8: at every Llama-3-8B shape the
+    // plain products ran 12-22% faster (fewer registers, more warps resident: CUDA_NOTES v5).
+    constexpr int STEPS = 4;
     __shared__ float4 red[GEMV_WARPS][NG][32];
     __shared__ float inv_s[8 * NG];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, c = lane & 3;
-    const int wpt = 1 << wpt_log2;          // warps per tile
-    const int tpb = GEMV_WARPS >> wpt_log2; // tiles per block
-    const int tile = blockIdx.x * tpb + (warp >> wpt_log2);
-    const int kw = warp & (wpt - 1);        // this warp's part of k
+    const int wpb = blockDim.x >> 5;  // warps per block
+    const int tpb = wpb / wpt;        // tiles per block
+    const int tile = blockIdx.x * tpb + warp / wpt;
+    const int kw = warp % wpt;        // this warp's part of k
 
     // The tile's A rows: g and g + 8.
     int row_a, row_b;
@@ -159,7 +232,7 @@ __device__ __forceinline__ void gemv_body(const bf16* __restrict__ w, const bf16
     const bool ok_b = GLU ? ok_a : row_b < m;
 
     const int steps = (k + 31) >> 5;
-    const int per = (steps + wpt - 1) >> wpt_log2;
+    const int per = (steps + wpt - 1) / wpt;
     const int s_begin = kw * per;
     const int s_end = min(steps, s_begin + per);
     const int kc = 8 * c;
@@ -184,7 +257,7 @@ __device__ __forceinline__ void gemv_body(const bf16* __restrict__ w, const bf16
 
     if (NORM) {
         // The inverse RMS of each token, one warp per token.
-        for (int t = warp; t < n; t += GEMV_WARPS) {
+        for (int t = warp; t < n; t += wpb) {
             const float ss = warp_sumsq(xf + (u64)t * k, k, lane);
             if (lane == 0) inv_s[t] = rms_inv(ss, k, eps);
         }
@@ -194,55 +267,13 @@ __device__ __forceinline__ void gemv_body(const bf16* __restrict__ w, const bf16
     float d[NG][4];
 #pragma unroll
     for (int j = 0; j < NG; j++) d[j][0] = d[j][1] = d[j][2] = d[j][3] = 0.f;
-    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    const GemvLane L{wa, wb, x, xf, nw, inv_s, n, k, kc, g, ok_a, ok_b, s_end};
     for (int s = s_begin; s < s_end; s += STEPS) {
-        // Every W load of the batch is issued before the first mma: loads past the warp's
-        // range (or of rows that do not exist) read the lane's first piece instead, a valid
-        // address, and are replaced by zeros afterwards, so no load sits behind a branch.
+        // Every W load of the batch is issued before the first mma.
         uint4 P[STEPS], Q[STEPS], X1[STEPS];  // W rows g, g + 8; x token g (NG == 1)
         bool in[STEPS];
-#pragma unroll
-        for (int u = 0; u < STEPS; u++) {
-            const int off = (s + u) * 32;
-            in[u] = s + u < s_end && off + kc < k;
-            const int o = in[u] ? off : 0;
-            P[u] = gemv_ld_w(wa + o);
-            Q[u] = gemv_ld_w(wb + o);
-            if (NG == 1) {
-                const int tg = g < n ? g : 0;
-                if (NORM)
-                    X1[u] = gemv_norm_piece(xf + (u64)tg * k + kc + o, nw + kc + o,
-                                            g < n ? inv_s[g] : 0.f);
-                else
-                    X1[u] = __ldg(reinterpret_cast<const uint4*>(x + (u64)tg * k + kc + o));
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < STEPS; u++) {
-            const uint4 p = in[u] && ok_a ? P[u] : zero;
-            const uint4 q = in[u] && ok_b ? Q[u] : zero;
-            const int o = in[u] ? (s + u) * 32 : 0;
-#pragma unroll
-            for (int j = 0; j < NG; j++) {
-                const int t = 8 * j + g;
-                uint4 xv;
-                if (NG == 1) {
-                    xv = X1[u];
-                } else {
-                    const int tg = t < n ? t : 0;
-                    if (NORM)
-                        xv = gemv_norm_piece(xf + (u64)tg * k + kc + o, nw + kc + o,
-                                             t < n ? inv_s[t] : 0.f);
-                    else
-                        xv = __ldg(reinterpret_cast<const uint4*>(x + (u64)tg * k + kc + o));
-                }
-                if (!(in[u] && t < n)) xv = zero;
-                // A registers: (row g, slots 2c..), (row g+8, 2c..), (row g, 2c+8..), (row g+8,
-                // 2c+8..); B: (slots 2c.., token 8j+g), (2c+8.., token 8j+g).
-                gemv_mma(d[j], p.x, q.x, p.y, q.y, xv.x, xv.y);
-                gemv_mma(d[j], p.z, q.z, p.w, q.w, xv.z, xv.w);
-            }
-        }
+        gemv_load<NORM, NG, STEPS>(L, s, P, Q, X1, in);
+        gemv_compute<NORM, NG, STEPS>(L, s, P, Q, X1, in, d);
     }
 
     // d[j]: (row g, tokens 8j + 2c, 8j + 2c + 1), (row g + 8, same tokens).
@@ -294,19 +325,20 @@ __device__ __forceinline__ void gemv_body(const bf16* __restrict__ w, const bf16
     }
 }
 
-// Grid: ceil(tiles / (8 >> wpt_log2)) blocks of GEMV_WARPS * 32 threads, tiles = ceil(m / 16)
+// Grid: ceil(tiles / (wpb / wpt)) blocks of 32 wpb threads (wpb <= GEMV_WARPS, wpt dividing
+// wpb), tiles = ceil(m / 16)
 // (gemv, gemv_norm) or ceil(m / 8) (the glu variants, m = rows of act). Unused pointers may be
 // null.
 #define GEMV_KERNEL(NAME, GLU, NORM, ROPE, NG, MINB)                                              \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MINB)                           \
         NAME##_##NG(const bf16* w, const bf16* x, const float* xf, const float* nw, float eps,    \
-                    void* y, int m, int n, int k, float beta, int y_f32, int wpt_log2,           \
+                    void* y, int m, int n, int k, float beta, int y_f32, int wpt,                \
                     bf16* rope_q, bf16* rope_kc, bf16* rope_vc, const int* rope_pos,             \
                     const long long* rope_slots, const float* rope_freq, int rope_nh,            \
                     int rope_nkv, int rope_hd, int rope_interleaved) {                           \
         const GemvRope rope{rope_q,   rope_kc,  rope_vc,  rope_pos,         rope_slots,          \
                             rope_freq, rope_nh, rope_nkv, rope_hd, rope_interleaved};            \
-        gemv_body<GLU, NORM, ROPE, NG>(w, x, xf, nw, eps, y, m, n, k, beta, y_f32, wpt_log2,     \
+        gemv_body<GLU, NORM, ROPE, NG>(w, x, xf, nw, eps, y, m, n, k, beta, y_f32, wpt,          \
                                        rope);                                                    \
     }
 

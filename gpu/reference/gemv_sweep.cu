@@ -1,15 +1,19 @@
 // GEMV bandwidth sweep on a GPU host (nvcc there; gpu/reference/gemv_sweep.sh builds and runs
 // it): the backend's own GEMV kernels (gpu/kernels/gemv.cu, or a variant of it named by
-// GEMV_SRC) at every Llama-3-8B projection shape, n = 1 and 8, with each warps-per-tile choice,
+// GEMV_SRC) at every Llama-3-8B projection shape, n = 1 and 8, with every launch shape (warps
+// per block, warps per tile) they take,
 // beside cublasGemmEx on the same product and two probes of the memory system alone: a
 // contiguous streaming read, and the GEMV kernels' access pattern (a warp owning 16 rows)
 // without the maths. Weights rotate through four copies so that nothing is served from L2.
 // A measurement for gpu/CUDA_NOTES.md, not a check.
 #include "../kernels/llama.cu"
 #include GEMV_SRC
+// The RoPE epilogue arguments of every GEMV kernel, unused by the plain products timed here.
+#define NOROPE nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0, 0, 0, 0
 #include <cstdio>
 #include <vector>
 #include <functional>
+#include <cmath>
 #include <algorithm>
 #include <cublas_v2.h>
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s at %d\n", cudaGetErrorString(e), __LINE__); exit(1);} } while (0)
@@ -89,6 +93,7 @@ int main() {
   float* XF; CK(cudaMalloc(&XF, 64 * 14336 * 4)); fillf<<<64, 256>>>(XF, 64 * 14336, 3);
   float* NW; CK(cudaMalloc(&NW, 14336 * 4)); fillf<<<64, 256>>>(NW, 14336, 4);
   float* Y; CK(cudaMalloc(&Y, (size_t)64 * 28672 * 4)); CK(cudaMemset(Y, 0, (size_t)64 * 28672 * 4));
+  float* YR; CK(cudaMalloc(&YR, (size_t)64 * 28672 * 4));
   u32* out; CK(cudaMalloc(&out, 4));
   CK(cudaDeviceSynchronize());
   cudaStream_t st = 0;
@@ -115,20 +120,75 @@ int main() {
     const double gb = (double)wrows * s.k * 2 / 1e9;
     const int tiles = glu ? s.m / 8 : (s.m + 15) / 16;
     for (int n : {1, 8}) {
-      for (int wl = 0; wl <= 3; wl++) {
-        int blocks = (tiles + (8 >> wl) - 1) / (8 >> wl);
-        int warps = tiles << wl;
-        auto f = [&] {
-          const bf16* w = W + (rot++ % COPIES) * maxw;
-          if (s.kind == 0) gemv_1<<<blocks, 256>>>(w, X, nullptr, nullptr, 0.f, Y, s.m, n, s.k, 0.f, 1, wl);
-          else if (s.kind == 1) gemv_glu_1<<<blocks, 256>>>(w, X, nullptr, nullptr, 0.f, Y, s.m, n, s.k, 0.f, 0, wl);
-          else if (s.kind == 2) gemv_norm_glu_1<<<blocks, 256>>>(w, nullptr, XF, NW, 1e-5f, Y, s.m, n, s.k, 0.f, 0, wl);
-          else gemv_norm_1<<<blocks, 256>>>(w, nullptr, XF, NW, 1e-5f, Y, s.m, n, s.k, 0.f, 1, wl);
-        };
-        float t = time_us(st, 20, f);
-        CK(cudaGetLastError());
-        printf("%-18s n %d wpt %d blocks %5d warps/slots %.2f %8.1f us %6.2f TB/s\n", s.name, n, 1 << wl, blocks,
-               warps / (16.0 * sms), t, gb / t * 1e3);
+      // The reference for the plain and GLU products: cublasGemmEx on weight copy 0, then
+      // (GLU) silu(gate) * up on the host; every launch shape is checked against it.
+      std::vector<float> ref;
+      if (!norm) {
+        float one = 1.f, zero = 0.f;
+        cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, wrows, n, s.k, &one, W, CUDA_R_16BF, s.k, X, CUDA_R_16BF, s.k,
+                     &zero, YR, glu ? CUDA_R_16BF : CUDA_R_32F, wrows, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+        CK(cudaDeviceSynchronize());
+        ref.resize((size_t)n * s.m);
+        if (glu) {
+          std::vector<bf16> gu((size_t)n * wrows);
+          CK(cudaMemcpy(gu.data(), YR, gu.size() * 2, cudaMemcpyDeviceToHost));
+          for (int t = 0; t < n; t++)
+            for (int r = 0; r < s.m; r++) {
+              const float g = __bfloat162float(gu[(size_t)t * wrows + r]);
+              const float u = __bfloat162float(gu[(size_t)t * wrows + s.m + r]);
+              ref[(size_t)t * s.m + r] = g / (1.f + expf(-g)) * u;
+            }
+        } else {
+          CK(cudaMemcpy(ref.data(), YR, ref.size() * 4, cudaMemcpyDeviceToHost));
+        }
+      }
+      // Every launch shape the kernels take: wpb warps per block, wpt of them per tile (wpt
+      // divides wpb). "max/avg" is the most warps any SM gets in the first wave against the
+      // average (1.00: balanced), from the occupancy API.
+      for (int wpb = 1; wpb <= 8; wpb++) {
+        for (int wpt = 1; wpt <= wpb; wpt++) {
+          if (wpb % wpt != 0) continue;
+          const int tpb = wpb / wpt, blocks = (tiles + tpb - 1) / tpb;
+          const void* fn = s.kind == 0 ? (const void*)gemv_1 : s.kind == 1 ? (const void*)gemv_glu_1
+                           : s.kind == 2 ? (const void*)gemv_norm_glu_1 : (const void*)gemv_norm_1;
+          int bps = 0;
+          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&bps, fn, 32 * wpb, 0);
+          const int first = blocks < bps * sms ? blocks : bps * sms;
+          const double avg = (double)first * wpb / sms, mx = (double)((first + sms - 1) / sms) * wpb;
+          auto launch = [&](const bf16* w) {
+            if (s.kind == 0) gemv_1<<<blocks, 32 * wpb>>>(w, X, nullptr, nullptr, 0.f, Y, s.m, n, s.k, 0.f, 1, wpt, NOROPE);
+            else if (s.kind == 1) gemv_glu_1<<<blocks, 32 * wpb>>>(w, X, nullptr, nullptr, 0.f, Y, s.m, n, s.k, 0.f, 0, wpt, NOROPE);
+            else if (s.kind == 2) gemv_norm_glu_1<<<blocks, 32 * wpb>>>(w, nullptr, XF, NW, 1e-5f, Y, s.m, n, s.k, 0.f, 0, wpt, NOROPE);
+            else gemv_norm_1<<<blocks, 32 * wpb>>>(w, nullptr, XF, NW, 1e-5f, Y, s.m, n, s.k, 0.f, 1, wpt, NOROPE);
+          };
+          auto f = [&] { launch(W + (rot++ % COPIES) * maxw); };
+          float t = time_us(st, 20, f);
+          CK(cudaGetLastError());
+          // Max |ours - reference| over max |reference| (bf16 inputs, f32 sums in another
+          // order: ~1e-3 expected; the GLU output is bf16).
+          double err = -1;
+          if (!norm) {
+            launch(W);
+            CK(cudaDeviceSynchronize());
+            std::vector<float> got((size_t)n * s.m);
+            if (glu) {
+              std::vector<bf16> gb16(got.size());
+              CK(cudaMemcpy(gb16.data(), Y, gb16.size() * 2, cudaMemcpyDeviceToHost));
+              for (size_t i = 0; i < got.size(); i++) got[i] = __bfloat162float(gb16[i]);
+            } else {
+              CK(cudaMemcpy(got.data(), Y, got.size() * 4, cudaMemcpyDeviceToHost));
+            }
+            double dmax = 0, rmax = 0;
+            for (size_t i = 0; i < got.size(); i++) {
+              dmax = fmax(dmax, fabs((double)got[i] - ref[i]));
+              rmax = fmax(rmax, fabs((double)ref[i]));
+            }
+            err = rmax > 0 ? dmax / rmax : dmax;
+          }
+          printf("%-18s n %d wpb %d wpt %d blocks %5d per-SM %d waves %.2f warps/SM %5.2f max/avg %.2f %8.1f us %6.2f TB/s err %.1e%s\n",
+                 s.name, n, wpb, wpt, blocks, bps, (double)blocks / (bps * sms), avg, mx / avg, t, gb / t * 1e3,
+                 err, err > 2e-2 ? " WRONG" : "");
+        }
       }
       if (!norm) {
         float one = 1.f, zero = 0.f;

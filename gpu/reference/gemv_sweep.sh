@@ -1,7 +1,8 @@
 #!/bin/bash
 # Builds gemv_sweep.cu with nvcc on a GPU host and runs it, once per VARIANTS entry (default
-# base): base = gpu/kernels/gemv.cu as is; s4 / s12 = 4 / 12 k-steps per batch of loads in the
-# plain kernels (8 in the source); mb2 = two resident blocks per SM asked of the plain kernels.
+# base): base = gpu/kernels/gemv.cu as is; s2 / s8 = 2 / 8 k-steps per batch of loads (4 in the
+# source; 8 was the source before v5); mb2 = two resident blocks per SM asked of the plain
+# kernels.
 set -u
 cd "$(dirname "$0")"
 export PATH=/usr/local/cuda/bin:$PATH
@@ -9,10 +10,11 @@ for v in ${VARIANTS:-base}; do
   src=/tmp/gemv_$v.cu
   cp ../kernels/gemv.cu $src
   case $v in
-    s4) sed -i 's/? 4 : 8;/? 4 : 4;/' $src ;;
-    s12) sed -i 's/? 4 : 8;/? 4 : 12;/' $src ;;
-    mb2) sed -i 's/GEMV_KERNEL(gemv, false, false, NG, 1)/GEMV_KERNEL(gemv, false, false, NG, 2)/; s/GEMV_KERNEL(gemv_glu, true, false, NG, 1)/GEMV_KERNEL(gemv_glu, true, false, NG, 2)/' $src ;;
+    s2) sed -i 's/constexpr int STEPS = 4;/constexpr int STEPS = 2;/' $src ;;
+    s8) sed -i 's/constexpr int STEPS = 4;/constexpr int STEPS = (NORM || NG > 1) ? 4 : 8;/' $src ;;
+    mb2) sed -i 's/GEMV_KERNEL(gemv, false, false, false, NG, 1)/GEMV_KERNEL(gemv, false, false, false, NG, 2)/; s/GEMV_KERNEL(gemv_glu, true, false, false, NG, 1)/GEMV_KERNEL(gemv_glu, true, false, false, NG, 2)/' $src ;;
   esac
+  cmp -s ../kernels/gemv.cu $src && [ "$v" != base ] && { echo "variant $v: the edit did not apply"; continue; }
   nvcc -O3 -std=c++17 -arch=sm_90a -lineinfo -Xptxas -v -DGEMV_SRC="\"$src\"" gemv_sweep.cu -o /tmp/sweep_$v -lcublas 2>/tmp/ptxas_$v.txt || { cat /tmp/ptxas_$v.txt; continue; }
   grep -A2 "entry function '\(gemv_1\|gemv_glu_1\|gemv_norm_glu_1\|gemv_norm_1\)'" /tmp/ptxas_$v.txt | grep -E "entry|Used"
   echo "=== variant $v"; /tmp/sweep_$v

@@ -53,6 +53,41 @@ const GEMV_WARPS_PER_SM: usize = 16;
 /// models take the hybrid route (see [`GemvMode`]).
 const GEMV_AUTO_MAX_HIDDEN: usize = 2048;
 
+/// The launch shape of a GEMV over `tiles` tiles: blocks of `warps_per_block` warps (at most
+/// 8, `GEMV_WARPS` in gemv.cu), each tile's k range split over `warps_per_tile` of them (a
+/// divisor of `warps_per_block`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct GemvGrid {
+    pub blocks: usize,
+    pub warps_per_block: usize,
+    pub warps_per_tile: usize,
+}
+
+/// Per tile the most warps (1, 2, 4 or 8) that keep the grid within the warps one wave of
+/// resident blocks holds ([`GEMV_WARPS_PER_SM`] per multiprocessor); blocks of one tile where
+/// that is 4 or 8 warps, else of 8 warps. A function of the shape and the device alone, never
+/// of the number of tokens, so the k split (and with it every output's bits) is the same for
+/// every step. Measured on the H200 against every other shape (gpu/reference/gemv_sweep.cu,
+/// CUDA_NOTES v5): within 0.3 us of the fastest for Llama-3-8B's qkv (4-warp blocks: 1.1 us
+/// faster than 8-warp ones with the RMSNorm prologue), o and down, 1.1 us for gate|up.
+pub(crate) fn gemv_grid(tiles: usize, sm_count: usize) -> GemvGrid {
+    let budget = GEMV_WARPS_PER_SM * sm_count;
+    let warps_per_tile = [8usize, 4, 2, 1]
+        .into_iter()
+        .find(|&w| tiles * w <= budget)
+        .unwrap_or(1);
+    let warps_per_block = if warps_per_tile >= 4 {
+        warps_per_tile
+    } else {
+        8
+    };
+    GemvGrid {
+        blocks: tiles.div_ceil(warps_per_block / warps_per_tile),
+        warps_per_block,
+        warps_per_tile,
+    }
+}
+
 /// Which path the matrix products of steps of at most [`GEMV_MAX_TOKENS`] tokens take
 /// (`SWITCHYARD_CUDA_GEMV`): `auto` (the default: the GEMV kernels with both fusions for
 /// hidden sizes up to [`GEMV_AUTO_MAX_HIDDEN`], the hybrid route above), `off` (cuBLAS always,
@@ -691,14 +726,7 @@ impl Gpu {
         if m > i32::MAX as usize / 2 {
             return Err(GpuError::Internal(format!("GEMV with {m} rows")));
         }
-        // Warps per tile: the most (up to 8) that keep the grid within the warps one wave of
-        // resident blocks holds. A function of the shape alone, never of n.
-        let budget = GEMV_WARPS_PER_SM * self.sm_count;
-        let wpt_log2 = (0..=3u32)
-            .rev()
-            .find(|&l| tiles << l <= budget)
-            .unwrap_or(0);
-        let blocks = tiles.div_ceil(8 >> wpt_log2);
+        let grid = gemv_grid(tiles, self.sm_count);
         let group = match n {
             0..=8 => 0,
             9..=16 => 1,
@@ -736,8 +764,8 @@ impl Gpu {
         let i32v = |v: usize| Arg::I32(v as i32);
         self.launch(
             f,
-            (blocks as u32, 1, 1),
-            256,
+            (grid.blocks as u32, 1, 1),
+            32 * grid.warps_per_block as u32,
             &[
                 Arg::Ptr(w),
                 Arg::Ptr(x),
@@ -750,7 +778,7 @@ impl Gpu {
                 Arg::I32(k as i32),
                 Arg::F32(beta),
                 Arg::I32(i32::from(f32_out)),
-                Arg::I32(wpt_log2 as i32),
+                Arg::I32(grid.warps_per_tile as i32),
                 Arg::Ptr(rope.q),
                 Arg::Ptr(rope.k_cache),
                 Arg::Ptr(rope.v_cache),
@@ -983,4 +1011,32 @@ pub fn compile_ptx(cc: (i32, i32)) -> Result<String, GpuError> {
         }
     }
     Ok(ptx)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{gemv_grid, GemvGrid};
+
+    #[test]
+    fn gemv_grid_covers_every_tile_within_a_wave_where_it_can() {
+        // The Llama-3-8B products on an H200 (132 SMs): qkv, o / down, gate|up (GLU tiles of
+        // 8 rows), lm_head.
+        let g = |tiles| gemv_grid(tiles, 132);
+        let grid = |blocks, warps_per_block, warps_per_tile| GemvGrid {
+            blocks,
+            warps_per_block,
+            warps_per_tile,
+        };
+        assert_eq!(g(384), grid(384, 4, 4));
+        assert_eq!(g(256), grid(256, 8, 8));
+        assert_eq!(g(1792), grid(224, 8, 1));
+        assert_eq!(g(8016), grid(1002, 8, 1));
+        for tiles in 1..5000 {
+            let r = g(tiles);
+            assert_eq!(r.warps_per_block % r.warps_per_tile, 0);
+            let per_block = r.warps_per_block / r.warps_per_tile;
+            assert!(r.blocks * per_block >= tiles && (r.blocks - 1) * per_block < tiles);
+            assert!(r.warps_per_block <= 8);
+        }
+    }
 }
