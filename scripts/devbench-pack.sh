@@ -4,10 +4,12 @@
 #   .devbench/NAME/  switchyard and the cuda_backend test binary, gzip-compressed (about 9 MB;
 #                    scripts/gpu-check.sh unpacks *.gz found in BIN)
 #   .devmodel/part1, .devmodel/part2 (with MODEL_SPLIT=1)
-#                    the SmolLM2 GGUF (98 MB) in two pieces, for two calls in quick succession:
-#                    the first copies part1 to the host's disk, the second joins it with part2
-#                    (`cat /root/part1 .devmodel/part2 > /tmp/smollm2.gguf`; sha256 in
-#                    gpu/tests/fixtures/smollm2_golden.json) while the machine is still warm.
+#                    the SmolLM2 GGUF (98 MB) in two pieces (50 + 48 MB, so each fits a call
+#                    beside one or two builds), for two calls in quick succession: the first
+#                    copies part1 to the host's disk, the second joins it with part2 while the
+#                    machine is still warm (`mkdir -p /tmp/m && cat /root/part1 .devmodel/part2
+#                    > /tmp/m/SmolLM2-135M-Instruct.Q4_1.gguf`: the GGUF tests look for that
+#                    name; sha256 in gpu/tests/fixtures/smollm2_golden.json).
 # usage: scripts/devbench-pack.sh [NAME]   (NAME defaults to the current branch)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,8 +35,8 @@ if [ "${MODEL_SPLIT:-0}" = 1 ]; then
   gguf=${MODEL:-$HOME/.cache/switchyard/models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf}
   [ -f "$gguf" ] || { echo "no GGUF at $gguf (cargo run --release -- model fetch smollm2-135m)" >&2; exit 1; }
   mkdir -p .devmodel
-  head -c 57671680 "$gguf" >.devmodel/part1
-  tail -c +57671681 "$gguf" >.devmodel/part2
+  head -c 50000000 "$gguf" >.devmodel/part1
+  tail -c +50000001 "$gguf" >.devmodel/part2
   cat .devmodel/part1 .devmodel/part2 | cmp - "$gguf"
   ls -l .devmodel
 fi

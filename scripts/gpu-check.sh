@@ -69,6 +69,9 @@ bench() { # name, then bench throughput arguments
 }
 
 if has tests && [ -n "$TESTBIN" ]; then
+  if [ -n "$MODEL" ] && [ "$(basename "$MODEL")" != SmolLM2-135M-Instruct.Q4_1.gguf ]; then
+    note "warning: the GGUF tests look for SmolLM2-135M-Instruct.Q4_1.gguf beside MODEL; they will skip"
+  fi
   SWITCHYARD_MODEL_DIR=$( [ -n "$MODEL" ] && dirname "$MODEL" || echo /nonexistent ) \
     timeout "${TEST_TIMEOUT:-300}" "$TESTBIN" --test-threads=1 --nocapture >"$OUT/tests.log" 2>&1
   note "cuda tests rc=$?"
@@ -197,10 +200,16 @@ EOF
     sleep 0.5
   done
   if [ $ok = 1 ]; then
+    # The served model's id is the GGUF's file stem: ask for it rather than assume it.
+    id=$(curl -s http://127.0.0.1:18431/v1/models | python3 -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')
     curl -s http://127.0.0.1:18431/v1/completions -H 'content-type: application/json' \
-      -d '{"model":"SmolLM2-135M-Instruct.Q4_1","prompt":"The capital of France is","max_tokens":16,"temperature":0,"logprobs":2}' \
+      -d "{\"model\":\"$id\",\"prompt\":\"The capital of France is\",\"max_tokens\":16,\"temperature\":0,\"logprobs\":2}" \
       >"$OUT/serve-completion.json"
     note "serve completion: $(head -c 400 "$OUT/serve-completion.json")"
+    curl -s http://127.0.0.1:18431/v1/chat/completions -H 'content-type: application/json' \
+      -d "{\"model\":\"$id\",\"messages\":[{\"role\":\"user\",\"content\":\"What is the capital of France?\"}],\"max_tokens\":24,\"temperature\":0}" \
+      >"$OUT/serve-chat.json"
+    note "serve chat: $(head -c 400 "$OUT/serve-chat.json")"
     curl -s http://127.0.0.1:18431/metrics | grep -E "backend_info" | head -3 | tee -a "$summary"
   else
     note "serve did not come up"; tail -5 "$OUT/serve.log" | tee -a "$summary"
