@@ -208,7 +208,7 @@ __device__ __forceinline__ void gemv_body(const bf16* __restrict__ w, const bf16
     // minimum of one block per multiprocessor in __launch_bounds__, ptxas issues the whole
     // batch of loads before the first mma; without it, it interleaves them with the mmas and a
     // warp has only one step's loads in flight. 4 rather than 8: at every Llama-3-8B shape the
-    // plain products ran 12-22% faster (fewer registers, more warps resident: CUDA_NOTES v5).
+    // plain products ran 9-22% faster (fewer registers, more warps resident: CUDA_NOTES v5).
     constexpr int STEPS = 4;
     __shared__ float4 red[GEMV_WARPS][NG][32];
     __shared__ float inv_s[8 * NG];

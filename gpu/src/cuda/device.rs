@@ -50,7 +50,8 @@ const GEMV_WARPS_PER_SM: usize = 16;
 /// (576) a step is launch-bound and the fused GEMV path cuts batch-1 decode from 1.06 to 0.85
 /// ms; at Llama-3-8B's (4096) cuBLAS streams the large projections at 4.1-4.4 TB/s against the
 /// GEMV kernels' 3.3-3.5 and the GEMV path was slower (5.3-7.6 ms against 5.0), so larger
-/// models take the hybrid route (see [`GemvMode`]).
+/// models take the hybrid route (see [`GemvMode`]). Still so in v5 (4-step load batches): mode
+/// `norm` 4.61-4.63 ms against the hybrid route's 4.50-4.53 in one lease (CUDA_NOTES v5).
 const GEMV_AUTO_MAX_HIDDEN: usize = 2048;
 
 /// The launch shape of a GEMV over `tiles` tiles: blocks of `warps_per_block` warps (at most
@@ -68,8 +69,8 @@ pub(crate) struct GemvGrid {
 /// that is 4 or 8 warps, else of 8 warps. A function of the shape and the device alone, never
 /// of the number of tokens, so the k split (and with it every output's bits) is the same for
 /// every step. Measured on the H200 against every other shape (gpu/reference/gemv_sweep.cu,
-/// CUDA_NOTES v5): within 0.3 us of the fastest for Llama-3-8B's qkv (4-warp blocks: 1.1 us
-/// faster than 8-warp ones with the RMSNorm prologue), o and down, 1.1 us for gate|up.
+/// CUDA_NOTES v5): the fastest for Llama-3-8B's qkv (4-warp blocks: 1.1 us faster than 8-warp
+/// ones with the RMSNorm prologue) and o, within 0.8 us for down and 1.4 us for gate|up.
 pub(crate) fn gemv_grid(tiles: usize, sm_count: usize) -> GemvGrid {
     let budget = GEMV_WARPS_PER_SM * sm_count;
     let warps_per_tile = [8usize, 4, 2, 1]
