@@ -11,6 +11,7 @@
 // The RoPE epilogue arguments of every GEMV kernel, unused by the plain products timed here.
 #define NOROPE nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0, 0, 0, 0
 #include <cstdio>
+#include <cstdlib>
 #include <vector>
 #include <functional>
 #include <cmath>
@@ -69,6 +70,33 @@ __global__ void __launch_bounds__(256) probe_rows(const bf16* w, int m, int k, u
   if (acc == 0x12345678) out[0] = acc;
 }
 
+// The same warps and rows as probe_rows, read in address order: a warp takes its 16 rows (one
+// contiguous span) RPI = 32 / LPR rows at a time, each group to the end of its rows before
+// the next, LOADS loads in flight per lane along k.
+template <int LPR, int LOADS>
+__global__ void __launch_bounds__(256) probe_span(const bf16* w, int m, int k, u32* out) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int tile = blockIdx.x * 8 + warp;
+  constexpr int RPI = 32 / LPR;
+  const int r = lane / LPR, c = lane % LPR;
+  u32 acc = 0;
+  if (tile * 16 >= m) return;
+  for (int r0 = 0; r0 < 16; r0 += RPI) {
+    const bf16* wr = w + (size_t)(tile * 16 + r0 + r) * k + 8 * c;
+    for (int s = 0; s < k; s += 8 * LPR * LOADS) {
+      uint4 v[LOADS];
+#pragma unroll
+      for (int u = 0; u < LOADS; u++) {
+        const int o = s + u * 8 * LPR;
+        v[u] = gemv_ld_w(wr + (o < k ? o : 0));
+      }
+#pragma unroll
+      for (int u = 0; u < LOADS; u++) acc ^= v[u].x ^ v[u].w;
+    }
+  }
+  if (acc == 0x12345678) out[0] = acc;
+}
+
 static float time_us(cudaStream_t st, int reps, const std::function<void()>& f) {
   cudaEvent_t a, b; cudaEventCreate(&a); cudaEventCreate(&b);
   for (int i = 0; i < 3; i++) f();
@@ -113,7 +141,11 @@ int main() {
 #define PR(L, S) { float t = time_us(st, 20, [&] { probe_rows<L, S><<<28672 / 128, 256>>>(W + (rot++ % COPIES) * maxw, 28672, 4096, out); }); \
     printf("probe rows LPR %2d LOADS %2d %8.1f us %6.2f TB/s\n", L, S, t, gb / t * 1e3); }
     PR(4, 16) PR(4, 32) PR(8, 16) PR(16, 16) PR(32, 16) PR(32, 32)
+#define PS(L, S) { float t = time_us(st, 20, [&] { probe_span<L, S><<<28672 / 128, 256>>>(W + (rot++ % COPIES) * maxw, 28672, 4096, out); }); \
+    printf("probe span LPR %2d LOADS %2d %8.1f us %6.2f TB/s\n", L, S, t, gb / t * 1e3); }
+    PS(4, 8) PS(4, 16) PS(8, 8) PS(8, 16) PS(16, 8) PS(16, 16) PS(32, 8) PS(32, 16)
   }
+  if (getenv("SWEEP_PROBES_ONLY")) return 0;
   for (auto& s : shapes) {
     const bool glu = s.kind == 1 || s.kind == 2, norm = s.kind >= 2;
     const int wrows = glu ? 2 * s.m : s.m;
