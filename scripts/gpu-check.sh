@@ -25,6 +25,11 @@
 #             (max_num_seqs:max_num_batched_tokens)
 #   profile   batch-1 decode with SWITCHYARD_CUDA_PROFILE=1 (per-kernel breakdown)
 #   ncu       Nsight Compute (--set full) on NCU_KERNELS in the offline profile workload
+#   model     SmolLM2 from the GGUF at MODEL: batch-1 / batch-256 decode, offline, `generate`
+#   serve     `switchyard serve` on MODEL (backend SERVE_BACKEND, default cuda): a completion
+#             with logprobs, a chat completion, the backend metric, then `bench serve`
+#             (SERVE_BENCH_ARGS; default 1000 prompts of 128/128 at concurrency 256)
+#   hf        gpu/reference/hf_bench.py (HF_ARGS): transformers on the same shapes
 # Results: $OUT/summary.txt (the table printed last), $OUT/*.json and logs; with ARCHIVE=file,
 # all of them in one .tar.gz as well (the device tool returns at most 8 files).
 set -uo pipefail
@@ -188,7 +193,7 @@ fi
 
 if has serve && [ -n "$MODEL" ] && [ -f "$MODEL" ]; then
   cat >"$OUT/serve.yaml" <<EOF
-model: { path: $MODEL, backend: cuda }
+model: { path: $MODEL, backend: ${SERVE_BACKEND:-cuda} }
 server: { host: 127.0.0.1, port: 18431 }
 cache: { gpu_memory_utilization: 0.5 }
 EOF
@@ -211,6 +216,11 @@ EOF
       >"$OUT/serve-chat.json"
     note "serve chat: $(head -c 400 "$OUT/serve-chat.json")"
     curl -s http://127.0.0.1:18431/metrics | grep -E "backend_info" | head -3 | tee -a "$summary"
+    # Load through HTTP (`bench serve`, SERVE_BENCH_ARGS): output tok/s, TTFT, TPOT.
+    timeout "${BENCH_TIMEOUT:-240}" "$SY" bench serve --base-url http://127.0.0.1:18431 \
+      ${SERVE_BENCH_ARGS:---max-concurrency 256 --num-prompts 1000 --input-len 128 --output-len 128} \
+      --result-file "$OUT/serve-bench.json" >"$OUT/serve-bench.txt" 2>&1
+    note "bench serve rc=$?: $(python3 -c "import json; d=json.load(open('$OUT/serve-bench.json')); print({k: v for k, v in d.items() if isinstance(v, (int, float))})" 2>/dev/null | head -c 700)"
   else
     note "serve did not come up"; tail -5 "$OUT/serve.log" | tee -a "$summary"
   fi
