@@ -150,6 +150,8 @@ impl Generation {
     }
 
     /// The next delta, `None` once every choice finished, or the error that ended the request.
+    /// Cancel-safe (the SSE body drops it on its heartbeat timeout): its only await is the
+    /// channels' receive, before any state changes.
     pub(crate) async fn next(&mut self) -> Option<Result<ChoiceDelta, ApiError>> {
         loop {
             if self.remaining == 0 {

@@ -3,7 +3,11 @@
 //! body chunk, then `[DONE]`.
 //!
 //! The response body owns the [`Generation`]; when the client disconnects actix-web drops the
-//! body, which drops the engine receivers and so aborts the engine requests.
+//! body, which drops the engine receivers and so aborts the engine requests. actix-web notices a
+//! closed connection only when a write to it fails, so a stream with nothing to send for
+//! [`HEARTBEAT`] sends an SSE comment (`: keep-alive`, which SSE clients ignore): a client that
+//! hung up while its request waits in the queue, runs a long prefill or decodes slowly is noticed
+//! within about that long, not at its next token.
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -20,6 +24,12 @@ use crate::state::InFlight;
 
 /// The last frame of every stream.
 pub(crate) const DONE_FRAME: &[u8] = b"data: [DONE]\n\n";
+
+/// How long a stream may send nothing before it sends [`HEARTBEAT_FRAME`].
+pub(crate) const HEARTBEAT: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// An SSE comment: ignored by clients, it makes a closed connection show up as a failed write.
+pub(crate) const HEARTBEAT_FRAME: &[u8] = b": keep-alive\n\n";
 
 /// Endpoint-specific chunk building.
 pub(crate) trait ChunkWriter: 'static {
@@ -79,7 +89,11 @@ pub(crate) fn sse_response<W: ChunkWriter>(
             if st.done {
                 return None;
             }
-            match st.generation.next().await {
+            // `Generation::next` is cancel-safe: it awaits only the channels' receive.
+            let Ok(next) = tokio::time::timeout(HEARTBEAT, st.generation.next()).await else {
+                return Some((Ok(Bytes::from_static(HEARTBEAT_FRAME)), st));
+            };
+            match next {
                 Some(Ok(delta)) => {
                     if let Some(finish) = delta.delta.finish {
                         st.completion_tokens = st

@@ -331,6 +331,53 @@ async fn dropping_a_stream_drops_the_engine_receiver() {
 }
 
 #[actix_web::test]
+async fn an_idle_stream_sends_keep_alive_comments() {
+    // A stream with nothing to send writes an SSE comment every second, so that a client that
+    // hung up (which actix-web sees only as a failed write) is noticed without waiting for a
+    // token.
+    let engine = EchoEngine::new();
+    engine.hang.store(true, Ordering::SeqCst);
+    let (_, app) = app(engine.clone(), api_config()).await;
+    let body = json!({"prompt": "x", "stream": true});
+    let response = app
+        .call(post("/v1/completions", &body).to_request())
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let mut body = Box::pin(response.into_body());
+    let started = std::time::Instant::now();
+    let next = tokio::time::timeout(
+        Duration::from_secs(10),
+        futures_util::future::poll_fn(|cx| body.as_mut().poll_next(cx)),
+    )
+    .await
+    .expect("a frame within 10 s")
+    .map(|r| r.map_err(|_| ()));
+    match next {
+        Some(Ok(bytes)) => assert_eq!(&bytes[..], b": keep-alive\n\n"),
+        other => panic!("expected a keep-alive comment, got {other:?}"),
+    }
+    assert!(
+        started.elapsed() >= Duration::from_millis(900),
+        "the keep-alive must wait for the stream to be idle"
+    );
+    // The engine's events still come through after it.
+    let sender = engine.held.lock().unwrap().pop().unwrap();
+    drop(sender);
+    let rest = tokio::time::timeout(
+        Duration::from_secs(10),
+        futures_util::future::poll_fn(|cx| body.as_mut().poll_next(cx)),
+    )
+    .await
+    .expect("a frame after the engine closed")
+    .map(|r| r.map_err(|_| ()));
+    assert!(
+        matches!(rest, Some(Ok(ref b)) if b.starts_with(b"data: ")),
+        "{rest:?}"
+    );
+}
+
+#[actix_web::test]
 async fn dropping_a_pending_request_drops_the_engine_receiver() {
     let engine = EchoEngine::new();
     engine.hang.store(true, Ordering::SeqCst);

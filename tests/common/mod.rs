@@ -246,6 +246,8 @@ pub fn sse_events(body: &str) -> Vec<String> {
         "SSE body must end with a blank line: {body:?}"
     );
     body.split_terminator("\n\n")
+        // Comment frames (the server's keep-alives) carry no event.
+        .filter(|event| !event.starts_with(':'))
         .map(|event| {
             let payload = event
                 .strip_prefix("data: ")

@@ -420,10 +420,14 @@ pub fn post(path: &str, body: &serde_json::Value) -> test::TestRequest {
         .set_payload(body.to_string())
 }
 
-/// Splits an SSE body into its `data:` payloads, asserting the framing is exact.
+/// Splits an SSE body into its `data:` payloads, asserting the framing is exact (comment
+/// frames, the server's keep-alives, are skipped).
 pub fn sse_payloads(body: &str) -> Vec<&str> {
     assert!(body.ends_with("data: [DONE]\n\n"), "{body:?}");
-    let frames: Vec<&str> = body.split_terminator("\n\n").collect();
+    let frames: Vec<&str> = body
+        .split_terminator("\n\n")
+        .filter(|f| !f.starts_with(':'))
+        .collect();
     frames
         .iter()
         .map(|f| {
