@@ -394,33 +394,36 @@ impl Handler<StepEvents> for DetokenizerActor {
                 continue;
             };
             let request = c.request.clone();
-            let delivered = request.borrow_mut().sink.send(EngineOutput::Delta(delta));
-            if !delivered {
-                if !gone.iter().any(|g| Rc::ptr_eq(g, &request)) {
-                    gone.push(request);
-                }
-                continue;
-            }
+            // A finishing choice's metrics are recorded before its last delta goes out, so
+            // that a client reading /metrics right after its response sees them (the HTTP
+            // layer may answer before this actor runs again). A client already gone gets none;
+            // one whose last delta then fails to go out is counted as aborted too.
             if let Some((reason, _)) = finished {
-                if let Some(ChoiceState {
-                    tokens,
-                    first_at: Some(first),
-                    last_at: Some(last),
-                    ..
-                }) = self.choices.remove(&id)
-                {
-                    if tokens > 1 {
-                        metrics::histogram!(names::TIME_PER_OUTPUT_TOKEN)
-                            .record((last - first).as_secs_f64() / f64::from(tokens - 1));
+                if !request.borrow().sink.is_closed() {
+                    if let Some(ChoiceState {
+                        tokens,
+                        first_at: Some(first),
+                        last_at: Some(last),
+                        ..
+                    }) = self.choices.remove(&id)
+                    {
+                        if tokens > 1 {
+                            metrics::histogram!(names::TIME_PER_OUTPUT_TOKEN)
+                                .record((last - first).as_secs_f64() / f64::from(tokens - 1));
+                        }
+                    }
+                    let mut r = request.borrow_mut();
+                    r.open_choices = r.open_choices.saturating_sub(1);
+                    if r.open_choices == 0 {
+                        metrics::histogram!(names::E2E_REQUEST_LATENCY)
+                            .record((now - r.arrival).as_secs_f64());
+                        metrics::counter!(names::REQUEST_SUCCESS, names::LABEL_FINISHED_REASON => reason.as_str()).increment(1);
                     }
                 }
-                let mut r = request.borrow_mut();
-                r.open_choices = r.open_choices.saturating_sub(1);
-                if r.open_choices == 0 {
-                    metrics::histogram!(names::E2E_REQUEST_LATENCY)
-                        .record((now - r.arrival).as_secs_f64());
-                    metrics::counter!(names::REQUEST_SUCCESS, names::LABEL_FINISHED_REASON => reason.as_str()).increment(1);
-                }
+            }
+            let delivered = request.borrow_mut().sink.send(EngineOutput::Delta(delta));
+            if !delivered && !gone.iter().any(|g| Rc::ptr_eq(g, &request)) {
+                gone.push(request);
             }
         }
         for r in gone {
