@@ -118,6 +118,33 @@ impl Part<'_> {
     }
 }
 
+/// A `rows x cols` tensor as the bf16 rows the device stores: in the checkpoint's order, or
+/// with the rows of each head in `order` (stored row `head * hd + p` is the checkpoint's row
+/// `head * hd + order[p]`), converted in one pass.
+fn stored_bf16(
+    name: &str,
+    f: &[f32],
+    rows: usize,
+    cols: usize,
+    order: Option<&[usize]>,
+) -> Result<Vec<bf16>, GpuError> {
+    let Some(order) = order else {
+        return Ok(f.iter().map(|&x| bf16::from_f32(x)).collect());
+    };
+    let hd = order.len();
+    if hd == 0 || !rows.is_multiple_of(hd) {
+        return Err(GpuError::BadTensor {
+            tensor: name.to_string(),
+            reason: format!("{rows} rows are not whole heads of {hd}"),
+        });
+    }
+    Ok((0..rows / hd)
+        .flat_map(|head| order.iter().map(move |&from| head * hd + from))
+        .flat_map(|row| &f[row * cols..(row + 1) * cols])
+        .map(|&x| bf16::from_f32(x))
+        .collect())
+}
+
 /// Uploads the concatenation of `parts` (each `rows x cols`) as one bf16 matrix.
 fn upload_bf16(
     gpu: &Gpu,
@@ -135,23 +162,7 @@ fn upload_bf16(
     } in parts
     {
         let f = tensor_f32(w, name, r * cols)?;
-        let mut b: Vec<bf16> = f.iter().map(|&x| bf16::from_f32(x)).collect();
-        if let Some(order) = order {
-            let hd = order.len();
-            if hd == 0 || r % hd != 0 {
-                return Err(GpuError::BadTensor {
-                    tensor: name.clone(),
-                    reason: format!("{r} rows are not whole heads of {hd}"),
-                });
-            }
-            let src = b.clone();
-            for head in 0..r / hd {
-                for (p, &from) in order.iter().enumerate() {
-                    let (dst, src_row) = ((head * hd + p) * cols, (head * hd + from) * cols);
-                    b[dst..dst + cols].copy_from_slice(&src[src_row..src_row + cols]);
-                }
-            }
-        }
+        let b = stored_bf16(name, &f, *r, cols, *order)?;
         gpu.upload(m.at(off)?, &b)?;
         // The host buffer must outlive the asynchronous copy.
         gpu.sync()?;
@@ -317,6 +328,26 @@ mod tests {
     /// The stored order is a permutation whose tile rows g and g + 8 hold the two elements of
     /// one rotation pair, and the kernels' index arithmetic (`rope_pair_row`, and the pair index
     /// the GEMV epilogue derives from a stored row) agrees with it.
+    #[test]
+    fn stored_rows_follow_the_order_in_every_head() {
+        // 2 heads of 16 rows, 3 columns; each value encodes (row, column).
+        let (rows, cols) = (32, 3);
+        let f: Vec<f32> = (0..rows * cols).map(|i| i as f32).collect();
+        let order = super::rope_row_order(16, false);
+        let got = super::stored_bf16("t", &f, rows, cols, Some(&order)).unwrap();
+        for head in 0..2 {
+            for (p, &from) in order.iter().enumerate() {
+                for c in 0..cols {
+                    let want = ((head * 16 + from) * cols + c) as f32;
+                    assert_eq!(got[(head * 16 + p) * cols + c].to_f32(), want);
+                }
+            }
+        }
+        let plain = super::stored_bf16("t", &f, rows, cols, None).unwrap();
+        assert!(plain.iter().zip(&f).all(|(b, x)| b.to_f32() == *x));
+        assert!(super::stored_bf16("t", &f[..24 * cols], 24, cols, Some(&order)).is_err());
+    }
+
     #[test]
     fn rope_rows_pair_up_eight_apart_in_each_tile() {
         for hd in [16usize, 64, 128] {
