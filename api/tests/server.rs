@@ -3,12 +3,14 @@
 
 mod common;
 
+use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use actix_web::body::MessageBody;
 use actix_web::dev::Service;
 use actix_web::test::TestRequest;
+use actix_web::web::Bytes;
 use common::*;
 use serde_json::{json, Value};
 
@@ -330,6 +332,17 @@ async fn dropping_a_stream_drops_the_engine_receiver() {
     assert_eq!(state.in_flight(), 0);
 }
 
+/// The next chunk of a response body, waiting at most 10 s (errors flattened for printing).
+async fn next_frame<B: MessageBody>(mut body: Pin<&mut B>) -> Option<Result<Bytes, ()>> {
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        futures_util::future::poll_fn(|cx| body.as_mut().poll_next(cx)),
+    )
+    .await
+    .expect("a frame within 10 s")
+    .map(|r| r.map_err(|_| ()))
+}
+
 #[actix_web::test]
 async fn an_idle_stream_sends_keep_alive_comments() {
     // A stream with nothing to send writes an SSE comment every second, so that a client that
@@ -346,14 +359,7 @@ async fn an_idle_stream_sends_keep_alive_comments() {
     assert_eq!(response.status(), 200);
     let mut body = Box::pin(response.into_body());
     let started = std::time::Instant::now();
-    let next = tokio::time::timeout(
-        Duration::from_secs(10),
-        futures_util::future::poll_fn(|cx| body.as_mut().poll_next(cx)),
-    )
-    .await
-    .expect("a frame within 10 s")
-    .map(|r| r.map_err(|_| ()));
-    match next {
+    match next_frame(body.as_mut()).await {
         Some(Ok(bytes)) => assert_eq!(&bytes[..], b": keep-alive\n\n"),
         other => panic!("expected a keep-alive comment, got {other:?}"),
     }
@@ -364,13 +370,7 @@ async fn an_idle_stream_sends_keep_alive_comments() {
     // The engine's events still come through after it.
     let sender = engine.held.lock().unwrap().pop().unwrap();
     drop(sender);
-    let rest = tokio::time::timeout(
-        Duration::from_secs(10),
-        futures_util::future::poll_fn(|cx| body.as_mut().poll_next(cx)),
-    )
-    .await
-    .expect("a frame after the engine closed")
-    .map(|r| r.map_err(|_| ()));
+    let rest = next_frame(body.as_mut()).await;
     assert!(
         matches!(rest, Some(Ok(ref b)) if b.starts_with(b"data: ")),
         "{rest:?}"
