@@ -45,34 +45,6 @@ __device__ __forceinline__ void pdl_wait() {
         pdl_trigger(); \
     } while (0)
 
-// L2 prefetch of weights the next matrix product reads (a hint: correctness never depends on
-// it). Small decode steps leave DRAM idle while attention, RMSNorm and SiLU x up run; a
-// kernel in such a window asks for the next product's weights in L2, so that product reads
-// them from L2 (the H200's 50 MB L2 holds the output projection's 33.5 MB whole). `unit` of
-// `units` (blocks sharing the work) has thread 0 issue its 16-byte-aligned share as bulk
-// prefetches (TMA, sm_90: nothing waits for them, the block may exit first). Weights do not
-// depend on earlier kernels, so callers issue it before pdl_wait. A no-op below sm_90 or with
-// bytes == 0.
-__device__ __forceinline__ void l2_prefetch_share(const char* p, u64 bytes, u64 unit, u64 units) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (bytes == 0 || units == 0 || threadIdx.x != 0) return;
-    const u64 share = ((bytes + units - 1) / units + 15) & ~15ull;
-    const u64 begin = unit * share;
-    if (begin >= bytes) return;
-    const u64 end = min(bytes, begin + share);
-    constexpr u64 CHUNK = 32 << 10;
-    for (u64 o = begin; o < end; o += CHUNK) {
-        const u32 len = (u32)((min(CHUNK, end - o) + 15) & ~15ull);
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + o), "r"(len) : "memory");
-    }
-#endif
-}
-
-// This block's index among all blocks of the grid.
-__device__ __forceinline__ u64 block_linear() {
-    return blockIdx.x + (u64)gridDim.x * (blockIdx.y + (u64)gridDim.y * blockIdx.z);
-}
-
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -180,13 +152,8 @@ extern "C" __global__ void embed(const bf16* table, const int* tokens, float* x,
 // ---------------------------------------------------------------------------------------------
 // RMSNorm: out[r] = w * x[src] / sqrt(mean(x[src]^2) + eps), src = rows ? rows[r] : r.
 // Grid: one block per row; warp 0 sums the squares (warp_sumsq), every thread writes.
-// Blocks from n_rows on only prefetch `pf_bytes` of `pf` into L2 (see l2_prefetch_share).
 extern "C" __global__ void rms_norm(const float* x, const float* w, bf16* out, const int* rows,
-                                    int h, float eps, int n_rows, const char* pf, u64 pf_bytes) {
-    if (blockIdx.x >= (u32)n_rows) {
-        l2_prefetch_share(pf, pf_bytes, blockIdx.x - n_rows, gridDim.x - n_rows);
-        return;
-    }
+                                    int h, float eps) {
     PDL_ENTER();
     __shared__ float inv_s;
     int r = blockIdx.x;
@@ -281,10 +248,7 @@ extern "C" __global__ void rope_store_kv(const float* qkv, bf16* q, bf16* kc, bf
 // multiple of 8, each thread takes 8 consecutive outputs at a time (16-byte loads and store,
 // one index division per 8); the grid then covers total / 8 pieces. Every output is
 // silu_times of its own two inputs either way.
-// Every block also prefetches its share of `pf_bytes` of `pf` into L2 (l2_prefetch_share).
-extern "C" __global__ void silu_mul(const bf16* gu, bf16* out, int inter, u64 total,
-                                    const char* pf, u64 pf_bytes) {
-    l2_prefetch_share(pf, pf_bytes, block_linear(), (u64)gridDim.x * gridDim.y * gridDim.z);
+extern "C" __global__ void silu_mul(const bf16* gu, bf16* out, int inter, u64 total) {
     PDL_ENTER();
     u64 stride = (u64)gridDim.x * blockDim.x;
     if ((inter & 7) == 0) {
@@ -663,8 +627,7 @@ __device__ void attention_body(const bf16* __restrict__ q, const bf16* __restric
         const bf16* q, const bf16* kc, const bf16* vc, const int* pos, const int* tile_seq,     \
         const int* tile_q0, const int* tile_qn, const int* block_tables, const int* meta,       \
         float* part_acc, float* part_ml, bf16* out, int nh, int nkv, int block_size,            \
-        float scale, int tile_base, const char* pf, u64 pf_bytes) {                             \
-        l2_prefetch_share(pf, pf_bytes, block_linear(), (u64)gridDim.x * gridDim.y * gridDim.z); \
+        float scale, int tile_base) {                                                           \
         PDL_ENTER();                                                                            \
         attention_body<HD, W>(q, kc, vc, pos, tile_seq, tile_q0, tile_qn, block_tables, meta,   \
                               part_acc, part_ml, out, nh, nkv, block_size, scale, tile_base);   \

@@ -14,7 +14,7 @@
 #include <algorithm>
 
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s at %d\n", cudaGetErrorString(e), __LINE__); exit(1);} } while (0)
-#define LK(x) do { cublasStatus_t s = (x); if (s != CUBLAS_STATUS_SUCCESS) { printf("cuBLASLt %d at %d\n", (int)s, __LINE__); exit(1);} } while (0)
+#define LK(x) do { cublasStatus_t st_ = (x); if (st_ != CUBLAS_STATUS_SUCCESS) { printf("cuBLASLt %d at %d\n", (int)st_, __LINE__); exit(1);} } while (0)
 
 struct Shape { const char* name; int m, k; bool c_f32; float beta; };
 

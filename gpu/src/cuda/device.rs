@@ -129,74 +129,6 @@ impl GemvMode {
     }
 }
 
-/// Which weights small steps prefetch into L2 while DRAM would otherwise idle
-/// (`SWITCHYARD_CUDA_L2_PREFETCH`: `off`, or a comma list of `o` — the attention kernels fetch
-/// the output projection whole —, `gu=MB` — the RMSNorm before gate|up fetches its first MB —
-/// and `down=MB` — SiLU x up fetches the down projection's first MB). A hint: results are the
-/// same bits with or without it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub struct L2Prefetch {
-    /// The output projection during attention.
-    pub o: bool,
-    /// Bytes of gate|up during the RMSNorm before it.
-    pub gate_up: usize,
-    /// Bytes of the down projection during SiLU x up.
-    pub down: usize,
-}
-
-/// Most megabytes one prefetch site may ask for (the H200's L2 is 50 MB).
-const L2_PREFETCH_MAX_MB: usize = 48;
-
-impl L2Prefetch {
-    /// The default: the output projection only.
-    pub const DEFAULT: L2Prefetch = L2Prefetch {
-        o: true,
-        gate_up: 0,
-        down: 0,
-    };
-
-    /// Parses the `SWITCHYARD_CUDA_L2_PREFETCH` value (see the type); `None` for a malformed one.
-    pub fn parse(v: &str) -> Option<L2Prefetch> {
-        let v = v.trim();
-        if v.is_empty() {
-            return Some(Self::DEFAULT);
-        }
-        let mut p = L2Prefetch::default();
-        if v == "off" || v == "0" {
-            return Some(p);
-        }
-        for item in v.split(',').map(str::trim) {
-            let mb = |s: &str| {
-                s.parse::<usize>()
-                    .ok()
-                    .filter(|&m| m <= L2_PREFETCH_MAX_MB)
-                    .map(|m| m << 20)
-            };
-            match item.split_once('=') {
-                None if item == "o" => p.o = true,
-                Some(("gu", m)) => p.gate_up = mb(m)?,
-                Some(("down", m)) => p.down = mb(m)?,
-                _ => return None,
-            }
-        }
-        Some(p)
-    }
-
-    fn from_env() -> Self {
-        match std::env::var("SWITCHYARD_CUDA_L2_PREFETCH") {
-            Err(_) => Self::DEFAULT,
-            Ok(v) => Self::parse(&v).unwrap_or_else(|| {
-                tracing::warn!(
-                    value = v,
-                    "SWITCHYARD_CUDA_L2_PREFETCH is off or a list of o, gu=MB, down=MB \
-                     (MB at most {L2_PREFETCH_MAX_MB}); using the default"
-                );
-                Self::DEFAULT
-            }),
-        }
-    }
-}
-
 /// One matrix product `C[n, m] = A[n, k] · W[m, k]^T + beta · C`, row-major: W (the weights)
 /// and A (the activations) bf16, C f32 or bf16 (`c_f32`), accumulation in f32. The pointers are
 /// device addresses of buffers of these shapes.
@@ -418,8 +350,6 @@ pub(crate) struct Gpu {
     /// Whether QKV products on the GEMV kernels apply RoPE and store K and V in their epilogue
     /// (unless `SWITCHYARD_CUDA_ROPE_EPILOGUE=0`: then the f32 product and `rope_store_kv`).
     pub rope_epilogue: bool,
-    /// What small steps prefetch into L2 (see [`L2Prefetch`]).
-    pub l2_prefetch: L2Prefetch,
     /// cuBLASLt with its per-shape plan cache (`None` without libcublasLt).
     lt: Option<lt::Lt>,
     /// Whether [`Gpu::gemm_cublas`] takes cuBLASLt (unless `SWITCHYARD_CUDA_BLASLT=0`).
@@ -508,11 +438,9 @@ impl Gpu {
             std::env::var("SWITCHYARD_CUDA_ROPE_EPILOGUE").as_deref(),
             Ok("0") | Ok("off")
         );
-        let l2_prefetch = L2Prefetch::from_env();
         tracing::info!(
             pdl,
             rope_epilogue,
-            l2_prefetch = ?l2_prefetch,
             gemv = ?gemv_mode,
             sm_count,
             gemm = if blaslt && lt.is_some() { "cublasLt" } else { "cublasGemmEx" },
@@ -532,7 +460,6 @@ impl Gpu {
             sm_count,
             pdl,
             rope_epilogue,
-            l2_prefetch,
             lt,
             blaslt,
             _workspace: workspace,
@@ -1089,34 +1016,7 @@ pub fn compile_ptx(cc: (i32, i32)) -> Result<String, GpuError> {
 
 #[cfg(test)]
 mod tests {
-    use super::{gemv_grid, GemvGrid, L2Prefetch};
-
-    #[test]
-    fn l2_prefetch_settings_parse_and_reject_bad_values() {
-        let mb = |m: usize| m << 20;
-        assert_eq!(L2Prefetch::parse(""), Some(L2Prefetch::DEFAULT));
-        assert_eq!(L2Prefetch::parse("off"), Some(L2Prefetch::default()));
-        assert_eq!(L2Prefetch::parse("0"), Some(L2Prefetch::default()));
-        assert_eq!(
-            L2Prefetch::parse("o, gu=16,down=8"),
-            Some(L2Prefetch {
-                o: true,
-                gate_up: mb(16),
-                down: mb(8)
-            })
-        );
-        assert_eq!(
-            L2Prefetch::parse("down=48"),
-            Some(L2Prefetch {
-                o: false,
-                gate_up: 0,
-                down: mb(48)
-            })
-        );
-        for bad in ["gu=49", "gu=-1", "gu=", "x", "o=1", "down=1e9", "o,,gu=1"] {
-            assert_eq!(L2Prefetch::parse(bad), None, "{bad}");
-        }
-    }
+    use super::{gemv_grid, GemvGrid};
 
     #[test]
     fn gemv_grid_covers_every_tile_within_a_wave_where_it_can() {

@@ -14,9 +14,7 @@ use std::collections::HashMap;
 
 use cudarc::driver::{sys, CudaGraph};
 
-use super::device::{
-    cuda_err, Arg, DevMem, GemvInput, GemvOutput, Gpu, L2Prefetch, Product, RopeOut,
-};
+use super::device::{cuda_err, Arg, DevMem, GemvInput, GemvOutput, Gpu, Product, RopeOut};
 use super::step::{grid_splits, one_warp_tiles, Layout, ATT_SMALL_ROWS, MAX_SPLITS};
 use super::weights::GpuWeights;
 use crate::error::GpuError;
@@ -176,13 +174,11 @@ pub(crate) fn enqueue(
             ],
         )
     })?;
-    // `pf`: weights (address, bytes) for PREFETCH_BLOCKS extra blocks to fetch into L2.
-    let norm = |src_rows: u64, weight: u64, out: u64, rows: usize, pf: (u64, usize)| {
-        let extra = if pf.1 > 0 { PREFETCH_BLOCKS } else { 0 };
+    let norm = |src_rows: u64, weight: u64, out: u64, rows: usize| {
         gpu.timed("rms_norm", || {
             gpu.launch(
                 &k.rms_norm,
-                ((rows + extra) as u32, 1, 1),
+                (rows as u32, 1, 1),
                 256,
                 &[
                     Arg::Ptr(b.x.ptr()),
@@ -191,9 +187,6 @@ pub(crate) fn enqueue(
                     Arg::Ptr(src_rows),
                     i32v(h),
                     Arg::F32(c.rms_norm_eps),
-                    i32v(rows),
-                    Arg::Ptr(pf.0),
-                    Arg::U64(pf.1 as u64),
                 ],
             )
         })
@@ -219,14 +212,6 @@ pub(crate) fn enqueue(
     let qkv_o = fits;
     let fuse_glu = small && gpu.gemv_fuse_glu();
     let fuse_norm = (small && gpu.gemv_fuse_norm(t)) || (fits && hybrid);
-    // Weights to prefetch into L2 while DRAM would idle (steps on the GEMV or hybrid route
-    // only: larger steps are bound by compute, and their attention by DRAM).
-    let pf = if fits {
-        gpu.l2_prefetch
-    } else {
-        L2Prefetch::default()
-    };
-    let part = |m: &DevMem, bytes: usize| (m.ptr(), bytes.min(m.bytes()));
     let normed = |weight: &DevMem| GemvInput::Norm {
         x: b.x.ptr(),
         weight: weight.ptr(),
@@ -271,7 +256,7 @@ pub(crate) fn enqueue(
                 )
             })?;
         } else {
-            norm(0, layer.attn_norm.ptr(), b.xn.ptr(), t, NO_PREFETCH)?;
+            norm(0, layer.attn_norm.ptr(), b.xn.ptr(), t)?;
             if rope_in_gemv {
                 gpu.timed("gemv_qkv+rope", || {
                     gpu.gemv(
@@ -334,11 +319,6 @@ pub(crate) fn enqueue(
                 part_acc: b.part_acc.ptr(),
                 part_ml: b.part_ml.ptr(),
                 step: &b.step,
-                prefetch: if pf.o {
-                    part(&layer.o, usize::MAX)
-                } else {
-                    NO_PREFETCH
-                },
             },
             l,
             (nh, nkv, hd),
@@ -365,13 +345,7 @@ pub(crate) fn enqueue(
             let (input, class) = if fuse_norm {
                 (normed(&layer.ffn_norm), "norm+gemv_gate_up+silu")
             } else {
-                norm(
-                    0,
-                    layer.ffn_norm.ptr(),
-                    b.xn.ptr(),
-                    t,
-                    part(&layer.gate_up, pf.gate_up),
-                )?;
+                norm(0, layer.ffn_norm.ptr(), b.xn.ptr(), t)?;
                 (GemvInput::Bf16(b.xn.ptr()), "gemv_gate_up+silu")
             };
             gpu.timed(class, || {
@@ -386,13 +360,7 @@ pub(crate) fn enqueue(
                 )
             })?;
         } else {
-            norm(
-                0,
-                layer.ffn_norm.ptr(),
-                b.xn.ptr(),
-                t,
-                part(&layer.gate_up, pf.gate_up),
-            )?;
+            norm(0, layer.ffn_norm.ptr(), b.xn.ptr(), t)?;
             gpu.timed(
                 if small {
                     "gemv_gate_up"
@@ -418,26 +386,16 @@ pub(crate) fn enqueue(
             let total = t * inter;
             // 8 outputs per thread when inter allows (see the kernel).
             let items = if inter % 8 == 0 { total / 8 } else { total };
-            let (pf_ptr, pf_bytes) = part(&layer.down, pf.down);
-            // The kernel strides over its work, so extra blocks to share the prefetch are free.
-            let blocks = items.div_ceil(256).min(65_536);
-            let blocks = if pf_bytes > 0 {
-                blocks.max(PREFETCH_BLOCKS)
-            } else {
-                blocks
-            };
             gpu.timed("silu_mul", || {
                 gpu.launch(
                     &k.silu_mul,
-                    (blocks as u32, 1, 1),
+                    (items.div_ceil(256).min(65_536) as u32, 1, 1),
                     256,
                     &[
                         Arg::Ptr(b.gu.ptr()),
                         Arg::Ptr(b.act.ptr()),
                         i32v(inter),
                         Arg::U64(total as u64),
-                        Arg::Ptr(pf_ptr),
-                        Arg::U64(pf_bytes as u64),
                     ],
                 )
             })?;
@@ -458,13 +416,7 @@ pub(crate) fn enqueue(
             )
         })?;
     }
-    norm(
-        s(lay.logit_rows)?,
-        w.norm.ptr(),
-        b.xs.ptr(),
-        l.rows,
-        NO_PREFETCH,
-    )?;
+    norm(s(lay.logit_rows)?, w.norm.ptr(), b.xs.ptr(), l.rows)?;
     let head_gemv = model_gemv && gpu.gemv_fits(l.rows, h, &[w.lm_head(), b.xs.ptr()]);
     gpu.timed(
         if head_gemv {
@@ -500,17 +452,7 @@ pub(crate) struct AttentionIo<'a> {
     pub part_ml: u64,
     /// The step buffer (positions, tiles, block tables, meta at `l.layout`).
     pub step: &'a DevMem,
-    /// Weights (address, bytes) the attention blocks fetch into L2 for the next product
-    /// ([`NO_PREFETCH`]: none).
-    pub prefetch: (u64, usize),
 }
-
-/// No L2 prefetch (see [`crate::cuda::device::L2Prefetch`]).
-pub(crate) const NO_PREFETCH: (u64, usize) = (0, 0);
-
-/// Blocks that share an L2 prefetch riding on a kernel with fewer blocks of its own (each has
-/// one thread issue bulk prefetches: a few dozen multiprocessors' copy engines keep DRAM busy).
-const PREFETCH_BLOCKS: usize = 32;
 
 /// One layer's paged attention: the one-warp kernel over the small tiles and the four-warp
 /// kernel over the others, each split `z` ways along the keys, then the combine step when
@@ -544,13 +486,10 @@ pub(crate) fn attention(
             128,
         ),
     ];
-    let mut prefetch = io.prefetch;
     for (kernel, first, tiles, threads) in parts {
         if tiles == 0 {
             continue;
         }
-        // The first launch carries the prefetch.
-        let (pf_ptr, pf_bytes) = std::mem::replace(&mut prefetch, NO_PREFETCH);
         gpu.timed("attention", || {
             gpu.launch(
                 kernel,
@@ -574,8 +513,6 @@ pub(crate) fn attention(
                     i32v(block_size),
                     Arg::F32(1.0 / (hd as f32).sqrt()),
                     i32v(first),
-                    Arg::Ptr(pf_ptr),
-                    Arg::U64(pf_bytes as u64),
                 ],
             )
         })?;

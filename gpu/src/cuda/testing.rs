@@ -113,7 +113,6 @@ pub fn paged_attention(
             part_acc: pacc.ptr(),
             part_ml: pml.ptr(),
             step: &stepbuf,
-            prefetch: forward::NO_PREFETCH,
         },
         &launch,
         (nh, nkv, hd),
