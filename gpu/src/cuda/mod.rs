@@ -21,6 +21,7 @@ mod sampling;
 mod step;
 #[doc(hidden)]
 pub mod testing;
+mod tune;
 mod weights;
 
 use std::collections::HashMap;
