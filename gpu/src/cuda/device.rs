@@ -18,7 +18,7 @@ use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
 use cudarc::driver::{result as drv, sys, CudaContext, CudaFunction, CudaModule, CudaStream};
 use cudarc::nvrtc::{CompileOptions, Ptx};
 
-use super::{lt, tune};
+use super::lt;
 use sha2::{Digest, Sha256};
 
 use crate::error::GpuError;
@@ -359,9 +359,6 @@ pub(crate) struct Gpu {
     _workspace: DevMem,
 }
 
-/// Timed calls per candidate when tuning a product (after one untimed call).
-const TIME_REPS: usize = 2;
-
 /// Bytes of cuBLAS workspace (Hopper wants 32 MiB for its best kernels).
 const CUBLAS_WORKSPACE: usize = 32 << 20;
 
@@ -389,17 +386,7 @@ impl Gpu {
             .result()
             .map_err(|e| cuda_err("cublasSetWorkspace", e))?;
         }
-        let mut lt = lt::Lt::new(workspace.ptr(), CUBLAS_WORKSPACE);
-        // Large products time cuBLASLt's candidates once per shape, remembered beside the
-        // kernel cache (unless SWITCHYARD_CUDA_GEMM_TUNE=0; see tune.rs).
-        let gemm_tune = !matches!(
-            std::env::var("SWITCHYARD_CUDA_GEMM_TUNE").as_deref(),
-            Ok("0") | Ok("off")
-        );
-        if let Some(lt) = &mut lt {
-            let file = tune::file_name(&info.name, info.compute_capability, lt::Lt::version());
-            lt.set_tuning(gemm_tune, cache_dir().map(|d| d.join(file)));
-        }
+        let lt = lt::Lt::new(workspace.ptr(), CUBLAS_WORKSPACE);
         let blaslt = lt::blaslt_enabled(std::env::var("SWITCHYARD_CUDA_BLASLT").ok().as_deref());
         let module = load_kernels(&ctx, info.compute_capability)?;
         let f = |name: &str| {
@@ -457,7 +444,6 @@ impl Gpu {
             gemv = ?gemv_mode,
             sm_count,
             gemm = if blaslt && lt.is_some() { "cublasLt" } else { "cublasGemmEx" },
-            gemm_tune,
             "CUDA launch settings"
         );
 
@@ -509,30 +495,6 @@ impl Gpu {
         e.0 += f64::from(ms);
         e.1 += 1;
         Ok(())
-    }
-
-    /// Milliseconds per call of `run` (which enqueues work on the stream), timed with events
-    /// over [`TIME_REPS`] calls after one untimed call; waits for the stream.
-    fn time_ms(&self, run: &mut lt::Enqueue) -> Result<f32, GpuError> {
-        let ev = || {
-            self.ctx
-                .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
-                .map_err(|e| cuda_err("event", e))
-        };
-        let (start, end) = (ev()?, ev()?);
-        run()?;
-        start
-            .record(&self.stream)
-            .map_err(|e| cuda_err("event record", e))?;
-        for _ in 0..TIME_REPS {
-            run()?;
-        }
-        end.record(&self.stream)
-            .map_err(|e| cuda_err("event record", e))?;
-        let ms = start
-            .elapsed_ms(&end)
-            .map_err(|e| cuda_err("event time", e))?;
-        Ok(ms / TIME_REPS as f32)
     }
 
     /// The profile as text lines, largest first.
@@ -887,14 +849,7 @@ impl Gpu {
                 Ok(sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
             )
         };
-        let time = |run: &mut lt::Enqueue| self.time_ms(run);
-        let scratch = |bytes: usize| self.alloc(bytes).ok();
-        let env = lt::LtEnv {
-            capturing: &capturing,
-            time: &time,
-            scratch: &scratch,
-        };
-        let outcome = lt.gemm(self.stream.cu_stream() as _, &env, &p)?;
+        let outcome = lt.gemm(self.stream.cu_stream() as _, capturing, &p)?;
         Ok(outcome == lt::LtOutcome::Ran)
     }
 

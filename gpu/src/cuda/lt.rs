@@ -18,14 +18,7 @@
 //! host-only calls (PyTorch's cuBLASLt path makes them on every captured call). What capture
 //! changes is only that a *failure* seen while the stream captures is not remembered: that call
 //! runs on GemmEx (which captures as well: its workspace is set explicitly) and the next eager
-//! call of the shape asks again. The capture status is only queried on a cache miss and by
-//! plans waiting to be tuned.
-//!
-//! **Tuning.** Large eager products time every candidate the heuristic offers on their third
-//! call and keep the fastest, remembered on disk across runs (`tune.rs`; `SWITCHYARD_CUDA_GEMM_TUNE=0`
-//! turns it off). A product with `beta = 0` is timed writing its own output, which the real call
-//! then overwrites; one that accumulates (`beta != 0`) is timed writing a scratch buffer, so
-//! timing never changes results; without memory for the scratch it keeps the first choice.
+//! call of the shape asks again. The capture status is only queried on a cache miss.
 //!
 //! **Bounds.** The cache holds at most [`MAX_PLANS`] entries (shapes come from batch sizes, a
 //! few per projection and step size); nothing is evicted, and uncached shapes beyond the cap run
@@ -39,8 +32,7 @@ use std::ffi::c_void;
 use cudarc::cublas::sys::cublasOperation_t;
 use cudarc::cublaslt::{result as lt, sys as lt_sys};
 
-use super::device::{DevMem, Product};
-use super::tune::{Budget, TuneStore, Tuning, MAX_CANDIDATES};
+use super::device::Product;
 use crate::error::GpuError;
 
 /// Most shapes the cache holds (Lt plans and shapes remembered as GemmEx together).
@@ -117,10 +109,6 @@ impl<P> PlanCache<P> {
         self.map.get(key)
     }
 
-    pub fn get_mut(&mut self, key: &PlanKey) -> Option<&mut Slot<P>> {
-        self.map.get_mut(key)
-    }
-
     /// Whether a new shape may still be added.
     pub fn has_room(&self) -> bool {
         self.map.len() < self.cap
@@ -161,9 +149,6 @@ struct Plan {
     /// C^T and D^T (the same buffer): `m x n`, ld m.
     c: lt_sys::cublasLtMatrixLayout_t,
     algo: lt_sys::cublasLtMatmulAlgo_t,
-    /// The heuristic's candidates, best first, kept until the plan is settled.
-    candidates: Vec<lt_sys::cublasLtMatmulAlgo_t>,
-    tuning: Tuning,
 }
 
 impl Drop for Plan {
@@ -198,31 +183,13 @@ fn lt_err(what: &str, e: impl std::fmt::Debug) -> GpuError {
     GpuError::Cuda(format!("{what}: {e:?}"))
 }
 
-/// One cuBLASLt handle, the shared workspace, the plan cache and the tuning store.
+/// One cuBLASLt handle, the shared workspace and the plan cache.
 pub(crate) struct Lt {
     // Field order is drop order: the plans before the handle.
     cache: RefCell<PlanCache<Plan>>,
-    store: RefCell<TuneStore>,
-    /// Whether large eager products time their candidates (see `tune.rs`).
-    tune: bool,
-    budget: RefCell<Budget>,
     handle: lt_sys::cublasLtHandle_t,
     workspace: u64,
     workspace_bytes: usize,
-}
-
-/// Work to time: enqueues one call on the stream.
-pub(crate) type Enqueue<'a> = dyn FnMut() -> Result<(), GpuError> + 'a;
-
-/// What [`Lt::gemm`] needs from the device, asked only when a shape is first seen.
-pub(crate) struct LtEnv<'a> {
-    /// Whether the stream is capturing a graph.
-    pub capturing: &'a dyn Fn() -> bool,
-    /// Milliseconds per call of the closure, timed on the stream (after a first, untimed
-    /// call).
-    pub time: &'a dyn Fn(&mut Enqueue) -> Result<f32, GpuError>,
-    /// Device memory of at least the given bytes, or `None`.
-    pub scratch: &'a dyn Fn(usize) -> Option<DevMem>,
 }
 
 // SAFETY: the handle and descriptors are host-side objects that cuBLASLt allows to be used from
@@ -255,9 +222,6 @@ impl Lt {
         match lt::create_handle() {
             Ok(handle) => Some(Lt {
                 cache: RefCell::new(PlanCache::new(MAX_PLANS)),
-                store: RefCell::new(TuneStore::default()),
-                tune: false,
-                budget: RefCell::new(Budget::default()),
                 handle,
                 workspace,
                 workspace_bytes,
@@ -274,31 +238,15 @@ impl Lt {
         self.cache.borrow().len()
     }
 
-    /// The cuBLASLt version (for the tuning file's name).
-    pub fn version() -> usize {
-        // SAFETY: a plain query of the loaded library.
-        unsafe { lt_sys::cublasLtGetVersion() }
-    }
-
-    /// Turns tuning on or off; choices are remembered in `path` (in memory only when `None`).
-    pub fn set_tuning(&mut self, enabled: bool, path: Option<std::path::PathBuf>) {
-        self.tune = enabled;
-        let store = TuneStore::open(path);
-        if store.len() > 0 {
-            tracing::info!(shapes = store.len(), "cuBLASLt tuning choices loaded");
-        }
-        self.store = RefCell::new(store);
-    }
-
     /// `C[n, m] = A[n, k] · W[m, k]^T + beta C` (see the module doc) on `stream`, if cuBLASLt
     /// takes the shape. `capturing` is asked only on a cache miss.
     pub fn gemm(
         &self,
         stream: lt_sys::cudaStream_t,
-        env: &LtEnv,
+        capturing: impl FnOnce() -> bool,
         p: &Product,
     ) -> Result<LtOutcome, GpuError> {
-        let capturing = env.capturing;
+        let Product { w, a, c, beta, .. } = *p;
         let key = PlanKey::new(p);
         let mut cache = self.cache.borrow_mut();
         if cache.get(&key).is_none() {
@@ -306,19 +254,9 @@ impl Lt {
                 return Ok(LtOutcome::UseGemmEx);
             }
             match self.plan(&key) {
-                Ok(mut plan) => {
-                    let remembered = self.store.borrow().get(&key);
-                    let remembered = remembered.filter(|&i| i < plan.candidates.len());
-                    if let Some(i) = remembered {
-                        plan.algo = plan.candidates[i];
-                    }
-                    plan.tuning =
-                        Tuning::new(&key, remembered.is_some(), self.tune, plan.candidates.len());
-                    if plan.tuning == Tuning::Settled {
-                        plan.candidates = Vec::new();
-                    }
+                Ok(p) => {
                     tracing::debug!(?key, cached = cache.len() + 1, "cuBLASLt plan");
-                    cache.insert_plan(key, plan);
+                    cache.insert_plan(key, p);
                     if !cache.has_room() {
                         tracing::info!(
                             cap = MAX_PLANS,
@@ -339,21 +277,35 @@ impl Lt {
                 }
             }
         }
-        let plan = match cache.get_mut(&key) {
+        let plan = match cache.get(&key) {
             Some(Slot::Lt(p)) => p,
             Some(Slot::GemmEx) | None => return Ok(LtOutcome::UseGemmEx),
         };
-        // (The capture status is asked only of plans still waiting to be tuned.)
-        if plan.tuning != Tuning::Settled && plan.tuning.on_call(capturing()) {
-            if self.budget.borrow().allows() {
-                if let Some(i) = self.tune_plan(stream, env, p, plan) {
-                    plan.algo = plan.candidates[i];
-                    self.store.borrow_mut().record(key, i);
-                }
-            }
-            plan.candidates = Vec::new();
-        }
-        match self.matmul(stream, plan, &plan.algo, p) {
+        let alpha = 1.0f32;
+        // SAFETY: the descriptors describe the buffers the caller passes (live device memory of
+        // the stated shapes, at least as aligned as the key says); the workspace is live and
+        // `workspace_bytes` long; alpha and beta are host scalars read during the call.
+        let r = unsafe {
+            lt::matmul(
+                self.handle,
+                plan.desc,
+                &alpha as *const f32 as *const c_void,
+                &beta as *const f32 as *const c_void,
+                w as *const c_void,
+                plan.w,
+                a as *const c_void,
+                plan.a,
+                c as *const c_void,
+                plan.c,
+                c as *mut c_void,
+                plan.c,
+                &plan.algo,
+                self.workspace as *mut c_void,
+                self.workspace_bytes,
+                stream,
+            )
+        };
+        match r {
             Ok(()) => Ok(LtOutcome::Ran),
             Err(e) => {
                 let capturing = capturing();
@@ -369,103 +321,8 @@ impl Lt {
         }
     }
 
-    /// Enqueues `p` with `plan`'s descriptors and `algo`.
-    fn matmul(
-        &self,
-        stream: lt_sys::cudaStream_t,
-        plan: &Plan,
-        algo: &lt_sys::cublasLtMatmulAlgo_t,
-        p: &Product,
-    ) -> Result<(), lt::CublasError> {
-        let Product { w, a, c, beta, .. } = *p;
-        let alpha = 1.0f32;
-        // SAFETY: the descriptors describe the buffers the caller passes (live device memory of
-        // the stated shapes, at least as aligned as the key says); the workspace is live and
-        // `workspace_bytes` long (every candidate fits it: `plan` filters them); alpha and beta
-        // are host scalars read during the call.
-        unsafe {
-            lt::matmul(
-                self.handle,
-                plan.desc,
-                &alpha as *const f32 as *const c_void,
-                &beta as *const f32 as *const c_void,
-                w as *const c_void,
-                plan.w,
-                a as *const c_void,
-                plan.a,
-                c as *const c_void,
-                plan.c,
-                c as *mut c_void,
-                plan.c,
-                algo,
-                self.workspace as *mut c_void,
-                self.workspace_bytes,
-                stream,
-            )
-        }
-    }
-
-    /// Times every candidate on `p`'s operands and returns the fastest one's index (`None`
-    /// when none could be timed). Output goes to `p`'s C when the product overwrites it (the
-    /// real call comes after), else to a scratch buffer; without one, nothing is timed.
-    fn tune_plan(
-        &self,
-        stream: lt_sys::cudaStream_t,
-        env: &LtEnv,
-        p: &Product,
-        plan: &Plan,
-    ) -> Option<usize> {
-        let started = std::time::Instant::now();
-        let best = self.time_candidates(stream, env, p, plan);
-        self.budget
-            .borrow_mut()
-            .spend(started.elapsed().as_secs_f32() * 1000.0);
-        best
-    }
-
-    fn time_candidates(
-        &self,
-        stream: lt_sys::cudaStream_t,
-        env: &LtEnv,
-        p: &Product,
-        plan: &Plan,
-    ) -> Option<usize> {
-        let elem = if p.c_f32 { 4 } else { 2 };
-        let scratch = if p.beta == 0.0 {
-            None
-        } else {
-            Some((env.scratch)(p.m.checked_mul(p.n)?.checked_mul(elem)?)?)
-        };
-        let target = Product {
-            c: scratch.as_ref().map_or(p.c, |s| s.ptr()),
-            ..*p
-        };
-        let times: Vec<Option<f32>> = plan
-            .candidates
-            .iter()
-            .map(|algo| {
-                (env.time)(&mut || {
-                    self.matmul(stream, plan, algo, &target)
-                        .map_err(|e| lt_err("cublasLtMatmul", e))
-                })
-                .ok()
-            })
-            .collect();
-        let best = super::tune::fastest(&times)?;
-        tracing::info!(
-            m = p.m,
-            n = p.n,
-            k = p.k,
-            chosen = best,
-            times_us = ?times.iter().map(|t| t.map(|ms| (ms * 1000.0).round())).collect::<Vec<_>>(),
-            "cuBLASLt candidates timed"
-        );
-        Some(best)
-    }
-
-    /// Creates the descriptors of `key` and asks the heuristic for its candidates, best first,
-    /// those that fit the workspace (host-only calls: allowed while the stream captures). The
-    /// plan runs the first.
+    /// Creates the descriptors of `key` and asks the heuristic for its best algorithm (host-only
+    /// calls: allowed while the stream captures).
     fn plan(&self, key: &PlanKey) -> Result<Plan, GpuError> {
         let d = |v: usize| v as u64;
         let ld =
@@ -481,8 +338,6 @@ impl Lt {
             a: std::ptr::null_mut(),
             c: std::ptr::null_mut(),
             algo: lt_sys::cublasLtMatmulAlgo_t { data: [0; 8] },
-            candidates: Vec::new(),
-            tuning: Tuning::Settled,
         };
         // Each descriptor goes into `p` as soon as it exists, so an error frees what was made.
         p.desc = lt::create_matmul_desc(
@@ -561,45 +416,18 @@ impl Lt {
                 .map_err(|e| lt_err("cublasLtMatmulPreferenceSetAttribute", e))?;
             }
         }
-        // SAFETY: a zeroed heuristic result is valid plain data (the call fills `got` of them).
-        let mut results: [lt_sys::cublasLtMatmulHeuristicResult_t; MAX_CANDIDATES] =
-            unsafe { std::mem::zeroed() };
-        let mut got: std::ffi::c_int = 0;
-        // SAFETY: every descriptor is live; the heuristic only reads them (host-only) and writes
-        // at most MAX_CANDIDATES results and their count.
-        unsafe {
-            lt_sys::cublasLtMatmulAlgoGetHeuristic(
-                self.handle,
-                p.desc,
-                p.w,
-                p.a,
-                p.c,
-                p.c,
-                pref.0,
-                MAX_CANDIDATES as std::ffi::c_int,
-                results.as_mut_ptr(),
-                &mut got,
-            )
-            .result()
+        // SAFETY: every descriptor is live; the heuristic only reads them (host-only).
+        let h = unsafe {
+            lt::get_matmul_algo_heuristic(self.handle, p.desc, p.w, p.a, p.c, p.c, pref.0)
         }
         .map_err(|e| lt_err("cublasLtMatmulAlgoGetHeuristic", e))?;
-        let got = usize::try_from(got).unwrap_or(0).min(MAX_CANDIDATES);
-        let candidates: Vec<_> = results[..got]
-            .iter()
-            .filter(|r| {
-                r.state == lt_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
-                    && r.workspaceSize <= self.workspace_bytes
-            })
-            .map(|r| r.algo)
-            .collect();
-        let Some(first) = candidates.first() else {
+        if h.workspaceSize > self.workspace_bytes {
             return Err(GpuError::Cuda(format!(
-                "no cuBLASLt algorithm within {} bytes of workspace",
-                self.workspace_bytes
+                "cuBLASLt algorithm wants {} bytes of workspace",
+                h.workspaceSize
             )));
-        };
-        p.algo = *first;
-        p.candidates = candidates;
+        }
+        p.algo = h.algo;
         Ok(p)
     }
 }

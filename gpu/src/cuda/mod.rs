@@ -21,7 +21,6 @@ mod sampling;
 mod step;
 #[doc(hidden)]
 pub mod testing;
-mod tune;
 mod weights;
 
 use std::collections::HashMap;
