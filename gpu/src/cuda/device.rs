@@ -44,14 +44,17 @@ pub(crate) const GEMV_NORM_MAX_TOKENS: usize = 8;
 /// wave of long-lived blocks instead of many short ones.
 const GEMV_WARPS_PER_SM: usize = 16;
 
-/// Largest hidden size for which mode `auto` runs the projections of small steps on the GEMV
-/// kernels (with SiLU x up in the gate|up epilogue and, up to 8 tokens, RMSNorm in the QKV and
-/// gate|up prologues). Measured on the H200 (gpu/CUDA_NOTES.md, v2): at SmolLM2-135M's sizes
-/// (576) a step is launch-bound and the fused GEMV path cuts batch-1 decode from 1.06 to 0.85
-/// ms; at Llama-3-8B's (4096) cuBLAS streams the large projections at 4.1-4.4 TB/s against the
-/// GEMV kernels' 3.3-3.5 and the GEMV path was slower (5.3-7.6 ms against 5.0), so larger
-/// models take the hybrid route (see [`GemvMode`]). Still so in v5 (4-step load batches): mode
-/// `norm` 4.61-4.63 ms against the hybrid route's 4.50-4.53 in one lease (CUDA_NOTES v5).
+/// Largest hidden size for which mode `auto` runs the projections of every step of up to
+/// [`GEMV_MAX_TOKENS`] tokens, and the lm_head, on the GEMV kernels (with SiLU x up in the
+/// gate|up epilogue and, up to 8 tokens, RMSNorm in the QKV and gate|up prologues). Measured on
+/// the H200 (gpu/CUDA_NOTES.md): at SmolLM2-135M's sizes (576) a step is launch-bound and the
+/// fused GEMV path cut batch-1 decode from 1.06 to 0.85 ms (v2). Larger models take the fused
+/// path only for steps of up to [`GEMV_NORM_MAX_TOKENS`] tokens, where both fusions apply, and
+/// keep the lm_head on cuBLAS (streams 1 GB at Llama-3-8B's size 7% faster than the GEMV
+/// kernels, v5): at Llama-3-8B's size the fused path decoded batch 1 in 4.61-4.63 ms on all six
+/// machines it ran on, against 4.50-4.73 for the hybrid route it replaced (faster on five;
+/// batches 2-8 on the sixth: 4.59-4.84 against 4.72-4.87; CUDA_NOTES v6). Larger steps there
+/// run on cuBLAS.
 const GEMV_AUTO_MAX_HIDDEN: usize = 2048;
 
 /// The launch shape of a GEMV over `tiles` tiles: blocks of `warps_per_block` warps (at most
@@ -91,7 +94,8 @@ pub(crate) fn gemv_grid(tiles: usize, sm_count: usize) -> GemvGrid {
 
 /// Which path the matrix products of steps of at most [`GEMV_MAX_TOKENS`] tokens take
 /// (`SWITCHYARD_CUDA_GEMV`): `auto` (the default: the GEMV kernels with both fusions for
-/// hidden sizes up to [`GEMV_AUTO_MAX_HIDDEN`], the hybrid route above), `off` (cuBLAS always,
+/// hidden sizes up to [`GEMV_AUTO_MAX_HIDDEN`]; above, the same for steps of up to
+/// [`GEMV_NORM_MAX_TOKENS`] tokens with the lm_head on cuBLAS), `off` (cuBLAS always,
 /// as in v1), `hybrid` (at every hidden size: for steps of at most
 /// [`GEMV_NORM_MAX_TOKENS`] tokens the QKV product with the RMSNorm prologue and the output
 /// projection on the GEMV kernels, the rest on cuBLAS), or, at every hidden size, `plain` (GEMV
@@ -655,26 +659,27 @@ impl Gpu {
         )
     }
 
-    /// Whether a model of hidden size `hidden` runs the projections of small steps on the GEMV
-    /// kernels (see [`GemvMode`]).
-    pub fn gemv_for_hidden(&self, hidden: usize) -> bool {
+    /// Whether a step of `n` tokens (at most [`GEMV_MAX_TOKENS`]) of a model of hidden size
+    /// `hidden` runs its projections on the GEMV kernels (see [`GemvMode`]).
+    pub fn gemv_for(&self, hidden: usize, n: usize) -> bool {
         match self.gemv_mode {
             GemvMode::Off | GemvMode::Hybrid => false,
-            GemvMode::Auto => hidden <= GEMV_AUTO_MAX_HIDDEN,
+            GemvMode::Auto => hidden <= GEMV_AUTO_MAX_HIDDEN || n <= GEMV_NORM_MAX_TOKENS,
             GemvMode::Plain | GemvMode::Glu | GemvMode::Norm => true,
         }
     }
 
-    /// Whether a step of `n` tokens of a model of hidden size `hidden` takes the hybrid route:
-    /// QKV (with the RMSNorm prologue) and the output projection on the GEMV kernels, gate|up,
-    /// down and the lm_head on cuBLAS (see [`GemvMode`]).
-    pub fn gemv_hybrid(&self, hidden: usize, n: usize) -> bool {
-        n <= GEMV_NORM_MAX_TOKENS
-            && match self.gemv_mode {
-                GemvMode::Hybrid => true,
-                GemvMode::Auto => hidden > GEMV_AUTO_MAX_HIDDEN,
-                _ => false,
-            }
+    /// Whether a step on the GEMV path ([`Gpu::gemv_for`]) runs the lm_head on the GEMV
+    /// kernels too (in mode `auto` only for hidden sizes up to [`GEMV_AUTO_MAX_HIDDEN`]).
+    pub fn gemv_lm_head(&self, hidden: usize) -> bool {
+        self.gemv_mode != GemvMode::Auto || hidden <= GEMV_AUTO_MAX_HIDDEN
+    }
+
+    /// Whether a step of `n` tokens takes the hybrid route (mode `hybrid` only): QKV (with the
+    /// RMSNorm prologue) and the output projection on the GEMV kernels, gate|up, down and the
+    /// lm_head on cuBLAS (see [`GemvMode`]).
+    pub fn gemv_hybrid(&self, n: usize) -> bool {
+        n <= GEMV_NORM_MAX_TOKENS && self.gemv_mode == GemvMode::Hybrid
     }
 
     /// Whether the QKV and gate|up products of a step of `n` tokens on the GEMV path normalise

@@ -1,7 +1,7 @@
 //! The Llama forward pass on the device: activation buffers sized for the largest step, the
 //! paged KV cache, the launch sequence of one step (four matrix products and five kernels per
-//! layer; for models on the GEMV path ([`Gpu::gemv_for_hidden`]), steps of at most 64 tokens
-//! run the products on the GEMV kernels, which also take over SiLU x up and, up to 8 tokens,
+//! layer; on the GEMV path ([`Gpu::gemv_for`]: steps of at most 64 tokens, 8 at
+//! Llama-3-8B's size) the products run on the GEMV kernels, which also take over SiLU x up and, up to 8 tokens,
 //! the RMSNorms: see [`Gpu::gemv_fuse_glu`] and [`Gpu::gemv_fuse_norm`]), and CUDA graphs of
 //! decode steps, one per batch-size bucket.
 //!
@@ -192,14 +192,14 @@ pub(crate) fn enqueue(
         })
     };
     let interleaved = i32::from(c.rope_style == RopeStyle::Interleaved);
-    // Small steps of models that take the GEMV path: the GEMV kernels, with SiLU x up in the
+    // Small steps on the GEMV path (`Gpu::gemv_for`): the GEMV kernels, with SiLU x up in the
     // gate|up epilogue and, up to 8 tokens, RMSNorm in the QKV and gate|up prologues (the same
     // bits as the separate kernels, fewer launches).
-    // Larger models on the hybrid route (`Gpu::gemv_hybrid`): only the QKV product (with the
-    // norm prologue) and the output projection, where the GEMV kernels beat cuBLAS; the wide
-    // gate|up and down products and the lm_head stay on cuBLAS.
-    let model_gemv = gpu.gemv_for_hidden(h);
-    let hybrid = !model_gemv && gpu.gemv_hybrid(h, t);
+    // The hybrid route (`SWITCHYARD_CUDA_GEMV=hybrid`, `Gpu::gemv_hybrid`): only the QKV
+    // product (with the norm prologue) and the output projection on the GEMV kernels; the wide
+    // gate|up and down products and the lm_head on cuBLAS.
+    let model_gemv = gpu.gemv_for(h, t);
+    let hybrid = !model_gemv && gpu.gemv_hybrid(t);
     let first = w.layers.first();
     let fits = (model_gemv || hybrid)
         && first.is_some_and(|f| {
@@ -417,7 +417,8 @@ pub(crate) fn enqueue(
         })?;
     }
     norm(s(lay.logit_rows)?, w.norm.ptr(), b.xs.ptr(), l.rows)?;
-    let head_gemv = model_gemv && gpu.gemv_fits(l.rows, h, &[w.lm_head(), b.xs.ptr()]);
+    let head_gemv =
+        model_gemv && gpu.gemv_lm_head(h) && gpu.gemv_fits(l.rows, h, &[w.lm_head(), b.xs.ptr()]);
     gpu.timed(
         if head_gemv {
             "gemv_lm_head"
