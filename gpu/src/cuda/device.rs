@@ -48,14 +48,22 @@ const GEMV_WARPS_PER_SM: usize = 16;
 /// [`GEMV_MAX_TOKENS`] tokens, and the lm_head, on the GEMV kernels (with SiLU x up in the
 /// gate|up epilogue and, up to 8 tokens, RMSNorm in the QKV and gate|up prologues). Measured on
 /// the H200 (gpu/CUDA_NOTES.md): at SmolLM2-135M's sizes (576) a step is launch-bound and the
-/// fused GEMV path cut batch-1 decode from 1.06 to 0.85 ms (v2). Larger models take the fused
-/// path only for steps of up to [`GEMV_NORM_MAX_TOKENS`] tokens, where both fusions apply, and
-/// keep the lm_head on cuBLAS (streams 1 GB at Llama-3-8B's size 7% faster than the GEMV
-/// kernels, v5): at Llama-3-8B's size the fused path decoded batch 1 in 4.61-4.63 ms on all six
-/// machines it ran on, against 4.50-4.73 for the hybrid route it replaced (faster on five;
-/// batches 2-8 on the sixth: 4.59-4.84 against 4.72-4.87; CUDA_NOTES v6). Larger steps there
-/// run on cuBLAS.
+/// fused GEMV path cut batch-1 decode from 1.06 to 0.85 ms (v2). Larger models keep the lm_head
+/// on cuBLAS (it streams 1 GB at Llama-3-8B's size 7% faster than the GEMV kernels, v5) and
+/// route by step size ([`GemvRoute`], measured at Llama-3-8B's size, CUDA_NOTES v6).
 const GEMV_AUTO_MAX_HIDDEN: usize = 2048;
+
+/// Above [`GEMV_AUTO_MAX_HIDDEN`], mode `auto` runs steps of up to this many tokens on the
+/// fused GEMV path: batch-1 decode 4.59-4.63 ms on the six H200s measured against 4.50-4.73 for
+/// the hybrid route (faster on five), batches 2 and 4 4.57-4.63 against 4.66-4.79.
+const GEMV_LARGE_FUSED_MAX_TOKENS: usize = 4;
+
+/// Above [`GEMV_AUTO_MAX_HIDDEN`], mode `auto` runs steps of more than
+/// [`GEMV_NORM_MAX_TOKENS`] and up to this many tokens on the GEMV kernels without the norm
+/// prologue (batch 16: 5.10-5.13 ms against cuBLAS's 5.29-5.34; batch 32: 7.19-7.24 against
+/// 5.61-5.62, so larger steps stay on cuBLAS). Between the two, steps take the hybrid route
+/// (batch 8: 4.73-4.78 against 4.77-4.82 on the fused path).
+const GEMV_LARGE_MAX_TOKENS: usize = 16;
 
 /// The launch shape of a GEMV over `tiles` tiles: blocks of `warps_per_block` warps (at most
 /// 8, `GEMV_WARPS` in gemv.cu), each tile's k range split over `warps_per_tile` of them (a
@@ -92,10 +100,37 @@ pub(crate) fn gemv_grid(tiles: usize, sm_count: usize) -> GemvGrid {
     }
 }
 
+/// Where mode `auto` runs the products of a step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum GemvRoute {
+    /// The GEMV kernels (fused as far as the step size allows).
+    Gemv,
+    /// QKV and the output projection on the GEMV kernels, the rest on cuBLAS.
+    Hybrid,
+    /// cuBLAS.
+    Cublas,
+}
+
+/// Mode `auto`'s route for a step of `n` tokens of a model of hidden size `hidden`.
+pub(crate) fn auto_route(hidden: usize, n: usize) -> GemvRoute {
+    if n > GEMV_MAX_TOKENS {
+        GemvRoute::Cublas
+    } else if hidden <= GEMV_AUTO_MAX_HIDDEN
+        || n <= GEMV_LARGE_FUSED_MAX_TOKENS
+        || (GEMV_NORM_MAX_TOKENS < n && n <= GEMV_LARGE_MAX_TOKENS)
+    {
+        GemvRoute::Gemv
+    } else if n <= GEMV_NORM_MAX_TOKENS {
+        GemvRoute::Hybrid
+    } else {
+        GemvRoute::Cublas
+    }
+}
+
 /// Which path the matrix products of steps of at most [`GEMV_MAX_TOKENS`] tokens take
 /// (`SWITCHYARD_CUDA_GEMV`): `auto` (the default: the GEMV kernels with both fusions for
-/// hidden sizes up to [`GEMV_AUTO_MAX_HIDDEN`]; above, the same for steps of up to
-/// [`GEMV_NORM_MAX_TOKENS`] tokens with the lm_head on cuBLAS), `off` (cuBLAS always,
+/// hidden sizes up to [`GEMV_AUTO_MAX_HIDDEN`]; above, a route by step size, [`auto_route`],
+/// with the lm_head on cuBLAS), `off` (cuBLAS always,
 /// as in v1), `hybrid` (at every hidden size: for steps of at most
 /// [`GEMV_NORM_MAX_TOKENS`] tokens the QKV product with the RMSNorm prologue and the output
 /// projection on the GEMV kernels, the rest on cuBLAS), or, at every hidden size, `plain` (GEMV
@@ -664,7 +699,7 @@ impl Gpu {
     pub fn gemv_for(&self, hidden: usize, n: usize) -> bool {
         match self.gemv_mode {
             GemvMode::Off | GemvMode::Hybrid => false,
-            GemvMode::Auto => hidden <= GEMV_AUTO_MAX_HIDDEN || n <= GEMV_NORM_MAX_TOKENS,
+            GemvMode::Auto => auto_route(hidden, n) == GemvRoute::Gemv,
             GemvMode::Plain | GemvMode::Glu | GemvMode::Norm => true,
         }
     }
@@ -675,11 +710,15 @@ impl Gpu {
         self.gemv_mode != GemvMode::Auto || hidden <= GEMV_AUTO_MAX_HIDDEN
     }
 
-    /// Whether a step of `n` tokens takes the hybrid route (mode `hybrid` only): QKV (with the
-    /// RMSNorm prologue) and the output projection on the GEMV kernels, gate|up, down and the
-    /// lm_head on cuBLAS (see [`GemvMode`]).
-    pub fn gemv_hybrid(&self, n: usize) -> bool {
-        n <= GEMV_NORM_MAX_TOKENS && self.gemv_mode == GemvMode::Hybrid
+    /// Whether a step of `n` tokens of a model of hidden size `hidden` takes the hybrid route:
+    /// QKV (with the RMSNorm prologue) and the output projection on the GEMV kernels, gate|up,
+    /// down and the lm_head on cuBLAS (see [`GemvMode`]).
+    pub fn gemv_hybrid(&self, hidden: usize, n: usize) -> bool {
+        match self.gemv_mode {
+            GemvMode::Hybrid => n <= GEMV_NORM_MAX_TOKENS,
+            GemvMode::Auto => auto_route(hidden, n) == GemvRoute::Hybrid,
+            _ => false,
+        }
     }
 
     /// Whether the QKV and gate|up products of a step of `n` tokens on the GEMV path normalise
@@ -1021,7 +1060,27 @@ pub fn compile_ptx(cc: (i32, i32)) -> Result<String, GpuError> {
 
 #[cfg(test)]
 mod tests {
-    use super::{gemv_grid, GemvGrid};
+    use super::{auto_route, gemv_grid, GemvGrid, GemvRoute};
+
+    #[test]
+    fn auto_routes_by_hidden_size_and_step_size() {
+        use GemvRoute::*;
+        // SmolLM2-sized models: the GEMV kernels up to 64 tokens.
+        for n in 1..=64 {
+            assert_eq!(auto_route(576, n), Gemv, "{n}");
+            assert_eq!(auto_route(2048, n), Gemv, "{n}");
+        }
+        assert_eq!(auto_route(576, 65), Cublas);
+        // Llama-3-8B-sized: fused GEMV up to 4, hybrid 5-8, GEMV 9-16, cuBLAS above.
+        let llama: Vec<GemvRoute> = (1..=20).map(|n| auto_route(4096, n)).collect();
+        let mut want = vec![Gemv; 4];
+        want.extend([Hybrid; 4]);
+        want.extend([Gemv; 8]);
+        want.extend([Cublas; 4]);
+        assert_eq!(llama, want);
+        assert_eq!(auto_route(4096, 64), Cublas);
+        assert_eq!(auto_route(8192, 1), Gemv);
+    }
 
     #[test]
     fn gemv_grid_covers_every_tile_within_a_wave_where_it_can() {

@@ -1,6 +1,6 @@
 //! The Llama forward pass on the device: activation buffers sized for the largest step, the
 //! paged KV cache, the launch sequence of one step (four matrix products and five kernels per
-//! layer; on the GEMV path ([`Gpu::gemv_for`]: steps of at most 64 tokens, 8 at
+//! layer; on the GEMV path ([`Gpu::gemv_for`]: steps of at most 64 tokens, fewer at
 //! Llama-3-8B's size) the products run on the GEMV kernels, which also take over SiLU x up and, up to 8 tokens,
 //! the RMSNorms: see [`Gpu::gemv_fuse_glu`] and [`Gpu::gemv_fuse_norm`]), and CUDA graphs of
 //! decode steps, one per batch-size bucket.
@@ -195,11 +195,11 @@ pub(crate) fn enqueue(
     // Small steps on the GEMV path (`Gpu::gemv_for`): the GEMV kernels, with SiLU x up in the
     // gate|up epilogue and, up to 8 tokens, RMSNorm in the QKV and gate|up prologues (the same
     // bits as the separate kernels, fewer launches).
-    // The hybrid route (`SWITCHYARD_CUDA_GEMV=hybrid`, `Gpu::gemv_hybrid`): only the QKV
-    // product (with the norm prologue) and the output projection on the GEMV kernels; the wide
-    // gate|up and down products and the lm_head on cuBLAS.
+    // The hybrid route (`Gpu::gemv_hybrid`): only the QKV product (with the norm prologue) and
+    // the output projection on the GEMV kernels; the wide gate|up and down products and the
+    // lm_head on cuBLAS.
     let model_gemv = gpu.gemv_for(h, t);
-    let hybrid = !model_gemv && gpu.gemv_hybrid(t);
+    let hybrid = !model_gemv && gpu.gemv_hybrid(h, t);
     let first = w.layers.first();
     let fits = (model_gemv || hybrid)
         && first.is_some_and(|f| {
