@@ -54,15 +54,15 @@ const GEMV_WARPS_PER_SM: usize = 16;
 const GEMV_AUTO_MAX_HIDDEN: usize = 2048;
 
 /// Above [`GEMV_AUTO_MAX_HIDDEN`], mode `auto` runs steps of up to this many tokens on the
-/// fused GEMV path: batch-1 decode 4.59-4.63 ms on the six H200s measured against 4.50-4.73 for
-/// the hybrid route (faster on five), batches 2 and 4 4.57-4.63 against 4.66-4.79.
+/// fused GEMV path: batch-1 decode 4.59-4.64 ms on the seven H200s measured against 4.50-4.74
+/// for the hybrid route (faster on six), batches 2 and 4 4.58-4.63 against 4.66-4.80.
 const GEMV_LARGE_FUSED_MAX_TOKENS: usize = 4;
 
 /// Above [`GEMV_AUTO_MAX_HIDDEN`], mode `auto` runs steps of more than
 /// [`GEMV_NORM_MAX_TOKENS`] and up to this many tokens on the GEMV kernels without the norm
 /// prologue (batch 16: 5.10-5.13 ms against cuBLAS's 5.29-5.34; batch 32: 7.19-7.24 against
 /// 5.61-5.62, so larger steps stay on cuBLAS). Between the two, steps take the hybrid route
-/// (batch 8: 4.73-4.78 against 4.77-4.82 on the fused path).
+/// (batch 8, same leases: 4.73-4.78 against 4.77-4.82 on the fused path).
 const GEMV_LARGE_MAX_TOKENS: usize = 16;
 
 /// The launch shape of a GEMV over `tiles` tiles: blocks of `warps_per_block` warps (at most
