@@ -103,7 +103,10 @@ pub(crate) fn gemv_grid(tiles: usize, sm_count: usize) -> GemvGrid {
 /// Where mode `auto` runs the products of a step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum GemvRoute {
-    /// The GEMV kernels (fused as far as the step size allows).
+    /// The GEMV kernels, fused as far as the step size allows, for the products of steps that
+    /// fit them ([`Gpu::gemv_fits`]: at most [`GEMV_MAX_TOKENS`] tokens) and, at hidden sizes up
+    /// to [`GEMV_AUTO_MAX_HIDDEN`], for the lm_head whenever its rows fit (so a sequence's
+    /// logits do not depend on the size of the step it was sampled in).
     Gemv,
     /// QKV and the output projection on the GEMV kernels, the rest on cuBLAS.
     Hybrid,
@@ -113,9 +116,7 @@ pub(crate) enum GemvRoute {
 
 /// Mode `auto`'s route for a step of `n` tokens of a model of hidden size `hidden`.
 pub(crate) fn auto_route(hidden: usize, n: usize) -> GemvRoute {
-    if n > GEMV_MAX_TOKENS {
-        GemvRoute::Cublas
-    } else if hidden <= GEMV_AUTO_MAX_HIDDEN
+    if hidden <= GEMV_AUTO_MAX_HIDDEN
         || n <= GEMV_LARGE_FUSED_MAX_TOKENS
         || (GEMV_NORM_MAX_TOKENS < n && n <= GEMV_LARGE_MAX_TOKENS)
     {
@@ -1065,12 +1066,12 @@ mod tests {
     #[test]
     fn auto_routes_by_hidden_size_and_step_size() {
         use GemvRoute::*;
-        // SmolLM2-sized models: the GEMV kernels up to 64 tokens.
-        for n in 1..=64 {
+        // SmolLM2-sized models: the GEMV path at every step size (its products take the GEMV
+        // kernels up to 64 tokens, `gemv_fits`; the lm_head whenever its rows fit).
+        for n in [1, 8, 64, 65, 4096] {
             assert_eq!(auto_route(576, n), Gemv, "{n}");
             assert_eq!(auto_route(2048, n), Gemv, "{n}");
         }
-        assert_eq!(auto_route(576, 65), Cublas);
         // Llama-3-8B-sized: fused GEMV up to 4, hybrid 5-8, GEMV 9-16, cuBLAS above.
         let llama: Vec<GemvRoute> = (1..=20).map(|n| auto_route(4096, n)).collect();
         let mut want = vec![Gemv; 4];
@@ -1079,6 +1080,7 @@ mod tests {
         want.extend([Cublas; 4]);
         assert_eq!(llama, want);
         assert_eq!(auto_route(4096, 64), Cublas);
+        assert_eq!(auto_route(4096, 4096), Cublas);
         assert_eq!(auto_route(8192, 1), Gemv);
     }
 

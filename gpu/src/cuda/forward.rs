@@ -1,8 +1,8 @@
 //! The Llama forward pass on the device: activation buffers sized for the largest step, the
 //! paged KV cache, the launch sequence of one step (four matrix products and five kernels per
 //! layer; on the GEMV path ([`Gpu::gemv_for`]: steps of at most 64 tokens, fewer at
-//! Llama-3-8B's size) the products run on the GEMV kernels, which also take over SiLU x up and, up to 8 tokens,
-//! the RMSNorms: see [`Gpu::gemv_fuse_glu`] and [`Gpu::gemv_fuse_norm`]), and CUDA graphs of
+//! Llama-3-8B's size) the products run on the GEMV kernels, which also take over SiLU x up
+//! and, up to 8 tokens, the RMSNorms: see [`Gpu::gemv_fuse_glu`] and [`Gpu::gemv_fuse_norm`]), and CUDA graphs of
 //! decode steps, one per batch-size bucket.
 //!
 //! A decode step of `n` sequences runs in the graph of the smallest bucket `B >= n`: the step
