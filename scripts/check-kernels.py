@@ -39,6 +39,8 @@ def main():
         if lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"kernels.cu", 0, None, None):
             sys.exit("nvrtcCreateProgram failed")
         opts = [f"--gpu-architecture={arch}", f"--include-path={include}", "--std=c++17", "-lineinfo"]
+        # Extra options for source variants (e.g. NVRTC_DEFINES="-DMMA_KEYS=32").
+        opts += os.environ.get("NVRTC_DEFINES", "").split()
         arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
         rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
         n = ctypes.c_size_t()

@@ -18,8 +18,9 @@
 #   dummy     batch-1 / batch-256 decode and offline benchmarks on random weights (OFFLINE=0
 #             leaves out the 2000-prompt offline run)
 #   variants  batch-1 decode with each SWITCHYARD_CUDA_GEMV mode, with PDL off (`:nopdl`),
-#             with GemmEx instead of cuBLASLt (`:nolt`) and with RoPE in its own kernel
-#             (`:norope`) (VARIANTS), Llama decode at
+#             with GemmEx instead of cuBLASLt (`:nolt`), with RoPE in its own kernel
+#             (`:norope`) and with kernel source variants (`:def-MMA_KEYS=32`, see
+#             SWITCHYARD_CUDA_DEFINES) (VARIANTS), Llama decode at
 #             VARIANT_BATCHES with and without the GEMV kernels
 #   offline   Llama-3-8B offline 2000 x 128/128 at each OFFLINE_CONFIGS entry
 #             (max_num_seqs:max_num_batched_tokens)
@@ -112,9 +113,9 @@ if has dummy; then
 fi
 
 if has variants; then
-  # MODE[:nopdl][:nolt][:norope] for SWITCHYARD_CUDA_GEMV (SWITCHYARD_CUDA_PDL=0,
-  # SWITCHYARD_CUDA_BLASLT=0, SWITCHYARD_CUDA_ROPE_EPILOGUE=0), batch 1, the models in
-  # VARIANT_MODELS.
+  # MODE[:nopdl][:nolt][:norope][:def-NAME=VALUE] for SWITCHYARD_CUDA_GEMV
+  # (SWITCHYARD_CUDA_PDL=0, SWITCHYARD_CUDA_BLASLT=0, SWITCHYARD_CUDA_ROPE_EPILOGUE=0,
+  # SWITCHYARD_CUDA_DEFINES=NAME=VALUE), batch 1, the models in VARIANT_MODELS.
   for spec in ${VARIANTS:-off hybrid norm auto off:nopdl auto:nopdl off:nolt}; do
     mode=${spec%%:*}
     pdl=1
@@ -123,9 +124,11 @@ if has variants; then
     [[ $spec == *:nolt* ]] && lt=0
     rope=1
     [[ $spec == *:norope* ]] && rope=0
+    defs=${SWITCHYARD_CUDA_DEFINES-}
+    [[ $spec == *:def-* ]] && { defs=${spec##*:def-}; defs=${defs%%:*}; }
     for m in ${VARIANT_MODELS:-llama-3-8b smollm2-135m}; do
       SWITCHYARD_CUDA_PDL=$pdl SWITCHYARD_CUDA_BLASLT=$lt SWITCHYARD_CUDA_GEMV=$mode \
-        SWITCHYARD_CUDA_ROPE_EPILOGUE=$rope \
+        SWITCHYARD_CUDA_ROPE_EPILOGUE=$rope SWITCHYARD_CUDA_DEFINES=$defs \
         bench "$m-b1-${spec//:/-}" --dummy "$m" --decode-batch 1 --input-len 128 --output-len 256
     done
   done

@@ -304,7 +304,14 @@ extern "C" __global__ void silu_mul(const bf16* gu, bf16* out, int inter, u64 to
 // length, meta[2] = splits in use (at most gridDim.z).
 
 #define MMA_ROWS 64
+// Keys per shared-memory chunk (overridable for experiments: SWITCHYARD_CUDA_DEFINES). Split
+// lengths (ATT_KEYS = 64 in gpu/src/cuda/step.rs) must be multiples of it, and the score tiles
+// come 16 keys at a time.
+#ifndef MMA_KEYS
 #define MMA_KEYS 64
+#endif
+static_assert(MMA_KEYS >= 16 && MMA_KEYS % 16 == 0 && 64 % MMA_KEYS == 0,
+              "MMA_KEYS must be 16, 32 or 64");
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     return (u32)__cvta_generic_to_shared(p);

@@ -428,7 +428,18 @@ impl Gpu {
         }
         let lt = lt::Lt::new(workspace.ptr(), CUBLAS_WORKSPACE);
         let blaslt = lt::blaslt_enabled(std::env::var("SWITCHYARD_CUDA_BLASLT").ok().as_deref());
-        let module = load_kernels(&ctx, info.compute_capability)?;
+        let defines = match std::env::var("SWITCHYARD_CUDA_DEFINES") {
+            Ok(v) => parse_defines(&v)
+                .map_err(|e| GpuError::InvalidConfig(format!("SWITCHYARD_CUDA_DEFINES: {e}")))?,
+            Err(_) => Vec::new(),
+        };
+        if !defines.is_empty() {
+            tracing::warn!(
+                ?defines,
+                "kernels compiled with extra definitions (an experiment)"
+            );
+        }
+        let module = load_kernels(&ctx, info.compute_capability, &defines)?;
         let f = |name: &str| {
             module
                 .load_function(name)
@@ -987,28 +998,74 @@ fn cache_dir() -> Option<PathBuf> {
     std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/switchyard/kernels"))
 }
 
-/// NVRTC options for an architecture.
-fn compile_options(arch: &str) -> Vec<String> {
-    vec![
+/// Most `NAME=VALUE` pairs in `SWITCHYARD_CUDA_DEFINES`.
+const MAX_DEFINES: usize = 8;
+
+/// Parses `SWITCHYARD_CUDA_DEFINES`: comma-separated `NAME=VALUE` pairs (NAME: an upper-case
+/// letter, then up to 31 of `[A-Z0-9_]`; VALUE: a 32-bit integer), at most [`MAX_DEFINES`],
+/// passed to NVRTC as `-DNAME=VALUE` (and so part of the kernel cache key). A switch for
+/// experiments on kernel source variants (e.g. `MMA_KEYS=32`); the kernels check what they
+/// accept with static assertions, so an unsupported value fails the compilation, loudly.
+pub(crate) fn parse_defines(v: &str) -> Result<Vec<(String, i32)>, String> {
+    let mut out = Vec::new();
+    for item in v.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+        let (name, value) = item
+            .split_once('=')
+            .ok_or_else(|| format!("`{item}` is not NAME=VALUE"))?;
+        let ok_name = name.len() <= 32
+            && name.chars().next().is_some_and(|c| c.is_ascii_uppercase())
+            && name
+                .chars()
+                .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_');
+        if !ok_name {
+            return Err(format!(
+                "`{name}` is not a macro name ([A-Z][A-Z0-9_]*, 32 at most)"
+            ));
+        }
+        let value: i32 = value
+            .parse()
+            .map_err(|_| format!("`{value}` is not a 32-bit integer"))?;
+        if out.len() == MAX_DEFINES {
+            return Err(format!("more than {MAX_DEFINES} definitions"));
+        }
+        out.push((name.to_string(), value));
+    }
+    Ok(out)
+}
+
+/// NVRTC options for an architecture and extra macro definitions.
+fn compile_options(arch: &str, defines: &[(String, i32)]) -> Vec<String> {
+    let mut o = vec![
         format!("--gpu-architecture={arch}"),
         format!("--include-path={}", cuda_include_dir().display()),
         "--std=c++17".into(),
         "-lineinfo".into(),
-    ]
+    ];
+    o.extend(defines.iter().map(|(n, v)| format!("-D{n}={v}")));
+    o
 }
 
 /// Compiles the kernels to PTX for `cc` (or reads them from the disk cache, keyed by a hash of
 /// source, options and architecture) and loads the module.
-fn load_kernels(ctx: &Arc<CudaContext>, cc: (i32, i32)) -> Result<Arc<CudaModule>, GpuError> {
-    let ptx = compile_ptx(cc)?;
+fn load_kernels(
+    ctx: &Arc<CudaContext>,
+    cc: (i32, i32),
+    defines: &[(String, i32)],
+) -> Result<Arc<CudaModule>, GpuError> {
+    let ptx = compile_ptx_with(cc, defines)?;
     ctx.load_module(Ptx::from_src(ptx))
         .map_err(|e| cuda_err("loading the kernel module", e))
 }
 
 /// The PTX of the kernels for compute capability `cc`, compiled or from the cache.
 pub fn compile_ptx(cc: (i32, i32)) -> Result<String, GpuError> {
+    compile_ptx_with(cc, &[])
+}
+
+/// [`compile_ptx`] with extra macro definitions (see [`parse_defines`]).
+pub fn compile_ptx_with(cc: (i32, i32), defines: &[(String, i32)]) -> Result<String, GpuError> {
     let arch = format!("sm_{}{}", cc.0, cc.1);
-    let opts = compile_options(&arch);
+    let opts = compile_options(&arch, defines);
     let mut h = Sha256::new();
     h.update(KERNELS.as_bytes());
     for o in &opts {
@@ -1061,7 +1118,36 @@ pub fn compile_ptx(cc: (i32, i32)) -> Result<String, GpuError> {
 
 #[cfg(test)]
 mod tests {
-    use super::{auto_route, gemv_grid, GemvGrid, GemvRoute};
+    use super::{auto_route, gemv_grid, parse_defines, GemvGrid, GemvRoute, MAX_DEFINES};
+
+    #[test]
+    fn kernel_definitions_are_validated() {
+        assert_eq!(parse_defines(""), Ok(vec![]));
+        assert_eq!(
+            parse_defines(" MMA_KEYS=32, GEMV_PAIRED=1 ,"),
+            Ok(vec![("MMA_KEYS".into(), 32), ("GEMV_PAIRED".into(), 1)])
+        );
+        assert_eq!(parse_defines("X=-5"), Ok(vec![("X".into(), -5)]));
+        for bad in [
+            "MMA_KEYS",
+            "mma_keys=32",
+            "1X=1",
+            "_X=1",
+            "X-Y=1",
+            "X=1.5",
+            "X=",
+            "X=99999999999",
+            "X=1;rm",
+            "X=1 -DY",
+            "X Y=1",
+        ] {
+            assert!(parse_defines(bad).is_err(), "{bad}");
+        }
+        assert!(parse_defines(&format!("{}=1", "A".repeat(33))).is_err());
+        let many: Vec<String> = (0..=MAX_DEFINES).map(|i| format!("D{i}=1")).collect();
+        assert!(parse_defines(&many.join(",")).is_err());
+        assert!(parse_defines(&many[..MAX_DEFINES].join(",")).is_ok());
+    }
 
     #[test]
     fn auto_routes_by_hidden_size_and_step_size() {
