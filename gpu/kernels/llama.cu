@@ -295,7 +295,9 @@ extern "C" __global__ void silu_mul(const bf16* gu, bf16* out, int inter, u64 to
 // MMA_KEYS at a time (cp.async, the values landing while the scores are computed); S = Q K^T
 // and O += P V run as mma.m16n8k16 (bf16 in, f32 accumulate) with fragments loaded by
 // ldmatrix, the online softmax in registers (exp2, the scale folded in). P enters the second
-// product as two bf16 terms (hi + lo), so it keeps about 16 bits as the f32 p it stands for.
+// product as two bf16 terms (hi + lo), so it keeps about 16 bits as the f32 p it stands for
+// (ATT_P_SPLIT=0, an experiment through SWITCHYARD_CUDA_DEFINES: the hi term alone, as
+// FlashAttention does, half the P V products).
 //
 // Split-K: with gridDim.z > 1, each block takes keys [split * len, (split + 1) * len) and writes
 // its unnormalised result and (max, sum) in log2 units; `attention_combine` merges them. A
@@ -310,6 +312,10 @@ extern "C" __global__ void silu_mul(const bf16* gu, bf16* out, int inter, u64 to
 #ifndef MMA_KEYS
 #define MMA_KEYS 64
 #endif
+#ifndef ATT_P_SPLIT
+#define ATT_P_SPLIT 1
+#endif
+static_assert(ATT_P_SPLIT == 0 || ATT_P_SPLIT == 1, "ATT_P_SPLIT must be 0 or 1");
 static_assert(MMA_KEYS >= 16 && MMA_KEYS % 16 == 0 && 64 % MMA_KEYS == 0,
               "MMA_KEYS must be 16, 32 or 64");
 
@@ -560,7 +566,8 @@ __device__ void attention_body(const bf16* __restrict__ q, const bf16* __restric
                     const float* sv = s[2 * j + (h >> 1)] + 2 * (h & 1);
                     pa[j][h] = pack_bf16(sv[0], sv[1]);
                     const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(&pa[j][h]);
-                    pl[j][h] = pack_bf16(__fsub_rn(sv[0], __low2float(hi)),
+                    if (ATT_P_SPLIT)
+                        pl[j][h] = pack_bf16(__fsub_rn(sv[0], __low2float(hi)),
                                          __fsub_rn(sv[1], __high2float(hi)));
                 }
             }
@@ -580,8 +587,10 @@ __device__ void attention_body(const bf16* __restrict__ q, const bf16* __restric
                     ldsm_x4_t(b, v_s + (j * 16 + vr) * LD + dn * 16 + vcol);
                     mma_bf16(o[2 * dn], pa[j], b[0], b[1]);
                     mma_bf16(o[2 * dn + 1], pa[j], b[2], b[3]);
-                    mma_bf16(o[2 * dn], pl[j], b[0], b[1]);
-                    mma_bf16(o[2 * dn + 1], pl[j], b[2], b[3]);
+                    if (ATT_P_SPLIT) {
+                        mma_bf16(o[2 * dn], pl[j], b[0], b[1]);
+                        mma_bf16(o[2 * dn + 1], pl[j], b[2], b[3]);
+                    }
                 }
             }
         }
