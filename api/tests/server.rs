@@ -307,18 +307,28 @@ async fn an_error_mid_stream_is_an_error_chunk_then_done() {
     );
 }
 
-#[actix_web::test]
-async fn dropping_a_stream_drops_the_engine_receiver() {
+/// Posts a streaming request to an engine that never finishes it: the engine, the server state
+/// and the open response body (status 200 checked).
+async fn hanging_stream(
+    path: &str,
+    request: &Value,
+) -> (
+    std::sync::Arc<EchoEngine>,
+    switchyard_api::ApiState,
+    Pin<Box<impl MessageBody>>,
+) {
     let engine = EchoEngine::new();
     engine.hang.store(true, Ordering::SeqCst);
     let (state, app) = app(engine.clone(), api_config()).await;
-    let body = json!({"messages": [{"role": "user", "content": "x"}], "stream": true});
-    let response = app
-        .call(post("/v1/chat/completions", &body).to_request())
-        .await
-        .unwrap();
+    let response = app.call(post(path, request).to_request()).await.unwrap();
     assert_eq!(response.status(), 200);
-    let mut body = Box::pin(response.into_body());
+    (engine, state, Box::pin(response.into_body()))
+}
+
+#[actix_web::test]
+async fn dropping_a_stream_drops_the_engine_receiver() {
+    let request = json!({"messages": [{"role": "user", "content": "x"}], "stream": true});
+    let (engine, state, mut body) = hanging_stream("/v1/chat/completions", &request).await;
     let first = match futures_util::future::poll_fn(|cx| body.as_mut().poll_next(cx)).await {
         Some(Ok(bytes)) => bytes,
         _ => panic!("the stream must open with the role chunk"),
@@ -348,16 +358,8 @@ async fn an_idle_stream_sends_keep_alive_comments() {
     // A stream with nothing to send writes an SSE comment every second, so that a client that
     // hung up (which actix-web sees only as a failed write) is noticed without waiting for a
     // token.
-    let engine = EchoEngine::new();
-    engine.hang.store(true, Ordering::SeqCst);
-    let (_, app) = app(engine.clone(), api_config()).await;
-    let body = json!({"prompt": "x", "stream": true});
-    let response = app
-        .call(post("/v1/completions", &body).to_request())
-        .await
-        .unwrap();
-    assert_eq!(response.status(), 200);
-    let mut body = Box::pin(response.into_body());
+    let request = json!({"prompt": "x", "stream": true});
+    let (engine, _, mut body) = hanging_stream("/v1/completions", &request).await;
     let started = std::time::Instant::now();
     match next_frame(body.as_mut()).await {
         Some(Ok(bytes)) => assert_eq!(&bytes[..], b": keep-alive\n\n"),
