@@ -292,9 +292,12 @@ extern "C" __global__ void silu_mul(const bf16* gu, bf16* out, int inter, u64 to
 // kernel ran it. `tile_base`: the kernel's first tile in the step's list. Row r's query at position p
 // attends keys 0..=p, so cached prefix blocks (prefix-cache hits, earlier chunks) are read
 // through the block table like any other. Keys and values come through shared memory
-// MMA_KEYS at a time (cp.async, the values landing while the scores are computed); S = Q K^T
-// and O += P V run as mma.m16n8k16 (bf16 in, f32 accumulate) with fragments loaded by
-// ldmatrix, the online softmax in registers (exp2, the scale folded in). P enters the second
+// MMA_KEYS at a time (cp.async, the values landing while the scores are computed). Before
+// the kernel waits on the QKV product (pdl_wait), it reads only the host's step buffer and,
+// in decode steps (early_kv), asks for its first chunk of keys and values, those of earlier
+// positions, which this step does not write. S = Q K^T and O += P V run as mma.m16n8k16
+// (bf16 in, f32 accumulate), Q's fragments read from global memory, K's and V's by ldmatrix,
+// the online softmax in registers (exp2, the scale folded in). P enters the second
 // product as two bf16 terms (hi + lo), so it keeps about 16 bits as the f32 p it stands for
 // (ATT_P_SPLIT=0, an experiment through SWITCHYARD_CUDA_DEFINES: the hi term alone, as
 // FlashAttention does, half the P V products).
@@ -306,9 +309,9 @@ extern "C" __global__ void silu_mul(const bf16* gu, bf16* out, int inter, u64 to
 // length, meta[2] = splits in use (at most gridDim.z).
 
 #define MMA_ROWS 64
-// Keys per shared-memory chunk (overridable for experiments: SWITCHYARD_CUDA_DEFINES). Split
-// lengths (ATT_KEYS = 64 in gpu/src/cuda/step.rs) must be multiples of it, and the score tiles
-// come 16 keys at a time.
+// Keys per shared-memory chunk of the main kernels (overridable for experiments:
+// SWITCHYARD_CUDA_DEFINES). Split lengths (ATT_KEYS = 64 in gpu/src/cuda/step.rs) must be
+// multiples of it, and the score tiles come 16 keys at a time.
 #ifndef MMA_KEYS
 #define MMA_KEYS 64
 #endif
@@ -374,14 +377,14 @@ __device__ __forceinline__ float quad_sum(float v) {
     return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
-// The cache slots of the keys [kb, kb + MMA_KEYS) this warp copies: warp w copies keys
-// w * KPW .. (w + 1) * KPW - 1 of the chunk (KPW = MMA_KEYS / WARPS), and lane l looks up key
+// The cache slots of the keys [kb, kb + KEYS) this warp copies: warp w copies keys
+// w * KPW .. (w + 1) * KPW - 1 of the chunk (KPW = KEYS / WARPS), and lane l looks up key
 // l + 32 r of that share in s[r] (-1 past kend). One or two block-table lookups per lane and
 // chunk, shared by the key and the value copies.
-template <int WARPS>
+template <int WARPS, int KEYS>
 __device__ __forceinline__ void chunk_slots(long long* s, const int* __restrict__ table, int kb,
                                             int kend, int block_size) {
-    constexpr int KPW = MMA_KEYS / WARPS;
+    constexpr int KPW = KEYS / WARPS;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
     for (int r = 0; r < (KPW + 31) / 32; r++) {
@@ -392,13 +395,17 @@ __device__ __forceinline__ void chunk_slots(long long* s, const int* __restrict_
     }
 }
 
-// This warp's share of the keys (or values) of a chunk, from KV head kvh of one layer's paged
-// cache into shared rows of LD elements, as one cp.async group: each instruction copies
-// 32 / (HD / 8) whole keys of 16-byte pieces; keys without a slot are zero-filled.
-template <int HD, int LD, int WARPS>
+// This warp's share of the keys (or values) of the chunk starting at key kb, from KV head kvh of
+// one layer's paged cache into shared rows of LD elements: each instruction copies
+// 32 / (HD / 8) whole keys of 16-byte pieces; keys without a slot are zero-filled. Only the keys
+// in [lo, hi) are issued with FILTER (the caller splits a decode step's first chunk into the
+// part cached by earlier steps and the rest; the test costs every chunk's copies otherwise:
+// CUDA_NOTES v7); the caller commits the cp.async group.
+template <int HD, int LD, int WARPS, int KEYS, bool FILTER>
 __device__ __forceinline__ void load_kv_chunk(bf16* dst, const bf16* __restrict__ cache,
-                                              const long long* s, int nkv, int kvh) {
-    constexpr int PIECES = HD / 8, KPI = 32 / PIECES, KPW = MMA_KEYS / WARPS;
+                                              const long long* s, int nkv, int kvh, int kb,
+                                              int lo, int hi) {
+    constexpr int PIECES = HD / 8, KPI = 32 / PIECES, KPW = KEYS / WARPS;
     constexpr int PER = KPW < 32 ? KPW : 32;  // keys per lookup register
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int c = lane % PIECES;
@@ -408,15 +415,40 @@ __device__ __forceinline__ void load_kv_chunk(bf16* dst, const bf16* __restrict_
         for (int u = 0; u < PER / KPI; u++) {
             const int lk = u * KPI + lane / PIECES;  // the key within this register's 32
             const long long slot = __shfl_sync(0xffffffffu, s[r], lk);
+            const int key = warp * KPW + 32 * r + lk, kp = kb + key;
+            if (FILTER && (kp < lo || kp >= hi)) continue;
             const bool ok = slot >= 0;
-            cp_async16(dst + (warp * KPW + 32 * r + lk) * LD + c * 8,
-                       cache + (ok ? (slot * nkv + kvh) * HD + c * 8 : 0), ok);
+            cp_async16(dst + key * LD + c * 8, cache + (ok ? (slot * nkv + kvh) * HD + c * 8 : 0),
+                       ok);
         }
     }
-    cp_async_commit();
 }
 
-template <int HD, int WARPS>
+// The A fragments of Q for rows r_lo and r_lo + 8 of the tile (zeros past `rows`), straight
+// from global memory: lane (g, t4) holds, per k-step kk, (row g, columns 16 kk + 2 t4, +1),
+// (row g + 8, same), (row g, + 8), (row g + 8, + 8), as ldmatrix would give them.
+template <int HD>
+__device__ __forceinline__ void load_q_frags(u32 (&qf)[HD / 16][4], const bf16* __restrict__ q,
+                                             int q0, int group, int nh, int kvh, int rows,
+                                             int r_lo) {
+    const int t4 = (threadIdx.x & 31) & 3;
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        const int r = r_lo + 8 * half;
+        const bool ok = r < rows;
+        const bf16* qr =
+            q + ((long long)(q0 + (ok ? r : 0) / group) * nh + kvh * group + (ok ? r : 0) % group) *
+                    HD +
+            2 * t4;
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; kk++) {
+            qf[kk][half] = ok ? *reinterpret_cast<const u32*>(qr + 16 * kk) : 0u;
+            qf[kk][2 + half] = ok ? *reinterpret_cast<const u32*>(qr + 16 * kk + 8) : 0u;
+        }
+    }
+}
+
+template <int HD, int WARPS, int KEYS>
 __device__ void attention_body(const bf16* __restrict__ q, const bf16* __restrict__ kc,
                                    const bf16* __restrict__ vc, const int* __restrict__ pos,
                                    const int* __restrict__ tile_seq,
@@ -425,16 +457,20 @@ __device__ void attention_body(const bf16* __restrict__ q, const bf16* __restric
                                    const int* __restrict__ block_tables,
                                    const int* __restrict__ meta, float* __restrict__ part_acc,
                                    float* __restrict__ part_ml, bf16* __restrict__ out, int nh,
-                                   int nkv, int block_size, float scale, int tile_base) {
-    constexpr int ROWS = 16 * WARPS;
+                                   int nkv, int block_size, float scale, int tile_base,
+                                   int early_kv) {
     constexpr int LD = HD + 8;  // shared row stride in bf16: ldmatrix rows hit distinct banks
-    constexpr int PIECES = HD / 8;
     constexpr int KT = HD / 16;       // k-steps of Q K^T
-    constexpr int NS = MMA_KEYS / 8;  // score n-tiles
+    constexpr int NS = KEYS / 8;  // score n-tiles
     constexpr int NO = HD / 8;        // output n-tiles
-    __shared__ __align__(16) bf16 k_s[MMA_KEYS * LD];
-    __shared__ __align__(16) bf16 v_s[MMA_KEYS * LD];
+    __shared__ __align__(16) bf16 k_s[KEYS * LD];
+    __shared__ __align__(16) bf16 v_s[KEYS * LD];
 
+    // Until pdl_wait() only what earlier steps and the host wrote is read: the step buffer,
+    // the block table and, with early_kv (every tile is its sequence's only query token of
+    // the step, as in decode steps), the keys and values of the positions before the tile's
+    // query, which this step's QKV product does not write. Their first chunk is asked for
+    // here, while the QKV product still runs; a block with nothing to do leaves at once.
     const int tile = tile_base + blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
     const int qn = tile_qn[tile];
     if (qn <= 0 || split >= meta[2]) return;
@@ -447,25 +483,20 @@ __device__ void attention_body(const bf16* __restrict__ q, const bf16* __restric
     if (kstart >= kend) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t4 = lane & 3;
+    const int cached = early_kv ? pos[q0] : kstart;  // keys before it are ready now
 
-    // Q rows of the tile through k_s into A fragments (zeros past `rows`).
-    for (int i = threadIdx.x; i < ROWS * PIECES; i += blockDim.x) {
-        const int r = i / PIECES, c = i % PIECES;
-        uint4 v = make_uint4(0u, 0u, 0u, 0u);
-        if (r < rows) {
-            const int t = q0 + r / group, head = kvh * group + r % group;
-            v = *reinterpret_cast<const uint4*>(q + ((long long)t * nh + head) * HD + c * 8);
-        }
-        *reinterpret_cast<uint4*>(k_s + r * LD + c * 8) = v;
+    long long slots[(KEYS / WARPS + 31) / 32];
+    chunk_slots<WARPS, KEYS>(slots, table, kstart, kend, block_size);
+    if (early_kv) {
+        load_kv_chunk<HD, LD, WARPS, KEYS, true>(k_s, kc, slots, nkv, kvh, kstart, kstart, cached);
+        load_kv_chunk<HD, LD, WARPS, KEYS, true>(v_s, vc, slots, nkv, kvh, kstart, kstart, cached);
     }
-    __syncthreads();
-    u32 qf[KT][4];
-    {
-        const int r = warp * 16 + (lane & 7) + 8 * ((lane >> 3) & 1);
-#pragma unroll
-        for (int kk = 0; kk < KT; kk++) ldsm_x4(qf[kk], k_s + r * LD + kk * 16 + 8 * (lane >> 4));
-    }
+    pdl_wait();
+    pdl_trigger();
+
     const int r_lo = warp * 16 + g, r_hi = r_lo + 8;
+    u32 qf[KT][4];
+    load_q_frags<HD>(qf, q, q0, group, nh, kvh, rows, r_lo);
     const int p_lo = r_lo < rows ? pos[q0 + r_lo / group] : -1;
     const int p_hi = r_hi < rows ? pos[q0 + r_hi / group] : -1;
     const bool active = warp * 16 < rows;  // warp-uniform
@@ -480,17 +511,26 @@ __device__ void attention_body(const bf16* __restrict__ q, const bf16* __restric
     // as this chunk's scores are computed (they land during the softmax and P V), its values as
     // soon as P V is done (they land during the next scores). cp.async groups complete in
     // order: K(c), V(c), K(c + 1), V(c + 1), ...
-    long long slots[(MMA_KEYS / WARPS + 31) / 32];
-    __syncthreads();  // k_s free: the Q fragments are loaded
-    chunk_slots<WARPS>(slots, table, kstart, kend, block_size);
-    load_kv_chunk<HD, LD, WARPS>(k_s, kc, slots, nkv, kvh);
-    load_kv_chunk<HD, LD, WARPS>(v_s, vc, slots, nkv, kvh);
-    for (int kb = kstart; kb < kend; kb += MMA_KEYS) {
-        const bool more = kb + MMA_KEYS < kend;  // block-uniform
+    // The rest of the first chunk (the keys from `cached` on, and zeros past kend): K(0) is
+    // the group of every first-chunk copy issued so far, V(0) the rest of the values.
+    if (early_kv) {
+        load_kv_chunk<HD, LD, WARPS, KEYS, true>(k_s, kc, slots, nkv, kvh, kstart, cached,
+                                                 0x7fffffff);
+        cp_async_commit();
+        load_kv_chunk<HD, LD, WARPS, KEYS, true>(v_s, vc, slots, nkv, kvh, kstart, cached,
+                                                 0x7fffffff);
+    } else {
+        load_kv_chunk<HD, LD, WARPS, KEYS, false>(k_s, kc, slots, nkv, kvh, kstart, 0, 0);
+        cp_async_commit();
+        load_kv_chunk<HD, LD, WARPS, KEYS, false>(v_s, vc, slots, nkv, kvh, kstart, 0, 0);
+    }
+    cp_async_commit();
+    for (int kb = kstart; kb < kend; kb += KEYS) {
+        const bool more = kb + KEYS < kend;  // block-uniform
         cp_async_wait<1>();  // K(c); V(c) may still be in flight
         __syncthreads();
 
-        u32 pa[MMA_KEYS / 16][4], pl[MMA_KEYS / 16][4];
+        u32 pa[KEYS / 16][4], pl[KEYS / 16][4];
         float s[NS][4];
         if (active) {
 #pragma unroll
@@ -499,7 +539,7 @@ __device__ void attention_body(const bf16* __restrict__ q, const bf16* __restric
 #pragma unroll
             for (int kk = 0; kk < KT; kk++) {
 #pragma unroll
-                for (int jj = 0; jj < MMA_KEYS / 16; jj++) {
+                for (int jj = 0; jj < KEYS / 16; jj++) {
                     u32 b[4];
                     ldsm_x4(b, k_s + (jj * 16 + kr) * LD + kk * 16 + kcol);
                     mma_bf16(s[2 * jj], qf[kk], b[0], b[1]);
@@ -509,8 +549,9 @@ __device__ void attention_body(const bf16* __restrict__ q, const bf16* __restric
         }
         if (more) {
             __syncthreads();  // every warp is done with k_s
-            chunk_slots<WARPS>(slots, table, kb + MMA_KEYS, kend, block_size);
-            load_kv_chunk<HD, LD, WARPS>(k_s, kc, slots, nkv, kvh);  // K(c + 1)
+            chunk_slots<WARPS, KEYS>(slots, table, kb + KEYS, kend, block_size);
+            load_kv_chunk<HD, LD, WARPS, KEYS, false>(k_s, kc, slots, nkv, kvh, kb + KEYS, 0, 0);
+            cp_async_commit();  // K(c + 1)
         }
         if (active) {
             // Causal mask and the online softmax; s[n]: (row g, keys kb + 8n + 2t4 + {0, 1}),
@@ -560,7 +601,7 @@ __device__ void attention_body(const bf16* __restrict__ q, const bf16* __restric
             // P as A fragments: key step j = score tiles 2j (keys 2t4..) and 2j + 1 (+8); the
             // high bf16 part in pa, the rest in pl.
 #pragma unroll
-            for (int j = 0; j < MMA_KEYS / 16; j++) {
+            for (int j = 0; j < KEYS / 16; j++) {
 #pragma unroll
                 for (int h = 0; h < 4; h++) {
                     const float* sv = s[2 * j + (h >> 1)] + 2 * (h & 1);
@@ -580,7 +621,7 @@ __device__ void attention_body(const bf16* __restrict__ q, const bf16* __restric
         if (active) {
             const int vr = (lane & 7) + 8 * ((lane >> 3) & 1), vcol = 8 * (lane >> 4);
 #pragma unroll
-            for (int j = 0; j < MMA_KEYS / 16; j++) {
+            for (int j = 0; j < KEYS / 16; j++) {
 #pragma unroll
                 for (int dn = 0; dn < HD / 16; dn++) {
                     u32 b[4];
@@ -596,7 +637,8 @@ __device__ void attention_body(const bf16* __restrict__ q, const bf16* __restric
         }
         if (more) {
             __syncthreads();  // every warp is done with v_s
-            load_kv_chunk<HD, LD, WARPS>(v_s, vc, slots, nkv, kvh);  // V(c + 1)
+            load_kv_chunk<HD, LD, WARPS, KEYS, false>(v_s, vc, slots, nkv, kvh, kb + KEYS, 0, 0);
+            cp_async_commit();  // V(c + 1)
         }
     }
 
@@ -637,22 +679,23 @@ __device__ void attention_body(const bf16* __restrict__ q, const bf16* __restric
     }
 }
 
-// Grid (tiles, kv heads, splits), 32 * W threads.
-#define ATTENTION_KERNEL(HD, W)                                                                 \
-    extern "C" __global__ void __launch_bounds__(32 * W) attention_w##W##_##HD(                 \
+// Grid (tiles, kv heads, splits), 32 * W threads, KEYS keys per chunk.
+#define ATTENTION_KERNEL(NAME, HD, W, KEYS)                                                      \
+    extern "C" __global__ void __launch_bounds__(32 * W) NAME(                                  \
         const bf16* q, const bf16* kc, const bf16* vc, const int* pos, const int* tile_seq,     \
         const int* tile_q0, const int* tile_qn, const int* block_tables, const int* meta,       \
         float* part_acc, float* part_ml, bf16* out, int nh, int nkv, int block_size,            \
-        float scale, int tile_base) {                                                           \
-        PDL_ENTER();                                                                            \
-        attention_body<HD, W>(q, kc, vc, pos, tile_seq, tile_q0, tile_qn, block_tables, meta,   \
-                              part_acc, part_ml, out, nh, nkv, block_size, scale, tile_base);   \
+        float scale, int tile_base, int early_kv) {                                             \
+        attention_body<HD, W, KEYS>(q, kc, vc, pos, tile_seq, tile_q0, tile_qn, block_tables,   \
+                                    meta, part_acc, part_ml, out, nh, nkv, block_size, scale,   \
+                                    tile_base, early_kv);                                       \
     }
 
-ATTENTION_KERNEL(64, 1)
-ATTENTION_KERNEL(128, 1)
-ATTENTION_KERNEL(64, 4)
-ATTENTION_KERNEL(128, 4)
+ATTENTION_KERNEL(attention_w1_64, 64, 1, MMA_KEYS)
+ATTENTION_KERNEL(attention_w1_128, 128, 1, MMA_KEYS)
+ATTENTION_KERNEL(attention_w4_64, 64, 4, MMA_KEYS)
+ATTENTION_KERNEL(attention_w4_128, 128, 4, MMA_KEYS)
+
 
 // Merges the splits of every (token, head) of the step's tiles: grid (tiles, heads), block hd
 // threads. `pos` gives each token's position, so splits past it (never written in this
@@ -661,10 +704,11 @@ extern "C" __global__ void attention_combine(const float* part_acc, const float*
                                              const int* pos, const int* tile_q0,
                                              const int* tile_qn, const int* meta, bf16* out,
                                              int nh, int hd, int max_splits) {
-    PDL_ENTER();
+    // The step buffer is the host's: read before the wait.
     int tile = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
     int q0 = tile_q0[tile], qn = tile_qn[tile];
     int nsplit = meta[2], split_len = meta[1];
+    PDL_ENTER();
     for (int t = q0; t < q0 + qn; t++) {
         int used = min(nsplit, pos[t] / split_len + 1);
         long long base = ((long long)t * nh + head) * max_splits;
@@ -721,7 +765,7 @@ __device__ __forceinline__ u32 block_count(u32 v, u32* redu) {
 // One block per sampled row: greedy (temperature 0) or temperature sampling with top-k, top-p
 // and min-p, one uniform draw from the counter-based stream (seed, counter). Ties in greedy go
 // to the lowest id; top-k and top-p keep every token tied with the threshold.
-extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 2)
     sample_rows(const float* logits, u64 vocab, const int* rows, const float* temperature,
                 const int* top_k, const float* top_p, const float* min_p, const u64* seeds,
                 const u64* counters, int* out_tokens) {
@@ -737,30 +781,76 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     // Rows of a vocabulary that is a multiple of 4 are read as float4 (16-byte aligned).
     const bool vec4 = (n & 3) == 0;
 
-    // Max and the lowest index holding it.
+    // Max and the lowest index holding it, in one pass: each thread keeps its first index of
+    // its largest value (NaN never wins: comparisons with it are false, as fmaxf skips it; a
+    // -inf row keeps its first -inf), then the block keeps the largest value and, among equal
+    // ones, the lowest index. Four float4 loads in flight per thread (at most 32 registers,
+    // so two blocks fit a multiprocessor): one block reads the row, so at batch 1 its latency
+    // is the step's.
     float mx = NEG_INF;
+    int mi = n;
+    auto take = [&](float v, int i) {
+        if (v > mx || (v == mx && mi == n)) {
+            mx = v;
+            mi = i;
+        }
+    };
     if (vec4) {
         const float4* l4 = reinterpret_cast<const float4*>(l);
-#pragma unroll 4
-        for (int i = tid; i < (n >> 2); i += blockDim.x) {
-            float4 v = l4[i];
-            mx = fmaxf(mx, fmaxf(fmaxf(v.x, v.y), fmaxf(v.z, v.w)));
+        const int n4 = n >> 2;
+        for (int i0 = tid; i0 < n4; i0 += 4 * blockDim.x) {
+            float4 v[4];
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                const int i = i0 + u * blockDim.x;
+                v[u] = i < n4 ? l4[i] : make_float4(NEG_INF, NEG_INF, NEG_INF, NEG_INF);
+            }
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                const int i = i0 + u * blockDim.x;
+                if (i >= n4) break;
+                take(v[u].x, 4 * i);
+                take(v[u].y, 4 * i + 1);
+                take(v[u].z, 4 * i + 2);
+                take(v[u].w, 4 * i + 3);
+            }
         }
     } else {
-        for (int i = tid; i < n; i += blockDim.x) mx = fmaxf(mx, l[i]);
+        for (int i = tid; i < n; i += blockDim.x) take(l[i], i);
     }
-    mx = block_max(mx, red);
-    if (tid == 0) found = n;
-    __syncthreads();
-    if (T == 0.f || !(mx > NEG_INF)) {
-        if (!(mx > NEG_INF) && T != 0.f) {
-            if (tid == 0) out_tokens[s] = 0;
-            return;
+    // (max, index): larger value first, then lower index.
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, mx, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, mi, o);
+        if (ov > mx || (ov == mx && oi < mi) || (mi == n && oi < n)) {
+            mx = ov;
+            mi = oi;
         }
-        for (int i = tid; i < n; i += blockDim.x)
-            if (l[i] == mx) atomicMin(&found, i);
+    }
+    __shared__ float red_v[32];
+    __shared__ int red_i[32];
+    {
+        const int lane = tid & 31, warp = tid >> 5, nw = (blockDim.x + 31) >> 5;
+        if (lane == 0) {
+            red_v[warp] = mx;
+            red_i[warp] = mi;
+        }
         __syncthreads();
-        if (tid == 0) out_tokens[s] = found < n ? found : 0;
+        mx = lane < nw ? red_v[lane] : NEG_INF;
+        mi = lane < nw ? red_i[lane] : n;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, mx, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, mi, o);
+            if (ov > mx || (ov == mx && oi < mi) || (mi == n && oi < n)) {
+                mx = ov;
+                mi = oi;
+            }
+        }
+    }
+    if (T == 0.f || !(mx > NEG_INF)) {
+        if (tid == 0) out_tokens[s] = T == 0.f && mi < n ? mi : 0;
         return;
     }
     float inv_t = 1.f / T;

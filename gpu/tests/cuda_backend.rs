@@ -245,6 +245,10 @@ fn paged_attention_matches_naive() {
             let decodes: Vec<(usize, usize)> =
                 (0..5).map(|_| (rng.random_range(0..300), 1)).collect();
             check_attention(&mut rng, shape.clone(), &decodes, false);
+            // A decode batch of more than 64 sequences.
+            let many: Vec<(usize, usize)> =
+                (0..70).map(|_| (rng.random_range(0..300), 1)).collect();
+            check_attention(&mut rng, shape.clone(), &many, false);
             // Chunked prefill over cached prefixes, mixed with a decode, one prefix shared.
             check_attention(
                 &mut rng,
@@ -318,6 +322,22 @@ fn sampling_follows_the_cpu_semantics() {
     };
     assert_eq!(one(&[2.0, -1.0, 1.5], &rep, &[0, 1]), 2);
     assert_eq!(one(&[2.0, -1.0, 1.5], &greedy, &[0, 1]), 0);
+    // Rows of a real vocabulary's size (one read as float4 pieces, one not): ties between the
+    // block's threads and warps go to the lowest id, NaN never wins, and a row of -inf takes
+    // its first id that is not NaN.
+    for vocab in [128_256usize, 49_153] {
+        let mut l: Vec<f32> = (0..vocab)
+            .map(|i| ((i * 7919) % 1000) as f32 * 1e-3)
+            .collect();
+        for &i in &[vocab - 3, 70_001 % vocab, 4_099, 5_000] {
+            l[i] = 2.0;
+        }
+        l[17] = f32::NAN;
+        assert_eq!(one(&l, &greedy, &[]), 4_099, "vocab {vocab}");
+        let mut inf = vec![f32::NEG_INFINITY; vocab];
+        inf[0] = f32::NAN;
+        assert_eq!(one(&inf, &greedy, &[]), 1, "vocab {vocab}");
+    }
 
     let n = 4000;
     let h = histogram(

@@ -382,6 +382,9 @@ pub(crate) struct Gpu {
     pub gemv_mode: GemvMode,
     /// Multiprocessors of the device.
     pub sm_count: usize,
+    /// Decode steps' attention asks for its first keys before waiting on the QKV product
+    /// (`Launch::early_kv`); `SWITCHYARD_CUDA_EARLY_KV=0` turns it off.
+    pub early_kv: bool,
     /// Launch kernels with programmatic dependent launch (sm_90 and newer, unless
     /// `SWITCHYARD_CUDA_PDL=0`): a kernel may start while the previous one finishes; every
     /// kernel waits for its predecessor (`pdl_wait` in the CUDA source) before touching data,
@@ -489,9 +492,14 @@ impl Gpu {
             std::env::var("SWITCHYARD_CUDA_ROPE_EPILOGUE").as_deref(),
             Ok("0") | Ok("off")
         );
+        let early_kv = !matches!(
+            std::env::var("SWITCHYARD_CUDA_EARLY_KV").as_deref(),
+            Ok("0") | Ok("off")
+        );
         tracing::info!(
             pdl,
             rope_epilogue,
+            early_kv,
             gemv = ?gemv_mode,
             sm_count,
             gemm = if blaslt && lt.is_some() { "cublasLt" } else { "cublasGemmEx" },
@@ -509,6 +517,7 @@ impl Gpu {
             info,
             gemv_mode,
             sm_count,
+            early_kv,
             pdl,
             rope_epilogue,
             lt,

@@ -271,6 +271,7 @@ impl CudaBackend {
             small_tiles: step::one_warp_tiles(d.small_tiles, self.config.num_kv_heads),
             rows,
             z,
+            early_kv: t <= forward::EARLY_KV_MAX_TOKENS && d.one_token_per_seq(),
             layout: Layout::new(t, tiles, rows, rows),
         }
     }

@@ -108,6 +108,16 @@ pub(crate) struct StepData {
     pub small_tiles: usize,
 }
 
+impl StepData {
+    /// Whether every sequence has exactly one query token in the step (decode steps; see
+    /// `Launch::early_kv`). Sequences are numbered 0.. and each has at least one tile, so one
+    /// tile of one token per sequence means as many tiles as sequences, each of one token.
+    pub fn one_token_per_seq(&self) -> bool {
+        let seqs = self.tile_seq.iter().max().map_or(0, |&m| m as usize + 1);
+        self.tile_qn.len() == seqs && self.tile_qn.iter().all(|&q| q == 1)
+    }
+}
+
 /// Flattens a checked batch; `rows(i)` names the chunk rows of sequence `i` needing logits.
 pub(crate) fn flatten(
     batch: &Batch,
@@ -372,6 +382,27 @@ mod tests {
         let d = flatten(&batch, 3, 16, |_| vec![0]).unwrap();
         assert_eq!((d.tile_qn.clone(), d.small_tiles), (vec![1, 20], 1));
         assert!(flatten(&batch, 65, 16, |_| vec![0]).is_err());
+    }
+
+    #[test]
+    fn one_token_per_seq_only_for_decode_steps() {
+        let decode = Batch {
+            seqs: vec![seq(1, 30, 1, vec![4, 7]), seq(2, 3, 1, vec![5])],
+        };
+        assert!(flatten(&decode, 4, 16, |_| vec![0])
+            .unwrap()
+            .one_token_per_seq());
+        // A sequence with two tokens (one tile of two), and, with 64 heads per group, a
+        // chunk cut into tiles of one token each.
+        let chunk = Batch {
+            seqs: vec![seq(1, 30, 2, vec![4, 7, 9]), seq(2, 3, 1, vec![5])],
+        };
+        assert!(!flatten(&chunk, 4, 16, |_| vec![0])
+            .unwrap()
+            .one_token_per_seq());
+        let d = flatten(&chunk, 64, 16, |_| vec![0]).unwrap();
+        assert_eq!(d.tile_qn, vec![1, 1, 1]);
+        assert!(!d.one_token_per_seq());
     }
 
     #[test]

@@ -101,6 +101,9 @@ pub fn paged_attention(
         small_tiles: if s.one_warp { d.small_tiles } else { 0 },
         rows: 0,
         z,
+        // Every decode-only check takes the early path, whatever its size (the engine only
+        // for small steps), so the kernels' split first chunk is covered.
+        early_kv: d.one_token_per_seq(),
         layout: lay,
     };
     forward::attention(
