@@ -19,8 +19,9 @@
 #             leaves out the 2000-prompt offline run)
 #   variants  batch-1 decode with each SWITCHYARD_CUDA_GEMV mode, with PDL off (`:nopdl`),
 #             with GemmEx instead of cuBLASLt (`:nolt`), with RoPE in its own kernel
-#             (`:norope`) and with kernel source variants (`:def-MMA_KEYS=32`, see
-#             SWITCHYARD_CUDA_DEFINES) (VARIANTS), Llama decode at
+#             (`:norope`), without attention's early key copies (`:noearly`), with at most N
+#             attention splits (`:splits-N`) and with kernel source variants
+#             (`:def-MMA_KEYS=32`, see SWITCHYARD_CUDA_DEFINES) (VARIANTS), Llama decode at
 #             VARIANT_BATCHES with and without the GEMV kernels
 #   offline   Llama-3-8B offline 2000 x 128/128 at each OFFLINE_CONFIGS entry
 #             (max_num_seqs:max_num_batched_tokens)
@@ -71,6 +72,8 @@ bench() { # name, then bench throughput arguments
   local j="$OUT/$name.json"
   note "$(printf '%-28s rc=%s %4ss out_tok/s=%s decode_ms/step=%s decode_tok/s=%s' "$name" "$rc" $((SECONDS - t0)) \
     "$(field "$j" output_tokens_per_second)" "$(field "$j" decode_ms_per_step_median)" "$(field "$j" decode_tokens_per_second)")"
+  # With SWITCHYARD_CUDA_STEP_TIMING=1: the GPU's idle time between steps.
+  grep -h "CUDA step timing" "$OUT/$name.log" 2>/dev/null | sed 's/^/  /' | tee -a "$summary"
   [ $rc -ne 0 ] && tail -5 "$OUT/$name.log" | tee -a "$summary"
 }
 
@@ -113,8 +116,9 @@ if has dummy; then
 fi
 
 if has variants; then
-  # MODE[:nopdl][:nolt][:norope][:def-NAME=VALUE] for SWITCHYARD_CUDA_GEMV
+  # MODE[:nopdl][:nolt][:norope][:noearly][:splits-N][:def-NAME=VALUE] for SWITCHYARD_CUDA_GEMV
   # (SWITCHYARD_CUDA_PDL=0, SWITCHYARD_CUDA_BLASLT=0, SWITCHYARD_CUDA_ROPE_EPILOGUE=0,
+  # SWITCHYARD_CUDA_EARLY_KV=0, SWITCHYARD_CUDA_ATT_SPLITS=N,
   # SWITCHYARD_CUDA_DEFINES=NAME=VALUE), batch 1, the models in VARIANT_MODELS.
   for spec in ${VARIANTS:-off hybrid norm auto off:nopdl auto:nopdl off:nolt}; do
     mode=${spec%%:*}
@@ -124,11 +128,16 @@ if has variants; then
     [[ $spec == *:nolt* ]] && lt=0
     rope=1
     [[ $spec == *:norope* ]] && rope=0
+    early=1
+    [[ $spec == *:noearly* ]] && early=0
+    splits=${SWITCHYARD_CUDA_ATT_SPLITS:-32}
+    [[ $spec == *:splits-* ]] && { splits=${spec##*:splits-}; splits=${splits%%:*}; }
     defs=${SWITCHYARD_CUDA_DEFINES-}
     [[ $spec == *:def-* ]] && { defs=${spec##*:def-}; defs=${defs%%:*}; }
     for m in ${VARIANT_MODELS:-llama-3-8b smollm2-135m}; do
       SWITCHYARD_CUDA_PDL=$pdl SWITCHYARD_CUDA_BLASLT=$lt SWITCHYARD_CUDA_GEMV=$mode \
         SWITCHYARD_CUDA_ROPE_EPILOGUE=$rope SWITCHYARD_CUDA_DEFINES=$defs \
+        SWITCHYARD_CUDA_EARLY_KV=$early SWITCHYARD_CUDA_ATT_SPLITS=$splits \
         bench "$m-b1-${spec//:/-}" --dummy "$m" --decode-batch 1 --input-len 128 --output-len 256
     done
   done

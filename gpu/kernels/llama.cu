@@ -318,6 +318,9 @@ extern "C" __global__ void silu_mul(const bf16* gu, bf16* out, int inter, u64 to
 #ifndef ATT_P_SPLIT
 #define ATT_P_SPLIT 1
 #endif
+#ifndef ATT_L2_PREFETCH
+#define ATT_L2_PREFETCH 0
+#endif
 static_assert(ATT_P_SPLIT == 0 || ATT_P_SPLIT == 1, "ATT_P_SPLIT must be 0 or 1");
 static_assert(MMA_KEYS >= 16 && MMA_KEYS % 16 == 0 && 64 % MMA_KEYS == 0,
               "MMA_KEYS must be 16, 32 or 64");
@@ -490,6 +493,23 @@ __device__ void attention_body(const bf16* __restrict__ q, const bf16* __restric
     if (early_kv) {
         load_kv_chunk<HD, LD, WARPS, KEYS, true>(k_s, kc, slots, nkv, kvh, kstart, kstart, cached);
         load_kv_chunk<HD, LD, WARPS, KEYS, true>(v_s, vc, slots, nkv, kvh, kstart, kstart, cached);
+#if ATT_L2_PREFETCH
+        // The later chunks' cached keys and values into L2 (a split of several chunks: their
+        // copies follow the wait one chunk at a time). An experiment for few splits
+        // (SWITCHYARD_CUDA_ATT_SPLITS), off by default.
+        const int pf_end = min(kend, cached);
+        for (int kp = kstart + KEYS + threadIdx.x; kp < pf_end; kp += blockDim.x) {
+            const long long slot =
+                (long long)table[kp / block_size] * block_size + kp % block_size;
+            const bf16* kr = kc + (slot * nkv + kvh) * HD;
+            const bf16* vr = vc + (slot * nkv + kvh) * HD;
+#pragma unroll
+            for (int b = 0; b < HD * 2; b += 128) {
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(kr) + b));
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(vr) + b));
+            }
+        }
+#endif
     }
     pdl_wait();
     pdl_trigger();
@@ -762,6 +782,21 @@ __device__ __forceinline__ u32 block_count(u32 v, u32* redu) {
 
 #define SAMPLE_THREADS 1024
 
+// The warp's (value, index) pair with the largest value and, among equal values, the lowest
+// index, in every lane. An index past the row (a lane that saw only NaN) loses to any other:
+// its value is -inf, and a real index is lower.
+__device__ __forceinline__ void warp_argmax(float& v, int& i) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        if (ov > v || (ov == v && oi < i)) {
+            v = ov;
+            i = oi;
+        }
+    }
+}
+
 // One block per sampled row: greedy (temperature 0) or temperature sampling with top-k, top-p
 // and min-p, one uniform draw from the counter-based stream (seed, counter). Ties in greedy go
 // to the lowest id; top-k and top-p keep every token tied with the threshold.
@@ -818,16 +853,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 2)
     } else {
         for (int i = tid; i < n; i += blockDim.x) take(l[i], i);
     }
-    // (max, index): larger value first, then lower index.
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, mx, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, mi, o);
-        if (ov > mx || (ov == mx && oi < mi) || (mi == n && oi < n)) {
-            mx = ov;
-            mi = oi;
-        }
-    }
+    warp_argmax(mx, mi);
     __shared__ float red_v[32];
     __shared__ int red_i[32];
     {
@@ -839,15 +865,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 2)
         __syncthreads();
         mx = lane < nw ? red_v[lane] : NEG_INF;
         mi = lane < nw ? red_i[lane] : n;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, mx, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, mi, o);
-            if (ov > mx || (ov == mx && oi < mi) || (mi == n && oi < n)) {
-                mx = ov;
-                mi = oi;
-            }
-        }
+        warp_argmax(mx, mi);
     }
     if (T == 0.f || !(mx > NEG_INF)) {
         if (tid == 0) out_tokens[s] = T == 0.f && mi < n ? mi : 0;

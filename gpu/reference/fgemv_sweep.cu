@@ -10,16 +10,9 @@
 // A measurement for gpu/CUDA_NOTES.md, not a check.
 #include "../kernels/llama.cu"
 #include "../kernels/gemv.cu"
+#include "sweep_common.cuh"
 #define NOROPE nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0, 0, 0, 0
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <vector>
-#include <functional>
-#include <cmath>
-#include <algorithm>
 #include <cublas_v2.h>
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s at %d\n", cudaGetErrorString(e), __LINE__); exit(1);} } while (0)
 
 __device__ __forceinline__ void unpack8(uint4 v, float (&f)[8]) {
     f[0] = __uint_as_float(v.x << 16); f[1] = __uint_as_float(v.x & 0xffff0000u);
@@ -185,33 +178,6 @@ __global__ void __launch_bounds__(256, 1) fgemv(const bf16* __restrict__ w, cons
             ctr[1] = 0;
         }
     }
-}
-
-__global__ void fill(bf16* p, size_t n, u64 seed) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        u64 z = mix64(seed + i);
-        p[i] = __float2bfloat16(((int)(z & 0xffff) - 32768) / 32768.f * 0.05f);
-    }
-}
-__global__ void fillf(float* p, size_t n, u64 seed) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        u64 z = mix64(seed + i);
-        p[i] = ((int)(z & 0xffff) - 32768) / 32768.f;
-    }
-}
-
-static float time_us(cudaStream_t st, int reps, const std::function<void()>& f) {
-    cudaEvent_t a, b; cudaEventCreate(&a); cudaEventCreate(&b);
-    for (int i = 0; i < 3; i++) f();
-    std::vector<float> v;
-    for (int rep = 0; rep < 5; rep++) {
-        cudaEventRecord(a, st);
-        for (int i = 0; i < reps; i++) f();
-        cudaEventRecord(b, st); cudaEventSynchronize(b);
-        float ms; cudaEventElapsedTime(&ms, a, b); v.push_back(ms * 1000.f / reps);
-    }
-    std::sort(v.begin(), v.end());
-    return v[2];
 }
 
 struct Shape { const char* name; int m, k; int kind; int wpb, wpt; };  // kind 0 plain, 1 glu, 2 norm glu, 3 norm plain

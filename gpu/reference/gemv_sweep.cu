@@ -9,28 +9,10 @@
 #include "../kernels/llama.cu"
 #include GEMV_SRC
 // The RoPE epilogue arguments of every GEMV kernel, unused by the plain products timed here.
+#include "sweep_common.cuh"
 #define NOROPE nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0, 0, 0, 0
-#include <cstdio>
-#include <cstdlib>
-#include <vector>
-#include <functional>
-#include <cmath>
-#include <algorithm>
 #include <cublas_v2.h>
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s at %d\n", cudaGetErrorString(e), __LINE__); exit(1);} } while (0)
 
-__global__ void fill(bf16* p, size_t n, u64 seed) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-    u64 z = mix64(seed + i);
-    p[i] = __float2bfloat16(((int)(z & 0xffff) - 32768) / 32768.f * 0.05f);
-  }
-}
-__global__ void fillf(float* p, size_t n, u64 seed) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-    u64 z = mix64(seed + i);
-    p[i] = ((int)(z & 0xffff) - 32768) / 32768.f;
-  }
-}
 // Pure streaming read, 8 x 16 B in flight per thread.
 __global__ void __launch_bounds__(256) probe_contig(const uint4* p, size_t n16, u32* out) {
   u32 acc = 0;
@@ -95,20 +77,6 @@ __global__ void __launch_bounds__(256) probe_span(const bf16* w, int m, int k, u
     }
   }
   if (acc == 0x12345678) out[0] = acc;
-}
-
-static float time_us(cudaStream_t st, int reps, const std::function<void()>& f) {
-  cudaEvent_t a, b; cudaEventCreate(&a); cudaEventCreate(&b);
-  for (int i = 0; i < 3; i++) f();
-  std::vector<float> v;
-  for (int rep = 0; rep < 5; rep++) {
-    cudaEventRecord(a, st);
-    for (int i = 0; i < reps; i++) f();
-    cudaEventRecord(b, st); cudaEventSynchronize(b);
-    float ms; cudaEventElapsedTime(&ms, a, b); v.push_back(ms * 1000.f / reps);
-  }
-  std::sort(v.begin(), v.end());
-  return v[2];
 }
 
 int main() {

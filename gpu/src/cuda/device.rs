@@ -21,6 +21,7 @@ use cudarc::nvrtc::{CompileOptions, Ptx};
 use super::lt;
 use sha2::{Digest, Sha256};
 
+use super::step::MAX_SPLITS;
 use crate::error::GpuError;
 
 /// The CUDA C source of every kernel: one NVRTC unit (gemv.cu uses llama.cu's helpers).
@@ -385,6 +386,11 @@ pub(crate) struct Gpu {
     /// Decode steps' attention asks for its first keys before waiting on the QKV product
     /// (`Launch::early_kv`); `SWITCHYARD_CUDA_EARLY_KV=0` turns it off.
     pub early_kv: bool,
+    /// Most splits of an attention grid's key range (`SWITCHYARD_CUDA_ATT_SPLITS`, 1 to
+    /// [`MAX_SPLITS`], default [`MAX_SPLITS`]): an experiment switch for small steps, where
+    /// the split count decides between parallel blocks plus a combine launch and fewer,
+    /// longer blocks.
+    pub att_max_splits: usize,
     /// Launch kernels with programmatic dependent launch (sm_90 and newer, unless
     /// `SWITCHYARD_CUDA_PDL=0`): a kernel may start while the previous one finishes; every
     /// kernel waits for its predecessor (`pdl_wait` in the CUDA source) before touching data,
@@ -496,10 +502,24 @@ impl Gpu {
             std::env::var("SWITCHYARD_CUDA_EARLY_KV").as_deref(),
             Ok("0") | Ok("off")
         );
+        let att_max_splits = match std::env::var("SWITCHYARD_CUDA_ATT_SPLITS") {
+            Err(_) => MAX_SPLITS,
+            Ok(v) => v
+                .trim()
+                .parse::<usize>()
+                .ok()
+                .filter(|n| (1..=MAX_SPLITS).contains(n))
+                .ok_or_else(|| {
+                    GpuError::InvalidConfig(format!(
+                        "SWITCHYARD_CUDA_ATT_SPLITS={v}: expected 1 to {MAX_SPLITS}"
+                    ))
+                })?,
+        };
         tracing::info!(
             pdl,
             rope_epilogue,
             early_kv,
+            att_max_splits,
             gemv = ?gemv_mode,
             sm_count,
             gemm = if blaslt && lt.is_some() { "cublasLt" } else { "cublasGemmEx" },
@@ -518,6 +538,7 @@ impl Gpu {
             gemv_mode,
             sm_count,
             early_kv,
+            att_max_splits,
             pdl,
             rope_epilogue,
             lt,

@@ -573,7 +573,7 @@ pub(crate) struct Graphs {
 
 /// The launch shape of the decode bucket `bucket` (one token per tile, `group` rows: the
 /// tiles [`super::step::flatten`] makes for decodes).
-pub(crate) fn bucket_launch(bucket: usize, c: &LlamaConfig) -> Launch {
+pub(crate) fn bucket_launch(bucket: usize, c: &LlamaConfig, max_splits: usize) -> Launch {
     let group = c.num_heads / c.num_kv_heads;
     Launch {
         tokens: bucket,
@@ -584,7 +584,7 @@ pub(crate) fn bucket_launch(bucket: usize, c: &LlamaConfig) -> Launch {
             0
         },
         rows: bucket,
-        z: grid_splits(bucket, c.num_kv_heads, MAX_SPLITS),
+        z: grid_splits(bucket, c.num_kv_heads, max_splits),
         early_kv: bucket <= EARLY_KV_MAX_TOKENS,
         layout: Layout::new(bucket, bucket, bucket, bucket),
     }
@@ -611,7 +611,7 @@ impl Graphs {
             return Ok(false);
         }
         if let std::collections::hash_map::Entry::Vacant(slot) = self.graphs.entry(bucket) {
-            let l = bucket_launch(bucket, c);
+            let l = bucket_launch(bucket, c, gpu.att_max_splits);
             gpu.stream
                 .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
                 .map_err(|e| cuda_err("begin capture", e))?;

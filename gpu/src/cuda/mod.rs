@@ -21,6 +21,7 @@ mod sampling;
 mod step;
 #[doc(hidden)]
 pub mod testing;
+mod timing;
 mod weights;
 
 use std::collections::HashMap;
@@ -38,7 +39,7 @@ use device::Gpu;
 pub use device::{probe, DeviceInfo};
 use forward::{bucket_for, bucket_launch, Buffers, Graphs, Launch, GRAPH_BUCKETS};
 use sampling::{Edits, SampleArrays, SeqState};
-use step::{grid_splits, Layout, MAX_SPLITS};
+use step::{grid_splits, Layout};
 use weights::GpuWeights;
 
 /// Settings of a [`CudaBackend`].
@@ -87,6 +88,7 @@ pub struct CudaBackend {
     buf: Buffers,
     edit_buf: Option<device::DevMem>,
     weights: GpuWeights,
+    timing: Option<timing::StepTiming>,
     gpu: Gpu,
     config: LlamaConfig,
     block_size: usize,
@@ -184,11 +186,13 @@ impl CudaBackend {
             weights.bytes() >> 20,
             num_blocks
         );
+        let timing = timing::StepTiming::from_env(&gpu.ctx)?;
         Ok(CudaBackend {
             graphs: Graphs::default(),
             buf,
             edit_buf: None,
             weights,
+            timing,
             gpu,
             config: config.clone(),
             block_size: bs,
@@ -260,7 +264,7 @@ impl CudaBackend {
         let t = d.tokens.len();
         let tiles = d.tile_qn.len();
         let z = if t <= self.buf.split_tokens {
-            grid_splits(tiles, self.config.num_kv_heads, MAX_SPLITS)
+            grid_splits(tiles, self.config.num_kv_heads, self.gpu.att_max_splits)
         } else {
             1
         };
@@ -289,6 +293,9 @@ impl CudaBackend {
                 l.tokens, l.rows
             )));
         }
+        if let Some(t) = &mut self.timing {
+            t.start(&self.gpu.stream)?;
+        }
         let caps = (l.tokens, l.tiles, l.rows, l.rows);
         step::pack(d, samples, &l.layout, caps, l.z, &mut self.host_step);
         if self.host_step.len() > self.buf.step.bytes() {
@@ -311,6 +318,9 @@ impl Drop for CudaBackend {
     fn drop(&mut self) {
         if let Some(report) = self.gpu.profile_report() {
             eprintln!("{report}");
+        }
+        if let Some(t) = &self.timing {
+            eprintln!("{}", t.report());
         }
     }
 }
@@ -390,7 +400,7 @@ impl Backend for CudaBackend {
         let mut ran_graph = false;
         let mut launch = self.eager_launch(&d);
         if let Some(b) = bucket {
-            let l = bucket_launch(b, c);
+            let l = bucket_launch(b, c, self.gpu.att_max_splits);
             self.upload_step(&d, &samples, &l)?;
             ran_graph = self.graphs.run(
                 &self.gpu,
@@ -443,8 +453,14 @@ impl Backend for CudaBackend {
                 self.buf.sampled.ptr(),
             )
         })?;
+        if let Some(t) = &mut self.timing {
+            t.end(&self.gpu.stream)?;
+        }
         let mut tokens = vec![0i32; samples.len()];
         self.gpu.download(&mut tokens, self.buf.sampled.ptr())?;
+        if let Some(t) = &mut self.timing {
+            t.finish()?;
+        }
         drop(edits);
         // Outputs, in batch order.
         let mut outputs = Vec::with_capacity(batch.seqs.len());
