@@ -20,7 +20,8 @@
 #   variants  batch-1 decode with each SWITCHYARD_CUDA_GEMV mode, with PDL off (`:nopdl`),
 #             with GemmEx instead of cuBLASLt (`:nolt`), with RoPE in its own kernel
 #             (`:norope`), without attention's early key copies (`:noearly`), with at most N
-#             attention splits (`:splits-N`) and with kernel source variants
+#             attention splits (`:splits-N`), with the KV heads fastest in the attention grid
+#             (`:hinner`) and with kernel source variants
 #             (`:def-MMA_KEYS=32`, see SWITCHYARD_CUDA_DEFINES) (VARIANTS), Llama decode at
 #             VARIANT_BATCHES with and without the GEMV kernels
 #   offline   Llama-3-8B offline 2000 x 128/128 at each OFFLINE_CONFIGS entry
@@ -116,9 +117,10 @@ if has dummy; then
 fi
 
 if has variants; then
-  # MODE[:nopdl][:nolt][:norope][:noearly][:splits-N][:def-NAME=VALUE] for SWITCHYARD_CUDA_GEMV
-  # (SWITCHYARD_CUDA_PDL=0, SWITCHYARD_CUDA_BLASLT=0, SWITCHYARD_CUDA_ROPE_EPILOGUE=0,
-  # SWITCHYARD_CUDA_EARLY_KV=0, SWITCHYARD_CUDA_ATT_SPLITS=N,
+  # MODE[:nopdl][:nolt][:norope][:noearly][:splits-N][:hinner][:def-NAME=VALUE] for
+  # SWITCHYARD_CUDA_GEMV (SWITCHYARD_CUDA_PDL=0, SWITCHYARD_CUDA_BLASLT=0,
+  # SWITCHYARD_CUDA_ROPE_EPILOGUE=0, SWITCHYARD_CUDA_EARLY_KV=0, SWITCHYARD_CUDA_ATT_SPLITS=N,
+  # SWITCHYARD_CUDA_ATT_HEADS_INNER=1,
   # SWITCHYARD_CUDA_DEFINES=NAME=VALUE), batch 1, the models in VARIANT_MODELS.
   for spec in ${VARIANTS:-off hybrid norm auto off:nopdl auto:nopdl off:nolt}; do
     mode=${spec%%:*}
@@ -130,6 +132,8 @@ if has variants; then
     [[ $spec == *:norope* ]] && rope=0
     early=1
     [[ $spec == *:noearly* ]] && early=0
+    hinner=0
+    [[ $spec == *:hinner* ]] && hinner=1
     splits=${SWITCHYARD_CUDA_ATT_SPLITS:-32}
     [[ $spec == *:splits-* ]] && { splits=${spec##*:splits-}; splits=${splits%%:*}; }
     defs=${SWITCHYARD_CUDA_DEFINES-}
@@ -138,6 +142,7 @@ if has variants; then
       SWITCHYARD_CUDA_PDL=$pdl SWITCHYARD_CUDA_BLASLT=$lt SWITCHYARD_CUDA_GEMV=$mode \
         SWITCHYARD_CUDA_ROPE_EPILOGUE=$rope SWITCHYARD_CUDA_DEFINES=$defs \
         SWITCHYARD_CUDA_EARLY_KV=$early SWITCHYARD_CUDA_ATT_SPLITS=$splits \
+        SWITCHYARD_CUDA_ATT_HEADS_INNER=$hinner \
         bench "$m-b1-${spec//:/-}" --dummy "$m" --decode-batch 1 --input-len 128 --output-len 256
     done
   done

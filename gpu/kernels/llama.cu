@@ -461,7 +461,7 @@ __device__ void attention_body(const bf16* __restrict__ q, const bf16* __restric
                                    const int* __restrict__ meta, float* __restrict__ part_acc,
                                    float* __restrict__ part_ml, bf16* __restrict__ out, int nh,
                                    int nkv, int block_size, float scale, int tile_base,
-                                   int early_kv) {
+                                   int early_kv, int heads_inner) {
     constexpr int LD = HD + 8;  // shared row stride in bf16: ldmatrix rows hit distinct banks
     constexpr int KT = HD / 16;       // k-steps of Q K^T
     constexpr int NS = KEYS / 8;  // score n-tiles
@@ -474,7 +474,12 @@ __device__ void attention_body(const bf16* __restrict__ q, const bf16* __restric
     // the step, as in decode steps), the keys and values of the positions before the tile's
     // query, which this step's QKV product does not write. Their first chunk is asked for
     // here, while the QKV product still runs; a block with nothing to do leaves at once.
-    const int tile = tile_base + blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
+    // heads_inner: the grid is (tiles x KV heads, 1, splits) with the KV heads fastest, so the
+    // blocks that run together read every head of the same cache slots (one contiguous run of
+    // nkv * HD values per slot); otherwise (tiles, KV heads, splits).
+    const int tile = tile_base + (heads_inner ? (int)blockIdx.x / nkv : (int)blockIdx.x);
+    const int kvh = heads_inner ? (int)blockIdx.x % nkv : (int)blockIdx.y;
+    const int split = blockIdx.z;
     const int qn = tile_qn[tile];
     if (qn <= 0 || split >= meta[2]) return;
     const int q0 = tile_q0[tile], seq = tile_seq[tile];
@@ -699,16 +704,17 @@ __device__ void attention_body(const bf16* __restrict__ q, const bf16* __restric
     }
 }
 
-// Grid (tiles, kv heads, splits), 32 * W threads, KEYS keys per chunk.
+// Grid (tiles, kv heads, splits), or (tiles x kv heads, 1, splits) with heads_inner; 32 * W
+// threads, KEYS keys per chunk.
 #define ATTENTION_KERNEL(NAME, HD, W, KEYS)                                                      \
     extern "C" __global__ void __launch_bounds__(32 * W) NAME(                                  \
         const bf16* q, const bf16* kc, const bf16* vc, const int* pos, const int* tile_seq,     \
         const int* tile_q0, const int* tile_qn, const int* block_tables, const int* meta,       \
         float* part_acc, float* part_ml, bf16* out, int nh, int nkv, int block_size,            \
-        float scale, int tile_base, int early_kv) {                                             \
+        float scale, int tile_base, int early_kv, int heads_inner) {                            \
         attention_body<HD, W, KEYS>(q, kc, vc, pos, tile_seq, tile_q0, tile_qn, block_tables,   \
                                     meta, part_acc, part_ml, out, nh, nkv, block_size, scale,   \
-                                    tile_base, early_kv);                                       \
+                                    tile_base, early_kv, heads_inner);                          \
     }
 
 ATTENTION_KERNEL(attention_w1_64, 64, 1, MMA_KEYS)

@@ -36,7 +36,12 @@ __device__ __forceinline__ uint4 fg_ld_w(const bf16* p) {
 // (DYN) the next free group from an atomic counter (reset by the last warp to finish), or
 // (static) groups w + W, w + 2W, ... The first batch of W loads is issued before x is staged
 // (PRE); with PIPE each batch's loads are issued before the previous batch's products.
-template <int NT, int LPR, int U, bool GLU, bool NORM, bool DYN, bool PIPE>
+// NORM: 0 x as given; 1 RMSNorm first (one warp's sum of squares, then x normalised into
+// shared memory, as the backend's norm kernels compute it); 2 RMSNorm late: nw * x is staged
+// while each thread adds up its squares, and the 1 / rms factor scales the sums at the end, so
+// no warp waits on a reduction before the products (other rounding than 1: bf16(nw x) rather
+// than bf16(nw (x inv))).
+template <int NT, int LPR, int U, bool GLU, int NORM, bool DYN, bool PIPE>
 __global__ void __launch_bounds__(256, 1) fgemv(const bf16* __restrict__ w, const bf16* __restrict__ x,
                                                 const float* __restrict__ xf, const float* __restrict__ nw,
                                                 float eps, void* __restrict__ y, int m, int n, int k,
@@ -82,25 +87,56 @@ __global__ void __launch_bounds__(256, 1) fgemv(const bf16* __restrict__ w, cons
     if (ug < groups) load(P, ug, 0);
 
     // x (normalised for NORM) into shared memory; rows n..NT-1 zero.
-    if (NORM) {
+    if (NORM == 1) {
         for (int t = warp; t < n; t += wpb) {
             const float ss = warp_sumsq(xf + (u64)t * k, k, lane);
             if (lane == 0) inv_s[t] = rms_inv(ss, k, eps);
         }
         __syncthreads();
     }
-    for (int i = threadIdx.x; i < NT * (k >> 3); i += blockDim.x) {
-        const int t = i / (k >> 3), o = 8 * (i % (k >> 3));
-        uint4 v = make_uint4(0u, 0u, 0u, 0u);
-        if (t < n) {
-            if (NORM)
-                v = gemv_norm_piece(xf + (u64)t * k + o, nw + o, inv_s[t]);
-            else
-                v = __ldg(reinterpret_cast<const uint4*>(x + (u64)t * k + o));
+    __shared__ float red_ss[NT][8];
+#pragma unroll
+    for (int t = 0; t < NT; t++) {
+        float ss = 0.f;
+        for (int i = threadIdx.x; i < (k >> 3); i += blockDim.x) {
+            const int o = 8 * i;
+            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+            if (t < n) {
+                if (NORM == 1) {
+                    v = gemv_norm_piece(xf + (u64)t * k + o, nw + o, inv_s[t]);
+                } else if (NORM == 2) {
+                    const float4 x0 = __ldg(reinterpret_cast<const float4*>(xf + (u64)t * k + o));
+                    const float4 x1 = __ldg(reinterpret_cast<const float4*>(xf + (u64)t * k + o + 4));
+                    const float4 w0 = __ldg(reinterpret_cast<const float4*>(nw + o));
+                    const float4 w1 = __ldg(reinterpret_cast<const float4*>(nw + o + 4));
+                    v.x = gemv_pack(w0.x * x0.x, w0.y * x0.y);
+                    v.y = gemv_pack(w0.z * x0.z, w0.w * x0.w);
+                    v.z = gemv_pack(w1.x * x1.x, w1.y * x1.y);
+                    v.w = gemv_pack(w1.z * x1.z, w1.w * x1.w);
+                    ss += x0.x * x0.x + x0.y * x0.y + x0.z * x0.z + x0.w * x0.w + x1.x * x1.x +
+                          x1.y * x1.y + x1.z * x1.z + x1.w * x1.w;
+                } else {
+                    v = __ldg(reinterpret_cast<const uint4*>(x + (u64)t * k + o));
+                }
+            }
+            *reinterpret_cast<uint4*>(xs + (u64)t * k + o) = v;
         }
-        *reinterpret_cast<uint4*>(xs + (u64)t * k + o) = v;
+        if (NORM == 2) {
+            ss = warp_sum(ss);
+            if (lane == 0) red_ss[t][warp] = ss;
+        }
     }
     __syncthreads();
+    float inv_l[NT];
+#pragma unroll
+    for (int t = 0; t < NT; t++) {
+        inv_l[t] = 1.f;
+        if (NORM == 2) {
+            float ss = 0.f;
+            for (int q = 0; q < wpb; q++) ss += red_ss[t][q];
+            inv_l[t] = rms_inv(ss, k, eps);
+        }
+    }
 
     int grabbed = 0;  // lane 0: the next group (DYN), fetched one unit ahead
     if (DYN && lane == 0) grabbed = GW + atomicAdd(ctr, 1);
@@ -142,6 +178,7 @@ __global__ void __launch_bounds__(256, 1) fgemv(const bf16* __restrict__ w, cons
         for (int t = 0; t < NT; t++) {
 #pragma unroll
             for (int off = LPR / 2; off > 0; off >>= 1) acc[t] += __shfl_xor_sync(0xffffffffu, acc[t], off);
+            if (NORM == 2) acc[t] *= inv_l[t];
         }
         if (GLU) {
 #pragma unroll
@@ -180,7 +217,9 @@ __global__ void __launch_bounds__(256, 1) fgemv(const bf16* __restrict__ w, cons
     }
 }
 
-struct Shape { const char* name; int m, k; int kind; int wpb, wpt; };  // kind 0 plain, 1 glu, 2 norm glu, 3 norm plain
+// kind 0 plain, 1 glu, 2 norm glu, 3 norm plain, 4 late-norm glu, 5 late-norm plain (the mma
+// norm kernels are their references, and their mma timing).
+struct Shape { const char* name; int m, k; int kind; int wpb, wpt; };
 
 static std::vector<float> fetch(const void* p, size_t n, bool bf) {
     std::vector<float> out(n);
@@ -208,11 +247,13 @@ template <int NT, int LPR, int U, bool DYN, bool PIPE>
 static void run_fma(const Shape& s, int n, int sms, const bf16* W, size_t maxw, size_t copies, int& rot,
                     const bf16* X, const float* XF, const float* NW, void* Y, const std::vector<float>& ref,
                     double gb, cudaStream_t st) {
-    const bool glu = s.kind == 1 || s.kind == 2, norm = s.kind >= 2;
+    const bool glu = s.kind == 1 || s.kind == 2 || s.kind == 4;
     void (*fn)(const bf16*, const bf16*, const float*, const float*, float, void*, int, int, int, float, int, int*) =
-        s.kind == 0 ? fgemv<NT, LPR, U, false, false, DYN, PIPE>
-        : s.kind == 1 ? fgemv<NT, LPR, U, true, false, DYN, PIPE>
-        : s.kind == 2 ? fgemv<NT, LPR, U, true, true, DYN, PIPE> : fgemv<NT, LPR, U, false, true, DYN, PIPE>;
+        s.kind == 0 ? fgemv<NT, LPR, U, false, 0, DYN, PIPE>
+        : s.kind == 1 ? fgemv<NT, LPR, U, true, 0, DYN, PIPE>
+        : s.kind == 2 ? fgemv<NT, LPR, U, true, 1, DYN, PIPE>
+        : s.kind == 3 ? fgemv<NT, LPR, U, false, 1, DYN, PIPE>
+        : s.kind == 4 ? fgemv<NT, LPR, U, true, 2, DYN, PIPE> : fgemv<NT, LPR, U, false, 2, DYN, PIPE>;
     const size_t smem = (size_t)NT * s.k * 2;
     CK(cudaFuncSetAttribute((const void*)fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     int bps = 0;
@@ -270,12 +311,13 @@ int main() {
     // The mma kernels at the launch shape the host picks (CUDA_NOTES v5).
     Shape shapes[] = {{"qkv", 6144, 4096, 0, 4, 4}, {"qkv+norm", 6144, 4096, 3, 4, 4}, {"o", 4096, 4096, 0, 8, 8},
                       {"gate_up+silu", 14336, 4096, 1, 8, 1}, {"gate_up+norm+silu", 14336, 4096, 2, 8, 1},
+                      {"gate_up+lnorm+silu", 14336, 4096, 4, 8, 1}, {"qkv+lnorm", 6144, 4096, 5, 4, 4},
                       {"down", 4096, 14336, 0, 8, 8}, {"lm_head/4", 128256 / 4, 4096, 0, 8, 1}};
     int rot = 0;
     const char* only = getenv("FGEMV_ONLY");
     for (auto& s : shapes) {
         if (only && !strstr(only, s.name)) continue;
-        const bool glu = s.kind == 1 || s.kind == 2, norm = s.kind >= 2;
+        const bool glu = s.kind == 1 || s.kind == 2 || s.kind == 4, norm = s.kind >= 2;
         const int wrows = glu ? 2 * s.m : s.m;
         const double gb = (double)wrows * s.k * 2 / 1e9;
         const int tiles = glu ? s.m / 8 : (s.m + 15) / 16;
@@ -284,7 +326,7 @@ int main() {
                 const int tpb = s.wpb / s.wpt, blocks = (tiles + tpb - 1) / tpb;
                 if (s.kind == 0) gemv_1<<<blocks, 32 * s.wpb>>>(w, X, nullptr, nullptr, 0.f, y, s.m, n, s.k, 0.f, 1, s.wpt, NOROPE);
                 else if (s.kind == 1) gemv_glu_1<<<blocks, 32 * s.wpb>>>(w, X, nullptr, nullptr, 0.f, y, s.m, n, s.k, 0.f, 0, s.wpt, NOROPE);
-                else if (s.kind == 2) gemv_norm_glu_1<<<blocks, 32 * s.wpb>>>(w, nullptr, XF, NW, 1e-5f, y, s.m, n, s.k, 0.f, 0, s.wpt, NOROPE);
+                else if (s.kind == 2 || s.kind == 4) gemv_norm_glu_1<<<blocks, 32 * s.wpb>>>(w, nullptr, XF, NW, 1e-5f, y, s.m, n, s.k, 0.f, 0, s.wpt, NOROPE);
                 else gemv_norm_1<<<blocks, 32 * s.wpb>>>(w, nullptr, XF, NW, 1e-5f, y, s.m, n, s.k, 0.f, 1, s.wpt, NOROPE);
             };
             // Reference: cuBLAS (plain, GLU with SiLU on the host) or the mma norm kernels.

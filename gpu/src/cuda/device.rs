@@ -391,6 +391,10 @@ pub(crate) struct Gpu {
     /// the split count decides between parallel blocks plus a combine launch and fewer,
     /// longer blocks.
     pub att_max_splits: usize,
+    /// Attention grids with the KV heads as the fastest index (`SWITCHYARD_CUDA_ATT_HEADS_INNER=1`,
+    /// an experiment): blocks that run together then read all heads of the same cache slots,
+    /// which lie side by side in the [slots, kv_heads, head_dim] cache.
+    pub att_heads_inner: bool,
     /// Launch kernels with programmatic dependent launch (sm_90 and newer, unless
     /// `SWITCHYARD_CUDA_PDL=0`): a kernel may start while the previous one finishes; every
     /// kernel waits for its predecessor (`pdl_wait` in the CUDA source) before touching data,
@@ -502,6 +506,10 @@ impl Gpu {
             std::env::var("SWITCHYARD_CUDA_EARLY_KV").as_deref(),
             Ok("0") | Ok("off")
         );
+        let att_heads_inner = matches!(
+            std::env::var("SWITCHYARD_CUDA_ATT_HEADS_INNER").as_deref(),
+            Ok("1") | Ok("on")
+        );
         let att_max_splits = match std::env::var("SWITCHYARD_CUDA_ATT_SPLITS") {
             Err(_) => MAX_SPLITS,
             Ok(v) => v
@@ -520,6 +528,7 @@ impl Gpu {
             rope_epilogue,
             early_kv,
             att_max_splits,
+            att_heads_inner,
             gemv = ?gemv_mode,
             sm_count,
             gemm = if blaslt && lt.is_some() { "cublasLt" } else { "cublasGemmEx" },
@@ -539,6 +548,7 @@ impl Gpu {
             sm_count,
             early_kv,
             att_max_splits,
+            att_heads_inner,
             pdl,
             rope_epilogue,
             lt,

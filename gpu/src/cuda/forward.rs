@@ -503,10 +503,15 @@ pub(crate) fn attention(
         if tiles == 0 {
             continue;
         }
+        let grid = if gpu.att_heads_inner {
+            ((tiles * nkv) as u32, 1, l.z as u32)
+        } else {
+            (tiles as u32, nkv as u32, l.z as u32)
+        };
         gpu.timed("attention", || {
             gpu.launch(
                 kernel,
-                (tiles as u32, nkv as u32, l.z as u32),
+                grid,
                 threads,
                 &[
                     Arg::Ptr(io.q),
@@ -527,6 +532,7 @@ pub(crate) fn attention(
                     Arg::F32(1.0 / (hd as f32).sqrt()),
                     i32v(first),
                     Arg::I32((l.early_kv && gpu.early_kv) as i32),
+                    Arg::I32(gpu.att_heads_inner as i32),
                 ],
             )
         })?;
