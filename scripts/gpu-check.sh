@@ -9,7 +9,8 @@
 # Then on the GPU host:
 #   BIN=dir-with-switchyard-and-cuda_backend MODEL=path/to/SmolLM2-135M-Instruct.Q4_1.gguf \
 #     OUT=results-dir scripts/gpu-check.sh
-# SECTIONS picks parts (default: all): tests gemv ref dummy variants profile model serve hf.
+# SECTIONS picks parts (default: all but ab): tests gemv ref dummy variants profile model serve
+# hf ab.
 #   tests     the cuda_backend test binary (GGUF-dependent tests skip without MODEL)
 #   gemv      GEMV kernels against cuBLAS, time per product at every projection shape
 #   ref       gpu/reference/ref_logits.py (for each of REF_LAYERS, default "4 8": that many
@@ -33,6 +34,9 @@
 #             with logprobs, a chat completion, the backend metric, then `bench serve`
 #             (SERVE_BENCH_ARGS; default 1000 prompts of 128/128 at concurrency 256)
 #   hf        gpu/reference/hf_bench.py (HF_ARGS): transformers on the same shapes
+#   ab        builds against each other, interleaved: AB_BINS="DIR DIR ..." (each a folder with a
+#             switchyard build), AB_SPECS (name=arguments, commas for spaces; default Llama and
+#             SmolLM2 at batch 1 / 64 / 256 and the Llama offline run), AB_ROUNDS (2)
 # Results: $OUT/summary.txt (the table printed last), $OUT/*.json and logs; with ARCHIVE=file,
 # all of them in one .tar.gz as well (the device tool returns at most 8 files).
 set -uo pipefail
@@ -242,6 +246,29 @@ EOF
     note "serve did not come up"; tail -5 "$OUT/serve.log" | tee -a "$summary"
   fi
   kill "$spid" 2>/dev/null; wait "$spid" 2>/dev/null
+fi
+
+if has ab; then
+  # Interleaved A/B of builds in one lease (machines of one type differ by a few percent, so
+  # compare within a call): AB_BINS (folders holding a switchyard build, packed or not) take
+  # turns on each AB_SPECS entry (name=bench-throughput-arguments with commas for spaces),
+  # AB_ROUNDS times; one line per run.
+  for d in ${AB_BINS:-}; do
+    for f in "$d"/*.gz; do
+      [ -e "$f" ] || continue
+      gunzip -c "$f" >"${f%.gz}" && chmod +x "${f%.gz}"
+    done
+  done
+  specs=${AB_SPECS:-"llama-b1=--dummy,llama-3-8b,--decode-batch,1,--input-len,128,--output-len,256 llama-b64=--dummy,llama-3-8b,--decode-batch,64,--input-len,128,--output-len,128 llama-b256=--dummy,llama-3-8b,--decode-batch,256,--input-len,128,--output-len,128 smol-b1=--dummy,smollm2-135m,--decode-batch,1,--input-len,128,--output-len,256 smol-b256=--dummy,smollm2-135m,--decode-batch,256,--input-len,128,--output-len,128 llama-offline=--dummy,llama-3-8b,--num-prompts,2000,--input-len,128,--output-len,128,--max-num-seqs,2048,--max-num-batched-tokens,32768"}
+  for r in $(seq 1 "${AB_ROUNDS:-2}"); do
+    for spec in $specs; do
+      args=${spec#*=}
+      for d in ${AB_BINS:-}; do
+        # shellcheck disable=SC2086
+        (SY="$d/switchyard"; bench "ab-${spec%%=*}-$(basename "$d")-$r" ${args//,/ })
+      done
+    done
+  done
 fi
 
 if has hf && [ -f gpu/reference/hf_bench.py ]; then
