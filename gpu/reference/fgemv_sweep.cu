@@ -12,7 +12,6 @@
 #include "../kernels/gemv.cu"
 #include "sweep_common.cuh"
 #define NOROPE nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0, 0, 0, 0
-#include <cublas_v2.h>
 
 __device__ __forceinline__ void unpack8(uint4 v, float (&f)[8]) {
     f[0] = __uint_as_float(v.x << 16); f[1] = __uint_as_float(v.x & 0xffff0000u);
@@ -221,18 +220,6 @@ __global__ void __launch_bounds__(256, 1) fgemv(const bf16* __restrict__ w, cons
 // norm kernels are their references, and their mma timing).
 struct Shape { const char* name; int m, k; int kind; int wpb, wpt; };
 
-static std::vector<float> fetch(const void* p, size_t n, bool bf) {
-    std::vector<float> out(n);
-    if (bf) {
-        std::vector<bf16> b(n);
-        CK(cudaMemcpy(b.data(), p, n * 2, cudaMemcpyDeviceToHost));
-        for (size_t i = 0; i < n; i++) out[i] = __bfloat162float(b[i]);
-    } else {
-        CK(cudaMemcpy(out.data(), p, n * 4, cudaMemcpyDeviceToHost));
-    }
-    return out;
-}
-
 static double rel_err(const std::vector<float>& got, const std::vector<float>& ref) {
     double dmax = 0, rmax = 0;
     for (size_t i = 0; i < got.size(); i++) {
@@ -332,21 +319,7 @@ int main() {
             // Reference: cuBLAS (plain, GLU with SiLU on the host) or the mma norm kernels.
             std::vector<float> ref;
             if (!norm) {
-                float one = 1.f, zero = 0.f;
-                cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, wrows, n, s.k, &one, W, CUDA_R_16BF, s.k, X, CUDA_R_16BF, s.k,
-                             &zero, YR, glu ? CUDA_R_16BF : CUDA_R_32F, wrows, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-                CK(cudaDeviceSynchronize());
-                if (glu) {
-                    std::vector<float> gu = fetch(YR, (size_t)n * wrows, true);
-                    ref.resize((size_t)n * s.m);
-                    for (int t = 0; t < n; t++)
-                        for (int r = 0; r < s.m; r++) {
-                            const float g = gu[(size_t)t * wrows + r], u = gu[(size_t)t * wrows + s.m + r];
-                            ref[(size_t)t * s.m + r] = g / (1.f + expf(-g)) * u;
-                        }
-                } else {
-                    ref = fetch(YR, (size_t)n * s.m, false);
-                }
+                ref = cublas_reference(h, W, X, YR, s.m, n, s.k, glu);
             } else {
                 mma(W, YR);
                 CK(cudaDeviceSynchronize());

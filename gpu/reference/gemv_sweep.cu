@@ -11,7 +11,6 @@
 // The RoPE epilogue arguments of every GEMV kernel, unused by the plain products timed here.
 #include "sweep_common.cuh"
 #define NOROPE nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0, 0, 0, 0
-#include <cublas_v2.h>
 
 // Pure streaming read, 8 x 16 B in flight per thread.
 __global__ void __launch_bounds__(256) probe_contig(const uint4* p, size_t n16, u32* out) {
@@ -123,25 +122,7 @@ int main() {
       // The reference for the plain and GLU products: cublasGemmEx on weight copy 0, then
       // (GLU) silu(gate) * up on the host; every launch shape is checked against it.
       std::vector<float> ref;
-      if (!norm) {
-        float one = 1.f, zero = 0.f;
-        cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, wrows, n, s.k, &one, W, CUDA_R_16BF, s.k, X, CUDA_R_16BF, s.k,
-                     &zero, YR, glu ? CUDA_R_16BF : CUDA_R_32F, wrows, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-        CK(cudaDeviceSynchronize());
-        ref.resize((size_t)n * s.m);
-        if (glu) {
-          std::vector<bf16> gu((size_t)n * wrows);
-          CK(cudaMemcpy(gu.data(), YR, gu.size() * 2, cudaMemcpyDeviceToHost));
-          for (int t = 0; t < n; t++)
-            for (int r = 0; r < s.m; r++) {
-              const float g = __bfloat162float(gu[(size_t)t * wrows + r]);
-              const float u = __bfloat162float(gu[(size_t)t * wrows + s.m + r]);
-              ref[(size_t)t * s.m + r] = g / (1.f + expf(-g)) * u;
-            }
-        } else {
-          CK(cudaMemcpy(ref.data(), YR, ref.size() * 4, cudaMemcpyDeviceToHost));
-        }
-      }
+      if (!norm) ref = cublas_reference(h, W, X, YR, s.m, n, s.k, glu);
       // Every launch shape the kernels take: wpb warps per block, wpt of them per tile (wpt
       // divides wpb). "max/avg" is the most warps any SM gets in the first wave against the
       // average (1.00: balanced), from the occupancy API.
