@@ -489,27 +489,16 @@ impl Gpu {
             _module: module,
         };
         let gemv_mode = GemvMode::from_env();
-        let pdl = info.compute_capability.0 >= 9
-            && !matches!(
-                std::env::var("SWITCHYARD_CUDA_PDL").as_deref(),
-                Ok("0") | Ok("off")
-            );
+        let env =
+            |name: &str, default: bool| switch_on(std::env::var(name).ok().as_deref(), default);
+        let pdl = info.compute_capability.0 >= 9 && env("SWITCHYARD_CUDA_PDL", true);
         let sm_count = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| cuda_err("multiprocessor count", e))?
             .max(1) as usize;
-        let rope_epilogue = !matches!(
-            std::env::var("SWITCHYARD_CUDA_ROPE_EPILOGUE").as_deref(),
-            Ok("0") | Ok("off")
-        );
-        let early_kv = !matches!(
-            std::env::var("SWITCHYARD_CUDA_EARLY_KV").as_deref(),
-            Ok("0") | Ok("off")
-        );
-        let att_heads_inner = matches!(
-            std::env::var("SWITCHYARD_CUDA_ATT_HEADS_INNER").as_deref(),
-            Ok("1") | Ok("on")
-        );
+        let rope_epilogue = env("SWITCHYARD_CUDA_ROPE_EPILOGUE", true);
+        let early_kv = env("SWITCHYARD_CUDA_EARLY_KV", true);
+        let att_heads_inner = env("SWITCHYARD_CUDA_ATT_HEADS_INNER", false);
         let att_max_splits = match std::env::var("SWITCHYARD_CUDA_ATT_SPLITS") {
             Err(_) => MAX_SPLITS,
             Ok(v) => v
@@ -1038,6 +1027,16 @@ fn cache_dir() -> Option<PathBuf> {
     std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/switchyard/kernels"))
 }
 
+/// An on/off switch's value from the environment: `0` or `off` turn it off, `1` or `on` on,
+/// anything else (or nothing) leaves `default`.
+pub(crate) fn switch_on(value: Option<&str>, default: bool) -> bool {
+    match value {
+        Some("0") | Some("off") => false,
+        Some("1") | Some("on") => true,
+        _ => default,
+    }
+}
+
 /// Most `NAME=VALUE` pairs in `SWITCHYARD_CUDA_DEFINES`.
 const MAX_DEFINES: usize = 8;
 
@@ -1158,7 +1157,19 @@ pub fn compile_ptx_with(cc: (i32, i32), defines: &[(String, i32)]) -> Result<Str
 
 #[cfg(test)]
 mod tests {
-    use super::{auto_route, gemv_grid, parse_defines, GemvGrid, GemvRoute, MAX_DEFINES};
+    use super::{
+        auto_route, gemv_grid, parse_defines, switch_on, GemvGrid, GemvRoute, MAX_DEFINES,
+    };
+
+    #[test]
+    fn switches_turn_off_with_0_or_off_and_on_with_1_or_on() {
+        for default in [false, true] {
+            assert!(!switch_on(Some("0"), default) && !switch_on(Some("off"), default));
+            assert!(switch_on(Some("1"), default) && switch_on(Some("on"), default));
+            assert_eq!(switch_on(None, default), default);
+            assert_eq!(switch_on(Some("maybe"), default), default);
+        }
+    }
 
     #[test]
     fn kernel_definitions_are_validated() {
