@@ -8,9 +8,10 @@
 // A measurement for gpu/CUDA_NOTES.md, not a check.
 #include "../kernels/llama.cu"
 #include GEMV_SRC
-// The RoPE epilogue arguments of every GEMV kernel, unused by the plain products timed here.
+// The RoPE epilogue arguments of every GEMV kernel, unused by the plain products timed here,
+// and krot 0 (blocks start at the first batch of their k range).
 #include "sweep_common.cuh"
-#define NOROPE nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0, 0, 0, 0
+#define NOROPE nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0, 0, 0, 0, 0
 
 // Pure streaming read, 8 x 16 B in flight per thread.
 __global__ void __launch_bounds__(256) probe_contig(const uint4* p, size_t n16, u32* out) {
@@ -28,7 +29,8 @@ __global__ void __launch_bounds__(256) probe_contig(const uint4* p, size_t n16, 
 // The GEMV access pattern without the maths: a warp owns 16 rows (k elements each); LPR lanes
 // share a row (16 B each), so a lane covers RPL = 16 * LPR / 32 rows; per batch it issues LOADS
 // loads (rows fastest), then consumes them.
-template <int LPR, int LOADS>
+// ROT: each warp starts at its own batch of loads (warp index x 7, wrapping), as GEMV_KROT.
+template <int LPR, int LOADS, int ROT = 0>
 __global__ void __launch_bounds__(256) probe_rows(const bf16* w, int m, int k, u32* out) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int tile = blockIdx.x * 8 + warp;
@@ -37,7 +39,9 @@ __global__ void __launch_bounds__(256) probe_rows(const bf16* w, int m, int k, u
   u32 acc = 0;
   const bf16* wr = w + (size_t)(tile * 16 + r) * k + 8 * c;
   if (tile * 16 >= m) return;
-  for (int s = 0; s < k; s += 8 * LPR * SPB) {
+  const int per = 8 * LPR * SPB, nb = (k + per - 1) / per, b0 = ROT ? (tile * 7) % nb : 0;
+  for (int bi = 0; bi < nb; bi++) {
+    const int s = ((bi + b0) % nb) * per;
     uint4 v[LOADS];
 #pragma unroll
     for (int u = 0; u < LOADS; u++) {
@@ -54,7 +58,7 @@ __global__ void __launch_bounds__(256) probe_rows(const bf16* w, int m, int k, u
 // The same warps and rows as probe_rows, read in address order: a warp takes its 16 rows (one
 // contiguous span) RPI = 32 / LPR rows at a time, each group to the end of its rows before
 // the next, LOADS loads in flight per lane along k.
-template <int LPR, int LOADS>
+template <int LPR, int LOADS, int ROT = 0>
 __global__ void __launch_bounds__(256) probe_span(const bf16* w, int m, int k, u32* out) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int tile = blockIdx.x * 8 + warp;
@@ -64,7 +68,9 @@ __global__ void __launch_bounds__(256) probe_span(const bf16* w, int m, int k, u
   if (tile * 16 >= m) return;
   for (int r0 = 0; r0 < 16; r0 += RPI) {
     const bf16* wr = w + (size_t)(tile * 16 + r0 + r) * k + 8 * c;
-    for (int s = 0; s < k; s += 8 * LPR * LOADS) {
+    const int per = 8 * LPR * LOADS, nb = (k + per - 1) / per, b0 = ROT ? (tile * 7) % nb : 0;
+    for (int bi = 0; bi < nb; bi++) {
+      const int s = ((bi + b0) % nb) * per;
       uint4 v[LOADS];
 #pragma unroll
       for (int u = 0; u < LOADS; u++) {
@@ -81,7 +87,7 @@ __global__ void __launch_bounds__(256) probe_span(const bf16* w, int m, int k, u
 int main() {
   int sms; cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
   const size_t COPIES = 4;  // rotate weights so that nothing is served from L2
-  const size_t maxw = (size_t)28672 * 4096;
+  const size_t maxw = (size_t)32064 * 4096;  // the largest shape (lm_head / 4)
   bf16* W; CK(cudaMalloc(&W, maxw * 2 * COPIES));
   fill<<<1024, 256>>>(W, maxw * COPIES, 1);
   bf16* X; CK(cudaMalloc(&X, 64 * 14336 * 2)); fill<<<64, 256>>>(X, 64 * 14336, 2);
@@ -105,15 +111,29 @@ int main() {
     double gb = n * 2 / 1e9;
     float t = time_us(st, 20, [&] { probe_contig<<<sms * 8, 256>>>((const uint4*)(W + (rot++ % COPIES) * maxw), n / 8, out); });
     printf("probe contig            %8.1f us %6.2f TB/s\n", t, gb / t * 1e3);
-#define PR(L, S) { float t = time_us(st, 20, [&] { probe_rows<L, S><<<28672 / 128, 256>>>(W + (rot++ % COPIES) * maxw, 28672, 4096, out); }); \
-    printf("probe rows LPR %2d LOADS %2d %8.1f us %6.2f TB/s\n", L, S, t, gb / t * 1e3); }
-    PR(4, 16) PR(4, 32) PR(8, 16) PR(16, 16) PR(32, 16) PR(32, 32)
-#define PS(L, S) { float t = time_us(st, 20, [&] { probe_span<L, S><<<28672 / 128, 256>>>(W + (rot++ % COPIES) * maxw, 28672, 4096, out); }); \
-    printf("probe span LPR %2d LOADS %2d %8.1f us %6.2f TB/s\n", L, S, t, gb / t * 1e3); }
-    PS(4, 8) PS(4, 16) PS(8, 8) PS(8, 16) PS(16, 8) PS(16, 16) PS(32, 8) PS(32, 16)
+#define PR(L, S, R) { float t = time_us(st, 20, [&] { probe_rows<L, S, R><<<28672 / 128, 256>>>(W + (rot++ % COPIES) * maxw, 28672, 4096, out); }); \
+    printf("probe rows LPR %2d LOADS %2d rot %d %8.1f us %6.2f TB/s\n", L, S, R, t, gb / t * 1e3); }
+    PR(4, 16, 0) PR(4, 16, 1) PR(4, 32, 0) PR(4, 32, 1) PR(8, 16, 0) PR(8, 16, 1) PR(16, 16, 0) PR(16, 16, 1)
+    PR(32, 16, 0) PR(32, 16, 1)
+#define PS(L, S, R) { float t = time_us(st, 20, [&] { probe_span<L, S, R><<<28672 / 128, 256>>>(W + (rot++ % COPIES) * maxw, 28672, 4096, out); }); \
+    printf("probe span LPR %2d LOADS %2d rot %d %8.1f us %6.2f TB/s\n", L, S, R, t, gb / t * 1e3); }
+    PS(4, 8, 0) PS(4, 8, 1) PS(8, 8, 0) PS(8, 8, 1) PS(16, 8, 0) PS(16, 8, 1) PS(32, 8, 0) PS(32, 8, 1)
+    PS(32, 16, 0) PS(32, 16, 1)
   }
   if (getenv("SWEEP_PROBES_ONLY")) return 0;
+  // SWEEP_ONLY: space-separated shape names to run (default all).
+  const char* only = getenv("SWEEP_ONLY");
   for (auto& s : shapes) {
+    if (only) {
+      bool hit = false;
+      for (const char* p = only; *p;) {
+        const char* e = strchr(p, ' ');
+        const size_t len = e ? (size_t)(e - p) : strlen(p);
+        if (len == strlen(s.name) && strncmp(p, s.name, len) == 0) hit = true;
+        p += len + (e ? 1 : 0);
+      }
+      if (!hit) continue;
+    }
     const bool glu = s.kind == 1 || s.kind == 2, norm = s.kind >= 2;
     const int wrows = glu ? 2 * s.m : s.m;
     const double gb = (double)wrows * s.k * 2 / 1e9;
@@ -126,9 +146,13 @@ int main() {
       // Every launch shape the kernels take: wpb warps per block, wpt of them per tile (wpt
       // divides wpb). "max/avg" is the most warps any SM gets in the first wave against the
       // average (1.00: balanced), from the occupancy API.
+      // SWEEP_HOST=1: only the launch shape the host picks (gemv_grid in device.rs, 132 SMs).
+      const int host_wpt = tiles * 8 <= 16 * sms ? 8 : tiles * 4 <= 16 * sms ? 4 : tiles * 2 <= 16 * sms ? 2 : 1;
+      const int host_wpb = host_wpt >= 4 ? host_wpt : 8;
       for (int wpb = 1; wpb <= 8; wpb++) {
         for (int wpt = 1; wpt <= wpb; wpt++) {
           if (wpb % wpt != 0) continue;
+          if (getenv("SWEEP_HOST") && (wpb != host_wpb || wpt != host_wpt)) continue;
           const int tpb = wpb / wpt, blocks = (tiles + tpb - 1) / tpb;
           const void* fn = s.kind == 0 ? (const void*)gemv_1 : s.kind == 1 ? (const void*)gemv_glu_1
                            : s.kind == 2 ? (const void*)gemv_norm_glu_1 : (const void*)gemv_norm_1;
