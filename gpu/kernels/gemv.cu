@@ -25,10 +25,12 @@
 // through shared memory in warp order. A block takes wpb / wpt consecutive tiles.
 //
 // Batch invariance. Every output is the same function of its own token's inputs whatever n is:
-// columns of an mma do not interact, the k split depends only on the shape, the warp sum has a
-// fixed order, and fused epilogues and prologues compute what the separate kernels would (with
-// the same helpers). So a sequence decodes to the same bits alone or batched with up to 63
-// others, in any step of at most 64 tokens, and runs repeat exactly.
+// columns of an mma do not interact, the k split and the order of k depend only on the shape
+// and krot, the warp sum has a fixed order, and fused epilogues and prologues compute what the
+// separate kernels would (with the same helpers). So a sequence decodes to the same bits alone
+// or batched with up to 63 others, in any step of at most 64 tokens, and runs repeat exactly;
+// with krot (large models, where the host routes steps by size anyway: Gpu::gemv_rotate)
+// within steps of at most 8 tokens and within steps of 9 to 64.
 //
 // Variants (one extern "C" kernel each, one signature; suffix _NG = token groups of 8, NG = 1,
 // 2, 4 or 8; the norm variants only with NG = 1):
@@ -47,7 +49,11 @@
 //               arguments are unused by the other variants.
 
 #define GEMV_WARPS 8
-
+// k-steps of each warp's rows asked of L2 before pdl_wait (see gemv_body; 16 and 32 were
+// slower at Llama-3-8B batch 1, 0 a little slower: CUDA_NOTES v8).
+#ifndef GEMV_PF_STEPS
+#define GEMV_PF_STEPS 8
+#endif
 // 16 bytes of W, streamed: not kept in L1 (x is), with an L2 prefetch of the next bytes.
 __device__ __forceinline__ uint4 gemv_ld_w(const bf16* p) {
     uint4 r;
@@ -203,7 +209,7 @@ __device__ __forceinline__ void gemv_body(const bf16* __restrict__ w, const bf16
                                           const float* __restrict__ xf,
                                           const float* __restrict__ nw, float eps,
                                           void* __restrict__ y, int m, int n, int k, float beta,
-                                          int y_f32, int wpt, const GemvRope& rope) {
+                                          int y_f32, int wpt, const GemvRope& rope, int krot) {
     // k-steps of 32 per batch of loads: each lane has 2 x STEPS pieces of W in flight. With the
     // minimum of one block per multiprocessor in __launch_bounds__, ptxas issues the whole
     // batch of loads before the first mma; without it, it interleaves them with the mmas and a
@@ -238,16 +244,27 @@ __device__ __forceinline__ void gemv_body(const bf16* __restrict__ w, const bf16
     const int kc = 8 * c;
     const bf16* wa = w + (u64)(ok_a ? row_a : 0) * k + kc;
     const bf16* wb = w + (u64)(ok_b ? row_b : 0) * k + kc;
+    // The warp's batches of STEPS k-steps, visited from batch b0 on (wrapping). With krot > 0
+    // (the host passes it for steps of at most 8 tokens of large models, see
+    // Gpu::gemv_rotate; only the one-group kernels take it) each block starts at its own
+    // batch, (block index x krot) mod the batches, so the blocks running together read
+    // different offsets of their rows instead of all streaming in step: Llama-3-8B batch 1
+    // 0.03-0.06 ms faster per step (CUDA_NOTES v8). The order of k depends only on the shape,
+    // the block and krot, never on n within a group.
+    const int nbatch = s_end > s_begin ? (s_end - s_begin + STEPS - 1) / STEPS : 0;
+    const bool rotate = NG == 1 && krot > 0 && nbatch > 1;
+    const int b0 = rotate ? (int)((blockIdx.x * (u32)krot) % (u32)nbatch) : 0;
 
     // Weights do not depend on earlier kernels: with programmatic dependent launch this block
-    // may start while the previous kernel still runs, so it asks for the first two batches of
-    // its W rows (a 128-byte line per two steps) in L2 before waiting for that kernel, and
-    // lets the next kernel in only after the wait (see PDL_ENTER in llama.cu).
+    // may start while the previous kernel still runs, so it asks for the first GEMV_PF_STEPS
+    // k-steps (from where it starts) of its W rows (a 128-byte line per two steps) in L2
+    // before waiting for that kernel, and lets the next kernel in only after the wait (see
+    // PDL_ENTER in llama.cu).
     if (c == 0) {
 #pragma unroll 4
-        for (int u = 0; u < 2 * STEPS; u += 2) {
-            if (s_begin + u >= s_end) break;
-            const int off = (s_begin + u) * 32;
+        for (int u = 0; u < GEMV_PF_STEPS; u += 2) {
+            if (s_begin + STEPS * b0 + u >= s_end) break;
+            const int off = (s_begin + STEPS * b0 + u) * 32;
             if (ok_a) asm volatile("prefetch.global.L2 [%0];" ::"l"(wa + off));
             if (ok_b) asm volatile("prefetch.global.L2 [%0];" ::"l"(wb + off));
         }
@@ -268,13 +285,17 @@ __device__ __forceinline__ void gemv_body(const bf16* __restrict__ w, const bf16
 #pragma unroll
     for (int j = 0; j < NG; j++) d[j][0] = d[j][1] = d[j][2] = d[j][3] = 0.f;
     const GemvLane L{wa, wb, x, xf, nw, inv_s, n, k, kc, g, ok_a, ok_b, s_end};
-    for (int s = s_begin; s < s_end; s += STEPS) {
+    auto batch = [&](int s) {
         // Every W load of the batch is issued before the first mma.
         uint4 P[STEPS], Q[STEPS], X1[STEPS];  // W rows g, g + 8; x token g (NG == 1)
         bool in[STEPS];
         gemv_load<NORM, NG, STEPS>(L, s, P, Q, X1, in);
         gemv_compute<NORM, NG, STEPS>(L, s, P, Q, X1, in, d);
-    }
+    };
+    // From batch b0 to the end of the range, then from its start to b0.
+    const int s_rot = s_begin + STEPS * b0;
+    for (int s = s_rot; s < s_end; s += STEPS) batch(s);
+    for (int s = s_begin; s < s_rot; s += STEPS) batch(s);
 
     // d[j]: (row g, tokens 8j + 2c, 8j + 2c + 1), (row g + 8, same tokens).
 #pragma unroll
@@ -335,11 +356,11 @@ __device__ __forceinline__ void gemv_body(const bf16* __restrict__ w, const bf16
                     void* y, int m, int n, int k, float beta, int y_f32, int wpt,                \
                     bf16* rope_q, bf16* rope_kc, bf16* rope_vc, const int* rope_pos,             \
                     const long long* rope_slots, const float* rope_freq, int rope_nh,            \
-                    int rope_nkv, int rope_hd, int rope_interleaved) {                           \
+                    int rope_nkv, int rope_hd, int rope_interleaved, int krot) {                 \
         const GemvRope rope{rope_q,   rope_kc,  rope_vc,  rope_pos,         rope_slots,          \
                             rope_freq, rope_nh, rope_nkv, rope_hd, rope_interleaved};            \
         gemv_body<GLU, NORM, ROPE, NG>(w, x, xf, nw, eps, y, m, n, k, beta, y_f32, wpt,          \
-                                       rope);                                                    \
+                                       rope, krot);                                              \
     }
 
 #define GEMV_VARIANTS(NG)                          \

@@ -809,7 +809,7 @@ __device__ __forceinline__ void warp_argmax(float& v, int& i) {
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 2)
     sample_rows(const float* logits, u64 vocab, const int* rows, const float* temperature,
                 const int* top_k, const float* top_p, const float* min_p, const u64* seeds,
-                const u64* counters, int* out_tokens) {
+                const u64* counters, int* out_tokens, int skip_greedy) {
     PDL_ENTER();
     __shared__ float red[32];
     __shared__ float scan[SAMPLE_THREADS];
@@ -818,6 +818,8 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 2)
     const float* l = logits + (u64)rows[s] * vocab;
     int tid = threadIdx.x, n = (int)vocab;
     float T = temperature[s];
+    // Greedy rows that argmax_split took (launched before this kernel in the same stream).
+    if (T == 0.f && skip_greedy) return;
 
     // Rows of a vocabulary that is a multiple of 4 are read as float4 (16-byte aligned).
     const bool vec4 = (n & 3) == 0;
@@ -980,4 +982,78 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 2)
         }
         out_tokens[s] = tok;
     }
+}
+
+// Greedy rows split across blocks, for steps with few rows (where one block per row leaves
+// most of the GPU idle and the row's read is one multiprocessor's latency-bound stream): grid
+// (rows, splits), ARGMAX_THREADS threads. Each block takes the largest value of its slice of a
+// temperature-0 row and, among equal values, the lowest index, as one 64-bit key (fkey(value)
+// above, the complement of the index below, so a larger key is a larger value, then a lower
+// index; NaN never enters, a row of -inf keeps index 0, as in sample_rows), and publishes it in
+// `part`; the row's last block to finish (a ticket per row, which that block resets for the
+// next launch) writes the token: the same token sample_rows picks. Rows with a temperature
+// return at once (sample_rows with skip_greedy samples them).
+#define ARGMAX_THREADS 256
+extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
+    argmax_split(const float* logits, u64 vocab, const int* rows, const float* temperature,
+                 unsigned long long* part, unsigned* tickets, int* out_tokens) {
+    PDL_ENTER();
+    const int s = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
+    if (temperature[s] != 0.f) return;
+    const int n = (int)vocab;
+    const float* l = logits + (u64)rows[s] * vocab;
+    // Slices of a multiple of 4 values, so rows of a vocabulary that is a multiple of 4 are
+    // read as float4 (16-byte aligned) in every slice.
+    const int chunk = ((n + splits - 1) / splits + 3) & ~3;
+    const int lo = min(n, split * chunk), hi = min(n, lo + chunk);
+    unsigned long long best = 0;
+    auto take = [&](float v, int i) {
+        if (v == v) {
+            const unsigned long long key = ((unsigned long long)fkey(v) << 32) | (u32)~(u32)i;
+            best = key > best ? key : best;
+        }
+    };
+    if ((n & 3) == 0) {
+        const float4* l4 = reinterpret_cast<const float4*>(l);
+        for (int i0 = lo / 4 + threadIdx.x; i0 < hi / 4; i0 += 4 * ARGMAX_THREADS) {
+            float4 v[4];
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                const int i = i0 + u * ARGMAX_THREADS;
+                const float nan = __int_as_float(0x7fffffff);  // skipped by take
+                v[u] = i < hi / 4 ? l4[i] : make_float4(nan, nan, nan, nan);
+            }
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                const int i = 4 * (i0 + u * ARGMAX_THREADS);
+                take(v[u].x, i);
+                take(v[u].y, i + 1);
+                take(v[u].z, i + 2);
+                take(v[u].w, i + 3);
+            }
+        }
+    } else {
+        for (int i = lo + threadIdx.x; i < hi; i += ARGMAX_THREADS) take(l[i], i);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const unsigned long long other = __shfl_xor_sync(0xffffffffu, best, o);
+        best = other > best ? other : best;
+    }
+    __shared__ unsigned long long warp_best[ARGMAX_THREADS / 32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) warp_best[warp] = best;
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    for (int w = 0; w < ARGMAX_THREADS / 32; w++) best = warp_best[w] > best ? warp_best[w] : best;
+    part[(u64)s * splits + split] = best;
+    __threadfence();
+    if (atomicAdd(&tickets[s], 1u) != (unsigned)splits - 1) return;
+    // The last block: every other block's key is visible (each fenced before its ticket).
+    __threadfence();
+    unsigned long long m = 0;
+    const volatile unsigned long long* ps = part + (u64)s * splits;
+    for (int j = 0; j < splits; j++) m = ps[j] > m ? ps[j] : m;
+    out_tokens[s] = m ? (int)~(u32)m : 0;
+    tickets[s] = 0;
 }

@@ -52,7 +52,14 @@ const GEMV_WARPS_PER_SM: usize = 16;
 /// fused GEMV path cut batch-1 decode from 1.06 to 0.85 ms (v2). Larger models keep the lm_head
 /// on cuBLAS (it streams 1 GB at Llama-3-8B's size 7% faster than the GEMV kernels, v5) and
 /// route by step size ([`GemvRoute`], measured at Llama-3-8B's size, CUDA_NOTES v6).
-const GEMV_AUTO_MAX_HIDDEN: usize = 2048;
+pub(crate) const GEMV_AUTO_MAX_HIDDEN: usize = 2048;
+
+/// The GEMV blocks' starting batch multiplier for large models ([`Gpu::gemv_rotate`]):
+/// Llama-3-8B batch-1 decode 4.467-4.471 ms against 4.523-4.524 without (one lease; 4.457
+/// against 4.502 at batch 4), 4.469-4.504 against 4.507-4.538 (the final build, another
+/// lease); batch 16, which does not rotate, unchanged. Per warp instead of per block ran the
+/// same at batch 1; rotating the two-group kernels too cost batch 16 3-6% (CUDA_NOTES v8).
+pub(crate) const GEMV_ROTATE: u32 = 7;
 
 /// Above [`GEMV_AUTO_MAX_HIDDEN`], mode `auto` runs steps of up to this many tokens on the
 /// fused GEMV path: batch-1 decode 4.59-4.64 ms on the seven H200s measured against 4.50-4.74
@@ -350,6 +357,7 @@ pub(crate) struct Kernels {
     pub attention_combine: CudaFunction,
     pub apply_logit_edits: CudaFunction,
     pub sample_rows: CudaFunction,
+    pub argmax_split: CudaFunction,
     /// By token groups of 8: at most 8, 16, 32 and 64 tokens.
     pub gemv: [CudaFunction; 4],
     pub gemv_glu: [CudaFunction; 4],
@@ -400,6 +408,15 @@ pub(crate) struct Gpu {
     /// kernel waits for its predecessor (`pdl_wait` in the CUDA source) before touching data,
     /// so only independent work (the GEMV kernels' weight prefetch) overlaps.
     pub pdl: bool,
+    /// Where the blocks of the one-group GEMV kernels (steps of at most 8 tokens) start along
+    /// k: 0 from the start, else each block at batch (block index x this) of its range, so the
+    /// blocks running together read different parts of their rows. [`GEMV_ROTATE`] for models
+    /// of hidden size above [`GEMV_AUTO_MAX_HIDDEN`] (set by the backend; 0 with
+    /// `SWITCHYARD_CUDA_GEMV_ROTATE=0`), where mode `auto` routes steps by size anyway, so
+    /// sums in a different order for steps of 1-8 and 9-64 tokens cost no batch invariance
+    /// the engine had; 0 for smaller models, whose steps of up to 64 tokens all stay on the
+    /// GEMV kernels and decode to the same bits whatever the batch.
+    pub gemv_rotate: u32,
     /// Whether QKV products on the GEMV kernels apply RoPE and store K and V in their epilogue
     /// (unless `SWITCHYARD_CUDA_ROPE_EPILOGUE=0`: then the f32 product and `rope_store_kv`).
     pub rope_epilogue: bool,
@@ -470,6 +487,7 @@ impl Gpu {
             attention_combine: f("attention_combine")?,
             apply_logit_edits: f("apply_logit_edits")?,
             sample_rows: f("sample_rows")?,
+            argmax_split: f("argmax_split")?,
             gemv: [f("gemv_1")?, f("gemv_2")?, f("gemv_4")?, f("gemv_8")?],
             gemv_glu: [
                 f("gemv_glu_1")?,
@@ -540,6 +558,7 @@ impl Gpu {
             att_heads_inner,
             pdl,
             rope_epilogue,
+            gemv_rotate: 0,
             lt,
             blaslt,
             _workspace: workspace,
@@ -875,6 +894,7 @@ impl Gpu {
                 i32v(rope.heads.1),
                 i32v(rope.heads.2),
                 Arg::I32(i32::from(rope.interleaved)),
+                Arg::I32(if n <= 8 { self.gemv_rotate as i32 } else { 0 }),
             ],
         )
     }
@@ -1118,7 +1138,7 @@ pub fn compile_ptx_with(cc: (i32, i32), defines: &[(String, i32)]) -> Result<Str
     let cached = cache_dir().map(|d| d.join(format!("llama-{arch}-{key}.ptx")));
     if let Some(p) = &cached {
         if let Ok(text) = std::fs::read_to_string(p) {
-            if text.contains(".entry sample_rows") && text.contains(".entry gemv_norm_glu_1") {
+            if text.contains(".entry argmax_split") && text.contains(".entry gemv_norm_glu_1") {
                 tracing::debug!(path = %p.display(), "kernels from the cache");
                 return Ok(text);
             }

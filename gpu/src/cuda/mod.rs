@@ -97,7 +97,46 @@ pub struct CudaBackend {
     states: HashMap<u64, SeqState>,
     seeds: ChaCha8Rng,
     host_step: Vec<u8>,
+    /// Page-locked copies of the step buffer and the sampled ids, so that both transfers are
+    /// plain DMA (`None` with `SWITCHYARD_CUDA_PINNED=0`: pageable memory, staged by the
+    /// driver).
+    staging: Option<Staging>,
+    /// Scratch of the split greedy sampling (`None` with `SWITCHYARD_CUDA_SPLIT_ARGMAX=0`: one
+    /// `sample_rows` block per row, greedy rows included).
+    argmax: Option<sampling::ArgmaxScratch>,
     name: String,
+}
+
+/// Page-locked host buffers sized for the largest step.
+struct Staging {
+    step: cudarc::driver::PinnedHostSlice<u8>,
+    tokens: cudarc::driver::PinnedHostSlice<i32>,
+    /// A copy from `step` may still be running: set by an upload, cleared once the step's ids
+    /// are back (after a stream synchronisation). A step that failed in between leaves it set,
+    /// and the next upload waits for the stream before it rewrites the buffer.
+    in_flight: bool,
+}
+
+impl Staging {
+    fn new(gpu: &Gpu, step_bytes: usize, rows: usize) -> Result<Self, GpuError> {
+        let alloc = |what| move |e| device::cuda_err(what, e);
+        // SAFETY: page-locked allocations of plain bytes and integers; every read of them
+        // follows a write (the packed step, a finished copy of the sampled ids). No flags:
+        // write-combined memory would make the host's reads of the ids slow.
+        unsafe {
+            Ok(Staging {
+                step: gpu
+                    .ctx
+                    .alloc_pinned_with_flags::<u8>(step_bytes.max(1), 0)
+                    .map_err(alloc("page-locked step buffer"))?,
+                tokens: gpu
+                    .ctx
+                    .alloc_pinned_with_flags::<i32>(rows.max(1), 0)
+                    .map_err(alloc("page-locked sampled ids"))?,
+                in_flight: false,
+            })
+        }
+    }
 }
 
 /// Where the weights come from.
@@ -137,7 +176,15 @@ impl CudaBackend {
                 "gpu_memory_utilization must be in (0, 1]".into(),
             ));
         }
-        let gpu = Gpu::open(cfg.device)?;
+        let mut gpu = Gpu::open(cfg.device)?;
+        if config.hidden_size > device::GEMV_AUTO_MAX_HIDDEN
+            && device::switch_on(
+                std::env::var("SWITCHYARD_CUDA_GEMV_ROTATE").ok().as_deref(),
+                true,
+            )
+        {
+            gpu.gemv_rotate = device::GEMV_ROTATE;
+        }
         let weights = match source {
             WeightSource::Loaded(w) => weights::from_model(&gpu, config, w)?,
             WeightSource::Dummy(seed) => weights::dummy(&gpu, config, seed)?,
@@ -146,7 +193,8 @@ impl CudaBackend {
         let max_rows = max_tokens.min(MAX_LOGIT_ROWS.max(cfg.max_num_seqs));
         let bs = cfg.block_size;
         let per_block = forward::kv_block_bytes(config, bs);
-        let act = Buffers::activation_bytes(config, max_tokens, max_rows, bs);
+        let act = Buffers::activation_bytes(config, max_tokens, max_rows, bs)
+            + sampling::ArgmaxScratch::bytes(max_rows);
         let num_blocks = match cfg.num_kv_blocks {
             Some(n) => n,
             None => {
@@ -187,6 +235,18 @@ impl CudaBackend {
             num_blocks
         );
         let timing = timing::StepTiming::from_env(&gpu.ctx)?;
+        let env = |name: &str| device::switch_on(std::env::var(name).ok().as_deref(), true);
+        let argmax = if env("SWITCHYARD_CUDA_SPLIT_ARGMAX") {
+            Some(sampling::ArgmaxScratch::new(&gpu, max_rows)?)
+        } else {
+            None
+        };
+        let pinned = env("SWITCHYARD_CUDA_PINNED");
+        let staging = if pinned {
+            Some(Staging::new(&gpu, buf.step.bytes(), max_rows)?)
+        } else {
+            None
+        };
         Ok(CudaBackend {
             graphs: Graphs::default(),
             buf,
@@ -201,6 +261,8 @@ impl CudaBackend {
             states: HashMap::new(),
             seeds: ChaCha8Rng::seed_from_u64(cfg.seed),
             host_step: Vec::new(),
+            staging,
+            argmax,
             name,
         })
     }
@@ -305,7 +367,22 @@ impl CudaBackend {
                 self.buf.step.bytes()
             )));
         }
-        self.gpu.upload(self.buf.step.ptr(), &self.host_step)
+        match &mut self.staging {
+            Some(st) => {
+                if st.in_flight {
+                    self.gpu.sync()?;
+                }
+                let n = self.host_step.len();
+                let pinned = st
+                    .step
+                    .as_mut_slice()
+                    .map_err(|e| device::cuda_err("page-locked step buffer", e))?;
+                pinned[..n].copy_from_slice(&self.host_step);
+                st.in_flight = true;
+                self.gpu.upload(self.buf.step.ptr(), &pinned[..n])
+            }
+            None => self.gpu.upload(self.buf.step.ptr(), &self.host_step),
+        }
     }
 
     fn wants_prompt_logprobs(&self, s: &crate::backend::SeqInput) -> bool {
@@ -449,15 +526,30 @@ impl Backend for CudaBackend {
                 self.buf.logits.ptr(),
                 vocab,
                 &arrays,
-                samples.len(),
+                &samples,
                 self.buf.sampled.ptr(),
+                self.argmax.as_ref(),
             )
         })?;
         if let Some(t) = &mut self.timing {
             t.end(&self.gpu.stream)?;
         }
         let mut tokens = vec![0i32; samples.len()];
-        self.gpu.download(&mut tokens, self.buf.sampled.ptr())?;
+        match &mut self.staging {
+            Some(st) => {
+                let pinned = st
+                    .tokens
+                    .as_mut_slice()
+                    .map_err(|e| device::cuda_err("page-locked sampled ids", e))?;
+                let pinned = pinned.get_mut(..tokens.len()).ok_or_else(|| {
+                    GpuError::Internal(format!("{} sampled rows exceed the buffers", tokens.len()))
+                })?;
+                self.gpu.download(pinned, self.buf.sampled.ptr())?;
+                tokens.copy_from_slice(pinned);
+                st.in_flight = false;
+            }
+            None => self.gpu.download(&mut tokens, self.buf.sampled.ptr())?,
+        }
         if let Some(t) = &mut self.timing {
             t.finish()?;
         }

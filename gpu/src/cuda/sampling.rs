@@ -227,15 +227,93 @@ impl SampleArrays {
     }
 }
 
-/// Samples `n` rows into `out` (i32 per row).
+/// Most blocks one greedy row is split over (`argmax_split`).
+const ARGMAX_MAX_SPLITS: usize = 32;
+
+/// Logits each block of a split greedy row reads at least.
+const ARGMAX_MIN_SLICE: usize = 1024;
+
+/// Blocks per greedy row for `rows` sampled rows of `vocab` logits on `sm_count`
+/// multiprocessors: enough to give every multiprocessor two blocks, at most
+/// [`ARGMAX_MAX_SPLITS`], each slice at least [`ARGMAX_MIN_SLICE`] logits. 1: no split (one
+/// `sample_rows` block per row, which already fills the GPU at that many rows).
+pub(crate) fn argmax_splits(rows: usize, vocab: usize, sm_count: usize) -> usize {
+    if rows == 0 {
+        return 1;
+    }
+    (2 * sm_count / rows)
+        .min(ARGMAX_MAX_SPLITS)
+        .min(vocab / ARGMAX_MIN_SLICE)
+        .max(1)
+}
+
+/// Device scratch of the split greedy path: one 64-bit key per (row, split) and one ticket per
+/// row (zero between launches: the last block of a row resets it).
+pub(crate) struct ArgmaxScratch {
+    part: DevMem,
+    tickets: DevMem,
+    rows: usize,
+}
+
+impl ArgmaxScratch {
+    /// Scratch for steps of up to `rows` sampled rows.
+    pub(crate) fn new(gpu: &Gpu, rows: usize) -> Result<Self, GpuError> {
+        let rows = rows.max(1);
+        let part = gpu.alloc(rows * ARGMAX_MAX_SPLITS * 8)?;
+        let tickets = gpu.alloc(rows * 4)?;
+        gpu.upload(tickets.ptr(), &vec![0u32; rows])?;
+        gpu.sync()?;
+        Ok(Self {
+            part,
+            tickets,
+            rows,
+        })
+    }
+
+    /// Bytes of device memory for `rows` rows.
+    pub(crate) fn bytes(rows: usize) -> usize {
+        rows.max(1) * (ARGMAX_MAX_SPLITS * 8 + 4)
+    }
+}
+
+/// Samples the rows of `samples` (the host's view of the arrays in `a`) into `out` (i32 per
+/// row). With `split`, greedy rows of a step with few rows run on `argmax_split` (each row
+/// over several blocks), the other rows on `sample_rows`; the tokens are the same either way.
 pub(crate) fn sample(
     gpu: &Gpu,
     logits: u64,
     vocab: usize,
     a: &SampleArrays,
-    n: usize,
+    samples: &[SampleRow],
     out: u64,
+    split: Option<&ArgmaxScratch>,
 ) -> Result<(), GpuError> {
+    let n = samples.len();
+    let greedy = samples.iter().filter(|r| r.temperature == 0.0).count();
+    let splits = argmax_splits(n, vocab, gpu.sm_count);
+    let skip_greedy = match split {
+        Some(sc) if greedy > 0 && splits > 1 && n <= sc.rows => {
+            gpu.launch(
+                &gpu.k.argmax_split,
+                (n as u32, splits as u32, 1),
+                256,
+                &[
+                    Arg::Ptr(logits),
+                    Arg::U64(vocab as u64),
+                    Arg::Ptr(a.rows),
+                    Arg::Ptr(a.temperature),
+                    Arg::Ptr(sc.part.ptr()),
+                    Arg::Ptr(sc.tickets.ptr()),
+                    Arg::Ptr(out),
+                ],
+            )?;
+            true
+        }
+        _ => false,
+    };
+    if skip_greedy && greedy == n {
+        return Ok(());
+    }
     gpu.launch(
         &gpu.k.sample_rows,
         (n as u32, 1, 1),
@@ -251,6 +329,7 @@ pub(crate) fn sample(
             Arg::Ptr(a.seeds),
             Arg::Ptr(a.counters),
             Arg::Ptr(out),
+            Arg::I32(i32::from(skip_greedy)),
         ],
     )
 }
@@ -258,6 +337,21 @@ pub(crate) fn sample(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn greedy_rows_split_only_where_rows_are_few() {
+        // H200: 132 multiprocessors. One row of Llama-3's vocabulary: 32 blocks; SmolLM2's
+        // 49,152: 32 (48 slices of 1024 fit); 8 rows: 32; 64 rows: 4; 200 rows: 1 (no split).
+        assert_eq!(argmax_splits(1, 128_256, 132), 32);
+        assert_eq!(argmax_splits(1, 49_152, 132), 32);
+        assert_eq!(argmax_splits(8, 128_256, 132), 32);
+        assert_eq!(argmax_splits(64, 128_256, 132), 4);
+        assert_eq!(argmax_splits(200, 128_256, 132), 1);
+        // Small vocabularies: every slice keeps 1024 logits; below that, no split.
+        assert_eq!(argmax_splits(1, 5_000, 132), 4);
+        assert_eq!(argmax_splits(1, 1_000, 132), 1);
+        assert_eq!(argmax_splits(0, 128_256, 132), 1);
+    }
 
     #[test]
     fn edits_merge_in_the_cpu_order() {

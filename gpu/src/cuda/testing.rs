@@ -128,7 +128,8 @@ pub fn paged_attention(
 
 /// Applies each row's sampling parameters (edits from a fresh state that has seen `prompt`)
 /// to `logits` (`rows x vocab`) and samples one token per row, row `r` with seed `seed + r`
-/// and stream counter `counter`.
+/// and stream counter `counter`; with `split`, greedy rows take the split path where the
+/// backend would (`argmax_split`, few rows of a large vocabulary).
 pub fn sample(
     logits: &[f32],
     vocab: usize,
@@ -136,6 +137,7 @@ pub fn sample(
     prompt: &[u32],
     seed: u64,
     counter: u64,
+    split: bool,
 ) -> Result<Vec<u32>, GpuError> {
     let gpu = Gpu::open(0)?;
     let rows = params.len();
@@ -178,7 +180,20 @@ pub fn sample(
     let mut ebuf = None;
     edits.apply(&gpu, &mut ebuf, ld.ptr(), vocab)?;
     let arrays = SampleArrays::at(&lay, |o| stepbuf.at(o))?;
-    sampling::sample(&gpu, ld.ptr(), vocab, &arrays, rows, out.ptr())?;
+    let scratch = if split {
+        Some(sampling::ArgmaxScratch::new(&gpu, rows)?)
+    } else {
+        None
+    };
+    sampling::sample(
+        &gpu,
+        ld.ptr(),
+        vocab,
+        &arrays,
+        &samples,
+        out.ptr(),
+        scratch.as_ref(),
+    )?;
     let mut t = vec![0i32; rows];
     gpu.download(&mut t, out.ptr())?;
     Ok(t.iter().map(|&x| x as u32).collect())
@@ -238,6 +253,13 @@ pub struct MatmulRig {
 }
 
 impl MatmulRig {
+    /// Runs the GEMV kernels of steps of at most 8 tokens with each block starting at its own
+    /// batch along k, as the backend does for models above hidden size 2048
+    /// (`Gpu::gemv_rotate`).
+    pub fn set_rotation(&mut self, on: bool) {
+        self.gpu.gemv_rotate = if on { super::device::GEMV_ROTATE } else { 0 };
+    }
+
     /// Uploads `w` (`rows x k` bf16, row-major; `rows` = m, or 2m for [`MatmulOutput::Glu`]).
     pub fn new(w: &[bf16], k: usize) -> Result<Self, GpuError> {
         if k == 0 || w.is_empty() || !w.len().is_multiple_of(k) {
