@@ -107,35 +107,89 @@ pub struct CudaBackend {
     name: String,
 }
 
-/// Page-locked host buffers sized for the largest step.
+/// Page-locked host buffers for the per-step copies: the sampled ids (one per logit row), and
+/// the packed step buffer, grown to the largest step seen (in powers of two from 64 KiB)
+/// rather than sized for the largest possible one (block tables for every token at the
+/// longest context: tens of MiB at Llama-3-8B's limits).
 struct Staging {
-    step: cudarc::driver::PinnedHostSlice<u8>,
+    step: Option<cudarc::driver::PinnedHostSlice<u8>>,
     tokens: cudarc::driver::PinnedHostSlice<i32>,
-    /// A copy from `step` may still be running: set by an upload, cleared once the step's ids
-    /// are back (after a stream synchronisation). A step that failed in between leaves it set,
-    /// and the next upload waits for the stream before it rewrites the buffer.
+    /// A copy from `step` may still be running: set by an upload, cleared once the stream has
+    /// been waited for (the download of a step's sampled ids). A step that sampled nothing or
+    /// failed in between leaves it set, and the next upload waits for the stream before it
+    /// rewrites or replaces the buffer.
     in_flight: bool,
+    /// Growing the step buffer failed once: later steps copy from pageable memory.
+    step_failed: bool,
+}
+
+/// Smallest page-locked step buffer.
+const STAGING_MIN_BYTES: usize = 64 << 10;
+
+/// Bytes of a page-locked step buffer for a step of `n` bytes when the device's step buffer
+/// holds `cap`: the next power of two, at least [`STAGING_MIN_BYTES`], at most `cap` (never
+/// less than `n`).
+fn staging_len(n: usize, cap: usize) -> usize {
+    n.next_power_of_two().max(STAGING_MIN_BYTES).min(cap.max(n))
+}
+
+/// Page-locked host memory of `len` values (no flags: write-combined memory would make the
+/// host's reads of the sampled ids slow).
+fn alloc_pinned<T: cudarc::driver::DeviceRepr>(
+    gpu: &Gpu,
+    len: usize,
+) -> Result<cudarc::driver::PinnedHostSlice<T>, cudarc::driver::DriverError> {
+    // SAFETY: plain bytes and integers; every read of them follows a write (the packed step,
+    // a finished copy of the sampled ids).
+    unsafe { gpu.ctx.alloc_pinned_with_flags::<T>(len.max(1), 0) }
 }
 
 impl Staging {
-    fn new(gpu: &Gpu, step_bytes: usize, rows: usize) -> Result<Self, GpuError> {
-        let alloc = |what| move |e| device::cuda_err(what, e);
-        // SAFETY: page-locked allocations of plain bytes and integers; every read of them
-        // follows a write (the packed step, a finished copy of the sampled ids). No flags:
-        // write-combined memory would make the host's reads of the ids slow.
-        unsafe {
-            Ok(Staging {
-                step: gpu
-                    .ctx
-                    .alloc_pinned_with_flags::<u8>(step_bytes.max(1), 0)
-                    .map_err(alloc("page-locked step buffer"))?,
-                tokens: gpu
-                    .ctx
-                    .alloc_pinned_with_flags::<i32>(rows.max(1), 0)
-                    .map_err(alloc("page-locked sampled ids"))?,
+    /// Buffers for steps of up to `rows` sampled rows; `None` (with a warning) where the
+    /// driver refuses page-locked memory: the copies then use pageable memory, as with
+    /// `SWITCHYARD_CUDA_PINNED=0`.
+    fn new(gpu: &Gpu, rows: usize) -> Option<Self> {
+        match alloc_pinned::<i32>(gpu, rows) {
+            Ok(tokens) => Some(Staging {
+                step: None,
+                tokens,
                 in_flight: false,
-            })
+                step_failed: false,
+            }),
+            Err(e) => {
+                tracing::warn!(error = ?e, "no page-locked host memory: per-step copies use pageable memory");
+                None
+            }
         }
+    }
+
+    /// A page-locked buffer of at least `n` bytes (at most `cap`), grown if needed; `None`
+    /// when growing failed (once, with a warning), so the caller copies from pageable memory.
+    /// The caller has made sure no copy from the current buffer is running. Takes the fields
+    /// `step` and `step_failed` so the caller may set `in_flight` while it holds the buffer.
+    fn step_buffer<'a>(
+        step: &'a mut Option<cudarc::driver::PinnedHostSlice<u8>>,
+        step_failed: &mut bool,
+        gpu: &Gpu,
+        n: usize,
+        cap: usize,
+    ) -> Option<&'a mut [u8]> {
+        if *step_failed {
+            return None;
+        }
+        if step.as_ref().is_none_or(|b| b.len() < n) {
+            let len = staging_len(n, cap);
+            *step = None;
+            match alloc_pinned::<u8>(gpu, len) {
+                Ok(b) => *step = Some(b),
+                Err(e) => {
+                    tracing::warn!(error = ?e, bytes = len, "no page-locked step buffer: steps copy from pageable memory");
+                    *step_failed = true;
+                    return None;
+                }
+            }
+        }
+        step.as_mut()?.as_mut_slice().ok()?.get_mut(..n)
     }
 }
 
@@ -241,9 +295,8 @@ impl CudaBackend {
         } else {
             None
         };
-        let pinned = env("SWITCHYARD_CUDA_PINNED");
-        let staging = if pinned {
-            Some(Staging::new(&gpu, buf.step.bytes(), max_rows)?)
+        let staging = if env("SWITCHYARD_CUDA_PINNED") {
+            Staging::new(&gpu, max_rows)
         } else {
             None
         };
@@ -367,22 +420,26 @@ impl CudaBackend {
                 self.buf.step.bytes()
             )));
         }
-        match &mut self.staging {
-            Some(st) => {
-                if st.in_flight {
-                    self.gpu.sync()?;
-                }
-                let n = self.host_step.len();
-                let pinned = st
-                    .step
-                    .as_mut_slice()
-                    .map_err(|e| device::cuda_err("page-locked step buffer", e))?;
-                pinned[..n].copy_from_slice(&self.host_step);
-                st.in_flight = true;
-                self.gpu.upload(self.buf.step.ptr(), &pinned[..n])
+        if let Some(st) = &mut self.staging {
+            if st.in_flight {
+                self.gpu.sync()?;
+                st.in_flight = false;
             }
-            None => self.gpu.upload(self.buf.step.ptr(), &self.host_step),
+            let n = self.host_step.len();
+            let cap = self.buf.step.bytes();
+            let Staging {
+                step,
+                in_flight,
+                step_failed,
+                ..
+            } = st;
+            if let Some(pinned) = Staging::step_buffer(step, step_failed, &self.gpu, n, cap) {
+                pinned.copy_from_slice(&self.host_step);
+                *in_flight = true;
+                return self.gpu.upload(self.buf.step.ptr(), pinned);
+            }
         }
+        self.gpu.upload(self.buf.step.ptr(), &self.host_step)
     }
 
     fn wants_prompt_logprobs(&self, s: &crate::backend::SeqInput) -> bool {
@@ -536,7 +593,8 @@ impl Backend for CudaBackend {
         }
         let mut tokens = vec![0i32; samples.len()];
         match &mut self.staging {
-            Some(st) => {
+            // (No ids, no copy and no wait: `in_flight` stays as the upload left it.)
+            Some(st) if !tokens.is_empty() => {
                 let pinned = st
                     .tokens
                     .as_mut_slice()
@@ -544,11 +602,12 @@ impl Backend for CudaBackend {
                 let pinned = pinned.get_mut(..tokens.len()).ok_or_else(|| {
                     GpuError::Internal(format!("{} sampled rows exceed the buffers", tokens.len()))
                 })?;
+                // Waits for the stream: every copy enqueued before has finished.
                 self.gpu.download(pinned, self.buf.sampled.ptr())?;
                 tokens.copy_from_slice(pinned);
                 st.in_flight = false;
             }
-            None => self.gpu.download(&mut tokens, self.buf.sampled.ptr())?,
+            _ => self.gpu.download(&mut tokens, self.buf.sampled.ptr())?,
         }
         if let Some(t) = &mut self.timing {
             t.finish()?;
@@ -602,5 +661,23 @@ impl Backend for CudaBackend {
 
     fn release(&mut self, seq_id: u64) {
         self.states.remove(&seq_id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn page_locked_step_buffers_grow_in_powers_of_two_within_the_device_buffer() {
+        let cap = 64 << 20;
+        assert_eq!(staging_len(1, cap), 64 << 10);
+        assert_eq!(staging_len(64 << 10, cap), 64 << 10);
+        assert_eq!(staging_len((64 << 10) + 1, cap), 128 << 10);
+        assert_eq!(staging_len(240_016, cap), 256 << 10);
+        assert_eq!(staging_len(cap - 1, cap), cap);
+        // A device buffer below the minimum, or a step at its very size.
+        assert_eq!(staging_len(10, 1000), 1000);
+        assert_eq!(staging_len(1000, 1000), 1000);
     }
 }
