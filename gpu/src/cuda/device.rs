@@ -457,7 +457,7 @@ impl Gpu {
             .map_err(|e| cuda_err("cublasSetWorkspace", e))?;
         }
         let lt = lt::Lt::new(workspace.ptr(), CUBLAS_WORKSPACE);
-        let blaslt = lt::blaslt_enabled(std::env::var("SWITCHYARD_CUDA_BLASLT").ok().as_deref());
+        let blaslt = env_switch("SWITCHYARD_CUDA_BLASLT", true);
         let defines = match std::env::var("SWITCHYARD_CUDA_DEFINES") {
             Ok(v) => parse_defines(&v)
                 .map_err(|e| GpuError::InvalidConfig(format!("SWITCHYARD_CUDA_DEFINES: {e}")))?,
@@ -507,16 +507,14 @@ impl Gpu {
             _module: module,
         };
         let gemv_mode = GemvMode::from_env();
-        let env =
-            |name: &str, default: bool| switch_on(std::env::var(name).ok().as_deref(), default);
-        let pdl = info.compute_capability.0 >= 9 && env("SWITCHYARD_CUDA_PDL", true);
+        let pdl = info.compute_capability.0 >= 9 && env_switch("SWITCHYARD_CUDA_PDL", true);
         let sm_count = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| cuda_err("multiprocessor count", e))?
             .max(1) as usize;
-        let rope_epilogue = env("SWITCHYARD_CUDA_ROPE_EPILOGUE", true);
-        let early_kv = env("SWITCHYARD_CUDA_EARLY_KV", true);
-        let att_heads_inner = env("SWITCHYARD_CUDA_ATT_HEADS_INNER", false);
+        let rope_epilogue = env_switch("SWITCHYARD_CUDA_ROPE_EPILOGUE", true);
+        let early_kv = env_switch("SWITCHYARD_CUDA_EARLY_KV", true);
+        let att_heads_inner = env_switch("SWITCHYARD_CUDA_ATT_HEADS_INNER", false);
         let att_max_splits = match std::env::var("SWITCHYARD_CUDA_ATT_SPLITS") {
             Err(_) => MAX_SPLITS,
             Ok(v) => v
@@ -1047,14 +1045,19 @@ fn cache_dir() -> Option<PathBuf> {
     std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/switchyard/kernels"))
 }
 
-/// An on/off switch's value from the environment: `0` or `off` turn it off, `1` or `on` on,
-/// anything else (or nothing) leaves `default`.
+/// An on/off switch's value: `0`, `off` or `false` turn it off, `1`, `on` or `true` on (any
+/// case, surrounding spaces ignored); anything else (or nothing) leaves `default`.
 pub(crate) fn switch_on(value: Option<&str>, default: bool) -> bool {
-    match value {
-        Some("0") | Some("off") => false,
-        Some("1") | Some("on") => true,
+    match value.map(|v| v.trim().to_ascii_lowercase()).as_deref() {
+        Some("0") | Some("off") | Some("false") => false,
+        Some("1") | Some("on") | Some("true") => true,
         _ => default,
     }
+}
+
+/// The on/off switch in environment variable `name` ([`switch_on`]).
+pub(crate) fn env_switch(name: &str, default: bool) -> bool {
+    switch_on(std::env::var(name).ok().as_deref(), default)
 }
 
 /// Most `NAME=VALUE` pairs in `SWITCHYARD_CUDA_DEFINES`.
@@ -1189,6 +1192,16 @@ mod tests {
             assert_eq!(switch_on(None, default), default);
             assert_eq!(switch_on(Some("maybe"), default), default);
         }
+        // SWITCHYARD_CUDA_BLASLT's spellings (its own parser before): empty leaves the
+        // default, `false` and any case turn off.
+        assert!(switch_on(None, true));
+        assert!(switch_on(Some(""), true));
+        assert!(switch_on(Some("1"), true));
+        assert!(switch_on(Some("on"), true));
+        assert!(!switch_on(Some("0"), true));
+        assert!(!switch_on(Some("off"), true));
+        assert!(!switch_on(Some(" OFF "), true));
+        assert!(!switch_on(Some("false"), true));
     }
 
     #[test]

@@ -443,15 +443,6 @@ impl Drop for Lt {
     }
 }
 
-/// Whether `SWITCHYARD_CUDA_BLASLT` (its value, if set) leaves cuBLASLt on: everything but
-/// `0`, `off` and `false`.
-pub(crate) fn blaslt_enabled(value: Option<&str>) -> bool {
-    !matches!(
-        value.map(str::trim).map(str::to_ascii_lowercase).as_deref(),
-        Some("0") | Some("off") | Some("false")
-    )
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -557,17 +548,5 @@ mod tests {
         assert!(matches!(c.get(&key(1)), Some(Slot::Lt(1))));
         assert!(c.mark_gemm_ex(key(1), false));
         assert!(matches!(c.get(&key(1)), Some(Slot::GemmEx)));
-    }
-
-    #[test]
-    fn the_switch_turns_off_only_on_zero_off_false() {
-        assert!(blaslt_enabled(None));
-        assert!(blaslt_enabled(Some("")));
-        assert!(blaslt_enabled(Some("1")));
-        assert!(blaslt_enabled(Some("on")));
-        assert!(!blaslt_enabled(Some("0")));
-        assert!(!blaslt_enabled(Some("off")));
-        assert!(!blaslt_enabled(Some(" OFF ")));
-        assert!(!blaslt_enabled(Some("false")));
     }
 }

@@ -232,10 +232,7 @@ impl CudaBackend {
         }
         let mut gpu = Gpu::open(cfg.device)?;
         if config.hidden_size > device::GEMV_AUTO_MAX_HIDDEN
-            && device::switch_on(
-                std::env::var("SWITCHYARD_CUDA_GEMV_ROTATE").ok().as_deref(),
-                true,
-            )
+            && device::env_switch("SWITCHYARD_CUDA_GEMV_ROTATE", true)
         {
             gpu.gemv_rotate = device::GEMV_ROTATE;
         }
@@ -289,13 +286,12 @@ impl CudaBackend {
             num_blocks
         );
         let timing = timing::StepTiming::from_env(&gpu.ctx)?;
-        let env = |name: &str| device::switch_on(std::env::var(name).ok().as_deref(), true);
-        let argmax = if env("SWITCHYARD_CUDA_SPLIT_ARGMAX") {
+        let argmax = if device::env_switch("SWITCHYARD_CUDA_SPLIT_ARGMAX", true) {
             Some(sampling::ArgmaxScratch::new(&gpu, max_rows)?)
         } else {
             None
         };
-        let staging = if env("SWITCHYARD_CUDA_PINNED") {
+        let staging = if device::env_switch("SWITCHYARD_CUDA_PINNED", true) {
             Staging::new(&gpu, max_rows)
         } else {
             None
