@@ -52,7 +52,7 @@ const GEMV_WARPS_PER_SM: usize = 16;
 /// fused GEMV path cut batch-1 decode from 1.06 to 0.85 ms (v2). Larger models keep the lm_head
 /// on cuBLAS (it streams 1 GB at Llama-3-8B's size 7% faster than the GEMV kernels, v5) and
 /// route by step size ([`GemvRoute`], measured at Llama-3-8B's size, CUDA_NOTES v6).
-pub(crate) const GEMV_AUTO_MAX_HIDDEN: usize = 2048;
+const GEMV_AUTO_MAX_HIDDEN: usize = 2048;
 
 /// The GEMV blocks' starting batch multiplier for large models ([`Gpu::gemv_rotate`]):
 /// Llama-3-8B batch-1 decode 4.467-4.471 ms against 4.523-4.524 without (one lease; 4.457
@@ -120,6 +120,17 @@ pub(crate) enum GemvRoute {
     Hybrid,
     /// cuBLAS.
     Cublas,
+}
+
+/// [`Gpu::gemv_rotate`] for a model of hidden size `hidden`: [`GEMV_ROTATE`] where mode `auto`
+/// routes steps by size (above [`GEMV_AUTO_MAX_HIDDEN`]) unless `SWITCHYARD_CUDA_GEMV_ROTATE=0`,
+/// else 0.
+pub(crate) fn gemv_rotation(hidden: usize) -> u32 {
+    if hidden > GEMV_AUTO_MAX_HIDDEN && env_switch("SWITCHYARD_CUDA_GEMV_ROTATE", true) {
+        GEMV_ROTATE
+    } else {
+        0
+    }
 }
 
 /// Mode `auto`'s route for a step of `n` tokens of a model of hidden size `hidden`.
@@ -1181,8 +1192,17 @@ pub fn compile_ptx_with(cc: (i32, i32), defines: &[(String, i32)]) -> Result<Str
 #[cfg(test)]
 mod tests {
     use super::{
-        auto_route, gemv_grid, parse_defines, switch_on, GemvGrid, GemvRoute, MAX_DEFINES,
+        auto_route, gemv_grid, gemv_rotation, parse_defines, switch_on, GemvGrid, GemvRoute,
+        GEMV_AUTO_MAX_HIDDEN, GEMV_ROTATE, MAX_DEFINES,
     };
+
+    #[test]
+    fn only_models_routed_by_step_size_rotate() {
+        // (SWITCHYARD_CUDA_GEMV_ROTATE is not set in the test environment.)
+        assert_eq!(gemv_rotation(576), 0);
+        assert_eq!(gemv_rotation(GEMV_AUTO_MAX_HIDDEN), 0);
+        assert_eq!(gemv_rotation(4096), GEMV_ROTATE);
+    }
 
     #[test]
     fn switches_turn_off_with_0_or_off_and_on_with_1_or_on() {

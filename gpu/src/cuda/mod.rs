@@ -231,11 +231,7 @@ impl CudaBackend {
             ));
         }
         let mut gpu = Gpu::open(cfg.device)?;
-        if config.hidden_size > device::GEMV_AUTO_MAX_HIDDEN
-            && device::env_switch("SWITCHYARD_CUDA_GEMV_ROTATE", true)
-        {
-            gpu.gemv_rotate = device::GEMV_ROTATE;
-        }
+        gpu.gemv_rotate = device::gemv_rotation(config.hidden_size);
         let weights = match source {
             WeightSource::Loaded(w) => weights::from_model(&gpu, config, w)?,
             WeightSource::Dummy(seed) => weights::dummy(&gpu, config, seed)?,
