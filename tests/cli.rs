@@ -169,3 +169,35 @@ fn bench_serve_reports_vllm_labels_against_a_live_server() {
     assert_eq!(v["completed"], 6);
     assert_eq!(v["total_output_tokens"], 48);
 }
+
+#[test]
+fn generate_with_async_scheduling_gives_the_same_text() {
+    // Greedy decoding of the embedded model on the CPU backend: planning each step while the
+    // previous one runs (pending tokens, outputs one step late) must change nothing a user
+    // sees, with EOS and length endings and more prompts than one step holds.
+    let model = common::model_path();
+    let run = |async_scheduling: &str| {
+        succeeds(
+            switchyard()
+                .args([
+                    "generate",
+                    "--backend",
+                    "cpu",
+                    "--json",
+                    "--temperature",
+                    "0",
+                ])
+                .args(["--max-tokens", "20", "--threads", "2"])
+                .args(["--async-scheduling", async_scheduling])
+                .arg("--model")
+                .arg(&model)
+                .args(["--prompt", "The capital of France is"])
+                .args(["--prompt", "Say hi."])
+                .args(["--prompt", "1, 2, 3,"]),
+        )
+    };
+    let in_order = run("false");
+    let pipelined = run("true");
+    assert_eq!(in_order.lines().count(), 3, "{in_order}");
+    assert_eq!(in_order, pipelined);
+}

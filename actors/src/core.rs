@@ -4,17 +4,29 @@
 //! This is the one loop every front end shares: `switchyard generate` and `bench throughput`
 //! drive it directly, and the scheduler actor drives it for the server. The simulator runs the
 //! same `policies` calls with a cost model in place of the backend.
+//!
+//! With asynchronous scheduling ([`EngineCore::set_async_scheduling`], backends that
+//! pipeline), each step is planned and submitted while the one before it still runs: the
+//! scheduler launches a step with its sampled tokens pending ([`PENDING_TOKEN`]), the next
+//! step feeds them from the device, and the outputs are resolved one step late. The host's
+//! planning, batch building and launch then overlap the device's work instead of leaving it
+//! idle between steps.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use switchyard_gpu::backend::{Backend, Batch, PromptLogprob, SamplingParams, SeqInput, SeqOutput};
+use switchyard_gpu::backend::{
+    takes_pending_tokens, Backend, Batch, PromptLogprob, SamplingParams, SeqInput, SeqOutput,
+};
 use switchyard_policies::{
     BlockId, BlockPool, FinishReason, IdMap, KvCommit, Policy, Request, RequestId, SamplingLimits,
     Scheduler, SchedulerConfig, SchedulerStats, SeqEvent, SloTargets, StepOutput, StepPlan,
-    Timestamp, TokenId,
+    Timestamp, TokenId, PENDING_TOKEN,
 };
+
+// The scheduler's pending token is the backend's.
+const _: () = assert!(PENDING_TOKEN == switchyard_gpu::backend::PENDING_TOKEN);
 
 use crate::EngineError;
 
@@ -165,7 +177,8 @@ pub struct StepCore {
     /// Sequences that ended since the last prepared step; their backend state is released.
     ended: Vec<u64>,
     /// The last batch's entries, refilled by the next step.
-    spare: Vec<SeqInput>,
+    /// Entries of batches that ran, refilled by later steps (two while steps are pipelined).
+    spare: Vec<Vec<SeqInput>>,
 }
 
 impl StepCore {
@@ -245,6 +258,49 @@ impl StepCore {
         self.build(plan, now, t0)
     }
 
+    /// Plans a step while the previous one is in flight ([`StepCore::launch`]ed, not yet
+    /// resolved); see [`Scheduler::schedule_ahead`]. `Ok(None)`: no step can be planned
+    /// ahead now (it would preempt); resolve first, then [`StepCore::prepare`].
+    pub fn prepare_ahead(
+        &mut self,
+        now: Timestamp,
+    ) -> Result<Option<Option<PreparedStep>>, EngineError> {
+        let t0 = Instant::now();
+        match self.scheduler.schedule_ahead(now) {
+            Some(plan) => Ok(Some(self.build(plan, now, t0)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Whether a plan made ahead held back a preemption (cleared by the call); see
+    /// [`Scheduler::take_preemption_wanted`].
+    pub fn take_preemption_wanted(&mut self) -> bool {
+        self.scheduler.take_preemption_wanted()
+    }
+
+    /// Marks a prepared step as submitted before its outputs are known (see
+    /// [`Scheduler::launch`]); its outputs go to [`StepCore::resolve`]. Returns whether the
+    /// next step may be planned ahead of this one's outputs: every sequence that samples
+    /// here can be fed its token from the device (no penalties).
+    pub fn launch(&mut self, plan: &StepPlan) -> bool {
+        self.scheduler.launch(plan);
+        plan.seqs.iter().filter(|s| s.samples).all(|s| {
+            self.live
+                .get(&s.id)
+                .is_none_or(|l| takes_pending_tokens(&l.sampling))
+        })
+    }
+
+    /// Applies the outputs of the oldest launched step; see [`StepCore::complete`].
+    pub fn resolve(
+        &mut self,
+        plan: &StepPlan,
+        outputs: Vec<SeqOutput>,
+        now: Timestamp,
+    ) -> Vec<CoreEvent> {
+        self.apply(plan, outputs, now, true)
+    }
+
     /// Hands the KV block pool to an allocator actor; from then on steps go through
     /// [`StepCore::plan`], the allocator, [`StepCore::assign`] and [`StepCore::build`].
     pub fn detach_allocator(&mut self) -> Option<BlockPool> {
@@ -289,7 +345,7 @@ impl StepCore {
         }
         // Entries of the last batch are refilled in place: no allocation per sequence in the
         // steady state.
-        let mut seqs = std::mem::take(&mut self.spare);
+        let mut seqs = self.spare.pop().unwrap_or_default();
         let mut n = 0;
         let mut queue_times_us = Vec::new();
         for s in &plan.seqs {
@@ -322,6 +378,8 @@ impl StepCore {
             }
             let prompt = &live.prompt;
             let end = s.num_computed_tokens + s.num_new_tokens;
+            // Outputs end with pending tokens while steps are in flight; the backend feeds
+            // them from the device.
             let outputs = self.scheduler.output_tokens(s.id).unwrap_or(&[]);
             entry.tokens.clear();
             for i in s.num_computed_tokens..end {
@@ -352,7 +410,9 @@ impl StepCore {
 
     /// Gives back a batch that ran, so the next step reuses its buffers.
     pub fn recycle(&mut self, batch: Batch) {
-        self.spare = batch.seqs;
+        if self.spare.len() < 2 {
+            self.spare.push(batch.seqs);
+        }
     }
 
     /// Applies the backend's outputs for a prepared step and returns what happened.
@@ -361,6 +421,16 @@ impl StepCore {
         plan: &StepPlan,
         outputs: Vec<SeqOutput>,
         now: Timestamp,
+    ) -> Vec<CoreEvent> {
+        self.apply(plan, outputs, now, false)
+    }
+
+    fn apply(
+        &mut self,
+        plan: &StepPlan,
+        outputs: Vec<SeqOutput>,
+        now: Timestamp,
+        launched: bool,
     ) -> Vec<CoreEvent> {
         let mut logprobs: HashMap<u64, SampledLogprobs> = HashMap::new();
         let mut sampled = Vec::with_capacity(outputs.len());
@@ -384,7 +454,12 @@ impl StepCore {
                 }
             }
         }
-        for event in self.scheduler.apply_outputs(plan, &sampled, now) {
+        let seq_events = if launched {
+            self.scheduler.resolve(plan, &sampled, now)
+        } else {
+            self.scheduler.apply_outputs(plan, &sampled, now)
+        };
+        for event in seq_events {
             match event {
                 SeqEvent::Token { id, token, .. } => {
                     let (logprob, top_logprobs) = logprobs.remove(&id.0).unwrap_or_default();
@@ -414,6 +489,12 @@ impl StepCore {
 pub struct EngineCore {
     core: StepCore,
     backend: Box<dyn Backend>,
+    /// Plan and submit each step while the previous one runs.
+    async_scheduling: bool,
+    /// The step submitted last, its outputs not applied yet (asynchronous scheduling).
+    in_flight: Option<PreparedStep>,
+    /// Whether the next step may be planned before `in_flight`'s outputs are in.
+    ahead_ok: bool,
 }
 
 impl EngineCore {
@@ -426,7 +507,22 @@ impl EngineCore {
         Ok(Self {
             core: StepCore::new(config, policy)?,
             backend,
+            async_scheduling: false,
+            in_flight: None,
+            ahead_ok: false,
         })
+    }
+
+    /// Turns asynchronous scheduling on (before the first step); it stays off for backends
+    /// that do not pipeline. Check [`EngineCore::async_scheduling`] for the outcome.
+    pub fn with_async_scheduling(mut self, on: bool) -> Self {
+        self.async_scheduling = on && self.backend.pipelines();
+        self
+    }
+
+    /// Whether steps are planned and submitted while the previous one runs.
+    pub fn async_scheduling(&self) -> bool {
+        self.async_scheduling
     }
 
     /// The scheduling side, for queries and request control.
@@ -436,7 +532,14 @@ impl EngineCore {
 
     /// Runs one step at time `now`: plan, execute, apply. A step with nothing to do returns an
     /// empty report without calling the backend.
+    ///
+    /// With asynchronous scheduling: plans and submits the next step, then applies the
+    /// outputs of the one before it, so the events are one step late (the first step reports
+    /// none; once nothing is left, the last one is applied in the same call).
     pub fn step(&mut self, now: Timestamp) -> Result<StepReport, EngineError> {
+        if self.async_scheduling {
+            return self.step_async(now);
+        }
         let Some(prepared) = self.core.prepare(now)? else {
             return Ok(StepReport::default());
         };
@@ -457,11 +560,76 @@ impl EngineCore {
             apply_us: t2.elapsed().as_micros() as u64,
         })
     }
+
+    fn step_async(&mut self, now: Timestamp) -> Result<StepReport, EngineError> {
+        let mut events = Vec::new();
+        let mut apply_us = 0u64;
+        // Plan ahead of the step in flight when it allows; otherwise apply it first.
+        let ahead = if self.in_flight.is_some() && self.ahead_ok {
+            self.core.prepare_ahead(now)?
+        } else {
+            None
+        };
+        let next = match ahead {
+            Some(next) => next,
+            None => {
+                let t = Instant::now();
+                events.extend(self.drain(now)?);
+                apply_us += t.elapsed().as_micros() as u64;
+                self.core.prepare(now)?
+            }
+        };
+        // A held-back preemption: the step after this one is planned in order.
+        let wants_order = self.core.take_preemption_wanted();
+        let t1 = Instant::now();
+        let (num_seqs, num_batched_tokens, plan_us) = match &next {
+            Some(p) => {
+                for id in &p.release {
+                    self.backend.release(*id);
+                }
+                self.ahead_ok = self.core.launch(&p.plan) && !wants_order;
+                self.backend.submit(&p.batch)?;
+                (p.plan.seqs.len(), p.plan.num_batched_tokens, p.plan_us)
+            }
+            None => (0, 0, 0),
+        };
+        let t2 = Instant::now();
+        // The previous step's outputs (it ran while this one was planned), then this one's
+        // too when nothing is left to plan after it.
+        events.extend(self.drain(now)?);
+        self.in_flight = next;
+        if !self.core.has_unfinished() {
+            events.extend(self.drain(now)?);
+        }
+        apply_us += t2.elapsed().as_micros() as u64;
+        Ok(StepReport {
+            events,
+            num_seqs,
+            num_batched_tokens,
+            plan_us,
+            execute_us: (t2 - t1).as_micros() as u64,
+            apply_us,
+        })
+    }
+
+    /// Applies the step in flight, if any, at time `now` and returns its events.
+    fn drain(&mut self, now: Timestamp) -> Result<Vec<CoreEvent>, EngineError> {
+        match self.in_flight.take() {
+            Some(p) => {
+                let outputs = self.backend.collect()?;
+                let events = self.core.resolve(&p.plan, outputs, now);
+                self.core.recycle(p.batch);
+                Ok(events)
+            }
+            None => Ok(Vec::new()),
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::BTreeMap;
     use switchyard_gpu::GpuError;
     use switchyard_policies::{PolicyRegistry, SamplingLimits};
 
@@ -474,6 +642,13 @@ mod tests {
     struct NextTokenBackend {
         released: std::sync::Arc<std::sync::Mutex<Vec<u64>>>,
         fed: FedLog,
+        /// Take steps one ahead (`submit` / `collect`), resolving pending tokens from the
+        /// last sampled token of each sequence.
+        pipelines: bool,
+        last: HashMap<u64, u32>,
+        submitted: std::collections::VecDeque<Vec<SeqOutput>>,
+        /// Steps submitted while another was outstanding.
+        ahead: std::sync::Arc<std::sync::atomic::AtomicUsize>,
     }
 
     impl Backend for NextTokenBackend {
@@ -514,6 +689,34 @@ mod tests {
         fn release(&mut self, seq_id: u64) {
             self.released.lock().unwrap().push(seq_id);
         }
+        fn pipelines(&self) -> bool {
+            self.pipelines
+        }
+        fn submit(&mut self, batch: &Batch) -> Result<(), GpuError> {
+            assert!(self.submitted.len() <= 1, "more than one step ahead");
+            if !self.submitted.is_empty() {
+                self.ahead
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            let mut b = batch.clone();
+            for s in &mut b.seqs {
+                if s.tokens.contains(&PENDING_TOKEN) {
+                    assert_eq!(s.tokens.len(), 1, "a pending token outside a decode");
+                    s.tokens[0] = self.last[&s.seq_id];
+                }
+            }
+            let out = self.execute(&b)?;
+            for o in &out {
+                if let Some(t) = o.token {
+                    self.last.insert(o.seq_id, t);
+                }
+            }
+            self.submitted.push_back(out);
+            Ok(())
+        }
+        fn collect(&mut self) -> Result<Vec<SeqOutput>, GpuError> {
+            Ok(self.submitted.pop_front().expect("nothing submitted"))
+        }
     }
 
     fn request(id: u64, prompt: Vec<u32>, max_tokens: u32, eos: Option<u32>) -> SubmitOptions {
@@ -548,6 +751,86 @@ mod tests {
             Box::new(backend),
         )
         .unwrap()
+    }
+
+    /// Tokens and endings per request, in event order.
+    fn per_request(events: &[CoreEvent]) -> BTreeMap<u64, (Vec<u32>, Option<FinishReason>)> {
+        let mut m: BTreeMap<u64, (Vec<u32>, Option<FinishReason>)> = BTreeMap::new();
+        for ev in events {
+            match ev {
+                CoreEvent::Token { id, token, .. } => m.entry(id.0).or_default().0.push(*token),
+                CoreEvent::Finished { id, reason } => {
+                    let e = m.entry(id.0).or_default();
+                    assert!(e.1.is_none(), "{id:?} finished twice");
+                    e.1 = Some(*reason);
+                }
+                CoreEvent::PromptLogprobs { .. } => {}
+            }
+        }
+        m
+    }
+
+    #[test]
+    fn async_scheduling_gives_the_same_tokens_and_overlaps_steps() {
+        let run = |pipelined: bool| {
+            let backend = NextTokenBackend {
+                pipelines: pipelined,
+                ..NextTokenBackend::default()
+            };
+            let fed = backend.fed.clone();
+            let ahead = backend.ahead.clone();
+            let mut e = engine(backend).with_async_scheduling(true);
+            assert_eq!(e.async_scheduling(), pipelined);
+            // Chunked prompts, EOS in the middle (5 after 1, 2, 3, 4), length limits, and
+            // more requests than seats (8), arriving over time.
+            for i in 0..12u64 {
+                let prompt: Vec<u32> = (0..(1 + i as u32 % 9)).map(|t| 10 * i as u32 + t).collect();
+                let eos = (i % 3 == 0).then_some(10 * i as u32 + 12);
+                e.core()
+                    .add_request(request(i, prompt, 2 + (i as u32 % 5), eos))
+                    .unwrap();
+            }
+            let mut events = Vec::new();
+            let mut steps = 0;
+            for step in 0..1000u64 {
+                if step == 3 {
+                    e.core()
+                        .add_request(request(99, vec![7, 8, 9], 4, None))
+                        .unwrap();
+                }
+                if !e.core().has_unfinished() {
+                    break;
+                }
+                events.extend(e.step(Timestamp(step * 1000)).unwrap().events);
+                steps += 1;
+            }
+            assert!(!e.core().has_unfinished());
+            let fed = fed.lock().unwrap().clone();
+            let ahead = ahead.load(std::sync::atomic::Ordering::Relaxed);
+            (per_request(&events), steps, fed, ahead)
+        };
+        let (in_order, steps_in_order, _, _) = run(false);
+        let (pipelined, steps, fed, ahead) = run(true);
+        // Most steps were submitted while the one before was outstanding.
+        assert!(ahead * 2 > steps, "{ahead} of {steps} steps ahead");
+        assert!(
+            steps <= steps_in_order + 2,
+            "{steps} steps against {steps_in_order}"
+        );
+        assert_eq!(in_order.len(), 13);
+        assert_eq!(in_order, pipelined);
+        for (tokens, reason) in in_order.values() {
+            assert!(reason.is_some());
+            assert!(!tokens.contains(&PENDING_TOKEN));
+        }
+        // Every position of a request is fed once, except the extra step fed after a stop
+        // that was still pending (its output is dropped).
+        let mut next: HashMap<u64, usize> = HashMap::new();
+        for (id, start, toks) in &fed {
+            let n = next.entry(*id).or_default();
+            assert!(*start == *n, "request {id}: fed from {start}, expected {n}");
+            *n += toks.len();
+        }
     }
 
     fn run_to_end(e: &mut EngineCore) -> Vec<CoreEvent> {

@@ -141,11 +141,16 @@ extern "C" __global__ void fill_f32(float* p, u64 n, float v) {
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) p[i] = v;
 }
 
-// x[t] = table[tokens[t]] as f32. Grid: one block per token.
-extern "C" __global__ void embed(const bf16* table, const int* tokens, float* x, int h) {
+// x[t] = table[tokens[t]] as f32. Grid: one block per token. A negative entry -(i + 1) is the
+// token the previous step sampled into row i of `prev` (still on the device when the host
+// submitted this step; the host checked i against the previous step's sampled rows).
+extern "C" __global__ void embed(const bf16* table, const int* tokens, const int* prev, float* x,
+                                 int h) {
     PDL_ENTER();
     int t = blockIdx.x;
-    const bf16* row = table + (u64)tokens[t] * h;
+    int tok = tokens[t];
+    if (tok < 0) tok = prev[-tok - 1];
+    const bf16* row = table + (u64)tok * h;
     for (int i = threadIdx.x; i < h; i += blockDim.x) x[(u64)t * h + i] = __bfloat162float(row[i]);
 }
 

@@ -74,6 +74,11 @@ pub struct SeqOutput {
 }
 
 /// A model executor.
+/// Stands in a batch for the token a sequence sampled in the step submitted just before,
+/// whose value is still on the device ([`Backend::submit`]): only as the one token of a
+/// sampling decode entry. Never a real token id.
+pub const PENDING_TOKEN: u32 = u32::MAX;
+
 pub trait Backend: Send {
     /// A short description ("cpu (avx512-vnni, 2 threads)").
     fn name(&self) -> &str;
@@ -87,6 +92,37 @@ pub trait Backend: Send {
     fn execute(&mut self, batch: &Batch) -> Result<Vec<SeqOutput>, GpuError>;
     /// Drops the sampler state of a finished, aborted or preempted sequence.
     fn release(&mut self, seq_id: u64);
+    /// Whether [`Backend::submit`] and [`Backend::collect`] work: steps may be submitted one
+    /// ahead of their outputs, fed [`PENDING_TOKEN`]s.
+    fn pipelines(&self) -> bool {
+        false
+    }
+    /// Starts a step; the next [`Backend::collect`] returns its outputs (steps are collected
+    /// in submission order, at most one submitted ahead of the oldest uncollected one). A
+    /// sampling decode entry may feed [`PENDING_TOKEN`]: the token the previous submitted
+    /// step samples for it. Requests with repetition, presence or frequency penalties cannot
+    /// (their logit edits need the token). A backend that runs on the caller's thread does
+    /// the work here and keeps the outputs.
+    fn submit(&mut self, _batch: &Batch) -> Result<(), GpuError> {
+        Err(GpuError::Internal(format!(
+            "the {} backend does not pipeline steps",
+            self.name()
+        )))
+    }
+    /// The outputs of the oldest submitted step; an output for a sequence released in
+    /// between is still returned (the caller drops it).
+    fn collect(&mut self) -> Result<Vec<SeqOutput>, GpuError> {
+        Err(GpuError::Internal(format!(
+            "the {} backend does not pipeline steps",
+            self.name()
+        )))
+    }
+}
+
+/// Whether a request's sampling can take a [`PENDING_TOKEN`]: no penalties (they read the
+/// token values of the sequence so far, which the host learns a step late).
+pub fn takes_pending_tokens(p: &SamplingParams) -> bool {
+    p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0
 }
 
 /// Settings of a [`CpuBackend`].
@@ -133,6 +169,8 @@ struct SeqState {
     in_prompt: bool,
     /// Log-softmax of the last row of the previous prompt chunk (for prompt logprobs).
     pending: Option<Vec<f32>>,
+    /// The last sampled token (what a [`PENDING_TOKEN`] stands for).
+    last: Option<u32>,
 }
 
 /// The CPU backend: the Llama forward pass of [`crate::cpu::llama`] with a paged KV cache,
@@ -144,6 +182,8 @@ pub struct CpuBackend {
     states: HashMap<u64, SeqState>,
     seeds: ChaCha8Rng,
     max_batch_tokens: usize,
+    /// Outputs of submitted steps not collected yet (the work runs in `submit`).
+    submitted: std::collections::VecDeque<Vec<SeqOutput>>,
     name: String,
 }
 
@@ -183,6 +223,7 @@ impl CpuBackend {
             states: HashMap::new(),
             seeds: ChaCha8Rng::seed_from_u64(cfg.seed),
             max_batch_tokens: cfg.max_batch_tokens,
+            submitted: std::collections::VecDeque::new(),
             name,
         })
     }
@@ -243,6 +284,7 @@ impl CpuBackend {
             self.cache.block_size,
             self.max_batch_tokens,
             "CPU",
+            false,
         )?;
         let bad = |m: String| Err(GpuError::BadBatch(m));
         let total: usize = batch.seqs.iter().map(|s| s.tokens.len()).sum();
@@ -328,6 +370,7 @@ impl Backend for CpuBackend {
                         sampler: SeqSampler::new(seed),
                         in_prompt: true,
                         pending: None,
+                        last: None,
                     }
                 }
             };
@@ -344,7 +387,8 @@ impl Backend for CpuBackend {
                 .map(|(s, st, l, plp)| step_sequence(s, st, l, *plp, vocab))
                 .collect()
         });
-        for (s, st, _, _) in work {
+        for ((s, mut st, _, _), out) in work.into_iter().zip(&outputs) {
+            st.last = out.token.or(st.last);
             self.states.insert(s.seq_id, st);
         }
         Ok(outputs)
@@ -353,6 +397,67 @@ impl Backend for CpuBackend {
     fn release(&mut self, seq_id: u64) {
         self.states.remove(&seq_id);
     }
+
+    fn pipelines(&self) -> bool {
+        true
+    }
+
+    fn submit(&mut self, batch: &Batch) -> Result<(), GpuError> {
+        if self.submitted.len() > 1 {
+            return Err(GpuError::Internal(
+                "a step submitted more than one ahead of its outputs".into(),
+            ));
+        }
+        // The work runs now, so a pending token is already known: the sequence's last sample.
+        let outputs = if batch.seqs.iter().any(|s| s.tokens.contains(&PENDING_TOKEN)) {
+            let mut b = batch.clone();
+            for s in &mut b.seqs {
+                if !s.tokens.contains(&PENDING_TOKEN) {
+                    continue;
+                }
+                check_pending(s)?;
+                s.tokens[0] = self
+                    .states
+                    .get(&s.seq_id)
+                    .and_then(|st| st.last)
+                    .ok_or_else(|| {
+                        GpuError::BadBatch(format!(
+                            "sequence {} feeds a pending token but sampled none",
+                            s.seq_id
+                        ))
+                    })?;
+            }
+            self.execute(&b)?
+        } else {
+            self.execute(batch)?
+        };
+        self.submitted.push_back(outputs);
+        Ok(())
+    }
+
+    fn collect(&mut self) -> Result<Vec<SeqOutput>, GpuError> {
+        self.submitted
+            .pop_front()
+            .ok_or_else(|| GpuError::Internal("no submitted step to collect".into()))
+    }
+}
+
+/// Checks that an entry feeding a [`PENDING_TOKEN`] may: it is the one token of a sampling
+/// decode of a request without penalties.
+pub(crate) fn check_pending(s: &SeqInput) -> Result<(), GpuError> {
+    if s.tokens.len() != 1 || !s.sample {
+        return Err(GpuError::BadBatch(format!(
+            "sequence {}: a pending token is only the one token of a sampling decode",
+            s.seq_id
+        )));
+    }
+    if !takes_pending_tokens(&s.sampling) {
+        return Err(GpuError::BadBatch(format!(
+            "sequence {}: a request with penalties cannot feed a pending token",
+            s.seq_id
+        )));
+    }
+    Ok(())
 }
 
 /// Checks a batch against the model and the KV cache (both backends): token count, unique
@@ -365,6 +470,7 @@ pub(crate) fn validate_batch(
     block_size: usize,
     max_tokens: usize,
     backend: &str,
+    pending_ok: bool,
 ) -> Result<(), GpuError> {
     let bad = |m: String| Err(GpuError::BadBatch(m));
     let total: usize = batch.seqs.iter().map(|s| s.tokens.len()).sum();
@@ -386,7 +492,9 @@ pub(crate) fn validate_batch(
                 "LoRA adapter {a}: the {backend} backend runs no adapters"
             ));
         }
-        if let Some(&t) = s.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+        if pending_ok && s.tokens.contains(&PENDING_TOKEN) {
+            check_pending(s)?;
+        } else if let Some(&t) = s.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
             return bad(format!(
                 "token {t} is outside the vocabulary ({})",
                 c.vocab_size

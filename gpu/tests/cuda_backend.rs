@@ -31,7 +31,7 @@ use std::sync::Arc;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde_json::Value;
-use switchyard_gpu::backend::{Backend, Batch, SamplingParams, SeqInput};
+use switchyard_gpu::backend::{Backend, Batch, SamplingParams, SeqInput, PENDING_TOKEN};
 use switchyard_gpu::cpu::attention::QueryPos;
 use switchyard_gpu::cpu::kv_cache::KvCache;
 use switchyard_gpu::cpu::llama::{dummy_weights, ActivationPrecision, LlamaModel, StepInput};
@@ -638,6 +638,56 @@ fn generate(
     out
 }
 
+/// `generate` with every prompt together in one chunk, but each decode step submitted while
+/// the step before it still runs, fed that step's tokens from the device
+/// ([`PENDING_TOKEN`]); outputs collected one step late.
+fn generate_pipelined(
+    b: &mut CudaBackend,
+    prompts: &[Vec<u32>],
+    params: &[Arc<SamplingParams>],
+    steps: usize,
+    first_id: u64,
+) -> Vec<Vec<u32>> {
+    let per_seq = 40u32;
+    let table = |i: usize| -> Vec<u32> { (0..per_seq).map(|k| i as u32 * per_seq + k).collect() };
+    let mut out = vec![Vec::new(); prompts.len()];
+    let prefill: Vec<_> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| one_seq(first_id + i as u64, 0, p.clone(), table(i), &params[i]))
+        .collect();
+    b.submit(&Batch { seqs: prefill }).expect("submit");
+    let mut in_flight = 1usize;
+    for k in 1..=steps {
+        if k < steps {
+            let seqs: Vec<_> = prompts
+                .iter()
+                .enumerate()
+                .map(|(i, p)| {
+                    one_seq(
+                        first_id + i as u64,
+                        p.len() + k - 1,
+                        vec![PENDING_TOKEN],
+                        table(i),
+                        &params[i],
+                    )
+                })
+                .collect();
+            b.submit(&Batch { seqs }).expect("submit ahead");
+            in_flight += 1;
+        }
+        for o in b.collect().expect("collect") {
+            out[(o.seq_id - first_id) as usize].push(o.token.expect("a token"));
+        }
+        in_flight -= 1;
+    }
+    assert_eq!(in_flight, 0);
+    for i in 0..prompts.len() {
+        b.release(first_id + i as u64);
+    }
+    out
+}
+
 fn prompts(vocab: usize) -> Vec<Vec<u32>> {
     let mut rng = ChaCha8Rng::seed_from_u64(3);
     [21usize, 40, 7, 64]
@@ -773,6 +823,47 @@ fn seeded_sampling_is_reproducible_whatever_is_batched() {
     );
     let other = generate(&mut b, &ps[..1], &[mk(7)], 16, 1 << 20, false, 40);
     assert_ne!(alone[0], other[0], "different seeds gave the same tokens");
+}
+
+#[test]
+fn steps_submitted_ahead_with_pending_tokens_match_steps_in_order() {
+    if !gpu() {
+        return;
+    }
+    let (c, w, temperature) = match smollm2() {
+        Some((c, w)) => (c, w, 1.0),
+        None => {
+            let c = LlamaConfig::smollm2_135m();
+            let w = dummy_weights(&c, 9).expect("dummy");
+            (c, w, 100.0)
+        }
+    };
+    let ps = prompts(c.vocab_size);
+    for graphs in [true, false] {
+        let mut b =
+            CudaBackend::new(&c, WeightSource::Loaded(&w), &cfg(256, graphs)).expect("backend");
+        // Greedy rows and seeded tempered rows (the stream counter advances at submit).
+        let params: Vec<_> = (0..ps.len() as u64)
+            .map(|i| {
+                Arc::new(if i % 2 == 0 {
+                    SamplingParams::greedy()
+                } else {
+                    SamplingParams {
+                        temperature,
+                        top_p: 0.95,
+                        seed: Some(42 + i),
+                        ..SamplingParams::default()
+                    }
+                })
+            })
+            .collect();
+        let in_order = generate(&mut b, &ps, &params, 12, 1 << 20, true, 0);
+        let ahead = generate_pipelined(&mut b, &ps, &params, 12, 10);
+        assert_eq!(in_order, ahead, "graphs {graphs}");
+        // A pending token the previous step did not sample is refused.
+        let bad = one_seq(99, 5, vec![PENDING_TOKEN], vec![0], &params[0]);
+        assert!(b.submit(&Batch { seqs: vec![bad] }).is_err());
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -31,13 +31,14 @@ use crate::scheduler::{Ranked, Scheduler};
 use crate::sequence::{SeqView, Sequence};
 use crate::types::{
     BlockId, RequestId, RequestState, ScheduledSeq, SeqEvent, StepOutput, StepPlan, Timestamp,
-    TokenId,
+    TokenId, PENDING_TOKEN,
 };
 
-/// Registers the leading full, computed blocks of `seq` in the prefix cache.
+/// Registers the leading full, computed blocks of `seq` in the prefix cache (never a block
+/// holding a pending token: its hash needs the real one).
 #[inline]
 fn cache_full_blocks(hasher: &BlockHasher, pool: &mut BlockLedger, seq: &mut Sequence) {
-    let full = pool.full_blocks(seq.num_computed);
+    let full = pool.full_blocks(seq.num_computed.min(seq.num_known_tokens()));
     if full <= seq.num_cached_blocks {
         return;
     }
@@ -100,6 +101,8 @@ struct Building<'p> {
     budget: usize,
     /// Logit rows left for the prefill chunks of prompt-logprob requests.
     logit_rows: usize,
+    /// Planning ahead of a step in flight: nothing may be preempted.
+    ahead: bool,
 }
 
 impl Building<'_> {
@@ -207,6 +210,47 @@ impl Scheduler {
     /// Plans the next step against the ledger and returns the block changes to commit to the
     /// allocator; fresh blocks appear as [`PENDING_BLOCK`] until [`Scheduler::assign_blocks`].
     pub fn plan_into(&mut self, now: Timestamp, plan: &mut StepPlan) -> KvCommit {
+        self.plan_inner(now, plan, false).unwrap_or_default()
+    }
+
+    /// Like [`Scheduler::schedule`], while steps are in flight ([`Scheduler::launch`]ed, not
+    /// yet resolved): the plan may feed pending tokens, but it never preempts. When the
+    /// running sequences do not all fit, it plans nothing and returns `None` (that step is
+    /// planned after the outputs are in); when an admission would have needed a preemption,
+    /// it admits no further and [`Scheduler::take_preemption_wanted`] says so.
+    pub fn schedule_ahead(&mut self, now: Timestamp) -> Option<StepPlan> {
+        if self.allocator.is_none() {
+            self.pool_errors += 1; // a caller bug, as in `schedule_into`
+            return None;
+        }
+        let mut plan = StepPlan::default();
+        let commit = self.plan_inner(now, &mut plan, true)?;
+        let mut ids = std::mem::take(&mut self.assigned);
+        ids.clear();
+        let committed = match self.allocator.as_mut() {
+            Some(pool) => pool.commit(&commit, &mut ids).is_ok(),
+            None => false,
+        };
+        if !committed || self.assign_blocks(&mut plan, &ids).is_err() {
+            self.pool_errors += 1;
+        }
+        self.assigned = ids;
+        Some(plan)
+    }
+
+    /// [`Scheduler::schedule_ahead`] against the ledger, for a detached allocator (see
+    /// [`Scheduler::plan_into`]).
+    pub fn plan_ahead_into(&mut self, now: Timestamp, plan: &mut StepPlan) -> Option<KvCommit> {
+        self.plan_inner(now, plan, true)
+    }
+
+    /// Whether a plan made ahead held back an admission that needed a preemption (cleared by
+    /// the call): the caller should resolve its steps in flight before planning the next.
+    pub fn take_preemption_wanted(&mut self) -> bool {
+        std::mem::take(&mut self.preemption_wanted)
+    }
+
+    fn plan_inner(&mut self, now: Timestamp, plan: &mut StepPlan, ahead: bool) -> Option<KvCommit> {
         plan.preempted.clear();
         plan.num_batched_tokens = 0;
         self.last_slots.clear();
@@ -229,9 +273,20 @@ impl Scheduler {
                 .config
                 .max_logit_rows
                 .saturating_sub(self.config.max_num_seqs),
+            ahead,
         };
         let mut order = std::mem::take(&mut self.order);
-        let mut ranked = self.schedule_running(now, &mut order, &mut b);
+        let mut ranked = if ahead {
+            if !self.schedule_all_running(&mut b) {
+                // Rolled back: nothing planned, nothing changed.
+                self.order = order;
+                b.plan.seqs.truncate(0);
+                return None;
+            }
+            None
+        } else {
+            self.schedule_running(now, &mut order, &mut b)
+        };
         let running_before = self.running.len();
         if b.plan.preempted.is_empty() {
             self.admit_waiting(now, &mut order, &mut ranked, &mut b);
@@ -252,7 +307,7 @@ impl Scheduler {
                 })
             });
         }
-        self.ledger.take_commit()
+        Some(self.ledger.take_commit())
     }
 
     fn rank_into(&self, slots: &[u32], now: Timestamp, out: &mut Vec<Ranked>) {
@@ -282,11 +337,11 @@ impl Scheduler {
             let Some(seq) = self.seqs.get_mut(slot as usize).and_then(|s| s.as_mut()) else {
                 continue;
             };
-            let total = seq.num_tokens();
-            let num_new = total - seq.num_computed;
+            let num_new = seq.schedulable_tokens();
             if num_new == 0 {
                 continue;
             }
+            let total = seq.num_computed + num_new;
             let need = self
                 .ledger
                 .blocks_for(total)
@@ -350,7 +405,7 @@ impl Scheduler {
             let slot = order[i].slot;
             i += 1;
             let Some(seq) = self.seq(slot) else { continue };
-            let remaining = seq.num_tokens() - seq.num_computed;
+            let remaining = seq.schedulable_tokens();
             let num_new = remaining.min(b.budget).min(b.logit_cap(seq));
             if num_new == 0 {
                 continue;
@@ -420,6 +475,7 @@ impl Scheduler {
         seq.blocks_sent = 0;
         seq.num_computed = 0;
         seq.num_cached_blocks = 0;
+        seq.drop_pending();
         seq.state = RequestState::Preempted;
         seq.queued_at = now;
         seq.num_preemptions = seq.num_preemptions.saturating_add(1);
@@ -602,7 +658,12 @@ impl Scheduler {
                 }
             }
         }
-        let ok = !victims.is_empty() && freed >= blocks;
+        let mut ok = !victims.is_empty() && freed >= blocks;
+        if ok && b.ahead {
+            // No preemption while steps are in flight: the caller plans again after them.
+            self.preemption_wanted = true;
+            ok = false;
+        }
         if ok {
             for &v in &victims {
                 self.preempt(v, now, b);
@@ -619,49 +680,120 @@ impl Scheduler {
     ///
     /// `plan` must be the latest plan from [`Scheduler::schedule`]; entries for requests
     /// finished or aborted in between are skipped. A sampling entry without an output is
-    /// rolled back so its last position is fed again next step.
+    /// rolled back so its last position is fed again next step. The same as
+    /// [`Scheduler::launch`] then [`Scheduler::resolve`].
     pub fn apply_outputs(
         &mut self,
         plan: &StepPlan,
         outputs: &[StepOutput],
         now: Timestamp,
     ) -> Vec<SeqEvent> {
-        let mut events = Vec::with_capacity(outputs.len() + outputs.len() / 8);
+        self.launch(plan);
+        self.resolve(plan, outputs, now)
+    }
+
+    /// Records that the latest plan's step is running on the device, before its outputs are
+    /// known: computed tokens advance and every sampling entry gets a [`PENDING_TOKEN`], so
+    /// the next step can be planned (and fed that token from the device) while this one
+    /// runs. [`Scheduler::resolve`] brings the outputs, steps in launch order.
+    ///
+    /// A sequence is never scheduled with two steps in flight, nor when its pending token
+    /// will end it by length; a sequence that stops on a resolved token loses the step
+    /// planned after it (its output is dropped as stale).
+    pub fn launch(&mut self, plan: &StepPlan) {
+        let mut rec = self.spare_launched.pop().unwrap_or_default();
+        rec.clear();
         let slots_valid = self.last_slots.len() == plan.seqs.len();
-        let mut cursor = 0usize;
-        let mut by_id: Option<HashMap<RequestId, TokenId>> = None;
-        let mut any_ended = false;
         for (i, sched) in plan.seqs.iter().enumerate() {
             let slot = match self.last_slots.get(i) {
                 Some(&s)
                     if slots_valid && slot_ref(&self.seqs, s).is_some_and(|q| q.id == sched.id) =>
                 {
-                    s
+                    Some(s)
                 }
-                _ => match self.index.get(&sched.id) {
-                    Some(&s) => s,
-                    None => continue,
-                },
+                _ => self.index.get(&sched.id).copied(),
             };
-            let Some(seq) = self.seqs.get_mut(slot as usize).and_then(|s| s.as_mut()) else {
+            let seq = slot.and_then(|s| self.seqs.get_mut(s as usize).and_then(|q| q.as_mut()));
+            let (Some(slot), Some(seq)) = (slot, seq) else {
+                rec.push(Launched::STALE);
                 continue;
             };
             let after = sched.num_computed_tokens + sched.num_new_tokens;
-            if seq.state != RequestState::Running
+            if seq.id != sched.id
+                || seq.state != RequestState::Running
                 || seq.num_computed != sched.num_computed_tokens
                 || after > seq.num_tokens()
                 || seq.block_table.len() < self.ledger.blocks_for(after)
             {
-                continue; // stale entry
+                rec.push(Launched::STALE);
+                continue;
             }
             seq.num_computed = after;
             let p = seq.prompt_len;
             let prompt_tokens = after.min(p).saturating_sub(seq.max_computed.min(p));
             seq.max_computed = seq.max_computed.max(after);
             cache_full_blocks(&self.hasher, &mut self.ledger, seq);
+            let samples = sched.samples && after == seq.num_tokens();
+            if samples {
+                seq.output.push(PENDING_TOKEN);
+                seq.pending += 1;
+            }
+            rec.push(Launched {
+                slot,
+                prompt_tokens: prompt_tokens as u32,
+                samples,
+            });
+        }
+        self.in_flight.push_back(rec);
+    }
+
+    /// Whether launched steps wait for [`Scheduler::resolve`].
+    pub fn has_in_flight(&self) -> bool {
+        !self.in_flight.is_empty()
+    }
+
+    /// Applies the outputs of the oldest launched step (`plan` is the plan it was launched
+    /// with): pending tokens become the sampled ones, stop conditions are checked (a stopped
+    /// sequence is finished and its blocks freed) and the events are returned. An entry
+    /// whose sequence ended or was preempted since its launch is skipped; a sampling entry
+    /// without an output is rolled back so its last position is fed again.
+    pub fn resolve(
+        &mut self,
+        plan: &StepPlan,
+        outputs: &[StepOutput],
+        now: Timestamp,
+    ) -> Vec<SeqEvent> {
+        let mut events = Vec::with_capacity(outputs.len() + outputs.len() / 8);
+        let Some(rec) = self.in_flight.pop_front() else {
+            self.pool_errors += 1; // a caller bug: nothing launched
+            return events;
+        };
+        if rec.len() != plan.seqs.len() {
+            self.pool_errors += 1; // a caller bug: not the launched plan
+            self.spare_launched.push(rec);
+            return events;
+        }
+        let mut cursor = 0usize;
+        let mut by_id: Option<HashMap<RequestId, TokenId>> = None;
+        let mut any_ended = false;
+        for (sched, l) in plan.seqs.iter().zip(&rec) {
+            if l.slot == Launched::STALE.slot {
+                continue;
+            }
+            let Some(seq) = self.seqs.get_mut(l.slot as usize).and_then(|s| s.as_mut()) else {
+                continue;
+            };
+            if seq.id != sched.id || seq.state != RequestState::Running {
+                continue; // ended or preempted since the launch
+            }
+            let after = sched.num_computed_tokens + sched.num_new_tokens;
+            let idx = after.wrapping_sub(seq.prompt_len);
+            if l.samples && seq.output.get(idx) != Some(&PENDING_TOKEN) {
+                continue; // rolled back since the launch
+            }
             let mut output_tokens = 0;
             let mut stop = None;
-            if sched.samples && after == seq.num_tokens() {
+            if l.samples {
                 let token = match outputs.get(cursor) {
                     Some(o) if o.id == sched.id => {
                         cursor += 1;
@@ -673,9 +805,9 @@ impl Scheduler {
                         .copied(),
                 };
                 match token {
-                    None => seq.num_computed -= 1,
-                    Some(t) => {
-                        seq.output.push(t);
+                    Some(t) if t != PENDING_TOKEN => {
+                        seq.output[idx] = t;
+                        seq.pending -= 1;
                         output_tokens = 1;
                         if seq.first_token_at.is_none() {
                             seq.first_token_at = Some(now);
@@ -690,17 +822,29 @@ impl Scheduler {
                             token: t,
                             at: now,
                         });
-                        stop = seq.stop_reason(t);
+                        stop = seq.stop_reason_at(t, idx + 1);
+                        // The resolved token may complete a block.
+                        cache_full_blocks(&self.hasher, &mut self.ledger, seq);
+                    }
+                    _ => {
+                        // No token: feed the last known position again (a step launched
+                        // after this one becomes stale).
+                        seq.output.truncate(idx);
+                        seq.pending = 0;
+                        seq.num_computed = seq.num_computed.min(after - 1);
                     }
                 }
             }
             self.policy.observe(PolicyEvent::Served {
                 seq: SeqView::new(seq),
-                prompt_tokens,
+                prompt_tokens: l.prompt_tokens as usize,
                 output_tokens,
             });
             if let Some(reason) = stop {
-                self.release(slot, RequestState::Finished(reason));
+                // Tokens sampled after the stop (a step in flight) are dropped.
+                seq.output.truncate(idx + 1);
+                seq.pending = 0;
+                self.release(l.slot, RequestState::Finished(reason));
                 events.push(SeqEvent::Finished {
                     id: sched.id,
                     reason,
@@ -709,6 +853,7 @@ impl Scheduler {
                 any_ended = true;
             }
         }
+        self.spare_launched.push(rec);
         if any_ended {
             let seqs = &self.seqs;
             self.running
@@ -716,6 +861,25 @@ impl Scheduler {
         }
         events
     }
+}
+
+/// One entry of a launched step, kept until [`Scheduler::resolve`].
+#[derive(Copy, Clone, Debug)]
+pub(crate) struct Launched {
+    /// The sequence's slot (`u32::MAX`: the entry was stale at launch).
+    slot: u32,
+    /// Prompt tokens computed for the first time (charged to the policy on resolve).
+    prompt_tokens: u32,
+    /// Whether the entry appended a pending token.
+    samples: bool,
+}
+
+impl Launched {
+    const STALE: Launched = Launched {
+        slot: u32::MAX,
+        prompt_tokens: 0,
+        samples: false,
+    };
 }
 
 fn slot_ref(seqs: &[Option<Sequence>], slot: u32) -> Option<&Sequence> {

@@ -20,7 +20,7 @@ use crate::prefix_hash::BlockHasher;
 use crate::sequence::{SeqView, Sequence};
 use crate::types::{
     BlockId, FinishReason, Request, RequestId, RequestState, SchedulerConfig, SchedulerStats,
-    SloTargets, Timestamp, TokenId,
+    SloTargets, Timestamp, TokenId, PENDING_TOKEN,
 };
 
 /// Longest tenant or tier label accepted.
@@ -108,6 +108,12 @@ pub struct Scheduler {
     pub(crate) victims: Vec<u32>,
     /// Slot of each entry of the last plan (same order), to skip id lookups.
     pub(crate) last_slots: Vec<u32>,
+    /// Launched steps waiting for their outputs, oldest first.
+    pub(crate) in_flight: std::collections::VecDeque<Vec<crate::planner::Launched>>,
+    /// Scratch: records of resolved steps, reused.
+    pub(crate) spare_launched: Vec<Vec<crate::planner::Launched>>,
+    /// A plan made ahead held back an admission that needed a preemption.
+    pub(crate) preemption_wanted: bool,
     /// Tokens looked up in the prefix cache.
     pub(crate) prefix_queries: u64,
     /// Tokens found in the prefix cache.
@@ -212,6 +218,9 @@ impl Scheduler {
             matched: Vec::new(),
             victims: Vec::new(),
             last_slots: Vec::new(),
+            in_flight: std::collections::VecDeque::new(),
+            spare_launched: Vec::new(),
+            preemption_wanted: false,
             prefix_queries: 0,
             prefix_hits: 0,
             num_preemptions: 0,
@@ -414,6 +423,8 @@ impl Scheduler {
         seq.block_table.clear();
         seq.blocks_sent = 0;
         seq.num_cached_blocks = 0;
+        // Tokens still on the device will not be resolved for an ended request.
+        seq.drop_pending();
         seq.state = terminal;
         self.policy
             .observe(PolicyEvent::Departed(SeqView::new(seq)));
@@ -521,6 +532,17 @@ impl Scheduler {
                 || s.block_table.len() < self.ledger.blocks_for(s.num_computed)
             {
                 return bad(format!("{:?} block table too short", s.req.id));
+            }
+            let known = s.output.len().checked_sub(s.pending as usize);
+            if known.is_none_or(|k| {
+                s.output[k..].iter().any(|&t| t != PENDING_TOKEN)
+                    || k.checked_sub(1)
+                        .is_some_and(|i| s.output[i] == PENDING_TOKEN)
+            }) {
+                return bad(format!(
+                    "{:?}: {} pending tokens do not end its output",
+                    s.req.id, s.pending
+                ));
             }
             for &b in &s.block_table {
                 match refs.get_mut(b as usize) {

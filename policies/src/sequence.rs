@@ -3,6 +3,7 @@
 use crate::prefix_hash::{HashExtras, PrefixHash, PromptAndOutput};
 use crate::types::{
     BlockId, FinishReason, Request, RequestId, RequestState, SloTargets, Timestamp, TokenId,
+    PENDING_TOKEN,
 };
 
 /// Everything the core tracks about one request.
@@ -42,6 +43,9 @@ pub(crate) struct Sequence {
     pub(crate) has_stop_ids: bool,
     /// Whether the request's tier is marked preemptible.
     pub(crate) preemptible: bool,
+    /// Trailing entries of `output` that are [`PENDING_TOKEN`]s (sampled on the device, not
+    /// yet resolved): 0, or 1-2 while steps are in flight.
+    pub(crate) pending: u8,
     /// Dense per-scheduler tenant number (interned label).
     pub(crate) tenant_id: u32,
     /// When the first output token was produced.
@@ -64,6 +68,7 @@ impl Sequence {
         Self {
             state: RequestState::Waiting,
             num_preemptions: 0,
+            pending: 0,
             num_computed: 0,
             blocks_sent: 0,
             num_cached_blocks: 0,
@@ -106,11 +111,35 @@ impl Sequence {
         }
     }
 
-    /// Checks the stop conditions after a token was appended (vLLM's order: EOS/stop ids
-    /// once `min_tokens` are out, then the length limit).
+    /// Tokens whose values are known: everything but the trailing pending ones.
+    pub(crate) fn num_known_tokens(&self) -> usize {
+        self.num_tokens() - self.pending as usize
+    }
+
+    /// Tokens the planner may schedule now: the uncomputed ones, except that a sequence
+    /// bound to finish by length once its pending token resolves, or with a pending token
+    /// already being fed (two steps in flight), waits for the outputs.
+    pub(crate) fn schedulable_tokens(&self) -> usize {
+        let pending = usize::from(self.pending);
+        if pending >= 2 || (pending > 0 && self.output.len() >= self.max_tokens as usize) {
+            return 0;
+        }
+        self.num_tokens() - self.num_computed
+    }
+
+    /// Drops the pending tokens (a preemption: they will be sampled again after the
+    /// recompute).
+    pub(crate) fn drop_pending(&mut self) {
+        let keep = self.output.len() - self.pending as usize;
+        debug_assert!(self.output[keep..].iter().all(|&t| t == PENDING_TOKEN));
+        self.output.truncate(keep);
+        self.pending = 0;
+    }
+
+    /// Checks the stop conditions for `token`, the `n`-th output token (1-based; vLLM's
+    /// order: EOS/stop ids once `min_tokens` are out, then the length limit).
     #[inline]
-    pub(crate) fn stop_reason(&self, token: TokenId) -> Option<FinishReason> {
-        let n = self.output.len();
+    pub(crate) fn stop_reason_at(&self, token: TokenId, n: usize) -> Option<FinishReason> {
         if n >= self.min_tokens as usize {
             if self.stop_eos == Some(token) {
                 return Some(FinishReason::Eos);
@@ -191,9 +220,9 @@ impl<'a> SeqView<'a> {
     pub fn prompt_len(&self) -> usize {
         self.seq.prompt_len
     }
-    /// Output tokens generated so far.
+    /// Output tokens generated so far (sampled tokens still on the device not counted).
     pub fn num_output_tokens(&self) -> usize {
-        self.seq.output.len()
+        self.seq.output.len() - self.seq.pending as usize
     }
     /// The `max_tokens` limit.
     pub fn max_tokens(&self) -> usize {

@@ -11,6 +11,13 @@ pub type Micros = u64;
 /// A token id of the model's vocabulary.
 pub type TokenId = u32;
 
+/// Stands for a sampled token that is still on the device: [`crate::Scheduler::launch`]
+/// appends one per sampling entry of a step whose outputs are not known yet (so the next
+/// step can be planned while the device runs this one), and
+/// [`crate::Scheduler::resolve`] replaces it with the real token. Never a real token id
+/// (vocabularies are far smaller).
+pub const PENDING_TOKEN: TokenId = TokenId::MAX;
+
 /// Index of a KV block in the [`crate::BlockPool`].
 pub type BlockId = u32;
 

@@ -1,6 +1,8 @@
 //! Property tests over random workloads for every registered policy: no block leaked or
 //! double-freed, refcounts equal block-table references, per-step budgets respected, every
-//! admitted request ends, and hot swaps to every other policy lose or duplicate nothing.
+//! admitted request ends, and hot swaps to every other policy lose or duplicate nothing;
+//! planning each step while the previous one is in flight (`launch` / `resolve`) yields the
+//! same outputs as stepping in order.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
@@ -166,11 +168,17 @@ fn request(i: usize, s: &Spec) -> Request {
     }
 }
 
-/// Deterministic "sampled" token: EOS now and then, otherwise a small vocabulary.
-fn token(id: RequestId, step: u64) -> TokenId {
-    let h = id.0.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ step.wrapping_mul(0xC2B2_AE3D_27D4_EB4F);
+/// Deterministic "sampled" token at position `pos` of a request: EOS now and then,
+/// otherwise a small vocabulary. A function of the position (not the step), so runs that
+/// schedule differently produce the same tokens.
+fn token(id: RequestId, pos: usize) -> TokenId {
+    let h =
+        id.0.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (pos as u64).wrapping_mul(0xC2B2_AE3D_27D4_EB4F);
     (h >> 59) as TokenId // 0..32, EOS with probability 1/32
 }
+
+/// Per admitted request: its outputs and how it ended.
+type Ended = BTreeMap<RequestId, (Vec<TokenId>, FinishReason)>;
 
 fn check_plan(
     w: &Workload,
@@ -246,8 +254,10 @@ fn check_plan(
     Ok(())
 }
 
-/// Runs the workload under `first`, swapping through `swaps` every `swap_every` steps.
-fn run(w: &Workload, first: &str, swaps: &[&str]) -> Result<(), TestCaseError> {
+/// Runs the workload under `first`, swapping through `swaps` every `swap_every` steps; with
+/// `pipelined`, each step is planned while the previous one is in flight (launched, its
+/// outputs resolved after the next launch).
+fn run(w: &Workload, first: &str, swaps: &[&str], pipelined: bool) -> Result<Ended, TestCaseError> {
     let config = SchedulerConfig {
         max_num_seqs: w.max_num_seqs,
         max_num_batched_tokens: w.max_num_batched_tokens,
@@ -266,6 +276,8 @@ fn run(w: &Workload, first: &str, swaps: &[&str]) -> Result<(), TestCaseError> {
     let last_arrival = w.reqs.iter().map(|r| r.arrival_step).max().unwrap_or(0);
     let mut swaps = swaps.iter();
     let mut step = 0u64;
+    let mut in_flight: Option<StepPlan> = None;
+    let mut want_in_order = false;
     while step < MAX_STEPS {
         let now = Timestamp(step * STEP_US);
         for (i, r) in w.reqs.iter().enumerate() {
@@ -316,20 +328,53 @@ fn run(w: &Workload, first: &str, swaps: &[&str]) -> Result<(), TestCaseError> {
                 prop_assert_eq!(before.num_waiting, after.num_waiting);
             }
         }
-        let plan = s.schedule(now);
+        let outputs = |plan: &StepPlan| -> Vec<StepOutput> {
+            plan.seqs
+                .iter()
+                .filter(|q| q.samples)
+                .map(|q| StepOutput {
+                    id: q.id,
+                    token: token(q.id, q.num_computed_tokens + q.num_new_tokens),
+                })
+                .collect()
+        };
+        // Pipelined: plan ahead of the step in flight; when that cannot be done (a preemption
+        // is needed), resolve first and plan in order.
+        let mut events = Vec::new();
+        let ahead = match &in_flight {
+            Some(_) if !want_in_order => s.schedule_ahead(now),
+            _ => None,
+        };
+        let plan = match ahead {
+            Some(plan) => plan,
+            None => {
+                if let Some(prev) = in_flight.take() {
+                    events.extend(s.resolve(&prev, &outputs(&prev), now));
+                }
+                s.schedule(now)
+            }
+        };
+        want_in_order = s.take_preemption_wanted();
         check_plan(w, &s, &plan, &mut mirrors)?;
         s.check_invariants()
             .map_err(|e| TestCaseError::fail(e.to_string()))?;
-        let outs: Vec<StepOutput> = plan
-            .seqs
-            .iter()
-            .filter(|q| q.samples)
-            .map(|q| StepOutput {
-                id: q.id,
-                token: token(q.id, step),
-            })
-            .collect();
-        for e in s.apply_outputs(&plan, &outs, now) {
+        if pipelined {
+            s.launch(&plan);
+            s.check_invariants()
+                .map_err(|e| TestCaseError::fail(e.to_string()))?;
+            if let Some(prev) = in_flight.replace(plan) {
+                events.extend(s.resolve(&prev, &outputs(&prev), now));
+            }
+        } else {
+            events.extend(s.apply_outputs(&plan, &outputs(&plan), now));
+        }
+        if pipelined && !s.has_unfinished() {
+            // The last step in flight belongs to sequences that ended: resolve it too.
+            if let Some(prev) = in_flight.take() {
+                events.extend(s.resolve(&prev, &outputs(&prev), now));
+            }
+        }
+        for e in events {
             match e {
                 SeqEvent::Token { id, .. } => *outputs_seen.entry(id).or_default() += 1,
                 SeqEvent::Finished { id, reason, .. } => {
@@ -345,10 +390,11 @@ fn run(w: &Workload, first: &str, swaps: &[&str]) -> Result<(), TestCaseError> {
         s.check_invariants()
             .map_err(|e| TestCaseError::fail(e.to_string()))?;
         step += 1;
-        if step > last_arrival && !s.has_unfinished() {
+        if step > last_arrival && !s.has_unfinished() && in_flight.is_none() {
             break;
         }
     }
+    prop_assert!(!s.has_in_flight(), "a launched step was never resolved");
     prop_assert!(
         !s.has_unfinished(),
         "requests still live after {} steps",
@@ -356,10 +402,22 @@ fn run(w: &Workload, first: &str, swaps: &[&str]) -> Result<(), TestCaseError> {
     );
     // Every admitted request ended exactly once, with outputs consistent with its limits.
     prop_assert_eq!(ended.len(), admitted.len());
+    let mut result = Ended::new();
     for (id, spec) in &admitted {
         let out = s.output_tokens(*id).unwrap_or(&[]);
         prop_assert_eq!(out.len(), outputs_seen.get(id).copied().unwrap_or(0));
         prop_assert!(out.len() <= spec.max_tokens as usize);
+        let prompt = spec.prefix_len + spec.suffix_len;
+        for (k, &t) in out.iter().enumerate() {
+            prop_assert_eq!(
+                t,
+                token(*id, prompt + k),
+                "{:?}: output {} is not its own",
+                id,
+                k
+            );
+        }
+        result.insert(*id, (out.to_vec(), ended[id]));
         match ended[id] {
             FinishReason::Length => prop_assert_eq!(out.len(), spec.max_tokens as usize),
             FinishReason::Eos => prop_assert_eq!(out.last(), Some(&EOS)),
@@ -373,7 +431,7 @@ fn run(w: &Workload, first: &str, swaps: &[&str]) -> Result<(), TestCaseError> {
         "blocks leaked at the end"
     );
     prop_assert!(st.prefix_hits <= st.prefix_queries);
-    Ok(())
+    Ok(result)
 }
 
 proptest! {
@@ -382,7 +440,8 @@ proptest! {
     #[test]
     fn every_policy_keeps_invariants_and_ends_every_request(w in workload()) {
         for name in PolicyRegistry::with_builtins().names() {
-            run(&w, name, &[]).map_err(|e| TestCaseError::fail(format!("policy {name}: {e}")))?;
+            run(&w, name, &[], false)
+                .map_err(|e| TestCaseError::fail(format!("policy {name}: {e}")))?;
         }
     }
 
@@ -391,8 +450,35 @@ proptest! {
         let names = PolicyRegistry::with_builtins().names();
         for first in &names {
             let others: Vec<&str> = names.iter().copied().filter(|n| n != first).collect();
-            run(&w, first, &others)
+            run(&w, first, &others, false)
                 .map_err(|e| TestCaseError::fail(format!("policy {first} with swaps: {e}")))?;
+        }
+    }
+
+    #[test]
+    fn pipelined_steps_match_steps_in_order(w in workload()) {
+        // Aborts and outside finishes fire at step counts, which pipelining shifts; without
+        // them both runs must produce the same tokens and the same endings.
+        let mut w = w;
+        for r in &mut w.reqs {
+            r.end_after = None;
+        }
+        for name in PolicyRegistry::with_builtins().names() {
+            let in_order = run(&w, name, &[], false)
+                .map_err(|e| TestCaseError::fail(format!("policy {name} in order: {e}")))?;
+            let pipelined = run(&w, name, &[], true)
+                .map_err(|e| TestCaseError::fail(format!("policy {name} pipelined: {e}")))?;
+            prop_assert_eq!(in_order, pipelined, "policy {}", name);
+        }
+    }
+
+    #[test]
+    fn pipelined_steps_keep_invariants_with_aborts_and_swaps(w in workload()) {
+        let names = PolicyRegistry::with_builtins().names();
+        for first in &names {
+            let others: Vec<&str> = names.iter().copied().filter(|n| n != first).collect();
+            run(&w, first, &others, true)
+                .map_err(|e| TestCaseError::fail(format!("policy {first} pipelined: {e}")))?;
         }
     }
 }

@@ -125,7 +125,7 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
         tiers: Vec::new(),
         max_logit_rows: switchyard_gpu::backend::MAX_LOGIT_ROWS,
     };
-    let mut engine = runtime::offline_core(backend, scheduler)?;
+    let mut engine = runtime::offline_core(backend, scheduler, args.async_scheduling)?;
     let sampling = Arc::new(SamplingParams {
         ignore_eos: true,
         ..SamplingParams::default()
@@ -204,6 +204,7 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
         "total_prompt_tokens": prompt_tokens,
         "total_output_tokens": output_tokens,
         "steps": steps,
+        "async_scheduling": engine.async_scheduling(),
         "engine_overhead_us_per_step": overhead_us as f64 / steps.max(1) as f64,
     });
     if let (Some(b), Some(ms)) = (args.decode_batch, median_ms) {

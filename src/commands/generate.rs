@@ -77,7 +77,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         tiers: Vec::new(),
         max_logit_rows: switchyard_gpu::backend::MAX_LOGIT_ROWS,
     };
-    let mut engine = runtime::offline_core(backend, scheduler)?;
+    let mut engine = runtime::offline_core(backend, scheduler, args.async_scheduling)?;
     let eos = tokenizer.eos_token_ids().to_vec();
     let mut outputs = BTreeMap::new();
     for (i, ids) in prompts.into_iter().enumerate() {

@@ -250,10 +250,12 @@ pub fn preset(name: &str) -> anyhow::Result<LlamaConfig> {
     }
 }
 
-/// An engine core with the FCFS policy, for offline work.
+/// An engine core with the FCFS policy, for offline work; `async_scheduling` plans each step
+/// while the previous one runs (where the backend pipelines).
 pub fn offline_core(
     backend: Box<dyn Backend>,
     scheduler: SchedulerConfig,
+    async_scheduling: bool,
 ) -> anyhow::Result<EngineCore> {
     let policy = PolicyRegistry::with_builtins().create("fcfs", &serde_yaml::Value::Null, &[])?;
     Ok(EngineCore::new(
@@ -263,7 +265,8 @@ pub fn offline_core(
         },
         policy,
         backend,
-    )?)
+    )?
+    .with_async_scheduling(async_scheduling))
 }
 
 /// A per-process random key for the prefix-cache hash, so outsiders cannot forge collisions.

@@ -736,6 +736,27 @@ impl Gpu {
         self.sync()
     }
 
+    /// Enqueues a copy from device address `src` into `dst` without waiting for it.
+    ///
+    /// # Safety
+    /// `dst` must be page-locked memory that stays alive and is neither read nor written
+    /// until the stream has passed the copy (an event recorded after it has completed).
+    pub unsafe fn download_async<T: Copy>(&self, dst: &mut [T], src: u64) -> Result<(), GpuError> {
+        if dst.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: `src` holds at least `dst.len()` values of `T`; the caller keeps `dst`.
+        unsafe { drv::memcpy_dtoh_async(dst, src, self.stream.cu_stream()) }
+            .map_err(|e| cuda_err("copy from the device", e))
+    }
+
+    /// An event without timing, for waiting on a point of the stream.
+    pub fn event(&self) -> Result<cudarc::driver::CudaEvent, GpuError> {
+        self.ctx
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+            .map_err(|e| cuda_err("event", e))
+    }
+
     /// Waits for the stream.
     pub fn sync(&self) -> Result<(), GpuError> {
         self.stream

@@ -174,6 +174,7 @@ pub(crate) fn enqueue(
             &[
                 Arg::Ptr(w.embed.ptr()),
                 Arg::Ptr(s(lay.tokens)?),
+                Arg::Ptr(b.sampled.ptr()),
                 Arg::Ptr(b.x.ptr()),
                 i32v(h),
             ],

@@ -31,6 +31,7 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::backend::{
     logit_rows_of, prompt_logprobs, validate_batch, Backend, Batch, SeqOutput, MAX_LOGIT_ROWS,
+    PENDING_TOKEN,
 };
 use crate::error::GpuError;
 use crate::model::{LlamaConfig, ModelWeights};
@@ -104,22 +105,55 @@ pub struct CudaBackend {
     /// Scratch of the split greedy sampling (`None` with `SWITCHYARD_CUDA_SPLIT_ARGMAX=0`: one
     /// `sample_rows` block per row, greedy rows included).
     argmax: Option<sampling::ArgmaxScratch>,
+    /// Steps on the stream whose sampled ids are not read yet, oldest first (at most two).
+    submitted: std::collections::VecDeque<Submitted>,
+    /// Number of the next step submitted (page-locked buffers and timing events alternate by
+    /// it).
+    next_step: u64,
+    /// Steps up to this number (exclusive) have finished on the GPU.
+    done_before: u64,
+    /// Row of `buf.sampled` each sequence of the last submitted step samples into: where a
+    /// [`PENDING_TOKEN`] of the next step is read from.
+    last_samples: HashMap<u64, usize>,
     name: String,
+}
+
+/// A submitted step: its outputs but the sampled tokens, and where those arrive.
+struct Submitted {
+    /// Step number.
+    step: u64,
+    /// Outputs in batch order (prompt logprobs filled in), tokens to come.
+    outputs: Vec<SeqOutput>,
+    /// Per sampled row, in order: the output it belongs to, its logits row and the request's
+    /// sampling parameters.
+    samples: Vec<(usize, usize, std::sync::Arc<crate::sampler::SamplingParams>)>,
+    /// Raw logits rows copied for logprobs.
+    raw: HashMap<usize, Vec<f32>>,
+    /// The sampled ids: already read (pageable copies wait), or on their way into the
+    /// page-locked buffer of this step's parity, complete when `ready` has.
+    ids: SubmittedIds,
+}
+
+enum SubmittedIds {
+    Read(Vec<i32>),
+    Pinned(cudarc::driver::CudaEvent),
 }
 
 /// Page-locked host buffers for the per-step copies: the sampled ids (one per logit row), and
 /// the packed step buffer, grown to the largest step seen (in powers of two from 64 KiB)
 /// rather than sized for the largest possible one (block tables for every token at the
 /// longest context: tens of MiB at Llama-3-8B's limits).
+///
+/// Two of each, used by step number parity, so a step can be submitted while the one before
+/// it still runs (its upload may not have happened yet, its ids not arrived).
 struct Staging {
-    step: Option<cudarc::driver::PinnedHostSlice<u8>>,
-    tokens: cudarc::driver::PinnedHostSlice<i32>,
-    /// A copy from `step` may still be running: set by an upload, cleared once the stream has
-    /// been waited for (the download of a step's sampled ids). A step that sampled nothing or
-    /// failed in between leaves it set, and the next upload waits for the stream before it
-    /// rewrites or replaces the buffer.
-    in_flight: bool,
-    /// Growing the step buffer failed once: later steps copy from pageable memory.
+    step: [Option<cudarc::driver::PinnedHostSlice<u8>>; 2],
+    tokens: [cudarc::driver::PinnedHostSlice<i32>; 2],
+    /// The step whose upload last used each step buffer: the buffer may be rewritten once that
+    /// step has finished (`done_before`); otherwise (a step that failed or sampled nothing in
+    /// between) the next upload waits for the stream first.
+    uploaded: [Option<u64>; 2],
+    /// Growing a step buffer failed once: later steps copy from pageable memory.
     step_failed: bool,
 }
 
@@ -149,11 +183,12 @@ impl Staging {
     /// driver refuses page-locked memory: the copies then use pageable memory, as with
     /// `SWITCHYARD_CUDA_PINNED=0`.
     fn new(gpu: &Gpu, rows: usize) -> Option<Self> {
-        match alloc_pinned::<i32>(gpu, rows) {
+        match alloc_pinned::<i32>(gpu, rows).and_then(|a| Ok([a, alloc_pinned::<i32>(gpu, rows)?]))
+        {
             Ok(tokens) => Some(Staging {
-                step: None,
+                step: [None, None],
                 tokens,
-                in_flight: false,
+                uploaded: [None, None],
                 step_failed: false,
             }),
             Err(e) => {
@@ -166,7 +201,7 @@ impl Staging {
     /// A page-locked buffer of at least `n` bytes (at most `cap`), grown if needed; `None`
     /// when growing failed (once, with a warning), so the caller copies from pageable memory.
     /// The caller has made sure no copy from the current buffer is running. Takes the fields
-    /// `step` and `step_failed` so the caller may set `in_flight` while it holds the buffer.
+    /// `step` and `step_failed` so the caller may set `uploaded` while it holds the buffer.
     fn step_buffer<'a>(
         step: &'a mut Option<cudarc::driver::PinnedHostSlice<u8>>,
         step_failed: &mut bool,
@@ -308,6 +343,10 @@ impl CudaBackend {
             host_step: Vec::new(),
             staging,
             argmax,
+            submitted: std::collections::VecDeque::new(),
+            next_step: 0,
+            done_before: 0,
+            last_samples: HashMap::new(),
             name,
         })
     }
@@ -342,15 +381,20 @@ impl CudaBackend {
             self.block_size,
             self.buf.max_tokens,
             "CUDA",
+            false,
         )?;
+        self.drain()?;
         let group = self.config.num_heads / self.config.num_kv_heads;
         let d = step::flatten(batch, group, self.block_size, |i| rows(&batch.seqs[i]))?;
         let launch = self.eager_launch(&d);
-        self.upload_step(&d, &[], &launch)?;
+        let n = self.next_step;
+        self.next_step += 1;
+        self.upload_step(n, &d, &[], &launch)?;
         self.enqueue(&launch)?;
         let vocab = self.config.vocab_size;
         let mut out = vec![0f32; d.logit_rows.len() * vocab];
         self.gpu.download(&mut out, self.buf.logits.ptr())?;
+        self.done_before = n + 1;
         Ok(out)
     }
 
@@ -390,6 +434,7 @@ impl CudaBackend {
     /// Packs and uploads the step buffer.
     fn upload_step(
         &mut self,
+        n: u64,
         d: &step::StepData,
         samples: &[step::SampleRow],
         l: &Launch,
@@ -401,7 +446,7 @@ impl CudaBackend {
             )));
         }
         if let Some(t) = &mut self.timing {
-            t.start(&self.gpu.stream)?;
+            t.start(&self.gpu.stream, n)?;
         }
         let caps = (l.tokens, l.tiles, l.rows, l.rows);
         step::pack(d, samples, &l.layout, caps, l.z, &mut self.host_step);
@@ -413,21 +458,25 @@ impl CudaBackend {
             )));
         }
         if let Some(st) = &mut self.staging {
-            if st.in_flight {
+            let k = (n % 2) as usize;
+            // The upload two steps back used this buffer: wait unless that step finished.
+            if st.uploaded[k].is_some_and(|u| u >= self.done_before) {
                 self.gpu.sync()?;
-                st.in_flight = false;
+                self.done_before = n;
             }
-            let n = self.host_step.len();
+            let len = self.host_step.len();
             let cap = self.buf.step.bytes();
             let Staging {
                 step,
-                in_flight,
+                uploaded,
                 step_failed,
                 ..
             } = st;
-            if let Some(pinned) = Staging::step_buffer(step, step_failed, &self.gpu, n, cap) {
+            if let Some(pinned) =
+                Staging::step_buffer(&mut step[k], step_failed, &self.gpu, len, cap)
+            {
                 pinned.copy_from_slice(&self.host_step);
-                *in_flight = true;
+                uploaded[k] = Some(n);
                 return self.gpu.upload(self.buf.step.ptr(), pinned);
             }
         }
@@ -469,6 +518,98 @@ impl Backend for CudaBackend {
     }
 
     fn execute(&mut self, batch: &Batch) -> Result<Vec<SeqOutput>, GpuError> {
+        if !self.submitted.is_empty() {
+            return Err(GpuError::Internal(
+                "execute with submitted steps not collected".into(),
+            ));
+        }
+        self.submit_step(batch, false)?;
+        self.collect()
+    }
+
+    fn release(&mut self, seq_id: u64) {
+        self.states.remove(&seq_id);
+    }
+
+    fn pipelines(&self) -> bool {
+        true
+    }
+
+    fn submit(&mut self, batch: &Batch) -> Result<(), GpuError> {
+        if self.submitted.len() > 1 {
+            return Err(GpuError::Internal(
+                "a step submitted more than one ahead of its outputs".into(),
+            ));
+        }
+        self.submit_step(batch, true)
+    }
+
+    fn collect(&mut self) -> Result<Vec<SeqOutput>, GpuError> {
+        let Some(sub) = self.submitted.pop_front() else {
+            return Err(GpuError::Internal("no submitted step to collect".into()));
+        };
+        let tokens = match sub.ids {
+            SubmittedIds::Read(t) => t,
+            SubmittedIds::Pinned(ready) => {
+                ready
+                    .synchronize()
+                    .map_err(|e| device::cuda_err("wait for the sampled ids", e))?;
+                let st = self
+                    .staging
+                    .as_mut()
+                    .ok_or_else(|| GpuError::Internal("page-locked ids without staging".into()))?;
+                let pinned = st.tokens[(sub.step % 2) as usize]
+                    .as_slice()
+                    .map_err(|e| device::cuda_err("page-locked sampled ids", e))?;
+                pinned
+                    .get(..sub.samples.len())
+                    .ok_or_else(|| GpuError::Internal("sampled rows exceed the buffers".into()))?
+                    .to_vec()
+            }
+        };
+        self.done_before = self.done_before.max(sub.step + 1);
+        if let Some(t) = &mut self.timing {
+            t.finish(sub.step)?;
+        }
+        let vocab = self.config.vocab_size;
+        let mut outputs = sub.outputs;
+        for ((i, r, p), &tok) in sub.samples.iter().zip(&tokens) {
+            let tok = u32::try_from(tok)
+                .ok()
+                .filter(|&t| (t as usize) < vocab)
+                .ok_or_else(|| GpuError::Internal(format!("sampled token {tok}")))?;
+            let out = &mut outputs[*i];
+            if let (Some(n), Some(row)) = (p.logprobs, sub.raw.get(r)) {
+                let lp = log_softmax(row);
+                out.logprob = lp.get(tok as usize).copied();
+                out.top_logprobs = top_n(&lp, n as usize);
+            }
+            // A sequence released since the submit (it ended) keeps no state.
+            if let Some(st) = self.states.get_mut(&out.seq_id) {
+                st.record(tok, p);
+            }
+            out.token = Some(tok);
+        }
+        if tokens.len() != sub.samples.len() {
+            return Err(GpuError::Internal("missing sampled token".into()));
+        }
+        Ok(outputs)
+    }
+}
+
+impl CudaBackend {
+    /// Waits for and drops every submitted step (before work outside the step sequence).
+    fn drain(&mut self) -> Result<(), GpuError> {
+        while !self.submitted.is_empty() {
+            self.collect()?;
+        }
+        Ok(())
+    }
+
+    /// Checks, uploads and enqueues one step through its sampling, and the copy of the
+    /// sampled ids; `pending_ok`: the batch may feed [`PENDING_TOKEN`]s of the step submitted
+    /// before.
+    fn submit_step(&mut self, batch: &Batch, pending_ok: bool) -> Result<(), GpuError> {
         self.gpu.bind()?;
         let c = &self.config;
         validate_batch(
@@ -478,6 +619,7 @@ impl Backend for CudaBackend {
             self.block_size,
             self.buf.max_tokens,
             "CUDA",
+            pending_ok,
         )?;
         let vocab = c.vocab_size;
         let prompt_lp: Vec<bool> = batch
@@ -486,9 +628,24 @@ impl Backend for CudaBackend {
             .map(|s| self.wants_prompt_logprobs(s))
             .collect();
         let group = c.num_heads / c.num_kv_heads;
-        let d = step::flatten(batch, group, self.block_size, |i| {
+        let mut d = step::flatten(batch, group, self.block_size, |i| {
             logit_rows_of(&batch.seqs[i], prompt_lp[i])
         })?;
+        // Pending tokens: -(row + 1) of the previous step's sampled ids (the embedding reads
+        // them on the device).
+        let mut at = 0usize;
+        for s in &batch.seqs {
+            if s.tokens.first() == Some(&PENDING_TOKEN) {
+                let row = self.last_samples.get(&s.seq_id).ok_or_else(|| {
+                    GpuError::BadBatch(format!(
+                        "sequence {} feeds a pending token but the previous step sampled none for it",
+                        s.seq_id
+                    ))
+                })?;
+                d.tokens[at] = -(*row as i32) - 1;
+            }
+            at += s.tokens.len();
+        }
         // Sequence states (new ones get their seed now, in batch order) and the rows to sample.
         let mut samples = Vec::new();
         let mut edits = Edits::default();
@@ -511,11 +668,13 @@ impl Backend for CudaBackend {
             };
             if s.sample {
                 let r = row + n - 1;
-                samples.push(st.sample_row(r, &s.sampling));
                 st.edits(r, &s.sampling, &mut edits);
+                samples.push(st.sample_row(r, &s.sampling));
             }
             row += n;
         }
+        let n_step = self.next_step;
+        self.next_step += 1;
         // Decode-only steps replay a graph.
         let decode_only = batch.seqs.iter().all(|s| s.tokens.len() == 1 && s.sample);
         let bucket = if decode_only {
@@ -527,7 +686,7 @@ impl Backend for CudaBackend {
         let mut launch = self.eager_launch(&d);
         if let Some(b) = bucket {
             let l = bucket_launch(b, c, self.gpu.att_max_splits);
-            self.upload_step(&d, &samples, &l)?;
+            self.upload_step(n_step, &d, &samples, &l)?;
             ran_graph = self.graphs.run(
                 &self.gpu,
                 &self.config,
@@ -541,10 +700,10 @@ impl Backend for CudaBackend {
             }
         }
         if !ran_graph {
-            self.upload_step(&d, &samples, &launch)?;
+            self.upload_step(n_step, &d, &samples, &launch)?;
             self.enqueue(&launch)?;
         }
-        // Raw logits rows for logprobs, before any edit.
+        // Raw logits rows for logprobs, before any edit (these copies wait for the step).
         let mut raw: HashMap<usize, Vec<f32>> = HashMap::new();
         for (i, s) in batch.seqs.iter().enumerate() {
             let n = if prompt_lp[i] {
@@ -581,33 +740,37 @@ impl Backend for CudaBackend {
             )
         })?;
         if let Some(t) = &mut self.timing {
-            t.end(&self.gpu.stream)?;
+            t.end(&self.gpu.stream, n_step)?;
         }
-        let mut tokens = vec![0i32; samples.len()];
-        match &mut self.staging {
-            // (No ids, no copy and no wait: `in_flight` stays as the upload left it.)
-            Some(st) if !tokens.is_empty() => {
-                let pinned = st
-                    .tokens
+        let ids = match &mut self.staging {
+            Some(st) => {
+                let pinned = st.tokens[(n_step % 2) as usize]
                     .as_mut_slice()
                     .map_err(|e| device::cuda_err("page-locked sampled ids", e))?;
-                let pinned = pinned.get_mut(..tokens.len()).ok_or_else(|| {
-                    GpuError::Internal(format!("{} sampled rows exceed the buffers", tokens.len()))
+                let pinned = pinned.get_mut(..samples.len()).ok_or_else(|| {
+                    GpuError::Internal(format!("{} sampled rows exceed the buffers", samples.len()))
                 })?;
-                // Waits for the stream: every copy enqueued before has finished.
-                self.gpu.download(pinned, self.buf.sampled.ptr())?;
-                tokens.copy_from_slice(pinned);
-                st.in_flight = false;
+                // SAFETY: the buffer of this step's parity is read only in `collect` after
+                // `ready` completes, and rewritten only by the step two later, submitted after
+                // this one was collected (at most one step is submitted ahead).
+                unsafe { self.gpu.download_async(pinned, self.buf.sampled.ptr())? };
+                let ready = self.gpu.event()?;
+                ready
+                    .record(&self.gpu.stream)
+                    .map_err(|e| device::cuda_err("event record", e))?;
+                SubmittedIds::Pinned(ready)
             }
-            _ => self.gpu.download(&mut tokens, self.buf.sampled.ptr())?,
-        }
-        if let Some(t) = &mut self.timing {
-            t.finish()?;
-        }
+            None => {
+                let mut t = vec![0i32; samples.len()];
+                self.gpu.download(&mut t, self.buf.sampled.ptr())?;
+                SubmittedIds::Read(t)
+            }
+        };
         drop(edits);
-        // Outputs, in batch order.
+        // Outputs in batch order; prompt logprobs now (their rows are here), tokens on collect.
         let mut outputs = Vec::with_capacity(batch.seqs.len());
-        let mut next_sample = 0usize;
+        let mut sampled = Vec::with_capacity(samples.len());
+        self.last_samples.clear();
         for (i, s) in batch.seqs.iter().enumerate() {
             let Some(st) = self.states.get_mut(&s.seq_id) else {
                 return Err(GpuError::Internal("sequence state vanished".into()));
@@ -629,30 +792,24 @@ impl Backend for CudaBackend {
                 );
             }
             if s.sample {
-                let Some(&tok) = tokens.get(next_sample) else {
-                    return Err(GpuError::Internal("missing sampled token".into()));
+                st.pending = None;
+                let k = sampled.len();
+                let Some(row) = samples.get(k) else {
+                    return Err(GpuError::Internal("missing sampled row".into()));
                 };
-                let r = samples[next_sample].row as usize;
-                next_sample += 1;
-                let tok = u32::try_from(tok)
-                    .ok()
-                    .filter(|&t| (t as usize) < vocab)
-                    .ok_or_else(|| GpuError::Internal(format!("sampled token {tok}")))?;
-                if let (Some(n), Some(row)) = (s.sampling.logprobs, raw.get(&r)) {
-                    let lp = log_softmax(row);
-                    out.logprob = lp.get(tok as usize).copied();
-                    out.top_logprobs = top_n(&lp, n as usize);
-                }
-                st.record(tok, &s.sampling);
-                out.token = Some(tok);
+                self.last_samples.insert(s.seq_id, k);
+                sampled.push((i, row.row as usize, s.sampling.clone()));
             }
             outputs.push(out);
         }
-        Ok(outputs)
-    }
-
-    fn release(&mut self, seq_id: u64) {
-        self.states.remove(&seq_id);
+        self.submitted.push_back(Submitted {
+            step: n_step,
+            outputs,
+            samples: sampled,
+            raw,
+            ids,
+        });
+        Ok(())
     }
 }
 

@@ -53,18 +53,20 @@ impl SeqState {
         }
     }
 
-    /// Records a sampled token.
+    /// Records a sampled token (its row was asked for by [`SeqState::sample_row`]).
     pub fn record(&mut self, token: u32, p: &SamplingParams) {
-        self.sampled += 1;
-        self.in_prompt = false;
-        self.pending = None;
         if p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
             *self.counts.entry(token).or_insert(0) += 1;
         }
     }
 
-    /// The sampling row of this sequence at logits row `row`.
-    pub fn sample_row(&self, row: usize, p: &SamplingParams) -> SampleRow {
+    /// The sampling row of this sequence at logits row `row`: the next draw of its stream.
+    /// Counts the token as sampled (the next step may be submitted before this one's token
+    /// is read), so call it after [`SeqState::edits`] for the same row.
+    pub fn sample_row(&mut self, row: usize, p: &SamplingParams) -> SampleRow {
+        let counter = self.sampled;
+        self.sampled += 1;
+        self.in_prompt = false;
         SampleRow {
             row: row as i32,
             temperature: p.temperature,
@@ -72,7 +74,7 @@ impl SeqState {
             top_p: p.top_p,
             min_p: p.min_p,
             seed: self.seed,
-            counter: self.sampled,
+            counter,
         }
     }
 
@@ -382,7 +384,11 @@ mod tests {
         assert_eq!(e.mask, vec![1, 0, 0, 0]);
         assert_eq!(e.bias, vec![0.0, 1.5, 0.0, -2.0]);
         assert_eq!(e.rep, vec![1.0, 1.5, 1.5, 1.0]);
+        // Two tokens: each row asked for (the stream advances), then its token recorded.
+        assert_eq!(st.sample_row(0, &p).counter, 0);
         st.record(9, &p);
+        assert_eq!(st.sample_row(0, &p).counter, 1);
+        assert!(!st.in_prompt);
         st.record(9, &p);
         let mut e = Edits::default();
         st.edits(5, &p, &mut e);

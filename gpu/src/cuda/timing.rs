@@ -17,21 +17,19 @@ use crate::error::GpuError;
 const MAX_SAMPLES: usize = 1 << 20;
 
 pub(crate) struct StepTiming {
-    start: CudaEvent,
-    end: CudaEvent,
-    prev_end: CudaEvent,
-    /// `prev_end` holds the end of the previous step.
-    have_prev: bool,
-    /// `start` was recorded in this step.
-    started: bool,
-    /// GPU idle from the previous step's end to this step's start, microseconds.
+    /// Events around each step, by step number modulo 3 (a step may start before the one
+    /// before it is finished, and the gap reads the end of the one before that).
+    start: [CudaEvent; 3],
+    end: [CudaEvent; 3],
+    /// Steps started and not finished (at most two: one submitted ahead).
+    started: [Option<u64>; 3],
+    /// The last finished step.
+    last_finished: Option<u64>,
     gaps_us: Vec<f32>,
-    /// This step's start to end (its GPU work and any waits on launches inside it).
     spans_us: Vec<f32>,
 }
 
 impl StepTiming {
-    /// `Some` when `SWITCHYARD_CUDA_STEP_TIMING` is set (to anything but `0`).
     pub fn from_env(ctx: &Arc<CudaContext>) -> Result<Option<Self>, GpuError> {
         match std::env::var("SWITCHYARD_CUDA_STEP_TIMING").as_deref() {
             Err(_) | Ok("0") | Ok("off") => return Ok(None),
@@ -42,57 +40,60 @@ impl StepTiming {
                 .map_err(|e| cuda_err("event", e))
         };
         Ok(Some(StepTiming {
-            start: ev()?,
-            end: ev()?,
-            prev_end: ev()?,
-            have_prev: false,
-            started: false,
+            start: [ev()?, ev()?, ev()?],
+            end: [ev()?, ev()?, ev()?],
+            started: [None; 3],
+            last_finished: None,
             gaps_us: Vec::new(),
             spans_us: Vec::new(),
         }))
     }
 
-    /// Before the step's first operation on the stream.
-    pub fn start(&mut self, stream: &CudaStream) -> Result<(), GpuError> {
-        if !self.started {
-            self.start
+    /// Marks the start of step `n` on the stream (once per step).
+    pub fn start(&mut self, stream: &CudaStream, n: u64) -> Result<(), GpuError> {
+        let i = (n % 3) as usize;
+        if self.started[i] != Some(n) {
+            self.start[i]
                 .record(stream)
                 .map_err(|e| cuda_err("event record", e))?;
-            self.started = true;
+            self.started[i] = Some(n);
         }
         Ok(())
     }
 
-    /// After the step's last kernel, before its results are copied back.
-    pub fn end(&mut self, stream: &CudaStream) -> Result<(), GpuError> {
-        self.end
+    /// Marks the end of step `n` on the stream.
+    pub fn end(&mut self, stream: &CudaStream, n: u64) -> Result<(), GpuError> {
+        self.end[(n % 3) as usize]
             .record(stream)
             .map_err(|e| cuda_err("event record", e))
     }
 
-    /// Once the step's results are on the host (its events have completed).
-    pub fn finish(&mut self) -> Result<(), GpuError> {
-        if !self.started {
+    /// Records step `n`'s time on the GPU and the GPU's idle time since step `n - 1` ended
+    /// (when that one was timed too); waits for the step's end.
+    pub fn finish(&mut self, n: u64) -> Result<(), GpuError> {
+        let i = (n % 3) as usize;
+        if self.started[i] != Some(n) {
             return Ok(());
         }
-        self.started = false;
-        self.end
+        self.started[i] = None;
+        self.end[i]
             .synchronize()
             .map_err(|e| cuda_err("event wait", e))?;
         let ms =
             |a: &CudaEvent, b: &CudaEvent| a.elapsed_ms(b).map_err(|e| cuda_err("event time", e));
         if self.spans_us.len() < MAX_SAMPLES {
-            self.spans_us.push(1000.0 * ms(&self.start, &self.end)?);
-            if self.have_prev {
-                self.gaps_us.push(1000.0 * ms(&self.prev_end, &self.start)?);
+            self.spans_us
+                .push(1000.0 * ms(&self.start[i], &self.end[i])?);
+            if n > 0 && self.last_finished == Some(n - 1) {
+                let prev = ((n - 1) % 3) as usize;
+                self.gaps_us
+                    .push(1000.0 * ms(&self.end[prev], &self.start[i])?.max(0.0));
             }
         }
-        std::mem::swap(&mut self.end, &mut self.prev_end);
-        self.have_prev = true;
+        self.last_finished = Some(n);
         Ok(())
     }
 
-    /// Medians and 90th percentiles, as text.
     pub fn report(&self) -> String {
         let (g50, g90) = median_p90(&self.gaps_us);
         let (s50, s90) = median_p90(&self.spans_us);
