@@ -32,7 +32,8 @@
 #   model     SmolLM2 from the GGUF at MODEL: batch-1 / batch-256 decode, offline, `generate`
 #   serve     `switchyard serve` on MODEL (backend SERVE_BACKEND, default cuda): a completion
 #             with logprobs, a chat completion, the backend metric, then `bench serve`
-#             (SERVE_BENCH_ARGS; default 1000 prompts of 128/128 at concurrency 256)
+#             (SERVE_BENCH_ARGS; default 1000 prompts of 128/128 at concurrency 256);
+#             SERVE_SETS: config overrides, e.g. "scheduler.async_scheduling=off"
 #   hf        gpu/reference/hf_bench.py (HF_ARGS): transformers on the same shapes
 #   ab        builds against each other, interleaved: AB_BINS="DIR DIR ..." (each a folder with a
 #             switchyard build), AB_SPECS (name=arguments, commas for spaces; default Llama and
@@ -218,7 +219,8 @@ model: { path: $MODEL, backend: ${SERVE_BACKEND:-cuda} }
 server: { host: 127.0.0.1, port: 18431 }
 cache: { gpu_memory_utilization: 0.5 }
 EOF
-  "$SY" serve --config "$OUT/serve.yaml" >"$OUT/serve.log" 2>&1 &
+  sets=(); for kv in ${SERVE_SETS:-}; do sets+=(--set "$kv"); done
+  "$SY" serve --config "$OUT/serve.yaml" "${sets[@]}" >"$OUT/serve.log" 2>&1 &
   spid=$!
   ok=0
   for _ in $(seq 1 120); do

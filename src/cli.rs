@@ -146,10 +146,10 @@ pub struct GenerateArgs {
     /// Print JSON lines instead of text.
     #[arg(long)]
     pub json: bool,
-    /// Plan and submit each step while the previous one runs on the device (asynchronous
-    /// scheduling; the CUDA backend, and the CPU backend for testing): true or false.
-    #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
-    pub async_scheduling: bool,
+    /// Plan and submit each step while the previous one runs on the device: auto (on with
+    /// the CUDA backend), on or off.
+    #[arg(long, default_value = "auto")]
+    pub async_scheduling: switchyard_config::AsyncSchedulingMode,
 }
 
 /// `switchyard bench ...`.
@@ -289,10 +289,10 @@ pub struct ThroughputArgs {
     /// Fraction of GPU memory the CUDA backend may hold (weights, buffers, KV cache).
     #[arg(long, default_value_t = 0.9)]
     pub gpu_memory_utilization: f64,
-    /// Plan and submit each step while the previous one runs on the device (asynchronous
-    /// scheduling; the CUDA backend, and the CPU backend for testing): true or false.
-    #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
-    pub async_scheduling: bool,
+    /// Plan and submit each step while the previous one runs on the device: auto (on with
+    /// the CUDA backend), on or off.
+    #[arg(long, default_value = "auto")]
+    pub async_scheduling: switchyard_config::AsyncSchedulingMode,
     /// Seed for the random prompts.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,

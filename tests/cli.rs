@@ -196,8 +196,8 @@ fn generate_with_async_scheduling_gives_the_same_text() {
                 .args(["--prompt", "1, 2, 3,"]),
         )
     };
-    let in_order = run("false");
-    let pipelined = run("true");
+    let in_order = run("off");
+    let pipelined = run("on");
     assert_eq!(in_order.lines().count(), 3, "{in_order}");
     assert_eq!(in_order, pipelined);
 }

@@ -146,6 +146,7 @@ fn start_engine(running: usize) -> (Arc<AtomicU64>, actix::System) {
                     tokenizer_threads: 1,
                     max_pending_requests: running * 4,
                     tier_slos: Vec::new(),
+                    async_scheduling: Default::default(),
                 },
                 Box::new(InstantBackend {
                     steps: counter,

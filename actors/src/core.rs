@@ -30,6 +30,29 @@ const _: () = assert!(PENDING_TOKEN == switchyard_gpu::backend::PENDING_TOKEN);
 
 use crate::EngineError;
 
+/// Whether the engine plans each step while the previous one runs on the device.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AsyncScheduling {
+    /// On where the backend runs steps asynchronously to the host (the CUDA backend).
+    #[default]
+    Auto,
+    /// On wherever the backend can pipeline steps (also the CPU backend, for tests).
+    On,
+    /// Every step planned after the previous one's outputs are applied.
+    Off,
+}
+
+impl AsyncScheduling {
+    /// Whether it takes effect with `backend`.
+    pub fn enabled_for(self, backend: &dyn Backend) -> bool {
+        match self {
+            AsyncScheduling::Auto => backend.pipelines() && backend.overlaps_host(),
+            AsyncScheduling::On => backend.pipelines(),
+            AsyncScheduling::Off => false,
+        }
+    }
+}
+
 /// Settings of an [`EngineCore`].
 #[derive(Debug, Clone)]
 pub struct EngineCoreConfig {
@@ -291,6 +314,12 @@ impl StepCore {
         })
     }
 
+    /// Forgets every launched step without applying it (their requests were aborted); see
+    /// [`Scheduler::forget_launched`].
+    pub fn forget_launched(&mut self) {
+        self.scheduler.forget_launched();
+    }
+
     /// Applies the outputs of the oldest launched step; see [`StepCore::complete`].
     pub fn resolve(
         &mut self,
@@ -320,6 +349,20 @@ impl StepCore {
             now,
             started,
         }
+    }
+
+    /// [`StepCore::plan`] while the previous step is in flight; `None` when no step can be
+    /// planned ahead now (see [`Scheduler::plan_ahead_into`]).
+    pub fn plan_ahead(&mut self, now: Timestamp) -> Option<PlannedStep> {
+        let started = Instant::now();
+        let mut plan = StepPlan::default();
+        let commit = self.scheduler.plan_ahead_into(now, &mut plan)?;
+        Some(PlannedStep {
+            plan,
+            commit,
+            now,
+            started,
+        })
     }
 
     /// Writes the allocator's block ids into the planned step.
@@ -513,10 +556,10 @@ impl EngineCore {
         })
     }
 
-    /// Turns asynchronous scheduling on (before the first step); it stays off for backends
-    /// that do not pipeline. Check [`EngineCore::async_scheduling`] for the outcome.
-    pub fn with_async_scheduling(mut self, on: bool) -> Self {
-        self.async_scheduling = on && self.backend.pipelines();
+    /// Sets asynchronous scheduling (before the first step; off by default). Check
+    /// [`EngineCore::async_scheduling`] for the outcome with this backend.
+    pub fn with_async_scheduling(mut self, mode: AsyncScheduling) -> Self {
+        self.async_scheduling = mode.enabled_for(self.backend.as_ref());
         self
     }
 
@@ -563,7 +606,8 @@ impl EngineCore {
 
     fn step_async(&mut self, now: Timestamp) -> Result<StepReport, EngineError> {
         let mut events = Vec::new();
-        let mut apply_us = 0u64;
+        // Time in the backend (submit, and waiting for outputs) against applying them.
+        let (mut execute_us, mut apply_us) = (0u64, 0u64);
         // Plan ahead of the step in flight when it allows; otherwise apply it first.
         let ahead = if self.in_flight.is_some() && self.ahead_ok {
             self.core.prepare_ahead(now)?
@@ -573,9 +617,7 @@ impl EngineCore {
         let next = match ahead {
             Some(next) => next,
             None => {
-                let t = Instant::now();
-                events.extend(self.drain(now)?);
-                apply_us += t.elapsed().as_micros() as u64;
+                events.extend(self.drain(now, &mut execute_us, &mut apply_us)?);
                 self.core.prepare(now)?
             }
         };
@@ -593,36 +635,43 @@ impl EngineCore {
             }
             None => (0, 0, 0),
         };
-        let t2 = Instant::now();
+        execute_us += t1.elapsed().as_micros() as u64;
         // The previous step's outputs (it ran while this one was planned), then this one's
         // too when nothing is left to plan after it.
-        events.extend(self.drain(now)?);
+        events.extend(self.drain(now, &mut execute_us, &mut apply_us)?);
         self.in_flight = next;
         if !self.core.has_unfinished() {
-            events.extend(self.drain(now)?);
+            events.extend(self.drain(now, &mut execute_us, &mut apply_us)?);
         }
-        apply_us += t2.elapsed().as_micros() as u64;
         Ok(StepReport {
             events,
             num_seqs,
             num_batched_tokens,
             plan_us,
-            execute_us: (t2 - t1).as_micros() as u64,
+            execute_us,
             apply_us,
         })
     }
 
-    /// Applies the step in flight, if any, at time `now` and returns its events.
-    fn drain(&mut self, now: Timestamp) -> Result<Vec<CoreEvent>, EngineError> {
-        match self.in_flight.take() {
-            Some(p) => {
-                let outputs = self.backend.collect()?;
-                let events = self.core.resolve(&p.plan, outputs, now);
-                self.core.recycle(p.batch);
-                Ok(events)
-            }
-            None => Ok(Vec::new()),
-        }
+    /// Applies the step in flight, if any, at time `now` and returns its events; adds the
+    /// wait for its outputs to `execute_us` and applying them to `apply_us`.
+    fn drain(
+        &mut self,
+        now: Timestamp,
+        execute_us: &mut u64,
+        apply_us: &mut u64,
+    ) -> Result<Vec<CoreEvent>, EngineError> {
+        let Some(p) = self.in_flight.take() else {
+            return Ok(Vec::new());
+        };
+        let t0 = Instant::now();
+        let outputs = self.backend.collect()?;
+        let t1 = Instant::now();
+        let events = self.core.resolve(&p.plan, outputs, now);
+        self.core.recycle(p.batch);
+        *execute_us += (t1 - t0).as_micros() as u64;
+        *apply_us += t1.elapsed().as_micros() as u64;
+        Ok(events)
     }
 }
 
@@ -779,7 +828,7 @@ mod tests {
             };
             let fed = backend.fed.clone();
             let ahead = backend.ahead.clone();
-            let mut e = engine(backend).with_async_scheduling(true);
+            let mut e = engine(backend).with_async_scheduling(AsyncScheduling::On);
             assert_eq!(e.async_scheduling(), pipelined);
             // Chunked prompts, EOS in the middle (5 after 1, 2, 3, 4), length limits, and
             // more requests than seats (8), arriving over time.

@@ -9,7 +9,8 @@ mod error;
 pub mod metric_names;
 
 pub use crate::core::{
-    CoreEvent, EngineCore, EngineCoreConfig, PreparedStep, StepCore, StepReport, SubmitOptions,
+    AsyncScheduling, CoreEvent, EngineCore, EngineCoreConfig, PreparedStep, StepCore, StepReport,
+    SubmitOptions,
 };
 pub use crate::detokenizer::{Detokenized, IncrementalDetokenizer};
 pub use crate::error::EngineError;

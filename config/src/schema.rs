@@ -96,6 +96,33 @@ pub enum BackendKind {
     Cuda,
 }
 
+/// Whether the engine plans each step while the previous one runs on the device.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum AsyncSchedulingMode {
+    /// On with a backend that runs steps asynchronously to the host (CUDA), off on the CPU.
+    #[default]
+    Auto,
+    /// On wherever the backend can pipeline steps (the CPU backend too, which gains nothing).
+    On,
+    /// Every step planned after the previous step's outputs are applied.
+    Off,
+}
+
+impl std::str::FromStr for AsyncSchedulingMode {
+    type Err = String;
+
+    /// `auto`, `on` or `off` (command-line flags).
+    fn from_str(v: &str) -> Result<Self, String> {
+        match v {
+            "auto" => Ok(Self::Auto),
+            "on" => Ok(Self::On),
+            "off" => Ok(Self::Off),
+            other => Err(format!("`{other}`: expected auto, on or off")),
+        }
+    }
+}
+
 /// How weights are obtained.
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
@@ -269,6 +296,10 @@ pub struct SchedulerSection {
     pub max_num_batched_tokens: usize,
     /// The scheduling policy.
     pub policy: PolicySpec,
+    /// Plan and submit each step while the previous one runs on the device: `auto` (on
+    /// with the CUDA backend), `on` or `off`. Outputs are then applied one step late, and a
+    /// request that stops costs one extra step of compute.
+    pub async_scheduling: AsyncSchedulingMode,
 }
 
 impl Default for SchedulerSection {
@@ -277,6 +308,7 @@ impl Default for SchedulerSection {
             max_num_seqs: 256,
             max_num_batched_tokens: 8192,
             policy: PolicySpec::default(),
+            async_scheduling: AsyncSchedulingMode::Auto,
         }
     }
 }

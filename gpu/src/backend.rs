@@ -97,6 +97,12 @@ pub trait Backend: Send {
     fn pipelines(&self) -> bool {
         false
     }
+    /// Whether a submitted step runs while the caller goes on (a device with its own queue),
+    /// so planning the next step during it pays off; a backend that works in `submit` on the
+    /// caller's thread gains nothing from it.
+    fn overlaps_host(&self) -> bool {
+        false
+    }
     /// Starts a step; the next [`Backend::collect`] returns its outputs (steps are collected
     /// in submission order, at most one submitted ahead of the oldest uncollected one). A
     /// sampling decode entry may feed [`PENDING_TOKEN`]: the token the previous submitted

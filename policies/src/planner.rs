@@ -752,6 +752,14 @@ impl Scheduler {
         !self.in_flight.is_empty()
     }
 
+    /// Forgets every launched step without applying it: for a caller that ended (aborted)
+    /// every request of those steps after the device failed them.
+    pub fn forget_launched(&mut self) {
+        while let Some(rec) = self.in_flight.pop_front() {
+            self.spare_launched.push(rec);
+        }
+    }
+
     /// Applies the outputs of the oldest launched step (`plan` is the plan it was launched
     /// with): pending tokens become the sampled ones, stop conditions are checked (a stopped
     /// sequence is finished and its blocks freed) and the events are returned. An entry

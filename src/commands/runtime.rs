@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
-use switchyard_actors::{EngineCore, EngineCoreConfig};
+use switchyard_actors::{AsyncScheduling, EngineCore, EngineCoreConfig};
 use switchyard_config::BackendKind;
 use switchyard_gpu::backend::{Backend, CpuBackend, CpuBackendConfig};
 use switchyard_gpu::cpu::llama::LlamaModel;
@@ -250,12 +250,21 @@ pub fn preset(name: &str) -> anyhow::Result<LlamaConfig> {
     }
 }
 
+/// The engine's asynchronous-scheduling setting for a configured mode.
+pub fn async_mode(mode: switchyard_config::AsyncSchedulingMode) -> AsyncScheduling {
+    match mode {
+        switchyard_config::AsyncSchedulingMode::Auto => AsyncScheduling::Auto,
+        switchyard_config::AsyncSchedulingMode::On => AsyncScheduling::On,
+        switchyard_config::AsyncSchedulingMode::Off => AsyncScheduling::Off,
+    }
+}
+
 /// An engine core with the FCFS policy, for offline work; `async_scheduling` plans each step
-/// while the previous one runs (where the backend pipelines).
+/// while the previous one runs (see [`AsyncScheduling`]).
 pub fn offline_core(
     backend: Box<dyn Backend>,
     scheduler: SchedulerConfig,
-    async_scheduling: bool,
+    async_scheduling: switchyard_config::AsyncSchedulingMode,
 ) -> anyhow::Result<EngineCore> {
     let policy = PolicyRegistry::with_builtins().create("fcfs", &serde_yaml::Value::Null, &[])?;
     Ok(EngineCore::new(
@@ -266,7 +275,7 @@ pub fn offline_core(
         policy,
         backend,
     )?
-    .with_async_scheduling(async_scheduling))
+    .with_async_scheduling(async_mode(async_scheduling)))
 }
 
 /// A per-process random key for the prefix-cache hash, so outsiders cannot forge collisions.

@@ -109,6 +109,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             max_logit_rows: MAX_LOGIT_ROWS,
         },
         hash_key: runtime::random_hash_key(),
+        async_scheduling: runtime::async_mode(config.scheduler.async_scheduling),
         tokenizer_threads: 2,
         max_pending_requests: config.server.max_pending_requests,
         tier_slos: tiers

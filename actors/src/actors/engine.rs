@@ -18,7 +18,7 @@ use super::detokenizer::{DetokenizerActor, Register, SetScheduler, StepEvents};
 use super::executor::ExecutorActor;
 use super::scheduler::{GetStats, SchedulerActor, Submit, SwapPolicy};
 use super::tokenizer::{Decode, Encode, TokenizerActor};
-use crate::core::{EngineCoreConfig, StepCore, SubmitOptions};
+use crate::core::{AsyncScheduling, EngineCoreConfig, StepCore, SubmitOptions};
 use crate::metric_names as names;
 use crate::EngineError;
 
@@ -35,6 +35,8 @@ pub struct EngineConfig {
     pub max_pending_requests: usize,
     /// Tier SLO targets by tier name.
     pub tier_slos: Vec<(String, SloTargets)>,
+    /// Plan and submit each step while the previous one runs.
+    pub async_scheduling: AsyncScheduling,
 }
 
 /// A prompt as the client gave it.
@@ -193,6 +195,8 @@ impl Engine {
             },
             policy,
         )?;
+        let async_scheduling = config.async_scheduling.enabled_for(backend.as_ref());
+        tracing::info!(async_scheduling, "engine steps");
         let slot = parking_slot(backend);
         let executor = SyncArbiter::start(1, move || {
             ExecutorActor::new(slot.lock().unwrap_or_else(|p| p.into_inner()).take())
@@ -215,7 +219,9 @@ impl Engine {
         // The allocator shares the scheduler's thread: a commit is a mailbox hop, not a
         // thread hand-off, and only scheduler messages reach it.
         let allocator = KvAllocatorActor::new(pool).start();
-        let scheduler = SchedulerActor::new(core, allocator, executor, detokenizer.clone()).start();
+        let scheduler = SchedulerActor::new(core, allocator, executor, detokenizer.clone())
+            .with_async_scheduling(async_scheduling)
+            .start();
         detokenizer.do_send(SetScheduler(scheduler.clone()));
         Ok(Self {
             scheduler,

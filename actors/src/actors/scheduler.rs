@@ -1,5 +1,10 @@
 //! The scheduler actor: owns the scheduling core ([`StepCore`]) and drives steps: one round trip
 //! to the KV allocator, one to the executor and one message to the detokenizer per step.
+//!
+//! With asynchronous scheduling the executor round trip splits in two: the step is submitted
+//! (the backend returns once it is queued on the device), then the outputs of the step
+//! submitted before it are collected and applied, and the next step is planned, committed and
+//! submitted while this one runs.
 
 use std::time::Instant;
 
@@ -8,7 +13,7 @@ use switchyard_policies::{FinishReason, Policy, RequestId, SchedulerStats, StepP
 
 use super::allocator::{Commit, KvAllocatorActor};
 use super::detokenizer::{DetokenizerActor, StepEvents};
-use super::executor::{Execute, ExecutorActor};
+use super::executor::{CollectStep, DiscardSteps, Execute, ExecutorActor, SubmitStep};
 use crate::core::{PreparedStep, StepCore, SubmitOptions};
 use crate::metric_names as names;
 use crate::EngineError;
@@ -49,6 +54,13 @@ pub struct SchedulerActor {
     origin: Instant,
     /// A policy swap waiting for the step in flight to end.
     pending_swap: Option<Box<dyn Policy>>,
+    /// Plan and submit each step while the previous one runs (the executor's backend
+    /// pipelines).
+    async_scheduling: bool,
+    /// The submitted step whose outputs are not applied yet (asynchronous scheduling).
+    in_flight: Option<StepPlan>,
+    /// Whether the next step may be planned before `in_flight`'s outputs are in.
+    ahead_ok: bool,
 }
 
 impl SchedulerActor {
@@ -69,7 +81,17 @@ impl SchedulerActor {
             stepping: false,
             origin: Instant::now(),
             pending_swap: None,
+            async_scheduling: false,
+            in_flight: None,
+            ahead_ok: false,
         }
+    }
+
+    /// Turns asynchronous scheduling on; only for an executor whose backend pipelines
+    /// (`AsyncScheduling::enabled_for`).
+    pub fn with_async_scheduling(mut self, on: bool) -> Self {
+        self.async_scheduling = on;
+        self
     }
 
     fn now(&self) -> Timestamp {
@@ -96,13 +118,28 @@ impl SchedulerActor {
             let old = self.core.swap_policy(policy);
             tracing::info!(from = old.name(), "scheduling policy swapped");
         }
-        if !self.core.has_unfinished() && !self.core.has_uncommitted() {
+        if !self.core.has_unfinished() && !self.core.has_uncommitted() && self.in_flight.is_none() {
             self.publish_stats();
             return;
         }
         let step_start = Instant::now();
-        let mut planned = self.core.plan(self.now());
+        let mut planned = if self.in_flight.is_none() {
+            self.core.plan(self.now())
+        } else {
+            // Plan ahead of the step in flight when it allows; otherwise apply it first.
+            match self
+                .ahead_ok
+                .then(|| self.core.plan_ahead(self.now()))
+                .flatten()
+            {
+                Some(p) => p,
+                None => return self.collect(step_start, ctx),
+            }
+        };
         if planned.plan.seqs.is_empty() && planned.commit.is_empty() {
+            if self.in_flight.is_some() {
+                return self.collect(step_start, ctx);
+            }
             self.publish_stats();
             return;
         }
@@ -128,7 +165,9 @@ impl SchedulerActor {
             metrics::histogram!(names::ENGINE_KV_COMMIT).record(step_start.elapsed().as_secs_f64());
             act.apply_deferred();
             match act.core.build_step(planned) {
+                Ok(Some(prepared)) if act.async_scheduling => act.submit(prepared, step_start, ctx),
                 Ok(Some(prepared)) => act.execute(prepared, step_start, ctx),
+                Ok(None) if act.in_flight.is_some() => act.collect(step_start, ctx),
                 Ok(None) => {
                     act.stepping = false;
                     act.publish_stats();
@@ -142,14 +181,26 @@ impl SchedulerActor {
         }));
     }
 
-    /// Ends the requests of a step that cannot run, and carries on with the rest.
+    /// Ends the requests of a step that cannot run, and carries on with the rest. A step in
+    /// flight fails with it (the backend's queue is emptied).
     fn fail_step(&mut self, plan: StepPlan, error: &str, ctx: &mut Context<Self>) {
         tracing::error!(error, "a step failed; aborting its requests");
         self.stepping = false;
-        let ids: Vec<RequestId> = plan.seqs.iter().map(|s| s.id).collect();
+        let mut ids: Vec<RequestId> = plan.seqs.iter().map(|s| s.id).collect();
+        if let Some(other) = self.in_flight.take() {
+            for s in &other.seqs {
+                if !ids.contains(&s.id) {
+                    ids.push(s.id);
+                }
+            }
+            self.executor.do_send(DiscardSteps);
+        }
         for id in &ids {
             self.core.abort(*id);
         }
+        // Launched steps (asynchronous scheduling) are not applied: every request in them
+        // just ended.
+        self.core.forget_launched();
         self.apply_deferred();
         self.detokenizer
             .do_send(StepEvents::failed(ids, error.to_string()));
@@ -161,6 +212,87 @@ impl SchedulerActor {
         for (id, reason) in std::mem::take(&mut self.deferred) {
             self.core.finish(id, reason);
         }
+    }
+
+    /// Submits a committed batch (asynchronous scheduling), then collects the outputs of the
+    /// step submitted before it, if any; the next step is planned once those are applied.
+    fn submit(&mut self, prepared: PreparedStep, step_start: Instant, ctx: &mut Context<Self>) {
+        for q in &prepared.queue_times_us {
+            metrics::histogram!(names::REQUEST_QUEUE_TIME).record(*q as f64 / 1e6);
+        }
+        metrics::histogram!(names::ENGINE_PLAN).record(prepared.plan_us as f64 / 1e6);
+        let wants_order = self.core.take_preemption_wanted();
+        self.ahead_ok = self.core.launch(&prepared.plan) && !wants_order;
+        let plan = prepared.plan;
+        let fut = self.executor.send(SubmitStep {
+            batch: prepared.batch,
+            release: prepared.release,
+        });
+        ctx.spawn(fut.into_actor(self).map(move |result, act, ctx| {
+            let submitted = match result {
+                Ok(Ok(s)) => s,
+                Ok(Err(e)) => return act.fail_step(plan, &e.to_string(), ctx),
+                Err(e) => {
+                    tracing::error!(error = %e, "the executor is gone");
+                    return;
+                }
+            };
+            act.core.recycle(submitted.batch);
+            metrics::gauge!(names::ENGINE_BATCH_SIZE).set(plan.seqs.len() as f64);
+            match act.in_flight.replace(plan) {
+                // The step before this one ran while this one was planned: apply it now.
+                Some(prev) => act.collect_plan(prev, step_start, submitted.submit_us, ctx),
+                None => {
+                    act.stepping = false;
+                    act.kick(ctx);
+                }
+            }
+        }));
+    }
+
+    /// Collects and applies the step in flight, then carries on.
+    fn collect(&mut self, step_start: Instant, ctx: &mut Context<Self>) {
+        match self.in_flight.take() {
+            Some(prev) => {
+                self.stepping = true;
+                self.collect_plan(prev, step_start, 0, ctx);
+            }
+            None => {
+                self.stepping = false;
+                ctx.notify(Kick);
+            }
+        }
+    }
+
+    fn collect_plan(
+        &mut self,
+        plan: StepPlan,
+        step_start: Instant,
+        submit_us: u64,
+        ctx: &mut Context<Self>,
+    ) {
+        let fut = self.executor.send(CollectStep);
+        ctx.spawn(fut.into_actor(self).map(move |result, act, ctx| {
+            let collected = match result {
+                Ok(Ok(c)) => c,
+                Ok(Err(e)) => return act.fail_step(plan, &e.to_string(), ctx),
+                Err(e) => {
+                    tracing::error!(error = %e, "the executor is gone");
+                    return;
+                }
+            };
+            act.stepping = false;
+            let now = act.now();
+            let events = act.core.resolve(&plan, collected.outputs, now);
+            act.publish_stats();
+            act.detokenizer.do_send(StepEvents::new(events));
+            // The engine's own cost: everything but the backend's submit and the wait for
+            // the outputs.
+            let total_us = step_start.elapsed().as_micros() as u64;
+            metrics::histogram!(names::ENGINE_STEP_OVERHEAD)
+                .record(total_us.saturating_sub(submit_us + collected.wait_us) as f64 / 1e6);
+            act.kick(ctx);
+        }));
     }
 
     /// Sends a committed batch to the executor and applies its outputs.
@@ -324,6 +456,122 @@ mod tests {
                 .collect())
         }
         fn release(&mut self, _: u64) {}
+    }
+
+    /// `CountingBackend` taking steps one ahead: pending tokens are token 1 (what it
+    /// samples); counts steps submitted while another was outstanding.
+    struct PipelinedCounting {
+        inner: CountingBackend,
+        submitted: std::collections::VecDeque<Vec<SeqOutput>>,
+        ahead: Arc<Mutex<usize>>,
+    }
+
+    impl Backend for PipelinedCounting {
+        fn name(&self) -> &str {
+            "pipelined-counting"
+        }
+        fn num_kv_blocks(&self) -> usize {
+            self.inner.num_kv_blocks()
+        }
+        fn block_size(&self) -> usize {
+            self.inner.block_size()
+        }
+        fn max_batch_tokens(&self) -> usize {
+            self.inner.max_batch_tokens()
+        }
+        fn execute(&mut self, batch: &Batch) -> Result<Vec<SeqOutput>, GpuError> {
+            self.inner.execute(batch)
+        }
+        fn release(&mut self, _: u64) {}
+        fn pipelines(&self) -> bool {
+            true
+        }
+        fn overlaps_host(&self) -> bool {
+            true
+        }
+        fn submit(&mut self, batch: &Batch) -> Result<(), GpuError> {
+            assert!(self.submitted.len() <= 1, "more than one step ahead");
+            *self.ahead.lock().unwrap() += self.submitted.len();
+            for s in &batch.seqs {
+                if s.tokens.contains(&switchyard_gpu::backend::PENDING_TOKEN) {
+                    assert_eq!(s.tokens.len(), 1);
+                }
+            }
+            let out = self.inner.execute(batch)?;
+            self.submitted.push_back(out);
+            Ok(())
+        }
+        fn collect(&mut self) -> Result<Vec<SeqOutput>, GpuError> {
+            Ok(self.submitted.pop_front().expect("a submitted step"))
+        }
+    }
+
+    #[actix::test]
+    async fn async_scheduling_runs_every_request_to_its_end_and_overlaps_steps() {
+        let fed = Arc::new(Mutex::new(HashMap::new()));
+        let ahead = Arc::new(Mutex::new(0usize));
+        let (backend, count) = (fed.clone(), ahead.clone());
+        let executor = SyncArbiter::start(1, move || {
+            ExecutorActor::new(Some(Box::new(PipelinedCounting {
+                inner: CountingBackend(backend.clone()),
+                submitted: Default::default(),
+                ahead: count.clone(),
+            })))
+        });
+        let detokenizer = DetokenizerActor::new(tokenizer()).start();
+        let config = SchedulerConfig {
+            num_gpu_blocks: 64,
+            block_size: 4,
+            max_model_len: 64,
+            max_num_batched_tokens: 16,
+            ..SchedulerConfig::default()
+        };
+        let policy = PolicyRegistry::with_builtins()
+            .create("fcfs", &serde_yaml::Value::Null, &[])
+            .unwrap();
+        let mut core = StepCore::new(
+            EngineCoreConfig {
+                scheduler: config,
+                hash_key: [1, 2],
+            },
+            policy,
+        )
+        .unwrap();
+        let allocator = KvAllocatorActor::new(core.detach_allocator().unwrap()).start();
+        let scheduler = SchedulerActor::new(core, allocator, executor, detokenizer.clone())
+            .with_async_scheduling(true)
+            .start();
+        detokenizer.do_send(SetScheduler(scheduler.clone()));
+        // Chunked prompts (16 tokens per step), more requests than the blocks hold at once
+        // (each needs 4 blocks of 64), and one request ended while in flight.
+        // Distinct prompts (no prefix-cache hits): the first block spells the id in base 3.
+        let distinct = |id: u64| {
+            let mut r = request(id);
+            let digits = [id % 3, id / 3 % 3, id / 9 % 3].map(|d| d as u32);
+            let mut prompt = r.request.prompt.to_vec();
+            prompt[..3].copy_from_slice(&digits);
+            r.request.prompt = prompt.into();
+            r
+        };
+        scheduler.do_send(Submit((1..=20).map(distinct).collect()));
+        scheduler.do_send(Finish(vec![(RequestId(3), FinishReason::Abort)]));
+        for _ in 0..1000 {
+            let s = scheduler.send(GetStats).await.unwrap();
+            if s.num_running == 0 && s.num_waiting == 0 && fed.lock().unwrap().len() >= 19 {
+                break;
+            }
+            actix::clock::sleep(Duration::from_millis(2)).await;
+        }
+        let stats = scheduler.send(GetStats).await.unwrap();
+        assert_eq!((stats.num_running, stats.num_waiting), (0, 0));
+        assert_eq!(stats.kv_usage, 0.0, "every block is back");
+        let fed = fed.lock().unwrap();
+        for id in (1..=20u64).filter(|&i| i != 3) {
+            // 10 prompt tokens, then one token per step for the 5 further outputs: a request
+            // that ends by length is never fed past its last token.
+            assert_eq!(fed.get(&id), Some(&15), "request {id}: {fed:?}");
+        }
+        assert!(*ahead.lock().unwrap() > 0, "no step was submitted ahead");
     }
 
     fn tokenizer() -> Arc<Tokenizer> {

@@ -535,6 +535,10 @@ impl Backend for CudaBackend {
         true
     }
 
+    fn overlaps_host(&self) -> bool {
+        true
+    }
+
     fn submit(&mut self, batch: &Batch) -> Result<(), GpuError> {
         if self.submitted.len() > 1 {
             return Err(GpuError::Internal(
