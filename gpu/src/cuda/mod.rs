@@ -12,7 +12,9 @@
 //! One step: check and flatten the batch on the host, copy the packed step buffer to the device
 //! in one transfer, run the forward pass (a graph replay for decode-only steps), copy raw logits
 //! rows to the host only for logprobs, apply the sparse logit edits, sample on the GPU and copy
-//! the sampled token ids back (the step's one synchronisation).
+//! the sampled token ids back (the step's one synchronisation). `execute` waits for that copy;
+//! `submit` returns once the step is queued and `collect` waits for it later, so the engine can
+//! queue the next step, fed this one's tokens on the device, before reading them.
 
 pub mod device;
 mod forward;
@@ -383,7 +385,11 @@ impl CudaBackend {
             "CUDA",
             false,
         )?;
-        self.drain()?;
+        if !self.submitted.is_empty() {
+            return Err(GpuError::Internal(
+                "logits with submitted steps not collected".into(),
+            ));
+        }
         let group = self.config.num_heads / self.config.num_kv_heads;
         let d = step::flatten(batch, group, self.block_size, |i| rows(&batch.seqs[i]))?;
         let launch = self.eager_launch(&d);
@@ -602,14 +608,6 @@ impl Backend for CudaBackend {
 }
 
 impl CudaBackend {
-    /// Waits for and drops every submitted step (before work outside the step sequence).
-    fn drain(&mut self) -> Result<(), GpuError> {
-        while !self.submitted.is_empty() {
-            self.collect()?;
-        }
-        Ok(())
-    }
-
     /// Checks, uploads and enqueues one step through its sampling, and the copy of the
     /// sampled ids; `pending_ok`: the batch may feed [`PENDING_TOKEN`]s of the step submitted
     /// before.
