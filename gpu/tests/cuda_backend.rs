@@ -688,6 +688,19 @@ fn generate_pipelined(
     out
 }
 
+/// SmolLM2 from the GGUF, or random weights of its shape, and a temperature that spreads the
+/// model's distribution (the real model's is spread out; random weights need a high one).
+fn smollm2_or_dummy() -> (LlamaConfig, ModelWeights, f32) {
+    match smollm2() {
+        Some((c, w)) => (c, w, 1.0),
+        None => {
+            let c = LlamaConfig::smollm2_135m();
+            let w = dummy_weights(&c, 9).expect("dummy");
+            (c, w, 100.0)
+        }
+    }
+}
+
 fn prompts(vocab: usize) -> Vec<Vec<u32>> {
     let mut rng = ChaCha8Rng::seed_from_u64(3);
     [21usize, 40, 7, 64]
@@ -788,15 +801,7 @@ fn seeded_sampling_is_reproducible_whatever_is_batched() {
     if !gpu() {
         return;
     }
-    // The real model gives a spread-out distribution; random weights need a high temperature.
-    let (c, w, temperature) = match smollm2() {
-        Some((c, w)) => (c, w, 1.0),
-        None => {
-            let c = LlamaConfig::smollm2_135m();
-            let w = dummy_weights(&c, 9).expect("dummy");
-            (c, w, 100.0)
-        }
-    };
+    let (c, w, temperature) = smollm2_or_dummy();
     let mut b = CudaBackend::new(&c, WeightSource::Loaded(&w), &cfg(256, true)).expect("backend");
     let ps = prompts(c.vocab_size);
     let mk = |seed| {
@@ -830,14 +835,7 @@ fn steps_submitted_ahead_with_pending_tokens_match_steps_in_order() {
     if !gpu() {
         return;
     }
-    let (c, w, temperature) = match smollm2() {
-        Some((c, w)) => (c, w, 1.0),
-        None => {
-            let c = LlamaConfig::smollm2_135m();
-            let w = dummy_weights(&c, 9).expect("dummy");
-            (c, w, 100.0)
-        }
-    };
+    let (c, w, temperature) = smollm2_or_dummy();
     let ps = prompts(c.vocab_size);
     for graphs in [true, false] {
         let mut b =

@@ -217,10 +217,7 @@ impl SchedulerActor {
     /// Submits a committed batch (asynchronous scheduling), then collects the outputs of the
     /// step submitted before it, if any; the next step is planned once those are applied.
     fn submit(&mut self, prepared: PreparedStep, step_start: Instant, ctx: &mut Context<Self>) {
-        for q in &prepared.queue_times_us {
-            metrics::histogram!(names::REQUEST_QUEUE_TIME).record(*q as f64 / 1e6);
-        }
-        metrics::histogram!(names::ENGINE_PLAN).record(prepared.plan_us as f64 / 1e6);
+        record_plan(&prepared);
         let wants_order = self.core.take_preemption_wanted();
         self.ahead_ok = self.core.launch(&prepared.plan) && !wants_order;
         let plan = prepared.plan;
@@ -229,13 +226,10 @@ impl SchedulerActor {
             release: prepared.release,
         });
         ctx.spawn(fut.into_actor(self).map(move |result, act, ctx| {
-            let submitted = match result {
-                Ok(Ok(s)) => s,
-                Ok(Err(e)) => return act.fail_step(plan, &e.to_string(), ctx),
-                Err(e) => {
-                    tracing::error!(error = %e, "the executor is gone");
-                    return;
-                }
+            let submitted = match reply(result) {
+                Ok(s) => s,
+                Err(Some(e)) => return act.fail_step(plan, &e, ctx),
+                Err(None) => return,
             };
             act.core.recycle(submitted.batch);
             metrics::gauge!(names::ENGINE_BATCH_SIZE).set(plan.seqs.len() as f64);
@@ -273,13 +267,10 @@ impl SchedulerActor {
     ) {
         let fut = self.executor.send(CollectStep);
         ctx.spawn(fut.into_actor(self).map(move |result, act, ctx| {
-            let collected = match result {
-                Ok(Ok(c)) => c,
-                Ok(Err(e)) => return act.fail_step(plan, &e.to_string(), ctx),
-                Err(e) => {
-                    tracing::error!(error = %e, "the executor is gone");
-                    return;
-                }
+            let collected = match reply(result) {
+                Ok(c) => c,
+                Err(Some(e)) => return act.fail_step(plan, &e, ctx),
+                Err(None) => return,
             };
             act.stepping = false;
             let now = act.now();
@@ -297,24 +288,18 @@ impl SchedulerActor {
 
     /// Sends a committed batch to the executor and applies its outputs.
     fn execute(&mut self, prepared: PreparedStep, step_start: Instant, ctx: &mut Context<Self>) {
-        for q in &prepared.queue_times_us {
-            metrics::histogram!(names::REQUEST_QUEUE_TIME).record(*q as f64 / 1e6);
-        }
-        metrics::histogram!(names::ENGINE_PLAN).record(prepared.plan_us as f64 / 1e6);
+        record_plan(&prepared);
         let plan = prepared.plan;
         let fut = self.executor.send(Execute {
             batch: prepared.batch,
             release: prepared.release,
         });
         ctx.spawn(fut.into_actor(self).map(move |result, act, ctx| {
-            let executed = match result {
-                Ok(Ok(executed)) => executed,
+            let executed = match reply(result) {
+                Ok(executed) => executed,
                 // A backend failure fails the requests of this step rather than the server.
-                Ok(Err(e)) => return act.fail_step(plan, &e.to_string(), ctx),
-                Err(e) => {
-                    tracing::error!(error = %e, "the executor is gone");
-                    return;
-                }
+                Err(Some(e)) => return act.fail_step(plan, &e, ctx),
+                Err(None) => return,
             };
             act.stepping = false;
             let now = act.now();
@@ -330,6 +315,29 @@ impl SchedulerActor {
             metrics::gauge!(names::ENGINE_BATCH_SIZE).set(plan.seqs.len() as f64);
             act.kick(ctx);
         }));
+    }
+}
+
+/// Records a prepared step's queue times and planning time.
+fn record_plan(prepared: &PreparedStep) {
+    for q in &prepared.queue_times_us {
+        metrics::histogram!(names::REQUEST_QUEUE_TIME).record(*q as f64 / 1e6);
+    }
+    metrics::histogram!(names::ENGINE_PLAN).record(prepared.plan_us as f64 / 1e6);
+}
+
+/// An executor's reply: its value, `Err(Some(message))` when the backend failed (the step's
+/// requests fail, the server goes on), `Err(None)` when the executor is gone (logged here).
+fn reply<T>(
+    result: Result<Result<T, switchyard_gpu::GpuError>, actix::MailboxError>,
+) -> Result<T, Option<String>> {
+    match result {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(Some(e.to_string())),
+        Err(e) => {
+            tracing::error!(error = %e, "the executor is gone");
+            Err(None)
+        }
     }
 }
 
@@ -511,19 +519,54 @@ mod tests {
         let fed = Arc::new(Mutex::new(HashMap::new()));
         let ahead = Arc::new(Mutex::new(0usize));
         let (backend, count) = (fed.clone(), ahead.clone());
-        let executor = SyncArbiter::start(1, move || {
-            ExecutorActor::new(Some(Box::new(PipelinedCounting {
-                inner: CountingBackend(backend.clone()),
-                submitted: Default::default(),
-                ahead: count.clone(),
-            })))
-        });
+        let scheduler = start_scheduler(
+            move || {
+                Box::new(PipelinedCounting {
+                    inner: CountingBackend(backend.clone()),
+                    submitted: Default::default(),
+                    ahead: count.clone(),
+                })
+            },
+            16,
+            true,
+        );
+        // Chunked prompts (16 tokens per step), more requests than the blocks hold at once
+        // (each needs 4 blocks of 64), and one request ended while in flight. Distinct prompts
+        // (no prefix-cache hits): the first block spells the id in base 3.
+        let distinct = |id: u64| {
+            let mut r = request(id);
+            let digits = [id % 3, id / 3 % 3, id / 9 % 3].map(|d| d as u32);
+            let mut prompt = r.request.prompt.to_vec();
+            prompt[..3].copy_from_slice(&digits);
+            r.request.prompt = prompt.into();
+            r
+        };
+        scheduler.do_send(Submit((1..=20).map(distinct).collect()));
+        scheduler.do_send(Finish(vec![(RequestId(3), FinishReason::Abort)]));
+        wait_until_idle(&scheduler, &fed, 19).await;
+        let fed = fed.lock().unwrap();
+        for id in (1..=20u64).filter(|&i| i != 3) {
+            // 10 prompt tokens, then one token per step for the 5 further outputs: a request
+            // that ends by length is never fed past its last token.
+            assert_eq!(fed.get(&id), Some(&15), "request {id}: {fed:?}");
+        }
+        assert!(*ahead.lock().unwrap() > 0, "no step was submitted ahead");
+    }
+
+    /// A scheduler actor with FCFS over a 64-block pool of 4-token blocks, its executor
+    /// holding `backend()`.
+    fn start_scheduler(
+        backend: impl Fn() -> Box<dyn Backend> + Send + Sync + 'static,
+        max_num_batched_tokens: usize,
+        async_scheduling: bool,
+    ) -> Addr<SchedulerActor> {
+        let executor = SyncArbiter::start(1, move || ExecutorActor::new(Some(backend())));
         let detokenizer = DetokenizerActor::new(tokenizer()).start();
         let config = SchedulerConfig {
             num_gpu_blocks: 64,
             block_size: 4,
             max_model_len: 64,
-            max_num_batched_tokens: 16,
+            max_num_batched_tokens,
             ..SchedulerConfig::default()
         };
         let policy = PolicyRegistry::with_builtins()
@@ -539,25 +582,22 @@ mod tests {
         .unwrap();
         let allocator = KvAllocatorActor::new(core.detach_allocator().unwrap()).start();
         let scheduler = SchedulerActor::new(core, allocator, executor, detokenizer.clone())
-            .with_async_scheduling(true)
+            .with_async_scheduling(async_scheduling)
             .start();
         detokenizer.do_send(SetScheduler(scheduler.clone()));
-        // Chunked prompts (16 tokens per step), more requests than the blocks hold at once
-        // (each needs 4 blocks of 64), and one request ended while in flight.
-        // Distinct prompts (no prefix-cache hits): the first block spells the id in base 3.
-        let distinct = |id: u64| {
-            let mut r = request(id);
-            let digits = [id % 3, id / 3 % 3, id / 9 % 3].map(|d| d as u32);
-            let mut prompt = r.request.prompt.to_vec();
-            prompt[..3].copy_from_slice(&digits);
-            r.request.prompt = prompt.into();
-            r
-        };
-        scheduler.do_send(Submit((1..=20).map(distinct).collect()));
-        scheduler.do_send(Finish(vec![(RequestId(3), FinishReason::Abort)]));
+        scheduler
+    }
+
+    /// Waits (at most two seconds) until nothing runs or waits and `min_fed` requests were
+    /// fed; then checks that every block is back.
+    async fn wait_until_idle(
+        scheduler: &Addr<SchedulerActor>,
+        fed: &Mutex<HashMap<u64, usize>>,
+        min_fed: usize,
+    ) {
         for _ in 0..1000 {
             let s = scheduler.send(GetStats).await.unwrap();
-            if s.num_running == 0 && s.num_waiting == 0 && fed.lock().unwrap().len() >= 19 {
+            if s.num_running == 0 && s.num_waiting == 0 && fed.lock().unwrap().len() >= min_fed {
                 break;
             }
             actix::clock::sleep(Duration::from_millis(2)).await;
@@ -565,13 +605,6 @@ mod tests {
         let stats = scheduler.send(GetStats).await.unwrap();
         assert_eq!((stats.num_running, stats.num_waiting), (0, 0));
         assert_eq!(stats.kv_usage, 0.0, "every block is back");
-        let fed = fed.lock().unwrap();
-        for id in (1..=20u64).filter(|&i| i != 3) {
-            // 10 prompt tokens, then one token per step for the 5 further outputs: a request
-            // that ends by length is never fed past its last token.
-            assert_eq!(fed.get(&id), Some(&15), "request {id}: {fed:?}");
-        }
-        assert!(*ahead.lock().unwrap() > 0, "no step was submitted ahead");
     }
 
     fn tokenizer() -> Arc<Tokenizer> {
@@ -594,44 +627,16 @@ mod tests {
     async fn a_finish_during_the_allocator_commit_waits_for_the_block_ids() {
         let fed = Arc::new(Mutex::new(HashMap::new()));
         let backend = fed.clone();
-        let executor = SyncArbiter::start(1, move || {
-            ExecutorActor::new(Some(Box::new(CountingBackend(backend.clone()))))
-        });
-        let detokenizer = DetokenizerActor::new(tokenizer()).start();
-        let config = SchedulerConfig {
-            num_gpu_blocks: 64,
-            block_size: 4,
-            max_model_len: 64,
-            ..SchedulerConfig::default()
-        };
-        let policy = PolicyRegistry::with_builtins()
-            .create("fcfs", &serde_yaml::Value::Null, &[])
-            .unwrap();
-        let mut core = StepCore::new(
-            EngineCoreConfig {
-                scheduler: config,
-                hash_key: [1, 2],
-            },
-            policy,
-        )
-        .unwrap();
-        let allocator = KvAllocatorActor::new(core.detach_allocator().unwrap()).start();
-        let scheduler = SchedulerActor::new(core, allocator, executor, detokenizer.clone()).start();
-        detokenizer.do_send(SetScheduler(scheduler.clone()));
+        let scheduler = start_scheduler(
+            move || Box::new(CountingBackend(backend.clone())),
+            SchedulerConfig::default().max_num_batched_tokens,
+            false,
+        );
         // Request 2 ends while the first step's commit (which reserved its blocks) is with
         // the allocator; request 1, in the same step, must run to its end regardless.
         scheduler.do_send(Submit(vec![request(1), request(2)]));
         scheduler.do_send(Finish(vec![(RequestId(2), FinishReason::Abort)]));
-        for _ in 0..500 {
-            let s = scheduler.send(GetStats).await.unwrap();
-            if s.num_running == 0 && s.num_waiting == 0 && fed.lock().unwrap().contains_key(&1) {
-                break;
-            }
-            actix::clock::sleep(Duration::from_millis(2)).await;
-        }
-        let stats = scheduler.send(GetStats).await.unwrap();
-        assert_eq!((stats.num_running, stats.num_waiting), (0, 0));
-        assert_eq!(stats.kv_usage, 0.0, "every block is back");
+        wait_until_idle(&scheduler, &fed, 1).await;
         let fed = fed.lock().unwrap();
         // 10 prompt tokens, then one token per step for the 5 further outputs.
         assert_eq!(fed.get(&1), Some(&15), "request 1 ran to its end: {fed:?}");
