@@ -151,7 +151,33 @@ extern "C" __global__ void embed(const bf16* table, const int* tokens, const int
     int tok = tokens[t];
     if (tok < 0) tok = prev[-tok - 1];
     const bf16* row = table + (u64)tok * h;
-    for (int i = threadIdx.x; i < h; i += blockDim.x) x[(u64)t * h + i] = __bfloat162float(row[i]);
+    float* xt = x + (u64)t * h;
+    if ((h & 7) == 0) {
+        // 16-byte pieces (8 values), every piece of a thread asked for before the first store:
+        // one round trip to memory for a row of up to 8192 values at 256 threads.
+        constexpr int U = 4;
+        const int step = 8 * blockDim.x;
+        for (int i0 = 8 * threadIdx.x; i0 < h; i0 += U * step) {
+            uint4 v[U];
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                const int i = i0 + u * step;
+                v[u] = i < h ? *reinterpret_cast<const uint4*>(row + i) : make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                const int i = i0 + u * step;
+                if (i >= h) break;
+                const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&v[u]);
+                const float2 a0 = __bfloat1622float2(b[0]), a1 = __bfloat1622float2(b[1]);
+                const float2 a2 = __bfloat1622float2(b[2]), a3 = __bfloat1622float2(b[3]);
+                reinterpret_cast<float4*>(xt + i)[0] = make_float4(a0.x, a0.y, a1.x, a1.y);
+                reinterpret_cast<float4*>(xt + i)[1] = make_float4(a2.x, a2.y, a3.x, a3.y);
+            }
+        }
+        return;
+    }
+    for (int i = threadIdx.x; i < h; i += blockDim.x) xt[i] = __bfloat162float(row[i]);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -808,13 +834,65 @@ __device__ __forceinline__ void warp_argmax(float& v, int& i) {
     }
 }
 
+// A tempered row with neither a top-k nor a top-p cut: its chunk sums do not depend on a
+// threshold, so they can be computed before sample_rows runs (sample_partials).
+__device__ __forceinline__ bool plain_tempered(float T, int k, float tp, int n) {
+    return T > 0.f && !(k > 0 && k < n) && !(tp < 1.f);
+}
+
+// The min-p floor on the logits (tokens below it are cut); -inf without min-p.
+__device__ __forceinline__ float minp_floor(float mx, float T, float mp) {
+    return mp > 0.f ? __fmaf_rn(T, logf(mp), mx) : NEG_INF;
+}
+
+// The unnormalised probability of logit v that sample_rows keeps (0 when the threshold key or
+// the min-p floor cuts it), written with explicitly rounded operations so every kernel that
+// computes it gets the same bits.
+__device__ __forceinline__ float kept_prob(float v, float mx, float inv_t, u32 thr,
+                                           float floor_logit) {
+    return fkey(v) >= thr && v >= floor_logit ? __expf(__fmul_rn(__fsub_rn(v, mx), inv_t)) : 0.f;
+}
+
+// Thread t's contiguous chunk [lo, hi) of a row of n logits among SAMPLE_THREADS chunks (a
+// multiple of 4 values with vec4, read as float4).
+__device__ __forceinline__ void sample_chunk(int n, bool vec4, int t, int* lo, int* hi) {
+    const int chunk = vec4 ? (n + 4 * SAMPLE_THREADS - 1) / (4 * SAMPLE_THREADS) * 4
+                           : (n + SAMPLE_THREADS - 1) / SAMPLE_THREADS;
+    *lo = min(n, t * chunk);
+    *hi = min(n, *lo + chunk);
+}
+
+// Sum of the kept probabilities over thread t's chunk, in index order.
+__device__ __forceinline__ float chunk_sum(const float* __restrict__ l, int n, bool vec4, int t,
+                                           float mx, float inv_t, u32 thr, float floor_logit) {
+    int lo, hi;
+    sample_chunk(n, vec4, t, &lo, &hi);
+    float part = 0.f;
+    if (vec4) {
+#pragma unroll 4
+        for (int i = lo; i < hi; i += 4) {
+            const float4 v4 = *reinterpret_cast<const float4*>(l + i);
+            part += kept_prob(v4.x, mx, inv_t, thr, floor_logit);
+            part += kept_prob(v4.y, mx, inv_t, thr, floor_logit);
+            part += kept_prob(v4.z, mx, inv_t, thr, floor_logit);
+            part += kept_prob(v4.w, mx, inv_t, thr, floor_logit);
+        }
+    } else {
+        for (int i = lo; i < hi; i++) part += kept_prob(l[i], mx, inv_t, thr, floor_logit);
+    }
+    return part;
+}
+
 // One block per sampled row: greedy (temperature 0) or temperature sampling with top-k, top-p
 // and min-p, one uniform draw from the counter-based stream (seed, counter). Ties in greedy go
-// to the lowest id; top-k and top-p keep every token tied with the threshold.
+// to the lowest id; top-k and top-p keep every token tied with the threshold. With row_max
+// (steps of few rows), plain tempered rows take their max from argmax_split and their chunk
+// sums from sample_partials, which compute them as this kernel does, over several blocks.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 2)
     sample_rows(const float* logits, u64 vocab, const int* rows, const float* temperature,
                 const int* top_k, const float* top_p, const float* min_p, const u64* seeds,
-                const u64* counters, int* out_tokens, int skip_greedy) {
+                const u64* counters, int* out_tokens, int skip_greedy, const float* row_max,
+                const float* parts) {
     PDL_ENTER();
     __shared__ float red[32];
     __shared__ float scan[SAMPLE_THREADS];
@@ -828,6 +906,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 2)
 
     // Rows of a vocabulary that is a multiple of 4 are read as float4 (16-byte aligned).
     const bool vec4 = (n & 3) == 0;
+    const bool pre = row_max != nullptr && plain_tempered(T, top_k[s], top_p[s], n);
 
     // Max and the lowest index holding it, in one pass: each thread keeps its first index of
     // its largest value (NaN never wins: comparisons with it are false, as fmaxf skips it; a
@@ -843,7 +922,11 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 2)
             mi = i;
         }
     };
-    if (vec4) {
+    if (pre) {
+        // argmax_split wrote token 0 for a row without a finite logit.
+        mx = row_max[s];
+        if (!(mx > NEG_INF)) return;
+    } else if (vec4) {
         const float4* l4 = reinterpret_cast<const float4*>(l);
         const int n4 = n >> 2;
         for (int i0 = tid; i0 < n4; i0 += 4 * blockDim.x) {
@@ -866,10 +949,10 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 2)
     } else {
         for (int i = tid; i < n; i += blockDim.x) take(l[i], i);
     }
-    warp_argmax(mx, mi);
     __shared__ float red_v[32];
     __shared__ int red_i[32];
-    {
+    if (!pre) {
+        warp_argmax(mx, mi);
         const int lane = tid & 31, warp = tid >> 5, nw = (blockDim.x + 31) >> 5;
         if (lane == 0) {
             red_v[warp] = mx;
@@ -879,10 +962,10 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 2)
         mx = lane < nw ? red_v[lane] : NEG_INF;
         mi = lane < nw ? red_i[lane] : n;
         warp_argmax(mx, mi);
-    }
-    if (T == 0.f || !(mx > NEG_INF)) {
-        if (tid == 0) out_tokens[s] = T == 0.f && mi < n ? mi : 0;
-        return;
+        if (T == 0.f || !(mx > NEG_INF)) {
+            if (tid == 0) out_tokens[s] = T == 0.f && mi < n ? mi : 0;
+            return;
+        }
     }
     float inv_t = 1.f / T;
     // Threshold on the float key: keep tokens with key >= thr.
@@ -898,8 +981,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 2)
         }
         thr = res;
     }
-    float mp = min_p[s];
-    float floor_logit = mp > 0.f ? mx + T * logf(mp) : NEG_INF;
+    const float floor_logit = minp_floor(mx, T, min_p[s]);
     float tp = top_p[s];
     if (tp < 1.f) {
         float total = 0.f;
@@ -926,25 +1008,10 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 2)
     }
     // Sum of the kept probabilities over each thread's contiguous chunk (a multiple of 4 with
     // vec4, read as float4, in index order either way), then an inclusive scan.
-    int bd = blockDim.x;
-    int chunk = vec4 ? (n + 4 * bd - 1) / (4 * bd) * 4 : (n + bd - 1) / bd;
-    int lo = min(n, tid * chunk), hi = min(n, lo + chunk);
-    float part = 0.f;
-    if (vec4) {
-#pragma unroll 4
-        for (int i = lo; i < hi; i += 4) {
-            float4 v4 = *reinterpret_cast<const float4*>(l + i);
-            float vs[4] = {v4.x, v4.y, v4.z, v4.w};
-#pragma unroll
-            for (int e = 0; e < 4; e++)
-                if (fkey(vs[e]) >= thr && vs[e] >= floor_logit) part += __expf((vs[e] - mx) * inv_t);
-        }
-    } else {
-        for (int i = lo; i < hi; i++) {
-            float v = l[i];
-            if (fkey(v) >= thr && v >= floor_logit) part += __expf((v - mx) * inv_t);
-        }
-    }
+    int lo, hi;
+    sample_chunk(n, vec4, tid, &lo, &hi);
+    const float part = pre ? parts[(u64)s * SAMPLE_THREADS + tid]
+                           : chunk_sum(l, n, vec4, tid, mx, inv_t, thr, floor_logit);
     scan[tid] = part;
     __syncthreads();
     for (int off = 1; off < blockDim.x; off <<= 1) {
@@ -967,10 +1034,10 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 2)
         float acc = before;
         int pick = -1;
         for (int i = lo; i < hi; i++) {
-            float v = l[i];
+            const float v = l[i];
             if (fkey(v) >= thr && v >= floor_logit) {
                 pick = i;
-                acc += __expf((v - mx) * inv_t);
+                acc += kept_prob(v, mx, inv_t, thr, floor_logit);
                 if (target < acc) break;
             }
         }
@@ -1001,11 +1068,15 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 2)
 #define ARGMAX_THREADS 256
 extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
     argmax_split(const float* logits, u64 vocab, const int* rows, const float* temperature,
-                 unsigned long long* part, unsigned* tickets, int* out_tokens) {
+                 const int* top_k, const float* top_p, unsigned long long* part,
+                 unsigned* tickets, int* out_tokens, float* row_max) {
     PDL_ENTER();
     const int s = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
-    if (temperature[s] != 0.f) return;
     const int n = (int)vocab;
+    const float T = temperature[s];
+    // Plain tempered rows (with row_max): the max only, for sample_partials and sample_rows.
+    const bool greedy = T == 0.f;
+    if (!greedy && !(row_max != nullptr && plain_tempered(T, top_k[s], top_p[s], n))) return;
     const float* l = logits + (u64)rows[s] * vocab;
     // Slices of a multiple of 4 values, so rows of a vocabulary that is a multiple of 4 are
     // read as float4 (16-byte aligned) in every slice.
@@ -1059,6 +1130,35 @@ extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
     unsigned long long m = 0;
     const volatile unsigned long long* ps = part + (u64)s * splits;
     for (int j = 0; j < splits; j++) m = ps[j] > m ? ps[j] : m;
-    out_tokens[s] = m ? (int)~(u32)m : 0;
+    if (greedy) {
+        out_tokens[s] = m ? (int)~(u32)m : 0;
+    } else {
+        // The max value back from its key (fkey inverted); a row without a finite logit
+        // samples token 0, as in sample_rows.
+        const u32 k = (u32)(m >> 32);
+        const float v = m ? __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k) : NEG_INF;
+        row_max[s] = v;
+        if (!(v > NEG_INF)) out_tokens[s] = 0;
+    }
     tickets[s] = 0;
+}
+
+// Split tempered sampling: the SAMPLE_THREADS chunk sums of sample_rows for the plain tempered
+// rows whose max argmax_split left in row_max, computed as sample_rows computes them (so the
+// token is the same bits as one block's), over SAMPLE_THREADS / 32 one-warp blocks per row:
+// grid (rows, SAMPLE_THREADS / 32), 32 threads, thread = chunk.
+extern "C" __global__ void __launch_bounds__(32)
+    sample_partials(const float* logits, u64 vocab, const int* rows, const float* temperature,
+                    const int* top_k, const float* top_p, const float* min_p,
+                    const float* row_max, float* parts) {
+    PDL_ENTER();
+    const int s = blockIdx.x, n = (int)vocab;
+    const float T = temperature[s];
+    if (!plain_tempered(T, top_k[s], top_p[s], n)) return;
+    const float mx = row_max[s];
+    if (!(mx > NEG_INF)) return;
+    const float inv_t = 1.f / T;
+    const int t = blockIdx.y * 32 + threadIdx.x;
+    parts[(u64)s * SAMPLE_THREADS + t] = chunk_sum(logits + (u64)rows[s] * vocab, n, (n & 3) == 0,
+                                                   t, mx, inv_t, 0u, minp_floor(mx, T, min_p[s]));
 }

@@ -351,6 +351,49 @@ fn sampling_follows_the_cpu_semantics() {
         }
     }
 
+    // Tempered rows split over blocks in steps of few rows (the max on argmax_split, the chunk
+    // sums on sample_partials) draw the same token as one sample_rows block, for plain rows
+    // (with and without min-p), beside rows with a top-k or top-p cut (sample_rows alone),
+    // greedy rows, a row of -inf and a row with NaNs; twice, so the tickets are seen to reset.
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    for vocab in [128_256usize, 49_153] {
+        let params = [
+            SamplingParams::default(),
+            SamplingParams {
+                temperature: 0.7,
+                min_p: 0.05,
+                ..Default::default()
+            },
+            SamplingParams {
+                temperature: 0.9,
+                top_k: 40,
+                ..Default::default()
+            },
+            SamplingParams {
+                top_p: 0.9,
+                ..Default::default()
+            },
+            greedy.clone(),
+            SamplingParams::default(),
+            SamplingParams::default(),
+        ];
+        let mut rows: Vec<f32> = (0..params.len() * vocab)
+            .map(|_| rng.random_range(-4.0f32..4.0))
+            .collect();
+        rows[5 * vocab..6 * vocab].fill(f32::NEG_INFINITY);
+        for i in (6 * vocab..7 * vocab).step_by(97) {
+            rows[i] = f32::NAN;
+        }
+        for seed in [1u64, 2, 3] {
+            for _ in 0..2 {
+                let split = sample(&rows, vocab, &params, &[], seed, 9, true).expect("sample");
+                let one = sample(&rows, vocab, &params, &[], seed, 9, false).expect("sample");
+                assert_eq!(split, one, "vocab {vocab} seed {seed}");
+                assert_eq!(split[5], 0, "a row of -inf samples token 0");
+            }
+        }
+    }
+
     let n = 4000;
     let h = histogram(
         &SamplingParams {

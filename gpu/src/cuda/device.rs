@@ -369,6 +369,7 @@ pub(crate) struct Kernels {
     pub apply_logit_edits: CudaFunction,
     pub sample_rows: CudaFunction,
     pub argmax_split: CudaFunction,
+    pub sample_partials: CudaFunction,
     /// By token groups of 8: at most 8, 16, 32 and 64 tokens.
     pub gemv: [CudaFunction; 4],
     pub gemv_glu: [CudaFunction; 4],
@@ -499,6 +500,7 @@ impl Gpu {
             apply_logit_edits: f("apply_logit_edits")?,
             sample_rows: f("sample_rows")?,
             argmax_split: f("argmax_split")?,
+            sample_partials: f("sample_partials")?,
             gemv: [f("gemv_1")?, f("gemv_2")?, f("gemv_4")?, f("gemv_8")?],
             gemv_glu: [
                 f("gemv_glu_1")?,
@@ -1173,7 +1175,7 @@ pub fn compile_ptx_with(cc: (i32, i32), defines: &[(String, i32)]) -> Result<Str
     let cached = cache_dir().map(|d| d.join(format!("llama-{arch}-{key}.ptx")));
     if let Some(p) = &cached {
         if let Ok(text) = std::fs::read_to_string(p) {
-            if text.contains(".entry argmax_split") && text.contains(".entry gemv_norm_glu_1") {
+            if text.contains(".entry sample_partials") && text.contains(".entry gemv_norm_glu_1") {
                 tracing::debug!(path = %p.display(), "kernels from the cache");
                 return Ok(text);
             }

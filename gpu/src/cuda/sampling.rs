@@ -249,38 +249,59 @@ pub(crate) fn argmax_splits(rows: usize, vocab: usize, sm_count: usize) -> usize
         .max(1)
 }
 
-/// Device scratch of the split greedy path: one 64-bit key per (row, split) and one ticket per
-/// row (zero between launches: the last block of a row resets it).
+/// Threads of `sample_rows` (`SAMPLE_THREADS`): the chunks its rows are summed in.
+const SAMPLE_CHUNKS: usize = 1024;
+
+/// Most rows a split step holds: `argmax_splits` splits only when every row gets two blocks.
+const SPLIT_MAX_ROWS: usize = 256;
+
+/// Device scratch of the split path: one 64-bit key per (row, split) and one ticket per row
+/// (zero between launches: the last block of a row resets it); for plain tempered rows the
+/// row's max and its `SAMPLE_CHUNKS` chunk sums.
 pub(crate) struct ArgmaxScratch {
     part: DevMem,
     tickets: DevMem,
+    row_max: DevMem,
+    sums: DevMem,
     rows: usize,
 }
 
 impl ArgmaxScratch {
-    /// Scratch for steps of up to `rows` sampled rows.
+    /// Scratch for split steps of up to `rows` sampled rows (at most [`SPLIT_MAX_ROWS`]).
     pub(crate) fn new(gpu: &Gpu, rows: usize) -> Result<Self, GpuError> {
-        let rows = rows.max(1);
+        let rows = rows.clamp(1, SPLIT_MAX_ROWS);
         let part = gpu.alloc(rows * ARGMAX_MAX_SPLITS * 8)?;
         let tickets = gpu.alloc(rows * 4)?;
+        let row_max = gpu.alloc(rows * 4)?;
+        let sums = gpu.alloc(rows * SAMPLE_CHUNKS * 4)?;
         gpu.upload(tickets.ptr(), &vec![0u32; rows])?;
         gpu.sync()?;
         Ok(Self {
             part,
             tickets,
+            row_max,
+            sums,
             rows,
         })
     }
 
     /// Bytes of device memory for `rows` rows.
     pub(crate) fn bytes(rows: usize) -> usize {
-        rows.max(1) * (ARGMAX_MAX_SPLITS * 8 + 4)
+        rows.clamp(1, SPLIT_MAX_ROWS) * (ARGMAX_MAX_SPLITS * 8 + 8 + SAMPLE_CHUNKS * 4)
     }
 }
 
+/// Whether a row is tempered without a top-k or top-p cut (`plain_tempered` in the kernels):
+/// its chunk sums can be computed over several blocks before `sample_rows` runs.
+fn plain_tempered(r: &SampleRow, vocab: usize) -> bool {
+    r.temperature > 0.0 && !(r.top_k > 0 && (r.top_k as usize) < vocab) && r.top_p >= 1.0
+}
+
 /// Samples the rows of `samples` (the host's view of the arrays in `a`) into `out` (i32 per
-/// row). With `split`, greedy rows of a step with few rows run on `argmax_split` (each row
-/// over several blocks), the other rows on `sample_rows`; the tokens are the same either way.
+/// row). With `split`, in a step of few rows, greedy rows run on `argmax_split` (each row over
+/// several blocks) and plain tempered rows (no top-k or top-p cut) take their max from it and
+/// their chunk sums from `sample_partials` before `sample_rows` draws their token; the other
+/// rows run on `sample_rows` alone. The tokens are the same bits either way.
 pub(crate) fn sample(
     gpu: &Gpu,
     logits: u64,
@@ -292,9 +313,16 @@ pub(crate) fn sample(
 ) -> Result<(), GpuError> {
     let n = samples.len();
     let greedy = samples.iter().filter(|r| r.temperature == 0.0).count();
+    let plain = samples.iter().filter(|r| plain_tempered(r, vocab)).count();
     let splits = argmax_splits(n, vocab, gpu.sm_count);
-    let skip_greedy = match split {
-        Some(sc) if greedy > 0 && splits > 1 && n <= sc.rows => {
+    let split = split.filter(|sc| (greedy > 0 || plain > 0) && splits > 1 && n <= sc.rows);
+    let (skip_greedy, row_max, sums) = match split {
+        Some(sc) => {
+            let (row_max, sums) = if plain > 0 {
+                (sc.row_max.ptr(), sc.sums.ptr())
+            } else {
+                (0, 0)
+            };
             gpu.launch(
                 &gpu.k.argmax_split,
                 (n as u32, splits as u32, 1),
@@ -304,14 +332,35 @@ pub(crate) fn sample(
                     Arg::U64(vocab as u64),
                     Arg::Ptr(a.rows),
                     Arg::Ptr(a.temperature),
+                    Arg::Ptr(a.top_k),
+                    Arg::Ptr(a.top_p),
                     Arg::Ptr(sc.part.ptr()),
                     Arg::Ptr(sc.tickets.ptr()),
                     Arg::Ptr(out),
+                    Arg::Ptr(row_max),
                 ],
             )?;
-            true
+            if plain > 0 {
+                gpu.launch(
+                    &gpu.k.sample_partials,
+                    (n as u32, (SAMPLE_CHUNKS / 32) as u32, 1),
+                    32,
+                    &[
+                        Arg::Ptr(logits),
+                        Arg::U64(vocab as u64),
+                        Arg::Ptr(a.rows),
+                        Arg::Ptr(a.temperature),
+                        Arg::Ptr(a.top_k),
+                        Arg::Ptr(a.top_p),
+                        Arg::Ptr(a.min_p),
+                        Arg::Ptr(row_max),
+                        Arg::Ptr(sums),
+                    ],
+                )?;
+            }
+            (true, row_max, sums)
         }
-        _ => false,
+        None => (false, 0, 0),
     };
     if skip_greedy && greedy == n {
         return Ok(());
@@ -332,6 +381,8 @@ pub(crate) fn sample(
             Arg::Ptr(a.counters),
             Arg::Ptr(out),
             Arg::I32(i32::from(skip_greedy)),
+            Arg::Ptr(row_max),
+            Arg::Ptr(sums),
         ],
     )
 }

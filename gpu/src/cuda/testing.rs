@@ -159,8 +159,8 @@ pub fn sample(
             adapter: None,
         });
         st.sampled = counter;
-        samples.push(st.sample_row(r, p));
         st.edits(r, p, &mut edits);
+        samples.push(st.sample_row(r, p));
     }
     let lay = Layout::new(0, 0, 0, rows);
     let mut host = Vec::new();
