@@ -754,6 +754,10 @@ ATTENTION_KERNEL(attention_w4_64, 64, 4, MMA_KEYS)
 ATTENTION_KERNEL(attention_w4_128, 128, 4, MMA_KEYS)
 
 
+#ifndef COMBINE_BATCH
+#define COMBINE_BATCH 8
+#endif
+
 // Merges the splits of every (token, head) of the step's tiles: grid (tiles, heads), block hd
 // threads. `pos` gives each token's position, so splits past it (never written in this
 // step) are skipped.
@@ -766,19 +770,40 @@ extern "C" __global__ void attention_combine(const float* part_acc, const float*
     int q0 = tile_q0[tile], qn = tile_qn[tile];
     int nsplit = meta[2], split_len = meta[1];
     PDL_ENTER();
+    // Partials are read COMBINE_BATCH splits at a time, every load of a batch issued before the
+    // first is used (a step splits its keys over a few blocks: one round trip per pass rather
+    // than one per split); they are merged in split order.
+    constexpr int CB = COMBINE_BATCH;
     for (int t = q0; t < q0 + qn; t++) {
         int used = min(nsplit, pos[t] / split_len + 1);
         long long base = ((long long)t * nh + head) * max_splits;
         float mx = NEG_INF;
-        for (int s = 0; s < used; s++) mx = fmaxf(mx, part_ml[(base + s) * 2]);
+        for (int s0 = 0; s0 < used; s0 += CB) {
+            float ms[CB];
+#pragma unroll
+            for (int j = 0; j < CB; j++) ms[j] = s0 + j < used ? part_ml[(base + s0 + j) * 2] : NEG_INF;
+#pragma unroll
+            for (int j = 0; j < CB; j++) mx = fmaxf(mx, ms[j]);
+        }
         float num = 0.f, den = 0.f;
         if (mx != NEG_INF) {
-            for (int s = 0; s < used; s++) {
-                float ms = part_ml[(base + s) * 2];
-                if (ms == NEG_INF) continue;
-                float w = exp2f(ms - mx);  // (max, sum) in log2 units
-                den += w * part_ml[(base + s) * 2 + 1];
-                if (d < hd) num += w * part_acc[(base + s) * hd + d];
+            for (int s0 = 0; s0 < used; s0 += CB) {
+                float ms[CB], ls[CB], as[CB];
+#pragma unroll
+                for (int j = 0; j < CB; j++) {
+                    const bool ok = s0 + j < used;
+                    const long long sj = base + s0 + j;
+                    ms[j] = ok ? part_ml[sj * 2] : NEG_INF;
+                    ls[j] = ok ? part_ml[sj * 2 + 1] : 0.f;
+                    as[j] = ok && d < hd ? part_acc[sj * hd + d] : 0.f;
+                }
+#pragma unroll
+                for (int j = 0; j < CB; j++) {
+                    if (ms[j] == NEG_INF) continue;
+                    const float w = exp2f(ms[j] - mx);  // (max, sum) in log2 units
+                    den += w * ls[j];
+                    num += w * as[j];
+                }
             }
         }
         if (d < hd) out[((long long)t * nh + head) * hd + d] = __float2bfloat16(den > 0.f ? num / den : 0.f);
