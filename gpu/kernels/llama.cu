@@ -771,32 +771,36 @@ extern "C" __global__ void attention_combine(const float* part_acc, const float*
     int nsplit = meta[2], split_len = meta[1];
     PDL_ENTER();
     // Partials are read COMBINE_BATCH splits at a time, every load of a batch issued before the
-    // first is used (a step splits its keys over a few blocks: one round trip per pass rather
-    // than one per split); they are merged in split order.
+    // first is used: a step that splits its keys over at most COMBINE_BATCH blocks (every
+    // decode step of a short context) reads them all in one round trip and merges them from
+    // registers; in split order either way.
     constexpr int CB = COMBINE_BATCH;
     for (int t = q0; t < q0 + qn; t++) {
         int used = min(nsplit, pos[t] / split_len + 1);
         long long base = ((long long)t * nh + head) * max_splits;
+        float ms[CB], ls[CB], as[CB];
+        auto load = [&](int s0, bool all) {
+#pragma unroll
+            for (int j = 0; j < CB; j++) {
+                const bool ok = s0 + j < used;
+                const long long sj = base + s0 + j;
+                ms[j] = ok ? part_ml[sj * 2] : NEG_INF;
+                if (all) {
+                    ls[j] = ok ? part_ml[sj * 2 + 1] : 0.f;
+                    as[j] = ok && d < hd ? part_acc[sj * hd + d] : 0.f;
+                }
+            }
+        };
         float mx = NEG_INF;
         for (int s0 = 0; s0 < used; s0 += CB) {
-            float ms[CB];
-#pragma unroll
-            for (int j = 0; j < CB; j++) ms[j] = s0 + j < used ? part_ml[(base + s0 + j) * 2] : NEG_INF;
+            load(s0, used <= CB);
 #pragma unroll
             for (int j = 0; j < CB; j++) mx = fmaxf(mx, ms[j]);
         }
         float num = 0.f, den = 0.f;
         if (mx != NEG_INF) {
             for (int s0 = 0; s0 < used; s0 += CB) {
-                float ms[CB], ls[CB], as[CB];
-#pragma unroll
-                for (int j = 0; j < CB; j++) {
-                    const bool ok = s0 + j < used;
-                    const long long sj = base + s0 + j;
-                    ms[j] = ok ? part_ml[sj * 2] : NEG_INF;
-                    ls[j] = ok ? part_ml[sj * 2 + 1] : 0.f;
-                    as[j] = ok && d < hd ? part_acc[sj * hd + d] : 0.f;
-                }
+                if (used > CB) load(s0, true);
 #pragma unroll
                 for (int j = 0; j < CB; j++) {
                     if (ms[j] == NEG_INF) continue;
