@@ -268,7 +268,11 @@ impl Simulation {
             .map_err(|e| SimError::Scheduler(e.to_string()))?;
         let bar = progress_bar(progress, requests.len(), policy.label());
         let mut lp = Loop::new(self, sched, requests, policy.label());
-        let result = lp.run(bar.as_ref());
+        let result = if self.spec.scheduler.async_scheduling {
+            lp.run_async(bar.as_ref())
+        } else {
+            lp.run(bar.as_ref())
+        };
         if let Some(b) = bar {
             b.finish_and_clear();
         }
@@ -456,7 +460,7 @@ impl<'a> Loop<'a> {
                 }
             }
             let dt = self.sim.cost.step_time(&shape);
-            now += ((dt * 1e6).round() as u64).max(1);
+            now += ((dt * 1e6).round() as u64).max(1) + self.host_us();
             self.steps += 1;
             for ev in self.sched.apply_outputs(&plan, &outputs, Timestamp(now)) {
                 finished += usize::from(self.on_event(ev));
@@ -467,6 +471,136 @@ impl<'a> Loop<'a> {
             }
         }
         Ok(())
+    }
+
+    /// The loop with asynchronous scheduling: the next step is planned when the step before it
+    /// starts on the device (the host's planning costs nothing here), so it sees the arrivals
+    /// up to then and the outputs of the steps that have ended; a step's outputs are applied
+    /// when it ends. Steps that would preempt are planned in order, after the step in flight.
+    fn run_async(&mut self, bar: Option<&indicatif::ProgressBar>) -> Result<(), SimError> {
+        let n = self.requests.len();
+        // When the next step is planned: the start of the step in flight, or later.
+        let mut now = 0u64;
+        let mut next = 0usize;
+        let mut idle_ticks = 0u32;
+        let mut finished = 0usize;
+        // The step on the device: its plan, its outputs and when it ends.
+        let mut in_flight: Option<(StepPlan, Vec<StepOutput>, u64)> = None;
+        let mut in_order = false;
+        loop {
+            while next < n && self.arrivals_us[next] <= now {
+                if self.sched.add_request(self.request(next)).is_err() {
+                    self.tracks[next].outcome = Outcome::Rejected;
+                    finished += 1;
+                }
+                next += 1;
+            }
+            if !self.sched.has_unfinished() && in_flight.is_none() {
+                match self.arrivals_us.get(next) {
+                    Some(&t) => {
+                        now = now.max(t);
+                        continue;
+                    }
+                    None => break,
+                }
+            }
+            let ahead = match in_flight {
+                Some(_) if !in_order => self.sched.schedule_ahead(Timestamp(now)),
+                _ => None,
+            };
+            let plan = match ahead {
+                Some(plan) => plan,
+                None => match in_flight.take() {
+                    // Plan in order: once the step in flight has ended.
+                    Some((prev, outs, end)) => {
+                        now = now.max(end);
+                        finished += self.resolve(&prev, &outs, end);
+                        continue;
+                    }
+                    None => self.sched.schedule(Timestamp(now)),
+                },
+            };
+            in_order = self.sched.take_preemption_wanted();
+            for id in &plan.preempted {
+                if let Some(t) = self.tracks.get_mut(id.0 as usize) {
+                    t.preemptions += 1;
+                }
+            }
+            if plan.seqs.is_empty() {
+                if let Some((prev, outs, end)) = in_flight.take() {
+                    now = now.max(end);
+                    finished += self.resolve(&prev, &outs, end);
+                    continue;
+                }
+                if let Some(&t) = self.arrivals_us.get(next) {
+                    now = now.max(t);
+                    continue;
+                }
+                idle_ticks += 1;
+                if idle_ticks > MAX_IDLE_TICKS {
+                    let stats = self.sched.stats();
+                    return Err(SimError::Stalled {
+                        policy: self.label.clone(),
+                        at_s: now as f64 / 1e6,
+                        waiting: stats.num_waiting,
+                        running: stats.num_running,
+                    });
+                }
+                now += IDLE_TICK_US;
+                continue;
+            }
+            idle_ticks = 0;
+            self.sched.launch(&plan);
+            // The host plans from `now`; the device starts once it is done and free.
+            let ready = now + self.host_us();
+            let start = in_flight.as_ref().map_or(ready, |f| ready.max(f.2));
+            let mut shape = StepShape::default();
+            let mut outputs = Vec::with_capacity(plan.seqs.len());
+            for s in &plan.seqs {
+                shape.add_seq(
+                    s.num_computed_tokens as u64,
+                    s.num_new_tokens as u64,
+                    s.is_prefill,
+                    s.samples,
+                );
+                if let Some(t) = self.tracks.get_mut(s.id.0 as usize) {
+                    t.first_scheduled.get_or_insert(start);
+                }
+                if s.samples {
+                    // Invented output: deterministic in (request, position), never EOS-checked.
+                    let pos = (s.num_computed_tokens + s.num_new_tokens) as u64;
+                    let token = trace::mix64(s.id.0 << 24 ^ pos) as u32;
+                    outputs.push(StepOutput { id: s.id, token });
+                }
+            }
+            let dt = self.sim.cost.step_time(&shape);
+            let end = start + ((dt * 1e6).round() as u64).max(1);
+            self.steps += 1;
+            // The step before this one ends as this one starts.
+            if let Some((prev, outs, prev_end)) = in_flight.replace((plan, outputs, end)) {
+                finished += self.resolve(&prev, &outs, prev_end);
+            }
+            now = start;
+            if let Some(b) = bar.filter(|_| self.steps & 0xff == 0) {
+                b.set_position(finished as u64);
+            }
+        }
+        Ok(())
+    }
+
+    /// The host's time per step, in whole microseconds.
+    fn host_us(&self) -> u64 {
+        self.sim.spec.scheduler.host_overhead_us.max(0.0).round() as u64
+    }
+
+    /// Applies a launched step's outputs at time `at`; returns how many requests finished.
+    fn resolve(&mut self, plan: &StepPlan, outputs: &[StepOutput], at: u64) -> usize {
+        let mut finished = 0;
+        for ev in self.sched.resolve(plan, outputs, Timestamp(at)) {
+            finished += usize::from(self.on_event(ev));
+        }
+        self.sample(at);
+        finished
     }
 
     /// Records one event; returns whether a request finished.
@@ -678,6 +812,54 @@ workload: {trace: unused.csv, format: azure}
     }
 
     #[test]
+    fn async_scheduling_admits_arrivals_a_step_later() {
+        // By hand, 1 ms steps. In order: request 0 prefills in [0, 1], decodes in [1, 2] and
+        // [2, 3]; request 1 arrives at 1.5 ms, is planned at 2 ms (after step [1, 2]) and its
+        // one token comes at 3 ms. Asynchronously the step [2, 3] was planned at 1 ms, before
+        // request 1 arrived: it is planned at 2 ms for [3, 4] and its token comes at 4 ms.
+        // Request 0's timestamps are the same either way.
+        let mut sim = one_ms_steps();
+        let rs = vec![req(0.0, 32, 3, ""), req(0.0015, 8, 1, "")];
+        let in_order = sim
+            .run_policy(&PolicySpec::named("fcfs"), &rs, false)
+            .unwrap();
+        sim.spec.scheduler.async_scheduling = true;
+        let ahead = sim
+            .run_policy(&PolicySpec::named("fcfs"), &rs, false)
+            .unwrap();
+        for run in [&in_order, &ahead] {
+            let a = &run.records[0];
+            assert_eq!((a.first_token_s, a.finish_s), (Some(0.001), Some(0.003)));
+            assert_eq!((a.generated, a.outcome.as_str()), (3, "length"));
+        }
+        assert_eq!(in_order.records[1].finish_s, Some(0.003));
+        assert_eq!(ahead.records[1].first_scheduled_s, Some(0.003));
+        assert_eq!(ahead.records[1].finish_s, Some(0.004));
+        assert_eq!(ahead.records[1].generated, 1);
+    }
+
+    #[test]
+    fn host_time_adds_to_steps_in_order_and_hides_when_planned_ahead() {
+        // By hand, 1 ms device steps and 0.4 ms of host time per step, one request of three
+        // tokens. In order each step costs 1.4 ms: tokens at 1.4, 2.8, 4.2 ms. Asynchronously
+        // only the first plan is exposed: steps run [0.4, 1.4], [1.4, 2.4], [2.4, 3.4].
+        let mut sim = one_ms_steps();
+        sim.spec.scheduler.host_overhead_us = 400.0;
+        let rs = vec![req(0.0, 32, 3, "")];
+        let in_order = sim
+            .run_policy(&PolicySpec::named("fcfs"), &rs, false)
+            .unwrap();
+        let a = &in_order.records[0];
+        assert_eq!((a.first_token_s, a.finish_s), (Some(0.0014), Some(0.0042)));
+        sim.spec.scheduler.async_scheduling = true;
+        let ahead = sim
+            .run_policy(&PolicySpec::named("fcfs"), &rs, false)
+            .unwrap();
+        let b = &ahead.records[0];
+        assert_eq!((b.first_token_s, b.finish_s), (Some(0.0014), Some(0.0034)));
+    }
+
+    #[test]
     fn too_long_requests_are_rejected_not_fatal() {
         let sim = one_ms_steps();
         let rs = vec![req(0.0, 99, 5, ""), req(0.0, 10, 1, "")];
@@ -712,7 +894,14 @@ workload: {trace: unused.csv, format: azure}
 
     #[test]
     fn every_policy_finishes_a_mixed_workload() {
-        let sim = one_ms_steps();
+        for async_scheduling in [false, true] {
+            let mut sim = one_ms_steps();
+            sim.spec.scheduler.async_scheduling = async_scheduling;
+            finishes_a_mixed_workload(&sim);
+        }
+    }
+
+    fn finishes_a_mixed_workload(sim: &Simulation) {
         let rs: Vec<TraceRequest> = (0..40)
             .map(|i| {
                 req(

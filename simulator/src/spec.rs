@@ -147,6 +147,15 @@ pub struct SchedulerLimits {
     pub max_num_batched_tokens: usize,
     /// Longest prompt + output; longer requests are rejected. Defaults to the KV capacity.
     pub max_model_len: Option<usize>,
+    /// Plan each step while the previous one runs, as the server does on a GPU
+    /// (`scheduler.async_scheduling`): a request that arrives during a step is admitted a step
+    /// later, and the host's time per step (`host_overhead_us`) hides behind the device's.
+    pub async_scheduling: bool,
+    /// The host's time per step in microseconds (planning, building the batch, launching,
+    /// applying outputs; `SWITCHYARD_CUDA_STEP_TIMING` shows the GPU idle this long between
+    /// steps): added to every step in order, overlapped with the step before when
+    /// `async_scheduling` is on.
+    pub host_overhead_us: f64,
 }
 
 impl Default for SchedulerLimits {
@@ -155,6 +164,8 @@ impl Default for SchedulerLimits {
             max_num_seqs: 256,
             max_num_batched_tokens: 8192,
             max_model_len: None,
+            async_scheduling: false,
+            host_overhead_us: 0.0,
         }
     }
 }
