@@ -390,7 +390,6 @@ impl<'a> Loop<'a> {
     }
 
     fn run(&mut self, bar: Option<&indicatif::ProgressBar>) -> Result<(), SimError> {
-        let n = self.requests.len();
         let mut now = 0u64;
         let mut next = 0usize;
         let mut idle_ticks = 0u32;
@@ -398,13 +397,7 @@ impl<'a> Loop<'a> {
         let mut plan = StepPlan::default();
         let mut outputs: Vec<StepOutput> = Vec::new();
         loop {
-            while next < n && self.arrivals_us[next] <= now {
-                if self.sched.add_request(self.request(next)).is_err() {
-                    self.tracks[next].outcome = Outcome::Rejected;
-                    finished += 1;
-                }
-                next += 1;
-            }
+            finished += self.admit_arrivals(now, &mut next);
             if !self.sched.has_unfinished() {
                 match self.arrivals_us.get(next) {
                     Some(&t) => {
@@ -415,52 +408,14 @@ impl<'a> Loop<'a> {
                 }
             }
             self.sched.schedule_into(Timestamp(now), &mut plan);
-            for id in &plan.preempted {
-                if let Some(t) = self.tracks.get_mut(id.0 as usize) {
-                    t.preemptions += 1;
-                }
-            }
+            self.count_preemptions(&plan);
             if plan.seqs.is_empty() {
-                if let Some(&t) = self.arrivals_us.get(next) {
-                    now = now.max(t);
-                    continue;
-                }
-                idle_ticks += 1;
-                if idle_ticks > MAX_IDLE_TICKS {
-                    let stats = self.sched.stats();
-                    return Err(SimError::Stalled {
-                        policy: self.label.clone(),
-                        at_s: now as f64 / 1e6,
-                        waiting: stats.num_waiting,
-                        running: stats.num_running,
-                    });
-                }
-                now += IDLE_TICK_US;
+                now = self.wait(now, next, &mut idle_ticks)?;
                 continue;
             }
             idle_ticks = 0;
-            let mut shape = StepShape::default();
-            outputs.clear();
-            for s in &plan.seqs {
-                shape.add_seq(
-                    s.num_computed_tokens as u64,
-                    s.num_new_tokens as u64,
-                    s.is_prefill,
-                    s.samples,
-                );
-                let mut generated = 0;
-                if let Some(t) = self.tracks.get_mut(s.id.0 as usize) {
-                    t.first_scheduled.get_or_insert(now);
-                    generated = t.generated;
-                }
-                if s.samples {
-                    // Invented output: deterministic in (request, position), never EOS-checked.
-                    let token = trace::mix64(s.id.0 << 24 ^ generated) as u32;
-                    outputs.push(StepOutput { id: s.id, token });
-                }
-            }
-            let dt = self.sim.cost.step_time(&shape);
-            now += ((dt * 1e6).round() as u64).max(1) + self.host_us();
+            let dt = self.start_step(&plan, now, &mut outputs);
+            now += dt + self.host_us();
             self.steps += 1;
             for ev in self.sched.apply_outputs(&plan, &outputs, Timestamp(now)) {
                 finished += usize::from(self.on_event(ev));
@@ -478,7 +433,6 @@ impl<'a> Loop<'a> {
     /// up to then and the outputs of the steps that have ended; a step's outputs are applied
     /// when it ends. Steps that would preempt are planned in order, after the step in flight.
     fn run_async(&mut self, bar: Option<&indicatif::ProgressBar>) -> Result<(), SimError> {
-        let n = self.requests.len();
         // When the next step is planned: the start of the step in flight, or later.
         let mut now = 0u64;
         let mut next = 0usize;
@@ -488,13 +442,7 @@ impl<'a> Loop<'a> {
         let mut in_flight: Option<(StepPlan, Vec<StepOutput>, u64)> = None;
         let mut in_order = false;
         loop {
-            while next < n && self.arrivals_us[next] <= now {
-                if self.sched.add_request(self.request(next)).is_err() {
-                    self.tracks[next].outcome = Outcome::Rejected;
-                    finished += 1;
-                }
-                next += 1;
-            }
+            finished += self.admit_arrivals(now, &mut next);
             if !self.sched.has_unfinished() && in_flight.is_none() {
                 match self.arrivals_us.get(next) {
                     Some(&t) => {
@@ -521,32 +469,14 @@ impl<'a> Loop<'a> {
                 },
             };
             in_order = self.sched.take_preemption_wanted();
-            for id in &plan.preempted {
-                if let Some(t) = self.tracks.get_mut(id.0 as usize) {
-                    t.preemptions += 1;
-                }
-            }
+            self.count_preemptions(&plan);
             if plan.seqs.is_empty() {
                 if let Some((prev, outs, end)) = in_flight.take() {
                     now = now.max(end);
                     finished += self.resolve(&prev, &outs, end);
-                    continue;
+                } else {
+                    now = self.wait(now, next, &mut idle_ticks)?;
                 }
-                if let Some(&t) = self.arrivals_us.get(next) {
-                    now = now.max(t);
-                    continue;
-                }
-                idle_ticks += 1;
-                if idle_ticks > MAX_IDLE_TICKS {
-                    let stats = self.sched.stats();
-                    return Err(SimError::Stalled {
-                        policy: self.label.clone(),
-                        at_s: now as f64 / 1e6,
-                        waiting: stats.num_waiting,
-                        running: stats.num_running,
-                    });
-                }
-                now += IDLE_TICK_US;
                 continue;
             }
             idle_ticks = 0;
@@ -554,27 +484,8 @@ impl<'a> Loop<'a> {
             // The host plans from `now`; the device starts once it is done and free.
             let ready = now + self.host_us();
             let start = in_flight.as_ref().map_or(ready, |f| ready.max(f.2));
-            let mut shape = StepShape::default();
             let mut outputs = Vec::with_capacity(plan.seqs.len());
-            for s in &plan.seqs {
-                shape.add_seq(
-                    s.num_computed_tokens as u64,
-                    s.num_new_tokens as u64,
-                    s.is_prefill,
-                    s.samples,
-                );
-                if let Some(t) = self.tracks.get_mut(s.id.0 as usize) {
-                    t.first_scheduled.get_or_insert(start);
-                }
-                if s.samples {
-                    // Invented output: deterministic in (request, position), never EOS-checked.
-                    let pos = (s.num_computed_tokens + s.num_new_tokens) as u64;
-                    let token = trace::mix64(s.id.0 << 24 ^ pos) as u32;
-                    outputs.push(StepOutput { id: s.id, token });
-                }
-            }
-            let dt = self.sim.cost.step_time(&shape);
-            let end = start + ((dt * 1e6).round() as u64).max(1);
+            let end = start + self.start_step(&plan, start, &mut outputs);
             self.steps += 1;
             // The step before this one ends as this one starts.
             if let Some((prev, outs, prev_end)) = in_flight.replace((plan, outputs, end)) {
@@ -586,6 +497,72 @@ impl<'a> Loop<'a> {
             }
         }
         Ok(())
+    }
+
+    /// Queues the requests that have arrived by `now` (from `next` on); returns how many were
+    /// rejected.
+    fn admit_arrivals(&mut self, now: u64, next: &mut usize) -> usize {
+        let mut rejected = 0;
+        while *next < self.requests.len() && self.arrivals_us[*next] <= now {
+            if self.sched.add_request(self.request(*next)).is_err() {
+                self.tracks[*next].outcome = Outcome::Rejected;
+                rejected += 1;
+            }
+            *next += 1;
+        }
+        rejected
+    }
+
+    fn count_preemptions(&mut self, plan: &StepPlan) {
+        for id in &plan.preempted {
+            if let Some(t) = self.tracks.get_mut(id.0 as usize) {
+                t.preemptions += 1;
+            }
+        }
+    }
+
+    /// Nothing to run at `now`: the time of the next arrival, or one idle tick later (an
+    /// error once the scheduler has idled too long with work left).
+    fn wait(&mut self, now: u64, next: usize, idle_ticks: &mut u32) -> Result<u64, SimError> {
+        if let Some(&t) = self.arrivals_us.get(next) {
+            return Ok(now.max(t));
+        }
+        *idle_ticks += 1;
+        if *idle_ticks > MAX_IDLE_TICKS {
+            let stats = self.sched.stats();
+            return Err(SimError::Stalled {
+                policy: self.label.clone(),
+                at_s: now as f64 / 1e6,
+                waiting: stats.num_waiting,
+                running: stats.num_running,
+            });
+        }
+        Ok(now + IDLE_TICK_US)
+    }
+
+    /// Records a step starting at `start`, fills `outputs` with its sampled tokens and returns
+    /// its device time in microseconds.
+    fn start_step(&mut self, plan: &StepPlan, start: u64, outputs: &mut Vec<StepOutput>) -> u64 {
+        let mut shape = StepShape::default();
+        outputs.clear();
+        for s in &plan.seqs {
+            shape.add_seq(
+                s.num_computed_tokens as u64,
+                s.num_new_tokens as u64,
+                s.is_prefill,
+                s.samples,
+            );
+            if let Some(t) = self.tracks.get_mut(s.id.0 as usize) {
+                t.first_scheduled.get_or_insert(start);
+            }
+            if s.samples {
+                // Invented output: deterministic in (request, position), never EOS-checked.
+                let pos = (s.num_computed_tokens + s.num_new_tokens) as u64;
+                let token = trace::mix64(s.id.0 << 24 ^ pos) as u32;
+                outputs.push(StepOutput { id: s.id, token });
+            }
+        }
+        ((self.sim.cost.step_time(&shape) * 1e6).round() as u64).max(1)
     }
 
     /// The host's time per step, in whole microseconds.
