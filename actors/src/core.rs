@@ -5,7 +5,7 @@
 //! drive it directly, and the scheduler actor drives it for the server. The simulator runs the
 //! same `policies` calls with a cost model in place of the backend.
 //!
-//! With asynchronous scheduling ([`EngineCore::set_async_scheduling`], backends that
+//! With asynchronous scheduling ([`EngineCore::with_async_scheduling`], backends that
 //! pipeline), each step is planned and submitted while the one before it still runs: the
 //! scheduler launches a step with its sampled tokens pending ([`PENDING_TOKEN`]), the next
 //! step feeds them from the device, and the outputs are resolved one step late. The host's

@@ -316,6 +316,15 @@ pub(crate) fn sample(
     let plain = samples.iter().filter(|r| plain_tempered(r, vocab)).count();
     let splits = argmax_splits(n, vocab, gpu.sm_count);
     let split = split.filter(|sc| (greedy > 0 || plain > 0) && splits > 1 && n <= sc.rows);
+    // The arguments every sampling kernel starts with: the logits and the rows' parameters.
+    let rows = [
+        Arg::Ptr(logits),
+        Arg::U64(vocab as u64),
+        Arg::Ptr(a.rows),
+        Arg::Ptr(a.temperature),
+        Arg::Ptr(a.top_k),
+        Arg::Ptr(a.top_p),
+    ];
     let (skip_greedy, row_max, sums) = match split {
         Some(sc) => {
             let (row_max, sums) = if plain > 0 {
@@ -328,17 +337,15 @@ pub(crate) fn sample(
                 (n as u32, splits as u32, 1),
                 256,
                 &[
-                    Arg::Ptr(logits),
-                    Arg::U64(vocab as u64),
-                    Arg::Ptr(a.rows),
-                    Arg::Ptr(a.temperature),
-                    Arg::Ptr(a.top_k),
-                    Arg::Ptr(a.top_p),
-                    Arg::Ptr(sc.part.ptr()),
-                    Arg::Ptr(sc.tickets.ptr()),
-                    Arg::Ptr(out),
-                    Arg::Ptr(row_max),
-                ],
+                    &rows[..],
+                    &[
+                        Arg::Ptr(sc.part.ptr()),
+                        Arg::Ptr(sc.tickets.ptr()),
+                        Arg::Ptr(out),
+                        Arg::Ptr(row_max),
+                    ],
+                ]
+                .concat(),
             )?;
             if plain > 0 {
                 gpu.launch(
@@ -346,16 +353,10 @@ pub(crate) fn sample(
                     (n as u32, (SAMPLE_CHUNKS / 32) as u32, 1),
                     32,
                     &[
-                        Arg::Ptr(logits),
-                        Arg::U64(vocab as u64),
-                        Arg::Ptr(a.rows),
-                        Arg::Ptr(a.temperature),
-                        Arg::Ptr(a.top_k),
-                        Arg::Ptr(a.top_p),
-                        Arg::Ptr(a.min_p),
-                        Arg::Ptr(row_max),
-                        Arg::Ptr(sums),
-                    ],
+                        &rows[..],
+                        &[Arg::Ptr(a.min_p), Arg::Ptr(row_max), Arg::Ptr(sums)],
+                    ]
+                    .concat(),
                 )?;
             }
             (true, row_max, sums)
@@ -370,20 +371,18 @@ pub(crate) fn sample(
         (n as u32, 1, 1),
         1024,
         &[
-            Arg::Ptr(logits),
-            Arg::U64(vocab as u64),
-            Arg::Ptr(a.rows),
-            Arg::Ptr(a.temperature),
-            Arg::Ptr(a.top_k),
-            Arg::Ptr(a.top_p),
-            Arg::Ptr(a.min_p),
-            Arg::Ptr(a.seeds),
-            Arg::Ptr(a.counters),
-            Arg::Ptr(out),
-            Arg::I32(i32::from(skip_greedy)),
-            Arg::Ptr(row_max),
-            Arg::Ptr(sums),
-        ],
+            &rows[..],
+            &[
+                Arg::Ptr(a.min_p),
+                Arg::Ptr(a.seeds),
+                Arg::Ptr(a.counters),
+                Arg::Ptr(out),
+                Arg::I32(i32::from(skip_greedy)),
+                Arg::Ptr(row_max),
+                Arg::Ptr(sums),
+            ],
+        ]
+        .concat(),
     )
 }
 
