@@ -54,6 +54,10 @@
 #ifndef GEMV_PF_STEPS
 #define GEMV_PF_STEPS 8
 #endif
+// 1: the first batch of W loads is issued before pdl_wait (see gemv_body); 0: after it.
+#ifndef GEMV_W_EARLY
+#define GEMV_W_EARLY 1
+#endif
 // 16 bytes of W, streamed: not kept in L1 (x is), with an L2 prefetch of the next bytes.
 __device__ __forceinline__ uint4 gemv_ld_w(const bf16* p) {
     uint4 r;
@@ -145,13 +149,12 @@ struct GemvLane {
     int s_end;
 };
 
-// Issues the loads of the batch of STEPS k-steps from step s: loads past the warp's range (or
-// of rows that do not exist) read the lane's first piece instead, a valid address, and are
+// Issues the W loads of the batch of STEPS k-steps from step s: loads past the warp's range
+// (or of rows that do not exist) read the lane's first piece instead, a valid address, and are
 // replaced by zeros in gemv_compute, so no load sits behind a branch.
-template <bool NORM, int NG, int STEPS>
-__device__ __forceinline__ void gemv_load(const GemvLane& L, int s, uint4 (&P)[STEPS],
-                                          uint4 (&Q)[STEPS], uint4 (&X1)[STEPS],
-                                          bool (&in)[STEPS]) {
+template <int STEPS>
+__device__ __forceinline__ void gemv_load_w(const GemvLane& L, int s, uint4 (&P)[STEPS],
+                                            uint4 (&Q)[STEPS], bool (&in)[STEPS]) {
 #pragma unroll
     for (int u = 0; u < STEPS; u++) {
         const int off = (s + u) * 32;
@@ -159,6 +162,17 @@ __device__ __forceinline__ void gemv_load(const GemvLane& L, int s, uint4 (&P)[S
         const int o = in[u] ? off : 0;
         P[u] = gemv_ld_w(L.wa + o);
         Q[u] = gemv_ld_w(L.wb + o);
+    }
+}
+
+// The x pieces of the same batch (one token group: NG == 1; the others load theirs in
+// gemv_compute).
+template <bool NORM, int NG, int STEPS>
+__device__ __forceinline__ void gemv_load_x(const GemvLane& L, int s, uint4 (&X1)[STEPS],
+                                            const bool (&in)[STEPS]) {
+#pragma unroll
+    for (int u = 0; u < STEPS; u++) {
+        const int o = in[u] ? (s + u) * 32 : 0;
         if (NG == 1) {
             const int tg = L.g < L.n ? L.g : 0;
             if (NORM)
@@ -269,13 +283,30 @@ __device__ __forceinline__ void gemv_body(const bf16* __restrict__ w, const bf16
             if (ok_b) asm volatile("prefetch.global.L2 [%0];" ::"l"(wb + off));
         }
     }
+    const GemvLane L{wa, wb, x, xf, nw, inv_s, n, k, kc, g, ok_a, ok_b, s_end};
+    // The first batch's W pieces are asked for before the wait too (GEMV_W_EARLY), so they are
+    // on their way while the block waits and, with the norm prologue, while it reduces.
+    const int s_rot = s_begin + STEPS * b0;
+    const bool early = GEMV_W_EARLY && nbatch > 0;
+    uint4 P0[STEPS], Q0[STEPS];
+    bool in0[STEPS];
+    if (early) gemv_load_w<STEPS>(L, s_rot, P0, Q0, in0);
     pdl_wait();
     pdl_trigger();
 
-    if (NORM) {
-        // The inverse RMS of each token, one warp per token.
+    if constexpr (NORM) {
+        // The inverse RMS of each token, one warp per token. When the n rows fit, the block
+        // first stages them in shared memory (one trip to memory; warp_sumsq then reads them
+        // there, the same sums in the same order) instead of each warp making four dependent
+        // trips for its row.
+        __shared__ __align__(16) float xs[NORM_STAGE_FLOATS];
+        const bool staged = (k & 3) == 0 && n * k <= NORM_STAGE_FLOATS;
+        if (staged) {
+            stage_floats<4>(xf, xs, n * k);
+            __syncthreads();
+        }
         for (int t = warp; t < n; t += wpb) {
-            const float ss = warp_sumsq(xf + (u64)t * k, k, lane);
+            const float ss = warp_sumsq((staged ? xs : xf) + (u64)t * k, k, lane);
             if (lane == 0) inv_s[t] = rms_inv(ss, k, eps);
         }
         __syncthreads();
@@ -284,17 +315,23 @@ __device__ __forceinline__ void gemv_body(const bf16* __restrict__ w, const bf16
     float d[NG][4];
 #pragma unroll
     for (int j = 0; j < NG; j++) d[j][0] = d[j][1] = d[j][2] = d[j][3] = 0.f;
-    const GemvLane L{wa, wb, x, xf, nw, inv_s, n, k, kc, g, ok_a, ok_b, s_end};
     auto batch = [&](int s) {
         // Every W load of the batch is issued before the first mma.
         uint4 P[STEPS], Q[STEPS], X1[STEPS];  // W rows g, g + 8; x token g (NG == 1)
         bool in[STEPS];
-        gemv_load<NORM, NG, STEPS>(L, s, P, Q, X1, in);
+        gemv_load_w<STEPS>(L, s, P, Q, in);
+        gemv_load_x<NORM, NG, STEPS>(L, s, X1, in);
         gemv_compute<NORM, NG, STEPS>(L, s, P, Q, X1, in, d);
     };
     // From batch b0 to the end of the range, then from its start to b0.
-    const int s_rot = s_begin + STEPS * b0;
-    for (int s = s_rot; s < s_end; s += STEPS) batch(s);
+    int s_next = s_rot;
+    if (early) {
+        uint4 X1[STEPS];
+        gemv_load_x<NORM, NG, STEPS>(L, s_rot, X1, in0);
+        gemv_compute<NORM, NG, STEPS>(L, s_rot, P0, Q0, X1, in0, d);
+        s_next += STEPS;
+    }
+    for (int s = s_next; s < s_end; s += STEPS) batch(s);
     for (int s = s_begin; s < s_rot; s += STEPS) batch(s);
 
     // d[j]: (row g, tokens 8j + 2c, 8j + 2c + 1), (row g + 8, same tokens).

@@ -100,6 +100,35 @@ __device__ __forceinline__ float warp_sumsq(const float* __restrict__ xr, int h,
     return warp_sum(ss);
 }
 
+// Rows of at most this many floats are staged in shared memory before their sum of squares
+// (rms_norm, the GEMV norm prologue): 16 KB.
+#define NORM_STAGE_FLOATS 4096
+
+// Copies n floats (n % 4 == 0) from global memory to shared memory `s` with every thread of
+// the block, U float4 pieces per thread asked for before the first store, so a row of up to
+// 4 U blockDim.x floats arrives in one round trip; warp_sumsq then walks `s` in its own order
+// (the same bits as from global memory) without four dependent trips to memory. The caller
+// synchronises the block before reading `s`.
+template <int U>
+__device__ __forceinline__ void stage_floats(const float* __restrict__ src, float* s, int n) {
+    const float4* x4 = reinterpret_cast<const float4*>(src);
+    float4* s4 = reinterpret_cast<float4*>(s);
+    const int n4 = n >> 2, stride = blockDim.x;
+    for (int i0 = threadIdx.x; i0 < n4; i0 += U * stride) {
+        float4 v[U];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int i = i0 + u * stride;
+            if (i < n4) v[u] = __ldg(x4 + i);
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int i = i0 + u * stride;
+            if (i < n4) s4[i] = v[u];
+        }
+    }
+}
+
 // 1 / sqrt(ss / h + eps), each operation rounded once.
 __device__ __forceinline__ float rms_inv(float ss, int h, float eps) {
     return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)h), eps)));
@@ -182,15 +211,24 @@ extern "C" __global__ void embed(const bf16* table, const int* tokens, const int
 
 // ---------------------------------------------------------------------------------------------
 // RMSNorm: out[r] = w * x[src] / sqrt(mean(x[src]^2) + eps), src = rows ? rows[r] : r.
-// Grid: one block per row; warp 0 sums the squares (warp_sumsq), every thread writes.
+// Grid: one block per row; warp 0 sums the squares (warp_sumsq), every thread writes. Rows of
+// up to NORM_STAGE_FLOATS (h % 4 == 0) are first staged in shared memory by the whole block
+// (one trip to memory instead of warp 0's four dependent ones; the same sums in the same order).
 extern "C" __global__ void rms_norm(const float* x, const float* w, bf16* out, const int* rows,
                                     int h, float eps) {
     PDL_ENTER();
     __shared__ float inv_s;
+    __shared__ __align__(16) float row_s[NORM_STAGE_FLOATS];
     int r = blockIdx.x;
     int src = rows ? rows[r] : r;
-    const float* xr = x + (u64)src * h;
+    const float* xg = x + (u64)src * h;
     bf16* o = out + (u64)r * h;
+    const bool staged = (h & 3) == 0 && h <= NORM_STAGE_FLOATS;
+    if (staged) {
+        stage_floats<4>(xg, row_s, h);
+        __syncthreads();
+    }
+    const float* xr = staged ? row_s : xg;
     if (threadIdx.x < 32) {
         float ss = warp_sumsq(xr, h, threadIdx.x);
         if (threadIdx.x == 0) inv_s = rms_inv(ss, h, eps);
@@ -225,67 +263,93 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, bf16* out, c
 // is 8 rows further).
 __device__ __forceinline__ int rope_pair_row(int j) { return 16 * (j >> 3) + (j & 7); }
 
-// (x0, x1) rotated by the angle pos * freq, each operation rounded once.
+// (x0, x1) rotated by the angle whose sine and cosine are s and c, each operation rounded once.
+__device__ __forceinline__ void rope_apply(float x0, float x1, float s, float c, float* y0,
+                                           float* y1) {
+    *y0 = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
+    *y1 = __fadd_rn(__fmul_rn(x1, c), __fmul_rn(x0, s));
+}
+
+// (x0, x1) rotated by the angle pos * freq.
 __device__ __forceinline__ void rope_rotate(float x0, float x1, float pos, float freq, float* y0,
                                             float* y1) {
     float s, c;
     sincosf(__fmul_rn(pos, freq), &s, &c);
-    *y0 = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
-    *y1 = __fadd_rn(__fmul_rn(x1, c), __fmul_rn(x0, s));
+    rope_apply(x0, x1, s, c, y0, y1);
 }
 
 // RoPE on the Q and K parts of `qkv` (f32 [T, (nh + 2 nkv) hd], Q and K rows in the permuted
 // order above), Q written to `q` (bf16), K and V written to the cache slots (slot < 0: a padding
 // token, nothing written); q and the cache hold every head in the checkpoint's order.
+// Grid: one block per token. Thread i takes rotation pair j = i % (hd / 2) of every
+// (blockDim.x / (hd / 2))-th head from head i / (hd / 2) on, so it computes the pair's sine
+// and cosine once (rope_rotate's, the same bits) for all heads, and a warp reads whole rows.
 extern "C" __global__ void rope_store_kv(const float* qkv, bf16* q, bf16* kc, bf16* vc,
                                          const int* pos, const long long* slots,
                                          const float* inv_freq, int nh, int nkv, int hd,
                                          int interleaved) {
     PDL_ENTER();
-    int t = blockIdx.x;
-    int half = hd / 2;
-    int width = (nh + 2 * nkv) * hd;
+    const int t = blockIdx.x;
+    const int half = hd / 2;
+    const int width = (nh + 2 * nkv) * hd;
     const float* row = qkv + (u64)t * width;
-    float p = (float)pos[t];
-    long long slot = slots[t];
-    // Pairs of Q heads then K heads.
-    int pairs = (nh + nkv) * half;
-    for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
-        int head = i / half, j = i % half;
-        int a = interleaved ? 2 * j : j;
-        int b = interleaved ? 2 * j + 1 : j + half;
-        const int r = head * hd + rope_pair_row(j);
-        float y0, y1;
-        rope_rotate(row[r], row[r + 8], p, inv_freq[j], &y0, &y1);
-        if (head < nh) {
-            bf16* qo = q + (u64)t * nh * hd + head * hd;
-            qo[a] = __float2bfloat16(y0);
-            qo[b] = __float2bfloat16(y1);
-        } else if (slot >= 0) {
-            bf16* ko = kc + slot * nkv * hd + (head - nh) * hd;
-            ko[a] = __float2bfloat16(y0);
-            ko[b] = __float2bfloat16(y1);
+    const long long slot = slots[t];
+    // (With fewer threads than pairs, one group walks the pairs.)
+    const bool wide = (int)blockDim.x >= half;
+    const int groups = wide ? blockDim.x / half : 1;
+    const int first = wide ? threadIdx.x / half : 0;
+    const int jstep = wide ? half : blockDim.x;
+    for (int j = wide ? threadIdx.x % half : threadIdx.x; first < groups && j < half; j += jstep) {
+        float sn, cs;
+        sincosf(__fmul_rn((float)pos[t], inv_freq[j]), &sn, &cs);
+        const int a = interleaved ? 2 * j : j;
+        const int b = interleaved ? 2 * j + 1 : j + half;
+        const int pr = rope_pair_row(j);
+        // Q heads then K heads.
+        for (int head = first; head < nh + nkv; head += groups) {
+            const int r = head * hd + pr;
+            float y0, y1;
+            rope_apply(row[r], row[r + 8], sn, cs, &y0, &y1);
+            bf16* o;
+            if (head < nh)
+                o = q + ((u64)t * nh + head) * hd;
+            else if (slot >= 0)
+                o = kc + ((u64)slot * nkv + (head - nh)) * hd;
+            else
+                break;
+            o[a] = __float2bfloat16(y0);
+            o[b] = __float2bfloat16(y1);
         }
     }
     if (slot >= 0) {
         const float* v = row + (nh + nkv) * hd;
-        bf16* vo = vc + slot * nkv * hd;
-        for (int i = threadIdx.x; i < nkv * hd; i += blockDim.x) vo[i] = __float2bfloat16(v[i]);
+        bf16* vo = vc + (u64)slot * nkv * hd;
+        const int nv = nkv * hd;
+        if ((nv & 3) == 0) {
+            for (int i = threadIdx.x; i < (nv >> 2); i += blockDim.x) {
+                const float4 f = reinterpret_cast<const float4*>(v)[i];
+                reinterpret_cast<__nv_bfloat162*>(vo)[2 * i] = __floats2bfloat162_rn(f.x, f.y);
+                reinterpret_cast<__nv_bfloat162*>(vo)[2 * i + 1] = __floats2bfloat162_rn(f.z, f.w);
+            }
+        } else {
+            for (int i = threadIdx.x; i < nv; i += blockDim.x) vo[i] = __float2bfloat16(v[i]);
+        }
     }
 }
 
 // ---------------------------------------------------------------------------------------------
 // SwiGLU: gu is [T, 2 inter] (gate | up); out[t, i] = silu(gate) * up. When inter is a
-// multiple of 8, each thread takes 8 consecutive outputs at a time (16-byte loads and store,
-// one index division per 8); the grid then covers total / 8 pieces. Every output is
+// multiple of 8, each thread takes 8 consecutive outputs (16-byte loads and store) of token
+// blockIdx.y (+ gridDim.y, ...): grid (ceil(inter / 8 / blockDim.x), min(T, 65535)), no index
+// division. Otherwise a grid-stride loop over the T x inter outputs. Every output is
 // silu_times of its own two inputs either way.
 extern "C" __global__ void silu_mul(const bf16* gu, bf16* out, int inter, u64 total) {
     PDL_ENTER();
-    u64 stride = (u64)gridDim.x * blockDim.x;
     if ((inter & 7) == 0) {
-        const u64 per_row = (u64)(inter >> 3);
-        for (u64 p = (u64)blockIdx.x * blockDim.x + threadIdx.x; p < (total >> 3); p += stride) {
-            const u64 t = p / per_row, j = (p % per_row) << 3;
+        const u64 tokens = total / (u64)inter;
+        const int j = 8 * (blockIdx.x * blockDim.x + threadIdx.x);
+        if (j >= inter) return;
+        for (u64 t = blockIdx.y; t < tokens; t += gridDim.y) {
             const uint4 g8 = *reinterpret_cast<const uint4*>(gu + t * 2 * inter + j);
             const uint4 u8 = *reinterpret_cast<const uint4*>(gu + t * 2 * inter + inter + j);
             const __nv_bfloat162* g2 = reinterpret_cast<const __nv_bfloat162*>(&g8);
@@ -297,10 +361,11 @@ extern "C" __global__ void silu_mul(const bf16* gu, bf16* out, int inter, u64 to
                 r2[e] = __floats2bfloat162_rn(
                     silu_times(__low2float(g2[e]), __low2float(u2[e])),
                     silu_times(__high2float(g2[e]), __high2float(u2[e])));
-            *reinterpret_cast<uint4*>(out + (p << 3)) = r;
+            *reinterpret_cast<uint4*>(out + t * inter + j) = r;
         }
         return;
     }
+    const u64 stride = (u64)gridDim.x * blockDim.x;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
         u64 t = i / inter, j = i % inter;
         float g = __bfloat162float(gu[t * 2 * inter + j]);

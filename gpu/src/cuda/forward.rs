@@ -390,12 +390,17 @@ pub(crate) fn enqueue(
                 },
             )?;
             let total = t * inter;
-            // 8 outputs per thread when inter allows (see the kernel).
-            let items = if inter % 8 == 0 { total / 8 } else { total };
+            // 8 outputs per thread and a row of blocks per token when inter allows (see the
+            // kernel), else a grid-stride loop.
+            let grid = if inter % 8 == 0 {
+                ((inter / 8).div_ceil(256) as u32, t.min(65_535) as u32, 1)
+            } else {
+                (total.div_ceil(256).min(65_536) as u32, 1, 1)
+            };
             gpu.timed("silu_mul", || {
                 gpu.launch(
                     &k.silu_mul,
-                    (items.div_ceil(256).min(65_536) as u32, 1, 1),
+                    grid,
                     256,
                     &[
                         Arg::Ptr(b.gu.ptr()),
