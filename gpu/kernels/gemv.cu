@@ -54,9 +54,13 @@
 #ifndef GEMV_PF_STEPS
 #define GEMV_PF_STEPS 8
 #endif
-// 1: the first batch of W loads is issued before pdl_wait (see gemv_body); 0: after it.
+// Batches of W loads issued before pdl_wait (see gemv_body), in the plain and the norm
+// kernels (whose prologue holds more registers).
 #ifndef GEMV_W_EARLY
 #define GEMV_W_EARLY 1
+#endif
+#ifndef GEMV_W_EARLY_NORM
+#define GEMV_W_EARLY_NORM 1
 #endif
 // 16 bytes of W, streamed: not kept in L1 (x is), with an L2 prefetch of the next bytes.
 __device__ __forceinline__ uint4 gemv_ld_w(const bf16* p) {
@@ -284,13 +288,19 @@ __device__ __forceinline__ void gemv_body(const bf16* __restrict__ w, const bf16
         }
     }
     const GemvLane L{wa, wb, x, xf, nw, inv_s, n, k, kc, g, ok_a, ok_b, s_end};
-    // The first batch's W pieces are asked for before the wait too (GEMV_W_EARLY), so they are
-    // on their way while the block waits and, with the norm prologue, while it reduces.
-    const int s_rot = s_begin + STEPS * b0;
-    const bool early = GEMV_W_EARLY && nbatch > 0;
-    uint4 P0[STEPS], Q0[STEPS];
-    bool in0[STEPS];
-    if (early) gemv_load_w<STEPS>(L, s_rot, P0, Q0, in0);
+    // The first EARLY batches' W pieces (in the block's order) are asked for before the wait
+    // too, so they are on their way while the block waits and, with the norm prologue, while
+    // it reduces (one token group only: the larger kernels would hold the registers in every
+    // batch, for steps whose products are long enough to hide the start).
+    constexpr int EARLY = NG > 1 ? 0 : NORM ? GEMV_W_EARLY_NORM : GEMV_W_EARLY;
+    constexpr int EA = EARLY > 0 ? EARLY : 1;
+    const int n_early = min(EARLY, nbatch);
+    auto batch_s = [&](int i) { return s_begin + STEPS * ((b0 + i) % nbatch); };
+    uint4 PE[EA][STEPS], QE[EA][STEPS];
+    bool inE[EA][STEPS];
+#pragma unroll
+    for (int e = 0; e < EARLY; e++)
+        if (e < n_early) gemv_load_w<STEPS>(L, batch_s(e), PE[e], QE[e], inE[e]);
     pdl_wait();
     pdl_trigger();
 
@@ -299,7 +309,7 @@ __device__ __forceinline__ void gemv_body(const bf16* __restrict__ w, const bf16
         // first stages them in shared memory (one trip to memory; warp_sumsq then reads them
         // there, the same sums in the same order) instead of each warp making four dependent
         // trips for its row.
-        __shared__ __align__(16) float xs[NORM_STAGE_FLOATS];
+        __shared__ __align__(16) float xs[NORM_STAGE_ALLOC];
         const bool staged = (k & 3) == 0 && n * k <= NORM_STAGE_FLOATS;
         if (staged) {
             stage_floats<4>(xf, xs, n * k);
@@ -324,15 +334,18 @@ __device__ __forceinline__ void gemv_body(const bf16* __restrict__ w, const bf16
         gemv_compute<NORM, NG, STEPS>(L, s, P, Q, X1, in, d);
     };
     // From batch b0 to the end of the range, then from its start to b0.
-    int s_next = s_rot;
-    if (early) {
-        uint4 X1[STEPS];
-        gemv_load_x<NORM, NG, STEPS>(L, s_rot, X1, in0);
-        gemv_compute<NORM, NG, STEPS>(L, s_rot, P0, Q0, X1, in0, d);
-        s_next += STEPS;
+#pragma unroll
+    for (int e = 0; e < EARLY; e++) {
+        if (e < n_early) {
+            uint4 X1[STEPS];
+            gemv_load_x<NORM, NG, STEPS>(L, batch_s(e), X1, inE[e]);
+            gemv_compute<NORM, NG, STEPS>(L, batch_s(e), PE[e], QE[e], X1, inE[e], d);
+        }
     }
+    const int s_rot = s_begin + STEPS * b0;
+    const int s_next = s_begin + STEPS * (b0 + n_early);  // past s_end when the early ones wrap
     for (int s = s_next; s < s_end; s += STEPS) batch(s);
-    for (int s = s_begin; s < s_rot; s += STEPS) batch(s);
+    for (int s = s_begin + STEPS * max(0, b0 + n_early - nbatch); s < s_rot; s += STEPS) batch(s);
 
     // d[j]: (row g, tokens 8j + 2c, 8j + 2c + 1), (row g + 8, same tokens).
 #pragma unroll

@@ -102,7 +102,10 @@ __device__ __forceinline__ float warp_sumsq(const float* __restrict__ xr, int h,
 
 // Rows of at most this many floats are staged in shared memory before their sum of squares
 // (rms_norm, the GEMV norm prologue): 16 KB.
+#ifndef NORM_STAGE_FLOATS
 #define NORM_STAGE_FLOATS 4096
+#endif
+#define NORM_STAGE_ALLOC (NORM_STAGE_FLOATS > 0 ? NORM_STAGE_FLOATS : 4)
 
 // Copies n floats (n % 4 == 0) from global memory to shared memory `s` with every thread of
 // the block, U float4 pieces per thread asked for before the first store, so a row of up to
@@ -218,7 +221,7 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, bf16* out, c
                                     int h, float eps) {
     PDL_ENTER();
     __shared__ float inv_s;
-    __shared__ __align__(16) float row_s[NORM_STAGE_FLOATS];
+    __shared__ __align__(16) float row_s[NORM_STAGE_ALLOC];
     int r = blockIdx.x;
     int src = rows ? rows[r] : r;
     const float* xg = x + (u64)src * h;
