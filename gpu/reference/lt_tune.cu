@@ -4,7 +4,8 @@
 // with the same descriptors as the backend (C^T = W^T A^T column-major, bf16 in, f32 compute,
 // C f32 or bf16, beta 0 or 1). A measurement for gpu/CUDA_NOTES.md: it tells whether timing the
 // candidates once per shape would pay.
-//   nvcc -O2 -std=c++17 -arch=sm_90a lt_tune.cu -o /tmp/lt_tune -lcublasLt && /tmp/lt_tune
+//   nvcc -O2 -std=c++17 -arch=sm_90a lt_tune.cu -o /tmp/lt_tune -lcublasLt && /tmp/lt_tune [N ...]
+// N: token counts (default 2000 2048 8192 32768; each between 1 and 65536).
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
@@ -23,13 +24,21 @@ __global__ void fill(__nv_bfloat16* p, size_t n) {
     p[i] = __float2bfloat16(((int)((i * 2654435761u) & 0xffff) - 32768) / 32768.f * 0.05f);
 }
 
-int main() {
+int main(int argc, char** argv) {
   const Shape shapes[] = {
     {"qkv", 6144, 4096, true, 0.f}, {"o", 4096, 4096, true, 1.f},
     {"gate_up", 28672, 4096, false, 0.f}, {"down", 4096, 14336, true, 1.f},
     {"lm_head", 128256, 4096, true, 0.f},
   };
-  const int ns[] = {2000, 2048, 8192, 32768};
+  std::vector<int> ns = {2000, 2048, 8192, 32768};
+  if (argc > 1) {
+    ns.clear();
+    for (int i = 1; i < argc; i++) {
+      const int n = atoi(argv[i]);
+      if (n < 1 || n > 65536) { printf("token count %s out of 1..65536\n", argv[i]); return 2; }
+      ns.push_back(n);
+    }
+  }
   const size_t ws_bytes = 32 << 20;
   size_t max_w = 0, max_a = 0, max_c = 0;
   for (auto& s : shapes) max_w = std::max(max_w, (size_t)s.m * s.k);
