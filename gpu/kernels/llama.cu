@@ -397,9 +397,11 @@ extern "C" __global__ void silu_mul(const bf16* gu, bf16* out, int inter, u64 to
 // positions, which this step does not write. S = Q K^T and O += P V run as mma.m16n8k16
 // (bf16 in, f32 accumulate), Q's fragments read from global memory, K's and V's by ldmatrix,
 // the online softmax in registers (exp2, the scale folded in). P enters the second
-// product as two bf16 terms (hi + lo), so it keeps about 16 bits as the f32 p it stands for
-// (ATT_P_SPLIT=0, an experiment through SWITCHYARD_CUDA_DEFINES: the hi term alone, as
-// FlashAttention does, half the P V products).
+// product rounded to bf16, as FlashAttention does (the row sums stay f32). ATT_P_SPLIT=1
+// (through SWITCHYARD_CUDA_DEFINES) feeds it as two bf16 terms (hi + lo), about 16 bits of
+// the f32 p, at twice the P V products: the default until CUDA_NOTES v10, which measured the
+// single term faster at large batches (SmolLM2 batch 256 -7%, Llama -2%, offline +1%) and
+// closer to transformers and the CPU backend on SmolLM2 (top-1 100% against 99.65%).
 //
 // Split-K: with gridDim.z > 1, each block takes keys [split * len, (split + 1) * len) and writes
 // its unnormalised result and (max, sum) in log2 units; `attention_combine` merges them. A
@@ -415,7 +417,7 @@ extern "C" __global__ void silu_mul(const bf16* gu, bf16* out, int inter, u64 to
 #define MMA_KEYS 64
 #endif
 #ifndef ATT_P_SPLIT
-#define ATT_P_SPLIT 1
+#define ATT_P_SPLIT 0
 #endif
 #ifndef ATT_L2_PREFETCH
 #define ATT_L2_PREFETCH 0
@@ -723,7 +725,7 @@ __device__ void attention_body(const bf16* __restrict__ q, const bf16* __restric
                 o[n][3] = __fmul_rn(o[n][3], c_hi);
             }
             // P as A fragments: key step j = score tiles 2j (keys 2t4..) and 2j + 1 (+8); the
-            // high bf16 part in pa, the rest in pl.
+            // bf16 value in pa (with ATT_P_SPLIT, the rest in pl).
 #pragma unroll
             for (int j = 0; j < KEYS / 16; j++) {
 #pragma unroll
