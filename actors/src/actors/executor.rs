@@ -86,6 +86,16 @@ impl ExecutorActor {
             GpuError::Internal("the executor thread restarted and lost its backend".into())
         })
     }
+
+    /// The backend, once the state of the finished sequences in `release` is freed (every
+    /// batch message carries them, to be released before the batch runs).
+    fn backend_releasing(&mut self, release: Vec<u64>) -> Result<&mut Box<dyn Backend>, GpuError> {
+        let backend = self.backend()?;
+        for id in release {
+            backend.release(id);
+        }
+        Ok(backend)
+    }
 }
 
 impl Actor for ExecutorActor {
@@ -96,10 +106,7 @@ impl Handler<Execute> for ExecutorActor {
     type Result = Result<Executed, GpuError>;
 
     fn handle(&mut self, msg: Execute, _: &mut SyncContext<Self>) -> Self::Result {
-        let backend = self.backend()?;
-        for id in msg.release {
-            backend.release(id);
-        }
+        let backend = self.backend_releasing(msg.release)?;
         let start = std::time::Instant::now();
         let outputs = backend.execute(&msg.batch)?;
         Ok(Executed {
@@ -114,10 +121,7 @@ impl Handler<SubmitStep> for ExecutorActor {
     type Result = Result<Submitted, GpuError>;
 
     fn handle(&mut self, msg: SubmitStep, _: &mut SyncContext<Self>) -> Self::Result {
-        let backend = self.backend()?;
-        for id in msg.release {
-            backend.release(id);
-        }
+        let backend = self.backend_releasing(msg.release)?;
         let start = std::time::Instant::now();
         backend.submit(&msg.batch)?;
         self.submitted += 1;
