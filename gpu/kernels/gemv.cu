@@ -54,14 +54,18 @@
 #ifndef GEMV_PF_STEPS
 #define GEMV_PF_STEPS 8
 #endif
-// Batches of W loads issued before pdl_wait (see gemv_body), in the plain and the norm
-// kernels (whose prologue holds more registers).
+// Whether the first batch of W loads is issued before pdl_wait (see gemv_body), in the plain
+// and the norm kernels (whose prologue holds more registers): 1 or 0. Two batches measured
+// slower than one (CUDA_NOTES v10).
 #ifndef GEMV_W_EARLY
 #define GEMV_W_EARLY 1
 #endif
 #ifndef GEMV_W_EARLY_NORM
 #define GEMV_W_EARLY_NORM 1
 #endif
+static_assert((GEMV_W_EARLY == 0 || GEMV_W_EARLY == 1) &&
+                  (GEMV_W_EARLY_NORM == 0 || GEMV_W_EARLY_NORM == 1),
+              "GEMV_W_EARLY and GEMV_W_EARLY_NORM are 0 or 1");
 // 16 bytes of W, streamed: not kept in L1 (x is), with an L2 prefetch of the next bytes.
 __device__ __forceinline__ uint4 gemv_ld_w(const bf16* p) {
     uint4 r;
@@ -288,19 +292,15 @@ __device__ __forceinline__ void gemv_body(const bf16* __restrict__ w, const bf16
         }
     }
     const GemvLane L{wa, wb, x, xf, nw, inv_s, n, k, kc, g, ok_a, ok_b, s_end};
-    // The first EARLY batches' W pieces (in the block's order) are asked for before the wait
-    // too, so they are on their way while the block waits and, with the norm prologue, while
-    // it reduces (one token group only: the larger kernels would hold the registers in every
+    // The first batch's W pieces (in the block's order) are asked for before the wait too, so
+    // they are on their way while the block waits and, with the norm prologue, while it
+    // reduces (one token group only: the larger kernels would hold the registers in every
     // batch, for steps whose products are long enough to hide the start).
-    constexpr int EARLY = NG > 1 ? 0 : NORM ? GEMV_W_EARLY_NORM : GEMV_W_EARLY;
-    constexpr int EA = EARLY > 0 ? EARLY : 1;
-    const int n_early = min(EARLY, nbatch);
-    auto batch_s = [&](int i) { return s_begin + STEPS * ((b0 + i) % nbatch); };
-    uint4 PE[EA][STEPS], QE[EA][STEPS];
-    bool inE[EA][STEPS];
-#pragma unroll
-    for (int e = 0; e < EARLY; e++)
-        if (e < n_early) gemv_load_w<STEPS>(L, batch_s(e), PE[e], QE[e], inE[e]);
+    constexpr bool EARLY = NG == 1 && (NORM ? GEMV_W_EARLY_NORM : GEMV_W_EARLY);
+    const bool early = EARLY && nbatch > 0;
+    uint4 PE[STEPS], QE[STEPS];
+    bool inE[STEPS];
+    if (early) gemv_load_w<STEPS>(L, s_begin + STEPS * b0, PE, QE, inE);
     pdl_wait();
     pdl_trigger();
 
@@ -333,18 +333,19 @@ __device__ __forceinline__ void gemv_body(const bf16* __restrict__ w, const bf16
         gemv_load_x<NORM, NG, STEPS>(L, s, X1, in);
         gemv_compute<NORM, NG, STEPS>(L, s, P, Q, X1, in, d);
     };
-    // From batch b0 to the end of the range, then from its start to b0.
-#pragma unroll
-    for (int e = 0; e < EARLY; e++) {
-        if (e < n_early) {
-            uint4 X1[STEPS];
-            gemv_load_x<NORM, NG, STEPS>(L, batch_s(e), X1, inE[e]);
-            gemv_compute<NORM, NG, STEPS>(L, batch_s(e), PE[e], QE[e], X1, inE[e], d);
-        }
+    // From batch b0 (the early one) to the end of the range, then from its start to b0.
+    if (early) {
+        uint4 X1[STEPS];
+        gemv_load_x<NORM, NG, STEPS>(L, s_begin + STEPS * b0, X1, inE);
+        gemv_compute<NORM, NG, STEPS>(L, s_begin + STEPS * b0, PE, QE, X1, inE, d);
     }
+    // The first loop starts past s_end when b0 is the last batch, and the second starts at
+    // s_begin. Both bounds are kept in their general form (n_early and max() below): ptxas
+    // schedules the loops differently with the simplified ones, which measured 0.01 ms slower
+    // at Llama batch 1 (CUDA_NOTES v11).
+    const int n_early = min(EARLY ? 1 : 0, nbatch);
     const int s_rot = s_begin + STEPS * b0;
-    const int s_next = s_begin + STEPS * (b0 + n_early);  // past s_end when the early ones wrap
-    for (int s = s_next; s < s_end; s += STEPS) batch(s);
+    for (int s = s_begin + STEPS * (b0 + n_early); s < s_end; s += STEPS) batch(s);
     for (int s = s_begin + STEPS * max(0, b0 + n_early - nbatch); s < s_rot; s += STEPS) batch(s);
 
     // d[j]: (row g, tokens 8j + 2c, 8j + 2c + 1), (row g + 8, same tokens).
