@@ -14,6 +14,7 @@ Exit status 1 on any compile or assembly error.
 import ctypes
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -65,8 +66,13 @@ def main():
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "k.ptx")
             open(path, "wb").write(ptx.value)
-            r = subprocess.run([ptxas, f"-arch={arch}", "-v", path, "-o", os.path.join(tmp, "k.cubin")],
+            cubin = os.path.join(tmp, "k.cubin")
+            r = subprocess.run([ptxas, f"-arch={arch}", "-v", path, "-o", cubin],
                                capture_output=True, text=True)
+            # CUBIN_OUT=DIR keeps DIR/ARCH.cubin (to compare machine code between versions).
+            if r.returncode == 0 and os.environ.get("CUBIN_OUT"):
+                os.makedirs(os.environ["CUBIN_OUT"], exist_ok=True)
+                shutil.copy(cubin, os.path.join(os.environ["CUBIN_OUT"], f"{arch}.cubin"))
         if r.returncode != 0:
             print(r.stderr)
             print(f"{arch}: ptxas failed")

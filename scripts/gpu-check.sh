@@ -11,7 +11,8 @@
 #     OUT=results-dir scripts/gpu-check.sh
 # SECTIONS picks parts (default: all but ab): tests gemv ref dummy variants profile model serve
 # hf ab.
-#   tests     the cuda_backend test binary (GGUF-dependent tests skip without MODEL)
+#   tests     the cuda_backend test binary (GGUF-dependent tests skip without MODEL; TEST_FILTER:
+#             a test-name filter)
 #   gemv      GEMV kernels against cuBLAS, time per product at every projection shape
 #   ref       gpu/reference/ref_logits.py (for each of REF_LAYERS, default "4 8": that many
 #             layers at full width) and the test comparing the CUDA backend's logits with
@@ -36,7 +37,8 @@
 #             SERVE_SETS: config overrides, e.g. "scheduler.async_scheduling=off"
 #   hf        gpu/reference/hf_bench.py (HF_ARGS): transformers on the same shapes
 #   ab        builds against each other, interleaved: AB_BINS="DIR DIR ..." (each a folder with a
-#             switchyard build), AB_SPECS (name=arguments, commas for spaces; default Llama and
+#             switchyard build, or DIR@VAR=VALUE,VAR=VALUE: that build with those environment
+#             variables, e.g. "b b@SWITCHYARD_CUDA_PDL=0"), AB_SPECS (name=arguments, commas for spaces; default Llama and
 #             SmolLM2 at batch 1 / 64 / 256 and the Llama offline run), AB_ROUNDS (2)
 # Results: $OUT/summary.txt (the table printed last), $OUT/*.json and logs; with ARCHIVE=file,
 # all of them in one .tar.gz as well (the device tool returns at most 8 files).
@@ -88,7 +90,7 @@ if has tests && [ -n "$TESTBIN" ]; then
     note "warning: the GGUF tests look for SmolLM2-135M-Instruct.Q4_1.gguf beside MODEL; they will skip"
   fi
   SWITCHYARD_MODEL_DIR=$( [ -n "$MODEL" ] && dirname "$MODEL" || echo /nonexistent ) \
-    timeout "${TEST_TIMEOUT:-300}" "$TESTBIN" --test-threads=1 --nocapture >"$OUT/tests.log" 2>&1
+    timeout "${TEST_TIMEOUT:-300}" "$TESTBIN" ${TEST_FILTER:-} --test-threads=1 --nocapture >"$OUT/tests.log" 2>&1
   note "cuda tests rc=$?"
   grep -E "^test |test result|top-1|relative logit|max \|error\|" "$OUT/tests.log" | sed 's/^/  /' | tail -40 | tee -a "$summary" >/dev/null
 fi
@@ -256,6 +258,7 @@ if has ab; then
   # turns on each AB_SPECS entry (name=bench-throughput-arguments with commas for spaces),
   # AB_ROUNDS times; one line per run.
   for d in ${AB_BINS:-}; do
+    d=${d%%@*}
     for f in "$d"/*.gz; do
       [ -e "$f" ] || continue
       gunzip -c "$f" >"${f%.gz}" && chmod +x "${f%.gz}"
@@ -266,8 +269,12 @@ if has ab; then
     for spec in $specs; do
       args=${spec#*=}
       for d in ${AB_BINS:-}; do
+        envs=""
+        [[ $d == *@* ]] && envs=${d#*@}
+        label=$(basename "${d%%@*}")${envs:+-${envs//[=,]/_}}
         # shellcheck disable=SC2086
-        (SY="$d/switchyard"; bench "ab-${spec%%=*}-$(basename "$d")-$r" ${args//,/ })
+        (SY="${d%%@*}/switchyard"; [ -n "$envs" ] && export ${envs//,/ }
+         bench "ab-${spec%%=*}-$label-$r" ${args//,/ })
       done
     done
   done

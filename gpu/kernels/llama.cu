@@ -481,15 +481,15 @@ __device__ __forceinline__ float quad_sum(float v) {
     return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
-// The cache slots of the keys [kb, kb + KEYS) this warp copies: warp w copies keys
+// The cache slots of the keys [kb, kb + KEYS) warp `warp` copies: warp w copies keys
 // w * KPW .. (w + 1) * KPW - 1 of the chunk (KPW = KEYS / WARPS), and lane l looks up key
 // l + 32 r of that share in s[r] (-1 past kend). One or two block-table lookups per lane and
 // chunk, shared by the key and the value copies.
 template <int WARPS, int KEYS>
 __device__ __forceinline__ void chunk_slots(long long* s, const int* __restrict__ table, int kb,
-                                            int kend, int block_size) {
+                                            int kend, int block_size, int warp) {
     constexpr int KPW = KEYS / WARPS;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int r = 0; r < (KPW + 31) / 32; r++) {
         const int lk = lane + 32 * r, kp = kb + warp * KPW + lk;
@@ -508,10 +508,10 @@ __device__ __forceinline__ void chunk_slots(long long* s, const int* __restrict_
 template <int HD, int LD, int WARPS, int KEYS, bool FILTER>
 __device__ __forceinline__ void load_kv_chunk(bf16* dst, const bf16* __restrict__ cache,
                                               const long long* s, int nkv, int kvh, int kb,
-                                              int lo, int hi) {
+                                              int lo, int hi, int warp) {
     constexpr int PIECES = HD / 8, KPI = 32 / PIECES, KPW = KEYS / WARPS;
     constexpr int PER = KPW < 32 ? KPW : 32;  // keys per lookup register
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
     const int c = lane % PIECES;
 #pragma unroll
     for (int r = 0; r < (KPW + 31) / 32; r++) {
@@ -549,6 +549,175 @@ __device__ __forceinline__ void load_q_frags(u32 (&qf)[HD / 16][4], const bf16* 
             qf[kk][half] = ok ? *reinterpret_cast<const u32*>(qr + 16 * kk) : 0u;
             qf[kk][2 + half] = ok ? *reinterpret_cast<const u32*>(qr + 16 * kk + 8) : 0u;
         }
+    }
+}
+
+// The steps of one chunk, shared by the attention kernels so that a row's bits never depend on
+// which kernel ran it (explicitly rounded operations: no contraction that could differ between
+// instantiations). Fragments: s[n] holds (row g, keys 8n + 2t4 + {0, 1}), then row g + 8, as
+// the m16n8 accumulator layout gives them; o[n] the same for output columns.
+
+// S = Q K^T for the chunk's KEYS keys in k_s (shared rows of HD + 8 elements).
+template <int HD, int KEYS>
+__device__ __forceinline__ void att_scores(float (&s)[KEYS / 8][4], const u32 (&qf)[HD / 16][4],
+                                           const bf16* k_s, int lane) {
+    constexpr int LD = HD + 8, KT = HD / 16, NS = KEYS / 8;
+#pragma unroll
+    for (int n = 0; n < NS; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+    const int kr = (lane & 7) + 8 * (lane >> 4), kcol = 8 * ((lane >> 3) & 1);
+#pragma unroll
+    for (int kk = 0; kk < KT; kk++) {
+#pragma unroll
+        for (int jj = 0; jj < KEYS / 16; jj++) {
+            u32 b[4];
+            ldsm_x4(b, k_s + (jj * 16 + kr) * LD + kk * 16 + kcol);
+            mma_bf16(s[2 * jj], qf[kk], b[0], b[1]);
+            mma_bf16(s[2 * jj + 1], qf[kk], b[2], b[3]);
+        }
+    }
+}
+
+// The causal mask (rows at positions p_lo, p_hi; -1 past the tile's rows) and the online
+// softmax of the chunk starting at key kb: s becomes exp2 of the scaled scores less the new
+// running maxima (m_lo, m_hi, updated), c_* the factors for the earlier sums and outputs, sum_*
+// this lane's share of the chunk's row sums.
+template <int KEYS>
+__device__ __forceinline__ void att_softmax(float (&s)[KEYS / 8][4], int kb, int p_lo, int p_hi,
+                                            float sl2, int t4, float& m_lo, float& m_hi,
+                                            float& c_lo, float& c_hi, float& sum_lo,
+                                            float& sum_hi) {
+    constexpr int NS = KEYS / 8;
+    float mx_lo = NEG_INF, mx_hi = NEG_INF;
+#pragma unroll
+    for (int n = 0; n < NS; n++) {
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            const int kp = kb + 8 * n + 2 * t4 + e;
+            s[n][e] = kp <= p_lo ? __fmul_rn(s[n][e], sl2) : NEG_INF;
+            s[n][2 + e] = kp <= p_hi ? __fmul_rn(s[n][2 + e], sl2) : NEG_INF;
+            mx_lo = fmaxf(mx_lo, s[n][e]);
+            mx_hi = fmaxf(mx_hi, s[n][2 + e]);
+        }
+    }
+    const float mn_lo = fmaxf(m_lo, quad_max(mx_lo));
+    const float mn_hi = fmaxf(m_hi, quad_max(mx_hi));
+    const float b_lo = mn_lo == NEG_INF ? 0.f : mn_lo;
+    const float b_hi = mn_hi == NEG_INF ? 0.f : mn_hi;
+    c_lo = exp2f(__fsub_rn(m_lo, b_lo));
+    c_hi = exp2f(__fsub_rn(m_hi, b_hi));
+    m_lo = mn_lo;
+    m_hi = mn_hi;
+    sum_lo = 0.f;
+    sum_hi = 0.f;
+#pragma unroll
+    for (int n = 0; n < NS; n++) {
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            s[n][e] = exp2f(__fsub_rn(s[n][e], b_lo));
+            s[n][2 + e] = exp2f(__fsub_rn(s[n][2 + e], b_hi));
+            sum_lo = __fadd_rn(sum_lo, s[n][e]);
+            sum_hi = __fadd_rn(sum_hi, s[n][2 + e]);
+        }
+    }
+}
+
+template <int HD>
+__device__ __forceinline__ void att_rescale(float (&o)[HD / 8][4], float c_lo, float c_hi) {
+#pragma unroll
+    for (int n = 0; n < HD / 8; n++) {
+        o[n][0] = __fmul_rn(o[n][0], c_lo);
+        o[n][1] = __fmul_rn(o[n][1], c_lo);
+        o[n][2] = __fmul_rn(o[n][2], c_hi);
+        o[n][3] = __fmul_rn(o[n][3], c_hi);
+    }
+}
+
+// P as A fragments: key step j = score tiles 2j (keys 2t4..) and 2j + 1 (+8); the bf16 value
+// in pa (with ATT_P_SPLIT, the rest in pl).
+template <int KEYS>
+__device__ __forceinline__ void att_pack_p(u32 (&pa)[KEYS / 16][4], u32 (&pl)[KEYS / 16][4],
+                                           const float (&s)[KEYS / 8][4]) {
+#pragma unroll
+    for (int j = 0; j < KEYS / 16; j++) {
+#pragma unroll
+        for (int h = 0; h < 4; h++) {
+            const float* sv = s[2 * j + (h >> 1)] + 2 * (h & 1);
+            pa[j][h] = pack_bf16(sv[0], sv[1]);
+            const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(&pa[j][h]);
+            if (ATT_P_SPLIT)
+                pl[j][h] = pack_bf16(__fsub_rn(sv[0], __low2float(hi)),
+                                     __fsub_rn(sv[1], __high2float(hi)));
+        }
+    }
+}
+
+// O += P V for the chunk's values in v_s.
+template <int HD, int KEYS>
+__device__ __forceinline__ void att_pv(float (&o)[HD / 8][4], const u32 (&pa)[KEYS / 16][4],
+                                       const u32 (&pl)[KEYS / 16][4], const bf16* v_s, int lane) {
+    constexpr int LD = HD + 8;
+    const int vr = (lane & 7) + 8 * ((lane >> 3) & 1), vcol = 8 * (lane >> 4);
+#pragma unroll
+    for (int j = 0; j < KEYS / 16; j++) {
+#pragma unroll
+        for (int dn = 0; dn < HD / 16; dn++) {
+            u32 b[4];
+            ldsm_x4_t(b, v_s + (j * 16 + vr) * LD + dn * 16 + vcol);
+            mma_bf16(o[2 * dn], pa[j], b[0], b[1]);
+            mma_bf16(o[2 * dn + 1], pa[j], b[2], b[3]);
+            if (ATT_P_SPLIT) {
+                mma_bf16(o[2 * dn], pl[j], b[0], b[1]);
+                mma_bf16(o[2 * dn + 1], pl[j], b[2], b[3]);
+            }
+        }
+    }
+}
+
+// Rows r_lo and r_lo + 8's results (l_*: this lane's share of the row sums): normalised into
+// `out`, or with several splits (gridDim.z > 1) unnormalised into part_acc
+// [(token, head) * gridDim.z + split][HD] with (m, l) beside in part_ml.
+template <int HD>
+__device__ __forceinline__ void att_store(const float (&o)[HD / 8][4], float l_lo, float l_hi,
+                                          float m_lo, float m_hi, int rows, int r_lo, int q0,
+                                          int group, int nh, int kvh, int split, int t4,
+                                          float* __restrict__ part_acc,
+                                          float* __restrict__ part_ml, bf16* __restrict__ out) {
+    constexpr int NO = HD / 8;
+    const int r_hi = r_lo + 8;
+    l_lo = quad_sum(l_lo);
+    l_hi = quad_sum(l_hi);
+    if (gridDim.z > 1) {
+        // Partial results: acc [(token, head) * gridDim.z + split][HD], (m, l) beside.
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+            const int r = half ? r_hi : r_lo;
+            if (r >= rows) continue;
+            const int t = q0 + r / group, head = kvh * group + r % group;
+            const long long base = ((long long)t * nh + head) * gridDim.z + split;
+            float* a = part_acc + base * HD + 2 * t4;
+#pragma unroll
+            for (int n = 0; n < NO; n++)
+                *reinterpret_cast<float2*>(a + 8 * n) =
+                    make_float2(o[n][2 * half], o[n][2 * half + 1]);
+            if (t4 == 0) {
+                part_ml[base * 2] = half ? m_hi : m_lo;
+                part_ml[base * 2 + 1] = half ? l_hi : l_lo;
+            }
+        }
+        return;
+    }
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        const int r = half ? r_hi : r_lo;
+        const float l = half ? l_hi : l_lo;
+        if (r >= rows) continue;
+        const float inv = l > 0.f ? __frcp_rn(l) : 0.f;
+        const int t = q0 + r / group, head = kvh * group + r % group;
+        bf16* dst = out + ((long long)t * nh + head) * HD + 2 * t4;
+#pragma unroll
+        for (int n = 0; n < NO; n++)
+            *reinterpret_cast<__nv_bfloat162*>(dst + 8 * n) = __floats2bfloat162_rn(
+                __fmul_rn(o[n][2 * half], inv), __fmul_rn(o[n][2 * half + 1], inv));
     }
 }
 
@@ -595,10 +764,10 @@ __device__ void attention_body(const bf16* __restrict__ q, const bf16* __restric
     const int cached = early_kv ? pos[q0] : kstart;  // keys before it are ready now
 
     long long slots[(KEYS / WARPS + 31) / 32];
-    chunk_slots<WARPS, KEYS>(slots, table, kstart, kend, block_size);
+    chunk_slots<WARPS, KEYS>(slots, table, kstart, kend, block_size, warp);
     if (early_kv) {
-        load_kv_chunk<HD, LD, WARPS, KEYS, true>(k_s, kc, slots, nkv, kvh, kstart, kstart, cached);
-        load_kv_chunk<HD, LD, WARPS, KEYS, true>(v_s, vc, slots, nkv, kvh, kstart, kstart, cached);
+        load_kv_chunk<HD, LD, WARPS, KEYS, true>(k_s, kc, slots, nkv, kvh, kstart, kstart, cached, warp);
+        load_kv_chunk<HD, LD, WARPS, KEYS, true>(v_s, vc, slots, nkv, kvh, kstart, kstart, cached, warp);
 #if ATT_L2_PREFETCH
         // The later chunks' cached keys and values into L2 (a split of several chunks: their
         // copies follow the wait one chunk at a time). An experiment for few splits
@@ -641,14 +810,14 @@ __device__ void attention_body(const bf16* __restrict__ q, const bf16* __restric
     // the group of every first-chunk copy issued so far, V(0) the rest of the values.
     if (early_kv) {
         load_kv_chunk<HD, LD, WARPS, KEYS, true>(k_s, kc, slots, nkv, kvh, kstart, cached,
-                                                 0x7fffffff);
+                                                 0x7fffffff, warp);
         cp_async_commit();
         load_kv_chunk<HD, LD, WARPS, KEYS, true>(v_s, vc, slots, nkv, kvh, kstart, cached,
-                                                 0x7fffffff);
+                                                 0x7fffffff, warp);
     } else {
-        load_kv_chunk<HD, LD, WARPS, KEYS, false>(k_s, kc, slots, nkv, kvh, kstart, 0, 0);
+        load_kv_chunk<HD, LD, WARPS, KEYS, false>(k_s, kc, slots, nkv, kvh, kstart, 0, 0, warp);
         cp_async_commit();
-        load_kv_chunk<HD, LD, WARPS, KEYS, false>(v_s, vc, slots, nkv, kvh, kstart, 0, 0);
+        load_kv_chunk<HD, LD, WARPS, KEYS, false>(v_s, vc, slots, nkv, kvh, kstart, 0, 0, warp);
     }
     cp_async_commit();
     for (int kb = kstart; kb < kend; kb += KEYS) {
@@ -658,151 +827,37 @@ __device__ void attention_body(const bf16* __restrict__ q, const bf16* __restric
 
         u32 pa[KEYS / 16][4], pl[KEYS / 16][4];
         float s[NS][4];
-        if (active) {
-#pragma unroll
-            for (int n = 0; n < NS; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-            const int kr = (lane & 7) + 8 * (lane >> 4), kcol = 8 * ((lane >> 3) & 1);
-#pragma unroll
-            for (int kk = 0; kk < KT; kk++) {
-#pragma unroll
-                for (int jj = 0; jj < KEYS / 16; jj++) {
-                    u32 b[4];
-                    ldsm_x4(b, k_s + (jj * 16 + kr) * LD + kk * 16 + kcol);
-                    mma_bf16(s[2 * jj], qf[kk], b[0], b[1]);
-                    mma_bf16(s[2 * jj + 1], qf[kk], b[2], b[3]);
-                }
-            }
-        }
+        if (active) att_scores<HD, KEYS>(s, qf, k_s, lane);
         if (more) {
             __syncthreads();  // every warp is done with k_s
-            chunk_slots<WARPS, KEYS>(slots, table, kb + KEYS, kend, block_size);
-            load_kv_chunk<HD, LD, WARPS, KEYS, false>(k_s, kc, slots, nkv, kvh, kb + KEYS, 0, 0);
+            chunk_slots<WARPS, KEYS>(slots, table, kb + KEYS, kend, block_size, warp);
+            load_kv_chunk<HD, LD, WARPS, KEYS, false>(k_s, kc, slots, nkv, kvh, kb + KEYS, 0, 0, warp);
             cp_async_commit();  // K(c + 1)
         }
         if (active) {
-            // Causal mask and the online softmax; s[n]: (row g, keys kb + 8n + 2t4 + {0, 1}),
-            // then row g + 8.
-            float mx_lo = NEG_INF, mx_hi = NEG_INF;
-#pragma unroll
-            for (int n = 0; n < NS; n++) {
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const int kp = kb + 8 * n + 2 * t4 + e;
-                    // Explicitly rounded operations (here and below): no contraction that could
-                    // differ between the two kernels' instantiations.
-                    s[n][e] = kp <= p_lo ? __fmul_rn(s[n][e], sl2) : NEG_INF;
-                    s[n][2 + e] = kp <= p_hi ? __fmul_rn(s[n][2 + e], sl2) : NEG_INF;
-                    mx_lo = fmaxf(mx_lo, s[n][e]);
-                    mx_hi = fmaxf(mx_hi, s[n][2 + e]);
-                }
-            }
-            const float mn_lo = fmaxf(m_lo, quad_max(mx_lo));
-            const float mn_hi = fmaxf(m_hi, quad_max(mx_hi));
-            const float b_lo = mn_lo == NEG_INF ? 0.f : mn_lo;
-            const float b_hi = mn_hi == NEG_INF ? 0.f : mn_hi;
-            const float c_lo = exp2f(__fsub_rn(m_lo, b_lo)), c_hi = exp2f(__fsub_rn(m_hi, b_hi));
-            m_lo = mn_lo;
-            m_hi = mn_hi;
-            float sum_lo = 0.f, sum_hi = 0.f;
-#pragma unroll
-            for (int n = 0; n < NS; n++) {
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    s[n][e] = exp2f(__fsub_rn(s[n][e], b_lo));
-                    s[n][2 + e] = exp2f(__fsub_rn(s[n][2 + e], b_hi));
-                    sum_lo = __fadd_rn(sum_lo, s[n][e]);
-                    sum_hi = __fadd_rn(sum_hi, s[n][2 + e]);
-                }
-            }
+            float c_lo, c_hi, sum_lo, sum_hi;
+            att_softmax<KEYS>(s, kb, p_lo, p_hi, sl2, t4, m_lo, m_hi, c_lo, c_hi, sum_lo, sum_hi);
             // Per-lane partial sums, summed over the quad at the end.
             l_lo = __fmaf_rn(l_lo, c_lo, sum_lo);
             l_hi = __fmaf_rn(l_hi, c_hi, sum_hi);
-#pragma unroll
-            for (int n = 0; n < NO; n++) {
-                o[n][0] = __fmul_rn(o[n][0], c_lo);
-                o[n][1] = __fmul_rn(o[n][1], c_lo);
-                o[n][2] = __fmul_rn(o[n][2], c_hi);
-                o[n][3] = __fmul_rn(o[n][3], c_hi);
-            }
-            // P as A fragments: key step j = score tiles 2j (keys 2t4..) and 2j + 1 (+8); the
-            // bf16 value in pa (with ATT_P_SPLIT, the rest in pl).
-#pragma unroll
-            for (int j = 0; j < KEYS / 16; j++) {
-#pragma unroll
-                for (int h = 0; h < 4; h++) {
-                    const float* sv = s[2 * j + (h >> 1)] + 2 * (h & 1);
-                    pa[j][h] = pack_bf16(sv[0], sv[1]);
-                    const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(&pa[j][h]);
-                    if (ATT_P_SPLIT)
-                        pl[j][h] = pack_bf16(__fsub_rn(sv[0], __low2float(hi)),
-                                         __fsub_rn(sv[1], __high2float(hi)));
-                }
-            }
+            att_rescale<HD>(o, c_lo, c_hi);
+            att_pack_p<KEYS>(pa, pl, s);
         }
         if (more)
             cp_async_wait<1>();  // V(c); K(c + 1) may still be in flight
         else
             cp_async_wait<0>();
         __syncthreads();
-        if (active) {
-            const int vr = (lane & 7) + 8 * ((lane >> 3) & 1), vcol = 8 * (lane >> 4);
-#pragma unroll
-            for (int j = 0; j < KEYS / 16; j++) {
-#pragma unroll
-                for (int dn = 0; dn < HD / 16; dn++) {
-                    u32 b[4];
-                    ldsm_x4_t(b, v_s + (j * 16 + vr) * LD + dn * 16 + vcol);
-                    mma_bf16(o[2 * dn], pa[j], b[0], b[1]);
-                    mma_bf16(o[2 * dn + 1], pa[j], b[2], b[3]);
-                    if (ATT_P_SPLIT) {
-                        mma_bf16(o[2 * dn], pl[j], b[0], b[1]);
-                        mma_bf16(o[2 * dn + 1], pl[j], b[2], b[3]);
-                    }
-                }
-            }
-        }
+        if (active) att_pv<HD, KEYS>(o, pa, pl, v_s, lane);
         if (more) {
             __syncthreads();  // every warp is done with v_s
-            load_kv_chunk<HD, LD, WARPS, KEYS, false>(v_s, vc, slots, nkv, kvh, kb + KEYS, 0, 0);
+            load_kv_chunk<HD, LD, WARPS, KEYS, false>(v_s, vc, slots, nkv, kvh, kb + KEYS, 0, 0, warp);
             cp_async_commit();  // V(c + 1)
         }
     }
 
-    l_lo = quad_sum(l_lo);
-    l_hi = quad_sum(l_hi);
-    if (gridDim.z > 1) {
-        // Partial results: acc [(token, head) * gridDim.z + split][HD], (m, l) beside.
-#pragma unroll
-        for (int half = 0; half < 2; half++) {
-            const int r = half ? r_hi : r_lo;
-            if (r >= rows) continue;
-            const int t = q0 + r / group, head = kvh * group + r % group;
-            const long long base = ((long long)t * nh + head) * gridDim.z + split;
-            float* a = part_acc + base * HD + 2 * t4;
-#pragma unroll
-            for (int n = 0; n < NO; n++)
-                *reinterpret_cast<float2*>(a + 8 * n) =
-                    make_float2(o[n][2 * half], o[n][2 * half + 1]);
-            if (t4 == 0) {
-                part_ml[base * 2] = half ? m_hi : m_lo;
-                part_ml[base * 2 + 1] = half ? l_hi : l_lo;
-            }
-        }
-        return;
-    }
-#pragma unroll
-    for (int half = 0; half < 2; half++) {
-        const int r = half ? r_hi : r_lo;
-        const float l = half ? l_hi : l_lo;
-        if (r >= rows) continue;
-        const float inv = l > 0.f ? __frcp_rn(l) : 0.f;
-        const int t = q0 + r / group, head = kvh * group + r % group;
-        bf16* dst = out + ((long long)t * nh + head) * HD + 2 * t4;
-#pragma unroll
-        for (int n = 0; n < NO; n++)
-            *reinterpret_cast<__nv_bfloat162*>(dst + 8 * n) = __floats2bfloat162_rn(
-                __fmul_rn(o[n][2 * half], inv), __fmul_rn(o[n][2 * half + 1], inv));
-    }
+    att_store<HD>(o, l_lo, l_hi, m_lo, m_hi, rows, r_lo, q0, group, nh, kvh, split, t4,
+                  part_acc, part_ml, out);
 }
 
 // Grid (tiles, kv heads, splits), or (tiles x kv heads, 1, splits) with heads_inner; 32 * W
