@@ -484,19 +484,37 @@ __device__ __forceinline__ float quad_sum(float v) {
 // The cache slots of the keys [kb, kb + KEYS) warp `warp` copies: warp w copies keys
 // w * KPW .. (w + 1) * KPW - 1 of the chunk (KPW = KEYS / WARPS), and lane l looks up key
 // l + 32 r of that share in s[r] (-1 past kend). One or two block-table lookups per lane and
-// chunk, shared by the key and the value copies.
+// chunk, shared by the key and the value copies. The lookups are split in two so that a
+// kernel can ask for the table entries (`chunk_entries`, every index clamped to the table's
+// `stride` entries) before it knows kend (`entries_to_slots`).
 template <int WARPS, int KEYS>
-__device__ __forceinline__ void chunk_slots(long long* s, const int* __restrict__ table, int kb,
-                                            int kend, int block_size, int warp) {
+__device__ __forceinline__ void chunk_entries(int* e, const int* __restrict__ table, int kb,
+                                              int block_size, int stride, int warp) {
+    constexpr int KPW = KEYS / WARPS;
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int r = 0; r < (KPW + 31) / 32; r++)
+        e[r] = table[min((kb + warp * KPW + lane + 32 * r) / block_size, stride - 1)];
+}
+
+template <int WARPS, int KEYS>
+__device__ __forceinline__ void entries_to_slots(long long* s, const int* e, int kb, int kend,
+                                                 int block_size, int warp) {
     constexpr int KPW = KEYS / WARPS;
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int r = 0; r < (KPW + 31) / 32; r++) {
         const int lk = lane + 32 * r, kp = kb + warp * KPW + lk;
-        s[r] = lk < KPW && kp < kend
-                   ? (long long)table[kp / block_size] * block_size + kp % block_size
-                   : -1;
+        s[r] = lk < KPW && kp < kend ? (long long)e[r] * block_size + kp % block_size : -1;
     }
+}
+
+template <int WARPS, int KEYS>
+__device__ __forceinline__ void chunk_slots(long long* s, const int* __restrict__ table, int kb,
+                                            int kend, int block_size, int stride, int warp) {
+    int e[(KEYS / WARPS + 31) / 32];
+    chunk_entries<WARPS, KEYS>(e, table, kb, block_size, stride, warp);
+    entries_to_slots<WARPS, KEYS>(s, e, kb, kend, block_size, warp);
 }
 
 // This warp's share of the keys (or values) of the chunk starting at key kb, from KV head kvh of
@@ -750,21 +768,29 @@ __device__ void attention_body(const bf16* __restrict__ q, const bf16* __restric
     const int tile = tile_base + (heads_inner ? (int)blockIdx.x / nkv : (int)blockIdx.x);
     const int kvh = heads_inner ? (int)blockIdx.x % nkv : (int)blockIdx.y;
     const int split = blockIdx.z;
-    const int qn = tile_qn[tile];
-    if (qn <= 0 || split >= meta[2]) return;
-    const int q0 = tile_q0[tile], seq = tile_seq[tile];
+    // The loads before the first copies come in two rounds (written before the branches that
+    // need them, which the compiler does not move loads across): the tile's entries in the
+    // step buffer, then its positions beside the first chunk's block-table entries.
+    const int qn = tile_qn[tile], q0 = tile_q0[tile], seq = tile_seq[tile];
+    const int stride = meta[0], split_len = meta[1], splits = meta[2];
+    // (seq | stride) < 0 never holds for a step buffer the host wrote; it makes the branch need
+    // both, so they are loaded with the others rather than after it.
+    if (qn <= 0 || split >= splits || (seq | stride) < 0) return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int group = nh / nkv, rows = qn * group;
-    const int* table = block_tables + (long long)seq * meta[0];
-    const int kstart = split * meta[1];
-    const int kend = min(kstart + meta[1], pos[q0 + qn - 1] + 1);
+    const int* table = block_tables + (long long)seq * stride;
+    const int kstart = split * split_len;
+    int entries[(KEYS / WARPS + 31) / 32];
+    chunk_entries<WARPS, KEYS>(entries, table, kstart, block_size, stride, warp);
+    const int last = pos[q0 + qn - 1];
+    const int cached = early_kv ? pos[q0] : kstart;  // keys before it are ready now
+    const int kend = min(kstart + split_len, last + 1);
     // Splits past this tile's keys: the combine step never reads them.
     if (kstart >= kend) return;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t4 = lane & 3;
-    const int cached = early_kv ? pos[q0] : kstart;  // keys before it are ready now
 
     long long slots[(KEYS / WARPS + 31) / 32];
-    chunk_slots<WARPS, KEYS>(slots, table, kstart, kend, block_size, warp);
+    entries_to_slots<WARPS, KEYS>(slots, entries, kstart, kend, block_size, warp);
     if (early_kv) {
         load_kv_chunk<HD, LD, WARPS, KEYS, true>(k_s, kc, slots, nkv, kvh, kstart, kstart, cached, warp);
         load_kv_chunk<HD, LD, WARPS, KEYS, true>(v_s, vc, slots, nkv, kvh, kstart, kstart, cached, warp);
@@ -830,7 +856,7 @@ __device__ void attention_body(const bf16* __restrict__ q, const bf16* __restric
         if (active) att_scores<HD, KEYS>(s, qf, k_s, lane);
         if (more) {
             __syncthreads();  // every warp is done with k_s
-            chunk_slots<WARPS, KEYS>(slots, table, kb + KEYS, kend, block_size, warp);
+            chunk_slots<WARPS, KEYS>(slots, table, kb + KEYS, kend, block_size, stride, warp);
             load_kv_chunk<HD, LD, WARPS, KEYS, false>(k_s, kc, slots, nkv, kvh, kb + KEYS, 0, 0, warp);
             cp_async_commit();  // K(c + 1)
         }
