@@ -768,9 +768,9 @@ __device__ void attention_body(const bf16* __restrict__ q, const bf16* __restric
     const int tile = tile_base + (heads_inner ? (int)blockIdx.x / nkv : (int)blockIdx.x);
     const int kvh = heads_inner ? (int)blockIdx.x % nkv : (int)blockIdx.y;
     const int split = blockIdx.z;
-    // The loads before the first copies come in two rounds (written before the branches that
-    // need them, which the compiler does not move loads across): the tile's entries in the
-    // step buffer, then its positions beside the first chunk's block-table entries.
+    // The loads before the first copies come in two rounds: the tile's entries in the step
+    // buffer, then its positions beside the first chunk's block-table entries. (The compiler
+    // does not hoist a load above a branch, and sinks one below a branch that does not need it.)
     const int qn = tile_qn[tile], q0 = tile_q0[tile], seq = tile_seq[tile];
     const int stride = meta[0], split_len = meta[1], splits = meta[2];
     // (seq | stride) < 0 never holds for a step buffer the host wrote; it makes the branch need
