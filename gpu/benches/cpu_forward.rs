@@ -2,7 +2,8 @@
 //! else random weights of the same shapes and types): batch-1 decode, a 512-token prefill, and
 //! one decode step of 32 concurrent sequences. Criterion reports tokens per second.
 //! `SWITCHYARD_THREADS` sets the thread count (default: all cores), `SWITCHYARD_PRECISION`
-//! the activation precision (`int8`, `mixed`: the default, `precise`).
+//! the activation precision (`int8`, `mixed`, `precise`; default: this machine's
+//! `ActivationPrecision::default()`).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -69,8 +70,9 @@ fn bench(c: &mut Criterion) {
         .unwrap_or(0);
     let precision = match std::env::var("SWITCHYARD_PRECISION").as_deref() {
         Ok("int8") => ActivationPrecision::Int8,
+        Ok("mixed") => ActivationPrecision::Mixed,
         Ok("precise") => ActivationPrecision::Precise,
-        _ => ActivationPrecision::Mixed,
+        _ => ActivationPrecision::default(),
     };
     let cfg = CpuBackendConfig {
         num_kv_blocks: 33 * 40,

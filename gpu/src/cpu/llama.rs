@@ -32,22 +32,41 @@ struct Layer {
 /// How precisely the activations entering the quantized matrix multiplies are represented.
 ///
 /// Measured on the golden fixture (SmolLM2 Q4_1, teacher-forced against transformers in
-/// `f32` over 288 positions, AVX-512 kernels): `Int8` agrees on the top token at 98.3% of
-/// positions (mean |logprob error| 0.029 nats), `Mixed` at 100% (0.016), `Precise` at 100%
-/// (0.0003). `Mixed` sits close to the 99% bar: with the AVX2 kernels' summation order it
-/// agrees at 98.6%. With
-/// `Int8`, the errors concentrate in the Q/K/V projections (normalised inputs with outlier
-/// channels) and the FFN down projection (SwiGLU outputs with a heavy tail).
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+/// `f32` over 288 positions): with the AVX-512 kernels `Int8` agrees on the top token at 98.3%
+/// of positions (mean |logprob error| 0.029 nats), `Mixed` at 100% (0.016), `Precise` at 100%
+/// (0.0003). `Mixed` sits close to the 99% bar, so the kernels' summation order decides: the
+/// scalar kernels agree at 99.3% (0.015), the AVX2 kernels at 98.6% (0.017), below it; with
+/// `Precise` the AVX2 kernels agree at 100% (0.0003). The default is therefore per
+/// instruction set ([`ActivationPrecision::default_for`]). With `Int8`, the errors concentrate
+/// in the Q/K/V projections (normalised inputs with outlier channels) and the FFN down
+/// projection (SwiGLU outputs with a heavy tail).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum ActivationPrecision {
     /// int8 per 32-value block everywhere (llama.cpp's choice): fastest.
     Int8,
     /// Two-level int8 (about 15 bits) for the Q/K/V and down projections, int8 elsewhere:
     /// about a third more multiply work than `Int8`.
-    #[default]
     Mixed,
     /// Two-level int8 for every projection: close to `f32`, about twice the multiply work.
     Precise,
+}
+
+impl ActivationPrecision {
+    /// The fastest precision that meets the golden test's 99% top-1 bar with `isa`'s kernels
+    /// (measurements above): `Mixed`, except `Precise` with the AVX2 kernels.
+    pub fn default_for(isa: Isa) -> Self {
+        match isa {
+            Isa::Avx2 => ActivationPrecision::Precise,
+            Isa::Scalar | Isa::Avx512Vnni => ActivationPrecision::Mixed,
+        }
+    }
+}
+
+impl Default for ActivationPrecision {
+    /// [`ActivationPrecision::default_for`] this machine's kernels ([`Isa::detect`]).
+    fn default() -> Self {
+        Self::default_for(Isa::detect())
+    }
 }
 
 /// A Llama-family model ready to run on the CPU (weights repacked for the kernels).
