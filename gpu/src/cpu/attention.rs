@@ -135,7 +135,17 @@ unsafe fn attend_avx512(job: &HeadJob<'_>, q: &[f32], out: &mut [f32]) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn attend_avx2(job: &HeadJob<'_>, q: &[f32], out: &mut [f32]) {
-    attend(job, q, out)
+    let c = job.cache;
+    if c.block_size.is_multiple_of(x86::L8) && c.head_dim.is_multiple_of(64) {
+        let mut scores = vec![0f32; job.ctx];
+        x86::scores_avx2(job, q, &mut scores);
+        let inv = softmax_unnormalised(&mut scores);
+        for half in 0..c.head_dim / 64 {
+            x86::weighted_values_avx2(job, &scores, inv, half * 64, &mut out[half * 64..]);
+        }
+    } else {
+        attend(job, q, out)
+    }
 }
 
 /// Lanes of a 512-bit vector of `f32`.
@@ -299,6 +309,72 @@ mod x86 {
             for (ci, &v) in a.iter().enumerate() {
                 _mm512_storeu_ps(out.as_mut_ptr().add(g * HD + ci * L), _mm512_mul_ps(v, s));
             }
+        }
+    }
+
+    /// Lanes of a 256-bit vector of `f32`.
+    pub(super) const L8: usize = 8;
+
+    /// 8 half-precision values at `p`, widened.
+    #[inline(always)]
+    unsafe fn load8(p: *const half::f16) -> __m256 {
+        _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+    }
+
+    /// `scores` as [`scores`] does, 8 keys per step (AVX2; blocks of a multiple of 8 slots,
+    /// head dimensions a multiple of 4).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn scores_avx2(job: &HeadJob<'_>, q: &[f32], scores: &mut [f32]) {
+        let c = job.cache;
+        let (hd, bs, ctx) = (c.head_dim, c.block_size, job.ctx);
+        let scale = _mm256_set1_ps(1.0 / (hd as f32).sqrt());
+        let mut lanes = [0f32; L8];
+        for (bi, &block) in job.table.iter().take(ctx.div_ceil(bs)).enumerate() {
+            let n = bs.min(ctx - bi * bs);
+            let kt = c.keys(job.layer, block as usize, job.kv_head).as_ptr();
+            for j0 in (0..n).step_by(L8) {
+                let mut acc = [_mm256_setzero_ps(); 4];
+                for d0 in (0..hd).step_by(4) {
+                    for (i, a) in acc.iter_mut().enumerate() {
+                        let d = d0 + i;
+                        let k = load8(kt.add(d * bs + j0));
+                        *a = _mm256_fmadd_ps(_mm256_set1_ps(*q.get_unchecked(d)), k, *a);
+                    }
+                }
+                let sum =
+                    _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+                _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_mul_ps(sum, scale));
+                let take = L8.min(n - j0);
+                scores[bi * bs + j0..bi * bs + j0 + take].copy_from_slice(&lanes[..take]);
+            }
+        }
+    }
+
+    /// `out[..64] = inv * sum_j p_j v_j[d0..d0 + 64]` (AVX2, eight independent chains).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn weighted_values_avx2(
+        job: &HeadJob<'_>,
+        p: &[f32],
+        inv: f32,
+        d0: usize,
+        out: &mut [f32],
+    ) {
+        let c = job.cache;
+        let (hd, bs) = (c.head_dim, c.block_size);
+        let mut acc = [_mm256_setzero_ps(); 8];
+        for (bi, &block) in job.table.iter().take(job.ctx.div_ceil(bs)).enumerate() {
+            let n = bs.min(job.ctx - bi * bs);
+            let vb = c.values(job.layer, block as usize, job.kv_head).as_ptr();
+            for j in 0..n {
+                let pj = _mm256_set1_ps(p[bi * bs + j]);
+                for (ci, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(pj, load8(vb.add(j * hd + d0 + ci * L8)), *a);
+                }
+            }
+        }
+        let scale = _mm256_set1_ps(inv);
+        for (ci, a) in acc.iter().enumerate() {
+            _mm256_storeu_ps(out.as_mut_ptr().add(ci * L8), _mm256_mul_ps(*a, scale));
         }
     }
 
