@@ -35,8 +35,8 @@ struct Layer {
 /// `f32` over 288 positions): with the AVX-512 kernels `Int8` agrees on the top token at 98.3%
 /// of positions (mean |logprob error| 0.029 nats), `Mixed` at 100% (0.016), `Precise` at 100%
 /// (0.0003). `Mixed` sits close to the 99% bar, so the kernels' summation order decides: the
-/// scalar kernels agree at 99.3% (0.015), the AVX2 kernels at 99.0% (98.96%, 0.019), below
-/// it; with `Precise` the AVX2 kernels agree at 100% (0.0004). The default is therefore per
+/// scalar kernels agree at 99.3% (0.015), the AVX2 kernels at 98.96% (0.019), below it; with
+/// `Precise` the AVX2 kernels agree at 100% (0.0004). The default is therefore per
 /// instruction set ([`ActivationPrecision::default_for`]). With `Int8`, the errors concentrate
 /// in the Q/K/V projections (normalised inputs with outlier channels) and the FFN down
 /// projection (SwiGLU outputs with a heavy tail).
