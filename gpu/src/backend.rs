@@ -14,6 +14,7 @@ use crate::cpu::attention::QueryPos;
 use crate::cpu::kv_cache::KvCache;
 use crate::cpu::llama::{ActivationPrecision, LlamaModel, StepInput};
 use crate::error::GpuError;
+use crate::lora::LoraAdapter;
 use crate::model::{LlamaConfig, LoadedModel, ModelWeights};
 pub use crate::sampler::SamplingParams;
 use crate::sampler::{log_softmax, top_n, SeqSampler};
@@ -34,8 +35,9 @@ pub struct SeqInput {
     pub sample: bool,
     /// Sampling parameters of the request.
     pub sampling: Arc<SamplingParams>,
-    /// LoRA adapter id (the CPU backend runs none and rejects a batch that names one).
-    pub adapter: Option<u32>,
+    /// The request's LoRA adapter, if any (loaded for this backend's model; backends without
+    /// [`Backend::supports_lora`] reject a batch that names one).
+    pub adapter: Option<Arc<LoraAdapter>>,
 }
 
 /// One scheduler step.
@@ -92,6 +94,10 @@ pub trait Backend: Send {
     fn execute(&mut self, batch: &Batch) -> Result<Vec<SeqOutput>, GpuError>;
     /// Drops the sampler state of a finished, aborted or preempted sequence.
     fn release(&mut self, seq_id: u64);
+    /// Whether batches may name LoRA adapters ([`SeqInput::adapter`]).
+    fn supports_lora(&self) -> bool {
+        false
+    }
     /// Whether [`Backend::submit`] and [`Backend::collect`] work: steps may be submitted one
     /// ahead of their outputs, fed [`PENDING_TOKEN`]s.
     fn pipelines(&self) -> bool {
@@ -267,10 +273,12 @@ impl CpuBackend {
             .iter()
             .map(|s| s.block_table.as_slice())
             .collect();
+        let adapters = adapters_of(batch);
         let step = StepInput {
             tokens: &tokens,
             queries: &queries,
             tables: &tables,
+            adapters: &adapters,
         };
         let (model, cache) = (&self.model, &mut self.cache);
         self.pool.install(|| model.forward(cache, &step, &rows))
@@ -289,7 +297,6 @@ impl CpuBackend {
             self.cache.num_blocks,
             self.cache.block_size,
             self.max_batch_tokens,
-            "CPU",
             false,
         )?;
         let bad = |m: String| Err(GpuError::BadBatch(m));
@@ -351,10 +358,12 @@ impl Backend for CpuBackend {
             .iter()
             .map(|s| s.block_table.as_slice())
             .collect();
+        let adapters = adapters_of(batch);
         let step = StepInput {
             tokens: &tokens,
             queries: &queries,
             tables: &tables,
+            adapters: &adapters,
         };
         let (model, cache) = (&self.model, &mut self.cache);
         let logits = self.pool.install(|| model.forward(cache, &step, &rows))?;
@@ -404,6 +413,10 @@ impl Backend for CpuBackend {
         self.states.remove(&seq_id);
     }
 
+    fn supports_lora(&self) -> bool {
+        true
+    }
+
     fn pipelines(&self) -> bool {
         true
     }
@@ -448,6 +461,26 @@ impl Backend for CpuBackend {
     }
 }
 
+/// Each sequence's adapter, or an empty list when no sequence has one.
+fn adapters_of(batch: &Batch) -> Vec<Option<&LoraAdapter>> {
+    if batch.seqs.iter().all(|s| s.adapter.is_none()) {
+        return Vec::new();
+    }
+    batch.seqs.iter().map(|s| s.adapter.as_deref()).collect()
+}
+
+/// Fails if a sequence of the batch names a LoRA adapter (for backends that run none).
+#[cfg(feature = "cuda")]
+pub(crate) fn reject_adapters(batch: &Batch, backend: &str) -> Result<(), GpuError> {
+    match batch.seqs.iter().find(|s| s.adapter.is_some()) {
+        Some(s) => Err(GpuError::BadBatch(format!(
+            "sequence {} names a LoRA adapter; the {backend} backend does not run adapters",
+            s.seq_id
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// Checks that an entry feeding a [`PENDING_TOKEN`] may: it is the one token of a sampling
 /// decode of a request without penalties.
 pub(crate) fn check_pending(s: &SeqInput) -> Result<(), GpuError> {
@@ -468,14 +501,13 @@ pub(crate) fn check_pending(s: &SeqInput) -> Result<(), GpuError> {
 
 /// Checks a batch against the model and the KV cache (both backends): token count, unique
 /// sequences, tokens inside the vocabulary, positions inside the context window, block tables
-/// long enough and inside the cache, sampling parameters. `backend` names the caller in errors.
+/// long enough and inside the cache, LoRA adapters loaded for this model, sampling parameters.
 pub(crate) fn validate_batch(
     batch: &Batch,
     c: &LlamaConfig,
     num_blocks: usize,
     block_size: usize,
     max_tokens: usize,
-    backend: &str,
     pending_ok: bool,
 ) -> Result<(), GpuError> {
     let bad = |m: String| Err(GpuError::BadBatch(m));
@@ -493,9 +525,10 @@ pub(crate) fn validate_batch(
         if s.tokens.is_empty() {
             return bad(format!("sequence {} has no tokens", s.seq_id));
         }
-        if let Some(a) = s.adapter {
+        if s.adapter.as_ref().is_some_and(|a| !a.fits(c)) {
             return bad(format!(
-                "LoRA adapter {a}: the {backend} backend runs no adapters"
+                "sequence {}: its LoRA adapter was loaded for a model of another shape",
+                s.seq_id
             ));
         }
         if pending_ok && s.tokens.contains(&PENDING_TOKEN) {

@@ -22,6 +22,14 @@ pub enum GpuError {
         /// What is wrong with it.
         reason: String,
     },
+    /// A LoRA adapter directory or file is malformed, unsupported or exceeds a limit.
+    #[error("invalid LoRA adapter {path}: {reason}")]
+    InvalidAdapter {
+        /// The offending directory or file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// A tensor uses a storage type this crate cannot compute with.
     #[error("unsupported tensor type {type_name} for tensor '{tensor}'")]
     UnsupportedTensorType {

@@ -9,7 +9,9 @@ pub mod backend;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod lora;
 pub mod sampler;
 pub use backend::{Backend, Batch, CpuBackend, CpuBackendConfig, SeqInput, SeqOutput};
 pub use cpu::llama::ActivationPrecision;
+pub use lora::{LoraAdapter, LoraLimits, LoraTarget};
 pub use sampler::SamplingParams;

@@ -11,7 +11,7 @@ use switchyard_gpu::backend::{
 };
 use switchyard_gpu::model::gguf::GgufFile;
 use switchyard_gpu::model::LlamaConfig;
-use switchyard_gpu::GpuError;
+use switchyard_gpu::{GpuError, LoraAdapter, LoraLimits, LoraTarget};
 
 const BLOCK: usize = 16;
 const BLOCKS_PER_SEQ: usize = 12;
@@ -70,6 +70,8 @@ struct Seq {
     table: Vec<u32>,
     /// Logits at every point where the next token was decided.
     logits: Vec<Vec<f32>>,
+    /// The LoRA adapter of the sequence.
+    adapter: Option<Arc<LoraAdapter>>,
 }
 
 impl Seq {
@@ -81,6 +83,7 @@ impl Seq {
             computed: 0,
             table: (first..first + BLOCKS_PER_SEQ as u32).collect(),
             logits: Vec::new(),
+            adapter: None,
         }
     }
 
@@ -94,7 +97,7 @@ impl Seq {
             block_table: self.table.clone(),
             sample: end == self.tokens.len(),
             sampling: Arc::new(SamplingParams::greedy()),
-            adapter: None,
+            adapter: self.adapter.clone(),
         }
     }
 }
@@ -121,10 +124,20 @@ fn step(be: &mut CpuBackend, seqs: &mut [Seq], chunks: &[(usize, usize)]) {
 
 /// Each sequence alone: the whole prompt in one step, then `decodes` greedy steps.
 fn alone(prompts: &[Vec<u32>], decodes: usize) -> Vec<Seq> {
+    alone_with(prompts, &vec![None; prompts.len()], decodes)
+}
+
+/// [`alone`] with a LoRA adapter (or none) per sequence.
+fn alone_with(
+    prompts: &[Vec<u32>],
+    adapters: &[Option<Arc<LoraAdapter>>],
+    decodes: usize,
+) -> Vec<Seq> {
     let mut out = Vec::new();
     for (i, p) in prompts.iter().enumerate() {
         let mut be = backend();
         let mut seqs = vec![Seq::new(i as u64, p.clone(), 0)];
+        seqs[0].adapter = adapters[i].clone();
         step(&mut be, &mut seqs, &[(0, p.len())]);
         for _ in 0..decodes {
             step(&mut be, &mut seqs, &[(0, 1)]);
@@ -176,6 +189,49 @@ fn batched_sequences_match_each_sequence_alone() {
     for (a, b) in seqs.iter().zip(&reference) {
         assert_same(a, b);
     }
+}
+
+/// The test adapter of `gpu/tests/fixtures/lora/` (rank 4 on every projection).
+fn fixture_adapter(be: &CpuBackend) -> Arc<LoraAdapter> {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/lora/smollm2-r4");
+    Arc::new(LoraAdapter::load(&dir, &be.model().config, &LoraLimits::default()).expect("adapter"))
+}
+
+#[test]
+fn lora_sequences_batched_with_others_match_each_alone() {
+    let adapter = fixture_adapter(&backend());
+    let prompts = vec![prompt(37, 1), prompt(5, 2), prompt(70, 3)];
+    let adapters = vec![Some(adapter.clone()), None, Some(adapter)];
+    let reference = alone_with(&prompts, &adapters, 4);
+    let mut be = backend();
+    let mut seqs: Vec<Seq> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| Seq::new(i as u64, p.clone(), i + 1))
+        .collect();
+    for (s, a) in seqs.iter_mut().zip(&adapters) {
+        s.adapter = a.clone();
+    }
+    step(&mut be, &mut seqs, &[(0, 20), (1, 5)]);
+    step(&mut be, &mut seqs, &[(1, 1), (0, 17), (2, 32)]);
+    step(&mut be, &mut seqs, &[(2, 38), (0, 1), (1, 1)]);
+    for _ in 0..3 {
+        step(&mut be, &mut seqs, &[(0, 1), (1, 1), (2, 1)]);
+    }
+    for (a, b) in seqs.iter().zip(&reference) {
+        assert_same(a, b);
+    }
+    // The adapter changes the answers (so the comparison above saw it applied).
+    let plain = alone(&prompts[..1], 4);
+    let diff = plain[0].logits[0]
+        .iter()
+        .zip(&reference[0].logits[0])
+        .map(|(p, q)| (p - q).abs())
+        .fold(0f32, f32::max);
+    assert!(
+        diff > 0.5,
+        "the adapter moved the first logits by only {diff}"
+    );
 }
 
 #[test]
@@ -264,6 +320,14 @@ fn greedy_execute_returns_the_argmax_and_seeded_sampling_ignores_batch_mates() {
     assert_eq!(run(0), run(3));
 }
 
+fn one_layer_adapter() -> LoraAdapter {
+    let mut c = LlamaConfig::smollm2_135m();
+    c.num_layers = 1;
+    let kv = c.num_kv_heads * c.head_dim;
+    let pair = (LoraTarget::V, vec![0.01; c.hidden_size], vec![0.01; kv]);
+    LoraAdapter::from_pairs(&c, 1, 1.0, vec![vec![pair]]).expect("adapter")
+}
+
 #[test]
 fn malformed_batches_are_errors_not_panics() {
     let mut be = backend();
@@ -289,8 +353,9 @@ fn malformed_batches_are_errors_not_panics() {
             num_computed_tokens: 1 << 40,
             ..good.clone()
         },
+        // An adapter loaded for a model of another shape (one layer).
         SeqInput {
-            adapter: Some(3),
+            adapter: Some(Arc::new(one_layer_adapter())),
             ..good.clone()
         },
         SeqInput {

@@ -528,6 +528,7 @@ fn cpu_logits(model: &LlamaModel, all: &[u32], rows: &[usize]) -> Vec<f32> {
         tokens: all,
         queries: &queries,
         tables: &[&table],
+        adapters: &[],
     };
     model.forward(&mut cache, &step, rows).expect("cpu forward")
 }

@@ -3,6 +3,10 @@
 //! feeding each reference prompt plus its 32 reference greedy tokens, our argmax must match the
 //! reference's at >= 99% of the generated positions and our logprob of the reference token must
 //! be within 0.05 nats of the reference's on average.
+//!
+//! The same holds with a LoRA adapter (`gpu/reference/make_lora_golden.py`: a random PEFT
+//! adapter on every projection, merged into transformers' float32 weights for the reference;
+//! here it is applied per request on top of the quantized base model).
 
 use std::path::PathBuf;
 
@@ -14,6 +18,7 @@ use switchyard_gpu::cpu::matmul::Isa;
 use switchyard_gpu::model::gguf::GgufFile;
 use switchyard_gpu::model::LlamaConfig;
 use switchyard_gpu::sampler::log_softmax;
+use switchyard_gpu::{LoraAdapter, LoraLimits};
 
 fn model() -> LlamaModel {
     let dir = std::env::var("SWITCHYARD_MODEL_DIR")
@@ -35,15 +40,19 @@ fn model() -> LlamaModel {
     LlamaModel::from_weights(&config, &weights).expect("model")
 }
 
-fn fixture() -> Value {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/smollm2_golden.json");
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
-        panic!(
-            "{}: {e} (made by gpu/reference/make_golden.py)",
-            path.display()
-        )
-    });
+fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+}
+
+fn read_fixture(name: &str, script: &str) -> Value {
+    let path = fixtures().join(name);
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("{}: {e} (made by gpu/reference/{script})", path.display()));
     serde_json::from_str(&text).expect("fixture is JSON")
+}
+
+fn fixture() -> Value {
+    read_fixture("smollm2_golden.json", "make_golden.py")
 }
 
 fn ids(v: &Value) -> Vec<u32> {
@@ -54,8 +63,13 @@ fn ids(v: &Value) -> Vec<u32> {
         .collect()
 }
 
-/// (positions agreeing on the argmax, positions, sum of |logprob difference|).
-fn teacher_forced(model: &LlamaModel, generation: &Value) -> (usize, usize, f64) {
+/// (positions agreeing on the argmax, positions, sum of |logprob difference|), with `adapter`
+/// applied to every token.
+fn teacher_forced(
+    model: &LlamaModel,
+    generation: &Value,
+    adapter: Option<&LoraAdapter>,
+) -> (usize, usize, f64) {
     let prompt = ids(&generation["prompt_ids"]);
     let tokens = ids(&generation["tokens"]);
     let steps = generation["steps"].as_array().expect("steps");
@@ -78,6 +92,7 @@ fn teacher_forced(model: &LlamaModel, generation: &Value) -> (usize, usize, f64)
         tokens: &all,
         queries: &queries,
         tables: &[&table],
+        adapters: &[adapter],
     };
     let logits = model.forward(&mut cache, &step, &rows).expect("forward");
     let vocab = c.vocab_size;
@@ -117,7 +132,7 @@ fn check(isa: Isa, precision: ActivationPrecision) {
     assert!(!gens.is_empty());
     let (mut agree, mut total, mut diff) = (0, 0, 0f64);
     for g in gens {
-        let (a, n, d) = teacher_forced(&model, g);
+        let (a, n, d) = teacher_forced(&model, g, None);
         eprintln!(
             "{isa:?} {}: top-1 {a}/{n}, mean |dlogprob| {:.4}",
             g["name"],
@@ -149,4 +164,53 @@ fn teacher_forced_logprobs_match_transformers_with_avx2_kernels() {
 #[test]
 fn teacher_forced_logprobs_match_transformers_with_precise_activations() {
     check(Isa::detect(), ActivationPrecision::Precise);
+}
+
+#[test]
+fn teacher_forced_logprobs_with_a_lora_adapter_match_transformers() {
+    let model = model();
+    let fx = read_fixture("lora_golden.json", "make_lora_golden.py");
+    let dir = fixtures().join(fx["adapter"]["dir"].as_str().expect("adapter dir"));
+    let adapter = LoraAdapter::load(&dir, &model.config, &LoraLimits::default()).expect("adapter");
+    assert_eq!(adapter.rank(), 4);
+    assert_eq!(adapter.scale(), 2.0);
+    let gens = fx["generations"].as_array().expect("generations");
+    let (mut agree, mut total, mut diff, mut changed, mut base_agree) = (0, 0, 0f64, 0, 0);
+    for g in gens {
+        let (a, n, d) = teacher_forced(&model, g, Some(&adapter));
+        eprintln!(
+            "{}: top-1 {a}/{n}, mean |dlogprob| {:.4}",
+            g["name"],
+            d / n as f64
+        );
+        agree += a;
+        total += n;
+        diff += d;
+        // The reference's own base-model answers at the same positions, and ours.
+        let tokens = ids(&g["tokens"]);
+        changed += ids(&g["base_top1"])
+            .iter()
+            .zip(&tokens)
+            .filter(|(b, t)| b != t)
+            .count();
+        base_agree += teacher_forced(&model, g, None).0;
+    }
+    let agreement = agree as f64 / total as f64;
+    let mean = diff / total as f64;
+    eprintln!(
+        "with the adapter: top-1 agreement {agreement:.4} over {total} positions, mean |dlogprob| {mean:.4} nats; \
+         the adapter changes the reference's top-1 at {changed} positions; without it ours agrees at {base_agree}"
+    );
+    // The fixture is only a test of the adapter if the adapter changes the answers.
+    assert!(
+        changed * 4 >= total,
+        "the adapter changes only {changed}/{total} answers"
+    );
+    assert!(agreement >= 0.99, "top-1 agreement {agreement}");
+    assert!(mean <= 0.05, "mean |logprob difference| {mean}");
+    // Ignoring the adapter would not pass.
+    assert!(
+        base_agree as f64 / (total as f64) < 0.9,
+        "base model agrees at {base_agree}/{total}"
+    );
 }

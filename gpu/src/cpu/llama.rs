@@ -14,6 +14,7 @@ use super::matmul::{linear, Isa};
 use super::ops::{rms_norm, swiglu, Rope};
 use super::quant::{QActs, Weight};
 use crate::error::GpuError;
+use crate::lora::{add_deltas, LoraAdapter, LoraTarget};
 use crate::model::{DType, LlamaConfig, ModelWeights};
 
 /// The weights of one transformer block.
@@ -91,6 +92,8 @@ pub struct StepInput<'a> {
     pub queries: &'a [QueryPos],
     /// Block table of each sequence.
     pub tables: &'a [&'a [u32]],
+    /// LoRA adapter of each sequence (empty: none anywhere).
+    pub adapters: &'a [Option<&'a LoraAdapter>],
 }
 
 fn vector(weights: &ModelWeights, name: &str, len: usize) -> Result<Vec<f32>, GpuError> {
@@ -312,6 +315,21 @@ impl LlamaModel {
             tables: step.tables,
             num_heads: c.num_heads,
         };
+        // Each token's adapter (empty when the step has none).
+        let row_adapter: Vec<Option<&LoraAdapter>> = if step.adapters.iter().any(|a| a.is_some()) {
+            step.queries
+                .iter()
+                .map(|q| step.adapters.get(q.seq).copied().flatten())
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let lora_qkv = [
+            (LoraTarget::Q, 0, qw),
+            (LoraTarget::K, qw, kvw),
+            (LoraTarget::V, qw + kvw, kvw),
+        ];
+        let lora_gu = [(LoraTarget::Gate, 0, inter), (LoraTarget::Up, inter, inter)];
         for (li, l) in self.layers.iter().enumerate() {
             rms_norm(&x, &l.attn_norm, c.rms_norm_eps, &mut xn);
             // Each projection quantizes its input only in the form it uses.
@@ -321,6 +339,7 @@ impl LlamaModel {
                 xq.quantize_into(&xn, t, h);
                 linear(&[&l.q, &l.k, &l.v], &xn, &xq, t, &mut qkv, isa)?;
             }
+            add_deltas(li, &lora_qkv, &xn, h, &mut qkv, &row_adapter);
             for (i, row) in qkv.chunks_exact_mut(qkv_w).enumerate() {
                 let q = step.queries[i];
                 let (qpart, rest) = row.split_at_mut(qw);
@@ -339,6 +358,14 @@ impl LlamaModel {
                 xq.quantize_into(&att, t, qw);
                 linear(&[&l.o], &att, &xq, t, &mut tmp, isa)?;
             }
+            add_deltas(
+                li,
+                &[(LoraTarget::O, 0, h)],
+                &att,
+                qw,
+                &mut tmp,
+                &row_adapter,
+            );
             x.iter_mut().zip(&tmp).for_each(|(a, b)| *a += b);
             rms_norm(&x, &l.ffn_norm, c.rms_norm_eps, &mut xn);
             if self.precision == ActivationPrecision::Precise {
@@ -347,6 +374,7 @@ impl LlamaModel {
                 xq.quantize_into(&xn, t, h);
                 linear(&[&l.gate, &l.up], &xn, &xq, t, &mut gu, isa)?;
             }
+            add_deltas(li, &lora_gu, &xn, h, &mut gu, &row_adapter);
             swiglu(&gu, inter, &mut act);
             if self.precision != ActivationPrecision::Int8 {
                 precise_linear(&[&l.down], &act, t, &mut tmp, isa, &mut ps)?;
@@ -354,6 +382,14 @@ impl LlamaModel {
                 xq.quantize_into(&act, t, inter);
                 linear(&[&l.down], &act, &xq, t, &mut tmp, isa)?;
             }
+            add_deltas(
+                li,
+                &[(LoraTarget::Down, 0, h)],
+                &act,
+                inter,
+                &mut tmp,
+                &row_adapter,
+            );
             x.iter_mut().zip(&tmp).for_each(|(a, b)| *a += b);
         }
         let r = logit_rows.len();

@@ -32,8 +32,8 @@ use rand::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use crate::backend::{
-    logit_rows_of, prompt_logprobs, validate_batch, Backend, Batch, SeqOutput, MAX_LOGIT_ROWS,
-    PENDING_TOKEN,
+    logit_rows_of, prompt_logprobs, reject_adapters, validate_batch, Backend, Batch, SeqOutput,
+    MAX_LOGIT_ROWS, PENDING_TOKEN,
 };
 use crate::error::GpuError;
 use crate::model::{LlamaConfig, ModelWeights};
@@ -382,9 +382,9 @@ impl CudaBackend {
             self.num_blocks,
             self.block_size,
             self.buf.max_tokens,
-            "CUDA",
             false,
         )?;
+        reject_adapters(batch, "CUDA")?;
         if !self.submitted.is_empty() {
             return Err(GpuError::Internal(
                 "logits with submitted steps not collected".into(),
@@ -620,9 +620,9 @@ impl CudaBackend {
             self.num_blocks,
             self.block_size,
             self.buf.max_tokens,
-            "CUDA",
             pending_ok,
         )?;
+        reject_adapters(batch, "CUDA")?;
         let vocab = c.vocab_size;
         let prompt_lp: Vec<bool> = batch
             .seqs

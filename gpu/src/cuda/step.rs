@@ -411,7 +411,7 @@ mod tests {
         let ok = Batch {
             seqs: vec![seq(1, 0, 3, vec![0])],
         };
-        assert!(validate_batch(&ok, &c, 4, 16, 100, "CUDA", false).is_ok());
+        assert!(validate_batch(&ok, &c, 4, 16, 100, false).is_ok());
         for bad in [
             Batch {
                 seqs: vec![seq(1, 0, 3, vec![0]), seq(1, 0, 1, vec![1])],
@@ -427,11 +427,11 @@ mod tests {
             },
         ] {
             assert!(
-                validate_batch(&bad, &c, 4, 16, 100, "CUDA", false).is_err(),
+                validate_batch(&bad, &c, 4, 16, 100, false).is_err(),
                 "{bad:?}"
             );
         }
-        assert!(validate_batch(&ok, &c, 4, 16, 2, "CUDA", false).is_err());
+        assert!(validate_batch(&ok, &c, 4, 16, 2, false).is_err());
     }
 
     #[test]

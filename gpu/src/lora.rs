@@ -1,0 +1,908 @@
+//! LoRA adapters in the PEFT format, applied per request on top of the base model.
+//!
+//! An adapter directory holds `adapter_config.json` (rank `r`, `lora_alpha`, `use_rslora`, ...)
+//! and `adapter_model.safetensors` with a low-rank pair per adapted projection:
+//! `base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight` (`r x in`) and
+//! `...lora_B.weight` (`out x r`). For a token `x` the projection gains `scale * B (A x)`, with
+//! `scale = lora_alpha / r` (`lora_alpha / sqrt(r)` with rsLoRA). The seven Llama projections
+//! (q, k, v, o, gate, up, down) can be adapted; anything else in the file (embedding or LM-head
+//! adapters, biases, DoRA magnitudes, `modules_to_save`) is refused, never ignored, since
+//! ignoring it would serve a different model than the one trained.
+//!
+//! Adapter files are hostile input like model files: sizes, ranks, layer indices and shapes are
+//! checked against the base model and [`LoraLimits`] before anything is allocated, and tensor
+//! offsets are validated by the `safetensors` crate.
+//!
+//! The weights are held in f32 with the scale folded into `B`. Q and K rows follow the base
+//! model's RoPE layout: for GGUF models (whose Q and K rows llama.cpp's converter permuted so
+//! that RoPE rotates adjacent pairs) the rows of the q and k `B` matrices are permuted the same
+//! way, so `B (A x)` lands on the rows the base product writes.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use memmap2::Mmap;
+use rayon::prelude::*;
+use safetensors::tensor::Dtype as StDtype;
+use safetensors::SafeTensors;
+
+use crate::error::GpuError;
+use crate::model::{LlamaConfig, RopeStyle};
+
+/// The projections an adapter may adapt, in the order of [`LoraAdapter`]'s per-layer table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum LoraTarget {
+    /// `self_attn.q_proj`.
+    Q,
+    /// `self_attn.k_proj`.
+    K,
+    /// `self_attn.v_proj`.
+    V,
+    /// `self_attn.o_proj`.
+    O,
+    /// `mlp.gate_proj`.
+    Gate,
+    /// `mlp.up_proj`.
+    Up,
+    /// `mlp.down_proj`.
+    Down,
+}
+
+impl LoraTarget {
+    /// Every target, in table order.
+    pub const ALL: [LoraTarget; 7] = [
+        LoraTarget::Q,
+        LoraTarget::K,
+        LoraTarget::V,
+        LoraTarget::O,
+        LoraTarget::Gate,
+        LoraTarget::Up,
+        LoraTarget::Down,
+    ];
+
+    /// The PEFT module name (`q_proj`, ...).
+    pub fn module(self) -> &'static str {
+        match self {
+            LoraTarget::Q => "q_proj",
+            LoraTarget::K => "k_proj",
+            LoraTarget::V => "v_proj",
+            LoraTarget::O => "o_proj",
+            LoraTarget::Gate => "gate_proj",
+            LoraTarget::Up => "up_proj",
+            LoraTarget::Down => "down_proj",
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+
+    /// `(in, out)` widths of the projection in `c`.
+    fn dims(self, c: &LlamaConfig) -> (usize, usize) {
+        let (h, q, kv, i) = (
+            c.hidden_size,
+            c.num_heads * c.head_dim,
+            c.num_kv_heads * c.head_dim,
+            c.intermediate_size,
+        );
+        match self {
+            LoraTarget::Q => (h, q),
+            LoraTarget::K | LoraTarget::V => (h, kv),
+            LoraTarget::O => (q, h),
+            LoraTarget::Gate | LoraTarget::Up => (h, i),
+            LoraTarget::Down => (i, h),
+        }
+    }
+
+    fn from_module(m: &str) -> Option<LoraTarget> {
+        LoraTarget::ALL.into_iter().find(|t| t.module() == m)
+    }
+}
+
+/// Bounds on what an adapter file may hold.
+#[derive(Clone, Debug)]
+pub struct LoraLimits {
+    /// Largest rank accepted.
+    pub max_rank: usize,
+    /// Largest `adapter_model.safetensors` accepted, in bytes.
+    pub max_file_bytes: u64,
+}
+
+impl Default for LoraLimits {
+    fn default() -> Self {
+        LoraLimits {
+            max_rank: 64,
+            max_file_bytes: 4 << 30,
+        }
+    }
+}
+
+/// Largest rank any configuration may allow.
+pub const MAX_LORA_RANK: usize = 1024;
+/// Largest `adapter_config.json` read, in bytes.
+const MAX_CONFIG_JSON: u64 = 1 << 20;
+
+/// One adapted projection: `A` (`rank x in`) and `scale * B` (`out x rank`), row-major f32.
+#[derive(Clone, Debug)]
+pub struct LoraPair {
+    rank: usize,
+    a: Vec<f32>,
+    b: Vec<f32>,
+}
+
+impl LoraPair {
+    /// A pair from `A` and `B` in the Hugging Face layout: `B` scaled, and for GGUF models
+    /// (interleaved RoPE) the q and k rows of `B` permuted as the base weights were.
+    fn new(
+        c: &LlamaConfig,
+        target: LoraTarget,
+        rank: usize,
+        scale: f32,
+        a: Vec<f32>,
+        mut b: Vec<f32>,
+    ) -> Self {
+        b.iter_mut().for_each(|x| *x *= scale);
+        let heads = match target {
+            LoraTarget::Q => c.num_heads,
+            LoraTarget::K => c.num_kv_heads,
+            _ => 0,
+        };
+        if heads > 0 && c.rope_style == RopeStyle::Interleaved {
+            b = permute_rows_for_gguf(&b, heads, c.head_dim, rank);
+        }
+        LoraPair { rank, a, b }
+    }
+
+    /// Adds `B (A x)` to `out` for one token (`x`: `in` values, `out`: `out` values).
+    #[inline]
+    fn apply_row(&self, x: &[f32], out: &mut [f32], u: &mut [f32]) {
+        for (uj, a) in u.iter_mut().zip(self.a.chunks_exact(x.len())) {
+            *uj = dot(a, x);
+        }
+        for (o, b) in out.iter_mut().zip(self.b.chunks_exact(self.rank)) {
+            *o += dot(b, u);
+        }
+    }
+}
+
+/// A dot product the compiler vectorises (eight independent partial sums).
+#[inline]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for k in 0..8 {
+            acc[k] += x[k] * y[k];
+        }
+    }
+    let mut s = acc.iter().sum::<f32>();
+    for (x, y) in ra.iter().zip(rb) {
+        s += x * y;
+    }
+    s
+}
+
+/// A pair's `A` and `B` as read, until both are there.
+type HalfPair = (Option<Vec<f32>>, Option<Vec<f32>>);
+
+/// One layer's pairs for [`LoraAdapter::from_pairs`]: target, `A`, `B`.
+pub type LayerPairs = Vec<(LoraTarget, Vec<f32>, Vec<f32>)>;
+
+/// Source of [`LoraAdapter::uid`]: unique per process, never reused.
+static NEXT_UID: AtomicU64 = AtomicU64::new(1);
+
+/// A loaded LoRA adapter, ready to apply to the base model it was loaded for.
+#[derive(Debug)]
+pub struct LoraAdapter {
+    uid: u64,
+    rank: usize,
+    scale: f32,
+    /// Per layer, per [`LoraTarget`] (table order), the pair if the projection is adapted.
+    layers: Vec<[Option<LoraPair>; 7]>,
+    /// Shape of the base model: layers, hidden, q width, kv width, intermediate, rope style.
+    shape: (usize, usize, usize, usize, usize, RopeStyle),
+}
+
+/// The shape fields of `c` an adapter depends on.
+fn shape_of(c: &LlamaConfig) -> (usize, usize, usize, usize, usize, RopeStyle) {
+    (
+        c.num_layers,
+        c.hidden_size,
+        c.num_heads * c.head_dim,
+        c.num_kv_heads * c.head_dim,
+        c.intermediate_size,
+        c.rope_style,
+    )
+}
+
+/// What `adapter_config.json` says, after the checks.
+struct AdapterConfig {
+    rank: usize,
+    scale: f32,
+}
+
+fn invalid(path: &Path, reason: impl Into<String>) -> GpuError {
+    GpuError::InvalidAdapter {
+        path: path.to_path_buf(),
+        reason: reason.into(),
+    }
+}
+
+/// Reads and checks `adapter_config.json`.
+fn read_config(path: &Path, limits: &LoraLimits) -> Result<AdapterConfig, GpuError> {
+    let len = std::fs::metadata(path)
+        .map_err(|e| GpuError::io(path, e))?
+        .len();
+    if len > MAX_CONFIG_JSON {
+        return Err(invalid(path, format!("{len} bytes is too large")));
+    }
+    let text = std::fs::read_to_string(path).map_err(|e| GpuError::io(path, e))?;
+    parse_config(path, &text, limits)
+}
+
+/// Checks the text of `adapter_config.json` (`path` names it in errors).
+fn parse_config(path: &Path, text: &str, limits: &LoraLimits) -> Result<AdapterConfig, GpuError> {
+    let v: serde_json::Value =
+        serde_json::from_str(text).map_err(|e| invalid(path, e.to_string()))?;
+    let obj = v
+        .as_object()
+        .ok_or_else(|| invalid(path, "not a JSON object"))?;
+    if let Some(t) = obj.get("peft_type").and_then(|t| t.as_str()) {
+        if t != "LORA" {
+            return Err(invalid(path, format!("peft_type {t} is not LORA")));
+        }
+    }
+    let rank = obj
+        .get("r")
+        .and_then(|r| r.as_u64())
+        .ok_or_else(|| invalid(path, "\"r\" (the rank) is missing or not a whole number"))?;
+    let max_rank = limits.max_rank.min(MAX_LORA_RANK);
+    if rank == 0 || rank > max_rank as u64 {
+        return Err(invalid(
+            path,
+            format!("rank {rank} is outside 1..={max_rank} (max_lora_rank)"),
+        ));
+    }
+    let rank = rank as usize;
+    let alpha = match obj.get("lora_alpha") {
+        None => rank as f64,
+        Some(a) => a
+            .as_f64()
+            .ok_or_else(|| invalid(path, "\"lora_alpha\" is not a number"))?,
+    };
+    if !alpha.is_finite() || alpha.abs() > 1e6 {
+        return Err(invalid(path, format!("lora_alpha {alpha} is out of range")));
+    }
+    let flag = |k: &str| obj.get(k).and_then(|v| v.as_bool()).unwrap_or(false);
+    let nonempty = |k: &str| match obj.get(k) {
+        None | Some(serde_json::Value::Null) => false,
+        Some(serde_json::Value::Object(m)) => !m.is_empty(),
+        Some(serde_json::Value::Array(a)) => !a.is_empty(),
+        Some(_) => true,
+    };
+    for (bad, what) in [
+        (flag("use_dora"), "DoRA (use_dora)"),
+        (flag("fan_in_fan_out"), "fan_in_fan_out (Conv1D weights)"),
+        (nonempty("rank_pattern"), "per-module ranks (rank_pattern)"),
+        (
+            nonempty("alpha_pattern"),
+            "per-module alphas (alpha_pattern)",
+        ),
+        (nonempty("modules_to_save"), "modules_to_save"),
+    ] {
+        if bad {
+            return Err(invalid(path, format!("{what} is not supported")));
+        }
+    }
+    if let Some(b) = obj.get("bias").and_then(|b| b.as_str()) {
+        if b != "none" {
+            return Err(invalid(path, format!("bias \"{b}\" is not supported")));
+        }
+    }
+    let scale = if flag("use_rslora") {
+        alpha / (rank as f64).sqrt()
+    } else {
+        alpha / rank as f64
+    };
+    Ok(AdapterConfig {
+        rank,
+        scale: scale as f32,
+    })
+}
+
+/// Splits a PEFT tensor name into (layer, target, is_b); `None` if it is not a LoRA pair
+/// tensor of a decoder layer.
+fn parse_name(name: &str) -> Option<(usize, &str, bool)> {
+    let rest = &name[name.find("layers.")? + "layers.".len()..];
+    let (layer, rest) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let rest = rest
+        .strip_prefix("self_attn.")
+        .or_else(|| rest.strip_prefix("mlp."))?;
+    let (module, rest) = rest.split_once('.')?;
+    // PEFT drops the adapter name when saving; accept `lora_A.default.weight` too.
+    let is_b = match rest {
+        "lora_A.weight" | "lora_A.default.weight" => false,
+        "lora_B.weight" | "lora_B.default.weight" => true,
+        _ => return None,
+    };
+    Some((layer, module, is_b))
+}
+
+/// A tensor's values as f32 (f32, f16 or bf16 little-endian).
+fn to_f32(path: &Path, name: &str, dtype: StDtype, data: &[u8]) -> Result<Vec<f32>, GpuError> {
+    let out = match dtype {
+        StDtype::F32 => data
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        StDtype::F16 => data
+            .chunks_exact(2)
+            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        StDtype::BF16 => data
+            .chunks_exact(2)
+            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect::<Vec<f32>>(),
+        other => {
+            return Err(invalid(
+                path,
+                format!("tensor '{name}' has type {other:?} (need F32, F16 or BF16)"),
+            ))
+        }
+    };
+    if let Some(x) = out.iter().find(|x: &&f32| !x.is_finite()) {
+        return Err(invalid(path, format!("tensor '{name}' holds {x}")));
+    }
+    Ok(out)
+}
+
+/// Permutes the rows of a q or k `B` (`heads * head_dim` rows of `rank`) from the Hugging Face
+/// layout to llama.cpp's: within each head, row `2i + half` takes HF row `half * d/2 + i`.
+fn permute_rows_for_gguf(b: &[f32], heads: usize, head_dim: usize, rank: usize) -> Vec<f32> {
+    let mut out = vec![0f32; b.len()];
+    let half = head_dim / 2;
+    for h in 0..heads {
+        for j in 0..head_dim {
+            let src = h * head_dim + (j % 2) * half + j / 2;
+            let dst = h * head_dim + j;
+            out[dst * rank..(dst + 1) * rank].copy_from_slice(&b[src * rank..(src + 1) * rank]);
+        }
+    }
+    out
+}
+
+impl LoraAdapter {
+    /// Loads the PEFT adapter in `dir` for the base model `c`.
+    pub fn load(dir: &Path, c: &LlamaConfig, limits: &LoraLimits) -> Result<Self, GpuError> {
+        let cfg_path = dir.join("adapter_config.json");
+        if !cfg_path.is_file() {
+            return Err(invalid(dir, "no adapter_config.json in the directory"));
+        }
+        let cfg = read_config(&cfg_path, limits)?;
+        let path = dir.join("adapter_model.safetensors");
+        if !path.is_file() {
+            let hint = if dir.join("adapter_model.bin").is_file() {
+                " (adapter_model.bin, a pickle, is not read: save it with safe_serialization)"
+            } else {
+                ""
+            };
+            return Err(invalid(
+                dir,
+                format!("no adapter_model.safetensors in the directory{hint}"),
+            ));
+        }
+        let file = std::fs::File::open(&path).map_err(|e| GpuError::io(&path, e))?;
+        let len = file.metadata().map_err(|e| GpuError::io(&path, e))?.len();
+        if len > limits.max_file_bytes {
+            return Err(invalid(
+                &path,
+                format!("{len} bytes exceeds the limit of {}", limits.max_file_bytes),
+            ));
+        }
+        // SAFETY: read-only private map of an adapter file treated as immutable while loaded.
+        let mmap = unsafe { Mmap::map(&file) }.map_err(|e| GpuError::io(&path, e))?;
+        Self::from_safetensors(&path, &mmap, &cfg, c)
+    }
+
+    /// Builds the adapter from the bytes of `adapter_model.safetensors` (`path` names it in
+    /// errors) and the checked configuration.
+    fn from_safetensors(
+        path: &Path,
+        bytes: &[u8],
+        cfg: &AdapterConfig,
+        c: &LlamaConfig,
+    ) -> Result<Self, GpuError> {
+        let st = SafeTensors::deserialize(bytes).map_err(|e| invalid(path, e.to_string()))?;
+        let mut layers: Vec<[Option<LoraPair>; 7]> =
+            (0..c.num_layers).map(|_| Default::default()).collect();
+        // The A halves until their B arrives (tensor order in the file is arbitrary).
+        let mut halves: Vec<[HalfPair; 7]> =
+            (0..c.num_layers).map(|_| Default::default()).collect();
+        let mut names = st.names();
+        names.sort();
+        if names.is_empty() {
+            return Err(invalid(path, "holds no tensors"));
+        }
+        for name in names {
+            let Some((layer, module, is_b)) = parse_name(name) else {
+                return Err(invalid(
+                    path,
+                    format!("tensor '{name}' is not a LoRA A/B matrix of a decoder projection (unsupported)"),
+                ));
+            };
+            let target = LoraTarget::from_module(module).ok_or_else(|| {
+                invalid(
+                    path,
+                    format!("tensor '{name}': module '{module}' is not a Llama projection"),
+                )
+            })?;
+            if layer >= c.num_layers {
+                return Err(invalid(
+                    path,
+                    format!(
+                        "tensor '{name}': layer {layer} but the model has {}",
+                        c.num_layers
+                    ),
+                ));
+            }
+            let t = st.tensor(name).map_err(|e| invalid(path, e.to_string()))?;
+            let (din, dout) = target.dims(c);
+            let want = if is_b {
+                [dout, cfg.rank]
+            } else {
+                [cfg.rank, din]
+            };
+            if t.shape() != want {
+                return Err(invalid(
+                    path,
+                    format!(
+                        "tensor '{name}' has shape {:?}, expected {want:?} (rank {}, model widths)",
+                        t.shape(),
+                        cfg.rank
+                    ),
+                ));
+            }
+            let values = to_f32(path, name, t.dtype(), t.data())?;
+            let slot = &mut halves[layer][target.index()];
+            let dst = if is_b { &mut slot.1 } else { &mut slot.0 };
+            if dst.replace(values).is_some() {
+                return Err(invalid(path, format!("tensor '{name}' appears twice")));
+            }
+        }
+        let mut adapted = 0usize;
+        for (li, row) in halves.into_iter().enumerate() {
+            for (target, (a, b)) in LoraTarget::ALL.into_iter().zip(row) {
+                let (a, b) = match (a, b) {
+                    (None, None) => continue,
+                    (Some(a), Some(b)) => (a, b),
+                    _ => {
+                        return Err(invalid(
+                            path,
+                            format!(
+                                "layer {li} {}: lora_A and lora_B must come together",
+                                target.module()
+                            ),
+                        ))
+                    }
+                };
+                layers[li][target.index()] =
+                    Some(LoraPair::new(c, target, cfg.rank, cfg.scale, a, b));
+                adapted += 1;
+            }
+        }
+        if adapted == 0 {
+            return Err(invalid(path, "adapts no projection"));
+        }
+        Ok(LoraAdapter {
+            uid: NEXT_UID.fetch_add(1, Ordering::Relaxed),
+            rank: cfg.rank,
+            scale: cfg.scale,
+            layers,
+            shape: shape_of(c),
+        })
+    }
+
+    /// An adapter from explicit pairs: `pairs[layer][target]` = `(A, B)` in the Hugging Face
+    /// layout (`A`: `rank x in`, `B`: `out x rank`, unscaled), for tests and tools.
+    pub fn from_pairs(
+        c: &LlamaConfig,
+        rank: usize,
+        scale: f32,
+        pairs: Vec<LayerPairs>,
+    ) -> Result<Self, GpuError> {
+        let bad = |m: String| Err(GpuError::InvalidConfig(format!("LoRA adapter: {m}")));
+        if rank == 0 || rank > MAX_LORA_RANK || pairs.len() != c.num_layers {
+            return bad(format!("rank {rank}, {} layers", pairs.len()));
+        }
+        let mut layers: Vec<[Option<LoraPair>; 7]> = Vec::with_capacity(c.num_layers);
+        for layer in pairs {
+            let mut row: [Option<LoraPair>; 7] = Default::default();
+            for (target, a, b) in layer {
+                let (din, dout) = target.dims(c);
+                if a.len() != rank * din || b.len() != dout * rank {
+                    return bad(format!("{} pair has the wrong size", target.module()));
+                }
+                row[target.index()] = Some(LoraPair::new(c, target, rank, scale, a, b));
+            }
+            layers.push(row);
+        }
+        Ok(LoraAdapter {
+            uid: NEXT_UID.fetch_add(1, Ordering::Relaxed),
+            rank,
+            scale,
+            layers,
+            shape: shape_of(c),
+        })
+    }
+
+    /// A process-unique id of this loaded copy (a reload is a new copy with a new id).
+    pub fn uid(&self) -> u64 {
+        self.uid
+    }
+
+    /// The rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// `lora_alpha / r` (or `/ sqrt(r)` with rsLoRA).
+    pub fn scale(&self) -> f32 {
+        self.scale
+    }
+
+    /// Bytes of weights held.
+    pub fn bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .flatten()
+            .flatten()
+            .map(|p| (p.a.len() + p.b.len()) * 4)
+            .sum()
+    }
+
+    /// The adapted projections (each once).
+    pub fn targets(&self) -> Vec<LoraTarget> {
+        LoraTarget::ALL
+            .into_iter()
+            .filter(|t| self.layers.iter().any(|l| l[t.index()].is_some()))
+            .collect()
+    }
+
+    /// Whether the adapter was loaded for a model of `c`'s shape.
+    pub fn fits(&self, c: &LlamaConfig) -> bool {
+        self.shape == shape_of(c)
+    }
+
+    /// The pair of `target` in `layer`, if adapted.
+    pub(crate) fn pair(&self, layer: usize, target: LoraTarget) -> Option<&LoraPair> {
+        self.layers.get(layer)?[target.index()].as_ref()
+    }
+}
+
+/// Adds the adapters' deltas of one layer's fused product to its output.
+///
+/// `x` holds `t` input rows of width `din`; `out` holds `t` rows of the fused product, whose
+/// parts are `parts` (targets with their column offsets and widths in a row of `out`, e.g. q,
+/// k, v side by side). `row_adapter[i]` is token `i`'s adapter, if any. Rows are processed in
+/// parallel (on the caller's rayon pool).
+pub(crate) fn add_deltas(
+    layer: usize,
+    parts: &[(LoraTarget, usize, usize)],
+    x: &[f32],
+    din: usize,
+    out: &mut [f32],
+    row_adapter: &[Option<&LoraAdapter>],
+) {
+    let t = row_adapter.len();
+    if t == 0 || row_adapter.iter().all(|a| a.is_none()) {
+        return;
+    }
+    let width = out.len() / t;
+    out.par_chunks_mut(width)
+        .zip(x.par_chunks(din))
+        .zip(row_adapter.par_iter())
+        .for_each(|((o, xr), a)| {
+            let Some(a) = a else { return };
+            let mut u = [0f32; MAX_LORA_RANK];
+            for &(target, off, w) in parts {
+                if let Some(p) = a.pair(layer, target) {
+                    p.apply_row(xr, &mut o[off..off + w], &mut u[..p.rank]);
+                }
+            }
+        });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use safetensors::tensor::TensorView;
+
+    /// Tensors to write: name, shape, values.
+    type Tensors = Vec<(String, Vec<usize>, Vec<f32>)>;
+    /// A change to a valid adapter's tensors.
+    type Edit = dyn Fn(&mut Tensors);
+
+    /// A small model shape: 2 layers, hidden 32, 4 query heads and 2 KV heads of 8, FFN 48.
+    fn tiny(style: RopeStyle) -> LlamaConfig {
+        let mut c = LlamaConfig::smollm2_135m();
+        c.num_layers = 2;
+        c.hidden_size = 32;
+        c.num_heads = 4;
+        c.num_kv_heads = 2;
+        c.head_dim = 8;
+        c.intermediate_size = 48;
+        c.rope_style = style;
+        c
+    }
+
+    const CONFIG: &str = r#"{"peft_type": "LORA", "r": 2, "lora_alpha": 6, "bias": "none",
+        "target_modules": ["q_proj", "v_proj"], "modules_to_save": null, "rank_pattern": {}}"#;
+
+    fn values(n: usize, salt: f32) -> Vec<f32> {
+        (0..n)
+            .map(|i| ((i as f32 * 0.37 + salt).sin()) * 0.1)
+            .collect()
+    }
+
+    /// The safetensors bytes of `tensors` (name, shape, f32 values) stored as bf16.
+    fn file(tensors: &[(String, Vec<usize>, Vec<f32>)]) -> Vec<u8> {
+        let bytes: Vec<Vec<u8>> = tensors
+            .iter()
+            .map(|(_, _, v)| {
+                v.iter()
+                    .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
+                    .collect()
+            })
+            .collect();
+        let views: Vec<(String, TensorView<'_>)> = tensors
+            .iter()
+            .zip(&bytes)
+            .map(|((n, shape, _), b)| {
+                (
+                    n.clone(),
+                    TensorView::new(StDtype::BF16, shape.clone(), b).expect("view"),
+                )
+            })
+            .collect();
+        safetensors::serialize(views, None).expect("serialize")
+    }
+
+    fn name(layer: usize, module: &str, half: &str) -> String {
+        let part = if module.ends_with("_proj") && ["q", "k", "v", "o"].contains(&&module[..1]) {
+            "self_attn"
+        } else {
+            "mlp"
+        };
+        format!("base_model.model.model.layers.{layer}.{part}.{module}.lora_{half}.weight")
+    }
+
+    /// q and v adapted in both layers, rank 2.
+    fn valid(c: &LlamaConfig) -> Tensors {
+        let mut t = Vec::new();
+        for l in 0..c.num_layers {
+            for (m, out) in [("q_proj", 32), ("v_proj", 16)] {
+                t.push((name(l, m, "A"), vec![2, 32], values(64, l as f32)));
+                t.push((
+                    name(l, m, "B"),
+                    vec![out, 2],
+                    values(out * 2, 1.0 + l as f32),
+                ));
+            }
+        }
+        t
+    }
+
+    fn parse(c: &LlamaConfig, config: &str, bytes: &[u8]) -> Result<LoraAdapter, GpuError> {
+        let path = Path::new("adapter");
+        let cfg = parse_config(path, config, &LoraLimits::default())?;
+        LoraAdapter::from_safetensors(path, bytes, &cfg, c)
+    }
+
+    fn err(c: &LlamaConfig, config: &str, bytes: &[u8]) -> String {
+        match parse(c, config, bytes) {
+            Ok(_) => panic!("accepted"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn a_valid_adapter_loads_with_its_scale() {
+        let c = tiny(RopeStyle::Halves);
+        let a = parse(&c, CONFIG, &file(&valid(&c))).expect("valid adapter");
+        assert_eq!((a.rank(), a.scale()), (2, 3.0));
+        assert_eq!(a.targets(), vec![LoraTarget::Q, LoraTarget::V]);
+        assert!(a.fits(&c) && !a.fits(&tiny(RopeStyle::Interleaved)));
+        assert_eq!(a.bytes(), 2 * (2 * 32 + 32 * 2 + 2 * 32 + 16 * 2) * 4);
+        let rs = CONFIG.replace("\"bias\"", "\"use_rslora\": true, \"bias\"");
+        let a = parse(&c, &rs, &file(&valid(&c))).expect("rslora");
+        assert!((a.scale() - 6.0 / 2f32.sqrt()).abs() < 1e-6);
+    }
+
+    #[test]
+    fn bad_configs_are_refused_with_a_reason() {
+        let c = tiny(RopeStyle::Halves);
+        let f = file(&valid(&c));
+        for (config, needle) in [
+            (r#"{"lora_alpha": 8}"#, "rank"),
+            (r#"{"r": 0}"#, "rank 0"),
+            (r#"{"r": 65}"#, "rank 65"),
+            (r#"{"r": 2, "lora_alpha": "x"}"#, "lora_alpha"),
+            (r#"{"r": 2, "lora_alpha": 1e300}"#, "out of range"),
+            (r#"{"r": 2, "use_dora": true}"#, "DoRA"),
+            (r#"{"r": 2, "fan_in_fan_out": true}"#, "fan_in_fan_out"),
+            (r#"{"r": 2, "rank_pattern": {"q_proj": 8}}"#, "rank_pattern"),
+            (
+                r#"{"r": 2, "alpha_pattern": {"q_proj": 8}}"#,
+                "alpha_pattern",
+            ),
+            (
+                r#"{"r": 2, "modules_to_save": ["lm_head"]}"#,
+                "modules_to_save",
+            ),
+            (r#"{"r": 2, "bias": "all"}"#, "bias"),
+            (r#"{"r": 2, "peft_type": "IA3"}"#, "IA3"),
+            (r#"[1, 2]"#, "object"),
+            (r#"{"r": 2"#, "EOF"),
+        ] {
+            let e = err(&c, config, &f);
+            assert!(e.contains(needle), "{config}: {e}");
+        }
+    }
+
+    #[test]
+    fn bad_tensors_are_refused_with_a_reason() {
+        let c = tiny(RopeStyle::Halves);
+        let with = |edit: &Edit| {
+            let mut t = valid(&c);
+            edit(&mut t);
+            err(&c, CONFIG, &file(&t))
+        };
+        let cases: [(&Edit, &str); 7] = [
+            (
+                &|t| {
+                    t[0].1 = vec![2, 31];
+                    t[0].2.truncate(62)
+                },
+                "shape",
+            ),
+            (
+                &|t| {
+                    t[1].1 = vec![32, 3];
+                    t[1].2 = values(96, 0.5)
+                },
+                "shape",
+            ),
+            (&|t| t[0].0 = name(2, "q_proj", "A"), "layer 2"),
+            (
+                &|t| t[0].0 = "base_model.model.lm_head.lora_A.weight".into(),
+                "not a LoRA",
+            ),
+            (
+                &|t| t[0].0 = name(0, "x_proj", "A"),
+                "not a Llama projection",
+            ),
+            (&|t| drop(t.remove(1)), "come together"),
+            (&|t| t[0].2[3] = f32::NAN, "NaN"),
+        ];
+        for (edit, needle) in cases {
+            let e = with(edit);
+            assert!(e.contains(needle), "{needle}: {e}");
+        }
+        assert!(err(&c, CONFIG, &file(&[])).contains("no tensors"));
+        assert!(err(&c, CONFIG, b"not a safetensors file").contains("adapter"));
+    }
+
+    /// Flips bytes all over a valid file: every result must be an `Ok` or an `Err`, never a panic.
+    #[test]
+    fn byte_mutations_never_panic() {
+        let c = tiny(RopeStyle::Interleaved);
+        let base = file(&valid(&c));
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for _ in 0..5_000 {
+            let mut b = base.clone();
+            for _ in 0..(next() % 4 + 1) {
+                // Mostly the header (its first ~1 KB), where the structure is.
+                let span = if next() % 4 == 0 {
+                    b.len()
+                } else {
+                    1024.min(b.len())
+                };
+                let i = (next() as usize) % span;
+                b[i] = match next() % 3 {
+                    0 => next() as u8,
+                    1 => 0xff,
+                    _ => 0,
+                };
+            }
+            let cut = if next() % 8 == 0 {
+                (next() as usize) % b.len()
+            } else {
+                b.len()
+            };
+            let _ = parse(&c, CONFIG, &b[..cut]);
+        }
+    }
+
+    #[test]
+    fn deltas_are_scale_times_b_a_x_on_the_right_rows() {
+        for style in [RopeStyle::Halves, RopeStyle::Interleaved] {
+            let c = tiny(style);
+            let t = valid(&c);
+            let a = parse(&c, CONFIG, &file(&t)).expect("adapter");
+            // Values as stored (bf16).
+            let r = |v: &[f32]| -> Vec<f32> {
+                v.iter()
+                    .map(|x| half::bf16::from_f32(*x).to_f32())
+                    .collect()
+            };
+            let (qa, qb) = (r(&t[4].2), r(&t[5].2)); // layer 1 q
+            let x: Vec<f32> = (0..2 * 32).map(|i| (i as f32 * 0.11).cos()).collect();
+            let mut out = vec![1f32; 2 * 48];
+            let rows = [Some(&a), None];
+            add_deltas(
+                1,
+                &[(LoraTarget::Q, 0, 32), (LoraTarget::K, 32, 16)],
+                &x,
+                32,
+                &mut out,
+                &rows,
+            );
+            // Row 0: q part gains 3 * B (A x) in HF order, permuted for GGUF; k part untouched.
+            let u: Vec<f32> = (0..2)
+                .map(|j| (0..32).map(|k| qa[j * 32 + k] * x[k]).sum())
+                .collect();
+            let hf: Vec<f32> = (0..32)
+                .map(|o| 3.0 * (qb[o * 2] * u[0] + qb[o * 2 + 1] * u[1]))
+                .collect();
+            for (j, o) in out[..32].iter().enumerate() {
+                let (h, d) = (j / 8, j % 8);
+                let src = match style {
+                    RopeStyle::Halves => j,
+                    RopeStyle::Interleaved => h * 8 + (d % 2) * 4 + d / 2,
+                };
+                assert!((o - 1.0 - hf[src]).abs() < 1e-5, "{style:?} row {j}");
+            }
+            assert!(out[32..48].iter().all(|&v| v == 1.0), "k has no pair");
+            assert!(out[48..].iter().all(|&v| v == 1.0), "row 1 has no adapter");
+        }
+    }
+
+    #[test]
+    fn gguf_row_permutation_matches_llama_cpp() {
+        // llama.cpp: w.reshape(heads, 2, d/2, ...).swapaxes(1, 2).reshape(...): GGUF row
+        // h*d + 2i + s holds HF row h*d + s*d/2 + i.
+        let (heads, d, rank) = (2, 4, 1);
+        let b: Vec<f32> = (0..heads * d).map(|i| i as f32).collect();
+        let p = permute_rows_for_gguf(&b, heads, d, rank);
+        assert_eq!(p, vec![0.0, 2.0, 1.0, 3.0, 4.0, 6.0, 5.0, 7.0]);
+    }
+
+    #[test]
+    fn names_parse() {
+        assert_eq!(
+            parse_name("base_model.model.model.layers.12.self_attn.q_proj.lora_A.weight"),
+            Some((12, "q_proj", false))
+        );
+        assert_eq!(
+            parse_name("base_model.model.model.layers.0.mlp.down_proj.lora_B.default.weight"),
+            Some((0, "down_proj", true))
+        );
+        assert_eq!(parse_name("base_model.model.lm_head.lora_A.weight"), None);
+        assert_eq!(
+            parse_name("base_model.model.model.layers.1.self_attn.q_proj.lora_magnitude_vector"),
+            None
+        );
+        assert_eq!(
+            parse_name("base_model.model.model.layers.x.mlp.up_proj.lora_A.weight"),
+            None
+        );
+    }
+}
