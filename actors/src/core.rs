@@ -787,6 +787,7 @@ mod tests {
             max_model_len: 128,
             tiers: Vec::new(),
             max_logit_rows: usize::MAX,
+            max_loras: 4,
         };
         let policy = PolicyRegistry::with_builtins()
             .create("fcfs", &serde_yaml::Value::Null, &[])

@@ -72,6 +72,7 @@ fn decoding_scheduler_with(policy: &str, params: &serde_yaml::Value) -> (Schedul
         max_model_len: 1 << 16,
         tiers: tiers(),
         max_logit_rows: usize::MAX,
+        max_loras: 4,
     };
     let p = PolicyRegistry::with_builtins()
         .create(policy, &serde_yaml::Value::Null, &tiers())

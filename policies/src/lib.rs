@@ -42,6 +42,7 @@
 //! assert_eq!(sched.output_tokens(RequestId(1)), Some(&[42, 42][..]));
 //! ```
 
+mod adapter_slots;
 pub mod block_ledger;
 pub mod block_pool;
 pub mod error;

@@ -13,13 +13,17 @@
 //!    their longest cached prefix is pinned (at least the last token is always recomputed,
 //!    so a token can be sampled), the rest is a prefill chunk. When a sequence does not
 //!    fit, the policy may name lower-ranked running victims (`may_preempt`); otherwise
-//!    admission stops (no overtaking, so FCFS order is preserved).
+//!    admission stops (no overtaking, so FCFS order is preserved). The one exception: a
+//!    sequence whose LoRA adapter would make more than `max_loras` distinct adapters
+//!    running is passed over, keeping its place, before anything is preempted for it.
 //!
 //! Preemption frees every block (full ones stay cached) and keeps the generated tokens, so
 //! the recompute covers prompt + output. Per step the planner does O(running) work
-//! (O(running · log running) when constrained) plus O(waiting) ranking when something waits;
-//! block hashes are computed once per block per request. Plans carry only the blocks each
-//! sequence gained since it was last scheduled (vLLM V1's `new_block_ids`).
+//! (O(running · log running) when constrained) plus O(waiting) ranking when something waits
+//! (O(waiting · log waiting) when candidates passed over for adapter slots leave the first
+//! `max_num_seqs + 1` short); adapter slots are counted as sequences start and stop running,
+//! so a check is O(1). Block hashes are computed once per block per request. Plans carry only
+//! the blocks each sequence gained since it was last scheduled (vLLM V1's `new_block_ids`).
 
 use std::collections::HashMap;
 
@@ -477,6 +481,7 @@ impl Scheduler {
         seq.num_cached_blocks = 0;
         seq.drop_pending();
         seq.state = RequestState::Preempted;
+        self.adapters.stopped(seq.req.lora_adapter);
         seq.queued_at = now;
         seq.num_preemptions = seq.num_preemptions.saturating_add(1);
         self.num_preemptions += 1;
@@ -499,16 +504,35 @@ impl Scheduler {
         let step_running = self.running.len();
         let mut worder = std::mem::take(&mut self.wait_order);
         self.rank_into(&self.waiting, now, &mut worder);
-        // At most max_num_seqs admissions, plus the one that fails, are ever examined.
-        let k = worder.len().min(self.config.max_num_seqs.saturating_add(1));
+        // At most max_num_seqs admissions, plus the one that fails, are ever examined, not
+        // counting candidates passed over for want of an adapter slot: only when some were
+        // and the first k ran out is the rest ranked too.
+        let mut k = worder.len().min(self.config.max_num_seqs.saturating_add(1));
         if k > 0 && k < worder.len() {
             worder.select_nth_unstable(k - 1);
         }
         worder[..k].sort_unstable();
         let mut num_running = self.running.len();
-        for &cand in &worder[..k] {
-            if b.budget == 0 {
-                break;
+        let mut passed_over = false;
+        let mut i = 0;
+        while i < worder.len() && b.budget > 0 {
+            if i == k {
+                if !passed_over {
+                    break;
+                }
+                worder[k..].sort_unstable();
+                k = worder.len();
+            }
+            let cand = worder[i];
+            i += 1;
+            // A request whose adapter would exceed max_loras distinct adapters among the
+            // running sequences waits, keeping its place, and the next ones may pass it (as in
+            // vLLM): decided before any preemption, so nothing is preempted on its behalf.
+            // Admissions earlier in this step count; preemptions only free slots.
+            let adapter = slot_ref(&self.seqs, cand.slot).and_then(|q| q.req.lora_adapter);
+            if !self.adapters.admits(adapter, self.config.max_loras) {
+                passed_over = true;
+                continue;
             }
             // A prompt-logprob request waits for a step with logit rows left (no overtaking).
             if slot_ref(&self.seqs, cand.slot).is_some_and(|q| b.logit_cap(q) == 0) {
@@ -606,6 +630,7 @@ impl Scheduler {
         seq.num_computed = computed;
         seq.num_cached_blocks = self.matched.len();
         seq.state = RequestState::Running;
+        self.adapters.started(seq.req.lora_adapter);
         if caching {
             self.prefix_queries += total as u64;
             self.prefix_hits += computed as u64;

@@ -12,6 +12,7 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
+use crate::adapter_slots::AdapterSlots;
 use crate::block_ledger::BlockLedger;
 use crate::block_pool::{BlockPool, MAX_BLOCKS};
 use crate::error::SchedulerError;
@@ -35,6 +36,8 @@ pub const MAX_BLOCK_SIZE: usize = 4096;
 pub const MAX_TENANTS: usize = 1 << 16;
 /// Largest `max_num_seqs`, `max_num_batched_tokens` and `max_model_len` accepted.
 pub const MAX_LIMIT: usize = 1 << 24;
+/// Largest `max_loras` accepted.
+pub const MAX_LORAS: usize = 1024;
 
 /// Fibonacci hashing for request ids (ids are chosen by the engine, not by clients, so there
 /// is no hash-flooding vector).
@@ -98,6 +101,8 @@ pub struct Scheduler {
     pub(crate) running: Vec<u32>,
     /// Slots of waiting (new or preempted) sequences.
     pub(crate) waiting: Vec<u32>,
+    /// Running sequences per LoRA adapter (at most `config.max_loras` adapters).
+    pub(crate) adapters: AdapterSlots,
     /// Scratch: running sequences ranked for the current step.
     pub(crate) order: Vec<Ranked>,
     /// Scratch: waiting sequences ranked for the current step.
@@ -155,6 +160,7 @@ pub fn validate_config(c: &SchedulerConfig) -> Result<(), SchedulerError> {
     check_limit("block_size", c.block_size, MAX_BLOCK_SIZE)?;
     check_limit("num_gpu_blocks", c.num_gpu_blocks, MAX_BLOCKS)?;
     check_limit("max_model_len", c.max_model_len, MAX_LIMIT)?;
+    check_limit("max_loras", c.max_loras, MAX_LORAS)?;
     if c.tiers.len() > MAX_TIERS {
         return Err(config_err("tiers", format!("at most {MAX_TIERS} tiers")));
     }
@@ -201,6 +207,7 @@ impl Scheduler {
         let pool = BlockPool::new(config.num_gpu_blocks, config.block_size)?;
         let ledger = BlockLedger::new(config.num_gpu_blocks, config.block_size)?;
         Ok(Self {
+            adapters: AdapterSlots::new(config.max_loras),
             config,
             policy,
             ledger,
@@ -362,6 +369,7 @@ impl Scheduler {
         self.index.insert(id, slot);
         self.waiting.push(slot);
         if let Some(s) = self.seqs[slot as usize].as_ref() {
+            self.adapters.arrived(s.req.lora_adapter);
             self.policy.observe(PolicyEvent::Arrived(SeqView::new(s)));
         }
         Ok(())
@@ -408,11 +416,19 @@ impl Scheduler {
     }
 
     /// Frees a sequence's blocks (last block first, so the tail of a prefix is evicted
-    /// before its head), marks it ended and tells the policy. Queues are the caller's job.
+    /// before its head), frees its adapter slot if it was running, marks it ended and tells
+    /// the policy. Queues are the caller's job.
     pub(crate) fn release(&mut self, slot: u32, terminal: RequestState) {
         let Some(seq) = self.seqs.get_mut(slot as usize).and_then(|s| s.as_mut()) else {
             return;
         };
+        if seq.state.is_terminal() {
+            return;
+        }
+        if seq.state == RequestState::Running {
+            self.adapters.stopped(seq.req.lora_adapter);
+        }
+        self.adapters.ended(seq.req.lora_adapter);
         for &b in seq.block_table.iter().rev() {
             // Table blocks are referenced by construction; a failure would be a core bug,
             // which check_invariants reports.
@@ -471,6 +487,8 @@ impl Scheduler {
             prefix_queries: self.prefix_queries,
             prefix_hits: self.prefix_hits,
             num_preemptions: self.num_preemptions,
+            num_running_adapters: self.adapters.num_running_adapters(),
+            num_waiting_adapter_requests: self.adapters.num_waiting_requests(),
         }
     }
 
@@ -518,6 +536,20 @@ impl Scheduler {
         }
         if self.running.len() > self.config.max_num_seqs {
             return bad(format!("{} running > max_num_seqs", self.running.len()));
+        }
+        let adapter_of = |&slot: &u32| self.seq(slot).and_then(|s| s.req.lora_adapter);
+        self.adapters
+            .check(
+                self.running.iter().map(adapter_of),
+                self.waiting.iter().map(adapter_of),
+            )
+            .map_err(SchedulerError::Invariant)?;
+        let distinct = self.adapters.num_running_adapters();
+        if distinct > self.config.max_loras {
+            return bad(format!(
+                "{distinct} distinct adapters running > max_loras {}",
+                self.config.max_loras
+            ));
         }
         let mut refs = vec![0u32; self.ledger.num_blocks()];
         let mut queued = vec![0u8; self.seqs.len()];

@@ -216,10 +216,19 @@ pub struct SchedulerConfig {
     /// logits for every prompt position ([`SamplingLimits::prompt_logits`]).
     #[serde(default = "unbounded")]
     pub max_logit_rows: usize,
+    /// Most distinct LoRA adapters among the running sequences at any time (default 4), so
+    /// also in any step's batch; requests without an adapter never count. A waiting request
+    /// whose adapter would exceed it is passed over until a slot frees up.
+    #[serde(default = "default_max_loras")]
+    pub max_loras: usize,
 }
 
 fn unbounded() -> usize {
     usize::MAX
+}
+
+fn default_max_loras() -> usize {
+    4
 }
 
 impl Default for SchedulerConfig {
@@ -233,6 +242,7 @@ impl Default for SchedulerConfig {
             max_model_len: 8192,
             tiers: Vec::new(),
             max_logit_rows: usize::MAX,
+            max_loras: default_max_loras(),
         }
     }
 }
@@ -328,4 +338,9 @@ pub struct SchedulerStats {
     pub prefix_hits: u64,
     /// Preemptions since start.
     pub num_preemptions: u64,
+    /// Distinct LoRA adapters among the running sequences (at most
+    /// [`SchedulerConfig::max_loras`]).
+    pub num_running_adapters: usize,
+    /// Waiting requests (new and preempted) that name a LoRA adapter.
+    pub num_waiting_adapter_requests: usize,
 }

@@ -1,8 +1,9 @@
 //! Property tests over random workloads for every registered policy: no block leaked or
 //! double-freed, refcounts equal block-table references, per-step budgets respected, every
-//! admitted request ends, and hot swaps to every other policy lose or duplicate nothing;
-//! planning each step while the previous one is in flight (`launch` / `resolve`) yields the
-//! same outputs as stepping in order.
+//! admitted request ends, never more distinct LoRA adapters run than `max_loras`, and hot
+//! swaps to every other policy lose or duplicate nothing; planning each step while the
+//! previous one is in flight (`launch` / `resolve`) yields the same outputs as stepping in
+//! order.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
@@ -33,6 +34,8 @@ struct Spec {
     end_after: Option<(u64, bool)>,
     /// Needs logits for every prompt position (prompt logprobs).
     prompt_logits: bool,
+    /// LoRA adapter, from a small set so that adapters compete for `max_loras` slots.
+    adapter: Option<u32>,
 }
 
 #[derive(Clone, Debug)]
@@ -46,6 +49,8 @@ struct Workload {
     swap_every: u64,
     /// Logit rows per step beyond one per seat.
     spare_logit_rows: usize,
+    /// Most distinct LoRA adapters running at once.
+    max_loras: usize,
 }
 
 fn spec() -> impl Strategy<Value = Spec> {
@@ -55,13 +60,14 @@ fn spec() -> impl Strategy<Value = Spec> {
         (
             prop::option::weighted(0.2, (0u64..30, any::<bool>())),
             prop::bool::weighted(0.2),
+            prop::option::weighted(0.6, 0u32..5),
         ),
     )
         .prop_map(
             |(
                 (arrival_step, group, prefix_len, suffix_len, max_tokens),
                 (priority, tenant, tier, salted, eos),
-                (end_after, prompt_logits),
+                (end_after, prompt_logits, adapter),
             )| Spec {
                 arrival_step,
                 group,
@@ -75,6 +81,7 @@ fn spec() -> impl Strategy<Value = Spec> {
                 eos,
                 end_after,
                 prompt_logits,
+                adapter,
             },
         )
 }
@@ -87,7 +94,7 @@ fn workload() -> impl Strategy<Value = Workload> {
         1usize..64,
         any::<bool>(),
         prop::collection::vec(spec(), 1..24),
-        (1u64..40, 1usize..16),
+        (1u64..40, 1usize..16, 1usize..=3),
     )
         .prop_map(
             |(
@@ -97,7 +104,7 @@ fn workload() -> impl Strategy<Value = Workload> {
                 max_num_batched_tokens,
                 caching,
                 reqs,
-                (swap_every, spare_logit_rows),
+                (swap_every, spare_logit_rows, max_loras),
             )| Workload {
                 block_size,
                 num_gpu_blocks,
@@ -107,6 +114,7 @@ fn workload() -> impl Strategy<Value = Workload> {
                 reqs,
                 swap_every,
                 spare_logit_rows,
+                max_loras,
             },
         )
 }
@@ -152,7 +160,7 @@ fn request(i: usize, s: &Spec) -> Request {
         tenant: format!("t{}", s.tenant),
         tier: ["premium", "standard", "batch"][s.tier as usize].into(),
         priority: s.priority,
-        lora_adapter: None,
+        lora_adapter: s.adapter,
         arrival: Timestamp(s.arrival_step * STEP_US),
         slo: SloTargets::default(),
         prompt: Arc::from(prompt),
@@ -254,6 +262,37 @@ fn check_plan(
     Ok(())
 }
 
+/// The running set never holds more than `max_loras` distinct adapters (recounted from the
+/// requests' states, not from the scheduler's own counts), and the stats agree.
+fn check_adapters(
+    w: &Workload,
+    s: &Scheduler,
+    admitted: &BTreeMap<RequestId, &Spec>,
+) -> Result<(), TestCaseError> {
+    let mut running = BTreeSet::new();
+    let mut waiting = 0;
+    for (&id, spec) in admitted {
+        let Some(a) = spec.adapter else { continue };
+        match s.request_state(id) {
+            Some(RequestState::Running) => {
+                running.insert(a);
+            }
+            Some(RequestState::Waiting | RequestState::Preempted) => waiting += 1,
+            _ => {}
+        }
+    }
+    prop_assert!(
+        running.len() <= w.max_loras,
+        "adapters {:?} running, max_loras {}",
+        running,
+        w.max_loras
+    );
+    let st = s.stats();
+    prop_assert_eq!(st.num_running_adapters, running.len());
+    prop_assert_eq!(st.num_waiting_adapter_requests, waiting);
+    Ok(())
+}
+
 /// Runs the workload under `first`, swapping through `swaps` every `swap_every` steps; with
 /// `pipelined`, each step is planned while the previous one is in flight (launched, its
 /// outputs resolved after the next launch).
@@ -267,6 +306,7 @@ fn run(w: &Workload, first: &str, swaps: &[&str], pipelined: bool) -> Result<End
         max_model_len: 4096,
         tiers: tiers(),
         max_logit_rows: w.max_num_seqs + w.spare_logit_rows,
+        max_loras: w.max_loras,
     };
     let mut s = Scheduler::new(config, make_policy(first), [7, 9]).unwrap();
     let mut admitted: BTreeMap<RequestId, &Spec> = BTreeMap::new();
@@ -316,6 +356,7 @@ fn run(w: &Workload, first: &str, swaps: &[&str], pipelined: bool) -> Result<End
                     }
                     s.check_invariants()
                         .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                    check_adapters(w, &s, &admitted)?;
                 }
             }
         }
@@ -358,10 +399,12 @@ fn run(w: &Workload, first: &str, swaps: &[&str], pipelined: bool) -> Result<End
         check_plan(w, &s, &plan, &mut mirrors)?;
         s.check_invariants()
             .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        check_adapters(w, &s, &admitted)?;
         if pipelined {
             s.launch(&plan);
             s.check_invariants()
                 .map_err(|e| TestCaseError::fail(e.to_string()))?;
+            check_adapters(w, &s, &admitted)?;
             if let Some(prev) = in_flight.replace(plan) {
                 events.extend(s.resolve(&prev, &outputs(&prev), now));
             }
@@ -389,6 +432,7 @@ fn run(w: &Workload, first: &str, swaps: &[&str], pipelined: bool) -> Result<End
         }
         s.check_invariants()
             .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        check_adapters(w, &s, &admitted)?;
         step += 1;
         if step > last_arrival && !s.has_unfinished() && in_flight.is_none() {
             break;

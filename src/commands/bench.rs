@@ -124,6 +124,7 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
         max_model_len,
         tiers: Vec::new(),
         max_logit_rows: switchyard_gpu::backend::MAX_LOGIT_ROWS,
+        max_loras: 4,
     };
     let mut engine = runtime::offline_core(backend, scheduler, args.async_scheduling)?;
     let sampling = Arc::new(SamplingParams {

@@ -107,6 +107,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             max_model_len,
             tiers: tiers.clone(),
             max_logit_rows: MAX_LOGIT_ROWS,
+            max_loras: 4,
         },
         hash_key: runtime::random_hash_key(),
         async_scheduling: runtime::async_mode(config.scheduler.async_scheduling),
