@@ -146,6 +146,9 @@ pub struct GenerateArgs {
     /// Print JSON lines instead of text.
     #[arg(long)]
     pub json: bool,
+    /// Run every prompt with this LoRA adapter (a PEFT directory; CPU backend).
+    #[arg(long, value_name = "DIR")]
+    pub lora: Option<PathBuf>,
     /// Plan and submit each step while the previous one runs on the device: auto (on with
     /// the CUDA backend), on or off.
     #[arg(long, default_value = "auto")]
@@ -296,6 +299,10 @@ pub struct ThroughputArgs {
     /// Seed for the random prompts.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Run every prompt with this LoRA adapter (a PEFT directory; CPU backend), to measure
+    /// what adapters cost.
+    #[arg(long, value_name = "DIR")]
+    pub lora: Option<PathBuf>,
     /// Print the result as JSON.
     #[arg(long)]
     pub json: bool,

@@ -97,6 +97,7 @@ fn request() -> RequestOptions {
         tier: String::new(),
         tenant: String::new(),
         prompt_logprobs: None,
+        lora: None,
     }
 }
 
@@ -147,6 +148,7 @@ fn start_engine(running: usize) -> (Arc<AtomicU64>, actix::System) {
                     max_pending_requests: running * 4,
                     tier_slos: Vec::new(),
                     async_scheduling: Default::default(),
+                    lora: None,
                 },
                 Box::new(InstantBackend {
                     steps: counter,

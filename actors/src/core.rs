@@ -19,6 +19,7 @@ use std::time::Instant;
 use switchyard_gpu::backend::{
     takes_pending_tokens, Backend, Batch, PromptLogprob, SamplingParams, SeqInput, SeqOutput,
 };
+use switchyard_gpu::LoraAdapter;
 use switchyard_policies::{
     BlockId, BlockPool, FinishReason, IdMap, KvCommit, Policy, Request, RequestId, SamplingLimits,
     Scheduler, SchedulerConfig, SchedulerStats, SeqEvent, SloTargets, StepOutput, StepPlan,
@@ -69,6 +70,9 @@ pub struct SubmitOptions {
     pub request: Request,
     /// What the sampler needs.
     pub sampling: Arc<SamplingParams>,
+    /// The LoRA adapter's weights, when `request.lora_adapter` names one (the id is the
+    /// scheduler's and the prefix cache's; the weights go to the backend with each step).
+    pub adapter: Option<Arc<LoraAdapter>>,
 }
 
 impl SubmitOptions {
@@ -94,7 +98,15 @@ impl SubmitOptions {
                 cache_salt: None,
             },
             sampling,
+            adapter: None,
         }
+    }
+
+    /// Runs the request with a LoRA adapter, `id` being its prefix-cache key.
+    pub fn with_adapter(mut self, id: u32, adapter: Arc<LoraAdapter>) -> Self {
+        self.request.lora_adapter = Some(id);
+        self.adapter = Some(adapter);
+        self
     }
 }
 
@@ -184,6 +196,8 @@ struct LiveRequest {
     prompt: Arc<[TokenId]>,
     /// Sampler settings.
     sampling: Arc<SamplingParams>,
+    /// LoRA adapter weights.
+    adapter: Option<Arc<LoraAdapter>>,
     /// Arrival on the engine clock.
     arrival: Timestamp,
     /// Whether it has been scheduled at least once.
@@ -222,9 +236,13 @@ impl StepCore {
         if self.live.contains_key(&id) {
             return Err(EngineError::DuplicateRequest(id.0));
         }
+        if submit.request.lora_adapter.is_some() != submit.adapter.is_some() {
+            return Err(EngineError::AdapterMismatch(id.0));
+        }
         let live = LiveRequest {
             prompt: submit.request.prompt.clone(),
             sampling: submit.sampling,
+            adapter: submit.adapter,
             arrival: submit.request.arrival,
             started: false,
         };
@@ -415,7 +433,7 @@ impl StepCore {
             entry.seq_id = s.id.0;
             entry.num_computed_tokens = s.num_computed_tokens;
             entry.sample = s.samples;
-            entry.adapter = None;
+            entry.adapter.clone_from(&live.adapter);
             if !Arc::ptr_eq(&entry.sampling, &live.sampling) {
                 entry.sampling = live.sampling.clone();
             }

@@ -15,6 +15,9 @@ pub enum EngineError {
     /// The scheduler planned a sequence the engine has no record of (an internal invariant broke).
     #[error("sequence {0} is scheduled but unknown to the engine")]
     UnknownSequence(u64),
+    /// A request's adapter id and adapter weights disagree (one given without the other).
+    #[error("request {0}: a LoRA adapter id needs its weights and weights need an id")]
+    AdapterMismatch(u64),
     /// The engine stopped before it could answer.
     #[error("the engine has shut down")]
     ShutDown,

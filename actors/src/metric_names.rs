@@ -47,6 +47,15 @@ pub const ENGINE_STEP_OVERHEAD: &str = "switchyard:engine_step_overhead_seconds"
 /// Gauge: sequences in the last step's batch.
 pub const ENGINE_BATCH_SIZE: &str = "switchyard:engine_batch_size";
 
+/// Gauge: LoRA adapters registered (servable by name).
+pub const LORA_ADAPTERS: &str = "switchyard:lora_adapters";
+/// Counter: LoRA adapters loaded from disk (registrations and reloads after eviction).
+pub const LORA_LOADS: &str = "switchyard:lora_adapter_loads_total";
+/// Gauge: distinct LoRA adapters among the running requests.
+pub const LORA_RUNNING_ADAPTERS: &str = "switchyard:lora_running_adapters";
+/// Gauge: waiting requests that name a LoRA adapter.
+pub const LORA_WAITING_REQUESTS: &str = "switchyard:lora_waiting_requests";
+
 /// Label key of [`REQUEST_SUCCESS`].
 pub const LABEL_FINISHED_REASON: &str = "finished_reason";
 
@@ -57,6 +66,9 @@ pub const GAUGES: &[&str] = &[
     KV_CACHE_USAGE_PERC,
     KV_CACHE_CACHED_BLOCKS,
     ENGINE_BATCH_SIZE,
+    LORA_ADAPTERS,
+    LORA_RUNNING_ADAPTERS,
+    LORA_WAITING_REQUESTS,
 ];
 /// Counters among the names above.
 pub const COUNTERS: &[&str] = &[
@@ -67,6 +79,7 @@ pub const COUNTERS: &[&str] = &[
     GENERATION_TOKENS,
     REQUEST_SUCCESS,
     REQUEST_ABORTED,
+    LORA_LOADS,
 ];
 /// Histograms among the names above.
 pub const HISTOGRAMS: &[&str] = &[

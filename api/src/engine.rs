@@ -87,6 +87,45 @@ pub trait Engine: Send + Sync + 'static {
     /// An unknown name or bad parameters are an [`EngineErrorKind::InvalidRequest`] naming the
     /// parameter.
     fn swap_policy(&self, spec: PolicySpec) -> EngineFuture<PolicyInfo>;
+
+    /// The LoRA adapters requests may name as `model`, in registration order. An engine
+    /// without LoRA support has none.
+    fn lora_adapters(&self) -> Vec<LoraAdapterInfo> {
+        Vec::new()
+    }
+
+    /// Loads a LoRA adapter from a directory on the server and serves it under `name`. A bad
+    /// name or file is an [`EngineErrorKind::InvalidRequest`].
+    fn load_lora(&self, name: String, path: String) -> EngineFuture<LoraAdapterInfo> {
+        let _ = (name, path);
+        Box::pin(async { Err(lora_disabled()) })
+    }
+
+    /// Stops serving a LoRA adapter (requests already using it finish with it); an unknown
+    /// name is an [`EngineErrorKind::NotFound`].
+    fn unload_lora(&self, name: String) -> EngineFuture<()> {
+        let _ = name;
+        Box::pin(async { Err(lora_disabled()) })
+    }
+}
+
+/// The error of the LoRA methods of an engine without LoRA support.
+fn lora_disabled() -> EngineError {
+    EngineError::new(
+        EngineErrorKind::InvalidRequest,
+        "LoRA adapters are not enabled on this server",
+    )
+}
+
+/// A LoRA adapter the engine serves.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct LoraAdapterInfo {
+    /// The name requests use as `model`.
+    pub name: String,
+    /// Its directory on the server (shown to admins only).
+    pub path: String,
+    /// Its rank.
+    pub rank: usize,
 }
 
 /// One generation request, validated and bounded by the HTTP layer.
@@ -117,6 +156,9 @@ pub struct GenerateRequest {
     pub tier: String,
     /// Tenant (from the API key), for fair share and prefix-cache isolation.
     pub tenant: String,
+    /// The LoRA adapter to run with (a name from [`Engine::lora_adapters`]); `None` for the
+    /// base model.
+    pub lora: Option<String>,
 }
 
 /// The input a generation continues from.
@@ -389,6 +431,8 @@ pub enum EngineErrorKind {
     },
     /// The engine is not ready or is shutting down.
     Unavailable,
+    /// The request names a model (LoRA adapter) the server does not serve.
+    NotFound,
     /// A bug or a backend failure; the message is logged, the client gets a generic one.
     Internal,
 }
@@ -400,6 +444,7 @@ impl fmt::Display for EngineErrorKind {
             Self::ContextLengthExceeded => "context_length_exceeded",
             Self::Overloaded { .. } => "overloaded",
             Self::Unavailable => "unavailable",
+            Self::NotFound => "not_found",
             Self::Internal => "internal",
         };
         f.write_str(name)

@@ -140,6 +140,11 @@ impl ApiError {
                     SERVER_ERROR,
                     Some("unavailable"),
                 ),
+                EngineErrorKind::NotFound => (
+                    StatusCode::NOT_FOUND,
+                    INVALID_REQUEST,
+                    Some("model_not_found"),
+                ),
                 EngineErrorKind::Internal => {
                     (StatusCode::INTERNAL_SERVER_ERROR, SERVER_ERROR, None)
                 }

@@ -55,6 +55,14 @@ pub const ENGINE_KV_COMMIT: &str = "switchyard:engine_kv_commit_seconds";
 pub const ENGINE_STEP_OVERHEAD: &str = "switchyard:engine_step_overhead_seconds";
 /// Gauge: sequences in the last step's batch.
 pub const ENGINE_BATCH_SIZE: &str = "switchyard:engine_batch_size";
+/// Gauge: LoRA adapters registered (servable by name).
+pub const LORA_ADAPTERS: &str = "switchyard:lora_adapters";
+/// Counter: LoRA adapters loaded from disk (registrations and reloads after eviction).
+pub const LORA_LOADS: &str = "switchyard:lora_adapter_loads_total";
+/// Gauge: distinct LoRA adapters among the running requests.
+pub const LORA_RUNNING_ADAPTERS: &str = "switchyard:lora_running_adapters";
+/// Gauge: waiting requests that name a LoRA adapter.
+pub const LORA_WAITING_REQUESTS: &str = "switchyard:lora_waiting_requests";
 
 /// Gauge, label `policy`: 1 for the scheduling policy in force, 0 for the others seen.
 pub const POLICY_INFO: &str = "switchyard:policy_info";
@@ -228,6 +236,26 @@ pub fn describe_metrics() {
         ENGINE_STEP_OVERHEAD,
         Unit::Seconds,
         "Engine time per step outside the model: planning, the allocator commit, messages, applying outputs."
+    );
+    describe_gauge!(
+        LORA_ADAPTERS,
+        Unit::Count,
+        "LoRA adapters registered (servable by name)."
+    );
+    describe_counter!(
+        LORA_LOADS,
+        Unit::Count,
+        "LoRA adapters loaded from disk (registrations and reloads after eviction)."
+    );
+    describe_gauge!(
+        LORA_RUNNING_ADAPTERS,
+        Unit::Count,
+        "Distinct LoRA adapters among the running requests."
+    );
+    describe_gauge!(
+        LORA_WAITING_REQUESTS,
+        Unit::Count,
+        "Waiting requests that name a LoRA adapter."
     );
     describe_gauge!(
         BACKEND_INFO,

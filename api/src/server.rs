@@ -52,6 +52,17 @@ pub fn configure(cfg: &mut web::ServiceConfig, state: ApiState) {
                         .route(web::get().to(routes::get_policy))
                         .route(web::put().to(routes::put_policy))
                         .default_service(method_not_allowed()),
+                )
+                .service(
+                    web::resource("/lora")
+                        .route(web::get().to(routes::list_lora))
+                        .route(web::post().to(routes::load_lora))
+                        .default_service(method_not_allowed()),
+                )
+                .service(
+                    web::resource("/lora/{name}")
+                        .route(web::delete().to(routes::unload_lora))
+                        .default_service(method_not_allowed()),
                 ),
         )
         .service(

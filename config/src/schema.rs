@@ -81,6 +81,8 @@ pub struct Config {
     pub tiers: BTreeMap<String, TierConfig>,
     /// Logging.
     pub logging: LoggingSection,
+    /// LoRA adapters served on top of the model.
+    pub lora: LoraSection,
 }
 
 /// Which backend executes the model.
@@ -365,6 +367,55 @@ impl Default for LoggingSection {
     }
 }
 
+/// The `lora:` section: adapters served on top of the base model, chosen per request by
+/// `model: <adapter name>`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct LoraSection {
+    /// Serve LoRA adapters (CPU backend).
+    pub enabled: bool,
+    /// Most distinct adapters among the running requests (so in one step); requests for
+    /// further adapters wait.
+    #[serde(deserialize_with = "usize_in::<_, 1, 1024>")]
+    pub max_loras: usize,
+    /// Largest adapter rank accepted.
+    #[serde(deserialize_with = "usize_in::<_, 1, 1024>")]
+    pub max_lora_rank: usize,
+    /// Most adapters registered at once (from this file and the admin API together).
+    #[serde(deserialize_with = "usize_in::<_, 1, 4096>")]
+    pub max_adapters: usize,
+    /// Most adapters kept in memory while no request uses them (least recently used ones
+    /// are dropped and reloaded from disk on their next request).
+    #[serde(deserialize_with = "usize_in::<_, 0, 4096>")]
+    pub max_cpu_loras: usize,
+    /// Adapters registered at start.
+    pub adapters: Vec<LoraAdapterEntry>,
+}
+
+impl Default for LoraSection {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            max_loras: 4,
+            max_lora_rank: 64,
+            max_adapters: 64,
+            max_cpu_loras: 8,
+            adapters: Vec::new(),
+        }
+    }
+}
+
+/// One adapter of `lora.adapters`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct LoraAdapterEntry {
+    /// The name requests use as `model`.
+    pub name: String,
+    /// The PEFT adapter directory (`adapter_config.json`, `adapter_model.safetensors`);
+    /// relative paths are taken from the server's working directory, `~/` is expanded.
+    pub path: String,
+}
+
 /// Most tiers a configuration may declare (tier names become metric labels).
 pub const MAX_TIERS: usize = 32;
 
@@ -441,6 +492,45 @@ impl Config {
                 "scheduler.max_num_batched_tokens".into(),
                 "must be at least max_num_seqs".into(),
             ));
+        }
+        if !self.lora.adapters.is_empty() && !self.lora.enabled {
+            return Err((
+                "lora.adapters".into(),
+                "adapters are listed but lora.enabled is false".into(),
+            ));
+        }
+        if self.lora.adapters.len() > self.lora.max_adapters {
+            return Err((
+                "lora.adapters".into(),
+                format!(
+                    "{} adapters exceed lora.max_adapters ({})",
+                    self.lora.adapters.len(),
+                    self.lora.max_adapters
+                ),
+            ));
+        }
+        for (i, a) in self.lora.adapters.iter().enumerate() {
+            if a.name.is_empty()
+                || a.name.chars().count() > 128
+                || a.name.chars().any(char::is_control)
+            {
+                return Err((
+                    format!("lora.adapters[{i}].name"),
+                    "adapter names are 1-128 characters, no control characters".into(),
+                ));
+            }
+            if self.lora.adapters[..i].iter().any(|b| b.name == a.name) {
+                return Err((
+                    format!("lora.adapters[{i}].name"),
+                    format!("`{}` is listed twice", a.name),
+                ));
+            }
+            if a.path.is_empty() || a.path.len() > 4096 {
+                return Err((
+                    format!("lora.adapters[{i}].path"),
+                    "paths are 1-4096 bytes".into(),
+                ));
+            }
         }
         if self.scheduler.policy.name.is_empty() {
             return Err((

@@ -74,6 +74,11 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
         (None, None) => anyhow::bail!("no model"),
     };
     let config = source.config().clone();
+    let adapter = args
+        .lora
+        .as_deref()
+        .map(|dir| runtime::load_lora(dir, &config))
+        .transpose()?;
     let vocab = config.vocab_size as u64;
     let max_model_len = config.max_position_embeddings;
     let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
@@ -112,6 +117,11 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
         max_num_seqs,
     };
     let (backend, chosen) = runtime::build_backend(kind, source, &settings)?;
+    anyhow::ensure!(
+        adapter.is_none() || backend.supports_lora(),
+        "--lora: the {} backend does not run LoRA adapters",
+        backend.name()
+    );
     drop(loaded);
     let num_blocks = backend.num_kv_blocks();
     let backend_name = backend.name().to_string();
@@ -143,12 +153,11 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
             ignore_eos: true,
             ..SamplingLimits::default()
         };
-        engine.core().add_request(SubmitOptions::offline(
-            i as u64,
-            prompt,
-            limits,
-            sampling.clone(),
-        ))?;
+        let mut submit = SubmitOptions::offline(i as u64, prompt, limits, sampling.clone());
+        if let Some(a) = &adapter {
+            submit = submit.with_adapter(1, a.clone());
+        }
+        engine.core().add_request(submit)?;
     }
     let bar = super::progress_bar(lengths.len() as u64, "requests");
     let start = Instant::now();

@@ -29,6 +29,11 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let path = runtime::resolve_model_path(args.model.as_deref())?;
     let model = runtime::load(&path)?;
     let tokenizer = model.tokenizer.clone();
+    let adapter = args
+        .lora
+        .as_deref()
+        .map(|dir| runtime::load_lora(dir, &model.config))
+        .transpose()?;
     let mut prompts = Vec::with_capacity(args.prompt.len());
     for p in &args.prompt {
         let ids = if args.chat {
@@ -66,6 +71,11 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         &settings,
     )?;
     drop(model);
+    anyhow::ensure!(
+        adapter.is_none() || backend.supports_lora(),
+        "--lora: the {} backend does not run LoRA adapters",
+        backend.name()
+    );
     let num_blocks = backend.num_kv_blocks();
     let scheduler = SchedulerConfig {
         max_num_seqs: 256,
@@ -107,12 +117,11 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             eos_token_id: eos.first().copied(),
             ..SamplingLimits::default()
         };
-        engine.core().add_request(SubmitOptions::offline(
-            id.0,
-            ids,
-            limits,
-            Arc::new(sampling),
-        ))?;
+        let mut submit = SubmitOptions::offline(id.0, ids, limits, Arc::new(sampling));
+        if let Some(a) = &adapter {
+            submit = submit.with_adapter(1, a.clone());
+        }
+        engine.core().add_request(submit)?;
     }
     let stream = outputs.len() == 1 && !args.json;
     let start = Instant::now();

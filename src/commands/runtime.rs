@@ -30,6 +30,20 @@ pub fn resolve_model_path(path: Option<&Path>) -> anyhow::Result<PathBuf> {
     }
 }
 
+/// Loads the LoRA adapter in `dir` for a model of `config` (ranks up to the largest allowed).
+pub fn load_lora(
+    dir: &Path,
+    config: &switchyard_gpu::model::LlamaConfig,
+) -> anyhow::Result<std::sync::Arc<switchyard_gpu::LoraAdapter>> {
+    let limits = switchyard_gpu::LoraLimits {
+        max_rank: switchyard_gpu::lora::MAX_LORA_RANK,
+        ..Default::default()
+    };
+    let adapter = switchyard_gpu::LoraAdapter::load(&expand_home(dir), config, &limits)?;
+    tracing::info!(dir = %dir.display(), rank = adapter.rank(), "LoRA adapter loaded");
+    Ok(std::sync::Arc::new(adapter))
+}
+
 /// Expands a leading `~/`.
 pub fn expand_home(p: &Path) -> PathBuf {
     match (p.strip_prefix("~"), std::env::var_os("HOME")) {

@@ -11,17 +11,19 @@ use std::time::Duration;
 use anyhow::Context;
 use parking_lot::Mutex;
 use switchyard_actors::actors::{
-    ChoiceDelta, Engine as ActorEngine, EngineConfig, EngineOutput, OutputSink, PromptSource,
-    RequestOptions, SubmitError, SubmitErrorKind, TokenLogprobs,
+    AdapterInfo, ChoiceDelta, Engine as ActorEngine, EngineConfig, EngineOutput, LoraManagerConfig,
+    OutputSink, PromptSource, RequestOptions, SubmitError, SubmitErrorKind, TokenLogprobs,
 };
 use switchyard_api::engine::{
     self as port, Delta, EngineError, EngineErrorKind, EngineEvent, EngineFuture, Finish,
-    GenerateRequest, PolicyInfo, PolicySpec, TokenLogprob, TokenizeInput, TopLogprob,
+    GenerateRequest, LoraAdapterInfo, PolicyInfo, PolicySpec, TokenLogprob, TokenizeInput,
+    TopLogprob,
 };
 use switchyard_api::{ApiConfig, ApiKeyEntry, ApiState, ServerOptions};
 use switchyard_config::{Config, LoadFormat};
 use switchyard_gpu::backend::{SamplingParams, MAX_LOGIT_ROWS};
 use switchyard_gpu::model::Tokenizer;
+use switchyard_gpu::LoraLimits;
 use switchyard_policies::{FinishReason, PolicyRegistry, SchedulerConfig, SloTargets, TierSpec};
 use tokio::sync::mpsc;
 
@@ -96,6 +98,16 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     )?;
     // The scheduler plans with the blocks the backend actually holds.
     let num_blocks = backend.num_kv_blocks();
+    let lora = config.lora.enabled.then(|| LoraManagerConfig {
+        model: model.config.clone(),
+        base_name: model_name.clone(),
+        limits: LoraLimits {
+            max_rank: config.lora.max_lora_rank,
+            ..LoraLimits::default()
+        },
+        max_adapters: config.lora.max_adapters,
+        max_loaded: config.lora.max_cpu_loras,
+    });
     drop(model);
     let engine_config = EngineConfig {
         scheduler: SchedulerConfig {
@@ -107,8 +119,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             max_model_len,
             tiers: tiers.clone(),
             max_logit_rows: MAX_LOGIT_ROWS,
-            max_loras: 4,
+            max_loras: config.lora.max_loras,
         },
+        lora,
         hash_key: runtime::random_hash_key(),
         async_scheduling: runtime::async_mode(config.scheduler.async_scheduling),
         tokenizer_threads: 2,
@@ -149,6 +162,14 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     actix_web::rt::System::new().block_on(async move {
         let engine =
             ActorEngine::start(engine_config, backend, tokenizer.clone(), template, policy)?;
+        for a in &config.lora.adapters {
+            let path = runtime::expand_home(Path::new(&a.path));
+            let info = engine
+                .register_adapter(a.name.clone(), path)
+                .await
+                .map_err(|e| anyhow::anyhow!("lora.adapters `{}`: {e}", a.name))?;
+            tracing::info!(name = %info.name, rank = info.rank, "LoRA adapter served");
+        }
         let adapter = Arc::new(EngineAdapter {
             engine,
             tokenizer,
@@ -312,6 +333,7 @@ fn policy_label(name: &str) -> &'static str {
 fn to_port_error(e: SubmitError) -> EngineError {
     let kind = match e.kind {
         SubmitErrorKind::InvalidRequest => EngineErrorKind::InvalidRequest,
+        SubmitErrorKind::UnknownModel => EngineErrorKind::NotFound,
         SubmitErrorKind::ContextLengthExceeded => EngineErrorKind::ContextLengthExceeded,
         SubmitErrorKind::Overloaded => EngineErrorKind::Overloaded {
             retry_after_secs: 1,
@@ -449,6 +471,7 @@ impl port::Engine for EngineAdapter {
             tier: request.tier,
             tenant: request.tenant,
             prompt_logprobs: request.prompt_logprobs,
+            lora: request.lora,
         };
         self.engine.submit(
             options,
@@ -502,5 +525,38 @@ impl port::Engine for EngineAdapter {
     fn swap_policy(&self, spec: PolicySpec) -> EngineFuture<PolicyInfo> {
         let result = self.swap(spec);
         Box::pin(async move { result })
+    }
+
+    fn lora_adapters(&self) -> Vec<LoraAdapterInfo> {
+        self.engine
+            .adapters()
+            .into_iter()
+            .map(port_adapter)
+            .collect()
+    }
+
+    fn load_lora(&self, name: String, path: String) -> EngineFuture<LoraAdapterInfo> {
+        let engine = self.engine.clone();
+        Box::pin(async move {
+            let path = runtime::expand_home(Path::new(&path));
+            engine
+                .register_adapter(name, path)
+                .await
+                .map(port_adapter)
+                .map_err(to_port_error)
+        })
+    }
+
+    fn unload_lora(&self, name: String) -> EngineFuture<()> {
+        let engine = self.engine.clone();
+        Box::pin(async move { engine.unregister_adapter(name).await.map_err(to_port_error) })
+    }
+}
+
+fn port_adapter(a: AdapterInfo) -> LoraAdapterInfo {
+    LoraAdapterInfo {
+        name: a.name,
+        path: a.path.display().to_string(),
+        rank: a.rank,
     }
 }

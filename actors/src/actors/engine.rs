@@ -1,6 +1,7 @@
 //! The [`Engine`] handle: a `Clone` value holding only actor addresses. Front ends submit
 //! requests with a sink for the output; everything else happens in the actors.
 
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -8,6 +9,7 @@ use std::time::Instant;
 use actix::{Actor, Addr, SyncArbiter};
 use switchyard_gpu::backend::{Backend, SamplingParams};
 use switchyard_gpu::model::{ChatTemplate, Tokenizer};
+use switchyard_gpu::{GpuError, LoraAdapter};
 use switchyard_policies::{
     FinishReason, Policy, Request, RequestId, SamplingLimits, SchedulerConfig, SchedulerStats,
     SloTargets,
@@ -16,6 +18,10 @@ use switchyard_policies::{
 use super::allocator::KvAllocatorActor;
 use super::detokenizer::{DetokenizerActor, Register, SetScheduler, StepEvents};
 use super::executor::ExecutorActor;
+use super::lora::{
+    AdapterInfo, LoraError, LoraManager, LoraManagerConfig, LoraRegistry,
+    Register as RegisterAdapter, Resolve, Unregister,
+};
 use super::scheduler::{GetStats, SchedulerActor, Submit, SwapPolicy};
 use super::tokenizer::{Decode, Encode, TokenizerActor};
 use crate::core::{AsyncScheduling, EngineCoreConfig, StepCore, SubmitOptions};
@@ -37,6 +43,8 @@ pub struct EngineConfig {
     pub tier_slos: Vec<(String, SloTargets)>,
     /// Plan and submit each step while the previous one runs.
     pub async_scheduling: AsyncScheduling,
+    /// LoRA adapters: `None` when disabled.
+    pub lora: Option<LoraManagerConfig>,
 }
 
 /// A prompt as the client gave it.
@@ -72,6 +80,8 @@ pub struct RequestOptions {
     /// Report this many top alternatives for every prompt position (completions' `echo` with
     /// `logprobs`); the request then skips the prefix cache, whose tokens are never recomputed.
     pub prompt_logprobs: Option<u32>,
+    /// The name of the LoRA adapter to run the request with; `None` for the base model.
+    pub lora: Option<String>,
 }
 
 /// New output for one choice.
@@ -130,6 +140,8 @@ pub trait OutputSink: Send + 'static {
 pub enum SubmitErrorKind {
     /// Bad input for this model.
     InvalidRequest,
+    /// The request names a model (LoRA adapter) the server does not have.
+    UnknownModel,
     /// Prompt plus completion exceed the context window.
     ContextLengthExceeded,
     /// Too many requests in flight.
@@ -171,6 +183,7 @@ impl Drop for InFlight {
 /// The engine handle.
 #[derive(Clone)]
 pub struct Engine {
+    lora: Option<(Addr<LoraManager>, LoraRegistry)>,
     scheduler: Addr<SchedulerActor>,
     detokenizer: Addr<DetokenizerActor>,
     tokenizers: Addr<TokenizerActor>,
@@ -195,6 +208,22 @@ impl Engine {
             },
             policy,
         )?;
+        let lora = match &config.lora {
+            Some(lc) => {
+                if !backend.supports_lora() {
+                    return Err(EngineError::Backend(GpuError::InvalidConfig(format!(
+                        "LoRA adapters are enabled but the {} backend does not run them (use the CPU backend, or disable lora)",
+                        backend.name()
+                    ))));
+                }
+                let registry = LoraRegistry::default();
+                let (lc, view) = (lc.clone(), registry.clone());
+                let addr =
+                    SyncArbiter::start(1, move || LoraManager::new(lc.clone(), view.clone()));
+                Some((addr, registry))
+            }
+            None => None,
+        };
         let async_scheduling = config.async_scheduling.enabled_for(backend.as_ref());
         tracing::info!(async_scheduling, "engine steps");
         let slot = parking_slot(backend);
@@ -224,6 +253,7 @@ impl Engine {
             .start();
         detokenizer.do_send(SetScheduler(scheduler.clone()));
         Ok(Self {
+            lora,
             scheduler,
             detokenizer,
             tokenizers,
@@ -280,7 +310,17 @@ impl Engine {
                     return;
                 }
             };
-            match this.admit(options, ids, sink, guard, arrival) {
+            let adapter = match &options.lora {
+                None => None,
+                Some(name) => match this.resolve_adapter(name).await {
+                    Ok(a) => Some(a),
+                    Err(e) => {
+                        sink.send(EngineOutput::Error(e));
+                        return;
+                    }
+                },
+            };
+            match this.admit(options, ids, adapter, sink, guard, arrival) {
                 Ok(()) => {}
                 Err((e, mut sink)) => {
                     sink.send(EngineOutput::Error(e));
@@ -295,6 +335,7 @@ impl Engine {
         &self,
         options: RequestOptions,
         prompt: Vec<u32>,
+        adapter: Option<(u32, Arc<LoraAdapter>)>,
         mut sink: Box<dyn OutputSink>,
         guard: InFlight,
         arrival: Instant,
@@ -370,7 +411,7 @@ impl Engine {
                     tenant: options.tenant.clone(),
                     tier: options.tier.clone(),
                     priority: options.priority,
-                    lora_adapter: None,
+                    lora_adapter: adapter.as_ref().map(|(id, _)| *id),
                     arrival: switchyard_policies::Timestamp(0),
                     slo: slo.clone(),
                     prompt: prompt.clone(),
@@ -393,6 +434,7 @@ impl Engine {
                         .map(|_| (id.0 ^ 0x5bd1_e995_0000_0000) | 1),
                 },
                 sampling: Arc::new(sampling),
+                adapter: adapter.as_ref().map(|(_, a)| a.clone()),
             });
         }
         self.detokenizer.do_send(Register {
@@ -442,6 +484,74 @@ impl Engine {
         })?
     }
 
+    /// The id and weights of a registered adapter (loaded from disk if it was evicted).
+    async fn resolve_adapter(&self, name: &str) -> Result<(u32, Arc<LoraAdapter>), SubmitError> {
+        let (addr, _) = self.lora.as_ref().ok_or_else(|| {
+            SubmitError::new(
+                SubmitErrorKind::UnknownModel,
+                LoraError::Disabled.to_string(),
+            )
+        })?;
+        match addr.send(Resolve(name.to_owned())).await {
+            Ok(Ok(a)) => Ok(a),
+            Ok(Err(e)) => Err(lora_submit_error(e)),
+            Err(_) => Err(SubmitError::new(
+                SubmitErrorKind::Unavailable,
+                "the engine is shutting down",
+            )),
+        }
+    }
+
+    /// Registers a LoRA adapter under `name` (loads it to check it).
+    pub async fn register_adapter(
+        &self,
+        name: String,
+        path: PathBuf,
+    ) -> Result<AdapterInfo, SubmitError> {
+        let (addr, _) = self.lora_manager()?;
+        match addr.send(RegisterAdapter { name, path }).await {
+            Ok(r) => r.map_err(lora_submit_error),
+            Err(_) => Err(SubmitError::new(
+                SubmitErrorKind::Unavailable,
+                "the engine is shutting down",
+            )),
+        }
+    }
+
+    /// Unregisters a LoRA adapter; requests using it finish with it.
+    pub async fn unregister_adapter(&self, name: String) -> Result<(), SubmitError> {
+        let (addr, _) = self.lora_manager()?;
+        match addr.send(Unregister(name)).await {
+            Ok(r) => r.map_err(lora_submit_error),
+            Err(_) => Err(SubmitError::new(
+                SubmitErrorKind::Unavailable,
+                "the engine is shutting down",
+            )),
+        }
+    }
+
+    /// The registered LoRA adapters (none when LoRA is disabled).
+    pub fn adapters(&self) -> Vec<AdapterInfo> {
+        self.lora
+            .as_ref()
+            .map(|(_, r)| r.list())
+            .unwrap_or_default()
+    }
+
+    /// Whether `name` is a registered LoRA adapter.
+    pub fn has_adapter(&self, name: &str) -> bool {
+        self.lora.as_ref().is_some_and(|(_, r)| r.contains(name))
+    }
+
+    fn lora_manager(&self) -> Result<&(Addr<LoraManager>, LoraRegistry), SubmitError> {
+        self.lora.as_ref().ok_or_else(|| {
+            SubmitError::new(
+                SubmitErrorKind::InvalidRequest,
+                LoraError::Disabled.to_string(),
+            )
+        })
+    }
+
     /// Replaces the policy at the next step boundary.
     pub fn swap_policy(&self, policy: Box<dyn Policy>) {
         self.scheduler.do_send(SwapPolicy(policy));
@@ -453,6 +563,19 @@ impl Engine {
             SubmitError::new(SubmitErrorKind::Unavailable, "the engine is shutting down")
         })
     }
+}
+
+/// The client-facing form of a LoRA manager error.
+fn lora_submit_error(e: LoraError) -> SubmitError {
+    let kind = match e {
+        LoraError::Unknown(_) => SubmitErrorKind::UnknownModel,
+        LoraError::Disabled
+        | LoraError::Exists(_)
+        | LoraError::BadName(_)
+        | LoraError::Full(_)
+        | LoraError::Load(_) => SubmitErrorKind::InvalidRequest,
+    };
+    SubmitError::new(kind, e.to_string())
 }
 
 /// Moves the backend into the executor thread exactly once.

@@ -16,6 +16,7 @@ mod allocator;
 mod detokenizer;
 mod engine;
 mod executor;
+mod lora;
 mod scheduler;
 mod tokenizer;
 
@@ -23,3 +24,4 @@ pub use engine::{
     ChoiceDelta, Engine, EngineConfig, EngineOutput, OutputSink, PromptSource, RequestOptions,
     SubmitError, SubmitErrorKind, TokenLogprobs,
 };
+pub use lora::{AdapterInfo, LoraError, LoraManagerConfig};

@@ -106,6 +106,8 @@ impl SchedulerActor {
         metrics::counter!(names::PREFIX_CACHE_QUERIES).absolute(s.prefix_queries);
         metrics::counter!(names::PREFIX_CACHE_HITS).absolute(s.prefix_hits);
         metrics::counter!(names::NUM_PREEMPTIONS).absolute(s.num_preemptions);
+        metrics::gauge!(names::LORA_RUNNING_ADAPTERS).set(s.num_running_adapters as f64);
+        metrics::gauge!(names::LORA_WAITING_REQUESTS).set(s.num_waiting_adapter_requests as f64);
     }
 
     /// Starts a step unless one is in flight or there is nothing to do: plan, commit the

@@ -24,15 +24,15 @@ pub(crate) async fn chat_completions(
 ) -> Result<HttpResponse, ApiError> {
     let in_flight = state.admit()?;
     let body: ChatRequest = read_json(&req, payload, state.config.max_body_bytes).await?;
-    check_model(&state, body.model.as_deref())?;
+    let lora = check_model(&state, body.model.as_deref())?;
     let validated = body.validate(state.engine.max_model_len())?;
     let id = request_id("chatcmpl-", request_id_header(&req));
-    let requests = engine_requests(&id, &validated, &principal, None);
+    let requests = engine_requests(&id, &validated, &principal, None, lora.as_deref());
     let generation = Generation::start(&*state.engine, requests, validated.n, "messages").await?;
     let writer = ChatWriter {
         id,
         created: unix_now(),
-        model: state.engine.model_name().to_owned(),
+        model: lora.unwrap_or_else(|| state.engine.model_name().to_owned()),
         logprobs: validated.logprobs.is_some(),
         usage_field: validated.include_usage.then_some(None),
     };

@@ -24,7 +24,7 @@ pub(crate) async fn completions(
 ) -> Result<HttpResponse, ApiError> {
     let in_flight = state.admit()?;
     let body: CompletionRequest = read_json(&req, payload, state.config.max_body_bytes).await?;
-    check_model(&state, body.model.as_deref())?;
+    let lora = check_model(&state, body.model.as_deref())?;
     let validated = body.validate(state.engine.max_model_len())?;
     let id = request_id("cmpl-", request_id_header(&req));
 
@@ -42,13 +42,19 @@ pub(crate) async fn completions(
         None
     };
     let prompt_logprobs = validated.logprobs.filter(|_| validated.echo);
-    let requests = engine_requests(&id, &validated, &principal, prompt_logprobs);
+    let requests = engine_requests(
+        &id,
+        &validated,
+        &principal,
+        prompt_logprobs,
+        lora.as_deref(),
+    );
     let generation = Generation::start(&*state.engine, requests, validated.n, "prompt").await?;
 
     let writer = CompletionWriter {
         id,
         created: unix_now(),
-        model: state.engine.model_name().to_owned(),
+        model: lora.unwrap_or_else(|| state.engine.model_name().to_owned()),
         echo: echo_texts,
         logprobs: validated.logprobs.is_some(),
         offsets: vec![0; generation.choices()],

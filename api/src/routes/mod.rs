@@ -16,15 +16,23 @@ use crate::error::ApiError;
 use crate::schema::Validated;
 use crate::state::ApiState;
 
-/// 404 unless `model` is absent or names the served model.
-pub(crate) fn check_model(state: &ApiState, model: Option<&str>) -> Result<(), ApiError> {
+/// What `model` names: `Ok(None)` for the base model (or no `model`), `Ok(Some(adapter))` for
+/// a LoRA adapter the engine serves, 404 otherwise.
+pub(crate) fn check_model(
+    state: &ApiState,
+    model: Option<&str>,
+) -> Result<Option<String>, ApiError> {
     match model {
-        Some(name) if name != state.engine.model_name() => {
+        None => Ok(None),
+        Some(name) if name == state.engine.model_name() => Ok(None),
+        Some(name) if state.engine.lora_adapters().iter().any(|a| a.name == name) => {
+            Ok(Some(name.to_owned()))
+        }
+        Some(name) => {
             // Bound the echoed name so a huge field cannot bloat the error body.
             let shown: String = name.chars().take(128).collect();
             Err(ApiError::ModelNotFound(shown))
         }
-        _ => Ok(()),
     }
 }
 
@@ -41,6 +49,7 @@ pub(crate) fn engine_requests(
     validated: &Validated,
     principal: &Principal,
     prompt_logprobs: Option<u32>,
+    lora: Option<&str>,
 ) -> Vec<GenerateRequest> {
     let many = validated.prompts.len() > 1;
     validated
@@ -63,6 +72,7 @@ pub(crate) fn engine_requests(
             priority: validated.priority,
             tier: principal.tier.clone(),
             tenant: principal.tenant.clone(),
+            lora: lora.map(str::to_owned),
         })
         .collect()
 }

@@ -11,17 +11,28 @@ use crate::error::ApiError;
 use crate::schema::{parse_messages, MessageField, ModelCard, ModelList, MAX_DETOKENIZE_TOKENS};
 use crate::state::ApiState;
 
-/// `GET /v1/models`.
+/// `GET /v1/models`: the base model, then every LoRA adapter served on it.
 pub(crate) async fn list_models(state: web::Data<ApiState>) -> HttpResponse {
+    let base = state.engine.model_name().to_owned();
+    let card = |id: String, parent: Option<String>| ModelCard {
+        id,
+        object: "model",
+        created: state.started,
+        owned_by: "switchyard",
+        max_model_len: state.engine.max_model_len(),
+        parent,
+    };
+    let mut data = vec![card(base.clone(), None)];
+    data.extend(
+        state
+            .engine
+            .lora_adapters()
+            .into_iter()
+            .map(|a| card(a.name, Some(base.clone()))),
+    );
     HttpResponse::Ok().json(ModelList {
         object: "list",
-        data: vec![ModelCard {
-            id: state.engine.model_name().to_owned(),
-            object: "model",
-            created: state.started,
-            owned_by: "switchyard",
-            max_model_len: state.engine.max_model_len(),
-        }],
+        data,
     })
 }
 
@@ -159,6 +170,60 @@ pub(crate) async fn put_policy(
     let info = state.engine.swap_policy(spec).await?;
     tracing::info!(requested = %name, policy = %info.name, "scheduling policy swapped through the admin API");
     Ok(HttpResponse::Ok().json(info))
+}
+
+/// Body of `POST /admin/lora` (vLLM's `/v1/load_lora_adapter` fields).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct LoadLoraRequest {
+    lora_name: String,
+    lora_path: String,
+}
+
+/// Longest adapter path accepted, in bytes.
+const MAX_LORA_PATH: usize = 4096;
+
+/// `GET /admin/lora`: the adapters served, with their directories.
+pub(crate) async fn list_lora(state: web::Data<ApiState>) -> HttpResponse {
+    HttpResponse::Ok().json(serde_json::json!({ "adapters": state.engine.lora_adapters() }))
+}
+
+/// `POST /admin/lora`: loads an adapter from a directory on the server and serves it.
+pub(crate) async fn load_lora(
+    state: web::Data<ApiState>,
+    req: HttpRequest,
+    payload: web::Payload,
+) -> Result<HttpResponse, ApiError> {
+    let body: LoadLoraRequest = read_json(&req, payload, state.config.max_body_bytes).await?;
+    if body.lora_path.is_empty() || body.lora_path.len() > MAX_LORA_PATH {
+        return Err(ApiError::invalid(
+            "lora_path",
+            format!("lora_path must be 1 to {MAX_LORA_PATH} bytes"),
+        ));
+    }
+    if body.lora_name == state.engine.model_name() {
+        return Err(ApiError::invalid(
+            "lora_name",
+            "that is the base model's name",
+        ));
+    }
+    let info = state
+        .engine
+        .load_lora(body.lora_name, body.lora_path)
+        .await?;
+    tracing::info!(name = %info.name, path = %info.path, "LoRA adapter loaded through the admin API");
+    Ok(HttpResponse::Ok().json(info))
+}
+
+/// `DELETE /admin/lora/{name}`: stops serving an adapter.
+pub(crate) async fn unload_lora(
+    state: web::Data<ApiState>,
+    name: web::Path<String>,
+) -> Result<HttpResponse, ApiError> {
+    let name = name.into_inner();
+    state.engine.unload_lora(name.clone()).await?;
+    tracing::info!(%name, "LoRA adapter unloaded through the admin API");
+    Ok(HttpResponse::Ok().json(serde_json::json!({ "unloaded": name })))
 }
 
 /// Fallback for unknown paths.

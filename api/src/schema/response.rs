@@ -265,6 +265,9 @@ pub struct ModelCard {
     pub owned_by: &'static str,
     /// Context window (vLLM's extension).
     pub max_model_len: usize,
+    /// For a LoRA adapter, the base model it runs on (vLLM's extension); absent for the base.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parent: Option<String>,
 }
 
 #[cfg(test)]

@@ -1,0 +1,219 @@
+//! End-to-end tests of LoRA adapters: the real binary, SmolLM2 on the CPU, HTTP on loopback.
+//!
+//! The adapter is the test adapter of gpu/tests/fixtures/lora/ (rank 4 on every projection),
+//! and the expected answers are Hugging Face transformers' greedy generations with the adapter
+//! merged into its weights (gpu/tests/fixtures/lora_golden.json, made by
+//! gpu/reference/make_lora_golden.py); the base model's are from smollm2_golden.json.
+
+mod common;
+
+use common::Server;
+use serde_json::{json, Value};
+
+const ADMIN: (&str, &str) = ("Authorization", "Bearer admin-secret-key");
+
+fn adapter_dir() -> &'static str {
+    concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/gpu/tests/fixtures/lora/smollm2-r4"
+    )
+}
+
+fn server() -> Server {
+    Server::start_with(
+        "lora",
+        "  admin_key: admin-secret-key\n",
+        &format!(
+            "scheduler:
+  max_num_seqs: 16
+  max_num_batched_tokens: 1024
+lora:
+  enabled: true
+  max_loras: 2
+  adapters:
+    - name: tuned
+      path: {}
+",
+            adapter_dir()
+        ),
+    )
+}
+
+/// The reference completion `name` of a golden fixture.
+fn reference(fixture: &str, name: &str) -> String {
+    let path = format!(
+        "{}/gpu/tests/fixtures/{fixture}",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(path).expect("fixture"))
+        .expect("fixture json");
+    let g = v["generations"]
+        .as_array()
+        .expect("generations")
+        .iter()
+        .find(|g| g["name"] == name)
+        .unwrap_or_else(|| panic!("no generation {name} in {fixture}"))
+        .clone();
+    g["completion"].as_str().expect("completion").to_string()
+}
+
+fn base_name(s: &Server) -> String {
+    let r = s.request("GET", "/v1/models", None, &[]).expect("models");
+    let v: Value = serde_json::from_str(&r.body).expect("json");
+    v["data"][0]["id"].as_str().expect("id").to_string()
+}
+
+/// Greedy chat answer of `model` to the haiku prompt of both fixtures.
+fn haiku(s: &Server, model: &str) -> (u16, Value) {
+    s.post_json(
+        "/v1/chat/completions",
+        &json!({"model": model, "max_tokens": 12, "temperature": 0,
+                "messages": [{"role": "user", "content": "Write a haiku about trains."}]}),
+    )
+}
+
+fn assert_prefix(text: &str, reference: &str, what: &str) {
+    assert!(
+        !text.is_empty() && reference.starts_with(text),
+        "{what}: {text:?} is not a prefix of the reference {reference:?}"
+    );
+}
+
+#[test]
+fn requests_naming_the_adapter_follow_the_reference_and_others_the_base_model() {
+    let s = &server();
+    let base = base_name(s);
+    // Models: the base, then the adapter with its parent.
+    let r = s.request("GET", "/v1/models", None, &[]).expect("models");
+    let models: Value = serde_json::from_str(&r.body).expect("json");
+    assert_eq!(models["data"][1]["id"], "tuned", "{models}");
+    assert_eq!(models["data"][1]["parent"], base.as_str());
+    assert!(models["data"][0].get("parent").is_none());
+
+    // The base model first: its prompt blocks enter the prefix cache, and the adapter's
+    // request for the same prompt must not reuse them (the adapter id is part of the key).
+    let (status, v) = haiku(s, &base);
+    assert_eq!(status, 200, "{v}");
+    let text = v["choices"][0]["message"]["content"]
+        .as_str()
+        .expect("content");
+    assert_prefix(
+        text,
+        &reference("smollm2_golden.json", "chat-haiku"),
+        "base",
+    );
+    let (status, v) = haiku(s, "tuned");
+    assert_eq!(status, 200, "{v}\n{}", s.log());
+    assert_eq!(v["model"], "tuned");
+    let text = v["choices"][0]["message"]["content"]
+        .as_str()
+        .expect("content");
+    assert_prefix(
+        text,
+        &reference("lora_golden.json", "chat-haiku"),
+        "adapter",
+    );
+
+    // Both at once, in one batch, each with its own answer.
+    let prompt = |model: &str| {
+        json!({"model": model, "prompt": "The capital of France is", "max_tokens": 12,
+               "temperature": 0})
+    };
+    let (a, b) = std::thread::scope(|scope| {
+        let t = scope.spawn(|| s.post_json("/v1/completions", &prompt("tuned")));
+        let b = s.post_json("/v1/completions", &prompt(&base));
+        (t.join().expect("thread"), b)
+    });
+    assert_eq!((a.0, b.0), (200, 200), "{a:?} {b:?}");
+    let lora_ref = reference("lora_golden.json", "raw-capital");
+    let text = a.1["choices"][0]["text"].as_str().expect("text");
+    assert_prefix(text, &lora_ref, "adapter, batched");
+    let text = b.1["choices"][0]["text"].as_str().expect("text");
+    assert!(
+        !lora_ref.starts_with(text),
+        "the base model answered like the adapter: {text:?}"
+    );
+
+    // A model nobody serves.
+    let (status, v) = haiku(s, "no-such-adapter");
+    assert_eq!(status, 404, "{v}");
+    assert_eq!(v["error"]["code"], "model_not_found");
+}
+
+#[test]
+fn adapters_load_and_unload_at_run_time_through_the_admin_api() {
+    let s = &server();
+    let load = |body: &Value, headers: &[(&str, &str)]| {
+        let r = s
+            .request("POST", "/admin/lora", Some(&body.to_string()), headers)
+            .expect("request");
+        let v: Value = serde_json::from_str(&r.body).unwrap_or(Value::Null);
+        (r.status, v)
+    };
+    let body = json!({"lora_name": "second", "lora_path": adapter_dir()});
+    assert_eq!(load(&body, &[]).0, 401, "the admin key is required");
+    let (status, v) = load(&body, &[ADMIN]);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(
+        (v["name"].as_str(), v["rank"].as_u64()),
+        (Some("second"), Some(4))
+    );
+    let (status, v) = load(&body, &[ADMIN]);
+    assert_eq!(status, 400, "a name is loaded once: {v}");
+    assert!(v["error"]["message"]
+        .as_str()
+        .unwrap_or("")
+        .contains("already"));
+    let (status, v) = load(
+        &json!({"lora_name": "broken", "lora_path": "/nonexistent/adapter"}),
+        &[ADMIN],
+    );
+    assert_eq!(status, 400, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("adapter_config.json"),
+        "{v}"
+    );
+    let (status, _) = load(&json!({"lora_name": "x"}), &[ADMIN]);
+    assert_eq!(status, 400, "lora_path is required");
+
+    let listed = s
+        .request("GET", "/admin/lora", None, &[ADMIN])
+        .expect("list");
+    let listed: Value = serde_json::from_str(&listed.body).expect("json");
+    let names: Vec<&str> = listed["adapters"]
+        .as_array()
+        .expect("adapters")
+        .iter()
+        .filter_map(|a| a["name"].as_str())
+        .collect();
+    assert_eq!(names, ["tuned", "second"]);
+
+    let (status, v) = haiku(s, "second");
+    assert_eq!(status, 200, "{v}");
+    let text = v["choices"][0]["message"]["content"]
+        .as_str()
+        .expect("content");
+    assert_prefix(
+        text,
+        &reference("lora_golden.json", "chat-haiku"),
+        "loaded at run time",
+    );
+    assert_eq!(s.metric("switchyard:lora_adapters"), Some(2.0));
+
+    let r = s
+        .request("DELETE", "/admin/lora/second", None, &[ADMIN])
+        .expect("unload");
+    assert_eq!(r.status, 200, "{}", r.body);
+    let (status, v) = haiku(s, "second");
+    assert_eq!(status, 404, "unloaded: {v}");
+    let r = s
+        .request("DELETE", "/admin/lora/second", None, &[ADMIN])
+        .expect("unload");
+    assert_eq!(r.status, 404, "{}", r.body);
+    assert_eq!(s.metric("switchyard:lora_adapters"), Some(1.0));
+    // The remaining adapter still serves.
+    assert_eq!(haiku(s, "tuned").0, 200);
+}
