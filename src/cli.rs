@@ -146,7 +146,7 @@ pub struct GenerateArgs {
     /// Print JSON lines instead of text.
     #[arg(long)]
     pub json: bool,
-    /// Run every prompt with this LoRA adapter (a PEFT directory; CPU backend).
+    /// Run every prompt with this LoRA adapter (a PEFT directory).
     #[arg(long, value_name = "DIR")]
     pub lora: Option<PathBuf>,
     /// Plan and submit each step while the previous one runs on the device: auto (on with
@@ -299,8 +299,8 @@ pub struct ThroughputArgs {
     /// Seed for the random prompts.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Run every prompt with this LoRA adapter (a PEFT directory; CPU backend), to measure
-    /// what adapters cost.
+    /// Run every prompt with this LoRA adapter (a PEFT directory), to measure what adapters
+    /// cost.
     #[arg(long, value_name = "DIR")]
     pub lora: Option<PathBuf>,
     /// Print the result as JSON.

@@ -372,7 +372,7 @@ impl Default for LoggingSection {
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct LoraSection {
-    /// Serve LoRA adapters (CPU backend).
+    /// Serve LoRA adapters.
     pub enabled: bool,
     /// Most distinct adapters among the running requests (so in one step); requests for
     /// further adapters wait.

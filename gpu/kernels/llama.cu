@@ -378,6 +378,100 @@ extern "C" __global__ void silu_mul(const bf16* gu, bf16* out, int inter, u64 to
 }
 
 // ---------------------------------------------------------------------------------------------
+// LoRA adapters (steps whose batch names one; the host runs them on the unfused route). A step's
+// adapters are slots 0..K; `row_slot[row]` is a token's slot or -1; `ptrs` holds, per slot, layer
+// and target (q, k, v, o, gate, up, down), the device addresses of A (rank x in, bf16) and of B
+// (out x rank, bf16, scaled, rows in the base weight's stored order), 0 for targets the adapter
+// leaves alone; `ranks[slot]` is the slot's rank.
+
+__device__ __forceinline__ const bf16* lora_matrix(const u64* ptrs, int slot, int layers, int layer,
+                                                   int target, int which) {
+    return reinterpret_cast<const bf16*>(
+        ptrs[(((u64)slot * layers + layer) * 7 + target) * 2 + which]);
+}
+
+// u[row, u_off + j] = A[j, :] . x[row, :] for the rows with an adapter; a warp per rank index.
+extern "C" __global__ void lora_shrink(const bf16* x, int x_stride, int din, const int* row_slot,
+                                       const u64* ptrs, const int* ranks, int layers, int layer,
+                                       int target, float* u, int u_stride, int u_off, int rows) {
+    PDL_ENTER();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (int row = blockIdx.x; row < rows; row += gridDim.x) {
+        const int s = row_slot[row];
+        if (s < 0) continue;
+        const bf16* A = lora_matrix(ptrs, s, layers, layer, target, 0);
+        if (A == nullptr) continue;
+        const bf16* xr = x + (u64)row * x_stride;
+        for (int j = warp; j < ranks[s]; j += nw) {
+            const bf16* a = A + (u64)j * din;
+            float acc = 0.f;
+            for (int k = lane; k < din; k += 32)
+                acc = fmaf(__bfloat162float(a[k]), __bfloat162float(xr[k]), acc);
+            acc = warp_sum(acc);
+            if (lane == 0) u[(u64)row * u_stride + u_off + j] = acc;
+        }
+    }
+}
+
+// out[row, off + o] += B[o, :] . u[row, :] for the rows with an adapter (f32 out).
+extern "C" __global__ void lora_expand(const float* u, int u_stride, const int* row_slot,
+                                       const u64* ptrs, const int* ranks, int layers, int layer,
+                                       int target, float* out, int out_stride, int off, int dout,
+                                       int rows) {
+    PDL_ENTER();
+    const int o = blockIdx.x * blockDim.x + threadIdx.x;
+    if (o >= dout) return;
+    for (int row = blockIdx.y; row < rows; row += gridDim.y) {
+        const int s = row_slot[row];
+        if (s < 0) continue;
+        const bf16* B = lora_matrix(ptrs, s, layers, layer, target, 1);
+        if (B == nullptr) continue;
+        const int r = ranks[s];
+        const float* ur = u + (u64)row * u_stride;
+        const bf16* b = B + (u64)o * r;
+        float acc = 0.f;
+        for (int j = 0; j < r; j++) acc = fmaf(__bfloat162float(b[j]), ur[j], acc);
+        out[(u64)row * out_stride + off + o] += acc;
+    }
+}
+
+// silu_mul for LoRA steps: act = silu(g + dg) * (up + dup), the gate's and up's updates
+// (B . u, with the gate's u at column 0 and the up's at `up_off`) added in f32 to the bf16
+// product, so a value is rounded once, as in silu_mul.
+extern "C" __global__ void lora_silu_mul(const bf16* gu, bf16* act, int inter, const float* u,
+                                         int u_stride, int up_off, const int* row_slot,
+                                         const u64* ptrs, const int* ranks, int layers, int layer,
+                                         int rows) {
+    PDL_ENTER();
+    const int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= inter) return;
+    for (int row = blockIdx.y; row < rows; row += gridDim.y) {
+        float g = __bfloat162float(gu[(u64)row * 2 * inter + j]);
+        float up = __bfloat162float(gu[(u64)row * 2 * inter + inter + j]);
+        const int s = row_slot[row];
+        if (s >= 0) {
+            const int r = ranks[s];
+            const float* ur = u + (u64)row * u_stride;
+            const bf16* bg = lora_matrix(ptrs, s, layers, layer, 4, 1);
+            const bf16* bu = lora_matrix(ptrs, s, layers, layer, 5, 1);
+            if (bg != nullptr) {
+                float acc = 0.f;
+                for (int k = 0; k < r; k++)
+                    acc = fmaf(__bfloat162float(bg[(u64)j * r + k]), ur[k], acc);
+                g += acc;
+            }
+            if (bu != nullptr) {
+                float acc = 0.f;
+                for (int k = 0; k < r; k++)
+                    acc = fmaf(__bfloat162float(bu[(u64)j * r + k]), ur[up_off + k], acc);
+                up += acc;
+            }
+        }
+        act[(u64)row * inter + j] = __float2bfloat16(silu_times(g, up));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Paged attention on the tensor cores (flash-attention 2 style), for prefill chunks and decodes
 // in one launch.
 //

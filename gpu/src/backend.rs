@@ -35,8 +35,8 @@ pub struct SeqInput {
     pub sample: bool,
     /// Sampling parameters of the request.
     pub sampling: Arc<SamplingParams>,
-    /// The request's LoRA adapter, if any (loaded for this backend's model; backends without
-    /// [`Backend::supports_lora`] reject a batch that names one).
+    /// The request's LoRA adapter, if any (loaded for this backend's model; only for backends
+    /// with [`Backend::supports_lora`]).
     pub adapter: Option<Arc<LoraAdapter>>,
 }
 
@@ -467,18 +467,6 @@ fn adapters_of(batch: &Batch) -> Vec<Option<&LoraAdapter>> {
         return Vec::new();
     }
     batch.seqs.iter().map(|s| s.adapter.as_deref()).collect()
-}
-
-/// Fails if a sequence of the batch names a LoRA adapter (for backends that run none).
-#[cfg(feature = "cuda")]
-pub(crate) fn reject_adapters(batch: &Batch, backend: &str) -> Result<(), GpuError> {
-    match batch.seqs.iter().find(|s| s.adapter.is_some()) {
-        Some(s) => Err(GpuError::BadBatch(format!(
-            "sequence {} names a LoRA adapter; the {backend} backend does not run adapters",
-            s.seq_id
-        ))),
-        None => Ok(()),
-    }
 }
 
 /// Checks that an entry feeding a [`PENDING_TOKEN`] may: it is the one token of a sampling

@@ -131,6 +131,21 @@ pub struct LoraPair {
 }
 
 impl LoraPair {
+    /// The rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// `A`, `rank x in`, row-major.
+    pub fn a(&self) -> &[f32] {
+        &self.a
+    }
+
+    /// `scale * B`, `out x rank`, row-major, rows in the base model's order.
+    pub fn b(&self) -> &[f32] {
+        &self.b
+    }
+
     /// A pair from `A` and `B` in the Hugging Face layout: `B` scaled, and for GGUF models
     /// (interleaved RoPE) the q and k rows of `B` permuted as the base weights were.
     fn new(
@@ -576,7 +591,7 @@ impl LoraAdapter {
     }
 
     /// The pair of `target` in `layer`, if adapted.
-    pub(crate) fn pair(&self, layer: usize, target: LoraTarget) -> Option<&LoraPair> {
+    pub fn pair(&self, layer: usize, target: LoraTarget) -> Option<&LoraPair> {
         self.layers.get(layer)?[target.index()].as_ref()
     }
 }

@@ -361,6 +361,9 @@ pub(crate) struct Kernels {
     pub rms_norm: CudaFunction,
     pub rope_store_kv: CudaFunction,
     pub silu_mul: CudaFunction,
+    pub lora_shrink: CudaFunction,
+    pub lora_expand: CudaFunction,
+    pub lora_silu_mul: CudaFunction,
     /// Paged attention in one-warp blocks (tiles of at most 16 rows), head dims 64 and 128.
     pub attention_w1: [CudaFunction; 2],
     /// Paged attention in four-warp blocks (larger tiles).
@@ -494,6 +497,9 @@ impl Gpu {
             rms_norm: f("rms_norm")?,
             rope_store_kv: f("rope_store_kv")?,
             silu_mul: f("silu_mul")?,
+            lora_shrink: f("lora_shrink")?,
+            lora_expand: f("lora_expand")?,
+            lora_silu_mul: f("lora_silu_mul")?,
             attention_w1: [f("attention_w1_64")?, f("attention_w1_128")?],
             attention_w4: [f("attention_w4_64")?, f("attention_w4_128")?],
             attention_combine: f("attention_combine")?,

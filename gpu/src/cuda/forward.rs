@@ -18,6 +18,7 @@ use super::device::{cuda_err, Arg, DevMem, GemvInput, GemvOutput, Gpu, Product, 
 use super::step::{grid_splits, one_warp_tiles, Layout, ATT_SMALL_ROWS, MAX_SPLITS};
 use super::weights::GpuWeights;
 use crate::error::GpuError;
+use crate::lora::LoraTarget;
 use crate::model::{LlamaConfig, RopeStyle};
 
 /// Decode batch sizes that get a CUDA graph.
@@ -149,6 +150,115 @@ pub(crate) struct Launch {
 }
 
 /// Enqueues the forward pass of one step (no synchronisation, so it can be captured).
+/// A step's LoRA adapters on the device (see `lora_shrink`, `lora_expand` and `lora_silu_mul`
+/// in the kernels).
+pub(crate) struct LoraStep {
+    /// `i32` per token: the token's adapter slot, or -1.
+    pub row_slot: u64,
+    /// `i32` per slot: its rank.
+    pub ranks: u64,
+    /// `u64` per (slot, layer, target, A|B): device addresses, 0 for targets not adapted.
+    pub ptrs: u64,
+    /// f32 scratch, two halves of `max_rank` per token (the up projection's `u` in the second).
+    pub u: u64,
+    /// The largest rank of the step's adapters.
+    pub max_rank: usize,
+}
+
+impl LoraStep {
+    fn args(&self, c: &LlamaConfig, layer: usize) -> [Arg; 5] {
+        [
+            Arg::Ptr(self.row_slot),
+            Arg::Ptr(self.ptrs),
+            Arg::Ptr(self.ranks),
+            Arg::I32(c.num_layers as i32),
+            Arg::I32(layer as i32),
+        ]
+    }
+
+    /// `u[:, u_off..] = A x` for `target` from the bf16 input `x` (`din` wide, `x_stride` per
+    /// token).
+    #[allow(clippy::too_many_arguments)]
+    fn shrink(
+        &self,
+        gpu: &Gpu,
+        c: &LlamaConfig,
+        t: usize,
+        layer: usize,
+        target: LoraTarget,
+        (x, x_stride, din): (u64, usize, usize),
+        u_off: usize,
+    ) -> Result<(), GpuError> {
+        let i32v = |v: usize| Arg::I32(v as i32);
+        let [row_slot, ptrs, ranks, layers, layer] = self.args(c, layer);
+        gpu.timed("lora", || {
+            gpu.launch(
+                &gpu.k.lora_shrink,
+                (t.min(65_535) as u32, 1, 1),
+                128,
+                &[
+                    Arg::Ptr(x),
+                    i32v(x_stride),
+                    i32v(din),
+                    row_slot,
+                    ptrs,
+                    ranks,
+                    layers,
+                    layer,
+                    i32v(target as usize),
+                    Arg::Ptr(self.u),
+                    i32v(2 * self.max_rank),
+                    i32v(u_off),
+                    i32v(t),
+                ],
+            )
+        })
+    }
+
+    /// Adds `target`'s update `B u` to the f32 `out` (`out_stride` per token, the target's
+    /// part at `off`, `dout` wide), from `x` as in [`LoraStep::shrink`].
+    #[allow(clippy::too_many_arguments)]
+    fn update(
+        &self,
+        gpu: &Gpu,
+        c: &LlamaConfig,
+        t: usize,
+        layer: usize,
+        target: LoraTarget,
+        x: (u64, usize, usize),
+        (out, out_stride, off, dout): (u64, usize, usize, usize),
+    ) -> Result<(), GpuError> {
+        self.shrink(gpu, c, t, layer, target, x, 0)?;
+        let i32v = |v: usize| Arg::I32(v as i32);
+        let [row_slot, ptrs, ranks, layers, layer] = self.args(c, layer);
+        gpu.timed("lora", || {
+            gpu.launch(
+                &gpu.k.lora_expand,
+                (dout.div_ceil(256) as u32, t.min(65_535) as u32, 1),
+                256,
+                &[
+                    Arg::Ptr(self.u),
+                    i32v(2 * self.max_rank),
+                    row_slot,
+                    ptrs,
+                    ranks,
+                    layers,
+                    layer,
+                    i32v(target as usize),
+                    Arg::Ptr(out),
+                    i32v(out_stride),
+                    i32v(off),
+                    i32v(dout),
+                    i32v(t),
+                ],
+            )
+        })
+    }
+}
+
+/// Enqueues one step's forward pass; with `lora`, the step runs on the unfused route (cuBLAS
+/// products, separate norm, RoPE and SiLU kernels) with each adapted product's LoRA update
+/// added after it.
 pub(crate) fn enqueue(
     gpu: &Gpu,
     c: &LlamaConfig,
@@ -156,6 +266,7 @@ pub(crate) fn enqueue(
     b: &Buffers,
     block_size: usize,
     l: &Launch,
+    lora: Option<&LoraStep>,
 ) -> Result<(), GpuError> {
     let k = &gpu.k;
     let (h, hd) = (c.hidden_size, c.head_dim);
@@ -204,8 +315,8 @@ pub(crate) fn enqueue(
     // The hybrid route (`Gpu::gemv_hybrid`): only the QKV product (with the norm prologue) and
     // the output projection on the GEMV kernels; the wide gate|up and down products and the
     // lm_head on cuBLAS.
-    let model_gemv = gpu.gemv_for(h, t);
-    let hybrid = !model_gemv && gpu.gemv_hybrid(h, t);
+    let model_gemv = lora.is_none() && gpu.gemv_for(h, t);
+    let hybrid = lora.is_none() && !model_gemv && gpu.gemv_hybrid(h, t);
     let first = w.layers.first();
     let fits = (model_gemv || hybrid)
         && first.is_some_and(|f| {
@@ -293,6 +404,17 @@ pub(crate) fn enqueue(
                 })?;
             }
         }
+        if let Some(lo) = lora {
+            let qkv_w = qw + 2 * kvw;
+            for (target, off, width) in [
+                (LoraTarget::Q, 0, qw),
+                (LoraTarget::K, qw, kvw),
+                (LoraTarget::V, qw + kvw, kvw),
+            ] {
+                let out = (b.qkv.ptr(), qkv_w, off, width);
+                lo.update(gpu, c, t, li, target, (b.xn.ptr(), h, h), out)?;
+            }
+        }
         if !rope_in_gemv {
             gpu.timed("rope_store_kv", || {
                 gpu.launch(
@@ -346,6 +468,10 @@ pub(crate) fn enqueue(
                 },
             )
         })?;
+        if let Some(lo) = lora {
+            let out = (b.x.ptr(), h, 0, h);
+            lo.update(gpu, c, t, li, LoraTarget::O, (b.att.ptr(), qw, qw), out)?;
+        }
         if fuse_glu {
             // act = silu(gate) * up straight from the product.
             let (input, class) = if fuse_norm {
@@ -389,27 +515,56 @@ pub(crate) fn enqueue(
                     )
                 },
             )?;
-            let total = t * inter;
-            // 8 outputs per thread and a row of blocks per token when inter allows (see the
-            // kernel), else a grid-stride loop.
-            let grid = if inter % 8 == 0 {
-                ((inter / 8).div_ceil(256) as u32, t.min(65_535) as u32, 1)
+            if let Some(lo) = lora {
+                // The gate's and up's `u`, then both updates inside SiLU x up.
+                let x = (b.xn.ptr(), h, h);
+                lo.shrink(gpu, c, t, li, LoraTarget::Gate, x, 0)?;
+                lo.shrink(gpu, c, t, li, LoraTarget::Up, x, lo.max_rank)?;
+                let [row_slot, ptrs, ranks, layers, layer] = lo.args(c, li);
+                gpu.timed("lora_silu_mul", || {
+                    gpu.launch(
+                        &k.lora_silu_mul,
+                        (inter.div_ceil(256) as u32, t.min(65_535) as u32, 1),
+                        256,
+                        &[
+                            Arg::Ptr(b.gu.ptr()),
+                            Arg::Ptr(b.act.ptr()),
+                            i32v(inter),
+                            Arg::Ptr(lo.u),
+                            i32v(2 * lo.max_rank),
+                            i32v(lo.max_rank),
+                            row_slot,
+                            ptrs,
+                            ranks,
+                            layers,
+                            layer,
+                            i32v(t),
+                        ],
+                    )
+                })?;
             } else {
-                (total.div_ceil(256).min(65_536) as u32, 1, 1)
-            };
-            gpu.timed("silu_mul", || {
-                gpu.launch(
-                    &k.silu_mul,
-                    grid,
-                    256,
-                    &[
-                        Arg::Ptr(b.gu.ptr()),
-                        Arg::Ptr(b.act.ptr()),
-                        i32v(inter),
-                        Arg::U64(total as u64),
-                    ],
-                )
-            })?;
+                let total = t * inter;
+                // 8 outputs per thread and a row of blocks per token when inter allows (see the
+                // kernel), else a grid-stride loop.
+                let grid = if inter % 8 == 0 {
+                    ((inter / 8).div_ceil(256) as u32, t.min(65_535) as u32, 1)
+                } else {
+                    (total.div_ceil(256).min(65_536) as u32, 1, 1)
+                };
+                gpu.timed("silu_mul", || {
+                    gpu.launch(
+                        &k.silu_mul,
+                        grid,
+                        256,
+                        &[
+                            Arg::Ptr(b.gu.ptr()),
+                            Arg::Ptr(b.act.ptr()),
+                            i32v(inter),
+                            Arg::U64(total as u64),
+                        ],
+                    )
+                })?;
+            }
         }
         gpu.timed(if small { "gemv_down" } else { "gemm_down" }, || {
             gpu.gemm_with(
@@ -426,6 +581,18 @@ pub(crate) fn enqueue(
                 },
             )
         })?;
+        if let Some(lo) = lora {
+            let out = (b.x.ptr(), h, 0, h);
+            lo.update(
+                gpu,
+                c,
+                t,
+                li,
+                LoraTarget::Down,
+                (b.act.ptr(), inter, inter),
+                out,
+            )?;
+        }
     }
     norm(s(lay.logit_rows)?, w.norm.ptr(), b.xs.ptr(), l.rows)?;
     let head_gemv =
@@ -627,7 +794,7 @@ impl Graphs {
             gpu.stream
                 .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
                 .map_err(|e| cuda_err("begin capture", e))?;
-            let enq = enqueue(gpu, c, w, b, block_size, &l);
+            let enq = enqueue(gpu, c, w, b, block_size, &l, None);
             let end = gpu.stream.end_capture(sys::CUgraphInstantiate_flags(0));
             match (enq, end) {
                 (Ok(()), Ok(Some(g))) => {

@@ -18,6 +18,7 @@
 
 pub mod device;
 mod forward;
+mod lora;
 mod lt;
 mod sampling;
 mod step;
@@ -32,8 +33,8 @@ use rand::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use crate::backend::{
-    logit_rows_of, prompt_logprobs, reject_adapters, validate_batch, Backend, Batch, SeqOutput,
-    MAX_LOGIT_ROWS, PENDING_TOKEN,
+    logit_rows_of, prompt_logprobs, validate_batch, Backend, Batch, SeqOutput, MAX_LOGIT_ROWS,
+    PENDING_TOKEN,
 };
 use crate::error::GpuError;
 use crate::model::{LlamaConfig, ModelWeights};
@@ -89,6 +90,8 @@ pub struct CudaBackend {
     // Field order is drop order: graphs and buffers before the weights, all before the device.
     graphs: Graphs,
     buf: Buffers,
+    /// LoRA adapters on the device and their per-step table.
+    loras: lora::DeviceLoras,
     edit_buf: Option<device::DevMem>,
     weights: GpuWeights,
     timing: Option<timing::StepTiming>,
@@ -332,6 +335,7 @@ impl CudaBackend {
         Ok(CudaBackend {
             graphs: Graphs::default(),
             buf,
+            loras: lora::DeviceLoras::default(),
             edit_buf: None,
             weights,
             timing,
@@ -384,7 +388,6 @@ impl CudaBackend {
             self.buf.max_tokens,
             false,
         )?;
-        reject_adapters(batch, "CUDA")?;
         if !self.submitted.is_empty() {
             return Err(GpuError::Internal(
                 "logits with submitted steps not collected".into(),
@@ -395,8 +398,11 @@ impl CudaBackend {
         let launch = self.eager_launch(&d);
         let n = self.next_step;
         self.next_step += 1;
+        let lora = self
+            .loras
+            .prepare(&self.gpu, &self.config, batch, d.tokens.len(), n)?;
         self.upload_step(n, &d, &[], &launch)?;
-        self.enqueue(&launch)?;
+        self.enqueue(&launch, lora.as_ref())?;
         let vocab = self.config.vocab_size;
         let mut out = vec![0f32; d.logit_rows.len() * vocab];
         self.gpu.download(&mut out, self.buf.logits.ptr())?;
@@ -404,8 +410,9 @@ impl CudaBackend {
         Ok(out)
     }
 
-    /// Enqueues the forward pass of the uploaded step without a graph.
-    fn enqueue(&self, launch: &Launch) -> Result<(), GpuError> {
+    /// Enqueues the forward pass of the uploaded step without a graph, with the step's LoRA
+    /// adapters if it has any.
+    fn enqueue(&self, launch: &Launch, lora: Option<&forward::LoraStep>) -> Result<(), GpuError> {
         forward::enqueue(
             &self.gpu,
             &self.config,
@@ -413,6 +420,7 @@ impl CudaBackend {
             &self.buf,
             self.block_size,
             launch,
+            lora,
         )
     }
 
@@ -537,6 +545,10 @@ impl Backend for CudaBackend {
         self.states.remove(&seq_id);
     }
 
+    fn supports_lora(&self) -> bool {
+        true
+    }
+
     fn pipelines(&self) -> bool {
         true
     }
@@ -622,7 +634,6 @@ impl CudaBackend {
             self.buf.max_tokens,
             pending_ok,
         )?;
-        reject_adapters(batch, "CUDA")?;
         let vocab = c.vocab_size;
         let prompt_lp: Vec<bool> = batch
             .seqs
@@ -677,8 +688,12 @@ impl CudaBackend {
         }
         let n_step = self.next_step;
         self.next_step += 1;
-        // Decode-only steps replay a graph.
-        let decode_only = batch.seqs.iter().all(|s| s.tokens.len() == 1 && s.sample);
+        let lora = self
+            .loras
+            .prepare(&self.gpu, &self.config, batch, d.tokens.len(), n_step)?;
+        // Decode-only steps without LoRA adapters replay a graph.
+        let decode_only =
+            lora.is_none() && batch.seqs.iter().all(|s| s.tokens.len() == 1 && s.sample);
         let bucket = if decode_only {
             bucket_for(batch.seqs.len(), self.max_graph_batch)
         } else {
@@ -703,7 +718,7 @@ impl CudaBackend {
         }
         if !ran_graph {
             self.upload_step(n_step, &d, &samples, &launch)?;
-            self.enqueue(&launch)?;
+            self.enqueue(&launch, lora.as_ref())?;
         }
         // Raw logits rows for logprobs, before any edit (these copies wait for the step).
         let mut raw: HashMap<usize, Vec<f32>> = HashMap::new();

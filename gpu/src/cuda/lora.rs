@@ -1,0 +1,248 @@
+//! LoRA adapters on the device: each adapter's matrices uploaded once (bf16, the rows of the q
+//! and k `B` matrices in the order the backend stores the base weights' rows), kept while there
+//! is room, and each step's table of them (`forward::LoraStep`).
+//!
+//! Steps whose batch names an adapter run without a graph on the unfused route, with two small
+//! kernels per adapted product: `lora_shrink` (`u = A x` per token) and `lora_expand`
+//! (`out += B u`), each token reading its own adapter's matrices through the step's table.
+
+use half::bf16;
+
+use super::device::{DevMem, Gpu};
+use super::forward::LoraStep;
+use super::weights::rope_row_order;
+use crate::backend::Batch;
+use crate::error::GpuError;
+use crate::lora::{LoraAdapter, LoraTarget};
+use crate::model::{LlamaConfig, RopeStyle};
+
+/// Adapters kept on the device at most; the least recently used one not in the step goes.
+pub(crate) const MAX_DEVICE_ADAPTERS: usize = 32;
+/// Each matrix starts at a multiple of this many bytes.
+const ALIGN: usize = 256;
+
+struct DeviceAdapter {
+    uid: u64,
+    /// Keeps the matrices alive.
+    _mem: DevMem,
+    /// Per layer and target: the device addresses of A and B, 0 where not adapted.
+    ptrs: Vec<[u64; 2]>,
+    rank: usize,
+    last_used: u64,
+}
+
+/// The adapters on the device and the buffers of a step's adapter table.
+#[derive(Default)]
+pub(crate) struct DeviceLoras {
+    cache: Vec<DeviceAdapter>,
+    clock: u64,
+    /// Row slots, ranks and the address table of the step (device).
+    table: Option<DevMem>,
+    /// The shrink products (device, f32).
+    u: Option<DevMem>,
+    /// Host copies of the table, one per step parity (a copy may still be pending for the
+    /// step submitted before).
+    host: [Vec<u8>; 2],
+}
+
+fn align(n: usize) -> usize {
+    n.div_ceil(ALIGN) * ALIGN
+}
+
+/// Uploads `a`'s matrices in one allocation.
+fn upload(
+    gpu: &Gpu,
+    c: &LlamaConfig,
+    a: &LoraAdapter,
+) -> Result<(DevMem, Vec<[u64; 2]>), GpuError> {
+    let order = rope_row_order(c.head_dim, c.rope_style == RopeStyle::Interleaved);
+    let mut host: Vec<bf16> = Vec::new();
+    let mut offsets = Vec::with_capacity(c.num_layers * 7);
+    let pad = |host: &mut Vec<bf16>| host.resize(align(host.len() * 2) / 2, bf16::ZERO);
+    for layer in 0..c.num_layers {
+        for target in LoraTarget::ALL {
+            let Some(p) = a.pair(layer, target) else {
+                offsets.push(None);
+                continue;
+            };
+            let r = p.rank();
+            pad(&mut host);
+            let at_a = host.len() * 2;
+            host.extend(p.a().iter().map(|&x| bf16::from_f32(x)));
+            pad(&mut host);
+            let at_b = host.len() * 2;
+            let b = p.b();
+            match target {
+                // Rows in the stored order of the base weights (see `rope_row_order`).
+                LoraTarget::Q | LoraTarget::K => {
+                    let hd = order.len();
+                    for head in 0..b.len() / r / hd {
+                        for &from in &order {
+                            let row = head * hd + from;
+                            host.extend(
+                                b[row * r..(row + 1) * r].iter().map(|&x| bf16::from_f32(x)),
+                            );
+                        }
+                    }
+                }
+                _ => host.extend(b.iter().map(|&x| bf16::from_f32(x))),
+            }
+            offsets.push(Some((at_a, at_b)));
+        }
+    }
+    let mem = gpu.alloc(host.len().max(1) * 2)?;
+    gpu.upload(mem.ptr(), &host)?;
+    // The host copy must outlive the asynchronous upload.
+    gpu.sync()?;
+    let ptrs = offsets
+        .into_iter()
+        .map(|o| match o {
+            Some((a, b)) => Ok([mem.at(a)?, mem.at(b)?]),
+            None => Ok([0, 0]),
+        })
+        .collect::<Result<Vec<_>, GpuError>>()?;
+    Ok((mem, ptrs))
+}
+
+impl DeviceLoras {
+    /// The device table of the adapters of `batch` (`None` when it names none), uploading the
+    /// adapters not on the device yet; `tokens` is the step's token count and `step` its number.
+    pub fn prepare(
+        &mut self,
+        gpu: &Gpu,
+        c: &LlamaConfig,
+        batch: &Batch,
+        tokens: usize,
+        step: u64,
+    ) -> Result<Option<LoraStep>, GpuError> {
+        if batch.seqs.iter().all(|s| s.adapter.is_none()) {
+            return Ok(None);
+        }
+        self.clock += 1;
+        // The step's adapters, in batch order, and each token's slot.
+        let mut slots: Vec<usize> = Vec::new();
+        let mut row_slot: Vec<i32> = Vec::with_capacity(tokens);
+        for s in &batch.seqs {
+            let slot = match &s.adapter {
+                None => -1,
+                Some(a) => {
+                    let i = match self.cache.iter().position(|d| d.uid == a.uid()) {
+                        Some(i) => i,
+                        None => self.insert(gpu, c, a, &slots)?,
+                    };
+                    self.cache[i].last_used = self.clock;
+                    let k = match slots.iter().position(|&j| j == i) {
+                        Some(k) => k,
+                        None => {
+                            slots.push(i);
+                            slots.len() - 1
+                        }
+                    };
+                    k as i32
+                }
+            };
+            row_slot.extend(std::iter::repeat_n(slot, s.tokens.len()));
+        }
+        if row_slot.len() != tokens {
+            return Err(GpuError::Internal(format!(
+                "{} LoRA rows for {tokens} tokens",
+                row_slot.len()
+            )));
+        }
+        let ranks_at = (4 * tokens).div_ceil(8) * 8;
+        let ptrs_at = ranks_at + (4 * slots.len()).div_ceil(8) * 8;
+        let bytes = ptrs_at + slots.len() * c.num_layers * 7 * 16;
+        let host = &mut self.host[(step % 2) as usize];
+        host.clear();
+        host.resize(bytes, 0);
+        for (i, v) in row_slot.iter().enumerate() {
+            host[4 * i..4 * i + 4].copy_from_slice(&v.to_le_bytes());
+        }
+        let mut max_rank = 1;
+        for (k, &i) in slots.iter().enumerate() {
+            let d = &self.cache[i];
+            max_rank = max_rank.max(d.rank);
+            host[ranks_at + 4 * k..ranks_at + 4 * k + 4]
+                .copy_from_slice(&(d.rank as i32).to_le_bytes());
+            for (j, pair) in d.ptrs.iter().enumerate() {
+                let at = ptrs_at + (k * c.num_layers * 7 + j) * 16;
+                host[at..at + 8].copy_from_slice(&pair[0].to_le_bytes());
+                host[at + 8..at + 16].copy_from_slice(&pair[1].to_le_bytes());
+            }
+        }
+        let u_bytes = tokens * 2 * max_rank * 4;
+        // Growing a buffer frees the old one, which the step in flight may still read.
+        if self.table.as_ref().is_none_or(|m| m.bytes() < bytes)
+            || self.u.as_ref().is_none_or(|m| m.bytes() < u_bytes)
+        {
+            gpu.sync()?;
+        }
+        if self.table.as_ref().is_none_or(|m| m.bytes() < bytes) {
+            self.table = Some(gpu.alloc(bytes.next_power_of_two())?);
+        }
+        if self.u.as_ref().is_none_or(|m| m.bytes() < u_bytes) {
+            self.u = Some(gpu.alloc(u_bytes.next_power_of_two())?);
+        }
+        let (Some(table), Some(u)) = (&self.table, &self.u) else {
+            return Err(GpuError::Internal("LoRA buffers missing".into()));
+        };
+        gpu.upload(table.ptr(), host)?;
+        Ok(Some(LoraStep {
+            row_slot: table.ptr(),
+            ranks: table.at(ranks_at)?,
+            ptrs: table.at(ptrs_at)?,
+            u: u.ptr(),
+            max_rank,
+        }))
+    }
+
+    /// Uploads `a` and returns its index: a new entry, or, when the device holds
+    /// [`MAX_DEVICE_ADAPTERS`], the entry of the least recently used adapter outside `keep`
+    /// (the step's adapters so far), replaced in place so no other index moves.
+    fn insert(
+        &mut self,
+        gpu: &Gpu,
+        c: &LlamaConfig,
+        a: &LoraAdapter,
+        keep: &[usize],
+    ) -> Result<usize, GpuError> {
+        if !a.fits(c) {
+            return Err(GpuError::BadBatch(
+                "a LoRA adapter loaded for a model of another shape".into(),
+            ));
+        }
+        let victim = if self.cache.len() >= MAX_DEVICE_ADAPTERS {
+            let v = (0..self.cache.len())
+                .filter(|i| !keep.contains(i))
+                .min_by_key(|&i| self.cache[i].last_used)
+                .ok_or_else(|| {
+                    GpuError::BadBatch(format!(
+                        "more than {MAX_DEVICE_ADAPTERS} LoRA adapters in one step"
+                    ))
+                })?;
+            // A step in flight may still read the victim's matrices.
+            gpu.sync()?;
+            Some(v)
+        } else {
+            None
+        };
+        let (mem, ptrs) = upload(gpu, c, a)?;
+        let entry = DeviceAdapter {
+            uid: a.uid(),
+            _mem: mem,
+            ptrs,
+            rank: a.rank(),
+            last_used: self.clock,
+        };
+        Ok(match victim {
+            Some(v) => {
+                self.cache[v] = entry;
+                v
+            }
+            None => {
+                self.cache.push(entry);
+                self.cache.len() - 1
+            }
+        })
+    }
+}
