@@ -812,7 +812,8 @@ fn smollm2_with_a_lora_adapter_agrees_with_merged_weights_cpu_and_transformers()
     );
 
     // Decoding: the same prompt with and without the adapter, and another with it, batched
-    // (prefill chunks of 16, then decode steps, which run without graphs) equal each alone.
+    // (prefill chunks of 16, then decode steps replaying graphs of their own) equal each
+    // alone, and equal steps run without graphs.
     let p0 = ids(&gens[0]["prompt_ids"]);
     let p1 = ids(&gens[2]["prompt_ids"]);
     let ps = vec![p0.clone(), p0, p1];
@@ -823,6 +824,18 @@ fn smollm2_with_a_lora_adapter_agrees_with_merged_weights_cpu_and_transformers()
     assert_eq!(
         alone, batched,
         "batched with other adapters differs from alone"
+    );
+    assert!(
+        cuda.lora_graphs_captured() >= 2,
+        "decode steps with adapters replay graphs of their own"
+    );
+    drop(cuda);
+    let mut eager = CudaBackend::new(&config, WeightSource::Loaded(&weights), &cfg(256, false))
+        .expect("CUDA backend");
+    let no_graphs = generate_with(&mut eager, &ps, &params, &adapters, 12, 16, true, 200);
+    assert_eq!(
+        alone, no_graphs,
+        "steps with adapters differ with and without graphs"
     );
     assert_ne!(alone[0], alone[1], "the adapter changes the answer");
     let first = ids(&gens[0]["tokens"]);

@@ -742,12 +742,13 @@ struct SendGraph(CudaGraph);
 // backend owns them exclusively and uses them from one thread at a time (`&mut self`).
 unsafe impl Send for SendGraph {}
 
-/// Captured decode graphs by bucket size.
+/// Captured decode graphs by bucket size, for base-model steps and for steps with LoRA
+/// adapters (whose table and scratch sit at fixed addresses: `DeviceLoras`).
 #[derive(Default)]
 pub(crate) struct Graphs {
-    graphs: HashMap<usize, SendGraph>,
-    /// Buckets whose capture failed (run eagerly from then on).
-    failed: Vec<usize>,
+    graphs: HashMap<(usize, bool), SendGraph>,
+    /// Graphs whose capture failed (run eagerly from then on).
+    failed: Vec<(usize, bool)>,
 }
 
 /// The launch shape of the decode bucket `bucket` (one token per tile, `group` rows: the
@@ -775,8 +776,10 @@ pub(crate) fn bucket_for(n: usize, max: usize) -> Option<usize> {
 }
 
 impl Graphs {
-    /// Replays the graph of `bucket`, capturing it first if needed. Returns false when the
+    /// Replays the graph of `bucket` (with `lora`'s table, which a LoRA step's graph reads at
+    /// the same addresses every time), capturing it first if needed. Returns false when the
     /// bucket cannot be captured (the caller runs the step eagerly).
+    #[allow(clippy::too_many_arguments)]
     pub fn run(
         &mut self,
         gpu: &Gpu,
@@ -785,20 +788,22 @@ impl Graphs {
         b: &Buffers,
         block_size: usize,
         bucket: usize,
+        lora: Option<&LoraStep>,
     ) -> Result<bool, GpuError> {
-        if self.failed.contains(&bucket) {
+        let key = (bucket, lora.is_some());
+        if self.failed.contains(&key) {
             return Ok(false);
         }
-        if let std::collections::hash_map::Entry::Vacant(slot) = self.graphs.entry(bucket) {
+        if let std::collections::hash_map::Entry::Vacant(slot) = self.graphs.entry(key) {
             let l = bucket_launch(bucket, c, gpu.att_max_splits);
             gpu.stream
                 .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
                 .map_err(|e| cuda_err("begin capture", e))?;
-            let enq = enqueue(gpu, c, w, b, block_size, &l, None);
+            let enq = enqueue(gpu, c, w, b, block_size, &l, lora);
             let end = gpu.stream.end_capture(sys::CUgraphInstantiate_flags(0));
             match (enq, end) {
                 (Ok(()), Ok(Some(g))) => {
-                    tracing::debug!(bucket, "captured a decode graph");
+                    tracing::debug!(bucket, lora = key.1, "captured a decode graph");
                     slot.insert(SendGraph(g));
                 }
                 (enq, end) => {
@@ -808,12 +813,12 @@ impl Graphs {
                         capture = ?end.err(),
                         "CUDA graph capture failed; this bucket runs without a graph"
                     );
-                    self.failed.push(bucket);
+                    self.failed.push(key);
                     return Ok(false);
                 }
             }
         }
-        match self.graphs.get(&bucket) {
+        match self.graphs.get(&key) {
             Some(g) => {
                 g.0.launch().map_err(|e| cuda_err("graph launch", e))?;
                 Ok(true)
@@ -825,5 +830,10 @@ impl Graphs {
     /// Number of captured graphs.
     pub fn len(&self) -> usize {
         self.graphs.len()
+    }
+
+    /// Number of captured graphs of steps with LoRA adapters.
+    pub fn lora_len(&self) -> usize {
+        self.graphs.keys().filter(|k| k.1).count()
     }
 }

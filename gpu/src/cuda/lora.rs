@@ -9,7 +9,7 @@
 use half::bf16;
 
 use super::device::{DevMem, Gpu};
-use super::forward::LoraStep;
+use super::forward::{LoraStep, GRAPH_BUCKETS};
 use super::weights::rope_row_order;
 use crate::backend::Batch;
 use crate::error::GpuError;
@@ -18,6 +18,9 @@ use crate::model::{LlamaConfig, RopeStyle};
 
 /// Adapters kept on the device at most; the least recently used one not in the step goes.
 pub(crate) const MAX_DEVICE_ADAPTERS: usize = 32;
+/// Decode steps whose adapters have at most this rank can replay a graph: their table and
+/// scratch use buffers of fixed size and address, with the scratch laid out for this rank.
+pub(crate) const GRAPH_MAX_RANK: usize = 64;
 /// Each matrix starts at a multiple of this many bytes.
 const ALIGN: usize = 256;
 
@@ -40,6 +43,9 @@ pub(crate) struct DeviceLoras {
     table: Option<DevMem>,
     /// The shrink products (device, f32).
     u: Option<DevMem>,
+    /// The table and scratch of steps that may replay a graph: allocated once, for the largest
+    /// bucket, [`MAX_DEVICE_ADAPTERS`] slots and [`GRAPH_MAX_RANK`].
+    graph: Option<(DevMem, DevMem)>,
     /// Host copies of the table, one per step parity (a copy may still be pending for the
     /// step submitted before).
     host: [Vec<u8>; 2],
@@ -107,6 +113,9 @@ fn upload(
 impl DeviceLoras {
     /// The device table of the adapters of `batch` (`None` when it names none), uploading the
     /// adapters not on the device yet; `tokens` is the step's token count and `step` its number.
+    /// With `bucket` (a decode step that may replay the graph of that many tokens), the table
+    /// goes to the fixed graph buffers, padded to `bucket` tokens, when the step's ranks allow;
+    /// the flag says whether it did (the table also serves an eager run).
     pub fn prepare(
         &mut self,
         gpu: &Gpu,
@@ -114,7 +123,8 @@ impl DeviceLoras {
         batch: &Batch,
         tokens: usize,
         step: u64,
-    ) -> Result<Option<LoraStep>, GpuError> {
+        bucket: Option<usize>,
+    ) -> Result<Option<(LoraStep, bool)>, GpuError> {
         if batch.seqs.iter().all(|s| s.adapter.is_none()) {
             return Ok(None);
         }
@@ -149,19 +159,33 @@ impl DeviceLoras {
                 row_slot.len()
             )));
         }
-        let ranks_at = (4 * tokens).div_ceil(8) * 8;
-        let ptrs_at = ranks_at + (4 * slots.len()).div_ceil(8) * 8;
-        let bytes = ptrs_at + slots.len() * c.num_layers * 7 * 16;
+        let step_rank = slots.iter().map(|&i| self.cache[i].rank).max().unwrap_or(1);
+        let graph = bucket.filter(|&b| b >= tokens && step_rank <= GRAPH_MAX_RANK);
+        // A graph's table has room for every slot and its largest bucket's tokens.
+        let (rows, table_slots) = match graph {
+            Some(_) => (GRAPH_BUCKETS[GRAPH_BUCKETS.len() - 1], MAX_DEVICE_ADAPTERS),
+            None => (tokens, slots.len()),
+        };
+        if let Some(b) = graph {
+            // Padding tokens of the bucket have no adapter.
+            row_slot.resize(b, -1);
+        }
+        let ranks_at = (4 * rows).div_ceil(8) * 8;
+        let ptrs_at = ranks_at + (4 * table_slots).div_ceil(8) * 8;
+        let bytes = ptrs_at + table_slots * c.num_layers * 7 * 16;
         let host = &mut self.host[(step % 2) as usize];
         host.clear();
         host.resize(bytes, 0);
         for (i, v) in row_slot.iter().enumerate() {
             host[4 * i..4 * i + 4].copy_from_slice(&v.to_le_bytes());
         }
-        let mut max_rank = 1;
+        let max_rank = if graph.is_some() {
+            GRAPH_MAX_RANK
+        } else {
+            step_rank
+        };
         for (k, &i) in slots.iter().enumerate() {
             let d = &self.cache[i];
-            max_rank = max_rank.max(d.rank);
             host[ranks_at + 4 * k..ranks_at + 4 * k + 4]
                 .copy_from_slice(&(d.rank as i32).to_le_bytes());
             for (j, pair) in d.ptrs.iter().enumerate() {
@@ -170,30 +194,42 @@ impl DeviceLoras {
                 host[at + 8..at + 16].copy_from_slice(&pair[1].to_le_bytes());
             }
         }
-        let u_bytes = tokens * 2 * max_rank * 4;
-        // Growing a buffer frees the old one, which the step in flight may still read.
-        if self.table.as_ref().is_none_or(|m| m.bytes() < bytes)
-            || self.u.as_ref().is_none_or(|m| m.bytes() < u_bytes)
-        {
-            gpu.sync()?;
-        }
-        if self.table.as_ref().is_none_or(|m| m.bytes() < bytes) {
-            self.table = Some(gpu.alloc(bytes.next_power_of_two())?);
-        }
-        if self.u.as_ref().is_none_or(|m| m.bytes() < u_bytes) {
-            self.u = Some(gpu.alloc(u_bytes.next_power_of_two())?);
-        }
-        let (Some(table), Some(u)) = (&self.table, &self.u) else {
-            return Err(GpuError::Internal("LoRA buffers missing".into()));
+        let u_bytes = rows * 2 * max_rank * 4;
+        let (table, u) = if graph.is_some() {
+            if self.graph.is_none() {
+                self.graph = Some((gpu.alloc(bytes)?, gpu.alloc(u_bytes)?));
+            }
+            let Some((table, u)) = &self.graph else {
+                return Err(GpuError::Internal("LoRA graph buffers missing".into()));
+            };
+            (table, u)
+        } else {
+            // Growing a buffer frees the old one, which the step in flight may still read.
+            if self.table.as_ref().is_none_or(|m| m.bytes() < bytes)
+                || self.u.as_ref().is_none_or(|m| m.bytes() < u_bytes)
+            {
+                gpu.sync()?;
+            }
+            if self.table.as_ref().is_none_or(|m| m.bytes() < bytes) {
+                self.table = Some(gpu.alloc(bytes.next_power_of_two())?);
+            }
+            if self.u.as_ref().is_none_or(|m| m.bytes() < u_bytes) {
+                self.u = Some(gpu.alloc(u_bytes.next_power_of_two())?);
+            }
+            let (Some(table), Some(u)) = (&self.table, &self.u) else {
+                return Err(GpuError::Internal("LoRA buffers missing".into()));
+            };
+            (table, u)
         };
         gpu.upload(table.ptr(), host)?;
-        Ok(Some(LoraStep {
+        let step = LoraStep {
             row_slot: table.ptr(),
             ranks: table.at(ranks_at)?,
             ptrs: table.at(ptrs_at)?,
             u: u.ptr(),
             max_rank,
-        }))
+        };
+        Ok(Some((step, graph.is_some())))
     }
 
     /// Uploads `a` and returns its index: a new entry, or, when the device holds

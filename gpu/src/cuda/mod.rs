@@ -367,6 +367,11 @@ impl CudaBackend {
         self.graphs.len()
     }
 
+    /// Number of decode graphs captured for steps with LoRA adapters.
+    pub fn lora_graphs_captured(&self) -> usize {
+        self.graphs.lora_len()
+    }
+
     /// Runs the forward pass only and returns the logits of the last token of every sequence
     /// (`seqs.len() * vocab_size`), touching no sampler state; for tests and benchmarks.
     pub fn logits(&mut self, batch: &Batch) -> Result<Vec<f32>, GpuError> {
@@ -400,9 +405,9 @@ impl CudaBackend {
         self.next_step += 1;
         let lora = self
             .loras
-            .prepare(&self.gpu, &self.config, batch, d.tokens.len(), n)?;
+            .prepare(&self.gpu, &self.config, batch, d.tokens.len(), n, None)?;
         self.upload_step(n, &d, &[], &launch)?;
-        self.enqueue(&launch, lora.as_ref())?;
+        self.enqueue(&launch, lora.as_ref().map(|l| &l.0))?;
         let vocab = self.config.vocab_size;
         let mut out = vec![0f32; d.logit_rows.len() * vocab];
         self.gpu.download(&mut out, self.buf.logits.ptr())?;
@@ -688,17 +693,24 @@ impl CudaBackend {
         }
         let n_step = self.next_step;
         self.next_step += 1;
-        let lora = self
-            .loras
-            .prepare(&self.gpu, &self.config, batch, d.tokens.len(), n_step)?;
-        // Decode-only steps without LoRA adapters replay a graph.
-        let decode_only =
-            lora.is_none() && batch.seqs.iter().all(|s| s.tokens.len() == 1 && s.sample);
+        // Decode-only steps replay a graph (with LoRA adapters, one of its own, when their
+        // ranks fit its buffers).
+        let decode_only = batch.seqs.iter().all(|s| s.tokens.len() == 1 && s.sample);
         let bucket = if decode_only {
             bucket_for(batch.seqs.len(), self.max_graph_batch)
         } else {
             None
         };
+        let lora = self.loras.prepare(
+            &self.gpu,
+            &self.config,
+            batch,
+            d.tokens.len(),
+            n_step,
+            bucket,
+        )?;
+        let bucket = bucket.filter(|_| lora.as_ref().is_none_or(|l| l.1));
+        let lora = lora.map(|l| l.0);
         let mut ran_graph = false;
         let mut launch = self.eager_launch(&d);
         if let Some(b) = bucket {
@@ -711,6 +723,7 @@ impl CudaBackend {
                 &self.buf,
                 self.block_size,
                 b,
+                lora.as_ref(),
             )?;
             if ran_graph {
                 launch = l;
