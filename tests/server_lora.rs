@@ -72,6 +72,18 @@ fn haiku(s: &Server, model: &str) -> (u16, Value) {
     )
 }
 
+/// `model`'s haiku answer is a prefix of the reference answer in `fixture`, and the response
+/// names `model`.
+fn assert_haiku(s: &Server, model: &str, fixture: &str) {
+    let (status, v) = haiku(s, model);
+    assert_eq!(status, 200, "{v}\n{}", s.log());
+    assert_eq!(v["model"], model);
+    let text = v["choices"][0]["message"]["content"]
+        .as_str()
+        .expect("content");
+    assert_prefix(text, &reference(fixture, "chat-haiku"), model);
+}
+
 fn assert_prefix(text: &str, reference: &str, what: &str) {
     assert!(
         !text.is_empty() && reference.starts_with(text),
@@ -92,27 +104,8 @@ fn requests_naming_the_adapter_follow_the_reference_and_others_the_base_model() 
 
     // The base model first: its prompt blocks enter the prefix cache, and the adapter's
     // request for the same prompt must not reuse them (the adapter id is part of the key).
-    let (status, v) = haiku(s, &base);
-    assert_eq!(status, 200, "{v}");
-    let text = v["choices"][0]["message"]["content"]
-        .as_str()
-        .expect("content");
-    assert_prefix(
-        text,
-        &reference("smollm2_golden.json", "chat-haiku"),
-        "base",
-    );
-    let (status, v) = haiku(s, "tuned");
-    assert_eq!(status, 200, "{v}\n{}", s.log());
-    assert_eq!(v["model"], "tuned");
-    let text = v["choices"][0]["message"]["content"]
-        .as_str()
-        .expect("content");
-    assert_prefix(
-        text,
-        &reference("lora_golden.json", "chat-haiku"),
-        "adapter",
-    );
+    assert_haiku(s, &base, "smollm2_golden.json");
+    assert_haiku(s, "tuned", "lora_golden.json");
 
     // Both at once, in one batch, each with its own answer.
     let prompt = |model: &str| {
@@ -191,16 +184,7 @@ fn adapters_load_and_unload_at_run_time_through_the_admin_api() {
         .collect();
     assert_eq!(names, ["tuned", "second"]);
 
-    let (status, v) = haiku(s, "second");
-    assert_eq!(status, 200, "{v}");
-    let text = v["choices"][0]["message"]["content"]
-        .as_str()
-        .expect("content");
-    assert_prefix(
-        text,
-        &reference("lora_golden.json", "chat-haiku"),
-        "loaded at run time",
-    );
+    assert_haiku(s, "second", "lora_golden.json");
     assert_eq!(s.metric("switchyard:lora_adapters"), Some(2.0));
 
     let r = s

@@ -36,7 +36,7 @@ pub struct SeqInput {
     /// Sampling parameters of the request.
     pub sampling: Arc<SamplingParams>,
     /// The request's LoRA adapter, if any (loaded for this backend's model; only for backends
-    /// with [`Backend::supports_lora`]).
+    /// whose [`Backend::lora_slots`] is not 0).
     pub adapter: Option<Arc<LoraAdapter>>,
 }
 
@@ -94,9 +94,10 @@ pub trait Backend: Send {
     fn execute(&mut self, batch: &Batch) -> Result<Vec<SeqOutput>, GpuError>;
     /// Drops the sampler state of a finished, aborted or preempted sequence.
     fn release(&mut self, seq_id: u64);
-    /// Whether batches may name LoRA adapters ([`SeqInput::adapter`]).
-    fn supports_lora(&self) -> bool {
-        false
+    /// How many distinct LoRA adapters one batch may name ([`SeqInput::adapter`]); 0 when the
+    /// backend runs none.
+    fn lora_slots(&self) -> usize {
+        0
     }
     /// Whether [`Backend::submit`] and [`Backend::collect`] work: steps may be submitted one
     /// ahead of their outputs, fed [`PENDING_TOKEN`]s.
@@ -413,8 +414,8 @@ impl Backend for CpuBackend {
         self.states.remove(&seq_id);
     }
 
-    fn supports_lora(&self) -> bool {
-        true
+    fn lora_slots(&self) -> usize {
+        usize::MAX
     }
 
     fn pipelines(&self) -> bool {

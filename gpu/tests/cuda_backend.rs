@@ -556,58 +556,14 @@ fn smollm2_agrees_with_cpu_and_transformers() {
     let mut cpu = LlamaModel::from_weights(&config, &weights).expect("cpu model");
     cpu.set_precision(ActivationPrecision::Precise);
     let fx = fixture();
-    let (mut agree_cpu, mut agree_ref, mut n) = (0usize, 0usize, 0usize);
-    let (mut d_cpu, mut d_ref, mut max_cpu) = (0f64, 0f64, 0f64);
+    let gens = fx["generations"].as_array().expect("generations");
+    let (tokens, reference) = fixture_answers(gens);
     let vocab = config.vocab_size;
-    for g in fx["generations"].as_array().expect("generations") {
-        let prompt = ids(&g["prompt_ids"]);
-        let tokens = ids(&g["tokens"]);
-        let steps = g["steps"].as_array().expect("steps");
-        let all: Vec<u32> = prompt
-            .iter()
-            .chain(&tokens[..tokens.len() - 1])
-            .copied()
-            .collect();
-        let rows: Vec<usize> = (0..tokens.len()).map(|i| prompt.len() - 1 + i).collect();
-        let table: Vec<u32> = (0..all.len().div_ceil(16) as u32).collect();
-        let batch = Batch {
-            seqs: vec![one_seq(
-                0,
-                0,
-                all.clone(),
-                table,
-                &Arc::new(SamplingParams::greedy()),
-            )],
-        };
-        let got = cuda
-            .logits_rows(&batch, |_| rows.clone())
-            .expect("cuda logits");
-        let want = cpu_logits(&cpu, &all, &rows, None);
-        for (i, step) in steps.iter().enumerate() {
-            let g_lp = log_softmax(&got[i * vocab..(i + 1) * vocab]);
-            let c_lp = log_softmax(&want[i * vocab..(i + 1) * vocab]);
-            let argmax = |v: &[f32]| {
-                v.iter()
-                    .enumerate()
-                    .fold(
-                        (0, f32::NEG_INFINITY),
-                        |b, (j, &x)| if x > b.1 { (j, x) } else { b },
-                    )
-                    .0
-            };
-            let ga = argmax(&g_lp);
-            agree_cpu += usize::from(ga == argmax(&c_lp));
-            agree_ref += usize::from(ga == tokens[i] as usize);
-            let t = tokens[i] as usize;
-            let dc = f64::from((g_lp[t] - c_lp[t]).abs());
-            d_cpu += dc;
-            max_cpu = max_cpu.max(dc);
-            d_ref += (f64::from(g_lp[t]) - step["logprob"].as_f64().expect("logprob")).abs();
-            n += 1;
-        }
-    }
-    let (a_cpu, a_ref) = (agree_cpu as f64 / n as f64, agree_ref as f64 / n as f64);
-    let (m_cpu, m_ref) = (d_cpu / n as f64, d_ref / n as f64);
+    let got = teacher_forced_rows(gens, vocab, cuda_rows(&mut cuda, None));
+    let want = teacher_forced_rows(gens, vocab, |all, rows| cpu_logits(&cpu, all, rows, None));
+    let (a_cpu, m_cpu, max_cpu) = compare_rows(&got, &want, &tokens);
+    let (a_ref, m_ref) = vs_reference(&got, &tokens, &reference);
+    let n = tokens.len();
     eprintln!(
         "SmolLM2 teacher-forced over {n} positions: top-1 vs CPU {:.2}%, vs transformers {:.2}%; \
          mean |dlogprob| vs CPU {m_cpu:.4} (max {max_cpu:.4}), vs transformers {m_ref:.4}",
@@ -619,6 +575,55 @@ fn smollm2_agrees_with_cpu_and_transformers() {
         m_cpu <= 0.06 && m_ref <= 0.06,
         "logprobs differ beyond bf16 tolerance"
     );
+}
+
+/// The fixture's greedy tokens and the reference's logprobs of them, over every generation.
+fn fixture_answers(gens: &[Value]) -> (Vec<usize>, Vec<f64>) {
+    let tokens = gens
+        .iter()
+        .flat_map(|g| ids(&g["tokens"]))
+        .map(|t| t as usize)
+        .collect();
+    let reference = gens
+        .iter()
+        .flat_map(|g| g["steps"].as_array().expect("steps").clone())
+        .map(|s| s["logprob"].as_f64().expect("logprob"))
+        .collect();
+    (tokens, reference)
+}
+
+/// A teacher-forced step through `b` (see [`teacher_forced_rows`]), with `adapter`.
+fn cuda_rows<'a>(
+    b: &'a mut CudaBackend,
+    adapter: Option<&'a Arc<LoraAdapter>>,
+) -> impl FnMut(&[u32], &[usize]) -> Vec<f32> + 'a {
+    let greedy = Arc::new(SamplingParams::greedy());
+    move |all, rows| {
+        let table: Vec<u32> = (0..all.len().div_ceil(16) as u32).collect();
+        let mut seq = one_seq(0, 0, all.to_vec(), table, &greedy);
+        seq.adapter = adapter.cloned();
+        let rows = rows.to_vec();
+        b.logits_rows(&Batch { seqs: vec![seq] }, |_| rows.clone())
+            .expect("cuda logits")
+    }
+}
+
+/// (top-1 agreement with the reference's greedy tokens, mean |logprob difference| from its
+/// logprobs) of `rows`.
+fn vs_reference(rows: &[Vec<f32>], tokens: &[usize], reference: &[f64]) -> (f64, f64) {
+    let n = tokens.len() as f64;
+    let agree = rows
+        .iter()
+        .zip(tokens)
+        .filter(|(r, &t)| r.iter().enumerate().all(|(j, &x)| x <= r[t] || j == t))
+        .count();
+    let diff: f64 = rows
+        .iter()
+        .zip(tokens)
+        .zip(reference)
+        .map(|((r, &t), &l)| (f64::from(r[t]) - l).abs())
+        .sum();
+    (agree as f64 / n, diff / n)
 }
 
 /// `weights` with the adapter merged in: each adapted projection's weight, dequantized to f32,
@@ -723,26 +728,10 @@ fn smollm2_with_a_lora_adapter_agrees_with_merged_weights_cpu_and_transformers()
     let gens = fx["generations"].as_array().expect("generations");
     let vocab = config.vocab_size;
     let greedy = Arc::new(SamplingParams::greedy());
-    let tokens: Vec<usize> = gens
-        .iter()
-        .flat_map(|g| ids(&g["tokens"]))
-        .map(|t| t as usize)
-        .collect();
-    let reference: Vec<f64> = gens
-        .iter()
-        .flat_map(|g| g["steps"].as_array().expect("steps").clone())
-        .map(|s| s["logprob"].as_f64().expect("logprob"))
-        .collect();
+    let (tokens, reference) = fixture_answers(gens);
     let mut cuda = CudaBackend::new(&config, WeightSource::Loaded(&weights), &cfg(256, true))
         .expect("CUDA backend");
-    let with_adapter = teacher_forced_rows(gens, vocab, |all, rows| {
-        let table: Vec<u32> = (0..all.len().div_ceil(16) as u32).collect();
-        let mut seq = one_seq(0, 0, all.to_vec(), table, &greedy);
-        seq.adapter = Some(adapter.clone());
-        let rows = rows.to_vec();
-        cuda.logits_rows(&Batch { seqs: vec![seq] }, |_| rows.clone())
-            .expect("cuda logits")
-    });
+    let with_adapter = teacher_forced_rows(gens, vocab, cuda_rows(&mut cuda, Some(&adapter)));
     // The same model with the adapter merged into its weights, on the GPU and the CPU.
     let merged_weights = merged(&config, &weights, &adapter);
     let mut merged_cuda = CudaBackend::new(
@@ -751,14 +740,7 @@ fn smollm2_with_a_lora_adapter_agrees_with_merged_weights_cpu_and_transformers()
         &cfg(256, true),
     )
     .expect("CUDA backend");
-    let merged_rows = teacher_forced_rows(gens, vocab, |all, rows| {
-        let table: Vec<u32> = (0..all.len().div_ceil(16) as u32).collect();
-        let seq = one_seq(0, 0, all.to_vec(), table, &greedy);
-        let rows = rows.to_vec();
-        merged_cuda
-            .logits_rows(&Batch { seqs: vec![seq] }, |_| rows.clone())
-            .expect("cuda logits")
-    });
+    let merged_rows = teacher_forced_rows(gens, vocab, cuda_rows(&mut merged_cuda, None));
     drop(merged_cuda);
     let mut cpu = LlamaModel::from_weights(&config, &weights).expect("cpu model");
     cpu.set_precision(ActivationPrecision::Precise);
@@ -768,19 +750,7 @@ fn smollm2_with_a_lora_adapter_agrees_with_merged_weights_cpu_and_transformers()
     let (a_merged, m_merged, x_merged) = compare_rows(&with_adapter, &merged_rows, &tokens);
     let (a_cpu, m_cpu, _) = compare_rows(&with_adapter, &cpu_rows, &tokens);
     let (a_mc, m_mc, _) = compare_rows(&merged_rows, &cpu_rows, &tokens);
-    let a_ref = with_adapter
-        .iter()
-        .zip(&tokens)
-        .filter(|(r, &t)| r.iter().enumerate().all(|(j, &x)| x <= r[t] || j == t))
-        .count() as f64
-        / tokens.len() as f64;
-    let m_ref = with_adapter
-        .iter()
-        .zip(&tokens)
-        .zip(&reference)
-        .map(|((r, &t), &l)| (f64::from(r[t]) - l).abs())
-        .sum::<f64>()
-        / tokens.len() as f64;
+    let (a_ref, m_ref) = vs_reference(&with_adapter, &tokens, &reference);
     eprintln!(
         "SmolLM2 + LoRA teacher-forced over {} positions: top-1 vs merged weights on the GPU \
          {:.2}% (mean |dlogprob| {m_merged:.4}, max {x_merged:.4}); vs the CPU {:.2}% ({m_cpu:.4}); \

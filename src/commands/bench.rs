@@ -118,7 +118,7 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
     };
     let (backend, chosen) = runtime::build_backend(kind, source, &settings)?;
     anyhow::ensure!(
-        adapter.is_none() || backend.supports_lora(),
+        adapter.is_none() || backend.lora_slots() > 0,
         "--lora: the {} backend does not run LoRA adapters",
         backend.name()
     );

@@ -72,7 +72,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     )?;
     drop(model);
     anyhow::ensure!(
-        adapter.is_none() || backend.supports_lora(),
+        adapter.is_none() || backend.lora_slots() > 0,
         "--lora: the {} backend does not run LoRA adapters",
         backend.name()
     );

@@ -210,9 +210,17 @@ impl Engine {
         )?;
         let lora = match &config.lora {
             Some(lc) => {
-                if !backend.supports_lora() {
+                let slots = backend.lora_slots();
+                if slots == 0 {
                     return Err(EngineError::Backend(GpuError::InvalidConfig(format!(
-                        "LoRA adapters are enabled but the {} backend does not run them (use the CPU backend, or disable lora)",
+                        "LoRA adapters are enabled but the {} backend does not run them",
+                        backend.name()
+                    ))));
+                }
+                if config.scheduler.max_loras > slots {
+                    return Err(EngineError::Backend(GpuError::InvalidConfig(format!(
+                        "lora.max_loras is {} but the {} backend holds at most {slots} adapters per step",
+                        config.scheduler.max_loras,
                         backend.name()
                     ))));
                 }

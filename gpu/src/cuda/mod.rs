@@ -550,8 +550,8 @@ impl Backend for CudaBackend {
         self.states.remove(&seq_id);
     }
 
-    fn supports_lora(&self) -> bool {
-        true
+    fn lora_slots(&self) -> usize {
+        lora::MAX_DEVICE_ADAPTERS
     }
 
     fn pipelines(&self) -> bool {
