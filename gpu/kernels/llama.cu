@@ -390,53 +390,77 @@ __device__ __forceinline__ const bf16* lora_matrix(const u64* ptrs, int slot, in
         ptrs[(((u64)slot * layers + layer) * 7 + target) * 2 + which]);
 }
 
-// u[row, u_off + j] = A[j, :] . x[row, :] for the rows with an adapter; a warp per rank index.
+// Up to three targets of one input at once (q, k and v; gate and up; or one): target i of
+// t0, t1, t2 (-1: none) uses the part i * u_part of a row's `u` (u_stride floats per row).
+
+// u[row, i * u_part + j] = A_i[j, :] . x[row, :] for the rows with an adapter; a warp per
+// (target, rank index).
 extern "C" __global__ void lora_shrink(const bf16* x, int x_stride, int din, const int* row_slot,
                                        const u64* ptrs, const int* ranks, int layers, int layer,
-                                       int target, float* u, int u_stride, int u_off, int rows) {
+                                       int t0, int t1, int t2, float* u, int u_stride, int u_part,
+                                       int rows) {
     PDL_ENTER();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int targets[3] = {t0, t1, t2};
     for (int row = blockIdx.x; row < rows; row += gridDim.x) {
         const int s = row_slot[row];
         if (s < 0) continue;
-        const bf16* A = lora_matrix(ptrs, s, layers, layer, target, 0);
-        if (A == nullptr) continue;
+        const int r = ranks[s];
         const bf16* xr = x + (u64)row * x_stride;
-        for (int j = warp; j < ranks[s]; j += nw) {
+        for (int w = warp; w < 3 * r; w += nw) {
+            const int i = w / r, j = w - i * r;
+            if (targets[i] < 0) continue;
+            const bf16* A = lora_matrix(ptrs, s, layers, layer, targets[i], 0);
+            if (A == nullptr) continue;
             const bf16* a = A + (u64)j * din;
             float acc = 0.f;
             for (int k = lane; k < din; k += 32)
                 acc = fmaf(__bfloat162float(a[k]), __bfloat162float(xr[k]), acc);
             acc = warp_sum(acc);
-            if (lane == 0) u[(u64)row * u_stride + u_off + j] = acc;
+            if (lane == 0) u[(u64)row * u_stride + i * u_part + j] = acc;
         }
     }
 }
 
-// out[row, off + o] += B[o, :] . u[row, :] for the rows with an adapter (f32 out).
-extern "C" __global__ void lora_expand(const float* u, int u_stride, const int* row_slot,
-                                       const u64* ptrs, const int* ranks, int layers, int layer,
-                                       int target, float* out, int out_stride, int off, int dout,
-                                       int rows) {
+// out[row, o] += B_i[o', :] . u[row, i * u_part ..] for the rows with an adapter, where output
+// column o is column o' of part i: parts of widths w0, w1, w2 side by side from column 0
+// (targets t0, t1, t2; -1: none), f32 out.
+extern "C" __global__ void lora_expand(const float* u, int u_stride, int u_part,
+                                       const int* row_slot, const u64* ptrs, const int* ranks,
+                                       int layers, int layer, int t0, int w0, int t1, int w1,
+                                       int t2, int w2, float* out, int out_stride, int rows) {
     PDL_ENTER();
-    const int o = blockIdx.x * blockDim.x + threadIdx.x;
-    if (o >= dout) return;
+    int o = blockIdx.x * blockDim.x + threadIdx.x;
+    int i = 0, target = t0;
+    if (o >= w0) {
+        o -= w0;
+        i = 1;
+        target = t1;
+        if (o >= w1) {
+            o -= w1;
+            i = 2;
+            target = t2;
+            if (o >= w2) return;
+        }
+    }
+    if (target < 0) return;
+    const int col = (i > 0 ? w0 : 0) + (i > 1 ? w1 : 0) + o;
     for (int row = blockIdx.y; row < rows; row += gridDim.y) {
         const int s = row_slot[row];
         if (s < 0) continue;
         const bf16* B = lora_matrix(ptrs, s, layers, layer, target, 1);
         if (B == nullptr) continue;
         const int r = ranks[s];
-        const float* ur = u + (u64)row * u_stride;
+        const float* ur = u + (u64)row * u_stride + i * u_part;
         const bf16* b = B + (u64)o * r;
         float acc = 0.f;
         for (int j = 0; j < r; j++) acc = fmaf(__bfloat162float(b[j]), ur[j], acc);
-        out[(u64)row * out_stride + off + o] += acc;
+        out[(u64)row * out_stride + col] += acc;
     }
 }
 
 // silu_mul for LoRA steps: act = silu(g + dg) * (up + dup), the gate's and up's updates
-// (B . u, with the gate's u at column 0 and the up's at `up_off`) added in f32 to the bf16
+// (B . u, the gate's u in part 0 of a row's, the up's at `up_off`) added in f32 to the bf16
 // product, so a value is rounded once, as in silu_mul.
 extern "C" __global__ void lora_silu_mul(const bf16* gu, bf16* act, int inter, const float* u,
                                          int u_stride, int up_off, const int* row_slot,

@@ -159,38 +159,31 @@ pub(crate) struct LoraStep {
     pub ranks: u64,
     /// `u64` per (slot, layer, target, A|B): device addresses, 0 for targets not adapted.
     pub ptrs: u64,
-    /// f32 scratch, two halves of `max_rank` per token (the up projection's `u` in the second).
+    /// f32 scratch, three parts of `max_rank` per token (one per target of a launch).
     pub u: u64,
-    /// The largest rank of the step's adapters.
+    /// The largest rank of the step's adapters (a part of `u`).
     pub max_rank: usize,
 }
 
-impl LoraStep {
-    fn args(&self, c: &LlamaConfig, layer: usize) -> [Arg; 5] {
-        [
-            Arg::Ptr(self.row_slot),
-            Arg::Ptr(self.ptrs),
-            Arg::Ptr(self.ranks),
-            Arg::I32(c.num_layers as i32),
-            Arg::I32(layer as i32),
-        ]
-    }
+/// The kernels' code for "no target".
+const NO_TARGET: i32 = -1;
 
-    /// `u[:, u_off..] = A x` for `target` from the bf16 input `x` (`din` wide, `x_stride` per
-    /// token).
-    #[allow(clippy::too_many_arguments)]
+fn target_arg(t: Option<LoraTarget>) -> Arg {
+    Arg::I32(t.map_or(NO_TARGET, |t| t as i32))
+}
+
+impl LoraStep {
+    /// `u = A x` for up to three `targets` of one bf16 input `x` (`din` wide, `x_stride` per
+    /// token), target `i` in part `i` of a token's `u`.
     fn shrink(
         &self,
         gpu: &Gpu,
         c: &LlamaConfig,
-        t: usize,
-        layer: usize,
-        target: LoraTarget,
+        (t, layer): (usize, usize),
+        targets: [Option<LoraTarget>; 3],
         (x, x_stride, din): (u64, usize, usize),
-        u_off: usize,
     ) -> Result<(), GpuError> {
         let i32v = |v: usize| Arg::I32(v as i32);
-        let [row_slot, ptrs, ranks, layers, layer] = self.args(c, layer);
         gpu.timed("lora", || {
             gpu.launch(
                 &gpu.k.lora_shrink,
@@ -200,37 +193,38 @@ impl LoraStep {
                     Arg::Ptr(x),
                     i32v(x_stride),
                     i32v(din),
-                    row_slot,
-                    ptrs,
-                    ranks,
-                    layers,
-                    layer,
-                    i32v(target as usize),
+                    Arg::Ptr(self.row_slot),
+                    Arg::Ptr(self.ptrs),
+                    Arg::Ptr(self.ranks),
+                    i32v(c.num_layers),
+                    i32v(layer),
+                    target_arg(targets[0]),
+                    target_arg(targets[1]),
+                    target_arg(targets[2]),
                     Arg::Ptr(self.u),
-                    i32v(2 * self.max_rank),
-                    i32v(u_off),
+                    i32v(3 * self.max_rank),
+                    i32v(self.max_rank),
                     i32v(t),
                 ],
             )
         })
     }
 
-    /// Adds `target`'s update `B u` to the f32 `out` (`out_stride` per token, the target's
-    /// part at `off`, `dout` wide), from `x` as in [`LoraStep::shrink`].
-    #[allow(clippy::too_many_arguments)]
+    /// Adds the updates `B u` of up to three targets, whose outputs sit side by side (widths
+    /// `parts[i].1`) from column 0 of the f32 `out` (`out_stride` per token), after
+    /// [`LoraStep::shrink`] of the same targets from `x`.
     fn update(
         &self,
         gpu: &Gpu,
         c: &LlamaConfig,
-        t: usize,
-        layer: usize,
-        target: LoraTarget,
+        (t, layer): (usize, usize),
+        parts: [(Option<LoraTarget>, usize); 3],
         x: (u64, usize, usize),
-        (out, out_stride, off, dout): (u64, usize, usize, usize),
+        (out, out_stride): (u64, usize),
     ) -> Result<(), GpuError> {
-        self.shrink(gpu, c, t, layer, target, x, 0)?;
+        self.shrink(gpu, c, (t, layer), parts.map(|p| p.0), x)?;
         let i32v = |v: usize| Arg::I32(v as i32);
-        let [row_slot, ptrs, ranks, layers, layer] = self.args(c, layer);
+        let dout: usize = parts.iter().map(|p| p.1).sum();
         gpu.timed("lora", || {
             gpu.launch(
                 &gpu.k.lora_expand,
@@ -238,17 +232,21 @@ impl LoraStep {
                 256,
                 &[
                     Arg::Ptr(self.u),
-                    i32v(2 * self.max_rank),
-                    row_slot,
-                    ptrs,
-                    ranks,
-                    layers,
-                    layer,
-                    i32v(target as usize),
+                    i32v(3 * self.max_rank),
+                    i32v(self.max_rank),
+                    Arg::Ptr(self.row_slot),
+                    Arg::Ptr(self.ptrs),
+                    Arg::Ptr(self.ranks),
+                    i32v(c.num_layers),
+                    i32v(layer),
+                    target_arg(parts[0].0),
+                    i32v(parts[0].1),
+                    target_arg(parts[1].0),
+                    i32v(parts[1].1),
+                    target_arg(parts[2].0),
+                    i32v(parts[2].1),
                     Arg::Ptr(out),
                     i32v(out_stride),
-                    i32v(off),
-                    i32v(dout),
                     i32v(t),
                 ],
             )
@@ -405,15 +403,13 @@ pub(crate) fn enqueue(
             }
         }
         if let Some(lo) = lora {
-            let qkv_w = qw + 2 * kvw;
-            for (target, off, width) in [
-                (LoraTarget::Q, 0, qw),
-                (LoraTarget::K, qw, kvw),
-                (LoraTarget::V, qw + kvw, kvw),
-            ] {
-                let out = (b.qkv.ptr(), qkv_w, off, width);
-                lo.update(gpu, c, t, li, target, (b.xn.ptr(), h, h), out)?;
-            }
+            let parts = [
+                (Some(LoraTarget::Q), qw),
+                (Some(LoraTarget::K), kvw),
+                (Some(LoraTarget::V), kvw),
+            ];
+            let out = (b.qkv.ptr(), qw + 2 * kvw);
+            lo.update(gpu, c, (t, li), parts, (b.xn.ptr(), h, h), out)?;
         }
         if !rope_in_gemv {
             gpu.timed("rope_store_kv", || {
@@ -469,8 +465,15 @@ pub(crate) fn enqueue(
             )
         })?;
         if let Some(lo) = lora {
-            let out = (b.x.ptr(), h, 0, h);
-            lo.update(gpu, c, t, li, LoraTarget::O, (b.att.ptr(), qw, qw), out)?;
+            let parts = [(Some(LoraTarget::O), h), (None, 0), (None, 0)];
+            lo.update(
+                gpu,
+                c,
+                (t, li),
+                parts,
+                (b.att.ptr(), qw, qw),
+                (b.x.ptr(), h),
+            )?;
         }
         if fuse_glu {
             // act = silu(gate) * up straight from the product.
@@ -517,10 +520,8 @@ pub(crate) fn enqueue(
             )?;
             if let Some(lo) = lora {
                 // The gate's and up's `u`, then both updates inside SiLU x up.
-                let x = (b.xn.ptr(), h, h);
-                lo.shrink(gpu, c, t, li, LoraTarget::Gate, x, 0)?;
-                lo.shrink(gpu, c, t, li, LoraTarget::Up, x, lo.max_rank)?;
-                let [row_slot, ptrs, ranks, layers, layer] = lo.args(c, li);
+                let targets = [Some(LoraTarget::Gate), Some(LoraTarget::Up), None];
+                lo.shrink(gpu, c, (t, li), targets, (b.xn.ptr(), h, h))?;
                 gpu.timed("lora_silu_mul", || {
                     gpu.launch(
                         &k.lora_silu_mul,
@@ -531,13 +532,13 @@ pub(crate) fn enqueue(
                             Arg::Ptr(b.act.ptr()),
                             i32v(inter),
                             Arg::Ptr(lo.u),
-                            i32v(2 * lo.max_rank),
+                            i32v(3 * lo.max_rank),
                             i32v(lo.max_rank),
-                            row_slot,
-                            ptrs,
-                            ranks,
-                            layers,
-                            layer,
+                            Arg::Ptr(lo.row_slot),
+                            Arg::Ptr(lo.ptrs),
+                            Arg::Ptr(lo.ranks),
+                            i32v(c.num_layers),
+                            i32v(li),
                             i32v(t),
                         ],
                     )
@@ -582,16 +583,9 @@ pub(crate) fn enqueue(
             )
         })?;
         if let Some(lo) = lora {
-            let out = (b.x.ptr(), h, 0, h);
-            lo.update(
-                gpu,
-                c,
-                t,
-                li,
-                LoraTarget::Down,
-                (b.act.ptr(), inter, inter),
-                out,
-            )?;
+            let parts = [(Some(LoraTarget::Down), h), (None, 0), (None, 0)];
+            let x = (b.act.ptr(), inter, inter);
+            lo.update(gpu, c, (t, li), parts, x, (b.x.ptr(), h))?;
         }
     }
     norm(s(lay.logit_rows)?, w.norm.ptr(), b.xs.ptr(), l.rows)?;

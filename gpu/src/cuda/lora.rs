@@ -194,7 +194,7 @@ impl DeviceLoras {
                 host[at + 8..at + 16].copy_from_slice(&pair[1].to_le_bytes());
             }
         }
-        let u_bytes = rows * 2 * max_rank * 4;
+        let u_bytes = rows * 3 * max_rank * 4;
         let (table, u) = if graph.is_some() {
             if self.graph.is_none() {
                 self.graph = Some((gpu.alloc(bytes)?, gpu.alloc(u_bytes)?));
