@@ -15,6 +15,7 @@ use switchyard_gpu::backend::{
 use switchyard_gpu::cpu::llama::{ActivationPrecision, LlamaModel};
 use switchyard_gpu::model::gguf::GgufFile;
 use switchyard_gpu::model::LlamaConfig;
+use switchyard_gpu::{LoraAdapter, LoraLimits};
 
 const CONTEXT: usize = 128;
 
@@ -117,6 +118,32 @@ fn bench(c: &mut Criterion) {
             .collect(),
     };
     g.bench_function("decode_32_seqs", |b| {
+        b.iter(|| be.execute(&many).expect("decode"))
+    });
+
+    // The same decode steps with a LoRA adapter (the test adapter: rank 4 on every projection).
+    let dir =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/lora/smollm2-r4");
+    let adapter = Arc::new(
+        LoraAdapter::load(&dir, &be.model().config, &LoraLimits::default()).expect("adapter"),
+    );
+    let with_adapter = |b: &Batch| Batch {
+        seqs: b
+            .seqs
+            .iter()
+            .map(|s| SeqInput {
+                adapter: Some(adapter.clone()),
+                ..s.clone()
+            })
+            .collect(),
+    };
+    let (one, many) = (with_adapter(&one), with_adapter(&many));
+    g.throughput(Throughput::Elements(1));
+    g.bench_function("decode_batch_1_lora", |b| {
+        b.iter(|| be.execute(&one).expect("decode"))
+    });
+    g.throughput(Throughput::Elements(32));
+    g.bench_function("decode_32_seqs_lora", |b| {
         b.iter(|| be.execute(&many).expect("decode"))
     });
     g.finish();

@@ -26,6 +26,8 @@ use rayon::prelude::*;
 use safetensors::tensor::Dtype as StDtype;
 use safetensors::SafeTensors;
 
+#[cfg(target_arch = "x86_64")]
+use crate::cpu::matmul::Isa;
 use crate::error::GpuError;
 use crate::model::{LlamaConfig, RopeStyle};
 
@@ -122,12 +124,14 @@ pub const MAX_LORA_RANK: usize = 1024;
 /// Largest `adapter_config.json` read, in bytes.
 const MAX_CONFIG_JSON: u64 = 1 << 20;
 
-/// One adapted projection: `A` (`rank x in`) and `scale * B` (`out x rank`), row-major f32.
+/// One adapted projection: `A` (`rank x in`) and `scale * B` (`out x rank`), row-major f32,
+/// and `scale * B` transposed (`rank x out`) for the CPU's update loop.
 #[derive(Clone, Debug)]
 pub struct LoraPair {
     rank: usize,
     a: Vec<f32>,
     b: Vec<f32>,
+    bt: Vec<f32>,
 }
 
 impl LoraPair {
@@ -165,23 +169,32 @@ impl LoraPair {
         if heads > 0 && c.rope_style == RopeStyle::Interleaved {
             b = permute_rows_for_gguf(&b, heads, c.head_dim, rank);
         }
-        LoraPair { rank, a, b }
+        let out = b.len() / rank;
+        let bt = (0..rank)
+            .flat_map(|j| (0..out).map(move |o| (o, j)))
+            .map(|(o, j)| b[o * rank + j])
+            .collect();
+        LoraPair { rank, a, b, bt }
     }
 
-    /// Adds `B (A x)` to `out` for one token (`x`: `in` values, `out`: `out` values).
-    #[inline]
+    /// Adds `B (A x)` to `out` for one token (`x`: `in` values, `out`: `out` values): `u = A x`
+    /// by dot products along `x`, then `out += u_j B[:, j]` along `out`, both loops the compiler
+    /// vectorises.
+    #[inline(always)]
     fn apply_row(&self, x: &[f32], out: &mut [f32], u: &mut [f32]) {
         for (uj, a) in u.iter_mut().zip(self.a.chunks_exact(x.len())) {
             *uj = dot(a, x);
         }
-        for (o, b) in out.iter_mut().zip(self.b.chunks_exact(self.rank)) {
-            *o += dot(b, u);
+        for (&uj, bt) in u.iter().zip(self.bt.chunks_exact(out.len())) {
+            for (o, &b) in out.iter_mut().zip(bt) {
+                *o += uj * b;
+            }
         }
     }
 }
 
 /// A dot product the compiler vectorises (eight independent partial sums).
-#[inline]
+#[inline(always)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
@@ -573,7 +586,7 @@ impl LoraAdapter {
             .iter()
             .flatten()
             .flatten()
-            .map(|p| (p.a.len() + p.b.len()) * 4)
+            .map(|p| (p.a.len() + p.b.len() + p.bt.len()) * 4)
             .sum()
     }
 
@@ -615,18 +628,58 @@ pub(crate) fn add_deltas(
         return;
     }
     let width = out.len() / t;
+    #[cfg(target_arch = "x86_64")]
+    let avx2 = matches!(Isa::detect(), Isa::Avx2 | Isa::Avx512Vnni);
+    // A row's update is small (rank x (in + out) products): rows go to threads in groups, and
+    // a decode step's few rows stay on the caller's thread.
     out.par_chunks_mut(width)
         .zip(x.par_chunks(din))
         .zip(row_adapter.par_iter())
-        .for_each(|((o, xr), a)| {
-            let Some(a) = a else { return };
-            let mut u = [0f32; MAX_LORA_RANK];
-            for &(target, off, w) in parts {
-                if let Some(p) = a.pair(layer, target) {
-                    p.apply_row(xr, &mut o[off..off + w], &mut u[..p.rank]);
+        .with_min_len(8)
+        .for_each_init(
+            || vec![0f32; MAX_LORA_RANK],
+            |u, ((o, xr), a)| {
+                let Some(a) = a else { return };
+                #[cfg(target_arch = "x86_64")]
+                if avx2 {
+                    // SAFETY: the CPU has AVX2 and FMA (`Isa::detect`).
+                    unsafe { update_row_avx2(a, layer, parts, xr, o, u) };
+                    return;
                 }
-            }
-        });
+                update_row(a, layer, parts, xr, o, u);
+            },
+        );
+}
+
+/// One token's updates of the `parts` of a fused product.
+#[inline(always)]
+fn update_row(
+    a: &LoraAdapter,
+    layer: usize,
+    parts: &[(LoraTarget, usize, usize)],
+    x: &[f32],
+    out: &mut [f32],
+    u: &mut [f32],
+) {
+    for &(target, off, w) in parts {
+        if let Some(p) = a.pair(layer, target) {
+            p.apply_row(x, &mut out[off..off + w], &mut u[..p.rank]);
+        }
+    }
+}
+
+/// [`update_row`] compiled for AVX2 and FMA (eight lanes instead of SSE's four).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn update_row_avx2(
+    a: &LoraAdapter,
+    layer: usize,
+    parts: &[(LoraTarget, usize, usize)],
+    x: &[f32],
+    out: &mut [f32],
+    u: &mut [f32],
+) {
+    update_row(a, layer, parts, x, out, u)
 }
 
 #[cfg(test)]
@@ -729,7 +782,11 @@ mod tests {
         assert_eq!((a.rank(), a.scale()), (2, 3.0));
         assert_eq!(a.targets(), vec![LoraTarget::Q, LoraTarget::V]);
         assert!(a.fits(&c) && !a.fits(&tiny(RopeStyle::Interleaved)));
-        assert_eq!(a.bytes(), 2 * (2 * 32 + 32 * 2 + 2 * 32 + 16 * 2) * 4);
+        // Per layer: q's A and B (and B transposed), v's.
+        assert_eq!(
+            a.bytes(),
+            2 * (2 * 32 + 2 * 32 * 2 + 2 * 32 + 2 * 16 * 2) * 4
+        );
         let rs = CONFIG.replace("\"bias\"", "\"use_rslora\": true, \"bias\"");
         let a = parse(&c, &rs, &file(&valid(&c))).expect("rslora");
         assert!((a.scale() - 6.0 / 2f32.sqrt()).abs() < 1e-6);
