@@ -494,20 +494,7 @@ impl Engine {
 
     /// The id and weights of a registered adapter (loaded from disk if it was evicted).
     async fn resolve_adapter(&self, name: &str) -> Result<(u32, Arc<LoraAdapter>), SubmitError> {
-        let (addr, _) = self.lora.as_ref().ok_or_else(|| {
-            SubmitError::new(
-                SubmitErrorKind::UnknownModel,
-                LoraError::Disabled.to_string(),
-            )
-        })?;
-        match addr.send(Resolve(name.to_owned())).await {
-            Ok(Ok(a)) => Ok(a),
-            Ok(Err(e)) => Err(lora_submit_error(e)),
-            Err(_) => Err(SubmitError::new(
-                SubmitErrorKind::Unavailable,
-                "the engine is shutting down",
-            )),
-        }
+        self.ask_lora(Resolve(name.to_owned())).await
     }
 
     /// Registers a LoRA adapter under `name` (loads it to check it).
@@ -516,20 +503,28 @@ impl Engine {
         name: String,
         path: PathBuf,
     ) -> Result<AdapterInfo, SubmitError> {
-        let (addr, _) = self.lora_manager()?;
-        match addr.send(RegisterAdapter { name, path }).await {
-            Ok(r) => r.map_err(lora_submit_error),
-            Err(_) => Err(SubmitError::new(
-                SubmitErrorKind::Unavailable,
-                "the engine is shutting down",
-            )),
-        }
+        self.ask_lora(RegisterAdapter { name, path }).await
     }
 
     /// Unregisters a LoRA adapter; requests using it finish with it.
     pub async fn unregister_adapter(&self, name: String) -> Result<(), SubmitError> {
-        let (addr, _) = self.lora_manager()?;
-        match addr.send(Unregister(name)).await {
+        self.ask_lora(Unregister(name)).await
+    }
+
+    /// Sends `msg` to the LoRA manager and maps its error for the client.
+    async fn ask_lora<M, T>(&self, msg: M) -> Result<T, SubmitError>
+    where
+        M: actix::Message<Result = Result<T, LoraError>> + Send + 'static,
+        T: Send + 'static,
+        LoraManager: actix::Handler<M>,
+    {
+        let (addr, _) = self.lora.as_ref().ok_or_else(|| {
+            SubmitError::new(
+                SubmitErrorKind::InvalidRequest,
+                LoraError::Disabled.to_string(),
+            )
+        })?;
+        match addr.send(msg).await {
             Ok(r) => r.map_err(lora_submit_error),
             Err(_) => Err(SubmitError::new(
                 SubmitErrorKind::Unavailable,
@@ -544,20 +539,6 @@ impl Engine {
             .as_ref()
             .map(|(_, r)| r.list())
             .unwrap_or_default()
-    }
-
-    /// Whether `name` is a registered LoRA adapter.
-    pub fn has_adapter(&self, name: &str) -> bool {
-        self.lora.as_ref().is_some_and(|(_, r)| r.contains(name))
-    }
-
-    fn lora_manager(&self) -> Result<&(Addr<LoraManager>, LoraRegistry), SubmitError> {
-        self.lora.as_ref().ok_or_else(|| {
-            SubmitError::new(
-                SubmitErrorKind::InvalidRequest,
-                LoraError::Disabled.to_string(),
-            )
-        })
     }
 
     /// Replaces the policy at the next step boundary.

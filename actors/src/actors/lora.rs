@@ -94,11 +94,6 @@ impl LoraRegistry {
     pub fn list(&self) -> Vec<AdapterInfo> {
         self.0.read().clone()
     }
-
-    /// Whether `name` is registered.
-    pub fn contains(&self, name: &str) -> bool {
-        self.0.read().iter().any(|a| a.name == name)
-    }
 }
 
 /// The LoRA manager actor.
