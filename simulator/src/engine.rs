@@ -136,7 +136,7 @@ impl Simulation {
             tiers,
             // Traces carry no prompt-logprob requests.
             max_logit_rows: usize::MAX,
-            max_loras: 4,
+            max_loras: spec.scheduler.max_loras,
         };
         switchyard_policies::validate_config(&scheduler)
             .map_err(|e| SimError::Scheduler(e.to_string()))?;

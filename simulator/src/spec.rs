@@ -156,6 +156,9 @@ pub struct SchedulerLimits {
     /// steps): added to every step in order, overlapped with the step before when
     /// `async_scheduling` is on.
     pub host_overhead_us: f64,
+    /// Most distinct LoRA adapters among the running requests (trace records may name an
+    /// `adapter`), as the server's `lora.max_loras`.
+    pub max_loras: usize,
 }
 
 impl Default for SchedulerLimits {
@@ -166,6 +169,7 @@ impl Default for SchedulerLimits {
             max_model_len: None,
             async_scheduling: false,
             host_overhead_us: 0.0,
+            max_loras: 4,
         }
     }
 }
@@ -388,6 +392,9 @@ impl SimulationSpec {
         if s.max_model_len.is_some_and(|n| n == 0 || n > 1 << 24) {
             return Err("scheduler.max_model_len outside 1..=16777216".into());
         }
+        if !(1..=1024).contains(&s.max_loras) {
+            return Err("scheduler.max_loras outside 1..=1024".into());
+        }
         if self.policies.is_empty() || self.policies.len() > MAX_POLICIES {
             return Err(format!("policies: give 1..={MAX_POLICIES} policies"));
         }
@@ -602,6 +609,10 @@ workload:
             (GOOD.replace("premium: 1,", "gold: 1,"), "tier `gold`"),
             (GOOD.replace("format: azure", "format: csv"), "sim.yaml:10:"),
             (GOOD.replace("ttft_ms: 200", "ttft_ms: -1"), "tiers.premium"),
+            (
+                format!("{}\nscheduler: {{ max_loras: 0 }}\n", GOOD.trim_end()),
+                "scheduler.max_loras",
+            ),
         ];
         for (text, want) in cases {
             let err = parse(&text).unwrap_err().to_string();
