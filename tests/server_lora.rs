@@ -201,3 +201,49 @@ fn adapters_load_and_unload_at_run_time_through_the_admin_api() {
     // The remaining adapter still serves.
     assert_eq!(haiku(s, "tuned").0, 200);
 }
+
+#[test]
+fn sighup_brings_the_configured_adapters_in_line_with_the_file() {
+    let s = &server();
+    let body = json!({"lora_name": "runtime", "lora_path": adapter_dir()});
+    let r = s
+        .request("POST", "/admin/lora", Some(&body.to_string()), &[ADMIN])
+        .expect("load");
+    assert_eq!(r.status, 200, "{}", r.body);
+    let models = |s: &Server| -> Vec<String> {
+        let r = s.request("GET", "/v1/models", None, &[]).expect("models");
+        let v: Value = serde_json::from_str(&r.body).expect("json");
+        v["data"]
+            .as_array()
+            .expect("data")
+            .iter()
+            .skip(1)
+            .filter_map(|m| m["id"].as_str().map(str::to_owned))
+            .collect()
+    };
+    assert_eq!(models(s), ["tuned", "runtime"]);
+    let config = s.dir.join("config.yaml");
+    let text = std::fs::read_to_string(&config)
+        .expect("config")
+        .replace("- name: tuned", "- name: renamed");
+    std::fs::write(&config, text).expect("write config");
+    let pid = s.child.id().to_string();
+    assert!(std::process::Command::new("kill")
+        .args(["-HUP", &pid])
+        .status()
+        .expect("kill")
+        .success());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    // The file's adapter is replaced; the one loaded through the admin API stays.
+    while models(s) != ["runtime", "renamed"] {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "adapters not reloaded: {:?}\n{}",
+            models(s),
+            s.log()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert_haiku(s, "renamed", "lora_golden.json");
+    assert_eq!(haiku(s, "tuned").0, 404);
+}

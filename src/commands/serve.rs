@@ -20,7 +20,7 @@ use switchyard_api::engine::{
     TopLogprob,
 };
 use switchyard_api::{ApiConfig, ApiKeyEntry, ApiState, ServerOptions};
-use switchyard_config::{Config, LoadFormat};
+use switchyard_config::{Config, LoadFormat, LoraAdapterEntry};
 use switchyard_gpu::backend::{SamplingParams, MAX_LOGIT_ROWS};
 use switchyard_gpu::model::Tokenizer;
 use switchyard_gpu::LoraLimits;
@@ -178,6 +178,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             ready: AtomicBool::new(true),
             tiers,
             policy: Mutex::new(policy_info),
+            lora_enabled: config.lora.enabled,
+            config_adapters: Mutex::new(config.lora.adapters.clone()),
         });
         metrics::gauge!(switchyard_api::metrics::POLICY_INFO, "policy" => policy_label(&adapter.policy.lock().name)).set(1.0);
         let state = ApiState::new(adapter.clone(), api_config, prometheus);
@@ -199,7 +201,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
                 tokio::select! {
                     _ = term.recv() => break,
                     _ = int.recv() => break,
-                    _ = hup.recv() => reload_policy(&adapter, &config_path, &overrides),
+                    _ = hup.recv() => reload(&adapter, &config_path, &overrides),
                 }
             }
             tracing::info!(
@@ -261,8 +263,9 @@ fn api_config(config: &Config) -> anyhow::Result<ApiConfig> {
     })
 }
 
-/// SIGHUP: re-reads the policy section of the config file and swaps the policy.
-fn reload_policy(adapter: &EngineAdapter, path: &Path, overrides: &[String]) {
+/// SIGHUP: re-reads the config file, swaps the policy and brings the adapters of
+/// `lora.adapters` in line with the file (in the background).
+fn reload(adapter: &Arc<EngineAdapter>, path: &Path, overrides: &[String]) {
     match super::config::load(path, overrides) {
         Ok(cfg) => {
             let spec = PolicySpec {
@@ -273,6 +276,14 @@ fn reload_policy(adapter: &EngineAdapter, path: &Path, overrides: &[String]) {
             match adapter.swap(spec) {
                 Ok(info) => tracing::info!(policy = %info.name, "SIGHUP: policy reloaded"),
                 Err(e) => tracing::error!(error = %e, "SIGHUP: policy not reloaded"),
+            }
+            if cfg.lora.enabled != adapter.lora_enabled {
+                tracing::warn!("SIGHUP: lora.enabled changed; that takes a restart");
+            } else if adapter.lora_enabled {
+                let adapter = adapter.clone();
+                actix_web::rt::spawn(
+                    async move { adapter.reload_adapters(cfg.lora.adapters).await },
+                );
             }
         }
         Err(e) => tracing::error!(error = %e, "SIGHUP: config not reloaded"),
@@ -288,9 +299,43 @@ struct EngineAdapter {
     ready: AtomicBool,
     tiers: Vec<TierSpec>,
     policy: Mutex<PolicyInfo>,
+    lora_enabled: bool,
+    /// The adapters the config file lists (SIGHUP reconciles them; adapters loaded through
+    /// the admin API are left alone).
+    config_adapters: Mutex<Vec<LoraAdapterEntry>>,
 }
 
 impl EngineAdapter {
+    /// Unregisters the file's adapters that it no longer lists (or lists at another path)
+    /// and registers the ones it newly lists; failures are logged and leave the rest going.
+    async fn reload_adapters(&self, wanted: Vec<LoraAdapterEntry>) {
+        let old = self.config_adapters.lock().clone();
+        for a in old.iter().filter(|a| !wanted.contains(a)) {
+            match self.engine.unregister_adapter(a.name.clone()).await {
+                Ok(()) => tracing::info!(name = %a.name, "SIGHUP: LoRA adapter unloaded"),
+                Err(e) => {
+                    tracing::warn!(name = %a.name, error = %e, "SIGHUP: LoRA adapter not unloaded")
+                }
+            }
+        }
+        let mut kept: Vec<LoraAdapterEntry> =
+            old.into_iter().filter(|a| wanted.contains(a)).collect();
+        let new: Vec<LoraAdapterEntry> = wanted.into_iter().filter(|a| !kept.contains(a)).collect();
+        for a in new {
+            let path = runtime::expand_home(Path::new(&a.path));
+            match self.engine.register_adapter(a.name.clone(), path).await {
+                Ok(info) => {
+                    tracing::info!(name = %info.name, rank = info.rank, "SIGHUP: LoRA adapter loaded");
+                    kept.push(a);
+                }
+                Err(e) => {
+                    tracing::error!(name = %a.name, error = %e, "SIGHUP: LoRA adapter not loaded")
+                }
+            }
+        }
+        *self.config_adapters.lock() = kept;
+    }
+
     fn swap(&self, spec: PolicySpec) -> Result<PolicyInfo, EngineError> {
         let params: serde_yaml::Value = serde_yaml::to_value(&spec.params).map_err(|e| {
             EngineError::new(EngineErrorKind::InvalidRequest, e.to_string()).with_param("params")
