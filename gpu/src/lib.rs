@@ -2,6 +2,8 @@
 //! (GGUF, safetensors), tokenizer and chat templates, and the sampler.
 
 pub mod error;
+#[cfg(test)]
+mod fuzz;
 pub mod model;
 
 pub use error::GpuError;
