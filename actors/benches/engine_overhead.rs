@@ -98,6 +98,7 @@ fn request() -> RequestOptions {
         tenant: String::new(),
         prompt_logprobs: None,
         lora: None,
+        structured: None,
     }
 }
 

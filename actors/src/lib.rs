@@ -7,6 +7,7 @@ mod core;
 mod detokenizer;
 mod error;
 pub mod metric_names;
+pub mod structured;
 
 pub use crate::core::{
     AsyncScheduling, CoreEvent, EngineCore, EngineCoreConfig, PreparedStep, StepCore, StepReport,

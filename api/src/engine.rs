@@ -159,6 +159,23 @@ pub struct GenerateRequest {
     /// The LoRA adapter to run with (a name from [`Engine::lora_adapters`]); `None` for the
     /// base model.
     pub lora: Option<String>,
+    /// What the generated text must follow; `None` for free text.
+    pub structured: Option<StructuredOutputSpec>,
+}
+
+/// A structure the output must follow (structured output).
+#[derive(Debug, Clone, PartialEq)]
+pub enum StructuredOutputSpec {
+    /// Any JSON object.
+    JsonObject,
+    /// JSON valid under this JSON Schema.
+    JsonSchema(serde_json::Value),
+    /// Text matching this regular expression.
+    Regex(String),
+    /// Exactly one of these strings.
+    Choice(Vec<String>),
+    /// A grammar in llguidance's Lark dialect.
+    Grammar(String),
 }
 
 /// The input a generation continues from.

@@ -1104,6 +1104,17 @@ extern "C" __global__ void apply_logit_edits(float* logits, u64 vocab, const int
     *l = v;
 }
 
+// Structured output: the logits of the tokens outside a row's allowed set (bit t % 32 of word
+// t / 32 of the row's mask) become -inf. Grid (vocab / 256, masked rows).
+extern "C" __global__ void apply_token_masks(float* logits, u64 vocab, const int* rows,
+                                             const u32* masks, int words, int n) {
+    PDL_ENTER();
+    const int r = blockIdx.y;
+    const u64 t = blockIdx.x * (u64)blockDim.x + threadIdx.x;
+    if (r >= n || t >= vocab) return;
+    if (!((masks[(u64)r * words + t / 32] >> (t % 32)) & 1u)) logits[(u64)rows[r] * vocab + t] = NEG_INF;
+}
+
 // Orders floats as unsigned integers (larger float, larger key).
 __device__ __forceinline__ u32 fkey(float f) {
     u32 b = __float_as_uint(f);

@@ -132,10 +132,14 @@ pub trait Backend: Send {
     }
 }
 
-/// Whether a request's sampling can take a [`PENDING_TOKEN`]: no penalties (they read the
-/// token values of the sequence so far, which the host learns a step late).
+/// Whether a request's sampling can take a [`PENDING_TOKEN`]: no penalties and no
+/// constraint (they read the token values of the sequence so far, which the host learns a
+/// step late).
 pub fn takes_pending_tokens(p: &SamplingParams) -> bool {
-    p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0
+    p.repetition_penalty == 1.0
+        && p.presence_penalty == 0.0
+        && p.frequency_penalty == 0.0
+        && p.constraint.is_none()
 }
 
 /// Settings of a [`CpuBackend`].

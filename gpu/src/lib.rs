@@ -8,12 +8,14 @@ pub mod model;
 
 pub use error::GpuError;
 pub mod backend;
+pub mod constraint;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod lora;
 pub mod sampler;
 pub use backend::{Backend, Batch, CpuBackend, CpuBackendConfig, SeqInput, SeqOutput};
+pub use constraint::{Constraint, TokenConstraint};
 pub use cpu::llama::ActivationPrecision;
 pub use lora::{LoraAdapter, LoraLimits, LoraTarget};
 pub use sampler::SamplingParams;

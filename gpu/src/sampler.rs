@@ -13,6 +13,7 @@ use std::collections::{HashMap, HashSet};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+use crate::constraint::{mask_logits, Constraint};
 use crate::error::GpuError;
 
 /// Most logprobs a request may ask for per position (vLLM's default limit).
@@ -55,6 +56,9 @@ pub struct SamplingParams {
     pub logprobs: Option<u32>,
     /// Return this many top logprobs per prompt position (and the prompt token's logprob).
     pub prompt_logprobs: Option<u32>,
+    /// Structured output: the tokens must follow this constraint (one per sequence: it keeps
+    /// the sequence's state).
+    pub constraint: Option<Constraint>,
 }
 
 impl Default for SamplingParams {
@@ -75,6 +79,7 @@ impl Default for SamplingParams {
             eos_token_ids: Vec::new(),
             logprobs: None,
             prompt_logprobs: None,
+            constraint: None,
         }
     }
 }
@@ -263,11 +268,18 @@ impl SeqSampler {
         };
         let mut l = logits.to_vec();
         self.process(&mut l, p);
+        if let Some(c) = &p.constraint {
+            let allowed = c.allowed(l.len());
+            mask_logits(&mut l, logits, &allowed);
+        }
         let token = if p.temperature == 0.0 {
             top_n(&l, 1).first().map_or(0, |b| b.0)
         } else {
             self.draw(&l, p)
         };
+        if let Some(c) = &p.constraint {
+            c.commit(token);
+        }
         self.output.push(token);
         *self.counts.entry(token).or_insert(0) += 1;
         Sampled {
@@ -523,6 +535,33 @@ mod tests {
             top_n(&[1.0, 3.0, 3.0, 2.0], 3),
             vec![(1, 3.0), (2, 3.0), (3, 2.0)]
         );
+    }
+
+    #[test]
+    fn a_constraint_restricts_every_draw_and_sees_each_token() {
+        use crate::constraint::tests::Script;
+        use std::sync::Arc;
+        let seen = Arc::new(parking_lot::Mutex::new(Vec::new()));
+        let constraint = Constraint::new(Script {
+            steps: vec![vec![2, 3], vec![0, 1]],
+            eos: 3,
+            seen: seen.clone(),
+        });
+        // Greedy would take 0; tempered sampling over the allowed pair only.
+        let p = SamplingParams {
+            constraint: Some(constraint),
+            logprobs: Some(1),
+            ..SamplingParams::default()
+        };
+        let mut s = SeqSampler::new(5);
+        let first = s.sample(&dist(), &p);
+        assert!(first.token == 2 || first.token == 3, "{first:?}");
+        // Logprobs stay the raw distribution's.
+        assert!((first.top_logprobs[0].1 - 0.5f32.ln()).abs() < 1e-6);
+        let second = s.sample(&dist(), &p);
+        assert!(second.token <= 1);
+        assert_eq!(s.sample(&dist(), &p).token, 3);
+        assert_eq!(*seen.lock(), s.output().to_vec());
     }
 
     #[test]

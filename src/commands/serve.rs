@@ -14,6 +14,7 @@ use switchyard_actors::actors::{
     AdapterInfo, ChoiceDelta, Engine as ActorEngine, EngineConfig, EngineOutput, LoraManagerConfig,
     OutputSink, PromptSource, RequestOptions, SubmitError, SubmitErrorKind, TokenLogprobs,
 };
+use switchyard_actors::structured::StructuredOutput;
 use switchyard_api::engine::{
     self as port, Delta, EngineError, EngineErrorKind, EngineEvent, EngineFuture, Finish,
     GenerateRequest, LoraAdapterInfo, PolicyInfo, PolicySpec, TokenLogprob, TokenizeInput,
@@ -517,6 +518,13 @@ impl port::Engine for EngineAdapter {
             tenant: request.tenant,
             prompt_logprobs: request.prompt_logprobs,
             lora: request.lora,
+            structured: request.structured.map(|s| match s {
+                port::StructuredOutputSpec::JsonObject => StructuredOutput::JsonObject,
+                port::StructuredOutputSpec::JsonSchema(v) => StructuredOutput::JsonSchema(v),
+                port::StructuredOutputSpec::Regex(r) => StructuredOutput::Regex(r),
+                port::StructuredOutputSpec::Choice(c) => StructuredOutput::Choice(c),
+                port::StructuredOutputSpec::Grammar(g) => StructuredOutput::Grammar(g),
+            }),
         };
         self.engine.submit(
             options,

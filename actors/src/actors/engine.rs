@@ -9,7 +9,7 @@ use std::time::Instant;
 use actix::{Actor, Addr, SyncArbiter};
 use switchyard_gpu::backend::{Backend, SamplingParams};
 use switchyard_gpu::model::{ChatTemplate, Tokenizer};
-use switchyard_gpu::{GpuError, LoraAdapter};
+use switchyard_gpu::{Constraint, GpuError, LoraAdapter};
 use switchyard_policies::{
     FinishReason, Policy, Request, RequestId, SamplingLimits, SchedulerConfig, SchedulerStats,
     SloTargets,
@@ -23,9 +23,10 @@ use super::lora::{
     Register as RegisterAdapter, Resolve, Unregister,
 };
 use super::scheduler::{GetStats, SchedulerActor, Submit, SwapPolicy};
-use super::tokenizer::{Decode, Encode, TokenizerActor};
+use super::tokenizer::{Constrain, Decode, Encode, TokenizerActor};
 use crate::core::{AsyncScheduling, EngineCoreConfig, StepCore, SubmitOptions};
 use crate::metric_names as names;
+use crate::structured::{LazyGrammarCompiler, StructuredOutput};
 use crate::EngineError;
 
 /// What the engine needs beyond the model.
@@ -82,6 +83,8 @@ pub struct RequestOptions {
     pub prompt_logprobs: Option<u32>,
     /// The name of the LoRA adapter to run the request with; `None` for the base model.
     pub lora: Option<String>,
+    /// Structured output: what the generated text must follow; `None` for free text.
+    pub structured: Option<StructuredOutput>,
 }
 
 /// New output for one choice.
@@ -180,6 +183,14 @@ impl Drop for InFlight {
     }
 }
 
+/// What a request's submission resolved before admission: its prompt tokens, its adapter
+/// (prefix-cache id and weights) and one structured-output constraint per choice.
+struct Resolved {
+    prompt: Vec<u32>,
+    adapter: Option<(u32, Arc<LoraAdapter>)>,
+    constraints: Vec<Constraint>,
+}
+
 /// The engine handle.
 #[derive(Clone)]
 pub struct Engine {
@@ -239,8 +250,9 @@ impl Engine {
             ExecutorActor::new(slot.lock().unwrap_or_else(|p| p.into_inner()).take())
         });
         let tok = tokenizer.clone();
+        let grammars = LazyGrammarCompiler::default();
         let tokenizers = SyncArbiter::start(config.tokenizer_threads.max(1), move || {
-            TokenizerActor::new(tok.clone(), template.clone())
+            TokenizerActor::new(tok.clone(), template.clone(), grammars.clone())
         });
         // The detokenizer gets a thread of its own so that text work and client sends never
         // delay the scheduler's next step.
@@ -328,7 +340,43 @@ impl Engine {
                     }
                 },
             };
-            match this.admit(options, ids, adapter, sink, guard, arrival) {
+            let constraints = match &options.structured {
+                None => Vec::new(),
+                Some(spec) => {
+                    let end_ids = options
+                        .sampling
+                        .eos_token_ids
+                        .iter()
+                        .chain(&options.sampling.stop_token_ids)
+                        .copied()
+                        .collect();
+                    let asked = this.tokenizers.send(Constrain {
+                        spec: spec.clone(),
+                        end_ids,
+                        n: options.n.max(1) as usize,
+                    });
+                    match asked.await {
+                        Ok(Ok(c)) => c,
+                        Ok(Err(e)) => {
+                            sink.send(EngineOutput::Error(e));
+                            return;
+                        }
+                        Err(_) => {
+                            sink.send(EngineOutput::Error(SubmitError::new(
+                                SubmitErrorKind::Unavailable,
+                                "the engine is shutting down",
+                            )));
+                            return;
+                        }
+                    }
+                }
+            };
+            let resolved = Resolved {
+                prompt: ids,
+                adapter,
+                constraints,
+            };
+            match this.admit(options, resolved, sink, guard, arrival) {
                 Ok(()) => {}
                 Err((e, mut sink)) => {
                     sink.send(EngineOutput::Error(e));
@@ -342,12 +390,16 @@ impl Engine {
     fn admit(
         &self,
         options: RequestOptions,
-        prompt: Vec<u32>,
-        adapter: Option<(u32, Arc<LoraAdapter>)>,
+        resolved: Resolved,
         mut sink: Box<dyn OutputSink>,
         guard: InFlight,
         arrival: Instant,
     ) -> Result<(), (SubmitError, Box<dyn OutputSink>)> {
+        let Resolved {
+            prompt,
+            adapter,
+            constraints,
+        } = resolved;
         let max_len = self.max_model_len();
         if prompt.is_empty() {
             return Err((
@@ -412,6 +464,7 @@ impl Engine {
             let mut sampling = options.sampling.clone();
             sampling.seed = options.sampling.seed.map(|s| s.wrapping_add(u64::from(i)));
             sampling.prompt_logprobs = options.prompt_logprobs;
+            sampling.constraint = constraints.get(i as usize).cloned();
             ids.push(id);
             submits.push(SubmitOptions {
                 request: Request {

@@ -5,8 +5,10 @@ use std::sync::Arc;
 
 use actix::{Actor, Handler, Message, SyncContext};
 use switchyard_gpu::model::{ChatMessage, ChatTemplate, Tokenizer};
+use switchyard_gpu::Constraint;
 
 use super::engine::{PromptSource, SubmitError, SubmitErrorKind};
+use crate::structured::{LazyGrammarCompiler, StructuredOutput};
 
 /// Turns a prompt into token ids.
 #[derive(Message)]
@@ -26,18 +28,36 @@ pub struct Encode {
 #[rtype(result = "Result<String, SubmitError>")]
 pub struct Decode(pub Vec<u32>);
 
+/// Compiles a structured-output specification into one constraint per choice.
+#[derive(Message)]
+#[rtype(result = "Result<Vec<Constraint>, SubmitError>")]
+pub struct Constrain {
+    /// What the output must follow.
+    pub spec: StructuredOutput,
+    /// The tokens that end the request.
+    pub end_ids: Vec<u32>,
+    /// Number of choices.
+    pub n: usize,
+}
+
 /// One tokenizer thread.
 pub struct TokenizerActor {
     tokenizer: Arc<Tokenizer>,
     template: Option<Arc<ChatTemplate>>,
+    grammars: LazyGrammarCompiler,
 }
 
 impl TokenizerActor {
-    /// Shares the model's tokenizer and chat template.
-    pub fn new(tokenizer: Arc<Tokenizer>, template: Option<Arc<ChatTemplate>>) -> Self {
+    /// Shares the model's tokenizer, chat template and grammar compiler.
+    pub fn new(
+        tokenizer: Arc<Tokenizer>,
+        template: Option<Arc<ChatTemplate>>,
+        grammars: LazyGrammarCompiler,
+    ) -> Self {
         Self {
             tokenizer,
             template,
+            grammars,
         }
     }
 }
@@ -104,5 +124,22 @@ impl Handler<Decode> for TokenizerActor {
         self.tokenizer
             .decode(&msg.0, true)
             .map_err(|e| invalid(e.to_string()))
+    }
+}
+
+impl Handler<Constrain> for TokenizerActor {
+    type Result = Result<Vec<Constraint>, SubmitError>;
+
+    fn handle(&mut self, msg: Constrain, _: &mut SyncContext<Self>) -> Self::Result {
+        let compiler = self
+            .grammars
+            .get(&self.tokenizer)
+            .map_err(|e| SubmitError {
+                kind: SubmitErrorKind::Internal,
+                message: format!("structured output is unavailable for this model: {e}"),
+            })?;
+        compiler
+            .compile(&msg.spec, &msg.end_ids, msg.n)
+            .map_err(invalid)
     }
 }

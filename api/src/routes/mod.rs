@@ -73,6 +73,7 @@ pub(crate) fn engine_requests(
             tier: principal.tier.clone(),
             tenant: principal.tenant.clone(),
             lora: lora.map(str::to_owned),
+            structured: validated.structured.clone(),
         })
         .collect()
 }

@@ -3,6 +3,7 @@
 mod request;
 mod response;
 mod sampling;
+mod structured;
 
 pub use request::{
     parse_messages, ChatRequest, CompletionRequest, ContentField, ContentPart, MessageField,
@@ -10,6 +11,7 @@ pub use request::{
 };
 pub use response::*;
 pub use sampling::SamplerFields;
+pub use structured::StructuredFields;
 
 pub use limits::*;
 
@@ -35,4 +37,8 @@ pub mod limits {
     pub const MAX_LOGPROBS: u32 = 20;
     /// Most token ids accepted by `/detokenize`.
     pub const MAX_DETOKENIZE_TOKENS: usize = 1 << 20;
+    /// Most bytes of a structured-output schema, regex, grammar or choice list.
+    pub const MAX_STRUCTURED_BYTES: usize = 64 * 1024;
+    /// Most alternatives of a structured-output choice.
+    pub const MAX_STRUCTURED_CHOICES: usize = 1024;
 }

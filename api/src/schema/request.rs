@@ -4,7 +4,7 @@
 //! Fields follow OpenAI's API reference and vLLM's `CompletionRequest` / `ChatCompletionRequest`
 //! extensions (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`,
 //! `stop_token_ids`, `priority`). Unknown fields are ignored, as OpenAI and vLLM do; known fields
-//! this server cannot honour (tools, `suffix`, `best_of`, JSON mode) are rejected with a 400 naming
+//! this server cannot honour (tools, `suffix`, `best_of`) are rejected with a 400 naming
 //! them rather than silently ignored.
 
 use std::collections::HashMap;
@@ -13,7 +13,8 @@ use serde::Deserialize;
 
 use super::limits::*;
 use super::sampling::SamplerFields;
-use crate::engine::{ChatMessage, ChatRole, PromptInput, SamplingOptions};
+use super::structured::StructuredFields;
+use crate::engine::{ChatMessage, ChatRole, PromptInput, SamplingOptions, StructuredOutputSpec};
 use crate::error::ApiError;
 
 /// `prompt`: a string, a list of strings, a list of token ids or a list of token-id lists.
@@ -101,6 +102,9 @@ pub struct CompletionRequest {
     pub min_tokens: Option<u32>,
     /// `ignore_eos`.
     pub ignore_eos: Option<bool>,
+    /// Structured output (`response_format`, `structured_outputs`, `guided_*`).
+    #[serde(flatten)]
+    pub structured: StructuredFields,
 }
 
 /// Body of `POST /v1/chat/completions`.
@@ -130,8 +134,6 @@ pub struct ChatRequest {
     pub tools: Option<Vec<serde_json::Value>>,
     /// Not supported unless `"none"`.
     pub tool_choice: Option<serde_json::Value>,
-    /// Only `{"type": "text"}` is supported.
-    pub response_format: Option<serde_json::Value>,
     /// Scheduling priority (vLLM: lower first).
     pub priority: Option<i32>,
     /// End-user id; accepted and ignored.
@@ -160,6 +162,9 @@ pub struct ChatRequest {
     pub min_tokens: Option<u32>,
     /// `ignore_eos`.
     pub ignore_eos: Option<bool>,
+    /// Structured output (`response_format`, `structured_outputs`, `guided_*`).
+    #[serde(flatten)]
+    pub structured: StructuredFields,
 }
 
 /// One message of `messages`.
@@ -235,6 +240,24 @@ pub struct Validated {
     pub include_usage: bool,
     /// Scheduling priority.
     pub priority: i32,
+    /// What the output must follow.
+    pub structured: Option<StructuredOutputSpec>,
+}
+
+/// The structure asked for, refused together with `ignore_eos` (a finished structure ends
+/// the request through its end-of-sequence token).
+fn parse_structured(
+    fields: &StructuredFields,
+    sampling: &SamplingOptions,
+) -> Result<Option<StructuredOutputSpec>, ApiError> {
+    let spec = fields.validate()?;
+    if spec.is_some() && sampling.ignore_eos {
+        return Err(ApiError::invalid(
+            "ignore_eos",
+            "ignore_eos cannot be combined with structured output",
+        ));
+    }
+    Ok(spec)
 }
 
 fn parse_stop(stop: Option<StopField>) -> Result<Vec<String>, ApiError> {
@@ -320,6 +343,7 @@ impl CompletionRequest {
     /// Validates the request against the limits and the context window.
     pub fn validate(self, max_model_len: usize) -> Result<Validated, ApiError> {
         let sampling = sampler_fields!(self).validate()?;
+        let structured = parse_structured(&self.structured, &sampling)?;
         let n = parse_n(self.n)?;
         if self.best_of.is_some_and(|b| b != n) {
             return Err(ApiError::invalid(
@@ -366,6 +390,7 @@ impl CompletionRequest {
             stream,
             include_usage: stream_usage(stream, self.stream_options)?,
             priority: self.priority.unwrap_or(0),
+            structured,
         })
     }
 }
@@ -400,6 +425,7 @@ impl ChatRequest {
     /// Validates the request against the limits and the context window.
     pub fn validate(self, max_model_len: usize) -> Result<Validated, ApiError> {
         let sampling = sampler_fields!(self).validate()?;
+        let structured = parse_structured(&self.structured, &sampling)?;
         let n = parse_n(self.n)?;
         if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
             return Err(ApiError::invalid("tools", "tool calling is not supported"));
@@ -409,14 +435,6 @@ impl ChatRequest {
                 return Err(ApiError::invalid(
                     "tool_choice",
                     "tool calling is not supported",
-                ));
-            }
-        }
-        if let Some(format) = &self.response_format {
-            if !(format.is_null() || format.get("type").is_some_and(|t| t == "text")) {
-                return Err(ApiError::invalid(
-                    "response_format",
-                    "only response_format {\"type\": \"text\"} is supported",
                 ));
             }
         }
@@ -453,6 +471,7 @@ impl ChatRequest {
             stream,
             include_usage: stream_usage(stream, self.stream_options)?,
             priority: self.priority.unwrap_or(0),
+            structured,
         })
     }
 }

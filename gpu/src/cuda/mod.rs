@@ -42,7 +42,7 @@ use crate::sampler::{log_softmax, top_n};
 use device::Gpu;
 pub use device::{probe, DeviceInfo};
 use forward::{bucket_for, bucket_launch, Buffers, Graphs, Launch, GRAPH_BUCKETS};
-use sampling::{Edits, SampleArrays, SeqState};
+use sampling::{Edits, SampleArrays, SeqState, TokenMasks};
 use step::{grid_splits, Layout};
 use weights::GpuWeights;
 
@@ -93,6 +93,8 @@ pub struct CudaBackend {
     /// LoRA adapters on the device and their per-step table.
     loras: lora::DeviceLoras,
     edit_buf: Option<device::DevMem>,
+    /// Device copy of a step's token masks (structured output), grown as needed.
+    mask_buf: Option<device::DevMem>,
     weights: GpuWeights,
     timing: Option<timing::StepTiming>,
     gpu: Gpu,
@@ -337,6 +339,7 @@ impl CudaBackend {
             buf,
             loras: lora::DeviceLoras::default(),
             edit_buf: None,
+            mask_buf: None,
             weights,
             timing,
             gpu,
@@ -615,6 +618,9 @@ impl Backend for CudaBackend {
             if let Some(st) = self.states.get_mut(&out.seq_id) {
                 st.record(tok, p);
             }
+            if let Some(c) = &p.constraint {
+                c.commit(tok);
+            }
             out.token = Some(tok);
         }
         if tokens.len() != sub.samples.len() {
@@ -667,6 +673,7 @@ impl CudaBackend {
         // Sequence states (new ones get their seed now, in batch order) and the rows to sample.
         let mut samples = Vec::new();
         let mut edits = Edits::default();
+        let mut masks = TokenMasks::default();
         let mut first_row = Vec::with_capacity(batch.seqs.len());
         let mut row = 0usize;
         for (i, s) in batch.seqs.iter().enumerate() {
@@ -686,7 +693,11 @@ impl CudaBackend {
             };
             if s.sample {
                 let r = row + n - 1;
-                st.edits(r, &s.sampling, &mut edits);
+                let allowed = s.sampling.constraint.as_ref().map(|c| c.allowed(vocab));
+                st.edits(r, &s.sampling, allowed.as_deref(), &mut edits);
+                if let Some(a) = &allowed {
+                    masks.push(r, a);
+                }
                 samples.push(st.sample_row(r, &s.sampling));
             }
             row += n;
@@ -757,6 +768,7 @@ impl CudaBackend {
             }
         }
         edits.apply(&self.gpu, &mut self.edit_buf, self.buf.logits.ptr(), vocab)?;
+        masks.apply(&self.gpu, &mut self.mask_buf, self.buf.logits.ptr(), vocab)?;
         let arrays = SampleArrays::at(&launch.layout, |off| self.buf.step.at(off))?;
         self.gpu.timed("sample_rows", || {
             sampling::sample(
@@ -797,6 +809,7 @@ impl CudaBackend {
             }
         };
         drop(edits);
+        drop(masks);
         // Outputs in batch order; prompt logprobs now (their rows are here), tokens on collect.
         let mut outputs = Vec::with_capacity(batch.seqs.len());
         let mut sampled = Vec::with_capacity(samples.len());

@@ -14,6 +14,7 @@ use std::collections::{HashMap, HashSet};
 use super::device::{Arg, DevMem, Gpu};
 use super::step::{Layout, SampleRow};
 use crate::backend::SeqInput;
+use crate::constraint::is_allowed;
 use crate::error::GpuError;
 use crate::sampler::SamplingParams;
 
@@ -79,15 +80,26 @@ impl SeqState {
     }
 
     /// Appends this row's logit edits (merged per token, in the CPU sampler's order: bias,
-    /// `min_tokens` mask, repetition penalty, presence and frequency penalties).
-    pub fn edits(&self, row: usize, p: &SamplingParams, out: &mut Edits) {
+    /// `min_tokens` mask, repetition penalty, presence and frequency penalties). With a
+    /// constraint's `allowed` set that the `min_tokens` mask would empty, the mask is left out
+    /// (the grammar wins, as in the CPU sampler).
+    pub fn edits(&self, row: usize, p: &SamplingParams, allowed: Option<&[u32]>, out: &mut Edits) {
         let mut m: HashMap<u32, Edit> = HashMap::new();
         for &(id, b) in &p.logit_bias {
             m.entry(id).or_default().bias += b;
         }
-        if self.sampled < u64::from(p.min_tokens) {
+        let stops = || {
             let eos = p.eos_token_ids.iter().filter(|_| !p.ignore_eos);
-            for &id in p.stop_token_ids.iter().chain(eos) {
+            p.stop_token_ids.iter().chain(eos)
+        };
+        let grammar_needs_a_stop = allowed.is_some_and(|a| {
+            let stop_set: HashSet<u32> = stops().copied().collect();
+            (0..a.len() * 32)
+                .filter(|&t| is_allowed(a, t))
+                .all(|t| stop_set.contains(&(t as u32)))
+        });
+        if self.sampled < u64::from(p.min_tokens) && !grammar_needs_a_stop {
+            for &id in stops() {
                 m.entry(id).or_default().mask = true;
             }
         }
@@ -196,6 +208,63 @@ impl Edits {
         // The host columns are pageable memory: the copies are complete once the kernel that
         // reads them has been ordered after them, but keep them alive until the step syncs.
         Ok(())
+    }
+}
+
+/// The allowed sets of a step's constrained rows (structured output).
+#[derive(Debug, Default)]
+pub(crate) struct TokenMasks {
+    rows: Vec<i32>,
+    words: Vec<u32>,
+}
+
+impl TokenMasks {
+    /// Adds logits row `row` with its allowed set (`vocab.div_ceil(32)` words).
+    pub fn push(&mut self, row: usize, allowed: &[u32]) {
+        self.rows.push(row as i32);
+        self.words.extend_from_slice(allowed);
+    }
+
+    /// Uploads the masks to `buf` (grown as needed) and sets the logits of disallowed tokens
+    /// to -inf.
+    pub fn apply(
+        &self,
+        gpu: &Gpu,
+        buf: &mut Option<DevMem>,
+        logits: u64,
+        vocab: usize,
+    ) -> Result<(), GpuError> {
+        let n = self.rows.len();
+        if n == 0 {
+            return Ok(());
+        }
+        let words = vocab.div_ceil(32);
+        if self.words.len() != n * words {
+            return Err(GpuError::Internal("token masks of the wrong size".into()));
+        }
+        let rows_bytes = n.div_ceil(4) * 16;
+        let bytes = rows_bytes + self.words.len() * 4;
+        if buf.as_ref().is_none_or(|b| b.bytes() < bytes) {
+            *buf = Some(gpu.alloc(bytes * 2)?);
+        }
+        let Some(b) = buf.as_ref() else {
+            return Err(GpuError::Internal("mask buffer missing".into()));
+        };
+        gpu.upload(b.at(0)?, &self.rows)?;
+        gpu.upload(b.at(rows_bytes)?, &self.words)?;
+        gpu.launch(
+            &gpu.k.apply_token_masks,
+            (vocab.div_ceil(256) as u32, n as u32, 1),
+            256,
+            &[
+                Arg::Ptr(logits),
+                Arg::U64(vocab as u64),
+                Arg::Ptr(b.at(0)?),
+                Arg::Ptr(b.at(rows_bytes)?),
+                Arg::I32(words as i32),
+                Arg::I32(n as i32),
+            ],
+        )
     }
 }
 
@@ -428,7 +497,7 @@ mod tests {
         };
         st.observe(&s);
         let mut e = Edits::default();
-        st.edits(0, &p, &mut e);
+        st.edits(0, &p, None, &mut e);
         // Tokens 2 (masked), 3 (bias 1.5, seen), 4 (seen), 7 (bias).
         assert_eq!(e.tokens, vec![2, 3, 4, 7]);
         assert_eq!(e.mask, vec![1, 0, 0, 0]);
@@ -441,7 +510,7 @@ mod tests {
         assert!(!st.in_prompt);
         st.record(9, &p);
         let mut e = Edits::default();
-        st.edits(5, &p, &mut e);
+        st.edits(5, &p, None, &mut e);
         // min_tokens reached: no mask; 9 is an output token twice.
         assert_eq!(e.tokens, vec![3, 4, 7, 9]);
         assert!(e.mask.iter().all(|&m| m == 0));

@@ -159,7 +159,7 @@ pub fn sample(
             adapter: None,
         });
         st.sampled = counter;
-        st.edits(r, p, &mut edits);
+        st.edits(r, p, None, &mut edits);
         samples.push(st.sample_row(r, p));
     }
     let lay = Layout::new(0, 0, 0, rows);

@@ -1,0 +1,315 @@
+//! Structured-output fields of a request: OpenAI's `response_format` (`text`, `json_object`,
+//! `json_schema`), vLLM's `structured_outputs` object (`json`, `regex`, `choice`, `grammar`,
+//! `json_object`) and its older `guided_json` / `guided_regex` / `guided_choice` /
+//! `guided_grammar` fields. At most one of them may ask for a structure.
+
+use serde::Deserialize;
+
+use super::limits::{MAX_STRUCTURED_BYTES, MAX_STRUCTURED_CHOICES};
+use crate::engine::StructuredOutputSpec;
+use crate::error::ApiError;
+
+/// The structured-output fields as the client sent them.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct StructuredFields {
+    /// OpenAI's `response_format`.
+    pub response_format: Option<serde_json::Value>,
+    /// vLLM's `structured_outputs`.
+    pub structured_outputs: Option<serde_json::Value>,
+    /// vLLM's `guided_json` (a schema, or a string holding one).
+    pub guided_json: Option<serde_json::Value>,
+    /// vLLM's `guided_regex`.
+    pub guided_regex: Option<String>,
+    /// vLLM's `guided_choice`.
+    pub guided_choice: Option<Vec<String>>,
+    /// vLLM's `guided_grammar` (llguidance's Lark dialect).
+    pub guided_grammar: Option<String>,
+}
+
+fn schema_value(param: &str, v: &serde_json::Value) -> Result<serde_json::Value, ApiError> {
+    let schema = match v {
+        serde_json::Value::String(s) => serde_json::from_str(s)
+            .map_err(|e| ApiError::invalid(param, format!("{param} is not valid JSON: {e}")))?,
+        other => other.clone(),
+    };
+    if !(schema.is_object() || schema.is_boolean()) {
+        return Err(ApiError::invalid(
+            param,
+            format!("{param} must be a JSON Schema (an object)"),
+        ));
+    }
+    Ok(schema)
+}
+
+fn text(param: &str, v: &serde_json::Value) -> Result<String, ApiError> {
+    v.as_str()
+        .map(str::to_owned)
+        .ok_or_else(|| ApiError::invalid(param, format!("{param} must be a string")))
+}
+
+fn choices(param: &str, v: &serde_json::Value) -> Result<Vec<String>, ApiError> {
+    serde_json::from_value(v.clone())
+        .map_err(|_| ApiError::invalid(param, format!("{param} must be a list of strings")))
+}
+
+fn response_format(v: &serde_json::Value) -> Result<Option<StructuredOutputSpec>, ApiError> {
+    const P: &str = "response_format";
+    if v.is_null() {
+        return Ok(None);
+    }
+    match v.get("type").and_then(|t| t.as_str()) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(StructuredOutputSpec::JsonObject)),
+        Some("json_schema") => {
+            let schema = v
+                .get("json_schema")
+                .and_then(|j| j.get("schema"))
+                .ok_or_else(|| {
+                    ApiError::invalid(
+                        "response_format.json_schema.schema",
+                        "response_format of type json_schema needs json_schema.schema",
+                    )
+                })?;
+            Ok(Some(StructuredOutputSpec::JsonSchema(schema_value(
+                "response_format.json_schema.schema",
+                schema,
+            )?)))
+        }
+        _ => Err(ApiError::invalid(
+            P,
+            "response_format.type must be \"text\", \"json_object\" or \"json_schema\"",
+        )),
+    }
+}
+
+fn structured_outputs(v: &serde_json::Value) -> Result<Option<StructuredOutputSpec>, ApiError> {
+    const P: &str = "structured_outputs";
+    let Some(obj) = v.as_object() else {
+        return if v.is_null() {
+            Ok(None)
+        } else {
+            Err(ApiError::invalid(P, "structured_outputs must be an object"))
+        };
+    };
+    let mut found = Vec::new();
+    for (key, value) in obj {
+        if value.is_null() || value == &serde_json::Value::Bool(false) {
+            continue;
+        }
+        let param = format!("{P}.{key}");
+        found.push(match key.as_str() {
+            "json" => StructuredOutputSpec::JsonSchema(schema_value(&param, value)?),
+            "regex" => StructuredOutputSpec::Regex(text(&param, value)?),
+            "choice" => StructuredOutputSpec::Choice(choices(&param, value)?),
+            "grammar" => StructuredOutputSpec::Grammar(text(&param, value)?),
+            "json_object" => StructuredOutputSpec::JsonObject,
+            other => {
+                return Err(ApiError::invalid(
+                    param,
+                    format!("structured_outputs.{other} is not supported (json, regex, choice, grammar and json_object are)"),
+                ))
+            }
+        });
+    }
+    if found.len() > 1 {
+        return Err(ApiError::invalid(
+            P,
+            "structured_outputs must ask for one of json, regex, choice, grammar or json_object",
+        ));
+    }
+    Ok(found.pop())
+}
+
+fn check_bounds(param: &str, spec: &StructuredOutputSpec) -> Result<(), ApiError> {
+    let bytes = match spec {
+        StructuredOutputSpec::JsonObject => 0,
+        StructuredOutputSpec::JsonSchema(v) => v.to_string().len(),
+        StructuredOutputSpec::Regex(r) | StructuredOutputSpec::Grammar(r) => {
+            if r.is_empty() {
+                return Err(ApiError::invalid(param, "must not be empty"));
+            }
+            r.len()
+        }
+        StructuredOutputSpec::Choice(c) => {
+            if c.is_empty() || c.len() > MAX_STRUCTURED_CHOICES {
+                return Err(ApiError::invalid(
+                    param,
+                    format!("a choice needs 1 to {MAX_STRUCTURED_CHOICES} alternatives"),
+                ));
+            }
+            if c.iter().any(String::is_empty) {
+                return Err(ApiError::invalid(
+                    param,
+                    "choice alternatives must not be empty",
+                ));
+            }
+            c.iter().map(String::len).sum()
+        }
+    };
+    if bytes > MAX_STRUCTURED_BYTES {
+        return Err(ApiError::invalid(
+            param,
+            format!(
+                "the specification has {bytes} bytes; at most {MAX_STRUCTURED_BYTES} are allowed"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+impl StructuredFields {
+    /// The one structure asked for, if any, with its sizes checked (the grammar itself is
+    /// checked by the engine when it compiles it).
+    pub fn validate(&self) -> Result<Option<StructuredOutputSpec>, ApiError> {
+        let mut asked: Vec<(&str, StructuredOutputSpec)> = Vec::new();
+        if let Some(v) = &self.response_format {
+            if let Some(s) = response_format(v)? {
+                asked.push(("response_format", s));
+            }
+        }
+        if let Some(v) = &self.structured_outputs {
+            if let Some(s) = structured_outputs(v)? {
+                asked.push(("structured_outputs", s));
+            }
+        }
+        if let Some(v) = &self.guided_json {
+            asked.push((
+                "guided_json",
+                StructuredOutputSpec::JsonSchema(schema_value("guided_json", v)?),
+            ));
+        }
+        if let Some(r) = &self.guided_regex {
+            asked.push(("guided_regex", StructuredOutputSpec::Regex(r.clone())));
+        }
+        if let Some(c) = &self.guided_choice {
+            asked.push(("guided_choice", StructuredOutputSpec::Choice(c.clone())));
+        }
+        if let Some(g) = &self.guided_grammar {
+            asked.push(("guided_grammar", StructuredOutputSpec::Grammar(g.clone())));
+        }
+        if asked.len() > 1 {
+            let names: Vec<&str> = asked.iter().map(|a| a.0).collect();
+            return Err(ApiError::invalid(
+                names[1],
+                format!(
+                    "ask for one structured output, not several ({})",
+                    names.join(", ")
+                ),
+            ));
+        }
+        match asked.pop() {
+            Some((param, spec)) => {
+                check_bounds(param, &spec)?;
+                Ok(Some(spec))
+            }
+            None => Ok(None),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn parse(v: serde_json::Value) -> Result<Option<StructuredOutputSpec>, ApiError> {
+        serde_json::from_value::<StructuredFields>(v)
+            .unwrap()
+            .validate()
+    }
+
+    fn param(r: Result<Option<StructuredOutputSpec>, ApiError>) -> String {
+        match r {
+            Err(ApiError::InvalidRequest { param, .. }) => param.unwrap_or_default(),
+            other => panic!("expected an invalid request, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn every_spelling_maps_to_its_structure() {
+        let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+        assert_eq!(parse(json!({})).unwrap(), None);
+        assert_eq!(
+            parse(json!({"response_format": {"type": "text"}})).unwrap(),
+            None
+        );
+        assert_eq!(
+            parse(json!({"response_format": {"type": "json_object"}})).unwrap(),
+            Some(StructuredOutputSpec::JsonObject)
+        );
+        assert_eq!(
+            parse(json!({"response_format": {"type": "json_schema",
+                "json_schema": {"name": "x", "schema": schema, "strict": true}}}))
+            .unwrap(),
+            Some(StructuredOutputSpec::JsonSchema(schema.clone()))
+        );
+        assert_eq!(
+            parse(json!({"structured_outputs": {"json": schema.to_string()}})).unwrap(),
+            Some(StructuredOutputSpec::JsonSchema(schema.clone()))
+        );
+        assert_eq!(
+            parse(json!({"structured_outputs": {"regex": "[a-z]+"}})).unwrap(),
+            Some(StructuredOutputSpec::Regex("[a-z]+".into()))
+        );
+        assert_eq!(
+            parse(json!({"guided_choice": ["yes", "no"]})).unwrap(),
+            Some(StructuredOutputSpec::Choice(vec![
+                "yes".into(),
+                "no".into()
+            ]))
+        );
+        assert_eq!(
+            parse(json!({"guided_grammar": "start: \"a\""})).unwrap(),
+            Some(StructuredOutputSpec::Grammar("start: \"a\"".into()))
+        );
+        assert_eq!(
+            parse(json!({"guided_json": schema})).unwrap(),
+            Some(StructuredOutputSpec::JsonSchema(schema))
+        );
+    }
+
+    #[test]
+    fn bad_or_conflicting_fields_name_their_param() {
+        assert_eq!(
+            param(parse(json!({"response_format": {"type": "xml"}}))),
+            "response_format"
+        );
+        assert_eq!(
+            param(parse(json!({"response_format": {"type": "json_schema"}}))),
+            "response_format.json_schema.schema"
+        );
+        assert_eq!(
+            param(parse(json!({"guided_json": "{not json"}))),
+            "guided_json"
+        );
+        assert_eq!(param(parse(json!({"guided_json": 3}))), "guided_json");
+        assert_eq!(
+            param(parse(json!({"guided_regex": "a", "guided_choice": ["a"]}))),
+            "guided_choice"
+        );
+        assert_eq!(
+            param(parse(
+                json!({"structured_outputs": {"regex": "a", "choice": ["a"]}})
+            )),
+            "structured_outputs"
+        );
+        assert_eq!(
+            param(parse(json!({"structured_outputs": {"xml": "a"}}))),
+            "structured_outputs.xml"
+        );
+        assert_eq!(param(parse(json!({"guided_choice": []}))), "guided_choice");
+        assert_eq!(
+            param(parse(json!({"guided_choice": [""]}))),
+            "guided_choice"
+        );
+        let many: Vec<String> = (0..=MAX_STRUCTURED_CHOICES)
+            .map(|i| i.to_string())
+            .collect();
+        assert_eq!(
+            param(parse(json!({"guided_choice": many}))),
+            "guided_choice"
+        );
+        let long = "a".repeat(MAX_STRUCTURED_BYTES + 1);
+        assert_eq!(param(parse(json!({"guided_regex": long}))), "guided_regex");
+    }
+}

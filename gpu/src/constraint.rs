@@ -1,0 +1,169 @@
+//! Structured output on the sampler's side: a sequence may carry a [`TokenConstraint`] (a
+//! grammar, a JSON schema, a regular expression) that says before each sampled token which
+//! tokens may come next and is told the token that was sampled. Backends apply the allowed
+//! set after the sampler's own logit edits (bias, `min_tokens`, penalties) and before the
+//! draw, so a constrained request samples from the model's distribution restricted to what
+//! the constraint allows; logprobs stay those of the raw model distribution.
+//!
+//! The grammar engine lives in the engine crate (`switchyard-actors`); this crate only sees
+//! the trait, so backends stay free of it.
+
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+/// What a sequence may sample next.
+pub trait TokenConstraint: Send {
+    /// Sets the bits of the tokens allowed next in `allowed`: token `t` is bit `t % 32` of
+    /// word `t / 32`. `allowed` arrives cleared and covers the model's whole vocabulary
+    /// (tokens past the tokenizer's are never allowed). Never leaves it empty: a constraint
+    /// that has failed or finished allows only its end-of-sequence tokens.
+    fn fill_allowed(&mut self, allowed: &mut [u32]);
+    /// Records the token sampled from the last allowed set.
+    fn commit(&mut self, token: u32);
+}
+
+/// A sequence's constraint, shared between the engine (which creates it per choice) and the
+/// backend (which asks it before each draw of that sequence).
+#[derive(Clone)]
+pub struct Constraint(Arc<Mutex<Box<dyn TokenConstraint>>>);
+
+impl Constraint {
+    /// Wraps a constraint.
+    pub fn new(c: impl TokenConstraint + 'static) -> Self {
+        Constraint(Arc::new(Mutex::new(Box::new(c))))
+    }
+
+    /// The allowed set for the next token as a bitset of `vocab` bits.
+    pub fn allowed(&self, vocab: usize) -> Vec<u32> {
+        let mut words = vec![0u32; vocab.div_ceil(32)];
+        self.0.lock().fill_allowed(&mut words);
+        // Bits past the vocabulary would address logits of other rows.
+        if !vocab.is_multiple_of(32) {
+            if let Some(last) = words.last_mut() {
+                *last &= (1u32 << (vocab % 32)) - 1;
+            }
+        }
+        words
+    }
+
+    /// Records a sampled token.
+    pub fn commit(&self, token: u32) {
+        self.0.lock().commit(token);
+    }
+}
+
+impl std::fmt::Debug for Constraint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Constraint")
+    }
+}
+
+/// Two parameter sets are equal only when they share the very constraint (it has state).
+impl PartialEq for Constraint {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+/// Whether token `t` is set in `allowed`.
+pub fn is_allowed(allowed: &[u32], t: usize) -> bool {
+    allowed.get(t / 32).is_some_and(|w| w >> (t % 32) & 1 == 1)
+}
+
+/// Sets every logit that `allowed` does not allow to -inf. When that leaves no finite logit
+/// (the sampler's own edits masked every allowed token, e.g. `min_tokens` against a grammar
+/// that can only end), the allowed token with the largest `raw` logit is kept at its raw
+/// value, so the grammar wins.
+pub fn mask_logits(logits: &mut [f32], raw: &[f32], allowed: &[u32]) {
+    let mut any = false;
+    for (t, l) in logits.iter_mut().enumerate() {
+        if !is_allowed(allowed, t) {
+            *l = f32::NEG_INFINITY;
+        } else if l.is_finite() {
+            any = true;
+        }
+    }
+    if !any {
+        let best = (0..logits.len())
+            .filter(|&t| is_allowed(allowed, t))
+            .max_by(|&a, &b| raw[a].total_cmp(&raw[b]).then(b.cmp(&a)));
+        if let Some(t) = best {
+            logits[t] = if raw[t].is_finite() { raw[t] } else { 0.0 };
+        }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    /// Allows the tokens of a fixed list, one position after another, then only `eos`.
+    pub(crate) struct Script {
+        pub steps: Vec<Vec<u32>>,
+        pub eos: u32,
+        pub seen: Arc<Mutex<Vec<u32>>>,
+    }
+
+    impl TokenConstraint for Script {
+        fn fill_allowed(&mut self, allowed: &mut [u32]) {
+            let n = self.seen.lock().len();
+            let set = self.steps.get(n).cloned().unwrap_or_else(|| vec![self.eos]);
+            for t in set {
+                allowed[t as usize / 32] |= 1 << (t % 32);
+            }
+        }
+        fn commit(&mut self, token: u32) {
+            self.seen.lock().push(token);
+        }
+    }
+
+    #[test]
+    fn masking_keeps_only_allowed_tokens() {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let c = Constraint::new(Script {
+            steps: vec![vec![1, 33]],
+            eos: 0,
+            seen: seen.clone(),
+        });
+        let allowed = c.allowed(40);
+        assert_eq!(allowed.len(), 2);
+        assert!(is_allowed(&allowed, 1) && is_allowed(&allowed, 33));
+        assert!(!is_allowed(&allowed, 2) && !is_allowed(&allowed, 0));
+        let raw: Vec<f32> = (0..40).map(|i| i as f32).collect();
+        let mut l = raw.clone();
+        mask_logits(&mut l, &raw, &allowed);
+        let finite: Vec<usize> = (0..40).filter(|&t| l[t].is_finite()).collect();
+        assert_eq!(finite, vec![1, 33]);
+        c.commit(33);
+        assert_eq!(*seen.lock(), vec![33]);
+        // Then only eos.
+        let allowed = c.allowed(40);
+        assert!(is_allowed(&allowed, 0) && !is_allowed(&allowed, 1));
+    }
+
+    #[test]
+    fn the_grammar_wins_when_edits_masked_every_allowed_token() {
+        let allowed = vec![0b100u32];
+        let raw = vec![1.0, 2.0, 0.5, 3.0];
+        let mut l = vec![1.0, 2.0, f32::NEG_INFINITY, 3.0];
+        mask_logits(&mut l, &raw, &allowed);
+        assert_eq!(
+            l,
+            vec![f32::NEG_INFINITY, f32::NEG_INFINITY, 0.5, f32::NEG_INFINITY]
+        );
+    }
+
+    #[test]
+    fn bits_past_the_vocabulary_are_cleared() {
+        struct All;
+        impl TokenConstraint for All {
+            fn fill_allowed(&mut self, allowed: &mut [u32]) {
+                allowed.fill(u32::MAX);
+            }
+            fn commit(&mut self, _: u32) {}
+        }
+        let a = Constraint::new(All).allowed(35);
+        assert_eq!(a, vec![u32::MAX, 0b111]);
+    }
+}
