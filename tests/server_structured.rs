@@ -1,0 +1,177 @@
+//! End-to-end tests of structured output: the real binary, SmolLM2 on the CPU, HTTP on
+//! loopback. Each asks for a structure the model would not produce by itself (checked for
+//! the choice and the regex by the same request without the structure) and validates the
+//! answer with an independent parser (serde_json) or by hand.
+
+mod common;
+
+use common::{sse_events, Server};
+use serde_json::{json, Value};
+
+fn server() -> Server {
+    Server::start(
+        "structured",
+        "scheduler:\n  max_num_seqs: 16\n  max_num_batched_tokens: 1024\n",
+    )
+}
+
+fn ok(server: &Server, path: &str, body: Value) -> Value {
+    let (status, v) = server.post_json(path, &body);
+    assert_eq!(status, 200, "{v}");
+    v
+}
+
+fn error_param(server: &Server, body: Value) -> String {
+    let (status, v) = server.post_json("/v1/completions", &body);
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
+    v["error"]["param"].as_str().unwrap_or("").to_string()
+}
+
+#[test]
+fn json_schema_choice_and_regex_are_followed() {
+    let s = server();
+    // A chat answer under a JSON schema, greedy.
+    let schema = json!({
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 40},
+            "population_millions": {"type": "number"},
+            "landmarks": {"type": "array", "items": {"type": "string", "maxLength": 40}, "maxItems": 3}
+        },
+        "required": ["city", "population_millions", "landmarks"],
+        "additionalProperties": false
+    });
+    let v = ok(
+        &s,
+        "/v1/chat/completions",
+        json!({
+            "messages": [{"role": "user", "content": "Describe Paris."}],
+            "max_tokens": 120,
+            "temperature": 0,
+            "response_format": {"type": "json_schema",
+                "json_schema": {"name": "city", "schema": schema, "strict": true}}
+        }),
+    );
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "stop", "{v}");
+    let content = choice["message"]["content"].as_str().expect("content");
+    let answer: Value =
+        serde_json::from_str(content).unwrap_or_else(|e| panic!("{content:?}: {e}"));
+    let o = answer.as_object().expect("an object");
+    assert_eq!(o.len(), 3, "{content}");
+    assert!(
+        o["city"].is_string() && o["population_millions"].is_number(),
+        "{content}"
+    );
+    let landmarks = o["landmarks"].as_array().expect("landmarks");
+    assert!(
+        landmarks.len() <= 3 && landmarks.iter().all(Value::is_string),
+        "{content}"
+    );
+
+    // A choice the model would not write by itself, two sampled choices.
+    let options = ["purple elephant", "green giraffe"];
+    let prompt = "My favourite animal is the";
+    let free = ok(
+        &s,
+        "/v1/completions",
+        json!({"prompt": prompt, "max_tokens": 8, "temperature": 0}),
+    );
+    let free_text = free["choices"][0]["text"]
+        .as_str()
+        .unwrap_or("")
+        .trim()
+        .to_string();
+    assert!(!options.contains(&free_text.as_str()), "{free_text:?}");
+    let v = ok(
+        &s,
+        "/v1/completions",
+        json!({"prompt": prompt, "max_tokens": 8, "temperature": 1.0, "seed": 7, "n": 2,
+               "guided_choice": options}),
+    );
+    for c in v["choices"].as_array().expect("choices") {
+        assert!(options.contains(&c["text"].as_str().unwrap_or("")), "{v}");
+        assert_eq!(c["finish_reason"], "stop", "{v}");
+    }
+
+    // A regex, streamed: the deltas put together match it.
+    let body = json!({"prompt": "Order number:", "max_tokens": 16, "temperature": 0.7, "seed": 3,
+                      "stream": true, "structured_outputs": {"regex": " [0-9]{3}-[A-Z]{2}"}});
+    let r = s
+        .request("POST", "/v1/completions", Some(&body.to_string()), &[])
+        .expect("request");
+    assert_eq!(r.status, 200, "{}", r.body);
+    let mut text = String::new();
+    for e in sse_events(&r.body) {
+        if e == "[DONE]" {
+            break;
+        }
+        let chunk: Value = serde_json::from_str(&e).expect("chunk");
+        text.push_str(chunk["choices"][0]["text"].as_str().unwrap_or(""));
+    }
+    let b = text.as_bytes();
+    assert!(
+        b.len() == 7
+            && b[0] == b' '
+            && b[1..4].iter().all(u8::is_ascii_digit)
+            && b[4] == b'-'
+            && b[5..].iter().all(u8::is_ascii_uppercase),
+        "{text:?}"
+    );
+}
+
+#[test]
+fn bad_structured_requests_are_refused_and_the_server_keeps_serving() {
+    let s = server();
+    let base = |extra: Value| {
+        let mut b = json!({"prompt": "Hello", "max_tokens": 4});
+        for (k, v) in extra.as_object().expect("object") {
+            b[k] = v.clone();
+        }
+        b
+    };
+    assert_eq!(
+        error_param(&s, base(json!({"response_format": {"type": "xml"}}))),
+        "response_format"
+    );
+    assert_eq!(
+        error_param(
+            &s,
+            base(json!({"guided_regex": "a", "guided_choice": ["a"]}))
+        ),
+        "guided_choice"
+    );
+    assert_eq!(
+        error_param(
+            &s,
+            base(json!({"guided_choice": ["a"], "ignore_eos": true}))
+        ),
+        "ignore_eos"
+    );
+    // Compiled by the engine: refused with the grammar's own reason.
+    for bad in [
+        json!({"guided_regex": "(unclosed"}),
+        json!({"guided_json": {"type": "no-such-type"}}),
+        json!({"guided_grammar": "start: missing_rule"}),
+    ] {
+        let (status, v) = s.post_json("/v1/completions", &base(bad.clone()));
+        assert_eq!(status, 400, "{bad}: {v}");
+        let message = v["error"]["message"].as_str().unwrap_or("");
+        assert!(message.contains("structured output"), "{message}");
+    }
+    let v = ok(
+        &s,
+        "/v1/completions",
+        base(
+            json!({"response_format": {"type": "json_object"}, "max_tokens": 64, "temperature": 0}),
+        ),
+    );
+    let text = v["choices"][0]["text"].as_str().unwrap_or("");
+    if v["choices"][0]["finish_reason"] == "stop" {
+        let parsed: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+        assert!(parsed.is_object(), "{text}");
+    } else {
+        assert!(text.starts_with('{'), "{text:?}");
+    }
+}
