@@ -47,7 +47,7 @@ use switchyard_gpu::model::gguf::GgufFile;
 use switchyard_gpu::model::DType;
 use switchyard_gpu::model::{LlamaConfig, ModelWeights};
 use switchyard_gpu::sampler::log_softmax;
-use switchyard_gpu::{LoraAdapter, LoraLimits, LoraTarget};
+use switchyard_gpu::{Constraint, LoraAdapter, LoraLimits, LoraTarget, TokenConstraint};
 
 fn gpu() -> bool {
     match probe() {
@@ -2016,4 +2016,104 @@ fn prompt_logprobs_match_the_cpu_backend_across_chunks() {
     }
     eprintln!("prompt logprobs: worst |CUDA - CPU| {worst:.4} nats");
     assert!(worst < 0.1, "prompt logprobs differ by {worst} nats");
+}
+
+/// Allows a fresh random set of `size` tokens at every step (from its own seeded stream) and
+/// records the sets and the committed tokens.
+struct RandomSets {
+    rng: ChaCha8Rng,
+    size: usize,
+    vocab: u32,
+    log: Arc<parking_lot::Mutex<(Vec<Vec<u32>>, Vec<u32>)>>,
+}
+
+impl TokenConstraint for RandomSets {
+    fn fill_allowed(&mut self, allowed: &mut [u32]) {
+        let set: Vec<u32> = (0..self.size)
+            .map(|_| self.rng.random_range(0..self.vocab))
+            .collect();
+        for &t in &set {
+            allowed[t as usize / 32] |= 1 << (t % 32);
+        }
+        self.log.lock().0.push(set);
+    }
+    fn commit(&mut self, token: u32) {
+        self.log.lock().1.push(token);
+    }
+}
+
+#[test]
+fn token_constraints_restrict_greedy_and_sampled_rows_and_nothing_else() {
+    if !gpu() {
+        return;
+    }
+    let (c, w, temperature) = smollm2_or_dummy();
+    let mut b = CudaBackend::new(&c, WeightSource::Loaded(&w), &cfg(256, true)).expect("backend");
+    let ps = prompts(c.vocab_size);
+    let vocab = c.vocab_size as u32;
+    let logs: Vec<_> = (0..2)
+        .map(|_| Arc::new(parking_lot::Mutex::new((Vec::new(), Vec::new()))))
+        .collect();
+    let constrained = |i: usize, size: usize| {
+        Some(Constraint::new(RandomSets {
+            rng: ChaCha8Rng::seed_from_u64(90 + i as u64),
+            size,
+            vocab,
+            log: logs[i].clone(),
+        }))
+    };
+    let free = [
+        Arc::new(SamplingParams::greedy()),
+        Arc::new(SamplingParams {
+            temperature,
+            seed: Some(5),
+            ..SamplingParams::default()
+        }),
+    ];
+    let params = vec![
+        Arc::new(SamplingParams {
+            constraint: constrained(0, 5),
+            ..SamplingParams::greedy()
+        }),
+        Arc::new(SamplingParams {
+            temperature,
+            seed: Some(9),
+            constraint: constrained(1, 3),
+            ..SamplingParams::default()
+        }),
+        free[0].clone(),
+        free[1].clone(),
+    ];
+    let steps = 12;
+    let out = generate(&mut b, &ps, &params, steps, 16, true, 0);
+    assert!(b.graphs_captured() > 0, "decode steps ran without graphs");
+    for (i, log) in logs.iter().enumerate() {
+        let (sets, committed) = &*log.lock();
+        assert_eq!(committed, &out[i], "sequence {i} committed other tokens");
+        assert_eq!(sets.len(), out[i].len());
+        for (t, set) in out[i].iter().zip(sets) {
+            assert!(set.contains(t), "sequence {i}: {t} is not in {set:?}");
+        }
+    }
+    // The unconstrained rows of the batch are as without the constrained ones.
+    let alone = generate(&mut b, &ps[2..], &free, steps, 16, true, 100);
+    assert_eq!(&out[2..], &alone[..], "masking reached other rows");
+
+    // A constraint that can only end wins over min_tokens (which masks the end token).
+    struct OnlyEos(u32);
+    impl TokenConstraint for OnlyEos {
+        fn fill_allowed(&mut self, allowed: &mut [u32]) {
+            allowed[self.0 as usize / 32] |= 1 << (self.0 % 32);
+        }
+        fn commit(&mut self, _: u32) {}
+    }
+    let eos = 7u32;
+    let p = Arc::new(SamplingParams {
+        min_tokens: 8,
+        eos_token_ids: vec![eos],
+        constraint: Some(Constraint::new(OnlyEos(eos))),
+        ..SamplingParams::greedy()
+    });
+    let ended = generate(&mut b, &ps[..1], &[p], 3, 1 << 20, false, 200);
+    assert_eq!(ended[0], vec![eos; 3]);
 }
