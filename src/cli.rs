@@ -303,6 +303,11 @@ pub struct ThroughputArgs {
     /// cost.
     #[arg(long, value_name = "DIR")]
     pub lora: Option<PathBuf>,
+    /// Constrain every output to this regular expression (structured output), to measure
+    /// what it costs; needs a model with its tokenizer (`--model`, not `--dummy`). Pick one
+    /// that never has to end, such as '([a-z]+ )+', since outputs run to --output-len.
+    #[arg(long, value_name = "PATTERN")]
+    pub regex: Option<String>,
     /// Print the result as JSON.
     #[arg(long)]
     pub json: bool,

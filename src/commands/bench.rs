@@ -8,6 +8,7 @@ use std::time::Instant;
 use anyhow::Context;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use switchyard_actors::structured::{GrammarCompiler, StructuredOutput};
 use switchyard_actors::{CoreEvent, SubmitOptions};
 use switchyard_gpu::backend::SamplingParams;
 use switchyard_policies::{SamplingLimits, SchedulerConfig, Timestamp};
@@ -74,6 +75,18 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
         (None, None) => anyhow::bail!("no model"),
     };
     let config = source.config().clone();
+    let grammars = match (&args.regex, &loaded) {
+        (None, _) => None,
+        (Some(_), None) => {
+            anyhow::bail!("--regex needs a model with a tokenizer (--model, not --dummy)")
+        }
+        (Some(r), Some(m)) => {
+            let tokenizer = Arc::new(m.tokenizer.clone());
+            let compiler = GrammarCompiler::new(tokenizer.clone()).map_err(anyhow::Error::msg)?;
+            let spec = StructuredOutput::Regex(r.clone());
+            Some((compiler, spec, tokenizer.eos_token_ids().to_vec()))
+        }
+    };
     let adapter = args
         .lora
         .as_deref()
@@ -141,6 +154,7 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
         ignore_eos: true,
         ..SamplingParams::default()
     });
+    let bar = super::progress_bar(lengths.len() as u64, "requests added");
     let mut prompt_tokens = 0usize;
     for (i, &(input, output)) in lengths.iter().enumerate() {
         // Random ids away from the first 256 (special and byte tokens), unique per prompt.
@@ -153,12 +167,27 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
             ignore_eos: true,
             ..SamplingLimits::default()
         };
-        let mut submit = SubmitOptions::offline(i as u64, prompt, limits, sampling.clone());
+        let sampling = match &grammars {
+            None => sampling.clone(),
+            Some((compiler, spec, eos)) => {
+                let constraint = compiler
+                    .compile(spec, eos, 1)
+                    .map_err(|e| anyhow::anyhow!("--regex: {e}"))?
+                    .pop();
+                Arc::new(SamplingParams {
+                    constraint,
+                    ..(*sampling).clone()
+                })
+            }
+        };
+        let mut submit = SubmitOptions::offline(i as u64, prompt, limits, sampling);
         if let Some(a) = &adapter {
             submit = submit.with_adapter(1, a.clone());
         }
         engine.core().add_request(submit)?;
+        bar.inc(1);
     }
+    bar.finish_and_clear();
     let bar = super::progress_bar(lengths.len() as u64, "requests");
     let start = Instant::now();
     let (mut output_tokens, mut steps, mut overhead_us) = (0usize, 0u64, 0u64);

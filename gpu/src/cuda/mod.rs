@@ -31,6 +31,7 @@ use std::collections::HashMap;
 
 use rand::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use rayon::prelude::*;
 
 use crate::backend::{
     logit_rows_of, prompt_logprobs, validate_batch, Backend, Batch, SeqOutput, MAX_LOGIT_ROWS,
@@ -674,6 +675,7 @@ impl CudaBackend {
         let mut samples = Vec::new();
         let mut edits = Edits::default();
         let mut masks = TokenMasks::default();
+        let mut constrained = Vec::new();
         let mut first_row = Vec::with_capacity(batch.seqs.len());
         let mut row = 0usize;
         for (i, s) in batch.seqs.iter().enumerate() {
@@ -693,10 +695,11 @@ impl CudaBackend {
             };
             if s.sample {
                 let r = row + n - 1;
-                let allowed = s.sampling.constraint.as_ref().map(|c| c.allowed(vocab));
-                st.edits(r, &s.sampling, allowed.as_deref(), &mut edits);
-                if let Some(a) = &allowed {
-                    masks.push(r, a);
+                if s.sampling.constraint.is_some() {
+                    // Its edits wait for its allowed set, computed while the step runs.
+                    constrained.push((i, r, st.sampled));
+                } else {
+                    st.edits(r, &s.sampling, None, &mut edits);
                 }
                 samples.push(st.sample_row(r, &s.sampling));
             }
@@ -743,6 +746,26 @@ impl CudaBackend {
         if !ran_graph {
             self.upload_step(n_step, &d, &samples, &launch)?;
             self.enqueue(&launch, lora.as_ref())?;
+        }
+        // Structured output: the constrained rows' allowed sets (a grammar's mask takes tens of
+        // microseconds), computed in parallel while the device runs the step.
+        let allowed: Vec<Vec<u32>> = constrained
+            .par_iter()
+            .map(|&(i, _, _)| {
+                batch.seqs[i]
+                    .sampling
+                    .constraint
+                    .as_ref()
+                    .map_or_else(Vec::new, |c| c.allowed(vocab))
+            })
+            .collect();
+        for (&(i, r, sampled), a) in constrained.iter().zip(&allowed) {
+            let s = &batch.seqs[i];
+            let st = self.states.get(&s.seq_id).ok_or_else(|| {
+                GpuError::Internal(format!("no sampling state for sequence {}", s.seq_id))
+            })?;
+            st.edits_at(r, &s.sampling, Some(a), sampled, &mut edits);
+            masks.push(r, a);
         }
         // Raw logits rows for logprobs, before any edit (these copies wait for the step).
         let mut raw: HashMap<usize, Vec<f32>> = HashMap::new();

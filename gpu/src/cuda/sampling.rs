@@ -84,6 +84,19 @@ impl SeqState {
     /// constraint's `allowed` set that the `min_tokens` mask would empty, the mask is left out
     /// (the grammar wins, as in the CPU sampler).
     pub fn edits(&self, row: usize, p: &SamplingParams, allowed: Option<&[u32]>, out: &mut Edits) {
+        self.edits_at(row, p, allowed, self.sampled, out);
+    }
+
+    /// [`SeqState::edits`] for the row sampled when `sampled` tokens had been (a row whose
+    /// edits are made after [`SeqState::sample_row`] counted it).
+    pub fn edits_at(
+        &self,
+        row: usize,
+        p: &SamplingParams,
+        allowed: Option<&[u32]>,
+        sampled: u64,
+        out: &mut Edits,
+    ) {
         let mut m: HashMap<u32, Edit> = HashMap::new();
         for &(id, b) in &p.logit_bias {
             m.entry(id).or_default().bias += b;
@@ -98,7 +111,7 @@ impl SeqState {
                 .filter(|&t| is_allowed(a, t))
                 .all(|t| stop_set.contains(&(t as u32)))
         });
-        if self.sampled < u64::from(p.min_tokens) && !grammar_needs_a_stop {
+        if sampled < u64::from(p.min_tokens) && !grammar_needs_a_stop {
             for &id in stops() {
                 m.entry(id).or_default().mask = true;
             }
