@@ -149,6 +149,15 @@ pub struct GenerateArgs {
     /// Run every prompt with this LoRA adapter (a PEFT directory).
     #[arg(long, value_name = "DIR")]
     pub lora: Option<PathBuf>,
+    /// Structured output: every answer is JSON valid under the JSON Schema in this file.
+    #[arg(long, value_name = "FILE", group = "structured")]
+    pub json_schema: Option<PathBuf>,
+    /// Structured output: every answer matches this regular expression.
+    #[arg(long, value_name = "PATTERN", group = "structured")]
+    pub regex: Option<String>,
+    /// Structured output: every answer is one of these strings (repeat the flag).
+    #[arg(long, value_name = "TEXT", group = "structured")]
+    pub choice: Vec<String>,
     /// Plan and submit each step while the previous one runs on the device: auto (on with
     /// the CUDA backend), on or off.
     #[arg(long, default_value = "auto")]

@@ -201,3 +201,71 @@ fn generate_with_async_scheduling_gives_the_same_text() {
     assert_eq!(in_order.lines().count(), 3, "{in_order}");
     assert_eq!(in_order, pipelined);
 }
+
+#[test]
+fn generate_follows_a_json_schema_a_choice_and_refuses_bad_ones() {
+    let model = common::model_path();
+    let dir = temp_dir("structured");
+    let schema = dir.join("schema.json");
+    std::fs::write(
+        &schema,
+        r#"{"type": "object", "properties": {"answer": {"type": "string", "maxLength": 30},
+            "confident": {"type": "boolean"}}, "required": ["answer", "confident"],
+            "additionalProperties": false}"#,
+    )
+    .expect("write schema");
+    let generate = || {
+        let mut c = switchyard();
+        c.args(["generate", "--backend", "cpu", "--json", "--threads", "2"])
+            .arg("--model")
+            .arg(&model);
+        c
+    };
+    // Asynchronous scheduling on: constrained requests must fall back to steps in order.
+    let out = succeeds(
+        generate()
+            .args([
+                "--chat",
+                "--temperature",
+                "0.8",
+                "--seed",
+                "1",
+                "--max-tokens",
+                "80",
+            ])
+            .args(["--async-scheduling", "on"])
+            .args(["--prompt", "What is the capital of France?"])
+            .args(["--prompt", "Is water wet?"])
+            .arg("--json-schema")
+            .arg(&schema),
+    );
+    assert_eq!(out.lines().count(), 2, "{out}");
+    for line in out.lines() {
+        let v: serde_json::Value = serde_json::from_str(line).expect("a JSON line");
+        let text = v["text"].as_str().expect("text");
+        let answer: serde_json::Value =
+            serde_json::from_str(text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+        assert!(
+            answer["answer"].is_string() && answer["confident"].is_boolean(),
+            "{text}"
+        );
+    }
+    let out = succeeds(
+        generate()
+            .args(["--temperature", "1", "--seed", "3", "--max-tokens", "8"])
+            .args(["--prompt", "The sky is"])
+            .args([
+                "--choice",
+                "blue as the sea",
+                "--choice",
+                "green like grass",
+            ]),
+    );
+    let v: serde_json::Value = serde_json::from_str(out.trim()).expect("a JSON line");
+    assert!(
+        ["blue as the sea", "green like grass"].contains(&v["text"].as_str().unwrap_or("")),
+        "{out}"
+    );
+    let err = fails(generate().args(["--prompt", "x", "--regex", "(unclosed"]));
+    assert!(err.contains("invalid structured output"), "{err}");
+}

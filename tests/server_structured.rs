@@ -110,6 +110,11 @@ fn json_schema_choice_and_regex_are_followed() {
         let chunk: Value = serde_json::from_str(&e).expect("chunk");
         text.push_str(chunk["choices"][0]["text"].as_str().unwrap_or(""));
     }
+    assert!(
+        s.metric("switchyard:structured_output_requests_total")
+            .is_some_and(|v| v >= 1.0),
+        "the structured-output requests are not counted"
+    );
     let b = text.as_bytes();
     assert!(
         b.len() == 7

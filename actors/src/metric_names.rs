@@ -55,6 +55,12 @@ pub const LORA_LOADS: &str = "switchyard:lora_adapter_loads_total";
 pub const LORA_RUNNING_ADAPTERS: &str = "switchyard:lora_running_adapters";
 /// Gauge: waiting requests that name a LoRA adapter.
 pub const LORA_WAITING_REQUESTS: &str = "switchyard:lora_waiting_requests";
+/// Counter, label `kind`: requests with structured output, by kind of specification.
+pub const STRUCTURED_REQUESTS: &str = "switchyard:structured_output_requests_total";
+/// Counter: constrained sequences whose grammar failed while generating (ended early).
+pub const STRUCTURED_FAILURES: &str = "switchyard:structured_output_failures_total";
+/// Histogram, seconds: compiling a request's structured-output specification.
+pub const STRUCTURED_COMPILE: &str = "switchyard:structured_output_compile_seconds";
 
 /// Label key of [`REQUEST_SUCCESS`].
 pub const LABEL_FINISHED_REASON: &str = "finished_reason";
@@ -80,6 +86,8 @@ pub const COUNTERS: &[&str] = &[
     REQUEST_SUCCESS,
     REQUEST_ABORTED,
     LORA_LOADS,
+    STRUCTURED_REQUESTS,
+    STRUCTURED_FAILURES,
 ];
 /// Histograms among the names above.
 pub const HISTOGRAMS: &[&str] = &[
@@ -91,4 +99,5 @@ pub const HISTOGRAMS: &[&str] = &[
     ENGINE_PLAN,
     ENGINE_KV_COMMIT,
     ENGINE_STEP_OVERHEAD,
+    STRUCTURED_COMPILE,
 ];

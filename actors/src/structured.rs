@@ -17,6 +17,8 @@ use switchyard_gpu::model::Tokenizer;
 use switchyard_gpu::{Constraint, TokenConstraint};
 use toktrie::{TokEnv, TokRxInfo, TokTrie, TokenizerEnv};
 
+use crate::metric_names as names;
+
 /// Most bytes of a schema, regex, grammar or all choices together in one request.
 pub const MAX_SPEC_BYTES: usize = 64 * 1024;
 /// Most alternatives of a choice.
@@ -61,6 +63,17 @@ impl StructuredOutput {
             ));
         }
         Ok(())
+    }
+
+    /// The kind, as the `kind` label of the requests metric.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            StructuredOutput::JsonObject => "json_object",
+            StructuredOutput::JsonSchema(_) => "json_schema",
+            StructuredOutput::Regex(_) => "regex",
+            StructuredOutput::Choice(_) => "choice",
+            StructuredOutput::Grammar(_) => "grammar",
+        }
     }
 
     fn grammar(&self) -> TopLevelGrammar {
@@ -193,6 +206,7 @@ impl GrammarCompiler {
         n: usize,
     ) -> Result<Vec<Constraint>, String> {
         spec.check_bounds()?;
+        let t0 = std::time::Instant::now();
         let parser = self
             .factory
             .create_parser(spec.grammar())
@@ -201,6 +215,8 @@ impl GrammarCompiler {
         if let Some(e) = matcher.get_error() {
             return Err(format!("invalid structured output specification: {e}"));
         }
+        metrics::histogram!(names::STRUCTURED_COMPILE).record(t0.elapsed().as_secs_f64());
+        metrics::counter!(names::STRUCTURED_REQUESTS, "kind" => spec.kind()).increment(1);
         let end_ids: Arc<[u32]> = end_ids.into();
         Ok((0..n)
             .map(|_| {
@@ -254,6 +270,7 @@ impl GrammarConstraint {
 
     fn fail(&mut self, what: &str, e: impl std::fmt::Display) {
         tracing::warn!(error = %e, "structured output: {what} failed; ending the sequence");
+        metrics::counter!(names::STRUCTURED_FAILURES).increment(1);
         self.failed = true;
     }
 }

@@ -64,6 +64,13 @@ pub const LORA_RUNNING_ADAPTERS: &str = "switchyard:lora_running_adapters";
 /// Gauge: waiting requests that name a LoRA adapter.
 pub const LORA_WAITING_REQUESTS: &str = "switchyard:lora_waiting_requests";
 
+/// Counter, label `kind`: requests with structured output, by kind of specification.
+pub const STRUCTURED_REQUESTS: &str = "switchyard:structured_output_requests_total";
+/// Counter: constrained sequences whose grammar failed while generating (ended early).
+pub const STRUCTURED_FAILURES: &str = "switchyard:structured_output_failures_total";
+/// Histogram, seconds: compiling a request's structured-output specification.
+pub const STRUCTURED_COMPILE: &str = "switchyard:structured_output_compile_seconds";
+
 /// Gauge, label `policy`: 1 for the scheduling policy in force, 0 for the others seen.
 pub const POLICY_INFO: &str = "switchyard:policy_info";
 /// Counter: scheduling-policy hot swaps.
@@ -256,6 +263,21 @@ pub fn describe_metrics() {
         LORA_WAITING_REQUESTS,
         Unit::Count,
         "Waiting requests that name a LoRA adapter."
+    );
+    describe_counter!(
+        STRUCTURED_REQUESTS,
+        Unit::Count,
+        "Requests with structured output, by kind of specification (json_schema, json_object, regex, choice, grammar)."
+    );
+    describe_counter!(
+        STRUCTURED_FAILURES,
+        Unit::Count,
+        "Constrained sequences whose grammar failed while generating (they end early)."
+    );
+    describe_histogram!(
+        STRUCTURED_COMPILE,
+        Unit::Seconds,
+        "Time to compile a request's structured-output specification."
     );
     describe_gauge!(
         BACKEND_INFO,

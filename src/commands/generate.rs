@@ -6,6 +6,8 @@ use std::io::Write;
 use std::sync::Arc;
 use std::time::Instant;
 
+use anyhow::Context;
+use switchyard_actors::structured::{GrammarCompiler, StructuredOutput, MAX_SPEC_BYTES};
 use switchyard_actors::{CoreEvent, IncrementalDetokenizer, SubmitOptions};
 use switchyard_gpu::backend::SamplingParams;
 use switchyard_gpu::model::ChatMessage;
@@ -26,6 +28,7 @@ struct Output {
 }
 
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
+    let structured = structured_spec(&args)?;
     let path = runtime::resolve_model_path(args.model.as_deref())?;
     let model = runtime::load(&path)?;
     let tokenizer = model.tokenizer.clone();
@@ -90,6 +93,12 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     };
     let mut engine = runtime::offline_core(backend, scheduler, args.async_scheduling)?;
     let eos = tokenizer.eos_token_ids().to_vec();
+    let grammars = match &structured {
+        Some(_) => {
+            Some(GrammarCompiler::new(Arc::new(tokenizer.clone())).map_err(anyhow::Error::msg)?)
+        }
+        None => None,
+    };
     let mut outputs = BTreeMap::new();
     for (i, ids) in prompts.into_iter().enumerate() {
         let id = RequestId(i as u64);
@@ -99,6 +108,12 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             top_k: args.top_k,
             seed: args.seed.map(|s| s.wrapping_add(i as u64)),
             eos_token_ids: eos.clone(),
+            constraint: match (&grammars, &structured) {
+                (Some(g), Some(spec)) => {
+                    g.compile(spec, &eos, 1).map_err(anyhow::Error::msg)?.pop()
+                }
+                _ => None,
+            },
             ..SamplingParams::default()
         };
         outputs.insert(
@@ -193,4 +208,29 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         generated as f64 / secs.max(1e-9)
     );
     Ok(())
+}
+
+/// The structure `--json-schema`, `--regex` or `--choice` asks for (clap lets one through).
+fn structured_spec(args: &GenerateArgs) -> anyhow::Result<Option<StructuredOutput>> {
+    if let Some(path) = &args.json_schema {
+        let meta =
+            std::fs::metadata(path).with_context(|| format!("--json-schema {}", path.display()))?;
+        anyhow::ensure!(
+            meta.len() <= MAX_SPEC_BYTES as u64,
+            "--json-schema: {} is larger than {MAX_SPEC_BYTES} bytes",
+            path.display()
+        );
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("--json-schema {}", path.display()))?;
+        let schema = serde_json::from_str(&text)
+            .with_context(|| format!("--json-schema: {} is not JSON", path.display()))?;
+        return Ok(Some(StructuredOutput::JsonSchema(schema)));
+    }
+    if let Some(r) = &args.regex {
+        return Ok(Some(StructuredOutput::Regex(r.clone())));
+    }
+    if !args.choice.is_empty() {
+        return Ok(Some(StructuredOutput::Choice(args.choice.clone())));
+    }
+    Ok(None)
 }

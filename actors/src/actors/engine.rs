@@ -308,25 +308,17 @@ impl Engine {
         let this = self.clone();
         actix::spawn(async move {
             let arrival = Instant::now();
-            let ids = match this
-                .tokenizers
-                .send(Encode {
+            let encoded = this
+                .ask_tokenizers(Encode {
                     source: options.prompt.clone(),
                     add_generation_prompt: true,
                     add_special_tokens: true,
                 })
-                .await
-            {
-                Ok(Ok(ids)) => ids,
-                Ok(Err(e)) => {
+                .await;
+            let ids = match encoded {
+                Ok(ids) => ids,
+                Err(e) => {
                     sink.send(EngineOutput::Error(e));
-                    return;
-                }
-                Err(_) => {
-                    sink.send(EngineOutput::Error(SubmitError::new(
-                        SubmitErrorKind::Unavailable,
-                        "the engine is shutting down",
-                    )));
                     return;
                 }
             };
@@ -350,22 +342,17 @@ impl Engine {
                         .chain(&options.sampling.stop_token_ids)
                         .copied()
                         .collect();
-                    let asked = this.tokenizers.send(Constrain {
-                        spec: spec.clone(),
-                        end_ids,
-                        n: options.n.max(1) as usize,
-                    });
-                    match asked.await {
-                        Ok(Ok(c)) => c,
-                        Ok(Err(e)) => {
+                    let compiled = this
+                        .ask_tokenizers(Constrain {
+                            spec: spec.clone(),
+                            end_ids,
+                            n: options.n.max(1) as usize,
+                        })
+                        .await;
+                    match compiled {
+                        Ok(c) => c,
+                        Err(e) => {
                             sink.send(EngineOutput::Error(e));
-                            return;
-                        }
-                        Err(_) => {
-                            sink.send(EngineOutput::Error(SubmitError::new(
-                                SubmitErrorKind::Unavailable,
-                                "the engine is shutting down",
-                            )));
                             return;
                         }
                     }
@@ -526,23 +513,17 @@ impl Engine {
         add_generation_prompt: bool,
         add_special_tokens: bool,
     ) -> Result<Vec<u32>, SubmitError> {
-        self.tokenizers
-            .send(Encode {
-                source,
-                add_generation_prompt,
-                add_special_tokens,
-            })
-            .await
-            .map_err(|_| {
-                SubmitError::new(SubmitErrorKind::Unavailable, "the engine is shutting down")
-            })?
+        self.ask_tokenizers(Encode {
+            source,
+            add_generation_prompt,
+            add_special_tokens,
+        })
+        .await
     }
 
     /// Turns token ids into text.
     pub async fn detokenize(&self, ids: Vec<u32>) -> Result<String, SubmitError> {
-        self.tokenizers.send(Decode(ids)).await.map_err(|_| {
-            SubmitError::new(SubmitErrorKind::Unavailable, "the engine is shutting down")
-        })?
+        self.ask_tokenizers(Decode(ids)).await
     }
 
     /// The id and weights of a registered adapter (loaded from disk if it was evicted).
@@ -565,6 +546,21 @@ impl Engine {
     }
 
     /// Sends `msg` to the LoRA manager and maps its error for the client.
+    /// Sends `msg` to the tokenizer pool; a pool that is gone means the engine is stopping.
+    async fn ask_tokenizers<M, T>(&self, msg: M) -> Result<T, SubmitError>
+    where
+        M: actix::Message<Result = Result<T, SubmitError>> + Send + 'static,
+        T: Send + 'static,
+        TokenizerActor: actix::Handler<M>,
+    {
+        self.tokenizers.send(msg).await.unwrap_or_else(|_| {
+            Err(SubmitError::new(
+                SubmitErrorKind::Unavailable,
+                "the engine is shutting down",
+            ))
+        })
+    }
+
     async fn ask_lora<M, T>(&self, msg: M) -> Result<T, SubmitError>
     where
         M: actix::Message<Result = Result<T, LoraError>> + Send + 'static,

@@ -160,6 +160,16 @@ impl Default for Edit {
     }
 }
 
+/// `buf`, reallocated at twice `bytes` when it holds fewer than `bytes`.
+fn grown<'a>(gpu: &Gpu, buf: &'a mut Option<DevMem>, bytes: usize) -> Result<&'a DevMem, GpuError> {
+    if buf.as_ref().is_none_or(|b| b.bytes() < bytes) {
+        *buf = None;
+        *buf = Some(gpu.alloc(bytes * 2)?);
+    }
+    buf.as_ref()
+        .ok_or_else(|| GpuError::Internal("step buffer missing".into()))
+}
+
 /// The edits of one step, as columns.
 #[derive(Debug, Default)]
 pub(crate) struct Edits {
@@ -190,12 +200,7 @@ impl Edits {
             return Ok(());
         }
         let col = n.div_ceil(2) * 8;
-        if buf.as_ref().is_none_or(|b| b.bytes() < 6 * col) {
-            *buf = Some(gpu.alloc(6 * col * 2)?);
-        }
-        let Some(b) = buf.as_ref() else {
-            return Err(GpuError::Internal("edit buffer missing".into()));
-        };
+        let b = grown(gpu, buf, 6 * col)?;
         gpu.upload(b.at(0)?, &self.rows)?;
         gpu.upload(b.at(col)?, &self.tokens)?;
         gpu.upload(b.at(2 * col)?, &self.bias)?;
@@ -256,13 +261,7 @@ impl TokenMasks {
             return Err(GpuError::Internal("token masks of the wrong size".into()));
         }
         let rows_bytes = n.div_ceil(4) * 16;
-        let bytes = rows_bytes + self.words.len() * 4;
-        if buf.as_ref().is_none_or(|b| b.bytes() < bytes) {
-            *buf = Some(gpu.alloc(bytes * 2)?);
-        }
-        let Some(b) = buf.as_ref() else {
-            return Err(GpuError::Internal("mask buffer missing".into()));
-        };
+        let b = grown(gpu, buf, rows_bytes + self.words.len() * 4)?;
         gpu.upload(b.at(0)?, &self.rows)?;
         gpu.upload(b.at(rows_bytes)?, &self.words)?;
         gpu.launch(
