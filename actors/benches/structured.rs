@@ -92,6 +92,23 @@ fn bench(cr: &mut Criterion) {
                 BatchSize::SmallInput,
             )
         });
+        // The commits alone (what a backend does for the token it read back).
+        g.bench_function(format!("{name}_commit_only_{}_tokens", ids.len()), |b| {
+            b.iter_batched(
+                || {
+                    compiler
+                        .compile(spec, &[end], 1)
+                        .expect("compiles")
+                        .remove(0)
+                },
+                |k| {
+                    for &t in &ids {
+                        k.commit(t);
+                    }
+                },
+                BatchSize::SmallInput,
+            )
+        });
     }
     g.bench_function("compile_json_schema", |b| {
         let spec = StructuredOutput::JsonSchema(schema.clone());

@@ -604,6 +604,7 @@ impl Backend for CudaBackend {
         }
         let vocab = self.config.vocab_size;
         let mut outputs = sub.outputs;
+        let mut commits = Vec::new();
         for ((i, r, p), &tok) in sub.samples.iter().zip(&tokens) {
             let tok = u32::try_from(tok)
                 .ok()
@@ -620,13 +621,16 @@ impl Backend for CudaBackend {
                 st.record(tok, p);
             }
             if let Some(c) = &p.constraint {
-                c.commit(tok);
+                commits.push((c, tok));
             }
             out.token = Some(tok);
         }
         if tokens.len() != sub.samples.len() {
             return Err(GpuError::Internal("missing sampled token".into()));
         }
+        // Structured output: each constraint takes its token (a few microseconds each; one
+        // token per constraint, so in parallel).
+        commits.par_iter().for_each(|(c, t)| c.commit(*t));
         Ok(outputs)
     }
 }

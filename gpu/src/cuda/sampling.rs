@@ -105,13 +105,15 @@ impl SeqState {
             let eos = p.eos_token_ids.iter().filter(|_| !p.ignore_eos);
             p.stop_token_ids.iter().chain(eos)
         };
-        let grammar_needs_a_stop = allowed.is_some_and(|a| {
-            let stop_set: HashSet<u32> = stops().copied().collect();
-            (0..a.len() * 32)
-                .filter(|&t| is_allowed(a, t))
-                .all(|t| stop_set.contains(&(t as u32)))
-        });
-        if sampled < u64::from(p.min_tokens) && !grammar_needs_a_stop {
+        let masks_stops = sampled < u64::from(p.min_tokens);
+        let grammar_needs_a_stop = masks_stops
+            && allowed.is_some_and(|a| {
+                let stop_set: HashSet<u32> = stops().copied().collect();
+                (0..a.len() * 32)
+                    .filter(|&t| is_allowed(a, t))
+                    .all(|t| stop_set.contains(&(t as u32)))
+            });
+        if masks_stops && !grammar_needs_a_stop {
             for &id in stops() {
                 m.entry(id).or_default().mask = true;
             }
