@@ -132,14 +132,13 @@ pub trait Backend: Send {
     }
 }
 
-/// Whether a request's sampling can take a [`PENDING_TOKEN`]: no penalties and no
-/// constraint (they read the token values of the sequence so far, which the host learns a
-/// step late).
+/// Whether a request's sampling can take a [`PENDING_TOKEN`]: no penalties (they read the
+/// token values of the sequence so far, which the host learns a step late). A constraint
+/// (structured output) can: a backend that pipelines steps commits each token to it before it
+/// asks for the next step's allowed set (the CUDA backend holds such a step's sampling until
+/// the step before is collected).
 pub fn takes_pending_tokens(p: &SamplingParams) -> bool {
-    p.repetition_penalty == 1.0
-        && p.presence_penalty == 0.0
-        && p.frequency_penalty == 0.0
-        && p.constraint.is_none()
+    p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0
 }
 
 /// Settings of a [`CpuBackend`].

@@ -2117,3 +2117,85 @@ fn token_constraints_restrict_greedy_and_sampled_rows_and_nothing_else() {
     let ended = generate(&mut b, &ps[..1], &[p], 3, 1 << 20, false, 200);
     assert_eq!(ended[0], vec![eos; 3]);
 }
+
+/// Allows 8 tokens drawn from a stream seeded by (seed, the last committed token, how many
+/// were committed): a mask asked for before the previous token is committed differs.
+struct HistorySets {
+    seed: u64,
+    vocab: u32,
+    committed: Vec<u32>,
+    log: Arc<parking_lot::Mutex<Vec<Vec<u32>>>>,
+}
+
+impl TokenConstraint for HistorySets {
+    fn fill_allowed(&mut self, allowed: &mut [u32]) {
+        let last = self.committed.last().copied().unwrap_or(u32::MAX);
+        let mut rng = ChaCha8Rng::seed_from_u64(
+            self.seed ^ (u64::from(last) << 20) ^ (self.committed.len() as u64),
+        );
+        let set: Vec<u32> = (0..8).map(|_| rng.random_range(0..self.vocab)).collect();
+        for &t in &set {
+            allowed[t as usize / 32] |= 1 << (t % 32);
+        }
+        self.log.lock().push(set);
+    }
+    fn commit(&mut self, token: u32) {
+        self.committed.push(token);
+    }
+}
+
+#[test]
+fn constrained_steps_submitted_ahead_match_steps_in_order() {
+    if !gpu() {
+        return;
+    }
+    let (c, w, temperature) = smollm2_or_dummy();
+    let ps = prompts(c.vocab_size);
+    let vocab = c.vocab_size as u32;
+    // Rows 0 and 2 constrained (greedy, tempered), 1 and 3 free: the free rows of a step whose
+    // sampling waits for the previous step's tokens wait with them.
+    let params = |logs: &[Arc<parking_lot::Mutex<Vec<Vec<u32>>>>]| -> Vec<Arc<SamplingParams>> {
+        (0..ps.len())
+            .map(|i| {
+                let base = if i % 2 == 0 && i != 2 {
+                    SamplingParams::greedy()
+                } else {
+                    SamplingParams {
+                        temperature,
+                        seed: Some(40 + i as u64),
+                        ..SamplingParams::default()
+                    }
+                };
+                let constraint = (i % 2 == 0).then(|| {
+                    Constraint::new(HistorySets {
+                        seed: 7 + i as u64,
+                        vocab,
+                        committed: Vec::new(),
+                        log: logs[i].clone(),
+                    })
+                });
+                Arc::new(SamplingParams { constraint, ..base })
+            })
+            .collect()
+    };
+    let fresh_logs = || -> Vec<_> {
+        (0..ps.len())
+            .map(|_| Arc::new(parking_lot::Mutex::new(Vec::new())))
+            .collect()
+    };
+    for graphs in [true, false] {
+        let mut b =
+            CudaBackend::new(&c, WeightSource::Loaded(&w), &cfg(256, graphs)).expect("backend");
+        let (logs_a, logs_b) = (fresh_logs(), fresh_logs());
+        let in_order = generate(&mut b, &ps, &params(&logs_a), 12, 1 << 20, true, 0);
+        let ahead = generate_pipelined(&mut b, &ps, &params(&logs_b), 12, 10);
+        assert_eq!(in_order, ahead, "graphs {graphs}");
+        for i in [0, 2] {
+            let sets = logs_b[i].lock();
+            assert_eq!(sets.len(), ahead[i].len());
+            for (t, set) in ahead[i].iter().zip(sets.iter()) {
+                assert!(set.contains(t), "sequence {i}: {t} not in {set:?}");
+            }
+        }
+    }
+}

@@ -28,14 +28,15 @@ mod timing;
 mod weights;
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use rand::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
 use crate::backend::{
-    logit_rows_of, prompt_logprobs, validate_batch, Backend, Batch, SeqOutput, MAX_LOGIT_ROWS,
-    PENDING_TOKEN,
+    logit_rows_of, prompt_logprobs, validate_batch, Backend, Batch, SamplingParams, SeqInput,
+    SeqOutput, MAX_LOGIT_ROWS, PENDING_TOKEN,
 };
 use crate::error::GpuError;
 use crate::model::{LlamaConfig, ModelWeights};
@@ -44,7 +45,7 @@ use device::Gpu;
 pub use device::{probe, DeviceInfo};
 use forward::{bucket_for, bucket_launch, Buffers, Graphs, Launch, GRAPH_BUCKETS};
 use sampling::{Edits, SampleArrays, SeqState, TokenMasks};
-use step::{grid_splits, Layout};
+use step::{grid_splits, Layout, SampleRow};
 use weights::GpuWeights;
 
 /// Settings of a [`CudaBackend`].
@@ -96,6 +97,9 @@ pub struct CudaBackend {
     edit_buf: Option<device::DevMem>,
     /// Device copy of a step's token masks (structured output), grown as needed.
     mask_buf: Option<device::DevMem>,
+    /// The sampling half of the last submitted step, when its constrained rows wait for the
+    /// tokens of the step before (run by that step's `collect`).
+    deferred: Option<StepTail>,
     weights: GpuWeights,
     timing: Option<timing::StepTiming>,
     gpu: Gpu,
@@ -341,6 +345,7 @@ impl CudaBackend {
             loras: lora::DeviceLoras::default(),
             edit_buf: None,
             mask_buf: None,
+            deferred: None,
             weights,
             timing,
             gpu,
@@ -567,7 +572,7 @@ impl Backend for CudaBackend {
     }
 
     fn submit(&mut self, batch: &Batch) -> Result<(), GpuError> {
-        if self.submitted.len() > 1 {
+        if self.submitted.len() > 1 || self.deferred.is_some() {
             return Err(GpuError::Internal(
                 "a step submitted more than one ahead of its outputs".into(),
             ));
@@ -579,6 +584,22 @@ impl Backend for CudaBackend {
         let Some(sub) = self.submitted.pop_front() else {
             return Err(GpuError::Internal("no submitted step to collect".into()));
         };
+        let outputs = self.collect_step(sub);
+        // The step submitted after this one waited for its tokens (structured output): its
+        // sampling goes now, while its forward pass runs.
+        if let Some(tail) = self.deferred.take() {
+            let finished = self.finish_step(tail);
+            if outputs.is_ok() {
+                finished?;
+            }
+        }
+        outputs
+    }
+}
+
+impl CudaBackend {
+    /// The outputs of a collected step: its sampled ids read back and committed.
+    fn collect_step(&mut self, sub: Submitted) -> Result<Vec<SeqOutput>, GpuError> {
         let tokens = match sub.ids {
             SubmittedIds::Read(t) => t,
             SubmittedIds::Pinned(ready) => {
@@ -650,7 +671,6 @@ impl CudaBackend {
             self.buf.max_tokens,
             pending_ok,
         )?;
-        let vocab = c.vocab_size;
         let prompt_lp: Vec<bool> = batch
             .seqs
             .iter()
@@ -678,7 +698,6 @@ impl CudaBackend {
         // Sequence states (new ones get their seed now, in batch order) and the rows to sample.
         let mut samples = Vec::new();
         let mut edits = Edits::default();
-        let mut masks = TokenMasks::default();
         let mut constrained = Vec::new();
         let mut first_row = Vec::with_capacity(batch.seqs.len());
         let mut row = 0usize;
@@ -751,42 +770,97 @@ impl CudaBackend {
             self.upload_step(n_step, &d, &samples, &launch)?;
             self.enqueue(&launch, lora.as_ref())?;
         }
+        let arrays = SampleArrays::at(&launch.layout, |off| self.buf.step.at(off))?;
+        let seqs = batch
+            .seqs
+            .iter()
+            .enumerate()
+            .map(|(i, s)| SeqTail {
+                seq_id: s.seq_id,
+                sample: s.sample,
+                sampling: s.sampling.clone(),
+                first_row: first_row[i],
+                prompt: prompt_lp[i].then(|| s.clone()),
+            })
+            .collect();
+        let constrained = constrained
+            .into_iter()
+            .map(|(i, r, sampled)| (batch.seqs[i].seq_id, r, sampled))
+            .collect();
+        let tail = StepTail {
+            step: n_step,
+            arrays,
+            samples,
+            edits,
+            constrained,
+            seqs,
+        };
+        // A constrained row whose sequence feeds a pending token needs that token in its
+        // constraint before its mask: its sampling waits for the previous step's collect (the
+        // forward pass, queued above, does not).
+        let waits = tail.constrained.iter().any(|&(id, _, _)| {
+            batch
+                .seqs
+                .iter()
+                .any(|s| s.seq_id == id && s.tokens.first() == Some(&PENDING_TOKEN))
+        });
+        if waits {
+            self.deferred = Some(tail);
+            Ok(())
+        } else {
+            self.finish_step(tail)
+        }
+    }
+
+    /// The sampling half of a step queued by [`CudaBackend::submit_step`]: structured-output
+    /// masks, raw logits for logprobs, logit edits, sampling, the copy of the sampled ids, and
+    /// the step's entry in `submitted`.
+    fn finish_step(&mut self, t: StepTail) -> Result<(), GpuError> {
+        let vocab = self.config.vocab_size;
+        let StepTail {
+            step: n_step,
+            arrays,
+            samples,
+            mut edits,
+            constrained,
+            seqs,
+        } = t;
         // Structured output: the constrained rows' allowed sets (a grammar's mask takes tens of
         // microseconds), computed in parallel while the device runs the step.
-        let allowed: Vec<Vec<u32>> = constrained
+        let sampling_of = |id: u64| {
+            seqs.iter()
+                .find(|s| s.seq_id == id)
+                .map(|s| s.sampling.clone())
+                .ok_or_else(|| GpuError::Internal(format!("sequence {id} left the step")))
+        };
+        let params: Vec<Arc<SamplingParams>> = constrained
+            .iter()
+            .map(|&(id, _, _)| sampling_of(id))
+            .collect::<Result<_, _>>()?;
+        let allowed: Vec<Vec<u32>> = params
             .par_iter()
-            .map(|&(i, _, _)| {
-                batch.seqs[i]
-                    .sampling
-                    .constraint
+            .map(|p| {
+                p.constraint
                     .as_ref()
                     .map_or_else(Vec::new, |c| c.allowed(vocab))
             })
             .collect();
-        for (&(i, r, sampled), a) in constrained.iter().zip(&allowed) {
-            let s = &batch.seqs[i];
-            let st = self.states.get(&s.seq_id).ok_or_else(|| {
-                GpuError::Internal(format!("no sampling state for sequence {}", s.seq_id))
+        let mut masks = TokenMasks::default();
+        for ((&(id, r, sampled), a), p) in constrained.iter().zip(&allowed).zip(&params) {
+            let st = self.states.get(&id).ok_or_else(|| {
+                GpuError::Internal(format!("no sampling state for sequence {id}"))
             })?;
-            st.edits_at(r, &s.sampling, Some(a), sampled, &mut edits);
+            st.edits_at(r, p, Some(a), sampled, &mut edits);
             masks.push(r, a);
         }
         // Raw logits rows for logprobs, before any edit (these copies wait for the step).
         let mut raw: HashMap<usize, Vec<f32>> = HashMap::new();
-        for (i, s) in batch.seqs.iter().enumerate() {
-            let n = if prompt_lp[i] {
-                s.tokens.len()
-            } else if s.sample && s.sampling.logprobs.is_some() {
-                1
-            } else {
-                0
+        for s in &seqs {
+            let (n, end) = match &s.prompt {
+                Some(input) => (input.tokens.len(), s.first_row + input.tokens.len()),
+                None if s.sample && s.sampling.logprobs.is_some() => (1, s.first_row + 1),
+                None => (0, s.first_row + usize::from(s.sample)),
             };
-            let end = first_row[i]
-                + if prompt_lp[i] {
-                    s.tokens.len()
-                } else {
-                    usize::from(s.sample)
-                };
             for r in end - n..end {
                 let mut v = vec![0f32; vocab];
                 self.gpu
@@ -796,7 +870,6 @@ impl CudaBackend {
         }
         edits.apply(&self.gpu, &mut self.edit_buf, self.buf.logits.ptr(), vocab)?;
         masks.apply(&self.gpu, &mut self.mask_buf, self.buf.logits.ptr(), vocab)?;
-        let arrays = SampleArrays::at(&launch.layout, |off| self.buf.step.at(off))?;
         self.gpu.timed("sample_rows", || {
             sampling::sample(
                 &self.gpu,
@@ -838,10 +911,10 @@ impl CudaBackend {
         drop(edits);
         drop(masks);
         // Outputs in batch order; prompt logprobs now (their rows are here), tokens on collect.
-        let mut outputs = Vec::with_capacity(batch.seqs.len());
+        let mut outputs = Vec::with_capacity(seqs.len());
         let mut sampled = Vec::with_capacity(samples.len());
         self.last_samples.clear();
-        for (i, s) in batch.seqs.iter().enumerate() {
+        for (i, s) in seqs.iter().enumerate() {
             let Some(st) = self.states.get_mut(&s.seq_id) else {
                 return Err(GpuError::Internal("sequence state vanished".into()));
             };
@@ -852,13 +925,12 @@ impl CudaBackend {
                 top_logprobs: Vec::new(),
                 prompt_logprobs: Vec::new(),
             };
-            let r0 = first_row[i];
-            if prompt_lp[i] {
+            if let Some(input) = &s.prompt {
                 out.prompt_logprobs = prompt_logprobs(
-                    s,
+                    input,
                     &mut st.pending,
-                    (0..s.tokens.len())
-                        .map(|j| log_softmax(raw.get(&(r0 + j)).map_or(&[][..], |v| v))),
+                    (0..input.tokens.len())
+                        .map(|j| log_softmax(raw.get(&(s.first_row + j)).map_or(&[][..], |v| v))),
                 );
             }
             if s.sample {
@@ -881,6 +953,29 @@ impl CudaBackend {
         });
         Ok(())
     }
+}
+
+/// What [`CudaBackend::finish_step`] needs of one sequence of the step.
+struct SeqTail {
+    seq_id: u64,
+    sample: bool,
+    sampling: Arc<SamplingParams>,
+    /// Its first logits row.
+    first_row: usize,
+    /// The entry itself when it asked for prompt logprobs.
+    prompt: Option<SeqInput>,
+}
+
+/// The sampling half of a step whose forward pass is queued (see
+/// [`CudaBackend::finish_step`]).
+struct StepTail {
+    step: u64,
+    arrays: SampleArrays,
+    samples: Vec<SampleRow>,
+    edits: Edits,
+    /// (sequence, logits row, tokens it had sampled before this row) of constrained rows.
+    constrained: Vec<(u64, usize, u64)>,
+    seqs: Vec<SeqTail>,
 }
 
 #[cfg(test)]
