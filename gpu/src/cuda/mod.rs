@@ -699,6 +699,7 @@ impl CudaBackend {
         let mut samples = Vec::new();
         let mut edits = Edits::default();
         let mut constrained = Vec::new();
+        let mut waits = false;
         let mut first_row = Vec::with_capacity(batch.seqs.len());
         let mut row = 0usize;
         for (i, s) in batch.seqs.iter().enumerate() {
@@ -720,7 +721,8 @@ impl CudaBackend {
                 let r = row + n - 1;
                 if s.sampling.constraint.is_some() {
                     // Its edits wait for its allowed set, computed while the step runs.
-                    constrained.push((i, r, st.sampled));
+                    constrained.push((s.seq_id, r, st.sampled, s.sampling.clone()));
+                    waits |= s.tokens.first() == Some(&PENDING_TOKEN);
                 } else {
                     st.edits(r, &s.sampling, None, &mut edits);
                 }
@@ -783,10 +785,6 @@ impl CudaBackend {
                 prompt: prompt_lp[i].then(|| s.clone()),
             })
             .collect();
-        let constrained = constrained
-            .into_iter()
-            .map(|(i, r, sampled)| (batch.seqs[i].seq_id, r, sampled))
-            .collect();
         let tail = StepTail {
             step: n_step,
             arrays,
@@ -798,12 +796,6 @@ impl CudaBackend {
         // A constrained row whose sequence feeds a pending token needs that token in its
         // constraint before its mask: its sampling waits for the previous step's collect (the
         // forward pass, queued above, does not).
-        let waits = tail.constrained.iter().any(|&(id, _, _)| {
-            batch
-                .seqs
-                .iter()
-                .any(|s| s.seq_id == id && s.tokens.first() == Some(&PENDING_TOKEN))
-        });
         if waits {
             self.deferred = Some(tail);
             Ok(())
@@ -827,26 +819,17 @@ impl CudaBackend {
         } = t;
         // Structured output: the constrained rows' allowed sets (a grammar's mask takes tens of
         // microseconds), computed in parallel while the device runs the step.
-        let sampling_of = |id: u64| {
-            seqs.iter()
-                .find(|s| s.seq_id == id)
-                .map(|s| s.sampling.clone())
-                .ok_or_else(|| GpuError::Internal(format!("sequence {id} left the step")))
-        };
-        let params: Vec<Arc<SamplingParams>> = constrained
-            .iter()
-            .map(|&(id, _, _)| sampling_of(id))
-            .collect::<Result<_, _>>()?;
-        let allowed: Vec<Vec<u32>> = params
+        let allowed: Vec<Vec<u32>> = constrained
             .par_iter()
-            .map(|p| {
+            .map(|(_, _, _, p)| {
                 p.constraint
                     .as_ref()
                     .map_or_else(Vec::new, |c| c.allowed(vocab))
             })
             .collect();
         let mut masks = TokenMasks::default();
-        for ((&(id, r, sampled), a), p) in constrained.iter().zip(&allowed).zip(&params) {
+        for ((id, r, sampled, p), a) in constrained.iter().zip(&allowed) {
+            let (id, r, sampled) = (*id, *r, *sampled);
             let st = self.states.get(&id).ok_or_else(|| {
                 GpuError::Internal(format!("no sampling state for sequence {id}"))
             })?;
@@ -973,8 +956,9 @@ struct StepTail {
     arrays: SampleArrays,
     samples: Vec<SampleRow>,
     edits: Edits,
-    /// (sequence, logits row, tokens it had sampled before this row) of constrained rows.
-    constrained: Vec<(u64, usize, u64)>,
+    /// (sequence, logits row, tokens it had sampled before this row, its sampling) of the
+    /// constrained rows.
+    constrained: Vec<(u64, usize, u64, Arc<SamplingParams>)>,
     seqs: Vec<SeqTail>,
 }
 
