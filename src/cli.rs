@@ -162,6 +162,23 @@ pub struct GenerateArgs {
     /// the CUDA backend), on or off.
     #[arg(long, default_value = "auto")]
     pub async_scheduling: switchyard_config::AsyncSchedulingMode,
+    #[command(flatten)]
+    pub speculative: SpeculativeArgs,
+}
+
+/// Speculative decoding by prompt lookup (the `speculative:` section of the server's YAML).
+#[derive(Debug, Clone, Args)]
+pub struct SpeculativeArgs {
+    /// Speculative decoding by prompt lookup: most draft tokens per sequence and step, taken
+    /// from what followed an earlier occurrence of the sequence's last tokens (0 = off).
+    #[arg(long, default_value_t = 0)]
+    pub num_speculative_tokens: usize,
+    /// Shortest suffix that must match an earlier position (speculative decoding).
+    #[arg(long, default_value_t = 2)]
+    pub prompt_lookup_min: usize,
+    /// Longest suffix matched (speculative decoding).
+    #[arg(long, default_value_t = 4)]
+    pub prompt_lookup_max: usize,
 }
 
 /// `switchyard bench ...`.
@@ -317,6 +334,8 @@ pub struct ThroughputArgs {
     /// that never has to end, such as '([a-z]+ )+', since outputs run to --output-len.
     #[arg(long, value_name = "PATTERN")]
     pub regex: Option<String>,
+    #[command(flatten)]
+    pub speculative: SpeculativeArgs,
     /// Print the result as JSON.
     #[arg(long)]
     pub json: bool,

@@ -47,6 +47,7 @@ impl Backend for InstantBackend {
             .iter()
             .map(|s| SeqOutput {
                 seq_id: s.seq_id,
+                accepted: Vec::new(),
                 token: s
                     .sample
                     .then(|| (s.tokens.last().copied().unwrap_or(0) + 1) % VOCAB),

@@ -17,7 +17,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use switchyard_gpu::backend::{
-    takes_pending_tokens, Backend, Batch, PromptLogprob, SamplingParams, SeqInput, SeqOutput,
+    takes_pending_tokens, Backend, Batch, DraftVerifier, PromptLogprob, SamplingParams, SeqInput,
+    SeqOutput,
 };
 use switchyard_gpu::LoraAdapter;
 use switchyard_policies::{
@@ -143,6 +144,17 @@ pub enum CoreEvent {
 /// A sampled token's logprob and the top alternatives, as the backend reported them.
 type SampledLogprobs = (Option<f32>, Vec<(TokenId, f32)>);
 
+/// Speculative decoding counters since the core started (vLLM's `spec_decode_*` meanings).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SpecDecodeStats {
+    /// Sequence steps fed drafts.
+    pub num_drafts: u64,
+    /// Draft tokens fed.
+    pub num_draft_tokens: u64,
+    /// Draft tokens the backend accepted.
+    pub num_accepted_tokens: u64,
+}
+
 /// What one step did, for callers that report progress and engine overhead.
 #[derive(Debug, Clone, Default)]
 pub struct StepReport {
@@ -202,6 +214,8 @@ struct LiveRequest {
     arrival: Timestamp,
     /// Whether it has been scheduled at least once.
     started: bool,
+    /// Whether it may be fed drafts (speculative decoding).
+    speculate: bool,
 }
 
 /// The scheduling side of the engine: the policies core plus the prompt and sampler settings of
@@ -216,6 +230,10 @@ pub struct StepCore {
     /// The last batch's entries, refilled by the next step.
     /// Entries of batches that ran, refilled by later steps (two while steps are pipelined).
     spare: Vec<Vec<SeqInput>>,
+    /// Which requests the backend verifies drafts for (speculative decoding).
+    verifier: Option<DraftVerifier>,
+    /// Speculative decoding counters.
+    spec: SpecDecodeStats,
 }
 
 impl StepCore {
@@ -227,12 +245,37 @@ impl StepCore {
             live: IdMap::default(),
             ended: Vec::new(),
             spare: Vec::new(),
+            verifier: None,
+            spec: SpecDecodeStats::default(),
         })
     }
 
+    /// Tells the core which requests the backend verifies drafts for (its
+    /// [`Backend::draft_verifier`]); fails when speculative decoding is configured and the
+    /// backend takes no drafts. Without it, no request is fed drafts.
+    pub fn set_draft_verifier(
+        &mut self,
+        verifier: Option<DraftVerifier>,
+        backend: &str,
+    ) -> Result<(), EngineError> {
+        if self.scheduler.config().speculative.is_some() && verifier.is_none() {
+            return Err(EngineError::Backend(switchyard_gpu::GpuError::InvalidConfig(
+                format!("speculative decoding is configured but the {backend} backend does not verify draft tokens"),
+            )));
+        }
+        self.verifier = verifier;
+        Ok(())
+    }
+
+    /// Speculative decoding counters.
+    pub fn spec_decode_stats(&self) -> SpecDecodeStats {
+        self.spec
+    }
+
     /// Queues a request; rejected requests (too long, duplicate id) leave no trace.
-    pub fn add_request(&mut self, submit: SubmitOptions) -> Result<(), EngineError> {
+    pub fn add_request(&mut self, mut submit: SubmitOptions) -> Result<(), EngineError> {
         let id = submit.request.id;
+        submit.request.limits.speculate &= self.verifier.is_some_and(|v| v(&submit.sampling));
         if self.live.contains_key(&id) {
             return Err(EngineError::DuplicateRequest(id.0));
         }
@@ -245,6 +288,7 @@ impl StepCore {
             adapter: submit.adapter,
             arrival: submit.request.arrival,
             started: false,
+            speculate: submit.request.limits.speculate,
         };
         self.scheduler.add_request(submit.request)?;
         self.live.insert(id, live);
@@ -322,13 +366,19 @@ impl StepCore {
     /// Marks a prepared step as submitted before its outputs are known (see
     /// [`Scheduler::launch`]); its outputs go to [`StepCore::resolve`]. Returns whether the
     /// next step may be planned ahead of this one's outputs: every sequence that samples
-    /// here can be fed its token from the device (no penalties).
+    /// here can be fed its token from the device (no penalties) and none is speculating
+    /// (speculative decoding plans in order while [`Scheduler::drafts_enabled`]).
     pub fn launch(&mut self, plan: &StepPlan) -> bool {
         self.scheduler.launch(plan);
+        // A sequence fed drafts yields an unknown number of tokens, and one that may be fed
+        // drafts next gets them only in a step planned in order: the next step waits.
+        let drafts = self.scheduler.drafts_enabled();
         plan.seqs.iter().filter(|s| s.samples).all(|s| {
-            self.live
-                .get(&s.id)
-                .is_none_or(|l| takes_pending_tokens(&l.sampling))
+            s.draft_tokens.is_empty()
+                && self
+                    .live
+                    .get(&s.id)
+                    .is_none_or(|l| takes_pending_tokens(&l.sampling) && !(drafts && l.speculate))
         })
     }
 
@@ -424,6 +474,7 @@ impl StepCore {
                     tokens: Vec::new(),
                     block_table: Vec::new(),
                     sample: false,
+                    num_drafts: 0,
                     sampling: live.sampling.clone(),
                     adapter: None,
                 });
@@ -433,14 +484,15 @@ impl StepCore {
             entry.seq_id = s.id.0;
             entry.num_computed_tokens = s.num_computed_tokens;
             entry.sample = s.samples;
+            entry.num_drafts = s.draft_tokens.len();
             entry.adapter.clone_from(&live.adapter);
             if !Arc::ptr_eq(&entry.sampling, &live.sampling) {
                 entry.sampling = live.sampling.clone();
             }
             let prompt = &live.prompt;
-            let end = s.num_computed_tokens + s.num_new_tokens;
+            let end = s.num_computed_tokens + s.num_new_tokens - s.draft_tokens.len();
             // Outputs end with pending tokens while steps are in flight; the backend feeds
-            // them from the device.
+            // them from the device. Drafts follow the known tokens.
             let outputs = self.scheduler.output_tokens(s.id).unwrap_or(&[]);
             entry.tokens.clear();
             for i in s.num_computed_tokens..end {
@@ -452,6 +504,11 @@ impl StepCore {
                 entry
                     .tokens
                     .push(*t.ok_or(EngineError::UnknownSequence(s.id.0))?);
+            }
+            entry.tokens.extend_from_slice(&s.draft_tokens);
+            if !s.draft_tokens.is_empty() {
+                self.spec.num_drafts += 1;
+                self.spec.num_draft_tokens += s.draft_tokens.len() as u64;
             }
             entry.block_table.clear();
             entry
@@ -493,7 +550,9 @@ impl StepCore {
         now: Timestamp,
         launched: bool,
     ) -> Vec<CoreEvent> {
-        let mut logprobs: HashMap<u64, SampledLogprobs> = HashMap::new();
+        // Per sequence, the logprobs of its tokens in order (accepted drafts, then the last).
+        let mut logprobs: HashMap<u64, std::collections::VecDeque<SampledLogprobs>> =
+            HashMap::new();
         let mut sampled = Vec::with_capacity(outputs.len());
         let mut events = Vec::with_capacity(outputs.len());
         for o in outputs {
@@ -509,9 +568,14 @@ impl StepCore {
                 sampled.push(StepOutput {
                     id: RequestId(o.seq_id),
                     token,
+                    accepted: o.accepted.len() as u32,
                 });
-                if o.logprob.is_some() || !o.top_logprobs.is_empty() {
-                    logprobs.insert(o.seq_id, (o.logprob, o.top_logprobs));
+                self.spec.num_accepted_tokens += o.accepted.len() as u64;
+                let wants = o.logprob.is_some() || !o.top_logprobs.is_empty();
+                if wants || o.accepted.iter().any(|a| a.logprob.is_some()) {
+                    let list = logprobs.entry(o.seq_id).or_default();
+                    list.extend(o.accepted.into_iter().map(|a| (a.logprob, a.top_logprobs)));
+                    list.push_back((o.logprob, o.top_logprobs));
                 }
             }
         }
@@ -523,7 +587,10 @@ impl StepCore {
         for event in seq_events {
             match event {
                 SeqEvent::Token { id, token, .. } => {
-                    let (logprob, top_logprobs) = logprobs.remove(&id.0).unwrap_or_default();
+                    let (logprob, top_logprobs) = logprobs
+                        .get_mut(&id.0)
+                        .and_then(|l| l.pop_front())
+                        .unwrap_or_default();
                     events.push(CoreEvent::Token {
                         id,
                         token,
@@ -565,8 +632,10 @@ impl EngineCore {
         policy: Box<dyn Policy>,
         backend: Box<dyn Backend>,
     ) -> Result<Self, EngineError> {
+        let mut core = StepCore::new(config, policy)?;
+        core.set_draft_verifier(backend.draft_verifier(), backend.name())?;
         Ok(Self {
-            core: StepCore::new(config, policy)?,
+            core,
             backend,
             async_scheduling: false,
             in_flight: None,
@@ -716,6 +785,8 @@ mod tests {
         submitted: std::collections::VecDeque<Vec<SeqOutput>>,
         /// Steps submitted while another was outstanding.
         ahead: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+        /// Verify draft tokens (speculative decoding).
+        verifies: bool,
     }
 
     impl Backend for NextTokenBackend {
@@ -742,9 +813,24 @@ mod tests {
                     .lock()
                     .unwrap()
                     .push((s.seq_id, s.num_computed_tokens, s.tokens.clone()));
-                let last = *s.tokens.last().unwrap();
+                // Drafts are kept while each is the successor of the token before it.
+                let known = s.tokens.len() - s.num_drafts;
+                let mut last = s.tokens[known - 1];
+                let mut accepted = Vec::new();
+                for &d in &s.tokens[known..] {
+                    if d != last + 1 {
+                        break;
+                    }
+                    accepted.push(switchyard_gpu::backend::AcceptedDraft {
+                        token: d,
+                        logprob: None,
+                        top_logprobs: Vec::new(),
+                    });
+                    last = d;
+                }
                 out.push(SeqOutput {
                     seq_id: s.seq_id,
+                    accepted,
                     token: s.sample.then_some(last + 1),
                     logprob: None,
                     top_logprobs: Vec::new(),
@@ -758,6 +844,9 @@ mod tests {
         }
         fn pipelines(&self) -> bool {
             self.pipelines
+        }
+        fn draft_verifier(&self) -> Option<DraftVerifier> {
+            self.verifies.then_some(|_| true)
         }
         fn submit(&mut self, batch: &Batch) -> Result<(), GpuError> {
             assert!(self.submitted.len() <= 1, "more than one step ahead");
@@ -796,6 +885,13 @@ mod tests {
     }
 
     fn engine(backend: NextTokenBackend) -> EngineCore {
+        engine_with(backend, None)
+    }
+
+    fn engine_with(
+        backend: NextTokenBackend,
+        speculative: Option<switchyard_policies::SpeculativeConfig>,
+    ) -> EngineCore {
         let scheduler = SchedulerConfig {
             max_num_seqs: 8,
             max_num_batched_tokens: 6,
@@ -806,6 +902,7 @@ mod tests {
             tiers: Vec::new(),
             max_logit_rows: usize::MAX,
             max_loras: 4,
+            speculative,
         };
         let policy = PolicyRegistry::with_builtins()
             .create("fcfs", &serde_yaml::Value::Null, &[])
@@ -899,6 +996,95 @@ mod tests {
             assert!(*start == *n, "request {id}: fed from {start}, expected {n}");
             *n += toks.len();
         }
+    }
+
+    /// Speculative decoding through the engine: drafts proposed by prompt lookup reach the
+    /// backend after the known tokens, accepted ones come out as tokens in order, the outputs
+    /// equal decoding one token per step (with asynchronous scheduling too), in fewer steps,
+    /// and a backend that verifies no drafts is refused.
+    #[test]
+    fn drafts_reach_the_backend_and_accepted_ones_come_out_in_order() {
+        let spec = switchyard_policies::SpeculativeConfig {
+            num_speculative_tokens: 3,
+            prompt_lookup_min: 1,
+            prompt_lookup_max: 2,
+            max_running: 0,
+        };
+        let run = |speculative: bool, pipelined: bool| {
+            let backend = NextTokenBackend {
+                verifies: true,
+                pipelines: pipelined,
+                ..NextTokenBackend::default()
+            };
+            let fed = backend.fed.clone();
+            let mut e = engine_with(backend, speculative.then(|| spec.clone()))
+                .with_async_scheduling(AsyncScheduling::On);
+            // The model counts up; the prompts hold runs it will repeat (fully or in part).
+            e.core()
+                .add_request(request(1, vec![1, 2, 3, 4, 5, 6, 1, 2], 9, None))
+                .unwrap();
+            e.core()
+                .add_request(request(2, vec![20, 21, 40, 41, 20], 6, Some(25)))
+                .unwrap();
+            let mut steps = 0;
+            let mut events = Vec::new();
+            while e.core().has_unfinished() {
+                events.extend(e.step(Timestamp(steps * 1000)).unwrap().events);
+                steps += 1;
+                assert!(steps < 1000);
+            }
+            let drafts = e.core().spec_decode_stats();
+            let fed = fed.lock().unwrap().clone();
+            (per_request(&events), steps, drafts, fed)
+        };
+        let (plain, plain_steps, none, _) = run(false, false);
+        assert_eq!(none, SpecDecodeStats::default());
+        assert_eq!(plain[&1].0, vec![3, 4, 5, 6, 7, 8, 9, 10, 11]);
+        assert_eq!(
+            plain[&2],
+            (vec![21, 22, 23, 24, 25], Some(FinishReason::Eos))
+        );
+        for pipelined in [false, true] {
+            let (spec_out, steps, stats, fed) = run(true, pipelined);
+            assert_eq!(spec_out, plain, "pipelined {pipelined}");
+            assert!(
+                steps < plain_steps,
+                "{steps} steps, {plain_steps} without drafts (pipelined {pipelined})"
+            );
+            assert!(
+                stats.num_drafts > 0 && stats.num_accepted_tokens > 0,
+                "{stats:?}"
+            );
+            assert!(stats.num_accepted_tokens <= stats.num_draft_tokens);
+            // Request 1 after "... 1 2 3": the lookup finds "3" at position 2 and proposes
+            // "4 5 6", all accepted.
+            assert!(
+                fed.iter()
+                    .any(|(id, start, t)| *id == 1 && *start == 8 && t == &vec![3, 4, 5, 6]),
+                "{fed:?}"
+            );
+        }
+        // A backend that verifies nothing cannot run a speculative configuration.
+        let scheduler = SchedulerConfig {
+            num_gpu_blocks: 64,
+            block_size: 4,
+            speculative: Some(spec),
+            ..SchedulerConfig::default()
+        };
+        let policy = PolicyRegistry::with_builtins()
+            .create("fcfs", &serde_yaml::Value::Null, &[])
+            .unwrap();
+        let err = EngineCore::new(
+            EngineCoreConfig {
+                scheduler,
+                hash_key: [1, 2],
+            },
+            policy,
+            Box::new(NextTokenBackend::default()),
+        )
+        .err()
+        .expect("refused");
+        assert!(err.to_string().contains("draft"), "{err}");
     }
 
     fn run_to_end(e: &mut EngineCore) -> Vec<CoreEvent> {

@@ -62,6 +62,13 @@ pub const STRUCTURED_FAILURES: &str = "switchyard:structured_output_failures_tot
 /// Histogram, seconds: compiling a request's structured-output specification.
 pub const STRUCTURED_COMPILE: &str = "switchyard:structured_output_compile_seconds";
 
+/// Counter: sequence steps fed draft tokens (speculative decoding).
+pub const SPEC_DECODE_DRAFTS: &str = "switchyard:spec_decode_num_drafts_total";
+/// Counter: draft tokens fed (speculative decoding).
+pub const SPEC_DECODE_DRAFT_TOKENS: &str = "switchyard:spec_decode_num_draft_tokens_total";
+/// Counter: draft tokens accepted (speculative decoding).
+pub const SPEC_DECODE_ACCEPTED_TOKENS: &str = "switchyard:spec_decode_num_accepted_tokens_total";
+
 /// Label key of [`REQUEST_SUCCESS`].
 pub const LABEL_FINISHED_REASON: &str = "finished_reason";
 
@@ -88,6 +95,9 @@ pub const COUNTERS: &[&str] = &[
     LORA_LOADS,
     STRUCTURED_REQUESTS,
     STRUCTURED_FAILURES,
+    SPEC_DECODE_DRAFTS,
+    SPEC_DECODE_DRAFT_TOKENS,
+    SPEC_DECODE_ACCEPTED_TOKENS,
 ];
 /// Histograms among the names above.
 pub const HISTOGRAMS: &[&str] = &[

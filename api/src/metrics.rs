@@ -71,6 +71,13 @@ pub const STRUCTURED_FAILURES: &str = "switchyard:structured_output_failures_tot
 /// Histogram, seconds: compiling a request's structured-output specification.
 pub const STRUCTURED_COMPILE: &str = "switchyard:structured_output_compile_seconds";
 
+/// Counter: sequence steps fed draft tokens (speculative decoding).
+pub const SPEC_DECODE_DRAFTS: &str = "switchyard:spec_decode_num_drafts_total";
+/// Counter: draft tokens fed (speculative decoding).
+pub const SPEC_DECODE_DRAFT_TOKENS: &str = "switchyard:spec_decode_num_draft_tokens_total";
+/// Counter: draft tokens accepted (speculative decoding).
+pub const SPEC_DECODE_ACCEPTED_TOKENS: &str = "switchyard:spec_decode_num_accepted_tokens_total";
+
 /// Gauge, label `policy`: 1 for the scheduling policy in force, 0 for the others seen.
 pub const POLICY_INFO: &str = "switchyard:policy_info";
 /// Counter: scheduling-policy hot swaps.
@@ -278,6 +285,21 @@ pub fn describe_metrics() {
         STRUCTURED_COMPILE,
         Unit::Seconds,
         "Time to compile a request's structured-output specification."
+    );
+    describe_counter!(
+        SPEC_DECODE_DRAFTS,
+        Unit::Count,
+        "Sequence steps fed draft tokens (speculative decoding by prompt lookup)."
+    );
+    describe_counter!(
+        SPEC_DECODE_DRAFT_TOKENS,
+        Unit::Count,
+        "Draft tokens fed (speculative decoding)."
+    );
+    describe_counter!(
+        SPEC_DECODE_ACCEPTED_TOKENS,
+        Unit::Count,
+        "Draft tokens the model accepted (speculative decoding)."
     );
     describe_gauge!(
         BACKEND_INFO,

@@ -83,6 +83,50 @@ pub struct Config {
     pub logging: LoggingSection,
     /// LoRA adapters served on top of the model.
     pub lora: LoraSection,
+    /// Speculative decoding; absent: one token per decode step.
+    pub speculative: Option<SpeculativeSection>,
+}
+
+/// How draft tokens are proposed.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum SpeculativeMethod {
+    /// Prompt lookup: the tokens that followed an earlier occurrence of the sequence's last
+    /// few tokens (no draft model).
+    #[default]
+    Ngram,
+}
+
+/// The `speculative:` section (vLLM's `speculative_config`).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct SpeculativeSection {
+    /// How drafts are proposed.
+    pub method: SpeculativeMethod,
+    /// Most draft tokens per sequence and step.
+    #[serde(deserialize_with = "usize_in::<_, 1, 16>")]
+    pub num_speculative_tokens: usize,
+    /// Shortest suffix that must match (at most `prompt_lookup_max`).
+    #[serde(deserialize_with = "usize_in::<_, 1, 32>")]
+    pub prompt_lookup_min: usize,
+    /// Longest suffix matched.
+    #[serde(deserialize_with = "usize_in::<_, 1, 32>")]
+    pub prompt_lookup_max: usize,
+    /// No drafts in a step while more sequences than this run (0: no limit).
+    #[serde(deserialize_with = "usize_in::<_, 0, 65536>")]
+    pub max_running: usize,
+}
+
+impl Default for SpeculativeSection {
+    fn default() -> Self {
+        Self {
+            method: SpeculativeMethod::Ngram,
+            num_speculative_tokens: 4,
+            prompt_lookup_min: 2,
+            prompt_lookup_max: 4,
+            max_running: 0,
+        }
+    }
 }
 
 /// Which backend executes the model.
@@ -422,6 +466,17 @@ pub const MAX_TIERS: usize = 32;
 impl Config {
     /// Checks rules that span fields; returns the dotted field path and a message.
     pub fn validate(&self) -> Result<(), (String, String)> {
+        if let Some(spec) = &self.speculative {
+            if spec.prompt_lookup_min > spec.prompt_lookup_max {
+                return Err((
+                    "speculative.prompt_lookup_min".into(),
+                    format!(
+                        "{} exceeds prompt_lookup_max ({})",
+                        spec.prompt_lookup_min, spec.prompt_lookup_max
+                    ),
+                ));
+            }
+        }
         if self.tiers.len() > MAX_TIERS {
             return Err((
                 "tiers".into(),

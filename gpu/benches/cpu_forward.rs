@@ -53,6 +53,7 @@ fn seq(id: u64, start: usize, tokens: Vec<u32>, blocks_per_seq: usize) -> SeqInp
         tokens,
         block_table: (first..first + blocks_per_seq as u32).collect(),
         sample: true,
+        num_drafts: 0,
         sampling: Arc::new(SamplingParams::greedy()),
         adapter: None,
     }

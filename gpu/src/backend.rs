@@ -33,6 +33,13 @@ pub struct SeqInput {
     pub block_table: Vec<u32>,
     /// Whether to sample a token after the last of `tokens`.
     pub sample: bool,
+    /// Trailing entries of `tokens` that are draft tokens (speculative decoding; only on a
+    /// sampling decode, for a backend with a [`Backend::draft_verifier`]): the backend samples
+    /// at the last known token and at each draft, keeps the drafts that equal what it sampled
+    /// before them, and returns them in [`SeqOutput::accepted`] followed by the first token
+    /// that differs (or the one after the last draft). Outputs are then exactly those of
+    /// feeding one token per step: same sampler state, same random draws.
+    pub num_drafts: usize,
     /// Sampling parameters of the request.
     pub sampling: Arc<SamplingParams>,
     /// The request's LoRA adapter, if any (loaded for this backend's model; only for backends
@@ -60,12 +67,25 @@ pub struct PromptLogprob {
     pub top_logprobs: Vec<(u32, f32)>,
 }
 
+/// A draft token the backend accepted, with its logprobs (as for [`SeqOutput::token`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct AcceptedDraft {
+    /// The draft token.
+    pub token: u32,
+    /// Its logprob under the raw model distribution, when logprobs were requested.
+    pub logprob: Option<f32>,
+    /// The most likely tokens at its position with their logprobs, best first.
+    pub top_logprobs: Vec<(u32, f32)>,
+}
+
 /// What a step produced for one sequence (one per [`SeqInput`], in batch order).
 #[derive(Clone, Debug, PartialEq)]
 pub struct SeqOutput {
     /// The sequence.
     pub seq_id: u64,
-    /// The sampled token, when `sample` was set.
+    /// The accepted drafts, in order, before `token` (empty without drafts).
+    pub accepted: Vec<AcceptedDraft>,
+    /// The sampled token, when `sample` was set: the last of the step's outputs.
     pub token: Option<u32>,
     /// Its logprob under the raw model distribution, when logprobs were requested.
     pub logprob: Option<f32>,
@@ -104,6 +124,11 @@ pub trait Backend: Send {
     fn pipelines(&self) -> bool {
         false
     }
+    /// Which requests' draft tokens the backend verifies ([`SeqInput::num_drafts`]); `None`
+    /// when it takes no drafts (speculative decoding is then unavailable).
+    fn draft_verifier(&self) -> Option<DraftVerifier> {
+        None
+    }
     /// Whether a submitted step runs while the caller goes on (a device with its own queue),
     /// so planning the next step during it pays off; a backend that works in `submit` on the
     /// caller's thread gains nothing from it.
@@ -131,6 +156,9 @@ pub trait Backend: Send {
         )))
     }
 }
+
+/// Whether a backend verifies drafts for a request with these sampling parameters.
+pub type DraftVerifier = fn(&SamplingParams) -> bool;
 
 /// Whether a request's sampling can take a [`PENDING_TOKEN`]: no penalties (they read the
 /// token values of the sequence so far, which the host learns a step late). A constraint
@@ -378,8 +406,10 @@ impl Backend for CpuBackend {
         for (i, s) in batch.seqs.iter().enumerate() {
             let n = if prompt_lp[i] {
                 s.tokens.len()
+            } else if s.sample {
+                1 + s.num_drafts
             } else {
-                usize::from(s.sample)
+                0
             };
             let state = match self.states.remove(&s.seq_id) {
                 Some(st) => st,
@@ -419,6 +449,12 @@ impl Backend for CpuBackend {
 
     fn lora_slots(&self) -> usize {
         usize::MAX
+    }
+
+    fn draft_verifier(&self) -> Option<DraftVerifier> {
+        // Rows are sampled one after another with the sequence's own sampler: penalties,
+        // constraints and seeds all see the tokens as if fed one per step.
+        Some(|_| true)
     }
 
     fn pipelines(&self) -> bool {
@@ -517,6 +553,12 @@ pub(crate) fn validate_batch(
         if s.tokens.is_empty() {
             return bad(format!("sequence {} has no tokens", s.seq_id));
         }
+        if s.num_drafts > 0 && (!s.sample || s.num_drafts >= s.tokens.len()) {
+            return bad(format!(
+                "sequence {}: {} drafts need a sampling entry with a token before them",
+                s.seq_id, s.num_drafts
+            ));
+        }
         if s.adapter.as_ref().is_some_and(|a| !a.fits(c)) {
             return bad(format!(
                 "sequence {}: its LoRA adapter was loaded for a model of another shape",
@@ -562,12 +604,13 @@ pub(crate) fn validate_batch(
 }
 
 /// The rows of a sequence's chunk whose logits a step needs: every row while prompt logprobs
-/// are produced, else the last row when the step samples, else none.
+/// are produced, else the last known token's and the drafts' when the step samples, else
+/// none.
 pub(crate) fn logit_rows_of(s: &SeqInput, prompt_logprobs: bool) -> Vec<usize> {
     if prompt_logprobs {
         (0..s.tokens.len()).collect()
     } else if s.sample {
-        vec![s.tokens.len() - 1]
+        (s.tokens.len() - 1 - s.num_drafts..s.tokens.len()).collect()
     } else {
         Vec::new()
     }
@@ -617,6 +660,7 @@ fn step_sequence(
 ) -> SeqOutput {
     let mut out = SeqOutput {
         seq_id: s.seq_id,
+        accepted: Vec::new(),
         token: None,
         logprob: None,
         top_logprobs: Vec::new(),
@@ -633,13 +677,28 @@ fn step_sequence(
         );
     }
     if s.sample {
-        let last = logits.len() / vocab - 1;
-        let sampled = st.sampler.sample(&logits[last * vocab..], &s.sampling);
+        // The last known token's row, then one per draft: each draft is kept while it is
+        // what the sampler draws before it, exactly as if the tokens came one per step.
+        let rows = logits.len() / vocab;
+        let first = rows - 1 - s.num_drafts;
+        let drafts = &s.tokens[s.tokens.len() - s.num_drafts..];
         st.in_prompt = false;
         st.pending = None;
-        out.token = Some(sampled.token);
-        out.logprob = sampled.logprob;
-        out.top_logprobs = sampled.top_logprobs;
+        for (i, row) in logits.chunks_exact(vocab).skip(first).enumerate() {
+            let sampled = st.sampler.sample(row, &s.sampling);
+            if drafts.get(i) == Some(&sampled.token) {
+                out.accepted.push(AcceptedDraft {
+                    token: sampled.token,
+                    logprob: sampled.logprob,
+                    top_logprobs: sampled.top_logprobs,
+                });
+                continue;
+            }
+            out.token = Some(sampled.token);
+            out.logprob = sampled.logprob;
+            out.top_logprobs = sampled.top_logprobs;
+            break;
+        }
     }
     out
 }

@@ -96,6 +96,7 @@ impl Seq {
             tokens: self.tokens[self.computed..end].to_vec(),
             block_table: self.table.clone(),
             sample: end == self.tokens.len(),
+            num_drafts: 0,
             sampling: Arc::new(SamplingParams::greedy()),
             adapter: self.adapter.clone(),
         }
@@ -404,6 +405,7 @@ fn prompt_logprobs_over_chunks_match_prefix_recompute() {
     let first = SeqInput {
         sampling: params.clone(),
         sample: false,
+        num_drafts: 0,
         ..s.input(10)
     };
     let second = SeqInput {

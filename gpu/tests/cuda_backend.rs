@@ -516,6 +516,7 @@ fn one_seq(
         tokens,
         block_table: table,
         sample: true,
+        num_drafts: 0,
         sampling: p.clone(),
         adapter: None,
     }

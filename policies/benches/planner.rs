@@ -73,6 +73,7 @@ fn decoding_scheduler_with(policy: &str, params: &serde_yaml::Value) -> (Schedul
         tiers: tiers(),
         max_logit_rows: usize::MAX,
         max_loras: 4,
+        speculative: None,
     };
     let p = PolicyRegistry::with_builtins()
         .create(policy, &serde_yaml::Value::Null, &tiers())
@@ -99,7 +100,7 @@ fn decode_all(s: &mut Scheduler) -> Timestamp {
             .seqs
             .iter()
             .filter(|q| q.samples)
-            .map(|q| StepOutput { id: q.id, token: 1 })
+            .map(|q| StepOutput::new(q.id, 1))
             .collect();
         now = now.saturating_add(10_000);
         s.apply_outputs(&plan, &outs, now);
@@ -130,7 +131,7 @@ fn time_steps(iters: u64, policy: &str, params: &serde_yaml::Value, expect: usiz
             plan.seqs
                 .iter()
                 .filter(|q| q.samples)
-                .map(|q| StepOutput { id: q.id, token: 1 }),
+                .map(|q| StepOutput::new(q.id, 1)),
         );
         now = now.saturating_add(10_000);
         black_box(s.apply_outputs(&plan, &outs, now));
@@ -169,7 +170,7 @@ fn planner_step(c: &mut Criterion) {
                     .seqs
                     .iter()
                     .filter(|q| q.samples)
-                    .map(|q| StepOutput { id: q.id, token: 1 })
+                    .map(|q| StepOutput::new(q.id, 1))
                     .collect();
                 now = now.saturating_add(10_000);
                 black_box(s.apply_outputs(&plan, &outs, now));
@@ -204,10 +205,7 @@ fn admission(c: &mut Criterion) {
                 .collect();
             s.add_request(request(next as usize, prompt, 1)).unwrap();
             s.schedule_into(Timestamp(next), &mut plan);
-            let outs = [StepOutput {
-                id: RequestId(next),
-                token: 1,
-            }];
+            let outs = [StepOutput::new(RequestId(next), 1)];
             black_box(s.apply_outputs(&plan, &outs, Timestamp(next)));
             s.forget(RequestId(next));
         })

@@ -34,7 +34,7 @@
 //!         .seqs
 //!         .iter()
 //!         .filter(|s| s.samples)
-//!         .map(|s| StepOutput { id: s.id, token: 42 })
+//!         .map(|s| StepOutput::new(s.id, 42))
 //!         .collect();
 //!     now = now.saturating_add(1_000);
 //!     sched.apply_outputs(&plan, &outputs, now);
@@ -51,6 +51,7 @@ pub mod policy;
 pub mod prefix_hash;
 pub mod scheduler;
 pub mod sequence;
+pub mod speculative;
 pub mod types;
 
 pub use block_ledger::{BlockLedger, KvCommit, PENDING_BLOCK};

@@ -35,7 +35,7 @@ use crate::scheduler::{Ranked, Scheduler};
 use crate::sequence::{SeqView, Sequence};
 use crate::types::{
     BlockId, RequestId, RequestState, ScheduledSeq, SeqEvent, StepOutput, StepPlan, Timestamp,
-    TokenId, PENDING_TOKEN,
+    PENDING_TOKEN,
 };
 
 /// Registers the leading full, computed blocks of `seq` in the prefix cache (never a block
@@ -75,14 +75,18 @@ fn write_entry(plan: &mut StepPlan, n: usize, seq: &mut Sequence, num_new: usize
         new_blocks: Vec::new(),
         is_prefill: total - computed > 1,
         samples: computed + num_new == total,
+        draft_tokens: Vec::new(),
     };
     match plan.seqs.get_mut(n) {
         Some(slot) => {
             let mut blocks = std::mem::take(&mut slot.new_blocks);
             blocks.clear();
             blocks.extend_from_slice(fresh);
+            let mut drafts = std::mem::take(&mut slot.draft_tokens);
+            drafts.clear();
             *slot = ScheduledSeq {
                 new_blocks: blocks,
+                draft_tokens: drafts,
                 ..entry
             };
         }
@@ -295,6 +299,9 @@ impl Scheduler {
         if b.plan.preempted.is_empty() {
             self.admit_waiting(now, &mut order, &mut ranked, &mut b);
         }
+        if !ahead {
+            self.add_drafts(&mut b);
+        }
         self.order = order;
         b.plan.seqs.truncate(b.len);
         let seqs = &self.seqs;
@@ -312,6 +319,91 @@ impl Scheduler {
             });
         }
         Some(self.ledger.take_commit())
+    }
+
+    /// Speculative decoding: gives the plan's decode entries draft tokens from what the step
+    /// left over (budget, logit rows, free blocks), in plan order. Never while steps are in
+    /// flight (a sequence's drafts follow its known tokens) and never at the expense of
+    /// anything already planned.
+    fn add_drafts(&mut self, b: &mut Building<'_>) {
+        let Some(cfg) = self.config.speculative.as_ref() else {
+            return;
+        };
+        if cfg.max_running != 0 && self.running.len() > cfg.max_running {
+            return;
+        }
+        for (n, &slot) in self.last_slots.iter().enumerate().take(b.len) {
+            if b.budget == 0 || b.logit_rows == 0 {
+                break;
+            }
+            let entry = &mut b.plan.seqs[n];
+            if !entry.samples || entry.is_prefill || entry.num_new_tokens != 1 {
+                continue;
+            }
+            let Some(seq) = self.seqs.get_mut(slot as usize).and_then(|s| s.as_mut()) else {
+                continue;
+            };
+            if seq.pending != 0 || !seq.req.limits.speculate || seq.id != entry.id {
+                continue;
+            }
+            // At most every output but the one sampled after the drafts.
+            let room = (seq.max_tokens as usize).saturating_sub(seq.output.len() + 1);
+            let k = cfg
+                .num_speculative_tokens
+                .min(room)
+                .min(b.budget)
+                .min(b.logit_rows);
+            if k == 0 {
+                continue;
+            }
+            let index = seq.ngrams.get_or_insert_with(Box::default);
+            let drafts = &mut entry.draft_tokens;
+            drafts.clear();
+            index.propose(
+                crate::prefix_hash::PromptAndOutput {
+                    prompt: &seq.req.prompt,
+                    output: &seq.output,
+                },
+                cfg,
+                k,
+                drafts,
+            );
+            // As many as the free blocks can hold.
+            let have = seq.block_table.len();
+            while !drafts.is_empty()
+                && self
+                    .ledger
+                    .blocks_for(seq.num_computed + 1 + drafts.len())
+                    .saturating_sub(have)
+                    > self.ledger.num_free()
+            {
+                drafts.pop();
+            }
+            let k = drafts.len();
+            if k == 0 {
+                continue;
+            }
+            let need = self
+                .ledger
+                .blocks_for(seq.num_computed + 1 + k)
+                .saturating_sub(have);
+            for _ in 0..need {
+                match self.ledger.reserve() {
+                    Some(blk) => seq.block_table.push(blk),
+                    None => self.pool_errors += 1, // unreachable: checked above
+                }
+            }
+            let first = entry.first_new_block.min(seq.block_table.len());
+            entry.new_blocks.clear();
+            entry
+                .new_blocks
+                .extend_from_slice(&seq.block_table[first..]);
+            seq.blocks_sent = seq.block_table.len();
+            entry.num_new_tokens += k;
+            b.plan.num_batched_tokens += k;
+            b.budget -= k;
+            b.logit_rows -= k;
+        }
     }
 
     fn rank_into(&self, slots: &[u32], now: Timestamp, out: &mut Vec<Ranked>) {
@@ -743,12 +835,15 @@ impl Scheduler {
                 rec.push(Launched::STALE);
                 continue;
             };
-            let after = sched.num_computed_tokens + sched.num_new_tokens;
+            // Drafts are fed past the known tokens; only their verified part is computed.
+            let drafts = sched.draft_tokens.len();
+            let after = (sched.num_computed_tokens + sched.num_new_tokens).saturating_sub(drafts);
             if seq.id != sched.id
                 || seq.state != RequestState::Running
                 || seq.num_computed != sched.num_computed_tokens
                 || after > seq.num_tokens()
-                || seq.block_table.len() < self.ledger.blocks_for(after)
+                || seq.block_table.len() < self.ledger.blocks_for(after + drafts)
+                || (drafts > 0 && (!sched.samples || after != seq.num_tokens() || seq.pending > 0))
             {
                 rec.push(Launched::STALE);
                 continue;
@@ -762,6 +857,7 @@ impl Scheduler {
             if samples {
                 seq.output.push(PENDING_TOKEN);
                 seq.pending += 1;
+                seq.speculating = drafts > 0;
             }
             rec.push(Launched {
                 slot,
@@ -807,7 +903,7 @@ impl Scheduler {
             return events;
         }
         let mut cursor = 0usize;
-        let mut by_id: Option<HashMap<RequestId, TokenId>> = None;
+        let mut by_id: Option<HashMap<RequestId, StepOutput>> = None;
         let mut any_ended = false;
         for (sched, l) in plan.seqs.iter().zip(&rec) {
             if l.slot == Launched::STALE.slot {
@@ -819,29 +915,37 @@ impl Scheduler {
             if seq.id != sched.id || seq.state != RequestState::Running {
                 continue; // ended or preempted since the launch
             }
-            let after = sched.num_computed_tokens + sched.num_new_tokens;
+            let drafts = &sched.draft_tokens;
+            let after =
+                (sched.num_computed_tokens + sched.num_new_tokens).saturating_sub(drafts.len());
             let idx = after.wrapping_sub(seq.prompt_len);
             if l.samples && seq.output.get(idx) != Some(&PENDING_TOKEN) {
                 continue; // rolled back since the launch
             }
+            seq.speculating = false;
             let mut output_tokens = 0;
             let mut stop = None;
+            // End of the outputs resolved here.
+            let mut end = idx + 1;
             if l.samples {
-                let token = match outputs.get(cursor) {
+                let out = match outputs.get(cursor) {
                     Some(o) if o.id == sched.id => {
                         cursor += 1;
-                        Some(o.token)
+                        Some(*o)
                     }
                     _ => by_id
-                        .get_or_insert_with(|| outputs.iter().map(|o| (o.id, o.token)).collect())
+                        .get_or_insert_with(|| outputs.iter().map(|o| (o.id, *o)).collect())
                         .get(&sched.id)
                         .copied(),
                 };
-                match token {
-                    Some(t) if t != PENDING_TOKEN => {
-                        seq.output[idx] = t;
+                match out {
+                    Some(o) if o.token != PENDING_TOKEN => {
+                        // The accepted drafts, then the sampled token; the drafts' KV is
+                        // valid up to the last accepted one.
+                        let accepted = (o.accepted as usize).min(drafts.len());
                         seq.pending -= 1;
-                        output_tokens = 1;
+                        seq.num_computed += accepted;
+                        seq.max_computed = seq.max_computed.max(seq.num_computed);
                         if seq.first_token_at.is_none() {
                             seq.first_token_at = Some(now);
                             events.push(SeqEvent::FirstToken {
@@ -850,13 +954,39 @@ impl Scheduler {
                             });
                         }
                         seq.last_token_at = Some(now);
-                        events.push(SeqEvent::Token {
-                            id: sched.id,
-                            token: t,
-                            at: now,
-                        });
-                        stop = seq.stop_reason_at(t, idx + 1);
-                        // The resolved token may complete a block.
+                        for (m, &t) in drafts[..accepted].iter().chain([&o.token]).enumerate() {
+                            // Drafts are only fed with no other step in flight: the extra
+                            // tokens go at the end.
+                            if m == 0 {
+                                seq.output[idx] = t;
+                            } else {
+                                seq.output.insert(idx + m, t);
+                            }
+                            end = idx + m + 1;
+                            output_tokens += 1;
+                            events.push(SeqEvent::Token {
+                                id: sched.id,
+                                token: t,
+                                at: now,
+                            });
+                            stop = seq.stop_reason_at(t, end);
+                            if stop.is_some() {
+                                break;
+                            }
+                        }
+                        if !drafts.is_empty() {
+                            // Blocks reserved for rejected drafts go back.
+                            let keep = self.ledger.blocks_for(seq.num_tokens());
+                            while seq.block_table.len() > keep {
+                                if let Some(blk) = seq.block_table.pop() {
+                                    if self.ledger.free(blk).is_err() {
+                                        self.pool_errors += 1;
+                                    }
+                                }
+                            }
+                            seq.blocks_sent = seq.blocks_sent.min(seq.block_table.len());
+                        }
+                        // The resolved tokens may complete blocks.
                         cache_full_blocks(&self.hasher, &mut self.ledger, seq);
                     }
                     _ => {
@@ -875,7 +1005,7 @@ impl Scheduler {
             });
             if let Some(reason) = stop {
                 // Tokens sampled after the stop (a step in flight) are dropped.
-                seq.output.truncate(idx + 1);
+                seq.output.truncate(end);
                 seq.pending = 0;
                 self.release(l.slot, RequestState::Finished(reason));
                 events.push(SeqEvent::Finished {

@@ -18,6 +18,7 @@ fn config(blocks: usize, block_size: usize) -> SchedulerConfig {
         tiers: Vec::new(),
         max_logit_rows: usize::MAX,
         max_loras: 4,
+        speculative: None,
     }
 }
 
@@ -50,7 +51,7 @@ fn step(s: &mut Scheduler, now: u64, token: u32) -> (StepPlan, Vec<SeqEvent>) {
         .seqs
         .iter()
         .filter(|q| q.samples)
-        .map(|q| StepOutput { id: q.id, token })
+        .map(|q| StepOutput::new(q.id, token))
         .collect();
     let ev = s.apply_outputs(&plan, &outs, Timestamp(now));
     s.check_invariants().unwrap();
@@ -232,14 +233,7 @@ fn entries_of_requests_ended_between_schedule_and_apply_are_skipped() {
     s.add_request(req(1, 0, vec![1; 4], 4)).unwrap();
     let plan = s.schedule(Timestamp(0));
     assert!(s.abort(RequestId(1)));
-    let ev = s.apply_outputs(
-        &plan,
-        &[StepOutput {
-            id: RequestId(1),
-            token: 5,
-        }],
-        Timestamp(1),
-    );
+    let ev = s.apply_outputs(&plan, &[StepOutput::new(RequestId(1), 5)], Timestamp(1));
     assert!(ev.is_empty());
     s.check_invariants().unwrap();
 }
@@ -718,4 +712,132 @@ fn requests_passed_over_for_adapters_do_not_use_up_the_candidates_examined() {
     let (p, _) = step(&mut s, 10, 3);
     assert_eq!(ids(&p), vec![1, 5]);
     assert_eq!(s.stats().num_waiting_adapter_requests, 3);
+}
+
+/// Speculative decoding: a sequence repeating its prompt gets the prompt's continuation as
+/// drafts, accepted drafts become outputs in order with their KV counted as computed, the
+/// blocks reserved for rejected drafts go back, and drafts never pass `max_tokens`.
+#[test]
+fn drafts_are_proposed_verified_and_their_rejected_blocks_freed() {
+    let c = SchedulerConfig {
+        speculative: Some(SpeculativeConfig {
+            num_speculative_tokens: 3,
+            prompt_lookup_min: 2,
+            prompt_lookup_max: 3,
+            max_running: 0,
+        }),
+        ..config(64, 4)
+    };
+    let mut s = sched(c, Box::new(Fcfs));
+    // Prompt "10 11 12 13 14 15 16 10 11"; the model goes on "12 13 99 ...".
+    let prompt = vec![10, 11, 12, 13, 14, 15, 16, 10, 11];
+    s.add_request(req(1, 0, prompt.clone(), 7)).unwrap();
+    let model = [12u32, 13, 99, 98, 97, 96, 95];
+    let mut run = |s: &mut Scheduler| {
+        let plan = s.schedule(Timestamp(0));
+        let outs: Vec<StepOutput> = plan
+            .seqs
+            .iter()
+            .filter(|q| q.samples)
+            .map(|q| {
+                let first = q.num_computed_tokens + q.num_new_tokens - q.draft_tokens.len();
+                let at = |p: usize| model[p - prompt.len()];
+                let accepted = q
+                    .draft_tokens
+                    .iter()
+                    .enumerate()
+                    .take_while(|&(i, &d)| d == at(first + i))
+                    .count();
+                StepOutput {
+                    id: q.id,
+                    token: at(first + accepted),
+                    accepted: accepted as u32,
+                }
+            })
+            .collect();
+        let ev = s.apply_outputs(&plan, &outs, Timestamp(0));
+        s.check_invariants().unwrap();
+        (plan, ev)
+    };
+    // Prefill: no drafts; samples 12.
+    let (plan, _) = run(&mut s);
+    assert!(plan.seqs[0].draft_tokens.is_empty());
+    // Decode of "... 10 11 12": the suffix "11 12" matched at the start, drafts "13 14 15";
+    // the model agrees with 13 only: outputs 13, 99.
+    let (plan, ev) = run(&mut s);
+    assert_eq!(plan.seqs[0].draft_tokens, vec![13, 14, 15]);
+    assert_eq!(plan.seqs[0].num_new_tokens, 4);
+    assert_eq!(plan.num_batched_tokens, 4);
+    let tokens: Vec<u32> = ev
+        .iter()
+        .filter_map(|e| match e {
+            SeqEvent::Token { token, .. } => Some(*token),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(tokens, vec![13, 99]);
+    assert_eq!(s.output_tokens(RequestId(1)), Some(&[12, 13, 99][..]));
+    // Prompt 9 + outputs 3 = 12 tokens, 11 computed (the last one is fed next): three blocks
+    // of 4, the fourth reserved for the drafts given back.
+    assert_eq!(s.block_table(RequestId(1)).map(<[u32]>::len), Some(3));
+    assert_eq!(s.stats().num_free_blocks, 64 - 3);
+    // "13 99" never occurred before: a plain decode, then the outputs run to max_tokens.
+    let (plan, _) = run(&mut s);
+    assert!(plan.seqs[0].draft_tokens.is_empty());
+    while s.has_unfinished() {
+        let (plan, _) = run(&mut s);
+        for q in &plan.seqs {
+            let out = s.output_tokens(q.id).map_or(7, <[u32]>::len);
+            assert!(out <= 7);
+        }
+    }
+    assert_eq!(s.stats().num_free_blocks, 64);
+}
+
+/// Drafts only take what the step leaves over and stop at `max_tokens`.
+#[test]
+fn drafts_take_only_leftover_budget_and_stop_at_max_tokens() {
+    let c = SchedulerConfig {
+        max_num_batched_tokens: 6,
+        speculative: Some(SpeculativeConfig {
+            num_speculative_tokens: 8,
+            prompt_lookup_min: 1,
+            prompt_lookup_max: 2,
+            max_running: 0,
+        }),
+        ..config(64, 4)
+    };
+    let mut s = sched(c, Box::new(Fcfs));
+    // Outputs are all 5, so after the first output every suffix matches.
+    s.add_request(req(1, 0, vec![5, 5, 5], 4)).unwrap();
+    s.add_request(req(2, 0, vec![5, 5, 5], 10)).unwrap();
+    step(&mut s, 0, 5); // both prefills (6 tokens)
+    let plan = s.schedule(Timestamp(1));
+    // Two decodes take 2 of the 6 tokens: 4 left for drafts, in plan order. Request 1 may
+    // have at most 4 - 1 - 1 = 2 drafts (one output so far, one sampled after the drafts);
+    // request 2 gets the other 2.
+    assert_eq!(plan.seqs[0].draft_tokens, vec![5, 5]);
+    assert_eq!(plan.seqs[1].draft_tokens, vec![5, 5]);
+    assert_eq!(plan.num_batched_tokens, 6);
+    let outs: Vec<StepOutput> = plan
+        .seqs
+        .iter()
+        .map(|q| StepOutput {
+            id: q.id,
+            token: 5,
+            accepted: q.draft_tokens.len() as u32,
+        })
+        .collect();
+    let ev = s.apply_outputs(&plan, &outs, Timestamp(1));
+    s.check_invariants().unwrap();
+    assert!(ev.iter().any(|e| matches!(
+        e,
+        SeqEvent::Finished {
+            id: RequestId(1),
+            reason: FinishReason::Length,
+            ..
+        }
+    )));
+    assert_eq!(s.output_tokens(RequestId(1)), Some(&[5, 5, 5, 5][..]));
+    assert_eq!(s.output_tokens(RequestId(2)), Some(&[5, 5, 5, 5][..]));
 }

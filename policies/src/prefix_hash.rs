@@ -135,6 +135,17 @@ pub struct PromptAndOutput<'t> {
     pub output: &'t [TokenId],
 }
 
+impl PromptAndOutput<'_> {
+    /// Token `i` (prompt first, then output); `i` must be below the total length.
+    #[inline]
+    pub fn get(&self, i: usize) -> TokenId {
+        match self.prompt.get(i) {
+            Some(&t) => t,
+            None => self.output[i - self.prompt.len()],
+        }
+    }
+}
+
 impl TokenSource for PromptAndOutput<'_> {
     fn len(&self) -> usize {
         self.prompt.len() + self.output.len()

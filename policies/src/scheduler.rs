@@ -161,6 +161,9 @@ pub fn validate_config(c: &SchedulerConfig) -> Result<(), SchedulerError> {
     check_limit("num_gpu_blocks", c.num_gpu_blocks, MAX_BLOCKS)?;
     check_limit("max_model_len", c.max_model_len, MAX_LIMIT)?;
     check_limit("max_loras", c.max_loras, MAX_LORAS)?;
+    if let Some(spec) = &c.speculative {
+        spec.validate()?;
+    }
     if c.tiers.len() > MAX_TIERS {
         return Err(config_err("tiers", format!("at most {MAX_TIERS} tiers")));
     }
@@ -490,6 +493,16 @@ impl Scheduler {
             num_running_adapters: self.adapters.num_running_adapters(),
             num_waiting_adapter_requests: self.adapters.num_waiting_requests(),
         }
+    }
+
+    /// Whether a step planned in order now may feed drafts (speculative decoding is on and
+    /// no more sequences run than its `max_running`). Plans made ahead never do: a caller
+    /// that pipelines steps should plan in order while this holds for its requests.
+    pub fn drafts_enabled(&self) -> bool {
+        self.config
+            .speculative
+            .as_ref()
+            .is_some_and(|c| c.max_running == 0 || self.running.len() <= c.max_running)
     }
 
     /// Whether any request is waiting or running.

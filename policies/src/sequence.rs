@@ -1,6 +1,7 @@
 //! A request's scheduling state inside the core, and the read-only view policies get of it.
 
 use crate::prefix_hash::{HashExtras, PrefixHash, PromptAndOutput};
+use crate::speculative::NgramIndex;
 use crate::types::{
     BlockId, FinishReason, Request, RequestId, RequestState, SloTargets, Timestamp, TokenId,
     PENDING_TOKEN,
@@ -60,6 +61,11 @@ pub(crate) struct Sequence {
     pub(crate) slo: SloTargets,
     /// The request as submitted (prompt shared through `Arc`).
     pub(crate) req: Request,
+    /// Index of the sequence's n-grams for draft proposals (built on the first one).
+    pub(crate) ngrams: Option<Box<NgramIndex>>,
+    /// A launched step fed drafts, its outputs not resolved yet: how many tokens it yields
+    /// is unknown, so nothing more is scheduled for the sequence until then.
+    pub(crate) speculating: bool,
 }
 
 impl Sequence {
@@ -89,6 +95,8 @@ impl Sequence {
             hashes: Vec::new(),
             slo,
             req,
+            ngrams: None,
+            speculating: false,
         }
     }
 
@@ -117,11 +125,15 @@ impl Sequence {
     }
 
     /// Tokens the planner may schedule now: the uncomputed ones, except that a sequence
-    /// bound to finish by length once its pending token resolves, or with a pending token
-    /// already being fed (two steps in flight), waits for the outputs.
+    /// bound to finish by length once its pending token resolves, with a pending token
+    /// already being fed (two steps in flight), or with drafts in flight, waits for the
+    /// outputs.
     pub(crate) fn schedulable_tokens(&self) -> usize {
         let pending = usize::from(self.pending);
-        if pending >= 2 || (pending > 0 && self.output.len() >= self.max_tokens as usize) {
+        if self.speculating
+            || pending >= 2
+            || (pending > 0 && self.output.len() >= self.max_tokens as usize)
+        {
             return 0;
         }
         self.num_tokens() - self.num_computed
@@ -134,6 +146,7 @@ impl Sequence {
         debug_assert!(self.output[keep..].iter().all(|&t| t == PENDING_TOKEN));
         self.output.truncate(keep);
         self.pending = 0;
+        self.speculating = false;
     }
 
     /// Checks the stop conditions for `token`, the `n`-th output token (1-based; vLLM's

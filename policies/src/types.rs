@@ -5,6 +5,8 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::speculative::SpeculativeConfig;
+
 /// Microseconds, the unit of every duration in this crate.
 pub type Micros = u64;
 
@@ -90,6 +92,15 @@ pub struct SamplingLimits {
     /// Every prompt position needs a row of logits (prompt logprobs): the request's prefill
     /// chunks count against the step's logit-row budget ([`SchedulerConfig::max_logit_rows`]).
     pub prompt_logits: bool,
+    /// Whether the request may be fed draft tokens when speculative decoding is on
+    /// ([`SchedulerConfig::speculative`]); false where the backend cannot verify drafts for
+    /// its sampling settings.
+    #[serde(default = "yes")]
+    pub speculate: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 impl Default for SamplingLimits {
@@ -101,6 +112,7 @@ impl Default for SamplingLimits {
             eos_token_id: None,
             ignore_eos: false,
             prompt_logits: false,
+            speculate: true,
         }
     }
 }
@@ -221,6 +233,11 @@ pub struct SchedulerConfig {
     /// whose adapter would exceed it is passed over until a slot frees up.
     #[serde(default = "default_max_loras")]
     pub max_loras: usize,
+    /// Speculative decoding by prompt lookup; `None` (the default) feeds one token per
+    /// decode. Drafts only take what a step leaves over: budget, logit rows and free blocks
+    /// after every running sequence's next token and the admissions.
+    #[serde(default)]
+    pub speculative: Option<SpeculativeConfig>,
 }
 
 fn unbounded() -> usize {
@@ -243,6 +260,7 @@ impl Default for SchedulerConfig {
             tiers: Vec::new(),
             max_logit_rows: usize::MAX,
             max_loras: default_max_loras(),
+            speculative: None,
         }
     }
 }
@@ -268,6 +286,10 @@ pub struct ScheduledSeq {
     pub is_prefill: bool,
     /// Whether this step's last position yields a sampled token.
     pub samples: bool,
+    /// Draft tokens fed after the sequence's last token (counted in `num_new_tokens`): the
+    /// backend checks them against its own samples and reports how many it kept
+    /// ([`StepOutput::accepted`]). Empty unless speculative decoding proposed some.
+    pub draft_tokens: Vec<TokenId>,
 }
 
 /// The work of one step, produced by [`crate::Scheduler::schedule`].
@@ -287,8 +309,22 @@ pub struct StepPlan {
 pub struct StepOutput {
     /// The request.
     pub id: RequestId,
-    /// The sampled token.
+    /// The sampled token: the last of the step's outputs for the sequence.
     pub token: TokenId,
+    /// How many of the entry's draft tokens were accepted: the outputs are
+    /// `draft_tokens[..accepted]` followed by `token` (0 without drafts).
+    pub accepted: u32,
+}
+
+impl StepOutput {
+    /// One sampled token, no drafts.
+    pub fn new(id: RequestId, token: TokenId) -> Self {
+        Self {
+            id,
+            token,
+            accepted: 0,
+        }
+    }
 }
 
 /// What happened to a sequence while applying a step's outputs.

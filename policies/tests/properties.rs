@@ -51,6 +51,10 @@ struct Workload {
     spare_logit_rows: usize,
     /// Most distinct LoRA adapters running at once.
     max_loras: usize,
+    /// Speculative decoding (drafts by prompt lookup).
+    speculative: Option<SpeculativeConfig>,
+    /// Outputs repeat with this period (0: no pattern), so drafts are often right.
+    period: u8,
 }
 
 fn spec() -> impl Strategy<Value = Spec> {
@@ -95,6 +99,18 @@ fn workload() -> impl Strategy<Value = Workload> {
         any::<bool>(),
         prop::collection::vec(spec(), 1..24),
         (1u64..40, 1usize..16, 1usize..=3),
+        (
+            prop::option::weighted(
+                0.5,
+                (
+                    1usize..=5,
+                    1usize..=2,
+                    0usize..=2,
+                    prop::sample::select(vec![0usize, 2, 6]),
+                ),
+            ),
+            prop::sample::select(vec![0u8, 2, 3, 5]),
+        ),
     )
         .prop_map(
             |(
@@ -105,6 +121,7 @@ fn workload() -> impl Strategy<Value = Workload> {
                 caching,
                 reqs,
                 (swap_every, spare_logit_rows, max_loras),
+                (speculative, period),
             )| Workload {
                 block_size,
                 num_gpu_blocks,
@@ -115,6 +132,13 @@ fn workload() -> impl Strategy<Value = Workload> {
                 swap_every,
                 spare_logit_rows,
                 max_loras,
+                speculative: speculative.map(|(k, min, extra, max_running)| SpeculativeConfig {
+                    num_speculative_tokens: k,
+                    prompt_lookup_min: min,
+                    prompt_lookup_max: min + extra,
+                    max_running,
+                }),
+                period,
             },
         )
 }
@@ -171,6 +195,7 @@ fn request(i: usize, s: &Spec) -> Request {
             eos_token_id: s.eos.then_some(EOS),
             ignore_eos: false,
             prompt_logits: s.prompt_logits,
+            speculate: true,
         },
         cache_salt: s.salted.then_some(s.tenant as u64 + 1),
     }
@@ -178,8 +203,14 @@ fn request(i: usize, s: &Spec) -> Request {
 
 /// Deterministic "sampled" token at position `pos` of a request: EOS now and then,
 /// otherwise a small vocabulary. A function of the position (not the step), so runs that
-/// schedule differently produce the same tokens.
-fn token(id: RequestId, pos: usize) -> TokenId {
+/// schedule differently produce the same tokens; with a period, outputs repeat (and drafts
+/// proposed from them are mostly right).
+fn token(w: &Workload, id: RequestId, pos: usize) -> TokenId {
+    let pos = if w.period > 0 {
+        pos % w.period as usize
+    } else {
+        pos
+    };
     let h =
         id.0.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (pos as u64).wrapping_mul(0xC2B2_AE3D_27D4_EB4F);
     (h >> 59) as TokenId // 0..32, EOS with probability 1/32
@@ -203,18 +234,38 @@ fn check_plan(
         sum,
         w.max_num_batched_tokens
     );
+    let drafts: usize = plan.seqs.iter().map(|q| q.draft_tokens.len()).sum();
     let logit_rows: usize = plan
         .seqs
         .iter()
         .filter(|q| w.reqs[q.id.0 as usize].prompt_logits)
-        .map(|q| q.num_new_tokens)
+        .map(|q| q.num_new_tokens - q.draft_tokens.len())
         .sum();
     prop_assert!(
-        logit_rows <= w.spare_logit_rows,
-        "prompt-logprob chunks take {} logit rows, {} spare",
+        logit_rows + drafts <= w.spare_logit_rows,
+        "prompt-logprob chunks and drafts take {} + {} logit rows, {} spare",
         logit_rows,
+        drafts,
         w.spare_logit_rows
     );
+    for q in &plan.seqs {
+        if q.draft_tokens.is_empty() {
+            continue;
+        }
+        let k = w
+            .speculative
+            .as_ref()
+            .map_or(0, |c| c.num_speculative_tokens);
+        prop_assert!(q.draft_tokens.len() <= k, "more drafts than configured");
+        prop_assert!(q.samples && !q.is_prefill, "drafts on a prefill");
+        prop_assert_eq!(q.num_new_tokens, 1 + q.draft_tokens.len());
+        let spec = &w.reqs[q.id.0 as usize];
+        let out = s.output_tokens(q.id).unwrap_or(&[]);
+        prop_assert!(
+            out.len() + 1 + q.draft_tokens.len() <= spec.max_tokens as usize,
+            "drafts past max_tokens"
+        );
+    }
     let ids: BTreeSet<RequestId> = plan.seqs.iter().map(|q| q.id).collect();
     prop_assert_eq!(ids.len(), plan.seqs.len(), "a request scheduled twice");
     for p in &plan.preempted {
@@ -307,6 +358,7 @@ fn run(w: &Workload, first: &str, swaps: &[&str], pipelined: bool) -> Result<End
         tiers: tiers(),
         max_logit_rows: w.max_num_seqs + w.spare_logit_rows,
         max_loras: w.max_loras,
+        speculative: w.speculative.clone(),
     };
     let mut s = Scheduler::new(config, make_policy(first), [7, 9]).unwrap();
     let mut admitted: BTreeMap<RequestId, &Spec> = BTreeMap::new();
@@ -369,13 +421,25 @@ fn run(w: &Workload, first: &str, swaps: &[&str], pipelined: bool) -> Result<End
                 prop_assert_eq!(before.num_waiting, after.num_waiting);
             }
         }
+        // A backend that verifies drafts exactly: it keeps the leading drafts equal to the
+        // tokens it samples at their positions.
         let outputs = |plan: &StepPlan| -> Vec<StepOutput> {
             plan.seqs
                 .iter()
                 .filter(|q| q.samples)
-                .map(|q| StepOutput {
-                    id: q.id,
-                    token: token(q.id, q.num_computed_tokens + q.num_new_tokens),
+                .map(|q| {
+                    let first = q.num_computed_tokens + q.num_new_tokens - q.draft_tokens.len();
+                    let accepted = q
+                        .draft_tokens
+                        .iter()
+                        .enumerate()
+                        .take_while(|&(i, &d)| d == token(w, q.id, first + i))
+                        .count();
+                    StepOutput {
+                        id: q.id,
+                        token: token(w, q.id, first + accepted),
+                        accepted: accepted as u32,
+                    }
                 })
                 .collect()
         };
@@ -455,7 +519,7 @@ fn run(w: &Workload, first: &str, swaps: &[&str], pipelined: bool) -> Result<End
         for (k, &t) in out.iter().enumerate() {
             prop_assert_eq!(
                 t,
-                token(*id, prompt + k),
+                token(w, *id, prompt + k),
                 "{:?}: output {} is not its own",
                 id,
                 k

@@ -137,6 +137,9 @@ impl Simulation {
             // Traces carry no prompt-logprob requests.
             max_logit_rows: usize::MAX,
             max_loras: spec.scheduler.max_loras,
+            // The simulator invents its output tokens, so drafts by prompt lookup would
+            // say nothing about a real workload: it models one token per decode.
+            speculative: None,
         };
         switchyard_policies::validate_config(&scheduler)
             .map_err(|e| SimError::Scheduler(e.to_string()))?;
@@ -385,6 +388,7 @@ impl<'a> Loop<'a> {
                 eos_token_id: None,
                 ignore_eos: true,
                 prompt_logits: false,
+                speculate: false,
             },
             cache_salt: None,
         }
@@ -560,7 +564,7 @@ impl<'a> Loop<'a> {
                 // Invented output: deterministic in (request, position), never EOS-checked.
                 let pos = (s.num_computed_tokens + s.num_new_tokens) as u64;
                 let token = trace::mix64(s.id.0 << 24 ^ pos) as u32;
-                outputs.push(StepOutput { id: s.id, token });
+                outputs.push(StepOutput::new(s.id, token));
             }
         }
         ((self.sim.cost.step_time(&shape) * 1e6).round() as u64).max(1)

@@ -148,6 +148,7 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
         tiers: Vec::new(),
         max_logit_rows: switchyard_gpu::backend::MAX_LOGIT_ROWS,
         max_loras: 4,
+        speculative: runtime::speculative_from_args(&args.speculative)?,
     };
     let mut engine = runtime::offline_core(backend, scheduler, args.async_scheduling)?;
     let sampling = Arc::new(SamplingParams {

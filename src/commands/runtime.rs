@@ -264,6 +264,39 @@ pub fn preset(name: &str) -> anyhow::Result<LlamaConfig> {
     }
 }
 
+/// The scheduler's speculative decoding settings from the command line (`None` when off).
+pub fn speculative_from_args(
+    a: &crate::cli::SpeculativeArgs,
+) -> anyhow::Result<Option<switchyard_policies::SpeculativeConfig>> {
+    if a.num_speculative_tokens == 0 {
+        return Ok(None);
+    }
+    let c = switchyard_policies::SpeculativeConfig {
+        num_speculative_tokens: a.num_speculative_tokens,
+        prompt_lookup_min: a.prompt_lookup_min,
+        prompt_lookup_max: a.prompt_lookup_max,
+        max_running: 0,
+    };
+    c.validate()?;
+    Ok(Some(c))
+}
+
+/// The scheduler's speculative decoding settings from the YAML `speculative:` section.
+pub fn speculative_from_config(
+    s: Option<&switchyard_config::SpeculativeSection>,
+) -> anyhow::Result<Option<switchyard_policies::SpeculativeConfig>> {
+    let Some(s) = s else { return Ok(None) };
+    let switchyard_config::SpeculativeMethod::Ngram = s.method;
+    let c = switchyard_policies::SpeculativeConfig {
+        num_speculative_tokens: s.num_speculative_tokens,
+        prompt_lookup_min: s.prompt_lookup_min,
+        prompt_lookup_max: s.prompt_lookup_max,
+        max_running: s.max_running,
+    };
+    c.validate()?;
+    Ok(Some(c))
+}
+
 /// The engine's asynchronous-scheduling setting for a configured mode.
 pub fn async_mode(mode: switchyard_config::AsyncSchedulingMode) -> AsyncScheduling {
     match mode {

@@ -121,6 +121,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             tiers: tiers.clone(),
             max_logit_rows: MAX_LOGIT_ROWS,
             max_loras: config.lora.max_loras,
+            speculative: runtime::speculative_from_config(config.speculative.as_ref())?,
         },
         lora,
         hash_key: runtime::random_hash_key(),

@@ -219,6 +219,7 @@ impl Engine {
             },
             policy,
         )?;
+        core.set_draft_verifier(backend.draft_verifier(), backend.name())?;
         let lora = match &config.lora {
             Some(lc) => {
                 let slots = backend.lora_slots();
@@ -474,6 +475,8 @@ impl Engine {
                         eos_token_id: eos,
                         ignore_eos: options.sampling.ignore_eos,
                         prompt_logits: options.prompt_logprobs.is_some(),
+                        // The core narrows it to what the backend verifies.
+                        speculate: true,
                     },
                     // Prompt logprobs need every prompt position computed: a salt of its own
                     // keeps the request off shared prefix blocks.

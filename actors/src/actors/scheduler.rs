@@ -108,6 +108,13 @@ impl SchedulerActor {
         metrics::counter!(names::NUM_PREEMPTIONS).absolute(s.num_preemptions);
         metrics::gauge!(names::LORA_RUNNING_ADAPTERS).set(s.num_running_adapters as f64);
         metrics::gauge!(names::LORA_WAITING_REQUESTS).set(s.num_waiting_adapter_requests as f64);
+        let spec = self.core.spec_decode_stats();
+        if spec.num_drafts > 0 {
+            metrics::counter!(names::SPEC_DECODE_DRAFTS).absolute(spec.num_drafts);
+            metrics::counter!(names::SPEC_DECODE_DRAFT_TOKENS).absolute(spec.num_draft_tokens);
+            metrics::counter!(names::SPEC_DECODE_ACCEPTED_TOKENS)
+                .absolute(spec.num_accepted_tokens);
+        }
     }
 
     /// Starts a step unless one is in flight or there is nothing to do: plan, commit the
@@ -457,6 +464,7 @@ mod tests {
                     *fed.entry(s.seq_id).or_default() += s.tokens.len();
                     SeqOutput {
                         seq_id: s.seq_id,
+                        accepted: Vec::new(),
                         token: s.sample.then_some(1),
                         logprob: None,
                         top_logprobs: Vec::new(),

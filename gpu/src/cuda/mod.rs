@@ -903,6 +903,7 @@ impl CudaBackend {
             };
             let mut out = SeqOutput {
                 seq_id: s.seq_id,
+                accepted: Vec::new(),
                 token: None,
                 logprob: None,
                 top_logprobs: Vec::new(),

@@ -506,6 +506,7 @@ mod tests {
             tokens: vec![3, 4],
             block_table: vec![0],
             sample: true,
+            num_drafts: 0,
             sampling: std::sync::Arc::new(p.clone()),
             adapter: None,
         };

@@ -351,6 +351,7 @@ mod tests {
             tokens: (0..n as u32).map(|t| t + 5).collect(),
             block_table: table,
             sample: true,
+            num_drafts: 0,
             sampling: Arc::new(SamplingParams::greedy()),
             adapter: None,
         }

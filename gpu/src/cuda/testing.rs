@@ -63,6 +63,7 @@ pub fn paged_attention(
                 tokens: vec![0; a.queries],
                 block_table: a.table.clone(),
                 sample: false,
+                num_drafts: 0,
                 sampling: Arc::new(SamplingParams::greedy()),
                 adapter: None,
             })
@@ -155,6 +156,7 @@ pub fn sample(
             tokens: prompt.to_vec(),
             block_table: Vec::new(),
             sample: true,
+            num_drafts: 0,
             sampling: Arc::new(p.clone()),
             adapter: None,
         });
