@@ -273,6 +273,10 @@ pub enum BenchDataset {
     Random,
     /// ShareGPT lengths from ../shared/traces (random token ids of those lengths).
     Sharegpt,
+    /// Real prompts, one JSON object per line of --dataset-path (`{"prompt": "..."}`), run
+    /// through the model's chat template, cycled to --num-prompts; outputs end at the model's
+    /// end of sequence or at --output-len (needs --model).
+    Prompts,
 }
 
 /// `switchyard bench throughput`.
@@ -336,6 +340,9 @@ pub struct ThroughputArgs {
     pub regex: Option<String>,
     #[command(flatten)]
     pub speculative: SpeculativeArgs,
+    /// Sampling temperature of every request (0 = greedy).
+    #[arg(long, default_value_t = 1.0)]
+    pub temperature: f32,
     /// Print the result as JSON.
     #[arg(long)]
     pub json: bool,

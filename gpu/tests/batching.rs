@@ -13,6 +13,9 @@ use switchyard_gpu::model::gguf::GgufFile;
 use switchyard_gpu::model::LlamaConfig;
 use switchyard_gpu::{GpuError, LoraAdapter, LoraLimits, LoraTarget};
 
+#[path = "common/drafts.rs"]
+mod drafts;
+
 const BLOCK: usize = 16;
 const BLOCKS_PER_SEQ: usize = 12;
 
@@ -460,4 +463,35 @@ fn prompt_logprobs_over_chunks_match_prefix_recompute() {
     assert_eq!(token, argmax(&lp));
     assert!((out.logprob.unwrap_or(f32::NAN) - lp[token as usize]).abs() < 1e-4);
     assert_eq!(out.top_logprobs.len(), 3);
+}
+
+/// Speculative decoding's verification: drafts are kept exactly where decoding one token per
+/// step agrees with them, and the outputs (greedy, seeded sampling, penalties, logprobs) are
+/// those of one token per step.
+#[test]
+fn drafts_are_kept_exactly_where_one_token_per_step_agrees() {
+    let mut be = backend();
+    let vocab = be.model().config.vocab_size as u32;
+    let prompts = vec![prompt(20, 1), prompt(35, 2), prompt(9, 3)];
+    let params = vec![
+        Arc::new(SamplingParams::greedy()),
+        Arc::new(SamplingParams {
+            temperature: 1.0,
+            top_p: 0.95,
+            seed: Some(7),
+            logprobs: Some(2),
+            ..SamplingParams::default()
+        }),
+        Arc::new(SamplingParams {
+            temperature: 0.7,
+            seed: Some(8),
+            repetition_penalty: 1.3,
+            frequency_penalty: 0.5,
+            ..SamplingParams::default()
+        }),
+    ];
+    let reference = drafts::one_per_step(&mut be, &prompts, &params, 24, 0);
+    let (out, accepted) = drafts::with_drafts(&mut be, &prompts, &params, &reference, 4, vocab, 10);
+    assert_eq!(out, reference);
+    assert!(accepted >= 10, "{accepted} drafts accepted");
 }

@@ -49,6 +49,9 @@ use switchyard_gpu::model::{LlamaConfig, ModelWeights};
 use switchyard_gpu::sampler::log_softmax;
 use switchyard_gpu::{Constraint, LoraAdapter, LoraLimits, LoraTarget, TokenConstraint};
 
+#[path = "common/drafts.rs"]
+mod drafts;
+
 fn gpu() -> bool {
     match probe() {
         Ok(i) => {
@@ -1130,6 +1133,49 @@ fn steps_submitted_ahead_with_pending_tokens_match_steps_in_order() {
         // A pending token the previous step did not sample is refused.
         let bad = one_seq(99, 5, vec![PENDING_TOKEN], vec![0], &params[0]);
         assert!(b.submit(&Batch { seqs: vec![bad] }).is_err());
+    }
+}
+
+/// Speculative decoding's verification on the GPU: drafts are kept exactly where decoding one
+/// token per step agrees with them (greedy and seeded rows, logprobs, graphs on and off), and
+/// drafts for a request whose sampling reads earlier tokens are refused.
+#[test]
+fn drafts_are_kept_exactly_where_one_token_per_step_agrees() {
+    if !gpu() {
+        return;
+    }
+    let (c, w, temperature) = smollm2_or_dummy();
+    let ps = prompts(c.vocab_size);
+    let params: Vec<_> = (0..ps.len() as u64)
+        .map(|i| {
+            Arc::new(if i % 2 == 0 {
+                SamplingParams::greedy()
+            } else {
+                SamplingParams {
+                    temperature,
+                    top_p: 0.95,
+                    seed: Some(42 + i),
+                    logprobs: Some(2),
+                    ..SamplingParams::default()
+                }
+            })
+        })
+        .collect();
+    for graphs in [true, false] {
+        let mut b =
+            CudaBackend::new(&c, WeightSource::Loaded(&w), &cfg(256, graphs)).expect("backend");
+        let reference = drafts::one_per_step(&mut b, &ps, &params, 24, 0);
+        let (out, accepted) =
+            drafts::with_drafts(&mut b, &ps, &params, &reference, 4, c.vocab_size as u32, 10);
+        assert_eq!(out, reference, "graphs {graphs}");
+        assert!(accepted >= 10, "{accepted} drafts accepted");
+        let penalized = Arc::new(SamplingParams {
+            repetition_penalty: 1.2,
+            ..SamplingParams::greedy()
+        });
+        let mut bad = one_seq(99, 0, vec![5, 6, 7], vec![0], &penalized);
+        bad.num_drafts = 2;
+        assert!(b.execute(&Batch { seqs: vec![bad] }).is_err());
     }
 }
 

@@ -28,6 +28,60 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     }
 }
 
+/// Most bytes of a prompts file.
+const MAX_PROMPTS_FILE: u64 = 64 << 20;
+
+/// Reads a JSONL file of `{"prompt": "..."}` lines and tokenizes each prompt as one user
+/// message through the model's chat template (plain text when it has none).
+fn prompt_dataset(
+    path: &Path,
+    model: &switchyard_gpu::model::LoadedModel,
+) -> anyhow::Result<Vec<Vec<u32>>> {
+    #[derive(serde::Deserialize)]
+    struct Line {
+        prompt: String,
+    }
+    let len = std::fs::metadata(path)
+        .with_context(|| format!("cannot read {}", path.display()))?
+        .len();
+    anyhow::ensure!(
+        len <= MAX_PROMPTS_FILE,
+        "{} is larger than {MAX_PROMPTS_FILE} bytes",
+        path.display()
+    );
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let mut out = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let l: Line = serde_json::from_str(line)
+            .with_context(|| format!("{} line {}", path.display(), n + 1))?;
+        let ids = match &model.chat_template {
+            Some(t) => {
+                let rendered = t.render(
+                    &[switchyard_gpu::model::ChatMessage {
+                        role: "user".into(),
+                        content: l.prompt,
+                    }],
+                    true,
+                )?;
+                model.tokenizer.encode(&rendered, false)?
+            }
+            None => model.tokenizer.encode(&l.prompt, true)?,
+        };
+        anyhow::ensure!(
+            !ids.is_empty(),
+            "{} line {}: no tokens",
+            path.display(),
+            n + 1
+        );
+        out.push(ids);
+    }
+    Ok(out)
+}
+
 /// Reads (prompt, output) lengths from a ShareGPT lengths CSV.
 fn sharegpt_lengths(path: &Path, max_model_len: usize) -> anyhow::Result<Vec<(usize, usize)>> {
     let text =
@@ -95,6 +149,8 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
     let vocab = config.vocab_size as u64;
     let max_model_len = config.max_position_embeddings;
     let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
+    // Tokenized prompts of the `prompts` dataset (the others are random ids).
+    let mut texts: Vec<Vec<u32>> = Vec::new();
     let lengths: Vec<(usize, usize)> = match args.dataset {
         BenchDataset::Random => {
             anyhow::ensure!(
@@ -117,7 +173,29 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
                 .map(|_| all[rng.random_range(0..all.len())])
                 .collect()
         }
+        BenchDataset::Prompts => {
+            let (Some(file), Some(m)) = (&args.dataset_path, &loaded) else {
+                anyhow::bail!("--dataset prompts needs --dataset-path FILE and --model");
+            };
+            let all = prompt_dataset(file, m)?;
+            anyhow::ensure!(!all.is_empty(), "{} holds no prompts", file.display());
+            let n = args.decode_batch.unwrap_or(args.num_prompts);
+            texts = (0..n).map(|i| all[i % all.len()].clone()).collect();
+            let out = args.output_len.max(1);
+            for t in &texts {
+                anyhow::ensure!(
+                    t.len() + out <= max_model_len,
+                    "a prompt of {} tokens and {out} output tokens exceed the context ({max_model_len})",
+                    t.len()
+                );
+            }
+            texts.iter().map(|t| (t.len(), out)).collect()
+        }
     };
+    let eos = loaded
+        .as_ref()
+        .map(|m| m.tokenizer.eos_token_ids().to_vec())
+        .unwrap_or_default();
     let block_size = 16;
     let max_num_seqs = args.decode_batch.unwrap_or(args.max_num_seqs);
     let settings = runtime::BackendSettings {
@@ -151,23 +229,48 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
         speculative: runtime::speculative_from_args(&args.speculative)?,
     };
     let mut engine = runtime::offline_core(backend, scheduler, args.async_scheduling)?;
-    let sampling = Arc::new(SamplingParams {
-        ignore_eos: true,
-        ..SamplingParams::default()
+    anyhow::ensure!(
+        args.temperature.is_finite() && (0.0..=100.0).contains(&args.temperature),
+        "--temperature must be in 0..=100"
+    );
+    let sampling = Arc::new(if texts.is_empty() {
+        SamplingParams {
+            temperature: args.temperature,
+            ignore_eos: true,
+            ..SamplingParams::default()
+        }
+    } else {
+        SamplingParams {
+            temperature: args.temperature,
+            eos_token_ids: eos.clone(),
+            ..SamplingParams::default()
+        }
     });
     let bar = super::progress_bar(lengths.len() as u64, "requests added");
     let mut prompt_tokens = 0usize;
     for (i, &(input, output)) in lengths.iter().enumerate() {
-        // Random ids away from the first 256 (special and byte tokens), unique per prompt.
-        let prompt: Vec<u32> = (0..input)
-            .map(|_| (256 + rng.random_range(0..vocab.saturating_sub(256).max(1))) as u32)
-            .collect();
-        prompt_tokens += input;
-        let limits = SamplingLimits {
-            max_tokens: output as u32,
-            ignore_eos: true,
-            ..SamplingLimits::default()
+        let limits = match texts.get(i) {
+            // Real prompts end where the model ends them.
+            Some(_) => SamplingLimits {
+                max_tokens: output as u32,
+                stop_token_ids: eos.iter().skip(1).copied().collect(),
+                eos_token_id: eos.first().copied(),
+                ..SamplingLimits::default()
+            },
+            None => SamplingLimits {
+                max_tokens: output as u32,
+                ignore_eos: true,
+                ..SamplingLimits::default()
+            },
         };
+        // Random ids away from the first 256 (special and byte tokens), unique per prompt.
+        let prompt: Vec<u32> = match texts.get(i) {
+            Some(t) => t.clone(),
+            None => (0..input)
+                .map(|_| (256 + rng.random_range(0..vocab.saturating_sub(256).max(1))) as u32)
+                .collect(),
+        };
+        prompt_tokens += input;
         let sampling = match &grammars {
             None => sampling.clone(),
             Some((compiler, spec, eos)) => {
@@ -247,6 +350,12 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
         "async_scheduling": engine.async_scheduling(),
         "engine_overhead_us_per_step": overhead_us as f64 / steps.max(1) as f64,
     });
+    let spec = engine.core().spec_decode_stats();
+    if spec.num_drafts > 0 {
+        result["spec_decode_num_drafts"] = spec.num_drafts.into();
+        result["spec_decode_num_draft_tokens"] = spec.num_draft_tokens.into();
+        result["spec_decode_num_accepted_tokens"] = spec.num_accepted_tokens.into();
+    }
     if let (Some(b), Some(ms)) = (args.decode_batch, median_ms) {
         result["decode_batch"] = b.into();
         result["decode_steps_measured"] = decode_step_us.len().into();
@@ -269,6 +378,15 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
             overhead_us as f64 / steps.max(1) as f64
         );
         println!("Backend: {backend_name}");
+        if spec.num_drafts > 0 {
+            println!(
+                "Speculative decoding: {} of {} draft tokens accepted ({:.1}%), {:.2} per draft",
+                spec.num_accepted_tokens,
+                spec.num_draft_tokens,
+                100.0 * spec.num_accepted_tokens as f64 / spec.num_draft_tokens as f64,
+                spec.num_accepted_tokens as f64 / spec.num_drafts as f64
+            );
+        }
         if let (Some(b), Some(ms)) = (args.decode_batch, median_ms) {
             println!(
                 "Decode at batch {b}: {ms:.3} ms per step (median of {} steps), {:.0} tokens/s",

@@ -35,8 +35,8 @@ use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
 use crate::backend::{
-    logit_rows_of, prompt_logprobs, validate_batch, Backend, Batch, SamplingParams, SeqInput,
-    SeqOutput, MAX_LOGIT_ROWS, PENDING_TOKEN,
+    logit_rows_of, prompt_logprobs, takes_pending_tokens, validate_batch, AcceptedDraft, Backend,
+    Batch, DraftVerifier, SamplingParams, SeqInput, SeqOutput, MAX_LOGIT_ROWS, PENDING_TOKEN,
 };
 use crate::error::GpuError;
 use crate::model::{LlamaConfig, ModelWeights};
@@ -136,14 +136,33 @@ struct Submitted {
     step: u64,
     /// Outputs in batch order (prompt logprobs filled in), tokens to come.
     outputs: Vec<SeqOutput>,
-    /// Per sampled row, in order: the output it belongs to, its logits row and the request's
-    /// sampling parameters.
-    samples: Vec<(usize, usize, std::sync::Arc<crate::sampler::SamplingParams>)>,
+    /// Per sampled row, in order: the output it belongs to, its logits row, the request's
+    /// sampling parameters, and the draft token that follows the row's position (a draft is
+    /// kept when the row samples it).
+    samples: Vec<SampledRow>,
     /// Raw logits rows copied for logprobs.
     raw: HashMap<usize, Vec<f32>>,
     /// The sampled ids: already read (pageable copies wait), or on their way into the
     /// page-locked buffer of this step's parity, complete when `ready` has.
     ids: SubmittedIds,
+}
+
+/// One sampled row of a submitted step.
+struct SampledRow {
+    /// Index of the output (batch entry) it belongs to.
+    output: usize,
+    /// Its logits row.
+    row: usize,
+    sampling: Arc<SamplingParams>,
+    /// The draft fed after the row's token, if any.
+    draft: Option<u32>,
+}
+
+/// Whether the CUDA backend verifies drafts for a request: its rows are sampled in parallel,
+/// each with its own draw of the sequence's stream, which is what feeding one token per step
+/// would give unless the sampling reads earlier tokens (penalties, grammars).
+fn verifies_drafts(p: &SamplingParams) -> bool {
+    takes_pending_tokens(p) && p.constraint.is_none()
 }
 
 enum SubmittedIds {
@@ -563,6 +582,10 @@ impl Backend for CudaBackend {
         lora::MAX_DEVICE_ADAPTERS
     }
 
+    fn draft_verifier(&self) -> Option<DraftVerifier> {
+        Some(verifies_drafts)
+    }
+
     fn pipelines(&self) -> bool {
         true
     }
@@ -626,25 +649,46 @@ impl CudaBackend {
         let vocab = self.config.vocab_size;
         let mut outputs = sub.outputs;
         let mut commits = Vec::new();
-        for ((i, r, p), &tok) in sub.samples.iter().zip(&tokens) {
+        for (s, &tok) in sub.samples.iter().zip(&tokens) {
             let tok = u32::try_from(tok)
                 .ok()
                 .filter(|&t| (t as usize) < vocab)
                 .ok_or_else(|| GpuError::Internal(format!("sampled token {tok}")))?;
-            let out = &mut outputs[*i];
-            if let (Some(n), Some(row)) = (p.logprobs, sub.raw.get(r)) {
-                let lp = log_softmax(row);
-                out.logprob = lp.get(tok as usize).copied();
-                out.top_logprobs = top_n(&lp, n as usize);
+            let (p, out) = (&s.sampling, &mut outputs[s.output]);
+            let st = self.states.get_mut(&out.seq_id);
+            if out.token.is_some() {
+                // A row after a rejected draft: its draw was never used, so the stream
+                // goes back by one (sampled rows are counted at submit).
+                if let Some(st) = st {
+                    st.sampled -= 1;
+                }
+                continue;
             }
+            let (logprob, top_logprobs) = match (p.logprobs, sub.raw.get(&s.row)) {
+                (Some(n), Some(row)) => {
+                    let lp = log_softmax(row);
+                    (lp.get(tok as usize).copied(), top_n(&lp, n as usize))
+                }
+                _ => (None, Vec::new()),
+            };
             // A sequence released since the submit (it ended) keeps no state.
-            if let Some(st) = self.states.get_mut(&out.seq_id) {
+            if let Some(st) = st {
                 st.record(tok, p);
             }
             if let Some(c) = &p.constraint {
                 commits.push((c, tok));
             }
+            if s.draft == Some(tok) {
+                out.accepted.push(AcceptedDraft {
+                    token: tok,
+                    logprob,
+                    top_logprobs,
+                });
+                continue;
+            }
             out.token = Some(tok);
+            out.logprob = logprob;
+            out.top_logprobs = top_logprobs;
         }
         if tokens.len() != sub.samples.len() {
             return Err(GpuError::Internal("missing sampled token".into()));
@@ -714,9 +758,25 @@ impl CudaBackend {
             first_row.push(row);
             let n = if prompt_lp[i] {
                 s.tokens.len()
+            } else if s.sample {
+                1 + s.num_drafts
             } else {
-                usize::from(s.sample)
+                0
             };
+            if s.num_drafts > 0 {
+                if !verifies_drafts(&s.sampling) {
+                    return Err(GpuError::BadBatch(format!(
+                        "sequence {}: drafts with penalties or a grammar are not verified here",
+                        s.seq_id
+                    )));
+                }
+                // One row per position, each the next draw of the stream, as if fed one
+                // token per step (collect takes back the draws of rows never used).
+                for r in row + n - 1 - s.num_drafts..row + n - 1 {
+                    st.edits(r, &s.sampling, None, &mut edits);
+                    samples.push(st.sample_row(r, &s.sampling));
+                }
+            }
             if s.sample {
                 let r = row + n - 1;
                 if s.sampling.constraint.is_some() {
@@ -783,6 +843,7 @@ impl CudaBackend {
                 sampling: s.sampling.clone(),
                 first_row: first_row[i],
                 prompt: prompt_lp[i].then(|| s.clone()),
+                drafts: s.tokens[s.tokens.len() - s.num_drafts..].to_vec(),
             })
             .collect();
         let tail = StepTail {
@@ -839,10 +900,11 @@ impl CudaBackend {
         // Raw logits rows for logprobs, before any edit (these copies wait for the step).
         let mut raw: HashMap<usize, Vec<f32>> = HashMap::new();
         for s in &seqs {
+            let rows = usize::from(s.sample) + s.drafts.len();
             let (n, end) = match &s.prompt {
                 Some(input) => (input.tokens.len(), s.first_row + input.tokens.len()),
-                None if s.sample && s.sampling.logprobs.is_some() => (1, s.first_row + 1),
-                None => (0, s.first_row + usize::from(s.sample)),
+                None if s.sample && s.sampling.logprobs.is_some() => (rows, s.first_row + rows),
+                None => (0, s.first_row + rows),
             };
             for r in end - n..end {
                 let mut v = vec![0f32; vocab];
@@ -919,12 +981,22 @@ impl CudaBackend {
             }
             if s.sample {
                 st.pending = None;
-                let k = sampled.len();
-                let Some(row) = samples.get(k) else {
-                    return Err(GpuError::Internal("missing sampled row".into()));
-                };
-                self.last_samples.insert(s.seq_id, k);
-                sampled.push((i, row.row as usize, s.sampling.clone()));
+                // The drafts' rows, then the last one.
+                for j in 0..=s.drafts.len() {
+                    let k = sampled.len();
+                    let Some(row) = samples.get(k) else {
+                        return Err(GpuError::Internal("missing sampled row".into()));
+                    };
+                    if s.drafts.is_empty() {
+                        self.last_samples.insert(s.seq_id, k);
+                    }
+                    sampled.push(SampledRow {
+                        output: i,
+                        row: row.row as usize,
+                        sampling: s.sampling.clone(),
+                        draft: s.drafts.get(j).copied(),
+                    });
+                }
             }
             outputs.push(out);
         }
@@ -948,6 +1020,8 @@ struct SeqTail {
     first_row: usize,
     /// The entry itself when it asked for prompt logprobs.
     prompt: Option<SeqInput>,
+    /// The draft tokens fed after its last known token.
+    drafts: Vec<u32>,
 }
 
 /// The sampling half of a step whose forward pass is queued (see
