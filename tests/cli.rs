@@ -171,12 +171,13 @@ fn bench_serve_reports_vllm_labels_against_a_live_server() {
 }
 
 #[test]
-fn generate_with_async_scheduling_gives_the_same_text() {
+fn generate_with_async_scheduling_or_speculation_gives_the_same_text() {
     // Greedy decoding of the embedded model on the CPU backend: planning each step while the
-    // previous one runs (pending tokens, outputs one step late) must change nothing a user
-    // sees, with EOS and length endings and more prompts than one step holds.
+    // previous one runs (pending tokens, outputs one step late), or feeding drafts found by
+    // prompt lookup (speculative decoding), must change nothing a user sees, with EOS and
+    // length endings and more prompts than one step holds.
     let model = common::model_path();
-    let run = |async_scheduling: &str| {
+    let run = |async_scheduling: &str, drafts: &str| {
         succeeds(
             switchyard()
                 .args([
@@ -189,17 +190,91 @@ fn generate_with_async_scheduling_gives_the_same_text() {
                 ])
                 .args(["--max-tokens", "20", "--threads", "2"])
                 .args(["--async-scheduling", async_scheduling])
+                .args(["--num-speculative-tokens", drafts])
                 .arg("--model")
                 .arg(&model)
                 .args(["--prompt", "The capital of France is"])
                 .args(["--prompt", "Say hi."])
-                .args(["--prompt", "1, 2, 3,"]),
+                .args(["--prompt", "1, 2, 3, 4, 5, 6,"]),
         )
     };
-    let in_order = run("off");
-    let pipelined = run("on");
+    let in_order = run("off", "0");
     assert_eq!(in_order.lines().count(), 3, "{in_order}");
-    assert_eq!(in_order, pipelined);
+    assert_eq!(in_order, run("on", "0"));
+    assert_eq!(in_order, run("off", "4"));
+    assert_eq!(in_order, run("on", "4"));
+    // Out-of-range settings are refused with the field's name.
+    let err = fails(switchyard().args([
+        "generate",
+        "--prompt",
+        "x",
+        "--num-speculative-tokens",
+        "4",
+        "--prompt-lookup-min",
+        "5",
+    ]));
+    assert!(err.contains("prompt_lookup_min"), "{err}");
+}
+
+#[test]
+fn bench_throughput_runs_real_prompts_with_speculative_decoding() {
+    let model = common::model_path();
+    let dir = temp_dir("bench-prompts");
+    let data = dir.join("prompts.jsonl");
+    std::fs::write(
+        &data,
+        "{\"prompt\": \"Repeat exactly: red green blue red green blue red green blue\"}\n\n{\"prompt\": \"Count: 1 2 3 4 5 6\"}\n",
+    )
+    .expect("write prompts");
+    let run = |drafts: &str| -> serde_json::Value {
+        let out = succeeds(
+            switchyard()
+                .args(["bench", "throughput", "--backend", "cpu", "--json"])
+                .args(["--dataset", "prompts", "--num-prompts", "3"])
+                .args(["--output-len", "24", "--temperature", "0", "--threads", "2"])
+                .args(["--num-speculative-tokens", drafts])
+                .arg("--model")
+                .arg(&model)
+                .arg("--dataset-path")
+                .arg(&data),
+        );
+        serde_json::from_str(out.trim()).expect("json result")
+    };
+    let plain = run("0");
+    let spec = run("4");
+    // The same outputs (greedy), no more steps (the longest request sets them), drafts counted.
+    assert_eq!(plain["total_output_tokens"], spec["total_output_tokens"]);
+    assert_eq!(plain["total_prompt_tokens"], spec["total_prompt_tokens"]);
+    assert!(plain.get("spec_decode_num_drafts").is_none());
+    let accepted = spec["spec_decode_num_accepted_tokens"]
+        .as_u64()
+        .expect("accepted");
+    let drafted = spec["spec_decode_num_draft_tokens"]
+        .as_u64()
+        .expect("drafted");
+    assert!(accepted > 0 && accepted <= drafted, "{spec}");
+    assert!(
+        spec["steps"].as_u64() <= plain["steps"].as_u64(),
+        "{spec} {plain}"
+    );
+    // A malformed line is refused with its line number.
+    std::fs::write(&data, "{\"prompt\": \"ok\"}\n{\"text\": 1}\n").expect("write");
+    let err = fails(
+        switchyard()
+            .args([
+                "bench",
+                "throughput",
+                "--backend",
+                "cpu",
+                "--dataset",
+                "prompts",
+            ])
+            .arg("--model")
+            .arg(&model)
+            .arg("--dataset-path")
+            .arg(&data),
+    );
+    assert!(err.contains("line 2"), "{err}");
 }
 
 #[test]

@@ -90,3 +90,32 @@ fn example_configs_are_valid() {
     }
     assert!(n >= 1, "no example server configs found in {dir}");
 }
+
+#[test]
+fn speculative_section_is_parsed_and_bounded() {
+    let cfg = Config::from_yaml_str(
+        "speculative:\n  num_speculative_tokens: 3\n  prompt_lookup_max: 5\n",
+        "test.yaml",
+    )
+    .unwrap();
+    let s = cfg.speculative.expect("section");
+    assert_eq!(
+        (
+            s.num_speculative_tokens,
+            s.prompt_lookup_min,
+            s.prompt_lookup_max
+        ),
+        (3, 2, 5)
+    );
+    check_err(
+        "speculative:\n  num_speculative_tokens: 17\n",
+        Some(2),
+        "num_speculative_tokens",
+    );
+    check_err("speculative:\n  method: eagle\n", Some(2), "method");
+    check_err(
+        "speculative:\n  prompt_lookup_min: 4\n  prompt_lookup_max: 3\n",
+        Some(2),
+        "prompt_lookup_min",
+    );
+}

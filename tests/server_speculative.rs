@@ -1,0 +1,109 @@
+//! End-to-end tests of speculative decoding: the real binary, SmolLM2 on the CPU, HTTP on
+//! loopback. A server with `speculative:` must answer exactly as one without it (greedy and
+//! seeded sampling, logprobs, streaming, structured output), while its metrics show drafts
+//! proposed and accepted.
+
+mod common;
+
+use common::{sse_events, Server};
+use serde_json::{json, Value};
+
+const SPECULATIVE: &str =
+    "speculative:\n  num_speculative_tokens: 4\n  prompt_lookup_min: 2\n  prompt_lookup_max: 4\n";
+
+fn ok(server: &Server, path: &str, body: &Value) -> Value {
+    let (status, v) = server.post_json(path, body);
+    assert_eq!(status, 200, "{v}");
+    v
+}
+
+/// Requests whose answers repeat their prompts (prompt lookup finds drafts) and one that
+/// does not.
+fn requests() -> Vec<(&'static str, Value)> {
+    let text = "The river runs through the old town, past the mill and the stone bridge, and on to the sea.";
+    let code = "def average(values):\n    total = 0\n    for value in values:\n        total = total + value\n    return total / len(values)";
+    vec![
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": format!("Repeat the following text exactly:\n{text}")}],
+                   "max_tokens": 48, "temperature": 0}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": format!("Rename the function `average` to `mean` and return the whole code:\n{code}")}],
+                   "max_tokens": 64, "temperature": 0.8, "seed": 5, "logprobs": true, "top_logprobs": 2}),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": format!("{code}\n\n{code}"), "max_tokens": 40, "temperature": 0,
+                   "frequency_penalty": 0.3, "n": 2, "seed": 3}),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "Numbers: 1 2 3 4 5 6 7 8 9 10 11 12", "max_tokens": 24, "temperature": 0,
+                   "structured_outputs": {"regex": "( [0-9]+)+"}}),
+        ),
+    ]
+}
+
+/// The parts of an answer that must not depend on speculation.
+fn answer(v: &Value) -> Value {
+    let choices: Vec<Value> = v["choices"]
+        .as_array()
+        .expect("choices")
+        .iter()
+        .map(|c| {
+            json!({
+                "text": c.get("text").cloned().unwrap_or_else(|| c["message"]["content"].clone()),
+                "finish_reason": c["finish_reason"],
+                "logprobs": c["logprobs"],
+            })
+        })
+        .collect();
+    json!({"choices": choices, "usage": v["usage"]})
+}
+
+#[test]
+fn speculative_answers_equal_plain_ones_and_drafts_are_accepted() {
+    let plain = Server::start("spec-plain", "");
+    let spec = Server::start("spec-on", SPECULATIVE);
+    for (path, body) in requests() {
+        let a = answer(&ok(&plain, path, &body));
+        let b = answer(&ok(&spec, path, &body));
+        assert_eq!(a, b, "{path} {body}");
+    }
+    // Streaming through the speculative server: the same text, token by token.
+    let (path, body) = &requests()[0];
+    let whole = answer(&ok(&spec, path, body))["choices"][0]["text"].clone();
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let r = spec
+        .request("POST", path, Some(&streamed.to_string()), &[])
+        .expect("stream");
+    assert_eq!(r.status, 200);
+    let mut text = String::new();
+    for e in sse_events(&r.body) {
+        if e == "[DONE]" {
+            continue;
+        }
+        let v: Value = serde_json::from_str(&e).expect("event");
+        if let Some(t) = v["choices"][0]["delta"]["content"].as_str() {
+            text.push_str(t);
+        }
+    }
+    assert_eq!(Value::String(text), whole);
+    let drafted = spec
+        .metric("switchyard:spec_decode_num_draft_tokens_total")
+        .unwrap_or(0.0);
+    let accepted = spec
+        .metric("switchyard:spec_decode_num_accepted_tokens_total")
+        .unwrap_or(0.0);
+    assert!(
+        accepted > 0.0 && accepted <= drafted,
+        "{accepted} of {drafted}"
+    );
+    assert_eq!(
+        plain.metric("switchyard:spec_decode_num_draft_tokens_total"),
+        None
+    );
+}
