@@ -1137,7 +1137,8 @@ fn steps_submitted_ahead_with_pending_tokens_match_steps_in_order() {
 }
 
 /// Speculative decoding's verification on the GPU: drafts are kept exactly where decoding one
-/// token per step agrees with them (greedy and seeded rows, logprobs, graphs on and off), and
+/// token per step agrees with them (greedy and seeded rows, logprobs, graphs on and off: verify
+/// steps in graphs padded to their longest entry), and
 /// drafts for a request whose sampling reads earlier tokens are refused.
 #[test]
 fn drafts_are_kept_exactly_where_one_token_per_step_agrees() {
@@ -1165,9 +1166,12 @@ fn drafts_are_kept_exactly_where_one_token_per_step_agrees() {
         let mut b =
             CudaBackend::new(&c, WeightSource::Loaded(&w), &cfg(256, graphs)).expect("backend");
         let reference = drafts::one_per_step(&mut b, &ps, &params, 24, 0);
+        let decode_graphs = b.graphs_captured();
         let (out, accepted) =
             drafts::with_drafts(&mut b, &ps, &params, &reference, 4, c.vocab_size as u32, 10);
         assert_eq!(out, reference, "graphs {graphs}");
+        // Verify steps (a token and up to 4 drafts per sequence) replay graphs of their own.
+        assert_eq!(b.graphs_captured() > decode_graphs, graphs);
         assert!(accepted >= 10, "{accepted} drafts accepted");
         let penalized = Arc::new(SamplingParams {
             repetition_penalty: 1.2,

@@ -736,31 +736,42 @@ struct SendGraph(CudaGraph);
 // backend owns them exclusively and uses them from one thread at a time (`&mut self`).
 unsafe impl Send for SendGraph {}
 
-/// Captured decode graphs by bucket size, for base-model steps and for steps with LoRA
-/// adapters (whose table and scratch sit at fixed addresses: `DeviceLoras`).
+/// Captured graphs by (bucket size, tokens per sequence, with LoRA adapters): decode steps
+/// (one token per sequence) and speculative decoding's verify steps (a token and its drafts,
+/// at most `per_seq`, per sequence), for base-model steps and decode steps with LoRA adapters
+/// (whose table and scratch sit at fixed addresses: `DeviceLoras`).
 #[derive(Default)]
 pub(crate) struct Graphs {
-    graphs: HashMap<(usize, bool), SendGraph>,
+    graphs: HashMap<(usize, usize, bool), SendGraph>,
     /// Graphs whose capture failed (run eagerly from then on).
-    failed: Vec<(usize, bool)>,
+    failed: Vec<(usize, usize, bool)>,
 }
 
-/// The launch shape of the decode bucket `bucket` (one token per tile, `group` rows: the
-/// tiles [`super::step::flatten`] makes for decodes).
-pub(crate) fn bucket_launch(bucket: usize, c: &LlamaConfig, max_splits: usize) -> Launch {
+/// The launch shape of the graph of `bucket` sequences of at most `per_seq` tokens each, all
+/// sampled at every token: one tile per sequence (`per_seq` at most the tile's tokens), as
+/// [`super::step::flatten`] makes them for decodes (`per_seq` 1) and verify steps. A step with
+/// fewer sequences or tokens runs in it padded: tokens without a KV slot, empty tiles.
+pub(crate) fn bucket_launch(
+    bucket: usize,
+    per_seq: usize,
+    c: &LlamaConfig,
+    max_splits: usize,
+) -> Launch {
     let group = c.num_heads / c.num_kv_heads;
+    let tokens = bucket * per_seq;
     Launch {
-        tokens: bucket,
+        tokens,
         tiles: bucket,
-        small_tiles: if group <= ATT_SMALL_ROWS {
+        small_tiles: if group * per_seq <= ATT_SMALL_ROWS {
             one_warp_tiles(bucket, c.num_kv_heads)
         } else {
             0
         },
-        rows: bucket,
+        rows: tokens,
         z: grid_splits(bucket, c.num_kv_heads, max_splits),
-        early_kv: bucket <= EARLY_KV_MAX_TOKENS,
-        layout: Layout::new(bucket, bucket, bucket, bucket),
+        // A verify step's queries attend to keys of this step (the earlier drafts).
+        early_kv: per_seq == 1 && bucket <= EARLY_KV_MAX_TOKENS,
+        layout: Layout::new(tokens, bucket, tokens, tokens),
     }
 }
 
@@ -782,14 +793,15 @@ impl Graphs {
         b: &Buffers,
         block_size: usize,
         bucket: usize,
+        per_seq: usize,
         lora: Option<&LoraStep>,
     ) -> Result<bool, GpuError> {
-        let key = (bucket, lora.is_some());
+        let key = (bucket, per_seq, lora.is_some());
         if self.failed.contains(&key) {
             return Ok(false);
         }
         if let std::collections::hash_map::Entry::Vacant(slot) = self.graphs.entry(key) {
-            let l = bucket_launch(bucket, c, gpu.att_max_splits);
+            let l = bucket_launch(bucket, per_seq, c, gpu.att_max_splits);
             gpu.stream
                 .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
                 .map_err(|e| cuda_err("begin capture", e))?;
@@ -797,7 +809,7 @@ impl Graphs {
             let end = gpu.stream.end_capture(sys::CUgraphInstantiate_flags(0));
             match (enq, end) {
                 (Ok(()), Ok(Some(g))) => {
-                    tracing::debug!(bucket, lora = key.1, "captured a decode graph");
+                    tracing::debug!(bucket, per_seq, lora = key.2, "captured a graph");
                     slot.insert(SendGraph(g));
                 }
                 (enq, end) => {
@@ -828,6 +840,6 @@ impl Graphs {
 
     /// Number of captured graphs of steps with LoRA adapters.
     pub fn lora_len(&self) -> usize {
-        self.graphs.keys().filter(|k| k.1).count()
+        self.graphs.keys().filter(|k| k.2).count()
     }
 }

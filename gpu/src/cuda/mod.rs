@@ -792,11 +792,25 @@ impl CudaBackend {
         }
         let n_step = self.next_step;
         self.next_step += 1;
-        // Decode-only steps replay a graph (with LoRA adapters, one of its own, when their
-        // ranks fit its buffers).
+        // Decode steps replay a graph (with LoRA adapters, one of its own, when their ranks fit
+        // its buffers), and so do verify steps (every sequence a token and its drafts) without
+        // adapters, by bucket and longest entry.
+        let per_seq = batch.seqs.iter().map(|s| s.tokens.len()).max().unwrap_or(1);
         let decode_only = batch.seqs.iter().all(|s| s.tokens.len() == 1 && s.sample);
-        let bucket = if decode_only {
-            bucket_for(batch.seqs.len(), self.max_graph_batch)
+        let verify = per_seq > 1
+            && batch
+                .seqs
+                .iter()
+                .all(|s| s.sample && s.tokens.len() == 1 + s.num_drafts && s.adapter.is_none())
+            && per_seq <= step::ATT_ROWS / group;
+        let bucket = if decode_only || verify {
+            bucket_for(batch.seqs.len(), self.max_graph_batch).filter(|&b| {
+                let t = b * per_seq;
+                per_seq == 1
+                    || (t <= self.buf.split_tokens
+                        && t <= self.buf.max_rows
+                        && t <= self.buf.max_tokens)
+            })
         } else {
             None
         };
@@ -813,7 +827,7 @@ impl CudaBackend {
         let mut ran_graph = false;
         let mut launch = self.eager_launch(&d);
         if let Some(b) = bucket {
-            let l = bucket_launch(b, c, self.gpu.att_max_splits);
+            let l = bucket_launch(b, per_seq, c, self.gpu.att_max_splits);
             self.upload_step(n_step, &d, &samples, &l)?;
             ran_graph = self.graphs.run(
                 &self.gpu,
@@ -822,6 +836,7 @@ impl CudaBackend {
                 &self.buf,
                 self.block_size,
                 b,
+                per_seq,
                 lora.as_ref(),
             )?;
             if ran_graph {
