@@ -63,6 +63,14 @@ fn decoding_scheduler(policy: &str) -> (Scheduler, Timestamp) {
 }
 
 fn decoding_scheduler_with(policy: &str, params: &serde_yaml::Value) -> (Scheduler, Timestamp) {
+    decoding_scheduler_spec(policy, params, None)
+}
+
+fn decoding_scheduler_spec(
+    policy: &str,
+    params: &serde_yaml::Value,
+    speculative: Option<SpeculativeConfig>,
+) -> (Scheduler, Timestamp) {
     let config = SchedulerConfig {
         max_num_seqs: SEQS,
         max_num_batched_tokens: 8192,
@@ -73,7 +81,7 @@ fn decoding_scheduler_with(policy: &str, params: &serde_yaml::Value) -> (Schedul
         tiers: tiers(),
         max_logit_rows: usize::MAX,
         max_loras: 4,
-        speculative: None,
+        speculative,
     };
     let p = PolicyRegistry::with_builtins()
         .create(policy, &serde_yaml::Value::Null, &tiers())
@@ -183,6 +191,69 @@ fn planner_step(c: &mut Criterion) {
     group.finish();
 }
 
+/// Speculative decoding: 256 decodes whose outputs repeat (token 1), so every step proposes
+/// 4 drafts per sequence (n-gram lookup) and the model accepts them all: one step plans,
+/// resolves and appends 5 tokens per sequence. Rebuilt every 200 steps (blocks run out sooner).
+fn planner_step_with_drafts(c: &mut Criterion) {
+    let spec = SpeculativeConfig::default();
+    let setup = || {
+        let (mut s, mut now) =
+            decoding_scheduler_spec("fcfs", &serde_yaml::Value::Null, Some(spec.clone()));
+        // Until every sequence gets 4 drafts (the repeated suffix must occur 4 tokens back).
+        for _ in 0..32 {
+            let plan = s.schedule(now);
+            let full = plan.num_batched_tokens == 5 * SEQS;
+            let outs: Vec<StepOutput> = plan
+                .seqs
+                .iter()
+                .map(|q| StepOutput {
+                    id: q.id,
+                    token: 1,
+                    accepted: q.draft_tokens.len() as u32,
+                })
+                .collect();
+            now = now.saturating_add(10_000);
+            s.apply_outputs(&plan, &outs, now);
+            if full {
+                break;
+            }
+        }
+        (s, now)
+    };
+    c.bench_function(
+        "planner_step_256_decodes/fcfs, 4 drafts each, all accepted",
+        |b| {
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                let (mut s, mut now) = setup();
+                let mut plan = StepPlan::default();
+                let mut outs = Vec::with_capacity(SEQS);
+                let mut k = 0;
+                for _ in 0..iters {
+                    if k == 200 {
+                        (s, now) = setup();
+                        k = 0;
+                    }
+                    let t = Instant::now();
+                    s.schedule_into(now, &mut plan);
+                    outs.clear();
+                    outs.extend(plan.seqs.iter().map(|q| StepOutput {
+                        id: q.id,
+                        token: 1,
+                        accepted: q.draft_tokens.len() as u32,
+                    }));
+                    now = now.saturating_add(10_000);
+                    black_box(s.apply_outputs(&plan, &outs, now));
+                    total += t.elapsed();
+                    assert_eq!(plan.num_batched_tokens, 5 * SEQS);
+                    k += 1;
+                }
+                total
+            })
+        },
+    );
+}
+
 fn admission(c: &mut Criterion) {
     // Per request: add, prefill 2048 tokens (hashing 127 blocks, allocating 128), sample
     // one token and finish (max_tokens = 1), all full blocks entering the prefix cache.
@@ -212,5 +283,5 @@ fn admission(c: &mut Criterion) {
     });
 }
 
-criterion_group!(benches, planner_step, admission);
+criterion_group!(benches, planner_step, planner_step_with_drafts, admission);
 criterion_main!(benches);
