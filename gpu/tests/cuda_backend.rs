@@ -1102,6 +1102,29 @@ fn seeded_sampling_is_reproducible_whatever_is_batched() {
     assert_ne!(alone[0], other[0], "different seeds gave the same tokens");
 }
 
+/// Sampling parameters for `n` sequences: greedy ones and seeded tempered ones in turn.
+fn greedy_and_seeded(
+    n: usize,
+    temperature: f32,
+    logprobs: Option<u32>,
+) -> Vec<Arc<SamplingParams>> {
+    (0..n as u64)
+        .map(|i| {
+            Arc::new(if i % 2 == 0 {
+                SamplingParams::greedy()
+            } else {
+                SamplingParams {
+                    temperature,
+                    top_p: 0.95,
+                    seed: Some(42 + i),
+                    logprobs,
+                    ..SamplingParams::default()
+                }
+            })
+        })
+        .collect()
+}
+
 #[test]
 fn steps_submitted_ahead_with_pending_tokens_match_steps_in_order() {
     if !gpu() {
@@ -1113,20 +1136,7 @@ fn steps_submitted_ahead_with_pending_tokens_match_steps_in_order() {
         let mut b =
             CudaBackend::new(&c, WeightSource::Loaded(&w), &cfg(256, graphs)).expect("backend");
         // Greedy rows and seeded tempered rows (the stream counter advances at submit).
-        let params: Vec<_> = (0..ps.len() as u64)
-            .map(|i| {
-                Arc::new(if i % 2 == 0 {
-                    SamplingParams::greedy()
-                } else {
-                    SamplingParams {
-                        temperature,
-                        top_p: 0.95,
-                        seed: Some(42 + i),
-                        ..SamplingParams::default()
-                    }
-                })
-            })
-            .collect();
+        let params = greedy_and_seeded(ps.len(), temperature, None);
         let in_order = generate(&mut b, &ps, &params, 12, 1 << 20, true, 0);
         let ahead = generate_pipelined(&mut b, &ps, &params, 12, 10);
         assert_eq!(in_order, ahead, "graphs {graphs}");
@@ -1147,21 +1157,7 @@ fn drafts_are_kept_exactly_where_one_token_per_step_agrees() {
     }
     let (c, w, temperature) = smollm2_or_dummy();
     let ps = prompts(c.vocab_size);
-    let params: Vec<_> = (0..ps.len() as u64)
-        .map(|i| {
-            Arc::new(if i % 2 == 0 {
-                SamplingParams::greedy()
-            } else {
-                SamplingParams {
-                    temperature,
-                    top_p: 0.95,
-                    seed: Some(42 + i),
-                    logprobs: Some(2),
-                    ..SamplingParams::default()
-                }
-            })
-        })
-        .collect();
+    let params = greedy_and_seeded(ps.len(), temperature, Some(2));
     for graphs in [true, false] {
         let mut b =
             CudaBackend::new(&c, WeightSource::Loaded(&w), &cfg(256, graphs)).expect("backend");

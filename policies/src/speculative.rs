@@ -11,12 +11,13 @@
 //! since, so a proposal costs O(`prompt_lookup_max` · [`CANDIDATES`]) whatever the length.
 
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
+use std::hash::BuildHasherDefault;
 
 use serde::{Deserialize, Serialize};
 
 use crate::error::SchedulerError;
 use crate::prefix_hash::{PromptAndOutput, TokenSource};
+use crate::scheduler::IdHasher;
 use crate::types::TokenId;
 
 /// Most draft tokens per step accepted in a configuration.
@@ -103,30 +104,12 @@ impl SpeculativeConfig {
     }
 }
 
-/// Hashes an n-gram key (already mixed; the map never sees client-chosen hashes directly,
-/// and a collision only costs a comparison).
-#[derive(Default)]
-struct KeyHasher(u64);
-
-impl Hasher for KeyHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        }
-    }
-    fn write_u64(&mut self, v: u64) {
-        self.0 = v;
-    }
-}
-
 /// A sequence's index of its `min`-grams: for each, the end positions (exclusive) of its
 /// most recent occurrences, newest first.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct NgramIndex {
-    map: HashMap<u64, [u32; CANDIDATES], BuildHasherDefault<KeyHasher>>,
+    /// Keyed by the n-gram's mixed key ([`key_of`]; a collision only costs a comparison).
+    map: HashMap<u64, [u32; CANDIDATES], BuildHasherDefault<IdHasher>>,
     /// n-grams ending at positions below this are indexed.
     indexed_to: usize,
 }

@@ -31,6 +31,15 @@ fn entry(
     }
 }
 
+/// Every prompt in one chunk, sampling.
+fn prefills(prompts: &[Vec<u32>], params: &[Arc<SamplingParams>], first_id: u64) -> Vec<SeqInput> {
+    prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| entry(first_id + i as u64, 0, p.clone(), i, &params[i]))
+        .collect()
+}
+
 /// Every prompt prefilled in one step, then `steps` tokens each, one per step, all batched.
 pub fn one_per_step(
     b: &mut dyn Backend,
@@ -40,11 +49,7 @@ pub fn one_per_step(
     first_id: u64,
 ) -> Vec<Vec<u32>> {
     let mut out = vec![Vec::new(); prompts.len()];
-    let mut seqs: Vec<SeqInput> = prompts
-        .iter()
-        .enumerate()
-        .map(|(i, p)| entry(first_id + i as u64, 0, p.clone(), i, &params[i]))
-        .collect();
+    let mut seqs = prefills(prompts, params, first_id);
     while !seqs.is_empty() {
         for o in b.execute(&Batch { seqs }).expect("execute") {
             out[(o.seq_id - first_id) as usize].push(o.token.expect("a token"));
@@ -79,11 +84,7 @@ pub fn with_drafts(
 ) -> (Vec<Vec<u32>>, usize) {
     let steps = reference[0].len();
     let mut out = vec![Vec::new(); prompts.len()];
-    let mut seqs: Vec<SeqInput> = prompts
-        .iter()
-        .enumerate()
-        .map(|(i, p)| entry(first_id + i as u64, 0, p.clone(), i, &params[i]))
-        .collect();
+    let mut seqs = prefills(prompts, params, first_id);
     let mut expected = vec![0usize; prompts.len()];
     let (mut step, mut accepted) = (0usize, 0usize);
     while !seqs.is_empty() {
