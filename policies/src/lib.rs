@@ -64,4 +64,5 @@ pub use policy::{
 pub use prefix_hash::{BlockHasher, HashExtras, PrefixHash};
 pub use scheduler::{validate_config, IdHasher, IdMap, Scheduler};
 pub use sequence::SeqView;
+pub use speculative::DraftSource;
 pub use types::*;

@@ -356,18 +356,23 @@ impl Scheduler {
             if k == 0 {
                 continue;
             }
-            let index = seq.ngrams.get_or_insert_with(Box::default);
             let drafts = &mut entry.draft_tokens;
             drafts.clear();
-            index.propose(
-                crate::prefix_hash::PromptAndOutput {
-                    prompt: &seq.req.prompt,
-                    output: &seq.output,
-                },
-                cfg,
-                k,
-                drafts,
-            );
+            match self.draft_source.as_mut() {
+                Some(source) => {
+                    source.propose(SeqView::new(seq), k, drafts);
+                    drafts.truncate(k);
+                }
+                None => seq.ngrams.get_or_insert_with(Box::default).propose(
+                    crate::prefix_hash::PromptAndOutput {
+                        prompt: &seq.req.prompt,
+                        output: &seq.output,
+                    },
+                    cfg,
+                    k,
+                    drafts,
+                ),
+            }
             // As many as the free blocks can hold.
             let have = seq.block_table.len();
             while !drafts.is_empty()

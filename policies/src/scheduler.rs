@@ -127,6 +127,9 @@ pub struct Scheduler {
     pub(crate) num_preemptions: u64,
     /// Allocator calls that failed (a core bug; reported by `check_invariants`).
     pub(crate) pool_errors: u64,
+    /// Where drafts come from instead of prompt lookup (the simulator's model of a draft
+    /// source), if set.
+    pub(crate) draft_source: Option<Box<dyn crate::speculative::DraftSource>>,
 }
 
 fn config_err(field: &'static str, reason: String) -> SchedulerError {
@@ -235,6 +238,7 @@ impl Scheduler {
             prefix_hits: 0,
             num_preemptions: 0,
             pool_errors: 0,
+            draft_source: None,
         })
     }
 
@@ -462,6 +466,12 @@ impl Scheduler {
         self.seqs[slot as usize] = None;
         self.free_slots.push(slot);
         true
+    }
+
+    /// Sets where drafts come from when speculative decoding is on (`None`: prompt lookup, the
+    /// default). The simulator uses it to model a draft source without real tokens.
+    pub fn set_draft_source(&mut self, source: Option<Box<dyn crate::speculative::DraftSource>>) {
+        self.draft_source = source;
     }
 
     /// Installs `policy` between two steps and returns the old one.

@@ -18,6 +18,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::SchedulerError;
 use crate::prefix_hash::{PromptAndOutput, TokenSource};
 use crate::scheduler::IdHasher;
+use crate::sequence::SeqView;
 use crate::types::TokenId;
 
 /// Most draft tokens per step accepted in a configuration.
@@ -102,6 +103,14 @@ impl SpeculativeConfig {
         }
         Ok(())
     }
+}
+
+/// Where a sequence's drafts come from, in place of prompt lookup
+/// ([`crate::Scheduler::set_draft_source`]).
+pub trait DraftSource: Send {
+    /// Appends up to `k` drafts for `seq`, to follow its known tokens (the first at position
+    /// `seq.prompt_len() + seq.num_output_tokens()`).
+    fn propose(&mut self, seq: SeqView<'_>, k: usize, out: &mut Vec<TokenId>);
 }
 
 /// A sequence's index of its `min`-grams: for each, the end positions (exclusive) of its

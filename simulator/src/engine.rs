@@ -17,11 +17,14 @@ use crate::error::SimError;
 use crate::report::{RequestRecord, RunCounters};
 use crate::spec::{PolicySpec, ProcessKind, SimulationSpec, TierConf};
 use crate::trace::{self, ArrivalProcess, LoadOptions, TraceFormat, TraceRequest};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
 use std::collections::BTreeMap;
 use std::io::IsTerminal;
 use switchyard_policies::{
-    PolicyRegistry, Request, RequestId, SamplingLimits, Scheduler, SchedulerConfig, SeqEvent,
-    SloTargets, StepOutput, StepPlan, TierSpec, Timestamp,
+    DraftSource, PolicyRegistry, Request, RequestId, SamplingLimits, Scheduler, SchedulerConfig,
+    SeqEvent, SeqView, SloTargets, SpeculativeConfig, StepOutput, StepPlan, TierSpec, Timestamp,
+    TokenId,
 };
 
 /// Requests sampled (evenly over the trace) to estimate capacity.
@@ -137,9 +140,18 @@ impl Simulation {
             // Traces carry no prompt-logprob requests.
             max_logit_rows: usize::MAX,
             max_loras: spec.scheduler.max_loras,
-            // The simulator invents its output tokens, so drafts by prompt lookup would
-            // say nothing about a real workload: it models one token per decode.
-            speculative: None,
+            // The simulator invents its output tokens, so drafts by prompt lookup would say
+            // nothing about a real workload: drafts are its invented tokens, accepted at the
+            // configured rate (`InventedDrafts`).
+            speculative: spec
+                .scheduler
+                .speculative
+                .as_ref()
+                .map(|s| SpeculativeConfig {
+                    num_speculative_tokens: s.num_speculative_tokens,
+                    max_running: s.max_running,
+                    ..SpeculativeConfig::default()
+                }),
         };
         switchyard_policies::validate_config(&scheduler)
             .map_err(|e| SimError::Scheduler(e.to_string()))?;
@@ -268,8 +280,9 @@ impl Simulation {
             trace::mix64(self.spec.seed ^ 0x5357_4954_4348),
             trace::mix64(self.spec.seed.wrapping_add(1)),
         ];
-        let sched = Scheduler::new(self.scheduler.clone(), boxed, key)
+        let mut sched = Scheduler::new(self.scheduler.clone(), boxed, key)
             .map_err(|e| SimError::Scheduler(e.to_string()))?;
+        sched.set_draft_source(Some(Box::new(InventedDrafts)));
         let bar = progress_bar(progress, requests.len(), policy.label());
         let mut lp = Loop::new(self, sched, requests, policy.label());
         let result = if self.spec.scheduler.async_scheduling {
@@ -335,6 +348,27 @@ struct Loop<'a> {
     kv_weighted: f64,
     kv_max: f64,
     last_sample: (u64, f64),
+    /// Draws the acceptance of drafts (seeded: runs are reproducible).
+    drafts_rng: ChaCha8Rng,
+    draft_tokens: u64,
+    accepted_tokens: u64,
+}
+
+/// The token the simulator invents at position `pos` of request `id`: deterministic in both,
+/// never checked against a stop condition.
+fn invented_token(id: RequestId, pos: usize) -> TokenId {
+    trace::mix64(id.0 << 24 ^ pos as u64) as TokenId
+}
+
+/// Drafts for the simulator: the tokens it will invent at those positions (their acceptance
+/// is drawn when the step runs).
+struct InventedDrafts;
+
+impl DraftSource for InventedDrafts {
+    fn propose(&mut self, seq: SeqView<'_>, k: usize, out: &mut Vec<TokenId>) {
+        let next = seq.prompt_len() + seq.num_output_tokens();
+        out.extend((next..next + k).map(|p| invented_token(seq.id(), p)));
+    }
 }
 
 impl<'a> Loop<'a> {
@@ -363,6 +397,9 @@ impl<'a> Loop<'a> {
             kv_weighted: 0.0,
             kv_max: 0.0,
             last_sample: (0, 0.0),
+            drafts_rng: ChaCha8Rng::seed_from_u64(trace::mix64(sim.spec.seed ^ 0x0044_5241_4654)),
+            draft_tokens: 0,
+            accepted_tokens: 0,
         }
     }
 
@@ -388,7 +425,7 @@ impl<'a> Loop<'a> {
                 eos_token_id: None,
                 ignore_eos: true,
                 prompt_logits: false,
-                speculate: false,
+                speculate: true,
             },
             cache_salt: None,
         }
@@ -486,6 +523,10 @@ impl<'a> Loop<'a> {
             }
             idle_ticks = 0;
             self.sched.launch(&plan);
+            // As the engine: a step with drafts, or one after which drafts may come, is
+            // followed by a step planned in order (drafts follow the known tokens).
+            in_order |=
+                self.sched.drafts_enabled() || plan.seqs.iter().any(|s| !s.draft_tokens.is_empty());
             // The host plans from `now`; the device starts once it is done and free.
             let ready = now + self.host_us();
             let start = in_flight.as_ref().map_or(ready, |f| ready.max(f.2));
@@ -561,10 +602,30 @@ impl<'a> Loop<'a> {
                 t.first_scheduled.get_or_insert(start);
             }
             if s.samples {
-                // Invented output: deterministic in (request, position), never EOS-checked.
-                let pos = (s.num_computed_tokens + s.num_new_tokens) as u64;
-                let token = trace::mix64(s.id.0 << 24 ^ pos) as u32;
-                outputs.push(StepOutput::new(s.id, token));
+                // Invented output: deterministic in (request, position), never EOS-checked;
+                // drafts accepted in a run at the configured rate.
+                let drafts = s.draft_tokens.len();
+                let first = s.num_computed_tokens + s.num_new_tokens - drafts;
+                let rate = self
+                    .sim
+                    .spec
+                    .scheduler
+                    .speculative
+                    .as_ref()
+                    .map_or(0.0, |sp| sp.acceptance_rate);
+                let mut accepted = 0;
+                while accepted < drafts && self.drafts_rng.random_bool(rate) {
+                    accepted += 1;
+                }
+                self.draft_tokens += drafts as u64;
+                self.accepted_tokens += accepted as u64;
+                // Every draft is a row of logits.
+                shape.num_sampled += drafts as u64;
+                outputs.push(StepOutput {
+                    id: s.id,
+                    token: invented_token(s.id, first + accepted),
+                    accepted: accepted as u32,
+                });
             }
         }
         ((self.sim.cost.step_time(&shape) * 1e6).round() as u64).max(1)
@@ -659,6 +720,8 @@ impl<'a> Loop<'a> {
                 0.0
             },
             kv_usage_max: self.kv_max,
+            draft_tokens: self.draft_tokens,
+            accepted_tokens: self.accepted_tokens,
         };
         let records = self
             .tracks

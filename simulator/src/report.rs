@@ -145,6 +145,12 @@ pub struct RunCounters {
     pub kv_usage_mean: f64,
     /// Peak KV usage (0..1).
     pub kv_usage_max: f64,
+    /// Draft tokens fed (speculative decoding).
+    #[serde(default)]
+    pub draft_tokens: u64,
+    /// Of which accepted.
+    #[serde(default)]
+    pub accepted_tokens: u64,
 }
 
 /// Everything reported for one policy.
@@ -340,6 +346,17 @@ impl Comparison {
                 p.tpot_ms.p50, p.tpot_ms.p99, p.itl_ms.p99, p.e2e_ms.p50, p.e2e_ms.p99,
                 p.counters.preemptions, 100.0 * p.prefix_cache_hit_rate,
                 100.0 * p.counters.kv_usage_mean, 100.0 * p.slo_attainment
+            );
+        }
+        for p in self.policies.iter().filter(|p| p.counters.draft_tokens > 0) {
+            let c = &p.counters;
+            let _ = writeln!(
+                s,
+                "{}: speculative decoding accepted {} of {} draft tokens ({:.1}%)",
+                p.policy,
+                c.accepted_tokens,
+                c.draft_tokens,
+                100.0 * c.accepted_tokens as f64 / c.draft_tokens as f64
             );
         }
         let tiered = self

@@ -159,6 +159,27 @@ pub struct SchedulerLimits {
     /// Most distinct LoRA adapters among the running requests (trace records may name an
     /// `adapter`), as the server's `lora.max_loras`.
     pub max_loras: usize,
+    /// Speculative decoding, modelled: the simulator has no real tokens to look up, so each
+    /// draft is accepted with a fixed probability instead.
+    pub speculative: Option<SimSpeculative>,
+}
+
+/// Speculative decoding as the simulator models it: decode steps carry up to
+/// `num_speculative_tokens` drafts (from what the step leaves over, as in the engine), and
+/// each draft is accepted with probability `acceptance_rate` once the ones before it were (the
+/// usual i.i.d. model of speculative decoding analyses), so a step yields one token plus the
+/// accepted run. The cost model prices the drafts as the tokens they are.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SimSpeculative {
+    /// Most drafts per sequence and step (1..=16).
+    pub num_speculative_tokens: usize,
+    /// Probability that a draft is accepted, given the drafts before it were (0..=1).
+    pub acceptance_rate: f64,
+    /// No drafts while more sequences than this run (0: no limit), as the engine's
+    /// `speculative.max_running`.
+    #[serde(default)]
+    pub max_running: usize,
 }
 
 impl Default for SchedulerLimits {
@@ -170,6 +191,7 @@ impl Default for SchedulerLimits {
             async_scheduling: false,
             host_overhead_us: 0.0,
             max_loras: 4,
+            speculative: None,
         }
     }
 }
@@ -394,6 +416,17 @@ impl SimulationSpec {
         }
         if !(1..=1024).contains(&s.max_loras) {
             return Err("scheduler.max_loras outside 1..=1024".into());
+        }
+        if let Some(sp) = &s.speculative {
+            if !(1..=16).contains(&sp.num_speculative_tokens) {
+                return Err("scheduler.speculative.num_speculative_tokens outside 1..=16".into());
+            }
+            if !(0.0..=1.0).contains(&sp.acceptance_rate) {
+                return Err("scheduler.speculative.acceptance_rate outside 0..=1".into());
+            }
+            if sp.max_running > 1 << 16 {
+                return Err("scheduler.speculative.max_running outside 0..=65536".into());
+            }
         }
         if self.policies.is_empty() || self.policies.len() > MAX_POLICIES {
             return Err(format!("policies: give 1..={MAX_POLICIES} policies"));

@@ -147,3 +147,54 @@ fn mooncake_reuse_reaches_the_prefix_cache() {
     let hit = cmp.policies[0].prefix_cache_hit_rate;
     assert!((hit - 0.650).abs() < 0.01, "hit rate {hit}");
 }
+
+/// Speculative decoding, modelled with a fixed acceptance rate: the same requests end with the
+/// same tokens; at low load (decode steps bound by memory) accepted drafts cut the time per
+/// output token; drafts that are never accepted only add work; runs are reproducible.
+#[test]
+fn speculative_decoding_is_modelled_with_an_acceptance_rate() {
+    let trace = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../shared/traces/sharegpt_8k_filtered_stats_llama2_tokenizer.csv");
+    let yaml = |speculative: &str| {
+        format!(
+            "seed: 3\nmodel: llama-3-8b\nhardware: h200\npolicies:\n  - name: fcfs\n\
+             scheduler:\n  max_num_seqs: 64\n{speculative}\
+             workload:\n  trace: {}\n  format: sharegpt\n  limit: 120\n  arrival: {{ process: poisson, rate: 1.0 }}\n",
+            trace.display()
+        )
+    };
+    // (summary, tokens generated per request)
+    let sim = |speculative: &str| {
+        let spec = SimulationSpec::from_yaml_str(&yaml(speculative), Path::new("spec.yaml"))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let (comparison, runs) = switchyard_simulator::simulate(&spec, false).unwrap();
+        let generated: Vec<u64> = runs[0].records.iter().map(|r| r.generated).collect();
+        (comparison.policies[0].clone(), generated)
+    };
+    let plain = sim("");
+    let drafts = |rate: f64| {
+        format!("  speculative: {{ num_speculative_tokens: 4, acceptance_rate: {rate} }}\n")
+    };
+    let good = sim(&drafts(0.8));
+    let useless = sim(&drafts(0.0));
+    assert_eq!(plain.1, good.1);
+    assert_eq!(plain.1, useless.1);
+    let (p, g, u) = (&plain.0, &good.0, &useless.0);
+    assert_eq!(p.finished, 120);
+    assert_eq!((g.finished, u.finished), (120, 120));
+    assert_eq!(p.counters.draft_tokens, 0);
+    assert!(g.counters.accepted_tokens > 0 && g.counters.accepted_tokens < g.counters.draft_tokens);
+    assert!(g.counters.steps < p.counters.steps);
+    assert!(
+        g.tpot_ms.p50 < 0.6 * p.tpot_ms.p50,
+        "tpot p50 {} with drafts, {} without",
+        g.tpot_ms.p50,
+        p.tpot_ms.p50
+    );
+    assert_eq!(u.counters.accepted_tokens, 0);
+    assert!(u.tpot_ms.p50 >= p.tpot_ms.p50);
+    assert_eq!(good, sim(&drafts(0.8)), "not reproducible");
+    // Out-of-range settings are refused.
+    let bad = yaml("  speculative: { num_speculative_tokens: 4, acceptance_rate: 1.5 }\n");
+    assert!(SimulationSpec::from_yaml_str(&bad, Path::new("spec.yaml")).is_err());
+}
