@@ -1148,8 +1148,8 @@ fn steps_submitted_ahead_with_pending_tokens_match_steps_in_order() {
 
 /// Speculative decoding's verification on the GPU: drafts are kept exactly where decoding one
 /// token per step agrees with them (greedy and seeded rows, logprobs, graphs on and off: verify
-/// steps in graphs padded to their longest entry), and
-/// drafts for a request whose sampling reads earlier tokens are refused.
+/// steps in graphs padded to their longest entry, penalties), and drafts for a request under
+/// a grammar are refused.
 #[test]
 fn drafts_are_kept_exactly_where_one_token_per_step_agrees() {
     if !gpu() {
@@ -1157,7 +1157,19 @@ fn drafts_are_kept_exactly_where_one_token_per_step_agrees() {
     }
     let (c, w, temperature) = smollm2_or_dummy();
     let ps = prompts(c.vocab_size);
-    let params = greedy_and_seeded(ps.len(), temperature, Some(2));
+    let mut params = greedy_and_seeded(ps.len(), temperature, Some(2));
+    // Penalties read the tokens so far: a draft's row sees the drafts before it.
+    params[2] = Arc::new(SamplingParams {
+        repetition_penalty: 1.3,
+        frequency_penalty: 0.5,
+        ..SamplingParams::greedy()
+    });
+    params[3] = Arc::new(SamplingParams {
+        temperature,
+        seed: Some(9),
+        presence_penalty: 0.8,
+        ..SamplingParams::default()
+    });
     for graphs in [true, false] {
         let mut b =
             CudaBackend::new(&c, WeightSource::Loaded(&w), &cfg(256, graphs)).expect("backend");
@@ -1169,11 +1181,18 @@ fn drafts_are_kept_exactly_where_one_token_per_step_agrees() {
         // Verify steps (a token and up to 4 drafts per sequence) replay graphs of their own.
         assert_eq!(b.graphs_captured() > decode_graphs, graphs);
         assert!(accepted >= 10, "{accepted} drafts accepted");
-        let penalized = Arc::new(SamplingParams {
-            repetition_penalty: 1.2,
+        struct Anything;
+        impl TokenConstraint for Anything {
+            fn fill_allowed(&mut self, allowed: &mut [u32]) {
+                allowed.fill(u32::MAX);
+            }
+            fn commit(&mut self, _: u32) {}
+        }
+        let constrained = Arc::new(SamplingParams {
+            constraint: Some(Constraint::new(Anything)),
             ..SamplingParams::greedy()
         });
-        let mut bad = one_seq(99, 0, vec![5, 6, 7], vec![0], &penalized);
+        let mut bad = one_seq(99, 0, vec![5, 6, 7], vec![0], &constrained);
         bad.num_drafts = 2;
         assert!(b.execute(&Batch { seqs: vec![bad] }).is_err());
     }

@@ -35,8 +35,8 @@ use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
 use crate::backend::{
-    logit_rows_of, prompt_logprobs, takes_pending_tokens, validate_batch, AcceptedDraft, Backend,
-    Batch, DraftVerifier, SamplingParams, SeqInput, SeqOutput, MAX_LOGIT_ROWS, PENDING_TOKEN,
+    logit_rows_of, prompt_logprobs, validate_batch, AcceptedDraft, Backend, Batch, DraftVerifier,
+    SamplingParams, SeqInput, SeqOutput, MAX_LOGIT_ROWS, PENDING_TOKEN,
 };
 use crate::error::GpuError;
 use crate::model::{LlamaConfig, ModelWeights};
@@ -159,10 +159,11 @@ struct SampledRow {
 }
 
 /// Whether the CUDA backend verifies drafts for a request: its rows are sampled in parallel,
-/// each with its own draw of the sequence's stream, which is what feeding one token per step
-/// would give unless the sampling reads earlier tokens (penalties, grammars).
+/// each with its own draw of the sequence's stream and its penalties computed as if the drafts
+/// before it were accepted, which is what feeding one token per step would give; a grammar's
+/// mask would need its state advanced through the drafts and back.
 fn verifies_drafts(p: &SamplingParams) -> bool {
-    takes_pending_tokens(p) && p.constraint.is_none()
+    p.constraint.is_none()
 }
 
 enum SubmittedIds {
@@ -655,12 +656,16 @@ impl CudaBackend {
                 .filter(|&t| (t as usize) < vocab)
                 .ok_or_else(|| GpuError::Internal(format!("sampled token {tok}")))?;
             let (p, out) = (&s.sampling, &mut outputs[s.output]);
-            let st = self.states.get_mut(&out.seq_id);
+            let mut st = self.states.get_mut(&out.seq_id);
             if out.token.is_some() {
                 // A row after a rejected draft: its draw was never used, so the stream
-                // goes back by one (sampled rows are counted at submit).
+                // goes back by one (sampled rows are counted at submit), and its draft was
+                // never an output.
                 if let Some(st) = st {
                     st.sampled -= 1;
+                    if let Some(d) = s.draft {
+                        st.unrecord(d, p);
+                    }
                 }
                 continue;
             }
@@ -671,12 +676,20 @@ impl CudaBackend {
                 }
                 _ => (None, Vec::new()),
             };
-            // A sequence released since the submit (it ended) keeps no state.
-            if let Some(st) = st {
-                st.record(tok, p);
-            }
             if let Some(c) = &p.constraint {
                 commits.push((c, tok));
+            }
+            // A kept draft was recorded at submit; a rejected one is taken back. A sequence
+            // released since the submit (it ended) keeps no state.
+            if let Some(st) = st.as_deref_mut() {
+                match s.draft {
+                    Some(d) if d == tok => {}
+                    Some(d) => {
+                        st.unrecord(d, p);
+                        st.record(tok, p);
+                    }
+                    None => st.record(tok, p),
+                }
             }
             if s.draft == Some(tok) {
                 out.accepted.push(AcceptedDraft {
@@ -766,15 +779,18 @@ impl CudaBackend {
             if s.num_drafts > 0 {
                 if !verifies_drafts(&s.sampling) {
                     return Err(GpuError::BadBatch(format!(
-                        "sequence {}: drafts with penalties or a grammar are not verified here",
+                        "sequence {}: drafts with a grammar are not verified here",
                         s.seq_id
                     )));
                 }
-                // One row per position, each the next draw of the stream, as if fed one
-                // token per step (collect takes back the draws of rows never used).
-                for r in row + n - 1 - s.num_drafts..row + n - 1 {
+                // One row per position, each the next draw of the stream and with the
+                // penalties of the drafts before it, as if fed one token per step (collect
+                // takes back the draws and the drafts of rows after a rejection).
+                let drafts = &s.tokens[s.tokens.len() - s.num_drafts..];
+                for (r, &d) in (row + n - 1 - s.num_drafts..row + n - 1).zip(drafts) {
                     st.edits(r, &s.sampling, None, &mut edits);
                     samples.push(st.sample_row(r, &s.sampling));
+                    st.record(d, &s.sampling);
                 }
             }
             if s.sample {

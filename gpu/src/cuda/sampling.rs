@@ -54,10 +54,23 @@ impl SeqState {
         }
     }
 
-    /// Records a sampled token (its row was asked for by [`SeqState::sample_row`]).
+    /// Records a sampled token (its row was asked for by [`SeqState::sample_row`]); a draft is
+    /// recorded before its step runs, so the penalties of the rows after it see it.
     pub fn record(&mut self, token: u32, p: &SamplingParams) {
         if p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
             *self.counts.entry(token).or_insert(0) += 1;
+        }
+    }
+
+    /// Takes back a [`SeqState::record`] (a rejected draft).
+    pub fn unrecord(&mut self, token: u32, p: &SamplingParams) {
+        if p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+            if let Some(c) = self.counts.get_mut(&token) {
+                *c -= 1;
+                if *c == 0 {
+                    self.counts.remove(&token);
+                }
+            }
         }
     }
 
