@@ -107,3 +107,57 @@ fn speculative_answers_equal_plain_ones_and_drafts_are_accepted() {
         None
     );
 }
+
+/// Speculative decoding turned on, changed and off through the admin API while the server
+/// runs; bad settings are refused and change nothing.
+#[test]
+fn speculative_decoding_is_set_through_the_admin_api() {
+    let s = Server::start_with("spec-admin", "  admin_key: admin-secret-key\n", "");
+    let admin = [("Authorization", "Bearer admin-secret-key")];
+    let call = |method: &str, body: Option<&str>| {
+        let r = s
+            .request(method, "/admin/speculative", body, &admin)
+            .expect("admin call");
+        let v: Value = serde_json::from_str(&r.body).unwrap_or(Value::Null);
+        (r.status, v)
+    };
+    let drafted = || {
+        s.metric("switchyard:spec_decode_num_draft_tokens_total")
+            .unwrap_or(0.0)
+    };
+    let (path, body) = &requests()[0];
+    let before = answer(&ok(&s, path, body));
+    assert_eq!(call("GET", None), (200, Value::Null));
+    assert_eq!(drafted(), 0.0);
+    // On.
+    let (status, v) = call(
+        "PUT",
+        Some(r#"{"num_speculative_tokens": 3, "max_running": 8}"#),
+    );
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["num_speculative_tokens"], 3);
+    assert_eq!(v["prompt_lookup_min"], 2);
+    assert_eq!(call("GET", None).1, v);
+    assert_eq!(answer(&ok(&s, path, body)), before);
+    let after_on = drafted();
+    assert!(after_on > 0.0);
+    // Refused: out of range, unknown field; nothing changes.
+    for bad in [
+        r#"{"num_speculative_tokens": 0}"#,
+        r#"{"num_speculative_tokens": 4, "prompt_lookup_min": 9}"#,
+        r#"{"num_speculative_tokens": 4, "method": "eagle"}"#,
+    ] {
+        let (status, e) = call("PUT", Some(bad));
+        assert_eq!(status, 400, "{bad}: {e}");
+    }
+    assert_eq!(call("GET", None).1, v);
+    // Without the admin key: refused.
+    let r = s
+        .request("PUT", "/admin/speculative", Some("null"), &[])
+        .expect("call");
+    assert_eq!(r.status, 401);
+    // Off.
+    assert_eq!(call("PUT", Some("null")), (200, Value::Null));
+    assert_eq!(answer(&ok(&s, path, body)), before);
+    assert_eq!(drafted(), after_on);
+}

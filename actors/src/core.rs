@@ -267,6 +267,27 @@ impl StepCore {
         Ok(())
     }
 
+    /// Turns speculative decoding on, changes it or turns it off between two steps; refused
+    /// (nothing changes) for bad settings or a backend that verifies no drafts.
+    pub fn set_speculative(
+        &mut self,
+        speculative: Option<switchyard_policies::SpeculativeConfig>,
+    ) -> Result<(), EngineError> {
+        if speculative.is_some() && self.verifier.is_none() {
+            return Err(EngineError::Backend(
+                switchyard_gpu::GpuError::InvalidConfig(
+                    "the backend does not verify draft tokens".into(),
+                ),
+            ));
+        }
+        Ok(self.scheduler.set_speculative(speculative)?)
+    }
+
+    /// The speculative decoding settings in force.
+    pub fn speculative(&self) -> Option<&switchyard_policies::SpeculativeConfig> {
+        self.scheduler.config().speculative.as_ref()
+    }
+
     /// Speculative decoding counters.
     pub fn spec_decode_stats(&self) -> SpecDecodeStats {
         self.spec

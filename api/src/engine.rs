@@ -88,6 +88,27 @@ pub trait Engine: Send + Sync + 'static {
     /// parameter.
     fn swap_policy(&self, spec: PolicySpec) -> EngineFuture<PolicyInfo>;
 
+    /// The speculative decoding settings in force (`None`: off).
+    fn speculative(&self) -> EngineFuture<Option<SpeculativeSettings>> {
+        Box::pin(async { Ok(None) })
+    }
+
+    /// Turns speculative decoding on, changes it, or turns it off (`None`) from the next step
+    /// on; returns the settings in force. Settings out of range, or drafts on a backend that
+    /// cannot verify them, are an [`EngineErrorKind::InvalidRequest`].
+    fn set_speculative(
+        &self,
+        settings: Option<SpeculativeSettings>,
+    ) -> EngineFuture<Option<SpeculativeSettings>> {
+        let _ = settings;
+        Box::pin(async {
+            Err(EngineError::new(
+                EngineErrorKind::InvalidRequest,
+                "this engine has no speculative decoding",
+            ))
+        })
+    }
+
     /// The LoRA adapters requests may name as `model`, in registration order. An engine
     /// without LoRA support has none.
     fn lora_adapters(&self) -> Vec<LoraAdapterInfo> {
@@ -401,6 +422,32 @@ pub struct PolicyInfo {
     pub params: serde_json::Value,
     /// Policies the engine can swap to.
     pub available: Vec<String>,
+}
+
+/// Speculative decoding settings (`PUT /admin/speculative`; the `speculative:` section of the
+/// configuration).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SpeculativeSettings {
+    /// Most draft tokens per sequence and step.
+    pub num_speculative_tokens: usize,
+    /// Shortest suffix that must match an earlier position.
+    #[serde(default = "lookup_min")]
+    pub prompt_lookup_min: usize,
+    /// Longest suffix matched.
+    #[serde(default = "lookup_max")]
+    pub prompt_lookup_max: usize,
+    /// No drafts while more sequences than this run (0: no limit).
+    #[serde(default)]
+    pub max_running: usize,
+}
+
+fn lookup_min() -> usize {
+    2
+}
+
+fn lookup_max() -> usize {
+    4
 }
 
 /// Why the engine refused or failed a request. The HTTP layer maps [`EngineErrorKind`] to a

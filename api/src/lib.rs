@@ -5,7 +5,8 @@
 //!
 //! Routes: `POST /v1/completions`, `POST /v1/chat/completions` (JSON or SSE), `GET /v1/models`,
 //! `POST /tokenize`, `POST /detokenize` (all behind the API key), `GET /health`, `GET /ready`,
-//! `GET /metrics`, and `GET`/`PUT /admin/policy` (behind the admin key).
+//! `GET /metrics`, and `GET`/`PUT /admin/policy`, `GET`/`PUT /admin/speculative`,
+//! `GET`/`POST /admin/lora` and `DELETE /admin/lora/{name}` (behind the admin key).
 //!
 //! ```no_run
 //! # use std::sync::Arc;

@@ -54,6 +54,12 @@ pub fn configure(cfg: &mut web::ServiceConfig, state: ApiState) {
                         .default_service(method_not_allowed()),
                 )
                 .service(
+                    web::resource("/speculative")
+                        .route(web::get().to(routes::get_speculative))
+                        .route(web::put().to(routes::put_speculative))
+                        .default_service(method_not_allowed()),
+                )
+                .service(
                     web::resource("/lora")
                         .route(web::get().to(routes::list_lora))
                         .route(web::post().to(routes::load_lora))

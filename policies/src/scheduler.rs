@@ -468,6 +468,19 @@ impl Scheduler {
         true
     }
 
+    /// Turns speculative decoding on, changes its settings or turns it off (`None`) between two
+    /// steps. Sequences fed drafts in a step still in flight resolve as usual.
+    pub fn set_speculative(
+        &mut self,
+        speculative: Option<crate::SpeculativeConfig>,
+    ) -> Result<(), SchedulerError> {
+        if let Some(s) = &speculative {
+            s.validate()?;
+        }
+        self.config.speculative = speculative;
+        Ok(())
+    }
+
     /// Sets where drafts come from when speculative decoding is on (`None`: prompt lookup, the
     /// default). The simulator uses it to model a draft source without real tokens.
     pub fn set_draft_source(&mut self, source: Option<Box<dyn crate::speculative::DraftSource>>) {

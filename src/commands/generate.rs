@@ -208,6 +208,13 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         outputs.len(),
         generated as f64 / secs.max(1e-9)
     );
+    let spec = engine.core().spec_decode_stats();
+    if spec.num_draft_tokens > 0 {
+        eprintln!(
+            "speculative decoding: {} of {} draft tokens accepted",
+            spec.num_accepted_tokens, spec.num_draft_tokens
+        );
+    }
     Ok(())
 }
 

@@ -17,8 +17,8 @@ use switchyard_actors::actors::{
 use switchyard_actors::structured::StructuredOutput;
 use switchyard_api::engine::{
     self as port, Delta, EngineError, EngineErrorKind, EngineEvent, EngineFuture, Finish,
-    GenerateRequest, LoraAdapterInfo, PolicyInfo, PolicySpec, TokenLogprob, TokenizeInput,
-    TopLogprob,
+    GenerateRequest, LoraAdapterInfo, PolicyInfo, PolicySpec, SpeculativeSettings, TokenLogprob,
+    TokenizeInput, TopLogprob,
 };
 use switchyard_api::{ApiConfig, ApiKeyEntry, ApiState, ServerOptions};
 use switchyard_config::{Config, LoadFormat, LoraAdapterEntry};
@@ -180,6 +180,14 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             ready: AtomicBool::new(true),
             tiers,
             policy: Mutex::new(policy_info),
+            speculative: Arc::new(Mutex::new(config.speculative.as_ref().map(|s| {
+                SpeculativeSettings {
+                    num_speculative_tokens: s.num_speculative_tokens,
+                    prompt_lookup_min: s.prompt_lookup_min,
+                    prompt_lookup_max: s.prompt_lookup_max,
+                    max_running: s.max_running,
+                }
+            }))),
             lora_enabled: config.lora.enabled,
             config_adapters: Mutex::new(config.lora.adapters.clone()),
         });
@@ -301,6 +309,8 @@ struct EngineAdapter {
     ready: AtomicBool,
     tiers: Vec<TierSpec>,
     policy: Mutex<PolicyInfo>,
+    /// The speculative decoding settings in force.
+    speculative: Arc<Mutex<Option<SpeculativeSettings>>>,
     lora_enabled: bool,
     /// The adapters the config file lists (SIGHUP reconciles them; adapters loaded through
     /// the admin API are left alone).
@@ -579,6 +589,42 @@ impl port::Engine for EngineAdapter {
     fn swap_policy(&self, spec: PolicySpec) -> EngineFuture<PolicyInfo> {
         let result = self.swap(spec);
         Box::pin(async move { result })
+    }
+
+    fn speculative(&self) -> EngineFuture<Option<SpeculativeSettings>> {
+        let s = self.speculative.lock().clone();
+        Box::pin(async move { Ok(s) })
+    }
+
+    fn set_speculative(
+        &self,
+        settings: Option<SpeculativeSettings>,
+    ) -> EngineFuture<Option<SpeculativeSettings>> {
+        let engine = self.engine.clone();
+        let config = settings
+            .as_ref()
+            .map(|s| switchyard_policies::SpeculativeConfig {
+                num_speculative_tokens: s.num_speculative_tokens,
+                prompt_lookup_min: s.prompt_lookup_min,
+                prompt_lookup_max: s.prompt_lookup_max,
+                max_running: s.max_running,
+            });
+        let invalid = |m: String| EngineError::new(EngineErrorKind::InvalidRequest, m);
+        if let Some(Err(e)) = config.as_ref().map(|c| c.validate()) {
+            let e = e.to_string();
+            return Box::pin(async move { Err(invalid(e)) });
+        }
+        let slot = self.speculative.clone();
+        Box::pin(async move {
+            engine
+                .set_speculative(config)
+                .await
+                .map_err(to_port_error)?;
+            // Recorded once the scheduler took them.
+            *slot.lock() = settings.clone();
+            tracing::info!(settings = ?settings, "speculative decoding set");
+            Ok(settings)
+        })
     }
 
     fn lora_adapters(&self) -> Vec<LoraAdapterInfo> {

@@ -22,7 +22,7 @@ use super::lora::{
     AdapterInfo, LoraError, LoraManager, LoraManagerConfig, LoraRegistry,
     Register as RegisterAdapter, Resolve, Unregister,
 };
-use super::scheduler::{GetStats, SchedulerActor, Submit, SwapPolicy};
+use super::scheduler::{GetStats, SchedulerActor, SetSpeculative, Submit, SwapPolicy};
 use super::tokenizer::{Constrain, Decode, Encode, TokenizerActor};
 use crate::core::{AsyncScheduling, EngineCoreConfig, StepCore, SubmitOptions};
 use crate::metric_names as names;
@@ -596,6 +596,21 @@ impl Engine {
     /// Replaces the policy at the next step boundary.
     pub fn swap_policy(&self, policy: Box<dyn Policy>) {
         self.scheduler.do_send(SwapPolicy(policy));
+    }
+
+    /// Sets speculative decoding (`None`: off) from the next step on; an invalid setting, or
+    /// drafts on a backend that verifies none, is refused with the reason.
+    pub async fn set_speculative(
+        &self,
+        speculative: Option<switchyard_policies::SpeculativeConfig>,
+    ) -> Result<(), SubmitError> {
+        self.scheduler
+            .send(SetSpeculative(speculative))
+            .await
+            .map_err(|_| {
+                SubmitError::new(SubmitErrorKind::Unavailable, "the engine is shutting down")
+            })?
+            .map_err(|e| SubmitError::new(SubmitErrorKind::InvalidRequest, e))
     }
 
     /// Queue and cache statistics.

@@ -38,6 +38,12 @@ pub struct SwapPolicy(pub Box<dyn Policy>);
 #[rtype(result = "SchedulerStats")]
 pub struct GetStats;
 
+/// Sets speculative decoding (`None`: off) from the next step on; answers the reason when
+/// refused.
+#[derive(Message)]
+#[rtype(result = "Result<(), String>")]
+pub struct SetSpeculative(pub Option<switchyard_policies::SpeculativeConfig>);
+
 /// Owns the core and the step loop.
 pub struct SchedulerActor {
     core: StepCore,
@@ -412,6 +418,13 @@ impl Handler<SwapPolicy> for SchedulerActor {
     fn handle(&mut self, msg: SwapPolicy, ctx: &mut Context<Self>) {
         self.pending_swap = Some(msg.0);
         self.kick(ctx);
+    }
+}
+
+impl Handler<SetSpeculative> for SchedulerActor {
+    type Result = Result<(), String>;
+    fn handle(&mut self, msg: SetSpeculative, _: &mut Context<Self>) -> Self::Result {
+        self.core.set_speculative(msg.0).map_err(|e| e.to_string())
     }
 }
 

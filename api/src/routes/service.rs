@@ -172,6 +172,25 @@ pub(crate) async fn put_policy(
     Ok(HttpResponse::Ok().json(info))
 }
 
+/// `GET /admin/speculative`: the speculative decoding settings in force (`null`: off).
+pub(crate) async fn get_speculative(state: web::Data<ApiState>) -> Result<HttpResponse, ApiError> {
+    Ok(HttpResponse::Ok().json(state.engine.speculative().await?))
+}
+
+/// `PUT /admin/speculative`: new settings (`{"num_speculative_tokens": 4, ...}`), or `null` to
+/// turn speculative decoding off; from the next step on.
+pub(crate) async fn put_speculative(
+    state: web::Data<ApiState>,
+    req: HttpRequest,
+    payload: web::Payload,
+) -> Result<HttpResponse, ApiError> {
+    let settings: Option<crate::engine::SpeculativeSettings> =
+        read_json(&req, payload, state.config.max_body_bytes).await?;
+    let info = state.engine.set_speculative(settings).await?;
+    tracing::info!(settings = ?info, "speculative decoding set through the admin API");
+    Ok(HttpResponse::Ok().json(info))
+}
+
 /// Body of `POST /admin/lora` (vLLM's `/v1/load_lora_adapter` fields).
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
