@@ -591,7 +591,7 @@ impl StepCore {
                     token,
                     accepted: o.accepted.len() as u32,
                 });
-                self.spec.num_accepted_tokens += o.accepted.len() as u64;
+
                 let wants = o.logprob.is_some() || !o.top_logprobs.is_empty();
                 if wants || o.accepted.iter().any(|a| a.logprob.is_some()) {
                     let list = logprobs.entry(o.seq_id).or_default();
@@ -605,6 +605,25 @@ impl StepCore {
         } else {
             self.scheduler.apply_outputs(plan, &sampled, now)
         };
+        // Accepted drafts that became outputs (none past a stop): a sequence's tokens of the
+        // step, at most its accepted drafts.
+        let accepted: HashMap<RequestId, u32> = sampled
+            .iter()
+            .filter(|o| o.accepted > 0)
+            .map(|o| (o.id, o.accepted))
+            .collect();
+        if !accepted.is_empty() {
+            let mut emitted: HashMap<RequestId, u32> = HashMap::new();
+            for e in &seq_events {
+                if let SeqEvent::Token { id, .. } = e {
+                    *emitted.entry(*id).or_default() += 1;
+                }
+            }
+            for (id, a) in accepted {
+                let n = emitted.get(&id).copied().unwrap_or(0);
+                self.spec.num_accepted_tokens += u64::from(a.min(n));
+            }
+        }
         for event in seq_events {
             match event {
                 SeqEvent::Token { id, token, .. } => {

@@ -667,7 +667,8 @@ fn step_sequence(
         prompt_logprobs: Vec::new(),
     };
     if st.in_prompt {
-        st.sampler.observe_prompt(&s.tokens);
+        st.sampler
+            .observe_prompt(&s.tokens[..s.tokens.len() - s.num_drafts]);
     }
     if prompt_lp {
         out.prompt_logprobs = prompt_logprobs(

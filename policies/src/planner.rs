@@ -343,7 +343,14 @@ impl Scheduler {
             let Some(seq) = self.seqs.get_mut(slot as usize).and_then(|s| s.as_mut()) else {
                 continue;
             };
-            if seq.pending != 0 || !seq.req.limits.speculate || seq.id != entry.id {
+            // Not on a sequence's first sampling step (its backend state still takes fed
+            // tokens as prompt tokens) nor for prompt logprobs (every fed row is scored).
+            if seq.pending != 0
+                || !seq.req.limits.speculate
+                || seq.id != entry.id
+                || seq.output.is_empty()
+                || seq.req.limits.prompt_logits
+            {
                 continue;
             }
             // At most every output but the one sampled after the drafts.
@@ -949,8 +956,6 @@ impl Scheduler {
                         // valid up to the last accepted one.
                         let accepted = (o.accepted as usize).min(drafts.len());
                         seq.pending -= 1;
-                        seq.num_computed += accepted;
-                        seq.max_computed = seq.max_computed.max(seq.num_computed);
                         if seq.first_token_at.is_none() {
                             seq.first_token_at = Some(now);
                             events.push(SeqEvent::FirstToken {
@@ -979,17 +984,13 @@ impl Scheduler {
                                 break;
                             }
                         }
+                        // The accepted drafts' KV counts as computed, up to the last output
+                        // before a stop (the sequence ends then; the last output stays the one
+                        // to feed, as always).
+                        seq.num_computed += accepted.min(end - idx - 1);
+                        seq.max_computed = seq.max_computed.max(seq.num_computed);
                         if !drafts.is_empty() {
-                            // Blocks reserved for rejected drafts go back.
-                            let keep = self.ledger.blocks_for(seq.num_tokens());
-                            while seq.block_table.len() > keep {
-                                if let Some(blk) = seq.block_table.pop() {
-                                    if self.ledger.free(blk).is_err() {
-                                        self.pool_errors += 1;
-                                    }
-                                }
-                            }
-                            seq.blocks_sent = seq.blocks_sent.min(seq.block_table.len());
+                            trim_blocks(&mut self.ledger, seq, &mut self.pool_errors);
                         }
                         // The resolved tokens may complete blocks.
                         cache_full_blocks(&self.hasher, &mut self.ledger, seq);
@@ -1000,6 +1001,9 @@ impl Scheduler {
                         seq.output.truncate(idx);
                         seq.pending = 0;
                         seq.num_computed = seq.num_computed.min(after - 1);
+                        if !drafts.is_empty() {
+                            trim_blocks(&mut self.ledger, seq, &mut self.pool_errors);
+                        }
                     }
                 }
             }
@@ -1029,6 +1033,20 @@ impl Scheduler {
         }
         events
     }
+}
+
+/// Gives back the blocks past what a running sequence's tokens need (those reserved for drafts
+/// it did not keep).
+fn trim_blocks(ledger: &mut BlockLedger, seq: &mut Sequence, pool_errors: &mut u64) {
+    let keep = ledger.blocks_for(seq.num_tokens());
+    while seq.block_table.len() > keep {
+        if let Some(blk) = seq.block_table.pop() {
+            if ledger.free(blk).is_err() {
+                *pool_errors += 1;
+            }
+        }
+    }
+    seq.blocks_sent = seq.blocks_sent.min(seq.block_table.len());
 }
 
 /// One entry of a launched step, kept until [`Scheduler::resolve`].

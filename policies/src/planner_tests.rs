@@ -841,3 +841,81 @@ fn drafts_take_only_leftover_budget_and_stop_at_max_tokens() {
     assert_eq!(s.output_tokens(RequestId(1)), Some(&[5, 5, 5, 5][..]));
     assert_eq!(s.output_tokens(RequestId(2)), Some(&[5, 5, 5, 5][..]));
 }
+
+/// A stop token among the accepted drafts ends the sequence there: later accepted drafts are
+/// not outputs, and what policies observe stays consistent (no more computed tokens than
+/// tokens); no drafts on a sequence's first sampling step.
+#[test]
+fn a_stop_inside_accepted_drafts_ends_the_sequence_there() {
+    use crate::policy::{PolicyEvent, Rank};
+    use crate::sequence::SeqView;
+    /// FCFS that checks every sequence it is shown.
+    struct Checking;
+    impl Policy for Checking {
+        fn name(&self) -> &str {
+            "checking"
+        }
+        fn rank(&self, seq: SeqView<'_>, _: Timestamp) -> Rank {
+            Rank {
+                class: 0,
+                key: seq.arrival().0 as i64,
+            }
+        }
+        fn observe(&mut self, event: PolicyEvent<'_>) {
+            if let PolicyEvent::Served { seq, .. } = event {
+                assert!(
+                    seq.num_computed_tokens() <= seq.prompt_len() + seq.num_output_tokens(),
+                    "{} computed of {} + {}",
+                    seq.num_computed_tokens(),
+                    seq.prompt_len(),
+                    seq.num_output_tokens()
+                );
+            }
+        }
+    }
+    let c = SchedulerConfig {
+        speculative: Some(SpeculativeConfig {
+            num_speculative_tokens: 4,
+            prompt_lookup_min: 1,
+            prompt_lookup_max: 2,
+            max_running: 0,
+        }),
+        ..config(64, 4)
+    };
+    let mut s = sched(c, Box::new(Checking));
+    // EOS is 9; the prompt holds "5 9 1 2 4" so after a 5 the lookup drafts "9 1 2 4".
+    let mut r = req(1, 0, vec![3, 5, 9, 1, 2, 4], 10);
+    r.limits.eos_token_id = Some(9);
+    s.add_request(r).unwrap();
+    // Prefill samples 5: no drafts on the first sampling step (nothing generated yet).
+    let plan = s.schedule(Timestamp(0));
+    assert!(plan.seqs[0].draft_tokens.is_empty());
+    s.apply_outputs(&plan, &[StepOutput::new(RequestId(1), 5)], Timestamp(0));
+    let plan = s.schedule(Timestamp(1));
+    assert_eq!(plan.seqs[0].draft_tokens, vec![9, 1, 2, 4]);
+    // The model agrees with three drafts; EOS is the first of them.
+    let out = StepOutput {
+        id: RequestId(1),
+        token: 7,
+        accepted: 3,
+    };
+    let ev = s.apply_outputs(&plan, &[out], Timestamp(1));
+    s.check_invariants().unwrap();
+    assert!(ev.iter().any(|e| matches!(
+        e,
+        SeqEvent::Finished {
+            reason: FinishReason::Eos,
+            ..
+        }
+    )));
+    let tokens: Vec<u32> = ev
+        .iter()
+        .filter_map(|e| match e {
+            SeqEvent::Token { token, .. } => Some(*token),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(tokens, vec![9]);
+    assert_eq!(s.output_tokens(RequestId(1)), Some(&[5, 9][..]));
+    assert_eq!(s.stats().num_free_blocks, 64);
+}

@@ -477,6 +477,17 @@ impl Scheduler {
         if let Some(s) = &speculative {
             s.validate()?;
         }
+        // The n-gram indexes are keyed by `prompt_lookup_min`-grams: rebuilt on next use.
+        let old_n = self
+            .config
+            .speculative
+            .as_ref()
+            .map(|s| s.prompt_lookup_min);
+        if speculative.as_ref().map(|s| s.prompt_lookup_min) != old_n {
+            for seq in self.seqs.iter_mut().flatten() {
+                seq.ngrams = None;
+            }
+        }
         self.config.speculative = speculative;
         Ok(())
     }

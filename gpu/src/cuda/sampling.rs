@@ -50,7 +50,8 @@ impl SeqState {
     /// Records this step's fed tokens (prompt tokens while in the prompt).
     pub fn observe(&mut self, s: &SeqInput) {
         if self.in_prompt && s.sampling.repetition_penalty != 1.0 {
-            self.seen.extend(s.tokens.iter().copied());
+            let known = s.tokens.len().saturating_sub(s.num_drafts);
+            self.seen.extend(s.tokens[..known].iter().copied());
         }
     }
 
