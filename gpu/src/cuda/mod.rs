@@ -656,7 +656,7 @@ impl CudaBackend {
                 .filter(|&t| (t as usize) < vocab)
                 .ok_or_else(|| GpuError::Internal(format!("sampled token {tok}")))?;
             let (p, out) = (&s.sampling, &mut outputs[s.output]);
-            let mut st = self.states.get_mut(&out.seq_id);
+            let st = self.states.get_mut(&out.seq_id);
             if out.token.is_some() {
                 // A row after a rejected draft: its draw was never used, so the stream
                 // goes back by one (sampled rows are counted at submit), and its draft was
@@ -681,7 +681,7 @@ impl CudaBackend {
             }
             // A kept draft was recorded at submit; a rejected one is taken back. A sequence
             // released since the submit (it ended) keeps no state.
-            if let Some(st) = st.as_deref_mut() {
+            if let Some(st) = st {
                 match s.draft {
                     Some(d) if d == tok => {}
                     Some(d) => {
