@@ -1,7 +1,8 @@
 //! Property tests over random workloads for every registered policy: no block leaked or
 //! double-freed, refcounts equal block-table references, per-step budgets respected, every
 //! admitted request ends, never more distinct LoRA adapters run than `max_loras`, and hot
-//! swaps to every other policy lose or duplicate nothing; planning each step while the
+//! swaps to every other policy (with speculative decoding switched off and on) lose or
+//! duplicate nothing; planning each step while the
 //! previous one is in flight (`launch` / `resolve`) yields the same outputs as stepping in
 //! order.
 
@@ -416,6 +417,11 @@ fn run(w: &Workload, first: &str, swaps: &[&str], pipelined: bool) -> Result<End
             if let Some(next) = swaps.next() {
                 let before = s.stats();
                 s.swap_policy(make_policy(next));
+                // Speculative decoding is switched with the policy: off, then on again.
+                if let Some(spec) = &w.speculative {
+                    let on = s.config().speculative.is_none();
+                    s.set_speculative(on.then(|| spec.clone())).unwrap();
+                }
                 let after = s.stats();
                 prop_assert_eq!(before.num_running, after.num_running);
                 prop_assert_eq!(before.num_waiting, after.num_waiting);
