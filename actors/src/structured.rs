@@ -224,6 +224,7 @@ impl GrammarCompiler {
                     matcher: matcher.deep_clone(),
                     end_ids: end_ids.clone(),
                     failed: false,
+                    recent: std::collections::VecDeque::with_capacity(ROLLBACK_WINDOW),
                 })
             })
             .collect())
@@ -257,7 +258,14 @@ struct GrammarConstraint {
     matcher: Matcher,
     end_ids: Arc<[u32]>,
     failed: bool,
+    /// Whether each of the latest commits (at most [`ROLLBACK_WINDOW`]) reached the matcher
+    /// (end ids and commits after the grammar stopped do not), so a rollback takes back
+    /// exactly what was consumed.
+    recent: std::collections::VecDeque<bool>,
 }
+
+/// Most commits a [`GrammarConstraint`] can take back (drafts per step are at most 16).
+const ROLLBACK_WINDOW: usize = 32;
 
 impl GrammarConstraint {
     fn allow_end(&self, allowed: &mut [u32]) {
@@ -310,11 +318,40 @@ impl TokenConstraint for GrammarConstraint {
     }
 
     fn commit(&mut self, token: u32) {
+        if self.recent.len() == ROLLBACK_WINDOW {
+            self.recent.pop_front();
+        }
         if self.failed || self.end_ids.contains(&token) || self.matcher.is_stopped() {
+            self.recent.push_back(false);
             return;
         }
+        self.recent.push_back(true);
         if let Err(e) = self.matcher.consume_token(token) {
             self.fail("consuming a token", e);
+        }
+    }
+
+    fn can_roll_back(&self) -> bool {
+        true
+    }
+
+    fn rollback(&mut self, n: usize) -> bool {
+        if n > self.recent.len() || self.failed {
+            return false;
+        }
+        let consumed = (0..n)
+            .filter_map(|_| self.recent.pop_back())
+            .filter(|&c| c)
+            .count();
+        if consumed == 0 {
+            return true;
+        }
+        match self.matcher.rollback(consumed) {
+            Ok(()) => true,
+            Err(e) => {
+                self.fail("taking back drafts", e);
+                false
+            }
         }
     }
 }
@@ -478,6 +515,50 @@ mod tests {
                 assert!(v.is_object(), "{text}");
             }
         }
+    }
+
+    /// Speculative decoding on the GPU computes the mask after each draft with the drafts
+    /// committed, then takes them back: the masks equal those of committing one token at a
+    /// time, the state is as before, and an end id or a disallowed draft is handled.
+    #[test]
+    fn masks_through_drafts_equal_one_token_at_a_time_and_leave_the_state() {
+        let tok = tokenizer();
+        let compiler = GrammarCompiler::new(tok.clone()).expect("compiler");
+        let end = tok.eos_token_ids()[0];
+        let spec = StructuredOutput::Regex(r"[a-z]+ [0-9]+ [a-z]+".into());
+        let mut cs = compiler.compile(&spec, &[end], 2).expect("compiles");
+        let (a, b) = (cs.remove(0), cs.remove(0));
+        assert!(a.can_roll_back());
+        let vocab = tok.vocab_size();
+        let drafts = tok.encode("hello 42 world", false).expect("ids");
+        assert!(drafts.len() >= 3, "{drafts:?}");
+        // One at a time on `b`.
+        let mut one_by_one = Vec::new();
+        for &d in &drafts {
+            one_by_one.push(b.allowed(vocab));
+            b.commit(d);
+        }
+        one_by_one.push(b.allowed(vocab));
+        let before = a.allowed(vocab);
+        let through = a.allowed_through(vocab, &drafts);
+        assert_eq!(through, one_by_one);
+        assert_eq!(a.allowed(vocab), before, "the drafts were not taken back");
+        // A draft the grammar does not allow stops the commits there; the sets after it repeat.
+        let bad = tok.encode("hello !!", false).expect("ids");
+        let through = a.allowed_through(vocab, &bad);
+        let stuck = bad
+            .iter()
+            .zip(&through)
+            .position(|(&d, set)| !is_allowed(set, d as usize));
+        let k = stuck.expect("a disallowed draft");
+        assert!(through[k + 1..].iter().all(|s| *s == through[k]));
+        assert_eq!(a.allowed(vocab), before);
+        // And the constraint goes on as if nothing happened.
+        for (&d, want) in drafts.iter().zip(&one_by_one) {
+            assert_eq!(&a.allowed(vocab), want);
+            a.commit(d);
+        }
+        assert_eq!(&a.allowed(vocab), one_by_one.last().expect("sets"));
     }
 
     #[test]

@@ -21,6 +21,16 @@ pub trait TokenConstraint: Send {
     fn fill_allowed(&mut self, allowed: &mut [u32]);
     /// Records the token sampled from the last allowed set.
     fn commit(&mut self, token: u32);
+    /// Whether [`TokenConstraint::rollback`] works. Speculative decoding on the CUDA backend
+    /// needs it: the allowed set after each draft is computed with the drafts committed,
+    /// which are then taken back.
+    fn can_roll_back(&self) -> bool {
+        false
+    }
+    /// Takes back the last `n` commits (at most a few); false when it cannot.
+    fn rollback(&mut self, n: usize) -> bool {
+        n == 0
+    }
 }
 
 /// A sequence's constraint, shared between the engine (which creates it per choice) and the
@@ -50,6 +60,49 @@ impl Constraint {
     /// Records a sampled token.
     pub fn commit(&self, token: u32) {
         self.0.lock().commit(token);
+    }
+
+    /// Records sampled tokens, in order.
+    pub fn commit_all(&self, tokens: &[u32]) {
+        let mut c = self.0.lock();
+        for &t in tokens {
+            c.commit(t);
+        }
+    }
+
+    /// Whether the constraint can take commits back ([`TokenConstraint::rollback`]).
+    pub fn can_roll_back(&self) -> bool {
+        self.0.lock().can_roll_back()
+    }
+
+    /// The allowed sets before each of `drafts` and after the last (`drafts.len() + 1` sets of
+    /// `vocab` bits), as one-token steps would see them had the drafts been sampled; the
+    /// constraint's state is left as it was. A draft that its set does not allow is not
+    /// committed, and the sets after it repeat the one before (its row cannot keep the draft,
+    /// so those rows go unused).
+    pub fn allowed_through(&self, vocab: usize, drafts: &[u32]) -> Vec<Vec<u32>> {
+        let mut out: Vec<Vec<u32>> = Vec::with_capacity(drafts.len() + 1);
+        let mut committed = 0;
+        let mut blocked = false;
+        for i in 0..=drafts.len() {
+            let set = match (blocked, out.last()) {
+                (true, Some(last)) => last.clone(),
+                _ => self.allowed(vocab),
+            };
+            if let Some(&d) = drafts.get(i) {
+                if !blocked && is_allowed(&set, d as usize) {
+                    self.commit(d);
+                    committed += 1;
+                } else {
+                    blocked = true;
+                }
+            }
+            out.push(set);
+        }
+        if committed > 0 && !self.0.lock().rollback(committed) {
+            tracing::warn!("a constraint could not take back {committed} drafts");
+        }
+        out
     }
 }
 

@@ -1149,7 +1149,7 @@ fn steps_submitted_ahead_with_pending_tokens_match_steps_in_order() {
 /// Speculative decoding's verification on the GPU: drafts are kept exactly where decoding one
 /// token per step agrees with them (greedy and seeded rows, logprobs, graphs on and off: verify
 /// steps in graphs padded to their longest entry, penalties), and drafts for a request under
-/// a grammar are refused.
+/// a grammar that cannot take commits back are refused.
 #[test]
 fn drafts_are_kept_exactly_where_one_token_per_step_agrees() {
     if !gpu() {
@@ -1196,6 +1196,75 @@ fn drafts_are_kept_exactly_where_one_token_per_step_agrees() {
         bad.num_drafts = 2;
         assert!(b.execute(&Batch { seqs: vec![bad] }).is_err());
     }
+}
+
+/// A constraint that can take commits back: a third of the vocabulary allowed, which third a
+/// function of how many tokens came and of the last one.
+struct HashedHistory {
+    history: Vec<u32>,
+    vocab: u32,
+}
+
+impl TokenConstraint for HashedHistory {
+    fn fill_allowed(&mut self, allowed: &mut [u32]) {
+        let salt =
+            (self.history.len() as u64) << 32 | u64::from(*self.history.last().unwrap_or(&0));
+        for t in 0..self.vocab {
+            let h = (salt ^ u64::from(t)).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 60;
+            if h % 3 == 0 {
+                allowed[t as usize / 32] |= 1 << (t % 32);
+            }
+        }
+    }
+    fn commit(&mut self, token: u32) {
+        self.history.push(token);
+    }
+    fn can_roll_back(&self) -> bool {
+        true
+    }
+    fn rollback(&mut self, n: usize) -> bool {
+        let keep = self.history.len().saturating_sub(n);
+        self.history.truncate(keep);
+        true
+    }
+}
+
+/// Drafts under a grammar on the GPU: the mask of each draft's row is the one after the drafts
+/// before it (committed, then taken back), so constrained sequences (greedy and seeded) decode
+/// with drafts exactly as one token per step, batched with free ones.
+#[test]
+fn constrained_drafts_are_kept_exactly_where_one_token_per_step_agrees() {
+    if !gpu() {
+        return;
+    }
+    let (c, w, temperature) = smollm2_or_dummy();
+    let ps = prompts(c.vocab_size);
+    let vocab = c.vocab_size as u32;
+    let params = || -> Vec<Arc<SamplingParams>> {
+        let g = || {
+            Some(Constraint::new(HashedHistory {
+                history: Vec::new(),
+                vocab,
+            }))
+        };
+        let mut p = greedy_and_seeded(ps.len(), temperature, None);
+        p[0] = Arc::new(SamplingParams {
+            constraint: g(),
+            ..SamplingParams::greedy()
+        });
+        p[1] = Arc::new(SamplingParams {
+            constraint: g(),
+            temperature,
+            seed: Some(5),
+            ..SamplingParams::default()
+        });
+        p
+    };
+    let mut b = CudaBackend::new(&c, WeightSource::Loaded(&w), &cfg(256, true)).expect("backend");
+    let reference = drafts::one_per_step(&mut b, &ps, &params(), 20, 0);
+    let (out, accepted) = drafts::with_drafts(&mut b, &ps, &params(), &reference, 4, vocab, 10);
+    assert_eq!(out, reference);
+    assert!(accepted >= 10, "{accepted} drafts accepted");
 }
 
 // ---------------------------------------------------------------------------------------------

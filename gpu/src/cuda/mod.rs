@@ -35,8 +35,8 @@ use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
 use crate::backend::{
-    logit_rows_of, prompt_logprobs, validate_batch, AcceptedDraft, Backend, Batch, DraftVerifier,
-    SamplingParams, SeqInput, SeqOutput, MAX_LOGIT_ROWS, PENDING_TOKEN,
+    logit_rows_of, prompt_logprobs, takes_pending_tokens, validate_batch, AcceptedDraft, Backend,
+    Batch, DraftVerifier, SamplingParams, SeqInput, SeqOutput, MAX_LOGIT_ROWS, PENDING_TOKEN,
 };
 use crate::error::GpuError;
 use crate::model::{LlamaConfig, ModelWeights};
@@ -159,11 +159,15 @@ struct SampledRow {
 }
 
 /// Whether the CUDA backend verifies drafts for a request: its rows are sampled in parallel,
-/// each with its own draw of the sequence's stream and its penalties computed as if the drafts
-/// before it were accepted, which is what feeding one token per step would give; a grammar's
-/// mask would need its state advanced through the drafts and back.
+/// each with its own draw of the sequence's stream, its penalties computed as if the drafts
+/// before it were accepted, and under a grammar that can take commits back, the mask after
+/// those drafts; which is what feeding one token per step would give. (A grammar's rows get
+/// their edits once the masks are known, after every draft is recorded, so not with
+/// penalties.)
 fn verifies_drafts(p: &SamplingParams) -> bool {
-    p.constraint.is_none()
+    p.constraint
+        .as_ref()
+        .is_none_or(|c| c.can_roll_back() && takes_pending_tokens(p))
 }
 
 enum SubmittedIds {
@@ -649,7 +653,8 @@ impl CudaBackend {
         }
         let vocab = self.config.vocab_size;
         let mut outputs = sub.outputs;
-        let mut commits = Vec::new();
+        // (output, its constraint, its tokens in order): a sequence's rows are consecutive.
+        let mut commits: Vec<(usize, &crate::Constraint, Vec<u32>)> = Vec::new();
         for (s, &tok) in sub.samples.iter().zip(&tokens) {
             let tok = u32::try_from(tok)
                 .ok()
@@ -677,7 +682,10 @@ impl CudaBackend {
                 _ => (None, Vec::new()),
             };
             if let Some(c) = &p.constraint {
-                commits.push((c, tok));
+                match commits.last_mut() {
+                    Some((o, _, toks)) if *o == s.output => toks.push(tok),
+                    _ => commits.push((s.output, c, vec![tok])),
+                }
             }
             // A kept draft was recorded at submit; a rejected one is taken back. A sequence
             // released since the submit (it ended) keeps no state.
@@ -706,9 +714,11 @@ impl CudaBackend {
         if tokens.len() != sub.samples.len() {
             return Err(GpuError::Internal("missing sampled token".into()));
         }
-        // Structured output: each constraint takes its token (a few microseconds each; one
-        // token per constraint, so in parallel).
-        commits.par_iter().for_each(|(c, t)| c.commit(*t));
+        // Structured output: each constraint takes its tokens (a few microseconds each; one
+        // constraint per sequence, so in parallel).
+        commits
+            .par_iter()
+            .for_each(|(_, c, toks)| c.commit_all(toks));
         Ok(outputs)
     }
 }
@@ -779,26 +789,40 @@ impl CudaBackend {
             if s.num_drafts > 0 {
                 if !verifies_drafts(&s.sampling) {
                     return Err(GpuError::BadBatch(format!(
-                        "sequence {}: drafts with a grammar are not verified here",
+                        "sequence {}: drafts under a grammar that cannot take commits back, \
+                         or with penalties, are not verified here",
                         s.seq_id
                     )));
                 }
-                // One row per position, each the next draw of the stream and with the
-                // penalties of the drafts before it, as if fed one token per step (collect
-                // takes back the draws and the drafts of rows after a rejection).
-                let drafts = &s.tokens[s.tokens.len() - s.num_drafts..];
-                for (r, &d) in (row + n - 1 - s.num_drafts..row + n - 1).zip(drafts) {
+            }
+            let drafts = &s.tokens[s.tokens.len() - s.num_drafts..];
+            let first = row + n - 1 - s.num_drafts;
+            if s.sample && s.sampling.constraint.is_some() {
+                // Its edits wait for its allowed sets (one per row: the drafts committed in
+                // turn, then taken back), computed while the step runs.
+                constrained.push(ConstrainedRows {
+                    seq_id: s.seq_id,
+                    row: first,
+                    sampled: st.sampled,
+                    sampling: s.sampling.clone(),
+                    drafts: drafts.to_vec(),
+                });
+                waits |= s.tokens.first() == Some(&PENDING_TOKEN);
+            }
+            // One row per draft position, each the next draw of the stream and with the
+            // penalties of the drafts before it, as if fed one token per step (collect takes
+            // back the draws and the drafts of rows after a rejection).
+            for (r, &d) in (first..row + n - 1).zip(drafts) {
+                if s.sampling.constraint.is_none() {
                     st.edits(r, &s.sampling, None, &mut edits);
-                    samples.push(st.sample_row(r, &s.sampling));
-                    st.record(d, &s.sampling);
                 }
+                samples.push(st.sample_row(r, &s.sampling));
+                st.record(d, &s.sampling);
             }
             if s.sample {
                 let r = row + n - 1;
                 if s.sampling.constraint.is_some() {
-                    // Its edits wait for its allowed set, computed while the step runs.
-                    constrained.push((s.seq_id, r, st.sampled, s.sampling.clone()));
-                    waits |= s.tokens.first() == Some(&PENDING_TOKEN);
+                    // Edits with the masks (above).
                 } else {
                     st.edits(r, &s.sampling, None, &mut edits);
                 }
@@ -916,22 +940,29 @@ impl CudaBackend {
         } = t;
         // Structured output: the constrained rows' allowed sets (a grammar's mask takes tens of
         // microseconds), computed in parallel while the device runs the step.
-        let allowed: Vec<Vec<u32>> = constrained
+        let allowed: Vec<Vec<Vec<u32>>> = constrained
             .par_iter()
-            .map(|(_, _, _, p)| {
-                p.constraint
-                    .as_ref()
-                    .map_or_else(Vec::new, |c| c.allowed(vocab))
+            .map(|c| match &c.sampling.constraint {
+                Some(g) if c.drafts.is_empty() => vec![g.allowed(vocab)],
+                Some(g) => g.allowed_through(vocab, &c.drafts),
+                None => Vec::new(),
             })
             .collect();
         let mut masks = TokenMasks::default();
-        for ((id, r, sampled, p), a) in constrained.iter().zip(&allowed) {
-            let (id, r, sampled) = (*id, *r, *sampled);
-            let st = self.states.get(&id).ok_or_else(|| {
-                GpuError::Internal(format!("no sampling state for sequence {id}"))
+        for (c, sets) in constrained.iter().zip(&allowed) {
+            let st = self.states.get(&c.seq_id).ok_or_else(|| {
+                GpuError::Internal(format!("no sampling state for sequence {}", c.seq_id))
             })?;
-            st.edits_at(r, p, Some(a), sampled, &mut edits);
-            masks.push(r, a);
+            for (i, a) in sets.iter().enumerate() {
+                st.edits_at(
+                    c.row + i,
+                    &c.sampling,
+                    Some(a),
+                    c.sampled + i as u64,
+                    &mut edits,
+                );
+                masks.push(c.row + i, a);
+            }
         }
         // Raw logits rows for logprobs, before any edit (these copies wait for the step).
         let mut raw: HashMap<usize, Vec<f32>> = HashMap::new();
@@ -1060,6 +1091,18 @@ struct SeqTail {
     drafts: Vec<u32>,
 }
 
+/// A constrained sequence's rows of a step: `drafts.len() + 1` logits rows from `row`.
+struct ConstrainedRows {
+    seq_id: u64,
+    /// Its first sampled row.
+    row: usize,
+    /// Tokens it had sampled before that row.
+    sampled: u64,
+    sampling: Arc<SamplingParams>,
+    /// The drafts fed after its last known token.
+    drafts: Vec<u32>,
+}
+
 /// The sampling half of a step whose forward pass is queued (see
 /// [`CudaBackend::finish_step`]).
 struct StepTail {
@@ -1067,9 +1110,8 @@ struct StepTail {
     arrays: SampleArrays,
     samples: Vec<SampleRow>,
     edits: Edits,
-    /// (sequence, logits row, tokens it had sampled before this row, its sampling) of the
-    /// constrained rows.
-    constrained: Vec<(u64, usize, u64, Arc<SamplingParams>)>,
+    /// The constrained sequences' rows.
+    constrained: Vec<ConstrainedRows>,
     seqs: Vec<SeqTail>,
 }
 
