@@ -786,14 +786,12 @@ impl CudaBackend {
             } else {
                 0
             };
-            if s.num_drafts > 0 {
-                if !verifies_drafts(&s.sampling) {
-                    return Err(GpuError::BadBatch(format!(
-                        "sequence {}: drafts under a grammar that cannot take commits back, \
-                         or with penalties, are not verified here",
-                        s.seq_id
-                    )));
-                }
+            if s.num_drafts > 0 && !verifies_drafts(&s.sampling) {
+                return Err(GpuError::BadBatch(format!(
+                    "sequence {}: drafts under a grammar that cannot take commits back, or \
+                     with penalties, are not verified here",
+                    s.seq_id
+                )));
             }
             let drafts = &s.tokens[s.tokens.len() - s.num_drafts..];
             let first = row + n - 1 - s.num_drafts;
