@@ -168,6 +168,57 @@ fn bench_serve_reports_vllm_labels_against_a_live_server() {
         serde_json::from_str(&std::fs::read_to_string(&result).unwrap()).unwrap();
     assert_eq!(v["completed"], 6);
     assert_eq!(v["total_output_tokens"], 48);
+    assert!(!stdout.contains("Speculative Decoding"), "{stdout}");
+}
+
+#[test]
+fn bench_serve_reports_speculative_decoding_of_the_server() {
+    let server = Server::start(
+        "bench-spec",
+        "speculative:\n  num_speculative_tokens: 4\n  prompt_lookup_min: 1\n",
+    );
+    let dir = temp_dir("bench-spec");
+    let result = dir.join("result.json");
+    // Prompts of four distinct tokens repeat themselves, so prompt lookup finds drafts.
+    let stdout = succeeds(
+        switchyard()
+            .args([
+                "bench",
+                "serve",
+                "--max-concurrency",
+                "2",
+                "--num-prompts",
+                "4",
+            ])
+            .args([
+                "--input-len",
+                "24",
+                "--output-len",
+                "24",
+                "--ignore-eos",
+                "true",
+            ])
+            .args(["--token-offset", "1000", "--token-range", "4"])
+            .arg("--base-url")
+            .arg(format!("http://127.0.0.1:{}", server.port))
+            .arg("--result-file")
+            .arg(&result),
+    );
+    for label in [
+        "Speculative Decoding",
+        "Acceptance rate (%):",
+        "Mean acceptance length:",
+    ] {
+        assert!(stdout.contains(label), "missing {label} in\n{stdout}");
+    }
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&result).unwrap()).unwrap();
+    assert_eq!(v["total_output_tokens"], 96);
+    let drafted = v["spec_decode_num_draft_tokens"].as_f64().expect("drafts");
+    let accepted = v["spec_decode_num_accepted_tokens"]
+        .as_f64()
+        .expect("accepted");
+    assert!(drafted > 0.0 && accepted <= drafted, "{v}");
 }
 
 #[test]

@@ -144,6 +144,8 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
     };
     let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
     let work = workload(&args, &mut rng)?;
+    // Speculative decoding's counters before the run (a server without them reports none).
+    let spec_before = spec_counters(&target);
     let concurrency = args.max_concurrency.unwrap_or(usize::MAX).max(1);
     let (tx, rx) = mpsc::channel::<Sample>();
     let bar = super::progress_bar(work.len() as u64, "requests");
@@ -204,7 +206,59 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
         bar.inc(1);
     }
     bar.finish_and_clear();
-    report(&args, &samples, start.elapsed().as_secs_f64())
+    let duration = start.elapsed().as_secs_f64();
+    let spec = match (spec_before, spec_counters(&target)) {
+        (Some(a), Some(b)) => Some(SpecCounters {
+            drafts: b.drafts - a.drafts,
+            draft_tokens: b.draft_tokens - a.draft_tokens,
+            accepted: b.accepted - a.accepted,
+        }),
+        (None, Some(b)) => Some(b),
+        _ => None,
+    };
+    report(
+        &args,
+        &samples,
+        duration,
+        spec.filter(|s| s.draft_tokens > 0.0),
+    )
+}
+
+/// Speculative decoding counters of a Switchyard server (`/metrics`).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+struct SpecCounters {
+    drafts: f64,
+    draft_tokens: f64,
+    accepted: f64,
+}
+
+/// Reads the speculative decoding counters from `/metrics`; `None` when the endpoint or the
+/// counters are missing (another server, or metrics behind a key).
+fn spec_counters(t: &Target) -> Option<SpecCounters> {
+    let mut s = connect(&t.host, t.port).ok()?;
+    write!(
+        s,
+        "GET /metrics HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n",
+        t.host
+    )
+    .ok()?;
+    let mut text = String::new();
+    s.take(16 << 20).read_to_string(&mut text).ok()?;
+    parse_spec_counters(&text)
+}
+
+fn parse_spec_counters(text: &str) -> Option<SpecCounters> {
+    let value = |name: &str| {
+        text.lines().find_map(|l| {
+            let (lhs, v) = l.rsplit_once(' ')?;
+            (lhs.split('{').next()? == name).then(|| v.trim().parse::<f64>().ok())?
+        })
+    };
+    Some(SpecCounters {
+        drafts: value("switchyard:spec_decode_num_drafts_total")?,
+        draft_tokens: value("switchyard:spec_decode_num_draft_tokens_total")?,
+        accepted: value("switchyard:spec_decode_num_accepted_tokens_total")?,
+    })
 }
 
 fn connect(host: &str, port: u16) -> anyhow::Result<TcpStream> {
@@ -383,7 +437,12 @@ fn stats(mut v: Vec<f64>) -> (f64, f64, f64) {
     )
 }
 
-fn report(args: &ServeBenchArgs, samples: &[Sample], duration: f64) -> anyhow::Result<()> {
+fn report(
+    args: &ServeBenchArgs,
+    samples: &[Sample],
+    duration: f64,
+    spec: Option<SpecCounters>,
+) -> anyhow::Result<()> {
     let ok: Vec<&Sample> = samples.iter().filter(|s| s.ok).collect();
     let failed = samples.len() - ok.len();
     let input: usize = ok.iter().map(|s| s.prompt_tokens).sum();
@@ -428,6 +487,22 @@ fn report(args: &ServeBenchArgs, samples: &[Sample], duration: f64) -> anyhow::R
         println!("{:<40}{:.2}", format!("Median {name} (ms):"), s.1);
         println!("{:<40}{:.2}", format!("P99 {name} (ms):"), s.2);
     }
+    if let Some(sp) = spec {
+        println!("{:-^50}", "Speculative Decoding");
+        println!(
+            "{:<40}{:.2}",
+            "Acceptance rate (%):",
+            100.0 * sp.accepted / sp.draft_tokens
+        );
+        println!(
+            "{:<40}{:.2}",
+            "Mean acceptance length:",
+            1.0 + sp.accepted / sp.drafts.max(1.0)
+        );
+        println!("{:<40}{}", "Drafts:", sp.drafts);
+        println!("{:<40}{}", "Draft tokens:", sp.draft_tokens);
+        println!("{:<40}{}", "Accepted tokens:", sp.accepted);
+    }
     println!("{}", "=".repeat(50));
     if let Some(first) = samples.iter().find(|s| !s.ok) {
         eprintln!("first failure: {}", first.error);
@@ -443,6 +518,13 @@ fn report(args: &ServeBenchArgs, samples: &[Sample], duration: f64) -> anyhow::R
             "mean_itl_ms": itl.0, "median_itl_ms": itl.1, "p99_itl_ms": itl.2,
             "max_concurrency": args.max_concurrency, "request_rate": args.request_rate,
         });
+        let mut result = result;
+        if let Some(sp) = spec {
+            result["spec_decode_acceptance_rate"] = json!(sp.accepted / sp.draft_tokens);
+            result["spec_decode_num_drafts"] = json!(sp.drafts);
+            result["spec_decode_num_draft_tokens"] = json!(sp.draft_tokens);
+            result["spec_decode_num_accepted_tokens"] = json!(sp.accepted);
+        }
         std::fs::write(path, serde_json::to_string_pretty(&result)?)
             .with_context(|| format!("writing {}", path.display()))?;
     }
@@ -467,6 +549,22 @@ mod tests {
             ("localhost", 80, "/api")
         );
         assert!(parse_url("https://x").is_err());
+    }
+
+    #[test]
+    fn speculative_counters_parse_from_prometheus_text() {
+        let text = "HTTP/1.1 200 OK\r\n\r\n# HELP x\nswitchyard:spec_decode_num_drafts_total 12\n\
+                    switchyard:spec_decode_num_draft_tokens_total 48\n\
+                    switchyard:spec_decode_num_accepted_tokens_total{a=\"b\"} 30\n";
+        assert_eq!(
+            parse_spec_counters(text),
+            Some(SpecCounters {
+                drafts: 12.0,
+                draft_tokens: 48.0,
+                accepted: 30.0
+            })
+        );
+        assert_eq!(parse_spec_counters("switchyard:other 1\n"), None);
     }
 
     #[test]
