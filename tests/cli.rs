@@ -277,17 +277,28 @@ fn bench_throughput_runs_real_prompts_with_speculative_decoding() {
         "{\"prompt\": \"Repeat exactly: red green blue red green blue red green blue\"}\n\n{\"prompt\": \"Count: 1 2 3 4 5 6\"}\n",
     )
     .expect("write prompts");
+    let bench = || {
+        let mut c = switchyard();
+        c.args([
+            "bench",
+            "throughput",
+            "--backend",
+            "cpu",
+            "--dataset",
+            "prompts",
+        ])
+        .arg("--model")
+        .arg(&model)
+        .arg("--dataset-path")
+        .arg(&data);
+        c
+    };
     let run = |drafts: &str| -> serde_json::Value {
         let out = succeeds(
-            switchyard()
-                .args(["bench", "throughput", "--backend", "cpu", "--json"])
-                .args(["--dataset", "prompts", "--num-prompts", "3"])
+            bench()
+                .args(["--json", "--num-prompts", "3"])
                 .args(["--output-len", "24", "--temperature", "0", "--threads", "2"])
-                .args(["--num-speculative-tokens", drafts])
-                .arg("--model")
-                .arg(&model)
-                .arg("--dataset-path")
-                .arg(&data),
+                .args(["--num-speculative-tokens", drafts]),
         );
         serde_json::from_str(out.trim()).expect("json result")
     };
@@ -310,21 +321,7 @@ fn bench_throughput_runs_real_prompts_with_speculative_decoding() {
     );
     // A malformed line is refused with its line number.
     std::fs::write(&data, "{\"prompt\": \"ok\"}\n{\"text\": 1}\n").expect("write");
-    let err = fails(
-        switchyard()
-            .args([
-                "bench",
-                "throughput",
-                "--backend",
-                "cpu",
-                "--dataset",
-                "prompts",
-            ])
-            .arg("--model")
-            .arg(&model)
-            .arg("--dataset-path")
-            .arg(&data),
-    );
+    let err = fails(&mut bench());
     assert!(err.contains("line 2"), "{err}");
 }
 

@@ -22,6 +22,16 @@ fn config(blocks: usize, block_size: usize) -> SchedulerConfig {
     }
 }
 
+/// Speculative decoding with `k` drafts and lookups of `min..=max` tokens, no batch limit.
+fn drafts(k: usize, min: usize, max: usize) -> Option<SpeculativeConfig> {
+    Some(SpeculativeConfig {
+        num_speculative_tokens: k,
+        prompt_lookup_min: min,
+        prompt_lookup_max: max,
+        max_running: 0,
+    })
+}
+
 fn sched(c: SchedulerConfig, p: Box<dyn Policy>) -> Scheduler {
     Scheduler::new(c, p, [11, 22]).unwrap()
 }
@@ -720,12 +730,7 @@ fn requests_passed_over_for_adapters_do_not_use_up_the_candidates_examined() {
 #[test]
 fn drafts_are_proposed_verified_and_their_rejected_blocks_freed() {
     let c = SchedulerConfig {
-        speculative: Some(SpeculativeConfig {
-            num_speculative_tokens: 3,
-            prompt_lookup_min: 2,
-            prompt_lookup_max: 3,
-            max_running: 0,
-        }),
+        speculative: drafts(3, 2, 3),
         ..config(64, 4)
     };
     let mut s = sched(c, Box::new(Fcfs));
@@ -799,12 +804,7 @@ fn drafts_are_proposed_verified_and_their_rejected_blocks_freed() {
 fn drafts_take_only_leftover_budget_and_stop_at_max_tokens() {
     let c = SchedulerConfig {
         max_num_batched_tokens: 6,
-        speculative: Some(SpeculativeConfig {
-            num_speculative_tokens: 8,
-            prompt_lookup_min: 1,
-            prompt_lookup_max: 2,
-            max_running: 0,
-        }),
+        speculative: drafts(8, 1, 2),
         ..config(64, 4)
     };
     let mut s = sched(c, Box::new(Fcfs));
@@ -874,12 +874,7 @@ fn a_stop_inside_accepted_drafts_ends_the_sequence_there() {
         }
     }
     let c = SchedulerConfig {
-        speculative: Some(SpeculativeConfig {
-            num_speculative_tokens: 4,
-            prompt_lookup_min: 1,
-            prompt_lookup_max: 2,
-            max_running: 0,
-        }),
+        speculative: drafts(4, 1, 2),
         ..config(64, 4)
     };
     let mut s = sched(c, Box::new(Checking));

@@ -609,11 +609,7 @@ impl port::Engine for EngineAdapter {
                 prompt_lookup_max: s.prompt_lookup_max,
                 max_running: s.max_running,
             });
-        let invalid = |m: String| EngineError::new(EngineErrorKind::InvalidRequest, m);
-        if let Some(Err(e)) = config.as_ref().map(|c| c.validate()) {
-            let e = e.to_string();
-            return Box::pin(async move { Err(invalid(e)) });
-        }
+        // The scheduler checks the settings (a refusal is an invalid request).
         let slot = self.speculative.clone();
         Box::pin(async move {
             engine
