@@ -140,6 +140,9 @@ pub struct GenerateArgs {
     /// Backend: auto, cpu or cuda.
     #[arg(long, default_value = "auto")]
     pub backend: String,
+    /// Weight quantization at load: none, or fp8 (CUDA backend only).
+    #[arg(long, default_value = "none")]
+    pub quantization: switchyard_config::Quantization,
     /// CPU threads (0 = all cores).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
@@ -322,6 +325,10 @@ pub struct ThroughputArgs {
     /// Fraction of GPU memory the CUDA backend may hold (weights, buffers, KV cache).
     #[arg(long, default_value_t = 0.9)]
     pub gpu_memory_utilization: f64,
+    /// Weight quantization at load: none, or fp8 (CUDA backend, sm_89 or newer: e4m3 layers
+    /// with a scale per output channel, activations a scale per token).
+    #[arg(long, default_value = "none")]
+    pub quantization: switchyard_config::Quantization,
     /// Plan and submit each step while the previous one runs on the device: auto (on with
     /// the CUDA backend), on or off.
     #[arg(long, default_value = "auto")]

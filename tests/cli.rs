@@ -389,3 +389,27 @@ fn generate_follows_a_json_schema_a_choice_and_refuses_bad_ones() {
     let err = fails(generate().args(["--prompt", "x", "--regex", "(unclosed"]));
     assert!(err.contains("invalid structured output"), "{err}");
 }
+
+#[test]
+fn fp8_quantization_is_refused_on_the_cpu_backend() {
+    // fp8 layers need the CUDA backend; on the CPU the flag (or a bad value) is an error that
+    // says so, before any work starts.
+    let model = common::model_path();
+    let err = fails(
+        switchyard()
+            .args(["generate", "--backend", "cpu", "--quantization", "fp8"])
+            .arg("--model")
+            .arg(&model)
+            .args(["--prompt", "x"]),
+    );
+    assert!(err.contains("fp8 runs on the CUDA backend only"), "{err}");
+    let err = fails(switchyard().args([
+        "bench",
+        "throughput",
+        "--backend",
+        "cpu",
+        "--quantization",
+        "int4",
+    ]));
+    assert!(err.contains("expected none or fp8"), "{err}");
+}

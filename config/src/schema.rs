@@ -184,6 +184,32 @@ pub enum LoadFormat {
     Dummy,
 }
 
+/// How the layers' weights are stored on the device.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Quantization {
+    /// As loaded: bf16 on the CUDA backend, the file's own types on the CPU backend.
+    #[default]
+    None,
+    /// The CUDA backend quantizes each layer's matrices to fp8 (e4m3, a scale per output
+    /// channel; activations a scale per token) at load: half the weight bytes, fp8 tensor
+    /// cores. Needs a GPU of compute capability 8.9 or newer (Ada, Hopper).
+    Fp8,
+}
+
+impl std::str::FromStr for Quantization {
+    type Err = String;
+
+    /// `none` or `fp8` (command-line flags).
+    fn from_str(v: &str) -> Result<Self, String> {
+        match v {
+            "none" => Ok(Self::None),
+            "fp8" => Ok(Self::Fp8),
+            other => Err(format!("`{other}`: expected none or fp8")),
+        }
+    }
+}
+
 /// The `model:` section.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
@@ -199,6 +225,8 @@ pub struct ModelSection {
     pub load_format: LoadFormat,
     /// Architecture preset for `load_format: dummy` (`smollm2-135m`, `llama-3-8b`).
     pub architecture: Option<String>,
+    /// Weight quantization applied at load (`none`, `fp8`: CUDA backend only).
+    pub quantization: Quantization,
     /// Longest prompt plus output accepted; defaults to the model's context length.
     pub max_model_len: Option<usize>,
     /// CPU threads for the CPU backend (0 = all cores).
@@ -214,6 +242,7 @@ impl Default for ModelSection {
             backend: BackendKind::Auto,
             load_format: LoadFormat::Auto,
             architecture: None,
+            quantization: Quantization::None,
             max_model_len: None,
             threads: 0,
         }

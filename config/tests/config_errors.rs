@@ -119,3 +119,16 @@ fn speculative_section_is_parsed_and_bounded() {
         "prompt_lookup_min",
     );
 }
+
+#[test]
+fn quantization_is_parsed_and_checked() {
+    use switchyard_config::Quantization;
+    let cfg = Config::from_yaml_str("model:\n  quantization: fp8\n", "test.yaml").unwrap();
+    assert_eq!(cfg.model.quantization, Quantization::Fp8);
+    let cfg = Config::from_yaml_str("model:\n  backend: cuda\n", "test.yaml").unwrap();
+    assert_eq!(cfg.model.quantization, Quantization::None);
+    check_err("model:\n  quantization: int4\n", Some(2), "quantization");
+    assert_eq!("fp8".parse::<Quantization>(), Ok(Quantization::Fp8));
+    assert_eq!("none".parse::<Quantization>(), Ok(Quantization::None));
+    assert!("FP8".parse::<Quantization>().is_err());
+}

@@ -8,6 +8,7 @@
 // the same for values, slot = block * block_size + offset.
 
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 
 typedef __nv_bfloat16 bf16;
 typedef unsigned long long u64;
@@ -171,6 +172,98 @@ extern "C" __global__ void fill_f32(float* p, u64 n, float v) {
     PDL_ENTER();
     u64 stride = (u64)gridDim.x * blockDim.x;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) p[i] = v;
+}
+
+// ---- fp8 (e4m3) quantization (`quantization: fp8`) ----
+// A bf16 matrix x [rows, k] (k a multiple of 8, x 16-byte aligned) becomes q = e4m3(x / s),
+// rounded to nearest even and saturated, so that x ~ s q, with s = amax / 448 (448: e4m3's
+// largest finite value) and amax either each row's max |x| (fp8_quant_rows: a scale per row;
+// weights per output channel, activations per token, so a token's product does not depend on
+// the other tokens of the step; cuBLASLt applies both vectors: outer-vector scaling) or the
+// whole tensor's (fp8_amax, then fp8_quant_tensor: one scale, for cuBLASLt builds without
+// outer-vector scaling). An all-zero row or tensor gets s = FP8_MIN_SCALE and zeros.
+#define FP8_E4M3_MAX 448.f
+#define FP8_MIN_SCALE 1e-12f
+
+// Eight bf16 values (one 16-byte load) times inv, as eight e4m3 bytes.
+__device__ __forceinline__ uint2 fp8_pack8(uint4 raw, float inv) {
+    const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&raw);
+    u32 w[2];
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+        float2 f0 = __bfloat1622float2(b[2 * j]);
+        float2 f1 = __bfloat1622float2(b[2 * j + 1]);
+        u32 lo = __nv_cvt_float2_to_fp8x2(make_float2(f0.x * inv, f0.y * inv), __NV_SATFINITE,
+                                          __NV_E4M3);
+        u32 hi = __nv_cvt_float2_to_fp8x2(make_float2(f1.x * inv, f1.y * inv), __NV_SATFINITE,
+                                          __NV_E4M3);
+        w[j] = lo | (hi << 16);
+    }
+    return make_uint2(w[0], w[1]);
+}
+
+// max |v| over eight bf16 values.
+__device__ __forceinline__ float fp8_absmax8(uint4 raw) {
+    const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&raw);
+    float m = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        float2 f = __bfloat1622float2(b[j]);
+        m = fmaxf(m, fmaxf(fabsf(f.x), fabsf(f.y)));
+    }
+    return m;
+}
+
+extern "C" __global__ void fp8_quant_rows(const bf16* __restrict__ x, int k,
+                                          __nv_fp8_storage_t* __restrict__ q,
+                                          float* __restrict__ scales) {
+    PDL_ENTER();
+    __shared__ float red[32];
+    const u64 r = blockIdx.x;
+    const uint4* xv = reinterpret_cast<const uint4*>(x + r * k);
+    uint2* qv = reinterpret_cast<uint2*>(q + r * k);
+    const int nv = k / 8;
+    float m = 0.f;
+    for (int i = threadIdx.x; i < nv; i += blockDim.x) m = fmaxf(m, fp8_absmax8(__ldg(xv + i)));
+    m = block_max(m, red);
+    const float s = fmaxf(m / FP8_E4M3_MAX, FP8_MIN_SCALE);
+    const float inv = 1.f / s;
+    if (threadIdx.x == 0) scales[r] = s;
+    for (int i = threadIdx.x; i < nv; i += blockDim.x) qv[i] = fp8_pack8(__ldg(xv + i), inv);
+}
+
+// Block b writes max |x| over its grid-stride share of the n values (n / 8 vectors) to part[b].
+extern "C" __global__ void fp8_amax(const bf16* __restrict__ x, u64 n, float* __restrict__ part) {
+    PDL_ENTER();
+    __shared__ float red[32];
+    const uint4* xv = reinterpret_cast<const uint4*>(x);
+    float m = 0.f;
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n / 8; i += stride)
+        m = fmaxf(m, fp8_absmax8(__ldg(xv + i)));
+    m = block_max(m, red);
+    if (threadIdx.x == 0) part[blockIdx.x] = m;
+}
+
+// Every block reduces the `parts` maxima of fp8_amax to the tensor's scale, quantizes its
+// grid-stride share, and block 0 writes the scale.
+extern "C" __global__ void fp8_quant_tensor(const bf16* __restrict__ x, u64 n,
+                                            const float* __restrict__ part, int parts,
+                                            __nv_fp8_storage_t* __restrict__ q,
+                                            float* __restrict__ scale) {
+    PDL_ENTER();
+    __shared__ float red[32];
+    float m = 0.f;
+    for (int i = threadIdx.x; i < parts; i += blockDim.x) m = fmaxf(m, part[i]);
+    m = block_max(m, red);
+    const float s = fmaxf(m / FP8_E4M3_MAX, FP8_MIN_SCALE);
+    const float inv = 1.f / s;
+    if (blockIdx.x == 0 && threadIdx.x == 0) *scale = s;
+    const uint4* xv = reinterpret_cast<const uint4*>(x);
+    uint2* qv = reinterpret_cast<uint2*>(q);
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n / 8; i += stride)
+        qv[i] = fp8_pack8(__ldg(xv + i), inv);
 }
 
 // x[t] = table[tokens[t]] as f32. Grid: one block per token. A negative entry -(i + 1) is the

@@ -206,6 +206,7 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
         threads: args.threads,
         max_batch_tokens: args.max_num_batched_tokens,
         max_num_seqs,
+        quantization: args.quantization,
     };
     let (backend, chosen) = runtime::build_backend(kind, source, &settings)?;
     anyhow::ensure!(

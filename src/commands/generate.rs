@@ -67,6 +67,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         threads: args.threads,
         max_batch_tokens: 2048,
         max_num_seqs: 256,
+        quantization: args.quantization,
     };
     let (backend, _) = runtime::build_backend(
         runtime::parse_backend(&args.backend)?,

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use switchyard_actors::{AsyncScheduling, EngineCore, EngineCoreConfig};
-use switchyard_config::BackendKind;
+use switchyard_config::{BackendKind, Quantization};
 use switchyard_gpu::backend::{Backend, CpuBackend, CpuBackendConfig};
 use switchyard_gpu::cpu::llama::LlamaModel;
 use switchyard_gpu::model::{fetch, LlamaConfig, LoadedModel, ModelWeights};
@@ -133,6 +133,8 @@ pub struct BackendSettings {
     /// Most sequences per step (CUDA graphs are captured up to this batch size).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub max_num_seqs: usize,
+    /// Weight quantization at load (fp8: the CUDA backend only).
+    pub quantization: Quantization,
 }
 
 /// Parses a `--backend` flag.
@@ -205,6 +207,10 @@ pub fn build_backend(
     let backend = match chosen {
         BackendKind::Cuda => cuda_backend(source, s)?,
         _ => {
+            anyhow::ensure!(
+                s.quantization == Quantization::None,
+                "quantization fp8 runs on the CUDA backend only (the CPU backend runs a GGUF's own quantized types)"
+            );
             let config = source.config().clone();
             let model = match source {
                 ModelSource::Loaded(c, w) => LlamaModel::from_weights(c, w)?,
@@ -234,6 +240,7 @@ fn cuda_backend(source: ModelSource<'_>, s: &BackendSettings) -> anyhow::Result<
         max_batch_tokens: s.max_batch_tokens,
         max_num_seqs: s.max_num_seqs,
         cuda_graphs: std::env::var_os("SWITCHYARD_NO_CUDA_GRAPHS").is_none(),
+        fp8: s.quantization == Quantization::Fp8,
         ..CudaBackendConfig::default()
     };
     let started = std::time::Instant::now();

@@ -91,6 +91,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         threads: config.model.threads,
         max_batch_tokens: config.scheduler.max_num_batched_tokens,
         max_num_seqs: config.scheduler.max_num_seqs,
+        quantization: config.model.quantization,
     };
     let (backend, _) = runtime::build_backend(
         config.model.backend,

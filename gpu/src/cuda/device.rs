@@ -189,8 +189,8 @@ impl GemvMode {
 }
 
 /// One matrix product `C[n, m] = A[n, k] · W[m, k]^T + beta · C`, row-major: W (the weights)
-/// and A (the activations) bf16, C f32 or bf16 (`c_f32`), accumulation in f32. The pointers are
-/// device addresses of buffers of these shapes.
+/// and A (the activations) bf16, or both e4m3 with a scale per row (`fp8`), C f32 or bf16
+/// (`c_f32`), accumulation in f32. The pointers are device addresses of buffers of these shapes.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Product {
     pub w: u64,
@@ -204,7 +204,32 @@ pub(crate) struct Product {
     pub k: usize,
     pub beta: f32,
     pub c_f32: bool,
+    /// W and A hold e4m3 values scaled by these (runs on cuBLASLt only).
+    pub fp8: Option<Fp8Scales>,
 }
+
+/// Device addresses of the f32 scales of an fp8 product's operands: with [`Fp8Scaling::Row`]
+/// `w` has one per row of W (`m`) and `a` one per row of A (`n`), the product being
+/// `(diag(a) A) (diag(w) W)^T`; with [`Fp8Scaling::Tensor`] each holds one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Fp8Scales {
+    pub w: u64,
+    pub a: u64,
+    pub scaling: Fp8Scaling,
+}
+
+/// How fp8 values are scaled.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Fp8Scaling {
+    /// A scale per row (weights per output channel, activations per token): cuBLASLt's
+    /// outer-vector scaling (cuBLAS 12.9 and later on Hopper).
+    Row,
+    /// One scale per tensor (activations: per step).
+    Tensor,
+}
+
+/// Most blocks of `fp8_amax` (the partial maxima `fp8_quant_tensor` reduces).
+pub(crate) const FP8_MAX_PARTS: usize = 264;
 
 /// The activations of a GEMV launch.
 #[derive(Clone, Copy, Debug)]
@@ -357,6 +382,9 @@ pub(crate) enum Arg {
 pub(crate) struct Kernels {
     pub init_uniform_bf16: CudaFunction,
     pub fill_f32: CudaFunction,
+    pub fp8_quant_rows: CudaFunction,
+    pub fp8_amax: CudaFunction,
+    pub fp8_quant_tensor: CudaFunction,
     pub embed: CudaFunction,
     pub rms_norm: CudaFunction,
     pub rope_store_kv: CudaFunction,
@@ -494,6 +522,9 @@ impl Gpu {
         let k = Kernels {
             init_uniform_bf16: f("init_uniform_bf16")?,
             fill_f32: f("fill_f32")?,
+            fp8_quant_rows: f("fp8_quant_rows")?,
+            fp8_amax: f("fp8_amax")?,
+            fp8_quant_tensor: f("fp8_quant_tensor")?,
             embed: f("embed")?,
             rms_norm: f("rms_norm")?,
             rope_store_kv: f("rope_store_kv")?,
@@ -945,12 +976,105 @@ impl Gpu {
         self.gemm_with(true, p)
     }
 
+    /// Quantizes the bf16 matrix at `x` (`rows x k`, k a multiple of 8, 16-byte aligned) to
+    /// e4m3 at `q`, with the f32 scales written to `scales`: one per row (`fp8_quant_rows`) or
+    /// one for the whole matrix (`fp8_amax` into `parts`, [`FP8_MAX_PARTS`] f32, then
+    /// `fp8_quant_tensor`). Capturable: nothing needs resetting.
+    pub fn quantize_fp8(
+        &self,
+        x: u64,
+        (rows, k): (usize, usize),
+        (q, scales, parts): (u64, u64, u64),
+        scaling: Fp8Scaling,
+    ) -> Result<(), GpuError> {
+        if rows == 0 {
+            return Ok(());
+        }
+        if k == 0
+            || !k.is_multiple_of(8)
+            || !x.is_multiple_of(16)
+            || !q.is_multiple_of(8)
+            || rows > i32::MAX as usize
+        {
+            return Err(GpuError::Internal(format!(
+                "fp8 quantization of {rows} x {k} at {x:#x} -> {q:#x}: k must be a multiple of 8, the buffers aligned"
+            )));
+        }
+        self.timed("fp8_quant", || match scaling {
+            Fp8Scaling::Row => self.launch(
+                &self.k.fp8_quant_rows,
+                (rows as u32, 1, 1),
+                if k >= 2048 { 256 } else { 128 },
+                &[
+                    Arg::Ptr(x),
+                    Arg::I32(k as i32),
+                    Arg::Ptr(q),
+                    Arg::Ptr(scales),
+                ],
+            ),
+            Fp8Scaling::Tensor => {
+                let n = rows * k;
+                let vecs = (n / 8).div_ceil(256);
+                let parts_used = vecs.min(FP8_MAX_PARTS);
+                self.launch(
+                    &self.k.fp8_amax,
+                    (parts_used as u32, 1, 1),
+                    256,
+                    &[Arg::Ptr(x), Arg::U64(n as u64), Arg::Ptr(parts)],
+                )?;
+                self.launch(
+                    &self.k.fp8_quant_tensor,
+                    (vecs.min(4 * 1024) as u32, 1, 1),
+                    256,
+                    &[
+                        Arg::Ptr(x),
+                        Arg::U64(n as u64),
+                        Arg::Ptr(parts),
+                        Arg::I32(parts_used as i32),
+                        Arg::Ptr(q),
+                        Arg::Ptr(scales),
+                    ],
+                )
+            }
+        })
+    }
+
+    /// Whether cuBLASLt has fp8 algorithms with `scaling` (see [`lt::Lt::fp8_supported`]).
+    pub fn fp8_supported(&self, scaling: Fp8Scaling) -> Result<(), GpuError> {
+        let lt = self
+            .lt
+            .as_ref()
+            .ok_or_else(|| GpuError::Cuda("libcublasLt is not loaded".into()))?;
+        lt.fp8_supported(scaling)
+    }
+
+    /// The fp8 scaling this GPU's cuBLASLt runs: [`Fp8Scaling::Row`] when it has an algorithm
+    /// for an outer-vector-scaled product (asked of the heuristic; nothing runs), else
+    /// [`Fp8Scaling::Tensor`]; `SWITCHYARD_CUDA_FP8_SCALING=tensor` forces the latter. `None`
+    /// without cuBLASLt or any fp8 algorithm.
+    pub fn fp8_scaling(&self) -> Option<Fp8Scaling> {
+        let forced = std::env::var("SWITCHYARD_CUDA_FP8_SCALING").ok();
+        let mut order = vec![Fp8Scaling::Row, Fp8Scaling::Tensor];
+        if forced.as_deref() == Some("tensor") {
+            order.remove(0);
+        }
+        for scaling in order {
+            match self.fp8_supported(scaling) {
+                Ok(()) => return Some(scaling),
+                Err(e) => {
+                    tracing::info!(?scaling, error = %e, "cuBLASLt has no fp8 algorithm with this scaling")
+                }
+            }
+        }
+        None
+    }
+
     /// [`Gpu::gemm`], on the GEMV kernels only when `gemv` (and they fit).
     pub fn gemm_with(&self, gemv: bool, p: Product) -> Result<(), GpuError> {
         if p.m == 0 || p.n == 0 {
             return Ok(());
         }
-        if gemv && self.gemv_fits(p.n, p.k, &[p.w, p.a]) {
+        if gemv && p.fp8.is_none() && self.gemv_fits(p.n, p.k, &[p.w, p.a]) {
             return self.gemv(
                 p.w,
                 GemvInput::Bf16(p.a),
@@ -971,7 +1095,7 @@ impl Gpu {
     /// (`lt`), or cublasGemmEx for shapes cuBLASLt declines, without libcublasLt, or with
     /// `SWITCHYARD_CUDA_BLASLT=0`. Capturable in a CUDA graph either way.
     pub fn gemm_cublas(&self, p: Product) -> Result<(), GpuError> {
-        if self.blaslt && self.gemm_lt(p)? {
+        if (self.blaslt || p.fp8.is_some()) && self.gemm_lt(p)? {
             return Ok(());
         }
         self.gemm_ex(p)
@@ -1014,9 +1138,15 @@ impl Gpu {
             k,
             beta,
             c_f32,
+            fp8,
         } = p;
         if m == 0 || n == 0 {
             return Ok(());
+        }
+        if fp8.is_some() {
+            return Err(GpuError::Cuda(format!(
+                "cuBLASLt has no fp8 algorithm for a {m} x {n} x {k} product (fp8 needs cuBLASLt and sm_89 or newer)"
+            )));
         }
         let dim =
             |v: usize| i32::try_from(v).map_err(|_| GpuError::Internal(format!("GEMM size {v}")));

@@ -14,9 +14,11 @@ use std::collections::HashMap;
 
 use cudarc::driver::{sys, CudaGraph};
 
-use super::device::{cuda_err, Arg, DevMem, GemvInput, GemvOutput, Gpu, Product, RopeOut};
+use super::device::{
+    cuda_err, Arg, DevMem, Fp8Scales, GemvInput, GemvOutput, Gpu, Product, RopeOut, FP8_MAX_PARTS,
+};
 use super::step::{grid_splits, one_warp_tiles, Layout, ATT_SMALL_ROWS, MAX_SPLITS};
-use super::weights::GpuWeights;
+use super::weights::{GpuLayer, GpuWeights, Proj};
 use crate::error::GpuError;
 use crate::lora::LoraTarget;
 use crate::model::{LlamaConfig, RopeStyle};
@@ -40,6 +42,8 @@ pub(crate) struct Buffers {
     pub step: DevMem,
     pub sampled: DevMem,
     pub kv: DevMem,
+    /// With fp8 weights: where each product's activations are quantized.
+    pub fp8: Option<Fp8Buffers>,
     /// Tokens per step at most.
     pub max_tokens: usize,
     /// Logit rows per step at most.
@@ -48,6 +52,38 @@ pub(crate) struct Buffers {
     pub split_tokens: usize,
     /// Bytes of one layer's keys (values follow).
     pub kv_layer_bytes: usize,
+}
+
+/// The e4m3 copy of a product's activations, their scales (per token, or one), and the
+/// partial maxima of per-tensor scaling.
+pub(crate) struct Fp8Buffers {
+    pub q: DevMem,
+    pub scales: DevMem,
+    pub parts: DevMem,
+}
+
+impl Fp8Buffers {
+    /// Bytes for steps of `max_tokens` tokens (the widest product input is the intermediate
+    /// activation or the attention output).
+    fn bytes(c: &LlamaConfig, max_tokens: usize) -> usize {
+        let k = c
+            .hidden_size
+            .max(c.num_heads * c.head_dim)
+            .max(c.intermediate_size);
+        max_tokens * k + max_tokens * 4 + FP8_MAX_PARTS * 4
+    }
+
+    fn new(gpu: &Gpu, c: &LlamaConfig, max_tokens: usize) -> Result<Self, GpuError> {
+        let k = c
+            .hidden_size
+            .max(c.num_heads * c.head_dim)
+            .max(c.intermediate_size);
+        Ok(Fp8Buffers {
+            q: gpu.alloc(max_tokens * k)?,
+            scales: gpu.alloc(max_tokens * 4)?,
+            parts: gpu.alloc(FP8_MAX_PARTS * 4)?,
+        })
+    }
 }
 
 /// Bytes of KV cache per block.
@@ -63,12 +99,14 @@ pub(crate) fn step_bytes(tokens: usize, rows: usize, stride: usize) -> usize {
 
 impl Buffers {
     /// Activation buffers for `max_tokens` tokens and `max_rows` logit rows (without the KV
-    /// cache, which is sized from what is left: see [`Buffers::with_cache`]).
+    /// cache, which is sized from what is left: see [`Buffers::with_cache`]); `fp8`: with the
+    /// fp8 activation buffers.
     pub fn activation_bytes(
         c: &LlamaConfig,
         max_tokens: usize,
         max_rows: usize,
         block_size: usize,
+        fp8: bool,
     ) -> usize {
         let (h, hd) = (c.hidden_size, c.head_dim);
         let (qw, kvw, inter) = (c.num_heads * hd, c.num_kv_heads * hd, c.intermediate_size);
@@ -86,16 +124,18 @@ impl Buffers {
             + split_t * c.num_heads * MAX_SPLITS * (hd + 2) * 4
             + step_bytes(t, max_rows, stride)
             + max_rows * 4
+            + if fp8 { Fp8Buffers::bytes(c, t) } else { 0 }
     }
 
-    /// Allocates the buffers and a cache of `blocks` blocks.
+    /// Allocates the buffers (`fp8`: with the fp8 activation buffers) and a cache of `blocks`
+    /// blocks.
     pub fn with_cache(
         gpu: &Gpu,
         c: &LlamaConfig,
-        max_tokens: usize,
-        max_rows: usize,
+        (max_tokens, max_rows): (usize, usize),
         blocks: usize,
         block_size: usize,
+        fp8: bool,
     ) -> Result<Self, GpuError> {
         let (h, hd) = (c.hidden_size, c.head_dim);
         let (qw, kvw, inter) = (c.num_heads * hd, c.num_kv_heads * hd, c.intermediate_size);
@@ -118,6 +158,11 @@ impl Buffers {
             step: gpu.alloc(step_bytes(t, max_rows, stride))?,
             sampled: gpu.alloc(max_rows * 4)?,
             kv: gpu.alloc(2 * c.num_layers * kv_layer_bytes)?,
+            fp8: if fp8 {
+                Some(Fp8Buffers::new(gpu, c, t)?)
+            } else {
+                None
+            },
             max_tokens,
             max_rows,
             split_tokens,
@@ -313,10 +358,13 @@ pub(crate) fn enqueue(
     // The hybrid route (`Gpu::gemv_hybrid`): only the QKV product (with the norm prologue) and
     // the output projection on the GEMV kernels; the wide gate|up and down products and the
     // lm_head on cuBLAS.
+    // fp8 layers run every product on cuBLASLt (the GEMV kernels read bf16 weights).
     let model_gemv = lora.is_none() && gpu.gemv_for(h, t);
     let hybrid = lora.is_none() && !model_gemv && gpu.gemv_hybrid(h, t);
     let first = w.layers.first();
+    let bf16_layers = first.is_some_and(|f| f.fp8.is_none());
     let fits = (model_gemv || hybrid)
+        && bf16_layers
         && first.is_some_and(|f| {
             gpu.gemv_fits(t, h, &[f.qkv.ptr(), f.gate_up.ptr(), b.x.ptr(), b.xn.ptr()])
                 && gpu.gemv_fits(t, qw, &[f.o.ptr(), b.att.ptr()])
@@ -331,6 +379,19 @@ pub(crate) fn enqueue(
         x: b.x.ptr(),
         weight: weight.ptr(),
         eps: c.rms_norm_eps,
+    };
+    // A product's input: as it is (bf16 layers), or quantized to e4m3 with its scale.
+    let input = |layer: &GpuLayer, p: Proj, a: u64, k: usize| -> Result<_, GpuError> {
+        let (Some(f), Some(q8)) = (layer.fp8_scales(p, 0), b.fp8.as_ref()) else {
+            return Ok((a, None));
+        };
+        let to = (q8.q.ptr(), q8.scales.ptr(), q8.parts.ptr());
+        gpu.quantize_fp8(a, (t, k), to, f.scaling)?;
+        let scales = Fp8Scales {
+            a: q8.scales.ptr(),
+            ..f
+        };
+        Ok((q8.q.ptr(), Some(scales)))
     };
     for (li, layer) in w.layers.iter().enumerate() {
         let kc = b.kv.at(2 * li * b.kv_layer_bytes)?;
@@ -385,18 +446,20 @@ pub(crate) fn enqueue(
                     )
                 })?;
             } else {
+                let (a, fp8) = input(layer, Proj::Qkv, b.xn.ptr(), h)?;
                 gpu.timed(if qkv_o { "gemv_qkv" } else { "gemm_qkv" }, || {
                     gpu.gemm_with(
                         qkv_o,
                         Product {
                             w: layer.qkv.ptr(),
-                            a: b.xn.ptr(),
+                            a,
                             c: b.qkv.ptr(),
                             m: qw + 2 * kvw,
                             n: t,
                             k: h,
                             beta: 0.0,
                             c_f32: true,
+                            fp8,
                         },
                     )
                 })?;
@@ -449,18 +512,20 @@ pub(crate) fn enqueue(
             block_size,
         )?;
         // The output projection adds onto the residual stream (beta = 1, f32).
+        let (a, fp8) = input(layer, Proj::O, b.att.ptr(), qw)?;
         gpu.timed(if qkv_o { "gemv_o" } else { "gemm_o" }, || {
             gpu.gemm_with(
                 qkv_o,
                 Product {
                     w: layer.o.ptr(),
-                    a: b.att.ptr(),
+                    a,
                     c: b.x.ptr(),
                     m: h,
                     n: t,
                     k: qw,
                     beta: 1.0,
                     c_f32: true,
+                    fp8,
                 },
             )
         })?;
@@ -496,6 +561,7 @@ pub(crate) fn enqueue(
             })?;
         } else {
             norm(0, layer.ffn_norm.ptr(), b.xn.ptr(), t)?;
+            let (a, fp8) = input(layer, Proj::GateUp, b.xn.ptr(), h)?;
             gpu.timed(
                 if small {
                     "gemv_gate_up"
@@ -507,13 +573,14 @@ pub(crate) fn enqueue(
                         small,
                         Product {
                             w: layer.gate_up.ptr(),
-                            a: b.xn.ptr(),
+                            a,
                             c: b.gu.ptr(),
                             m: 2 * inter,
                             n: t,
                             k: h,
                             beta: 0.0,
                             c_f32: false,
+                            fp8,
                         },
                     )
                 },
@@ -567,18 +634,20 @@ pub(crate) fn enqueue(
                 })?;
             }
         }
+        let (a, fp8) = input(layer, Proj::Down, b.act.ptr(), inter)?;
         gpu.timed(if small { "gemv_down" } else { "gemm_down" }, || {
             gpu.gemm_with(
                 small,
                 Product {
                     w: layer.down.ptr(),
-                    a: b.act.ptr(),
+                    a,
                     c: b.x.ptr(),
                     m: h,
                     n: t,
                     k: inter,
                     beta: 1.0,
                     c_f32: true,
+                    fp8,
                 },
             )
         })?;
@@ -609,6 +678,7 @@ pub(crate) fn enqueue(
                     k: h,
                     beta: 0.0,
                     c_f32: true,
+                    fp8: None,
                 },
             )
         },

@@ -11,6 +11,14 @@
 //! matrix used transposed (`TRANSA = T`) and `A^T` a `k x n` one (`TRANSB = N`); A and W bf16,
 //! C f32 or bf16, compute and scale type f32.
 //!
+//! **fp8.** A product whose `fp8` is set reads W and A as e4m3 (this "TN" arrangement is the one
+//! Hopper's fp8 kernels take) with a vector of f32 scales each (outer-vector scaling, cuBLAS
+//! 12.9 and later: one per row of W, one per token), whose device addresses are set on the
+//! plan's descriptor before each call (they change from layer to layer; cuBLASLt reads them
+//! when the kernel runs, so graphs replay whatever the scales hold then). Fast accumulation
+//! (`CUBLASLT_MATMUL_DESC_FAST_ACCUM`) is on unless `SWITCHYARD_CUDA_FP8_FAST_ACCUM=0`. fp8
+//! products have no GemmEx fallback: a shape cuBLASLt declines is an error.
+//!
 //! **Graph capture.** Decode graphs are captured the first time a batch bucket occurs, usually
 //! before any eager step of that many tokens, so the first call of a shape often comes while the
 //! stream is capturing. Falling back to GemmEx there would freeze GemmEx into every such graph,
@@ -32,7 +40,7 @@ use std::ffi::c_void;
 use cudarc::cublas::sys::cublasOperation_t;
 use cudarc::cublaslt::{result as lt, sys as lt_sys};
 
-use super::device::Product;
+use super::device::{Fp8Scaling, Product};
 use crate::error::GpuError;
 
 /// Most shapes the cache holds (Lt plans and shapes remembered as GemmEx together).
@@ -53,6 +61,8 @@ pub(crate) struct PlanKey {
     pub c_f32: bool,
     /// `beta != 0`.
     pub accumulate: bool,
+    /// W and A are e4m3, scaled so.
+    pub fp8: Option<Fp8Scaling>,
     /// log2 of the alignment in bytes of W, A and C, at most 8 (256 bytes).
     pub align_log2: [u8; 3],
 }
@@ -66,6 +76,7 @@ impl PlanKey {
             k: p.k,
             c_f32: p.c_f32,
             accumulate: p.beta != 0.0,
+            fp8: p.fp8.map(|s| s.scaling),
             align_log2: [align_log2(p.w), align_log2(p.a), align_log2(p.c)],
         }
     }
@@ -190,6 +201,8 @@ pub(crate) struct Lt {
     handle: lt_sys::cublasLtHandle_t,
     workspace: u64,
     workspace_bytes: usize,
+    /// `CUBLASLT_MATMUL_DESC_FAST_ACCUM` for fp8 plans.
+    fp8_fast_accum: bool,
 }
 
 // SAFETY: the handle and descriptors are host-side objects that cuBLASLt allows to be used from
@@ -225,6 +238,7 @@ impl Lt {
                 handle,
                 workspace,
                 workspace_bytes,
+                fp8_fast_accum: super::device::env_switch("SWITCHYARD_CUDA_FP8_FAST_ACCUM", true),
             }),
             Err(e) => {
                 tracing::warn!(error = ?e, "cublasLtCreate failed; matrix products run on cublasGemmEx");
@@ -264,6 +278,13 @@ impl Lt {
                         );
                     }
                 }
+                Err(e) if key.fp8.is_some() => {
+                    // No fallback to take: say why.
+                    return Err(GpuError::Cuda(format!(
+                        "no cuBLASLt fp8 algorithm for {} x {} x {}: {e}",
+                        key.m, key.n, key.k
+                    )));
+                }
                 Err(e) => {
                     let capturing = capturing();
                     tracing::debug!(
@@ -281,6 +302,25 @@ impl Lt {
             Some(Slot::Lt(p)) => p,
             Some(Slot::GemmEx) | None => return Ok(LtOutcome::UseGemmEx),
         };
+        if let Some(s) = p.fp8 {
+            type Attr = lt_sys::cublasLtMatmulDescAttributes_t;
+            for (attr, ptr) in [
+                (Attr::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, s.w),
+                (Attr::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, s.a),
+            ] {
+                // SAFETY: `desc` is live; the attribute is a device pointer (8 bytes) to an f32
+                // the caller keeps alive until the product has run.
+                unsafe {
+                    lt::set_matmul_desc_attribute(
+                        plan.desc,
+                        attr,
+                        &ptr as *const u64 as *const c_void,
+                        std::mem::size_of::<u64>(),
+                    )
+                }
+                .map_err(|e| lt_err("cublasLtMatmulDescSetAttribute (fp8 scale)", e))?;
+            }
+        }
         let alpha = 1.0f32;
         // SAFETY: the descriptors describe the buffers the caller passes (live device memory of
         // the stated shapes, at least as aligned as the key says); the workspace is live and
@@ -319,6 +359,23 @@ impl Lt {
                 Ok(LtOutcome::UseGemmEx)
             }
         }
+    }
+
+    /// Whether the heuristic has algorithms for fp8 products with `scaling` of the three kinds a
+    /// layer runs (f32 output, f32 output accumulated, bf16 output); host-only, nothing runs.
+    pub fn fp8_supported(&self, scaling: Fp8Scaling) -> Result<(), GpuError> {
+        for (c_f32, accumulate) in [(true, false), (true, true), (false, false)] {
+            self.plan(&PlanKey {
+                m: 256,
+                n: 64,
+                k: 256,
+                c_f32,
+                accumulate,
+                fp8: Some(scaling),
+                align_log2: [8, 8, 8],
+            })?;
+        }
+        Ok(())
     }
 
     /// Creates the descriptors of `key` and asks the heuristic for its best algorithm (host-only
@@ -367,10 +424,61 @@ impl Lt {
             }
             .map_err(|e| lt_err("cublasLtMatmulDescSetAttribute", e))?;
         }
-        let bf16 = lt_sys::cudaDataType::CUDA_R_16BF;
-        p.w = lt::create_matrix_layout(bf16, d(key.k), d(key.m), ld(key.k)?)
+        if let Some(scaling) = key.fp8 {
+            type Attr = lt_sys::cublasLtMatmulDescAttributes_t;
+            type Mode = lt_sys::cublasLtMatmulMatrixScale_t;
+            let fast = i8::from(self.fp8_fast_accum);
+            let mode = match scaling {
+                Fp8Scaling::Row => Mode::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F,
+                Fp8Scaling::Tensor => Mode::CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F,
+            } as i32;
+            // Placeholder scale addresses (any aligned device address) for the heuristic, which
+            // may check them; each call sets the real ones.
+            let placeholder = self.workspace;
+            // SAFETY: `desc` is live; fast accumulation is an int8, the scale modes int32, the
+            // scale pointers 8-byte device addresses.
+            unsafe {
+                for attr in [
+                    Attr::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                    Attr::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                ] {
+                    lt::set_matmul_desc_attribute(
+                        p.desc,
+                        attr,
+                        &placeholder as *const u64 as *const c_void,
+                        std::mem::size_of::<u64>(),
+                    )
+                    .map_err(|e| lt_err("cublasLtMatmulDescSetAttribute (scale pointer)", e))?;
+                }
+                lt::set_matmul_desc_attribute(
+                    p.desc,
+                    Attr::CUBLASLT_MATMUL_DESC_FAST_ACCUM,
+                    &fast as *const i8 as *const c_void,
+                    std::mem::size_of::<i8>(),
+                )
+                .map_err(|e| lt_err("cublasLtMatmulDescSetAttribute (fast accumulation)", e))?;
+                for attr in [
+                    Attr::CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
+                    Attr::CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
+                ] {
+                    lt::set_matmul_desc_attribute(
+                        p.desc,
+                        attr,
+                        &mode as *const i32 as *const c_void,
+                        std::mem::size_of::<i32>(),
+                    )
+                    .map_err(|e| lt_err("cublasLtMatmulDescSetAttribute (scale mode)", e))?;
+                }
+            }
+        }
+        let in_type = if key.fp8.is_some() {
+            lt_sys::cudaDataType::CUDA_R_8F_E4M3
+        } else {
+            lt_sys::cudaDataType::CUDA_R_16BF
+        };
+        p.w = lt::create_matrix_layout(in_type, d(key.k), d(key.m), ld(key.k)?)
             .map_err(|e| lt_err("cublasLtMatrixLayoutCreate", e))?;
-        p.a = lt::create_matrix_layout(bf16, d(key.k), d(key.n), ld(key.k)?)
+        p.a = lt::create_matrix_layout(in_type, d(key.k), d(key.n), ld(key.k)?)
             .map_err(|e| lt_err("cublasLtMatrixLayoutCreate", e))?;
         p.c = lt::create_matrix_layout(c_type, d(key.m), d(key.n), ld(key.m)?)
             .map_err(|e| lt_err("cublasLtMatrixLayoutCreate", e))?;
@@ -467,6 +575,7 @@ mod tests {
             k,
             beta,
             c_f32,
+            fp8: None,
         })
     }
 
@@ -488,6 +597,27 @@ mod tests {
         assert_eq!(acc, key(6144, 7, 4096, true, 0.5, C));
         assert!(acc.accumulate);
         assert_ne!(base, acc);
+        // fp8 operands (whatever their scales' addresses).
+        let fp8 = |w_scale: u64| {
+            PlanKey::new(&Product {
+                fp8: Some(super::super::device::Fp8Scales {
+                    w: w_scale,
+                    a: 0x10,
+                    scaling: Fp8Scaling::Row,
+                }),
+                w: W,
+                a: A,
+                c: C,
+                m: 6144,
+                n: 7,
+                k: 4096,
+                beta: 0.0,
+                c_f32: true,
+            })
+        };
+        assert!(fp8(0x100).fp8.is_some() && base.fp8.is_none());
+        assert_ne!(base, fp8(0x100));
+        assert_eq!(fp8(0x100), fp8(0x200));
         // Output type and every dimension.
         assert_ne!(base, key(6144, 7, 4096, false, 0.0, C));
         assert_ne!(base, key(6144, 8, 4096, true, 0.0, C));

@@ -42,7 +42,7 @@ use crate::error::GpuError;
 use crate::model::{LlamaConfig, ModelWeights};
 use crate::sampler::{log_softmax, top_n};
 use device::Gpu;
-pub use device::{probe, DeviceInfo};
+pub use device::{probe, DeviceInfo, Fp8Scaling};
 use forward::{bucket_for, bucket_launch, Buffers, Graphs, Launch, GRAPH_BUCKETS};
 use sampling::{Edits, SampleArrays, SeqState, TokenMasks};
 use step::{grid_splits, Layout, SampleRow};
@@ -67,6 +67,10 @@ pub struct CudaBackendConfig {
     pub cuda_graphs: bool,
     /// Seed of the streams of requests that bring none.
     pub seed: u64,
+    /// Quantize the layers' matrices to fp8 (e4m3; a scale per output channel, activations
+    /// a scale per token) at load: half the weight bytes, Hopper's fp8 tensor cores. Needs
+    /// sm_89 or newer.
+    pub fp8: bool,
 }
 
 impl Default for CudaBackendConfig {
@@ -80,6 +84,7 @@ impl Default for CudaBackendConfig {
             max_num_seqs: 256,
             cuda_graphs: true,
             seed: 0,
+            fp8: false,
         }
     }
 }
@@ -303,15 +308,33 @@ impl CudaBackend {
         }
         let mut gpu = Gpu::open(cfg.device)?;
         gpu.gemv_rotate = device::gemv_rotation(config.hidden_size);
-        let weights = match source {
+        if cfg.fp8 && gpu.info.compute_capability < (8, 9) {
+            return Err(GpuError::InvalidConfig(format!(
+                "quantization fp8 needs fp8 tensor cores (sm_89 or newer); this GPU is sm_{}{}",
+                gpu.info.compute_capability.0, gpu.info.compute_capability.1
+            )));
+        }
+        let mut weights = match source {
             WeightSource::Loaded(w) => weights::from_model(&gpu, config, w)?,
             WeightSource::Dummy(seed) => weights::dummy(&gpu, config, seed)?,
+        };
+        let fp8 = if cfg.fp8 {
+            let scaling = gpu.fp8_scaling().ok_or_else(|| {
+                GpuError::InvalidConfig(
+                    "quantization fp8: cuBLASLt has no fp8 matrix products on this system".into(),
+                )
+            })?;
+            tracing::info!(?scaling, "fp8 layers");
+            weights::quantize_fp8(&gpu, config, &mut weights, scaling)?;
+            Some(scaling)
+        } else {
+            None
         };
         let max_tokens = cfg.max_batch_tokens;
         let max_rows = max_tokens.min(MAX_LOGIT_ROWS.max(cfg.max_num_seqs));
         let bs = cfg.block_size;
         let per_block = forward::kv_block_bytes(config, bs);
-        let act = Buffers::activation_bytes(config, max_tokens, max_rows, bs)
+        let act = Buffers::activation_bytes(config, max_tokens, max_rows, bs, cfg.fp8)
             + sampling::ArgmaxScratch::bytes(max_rows);
         let num_blocks = match cfg.num_kv_blocks {
             Some(n) => n,
@@ -333,7 +356,14 @@ impl CudaBackend {
                 act >> 20
             )));
         }
-        let buf = Buffers::with_cache(&gpu, config, max_tokens, max_rows, num_blocks, bs)?;
+        let buf = Buffers::with_cache(
+            &gpu,
+            config,
+            (max_tokens, max_rows),
+            num_blocks,
+            bs,
+            cfg.fp8,
+        )?;
         // Profiling times every launch on its own, so it runs without graphs.
         let max_graph_batch = if cfg.cuda_graphs && gpu.prof.is_none() {
             cfg.max_num_seqs
@@ -345,11 +375,16 @@ impl CudaBackend {
             0
         };
         let name = format!(
-            "cuda ({}, sm_{}{}, {} MiB weights, {} KV blocks)",
+            "cuda ({}, sm_{}{}, {} MiB {} weights, {} KV blocks)",
             gpu.info.name,
             gpu.info.compute_capability.0,
             gpu.info.compute_capability.1,
             weights.bytes() >> 20,
+            match fp8 {
+                Some(device::Fp8Scaling::Row) => "fp8 (row-scaled)",
+                Some(device::Fp8Scaling::Tensor) => "fp8 (tensor-scaled)",
+                None => "bf16",
+            },
             num_blocks
         );
         let timing = timing::StepTiming::from_env(&gpu.ctx)?;

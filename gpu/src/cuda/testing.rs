@@ -386,6 +386,7 @@ impl MatmulRig {
             k,
             beta,
             c_f32: f32_out,
+            fp8: None,
         };
         let launch = || -> Result<(), GpuError> {
             match (path, gin, output) {
@@ -513,4 +514,106 @@ impl MatmulRig {
         all.truncate(n * m);
         Ok((all, ms))
     }
+}
+
+/// The fp8 scalings this GPU's cuBLASLt runs (see [`super::Fp8Scaling`]).
+pub fn fp8_scalings() -> Result<Vec<super::Fp8Scaling>, GpuError> {
+    let gpu = Gpu::open(0)?;
+    Ok([super::Fp8Scaling::Row, super::Fp8Scaling::Tensor]
+        .into_iter()
+        .filter(|&s| gpu.fp8_supported(s).is_ok())
+        .collect())
+}
+
+/// What [`fp8_product`] returns: both operands as the backend quantized them (e4m3 bytes, one
+/// f32 scale per row, or one in all with [`super::Fp8Scaling::Tensor`]) and the product
+/// cuBLASLt computed from them.
+pub struct Fp8Product {
+    pub wq: Vec<u8>,
+    pub w_scales: Vec<f32>,
+    pub aq: Vec<u8>,
+    pub a_scales: Vec<f32>,
+    /// `c[t, r] = beta c0[t, r] + sum_k a[t, k] w[r, k]`, `n x m`.
+    pub c: Vec<f32>,
+}
+
+/// Quantizes `w` (`m x k`) and `a` (`n x k`) with the backend's fp8 kernel (a scale per row)
+/// and multiplies them as an fp8 layer does (cuBLASLt, outer-vector scales, f32 or bf16
+/// (`c_f32`) output onto `c0` with `beta`).
+pub fn fp8_product(
+    w: &[bf16],
+    a: &[bf16],
+    (m, n, k): (usize, usize, usize),
+    (c0, beta, c_f32): (&[f32], f32, bool),
+    scaling: super::Fp8Scaling,
+) -> Result<Fp8Product, GpuError> {
+    if w.len() != m * k || a.len() != n * k || c0.len() != n * m {
+        return Err(GpuError::BadBatch("fp8 check: operand sizes".into()));
+    }
+    let gpu = Gpu::open(0)?;
+    let up = |v: &[bf16]| -> Result<DevMem, GpuError> {
+        let d = gpu.alloc(v.len() * 2)?;
+        gpu.upload(d.ptr(), v)?;
+        Ok(d)
+    };
+    let (wd, ad) = (up(w)?, up(a)?);
+    let (wq, aq) = (gpu.alloc(m * k)?, gpu.alloc(n * k)?);
+    let (ws, as_) = (gpu.alloc(m * 4)?, gpu.alloc(n * 4)?);
+    let parts = gpu.alloc(super::device::FP8_MAX_PARTS * 4)?;
+    let c = gpu.alloc(n * m * 4)?;
+    if c_f32 {
+        gpu.upload(c.ptr(), c0)?;
+    } else {
+        let b: Vec<bf16> = c0.iter().map(|&v| bf16::from_f32(v)).collect();
+        gpu.upload(c.ptr(), &b)?;
+        gpu.sync()?;
+    }
+    gpu.quantize_fp8(wd.ptr(), (m, k), (wq.ptr(), ws.ptr(), parts.ptr()), scaling)?;
+    gpu.quantize_fp8(
+        ad.ptr(),
+        (n, k),
+        (aq.ptr(), as_.ptr(), parts.ptr()),
+        scaling,
+    )?;
+    gpu.gemm_cublas(Product {
+        w: wq.ptr(),
+        a: aq.ptr(),
+        c: c.ptr(),
+        m,
+        n,
+        k,
+        beta,
+        c_f32,
+        fp8: Some(super::device::Fp8Scales {
+            w: ws.ptr(),
+            a: as_.ptr(),
+            scaling,
+        }),
+    })?;
+    gpu.sync()?;
+    let mut out = Fp8Product {
+        wq: vec![0; m * k],
+        w_scales: vec![0.0; m],
+        aq: vec![0; n * k],
+        a_scales: vec![0.0; n],
+        c: vec![0.0; n * m],
+    };
+    gpu.download(&mut out.wq, wq.ptr())?;
+    gpu.download(&mut out.w_scales, ws.ptr())?;
+    gpu.download(&mut out.aq, aq.ptr())?;
+    gpu.download(&mut out.a_scales, as_.ptr())?;
+    if scaling == super::Fp8Scaling::Tensor {
+        // One scale each: every row's is the first.
+        let (w0, a0) = (out.w_scales[0], out.a_scales[0]);
+        out.w_scales.fill(w0);
+        out.a_scales.fill(a0);
+    }
+    if c_f32 {
+        gpu.download(&mut out.c, c.ptr())?;
+    } else {
+        let mut b = vec![bf16::ZERO; n * m];
+        gpu.download(&mut b, c.ptr())?;
+        out.c = b.iter().map(|v| v.to_f32()).collect();
+    }
+    Ok(out)
 }

@@ -7,10 +7,16 @@
 //! runs four GEMMs. Within each head, the Q and K rows are stored in RoPE pair order
 //! ([`rope_row_order`]); random weights are generated in that order directly (a permutation of
 //! random rows is as random).
+//!
+//! With `quantization: fp8` ([`quantize_fp8`]), the four matrices of every layer are then
+//! converted on the device to e4m3 with one f32 scale per output channel (the row's max |w| /
+//! 448; activations get one per token at run time), or one per matrix where cuBLASLt lacks
+//! outer-vector scaling ([`Fp8Scaling`]), and the bf16 copies are freed; the embedding, the
+//! norms and the lm_head stay bf16 (as vLLM's fp8 mode keeps them).
 
 use half::bf16;
 
-use super::device::{Arg, DevMem, Gpu};
+use super::device::{Arg, DevMem, Fp8Scales, Fp8Scaling, Gpu, FP8_MAX_PARTS};
 use crate::error::GpuError;
 use crate::model::{LlamaConfig, ModelWeights, RopeStyle};
 
@@ -22,6 +28,36 @@ pub(crate) struct GpuLayer {
     pub ffn_norm: DevMem,
     pub gate_up: DevMem,
     pub down: DevMem,
+    /// With fp8 weights (qkv, o, gate|up and down then hold e4m3): their row scales.
+    pub fp8: Option<Fp8Layer>,
+}
+
+/// The f32 scales of a layer's four fp8 matrices, in one allocation.
+pub(crate) struct Fp8Layer {
+    scales: DevMem,
+    /// Byte offset of each matrix's scales, by [`Proj`].
+    offsets: [u64; 4],
+    scaling: Fp8Scaling,
+}
+
+/// The matrices of a layer, in the order of [`GpuLayer::fp8`]'s scales.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Proj {
+    Qkv = 0,
+    O = 1,
+    GateUp = 2,
+    Down = 3,
+}
+
+impl GpuLayer {
+    /// The scales of `p` (with `a`, the activations' scales), when the layer is fp8.
+    pub fn fp8_scales(&self, p: Proj, a: u64) -> Option<Fp8Scales> {
+        self.fp8.as_ref().map(|f| Fp8Scales {
+            w: f.scales.ptr() + f.offsets[p as usize],
+            a,
+            scaling: f.scaling,
+        })
+    }
 }
 
 /// A Llama model's weights on the device.
@@ -53,6 +89,7 @@ impl GpuWeights {
                     + l.ffn_norm.bytes()
                     + l.gate_up.bytes()
                     + l.down.bytes()
+                    + l.fp8.as_ref().map_or(0, |f| f.scales.bytes())
             })
             .sum();
         l + self.embed.bytes() + self.lm_head.as_ref().map_or(0, DevMem::bytes) + self.norm.bytes()
@@ -229,6 +266,7 @@ pub(crate) fn from_model(
                 h,
             )?,
             down: upload_bf16(gpu, w, &[Part::plain(n("ffn_down"), h)], inter)?,
+            fp8: None,
         });
     }
     let embed = upload_bf16(
@@ -302,6 +340,7 @@ pub(crate) fn dummy(gpu: &Gpu, c: &LlamaConfig, seed: u64) -> Result<GpuWeights,
             ffn_norm: ones(h)?,
             gate_up: matrix(2 * inter, h, fan(h))?,
             down: matrix(h, inter, fan(inter))?,
+            fp8: None,
         });
     }
     let embed = matrix(c.vocab_size, h, 1.0)?;
@@ -319,6 +358,55 @@ pub(crate) fn dummy(gpu: &Gpu, c: &LlamaConfig, seed: u64) -> Result<GpuWeights,
         layers,
         inv_freq: inv_freq(gpu, c)?,
     })
+}
+
+/// Converts every layer's four matrices to e4m3 with a scale per row (see the module doc), one
+/// matrix at a time (the bf16 copy is freed before the next is converted).
+pub(crate) fn quantize_fp8(
+    gpu: &Gpu,
+    c: &LlamaConfig,
+    w: &mut GpuWeights,
+    scaling: Fp8Scaling,
+) -> Result<(), GpuError> {
+    let (h, hd) = (c.hidden_size, c.head_dim);
+    let (q, kv, inter) = (c.num_heads * hd, c.num_kv_heads * hd, c.intermediate_size);
+    if h % 16 != 0 || q % 16 != 0 || inter % 16 != 0 {
+        return Err(GpuError::InvalidConfig(format!(
+            "fp8 weights need hidden, attention and intermediate sizes that are multiples of 16 (here {h}, {q}, {inter})"
+        )));
+    }
+    // (rows, cols) by `Proj`; each matrix's scales start 256-byte aligned.
+    let shapes = [(q + 2 * kv, h), (h, q), (2 * inter, h), (h, inter)];
+    let mut offsets = [0u64; 4];
+    let mut end = 0usize;
+    for (o, &(rows, _)) in offsets.iter_mut().zip(&shapes) {
+        *o = end as u64;
+        end += (rows * 4).next_multiple_of(256);
+    }
+    let parts = gpu.alloc(FP8_MAX_PARTS * 4)?;
+    for layer in &mut w.layers {
+        let scales = gpu.alloc(end)?;
+        let mats = [
+            &mut layer.qkv,
+            &mut layer.o,
+            &mut layer.gate_up,
+            &mut layer.down,
+        ];
+        for ((m, &(rows, cols)), &off) in mats.into_iter().zip(&shapes).zip(&offsets) {
+            let out = gpu.alloc(rows * cols)?;
+            let to = (out.ptr(), scales.ptr() + off, parts.ptr());
+            gpu.quantize_fp8(m.ptr(), (rows, cols), to, scaling)?;
+            // The bf16 copy may only be freed once the conversion has read it.
+            gpu.sync()?;
+            *m = out;
+        }
+        layer.fp8 = Some(Fp8Layer {
+            scales,
+            offsets,
+            scaling,
+        });
+    }
+    Ok(())
 }
 
 #[cfg(test)]
