@@ -7,7 +7,11 @@
 //
 // W is bf16 [m, k] row-major (as the backend stores every projection), x bf16 [n, k], y f32 or
 // bf16 [n, m]; f32 accumulation. k must be a multiple of 8 and W, x 16-byte aligned (the host
-// checks and falls back to cuBLAS otherwise).
+// checks and falls back to cuBLAS otherwise). The *_f8 variants read W as e4m3 (fp8 layers)
+// with f32 scales ws[r * ws_stride] (ws_stride 1: a scale per row; 0: one for the matrix):
+// each 8-byte piece becomes the 8 bf16 values it holds (exactly: every e4m3 value is a bf16
+// value), the same mma runs, and the epilogue multiplies each row's sum by its scale; half the
+// weight bytes of the bf16 kernels for the same work.
 //
 // Tensor cores. A warp multiplies a tile of 16 rows of W with the tokens 8 at a time:
 // mma.m16n8k16 with A = 16 rows x 16 k of W, B = 16 k x 8 tokens (tokens >= n are zeros),
@@ -60,21 +64,16 @@
 #ifndef GEMV_W_EARLY
 #define GEMV_W_EARLY 1
 #endif
+// k-steps per batch of loads in the fp8 kernels (the bf16 ones take 4).
+#ifndef GEMV_F8_STEPS
+#define GEMV_F8_STEPS 4
+#endif
 #ifndef GEMV_W_EARLY_NORM
 #define GEMV_W_EARLY_NORM 1
 #endif
 static_assert((GEMV_W_EARLY == 0 || GEMV_W_EARLY == 1) &&
                   (GEMV_W_EARLY_NORM == 0 || GEMV_W_EARLY_NORM == 1),
               "GEMV_W_EARLY and GEMV_W_EARLY_NORM are 0 or 1");
-// 16 bytes of W, streamed: not kept in L1 (x is), with an L2 prefetch of the next bytes.
-__device__ __forceinline__ uint4 gemv_ld_w(const bf16* p) {
-    uint4 r;
-    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-        : "l"(p));
-    return r;
-}
-
 __device__ __forceinline__ void gemv_mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
                                          u32 b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
@@ -86,6 +85,62 @@ __device__ __forceinline__ void gemv_mma(float* d, u32 a0, u32 a1, u32 a2, u32 a
 __device__ __forceinline__ u32 gemv_pack(float lo, float hi) {
     __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<u32*>(&h);
+}
+
+// Two e4m3 bytes (low byte first, in the low 8 bits of each 16-bit half of `v`) as two bf16
+// holding their values times 2^-120, by moving bits: e4m3's sign to bf16's, its 4 exponent and
+// 3 mantissa bits to the low exponent and high mantissa bits (exponent bias 7 -> 127: the
+// factor 2^-120; e4m3 subnormals become bf16 subnormals, exactly). Integer operations at full
+// rate, where the conversion instructions run at a quarter; the epilogue multiplies by 2^120.
+__device__ __forceinline__ u32 gemv_e4m3x2_bf16x2(u32 v) {
+    return ((v << 8) & 0x80008000u) | ((v << 4) & 0x07f007f0u);
+}
+#define GEMV_F8_UNSCALE 0x1p120f
+
+// A lane's piece of W for one k-step: 8 values, 16 bytes of bf16 (uint4) or 8 of e4m3 (uint2,
+// widened to bf16 by gemv_widen when its products are computed, so the loads in flight hold
+// raw bytes).
+template <bool F8>
+struct GemvPiece {
+    typedef uint4 T;
+};
+template <>
+struct GemvPiece<true> {
+    typedef uint2 T;
+};
+
+// One piece of W, streamed: not kept in L1 (x is), with an L2 prefetch of the next bytes. `p`
+// is a byte address.
+template <bool F8>
+__device__ __forceinline__ typename GemvPiece<F8>::T gemv_ld_w(const char* p);
+
+template <>
+__device__ __forceinline__ uint4 gemv_ld_w<false>(const char* p) {
+    uint4 r;
+    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p));
+    return r;
+}
+
+template <>
+__device__ __forceinline__ uint2 gemv_ld_w<true>(const char* p) {
+    uint2 r;
+    asm("ld.global.nc.L1::no_allocate.L2::256B.v2.u32 {%0, %1}, [%2];"
+        : "=r"(r.x), "=r"(r.y)
+        : "l"(p));
+    return r;
+}
+
+// A piece as the 8 bf16 values the mma takes.
+__device__ __forceinline__ uint4 gemv_widen(uint4 v) { return v; }
+
+__device__ __forceinline__ uint4 gemv_widen(uint2 v) {
+    // Bytes 0, 1 | 2, 3 of each word into the low bytes of the two 16-bit halves.
+    return make_uint4(gemv_e4m3x2_bf16x2(__byte_perm(v.x, 0u, 0x5140)),
+                      gemv_e4m3x2_bf16x2(__byte_perm(v.x, 0u, 0x7362)),
+                      gemv_e4m3x2_bf16x2(__byte_perm(v.y, 0u, 0x5140)),
+                      gemv_e4m3x2_bf16x2(__byte_perm(v.y, 0u, 0x7362)));
 }
 
 // bf16(nw * (x * inv)) for 8 consecutive values, packed as the B fragment expects.
@@ -146,8 +201,8 @@ __device__ __forceinline__ void gemv_rope_out(const GemvRope& r, int t, int ra, 
 
 // What a lane's loads and products need (see gemv_body).
 struct GemvLane {
-    const bf16* wa;  // W row g (this lane's 16-byte column)
-    const bf16* wb;  // W row g + 8 (gate|up: the up row)
+    const char* wa;  // W row g (this lane's column of 8 values), a byte address
+    const char* wb;  // W row g + 8 (gate|up: the up row)
     const bf16* x;
     const float* xf;
     const float* nw;
@@ -160,16 +215,19 @@ struct GemvLane {
 // Issues the W loads of the batch of STEPS k-steps from step s: loads past the warp's range
 // (or of rows that do not exist) read the lane's first piece instead, a valid address, and are
 // replaced by zeros in gemv_compute, so no load sits behind a branch.
-template <int STEPS>
-__device__ __forceinline__ void gemv_load_w(const GemvLane& L, int s, uint4 (&P)[STEPS],
-                                            uint4 (&Q)[STEPS], bool (&in)[STEPS]) {
+template <bool F8, int STEPS>
+__device__ __forceinline__ void gemv_load_w(const GemvLane& L, int s,
+                                            typename GemvPiece<F8>::T (&P)[STEPS],
+                                            typename GemvPiece<F8>::T (&Q)[STEPS],
+                                            bool (&in)[STEPS]) {
+    constexpr int ESZ = F8 ? 1 : 2;  // bytes per value of W
 #pragma unroll
     for (int u = 0; u < STEPS; u++) {
         const int off = (s + u) * 32;
         in[u] = s + u < L.s_end && off + L.kc < L.k;
         const int o = in[u] ? off : 0;
-        P[u] = gemv_ld_w(L.wa + o);
-        Q[u] = gemv_ld_w(L.wb + o);
+        P[u] = gemv_ld_w<F8>(L.wa + ESZ * o);
+        Q[u] = gemv_ld_w<F8>(L.wb + ESZ * o);
     }
 }
 
@@ -193,15 +251,17 @@ __device__ __forceinline__ void gemv_load_x(const GemvLane& L, int s, uint4 (&X1
 }
 
 // The products of a loaded batch, step after step, into d.
-template <bool NORM, int NG, int STEPS>
-__device__ __forceinline__ void gemv_compute(const GemvLane& L, int s, const uint4 (&P)[STEPS],
-                                             const uint4 (&Q)[STEPS], const uint4 (&X1)[STEPS],
-                                             const bool (&in)[STEPS], float (&d)[NG][4]) {
+template <bool F8, bool NORM, int NG, int STEPS>
+__device__ __forceinline__ void gemv_compute(const GemvLane& L, int s,
+                                             const typename GemvPiece<F8>::T (&P)[STEPS],
+                                             const typename GemvPiece<F8>::T (&Q)[STEPS],
+                                             const uint4 (&X1)[STEPS], const bool (&in)[STEPS],
+                                             float (&d)[NG][4]) {
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
     for (int u = 0; u < STEPS; u++) {
-        const uint4 p = in[u] && L.ok_a ? P[u] : zero;
-        const uint4 q = in[u] && L.ok_b ? Q[u] : zero;
+        const uint4 p = in[u] && L.ok_a ? gemv_widen(P[u]) : zero;
+        const uint4 q = in[u] && L.ok_b ? gemv_widen(Q[u]) : zero;
         const int o = in[u] ? (s + u) * 32 : 0;
 #pragma unroll
         for (int j = 0; j < NG; j++) {
@@ -226,18 +286,23 @@ __device__ __forceinline__ void gemv_compute(const GemvLane& L, int s, const uin
     }
 }
 
-template <bool GLU, bool NORM, bool ROPE, int NG>
-__device__ __forceinline__ void gemv_body(const bf16* __restrict__ w, const bf16* __restrict__ x,
+template <bool F8, bool GLU, bool NORM, bool ROPE, int NG>
+__device__ __forceinline__ void gemv_body(const void* __restrict__ w, const bf16* __restrict__ x,
                                           const float* __restrict__ xf,
                                           const float* __restrict__ nw, float eps,
                                           void* __restrict__ y, int m, int n, int k, float beta,
-                                          int y_f32, int wpt, const GemvRope& rope, int krot) {
+                                          int y_f32, int wpt, const GemvRope& rope, int krot,
+                                          const float* __restrict__ ws, int ws_stride) {
+    constexpr int ESZ = F8 ? 1 : 2;  // bytes per value of W
     // k-steps of 32 per batch of loads: each lane has 2 x STEPS pieces of W in flight. With the
     // minimum of one block per multiprocessor in __launch_bounds__, ptxas issues the whole
     // batch of loads before the first mma; without it, it interleaves them with the mmas and a
     // warp has only one step's loads in flight. 4 rather than 8: at every Llama-3-8B shape the
     // plain products ran 9-22% faster (fewer registers, more warps resident: CUDA_NOTES v5).
-    constexpr int STEPS = 4;
+    // The one-group fp8 kernels may take more steps per batch (GEMV_F8_STEPS; 8 measured
+    // slower than 4 at Llama-3-8B batch 1: CUDA_NOTES v16).
+    constexpr int STEPS = F8 && NG == 1 ? GEMV_F8_STEPS : 4;
+    typedef typename GemvPiece<F8>::T Piece;
     __shared__ float4 red[GEMV_WARPS][NG][32];
     __shared__ float inv_s[8 * NG];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -264,8 +329,8 @@ __device__ __forceinline__ void gemv_body(const bf16* __restrict__ w, const bf16
     const int s_begin = kw * per;
     const int s_end = min(steps, s_begin + per);
     const int kc = 8 * c;
-    const bf16* wa = w + (u64)(ok_a ? row_a : 0) * k + kc;
-    const bf16* wb = w + (u64)(ok_b ? row_b : 0) * k + kc;
+    const char* wa = reinterpret_cast<const char*>(w) + ESZ * ((u64)(ok_a ? row_a : 0) * k + kc);
+    const char* wb = reinterpret_cast<const char*>(w) + ESZ * ((u64)(ok_b ? row_b : 0) * k + kc);
     // The warp's batches of STEPS k-steps, visited from batch b0 on (wrapping). With krot > 0
     // (the host passes it for steps of at most 8 tokens of large models, see
     // Gpu::gemv_rotate; only the one-group kernels take it) each block starts at its own
@@ -286,7 +351,7 @@ __device__ __forceinline__ void gemv_body(const bf16* __restrict__ w, const bf16
 #pragma unroll 4
         for (int u = 0; u < GEMV_PF_STEPS; u += 2) {
             if (s_begin + STEPS * b0 + u >= s_end) break;
-            const int off = (s_begin + STEPS * b0 + u) * 32;
+            const int off = ESZ * (s_begin + STEPS * b0 + u) * 32;
             if (ok_a) asm volatile("prefetch.global.L2 [%0];" ::"l"(wa + off));
             if (ok_b) asm volatile("prefetch.global.L2 [%0];" ::"l"(wb + off));
         }
@@ -298,9 +363,9 @@ __device__ __forceinline__ void gemv_body(const bf16* __restrict__ w, const bf16
     // batch, for steps whose products are long enough to hide the start).
     constexpr bool EARLY = NG == 1 && (NORM ? GEMV_W_EARLY_NORM : GEMV_W_EARLY);
     const bool early = EARLY && nbatch > 0;
-    uint4 PE[STEPS], QE[STEPS];
+    Piece PE[STEPS], QE[STEPS];
     bool inE[STEPS];
-    if (early) gemv_load_w<STEPS>(L, s_begin + STEPS * b0, PE, QE, inE);
+    if (early) gemv_load_w<F8, STEPS>(L, s_begin + STEPS * b0, PE, QE, inE);
     pdl_wait();
     pdl_trigger();
 
@@ -327,17 +392,18 @@ __device__ __forceinline__ void gemv_body(const bf16* __restrict__ w, const bf16
     for (int j = 0; j < NG; j++) d[j][0] = d[j][1] = d[j][2] = d[j][3] = 0.f;
     auto batch = [&](int s) {
         // Every W load of the batch is issued before the first mma.
-        uint4 P[STEPS], Q[STEPS], X1[STEPS];  // W rows g, g + 8; x token g (NG == 1)
+        Piece P[STEPS], Q[STEPS];  // W rows g, g + 8
+        uint4 X1[STEPS];           // x token g (NG == 1)
         bool in[STEPS];
-        gemv_load_w<STEPS>(L, s, P, Q, in);
+        gemv_load_w<F8, STEPS>(L, s, P, Q, in);
         gemv_load_x<NORM, NG, STEPS>(L, s, X1, in);
-        gemv_compute<NORM, NG, STEPS>(L, s, P, Q, X1, in, d);
+        gemv_compute<F8, NORM, NG, STEPS>(L, s, P, Q, X1, in, d);
     };
     // From batch b0 (the early one) to the end of the range, then from its start to b0.
     if (early) {
         uint4 X1[STEPS];
         gemv_load_x<NORM, NG, STEPS>(L, s_begin + STEPS * b0, X1, inE);
-        gemv_compute<NORM, NG, STEPS>(L, s_begin + STEPS * b0, PE, QE, X1, inE, d);
+        gemv_compute<F8, NORM, NG, STEPS>(L, s_begin + STEPS * b0, PE, QE, X1, inE, d);
     }
     // The first loop starts past s_end when b0 is the last batch, and the second starts at
     // s_begin. Both bounds are kept in their general form (n_early and max() below): ptxas
@@ -370,6 +436,10 @@ __device__ __forceinline__ void gemv_body(const bf16* __restrict__ w, const bf16
         if (GLU) {
             const int r = tile_o * 8 + gg;
             if (r < m) {
+                if (F8) {
+                    r0 = r0 * GEMV_F8_UNSCALE * ws[(u64)r * ws_stride];
+                    r1 = r1 * GEMV_F8_UNSCALE * ws[(u64)(m + r) * ws_stride];
+                }
                 const float gv = __bfloat162float(__float2bfloat16(r0));
                 const float uv = __bfloat162float(__float2bfloat16(r1));
                 reinterpret_cast<bf16*>(y)[(u64)t * m + r] = __float2bfloat16(silu_times(gv, uv));
@@ -377,6 +447,10 @@ __device__ __forceinline__ void gemv_body(const bf16* __restrict__ w, const bf16
             continue;
         }
         const int ra = tile_o * 16 + gg, rb = ra + 8;
+        if (F8) {
+            if (ra < m) r0 = r0 * GEMV_F8_UNSCALE * ws[(u64)ra * ws_stride];
+            if (rb < m) r1 = r1 * GEMV_F8_UNSCALE * ws[(u64)rb * ws_stride];
+        }
         if (ROPE) {
             if (ra < m) gemv_rope_out(rope, t, ra, r0, r1);
             continue;
@@ -401,23 +475,27 @@ __device__ __forceinline__ void gemv_body(const bf16* __restrict__ w, const bf16
 // wpb), tiles = ceil(m / 16)
 // (gemv, gemv_norm) or ceil(m / 8) (the glu variants, m = rows of act). Unused pointers may be
 // null.
-#define GEMV_KERNEL(NAME, GLU, NORM, ROPE, NG, MINB)                                              \
+#define GEMV_KERNEL(NAME, F8, GLU, NORM, ROPE, NG, MINB)                                          \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MINB)                           \
-        NAME##_##NG(const bf16* w, const bf16* x, const float* xf, const float* nw, float eps,    \
+        NAME##_##NG(const void* w, const bf16* x, const float* xf, const float* nw, float eps,    \
                     void* y, int m, int n, int k, float beta, int y_f32, int wpt,                \
                     bf16* rope_q, bf16* rope_kc, bf16* rope_vc, const int* rope_pos,             \
                     const long long* rope_slots, const float* rope_freq, int rope_nh,            \
-                    int rope_nkv, int rope_hd, int rope_interleaved, int krot) {                 \
+                    int rope_nkv, int rope_hd, int rope_interleaved, int krot, const float* ws,  \
+                    int ws_stride) {                                                             \
         const GemvRope rope{rope_q,   rope_kc,  rope_vc,  rope_pos,         rope_slots,          \
                             rope_freq, rope_nh, rope_nkv, rope_hd, rope_interleaved};            \
-        gemv_body<GLU, NORM, ROPE, NG>(w, x, xf, nw, eps, y, m, n, k, beta, y_f32, wpt,          \
-                                       rope, krot);                                              \
+        gemv_body<F8, GLU, NORM, ROPE, NG>(w, x, xf, nw, eps, y, m, n, k, beta, y_f32, wpt,      \
+                                           rope, krot, ws, ws_stride);                           \
     }
 
-#define GEMV_VARIANTS(NG)                          \
-    GEMV_KERNEL(gemv, false, false, false, NG, 1)     \
-    GEMV_KERNEL(gemv_glu, true, false, false, NG, 1)  \
-    GEMV_KERNEL(gemv_rope, false, false, true, NG, 1)
+#define GEMV_VARIANTS(NG)                                   \
+    GEMV_KERNEL(gemv, false, false, false, false, NG, 1)       \
+    GEMV_KERNEL(gemv_glu, false, true, false, false, NG, 1)    \
+    GEMV_KERNEL(gemv_rope, false, false, false, true, NG, 1)   \
+    GEMV_KERNEL(gemv_f8, true, false, false, false, NG, 1)     \
+    GEMV_KERNEL(gemv_glu_f8, true, true, false, false, NG, 1)  \
+    GEMV_KERNEL(gemv_rope_f8, true, false, false, true, NG, 1)
 
 GEMV_VARIANTS(1)
 GEMV_VARIANTS(2)
@@ -426,6 +504,9 @@ GEMV_VARIANTS(8)
 // The norm prologue re-reads the residual rows in every block: only for steps of at most 8
 // tokens (and, by default, small hidden sizes: see gpu/src/cuda/device.rs).
 // (At most 128 registers, so that 2 blocks fit per SM: the batch of loads stays whole.)
-GEMV_KERNEL(gemv_norm, false, true, false, 1, 2)
-GEMV_KERNEL(gemv_norm_glu, true, true, false, 1, 2)
-GEMV_KERNEL(gemv_norm_rope, false, true, true, 1, 2)
+GEMV_KERNEL(gemv_norm, false, false, true, false, 1, 2)
+GEMV_KERNEL(gemv_norm_glu, false, true, true, false, 1, 2)
+GEMV_KERNEL(gemv_norm_rope, false, false, true, true, 1, 2)
+GEMV_KERNEL(gemv_norm_f8, true, false, true, false, 1, 2)
+GEMV_KERNEL(gemv_norm_glu_f8, true, true, true, false, 1, 2)
+GEMV_KERNEL(gemv_norm_rope_f8, true, false, true, true, 1, 2)

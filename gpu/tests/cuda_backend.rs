@@ -39,8 +39,8 @@ use switchyard_gpu::cpu::attention::QueryPos;
 use switchyard_gpu::cpu::kv_cache::KvCache;
 use switchyard_gpu::cpu::llama::{dummy_weights, ActivationPrecision, LlamaModel, StepInput};
 use switchyard_gpu::cuda::testing::{
-    fp8_product, fp8_scalings, paged_attention, sample, AttentionSeq, AttentionShape, MatmulInput,
-    MatmulOutput, MatmulPath, MatmulRig,
+    fp8_gemv, fp8_product, fp8_scalings, paged_attention, sample, AttentionSeq, AttentionShape,
+    MatmulInput, MatmulOutput, MatmulPath, MatmulRig,
 };
 use switchyard_gpu::cuda::{probe, CudaBackend, CudaBackendConfig, Fp8Scaling, WeightSource};
 use switchyard_gpu::model::gguf::GgufFile;
@@ -1884,9 +1884,25 @@ fn rel_l2(g: &[f32], w: &[f32]) -> f64 {
 
 #[test]
 fn gemv_decode_steps_match_the_cpu() {
+    gemv_steps_against_the_cpu(false);
+}
+
+/// fp8 layers: small steps multiply bf16 activations by the widened e4m3 weights on the GEMV
+/// kernels (fused norm and RoPE variants included), large ones quantize the activations too
+/// (cuBLASLt); the small ones must stay as close to the CPU's bf16-weight model.
+#[test]
+fn fp8_gemv_decode_steps_match_the_cpu() {
+    gemv_steps_against_the_cpu(true);
+}
+
+fn gemv_steps_against_the_cpu(fp8: bool) {
     if !gpu() {
         return;
     }
+    let backend_cfg = CudaBackendConfig {
+        fp8,
+        ..cfg(32, false)
+    };
     let models = [
         ("SmolLM2-135M (dummy)", LlamaConfig::smollm2_135m(), 21u64),
         (
@@ -1901,7 +1917,7 @@ fn gemv_decode_steps_match_the_cpu() {
     for (name, c, seed) in models {
         let w = dummy_weights(&c, seed).expect("dummy weights");
         let mut cuda =
-            CudaBackend::new(&c, WeightSource::Loaded(&w), &cfg(32, false)).expect("backend");
+            CudaBackend::new(&c, WeightSource::Loaded(&w), &backend_cfg).expect("backend");
         let mut cpu = LlamaModel::from_weights(&c, &w).expect("cpu model");
         cpu.set_precision(ActivationPrecision::Precise);
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
@@ -1925,9 +1941,10 @@ fn gemv_decode_steps_match_the_cpu() {
         let max = |v: &[f64]| v.iter().cloned().fold(0f64, f64::max);
         let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
         eprintln!(
-            "{name}: relative logit error vs CPU, 80-token prefill rows (cuBLAS) mean {:.2e} max \
+            "{name}{}: relative logit error vs CPU, 80-token prefill rows (cuBLAS) mean {:.2e} max \
              {:.2e}; 5- and 20-token chunk and decode rows (the GEMV kernels where the model takes \
              them) mean {:.2e} max {:.2e}",
+            if fp8 { ", fp8 layers" } else { "" },
             mean(&cublas),
             max(&cublas),
             mean(&gemv),
@@ -2537,4 +2554,71 @@ fn smollm2_with_fp8_layers_agrees_with_cpu_and_transformers() {
     // 0.006); a 135M model has little redundancy to absorb the rounding.
     assert!(a_cpu >= 0.93 && a_ref >= 0.93, "top-1 agreement too low");
     assert!(m_cpu <= 0.15 && m_ref <= 0.15, "logprobs too far");
+}
+
+#[test]
+fn fp8_gemv_matches_a_float64_reference_and_is_batch_invariant() {
+    if !gpu() {
+        return;
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(9);
+    for scaling in fp8_scalings().expect("cuBLASLt") {
+        // (m, k, glu): Llama-3-8B's QKV and its gate|up with SiLU x up, SmolLM2's down.
+        for (m, k, glu) in [(6144, 4096, false), (14336, 4096, true), (576, 1536, false)] {
+            let rows = if glu { 2 * m } else { m };
+            let w = rand_bf16(&mut rng, rows * k, 0.05);
+            let a = rand_bf16(&mut rng, 40 * k, 1.0);
+            let mut first_token: Option<Vec<f32>> = None;
+            for n in [1usize, 7, 40] {
+                let got = fp8_gemv(&w, &a[..n * k], (m, n, k), glu, scaling).expect("fp8 GEMV");
+                check_fp8_rows(
+                    "W",
+                    &w,
+                    &got.wq,
+                    &got.w_scales,
+                    k,
+                    scaling == Fp8Scaling::Tensor,
+                );
+                let dot = |r: usize, t: usize| -> f64 {
+                    let wr = &got.wq[r * k..(r + 1) * k];
+                    let at = &a[t * k..(t + 1) * k];
+                    wr.iter()
+                        .zip(at)
+                        .map(|(&q, x)| e4m3(q) * f64::from(x.to_f32()))
+                        .sum::<f64>()
+                        * f64::from(got.w_scales[r])
+                };
+                let (mut err, mut norm) = (0f64, 0f64);
+                for _ in 0..200 {
+                    let (t, r) = (rng.random_range(0..n), rng.random_range(0..m));
+                    let want = if glu {
+                        let bf = |v: f64| f64::from(half::bf16::from_f64(v).to_f32());
+                        let (g, u) = (bf(dot(r, t)), bf(dot(m + r, t)));
+                        g / (1.0 + (-g).exp()) * u
+                    } else {
+                        dot(r, t)
+                    };
+                    err += (f64::from(got.y[t * m + r]) - want).powi(2);
+                    norm += want.powi(2);
+                }
+                let rel = (err / norm).sqrt();
+                eprintln!(
+                    "fp8 GEMV ({scaling:?}) {m} x {n} x {k}{}: relative error {rel:.2e}",
+                    if glu { " SiLU x up" } else { "" }
+                );
+                // f32 sums of exactly widened weights (plain); bf16 rounding of g, u and the
+                // output (SiLU x up).
+                assert!(rel < if glu { 8e-3 } else { 1e-4 }, "relative error {rel}");
+                // A token's outputs do not depend on the other tokens of the step.
+                let row0 = got.y[..m].to_vec();
+                match &first_token {
+                    None => first_token = Some(row0),
+                    Some(f) => assert!(
+                        f.iter().zip(&row0).all(|(x, y)| x.to_bits() == y.to_bits()),
+                        "token 0 differs between steps of 1 and {n} tokens"
+                    ),
+                }
+            }
+        }
+    }
 }

@@ -402,16 +402,49 @@ pub(crate) struct Kernels {
     pub sample_rows: CudaFunction,
     pub argmax_split: CudaFunction,
     pub sample_partials: CudaFunction,
-    /// By token groups of 8: at most 8, 16, 32 and 64 tokens.
-    pub gemv: [CudaFunction; 4],
-    pub gemv_glu: [CudaFunction; 4],
-    pub gemv_norm: CudaFunction,
-    pub gemv_norm_glu: CudaFunction,
-    /// The QKV product with RoPE and the KV store in its epilogue (token groups of 8 as
-    /// `gemv`), and with the RMSNorm prologue.
-    pub gemv_rope: [CudaFunction; 4],
-    pub gemv_norm_rope: CudaFunction,
+    /// The GEMV kernels over bf16 weights.
+    pub gemv: GemvKernels,
+    /// The same over e4m3 weights with their scales.
+    pub gemv_f8: GemvKernels,
     _module: Arc<CudaModule>,
+}
+
+/// One weight type's GEMV kernels (gpu/kernels/gemv.cu).
+pub(crate) struct GemvKernels {
+    /// By token groups of 8: at most 8, 16, 32 and 64 tokens.
+    pub plain: [CudaFunction; 4],
+    pub glu: [CudaFunction; 4],
+    pub norm: CudaFunction,
+    pub norm_glu: CudaFunction,
+    /// The QKV product with RoPE and the KV store in its epilogue (token groups of 8 as
+    /// `plain`), and with the RMSNorm prologue.
+    pub rope: [CudaFunction; 4],
+    pub norm_rope: CudaFunction,
+}
+
+impl GemvKernels {
+    /// The kernels whose names end in `suffix` (`""` or `"_f8"`) before the group size.
+    fn load(
+        f: &impl Fn(&str) -> Result<CudaFunction, GpuError>,
+        suffix: &str,
+    ) -> Result<Self, GpuError> {
+        let groups = |name: &str| -> Result<[CudaFunction; 4], GpuError> {
+            Ok([
+                f(&format!("{name}{suffix}_1"))?,
+                f(&format!("{name}{suffix}_2"))?,
+                f(&format!("{name}{suffix}_4"))?,
+                f(&format!("{name}{suffix}_8"))?,
+            ])
+        };
+        Ok(GemvKernels {
+            plain: groups("gemv")?,
+            glu: groups("gemv_glu")?,
+            norm: f(&format!("gemv_norm{suffix}_1"))?,
+            norm_glu: f(&format!("gemv_norm_glu{suffix}_1"))?,
+            rope: groups("gemv_rope")?,
+            norm_rope: f(&format!("gemv_norm_rope{suffix}_1"))?,
+        })
+    }
 }
 
 /// Time per kernel class, measured with CUDA events around each launch (each one waited for,
@@ -540,22 +573,8 @@ impl Gpu {
             sample_rows: f("sample_rows")?,
             argmax_split: f("argmax_split")?,
             sample_partials: f("sample_partials")?,
-            gemv: [f("gemv_1")?, f("gemv_2")?, f("gemv_4")?, f("gemv_8")?],
-            gemv_glu: [
-                f("gemv_glu_1")?,
-                f("gemv_glu_2")?,
-                f("gemv_glu_4")?,
-                f("gemv_glu_8")?,
-            ],
-            gemv_norm: f("gemv_norm_1")?,
-            gemv_norm_glu: f("gemv_norm_glu_1")?,
-            gemv_rope: [
-                f("gemv_rope_1")?,
-                f("gemv_rope_2")?,
-                f("gemv_rope_4")?,
-                f("gemv_rope_8")?,
-            ],
-            gemv_norm_rope: f("gemv_norm_rope_1")?,
+            gemv: GemvKernels::load(&f, "")?,
+            gemv_f8: GemvKernels::load(&f, "_f8")?,
             _module: module,
         };
         let gemv_mode = GemvMode::from_env();
@@ -859,12 +878,13 @@ impl Gpu {
     }
 
     /// The GEMV kernels (`gpu/kernels/gemv.cu`): `W` bf16 `[m, k]` (`[2m, k]` for
-    /// [`GemvOutput::Glu`]) times `n` rows of activations, f32 accumulation. The caller checks
-    /// [`Gpu::gemv_fits`] with the input's addresses.
+    /// [`GemvOutput::Glu`]), or e4m3 with `fp8`'s weight scales (its activation scales are not
+    /// used: the activations stay bf16), times `n` rows of activations, f32 accumulation. The
+    /// caller checks [`Gpu::gemv_fits`] with the input's addresses.
     #[allow(clippy::too_many_arguments)]
     pub fn gemv(
         &self,
-        w: u64,
+        (w, fp8): (u64, Option<Fp8Scales>),
         input: GemvInput,
         out: u64,
         m: usize,
@@ -915,18 +935,27 @@ impl Gpu {
                 "the GEMV norm prologue takes at most {GEMV_NORM_MAX_TOKENS} tokens, not {n}"
             )));
         }
+        let kernels = if fp8.is_some() {
+            &self.k.gemv_f8
+        } else {
+            &self.k.gemv
+        };
+        let (ws, ws_stride) = match fp8 {
+            Some(s) => (s.w, i32::from(s.scaling == Fp8Scaling::Row)),
+            None => (0, 0),
+        };
         let (f, x, xf, nw, eps) = match (input, output) {
-            (GemvInput::Bf16(a), GemvOutput::Plain { .. }) => (&self.k.gemv[group], a, 0, 0, 0.0),
-            (GemvInput::Bf16(a), GemvOutput::Glu) => (&self.k.gemv_glu[group], a, 0, 0, 0.0),
+            (GemvInput::Bf16(a), GemvOutput::Plain { .. }) => (&kernels.plain[group], a, 0, 0, 0.0),
+            (GemvInput::Bf16(a), GemvOutput::Glu) => (&kernels.glu[group], a, 0, 0, 0.0),
             (GemvInput::Norm { x, weight, eps }, GemvOutput::Plain { .. }) => {
-                (&self.k.gemv_norm, 0, x, weight, eps)
+                (&kernels.norm, 0, x, weight, eps)
             }
             (GemvInput::Norm { x, weight, eps }, GemvOutput::Glu) => {
-                (&self.k.gemv_norm_glu, 0, x, weight, eps)
+                (&kernels.norm_glu, 0, x, weight, eps)
             }
-            (GemvInput::Bf16(a), GemvOutput::Rope(_)) => (&self.k.gemv_rope[group], a, 0, 0, 0.0),
+            (GemvInput::Bf16(a), GemvOutput::Rope(_)) => (&kernels.rope[group], a, 0, 0, 0.0),
             (GemvInput::Norm { x, weight, eps }, GemvOutput::Rope(_)) => {
-                (&self.k.gemv_norm_rope, 0, x, weight, eps)
+                (&kernels.norm_rope, 0, x, weight, eps)
             }
         };
         let (beta, f32_out) = match output {
@@ -966,6 +995,8 @@ impl Gpu {
                 i32v(rope.heads.2),
                 Arg::I32(i32::from(rope.interleaved)),
                 Arg::I32(if n <= 8 { self.gemv_rotate as i32 } else { 0 }),
+                Arg::Ptr(ws),
+                Arg::I32(ws_stride),
             ],
         )
     }
@@ -1076,7 +1107,7 @@ impl Gpu {
         }
         if gemv && p.fp8.is_none() && self.gemv_fits(p.n, p.k, &[p.w, p.a]) {
             return self.gemv(
-                p.w,
+                (p.w, None),
                 GemvInput::Bf16(p.a),
                 p.c,
                 p.m,

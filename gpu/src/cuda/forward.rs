@@ -358,13 +358,10 @@ pub(crate) fn enqueue(
     // The hybrid route (`Gpu::gemv_hybrid`): only the QKV product (with the norm prologue) and
     // the output projection on the GEMV kernels; the wide gate|up and down products and the
     // lm_head on cuBLAS.
-    // fp8 layers run every product on cuBLASLt (the GEMV kernels read bf16 weights).
     let model_gemv = lora.is_none() && gpu.gemv_for(h, t);
     let hybrid = lora.is_none() && !model_gemv && gpu.gemv_hybrid(h, t);
     let first = w.layers.first();
-    let bf16_layers = first.is_some_and(|f| f.fp8.is_none());
     let fits = (model_gemv || hybrid)
-        && bf16_layers
         && first.is_some_and(|f| {
             gpu.gemv_fits(t, h, &[f.qkv.ptr(), f.gate_up.ptr(), b.x.ptr(), b.xn.ptr()])
                 && gpu.gemv_fits(t, qw, &[f.o.ptr(), b.att.ptr()])
@@ -380,18 +377,42 @@ pub(crate) fn enqueue(
         weight: weight.ptr(),
         eps: c.rms_norm_eps,
     };
-    // A product's input: as it is (bf16 layers), or quantized to e4m3 with its scale.
-    let input = |layer: &GpuLayer, p: Proj, a: u64, k: usize| -> Result<_, GpuError> {
-        let (Some(f), Some(q8)) = (layer.fp8_scales(p, 0), b.fp8.as_ref()) else {
-            return Ok((a, None));
+    // A projection of a layer timed as `class`: on the GEMV kernels when `gemv` and they fit
+    // (fp8 weights widened in the kernel, activations bf16), else on cuBLAS (fp8 layers: the
+    // activations quantized to e4m3 first, a scale per token).
+    let project = |class: &'static str, gemv: bool, layer: &GpuLayer, proj: Proj, p: Product| {
+        let Some(f) = layer.fp8_scales(proj, 0) else {
+            return gpu.timed(class, || gpu.gemm_with(gemv, p));
         };
+        if gemv && gpu.gemv_fits(p.n, p.k, &[p.w, p.a]) {
+            let out = GemvOutput::Plain {
+                beta: p.beta,
+                f32_out: p.c_f32,
+            };
+            let input = GemvInput::Bf16(p.a);
+            return gpu.timed(class, || {
+                gpu.gemv((p.w, Some(f)), input, p.c, p.m, p.n, p.k, out)
+            });
+        }
+        let q8 = b
+            .fp8
+            .as_ref()
+            .ok_or_else(|| GpuError::Internal("fp8 layers without fp8 buffers".into()))?;
         let to = (q8.q.ptr(), q8.scales.ptr(), q8.parts.ptr());
-        gpu.quantize_fp8(a, (t, k), to, f.scaling)?;
+        gpu.timed("fp8_quant", || {
+            gpu.quantize_fp8(p.a, (p.n, p.k), to, f.scaling)
+        })?;
         let scales = Fp8Scales {
             a: q8.scales.ptr(),
             ..f
         };
-        Ok((q8.q.ptr(), Some(scales)))
+        gpu.timed(class, || {
+            gpu.gemm_cublas(Product {
+                a: q8.q.ptr(),
+                fp8: Some(scales),
+                ..p
+            })
+        })
     };
     for (li, layer) in w.layers.iter().enumerate() {
         let kc = b.kv.at(2 * li * b.kv_layer_bytes)?;
@@ -422,7 +443,7 @@ pub(crate) fn enqueue(
             };
             gpu.timed(class, || {
                 gpu.gemv(
-                    layer.qkv.ptr(),
+                    (layer.qkv.ptr(), layer.fp8_scales(Proj::Qkv, 0)),
                     normed(&layer.attn_norm),
                     b.qkv.ptr(),
                     qw + 2 * kvw,
@@ -436,7 +457,7 @@ pub(crate) fn enqueue(
             if rope_in_gemv {
                 gpu.timed("gemv_qkv+rope", || {
                     gpu.gemv(
-                        layer.qkv.ptr(),
+                        (layer.qkv.ptr(), layer.fp8_scales(Proj::Qkv, 0)),
                         GemvInput::Bf16(b.xn.ptr()),
                         b.qkv.ptr(),
                         qw + 2 * kvw,
@@ -446,23 +467,23 @@ pub(crate) fn enqueue(
                     )
                 })?;
             } else {
-                let (a, fp8) = input(layer, Proj::Qkv, b.xn.ptr(), h)?;
-                gpu.timed(if qkv_o { "gemv_qkv" } else { "gemm_qkv" }, || {
-                    gpu.gemm_with(
-                        qkv_o,
-                        Product {
-                            w: layer.qkv.ptr(),
-                            a,
-                            c: b.qkv.ptr(),
-                            m: qw + 2 * kvw,
-                            n: t,
-                            k: h,
-                            beta: 0.0,
-                            c_f32: true,
-                            fp8,
-                        },
-                    )
-                })?;
+                project(
+                    if qkv_o { "gemv_qkv" } else { "gemm_qkv" },
+                    qkv_o,
+                    layer,
+                    Proj::Qkv,
+                    Product {
+                        w: layer.qkv.ptr(),
+                        a: b.xn.ptr(),
+                        c: b.qkv.ptr(),
+                        m: qw + 2 * kvw,
+                        n: t,
+                        k: h,
+                        beta: 0.0,
+                        c_f32: true,
+                        fp8: None,
+                    },
+                )?;
             }
         }
         if let Some(lo) = lora {
@@ -512,23 +533,23 @@ pub(crate) fn enqueue(
             block_size,
         )?;
         // The output projection adds onto the residual stream (beta = 1, f32).
-        let (a, fp8) = input(layer, Proj::O, b.att.ptr(), qw)?;
-        gpu.timed(if qkv_o { "gemv_o" } else { "gemm_o" }, || {
-            gpu.gemm_with(
-                qkv_o,
-                Product {
-                    w: layer.o.ptr(),
-                    a,
-                    c: b.x.ptr(),
-                    m: h,
-                    n: t,
-                    k: qw,
-                    beta: 1.0,
-                    c_f32: true,
-                    fp8,
-                },
-            )
-        })?;
+        project(
+            if qkv_o { "gemv_o" } else { "gemm_o" },
+            qkv_o,
+            layer,
+            Proj::O,
+            Product {
+                w: layer.o.ptr(),
+                a: b.att.ptr(),
+                c: b.x.ptr(),
+                m: h,
+                n: t,
+                k: qw,
+                beta: 1.0,
+                c_f32: true,
+                fp8: None,
+            },
+        )?;
         if let Some(lo) = lora {
             let parts = [(Some(LoraTarget::O), h), (None, 0), (None, 0)];
             lo.update(
@@ -550,7 +571,7 @@ pub(crate) fn enqueue(
             };
             gpu.timed(class, || {
                 gpu.gemv(
-                    layer.gate_up.ptr(),
+                    (layer.gate_up.ptr(), layer.fp8_scales(Proj::GateUp, 0)),
                     input,
                     b.act.ptr(),
                     inter,
@@ -561,28 +582,25 @@ pub(crate) fn enqueue(
             })?;
         } else {
             norm(0, layer.ffn_norm.ptr(), b.xn.ptr(), t)?;
-            let (a, fp8) = input(layer, Proj::GateUp, b.xn.ptr(), h)?;
-            gpu.timed(
+            project(
                 if small {
                     "gemv_gate_up"
                 } else {
                     "gemm_gate_up"
                 },
-                || {
-                    gpu.gemm_with(
-                        small,
-                        Product {
-                            w: layer.gate_up.ptr(),
-                            a,
-                            c: b.gu.ptr(),
-                            m: 2 * inter,
-                            n: t,
-                            k: h,
-                            beta: 0.0,
-                            c_f32: false,
-                            fp8,
-                        },
-                    )
+                small,
+                layer,
+                Proj::GateUp,
+                Product {
+                    w: layer.gate_up.ptr(),
+                    a: b.xn.ptr(),
+                    c: b.gu.ptr(),
+                    m: 2 * inter,
+                    n: t,
+                    k: h,
+                    beta: 0.0,
+                    c_f32: false,
+                    fp8: None,
                 },
             )?;
             if let Some(lo) = lora {
@@ -634,23 +652,23 @@ pub(crate) fn enqueue(
                 })?;
             }
         }
-        let (a, fp8) = input(layer, Proj::Down, b.act.ptr(), inter)?;
-        gpu.timed(if small { "gemv_down" } else { "gemm_down" }, || {
-            gpu.gemm_with(
-                small,
-                Product {
-                    w: layer.down.ptr(),
-                    a,
-                    c: b.x.ptr(),
-                    m: h,
-                    n: t,
-                    k: inter,
-                    beta: 1.0,
-                    c_f32: true,
-                    fp8,
-                },
-            )
-        })?;
+        project(
+            if small { "gemv_down" } else { "gemm_down" },
+            small,
+            layer,
+            Proj::Down,
+            Product {
+                w: layer.down.ptr(),
+                a: b.act.ptr(),
+                c: b.x.ptr(),
+                m: h,
+                n: t,
+                k: inter,
+                beta: 1.0,
+                c_f32: true,
+                fp8: None,
+            },
+        )?;
         if let Some(lo) = lora {
             let parts = [(Some(LoraTarget::Down), h), (None, 0), (None, 0)];
             let x = (b.act.ptr(), inter, inter);

@@ -425,7 +425,7 @@ impl MatmulRig {
                         },
                         MatmulOutput::Glu => GemvOutput::Glu,
                     };
-                    gpu.gemv(self.w.ptr(), gin, out.ptr(), m, n, k, o)?
+                    gpu.gemv((self.w.ptr(), None), gin, out.ptr(), m, n, k, o)?
                 }
                 (
                     MatmulPath::Cublas
@@ -614,6 +614,88 @@ pub fn fp8_product(
         let mut b = vec![bf16::ZERO; n * m];
         gpu.download(&mut b, c.ptr())?;
         out.c = b.iter().map(|v| v.to_f32()).collect();
+    }
+    Ok(out)
+}
+
+/// What [`fp8_gemv`] returns: W as the backend quantized it (e4m3 bytes and one scale per row,
+/// the matrix's one repeated with [`super::Fp8Scaling::Tensor`]) and the kernel's output.
+pub struct Fp8Gemv {
+    pub wq: Vec<u8>,
+    pub w_scales: Vec<f32>,
+    /// `n x m`: f32 `x W^T`, or with `glu` bf16 `silu(gate) * up` (W being `[gate; up]`,
+    /// `2m x k`).
+    pub y: Vec<f32>,
+}
+
+/// Quantizes `w` (`m x k`, `2m x k` with `glu`) with the backend's fp8 kernel and runs the
+/// fp8 GEMV kernel (`n` <= 64 tokens of bf16 activations `a`, `n x k`) as a small step of an
+/// fp8 layer does.
+pub fn fp8_gemv(
+    w: &[bf16],
+    a: &[bf16],
+    (m, n, k): (usize, usize, usize),
+    glu: bool,
+    scaling: super::Fp8Scaling,
+) -> Result<Fp8Gemv, GpuError> {
+    let rows = if glu { 2 * m } else { m };
+    if w.len() != rows * k || a.len() != n * k {
+        return Err(GpuError::BadBatch("fp8 GEMV check: operand sizes".into()));
+    }
+    let gpu = Gpu::open(0)?;
+    let (wd, ad) = (gpu.alloc(w.len() * 2)?, gpu.alloc(a.len() * 2)?);
+    gpu.upload(wd.ptr(), w)?;
+    gpu.upload(ad.ptr(), a)?;
+    let (wq, ws) = (gpu.alloc(rows * k)?, gpu.alloc(rows * 4)?);
+    let parts = gpu.alloc(super::device::FP8_MAX_PARTS * 4)?;
+    let y = gpu.alloc(n * m * 4)?;
+    gpu.quantize_fp8(
+        wd.ptr(),
+        (rows, k),
+        (wq.ptr(), ws.ptr(), parts.ptr()),
+        scaling,
+    )?;
+    // The GEMV kernels ask for their weights before waiting for the kernel before them (weights
+    // are written at load, never by the step's kernels), so the quantization must be done.
+    gpu.sync()?;
+    let scales = super::device::Fp8Scales {
+        w: ws.ptr(),
+        a: 0,
+        scaling,
+    };
+    let output = if glu {
+        GemvOutput::Glu
+    } else {
+        GemvOutput::Plain {
+            beta: 0.0,
+            f32_out: true,
+        }
+    };
+    if !gpu.gemv_fits(n, k, &[wq.ptr(), ad.ptr()]) {
+        return Err(GpuError::BadBatch(
+            "fp8 GEMV check: not a GEMV shape".into(),
+        ));
+    }
+    let input = GemvInput::Bf16(ad.ptr());
+    gpu.gemv((wq.ptr(), Some(scales)), input, y.ptr(), m, n, k, output)?;
+    gpu.sync()?;
+    let mut out = Fp8Gemv {
+        wq: vec![0; rows * k],
+        w_scales: vec![0.0; rows],
+        y: vec![0.0; n * m],
+    };
+    gpu.download(&mut out.wq, wq.ptr())?;
+    gpu.download(&mut out.w_scales, ws.ptr())?;
+    if scaling == super::Fp8Scaling::Tensor {
+        let s0 = out.w_scales[0];
+        out.w_scales.fill(s0);
+    }
+    if glu {
+        let mut b = vec![bf16::ZERO; n * m];
+        gpu.download(&mut b, y.ptr())?;
+        out.y = b.iter().map(|v| v.to_f32()).collect();
+    } else {
+        gpu.download(&mut out.y, y.ptr())?;
     }
     Ok(out)
 }
