@@ -97,25 +97,10 @@ __device__ __forceinline__ u32 gemv_e4m3x2_bf16x2(u32 v) {
 }
 #define GEMV_F8_UNSCALE 0x1p120f
 
-// A lane's piece of W for one k-step: 8 values, 16 bytes of bf16 (uint4) or 8 of e4m3 (uint2,
-// widened to bf16 by gemv_widen when its products are computed, so the loads in flight hold
-// raw bytes).
-template <bool F8>
-struct GemvPiece {
-    typedef uint4 T;
-};
-template <>
-struct GemvPiece<true> {
-    typedef uint2 T;
-};
-
-// One piece of W, streamed: not kept in L1 (x is), with an L2 prefetch of the next bytes. `p`
-// is a byte address.
-template <bool F8>
-__device__ __forceinline__ typename GemvPiece<F8>::T gemv_ld_w(const char* p);
-
-template <>
-__device__ __forceinline__ uint4 gemv_ld_w<false>(const char* p) {
+// A lane's piece of W for one k-step, streamed: 16 bytes, 8 bf16 values or 16 e4m3 values (see
+// gemv_body), not kept in L1 (x is), with an L2 prefetch of the next bytes. `p` is a byte
+// address.
+__device__ __forceinline__ uint4 gemv_ld_w(const char* p) {
     uint4 r;
     asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
         : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
@@ -123,18 +108,7 @@ __device__ __forceinline__ uint4 gemv_ld_w<false>(const char* p) {
     return r;
 }
 
-template <>
-__device__ __forceinline__ uint2 gemv_ld_w<true>(const char* p) {
-    uint2 r;
-    asm("ld.global.nc.L1::no_allocate.L2::256B.v2.u32 {%0, %1}, [%2];"
-        : "=r"(r.x), "=r"(r.y)
-        : "l"(p));
-    return r;
-}
-
-// A piece as the 8 bf16 values the mma takes.
-__device__ __forceinline__ uint4 gemv_widen(uint4 v) { return v; }
-
+// 8 e4m3 values as the 8 bf16 values (times 2^-120) the mma takes.
 __device__ __forceinline__ uint4 gemv_widen(uint2 v) {
     // Bytes 0, 1 | 2, 3 of each word into the low bytes of the two 16-bit halves.
     return make_uint4(gemv_e4m3x2_bf16x2(__byte_perm(v.x, 0u, 0x5140)),
@@ -212,76 +186,89 @@ struct GemvLane {
     int s_end;
 };
 
+// Values of k per lane and k-step: 8 (bf16 W) or 16 (e4m3 W: the same 16 bytes per load). A
+// k-step covers 4 lanes' worth, 32 or 64 values of k.
+template <bool F8>
+struct GemvK {
+    static constexpr int PER_LANE = F8 ? 16 : 8;
+    static constexpr int STEP = 4 * PER_LANE;
+    static constexpr int XP = PER_LANE / 8;  // 16-byte x pieces per lane and step
+};
+
 // Issues the W loads of the batch of STEPS k-steps from step s: loads past the warp's range
 // (or of rows that do not exist) read the lane's first piece instead, a valid address, and are
 // replaced by zeros in gemv_compute, so no load sits behind a branch.
 template <bool F8, int STEPS>
-__device__ __forceinline__ void gemv_load_w(const GemvLane& L, int s,
-                                            typename GemvPiece<F8>::T (&P)[STEPS],
-                                            typename GemvPiece<F8>::T (&Q)[STEPS],
-                                            bool (&in)[STEPS]) {
+__device__ __forceinline__ void gemv_load_w(const GemvLane& L, int s, uint4 (&P)[STEPS],
+                                            uint4 (&Q)[STEPS], bool (&in)[STEPS]) {
     constexpr int ESZ = F8 ? 1 : 2;  // bytes per value of W
 #pragma unroll
     for (int u = 0; u < STEPS; u++) {
-        const int off = (s + u) * 32;
+        const int off = (s + u) * GemvK<F8>::STEP;
         in[u] = s + u < L.s_end && off + L.kc < L.k;
         const int o = in[u] ? off : 0;
-        P[u] = gemv_ld_w<F8>(L.wa + ESZ * o);
-        Q[u] = gemv_ld_w<F8>(L.wb + ESZ * o);
+        P[u] = gemv_ld_w(L.wa + ESZ * o);
+        Q[u] = gemv_ld_w(L.wb + ESZ * o);
     }
+}
+
+// x piece i (8 values from k offset kc + o + 8 i) of token t.
+template <bool NORM>
+__device__ __forceinline__ uint4 gemv_x_piece(const GemvLane& L, int t, int o, bool ok) {
+    const int tg = ok ? t : 0;
+    if (NORM)
+        return gemv_norm_piece(L.xf + (u64)tg * L.k + L.kc + o, L.nw + L.kc + o,
+                               ok ? L.inv_s[t] : 0.f);
+    return __ldg(reinterpret_cast<const uint4*>(L.x + (u64)tg * L.k + L.kc + o));
 }
 
 // The x pieces of the same batch (one token group: NG == 1; the others load theirs in
 // gemv_compute).
-template <bool NORM, int NG, int STEPS>
-__device__ __forceinline__ void gemv_load_x(const GemvLane& L, int s, uint4 (&X1)[STEPS],
+template <bool F8, bool NORM, int NG, int STEPS>
+__device__ __forceinline__ void gemv_load_x(const GemvLane& L, int s,
+                                            uint4 (&X1)[STEPS][GemvK<F8>::XP],
                                             const bool (&in)[STEPS]) {
 #pragma unroll
     for (int u = 0; u < STEPS; u++) {
-        const int o = in[u] ? (s + u) * 32 : 0;
+        const int o = in[u] ? (s + u) * GemvK<F8>::STEP : 0;
         if (NG == 1) {
-            const int tg = L.g < L.n ? L.g : 0;
-            if (NORM)
-                X1[u] = gemv_norm_piece(L.xf + (u64)tg * L.k + L.kc + o, L.nw + L.kc + o,
-                                        L.g < L.n ? L.inv_s[L.g] : 0.f);
-            else
-                X1[u] = __ldg(reinterpret_cast<const uint4*>(L.x + (u64)tg * L.k + L.kc + o));
+#pragma unroll
+            for (int i = 0; i < GemvK<F8>::XP; i++)
+                X1[u][i] = gemv_x_piece<NORM>(L, L.g, o + 8 * i, L.g < L.n);
         }
     }
 }
 
 // The products of a loaded batch, step after step, into d.
 template <bool F8, bool NORM, int NG, int STEPS>
-__device__ __forceinline__ void gemv_compute(const GemvLane& L, int s,
-                                             const typename GemvPiece<F8>::T (&P)[STEPS],
-                                             const typename GemvPiece<F8>::T (&Q)[STEPS],
-                                             const uint4 (&X1)[STEPS], const bool (&in)[STEPS],
-                                             float (&d)[NG][4]) {
+__device__ __forceinline__ void gemv_compute(const GemvLane& L, int s, const uint4 (&P)[STEPS],
+                                             const uint4 (&Q)[STEPS],
+                                             const uint4 (&X1)[STEPS][GemvK<F8>::XP],
+                                             const bool (&in)[STEPS], float (&d)[NG][4]) {
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
     for (int u = 0; u < STEPS; u++) {
-        const uint4 p = in[u] && L.ok_a ? gemv_widen(P[u]) : zero;
-        const uint4 q = in[u] && L.ok_b ? gemv_widen(Q[u]) : zero;
-        const int o = in[u] ? (s + u) * 32 : 0;
+        const int o = in[u] ? (s + u) * GemvK<F8>::STEP : 0;
 #pragma unroll
-        for (int j = 0; j < NG; j++) {
-            const int t = 8 * j + L.g;
-            uint4 xv;
-            if (NG == 1) {
-                xv = X1[u];
-            } else {
-                const int tg = t < L.n ? t : 0;
-                if (NORM)
-                    xv = gemv_norm_piece(L.xf + (u64)tg * L.k + L.kc + o, L.nw + L.kc + o,
-                                         t < L.n ? L.inv_s[t] : 0.f);
-                else
-                    xv = __ldg(reinterpret_cast<const uint4*>(L.x + (u64)tg * L.k + L.kc + o));
+        for (int i = 0; i < GemvK<F8>::XP; i++) {
+            // The 8 values of piece i of the lane's W rows (e4m3: bytes 8i..8i+7, widened).
+            uint4 p = P[u], q = Q[u];
+            if (F8) {
+                p = gemv_widen(i == 0 ? make_uint2(P[u].x, P[u].y) : make_uint2(P[u].z, P[u].w));
+                q = gemv_widen(i == 0 ? make_uint2(Q[u].x, Q[u].y) : make_uint2(Q[u].z, Q[u].w));
             }
-            if (!(in[u] && t < L.n)) xv = zero;
-            // A registers: (row g, slots 2c..), (row g+8, 2c..), (row g, 2c+8..), (row g+8,
-            // 2c+8..); B: (slots 2c.., token 8j+g), (2c+8.., token 8j+g).
-            gemv_mma(d[j], p.x, q.x, p.y, q.y, xv.x, xv.y);
-            gemv_mma(d[j], p.z, q.z, p.w, q.w, xv.z, xv.w);
+            if (!(in[u] && L.ok_a)) p = zero;
+            if (!(in[u] && L.ok_b)) q = zero;
+#pragma unroll
+            for (int j = 0; j < NG; j++) {
+                const int t = 8 * j + L.g;
+                uint4 xv = NG == 1 ? X1[u][i] : gemv_x_piece<NORM>(L, t, o + 8 * i, t < L.n);
+                if (!(in[u] && t < L.n)) xv = zero;
+                // A registers: (row g, slots 2c..), (row g+8, 2c..), (row g, 2c+8..), (row g+8,
+                // 2c+8..); B: (slots 2c.., token 8j+g), (2c+8.., token 8j+g).
+                gemv_mma(d[j], p.x, q.x, p.y, q.y, xv.x, xv.y);
+                gemv_mma(d[j], p.z, q.z, p.w, q.w, xv.z, xv.w);
+            }
         }
     }
 }
@@ -299,10 +286,9 @@ __device__ __forceinline__ void gemv_body(const void* __restrict__ w, const bf16
     // batch of loads before the first mma; without it, it interleaves them with the mmas and a
     // warp has only one step's loads in flight. 4 rather than 8: at every Llama-3-8B shape the
     // plain products ran 9-22% faster (fewer registers, more warps resident: CUDA_NOTES v5).
-    // The one-group fp8 kernels may take more steps per batch (GEMV_F8_STEPS; 8 measured
-    // slower than 4 at Llama-3-8B batch 1: CUDA_NOTES v16).
-    constexpr int STEPS = F8 && NG == 1 ? GEMV_F8_STEPS : 4;
-    typedef typename GemvPiece<F8>::T Piece;
+    // The fp8 kernels' steps cover twice the k (16 e4m3 values per 16-byte piece).
+    constexpr int STEPS = F8 ? GEMV_F8_STEPS : 4;
+    constexpr int XP = GemvK<F8>::XP;
     __shared__ float4 red[GEMV_WARPS][NG][32];
     __shared__ float inv_s[8 * NG];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -324,11 +310,11 @@ __device__ __forceinline__ void gemv_body(const void* __restrict__ w, const bf16
     const bool ok_a = row_a < m;
     const bool ok_b = GLU ? ok_a : row_b < m;
 
-    const int steps = (k + 31) >> 5;
+    const int steps = (k + GemvK<F8>::STEP - 1) / GemvK<F8>::STEP;
     const int per = (steps + wpt - 1) / wpt;
     const int s_begin = kw * per;
     const int s_end = min(steps, s_begin + per);
-    const int kc = 8 * c;
+    const int kc = GemvK<F8>::PER_LANE * c;
     const char* wa = reinterpret_cast<const char*>(w) + ESZ * ((u64)(ok_a ? row_a : 0) * k + kc);
     const char* wb = reinterpret_cast<const char*>(w) + ESZ * ((u64)(ok_b ? row_b : 0) * k + kc);
     // The warp's batches of STEPS k-steps, visited from batch b0 on (wrapping). With krot > 0
@@ -351,7 +337,7 @@ __device__ __forceinline__ void gemv_body(const void* __restrict__ w, const bf16
 #pragma unroll 4
         for (int u = 0; u < GEMV_PF_STEPS; u += 2) {
             if (s_begin + STEPS * b0 + u >= s_end) break;
-            const int off = ESZ * (s_begin + STEPS * b0 + u) * 32;
+            const int off = ESZ * (s_begin + STEPS * b0 + u) * GemvK<F8>::STEP;
             if (ok_a) asm volatile("prefetch.global.L2 [%0];" ::"l"(wa + off));
             if (ok_b) asm volatile("prefetch.global.L2 [%0];" ::"l"(wb + off));
         }
@@ -363,7 +349,7 @@ __device__ __forceinline__ void gemv_body(const void* __restrict__ w, const bf16
     // batch, for steps whose products are long enough to hide the start).
     constexpr bool EARLY = NG == 1 && (NORM ? GEMV_W_EARLY_NORM : GEMV_W_EARLY);
     const bool early = EARLY && nbatch > 0;
-    Piece PE[STEPS], QE[STEPS];
+    uint4 PE[STEPS], QE[STEPS];
     bool inE[STEPS];
     if (early) gemv_load_w<F8, STEPS>(L, s_begin + STEPS * b0, PE, QE, inE);
     pdl_wait();
@@ -392,17 +378,17 @@ __device__ __forceinline__ void gemv_body(const void* __restrict__ w, const bf16
     for (int j = 0; j < NG; j++) d[j][0] = d[j][1] = d[j][2] = d[j][3] = 0.f;
     auto batch = [&](int s) {
         // Every W load of the batch is issued before the first mma.
-        Piece P[STEPS], Q[STEPS];  // W rows g, g + 8
-        uint4 X1[STEPS];           // x token g (NG == 1)
+        uint4 P[STEPS], Q[STEPS];  // W rows g, g + 8
+        uint4 X1[STEPS][XP];       // x token g (NG == 1)
         bool in[STEPS];
         gemv_load_w<F8, STEPS>(L, s, P, Q, in);
-        gemv_load_x<NORM, NG, STEPS>(L, s, X1, in);
+        gemv_load_x<F8, NORM, NG, STEPS>(L, s, X1, in);
         gemv_compute<F8, NORM, NG, STEPS>(L, s, P, Q, X1, in, d);
     };
     // From batch b0 (the early one) to the end of the range, then from its start to b0.
     if (early) {
-        uint4 X1[STEPS];
-        gemv_load_x<NORM, NG, STEPS>(L, s_begin + STEPS * b0, X1, inE);
+        uint4 X1[STEPS][XP];
+        gemv_load_x<F8, NORM, NG, STEPS>(L, s_begin + STEPS * b0, X1, inE);
         gemv_compute<F8, NORM, NG, STEPS>(L, s_begin + STEPS * b0, PE, QE, X1, inE, d);
     }
     // The first loop starts past s_end when b0 is the last batch, and the second starts at

@@ -879,8 +879,8 @@ impl Gpu {
 
     /// The GEMV kernels (`gpu/kernels/gemv.cu`): `W` bf16 `[m, k]` (`[2m, k]` for
     /// [`GemvOutput::Glu`]), or e4m3 with `fp8`'s weight scales (its activation scales are not
-    /// used: the activations stay bf16), times `n` rows of activations, f32 accumulation. The
-    /// caller checks [`Gpu::gemv_fits`] with the input's addresses.
+    /// used: the activations stay bf16; k a multiple of 16), times `n` rows of activations,
+    /// f32 accumulation. The caller checks [`Gpu::gemv_fits`] with the input's addresses.
     #[allow(clippy::too_many_arguments)]
     pub fn gemv(
         &self,
@@ -899,7 +899,7 @@ impl Gpu {
             GemvInput::Bf16(a) => [w, a, 0],
             GemvInput::Norm { x, weight, .. } => [w, x, weight],
         };
-        if !self.gemv_fits(n, k, &addrs) {
+        if !self.gemv_fits(n, k, &addrs) || (fp8.is_some() && !k.is_multiple_of(16)) {
             return Err(GpuError::Internal(format!(
                 "GEMV of {n} x {k} does not fit the kernels (mode {:?})",
                 self.gemv_mode
