@@ -326,7 +326,7 @@ pub struct ThroughputArgs {
     #[arg(long, default_value_t = 0.9)]
     pub gpu_memory_utilization: f64,
     /// Weight quantization at load: none, or fp8 (CUDA backend, sm_89 or newer: e4m3 layers
-    /// with a scale per output channel, activations a scale per token).
+    /// with a scale per output channel).
     #[arg(long, default_value = "none")]
     pub quantization: switchyard_config::Quantization,
     /// Plan and submit each step while the previous one runs on the device: auto (on with

@@ -192,8 +192,9 @@ pub enum Quantization {
     #[default]
     None,
     /// The CUDA backend quantizes each layer's matrices to fp8 (e4m3, a scale per output
-    /// channel; activations a scale per token) at load: half the weight bytes, fp8 tensor
-    /// cores. Needs a GPU of compute capability 8.9 or newer (Ada, Hopper).
+    /// channel) at load: half the weight bytes, fp8 tensor cores for large steps (their
+    /// activations quantized per token). Needs a GPU of compute capability 8.9 or newer (Ada,
+    /// Hopper).
     Fp8,
 }
 

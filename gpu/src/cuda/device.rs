@@ -228,6 +228,10 @@ pub enum Fp8Scaling {
     Tensor,
 }
 
+/// fp8 products to check with cuBLASLt's heuristic: (m, k, f32 output, accumulate) of each,
+/// and the step sizes (n) to check them at.
+pub(crate) type Fp8Shapes = (Vec<(usize, usize, bool, bool)>, Vec<usize>);
+
 /// Most blocks of `fp8_amax` (the partial maxima `fp8_quant_tensor` reduces).
 pub(crate) const FP8_MAX_PARTS: usize = 264;
 
@@ -1031,7 +1035,7 @@ impl Gpu {
                 "fp8 quantization of {rows} x {k} at {x:#x} -> {q:#x}: k must be a multiple of 8, the buffers aligned"
             )));
         }
-        self.timed("fp8_quant", || match scaling {
+        match scaling {
             Fp8Scaling::Row => self.launch(
                 &self.k.fp8_quant_rows,
                 (rows as u32, 1, 1),
@@ -1067,30 +1071,36 @@ impl Gpu {
                     ],
                 )
             }
-        })
+        }
     }
 
-    /// Whether cuBLASLt has fp8 algorithms with `scaling` (see [`lt::Lt::fp8_supported`]).
-    pub fn fp8_supported(&self, scaling: Fp8Scaling) -> Result<(), GpuError> {
+    /// Whether cuBLASLt has fp8 algorithms with `scaling` for `products` (m, k, f32 output,
+    /// accumulate) at each step size of `ns` (see [`lt::Lt::fp8_supported`]).
+    pub fn fp8_supported(
+        &self,
+        scaling: Fp8Scaling,
+        (products, ns): &Fp8Shapes,
+    ) -> Result<(), GpuError> {
         let lt = self
             .lt
             .as_ref()
             .ok_or_else(|| GpuError::Cuda("libcublasLt is not loaded".into()))?;
-        lt.fp8_supported(scaling)
+        lt.fp8_supported(scaling, products, ns)
     }
 
-    /// The fp8 scaling this GPU's cuBLASLt runs: [`Fp8Scaling::Row`] when it has an algorithm
-    /// for an outer-vector-scaled product (asked of the heuristic; nothing runs), else
+    /// The fp8 scaling this GPU's cuBLASLt runs for `shapes` (see [`Gpu::fp8_supported`]):
+    /// [`Fp8Scaling::Row`] when it has outer-vector-scaled algorithms for every one (asked of
+    /// the heuristic; nothing runs), else
     /// [`Fp8Scaling::Tensor`]; `SWITCHYARD_CUDA_FP8_SCALING=tensor` forces the latter. `None`
     /// without cuBLASLt or any fp8 algorithm.
-    pub fn fp8_scaling(&self) -> Option<Fp8Scaling> {
+    pub fn fp8_scaling(&self, shapes: &Fp8Shapes) -> Option<Fp8Scaling> {
         let forced = std::env::var("SWITCHYARD_CUDA_FP8_SCALING").ok();
         let mut order = vec![Fp8Scaling::Row, Fp8Scaling::Tensor];
         if forced.as_deref() == Some("tensor") {
             order.remove(0);
         }
         for scaling in order {
-            match self.fp8_supported(scaling) {
+            match self.fp8_supported(scaling, shapes) {
                 Ok(()) => return Some(scaling),
                 Err(e) => {
                     tracing::info!(?scaling, error = %e, "cuBLASLt has no fp8 algorithm with this scaling")

@@ -257,15 +257,26 @@ impl Lt {
     pub fn gemm(
         &self,
         stream: lt_sys::cudaStream_t,
-        capturing: impl FnOnce() -> bool,
+        capturing: impl Fn() -> bool,
         p: &Product,
     ) -> Result<LtOutcome, GpuError> {
-        let Product { w, a, c, beta, .. } = *p;
         let key = PlanKey::new(p);
         let mut cache = self.cache.borrow_mut();
         if cache.get(&key).is_none() {
             if !cache.has_room() {
-                return Ok(LtOutcome::UseGemmEx);
+                if key.fp8.is_none() {
+                    return Ok(LtOutcome::UseGemmEx);
+                }
+                // fp8 has no GemmEx to fall back on: plan this call alone (the descriptors are
+                // destroyed after the call, which copies what it needs).
+                let plan = self.plan(&key).map_err(|e| {
+                    GpuError::Cuda(format!(
+                        "no cuBLASLt fp8 algorithm for {} x {} x {}: {e}",
+                        key.m, key.n, key.k
+                    ))
+                })?;
+                drop(cache);
+                return self.run(stream, &capturing, p, &key, &plan);
             }
             match self.plan(&key) {
                 Ok(p) => {
@@ -302,6 +313,24 @@ impl Lt {
             Some(Slot::Lt(p)) => p,
             Some(Slot::GemmEx) | None => return Ok(LtOutcome::UseGemmEx),
         };
+        let outcome = self.run(stream, &capturing, p, &key, plan);
+        if outcome.as_ref().is_ok_and(|o| *o == LtOutcome::UseGemmEx) && key.fp8.is_none() {
+            cache.mark_gemm_ex(key, capturing());
+        }
+        outcome
+    }
+
+    /// Enqueues `p` with `plan` (the plan of `key`); `UseGemmEx` when cuBLASLt fails it (an
+    /// error for fp8 products, which have no fallback).
+    fn run(
+        &self,
+        stream: lt_sys::cudaStream_t,
+        capturing: &dyn Fn() -> bool,
+        p: &Product,
+        key: &PlanKey,
+        plan: &Plan,
+    ) -> Result<LtOutcome, GpuError> {
+        let Product { w, a, c, beta, .. } = *p;
         if let Some(s) = p.fp8 {
             type Attr = lt_sys::cublasLtMatmulDescAttributes_t;
             for (attr, ptr) in [
@@ -347,33 +376,41 @@ impl Lt {
         };
         match r {
             Ok(()) => Ok(LtOutcome::Ran),
+            Err(e) if key.fp8.is_some() => Err(lt_err("cublasLtMatmul (fp8)", e)),
             Err(e) => {
-                let capturing = capturing();
                 tracing::warn!(
                     ?key,
                     error = ?e,
-                    capturing,
+                    capturing = capturing(),
                     "cublasLtMatmul failed; this shape runs on cublasGemmEx"
                 );
-                cache.mark_gemm_ex(key, capturing);
                 Ok(LtOutcome::UseGemmEx)
             }
         }
     }
 
-    /// Whether the heuristic has algorithms for fp8 products with `scaling` of the three kinds a
-    /// layer runs (f32 output, f32 output accumulated, bf16 output); host-only, nothing runs.
-    pub fn fp8_supported(&self, scaling: Fp8Scaling) -> Result<(), GpuError> {
-        for (c_f32, accumulate) in [(true, false), (true, true), (false, false)] {
-            self.plan(&PlanKey {
-                m: 256,
-                n: 64,
-                k: 256,
-                c_f32,
-                accumulate,
-                fp8: Some(scaling),
-                align_log2: [8, 8, 8],
-            })?;
+    /// Whether the heuristic has algorithms for the fp8 `products` (m, k, f32 output,
+    /// accumulate) with `scaling` at each step size of `ns` (256-byte aligned operands, as the
+    /// backend's buffers are); host-only, nothing runs, nothing is cached.
+    pub fn fp8_supported(
+        &self,
+        scaling: Fp8Scaling,
+        products: &[(usize, usize, bool, bool)],
+        ns: &[usize],
+    ) -> Result<(), GpuError> {
+        for &(m, k, c_f32, accumulate) in products {
+            for &n in ns {
+                self.plan(&PlanKey {
+                    m,
+                    n,
+                    k,
+                    c_f32,
+                    accumulate,
+                    fp8: Some(scaling),
+                    align_log2: [8, 8, 8],
+                })
+                .map_err(|e| GpuError::Cuda(format!("fp8 {m} x {n} x {k}: {e}")))?;
+            }
         }
         Ok(())
     }
@@ -428,10 +465,7 @@ impl Lt {
             type Attr = lt_sys::cublasLtMatmulDescAttributes_t;
             type Mode = lt_sys::cublasLtMatmulMatrixScale_t;
             let fast = i8::from(self.fp8_fast_accum);
-            let mode = match scaling {
-                Fp8Scaling::Row => Mode::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F,
-                Fp8Scaling::Tensor => Mode::CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F,
-            } as i32;
+            let outer = Mode::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F as i32;
             // Placeholder scale addresses (any aligned device address) for the heuristic, which
             // may check them; each call sets the real ones.
             let placeholder = self.workspace;
@@ -457,17 +491,21 @@ impl Lt {
                     std::mem::size_of::<i8>(),
                 )
                 .map_err(|e| lt_err("cublasLtMatmulDescSetAttribute (fast accumulation)", e))?;
-                for attr in [
-                    Attr::CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
-                    Attr::CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
-                ] {
-                    lt::set_matmul_desc_attribute(
-                        p.desc,
-                        attr,
-                        &mode as *const i32 as *const c_void,
-                        std::mem::size_of::<i32>(),
-                    )
-                    .map_err(|e| lt_err("cublasLtMatmulDescSetAttribute (scale mode)", e))?;
+                // Scalar scales are the default (and older cuBLASLt builds have no scale-mode
+                // attribute at all): only outer-vector scaling is set.
+                if scaling == Fp8Scaling::Row {
+                    for attr in [
+                        Attr::CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
+                        Attr::CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
+                    ] {
+                        lt::set_matmul_desc_attribute(
+                            p.desc,
+                            attr,
+                            &outer as *const i32 as *const c_void,
+                            std::mem::size_of::<i32>(),
+                        )
+                        .map_err(|e| lt_err("cublasLtMatmulDescSetAttribute (scale mode)", e))?;
+                    }
                 }
             }
         }

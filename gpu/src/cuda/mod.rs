@@ -67,9 +67,11 @@ pub struct CudaBackendConfig {
     pub cuda_graphs: bool,
     /// Seed of the streams of requests that bring none.
     pub seed: u64,
-    /// Quantize the layers' matrices to fp8 (e4m3; a scale per output channel, activations
-    /// a scale per token) at load: half the weight bytes, Hopper's fp8 tensor cores. Needs
-    /// sm_89 or newer.
+    /// Quantize the layers' matrices to fp8 at load (e4m3, a scale per output channel; see
+    /// `weights`): half the weight bytes once loaded (loading holds one layer in bf16 at a
+    /// time), fp8 tensor cores for large steps (activations quantized per token, or per step
+    /// where cuBLASLt lacks outer-vector scaling), bf16 activations on the GEMV kernels for
+    /// small ones. Needs sm_89 or newer.
     pub fp8: bool,
 }
 
@@ -87,6 +89,26 @@ impl Default for CudaBackendConfig {
             fp8: false,
         }
     }
+}
+
+/// The fp8 products a model's layers run on cuBLASLt, as (m, k, f32 output, accumulate), and
+/// step sizes to check them at: each layer's four projections at 1, 64, 256 tokens and the
+/// largest step.
+fn fp8_shapes(c: &LlamaConfig, max_tokens: usize) -> device::Fp8Shapes {
+    let (h, hd) = (c.hidden_size, c.head_dim);
+    let (q, kv, inter) = (c.num_heads * hd, c.num_kv_heads * hd, c.intermediate_size);
+    let products = vec![
+        (q + 2 * kv, h, true, false),
+        (h, q, true, true),
+        (2 * inter, h, false, false),
+        (h, inter, true, true),
+    ];
+    let mut ns: Vec<usize> = [1, 64, 256, max_tokens]
+        .into_iter()
+        .filter(|&n| n <= max_tokens)
+        .collect();
+    ns.dedup();
+    (products, ns)
 }
 
 /// Memory kept free beyond the buffers: cuBLAS, graphs, the driver.
@@ -314,22 +336,26 @@ impl CudaBackend {
                 gpu.info.compute_capability.0, gpu.info.compute_capability.1
             )));
         }
-        let mut weights = match source {
-            WeightSource::Loaded(w) => weights::from_model(&gpu, config, w)?,
-            WeightSource::Dummy(seed) => weights::dummy(&gpu, config, seed)?,
-        };
         let fp8 = if cfg.fp8 {
-            let scaling = gpu.fp8_scaling().ok_or_else(|| {
+            let scaling = gpu.fp8_scaling(&fp8_shapes(config, cfg.max_batch_tokens)).ok_or_else(|| {
                 GpuError::InvalidConfig(
-                    "quantization fp8: cuBLASLt has no fp8 matrix products on this system".into(),
+                    "quantization fp8: cuBLASLt has no fp8 matrix products for this model on this system".into(),
                 )
             })?;
             tracing::info!(?scaling, "fp8 layers");
-            weights::quantize_fp8(&gpu, config, &mut weights, scaling)?;
             Some(scaling)
         } else {
             None
         };
+        let quantizer = match fp8 {
+            Some(s) => Some(weights::Fp8Quantizer::new(&gpu, config, s)?),
+            None => None,
+        };
+        let weights = match source {
+            WeightSource::Loaded(w) => weights::from_model(&gpu, config, w, quantizer.as_ref())?,
+            WeightSource::Dummy(seed) => weights::dummy(&gpu, config, seed, quantizer.as_ref())?,
+        };
+        drop(quantizer);
         let max_tokens = cfg.max_batch_tokens;
         let max_rows = max_tokens.min(MAX_LOGIT_ROWS.max(cfg.max_num_seqs));
         let bs = cfg.block_size;

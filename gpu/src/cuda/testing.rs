@@ -521,7 +521,15 @@ pub fn fp8_scalings() -> Result<Vec<super::Fp8Scaling>, GpuError> {
     let gpu = Gpu::open(0)?;
     Ok([super::Fp8Scaling::Row, super::Fp8Scaling::Tensor]
         .into_iter()
-        .filter(|&s| gpu.fp8_supported(s).is_ok())
+        .filter(|&s| {
+            // The shapes of the checks (f32 output, accumulated; bf16 output).
+            let products = vec![
+                (256, 256, true, false),
+                (256, 256, true, true),
+                (256, 256, false, false),
+            ];
+            gpu.fp8_supported(s, &(products, vec![1, 64])).is_ok()
+        })
         .collect())
 }
 

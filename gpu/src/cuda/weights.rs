@@ -8,7 +8,7 @@
 //! ([`rope_row_order`]); random weights are generated in that order directly (a permutation of
 //! random rows is as random).
 //!
-//! With `quantization: fp8` ([`quantize_fp8`]), the four matrices of every layer are then
+//! With `quantization: fp8` ([`Fp8Quantizer`]), the four matrices of every layer are then
 //! converted on the device to e4m3 with one f32 scale per output channel (the row's max |w| /
 //! 448; activations get one per token at run time), or one per matrix where cuBLASLt lacks
 //! outer-vector scaling ([`Fp8Scaling`]), and the bf16 copies are freed; the embedding, the
@@ -221,6 +221,7 @@ pub(crate) fn from_model(
     gpu: &Gpu,
     c: &LlamaConfig,
     w: &ModelWeights,
+    fp8: Option<&Fp8Quantizer>,
 ) -> Result<GpuWeights, GpuError> {
     crate::model::loader::validate_weights(c, w, false)?;
     let (h, hd) = (c.hidden_size, c.head_dim);
@@ -234,7 +235,7 @@ pub(crate) fn from_model(
     let mut layers = Vec::with_capacity(c.num_layers);
     for i in 0..c.num_layers {
         let n = |s: &str| format!("blk.{i}.{s}.weight");
-        layers.push(GpuLayer {
+        let mut layer = GpuLayer {
             attn_norm: upload_f32(gpu, w, &n("attn_norm"), h)?,
             qkv: upload_bf16(
                 gpu,
@@ -267,7 +268,11 @@ pub(crate) fn from_model(
             )?,
             down: upload_bf16(gpu, w, &[Part::plain(n("ffn_down"), h)], inter)?,
             fp8: None,
-        });
+        };
+        if let Some(q) = fp8 {
+            q.layer(gpu, &mut layer)?;
+        }
+        layers.push(layer);
     }
     let embed = upload_bf16(
         gpu,
@@ -297,7 +302,12 @@ pub(crate) fn from_model(
 /// Random weights of the shape of `c`, generated on the device from `seed`: matrices uniform in
 /// `±1/sqrt(fan_in)` (outputs of a projection keep about a third of the input's variance, so
 /// activations stay finite over any depth), the embedding uniform in `±1`, norms 1.
-pub(crate) fn dummy(gpu: &Gpu, c: &LlamaConfig, seed: u64) -> Result<GpuWeights, GpuError> {
+pub(crate) fn dummy(
+    gpu: &Gpu,
+    c: &LlamaConfig,
+    seed: u64,
+    fp8: Option<&Fp8Quantizer>,
+) -> Result<GpuWeights, GpuError> {
     c.validate()?;
     let (h, hd) = (c.hidden_size, c.head_dim);
     let (q, kv, inter) = (c.num_heads * hd, c.num_kv_heads * hd, c.intermediate_size);
@@ -333,7 +343,7 @@ pub(crate) fn dummy(gpu: &Gpu, c: &LlamaConfig, seed: u64) -> Result<GpuWeights,
     let fan = |n: usize| 1.0 / (n as f32).sqrt();
     let mut layers = Vec::with_capacity(c.num_layers);
     for _ in 0..c.num_layers {
-        layers.push(GpuLayer {
+        let mut layer = GpuLayer {
             attn_norm: ones(h)?,
             qkv: matrix(q + 2 * kv, h, fan(h))?,
             o: matrix(h, q, fan(q))?,
@@ -341,7 +351,11 @@ pub(crate) fn dummy(gpu: &Gpu, c: &LlamaConfig, seed: u64) -> Result<GpuWeights,
             gate_up: matrix(2 * inter, h, fan(h))?,
             down: matrix(h, inter, fan(inter))?,
             fp8: None,
-        });
+        };
+        if let Some(q) = fp8 {
+            q.layer(gpu, &mut layer)?;
+        }
+        layers.push(layer);
     }
     let embed = matrix(c.vocab_size, h, 1.0)?;
     let lm_head = if c.tie_word_embeddings {
@@ -360,53 +374,68 @@ pub(crate) fn dummy(gpu: &Gpu, c: &LlamaConfig, seed: u64) -> Result<GpuWeights,
     })
 }
 
-/// Converts every layer's four matrices to e4m3 with a scale per row (see the module doc), one
-/// matrix at a time (the bf16 copy is freed before the next is converted).
-pub(crate) fn quantize_fp8(
-    gpu: &Gpu,
-    c: &LlamaConfig,
-    w: &mut GpuWeights,
+/// Converts layers' four matrices to e4m3 with a scale per row (or one per matrix: see the
+/// module doc), each layer as it is loaded, so loading holds at most one layer in bf16 beside
+/// the fp8 ones.
+pub(crate) struct Fp8Quantizer {
+    /// (rows, cols) by [`Proj`].
+    shapes: [(usize, usize); 4],
+    /// Byte offsets of each matrix's scales (256-byte aligned) and the bytes of all four.
+    offsets: [u64; 4],
+    bytes: usize,
+    parts: DevMem,
     scaling: Fp8Scaling,
-) -> Result<(), GpuError> {
-    let (h, hd) = (c.hidden_size, c.head_dim);
-    let (q, kv, inter) = (c.num_heads * hd, c.num_kv_heads * hd, c.intermediate_size);
-    if h % 16 != 0 || q % 16 != 0 || inter % 16 != 0 {
-        return Err(GpuError::InvalidConfig(format!(
-            "fp8 weights need hidden, attention and intermediate sizes that are multiples of 16 (here {h}, {q}, {inter})"
-        )));
+}
+
+impl Fp8Quantizer {
+    pub fn new(gpu: &Gpu, c: &LlamaConfig, scaling: Fp8Scaling) -> Result<Self, GpuError> {
+        let (h, hd) = (c.hidden_size, c.head_dim);
+        let (q, kv, inter) = (c.num_heads * hd, c.num_kv_heads * hd, c.intermediate_size);
+        if h % 16 != 0 || q % 16 != 0 || inter % 16 != 0 {
+            return Err(GpuError::InvalidConfig(format!(
+                "fp8 weights need hidden, attention and intermediate sizes that are multiples of 16 (here {h}, {q}, {inter})"
+            )));
+        }
+        let shapes = [(q + 2 * kv, h), (h, q), (2 * inter, h), (h, inter)];
+        let mut offsets = [0u64; 4];
+        let mut bytes = 0usize;
+        for (o, &(rows, _)) in offsets.iter_mut().zip(&shapes) {
+            *o = bytes as u64;
+            bytes += (rows * 4).next_multiple_of(256);
+        }
+        Ok(Fp8Quantizer {
+            shapes,
+            offsets,
+            bytes,
+            parts: gpu.alloc(FP8_MAX_PARTS * 4)?,
+            scaling,
+        })
     }
-    // (rows, cols) by `Proj`; each matrix's scales start 256-byte aligned.
-    let shapes = [(q + 2 * kv, h), (h, q), (2 * inter, h), (h, inter)];
-    let mut offsets = [0u64; 4];
-    let mut end = 0usize;
-    for (o, &(rows, _)) in offsets.iter_mut().zip(&shapes) {
-        *o = end as u64;
-        end += (rows * 4).next_multiple_of(256);
-    }
-    let parts = gpu.alloc(FP8_MAX_PARTS * 4)?;
-    for layer in &mut w.layers {
-        let scales = gpu.alloc(end)?;
+
+    /// Quantizes `layer`'s matrices, freeing each bf16 copy once converted.
+    pub fn layer(&self, gpu: &Gpu, layer: &mut GpuLayer) -> Result<(), GpuError> {
+        let scales = gpu.alloc(self.bytes)?;
         let mats = [
             &mut layer.qkv,
             &mut layer.o,
             &mut layer.gate_up,
             &mut layer.down,
         ];
-        for ((m, &(rows, cols)), &off) in mats.into_iter().zip(&shapes).zip(&offsets) {
+        for ((m, &(rows, cols)), &off) in mats.into_iter().zip(&self.shapes).zip(&self.offsets) {
             let out = gpu.alloc(rows * cols)?;
-            let to = (out.ptr(), scales.ptr() + off, parts.ptr());
-            gpu.quantize_fp8(m.ptr(), (rows, cols), to, scaling)?;
+            let to = (out.ptr(), scales.ptr() + off, self.parts.ptr());
+            gpu.quantize_fp8(m.ptr(), (rows, cols), to, self.scaling)?;
             // The bf16 copy may only be freed once the conversion has read it.
             gpu.sync()?;
             *m = out;
         }
         layer.fp8 = Some(Fp8Layer {
             scales,
-            offsets,
-            scaling,
+            offsets: self.offsets,
+            scaling: self.scaling,
         });
+        Ok(())
     }
-    Ok(())
 }
 
 #[cfg(test)]
