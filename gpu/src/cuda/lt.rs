@@ -194,6 +194,29 @@ fn lt_err(what: &str, e: impl std::fmt::Debug) -> GpuError {
     GpuError::Cuda(format!("{what}: {e:?}"))
 }
 
+/// Sets attribute `attr` of the matmul descriptor `desc` to `value` (`what` names it in errors).
+///
+/// # Safety
+/// `desc` must be live and `T` the attribute's type (int32: operations, scale modes; int8: fast
+/// accumulation; a u64 device address: scale pointers).
+unsafe fn set_desc<T: Copy>(
+    desc: lt_sys::cublasLtMatmulDesc_t,
+    attr: lt_sys::cublasLtMatmulDescAttributes_t,
+    value: T,
+    what: &str,
+) -> Result<(), GpuError> {
+    // SAFETY: as the caller promises; the value is read during the call.
+    unsafe {
+        lt::set_matmul_desc_attribute(
+            desc,
+            attr,
+            &value as *const T as *const c_void,
+            std::mem::size_of::<T>(),
+        )
+    }
+    .map_err(|e| lt_err(&format!("cublasLtMatmulDescSetAttribute ({what})"), e))
+}
+
 /// One cuBLASLt handle, the shared workspace and the plan cache.
 pub(crate) struct Lt {
     // Field order is drop order: the plans before the handle.
@@ -337,17 +360,9 @@ impl Lt {
                 (Attr::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, s.w),
                 (Attr::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, s.a),
             ] {
-                // SAFETY: `desc` is live; the attribute is a device pointer (8 bytes) to an f32
-                // the caller keeps alive until the product has run.
-                unsafe {
-                    lt::set_matmul_desc_attribute(
-                        plan.desc,
-                        attr,
-                        &ptr as *const u64 as *const c_void,
-                        std::mem::size_of::<u64>(),
-                    )
-                }
-                .map_err(|e| lt_err("cublasLtMatmulDescSetAttribute (fp8 scale)", e))?;
+                // SAFETY: `desc` is live; the attribute is a device pointer (8 bytes) to the f32
+                // scales the caller keeps alive until the product has run.
+                unsafe { set_desc(plan.desc, attr, ptr, "fp8 scale")? };
             }
         }
         let alpha = 1.0f32;
@@ -449,17 +464,8 @@ impl Lt {
                 cublasOperation_t::CUBLAS_OP_N,
             ),
         ] {
-            let op = op as i32;
             // SAFETY: `desc` is live; the attribute is an int32 (cublasOperation_t).
-            unsafe {
-                lt::set_matmul_desc_attribute(
-                    p.desc,
-                    attr,
-                    &op as *const i32 as *const c_void,
-                    std::mem::size_of::<i32>(),
-                )
-            }
-            .map_err(|e| lt_err("cublasLtMatmulDescSetAttribute", e))?;
+            unsafe { set_desc(p.desc, attr, op as i32, "operation")? };
         }
         if let Some(scaling) = key.fp8 {
             type Attr = lt_sys::cublasLtMatmulDescAttributes_t;
@@ -476,21 +482,14 @@ impl Lt {
                     Attr::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
                     Attr::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
                 ] {
-                    lt::set_matmul_desc_attribute(
-                        p.desc,
-                        attr,
-                        &placeholder as *const u64 as *const c_void,
-                        std::mem::size_of::<u64>(),
-                    )
-                    .map_err(|e| lt_err("cublasLtMatmulDescSetAttribute (scale pointer)", e))?;
+                    set_desc(p.desc, attr, placeholder, "scale pointer")?;
                 }
-                lt::set_matmul_desc_attribute(
+                set_desc(
                     p.desc,
                     Attr::CUBLASLT_MATMUL_DESC_FAST_ACCUM,
-                    &fast as *const i8 as *const c_void,
-                    std::mem::size_of::<i8>(),
-                )
-                .map_err(|e| lt_err("cublasLtMatmulDescSetAttribute (fast accumulation)", e))?;
+                    fast,
+                    "fast accumulation",
+                )?;
                 // Scalar scales are the default (and older cuBLASLt builds have no scale-mode
                 // attribute at all): only outer-vector scaling is set.
                 if scaling == Fp8Scaling::Row {
@@ -498,13 +497,7 @@ impl Lt {
                         Attr::CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
                         Attr::CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
                     ] {
-                        lt::set_matmul_desc_attribute(
-                            p.desc,
-                            attr,
-                            &outer as *const i32 as *const c_void,
-                            std::mem::size_of::<i32>(),
-                        )
-                        .map_err(|e| lt_err("cublasLtMatmulDescSetAttribute (scale mode)", e))?;
+                        set_desc(p.desc, attr, outer, "scale mode")?;
                     }
                 }
             }

@@ -533,6 +533,71 @@ pub fn fp8_scalings() -> Result<Vec<super::Fp8Scaling>, GpuError> {
         .collect())
 }
 
+/// A bf16 matrix quantized on the device by the backend's kernel, and where its e4m3 bytes and
+/// scales are.
+struct DeviceFp8 {
+    q: DevMem,
+    scales: DevMem,
+    rows: usize,
+    k: usize,
+    scaling: super::Fp8Scaling,
+}
+
+impl DeviceFp8 {
+    /// Uploads `x` (`rows x k`) and quantizes it; waits for both (the GEMV kernels read
+    /// weights before their wait on the kernel before them, as weights are written at load).
+    fn new(
+        gpu: &Gpu,
+        x: &[bf16],
+        (rows, k): (usize, usize),
+        scaling: super::Fp8Scaling,
+    ) -> Result<Self, GpuError> {
+        let xd = gpu.alloc(x.len() * 2)?;
+        gpu.upload(xd.ptr(), x)?;
+        let (q, scales) = (gpu.alloc(rows * k)?, gpu.alloc(rows * 4)?);
+        let parts = gpu.alloc(super::device::FP8_MAX_PARTS * 4)?;
+        gpu.quantize_fp8(
+            xd.ptr(),
+            (rows, k),
+            (q.ptr(), scales.ptr(), parts.ptr()),
+            scaling,
+        )?;
+        gpu.sync()?;
+        Ok(DeviceFp8 {
+            q,
+            scales,
+            rows,
+            k,
+            scaling,
+        })
+    }
+
+    /// The bytes and one scale per row (the tensor's repeated with `Tensor` scaling).
+    fn download(&self, gpu: &Gpu) -> Result<(Vec<u8>, Vec<f32>), GpuError> {
+        let mut q = vec![0u8; self.rows * self.k];
+        let mut s = vec![0f32; self.rows];
+        gpu.download(&mut q, self.q.ptr())?;
+        gpu.download(&mut s, self.scales.ptr())?;
+        if self.scaling == super::Fp8Scaling::Tensor {
+            let s0 = s[0];
+            s.fill(s0);
+        }
+        Ok((q, s))
+    }
+}
+
+/// `len` values at `ptr`, f32 or bf16 (`f32`), as f32.
+fn download_values(gpu: &Gpu, ptr: u64, len: usize, f32: bool) -> Result<Vec<f32>, GpuError> {
+    if f32 {
+        let mut v = vec![0f32; len];
+        gpu.download(&mut v, ptr)?;
+        return Ok(v);
+    }
+    let mut b = vec![bf16::ZERO; len];
+    gpu.download(&mut b, ptr)?;
+    Ok(b.iter().map(|v| v.to_f32()).collect())
+}
+
 /// What [`fp8_product`] returns: both operands as the backend quantized them (e4m3 bytes, one
 /// f32 scale per row, or one in all with [`super::Fp8Scaling::Tensor`]) and the product
 /// cuBLASLt computed from them.
@@ -545,9 +610,8 @@ pub struct Fp8Product {
     pub c: Vec<f32>,
 }
 
-/// Quantizes `w` (`m x k`) and `a` (`n x k`) with the backend's fp8 kernel (a scale per row)
-/// and multiplies them as an fp8 layer does (cuBLASLt, outer-vector scales, f32 or bf16
-/// (`c_f32`) output onto `c0` with `beta`).
+/// Quantizes `w` (`m x k`) and `a` (`n x k`) with the backend's fp8 kernel and multiplies them
+/// as an fp8 layer does (cuBLASLt, f32 or bf16 (`c_f32`) output onto `c0` with `beta`).
 pub fn fp8_product(
     w: &[bf16],
     a: &[bf16],
@@ -559,33 +623,19 @@ pub fn fp8_product(
         return Err(GpuError::BadBatch("fp8 check: operand sizes".into()));
     }
     let gpu = Gpu::open(0)?;
-    let up = |v: &[bf16]| -> Result<DevMem, GpuError> {
-        let d = gpu.alloc(v.len() * 2)?;
-        gpu.upload(d.ptr(), v)?;
-        Ok(d)
-    };
-    let (wd, ad) = (up(w)?, up(a)?);
-    let (wq, aq) = (gpu.alloc(m * k)?, gpu.alloc(n * k)?);
-    let (ws, as_) = (gpu.alloc(m * 4)?, gpu.alloc(n * 4)?);
-    let parts = gpu.alloc(super::device::FP8_MAX_PARTS * 4)?;
+    let wq = DeviceFp8::new(&gpu, w, (m, k), scaling)?;
+    let aq = DeviceFp8::new(&gpu, a, (n, k), scaling)?;
     let c = gpu.alloc(n * m * 4)?;
     if c_f32 {
         gpu.upload(c.ptr(), c0)?;
     } else {
         let b: Vec<bf16> = c0.iter().map(|&v| bf16::from_f32(v)).collect();
         gpu.upload(c.ptr(), &b)?;
-        gpu.sync()?;
     }
-    gpu.quantize_fp8(wd.ptr(), (m, k), (wq.ptr(), ws.ptr(), parts.ptr()), scaling)?;
-    gpu.quantize_fp8(
-        ad.ptr(),
-        (n, k),
-        (aq.ptr(), as_.ptr(), parts.ptr()),
-        scaling,
-    )?;
+    gpu.sync()?;
     gpu.gemm_cublas(Product {
-        w: wq.ptr(),
-        a: aq.ptr(),
+        w: wq.q.ptr(),
+        a: aq.q.ptr(),
         c: c.ptr(),
         m,
         n,
@@ -593,37 +643,20 @@ pub fn fp8_product(
         beta,
         c_f32,
         fp8: Some(super::device::Fp8Scales {
-            w: ws.ptr(),
-            a: as_.ptr(),
+            w: wq.scales.ptr(),
+            a: aq.scales.ptr(),
             scaling,
         }),
     })?;
     gpu.sync()?;
-    let mut out = Fp8Product {
-        wq: vec![0; m * k],
-        w_scales: vec![0.0; m],
-        aq: vec![0; n * k],
-        a_scales: vec![0.0; n],
-        c: vec![0.0; n * m],
-    };
-    gpu.download(&mut out.wq, wq.ptr())?;
-    gpu.download(&mut out.w_scales, ws.ptr())?;
-    gpu.download(&mut out.aq, aq.ptr())?;
-    gpu.download(&mut out.a_scales, as_.ptr())?;
-    if scaling == super::Fp8Scaling::Tensor {
-        // One scale each: every row's is the first.
-        let (w0, a0) = (out.w_scales[0], out.a_scales[0]);
-        out.w_scales.fill(w0);
-        out.a_scales.fill(a0);
-    }
-    if c_f32 {
-        gpu.download(&mut out.c, c.ptr())?;
-    } else {
-        let mut b = vec![bf16::ZERO; n * m];
-        gpu.download(&mut b, c.ptr())?;
-        out.c = b.iter().map(|v| v.to_f32()).collect();
-    }
-    Ok(out)
+    let ((wq_bytes, w_scales), (aq_bytes, a_scales)) = (wq.download(&gpu)?, aq.download(&gpu)?);
+    Ok(Fp8Product {
+        wq: wq_bytes,
+        w_scales,
+        aq: aq_bytes,
+        a_scales,
+        c: download_values(&gpu, c.ptr(), n * m, c_f32)?,
+    })
 }
 
 /// What [`fp8_gemv`] returns: W as the backend quantized it (e4m3 bytes and one scale per row,
@@ -651,26 +684,10 @@ pub fn fp8_gemv(
         return Err(GpuError::BadBatch("fp8 GEMV check: operand sizes".into()));
     }
     let gpu = Gpu::open(0)?;
-    let (wd, ad) = (gpu.alloc(w.len() * 2)?, gpu.alloc(a.len() * 2)?);
-    gpu.upload(wd.ptr(), w)?;
+    let wq = DeviceFp8::new(&gpu, w, (rows, k), scaling)?;
+    let ad = gpu.alloc(a.len() * 2)?;
     gpu.upload(ad.ptr(), a)?;
-    let (wq, ws) = (gpu.alloc(rows * k)?, gpu.alloc(rows * 4)?);
-    let parts = gpu.alloc(super::device::FP8_MAX_PARTS * 4)?;
     let y = gpu.alloc(n * m * 4)?;
-    gpu.quantize_fp8(
-        wd.ptr(),
-        (rows, k),
-        (wq.ptr(), ws.ptr(), parts.ptr()),
-        scaling,
-    )?;
-    // The GEMV kernels ask for their weights before waiting for the kernel before them (weights
-    // are written at load, never by the step's kernels), so the quantization must be done.
-    gpu.sync()?;
-    let scales = super::device::Fp8Scales {
-        w: ws.ptr(),
-        a: 0,
-        scaling,
-    };
     let output = if glu {
         GemvOutput::Glu
     } else {
@@ -679,31 +696,23 @@ pub fn fp8_gemv(
             f32_out: true,
         }
     };
-    if !gpu.gemv_fits(n, k, &[wq.ptr(), ad.ptr()]) {
+    if !gpu.gemv_fits(n, k, &[wq.q.ptr(), ad.ptr()]) {
         return Err(GpuError::BadBatch(
             "fp8 GEMV check: not a GEMV shape".into(),
         ));
     }
-    let input = GemvInput::Bf16(ad.ptr());
-    gpu.gemv((wq.ptr(), Some(scales)), input, y.ptr(), m, n, k, output)?;
-    gpu.sync()?;
-    let mut out = Fp8Gemv {
-        wq: vec![0; rows * k],
-        w_scales: vec![0.0; rows],
-        y: vec![0.0; n * m],
+    let scales = super::device::Fp8Scales {
+        w: wq.scales.ptr(),
+        a: 0,
+        scaling,
     };
-    gpu.download(&mut out.wq, wq.ptr())?;
-    gpu.download(&mut out.w_scales, ws.ptr())?;
-    if scaling == super::Fp8Scaling::Tensor {
-        let s0 = out.w_scales[0];
-        out.w_scales.fill(s0);
-    }
-    if glu {
-        let mut b = vec![bf16::ZERO; n * m];
-        gpu.download(&mut b, y.ptr())?;
-        out.y = b.iter().map(|v| v.to_f32()).collect();
-    } else {
-        gpu.download(&mut out.y, y.ptr())?;
-    }
-    Ok(out)
+    let input = GemvInput::Bf16(ad.ptr());
+    gpu.gemv((wq.q.ptr(), Some(scales)), input, y.ptr(), m, n, k, output)?;
+    gpu.sync()?;
+    let (wq_bytes, w_scales) = wq.download(&gpu)?;
+    Ok(Fp8Gemv {
+        wq: wq_bytes,
+        w_scales,
+        y: download_values(&gpu, y.ptr(), n * m, !glu)?,
+    })
 }
