@@ -18,7 +18,8 @@
 #             layers at full width) and the test comparing the CUDA backend's logits with
 #             transformers' float32 ones
 #   dummy     batch-1 / batch-256 decode and offline benchmarks on random weights, Llama-3-8B
-#             also with fp8 layers (OFFLINE=0 leaves out the 2000-prompt offline runs)
+#             also with fp8 layers and with an fp8 KV cache (at full memory and at 0.32 of it,
+#             beside a bf16 cache) (OFFLINE=0 leaves out the 2000-prompt offline runs)
 #   variants  batch-1 decode with each SWITCHYARD_CUDA_GEMV mode, with PDL off (`:nopdl`),
 #             with GemmEx instead of cuBLASLt (`:nolt`), with RoPE in its own kernel
 #             (`:norope`), without attention's early key copies (`:noearly`), with at most N
@@ -122,6 +123,16 @@ if has dummy; then
   bench llama8b-fp8-decode-b1 --dummy llama-3-8b --decode-batch 1 --input-len 128 --output-len 256 --quantization fp8
   [ "${OFFLINE:-1}" = 1 ] && bench llama8b-fp8-offline-2000 --dummy llama-3-8b --num-prompts 2000 --input-len 128 --output-len 128 \
     --max-num-seqs 2048 --max-num-batched-tokens 32768 --quantization fp8
+  bench llama8b-kv8-decode-b1 --dummy llama-3-8b --decode-batch 1 --input-len 128 --output-len 256 --kv-cache-dtype fp8
+  if [ "${OFFLINE:-1}" = 1 ]; then
+    bench llama8b-kv8-offline-2000 --dummy llama-3-8b --num-prompts 2000 --input-len 128 --output-len 128 \
+      --max-num-seqs 2048 --max-num-batched-tokens 32768 --kv-cache-dtype fp8
+    # A run the cache's size limits: 0.32 of the GPU's memory, bf16 against fp8 keys and values.
+    for kv in auto fp8; do
+      bench llama8b-offline-2000-mem032-kv-$kv --dummy llama-3-8b --num-prompts 2000 --input-len 128 --output-len 128 \
+        --max-num-seqs 2048 --max-num-batched-tokens 32768 --gpu-memory-utilization 0.32 --kv-cache-dtype $kv
+    done
+  fi
   bench smollm2-dummy-decode-b1 --dummy smollm2-135m --decode-batch 1 --input-len 128 --output-len 256
   bench smollm2-dummy-decode-b256 --dummy smollm2-135m --decode-batch 256 --input-len 128 --output-len 128
 fi

@@ -143,6 +143,10 @@ pub struct GenerateArgs {
     /// Weight quantization at load: none, or fp8 (CUDA backend only).
     #[arg(long, default_value = "none")]
     pub quantization: switchyard_config::Quantization,
+    /// KV cache storage: auto (bf16 on CUDA, f16 on the CPU), or fp8 (CUDA backend only: e4m3 with a
+    /// scale per token and KV head).
+    #[arg(long, default_value = "auto")]
+    pub kv_cache_dtype: switchyard_config::KvCacheDtype,
     /// CPU threads (0 = all cores).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
@@ -329,6 +333,10 @@ pub struct ThroughputArgs {
     /// with a scale per output channel).
     #[arg(long, default_value = "none")]
     pub quantization: switchyard_config::Quantization,
+    /// KV cache storage: auto (bf16 on CUDA, f16 on the CPU), or fp8 (CUDA backend only: e4m3 with a
+    /// scale per token and KV head, about half the bytes per cached token).
+    #[arg(long, default_value = "auto")]
+    pub kv_cache_dtype: switchyard_config::KvCacheDtype,
     /// Plan and submit each step while the previous one runs on the device: auto (on with
     /// the CUDA backend), on or off.
     #[arg(long, default_value = "auto")]

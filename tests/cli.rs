@@ -391,9 +391,9 @@ fn generate_follows_a_json_schema_a_choice_and_refuses_bad_ones() {
 }
 
 #[test]
-fn fp8_quantization_is_refused_on_the_cpu_backend() {
-    // fp8 layers need the CUDA backend; on the CPU the flag (or a bad value) is an error that
-    // says so, before any work starts.
+fn fp8_layers_and_kv_cache_are_refused_on_the_cpu_backend() {
+    // fp8 layers and an fp8 KV cache need the CUDA backend; on the CPU each flag (or a bad
+    // value) is an error that says so, before any work starts.
     let model = common::model_path();
     let err = fails(
         switchyard()
@@ -411,5 +411,16 @@ fn fp8_quantization_is_refused_on_the_cpu_backend() {
         "--quantization",
         "int4",
     ]));
-    assert!(err.contains("expected none or fp8"), "{err}");
+    assert!(err.contains("expected one of none, fp8"), "{err}");
+    let err = fails(
+        switchyard()
+            .args(["generate", "--backend", "cpu", "--kv-cache-dtype", "fp8"])
+            .arg("--model")
+            .arg(&model)
+            .args(["--prompt", "x"]),
+    );
+    assert!(
+        err.contains("kv_cache_dtype fp8 runs on the CUDA backend only"),
+        "{err}"
+    );
 }

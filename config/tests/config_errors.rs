@@ -132,3 +132,21 @@ fn quantization_is_parsed_and_checked() {
     assert_eq!("none".parse::<Quantization>(), Ok(Quantization::None));
     assert!("FP8".parse::<Quantization>().is_err());
 }
+
+#[test]
+fn kv_cache_dtype_is_parsed_and_checked() {
+    use switchyard_config::KvCacheDtype;
+    let cfg = Config::from_yaml_str("cache:\n  kv_cache_dtype: fp8\n", "test.yaml").unwrap();
+    assert_eq!(cfg.cache.kv_cache_dtype, KvCacheDtype::Fp8);
+    let cfg = Config::from_yaml_str("cache:\n  block_size: 32\n", "test.yaml").unwrap();
+    assert_eq!(cfg.cache.kv_cache_dtype, KvCacheDtype::Auto);
+    check_err(
+        "cache:\n  kv_cache_dtype: int8\n",
+        Some(2),
+        "kv_cache_dtype",
+    );
+    assert_eq!("fp8".parse::<KvCacheDtype>(), Ok(KvCacheDtype::Fp8));
+    assert_eq!("auto".parse::<KvCacheDtype>(), Ok(KvCacheDtype::Auto));
+    let err = "bf16".parse::<KvCacheDtype>().unwrap_err();
+    assert!(err.contains("expected one of auto, fp8"), "{err}");
+}

@@ -87,14 +87,8 @@ __device__ __forceinline__ u32 gemv_pack(float lo, float hi) {
     return *reinterpret_cast<u32*>(&h);
 }
 
-// Two e4m3 bytes (low byte first, in the low 8 bits of each 16-bit half of `v`) as two bf16
-// holding their values times 2^-120, by moving bits: e4m3's sign to bf16's, its 4 exponent and
-// 3 mantissa bits to the low exponent and high mantissa bits (exponent bias 7 -> 127: the
-// factor 2^-120; e4m3 subnormals become bf16 subnormals, exactly). Integer operations at full
-// rate, where the conversion instructions run at a quarter; the epilogue multiplies by 2^120.
-__device__ __forceinline__ u32 gemv_e4m3x2_bf16x2(u32 v) {
-    return ((v << 8) & 0x80008000u) | ((v << 4) & 0x07f007f0u);
-}
+// e4m3 weights are widened by e4m3x8_widen (llama.cu): their values times 2^-120, which the
+// epilogue undoes.
 #define GEMV_F8_UNSCALE 0x1p120f
 
 // A lane's piece of W for one k-step, streamed: 16 bytes, 8 bf16 values or 16 e4m3 values (see
@@ -106,15 +100,6 @@ __device__ __forceinline__ uint4 gemv_ld_w(const char* p) {
         : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
         : "l"(p));
     return r;
-}
-
-// 8 e4m3 values as the 8 bf16 values (times 2^-120) the mma takes.
-__device__ __forceinline__ uint4 gemv_widen(uint2 v) {
-    // Bytes 0, 1 | 2, 3 of each word into the low bytes of the two 16-bit halves.
-    return make_uint4(gemv_e4m3x2_bf16x2(__byte_perm(v.x, 0u, 0x5140)),
-                      gemv_e4m3x2_bf16x2(__byte_perm(v.x, 0u, 0x7362)),
-                      gemv_e4m3x2_bf16x2(__byte_perm(v.y, 0u, 0x5140)),
-                      gemv_e4m3x2_bf16x2(__byte_perm(v.y, 0u, 0x7362)));
 }
 
 // bf16(nw * (x * inv)) for 8 consecutive values, packed as the B fragment expects.
@@ -254,8 +239,8 @@ __device__ __forceinline__ void gemv_compute(const GemvLane& L, int s, const uin
             // The 8 values of piece i of the lane's W rows (e4m3: bytes 8i..8i+7, widened).
             uint4 p = P[u], q = Q[u];
             if (F8) {
-                p = gemv_widen(i == 0 ? make_uint2(P[u].x, P[u].y) : make_uint2(P[u].z, P[u].w));
-                q = gemv_widen(i == 0 ? make_uint2(Q[u].x, Q[u].y) : make_uint2(Q[u].z, Q[u].w));
+                p = e4m3x8_widen(i == 0 ? make_uint2(P[u].x, P[u].y) : make_uint2(P[u].z, P[u].w));
+                q = e4m3x8_widen(i == 0 ? make_uint2(Q[u].x, Q[u].y) : make_uint2(Q[u].z, Q[u].w));
             }
             if (!(in[u] && L.ok_a)) p = zero;
             if (!(in[u] && L.ok_b)) q = zero;

@@ -185,6 +185,24 @@ extern "C" __global__ void fill_f32(float* p, u64 n, float v) {
 #define FP8_E4M3_MAX 448.f
 #define FP8_MIN_SCALE 1e-12f
 
+// Two e4m3 bytes (low byte first, in the low 8 bits of each 16-bit half of `v`) as two bf16
+// holding their values times 2^-120, by moving bits: e4m3's sign to bf16's, its 4 exponent and
+// 3 mantissa bits to the low exponent and high mantissa bits (exponent bias 7 -> 127: the
+// factor 2^-120; e4m3 subnormals become bf16 subnormals, exactly). Integer operations at full
+// rate, where the conversion instructions run at a quarter; the user undoes the 2^-120.
+__device__ __forceinline__ u32 e4m3x2_bf16x2(u32 v) {
+    return ((v << 8) & 0x80008000u) | ((v << 4) & 0x07f007f0u);
+}
+
+// 8 e4m3 values (8 bytes, first in the low byte) as 8 bf16 values times 2^-120, in order.
+__device__ __forceinline__ uint4 e4m3x8_widen(uint2 v) {
+    // Bytes 0, 1 | 2, 3 of each word into the low bytes of the two 16-bit halves.
+    return make_uint4(e4m3x2_bf16x2(__byte_perm(v.x, 0u, 0x5140)),
+                      e4m3x2_bf16x2(__byte_perm(v.x, 0u, 0x7362)),
+                      e4m3x2_bf16x2(__byte_perm(v.y, 0u, 0x5140)),
+                      e4m3x2_bf16x2(__byte_perm(v.y, 0u, 0x7362)));
+}
+
 // Eight bf16 values (one 16-byte load) times inv, as eight e4m3 bytes.
 __device__ __forceinline__ uint2 fp8_pack8(uint4 raw, float inv) {
     const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&raw);
@@ -380,16 +398,83 @@ __device__ __forceinline__ void rope_rotate(float x0, float x1, float pos, float
 // Grid: one block per token. Thread i takes rotation pair j = i % (hd / 2) of every
 // (blockDim.x / (hd / 2))-th head from head i / (hd / 2) on, so it computes the pair's sine
 // and cosine once (rope_rotate's, the same bits) for all heads, and a warp reads whole rows.
-extern "C" __global__ void rope_store_kv(const float* qkv, bf16* q, bf16* kc, bf16* vc,
-                                         const int* pos, const long long* slots,
-                                         const float* inv_freq, int nh, int nkv, int hd,
-                                         int interleaved) {
+//
+// F8 (`kv_cache_dtype: fp8`, rope_store_kv_f8): the cache holds e4m3 bytes with a scale per
+// (slot, KV head), written by kv_store_f8; Q as above.
+
+// One token's keys (rotated as rope_store_kv_body rotates them) and values into an fp8 cache
+// slot: each (slot, KV head) vector rounded to bf16 (what a bf16 cache would hold), then
+// quantized as fp8_quant_rows quantizes a row: s = max(amax / 448, FP8_MIN_SCALE) into
+// ksc / vsc [slot * nkv + head], e4m3(x / s) (nearest even, saturating) into the cache. One
+// warp per vector (K heads, then V heads); lane l takes pairs (or values) l, l + 32, ...
+// (hd a multiple of 64: the attention kernels' 64 or 128).
+__device__ __forceinline__ void kv_store_f8(const float* row, __nv_fp8_storage_t* kc,
+                                            __nv_fp8_storage_t* vc, float* ksc, float* vsc,
+                                            long long slot, float p, const float* inv_freq,
+                                            int nh, int nkv, int hd, int interleaved) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int half = hd / 2;
+    for (int vec = warp; vec < 2 * nkv; vec += warps) {
+        const bool key = vec < nkv;
+        const int head = key ? vec : vec - nkv;
+        // hd / 32 (at most 4) values: pairs (a, b) for keys, every 32nd value for values; the
+        // loops unrolled to 4 with the bound as a predicate, so x and at stay in registers.
+        float x[4] = {0.f, 0.f, 0.f, 0.f};
+        int at[4] = {0, 0, 0, 0};
+        const int per = hd / 32;
+        if (key) {
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                if (2 * i >= per) break;
+                const int j = lane + 32 * i;
+                float sn, cs;
+                sincosf(__fmul_rn(p, inv_freq[j]), &sn, &cs);
+                const int r = (nh + head) * hd + rope_pair_row(j);
+                float y0, y1;
+                rope_apply(row[r], row[r + 8], sn, cs, &y0, &y1);
+                x[2 * i] = __bfloat162float(__float2bfloat16(y0));
+                x[2 * i + 1] = __bfloat162float(__float2bfloat16(y1));
+                at[2 * i] = interleaved ? 2 * j : j;
+                at[2 * i + 1] = interleaved ? 2 * j + 1 : j + half;
+            }
+        } else {
+            const float* v = row + (nh + nkv + head) * hd;
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                if (i >= per) break;
+                x[i] = __bfloat162float(__float2bfloat16(v[lane + 32 * i]));
+                at[i] = lane + 32 * i;
+            }
+        }
+        float m = 0.f;
+#pragma unroll
+        for (int i = 0; i < 4; i++) m = fmaxf(m, fabsf(x[i]));  // zeros past per
+        m = warp_max(m);
+        const float s = fmaxf(m / FP8_E4M3_MAX, FP8_MIN_SCALE);
+        const float inv = 1.f / s;
+        const u64 base = ((u64)slot * nkv + head);
+        __nv_fp8_storage_t* o = (key ? kc : vc) + base * hd;
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            if (i < per) o[at[i]] = __nv_cvt_float_to_fp8(x[i] * inv, __NV_SATFINITE, __NV_E4M3);
+        if (lane == 0) (key ? ksc : vsc)[base] = s;
+    }
+}
+
+template <bool F8>
+__device__ __forceinline__ void rope_store_kv_body(const float* qkv, bf16* q, void* kc, void* vc,
+                                                   float* ksc, float* vsc, const int* pos,
+                                                   const long long* slots,
+                                                   const float* inv_freq, int nh, int nkv,
+                                                   int hd, int interleaved) {
     PDL_ENTER();
     const int t = blockIdx.x;
     const int half = hd / 2;
     const int width = (nh + 2 * nkv) * hd;
     const float* row = qkv + (u64)t * width;
     const long long slot = slots[t];
+    // Heads rotated by the loop below: Q and K, or Q alone (fp8 keys: kv_store_f8).
+    const int rotated = F8 ? nh : nh + nkv;
     // (With fewer threads than pairs, one group walks the pairs.)
     const bool wide = (int)blockDim.x >= half;
     const int groups = wide ? blockDim.x / half : 1;
@@ -402,7 +487,7 @@ extern "C" __global__ void rope_store_kv(const float* qkv, bf16* q, bf16* kc, bf
         const int b = interleaved ? 2 * j + 1 : j + half;
         const int pr = rope_pair_row(j);
         // Q heads then K heads.
-        for (int head = first; head < nh + nkv; head += groups) {
+        for (int head = first; head < rotated; head += groups) {
             const int r = head * hd + pr;
             float y0, y1;
             rope_apply(row[r], row[r + 8], sn, cs, &y0, &y1);
@@ -410,27 +495,49 @@ extern "C" __global__ void rope_store_kv(const float* qkv, bf16* q, bf16* kc, bf
             if (head < nh)
                 o = q + ((u64)t * nh + head) * hd;
             else if (slot >= 0)
-                o = kc + ((u64)slot * nkv + (head - nh)) * hd;
+                o = static_cast<bf16*>(kc) + ((u64)slot * nkv + (head - nh)) * hd;
             else
                 break;
             o[a] = __float2bfloat16(y0);
             o[b] = __float2bfloat16(y1);
         }
     }
-    if (slot >= 0) {
-        const float* v = row + (nh + nkv) * hd;
-        bf16* vo = vc + (u64)slot * nkv * hd;
-        const int nv = nkv * hd;
-        if ((nv & 3) == 0) {
-            for (int i = threadIdx.x; i < (nv >> 2); i += blockDim.x) {
-                const float4 f = reinterpret_cast<const float4*>(v)[i];
-                reinterpret_cast<__nv_bfloat162*>(vo)[2 * i] = __floats2bfloat162_rn(f.x, f.y);
-                reinterpret_cast<__nv_bfloat162*>(vo)[2 * i + 1] = __floats2bfloat162_rn(f.z, f.w);
-            }
-        } else {
-            for (int i = threadIdx.x; i < nv; i += blockDim.x) vo[i] = __float2bfloat16(v[i]);
-        }
+    if (slot < 0) return;
+    if (F8) {
+        kv_store_f8(row, static_cast<__nv_fp8_storage_t*>(kc),
+                    static_cast<__nv_fp8_storage_t*>(vc), ksc, vsc, slot, (float)pos[t],
+                    inv_freq, nh, nkv, hd, interleaved);
+        return;
     }
+    const float* v = row + (nh + nkv) * hd;
+    bf16* vo = static_cast<bf16*>(vc) + (u64)slot * nkv * hd;
+    const int nv = nkv * hd;
+    if ((nv & 3) == 0) {
+        for (int i = threadIdx.x; i < (nv >> 2); i += blockDim.x) {
+            const float4 f = reinterpret_cast<const float4*>(v)[i];
+            reinterpret_cast<__nv_bfloat162*>(vo)[2 * i] = __floats2bfloat162_rn(f.x, f.y);
+            reinterpret_cast<__nv_bfloat162*>(vo)[2 * i + 1] = __floats2bfloat162_rn(f.z, f.w);
+        }
+    } else {
+        for (int i = threadIdx.x; i < nv; i += blockDim.x) vo[i] = __float2bfloat16(v[i]);
+    }
+}
+
+extern "C" __global__ void rope_store_kv(const float* qkv, bf16* q, bf16* kc, bf16* vc,
+                                         const int* pos, const long long* slots,
+                                         const float* inv_freq, int nh, int nkv, int hd,
+                                         int interleaved) {
+    rope_store_kv_body<false>(qkv, q, kc, vc, nullptr, nullptr, pos, slots, inv_freq, nh, nkv,
+                              hd, interleaved);
+}
+
+extern "C" __global__ void rope_store_kv_f8(const float* qkv, bf16* q, __nv_fp8_storage_t* kc,
+                                            __nv_fp8_storage_t* vc, float* ksc, float* vsc,
+                                            const int* pos, const long long* slots,
+                                            const float* inv_freq, int nh, int nkv, int hd,
+                                            int interleaved) {
+    rope_store_kv_body<true>(qkv, q, kc, vc, ksc, vsc, pos, slots, inv_freq, nh, nkv, hd,
+                             interleaved);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -660,6 +767,13 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool vali
                  : "memory");
 }
 
+// 4 bytes global -> shared (through L1), zero-filled when !valid.
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(valid ? 4 : 0)
+                 : "memory");
+}
+
 __device__ __forceinline__ void cp_async_commit() {
     asm volatile("cp.async.commit_group;" ::: "memory");
 }
@@ -757,10 +871,57 @@ __device__ __forceinline__ void load_kv_chunk(bf16* dst, const bf16* __restrict_
     }
 }
 
+// The same from an fp8 cache (`kv_cache_dtype: fp8`: e4m3 [slots, kv_heads, HD] bytes and a
+// float scale per (slot, KV head)) into shared rows of LD8 = HD + 16 bytes (ldmatrix rows hit
+// distinct banks), and each key's scale into sdst[key].
+template <int HD, int WARPS, int KEYS, bool FILTER>
+__device__ __forceinline__ void load_kv_chunk_f8(unsigned char* dst, float* sdst,
+                                                 const __nv_fp8_storage_t* __restrict__ cache,
+                                                 const float* __restrict__ scales,
+                                                 const long long* s, int nkv, int kvh, int kb,
+                                                 int lo, int hi, int warp) {
+    constexpr int PIECES = HD / 16, KPI = 32 / PIECES, KPW = KEYS / WARPS;
+    constexpr int PER = KPW < 32 ? KPW : 32;  // keys per lookup register
+    constexpr int LD8 = HD + 16;
+    const int lane = threadIdx.x & 31;
+    const int c = lane % PIECES;
+#pragma unroll
+    for (int r = 0; r < (KPW + 31) / 32; r++) {
+#pragma unroll 4
+        for (int u = 0; u < (PER + KPI - 1) / KPI; u++) {
+            const int lk = u * KPI + lane / PIECES;  // the key within this register's 32
+            const long long slot = __shfl_sync(0xffffffffu, s[r], lk & 31);
+            const int key = warp * KPW + 32 * r + lk, kp = kb + key;
+            if (lk >= PER || (FILTER && (kp < lo || kp >= hi))) continue;
+            const bool ok = slot >= 0;
+            const long long vec = ok ? slot * nkv + kvh : 0;
+            cp_async16(dst + key * LD8 + c * 16, cache + vec * HD + c * 16, ok);
+            if (c == 0) cp_async4(sdst + key, scales + vec, ok);
+        }
+    }
+}
+
+// One chunk's keys or values from the cache, bf16 or (F8) fp8 with scales.
+template <int HD, int LD, int WARPS, int KEYS, bool FILTER, bool F8>
+__device__ __forceinline__ void load_kv(void* dst, float* sdst, const void* cache,
+                                        const float* scales, const long long* s, int nkv, int kvh,
+                                        int kb, int lo, int hi, int warp) {
+    if (F8)
+        load_kv_chunk_f8<HD, WARPS, KEYS, FILTER>(
+            static_cast<unsigned char*>(dst), sdst,
+            static_cast<const __nv_fp8_storage_t*>(cache), scales, s, nkv, kvh, kb, lo, hi, warp);
+    else
+        load_kv_chunk<HD, LD, WARPS, KEYS, FILTER>(static_cast<bf16*>(dst),
+                                                   static_cast<const bf16*>(cache), s, nkv, kvh,
+                                                   kb, lo, hi, warp);
+}
+
 // The A fragments of Q for rows r_lo and r_lo + 8 of the tile (zeros past `rows`), straight
 // from global memory: lane (g, t4) holds, per k-step kk, (row g, columns 16 kk + 2 t4, +1),
-// (row g + 8, same), (row g, + 8), (row g + 8, + 8), as ldmatrix would give them.
-template <int HD>
+// (row g + 8, same), (row g, + 8), (row g + 8, + 8), as ldmatrix would give them; with F8
+// (an fp8 cache, att_scores_f8's pairing) columns 16 kk + 4 t4, +1 and 16 kk + 4 t4 + 2, +3
+// instead (one 8-byte load).
+template <int HD, bool F8>
 __device__ __forceinline__ void load_q_frags(u32 (&qf)[HD / 16][4], const bf16* __restrict__ q,
                                              int q0, int group, int nh, int kvh, int rows,
                                              int r_lo) {
@@ -772,11 +933,18 @@ __device__ __forceinline__ void load_q_frags(u32 (&qf)[HD / 16][4], const bf16* 
         const bf16* qr =
             q + ((long long)(q0 + (ok ? r : 0) / group) * nh + kvh * group + (ok ? r : 0) % group) *
                     HD +
-            2 * t4;
+            (F8 ? 4 : 2) * t4;
 #pragma unroll
         for (int kk = 0; kk < HD / 16; kk++) {
-            qf[kk][half] = ok ? *reinterpret_cast<const u32*>(qr + 16 * kk) : 0u;
-            qf[kk][2 + half] = ok ? *reinterpret_cast<const u32*>(qr + 16 * kk + 8) : 0u;
+            if (F8) {
+                const uint2 v =
+                    ok ? *reinterpret_cast<const uint2*>(qr + 16 * kk) : make_uint2(0u, 0u);
+                qf[kk][half] = v.x;
+                qf[kk][2 + half] = v.y;
+            } else {
+                qf[kk][half] = ok ? *reinterpret_cast<const u32*>(qr + 16 * kk) : 0u;
+                qf[kk][2 + half] = ok ? *reinterpret_cast<const u32*>(qr + 16 * kk + 8) : 0u;
+            }
         }
     }
 }
@@ -802,6 +970,74 @@ __device__ __forceinline__ void att_scores(float (&s)[KEYS / 8][4], const u32 (&
             ldsm_x4(b, k_s + (jj * 16 + kr) * LD + kk * 16 + kcol);
             mma_bf16(s[2 * jj], qf[kk], b[0], b[1]);
             mma_bf16(s[2 * jj + 1], qf[kk], b[2], b[3]);
+        }
+    }
+}
+
+// fp8 cache: the maths reads e4m3 rows of LD8 = HD + 16 bytes straight from shared memory,
+// ldmatrix treating two e4m3 values as one 16-bit element, each register widened to bf16 pairs
+// times 2^-120 (e4m3x2_bf16x2) just before its mma. In S = Q K^T a lane's register holds dims
+// 4 t4 .. 4 t4 + 3 of its key within a 16-dim step: the first two stand in the mma for k = 2 t4,
+// 2 t4 + 1, the last two for k = 2 t4 + 8, 2 t4 + 9, so Q's fragments are read in the same
+// order (load_q_frags; a dot product does not care in which order its terms come). In
+// O += P V the values come transposed (ldmatrix .trans): a register holds dims 2g, 2g + 1 of
+// keys 2 t4, 2 t4 + 1, split into an even-dim and an odd-dim n-tile, so o[2 G] holds the even
+// dims of dims 16 G .. 16 G + 15 and o[2 G + 1] the odd ones (att_store writes them there).
+// P enters as one bf16 term (ATT_P_SPLIT does not apply).
+
+// Two e4m3 pairs of a 32-bit register: bytes 0, 1 and bytes 2, 3 as bf16 pairs (x 2^-120).
+__device__ __forceinline__ void widen4_e4m3(u32 r, u32& lo, u32& hi) {
+    lo = e4m3x2_bf16x2(__byte_perm(r, 0u, 0x5140));
+    hi = e4m3x2_bf16x2(__byte_perm(r, 0u, 0x7362));
+}
+
+template <int HD, int KEYS>
+__device__ __forceinline__ void att_scores_f8(float (&s)[KEYS / 8][4],
+                                              const u32 (&qf)[HD / 16][4],
+                                              const unsigned char* k8, int lane) {
+    constexpr int LD8 = HD + 16, KT = HD / 16, NS = KEYS / 8;
+#pragma unroll
+    for (int n = 0; n < NS; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+    // Matrices: keys 0-7 and 8-15 of the 16, at steps kk and kk + 1.
+    const int row = (lane & 7) + 8 * ((lane >> 3) & 1), col = 16 * (lane >> 4);
+#pragma unroll
+    for (int kk = 0; kk < KT; kk += 2) {
+#pragma unroll
+        for (int jj = 0; jj < KEYS / 16; jj++) {
+            u32 r[4], b0, b1;
+            ldsm_x4(r, k8 + (jj * 16 + row) * LD8 + kk * 16 + col);
+            widen4_e4m3(r[0], b0, b1);
+            mma_bf16(s[2 * jj], qf[kk], b0, b1);
+            widen4_e4m3(r[1], b0, b1);
+            mma_bf16(s[2 * jj + 1], qf[kk], b0, b1);
+            widen4_e4m3(r[2], b0, b1);
+            mma_bf16(s[2 * jj], qf[kk + 1], b0, b1);
+            widen4_e4m3(r[3], b0, b1);
+            mma_bf16(s[2 * jj + 1], qf[kk + 1], b0, b1);
+        }
+    }
+}
+
+template <int HD, int KEYS>
+__device__ __forceinline__ void att_pv_f8(float (&o)[HD / 8][4], const u32 (&pa)[KEYS / 16][4],
+                                          const unsigned char* v8, int lane) {
+    constexpr int LD8 = HD + 16;
+    // Matrices: keys 0-7 and 8-15 of the step, at dims 16 G .. and 16 (G + 1) ...
+    const int row = (lane & 7) + 8 * ((lane >> 3) & 1), col = 16 * (lane >> 4);
+#pragma unroll
+    for (int j = 0; j < KEYS / 16; j++) {
+#pragma unroll
+        for (int G = 0; G < HD / 16; G += 2) {
+            u32 r[4];
+            ldsm_x4_t(r, v8 + (j * 16 + row) * LD8 + G * 16 + col);
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const u32 lo = r[2 * h], hi = r[2 * h + 1];  // keys 2t4.. and 2t4 + 8..
+                mma_bf16(o[2 * (G + h)], pa[j], e4m3x2_bf16x2(__byte_perm(lo, 0u, 0x4240)),
+                         e4m3x2_bf16x2(__byte_perm(hi, 0u, 0x4240)));
+                mma_bf16(o[2 * (G + h) + 1], pa[j], e4m3x2_bf16x2(__byte_perm(lo, 0u, 0x4341)),
+                         e4m3x2_bf16x2(__byte_perm(hi, 0u, 0x4341)));
+            }
         }
     }
 }
@@ -861,6 +1097,22 @@ __device__ __forceinline__ void att_rescale(float (&o)[HD / 8][4], float c_lo, f
     }
 }
 
+// fp8 cache: scores or probabilities times their key's factor sc[key] * mul (sc: the chunk's
+// key or value scales in shared memory), rows g and g + 8 alike.
+template <int KEYS>
+__device__ __forceinline__ void att_scale_keys(float (&s)[KEYS / 8][4], const float* sc,
+                                               float mul, int t4) {
+#pragma unroll
+    for (int n = 0; n < KEYS / 8; n++) {
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            const float f = __fmul_rn(sc[8 * n + 2 * t4 + e], mul);
+            s[n][e] = __fmul_rn(s[n][e], f);
+            s[n][2 + e] = __fmul_rn(s[n][2 + e], f);
+        }
+    }
+}
+
 // P as A fragments: key step j = score tiles 2j (keys 2t4..) and 2j + 1 (+8); the bf16 value
 // in pa (with ATT_P_SPLIT, the rest in pl).
 template <int KEYS>
@@ -905,7 +1157,22 @@ __device__ __forceinline__ void att_pv(float (&o)[HD / 8][4], const u32 (&pa)[KE
 // Rows r_lo and r_lo + 8's results (l_*: this lane's share of the row sums): normalised into
 // `out`, or with several splits (gridDim.z > 1) unnormalised into part_acc
 // [(token, head) * gridDim.z + split][HD] with (m, l) beside in part_ml.
-template <int HD>
+// Output pair n of a lane's row half (0: row g, 1: g + 8) and the first of its two dims: o[n]'s
+// two columns at 8 n + 2 t4, or (F8, att_pv_f8's tiles) o[2 G][e] and o[2 G + 1][e] at
+// 16 G + 4 t4 + 2 e for n = 2 G + e.
+template <int HD, bool F8>
+__device__ __forceinline__ float2 att_out_pair(const float (&o)[HD / 8][4], int n, int half,
+                                               int t4, int& dim) {
+    if (F8) {
+        const int G = n / 2, e = n % 2;
+        dim = 16 * G + 4 * t4 + 2 * e;
+        return make_float2(o[2 * G][2 * half + e], o[2 * G + 1][2 * half + e]);
+    }
+    dim = 8 * n + 2 * t4;
+    return make_float2(o[n][2 * half], o[n][2 * half + 1]);
+}
+
+template <int HD, bool F8>
 __device__ __forceinline__ void att_store(const float (&o)[HD / 8][4], float l_lo, float l_hi,
                                           float m_lo, float m_hi, int rows, int r_lo, int q0,
                                           int group, int nh, int kvh, int split, int t4,
@@ -923,11 +1190,13 @@ __device__ __forceinline__ void att_store(const float (&o)[HD / 8][4], float l_l
             if (r >= rows) continue;
             const int t = q0 + r / group, head = kvh * group + r % group;
             const long long base = ((long long)t * nh + head) * gridDim.z + split;
-            float* a = part_acc + base * HD + 2 * t4;
+            float* a = part_acc + base * HD;
 #pragma unroll
-            for (int n = 0; n < NO; n++)
-                *reinterpret_cast<float2*>(a + 8 * n) =
-                    make_float2(o[n][2 * half], o[n][2 * half + 1]);
+            for (int n = 0; n < NO; n++) {
+                int dim;
+                const float2 v = att_out_pair<HD, F8>(o, n, half, t4, dim);
+                *reinterpret_cast<float2*>(a + dim) = v;
+            }
             if (t4 == 0) {
                 part_ml[base * 2] = half ? m_hi : m_lo;
                 part_ml[base * 2 + 1] = half ? l_hi : l_lo;
@@ -942,17 +1211,21 @@ __device__ __forceinline__ void att_store(const float (&o)[HD / 8][4], float l_l
         if (r >= rows) continue;
         const float inv = l > 0.f ? __frcp_rn(l) : 0.f;
         const int t = q0 + r / group, head = kvh * group + r % group;
-        bf16* dst = out + ((long long)t * nh + head) * HD + 2 * t4;
+        bf16* dst = out + ((long long)t * nh + head) * HD;
 #pragma unroll
-        for (int n = 0; n < NO; n++)
-            *reinterpret_cast<__nv_bfloat162*>(dst + 8 * n) = __floats2bfloat162_rn(
-                __fmul_rn(o[n][2 * half], inv), __fmul_rn(o[n][2 * half + 1], inv));
+        for (int n = 0; n < NO; n++) {
+            int dim;
+            const float2 v = att_out_pair<HD, F8>(o, n, half, t4, dim);
+            *reinterpret_cast<__nv_bfloat162*>(dst + dim) =
+                __floats2bfloat162_rn(__fmul_rn(v.x, inv), __fmul_rn(v.y, inv));
+        }
     }
 }
 
-template <int HD, int WARPS, int KEYS>
-__device__ void attention_body(const bf16* __restrict__ q, const bf16* __restrict__ kc,
-                                   const bf16* __restrict__ vc, const int* __restrict__ pos,
+template <int HD, int WARPS, int KEYS, bool F8>
+__device__ void attention_body(const bf16* __restrict__ q, const void* __restrict__ kc,
+                                   const void* __restrict__ vc, const float* __restrict__ ksc,
+                                   const float* __restrict__ vsc, const int* __restrict__ pos,
                                    const int* __restrict__ tile_seq,
                                    const int* __restrict__ tile_q0,
                                    const int* __restrict__ tile_qn,
@@ -965,8 +1238,16 @@ __device__ void attention_body(const bf16* __restrict__ q, const bf16* __restric
     constexpr int KT = HD / 16;       // k-steps of Q K^T
     constexpr int NS = KEYS / 8;  // score n-tiles
     constexpr int NO = HD / 8;        // output n-tiles
-    __shared__ __align__(16) bf16 k_s[KEYS * LD];
-    __shared__ __align__(16) bf16 v_s[KEYS * LD];
+    constexpr int LD8 = HD + 16;  // F8: shared row stride in bytes
+    // The chunk's keys and values: bf16 rows, or (F8) e4m3 rows with their scales.
+    __shared__ __align__(16) bf16 k_s[F8 ? 8 : KEYS * LD];
+    __shared__ __align__(16) bf16 v_s[F8 ? 8 : KEYS * LD];
+    __shared__ __align__(16) unsigned char k8_s[F8 ? KEYS * LD8 : 16];
+    __shared__ __align__(16) unsigned char v8_s[F8 ? KEYS * LD8 : 16];
+    __shared__ float ksc_s[F8 ? KEYS : 1];
+    __shared__ float vsc_s[F8 ? KEYS : 1];
+    void* const kdst = F8 ? static_cast<void*>(k8_s) : static_cast<void*>(k_s);
+    void* const vdst = F8 ? static_cast<void*>(v8_s) : static_cast<void*>(v_s);
 
     // Until pdl_wait() only what earlier steps and the host wrote is read: the step buffer,
     // the block table and, with early_kv (every tile is its sequence's only query token of
@@ -1003,8 +1284,10 @@ __device__ void attention_body(const bf16* __restrict__ q, const bf16* __restric
     long long slots[(KEYS / WARPS + 31) / 32];
     entries_to_slots<WARPS, KEYS>(slots, entries, kstart, kend, block_size, warp);
     if (early_kv) {
-        load_kv_chunk<HD, LD, WARPS, KEYS, true>(k_s, kc, slots, nkv, kvh, kstart, kstart, cached, warp);
-        load_kv_chunk<HD, LD, WARPS, KEYS, true>(v_s, vc, slots, nkv, kvh, kstart, kstart, cached, warp);
+        load_kv<HD, LD, WARPS, KEYS, true, F8>(kdst, ksc_s, kc, ksc, slots, nkv, kvh, kstart,
+                                               kstart, cached, warp);
+        load_kv<HD, LD, WARPS, KEYS, true, F8>(vdst, vsc_s, vc, vsc, slots, nkv, kvh, kstart,
+                                               kstart, cached, warp);
 #if ATT_L2_PREFETCH
         // The later chunks' cached keys and values into L2 (a split of several chunks: their
         // copies follow the wait one chunk at a time). An experiment for few splits
@@ -1013,12 +1296,13 @@ __device__ void attention_body(const bf16* __restrict__ q, const bf16* __restric
         for (int kp = kstart + KEYS + threadIdx.x; kp < pf_end; kp += blockDim.x) {
             const long long slot =
                 (long long)table[kp / block_size] * block_size + kp % block_size;
-            const bf16* kr = kc + (slot * nkv + kvh) * HD;
-            const bf16* vr = vc + (slot * nkv + kvh) * HD;
+            constexpr int VB = HD * (F8 ? 1 : 2);  // bytes per vector
+            const char* kr = static_cast<const char*>(kc) + (slot * nkv + kvh) * VB;
+            const char* vr = static_cast<const char*>(vc) + (slot * nkv + kvh) * VB;
 #pragma unroll
-            for (int b = 0; b < HD * 2; b += 128) {
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(kr) + b));
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(vr) + b));
+            for (int b = 0; b < VB; b += 128) {
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(kr + b));
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(vr + b));
             }
         }
 #endif
@@ -1028,11 +1312,28 @@ __device__ void attention_body(const bf16* __restrict__ q, const bf16* __restric
 
     const int r_lo = warp * 16 + g, r_hi = r_lo + 8;
     u32 qf[KT][4];
-    load_q_frags<HD>(qf, q, q0, group, nh, kvh, rows, r_lo);
+    load_q_frags<HD, F8>(qf, q, q0, group, nh, kvh, rows, r_lo);
     const int p_lo = r_lo < rows ? pos[q0 + r_lo / group] : -1;
     const int p_hi = r_hi < rows ? pos[q0 + r_hi / group] : -1;
     const bool active = warp * 16 < rows;  // warp-uniform
-    const float sl2 = scale * 1.4426950408889634f;
+    // An fp8 cache (F8): keys and values enter the products widened to their e4m3 values
+    // times 2^-120 (att_scores_f8, att_pv_f8), Q times 2^60 (exact), so a score comes out as the e4m3
+    // dot product times 2^-60, which its key's scale and 2^60 (in sl2) turn into the score;
+    // the probabilities enter P V times their value's scale and 2^64, and the output is
+    // multiplied by 2^56 at the end. Every factor is a power of two or a scale, and no
+    // operand or product comes near f32's or bf16's limits.
+    const float sl2 = F8 ? scale * 1.4426950408889634f * 0x1p60f : scale * 1.4426950408889634f;
+    if (F8) {
+        const __nv_bfloat162 up = __floats2bfloat162_rn(0x1p60f, 0x1p60f);
+#pragma unroll
+        for (int kk = 0; kk < KT; kk++)
+#pragma unroll
+            for (int h = 0; h < 4; h++) {
+                __nv_bfloat162 v = *reinterpret_cast<__nv_bfloat162*>(&qf[kk][h]);
+                v = __hmul2(v, up);
+                qf[kk][h] = *reinterpret_cast<u32*>(&v);
+            }
+    }
 
     float o[NO][4];
 #pragma unroll
@@ -1046,15 +1347,17 @@ __device__ void attention_body(const bf16* __restrict__ q, const bf16* __restric
     // The rest of the first chunk (the keys from `cached` on, and zeros past kend): K(0) is
     // the group of every first-chunk copy issued so far, V(0) the rest of the values.
     if (early_kv) {
-        load_kv_chunk<HD, LD, WARPS, KEYS, true>(k_s, kc, slots, nkv, kvh, kstart, cached,
-                                                 0x7fffffff, warp);
+        load_kv<HD, LD, WARPS, KEYS, true, F8>(kdst, ksc_s, kc, ksc, slots, nkv, kvh, kstart,
+                                               cached, 0x7fffffff, warp);
         cp_async_commit();
-        load_kv_chunk<HD, LD, WARPS, KEYS, true>(v_s, vc, slots, nkv, kvh, kstart, cached,
-                                                 0x7fffffff, warp);
+        load_kv<HD, LD, WARPS, KEYS, true, F8>(vdst, vsc_s, vc, vsc, slots, nkv, kvh, kstart,
+                                               cached, 0x7fffffff, warp);
     } else {
-        load_kv_chunk<HD, LD, WARPS, KEYS, false>(k_s, kc, slots, nkv, kvh, kstart, 0, 0, warp);
+        load_kv<HD, LD, WARPS, KEYS, false, F8>(kdst, ksc_s, kc, ksc, slots, nkv, kvh, kstart, 0,
+                                                0, warp);
         cp_async_commit();
-        load_kv_chunk<HD, LD, WARPS, KEYS, false>(v_s, vc, slots, nkv, kvh, kstart, 0, 0, warp);
+        load_kv<HD, LD, WARPS, KEYS, false, F8>(vdst, vsc_s, vc, vsc, slots, nkv, kvh, kstart, 0,
+                                                0, warp);
     }
     cp_async_commit();
     for (int kb = kstart; kb < kend; kb += KEYS) {
@@ -1064,11 +1367,19 @@ __device__ void attention_body(const bf16* __restrict__ q, const bf16* __restric
 
         u32 pa[KEYS / 16][4], pl[KEYS / 16][4];
         float s[NS][4];
-        if (active) att_scores<HD, KEYS>(s, qf, k_s, lane);
+        if (active) {
+            if (F8)
+                att_scores_f8<HD, KEYS>(s, qf, k8_s, lane);
+            else
+                att_scores<HD, KEYS>(s, qf, k_s, lane);
+        }
+        // (The key scales are read before the next chunk's copies overwrite them.)
+        if (F8 && active) att_scale_keys<KEYS>(s, ksc_s, 1.f, t4);
         if (more) {
             __syncthreads();  // every warp is done with k_s
             chunk_slots<WARPS, KEYS>(slots, table, kb + KEYS, kend, block_size, stride, warp);
-            load_kv_chunk<HD, LD, WARPS, KEYS, false>(k_s, kc, slots, nkv, kvh, kb + KEYS, 0, 0, warp);
+            load_kv<HD, LD, WARPS, KEYS, false, F8>(kdst, ksc_s, kc, ksc, slots, nkv, kvh,
+                                                    kb + KEYS, 0, 0, warp);
             cp_async_commit();  // K(c + 1)
         }
         if (active) {
@@ -1078,42 +1389,56 @@ __device__ void attention_body(const bf16* __restrict__ q, const bf16* __restric
             l_lo = __fmaf_rn(l_lo, c_lo, sum_lo);
             l_hi = __fmaf_rn(l_hi, c_hi, sum_hi);
             att_rescale<HD>(o, c_lo, c_hi);
-            att_pack_p<KEYS>(pa, pl, s);
+            if (!F8) att_pack_p<KEYS>(pa, pl, s);
         }
         if (more)
             cp_async_wait<1>();  // V(c); K(c + 1) may still be in flight
         else
             cp_async_wait<0>();
         __syncthreads();
-        if (active) att_pv<HD, KEYS>(o, pa, pl, v_s, lane);
+        if (F8 && active) {
+            // The value scales have landed with the values (the row sums above stay unscaled).
+            att_scale_keys<KEYS>(s, vsc_s, 0x1p64f, t4);
+            att_pack_p<KEYS>(pa, pl, s);
+            att_pv_f8<HD, KEYS>(o, pa, v8_s, lane);
+        } else if (active) {
+            att_pv<HD, KEYS>(o, pa, pl, v_s, lane);
+        }
         if (more) {
             __syncthreads();  // every warp is done with v_s
-            load_kv_chunk<HD, LD, WARPS, KEYS, false>(v_s, vc, slots, nkv, kvh, kb + KEYS, 0, 0, warp);
+            load_kv<HD, LD, WARPS, KEYS, false, F8>(vdst, vsc_s, vc, vsc, slots, nkv, kvh,
+                                                    kb + KEYS, 0, 0, warp);
             cp_async_commit();  // V(c + 1)
         }
     }
 
-    att_store<HD>(o, l_lo, l_hi, m_lo, m_hi, rows, r_lo, q0, group, nh, kvh, split, t4,
+    if (F8) att_rescale<HD>(o, 0x1p56f, 0x1p56f);
+    att_store<HD, F8>(o, l_lo, l_hi, m_lo, m_hi, rows, r_lo, q0, group, nh, kvh, split, t4,
                   part_acc, part_ml, out);
 }
 
 // Grid (tiles, kv heads, splits), or (tiles x kv heads, 1, splits) with heads_inner; 32 * W
-// threads, KEYS keys per chunk.
-#define ATTENTION_KERNEL(NAME, HD, W, KEYS)                                                      \
+// threads, KEYS keys per chunk. ksc, vsc: the fp8 cache's scales (F8; not read otherwise).
+#define ATTENTION_KERNEL(NAME, HD, W, KEYS, F8)                                                  \
     extern "C" __global__ void __launch_bounds__(32 * W) NAME(                                  \
-        const bf16* q, const bf16* kc, const bf16* vc, const int* pos, const int* tile_seq,     \
-        const int* tile_q0, const int* tile_qn, const int* block_tables, const int* meta,       \
-        float* part_acc, float* part_ml, bf16* out, int nh, int nkv, int block_size,            \
-        float scale, int tile_base, int early_kv, int heads_inner) {                            \
-        attention_body<HD, W, KEYS>(q, kc, vc, pos, tile_seq, tile_q0, tile_qn, block_tables,   \
-                                    meta, part_acc, part_ml, out, nh, nkv, block_size, scale,   \
-                                    tile_base, early_kv, heads_inner);                          \
+        const bf16* q, const void* kc, const void* vc, const float* ksc, const float* vsc,      \
+        const int* pos, const int* tile_seq, const int* tile_q0, const int* tile_qn,            \
+        const int* block_tables, const int* meta, float* part_acc, float* part_ml, bf16* out,   \
+        int nh, int nkv, int block_size, float scale, int tile_base, int early_kv,              \
+        int heads_inner) {                                                                      \
+        attention_body<HD, W, KEYS, F8>(q, kc, vc, ksc, vsc, pos, tile_seq, tile_q0, tile_qn,   \
+                                        block_tables, meta, part_acc, part_ml, out, nh, nkv,    \
+                                        block_size, scale, tile_base, early_kv, heads_inner);   \
     }
 
-ATTENTION_KERNEL(attention_w1_64, 64, 1, MMA_KEYS)
-ATTENTION_KERNEL(attention_w1_128, 128, 1, MMA_KEYS)
-ATTENTION_KERNEL(attention_w4_64, 64, 4, MMA_KEYS)
-ATTENTION_KERNEL(attention_w4_128, 128, 4, MMA_KEYS)
+ATTENTION_KERNEL(attention_w1_64, 64, 1, MMA_KEYS, false)
+ATTENTION_KERNEL(attention_w1_128, 128, 1, MMA_KEYS, false)
+ATTENTION_KERNEL(attention_w4_64, 64, 4, MMA_KEYS, false)
+ATTENTION_KERNEL(attention_w4_128, 128, 4, MMA_KEYS, false)
+ATTENTION_KERNEL(attention_w1_64_f8, 64, 1, MMA_KEYS, true)
+ATTENTION_KERNEL(attention_w1_128_f8, 128, 1, MMA_KEYS, true)
+ATTENTION_KERNEL(attention_w4_64_f8, 64, 4, MMA_KEYS, true)
+ATTENTION_KERNEL(attention_w4_128_f8, 128, 4, MMA_KEYS, true)
 
 
 #ifndef COMBINE_BATCH

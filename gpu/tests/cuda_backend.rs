@@ -84,6 +84,55 @@ fn fp8_gpu() -> bool {
     true
 }
 
+/// What a model check runs in fp8: the layers' matrices (`CudaBackendConfig::fp8`), the KV
+/// cache (`kv_fp8`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Fp8 {
+    layers: bool,
+    kv: bool,
+}
+
+const BF16: Fp8 = Fp8 {
+    layers: false,
+    kv: false,
+};
+const FP8_LAYERS: Fp8 = Fp8 {
+    layers: true,
+    kv: false,
+};
+const FP8_KV: Fp8 = Fp8 {
+    layers: false,
+    kv: true,
+};
+
+impl Fp8 {
+    /// Whether this GPU runs it ([`fp8_gpu`] for fp8 layers; an fp8 cache runs on any).
+    fn runs(self) -> bool {
+        if self.layers {
+            fp8_gpu()
+        } else {
+            gpu()
+        }
+    }
+
+    fn label(self) -> &'static str {
+        match (self.layers, self.kv) {
+            (false, false) => "bf16",
+            (true, false) => "fp8 layers",
+            (false, true) => "fp8 KV cache",
+            (true, true) => "fp8 layers and KV cache",
+        }
+    }
+
+    fn config(self, c: CudaBackendConfig) -> CudaBackendConfig {
+        CudaBackendConfig {
+            fp8: self.layers,
+            kv_fp8: self.kv,
+            ..c
+        }
+    }
+}
+
 /// `rows x k` random bf16 weights whose rows differ in magnitude (powers of two from 1/8 to 8),
 /// so that a row's scale is its own and using another row's shows.
 fn rand_rows_bf16(rng: &mut ChaCha8Rng, rows: usize, k: usize, scale: f32) -> Vec<half::bf16> {
@@ -232,8 +281,28 @@ fn check_attention(rng: &mut ChaCha8Rng, s: AttentionShape, spec: &[(usize, usiz
     let q = fill(t * s.num_heads * s.head_dim, 3.0);
     let k = fill(slots * s.num_kv_heads * s.head_dim, 1.0);
     let v = fill(slots * s.num_kv_heads * s.head_dim, 1.0);
-    let got = paged_attention(&s, &seqs, &q, &k, &v).expect("attention kernel");
-    let want = naive(&s, &seqs, &q, &k, &v);
+    let run = paged_attention(&s, &seqs, &q, &k, &v).expect("attention kernel");
+    let got = run.out;
+    let want = match run.fp8 {
+        None => naive(&s, &seqs, &q, &k, &v),
+        // An fp8 cache: every vector quantized as the backend's kernel must (checked against
+        // the bf16 values), and the naive attention over the values the bytes stand for,
+        // e4m3 x scale (which `naive` rounds to bf16, as it rounds every input: 2^-9 relative,
+        // far inside the bound; the kernel applies the scales to scores and probabilities).
+        Some([(kq, ksc), (vq, vsc)]) => {
+            let hd = s.head_dim;
+            let widen = |x: &[f32], q: &[u8], sc: &[f32], what: &str| -> Vec<f32> {
+                let xb: Vec<half::bf16> = x.iter().map(|&f| half::bf16::from_f32(f)).collect();
+                check_fp8_rows(what, &xb, q, sc, hd, false);
+                q.iter()
+                    .enumerate()
+                    .map(|(i, &b)| (e4m3(b) * f64::from(sc[i / hd])) as f32)
+                    .collect()
+            };
+            let (kw, vw) = (widen(&k, &kq, &ksc, "K"), widen(&v, &vq, &vsc, "V"));
+            naive(&s, &seqs, &q, &kw, &vw)
+        }
+    };
     let err = got
         .iter()
         .zip(&want)
@@ -248,16 +317,6 @@ fn check_attention(rng: &mut ChaCha8Rng, s: AttentionShape, spec: &[(usize, usiz
 
 #[test]
 fn paged_attention_matches_naive() {
-    if !gpu() {
-        return;
-    }
-    let mut rng = ChaCha8Rng::seed_from_u64(5);
-    let shapes = [
-        (9, 3, 64, 16),
-        (32, 8, 128, 16),
-        (4, 4, 64, 8),
-        (8, 1, 128, 32),
-    ];
     // Small tiles (decodes, small chunks) in one-warp and in four-warp blocks.
     let variants = [
         (Some(1), true),
@@ -266,8 +325,31 @@ fn paged_attention_matches_naive() {
         (Some(3), false),
         (None, false),
     ];
+    attention_cases(false, 5, &variants);
+}
+
+/// An fp8 cache (`kv_cache_dtype: fp8`): the same kernels, reading e4m3 keys and values and
+/// their scales, against the naive attention over the values they stand for.
+#[test]
+fn paged_attention_over_an_fp8_cache_matches_naive() {
+    attention_cases(true, 6, &[(Some(1), true), (None, true), (Some(3), false)]);
+}
+
+/// The attention checks at every shape, for each (splits, one-warp) variant, over a bf16 or
+/// (`fp8`) an fp8 cache.
+fn attention_cases(fp8: bool, seed: u64, variants: &[(Option<usize>, bool)]) {
+    if !gpu() {
+        return;
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let shapes = [
+        (9, 3, 64, 16),
+        (32, 8, 128, 16),
+        (4, 4, 64, 8),
+        (8, 1, 128, 32),
+    ];
     for (nh, nkv, hd, bs) in shapes {
-        for (splits, one_warp) in variants {
+        for &(splits, one_warp) in variants {
             let shape = AttentionShape {
                 num_heads: nh,
                 num_kv_heads: nkv,
@@ -276,6 +358,7 @@ fn paged_attention_matches_naive() {
                 num_blocks: 400,
                 splits,
                 one_warp,
+                fp8_kv: fp8,
             };
             // Decodes at random context lengths.
             let decodes: Vec<(usize, usize)> =
@@ -575,19 +658,16 @@ fn cpu_logits(
     model.forward(&mut cache, &step, rows).expect("cpu forward")
 }
 
-/// SmolLM2 teacher-forced through the CUDA backend (`fp8`: with fp8 layers) against the CPU
+/// SmolLM2 teacher-forced through the CUDA backend (with `fp8`'s parts in fp8) against the CPU
 /// backend and the transformers fixture: (top-1 agreement with the CPU, mean and max |logprob
 /// difference| from it, top-1 agreement with transformers, mean |logprob difference| from it),
 /// or `None` without a GPU or the GGUF.
-fn smollm2_vs_cpu_and_transformers(fp8: bool) -> Option<(f64, f64, f64, f64, f64)> {
-    if !(if fp8 { fp8_gpu() } else { gpu() }) {
+fn smollm2_vs_cpu_and_transformers(fp8: Fp8) -> Option<(f64, f64, f64, f64, f64)> {
+    if !fp8.runs() {
         return None;
     }
     let (config, weights) = smollm2()?;
-    let c = CudaBackendConfig {
-        fp8,
-        ..cfg(256, true)
-    };
+    let c = fp8.config(cfg(256, true));
     let mut cuda =
         CudaBackend::new(&config, WeightSource::Loaded(&weights), &c).expect("CUDA backend");
     let mut cpu = LlamaModel::from_weights(&config, &weights).expect("cpu model");
@@ -604,7 +684,7 @@ fn smollm2_vs_cpu_and_transformers(fp8: bool) -> Option<(f64, f64, f64, f64, f64
     eprintln!(
         "SmolLM2 ({}) teacher-forced over {n} positions: top-1 vs CPU {:.2}%, vs transformers {:.2}%; \
          mean |dlogprob| vs CPU {m_cpu:.4} (max {max_cpu:.4}), vs transformers {m_ref:.4}",
-        if fp8 { "fp8 layers" } else { "bf16" },
+        fp8.label(),
         100.0 * a_cpu,
         100.0 * a_ref
     );
@@ -613,7 +693,7 @@ fn smollm2_vs_cpu_and_transformers(fp8: bool) -> Option<(f64, f64, f64, f64, f64
 
 #[test]
 fn smollm2_agrees_with_cpu_and_transformers() {
-    let Some((a_cpu, m_cpu, _, a_ref, m_ref)) = smollm2_vs_cpu_and_transformers(false) else {
+    let Some((a_cpu, m_cpu, _, a_ref, m_ref)) = smollm2_vs_cpu_and_transformers(BF16) else {
         return;
     };
     assert!(a_cpu >= 0.99 && a_ref >= 0.99, "top-1 agreement too low");
@@ -1314,16 +1394,16 @@ fn constrained_drafts_are_kept_exactly_where_one_token_per_step_agrees() {
 
 #[test]
 fn llama3_8b_shape_matches_a_float_reference() {
-    for (r, rel) in llama3_8b_shape_errors(false) {
+    for (r, rel) in llama3_8b_shape_errors(BF16) {
         assert!(rel < 2e-2, "position {r}: relative error {rel}");
     }
 }
 
 /// (position, relative L2 error of its logits) for a 2-layer Llama-3-8B-shaped model through
-/// the CUDA backend (`fp8`: with fp8 layers) against the CPU forward pass with near-f32
+/// the CUDA backend (with `fp8`'s parts in fp8) against the CPU forward pass with near-f32
 /// activations; empty without a GPU.
-fn llama3_8b_shape_errors(fp8: bool) -> Vec<(usize, f64)> {
-    if !(if fp8 { fp8_gpu() } else { gpu() }) {
+fn llama3_8b_shape_errors(fp8: Fp8) -> Vec<(usize, f64)> {
+    if !fp8.runs() {
         return Vec::new();
     }
     let c = LlamaConfig {
@@ -1331,10 +1411,7 @@ fn llama3_8b_shape_errors(fp8: bool) -> Vec<(usize, f64)> {
         ..LlamaConfig::llama3_8b()
     };
     let w = dummy_weights(&c, 11).expect("dummy weights");
-    let backend_cfg = CudaBackendConfig {
-        fp8,
-        ..cfg(64, false)
-    };
+    let backend_cfg = fp8.config(cfg(64, false));
     let mut cuda = CudaBackend::new(&c, WeightSource::Loaded(&w), &backend_cfg).expect("backend");
     let mut cpu = LlamaModel::from_weights(&c, &w).expect("cpu model");
     cpu.set_precision(ActivationPrecision::Precise);
@@ -1355,7 +1432,7 @@ fn llama3_8b_shape_errors(fp8: bool) -> Vec<(usize, f64)> {
         .expect("cuda logits");
     let want = cpu_logits(&cpu, &all, &rows, None);
     let v = c.vocab_size;
-    let label = if fp8 { "fp8 layers" } else { "bf16" };
+    let label = fp8.label();
     rows.iter()
         .enumerate()
         .map(|(i, &r)| {
@@ -1912,7 +1989,7 @@ fn rel_l2(g: &[f32], w: &[f32]) -> f64 {
 
 #[test]
 fn gemv_decode_steps_match_the_cpu() {
-    gemv_steps_against_the_cpu(false);
+    gemv_steps_against_the_cpu(BF16);
 }
 
 /// fp8 layers: small steps multiply bf16 activations by the widened e4m3 weights on the GEMV
@@ -1920,17 +1997,22 @@ fn gemv_decode_steps_match_the_cpu() {
 /// (cuBLASLt); the small ones must stay as close to the CPU's bf16-weight model.
 #[test]
 fn fp8_gemv_decode_steps_match_the_cpu() {
-    gemv_steps_against_the_cpu(true);
+    gemv_steps_against_the_cpu(FP8_LAYERS);
 }
 
-fn gemv_steps_against_the_cpu(fp8: bool) {
-    if !(if fp8 { fp8_gpu() } else { gpu() }) {
+/// An fp8 cache: prefill rows (rope_store_kv_f8 after cuBLAS) and small steps (the same, after
+/// the GEMV kernels: the RoPE epilogue cannot write a scale per KV head) stay near the CPU's
+/// f16 cache, through keys and values written at every step size.
+#[test]
+fn fp8_kv_cache_steps_match_the_cpu() {
+    gemv_steps_against_the_cpu(FP8_KV);
+}
+
+fn gemv_steps_against_the_cpu(fp8: Fp8) {
+    if !fp8.runs() {
         return;
     }
-    let backend_cfg = CudaBackendConfig {
-        fp8,
-        ..cfg(32, false)
-    };
+    let backend_cfg = fp8.config(cfg(32, false));
     let models = [
         ("SmolLM2-135M (dummy)", LlamaConfig::smollm2_135m(), 21u64),
         (
@@ -1969,10 +2051,10 @@ fn gemv_steps_against_the_cpu(fp8: bool) {
         let max = |v: &[f64]| v.iter().cloned().fold(0f64, f64::max);
         let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
         eprintln!(
-            "{name}{}: relative logit error vs CPU, 80-token prefill rows (cuBLAS) mean {:.2e} max \
+            "{name} ({}): relative logit error vs CPU, 80-token prefill rows (cuBLAS) mean {:.2e} max \
              {:.2e}; 5- and 20-token chunk and decode rows (the GEMV kernels where the model takes \
              them) mean {:.2e} max {:.2e}",
-            if fp8 { ", fp8 layers" } else { "" },
+            fp8.label(),
             mean(&cublas),
             max(&cublas),
             mean(&gemv),
@@ -1985,7 +2067,7 @@ fn gemv_steps_against_the_cpu(fp8: bool) {
         // fp8 layers: e4m3 weights cost ~0.12-0.15 here (measured on the H200: GEMV rows
         // 0.116-0.147, cuBLAS rows 0.116-0.158); a wrong scale or layout costs order 1.
         assert!(
-            !fp8 || (max(&gemv) < 0.2 && max(&cublas) < 0.2),
+            fp8 == BF16 || (max(&gemv) < 0.2 && max(&cublas) < 0.2),
             "{name}: fp8 logits too far from the CPU"
         );
     }
@@ -2574,20 +2656,50 @@ fn fp8_products_match(scaling: Fp8Scaling) {
 /// bound catches a wrong scale or layout (errors of order 1), not the rounding.
 #[test]
 fn llama3_8b_shape_with_fp8_layers_stays_near_the_float_reference() {
-    for (r, rel) in llama3_8b_shape_errors(true) {
-        assert!(rel < 0.15, "position {r}: relative error {rel}");
+    llama3_8b_shape_within(FP8_LAYERS, 0.15);
+}
+
+/// Measured on the H200: 0.044-0.054 (bf16 cache: ~0.01).
+#[test]
+fn llama3_8b_shape_with_an_fp8_kv_cache_stays_near_the_float_reference() {
+    llama3_8b_shape_within(FP8_KV, 0.1);
+}
+
+fn llama3_8b_shape_within(fp8: Fp8, bound: f64) {
+    for (r, rel) in llama3_8b_shape_errors(fp8) {
+        assert!(
+            rel < bound,
+            "{}, position {r}: relative error {rel}",
+            fp8.label()
+        );
     }
 }
 
+/// Measured on the H200: 95.1% top-1 against both, mean |dlogprob| 0.085 (bf16: 100%, 0.006);
+/// a 135M model has little redundancy to absorb the rounding.
 #[test]
 fn smollm2_with_fp8_layers_agrees_with_cpu_and_transformers() {
-    let Some((a_cpu, m_cpu, _, a_ref, m_ref)) = smollm2_vs_cpu_and_transformers(true) else {
+    smollm2_agrees_within(FP8_LAYERS, 0.93, 0.15);
+}
+
+/// Measured on the H200: 98.3% top-1 against both, mean |dlogprob| 0.033.
+#[test]
+fn smollm2_with_an_fp8_kv_cache_agrees_with_cpu_and_transformers() {
+    smollm2_agrees_within(FP8_KV, 0.97, 0.06);
+}
+
+/// SmolLM2 with `fp8`'s parts in fp8 agrees with the CPU backend and with transformers on at
+/// least `top1` of the teacher-forced positions, with mean |logprob difference| at most `mean`.
+fn smollm2_agrees_within(fp8: Fp8, top1: f64, mean: f64) {
+    let Some((a_cpu, m_cpu, _, a_ref, m_ref)) = smollm2_vs_cpu_and_transformers(fp8) else {
         return;
     };
-    // Measured on the H200: 95.1% top-1 against both, mean |dlogprob| 0.085 (bf16: 100%,
-    // 0.006); a 135M model has little redundancy to absorb the rounding.
-    assert!(a_cpu >= 0.93 && a_ref >= 0.93, "top-1 agreement too low");
-    assert!(m_cpu <= 0.15 && m_ref <= 0.15, "logprobs too far");
+    let what = fp8.label();
+    assert!(
+        a_cpu >= top1 && a_ref >= top1,
+        "{what}: top-1 agreement too low"
+    );
+    assert!(m_cpu <= mean && m_ref <= mean, "{what}: logprobs too far");
 }
 
 #[test]

@@ -207,6 +207,7 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
         max_batch_tokens: args.max_num_batched_tokens,
         max_num_seqs,
         quantization: args.quantization,
+        kv_cache_dtype: args.kv_cache_dtype,
     };
     let (backend, chosen) = runtime::build_backend(kind, source, &settings)?;
     anyhow::ensure!(

@@ -68,6 +68,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         max_batch_tokens: 2048,
         max_num_seqs: 256,
         quantization: args.quantization,
+        kv_cache_dtype: args.kv_cache_dtype,
     };
     let (backend, _) = runtime::build_backend(
         runtime::parse_backend(&args.backend)?,

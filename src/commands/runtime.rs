@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use switchyard_actors::{AsyncScheduling, EngineCore, EngineCoreConfig};
-use switchyard_config::{BackendKind, Quantization};
+use switchyard_config::{BackendKind, KvCacheDtype, Quantization};
 use switchyard_gpu::backend::{Backend, CpuBackend, CpuBackendConfig};
 use switchyard_gpu::cpu::llama::LlamaModel;
 use switchyard_gpu::model::{fetch, LlamaConfig, LoadedModel, ModelWeights};
@@ -135,6 +135,8 @@ pub struct BackendSettings {
     pub max_num_seqs: usize,
     /// Weight quantization at load (fp8: the CUDA backend only).
     pub quantization: Quantization,
+    /// KV cache storage (fp8: the CUDA backend only).
+    pub kv_cache_dtype: KvCacheDtype,
 }
 
 /// Parses a `--backend` flag.
@@ -211,6 +213,10 @@ pub fn build_backend(
                 s.quantization == Quantization::None,
                 "quantization fp8 runs on the CUDA backend only (the CPU backend runs a GGUF's own quantized types)"
             );
+            anyhow::ensure!(
+                s.kv_cache_dtype == KvCacheDtype::Auto,
+                "kv_cache_dtype fp8 runs on the CUDA backend only (the CPU backend keeps its cache in f16)"
+            );
             let config = source.config().clone();
             let model = match source {
                 ModelSource::Loaded(c, w) => LlamaModel::from_weights(c, w)?,
@@ -241,6 +247,7 @@ fn cuda_backend(source: ModelSource<'_>, s: &BackendSettings) -> anyhow::Result<
         max_num_seqs: s.max_num_seqs,
         cuda_graphs: std::env::var_os("SWITCHYARD_NO_CUDA_GRAPHS").is_none(),
         fp8: s.quantization == Quantization::Fp8,
+        kv_fp8: s.kv_cache_dtype == KvCacheDtype::Fp8,
         ..CudaBackendConfig::default()
     };
     let started = std::time::Instant::now();

@@ -92,6 +92,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         max_batch_tokens: config.scheduler.max_num_batched_tokens,
         max_num_seqs: config.scheduler.max_num_seqs,
         quantization: config.model.quantization,
+        kv_cache_dtype: config.cache.kv_cache_dtype,
     };
     let (backend, _) = runtime::build_backend(
         config.model.backend,

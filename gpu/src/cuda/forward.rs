@@ -50,8 +50,22 @@ pub(crate) struct Buffers {
     pub max_rows: usize,
     /// Tokens of a step that may use split-K attention.
     pub split_tokens: usize,
-    /// Bytes of one layer's keys (values follow).
+    /// Bytes of one layer's keys (values follow), fp8 scales included.
     pub kv_layer_bytes: usize,
+    /// Token slots of the cache.
+    pub kv_slots: usize,
+    /// The cache holds e4m3 keys and values with a scale per (slot, KV head)
+    /// (`kv_cache_dtype: fp8`).
+    pub kv_fp8: bool,
+}
+
+/// Where one layer's keys and values are: `[slots, kv_heads, head_dim]` bf16, or e4m3 bytes
+/// followed by their f32 scales `[slots, kv_heads]` (`scales`: keys', values').
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct KvLayer {
+    pub k: u64,
+    pub v: u64,
+    pub scales: Option<(u64, u64)>,
 }
 
 /// The e4m3 copy of a product's activations, their scales (per token, or one), and the
@@ -86,9 +100,19 @@ impl Fp8Buffers {
     }
 }
 
-/// Bytes of KV cache per block.
-pub(crate) fn kv_block_bytes(c: &LlamaConfig, block_size: usize) -> usize {
-    2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * 2
+/// Bytes of one token slot's keys (or values) in one layer: bf16 values, or (`fp8`) e4m3
+/// values and an f32 scale per KV head.
+fn kv_slot_bytes(c: &LlamaConfig, fp8: bool) -> usize {
+    if fp8 {
+        c.num_kv_heads * (c.head_dim + 4)
+    } else {
+        c.num_kv_heads * c.head_dim * 2
+    }
+}
+
+/// Bytes of KV cache per block (`fp8`: `kv_cache_dtype: fp8`).
+pub(crate) fn kv_block_bytes(c: &LlamaConfig, block_size: usize, fp8: bool) -> usize {
+    2 * c.num_layers * block_size * kv_slot_bytes(c, fp8)
 }
 
 /// Bytes of the step buffer for `tokens` tokens and `rows` logit rows with block tables of at
@@ -128,21 +152,22 @@ impl Buffers {
     }
 
     /// Allocates the buffers (`fp8`: with the fp8 activation buffers) and a cache of `blocks`
-    /// blocks.
+    /// blocks (`kv_fp8`: e4m3 with scales).
     pub fn with_cache(
         gpu: &Gpu,
         c: &LlamaConfig,
         (max_tokens, max_rows): (usize, usize),
         blocks: usize,
         block_size: usize,
-        fp8: bool,
+        (fp8, kv_fp8): (bool, bool),
     ) -> Result<Self, GpuError> {
         let (h, hd) = (c.hidden_size, c.head_dim);
         let (qw, kvw, inter) = (c.num_heads * hd, c.num_kv_heads * hd, c.intermediate_size);
         let t = max_tokens;
         let split_tokens = t.min(GRAPH_BUCKETS[GRAPH_BUCKETS.len() - 1]);
         let stride = c.max_position_embeddings / block_size + 1;
-        let kv_layer_bytes = blocks * block_size * kvw * 2;
+        let kv_slots = blocks * block_size;
+        let kv_layer_bytes = kv_slots * kv_slot_bytes(c, kv_fp8);
         Ok(Buffers {
             x: gpu.alloc(t * h * 4)?,
             xn: gpu.alloc(t * h * 2)?,
@@ -167,6 +192,26 @@ impl Buffers {
             max_rows,
             split_tokens,
             kv_layer_bytes,
+            kv_slots,
+            kv_fp8,
+        })
+    }
+
+    /// Layer `li`'s part of the cache (`kv_width`: KV heads x head dim).
+    pub fn kv_layer(&self, li: usize, kv_width: usize) -> Result<KvLayer, GpuError> {
+        let (k_off, v_off) = (
+            2 * li * self.kv_layer_bytes,
+            (2 * li + 1) * self.kv_layer_bytes,
+        );
+        let values = self.kv_slots * kv_width;
+        Ok(KvLayer {
+            k: self.kv.at(k_off)?,
+            v: self.kv.at(v_off)?,
+            scales: if self.kv_fp8 {
+                Some((self.kv.at(k_off + values)?, self.kv.at(v_off + values)?))
+            } else {
+                None
+            },
         })
     }
 }
@@ -415,22 +460,21 @@ pub(crate) fn enqueue(
         })
     };
     for (li, layer) in w.layers.iter().enumerate() {
-        let kc = b.kv.at(2 * li * b.kv_layer_bytes)?;
-        let vc = b.kv.at((2 * li + 1) * b.kv_layer_bytes)?;
+        let kv = b.kv_layer(li, kvw)?;
         // Steps on the GEMV kernels rotate Q and K and store K and V in the QKV product's
-        // epilogue (unless `SWITCHYARD_CUDA_ROPE_EPILOGUE=0`); the others write the f32 product
-        // for rope_store_kv.
+        // epilogue (unless `SWITCHYARD_CUDA_ROPE_EPILOGUE=0`, or the cache is fp8: its scales
+        // need a whole KV head's values); the others write the f32 product for rope_store_kv.
         let rope = GemvOutput::Rope(RopeOut {
             q: b.q.ptr(),
-            k_cache: kc,
-            v_cache: vc,
+            k_cache: kv.k,
+            v_cache: kv.v,
             pos: s(lay.pos)?,
             slots: s(lay.slots)?,
             inv_freq: w.inv_freq.ptr(),
             heads: (nh, nkv, hd),
             interleaved: interleaved != 0,
         });
-        let rope_in_gemv = qkv_o && gpu.rope_epilogue;
+        let rope_in_gemv = qkv_o && gpu.rope_epilogue && kv.scales.is_none();
         let f32_qkv = GemvOutput::Plain {
             beta: 0.0,
             f32_out: true,
@@ -496,33 +540,35 @@ pub(crate) fn enqueue(
             lo.update(gpu, c, (t, li), parts, (b.xn.ptr(), h, h), out)?;
         }
         if !rope_in_gemv {
+            let (kernel, scales) = match kv.scales {
+                Some((ks, vs)) => (&k.rope_store_kv_f8, vec![Arg::Ptr(ks), Arg::Ptr(vs)]),
+                None => (&k.rope_store_kv, Vec::new()),
+            };
             gpu.timed("rope_store_kv", || {
-                gpu.launch(
-                    &k.rope_store_kv,
-                    (ti, 1, 1),
-                    256,
-                    &[
-                        Arg::Ptr(b.qkv.ptr()),
-                        Arg::Ptr(b.q.ptr()),
-                        Arg::Ptr(kc),
-                        Arg::Ptr(vc),
-                        Arg::Ptr(s(lay.pos)?),
-                        Arg::Ptr(s(lay.slots)?),
-                        Arg::Ptr(w.inv_freq.ptr()),
-                        i32v(nh),
-                        i32v(nkv),
-                        i32v(hd),
-                        Arg::I32(interleaved),
-                    ],
-                )
+                let head = [
+                    Arg::Ptr(b.qkv.ptr()),
+                    Arg::Ptr(b.q.ptr()),
+                    Arg::Ptr(kv.k),
+                    Arg::Ptr(kv.v),
+                ];
+                let tail = [
+                    Arg::Ptr(s(lay.pos)?),
+                    Arg::Ptr(s(lay.slots)?),
+                    Arg::Ptr(w.inv_freq.ptr()),
+                    i32v(nh),
+                    i32v(nkv),
+                    i32v(hd),
+                    Arg::I32(interleaved),
+                ];
+                let args: Vec<Arg> = head.into_iter().chain(scales).chain(tail).collect();
+                gpu.launch(kernel, (ti, 1, 1), 256, &args)
             })?;
         }
         attention(
             gpu,
             &AttentionIo {
                 q: b.q.ptr(),
-                k: kc,
-                v: vc,
+                kv,
                 out: b.att.ptr(),
                 part_acc: b.part_acc.ptr(),
                 part_ml: b.part_ml.ptr(),
@@ -706,8 +752,7 @@ pub(crate) fn enqueue(
 /// Where one layer's attention reads and writes.
 pub(crate) struct AttentionIo<'a> {
     pub q: u64,
-    pub k: u64,
-    pub v: u64,
+    pub kv: KvLayer,
     pub out: u64,
     pub part_acc: u64,
     pub part_ml: u64,
@@ -745,14 +790,13 @@ pub(crate) fn attention(
     let lay = &l.layout;
     let s = |off: usize| io.step.at(off);
     let i32v = |v: usize| Arg::I32(v as i32);
+    let (w1, w4, (ks, vs)) = match io.kv.scales {
+        Some(scales) => (&k.attention_w1_f8, &k.attention_w4_f8, scales),
+        None => (&k.attention_w1, &k.attention_w4, (0, 0)),
+    };
     let parts = [
-        (&k.attention_w1[which], 0, l.small_tiles, 32),
-        (
-            &k.attention_w4[which],
-            l.small_tiles,
-            l.tiles - l.small_tiles,
-            128,
-        ),
+        (&w1[which], 0, l.small_tiles, 32),
+        (&w4[which], l.small_tiles, l.tiles - l.small_tiles, 128),
     ];
     for (kernel, first, tiles, threads) in parts {
         if tiles == 0 {
@@ -770,8 +814,10 @@ pub(crate) fn attention(
                 threads,
                 &[
                     Arg::Ptr(io.q),
-                    Arg::Ptr(io.k),
-                    Arg::Ptr(io.v),
+                    Arg::Ptr(io.kv.k),
+                    Arg::Ptr(io.kv.v),
+                    Arg::Ptr(ks),
+                    Arg::Ptr(vs),
                     Arg::Ptr(s(lay.pos)?),
                     Arg::Ptr(s(lay.tile_seq)?),
                     Arg::Ptr(s(lay.tile_q0)?),

@@ -73,6 +73,11 @@ pub struct CudaBackendConfig {
     /// where cuBLASLt lacks outer-vector scaling), bf16 activations on the GEMV kernels for
     /// small ones. Needs sm_89 or newer.
     pub fp8: bool,
+    /// Keep keys and values in the paged cache as e4m3 with an f32 scale per (token, KV head)
+    /// (`kv_cache_dtype: fp8`): about half the cache bytes per token (twice the blocks in the
+    /// same memory), half the bytes attention reads. The scale is the vector's max |x| / 448,
+    /// so no calibration is needed; attention widens the values back to bf16 in shared memory.
+    pub kv_fp8: bool,
 }
 
 impl Default for CudaBackendConfig {
@@ -87,6 +92,7 @@ impl Default for CudaBackendConfig {
             cuda_graphs: true,
             seed: 0,
             fp8: false,
+            kv_fp8: false,
         }
     }
 }
@@ -359,7 +365,7 @@ impl CudaBackend {
         let max_tokens = cfg.max_batch_tokens;
         let max_rows = max_tokens.min(MAX_LOGIT_ROWS.max(cfg.max_num_seqs));
         let bs = cfg.block_size;
-        let per_block = forward::kv_block_bytes(config, bs);
+        let per_block = forward::kv_block_bytes(config, bs, cfg.kv_fp8);
         let act = Buffers::activation_bytes(config, max_tokens, max_rows, bs, cfg.fp8)
             + sampling::ArgmaxScratch::bytes(max_rows);
         let num_blocks = match cfg.num_kv_blocks {
@@ -388,7 +394,7 @@ impl CudaBackend {
             (max_tokens, max_rows),
             num_blocks,
             bs,
-            cfg.fp8,
+            (cfg.fp8, cfg.kv_fp8),
         )?;
         // Profiling times every launch on its own, so it runs without graphs.
         let max_graph_batch = if cfg.cuda_graphs && gpu.prof.is_none() {
@@ -401,7 +407,7 @@ impl CudaBackend {
             0
         };
         let name = format!(
-            "cuda ({}, sm_{}{}, {} MiB {} weights, {} KV blocks)",
+            "cuda ({}, sm_{}{}, {} MiB {} weights, {} {} KV blocks)",
             gpu.info.name,
             gpu.info.compute_capability.0,
             gpu.info.compute_capability.1,
@@ -411,7 +417,8 @@ impl CudaBackend {
                 Some(device::Fp8Scaling::Tensor) => "fp8 (tensor-scaled)",
                 None => "bf16",
             },
-            num_blocks
+            num_blocks,
+            if cfg.kv_fp8 { "fp8" } else { "bf16" }
         );
         let timing = timing::StepTiming::from_env(&gpu.ctx)?;
         let argmax = if device::env_switch("SWITCHYARD_CUDA_SPLIT_ARGMAX", true) {

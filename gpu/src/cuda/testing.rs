@@ -38,19 +38,30 @@ pub struct AttentionShape {
     pub splits: Option<usize>,
     /// Tiles of at most 16 rows in one-warp blocks (else every tile in four-warp blocks).
     pub one_warp: bool,
+    /// An fp8 cache (`kv_cache_dtype: fp8`): each (slot, KV head) vector quantized by the
+    /// backend's kernel (e4m3, a scale per vector).
+    pub fp8_kv: bool,
+}
+
+/// What [`paged_attention`] returns: the output `[tokens, heads, head_dim]` and, over an fp8
+/// cache, the keys' and the values' e4m3 bytes and scales (one per slot and KV head) as the
+/// kernel wrote them.
+pub struct AttentionRun {
+    pub out: Vec<f32>,
+    pub fp8: Option<[(Vec<u8>, Vec<f32>); 2]>,
 }
 
 /// Runs the paged attention kernel: `q` is `[tokens, heads, head_dim]` (the sequences' chunks
 /// one after the other), `k` and `v` are the whole cache `[blocks * block_size, kv_heads,
-/// head_dim]`; returns the output `[tokens, heads, head_dim]`. Inputs are rounded to bf16 as the
-/// backend stores them.
+/// head_dim]`. Inputs are rounded to bf16 as the backend stores them (and, with `fp8_kv`, the
+/// cache quantized).
 pub fn paged_attention(
     s: &AttentionShape,
     seqs: &[AttentionSeq],
     q: &[f32],
     k: &[f32],
     v: &[f32],
-) -> Result<Vec<f32>, GpuError> {
+) -> Result<AttentionRun, GpuError> {
     let gpu = Gpu::open(0)?;
     let (nh, nkv, hd) = (s.num_heads, s.num_kv_heads, s.head_dim);
     let batch = Batch {
@@ -87,15 +98,43 @@ pub fn paged_attention(
     let (qb, kb, vb) = (to_bf16(q), to_bf16(k), to_bf16(v));
     let stepbuf = gpu.alloc(host.len())?;
     let qd = gpu.alloc(qb.len() * 2)?;
-    let kd = gpu.alloc(kb.len() * 2)?;
-    let vd = gpu.alloc(vb.len() * 2)?;
     let out = gpu.alloc(t * nh * hd * 2)?;
     let pacc = gpu.alloc(t * nh * z * hd * 4)?;
     let pml = gpu.alloc(t * nh * z * 2 * 4)?;
     gpu.upload(stepbuf.ptr(), &host)?;
     gpu.upload(qd.ptr(), &qb)?;
-    gpu.upload(kd.ptr(), &kb)?;
-    gpu.upload(vd.ptr(), &vb)?;
+    // The cache: bf16, or quantized per (slot, KV head) vector by the backend's kernel (the
+    // values rope_store_kv_f8 would write for these bf16 ones), synchronised before attention
+    // asks for its first keys.
+    enum Cache {
+        Bf16(DevMem, DevMem),
+        Fp8(DeviceFp8, DeviceFp8),
+    }
+    let cache = if s.fp8_kv {
+        let rows = (slots * nkv, hd);
+        let row = super::Fp8Scaling::Row;
+        Cache::Fp8(
+            DeviceFp8::new(&gpu, &kb, rows, row)?,
+            DeviceFp8::new(&gpu, &vb, rows, row)?,
+        )
+    } else {
+        let (kd, vd) = (gpu.alloc(kb.len() * 2)?, gpu.alloc(vb.len() * 2)?);
+        gpu.upload(kd.ptr(), &kb)?;
+        gpu.upload(vd.ptr(), &vb)?;
+        Cache::Bf16(kd, vd)
+    };
+    let kv = match &cache {
+        Cache::Bf16(kd, vd) => forward::KvLayer {
+            k: kd.ptr(),
+            v: vd.ptr(),
+            scales: None,
+        },
+        Cache::Fp8(kq, vq) => forward::KvLayer {
+            k: kq.q.ptr(),
+            v: vq.q.ptr(),
+            scales: Some((kq.scales.ptr(), vq.scales.ptr())),
+        },
+    };
     let launch = Launch {
         tokens: t,
         tiles,
@@ -111,8 +150,7 @@ pub fn paged_attention(
         &gpu,
         &forward::AttentionIo {
             q: qd.ptr(),
-            k: kd.ptr(),
-            v: vd.ptr(),
+            kv,
             out: out.ptr(),
             part_acc: pacc.ptr(),
             part_ml: pml.ptr(),
@@ -124,7 +162,13 @@ pub fn paged_attention(
     )?;
     let mut o = vec![bf16::ZERO; t * nh * hd];
     gpu.download(&mut o, out.ptr())?;
-    Ok(o.iter().map(|x| x.to_f32()).collect())
+    Ok(AttentionRun {
+        out: o.iter().map(|x| x.to_f32()).collect(),
+        fp8: match &cache {
+            Cache::Bf16(..) => None,
+            Cache::Fp8(kq, vq) => Some([kq.download(&gpu)?, vq.download(&gpu)?]),
+        },
+    })
 }
 
 /// Applies each row's sampling parameters (edits from a fresh state that has seen `prompt`)
