@@ -447,10 +447,17 @@ __device__ __forceinline__ void kv_store_f8(const float* row, __nv_fp8_storage_t
             }
         }
         float m = 0.f;
+        bool nan = false;
 #pragma unroll
-        for (int i = 0; i < 4; i++) m = fmaxf(m, fabsf(x[i]));  // zeros past per
+        for (int i = 0; i < 4; i++) {  // zeros past per
+            m = fmaxf(m, fabsf(x[i]));
+            nan |= x[i] != x[i];
+        }
         m = warp_max(m);
-        const float s = fmaxf(m / FP8_E4M3_MAX, FP8_MIN_SCALE);
+        // A NaN makes the vector's scale NaN, so it reaches attention as it would from a bf16
+        // cache (fmaxf drops NaNs, and e4m3's NaN byte would widen to a finite value).
+        const float s = __any_sync(0xffffffffu, nan) ? __int_as_float(0x7fffffff)
+                                                     : fmaxf(m / FP8_E4M3_MAX, FP8_MIN_SCALE);
         const float inv = 1.f / s;
         const u64 base = ((u64)slot * nkv + head);
         __nv_fp8_storage_t* o = (key ? kc : vc) + base * hd;

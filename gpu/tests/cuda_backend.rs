@@ -39,8 +39,8 @@ use switchyard_gpu::cpu::attention::QueryPos;
 use switchyard_gpu::cpu::kv_cache::KvCache;
 use switchyard_gpu::cpu::llama::{dummy_weights, ActivationPrecision, LlamaModel, StepInput};
 use switchyard_gpu::cuda::testing::{
-    fp8_gemv, fp8_product, fp8_scalings, paged_attention, sample, AttentionSeq, AttentionShape,
-    MatmulInput, MatmulOutput, MatmulPath, MatmulRig,
+    fp8_gemv, fp8_product, fp8_scalings, paged_attention, rope_store, sample, AttentionSeq,
+    AttentionShape, MatmulInput, MatmulOutput, MatmulPath, MatmulRig,
 };
 use switchyard_gpu::cuda::{probe, CudaBackend, CudaBackendConfig, Fp8Scaling, WeightSource};
 use switchyard_gpu::model::gguf::GgufFile;
@@ -180,12 +180,20 @@ fn cfg(blocks: usize, graphs: bool) -> CudaBackendConfig {
 // ---------------------------------------------------------------------------------------------
 // Paged attention.
 
-/// Naive attention over the same bf16-rounded inputs, in f64.
-fn naive(s: &AttentionShape, seqs: &[AttentionSeq], q: &[f32], k: &[f32], v: &[f32]) -> Vec<f32> {
+/// Naive attention over the same bf16-rounded inputs (keys and values as given, unless
+/// `round_kv`), in f64.
+fn naive(
+    s: &AttentionShape,
+    seqs: &[AttentionSeq],
+    q: &[f32],
+    (k, v): (&[f32], &[f32]),
+    round_kv: bool,
+) -> Vec<f32> {
     let r = |x: &f32| f64::from(half::bf16::from_f32(*x).to_f32());
+    let kv = |x: &f32| if round_kv { r(x) } else { f64::from(*x) };
     let (nh, nkv, hd) = (s.num_heads, s.num_kv_heads, s.head_dim);
     let group = nh / nkv;
-    let (kr, vr): (Vec<f64>, Vec<f64>) = (k.iter().map(r).collect(), v.iter().map(r).collect());
+    let (kr, vr): (Vec<f64>, Vec<f64>) = (k.iter().map(kv).collect(), v.iter().map(kv).collect());
     // (sequence, position) of every query token, in output order.
     let tokens: Vec<(usize, usize)> = seqs
         .iter()
@@ -279,16 +287,26 @@ fn check_attention(rng: &mut ChaCha8Rng, s: AttentionShape, spec: &[(usize, usiz
             .collect()
     };
     let q = fill(t * s.num_heads * s.head_dim, 3.0);
-    let k = fill(slots * s.num_kv_heads * s.head_dim, 1.0);
-    let v = fill(slots * s.num_kv_heads * s.head_dim, 1.0);
+    let mut k = fill(slots * s.num_kv_heads * s.head_dim, 1.0);
+    let mut v = fill(slots * s.num_kv_heads * s.head_dim, 1.0);
+    if s.fp8_kv {
+        // Vectors of different magnitudes (1/4 to 4, keys and values out of step), so that a
+        // key's or value's scale applied to another key or value shows.
+        for (phase, x) in [(0, &mut k), (2, &mut v)] {
+            for (i, vec) in x.chunks_mut(s.head_dim).enumerate() {
+                let f = 2f32.powi(((i + phase) % 5) as i32 - 2);
+                vec.iter_mut().for_each(|e| *e *= f);
+            }
+        }
+    }
     let run = paged_attention(&s, &seqs, &q, &k, &v).expect("attention kernel");
     let got = run.out;
     let want = match run.fp8 {
-        None => naive(&s, &seqs, &q, &k, &v),
+        None => naive(&s, &seqs, &q, (&k, &v), true),
         // An fp8 cache: every vector quantized as the backend's kernel must (checked against
         // the bf16 values), and the naive attention over the values the bytes stand for,
-        // e4m3 x scale (which `naive` rounds to bf16, as it rounds every input: 2^-9 relative,
-        // far inside the bound; the kernel applies the scales to scores and probabilities).
+        // e4m3 x scale, unrounded (the kernel applies the scales to the scores and the
+        // probabilities).
         Some([(kq, ksc), (vq, vsc)]) => {
             let hd = s.head_dim;
             let widen = |x: &[f32], q: &[u8], sc: &[f32], what: &str| -> Vec<f32> {
@@ -300,7 +318,7 @@ fn check_attention(rng: &mut ChaCha8Rng, s: AttentionShape, spec: &[(usize, usiz
                     .collect()
             };
             let (kw, vw) = (widen(&k, &kq, &ksc, "K"), widen(&v, &vq, &vsc, "V"));
-            naive(&s, &seqs, &q, &kw, &vw)
+            naive(&s, &seqs, &q, (&kw, &vw), false)
         }
     };
     let err = got
@@ -333,6 +351,48 @@ fn paged_attention_matches_naive() {
 #[test]
 fn paged_attention_over_an_fp8_cache_matches_naive() {
     attention_cases(true, 6, &[(Some(1), true), (None, true), (Some(3), false)]);
+}
+
+/// `rope_store_kv_f8` writes each (token, KV head) vector of keys and values as `fp8_quant_rows`
+/// quantizes a row, from exactly the values `rope_store_kv` stores in a bf16 cache, and Q as it
+/// does.
+#[test]
+fn rope_store_into_an_fp8_cache_quantizes_what_a_bf16_cache_holds() {
+    if !gpu() {
+        return;
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(8);
+    for (nh, nkv, hd) in [(9, 3, 64), (32, 8, 128)] {
+        for interleaved in [false, true] {
+            let t = 37;
+            let width = (nh + 2 * nkv) * hd;
+            // Heads of different magnitudes (1/4 to 4), so a vector's scale is its own.
+            let mut qkv = rand_f32(&mut rng, t * width, -1.0, 1.0);
+            for (i, head) in qkv.chunks_mut(hd).enumerate() {
+                let f = 2f32.powi((i % 5) as i32 - 2);
+                head.iter_mut().for_each(|e| *e *= f);
+            }
+            let pos: Vec<i32> = (0..t).map(|_| rng.random_range(0..4000)).collect();
+            let run = rope_store(&qkv, (nh, nkv, hd), &pos, 500_000.0, interleaved)
+                .expect("RoPE and store kernels");
+            assert!(
+                run.q[0] == run.q[1],
+                "Q differs between the bf16 and fp8 kernels"
+            );
+            check_fp8_rows("K", &run.k, &run.k8.0, &run.k8.1, hd, false);
+            check_fp8_rows("V", &run.v, &run.v8.0, &run.v8.1, hd, false);
+            let distinct = |s: &[f32]| {
+                let mut v = s.to_vec();
+                v.sort_by(f32::total_cmp);
+                v.dedup();
+                v.len()
+            };
+            assert!(
+                distinct(&run.k8.1) > t && distinct(&run.v8.1) > t,
+                "scales look uniform"
+            );
+        }
+    }
 }
 
 /// The attention checks at every shape, for each (splits, one-warp) variant, over a bf16 or
@@ -2065,7 +2125,8 @@ fn gemv_steps_against_the_cpu(fp8: Fp8) {
             "{name}: small steps are less accurate than the cuBLAS prefill"
         );
         // fp8 layers: e4m3 weights cost ~0.12-0.15 here (measured on the H200: GEMV rows
-        // 0.116-0.147, cuBLAS rows 0.116-0.158); a wrong scale or layout costs order 1.
+        // 0.116-0.147, cuBLAS rows 0.116-0.158); an fp8 cache 0.056-0.087; a wrong scale or
+        // layout costs order 1.
         assert!(
             fp8 == BF16 || (max(&gemv) < 0.2 && max(&cublas) < 0.2),
             "{name}: fp8 logits too far from the CPU"

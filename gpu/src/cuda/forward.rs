@@ -52,11 +52,9 @@ pub(crate) struct Buffers {
     pub split_tokens: usize,
     /// Bytes of one layer's keys (values follow), fp8 scales included.
     pub kv_layer_bytes: usize,
-    /// Token slots of the cache.
-    pub kv_slots: usize,
-    /// The cache holds e4m3 keys and values with a scale per (slot, KV head)
-    /// (`kv_cache_dtype: fp8`).
-    pub kv_fp8: bool,
+    /// With an fp8 cache (e4m3 keys and values, `kv_cache_dtype: fp8`): where a layer's key
+    /// (or value) scales start within its part, one f32 per (slot, KV head).
+    pub kv_scales_at: Option<usize>,
 }
 
 /// Where one layer's keys and values are: `[slots, kv_heads, head_dim]` bf16, or e4m3 bytes
@@ -110,9 +108,24 @@ fn kv_slot_bytes(c: &LlamaConfig, fp8: bool) -> usize {
     }
 }
 
-/// Bytes of KV cache per block (`fp8`: `kv_cache_dtype: fp8`).
+/// Bytes of KV cache per block (`fp8`: `kv_cache_dtype: fp8`), without
+/// [`kv_part_layout`]'s alignment padding (at most 512 bytes per layer's keys or values).
 pub(crate) fn kv_block_bytes(c: &LlamaConfig, block_size: usize, fp8: bool) -> usize {
     2 * c.num_layers * block_size * kv_slot_bytes(c, fp8)
+}
+
+/// One layer's keys (or values) in a cache of `slots` token slots: (offset of the fp8 scales,
+/// bytes in all). Both parts start on 256-byte boundaries (the attention kernels copy 16-byte
+/// pieces; an fp8 cache's value bytes would otherwise start wherever the key scales end).
+fn kv_part_layout(c: &LlamaConfig, slots: usize, fp8: bool) -> (usize, usize) {
+    let round = |b: usize| b.next_multiple_of(256);
+    if fp8 {
+        let values = round(slots * c.num_kv_heads * c.head_dim);
+        (values, values + round(slots * c.num_kv_heads * 4))
+    } else {
+        let values = round(slots * kv_slot_bytes(c, false));
+        (values, values)
+    }
 }
 
 /// Bytes of the step buffer for `tokens` tokens and `rows` logit rows with block tables of at
@@ -167,7 +180,7 @@ impl Buffers {
         let split_tokens = t.min(GRAPH_BUCKETS[GRAPH_BUCKETS.len() - 1]);
         let stride = c.max_position_embeddings / block_size + 1;
         let kv_slots = blocks * block_size;
-        let kv_layer_bytes = kv_slots * kv_slot_bytes(c, kv_fp8);
+        let (kv_scales_at, kv_layer_bytes) = kv_part_layout(c, kv_slots, kv_fp8);
         Ok(Buffers {
             x: gpu.alloc(t * h * 4)?,
             xn: gpu.alloc(t * h * 2)?,
@@ -192,25 +205,22 @@ impl Buffers {
             max_rows,
             split_tokens,
             kv_layer_bytes,
-            kv_slots,
-            kv_fp8,
+            kv_scales_at: kv_fp8.then_some(kv_scales_at),
         })
     }
 
-    /// Layer `li`'s part of the cache (`kv_width`: KV heads x head dim).
-    pub fn kv_layer(&self, li: usize, kv_width: usize) -> Result<KvLayer, GpuError> {
+    /// Layer `li`'s part of the cache.
+    pub fn kv_layer(&self, li: usize) -> Result<KvLayer, GpuError> {
         let (k_off, v_off) = (
             2 * li * self.kv_layer_bytes,
             (2 * li + 1) * self.kv_layer_bytes,
         );
-        let values = self.kv_slots * kv_width;
         Ok(KvLayer {
             k: self.kv.at(k_off)?,
             v: self.kv.at(v_off)?,
-            scales: if self.kv_fp8 {
-                Some((self.kv.at(k_off + values)?, self.kv.at(v_off + values)?))
-            } else {
-                None
+            scales: match self.kv_scales_at {
+                Some(at) => Some((self.kv.at(k_off + at)?, self.kv.at(v_off + at)?)),
+                None => None,
             },
         })
     }
@@ -460,7 +470,7 @@ pub(crate) fn enqueue(
         })
     };
     for (li, layer) in w.layers.iter().enumerate() {
-        let kv = b.kv_layer(li, kvw)?;
+        let kv = b.kv_layer(li)?;
         // Steps on the GEMV kernels rotate Q and K and store K and V in the QKV product's
         // epilogue (unless `SWITCHYARD_CUDA_ROPE_EPILOGUE=0`, or the cache is fp8: its scales
         // need a whole KV head's values); the others write the f32 product for rope_store_kv.

@@ -74,9 +74,10 @@ pub struct CudaBackendConfig {
     /// small ones. Needs sm_89 or newer.
     pub fp8: bool,
     /// Keep keys and values in the paged cache as e4m3 with an f32 scale per (token, KV head)
-    /// (`kv_cache_dtype: fp8`): about half the cache bytes per token (twice the blocks in the
-    /// same memory), half the bytes attention reads. The scale is the vector's max |x| / 448,
-    /// so no calibration is needed; attention widens the values back to bf16 in shared memory.
+    /// (`kv_cache_dtype: fp8`): about half the cache bytes per token (1.94x the blocks in the
+    /// same memory at head dim 128), half the bytes attention reads. The scale is the vector's
+    /// max |x| / 448, so no calibration is needed; attention reads the e4m3 rows from shared
+    /// memory and widens them to bf16 in registers, just before each product.
     pub kv_fp8: bool,
 }
 

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use half::bf16;
 
-use super::device::{DevMem, GemvInput, GemvOutput, Gpu, Product};
+use super::device::{Arg, DevMem, GemvInput, GemvOutput, Gpu, Product};
 use super::forward::{self, Launch};
 use super::sampling::{self, Edits, SampleArrays, SeqState};
 use super::step::{self, Layout, MAX_SPLITS};
@@ -168,6 +168,100 @@ pub fn paged_attention(
             Cache::Bf16(..) => None,
             Cache::Fp8(kq, vq) => Some([kq.download(&gpu)?, vq.download(&gpu)?]),
         },
+    })
+}
+
+/// What [`rope_store`] returns: Q and the cache as `rope_store_kv` writes them into a bf16
+/// cache and as `rope_store_kv_f8` writes them into an fp8 one (token `t` in slot `t`).
+pub struct RopeStoreRun {
+    /// `[tokens, heads, head_dim]`, from the bf16 kernel and from the fp8 one.
+    pub q: [Vec<bf16>; 2],
+    /// `[tokens, kv_heads, head_dim]`: the bf16 cache's keys and values.
+    pub k: Vec<bf16>,
+    pub v: Vec<bf16>,
+    /// The fp8 cache: e4m3 bytes and one scale per (token, KV head).
+    pub k8: (Vec<u8>, Vec<f32>),
+    pub v8: (Vec<u8>, Vec<f32>),
+}
+
+/// Runs the backend's RoPE-and-store kernels, bf16 and fp8, over the f32 QKV product `qkv`
+/// (`[tokens, (heads + 2 kv_heads) head_dim]`, Q and K rows in the kernels' pair order) at
+/// positions `pos`, with RoPE frequencies `theta^(-2j / head_dim)`.
+pub fn rope_store(
+    qkv: &[f32],
+    (nh, nkv, hd): (usize, usize, usize),
+    pos: &[i32],
+    theta: f32,
+    interleaved: bool,
+) -> Result<RopeStoreRun, GpuError> {
+    let t = pos.len();
+    if t == 0 || qkv.len() != t * (nh + 2 * nkv) * hd || !matches!(hd, 64 | 128) {
+        return Err(GpuError::BadBatch("rope check: sizes disagree".into()));
+    }
+    let gpu = Gpu::open(0)?;
+    let inv_freq: Vec<f32> = (0..hd / 2)
+        .map(|j| theta.powf(-2.0 * j as f32 / hd as f32))
+        .collect();
+    let slots: Vec<i64> = (0..t as i64).collect();
+    let up = |bytes: usize| gpu.alloc(bytes);
+    let (qkv_d, pos_d, slots_d, freq_d) = (up(qkv.len() * 4)?, up(t * 4)?, up(t * 8)?, up(hd * 2)?);
+    gpu.upload(qkv_d.ptr(), qkv)?;
+    gpu.upload(pos_d.ptr(), pos)?;
+    gpu.upload(slots_d.ptr(), &slots)?;
+    gpu.upload(freq_d.ptr(), &inv_freq)?;
+    let (qn, kvn) = (t * nh * hd, t * nkv * hd);
+    let (q_b, kc, vc) = (up(qn * 2)?, up(kvn * 2)?, up(kvn * 2)?);
+    let (q_f, k8, v8, ks, vs) = (
+        up(qn * 2)?,
+        up(kvn)?,
+        up(kvn)?,
+        up(t * nkv * 4)?,
+        up(t * nkv * 4)?,
+    );
+    let tail = [
+        Arg::Ptr(pos_d.ptr()),
+        Arg::Ptr(slots_d.ptr()),
+        Arg::Ptr(freq_d.ptr()),
+        Arg::I32(nh as i32),
+        Arg::I32(nkv as i32),
+        Arg::I32(hd as i32),
+        Arg::I32(interleaved as i32),
+    ];
+    let bf16_args = [qkv_d.ptr(), q_b.ptr(), kc.ptr(), vc.ptr()].map(Arg::Ptr);
+    let f8_args = [
+        qkv_d.ptr(),
+        q_f.ptr(),
+        k8.ptr(),
+        v8.ptr(),
+        ks.ptr(),
+        vs.ptr(),
+    ]
+    .map(Arg::Ptr);
+    for (kernel, head) in [
+        (&gpu.k.rope_store_kv, &bf16_args[..]),
+        (&gpu.k.rope_store_kv_f8, &f8_args[..]),
+    ] {
+        let args: Vec<Arg> = head.iter().chain(&tail).cloned().collect();
+        gpu.launch(kernel, (t as u32, 1, 1), 256, &args)?;
+    }
+    gpu.sync()?;
+    let bf = |d: &DevMem, n: usize| -> Result<Vec<bf16>, GpuError> {
+        let mut v = vec![bf16::ZERO; n];
+        gpu.download(&mut v, d.ptr())?;
+        Ok(v)
+    };
+    let bytes = |d: &DevMem, s: &DevMem| -> Result<(Vec<u8>, Vec<f32>), GpuError> {
+        let (mut b, mut f) = (vec![0u8; kvn], vec![0f32; t * nkv]);
+        gpu.download(&mut b, d.ptr())?;
+        gpu.download(&mut f, s.ptr())?;
+        Ok((b, f))
+    };
+    Ok(RopeStoreRun {
+        q: [bf(&q_b, qn)?, bf(&q_f, qn)?],
+        k: bf(&kc, kvn)?,
+        v: bf(&vc, kvn)?,
+        k8: bytes(&k8, &ks)?,
+        v8: bytes(&v8, &vs)?,
     })
 }
 
