@@ -326,8 +326,11 @@ fn check_attention(rng: &mut ChaCha8Rng, s: AttentionShape, spec: &[(usize, usiz
         .zip(&want)
         .map(|(a, b)| (a - b).abs())
         .fold(0f32, f32::max);
+    // The fp8 checks' values reach 4, four times the bf16 checks': the bf16 roundings of the
+    // probabilities and of the output scale with them (measured on the H200: up to 1.6e-2).
+    let bound = if s.fp8_kv { 6e-2 } else { 1.5e-2 };
     assert!(
-        got.iter().all(|x| x.is_finite()) && err < 1.5e-2,
+        got.iter().all(|x| x.is_finite()) && err < bound,
         "{s:?} {spec:?}: max error {err}"
     );
     eprintln!("attention {s:?} {spec:?}: max |error| {err:.2e}");
@@ -366,10 +369,10 @@ fn rope_store_into_an_fp8_cache_quantizes_what_a_bf16_cache_holds() {
         for interleaved in [false, true] {
             let t = 37;
             let width = (nh + 2 * nkv) * hd;
-            // Heads of different magnitudes (1/4 to 4), so a vector's scale is its own.
+            // Heads of random magnitudes (1/4 to 4), so a vector's scale is its own.
             let mut qkv = rand_f32(&mut rng, t * width, -1.0, 1.0);
-            for (i, head) in qkv.chunks_mut(hd).enumerate() {
-                let f = 2f32.powi((i % 5) as i32 - 2);
+            for head in qkv.chunks_mut(hd) {
+                let f = 2f32.powi(rng.random_range(-2..=2));
                 head.iter_mut().for_each(|e| *e *= f);
             }
             let pos: Vec<i32> = (0..t).map(|_| rng.random_range(0..4000)).collect();
@@ -381,15 +384,15 @@ fn rope_store_into_an_fp8_cache_quantizes_what_a_bf16_cache_holds() {
             );
             check_fp8_rows("K", &run.k, &run.k8.0, &run.k8.1, hd, false);
             check_fp8_rows("V", &run.v, &run.v8.0, &run.v8.1, hd, false);
-            let distinct = |s: &[f32]| {
-                let mut v = s.to_vec();
-                v.sort_by(f32::total_cmp);
-                v.dedup();
-                v.len()
+            let spread = |s: &[f32]| {
+                let (lo, hi) = s
+                    .iter()
+                    .fold((f32::MAX, 0f32), |(l, h), &x| (l.min(x), h.max(x)));
+                hi / lo
             };
             assert!(
-                distinct(&run.k8.1) > t && distinct(&run.v8.1) > t,
-                "scales look uniform"
+                spread(&run.k8.1) > 8.0 && spread(&run.v8.1) > 8.0,
+                "the scales do not follow the vectors' magnitudes"
             );
         }
     }
