@@ -987,3 +987,47 @@ impl Graphs {
         self.graphs.keys().filter(|k| k.2).count()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every part of the cache starts where the attention kernels' 16-byte copies may read it
+    /// (odd slot counts and head counts included: SmolLM2 has 3 KV heads), the scales sit after
+    /// the values they scale, and the padding stays within what `kv_block_bytes` leaves out.
+    #[test]
+    fn cache_parts_are_aligned_and_sized_for_any_slot_count() {
+        for c in [LlamaConfig::smollm2_135m(), LlamaConfig::llama3_8b()] {
+            let (nkv, hd) = (c.num_kv_heads, c.head_dim);
+            for slots in [1usize, 2, 3, 5, 6, 16, 17, 1000, 12_345] {
+                for fp8 in [false, true] {
+                    let (scales_at, part) = kv_part_layout(&c, slots, fp8);
+                    let layer_pair = 2 * part;
+                    assert_eq!(
+                        part % 256,
+                        0,
+                        "{slots} slots, fp8 {fp8}: part of {part} bytes"
+                    );
+                    let data = slots * nkv * hd * if fp8 { 1 } else { 2 };
+                    assert!(scales_at >= data && scales_at % 256 == 0);
+                    if fp8 {
+                        assert!(part >= scales_at + slots * nkv * 4);
+                    }
+                    // At most 256 bytes of padding per part (two with fp8), per layer's pair.
+                    let unpadded = 2 * slots * kv_slot_bytes(&c, fp8);
+                    let pad = layer_pair - unpadded;
+                    assert!(pad < if fp8 { 1024 } else { 512 }, "{pad} bytes of padding");
+                }
+            }
+            // The per-block size the cache is budgeted by counts the scales.
+            assert_eq!(
+                kv_block_bytes(&c, 16, true),
+                2 * c.num_layers * 16 * nkv * (hd + 4)
+            );
+            assert_eq!(
+                kv_block_bytes(&c, 16, false),
+                2 * c.num_layers * 16 * nkv * hd * 2
+            );
+        }
+    }
+}
