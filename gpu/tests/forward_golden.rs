@@ -166,9 +166,24 @@ fn teacher_forced_logprobs_match_transformers_with_precise_activations() {
     check(Isa::detect(), ActivationPrecision::Precise);
 }
 
+/// With precise activations the adapter's positions must agree as the base model's do; with
+/// this machine's default they may turn at near-ties: the mixed-precision default of the
+/// AVX-512 VNNI kernels measured 97.5% top-1 (three positions, where the reference's top two
+/// were 0.06-0.21 apart) and mean |dlogprob| 0.043, against 100% and 0.0007 with precise
+/// activations (the base model: 100% with either).
 #[test]
 fn teacher_forced_logprobs_with_a_lora_adapter_match_transformers() {
-    let model = model();
+    for (precision, min_top1) in [
+        (ActivationPrecision::Precise, 0.99),
+        (ActivationPrecision::default(), 0.97),
+    ] {
+        lora_teacher_forced(precision, min_top1);
+    }
+}
+
+fn lora_teacher_forced(precision: ActivationPrecision, min_top1: f64) {
+    let mut model = model();
+    model.set_precision(precision);
     let fx = read_fixture("lora_golden.json", "make_lora_golden.py");
     let dir = fixtures().join(fx["adapter"]["dir"].as_str().expect("adapter dir"));
     let adapter = LoraAdapter::load(&dir, &model.config, &LoraLimits::default()).expect("adapter");
@@ -198,7 +213,7 @@ fn teacher_forced_logprobs_with_a_lora_adapter_match_transformers() {
     let agreement = agree as f64 / total as f64;
     let mean = diff / total as f64;
     eprintln!(
-        "with the adapter: top-1 agreement {agreement:.4} over {total} positions, mean |dlogprob| {mean:.4} nats; \
+        "{precision:?} with the adapter: top-1 agreement {agreement:.4} over {total} positions, mean |dlogprob| {mean:.4} nats; \
          the adapter changes the reference's top-1 at {changed} positions; without it ours agrees at {base_agree}"
     );
     // The fixture is only a test of the adapter if the adapter changes the answers.
@@ -206,8 +221,14 @@ fn teacher_forced_logprobs_with_a_lora_adapter_match_transformers() {
         changed * 4 >= total,
         "the adapter changes only {changed}/{total} answers"
     );
-    assert!(agreement >= 0.99, "top-1 agreement {agreement}");
-    assert!(mean <= 0.05, "mean |logprob difference| {mean}");
+    assert!(
+        agreement >= min_top1,
+        "{precision:?}: top-1 agreement {agreement}"
+    );
+    assert!(
+        mean <= 0.05,
+        "{precision:?}: mean |logprob difference| {mean}"
+    );
     // Ignoring the adapter would not pass.
     assert!(
         base_agree as f64 / (total as f64) < 0.9,
