@@ -750,6 +750,15 @@ extern "C" __global__ void lora_silu_mul(const bf16* gu, bf16* act, int inter, c
 static_assert(ATT_P_SPLIT == 0 || ATT_P_SPLIT == 1, "ATT_P_SPLIT must be 0 or 1");
 static_assert(MMA_KEYS >= 16 && MMA_KEYS % 16 == 0 && 64 % MMA_KEYS == 0,
               "MMA_KEYS must be 16, 32 or 64");
+// Keys per chunk of the one-warp kernels over an fp8 cache (overridable for experiments; a
+// warp copies 32 keys per lookup register, so a multiple of 32). A chunk may run past its
+// split's end: the keys past kend are masked like keys past a query's position. 64 measured
+// best (CUDA_NOTES v18: 32 and 128 keys lose at SmolLM2 batch 256 and offline).
+#ifndef ATT_F8_KEYS
+#define ATT_F8_KEYS 64
+#endif
+static_assert(ATT_F8_KEYS == 32 || ATT_F8_KEYS == 64 || ATT_F8_KEYS == 96 || ATT_F8_KEYS == 128,
+              "ATT_F8_KEYS must be 32, 64, 96 or 128");
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     return (u32)__cvta_generic_to_shared(p);
@@ -1320,8 +1329,10 @@ __device__ void attention_body(const bf16* __restrict__ q, const void* __restric
     const int r_lo = warp * 16 + g, r_hi = r_lo + 8;
     u32 qf[KT][4];
     load_q_frags<HD, F8>(qf, q, q0, group, nh, kvh, rows, r_lo);
-    const int p_lo = r_lo < rows ? pos[q0 + r_lo / group] : -1;
-    const int p_hi = r_hi < rows ? pos[q0 + r_hi / group] : -1;
+    // The last key a row attends to in this split: its position, or the split's last key (a
+    // chunk may be longer than the split).
+    const int p_lo = r_lo < rows ? min(pos[q0 + r_lo / group], kend - 1) : -1;
+    const int p_hi = r_hi < rows ? min(pos[q0 + r_hi / group], kend - 1) : -1;
     const bool active = warp * 16 < rows;  // warp-uniform
     // An fp8 cache (F8): keys and values enter the products widened to their e4m3 values
     // times 2^-120 (att_scores_f8, att_pv_f8), Q times 2^60 (exact), so a score comes out as the e4m3
@@ -1442,8 +1453,8 @@ ATTENTION_KERNEL(attention_w1_64, 64, 1, MMA_KEYS, false)
 ATTENTION_KERNEL(attention_w1_128, 128, 1, MMA_KEYS, false)
 ATTENTION_KERNEL(attention_w4_64, 64, 4, MMA_KEYS, false)
 ATTENTION_KERNEL(attention_w4_128, 128, 4, MMA_KEYS, false)
-ATTENTION_KERNEL(attention_w1_64_f8, 64, 1, MMA_KEYS, true)
-ATTENTION_KERNEL(attention_w1_128_f8, 128, 1, MMA_KEYS, true)
+ATTENTION_KERNEL(attention_w1_64_f8, 64, 1, ATT_F8_KEYS, true)
+ATTENTION_KERNEL(attention_w1_128_f8, 128, 1, ATT_F8_KEYS, true)
 ATTENTION_KERNEL(attention_w4_64_f8, 64, 4, MMA_KEYS, true)
 ATTENTION_KERNEL(attention_w4_128_f8, 128, 4, MMA_KEYS, true)
 
