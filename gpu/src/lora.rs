@@ -80,7 +80,7 @@ impl LoraTarget {
     }
 
     /// `(in, out)` widths of the projection in `c`.
-    fn dims(self, c: &LlamaConfig) -> (usize, usize) {
+    pub(crate) fn dims(self, c: &LlamaConfig) -> (usize, usize) {
         let (h, q, kv, i) = (
             c.hidden_size,
             c.num_heads * c.head_dim,

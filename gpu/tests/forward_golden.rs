@@ -166,18 +166,15 @@ fn teacher_forced_logprobs_match_transformers_with_precise_activations() {
     check(Isa::detect(), ActivationPrecision::Precise);
 }
 
-/// With precise activations the adapter's positions must agree as the base model's do; with
-/// this machine's default they may turn at near-ties: the mixed-precision default of the
-/// AVX-512 VNNI kernels measured 97.5% top-1 (three positions, where the reference's top two
-/// were 0.06-0.21 apart) and mean |dlogprob| 0.043, against 100% and 0.0007 with precise
-/// activations (the base model: 100% with either).
+/// The adapter's positions agree as the base model's do, with precise activations and with
+/// this machine's default. (`Mixed` runs a sequence with an adapter at `Precise`: with int8
+/// activations in its O, gate|up and LM-head products the AVX-512 VNNI kernels measured 97.5%
+/// top-1, three positions where the reference's top two were 0.06-0.21 apart, and mean
+/// |dlogprob| 0.043, against 100% and 0.0007.)
 #[test]
 fn teacher_forced_logprobs_with_a_lora_adapter_match_transformers() {
-    for (precision, min_top1) in [
-        (ActivationPrecision::Precise, 0.99),
-        (ActivationPrecision::default(), 0.97),
-    ] {
-        lora_teacher_forced(precision, min_top1);
+    for precision in [ActivationPrecision::Precise, ActivationPrecision::default()] {
+        lora_teacher_forced(precision, 0.99);
     }
 }
 
