@@ -889,6 +889,42 @@ impl Gpu {
         n <= GEMV_NORM_MAX_TOKENS && matches!(self.gemv_mode, GemvMode::Auto | GemvMode::Norm)
     }
 
+    /// `rope_store_kv` over the f32 QKV product `qkv` of `tokens` tokens (Q and K rows in RoPE
+    /// pair order): rotates Q and K and writes Q and the cache where `out` says; with the fp8
+    /// cache's key and value `scales`, `rope_store_kv_f8` quantizes each stored vector.
+    pub(crate) fn rope_store(
+        &self,
+        qkv: u64,
+        tokens: usize,
+        out: &RopeOut,
+        scales: Option<(u64, u64)>,
+    ) -> Result<(), GpuError> {
+        let (nh, nkv, hd) = out.heads;
+        let mut args = vec![
+            Arg::Ptr(qkv),
+            Arg::Ptr(out.q),
+            Arg::Ptr(out.k_cache),
+            Arg::Ptr(out.v_cache),
+        ];
+        let kernel = match scales {
+            Some((ks, vs)) => {
+                args.extend([Arg::Ptr(ks), Arg::Ptr(vs)]);
+                &self.k.rope_store_kv_f8
+            }
+            None => &self.k.rope_store_kv,
+        };
+        args.extend([
+            Arg::Ptr(out.pos),
+            Arg::Ptr(out.slots),
+            Arg::Ptr(out.inv_freq),
+            Arg::I32(nh as i32),
+            Arg::I32(nkv as i32),
+            Arg::I32(hd as i32),
+            Arg::I32(out.interleaved as i32),
+        ]);
+        self.launch(kernel, (tokens as u32, 1, 1), 256, &args)
+    }
+
     /// The GEMV kernels (`gpu/kernels/gemv.cu`): `W` bf16 `[m, k]` (`[2m, k]` for
     /// [`GemvOutput::Glu`]), or e4m3 with `fp8`'s weight scales (its activation scales are not
     /// used: the activations stay bf16; k a multiple of 16), times `n` rows of activations,

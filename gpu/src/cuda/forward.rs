@@ -474,7 +474,7 @@ pub(crate) fn enqueue(
         // Steps on the GEMV kernels rotate Q and K and store K and V in the QKV product's
         // epilogue (unless `SWITCHYARD_CUDA_ROPE_EPILOGUE=0`, or the cache is fp8: its scales
         // need a whole KV head's values); the others write the f32 product for rope_store_kv.
-        let rope = GemvOutput::Rope(RopeOut {
+        let rope_out = RopeOut {
             q: b.q.ptr(),
             k_cache: kv.k,
             v_cache: kv.v,
@@ -483,7 +483,8 @@ pub(crate) fn enqueue(
             inv_freq: w.inv_freq.ptr(),
             heads: (nh, nkv, hd),
             interleaved: interleaved != 0,
-        });
+        };
+        let rope = GemvOutput::Rope(rope_out);
         let rope_in_gemv = qkv_o && gpu.rope_epilogue && kv.scales.is_none();
         let f32_qkv = GemvOutput::Plain {
             beta: 0.0,
@@ -550,28 +551,8 @@ pub(crate) fn enqueue(
             lo.update(gpu, c, (t, li), parts, (b.xn.ptr(), h, h), out)?;
         }
         if !rope_in_gemv {
-            let (kernel, scales) = match kv.scales {
-                Some((ks, vs)) => (&k.rope_store_kv_f8, vec![Arg::Ptr(ks), Arg::Ptr(vs)]),
-                None => (&k.rope_store_kv, Vec::new()),
-            };
             gpu.timed("rope_store_kv", || {
-                let head = [
-                    Arg::Ptr(b.qkv.ptr()),
-                    Arg::Ptr(b.q.ptr()),
-                    Arg::Ptr(kv.k),
-                    Arg::Ptr(kv.v),
-                ];
-                let tail = [
-                    Arg::Ptr(s(lay.pos)?),
-                    Arg::Ptr(s(lay.slots)?),
-                    Arg::Ptr(w.inv_freq.ptr()),
-                    i32v(nh),
-                    i32v(nkv),
-                    i32v(hd),
-                    Arg::I32(interleaved),
-                ];
-                let args: Vec<Arg> = head.into_iter().chain(scales).chain(tail).collect();
-                gpu.launch(kernel, (ti, 1, 1), 256, &args)
+                gpu.rope_store(b.qkv.ptr(), t, &rope_out, kv.scales)
             })?;
         }
         attention(

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use half::bf16;
 
-use super::device::{Arg, DevMem, GemvInput, GemvOutput, Gpu, Product};
+use super::device::{DevMem, GemvInput, GemvOutput, Gpu, Product, RopeOut};
 use super::forward::{self, Launch};
 use super::sampling::{self, Edits, SampleArrays, SeqState};
 use super::step::{self, Layout, MAX_SPLITS};
@@ -218,32 +218,23 @@ pub fn rope_store(
         up(t * nkv * 4)?,
         up(t * nkv * 4)?,
     );
-    let tail = [
-        Arg::Ptr(pos_d.ptr()),
-        Arg::Ptr(slots_d.ptr()),
-        Arg::Ptr(freq_d.ptr()),
-        Arg::I32(nh as i32),
-        Arg::I32(nkv as i32),
-        Arg::I32(hd as i32),
-        Arg::I32(interleaved as i32),
-    ];
-    let bf16_args = [qkv_d.ptr(), q_b.ptr(), kc.ptr(), vc.ptr()].map(Arg::Ptr);
-    let f8_args = [
+    let out = |q: &DevMem, k: &DevMem, v: &DevMem| RopeOut {
+        q: q.ptr(),
+        k_cache: k.ptr(),
+        v_cache: v.ptr(),
+        pos: pos_d.ptr(),
+        slots: slots_d.ptr(),
+        inv_freq: freq_d.ptr(),
+        heads: (nh, nkv, hd),
+        interleaved,
+    };
+    gpu.rope_store(qkv_d.ptr(), t, &out(&q_b, &kc, &vc), None)?;
+    gpu.rope_store(
         qkv_d.ptr(),
-        q_f.ptr(),
-        k8.ptr(),
-        v8.ptr(),
-        ks.ptr(),
-        vs.ptr(),
-    ]
-    .map(Arg::Ptr);
-    for (kernel, head) in [
-        (&gpu.k.rope_store_kv, &bf16_args[..]),
-        (&gpu.k.rope_store_kv_f8, &f8_args[..]),
-    ] {
-        let args: Vec<Arg> = head.iter().chain(&tail).cloned().collect();
-        gpu.launch(kernel, (t as u32, 1, 1), 256, &args)?;
-    }
+        t,
+        &out(&q_f, &k8, &v8),
+        Some((ks.ptr(), vs.ptr())),
+    )?;
     gpu.sync()?;
     let bf = |d: &DevMem, n: usize| -> Result<Vec<bf16>, GpuError> {
         let mut v = vec![bf16::ZERO; n];
