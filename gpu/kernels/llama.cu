@@ -600,32 +600,55 @@ __device__ __forceinline__ const bf16* lora_matrix(const u64* ptrs, int slot, in
 // Up to three targets of one input at once (q, k and v; gate and up; or one): target i of
 // t0, t1, t2 (-1: none) uses the part i * u_part of a row's `u` (u_stride floats per row).
 
+// The dot product of n bf16 values at a and x, summed over the warp (every lane gets it):
+// 16-byte loads when n is a multiple of 8 and both start on 16 bytes, each lane's loads issued
+// together; else one value per lane at a time.
+__device__ __forceinline__ float warp_dot_bf16(const bf16* __restrict__ a,
+                                               const bf16* __restrict__ x, int n, int lane) {
+    float acc = 0.f;
+    if ((n & 7) == 0 && (((u64)a | (u64)x) & 15) == 0) {
+        const uint4* a4 = reinterpret_cast<const uint4*>(a);
+        const uint4* x4 = reinterpret_cast<const uint4*>(x);
+#pragma unroll 4
+        for (int k = lane; k < n / 8; k += 32) {
+            const uint4 av = __ldg(a4 + k), xv = __ldg(x4 + k);
+            const u32 aw[4] = {av.x, av.y, av.z, av.w}, xw[4] = {xv.x, xv.y, xv.z, xv.w};
+#pragma unroll
+            for (int h = 0; h < 4; h++) {
+                const float2 af = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&aw[h]));
+                const float2 xf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&xw[h]));
+                acc = fmaf(af.x, xf.x, acc);
+                acc = fmaf(af.y, xf.y, acc);
+            }
+        }
+    } else {
+        for (int k = lane; k < n; k += 32)
+            acc = fmaf(__bfloat162float(a[k]), __bfloat162float(x[k]), acc);
+    }
+    return warp_sum(acc);
+}
+
 // u[row, i * u_part + j] = A_i[j, :] . x[row, :] for the rows with an adapter; a warp per
-// (target, rank index).
+// (row, target i, rank index j < u_part), so that a small step's few products all run at once
+// (grid: rows x 3 x u_part warps).
 extern "C" __global__ void lora_shrink(const bf16* x, int x_stride, int din, const int* row_slot,
                                        const u64* ptrs, const int* ranks, int layers, int layer,
                                        int t0, int t1, int t2, float* u, int u_stride, int u_part,
                                        int rows) {
     PDL_ENTER();
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const int targets[3] = {t0, t1, t2};
-    for (int row = blockIdx.x; row < rows; row += gridDim.x) {
+    const int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    const long long per_row = 3LL * u_part, total = (long long)rows * per_row;
+    for (long long w = (long long)blockIdx.x * nw + (threadIdx.x >> 5); w < total;
+         w += (long long)gridDim.x * nw) {
+        const int row = (int)(w / per_row), rem = (int)(w % per_row);
+        const int i = rem / u_part, j = rem % u_part;
+        const int target = i == 0 ? t0 : (i == 1 ? t1 : t2);
         const int s = row_slot[row];
-        if (s < 0) continue;
-        const int r = ranks[s];
-        const bf16* xr = x + (u64)row * x_stride;
-        for (int w = warp; w < 3 * r; w += nw) {
-            const int i = w / r, j = w - i * r;
-            if (targets[i] < 0) continue;
-            const bf16* A = lora_matrix(ptrs, s, layers, layer, targets[i], 0);
-            if (A == nullptr) continue;
-            const bf16* a = A + (u64)j * din;
-            float acc = 0.f;
-            for (int k = lane; k < din; k += 32)
-                acc = fmaf(__bfloat162float(a[k]), __bfloat162float(xr[k]), acc);
-            acc = warp_sum(acc);
-            if (lane == 0) u[(u64)row * u_stride + i * u_part + j] = acc;
-        }
+        if (s < 0 || target < 0 || j >= ranks[s]) continue;
+        const bf16* A = lora_matrix(ptrs, s, layers, layer, target, 0);
+        if (A == nullptr) continue;
+        const float acc = warp_dot_bf16(A + (u64)j * din, x + (u64)row * x_stride, din, lane);
+        if (lane == 0) u[(u64)row * u_stride + i * u_part + j] = acc;
     }
 }
 

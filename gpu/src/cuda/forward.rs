@@ -284,10 +284,12 @@ impl LoraStep {
         (x, x_stride, din): (u64, usize, usize),
     ) -> Result<(), GpuError> {
         let i32v = |v: usize| Arg::I32(v as i32);
-        gpu.timed("lora", || {
+        // A warp per (token, target, rank index), four per block.
+        let blocks = (t * 3 * self.max_rank).div_ceil(4).min(1 << 20) as u32;
+        gpu.timed("lora_shrink", || {
             gpu.launch(
                 &gpu.k.lora_shrink,
-                (t.min(65_535) as u32, 1, 1),
+                (blocks, 1, 1),
                 128,
                 &[
                     Arg::Ptr(x),
@@ -325,7 +327,7 @@ impl LoraStep {
         self.shrink(gpu, c, (t, layer), parts.map(|p| p.0), x)?;
         let i32v = |v: usize| Arg::I32(v as i32);
         let dout: usize = parts.iter().map(|p| p.1).sum();
-        gpu.timed("lora", || {
+        gpu.timed("lora_expand", || {
             gpu.launch(
                 &gpu.k.lora_expand,
                 (dout.div_ceil(256) as u32, t.min(65_535) as u32, 1),
@@ -354,9 +356,11 @@ impl LoraStep {
     }
 }
 
-/// Enqueues one step's forward pass; with `lora`, the step runs on the unfused route (cuBLAS
-/// products, separate norm, RoPE and SiLU kernels) with each adapted product's LoRA update
-/// added after it.
+/// Enqueues one step's forward pass; with `lora`, each adapted product's LoRA update is added
+/// after it, so the products take their route by size as in other steps (GEMV kernels for
+/// small steps, cuBLAS for large ones) but without the fused norm prologues and the RoPE and
+/// SiLU epilogues (the updates of Q, K, gate and up must come before those): separate norm and
+/// RoPE kernels, and SiLU x up with the gate's and up's updates inside.
 pub(crate) fn enqueue(
     gpu: &Gpu,
     c: &LlamaConfig,
@@ -413,8 +417,8 @@ pub(crate) fn enqueue(
     // The hybrid route (`Gpu::gemv_hybrid`): only the QKV product (with the norm prologue) and
     // the output projection on the GEMV kernels; the wide gate|up and down products and the
     // lm_head on cuBLAS.
-    let model_gemv = lora.is_none() && gpu.gemv_for(h, t);
-    let hybrid = lora.is_none() && !model_gemv && gpu.gemv_hybrid(h, t);
+    let model_gemv = gpu.gemv_for(h, t);
+    let hybrid = !model_gemv && gpu.gemv_hybrid(h, t);
     let first = w.layers.first();
     let fits = (model_gemv || hybrid)
         && first.is_some_and(|f| {
@@ -425,8 +429,9 @@ pub(crate) fn enqueue(
     // `small`: gate|up and down on the GEMV kernels; `qkv_o`: QKV and o.
     let small = fits && model_gemv;
     let qkv_o = fits;
-    let fuse_glu = small && gpu.gemv_fuse_glu();
-    let fuse_norm = (small && gpu.gemv_fuse_norm(t)) || (fits && hybrid);
+    let plain = lora.is_none();
+    let fuse_glu = plain && small && gpu.gemv_fuse_glu();
+    let fuse_norm = plain && ((small && gpu.gemv_fuse_norm(t)) || (fits && hybrid));
     let normed = |weight: &DevMem| GemvInput::Norm {
         x: b.x.ptr(),
         weight: weight.ptr(),
@@ -485,7 +490,7 @@ pub(crate) fn enqueue(
             interleaved: interleaved != 0,
         };
         let rope = GemvOutput::Rope(rope_out);
-        let rope_in_gemv = qkv_o && gpu.rope_epilogue && kv.scales.is_none();
+        let rope_in_gemv = plain && qkv_o && gpu.rope_epilogue && kv.scales.is_none();
         let f32_qkv = GemvOutput::Plain {
             beta: 0.0,
             f32_out: true,

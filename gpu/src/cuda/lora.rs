@@ -2,9 +2,12 @@
 //! and k `B` matrices in the order the backend stores the base weights' rows), kept while there
 //! is room, and each step's table of them (`forward::LoraStep`).
 //!
-//! Steps whose batch names an adapter run without a graph on the unfused route, with two small
-//! kernels per adapted product: `lora_shrink` (`u = A x` per token) and `lora_expand`
-//! (`out += B u`), each token reading its own adapter's matrices through the step's table.
+//! Steps whose batch names an adapter run their products on the usual route for their size
+//! (GEMV kernels for small steps, cuBLAS for large ones) without the fused norm prologues and
+//! RoPE / SiLU epilogues (`forward::enqueue`), with two small kernels per adapted product:
+//! `lora_shrink` (`u = A x` per token) and `lora_expand` (`out += B u`), each token reading its
+//! own adapter's matrices through the step's table. Decode steps whose adapters have at most
+//! [`GRAPH_MAX_RANK`] replay CUDA graphs of their own.
 
 use half::bf16;
 
