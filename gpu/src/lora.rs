@@ -75,7 +75,7 @@ impl LoraTarget {
         }
     }
 
-    fn index(self) -> usize {
+    pub(crate) fn index(self) -> usize {
         self as usize
     }
 

@@ -263,6 +263,9 @@ pub(crate) struct LoraStep {
     pub u: u64,
     /// The largest rank of the step's adapters (a part of `u`).
     pub max_rank: usize,
+    /// The projections any of the step's adapters adapts (bit `LoraTarget::index`): the
+    /// others run as in steps without adapters.
+    pub targets: u8,
 }
 
 /// The kernels' code for "no target".
@@ -273,6 +276,11 @@ fn target_arg(t: Option<LoraTarget>) -> Arg {
 }
 
 impl LoraStep {
+    /// Whether any of the step's adapters adapts one of `targets`.
+    fn adapts(&self, targets: &[LoraTarget]) -> bool {
+        self.targets & super::lora::target_mask(targets) != 0
+    }
+
     /// `u = A x` for up to three `targets` of one bf16 input `x` (`din` wide, `x_stride` per
     /// token), target `i` in part `i` of a token's `u`.
     fn shrink(
@@ -358,9 +366,10 @@ impl LoraStep {
 
 /// Enqueues one step's forward pass; with `lora`, each adapted product's LoRA update is added
 /// after it, so the products take their route by size as in other steps (GEMV kernels for
-/// small steps, cuBLAS for large ones) but without the fused norm prologues and the RoPE and
-/// SiLU epilogues (the updates of Q, K, gate and up must come before those): separate norm and
-/// RoPE kernels, and SiLU x up with the gate's and up's updates inside.
+/// small steps, cuBLAS for large ones), and an adapted QKV or gate|up product without the
+/// fused norm prologue and RoPE or SiLU epilogue (its updates must come before those):
+/// separate norm and RoPE kernels, and SiLU x up with the gate's and up's updates inside.
+/// Products no adapter of the step adapts run as in steps without adapters.
 pub(crate) fn enqueue(
     gpu: &Gpu,
     c: &LlamaConfig,
@@ -429,9 +438,20 @@ pub(crate) fn enqueue(
     // `small`: gate|up and down on the GEMV kernels; `qkv_o`: QKV and o.
     let small = fits && model_gemv;
     let qkv_o = fits;
-    let plain = lora.is_none();
-    let fuse_glu = plain && small && gpu.gemv_fuse_glu();
-    let fuse_norm = plain && ((small && gpu.gemv_fuse_norm(t)) || (fits && hybrid));
+    // The adapters' updates of each product (none where no adapter of the step adapts it):
+    // those of Q, K and V must precede RoPE, those of gate and up SiLU, so those products lose
+    // their fused stages when adapted; o's and down's are added after the product.
+    let adapted = |targets: &[LoraTarget]| lora.filter(|l| l.adapts(targets));
+    let (lora_qkv, lora_o) = (
+        adapted(&[LoraTarget::Q, LoraTarget::K, LoraTarget::V]),
+        adapted(&[LoraTarget::O]),
+    );
+    let (lora_gu, lora_down) = (
+        adapted(&[LoraTarget::Gate, LoraTarget::Up]),
+        adapted(&[LoraTarget::Down]),
+    );
+    let fuse_glu = lora_gu.is_none() && small && gpu.gemv_fuse_glu();
+    let fuse_norm = (small && gpu.gemv_fuse_norm(t)) || (fits && hybrid);
     let normed = |weight: &DevMem| GemvInput::Norm {
         x: b.x.ptr(),
         weight: weight.ptr(),
@@ -490,12 +510,12 @@ pub(crate) fn enqueue(
             interleaved: interleaved != 0,
         };
         let rope = GemvOutput::Rope(rope_out);
-        let rope_in_gemv = plain && qkv_o && gpu.rope_epilogue && kv.scales.is_none();
+        let rope_in_gemv = lora_qkv.is_none() && qkv_o && gpu.rope_epilogue && kv.scales.is_none();
         let f32_qkv = GemvOutput::Plain {
             beta: 0.0,
             f32_out: true,
         };
-        if fuse_norm {
+        if fuse_norm && lora_qkv.is_none() {
             let (class, output) = if rope_in_gemv {
                 ("norm+gemv_qkv+rope", rope)
             } else {
@@ -546,7 +566,7 @@ pub(crate) fn enqueue(
                 )?;
             }
         }
-        if let Some(lo) = lora {
+        if let Some(lo) = lora_qkv {
             let parts = [
                 (Some(LoraTarget::Q), qw),
                 (Some(LoraTarget::K), kvw),
@@ -592,7 +612,7 @@ pub(crate) fn enqueue(
                 fp8: None,
             },
         )?;
-        if let Some(lo) = lora {
+        if let Some(lo) = lora_o {
             let parts = [(Some(LoraTarget::O), h), (None, 0), (None, 0)];
             lo.update(
                 gpu,
@@ -645,7 +665,7 @@ pub(crate) fn enqueue(
                     fp8: None,
                 },
             )?;
-            if let Some(lo) = lora {
+            if let Some(lo) = lora_gu {
                 // The gate's and up's `u`, then both updates inside SiLU x up.
                 let targets = [Some(LoraTarget::Gate), Some(LoraTarget::Up), None];
                 lo.shrink(gpu, c, (t, li), targets, (b.xn.ptr(), h, h))?;
@@ -711,7 +731,7 @@ pub(crate) fn enqueue(
                 fp8: None,
             },
         )?;
-        if let Some(lo) = lora {
+        if let Some(lo) = lora_down {
             let parts = [(Some(LoraTarget::Down), h), (None, 0), (None, 0)];
             let x = (b.act.ptr(), inter, inter);
             lo.update(gpu, c, (t, li), parts, x, (b.x.ptr(), h))?;
@@ -870,11 +890,15 @@ unsafe impl Send for SendGraph {}
 /// (one token per sequence) and speculative decoding's verify steps (a token and its drafts,
 /// at most `per_seq`, per sequence), for base-model steps and decode steps with LoRA adapters
 /// (whose table and scratch sit at fixed addresses: `DeviceLoras`).
+type GraphKey = (usize, usize, Option<u8>);
+
 #[derive(Default)]
 pub(crate) struct Graphs {
-    graphs: HashMap<(usize, usize, bool), SendGraph>,
+    /// Keyed by bucket, tokens per sequence and, for steps with adapters, the projections
+    /// they adapt (`LoraStep::targets`: the launch sequence depends on them).
+    graphs: HashMap<GraphKey, SendGraph>,
     /// Graphs whose capture failed (run eagerly from then on).
-    failed: Vec<(usize, usize, bool)>,
+    failed: Vec<GraphKey>,
 }
 
 /// The launch shape of the graph of `bucket` sequences of at most `per_seq` tokens each, all
@@ -926,7 +950,7 @@ impl Graphs {
         per_seq: usize,
         lora: Option<&LoraStep>,
     ) -> Result<bool, GpuError> {
-        let key = (bucket, per_seq, lora.is_some());
+        let key = (bucket, per_seq, lora.map(|l| l.targets));
         if self.failed.contains(&key) {
             return Ok(false);
         }
@@ -939,7 +963,7 @@ impl Graphs {
             let end = gpu.stream.end_capture(sys::CUgraphInstantiate_flags(0));
             match (enq, end) {
                 (Ok(()), Ok(Some(g))) => {
-                    tracing::debug!(bucket, per_seq, lora = key.2, "captured a graph");
+                    tracing::debug!(bucket, per_seq, lora = ?key.2, "captured a graph");
                     slot.insert(SendGraph(g));
                 }
                 (enq, end) => {
@@ -970,7 +994,7 @@ impl Graphs {
 
     /// Number of captured graphs of steps with LoRA adapters.
     pub fn lora_len(&self) -> usize {
-        self.graphs.keys().filter(|k| k.2).count()
+        self.graphs.keys().filter(|k| k.2.is_some()).count()
     }
 }
 

@@ -3,8 +3,10 @@
 //! is room, and each step's table of them (`forward::LoraStep`).
 //!
 //! Steps whose batch names an adapter run their products on the usual route for their size
-//! (GEMV kernels for small steps, cuBLAS for large ones) without the fused norm prologues and
-//! RoPE / SiLU epilogues (`forward::enqueue`), with two small kernels per adapted product:
+//! (GEMV kernels for small steps, cuBLAS for large ones); an adapted QKV or gate|up product
+//! goes without the fused norm prologue and RoPE / SiLU epilogue, products no adapter of the
+//! step adapts run as without adapters (`forward::enqueue`). Each adapted product has two
+//! small kernels:
 //! `lora_shrink` (`u = A x` per token) and `lora_expand` (`out += B u`), each token reading its
 //! own adapter's matrices through the step's table. Decode steps whose adapters have at most
 //! [`GRAPH_MAX_RANK`] replay CUDA graphs of their own.
@@ -34,6 +36,8 @@ struct DeviceAdapter {
     /// Per layer and target: the device addresses of A and B, 0 where not adapted.
     ptrs: Vec<[u64; 2]>,
     rank: usize,
+    /// The projections it adapts in any layer (bit `LoraTarget::index`).
+    targets: u8,
     last_used: u64,
 }
 
@@ -52,6 +56,11 @@ pub(crate) struct DeviceLoras {
     /// Host copies of the table, one per step parity (a copy may still be pending for the
     /// step submitted before).
     host: [Vec<u8>; 2],
+}
+
+/// The bits of `targets` (bit `LoraTarget::index`).
+pub(crate) fn target_mask(targets: &[LoraTarget]) -> u8 {
+    targets.iter().fold(0, |m, t| m | 1 << t.index())
 }
 
 fn align(n: usize) -> usize {
@@ -231,6 +240,7 @@ impl DeviceLoras {
             ptrs: table.at(ptrs_at)?,
             u: u.ptr(),
             max_rank,
+            targets: slots.iter().fold(0, |m, &i| m | self.cache[i].targets),
         };
         Ok(Some((step, graph.is_some())))
     }
@@ -271,6 +281,7 @@ impl DeviceLoras {
             _mem: mem,
             ptrs,
             rank: a.rank(),
+            targets: target_mask(&a.targets()),
             last_used: self.clock,
         };
         Ok(match victim {
