@@ -886,16 +886,16 @@ struct SendGraph(CudaGraph);
 // backend owns them exclusively and uses them from one thread at a time (`&mut self`).
 unsafe impl Send for SendGraph {}
 
-/// Captured graphs by (bucket size, tokens per sequence, with LoRA adapters): decode steps
+/// A graph's key: bucket size, tokens per sequence and, for steps with LoRA adapters, the
+/// projections they adapt (`LoraStep::targets`: the launch sequence depends on them).
+type GraphKey = (usize, usize, Option<u8>);
+
+/// Captured graphs by [`GraphKey`]: decode steps
 /// (one token per sequence) and speculative decoding's verify steps (a token and its drafts,
 /// at most `per_seq`, per sequence), for base-model steps and decode steps with LoRA adapters
 /// (whose table and scratch sit at fixed addresses: `DeviceLoras`).
-type GraphKey = (usize, usize, Option<u8>);
-
 #[derive(Default)]
 pub(crate) struct Graphs {
-    /// Keyed by bucket, tokens per sequence and, for steps with adapters, the projections
-    /// they adapt (`LoraStep::targets`: the launch sequence depends on them).
     graphs: HashMap<GraphKey, SendGraph>,
     /// Graphs whose capture failed (run eagerly from then on).
     failed: Vec<GraphKey>,
