@@ -51,6 +51,14 @@
 //               does) and writes Q to rq and K and V to the cache slots rslots[t] (none for a
 //               slot < 0), in the checkpoint's element order; y is not written. The rope_*
 //               arguments are unused by the other variants.
+//   *_lora      (bf16 W, one token group) the step's LoRA updates (LoraUpdate in llama.cu, its
+//               fields as the trailing arguments; `u` from lora_shrink) added to each f32 sum
+//               where lora_expand or lora_silu_mul would add them after the unfused product:
+//               after beta (f32 y), before RoPE, and to the bf16-rounded gate and up values
+//               before SiLU (gate row r is column r of the update, up row r column m + r); the
+//               same bits as the unfused kernels. Each token's B matrices are looked up before
+//               the wait on the previous kernel (the tables are step inputs), so the epilogue
+//               only reads B's row and u.
 
 #define GEMV_WARPS 8
 // k-steps of each warp's rows asked of L2 before pdl_wait (see gemv_body; 16 and 32 were
@@ -258,13 +266,14 @@ __device__ __forceinline__ void gemv_compute(const GemvLane& L, int s, const uin
     }
 }
 
-template <bool F8, bool GLU, bool NORM, bool ROPE, int NG>
+template <bool F8, bool GLU, bool NORM, bool ROPE, int NG, bool LORA>
 __device__ __forceinline__ void gemv_body(const void* __restrict__ w, const bf16* __restrict__ x,
                                           const float* __restrict__ xf,
                                           const float* __restrict__ nw, float eps,
                                           void* __restrict__ y, int m, int n, int k, float beta,
                                           int y_f32, int wpt, const GemvRope& rope, int krot,
-                                          const float* __restrict__ ws, int ws_stride) {
+                                          const float* __restrict__ ws, int ws_stride,
+                                          const LoraUpdate& lora) {
     constexpr int ESZ = F8 ? 1 : 2;  // bytes per value of W
     // k-steps of 32 per batch of loads: each lane has 2 x STEPS pieces of W in flight. With the
     // minimum of one block per multiprocessor in __launch_bounds__, ptxas issues the whole
@@ -337,6 +346,18 @@ __device__ __forceinline__ void gemv_body(const void* __restrict__ w, const bf16
     uint4 PE[STEPS], QE[STEPS];
     bool inE[STEPS];
     if (early) gemv_load_w<F8, STEPS>(L, s_begin + STEPS * b0, PE, QE, inE);
+    // LoRA: each token's B of each part, and its rank (one token group: n <= 8).
+    __shared__ const bf16* lora_bs[LORA ? 8 : 1][3];
+    __shared__ int lora_rs[LORA ? 8 : 1][3];
+    if constexpr (LORA) {
+        static_assert(NG == 1, "the LoRA epilogue takes one token group");
+        if (threadIdx.x < 24) {
+            const int t = threadIdx.x / 3, i = threadIdx.x % 3;
+            int r = 0;
+            lora_bs[t][i] = t < n ? lora_b(lora, t, i, r) : nullptr;
+            lora_rs[t][i] = r;
+        }
+    }
     pdl_wait();
     pdl_trigger();
 
@@ -391,6 +412,12 @@ __device__ __forceinline__ void gemv_body(const void* __restrict__ w, const bf16
     __syncthreads();
     // One output pair per item: (tile of the block, token group, lane of the fragment, which
     // of its two tokens); the tile's warps are summed in order.
+    // Adds the LoRA update of output column col of token t to v.
+    auto lora_out = [&](int t, int col, float& v) {
+        int o;
+        const int i = lora_part(lora, col, o);
+        if (i >= 0) lora_dot(lora, lora_bs[t][i], lora_rs[t][i], t, i, o, v);
+    };
     const int items = tpb * NG * 64;
     for (int idx = threadIdx.x; idx < items; idx += blockDim.x) {
         const int tl = idx / (NG * 64), rem = idx % (NG * 64);
@@ -411,8 +438,12 @@ __device__ __forceinline__ void gemv_body(const void* __restrict__ w, const bf16
                     r0 = r0 * GEMV_F8_UNSCALE * ws[(u64)r * ws_stride];
                     r1 = r1 * GEMV_F8_UNSCALE * ws[(u64)(m + r) * ws_stride];
                 }
-                const float gv = __bfloat162float(__float2bfloat16(r0));
-                const float uv = __bfloat162float(__float2bfloat16(r1));
+                float gv = __bfloat162float(__float2bfloat16(r0));
+                float uv = __bfloat162float(__float2bfloat16(r1));
+                if (LORA) {
+                    lora_out(t, r, gv);
+                    lora_out(t, m + r, uv);
+                }
                 reinterpret_cast<bf16*>(y)[(u64)t * m + r] = __float2bfloat16(silu_times(gv, uv));
             }
             continue;
@@ -423,13 +454,27 @@ __device__ __forceinline__ void gemv_body(const void* __restrict__ w, const bf16
             if (rb < m) r1 = r1 * GEMV_F8_UNSCALE * ws[(u64)rb * ws_stride];
         }
         if (ROPE) {
-            if (ra < m) gemv_rope_out(rope, t, ra, r0, r1);
+            if (ra < m) {
+                if (LORA) {
+                    lora_out(t, ra, r0);
+                    lora_out(t, rb, r1);
+                }
+                gemv_rope_out(rope, t, ra, r0, r1);
+            }
             continue;
         }
         if (y_f32) {
             float* yo = reinterpret_cast<float*>(y) + (u64)t * m;
-            if (ra < m) yo[ra] = beta != 0.f ? __fmaf_rn(beta, yo[ra], r0) : r0;
-            if (rb < m) yo[rb] = beta != 0.f ? __fmaf_rn(beta, yo[rb], r1) : r1;
+            if (ra < m) {
+                float v = beta != 0.f ? __fmaf_rn(beta, yo[ra], r0) : r0;
+                if (LORA) lora_out(t, ra, v);
+                yo[ra] = v;
+            }
+            if (rb < m) {
+                float v = beta != 0.f ? __fmaf_rn(beta, yo[rb], r1) : r1;
+                if (LORA) lora_out(t, rb, v);
+                yo[rb] = v;
+            }
         } else {
             bf16* yo = reinterpret_cast<bf16*>(y) + (u64)t * m;
             if (ra < m)
@@ -446,18 +491,37 @@ __device__ __forceinline__ void gemv_body(const void* __restrict__ w, const bf16
 // wpb), tiles = ceil(m / 16)
 // (gemv, gemv_norm) or ceil(m / 8) (the glu variants, m = rows of act). Unused pointers may be
 // null.
-#define GEMV_KERNEL(NAME, F8, GLU, NORM, ROPE, NG, MINB)                                          \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MINB)                           \
-        NAME##_##NG(const void* w, const bf16* x, const float* xf, const float* nw, float eps,    \
-                    void* y, int m, int n, int k, float beta, int y_f32, int wpt,                \
-                    bf16* rope_q, bf16* rope_kc, bf16* rope_vc, const int* rope_pos,             \
-                    const long long* rope_slots, const float* rope_freq, int rope_nh,            \
-                    int rope_nkv, int rope_hd, int rope_interleaved, int krot, const float* ws,  \
-                    int ws_stride) {                                                             \
-        const GemvRope rope{rope_q,   rope_kc,  rope_vc,  rope_pos,         rope_slots,          \
-                            rope_freq, rope_nh, rope_nkv, rope_hd, rope_interleaved};            \
-        gemv_body<F8, GLU, NORM, ROPE, NG>(w, x, xf, nw, eps, y, m, n, k, beta, y_f32, wpt,      \
-                                           rope, krot, ws, ws_stride);                           \
+#define GEMV_PARAMS                                                                              \
+    const void *w, const bf16 *x, const float *xf, const float *nw, float eps, void *y, int m,     \
+        int n, int k, float beta, int y_f32, int wpt, bf16 *rope_q, bf16 *rope_kc, bf16 *rope_vc, \
+        const int *rope_pos, const long long *rope_slots, const float *rope_freq, int rope_nh,    \
+        int rope_nkv, int rope_hd, int rope_interleaved, int krot, const float *ws, int ws_stride
+#define GEMV_ROPE_ARG                                                                  \
+    GemvRope {                                                                         \
+        rope_q, rope_kc, rope_vc, rope_pos, rope_slots, rope_freq, rope_nh, rope_nkv, \
+            rope_hd, rope_interleaved                                                  \
+    }
+#define GEMV_KERNEL(NAME, F8, GLU, NORM, ROPE, NG, MINB)                                       \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MINB)                        \
+        NAME##_##NG(GEMV_PARAMS) {                                                             \
+        gemv_body<F8, GLU, NORM, ROPE, NG, false>(w, x, xf, nw, eps, y, m, n, k, beta, y_f32, \
+                                                  wpt, GEMV_ROPE_ARG, krot, ws, ws_stride,    \
+                                                  LoraUpdate{});                              \
+    }
+// The *_lora variants: the same arguments, then LoraUpdate's fields.
+#define GEMV_LORA_KERNEL(NAME, GLU, NORM, ROPE, MINB)                                           \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MINB) NAME##_lora(           \
+        GEMV_PARAMS, const float* lora_u, int lora_u_stride, int lora_u_part,                   \
+        const int* lora_row_slot, const u64* lora_ptrs, const int* lora_ranks, int lora_layers, \
+        int lora_layer, int lora_t0, int lora_w0, int lora_t1, int lora_w1, int lora_t2,        \
+        int lora_w2) {                                                                          \
+        const LoraUpdate lora{lora_u,      lora_u_stride, lora_u_part, lora_row_slot,          \
+                              lora_ptrs,   lora_ranks,    lora_layers, lora_layer,             \
+                              lora_t0,     lora_w0,       lora_t1,     lora_w1,                \
+                              lora_t2,     lora_w2};                                           \
+        gemv_body<false, GLU, NORM, ROPE, 1, true>(w, x, xf, nw, eps, y, m, n, k, beta, y_f32, \
+                                                   wpt, GEMV_ROPE_ARG, krot, ws, ws_stride,    \
+                                                   lora);                                      \
     }
 
 #define GEMV_VARIANTS(NG)                                   \
@@ -481,3 +545,10 @@ GEMV_KERNEL(gemv_norm_rope, false, false, true, true, 1, 2)
 GEMV_KERNEL(gemv_norm_f8, true, false, true, false, 1, 2)
 GEMV_KERNEL(gemv_norm_glu_f8, true, true, true, false, 1, 2)
 GEMV_KERNEL(gemv_norm_rope_f8, true, false, true, true, 1, 2)
+// LoRA steps of at most 8 tokens on bf16 weights (see *_lora above).
+GEMV_LORA_KERNEL(gemv, false, false, false, 1)
+GEMV_LORA_KERNEL(gemv_glu, true, false, false, 1)
+GEMV_LORA_KERNEL(gemv_rope, false, false, true, 1)
+GEMV_LORA_KERNEL(gemv_norm, false, true, false, 2)
+GEMV_LORA_KERNEL(gemv_norm_glu, true, true, false, 2)
+GEMV_LORA_KERNEL(gemv_norm_rope, false, true, true, 2)

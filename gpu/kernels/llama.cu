@@ -585,11 +585,13 @@ extern "C" __global__ void silu_mul(const bf16* gu, bf16* out, int inter, u64 to
 }
 
 // ---------------------------------------------------------------------------------------------
-// LoRA adapters (steps whose batch names one; the host runs them on the unfused route). A step's
-// adapters are slots 0..K; `row_slot[row]` is a token's slot or -1; `ptrs` holds, per slot, layer
-// and target (q, k, v, o, gate, up, down), the device addresses of A (rank x in, bf16) and of B
-// (out x rank, bf16, scaled, rows in the base weight's stored order), 0 for targets the adapter
-// leaves alone; `ranks[slot]` is the slot's rank.
+// LoRA adapters. A step's adapters are slots 0..K; `row_slot[row]` is a token's slot or -1;
+// `ptrs` holds, per slot, layer and target (q, k, v, o, gate, up, down), the device addresses of
+// A (rank x in, bf16) and of B (out x rank, bf16, scaled, rows in the base weight's stored
+// order), 0 for targets the adapter leaves alone; `ranks[slot]` is the slot's rank. An adapted
+// product is `u = A x` (lora_shrink, before the product) and then `B u` added to its f32 output:
+// in the GEMV kernels' epilogue (small steps: before RoPE or SiLU, so those stay fused), or by
+// lora_expand and lora_silu_mul after a cuBLAS product.
 
 __device__ __forceinline__ const bf16* lora_matrix(const u64* ptrs, int slot, int layers, int layer,
                                                    int target, int which) {
@@ -597,130 +599,211 @@ __device__ __forceinline__ const bf16* lora_matrix(const u64* ptrs, int slot, in
         ptrs[(((u64)slot * layers + layer) * 7 + target) * 2 + which]);
 }
 
-// Up to three targets of one input at once (q, k and v; gate and up; or one): target i of
-// t0, t1, t2 (-1: none) uses the part i * u_part of a row's `u` (u_stride floats per row).
+// Where one product's updates come from: up to three targets side by side in its output
+// (targets t0, t1, t2, -1: none, of w0, w1, w2 columns from column 0), target i reading the
+// part i * u_part of a row's `u` (u_stride floats per row). row_slot null: no updates.
+// (Scalars rather than arrays: indexed at run time, arrays would sit on the stack.)
+struct LoraUpdate {
+    const float* u;
+    int u_stride, u_part;
+    const int* row_slot;
+    const u64* ptrs;
+    const int* ranks;
+    int layers, layer;
+    int t0, w0, t1, w1, t2, w2;
+};
 
-// The dot product of n bf16 values at a and x, summed over the warp (every lane gets it):
-// 16-byte loads when n is a multiple of 8 and both start on 16 bytes, each lane's loads issued
-// together; else one value per lane at a time.
-__device__ __forceinline__ float warp_dot_bf16(const bf16* __restrict__ a,
-                                               const bf16* __restrict__ x, int n, int lane) {
+// Output column `col` of an update: its part i (-1: beyond the parts) and column o in it.
+__device__ __forceinline__ int lora_part(const LoraUpdate& L, int col, int& o) {
+    o = col;
+    if (o < L.w0) return 0;
+    if ((o -= L.w0) < L.w1) return 1;
+    if ((o -= L.w1) < L.w2) return 2;
+    return -1;
+}
+
+// B of part i for token `row` (null: no update), and its rank in r.
+__device__ __forceinline__ const bf16* lora_b(const LoraUpdate& L, int row, int i, int& r) {
+    const int target = i == 0 ? L.t0 : (i == 1 ? L.t1 : L.t2);
+    if (i < 0 || target < 0) return nullptr;
+    const int s = L.row_slot[row];
+    if (s < 0) return nullptr;
+    r = L.ranks[s];
+    return lora_matrix(L.ptrs, s, L.layers, L.layer, target, 1);
+}
+
+// Adds to v the update of column o of part i of token `row` with that part's B (rank r; none
+// when null): B[o, :] . u[row, part i], the rank's terms in order.
+__device__ __forceinline__ void lora_dot(const LoraUpdate& L, const bf16* B, int r, int row, int i,
+                                         int o, float& v) {
+    if (B == nullptr) return;
+    const float* ur = L.u + (u64)row * L.u_stride + i * L.u_part;
+    const bf16* b = B + (u64)o * r;
     float acc = 0.f;
-    if ((n & 7) == 0 && (((u64)a | (u64)x) & 15) == 0) {
+    for (int j = 0; j < r; j++) acc = fmaf(__bfloat162float(b[j]), ur[j], acc);
+    v += acc;
+}
+
+// Adds to v the update of output column `col` of token `row`, when the token has an adapter
+// that adapts the column's target.
+__device__ __forceinline__ void lora_add(const LoraUpdate& L, int row, int col, float& v) {
+    int o, r = 0;
+    const int i = lora_part(L, col, o);
+    lora_dot(L, lora_b(L, row, i, r), r, row, i, o, v);
+}
+
+// A shrink's input row: bf16 values, or (the norm variant) the f32 residual row RMS-normalised
+// with weight w, each value bf16(rms_scale(x, w, inv)) as rms_norm stores it.
+struct LoraRowBf16 {
+    const bf16* x;
+    __device__ bool aligned() const { return ((u64)x & 15) == 0; }
+    __device__ void piece(int k8, float (&f)[8]) const {
+        const uint4 xv = __ldg(reinterpret_cast<const uint4*>(x) + k8);
+        const u32 xw[4] = {xv.x, xv.y, xv.z, xv.w};
+#pragma unroll
+        for (int h = 0; h < 4; h++) {
+            const float2 p = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&xw[h]));
+            f[2 * h] = p.x;
+            f[2 * h + 1] = p.y;
+        }
+    }
+    __device__ float at(int k) const { return __bfloat162float(x[k]); }
+};
+struct LoraRowNorm {
+    const float* x;
+    const float* w;
+    float inv;
+    __device__ bool aligned() const { return (((u64)x | (u64)w) & 15) == 0; }
+    __device__ float one(float xv, float wv) const {
+        return __bfloat162float(__float2bfloat16(rms_scale(xv, wv, inv)));
+    }
+    __device__ void piece(int k8, float (&f)[8]) const {
+        const float4* x4 = reinterpret_cast<const float4*>(x + 8 * k8);
+        const float4* w4 = reinterpret_cast<const float4*>(w + 8 * k8);
+        const float4 x0 = __ldg(x4), x1 = __ldg(x4 + 1), w0 = __ldg(w4), w1 = __ldg(w4 + 1);
+        f[0] = one(x0.x, w0.x), f[1] = one(x0.y, w0.y), f[2] = one(x0.z, w0.z);
+        f[3] = one(x0.w, w0.w), f[4] = one(x1.x, w1.x), f[5] = one(x1.y, w1.y);
+        f[6] = one(x1.z, w1.z), f[7] = one(x1.w, w1.w);
+    }
+    __device__ float at(int k) const { return one(x[k], w[k]); }
+};
+
+// The dot product of n bf16 values at a with the row x, summed over the warp (every lane gets
+// it): 16-byte pieces when n is a multiple of 8 and both start on 16 bytes, each lane's loads
+// issued together; else one value per lane at a time. The same sums in the same order for either
+// kind of row holding the same values.
+template <class Row>
+__device__ __forceinline__ float warp_dot_bf16(const bf16* __restrict__ a, const Row& x, int n,
+                                               int lane) {
+    float acc = 0.f;
+    if ((n & 7) == 0 && ((u64)a & 15) == 0 && x.aligned()) {
         const uint4* a4 = reinterpret_cast<const uint4*>(a);
-        const uint4* x4 = reinterpret_cast<const uint4*>(x);
 #pragma unroll 4
         for (int k = lane; k < n / 8; k += 32) {
-            const uint4 av = __ldg(a4 + k), xv = __ldg(x4 + k);
-            const u32 aw[4] = {av.x, av.y, av.z, av.w}, xw[4] = {xv.x, xv.y, xv.z, xv.w};
+            const uint4 av = __ldg(a4 + k);
+            float xf[8];
+            x.piece(k, xf);
+            const u32 aw[4] = {av.x, av.y, av.z, av.w};
 #pragma unroll
             for (int h = 0; h < 4; h++) {
                 const float2 af = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&aw[h]));
-                const float2 xf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&xw[h]));
-                acc = fmaf(af.x, xf.x, acc);
-                acc = fmaf(af.y, xf.y, acc);
+                acc = fmaf(af.x, xf[2 * h], acc);
+                acc = fmaf(af.y, xf[2 * h + 1], acc);
             }
         }
     } else {
-        for (int k = lane; k < n; k += 32)
-            acc = fmaf(__bfloat162float(a[k]), __bfloat162float(x[k]), acc);
+        for (int k = lane; k < n; k += 32) acc = fmaf(__bfloat162float(a[k]), x.at(k), acc);
     }
     return warp_sum(acc);
 }
 
-// u[row, i * u_part + j] = A_i[j, :] . x[row, :] for the rows with an adapter; a warp per
-// (row, target i, rank index j < u_part), so that a small step's few products all run at once
-// (grid: rows x 3 x u_part warps).
-extern "C" __global__ void lora_shrink(const bf16* x, int x_stride, int din, const int* row_slot,
+// A of (row, target i of t0, t1, t2, rank index j) for a shrink (null: nothing to compute).
+__device__ __forceinline__ const bf16* lora_shrink_a(const int* row_slot, const u64* ptrs,
+                                                     const int* ranks, int layers, int layer,
+                                                     int target, int row, int j) {
+    const int s = row_slot[row];
+    if (s < 0 || target < 0 || j >= ranks[s]) return nullptr;
+    return lora_matrix(ptrs, s, layers, layer, target, 0);
+}
+
+// u[row, i * u_part + j] = A_i[j, :] . x[row, :] for the rows with an adapter, target i of t0,
+// t1, t2 (-1: none); a warp per (row, target i, rank index j < u_part), so that a small step's
+// few products all run at once (grid: rows x 3 x u_part warps). With xf (the norm variant, for
+// the GEMV kernels' norm prologue) x is not read: row `row` is the f32 residual xf[row]
+// normalised with nw as rms_norm would (warp_sumsq and rms_inv over din values), so u is what
+// it would be from rms_norm's output. A warp looks up its first item's A before the wait on the
+// previous kernel (the tables are step inputs), so only x and A's row are read after it.
+extern "C" __global__ void lora_shrink(const bf16* x, int x_stride, int din, const float* xf,
+                                       const float* nw, float eps, const int* row_slot,
                                        const u64* ptrs, const int* ranks, int layers, int layer,
                                        int t0, int t1, int t2, float* u, int u_stride, int u_part,
                                        int rows) {
-    PDL_ENTER();
-    const int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    const int lane = threadIdx.x & 31, nw_ = blockDim.x >> 5;
     const long long per_row = 3LL * u_part, total = (long long)rows * per_row;
-    for (long long w = (long long)blockIdx.x * nw + (threadIdx.x >> 5); w < total;
-         w += (long long)gridDim.x * nw) {
-        const int row = (int)(w / per_row), rem = (int)(w % per_row);
-        const int i = rem / u_part, j = rem % u_part;
+    auto a_of = [&](long long w, int& row, int& i, int& j) {
+        row = (int)(w / per_row);
+        const int rem = (int)(w % per_row);
+        i = rem / u_part, j = rem % u_part;
         const int target = i == 0 ? t0 : (i == 1 ? t1 : t2);
-        const int s = row_slot[row];
-        if (s < 0 || target < 0 || j >= ranks[s]) continue;
-        const bf16* A = lora_matrix(ptrs, s, layers, layer, target, 0);
+        return lora_shrink_a(row_slot, ptrs, ranks, layers, layer, target, row, j);
+    };
+    const long long w0 = (long long)blockIdx.x * nw_ + (threadIdx.x >> 5);
+    int row0 = 0, i0 = 0, j0 = 0;
+    const bf16* A0 = w0 < total ? a_of(w0, row0, i0, j0) : nullptr;
+    PDL_ENTER();
+    for (long long w = w0; w < total; w += (long long)gridDim.x * nw_) {
+        int row = row0, i = i0, j = j0;
+        const bf16* A = w == w0 ? A0 : a_of(w, row, i, j);
         if (A == nullptr) continue;
-        const float acc = warp_dot_bf16(A + (u64)j * din, x + (u64)row * x_stride, din, lane);
+        float acc;
+        if (xf != nullptr) {
+            const float* xr = xf + (u64)row * din;
+            const LoraRowNorm r{xr, nw, rms_inv(warp_sumsq(xr, din, lane), din, eps)};
+            acc = warp_dot_bf16(A + (u64)j * din, r, din, lane);
+        } else {
+            acc = warp_dot_bf16(A + (u64)j * din, LoraRowBf16{x + (u64)row * x_stride}, din, lane);
+        }
         if (lane == 0) u[(u64)row * u_stride + i * u_part + j] = acc;
     }
 }
 
-// out[row, o] += B_i[o', :] . u[row, i * u_part ..] for the rows with an adapter, where output
-// column o is column o' of part i: parts of widths w0, w1, w2 side by side from column 0
-// (targets t0, t1, t2; -1: none), f32 out.
+// out[row, col] += the update of column col (lora_add) for the rows with an adapter, the parts
+// of widths w0, w1, w2 side by side from column 0 (targets t0, t1, t2; -1: none), f32 out.
 extern "C" __global__ void lora_expand(const float* u, int u_stride, int u_part,
                                        const int* row_slot, const u64* ptrs, const int* ranks,
                                        int layers, int layer, int t0, int w0, int t1, int w1,
                                        int t2, int w2, float* out, int out_stride, int rows) {
     PDL_ENTER();
-    int o = blockIdx.x * blockDim.x + threadIdx.x;
-    int i = 0, target = t0;
-    if (o >= w0) {
-        o -= w0;
-        i = 1;
-        target = t1;
-        if (o >= w1) {
-            o -= w1;
-            i = 2;
-            target = t2;
-            if (o >= w2) return;
-        }
-    }
-    if (target < 0) return;
-    const int col = (i > 0 ? w0 : 0) + (i > 1 ? w1 : 0) + o;
+    const LoraUpdate L{u, u_stride, u_part, row_slot, ptrs, ranks, layers, layer, t0, w0, t1,
+                       w1, t2, w2};
+    const int col = blockIdx.x * blockDim.x + threadIdx.x;
+    if (col >= w0 + w1 + w2) return;
     for (int row = blockIdx.y; row < rows; row += gridDim.y) {
-        const int s = row_slot[row];
-        if (s < 0) continue;
-        const bf16* B = lora_matrix(ptrs, s, layers, layer, target, 1);
-        if (B == nullptr) continue;
-        const int r = ranks[s];
-        const float* ur = u + (u64)row * u_stride + i * u_part;
-        const bf16* b = B + (u64)o * r;
-        float acc = 0.f;
-        for (int j = 0; j < r; j++) acc = fmaf(__bfloat162float(b[j]), ur[j], acc);
-        out[(u64)row * out_stride + col] += acc;
+        if (row_slot[row] < 0) continue;
+        float* o = out + (u64)row * out_stride + col;
+        float v = *o;
+        lora_add(L, row, col, v);
+        *o = v;
     }
 }
 
-// silu_mul for LoRA steps: act = silu(g + dg) * (up + dup), the gate's and up's updates
-// (B . u, the gate's u in part 0 of a row's, the up's at `up_off`) added in f32 to the bf16
-// product, so a value is rounded once, as in silu_mul.
+// silu_mul for LoRA steps on cuBLAS: act = silu(g + dg) * (up + dup), the gate's and up's
+// updates (their u in parts 0 and 1 of a row's, up_off floats apart) added in f32 to the bf16
+// product, so a value is rounded once, as in silu_mul (and the GEMV kernels' GLU epilogue).
 extern "C" __global__ void lora_silu_mul(const bf16* gu, bf16* act, int inter, const float* u,
                                          int u_stride, int up_off, const int* row_slot,
                                          const u64* ptrs, const int* ranks, int layers, int layer,
                                          int rows) {
     PDL_ENTER();
+    const LoraUpdate L{u, u_stride, up_off, row_slot, ptrs, ranks, layers, layer, 4, inter, 5,
+                       inter, -1, 0};
     const int j = blockIdx.x * blockDim.x + threadIdx.x;
     if (j >= inter) return;
     for (int row = blockIdx.y; row < rows; row += gridDim.y) {
         float g = __bfloat162float(gu[(u64)row * 2 * inter + j]);
         float up = __bfloat162float(gu[(u64)row * 2 * inter + inter + j]);
-        const int s = row_slot[row];
-        if (s >= 0) {
-            const int r = ranks[s];
-            const float* ur = u + (u64)row * u_stride;
-            const bf16* bg = lora_matrix(ptrs, s, layers, layer, 4, 1);
-            const bf16* bu = lora_matrix(ptrs, s, layers, layer, 5, 1);
-            if (bg != nullptr) {
-                float acc = 0.f;
-                for (int k = 0; k < r; k++)
-                    acc = fmaf(__bfloat162float(bg[(u64)j * r + k]), ur[k], acc);
-                g += acc;
-            }
-            if (bu != nullptr) {
-                float acc = 0.f;
-                for (int k = 0; k < r; k++)
-                    acc = fmaf(__bfloat162float(bu[(u64)j * r + k]), ur[up_off + k], acc);
-                up += acc;
-            }
-        }
+        lora_add(L, row, j, g);
+        lora_add(L, row, inter + j, up);
         act[(u64)row * inter + j] = __float2bfloat16(silu_times(g, up));
     }
 }

@@ -1060,7 +1060,8 @@ fn adapters_on_some_projections_match_each_sequence_alone() {
     let greedy: Vec<_> = (0..ps.len())
         .map(|_| Arc::new(SamplingParams::greedy()))
         .collect();
-    let mut graphs = CudaBackend::new(&config, WeightSource::Loaded(&weights), &cfg(256, true))
+    // 40 blocks per sequence (generate_with), nine sequences below.
+    let mut graphs = CudaBackend::new(&config, WeightSource::Loaded(&weights), &cfg(360, true))
         .expect("CUDA backend");
     let mut eager = CudaBackend::new(&config, WeightSource::Loaded(&weights), &cfg(256, false))
         .expect("CUDA backend");
@@ -1072,6 +1073,22 @@ fn adapters_on_some_projections_match_each_sequence_alone() {
         "batched with other adapters differs from alone"
     );
     assert_eq!(alone, batched_eager, "batched without graphs differs");
+    // Steps of up to 8 tokens add the updates in the GEMV kernels' epilogue, larger ones after
+    // the products (lora_expand, lora_silu_mul): with five more sequences, the decode steps
+    // take the second route, and the answers must not change. (Chunks of 7 keep every step on
+    // the GEMV kernels, at most 63 tokens: cuBLAS products round differently.)
+    let n = ps.len();
+    let (ps9, ad9): (Vec<_>, Vec<_>) = (0..n + 5)
+        .map(|i| (ps[i % n].clone(), adapters[i % n].clone()))
+        .unzip();
+    let greedy9 = vec![greedy[0].clone(); ps9.len()];
+    let wide = generate_with(&mut graphs, &ps9, &greedy9, &ad9, 12, 7, true, 400);
+    assert_eq!(
+        &wide[..n],
+        &alone[..],
+        "decode steps of 9 sequences (updates after the products) differ from 1 to 4 (in the \
+         GEMV epilogue)"
+    );
     assert!(
         graphs.lora_graphs_captured() >= 2,
         "decode steps with different adapted projections replay graphs of their own"

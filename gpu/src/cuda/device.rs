@@ -257,6 +257,27 @@ pub(crate) enum GemvOutput {
     Rope(RopeOut),
 }
 
+/// A step's LoRA updates of one product, added by the GEMV kernels' epilogue to each sum before
+/// its output stage (`LoraUpdate` in the kernels; `u` written by `lora_shrink` first).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct GemvLora {
+    /// f32 `u`, `u_stride` per token, target `i` of the product at `i * u_part`.
+    pub u: u64,
+    pub u_stride: usize,
+    pub u_part: usize,
+    /// `i32` per token: its adapter slot, or -1.
+    pub row_slot: u64,
+    /// The adapters' `(slot, layer, target, A|B)` address table and `i32` ranks per slot.
+    pub ptrs: u64,
+    pub ranks: u64,
+    pub layers: usize,
+    pub layer: usize,
+    /// Up to three targets (`LoraTarget as i32`, -1: none) with the widths of their columns,
+    /// side by side from column 0 (for [`GemvOutput::Glu`], gate row `r` is column `r` and up
+    /// row `r` column `m + r`).
+    pub parts: [(i32, usize); 3],
+}
+
 /// Where [`GemvOutput::Rope`] writes, and what it rotates with (all null and zero for the
 /// other outputs, whose kernels ignore it).
 #[derive(Clone, Copy, Debug, Default)]
@@ -415,6 +436,8 @@ pub(crate) struct Kernels {
     pub gemv: GemvKernels,
     /// The same over e4m3 weights with their scales.
     pub gemv_f8: GemvKernels,
+    /// The bf16 ones of one token group with LoRA updates in the epilogue.
+    pub gemv_lora: GemvLoraKernels,
     _module: Arc<CudaModule>,
 }
 
@@ -455,6 +478,22 @@ impl GemvKernels {
         })
     }
 }
+
+/// The GEMV kernels that add LoRA updates in their epilogue (`*_lora` in gpu/kernels/gemv.cu):
+/// bf16 weights, steps of at most [`GEMV_LORA_MAX_TOKENS`] tokens.
+pub(crate) struct GemvLoraKernels {
+    pub plain: CudaFunction,
+    pub glu: CudaFunction,
+    pub rope: CudaFunction,
+    pub norm: CudaFunction,
+    pub norm_glu: CudaFunction,
+    pub norm_rope: CudaFunction,
+}
+
+/// The most tokens of a step whose adapted products add their LoRA updates in the GEMV
+/// epilogue (one token group); larger steps add them after the product (`lora_expand`), which
+/// spreads the work over more blocks.
+pub(crate) const GEMV_LORA_MAX_TOKENS: usize = 8;
 
 /// Time per kernel class, measured with CUDA events around each launch (each one waited for,
 /// like `CUDA_LAUNCH_BLOCKING=1`): a breakdown of where a step's time goes, not a speed.
@@ -587,6 +626,14 @@ impl Gpu {
             sample_partials: f("sample_partials")?,
             gemv: GemvKernels::load(&f, "")?,
             gemv_f8: GemvKernels::load(&f, "_f8")?,
+            gemv_lora: GemvLoraKernels {
+                plain: f("gemv_lora")?,
+                glu: f("gemv_glu_lora")?,
+                rope: f("gemv_rope_lora")?,
+                norm: f("gemv_norm_lora")?,
+                norm_glu: f("gemv_norm_glu_lora")?,
+                norm_rope: f("gemv_norm_rope_lora")?,
+            },
             _module: module,
         };
         let gemv_mode = GemvMode::from_env();
@@ -928,7 +975,10 @@ impl Gpu {
     /// The GEMV kernels (`gpu/kernels/gemv.cu`): `W` bf16 `[m, k]` (`[2m, k]` for
     /// [`GemvOutput::Glu`]), or e4m3 with `fp8`'s weight scales (its activation scales are not
     /// used: the activations stay bf16; k a multiple of 16), times `n` rows of activations,
-    /// f32 accumulation. The caller checks [`Gpu::gemv_fits`] with the input's addresses.
+    /// f32 accumulation. The caller checks [`Gpu::gemv_fits`] with the input's addresses. With
+    /// `lora`, the epilogue adds those updates first (bf16 weights, at most
+    /// [`GEMV_LORA_MAX_TOKENS`] tokens, and f32, [`GemvOutput::Glu`] or [`GemvOutput::Rope`]
+    /// outputs only).
     #[allow(clippy::too_many_arguments)]
     pub fn gemv(
         &self,
@@ -939,6 +989,7 @@ impl Gpu {
         n: usize,
         k: usize,
         output: GemvOutput,
+        lora: Option<&GemvLora>,
     ) -> Result<(), GpuError> {
         if m == 0 {
             return Ok(());
@@ -951,6 +1002,16 @@ impl Gpu {
             return Err(GpuError::Internal(format!(
                 "GEMV of {n} x {k} does not fit the kernels (mode {:?})",
                 self.gemv_mode
+            )));
+        }
+        if lora.is_some()
+            && (fp8.is_some()
+                || n > GEMV_LORA_MAX_TOKENS
+                || matches!(output, GemvOutput::Plain { f32_out: false, .. }))
+        {
+            return Err(GpuError::Internal(format!(
+                "LoRA updates in a GEMV epilogue need bf16 weights, at most \
+                 {GEMV_LORA_MAX_TOKENS} tokens and an f32, GLU or RoPE output ({n} tokens)"
             )));
         }
         let rows_per_tile = match output {
@@ -992,7 +1053,7 @@ impl Gpu {
             Some(s) => (s.w, i32::from(s.scaling == Fp8Scaling::Row)),
             None => (0, 0),
         };
-        let (f, x, xf, nw, eps) = match (input, output) {
+        let (mut f, x, xf, nw, eps) = match (input, output) {
             (GemvInput::Bf16(a), GemvOutput::Plain { .. }) => (&kernels.plain[group], a, 0, 0, 0.0),
             (GemvInput::Bf16(a), GemvOutput::Glu) => (&kernels.glu[group], a, 0, 0, 0.0),
             (GemvInput::Norm { x, weight, eps }, GemvOutput::Plain { .. }) => {
@@ -1006,6 +1067,17 @@ impl Gpu {
                 (&kernels.norm_rope, 0, x, weight, eps)
             }
         };
+        if lora.is_some() {
+            let l = &self.k.gemv_lora;
+            f = match (input, output) {
+                (GemvInput::Bf16(_), GemvOutput::Plain { .. }) => &l.plain,
+                (GemvInput::Bf16(_), GemvOutput::Glu) => &l.glu,
+                (GemvInput::Bf16(_), GemvOutput::Rope(_)) => &l.rope,
+                (GemvInput::Norm { .. }, GemvOutput::Plain { .. }) => &l.norm,
+                (GemvInput::Norm { .. }, GemvOutput::Glu) => &l.norm_glu,
+                (GemvInput::Norm { .. }, GemvOutput::Rope(_)) => &l.norm_rope,
+            };
+        }
         let (beta, f32_out) = match output {
             GemvOutput::Plain { beta, f32_out } => (beta, f32_out),
             GemvOutput::Glu | GemvOutput::Rope(_) => (0.0, false),
@@ -1015,37 +1087,57 @@ impl Gpu {
             _ => RopeOut::default(),
         };
         let i32v = |v: usize| Arg::I32(v as i32);
+        let mut args = vec![
+            Arg::Ptr(w),
+            Arg::Ptr(x),
+            Arg::Ptr(xf),
+            Arg::Ptr(nw),
+            Arg::F32(eps),
+            Arg::Ptr(out),
+            Arg::I32(m as i32),
+            Arg::I32(n as i32),
+            Arg::I32(k as i32),
+            Arg::F32(beta),
+            Arg::I32(i32::from(f32_out)),
+            Arg::I32(grid.warps_per_tile as i32),
+            Arg::Ptr(rope.q),
+            Arg::Ptr(rope.k_cache),
+            Arg::Ptr(rope.v_cache),
+            Arg::Ptr(rope.pos),
+            Arg::Ptr(rope.slots),
+            Arg::Ptr(rope.inv_freq),
+            i32v(rope.heads.0),
+            i32v(rope.heads.1),
+            i32v(rope.heads.2),
+            Arg::I32(i32::from(rope.interleaved)),
+            Arg::I32(if n <= 8 { self.gemv_rotate as i32 } else { 0 }),
+            Arg::Ptr(ws),
+            Arg::I32(ws_stride),
+        ];
+        if let Some(lo) = lora {
+            let [(t0, w0), (t1, w1), (t2, w2)] = lo.parts;
+            args.extend([
+                Arg::Ptr(lo.u),
+                i32v(lo.u_stride),
+                i32v(lo.u_part),
+                Arg::Ptr(lo.row_slot),
+                Arg::Ptr(lo.ptrs),
+                Arg::Ptr(lo.ranks),
+                i32v(lo.layers),
+                i32v(lo.layer),
+                Arg::I32(t0),
+                i32v(w0),
+                Arg::I32(t1),
+                i32v(w1),
+                Arg::I32(t2),
+                i32v(w2),
+            ]);
+        }
         self.launch(
             f,
             (grid.blocks as u32, 1, 1),
             32 * grid.warps_per_block as u32,
-            &[
-                Arg::Ptr(w),
-                Arg::Ptr(x),
-                Arg::Ptr(xf),
-                Arg::Ptr(nw),
-                Arg::F32(eps),
-                Arg::Ptr(out),
-                Arg::I32(m as i32),
-                Arg::I32(n as i32),
-                Arg::I32(k as i32),
-                Arg::F32(beta),
-                Arg::I32(i32::from(f32_out)),
-                Arg::I32(grid.warps_per_tile as i32),
-                Arg::Ptr(rope.q),
-                Arg::Ptr(rope.k_cache),
-                Arg::Ptr(rope.v_cache),
-                Arg::Ptr(rope.pos),
-                Arg::Ptr(rope.slots),
-                Arg::Ptr(rope.inv_freq),
-                i32v(rope.heads.0),
-                i32v(rope.heads.1),
-                i32v(rope.heads.2),
-                Arg::I32(i32::from(rope.interleaved)),
-                Arg::I32(if n <= 8 { self.gemv_rotate as i32 } else { 0 }),
-                Arg::Ptr(ws),
-                Arg::I32(ws_stride),
-            ],
+            &args,
         )
     }
 
@@ -1171,6 +1263,7 @@ impl Gpu {
                     beta: p.beta,
                     f32_out: p.c_f32,
                 },
+                None,
             );
         }
         self.gemm_cublas(p)

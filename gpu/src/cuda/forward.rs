@@ -15,7 +15,8 @@ use std::collections::HashMap;
 use cudarc::driver::{sys, CudaGraph};
 
 use super::device::{
-    cuda_err, Arg, DevMem, Fp8Scales, GemvInput, GemvOutput, Gpu, Product, RopeOut, FP8_MAX_PARTS,
+    cuda_err, Arg, DevMem, Fp8Scales, GemvInput, GemvLora, GemvOutput, Gpu, Product, RopeOut,
+    FP8_MAX_PARTS, GEMV_LORA_MAX_TOKENS,
 };
 use super::step::{grid_splits, one_warp_tiles, Layout, ATT_SMALL_ROWS, MAX_SPLITS};
 use super::weights::{GpuLayer, GpuWeights, Proj};
@@ -271,9 +272,17 @@ pub(crate) struct LoraStep {
 /// The kernels' code for "no target".
 const NO_TARGET: i32 = -1;
 
-fn target_arg(t: Option<LoraTarget>) -> Arg {
-    Arg::I32(t.map_or(NO_TARGET, |t| t as i32))
+fn target_code(t: Option<LoraTarget>) -> i32 {
+    t.map_or(NO_TARGET, |t| t as i32)
 }
+
+fn target_arg(t: Option<LoraTarget>) -> Arg {
+    Arg::I32(target_code(t))
+}
+
+/// The targets of the three products whose updates one shrink computes, with the widths of
+/// their outputs side by side.
+type Parts = [(Option<LoraTarget>, usize); 3];
 
 impl LoraStep {
     /// Whether any of the step's adapters adapts one of `targets`.
@@ -281,17 +290,22 @@ impl LoraStep {
         self.targets & super::lora::target_mask(targets) != 0
     }
 
-    /// `u = A x` for up to three `targets` of one bf16 input `x` (`din` wide, `x_stride` per
-    /// token), target `i` in part `i` of a token's `u`.
+    /// `u = A x` for up to three `targets` of one input `din` wide, target `i` in part `i` of
+    /// a token's `u`: bf16 rows `x_stride` apart, or ([`GemvInput::Norm`], `x_stride` unused)
+    /// the f32 residual rows normalised as `rms_norm` would.
     fn shrink(
         &self,
         gpu: &Gpu,
         c: &LlamaConfig,
         (t, layer): (usize, usize),
         targets: [Option<LoraTarget>; 3],
-        (x, x_stride, din): (u64, usize, usize),
+        (input, x_stride, din): (GemvInput, usize, usize),
     ) -> Result<(), GpuError> {
         let i32v = |v: usize| Arg::I32(v as i32);
+        let (x, xf, nw, eps) = match input {
+            GemvInput::Bf16(x) => (x, 0, 0, 0.0),
+            GemvInput::Norm { x, weight, eps } => (0, x, weight, eps),
+        };
         // A warp per (token, target, rank index), four per block.
         let blocks = (t * 3 * self.max_rank).div_ceil(4).min(1 << 20) as u32;
         gpu.timed("lora_shrink", || {
@@ -303,6 +317,9 @@ impl LoraStep {
                     Arg::Ptr(x),
                     i32v(x_stride),
                     i32v(din),
+                    Arg::Ptr(xf),
+                    Arg::Ptr(nw),
+                    Arg::F32(eps),
                     Arg::Ptr(self.row_slot),
                     Arg::Ptr(self.ptrs),
                     Arg::Ptr(self.ranks),
@@ -320,18 +337,36 @@ impl LoraStep {
         })
     }
 
+    /// The updates `B u` of `parts` in a GEMV epilogue, after [`LoraStep::shrink`] of the same
+    /// targets.
+    fn epilogue(&self, c: &LlamaConfig, layer: usize, parts: Parts) -> GemvLora {
+        GemvLora {
+            u: self.u,
+            u_stride: 3 * self.max_rank,
+            u_part: self.max_rank,
+            row_slot: self.row_slot,
+            ptrs: self.ptrs,
+            ranks: self.ranks,
+            layers: c.num_layers,
+            layer,
+            parts: parts.map(|(t, w)| (target_code(t), w)),
+        }
+    }
+
     /// Adds the updates `B u` of up to three targets, whose outputs sit side by side (widths
     /// `parts[i].1`) from column 0 of the f32 `out` (`out_stride` per token), after
-    /// [`LoraStep::shrink`] of the same targets from `x`.
+    /// [`LoraStep::shrink`] of the same targets from the bf16 rows `x` (for products on
+    /// cuBLAS).
     fn update(
         &self,
         gpu: &Gpu,
         c: &LlamaConfig,
         (t, layer): (usize, usize),
-        parts: [(Option<LoraTarget>, usize); 3],
-        x: (u64, usize, usize),
+        parts: Parts,
+        (x, x_stride, din): (u64, usize, usize),
         (out, out_stride): (u64, usize),
     ) -> Result<(), GpuError> {
+        let x = (GemvInput::Bf16(x), x_stride, din);
         self.shrink(gpu, c, (t, layer), parts.map(|p| p.0), x)?;
         let i32v = |v: usize| Arg::I32(v as i32);
         let dout: usize = parts.iter().map(|p| p.1).sum();
@@ -364,12 +399,14 @@ impl LoraStep {
     }
 }
 
-/// Enqueues one step's forward pass; with `lora`, each adapted product's LoRA update is added
-/// after it, so the products take their route by size as in other steps (GEMV kernels for
-/// small steps, cuBLAS for large ones), and an adapted QKV or gate|up product without the
-/// fused norm prologue and RoPE or SiLU epilogue (its updates must come before those):
-/// separate norm and RoPE kernels, and SiLU x up with the gate's and up's updates inside.
-/// Products no adapter of the step adapts run as in steps without adapters.
+/// Enqueues one step's forward pass. With `lora`, the products take their route by size as in
+/// other steps; an adapted product on the GEMV kernels (small steps) gets its updates `B u` in
+/// the epilogue, before RoPE or SiLU, after `lora_shrink` computed `u` (from the normalised
+/// residual itself where the product has the norm prologue), so it keeps its fused stages; on
+/// cuBLAS, the updates follow the product (`lora_expand`), and an adapted QKV or gate|up
+/// product runs with separate norm and RoPE kernels and SiLU x up with the gate's and up's
+/// updates inside (`lora_silu_mul`). Products no adapter of the step adapts run as in steps
+/// without adapters.
 pub(crate) fn enqueue(
     gpu: &Gpu,
     c: &LlamaConfig,
@@ -438,9 +475,11 @@ pub(crate) fn enqueue(
     // `small`: gate|up and down on the GEMV kernels; `qkv_o`: QKV and o.
     let small = fits && model_gemv;
     let qkv_o = fits;
-    // The adapters' updates of each product (none where no adapter of the step adapts it):
-    // those of Q, K and V must precede RoPE, those of gate and up SiLU, so those products lose
-    // their fused stages when adapted; o's and down's are added after the product.
+    // The adapters' updates of each product (none where no adapter of the step adapts it): in
+    // the GEMV epilogue for steps of at most GEMV_LORA_MAX_TOKENS tokens on bf16 weights
+    // (`*_in`: the product keeps its fused stages), else after the product (`*_after`: an
+    // adapted QKV or gate|up product then loses its fused norm prologue and RoPE or SiLU
+    // epilogue, which the updates must precede).
     let adapted = |targets: &[LoraTarget]| lora.filter(|l| l.adapts(targets));
     let (lora_qkv, lora_o) = (
         adapted(&[LoraTarget::Q, LoraTarget::K, LoraTarget::V]),
@@ -450,7 +489,36 @@ pub(crate) fn enqueue(
         adapted(&[LoraTarget::Gate, LoraTarget::Up]),
         adapted(&[LoraTarget::Down]),
     );
-    let fuse_glu = lora_gu.is_none() && small && gpu.gemv_fuse_glu();
+    let epi_ok =
+        t <= GEMV_LORA_MAX_TOKENS && first.is_some_and(|f| f.fp8_scales(Proj::Qkv, 0).is_none());
+    fn split(lo: Option<&LoraStep>, inside: bool) -> (Option<&LoraStep>, Option<&LoraStep>) {
+        (lo.filter(|_| inside), lo.filter(|_| !inside))
+    }
+    let (qkv_in, qkv_after) = split(lora_qkv, qkv_o && epi_ok);
+    let (o_in, o_after) = split(lora_o, qkv_o && epi_ok);
+    let (gu_in, gu_after) = split(lora_gu, small && epi_ok);
+    let (down_in, down_after) = split(lora_down, small && epi_ok);
+    let fuse_glu = gu_after.is_none() && small && gpu.gemv_fuse_glu();
+    let qkv_parts = [
+        (Some(LoraTarget::Q), qw),
+        (Some(LoraTarget::K), kvw),
+        (Some(LoraTarget::V), kvw),
+    ];
+    let o_parts = [(Some(LoraTarget::O), h), (None, 0), (None, 0)];
+    let gu_parts = [
+        (Some(LoraTarget::Gate), inter),
+        (Some(LoraTarget::Up), inter),
+        (None, 0),
+    ];
+    let down_parts = [(Some(LoraTarget::Down), h), (None, 0), (None, 0)];
+    // `u` of a product whose updates its GEMV epilogue adds, and those updates.
+    let pre = |lo: Option<&LoraStep>, li: usize, parts: Parts, x: (GemvInput, usize, usize)| {
+        lo.map(|lo| {
+            lo.shrink(gpu, c, (t, li), parts.map(|p| p.0), x)
+                .map(|()| lo.epilogue(c, li, parts))
+        })
+        .transpose()
+    };
     let fuse_norm = (small && gpu.gemv_fuse_norm(t)) || (fits && hybrid);
     let normed = |weight: &DevMem| GemvInput::Norm {
         x: b.x.ptr(),
@@ -460,10 +528,18 @@ pub(crate) fn enqueue(
     // A projection of a layer timed as `class`: on the GEMV kernels when `gemv` and they fit
     // (fp8 weights widened in the kernel, activations bf16), else on cuBLAS (fp8 layers: the
     // activations quantized to e4m3 first, a scale per token).
-    let project = |class: &'static str, gemv: bool, layer: &GpuLayer, proj: Proj, p: Product| {
-        let Some(f) = layer.fp8_scales(proj, 0) else {
-            return gpu.timed(class, || gpu.gemm_with(gemv, p));
-        };
+    // With `epi`, the product must take the GEMV route (the caller checked `fits`), whose
+    // epilogue adds those LoRA updates.
+    let project = |class: &'static str,
+                   gemv: bool,
+                   layer: &GpuLayer,
+                   proj: Proj,
+                   p: Product,
+                   epi: Option<GemvLora>| {
+        if p.m == 0 || p.n == 0 {
+            return Ok(());
+        }
+        let f = layer.fp8_scales(proj, 0);
         if gemv && gpu.gemv_fits(p.n, p.k, &[p.w, p.a]) {
             let out = GemvOutput::Plain {
                 beta: p.beta,
@@ -471,9 +547,17 @@ pub(crate) fn enqueue(
             };
             let input = GemvInput::Bf16(p.a);
             return gpu.timed(class, || {
-                gpu.gemv((p.w, Some(f)), input, p.c, p.m, p.n, p.k, out)
+                gpu.gemv((p.w, f), input, p.c, p.m, p.n, p.k, out, epi.as_ref())
             });
         }
+        if epi.is_some() {
+            return Err(GpuError::Internal(format!(
+                "{class}: LoRA updates for a GEMV epilogue, but the product runs on cuBLAS"
+            )));
+        }
+        let Some(f) = f else {
+            return gpu.timed(class, || gpu.gemm_cublas(p));
+        };
         let q8 = b
             .fp8
             .as_ref()
@@ -510,12 +594,13 @@ pub(crate) fn enqueue(
             interleaved: interleaved != 0,
         };
         let rope = GemvOutput::Rope(rope_out);
-        let rope_in_gemv = lora_qkv.is_none() && qkv_o && gpu.rope_epilogue && kv.scales.is_none();
+        let rope_in_gemv = qkv_after.is_none() && qkv_o && gpu.rope_epilogue && kv.scales.is_none();
         let f32_qkv = GemvOutput::Plain {
             beta: 0.0,
             f32_out: true,
         };
-        if fuse_norm && lora_qkv.is_none() {
+        if fuse_norm && qkv_after.is_none() {
+            let epi = pre(qkv_in, li, qkv_parts, (normed(&layer.attn_norm), h, h))?;
             let (class, output) = if rope_in_gemv {
                 ("norm+gemv_qkv+rope", rope)
             } else {
@@ -530,10 +615,12 @@ pub(crate) fn enqueue(
                     t,
                     h,
                     output,
+                    epi.as_ref(),
                 )
             })?;
         } else {
             norm(0, layer.attn_norm.ptr(), b.xn.ptr(), t)?;
+            let epi = pre(qkv_in, li, qkv_parts, (GemvInput::Bf16(b.xn.ptr()), h, h))?;
             if rope_in_gemv {
                 gpu.timed("gemv_qkv+rope", || {
                     gpu.gemv(
@@ -544,6 +631,7 @@ pub(crate) fn enqueue(
                         t,
                         h,
                         rope,
+                        epi.as_ref(),
                     )
                 })?;
             } else {
@@ -563,17 +651,13 @@ pub(crate) fn enqueue(
                         c_f32: true,
                         fp8: None,
                     },
+                    epi,
                 )?;
             }
         }
-        if let Some(lo) = lora_qkv {
-            let parts = [
-                (Some(LoraTarget::Q), qw),
-                (Some(LoraTarget::K), kvw),
-                (Some(LoraTarget::V), kvw),
-            ];
+        if let Some(lo) = qkv_after {
             let out = (b.qkv.ptr(), qw + 2 * kvw);
-            lo.update(gpu, c, (t, li), parts, (b.xn.ptr(), h, h), out)?;
+            lo.update(gpu, c, (t, li), qkv_parts, (b.xn.ptr(), h, h), out)?;
         }
         if !rope_in_gemv {
             gpu.timed("rope_store_kv", || {
@@ -595,6 +679,7 @@ pub(crate) fn enqueue(
             block_size,
         )?;
         // The output projection adds onto the residual stream (beta = 1, f32).
+        let epi = pre(o_in, li, o_parts, (GemvInput::Bf16(b.att.ptr()), qw, qw))?;
         project(
             if qkv_o { "gemv_o" } else { "gemm_o" },
             qkv_o,
@@ -611,17 +696,11 @@ pub(crate) fn enqueue(
                 c_f32: true,
                 fp8: None,
             },
+            epi,
         )?;
-        if let Some(lo) = lora_o {
-            let parts = [(Some(LoraTarget::O), h), (None, 0), (None, 0)];
-            lo.update(
-                gpu,
-                c,
-                (t, li),
-                parts,
-                (b.att.ptr(), qw, qw),
-                (b.x.ptr(), h),
-            )?;
+        if let Some(lo) = o_after {
+            let x = (b.att.ptr(), qw, qw);
+            lo.update(gpu, c, (t, li), o_parts, x, (b.x.ptr(), h))?;
         }
         if fuse_glu {
             // act = silu(gate) * up straight from the product.
@@ -631,6 +710,7 @@ pub(crate) fn enqueue(
                 norm(0, layer.ffn_norm.ptr(), b.xn.ptr(), t)?;
                 (GemvInput::Bf16(b.xn.ptr()), "gemv_gate_up+silu")
             };
+            let epi = pre(gu_in, li, gu_parts, (input, h, h))?;
             gpu.timed(class, || {
                 gpu.gemv(
                     (layer.gate_up.ptr(), layer.fp8_scales(Proj::GateUp, 0)),
@@ -640,6 +720,7 @@ pub(crate) fn enqueue(
                     t,
                     h,
                     GemvOutput::Glu,
+                    epi.as_ref(),
                 )
             })?;
         } else {
@@ -664,11 +745,12 @@ pub(crate) fn enqueue(
                     c_f32: false,
                     fp8: None,
                 },
+                None,
             )?;
-            if let Some(lo) = lora_gu {
+            if let Some(lo) = gu_after {
                 // The gate's and up's `u`, then both updates inside SiLU x up.
-                let targets = [Some(LoraTarget::Gate), Some(LoraTarget::Up), None];
-                lo.shrink(gpu, c, (t, li), targets, (b.xn.ptr(), h, h))?;
+                let x = (GemvInput::Bf16(b.xn.ptr()), h, h);
+                lo.shrink(gpu, c, (t, li), gu_parts.map(|p| p.0), x)?;
                 gpu.timed("lora_silu_mul", || {
                     gpu.launch(
                         &k.lora_silu_mul,
@@ -714,6 +796,12 @@ pub(crate) fn enqueue(
                 })?;
             }
         }
+        let epi = pre(
+            down_in,
+            li,
+            down_parts,
+            (GemvInput::Bf16(b.act.ptr()), inter, inter),
+        )?;
         project(
             if small { "gemv_down" } else { "gemm_down" },
             small,
@@ -730,11 +818,11 @@ pub(crate) fn enqueue(
                 c_f32: true,
                 fp8: None,
             },
+            epi,
         )?;
-        if let Some(lo) = lora_down {
-            let parts = [(Some(LoraTarget::Down), h), (None, 0), (None, 0)];
+        if let Some(lo) = down_after {
             let x = (b.act.ptr(), inter, inter);
-            lo.update(gpu, c, (t, li), parts, x, (b.x.ptr(), h))?;
+            lo.update(gpu, c, (t, li), down_parts, x, (b.x.ptr(), h))?;
         }
     }
     norm(s(lay.logit_rows)?, w.norm.ptr(), b.xs.ptr(), l.rows)?;

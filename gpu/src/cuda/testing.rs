@@ -554,7 +554,7 @@ impl MatmulRig {
                         },
                         MatmulOutput::Glu => GemvOutput::Glu,
                     };
-                    gpu.gemv((self.w.ptr(), None), gin, out.ptr(), m, n, k, o)?
+                    gpu.gemv((self.w.ptr(), None), gin, out.ptr(), m, n, k, o, None)?
                 }
                 (
                     MatmulPath::Cublas
@@ -836,7 +836,16 @@ pub fn fp8_gemv(
         scaling,
     };
     let input = GemvInput::Bf16(ad.ptr());
-    gpu.gemv((wq.q.ptr(), Some(scales)), input, y.ptr(), m, n, k, output)?;
+    gpu.gemv(
+        (wq.q.ptr(), Some(scales)),
+        input,
+        y.ptr(),
+        m,
+        n,
+        k,
+        output,
+        None,
+    )?;
     gpu.sync()?;
     let (wq_bytes, w_scales) = wq.download(&gpu)?;
     Ok(Fp8Gemv {
