@@ -3,13 +3,14 @@
 //! is room, and each step's table of them (`forward::LoraStep`).
 //!
 //! Steps whose batch names an adapter run their products on the usual route for their size
-//! (GEMV kernels for small steps, cuBLAS for large ones); an adapted QKV or gate|up product
-//! goes without the fused norm prologue and RoPE / SiLU epilogue, products no adapter of the
-//! step adapts run as without adapters (`forward::enqueue`). Each adapted product has two
-//! small kernels:
-//! `lora_shrink` (`u = A x` per token) and `lora_expand` (`out += B u`), each token reading its
-//! own adapter's matrices through the step's table. Decode steps whose adapters have at most
-//! [`GRAPH_MAX_RANK`] replay CUDA graphs of their own.
+//! (GEMV kernels for small steps, cuBLAS for large ones); products no adapter of the step adapts
+//! run as without adapters (`forward::enqueue`). An adapted product first has `lora_shrink`
+//! compute `u = A x` per token, each token reading its own adapter's matrices through the
+//! step's table; then, in steps of at most 8 tokens on bf16 weights, the GEMV kernel's epilogue
+//! adds `B u` (the `*_lora` kernels), so the product keeps its fused norm prologue and RoPE /
+//! SiLU epilogue; in larger steps `lora_expand` (`out += B u`) follows the product, and an
+//! adapted QKV or gate|up product goes without its fused stages. Decode steps whose adapters
+//! have at most [`GRAPH_MAX_RANK`] replay CUDA graphs of their own.
 
 use half::bf16;
 
