@@ -496,7 +496,8 @@ pub(crate) fn enqueue(
     }
     let (qkv_in, qkv_after) = split(lora_qkv, qkv_o && epi_ok);
     let (o_in, o_after) = split(lora_o, qkv_o && epi_ok);
-    let (gu_in, gu_after) = split(lora_gu, small && epi_ok);
+    // (gate|up's updates in the epilogue only where SiLU x up is in it too.)
+    let (gu_in, gu_after) = split(lora_gu, small && epi_ok && gpu.gemv_fuse_glu());
     let (down_in, down_after) = split(lora_down, small && epi_ok);
     let fuse_glu = gu_after.is_none() && small && gpu.gemv_fuse_glu();
     let qkv_parts = [
