@@ -133,6 +133,13 @@ impl Weight {
             DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => {
                 Weight::Quant(QMatrix::from_blocks(view.dtype, rows, cols, view.data))
             }
+            // The kernels take 32-value blocks of 4 or 8 bits: the 5-bit and K-quant types
+            // become Q8_0 (their values to within half a Q8_0 step, at most 1/254 of each
+            // 32-value block's largest magnitude).
+            DType::Q5_0 | DType::Q5_1 | DType::Q4K | DType::Q5K | DType::Q6K => {
+                let q8 = requantize_q8_0(view.dtype, rows, cols, view.data);
+                Weight::Quant(QMatrix::from_blocks(DType::Q8_0, rows, cols, &q8))
+            }
         })
     }
 
@@ -209,6 +216,31 @@ fn decode_block(dtype: DType, bytes: &[u8], q: &mut [u8; QK]) -> (f16, f16) {
             (blk.d, f16::ZERO)
         }
     }
+}
+
+/// The `rows x cols` values of `data` (whole blocks of `dtype` per row, validated by the
+/// caller) as Q8_0 blocks: per 32 values, `d = max |x| / 127` (as f16) and `q = round(x / d)`.
+/// One row is dequantized at a time.
+fn requantize_q8_0(dtype: DType, rows: usize, cols: usize, data: &[u8]) -> Vec<u8> {
+    let row_bytes = data.len() / rows.max(1);
+    let mut out = Vec::with_capacity(rows * (cols / QK) * 34);
+    for row in data.chunks_exact(row_bytes) {
+        for x in crate::model::dequant::to_f32(dtype, row).chunks_exact(QK) {
+            let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let d = f16::from_f32(amax / 127.0);
+            let inv = if d.to_f32() > 0.0 {
+                1.0 / d.to_f32()
+            } else {
+                0.0
+            };
+            out.extend_from_slice(&d.to_le_bytes());
+            out.extend(
+                x.iter()
+                    .map(|v| (v * inv).round().clamp(-127.0, 127.0) as i8 as u8),
+            );
+        }
+    }
+    out
 }
 
 fn unpack_nibbles(qs: &[u8; QK / 2], q: &mut [u8; QK]) {
@@ -505,6 +537,69 @@ fn quantize_row(x: &[f32], qs: &mut [i8], d: &mut [f32], s: &mut [f32], qsum: &m
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Random blocks of `dtype` with finite f16 scales of a realistic size.
+    fn random_blocks(dtype: DType, n: usize, seed: u64) -> Vec<u8> {
+        let mut s = seed;
+        let mut next = || {
+            s = s
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            (s >> 33) as u32
+        };
+        let bb = dtype.block_bytes();
+        let mut out = Vec::with_capacity(n * bb);
+        for _ in 0..n {
+            let mut b: Vec<u8> = (0..bb).map(|_| next() as u8).collect();
+            let mut scale = |at: usize| {
+                let v = f16::from_f32(0.0005 * (next() % 40 + 1) as f32);
+                b[at..at + 2].copy_from_slice(&v.to_le_bytes());
+            };
+            match dtype {
+                DType::Q5_0 => scale(0),
+                DType::Q5_1 | DType::Q4K | DType::Q5K => {
+                    scale(0);
+                    scale(2);
+                }
+                DType::Q6K => scale(bb - 2),
+                _ => unreachable!("not a requantized type"),
+            }
+            out.extend_from_slice(&b);
+        }
+        out
+    }
+
+    #[test]
+    fn five_bit_and_k_quant_weights_load_as_q8_0_within_half_a_step() {
+        let (rows, cols) = (3, 512);
+        for dtype in [DType::Q5_0, DType::Q5_1, DType::Q4K, DType::Q5K, DType::Q6K] {
+            let n = rows * cols / dtype.block_len();
+            let data = random_blocks(dtype, n, dtype.block_bytes() as u64);
+            let view = TensorView {
+                dtype,
+                shape: vec![rows, cols],
+                data: &data,
+            };
+            let Weight::Quant(q) = Weight::from_view("w", &view).unwrap() else {
+                panic!("{dtype} did not load as a quantized matrix");
+            };
+            assert_eq!((q.rows, q.cols, q.packing), (rows, cols, QPacking::Byte));
+            let want = view.to_f32_vec();
+            let q8 = requantize_q8_0(dtype, rows, cols, &data);
+            let got = crate::model::dequant::to_f32(DType::Q8_0, &q8);
+            assert_eq!(got.len(), want.len());
+            for (g, w) in got.chunks_exact(QK).zip(want.chunks_exact(QK)) {
+                let amax = w.iter().fold(0f32, |m, v| m.max(v.abs()));
+                assert!(amax > 0.0, "{dtype}: an all-zero block tests nothing");
+                for (a, b) in g.iter().zip(w) {
+                    assert!(
+                        (a - b).abs() <= amax / 254.0 * 1.01,
+                        "{dtype}: {a} against {b}"
+                    );
+                }
+            }
+        }
+    }
 
     fn q4_1_tensor(rows: usize, cols: usize, seed: u32) -> Vec<u8> {
         let mut out = Vec::new();

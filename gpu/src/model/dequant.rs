@@ -2,7 +2,10 @@
 
 use half::{bf16, f16};
 
-use super::quant_blocks::{BlockQ4_0, BlockQ4_1, BlockQ8_0, QK};
+use super::quant_blocks::{
+    dequantize_q4_k, dequantize_q5_0, dequantize_q5_1, dequantize_q5_k, dequantize_q6_k, BlockQ4_0,
+    BlockQ4_1, BlockQ8_0, QK, QK_K,
+};
 use super::tensor::DType;
 
 /// Converts `data` of type `dtype` to `f32` values. Trailing bytes that do not form a whole
@@ -48,13 +51,80 @@ pub fn to_f32(dtype: DType, data: &[u8]) -> Vec<f32> {
                 }
             }
         }
+        DType::Q5_0 => blocks(data, &mut out, &mut buf, dequantize_q5_0),
+        DType::Q5_1 => blocks(data, &mut out, &mut buf, dequantize_q5_1),
+        DType::Q4K => blocks(data, &mut out, &mut [0f32; QK_K], dequantize_q4_k),
+        DType::Q5K => blocks(data, &mut out, &mut [0f32; QK_K], dequantize_q5_k),
+        DType::Q6K => blocks(data, &mut out, &mut [0f32; QK_K], dequantize_q6_k),
     }
     out
+}
+
+/// Appends the values of each whole `B`-byte block of `data` (`N` values each) to `out`.
+fn blocks<const B: usize, const N: usize>(
+    data: &[u8],
+    out: &mut Vec<f32>,
+    buf: &mut [f32; N],
+    dequantize: fn(&[u8; B], &mut [f32; N]),
+) {
+    for c in data.chunks_exact(B) {
+        if let Ok(b) = <&[u8; B]>::try_from(c) {
+            dequantize(b, buf);
+            out.extend_from_slice(buf);
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The 5-bit and K-quant blocks against gguf-py's dequantization (llama.cpp's Python
+    /// package, an independent implementation): random blocks in
+    /// `gpu/tests/fixtures/kquant_golden.json`, made by `gpu/reference/make_kquant_golden.py`.
+    #[test]
+    fn k_quants_and_5_bit_types_match_gguf_py() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/kquant_golden.json"
+        );
+        let text = std::fs::read_to_string(path).expect("fixture");
+        let golden: serde_json::Value = serde_json::from_str(&text).expect("json");
+        let types = [
+            (DType::Q5_0, "Q5_0"),
+            (DType::Q5_1, "Q5_1"),
+            (DType::Q4K, "Q4_K"),
+            (DType::Q5K, "Q5_K"),
+            (DType::Q6K, "Q6_K"),
+        ];
+        for (dtype, name) in types {
+            let g = &golden[name];
+            let hex = g["hex"].as_str().expect("hex");
+            let bytes: Vec<u8> = (0..hex.len())
+                .step_by(2)
+                .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).expect("hex digit"))
+                .collect();
+            let want: Vec<f32> = g["values"]
+                .as_array()
+                .expect("values")
+                .iter()
+                .map(|v| v.as_f64().expect("number") as f32)
+                .collect();
+            let got = to_f32(dtype, &bytes);
+            assert_eq!(got.len(), want.len(), "{name}");
+            assert_eq!(
+                bytes.len() / dtype.block_bytes() * dtype.block_len(),
+                want.len()
+            );
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                // gguf-py multiplies in another order (d * sc first, or not): a few ulps.
+                assert!(
+                    (g - w).abs() <= 1e-6 * w.abs().max(1e-3),
+                    "{name} value {i}: {g} against {w}"
+                );
+            }
+        }
+    }
 
     #[test]
     fn float_types_convert() {

@@ -348,18 +348,18 @@ fn dtype_from_ggml(ty: u32, tensor: &str) -> Result<DType, GpuError> {
         1 => DType::F16,
         2 => DType::Q4_0,
         3 => DType::Q4_1,
+        6 => DType::Q5_0,
+        7 => DType::Q5_1,
         8 => DType::Q8_0,
+        12 => DType::Q4K,
+        13 => DType::Q5K,
+        14 => DType::Q6K,
         30 => DType::BF16,
         other => {
             let type_name = match other {
-                6 => "Q5_0".to_string(),
-                7 => "Q5_1".to_string(),
                 9 => "Q8_1".to_string(),
                 10 => "Q2_K".to_string(),
                 11 => "Q3_K".to_string(),
-                12 => "Q4_K".to_string(),
-                13 => "Q5_K".to_string(),
-                14 => "Q6_K".to_string(),
                 15 => "Q8_K".to_string(),
                 n => format!("ggml type {n}"),
             };

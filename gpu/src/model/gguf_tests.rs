@@ -146,6 +146,24 @@ fn parses_metadata_and_tensors() {
 }
 
 #[test]
+fn parses_k_quant_and_5_bit_tensors() {
+    // (ggml type, bytes per 256 values): Q5_0, Q5_1, Q4_K, Q5_K, Q6_K.
+    let types = [(6, 176), (7, 192), (12, 144), (13, 176), (14, 210)];
+    let mut w = GgufWriter::default();
+    for (i, &(ty, bytes)) in types.iter().enumerate() {
+        w.tensor(&format!("t{i}"), &[256, 2], ty, vec![0; 2 * bytes]);
+    }
+    let h = parse(&w.build()).unwrap();
+    let want = [DType::Q5_0, DType::Q5_1, DType::Q4K, DType::Q5K, DType::Q6K];
+    for ((t, &(_, bytes)), dtype) in h.tensors.iter().zip(&types).zip(want) {
+        assert_eq!(
+            (t.dtype, t.shape.clone(), t.n_bytes),
+            (dtype, vec![2, 256], 2 * bytes)
+        );
+    }
+}
+
+#[test]
 fn weights_view_the_tensor_bytes() {
     let dir = std::env::temp_dir().join(format!("sy-gguf-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -275,12 +293,17 @@ fn rejects_bad_tensor_infos() {
     assert!(err_of(&w.build()).contains("zero"));
 
     let mut w = GgufWriter::default();
-    w.tensor("k4", &[256], 12, vec![0; 144]);
+    w.tensor("k3", &[256], 11, vec![0; 110]);
     let e = err_of(&w.build());
     assert!(
-        e.contains("unsupported tensor type Q4_K") && e.contains("k4"),
+        e.contains("unsupported tensor type Q3_K") && e.contains("k3"),
         "{e}"
     );
+
+    // K-quant rows hold whole 256-value blocks.
+    let mut w = GgufWriter::default();
+    w.tensor("k4", &[128], 12, vec![0; 72]);
+    assert!(err_of(&w.build()).contains("k4"));
 
     let mut w = GgufWriter::default();
     w.tensor("odd", &[33], 8, vec![0; 68]);

@@ -112,6 +112,131 @@ impl BlockQ4_1 {
     }
 }
 
+/// Values in one K-quant super-block (ggml's `QK_K`).
+pub const QK_K: usize = 256;
+
+fn f16_at(b: &[u8], at: usize) -> f32 {
+    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
+}
+
+/// Q5_0 (22 bytes): `x[i] = d * (q[i] - 16)` with 5-bit `q`: the low four bits packed as in
+/// [`BlockQ4_0`] (bytes 6..22), the fifth bit of value `i` bit `i` of the little-endian `u32`
+/// at bytes 2..6.
+pub fn dequantize_q5_0(b: &[u8; 22], out: &mut [f32; QK]) {
+    let d = f16_at(b, 0);
+    let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+    for (j, &byte) in b[6..].iter().enumerate() {
+        let lo = (byte & 0x0f) as u32 | (((qh >> j) & 1) << 4);
+        let hi = (byte >> 4) as u32 | (((qh >> (j + 16)) & 1) << 4);
+        out[j] = d * (lo as f32 - 16.0);
+        out[j + QK / 2] = d * (hi as f32 - 16.0);
+    }
+}
+
+/// Q5_1 (24 bytes): `x[i] = d * q[i] + m`, the 5-bit `q` as in [`dequantize_q5_0`] after the
+/// two f16 `d` and `m`.
+pub fn dequantize_q5_1(b: &[u8; 24], out: &mut [f32; QK]) {
+    let (d, m) = (f16_at(b, 0), f16_at(b, 2));
+    let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+    for (j, &byte) in b[8..].iter().enumerate() {
+        let lo = (byte & 0x0f) as u32 | (((qh >> j) & 1) << 4);
+        let hi = (byte >> 4) as u32 | (((qh >> (j + 16)) & 1) << 4);
+        out[j] = d * lo as f32 + m;
+        out[j + QK / 2] = d * hi as f32 + m;
+    }
+}
+
+/// The 6-bit scale and minimum of sub-block `j` (0..8) of a Q4_K / Q5_K super-block from its
+/// 12 packed bytes: sub-blocks 0..4 in the low six bits of bytes `j` and `j + 4`; 4..8 in the
+/// nibbles of byte `j + 4` with their top two bits in the top bits of bytes `j - 4` and `j`.
+fn k4_scale_min(s: &[u8], j: usize) -> (f32, f32) {
+    let (sc, m) = if j < 4 {
+        (s[j] & 63, s[j + 4] & 63)
+    } else {
+        (
+            (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4),
+            (s[j + 4] >> 4) | ((s[j] >> 6) << 4),
+        )
+    };
+    (f32::from(sc), f32::from(m))
+}
+
+/// Q4_K (144 bytes, 256 values in 8 sub-blocks of 32): `x = d * sc * q - dmin * m`, each
+/// sub-block's 6-bit `sc` and `m` packed in bytes 4..16 ([`k4_scale_min`]); 4-bit `q` in bytes
+/// 16..144, each 32 bytes holding two sub-blocks (low nibbles, then high nibbles).
+pub fn dequantize_q4_k(b: &[u8; 144], out: &mut [f32; QK_K]) {
+    let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+    let (scales, qs) = (&b[4..16], &b[16..]);
+    for pair in 0..4 {
+        let (sc1, m1) = k4_scale_min(scales, 2 * pair);
+        let (sc2, m2) = k4_scale_min(scales, 2 * pair + 1);
+        let (d1, m1, d2, m2) = (d * sc1, dmin * m1, d * sc2, dmin * m2);
+        let q = &qs[32 * pair..32 * pair + 32];
+        let o = &mut out[64 * pair..64 * pair + 64];
+        for l in 0..32 {
+            o[l] = d1 * f32::from(q[l] & 0x0f) - m1;
+            o[l + 32] = d2 * f32::from(q[l] >> 4) - m2;
+        }
+    }
+}
+
+/// Q5_K (176 bytes): Q4_K with a fifth bit per value: byte `l` of `qh` (bytes 16..48) holds
+/// value `l`'s of sub-blocks 0..8 in bits 0..8; the 4-bit parts in bytes 48..176.
+pub fn dequantize_q5_k(b: &[u8; 176], out: &mut [f32; QK_K]) {
+    let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+    let (scales, qh, qs) = (&b[4..16], &b[16..48], &b[48..]);
+    for pair in 0..4 {
+        let (sc1, m1) = k4_scale_min(scales, 2 * pair);
+        let (sc2, m2) = k4_scale_min(scales, 2 * pair + 1);
+        let (d1, m1, d2, m2) = (d * sc1, dmin * m1, d * sc2, dmin * m2);
+        let q = &qs[32 * pair..32 * pair + 32];
+        let o = &mut out[64 * pair..64 * pair + 64];
+        for l in 0..32 {
+            let h1 = if qh[l] & (1 << (2 * pair)) != 0 {
+                16
+            } else {
+                0
+            };
+            let h2 = if qh[l] & (2 << (2 * pair)) != 0 {
+                16
+            } else {
+                0
+            };
+            o[l] = d1 * f32::from((q[l] & 0x0f) + h1) - m1;
+            o[l + 32] = d2 * f32::from((q[l] >> 4) + h2) - m2;
+        }
+    }
+}
+
+/// Q6_K (210 bytes, 16 sub-blocks of 16 values): `x = d * sc * (q - 32)` with signed 8-bit
+/// `sc` (bytes 192..208) and 6-bit `q`: per half of 128 values, the low four bits in 64 bytes
+/// of `ql` (bytes 0..128; values 0..32 and 64..96 of the half in the low and high nibbles of
+/// its first 32 bytes, 32..64 and 96..128 in those of the next 32) and the top two in 32 bytes
+/// of `qh` (bytes 128..192; value `l`, `l + 32`, `l + 64`, `l + 96` in bits 0-1, 2-3, 4-5, 6-7
+/// of byte `l`); `d` is the f16 at bytes 208..210.
+pub fn dequantize_q6_k(b: &[u8; 210], out: &mut [f32; QK_K]) {
+    let d = f16_at(b, 208);
+    for half in 0..2 {
+        let ql = &b[64 * half..64 * half + 64];
+        let qh = &b[128 + 32 * half..128 + 32 * half + 32];
+        let sc = &b[192 + 8 * half..192 + 8 * half + 8];
+        let o = &mut out[128 * half..128 * half + 128];
+        for l in 0..32 {
+            let is = l / 16;
+            let q = [
+                (ql[l] & 0x0f) | ((qh[l] & 3) << 4),
+                (ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4),
+                (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4),
+                (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4),
+            ];
+            for (k, &qk) in q.iter().enumerate() {
+                let s = f32::from(sc[is + 2 * k] as i8);
+                o[l + 32 * k] = d * s * (f32::from(qk) - 32.0);
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

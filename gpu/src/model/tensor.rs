@@ -9,7 +9,8 @@ use memmap2::Mmap;
 use crate::error::GpuError;
 
 /// Storage type of a tensor. The quantized types are ggml's block formats (see
-/// [`crate::model::quant_blocks`]): 32 values per block along the contiguous dimension.
+/// [`crate::model::quant_blocks`]): 32 values per block along the contiguous dimension, 256 for
+/// the K-quants.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
 pub enum DType {
     /// IEEE 754 single precision.
@@ -24,6 +25,16 @@ pub enum DType {
     Q4_0,
     /// ggml Q4_1: `{d: f16, m: f16, qs: [u8; 16]}`, 20 bytes per 32 values.
     Q4_1,
+    /// ggml Q5_0: `{d: f16, qh: [u8; 4], qs: [u8; 16]}`, 22 bytes per 32 values.
+    Q5_0,
+    /// ggml Q5_1: `{d: f16, m: f16, qh: [u8; 4], qs: [u8; 16]}`, 24 bytes per 32 values.
+    Q5_1,
+    /// ggml Q4_K: `{d: f16, dmin: f16, scales: [u8; 12], qs: [u8; 128]}`, 144 bytes per 256.
+    Q4K,
+    /// ggml Q5_K: Q4_K's fields and `qh: [u8; 32]` before `qs`, 176 bytes per 256 values.
+    Q5K,
+    /// ggml Q6_K: `{ql: [u8; 128], qh: [u8; 64], scales: [i8; 16], d: f16}`, 210 bytes per 256.
+    Q6K,
 }
 
 impl DType {
@@ -31,7 +42,8 @@ impl DType {
     pub const fn block_len(self) -> usize {
         match self {
             DType::F32 | DType::F16 | DType::BF16 => 1,
-            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => 32,
+            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 => 32,
+            DType::Q4K | DType::Q5K | DType::Q6K => 256,
         }
     }
 
@@ -43,6 +55,11 @@ impl DType {
             DType::Q8_0 => 34,
             DType::Q4_0 => 18,
             DType::Q4_1 => 20,
+            DType::Q5_0 => 22,
+            DType::Q5_1 => 24,
+            DType::Q4K => 144,
+            DType::Q5K => 176,
+            DType::Q6K => 210,
         }
     }
 
@@ -81,6 +98,11 @@ impl DType {
             DType::Q8_0 => "Q8_0",
             DType::Q4_0 => "Q4_0",
             DType::Q4_1 => "Q4_1",
+            DType::Q5_0 => "Q5_0",
+            DType::Q5_1 => "Q5_1",
+            DType::Q4K => "Q4_K",
+            DType::Q5K => "Q5_K",
+            DType::Q6K => "Q6_K",
         }
     }
 }
