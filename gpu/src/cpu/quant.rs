@@ -569,6 +569,39 @@ mod tests {
         out
     }
 
+    /// Model files are hostile input: blocks of any bytes (NaN and infinite scales included)
+    /// decode and load without a panic.
+    #[test]
+    fn five_bit_and_k_quant_blocks_of_any_bytes_load() {
+        let mut s = 0x9e37_79b9_7f4a_7c15u64;
+        for dtype in [DType::Q5_0, DType::Q5_1, DType::Q4K, DType::Q5K, DType::Q6K] {
+            for round in 0..50 {
+                let n = 2 * 512 / dtype.block_len() * dtype.block_bytes();
+                let data: Vec<u8> = (0..n)
+                    .map(|_| {
+                        s ^= s << 13;
+                        s ^= s >> 7;
+                        s ^= s << 17;
+                        // Every fourth round all 0xff: NaN scales everywhere.
+                        if round % 4 == 3 {
+                            0xff
+                        } else {
+                            s as u8
+                        }
+                    })
+                    .collect();
+                let view = TensorView {
+                    dtype,
+                    shape: vec![2, 512],
+                    data: &data,
+                };
+                assert_eq!(view.to_f32_vec().len(), 1024);
+                let w = Weight::from_view("w", &view).unwrap();
+                assert_eq!((w.rows(), w.cols()), (2, 512));
+            }
+        }
+    }
+
     #[test]
     fn five_bit_and_k_quant_weights_load_as_q8_0_within_half_a_step() {
         let (rows, cols) = (3, 512);
