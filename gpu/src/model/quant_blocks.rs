@@ -124,21 +124,22 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
 /// at bytes 2..6.
 pub fn dequantize_q5_0(b: &[u8; 22], out: &mut [f32; QK]) {
     let d = f16_at(b, 0);
-    let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
-    for (j, &byte) in b[6..].iter().enumerate() {
-        let lo = (byte & 0x0f) as u32 | (((qh >> j) & 1) << 4);
-        let hi = (byte >> 4) as u32 | (((qh >> (j + 16)) & 1) << 4);
-        out[j] = d * (lo as f32 - 16.0);
-        out[j + QK / 2] = d * (hi as f32 - 16.0);
-    }
+    // d * q - 16 d: both products are exact (an f16 times a 5-bit integer), so the difference
+    // is d * (q - 16) exactly.
+    five_bit(d, -16.0 * d, &b[2..6], &b[6..], out);
 }
 
 /// Q5_1 (24 bytes): `x[i] = d * q[i] + m`, the 5-bit `q` as in [`dequantize_q5_0`] after the
 /// two f16 `d` and `m`.
 pub fn dequantize_q5_1(b: &[u8; 24], out: &mut [f32; QK]) {
-    let (d, m) = (f16_at(b, 0), f16_at(b, 2));
-    let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
-    for (j, &byte) in b[8..].iter().enumerate() {
+    five_bit(f16_at(b, 0), f16_at(b, 2), &b[4..8], &b[8..], out);
+}
+
+/// `x[i] = d * q[i] + m` for the 5-bit `q` of Q5_0 / Q5_1: fifth bits `qh` (4 bytes), low
+/// nibbles `qs` (16 bytes).
+fn five_bit(d: f32, m: f32, qh: &[u8], qs: &[u8], out: &mut [f32; QK]) {
+    let qh = u32::from_le_bytes([qh[0], qh[1], qh[2], qh[3]]);
+    for (j, &byte) in qs.iter().enumerate() {
         let lo = (byte & 0x0f) as u32 | (((qh >> j) & 1) << 4);
         let hi = (byte >> 4) as u32 | (((qh >> (j + 16)) & 1) << 4);
         out[j] = d * lo as f32 + m;
@@ -165,26 +166,20 @@ fn k4_scale_min(s: &[u8], j: usize) -> (f32, f32) {
 /// sub-block's 6-bit `sc` and `m` packed in bytes 4..16 ([`k4_scale_min`]); 4-bit `q` in bytes
 /// 16..144, each 32 bytes holding two sub-blocks (low nibbles, then high nibbles).
 pub fn dequantize_q4_k(b: &[u8; 144], out: &mut [f32; QK_K]) {
-    let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
-    let (scales, qs) = (&b[4..16], &b[16..]);
-    for pair in 0..4 {
-        let (sc1, m1) = k4_scale_min(scales, 2 * pair);
-        let (sc2, m2) = k4_scale_min(scales, 2 * pair + 1);
-        let (d1, m1, d2, m2) = (d * sc1, dmin * m1, d * sc2, dmin * m2);
-        let q = &qs[32 * pair..32 * pair + 32];
-        let o = &mut out[64 * pair..64 * pair + 64];
-        for l in 0..32 {
-            o[l] = d1 * f32::from(q[l] & 0x0f) - m1;
-            o[l + 32] = d2 * f32::from(q[l] >> 4) - m2;
-        }
-    }
+    k_affine(b, None, &b[16..], out);
 }
 
 /// Q5_K (176 bytes): Q4_K with a fifth bit per value: byte `l` of `qh` (bytes 16..48) holds
 /// value `l`'s of sub-blocks 0..8 in bits 0..8; the 4-bit parts in bytes 48..176.
 pub fn dequantize_q5_k(b: &[u8; 176], out: &mut [f32; QK_K]) {
+    k_affine(b, Some(&b[16..48]), &b[48..], out);
+}
+
+/// Q4_K and (with the fifth bits `qh`) Q5_K from the super-block's `d`, `dmin` and packed
+/// scales (bytes 0..16 of `b`) and the 4-bit parts `qs`.
+fn k_affine(b: &[u8], qh: Option<&[u8]>, qs: &[u8], out: &mut [f32; QK_K]) {
     let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
-    let (scales, qh, qs) = (&b[4..16], &b[16..48], &b[48..]);
+    let scales = &b[4..16];
     for pair in 0..4 {
         let (sc1, m1) = k4_scale_min(scales, 2 * pair);
         let (sc2, m2) = k4_scale_min(scales, 2 * pair + 1);
@@ -192,18 +187,14 @@ pub fn dequantize_q5_k(b: &[u8; 176], out: &mut [f32; QK_K]) {
         let q = &qs[32 * pair..32 * pair + 32];
         let o = &mut out[64 * pair..64 * pair + 64];
         for l in 0..32 {
-            let h1 = if qh[l] & (1 << (2 * pair)) != 0 {
-                16
-            } else {
-                0
-            };
-            let h2 = if qh[l] & (2 << (2 * pair)) != 0 {
-                16
-            } else {
-                0
-            };
-            o[l] = d1 * f32::from((q[l] & 0x0f) + h1) - m1;
-            o[l + 32] = d2 * f32::from((q[l] >> 4) + h2) - m2;
+            let (h1, h2) = qh.map_or((0, 0), |h| {
+                (
+                    ((h[l] >> (2 * pair)) & 1) << 4,
+                    ((h[l] >> (2 * pair + 1)) & 1) << 4,
+                )
+            });
+            o[l] = d1 * f32::from((q[l] & 0x0f) | h1) - m1;
+            o[l + 32] = d2 * f32::from((q[l] >> 4) | h2) - m2;
         }
     }
 }
