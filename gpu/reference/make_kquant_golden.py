@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Golden values for the GGUF block types Switchyard dequantizes (gpu/src/model/quant_blocks.rs):
-random blocks of Q5_0, Q5_1, Q4_K, Q5_K and Q6_K dequantized by the `gguf` Python package
+random blocks of Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K dequantized by the `gguf` Python package
 (llama.cpp's gguf-py, an independent implementation of the same formats), written to
 gpu/tests/fixtures/kquant_golden.json.
 
@@ -40,13 +40,16 @@ def block(ty):
     elif ty in (T.Q4_K, T.Q5_K):
         b[0:2] = f16(rng.uniform(0, 0.002))
         b[2:4] = f16(rng.uniform(0, 0.002))
-    elif ty == T.Q6_K:
+    elif ty == T.Q6_K or ty == T.Q3_K:
         b[size - 2:size] = f16(rng.uniform(-0.002, 0.002))
+    elif ty == T.Q2_K:
+        b[size - 4:size - 2] = f16(rng.uniform(0, 0.002))
+        b[size - 2:size] = f16(rng.uniform(0, 0.002))
     return bytes(b)
 
 
 out = {}
-for ty in (T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K):
+for ty in (T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K):
     raw = b"".join(block(ty) for _ in range(BLOCKS))
     values = dequantize(np.frombuffer(raw, dtype=np.uint8), ty).astype(np.float32)
     assert np.isfinite(values).all()

@@ -136,7 +136,13 @@ impl Weight {
             // The kernels take 32-value blocks of 4 or 8 bits: the 5-bit and K-quant types
             // become Q8_0 (their values to within half a Q8_0 step, at most 1/254 of each
             // 32-value block's largest magnitude).
-            DType::Q5_0 | DType::Q5_1 | DType::Q4K | DType::Q5K | DType::Q6K => {
+            DType::Q5_0
+            | DType::Q5_1
+            | DType::Q2K
+            | DType::Q3K
+            | DType::Q4K
+            | DType::Q5K
+            | DType::Q6K => {
                 let q8 = requantize_q8_0(view.dtype, rows, cols, view.data);
                 Weight::Quant(QMatrix::from_blocks(DType::Q8_0, rows, cols, &q8))
             }
@@ -561,7 +567,11 @@ mod tests {
                     scale(0);
                     scale(2);
                 }
-                DType::Q6K => scale(bb - 2),
+                DType::Q6K | DType::Q3K => scale(bb - 2),
+                DType::Q2K => {
+                    scale(bb - 4);
+                    scale(bb - 2);
+                }
                 _ => unreachable!("not a requantized type"),
             }
             out.extend_from_slice(&b);
@@ -574,7 +584,7 @@ mod tests {
     #[test]
     fn five_bit_and_k_quant_blocks_of_any_bytes_load() {
         let mut s = 0x9e37_79b9_7f4a_7c15u64;
-        for dtype in [DType::Q5_0, DType::Q5_1, DType::Q4K, DType::Q5K, DType::Q6K] {
+        for dtype in DType::FIVE_BIT_AND_K {
             for round in 0..50 {
                 let n = 2 * 512 / dtype.block_len() * dtype.block_bytes();
                 let data: Vec<u8> = (0..n)
@@ -605,7 +615,7 @@ mod tests {
     #[test]
     fn five_bit_and_k_quant_weights_load_as_q8_0_within_half_a_step() {
         let (rows, cols) = (3, 512);
-        for dtype in [DType::Q5_0, DType::Q5_1, DType::Q4K, DType::Q5K, DType::Q6K] {
+        for dtype in DType::FIVE_BIT_AND_K {
             let n = rows * cols / dtype.block_len();
             let data = random_blocks(dtype, n, dtype.block_bytes() as u64);
             let view = TensorView {

@@ -3,8 +3,8 @@
 use half::{bf16, f16};
 
 use super::quant_blocks::{
-    dequantize_q4_k, dequantize_q5_0, dequantize_q5_1, dequantize_q5_k, dequantize_q6_k, BlockQ4_0,
-    BlockQ4_1, BlockQ8_0, QK, QK_K,
+    dequantize_q2_k, dequantize_q3_k, dequantize_q4_k, dequantize_q5_0, dequantize_q5_1,
+    dequantize_q5_k, dequantize_q6_k, BlockQ4_0, BlockQ4_1, BlockQ8_0, QK, QK_K,
 };
 use super::tensor::DType;
 
@@ -53,6 +53,8 @@ pub fn to_f32(dtype: DType, data: &[u8]) -> Vec<f32> {
         }
         DType::Q5_0 => blocks(data, &mut out, &mut buf, dequantize_q5_0),
         DType::Q5_1 => blocks(data, &mut out, &mut buf, dequantize_q5_1),
+        DType::Q2K => blocks(data, &mut out, &mut [0f32; QK_K], dequantize_q2_k),
+        DType::Q3K => blocks(data, &mut out, &mut [0f32; QK_K], dequantize_q3_k),
         DType::Q4K => blocks(data, &mut out, &mut [0f32; QK_K], dequantize_q4_k),
         DType::Q5K => blocks(data, &mut out, &mut [0f32; QK_K], dequantize_q5_k),
         DType::Q6K => blocks(data, &mut out, &mut [0f32; QK_K], dequantize_q6_k),
@@ -90,14 +92,8 @@ mod tests {
         );
         let text = std::fs::read_to_string(path).expect("fixture");
         let golden: serde_json::Value = serde_json::from_str(&text).expect("json");
-        let types = [
-            (DType::Q5_0, "Q5_0"),
-            (DType::Q5_1, "Q5_1"),
-            (DType::Q4K, "Q4_K"),
-            (DType::Q5K, "Q5_K"),
-            (DType::Q6K, "Q6_K"),
-        ];
-        for (dtype, name) in types {
+        for dtype in DType::FIVE_BIT_AND_K {
+            let name = dtype.name();
             let g = &golden[name];
             let hex = g["hex"].as_str().expect("hex");
             let bytes: Vec<u8> = (0..hex.len())

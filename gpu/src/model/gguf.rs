@@ -351,6 +351,8 @@ fn dtype_from_ggml(ty: u32, tensor: &str) -> Result<DType, GpuError> {
         6 => DType::Q5_0,
         7 => DType::Q5_1,
         8 => DType::Q8_0,
+        10 => DType::Q2K,
+        11 => DType::Q3K,
         12 => DType::Q4K,
         13 => DType::Q5K,
         14 => DType::Q6K,
@@ -358,8 +360,6 @@ fn dtype_from_ggml(ty: u32, tensor: &str) -> Result<DType, GpuError> {
         other => {
             let type_name = match other {
                 9 => "Q8_1".to_string(),
-                10 => "Q2_K".to_string(),
-                11 => "Q3_K".to_string(),
                 15 => "Q8_K".to_string(),
                 n => format!("ggml type {n}"),
             };

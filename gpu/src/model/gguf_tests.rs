@@ -147,14 +147,22 @@ fn parses_metadata_and_tensors() {
 
 #[test]
 fn parses_k_quant_and_5_bit_tensors() {
-    // (ggml type, bytes per 256 values): Q5_0, Q5_1, Q4_K, Q5_K, Q6_K.
-    let types = [(6, 176), (7, 192), (12, 144), (13, 176), (14, 210)];
+    // (ggml type, bytes per 256 values): Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K.
+    let types = [
+        (6, 176),
+        (7, 192),
+        (10, 84),
+        (11, 110),
+        (12, 144),
+        (13, 176),
+        (14, 210),
+    ];
     let mut w = GgufWriter::default();
     for (i, &(ty, bytes)) in types.iter().enumerate() {
         w.tensor(&format!("t{i}"), &[256, 2], ty, vec![0; 2 * bytes]);
     }
     let h = parse(&w.build()).unwrap();
-    let want = [DType::Q5_0, DType::Q5_1, DType::Q4K, DType::Q5K, DType::Q6K];
+    let want = DType::FIVE_BIT_AND_K;
     for ((t, &(_, bytes)), dtype) in h.tensors.iter().zip(&types).zip(want) {
         assert_eq!(
             (t.dtype, t.shape.clone(), t.n_bytes),
@@ -293,10 +301,10 @@ fn rejects_bad_tensor_infos() {
     assert!(err_of(&w.build()).contains("zero"));
 
     let mut w = GgufWriter::default();
-    w.tensor("k3", &[256], 11, vec![0; 110]);
+    w.tensor("k8", &[256], 15, vec![0; 292]);
     let e = err_of(&w.build());
     assert!(
-        e.contains("unsupported tensor type Q3_K") && e.contains("k3"),
+        e.contains("unsupported tensor type Q8_K") && e.contains("k8"),
         "{e}"
     );
 

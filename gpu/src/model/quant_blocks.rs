@@ -147,6 +147,51 @@ fn five_bit(d: f32, m: f32, qh: &[u8], qs: &[u8], out: &mut [f32; QK]) {
     }
 }
 
+/// Q2_K (84 bytes, 16 sub-blocks of 16 values): `x = d * sc * q - dmin * m` with 4-bit `sc`
+/// (low nibble) and `m` (high nibble) per sub-block in bytes 0..16 and 2-bit `q` in bytes
+/// 16..80: per half of 128 values, 32 bytes whose bit pairs 0-1, 2-3, 4-5, 6-7 hold four runs
+/// of 32 values (each two sub-blocks); `d` and `dmin` are the f16 at bytes 80 and 82.
+pub fn dequantize_q2_k(b: &[u8; 84], out: &mut [f32; QK_K]) {
+    let (d, dmin) = (f16_at(b, 80), f16_at(b, 82));
+    for (sub, o) in out.chunks_exact_mut(16).enumerate() {
+        let (half, run, second) = (sub / 8, (sub % 8) / 2, sub % 2);
+        let sc = b[sub];
+        let (dl, ml) = (d * f32::from(sc & 0x0f), dmin * f32::from(sc >> 4));
+        let q = &b[16 + 32 * half + 16 * second..][..16];
+        for (y, &qb) in o.iter_mut().zip(q) {
+            *y = dl * f32::from((qb >> (2 * run)) & 3) - ml;
+        }
+    }
+}
+
+/// Q3_K (110 bytes, 16 sub-blocks of 16): `x = d * (sc - 32) * (q - 4 h')` where `q` is 2 bits
+/// laid out as Q2_K's (bytes 32..96), `h'` is 1 unless the value's bit in `hmask` (bytes 0..32:
+/// bit `k` of byte `l` for value `l` (mod 32) of run `k`) is set, and the 6-bit `sc` of
+/// sub-block `k` has its low four bits in the low (`k` < 8) or high nibble of byte `k mod 8`
+/// of bytes 96..104 and its top two in bits `2 (k / 4)` of byte `104 + k mod 4`; `d` is the
+/// f16 at bytes 108..110.
+pub fn dequantize_q3_k(b: &[u8; 110], out: &mut [f32; QK_K]) {
+    let d = f16_at(b, 108);
+    let (hmask, qs, sc) = (&b[..32], &b[32..96], &b[96..108]);
+    for (sub, o) in out.chunks_exact_mut(16).enumerate() {
+        let (half, run, second) = (sub / 8, (sub % 8) / 2, sub % 2);
+        let lo = if sub < 8 {
+            sc[sub] & 0x0f
+        } else {
+            sc[sub - 8] >> 4
+        };
+        let hi = (sc[8 + sub % 4] >> (2 * (sub / 4))) & 3;
+        let dl = d * f32::from((lo | (hi << 4)) as i8 - 32);
+        let q = &qs[32 * half + 16 * second..][..16];
+        let h = &hmask[16 * second..][..16];
+        let bit = 4 * half + run;
+        for ((y, &qb), &hb) in o.iter_mut().zip(q).zip(h) {
+            let minus = if hb & (1 << bit) != 0 { 0 } else { 4 };
+            *y = dl * f32::from(((qb >> (2 * run)) & 3) as i8 - minus);
+        }
+    }
+}
+
 /// The 6-bit scale and minimum of sub-block `j` (0..8) of a Q4_K / Q5_K super-block from its
 /// 12 packed bytes: sub-blocks 0..4 in the low six bits of bytes `j` and `j + 4`; 4..8 in the
 /// nibbles of byte `j + 4` with their top two bits in the top bits of bytes `j - 4` and `j`.

@@ -29,6 +29,10 @@ pub enum DType {
     Q5_0,
     /// ggml Q5_1: `{d: f16, m: f16, qh: [u8; 4], qs: [u8; 16]}`, 24 bytes per 32 values.
     Q5_1,
+    /// ggml Q2_K: `{scales: [u8; 16], qs: [u8; 64], d: f16, dmin: f16}`, 84 bytes per 256.
+    Q2K,
+    /// ggml Q3_K: `{hmask: [u8; 32], qs: [u8; 64], scales: [u8; 12], d: f16}`, 110 bytes per 256.
+    Q3K,
     /// ggml Q4_K: `{d: f16, dmin: f16, scales: [u8; 12], qs: [u8; 128]}`, 144 bytes per 256.
     Q4K,
     /// ggml Q5_K: Q4_K's fields and `qh: [u8; 32]` before `qs`, 176 bytes per 256 values.
@@ -38,12 +42,23 @@ pub enum DType {
 }
 
 impl DType {
+    /// The 5-bit and K-quant types (the CPU kernels take them as Q8_0), in ggml's type order.
+    pub const FIVE_BIT_AND_K: [DType; 7] = [
+        DType::Q5_0,
+        DType::Q5_1,
+        DType::Q2K,
+        DType::Q3K,
+        DType::Q4K,
+        DType::Q5K,
+        DType::Q6K,
+    ];
+
     /// Number of values stored in one block (1 for the float types).
     pub const fn block_len(self) -> usize {
         match self {
             DType::F32 | DType::F16 | DType::BF16 => 1,
             DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 => 32,
-            DType::Q4K | DType::Q5K | DType::Q6K => 256,
+            DType::Q2K | DType::Q3K | DType::Q4K | DType::Q5K | DType::Q6K => 256,
         }
     }
 
@@ -57,6 +72,8 @@ impl DType {
             DType::Q4_1 => 20,
             DType::Q5_0 => 22,
             DType::Q5_1 => 24,
+            DType::Q2K => 84,
+            DType::Q3K => 110,
             DType::Q4K => 144,
             DType::Q5K => 176,
             DType::Q6K => 210,
@@ -100,6 +117,8 @@ impl DType {
             DType::Q4_1 => "Q4_1",
             DType::Q5_0 => "Q5_0",
             DType::Q5_1 => "Q5_1",
+            DType::Q2K => "Q2_K",
+            DType::Q3K => "Q3_K",
             DType::Q4K => "Q4_K",
             DType::Q5K => "Q5_K",
             DType::Q6K => "Q6_K",
