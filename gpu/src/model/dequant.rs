@@ -27,30 +27,15 @@ pub fn to_f32(dtype: DType, data: &[u8]) -> Vec<f32> {
             data.chunks_exact(2)
                 .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()),
         ),
-        DType::Q8_0 => {
-            for c in data.chunks_exact(34) {
-                if let Ok(b) = <&[u8; 34]>::try_from(c) {
-                    BlockQ8_0::from_bytes(b).dequantize(&mut buf);
-                    out.extend_from_slice(&buf);
-                }
-            }
-        }
-        DType::Q4_0 => {
-            for c in data.chunks_exact(18) {
-                if let Ok(b) = <&[u8; 18]>::try_from(c) {
-                    BlockQ4_0::from_bytes(b).dequantize(&mut buf);
-                    out.extend_from_slice(&buf);
-                }
-            }
-        }
-        DType::Q4_1 => {
-            for c in data.chunks_exact(20) {
-                if let Ok(b) = <&[u8; 20]>::try_from(c) {
-                    BlockQ4_1::from_bytes(b).dequantize(&mut buf);
-                    out.extend_from_slice(&buf);
-                }
-            }
-        }
+        DType::Q8_0 => blocks(data, &mut out, &mut buf, |b, o| {
+            BlockQ8_0::from_bytes(b).dequantize(o)
+        }),
+        DType::Q4_0 => blocks(data, &mut out, &mut buf, |b, o| {
+            BlockQ4_0::from_bytes(b).dequantize(o)
+        }),
+        DType::Q4_1 => blocks(data, &mut out, &mut buf, |b, o| {
+            BlockQ4_1::from_bytes(b).dequantize(o)
+        }),
         DType::Q5_0 => blocks(data, &mut out, &mut buf, dequantize_q5_0),
         DType::Q5_1 => blocks(data, &mut out, &mut buf, dequantize_q5_1),
         DType::Q2K => blocks(data, &mut out, &mut [0f32; QK_K], dequantize_q2_k),
