@@ -738,7 +738,7 @@ fn drafts_are_proposed_verified_and_their_rejected_blocks_freed() {
     let prompt = vec![10, 11, 12, 13, 14, 15, 16, 10, 11];
     s.add_request(req(1, 0, prompt.clone(), 7)).unwrap();
     let model = [12u32, 13, 99, 98, 97, 96, 95];
-    let mut run = |s: &mut Scheduler| {
+    let run = |s: &mut Scheduler| {
         let plan = s.schedule(Timestamp(0));
         let outs: Vec<StepOutput> = plan
             .seqs
