@@ -15,6 +15,7 @@ use switchyard_gpu::cpu::attention::QueryPos;
 use switchyard_gpu::cpu::kv_cache::KvCache;
 use switchyard_gpu::cpu::llama::{ActivationPrecision, LlamaModel, StepInput};
 use switchyard_gpu::cpu::matmul::Isa;
+use switchyard_gpu::model::fetch::sha256_file;
 use switchyard_gpu::model::gguf::GgufFile;
 use switchyard_gpu::model::LlamaConfig;
 use switchyard_gpu::sampler::log_softmax;
@@ -33,7 +34,11 @@ fn model() -> LlamaModel {
         "{} is missing: run `switchyard model fetch smollm2-135m` first",
         path.display()
     );
-    let (header, weights) = GgufFile::open(&path)
+    model_at(&path)
+}
+
+fn model_at(path: &std::path::Path) -> LlamaModel {
+    let (header, weights) = GgufFile::open(path)
         .and_then(|f| f.into_weights())
         .expect("read the GGUF file");
     let config = LlamaConfig::from_gguf(&header).expect("model config");
@@ -121,13 +126,21 @@ fn teacher_forced(
 }
 
 fn check(isa: Isa, precision: ActivationPrecision) {
-    let mut model = model();
+    check_model(model(), &fixture(), isa, precision, 0.99);
+}
+
+fn check_model(
+    mut model: LlamaModel,
+    fx: &Value,
+    isa: Isa,
+    precision: ActivationPrecision,
+    min_top1: f64,
+) {
     model.set_precision(precision);
     if model.set_isa(isa).is_err() {
         eprintln!("{isa:?} is not supported here; skipped");
         return;
     }
-    let fx = fixture();
     let gens = fx["generations"].as_array().expect("generations");
     assert!(!gens.is_empty());
     let (mut agree, mut total, mut diff) = (0, 0, 0f64);
@@ -145,7 +158,7 @@ fn check(isa: Isa, precision: ActivationPrecision) {
     let agreement = agree as f64 / total as f64;
     let mean = diff / total as f64;
     eprintln!("{isa:?} {precision:?}: top-1 agreement {agreement:.4} over {total} positions, mean |dlogprob| {mean:.4} nats");
-    assert!(agreement >= 0.99, "top-1 agreement {agreement}");
+    assert!(agreement >= min_top1, "top-1 agreement {agreement}");
     assert!(mean <= 0.05, "mean |logprob difference| {mean}");
 }
 
@@ -171,6 +184,43 @@ fn teacher_forced_logprobs_match_transformers_with_precise_activations() {
 /// activations in its O, gate|up and LM-head products the AVX-512 VNNI kernels measured 97.5%
 /// top-1, three positions where the reference's top two were 0.06-0.21 apart, and mean
 /// |dlogprob| 0.043, against 100% and 0.0007.)
+/// The same check on a Q4_K_M file (Q4_K, Q5_0, Q6_K and Q8_0 tensors) made from the embedded
+/// model by ggml's own quantizer, against transformers reading that file. The file is 105 MB
+/// and not shipped: make it with gpu/reference/make_kquant_model.py (its sha256 is in the
+/// fixture) and name it in `SWITCHYARD_KQUANT_GGUF`, then run this test with `--ignored`.
+///
+/// With two-level activations everywhere the weights are the only difference: 99.65% top-1,
+/// mean |dlogprob| 0.0007 (the same file decoded by gguf-py and run in f32: 100%, 0.0003).
+/// With int8 activations into the O, gate|up and LM-head products (`Mixed`, the AVX-512
+/// default) 98.26%, 0.019: the file came from the Q4_1 one, quantized twice, and its
+/// greedy runs pass near-ties (top-2 gaps down to 0.0002 nats), five of which turn; hence
+/// 97% for that precision here.
+#[test]
+#[ignore = "needs a Q4_K_M file made by gpu/reference/make_kquant_model.py"]
+fn teacher_forced_logprobs_of_a_q4_k_m_file_match_transformers() {
+    let fx = read_fixture("smollm2_q4_k_m_golden.json", "make_golden.py --any-model");
+    let path = PathBuf::from(
+        std::env::var("SWITCHYARD_KQUANT_GGUF").expect("SWITCHYARD_KQUANT_GGUF names the file"),
+    );
+    assert_eq!(
+        sha256_file(&path).expect("read the Q4_K_M file"),
+        fx["model_sha256"].as_str().expect("model_sha256"),
+        "{} is not the file the fixture was made from",
+        path.display()
+    );
+    for isa in [Isa::detect(), Isa::Avx2] {
+        check_model(
+            model_at(&path),
+            &fx,
+            isa,
+            ActivationPrecision::Precise,
+            0.99,
+        );
+    }
+    let default = ActivationPrecision::default();
+    check_model(model_at(&path), &fx, Isa::detect(), default, 0.97);
+}
+
 #[test]
 fn teacher_forced_logprobs_with_a_lora_adapter_match_transformers() {
     for precision in [ActivationPrecision::Precise, ActivationPrecision::default()] {

@@ -172,17 +172,29 @@ fn quant_rows(w: &QMatrix, a: &QActs, lo: usize, hi: usize, out: OutPtr, col0: u
 pub fn dot_scalar(w: &QMatrix, r: usize, a: &QActs, t: usize) -> f32 {
     let nb = w.blocks;
     let mut total = 0f32;
+    let dot = |lo: usize, hi: usize| -> i32 {
+        (lo..hi)
+            .map(|i| i32::from(w.quant(r, i)) * i32::from(a.qs[t * nb * QK + i]))
+            .sum()
+    };
     for b in 0..nb {
-        let mut isum = 0i32;
-        for j in 0..QK {
-            let i = b * QK + j;
-            isum += i32::from(w.quant(r, i)) * i32::from(a.qs[t * nb * QK + i]);
+        let ab = t * nb + b;
+        if w.packing == QPacking::Byte16 {
+            let sums = [a.qsum_lo[ab], a.qsum[ab] - a.qsum_lo[ab]];
+            for (h, &qsum) in sums.iter().enumerate() {
+                let lo = b * QK + 16 * h;
+                let isum = dot(lo, lo + 16) - 128 * qsum;
+                let (d, m) = w.scale(r, lo);
+                total += d * a.d[ab] * isum as f32 + m * a.d[ab] * qsum as f32;
+            }
+            continue;
         }
-        let (d, m) = w.scale(r, b);
+        let mut isum = dot(b * QK, (b + 1) * QK);
+        let (d, m) = w.scale(r, b * QK);
         if w.packing == QPacking::Byte {
-            isum -= 128 * a.qsum[t * nb + b];
+            isum -= 128 * a.qsum[ab];
         }
-        total += d * a.d[t * nb + b] * isum as f32 + m * a.s[t * nb + b];
+        total += d * a.d[ab] * isum as f32 + m * a.s[ab];
     }
     total
 }
@@ -337,6 +349,8 @@ mod x86 {
         let nb = w.blocks;
         let gbb = w.packing.group_block_bytes();
         let nib = w.packing == QPacking::Nibble;
+        let b16 = w.packing == QPacking::Byte16;
+        let halves = w.packing.scales_per_block();
         let m4 = _mm512_set1_epi8(0x0f);
         let zero = _mm512_setzero_si512();
         let mut acc = [_mm512_setzero_ps(); NT];
@@ -355,12 +369,41 @@ mod x86 {
                     *v = _mm512_loadu_si512(src.add(64 * k) as *const __m512i);
                 }
             }
-            let dw = _mm512_cvtph_ps(_mm256_loadu_si256(
-                w.d.as_ptr().add(gb * ROW_GROUP) as *const __m256i
-            ));
-            let mw = _mm512_cvtph_ps(_mm256_loadu_si256(
-                w.m.as_ptr().add(gb * ROW_GROUP) as *const __m256i
-            ));
+            let at = gb * halves * ROW_GROUP;
+            let dw = _mm512_cvtph_ps(_mm256_loadu_si256(w.d.as_ptr().add(at) as *const __m256i));
+            let mw = _mm512_cvtph_ps(_mm256_loadu_si256(w.m.as_ptr().add(at) as *const __m256i));
+            if b16 {
+                // The second half-block's scales and offsets follow the first's.
+                let at = at + ROW_GROUP;
+                let dh =
+                    _mm512_cvtph_ps(_mm256_loadu_si256(w.d.as_ptr().add(at) as *const __m256i));
+                let mh =
+                    _mm512_cvtph_ps(_mm256_loadu_si256(w.m.as_ptr().add(at) as *const __m256i));
+                for (t, acc) in acc.iter_mut().enumerate() {
+                    let ab = (t0 + t) * nb + b;
+                    let xp = a.qs.as_ptr().add(ab * QK);
+                    let (mut lo, mut hi) = (zero, zero);
+                    for k in 0..4 {
+                        lo = _mm512_dpbusd_epi32(lo, wv[k], _mm512_set1_epi32(four(xp.add(4 * k))));
+                        hi = _mm512_dpbusd_epi32(
+                            hi,
+                            wv[k + 4],
+                            _mm512_set1_epi32(four(xp.add(16 + 4 * k))),
+                        );
+                    }
+                    let ql = *a.qsum_lo.as_ptr().add(ab);
+                    let qh = *a.qsum.as_ptr().add(ab) - ql;
+                    lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(128 * ql));
+                    hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(128 * qh));
+                    let ad = *a.d.as_ptr().add(ab);
+                    let adv = _mm512_set1_ps(ad);
+                    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(dw, adv), *acc);
+                    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(dh, adv), *acc);
+                    *acc = _mm512_fmadd_ps(mw, _mm512_set1_ps(ad * ql as f32), *acc);
+                    *acc = _mm512_fmadd_ps(mh, _mm512_set1_ps(ad * qh as f32), *acc);
+                }
+                continue;
+            }
             for (t, acc) in acc.iter_mut().enumerate() {
                 let ab = (t0 + t) * nb + b;
                 let xp = a.qs.as_ptr().add(ab * QK);
@@ -431,6 +474,8 @@ mod x86 {
         let nb = w.blocks;
         let gbb = w.packing.group_block_bytes();
         let nib = w.packing == QPacking::Nibble;
+        let b16 = w.packing == QPacking::Byte16;
+        let halves = w.packing.scales_per_block();
         let m4 = _mm256_set1_epi8(0x0f);
         let ones = _mm256_set1_epi16(1);
         let mut acc = [_mm256_setzero_ps(); NT];
@@ -451,12 +496,37 @@ mod x86 {
                     *v = _mm256_xor_si256(z, _mm256_set1_epi8(-128));
                 }
             }
-            let dw = _mm256_cvtph_ps(_mm_loadu_si128(
-                w.d.as_ptr().add(gb * ROW_GROUP + 8 * half) as *const __m128i
-            ));
-            let mw = _mm256_cvtph_ps(_mm_loadu_si128(
-                w.m.as_ptr().add(gb * ROW_GROUP + 8 * half) as *const __m128i
-            ));
+            let at = gb * halves * ROW_GROUP + 8 * half;
+            let dw = _mm256_cvtph_ps(_mm_loadu_si128(w.d.as_ptr().add(at) as *const __m128i));
+            let mw = _mm256_cvtph_ps(_mm_loadu_si128(w.m.as_ptr().add(at) as *const __m128i));
+            if b16 {
+                // The second half-block's scales and offsets follow the first's.
+                let at = at + ROW_GROUP;
+                let dh = _mm256_cvtph_ps(_mm_loadu_si128(w.d.as_ptr().add(at) as *const __m128i));
+                let mh = _mm256_cvtph_ps(_mm_loadu_si128(w.m.as_ptr().add(at) as *const __m128i));
+                for (t, acc) in acc.iter_mut().enumerate() {
+                    let ab = (t0 + t) * nb + b;
+                    let xp = a.qs.as_ptr().add(ab * QK);
+                    let mut sums = [_mm256_setzero_si256(); 2];
+                    for (k, &wk) in wv.iter().enumerate() {
+                        let x = _mm256_set1_epi32(four(xp.add(4 * k)));
+                        let prod =
+                            _mm256_maddubs_epi16(_mm256_sign_epi8(wk, wk), _mm256_sign_epi8(x, wk));
+                        sums[k / 4] = _mm256_add_epi32(sums[k / 4], _mm256_madd_epi16(prod, ones));
+                    }
+                    let ql = *a.qsum_lo.as_ptr().add(ab);
+                    let qh = *a.qsum.as_ptr().add(ab) - ql;
+                    let ad = *a.d.as_ptr().add(ab);
+                    let adv = _mm256_set1_ps(ad);
+                    *acc =
+                        _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[0]), _mm256_mul_ps(dw, adv), *acc);
+                    *acc =
+                        _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[1]), _mm256_mul_ps(dh, adv), *acc);
+                    *acc = _mm256_fmadd_ps(mw, _mm256_set1_ps(ad * ql as f32), *acc);
+                    *acc = _mm256_fmadd_ps(mh, _mm256_set1_ps(ad * qh as f32), *acc);
+                }
+                continue;
+            }
             for (t, acc) in acc.iter_mut().enumerate() {
                 let ab = (t0 + t) * nb + b;
                 let xp = a.qs.as_ptr().add(ab * QK);
@@ -538,19 +608,42 @@ mod tests {
     }
 
     /// Every ISA this machine supports gives the dequantized `f32` product up to rounding,
-    /// for odd row/token counts and a row length that is not a whole number of pairs.
+    /// for odd row/token counts and a row length that is not a whole number of pairs, in
+    /// every packing (the 5-bit and K-quant types take all three).
     #[test]
     fn simd_kernels_match_the_dequantized_reference() {
+        let mut cases: Vec<(DType, [usize; 3])> = Vec::new();
         for dtype in [DType::Q4_1, DType::Q4_0, DType::Q8_0, DType::F32] {
-            for (rows, cols, tokens) in [(37, 96, 5), (8, 64, 1), (70, 576, 19), (16, 32, 8)] {
-                let data = random_tensor(dtype, rows, cols, rows as u64 * 31 + cols as u64);
+            for shape in [[37, 96, 5], [8, 64, 1], [70, 576, 19], [16, 32, 8]] {
+                cases.push((dtype, shape));
+            }
+        }
+        for dtype in DType::FIVE_BIT_AND_K {
+            for shape in [[37, 256, 5], [70, 512, 19], [16, 256, 1]] {
+                cases.push((dtype, shape));
+            }
+        }
+        for (dtype, [rows, cols, tokens]) in cases {
+            {
+                let seed = rows as u64 * 31 + cols as u64;
+                let data = if DType::FIVE_BIT_AND_K.contains(&dtype) {
+                    let n = rows * cols / dtype.block_len();
+                    crate::cpu::quant::tests::random_blocks(dtype, n, seed)
+                } else {
+                    random_tensor(dtype, rows, cols, seed)
+                };
                 let view = TensorView {
                     dtype,
                     shape: vec![rows, cols],
                     data: &data,
                 };
                 let w = Weight::from_view("w", &view).unwrap();
-                let wf = view.to_f32_vec();
+                // The weights as the kernels hold them (the file's values, up to the K-quants'
+                // scales rounded to f16: checked in `quant`).
+                let mut wf = vec![0f32; rows * cols];
+                for (r, row) in wf.chunks_exact_mut(cols).enumerate() {
+                    w.row_f32(r, row);
+                }
                 let mut s = 99u64;
                 let x: Vec<f32> = (0..tokens * cols)
                     .map(|_| (lcg(&mut s) % 1000) as f32 / 250.0 - 2.0)

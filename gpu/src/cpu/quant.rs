@@ -7,8 +7,13 @@
 //! each 32-bit lane):
 //!
 //! * Every quantized weight format is rewritten at load time into one affine form,
-//!   `w = d * q + m` with `q` an **unsigned** byte: Q4_1 as is, Q4_0 with `m = -8 d`, Q8_0 with
-//!   `q = w + 128` (whose `128 * sum(x)` is subtracted in integers, so Q8_0 stays exact).
+//!   `w = d * q + m` with `q` an **unsigned** byte: Q4_1 as is, Q4_0 with `m = -8 d`, Q4_K's
+//!   32-value sub-blocks with `d * sc` and `-dmin * m` rounded to `f16`, Q8_0 with
+//!   `q = w + 128` (whose `128 * sum(x)` is subtracted in integers, so Q8_0 stays exact) and
+//!   Q5_0 likewise (`q = w / d + 128`). The types whose scales cover 16 values (Q2_K, Q3_K,
+//!   Q6_K) or whose quants have five bits and an offset (Q5_1, Q5_K) keep bytes `v + 128` with
+//!   a scale and an offset per 16 values ([`QPacking::Byte16`]; the activations carry the sum
+//!   of each block's first 16 quants for them), so no type is requantized.
 //! * Rows are **interleaved by 16**: for a group of 16 rows and one 32-value block, 32-bit lane
 //!   `i` of a vector holds four consecutive quants of row `i`. One `vpdpbusd` against four
 //!   activation bytes broadcast to all lanes advances 16 rows at once, eight of them finish a
@@ -30,7 +35,10 @@ use rayon::prelude::*;
 
 use super::matmul::Isa;
 use crate::error::GpuError;
-use crate::model::quant_blocks::{BlockQ4_0, BlockQ4_1, BlockQ8_0, QK};
+use crate::model::quant_blocks::{
+    five_bit_quants, q2_k_sub_blocks, q3_k_sub_blocks, q4_k_sub_blocks, q5_k_sub_blocks,
+    q6_k_sub_blocks, BlockQ4_0, BlockQ4_1, BlockQ8_0, QK,
+};
 use crate::model::tensor::{DType, TensorView};
 
 /// Rows interleaved together (the lanes of a 512-bit vector of `i32`).
@@ -39,13 +47,17 @@ pub const ROW_GROUP: usize = 16;
 /// How the unsigned quants of a [`QMatrix`] are packed.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum QPacking {
-    /// 4-bit quants (from Q4_0 and Q4_1): in each 64-byte vector, byte `j` of lane `i` holds
+    /// 4-bit quants (from Q4_0, Q4_1 and Q4_K): in each 64-byte vector, byte `j` of lane `i` holds
     /// value `4k + j` of row `i` in its low nibble and value `16 + 4k + j` in its high nibble,
     /// for vectors `k = 0..4`.
     Nibble,
-    /// 8-bit quants `w + 128` (from Q8_0): byte `j` of lane `i` of vector `k = 0..8` is value
-    /// `4k + j` of row `i`.
+    /// 8-bit quants `w / d + 128` (from Q8_0 and Q5_0): byte `j` of lane `i` of vector
+    /// `k = 0..8` is value `4k + j` of row `i`.
     Byte,
+    /// 8-bit quants `v + 128` laid out as [`QPacking::Byte`]'s, with a scale and an offset per
+    /// 16 values, `w = d * v + m` (from the K-quants other than Q4_K, whose scales are per 16
+    /// values or whose quants have five bits, and Q5_1).
+    Byte16,
 }
 
 impl QPacking {
@@ -53,7 +65,15 @@ impl QPacking {
     pub const fn group_block_bytes(self) -> usize {
         match self {
             QPacking::Nibble => 256,
-            QPacking::Byte => 512,
+            QPacking::Byte | QPacking::Byte16 => 512,
+        }
+    }
+
+    /// Scales (and offsets) per row and 32-value block.
+    pub const fn scales_per_block(self) -> usize {
+        match self {
+            QPacking::Byte16 => 2,
+            QPacking::Nibble | QPacking::Byte => 1,
         }
     }
 }
@@ -73,11 +93,11 @@ pub struct QMatrix {
     /// Packed unsigned quants, `[row group][block][packing.group_block_bytes()]`; rows are
     /// padded to a whole group with zeros.
     pub qs: Vec<u8>,
-    /// Scales, `[row group][block][16 rows]`, in half precision as in the file (they are a
-    /// fifth of the bytes that decode streams; one conversion instruction loads 16).
+    /// Scales, `[row group][block][packing.scales_per_block()][16 rows]`, in half precision
+    /// as in the file (they are a fifth of the bytes that decode streams; one conversion
+    /// instruction loads 16).
     pub d: Vec<f16>,
-    /// Offsets, `[row group][block][16 rows]` (zero for Q8_0, whose offset is applied in
-    /// integers).
+    /// Offsets, laid out as `d` (zero for Q8_0, whose offset is applied in integers).
     pub m: Vec<f16>,
 }
 
@@ -95,7 +115,7 @@ pub struct FMatrix {
 /// A weight matrix in whichever representation the kernels use for its file type.
 #[derive(Clone, Debug)]
 pub enum Weight {
-    /// Integer-dot-product weights (Q4_0, Q4_1, Q8_0 in the file).
+    /// Integer-dot-product weights (every quantized type in the file).
     Quant(QMatrix),
     /// `f32` weights (F32, F16, BF16 in the file).
     Float(FMatrix),
@@ -130,22 +150,16 @@ impl Weight {
                 cols,
                 w: floats_to_f32(view.dtype, view.data),
             }),
-            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => {
-                Weight::Quant(QMatrix::from_blocks(view.dtype, rows, cols, view.data))
-            }
-            // The kernels take 32-value blocks of 4 or 8 bits: the 5-bit and K-quant types
-            // become Q8_0 (their values to within half a Q8_0 step, at most 1/254 of each
-            // 32-value block's largest magnitude).
-            DType::Q5_0
+            DType::Q8_0
+            | DType::Q4_0
+            | DType::Q4_1
+            | DType::Q5_0
             | DType::Q5_1
             | DType::Q2K
             | DType::Q3K
             | DType::Q4K
             | DType::Q5K
-            | DType::Q6K => {
-                let q8 = requantize_q8_0(view.dtype, rows, cols, view.data);
-                Weight::Quant(QMatrix::from_blocks(DType::Q8_0, rows, cols, &q8))
-            }
+            | DType::Q6K => Weight::Quant(QMatrix::from_blocks(view.dtype, rows, cols, view.data)),
         })
     }
 
@@ -194,59 +208,107 @@ fn floats_to_f32(dtype: DType, data: &[u8]) -> Vec<f32> {
     }
 }
 
-/// One ggml block in affine form: unsigned quants, scale, offset (both exact in `f16`: the
-/// file's own values, `-8 d` for Q4_0, zero for Q8_0).
-fn decode_block(dtype: DType, bytes: &[u8], q: &mut [u8; QK]) -> (f16, f16) {
-    match dtype {
-        DType::Q4_1 => {
-            let mut b = [0u8; 20];
-            b.copy_from_slice(&bytes[..20]);
-            let blk = BlockQ4_1::from_bytes(&b);
-            unpack_nibbles(&blk.qs, q);
-            (blk.d, blk.m)
-        }
-        DType::Q4_0 => {
-            let mut b = [0u8; 18];
-            b.copy_from_slice(&bytes[..18]);
-            let blk = BlockQ4_0::from_bytes(&b);
-            unpack_nibbles(&blk.qs, q);
-            (blk.d, -(blk.d * f16::from_f32(8.0)))
-        }
-        _ => {
-            let mut b = [0u8; 34];
-            b.copy_from_slice(&bytes[..34]);
-            let blk = BlockQ8_0::from_bytes(&b);
-            for (o, &v) in q.iter_mut().zip(&blk.qs) {
-                *o = (i16::from(v) + 128) as u8;
+/// Calls `f(b, q, dm)` for each 32-value block `b` of one row of `dtype` blocks (`row`, whole
+/// blocks) in the form of `dtype`'s [`QPacking`]: unsigned quants `q`, and scale and offset
+/// `dm[h] = (d, m)` of values `16 h..16 h + 16` (the same for both halves unless the packing is
+/// [`QPacking::Byte16`]), the value being `d * q + m` (Nibble), `d * (q - 128)` (Byte, `m`
+/// zero) or `d * (q - 128) + m` (Byte16). Exact for Q4_0 (`m = -8 d`), Q4_1, Q8_0, Q5_0
+/// (`q + 112`) and Q5_1; the K-quants' sub-block scales (`d * sc`) and offsets (`-dmin * m`)
+/// are rounded to `f16` (relative error at most 2^-11).
+fn affine_blocks(dtype: DType, row: &[u8], mut f: impl FnMut(usize, &[u8; QK], [(f16, f16); 2])) {
+    let bb = dtype.block_bytes();
+    let mut q = [0u8; QK];
+    let h = f16::from_f32;
+    for (i, bytes) in row.chunks_exact(bb).enumerate() {
+        match dtype {
+            DType::Q4_1 => {
+                let mut b = [0u8; 20];
+                b.copy_from_slice(bytes);
+                let blk = BlockQ4_1::from_bytes(&b);
+                unpack_nibbles(&blk.qs, &mut q);
+                f(i, &q, [(blk.d, blk.m); 2]);
             }
-            (blk.d, f16::ZERO)
+            DType::Q4_0 => {
+                let mut b = [0u8; 18];
+                b.copy_from_slice(bytes);
+                let blk = BlockQ4_0::from_bytes(&b);
+                unpack_nibbles(&blk.qs, &mut q);
+                f(i, &q, [(blk.d, -(blk.d * f16::from_f32(8.0))); 2]);
+            }
+            DType::Q5_0 => {
+                // d * (q - 16) = d * ((q + 112) - 128): Q8_0's form, exactly.
+                for (o, v) in q.iter_mut().zip(five_bit_quants(&bytes[2..6], &bytes[6..])) {
+                    *o = v + 112;
+                }
+                f(
+                    i,
+                    &q,
+                    [(f16::from_le_bytes([bytes[0], bytes[1]]), f16::ZERO); 2],
+                );
+            }
+            DType::Q5_1 => {
+                for (o, v) in q.iter_mut().zip(five_bit_quants(&bytes[4..8], &bytes[8..])) {
+                    *o = v + 128;
+                }
+                let d = f16::from_le_bytes([bytes[0], bytes[1]]);
+                let m = f16::from_le_bytes([bytes[2], bytes[3]]);
+                f(i, &q, [(d, m); 2]);
+            }
+            DType::Q4K => {
+                let mut b = [0u8; 144];
+                b.copy_from_slice(bytes);
+                q4_k_sub_blocks(&b, |j, d, m, q| f(8 * i + j, q, [(h(d), h(-m)); 2]));
+            }
+            DType::Q5K => {
+                let mut b = [0u8; 176];
+                b.copy_from_slice(bytes);
+                q5_k_sub_blocks(&b, |j, d, m, src| {
+                    for (o, &v) in q.iter_mut().zip(src) {
+                        *o = v + 128;
+                    }
+                    f(8 * i + j, &q, [(h(d), h(-m)); 2]);
+                });
+            }
+            DType::Q6K | DType::Q3K | DType::Q2K => {
+                // Sixteen sub-blocks of 16 values: two to a 32-value block.
+                let mut dm = [(f16::ZERO, f16::ZERO); 2];
+                let mut put = |j: usize, q16: [u8; 16], d: f32, m: f32| {
+                    q[16 * (j % 2)..16 * (j % 2) + 16].copy_from_slice(&q16);
+                    dm[j % 2] = (h(d), h(m));
+                    if j % 2 == 1 {
+                        f(8 * i + j / 2, &q, dm);
+                    }
+                };
+                let signed = |v: &[i8; 16]| v.map(|v| (i16::from(v) + 128) as u8);
+                match dtype {
+                    DType::Q6K => {
+                        let mut b = [0u8; 210];
+                        b.copy_from_slice(bytes);
+                        q6_k_sub_blocks(&b, |j, d, v| put(j, signed(v), d, 0.0));
+                    }
+                    DType::Q3K => {
+                        let mut b = [0u8; 110];
+                        b.copy_from_slice(bytes);
+                        q3_k_sub_blocks(&b, |j, d, v| put(j, signed(v), d, 0.0));
+                    }
+                    _ => {
+                        let mut b = [0u8; 84];
+                        b.copy_from_slice(bytes);
+                        q2_k_sub_blocks(&b, |j, d, m, v| put(j, v.map(|v| v + 128), d, -m));
+                    }
+                }
+            }
+            _ => {
+                let mut b = [0u8; 34];
+                b.copy_from_slice(bytes);
+                let blk = BlockQ8_0::from_bytes(&b);
+                for (o, &v) in q.iter_mut().zip(&blk.qs) {
+                    *o = (i16::from(v) + 128) as u8;
+                }
+                f(i, &q, [(blk.d, f16::ZERO); 2]);
+            }
         }
     }
-}
-
-/// The `rows x cols` values of `data` (whole blocks of `dtype` per row, validated by the
-/// caller) as Q8_0 blocks: per 32 values, `d = max |x| / 127` (as f16) and `q = round(x / d)`.
-/// One row is dequantized at a time.
-fn requantize_q8_0(dtype: DType, rows: usize, cols: usize, data: &[u8]) -> Vec<u8> {
-    let row_bytes = data.len() / rows.max(1);
-    let mut out = Vec::with_capacity(rows * (cols / QK) * 34);
-    for row in data.chunks_exact(row_bytes) {
-        for x in crate::model::dequant::to_f32(dtype, row).chunks_exact(QK) {
-            let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let d = f16::from_f32(amax / 127.0);
-            let inv = if d.to_f32() > 0.0 {
-                1.0 / d.to_f32()
-            } else {
-                0.0
-            };
-            out.extend_from_slice(&d.to_le_bytes());
-            out.extend(
-                x.iter()
-                    .map(|v| (v * inv).round().clamp(-127.0, 127.0) as i8 as u8),
-            );
-        }
-    }
-    out
 }
 
 fn unpack_nibbles(qs: &[u8; QK / 2], q: &mut [u8; QK]) {
@@ -260,33 +322,33 @@ impl QMatrix {
     /// Repacks `rows * cols` values of ggml blocks (`data` validated by the caller against
     /// shape and type) into the interleaved layout.
     fn from_blocks(dtype: DType, rows: usize, cols: usize, data: &[u8]) -> Self {
-        let packing = if dtype == DType::Q8_0 {
-            QPacking::Byte
-        } else {
-            QPacking::Nibble
+        let packing = match dtype {
+            DType::Q8_0 | DType::Q5_0 => QPacking::Byte,
+            DType::Q4_0 | DType::Q4_1 | DType::Q4K => QPacking::Nibble,
+            _ => QPacking::Byte16,
         };
         let blocks = cols / QK;
         let groups = rows.div_ceil(ROW_GROUP);
         let gbb = packing.group_block_bytes();
+        let halves = packing.scales_per_block();
         let mut qs = vec![0u8; groups * blocks * gbb];
-        let mut d = vec![f16::ZERO; groups * blocks * ROW_GROUP];
-        let mut m = vec![f16::ZERO; groups * blocks * ROW_GROUP];
-        let bb = dtype.block_bytes();
-        let mut q = [0u8; QK];
-        for r in 0..rows {
+        let mut d = vec![f16::ZERO; groups * blocks * halves * ROW_GROUP];
+        let mut m = vec![f16::ZERO; groups * blocks * halves * ROW_GROUP];
+        let row_bytes = data.len() / rows.max(1);
+        for (r, row) in data.chunks_exact(row_bytes).enumerate() {
             let (g, lane) = (r / ROW_GROUP, r % ROW_GROUP);
-            for b in 0..blocks {
-                let off = (r * blocks + b) * bb;
-                let (bd, bm) = decode_block(dtype, &data[off..off + bb], &mut q);
+            affine_blocks(dtype, row, |b, q, dm| {
                 let gb = g * blocks + b;
-                d[gb * ROW_GROUP + lane] = bd;
-                m[gb * ROW_GROUP + lane] = bm;
+                for (h, &(bd, bm)) in dm.iter().take(halves).enumerate() {
+                    d[(gb * halves + h) * ROW_GROUP + lane] = bd;
+                    m[(gb * halves + h) * ROW_GROUP + lane] = bm;
+                }
                 let dst = &mut qs[gb * gbb..(gb + 1) * gbb];
                 for (v, &qv) in q.iter().enumerate() {
                     let (byte, shift) = Self::position(packing, lane, v);
                     dst[byte] |= qv << shift;
                 }
-            }
+            });
         }
         QMatrix {
             rows,
@@ -307,7 +369,7 @@ impl QMatrix {
                 let (k, j) = ((v % 16) / 4, v % 4);
                 (k * 64 + lane * 4 + j, if v < 16 { 0 } else { 4 })
             }
-            QPacking::Byte => ((v / 4) * 64 + lane * 4 + v % 4, 0),
+            QPacking::Byte | QPacking::Byte16 => ((v / 4) * 64 + lane * 4 + v % 4, 0),
         }
     }
 
@@ -319,25 +381,30 @@ impl QMatrix {
         let v = self.qs[gb * self.packing.group_block_bytes() + byte] >> shift;
         match self.packing {
             QPacking::Nibble => v & 0x0f,
-            QPacking::Byte => v,
+            QPacking::Byte | QPacking::Byte16 => v,
         }
     }
 
-    /// Scale and offset of block `b` of row `r`.
+    /// Scale and offset of column `i` of row `r` (those of its block, or with
+    /// [`QPacking::Byte16`] of its half-block).
     #[inline]
-    pub fn scale(&self, r: usize, b: usize) -> (f32, f32) {
-        let i = ((r / ROW_GROUP) * self.blocks + b) * ROW_GROUP + r % ROW_GROUP;
-        (self.d[i].to_f32(), self.m[i].to_f32())
+    pub fn scale(&self, r: usize, i: usize) -> (f32, f32) {
+        let halves = self.packing.scales_per_block();
+        let gb = (r / ROW_GROUP) * self.blocks + i / QK;
+        let h = if halves == 2 { (i % QK) / 16 } else { 0 };
+        let at = (gb * halves + h) * ROW_GROUP + r % ROW_GROUP;
+        (self.d[at].to_f32(), self.m[at].to_f32())
     }
 
     /// Dequantizes row `r` into `out` (up to `cols` values).
     pub fn row_f32(&self, r: usize, out: &mut [f32]) {
         for (i, o) in out.iter_mut().enumerate().take(self.cols) {
-            let (d, m) = self.scale(r, i / QK);
+            let (d, m) = self.scale(r, i);
             let q = f32::from(self.quant(r, i));
             *o = match self.packing {
                 QPacking::Nibble => d * q + m,
                 QPacking::Byte => d * (q - 128.0),
+                QPacking::Byte16 => d * (q - 128.0) + m,
             };
         }
     }
@@ -363,6 +430,9 @@ pub struct QActs {
     pub s: Vec<f32>,
     /// `sum(quants)` per block, `tokens * blocks`.
     pub qsum: Vec<i32>,
+    /// `sum(quants)` of the first 16 values of each block, `tokens * blocks` (for
+    /// [`QPacking::Byte16`] weights, whose halves have their own scales and offsets).
+    pub qsum_lo: Vec<i32>,
 }
 
 impl QActs {
@@ -384,11 +454,15 @@ impl QActs {
             .zip(self.qs.par_chunks_mut(nb * QK))
             .zip(self.d.par_chunks_mut(nb))
             .zip(self.s.par_chunks_mut(nb))
-            .zip(self.qsum.par_chunks_mut(nb));
+            .zip(self.qsum.par_chunks_mut(nb))
+            .zip(self.qsum_lo.par_chunks_mut(nb));
         let isa = Isa::detect();
         // Small batches are not worth waking the other workers for.
         rows.with_min_len(16)
-            .for_each(|((((x, q), d), s), n)| quantize_row_isa(isa, x, q, d, s, n));
+            .for_each(|(((((x, q), d), s), n), lo)| {
+                quantize_row_isa(isa, x, q, d, s, n);
+                low_half_sums(q, lo);
+            });
     }
 
     /// Sizes the buffers for `tokens` rows of `cols` values (every quant and scale is then
@@ -403,6 +477,7 @@ impl QActs {
         self.d.resize(tokens * nb, 0.0);
         self.s.resize(tokens * nb, 0.0);
         self.qsum.resize(tokens * nb, 0);
+        self.qsum_lo.resize(tokens * nb, 0);
         nb
     }
 }
@@ -433,25 +508,35 @@ impl QActs {
             .zip(self.qs.par_chunks_mut(2 * nb * QK))
             .zip(self.d.par_chunks_mut(2 * nb))
             .zip(self.s.par_chunks_mut(2 * nb))
-            .zip(self.qsum.par_chunks_mut(2 * nb));
+            .zip(self.qsum.par_chunks_mut(2 * nb))
+            .zip(self.qsum_lo.par_chunks_mut(2 * nb));
         let isa = Isa::detect();
         // Small batches are not worth waking the other workers for (as `quantize_into`).
-        rows.with_min_len(8).for_each(|(((((x, f), q), d), s), n)| {
-            let (q0, q1) = q.split_at_mut(nb * QK);
-            let (d0, d1) = d.split_at_mut(nb);
-            let (s0, s1) = s.split_at_mut(nb);
-            let (n0, n1) = n.split_at_mut(nb);
-            quantize_row_isa(isa, x, q0, d0, s0, n0);
-            let (hi, lo) = f.split_at_mut(cols);
-            let blocks = hi.chunks_mut(QK).zip(lo.chunks_mut(QK)).zip(x.chunks(QK));
-            for (((hb, lb), xb), (qb, &db)) in blocks.zip(q0.chunks_exact(QK).zip(&*d0)) {
-                for (((h, l), &v), &qv) in hb.iter_mut().zip(lb.iter_mut()).zip(xb).zip(qb) {
-                    *h = db * f32::from(qv);
-                    *l = v - *h;
+        rows.with_min_len(8)
+            .for_each(|((((((x, f), q), d), s), n), sums_lo)| {
+                let (q0, q1) = q.split_at_mut(nb * QK);
+                let (d0, d1) = d.split_at_mut(nb);
+                let (s0, s1) = s.split_at_mut(nb);
+                let (n0, n1) = n.split_at_mut(nb);
+                quantize_row_isa(isa, x, q0, d0, s0, n0);
+                let (hi, lo) = f.split_at_mut(cols);
+                let blocks = hi.chunks_mut(QK).zip(lo.chunks_mut(QK)).zip(x.chunks(QK));
+                for (((hb, lb), xb), (qb, &db)) in blocks.zip(q0.chunks_exact(QK).zip(&*d0)) {
+                    for (((h, l), &v), &qv) in hb.iter_mut().zip(lb.iter_mut()).zip(xb).zip(qb) {
+                        *h = db * f32::from(qv);
+                        *l = v - *h;
+                    }
                 }
-            }
-            quantize_row_isa(isa, lo, q1, d1, s1, n1);
-        });
+                quantize_row_isa(isa, lo, q1, d1, s1, n1);
+                low_half_sums(q, sums_lo);
+            });
+    }
+}
+
+/// `sum(quants)` of the first 16 values of each 32-value block of `q`, into `lo`.
+fn low_half_sums(q: &[i8], lo: &mut [i32]) {
+    for (b, o) in q.chunks_exact(QK).zip(lo) {
+        *o = b[..16].iter().map(|&v| i32::from(v)).sum();
     }
 }
 
@@ -541,11 +626,13 @@ fn quantize_row(x: &[f32], qs: &mut [i8], d: &mut [f32], s: &mut [f32], qsum: &m
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// Random blocks of `dtype` with finite f16 scales of a realistic size.
-    fn random_blocks(dtype: DType, n: usize, seed: u64) -> Vec<u8> {
+    /// `n` blocks of `dtype` (a 5-bit or K-quant type) of random bytes with small positive
+    /// super-block scales.
+    pub(crate) fn random_blocks(dtype: DType, n: usize, seed: u64) -> Vec<u8> {
         let mut s = seed;
         let mut next = || {
             s = s
@@ -572,7 +659,7 @@ mod tests {
                     scale(bb - 4);
                     scale(bb - 2);
                 }
-                _ => unreachable!("not a requantized type"),
+                _ => unreachable!("not a 5-bit or K-quant type"),
             }
             out.extend_from_slice(&b);
         }
@@ -612,10 +699,18 @@ mod tests {
         }
     }
 
+    /// The 5-bit and K-quant types load in their own bits, without a detour through Q8_0:
+    /// Q5_0 and Q5_1 exactly, the K-quants with each sub-block's scale and offset rounded to
+    /// f16 (2^-11 relative).
     #[test]
-    fn five_bit_and_k_quant_weights_load_as_q8_0_within_half_a_step() {
-        let (rows, cols) = (3, 512);
+    fn five_bit_and_k_quant_weights_load_in_their_own_bits() {
+        let (rows, cols) = (19, 512);
         for dtype in DType::FIVE_BIT_AND_K {
+            let packing = match dtype {
+                DType::Q5_0 => QPacking::Byte,
+                DType::Q4K => QPacking::Nibble,
+                _ => QPacking::Byte16,
+            };
             let n = rows * cols / dtype.block_len();
             let data = random_blocks(dtype, n, dtype.block_bytes() as u64);
             let view = TensorView {
@@ -626,20 +721,50 @@ mod tests {
             let Weight::Quant(q) = Weight::from_view("w", &view).unwrap() else {
                 panic!("{dtype} did not load as a quantized matrix");
             };
-            assert_eq!((q.rows, q.cols, q.packing), (rows, cols, QPacking::Byte));
+            assert_eq!((q.rows, q.cols, q.packing), (rows, cols, packing));
             let want = view.to_f32_vec();
-            let q8 = requantize_q8_0(dtype, rows, cols, &data);
-            let got = crate::model::dequant::to_f32(DType::Q8_0, &q8);
-            assert_eq!(got.len(), want.len());
-            for (g, w) in got.chunks_exact(QK).zip(want.chunks_exact(QK)) {
-                let amax = w.iter().fold(0f32, |m, v| m.max(v.abs()));
-                assert!(amax > 0.0, "{dtype}: an all-zero block tests nothing");
-                for (a, b) in g.iter().zip(w) {
+            let mut got = vec![0f32; cols];
+            for r in 0..rows {
+                q.row_f32(r, &mut got);
+                let want = &want[r * cols..(r + 1) * cols];
+                if matches!(dtype, DType::Q5_0 | DType::Q5_1) {
+                    assert_eq!(got, want, "{dtype} row {r}");
+                    continue;
+                }
+                for (i, (a, b)) in got.iter().zip(want).enumerate() {
+                    // The rounded scale and offset move a value by at most 2^-11 of
+                    // |d q| + |m| (q as the kernels take it: centred for the 8-bit packings).
+                    let (d, m) = q.scale(r, i);
+                    let qv = f32::from(q.quant(r, i));
+                    let qv = if packing == QPacking::Nibble {
+                        qv
+                    } else {
+                        qv - 128.0
+                    };
+                    let bound = ((d * qv).abs() + m.abs()) / 2048.0 * 1.01 + 1e-9;
                     assert!(
-                        (a - b).abs() <= amax / 254.0 * 1.01,
-                        "{dtype}: {a} against {b}"
+                        (a - b).abs() <= bound,
+                        "{dtype} row {r} [{i}]: {a} against {b}"
                     );
                 }
+            }
+            // The products use the same numbers as the rows.
+            let x: Vec<f32> = (0..cols)
+                .map(|i| ((i * 7 % 13) as f32 - 6.0) * 0.1)
+                .collect();
+            let a = QActs::quantize(&x, 1, cols);
+            for r in 0..rows {
+                let mut row = vec![0f32; cols];
+                q.row_f32(r, &mut row);
+                let xq: Vec<f32> = (0..cols)
+                    .map(|i| a.d[i / QK] * f32::from(a.qs[i]))
+                    .collect();
+                let want: f32 = row.iter().zip(&xq).map(|(w, x)| w * x).sum();
+                let got = crate::cpu::matmul::dot_scalar(&q, r, &a, 0);
+                assert!(
+                    (got - want).abs() <= 1e-3 * (1.0 + want.abs()),
+                    "{dtype} row {r}"
+                );
             }
         }
     }

@@ -138,13 +138,21 @@ pub fn dequantize_q5_1(b: &[u8; 24], out: &mut [f32; QK]) {
 /// `x[i] = d * q[i] + m` for the 5-bit `q` of Q5_0 / Q5_1: fifth bits `qh` (4 bytes), low
 /// nibbles `qs` (16 bytes).
 fn five_bit(d: f32, m: f32, qh: &[u8], qs: &[u8], out: &mut [f32; QK]) {
-    let qh = u32::from_le_bytes([qh[0], qh[1], qh[2], qh[3]]);
-    for (j, &byte) in qs.iter().enumerate() {
-        let lo = (byte & 0x0f) as u32 | (((qh >> j) & 1) << 4);
-        let hi = (byte >> 4) as u32 | (((qh >> (j + 16)) & 1) << 4);
-        out[j] = d * lo as f32 + m;
-        out[j + QK / 2] = d * hi as f32 + m;
+    for (o, q) in out.iter_mut().zip(five_bit_quants(qh, qs)) {
+        *o = d * f32::from(q) + m;
     }
+}
+
+/// The 32 unsigned 5-bit quants (0..32) of a Q5_0 / Q5_1 block in value order: fifth bits `qh`
+/// (4 bytes), low nibbles `qs` (16 bytes).
+pub fn five_bit_quants(qh: &[u8], qs: &[u8]) -> [u8; QK] {
+    let qh = u32::from_le_bytes([qh[0], qh[1], qh[2], qh[3]]);
+    let mut q = [0u8; QK];
+    for (j, &byte) in qs.iter().enumerate() {
+        q[j] = (byte & 0x0f) | ((((qh >> j) & 1) as u8) << 4);
+        q[j + QK / 2] = (byte >> 4) | ((((qh >> (j + 16)) & 1) as u8) << 4);
+    }
+    q
 }
 
 /// Q2_K (84 bytes, 16 sub-blocks of 16 values): `x = d * sc * q - dmin * m` with 4-bit `sc`
@@ -152,15 +160,27 @@ fn five_bit(d: f32, m: f32, qh: &[u8], qs: &[u8], out: &mut [f32; QK]) {
 /// 16..80: per half of 128 values, 32 bytes whose bit pairs 0-1, 2-3, 4-5, 6-7 hold four runs
 /// of 32 values (each two sub-blocks); `d` and `dmin` are the f16 at bytes 80 and 82.
 pub fn dequantize_q2_k(b: &[u8; 84], out: &mut [f32; QK_K]) {
+    q2_k_sub_blocks(b, |sub, dl, ml, q| {
+        for (y, &q) in out[16 * sub..16 * sub + 16].iter_mut().zip(q) {
+            *y = dl * f32::from(q) - ml;
+        }
+    });
+}
+
+/// Calls `f(j, d * sc, dmin * m, q)` for sub-block `j` (0..16) of a Q2_K super-block: its
+/// values are `d * sc * q - dmin * m` for its 16 quants `q` (0..4).
+pub fn q2_k_sub_blocks(b: &[u8; 84], mut f: impl FnMut(usize, f32, f32, &[u8; 16])) {
     let (d, dmin) = (f16_at(b, 80), f16_at(b, 82));
-    for (sub, o) in out.chunks_exact_mut(16).enumerate() {
+    let mut q = [0u8; 16];
+    for sub in 0..16 {
         let (half, run, second) = (sub / 8, (sub % 8) / 2, sub % 2);
         let sc = b[sub];
         let (dl, ml) = (d * f32::from(sc & 0x0f), dmin * f32::from(sc >> 4));
-        let q = &b[16 + 32 * half + 16 * second..][..16];
-        for (y, &qb) in o.iter_mut().zip(q) {
-            *y = dl * f32::from((qb >> (2 * run)) & 3) - ml;
+        let src = &b[16 + 32 * half + 16 * second..][..16];
+        for (o, &qb) in q.iter_mut().zip(src) {
+            *o = (qb >> (2 * run)) & 3;
         }
+        f(sub, dl, ml, &q);
     }
 }
 
@@ -171,9 +191,20 @@ pub fn dequantize_q2_k(b: &[u8; 84], out: &mut [f32; QK_K]) {
 /// of bytes 96..104 and its top two in bits `2 (k / 4)` of byte `104 + k mod 4`; `d` is the
 /// f16 at bytes 108..110.
 pub fn dequantize_q3_k(b: &[u8; 110], out: &mut [f32; QK_K]) {
+    q3_k_sub_blocks(b, |sub, dl, v| {
+        for (y, &v) in out[16 * sub..16 * sub + 16].iter_mut().zip(v) {
+            *y = dl * f32::from(v);
+        }
+    });
+}
+
+/// Calls `f(j, d * (sc - 32), v)` for sub-block `j` (0..16) of a Q3_K super-block: its values
+/// are `d * (sc - 32) * v` for its 16 signed quants `v = q - 4 h'` (-4..4).
+pub fn q3_k_sub_blocks(b: &[u8; 110], mut f: impl FnMut(usize, f32, &[i8; 16])) {
     let d = f16_at(b, 108);
     let (hmask, qs, sc) = (&b[..32], &b[32..96], &b[96..108]);
-    for (sub, o) in out.chunks_exact_mut(16).enumerate() {
+    let mut v = [0i8; 16];
+    for sub in 0..16 {
         let (half, run, second) = (sub / 8, (sub % 8) / 2, sub % 2);
         let lo = if sub < 8 {
             sc[sub] & 0x0f
@@ -185,10 +216,11 @@ pub fn dequantize_q3_k(b: &[u8; 110], out: &mut [f32; QK_K]) {
         let q = &qs[32 * half + 16 * second..][..16];
         let h = &hmask[16 * second..][..16];
         let bit = 4 * half + run;
-        for ((y, &qb), &hb) in o.iter_mut().zip(q).zip(h) {
+        for ((o, &qb), &hb) in v.iter_mut().zip(q).zip(h) {
             let minus = if hb & (1 << bit) != 0 { 0 } else { 4 };
-            *y = dl * f32::from(((qb >> (2 * run)) & 3) as i8 - minus);
+            *o = ((qb >> (2 * run)) & 3) as i8 - minus;
         }
+        f(sub, dl, &v);
     }
 }
 
@@ -223,24 +255,45 @@ pub fn dequantize_q5_k(b: &[u8; 176], out: &mut [f32; QK_K]) {
 /// Q4_K and (with the fifth bits `qh`) Q5_K from the super-block's `d`, `dmin` and packed
 /// scales (bytes 0..16 of `b`) and the 4-bit parts `qs`.
 fn k_affine(b: &[u8], qh: Option<&[u8]>, qs: &[u8], out: &mut [f32; QK_K]) {
+    k_sub_blocks(b, qh, qs, |j, d, m, q| {
+        for (o, &q) in out[QK * j..QK * (j + 1)].iter_mut().zip(q) {
+            *o = d * f32::from(q) - m;
+        }
+    });
+}
+
+/// Calls `f(j, d * sc, dmin * m, q)` for sub-block `j` (0..8) of a Q4_K super-block (`b` its
+/// 144 bytes): its values are `d * sc * q - dmin * m` for its 32 unsigned 4-bit quants `q`.
+pub fn q4_k_sub_blocks(b: &[u8; 144], f: impl FnMut(usize, f32, f32, &[u8; QK])) {
+    k_sub_blocks(b, None, &b[16..], f);
+}
+
+/// [`q4_k_sub_blocks`] for Q5_K (176 bytes): the quants `q` have five bits (0..32).
+pub fn q5_k_sub_blocks(b: &[u8; 176], f: impl FnMut(usize, f32, f32, &[u8; QK])) {
+    k_sub_blocks(b, Some(&b[16..48]), &b[48..], f);
+}
+
+/// [`q4_k_sub_blocks`] for Q4_K and (with the fifth bits `qh`) Q5_K: `b` starts with the
+/// super-block's `d`, `dmin` and packed scales, `qs` holds the 4-bit parts.
+fn k_sub_blocks(
+    b: &[u8],
+    qh: Option<&[u8]>,
+    qs: &[u8],
+    mut f: impl FnMut(usize, f32, f32, &[u8; QK]),
+) {
     let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
     let scales = &b[4..16];
-    for pair in 0..4 {
-        let (sc1, m1) = k4_scale_min(scales, 2 * pair);
-        let (sc2, m2) = k4_scale_min(scales, 2 * pair + 1);
-        let (d1, m1, d2, m2) = (d * sc1, dmin * m1, d * sc2, dmin * m2);
-        let q = &qs[32 * pair..32 * pair + 32];
-        let o = &mut out[64 * pair..64 * pair + 64];
-        for l in 0..32 {
-            let (h1, h2) = qh.map_or((0, 0), |h| {
-                (
-                    ((h[l] >> (2 * pair)) & 1) << 4,
-                    ((h[l] >> (2 * pair + 1)) & 1) << 4,
-                )
-            });
-            o[l] = d1 * f32::from((q[l] & 0x0f) | h1) - m1;
-            o[l + 32] = d2 * f32::from((q[l] >> 4) | h2) - m2;
+    let mut q = [0u8; QK];
+    for j in 0..QK_K / QK {
+        let (sc, m) = k4_scale_min(scales, j);
+        // Sub-blocks 2p and 2p + 1 share the 32 bytes of pair p: low nibbles, then high.
+        let (pair, high) = (j / 2, j % 2 == 1);
+        for (l, (o, &byte)) in q.iter_mut().zip(&qs[32 * pair..32 * pair + 32]).enumerate() {
+            let low4 = if high { byte >> 4 } else { byte & 0x0f };
+            let fifth = qh.map_or(0, |h| ((h[l] >> j) & 1) << 4);
+            *o = low4 | fifth;
         }
+        f(j, d * sc, dmin * m, &q);
     }
 }
 
@@ -251,14 +304,23 @@ fn k_affine(b: &[u8], qh: Option<&[u8]>, qs: &[u8], out: &mut [f32; QK_K]) {
 /// of `qh` (bytes 128..192; value `l`, `l + 32`, `l + 64`, `l + 96` in bits 0-1, 2-3, 4-5, 6-7
 /// of byte `l`); `d` is the f16 at bytes 208..210.
 pub fn dequantize_q6_k(b: &[u8; 210], out: &mut [f32; QK_K]) {
+    q6_k_sub_blocks(b, |sub, dl, v| {
+        for (y, &v) in out[16 * sub..16 * sub + 16].iter_mut().zip(v) {
+            *y = dl * f32::from(v);
+        }
+    });
+}
+
+/// Calls `f(j, d * sc, v)` for sub-block `j` (0..16) of a Q6_K super-block: its values are
+/// `d * sc * v` for its 16 signed quants `v = q - 32` (-32..32); `sc` is byte `192 + j`.
+pub fn q6_k_sub_blocks(b: &[u8; 210], mut f: impl FnMut(usize, f32, &[i8; 16])) {
     let d = f16_at(b, 208);
+    let mut v = [0i8; QK_K];
     for half in 0..2 {
         let ql = &b[64 * half..64 * half + 64];
         let qh = &b[128 + 32 * half..128 + 32 * half + 32];
-        let sc = &b[192 + 8 * half..192 + 8 * half + 8];
-        let o = &mut out[128 * half..128 * half + 128];
+        let o = &mut v[128 * half..128 * half + 128];
         for l in 0..32 {
-            let is = l / 16;
             let q = [
                 (ql[l] & 0x0f) | ((qh[l] & 3) << 4),
                 (ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4),
@@ -266,10 +328,14 @@ pub fn dequantize_q6_k(b: &[u8; 210], out: &mut [f32; QK_K]) {
                 (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4),
             ];
             for (k, &qk) in q.iter().enumerate() {
-                let s = f32::from(sc[is + 2 * k] as i8);
-                o[l + 32 * k] = d * s * (f32::from(qk) - 32.0);
+                o[l + 32 * k] = qk as i8 - 32;
             }
         }
+    }
+    for (sub, chunk) in v.chunks_exact(16).enumerate() {
+        let mut c = [0i8; 16];
+        c.copy_from_slice(chunk);
+        f(sub, d * f32::from(b[192 + sub] as i8), &c);
     }
 }
 
