@@ -389,6 +389,12 @@ def main() -> int:
     )
     ap.add_argument("--device", default=None, help="torch device (default: cuda if available)")
     ap.add_argument("--crosscheck", action="store_true", help="also run the independent pass")
+    ap.add_argument(
+        "--bf16-check",
+        action="store_true",
+        help="also run transformers in bfloat16, teacher-forced over the fixture's tokens, and "
+        "report how far a plain bf16 implementation lands from the float32 fixture",
+    )
     ap.add_argument("--summary", default=None, help="write a JSON summary of the checks here")
     ap.add_argument(
         "--any-model",
@@ -541,6 +547,18 @@ def main() -> int:
         print(f"independent GGUF pass (adjacent-pair RoPE, rows as stored): {cc}")
         if cc["top1_agreement"] < 0.99 or cc["mean_abs_logprob_diff"] > 0.05:
             failures.append(f"independent pass disagrees with transformers: {cc}")
+    if args.bf16_check:
+        model.to(torch.bfloat16)
+        agree, n, diff = 0, 0, 0.0
+        for g in generations:
+            rows = teacher_forced(model, torch, g["prompt_ids"], g["tokens"], device)
+            for i, step in enumerate(g["steps"]):
+                agree += int(torch.argmax(rows[i])) == step["top5"][0][0]
+                diff += abs(float(rows[i][g["tokens"][i]]) - step["logprob"])
+                n += 1
+        bf = {"top1_agreement": agree / n, "mean_abs_logprob_diff": diff / n, "steps": n}
+        summary["bf16"] = bf
+        print(f"transformers in bfloat16 against the float32 fixture: {bf}")
     if args.summary:
         with open(args.summary, "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=1)

@@ -162,10 +162,14 @@ fn model_file() -> Option<PathBuf> {
 }
 
 fn smollm2() -> Option<(LlamaConfig, ModelWeights)> {
-    let (header, weights) = GgufFile::open(&model_file()?)
+    Some(gguf_at(&model_file()?))
+}
+
+fn gguf_at(path: &std::path::Path) -> (LlamaConfig, ModelWeights) {
+    let (header, weights) = GgufFile::open(path)
         .and_then(|f| f.into_weights())
         .expect("read the GGUF file");
-    Some((LlamaConfig::from_gguf(&header).expect("config"), weights))
+    (LlamaConfig::from_gguf(&header).expect("config"), weights)
 }
 
 fn cfg(blocks: usize, graphs: bool) -> CudaBackendConfig {
@@ -668,7 +672,13 @@ fn sampling_follows_the_cpu_semantics() {
 // SmolLM2: CUDA against the CPU backend and the Hugging Face golden fixture.
 
 fn fixture() -> Value {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/smollm2_golden.json");
+    fixture_named("smollm2_golden.json")
+}
+
+fn fixture_named(name: &str) -> Value {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name);
     serde_json::from_str(&std::fs::read_to_string(path).expect("fixture")).expect("JSON")
 }
 
@@ -730,12 +740,21 @@ fn smollm2_vs_cpu_and_transformers(fp8: Fp8) -> Option<(f64, f64, f64, f64, f64)
         return None;
     }
     let (config, weights) = smollm2()?;
+    Some(vs_cpu_and_transformers(&config, &weights, &fixture(), fp8))
+}
+
+/// [`smollm2_vs_cpu_and_transformers`] for any model and its transformers fixture.
+fn vs_cpu_and_transformers(
+    config: &LlamaConfig,
+    weights: &ModelWeights,
+    fx: &Value,
+    fp8: Fp8,
+) -> (f64, f64, f64, f64, f64) {
     let c = fp8.config(cfg(256, true));
     let mut cuda =
-        CudaBackend::new(&config, WeightSource::Loaded(&weights), &c).expect("CUDA backend");
-    let mut cpu = LlamaModel::from_weights(&config, &weights).expect("cpu model");
+        CudaBackend::new(config, WeightSource::Loaded(weights), &c).expect("CUDA backend");
+    let mut cpu = LlamaModel::from_weights(config, weights).expect("cpu model");
     cpu.set_precision(ActivationPrecision::Precise);
-    let fx = fixture();
     let gens = fx["generations"].as_array().expect("generations");
     let (tokens, reference) = fixture_answers(gens);
     let vocab = config.vocab_size;
@@ -751,7 +770,7 @@ fn smollm2_vs_cpu_and_transformers(fp8: Fp8) -> Option<(f64, f64, f64, f64, f64)
         100.0 * a_cpu,
         100.0 * a_ref
     );
-    Some((a_cpu, m_cpu, max_cpu, a_ref, m_ref))
+    (a_cpu, m_cpu, max_cpu, a_ref, m_ref)
 }
 
 #[test]
@@ -760,6 +779,41 @@ fn smollm2_agrees_with_cpu_and_transformers() {
         return;
     };
     assert!(a_cpu >= 0.99 && a_ref >= 0.99, "top-1 agreement too low");
+    assert!(
+        m_cpu <= 0.06 && m_ref <= 0.06,
+        "logprobs differ beyond bf16 tolerance"
+    );
+}
+
+/// The same on a Q4_K_M file made from SmolLM2 by ggml's quantizer (K-quants are widened to
+/// bf16 on the GPU), against the CPU backend and transformers reading that file. The file is
+/// not shipped: see gpu/reference/README.md ("A whole K-quant model file") and name it in
+/// `SWITCHYARD_KQUANT_GGUF`.
+///
+/// The bar is transformers' own bf16 on this file, not the shipped model's 99%: the file was
+/// quantized twice and its greedy runs pass near-ties (top-2 gaps down to 0.0002 nats), and
+/// transformers in bfloat16 agrees with its float32 fixture at 96.88% top-1, mean |dlogprob|
+/// 0.019 (`make_golden.py --bf16-check`, H200). Measured here: 98.96% and 0.008 against
+/// transformers, 98.61% against the CPU backend.
+#[test]
+#[ignore = "needs a Q4_K_M file made by gpu/reference/make_kquant_model.py"]
+fn a_q4_k_m_file_agrees_with_cpu_and_transformers() {
+    if !gpu() {
+        return;
+    }
+    let fx = fixture_named("smollm2_q4_k_m_golden.json");
+    let path = PathBuf::from(
+        std::env::var("SWITCHYARD_KQUANT_GGUF").expect("SWITCHYARD_KQUANT_GGUF names the file"),
+    );
+    assert_eq!(
+        switchyard_gpu::model::fetch::sha256_file(&path).expect("read the file"),
+        fx["model_sha256"].as_str().expect("model_sha256"),
+        "{} is not the file the fixture was made from",
+        path.display()
+    );
+    let (config, weights) = gguf_at(&path);
+    let (a_cpu, m_cpu, _, a_ref, m_ref) = vs_cpu_and_transformers(&config, &weights, &fx, BF16);
+    assert!(a_cpu >= 0.97 && a_ref >= 0.97, "top-1 agreement too low");
     assert!(
         m_cpu <= 0.06 && m_ref <= 0.06,
         "logprobs differ beyond bf16 tolerance"
