@@ -335,21 +335,23 @@ impl QMatrix {
         let mut d = vec![f16::ZERO; groups * blocks * halves * ROW_GROUP];
         let mut m = vec![f16::ZERO; groups * blocks * halves * ROW_GROUP];
         let row_bytes = data.len() / rows.max(1);
-        for (r, row) in data.chunks_exact(row_bytes).enumerate() {
-            let (g, lane) = (r / ROW_GROUP, r % ROW_GROUP);
-            affine_blocks(dtype, row, |b, q, dm| {
-                let gb = g * blocks + b;
-                for (h, &(bd, bm)) in dm.iter().take(halves).enumerate() {
-                    d[(gb * halves + h) * ROW_GROUP + lane] = bd;
-                    m[(gb * halves + h) * ROW_GROUP + lane] = bm;
-                }
-                let dst = &mut qs[gb * gbb..(gb + 1) * gbb];
-                for (v, &qv) in q.iter().enumerate() {
-                    let (byte, shift) = Self::position(packing, lane, v);
-                    dst[byte] |= qv << shift;
+        // One task per group of 16 rows: each writes only its group's quants and scales.
+        let per_group = blocks * halves * ROW_GROUP;
+        qs.par_chunks_mut(blocks * gbb)
+            .zip(d.par_chunks_mut(per_group))
+            .zip(m.par_chunks_mut(per_group))
+            .zip(data.par_chunks(ROW_GROUP * row_bytes))
+            .for_each(|(((qs, d), m), group)| {
+                for (lane, row) in group.chunks_exact(row_bytes).enumerate() {
+                    affine_blocks(dtype, row, |b, q, dm| {
+                        for (h, &(bd, bm)) in dm.iter().take(halves).enumerate() {
+                            d[(b * halves + h) * ROW_GROUP + lane] = bd;
+                            m[(b * halves + h) * ROW_GROUP + lane] = bm;
+                        }
+                        Self::pack(packing, lane, q, &mut qs[b * gbb..(b + 1) * gbb]);
+                    });
                 }
             });
-        }
         QMatrix {
             rows,
             cols,
@@ -358,6 +360,25 @@ impl QMatrix {
             qs,
             d,
             m,
+        }
+    }
+
+    /// Writes the 32 quants `q` of `lane` into its bytes of a group block `dst` (at
+    /// [`QMatrix::position`], four bytes per vector at a time).
+    #[inline]
+    fn pack(packing: QPacking, lane: usize, q: &[u8; QK], dst: &mut [u8]) {
+        let vectors = match packing {
+            QPacking::Nibble => 4,
+            QPacking::Byte | QPacking::Byte16 => 8,
+        };
+        for (k, out) in dst.chunks_exact_mut(64).take(vectors).enumerate() {
+            let out = &mut out[4 * lane..4 * lane + 4];
+            for (j, o) in out.iter_mut().enumerate() {
+                *o = match packing {
+                    QPacking::Nibble => q[4 * k + j] | (q[16 + 4 * k + j] << 4),
+                    QPacking::Byte | QPacking::Byte16 => q[4 * k + j],
+                };
+            }
         }
     }
 

@@ -4,60 +4,68 @@ use half::{bf16, f16};
 
 use super::quant_blocks::{
     dequantize_q2_k, dequantize_q3_k, dequantize_q4_k, dequantize_q5_0, dequantize_q5_1,
-    dequantize_q5_k, dequantize_q6_k, BlockQ4_0, BlockQ4_1, BlockQ8_0, QK, QK_K,
+    dequantize_q5_k, dequantize_q6_k, BlockQ4_0, BlockQ4_1, BlockQ8_0,
 };
+use rayon::prelude::*;
+
 use super::tensor::DType;
 
 /// Converts `data` of type `dtype` to `f32` values. Trailing bytes that do not form a whole
-/// element or block are ignored (views are length-checked when they are created).
+/// element or block are ignored (views are length-checked when they are created). Large
+/// tensors are converted in parallel.
 pub fn to_f32(dtype: DType, data: &[u8]) -> Vec<f32> {
-    let n_blocks = data.len() / dtype.block_bytes();
-    let mut out = Vec::with_capacity(n_blocks * dtype.block_len());
-    let mut buf = [0f32; QK];
-    match dtype {
-        DType::F32 => out.extend(
-            data.chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
-        ),
-        DType::F16 => out.extend(
-            data.chunks_exact(2)
-                .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()),
-        ),
-        DType::BF16 => out.extend(
-            data.chunks_exact(2)
-                .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()),
-        ),
-        DType::Q8_0 => blocks(data, &mut out, &mut buf, |b, o| {
-            BlockQ8_0::from_bytes(b).dequantize(o)
-        }),
-        DType::Q4_0 => blocks(data, &mut out, &mut buf, |b, o| {
-            BlockQ4_0::from_bytes(b).dequantize(o)
-        }),
-        DType::Q4_1 => blocks(data, &mut out, &mut buf, |b, o| {
-            BlockQ4_1::from_bytes(b).dequantize(o)
-        }),
-        DType::Q5_0 => blocks(data, &mut out, &mut buf, dequantize_q5_0),
-        DType::Q5_1 => blocks(data, &mut out, &mut buf, dequantize_q5_1),
-        DType::Q2K => blocks(data, &mut out, &mut [0f32; QK_K], dequantize_q2_k),
-        DType::Q3K => blocks(data, &mut out, &mut [0f32; QK_K], dequantize_q3_k),
-        DType::Q4K => blocks(data, &mut out, &mut [0f32; QK_K], dequantize_q4_k),
-        DType::Q5K => blocks(data, &mut out, &mut [0f32; QK_K], dequantize_q5_k),
-        DType::Q6K => blocks(data, &mut out, &mut [0f32; QK_K], dequantize_q6_k),
-    }
+    let (bb, bl) = (dtype.block_bytes(), dtype.block_len());
+    let n_blocks = data.len() / bb;
+    let mut out = vec![0f32; n_blocks * bl];
+    // 64 Ki values per task: large enough to amortise the task, small enough to spread one
+    // matrix over every core.
+    let per_task = (1 << 16) / bl;
+    out.par_chunks_mut(per_task * bl)
+        .zip(data[..n_blocks * bb].par_chunks(per_task * bb))
+        .for_each(|(out, data)| convert(dtype, data, out));
     out
 }
 
-/// Appends the values of each whole `B`-byte block of `data` (`N` values each) to `out`.
+/// [`to_f32`] of whole elements or blocks `data` into `out` (exactly their values' length).
+fn convert(dtype: DType, data: &[u8], out: &mut [f32]) {
+    match dtype {
+        DType::F32 => {
+            for (o, c) in out.iter_mut().zip(data.chunks_exact(4)) {
+                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }
+        DType::F16 => {
+            for (o, c) in out.iter_mut().zip(data.chunks_exact(2)) {
+                *o = f16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
+        }
+        DType::BF16 => {
+            for (o, c) in out.iter_mut().zip(data.chunks_exact(2)) {
+                *o = bf16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
+        }
+        DType::Q8_0 => blocks(data, out, |b, o| BlockQ8_0::from_bytes(b).dequantize(o)),
+        DType::Q4_0 => blocks(data, out, |b, o| BlockQ4_0::from_bytes(b).dequantize(o)),
+        DType::Q4_1 => blocks(data, out, |b, o| BlockQ4_1::from_bytes(b).dequantize(o)),
+        DType::Q5_0 => blocks(data, out, dequantize_q5_0),
+        DType::Q5_1 => blocks(data, out, dequantize_q5_1),
+        DType::Q2K => blocks(data, out, dequantize_q2_k),
+        DType::Q3K => blocks(data, out, dequantize_q3_k),
+        DType::Q4K => blocks(data, out, dequantize_q4_k),
+        DType::Q5K => blocks(data, out, dequantize_q5_k),
+        DType::Q6K => blocks(data, out, dequantize_q6_k),
+    }
+}
+
+/// Writes the values of each whole `B`-byte block of `data` (`N` values each) into `out`.
 fn blocks<const B: usize, const N: usize>(
     data: &[u8],
-    out: &mut Vec<f32>,
-    buf: &mut [f32; N],
+    out: &mut [f32],
     dequantize: fn(&[u8; B], &mut [f32; N]),
 ) {
-    for c in data.chunks_exact(B) {
-        if let Ok(b) = <&[u8; B]>::try_from(c) {
-            dequantize(b, buf);
-            out.extend_from_slice(buf);
+    for (c, o) in data.chunks_exact(B).zip(out.chunks_exact_mut(N)) {
+        if let (Ok(b), Ok(o)) = (<&[u8; B]>::try_from(c), <&mut [f32; N]>::try_from(o)) {
+            dequantize(b, o);
         }
     }
 }
