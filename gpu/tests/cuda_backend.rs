@@ -798,9 +798,7 @@ fn smollm2_agrees_with_cpu_and_transformers() {
 #[test]
 #[ignore = "needs a Q4_K_M file made by gpu/reference/make_kquant_model.py"]
 fn a_q4_k_m_file_agrees_with_cpu_and_transformers() {
-    if !gpu() {
-        return;
-    }
+    assert!(gpu(), "this test runs on a CUDA device only");
     let fx = fixture_named("smollm2_q4_k_m_golden.json");
     let path = PathBuf::from(
         std::env::var("SWITCHYARD_KQUANT_GGUF").expect("SWITCHYARD_KQUANT_GGUF names the file"),

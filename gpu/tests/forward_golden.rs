@@ -179,11 +179,6 @@ fn teacher_forced_logprobs_match_transformers_with_precise_activations() {
     check(Isa::detect(), ActivationPrecision::Precise);
 }
 
-/// The adapter's positions agree as the base model's do, with precise activations and with
-/// this machine's default. (`Mixed` runs a sequence with an adapter at `Precise`: with int8
-/// activations in its O, gate|up and LM-head products the AVX-512 VNNI kernels measured 97.5%
-/// top-1, three positions where the reference's top two were 0.06-0.21 apart, and mean
-/// |dlogprob| 0.043, against 100% and 0.0007.)
 /// The same check on a Q4_K_M file (Q4_K, Q5_0, Q6_K and Q8_0 tensors) made from the embedded
 /// model by ggml's own quantizer, against transformers reading that file. The file is 105 MB
 /// and not shipped: make it with gpu/reference/make_kquant_model.py (its sha256 is in the
@@ -221,6 +216,11 @@ fn teacher_forced_logprobs_of_a_q4_k_m_file_match_transformers() {
     check_model(model_at(&path), &fx, Isa::detect(), default, 0.97);
 }
 
+/// The adapter's positions agree as the base model's do, with precise activations and with
+/// this machine's default. (`Mixed` runs a sequence with an adapter at `Precise`: with int8
+/// activations in its O, gate|up and LM-head products the AVX-512 VNNI kernels measured 97.5%
+/// top-1, three positions where the reference's top two were 0.06-0.21 apart, and mean
+/// |dlogprob| 0.043, against 100% and 0.0007.)
 #[test]
 fn teacher_forced_logprobs_with_a_lora_adapter_match_transformers() {
     for precision in [ActivationPrecision::Precise, ActivationPrecision::default()] {

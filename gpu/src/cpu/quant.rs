@@ -214,7 +214,8 @@ fn floats_to_f32(dtype: DType, data: &[u8]) -> Vec<f32> {
 /// [`QPacking::Byte16`]), the value being `d * q + m` (Nibble), `d * (q - 128)` (Byte, `m`
 /// zero) or `d * (q - 128) + m` (Byte16). Exact for Q4_0 (`m = -8 d`), Q4_1, Q8_0, Q5_0
 /// (`q + 112`) and Q5_1; the K-quants' sub-block scales (`d * sc`) and offsets (`-dmin * m`)
-/// are rounded to `f16` (relative error at most 2^-11).
+/// are rounded to `f16` (relative error at most 2^-11, or 2^-25 absolute below f16's normal
+/// range: Q6_K's `d` is often subnormal).
 fn affine_blocks(dtype: DType, row: &[u8], mut f: impl FnMut(usize, &[u8; QK], [(f16, f16); 2])) {
     let bb = dtype.block_bytes();
     let mut q = [0u8; QK];
@@ -650,9 +651,8 @@ fn quantize_row(x: &[f32], qs: &mut [i8], d: &mut [f32], s: &mut [f32], qsum: &m
 pub(crate) mod tests {
     use super::*;
 
-    /// Random blocks of `dtype` with finite f16 scales of a realistic size.
-    /// `n` blocks of `dtype` (a 5-bit or K-quant type) of random bytes with small positive
-    /// super-block scales.
+    /// `n` blocks of `dtype` (a 5-bit or K-quant type) of random bytes with finite, small
+    /// positive super-block scales of a realistic size.
     pub(crate) fn random_blocks(dtype: DType, n: usize, seed: u64) -> Vec<u8> {
         let mut s = seed;
         let mut next = || {
@@ -666,7 +666,14 @@ pub(crate) mod tests {
         for _ in 0..n {
             let mut b: Vec<u8> = (0..bb).map(|_| next() as u8).collect();
             let mut scale = |at: usize| {
-                let v = f16::from_f32(0.0005 * (next() % 40 + 1) as f32);
+                // One block in eight with a subnormal f16 super-block scale (common for Q6_K
+                // in real files), the rest between 5e-4 and 0.02.
+                let r = next();
+                let v = if r % 8 == 0 {
+                    f16::from_f32(3e-6 * (r % 16 + 1) as f32)
+                } else {
+                    f16::from_f32(0.0005 * (r / 8 % 40 + 1) as f32)
+                };
                 b[at..at + 2].copy_from_slice(&v.to_le_bytes());
             };
             match dtype {
@@ -762,7 +769,9 @@ pub(crate) mod tests {
                     } else {
                         qv - 128.0
                     };
-                    let bound = ((d * qv).abs() + m.abs()) / 2048.0 * 1.01 + 1e-9;
+                    // Below f16's normal range the roundings are 2^-25 absolute.
+                    let bound = ((d * qv).abs() + m.abs()) / 2048.0 * 1.01
+                        + (qv.abs() + 1.0) * 2f32.powi(-25);
                     assert!(
                         (a - b).abs() <= bound,
                         "{dtype} row {r} [{i}]: {a} against {b}"

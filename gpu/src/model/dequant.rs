@@ -74,6 +74,39 @@ fn blocks<const B: usize, const N: usize>(
 mod tests {
     use super::*;
 
+    /// Tensors longer than one task (64 Ki values) convert as their blocks one by one do,
+    /// trailing bytes ignored.
+    #[test]
+    fn parallel_conversion_matches_block_by_block() {
+        let mut s = 7u32;
+        let mut data: Vec<u8> = (0..(3 << 16) / 32 * 34 + 5)
+            .map(|_| {
+                s = s.wrapping_mul(1_103_515_245).wrapping_add(12_345);
+                (s >> 16) as u8
+            })
+            .collect();
+        // Finite Q8_0 scales: the f16 at the start of every 34-byte block.
+        for b in data.chunks_exact_mut(34) {
+            b[..2].copy_from_slice(&f16::from_f32(0.01).to_le_bytes());
+        }
+        let got = to_f32(DType::Q8_0, &data);
+        assert_eq!(got.len(), 3 << 16);
+        let mut want = Vec::with_capacity(got.len());
+        for c in data.chunks_exact(34) {
+            let mut out = [0f32; 32];
+            BlockQ8_0::from_bytes(c.try_into().unwrap()).dequantize(&mut out);
+            want.extend_from_slice(&out);
+        }
+        assert_eq!(got, want);
+        let bf: Vec<u8> = (0..(3 << 17) + 1).map(|i| (i * 7 % 251) as u8).collect();
+        let got = to_f32(DType::BF16, &bf);
+        assert_eq!(got.len(), 3 << 16);
+        assert!(got
+            .iter()
+            .zip(bf.chunks_exact(2))
+            .all(|(&v, c)| v.to_bits() == bf16::from_le_bytes([c[0], c[1]]).to_f32().to_bits()));
+    }
+
     /// The 5-bit and K-quant blocks against gguf-py's dequantization (llama.cpp's Python
     /// package, an independent implementation): random blocks in
     /// `gpu/tests/fixtures/kquant_golden.json`, made by `gpu/reference/make_kquant_golden.py`.
