@@ -30,7 +30,7 @@
 //! keeping ggml's blocks per row needs a horizontal reduction per row and block, which costs
 //! more than the dot product itself at 32 values per block.
 
-use half::{bf16, f16};
+use half::f16;
 use rayon::prelude::*;
 
 use super::matmul::Isa;
@@ -148,7 +148,7 @@ impl Weight {
             DType::F32 | DType::F16 | DType::BF16 => Weight::Float(FMatrix {
                 rows,
                 cols,
-                w: floats_to_f32(view.dtype, view.data),
+                w: crate::model::dequant::to_f32(view.dtype, view.data),
             }),
             DType::Q8_0
             | DType::Q4_0
@@ -188,23 +188,6 @@ impl Weight {
             }
             Weight::Quant(q) => q.row_f32(r, out),
         }
-    }
-}
-
-fn floats_to_f32(dtype: DType, data: &[u8]) -> Vec<f32> {
-    match dtype {
-        DType::F16 => data
-            .chunks_exact(2)
-            .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
-        DType::BF16 => data
-            .chunks_exact(2)
-            .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
-        _ => data
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect(),
     }
 }
 
