@@ -117,14 +117,18 @@ fn client_disconnect_aborts_and_frees_blocks() {
     // Generous for a loaded 2-core machine (one CI run took more than 10 s; it takes 1-3 s).
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let running = s.metric("switchyard:num_requests_running").unwrap_or(1.0);
-        let usage = s.metric("switchyard:kv_cache_usage_perc").unwrap_or(1.0);
-        if running == 0.0 && usage == 0.0 {
+        let running = s.metric("switchyard:num_requests_running");
+        let usage = s.metric("switchyard:kv_cache_usage_perc");
+        if running == Some(0.0) && usage == Some(0.0) {
             break;
         }
         assert!(
             Instant::now() < deadline,
-            "blocks not freed after disconnect: running={running} usage={usage}"
+            "blocks not freed after disconnect: running={running:?} usage={usage:?} \
+             aborted={:?} http_in_flight={:?}\nserver log:\n{}",
+            s.metric("switchyard:request_aborted_total"),
+            s.metric("switchyard:http_requests_in_flight"),
+            s.log()
         );
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -140,20 +144,40 @@ fn sigterm_drains_in_flight_requests_then_exits_zero() {
             .unwrap()
             .to_string()
     };
-    let body = json!({"model": model, "prompt": "Write a list of fruits", "max_tokens": 48, "ignore_eos": true, "stream": true}).to_string();
+    // Long enough to be still in flight while the checks below run: once nothing is in flight
+    // the server stops at once, and a request then finds no one to answer it.
+    let body = json!({"model": model, "prompt": "Write a list of fruits", "max_tokens": 200, "ignore_eos": true, "stream": true}).to_string();
     let mut stream = s.open("POST", "/v1/completions", Some(&body));
-    std::thread::sleep(Duration::from_millis(300));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while s.metric("switchyard:num_requests_running").unwrap_or(0.0) < 1.0 {
+        assert!(Instant::now() < deadline, "request never ran");
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let pid = s.child.id().to_string();
     let status = std::process::Command::new("kill")
         .args(["-TERM", &pid])
         .status()
         .expect("kill");
     assert!(status.success());
-    std::thread::sleep(Duration::from_millis(200));
-    // New work is refused while draining.
-    if let Ok(r) = s.request("GET", "/ready", None, &[]) {
-        assert_eq!(r.status, 503);
+    // The signal is handled asynchronously: wait for readiness to turn off.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let r = s
+            .request("GET", "/ready", None, &[])
+            .expect("/ready while draining");
+        if r.status == 503 {
+            break;
+        }
+        assert_eq!(r.status, 200, "{r:?}");
+        assert!(Instant::now() < deadline, "/ready never turned 503");
+        std::thread::sleep(Duration::from_millis(20));
     }
+    // New work is refused while draining.
+    let (code, v) = s.post_json(
+        "/v1/completions",
+        &json!({"model": model, "prompt": "Hi", "max_tokens": 4}),
+    );
+    assert_eq!(code, 503, "{v}");
     let r = common::read_response(&mut stream).expect("in-flight stream completes");
     let events = sse_events(&r.body);
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"));

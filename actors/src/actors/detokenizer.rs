@@ -168,6 +168,7 @@ impl DetokenizerActor {
             }
         }
         metrics::counter!(names::REQUEST_ABORTED).increment(1);
+        tracing::info!(ids = ?aborted.iter().map(|(id, _)| id.0).collect::<Vec<_>>(), "request aborted");
         self.finish_in_scheduler(aborted);
     }
 }
