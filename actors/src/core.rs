@@ -459,8 +459,9 @@ impl StepCore {
         Ok(self.scheduler.assign_blocks(&mut step.plan, ids)?)
     }
 
-    /// Turns a committed plan into the backend's batch; `None` when the plan is empty.
-    /// Sequences that ended since the plan was made are left out (their plan entries are
+    /// Turns a committed plan into the backend's batch; `None` when the plan is empty or every
+    /// sequence in it ended since it was made (a client that hung up while the step's blocks
+    /// were being committed). Sequences that ended are left out (their plan entries are
     /// skipped when outputs are applied).
     pub fn build_step(&mut self, step: PlannedStep) -> Result<Option<PreparedStep>, EngineError> {
         self.build(step.plan, step.now, step.started)
@@ -537,6 +538,11 @@ impl StepCore {
                 .extend_from_slice(self.scheduler.block_table(s.id).unwrap_or_default());
         }
         seqs.truncate(n);
+        if n == 0 {
+            // Nothing left to run; the ended sequences are released with the next batch.
+            self.spare.push(seqs);
+            return Ok(None);
+        }
         let release = std::mem::take(&mut self.ended);
         Ok(Some(PreparedStep {
             queue_times_us,
@@ -1198,6 +1204,37 @@ mod tests {
         e.core().add_request(request(8, vec![9], 1, None)).unwrap();
         run_to_end(&mut e);
         assert!(released.lock().unwrap().contains(&7));
+    }
+
+    #[test]
+    fn a_step_whose_every_sequence_ended_after_planning_is_not_built() {
+        // The actor's order: plan, commit the block changes (here to the detached pool), and
+        // meanwhile the only request's client hangs up; its finish is applied before the batch
+        // is built. An empty batch must not reach the backend.
+        let mut e = engine(NextTokenBackend::default());
+        let mut pool = e.core().detach_allocator().expect("the core's pool");
+        e.core()
+            .add_request(request(1, (0..5).collect(), 100, None))
+            .unwrap();
+        let mut planned = e.core().plan(Timestamp(0));
+        assert_eq!(planned.plan.seqs.len(), 1);
+        let mut ids = Vec::new();
+        pool.commit(&std::mem::take(&mut planned.commit), &mut ids)
+            .unwrap();
+        e.core().assign(&mut planned, &ids).unwrap();
+        assert!(e.core().finish(RequestId(1), FinishReason::Abort));
+        assert!(e.core().build_step(planned).unwrap().is_none());
+        assert!(!e.core().has_unfinished());
+        // The next request's batch carries the release of the first.
+        e.core().add_request(request(2, vec![7], 1, None)).unwrap();
+        let mut planned = e.core().plan(Timestamp(1));
+        let mut ids = Vec::new();
+        pool.commit(&std::mem::take(&mut planned.commit), &mut ids)
+            .unwrap();
+        e.core().assign(&mut planned, &ids).unwrap();
+        let prepared = e.core().build_step(planned).unwrap().expect("a batch");
+        assert_eq!(prepared.batch.seqs.len(), 1);
+        assert_eq!(prepared.release, vec![1]);
     }
 
     #[test]

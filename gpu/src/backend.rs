@@ -539,6 +539,9 @@ pub(crate) fn validate_batch(
     pending_ok: bool,
 ) -> Result<(), GpuError> {
     let bad = |m: String| Err(GpuError::BadBatch(m));
+    if batch.seqs.is_empty() {
+        return bad("an empty batch (the engine builds none)".into());
+    }
     let total: usize = batch.seqs.iter().map(|s| s.tokens.len()).sum();
     if total > max_tokens {
         return bad(format!(

@@ -383,6 +383,11 @@ fn malformed_batches_are_errors_not_panics() {
         seqs: vec![good.clone(), good.clone()],
     };
     assert!(matches!(be.execute(&twice), Err(GpuError::BadBatch(_))));
+    // An empty batch is an error, not a panic in the forward pass.
+    assert!(matches!(
+        be.execute(&Batch { seqs: Vec::new() }),
+        Err(GpuError::BadBatch(_))
+    ));
     let huge = SeqInput {
         tokens: vec![1; 9000],
         ..good.clone()

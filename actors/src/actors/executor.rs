@@ -92,10 +92,32 @@ impl ExecutorActor {
     fn backend_releasing(&mut self, release: Vec<u64>) -> Result<&mut Box<dyn Backend>, GpuError> {
         let backend = self.backend()?;
         for id in release {
-            backend.release(id);
+            contained("release", || {
+                backend.release(id);
+                Ok(())
+            })?;
         }
         Ok(backend)
     }
+}
+
+/// Runs a backend call, turning a panic inside it into an error for the step. A backend must
+/// return errors, so a panic is a bug; containing it fails that step's requests (they get an
+/// error) instead of ending the executor thread, after which every later step would find the
+/// backend gone. The panic hook has already printed the message and, with `RUST_BACKTRACE`,
+/// where it happened.
+fn contained<T>(call: &str, f: impl FnOnce() -> Result<T, GpuError>) -> Result<T, GpuError> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|payload| {
+        let message = payload
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a panic without a message".into());
+        tracing::error!(call, panic = %message, "the backend panicked; failing the step");
+        Err(GpuError::Internal(format!(
+            "the backend panicked in {call}: {message}"
+        )))
+    })
 }
 
 impl Actor for ExecutorActor {
@@ -108,7 +130,7 @@ impl Handler<Execute> for ExecutorActor {
     fn handle(&mut self, msg: Execute, _: &mut SyncContext<Self>) -> Self::Result {
         let backend = self.backend_releasing(msg.release)?;
         let start = std::time::Instant::now();
-        let outputs = backend.execute(&msg.batch)?;
+        let outputs = contained("execute", || backend.execute(&msg.batch))?;
         Ok(Executed {
             outputs,
             execute_us: start.elapsed().as_micros() as u64,
@@ -123,7 +145,7 @@ impl Handler<SubmitStep> for ExecutorActor {
     fn handle(&mut self, msg: SubmitStep, _: &mut SyncContext<Self>) -> Self::Result {
         let backend = self.backend_releasing(msg.release)?;
         let start = std::time::Instant::now();
-        backend.submit(&msg.batch)?;
+        contained("submit", || backend.submit(&msg.batch))?;
         self.submitted += 1;
         Ok(Submitted {
             batch: msg.batch,
@@ -137,7 +159,8 @@ impl Handler<CollectStep> for ExecutorActor {
 
     fn handle(&mut self, _: CollectStep, _: &mut SyncContext<Self>) -> Self::Result {
         let start = std::time::Instant::now();
-        let outputs = self.backend()?.collect();
+        let backend = self.backend()?;
+        let outputs = contained("collect", || backend.collect());
         self.submitted = self.submitted.saturating_sub(1);
         Ok(Collected {
             outputs: outputs?,
@@ -152,9 +175,100 @@ impl Handler<DiscardSteps> for ExecutorActor {
     fn handle(&mut self, _: DiscardSteps, _: &mut SyncContext<Self>) {
         while self.submitted > 0 {
             self.submitted -= 1;
-            if let Some(Err(e)) = self.backend.as_mut().map(|b| b.collect()) {
+            if let Some(Err(e)) = self
+                .backend
+                .as_mut()
+                .map(|b| contained("collect", || b.collect()))
+            {
                 tracing::warn!(error = %e, "dropping a submitted step failed");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use actix::SyncArbiter;
+    use switchyard_gpu::backend::SeqInput;
+
+    use super::*;
+
+    /// Panics on its first batch, then echoes one token per sequence.
+    struct PanicsOnce(bool);
+
+    impl Backend for PanicsOnce {
+        fn name(&self) -> &str {
+            "panics-once"
+        }
+        fn num_kv_blocks(&self) -> usize {
+            8
+        }
+        fn block_size(&self) -> usize {
+            4
+        }
+        fn max_batch_tokens(&self) -> usize {
+            64
+        }
+        fn execute(&mut self, batch: &Batch) -> Result<Vec<SeqOutput>, GpuError> {
+            if !std::mem::replace(&mut self.0, true) {
+                panic!("chunk size must be non-zero");
+            }
+            Ok(batch
+                .seqs
+                .iter()
+                .map(|s| SeqOutput {
+                    seq_id: s.seq_id,
+                    accepted: Vec::new(),
+                    token: Some(1),
+                    logprob: None,
+                    top_logprobs: Vec::new(),
+                    prompt_logprobs: Vec::new(),
+                })
+                .collect())
+        }
+        fn release(&mut self, _: u64) {}
+    }
+
+    fn batch() -> Batch {
+        Batch {
+            seqs: vec![SeqInput {
+                seq_id: 3,
+                num_computed_tokens: 0,
+                tokens: vec![5],
+                block_table: vec![0],
+                sample: true,
+                num_drafts: 0,
+                sampling: Default::default(),
+                adapter: None,
+            }],
+        }
+    }
+
+    #[actix::test]
+    async fn a_backend_panic_fails_its_step_and_the_executor_goes_on() {
+        let executor =
+            SyncArbiter::start(1, || ExecutorActor::new(Some(Box::new(PanicsOnce(false)))));
+        let first = executor
+            .send(Execute {
+                batch: batch(),
+                release: Vec::new(),
+            })
+            .await
+            .expect("the executor answers");
+        match first {
+            Err(GpuError::Internal(m)) => assert!(m.contains("chunk size must be non-zero"), "{m}"),
+            Err(e) => panic!("unexpected error {e}"),
+            Ok(_) => panic!("the panicking step succeeded"),
+        }
+        let second = executor
+            .send(Execute {
+                batch: batch(),
+                release: Vec::new(),
+            })
+            .await
+            .expect("the executor still answers")
+            .expect("the next step runs on the same backend");
+        assert_eq!(second.outputs.len(), 1);
+        assert_eq!(second.outputs[0].token, Some(1));
     }
 }

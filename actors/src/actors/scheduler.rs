@@ -171,7 +171,8 @@ impl SchedulerActor {
                 Ok(Err(e)) => return act.fail_step(planned.plan, &e.to_string(), ctx),
                 Err(e) => {
                     tracing::error!(error = %e, "the KV allocator is gone");
-                    return;
+                    let error = format!("the KV allocator is gone: {e}");
+                    return act.fail_step(planned.plan, &error, ctx);
                 }
             };
             if let Err(e) = act.core.assign(&mut planned, &ids) {
@@ -243,8 +244,7 @@ impl SchedulerActor {
         ctx.spawn(fut.into_actor(self).map(move |result, act, ctx| {
             let submitted = match reply(result) {
                 Ok(s) => s,
-                Err(Some(e)) => return act.fail_step(plan, &e, ctx),
-                Err(None) => return,
+                Err(e) => return act.fail_step(plan, &e, ctx),
             };
             act.core.recycle(submitted.batch);
             metrics::gauge!(names::ENGINE_BATCH_SIZE).set(plan.seqs.len() as f64);
@@ -284,8 +284,7 @@ impl SchedulerActor {
         ctx.spawn(fut.into_actor(self).map(move |result, act, ctx| {
             let collected = match reply(result) {
                 Ok(c) => c,
-                Err(Some(e)) => return act.fail_step(plan, &e, ctx),
-                Err(None) => return,
+                Err(e) => return act.fail_step(plan, &e, ctx),
             };
             act.stepping = false;
             let now = act.now();
@@ -313,8 +312,7 @@ impl SchedulerActor {
             let executed = match reply(result) {
                 Ok(executed) => executed,
                 // A backend failure fails the requests of this step rather than the server.
-                Err(Some(e)) => return act.fail_step(plan, &e, ctx),
-                Err(None) => return,
+                Err(e) => return act.fail_step(plan, &e, ctx),
             };
             act.stepping = false;
             let now = act.now();
@@ -341,17 +339,18 @@ fn record_plan(prepared: &PreparedStep) {
     metrics::histogram!(names::ENGINE_PLAN).record(prepared.plan_us as f64 / 1e6);
 }
 
-/// An executor's reply: its value, `Err(Some(message))` when the backend failed (the step's
-/// requests fail, the server goes on), `Err(None)` when the executor is gone (logged here).
+/// An executor's reply: its value, or the message its step's requests fail with (the backend
+/// failed, or the executor thread is gone; either way the server goes on, and clients hear of
+/// it rather than wait).
 fn reply<T>(
     result: Result<Result<T, switchyard_gpu::GpuError>, actix::MailboxError>,
-) -> Result<T, Option<String>> {
+) -> Result<T, String> {
     match result {
         Ok(Ok(v)) => Ok(v),
-        Ok(Err(e)) => Err(Some(e.to_string())),
+        Ok(Err(e)) => Err(e.to_string()),
         Err(e) => {
             tracing::error!(error = %e, "the executor is gone");
-            Err(None)
+            Err(format!("the executor is gone: {e}"))
         }
     }
 }

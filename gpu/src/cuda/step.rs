@@ -426,6 +426,7 @@ mod tests {
             Batch {
                 seqs: vec![seq(1, 0, 0, vec![0])],
             },
+            Batch { seqs: Vec::new() },
         ] {
             assert!(
                 validate_batch(&bad, &c, 4, 16, 100, false).is_err(),
