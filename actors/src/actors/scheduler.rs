@@ -451,8 +451,12 @@ mod tests {
     use crate::actors::detokenizer::SetScheduler;
     use crate::core::EngineCoreConfig;
 
-    /// Samples token 1 at once and counts the tokens each sequence was fed.
+    /// Samples token 1 at once and counts the tokens each sequence was fed; an empty batch
+    /// (which the engine must never build) is counted under [`EMPTY_BATCHES`].
     struct CountingBackend(Arc<Mutex<HashMap<u64, usize>>>);
+
+    /// The key under which `CountingBackend` counts empty batches.
+    const EMPTY_BATCHES: u64 = u64::MAX;
 
     impl Backend for CountingBackend {
         fn name(&self) -> &str {
@@ -469,6 +473,9 @@ mod tests {
         }
         fn execute(&mut self, batch: &Batch) -> Result<Vec<SeqOutput>, GpuError> {
             let mut fed = self.0.lock().unwrap();
+            if batch.seqs.is_empty() {
+                *fed.entry(EMPTY_BATCHES).or_default() += 1;
+            }
             Ok(batch
                 .seqs
                 .iter()
@@ -663,5 +670,93 @@ mod tests {
         // 10 prompt tokens, then one token per step for the 5 further outputs.
         assert_eq!(fed.get(&1), Some(&15), "request 1 ran to its end: {fed:?}");
         assert_eq!(fed.get(&2), None, "the aborted request never ran");
+    }
+
+    #[actix::test]
+    async fn a_step_left_empty_by_a_finish_during_the_commit_is_not_run() {
+        // The only request of the first step ends while its commit is with the allocator (a
+        // client hanging up just then): no batch may be left to run, and the next request runs
+        // to its end (an empty batch once killed the CPU backend's executor here).
+        let fed = Arc::new(Mutex::new(HashMap::new()));
+        let backend = fed.clone();
+        let scheduler = start_scheduler(
+            move || Box::new(CountingBackend(backend.clone())),
+            SchedulerConfig::default().max_num_batched_tokens,
+            false,
+        );
+        scheduler.do_send(Submit(vec![request(1)]));
+        scheduler.do_send(Finish(vec![(RequestId(1), FinishReason::Abort)]));
+        scheduler.do_send(Submit(vec![request(2)]));
+        wait_until_idle(&scheduler, &fed, 1).await;
+        let fed = fed.lock().unwrap();
+        assert_eq!(fed.get(&EMPTY_BATCHES), None, "an empty batch ran: {fed:?}");
+        assert_eq!(fed.get(&1), None, "the aborted request never ran");
+        assert_eq!(fed.get(&2), Some(&15), "request 2 ran to its end: {fed:?}");
+    }
+
+    #[actix::test]
+    async fn aborts_at_any_moment_leave_no_request_or_block_behind() {
+        // Hang-ups land anywhere in the step cycle (planning, the allocator commit, the
+        // executor, applying outputs), with steps run in order and one ahead, and with more
+        // requests than the blocks hold (so some wait and some are preempted).
+        for async_scheduling in [false, true] {
+            let fed = Arc::new(Mutex::new(HashMap::new()));
+            let backend = fed.clone();
+            let scheduler = start_scheduler(
+                move || {
+                    Box::new(PipelinedCounting {
+                        inner: CountingBackend(backend.clone()),
+                        submitted: Default::default(),
+                        ahead: Arc::new(Mutex::new(0)),
+                    })
+                },
+                16,
+                async_scheduling,
+            );
+            // xorshift64: the same sequence of choices every run.
+            let mut state = 0x9e37_79b9_7f4a_7c15u64;
+            let mut next = move || {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                state
+            };
+            let mut aborted = Vec::new();
+            // Distinct prompts (no prefix-cache hits): the first 8 tokens spell the id in
+            // base 3.
+            let distinct = |id: u64| {
+                let mut r = request(id);
+                let mut prompt = r.request.prompt.to_vec();
+                for (i, t) in prompt.iter_mut().take(8).enumerate() {
+                    *t = (id / 3u64.pow(i as u32) % 3) as u32;
+                }
+                r.request.prompt = prompt.into();
+                r
+            };
+            for id in 1..=300u64 {
+                scheduler.do_send(Submit(vec![distinct(id)]));
+                if next() % 3 != 0 {
+                    // Abort this one or an earlier one after a few scheduler turns.
+                    let target = id - next() % id.min(4);
+                    for _ in 0..next() % 4 {
+                        scheduler.send(GetStats).await.unwrap();
+                    }
+                    scheduler.do_send(Finish(vec![(RequestId(target), FinishReason::Abort)]));
+                    aborted.push(target);
+                }
+            }
+            wait_until_idle(&scheduler, &fed, 0).await;
+            let fed = fed.lock().unwrap();
+            assert_eq!(fed.get(&EMPTY_BATCHES), None, "an empty batch ran");
+            for id in (1..=300u64).filter(|i| !aborted.contains(i)) {
+                // 10 prompt tokens and 5 decode steps at least (more if it was preempted and
+                // recomputed).
+                let n = fed.get(&id).copied().unwrap_or(0);
+                assert!(
+                    n >= 15,
+                    "request {id} (async {async_scheduling}) was fed {n} tokens, not run to its end"
+                );
+            }
+        }
     }
 }
