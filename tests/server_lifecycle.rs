@@ -104,12 +104,16 @@ fn client_disconnect_aborts_and_frees_blocks() {
             .to_string()
     };
     // Long enough that it cannot finish by itself within the deadline below.
-    let body = json!({"model": model, "prompt": "Tell me a very long story", "max_tokens": 6000, "ignore_eos": true, "stream": true}).to_string();
+    let body = |stream: bool| {
+        json!({"model": model, "prompt": "Tell me a very long story", "max_tokens": 6000, "ignore_eos": true, "stream": stream}).to_string()
+    };
     // Hang up many times: where the hang-up falls in the engine's step varies from one to the
     // next (one in a handful once fell between a step's planning and its batch, and the empty
-    // batch that was left killed the executor).
+    // batch that was left killed the executor). Every other request is not streamed: nothing
+    // is written to its connection before the end, so only the closed connection itself can
+    // tell the server.
     for round in 0..20 {
-        let stream = s.open("POST", "/v1/completions", Some(&body));
+        let stream = s.open("POST", "/v1/completions", Some(&body(round % 2 == 0)));
         // Wait until it is running, then hang up.
         let deadline = Instant::now() + Duration::from_secs(60);
         while s.metric("switchyard:num_requests_running").unwrap_or(0.0) < 1.0 {
@@ -142,6 +146,115 @@ fn client_disconnect_aborts_and_frees_blocks() {
     }
     assert_eq!(s.metric("switchyard:request_aborted_total"), Some(20.0));
     // And the engine still serves.
+    let (code, v) = s.post_json(
+        "/v1/completions",
+        &json!({"model": model, "prompt": "Hi", "max_tokens": 4, "ignore_eos": true}),
+    );
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 4, "{v}");
+}
+
+#[test]
+fn hang_ups_of_every_request_kind_leave_the_engine_idle_and_serving() {
+    let s = Server::start("hangups", "");
+    let model = {
+        let r = s.request("GET", "/v1/models", None, &[]).unwrap();
+        serde_json::from_str::<Value>(&r.body).unwrap()["data"][0]["id"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    let kinds: Vec<(&str, Value)> = vec![
+        (
+            "/v1/completions",
+            json!({"prompt": "Tell me a story", "max_tokens": 300, "ignore_eos": true, "stream": true}),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "Tell me a story", "max_tokens": 300, "ignore_eos": true, "n": 3, "temperature": 1.0, "stream": true}),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": ["one two", "three four"], "max_tokens": 200, "ignore_eos": true}),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "Count: 1 2 3", "max_tokens": 100, "echo": true, "logprobs": 3, "ignore_eos": true}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "Hi there"}], "max_tokens": 200, "logprobs": true, "top_logprobs": 2, "stream": true}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "Give JSON"}], "max_tokens": 200, "response_format": {"type": "json_object"}}),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x ".repeat(300), "max_tokens": 50, "stream": true}),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "Say hello", "max_tokens": 200, "stop": ["\n\n", "zz"], "ignore_eos": true, "stream": true}),
+        ),
+    ];
+    // xorshift64: the same choices every run (the timing of the hang-ups still varies).
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let waits_ms = [0u64, 2, 10, 30, 100, 300];
+    for _ in 0..25 {
+        let clients: Vec<_> = (0..1 + next() % 5)
+            .map(|_| {
+                let (path, mut body) = kinds[(next() % kinds.len() as u64) as usize].clone();
+                body["model"] = json!(model);
+                let mut stream = s.open("POST", path, Some(&body.to_string()));
+                let wait = Duration::from_millis(waits_ms[(next() % 6) as usize]);
+                let read_some = next() % 3 == 0;
+                std::thread::spawn(move || {
+                    std::thread::sleep(wait);
+                    if read_some {
+                        use std::io::Read;
+                        let _ = stream.set_read_timeout(Some(Duration::from_millis(200)));
+                        let _ = stream.read(&mut [0u8; 256]);
+                    }
+                    drop(stream);
+                })
+            })
+            .collect();
+        for c in clients {
+            c.join().unwrap();
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let m = |name: &str| s.metric(name);
+        let state = [
+            m("switchyard:num_requests_running"),
+            m("switchyard:num_requests_waiting"),
+            m("switchyard:kv_cache_usage_perc"),
+            m("switchyard:http_requests_in_flight"),
+        ];
+        if state.iter().all(|v| *v == Some(0.0)) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not idle after the hang-ups: running, waiting, KV usage, HTTP in flight = \
+             {state:?}\nserver log:\n{}",
+            s.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let log = s.log();
+    assert!(
+        !log.contains("panicked") && !log.contains("ERROR"),
+        "server log:\n{log}"
+    );
     let (code, v) = s.post_json(
         "/v1/completions",
         &json!({"model": model, "prompt": "Hi", "max_tokens": 4, "ignore_eos": true}),
