@@ -1,0 +1,106 @@
+#!/usr/bin/env python3
+"""Hang-up storm against a running Switchyard server (any backend).
+
+Sends rounds of 1-6 concurrent requests of eight kinds (streamed and not, n=3, two prompts,
+echo with logprobs, chat with logprobs, JSON mode, a long prompt, stop strings) and hangs each
+up at a random moment (some after reading a little, some half-closing first). Then waits until
+the engine is idle with every KV block back (exit 1 if it is not within 60 s) and checks that a
+plain request is still served. Standard library only.
+
+usage: scripts/hangup-storm.py [--port 8000] [--rounds 40]
+The tests' version of this is tests/server_lifecycle.rs
+(hang_ups_of_every_request_kind_leave_the_engine_idle_and_serving).
+"""
+import argparse
+import json
+import random
+import socket
+import sys
+import threading
+import time
+import urllib.request
+
+KINDS = [
+    ("/v1/completions", {"prompt": "Tell me a story", "max_tokens": 300, "ignore_eos": True, "stream": True}),
+    ("/v1/completions", {"prompt": "Tell me a story", "max_tokens": 300, "ignore_eos": True, "n": 3,
+                         "stream": True, "temperature": 1.0}),
+    ("/v1/completions", {"prompt": ["one two", "three four"], "max_tokens": 200, "ignore_eos": True}),
+    ("/v1/completions", {"prompt": "Count: 1 2 3", "max_tokens": 100, "echo": True, "logprobs": 3,
+                         "ignore_eos": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi there"}], "max_tokens": 200,
+                              "stream": True, "logprobs": True, "top_logprobs": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Give JSON"}], "max_tokens": 200,
+                              "response_format": {"type": "json_object"}}),
+    ("/v1/completions", {"prompt": "x " * 300, "max_tokens": 50, "stream": True}),
+    ("/v1/completions", {"prompt": "Say hello", "max_tokens": 200, "stop": ["\n\n", "zz"], "stream": True,
+                         "ignore_eos": True}),
+]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--rounds", type=int, default=40)
+    args = ap.parse_args()
+    base = f"http://127.0.0.1:{args.port}"
+
+    def metric(name):
+        body = urllib.request.urlopen(f"{base}/metrics").read().decode()
+        for line in body.splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+        return None
+
+    model = json.loads(urllib.request.urlopen(f"{base}/v1/models").read())["data"][0]["id"]
+
+    def client(seed):
+        r = random.Random(seed)
+        path, body = r.choice(KINDS)
+        body = dict(body, model=model)
+        b = json.dumps(body).encode()
+        s = socket.create_connection(("127.0.0.1", args.port))
+        s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                  f"Content-Type: application/json\r\nContent-Length: {len(b)}\r\n\r\n".encode() + b)
+        time.sleep(r.choice([0, 0.002, 0.01, 0.03, 0.1, 0.3, 0.6]))
+        if r.random() < 0.3:
+            s.settimeout(0.5)
+            try:
+                s.recv(200)
+            except OSError:
+                pass
+        if r.random() < 0.2:
+            s.shutdown(socket.SHUT_WR)
+            time.sleep(0.02)
+        s.close()
+
+    for k in range(args.rounds):
+        threads = [threading.Thread(target=client, args=(k * 10 + i,))
+                   for i in range(random.Random(k).randint(1, 6))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    t0 = time.time()
+    names = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "http_requests_in_flight"]
+    while True:
+        state = {n: metric("switchyard:" + n) for n in names}
+        if all((v or 0) == 0 for v in state.values()):
+            break
+        if time.time() - t0 > 60:
+            print(f"not idle after 60 s: {state}")
+            sys.exit(1)
+        time.sleep(0.2)
+    print(f"idle after {time.time() - t0:.1f} s; aborted {metric('switchyard:request_aborted_total')}, "
+          f"finished {metric('switchyard:request_success_total')}")
+    req = urllib.request.Request(f"{base}/v1/completions", headers={"Content-Type": "application/json"},
+                                 data=json.dumps({"model": model, "prompt": "Hi", "max_tokens": 4,
+                                                  "ignore_eos": True}).encode())
+    usage = json.loads(urllib.request.urlopen(req).read())["usage"]
+    print(f"a plain request after it: {usage}")
+    if usage["completion_tokens"] != 4:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
