@@ -28,17 +28,9 @@ fn completion(prompt: &str, extra: Value) -> Value {
     body
 }
 
-fn model_name(server: &Server) -> String {
-    let r = server
-        .request("GET", "/v1/models", None, &[])
-        .expect("models");
-    let v: Value = serde_json::from_str(&r.body).expect("json");
-    v["data"][0]["id"].as_str().expect("a model id").to_string()
-}
-
 fn complete(server: &Server, prompt: &str, extra: Value) -> Value {
     let mut body = completion(prompt, extra);
-    body["model"] = json!(model_name(server));
+    body["model"] = json!(server.model_id());
     let (status, v) = server.post_json("/v1/completions", &body);
     assert_eq!(
         status,
@@ -57,7 +49,7 @@ fn completion_is_sensible_and_counts_usage() {
     assert!(text.contains("Paris"), "unexpected continuation {text:?}");
     let (status, tok) = s.post_json(
         "/tokenize",
-        &json!({"model": model_name(s), "prompt": "The capital of France is"}),
+        &json!({"model": s.model_id(), "prompt": "The capital of France is"}),
     );
     assert_eq!(status, 200, "{tok}");
     let n_prompt = tok["tokens"]
@@ -84,7 +76,7 @@ fn streaming_matches_the_non_streaming_text() {
         "Once upon a time",
         json!({"stream": true, "stream_options": {"include_usage": true}}),
     );
-    body["model"] = json!(model_name(s));
+    body["model"] = json!(s.model_id());
     let r = s
         .request("POST", "/v1/completions", Some(&body.to_string()), &[])
         .expect("stream");
@@ -153,7 +145,7 @@ fn golden_completion(name: &str) -> String {
 #[test]
 fn chat_completion_follows_the_reference_greedy_answer() {
     let s = &server();
-    let body = json!({"model": model_name(s), "messages": [{"role": "user", "content": "Write a haiku about trains."}], "max_tokens": 12, "temperature": 0});
+    let body = json!({"model": s.model_id(), "messages": [{"role": "user", "content": "Write a haiku about trains."}], "max_tokens": 12, "temperature": 0});
     let (status, v) = s.post_json("/v1/chat/completions", &body);
     assert_eq!(status, 200, "{v}");
     let content = v["choices"][0]["message"]["content"]
@@ -233,7 +225,7 @@ fn stop_string_truncates_and_reports_stop() {
 #[test]
 fn bad_inputs_get_openai_errors_and_the_server_keeps_serving() {
     let s = &server();
-    let name = model_name(s);
+    let name = s.model_id();
     let cases: Vec<(Value, u16, &str)> = vec![
         (
             json!({"model": name, "prompt": "hi", "temperature": 5}),
@@ -276,7 +268,7 @@ fn context_length_is_enforced_with_its_code() {
     let long = "hello ".repeat(9000);
     let (status, v) = s.post_json(
         "/v1/completions",
-        &json!({"model": model_name(s), "prompt": long, "max_tokens": 10}),
+        &json!({"model": s.model_id(), "prompt": long, "max_tokens": 10}),
     );
     assert_eq!(status, 400, "{v}");
     assert_eq!(v["error"]["code"], "context_length_exceeded", "{v}");
@@ -353,7 +345,7 @@ fn echo_prompt_logprobs_match_the_reference_teacher_forced() {
         .copied()
         .collect();
     let s = server();
-    let body = json!({"model": model_name(&s), "prompt": ids, "max_tokens": 1, "temperature": 0, "echo": true, "logprobs": 1});
+    let body = json!({"model": s.model_id(), "prompt": ids, "max_tokens": 1, "temperature": 0, "echo": true, "logprobs": 1});
     let (status, v) = s.post_json("/v1/completions", &body);
     assert_eq!(status, 200, "{v}");
     let lps = v["choices"][0]["logprobs"]["token_logprobs"]
@@ -384,7 +376,7 @@ fn responses_and_stream_chunks_are_openai_wire_compatible() {
     use async_openai::types::models::ListModelResponse;
 
     let s = &server();
-    let model = model_name(s);
+    let model = s.model_id();
     let r = s.request("GET", "/v1/models", None, &[]).expect("models");
     let models: ListModelResponse = serde_json::from_str(&r.body).expect("model list");
     assert!(models.data.iter().any(|m| m.id == model));
@@ -467,7 +459,7 @@ fn echo_logprobs_of_a_prompt_longer_than_a_steps_logit_rows() {
   max_num_batched_tokens: 4096
 ",
     );
-    let body = json!({"model": model_name(&s), "prompt": ids, "max_tokens": 1, "temperature": 0, "echo": true, "logprobs": 1});
+    let body = json!({"model": s.model_id(), "prompt": ids, "max_tokens": 1, "temperature": 0, "echo": true, "logprobs": 1});
     let (status, v) = s.post_json("/v1/completions", &body);
     assert_eq!(status, 200, "{v}");
     let lps = v["choices"][0]["logprobs"]["token_logprobs"]
@@ -511,7 +503,7 @@ fn async_scheduling_serves_the_same_answers() {
         !text.is_empty() && reference.starts_with(text),
         "{text:?} is not a prefix of the reference {reference:?}"
     );
-    let body = json!({"model": model_name(s), "messages": [{"role": "user", "content": "Write a haiku about trains."}], "max_tokens": 12, "temperature": 0});
+    let body = json!({"model": s.model_id(), "messages": [{"role": "user", "content": "Write a haiku about trains."}], "max_tokens": 12, "temperature": 0});
     let (status, chat) = s.post_json("/v1/chat/completions", &body);
     assert_eq!(status, 200, "{chat}");
     let content = chat["choices"][0]["message"]["content"].as_str().unwrap();

@@ -96,13 +96,7 @@ fn api_keys_and_admin_policy_swap_under_load() {
 #[test]
 fn client_disconnect_aborts_and_frees_blocks() {
     let s = Server::start("disconnect", "cache:\n  prefix_caching: false\n");
-    let model = {
-        let r = s.request("GET", "/v1/models", None, &[]).unwrap();
-        serde_json::from_str::<Value>(&r.body).unwrap()["data"][0]["id"]
-            .as_str()
-            .unwrap()
-            .to_string()
-    };
+    let model = s.model_id();
     // Long enough that it cannot finish by itself within the deadline below.
     let body = |stream: bool| {
         json!({"model": model, "prompt": "Tell me a very long story", "max_tokens": 6000, "ignore_eos": true, "stream": stream}).to_string()
@@ -146,24 +140,13 @@ fn client_disconnect_aborts_and_frees_blocks() {
     }
     assert_eq!(s.metric("switchyard:request_aborted_total"), Some(20.0));
     // And the engine still serves.
-    let (code, v) = s.post_json(
-        "/v1/completions",
-        &json!({"model": model, "prompt": "Hi", "max_tokens": 4, "ignore_eos": true}),
-    );
-    assert_eq!(code, 200, "{v}");
-    assert_eq!(v["usage"]["completion_tokens"], 4, "{v}");
+    s.assert_serves();
 }
 
 #[test]
 fn hang_ups_of_every_request_kind_leave_the_engine_idle_and_serving() {
     let s = Server::start("hangups", "");
-    let model = {
-        let r = s.request("GET", "/v1/models", None, &[]).unwrap();
-        serde_json::from_str::<Value>(&r.body).unwrap()["data"][0]["id"]
-            .as_str()
-            .unwrap()
-            .to_string()
-    };
+    let model = s.model_id();
     let kinds: Vec<(&str, Value)> = vec![
         (
             "/v1/completions",
@@ -255,24 +238,13 @@ fn hang_ups_of_every_request_kind_leave_the_engine_idle_and_serving() {
         !log.contains("panicked") && !log.contains("ERROR"),
         "server log:\n{log}"
     );
-    let (code, v) = s.post_json(
-        "/v1/completions",
-        &json!({"model": model, "prompt": "Hi", "max_tokens": 4, "ignore_eos": true}),
-    );
-    assert_eq!(code, 200, "{v}");
-    assert_eq!(v["usage"]["completion_tokens"], 4, "{v}");
+    s.assert_serves();
 }
 
 #[test]
 fn sigterm_drains_in_flight_requests_then_exits_zero() {
     let mut s = Server::start("drain", "");
-    let model = {
-        let r = s.request("GET", "/v1/models", None, &[]).unwrap();
-        serde_json::from_str::<Value>(&r.body).unwrap()["data"][0]["id"]
-            .as_str()
-            .unwrap()
-            .to_string()
-    };
+    let model = s.model_id();
     // Long enough to be still in flight while the checks below run: once nothing is in flight
     // the server stops at once, and a request then finds no one to answer it.
     let body = json!({"model": model, "prompt": "Write a list of fruits", "max_tokens": 200, "ignore_eos": true, "stream": true}).to_string();

@@ -77,12 +77,6 @@ fn completion_steps(v: &Value) -> Vec<Step> {
         .collect()
 }
 
-fn base_name(s: &Server) -> String {
-    let r = s.request("GET", "/v1/models", None, &[]).expect("models");
-    let v: Value = serde_json::from_str(&r.body).expect("json");
-    v["data"][0]["id"].as_str().expect("id").to_string()
-}
-
 /// Greedy chat answer of `model` to the haiku prompt of both fixtures, with each token's two
 /// most likely alternatives.
 fn haiku(s: &Server, model: &str) -> (u16, Value) {
@@ -165,7 +159,7 @@ fn follows_reference(steps: &[Step], reference: &str, what: &str) {
 #[test]
 fn requests_naming_the_adapter_follow_the_reference_and_others_the_base_model() {
     let s = &server();
-    let base = base_name(s);
+    let base = s.model_id();
     // Models: the base, then the adapter with its parent.
     let r = s.request("GET", "/v1/models", None, &[]).expect("models");
     let models: Value = serde_json::from_str(&r.body).expect("json");

@@ -122,6 +122,26 @@ impl Server {
         stream
     }
 
+    /// The served model's id (the first of `GET /v1/models`).
+    pub fn model_id(&self) -> String {
+        let r = self
+            .request("GET", "/v1/models", None, &[])
+            .expect("GET /v1/models");
+        let v: serde_json::Value = serde_json::from_str(&r.body).expect("json");
+        v["data"][0]["id"].as_str().expect("a model id").to_string()
+    }
+
+    /// Asserts that a plain 4-token completion is served in full.
+    pub fn assert_serves(&self) {
+        let model = self.model_id();
+        let (code, v) = self.post_json(
+            "/v1/completions",
+            &serde_json::json!({"model": model, "prompt": "Hi", "max_tokens": 4, "ignore_eos": true}),
+        );
+        assert_eq!(code, 200, "{v}");
+        assert_eq!(v["usage"]["completion_tokens"], 4, "{v}");
+    }
+
     /// Reads a metric's value from /metrics (first sample whose name matches exactly, any labels).
     pub fn metric(&self, name: &str) -> Option<f64> {
         let r = self.request("GET", "/metrics", None, &[]).ok()?;
