@@ -26,6 +26,9 @@ pub const GENERATION_TOKENS: &str = "switchyard:generation_tokens_total";
 pub const REQUEST_SUCCESS: &str = "switchyard:request_success_total";
 /// Counter: requests aborted (client gone, shutdown, relegated).
 pub const REQUEST_ABORTED: &str = "switchyard:request_aborted_total";
+/// Counter: engine steps that failed (a backend error or panic, or a lost executor or
+/// allocator); their requests ended with an error, the server went on.
+pub const ENGINE_FAILED_STEPS: &str = "switchyard:engine_failed_steps_total";
 /// Histogram, seconds: arrival to first generated token.
 pub const TIME_TO_FIRST_TOKEN: &str = "switchyard:time_to_first_token_seconds";
 /// Histogram, seconds: between consecutive generated tokens of a request.
@@ -92,6 +95,7 @@ pub const COUNTERS: &[&str] = &[
     GENERATION_TOKENS,
     REQUEST_SUCCESS,
     REQUEST_ABORTED,
+    ENGINE_FAILED_STEPS,
     LORA_LOADS,
     STRUCTURED_REQUESTS,
     STRUCTURED_FAILURES,

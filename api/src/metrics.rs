@@ -35,6 +35,8 @@ pub const GENERATION_TOKENS: &str = "switchyard:generation_tokens_total";
 pub const REQUEST_SUCCESS: &str = "switchyard:request_success_total";
 /// Counter: requests aborted (client gone, shutdown, relegated).
 pub const REQUEST_ABORTED: &str = "switchyard:request_aborted_total";
+/// Counter: engine steps that failed; their requests ended with an error.
+pub const ENGINE_FAILED_STEPS: &str = "switchyard:engine_failed_steps_total";
 /// Histogram, seconds: arrival to first generated token.
 pub const TIME_TO_FIRST_TOKEN: &str = "switchyard:time_to_first_token_seconds";
 /// Histogram, seconds: between consecutive generated tokens of a request.
@@ -185,6 +187,11 @@ pub fn describe_metrics() {
         "Finished requests, by finish reason."
     );
     describe_counter!(REQUEST_ABORTED, Unit::Count, "Aborted requests.");
+    describe_counter!(
+        ENGINE_FAILED_STEPS,
+        Unit::Count,
+        "Engine steps that failed (a backend error or panic, or a lost executor or allocator); their requests ended with an error and the server went on."
+    );
     describe_histogram!(
         TIME_TO_FIRST_TOKEN,
         Unit::Seconds,
@@ -329,6 +336,7 @@ mod tests {
         GENERATION_TOKENS,
         REQUEST_SUCCESS,
         REQUEST_ABORTED,
+        ENGINE_FAILED_STEPS,
         POLICY_SWAPS,
         HTTP_REQUESTS,
     ];

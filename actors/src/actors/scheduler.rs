@@ -201,6 +201,7 @@ impl SchedulerActor {
     /// flight fails with it (the backend's queue is emptied).
     fn fail_step(&mut self, plan: StepPlan, error: &str, ctx: &mut Context<Self>) {
         tracing::error!(error, "a step failed; aborting its requests");
+        metrics::counter!(names::ENGINE_FAILED_STEPS).increment(1);
         self.stepping = false;
         let mut ids: Vec<RequestId> = plan.seqs.iter().map(|s| s.id).collect();
         if let Some(other) = self.in_flight.take() {
