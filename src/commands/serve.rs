@@ -469,7 +469,18 @@ impl OutputSink for ChannelSink {
             EngineOutput::Error(e) => EngineEvent::Error(to_port_error(e)),
         };
         // A full channel means the client reads far slower than we generate: cut it off
-        // rather than block the engine.
+        // rather than block the engine, and say so in the last free slot.
+        if self.tx.capacity() <= 1 && !matches!(event, EngineEvent::Error(_)) {
+            let _ = self.tx.try_send(EngineEvent::Error(EngineError::new(
+                EngineErrorKind::Unavailable,
+                format!(
+                    "The stream was cut off: the client read it more slowly than the model \
+                     generated it, and {} events waited unread.",
+                    self.tx.max_capacity() - 1
+                ),
+            )));
+            return false;
+        }
         self.tx.try_send(event).is_ok()
     }
 
@@ -656,5 +667,51 @@ fn port_adapter(a: AdapterInfo) -> LoraAdapterInfo {
         name: a.name,
         path: a.path.display().to_string(),
         rank: a.rank,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn delta(index: u32) -> EngineOutput {
+        EngineOutput::Delta(ChoiceDelta {
+            index,
+            text: "a".into(),
+            token_ids: vec![1],
+            logprobs: Vec::new(),
+            finish: None,
+        })
+    }
+
+    #[test]
+    fn a_client_too_slow_to_read_is_cut_off_with_a_reason() {
+        let (tx, mut rx) = mpsc::channel(4);
+        let json = r#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],
+            "normalizer":null,"pre_tokenizer":null,"post_processor":null,"decoder":null,
+            "model":{"type":"WordLevel","vocab":{"a":0,"b":1},"unk_token":"a"}}"#;
+        let tokenizer = Arc::new(Tokenizer::from_json_bytes(json.as_bytes()).unwrap());
+        let mut sink = ChannelSink { tx, tokenizer };
+        // Nobody reads: three deltas fit, the fourth finds only the slot kept for the reason.
+        assert!(sink.send(delta(0)));
+        assert!(sink.send(delta(0)));
+        assert!(sink.send(delta(0)));
+        assert!(!sink.send(delta(0)));
+        assert!(!sink.send(delta(0)));
+        for _ in 0..3 {
+            assert!(matches!(rx.try_recv(), Ok(EngineEvent::Delta(_))));
+        }
+        match rx.try_recv() {
+            Ok(EngineEvent::Error(e)) => {
+                assert_eq!(e.kind, EngineErrorKind::Unavailable);
+                assert!(
+                    e.message.contains("3 events waited unread"),
+                    "{}",
+                    e.message
+                );
+            }
+            other => panic!("expected the cut-off error, got {other:?}"),
+        }
+        assert!(rx.try_recv().is_err());
     }
 }
