@@ -233,11 +233,17 @@ fn hang_ups_of_every_request_kind_leave_the_engine_idle_and_serving() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
+    // No panic, and no step failed (other libraries' error lines about reset connections
+    // are expected here).
     let log = s.log();
-    assert!(
-        !log.contains("panicked") && !log.contains("ERROR"),
-        "server log:\n{log}"
-    );
+    for bad in [
+        "panicked",
+        "a step failed",
+        "executor is gone",
+        "allocator is gone",
+    ] {
+        assert!(!log.contains(bad), "`{bad}` in the server log:\n{log}");
+    }
     s.assert_serves();
 }
 

@@ -403,6 +403,11 @@ impl StepCore {
         })
     }
 
+    /// Drops every prefix-cache registration; see [`Scheduler::clear_prefix_cache`].
+    pub fn clear_prefix_cache(&mut self) {
+        self.scheduler.clear_prefix_cache();
+    }
+
     /// Forgets every launched step without applying it (their requests were aborted); see
     /// [`Scheduler::forget_launched`].
     pub fn forget_launched(&mut self) {

@@ -119,6 +119,13 @@ pub trait Backend: Send {
     fn lora_slots(&self) -> usize {
         0
     }
+    /// Whether the backend stays right for other sequences after a panic inside one of its
+    /// calls (a bug): the engine then fails that step's requests and goes on with it; a
+    /// backend that says no is retired, and every later step fails with an error saying so.
+    /// No by default: a device backend may have work queued that the panic left behind.
+    fn recovers_from_panics(&self) -> bool {
+        false
+    }
     /// Whether [`Backend::submit`] and [`Backend::collect`] work: steps may be submitted one
     /// ahead of their outputs, fed [`PENDING_TOKEN`]s.
     fn pipelines(&self) -> bool {
@@ -364,6 +371,12 @@ impl CpuBackend {
 impl Backend for CpuBackend {
     fn name(&self) -> &str {
         &self.name
+    }
+
+    /// Steps run to their end within the call, and a step writes only its own sequences'
+    /// KV blocks and sampler states, which the engine drops with its failed requests.
+    fn recovers_from_panics(&self) -> bool {
+        true
     }
 
     fn num_kv_blocks(&self) -> usize {

@@ -7,6 +7,8 @@
 //! scheduler's commits change the pool. Fresh blocks are only *reserved* while planning (a
 //! table entry of [`PENDING_BLOCK`]); the commit applies, in this order,
 //!
+//! 0. dropping every prefix-cache registration, after a failed step (see
+//!    [`BlockLedger::clear_cache`]),
 //! 1. prefix-cache registrations of blocks computed since the last commit,
 //! 2. pins of cached blocks matched by admitted requests,
 //! 3. frees (finished, aborted, preempted requests),
@@ -32,6 +34,9 @@ pub const PENDING_BLOCK: BlockId = BlockId::MAX;
 /// One step's changes to the block pool, in the order the allocator applies them.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct KvCommit {
+    /// Drop every prefix-cache registration before the rest (a step failed: blocks it
+    /// registered may not hold their KV).
+    pub clear_cache: bool,
     /// Full, computed blocks to register in the prefix cache.
     pub cache: Vec<(BlockId, PrefixHash)>,
     /// Blocks gaining one reference (cached prefixes matched at admission).
@@ -45,7 +50,11 @@ pub struct KvCommit {
 impl KvCommit {
     /// Whether the commit changes nothing.
     pub fn is_empty(&self) -> bool {
-        self.cache.is_empty() && self.pin.is_empty() && self.free.is_empty() && self.allocate == 0
+        !self.clear_cache
+            && self.cache.is_empty()
+            && self.pin.is_empty()
+            && self.free.is_empty()
+            && self.allocate == 0
     }
 }
 
@@ -55,6 +64,9 @@ impl BlockPool {
     /// A commit built by the scheduler's ledger always applies; an error means the ledger and
     /// the pool diverged (a core bug), and the pool may then be partly updated.
     pub fn commit(&mut self, c: &KvCommit, out: &mut Vec<BlockId>) -> Result<(), SchedulerError> {
+        if c.clear_cache {
+            self.clear_cache();
+        }
         for &(b, h) in &c.cache {
             self.cache_block(b, h);
         }
@@ -232,6 +244,18 @@ impl BlockLedger {
         true
     }
 
+    /// Drops every prefix-cache registration, here at once and in the pool with the next
+    /// commit (before that commit's registrations, so those recorded after this call stand).
+    /// For a failed step: with asynchronous scheduling a step registers the blocks it computes
+    /// when it is launched, before they hold their KV, so after a failure no registration can
+    /// be trusted. Blocks keep their references; only future prefix hits are lost.
+    pub fn clear_cache(&mut self) {
+        self.cache.clear();
+        self.hashes.fill(None);
+        self.log.cache.clear();
+        self.log.clear_cache = true;
+    }
+
     /// Appends to `out` the cached blocks of the longest cached prefix of `hashes`.
     pub fn match_prefix(&self, hashes: &[PrefixHash], out: &mut Vec<BlockId>) -> usize {
         let start = out.len();
@@ -401,6 +425,38 @@ mod tests {
         out.clear();
         assert_eq!(l.match_prefix(&[h(7)], &mut out), 0);
         assert_eq!(p.lookup(h(7)), None);
+    }
+
+    #[test]
+    fn clearing_the_cache_drops_every_registration_in_both_views() {
+        let mut l = BlockLedger::new(3, 4).unwrap();
+        let mut p = BlockPool::new(3, 4).unwrap();
+        l.reserve();
+        l.reserve();
+        l.reserve();
+        let ids = commit(&mut l, &mut p);
+        // Block 0 cached and committed, block 1 cached and freed (cached, evictable), block 2
+        // registered in the same commit window as the clear, before it; then block 0 again
+        // after the clear.
+        assert!(l.cache_block(ids[0], h(1)));
+        assert!(l.cache_block(ids[1], h(2)));
+        l.free(ids[1]).unwrap();
+        commit(&mut l, &mut p);
+        assert!(l.cache_block(ids[2], h(3)));
+        l.clear_cache();
+        assert!(l.has_uncommitted(), "a clear alone is a change to commit");
+        assert!(l.cache_block(ids[0], h(4)));
+        commit(&mut l, &mut p);
+        let mut out = Vec::new();
+        for gone in [h(1), h(2), h(3)] {
+            assert_eq!(l.match_prefix(&[gone], &mut out), 0);
+            assert_eq!(p.lookup(gone), None);
+        }
+        assert_eq!(l.match_prefix(&[h(4)], &mut out), 1);
+        assert_eq!(p.lookup(h(4)), Some(ids[0]));
+        // The freed block is still free, and allocatable.
+        l.reserve();
+        assert_eq!(commit(&mut l, &mut p), vec![ids[1]]);
     }
 
     #[test]

@@ -287,6 +287,15 @@ impl BlockPool {
         true
     }
 
+    /// Drops every prefix-cache registration (blocks keep their references and places in
+    /// the free list).
+    pub fn clear_cache(&mut self) {
+        self.cache.clear();
+        for m in &mut self.meta {
+            m.hash = None;
+        }
+    }
+
     /// The cached block holding `hash`, if any.
     pub fn lookup(&self, hash: PrefixHash) -> Option<BlockId> {
         self.cache.get(&hash).copied()

@@ -263,6 +263,13 @@ impl Scheduler {
         self.allocator.as_ref()
     }
 
+    /// Drops every prefix-cache registration (from the next commit on in the pool; see
+    /// [`BlockLedger::clear_cache`]). For a step that failed: blocks it registered when it was
+    /// launched may not hold their KV, so no later request may match them.
+    pub fn clear_prefix_cache(&mut self) {
+        self.ledger.clear_cache();
+    }
+
     /// Hands the block pool to an external allocator (the engine's allocator actor). From
     /// then on, plan with [`Scheduler::plan_into`], apply the returned [`crate::KvCommit`] to the
     /// pool, and give the ids back through [`Scheduler::assign_blocks`] before the next plan.

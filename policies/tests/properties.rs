@@ -427,6 +427,13 @@ fn run(w: &Workload, first: &str, swaps: &[&str], pipelined: bool) -> Result<End
                 prop_assert_eq!(before.num_waiting, after.num_waiting);
             }
         }
+        // A failed step drops every prefix-cache registration (the engine's `fail_step`):
+        // the ledger and the pool must agree after the next commit, and nothing is lost.
+        if w.caching && step % 11 == 5 {
+            s.clear_prefix_cache();
+            s.check_invariants()
+                .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        }
         // A backend that verifies drafts exactly: it keeps the leading drafts equal to the
         // tokens it samples at their positions.
         let outputs = |plan: &StepPlan| -> Vec<StepOutput> {

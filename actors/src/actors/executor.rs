@@ -65,8 +65,8 @@ pub struct DiscardSteps;
 
 /// Holds the backend; lives on its own OS thread.
 pub struct ExecutorActor {
-    /// The backend; `None` only if the executor thread was restarted after a panic, since the
-    /// backend cannot be rebuilt here.
+    /// The backend; `None` once retired after a panic it does not recover from
+    /// ([`Backend::recovers_from_panics`]).
     backend: Option<Box<dyn Backend>>,
     /// Batches submitted and not collected.
     submitted: usize,
@@ -81,43 +81,66 @@ impl ExecutorActor {
         }
     }
 
-    fn backend(&mut self) -> Result<&mut Box<dyn Backend>, GpuError> {
-        self.backend.as_mut().ok_or_else(|| {
-            GpuError::Internal("the executor thread restarted and lost its backend".into())
-        })
+    /// Runs `f` on the backend; see [`contained`].
+    fn call<T>(
+        &mut self,
+        call: &str,
+        f: impl FnOnce(&mut dyn Backend) -> Result<T, GpuError>,
+    ) -> Result<T, GpuError> {
+        contained(&mut self.backend, call, f)
     }
 
-    /// The backend, once the state of the finished sequences in `release` is freed (every
-    /// batch message carries them, to be released before the batch runs).
-    fn backend_releasing(&mut self, release: Vec<u64>) -> Result<&mut Box<dyn Backend>, GpuError> {
-        let backend = self.backend()?;
+    /// Frees the state of the finished sequences in `release` (every batch message carries
+    /// them, to be released before the batch runs). A failure here is logged, not the step's.
+    fn release(&mut self, release: Vec<u64>) {
         for id in release {
-            contained("release", || {
-                backend.release(id);
+            if let Err(e) = self.call("release", |b| {
+                b.release(id);
                 Ok(())
-            })?;
+            }) {
+                tracing::warn!(seq = id, error = %e, "releasing a sequence's state failed");
+            }
         }
-        Ok(backend)
     }
+}
+
+/// The error of every call once the backend is retired.
+fn retired() -> GpuError {
+    GpuError::Internal(
+        "the backend was retired after a panic (see the log); restart the server".into(),
+    )
 }
 
 /// Runs a backend call, turning a panic inside it into an error for the step. A backend must
 /// return errors, so a panic is a bug; containing it fails that step's requests (they get an
-/// error) instead of ending the executor thread, after which every later step would find the
-/// backend gone. The panic hook has already printed the message and, with `RUST_BACKTRACE`,
-/// where it happened.
-fn contained<T>(call: &str, f: impl FnOnce() -> Result<T, GpuError>) -> Result<T, GpuError> {
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|payload| {
-        let message = payload
-            .downcast_ref::<&str>()
-            .map(|s| (*s).to_string())
-            .or_else(|| payload.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "a panic without a message".into());
-        tracing::error!(call, panic = %message, "the backend panicked; failing the step");
-        Err(GpuError::Internal(format!(
-            "the backend panicked in {call}: {message}"
-        )))
-    })
+/// error) instead of ending the executor thread, which would leave every later step waiting.
+/// The panic hook has already printed the message and, with `RUST_BACKTRACE`, where it
+/// happened. A backend that does not [`Backend::recovers_from_panics`] is retired: every later
+/// call fails with [`retired`]'s error.
+fn contained<T>(
+    slot: &mut Option<Box<dyn Backend>>,
+    call: &str,
+    f: impl FnOnce(&mut dyn Backend) -> Result<T, GpuError>,
+) -> Result<T, GpuError> {
+    let backend = slot.as_deref_mut().ok_or_else(retired)?;
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(backend))) {
+        Ok(result) => result,
+        Err(payload) => {
+            let message = payload
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_string())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic without a message".into());
+            let retire = !slot.as_deref().is_some_and(|b| b.recovers_from_panics());
+            tracing::error!(call, panic = %message, retire, "the backend panicked; failing the step");
+            if retire {
+                *slot = None;
+            }
+            Err(GpuError::Internal(format!(
+                "the backend panicked in {call}: {message}"
+            )))
+        }
+    }
 }
 
 impl Actor for ExecutorActor {
@@ -128,9 +151,9 @@ impl Handler<Execute> for ExecutorActor {
     type Result = Result<Executed, GpuError>;
 
     fn handle(&mut self, msg: Execute, _: &mut SyncContext<Self>) -> Self::Result {
-        let backend = self.backend_releasing(msg.release)?;
+        self.release(msg.release);
         let start = std::time::Instant::now();
-        let outputs = contained("execute", || backend.execute(&msg.batch))?;
+        let outputs = self.call("execute", |b| b.execute(&msg.batch))?;
         Ok(Executed {
             outputs,
             execute_us: start.elapsed().as_micros() as u64,
@@ -143,9 +166,9 @@ impl Handler<SubmitStep> for ExecutorActor {
     type Result = Result<Submitted, GpuError>;
 
     fn handle(&mut self, msg: SubmitStep, _: &mut SyncContext<Self>) -> Self::Result {
-        let backend = self.backend_releasing(msg.release)?;
+        self.release(msg.release);
         let start = std::time::Instant::now();
-        contained("submit", || backend.submit(&msg.batch))?;
+        self.call("submit", |b| b.submit(&msg.batch))?;
         self.submitted += 1;
         Ok(Submitted {
             batch: msg.batch,
@@ -159,8 +182,7 @@ impl Handler<CollectStep> for ExecutorActor {
 
     fn handle(&mut self, _: CollectStep, _: &mut SyncContext<Self>) -> Self::Result {
         let start = std::time::Instant::now();
-        let backend = self.backend()?;
-        let outputs = contained("collect", || backend.collect());
+        let outputs = self.call("collect", |b| b.collect());
         self.submitted = self.submitted.saturating_sub(1);
         Ok(Collected {
             outputs: outputs?,
@@ -175,11 +197,10 @@ impl Handler<DiscardSteps> for ExecutorActor {
     fn handle(&mut self, _: DiscardSteps, _: &mut SyncContext<Self>) {
         while self.submitted > 0 {
             self.submitted -= 1;
-            if let Some(Err(e)) = self
-                .backend
-                .as_mut()
-                .map(|b| contained("collect", || b.collect()))
-            {
+            if self.backend.is_none() {
+                continue;
+            }
+            if let Err(e) = self.call("collect", |b| b.collect()) {
                 tracing::warn!(error = %e, "dropping a submitted step failed");
             }
         }
@@ -199,6 +220,9 @@ mod tests {
     impl Backend for PanicsOnce {
         fn name(&self) -> &str {
             "panics-once"
+        }
+        fn recovers_from_panics(&self) -> bool {
+            true
         }
         fn num_kv_blocks(&self) -> usize {
             8
@@ -270,5 +294,48 @@ mod tests {
             .expect("the next step runs on the same backend");
         assert_eq!(second.outputs.len(), 1);
         assert_eq!(second.outputs[0].token, Some(1));
+    }
+
+    /// A device-like backend: panics on its first batch and does not recover.
+    struct PanicsAndGivesUp(PanicsOnce);
+
+    impl Backend for PanicsAndGivesUp {
+        fn name(&self) -> &str {
+            "panics-and-gives-up"
+        }
+        fn num_kv_blocks(&self) -> usize {
+            8
+        }
+        fn block_size(&self) -> usize {
+            4
+        }
+        fn max_batch_tokens(&self) -> usize {
+            64
+        }
+        fn execute(&mut self, batch: &Batch) -> Result<Vec<SeqOutput>, GpuError> {
+            self.0.execute(batch)
+        }
+        fn release(&mut self, _: u64) {}
+    }
+
+    #[actix::test]
+    async fn a_backend_that_does_not_recover_is_retired_after_a_panic() {
+        let executor = SyncArbiter::start(1, || {
+            ExecutorActor::new(Some(Box::new(PanicsAndGivesUp(PanicsOnce(false)))))
+        });
+        for expected in ["chunk size must be non-zero", "retired after a panic"] {
+            let r = executor
+                .send(Execute {
+                    batch: batch(),
+                    release: vec![1],
+                })
+                .await
+                .expect("the executor answers");
+            match r {
+                Err(GpuError::Internal(m)) => assert!(m.contains(expected), "{m}"),
+                Err(e) => panic!("unexpected error {e}"),
+                Ok(_) => panic!("a step ran on a retired backend"),
+            }
+        }
     }
 }

@@ -183,7 +183,12 @@ impl SchedulerActor {
             match act.core.build_step(planned) {
                 Ok(Some(prepared)) if act.async_scheduling => act.submit(prepared, step_start, ctx),
                 Ok(Some(prepared)) => act.execute(prepared, step_start, ctx),
-                Ok(None) if act.in_flight.is_some() => act.collect(step_start, ctx),
+                Ok(None) if act.in_flight.is_some() => {
+                    // Nothing of the plan made ahead is left to run; the next plan is made in
+                    // order (after the step in flight), so a preemption it held back is moot.
+                    act.core.take_preemption_wanted();
+                    act.collect(step_start, ctx)
+                }
                 Ok(None) => {
                     act.stepping = false;
                     act.publish_stats();
@@ -216,8 +221,10 @@ impl SchedulerActor {
             self.core.abort(*id);
         }
         // Launched steps (asynchronous scheduling) are not applied: every request in them
-        // just ended.
+        // just ended. They registered the blocks they were computing in the prefix cache when
+        // they were launched; those may not hold their KV, so no registration is kept.
         self.core.forget_launched();
+        self.core.clear_prefix_cache();
         self.apply_deferred();
         self.detokenizer
             .do_send(StepEvents::failed(ids, error.to_string()));
@@ -618,14 +625,15 @@ mod tests {
         scheduler
     }
 
-    /// Waits (at most two seconds) until nothing runs or waits and `min_fed` requests were
-    /// fed; then checks that every block is back.
+    /// Waits (at most 30 seconds, generous for a loaded machine) until nothing runs or waits
+    /// and `min_fed` requests were fed; then checks that every block is back.
     async fn wait_until_idle(
         scheduler: &Addr<SchedulerActor>,
         fed: &Mutex<HashMap<u64, usize>>,
         min_fed: usize,
     ) {
-        for _ in 0..1000 {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while std::time::Instant::now() < deadline {
             let s = scheduler.send(GetStats).await.unwrap();
             if s.num_running == 0 && s.num_waiting == 0 && fed.lock().unwrap().len() >= min_fed {
                 break;
@@ -693,6 +701,75 @@ mod tests {
         assert_eq!(fed.get(&EMPTY_BATCHES), None, "an empty batch ran: {fed:?}");
         assert_eq!(fed.get(&1), None, "the aborted request never ran");
         assert_eq!(fed.get(&2), Some(&15), "request 2 ran to its end: {fed:?}");
+    }
+
+    /// `PipelinedCounting` whose first submitted step fails.
+    struct FailsFirstSubmit(PipelinedCounting, bool);
+
+    impl Backend for FailsFirstSubmit {
+        fn name(&self) -> &str {
+            "fails-first-submit"
+        }
+        fn num_kv_blocks(&self) -> usize {
+            self.0.num_kv_blocks()
+        }
+        fn block_size(&self) -> usize {
+            self.0.block_size()
+        }
+        fn max_batch_tokens(&self) -> usize {
+            self.0.max_batch_tokens()
+        }
+        fn execute(&mut self, batch: &Batch) -> Result<Vec<SeqOutput>, GpuError> {
+            self.0.execute(batch)
+        }
+        fn release(&mut self, _: u64) {}
+        fn pipelines(&self) -> bool {
+            true
+        }
+        fn submit(&mut self, batch: &Batch) -> Result<(), GpuError> {
+            if !std::mem::replace(&mut self.1, true) {
+                return Err(GpuError::Internal("the device fell over".into()));
+            }
+            self.0.submit(batch)
+        }
+        fn collect(&mut self) -> Result<Vec<SeqOutput>, GpuError> {
+            self.0.collect()
+        }
+    }
+
+    #[actix::test]
+    async fn a_failed_step_leaves_no_prefix_for_later_requests_to_reuse() {
+        // Steps one ahead register the blocks they compute in the prefix cache when they are
+        // launched. The first step fails, so its blocks never got their KV: a later request
+        // with the same prompt must compute the whole prompt, not match them.
+        let fed = Arc::new(Mutex::new(HashMap::new()));
+        let backend = fed.clone();
+        let scheduler = start_scheduler(
+            move || {
+                Box::new(FailsFirstSubmit(
+                    PipelinedCounting {
+                        inner: CountingBackend(backend.clone()),
+                        submitted: Default::default(),
+                        ahead: Arc::new(Mutex::new(0)),
+                    },
+                    false,
+                ))
+            },
+            SchedulerConfig::default().max_num_batched_tokens,
+            true,
+        );
+        scheduler.do_send(Submit(vec![request(1)]));
+        wait_until_idle(&scheduler, &fed, 0).await;
+        assert_eq!(
+            fed.lock().unwrap().get(&1),
+            None,
+            "request 1 failed in its first step"
+        );
+        scheduler.do_send(Submit(vec![request(2)]));
+        wait_until_idle(&scheduler, &fed, 1).await;
+        // All 10 prompt tokens, then one token per step for the 5 further outputs; a prefix
+        // hit on request 1's two full blocks would have fed 2 + 5.
+        assert_eq!(fed.lock().unwrap().get(&2), Some(&15));
     }
 
     #[actix::test]
