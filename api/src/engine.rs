@@ -67,6 +67,13 @@ pub trait Engine: Send + Sync + 'static {
     /// this returns true.
     fn is_ready(&self) -> bool;
 
+    /// Whether the engine can still serve at all. False once it cannot (its backend was
+    /// retired after a failure): `GET /health` and `GET /ready` then answer 503, so that an
+    /// orchestrator restarts the process. True by default.
+    fn is_alive(&self) -> bool {
+        true
+    }
+
     /// Queues one generation request. See the module docs for the events the engine must send and
     /// for the abort-on-drop contract. An error here (for instance
     /// [`EngineErrorKind::Overloaded`] when the waiting queue is full) rejects the request before

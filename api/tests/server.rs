@@ -228,6 +228,28 @@ async fn app_without_admin() -> (
 }
 
 #[actix_web::test]
+async fn health_and_ready_are_503_once_the_engine_cannot_serve() {
+    let engine = EchoEngine::new();
+    let (_state, app) = app(engine.clone(), api_config()).await;
+    for uri in ["/health", "/ready"] {
+        assert_eq!(send(&app, TestRequest::get().uri(uri)).await.status, 200);
+    }
+    engine.alive.store(false, Ordering::SeqCst);
+    for uri in ["/health", "/ready"] {
+        let reply = send(&app, TestRequest::get().uri(uri)).await;
+        let body = reply.assert_error(503, "server_error", None);
+        assert_eq!(body["error"]["code"], "unavailable", "{uri}");
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("Restart the server"),
+            "{body}"
+        );
+    }
+}
+
+#[actix_web::test]
 async fn ready_is_503_until_the_engine_is_ready_and_while_draining() {
     let engine = EchoEngine::new();
     engine.ready.store(false, Ordering::SeqCst);

@@ -502,6 +502,10 @@ impl port::Engine for EngineAdapter {
         self.ready.load(Ordering::Acquire)
     }
 
+    fn is_alive(&self) -> bool {
+        self.engine.is_alive()
+    }
+
     fn submit(&self, request: GenerateRequest) -> Result<mpsc::Receiver<EngineEvent>, EngineError> {
         let s = &request.sampling;
         let sampling = SamplingParams {

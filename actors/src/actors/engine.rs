@@ -2,7 +2,7 @@
 //! requests with a sink for the output; everything else happens in the actors.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -201,6 +201,8 @@ pub struct Engine {
     next_id: Arc<AtomicU64>,
     in_flight: Arc<AtomicUsize>,
     config: Arc<EngineConfig>,
+    /// False once the executor retired its backend (a panic it does not recover from).
+    backend_alive: Arc<AtomicBool>,
 }
 
 impl Engine {
@@ -247,8 +249,11 @@ impl Engine {
         let async_scheduling = config.async_scheduling.enabled_for(backend.as_ref());
         tracing::info!(async_scheduling, "engine steps");
         let slot = parking_slot(backend);
+        let backend_alive = Arc::new(AtomicBool::new(true));
+        let alive = backend_alive.clone();
         let executor = SyncArbiter::start(1, move || {
             ExecutorActor::new(slot.lock().unwrap_or_else(|p| p.into_inner()).take())
+                .reporting_to(alive.clone())
         });
         let tok = tokenizer.clone();
         let grammars = LazyGrammarCompiler::default();
@@ -281,7 +286,14 @@ impl Engine {
             next_id: Arc::new(AtomicU64::new(1)),
             in_flight: Arc::new(AtomicUsize::new(0)),
             config: Arc::new(config),
+            backend_alive,
         })
+    }
+
+    /// Whether the engine can still serve: false once its backend was retired after a panic
+    /// it does not recover from (every step then fails; the process should be restarted).
+    pub fn is_alive(&self) -> bool {
+        self.backend_alive.load(Ordering::Acquire)
     }
 
     /// The context window in tokens.

@@ -1,5 +1,8 @@
 //! The executor actor: owns the backend on a dedicated thread (a one-thread `SyncArbiter`).
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
 use actix::{Actor, Handler, Message, SyncContext};
 use switchyard_gpu::backend::{Backend, Batch, SeqOutput};
 use switchyard_gpu::GpuError;
@@ -70,6 +73,8 @@ pub struct ExecutorActor {
     backend: Option<Box<dyn Backend>>,
     /// Batches submitted and not collected.
     submitted: usize,
+    /// Set false when the backend is retired (the engine's liveness).
+    alive: Option<Arc<AtomicBool>>,
 }
 
 impl ExecutorActor {
@@ -78,7 +83,15 @@ impl ExecutorActor {
         Self {
             backend,
             submitted: 0,
+            alive: None,
         }
+    }
+
+    /// Clears `alive` if the backend is ever retired.
+    pub fn reporting_to(mut self, alive: Arc<AtomicBool>) -> Self {
+        alive.store(self.backend.is_some(), Ordering::Release);
+        self.alive = Some(alive);
+        self
     }
 
     /// Runs `f` on the backend; see [`contained`].
@@ -87,7 +100,13 @@ impl ExecutorActor {
         call: &str,
         f: impl FnOnce(&mut dyn Backend) -> Result<T, GpuError>,
     ) -> Result<T, GpuError> {
-        contained(&mut self.backend, call, f)
+        let result = contained(&mut self.backend, call, f);
+        if self.backend.is_none() {
+            if let Some(alive) = &self.alive {
+                alive.store(false, Ordering::Release);
+            }
+        }
+        result
     }
 
     /// Frees the state of the finished sequences in `release` (every batch message carries
@@ -320,9 +339,16 @@ mod tests {
 
     #[actix::test]
     async fn a_backend_that_does_not_recover_is_retired_after_a_panic() {
-        let executor = SyncArbiter::start(1, || {
+        let alive = Arc::new(AtomicBool::new(false));
+        let flag = alive.clone();
+        let executor = SyncArbiter::start(1, move || {
             ExecutorActor::new(Some(Box::new(PanicsAndGivesUp(PanicsOnce(false)))))
+                .reporting_to(flag.clone())
         });
+        assert!(
+            executor.send(DiscardSteps).await.is_ok() && alive.load(Ordering::Acquire),
+            "alive while the backend is held"
+        );
         for expected in ["chunk size must be non-zero", "retired after a panic"] {
             let r = executor
                 .send(Execute {
@@ -337,5 +363,9 @@ mod tests {
                 Ok(_) => panic!("a step ran on a retired backend"),
             }
         }
+        assert!(
+            !alive.load(Ordering::Acquire),
+            "the engine reports the retirement"
+        );
     }
 }

@@ -117,15 +117,32 @@ pub(crate) async fn detokenize(
     Ok(HttpResponse::Ok().json(DetokenizeResponse { prompt }))
 }
 
-/// `GET /health`: the process is alive.
-pub(crate) async fn health() -> HttpResponse {
-    HttpResponse::Ok().finish()
+/// The error of `/health` and `/ready` once the engine cannot serve.
+fn engine_dead() -> ApiError {
+    ApiError::Engine(EngineError::new(
+        EngineErrorKind::Unavailable,
+        "The engine cannot serve any more: its backend was retired after a failure (see the \
+         server log). Restart the server.",
+    ))
 }
 
-/// `GET /ready`: 200 once the engine is ready, 503 before and while draining.
+/// `GET /health`: 200 while the process is alive and its engine can serve (503 once the
+/// engine's backend was retired, so an orchestrator restarts the process).
+pub(crate) async fn health(state: web::Data<ApiState>) -> Result<HttpResponse, ApiError> {
+    if !state.engine.is_alive() {
+        return Err(engine_dead());
+    }
+    Ok(HttpResponse::Ok().finish())
+}
+
+/// `GET /ready`: 200 once the engine is ready, 503 before, while draining, and once the engine
+/// cannot serve.
 pub(crate) async fn ready(state: web::Data<ApiState>) -> Result<HttpResponse, ApiError> {
     if state.is_draining() {
         return Err(ApiError::Draining);
+    }
+    if !state.engine.is_alive() {
+        return Err(engine_dead());
     }
     if !state.engine.is_ready() {
         return Err(ApiError::Engine(EngineError::new(

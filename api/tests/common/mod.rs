@@ -32,6 +32,8 @@ pub const ADMIN_KEY: &str = "admin-secret";
 pub struct EchoEngine {
     pub max_model_len: usize,
     pub ready: AtomicBool,
+    /// `Engine::is_alive`.
+    pub alive: AtomicBool,
     pub overloaded: AtomicBool,
     /// Accept requests but never finish them; the senders are kept here.
     pub hang: AtomicBool,
@@ -47,6 +49,7 @@ impl EchoEngine {
         Arc::new(Self {
             max_model_len: 64,
             ready: AtomicBool::new(true),
+            alive: AtomicBool::new(true),
             overloaded: AtomicBool::new(false),
             hang: AtomicBool::new(false),
             fail_mid_stream: AtomicBool::new(false),
@@ -115,6 +118,10 @@ impl Engine for EchoEngine {
 
     fn is_ready(&self) -> bool {
         self.ready.load(Ordering::SeqCst)
+    }
+
+    fn is_alive(&self) -> bool {
+        self.alive.load(Ordering::SeqCst)
     }
 
     fn submit(&self, request: GenerateRequest) -> Result<mpsc::Receiver<EngineEvent>, EngineError> {
