@@ -233,15 +233,19 @@ mod tests {
 
     use super::*;
 
-    /// Panics on its first batch, then echoes one token per sequence.
-    struct PanicsOnce(bool);
+    /// Panics on its first batch, then echoes one token per sequence; `recovers` is its
+    /// answer to `recovers_from_panics`.
+    struct PanicsOnce {
+        panicked: bool,
+        recovers: bool,
+    }
 
     impl Backend for PanicsOnce {
         fn name(&self) -> &str {
             "panics-once"
         }
         fn recovers_from_panics(&self) -> bool {
-            true
+            self.recovers
         }
         fn num_kv_blocks(&self) -> usize {
             8
@@ -253,7 +257,7 @@ mod tests {
             64
         }
         fn execute(&mut self, batch: &Batch) -> Result<Vec<SeqOutput>, GpuError> {
-            if !std::mem::replace(&mut self.0, true) {
+            if !std::mem::replace(&mut self.panicked, true) {
                 panic!("chunk size must be non-zero");
             }
             Ok(batch
@@ -289,8 +293,12 @@ mod tests {
 
     #[actix::test]
     async fn a_backend_panic_fails_its_step_and_the_executor_goes_on() {
-        let executor =
-            SyncArbiter::start(1, || ExecutorActor::new(Some(Box::new(PanicsOnce(false)))));
+        let executor = SyncArbiter::start(1, || {
+            ExecutorActor::new(Some(Box::new(PanicsOnce {
+                panicked: false,
+                recovers: true,
+            })))
+        });
         let first = executor
             .send(Execute {
                 batch: batch(),
@@ -315,35 +323,16 @@ mod tests {
         assert_eq!(second.outputs[0].token, Some(1));
     }
 
-    /// A device-like backend: panics on its first batch and does not recover.
-    struct PanicsAndGivesUp(PanicsOnce);
-
-    impl Backend for PanicsAndGivesUp {
-        fn name(&self) -> &str {
-            "panics-and-gives-up"
-        }
-        fn num_kv_blocks(&self) -> usize {
-            8
-        }
-        fn block_size(&self) -> usize {
-            4
-        }
-        fn max_batch_tokens(&self) -> usize {
-            64
-        }
-        fn execute(&mut self, batch: &Batch) -> Result<Vec<SeqOutput>, GpuError> {
-            self.0.execute(batch)
-        }
-        fn release(&mut self, _: u64) {}
-    }
-
     #[actix::test]
     async fn a_backend_that_does_not_recover_is_retired_after_a_panic() {
         let alive = Arc::new(AtomicBool::new(false));
         let flag = alive.clone();
         let executor = SyncArbiter::start(1, move || {
-            ExecutorActor::new(Some(Box::new(PanicsAndGivesUp(PanicsOnce(false)))))
-                .reporting_to(flag.clone())
+            ExecutorActor::new(Some(Box::new(PanicsOnce {
+                panicked: false,
+                recovers: false,
+            })))
+            .reporting_to(flag.clone())
         });
         assert!(
             executor.send(DiscardSteps).await.is_ok() && alive.load(Ordering::Acquire),

@@ -652,6 +652,18 @@ mod tests {
         Arc::new(Tokenizer::from_json_bytes(json.as_bytes()).unwrap())
     }
 
+    /// A scheduler actor over a `CountingBackend`, steps in order, and the backend's counts.
+    fn counting_scheduler() -> (Addr<SchedulerActor>, Arc<Mutex<HashMap<u64, usize>>>) {
+        let fed = Arc::new(Mutex::new(HashMap::new()));
+        let backend = fed.clone();
+        let scheduler = start_scheduler(
+            move || Box::new(CountingBackend(backend.clone())),
+            SchedulerConfig::default().max_num_batched_tokens,
+            false,
+        );
+        (scheduler, fed)
+    }
+
     fn request(id: u64) -> SubmitOptions {
         let limits = SamplingLimits {
             max_tokens: 6,
@@ -663,13 +675,7 @@ mod tests {
 
     #[actix::test]
     async fn a_finish_during_the_allocator_commit_waits_for_the_block_ids() {
-        let fed = Arc::new(Mutex::new(HashMap::new()));
-        let backend = fed.clone();
-        let scheduler = start_scheduler(
-            move || Box::new(CountingBackend(backend.clone())),
-            SchedulerConfig::default().max_num_batched_tokens,
-            false,
-        );
+        let (scheduler, fed) = counting_scheduler();
         // Request 2 ends while the first step's commit (which reserved its blocks) is with
         // the allocator; request 1, in the same step, must run to its end regardless.
         scheduler.do_send(Submit(vec![request(1), request(2)]));
@@ -686,13 +692,7 @@ mod tests {
         // The only request of the first step ends while its commit is with the allocator (a
         // client hanging up just then): no batch may be left to run, and the next request runs
         // to its end (an empty batch once killed the CPU backend's executor here).
-        let fed = Arc::new(Mutex::new(HashMap::new()));
-        let backend = fed.clone();
-        let scheduler = start_scheduler(
-            move || Box::new(CountingBackend(backend.clone())),
-            SchedulerConfig::default().max_num_batched_tokens,
-            false,
-        );
+        let (scheduler, fed) = counting_scheduler();
         scheduler.do_send(Submit(vec![request(1)]));
         scheduler.do_send(Finish(vec![(RequestId(1), FinishReason::Abort)]));
         scheduler.do_send(Submit(vec![request(2)]));
