@@ -188,6 +188,16 @@ pub struct PreparedStep {
     pub queue_times_us: Vec<u64>,
 }
 
+/// A committed plan that could not be turned into a batch (a core bug, never user input): the
+/// plan comes back so its requests can be failed rather than left waiting.
+#[derive(Debug)]
+pub struct FailedBuild {
+    /// The plan that was not built.
+    pub plan: StepPlan,
+    /// Why.
+    pub error: EngineError,
+}
+
 /// A plan whose block changes are on their way to the allocator actor.
 #[derive(Debug)]
 pub struct PlannedStep {
@@ -361,7 +371,7 @@ impl StepCore {
     pub fn prepare(&mut self, now: Timestamp) -> Result<Option<PreparedStep>, EngineError> {
         let t0 = Instant::now();
         let plan = self.scheduler.schedule(now);
-        self.build(plan, now, t0)
+        self.build(plan, now, t0).map_err(|f| f.error)
     }
 
     /// Plans a step while the previous one is in flight ([`StepCore::launch`]ed, not yet
@@ -373,7 +383,7 @@ impl StepCore {
     ) -> Result<Option<Option<PreparedStep>>, EngineError> {
         let t0 = Instant::now();
         match self.scheduler.schedule_ahead(now) {
-            Some(plan) => Ok(Some(self.build(plan, now, t0)?)),
+            Some(plan) => Ok(Some(self.build(plan, now, t0).map_err(|f| f.error)?)),
             None => Ok(None),
         }
     }
@@ -467,9 +477,15 @@ impl StepCore {
     /// Turns a committed plan into the backend's batch; `None` when the plan is empty or every
     /// sequence in it ended since it was made (a client that hung up while the step's blocks
     /// were being committed). Sequences that ended are left out (their plan entries are
-    /// skipped when outputs are applied).
-    pub fn build_step(&mut self, step: PlannedStep) -> Result<Option<PreparedStep>, EngineError> {
+    /// skipped when outputs are applied). On failure the plan comes back with the error.
+    pub fn build_step(&mut self, step: PlannedStep) -> Result<Option<PreparedStep>, FailedBuild> {
         self.build(step.plan, step.now, step.started)
+    }
+
+    /// The sequences that ended since the last batch was built, for the backend to release
+    /// their state now (the engine is idle: no batch will carry them).
+    pub fn take_ended(&mut self) -> Vec<u64> {
+        std::mem::take(&mut self.ended)
     }
 
     fn build(
@@ -477,7 +493,7 @@ impl StepCore {
         plan: StepPlan,
         now: Timestamp,
         t0: Instant,
-    ) -> Result<Option<PreparedStep>, EngineError> {
+    ) -> Result<Option<PreparedStep>, FailedBuild> {
         if plan.seqs.is_empty() {
             return Ok(None);
         }
@@ -528,9 +544,14 @@ impl StepCore {
                 } else {
                     outputs.get(i - prompt.len())
                 };
-                entry
-                    .tokens
-                    .push(*t.ok_or(EngineError::UnknownSequence(s.id.0))?);
+                let Some(&t) = t else {
+                    // The plan asks for tokens the request does not have.
+                    let error = EngineError::UnknownSequence(s.id.0);
+                    seqs.truncate(n);
+                    self.spare.push(seqs);
+                    return Err(FailedBuild { plan, error });
+                };
+                entry.tokens.push(t);
             }
             entry.tokens.extend_from_slice(&s.draft_tokens);
             if !s.draft_tokens.is_empty() {
@@ -1240,6 +1261,33 @@ mod tests {
         let prepared = e.core().build_step(planned).unwrap().expect("a batch");
         assert_eq!(prepared.batch.seqs.len(), 1);
         assert_eq!(prepared.release, vec![1]);
+    }
+
+    #[test]
+    fn a_plan_that_cannot_be_built_comes_back_with_the_error() {
+        // A plan asking for tokens its request does not have (a core bug) is returned, so the
+        // scheduler actor can fail its requests instead of leaving them waiting.
+        let mut e = engine(NextTokenBackend::default());
+        let mut pool = e.core().detach_allocator().expect("the core's pool");
+        e.core()
+            .add_request(request(1, (0..5).collect(), 100, None))
+            .unwrap();
+        let mut planned = e.core().plan(Timestamp(0));
+        let mut ids = Vec::new();
+        pool.commit(&std::mem::take(&mut planned.commit), &mut ids)
+            .unwrap();
+        e.core().assign(&mut planned, &ids).unwrap();
+        planned.plan.seqs[0].num_new_tokens += 3;
+        let failed = e
+            .core()
+            .build_step(planned)
+            .expect_err("tokens beyond the prompt");
+        assert!(matches!(failed.error, EngineError::UnknownSequence(1)));
+        let ids: Vec<_> = failed.plan.seqs.iter().map(|s| s.id).collect();
+        assert_eq!(ids, vec![RequestId(1)]);
+        // The request is still the engine's to end.
+        assert!(e.core().abort(RequestId(1)));
+        assert!(!e.core().has_unfinished());
     }
 
     #[test]

@@ -66,6 +66,11 @@ pub struct Collected {
 #[rtype(result = "()")]
 pub struct DiscardSteps;
 
+/// Releases the state of sequences that ended, outside a step (the engine went idle).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct ReleaseSequences(pub Vec<u64>);
+
 /// Holds the backend; lives on its own OS thread.
 pub struct ExecutorActor {
     /// The backend; `None` once retired after a panic it does not recover from
@@ -207,6 +212,14 @@ impl Handler<CollectStep> for ExecutorActor {
             outputs: outputs?,
             wait_us: start.elapsed().as_micros() as u64,
         })
+    }
+}
+
+impl Handler<ReleaseSequences> for ExecutorActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: ReleaseSequences, _: &mut SyncContext<Self>) {
+        self.release(msg.0);
     }
 }
 

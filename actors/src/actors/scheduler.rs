@@ -13,7 +13,9 @@ use switchyard_policies::{FinishReason, Policy, RequestId, SchedulerStats, StepP
 
 use super::allocator::{Commit, KvAllocatorActor};
 use super::detokenizer::{DetokenizerActor, StepEvents};
-use super::executor::{CollectStep, DiscardSteps, Execute, ExecutorActor, SubmitStep};
+use super::executor::{
+    CollectStep, DiscardSteps, Execute, ExecutorActor, ReleaseSequences, SubmitStep,
+};
 use crate::core::{PreparedStep, StepCore, SubmitOptions};
 use crate::metric_names as names;
 use crate::EngineError;
@@ -134,6 +136,7 @@ impl SchedulerActor {
             tracing::info!(from = old.name(), "scheduling policy swapped");
         }
         if !self.core.has_unfinished() && !self.core.has_uncommitted() && self.in_flight.is_none() {
+            self.release_ended();
             self.publish_stats();
             return;
         }
@@ -155,6 +158,7 @@ impl SchedulerActor {
             if self.in_flight.is_some() {
                 return self.collect(step_start, ctx);
             }
+            self.release_ended();
             self.publish_stats();
             return;
         }
@@ -194,9 +198,9 @@ impl SchedulerActor {
                     act.publish_stats();
                     ctx.notify(Kick);
                 }
-                Err(e) => {
-                    tracing::error!(error = %e, "building a batch failed");
-                    act.stepping = false;
+                Err(failed) => {
+                    let error = format!("building a batch failed: {}", failed.error);
+                    act.fail_step(failed.plan, &error, ctx);
                 }
             }
         }));
@@ -229,6 +233,17 @@ impl SchedulerActor {
         self.detokenizer
             .do_send(StepEvents::failed(ids, error.to_string()));
         ctx.notify(Kick);
+    }
+
+    /// With no step in flight and none to run, hands the backend the sequences that ended
+    /// since the last batch: their state is released now rather than with the next batch,
+    /// which on an idle server may be long in coming.
+    fn release_ended(&mut self) {
+        debug_assert!(self.in_flight.is_none() && !self.stepping);
+        let ended = self.core.take_ended();
+        if !ended.is_empty() {
+            self.executor.do_send(ReleaseSequences(ended));
+        }
     }
 
     /// Applies the finishes that arrived while a commit was in flight.
@@ -770,6 +785,85 @@ mod tests {
         // All 10 prompt tokens, then one token per step for the 5 further outputs; a prefix
         // hit on request 1's two full blocks would have fed 2 + 5.
         assert_eq!(fed.lock().unwrap().get(&2), Some(&15));
+    }
+
+    /// Records every sequence whose state the engine releases, around another backend.
+    struct RecordsReleases<B>(B, Arc<Mutex<Vec<u64>>>);
+
+    impl<B: Backend> Backend for RecordsReleases<B> {
+        fn name(&self) -> &str {
+            self.0.name()
+        }
+        fn num_kv_blocks(&self) -> usize {
+            self.0.num_kv_blocks()
+        }
+        fn block_size(&self) -> usize {
+            self.0.block_size()
+        }
+        fn max_batch_tokens(&self) -> usize {
+            self.0.max_batch_tokens()
+        }
+        fn execute(&mut self, batch: &Batch) -> Result<Vec<SeqOutput>, GpuError> {
+            self.0.execute(batch)
+        }
+        fn release(&mut self, seq_id: u64) {
+            self.1.lock().unwrap().push(seq_id);
+            self.0.release(seq_id);
+        }
+        fn pipelines(&self) -> bool {
+            self.0.pipelines()
+        }
+        fn overlaps_host(&self) -> bool {
+            self.0.overlaps_host()
+        }
+        fn submit(&mut self, batch: &Batch) -> Result<(), GpuError> {
+            self.0.submit(batch)
+        }
+        fn collect(&mut self) -> Result<Vec<SeqOutput>, GpuError> {
+            self.0.collect()
+        }
+    }
+
+    #[actix::test]
+    async fn an_idle_engine_releases_the_state_of_sequences_that_ended() {
+        // With no next batch to carry them, the sequences that ended (run to their end, or
+        // aborted before they ever ran) are released as soon as the engine is idle.
+        for async_scheduling in [false, true] {
+            let fed = Arc::new(Mutex::new(HashMap::new()));
+            let released = Arc::new(Mutex::new(Vec::new()));
+            let (backend, record) = (fed.clone(), released.clone());
+            let scheduler = start_scheduler(
+                move || {
+                    Box::new(RecordsReleases(
+                        PipelinedCounting {
+                            inner: CountingBackend(backend.clone()),
+                            submitted: Default::default(),
+                            ahead: Arc::new(Mutex::new(0)),
+                        },
+                        record.clone(),
+                    ))
+                },
+                SchedulerConfig::default().max_num_batched_tokens,
+                async_scheduling,
+            );
+            scheduler.do_send(Submit(vec![request(1), request(2)]));
+            scheduler.do_send(Finish(vec![(RequestId(2), FinishReason::Abort)]));
+            wait_until_idle(&scheduler, &fed, 1).await;
+            let deadline = std::time::Instant::now() + Duration::from_secs(30);
+            loop {
+                let mut got = released.lock().unwrap().clone();
+                got.sort_unstable();
+                if got == [1, 2] {
+                    break;
+                }
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "async {async_scheduling}: released {got:?}, not [1, 2]"
+                );
+                actix::clock::sleep(Duration::from_millis(2)).await;
+            }
+            assert_eq!(fed.lock().unwrap().get(&1), Some(&15));
+        }
     }
 
     #[actix::test]
