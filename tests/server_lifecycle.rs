@@ -173,6 +173,12 @@ fn hang_ups_of_every_request_kind_leave_the_engine_idle_and_serving() {
             json!({"messages": [{"role": "user", "content": "Give JSON"}], "max_tokens": 200, "response_format": {"type": "json_object"}}),
         ),
         (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "Weather in Rome?"}], "max_tokens": 200, "stream": true,
+                   "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}],
+                   "tool_choice": "required"}),
+        ),
+        (
             "/v1/completions",
             json!({"prompt": "x ".repeat(300), "max_tokens": 50, "stream": true}),
         ),

@@ -37,6 +37,8 @@ pub enum StructuredOutput {
     Choice(Vec<String>),
     /// A grammar in llguidance's Lark dialect.
     Grammar(String),
+    /// Tool calls (chat with tools): a grammar in llguidance's Lark dialect, counted apart.
+    ToolCalls(String),
 }
 
 impl StructuredOutput {
@@ -46,7 +48,7 @@ impl StructuredOutput {
             StructuredOutput::JsonObject => 0,
             StructuredOutput::JsonSchema(v) => v.to_string().len(),
             StructuredOutput::Regex(r) => r.len(),
-            StructuredOutput::Grammar(g) => g.len(),
+            StructuredOutput::Grammar(g) | StructuredOutput::ToolCalls(g) => g.len(),
             StructuredOutput::Choice(c) => {
                 if c.is_empty() || c.len() > MAX_CHOICES {
                     return Err(format!("a choice needs 1 to {MAX_CHOICES} alternatives"));
@@ -73,6 +75,7 @@ impl StructuredOutput {
             StructuredOutput::Regex(_) => "regex",
             StructuredOutput::Choice(_) => "choice",
             StructuredOutput::Grammar(_) => "grammar",
+            StructuredOutput::ToolCalls(_) => "tool_calls",
         }
     }
 
@@ -104,7 +107,9 @@ impl StructuredOutput {
                 let alternatives: Vec<String> = c.iter().map(|s| escape_regex(s)).collect();
                 TopLevelGrammar::from_regex(&format!("({})", alternatives.join("|")))
             }
-            StructuredOutput::Grammar(g) => TopLevelGrammar::from_lark(g.clone()),
+            StructuredOutput::Grammar(g) | StructuredOutput::ToolCalls(g) => {
+                TopLevelGrammar::from_lark(g.clone())
+            }
         }
     }
 }

@@ -204,6 +204,9 @@ pub enum StructuredOutputSpec {
     Choice(Vec<String>),
     /// A grammar in llguidance's Lark dialect.
     Grammar(String),
+    /// Tool calls (or text, with `tool_choice: auto`): a grammar in llguidance's Lark dialect
+    /// built by [`crate::schema::tools::ToolUse::grammar`].
+    ToolCalls(String),
 }
 
 /// The input a generation continues from.

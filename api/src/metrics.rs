@@ -281,7 +281,7 @@ pub fn describe_metrics() {
     describe_counter!(
         STRUCTURED_REQUESTS,
         Unit::Count,
-        "Requests with structured output, by kind of specification (json_schema, json_object, regex, choice, grammar)."
+        "Requests with structured output, by kind of specification (json_schema, json_object, regex, choice, grammar, tool_calls)."
     );
     describe_counter!(
         STRUCTURED_FAILURES,

@@ -54,9 +54,9 @@ async fn bad_inputs_get_400_with_the_field_named() {
         ("/v1/completions", r#"{"prompt": "x", "logit_bias": {"999": 1}}"#.into(), Some("logit_bias")),
         ("/v1/completions", r#"{"prompt": "x", "stream": true, "n": 0}"#.into(), Some("n")),
         ("/v1/chat/completions", r#"{"messages": []}"#.into(), Some("messages")),
-        ("/v1/chat/completions", r#"{"messages": [{"role": "tool", "content": "x"}]}"#.into(), Some("messages[0].role")),
+        ("/v1/chat/completions", r#"{"messages": [{"role": "function", "content": "x"}]}"#.into(), Some("messages[0].role")),
         ("/v1/chat/completions", r#"{"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 21}"#.into(), Some("top_logprobs")),
-        ("/v1/chat/completions", r#"{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}"#.into(), Some("tools")),
+        ("/v1/chat/completions", r#"{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}"#.into(), Some("tools[0].function")),
         ("/v1/chat/completions", r#"{"messages": [{"role": "user", "content": 5}]}"#.into(), Some("messages[0].content")),
     ];
     for (path, body, param) in cases {

@@ -552,6 +552,7 @@ impl port::Engine for EngineAdapter {
                 port::StructuredOutputSpec::Regex(r) => StructuredOutput::Regex(r),
                 port::StructuredOutputSpec::Choice(c) => StructuredOutput::Choice(c),
                 port::StructuredOutputSpec::Grammar(g) => StructuredOutput::Grammar(g),
+                port::StructuredOutputSpec::ToolCalls(g) => StructuredOutput::ToolCalls(g),
             }),
         };
         self.engine.submit(

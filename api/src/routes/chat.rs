@@ -6,11 +6,13 @@ use bytes::Bytes;
 use super::{check_model, engine_requests, request_id_header};
 use crate::auth::Principal;
 use crate::body::read_json;
+use crate::engine::FinishReason;
 use crate::error::ApiError;
 use crate::generation::{ChoiceDelta, Generation};
+use crate::schema::tools::{ToolPiece, ToolStream};
 use crate::schema::{
     ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatLogprobs, ChatRequest, ChatResponse,
-    ChatResponseMessage, Usage,
+    ChatResponseMessage, FunctionCall, ToolCall, ToolCallDelta, Usage,
 };
 use crate::sse::{frame, sse_response, ChunkWriter};
 use crate::state::{request_id, unix_now, ApiState};
@@ -35,6 +37,11 @@ pub(crate) async fn chat_completions(
         model: lora.unwrap_or_else(|| state.engine.model_name().to_owned()),
         logprobs: validated.logprobs.is_some(),
         usage_field: validated.include_usage.then_some(None),
+        tools: validated.tool_calls.then(|| {
+            (0..generation.choices())
+                .map(|_| ToolStream::new())
+                .collect()
+        }),
     };
     if validated.stream {
         return Ok(sse_response(
@@ -55,9 +62,60 @@ struct ChatWriter {
     model: String,
     logprobs: bool,
     usage_field: Option<Option<Usage>>,
+    /// Per choice, when the output is read back into content and tool calls.
+    tools: Option<Vec<ToolStream>>,
 }
 
 impl ChatWriter {
+    /// What a choice's new text is: content, and the tool calls it completes. `finished`: the
+    /// choice's last text (what was held back comes out).
+    fn read(&mut self, choice: u32, text: String, finished: bool) -> (String, Vec<ToolCallDelta>) {
+        let Some(stream) = self
+            .tools
+            .as_mut()
+            .and_then(|t| t.get_mut(usize::try_from(choice).ok()?))
+        else {
+            return (text, Vec::new());
+        };
+        let first = stream.calls();
+        let mut pieces = stream.push(&text);
+        if finished {
+            pieces.extend(stream.finish());
+        }
+        let mut content = String::new();
+        let mut calls = Vec::new();
+        for piece in pieces {
+            match piece {
+                ToolPiece::Text(t) => content.push_str(&t),
+                ToolPiece::Call(c) => calls.push(ToolCallDelta {
+                    index: u32::try_from(first + calls.len()).unwrap_or(u32::MAX),
+                    call: ToolCall {
+                        id: request_id("call_", None),
+                        kind: "function",
+                        function: FunctionCall {
+                            name: c.name,
+                            arguments: c.arguments,
+                        },
+                    },
+                }),
+            }
+        }
+        (content, calls)
+    }
+
+    /// `tool_calls` for a choice that called tools and stopped; otherwise the engine's reason.
+    fn finish_reason(&self, choice: u32, reason: FinishReason) -> &'static str {
+        let called = self
+            .tools
+            .as_ref()
+            .and_then(|t| t.get(usize::try_from(choice).ok()?))
+            .is_some_and(|s| s.calls() > 0);
+        match reason {
+            FinishReason::Stop if called => "tool_calls",
+            reason => reason.as_str(),
+        }
+    }
+
     fn chunk(&self, choices: Vec<ChatChunkChoice>, usage: Option<Option<Usage>>) -> ChatChunk {
         ChatChunk {
             id: self.id.clone(),
@@ -79,6 +137,7 @@ impl ChunkWriter for ChatWriter {
                     delta: ChatDelta {
                         role: Some("assistant"),
                         content: Some(String::new()),
+                        tool_calls: None,
                     },
                     logprobs: None,
                     finish_reason: None,
@@ -90,19 +149,22 @@ impl ChunkWriter for ChatWriter {
 
     fn delta(&mut self, delta: ChoiceDelta) -> Option<Bytes> {
         let d = delta.delta;
-        if d.text.is_empty() && d.finish.is_none() && d.logprobs.is_empty() {
+        let (text, calls) = self.read(delta.choice, d.text, d.finish.is_some());
+        if text.is_empty() && calls.is_empty() && d.finish.is_none() && d.logprobs.is_empty() {
             return None;
         }
         let choice = ChatChunkChoice {
             index: delta.choice,
             delta: ChatDelta {
                 role: None,
-                content: (!d.text.is_empty() || d.finish.is_none()).then_some(d.text),
+                content: (!text.is_empty() || (d.finish.is_none() && calls.is_empty()))
+                    .then_some(text),
+                tool_calls: (!calls.is_empty()).then_some(calls),
             },
             logprobs: self
                 .logprobs
                 .then(|| ChatLogprobs::from_engine(&d.logprobs)),
-            finish_reason: d.finish.map(|f| f.reason.as_str()),
+            finish_reason: d.finish.map(|f| self.finish_reason(delta.choice, f.reason)),
         };
         Some(frame(&self.chunk(vec![choice], self.usage_field)))
     }
@@ -112,13 +174,17 @@ impl ChunkWriter for ChatWriter {
     }
 }
 
-async fn collect(mut generation: Generation, writer: ChatWriter) -> Result<ChatResponse, ApiError> {
+async fn collect(
+    mut generation: Generation,
+    mut writer: ChatWriter,
+) -> Result<ChatResponse, ApiError> {
     let mut choices: Vec<ChatChoice> = (0..generation.choices())
         .map(|i| ChatChoice {
             index: u32::try_from(i).unwrap_or(u32::MAX),
             message: ChatResponseMessage {
                 role: "assistant",
-                content: String::new(),
+                content: Some(String::new()),
+                tool_calls: Vec::new(),
             },
             logprobs: writer.logprobs.then(ChatLogprobs::default),
             finish_reason: None,
@@ -133,14 +199,32 @@ async fn collect(mut generation: Generation, writer: ChatWriter) -> Result<ChatR
         else {
             continue;
         };
-        choice.message.content.push_str(&delta.delta.text);
+        let d = delta.delta;
+        let (text, calls) = writer.read(delta.choice, d.text, d.finish.is_some());
+        choice
+            .message
+            .content
+            .get_or_insert_with(String::new)
+            .push_str(&text);
+        choice
+            .message
+            .tool_calls
+            .extend(calls.into_iter().map(|c| c.call));
         if let Some(all) = choice.logprobs.as_mut() {
             all.content
-                .extend(ChatLogprobs::from_engine(&delta.delta.logprobs).content);
+                .extend(ChatLogprobs::from_engine(&d.logprobs).content);
         }
-        if let Some(finish) = delta.delta.finish {
-            choice.finish_reason = Some(finish.reason.as_str());
+        if let Some(finish) = d.finish {
+            choice.finish_reason = Some(writer.finish_reason(delta.choice, finish.reason));
             completion_tokens = completion_tokens.saturating_add(finish.completion_tokens);
+        }
+    }
+    // An answer of calls alone has no content.
+    for choice in &mut choices {
+        if !choice.message.tool_calls.is_empty()
+            && choice.message.content.as_deref().is_some_and(str::is_empty)
+        {
+            choice.message.content = None;
         }
     }
     Ok(ChatResponse {

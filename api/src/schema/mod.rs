@@ -4,6 +4,7 @@ mod request;
 mod response;
 mod sampling;
 mod structured;
+pub mod tools;
 
 pub use request::{
     parse_messages, ChatRequest, CompletionRequest, ContentField, ContentPart, MessageField,

@@ -4,8 +4,8 @@
 //! Fields follow OpenAI's API reference and vLLM's `CompletionRequest` / `ChatCompletionRequest`
 //! extensions (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`,
 //! `stop_token_ids`, `priority`). Unknown fields are ignored, as OpenAI and vLLM do; known fields
-//! this server cannot honour (tools, `suffix`, `best_of`) are rejected with a 400 naming
-//! them rather than silently ignored.
+//! this server cannot honour (`suffix`, `best_of`) are rejected with a 400 naming them rather
+//! than silently ignored. Tool calling is in [`super::tools`].
 
 use std::collections::HashMap;
 
@@ -14,6 +14,7 @@ use serde::Deserialize;
 use super::limits::*;
 use super::sampling::SamplerFields;
 use super::structured::StructuredFields;
+use super::tools::{render_calls, render_response, ToolUse};
 use crate::engine::{ChatMessage, ChatRole, PromptInput, SamplingOptions, StructuredOutputSpec};
 use crate::error::ApiError;
 
@@ -130,10 +131,12 @@ pub struct ChatRequest {
     pub stream: Option<bool>,
     /// Streaming options.
     pub stream_options: Option<StreamOptions>,
-    /// Not supported unless empty.
-    pub tools: Option<Vec<serde_json::Value>>,
-    /// Not supported unless `"none"`.
+    /// Functions the model may call (see [`super::tools`]).
+    pub tools: Option<serde_json::Value>,
+    /// `none`, `auto` (the default with tools), `required` or a named function.
     pub tool_choice: Option<serde_json::Value>,
+    /// Whether one answer may hold several calls (default true).
+    pub parallel_tool_calls: Option<bool>,
     /// Scheduling priority (vLLM: lower first).
     pub priority: Option<i32>,
     /// End-user id; accepted and ignored.
@@ -170,12 +173,16 @@ pub struct ChatRequest {
 /// One message of `messages`.
 #[derive(Debug, Clone, Deserialize)]
 pub struct MessageField {
-    /// `system`, `developer`, `user` or `assistant`.
+    /// `system`, `developer`, `user`, `assistant` or `tool`.
     pub role: String,
     /// Text, or a list of content parts of which only `text` parts are supported.
     pub content: Option<ContentField>,
     /// Participant name; accepted and ignored.
     pub name: Option<String>,
+    /// An assistant message's tool calls.
+    pub tool_calls: Option<serde_json::Value>,
+    /// The call a `tool` message answers; accepted (the model reads results in order).
+    pub tool_call_id: Option<String>,
 }
 
 /// A message's `content`.
@@ -242,6 +249,8 @@ pub struct Validated {
     pub priority: i32,
     /// What the output must follow.
     pub structured: Option<StructuredOutputSpec>,
+    /// Whether the output is read back into content and tool calls (chat with tools).
+    pub tool_calls: bool,
 }
 
 /// The structure asked for, refused together with `ignore_eos` (a finished structure ends
@@ -391,6 +400,7 @@ impl CompletionRequest {
             include_usage: stream_usage(stream, self.stream_options)?,
             priority: self.priority.unwrap_or(0),
             structured,
+            tool_calls: false,
         })
     }
 }
@@ -425,19 +435,14 @@ impl ChatRequest {
     /// Validates the request against the limits and the context window.
     pub fn validate(self, max_model_len: usize) -> Result<Validated, ApiError> {
         let sampling = sampler_fields!(self).validate()?;
-        let structured = parse_structured(&self.structured, &sampling)?;
+        let mut structured = parse_structured(&self.structured, &sampling)?;
         let n = parse_n(self.n)?;
-        if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
-            return Err(ApiError::invalid("tools", "tool calling is not supported"));
-        }
-        if let Some(choice) = &self.tool_choice {
-            if !(choice.is_null() || choice == "none") {
-                return Err(ApiError::invalid(
-                    "tool_choice",
-                    "tool calling is not supported",
-                ));
-            }
-        }
+        let tools = ToolUse::parse(
+            self.tools.as_ref(),
+            self.tool_choice.as_ref(),
+            self.parallel_tool_calls,
+        )?
+        .filter(ToolUse::active);
         let logprobs = match (self.logprobs.unwrap_or(false), self.top_logprobs) {
             (_, Some(k)) if k > MAX_LOGPROBS => {
                 return Err(ApiError::invalid(
@@ -454,7 +459,26 @@ impl ChatRequest {
             (true, k) => Some(k.unwrap_or(0)),
             (false, None) => None,
         };
-        let messages = parse_messages(self.messages)?;
+        let mut messages = parse_messages(self.messages)?;
+        if let Some(tools) = &tools {
+            if structured.is_some() {
+                return Err(ApiError::invalid(
+                    "tools",
+                    "tools cannot be combined with structured output (response_format and \
+                     the like) unless tool_choice is \"none\"",
+                ));
+            }
+            if sampling.ignore_eos {
+                return Err(ApiError::invalid(
+                    "ignore_eos",
+                    "ignore_eos cannot be combined with tools",
+                ));
+            }
+            if let (Some(prompt), Some(grammar)) = (tools.system_prompt(), tools.grammar()) {
+                add_to_system(&mut messages, &prompt);
+                structured = Some(StructuredOutputSpec::ToolCalls(grammar));
+            }
+        }
         let max_tokens = match self.max_completion_tokens {
             Some(v) => parse_max_tokens("max_completion_tokens", Some(v), max_model_len)?,
             None => parse_max_tokens("max_tokens", self.max_tokens, max_model_len)?,
@@ -472,7 +496,28 @@ impl ChatRequest {
             include_usage: stream_usage(stream, self.stream_options)?,
             priority: self.priority.unwrap_or(0),
             structured,
+            tool_calls: tools.is_some(),
         })
+    }
+}
+
+/// Appends `text` to the conversation's first system (or developer) message, or puts a system
+/// message holding it first.
+fn add_to_system(messages: &mut Vec<ChatMessage>, text: &str) {
+    match messages.first_mut() {
+        Some(m) if matches!(m.role, ChatRole::System | ChatRole::Developer) => {
+            if !m.content.is_empty() {
+                m.content.push_str("\n\n");
+            }
+            m.content.push_str(text);
+        }
+        _ => messages.insert(
+            0,
+            ChatMessage {
+                role: ChatRole::System,
+                content: text.to_owned(),
+            },
+        ),
     }
 }
 
@@ -487,44 +532,82 @@ pub fn parse_messages(messages: Vec<MessageField>) -> Result<Vec<ChatMessage>, A
             format!("at most {MAX_MESSAGES} messages are allowed"),
         ));
     }
-    messages
-        .into_iter()
-        .enumerate()
-        .map(|(i, m)| {
-            let role = match m.role.as_str() {
-                "system" => ChatRole::System,
-                "developer" => ChatRole::Developer,
-                "user" => ChatRole::User,
-                "assistant" => ChatRole::Assistant,
-                other => {
-                    return Err(ApiError::invalid(
-                        format!("messages[{i}].role"),
-                        format!("role {other:?} is not supported"),
-                    ))
-                }
-            };
-            let content = match m.content {
-                None => String::new(),
-                Some(ContentField::Text(text)) => text,
-                Some(ContentField::Parts(parts)) => {
-                    let mut texts = Vec::with_capacity(parts.len());
-                    for (j, part) in parts.into_iter().enumerate() {
-                        match (part.kind.as_str(), part.text) {
-                            ("text", Some(text)) => texts.push(text),
-                            _ => {
-                                return Err(ApiError::invalid(
-                                    format!("messages[{i}].content[{j}]"),
-                                    "only text content parts are supported",
-                                ))
-                            }
-                        }
+    let mut out: Vec<ChatMessage> = Vec::with_capacity(messages.len());
+    // Whether the last message of `out` holds tool results (consecutive ones share a turn).
+    let mut in_results = false;
+    for (i, m) in messages.into_iter().enumerate() {
+        let content = message_text(i, m.content)?;
+        let role = match m.role.as_str() {
+            "system" => ChatRole::System,
+            "developer" => ChatRole::Developer,
+            "user" => ChatRole::User,
+            "assistant" => ChatRole::Assistant,
+            "tool" => {
+                let result = render_response(&content);
+                match out.last_mut() {
+                    Some(last) if in_results => {
+                        last.content.push('\n');
+                        last.content.push_str(&result);
                     }
-                    texts.join("\n")
+                    _ => out.push(ChatMessage {
+                        role: ChatRole::User,
+                        content: result,
+                    }),
                 }
-            };
-            Ok(ChatMessage { role, content })
-        })
-        .collect()
+                in_results = true;
+                continue;
+            }
+            other => {
+                return Err(ApiError::invalid(
+                    format!("messages[{i}].role"),
+                    format!("role {other:?} is not supported"),
+                ))
+            }
+        };
+        in_results = false;
+        let content = match m.tool_calls {
+            None | Some(serde_json::Value::Null) => content,
+            Some(serde_json::Value::Array(calls)) if role == ChatRole::Assistant => {
+                let calls = render_calls(&format!("messages[{i}].tool_calls"), &calls)?;
+                match (content.is_empty(), calls.is_empty()) {
+                    (_, true) => content,
+                    (true, false) => calls,
+                    (false, false) => format!("{content}\n{calls}"),
+                }
+            }
+            Some(_) => {
+                return Err(ApiError::invalid(
+                    format!("messages[{i}].tool_calls"),
+                    "tool_calls is a list, on assistant messages only",
+                ))
+            }
+        };
+        out.push(ChatMessage { role, content });
+    }
+    Ok(out)
+}
+
+/// A message's text: its string, or its text parts joined with newlines.
+fn message_text(i: usize, content: Option<ContentField>) -> Result<String, ApiError> {
+    Ok(match content {
+        None => String::new(),
+        Some(ContentField::Text(text)) => text,
+        Some(ContentField::Parts(parts)) => {
+            let mut texts = Vec::with_capacity(parts.len());
+            for (j, part) in parts.into_iter().enumerate() {
+                match (part.kind.as_str(), part.text) {
+                    ("text", Some(text)) => texts.push(text),
+                    _ => {
+                        return Err(ApiError::invalid(
+                            format!("messages[{i}].content[{j}]"),
+                            "only text content parts are supported",
+                        ))
+                    }
+                }
+            }
+            texts.join("\n")
+        }
+    })
 }
 
 #[cfg(test)]
@@ -637,15 +720,125 @@ mod tests {
     }
 
     #[test]
-    fn chat_rejects_tools_and_unknown_roles() {
+    fn tools_reach_the_system_message_and_the_output_grammar() {
+        let tools = serde_json::json!([{"type": "function", "function": {"name": "now"}}]);
+        let chat = |messages: serde_json::Value, choice: serde_json::Value| {
+            let req: ChatRequest = serde_json::from_value(serde_json::json!({
+                "messages": messages, "tools": tools, "tool_choice": choice}))
+            .unwrap();
+            req.validate(128).unwrap()
+        };
+        let v = chat(
+            serde_json::json!([{"role": "user", "content": "time?"}]),
+            serde_json::Value::Null,
+        );
+        assert!(v.tool_calls);
+        assert!(
+            matches!(&v.structured, Some(StructuredOutputSpec::ToolCalls(g)) if g.contains("\"now\""))
+        );
+        let PromptInput::Chat(m) = &v.prompts[0] else {
+            panic!("{v:?}")
+        };
+        assert_eq!(m.len(), 2);
+        assert_eq!(m[0].role, ChatRole::System);
+        assert!(m[0].content.starts_with("# Tools\n"), "{}", m[0].content);
+        // An existing system message gains the tools after its own text.
+        let v = chat(
+            serde_json::json!([{"role": "system", "content": "Be brief."},
+                               {"role": "user", "content": "time?"}]),
+            serde_json::json!("required"),
+        );
+        let PromptInput::Chat(m) = &v.prompts[0] else {
+            panic!("{v:?}")
+        };
+        assert_eq!(m.len(), 2);
+        assert!(
+            m[0].content.starts_with("Be brief.\n\n# Tools\n"),
+            "{}",
+            m[0].content
+        );
+        // tool_choice none: no tools in the prompt, no grammar, plain content.
+        let v = chat(
+            serde_json::json!([{"role": "user", "content": "time?"}]),
+            serde_json::json!("none"),
+        );
+        assert!(!v.tool_calls && v.structured.is_none());
+        assert_eq!(
+            v.prompts,
+            vec![PromptInput::Chat(vec![ChatMessage {
+                role: ChatRole::User,
+                content: "time?".into()
+            }])]
+        );
+    }
+
+    #[test]
+    fn tool_calls_and_results_in_the_conversation_become_text() {
+        let messages: Vec<MessageField> = serde_json::from_value(serde_json::json!([
+            {"role": "user", "content": "Weather in Paris and Rome?"},
+            {"role": "assistant", "content": null, "tool_calls": [
+                {"id": "a", "type": "function",
+                 "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}},
+                {"id": "b", "type": "function",
+                 "function": {"name": "get_weather", "arguments": "{\"city\":\"Rome\"}"}}]},
+            {"role": "tool", "tool_call_id": "a", "content": "18 C"},
+            {"role": "tool", "tool_call_id": "b", "content": [{"type": "text", "text": "21 C"}]},
+            {"role": "assistant", "content": "Paris 18 C, Rome 21 C."},
+            {"role": "tool", "content": "late"},
+        ]))
+        .unwrap();
+        let m = parse_messages(messages).unwrap();
+        let call = |city: &str| {
+            format!(
+                "<tool_call>\n{{\"name\": \"get_weather\", \"arguments\": {{\"city\": \"{city}\"}}}}\n</tool_call>"
+            )
+        };
+        let expected =
+            vec![
+            (ChatRole::User, "Weather in Paris and Rome?".to_string()),
+            (ChatRole::Assistant, format!("{}\n{}", call("Paris"), call("Rome"))),
+            (
+                ChatRole::User,
+                "<tool_response>\n18 C\n</tool_response>\n<tool_response>\n21 C\n</tool_response>"
+                    .into(),
+            ),
+            (ChatRole::Assistant, "Paris 18 C, Rome 21 C.".into()),
+            (ChatRole::User, "<tool_response>\nlate\n</tool_response>".into()),
+        ];
+        let got: Vec<(ChatRole, String)> = m.into_iter().map(|m| (m.role, m.content)).collect();
+        assert_eq!(got, expected);
+    }
+
+    #[test]
+    fn chat_rejects_bad_tools_and_unknown_roles() {
+        let user = serde_json::json!([{"role": "user", "content": "x"}]);
+        let tools = serde_json::json!([{"type": "function", "function": {"name": "f"}}]);
         let bad = [
             (
-                serde_json::json!({"messages": [{"role": "tool", "content": "x"}]}),
+                serde_json::json!({"messages": [{"role": "function", "content": "x"}]}),
                 "messages[0].role",
             ),
             (
-                serde_json::json!({"messages": [{"role": "user", "content": "x"}], "tools": [{}]}),
+                serde_json::json!({"messages": user, "tools": [{}]}),
+                "tools[0].type",
+            ),
+            (
+                serde_json::json!({"messages": user, "tools": tools,
+                    "response_format": {"type": "json_object"}}),
                 "tools",
+            ),
+            (
+                serde_json::json!({"messages": user, "tools": tools, "ignore_eos": true}),
+                "ignore_eos",
+            ),
+            (
+                serde_json::json!({"messages": [{"role": "user", "content": "x",
+                    "tool_calls": [{"function": {"name": "f"}}]}]}),
+                "messages[0].tool_calls",
+            ),
+            (
+                serde_json::json!({"messages": [{"role": "assistant", "tool_calls": {}}]}),
+                "messages[0].tool_calls",
             ),
             (serde_json::json!({"messages": []}), "messages"),
             (

@@ -138,8 +138,42 @@ pub struct ChatChoice {
 pub struct ChatResponseMessage {
     /// Always `assistant`.
     pub role: &'static str,
-    /// The generated text.
-    pub content: String,
+    /// The generated text; null when the answer is only tool calls.
+    pub content: Option<String>,
+    /// The tools the model called (absent when none).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
+}
+
+/// A call of a tool, in a response.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ToolCall {
+    /// The call's id (`call_…`), for the `tool` message that answers it.
+    pub id: String,
+    /// Always `function`.
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    /// The function called.
+    pub function: FunctionCall,
+}
+
+/// The function of a [`ToolCall`].
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FunctionCall {
+    /// Its name.
+    pub name: String,
+    /// Its arguments, as JSON text.
+    pub arguments: String,
+}
+
+/// A call of a tool in a stream chunk: sent whole, in one chunk.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ToolCallDelta {
+    /// The call's position among the choice's calls.
+    pub index: u32,
+    /// The call, as in a response.
+    #[serde(flatten)]
+    pub call: ToolCall,
 }
 
 /// Chat logprobs.
@@ -241,6 +275,9 @@ pub struct ChatDelta {
     /// New text.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    /// New tool calls.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallDelta>>,
 }
 
 /// `GET /v1/models`.

@@ -124,7 +124,9 @@ fn check_bounds(param: &str, spec: &StructuredOutputSpec) -> Result<(), ApiError
     let bytes = match spec {
         StructuredOutputSpec::JsonObject => 0,
         StructuredOutputSpec::JsonSchema(v) => v.to_string().len(),
-        StructuredOutputSpec::Regex(r) | StructuredOutputSpec::Grammar(r) => {
+        StructuredOutputSpec::Regex(r)
+        | StructuredOutputSpec::Grammar(r)
+        | StructuredOutputSpec::ToolCalls(r) => {
             if r.is_empty() {
                 return Err(ApiError::invalid(param, "must not be empty"));
             }

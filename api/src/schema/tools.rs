@@ -1,0 +1,863 @@
+//! Tool calling on `/v1/chat/completions`: OpenAI's `tools`, `tool_choice` and
+//! `parallel_tool_calls`, assistant messages carrying `tool_calls`, and `tool` messages.
+//!
+//! One format serves every model, whatever its chat template can express: the Hermes format,
+//! which Qwen 2.5 and later, Hermes and SmolLM3 are trained on.
+//! - The tools' signatures go into the system message as JSON lines inside `<tools></tools>`.
+//! - A call is `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`; several calls
+//!   are separated by newlines.
+//! - A tool's result goes back as a user turn holding `<tool_response>\n...\n</tool_response>`
+//!   (consecutive results share one turn).
+//!
+//! The output is held to that format by a grammar in llguidance's Lark dialect, which the
+//! engine runs like any structured output, so a call always parses and its arguments follow
+//! the tool's `parameters` schema: `auto` allows either text (which may not contain
+//! `<tool_call>`) or calls, `required` and a named function allow only calls. [`ToolStream`]
+//! reads the generated text back into content and calls, incrementally for streams.
+
+use serde_json::{Map, Value};
+
+use super::limits::MAX_STRUCTURED_BYTES;
+use crate::error::ApiError;
+
+/// Opens a call.
+pub const CALL_OPEN: &str = "<tool_call>";
+/// Closes a call.
+pub const CALL_CLOSE: &str = "</tool_call>";
+
+/// Most tools in one request.
+pub const MAX_TOOLS: usize = 128;
+/// Longest tool name, in bytes (OpenAI's limit).
+pub const MAX_TOOL_NAME: usize = 64;
+/// Most tool calls in one assistant message of the conversation.
+pub const MAX_TOOL_CALLS: usize = 64;
+
+/// One function the model may call.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Tool {
+    /// Its name: 1 to 64 of `[A-Za-z0-9_-]`.
+    pub name: String,
+    /// What it does, for the model.
+    pub description: Option<String>,
+    /// A JSON Schema for its arguments (an object).
+    pub parameters: Value,
+}
+
+/// `tool_choice`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ToolChoice {
+    /// The model may not call a tool (and is not told of them).
+    None,
+    /// The model answers with text or calls.
+    Auto,
+    /// The model calls at least one tool.
+    Required,
+    /// The model calls this tool.
+    Function(String),
+}
+
+/// The tools of a request and how they may be called.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolUse {
+    /// The tools.
+    pub tools: Vec<Tool>,
+    /// How they may be called.
+    pub choice: ToolChoice,
+    /// Whether one answer may hold several calls.
+    pub parallel: bool,
+}
+
+fn invalid(param: impl Into<String>, message: impl Into<String>) -> ApiError {
+    ApiError::invalid(param, message)
+}
+
+fn check_name(param: &str, name: &str) -> Result<(), ApiError> {
+    let ok = (1..=MAX_TOOL_NAME).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+    if ok {
+        Ok(())
+    } else {
+        Err(invalid(
+            param,
+            format!("a function name is 1 to {MAX_TOOL_NAME} of a-z, A-Z, 0-9, _ and -"),
+        ))
+    }
+}
+
+fn parse_tool(i: usize, v: &Value) -> Result<Tool, ApiError> {
+    let at = |field: &str| format!("tools[{i}]{field}");
+    let obj = v
+        .as_object()
+        .ok_or_else(|| invalid(at(""), "a tool is an object"))?;
+    match obj.get("type").and_then(Value::as_str) {
+        Some("function") => {}
+        _ => {
+            return Err(invalid(
+                at(".type"),
+                "only tools of type \"function\" are supported",
+            ))
+        }
+    }
+    let function = obj
+        .get("function")
+        .and_then(Value::as_object)
+        .ok_or_else(|| invalid(at(".function"), "a tool needs a function object"))?;
+    let name = function
+        .get("name")
+        .and_then(Value::as_str)
+        .ok_or_else(|| invalid(at(".function.name"), "a function needs a name"))?;
+    check_name(&at(".function.name"), name)?;
+    let description = match function.get("description") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(s.clone()),
+        Some(_) => {
+            return Err(invalid(
+                at(".function.description"),
+                "a description is a string",
+            ))
+        }
+    };
+    let parameters = match function.get("parameters") {
+        // No parameters: the function takes none.
+        None | Some(Value::Null) => serde_json::json!({
+            "type": "object",
+            "properties": {},
+            "additionalProperties": false,
+        }),
+        Some(p @ Value::Object(_)) => p.clone(),
+        Some(_) => {
+            return Err(invalid(
+                at(".function.parameters"),
+                "parameters is a JSON Schema (an object)",
+            ))
+        }
+    };
+    Ok(Tool {
+        name: name.to_owned(),
+        description,
+        parameters,
+    })
+}
+
+impl ToolUse {
+    /// Reads the request's tool fields; `None` when it has no tools (then `tool_choice` may
+    /// only be `none`).
+    pub fn parse(
+        tools: Option<&Value>,
+        tool_choice: Option<&Value>,
+        parallel_tool_calls: Option<bool>,
+    ) -> Result<Option<ToolUse>, ApiError> {
+        let list = match tools {
+            None | Some(Value::Null) => &[][..],
+            Some(Value::Array(list)) => list.as_slice(),
+            Some(_) => return Err(invalid("tools", "tools is a list")),
+        };
+        if list.len() > MAX_TOOLS {
+            return Err(invalid(
+                "tools",
+                format!("at most {MAX_TOOLS} tools are allowed"),
+            ));
+        }
+        let mut parsed: Vec<Tool> = Vec::with_capacity(list.len());
+        for (i, v) in list.iter().enumerate() {
+            let tool = parse_tool(i, v)?;
+            if parsed.iter().any(|t| t.name == tool.name) {
+                return Err(invalid(
+                    format!("tools[{i}].function.name"),
+                    format!("two tools are named {:?}", tool.name),
+                ));
+            }
+            parsed.push(tool);
+        }
+        let choice = match tool_choice {
+            None | Some(Value::Null) => {
+                if parsed.is_empty() {
+                    ToolChoice::None
+                } else {
+                    ToolChoice::Auto
+                }
+            }
+            Some(Value::String(s)) => match s.as_str() {
+                "none" => ToolChoice::None,
+                "auto" => ToolChoice::Auto,
+                "required" => ToolChoice::Required,
+                _ => {
+                    return Err(invalid(
+                        "tool_choice",
+                        "tool_choice is \"none\", \"auto\", \"required\" or a function",
+                    ))
+                }
+            },
+            Some(Value::Object(o)) => {
+                let name = o
+                    .get("function")
+                    .and_then(|f| f.get("name"))
+                    .and_then(Value::as_str)
+                    .filter(|_| o.get("type").and_then(Value::as_str) == Some("function"))
+                    .ok_or_else(|| {
+                        invalid(
+                            "tool_choice",
+                            "a named tool_choice is {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                        )
+                    })?;
+                if !parsed.iter().any(|t| t.name == name) {
+                    let shown: String = name.chars().take(MAX_TOOL_NAME).collect();
+                    return Err(invalid(
+                        "tool_choice",
+                        format!("tool_choice names {shown:?}, which is not among the tools"),
+                    ));
+                }
+                ToolChoice::Function(name.to_owned())
+            }
+            Some(_) => {
+                return Err(invalid(
+                    "tool_choice",
+                    "tool_choice is a string or an object",
+                ))
+            }
+        };
+        if parsed.is_empty() {
+            return match choice {
+                ToolChoice::None => Ok(None),
+                _ => Err(invalid(
+                    "tool_choice",
+                    "tool_choice other than \"none\" needs tools",
+                )),
+            };
+        }
+        let tool_use = ToolUse {
+            tools: parsed,
+            choice,
+            parallel: parallel_tool_calls.unwrap_or(true),
+        };
+        if let Some(grammar) = tool_use.grammar() {
+            if grammar.len() > MAX_STRUCTURED_BYTES {
+                return Err(invalid(
+                    "tools",
+                    format!(
+                        "the tools' schemas take {} bytes; at most {MAX_STRUCTURED_BYTES} are allowed",
+                        grammar.len()
+                    ),
+                ));
+            }
+        }
+        Ok(Some(tool_use))
+    }
+
+    /// Whether the model may call a tool (`tool_choice` is not `none`).
+    pub fn active(&self) -> bool {
+        self.choice != ToolChoice::None
+    }
+
+    /// The tools the model may call.
+    fn callable(&self) -> impl Iterator<Item = &Tool> {
+        self.tools.iter().filter(move |t| match &self.choice {
+            ToolChoice::None => false,
+            ToolChoice::Auto | ToolChoice::Required => true,
+            ToolChoice::Function(name) => &t.name == name,
+        })
+    }
+
+    /// What the system message gains: the callable tools and how to call them; `None` when
+    /// no tool may be called.
+    pub fn system_prompt(&self) -> Option<String> {
+        if !self.active() {
+            return None;
+        }
+        let mut out = String::from(
+            "# Tools\n\nYou can call functions to help with the answer. Their signatures, as JSON, \
+             are inside <tools></tools>:\n<tools>\n",
+        );
+        for t in self.callable() {
+            let mut function = Map::new();
+            function.insert("name".into(), Value::String(t.name.clone()));
+            if let Some(d) = &t.description {
+                function.insert("description".into(), Value::String(d.clone()));
+            }
+            function.insert("parameters".into(), t.parameters.clone());
+            let mut tool = Map::new();
+            tool.insert("type".into(), Value::String("function".into()));
+            tool.insert("function".into(), Value::Object(function));
+            out.push_str(&json_dumps(&Value::Object(tool)));
+            out.push('\n');
+        }
+        out.push_str(
+            "</tools>\n\nTo call a function, answer with a JSON object holding its name and its \
+             arguments inside <tool_call></tool_call> tags:\n<tool_call>\n{\"name\": \
+             <function-name>, \"arguments\": <arguments-json-object>}\n</tool_call>",
+        );
+        match (&self.choice, self.parallel) {
+            (ToolChoice::Function(name), _) => {
+                out.push_str(&format!("\n\nCall the function {name:?} now."));
+            }
+            (ToolChoice::Required, true) => {
+                out.push_str("\n\nCall at least one function now, one <tool_call> block each.");
+            }
+            (ToolChoice::Required, false) => out.push_str("\n\nCall one function now."),
+            (_, true) => out.push_str("\n\nYou may call several functions, one block each."),
+            (_, false) => out.push_str("\n\nCall at most one function."),
+        }
+        Some(out)
+    }
+
+    /// The grammar (llguidance's Lark dialect) the output must follow; `None` when no tool
+    /// may be called.
+    pub fn grammar(&self) -> Option<String> {
+        if !self.active() {
+            return None;
+        }
+        let alternatives: Vec<Value> = self
+            .callable()
+            .map(|t| {
+                serde_json::json!({
+                    "type": "object",
+                    "properties": {
+                        "name": {"const": t.name},
+                        "arguments": t.parameters,
+                    },
+                    "required": ["name", "arguments"],
+                    "additionalProperties": false,
+                })
+            })
+            .collect();
+        // Formatted as `json_dumps` writes it, with no free whitespace (as other structured
+        // output): a small model cannot wander into endless newlines.
+        let schema = serde_json::json!({
+            "anyOf": alternatives,
+            "x-guidance": {
+                "whitespace_flexible": false,
+                "item_separator": ", ",
+                "key_separator": ": ",
+            },
+        });
+        let start = match self.choice {
+            ToolChoice::Auto => "start: TEXT | calls",
+            _ => "start: calls",
+        };
+        // Calls end the answer: after the last one only the end of sequence may come (free
+        // newlines let a small model write them until max_tokens).
+        let calls = if self.parallel {
+            "calls: call (\"\\n\" call)*"
+        } else {
+            "calls: call"
+        };
+        // Text may not hold the opening tag anywhere: what looks like a call is one.
+        Some(format!(
+            "{start}\n{calls}\nTEXT: /(?s:.+)/ & ~/(?s:.*{open}.*)/\n\
+             call: \"{open}\\n\" %json{schema} \"\\n{close}\"\n",
+            open = CALL_OPEN,
+            close = CALL_CLOSE,
+        ))
+    }
+}
+
+/// `value` as Python's `json.dumps` writes it (`", "` and `": "` between items): the format
+/// the grammar makes the model write, used for the calls and tools shown to it too.
+pub fn json_dumps(value: &Value) -> String {
+    struct Spaced;
+    impl serde_json::ser::Formatter for Spaced {
+        fn begin_array_value<W: ?Sized + std::io::Write>(
+            &mut self,
+            writer: &mut W,
+            first: bool,
+        ) -> std::io::Result<()> {
+            if first {
+                Ok(())
+            } else {
+                writer.write_all(b", ")
+            }
+        }
+        fn begin_object_key<W: ?Sized + std::io::Write>(
+            &mut self,
+            writer: &mut W,
+            first: bool,
+        ) -> std::io::Result<()> {
+            if first {
+                Ok(())
+            } else {
+                writer.write_all(b", ")
+            }
+        }
+        fn begin_object_value<W: ?Sized + std::io::Write>(
+            &mut self,
+            writer: &mut W,
+        ) -> std::io::Result<()> {
+            writer.write_all(b": ")
+        }
+    }
+    let mut out = Vec::new();
+    let mut ser = serde_json::Serializer::with_formatter(&mut out, Spaced);
+    // Serializing a `Value` into memory cannot fail.
+    serde::Serialize::serialize(value, &mut ser).expect("a JSON value serializes");
+    String::from_utf8(out).expect("JSON is UTF-8")
+}
+
+/// One call in the conversation or in the output.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParsedCall {
+    /// The function's name.
+    pub name: String,
+    /// Its arguments, as JSON text.
+    pub arguments: String,
+}
+
+/// Renders an assistant message's `tool_calls` (OpenAI's shape) as the model writes calls.
+pub fn render_calls(param: &str, calls: &[Value]) -> Result<String, ApiError> {
+    if calls.len() > MAX_TOOL_CALLS {
+        return Err(invalid(
+            param,
+            format!("at most {MAX_TOOL_CALLS} tool calls per message are allowed"),
+        ));
+    }
+    let mut out = String::new();
+    for (j, call) in calls.iter().enumerate() {
+        let at = |field: &str| format!("{param}[{j}]{field}");
+        let function = call
+            .get("function")
+            .and_then(Value::as_object)
+            .ok_or_else(|| invalid(at(".function"), "a tool call needs a function object"))?;
+        let name = function
+            .get("name")
+            .and_then(Value::as_str)
+            .ok_or_else(|| invalid(at(".function.name"), "a tool call needs a name"))?;
+        check_name(&at(".function.name"), name)?;
+        let arguments = match function.get("arguments") {
+            None | Some(Value::Null) => Value::Object(Map::new()),
+            Some(Value::String(s)) => serde_json::from_str(s).map_err(|e| {
+                invalid(
+                    at(".function.arguments"),
+                    format!("arguments is not valid JSON: {e}"),
+                )
+            })?,
+            // Some clients send the object itself.
+            Some(v @ Value::Object(_)) => v.clone(),
+            Some(_) => {
+                return Err(invalid(
+                    at(".function.arguments"),
+                    "arguments is a JSON string",
+                ))
+            }
+        };
+        if !out.is_empty() {
+            out.push('\n');
+        }
+        let body = serde_json::json!({"name": name, "arguments": arguments});
+        out.push_str(CALL_OPEN);
+        out.push('\n');
+        out.push_str(&json_dumps(&body));
+        out.push('\n');
+        out.push_str(CALL_CLOSE);
+    }
+    Ok(out)
+}
+
+/// A tool's result as the model reads it.
+pub fn render_response(content: &str) -> String {
+    format!("<tool_response>\n{content}\n</tool_response>")
+}
+
+/// What [`ToolStream`] makes of generated text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ToolPiece {
+    /// Text for `content`.
+    Text(String),
+    /// A complete call.
+    Call(ParsedCall),
+}
+
+#[derive(Debug)]
+enum StreamState {
+    /// Too little text to tell text from a call.
+    Deciding(String),
+    /// Plain text: passed through.
+    Text,
+    /// Calls: text kept until a call is complete.
+    Calls(String),
+}
+
+/// Reads one choice's generated text, in pieces as it streams, into content and calls.
+#[derive(Debug)]
+pub struct ToolStream {
+    state: StreamState,
+    calls: usize,
+}
+
+impl Default for ToolStream {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl ToolStream {
+    /// A stream at the start of a choice.
+    pub fn new() -> Self {
+        Self {
+            state: StreamState::Deciding(String::new()),
+            calls: 0,
+        }
+    }
+
+    /// Calls read so far.
+    pub fn calls(&self) -> usize {
+        self.calls
+    }
+
+    /// Takes the next generated text; returns what is known from it.
+    pub fn push(&mut self, text: &str) -> Vec<ToolPiece> {
+        let mut out = Vec::new();
+        match &mut self.state {
+            StreamState::Text => {
+                if !text.is_empty() {
+                    out.push(ToolPiece::Text(text.to_owned()));
+                }
+            }
+            StreamState::Deciding(buf) => {
+                buf.push_str(text);
+                if buf.starts_with(CALL_OPEN) {
+                    let buf = std::mem::take(buf);
+                    self.state = StreamState::Calls(buf);
+                    self.drain_calls(&mut out);
+                } else if !CALL_OPEN.starts_with(buf.as_str()) {
+                    out.push(ToolPiece::Text(std::mem::take(buf)));
+                    self.state = StreamState::Text;
+                }
+            }
+            StreamState::Calls(buf) => {
+                buf.push_str(text);
+                self.drain_calls(&mut out);
+            }
+        }
+        out
+    }
+
+    /// The end of the choice: what was held back comes out as text (a call cut short by
+    /// `max_tokens` or a stop string is not a call).
+    pub fn finish(&mut self) -> Vec<ToolPiece> {
+        let rest = match std::mem::replace(&mut self.state, StreamState::Text) {
+            StreamState::Deciding(buf) => buf,
+            StreamState::Calls(buf) if !buf.trim().is_empty() => buf,
+            _ => String::new(),
+        };
+        if rest.is_empty() {
+            Vec::new()
+        } else {
+            vec![ToolPiece::Text(rest)]
+        }
+    }
+
+    /// Moves every complete call at the front of the kept text to `out`. Text that cannot be
+    /// a call (the grammar rules it out; kept for safety) turns the stream into text.
+    fn drain_calls(&mut self, out: &mut Vec<ToolPiece>) {
+        let StreamState::Calls(buf) = &mut self.state else {
+            return;
+        };
+        loop {
+            let start = buf.len() - buf.trim_start().len();
+            let rest = &buf[start..];
+            if rest.is_empty() || (rest.len() < CALL_OPEN.len() && CALL_OPEN.starts_with(rest)) {
+                return;
+            }
+            let Some(body) = rest.strip_prefix(CALL_OPEN) else {
+                break;
+            };
+            let mut values = serde_json::Deserializer::from_str(body).into_iter::<Value>();
+            let value = match values.next() {
+                Some(Ok(v)) => v,
+                Some(Err(e)) if e.is_eof() => return,
+                None => return,
+                Some(Err(_)) => break,
+            };
+            let after = &body[values.byte_offset()..];
+            let tail = after.trim_start();
+            if tail.len() < CALL_CLOSE.len() && CALL_CLOSE.starts_with(tail) {
+                return;
+            }
+            if !tail.starts_with(CALL_CLOSE) {
+                break;
+            }
+            let Some(call) = call_of(&value) else {
+                break;
+            };
+            out.push(ToolPiece::Call(call));
+            self.calls += 1;
+            let used = buf.len() - tail.len() + CALL_CLOSE.len();
+            buf.drain(..used);
+        }
+        // Not a call after all: everything kept is text from here on.
+        let text = std::mem::take(buf);
+        out.push(ToolPiece::Text(text));
+        self.state = StreamState::Text;
+    }
+}
+
+/// A call's JSON body (`{"name": ..., "arguments": {...}}`) as a [`ParsedCall`].
+fn call_of(value: &Value) -> Option<ParsedCall> {
+    let name = value.get("name")?.as_str()?.to_owned();
+    let arguments = match value.get("arguments") {
+        None => "{}".to_owned(),
+        Some(v) => json_dumps(v),
+    };
+    Some(ParsedCall { name, arguments })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn weather() -> Value {
+        json!({"type": "function", "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                           "required": ["city"]}
+        }})
+    }
+
+    fn param(r: Result<Option<ToolUse>, ApiError>) -> String {
+        match r {
+            Err(ApiError::InvalidRequest { param, .. }) => param.unwrap_or_default(),
+            other => panic!("expected a 400, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn tool_fields_are_read_and_defaults_follow_openai() {
+        let tools = json!([weather()]);
+        let t = ToolUse::parse(Some(&tools), None, None).unwrap().unwrap();
+        assert_eq!(t.choice, ToolChoice::Auto);
+        assert!(t.parallel && t.active());
+        assert_eq!(t.tools[0].name, "get_weather");
+        let named = json!({"type": "function", "function": {"name": "get_weather"}});
+        let t = ToolUse::parse(Some(&tools), Some(&named), Some(false))
+            .unwrap()
+            .unwrap();
+        assert_eq!(t.choice, ToolChoice::Function("get_weather".into()));
+        assert!(!t.parallel);
+        let none = json!("none");
+        let t = ToolUse::parse(Some(&tools), Some(&none), None)
+            .unwrap()
+            .unwrap();
+        assert!(!t.active() && t.grammar().is_none() && t.system_prompt().is_none());
+        // No tools: nothing, unless tool_choice asks for a call.
+        assert_eq!(ToolUse::parse(None, Some(&none), None).unwrap(), None);
+        assert_eq!(ToolUse::parse(Some(&json!([])), None, None).unwrap(), None);
+        assert_eq!(
+            param(ToolUse::parse(None, Some(&json!("required")), None)),
+            "tool_choice"
+        );
+        // A function without parameters takes none.
+        let bare = json!([{"type": "function", "function": {"name": "now"}}]);
+        let t = ToolUse::parse(Some(&bare), None, None).unwrap().unwrap();
+        assert_eq!(t.tools[0].parameters["additionalProperties"], json!(false));
+    }
+
+    #[test]
+    fn bad_tool_fields_name_the_field() {
+        let cases = [
+            (json!({"a": 1}), None, "tools"),
+            (json!([1]), None, "tools[0]"),
+            (
+                json!([{"type": "code", "function": {"name": "f"}}]),
+                None,
+                "tools[0].type",
+            ),
+            (json!([{"type": "function"}]), None, "tools[0].function"),
+            (
+                json!([{"type": "function", "function": {"name": "a b"}}]),
+                None,
+                "tools[0].function.name",
+            ),
+            (
+                json!([{"type": "function", "function": {"name": "x".repeat(65)}}]),
+                None,
+                "tools[0].function.name",
+            ),
+            (
+                json!([{"type": "function", "function": {"name": "f", "parameters": "x"}}]),
+                None,
+                "tools[0].function.parameters",
+            ),
+            (
+                json!([{"type": "function", "function": {"name": "f", "description": 3}}]),
+                None,
+                "tools[0].function.description",
+            ),
+            (
+                json!([weather(), weather()]),
+                None,
+                "tools[1].function.name",
+            ),
+            (json!([weather()]), Some(json!("always")), "tool_choice"),
+            (
+                json!([weather()]),
+                Some(json!({"type": "function", "function": {"name": "other"}})),
+                "tool_choice",
+            ),
+            (
+                json!([weather()]),
+                Some(json!({"type": "function"})),
+                "tool_choice",
+            ),
+            (json!([weather()]), Some(json!(3)), "tool_choice"),
+        ];
+        for (tools, choice, expected) in cases {
+            assert_eq!(
+                param(ToolUse::parse(Some(&tools), choice.as_ref(), None)),
+                expected,
+                "{tools} {choice:?}"
+            );
+        }
+        let many: Vec<Value> = (0..=MAX_TOOLS)
+            .map(|i| json!({"type": "function", "function": {"name": format!("f{i}")}}))
+            .collect();
+        assert_eq!(
+            param(ToolUse::parse(Some(&json!(many)), None, None)),
+            "tools"
+        );
+        let huge = json!([{"type": "function", "function": {"name": "f", "parameters":
+            {"type": "object", "description": "x".repeat(MAX_STRUCTURED_BYTES)}}}]);
+        assert_eq!(param(ToolUse::parse(Some(&huge), None, None)), "tools");
+    }
+
+    #[test]
+    fn the_grammar_and_prompt_follow_the_choice() {
+        let tools = json!([weather(), {"type": "function", "function": {"name": "now"}}]);
+        let auto = ToolUse::parse(Some(&tools), None, None).unwrap().unwrap();
+        let g = auto.grammar().unwrap();
+        assert!(
+            g.starts_with("start: TEXT | calls\ncalls: call (\"\\n\" call)*\n"),
+            "{g}"
+        );
+        assert!(g.contains(r#"{"const":"get_weather"}"#) && g.contains(r#"{"const":"now"}"#));
+        let prompt = auto.system_prompt().unwrap();
+        assert!(prompt.contains(
+            "{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"description\": \
+             \"Current weather in a city\", \"parameters\": {\"type\": \"object\", \"properties\": \
+             {\"city\": {\"type\": \"string\"}}, \"required\": [\"city\"]}}}\n"
+        ));
+        let named = json!({"type": "function", "function": {"name": "now"}});
+        let one = ToolUse::parse(Some(&tools), Some(&named), Some(false))
+            .unwrap()
+            .unwrap();
+        let g = one.grammar().unwrap();
+        assert!(g.starts_with("start: calls\ncalls: call\n"), "{g}");
+        assert!(!g.contains("get_weather"), "only the named tool: {g}");
+        assert!(!one.system_prompt().unwrap().contains("get_weather"));
+    }
+
+    #[test]
+    fn json_dumps_spaces_like_python() {
+        let v = json!({"a": [1, 2, {"b": "c, d: e"}], "f": {}});
+        assert_eq!(
+            json_dumps(&v),
+            r#"{"a": [1, 2, {"b": "c, d: e"}], "f": {}}"#
+        );
+    }
+
+    #[test]
+    fn conversation_calls_render_as_the_model_writes_them() {
+        let calls = json!([
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}},
+            {"id": "call_2", "type": "function",
+             "function": {"name": "now", "arguments": {}}},
+        ]);
+        let text = render_calls("messages[1].tool_calls", calls.as_array().unwrap()).unwrap();
+        assert_eq!(
+            text,
+            "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n\
+             </tool_call>\n<tool_call>\n{\"name\": \"now\", \"arguments\": {}}\n</tool_call>"
+        );
+        let bad = json!([{"function": {"name": "f", "arguments": "{oops"}}]);
+        match render_calls("messages[1].tool_calls", bad.as_array().unwrap()) {
+            Err(ApiError::InvalidRequest { param, .. }) => assert_eq!(
+                param.as_deref(),
+                Some("messages[1].tool_calls[0].function.arguments")
+            ),
+            other => panic!("{other:?}"),
+        }
+        let many = vec![json!({"function": {"name": "f"}}); MAX_TOOL_CALLS + 1];
+        assert!(render_calls("m", &many).is_err());
+    }
+
+    fn read_all(chunks: &[&str]) -> (String, Vec<ParsedCall>) {
+        let mut s = ToolStream::new();
+        let mut pieces = Vec::new();
+        for c in chunks {
+            pieces.extend(s.push(c));
+        }
+        pieces.extend(s.finish());
+        let mut text = String::new();
+        let mut calls = Vec::new();
+        for p in pieces {
+            match p {
+                ToolPiece::Text(t) => text.push_str(&t),
+                ToolPiece::Call(c) => calls.push(c),
+            }
+        }
+        assert_eq!(s.calls(), calls.len());
+        (text, calls)
+    }
+
+    #[test]
+    fn the_stream_reads_calls_and_text_however_the_text_is_cut() {
+        let two = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"</tool_call>\"}}\n\
+                   </tool_call>\n<tool_call>\n{\"name\": \"now\", \"arguments\": {}}\n</tool_call>\n";
+        let expected = vec![
+            ParsedCall {
+                name: "get_weather".into(),
+                arguments: "{\"city\": \"</tool_call>\"}".into(),
+            },
+            ParsedCall {
+                name: "now".into(),
+                arguments: "{}".into(),
+            },
+        ];
+        let cases: Vec<(&str, String, Vec<ParsedCall>)> =
+            vec![
+            (two, String::new(), expected.clone()),
+            ("Hello <tool", "Hello <tool".into(), Vec::new()),
+            ("<tool", "<tool".into(), Vec::new()),
+            ("<toolbox>", "<toolbox>".into(), Vec::new()),
+            // Cut short (max_tokens): the unfinished call is text.
+            (
+                "<tool_call>\n{\"name\": \"now\", \"argu",
+                "<tool_call>\n{\"name\": \"now\", \"argu".into(),
+                Vec::new(),
+            ),
+            // A complete call, then one cut short.
+            (
+                "<tool_call>\n{\"name\": \"now\", \"arguments\": {}}\n</tool_call>\n<tool_call>\n{",
+                "\n<tool_call>\n{".into(),
+                vec![expected[1].clone()],
+            ),
+            // Not JSON after the tag: text.
+            ("<tool_call>\nhello", "<tool_call>\nhello".into(), Vec::new()),
+            ("", String::new(), Vec::new()),
+        ];
+        for (text, want_text, want_calls) in cases {
+            // Every way of cutting the text in two, and one character at a time.
+            for cut in 0..=text.len() {
+                if !text.is_char_boundary(cut) {
+                    continue;
+                }
+                let got = read_all(&[&text[..cut], &text[cut..]]);
+                assert_eq!(
+                    got,
+                    (want_text.clone(), want_calls.clone()),
+                    "{text:?} cut at {cut}"
+                );
+            }
+            let chars: Vec<String> = text.chars().map(String::from).collect();
+            let refs: Vec<&str> = chars.iter().map(String::as_str).collect();
+            assert_eq!(
+                read_all(&refs),
+                (want_text, want_calls),
+                "{text:?} by chars"
+            );
+        }
+    }
+}

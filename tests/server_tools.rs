@@ -1,0 +1,294 @@
+//! End-to-end tests of tool calling: the real binary, SmolLM2 on the CPU, HTTP on loopback.
+//! The answers are checked with an independent parser (serde_json) against the tools'
+//! schemas, and deserialized into async-openai's types for wire compatibility.
+
+mod common;
+
+use async_openai::types::chat::{
+    ChatCompletionMessageToolCalls, CreateChatCompletionResponse,
+    CreateChatCompletionStreamResponse, FinishReason,
+};
+use common::{sse_events, Server};
+use serde_json::{json, Value};
+
+fn server() -> Server {
+    Server::start(
+        "tools",
+        "scheduler:\n  max_num_seqs: 16\n  max_num_batched_tokens: 1024\n",
+    )
+}
+
+fn weather_tools() -> Value {
+    json!([
+        {"type": "function", "function": {
+            "name": "get_weather",
+            "description": "The current weather in a city",
+            "parameters": {"type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 40},
+                               "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                "required": ["city", "unit"], "additionalProperties": false}}},
+        {"type": "function", "function": {"name": "local_time", "description": "The time now"}},
+    ])
+}
+
+fn ask(extra: Value) -> Value {
+    let mut body = json!({
+        "messages": [{"role": "user", "content": "What is the weather like in Paris today?"}],
+        "tools": weather_tools(),
+        "max_tokens": 80,
+        "temperature": 0,
+    });
+    for (k, v) in extra.as_object().expect("fields") {
+        body[k] = v.clone();
+    }
+    body
+}
+
+/// The (name, arguments) of a response's calls, arguments parsed.
+fn calls_of(message: &Value) -> Vec<(String, Value)> {
+    message["tool_calls"]
+        .as_array()
+        .map(|calls| {
+            calls
+                .iter()
+                .map(|c| {
+                    assert_eq!(c["type"], "function", "{c}");
+                    assert!(
+                        c["id"].as_str().is_some_and(|id| id.starts_with("call_")),
+                        "{c}"
+                    );
+                    let args = c["function"]["arguments"].as_str().expect("arguments text");
+                    let args: Value = serde_json::from_str(args)
+                        .unwrap_or_else(|e| panic!("arguments {args:?}: {e}"));
+                    (
+                        c["function"]["name"].as_str().unwrap_or("").to_string(),
+                        args,
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn assert_weather_arguments(args: &Value) {
+    let o = args.as_object().expect("an object");
+    assert_eq!(o.len(), 2, "{args}");
+    assert!(
+        o["city"].as_str().is_some_and(|c| c.chars().count() <= 40),
+        "{args}"
+    );
+    assert!(
+        ["celsius", "fahrenheit"].contains(&o["unit"].as_str().unwrap_or("")),
+        "{args}"
+    );
+}
+
+#[test]
+fn required_and_named_choices_answer_with_calls_that_follow_the_schema() {
+    let s = server();
+    // Without tools the model answers in prose: the calls below come from the tools.
+    let (status, v) = s.post_json(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "What is the weather like in Paris today?"}],
+                "max_tokens": 40, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{v}");
+    assert!(
+        v["choices"][0]["message"].get("tool_calls").is_none(),
+        "{v}"
+    );
+
+    let (status, v) = s.post_json(
+        "/v1/chat/completions",
+        &ask(json!({"tool_choice": "required", "parallel_tool_calls": false})),
+    );
+    assert_eq!(status, 200, "{v}");
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
+    assert!(choice["message"]["content"].is_null(), "{v}");
+    let calls = calls_of(&choice["message"]);
+    assert_eq!(calls.len(), 1, "{v}");
+    match calls[0].0.as_str() {
+        "get_weather" => assert_weather_arguments(&calls[0].1),
+        "local_time" => assert_eq!(calls[0].1, json!({}), "{v}"),
+        other => panic!("called {other:?}: {v}"),
+    }
+    let typed: CreateChatCompletionResponse = serde_json::from_value(v.clone()).expect("typed");
+    assert_eq!(
+        typed.choices[0].finish_reason,
+        Some(FinishReason::ToolCalls)
+    );
+    let typed_calls = typed.choices[0].message.tool_calls.as_ref().expect("calls");
+    assert!(matches!(
+        &typed_calls[0],
+        ChatCompletionMessageToolCalls::Function(c) if c.function.name == calls[0].0
+    ));
+
+    // A named function is the one called, with its (empty) arguments.
+    let (status, v) = s.post_json(
+        "/v1/chat/completions",
+        &ask(json!({"tool_choice": {"type": "function", "function": {"name": "local_time"}}})),
+    );
+    assert_eq!(status, 200, "{v}");
+    let calls = calls_of(&v["choices"][0]["message"]);
+    assert!(!calls.is_empty(), "{v}");
+    for (name, args) in calls {
+        assert_eq!((name.as_str(), args), ("local_time", json!({})), "{v}");
+    }
+    // Counted as structured output of kind tool_calls (the only kind this server saw).
+    let r = s.request("GET", "/metrics", None, &[]).expect("metrics");
+    assert!(
+        r.body
+            .contains("switchyard:structured_output_requests_total{kind=\"tool_calls\"} 2"),
+        "{}",
+        r.body
+    );
+}
+
+#[test]
+fn a_streamed_call_is_the_call_of_the_whole_answer() {
+    let s = server();
+    let body = ask(
+        json!({"tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+                          "parallel_tool_calls": false, "seed": 7}),
+    );
+    let (status, whole) = s.post_json("/v1/chat/completions", &body);
+    assert_eq!(status, 200, "{whole}");
+    let expected = calls_of(&whole["choices"][0]["message"]);
+    assert_eq!(expected.len(), 1, "{whole}");
+    assert_eq!(expected[0].0, "get_weather");
+    assert_weather_arguments(&expected[0].1);
+
+    let mut stream = body.clone();
+    stream["stream"] = json!(true);
+    let r = s
+        .request(
+            "POST",
+            "/v1/chat/completions",
+            Some(&stream.to_string()),
+            &[],
+        )
+        .expect("stream");
+    assert_eq!(r.status, 200, "{}", r.body);
+    let events = sse_events(&r.body);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).expect("a JSON chunk"))
+        .collect();
+    for e in &events[..events.len() - 1] {
+        let _: CreateChatCompletionStreamResponse =
+            serde_json::from_str(e).unwrap_or_else(|err| panic!("{err}: {e}"));
+    }
+    let mut calls = Vec::new();
+    let mut content = String::new();
+    let mut finish = Vec::new();
+    for c in &chunks {
+        let choice = &c["choices"][0];
+        if let Some(text) = choice["delta"]["content"].as_str() {
+            content.push_str(text);
+        }
+        for call in choice["delta"]["tool_calls"]
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
+            assert_eq!(call["index"], calls.len(), "{call}");
+            calls.push(call.clone());
+        }
+        if let Some(f) = choice["finish_reason"].as_str() {
+            finish.push(f.to_string());
+        }
+    }
+    assert_eq!(content, "", "{}", r.body);
+    assert_eq!(finish, ["tool_calls"], "{}", r.body);
+    let streamed = calls_of(&json!({"tool_calls": calls}));
+    assert_eq!(streamed, expected, "{}", r.body);
+}
+
+#[test]
+fn conversations_with_tool_results_and_tool_choice_none_are_answered() {
+    let s = server();
+    let history = json!([
+        {"role": "user", "content": "What is the weather like in Paris today?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\", \"unit\": \"celsius\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "{\"temperature\": 18, \"sky\": \"cloudy\"}"},
+    ]);
+    // auto: text that holds no call markup, or calls.
+    for choice in [json!("auto"), json!("none")] {
+        let (status, v) = s.post_json(
+            "/v1/chat/completions",
+            &ask(json!({"messages": history, "tool_choice": choice, "max_tokens": 48})),
+        );
+        assert_eq!(status, 200, "{v}");
+        let message = &v["choices"][0]["message"];
+        let calls = calls_of(message);
+        if choice == "none" {
+            assert!(calls.is_empty(), "{v}");
+        }
+        match message["content"].as_str() {
+            Some(text) if calls.is_empty() => {
+                assert!(!text.contains("<tool_call>"), "{v}");
+            }
+            None => assert!(!calls.is_empty(), "{v}"),
+            Some(_) => {}
+        }
+        let _: CreateChatCompletionResponse = serde_json::from_value(v).expect("typed");
+    }
+    // /tokenize reads tool messages the same way.
+    let (status, v) = s.post_json("/tokenize", &json!({"messages": history}));
+    assert_eq!(status, 200, "{v}");
+    assert!(v["count"].as_u64().is_some_and(|n| n > 20), "{v}");
+}
+
+#[test]
+fn bad_tool_requests_are_refused_with_the_field_and_the_server_serves_on() {
+    let s = server();
+    let user = json!([{"role": "user", "content": "hi"}]);
+    let cases = [
+        (
+            json!({"messages": user, "tools": {"type": "function"}}),
+            "tools",
+        ),
+        (
+            json!({"messages": user, "tools": [{"type": "function", "function": {"name": "no spaces"}}]}),
+            "tools[0].function.name",
+        ),
+        (
+            ask(json!({"tool_choice": {"type": "function", "function": {"name": "nope"}}})),
+            "tool_choice",
+        ),
+        (ask(json!({"tool_choice": "sometimes"})), "tool_choice"),
+        (
+            json!({"messages": user, "tool_choice": "required"}),
+            "tool_choice",
+        ),
+        (
+            ask(json!({"response_format": {"type": "json_object"}})),
+            "tools",
+        ),
+        (ask(json!({"ignore_eos": true})), "ignore_eos"),
+        (
+            json!({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}]}),
+            "messages[0].tool_calls[0].function.arguments",
+        ),
+        // A schema llguidance cannot compile is the engine's 400.
+        (
+            ask(
+                json!({"tools": [{"type": "function", "function": {"name": "f",
+            "parameters": {"type": "object", "properties": {"x": {"type": "string", "pattern": "("}}}}}]}),
+            ),
+            "",
+        ),
+    ];
+    for (body, param) in cases {
+        let (status, v) = s.post_json("/v1/chat/completions", &body);
+        assert_eq!(status, 400, "{body}: {v}");
+        assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
+        if !param.is_empty() {
+            assert_eq!(v["error"]["param"], param, "{body}: {v}");
+        }
+    }
+    s.assert_serves();
+}

@@ -1,0 +1,240 @@
+//! The tool-calling grammar (built by the HTTP layer) compiled by the engine's structured
+//! output (llguidance) over SmolLM2's real vocabulary, and read back by the HTTP layer's
+//! `ToolStream`: what the grammar lets a model write is what the reader turns into calls.
+
+use std::sync::Arc;
+
+use serde_json::{json, Value};
+use switchyard_actors::structured::{GrammarCompiler, StructuredOutput};
+use switchyard_api::schema::tools::{ToolPiece, ToolStream, ToolUse};
+use switchyard_gpu::constraint::{is_allowed, Constraint};
+use switchyard_gpu::model::{default_model_path, load_model, Tokenizer};
+
+fn tokenizer() -> Arc<Tokenizer> {
+    let path = default_model_path("smollm2-135m");
+    assert!(
+        path.is_file(),
+        "{} is missing: run `switchyard model fetch smollm2-135m`",
+        path.display()
+    );
+    Arc::new(load_model(&path, false).expect("SmolLM2 loads").tokenizer)
+}
+
+fn tools() -> Value {
+    json!([
+        {"type": "function", "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 12},
+                               "unit": {"enum": ["celsius", "fahrenheit"]}},
+                "required": ["city", "unit"], "additionalProperties": false}}},
+        {"type": "function", "function": {"name": "now"}},
+    ])
+}
+
+fn constraint(
+    compiler: &GrammarCompiler,
+    tok: &Tokenizer,
+    choice: Value,
+    parallel: bool,
+) -> Constraint {
+    let tools = tools();
+    let tool_use = ToolUse::parse(Some(&tools), Some(&choice), Some(parallel))
+        .expect("valid tools")
+        .expect("tools");
+    let grammar = tool_use.grammar().expect("a grammar");
+    compiler
+        .compile(
+            &StructuredOutput::ToolCalls(grammar),
+            &[tok.eos_token_ids()[0]],
+            1,
+        )
+        .expect("the grammar compiles")
+        .pop()
+        .expect("one constraint")
+}
+
+/// Feeds `text` as a model could write it (at each step the longest allowed token that starts
+/// the rest); returns whether all of it was accepted and the end of sequence may follow.
+fn accepts(c: &Constraint, tok: &Tokenizer, text: &str) -> (bool, bool) {
+    let vocab = tok.vocab_size();
+    let bytes = text.as_bytes();
+    let mut at = 0;
+    while at < bytes.len() {
+        let allowed = c.allowed(vocab);
+        let best = (0..vocab)
+            .filter(|&t| is_allowed(&allowed, t))
+            .filter_map(|t| {
+                let b = tok.token_bytes(t as u32)?;
+                (!b.is_empty() && bytes[at..].starts_with(b)).then_some((b.len(), t))
+            })
+            .max();
+        let Some((len, t)) = best else {
+            return (false, false);
+        };
+        c.commit(t as u32);
+        at += len;
+    }
+    let allowed = c.allowed(vocab);
+    (true, is_allowed(&allowed, tok.eos_token_ids()[0] as usize))
+}
+
+fn call(name: &str, arguments: &str) -> String {
+    format!("<tool_call>\n{{\"name\": \"{name}\", \"arguments\": {arguments}}}\n</tool_call>")
+}
+
+#[test]
+fn the_grammar_admits_calls_and_text_as_the_choice_says() {
+    let tok = tokenizer();
+    let compiler = GrammarCompiler::new(tok.clone()).expect("compiler");
+    let paris = call("get_weather", r#"{"city": "Paris", "unit": "celsius"}"#);
+    let now = call("now", "{}");
+    let two = format!("{paris}\n{now}");
+    let named = json!({"type": "function", "function": {"name": "now"}});
+    // (choice, parallel, text, accepted whole, may end there)
+    let cases: Vec<(Value, bool, String, bool, bool)> = vec![
+        (
+            json!("auto"),
+            true,
+            "It is sunny, <b>22</b> C.".into(),
+            true,
+            true,
+        ),
+        (json!("auto"), true, paris.clone(), true, true),
+        (json!("auto"), true, two.clone(), true, true),
+        // Text may not hold a call, nor calls be followed by text or stray newlines.
+        (
+            json!("auto"),
+            true,
+            format!("Let me look. {paris}"),
+            false,
+            false,
+        ),
+        (json!("auto"), true, format!("{paris} done"), false, false),
+        (json!("auto"), true, format!("{paris}\n\n"), false, false),
+        (json!("required"), true, "It is sunny.".into(), false, false),
+        (json!("required"), true, two.clone(), true, true),
+        (json!("required"), false, paris.clone(), true, true),
+        (json!("required"), false, two.clone(), false, false),
+        // Arguments follow the schema: an unknown unit, a missing one, an extra field.
+        (
+            json!("required"),
+            true,
+            call("get_weather", r#"{"city": "Paris", "unit": "kelvin"}"#),
+            false,
+            false,
+        ),
+        (
+            json!("required"),
+            true,
+            call("get_weather", r#"{"city": "Paris"}"#),
+            false,
+            false,
+        ),
+        (
+            json!("required"),
+            true,
+            call("now", r#"{"x": 1}"#),
+            false,
+            false,
+        ),
+        (
+            json!("required"),
+            true,
+            call("get_time", "{}"),
+            false,
+            false,
+        ),
+        (named.clone(), true, now.clone(), true, true),
+        (named, true, paris.clone(), false, false),
+        // A call not yet closed may not end.
+        (
+            json!("required"),
+            true,
+            paris.trim_end_matches("\n</tool_call>").to_string(),
+            true,
+            false,
+        ),
+    ];
+    for (choice, parallel, text, whole, end) in cases {
+        let c = constraint(&compiler, &tok, choice.clone(), parallel);
+        let got = accepts(&c, &tok, &text);
+        assert_eq!(
+            got,
+            (whole, end),
+            "choice {choice} parallel {parallel}: {text:?}"
+        );
+    }
+}
+
+#[test]
+fn whatever_the_required_grammar_lets_a_model_write_reads_back_as_valid_calls() {
+    let tok = tokenizer();
+    let compiler = GrammarCompiler::new(tok.clone()).expect("compiler");
+    let vocab = tok.vocab_size();
+    let eos = tok.eos_token_ids()[0];
+    let mut ended = 0;
+    for seed in 0..24u64 {
+        let parallel = seed % 2 == 0;
+        let c = constraint(&compiler, &tok, json!("required"), parallel);
+        let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let mut out = Vec::new();
+        let mut finished = false;
+        for _ in 0..300 {
+            let allowed = c.allowed(vocab);
+            let ids: Vec<u32> = (0..vocab)
+                .filter(|&t| is_allowed(&allowed, t))
+                .map(|t| t as u32)
+                .collect();
+            assert!(!ids.is_empty(), "nothing allowed after {out:?}");
+            let others: Vec<u32> = ids.iter().copied().filter(|&t| t != eos).collect();
+            if ids.contains(&eos) && (others.is_empty() || next() % 2 == 0) {
+                finished = true;
+                break;
+            }
+            let t = others[(next() % others.len() as u64) as usize];
+            c.commit(t);
+            out.push(t);
+        }
+        if !finished {
+            // A random walk can wander into a long string; it must never leave the grammar.
+            continue;
+        }
+        ended += 1;
+        let text = tok.decode(&out, true).expect("decode");
+        let mut stream = ToolStream::new();
+        let mut pieces = stream.push(&text);
+        pieces.extend(stream.finish());
+        let mut calls = Vec::new();
+        for piece in pieces {
+            match piece {
+                ToolPiece::Call(call) => calls.push(call),
+                ToolPiece::Text(t) => panic!("text {t:?} in a required answer: {text:?}"),
+            }
+        }
+        assert!(!calls.is_empty(), "{text:?}");
+        assert!(parallel || calls.len() == 1, "{text:?}");
+        for call in calls {
+            let args: Value = serde_json::from_str(&call.arguments).expect("arguments are JSON");
+            match call.name.as_str() {
+                "now" => assert_eq!(args, json!({}), "{text:?}"),
+                "get_weather" => {
+                    let city = args["city"].as_str().expect("a city");
+                    assert!(city.chars().count() <= 12, "{text:?}");
+                    assert!(
+                        ["celsius", "fahrenheit"].contains(&args["unit"].as_str().unwrap_or(""))
+                    );
+                    assert_eq!(args.as_object().map(|o| o.len()), Some(2), "{text:?}");
+                }
+                other => panic!("called {other:?}: {text:?}"),
+            }
+        }
+    }
+    assert!(ended >= 8, "only {ended} of 24 walks ended");
+}
