@@ -180,6 +180,17 @@ fn a_streamed_call_is_the_call_of_the_whole_answer() {
         let _: CreateChatCompletionStreamResponse =
             serde_json::from_str(e).unwrap_or_else(|err| panic!("{err}: {e}"));
     }
+    // Calls only: not even an empty content in the opening chunk.
+    assert_eq!(
+        chunks[0]["choices"][0]["delta"]["role"], "assistant",
+        "{}",
+        r.body
+    );
+    assert!(
+        chunks[0]["choices"][0]["delta"]["content"].is_null(),
+        "{}",
+        r.body
+    );
     let mut calls = Vec::new();
     let mut content = String::new();
     let mut finish = Vec::new();
@@ -260,6 +271,11 @@ fn bad_tool_requests_are_refused_with_the_field_and_the_server_serves_on() {
             "tool_choice",
         ),
         (ask(json!({"tool_choice": "sometimes"})), "tool_choice"),
+        (
+            json!({"messages": user, "tools": [{"type": "function", "function": {"name": "f",
+                "parameters": {"type": "string"}}}]}),
+            "tools[0].function.parameters",
+        ),
         (
             json!({"messages": user, "tool_choice": "required"}),
             "tool_choice",

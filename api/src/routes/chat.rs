@@ -9,7 +9,7 @@ use crate::body::read_json;
 use crate::engine::FinishReason;
 use crate::error::ApiError;
 use crate::generation::{ChoiceDelta, Generation};
-use crate::schema::tools::{ToolPiece, ToolStream};
+use crate::schema::tools::{ToolAnswer, ToolPiece, ToolStream};
 use crate::schema::{
     ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatLogprobs, ChatRequest, ChatResponse,
     ChatResponseMessage, FunctionCall, ToolCall, ToolCallDelta, Usage,
@@ -37,11 +37,12 @@ pub(crate) async fn chat_completions(
         model: lora.unwrap_or_else(|| state.engine.model_name().to_owned()),
         logprobs: validated.logprobs.is_some(),
         usage_field: validated.include_usage.then_some(None),
-        tools: validated.tool_calls.then(|| {
+        tools: validated.tool_calls.is_some().then(|| {
             (0..generation.choices())
                 .map(|_| ToolStream::new())
                 .collect()
         }),
+        calls_only: validated.tool_calls == Some(ToolAnswer::Calls),
     };
     if validated.stream {
         return Ok(sse_response(
@@ -64,6 +65,8 @@ struct ChatWriter {
     usage_field: Option<Option<Usage>>,
     /// Per choice, when the output is read back into content and tool calls.
     tools: Option<Vec<ToolStream>>,
+    /// The answer is calls only: no content, not even an empty one.
+    calls_only: bool,
 }
 
 impl ChatWriter {
@@ -136,7 +139,7 @@ impl ChunkWriter for ChatWriter {
                     index: u32::try_from(i).unwrap_or(u32::MAX),
                     delta: ChatDelta {
                         role: Some("assistant"),
-                        content: Some(String::new()),
+                        content: (!self.calls_only).then(String::new),
                         tool_calls: None,
                     },
                     logprobs: None,

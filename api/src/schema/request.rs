@@ -14,7 +14,7 @@ use serde::Deserialize;
 use super::limits::*;
 use super::sampling::SamplerFields;
 use super::structured::StructuredFields;
-use super::tools::{render_calls, render_response, ToolUse};
+use super::tools::{render_calls, render_response, ToolAnswer, ToolUse};
 use crate::engine::{ChatMessage, ChatRole, PromptInput, SamplingOptions, StructuredOutputSpec};
 use crate::error::ApiError;
 
@@ -249,8 +249,8 @@ pub struct Validated {
     pub priority: i32,
     /// What the output must follow.
     pub structured: Option<StructuredOutputSpec>,
-    /// Whether the output is read back into content and tool calls (chat with tools).
-    pub tool_calls: bool,
+    /// How the output is read back into content and tool calls (chat with tools).
+    pub tool_calls: Option<ToolAnswer>,
 }
 
 /// The structure asked for, refused together with `ignore_eos` (a finished structure ends
@@ -400,7 +400,7 @@ impl CompletionRequest {
             include_usage: stream_usage(stream, self.stream_options)?,
             priority: self.priority.unwrap_or(0),
             structured,
-            tool_calls: false,
+            tool_calls: None,
         })
     }
 }
@@ -496,7 +496,7 @@ impl ChatRequest {
             include_usage: stream_usage(stream, self.stream_options)?,
             priority: self.priority.unwrap_or(0),
             structured,
-            tool_calls: tools.is_some(),
+            tool_calls: tools.as_ref().and_then(ToolUse::answer),
         })
     }
 }
@@ -732,9 +732,9 @@ mod tests {
             serde_json::json!([{"role": "user", "content": "time?"}]),
             serde_json::Value::Null,
         );
-        assert!(v.tool_calls);
+        assert_eq!(v.tool_calls, Some(ToolAnswer::TextOrCalls));
         assert!(
-            matches!(&v.structured, Some(StructuredOutputSpec::ToolCalls(g)) if g.contains("\"now\""))
+            matches!(&v.structured, Some(StructuredOutputSpec::ToolCalls(g)) if g.contains("\\\"now\\\""))
         );
         let PromptInput::Chat(m) = &v.prompts[0] else {
             panic!("{v:?}")
@@ -762,7 +762,7 @@ mod tests {
             serde_json::json!([{"role": "user", "content": "time?"}]),
             serde_json::json!("none"),
         );
-        assert!(!v.tool_calls && v.structured.is_none());
+        assert!(v.tool_calls.is_none() && v.structured.is_none());
         assert_eq!(
             v.prompts,
             vec![PromptInput::Chat(vec![ChatMessage {

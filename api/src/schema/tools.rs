@@ -20,6 +20,15 @@ use serde_json::{Map, Value};
 use super::limits::MAX_STRUCTURED_BYTES;
 use crate::error::ApiError;
 
+/// How a chat answer with tools is read back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ToolAnswer {
+    /// Text, or text then calls (`tool_choice: auto`).
+    TextOrCalls,
+    /// Calls only (`required`, a named function).
+    Calls,
+}
+
 /// Opens a call.
 pub const CALL_OPEN: &str = "<tool_call>";
 /// Closes a call.
@@ -29,6 +38,8 @@ pub const CALL_CLOSE: &str = "</tool_call>";
 pub const MAX_TOOLS: usize = 128;
 /// Longest tool name, in bytes (OpenAI's limit).
 pub const MAX_TOOL_NAME: usize = 64;
+/// Longest function name of a call in the conversation, in bytes.
+pub const MAX_HISTORY_TOOL_NAME: usize = 256;
 /// Most tool calls in one assistant message of the conversation.
 pub const MAX_TOOL_CALLS: usize = 64;
 
@@ -126,7 +137,23 @@ fn parse_tool(i: usize, v: &Value) -> Result<Tool, ApiError> {
             "properties": {},
             "additionalProperties": false,
         }),
-        Some(p @ Value::Object(_)) => p.clone(),
+        Some(Value::Object(p)) => {
+            let mut p = p.clone();
+            // Arguments are an object (OpenAI's contract): a schema without a type gets it.
+            match p.get("type") {
+                None => {
+                    p.insert("type".into(), Value::String("object".into()));
+                }
+                Some(Value::String(t)) if t == "object" => {}
+                Some(_) => {
+                    return Err(invalid(
+                        at(".function.parameters"),
+                        "parameters describes an object (\"type\": \"object\")",
+                    ))
+                }
+            }
+            Value::Object(p)
+        }
         Some(_) => {
             return Err(invalid(
                 at(".function.parameters"),
@@ -302,53 +329,73 @@ impl ToolUse {
         Some(out)
     }
 
+    /// Whether the answer is calls only (`required`, a named function): no text may come.
+    pub fn calls_only(&self) -> bool {
+        matches!(self.choice, ToolChoice::Required | ToolChoice::Function(_))
+    }
+
+    /// How the answer is read back; `None` when no tool may be called.
+    pub fn answer(&self) -> Option<ToolAnswer> {
+        match self.choice {
+            ToolChoice::None => None,
+            ToolChoice::Auto => Some(ToolAnswer::TextOrCalls),
+            ToolChoice::Required | ToolChoice::Function(_) => Some(ToolAnswer::Calls),
+        }
+    }
+
     /// The grammar (llguidance's Lark dialect) the output must follow; `None` when no tool
     /// may be called.
+    ///
+    /// Each tool has a rule of its own whose arguments are a `%json` schema at its own root,
+    /// so the tool's `$ref`s resolve in its schema. With `auto` the answer is text without
+    /// `<tool_call>` (`TEXT`), or any text up to the first `<tool_call>` (a lazy rule ending at
+    /// the tag: a model may think or explain first) and calls; calls end the answer.
     pub fn grammar(&self) -> Option<String> {
         if !self.active() {
             return None;
         }
-        let alternatives: Vec<Value> = self
-            .callable()
-            .map(|t| {
-                serde_json::json!({
-                    "type": "object",
-                    "properties": {
-                        "name": {"const": t.name},
-                        "arguments": t.parameters,
-                    },
-                    "required": ["name", "arguments"],
-                    "additionalProperties": false,
-                })
-            })
-            .collect();
-        // Formatted as `json_dumps` writes it, with no free whitespace (as other structured
-        // output): a small model cannot wander into endless newlines.
-        let schema = serde_json::json!({
-            "anyOf": alternatives,
-            "x-guidance": {
-                "whitespace_flexible": false,
-                "item_separator": ", ",
-                "key_separator": ": ",
-            },
-        });
-        let start = match self.choice {
-            ToolChoice::Auto => "start: TEXT | calls",
-            _ => "start: calls",
-        };
-        // Calls end the answer: after the last one only the end of sequence may come (free
-        // newlines let a small model write them until max_tokens).
-        let calls = if self.parallel {
-            "calls: call (\"\\n\" call)*"
+        let mut rules = String::new();
+        let mut bodies = Vec::new();
+        for (k, t) in self.callable().enumerate() {
+            let mut schema = t.parameters.clone();
+            if let Some(obj) = schema.as_object_mut() {
+                // Formatted as `json_dumps` writes it, with no free whitespace (as other
+                // structured output): a small model cannot wander into endless newlines.
+                obj.entry("x-guidance").or_insert_with(|| {
+                    serde_json::json!({
+                        "whitespace_flexible": false,
+                        "item_separator": ", ",
+                        "key_separator": ": ",
+                    })
+                });
+            }
+            // The name is of [A-Za-z0-9_-] (checked), so it needs no escaping in a literal.
+            rules.push_str(&format!(
+                "body_{k}: \"{{\\\"name\\\": \\\"{name}\\\", \\\"arguments\\\": \" %json{schema} \"}}\\n{close}\"\n",
+                name = t.name,
+                close = CALL_CLOSE,
+            ));
+            bodies.push(format!("body_{k}"));
+        }
+        let more = if self.parallel {
+            " (\"\\n\" call)*"
         } else {
-            "calls: call"
+            ""
         };
-        // Text may not hold the opening tag anywhere: what looks like a call is one.
+        let start = if self.calls_only() {
+            format!("start: call{more}\n")
+        } else {
+            format!(
+                "start: TEXT | pre \"\\n\" body{more}\n\
+                 pre[stop=\"{open}\"]: /(?s:.*)/\n\
+                 TEXT: /(?s:.+)/ & ~/(?s:.*{open}.*)/\n",
+                open = CALL_OPEN
+            )
+        };
         Some(format!(
-            "{start}\n{calls}\nTEXT: /(?s:.+)/ & ~/(?s:.*{open}.*)/\n\
-             call: \"{open}\\n\" %json{schema} \"\\n{close}\"\n",
+            "{start}call: \"{open}\\n\" body\nbody: {bodies}\n{rules}",
             open = CALL_OPEN,
-            close = CALL_CLOSE,
+            bodies = bodies.join(" | "),
         ))
     }
 }
@@ -422,7 +469,14 @@ pub fn render_calls(param: &str, calls: &[Value]) -> Result<String, ApiError> {
             .get("name")
             .and_then(Value::as_str)
             .ok_or_else(|| invalid(at(".function.name"), "a tool call needs a name"))?;
-        check_name(&at(".function.name"), name)?;
+        // Earlier calls may name tools this request does not offer, named by other rules:
+        // only the length is bounded (the name is written JSON-escaped).
+        if name.is_empty() || name.len() > MAX_HISTORY_TOOL_NAME {
+            return Err(invalid(
+                at(".function.name"),
+                format!("a called function's name is 1 to {MAX_HISTORY_TOOL_NAME} bytes"),
+            ));
+        }
         let arguments = match function.get("arguments") {
             None | Some(Value::Null) => Value::Object(Map::new()),
             Some(Value::String(s)) => serde_json::from_str(s).map_err(|e| {
@@ -469,15 +523,17 @@ pub enum ToolPiece {
 
 #[derive(Debug)]
 enum StreamState {
-    /// Too little text to tell text from a call.
-    Deciding(String),
-    /// Plain text: passed through.
-    Text,
-    /// Calls: text kept until a call is complete.
-    Calls(String),
+    /// Text, passed through except what may be the start of a call: trailing whitespace and
+    /// a prefix of `<tool_call>` are held back until the next text tells.
+    Text(String),
+    /// From the first `<tool_call>` on: text kept until a call is complete. `searched`: how
+    /// much of it was searched for `</tool_call>` (a call is read only once one is there,
+    /// so the reading stays linear in the text).
+    Calls { buf: String, searched: usize },
 }
 
-/// Reads one choice's generated text, in pieces as it streams, into content and calls.
+/// Reads one choice's generated text, in pieces as it streams, into content and calls: text
+/// up to the first `<tool_call>` (its trailing whitespace dropped), then calls.
 #[derive(Debug)]
 pub struct ToolStream {
     state: StreamState,
@@ -490,11 +546,25 @@ impl Default for ToolStream {
     }
 }
 
+/// How much of the end of `text` to hold back in case a call starts there: trailing
+/// whitespace, and a part of `<tool_call>` after it.
+fn held_suffix(text: &str) -> usize {
+    let mut keep = 0;
+    for k in (1..CALL_OPEN.len()).rev() {
+        if text.ends_with(&CALL_OPEN[..k]) {
+            keep = k;
+            break;
+        }
+    }
+    let before = &text[..text.len() - keep];
+    keep + (before.len() - before.trim_end().len())
+}
+
 impl ToolStream {
     /// A stream at the start of a choice.
     pub fn new() -> Self {
         Self {
-            state: StreamState::Deciding(String::new()),
+            state: StreamState::Text(String::new()),
             calls: 0,
         }
     }
@@ -508,98 +578,277 @@ impl ToolStream {
     pub fn push(&mut self, text: &str) -> Vec<ToolPiece> {
         let mut out = Vec::new();
         match &mut self.state {
-            StreamState::Text => {
-                if !text.is_empty() {
-                    out.push(ToolPiece::Text(text.to_owned()));
+            StreamState::Text(held) => {
+                held.push_str(text);
+                if let Some(at) = held.find(CALL_OPEN) {
+                    let before = held[..at].trim_end();
+                    if !before.is_empty() {
+                        out.push(ToolPiece::Text(before.to_owned()));
+                    }
+                    let buf = held[at..].to_owned();
+                    self.state = StreamState::Calls { buf, searched: 0 };
+                    self.read_calls(&mut out, false);
+                } else {
+                    let keep = held_suffix(held);
+                    if keep < held.len() {
+                        let rest = held.split_off(held.len() - keep);
+                        out.push(ToolPiece::Text(std::mem::replace(held, rest)));
+                    }
                 }
             }
-            StreamState::Deciding(buf) => {
+            StreamState::Calls { buf, .. } => {
                 buf.push_str(text);
-                if buf.starts_with(CALL_OPEN) {
-                    let buf = std::mem::take(buf);
-                    self.state = StreamState::Calls(buf);
-                    self.drain_calls(&mut out);
-                } else if !CALL_OPEN.starts_with(buf.as_str()) {
-                    out.push(ToolPiece::Text(std::mem::take(buf)));
-                    self.state = StreamState::Text;
-                }
-            }
-            StreamState::Calls(buf) => {
-                buf.push_str(text);
-                self.drain_calls(&mut out);
+                self.read_calls(&mut out, false);
             }
         }
         out
     }
 
-    /// The end of the choice: what was held back comes out as text (a call cut short by
-    /// `max_tokens` or a stop string is not a call).
+    /// The end of the choice: what was held back comes out. A call whose closing tag is
+    /// missing (a stop string took it) is still a call when its JSON is complete; one cut
+    /// short (`max_tokens`) is text.
     pub fn finish(&mut self) -> Vec<ToolPiece> {
-        let rest = match std::mem::replace(&mut self.state, StreamState::Text) {
-            StreamState::Deciding(buf) => buf,
-            StreamState::Calls(buf) if !buf.trim().is_empty() => buf,
-            _ => String::new(),
-        };
-        if rest.is_empty() {
-            Vec::new()
-        } else {
-            vec![ToolPiece::Text(rest)]
+        let mut out = Vec::new();
+        if let StreamState::Calls { .. } = self.state {
+            self.read_calls(&mut out, true);
         }
+        match std::mem::replace(&mut self.state, StreamState::Text(String::new())) {
+            StreamState::Text(held) if !held.is_empty() => out.push(ToolPiece::Text(held)),
+            StreamState::Calls { buf, .. } if !buf.trim().is_empty() => {
+                out.push(ToolPiece::Text(buf));
+            }
+            _ => {}
+        }
+        out
     }
 
-    /// Moves every complete call at the front of the kept text to `out`. Text that cannot be
-    /// a call (the grammar rules it out; kept for safety) turns the stream into text.
-    fn drain_calls(&mut self, out: &mut Vec<ToolPiece>) {
-        let StreamState::Calls(buf) = &mut self.state else {
+    /// Moves every complete call at the front of the kept text to `out`; `last`: no more
+    /// text will come. Text after the calls that is not a call (the grammar rules it out;
+    /// kept for safety) is text.
+    fn read_calls(&mut self, out: &mut Vec<ToolPiece>, last: bool) {
+        let StreamState::Calls { buf, searched } = &mut self.state else {
             return;
         };
         loop {
+            // Read only once a closing tag not yet searched for is there (or at the end).
+            if !last {
+                let from = searched.saturating_sub(CALL_CLOSE.len() - 1);
+                if !buf[from..].contains(CALL_CLOSE) {
+                    *searched = buf.len();
+                    return;
+                }
+            }
             let start = buf.len() - buf.trim_start().len();
             let rest = &buf[start..];
-            if rest.is_empty() || (rest.len() < CALL_OPEN.len() && CALL_OPEN.starts_with(rest)) {
+            if rest.is_empty() {
                 return;
             }
             let Some(body) = rest.strip_prefix(CALL_OPEN) else {
                 break;
             };
-            let mut values = serde_json::Deserializer::from_str(body).into_iter::<Value>();
-            let value = match values.next() {
-                Some(Ok(v)) => v,
-                Some(Err(e)) if e.is_eof() => return,
-                None => return,
-                Some(Err(_)) => break,
-            };
-            let after = &body[values.byte_offset()..];
-            let tail = after.trim_start();
-            if tail.len() < CALL_CLOSE.len() && CALL_CLOSE.starts_with(tail) {
-                return;
+            match read_call(body, last) {
+                Read::Call(call, used) => {
+                    out.push(ToolPiece::Call(call));
+                    self.calls += 1;
+                    let used = start + CALL_OPEN.len() + used;
+                    buf.drain(..used);
+                    *searched = 0;
+                }
+                Read::More => {
+                    *searched = buf.len();
+                    return;
+                }
+                Read::Bad => break,
             }
-            if !tail.starts_with(CALL_CLOSE) {
-                break;
-            }
-            let Some(call) = call_of(&value) else {
-                break;
-            };
-            out.push(ToolPiece::Call(call));
-            self.calls += 1;
-            let used = buf.len() - tail.len() + CALL_CLOSE.len();
-            buf.drain(..used);
         }
         // Not a call after all: everything kept is text from here on.
         let text = std::mem::take(buf);
         out.push(ToolPiece::Text(text));
-        self.state = StreamState::Text;
+        self.state = StreamState::Text(String::new());
     }
 }
 
-/// A call's JSON body (`{"name": ..., "arguments": {...}}`) as a [`ParsedCall`].
-fn call_of(value: &Value) -> Option<ParsedCall> {
-    let name = value.get("name")?.as_str()?.to_owned();
-    let arguments = match value.get("arguments") {
-        None => "{}".to_owned(),
-        Some(v) => json_dumps(v),
+/// What [`read_call`] found.
+enum Read {
+    /// A call, and the bytes it took (through its closing tag).
+    Call(ParsedCall, usize),
+    /// Not complete yet.
+    More,
+    /// Not a call.
+    Bad,
+}
+
+/// How a JSON value scans.
+enum Scan {
+    /// It ends at this byte offset.
+    Done(usize),
+    /// The text ends inside it.
+    More,
+    /// Not JSON.
+    Bad,
+}
+
+/// Deepest JSON nesting read (serde_json's own limit).
+const MAX_DEPTH: usize = 128;
+
+fn skip_ws(b: &[u8], mut i: usize) -> usize {
+    while i < b.len() && matches!(b[i], b' ' | b'\n' | b'\r' | b'\t') {
+        i += 1;
+    }
+    i
+}
+
+/// Finds where the JSON value at `i` ends, without interpreting it (so arguments pass through
+/// as the model wrote them: no number is rounded, no escape rejected).
+fn scan_value(b: &[u8], i: usize, depth: usize) -> Scan {
+    let Some(&c) = b.get(i) else {
+        return Scan::More;
     };
-    Some(ParsedCall { name, arguments })
+    match c {
+        b'"' => scan_string(b, i),
+        b'{' | b'[' if depth < MAX_DEPTH => scan_container(b, i, depth + 1),
+        b't' | b'f' | b'n' | b'-' | b'0'..=b'9' => {
+            let mut j = i;
+            while j < b.len()
+                && matches!(b[j], b'a'..=b'z' | b'0'..=b'9' | b'+' | b'-' | b'.' | b'E')
+            {
+                j += 1;
+            }
+            if j == b.len() {
+                Scan::More
+            } else {
+                Scan::Done(j)
+            }
+        }
+        _ => Scan::Bad,
+    }
+}
+
+fn scan_string(b: &[u8], i: usize) -> Scan {
+    let mut j = i + 1;
+    while j < b.len() {
+        match b[j] {
+            b'\\' => j += 2,
+            b'"' => return Scan::Done(j + 1),
+            c if c < 0x20 => return Scan::Bad,
+            _ => j += 1,
+        }
+    }
+    Scan::More
+}
+
+fn scan_container(b: &[u8], i: usize, depth: usize) -> Scan {
+    let (object, close) = if b[i] == b'{' {
+        (true, b'}')
+    } else {
+        (false, b']')
+    };
+    let mut j = skip_ws(b, i + 1);
+    match b.get(j) {
+        None => return Scan::More,
+        Some(&c) if c == close => return Scan::Done(j + 1),
+        _ => {}
+    }
+    loop {
+        if object {
+            match b.get(j) {
+                None => return Scan::More,
+                Some(b'"') => {}
+                Some(_) => return Scan::Bad,
+            }
+            j = match scan_string(b, j) {
+                Scan::Done(e) => skip_ws(b, e),
+                other => return other,
+            };
+            match b.get(j) {
+                None => return Scan::More,
+                Some(b':') => j = skip_ws(b, j + 1),
+                Some(_) => return Scan::Bad,
+            }
+        }
+        j = match scan_value(b, j, depth) {
+            Scan::Done(e) => skip_ws(b, e),
+            other => return other,
+        };
+        match b.get(j) {
+            None => return Scan::More,
+            Some(b',') => j = skip_ws(b, j + 1),
+            Some(&c) if c == close => return Scan::Done(j + 1),
+            Some(_) => return Scan::Bad,
+        }
+    }
+}
+
+/// Reads a call's body (after `<tool_call>`): `{"name": ..., "arguments": {...}}` then
+/// `</tool_call>`; at the `last` text a complete body without its closing tag counts.
+fn read_call(body: &str, last: bool) -> Read {
+    let b = body.as_bytes();
+    let i = skip_ws(b, 0);
+    if b.get(i).is_some_and(|&c| c != b'{') {
+        return Read::Bad;
+    }
+    let end = match scan_value(b, i, 0) {
+        Scan::Done(e) => e,
+        Scan::More => return Read::More,
+        Scan::Bad => return Read::Bad,
+    };
+    let Some(call) = call_fields(&body[i..end]) else {
+        return Read::Bad;
+    };
+    let after = skip_ws(b, end);
+    let tail = &body[after..];
+    if tail.starts_with(CALL_CLOSE) {
+        return Read::Call(call, after + CALL_CLOSE.len());
+    }
+    if last && tail.is_empty() {
+        return Read::Call(call, after);
+    }
+    if CALL_CLOSE.starts_with(tail) && !last {
+        return Read::More;
+    }
+    Read::Bad
+}
+
+/// The name and the raw arguments of a complete call object.
+fn call_fields(object: &str) -> Option<ParsedCall> {
+    let b = object.as_bytes();
+    let mut name = None;
+    let mut arguments = None;
+    let mut j = skip_ws(b, 1);
+    if b.get(j) == Some(&b'}') {
+        return None;
+    }
+    loop {
+        let Scan::Done(key_end) = scan_string(b, j) else {
+            return None;
+        };
+        let key: String = serde_json::from_str(&object[j..key_end]).ok()?;
+        j = skip_ws(b, key_end);
+        if b.get(j) != Some(&b':') {
+            return None;
+        }
+        let value_start = skip_ws(b, j + 1);
+        let Scan::Done(value_end) = scan_value(b, value_start, 1) else {
+            return None;
+        };
+        let raw = &object[value_start..value_end];
+        match key.as_str() {
+            "name" => name = Some(serde_json::from_str::<String>(raw).ok()?),
+            "arguments" if raw.starts_with('{') => arguments = Some(raw.to_owned()),
+            "arguments" => return None,
+            _ => {}
+        }
+        j = skip_ws(b, value_end);
+        match b.get(j) {
+            Some(b',') => j = skip_ws(b, j + 1),
+            Some(b'}') => break,
+            _ => return None,
+        }
+    }
+    Some(ParsedCall {
+        name: name?,
+        arguments: arguments.unwrap_or_else(|| "{}".to_owned()),
+    })
 }
 
 #[cfg(test)]
@@ -728,10 +977,18 @@ mod tests {
         let auto = ToolUse::parse(Some(&tools), None, None).unwrap().unwrap();
         let g = auto.grammar().unwrap();
         assert!(
-            g.starts_with("start: TEXT | calls\ncalls: call (\"\\n\" call)*\n"),
+            g.starts_with("start: TEXT | pre \"\\n\" body (\"\\n\" call)*\n"),
             "{g}"
         );
-        assert!(g.contains(r#"{"const":"get_weather"}"#) && g.contains(r#"{"const":"now"}"#));
+        assert!(g.contains("body: body_0 | body_1\n"), "{g}");
+        assert!(
+            g.contains(r#"body_0: "{\"name\": \"get_weather\", \"arguments\": " %json{"#),
+            "{g}"
+        );
+        assert!(
+            g.contains(r#"body_1: "{\"name\": \"now\", \"arguments\": " %json{"#),
+            "{g}"
+        );
         let prompt = auto.system_prompt().unwrap();
         assert!(prompt.contains(
             "{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"description\": \
@@ -743,7 +1000,7 @@ mod tests {
             .unwrap()
             .unwrap();
         let g = one.grammar().unwrap();
-        assert!(g.starts_with("start: calls\ncalls: call\n"), "{g}");
+        assert!(g.starts_with("start: call\ncall: "), "{g}");
         assert!(!g.contains("get_weather"), "only the named tool: {g}");
         assert!(!one.system_prompt().unwrap().contains("get_weather"));
     }
@@ -804,24 +1061,35 @@ mod tests {
 
     #[test]
     fn the_stream_reads_calls_and_text_however_the_text_is_cut() {
-        let two = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"</tool_call>\"}}\n\
-                   </tool_call>\n<tool_call>\n{\"name\": \"now\", \"arguments\": {}}\n</tool_call>\n";
+        let two = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"</tool_call>\", \
+                   \"n\": 1e400, \"s\": \"\\ud800\"}}\n</tool_call>\n<tool_call>\n{\"arguments\": {}, \"name\": \"now\"}\n</tool_call>";
         let expected = vec![
             ParsedCall {
                 name: "get_weather".into(),
-                arguments: "{\"city\": \"</tool_call>\"}".into(),
+                // As written: no number rounded, no escape rejected.
+                arguments: "{\"city\": \"</tool_call>\", \"n\": 1e400, \"s\": \"\\ud800\"}".into(),
             },
             ParsedCall {
                 name: "now".into(),
                 arguments: "{}".into(),
             },
         ];
+        let think = format!("<think>hmm, the weather</think>\n\n{two}");
+        let prose = format!(
+            "Let me look. \n{}",
+            &two[..two.find("\n<tool_call>").unwrap()]
+        );
+        let no_close = two.trim_end_matches("</tool_call>").trim_end().to_string();
         let cases: Vec<(&str, String, Vec<ParsedCall>)> =
             vec![
             (two, String::new(), expected.clone()),
+            (&think, "<think>hmm, the weather</think>".into(), expected.clone()),
+            (&prose, "Let me look.".into(), vec![expected[0].clone()]),
+            // The closing tag taken by a stop string: the complete call still counts.
+            (&no_close, String::new(), expected.clone()),
             ("Hello <tool", "Hello <tool".into(), Vec::new()),
+            ("Hello <toolbox> \n", "Hello <toolbox> \n".into(), Vec::new()),
             ("<tool", "<tool".into(), Vec::new()),
-            ("<toolbox>", "<toolbox>".into(), Vec::new()),
             // Cut short (max_tokens): the unfinished call is text.
             (
                 "<tool_call>\n{\"name\": \"now\", \"argu",
@@ -834,8 +1102,19 @@ mod tests {
                 "\n<tool_call>\n{".into(),
                 vec![expected[1].clone()],
             ),
-            // Not JSON after the tag: text.
-            ("<tool_call>\nhello", "<tool_call>\nhello".into(), Vec::new()),
+            // Not a call after the tag, or arguments that are no object: text.
+            ("<tool_call>\nhello</tool_call>", "<tool_call>\nhello</tool_call>".into(), Vec::new()),
+            (
+                "<tool_call>\n{\"name\": \"now\", \"arguments\": 3}\n</tool_call>",
+                "<tool_call>\n{\"name\": \"now\", \"arguments\": 3}\n</tool_call>".into(),
+                Vec::new(),
+            ),
+            // Text after the calls is text.
+            (
+                "<tool_call>\n{\"name\": \"now\"}\n</tool_call> and so",
+                " and so".into(),
+                vec![expected[1].clone()],
+            ),
             ("", String::new(), Vec::new()),
         ];
         for (text, want_text, want_calls) in cases {
