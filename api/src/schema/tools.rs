@@ -528,8 +528,16 @@ enum StreamState {
     Text(String),
     /// From the first `<tool_call>` on: text kept until a call is complete. `searched`: how
     /// much of it was searched for `</tool_call>` (a call is read only once one is there,
-    /// so the reading stays linear in the text).
-    Calls { buf: String, searched: usize },
+    /// so the reading stays linear in the text). `lead`: the whitespace before the tag,
+    /// dropped once a call is read, given back if none is.
+    Calls {
+        buf: String,
+        searched: usize,
+        lead: String,
+    },
+    /// After text that is not a call where a call had to be (the grammar rules it out; kept
+    /// for safety): everything is text, passed through.
+    Plain,
 }
 
 /// Reads one choice's generated text, in pieces as it streams, into content and calls: text
@@ -585,8 +593,13 @@ impl ToolStream {
                     if !before.is_empty() {
                         out.push(ToolPiece::Text(before.to_owned()));
                     }
+                    let lead = held[before.len()..at].to_owned();
                     let buf = held[at..].to_owned();
-                    self.state = StreamState::Calls { buf, searched: 0 };
+                    self.state = StreamState::Calls {
+                        buf,
+                        searched: 0,
+                        lead,
+                    };
                     self.read_calls(&mut out, false);
                 } else {
                     let keep = held_suffix(held);
@@ -599,6 +612,11 @@ impl ToolStream {
             StreamState::Calls { buf, .. } => {
                 buf.push_str(text);
                 self.read_calls(&mut out, false);
+            }
+            StreamState::Plain => {
+                if !text.is_empty() {
+                    out.push(ToolPiece::Text(text.to_owned()));
+                }
             }
         }
         out
@@ -614,8 +632,8 @@ impl ToolStream {
         }
         match std::mem::replace(&mut self.state, StreamState::Text(String::new())) {
             StreamState::Text(held) if !held.is_empty() => out.push(ToolPiece::Text(held)),
-            StreamState::Calls { buf, .. } if !buf.trim().is_empty() => {
-                out.push(ToolPiece::Text(buf));
+            StreamState::Calls { buf, lead, .. } if !buf.trim().is_empty() => {
+                out.push(ToolPiece::Text(lead + &buf));
             }
             _ => {}
         }
@@ -626,14 +644,24 @@ impl ToolStream {
     /// text will come. Text after the calls that is not a call (the grammar rules it out;
     /// kept for safety) is text.
     fn read_calls(&mut self, out: &mut Vec<ToolPiece>, last: bool) {
-        let StreamState::Calls { buf, searched } = &mut self.state else {
+        let StreamState::Calls {
+            buf,
+            searched,
+            lead,
+        } = &mut self.state
+        else {
             return;
         };
         loop {
             // Read only once a closing tag not yet searched for is there (or at the end).
             if !last {
+                // Bytes: the tag is ASCII, and `from` may fall inside a character.
                 let from = searched.saturating_sub(CALL_CLOSE.len() - 1);
-                if !buf[from..].contains(CALL_CLOSE) {
+                let close = CALL_CLOSE.as_bytes();
+                if !buf.as_bytes()[from..]
+                    .windows(close.len())
+                    .any(|w| w == close)
+                {
                     *searched = buf.len();
                     return;
                 }
@@ -650,6 +678,7 @@ impl ToolStream {
                 Read::Call(call, used) => {
                     out.push(ToolPiece::Call(call));
                     self.calls += 1;
+                    lead.clear();
                     let used = start + CALL_OPEN.len() + used;
                     buf.drain(..used);
                     *searched = 0;
@@ -662,9 +691,9 @@ impl ToolStream {
             }
         }
         // Not a call after all: everything kept is text from here on.
-        let text = std::mem::take(buf);
+        let text = std::mem::take(lead) + &std::mem::take(buf);
         out.push(ToolPiece::Text(text));
-        self.state = StreamState::Text(String::new());
+        self.state = StreamState::Plain;
     }
 }
 
@@ -1059,6 +1088,58 @@ mod tests {
         (text, calls)
     }
 
+    /// Text a model could write, made of pieces that trouble a reader: tags, whole and broken
+    /// calls, JSON fragments, characters of several bytes, whitespace.
+    fn model_text() -> impl proptest::strategy::Strategy<Value = String> {
+        use proptest::prelude::*;
+        let piece = prop_oneof![
+            Just("<tool_call>".to_string()),
+            Just("</tool_call>".to_string()),
+            Just(
+                "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": \"¡é✓\"}}\n</tool_call>"
+                    .to_string()
+            ),
+            Just("{\"name\": \"g\", \"arguments\": {}}".to_string()),
+            Just("\"\\\"}".to_string()),
+            Just("{[".to_string()),
+            Just("]}".to_string()),
+            Just("1e4".to_string()),
+            "[ \n\t]{1,3}",
+            "[a-z<>/_{}\",:¡é✓😀]{1,6}",
+        ];
+        proptest::collection::vec(piece, 0..12).prop_map(|v| v.concat())
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn the_reader_never_panics_and_loses_no_text_however_it_is_cut(
+            text in model_text(),
+            cuts in proptest::collection::vec(0usize..200, 0..6),
+        ) {
+            let mut points: Vec<usize> = cuts
+                .into_iter()
+                .map(|c| c % (text.len() + 1))
+                .filter(|&c| text.is_char_boundary(c))
+                .collect();
+            points.sort_unstable();
+            points.dedup();
+            let mut chunks = Vec::new();
+            let mut last = 0;
+            for p in points {
+                chunks.push(&text[last..p]);
+                last = p;
+            }
+            chunks.push(&text[last..]);
+            let (read, calls) = read_all(&chunks);
+            // Cut or whole, the same reading.
+            proptest::prop_assert_eq!(&(read.clone(), calls.clone()), &read_all(&[&text]));
+            // Without calls, every byte of text comes back as it was.
+            if calls.is_empty() {
+                proptest::prop_assert_eq!(read, text);
+            }
+        }
+    }
+
     #[test]
     fn the_stream_reads_calls_and_text_however_the_text_is_cut() {
         let two = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"</tool_call>\", \
@@ -1075,6 +1156,8 @@ mod tests {
             },
         ];
         let think = format!("<think>hmm, the weather</think>\n\n{two}");
+        // Characters of several bytes everywhere a cut or a search may land.
+        let wide = "¡Olé! ✓\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Ta¡rbopia ✓✓\"}}\n</tool_call>";
         let prose = format!(
             "Let me look. \n{}",
             &two[..two.find("\n<tool_call>").unwrap()]
@@ -1085,6 +1168,14 @@ mod tests {
             (two, String::new(), expected.clone()),
             (&think, "<think>hmm, the weather</think>".into(), expected.clone()),
             (&prose, "Let me look.".into(), vec![expected[0].clone()]),
+            (
+                wide,
+                "¡Olé! ✓".into(),
+                vec![ParsedCall {
+                    name: "get_weather".into(),
+                    arguments: "{\"city\": \"Ta¡rbopia ✓✓\"}".into(),
+                }],
+            ),
             // The closing tag taken by a stop string: the complete call still counts.
             (&no_close, String::new(), expected.clone()),
             ("Hello <tool", "Hello <tool".into(), Vec::new()),
