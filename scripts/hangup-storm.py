@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Hang-up storm against a running Switchyard server (any backend).
 
-Sends rounds of 1-6 concurrent requests of nine kinds (streamed and not, n=3, two prompts,
-echo with logprobs, chat with logprobs, JSON mode, tool calls, a long prompt, stop strings) and hangs each
+Sends rounds of 1-6 concurrent requests of eleven kinds (streamed and not, n=3, two prompts,
+echo with logprobs, chat with logprobs, JSON mode, tool calls (required, auto, a named
+function), a long prompt, stop strings) and hangs each
 up at a random moment (some after reading a little, some half-closing first). Then waits until
 the engine is idle with every KV block back (exit 1 if it is not within 60 s) and checks that a
 plain request is still served. Standard library only.
@@ -35,6 +36,15 @@ KINDS = [
                               "stream": True, "tool_choice": "required",
                               "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {
                                   "type": "object", "properties": {"city": {"type": "string"}}}}}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Weather in Oslo, then the time?"}],
+                              "max_tokens": 200, "stream": True, "tool_choice": "auto",
+                              "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {
+                                  "type": "object", "properties": {"city": {"type": "string"}}}}},
+                                        {"type": "function", "function": {"name": "now"}}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Time?"}], "max_tokens": 100,
+                              "parallel_tool_calls": False,
+                              "tool_choice": {"type": "function", "function": {"name": "now"}},
+                              "tools": [{"type": "function", "function": {"name": "now"}}]}),
     ("/v1/completions", {"prompt": "x " * 300, "max_tokens": 50, "stream": True}),
     ("/v1/completions", {"prompt": "Say hello", "max_tokens": 200, "stop": ["\n\n", "zz"], "stream": True,
                          "ignore_eos": True}),
