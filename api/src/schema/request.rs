@@ -545,8 +545,12 @@ pub fn parse_messages(messages: Vec<MessageField>) -> Result<Vec<ChatMessage>, A
             "tool" => {
                 let result = render_response(&content);
                 match out.last_mut() {
-                    Some(last) if in_results => {
-                        last.content.push('\n');
+                    // Results join the user turn before them (earlier results, or a user
+                    // message), so roles still alternate for templates that insist.
+                    Some(last) if in_results || last.role == ChatRole::User => {
+                        if !last.content.is_empty() {
+                            last.content.push('\n');
+                        }
                         last.content.push_str(&result);
                     }
                     _ => out.push(ChatMessage {
@@ -564,7 +568,7 @@ pub fn parse_messages(messages: Vec<MessageField>) -> Result<Vec<ChatMessage>, A
                 ))
             }
         };
-        in_results = false;
+        let after_results = std::mem::take(&mut in_results);
         let content = match m.tool_calls {
             None | Some(serde_json::Value::Null) => content,
             Some(serde_json::Value::Array(calls)) if role == ChatRole::Assistant => {
@@ -582,7 +586,14 @@ pub fn parse_messages(messages: Vec<MessageField>) -> Result<Vec<ChatMessage>, A
                 ))
             }
         };
-        out.push(ChatMessage { role, content });
+        match out.last_mut() {
+            // A user message after tool results joins their turn.
+            Some(last) if after_results && role == ChatRole::User => {
+                last.content.push('\n');
+                last.content.push_str(&content);
+            }
+            _ => out.push(ChatMessage { role, content }),
+        }
     }
     Ok(out)
 }
@@ -785,6 +796,8 @@ mod tests {
             {"role": "tool", "tool_call_id": "b", "content": [{"type": "text", "text": "21 C"}]},
             {"role": "assistant", "content": "Paris 18 C, Rome 21 C."},
             {"role": "tool", "content": "late"},
+            {"role": "user", "content": "And now?"},
+            {"role": "tool", "content": "later"},
         ]))
         .unwrap();
         let m = parse_messages(messages).unwrap();
@@ -803,7 +816,12 @@ mod tests {
                     .into(),
             ),
             (ChatRole::Assistant, "Paris 18 C, Rome 21 C.".into()),
-            (ChatRole::User, "<tool_response>\nlate\n</tool_response>".into()),
+            (
+                ChatRole::User,
+                "<tool_response>\nlate\n</tool_response>\nAnd now?\n<tool_response>\nlater\n\
+                 </tool_response>"
+                    .into(),
+            ),
         ];
         let got: Vec<(ChatRole, String)> = m.into_iter().map(|m| (m.role, m.content)).collect();
         assert_eq!(got, expected);
