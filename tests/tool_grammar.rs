@@ -289,3 +289,79 @@ fn whatever_the_required_grammar_lets_a_model_write_reads_back_as_valid_calls() 
     }
     assert!(ended >= 12, "only {ended} of 36 walks ended");
 }
+
+/// The tokens a model could write for `text` (at each step the longest allowed token that
+/// starts the rest).
+fn path(c: &Constraint, tok: &Tokenizer, text: &str) -> Vec<u32> {
+    let vocab = tok.vocab_size();
+    let bytes = text.as_bytes();
+    let mut at = 0;
+    let mut ids = Vec::new();
+    while at < bytes.len() {
+        let allowed = c.allowed(vocab);
+        let (len, t) = (0..vocab)
+            .filter(|&t| is_allowed(&allowed, t))
+            .filter_map(|t| {
+                let b = tok.token_bytes(t as u32)?;
+                (!b.is_empty() && bytes[at..].starts_with(b)).then_some((b.len(), t as u32))
+            })
+            .max()
+            .unwrap_or_else(|| panic!("{text:?} is not allowed at byte {at}"));
+        c.commit(t);
+        ids.push(t);
+        at += len;
+    }
+    ids
+}
+
+#[test]
+fn masks_through_drafts_equal_masks_one_token_at_a_time_across_a_call() {
+    // Speculative decoding asks for the masks after each draft and takes the drafts back:
+    // across text, the opening tag and a call, that must give what one token at a time gives,
+    // and leave the state as it was.
+    let tok = tokenizer();
+    let compiler = GrammarCompiler::new(tok.clone()).expect("compiler");
+    let vocab = tok.vocab_size();
+    let text = format!(
+        "Let me look.\n{}",
+        call("get_weather", r#"{"city": "Paris", "unit": "celsius"}"#)
+    );
+    let tokens = path(
+        &constraint(&compiler, &tok, json!("auto"), true),
+        &tok,
+        &text,
+    );
+    for k in 0..tokens.len() {
+        let drafts = &tokens[k..(k + 5).min(tokens.len())];
+        let (a, b) = (
+            constraint(&compiler, &tok, json!("auto"), true),
+            constraint(&compiler, &tok, json!("auto"), true),
+        );
+        for &t in &tokens[..k] {
+            a.commit(t);
+            b.commit(t);
+        }
+        let before = a.allowed(vocab);
+        let through = a.allowed_through(vocab, drafts);
+        let mut one_by_one = Vec::new();
+        for &d in drafts {
+            one_by_one.push(b.allowed(vocab));
+            b.commit(d);
+        }
+        one_by_one.push(b.allowed(vocab));
+        assert!(
+            through == one_by_one,
+            "drafts from token {k} of {}",
+            tokens.len()
+        );
+        assert!(
+            a.allowed(vocab) == before,
+            "drafts from token {k} not taken back"
+        );
+        // And the rest of the text is still allowed after the drafts were taken back.
+        for &t in &tokens[k..] {
+            assert!(is_allowed(&a.allowed(vocab), t as usize), "token {k}");
+            a.commit(t);
+        }
+    }
+}

@@ -361,13 +361,15 @@ impl ToolUse {
             if let Some(obj) = schema.as_object_mut() {
                 // Formatted as `json_dumps` writes it, with no free whitespace (as other
                 // structured output): a small model cannot wander into endless newlines.
-                obj.entry("x-guidance").or_insert_with(|| {
+                // Ours, whatever the client's: the reader expects this format.
+                obj.insert(
+                    "x-guidance".into(),
                     serde_json::json!({
                         "whitespace_flexible": false,
                         "item_separator": ", ",
                         "key_separator": ": ",
-                    })
-                });
+                    }),
+                );
             }
             // The name is of [A-Za-z0-9_-] (checked), so it needs no escaping in a literal.
             rules.push_str(&format!(
@@ -377,17 +379,15 @@ impl ToolUse {
             ));
             bodies.push(format!("body_{k}"));
         }
-        let more = if self.parallel {
-            " (\"\\n\" call)*"
-        } else {
-            ""
-        };
+        // A named function is called once (as OpenAI does), whatever parallel_tool_calls says.
+        let repeat = self.parallel && !matches!(self.choice, ToolChoice::Function(_));
+        let more = if repeat { " (\"\\n\" call)*" } else { "" };
         let start = if self.calls_only() {
             format!("start: call{more}\n")
         } else {
             format!(
                 "start: TEXT | pre \"\\n\" body{more}\n\
-                 pre[stop=\"{open}\"]: /(?s:.*)/\n\
+                 pre[suffix=\"{open}\"]: /(?s:.*)/\n\
                  TEXT: /(?s:.+)/ & ~/(?s:.*{open}.*)/\n",
                 open = CALL_OPEN
             )
@@ -477,31 +477,46 @@ pub fn render_calls(param: &str, calls: &[Value]) -> Result<String, ApiError> {
                 format!("a called function's name is 1 to {MAX_HISTORY_TOOL_NAME} bytes"),
             ));
         }
+        let not_object = || {
+            invalid(
+                at(".function.arguments"),
+                "arguments is a JSON object, as a string",
+            )
+        };
         let arguments = match function.get("arguments") {
-            None | Some(Value::Null) => Value::Object(Map::new()),
-            Some(Value::String(s)) => serde_json::from_str(s).map_err(|e| {
-                invalid(
-                    at(".function.arguments"),
-                    format!("arguments is not valid JSON: {e}"),
-                )
-            })?,
+            None | Some(Value::Null) => "{}".to_owned(),
+            Some(Value::String(s)) => match serde_json::from_str::<Value>(s) {
+                Ok(v @ Value::Object(_)) => json_dumps(&v),
+                Ok(_) => return Err(not_object()),
+                // What this server wrote may hold what serde_json refuses (numbers out of
+                // f64's range, lone surrogate escapes): an object that scans whole is kept
+                // as written.
+                Err(e) => {
+                    let raw = s.trim();
+                    let whole = raw.starts_with('{')
+                        && matches!(scan_value(raw.as_bytes(), 0, 0), Scan::Done(n) if n == raw.len());
+                    if !whole {
+                        return Err(invalid(
+                            at(".function.arguments"),
+                            format!("arguments is not valid JSON: {e}"),
+                        ));
+                    }
+                    raw.to_owned()
+                }
+            },
             // Some clients send the object itself.
-            Some(v @ Value::Object(_)) => v.clone(),
-            Some(_) => {
-                return Err(invalid(
-                    at(".function.arguments"),
-                    "arguments is a JSON string",
-                ))
-            }
+            Some(v @ Value::Object(_)) => json_dumps(v),
+            Some(_) => return Err(not_object()),
         };
         if !out.is_empty() {
             out.push('\n');
         }
-        let body = serde_json::json!({"name": name, "arguments": arguments});
         out.push_str(CALL_OPEN);
-        out.push('\n');
-        out.push_str(&json_dumps(&body));
-        out.push('\n');
+        out.push_str("\n{\"name\": ");
+        out.push_str(&json_dumps(&Value::String(name.to_owned())));
+        out.push_str(", \"arguments\": ");
+        out.push_str(&arguments);
+        out.push_str("}\n");
         out.push_str(CALL_CLOSE);
     }
     Ok(out)
@@ -523,21 +538,86 @@ pub enum ToolPiece {
 
 #[derive(Debug)]
 enum StreamState {
-    /// Text, passed through except what may be the start of a call: trailing whitespace and
-    /// a prefix of `<tool_call>` are held back until the next text tells.
+    /// Text, passed through except what may be the start of a call: trailing ASCII
+    /// whitespace (up to [`MAX_HELD_SPACE`] bytes) and a prefix of `<tool_call>` are held back
+    /// until the next text tells.
     Text(String),
-    /// From the first `<tool_call>` on: text kept until a call is complete. `searched`: how
-    /// much of it was searched for `</tool_call>` (a call is read only once one is there,
-    /// so the reading stays linear in the text). `lead`: the whitespace before the tag,
-    /// dropped once a call is read, given back if none is.
+    /// From the first `<tool_call>` on: text kept until a call is complete. `lead`: the
+    /// whitespace before the tag, dropped once a call is read, given back if none is.
     Calls {
         buf: String,
-        searched: usize,
+        end: BodyEnd,
         lead: String,
     },
     /// After text that is not a call where a call had to be (the grammar rules it out; kept
     /// for safety): everything is text, passed through.
     Plain,
+}
+
+/// Most trailing whitespace held back in case a call follows: longer runs are text.
+const MAX_HELD_SPACE: usize = 256;
+
+/// Where a call's JSON body ends, found byte by byte as its text arrives, so that a call is
+/// read once (its whole text is looked at again only when its braces have closed) however its
+/// text is cut: reading stays linear in the text.
+#[derive(Debug, Default)]
+struct BodyEnd {
+    /// Bytes of the kept text already scanned.
+    pos: usize,
+    depth: usize,
+    opened: bool,
+    in_string: bool,
+    escaped: bool,
+    /// Just past the body's closing brace, once found.
+    end: Option<usize>,
+}
+
+impl BodyEnd {
+    /// Scans `b` on from where it stopped (from `start` at first). `Err`: not a JSON object,
+    /// or nested deeper than [`MAX_DEPTH`].
+    fn advance(&mut self, b: &[u8], start: usize) -> Result<Option<usize>, ()> {
+        if self.end.is_some() {
+            return Ok(self.end);
+        }
+        let mut i = self.pos.max(start);
+        while i < b.len() {
+            let c = b[i];
+            i += 1;
+            if self.in_string {
+                if self.escaped {
+                    self.escaped = false;
+                } else if c == b'\\' {
+                    self.escaped = true;
+                } else if c == b'"' {
+                    self.in_string = false;
+                }
+                continue;
+            }
+            match c {
+                b' ' | b'\n' | b'\r' | b'\t' => {}
+                b'{' | b'[' if self.opened || c == b'{' => {
+                    self.opened = true;
+                    self.depth += 1;
+                    if self.depth > MAX_DEPTH {
+                        return Err(());
+                    }
+                }
+                _ if !self.opened => return Err(()),
+                b'"' => self.in_string = true,
+                b'}' | b']' => {
+                    self.depth = self.depth.saturating_sub(1);
+                    if self.depth == 0 {
+                        self.pos = i;
+                        self.end = Some(i);
+                        return Ok(self.end);
+                    }
+                }
+                _ => {}
+            }
+        }
+        self.pos = i;
+        Ok(None)
+    }
 }
 
 /// Reads one choice's generated text, in pieces as it streams, into content and calls: text
@@ -554,8 +634,14 @@ impl Default for ToolStream {
     }
 }
 
+/// `text` without its trailing ASCII whitespace (a cut there is always on a character
+/// boundary).
+fn trim_space_end(text: &str) -> &str {
+    text.trim_end_matches(|c: char| c.is_ascii_whitespace())
+}
+
 /// How much of the end of `text` to hold back in case a call starts there: trailing
-/// whitespace, and a part of `<tool_call>` after it.
+/// whitespace (at most [`MAX_HELD_SPACE`] bytes of it), and a part of `<tool_call>` after it.
 fn held_suffix(text: &str) -> usize {
     let mut keep = 0;
     for k in (1..CALL_OPEN.len()).rev() {
@@ -565,7 +651,7 @@ fn held_suffix(text: &str) -> usize {
         }
     }
     let before = &text[..text.len() - keep];
-    keep + (before.len() - before.trim_end().len())
+    keep + (before.len() - trim_space_end(before).len()).min(MAX_HELD_SPACE)
 }
 
 impl ToolStream {
@@ -587,9 +673,10 @@ impl ToolStream {
         let mut out = Vec::new();
         match &mut self.state {
             StreamState::Text(held) => {
+                // Only the held-back end and the new text are searched.
                 held.push_str(text);
                 if let Some(at) = held.find(CALL_OPEN) {
-                    let before = held[..at].trim_end();
+                    let before = trim_space_end(&held[..at]);
                     if !before.is_empty() {
                         out.push(ToolPiece::Text(before.to_owned()));
                     }
@@ -597,7 +684,7 @@ impl ToolStream {
                     let buf = held[at..].to_owned();
                     self.state = StreamState::Calls {
                         buf,
-                        searched: 0,
+                        end: BodyEnd::default(),
                         lead,
                     };
                     self.read_calls(&mut out, false);
@@ -644,49 +731,37 @@ impl ToolStream {
     /// text will come. Text after the calls that is not a call (the grammar rules it out;
     /// kept for safety) is text.
     fn read_calls(&mut self, out: &mut Vec<ToolPiece>, last: bool) {
-        let StreamState::Calls {
-            buf,
-            searched,
-            lead,
-        } = &mut self.state
-        else {
+        let StreamState::Calls { buf, end, lead } = &mut self.state else {
             return;
         };
         loop {
-            // Read only once a closing tag not yet searched for is there (or at the end).
-            if !last {
-                // Bytes: the tag is ASCII, and `from` may fall inside a character.
-                let from = searched.saturating_sub(CALL_CLOSE.len() - 1);
-                let close = CALL_CLOSE.as_bytes();
-                if !buf.as_bytes()[from..]
-                    .windows(close.len())
-                    .any(|w| w == close)
-                {
-                    *searched = buf.len();
-                    return;
-                }
-            }
             let start = buf.len() - buf.trim_start().len();
             let rest = &buf[start..];
             if rest.is_empty() {
                 return;
             }
-            let Some(body) = rest.strip_prefix(CALL_OPEN) else {
+            if !rest.starts_with(CALL_OPEN) {
+                if CALL_OPEN.starts_with(rest) && !last {
+                    return;
+                }
                 break;
-            };
-            match read_call(body, last) {
+            }
+            let body = start + CALL_OPEN.len();
+            match end.advance(buf.as_bytes(), body) {
+                Ok(Some(_)) => {}
+                // Braces still open: wait (at the end, what is kept is text).
+                Ok(None) if !last => return,
+                Ok(None) | Err(()) => break,
+            }
+            match read_call(&buf[body..], last) {
                 Read::Call(call, used) => {
                     out.push(ToolPiece::Call(call));
                     self.calls += 1;
                     lead.clear();
-                    let used = start + CALL_OPEN.len() + used;
-                    buf.drain(..used);
-                    *searched = 0;
+                    buf.drain(..body + used);
+                    *end = BodyEnd::default();
                 }
-                Read::More => {
-                    *searched = buf.len();
-                    return;
-                }
+                Read::More => return,
                 Read::Bad => break,
             }
         }
@@ -829,8 +904,9 @@ fn read_call(body: &str, last: bool) -> Read {
     if tail.starts_with(CALL_CLOSE) {
         return Read::Call(call, after + CALL_CLOSE.len());
     }
-    if last && tail.is_empty() {
-        return Read::Call(call, after);
+    if last && CALL_CLOSE.starts_with(tail) {
+        // The closing tag (or its end) was taken by a stop string.
+        return Read::Call(call, body.len());
     }
     if CALL_CLOSE.starts_with(tail) && !last {
         return Read::More;
@@ -1030,6 +1106,23 @@ mod tests {
             .unwrap();
         let g = one.grammar().unwrap();
         assert!(g.starts_with("start: call\ncall: "), "{g}");
+        // A named function is called once, even with parallel calls on.
+        let once = ToolUse::parse(Some(&tools), Some(&named), Some(true))
+            .unwrap()
+            .unwrap();
+        assert!(once.grammar().unwrap().starts_with("start: call\ncall: "));
+        // The client's own x-guidance cannot change the format the reader expects.
+        let odd = json!([{"type": "function", "function": {"name": "f", "parameters":
+            {"type": "object", "x-guidance": {"item_separator": ";"}}}}]);
+        let g = ToolUse::parse(Some(&odd), None, None)
+            .unwrap()
+            .unwrap()
+            .grammar()
+            .unwrap();
+        assert!(
+            !g.contains(r#""item_separator":";""#) && g.contains(r#""item_separator":", ""#),
+            "{g}"
+        );
         assert!(!g.contains("get_weather"), "only the named tool: {g}");
         assert!(!one.system_prompt().unwrap().contains("get_weather"));
     }
@@ -1057,6 +1150,17 @@ mod tests {
             "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n\
              </tool_call>\n<tool_call>\n{\"name\": \"now\", \"arguments\": {}}\n</tool_call>"
         );
+        // What this server wrote comes back as written, even where serde_json refuses it.
+        let odd =
+            json!([{"function": {"name": "f", "arguments": "{\"n\": 1e400, \"s\": \"\\ud800\"}"}}]);
+        assert_eq!(
+            render_calls("m", odd.as_array().unwrap()).unwrap(),
+            "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"n\": 1e400, \"s\": \"\\ud800\"}}\n</tool_call>"
+        );
+        for args in [json!("[1]"), json!("3"), json!(3)] {
+            let v = json!([{"function": {"name": "f", "arguments": args}}]);
+            assert!(render_calls("m", v.as_array().unwrap()).is_err(), "{args}");
+        }
         let bad = json!([{"function": {"name": "f", "arguments": "{oops"}}]);
         match render_calls("messages[1].tool_calls", bad.as_array().unwrap()) {
             Err(ApiError::InvalidRequest { param, .. }) => assert_eq!(
@@ -1163,6 +1267,18 @@ mod tests {
             &two[..two.find("\n<tool_call>").unwrap()]
         );
         let no_close = two.trim_end_matches("</tool_call>").trim_end().to_string();
+        let partial_close = two.trim_end_matches("call>").to_string();
+        // A long run of whitespace (more than is held back) then text: nothing lost.
+        let spaced = format!("a{}b <tool", "\n".repeat(600));
+        // Many closing tags inside an argument.
+        let inner = "</tool_call>".repeat(40);
+        let tags_in_string = format!(
+            "<tool_call>\n{{\"name\": \"now\", \"arguments\": {{\"s\": \"{inner}\"}}}}\n</tool_call>"
+        );
+        let many_tags = ParsedCall {
+            name: "now".into(),
+            arguments: format!("{{\"s\": \"{inner}\"}}"),
+        };
         let cases: Vec<(&str, String, Vec<ParsedCall>)> =
             vec![
             (two, String::new(), expected.clone()),
@@ -1178,6 +1294,9 @@ mod tests {
             ),
             // The closing tag taken by a stop string: the complete call still counts.
             (&no_close, String::new(), expected.clone()),
+            (&partial_close, String::new(), expected.clone()),
+            (&spaced, spaced.clone(), Vec::new()),
+            (&tags_in_string, String::new(), vec![many_tags.clone()]),
             ("Hello <tool", "Hello <tool".into(), Vec::new()),
             ("Hello <toolbox> \n", "Hello <toolbox> \n".into(), Vec::new()),
             ("<tool", "<tool".into(), Vec::new()),
