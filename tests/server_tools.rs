@@ -308,3 +308,46 @@ fn bad_tool_requests_are_refused_with_the_field_and_the_server_serves_on() {
     }
     s.assert_serves();
 }
+
+#[test]
+fn speculative_decoding_gives_the_same_tool_answers() {
+    // Drafts run through the tool grammar (prompt lookup finds `<tool_call>\n{"name": ` in the
+    // system message) and are taken back where the model disagrees: every answer must be the
+    // one of a token per step, and drafts must have been tried.
+    let plain = server();
+    let spec = Server::start(
+        "tools-spec",
+        "scheduler:\n  max_num_seqs: 16\n  max_num_batched_tokens: 1024\n\
+         speculative:\n  num_speculative_tokens: 4\n",
+    );
+    let choices = [
+        json!("required"),
+        json!("auto"),
+        json!({"type": "function", "function": {"name": "get_weather"}}),
+    ];
+    let answer = |s: &Server, body: &Value| {
+        let (status, v) = s.post_json("/v1/chat/completions", body);
+        assert_eq!(status, 200, "{v}");
+        let c = &v["choices"][0];
+        (
+            c["message"]["content"].clone(),
+            calls_of(&c["message"]),
+            c["finish_reason"].clone(),
+        )
+    };
+    for seed in 0..6 {
+        let body = ask(json!({
+            "messages": [{"role": "user", "content": "Weather in Paris? Call get_weather for it."}],
+            "tool_choice": choices[seed % 3],
+            "temperature": 0.8,
+            "seed": seed,
+        }));
+        let want = answer(&plain, &body);
+        assert_eq!(answer(&spec, &body), want, "seed {seed}: {body}");
+    }
+    assert!(
+        spec.metric("switchyard:spec_decode_num_draft_tokens_total")
+            .is_some_and(|n| n > 0.0),
+        "no drafts were tried"
+    );
+}
