@@ -400,18 +400,8 @@ fn responses_and_stream_chunks_are_openai_wire_compatible() {
     let mut stream = chat.clone();
     stream["stream"] = json!(true);
     stream["stream_options"] = json!({"include_usage": true});
-    let r = s
-        .request(
-            "POST",
-            "/v1/chat/completions",
-            Some(&stream.to_string()),
-            &[],
-        )
-        .expect("chat stream");
-    assert_eq!(r.status, 200, "{}", r.body);
-    let events = sse_events(&r.body);
-    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
-    let chunks: Vec<CreateChatCompletionStreamResponse> = events[..events.len() - 1]
+    let chunks: Vec<CreateChatCompletionStreamResponse> = s
+        .post_stream("/v1/chat/completions", &stream)
         .iter()
         .map(|e| serde_json::from_str(e).unwrap_or_else(|err| panic!("{err}: {e}")))
         .collect();

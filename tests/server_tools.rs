@@ -8,7 +8,7 @@ use async_openai::types::chat::{
     ChatCompletionMessageToolCalls, CreateChatCompletionResponse,
     CreateChatCompletionStreamResponse, FinishReason,
 };
-use common::{sse_events, Server};
+use common::Server;
 use serde_json::{json, Value};
 
 fn server() -> Server {
@@ -161,22 +161,13 @@ fn a_streamed_call_is_the_call_of_the_whole_answer() {
 
     let mut stream = body.clone();
     stream["stream"] = json!(true);
-    let r = s
-        .request(
-            "POST",
-            "/v1/chat/completions",
-            Some(&stream.to_string()),
-            &[],
-        )
-        .expect("stream");
-    assert_eq!(r.status, 200, "{}", r.body);
-    let events = sse_events(&r.body);
-    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
-    let chunks: Vec<Value> = events[..events.len() - 1]
+    let events = s.post_stream("/v1/chat/completions", &stream);
+    let body = events.join("\n");
+    let chunks: Vec<Value> = events
         .iter()
         .map(|e| serde_json::from_str(e).expect("a JSON chunk"))
         .collect();
-    for e in &events[..events.len() - 1] {
+    for e in &events {
         let _: CreateChatCompletionStreamResponse =
             serde_json::from_str(e).unwrap_or_else(|err| panic!("{err}: {e}"));
     }
@@ -184,12 +175,12 @@ fn a_streamed_call_is_the_call_of_the_whole_answer() {
     assert_eq!(
         chunks[0]["choices"][0]["delta"]["role"], "assistant",
         "{}",
-        r.body
+        body
     );
     assert!(
         chunks[0]["choices"][0]["delta"]["content"].is_null(),
         "{}",
-        r.body
+        body
     );
     let mut calls = Vec::new();
     let mut content = String::new();
@@ -211,10 +202,10 @@ fn a_streamed_call_is_the_call_of_the_whole_answer() {
             finish.push(f.to_string());
         }
     }
-    assert_eq!(content, "", "{}", r.body);
-    assert_eq!(finish, ["tool_calls"], "{}", r.body);
+    assert_eq!(content, "", "{}", body);
+    assert_eq!(finish, ["tool_calls"], "{}", body);
     let streamed = calls_of(&json!({"tool_calls": calls}));
-    assert_eq!(streamed, expected, "{}", r.body);
+    assert_eq!(streamed, expected, "{body}");
 }
 
 #[test]

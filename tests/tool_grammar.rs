@@ -2,22 +2,22 @@
 //! output (llguidance) over SmolLM2's real vocabulary, and read back by the HTTP layer's
 //! `ToolStream`: what the grammar lets a model write is what the reader turns into calls.
 
+mod common;
+
 use std::sync::Arc;
 
 use serde_json::{json, Value};
 use switchyard_actors::structured::{GrammarCompiler, StructuredOutput};
 use switchyard_api::schema::tools::{ToolPiece, ToolStream, ToolUse};
 use switchyard_gpu::constraint::{is_allowed, Constraint};
-use switchyard_gpu::model::{default_model_path, load_model, Tokenizer};
+use switchyard_gpu::model::{load_model, Tokenizer};
 
 fn tokenizer() -> Arc<Tokenizer> {
-    let path = default_model_path("smollm2-135m");
-    assert!(
-        path.is_file(),
-        "{} is missing: run `switchyard model fetch smollm2-135m`",
-        path.display()
-    );
-    Arc::new(load_model(&path, false).expect("SmolLM2 loads").tokenizer)
+    Arc::new(
+        load_model(&common::model_path(), false)
+            .expect("SmolLM2 loads")
+            .tokenizer,
+    )
 }
 
 fn tools() -> Value {

@@ -142,6 +142,18 @@ impl Server {
         assert_eq!(v["usage"]["completion_tokens"], 4, "{v}");
     }
 
+    /// POSTs `body` (with `"stream": true`) and returns the events before the final
+    /// `[DONE]`, which is checked, as is the status.
+    pub fn post_stream(&self, path: &str, body: &serde_json::Value) -> Vec<String> {
+        let r = self
+            .request("POST", path, Some(&body.to_string()), &[])
+            .expect("a streamed response");
+        assert_eq!(r.status, 200, "{}", r.body);
+        let mut events = sse_events(&r.body);
+        assert_eq!(events.pop().as_deref(), Some("[DONE]"), "{}", r.body);
+        events
+    }
+
     /// Reads a metric's value from /metrics (first sample whose name matches exactly, any labels).
     pub fn metric(&self, name: &str) -> Option<f64> {
         let r = self.request("GET", "/metrics", None, &[]).ok()?;

@@ -403,6 +403,14 @@ impl ToolUse {
 /// `value` as Python's `json.dumps` writes it (`", "` and `": "` between items): the format
 /// the grammar makes the model write, used for the calls and tools shown to it too.
 pub fn json_dumps(value: &Value) -> String {
+    /// `", "` before every item but the first.
+    fn separate<W: ?Sized + std::io::Write>(writer: &mut W, first: bool) -> std::io::Result<()> {
+        if first {
+            Ok(())
+        } else {
+            writer.write_all(b", ")
+        }
+    }
     struct Spaced;
     impl serde_json::ser::Formatter for Spaced {
         fn begin_array_value<W: ?Sized + std::io::Write>(
@@ -410,22 +418,14 @@ pub fn json_dumps(value: &Value) -> String {
             writer: &mut W,
             first: bool,
         ) -> std::io::Result<()> {
-            if first {
-                Ok(())
-            } else {
-                writer.write_all(b", ")
-            }
+            separate(writer, first)
         }
         fn begin_object_key<W: ?Sized + std::io::Write>(
             &mut self,
             writer: &mut W,
             first: bool,
         ) -> std::io::Result<()> {
-            if first {
-                Ok(())
-            } else {
-                writer.write_all(b", ")
-            }
+            separate(writer, first)
         }
         fn begin_object_value<W: ?Sized + std::io::Write>(
             &mut self,
