@@ -1232,6 +1232,17 @@ mod tests {
         assert!(released.lock().unwrap().contains(&7));
     }
 
+    /// The actor's order for one step: plan, commit the block changes to `pool` (the detached
+    /// allocator), write the block ids into the plan.
+    fn plan_committed(e: &mut EngineCore, pool: &mut BlockPool, now: Timestamp) -> PlannedStep {
+        let mut planned = e.core().plan(now);
+        let mut ids = Vec::new();
+        pool.commit(&std::mem::take(&mut planned.commit), &mut ids)
+            .unwrap();
+        e.core().assign(&mut planned, &ids).unwrap();
+        planned
+    }
+
     #[test]
     fn a_step_whose_every_sequence_ended_after_planning_is_not_built() {
         // The actor's order: plan, commit the block changes (here to the detached pool), and
@@ -1242,22 +1253,14 @@ mod tests {
         e.core()
             .add_request(request(1, (0..5).collect(), 100, None))
             .unwrap();
-        let mut planned = e.core().plan(Timestamp(0));
+        let planned = plan_committed(&mut e, &mut pool, Timestamp(0));
         assert_eq!(planned.plan.seqs.len(), 1);
-        let mut ids = Vec::new();
-        pool.commit(&std::mem::take(&mut planned.commit), &mut ids)
-            .unwrap();
-        e.core().assign(&mut planned, &ids).unwrap();
         assert!(e.core().finish(RequestId(1), FinishReason::Abort));
         assert!(e.core().build_step(planned).unwrap().is_none());
         assert!(!e.core().has_unfinished());
         // The next request's batch carries the release of the first.
         e.core().add_request(request(2, vec![7], 1, None)).unwrap();
-        let mut planned = e.core().plan(Timestamp(1));
-        let mut ids = Vec::new();
-        pool.commit(&std::mem::take(&mut planned.commit), &mut ids)
-            .unwrap();
-        e.core().assign(&mut planned, &ids).unwrap();
+        let planned = plan_committed(&mut e, &mut pool, Timestamp(1));
         let prepared = e.core().build_step(planned).unwrap().expect("a batch");
         assert_eq!(prepared.batch.seqs.len(), 1);
         assert_eq!(prepared.release, vec![1]);
@@ -1272,11 +1275,7 @@ mod tests {
         e.core()
             .add_request(request(1, (0..5).collect(), 100, None))
             .unwrap();
-        let mut planned = e.core().plan(Timestamp(0));
-        let mut ids = Vec::new();
-        pool.commit(&std::mem::take(&mut planned.commit), &mut ids)
-            .unwrap();
-        e.core().assign(&mut planned, &ids).unwrap();
+        let mut planned = plan_committed(&mut e, &mut pool, Timestamp(0));
         planned.plan.seqs[0].num_new_tokens += 3;
         let failed = e
             .core()
