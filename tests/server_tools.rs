@@ -146,13 +146,27 @@ fn required_and_named_choices_answer_with_calls_that_follow_the_schema() {
 }
 
 #[test]
-fn a_streamed_call_is_the_call_of_the_whole_answer() {
+fn a_streamed_call_is_the_call_of_the_whole_answer_its_arguments_in_pieces() {
     let s = server();
     let body = ask(
         json!({"tool_choice": {"type": "function", "function": {"name": "get_weather"}},
-                          "parallel_tool_calls": false, "seed": 7}),
+                          "parallel_tool_calls": false, "seed": 7, "logprobs": true}),
     );
     let (status, whole) = s.post_json("/v1/chat/completions", &body);
+    let tokens_of = |logprobs: &Value| -> Vec<String> {
+        logprobs["content"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|t| t["token"].as_str().expect("a token").to_owned())
+            .collect()
+    };
+    let whole_tokens = tokens_of(&whole["choices"][0]["logprobs"]);
+    assert_eq!(
+        whole_tokens.len() as u64,
+        whole["usage"]["completion_tokens"].as_u64().unwrap(),
+        "{whole}"
+    );
     assert_eq!(status, 200, "{whole}");
     let expected = calls_of(&whole["choices"][0]["message"]);
     assert_eq!(expected.len(), 1, "{whole}");
@@ -161,6 +175,7 @@ fn a_streamed_call_is_the_call_of_the_whole_answer() {
 
     let mut stream = body.clone();
     stream["stream"] = json!(true);
+    stream["stream_options"] = json!({"include_usage": true});
     let events = s.post_stream("/v1/chat/completions", &stream);
     let body = events.join("\n");
     let chunks: Vec<Value> = events
@@ -182,11 +197,23 @@ fn a_streamed_call_is_the_call_of_the_whole_answer() {
         "{}",
         body
     );
-    let mut calls = Vec::new();
+    let mut calls: Vec<Value> = Vec::new();
     let mut content = String::new();
     let mut finish = Vec::new();
+    // Chunks that carried a part of the arguments.
+    let mut argument_chunks = 0;
+    let mut tokens = Vec::new();
     for c in &chunks {
         let choice = &c["choices"][0];
+        // Calls only: no content anywhere, not even an empty one.
+        assert!(choice["delta"]["content"].is_null(), "{c}");
+        let more = tokens_of(&choice["logprobs"]);
+        if tokens.is_empty() && !more.is_empty() {
+            // The tokens of `<tool_call>` and the call's name are held back with their text:
+            // they go out with the chunk that opens the call.
+            assert!(choice["delta"]["tool_calls"][0]["id"].is_string(), "{c}");
+        }
+        tokens.extend(more);
         if let Some(text) = choice["delta"]["content"].as_str() {
             content.push_str(text);
         }
@@ -195,8 +222,20 @@ fn a_streamed_call_is_the_call_of_the_whole_answer() {
             .into_iter()
             .flatten()
         {
-            assert_eq!(call["index"], calls.len(), "{call}");
-            calls.push(call.clone());
+            let part = call["function"]["arguments"].as_str().expect("arguments");
+            argument_chunks += usize::from(!part.is_empty());
+            if call["id"].is_string() {
+                // A call opens with its id, type and name.
+                assert_eq!(call["index"], calls.len(), "{call}");
+                calls.push(call.clone());
+            } else {
+                // Then its arguments follow in pieces.
+                assert_eq!(call["index"], calls.len() - 1, "{call}");
+                assert!(call["function"]["name"].is_null(), "{call}");
+                let open = calls.last_mut().expect("an open call");
+                let joined = open["function"]["arguments"].as_str().unwrap().to_owned() + part;
+                open["function"]["arguments"] = json!(joined);
+            }
         }
         if let Some(f) = choice["finish_reason"].as_str() {
             finish.push(f.to_string());
@@ -206,6 +245,53 @@ fn a_streamed_call_is_the_call_of_the_whole_answer() {
     assert_eq!(finish, ["tool_calls"], "{}", body);
     let streamed = calls_of(&json!({"tool_calls": calls}));
     assert_eq!(streamed, expected, "{body}");
+    // The arguments were streamed as the model wrote them, not sent whole at the end.
+    assert!(argument_chunks > 2, "{body}");
+    assert_eq!(tokens, whole_tokens, "{body}");
+
+    // Cut short by max_tokens inside the arguments: still the call, with the arguments
+    // written so far, streamed or not, and finish_reason length.
+    let at = whole_tokens
+        .iter()
+        .position(|t| t.contains("city"))
+        .expect("the city's key");
+    let mut cut = stream.clone();
+    cut["max_tokens"] = json!(at + 2);
+    let events = s.post_stream("/v1/chat/completions", &cut);
+    let mut streamed_args = String::new();
+    let mut finish = None;
+    for e in &events {
+        let c: Value = serde_json::from_str(e).expect("a JSON chunk");
+        let choice = &c["choices"][0];
+        for call in choice["delta"]["tool_calls"]
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
+            assert_eq!(call["index"], 0, "{c}");
+            streamed_args.push_str(call["function"]["arguments"].as_str().unwrap());
+        }
+        finish = finish.or(choice["finish_reason"].as_str().map(str::to_owned));
+    }
+    assert_eq!(finish.as_deref(), Some("length"), "{events:?}");
+    cut["stream"] = json!(false);
+    cut.as_object_mut().unwrap().remove("stream_options");
+    let (status, v) = s.post_json("/v1/chat/completions", &cut);
+    assert_eq!(status, 200, "{v}");
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "length", "{v}");
+    assert!(choice["message"]["content"].is_null(), "{v}");
+    let call = &choice["message"]["tool_calls"][0]["function"];
+    assert_eq!(call["name"], "get_weather", "{v}");
+    let args = call["arguments"].as_str().expect("arguments");
+    assert_eq!(args, streamed_args, "{v}");
+    let full = whole["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]
+        .as_str()
+        .unwrap();
+    assert!(
+        full.starts_with(args) && args.starts_with("{\"city") && args.len() < full.len(),
+        "{args:?} of {full:?}"
+    );
 }
 
 #[test]

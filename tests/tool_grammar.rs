@@ -53,7 +53,7 @@ fn constraint(
     let grammar = tool_use.grammar().expect("a grammar");
     compiler
         .compile(
-            &StructuredOutput::ToolCalls(grammar),
+            &StructuredOutput::ToolCalls(grammar.to_owned()),
             &[tok.eos_token_ids()[0]],
             1,
         )
@@ -251,19 +251,39 @@ fn whatever_the_required_grammar_lets_a_model_write_reads_back_as_valid_calls() 
         }
         ended += 1;
         let text = tok.decode(&out, true).expect("decode");
+        // Read as it streams, a token at a time.
         let mut stream = ToolStream::new();
-        let mut pieces = stream.push(&text);
+        let mut pieces = Vec::new();
+        let mut written = String::new();
+        for k in 1..=out.len() {
+            let now = tok.decode(&out[..k], true).expect("decode");
+            // A character still incomplete waits for its next token.
+            if now.ends_with('\u{FFFD}') {
+                continue;
+            }
+            let new = now.strip_prefix(written.as_str()).expect("decoding grows");
+            pieces.extend(stream.push(new));
+            written = now;
+        }
+        let rest = text.strip_prefix(written.as_str()).expect("decoding grows");
+        pieces.extend(stream.push(rest));
         pieces.extend(stream.finish());
-        let mut calls = Vec::new();
-        for piece in pieces {
+        // Text comes only before calls, and only where it may.
+        let mut opened = false;
+        for piece in &pieces {
             match piece {
-                ToolPiece::Call(call) => calls.push(call),
-                ToolPiece::Text(t) if auto && calls.is_empty() => {
-                    assert!(!t.contains("<tool_call>"), "{text:?}")
+                ToolPiece::Text(t) => {
+                    assert!(
+                        auto && !opened,
+                        "text {t:?} where only calls may be: {text:?}"
+                    );
+                    assert!(!t.contains("<tool_call>"), "{text:?}");
                 }
-                ToolPiece::Text(t) => panic!("text {t:?} where only calls may be: {text:?}"),
+                _ => opened = true,
             }
         }
+        let (_, calls) = ToolPiece::join(pieces.clone());
+        assert_eq!(ToolPiece::join(pieces), ToolStream::read_all(&text));
         assert!(parallel || calls.len() <= 1, "{text:?}");
         assert!(auto || !calls.is_empty(), "{text:?}");
         for call in calls {

@@ -6,13 +6,13 @@ use bytes::Bytes;
 use super::{check_model, engine_requests, request_id_header};
 use crate::auth::Principal;
 use crate::body::read_json;
-use crate::engine::FinishReason;
+use crate::engine::{FinishReason, TokenLogprob};
 use crate::error::ApiError;
 use crate::generation::{ChoiceDelta, Generation};
 use crate::schema::tools::{ToolAnswer, ToolPiece, ToolStream};
 use crate::schema::{
     ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatLogprobs, ChatRequest, ChatResponse,
-    ChatResponseMessage, FunctionCall, ToolCall, ToolCallDelta, Usage,
+    ChatResponseMessage, FunctionCall, FunctionCallDelta, ToolCall, ToolCallDelta, Usage,
 };
 use crate::sse::{frame, sse_response, ChunkWriter};
 use crate::state::{request_id, unix_now, ApiState};
@@ -39,7 +39,7 @@ pub(crate) async fn chat_completions(
         usage_field: validated.include_usage.then_some(None),
         tools: validated.tool_calls.is_some().then(|| {
             (0..generation.choices())
-                .map(|_| ToolStream::new())
+                .map(|_| (ToolStream::new(), Vec::new()))
                 .collect()
         }),
         calls_only: validated.tool_calls == Some(ToolAnswer::Calls),
@@ -63,56 +63,106 @@ struct ChatWriter {
     model: String,
     logprobs: bool,
     usage_field: Option<Option<Usage>>,
-    /// Per choice, when the output is read back into content and tool calls.
-    tools: Option<Vec<ToolStream>>,
+    /// Per choice, when the output is read back into content and tool calls: the reader, and
+    /// the logprobs of the tokens whose text it holds back (they go out with that text).
+    tools: Option<Vec<(ToolStream, Vec<TokenLogprob>)>>,
     /// The answer is calls only: no content, not even an empty one.
     calls_only: bool,
 }
 
+/// What a choice's new text is, read.
+struct Reading {
+    content: String,
+    /// Calls opened and arguments written.
+    calls: Vec<ToolCallDelta>,
+    /// The logprobs to send with them.
+    logprobs: Vec<TokenLogprob>,
+}
+
 impl ChatWriter {
-    /// What a choice's new text is: content, and the tool calls it completes. `finished`: the
-    /// choice's last text (what was held back comes out).
-    fn read(&mut self, choice: u32, text: String, finished: bool) -> (String, Vec<ToolCallDelta>) {
-        let Some(stream) = self
+    /// What a choice's new text is: content, and the calls it opens and writes. `finished`:
+    /// the choice's last text (what was held back comes out).
+    fn read(
+        &mut self,
+        choice: u32,
+        text: String,
+        mut logprobs: Vec<TokenLogprob>,
+        finished: bool,
+    ) -> Reading {
+        let Some((stream, held)) = self
             .tools
             .as_mut()
             .and_then(|t| t.get_mut(usize::try_from(choice).ok()?))
         else {
-            return (text, Vec::new());
+            return Reading {
+                content: text,
+                calls: Vec::new(),
+                logprobs,
+            };
         };
-        let first = stream.calls();
         let mut pieces = stream.push(&text);
         if finished {
             pieces.extend(stream.finish());
         }
+        if stream.holding() {
+            held.append(&mut logprobs);
+        } else if !held.is_empty() {
+            held.append(&mut logprobs);
+            logprobs = std::mem::take(held);
+        }
+        let index = |i: usize| u32::try_from(i).unwrap_or(u32::MAX);
         let mut content = String::new();
-        let mut calls = Vec::new();
+        let mut calls: Vec<ToolCallDelta> = Vec::new();
         for piece in pieces {
             match piece {
                 ToolPiece::Text(t) => content.push_str(&t),
-                ToolPiece::Call(c) => calls.push(ToolCallDelta {
-                    index: u32::try_from(first + calls.len()).unwrap_or(u32::MAX),
-                    call: ToolCall {
-                        id: request_id("call_", None),
-                        kind: "function",
-                        function: FunctionCall {
-                            name: c.name,
-                            arguments: c.arguments,
-                        },
+                ToolPiece::Call { index: i, name } => calls.push(ToolCallDelta {
+                    index: index(i),
+                    id: Some(request_id("call_", None)),
+                    kind: Some("function"),
+                    function: FunctionCallDelta {
+                        name: Some(name),
+                        arguments: String::new(),
                     },
                 }),
+                ToolPiece::Arguments { index: i, text } => match calls.last_mut() {
+                    Some(call) if call.index == index(i) => call.function.arguments.push_str(&text),
+                    _ => calls.push(ToolCallDelta {
+                        index: index(i),
+                        id: None,
+                        kind: None,
+                        function: FunctionCallDelta {
+                            name: None,
+                            arguments: text,
+                        },
+                    }),
+                },
             }
         }
-        (content, calls)
+        Reading {
+            content,
+            calls,
+            logprobs,
+        }
     }
 
-    /// `tool_calls` for a choice that called tools and stopped; otherwise the engine's reason.
+    /// A choice's reader, when the output is read back into content and tool calls.
+    fn reader(&self, choice: u32) -> Option<&ToolStream> {
+        let (stream, _) = self.tools.as_ref()?.get(usize::try_from(choice).ok()?)?;
+        Some(stream)
+    }
+
+    /// Whether a choice's answer is calls from here on: calls only, or a call has opened.
+    fn calling(&self, choice: u32) -> bool {
+        self.calls_only || self.reader(choice).is_some_and(|s| s.calls() > 0)
+    }
+
+    /// `tool_calls` for a choice that called tools and stopped after its last call's
+    /// arguments (not inside them, at a stop string); otherwise the engine's reason.
     fn finish_reason(&self, choice: u32, reason: FinishReason) -> &'static str {
         let called = self
-            .tools
-            .as_ref()
-            .and_then(|t| t.get(usize::try_from(choice).ok()?))
-            .is_some_and(|s| s.calls() > 0);
+            .reader(choice)
+            .is_some_and(|s| s.calls() > 0 && !s.cut_short());
         match reason {
             FinishReason::Stop if called => "tool_calls",
             reason => reason.as_str(),
@@ -152,21 +202,25 @@ impl ChunkWriter for ChatWriter {
 
     fn delta(&mut self, delta: ChoiceDelta) -> Option<Bytes> {
         let d = delta.delta;
-        let (text, calls) = self.read(delta.choice, d.text, d.finish.is_some());
-        if text.is_empty() && calls.is_empty() && d.finish.is_none() && d.logprobs.is_empty() {
+        let Reading {
+            content: text,
+            calls,
+            logprobs,
+        } = self.read(delta.choice, d.text, d.logprobs, d.finish.is_some());
+        if text.is_empty() && calls.is_empty() && d.finish.is_none() && logprobs.is_empty() {
             return None;
         }
         let choice = ChatChunkChoice {
             index: delta.choice,
             delta: ChatDelta {
                 role: None,
-                content: (!text.is_empty() || (d.finish.is_none() && calls.is_empty()))
-                    .then_some(text),
+                // An empty content only where text may still come.
+                content: (!text.is_empty()
+                    || (d.finish.is_none() && calls.is_empty() && !self.calling(delta.choice)))
+                .then_some(text),
                 tool_calls: (!calls.is_empty()).then_some(calls),
             },
-            logprobs: self
-                .logprobs
-                .then(|| ChatLogprobs::from_engine(&d.logprobs)),
+            logprobs: self.logprobs.then(|| ChatLogprobs::from_engine(&logprobs)),
             finish_reason: d.finish.map(|f| self.finish_reason(delta.choice, f.reason)),
         };
         Some(frame(&self.chunk(vec![choice], self.usage_field)))
@@ -203,19 +257,36 @@ async fn collect(
             continue;
         };
         let d = delta.delta;
-        let (text, calls) = writer.read(delta.choice, d.text, d.finish.is_some());
+        let read = writer.read(delta.choice, d.text, d.logprobs, d.finish.is_some());
         choice
             .message
             .content
             .get_or_insert_with(String::new)
-            .push_str(&text);
-        choice
-            .message
-            .tool_calls
-            .extend(calls.into_iter().map(|c| c.call));
+            .push_str(&read.content);
+        let tool_calls = &mut choice.message.tool_calls;
+        for call in read.calls {
+            match call.id {
+                Some(id) => tool_calls.push(ToolCall {
+                    id,
+                    kind: "function",
+                    function: FunctionCall {
+                        name: call.function.name.unwrap_or_default(),
+                        arguments: call.function.arguments,
+                    },
+                }),
+                None => {
+                    if let Some(open) = usize::try_from(call.index)
+                        .ok()
+                        .and_then(|i| tool_calls.get_mut(i))
+                    {
+                        open.function.arguments.push_str(&call.function.arguments);
+                    }
+                }
+            }
+        }
         if let Some(all) = choice.logprobs.as_mut() {
             all.content
-                .extend(ChatLogprobs::from_engine(&d.logprobs).content);
+                .extend(ChatLogprobs::from_engine(&read.logprobs).content);
         }
         if let Some(finish) = d.finish {
             choice.finish_reason = Some(writer.finish_reason(delta.choice, finish.reason));

@@ -476,7 +476,7 @@ impl ChatRequest {
             }
             if let (Some(prompt), Some(grammar)) = (tools.system_prompt(), tools.grammar()) {
                 add_to_system(&mut messages, &prompt);
-                structured = Some(StructuredOutputSpec::ToolCalls(grammar));
+                structured = Some(StructuredOutputSpec::ToolCalls(grammar.to_owned()));
             }
         }
         let max_tokens = match self.max_completion_tokens {

@@ -166,14 +166,30 @@ pub struct FunctionCall {
     pub arguments: String,
 }
 
-/// A call of a tool in a stream chunk: sent whole, in one chunk.
+/// A call of a tool in a stream chunk: the chunk that opens a call has its id, type and
+/// name; the arguments' text follows in pieces, to be joined in order.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ToolCallDelta {
     /// The call's position among the choice's calls.
     pub index: u32,
-    /// The call, as in a response.
-    #[serde(flatten)]
-    pub call: ToolCall,
+    /// The call's id, in the chunk that opens it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    /// `function`, in the chunk that opens the call.
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    pub kind: Option<&'static str>,
+    /// The function's name (in the opening chunk) and the next part of its arguments.
+    pub function: FunctionCallDelta,
+}
+
+/// The function of a [`ToolCallDelta`].
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FunctionCallDelta {
+    /// The function's name, in the chunk that opens the call.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// The next part of the arguments' JSON text.
+    pub arguments: String,
 }
 
 /// Chat logprobs.

@@ -71,11 +71,13 @@ pub enum ToolChoice {
 #[derive(Debug, Clone, PartialEq)]
 pub struct ToolUse {
     /// The tools.
-    pub tools: Vec<Tool>,
+    tools: Vec<Tool>,
     /// How they may be called.
-    pub choice: ToolChoice,
+    choice: ToolChoice,
     /// Whether one answer may hold several calls.
-    pub parallel: bool,
+    parallel: bool,
+    /// The output's grammar, built once (its size is checked when the request is read).
+    grammar: Option<String>,
 }
 
 fn invalid(param: impl Into<String>, message: impl Into<String>) -> ApiError {
@@ -254,12 +256,14 @@ impl ToolUse {
                 )),
             };
         }
-        let tool_use = ToolUse {
+        let mut tool_use = ToolUse {
             tools: parsed,
             choice,
             parallel: parallel_tool_calls.unwrap_or(true),
+            grammar: None,
         };
-        if let Some(grammar) = tool_use.grammar() {
+        tool_use.grammar = tool_use.build_grammar();
+        if let Some(grammar) = &tool_use.grammar {
             if grammar.len() > MAX_STRUCTURED_BYTES {
                 return Err(invalid(
                     "tools",
@@ -345,12 +349,17 @@ impl ToolUse {
 
     /// The grammar (llguidance's Lark dialect) the output must follow; `None` when no tool
     /// may be called.
+    pub fn grammar(&self) -> Option<&str> {
+        self.grammar.as_deref()
+    }
+
+    /// Builds [`ToolUse::grammar`].
     ///
     /// Each tool has a rule of its own whose arguments are a `%json` schema at its own root,
     /// so the tool's `$ref`s resolve in its schema. With `auto` the answer is text without
     /// `<tool_call>` (`TEXT`), or any text up to the first `<tool_call>` (a lazy rule ending at
     /// the tag: a model may think or explain first) and calls; calls end the answer.
-    pub fn grammar(&self) -> Option<String> {
+    fn build_grammar(&self) -> Option<String> {
         if !self.active() {
             return None;
         }
@@ -532,8 +541,44 @@ pub fn render_response(content: &str) -> String {
 pub enum ToolPiece {
     /// Text for `content`.
     Text(String),
-    /// A complete call.
-    Call(ParsedCall),
+    /// A call opens: its position among the choice's calls, and the function's name.
+    Call {
+        /// The call's position among the choice's calls.
+        index: usize,
+        /// The function's name.
+        name: String,
+    },
+    /// More of call `index`'s arguments, JSON text as the model writes it, given out as it
+    /// comes: the pieces of a call cut short (`max_tokens`) do not make a whole object.
+    Arguments {
+        /// The call's position among the choice's calls.
+        index: usize,
+        /// The next part of the arguments.
+        text: String,
+    },
+}
+
+impl ToolPiece {
+    /// Joins the pieces of a whole answer into its content and its calls.
+    pub fn join(pieces: impl IntoIterator<Item = ToolPiece>) -> (String, Vec<ParsedCall>) {
+        let mut text = String::new();
+        let mut calls: Vec<ParsedCall> = Vec::new();
+        for piece in pieces {
+            match piece {
+                ToolPiece::Text(t) => text.push_str(&t),
+                ToolPiece::Call { name, .. } => calls.push(ParsedCall {
+                    name,
+                    arguments: String::new(),
+                }),
+                ToolPiece::Arguments { index, text } => {
+                    if let Some(call) = calls.get_mut(index) {
+                        call.arguments.push_str(&text);
+                    }
+                }
+            }
+        }
+        (text, calls)
+    }
 }
 
 #[derive(Debug)]
@@ -541,33 +586,77 @@ enum StreamState {
     /// Text, passed through except what may be the start of a call: trailing ASCII
     /// whitespace (up to [`MAX_HELD_SPACE`] bytes) and a prefix of `<tool_call>` are held back
     /// until the next text tells.
-    Text(String),
-    /// From the first `<tool_call>` on: text kept until a call is complete. `lead`: the
-    /// whitespace before the tag, dropped once a call is read, given back if none is.
-    Calls {
-        buf: String,
-        end: BodyEnd,
-        lead: String,
-    },
+    Text,
+    /// At a call's `<tool_call>`, or between calls, until the call's opening
+    /// `{"name": ..., "arguments": ` tells its name. `whole`: the call does not open that way
+    /// (the grammar writes no other; kept for safety), so it is read whole once its JSON has
+    /// closed, which `end` finds.
+    Call { end: BodyEnd, whole: bool },
+    /// In call `index`'s arguments, which go out as they come, until `nesting` closes.
+    Arguments { index: usize, nesting: Nesting },
+    /// After a streamed call's arguments: the call's own `}`, then `</tool_call>`.
+    Close,
     /// After text that is not a call where a call had to be (the grammar rules it out; kept
     /// for safety): everything is text, passed through.
     Plain,
 }
 
-/// Most trailing whitespace held back in case a call follows: longer runs are text.
+/// Most trailing whitespace held back in case a call follows, and most whitespace read
+/// between the parts of calls: longer runs are text.
 const MAX_HELD_SPACE: usize = 256;
 
-/// Where a call's JSON body ends, found byte by byte as its text arrives, so that a call is
-/// read once (its whole text is looked at again only when its braces have closed) however its
-/// text is cut: reading stays linear in the text.
+/// Where a bracketed JSON value ends, found byte by byte as its text arrives (strings and
+/// their escapes skipped), so that reading stays linear in the text however it is cut.
+#[derive(Debug, Default)]
+struct Nesting {
+    depth: usize,
+    deepest: usize,
+    in_string: bool,
+    escaped: bool,
+}
+
+impl Nesting {
+    /// Scans `b`, the value's next bytes (its first byte an opening bracket); returns the
+    /// offset just past the bracket that closes the value, when it is in `b`.
+    fn scan(&mut self, b: &[u8]) -> Option<usize> {
+        for (i, &c) in b.iter().enumerate() {
+            if self.in_string {
+                if self.escaped {
+                    self.escaped = false;
+                } else if c == b'\\' {
+                    self.escaped = true;
+                } else if c == b'"' {
+                    self.in_string = false;
+                }
+                continue;
+            }
+            match c {
+                b'"' => self.in_string = true,
+                b'{' | b'[' => {
+                    self.depth += 1;
+                    self.deepest = self.deepest.max(self.depth);
+                }
+                b'}' | b']' => {
+                    self.depth = self.depth.saturating_sub(1);
+                    if self.depth == 0 {
+                        return Some(i + 1);
+                    }
+                }
+                _ => {}
+            }
+        }
+        None
+    }
+}
+
+/// Where a call's JSON body ends, for a call read whole: its text is looked at again only
+/// when its braces have closed.
 #[derive(Debug, Default)]
 struct BodyEnd {
     /// Bytes of the kept text already scanned.
     pos: usize,
-    depth: usize,
     opened: bool,
-    in_string: bool,
-    escaped: bool,
+    nesting: Nesting,
     /// Just past the body's closing brace, once found.
     end: Option<usize>,
 }
@@ -580,52 +669,100 @@ impl BodyEnd {
             return Ok(self.end);
         }
         let mut i = self.pos.max(start);
-        while i < b.len() {
-            let c = b[i];
-            i += 1;
-            if self.in_string {
-                if self.escaped {
-                    self.escaped = false;
-                } else if c == b'\\' {
-                    self.escaped = true;
-                } else if c == b'"' {
-                    self.in_string = false;
+        if !self.opened {
+            i = skip_ws(b, i);
+            match b.get(i) {
+                None => {
+                    self.pos = i;
+                    return Ok(None);
                 }
-                continue;
-            }
-            match c {
-                b' ' | b'\n' | b'\r' | b'\t' => {}
-                b'{' | b'[' if self.opened || c == b'{' => {
-                    self.opened = true;
-                    self.depth += 1;
-                    if self.depth > MAX_DEPTH {
-                        return Err(());
-                    }
-                }
-                _ if !self.opened => return Err(()),
-                b'"' => self.in_string = true,
-                b'}' | b']' => {
-                    self.depth = self.depth.saturating_sub(1);
-                    if self.depth == 0 {
-                        self.pos = i;
-                        self.end = Some(i);
-                        return Ok(self.end);
-                    }
-                }
-                _ => {}
+                Some(b'{') => self.opened = true,
+                Some(_) => return Err(()),
             }
         }
-        self.pos = i;
-        Ok(None)
+        let found = self.nesting.scan(&b[i..]);
+        if self.nesting.deepest > MAX_DEPTH {
+            return Err(());
+        }
+        self.pos = found.map_or(b.len(), |n| i + n);
+        self.end = found.map(|n| i + n);
+        Ok(self.end)
+    }
+}
+
+/// What a call's opening says.
+enum Header {
+    /// `{"name": "...", "arguments": ` was read: the name, and the offset of the arguments'
+    /// opening brace.
+    Done { name: String, arguments: usize },
+    /// Not complete yet.
+    More,
+    /// A call that does not open that way (or opens longer than [`MAX_HEADER`]).
+    Other,
+}
+
+/// Longest call opening streamed (the grammar's are under 100 bytes); a call that opens
+/// longer is read whole.
+const MAX_HEADER: usize = 512;
+
+/// Matches `lit` at `b[i..]`: `Ok` past it, `Err(true)` when `b` ends inside it,
+/// `Err(false)` when it is not there.
+fn literal(b: &[u8], i: usize, lit: &[u8]) -> Result<usize, bool> {
+    let have = b.get(i..).unwrap_or_default();
+    let n = have.len().min(lit.len());
+    if have[..n] != lit[..n] {
+        Err(false)
+    } else if n < lit.len() {
+        Err(true)
+    } else {
+        Ok(i + lit.len())
+    }
+}
+
+/// Reads a call's opening in `body` (the text after `<tool_call>`).
+fn header(body: &str) -> Header {
+    let b = &body.as_bytes()[..body.len().min(MAX_HEADER)];
+    let read = || -> Result<(String, usize), bool> {
+        let mut i = literal(b, skip_ws(b, 0), b"{")?;
+        i = literal(b, skip_ws(b, i), b"\"name\"")?;
+        i = literal(b, skip_ws(b, i), b":")?;
+        let at = skip_ws(b, i);
+        literal(b, at, b"\"")?;
+        let end = match scan_string(b, at) {
+            Scan::Done(e) => e,
+            Scan::More => return Err(true),
+            Scan::Bad => return Err(false),
+        };
+        // Both ends are quotes, so `at..end` cuts on character boundaries.
+        let name: String = serde_json::from_str(&body[at..end]).map_err(|_| false)?;
+        i = literal(b, skip_ws(b, end), b",")?;
+        i = literal(b, skip_ws(b, i), b"\"arguments\"")?;
+        i = literal(b, skip_ws(b, i), b":")?;
+        let arguments = skip_ws(b, i);
+        literal(b, arguments, b"{")?;
+        Ok((name, arguments))
+    };
+    match read() {
+        Ok((name, arguments)) => Header::Done { name, arguments },
+        Err(true) if body.len() <= MAX_HEADER => Header::More,
+        Err(_) => Header::Other,
     }
 }
 
 /// Reads one choice's generated text, in pieces as it streams, into content and calls: text
-/// up to the first `<tool_call>` (its trailing whitespace dropped), then calls.
+/// up to the first `<tool_call>` (its trailing whitespace dropped), then calls, whose
+/// arguments go out as they are written.
 #[derive(Debug)]
 pub struct ToolStream {
     state: StreamState,
+    /// Text read and not given out yet: held back, or kept until a call's form tells.
+    buf: String,
+    /// The whitespace before the first `<tool_call>`: dropped once a call is read, given back
+    /// if none is.
+    lead: String,
     calls: usize,
+    /// The text ended inside a call's arguments.
+    cut: bool,
 }
 
 impl Default for ToolStream {
@@ -658,117 +795,240 @@ impl ToolStream {
     /// A stream at the start of a choice.
     pub fn new() -> Self {
         Self {
-            state: StreamState::Text(String::new()),
+            state: StreamState::Text,
+            buf: String::new(),
+            lead: String::new(),
             calls: 0,
+            cut: false,
         }
     }
 
-    /// Calls read so far.
+    /// Reads a whole answer into its content and its calls.
+    pub fn read_all(text: &str) -> (String, Vec<ParsedCall>) {
+        let mut stream = Self::new();
+        let mut pieces = stream.push(text);
+        pieces.extend(stream.finish());
+        ToolPiece::join(pieces)
+    }
+
+    /// Calls opened so far.
     pub fn calls(&self) -> usize {
         self.calls
+    }
+
+    /// Whether the text ended inside a call's arguments (known after [`ToolStream::finish`]).
+    pub fn cut_short(&self) -> bool {
+        self.cut
+    }
+
+    /// Whether text read is held back (it may yet be part of a call).
+    pub fn holding(&self) -> bool {
+        !self.buf.is_empty() || !self.lead.is_empty()
     }
 
     /// Takes the next generated text; returns what is known from it.
     pub fn push(&mut self, text: &str) -> Vec<ToolPiece> {
         let mut out = Vec::new();
-        match &mut self.state {
-            StreamState::Text(held) => {
-                // Only the held-back end and the new text are searched.
-                held.push_str(text);
-                if let Some(at) = held.find(CALL_OPEN) {
-                    let before = trim_space_end(&held[..at]);
-                    if !before.is_empty() {
-                        out.push(ToolPiece::Text(before.to_owned()));
-                    }
-                    let lead = held[before.len()..at].to_owned();
-                    let buf = held[at..].to_owned();
-                    self.state = StreamState::Calls {
-                        buf,
-                        end: BodyEnd::default(),
-                        lead,
-                    };
-                    self.read_calls(&mut out, false);
-                } else {
-                    let keep = held_suffix(held);
-                    if keep < held.len() {
-                        let rest = held.split_off(held.len() - keep);
-                        out.push(ToolPiece::Text(std::mem::replace(held, rest)));
-                    }
-                }
-            }
-            StreamState::Calls { buf, .. } => {
-                buf.push_str(text);
-                self.read_calls(&mut out, false);
-            }
+        match self.state {
             StreamState::Plain => {
                 if !text.is_empty() {
                     out.push(ToolPiece::Text(text.to_owned()));
                 }
+                return out;
             }
+            StreamState::Arguments { .. } => self.arguments(text, &mut out),
+            _ => self.buf.push_str(text),
         }
+        self.pump(&mut out, false);
         out
     }
 
     /// The end of the choice: what was held back comes out. A call whose closing tag is
-    /// missing (a stop string took it) is still a call when its JSON is complete; one cut
-    /// short (`max_tokens`) is text.
+    /// missing (a stop string took it) still counts; so does one cut short in its arguments
+    /// (`max_tokens`), whose arguments are what was written. A call cut short before its
+    /// name is complete is text.
     pub fn finish(&mut self) -> Vec<ToolPiece> {
         let mut out = Vec::new();
-        if let StreamState::Calls { .. } = self.state {
-            self.read_calls(&mut out, true);
-        }
-        match std::mem::replace(&mut self.state, StreamState::Text(String::new())) {
-            StreamState::Text(held) if !held.is_empty() => out.push(ToolPiece::Text(held)),
-            StreamState::Calls { buf, lead, .. } if !buf.trim().is_empty() => {
-                out.push(ToolPiece::Text(lead + &buf));
-            }
-            _ => {}
-        }
+        self.pump(&mut out, true);
         out
     }
 
-    /// Moves every complete call at the front of the kept text to `out`; `last`: no more
-    /// text will come. Text after the calls that is not a call (the grammar rules it out;
-    /// kept for safety) is text.
-    fn read_calls(&mut self, out: &mut Vec<ToolPiece>, last: bool) {
-        let StreamState::Calls { buf, end, lead } = &mut self.state else {
+    /// Passes `text`, the next of an open call's arguments, out up to where they end; what
+    /// follows is kept for [`StreamState::Close`].
+    fn arguments(&mut self, text: &str, out: &mut Vec<ToolPiece>) {
+        let StreamState::Arguments { index, nesting } = &mut self.state else {
             return;
         };
+        let index = *index;
+        let end = nesting.scan(text.as_bytes());
+        // The arguments end after a `}` or `]`, on a character boundary.
+        let (args, rest) = text.split_at(end.unwrap_or(text.len()));
+        if !args.is_empty() {
+            out.push(ToolPiece::Arguments {
+                index,
+                text: args.to_owned(),
+            });
+        }
+        if end.is_some() {
+            self.buf.push_str(rest);
+            self.state = StreamState::Close;
+        }
+    }
+
+    /// Opens call number `self.calls`.
+    fn open(&mut self, name: String, out: &mut Vec<ToolPiece>) -> usize {
+        let index = self.calls;
+        self.calls += 1;
+        self.lead.clear();
+        out.push(ToolPiece::Call { index, name });
+        index
+    }
+
+    /// Not a call after all: everything kept is text from here on.
+    fn not_a_call(&mut self, out: &mut Vec<ToolPiece>) {
+        let text = std::mem::take(&mut self.lead) + &std::mem::take(&mut self.buf);
+        if !text.is_empty() {
+            out.push(ToolPiece::Text(text));
+        }
+        self.state = StreamState::Plain;
+    }
+
+    /// Reads what the kept text tells, moving from state to state while it can; `last`: no
+    /// more text will come, so nothing stays kept.
+    fn pump(&mut self, out: &mut Vec<ToolPiece>, last: bool) {
         loop {
-            let start = buf.len() - buf.trim_start().len();
-            let rest = &buf[start..];
-            if rest.is_empty() {
-                return;
-            }
-            if !rest.starts_with(CALL_OPEN) {
-                if CALL_OPEN.starts_with(rest) && !last {
+            match &mut self.state {
+                StreamState::Text => {
+                    // Only the held-back end and the new text are searched.
+                    if let Some(at) = self.buf.find(CALL_OPEN) {
+                        let before = trim_space_end(&self.buf[..at]).len();
+                        if before > 0 {
+                            out.push(ToolPiece::Text(self.buf[..before].to_owned()));
+                        }
+                        self.lead = self.buf[before..at].to_owned();
+                        self.buf.drain(..at);
+                        self.state = StreamState::Call {
+                            end: BodyEnd::default(),
+                            whole: false,
+                        };
+                        continue;
+                    }
+                    let keep = if last { 0 } else { held_suffix(&self.buf) };
+                    if keep < self.buf.len() {
+                        let rest = self.buf.split_off(self.buf.len() - keep);
+                        out.push(ToolPiece::Text(std::mem::replace(&mut self.buf, rest)));
+                    }
                     return;
                 }
-                break;
-            }
-            let body = start + CALL_OPEN.len();
-            match end.advance(buf.as_bytes(), body) {
-                Ok(Some(_)) => {}
-                // Braces still open: wait (at the end, what is kept is text).
-                Ok(None) if !last => return,
-                Ok(None) | Err(()) => break,
-            }
-            match read_call(&buf[body..], last) {
-                Read::Call(call, used) => {
-                    out.push(ToolPiece::Call(call));
-                    self.calls += 1;
-                    lead.clear();
-                    buf.drain(..body + used);
-                    *end = BodyEnd::default();
+                StreamState::Call { end, whole } => {
+                    let start = self.buf.len() - self.buf.trim_start().len();
+                    let rest = &self.buf[start..];
+                    if start > MAX_HELD_SPACE {
+                        return self.not_a_call(out);
+                    }
+                    if rest.is_empty() {
+                        // Whitespace after the last call.
+                        if last {
+                            self.buf.clear();
+                        }
+                        return;
+                    }
+                    if !rest.starts_with(CALL_OPEN) {
+                        if CALL_OPEN.starts_with(rest) && !last {
+                            return;
+                        }
+                        return self.not_a_call(out);
+                    }
+                    let body = start + CALL_OPEN.len();
+                    if !*whole {
+                        match header(&self.buf[body..]) {
+                            Header::Done { name, arguments } => {
+                                let index = self.open(name, out);
+                                let args = self.buf.split_off(body + arguments);
+                                self.buf.clear();
+                                self.state = StreamState::Arguments {
+                                    index,
+                                    nesting: Nesting::default(),
+                                };
+                                self.arguments(&args, out);
+                                continue;
+                            }
+                            Header::More if !last => return,
+                            Header::More => return self.not_a_call(out),
+                            Header::Other => *whole = true,
+                        }
+                    }
+                    match end.advance(self.buf.as_bytes(), body) {
+                        Ok(Some(_)) => {}
+                        // Braces still open: wait (at the end, what is kept is text).
+                        Ok(None) if !last => return,
+                        Ok(None) | Err(()) => return self.not_a_call(out),
+                    }
+                    match read_call(&self.buf[body..], last) {
+                        Read::Call(call, used) => {
+                            let index = self.open(call.name, out);
+                            out.push(ToolPiece::Arguments {
+                                index,
+                                text: call.arguments,
+                            });
+                            self.buf.drain(..body + used);
+                            self.state = StreamState::Call {
+                                end: BodyEnd::default(),
+                                whole: false,
+                            };
+                        }
+                        Read::More if !last => return,
+                        Read::More | Read::Bad => return self.not_a_call(out),
+                    }
                 }
-                Read::More => return,
-                Read::Bad => break,
+                // At the end, a call cut short in its arguments: they went out as they came.
+                StreamState::Arguments { .. } => {
+                    self.cut = last;
+                    return;
+                }
+                StreamState::Close => {
+                    let b = self.buf.as_bytes();
+                    let i = skip_ws(b, 0);
+                    let closed = match b.get(i) {
+                        _ if i > MAX_HELD_SPACE => Err(false),
+                        None => Err(true),
+                        Some(b'}') => {
+                            let j = skip_ws(b, i + 1);
+                            match literal(b, j, CALL_CLOSE.as_bytes()) {
+                                Err(true) if j - i > MAX_HELD_SPACE => Err(false),
+                                r => r,
+                            }
+                        }
+                        Some(_) => Err(false),
+                    };
+                    match closed {
+                        Ok(n) => {
+                            self.buf.drain(..n);
+                            self.state = StreamState::Call {
+                                end: BodyEnd::default(),
+                                whole: false,
+                            };
+                        }
+                        Err(true) if !last => return,
+                        // The closing tag (or the call's last brace and the tag) taken by a
+                        // stop string or cut by `max_tokens`: the call stands.
+                        Err(true) => {
+                            self.buf.clear();
+                            return;
+                        }
+                        // Something else after the arguments (the grammar rules it out): the
+                        // call stands, the rest is text.
+                        Err(false) => return self.not_a_call(out),
+                    }
+                }
+                StreamState::Plain => {
+                    if !self.buf.is_empty() {
+                        out.push(ToolPiece::Text(std::mem::take(&mut self.buf)));
+                    }
+                    return;
+                }
             }
         }
-        // Not a call after all: everything kept is text from here on.
-        let text = std::mem::take(lead) + &std::mem::take(buf);
-        out.push(ToolPiece::Text(text));
-        self.state = StreamState::Plain;
     }
 }
 
@@ -1114,11 +1374,8 @@ mod tests {
         // The client's own x-guidance cannot change the format the reader expects.
         let odd = json!([{"type": "function", "function": {"name": "f", "parameters":
             {"type": "object", "x-guidance": {"item_separator": ";"}}}}]);
-        let g = ToolUse::parse(Some(&odd), None, None)
-            .unwrap()
-            .unwrap()
-            .grammar()
-            .unwrap();
+        let odd = ToolUse::parse(Some(&odd), None, None).unwrap().unwrap();
+        let g = odd.grammar().unwrap();
         assert!(
             !g.contains(r#""item_separator":";""#) && g.contains(r#""item_separator":", ""#),
             "{g}"
@@ -1180,16 +1437,30 @@ mod tests {
             pieces.extend(s.push(c));
         }
         pieces.extend(s.finish());
-        let mut text = String::new();
-        let mut calls = Vec::new();
-        for p in pieces {
+        assert!(!s.holding());
+        // Calls open in order; arguments go to the call opened last.
+        let mut opened = 0;
+        for p in &pieces {
             match p {
-                ToolPiece::Text(t) => text.push_str(&t),
-                ToolPiece::Call(c) => calls.push(c),
+                ToolPiece::Call { index, .. } => {
+                    assert_eq!(*index, opened);
+                    opened += 1;
+                }
+                ToolPiece::Arguments { index, .. } => assert_eq!(index + 1, opened),
+                ToolPiece::Text(_) => {}
             }
         }
-        assert_eq!(s.calls(), calls.len());
-        (text, calls)
+        let (text, calls) = ToolPiece::join(pieces.clone());
+        // Cut short: the last call's arguments are not a whole JSON value.
+        assert_eq!(
+            s.cut_short(),
+            calls.last().is_some_and(|c| {
+                !matches!(scan_value(c.arguments.as_bytes(), 0, 0), Scan::Done(n) if n == c.arguments.len())
+            }),
+            "{text:?} {calls:?}"
+        );
+        assert_eq!(s.calls(), opened);
+        ToolPiece::join(pieces)
     }
 
     /// Text a model could write, made of pieces that trouble a reader: tags, whole and broken
@@ -1242,6 +1513,54 @@ mod tests {
                 proptest::prop_assert_eq!(read, text);
             }
         }
+    }
+
+    #[test]
+    fn arguments_go_out_as_they_are_written() {
+        let mut s = ToolStream::new();
+        let mut pieces = s.push("Sure.\n<tool_call>\n{\"name\": \"get_weather\", ");
+        assert_eq!(pieces, [ToolPiece::Text("Sure.".into())]);
+        assert!(s.holding());
+        pieces = s.push("\"arguments\": {\"city\": \"Par");
+        assert_eq!(
+            pieces,
+            [
+                ToolPiece::Call {
+                    index: 0,
+                    name: "get_weather".into()
+                },
+                ToolPiece::Arguments {
+                    index: 0,
+                    text: "{\"city\": \"Par".into()
+                }
+            ]
+        );
+        assert!(!s.holding());
+        pieces = s.push("is\"}}\n</tool");
+        assert_eq!(
+            pieces,
+            [ToolPiece::Arguments {
+                index: 0,
+                text: "is\"}".into()
+            }]
+        );
+        assert!(s.holding());
+        pieces = s.push("_call>\n<tool_call>\n{\"name\": \"now\", \"arguments\": {}}");
+        assert_eq!(
+            pieces,
+            [
+                ToolPiece::Call {
+                    index: 1,
+                    name: "now".into()
+                },
+                ToolPiece::Arguments {
+                    index: 1,
+                    text: "{}".into()
+                }
+            ]
+        );
+        assert!(s.finish().is_empty());
+        assert_eq!(s.calls(), 2);
     }
 
     #[test]
@@ -1300,7 +1619,7 @@ mod tests {
             ("Hello <tool", "Hello <tool".into(), Vec::new()),
             ("Hello <toolbox> \n", "Hello <toolbox> \n".into(), Vec::new()),
             ("<tool", "<tool".into(), Vec::new()),
-            // Cut short (max_tokens): the unfinished call is text.
+            // Cut short (max_tokens) before its name is known: the unfinished call is text.
             (
                 "<tool_call>\n{\"name\": \"now\", \"argu",
                 "<tool_call>\n{\"name\": \"now\", \"argu".into(),
@@ -1323,6 +1642,27 @@ mod tests {
             (
                 "<tool_call>\n{\"name\": \"now\"}\n</tool_call> and so",
                 " and so".into(),
+                vec![expected[1].clone()],
+            ),
+            // Cut short in its arguments: a call, with the arguments written.
+            (
+                "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": [\"b}",
+                String::new(),
+                vec![ParsedCall {
+                    name: "f".into(),
+                    arguments: "{\"a\": [\"b}".into(),
+                }],
+            ),
+            // The call's last brace and its tag taken by a stop string.
+            (
+                "<tool_call>\n{\"name\": \"now\", \"arguments\": {}",
+                String::new(),
+                vec![expected[1].clone()],
+            ),
+            // Something else after streamed arguments: the call stands, the rest is text.
+            (
+                "<tool_call>\n{\"name\": \"now\", \"arguments\": {}, \"x\": 1}\n</tool_call>",
+                ", \"x\": 1}\n</tool_call>".into(),
                 vec![expected[1].clone()],
             ),
             ("", String::new(), Vec::new()),

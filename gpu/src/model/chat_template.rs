@@ -148,7 +148,33 @@ impl ChatTemplate {
     }
 
     /// Renders a conversation; `add_generation_prompt` appends the assistant turn header.
+    ///
+    /// A template that refuses a conversation opening with a system message (Gemma 2's and
+    /// Mistral's first raise an exception: they have no system role) gets the system text at
+    /// the head of the first user message instead, as Gemma 3's template places it itself.
+    /// Should that fail too, the first error is returned.
     pub fn render(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, GpuError> {
+        let first = match self.render_as_given(messages, add_generation_prompt) {
+            Err(e) => e,
+            done => return done,
+        };
+        let Some(folded) = fold_system(messages) else {
+            return Err(first);
+        };
+        let text = self
+            .render_as_given(&folded, add_generation_prompt)
+            .map_err(|_| first)?;
+        tracing::debug!(
+            "the chat template refused a system message: rendered it in the first user message"
+        );
+        Ok(text)
+    }
+
+    fn render_as_given(
         &self,
         messages: &[ChatMessage],
         add_generation_prompt: bool,
@@ -178,6 +204,21 @@ impl ChatTemplate {
         }
         String::from_utf8(out.buf).map_err(tmpl_err)
     }
+}
+
+/// `messages` with the system message it opens with moved to the head of the first user
+/// message (a user message of its own when none follows it); `None` when it opens otherwise.
+fn fold_system(messages: &[ChatMessage]) -> Option<Vec<ChatMessage>> {
+    let (system, rest) = messages.split_first()?;
+    if system.role != "system" {
+        return None;
+    }
+    let mut out = rest.to_vec();
+    match out.first_mut() {
+        Some(m) if m.role == "user" => m.content = format!("{}\n\n{}", system.content, m.content),
+        _ => out.insert(0, ChatMessage::new("user", system.content.clone())),
+    }
+    Some(out)
 }
 
 /// An in-memory writer that fails once `limit` bytes have been written.
@@ -263,12 +304,47 @@ mod tests {
     #[test]
     fn raise_exception_is_an_error() {
         let src = "{% if messages[0].role != 'user' %}{{ raise_exception('first must be user') }}{% endif %}ok";
-        let e = render(src, &[ChatMessage::new("system", "x")], false).unwrap_err();
+        let e = render(src, &[ChatMessage::new("assistant", "x")], false).unwrap_err();
         assert!(e.to_string().contains("first must be user"), "{e}");
         assert_eq!(
             render(src, &[ChatMessage::new("user", "x")], false).unwrap(),
             "ok"
         );
+    }
+
+    /// Gemma 2's template (google/gemma-2-2b-it's `tokenizer_config.json`), which refuses a
+    /// system message.
+    const GEMMA2: &str = "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}{% endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}";
+
+    #[test]
+    fn a_system_message_a_template_refuses_opens_the_first_user_turn() {
+        let t = ChatTemplate::new(GEMMA2, "<bos>", "<eos>").unwrap();
+        let system = ChatMessage::new("system", "Answer in French.");
+        let user = ChatMessage::new("user", "Hello");
+        // What Gemma 3's template writes for the same conversation (it folds the system
+        // message itself): the system text, a blank line, the user's.
+        assert_eq!(
+            t.render(&[system.clone(), user.clone()], true).unwrap(),
+            "<bos><start_of_turn>user\nAnswer in French.\n\nHello<end_of_turn>\n<start_of_turn>model\n"
+        );
+        // A system message alone becomes the user turn.
+        assert_eq!(
+            t.render(std::slice::from_ref(&system), true).unwrap(),
+            "<bos><start_of_turn>user\nAnswer in French.<end_of_turn>\n<start_of_turn>model\n"
+        );
+        // Before an assistant message, too.
+        assert_eq!(
+            t.render(&[system.clone(), ChatMessage::new("assistant", "Bonjour")], false)
+                .unwrap(),
+            "<bos><start_of_turn>user\nAnswer in French.<end_of_turn>\n<start_of_turn>model\nBonjour<end_of_turn>\n"
+        );
+        // Other refusals stand, with the template's first error.
+        let e = t
+            .render(&[system, user.clone(), user.clone()], true)
+            .unwrap_err();
+        assert!(e.to_string().contains("System role not supported"), "{e}");
+        let e = t.render(&[user.clone(), user], true).unwrap_err();
+        assert!(e.to_string().contains("must alternate"), "{e}");
     }
 
     #[test]
