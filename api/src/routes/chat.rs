@@ -64,7 +64,8 @@ struct ChatWriter {
     logprobs: bool,
     usage_field: Option<Option<Usage>>,
     /// Per choice, when the output is read back into content and tool calls: the reader, and
-    /// the logprobs of the tokens whose text it holds back (they go out with that text).
+    /// the logprobs of the tokens whose text it holds back (they go out with the next chunk
+    /// that carries text or a call).
     tools: Option<Vec<(ToolStream, Vec<TokenLogprob>)>>,
     /// The answer is calls only: no content, not even an empty one.
     calls_only: bool,
@@ -104,7 +105,9 @@ impl ChatWriter {
         if finished {
             pieces.extend(stream.finish());
         }
-        if stream.holding() {
+        // A token's logprobs go out with the first chunk that carries any of its text (or its
+        // call): held while the reader gives out nothing.
+        if stream.holding() && pieces.is_empty() {
             held.append(&mut logprobs);
         } else if !held.is_empty() {
             held.append(&mut logprobs);
