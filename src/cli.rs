@@ -295,7 +295,8 @@ pub struct ThroughputArgs {
     /// A GGUF file or a Hugging Face directory; defaults to the embedded SmolLM2-135M.
     #[arg(long)]
     pub model: Option<PathBuf>,
-    /// Random weights of a named architecture instead of a file (smollm2-135m, llama-3-8b).
+    /// Random weights of a named architecture instead of a file (smollm2-135m, llama-3-8b,
+    /// qwen2.5-0.5b).
     #[arg(long)]
     pub dummy: Option<String>,
     /// Dataset of prompt/output lengths.

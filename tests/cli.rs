@@ -391,6 +391,49 @@ fn generate_follows_a_json_schema_a_choice_and_refuses_bad_ones() {
 }
 
 #[test]
+fn generate_runs_qwen2_from_a_checkpoint_and_a_gguf_as_transformers_does() {
+    // A tiny random Qwen2 and transformers' greedy continuations of two prompts
+    // (gpu/reference/make_qwen2_golden.py), generated together in one batch.
+    let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("gpu/tests/fixtures");
+    let golden: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures.join("qwen2_golden.json")).expect("the fixture"),
+    )
+    .expect("JSON");
+    let gens = golden["generations"].as_array().expect("generations");
+    for model in ["qwen2", "tiny-qwen2.gguf"] {
+        let mut c = switchyard();
+        c.args([
+            "generate",
+            "--backend",
+            "cpu",
+            "--json",
+            "--max-tokens",
+            "8",
+        ])
+        .arg("--model")
+        .arg(fixtures.join(model));
+        for g in gens {
+            c.arg("--prompt")
+                .arg(g["prompt"].as_str().expect("a prompt"));
+        }
+        let out = succeeds(&mut c);
+        let answers: Vec<serde_json::Value> = out
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("a JSON line"))
+            .collect();
+        assert_eq!(answers.len(), gens.len(), "{out}");
+        for (a, g) in answers.iter().zip(gens) {
+            assert_eq!(a["text"], g["text"], "{model}: {out}");
+            assert_eq!(
+                a["prompt_tokens"],
+                g["prompt_ids"].as_array().unwrap().len(),
+                "{out}"
+            );
+        }
+    }
+}
+
+#[test]
 fn fp8_layers_and_kv_cache_are_refused_on_the_cpu_backend() {
     // fp8 layers and an fp8 KV cache need the CUDA backend; on the CPU each flag (or a bad
     // value) is an error that says so, before any work starts.

@@ -394,7 +394,9 @@ __device__ __forceinline__ void rope_rotate(float x0, float x1, float pos, float
 
 // RoPE on the Q and K parts of `qkv` (f32 [T, (nh + 2 nkv) hd], Q and K rows in the permuted
 // order above), Q written to `q` (bf16), K and V written to the cache slots (slot < 0: a padding
-// token, nothing written); q and the cache hold every head in the checkpoint's order.
+// token, nothing written); q and the cache hold every head in the checkpoint's order. `bias`
+// (null, or f32 [(nh + 2 nkv) hd] in the rows' order: Qwen2's Q, K and V biases) is added to
+// every token's row first.
 // Grid: one block per token. Thread i takes rotation pair j = i % (hd / 2) of every
 // (blockDim.x / (hd / 2))-th head from head i / (hd / 2) on, so it computes the pair's sine
 // and cosine once (rope_rotate's, the same bits) for all heads, and a warp reads whole rows.
@@ -408,10 +410,16 @@ __device__ __forceinline__ void rope_rotate(float x0, float x1, float pos, float
 // ksc / vsc [slot * nkv + head], e4m3(x / s) (nearest even, saturating) into the cache. One
 // warp per vector (K heads, then V heads); lane l takes pairs (or values) l, l + 32, ...
 // (hd a multiple of 64: the attention kernels' 64 or 128).
-__device__ __forceinline__ void kv_store_f8(const float* row, __nv_fp8_storage_t* kc,
-                                            __nv_fp8_storage_t* vc, float* ksc, float* vsc,
-                                            long long slot, float p, const float* inv_freq,
-                                            int nh, int nkv, int hd, int interleaved) {
+// Value `i` of a token's QKV row, with its bias when there is one.
+__device__ __forceinline__ float qkv_at(const float* row, const float* bias, int i) {
+    return bias ? row[i] + bias[i] : row[i];
+}
+
+__device__ __forceinline__ void kv_store_f8(const float* row, const float* bias,
+                                            __nv_fp8_storage_t* kc, __nv_fp8_storage_t* vc,
+                                            float* ksc, float* vsc, long long slot, float p,
+                                            const float* inv_freq, int nh, int nkv, int hd,
+                                            int interleaved) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const int half = hd / 2;
     for (int vec = warp; vec < 2 * nkv; vec += warps) {
@@ -431,18 +439,18 @@ __device__ __forceinline__ void kv_store_f8(const float* row, __nv_fp8_storage_t
                 sincosf(__fmul_rn(p, inv_freq[j]), &sn, &cs);
                 const int r = (nh + head) * hd + rope_pair_row(j);
                 float y0, y1;
-                rope_apply(row[r], row[r + 8], sn, cs, &y0, &y1);
+                rope_apply(qkv_at(row, bias, r), qkv_at(row, bias, r + 8), sn, cs, &y0, &y1);
                 x[2 * i] = __bfloat162float(__float2bfloat16(y0));
                 x[2 * i + 1] = __bfloat162float(__float2bfloat16(y1));
                 at[2 * i] = interleaved ? 2 * j : j;
                 at[2 * i + 1] = interleaved ? 2 * j + 1 : j + half;
             }
         } else {
-            const float* v = row + (nh + nkv + head) * hd;
+            const int v = (nh + nkv + head) * hd;
 #pragma unroll
             for (int i = 0; i < 4; i++) {
                 if (i >= per) break;
-                x[i] = __bfloat162float(__float2bfloat16(v[lane + 32 * i]));
+                x[i] = __bfloat162float(__float2bfloat16(qkv_at(row, bias, v + lane + 32 * i)));
                 at[i] = lane + 32 * i;
             }
         }
@@ -469,9 +477,9 @@ __device__ __forceinline__ void kv_store_f8(const float* row, __nv_fp8_storage_t
 }
 
 template <bool F8>
-__device__ __forceinline__ void rope_store_kv_body(const float* qkv, bf16* q, void* kc, void* vc,
-                                                   float* ksc, float* vsc, const int* pos,
-                                                   const long long* slots,
+__device__ __forceinline__ void rope_store_kv_body(const float* qkv, const float* bias, bf16* q,
+                                                   void* kc, void* vc, float* ksc, float* vsc,
+                                                   const int* pos, const long long* slots,
                                                    const float* inv_freq, int nh, int nkv,
                                                    int hd, int interleaved) {
     PDL_ENTER();
@@ -497,7 +505,7 @@ __device__ __forceinline__ void rope_store_kv_body(const float* qkv, bf16* q, vo
         for (int head = first; head < rotated; head += groups) {
             const int r = head * hd + pr;
             float y0, y1;
-            rope_apply(row[r], row[r + 8], sn, cs, &y0, &y1);
+            rope_apply(qkv_at(row, bias, r), qkv_at(row, bias, r + 8), sn, cs, &y0, &y1);
             bf16* o;
             if (head < nh)
                 o = q + ((u64)t * nh + head) * hd;
@@ -511,7 +519,7 @@ __device__ __forceinline__ void rope_store_kv_body(const float* qkv, bf16* q, vo
     }
     if (slot < 0) return;
     if (F8) {
-        kv_store_f8(row, static_cast<__nv_fp8_storage_t*>(kc),
+        kv_store_f8(row, bias, static_cast<__nv_fp8_storage_t*>(kc),
                     static_cast<__nv_fp8_storage_t*>(vc), ksc, vsc, slot, (float)pos[t],
                     inv_freq, nh, nkv, hd, interleaved);
         return;
@@ -519,7 +527,10 @@ __device__ __forceinline__ void rope_store_kv_body(const float* qkv, bf16* q, vo
     const float* v = row + (nh + nkv) * hd;
     bf16* vo = static_cast<bf16*>(vc) + (u64)slot * nkv * hd;
     const int nv = nkv * hd;
-    if ((nv & 3) == 0) {
+    if (bias) {
+        const float* vb = bias + (nh + nkv) * hd;
+        for (int i = threadIdx.x; i < nv; i += blockDim.x) vo[i] = __float2bfloat16(v[i] + vb[i]);
+    } else if ((nv & 3) == 0) {
         for (int i = threadIdx.x; i < (nv >> 2); i += blockDim.x) {
             const float4 f = reinterpret_cast<const float4*>(v)[i];
             reinterpret_cast<__nv_bfloat162*>(vo)[2 * i] = __floats2bfloat162_rn(f.x, f.y);
@@ -530,20 +541,20 @@ __device__ __forceinline__ void rope_store_kv_body(const float* qkv, bf16* q, vo
     }
 }
 
-extern "C" __global__ void rope_store_kv(const float* qkv, bf16* q, bf16* kc, bf16* vc,
-                                         const int* pos, const long long* slots,
+extern "C" __global__ void rope_store_kv(const float* qkv, const float* bias, bf16* q, bf16* kc,
+                                         bf16* vc, const int* pos, const long long* slots,
                                          const float* inv_freq, int nh, int nkv, int hd,
                                          int interleaved) {
-    rope_store_kv_body<false>(qkv, q, kc, vc, nullptr, nullptr, pos, slots, inv_freq, nh, nkv,
-                              hd, interleaved);
+    rope_store_kv_body<false>(qkv, bias, q, kc, vc, nullptr, nullptr, pos, slots, inv_freq, nh,
+                              nkv, hd, interleaved);
 }
 
-extern "C" __global__ void rope_store_kv_f8(const float* qkv, bf16* q, __nv_fp8_storage_t* kc,
-                                            __nv_fp8_storage_t* vc, float* ksc, float* vsc,
-                                            const int* pos, const long long* slots,
-                                            const float* inv_freq, int nh, int nkv, int hd,
-                                            int interleaved) {
-    rope_store_kv_body<true>(qkv, q, kc, vc, ksc, vsc, pos, slots, inv_freq, nh, nkv, hd,
+extern "C" __global__ void rope_store_kv_f8(const float* qkv, const float* bias, bf16* q,
+                                            __nv_fp8_storage_t* kc, __nv_fp8_storage_t* vc,
+                                            float* ksc, float* vsc, const int* pos,
+                                            const long long* slots, const float* inv_freq,
+                                            int nh, int nkv, int hd, int interleaved) {
+    rope_store_kv_body<true>(qkv, bias, q, kc, vc, ksc, vsc, pos, slots, inv_freq, nh, nkv, hd,
                              interleaved);
 }
 

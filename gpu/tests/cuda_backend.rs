@@ -1627,6 +1627,67 @@ fn constrained_drafts_are_kept_exactly_where_one_token_per_step_agrees() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// A Qwen2-shaped model (Q, K and V biases) against the CPU, which matches transformers on Qwen2
+// (`qwen2_golden.rs`).
+
+/// (position, relative L2 error of its logits) for a 2-layer Qwen2.5-0.5B-shaped model with
+/// random weights and biases through the CUDA backend, a prefill of 24 tokens and then one token
+/// per step (the GEMV kernels' sizes), against the CPU forward pass with near-f32 activations.
+fn qwen2_shape_errors(graphs: bool) -> Vec<(usize, f64)> {
+    let c = LlamaConfig {
+        num_layers: 2,
+        ..LlamaConfig::qwen25_05b()
+    };
+    let w = dummy_weights(&c, 13).expect("dummy weights");
+    let mut cuda =
+        CudaBackend::new(&c, WeightSource::Loaded(&w), &cfg(16, graphs)).expect("backend");
+    let mut cpu = LlamaModel::from_weights(&c, &w).expect("cpu model");
+    cpu.set_precision(ActivationPrecision::Precise);
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    let all: Vec<u32> = (0..40).map(|_| rng.random_range(0..151_000)).collect();
+    let want = cpu_logits(&cpu, &all, &(0..all.len()).collect::<Vec<_>>(), None);
+    let p = Arc::new(SamplingParams::greedy());
+    let table: Vec<u32> = (0..3).collect();
+    let v = c.vocab_size;
+    let mut out = Vec::new();
+    let mut check = |pos: usize, got: &[f32]| {
+        let rel = rel_l2(got, &want[pos * v..(pos + 1) * v]);
+        eprintln!("Qwen2 shape (graphs {graphs}), position {pos}: relative logit error {rel:.2e}");
+        out.push((pos, rel));
+    };
+    let prefill = 24;
+    let batch = Batch {
+        seqs: vec![one_seq(0, 0, all[..prefill].to_vec(), table.clone(), &p)],
+    };
+    let rows = [3usize, 23];
+    let got = cuda
+        .logits_rows(&batch, |_| rows.to_vec())
+        .expect("cuda logits");
+    for (i, &r) in rows.iter().enumerate() {
+        check(r, &got[i * v..(i + 1) * v]);
+    }
+    for pos in prefill..all.len() {
+        let batch = Batch {
+            seqs: vec![one_seq(0, pos, vec![all[pos]], table.clone(), &p)],
+        };
+        check(pos, &cuda.logits(&batch).expect("cuda logits"));
+    }
+    out
+}
+
+#[test]
+fn a_qwen2_shaped_model_with_biases_matches_the_cpu() {
+    if !gpu() {
+        return;
+    }
+    for graphs in [false, true] {
+        for (r, rel) in qwen2_shape_errors(graphs) {
+            assert!(rel < 2e-2, "position {r}: relative error {rel}");
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // A Llama-3-8B-shaped model against a near-f32 reference.
 
 #[test]

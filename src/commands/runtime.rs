@@ -274,7 +274,10 @@ pub fn preset(name: &str) -> anyhow::Result<LlamaConfig> {
     match name {
         "smollm2-135m" => Ok(LlamaConfig::smollm2_135m()),
         "llama-3-8b" => Ok(LlamaConfig::llama3_8b()),
-        other => anyhow::bail!("unknown architecture `{other}` (known: smollm2-135m, llama-3-8b)"),
+        "qwen2.5-0.5b" => Ok(LlamaConfig::qwen25_05b()),
+        other => anyhow::bail!(
+            "unknown architecture `{other}` (known: smollm2-135m, llama-3-8b, qwen2.5-0.5b)"
+        ),
     }
 }
 

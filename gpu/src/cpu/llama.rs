@@ -28,6 +28,8 @@ struct Layer {
     gate: Weight,
     up: Weight,
     down: Weight,
+    /// Q, K and V biases side by side (Qwen2), as one QKV row.
+    qkv_bias: Option<Vec<f32>>,
 }
 
 /// How precisely the activations entering the quantized matrix multiplies are represented.
@@ -151,6 +153,16 @@ impl LlamaModel {
                 gate: matrix(weights, &n("ffn_gate"), c.intermediate_size, h)?,
                 up: matrix(weights, &n("ffn_up"), c.intermediate_size, h)?,
                 down: matrix(weights, &n("ffn_down"), h, c.intermediate_size)?,
+                qkv_bias: if c.qkv_bias {
+                    let b =
+                        |s: &str, len: usize| vector(weights, &format!("blk.{i}.{s}.bias"), len);
+                    let mut bias = b("attn_q", c.num_heads * hd)?;
+                    bias.extend(b("attn_k", c.num_kv_heads * hd)?);
+                    bias.extend(b("attn_v", c.num_kv_heads * hd)?);
+                    Some(bias)
+                } else {
+                    None
+                },
             });
         }
         let embed = matrix(weights, "token_embd.weight", c.vocab_size, h)?;
@@ -352,6 +364,9 @@ impl LlamaModel {
             add_deltas(li, &lora_qkv, &xn, h, &mut qkv, &row_adapter);
             for (i, row) in qkv.chunks_exact_mut(qkv_w).enumerate() {
                 let q = step.queries[i];
+                if let Some(bias) = &l.qkv_bias {
+                    row.iter_mut().zip(bias).for_each(|(a, b)| *a += b);
+                }
                 let (qpart, rest) = row.split_at_mut(qw);
                 let (kpart, vpart) = rest.split_at_mut(kvw);
                 self.rope.apply(qpart, &cs[i * hd..(i + 1) * hd]);
@@ -524,6 +539,7 @@ fn precise_linear(
 /// Random tensors for [`LlamaModel::dummy`].
 pub fn dummy_weights(c: &LlamaConfig, seed: u64) -> Result<ModelWeights, GpuError> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut bias_rng = ChaCha8Rng::seed_from_u64(seed ^ 0xb1a5);
     let mut w = ModelWeights::new();
     let mut quant = |w: &mut ModelWeights, name: String, rows: usize, cols: usize, dtype: DType| {
         let blocks = rows * (cols / 32);
@@ -568,6 +584,20 @@ pub fn dummy_weights(c: &LlamaConfig, seed: u64) -> Result<ModelWeights, GpuErro
         quant(&mut w, n("ffn_gate"), c.intermediate_size, h, DType::Q4_1)?;
         quant(&mut w, n("ffn_up"), c.intermediate_size, h, DType::Q4_1)?;
         quant(&mut w, n("ffn_down"), h, c.intermediate_size, DType::Q4_1)?;
+        if c.qkv_bias {
+            for (name, len) in [
+                ("attn_q", c.num_heads * hd),
+                ("attn_k", c.num_kv_heads * hd),
+                ("attn_v", c.num_kv_heads * hd),
+            ] {
+                let bias = (0..len)
+                    .flat_map(|_| {
+                        (bias_rng.next_u32() as f32 / u32::MAX as f32 - 0.5).to_le_bytes()
+                    })
+                    .collect();
+                w.insert_owned(format!("blk.{i}.{name}.bias"), DType::F32, vec![len], bias)?;
+            }
+        }
     }
     Ok(w)
 }

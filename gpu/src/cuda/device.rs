@@ -296,6 +296,10 @@ pub(crate) struct RopeOut {
     pub heads: (usize, usize, usize),
     /// Pairs (2j, 2j + 1) rather than (j, j + head_dim / 2).
     pub interleaved: bool,
+    /// The Q, K and V biases (f32, one QKV row, Q and K rows in the stored order), 0 for none:
+    /// only `rope_store_kv` adds them (the forward pass keeps biased layers off the GEMV
+    /// epilogue).
+    pub bias: u64,
 }
 
 /// Wraps any CUDA-side error.
@@ -949,6 +953,7 @@ impl Gpu {
         let (nh, nkv, hd) = out.heads;
         let mut args = vec![
             Arg::Ptr(qkv),
+            Arg::Ptr(out.bias),
             Arg::Ptr(out.q),
             Arg::Ptr(out.k_cache),
             Arg::Ptr(out.v_cache),
@@ -1020,6 +1025,12 @@ impl Gpu {
         };
         if let GemvOutput::Rope(r) = output {
             let (nh, nkv, hd) = r.heads;
+            if r.bias != 0 {
+                return Err(GpuError::Internal(
+                    "the RoPE epilogue adds no biases: biased layers go through rope_store_kv"
+                        .into(),
+                ));
+            }
             if hd % 16 != 0 || m != (nh + 2 * nkv) * hd {
                 return Err(GpuError::Internal(format!(
                     "the RoPE epilogue needs a QKV product of (heads + 2 kv heads) x head_dim \

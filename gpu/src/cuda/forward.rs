@@ -593,9 +593,15 @@ pub(crate) fn enqueue(
             inv_freq: w.inv_freq.ptr(),
             heads: (nh, nkv, hd),
             interleaved: interleaved != 0,
+            bias: layer.qkv_bias.as_ref().map_or(0, DevMem::ptr),
         };
         let rope = GemvOutput::Rope(rope_out);
-        let rope_in_gemv = qkv_after.is_none() && qkv_o && gpu.rope_epilogue && kv.scales.is_none();
+        // (Layers with biases add them in rope_store_kv.)
+        let rope_in_gemv = qkv_after.is_none()
+            && qkv_o
+            && gpu.rope_epilogue
+            && kv.scales.is_none()
+            && rope_out.bias == 0;
         let f32_qkv = GemvOutput::Plain {
             beta: 0.0,
             f32_out: true,

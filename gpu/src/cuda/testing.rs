@@ -227,6 +227,7 @@ pub fn rope_store(
         inv_freq: freq_d.ptr(),
         heads: (nh, nkv, hd),
         interleaved,
+        bias: 0,
     };
     gpu.rope_store(qkv_d.ptr(), t, &out(&q_b, &kc, &vc), None)?;
     gpu.rope_store(

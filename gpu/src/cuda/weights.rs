@@ -30,6 +30,8 @@ pub(crate) struct GpuLayer {
     pub down: DevMem,
     /// With fp8 weights (qkv, o, gate|up and down then hold e4m3): their row scales.
     pub fp8: Option<Fp8Layer>,
+    /// The Q, K and V biases (Qwen2): f32, one QKV row, Q and K in `qkv`'s row order.
+    pub qkv_bias: Option<DevMem>,
 }
 
 /// The f32 scales of a layer's four fp8 matrices, in one allocation.
@@ -210,10 +212,43 @@ fn upload_bf16(
 
 fn upload_f32(gpu: &Gpu, w: &ModelWeights, name: &str, len: usize) -> Result<DevMem, GpuError> {
     let f = tensor_f32(w, name, len)?;
-    let m = gpu.alloc(len * 4)?;
-    gpu.upload(m.ptr(), &f)?;
+    f32_to_device(gpu, &f)
+}
+
+fn f32_to_device(gpu: &Gpu, f: &[f32]) -> Result<DevMem, GpuError> {
+    let m = gpu.alloc(f.len() * 4)?;
+    gpu.upload(m.ptr(), f)?;
+    // The host buffer must outlive the asynchronous copy.
     gpu.sync()?;
     Ok(m)
+}
+
+/// Layer `i`'s Q, K and V biases as one QKV row, the rows of each Q and K head in `order` (as
+/// [`stored_bf16`] stores the weights' rows).
+fn upload_qkv_bias(
+    gpu: &Gpu,
+    w: &ModelWeights,
+    c: &LlamaConfig,
+    i: usize,
+    order: &[usize],
+) -> Result<DevMem, GpuError> {
+    let hd = c.head_dim;
+    let mut row = Vec::with_capacity((c.num_heads + 2 * c.num_kv_heads) * hd);
+    for (name, heads, rotated) in [
+        ("attn_q", c.num_heads, true),
+        ("attn_k", c.num_kv_heads, true),
+        ("attn_v", c.num_kv_heads, false),
+    ] {
+        let b = tensor_f32(w, &format!("blk.{i}.{name}.bias"), heads * hd)?;
+        if rotated {
+            for head in 0..heads {
+                row.extend(order.iter().map(|&from| b[head * hd + from]));
+            }
+        } else {
+            row.extend(b);
+        }
+    }
+    f32_to_device(gpu, &row)
 }
 
 /// Uploads loaded weights (canonical GGUF tensor names).
@@ -268,6 +303,11 @@ pub(crate) fn from_model(
             )?,
             down: upload_bf16(gpu, w, &[Part::plain(n("ffn_down"), h)], inter)?,
             fp8: None,
+            qkv_bias: if c.qkv_bias {
+                Some(upload_qkv_bias(gpu, w, c, i, &order)?)
+            } else {
+                None
+            },
         };
         if let Some(q) = fp8 {
             q.layer(gpu, &mut layer)?;
@@ -342,7 +382,18 @@ pub(crate) fn dummy(
     };
     let fan = |n: usize| 1.0 / (n as f32).sqrt();
     let mut layers = Vec::with_capacity(c.num_layers);
-    for _ in 0..c.num_layers {
+    for li in 0..c.num_layers {
+        // Biases uniform in ±0.5, from a hash of (seed, layer, index).
+        let bias = |len: usize| -> Vec<f32> {
+            (0..len as u64)
+                .map(|j| {
+                    let mut x = seed ^ (li as u64) << 40 ^ j;
+                    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+                    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+                    (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+                })
+                .collect()
+        };
         let mut layer = GpuLayer {
             attn_norm: ones(h)?,
             qkv: matrix(q + 2 * kv, h, fan(h))?,
@@ -351,6 +402,11 @@ pub(crate) fn dummy(
             gate_up: matrix(2 * inter, h, fan(h))?,
             down: matrix(h, inter, fan(inter))?,
             fp8: None,
+            qkv_bias: if c.qkv_bias {
+                Some(f32_to_device(gpu, &bias(q + 2 * kv))?)
+            } else {
+                None
+            },
         };
         if let Some(q) = fp8 {
             q.layer(gpu, &mut layer)?;

@@ -1,5 +1,6 @@
-//! Llama-family model configuration: [`LlamaConfig`], read from GGUF metadata (`llama.*` keys)
-//! or from a Hugging Face `config.json`, and presets for dummy weights.
+//! Llama-family model configuration: [`LlamaConfig`], read from GGUF metadata (`llama.*` keys,
+//! or `mistral.*`, `qwen2.*`) or from a Hugging Face `config.json`, and presets for dummy
+//! weights. Qwen2 (and Qwen2.5) is a Llama with biases on the Q, K and V projections.
 //!
 //! RoPE scaling follows Meta's Llama 3.1 "llama3" frequency-dependent scheme (wavelengths longer
 //! than `original_max_position_embeddings / low_freq_factor` are divided by `factor`, shorter
@@ -63,6 +64,8 @@ pub struct LlamaConfig {
     pub max_position_embeddings: usize,
     /// Whether the output projection reuses the token embedding.
     pub tie_word_embeddings: bool,
+    /// Whether the Q, K and V projections add a bias (Qwen2).
+    pub qkv_bias: bool,
     /// Beginning-of-sequence token.
     pub bos_token_id: Option<u32>,
     /// Tokens that end generation.
@@ -94,6 +97,7 @@ impl LlamaConfig {
             rope_style: RopeStyle::Interleaved,
             max_position_embeddings: 8192,
             tie_word_embeddings: true,
+            qkv_bias: false,
             bos_token_id: Some(1),
             eos_token_ids: vec![2],
         }
@@ -115,8 +119,31 @@ impl LlamaConfig {
             rope_style: RopeStyle::Halves,
             max_position_embeddings: 8192,
             tie_word_embeddings: false,
+            qkv_bias: false,
             bos_token_id: Some(128_000),
             eos_token_ids: vec![128_001, 128_009],
+        }
+    }
+
+    /// Qwen2.5-0.5B(-Instruct) (Hugging Face layout: halves RoPE; Q, K and V biases).
+    pub fn qwen25_05b() -> Self {
+        LlamaConfig {
+            num_layers: 24,
+            hidden_size: 896,
+            num_heads: 14,
+            num_kv_heads: 2,
+            head_dim: 64,
+            intermediate_size: 4864,
+            vocab_size: 151_936,
+            rms_norm_eps: 1e-6,
+            rope_theta: 1_000_000.0,
+            rope_scaling: None,
+            rope_style: RopeStyle::Halves,
+            max_position_embeddings: 32_768,
+            tie_word_embeddings: true,
+            qkv_bias: true,
+            bos_token_id: Some(151_643),
+            eos_token_ids: vec![151_645],
         }
     }
 
@@ -182,14 +209,31 @@ impl LlamaConfig {
         Ok(())
     }
 
-    /// Reads a Hugging Face `config.json` (Llama / Mistral / SmolLM2 architectures).
+    /// Reads a Hugging Face `config.json` (Llama / Mistral / SmolLM2 / Qwen2 architectures).
     pub fn from_hf_json(json: &str) -> Result<Self, GpuError> {
         let c: HfConfig = serde_json::from_str(json)
             .map_err(|e| GpuError::InvalidConfig(format!("config.json: {e}")))?;
-        if let Some(mt) = &c.model_type {
-            if !matches!(mt.as_str(), "llama" | "mistral") {
-                return Err(GpuError::UnsupportedArchitecture(mt.clone()));
-            }
+        let qwen2 = match c.model_type.as_deref() {
+            None | Some("llama" | "mistral") => false,
+            Some("qwen2") => true,
+            Some(other) => return Err(GpuError::UnsupportedArchitecture(other.to_owned())),
+        };
+        let unsupported = |what: &str| {
+            Err(GpuError::UnsupportedArchitecture(format!(
+                "{} with {what}",
+                c.model_type.as_deref().unwrap_or("llama")
+            )))
+        };
+        // Llama's `attention_bias` also puts a bias on the output projection, which no
+        // backend has.
+        if c.attention_bias == Some(true) {
+            return unsupported("attention_bias");
+        }
+        if c.mlp_bias == Some(true) {
+            return unsupported("mlp_bias");
+        }
+        if c.use_sliding_window == Some(true) {
+            return unsupported("use_sliding_window");
         }
         let need = |v: Option<usize>, k: &str| {
             v.ok_or_else(|| GpuError::InvalidConfig(format!("config.json lacks {k}")))
@@ -199,6 +243,11 @@ impl LlamaConfig {
         if num_heads == 0 {
             return Err(GpuError::InvalidConfig("num_attention_heads is 0".into()));
         }
+        // transformers 5 writes the base inside `rope_parameters`.
+        let rope_theta = c.rope_theta.or_else(|| {
+            let p = c.rope_parameters.as_ref()?;
+            Some(p.get("rope_theta")?.as_f64()? as f32)
+        });
         let rope_scaling = match c.rope_scaling.or(c.rope_parameters) {
             Some(r) => parse_hf_rope_scaling(&r)?,
             None => None,
@@ -217,11 +266,12 @@ impl LlamaConfig {
             intermediate_size: need(c.intermediate_size, "intermediate_size")?,
             vocab_size: need(c.vocab_size, "vocab_size")?,
             rms_norm_eps: c.rms_norm_eps.unwrap_or(1e-6),
-            rope_theta: c.rope_theta.unwrap_or(10_000.0),
+            rope_theta: rope_theta.unwrap_or(10_000.0),
             rope_scaling,
             rope_style: RopeStyle::Halves,
             max_position_embeddings: c.max_position_embeddings.unwrap_or(2048),
             tie_word_embeddings: c.tie_word_embeddings.unwrap_or(false),
+            qkv_bias: qwen2,
             bos_token_id: c.bos_token_id,
             eos_token_ids,
         };
@@ -236,9 +286,10 @@ impl LlamaConfig {
         let arch = h
             .get_str("general.architecture")
             .ok_or_else(|| GpuError::InvalidConfig("GGUF lacks general.architecture".into()))?;
-        if !matches!(arch, "llama" | "mistral") {
+        if !matches!(arch, "llama" | "mistral" | "qwen2") {
             return Err(GpuError::UnsupportedArchitecture(arch.to_string()));
         }
+        let qwen2 = arch == "qwen2";
         let key = |k: &str| format!("{arch}.{k}");
         let need = |k: &str| {
             h.get_usize(&key(k))
@@ -296,10 +347,18 @@ impl LlamaConfig {
                 .unwrap_or(1e-5),
             rope_theta: h.get_f32(&key("rope.freq_base")).unwrap_or(10_000.0),
             rope_scaling,
-            rope_style: RopeStyle::Interleaved,
+            // llama.cpp's converter permutes Llama's Q and K rows for adjacent pairs, and
+            // leaves Qwen2's as they are (llama.cpp rotates it in the NeoX layout).
+            rope_style: if qwen2 {
+                RopeStyle::Halves
+            } else {
+                RopeStyle::Interleaved
+            },
             max_position_embeddings: h.get_usize(&key("context_length")).unwrap_or(2048),
             // GGUF files omit `output.weight` when the embedding is tied.
             tie_word_embeddings: !h.tensors.iter().any(|t| t.name == "output.weight"),
+            // Qwen2's files hold `blk.N.attn_{q,k,v}.bias`.
+            qkv_bias: h.tensors.iter().any(|t| t.name == "blk.0.attn_q.bias"),
             bos_token_id: token_id("tokenizer.ggml.bos_token_id")?,
             eos_token_ids,
         };
@@ -427,6 +486,9 @@ struct HfConfig {
     rope_parameters: Option<serde_json::Value>,
     max_position_embeddings: Option<usize>,
     tie_word_embeddings: Option<bool>,
+    attention_bias: Option<bool>,
+    mlp_bias: Option<bool>,
+    use_sliding_window: Option<bool>,
     bos_token_id: Option<u32>,
     eos_token_id: Option<IdOrIds>,
 }
@@ -580,5 +642,49 @@ mod tests {
         assert!(LlamaConfig::from_hf_json(&base.replace("HEADS", "0")).is_err());
         assert!(LlamaConfig::from_hf_json(r#"{"model_type":"gpt2"}"#).is_err());
         assert!(LlamaConfig::from_hf_json("not json").is_err());
+    }
+
+    /// Qwen2.5-0.5B-Instruct's `config.json` (transformers 4.x layout).
+    const QWEN25_05B: &str = r#"{"architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0,
+        "bos_token_id": 151643, "eos_token_id": 151645, "hidden_act": "silu", "hidden_size": 896,
+        "initializer_range": 0.02, "intermediate_size": 4864, "max_position_embeddings": 32768,
+        "max_window_layers": 21, "model_type": "qwen2", "num_attention_heads": 14,
+        "num_hidden_layers": 24, "num_key_value_heads": 2, "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": true,
+        "torch_dtype": "bfloat16", "transformers_version": "4.43.1", "use_cache": true,
+        "use_sliding_window": false, "vocab_size": 151936}"#;
+
+    #[test]
+    fn qwen2_configs_have_qkv_biases_and_halves_rope() {
+        let c = LlamaConfig::from_hf_json(QWEN25_05B).unwrap();
+        assert_eq!(c, LlamaConfig::qwen25_05b());
+        assert!(c.qkv_bias && c.tie_word_embeddings);
+        assert_eq!((c.num_heads, c.num_kv_heads, c.head_dim), (14, 2, 64));
+        assert_eq!((c.rope_theta, c.rope_style), (1e6, RopeStyle::Halves));
+        assert_eq!(c.eos_token_ids, [151_645]);
+        // transformers 5 writes the base inside rope_parameters.
+        let v5 = QWEN25_05B.replace(
+            r#""rope_theta": 1000000.0"#,
+            r#""rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"}"#,
+        );
+        assert_eq!(LlamaConfig::from_hf_json(&v5).unwrap(), c);
+        // Sliding-window attention is not implemented: refused, not run wrong.
+        let sliding = QWEN25_05B.replace(
+            r#""use_sliding_window": false"#,
+            r#""use_sliding_window": true"#,
+        );
+        let e = LlamaConfig::from_hf_json(&sliding).unwrap_err().to_string();
+        assert!(e.contains("use_sliding_window"), "{e}");
+        // Llama's attention_bias puts a bias on the output projection too: refused.
+        let llama = r#"{"model_type":"llama","num_hidden_layers":2,"hidden_size":64,
+            "num_attention_heads":4,"intermediate_size":128,"vocab_size":100,
+            "attention_bias":true}"#;
+        let e = LlamaConfig::from_hf_json(llama).unwrap_err().to_string();
+        assert!(e.contains("attention_bias"), "{e}");
+        assert!(
+            !LlamaConfig::from_hf_json(&llama.replace("true", "false"))
+                .unwrap()
+                .qkv_bias
+        );
     }
 }

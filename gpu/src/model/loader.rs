@@ -206,6 +206,10 @@ pub fn expected_tensors(c: &LlamaConfig) -> Vec<(String, Vec<usize>)> {
             t("ffn_up", vec![ff, h]),
             t("ffn_down", vec![h, ff]),
         ]);
+        if c.qkv_bias {
+            let b = |n: &str, len: usize| (format!("blk.{i}.{n}.bias"), vec![len]);
+            v.extend([b("attn_q", q), b("attn_k", kv), b("attn_v", kv)]);
+        }
     }
     v
 }
@@ -238,11 +242,11 @@ pub fn validate_weights(
                 reason: format!("shape {:?}, expected {shape:?}", t.shape),
             });
         }
-        if name.ends_with("norm.weight") && t.dtype.is_quantized() {
+        if (name.ends_with("norm.weight") || name.ends_with(".bias")) && t.dtype.is_quantized() {
             bar.abandon();
             return Err(GpuError::BadTensor {
                 tensor: name.clone(),
-                reason: format!("norm weights must be float, not {}", t.dtype),
+                reason: format!("norm weights and biases must be float, not {}", t.dtype),
             });
         }
         bar.inc(1);

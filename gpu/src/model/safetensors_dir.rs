@@ -31,19 +31,24 @@ pub fn canonical_name(hf: &str) -> Option<String> {
     let rest = hf.strip_prefix("model.layers.")?;
     let (layer, suffix) = rest.split_once('.')?;
     let layer: usize = layer.parse().ok()?;
-    let part = match suffix {
-        "input_layernorm.weight" => "attn_norm",
-        "self_attn.q_proj.weight" => "attn_q",
-        "self_attn.k_proj.weight" => "attn_k",
-        "self_attn.v_proj.weight" => "attn_v",
-        "self_attn.o_proj.weight" => "attn_output",
-        "post_attention_layernorm.weight" => "ffn_norm",
-        "mlp.gate_proj.weight" => "ffn_gate",
-        "mlp.up_proj.weight" => "ffn_up",
-        "mlp.down_proj.weight" => "ffn_down",
+    let (module, kind) = suffix.rsplit_once('.')?;
+    let part = match (module, kind) {
+        ("input_layernorm", "weight") => "attn_norm",
+        ("self_attn.q_proj", _) => "attn_q",
+        ("self_attn.k_proj", _) => "attn_k",
+        ("self_attn.v_proj", _) => "attn_v",
+        ("self_attn.o_proj", "weight") => "attn_output",
+        ("post_attention_layernorm", "weight") => "ffn_norm",
+        ("mlp.gate_proj", "weight") => "ffn_gate",
+        ("mlp.up_proj", "weight") => "ffn_up",
+        ("mlp.down_proj", "weight") => "ffn_down",
         _ => return None,
     };
-    Some(format!("blk.{layer}.{part}.weight"))
+    // Q, K and V have biases in Qwen2.
+    if !matches!(kind, "weight" | "bias") {
+        return None;
+    }
+    Some(format!("blk.{layer}.{part}.{kind}"))
 }
 
 /// The shard files of the checkpoint in `dir`, sorted.
@@ -173,6 +178,13 @@ mod tests {
                 "model.layers.12.self_attn.o_proj.weight",
                 Some("blk.12.attn_output.weight"),
             ),
+            (
+                "model.layers.3.self_attn.k_proj.bias",
+                Some("blk.3.attn_k.bias"),
+            ),
+            ("model.layers.3.self_attn.o_proj.bias", None),
+            ("model.layers.3.mlp.up_proj.bias", None),
+            ("model.layers.3.self_attn.q_proj.scale", None),
             (
                 "model.layers.0.post_attention_layernorm.weight",
                 Some("blk.0.ffn_norm.weight"),

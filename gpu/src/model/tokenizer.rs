@@ -1,7 +1,7 @@
 //! Tokenizers: a Hugging Face `tokenizer.json` through the `tokenizers` crate, or a tokenizer
 //! rebuilt from a GGUF file's embedded vocabulary (`tokenizer.ggml.*`): byte-level BPE
 //! (`gpt2`) with the pre-tokenizer named by `tokenizer.ggml.pre` (the regexes of llama.cpp's
-//! pre-tokenizer table for "gpt2", "llama-bpe"/"llama3" and "smollm"), or SentencePiece
+//! pre-tokenizer table for "gpt2", "llama-bpe"/"llama3", "smollm" and "qwen2"), or SentencePiece
 //! (`llama`, see `tokenizer_spm`).
 //!
 //! Byte-level BPE (GPT-2, Radford et al. 2019) maps every byte to a printable unicode character
@@ -34,6 +34,8 @@ pub const MAX_TOKENIZER_JSON: u64 = 256 << 20;
 
 /// Llama 3's pre-tokenizer regex (OpenAI's cl100k pattern).
 const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Qwen2's split (`tokenizer.ggml.pre` "qwen2"): Llama 3's with every digit alone.
+const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// GGUF token types (llama.cpp's `llama_token_type`).
 const TOKEN_TYPE_UNKNOWN: i64 = 2;
@@ -425,9 +427,15 @@ fn pre_tokenizer_for(pre: &str) -> Result<(PreTokenizerWrapper, bool, bool), Gpu
             true,
             true,
         ),
+        // Qwen2 and Qwen2.5: no BOS.
+        "qwen2" => (
+            Sequence::new(vec![split(QWEN2_PATTERN)?, byte_level(false)]).into(),
+            false,
+            false,
+        ),
         other => {
             return Err(tok_err(format!(
-                "pre-tokenizer '{other}' is not supported (gpt2, smollm, llama-bpe)"
+                "pre-tokenizer '{other}' is not supported (gpt2, smollm, llama-bpe, qwen2)"
             )))
         }
     })

@@ -180,10 +180,13 @@ fn bad_tokenizer_metadata_is_an_error() {
 
     let mut w4 = GgufWriter::default();
     w4.string("tokenizer.ggml.model", "gpt2")
-        .string("tokenizer.ggml.pre", "qwen2")
+        .string("tokenizer.ggml.pre", "deepseek-llm")
         .str_array("tokenizer.ggml.tokens", &["a"])
         .str_array("tokenizer.ggml.merges", &[]);
-    assert!(tiny_tok(&w4).unwrap_err().to_string().contains("qwen2"));
+    assert!(tiny_tok(&w4)
+        .unwrap_err()
+        .to_string()
+        .contains("deepseek-llm"));
 
     let mut w5 = tiny("gpt2");
     w5.u32("tokenizer.ggml.unknown_token_id", 0);

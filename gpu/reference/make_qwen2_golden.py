@@ -1,0 +1,301 @@
+#!/usr/bin/env python3
+"""Golden reference for the Qwen2 architecture: a tiny random Qwen2 model, as a Hugging Face
+checkpoint directory and as a GGUF file, with float32 logits from Hugging Face transformers.
+
+The script
+  1. builds a byte-level BPE tokenizer in Qwen2's form with the `tokenizers` library (the Qwen2
+     pre-tokenizer regex, which splits every number into single digits, then ByteLevel without
+     its own regex), over a small vocabulary: the 256 byte symbols, a few merges chosen so that
+     the Qwen2 split changes the ids (no "123" token can form), filler tokens, and ChatML's
+     special tokens; it encodes a few strings with it: the tokenization reference;
+  2. draws random weights for a `Qwen2ForCausalLM` of 2 layers (hidden 64, 4 heads over 2 KV
+     heads, QKV biases, tied embeddings, RoPE base 1e6), rounds every value to one that bf16 and
+     f16 both hold exactly, and writes the checkpoint directory (config.json, model.safetensors in
+     bf16, tokenizer.json, tokenizer_config.json with a ChatML template);
+  3. writes the same model as `tiny-qwen2.gguf` with the `gguf` package the way llama.cpp's
+     converter writes Qwen2 (architecture "qwen2", F16 tensors, Q and K rows as Hugging Face
+     has them: llama.cpp rotates Qwen2 in the NeoX layout, so it does not permute them; the
+     biases as `blk.N.attn_{q,k,v}.bias`; tokenizer "gpt2" with pre "qwen2");
+  4. runs the checkpoint through transformers in float32 (eager attention) over a fixed token
+     sequence and writes every position's logits, and continues two texts greedily.
+
+Output (in --out, default gpu/tests/fixtures): the directory above as qwen2/, tiny-qwen2.gguf
+beside it (a directory holding one GGUF file loads as that file), and qwen2_golden.json
+{format, reference, tokens, logits [[f32 x vocab] per position], tokenization [{text, ids}],
+generations [{prompt, prompt_ids, tokens, text, min_margin}]: greedy continuations by
+transformers' `generate`, with the smallest top-1 / top-2 logit margin of their steps}.
+Nothing here uses Switchyard's code or output.
+
+Needs: torch, transformers (5.17 tested), tokenizers, safetensors, numpy, gguf (0.19 tested).
+Runs on a CPU in seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+
+FORMAT = "switchyard-qwen2-golden/1"
+GENERATED = 8
+SEED = 20261202
+ROPE_THETA = 1000000.0
+VOCAB = 320
+SPECIALS = {317: "<|endoftext|>", 318: "<|im_start|>", 319: "<|im_end|>"}
+# llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN2 and Qwen2's tokenizer.json: Llama 3's split with single
+# digits (\p{N}, not \p{N}{1,3}).
+QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+MERGES = [
+    ("1", "2"), ("12", "3"), ("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("Ġ", "Ġ"), ("i", "n"),
+    ("Ġ", "in"), ("'", "s"), ("Ċ", "Ċ"), ("Ġ", "w"), ("o", "r"), ("Ġw", "or"), ("l", "d"),
+    ("Ġwor", "ld"), ("a", "p"), ("ap", "p"), ("l", "e"), ("app", "le"), ("Ġ", "1"),
+]
+TEXTS = [
+    "12345 apples",
+    "the theory in 2024!\n\n  x",
+    "it's  the WORLD's world",
+    "ünïcödé 123 ١٢٣",
+    "\t\n hello\n\n\nworld  ",
+]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content']"
+    " + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def bytes_to_unicode() -> list[str]:
+    """GPT-2's byte symbols, indexed by byte value."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    bs += list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    table = dict(zip(bs, cs))
+    return [chr(table[b]) for b in range(256)]
+
+
+def vocabulary() -> list[str]:
+    tokens = bytes_to_unicode()
+    for a, b in MERGES:
+        tokens.append(a + b)
+    while len(tokens) < min(SPECIALS):
+        tokens.append(f"<|filler_{len(tokens)}|>")
+    tokens += [SPECIALS[i] for i in sorted(SPECIALS)]
+    assert len(tokens) == VOCAB and len(set(tokens)) == VOCAB
+    return tokens
+
+
+def build_tokenizer(tokens: list[str]):
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=MERGES, fuse_unk=False, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    from tokenizers import AddedToken
+
+    tok.add_special_tokens([AddedToken(SPECIALS[i], special=True, normalized=False) for i in sorted(SPECIALS)])
+    for i, t in SPECIALS.items():
+        assert tok.token_to_id(t) == i
+    return tok
+
+
+def representable(t, torch):
+    """`t` rounded to bf16, with magnitudes below f16's normal range set to 0: values that bf16
+    and f16 both hold exactly."""
+    r = t.to(torch.bfloat16).to(torch.float32)
+    r[r.abs() < 2.0**-14] = 0.0
+    assert torch.equal(r.to(torch.float16).to(torch.float32), r)
+    return r
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures"))
+    args = ap.parse_args()
+    hf = os.path.join(args.out, "qwen2")
+    os.makedirs(hf, exist_ok=True)
+
+    import gguf
+    import numpy as np
+    import torch
+    import transformers
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokens = vocabulary()
+    tok = build_tokenizer(tokens)
+    tok.save(os.path.join(hf, "tokenizer.json"))
+    tokenization = [{"text": t, "ids": tok.encode(t, add_special_tokens=False).ids} for t in TEXTS]
+    # The split matters: with Llama 3's \p{N}{1,3}, "123" would merge into one token.
+    assert tokenization[0]["ids"][:5] == [ord(c) for c in "12345"], tokenization[0]
+
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_theta=ROPE_THETA,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        use_sliding_window=False,
+        hidden_act="silu",
+        bos_token_id=317,
+        eos_token_id=319,
+    )
+    torch.manual_seed(SEED)
+    model = Qwen2ForCausalLM._from_config(config, attn_implementation="eager").to(torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                v = 1.0 + 0.1 * torch.randn_like(p)
+            elif name.endswith("bias"):
+                v = 0.5 * torch.randn_like(p)
+            elif "embed_tokens" in name:
+                v = 0.5 * torch.randn_like(p)
+            else:
+                v = 0.1 * torch.randn_like(p)
+            p.copy_(representable(v, torch))
+    model.eval()
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+    # The checkpoint directory, bf16 (exact: every value is representable).
+    model.to(torch.bfloat16).save_pretrained(hf, safe_serialization=True)
+    model.to(torch.float32)
+    with open(os.path.join(hf, "tokenizer_config.json"), "w") as f:
+        json.dump(
+            {
+                "bos_token": None,
+                "eos_token": "<|im_end|>",
+                "chat_template": CHAT_TEMPLATE,
+                "tokenizer_class": "Qwen2Tokenizer",
+            },
+            f,
+            indent=1,
+        )
+
+    # The GGUF file, as llama.cpp's converter writes Qwen2.
+    w = gguf.GGUFWriter(os.path.join(args.out, "tiny-qwen2.gguf"), "qwen2")
+    w.add_name("tiny-qwen2")
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(config.hidden_size)
+    w.add_block_count(config.num_hidden_layers)
+    w.add_feed_forward_length(config.intermediate_size)
+    w.add_head_count(config.num_attention_heads)
+    w.add_head_count_kv(config.num_key_value_heads)
+    w.add_rope_freq_base(ROPE_THETA)
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL if i in SPECIALS else gguf.TokenType.NORMAL for i in range(VOCAB)])
+    w.add_token_merges([f"{a} {b}" for a, b in MERGES])
+    w.add_bos_token_id(317)
+    w.add_eos_token_id(319)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+    names = {
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+    }
+    for name, p in model.state_dict().items():
+        if name == "lm_head.weight":
+            continue  # tied
+        if name == "model.embed_tokens.weight":
+            out = "token_embd.weight"
+        elif name == "model.norm.weight":
+            out = "output_norm.weight"
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            out = f"blk.{layer}.{names[module]}.{kind}"
+        arr = p.detach().to(torch.float32).numpy()
+        # llama.cpp keeps norms and biases in f32, matrices in the file type.
+        if arr.ndim == 2:
+            arr = arr.astype(np.float16)
+        w.add_tensor(out, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    # The reference logits, float32.
+    g = torch.Generator().manual_seed(SEED + 1)
+    ids = torch.randint(0, min(SPECIALS), (24,), generator=g).tolist()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].to(torch.float32)
+    # Greedy continuations of two of the texts (transformers' generate, KV cache on), with each
+    # step's top-1 / top-2 margin.
+    generations = []
+    for text in (TEXTS[0], TEXTS[2]):
+        prompt = tok.encode(text, add_special_tokens=False).ids
+        with torch.no_grad():
+            full = model.generate(
+                torch.tensor([prompt]), max_new_tokens=GENERATED, do_sample=False,
+                eos_token_id=319, pad_token_id=319,
+            )[0].tolist()
+            new = full[len(prompt):]
+            steps = model(torch.tensor([full[:-1]])).logits[0, len(prompt) - 1:]
+        top2 = steps.topk(2).values
+        generations.append({
+            "prompt": text,
+            "prompt_ids": prompt,
+            "tokens": new,
+            "text": tok.decode(new, skip_special_tokens=True),
+            "min_margin": float((top2[:, 0] - top2[:, 1]).min()),
+        })
+    out = {
+        "format": FORMAT,
+        "reference": {
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+            "gguf": getattr(gguf, "__version__", "?"),
+            "device": "cpu",
+            "date": datetime.date.today().isoformat(),
+            "seed": SEED,
+        },
+        "tokens": ids,
+        "logits": [[float(f"{x:.7g}") for x in row] for row in logits.tolist()],
+        "tokenization": tokenization,
+        "generations": generations,
+    }
+    with open(os.path.join(args.out, "qwen2_golden.json"), "w") as f:
+        json.dump(out, f)
+    top = logits.max(-1)
+    print("argmax", top.indices.tolist())
+    print("logit std", float(logits.std()), "top1-top2 min margin",
+          float((logits.topk(2).values[:, 0] - logits.topk(2).values[:, 1]).min()))
+    for t in tokenization:
+        print(repr(t["text"]), t["ids"])
+    for g in generations:
+        print(repr(g["prompt"]), "->", g["tokens"], repr(g["text"]), "min margin", g["min_margin"])
+    print("wrote", sorted(os.listdir(args.out)), sorted(os.listdir(hf)))
+
+
+if __name__ == "__main__":
+    main()
