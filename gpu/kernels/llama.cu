@@ -404,17 +404,17 @@ __device__ __forceinline__ void rope_rotate(float x0, float x1, float pos, float
 // F8 (`kv_cache_dtype: fp8`, rope_store_kv_f8): the cache holds e4m3 bytes with a scale per
 // (slot, KV head), written by kv_store_f8; Q as above.
 
+// Value `i` of a token's QKV row, with its bias when there is one.
+__device__ __forceinline__ float qkv_at(const float* row, const float* bias, int i) {
+    return bias ? row[i] + bias[i] : row[i];
+}
+
 // One token's keys (rotated as rope_store_kv_body rotates them) and values into an fp8 cache
 // slot: each (slot, KV head) vector rounded to bf16 (what a bf16 cache would hold), then
 // quantized as fp8_quant_rows quantizes a row: s = max(amax / 448, FP8_MIN_SCALE) into
 // ksc / vsc [slot * nkv + head], e4m3(x / s) (nearest even, saturating) into the cache. One
 // warp per vector (K heads, then V heads); lane l takes pairs (or values) l, l + 32, ...
 // (hd a multiple of 64: the attention kernels' 64 or 128).
-// Value `i` of a token's QKV row, with its bias when there is one.
-__device__ __forceinline__ float qkv_at(const float* row, const float* bias, int i) {
-    return bias ? row[i] + bias[i] : row[i];
-}
-
 __device__ __forceinline__ void kv_store_f8(const float* row, const float* bias,
                                             __nv_fp8_storage_t* kc, __nv_fp8_storage_t* vc,
                                             float* ksc, float* vsc, long long slot, float p,

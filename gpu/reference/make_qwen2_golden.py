@@ -4,12 +4,13 @@ checkpoint directory and as a GGUF file, with float32 logits from Hugging Face t
 
 The script
   1. builds a byte-level BPE tokenizer in Qwen2's form with the `tokenizers` library (the Qwen2
-     pre-tokenizer regex, which splits every number into single digits, then ByteLevel without
+     normalizer (NFC) and pre-tokenizer regex, which splits every number into single digits, then
+     ByteLevel without
      its own regex), over a small vocabulary: the 256 byte symbols, a few merges chosen so that
      the Qwen2 split changes the ids (no "123" token can form), filler tokens, and ChatML's
      special tokens; it encodes a few strings with it: the tokenization reference;
   2. draws random weights for a `Qwen2ForCausalLM` of 2 layers (hidden 64, 4 heads over 2 KV
-     heads, QKV biases, tied embeddings, RoPE base 1e6), rounds every value to one that bf16 and
+     heads, QKV biases, an untied output head, RoPE base 1e6), rounds every value to one that bf16 and
      f16 both hold exactly, and writes the checkpoint directory (config.json, model.safetensors in
      bf16, tokenizer.json, tokenizer_config.json with a ChatML template);
   3. writes the same model as `tiny-qwen2.gguf` with the `gguf` package the way llama.cpp's
@@ -17,7 +18,8 @@ The script
      has them: llama.cpp rotates Qwen2 in the NeoX layout, so it does not permute them; the
      biases as `blk.N.attn_{q,k,v}.bias`; tokenizer "gpt2" with pre "qwen2");
   4. runs the checkpoint through transformers in float32 (eager attention) over a fixed token
-     sequence and writes every position's logits, and continues two texts greedily.
+     sequence and writes every position's logits, and continues a few prompts greedily, keeping
+     the two whose continuations vary most.
 
 Output (in --out, default gpu/tests/fixtures): the directory above as qwen2/, tiny-qwen2.gguf
 beside it (a directory holding one GGUF file loads as that file), and qwen2_golden.json
@@ -60,7 +62,18 @@ TEXTS = [
     "it's  the WORLD's world",
     "ünïcödé 123 ١٢٣",
     "\t\n hello\n\n\nworld  ",
+    # Decomposed: Qwen2's tokenizer composes it to NFC first.
+    "cafe\u0301 un\u0303o",
 ]
+# Prompts whose greedy continuations are tried; the two with the most different tokens (and no
+# step closer than MIN_MARGIN between its top two logits) are kept.
+PROMPTS = TEXTS[:3] + [
+    "The quick brown fox",
+    "what is the weather in Paris?",
+    "hello world, 1 2 3",
+    "zebra quantum 42 !?",
+]
+MIN_MARGIN = 0.05  # 15x the CPU path's largest logit error on this model (3.2e-3)
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content']"
     " + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}"
@@ -95,10 +108,11 @@ def vocabulary() -> list[str]:
 
 
 def build_tokenizer(tokens: list[str]):
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
     vocab = {t: i for i, t in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=MERGES, fuse_unk=False, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
             pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated", invert=False),
@@ -153,7 +167,9 @@ def main() -> None:
         max_position_embeddings=512,
         rope_theta=ROPE_THETA,
         rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
+        # Untied (as Qwen2.5-7B): with a tied head, a random model's residual stream is mostly
+        # its input's embedding and greedy decoding repeats the last token.
+        tie_word_embeddings=False,
         use_sliding_window=False,
         hidden_act="silu",
         bos_token_id=317,
@@ -167,13 +183,13 @@ def main() -> None:
                 v = 1.0 + 0.1 * torch.randn_like(p)
             elif name.endswith("bias"):
                 v = 0.5 * torch.randn_like(p)
-            elif "embed_tokens" in name:
+            elif "embed_tokens" in name or "lm_head" in name:
                 v = 0.5 * torch.randn_like(p)
             else:
                 v = 0.1 * torch.randn_like(p)
             p.copy_(representable(v, torch))
     model.eval()
-    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
 
     # The checkpoint directory, bf16 (exact: every value is representable).
     model.to(torch.bfloat16).save_pretrained(hf, safe_serialization=True)
@@ -224,8 +240,8 @@ def main() -> None:
     }
     for name, p in model.state_dict().items():
         if name == "lm_head.weight":
-            continue  # tied
-        if name == "model.embed_tokens.weight":
+            out = "output.weight"
+        elif name == "model.embed_tokens.weight":
             out = "token_embd.weight"
         elif name == "model.norm.weight":
             out = "output_norm.weight"
@@ -249,10 +265,10 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0].to(torch.float32)
-    # Greedy continuations of two of the texts (transformers' generate, KV cache on), with each
-    # step's top-1 / top-2 margin.
+    # Greedy continuations (transformers' generate, KV cache on), with each step's top-1 / top-2
+    # margin; the two most varied are kept.
     generations = []
-    for text in (TEXTS[0], TEXTS[2]):
+    for text in PROMPTS:
         prompt = tok.encode(text, add_special_tokens=False).ids
         with torch.no_grad():
             full = model.generate(
@@ -269,6 +285,12 @@ def main() -> None:
             "text": tok.decode(new, skip_special_tokens=True),
             "min_margin": float((top2[:, 0] - top2[:, 1]).min()),
         })
+    for g in generations:
+        print(repr(g["prompt"]), "->", g["tokens"], "min margin", round(g["min_margin"], 3))
+    usable = [g for g in generations if g["min_margin"] >= MIN_MARGIN and "\ufffd" not in g["text"]]
+    usable.sort(key=lambda g: -len(set(g["tokens"])))
+    generations = usable[:2]
+    assert len(generations) == 2 and all(len(set(g["tokens"])) > 1 for g in generations), generations
     out = {
         "format": FORMAT,
         "reference": {

@@ -106,8 +106,9 @@ impl ChatWriter {
             pieces.extend(stream.finish());
         }
         // A token's logprobs go out with the first chunk that carries any of its text (or its
-        // call): held while the reader gives out nothing.
-        if stream.holding() && pieces.is_empty() {
+        // call): held while the reader gives out nothing (the call's closing tokens' until the
+        // next call or the end).
+        if pieces.is_empty() && !finished {
             held.append(&mut logprobs);
         } else if !held.is_empty() {
             held.append(&mut logprobs);

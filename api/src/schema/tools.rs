@@ -846,7 +846,7 @@ impl ToolStream {
     /// The end of the choice: what was held back comes out. A call whose closing tag is
     /// missing (a stop string took it) still counts; so does one cut short in its arguments
     /// (`max_tokens`), whose arguments are what was written. A call cut short before its
-    /// name is complete is text.
+    /// arguments begin (`{"name": "...", "arguments": {` not all written) is text.
     pub fn finish(&mut self) -> Vec<ToolPiece> {
         let mut out = Vec::new();
         self.pump(&mut out, true);
@@ -901,7 +901,11 @@ impl ToolStream {
                 StreamState::Text => {
                     // Only the held-back end and the new text are searched.
                     if let Some(at) = self.buf.find(CALL_OPEN) {
-                        let before = trim_space_end(&self.buf[..at]).len();
+                        // As held_suffix holds it back: whitespace beyond the last
+                        // MAX_HELD_SPACE bytes before the tag is text.
+                        let before = trim_space_end(&self.buf[..at])
+                            .len()
+                            .max(at.saturating_sub(MAX_HELD_SPACE));
                         if before > 0 {
                             out.push(ToolPiece::Text(self.buf[..before].to_owned()));
                         }
@@ -921,7 +925,11 @@ impl ToolStream {
                     return;
                 }
                 StreamState::Call { end, whole } => {
-                    let start = self.buf.len() - self.buf.trim_start().len();
+                    let start = self.buf.len()
+                        - self
+                            .buf
+                            .trim_start_matches(|c: char| c.is_ascii_whitespace())
+                            .len();
                     let rest = &self.buf[start..];
                     if start > MAX_HELD_SPACE {
                         return self.not_a_call(out);
@@ -994,9 +1002,10 @@ impl ToolStream {
                         None => Err(true),
                         Some(b'}') => {
                             let j = skip_ws(b, i + 1);
-                            match literal(b, j, CALL_CLOSE.as_bytes()) {
-                                Err(true) if j - i > MAX_HELD_SPACE => Err(false),
-                                r => r,
+                            if j - (i + 1) > MAX_HELD_SPACE {
+                                Err(false)
+                            } else {
+                                literal(b, j, CALL_CLOSE.as_bytes())
                             }
                         }
                         Some(_) => Err(false),
@@ -1160,6 +1169,9 @@ fn read_call(body: &str, last: bool) -> Read {
         return Read::Bad;
     };
     let after = skip_ws(b, end);
+    if after - end > MAX_HELD_SPACE {
+        return Read::Bad;
+    }
     let tail = &body[after..];
     if tail.starts_with(CALL_CLOSE) {
         return Read::Call(call, after + CALL_CLOSE.len());
@@ -1480,6 +1492,8 @@ mod tests {
             Just("]}".to_string()),
             Just("1e4".to_string()),
             "[ \n\t]{1,3}",
+            // Longer than the whitespace the reader holds back.
+            "[ \n]{250,300}",
             "[a-z<>/_{}\",:¡é✓😀]{1,6}",
         ];
         proptest::collection::vec(piece, 0..12).prop_map(|v| v.concat())
@@ -1594,6 +1608,14 @@ mod tests {
         let tags_in_string = format!(
             "<tool_call>\n{{\"name\": \"now\", \"arguments\": {{\"s\": \"{inner}\"}}}}\n</tool_call>"
         );
+        let lead_space_call = format!(
+            "a{}<tool_call>\n{{\"name\": \"now\", \"arguments\": {{}}}}\n</tool_call>",
+            "\n".repeat(600)
+        );
+        let spaced_close = format!(
+            "<tool_call>\n{{\"name\": \"now\", \"arguments\": {{}}}}{}</tool_call>",
+            " ".repeat(300)
+        );
         let many_tags = ParsedCall {
             name: "now".into(),
             arguments: format!("{{\"s\": \"{inner}\"}}"),
@@ -1619,7 +1641,7 @@ mod tests {
             ("Hello <tool", "Hello <tool".into(), Vec::new()),
             ("Hello <toolbox> \n", "Hello <toolbox> \n".into(), Vec::new()),
             ("<tool", "<tool".into(), Vec::new()),
-            // Cut short (max_tokens) before its name is known: the unfinished call is text.
+            // Cut short (max_tokens) before its arguments begin: the unfinished call is text.
             (
                 "<tool_call>\n{\"name\": \"now\", \"argu",
                 "<tool_call>\n{\"name\": \"now\", \"argu".into(),
@@ -1663,6 +1685,19 @@ mod tests {
             (
                 "<tool_call>\n{\"name\": \"now\", \"arguments\": {}, \"x\": 1}\n</tool_call>",
                 ", \"x\": 1}\n</tool_call>".into(),
+                vec![expected[1].clone()],
+            ),
+            // Whitespace before a call beyond what is held back is text, however it is cut.
+            (
+                &lead_space_call,
+                format!("a{}", "\n".repeat(600 - MAX_HELD_SPACE)),
+                vec![expected[1].clone()],
+            ),
+            // Too much whitespace between a streamed call's arguments and its end: the rest is
+            // text, however it is cut.
+            (
+                &spaced_close,
+                format!("}}{}</tool_call>", " ".repeat(300)),
                 vec![expected[1].clone()],
             ),
             ("", String::new(), Vec::new()),

@@ -92,6 +92,7 @@ impl GpuWeights {
                     + l.gate_up.bytes()
                     + l.down.bytes()
                     + l.fp8.as_ref().map_or(0, |f| f.scales.bytes())
+                    + l.qkv_bias.as_ref().map_or(0, DevMem::bytes)
             })
             .sum();
         l + self.embed.bytes() + self.lm_head.as_ref().map_or(0, DevMem::bytes) + self.norm.bytes()

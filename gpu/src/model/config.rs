@@ -232,7 +232,12 @@ impl LlamaConfig {
         if c.mlp_bias == Some(true) {
             return unsupported("mlp_bias");
         }
-        if c.use_sliding_window == Some(true) {
+        let sliding_layers = c
+            .layer_types
+            .iter()
+            .flatten()
+            .any(|t| t == "sliding_attention");
+        if c.use_sliding_window == Some(true) || sliding_layers {
             return unsupported("use_sliding_window");
         }
         let need = |v: Option<usize>, k: &str| {
@@ -290,6 +295,20 @@ impl LlamaConfig {
             return Err(GpuError::UnsupportedArchitecture(arch.to_string()));
         }
         let qwen2 = arch == "qwen2";
+        // Biases nothing would add (on a Llama's projections, or Qwen2's output or FFN):
+        // refused, not ignored.
+        if let Some(t) = h.tensors.iter().find(|t| {
+            t.name.ends_with(".bias")
+                && !(qwen2
+                    && ["attn_q.bias", "attn_k.bias", "attn_v.bias"]
+                        .iter()
+                        .any(|b| t.name.ends_with(b)))
+        }) {
+            return Err(GpuError::UnsupportedArchitecture(format!(
+                "{arch} with the bias {}",
+                t.name
+            )));
+        }
         let key = |k: &str| format!("{arch}.{k}");
         let need = |k: &str| {
             h.get_usize(&key(k))
@@ -357,8 +376,8 @@ impl LlamaConfig {
             max_position_embeddings: h.get_usize(&key("context_length")).unwrap_or(2048),
             // GGUF files omit `output.weight` when the embedding is tied.
             tie_word_embeddings: !h.tensors.iter().any(|t| t.name == "output.weight"),
-            // Qwen2's files hold `blk.N.attn_{q,k,v}.bias`.
-            qkv_bias: h.tensors.iter().any(|t| t.name == "blk.0.attn_q.bias"),
+            // Qwen2's files hold `blk.N.attn_{q,k,v}.bias` (checked with the weights).
+            qkv_bias: qwen2,
             bos_token_id: token_id("tokenizer.ggml.bos_token_id")?,
             eos_token_ids,
         };
@@ -489,6 +508,7 @@ struct HfConfig {
     attention_bias: Option<bool>,
     mlp_bias: Option<bool>,
     use_sliding_window: Option<bool>,
+    layer_types: Option<Vec<String>>,
     bos_token_id: Option<u32>,
     eos_token_id: Option<IdOrIds>,
 }
@@ -560,6 +580,14 @@ mod tests {
         assert_eq!(c.rope_style, RopeStyle::Interleaved);
         assert!(c.tie_word_embeddings);
         assert_eq!((c.bos_token_id, c.eos_token_ids), (Some(1), vec![2]));
+
+        // A bias no Llama adds: refused, not ignored.
+        let mut biased = w.clone();
+        biased.tensor("blk.0.attn_q.bias", &[64], 0, vec![0; 256]);
+        let h =
+            crate::model::gguf::parse_header(&biased.build(), std::path::Path::new("t")).unwrap();
+        let e = LlamaConfig::from_gguf(&h).unwrap_err().to_string();
+        assert!(e.contains("blk.0.attn_q.bias"), "{e}");
 
         w.u32("tokenizer.ggml.eot_token_id", 7);
         let h = crate::model::gguf::parse_header(&w.build(), std::path::Path::new("t")).unwrap();

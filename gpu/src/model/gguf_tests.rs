@@ -3,7 +3,7 @@
 use super::*;
 
 /// Builds GGUF files in memory for tests.
-#[derive(Default)]
+#[derive(Clone, Default)]
 pub(crate) struct GgufWriter {
     kv: Vec<(String, u32, Vec<u8>)>,
     tensors: Vec<(String, Vec<u64>, u32, Vec<u8>)>,

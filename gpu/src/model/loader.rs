@@ -140,7 +140,8 @@ fn load_hf_dir(dir: &Path) -> Result<LoadedModel, GpuError> {
         ));
     }
     let json = std::fs::read_to_string(&cfg_path).map_err(|e| GpuError::io(&cfg_path, e))?;
-    let config = LlamaConfig::from_hf_json(&json)?;
+    let mut config = LlamaConfig::from_hf_json(&json)?;
+    add_generation_eos(dir, &mut config)?;
     let weights = load_safetensors_dir(dir, config.tie_word_embeddings)?;
     let mut tokenizer = Tokenizer::from_file(&dir.join("tokenizer.json"))?;
     tokenizer.set_special_ids(config.bos_token_id, config.eos_token_ids.clone());
@@ -176,6 +177,52 @@ fn load_hf_dir(dir: &Path) -> Result<LoadedModel, GpuError> {
         chat_template,
         name: file_name(dir),
     })
+}
+
+/// Most end-of-sequence ids taken from `generation_config.json`.
+const MAX_EOS_IDS: usize = 64;
+
+/// Adds the end-of-sequence ids of `generation_config.json` (when there is one) to those of
+/// `config.json`, as transformers' `generate` uses both: Qwen2.5-Instruct lists only
+/// `<|im_end|>` in its config and `<|endoftext|>` too in its generation config.
+fn add_generation_eos(dir: &Path, config: &mut LlamaConfig) -> Result<(), GpuError> {
+    let path = dir.join("generation_config.json");
+    if !path.is_file() {
+        return Ok(());
+    }
+    let len = std::fs::metadata(&path)
+        .map_err(|e| GpuError::io(&path, e))?
+        .len();
+    if len > MAX_CONFIG_JSON {
+        return Err(GpuError::invalid_file(
+            &path,
+            format!("{len} bytes is too large"),
+        ));
+    }
+    let text = std::fs::read_to_string(&path).map_err(|e| GpuError::io(&path, e))?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| GpuError::invalid_file(&path, e.to_string()))?;
+    let ids: Vec<&serde_json::Value> = match v.get("eos_token_id") {
+        None | Some(serde_json::Value::Null) => Vec::new(),
+        Some(serde_json::Value::Array(list)) => list.iter().collect(),
+        Some(one) => vec![one],
+    };
+    if ids.len() > MAX_EOS_IDS {
+        return Err(GpuError::invalid_file(
+            &path,
+            "too many eos_token_id entries",
+        ));
+    }
+    for id in ids {
+        let id = id
+            .as_u64()
+            .and_then(|i| u32::try_from(i).ok())
+            .ok_or_else(|| GpuError::invalid_file(&path, "eos_token_id is not a token id"))?;
+        if !config.eos_token_ids.contains(&id) {
+            config.eos_token_ids.push(id);
+        }
+    }
+    config.validate()
 }
 
 /// The tensors a Llama model needs, with their expected shapes.
@@ -222,6 +269,17 @@ pub fn validate_weights(
     progress: bool,
 ) -> Result<(), GpuError> {
     let expected = expected_tensors(config);
+    // A bias the configuration does not add would be ignored: refused instead.
+    if let Some(name) = weights
+        .names()
+        .into_iter()
+        .find(|n| n.ends_with(".bias") && !expected.iter().any(|(e, _)| e == n))
+    {
+        return Err(GpuError::BadTensor {
+            tensor: name.to_string(),
+            reason: "a bias this architecture does not have".into(),
+        });
+    }
     let bar = if progress {
         let b = ProgressBar::new(expected.len() as u64);
         if let Ok(style) =

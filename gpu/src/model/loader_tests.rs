@@ -150,6 +150,44 @@ fn loads_tiny_hf_checkpoint() {
 }
 
 #[test]
+fn generation_config_end_ids_join_the_configs() {
+    let d = scratch("gen-eos");
+    write_tiny_hf(&d, 4);
+    std::fs::write(
+        d.join("generation_config.json"),
+        r#"{"eos_token_id": [5, 0]}"#,
+    )
+    .unwrap();
+    let m = load_model(&d, false).unwrap();
+    assert_eq!(m.config.eos_token_ids, [0, 5]);
+    assert_eq!(m.tokenizer.eos_token_ids(), &[0, 5]);
+    // Ids outside the vocabulary, or not ids, are refused.
+    for bad in [r#"{"eos_token_id": 10}"#, r#"{"eos_token_id": "x"}"#] {
+        std::fs::write(d.join("generation_config.json"), bad).unwrap();
+        assert!(load_model(&d, false).is_err(), "{bad}");
+    }
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+#[test]
+fn a_bias_the_architecture_lacks_is_refused() {
+    let d = scratch("bias");
+    write_tiny_hf(&d, 4);
+    // A Llama checkpoint with a q bias: nothing would add it.
+    let data = vec![0u8; 8];
+    let bias = StView::new(StDtype::BF16, vec![4], &data).unwrap();
+    safetensors::serialize_to_file(
+        vec![("model.layers.0.self_attn.q_proj.bias".to_string(), bias)],
+        None,
+        &d.join("model-bias.safetensors"),
+    )
+    .unwrap();
+    let e = load_model(&d, false).unwrap_err().to_string();
+    assert!(e.contains("blk.0.attn_q.bias"), "{e}");
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+#[test]
 fn wrong_tensor_shape_names_the_tensor() {
     let d = scratch("shape");
     write_tiny_hf(&d, 6);

@@ -13,6 +13,7 @@ use std::path::Path;
 
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::{Vocab, BPE};
+use tokenizers::normalizers::unicode::NFC;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
@@ -377,6 +378,11 @@ fn build_byte_level_bpe(
         .build()
         .map_err(tok_err)?;
     let mut inner = tokenizers::Tokenizer::new(bpe);
+    // Qwen2's tokenizer.json composes text to NFC first (llama.cpp does not; transformers
+    // does, and it is the reference).
+    if pre == "qwen2" {
+        inner.with_normalizer(Some(NFC));
+    }
     inner.with_pre_tokenizer(Some(pre_tokenizer));
     inner.with_decoder(Some(ByteLevelDecoder::default()));
     Ok((inner, default_add_bos))
