@@ -108,13 +108,7 @@ impl ChatTemplate {
     /// Reads `chat_template`, `bos_token` and `eos_token` from a Hugging Face
     /// `tokenizer_config.json`; `Ok(None)` when it has no template.
     pub fn from_tokenizer_config(path: &Path) -> Result<Option<Self>, GpuError> {
-        let len = std::fs::metadata(path)
-            .map_err(|e| GpuError::io(path, e))?
-            .len();
-        if len > MAX_TOKENIZER_CONFIG {
-            return Err(tmpl_err(format!("{} is {len} bytes", path.display())));
-        }
-        let text = std::fs::read_to_string(path).map_err(|e| GpuError::io(path, e))?;
+        let text = super::read_bounded(path, MAX_TOKENIZER_CONFIG)?;
         let v: serde_json::Value = serde_json::from_str(&text)
             .map_err(|e| tmpl_err(format!("{}: {e}", path.display())))?;
         let source = match v.get("chat_template") {

@@ -9,6 +9,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use super::chat_template::ChatTemplate;
 use super::config::{rope_scaling_from_freq_factors, LlamaConfig};
 use super::gguf::GgufFile;
+use super::read_bounded;
 use super::safetensors_dir::load_safetensors_dir;
 use super::tensor::ModelWeights;
 use super::tokenizer::Tokenizer;
@@ -129,17 +130,7 @@ fn load_gguf(path: &Path) -> Result<LoadedModel, GpuError> {
 }
 
 fn load_hf_dir(dir: &Path) -> Result<LoadedModel, GpuError> {
-    let cfg_path = dir.join("config.json");
-    let len = std::fs::metadata(&cfg_path)
-        .map_err(|e| GpuError::io(&cfg_path, e))?
-        .len();
-    if len > MAX_CONFIG_JSON {
-        return Err(GpuError::invalid_file(
-            &cfg_path,
-            format!("{len} bytes is too large"),
-        ));
-    }
-    let json = std::fs::read_to_string(&cfg_path).map_err(|e| GpuError::io(&cfg_path, e))?;
+    let json = read_bounded(&dir.join("config.json"), MAX_CONFIG_JSON)?;
     let mut config = LlamaConfig::from_hf_json(&json)?;
     add_generation_eos(dir, &mut config)?;
     let weights = load_safetensors_dir(dir, config.tie_word_embeddings)?;
@@ -153,13 +144,7 @@ fn load_hf_dir(dir: &Path) -> Result<LoadedModel, GpuError> {
         None
     };
     if chat_template.is_none() && jinja.is_file() {
-        let len = std::fs::metadata(&jinja)
-            .map_err(|e| GpuError::io(&jinja, e))?
-            .len();
-        if len > super::chat_template::MAX_TEMPLATE_LEN as u64 {
-            return Err(GpuError::invalid_file(&jinja, "template too large"));
-        }
-        let src = std::fs::read_to_string(&jinja).map_err(|e| GpuError::io(&jinja, e))?;
+        let src = read_bounded(&jinja, super::chat_template::MAX_TEMPLATE_LEN as u64)?;
         let text = |id: Option<u32>| {
             id.and_then(|i| tokenizer.id_to_token(i))
                 .unwrap_or_default()
@@ -190,16 +175,7 @@ fn add_generation_eos(dir: &Path, config: &mut LlamaConfig) -> Result<(), GpuErr
     if !path.is_file() {
         return Ok(());
     }
-    let len = std::fs::metadata(&path)
-        .map_err(|e| GpuError::io(&path, e))?
-        .len();
-    if len > MAX_CONFIG_JSON {
-        return Err(GpuError::invalid_file(
-            &path,
-            format!("{len} bytes is too large"),
-        ));
-    }
-    let text = std::fs::read_to_string(&path).map_err(|e| GpuError::io(&path, e))?;
+    let text = read_bounded(&path, MAX_CONFIG_JSON)?;
     let v: serde_json::Value =
         serde_json::from_str(&text).map_err(|e| GpuError::invalid_file(&path, e.to_string()))?;
     let ids: Vec<&serde_json::Value> = match v.get("eos_token_id") {

@@ -1,5 +1,27 @@
 //! Model files: formats, configuration, tokenizer, chat template.
 
+use std::io::Read;
+use std::path::Path;
+
+use crate::error::GpuError;
+
+/// The text of the file at `path`, refused when it is over `max` bytes: at most `max + 1`
+/// bytes are read, so a file that grows while it is read is refused too.
+pub(crate) fn read_bounded(path: &Path, max: u64) -> Result<String, GpuError> {
+    let file = std::fs::File::open(path).map_err(|e| GpuError::io(path, e))?;
+    let mut text = String::new();
+    file.take(max.saturating_add(1))
+        .read_to_string(&mut text)
+        .map_err(|e| GpuError::io(path, e))?;
+    if text.len() as u64 > max {
+        return Err(GpuError::invalid_file(
+            path,
+            format!("over {max} bytes is too large"),
+        ));
+    }
+    Ok(text)
+}
+
 pub mod chat_template;
 pub mod config;
 pub mod dequant;
@@ -18,3 +40,17 @@ pub use fetch::{default_model_path, fetch_model};
 pub use loader::{load_model, LoadedModel};
 pub use tensor::{DType, ModelWeights, TensorView};
 pub use tokenizer::Tokenizer;
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn read_bounded_takes_up_to_the_bound_and_refuses_more() {
+        let p = std::env::temp_dir().join(format!("sy-bounded-{}", std::process::id()));
+        std::fs::write(&p, "0123456789").unwrap();
+        assert_eq!(super::read_bounded(&p, 10).unwrap(), "0123456789");
+        let e = super::read_bounded(&p, 9).unwrap_err().to_string();
+        assert!(e.contains("too large"), "{e}");
+        std::fs::remove_file(&p).unwrap();
+        assert!(super::read_bounded(&p, 10).is_err());
+    }
+}

@@ -56,16 +56,7 @@ pub fn shard_files(dir: &Path) -> Result<Vec<PathBuf>, GpuError> {
     let index = dir.join("model.safetensors.index.json");
     let mut files = BTreeSet::new();
     if index.is_file() {
-        let len = std::fs::metadata(&index)
-            .map_err(|e| GpuError::io(&index, e))?
-            .len();
-        if len > MAX_INDEX_JSON {
-            return Err(GpuError::invalid_file(
-                &index,
-                format!("{len} bytes is too large"),
-            ));
-        }
-        let text = std::fs::read_to_string(&index).map_err(|e| GpuError::io(&index, e))?;
+        let text = super::read_bounded(&index, MAX_INDEX_JSON)?;
         let v: serde_json::Value = serde_json::from_str(&text)
             .map_err(|e| GpuError::invalid_file(&index, e.to_string()))?;
         let map = v
