@@ -703,6 +703,12 @@ mod tests {
         );
         let e = LlamaConfig::from_hf_json(&sliding).unwrap_err().to_string();
         assert!(e.contains("use_sliding_window"), "{e}");
+        let layers = QWEN25_05B.replace(
+            r#""use_sliding_window": false"#,
+            r#""layer_types": ["full_attention", "sliding_attention"]"#,
+        );
+        let e = LlamaConfig::from_hf_json(&layers).unwrap_err().to_string();
+        assert!(e.contains("use_sliding_window"), "{e}");
         // Llama's attention_bias puts a bias on the output projection too: refused.
         let llama = r#"{"model_type":"llama","num_hidden_layers":2,"hidden_size":64,
             "num_attention_heads":4,"intermediate_size":128,"vocab_size":100,

@@ -184,6 +184,16 @@ fn a_bias_the_architecture_lacks_is_refused() {
     .unwrap();
     let e = load_model(&d, false).unwrap_err().to_string();
     assert!(e.contains("blk.0.attn_q.bias"), "{e}");
+    // Nor an output projection's bias.
+    let bias = StView::new(StDtype::BF16, vec![4], &data).unwrap();
+    safetensors::serialize_to_file(
+        vec![("model.layers.0.self_attn.o_proj.bias".to_string(), bias)],
+        None,
+        &d.join("model-bias.safetensors"),
+    )
+    .unwrap();
+    let e = load_model(&d, false).unwrap_err().to_string();
+    assert!(e.contains("blk.0.attn_output.bias"), "{e}");
     std::fs::remove_dir_all(&d).unwrap();
 }
 

@@ -9,17 +9,17 @@ use crate::error::GpuError;
 /// bytes are read, so a file that grows while it is read is refused too.
 pub(crate) fn read_bounded(path: &Path, max: u64) -> Result<String, GpuError> {
     let file = std::fs::File::open(path).map_err(|e| GpuError::io(path, e))?;
-    let mut text = String::new();
+    let mut bytes = Vec::new();
     file.take(max.saturating_add(1))
-        .read_to_string(&mut text)
+        .read_to_end(&mut bytes)
         .map_err(|e| GpuError::io(path, e))?;
-    if text.len() as u64 > max {
+    if bytes.len() as u64 > max {
         return Err(GpuError::invalid_file(
             path,
-            format!("over {max} bytes is too large"),
+            format!("too large: more than {max} bytes"),
         ));
     }
-    Ok(text)
+    String::from_utf8(bytes).map_err(|e| GpuError::invalid_file(path, format!("not UTF-8: {e}")))
 }
 
 pub mod chat_template;
@@ -50,6 +50,13 @@ mod tests {
         assert_eq!(super::read_bounded(&p, 10).unwrap(), "0123456789");
         let e = super::read_bounded(&p, 9).unwrap_err().to_string();
         assert!(e.contains("too large"), "{e}");
+        // A character cut by the bound is still "too large"; invalid text is refused as such.
+        std::fs::write(&p, "ab\u{e9}").unwrap();
+        let e = super::read_bounded(&p, 3).unwrap_err().to_string();
+        assert!(e.contains("too large"), "{e}");
+        std::fs::write(&p, [b'a', 0xff]).unwrap();
+        let e = super::read_bounded(&p, 10).unwrap_err().to_string();
+        assert!(e.contains("UTF-8"), "{e}");
         std::fs::remove_file(&p).unwrap();
         assert!(super::read_bounded(&p, 10).is_err());
     }

@@ -32,19 +32,20 @@ pub fn canonical_name(hf: &str) -> Option<String> {
     let (layer, suffix) = rest.split_once('.')?;
     let layer: usize = layer.parse().ok()?;
     let (module, kind) = suffix.rsplit_once('.')?;
-    let part = match (module, kind) {
-        ("input_layernorm", "weight") => "attn_norm",
-        ("self_attn.q_proj", _) => "attn_q",
-        ("self_attn.k_proj", _) => "attn_k",
-        ("self_attn.v_proj", _) => "attn_v",
-        ("self_attn.o_proj", "weight") => "attn_output",
-        ("post_attention_layernorm", "weight") => "ffn_norm",
-        ("mlp.gate_proj", "weight") => "ffn_gate",
-        ("mlp.up_proj", "weight") => "ffn_up",
-        ("mlp.down_proj", "weight") => "ffn_down",
+    let part = match module {
+        "input_layernorm" => "attn_norm",
+        "self_attn.q_proj" => "attn_q",
+        "self_attn.k_proj" => "attn_k",
+        "self_attn.v_proj" => "attn_v",
+        "self_attn.o_proj" => "attn_output",
+        "post_attention_layernorm" => "ffn_norm",
+        "mlp.gate_proj" => "ffn_gate",
+        "mlp.up_proj" => "ffn_up",
+        "mlp.down_proj" => "ffn_down",
         _ => return None,
     };
-    // Q, K and V have biases in Qwen2.
+    // Biases keep their names: Qwen2's on Q, K and V are used, any other is refused by
+    // `validate_weights` rather than dropped here.
     if !matches!(kind, "weight" | "bias") {
         return None;
     }
@@ -173,8 +174,11 @@ mod tests {
                 "model.layers.3.self_attn.k_proj.bias",
                 Some("blk.3.attn_k.bias"),
             ),
-            ("model.layers.3.self_attn.o_proj.bias", None),
-            ("model.layers.3.mlp.up_proj.bias", None),
+            (
+                "model.layers.3.self_attn.o_proj.bias",
+                Some("blk.3.attn_output.bias"),
+            ),
+            ("model.layers.3.mlp.up_proj.bias", Some("blk.3.ffn_up.bias")),
             ("model.layers.3.self_attn.q_proj.scale", None),
             (
                 "model.layers.0.post_attention_layernorm.weight",
