@@ -173,27 +173,25 @@ fn generation_config_end_ids_join_the_configs() {
 fn a_bias_the_architecture_lacks_is_refused() {
     let d = scratch("bias");
     write_tiny_hf(&d, 4);
-    // A Llama checkpoint with a q bias: nothing would add it.
+    // A Llama checkpoint with a q bias, or an output projection's: nothing would add them.
     let data = vec![0u8; 8];
-    let bias = StView::new(StDtype::BF16, vec![4], &data).unwrap();
-    safetensors::serialize_to_file(
-        vec![("model.layers.0.self_attn.q_proj.bias".to_string(), bias)],
-        None,
-        &d.join("model-bias.safetensors"),
-    )
-    .unwrap();
-    let e = load_model(&d, false).unwrap_err().to_string();
-    assert!(e.contains("blk.0.attn_q.bias"), "{e}");
-    // Nor an output projection's bias.
-    let bias = StView::new(StDtype::BF16, vec![4], &data).unwrap();
-    safetensors::serialize_to_file(
-        vec![("model.layers.0.self_attn.o_proj.bias".to_string(), bias)],
-        None,
-        &d.join("model-bias.safetensors"),
-    )
-    .unwrap();
-    let e = load_model(&d, false).unwrap_err().to_string();
-    assert!(e.contains("blk.0.attn_output.bias"), "{e}");
+    for (tensor, canonical) in [
+        ("model.layers.0.self_attn.q_proj.bias", "blk.0.attn_q.bias"),
+        (
+            "model.layers.0.self_attn.o_proj.bias",
+            "blk.0.attn_output.bias",
+        ),
+    ] {
+        let bias = StView::new(StDtype::BF16, vec![4], &data).unwrap();
+        safetensors::serialize_to_file(
+            vec![(tensor.to_string(), bias)],
+            None,
+            &d.join("model-bias.safetensors"),
+        )
+        .unwrap();
+        let e = load_model(&d, false).unwrap_err().to_string();
+        assert!(e.contains(canonical), "{e}");
+    }
     std::fs::remove_dir_all(&d).unwrap();
 }
 
