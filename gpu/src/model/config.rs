@@ -2,6 +2,11 @@
 //! or `mistral.*`, `qwen2.*`) or from a Hugging Face `config.json`, and presets for dummy
 //! weights. Qwen2 (and Qwen2.5) is a Llama with biases on the Q, K and V projections.
 //!
+//! Sliding-window attention is not implemented. A model whose every layer attends over a
+//! window (Mistral 7B v0.1: 4,096 tokens) has its context capped at the window, where its
+//! attention is exactly full causal attention; models that mix windowed and full layers
+//! (Qwen2 with `use_sliding_window`) are refused.
+//!
 //! RoPE scaling follows Meta's Llama 3.1 "llama3" frequency-dependent scheme (wavelengths longer
 //! than `original_max_position_embeddings / low_freq_factor` are divided by `factor`, shorter
 //! than `.../high_freq_factor` kept, smoothly interpolated between).
@@ -257,6 +262,12 @@ impl LlamaConfig {
             Some(r) => parse_hf_rope_scaling(&r)?,
             None => None,
         };
+        // transformers' Mistral attends over `sliding_window` tokens (4,096 when the key is
+        // absent; `null` for none); Llama and Qwen2 (without `use_sliding_window`) do not.
+        let window = match c.model_type.as_deref() {
+            Some("mistral") => c.sliding_window.unwrap_or(Some(4096)),
+            _ => None,
+        };
         let eos_token_ids = match c.eos_token_id {
             Some(IdOrIds::One(i)) => vec![i],
             Some(IdOrIds::Many(v)) => v,
@@ -274,7 +285,10 @@ impl LlamaConfig {
             rope_theta: rope_theta.unwrap_or(10_000.0),
             rope_scaling,
             rope_style: RopeStyle::Halves,
-            max_position_embeddings: c.max_position_embeddings.unwrap_or(2048),
+            max_position_embeddings: capped_at_window(
+                c.max_position_embeddings.unwrap_or(2048),
+                window,
+            )?,
             tie_word_embeddings: c.tie_word_embeddings.unwrap_or(false),
             qkv_bias: qwen2,
             bos_token_id: c.bos_token_id,
@@ -373,7 +387,10 @@ impl LlamaConfig {
             } else {
                 RopeStyle::Interleaved
             },
-            max_position_embeddings: h.get_usize(&key("context_length")).unwrap_or(2048),
+            max_position_embeddings: capped_at_window(
+                h.get_usize(&key("context_length")).unwrap_or(2048),
+                h.get_usize(&key("attention.sliding_window")),
+            )?,
             // GGUF files omit `output.weight` when the embedding is tied.
             tie_word_embeddings: !h.tensors.iter().any(|t| t.name == "output.weight"),
             // Qwen2's files hold `blk.N.attn_{q,k,v}.bias` (checked with the weights).
@@ -383,6 +400,25 @@ impl LlamaConfig {
         };
         cfg.validate()?;
         Ok(cfg)
+    }
+}
+
+/// The context of a model whose every layer attends over the last `window` tokens: within
+/// the window that is full causal attention, which both backends run, so the context stops
+/// there (sliding-window attention is not implemented).
+fn capped_at_window(context: usize, window: Option<usize>) -> Result<usize, GpuError> {
+    match window {
+        Some(0) => Err(GpuError::InvalidConfig("sliding_window is 0".into())),
+        Some(w) if w < context => {
+            tracing::warn!(
+                window = w,
+                context,
+                "the model attends over a sliding window, which Switchyard does not implement: \
+                 its context is capped at the window"
+            );
+            Ok(w)
+        }
+        _ => Ok(context),
     }
 }
 
@@ -508,9 +544,21 @@ struct HfConfig {
     attention_bias: Option<bool>,
     mlp_bias: Option<bool>,
     use_sliding_window: Option<bool>,
+    /// Absent (`None`), `null` (`Some(None)`) or a window.
+    #[serde(default, deserialize_with = "present")]
+    sliding_window: Option<Option<usize>>,
     layer_types: Option<Vec<String>>,
     bos_token_id: Option<u32>,
     eos_token_id: Option<IdOrIds>,
+}
+
+/// A field that is present, `null` or not, as told apart from one that is absent.
+fn present<'de, D, T>(d: D) -> Result<Option<T>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    T::deserialize(d).map(Some)
 }
 
 /// `eos_token_id` is an integer or a list of integers.
@@ -580,6 +628,16 @@ mod tests {
         assert_eq!(c.rope_style, RopeStyle::Interleaved);
         assert!(c.tie_word_embeddings);
         assert_eq!((c.bos_token_id, c.eos_token_ids), (Some(1), vec![2]));
+        assert_eq!(c.max_position_embeddings, 256);
+        // A sliding window shorter than the context caps it.
+        let mut windowed = w.clone();
+        windowed.u32("llama.attention.sliding_window", 64);
+        let h =
+            crate::model::gguf::parse_header(&windowed.build(), std::path::Path::new("t")).unwrap();
+        assert_eq!(
+            LlamaConfig::from_gguf(&h).unwrap().max_position_embeddings,
+            64
+        );
 
         // A bias no Llama adds: refused, not ignored.
         let mut biased = w.clone();
@@ -659,6 +717,42 @@ mod tests {
         assert_eq!(c.head_dim, 32);
         assert!(c.tie_word_embeddings);
         assert_eq!(c.eos_token_ids, vec![2]);
+    }
+
+    #[test]
+    fn mistral_sliding_windows_cap_the_context() {
+        // Mistral 7B v0.1's config.json (the fields this reader takes).
+        let v01 = r#"{"model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336,
+            "max_position_embeddings": 32768, "num_attention_heads": 32,
+            "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+            "rope_theta": 10000.0, "sliding_window": 4096, "vocab_size": 32000}"#;
+        let window = |json: &str| {
+            LlamaConfig::from_hf_json(json)
+                .unwrap()
+                .max_position_embeddings
+        };
+        assert_eq!(window(v01), 4096);
+        // v0.2 and later: no window.
+        assert_eq!(
+            window(&v01.replace("window\": 4096", "window\": null")),
+            32768
+        );
+        // Absent: transformers' default window.
+        assert_eq!(window(&v01.replace(r#""sliding_window": 4096,"#, "")), 4096);
+        // A window at least the context changes nothing.
+        assert_eq!(
+            window(&v01.replace("window\": 4096", "window\": 65536")),
+            32768
+        );
+        assert!(LlamaConfig::from_hf_json(&v01.replace("window\": 4096", "window\": 0")).is_err());
+        // Llama and Qwen2 configs carry no window of their own.
+        assert_eq!(window(&v01.replace("mistral", "llama")), 32768);
+        assert_eq!(
+            LlamaConfig::from_hf_json(QWEN25_05B)
+                .unwrap()
+                .max_position_embeddings,
+            32768
+        );
     }
 
     #[test]
