@@ -428,3 +428,110 @@ fn speculative_decoding_gives_the_same_tool_answers() {
         "no drafts were tried"
     );
 }
+
+#[test]
+fn a_llama3_template_gets_llama3_json_calls_and_ipython_results() {
+    let template = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/llama3-style.jinja"
+    );
+    let s = Server::start_full(
+        "tools-llama3",
+        &format!("  chat_template: {template}\n"),
+        "",
+        "scheduler:\n  max_num_seqs: 16\n  max_num_batched_tokens: 1024\n",
+    );
+    // The template names Llama 3's call format, so the server chose it.
+    assert!(s.log().contains("llama3_json"), "{}", s.log());
+    let body = ask(json!({"tool_choice": "required", "logprobs": true, "max_tokens": 120}));
+    let (status, v) = s.post_json("/v1/chat/completions", &body);
+    assert_eq!(status, 200, "{v}");
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
+    assert!(
+        choice["message"].get("content").is_none_or(Value::is_null),
+        "{v}"
+    );
+    let calls = calls_of(&choice["message"]);
+    assert!(!calls.is_empty(), "{v}");
+    // What the model wrote, token by token, is Llama 3's format: the calls, as the response
+    // gives them, `{"name": ..., "parameters": ...}` separated by "; ".
+    let written: String = choice["logprobs"]["content"]
+        .as_array()
+        .expect("logprobs")
+        .iter()
+        .map(|t| t["token"].as_str().expect("a token"))
+        .collect();
+    let raw: Vec<String> = choice["message"]["tool_calls"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            format!(
+                "{{\"name\": \"{}\", \"parameters\": {}}}",
+                c["function"]["name"].as_str().unwrap(),
+                c["function"]["arguments"].as_str().unwrap()
+            )
+        })
+        .collect();
+    // (The end of sequence has its logprob too.)
+    let written = written.strip_suffix("<|im_end|>").unwrap_or(&written);
+    assert_eq!(written, raw.join("; "), "{v}");
+    let _: CreateChatCompletionResponse = serde_json::from_value(v.clone()).expect("typed");
+
+    // Streamed, the same calls in pieces.
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let mut names: Vec<String> = Vec::new();
+    let mut arguments: Vec<String> = Vec::new();
+    for event in s.post_stream("/v1/chat/completions", &streamed) {
+        if event == "[DONE]" {
+            continue;
+        }
+        let chunk: Value = serde_json::from_str(&event).expect("a chunk");
+        let delta = &chunk["choices"][0]["delta"];
+        assert!(delta.get("content").is_none_or(Value::is_null), "{chunk}");
+        for call in delta["tool_calls"].as_array().into_iter().flatten() {
+            let index = call["index"].as_u64().unwrap() as usize;
+            if let Some(name) = call["function"]["name"].as_str() {
+                assert_eq!(index, names.len(), "{chunk}");
+                names.push(name.to_owned());
+                arguments.push(String::new());
+            }
+            arguments[index].push_str(call["function"]["arguments"].as_str().unwrap_or(""));
+        }
+    }
+    let whole: Vec<(String, Value)> = names
+        .into_iter()
+        .zip(
+            arguments
+                .iter()
+                .map(|a| serde_json::from_str(a).expect("JSON")),
+        )
+        .collect();
+    assert_eq!(whole, calls);
+
+    // A conversation's calls are written in the format, and its results go to the ipython
+    // turn.
+    let history = json!([
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\", \"unit\": \"celsius\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "{\"temperature\": 18}"},
+    ]);
+    let (status, v) = s.post_json("/tokenize", &json!({"messages": history}));
+    assert_eq!(status, 200, "{v}");
+    let (status, text) = s.post_json("/detokenize", &json!({"tokens": v["tokens"]}));
+    assert_eq!(status, 200, "{text}");
+    let prompt = text["prompt"].as_str().expect("prompt");
+    assert!(
+        prompt.contains(
+            "<|start_header_id|>assistant<|end_header_id|>\n\n{\"name\": \"get_weather\", \
+             \"parameters\": {\"city\": \"Paris\", \"unit\": \"celsius\"}}<|eot_id|>\
+             <|start_header_id|>ipython<|end_header_id|>\n\n{\"temperature\": 18}<|eot_id|>"
+        ),
+        "{prompt:?}"
+    );
+    assert!(!prompt.contains("tool_response"), "{prompt:?}");
+    s.assert_serves();
+}

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use serde_json::{json, Value};
 use switchyard_actors::structured::{GrammarCompiler, StructuredOutput};
-use switchyard_api::schema::tools::{ToolPiece, ToolStream, ToolUse};
+use switchyard_api::schema::tools::{ToolFormat, ToolPiece, ToolStream, ToolUse};
 use switchyard_gpu::constraint::{is_allowed, Constraint};
 use switchyard_gpu::model::{load_model, Tokenizer};
 
@@ -46,8 +46,18 @@ fn constraint(
     choice: Value,
     parallel: bool,
 ) -> Constraint {
+    constraint_in(ToolFormat::Hermes, compiler, tok, choice, parallel)
+}
+
+fn constraint_in(
+    format: ToolFormat,
+    compiler: &GrammarCompiler,
+    tok: &Tokenizer,
+    choice: Value,
+    parallel: bool,
+) -> Constraint {
     let tools = tools();
-    let tool_use = ToolUse::parse(Some(&tools), Some(&choice), Some(parallel))
+    let tool_use = ToolUse::parse(Some(&tools), Some(&choice), Some(parallel), format)
         .expect("valid tools")
         .expect("tools");
     let grammar = tool_use.grammar().expect("a grammar");
@@ -211,7 +221,13 @@ fn whatever_the_required_grammar_lets_a_model_write_reads_back_as_valid_calls() 
     let vocab = tok.vocab_size();
     let eos = tok.eos_token_ids()[0];
     let mut ended = 0;
-    for seed in 0..36u64 {
+    for seed in 0..48u64 {
+        // Hermes for three walks in four, Llama 3 for the fourth.
+        let format = if seed % 4 == 3 {
+            ToolFormat::Llama3Json
+        } else {
+            ToolFormat::Hermes
+        };
         let parallel = seed % 2 == 0;
         let auto = seed % 3 == 0;
         let choice = if auto {
@@ -219,7 +235,7 @@ fn whatever_the_required_grammar_lets_a_model_write_reads_back_as_valid_calls() 
         } else {
             json!("required")
         };
-        let c = constraint(&compiler, &tok, choice, parallel);
+        let c = constraint_in(format, &compiler, &tok, choice, parallel);
         let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
         let mut next = move || {
             state ^= state << 13;
@@ -252,7 +268,7 @@ fn whatever_the_required_grammar_lets_a_model_write_reads_back_as_valid_calls() 
         ended += 1;
         let text = tok.decode(&out, true).expect("decode");
         // Read as it streams, a token at a time.
-        let mut stream = ToolStream::new();
+        let mut stream = ToolStream::new(format);
         let mut pieces = Vec::new();
         let mut written = String::new();
         for k in 1..=out.len() {
@@ -277,13 +293,18 @@ fn whatever_the_required_grammar_lets_a_model_write_reads_back_as_valid_calls() 
                         auto && !opened,
                         "text {t:?} where only calls may be: {text:?}"
                     );
-                    assert!(!t.contains("<tool_call>"), "{text:?}");
+                    match format {
+                        ToolFormat::Hermes => assert!(!t.contains("<tool_call>"), "{text:?}"),
+                        ToolFormat::Llama3Json => {
+                            assert!(!t.trim_start().starts_with('{'), "{text:?}")
+                        }
+                    }
                 }
                 _ => opened = true,
             }
         }
         let (_, calls) = ToolPiece::join(pieces.clone());
-        assert_eq!(ToolPiece::join(pieces), ToolStream::read_all(&text));
+        assert_eq!(ToolPiece::join(pieces), ToolStream::read_all(format, &text));
         assert!(parallel || calls.len() <= 1, "{text:?}");
         assert!(auto || !calls.is_empty(), "{text:?}");
         for call in calls {
@@ -307,7 +328,83 @@ fn whatever_the_required_grammar_lets_a_model_write_reads_back_as_valid_calls() 
             }
         }
     }
-    assert!(ended >= 12, "only {ended} of 36 walks ended");
+    assert!(ended >= 16, "only {ended} of 48 walks ended");
+}
+
+#[test]
+fn the_llama3_grammar_admits_calls_as_the_whole_answer() {
+    let tok = tokenizer();
+    let compiler = GrammarCompiler::new(tok.clone()).expect("compiler");
+    let call = |name: &str, arguments: &str| {
+        format!("{{\"name\": \"{name}\", \"parameters\": {arguments}}}")
+    };
+    let paris = call("get_weather", r#"{"city": "Paris", "unit": "celsius"}"#);
+    let now = call("now", "{}");
+    let two = format!("{paris}; {now}");
+    // (choice, parallel, text, accepted whole, may end there)
+    let cases: Vec<(Value, bool, String, bool, bool)> = vec![
+        (
+            json!("auto"),
+            true,
+            "It is sunny {22 C}.".into(),
+            true,
+            true,
+        ),
+        (json!("auto"), true, paris.clone(), true, true),
+        (json!("auto"), true, two.clone(), true, true),
+        // No text before a call, none after it; text may not open with a brace.
+        (json!("auto"), true, format!("Sure. {paris}"), true, true),
+        (json!("auto"), true, format!("{paris} done"), false, false),
+        (json!("auto"), true, "{\"a\": 1}".into(), false, false),
+        (json!("auto"), true, format!(" {paris}"), false, false),
+        (json!("required"), true, "It is sunny.".into(), false, false),
+        (json!("required"), true, two.clone(), true, true),
+        (json!("required"), false, two.clone(), false, false),
+        // OpenAI's and Hermes' key is not Llama 3's.
+        (
+            json!("required"),
+            true,
+            "{\"name\": \"now\", \"arguments\": {}}".to_string(),
+            false,
+            false,
+        ),
+        (
+            json!("required"),
+            true,
+            call("get_weather", r#"{"city": "Paris", "unit": "kelvin"}"#),
+            false,
+            false,
+        ),
+        (
+            json!({"type": "function", "function": {"name": "now"}}),
+            true,
+            now.clone(),
+            true,
+            true,
+        ),
+        // A call not yet closed may not end.
+        (
+            json!("required"),
+            true,
+            paris[..paris.len() - 1].to_string(),
+            true,
+            false,
+        ),
+    ];
+    for (choice, parallel, text, whole, end) in cases {
+        let c = constraint_in(
+            ToolFormat::Llama3Json,
+            &compiler,
+            &tok,
+            choice.clone(),
+            parallel,
+        );
+        assert_eq!(
+            accepts(&c, &tok, &text),
+            (whole, end),
+            "choice {choice} parallel {parallel}: {text:?}"
+        );
+    }
 }
 
 /// The tokens a model could write for `text` (at each step the longest allowed token that

@@ -14,6 +14,7 @@ use actix_web::{web, HttpMessage};
 use subtle::ConstantTimeEq;
 
 use crate::error::ApiError;
+use crate::schema::tools::ToolFormat;
 use crate::state::ApiState;
 
 /// HTTP-layer settings, filled from the YAML config by the binary.
@@ -30,6 +31,8 @@ pub struct ApiConfig {
     pub default_tier: String,
     /// Tenant of requests on an open API.
     pub anonymous_tenant: String,
+    /// How the model writes tool calls (chat completions with tools).
+    pub tool_format: ToolFormat,
 }
 
 impl Default for ApiConfig {
@@ -40,6 +43,7 @@ impl Default for ApiConfig {
             max_body_bytes: 4 * 1024 * 1024,
             default_tier: "standard".to_owned(),
             anonymous_tenant: "anonymous".to_owned(),
+            tool_format: ToolFormat::default(),
         }
     }
 }
@@ -63,6 +67,7 @@ impl std::fmt::Debug for ApiConfig {
             .field("max_body_bytes", &self.max_body_bytes)
             .field("default_tier", &self.default_tier)
             .field("anonymous_tenant", &self.anonymous_tenant)
+            .field("tool_format", &self.tool_format)
             .finish()
     }
 }

@@ -241,6 +241,8 @@ pub enum ChatRole {
     User,
     /// The model.
     Assistant,
+    /// A tool's result (Llama 3's templates render it as the `ipython` turn).
+    Tool,
 }
 
 impl ChatRole {
@@ -251,6 +253,7 @@ impl ChatRole {
             Self::Developer => "developer",
             Self::User => "user",
             Self::Assistant => "assistant",
+            Self::Tool => "tool",
         }
     }
 }

@@ -208,6 +208,21 @@ pub enum Quantization {
 
 choice_from_str!(Quantization { "none" => None, "fp8" => Fp8 });
 
+/// The format the model writes tool calls in (chat completions with `tools`).
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum ToolCallFormat {
+    /// From the chat template: Llama 3's for Meta's Llama 3.1-3.3 templates, Hermes otherwise.
+    #[default]
+    Auto,
+    /// `<tool_call>` blocks (Qwen 2.5 and later, Hermes, SmolLM3; any other model).
+    Hermes,
+    /// Meta's JSON calls, `{"name": ..., "parameters": ...}` (Llama 3.1 to 3.3).
+    Llama3Json,
+}
+
+choice_from_str!(ToolCallFormat { "auto" => Auto, "hermes" => Hermes, "llama3_json" => Llama3Json });
+
 /// How the paged KV cache stores keys and values.
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
@@ -242,6 +257,11 @@ pub struct ModelSection {
     pub quantization: Quantization,
     /// Longest prompt plus output accepted; defaults to the model's context length.
     pub max_model_len: Option<usize>,
+    /// A Jinja chat template file used instead of the model's own; `~` expands to the home
+    /// directory.
+    pub chat_template: Option<String>,
+    /// How the model writes tool calls.
+    pub tool_call_format: ToolCallFormat,
     /// CPU threads for the CPU backend (0 = all cores).
     #[serde(deserialize_with = "usize_in::<_, 0, 1024>")]
     pub threads: usize,
@@ -257,6 +277,8 @@ impl Default for ModelSection {
             architecture: None,
             quantization: Quantization::None,
             max_model_len: None,
+            chat_template: None,
+            tool_call_format: ToolCallFormat::Auto,
             threads: 0,
         }
     }

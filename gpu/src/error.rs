@@ -6,13 +6,14 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 pub enum GpuError {
     /// Reading a file or directory failed.
-    #[error("I/O error on {path}: {source}")]
+    // The reason is in the message (HTTP answers show only the message), so it is not also
+    // a `source`, which error chains would print a second time.
+    #[error("I/O error on {path}: {reason}")]
     Io {
         /// The file or directory being accessed.
         path: PathBuf,
         /// The underlying error.
-        #[source]
-        source: std::io::Error,
+        reason: std::io::Error,
     },
     /// A model file is malformed, truncated or exceeds a safety limit.
     #[error("invalid model file {path}: {reason}")]
@@ -87,7 +88,7 @@ impl GpuError {
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         GpuError::Io {
             path: path.into(),
-            source,
+            reason: source,
         }
     }
 

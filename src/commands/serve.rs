@@ -20,10 +20,11 @@ use switchyard_api::engine::{
     GenerateRequest, LoraAdapterInfo, PolicyInfo, PolicySpec, SpeculativeSettings, TokenLogprob,
     TokenizeInput, TopLogprob,
 };
+use switchyard_api::schema::tools::ToolFormat;
 use switchyard_api::{ApiConfig, ApiKeyEntry, ApiState, ServerOptions};
-use switchyard_config::{Config, LoadFormat, LoraAdapterEntry};
+use switchyard_config::{Config, LoadFormat, LoraAdapterEntry, ToolCallFormat};
 use switchyard_gpu::backend::{SamplingParams, MAX_LOGIT_ROWS};
-use switchyard_gpu::model::Tokenizer;
+use switchyard_gpu::model::{ChatTemplate, Tokenizer};
 use switchyard_gpu::LoraLimits;
 use switchyard_policies::{FinishReason, PolicyRegistry, SchedulerConfig, SloTargets, TierSpec};
 use tokio::sync::mpsc;
@@ -69,6 +70,21 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         .with_context(|| format!("{}: scheduler.policy", args.config.display()))?;
     tracing::info!(model = %path.display(), "loading model");
     let mut model = runtime::load(&path)?;
+    if let Some(file) = &config.model.chat_template {
+        let file = runtime::expand_home(Path::new(file));
+        let template = ChatTemplate::from_file(&file, &model.tokenizer)
+            .with_context(|| format!("model.chat_template `{}`", file.display()))?;
+        model.chat_template = Some(template);
+    }
+    let tool_format = match config.model.tool_call_format {
+        ToolCallFormat::Hermes => ToolFormat::Hermes,
+        ToolCallFormat::Llama3Json => ToolFormat::Llama3Json,
+        ToolCallFormat::Auto => model
+            .chat_template
+            .as_ref()
+            .map_or(ToolFormat::Hermes, |t| ToolFormat::for_template(t.source())),
+    };
+    tracing::info!(tool_call_format = tool_format.name(), "tool calls");
     // Clients name the model by its file (or directory) stem unless a served name is configured.
     let model_name = config.model.served_name.clone().unwrap_or_else(|| {
         path.file_stem()
@@ -143,7 +159,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             })
             .collect(),
     };
-    let api_config = api_config(&config)?;
+    let api_config = api_config(&config, tool_format)?;
     let options = ServerOptions {
         bind: vec![format!("{}:{}", config.server.host, config.server.port)
             .parse()
@@ -231,7 +247,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
 }
 
 /// Builds the HTTP layer's settings: API keys inline and from `api_keys_file`.
-fn api_config(config: &Config) -> anyhow::Result<ApiConfig> {
+fn api_config(config: &Config, tool_format: ToolFormat) -> anyhow::Result<ApiConfig> {
     let mut keys: Vec<ApiKeyEntry> = config
         .server
         .api_keys
@@ -271,6 +287,7 @@ fn api_config(config: &Config) -> anyhow::Result<ApiConfig> {
         api_keys: keys,
         admin_key: config.server.admin_key.clone(),
         max_body_bytes: config.server.max_body_bytes,
+        tool_format,
         ..ApiConfig::default()
     })
 }

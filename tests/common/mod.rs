@@ -48,6 +48,16 @@ impl Server {
 
     /// Like [`Server::start`], with `server_lines` (indented two spaces) added to `server:`.
     pub fn start_with(name: &str, server_lines: &str, extra_yaml: &str) -> Server {
+        Self::start_full(name, "", server_lines, extra_yaml)
+    }
+
+    /// Like [`Server::start_with`], with `model_lines` (indented two spaces) added to `model:`.
+    pub fn start_full(
+        name: &str,
+        model_lines: &str,
+        server_lines: &str,
+        extra_yaml: &str,
+    ) -> Server {
         let model = model_path();
         let port = free_port();
         static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -57,7 +67,7 @@ impl Server {
         std::fs::create_dir_all(&dir).expect("temp dir");
         let config = dir.join("config.yaml");
         let yaml = format!(
-            "model:\n  path: {}\n  threads: 2\nserver:\n  host: 127.0.0.1\n  port: {port}\n  drain_timeout_s: 20\n{server_lines}{extra_yaml}",
+            "model:\n  path: {}\n  threads: 2\n{model_lines}server:\n  host: 127.0.0.1\n  port: {port}\n  drain_timeout_s: 20\n{server_lines}{extra_yaml}",
             model.display()
         );
         std::fs::write(&config, yaml).expect("write config");

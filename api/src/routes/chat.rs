@@ -27,7 +27,8 @@ pub(crate) async fn chat_completions(
     let in_flight = state.admit()?;
     let body: ChatRequest = read_json(&req, payload, state.config.max_body_bytes).await?;
     let lora = check_model(&state, body.model.as_deref())?;
-    let validated = body.validate(state.engine.max_model_len())?;
+    let tool_format = state.config.tool_format;
+    let validated = body.validate(state.engine.max_model_len(), tool_format)?;
     let id = request_id("chatcmpl-", request_id_header(&req));
     let requests = engine_requests(&id, &validated, &principal, None, lora.as_deref());
     let generation = Generation::start(&*state.engine, requests, validated.n, "messages").await?;
@@ -39,7 +40,7 @@ pub(crate) async fn chat_completions(
         usage_field: validated.include_usage.then_some(None),
         tools: validated.tool_calls.is_some().then(|| {
             (0..generation.choices())
-                .map(|_| (ToolStream::new(), Vec::new()))
+                .map(|_| (ToolStream::new(tool_format), Vec::new()))
                 .collect()
         }),
         calls_only: validated.tool_calls == Some(ToolAnswer::Calls),

@@ -68,7 +68,7 @@ pub(crate) async fn tokenize(
             add_special_tokens: body.add_special_tokens.unwrap_or(true),
         },
         (None, Some(messages)) => TokenizeInput::Chat {
-            messages: parse_messages(messages)?,
+            messages: parse_messages(messages, state.config.tool_format)?,
             add_generation_prompt: body.add_generation_prompt.unwrap_or(true),
         },
         _ => {

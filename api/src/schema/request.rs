@@ -14,7 +14,7 @@ use serde::Deserialize;
 use super::limits::*;
 use super::sampling::SamplerFields;
 use super::structured::StructuredFields;
-use super::tools::{render_calls, render_response, ToolAnswer, ToolUse};
+use super::tools::{render_calls, render_response, ToolAnswer, ToolFormat, ToolUse};
 use crate::engine::{ChatMessage, ChatRole, PromptInput, SamplingOptions, StructuredOutputSpec};
 use crate::error::ApiError;
 
@@ -432,8 +432,13 @@ fn stream_usage(stream: bool, options: Option<StreamOptions>) -> Result<bool, Ap
 }
 
 impl ChatRequest {
-    /// Validates the request against the limits and the context window.
-    pub fn validate(self, max_model_len: usize) -> Result<Validated, ApiError> {
+    /// Validates the request against the limits and the context window; tools are offered,
+    /// and calls in the conversation written, in `tool_format`.
+    pub fn validate(
+        self,
+        max_model_len: usize,
+        tool_format: ToolFormat,
+    ) -> Result<Validated, ApiError> {
         let sampling = sampler_fields!(self).validate()?;
         let mut structured = parse_structured(&self.structured, &sampling)?;
         let n = parse_n(self.n)?;
@@ -441,6 +446,7 @@ impl ChatRequest {
             self.tools.as_ref(),
             self.tool_choice.as_ref(),
             self.parallel_tool_calls,
+            tool_format,
         )?
         .filter(ToolUse::active);
         let logprobs = match (self.logprobs.unwrap_or(false), self.top_logprobs) {
@@ -459,7 +465,7 @@ impl ChatRequest {
             (true, k) => Some(k.unwrap_or(0)),
             (false, None) => None,
         };
-        let mut messages = parse_messages(self.messages)?;
+        let mut messages = parse_messages(self.messages, tool_format)?;
         if let Some(tools) = &tools {
             if structured.is_some() {
                 return Err(ApiError::invalid(
@@ -521,8 +527,12 @@ fn add_to_system(messages: &mut Vec<ChatMessage>, text: &str) {
     }
 }
 
-/// Validates `messages` and reduces each to role and text.
-pub fn parse_messages(messages: Vec<MessageField>) -> Result<Vec<ChatMessage>, ApiError> {
+/// Validates `messages` and reduces each to role and text; calls and results are written in
+/// `tool_format` (Hermes: results join a user turn; Llama 3: each is a `tool` message).
+pub fn parse_messages(
+    messages: Vec<MessageField>,
+    tool_format: ToolFormat,
+) -> Result<Vec<ChatMessage>, ApiError> {
     if messages.is_empty() {
         return Err(ApiError::invalid("messages", "messages must not be empty"));
     }
@@ -542,6 +552,7 @@ pub fn parse_messages(messages: Vec<MessageField>) -> Result<Vec<ChatMessage>, A
             "developer" => ChatRole::Developer,
             "user" => ChatRole::User,
             "assistant" => ChatRole::Assistant,
+            "tool" if tool_format == ToolFormat::Llama3Json => ChatRole::Tool,
             "tool" => {
                 let result = render_response(&content);
                 match out.last_mut() {
@@ -572,7 +583,8 @@ pub fn parse_messages(messages: Vec<MessageField>) -> Result<Vec<ChatMessage>, A
         let content = match m.tool_calls {
             None | Some(serde_json::Value::Null) => content,
             Some(serde_json::Value::Array(calls)) if role == ChatRole::Assistant => {
-                let calls = render_calls(&format!("messages[{i}].tool_calls"), &calls)?;
+                let calls =
+                    render_calls(&format!("messages[{i}].tool_calls"), &calls, tool_format)?;
                 match (content.is_empty(), calls.is_empty()) {
                     (_, true) => content,
                     (true, false) => calls,
@@ -718,7 +730,7 @@ mod tests {
             "logprobs": true, "top_logprobs": 3, "max_tokens": 5, "max_completion_tokens": 7
         }))
         .unwrap();
-        let v = req.validate(128).unwrap();
+        let v = req.validate(128, ToolFormat::Hermes).unwrap();
         assert_eq!(v.logprobs, Some(3));
         assert_eq!(v.max_tokens, Some(7));
         assert_eq!(
@@ -737,7 +749,7 @@ mod tests {
             let req: ChatRequest = serde_json::from_value(serde_json::json!({
                 "messages": messages, "tools": tools, "tool_choice": choice}))
             .unwrap();
-            req.validate(128).unwrap()
+            req.validate(128, ToolFormat::Hermes).unwrap()
         };
         let v = chat(
             serde_json::json!([{"role": "user", "content": "time?"}]),
@@ -800,7 +812,7 @@ mod tests {
             {"role": "tool", "content": "later"},
         ]))
         .unwrap();
-        let m = parse_messages(messages).unwrap();
+        let m = parse_messages(messages, ToolFormat::Hermes).unwrap();
         let call = |city: &str| {
             format!(
                 "<tool_call>\n{{\"name\": \"get_weather\", \"arguments\": {{\"city\": \"{city}\"}}}}\n</tool_call>"
@@ -871,7 +883,7 @@ mod tests {
         for (json, param) in bad {
             let req: ChatRequest = serde_json::from_value(json.clone()).unwrap();
             assert_eq!(
-                param_of(req.validate(128)).as_deref(),
+                param_of(req.validate(128, ToolFormat::Hermes)).as_deref(),
                 Some(param),
                 "{json}"
             );

@@ -1,19 +1,25 @@
 //! Tool calling on `/v1/chat/completions`: OpenAI's `tools`, `tool_choice` and
 //! `parallel_tool_calls`, assistant messages carrying `tool_calls`, and `tool` messages.
 //!
-//! One format serves every model, whatever its chat template can express: the Hermes format,
-//! which Qwen 2.5 and later, Hermes and SmolLM3 are trained on.
-//! - The tools' signatures go into the system message as JSON lines inside `<tools></tools>`.
-//! - A call is `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`; several calls
-//!   are separated by newlines.
-//! - A tool's result goes back as a user turn holding `<tool_response>\n...\n</tool_response>`
-//!   (consecutive results share one turn).
+//! The model writes calls in one of two formats ([`ToolFormat`]), chosen by the server for the
+//! model (by default from its chat template):
+//! - **Hermes**, which Qwen 2.5 and later, Hermes and SmolLM3 are trained on, and the default
+//!   for any other model. The tools' signatures go into the system message as JSON lines inside
+//!   `<tools></tools>`. A call is `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`;
+//!   several calls are separated by newlines, and text may come before them. A tool's result
+//!   goes back as a user turn holding `<tool_response>\n...\n</tool_response>` (consecutive
+//!   results share one turn).
+//! - **Llama 3 JSON**, Meta's format for Llama 3.1 to 3.3 with tools in the system prompt. The
+//!   tools' signatures go into the system message as JSON lines. A call is the whole answer,
+//!   `{"name": ..., "parameters": {...}}`; several calls are separated by `"; "`. A tool's result
+//!   goes back as a `tool` message, which Llama 3's templates render as the `ipython` turn.
 //!
-//! The output is held to that format by a grammar in llguidance's Lark dialect, which the
+//! The output is held to the format by a grammar in llguidance's Lark dialect, which the
 //! engine runs like any structured output, so a call always parses and its arguments follow
 //! the tool's `parameters` schema: `auto` allows either text (which may not contain
-//! `<tool_call>`) or calls, `required` and a named function allow only calls. [`ToolStream`]
-//! reads the generated text back into content and calls, incrementally for streams.
+//! `<tool_call>`, or, in the Llama 3 format, begin with `{`) or calls, `required` and a named
+//! function allow only calls. [`ToolStream`] reads the generated text back into content and
+//! calls, incrementally for streams.
 
 use serde_json::{Map, Value};
 
@@ -29,9 +35,66 @@ pub enum ToolAnswer {
     Calls,
 }
 
-/// Opens a call.
+/// How a model writes its calls (see the module's documentation).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ToolFormat {
+    /// `<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>`, after any text.
+    #[default]
+    Hermes,
+    /// `{"name": ..., "parameters": ...}` as the whole answer, several separated by `"; "`.
+    Llama3Json,
+}
+
+impl ToolFormat {
+    /// The format a chat template was written for: Llama 3's when it holds Meta's call
+    /// instructions (Llama 3.1 to 3.3), Hermes otherwise.
+    pub fn for_template(source: &str) -> Self {
+        if !source.contains(CALL_OPEN)
+            && source.contains("\"parameters\": dictionary of argument name and its value")
+        {
+            Self::Llama3Json
+        } else {
+            Self::Hermes
+        }
+    }
+
+    /// Its name in configurations and logs.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Hermes => "hermes",
+            Self::Llama3Json => "llama3_json",
+        }
+    }
+
+    /// What opens a call: empty for Llama 3, whose calls are the whole answer.
+    fn open(self) -> &'static str {
+        match self {
+            Self::Hermes => CALL_OPEN,
+            Self::Llama3Json => "",
+        }
+    }
+
+    /// What follows a call's object: Hermes' closing tag, or Llama 3's separator (the last
+    /// call has none).
+    fn close(self) -> &'static str {
+        match self {
+            Self::Hermes => CALL_CLOSE,
+            Self::Llama3Json => ";",
+        }
+    }
+
+    /// The key of a call's arguments.
+    fn arguments_key(self) -> &'static str {
+        match self {
+            Self::Hermes => "arguments",
+            Self::Llama3Json => "parameters",
+        }
+    }
+}
+
+/// Opens a call (Hermes).
 pub const CALL_OPEN: &str = "<tool_call>";
-/// Closes a call.
+/// Closes a call (Hermes).
 pub const CALL_CLOSE: &str = "</tool_call>";
 
 /// Most tools in one request.
@@ -76,6 +139,8 @@ pub struct ToolUse {
     choice: ToolChoice,
     /// Whether one answer may hold several calls.
     parallel: bool,
+    /// How the model writes calls.
+    format: ToolFormat,
     /// The output's grammar, built once (its size is checked when the request is read).
     grammar: Option<String>,
 }
@@ -177,6 +242,7 @@ impl ToolUse {
         tools: Option<&Value>,
         tool_choice: Option<&Value>,
         parallel_tool_calls: Option<bool>,
+        format: ToolFormat,
     ) -> Result<Option<ToolUse>, ApiError> {
         let list = match tools {
             None | Some(Value::Null) => &[][..],
@@ -260,6 +326,7 @@ impl ToolUse {
             tools: parsed,
             choice,
             parallel: parallel_tool_calls.unwrap_or(true),
+            format,
             grammar: None,
         };
         tool_use.grammar = tool_use.build_grammar();
@@ -297,10 +364,19 @@ impl ToolUse {
         if !self.active() {
             return None;
         }
-        let mut out = String::from(
-            "# Tools\n\nYou can call functions to help with the answer. Their signatures, as JSON, \
-             are inside <tools></tools>:\n<tools>\n",
-        );
+        let mut out = String::from(match self.format {
+            ToolFormat::Hermes => {
+                "# Tools\n\nYou can call functions to help with the answer. Their signatures, as \
+                 JSON, are inside <tools></tools>:\n<tools>\n"
+            }
+            // Meta's words for Llama 3.1's tools in the system prompt.
+            ToolFormat::Llama3Json => {
+                "You have access to the following functions. To call a function, please respond \
+                 with JSON for a function call. Respond in the format {\"name\": function name, \
+                 \"parameters\": dictionary of argument name and its value}. Do not use \
+                 variables.\n\n"
+            }
+        });
         for t in self.callable() {
             let mut function = Map::new();
             function.insert("name".into(), Value::String(t.name.clone()));
@@ -314,20 +390,30 @@ impl ToolUse {
             out.push_str(&json_dumps(&Value::Object(tool)));
             out.push('\n');
         }
-        out.push_str(
-            "</tools>\n\nTo call a function, answer with a JSON object holding its name and its \
-             arguments inside <tool_call></tool_call> tags:\n<tool_call>\n{\"name\": \
-             <function-name>, \"arguments\": <arguments-json-object>}\n</tool_call>",
-        );
+        let several = match self.format {
+            ToolFormat::Hermes => {
+                out.push_str(
+                    "</tools>\n\nTo call a function, answer with a JSON object holding its name \
+                     and its arguments inside <tool_call></tool_call> tags:\n<tool_call>\n\
+                     {\"name\": <function-name>, \"arguments\": <arguments-json-object>}\n\
+                     </tool_call>",
+                );
+                "one <tool_call> block each"
+            }
+            ToolFormat::Llama3Json => {
+                out.pop();
+                "the calls separated by \"; \""
+            }
+        };
         match (&self.choice, self.parallel) {
             (ToolChoice::Function(name), _) => {
                 out.push_str(&format!("\n\nCall the function {name:?} now."));
             }
             (ToolChoice::Required, true) => {
-                out.push_str("\n\nCall at least one function now, one <tool_call> block each.");
+                out.push_str(&format!("\n\nCall at least one function now, {several}."));
             }
             (ToolChoice::Required, false) => out.push_str("\n\nCall one function now."),
-            (_, true) => out.push_str("\n\nYou may call several functions, one block each."),
+            (_, true) => out.push_str(&format!("\n\nYou may call several functions, {several}.")),
             (_, false) => out.push_str("\n\nCall at most one function."),
         }
         Some(out)
@@ -382,28 +468,46 @@ impl ToolUse {
             }
             // The name is of [A-Za-z0-9_-] (checked), so it needs no escaping in a literal.
             rules.push_str(&format!(
-                "body_{k}: \"{{\\\"name\\\": \\\"{name}\\\", \\\"arguments\\\": \" %json{schema} \"}}\\n{close}\"\n",
+                "body_{k}: \"{{\\\"name\\\": \\\"{name}\\\", \\\"{key}\\\": \" %json{schema} \"}}{close}\"\n",
                 name = t.name,
-                close = CALL_CLOSE,
+                key = self.format.arguments_key(),
+                close = match self.format {
+                    ToolFormat::Hermes => "\\n</tool_call>",
+                    ToolFormat::Llama3Json => "",
+                },
             ));
             bodies.push(format!("body_{k}"));
         }
         // A named function is called once (as OpenAI does), whatever parallel_tool_calls says.
         let repeat = self.parallel && !matches!(self.choice, ToolChoice::Function(_));
-        let more = if repeat { " (\"\\n\" call)*" } else { "" };
-        let start = if self.calls_only() {
-            format!("start: call{more}\n")
+        let separator = match self.format {
+            ToolFormat::Hermes => "\\n",
+            ToolFormat::Llama3Json => "; ",
+        };
+        let more = if repeat {
+            format!(" (\"{separator}\" call)*")
         } else {
-            format!(
+            String::new()
+        };
+        let start = match (self.format, self.calls_only()) {
+            (_, true) => format!("start: call{more}\n"),
+            (ToolFormat::Hermes, false) => format!(
                 "start: TEXT | pre \"\\n\" body{more}\n\
-                 pre[suffix=\"{open}\"]: /(?s:.*)/\n\
-                 TEXT: /(?s:.+)/ & ~/(?s:.*{open}.*)/\n",
-                open = CALL_OPEN
-            )
+                 pre[suffix=\"{CALL_OPEN}\"]: /(?s:.*)/\n\
+                 TEXT: /(?s:.+)/ & ~/(?s:.*{CALL_OPEN}.*)/\n"
+            ),
+            // Text, or calls from the first character: text may not begin with `{`.
+            (ToolFormat::Llama3Json, false) => format!(
+                "start: TEXT | call{more}\n\
+                 TEXT: /(?s:.+)/ & ~/(?s:[ \\t\\r\\n]*\\{{.*)/\n"
+            ),
+        };
+        let open = match self.format {
+            ToolFormat::Hermes => "\"<tool_call>\\n\" ",
+            ToolFormat::Llama3Json => "",
         };
         Some(format!(
-            "{start}call: \"{open}\\n\" body\nbody: {bodies}\n{rules}",
-            open = CALL_OPEN,
+            "{start}call: {open}body\nbody: {bodies}\n{rules}",
             bodies = bodies.join(" | "),
         ))
     }
@@ -460,7 +564,7 @@ pub struct ParsedCall {
 }
 
 /// Renders an assistant message's `tool_calls` (OpenAI's shape) as the model writes calls.
-pub fn render_calls(param: &str, calls: &[Value]) -> Result<String, ApiError> {
+pub fn render_calls(param: &str, calls: &[Value], format: ToolFormat) -> Result<String, ApiError> {
     if calls.len() > MAX_TOOL_CALLS {
         return Err(invalid(
             param,
@@ -517,21 +621,30 @@ pub fn render_calls(param: &str, calls: &[Value]) -> Result<String, ApiError> {
             Some(v @ Value::Object(_)) => json_dumps(v),
             Some(_) => return Err(not_object()),
         };
-        if !out.is_empty() {
-            out.push('\n');
+        let call = format!(
+            "{{\"name\": {name}, \"{key}\": {arguments}}}",
+            name = json_dumps(&Value::String(name.to_owned())),
+            key = format.arguments_key(),
+        );
+        match format {
+            ToolFormat::Hermes => {
+                if !out.is_empty() {
+                    out.push('\n');
+                }
+                out.push_str(&format!("{CALL_OPEN}\n{call}\n{CALL_CLOSE}"));
+            }
+            ToolFormat::Llama3Json => {
+                if !out.is_empty() {
+                    out.push_str("; ");
+                }
+                out.push_str(&call);
+            }
         }
-        out.push_str(CALL_OPEN);
-        out.push_str("\n{\"name\": ");
-        out.push_str(&json_dumps(&Value::String(name.to_owned())));
-        out.push_str(", \"arguments\": ");
-        out.push_str(&arguments);
-        out.push_str("}\n");
-        out.push_str(CALL_CLOSE);
     }
     Ok(out)
 }
 
-/// A tool's result as the model reads it.
+/// A tool's result as a Hermes model reads it, in a user turn.
 pub fn render_response(content: &str) -> String {
     format!("<tool_response>\n{content}\n</tool_response>")
 }
@@ -585,7 +698,8 @@ impl ToolPiece {
 enum StreamState {
     /// Text, passed through except what may be the start of a call: trailing ASCII
     /// whitespace (up to [`MAX_HELD_SPACE`] bytes) and a prefix of `<tool_call>` are held back
-    /// until the next text tells.
+    /// until the next text tells. Llama 3: the answer's start, its leading whitespace held
+    /// back until a character tells text from a call.
     Text,
     /// At a call's `<tool_call>`, or between calls, until the call's opening
     /// `{"name": ..., "arguments": ` tells its name. `whole`: the call does not open that way
@@ -594,7 +708,8 @@ enum StreamState {
     Call { end: BodyEnd, whole: bool },
     /// In call `index`'s arguments, which go out as they come, until `nesting` closes.
     Arguments { index: usize, nesting: Nesting },
-    /// After a streamed call's arguments: the call's own `}`, then `</tool_call>`.
+    /// After a streamed call's arguments: the call's own `}`, then `</tool_call>` (Llama 3:
+    /// `;` before the next call, or the end).
     Close,
     /// After text that is not a call where a call had to be (the grammar rules it out; kept
     /// for safety): everything is text, passed through.
@@ -719,8 +834,9 @@ fn literal(b: &[u8], i: usize, lit: &[u8]) -> Result<usize, bool> {
     }
 }
 
-/// Reads a call's opening in `body` (the text after `<tool_call>`).
-fn header(body: &str) -> Header {
+/// Reads a call's opening in `body` (the text after `<tool_call>`, or a Llama 3 call's),
+/// whose arguments are under `key`.
+fn header(body: &str, key: &str) -> Header {
     let b = &body.as_bytes()[..body.len().min(MAX_HEADER)];
     let read = || -> Result<(String, usize), bool> {
         let mut i = literal(b, skip_ws(b, 0), b"{")?;
@@ -736,7 +852,9 @@ fn header(body: &str) -> Header {
         // Both ends are quotes, so `at..end` cuts on character boundaries.
         let name: String = serde_json::from_str(&body[at..end]).map_err(|_| false)?;
         i = literal(b, skip_ws(b, end), b",")?;
-        i = literal(b, skip_ws(b, i), b"\"arguments\"")?;
+        i = literal(b, skip_ws(b, i), b"\"")?;
+        i = literal(b, i, key.as_bytes())?;
+        i = literal(b, i, b"\"")?;
         i = literal(b, skip_ws(b, i), b":")?;
         let arguments = skip_ws(b, i);
         literal(b, arguments, b"{")?;
@@ -751,9 +869,11 @@ fn header(body: &str) -> Header {
 
 /// Reads one choice's generated text, in pieces as it streams, into content and calls: text
 /// up to the first `<tool_call>` (its trailing whitespace dropped), then calls, whose
-/// arguments go out as they are written.
+/// arguments go out as they are written; in the Llama 3 format, text or calls, as the first
+/// character that is not whitespace tells.
 #[derive(Debug)]
 pub struct ToolStream {
+    format: ToolFormat,
     state: StreamState,
     /// Text read and not given out yet: held back, or kept until a call's form tells.
     buf: String,
@@ -763,12 +883,6 @@ pub struct ToolStream {
     calls: usize,
     /// The text ended inside a call's arguments.
     cut: bool,
-}
-
-impl Default for ToolStream {
-    fn default() -> Self {
-        Self::new()
-    }
 }
 
 /// `text` without its trailing ASCII whitespace (a cut there is always on a character
@@ -792,9 +906,10 @@ fn held_suffix(text: &str) -> usize {
 }
 
 impl ToolStream {
-    /// A stream at the start of a choice.
-    pub fn new() -> Self {
+    /// A stream at the start of a choice whose calls are written in `format`.
+    pub fn new(format: ToolFormat) -> Self {
         Self {
+            format,
             state: StreamState::Text,
             buf: String::new(),
             lead: String::new(),
@@ -804,8 +919,8 @@ impl ToolStream {
     }
 
     /// Reads a whole answer into its content and its calls.
-    pub fn read_all(text: &str) -> (String, Vec<ParsedCall>) {
-        let mut stream = Self::new();
+    pub fn read_all(format: ToolFormat, text: &str) -> (String, Vec<ParsedCall>) {
+        let mut stream = Self::new(format);
         let mut pieces = stream.push(text);
         pieces.extend(stream.finish());
         ToolPiece::join(pieces)
@@ -898,6 +1013,30 @@ impl ToolStream {
     fn pump(&mut self, out: &mut Vec<ToolPiece>, last: bool) {
         loop {
             match &mut self.state {
+                // Llama 3: calls are the whole answer, so the first character that is not
+                // whitespace tells; the whitespace before it is held back meanwhile.
+                StreamState::Text if self.format == ToolFormat::Llama3Json => {
+                    let start = self.buf.len()
+                        - self
+                            .buf
+                            .trim_start_matches(|c: char| c.is_ascii_whitespace())
+                            .len();
+                    if start > MAX_HELD_SPACE {
+                        return self.not_a_call(out);
+                    }
+                    match self.buf.as_bytes().get(start) {
+                        None if !last => return,
+                        Some(b'{') => {
+                            self.lead = self.buf[..start].to_owned();
+                            self.buf.drain(..start);
+                            self.state = StreamState::Call {
+                                end: BodyEnd::default(),
+                                whole: false,
+                            };
+                        }
+                        _ => return self.not_a_call(out),
+                    }
+                }
                 StreamState::Text => {
                     // Only the held-back end and the new text are searched.
                     if let Some(at) = self.buf.find(CALL_OPEN) {
@@ -941,15 +1080,16 @@ impl ToolStream {
                         }
                         return;
                     }
-                    if !rest.starts_with(CALL_OPEN) {
-                        if CALL_OPEN.starts_with(rest) && !last {
+                    let open = self.format.open();
+                    if !rest.starts_with(open) {
+                        if open.starts_with(rest) && !last {
                             return;
                         }
                         return self.not_a_call(out);
                     }
-                    let body = start + CALL_OPEN.len();
+                    let body = start + open.len();
                     if !*whole {
-                        match header(&self.buf[body..]) {
+                        match header(&self.buf[body..], self.format.arguments_key()) {
                             Header::Done { name, arguments } => {
                                 let index = self.open(name, out);
                                 let args = self.buf.split_off(body + arguments);
@@ -972,7 +1112,7 @@ impl ToolStream {
                         Ok(None) if !last => return,
                         Ok(None) | Err(()) => return self.not_a_call(out),
                     }
-                    match read_call(&self.buf[body..], last) {
+                    match read_call(&self.buf[body..], last, self.format) {
                         Read::Call(call, used) => {
                             let index = self.open(call.name, out);
                             out.push(ToolPiece::Arguments {
@@ -1005,7 +1145,7 @@ impl ToolStream {
                             if j - (i + 1) > MAX_HELD_SPACE {
                                 Err(false)
                             } else {
-                                literal(b, j, CALL_CLOSE.as_bytes())
+                                literal(b, j, self.format.close().as_bytes())
                             }
                         }
                         Some(_) => Err(false),
@@ -1026,8 +1166,17 @@ impl ToolStream {
                             return;
                         }
                         // Something else after the arguments (the grammar rules it out): the
-                        // call stands, the rest is text.
-                        Err(false) => return self.not_a_call(out),
+                        // call stands, the rest is text. A Llama 3 call ends at its brace, a
+                        // Hermes call at its tag.
+                        Err(false) => {
+                            if self.format == ToolFormat::Llama3Json
+                                && i <= MAX_HELD_SPACE
+                                && b.get(i) == Some(&b'}')
+                            {
+                                self.buf.drain(..=i);
+                            }
+                            return self.not_a_call(out);
+                        }
                     }
                 }
                 StreamState::Plain => {
@@ -1153,8 +1302,10 @@ fn scan_container(b: &[u8], i: usize, depth: usize) -> Scan {
 }
 
 /// Reads a call's body (after `<tool_call>`): `{"name": ..., "arguments": {...}}` then
-/// `</tool_call>`; at the `last` text a complete body without its closing tag counts.
-fn read_call(body: &str, last: bool) -> Read {
+/// `</tool_call>` (Llama 3: `{"name": ..., "parameters": {...}}` then `;`); at the `last` text
+/// a complete body without its closing tag (or separator) counts.
+fn read_call(body: &str, last: bool, format: ToolFormat) -> Read {
+    let close = format.close();
     let b = body.as_bytes();
     let i = skip_ws(b, 0);
     if b.get(i).is_some_and(|&c| c != b'{') {
@@ -1165,7 +1316,7 @@ fn read_call(body: &str, last: bool) -> Read {
         Scan::More => return Read::More,
         Scan::Bad => return Read::Bad,
     };
-    let Some(call) = call_fields(&body[i..end]) else {
+    let Some(call) = call_fields(&body[i..end], format) else {
         return Read::Bad;
     };
     let after = skip_ws(b, end);
@@ -1173,21 +1324,22 @@ fn read_call(body: &str, last: bool) -> Read {
         return Read::Bad;
     }
     let tail = &body[after..];
-    if tail.starts_with(CALL_CLOSE) {
-        return Read::Call(call, after + CALL_CLOSE.len());
+    if tail.starts_with(close) {
+        return Read::Call(call, after + close.len());
     }
-    if last && CALL_CLOSE.starts_with(tail) {
-        // The closing tag (or its end) was taken by a stop string.
+    if last && close.starts_with(tail) {
+        // The closing tag (or its end) was taken by a stop string; or the last Llama 3 call.
         return Read::Call(call, body.len());
     }
-    if CALL_CLOSE.starts_with(tail) && !last {
+    if close.starts_with(tail) && !last {
         return Read::More;
     }
     Read::Bad
 }
 
-/// The name and the raw arguments of a complete call object.
-fn call_fields(object: &str) -> Option<ParsedCall> {
+/// The name and the raw arguments of a complete call object (under `arguments`, or the
+/// format's own key).
+fn call_fields(object: &str, format: ToolFormat) -> Option<ParsedCall> {
     let b = object.as_bytes();
     let mut name = None;
     let mut arguments = None;
@@ -1211,8 +1363,12 @@ fn call_fields(object: &str) -> Option<ParsedCall> {
         let raw = &object[value_start..value_end];
         match key.as_str() {
             "name" => name = Some(serde_json::from_str::<String>(raw).ok()?),
-            "arguments" if raw.starts_with('{') => arguments = Some(raw.to_owned()),
-            "arguments" => return None,
+            k if k == "arguments" || k == format.arguments_key() => {
+                if !raw.starts_with('{') {
+                    return None;
+                }
+                arguments = Some(raw.to_owned());
+            }
             _ => {}
         }
         j = skip_ws(b, value_end);
@@ -1252,31 +1408,46 @@ mod tests {
     #[test]
     fn tool_fields_are_read_and_defaults_follow_openai() {
         let tools = json!([weather()]);
-        let t = ToolUse::parse(Some(&tools), None, None).unwrap().unwrap();
+        let t = ToolUse::parse(Some(&tools), None, None, ToolFormat::Hermes)
+            .unwrap()
+            .unwrap();
         assert_eq!(t.choice, ToolChoice::Auto);
         assert!(t.parallel && t.active());
         assert_eq!(t.tools[0].name, "get_weather");
         let named = json!({"type": "function", "function": {"name": "get_weather"}});
-        let t = ToolUse::parse(Some(&tools), Some(&named), Some(false))
+        let t = ToolUse::parse(Some(&tools), Some(&named), Some(false), ToolFormat::Hermes)
             .unwrap()
             .unwrap();
         assert_eq!(t.choice, ToolChoice::Function("get_weather".into()));
         assert!(!t.parallel);
         let none = json!("none");
-        let t = ToolUse::parse(Some(&tools), Some(&none), None)
+        let t = ToolUse::parse(Some(&tools), Some(&none), None, ToolFormat::Hermes)
             .unwrap()
             .unwrap();
         assert!(!t.active() && t.grammar().is_none() && t.system_prompt().is_none());
         // No tools: nothing, unless tool_choice asks for a call.
-        assert_eq!(ToolUse::parse(None, Some(&none), None).unwrap(), None);
-        assert_eq!(ToolUse::parse(Some(&json!([])), None, None).unwrap(), None);
         assert_eq!(
-            param(ToolUse::parse(None, Some(&json!("required")), None)),
+            ToolUse::parse(None, Some(&none), None, ToolFormat::Hermes).unwrap(),
+            None
+        );
+        assert_eq!(
+            ToolUse::parse(Some(&json!([])), None, None, ToolFormat::Hermes).unwrap(),
+            None
+        );
+        assert_eq!(
+            param(ToolUse::parse(
+                None,
+                Some(&json!("required")),
+                None,
+                ToolFormat::Hermes
+            )),
             "tool_choice"
         );
         // A function without parameters takes none.
         let bare = json!([{"type": "function", "function": {"name": "now"}}]);
-        let t = ToolUse::parse(Some(&bare), None, None).unwrap().unwrap();
+        let t = ToolUse::parse(Some(&bare), None, None, ToolFormat::Hermes)
+            .unwrap()
+            .unwrap();
         assert_eq!(t.tools[0].parameters["additionalProperties"], json!(false));
     }
 
@@ -1331,7 +1502,12 @@ mod tests {
         ];
         for (tools, choice, expected) in cases {
             assert_eq!(
-                param(ToolUse::parse(Some(&tools), choice.as_ref(), None)),
+                param(ToolUse::parse(
+                    Some(&tools),
+                    choice.as_ref(),
+                    None,
+                    ToolFormat::Hermes
+                )),
                 expected,
                 "{tools} {choice:?}"
             );
@@ -1340,18 +1516,28 @@ mod tests {
             .map(|i| json!({"type": "function", "function": {"name": format!("f{i}")}}))
             .collect();
         assert_eq!(
-            param(ToolUse::parse(Some(&json!(many)), None, None)),
+            param(ToolUse::parse(
+                Some(&json!(many)),
+                None,
+                None,
+                ToolFormat::Hermes
+            )),
             "tools"
         );
         let huge = json!([{"type": "function", "function": {"name": "f", "parameters":
             {"type": "object", "description": "x".repeat(MAX_STRUCTURED_BYTES)}}}]);
-        assert_eq!(param(ToolUse::parse(Some(&huge), None, None)), "tools");
+        assert_eq!(
+            param(ToolUse::parse(Some(&huge), None, None, ToolFormat::Hermes)),
+            "tools"
+        );
     }
 
     #[test]
     fn the_grammar_and_prompt_follow_the_choice() {
         let tools = json!([weather(), {"type": "function", "function": {"name": "now"}}]);
-        let auto = ToolUse::parse(Some(&tools), None, None).unwrap().unwrap();
+        let auto = ToolUse::parse(Some(&tools), None, None, ToolFormat::Hermes)
+            .unwrap()
+            .unwrap();
         let g = auto.grammar().unwrap();
         assert!(
             g.starts_with("start: TEXT | pre \"\\n\" body (\"\\n\" call)*\n"),
@@ -1373,20 +1559,22 @@ mod tests {
              {\"city\": {\"type\": \"string\"}}, \"required\": [\"city\"]}}}\n"
         ));
         let named = json!({"type": "function", "function": {"name": "now"}});
-        let one = ToolUse::parse(Some(&tools), Some(&named), Some(false))
+        let one = ToolUse::parse(Some(&tools), Some(&named), Some(false), ToolFormat::Hermes)
             .unwrap()
             .unwrap();
         let g = one.grammar().unwrap();
         assert!(g.starts_with("start: call\ncall: "), "{g}");
         // A named function is called once, even with parallel calls on.
-        let once = ToolUse::parse(Some(&tools), Some(&named), Some(true))
+        let once = ToolUse::parse(Some(&tools), Some(&named), Some(true), ToolFormat::Hermes)
             .unwrap()
             .unwrap();
         assert!(once.grammar().unwrap().starts_with("start: call\ncall: "));
         // The client's own x-guidance cannot change the format the reader expects.
         let odd = json!([{"type": "function", "function": {"name": "f", "parameters":
             {"type": "object", "x-guidance": {"item_separator": ";"}}}}]);
-        let odd = ToolUse::parse(Some(&odd), None, None).unwrap().unwrap();
+        let odd = ToolUse::parse(Some(&odd), None, None, ToolFormat::Hermes)
+            .unwrap()
+            .unwrap();
         let g = odd.grammar().unwrap();
         assert!(
             !g.contains(r#""item_separator":";""#) && g.contains(r#""item_separator":", ""#),
@@ -1413,7 +1601,12 @@ mod tests {
             {"id": "call_2", "type": "function",
              "function": {"name": "now", "arguments": {}}},
         ]);
-        let text = render_calls("messages[1].tool_calls", calls.as_array().unwrap()).unwrap();
+        let text = render_calls(
+            "messages[1].tool_calls",
+            calls.as_array().unwrap(),
+            ToolFormat::Hermes,
+        )
+        .unwrap();
         assert_eq!(
             text,
             "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n\
@@ -1423,15 +1616,22 @@ mod tests {
         let odd =
             json!([{"function": {"name": "f", "arguments": "{\"n\": 1e400, \"s\": \"\\ud800\"}"}}]);
         assert_eq!(
-            render_calls("m", odd.as_array().unwrap()).unwrap(),
+            render_calls("m", odd.as_array().unwrap(), ToolFormat::Hermes).unwrap(),
             "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"n\": 1e400, \"s\": \"\\ud800\"}}\n</tool_call>"
         );
         for args in [json!("[1]"), json!("3"), json!(3)] {
             let v = json!([{"function": {"name": "f", "arguments": args}}]);
-            assert!(render_calls("m", v.as_array().unwrap()).is_err(), "{args}");
+            assert!(
+                render_calls("m", v.as_array().unwrap(), ToolFormat::Hermes).is_err(),
+                "{args}"
+            );
         }
         let bad = json!([{"function": {"name": "f", "arguments": "{oops"}}]);
-        match render_calls("messages[1].tool_calls", bad.as_array().unwrap()) {
+        match render_calls(
+            "messages[1].tool_calls",
+            bad.as_array().unwrap(),
+            ToolFormat::Hermes,
+        ) {
             Err(ApiError::InvalidRequest { param, .. }) => assert_eq!(
                 param.as_deref(),
                 Some("messages[1].tool_calls[0].function.arguments")
@@ -1439,11 +1639,16 @@ mod tests {
             other => panic!("{other:?}"),
         }
         let many = vec![json!({"function": {"name": "f"}}); MAX_TOOL_CALLS + 1];
-        assert!(render_calls("m", &many).is_err());
+        assert!(render_calls("m", &many, ToolFormat::Hermes).is_err());
     }
 
     fn read_all(chunks: &[&str]) -> (String, Vec<ParsedCall>) {
-        let mut s = ToolStream::new();
+        read_in(ToolFormat::Hermes, chunks)
+    }
+
+    /// Reads `chunks` as one stream in `format`, checking what any reading must hold.
+    fn read_in(format: ToolFormat, chunks: &[&str]) -> (String, Vec<ParsedCall>) {
+        let mut s = ToolStream::new(format);
         let mut pieces = Vec::new();
         for c in chunks {
             pieces.extend(s.push(c));
@@ -1487,6 +1692,8 @@ mod tests {
                     .to_string()
             ),
             Just("{\"name\": \"g\", \"arguments\": {}}".to_string()),
+            Just("{\"name\": \"h\", \"parameters\": {\"x\": [1, \"}\"]}}".to_string()),
+            Just("; ".to_string()),
             Just("\"\\\"}".to_string()),
             Just("{[".to_string()),
             Just("]}".to_string()),
@@ -1504,7 +1711,9 @@ mod tests {
         fn the_reader_never_panics_and_loses_no_text_however_it_is_cut(
             text in model_text(),
             cuts in proptest::collection::vec(0usize..200, 0..6),
+            llama in proptest::bool::ANY,
         ) {
+            let format = if llama { ToolFormat::Llama3Json } else { ToolFormat::Hermes };
             let mut points: Vec<usize> = cuts
                 .into_iter()
                 .map(|c| c % (text.len() + 1))
@@ -1519,9 +1728,12 @@ mod tests {
                 last = p;
             }
             chunks.push(&text[last..]);
-            let (read, calls) = read_all(&chunks);
+            let (read, calls) = read_in(format, &chunks);
             // Cut or whole, the same reading.
-            proptest::prop_assert_eq!(&(read.clone(), calls.clone()), &read_all(&[&text]));
+            proptest::prop_assert_eq!(
+                &(read.clone(), calls.clone()),
+                &read_in(format, &[&text])
+            );
             // Without calls, every byte of text comes back as it was.
             if calls.is_empty() {
                 proptest::prop_assert_eq!(read, text);
@@ -1531,7 +1743,7 @@ mod tests {
 
     #[test]
     fn arguments_go_out_as_they_are_written() {
-        let mut s = ToolStream::new();
+        let mut s = ToolStream::new(ToolFormat::Hermes);
         let mut pieces = s.push("Sure.\n<tool_call>\n{\"name\": \"get_weather\", ");
         assert_eq!(pieces, [ToolPiece::Text("Sure.".into())]);
         assert!(s.holding());
@@ -1723,5 +1935,180 @@ mod tests {
                 "{text:?} by chars"
             );
         }
+    }
+
+    #[test]
+    fn llama3_calls_are_the_whole_answer_however_it_is_cut() {
+        let call = |name: &str, arguments: &str| ParsedCall {
+            name: name.into(),
+            arguments: arguments.into(),
+        };
+        let weather = "{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Pa; ris ✓\"}}";
+        let now = "{\"name\": \"now\", \"parameters\": {}}";
+        let two = format!("{weather}; {now}");
+        let expected = vec![
+            call("get_weather", "{\"city\": \"Pa; ris ✓\"}"),
+            call("now", "{}"),
+        ];
+        let lead = format!("{}{now}", "\n".repeat(600));
+        let cases: Vec<(String, String, Vec<ParsedCall>)> = vec![
+            (two.clone(), String::new(), expected.clone()),
+            // Leading whitespace before a call is dropped; text is text from its first
+            // character, braces and all.
+            (format!(" \n{two}"), String::new(), expected.clone()),
+            (
+                format!("Sure: {weather}"),
+                format!("Sure: {weather}"),
+                Vec::new(),
+            ),
+            (" \n".into(), " \n".into(), Vec::new()),
+            // Too much whitespace before the brace: text.
+            (lead.clone(), lead, Vec::new()),
+            // The call's `arguments` key is read too (a model that writes OpenAI's name).
+            (
+                "{\"name\": \"now\", \"arguments\": {\"a\": 1}}".into(),
+                String::new(),
+                vec![call("now", "{\"a\": 1}")],
+            ),
+            // A separator with nothing after it (a stop string took the rest).
+            (format!("{now}; "), String::new(), vec![call("now", "{}")]),
+            // Cut short in the second call's arguments: a call, with what was written.
+            (
+                format!("{now}; {{\"name\": \"f\", \"parameters\": {{\"a\": [\"b}}"),
+                String::new(),
+                vec![call("now", "{}"), call("f", "{\"a\": [\"b}")],
+            ),
+            // Cut short before the arguments begin: text.
+            (
+                "{\"name\": \"now\", \"para".into(),
+                "{\"name\": \"now\", \"para".into(),
+                Vec::new(),
+            ),
+            // Not a call: a JSON object without the call's fields is text.
+            ("{\"a\": 1}".into(), "{\"a\": 1}".into(), Vec::new()),
+            // Something other than a separator after a call: the call stands, the rest is text.
+            (
+                format!("{now} and so"),
+                " and so".into(),
+                vec![call("now", "{}")],
+            ),
+            // Hermes tags mean nothing here.
+            (
+                "<tool_call>\n{}\n</tool_call>".into(),
+                "<tool_call>\n{}\n</tool_call>".into(),
+                Vec::new(),
+            ),
+        ];
+        for (text, want_text, want_calls) in cases {
+            for cut in (0..=text.len()).filter(|&c| text.is_char_boundary(c)) {
+                assert_eq!(
+                    read_in(ToolFormat::Llama3Json, &[&text[..cut], &text[cut..]]),
+                    (want_text.clone(), want_calls.clone()),
+                    "{text:?} cut at {cut}"
+                );
+            }
+            let chars: Vec<String> = text.chars().map(String::from).collect();
+            let refs: Vec<&str> = chars.iter().map(String::as_str).collect();
+            assert_eq!(
+                read_in(ToolFormat::Llama3Json, &refs),
+                (want_text, want_calls),
+                "{text:?} by chars"
+            );
+        }
+        // Arguments go out as they are written, after the call opens.
+        let mut s = ToolStream::new(ToolFormat::Llama3Json);
+        assert_eq!(s.push(" {\"name\": \"now\", \"param"), []);
+        assert_eq!(
+            s.push("eters\": {\"a\""),
+            [
+                ToolPiece::Call {
+                    index: 0,
+                    name: "now".into()
+                },
+                ToolPiece::Arguments {
+                    index: 0,
+                    text: "{\"a\"".into()
+                }
+            ]
+        );
+        assert_eq!(
+            s.push(": 1}}"),
+            [ToolPiece::Arguments {
+                index: 0,
+                text: ": 1}".into()
+            }]
+        );
+        assert_eq!(s.finish(), []);
+        assert!(!s.cut_short());
+    }
+
+    #[test]
+    fn llama3_prompts_grammars_and_history_follow_meta() {
+        let tools = json!([weather(), {"type": "function", "function": {"name": "now"}}]);
+        let parse = |choice: Option<Value>, parallel: Option<bool>| {
+            ToolUse::parse(
+                Some(&tools),
+                choice.as_ref(),
+                parallel,
+                ToolFormat::Llama3Json,
+            )
+            .unwrap()
+            .unwrap()
+        };
+        let auto = parse(None, None);
+        let prompt = auto.system_prompt().unwrap();
+        assert!(
+            prompt.starts_with("You have access to the following functions."),
+            "{prompt}"
+        );
+        assert!(
+            prompt.contains("{\"name\": function name, \"parameters\": dictionary of argument name and its value}"),
+            "{prompt}"
+        );
+        assert!(
+            prompt.contains("{\"type\": \"function\", \"function\": {\"name\": \"get_weather\"")
+        );
+        assert!(prompt.ends_with("You may call several functions, the calls separated by \"; \"."));
+        assert!(!prompt.contains("<tool"), "{prompt}");
+        let grammar = auto.grammar().unwrap();
+        assert!(
+            grammar.starts_with("start: TEXT | call (\"; \" call)*\n"),
+            "{grammar}"
+        );
+        assert!(
+            grammar.contains("\\\"parameters\\\": \" %json"),
+            "{grammar}"
+        );
+        assert!(!grammar.contains("tool_call"), "{grammar}");
+        let one = parse(Some(json!("required")), Some(false));
+        assert!(one
+            .grammar()
+            .unwrap()
+            .starts_with("start: call\ncall: body\n"));
+        assert!(one
+            .system_prompt()
+            .unwrap()
+            .ends_with("Call one function now."));
+        // Calls in the conversation are written as the model writes them.
+        let calls = json!([
+            {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}},
+            {"id": "b", "type": "function", "function": {"name": "now", "arguments": {}}},
+        ]);
+        assert_eq!(
+            render_calls("m", calls.as_array().unwrap(), ToolFormat::Llama3Json).unwrap(),
+            "{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\"}}; {\"name\": \"now\", \"parameters\": {}}"
+        );
+    }
+
+    #[test]
+    fn the_format_follows_the_chat_template() {
+        // Meta's Llama 3.1 template (the lines that name the format), Qwen 2.5's, SmolLM2's.
+        let llama31 = "{{- 'Respond in the format {\"name\": function name, \"parameters\": dictionary of argument name and its value}.' }}{{- \"<|python_tag|>\" }}";
+        let qwen25 = "{{- \"\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags\" }}";
+        let smollm2 = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}";
+        assert_eq!(ToolFormat::for_template(llama31), ToolFormat::Llama3Json);
+        assert_eq!(ToolFormat::for_template(qwen25), ToolFormat::Hermes);
+        assert_eq!(ToolFormat::for_template(smollm2), ToolFormat::Hermes);
+        assert_eq!(ToolFormat::Llama3Json.name(), "llama3_json");
     }
 }

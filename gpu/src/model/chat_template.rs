@@ -13,6 +13,7 @@ use std::path::Path;
 use minijinja::{Environment, Error, ErrorKind};
 use serde::{Deserialize, Serialize};
 
+use super::tokenizer::Tokenizer;
 use crate::error::GpuError;
 
 /// Longest template source accepted, in bytes.
@@ -48,6 +49,7 @@ impl ChatMessage {
 /// A compiled, sandboxed chat template.
 pub struct ChatTemplate {
     env: Environment<'static>,
+    source: String,
     bos_token: String,
     eos_token: String,
 }
@@ -100,9 +102,31 @@ impl ChatTemplate {
             .map_err(|e| render_err(&e))?;
         Ok(ChatTemplate {
             env,
+            source: source.to_string(),
             bos_token: bos_token.to_string(),
             eos_token: eos_token.to_string(),
         })
+    }
+
+    /// Reads a Jinja template file (at most [`MAX_TEMPLATE_LEN`] bytes) for a model whose
+    /// tokenizer is `tokenizer`, which gives the texts of `bos_token` and `eos_token`.
+    pub fn from_file(path: &Path, tokenizer: &Tokenizer) -> Result<Self, GpuError> {
+        let source = super::read_bounded(path, MAX_TEMPLATE_LEN as u64)?;
+        let text = |id: Option<u32>| {
+            id.and_then(|i| tokenizer.token_bytes(i))
+                .map(|b| String::from_utf8_lossy(b).into_owned())
+                .unwrap_or_default()
+        };
+        Self::new(
+            &source,
+            &text(tokenizer.bos_token_id()),
+            &text(tokenizer.eos_token_ids().first().copied()),
+        )
+    }
+
+    /// The template's source text.
+    pub fn source(&self) -> &str {
+        &self.source
     }
 
     /// Reads `chat_template`, `bos_token` and `eos_token` from a Hugging Face
