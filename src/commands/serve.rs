@@ -72,8 +72,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let mut model = runtime::load(&path)?;
     if let Some(file) = &config.model.chat_template {
         let file = runtime::expand_home(Path::new(file));
-        let template = ChatTemplate::from_file(&file, &model.tokenizer)
-            .with_context(|| format!("model.chat_template `{}`", file.display()))?;
+        let template =
+            ChatTemplate::from_file(&file, model.chat_template.as_ref(), &model.tokenizer)
+                .with_context(|| format!("model.chat_template `{}`", file.display()))?;
         model.chat_template = Some(template);
     }
     let tool_format = match config.model.tool_call_format {

@@ -14,7 +14,7 @@ use serde::Deserialize;
 use super::limits::*;
 use super::sampling::SamplerFields;
 use super::structured::StructuredFields;
-use super::tools::{render_calls, render_response, ToolAnswer, ToolFormat, ToolUse};
+use super::tools::{render_calls, render_response, ToolAnswer, ToolFormat, ToolPrompt, ToolUse};
 use crate::engine::{ChatMessage, ChatRole, PromptInput, SamplingOptions, StructuredOutputSpec};
 use crate::error::ApiError;
 
@@ -480,8 +480,11 @@ impl ChatRequest {
                     "ignore_eos cannot be combined with tools",
                 ));
             }
-            if let (Some(prompt), Some(grammar)) = (tools.system_prompt(), tools.grammar()) {
-                add_to_system(&mut messages, &prompt);
+            if let (Some(prompt), Some(grammar)) = (tools.prompt(), tools.grammar()) {
+                match prompt {
+                    ToolPrompt::System(text) => add_to_system(&mut messages, &text),
+                    ToolPrompt::FirstUser(text) => add_to_first_user(&mut messages, text),
+                }
                 structured = Some(StructuredOutputSpec::ToolCalls(grammar.to_owned()));
             }
         }
@@ -524,6 +527,15 @@ fn add_to_system(messages: &mut Vec<ChatMessage>, text: &str) {
                 content: text.to_owned(),
             },
         ),
+    }
+}
+
+/// Puts `text` at the head of the conversation's first user message; with none, it goes to
+/// the system message.
+fn add_to_first_user(messages: &mut Vec<ChatMessage>, text: String) {
+    match messages.iter_mut().find(|m| m.role == ChatRole::User) {
+        Some(m) => m.content.insert_str(0, &text),
+        None => add_to_system(messages, text.trim_end()),
     }
 }
 
@@ -585,10 +597,12 @@ pub fn parse_messages(
             Some(serde_json::Value::Array(calls)) if role == ChatRole::Assistant => {
                 let calls =
                     render_calls(&format!("messages[{i}].tool_calls"), &calls, tool_format)?;
-                match (content.is_empty(), calls.is_empty()) {
-                    (_, true) => content,
-                    (true, false) => calls,
-                    (false, false) => format!("{content}\n{calls}"),
+                match (content.is_empty(), calls.is_empty(), tool_format) {
+                    (_, true, _) => content,
+                    // A Llama 3 call is the whole answer: as Meta's template renders such a
+                    // turn, its text is left out.
+                    (true, false, _) | (false, false, ToolFormat::Llama3Json) => calls,
+                    (false, false, ToolFormat::Hermes) => format!("{content}\n{calls}"),
                 }
             }
             Some(_) => {
@@ -792,6 +806,53 @@ mod tests {
                 role: ChatRole::User,
                 content: "time?".into()
             }])]
+        );
+    }
+
+    #[test]
+    fn llama3_tools_head_the_first_user_message_and_results_are_tool_turns() {
+        let tools = serde_json::json!([{"type": "function", "function": {"name": "now"}}]);
+        let chat = |messages: serde_json::Value| {
+            let req: ChatRequest = serde_json::from_value(serde_json::json!({
+                "messages": messages, "tools": tools, "tool_choice": "required"}))
+            .unwrap();
+            let v = req.validate(128, ToolFormat::Llama3Json).unwrap();
+            match v.prompts.into_iter().next() {
+                Some(PromptInput::Chat(m)) => m,
+                other => panic!("{other:?}"),
+            }
+        };
+        let m = chat(serde_json::json!([
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "time?"},
+            {"role": "assistant", "content": "Let me look.", "tool_calls": [{"id": "a",
+                "type": "function", "function": {"name": "now", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "a", "content": "12:00"},
+            {"role": "user", "content": "and now?"},
+        ]));
+        let roles: Vec<ChatRole> = m.iter().map(|m| m.role).collect();
+        use ChatRole::*;
+        assert_eq!(roles, [System, User, Assistant, Tool, User]);
+        assert_eq!(m[0].content, "Be brief.");
+        assert!(
+            m[1].content.starts_with("Given the following functions")
+                && m[1].content.ends_with(
+                    "Call at least one function now, the calls separated by \"; \".\n\ntime?"
+                ),
+            "{}",
+            m[1].content
+        );
+        assert_eq!(m[2].content, "{\"name\": \"now\", \"parameters\": {}}");
+        assert_eq!(m[3].content, "12:00");
+        assert_eq!(m[4].content, "and now?");
+        // No user message: the tools go to the system message.
+        let m = chat(serde_json::json!([{"role": "system", "content": "Be brief."}]));
+        assert!(
+            m[0].content
+                .starts_with("Be brief.\n\nGiven the following functions")
+                && m[0].content.ends_with("separated by \"; \"."),
+            "{}",
+            m[0].content
         );
     }
 

@@ -130,6 +130,16 @@ pub enum ToolChoice {
     Function(String),
 }
 
+/// Where the tools' description goes, and its text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ToolPrompt {
+    /// At the end of the system message (Hermes).
+    System(String),
+    /// At the head of the first user message, the text ending with a blank line (Llama 3,
+    /// as its own template puts custom tools).
+    FirstUser(String),
+}
+
 /// The tools of a request and how they may be called.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ToolUse {
@@ -358,9 +368,9 @@ impl ToolUse {
         })
     }
 
-    /// What the system message gains: the callable tools and how to call them; `None` when
-    /// no tool may be called.
-    pub fn system_prompt(&self) -> Option<String> {
+    /// What the prompt gains: the callable tools and how to call them; `None` when no tool
+    /// may be called.
+    pub fn prompt(&self) -> Option<ToolPrompt> {
         if !self.active() {
             return None;
         }
@@ -369,12 +379,12 @@ impl ToolUse {
                 "# Tools\n\nYou can call functions to help with the answer. Their signatures, as \
                  JSON, are inside <tools></tools>:\n<tools>\n"
             }
-            // Meta's words for Llama 3.1's tools in the system prompt.
+            // Meta's words, where Llama 3.1's own template puts the tools by default.
             ToolFormat::Llama3Json => {
-                "You have access to the following functions. To call a function, please respond \
-                 with JSON for a function call. Respond in the format {\"name\": function name, \
-                 \"parameters\": dictionary of argument name and its value}. Do not use \
-                 variables.\n\n"
+                "Given the following functions, please respond with a JSON for a function call \
+                 with its proper arguments that best answers the given prompt.\n\n\
+                 Respond in the format {\"name\": function name, \"parameters\": dictionary of \
+                 argument name and its value}. Do not use variables.\n\n"
             }
         });
         for t in self.callable() {
@@ -387,8 +397,16 @@ impl ToolUse {
             let mut tool = Map::new();
             tool.insert("type".into(), Value::String("function".into()));
             tool.insert("function".into(), Value::Object(function));
-            out.push_str(&json_dumps(&Value::Object(tool)));
-            out.push('\n');
+            match self.format {
+                ToolFormat::Hermes => {
+                    out.push_str(&json_dumps(&Value::Object(tool)));
+                    out.push('\n');
+                }
+                ToolFormat::Llama3Json => {
+                    out.push_str(&json_indented(&Value::Object(tool)));
+                    out.push_str("\n\n");
+                }
+            }
         }
         let several = match self.format {
             ToolFormat::Hermes => {
@@ -401,7 +419,7 @@ impl ToolUse {
                 "one <tool_call> block each"
             }
             ToolFormat::Llama3Json => {
-                out.pop();
+                out.truncate(out.len() - 2);
                 "the calls separated by \"; \""
             }
         };
@@ -416,7 +434,13 @@ impl ToolUse {
             (_, true) => out.push_str(&format!("\n\nYou may call several functions, {several}.")),
             (_, false) => out.push_str("\n\nCall at most one function."),
         }
-        Some(out)
+        Some(match self.format {
+            ToolFormat::Hermes => ToolPrompt::System(out),
+            ToolFormat::Llama3Json => {
+                out.push_str("\n\n");
+                ToolPrompt::FirstUser(out)
+            }
+        })
     }
 
     /// Whether the answer is calls only (`required`, a named function): no text may come.
@@ -511,6 +535,17 @@ impl ToolUse {
             bodies = bodies.join(" | "),
         ))
     }
+}
+
+/// `value` as Python's `json.dumps(value, indent=4)` writes it (Hugging Face's `tojson(indent=4)`
+/// in Llama 3's templates): an item per line, four spaces a level, `": "` after keys.
+pub fn json_indented(value: &Value) -> String {
+    let mut out = Vec::new();
+    let formatter = serde_json::ser::PrettyFormatter::with_indent(b"    ");
+    let mut ser = serde_json::Serializer::with_formatter(&mut out, formatter);
+    // Serializing a `Value` into memory cannot fail.
+    serde::Serialize::serialize(value, &mut ser).expect("a JSON value serializes");
+    String::from_utf8(out).expect("serde_json writes UTF-8")
 }
 
 /// `value` as Python's `json.dumps` writes it (`", "` and `": "` between items): the format
@@ -1016,11 +1051,8 @@ impl ToolStream {
                 // Llama 3: calls are the whole answer, so the first character that is not
                 // whitespace tells; the whitespace before it is held back meanwhile.
                 StreamState::Text if self.format == ToolFormat::Llama3Json => {
-                    let start = self.buf.len()
-                        - self
-                            .buf
-                            .trim_start_matches(|c: char| c.is_ascii_whitespace())
-                            .len();
+                    // The grammar's whitespace (not a form feed, which text may open with).
+                    let start = skip_ws(self.buf.as_bytes(), 0);
                     if start > MAX_HELD_SPACE {
                         return self.not_a_call(out);
                     }
@@ -1320,21 +1352,24 @@ fn read_call(body: &str, last: bool, format: ToolFormat) -> Read {
         return Read::Bad;
     };
     let after = skip_ws(b, end);
-    if after - end > MAX_HELD_SPACE {
-        return Read::Bad;
-    }
     let tail = &body[after..];
-    if tail.starts_with(close) {
+    let spaced = after - end > MAX_HELD_SPACE;
+    if !spaced && tail.starts_with(close) {
         return Read::Call(call, after + close.len());
     }
-    if last && close.starts_with(tail) {
+    if !spaced && last && close.starts_with(tail) {
         // The closing tag (or its end) was taken by a stop string; or the last Llama 3 call.
         return Read::Call(call, body.len());
     }
-    if close.starts_with(tail) && !last {
+    if !spaced && close.starts_with(tail) && !last {
         return Read::More;
     }
-    Read::Bad
+    match format {
+        ToolFormat::Hermes => Read::Bad,
+        // A Llama 3 call ends at its brace: what follows, not its separator, is the caller's to
+        // read (text), as when its arguments are streamed.
+        ToolFormat::Llama3Json => Read::Call(call, end),
+    }
 }
 
 /// The name and the raw arguments of a complete call object (under `arguments`, or the
@@ -1424,7 +1459,7 @@ mod tests {
         let t = ToolUse::parse(Some(&tools), Some(&none), None, ToolFormat::Hermes)
             .unwrap()
             .unwrap();
-        assert!(!t.active() && t.grammar().is_none() && t.system_prompt().is_none());
+        assert!(!t.active() && t.grammar().is_none() && t.prompt().is_none());
         // No tools: nothing, unless tool_choice asks for a call.
         assert_eq!(
             ToolUse::parse(None, Some(&none), None, ToolFormat::Hermes).unwrap(),
@@ -1552,7 +1587,9 @@ mod tests {
             g.contains(r#"body_1: "{\"name\": \"now\", \"arguments\": " %json{"#),
             "{g}"
         );
-        let prompt = auto.system_prompt().unwrap();
+        let Some(ToolPrompt::System(prompt)) = auto.prompt() else {
+            panic!("a Hermes prompt goes to the system message");
+        };
         assert!(prompt.contains(
             "{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"description\": \
              \"Current weather in a city\", \"parameters\": {\"type\": \"object\", \"properties\": \
@@ -1581,7 +1618,10 @@ mod tests {
             "{g}"
         );
         assert!(!g.contains("get_weather"), "only the named tool: {g}");
-        assert!(!one.system_prompt().unwrap().contains("get_weather"));
+        let Some(ToolPrompt::System(prompt)) = one.prompt() else {
+            panic!("a Hermes prompt goes to the system message");
+        };
+        assert!(!prompt.contains("get_weather"), "{prompt}");
     }
 
     #[test]
@@ -1986,12 +2026,33 @@ mod tests {
             ),
             // Not a call: a JSON object without the call's fields is text.
             ("{\"a\": 1}".into(), "{\"a\": 1}".into(), Vec::new()),
-            // Something other than a separator after a call: the call stands, the rest is text.
+            // Something other than a separator after a call: the call stands, the rest is text,
+            // whether its arguments were streamed or (another key) the call read whole.
             (
                 format!("{now} and so"),
                 " and so".into(),
                 vec![call("now", "{}")],
             ),
+            (
+                "{\"name\": \"now\", \"arguments\": {}} and so".into(),
+                " and so".into(),
+                vec![call("now", "{}")],
+            ),
+            (
+                format!("{now}{}x", " ".repeat(300)),
+                format!("{}x", " ".repeat(300)),
+                vec![call("now", "{}")],
+            ),
+            (
+                format!(
+                    "{{\"arguments\": {{}}, \"name\": \"now\"}}{}x",
+                    " ".repeat(300)
+                ),
+                format!("{}x", " ".repeat(300)),
+                vec![call("now", "{}")],
+            ),
+            // A form feed is not the grammar's whitespace: text.
+            (format!("\x0c{now}"), format!("\x0c{now}"), Vec::new()),
             // Hermes tags mean nothing here.
             (
                 "<tool_call>\n{}\n</tool_call>".into(),
@@ -2056,20 +2117,47 @@ mod tests {
             .unwrap()
         };
         let auto = parse(None, None);
-        let prompt = auto.system_prompt().unwrap();
-        assert!(
-            prompt.starts_with("You have access to the following functions."),
-            "{prompt}"
-        );
-        assert!(
-            prompt.contains("{\"name\": function name, \"parameters\": dictionary of argument name and its value}"),
-            "{prompt}"
-        );
-        assert!(
-            prompt.contains("{\"type\": \"function\", \"function\": {\"name\": \"get_weather\"")
-        );
-        assert!(prompt.ends_with("You may call several functions, the calls separated by \"; \"."));
-        assert!(!prompt.contains("<tool"), "{prompt}");
+        // Meta's words and Python's json.dumps(indent=4), as Llama 3.1's template writes custom
+        // tools at the head of the first user message.
+        let expected = r#"Given the following functions, please respond with a JSON for a function call with its proper arguments that best answers the given prompt.
+
+Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}. Do not use variables.
+
+{
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {
+                    "type": "string"
+                }
+            },
+            "required": [
+                "city"
+            ]
+        }
+    }
+}
+
+{
+    "type": "function",
+    "function": {
+        "name": "now",
+        "parameters": {
+            "type": "object",
+            "properties": {},
+            "additionalProperties": false
+        }
+    }
+}
+
+You may call several functions, the calls separated by "; ".
+
+"#;
+        assert_eq!(auto.prompt(), Some(ToolPrompt::FirstUser(expected.into())));
         let grammar = auto.grammar().unwrap();
         assert!(
             grammar.starts_with("start: TEXT | call (\"; \" call)*\n"),
@@ -2085,10 +2173,10 @@ mod tests {
             .grammar()
             .unwrap()
             .starts_with("start: call\ncall: body\n"));
-        assert!(one
-            .system_prompt()
-            .unwrap()
-            .ends_with("Call one function now."));
+        let Some(ToolPrompt::FirstUser(text)) = one.prompt() else {
+            panic!("a Llama 3 prompt goes to the first user message");
+        };
+        assert!(text.ends_with("Call one function now.\n\n"), "{text}");
         // Calls in the conversation are written as the model writes them.
         let calls = json!([
             {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}},

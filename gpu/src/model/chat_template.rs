@@ -108,10 +108,19 @@ impl ChatTemplate {
         })
     }
 
-    /// Reads a Jinja template file (at most [`MAX_TEMPLATE_LEN`] bytes) for a model whose
-    /// tokenizer is `tokenizer`, which gives the texts of `bos_token` and `eos_token`.
-    pub fn from_file(path: &Path, tokenizer: &Tokenizer) -> Result<Self, GpuError> {
+    /// Reads a Jinja template file (at most [`MAX_TEMPLATE_LEN`] bytes) to replace `model`'s
+    /// template, taking the texts of `bos_token` and `eos_token` from it (a Hugging Face
+    /// model's `tokenizer_config.json` names the end of a turn there), or from `tokenizer`
+    /// when the model has none.
+    pub fn from_file(
+        path: &Path,
+        model: Option<&ChatTemplate>,
+        tokenizer: &Tokenizer,
+    ) -> Result<Self, GpuError> {
         let source = super::read_bounded(path, MAX_TEMPLATE_LEN as u64)?;
+        if let Some(model) = model {
+            return Self::new(&source, &model.bos_token, &model.eos_token);
+        }
         let text = |id: Option<u32>| {
             id.and_then(|i| tokenizer.token_bytes(i))
                 .map(|b| String::from_utf8_lossy(b).into_owned())
@@ -270,6 +279,39 @@ mod tests {
 
     fn render(src: &str, msgs: &[ChatMessage], gen: bool) -> Result<String, GpuError> {
         ChatTemplate::new(src, "<s>", "</s>")?.render(msgs, gen)
+    }
+
+    #[test]
+    fn a_template_file_replaces_the_model_s_and_keeps_its_special_texts() {
+        let dir = std::env::temp_dir().join(format!("sy-template-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("chat.jinja");
+        std::fs::write(
+            &file,
+            "{{ bos_token }}{{ messages[0].content }}{{ eos_token }}",
+        )
+        .unwrap();
+        let model = ChatTemplate::new(SMOLLM2, "<|begin_of_text|>", "<|eot_id|>").unwrap();
+        let tokenizer = Tokenizer::from_json_bytes(
+            br#"{"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []}}"#,
+        )
+        .unwrap();
+        let t = ChatTemplate::from_file(&file, Some(&model), &tokenizer).unwrap();
+        assert_eq!(
+            t.source(),
+            "{{ bos_token }}{{ messages[0].content }}{{ eos_token }}"
+        );
+        assert_eq!(
+            t.render(&[ChatMessage::new("user", "hi")], false).unwrap(),
+            "<|begin_of_text|>hi<|eot_id|>"
+        );
+        // Too large, or not a template: refused with the reason.
+        std::fs::write(&file, vec![b'x'; MAX_TEMPLATE_LEN + 1]).unwrap();
+        let e = ChatTemplate::from_file(&file, Some(&model), &tokenizer).unwrap_err();
+        assert!(e.to_string().contains("too large"), "{e}");
+        std::fs::write(&file, "{% for %}").unwrap();
+        assert!(ChatTemplate::from_file(&file, None, &tokenizer).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -264,8 +264,16 @@ impl LlamaConfig {
         };
         // transformers' Mistral attends over `sliding_window` tokens (4,096 when the key is
         // absent; `null` for none); Llama and Qwen2 (without `use_sliding_window`) do not.
-        let window = match c.model_type.as_deref() {
-            Some("mistral") => c.sliding_window.unwrap_or(Some(4096)),
+        let window = match (c.model_type.as_deref(), &c.sliding_window) {
+            (Some("mistral"), None) => Some(4096),
+            (Some("mistral"), Some(serde_json::Value::Null)) => None,
+            (Some("mistral"), Some(w)) => Some(
+                w.as_u64()
+                    .and_then(|w| usize::try_from(w).ok())
+                    .ok_or_else(|| {
+                        GpuError::InvalidConfig(format!("sliding_window is {w}, not a count"))
+                    })?,
+            ),
             _ => None,
         };
         let eos_token_ids = match c.eos_token_id {
@@ -387,9 +395,12 @@ impl LlamaConfig {
             } else {
                 RopeStyle::Interleaved
             },
+            // A window on a Llama-family file (Qwen2's is only used with its
+            // `use_sliding_window`, which GGUF does not record).
             max_position_embeddings: capped_at_window(
                 h.get_usize(&key("context_length")).unwrap_or(2048),
-                h.get_usize(&key("attention.sliding_window")),
+                h.get_usize(&key("attention.sliding_window"))
+                    .filter(|_| !qwen2),
             )?,
             // GGUF files omit `output.weight` when the embedding is tied.
             tie_word_embeddings: !h.tensors.iter().any(|t| t.name == "output.weight"),
@@ -405,11 +416,11 @@ impl LlamaConfig {
 
 /// The context of a model whose every layer attends over the last `window` tokens: within
 /// the window that is full causal attention, which both backends run, so the context stops
-/// there (sliding-window attention is not implemented).
+/// there (sliding-window attention is not implemented). A window of 0 is none (llama.cpp
+/// writes 0 for none).
 fn capped_at_window(context: usize, window: Option<usize>) -> Result<usize, GpuError> {
     match window {
-        Some(0) => Err(GpuError::InvalidConfig("sliding_window is 0".into())),
-        Some(w) if w < context => {
+        Some(w) if w > 0 && w < context => {
             tracing::warn!(
                 window = w,
                 context,
@@ -544,9 +555,9 @@ struct HfConfig {
     attention_bias: Option<bool>,
     mlp_bias: Option<bool>,
     use_sliding_window: Option<bool>,
-    /// Absent (`None`), `null` (`Some(None)`) or a window.
+    /// Absent (`None`), or present (`null`, or a window; read for Mistral only).
     #[serde(default, deserialize_with = "present")]
-    sliding_window: Option<Option<usize>>,
+    sliding_window: Option<serde_json::Value>,
     layer_types: Option<Vec<String>>,
     bos_token_id: Option<u32>,
     eos_token_id: Option<IdOrIds>,
@@ -637,6 +648,14 @@ mod tests {
         assert_eq!(
             LlamaConfig::from_gguf(&h).unwrap().max_position_embeddings,
             64
+        );
+        // llama.cpp writes 0 for no window.
+        let mut none = w.clone();
+        none.u32("llama.attention.sliding_window", 0);
+        let h = crate::model::gguf::parse_header(&none.build(), std::path::Path::new("t")).unwrap();
+        assert_eq!(
+            LlamaConfig::from_gguf(&h).unwrap().max_position_embeddings,
+            256
         );
 
         // A bias no Llama adds: refused, not ignored.
@@ -744,7 +763,14 @@ mod tests {
             window(&v01.replace("window\": 4096", "window\": 65536")),
             32768
         );
-        assert!(LlamaConfig::from_hf_json(&v01.replace("window\": 4096", "window\": 0")).is_err());
+        assert_eq!(window(&v01.replace("window\": 4096", "window\": 0")), 32768);
+        assert!(LlamaConfig::from_hf_json(&v01.replace("window\": 4096", "window\": -1")).is_err());
+        // Other architectures' windows are not read at all.
+        let llama = v01.replace("mistral", "llama");
+        assert_eq!(
+            window(&llama.replace("window\": 4096", "window\": \"x\"")),
+            32768
+        );
         // Llama and Qwen2 configs carry no window of their own.
         assert_eq!(window(&v01.replace("mistral", "llama")), 32768);
         assert_eq!(
