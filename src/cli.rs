@@ -296,7 +296,7 @@ pub struct ThroughputArgs {
     #[arg(long)]
     pub model: Option<PathBuf>,
     /// Random weights of a named architecture instead of a file (smollm2-135m, llama-3-8b,
-    /// qwen2.5-0.5b).
+    /// qwen2.5-0.5b, qwen3-0.6b).
     #[arg(long)]
     pub dummy: Option<String>,
     /// Dataset of prompt/output lengths.

@@ -391,16 +391,22 @@ fn generate_follows_a_json_schema_a_choice_and_refuses_bad_ones() {
 }
 
 #[test]
-fn generate_runs_qwen2_from_a_checkpoint_and_a_gguf_as_transformers_does() {
-    // A tiny random Qwen2 and transformers' greedy continuations of two prompts
-    // (gpu/reference/make_qwen2_golden.py), generated together in one batch.
+fn generate_runs_qwen2_and_qwen3_from_checkpoints_and_ggufs_as_transformers_does() {
+    // A tiny random Qwen2 and Qwen3 and transformers' greedy continuations of two prompts
+    // (gpu/reference/make_qwen_golden.py), generated together in one batch.
     let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("gpu/tests/fixtures");
-    let golden: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(fixtures.join("qwen2_golden.json")).expect("the fixture"),
-    )
-    .expect("JSON");
-    let gens = golden["generations"].as_array().expect("generations");
-    for model in ["qwen2", "tiny-qwen2.gguf"] {
+    for (arch, model) in [
+        ("qwen2", "qwen2"),
+        ("qwen2", "tiny-qwen2.gguf"),
+        ("qwen3", "qwen3"),
+        ("qwen3", "tiny-qwen3.gguf"),
+    ] {
+        let golden: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(fixtures.join(format!("{arch}_golden.json")))
+                .expect("the fixture"),
+        )
+        .expect("JSON");
+        let gens = golden["generations"].as_array().expect("generations");
         let mut c = switchyard();
         c.args([
             "generate",

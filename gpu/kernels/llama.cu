@@ -558,6 +558,23 @@ extern "C" __global__ void rope_store_kv_f8(const float* qkv, const float* bias,
                              interleaved);
 }
 
+// Qwen3's query and key norms, in place on the f32 QKV product before rope_store_kv: each of a
+// token's nh Q and nkv K heads scaled by rms_inv over its hd values and by its weight (w: the
+// query weights, then the key weights, hd each, in the rows' stored order), as rms_norm scales
+// a row. Grid: one block per token; one warp per head.
+extern "C" __global__ void qk_norm(float* qkv, const float* w, int nh, int nkv, int hd,
+                                   float eps) {
+    PDL_ENTER();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    float* row = qkv + (u64)blockIdx.x * (nh + 2 * nkv) * hd;
+    for (int head = warp; head < nh + nkv; head += warps) {
+        float* x = row + head * hd;
+        const float* g = w + (head < nh ? 0 : hd);
+        const float inv = rms_inv(warp_sumsq(x, hd, lane), hd, eps);
+        for (int i = lane; i < hd; i += 32) x[i] = rms_scale(x[i], g[i], inv);
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // SwiGLU: gu is [T, 2 inter] (gate | up); out[t, i] = silu(gate) * up. When inter is a
 // multiple of 8, each thread takes 8 consecutive outputs (16-byte loads and store) of token

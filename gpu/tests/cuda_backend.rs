@@ -1627,18 +1627,16 @@ fn constrained_drafts_are_kept_exactly_where_one_token_per_step_agrees() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// A Qwen2-shaped model (Q, K and V biases) against the CPU, which matches transformers on Qwen2
-// (`qwen2_golden.rs`).
+// Qwen2- and Qwen3-shaped models (Q, K and V biases; query and key head norms) against the CPU,
+// which matches transformers on both (`qwen_golden.rs`).
 
-/// (position, relative L2 error of its logits) for a 2-layer Qwen2.5-0.5B-shaped model with
-/// random weights and biases through the CUDA backend (with `fp8`'s parts in fp8), an 80-token
-/// prefill (the cuBLAS route) and then one token per step (the GEMV route), against the CPU
-/// forward pass with near-f32 activations.
-fn qwen2_shape_errors(fp8: Fp8, graphs: bool) -> Vec<(usize, f64)> {
-    let c = LlamaConfig {
-        num_layers: 2,
-        ..LlamaConfig::qwen25_05b()
-    };
+/// (position, relative L2 error of its logits) for a 2-layer model of `c`'s shape with random
+/// weights (and biases, or head norms) through the CUDA backend (with `fp8`'s parts in fp8), an
+/// 80-token prefill (the cuBLAS route) and then one token per step (the GEMV route), against
+/// the CPU forward pass with near-f32 activations.
+fn qwen_shape_errors(c: LlamaConfig, fp8: Fp8, graphs: bool) -> Vec<(usize, f64)> {
+    let name = if c.qk_norm { "Qwen3" } else { "Qwen2" };
+    let c = LlamaConfig { num_layers: 2, ..c };
     let w = dummy_weights(&c, 13).expect("dummy weights");
     let backend_cfg = fp8.config(cfg(16, graphs));
     let mut cuda = CudaBackend::new(&c, WeightSource::Loaded(&w), &backend_cfg).expect("backend");
@@ -1654,7 +1652,7 @@ fn qwen2_shape_errors(fp8: Fp8, graphs: bool) -> Vec<(usize, f64)> {
     let mut out = Vec::new();
     let mut check = |pos: usize, got: &[f32]| {
         let rel = rel_l2(got, &want[pos * v..(pos + 1) * v]);
-        eprintln!("Qwen2 shape ({label}, graphs {graphs}), position {pos}: relative logit error {rel:.2e}");
+        eprintln!("{name} shape ({label}, graphs {graphs}), position {pos}: relative logit error {rel:.2e}");
         out.push((pos, rel));
     };
     let prefill = 80;
@@ -1690,7 +1688,30 @@ fn a_qwen2_shaped_model_with_biases_matches_the_cpu() {
         if !fp8.runs() {
             continue;
         }
-        for (r, rel) in qwen2_shape_errors(fp8, graphs) {
+        for (r, rel) in qwen_shape_errors(LlamaConfig::qwen25_05b(), fp8, graphs) {
+            assert!(
+                rel < bound,
+                "{}, position {r}: relative error {rel}",
+                fp8.label()
+            );
+        }
+    }
+}
+
+/// Qwen3-0.6B's shape: head dimension 128 with a residual stream of 1024 (16 query heads), the
+/// query and key norms run as their own kernel before RoPE on both routes.
+#[test]
+fn a_qwen3_shaped_model_with_head_norms_matches_the_cpu() {
+    for (fp8, graphs, bound) in [
+        (BF16, false, 2e-2),
+        (BF16, true, 2e-2),
+        (FP8_KV, false, 0.1),
+        (FP8_LAYERS, false, 0.15),
+    ] {
+        if !fp8.runs() {
+            continue;
+        }
+        for (r, rel) in qwen_shape_errors(LlamaConfig::qwen3_06b(), fp8, graphs) {
             assert!(
                 rel < bound,
                 "{}, position {r}: relative error {rel}",

@@ -275,8 +275,10 @@ pub fn preset(name: &str) -> anyhow::Result<LlamaConfig> {
         "smollm2-135m" => Ok(LlamaConfig::smollm2_135m()),
         "llama-3-8b" => Ok(LlamaConfig::llama3_8b()),
         "qwen2.5-0.5b" => Ok(LlamaConfig::qwen25_05b()),
+        "qwen3-0.6b" => Ok(LlamaConfig::qwen3_06b()),
         other => anyhow::bail!(
-            "unknown architecture `{other}` (known: smollm2-135m, llama-3-8b, qwen2.5-0.5b)"
+            "unknown architecture `{other}` (known: smollm2-135m, llama-3-8b, qwen2.5-0.5b, \
+             qwen3-0.6b)"
         ),
     }
 }

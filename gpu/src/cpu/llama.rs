@@ -11,7 +11,7 @@ use rand_chacha::ChaCha8Rng;
 use super::attention::{attention, AttentionBatch, QueryPos};
 use super::kv_cache::KvCache;
 use super::matmul::{linear, Isa};
-use super::ops::{rms_norm, swiglu, Rope};
+use super::ops::{rms_norm, rms_norm_in_place, swiglu, Rope};
 use super::quant::{QActs, Weight};
 use crate::error::GpuError;
 use crate::lora::{add_deltas, LoraAdapter, LoraTarget};
@@ -30,6 +30,8 @@ struct Layer {
     down: Weight,
     /// Q, K and V biases side by side (Qwen2), as one QKV row.
     qkv_bias: Option<Vec<f32>>,
+    /// The query and the key heads' norm weights (Qwen3).
+    qk_norm: Option<(Vec<f32>, Vec<f32>)>,
 }
 
 /// How precisely the activations entering the quantized matrix multiplies are represented.
@@ -160,6 +162,14 @@ impl LlamaModel {
                     bias.extend(b("attn_k", c.num_kv_heads * hd)?);
                     bias.extend(b("attn_v", c.num_kv_heads * hd)?);
                     Some(bias)
+                } else {
+                    None
+                },
+                qk_norm: if c.qk_norm {
+                    Some((
+                        vector(weights, &n("attn_q_norm"), hd)?,
+                        vector(weights, &n("attn_k_norm"), hd)?,
+                    ))
                 } else {
                     None
                 },
@@ -369,6 +379,10 @@ impl LlamaModel {
                 }
                 let (qpart, rest) = row.split_at_mut(qw);
                 let (kpart, vpart) = rest.split_at_mut(kvw);
+                if let Some((qn, kn)) = &l.qk_norm {
+                    rms_norm_in_place(qpart, qn, c.rms_norm_eps);
+                    rms_norm_in_place(kpart, kn, c.rms_norm_eps);
+                }
                 self.rope.apply(qpart, &cs[i * hd..(i + 1) * hd]);
                 self.rope.apply(kpart, &cs[i * hd..(i + 1) * hd]);
                 let table = step.tables[q.seq];
@@ -540,6 +554,7 @@ fn precise_linear(
 pub fn dummy_weights(c: &LlamaConfig, seed: u64) -> Result<ModelWeights, GpuError> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut bias_rng = ChaCha8Rng::seed_from_u64(seed ^ 0xb1a5);
+    let mut norm_rng = ChaCha8Rng::seed_from_u64(seed ^ 0x9a05);
     let mut w = ModelWeights::new();
     let mut quant = |w: &mut ModelWeights, name: String, rows: usize, cols: usize, dtype: DType| {
         let blocks = rows * (cols / 32);
@@ -596,6 +611,18 @@ pub fn dummy_weights(c: &LlamaConfig, seed: u64) -> Result<ModelWeights, GpuErro
                     })
                     .collect();
                 w.insert_owned(format!("blk.{i}.{name}.bias"), DType::F32, vec![len], bias)?;
+            }
+        }
+        if c.qk_norm {
+            // Weights in [0.5, 1.5): each dimension scaled its own way, so the order of a
+            // head's dimensions shows.
+            for name in ["attn_q_norm", "attn_k_norm"] {
+                let weight = (0..hd)
+                    .flat_map(|_| {
+                        (0.5 + norm_rng.next_u32() as f32 / u32::MAX as f32).to_le_bytes()
+                    })
+                    .collect();
+                w.insert_owned(n(name), DType::F32, vec![hd], weight)?;
             }
         }
     }

@@ -16,6 +16,18 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     }
 }
 
+/// [`rms_norm`] in place: each `w.len()`-long row of `x` (Qwen3's query and key heads).
+pub fn rms_norm_in_place(x: &mut [f32], w: &[f32], eps: f32) {
+    let n = w.len();
+    for xr in x.chunks_exact_mut(n) {
+        let ss: f32 = xr.iter().map(|v| v * v).sum::<f32>() / n as f32;
+        let inv = 1.0 / (ss + eps).sqrt();
+        for (v, &g) in xr.iter_mut().zip(w) {
+            *v = g * (*v * inv);
+        }
+    }
+}
+
 /// `e^x` to within 1e-6 relative error, in straight-line code the compiler vectorises (libm's
 /// `expf` is a call per element): `x = n ln 2 + r` with `|r| <= ln 2 / 2`, a degree-6 Taylor
 /// polynomial for `e^r`, and `2^n` built in the exponent bits. Inputs are clamped to

@@ -419,6 +419,8 @@ pub(crate) struct Kernels {
     pub rope_store_kv: CudaFunction,
     /// `rope_store_kv` into an fp8 cache (`kv_cache_dtype: fp8`).
     pub rope_store_kv_f8: CudaFunction,
+    /// Qwen3's query and key head norms.
+    pub qk_norm: CudaFunction,
     pub silu_mul: CudaFunction,
     pub lora_shrink: CudaFunction,
     pub lora_expand: CudaFunction,
@@ -614,6 +616,7 @@ impl Gpu {
             rms_norm: f("rms_norm")?,
             rope_store_kv: f("rope_store_kv")?,
             rope_store_kv_f8: f("rope_store_kv_f8")?,
+            qk_norm: f("qk_norm")?,
             silu_mul: f("silu_mul")?,
             lora_shrink: f("lora_shrink")?,
             lora_expand: f("lora_expand")?,
@@ -975,6 +978,32 @@ impl Gpu {
             Arg::I32(out.interleaved as i32),
         ]);
         self.launch(kernel, (tokens as u32, 1, 1), 256, &args)
+    }
+
+    /// `qk_norm` over the f32 QKV product `qkv` of `tokens` tokens: each Q and K head of
+    /// `heads` (nh, nkv, hd) RMS-normalised in place with its weight from `w` (the query
+    /// weights, then the key weights, in the rows' stored order).
+    pub(crate) fn qk_norm(
+        &self,
+        qkv: u64,
+        tokens: usize,
+        w: u64,
+        (nh, nkv, hd): (usize, usize, usize),
+        eps: f32,
+    ) -> Result<(), GpuError> {
+        self.launch(
+            &self.k.qk_norm,
+            (tokens as u32, 1, 1),
+            256,
+            &[
+                Arg::Ptr(qkv),
+                Arg::Ptr(w),
+                Arg::I32(nh as i32),
+                Arg::I32(nkv as i32),
+                Arg::I32(hd as i32),
+                Arg::F32(eps),
+            ],
+        )
     }
 
     /// The GEMV kernels (`gpu/kernels/gemv.cu`): `W` bf16 `[m, k]` (`[2m, k]` for

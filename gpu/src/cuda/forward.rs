@@ -596,12 +596,13 @@ pub(crate) fn enqueue(
             bias: layer.qkv_bias.as_ref().map_or(0, DevMem::ptr),
         };
         let rope = GemvOutput::Rope(rope_out);
-        // (Layers with biases add them in rope_store_kv.)
+        // (Layers with biases add them in rope_store_kv; head norms run before it.)
         let rope_in_gemv = qkv_after.is_none()
             && qkv_o
             && gpu.rope_epilogue
             && kv.scales.is_none()
-            && rope_out.bias == 0;
+            && rope_out.bias == 0
+            && layer.qk_norm.is_none();
         let f32_qkv = GemvOutput::Plain {
             beta: 0.0,
             f32_out: true,
@@ -665,6 +666,11 @@ pub(crate) fn enqueue(
         if let Some(lo) = qkv_after {
             let out = (b.qkv.ptr(), qw + 2 * kvw);
             lo.update(gpu, c, (t, li), qkv_parts, (b.xn.ptr(), h, h), out)?;
+        }
+        if let Some(qk) = &layer.qk_norm {
+            gpu.timed("qk_norm", || {
+                gpu.qk_norm(b.qkv.ptr(), t, qk.ptr(), (nh, nkv, hd), c.rms_norm_eps)
+            })?;
         }
         if !rope_in_gemv {
             gpu.timed("rope_store_kv", || {

@@ -32,6 +32,9 @@ pub(crate) struct GpuLayer {
     pub fp8: Option<Fp8Layer>,
     /// The Q, K and V biases (Qwen2): f32, one QKV row, Q and K in `qkv`'s row order.
     pub qkv_bias: Option<DevMem>,
+    /// The query and key head norms' weights (Qwen3): f32, the query's then the key's, each
+    /// in `qkv`'s row order within a head.
+    pub qk_norm: Option<DevMem>,
 }
 
 /// The f32 scales of a layer's four fp8 matrices, in one allocation.
@@ -93,6 +96,7 @@ impl GpuWeights {
                     + l.down.bytes()
                     + l.fp8.as_ref().map_or(0, |f| f.scales.bytes())
                     + l.qkv_bias.as_ref().map_or(0, DevMem::bytes)
+                    + l.qk_norm.as_ref().map_or(0, DevMem::bytes)
             })
             .sum();
         l + self.embed.bytes() + self.lm_head.as_ref().map_or(0, DevMem::bytes) + self.norm.bytes()
@@ -252,6 +256,23 @@ fn upload_qkv_bias(
     f32_to_device(gpu, &row)
 }
 
+/// Layer `i`'s query and key norm weights, each in `order` (as [`stored_bf16`] stores a head's
+/// rows).
+fn upload_qk_norm(
+    gpu: &Gpu,
+    w: &ModelWeights,
+    c: &LlamaConfig,
+    i: usize,
+    order: &[usize],
+) -> Result<DevMem, GpuError> {
+    let mut both = Vec::with_capacity(2 * c.head_dim);
+    for name in ["attn_q_norm", "attn_k_norm"] {
+        let g = tensor_f32(w, &format!("blk.{i}.{name}.weight"), c.head_dim)?;
+        both.extend(order.iter().map(|&from| g[from]));
+    }
+    f32_to_device(gpu, &both)
+}
+
 /// Uploads loaded weights (canonical GGUF tensor names).
 pub(crate) fn from_model(
     gpu: &Gpu,
@@ -306,6 +327,11 @@ pub(crate) fn from_model(
             fp8: None,
             qkv_bias: if c.qkv_bias {
                 Some(upload_qkv_bias(gpu, w, c, i, &order)?)
+            } else {
+                None
+            },
+            qk_norm: if c.qk_norm {
+                Some(upload_qk_norm(gpu, w, c, i, &order)?)
             } else {
                 None
             },
@@ -405,6 +431,13 @@ pub(crate) fn dummy(
             fp8: None,
             qkv_bias: if c.qkv_bias {
                 Some(f32_to_device(gpu, &bias(q + 2 * kv))?)
+            } else {
+                None
+            },
+            // Weights in [0.5, 1.5).
+            qk_norm: if c.qk_norm {
+                let w: Vec<f32> = bias(2 * hd).into_iter().map(|b| b + 1.0).collect();
+                Some(f32_to_device(gpu, &w)?)
             } else {
                 None
             },

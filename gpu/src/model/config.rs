@@ -1,6 +1,7 @@
 //! Llama-family model configuration: [`LlamaConfig`], read from GGUF metadata (`llama.*` keys,
-//! or `mistral.*`, `qwen2.*`) or from a Hugging Face `config.json`, and presets for dummy
-//! weights. Qwen2 (and Qwen2.5) is a Llama with biases on the Q, K and V projections.
+//! or `mistral.*`, `qwen2.*`, `qwen3.*`) or from a Hugging Face `config.json`, and presets for
+//! dummy weights. Qwen2 (and Qwen2.5) is a Llama with biases on the Q, K and V projections;
+//! Qwen3 is a Llama with an RMSNorm over each query and key head before RoPE.
 //!
 //! Sliding-window attention is not implemented. A model whose every layer attends over a
 //! window (Mistral 7B v0.1: 4,096 tokens) has its context capped at the window, where its
@@ -71,6 +72,9 @@ pub struct LlamaConfig {
     pub tie_word_embeddings: bool,
     /// Whether the Q, K and V projections add a bias (Qwen2).
     pub qkv_bias: bool,
+    /// Whether each query and key head is RMS-normalised (a weight per dimension, shared by
+    /// the heads) before RoPE (Qwen3).
+    pub qk_norm: bool,
     /// Beginning-of-sequence token.
     pub bos_token_id: Option<u32>,
     /// Tokens that end generation.
@@ -103,6 +107,7 @@ impl LlamaConfig {
             max_position_embeddings: 8192,
             tie_word_embeddings: true,
             qkv_bias: false,
+            qk_norm: false,
             bos_token_id: Some(1),
             eos_token_ids: vec![2],
         }
@@ -125,6 +130,7 @@ impl LlamaConfig {
             max_position_embeddings: 8192,
             tie_word_embeddings: false,
             qkv_bias: false,
+            qk_norm: false,
             bos_token_id: Some(128_000),
             eos_token_ids: vec![128_001, 128_009],
         }
@@ -147,6 +153,31 @@ impl LlamaConfig {
             max_position_embeddings: 32_768,
             tie_word_embeddings: true,
             qkv_bias: true,
+            qk_norm: false,
+            bos_token_id: Some(151_643),
+            eos_token_ids: vec![151_645],
+        }
+    }
+
+    /// Qwen3-0.6B (Hugging Face layout: halves RoPE; query and key norms; 16 heads of 128
+    /// dimensions over a residual stream of 1024).
+    pub fn qwen3_06b() -> Self {
+        LlamaConfig {
+            num_layers: 28,
+            hidden_size: 1024,
+            num_heads: 16,
+            num_kv_heads: 8,
+            head_dim: 128,
+            intermediate_size: 3072,
+            vocab_size: 151_936,
+            rms_norm_eps: 1e-6,
+            rope_theta: 1_000_000.0,
+            rope_scaling: None,
+            rope_style: RopeStyle::Halves,
+            max_position_embeddings: 40_960,
+            tie_word_embeddings: true,
+            qkv_bias: false,
+            qk_norm: true,
             bos_token_id: Some(151_643),
             eos_token_ids: vec![151_645],
         }
@@ -179,6 +210,9 @@ impl LlamaConfig {
                 "num_heads {} is not a multiple of num_kv_heads {}",
                 self.num_heads, self.num_kv_heads
             ));
+        }
+        if self.qkv_bias && self.qk_norm {
+            return bad("Q, K and V biases with query and key norms".into());
         }
         if !self.head_dim.is_multiple_of(2) {
             return bad(format!("head_dim {} is odd", self.head_dim));
@@ -218,9 +252,10 @@ impl LlamaConfig {
     pub fn from_hf_json(json: &str) -> Result<Self, GpuError> {
         let c: HfConfig = serde_json::from_str(json)
             .map_err(|e| GpuError::InvalidConfig(format!("config.json: {e}")))?;
-        let qwen2 = match c.model_type.as_deref() {
-            None | Some("llama" | "mistral") => false,
-            Some("qwen2") => true,
+        let (qwen2, qwen3) = match c.model_type.as_deref() {
+            None | Some("llama" | "mistral") => (false, false),
+            Some("qwen2") => (true, false),
+            Some("qwen3") => (false, true),
             Some(other) => return Err(GpuError::UnsupportedArchitecture(other.to_owned())),
         };
         let unsupported = |what: &str| {
@@ -229,8 +264,8 @@ impl LlamaConfig {
                 c.model_type.as_deref().unwrap_or("llama")
             )))
         };
-        // Llama's `attention_bias` also puts a bias on the output projection, which no
-        // backend has.
+        // Llama's (and Qwen3's) `attention_bias` also puts a bias on the output projection,
+        // which no backend has.
         if c.attention_bias == Some(true) {
             return unsupported("attention_bias");
         }
@@ -299,6 +334,7 @@ impl LlamaConfig {
             )?,
             tie_word_embeddings: c.tie_word_embeddings.unwrap_or(false),
             qkv_bias: qwen2,
+            qk_norm: qwen3,
             bos_token_id: c.bos_token_id,
             eos_token_ids,
         };
@@ -313,10 +349,11 @@ impl LlamaConfig {
         let arch = h
             .get_str("general.architecture")
             .ok_or_else(|| GpuError::InvalidConfig("GGUF lacks general.architecture".into()))?;
-        if !matches!(arch, "llama" | "mistral" | "qwen2") {
+        if !matches!(arch, "llama" | "mistral" | "qwen2" | "qwen3") {
             return Err(GpuError::UnsupportedArchitecture(arch.to_string()));
         }
         let qwen2 = arch == "qwen2";
+        let qwen3 = arch == "qwen3";
         // Biases nothing would add (on a Llama's projections, or Qwen2's output or FFN):
         // refused, not ignored.
         if let Some(t) = h.tensors.iter().find(|t| {
@@ -389,8 +426,9 @@ impl LlamaConfig {
             rope_theta: h.get_f32(&key("rope.freq_base")).unwrap_or(10_000.0),
             rope_scaling,
             // llama.cpp's converter permutes Llama's Q and K rows for adjacent pairs, and
-            // leaves Qwen2's as they are (llama.cpp rotates it in the NeoX layout).
-            rope_style: if qwen2 {
+            // leaves Qwen2's and Qwen3's as they are (llama.cpp rotates them in the NeoX
+            // layout).
+            rope_style: if qwen2 || qwen3 {
                 RopeStyle::Halves
             } else {
                 RopeStyle::Interleaved
@@ -400,12 +438,14 @@ impl LlamaConfig {
             max_position_embeddings: capped_at_window(
                 h.get_usize(&key("context_length")).unwrap_or(2048),
                 h.get_usize(&key("attention.sliding_window"))
-                    .filter(|_| !qwen2),
+                    .filter(|_| !(qwen2 || qwen3)),
             )?,
             // GGUF files omit `output.weight` when the embedding is tied.
             tie_word_embeddings: !h.tensors.iter().any(|t| t.name == "output.weight"),
             // Qwen2's files hold `blk.N.attn_{q,k,v}.bias` (checked with the weights).
             qkv_bias: qwen2,
+            // Qwen3's files hold `blk.N.attn_{q,k}_norm.weight` (checked with the weights).
+            qk_norm: qwen3,
             bos_token_id: token_id("tokenizer.ggml.bos_token_id")?,
             eos_token_ids,
         };

@@ -233,6 +233,12 @@ pub fn expected_tensors(c: &LlamaConfig) -> Vec<(String, Vec<usize>)> {
             let b = |n: &str, len: usize| (format!("blk.{i}.{n}.bias"), vec![len]);
             v.extend([b("attn_q", q), b("attn_k", kv), b("attn_v", kv)]);
         }
+        if c.qk_norm {
+            v.extend([
+                t("attn_q_norm", vec![c.head_dim]),
+                t("attn_k_norm", vec![c.head_dim]),
+            ]);
+        }
     }
     v
 }
@@ -245,15 +251,18 @@ pub fn validate_weights(
     progress: bool,
 ) -> Result<(), GpuError> {
     let expected = expected_tensors(config);
-    // A bias the configuration does not add would be ignored: refused instead.
-    if let Some(name) = weights
-        .names()
-        .into_iter()
-        .find(|n| n.ends_with(".bias") && !expected.iter().any(|(e, _)| e == n))
-    {
+    // A bias or a head norm the configuration does not apply would be ignored: refused
+    // instead.
+    let unused = |n: &str| {
+        (n.ends_with(".bias")
+            || n.ends_with("attn_q_norm.weight")
+            || n.ends_with("attn_k_norm.weight"))
+            && !expected.iter().any(|(e, _)| e == n)
+    };
+    if let Some(name) = weights.names().into_iter().find(|n| unused(n)) {
         return Err(GpuError::BadTensor {
             tensor: name.to_string(),
-            reason: "a bias this architecture does not have".into(),
+            reason: "a bias or norm this architecture does not have".into(),
         });
     }
     let bar = if progress {

@@ -170,16 +170,21 @@ fn generation_config_end_ids_join_the_configs() {
 }
 
 #[test]
-fn a_bias_the_architecture_lacks_is_refused() {
+fn a_bias_or_head_norm_the_architecture_lacks_is_refused() {
     let d = scratch("bias");
     write_tiny_hf(&d, 4);
-    // A Llama checkpoint with a q bias, or an output projection's: nothing would add them.
+    // A Llama checkpoint with a q bias, an output projection's, or Qwen3's key norm: nothing
+    // would apply them.
     let data = vec![0u8; 8];
     for (tensor, canonical) in [
         ("model.layers.0.self_attn.q_proj.bias", "blk.0.attn_q.bias"),
         (
             "model.layers.0.self_attn.o_proj.bias",
             "blk.0.attn_output.bias",
+        ),
+        (
+            "model.layers.0.self_attn.k_norm.weight",
+            "blk.0.attn_k_norm.weight",
         ),
     ] {
         let bias = StView::new(StDtype::BF16, vec![4], &data).unwrap();

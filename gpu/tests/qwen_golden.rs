@@ -1,8 +1,9 @@
-//! The Qwen2 architecture against Hugging Face transformers: a tiny random Qwen2 model
-//! (`gpu/reference/make_qwen2_golden.py` made it and the reference), loaded from its Hugging Face
-//! checkpoint directory and from the GGUF file llama.cpp's converter would write, must give
-//! transformers' float32 logits at every position (one prefill, or a prefill then one token at
-//! a time), and its tokenizers transformers' tokenizer's ids (NFC, then Qwen2's split).
+//! The Qwen2 and Qwen3 architectures against Hugging Face transformers: a tiny random model of
+//! each (`gpu/reference/make_qwen_golden.py --arch qwen2|qwen3` made it and the reference),
+//! loaded from its Hugging Face checkpoint directory and from the GGUF file llama.cpp's converter
+//! would write, must give transformers' float32 logits at every position (one prefill, or a
+//! prefill then one token at a time), and its tokenizers transformers' tokenizer's ids (NFC,
+//! then Qwen2's split, which Qwen3 shares).
 
 use std::path::PathBuf;
 
@@ -16,11 +17,11 @@ fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
 }
 
-fn golden() -> Value {
-    let path = fixtures().join("qwen2_golden.json");
+fn golden(arch: &str) -> Value {
+    let path = fixtures().join(format!("{arch}_golden.json"));
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
         panic!(
-            "{}: {e} (made by gpu/reference/make_qwen2_golden.py)",
+            "{}: {e} (made by gpu/reference/make_qwen_golden.py --arch {arch})",
             path.display()
         )
     });
@@ -92,11 +93,17 @@ fn compare(ours: &[Vec<f32>], reference: &Value) -> (f32, usize) {
     (worst, argmax_differs)
 }
 
-fn check(name: &str) {
-    let g = golden();
+fn check(arch: &str, name: &str) {
+    let g = golden(arch);
     let loaded = load(name);
     let c = &loaded.config;
-    assert!(c.qkv_bias, "{name}: Q, K and V have biases");
+    let qwen3 = arch == "qwen3";
+    assert_eq!(c.qkv_bias, !qwen3, "{name}: Qwen2's Q, K and V have biases");
+    assert_eq!(
+        c.qk_norm, qwen3,
+        "{name}: Qwen3's query and key heads are normalised"
+    );
+    assert_eq!(c.head_dim, 16, "{name}");
     assert_eq!(c.rope_style, RopeStyle::Halves, "{name}");
     assert_eq!(c.rope_theta, 1e6, "{name}");
     assert!(!c.tie_word_embeddings, "{name}");
@@ -106,7 +113,7 @@ fn check(name: &str) {
     // The weights are exact in both files; the CPU path keeps keys and values in f16 and
     // rounds the products' inputs to about 15 bits (`Precise`, two-level int8) or partly to
     // int8 (this machine's default): the logits, whose spread is about 4, sit within 5e-3 and
-    // 3e-2 of float32's (measured: 3.2e-3 either way here).
+    // 3e-2 of float32's (measured either way: Qwen2 2.2e-3, Qwen3 3.3e-3).
     for (precision, tolerance) in [
         (ActivationPrecision::Precise, 5e-3),
         (ActivationPrecision::default(), 3e-2),
@@ -125,13 +132,14 @@ fn check(name: &str) {
             assert_eq!(differs, 0, "{name}");
         }
     }
-    // The reference tells the architecture apart: without the biases, or with Llama's GGUF
-    // rotation of adjacent pairs, the logits are far off.
+    // The reference tells the architecture apart: without the biases (the head norms), or
+    // with Llama's GGUF rotation of adjacent pairs, the logits are far off.
     for (what, changed) in [
         (
-            "no biases",
+            "no biases or head norms",
             LlamaConfig {
                 qkv_bias: false,
+                qk_norm: false,
                 ..c.clone()
             },
         ),
@@ -153,19 +161,34 @@ fn check(name: &str) {
 }
 
 #[test]
-fn the_hugging_face_checkpoint_gives_transformers_logits() {
-    check("qwen2");
+fn qwen2_checkpoints_give_transformers_logits() {
+    check("qwen2", "qwen2");
 }
 
 #[test]
-fn the_gguf_file_gives_transformers_logits() {
-    check("tiny-qwen2.gguf");
+fn qwen2_gguf_files_give_transformers_logits() {
+    check("qwen2", "tiny-qwen2.gguf");
 }
 
 #[test]
-fn both_tokenizers_split_as_qwen2_does() {
-    let g = golden();
-    for name in ["qwen2", "tiny-qwen2.gguf"] {
+fn qwen3_checkpoints_give_transformers_logits() {
+    check("qwen3", "qwen3");
+}
+
+#[test]
+fn qwen3_gguf_files_give_transformers_logits() {
+    check("qwen3", "tiny-qwen3.gguf");
+}
+
+#[test]
+fn every_tokenizer_splits_as_qwen2_does() {
+    for (arch, name) in [
+        ("qwen2", "qwen2"),
+        ("qwen2", "tiny-qwen2.gguf"),
+        ("qwen3", "qwen3"),
+        ("qwen3", "tiny-qwen3.gguf"),
+    ] {
+        let g = golden(arch);
         let loaded = load(name);
         for case in g["tokenization"].as_array().expect("cases") {
             let text = case["text"].as_str().expect("text");
@@ -178,7 +201,7 @@ fn both_tokenizers_split_as_qwen2_does() {
                 composed
             );
         }
-        // No BOS: Qwen2 has none.
+        // No BOS: Qwen2 and Qwen3 have none.
         assert_eq!(
             loaded.tokenizer.encode("12", true).expect("encode"),
             [u32::from(b'1'), u32::from(b'2')],
