@@ -533,5 +533,44 @@ fn a_llama3_template_gets_llama3_json_calls_and_ipython_results() {
         "{prompt:?}"
     );
     assert!(!prompt.contains("tool_response"), "{prompt:?}");
+
+    // chat_template_kwargs reach the template, on /tokenize and on chat completions.
+    let dated =
+        json!({"messages": history, "chat_template_kwargs": {"date_string": "02 Dec 2026"}});
+    let (status, v) = s.post_json("/tokenize", &dated);
+    assert_eq!(status, 200, "{v}");
+    let (_, text) = s.post_json("/detokenize", &json!({"tokens": v["tokens"]}));
+    let prompt = text["prompt"].as_str().expect("prompt");
+    assert!(
+        prompt.contains("Today Date: 02 Dec 2026<|eot_id|>"),
+        "{prompt:?}"
+    );
+    let (status, v) = s.post_json(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                "chat_template_kwargs": {"date_string": "02 Dec 2026"}}),
+    );
+    assert_eq!(status, 200, "{v}");
+    // One token more than without the date: the date's turn is in the prompt.
+    let (_, plain) = s.post_json(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}),
+    );
+    assert!(
+        v["usage"]["prompt_tokens"].as_u64() > plain["usage"]["prompt_tokens"].as_u64(),
+        "{v} {plain}"
+    );
+    for bad in [
+        json!({"messages": []}),
+        json!("date"),
+        json!({"bos_token": "x"}),
+    ] {
+        let (status, v) = s.post_json(
+            "/v1/chat/completions",
+            &json!({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": bad}),
+        );
+        assert_eq!(status, 400, "{v}");
+        assert_eq!(v["error"]["param"], "chat_template_kwargs", "{v}");
+    }
     s.assert_serves();
 }

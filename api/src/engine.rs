@@ -217,8 +217,18 @@ pub enum PromptInput {
     /// Pre-tokenized input, used as is.
     Tokens(Vec<u32>),
     /// Chat messages, rendered through the model's chat template with the generation prompt.
-    Chat(Vec<ChatMessage>),
+    Chat {
+        /// The conversation.
+        messages: Vec<ChatMessage>,
+        /// More variables for the template (`chat_template_kwargs`, such as Qwen3's
+        /// `enable_thinking`).
+        template_kwargs: TemplateKwargs,
+    },
 }
+
+/// Variables a request adds to the chat template's context (checked: bounded, and none of the
+/// names the server sets itself).
+pub type TemplateKwargs = serde_json::Map<String, serde_json::Value>;
 
 /// One chat message, reduced to text.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -409,6 +419,8 @@ pub enum TokenizeInput {
         messages: Vec<ChatMessage>,
         /// Whether to append the assistant generation prompt.
         add_generation_prompt: bool,
+        /// More variables for the template.
+        template_kwargs: TemplateKwargs,
     },
 }
 

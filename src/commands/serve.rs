@@ -546,11 +546,16 @@ impl port::Engine for EngineAdapter {
         let prompt = match request.prompt {
             port::PromptInput::Text(t) => PromptSource::Text(t),
             port::PromptInput::Tokens(t) => PromptSource::Tokens(t),
-            port::PromptInput::Chat(m) => PromptSource::Chat(
-                m.into_iter()
+            port::PromptInput::Chat {
+                messages,
+                template_kwargs,
+            } => PromptSource::Chat {
+                messages: messages
+                    .into_iter()
                     .map(|m| (m.role.as_str().to_string(), m.content))
                     .collect(),
-            ),
+                template_kwargs,
+            },
         };
         let (tx, rx) = mpsc::channel(CHANNEL_CAPACITY);
         let options = RequestOptions {
@@ -594,13 +599,15 @@ impl port::Engine for EngineAdapter {
                 TokenizeInput::Chat {
                     messages,
                     add_generation_prompt,
+                    template_kwargs,
                 } => (
-                    PromptSource::Chat(
-                        messages
+                    PromptSource::Chat {
+                        messages: messages
                             .into_iter()
                             .map(|m| (m.role.as_str().to_string(), m.content))
                             .collect(),
-                    ),
+                        template_kwargs,
+                    },
                     add_generation_prompt,
                     true,
                 ),

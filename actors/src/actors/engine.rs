@@ -55,8 +55,14 @@ pub enum PromptSource {
     Text(String),
     /// Token ids, used as they are.
     Tokens(Vec<u32>),
-    /// Chat messages as (role, content), rendered by the chat template.
-    Chat(Vec<(String, String)>),
+    /// Chat messages as (role, content), rendered by the chat template with `template_kwargs`
+    /// added to its variables.
+    Chat {
+        /// The conversation, as (role, content).
+        messages: Vec<(String, String)>,
+        /// More variables for the template.
+        template_kwargs: serde_json::Map<String, serde_json::Value>,
+    },
 }
 
 /// One client request.

@@ -91,7 +91,10 @@ impl Handler<Encode> for TokenizerActor {
                 .tokenizer
                 .encode(&text, msg.add_special_tokens)
                 .map_err(|e| invalid(e.to_string())),
-            PromptSource::Chat(messages) => {
+            PromptSource::Chat {
+                messages,
+                template_kwargs,
+            } => {
                 let template = self.template.as_ref().ok_or_else(|| {
                     invalid("this model has no chat template; use /v1/completions".into())
                 })?;
@@ -100,7 +103,7 @@ impl Handler<Encode> for TokenizerActor {
                     .map(|(role, content)| ChatMessage { role, content })
                     .collect();
                 let text = template
-                    .render(&messages, msg.add_generation_prompt)
+                    .render_with(&messages, msg.add_generation_prompt, &template_kwargs)
                     .map_err(|e| invalid(e.to_string()))?;
                 // The template already wrote the special tokens it wants.
                 self.tokenizer

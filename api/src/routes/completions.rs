@@ -34,7 +34,7 @@ pub(crate) async fn completions(
             texts.push(match prompt {
                 PromptInput::Text(text) => text.clone(),
                 PromptInput::Tokens(ids) => state.engine.detokenize(ids.clone()).await?,
-                PromptInput::Chat(_) => String::new(),
+                PromptInput::Chat { .. } => String::new(),
             });
         }
         Some(texts)

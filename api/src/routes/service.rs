@@ -8,7 +8,10 @@ use super::check_model;
 use crate::body::read_json;
 use crate::engine::{EngineError, EngineErrorKind, PolicySpec, TokenizeInput};
 use crate::error::ApiError;
-use crate::schema::{parse_messages, MessageField, ModelCard, ModelList, MAX_DETOKENIZE_TOKENS};
+use crate::schema::{
+    parse_messages, parse_template_kwargs, MessageField, ModelCard, ModelList,
+    MAX_DETOKENIZE_TOKENS,
+};
 use crate::state::ApiState;
 
 /// `GET /v1/models`: the base model, then every LoRA adapter served on it.
@@ -44,6 +47,7 @@ pub(crate) struct TokenizeRequest {
     messages: Option<Vec<MessageField>>,
     add_special_tokens: Option<bool>,
     add_generation_prompt: Option<bool>,
+    chat_template_kwargs: Option<serde_json::Value>,
 }
 
 /// Response of `POST /tokenize`.
@@ -70,6 +74,7 @@ pub(crate) async fn tokenize(
         (None, Some(messages)) => TokenizeInput::Chat {
             messages: parse_messages(messages, state.config.tool_format)?,
             add_generation_prompt: body.add_generation_prompt.unwrap_or(true),
+            template_kwargs: parse_template_kwargs(body.chat_template_kwargs)?,
         },
         _ => {
             return Err(ApiError::invalid(

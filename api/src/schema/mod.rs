@@ -7,8 +7,8 @@ mod structured;
 pub mod tools;
 
 pub use request::{
-    parse_messages, ChatRequest, CompletionRequest, ContentField, ContentPart, MessageField,
-    PromptField, StopField, StreamOptions, Validated,
+    parse_messages, parse_template_kwargs, ChatRequest, CompletionRequest, ContentField,
+    ContentPart, MessageField, PromptField, StopField, StreamOptions, Validated,
 };
 pub use response::*;
 pub use sampling::SamplerFields;
@@ -26,6 +26,10 @@ pub mod limits {
     pub const MAX_CHOICES: usize = 64;
     /// Most chat messages in one request.
     pub const MAX_MESSAGES: usize = 1024;
+    /// Most `chat_template_kwargs` entries.
+    pub const MAX_TEMPLATE_KWARGS: usize = 64;
+    /// Longest `chat_template_kwargs` name, in bytes.
+    pub const MAX_TEMPLATE_KWARG_NAME: usize = 64;
     /// Most stop strings.
     pub const MAX_STOP_STRINGS: usize = 4;
     /// Longest stop string in bytes.

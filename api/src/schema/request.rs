@@ -15,7 +15,9 @@ use super::limits::*;
 use super::sampling::SamplerFields;
 use super::structured::StructuredFields;
 use super::tools::{render_calls, render_response, ToolAnswer, ToolFormat, ToolPrompt, ToolUse};
-use crate::engine::{ChatMessage, ChatRole, PromptInput, SamplingOptions, StructuredOutputSpec};
+use crate::engine::{
+    ChatMessage, ChatRole, PromptInput, SamplingOptions, StructuredOutputSpec, TemplateKwargs,
+};
 use crate::error::ApiError;
 
 /// `prompt`: a string, a list of strings, a list of token ids or a list of token-id lists.
@@ -137,6 +139,8 @@ pub struct ChatRequest {
     pub tool_choice: Option<serde_json::Value>,
     /// Whether one answer may hold several calls (default true).
     pub parallel_tool_calls: Option<bool>,
+    /// More variables for the chat template (vLLM's field; e.g. Qwen3's `enable_thinking`).
+    pub chat_template_kwargs: Option<serde_json::Value>,
     /// Scheduling priority (vLLM: lower first).
     pub priority: Option<i32>,
     /// End-user id; accepted and ignored.
@@ -466,6 +470,7 @@ impl ChatRequest {
             (false, None) => None,
         };
         let mut messages = parse_messages(self.messages, tool_format)?;
+        let template_kwargs = parse_template_kwargs(self.chat_template_kwargs)?;
         if let Some(tools) = &tools {
             if structured.is_some() {
                 return Err(ApiError::invalid(
@@ -494,7 +499,10 @@ impl ChatRequest {
         };
         let stream = self.stream.unwrap_or(false);
         Ok(Validated {
-            prompts: vec![PromptInput::Chat(messages)],
+            prompts: vec![PromptInput::Chat {
+                messages,
+                template_kwargs,
+            }],
             sampling,
             stop: parse_stop(self.stop)?,
             n,
@@ -528,6 +536,50 @@ fn add_to_system(messages: &mut Vec<ChatMessage>, text: &str) {
             },
         ),
     }
+}
+
+/// Validates `chat_template_kwargs`: an object of at most [`MAX_TEMPLATE_KWARGS`] entries, none
+/// named as a variable the server sets itself.
+pub fn parse_template_kwargs(v: Option<serde_json::Value>) -> Result<TemplateKwargs, ApiError> {
+    const PARAM: &str = "chat_template_kwargs";
+    let map = match v {
+        None | Some(serde_json::Value::Null) => return Ok(TemplateKwargs::new()),
+        Some(serde_json::Value::Object(map)) => map,
+        Some(_) => {
+            return Err(ApiError::invalid(
+                PARAM,
+                "chat_template_kwargs is an object",
+            ))
+        }
+    };
+    if map.len() > MAX_TEMPLATE_KWARGS {
+        return Err(ApiError::invalid(
+            PARAM,
+            format!("at most {MAX_TEMPLATE_KWARGS} chat_template_kwargs are allowed"),
+        ));
+    }
+    for name in map.keys() {
+        if name.is_empty() || name.len() > MAX_TEMPLATE_KWARG_NAME {
+            return Err(ApiError::invalid(
+                PARAM,
+                format!("a chat_template_kwargs name is 1 to {MAX_TEMPLATE_KWARG_NAME} bytes"),
+            ));
+        }
+        if [
+            "messages",
+            "add_generation_prompt",
+            "bos_token",
+            "eos_token",
+        ]
+        .contains(&name.as_str())
+        {
+            return Err(ApiError::invalid(
+                PARAM,
+                format!("{name:?} is set by the server, not by chat_template_kwargs"),
+            ));
+        }
+    }
+    Ok(map)
 }
 
 /// Puts `text` at the head of the conversation's first user message; with none, it goes to
@@ -738,6 +790,44 @@ mod tests {
     }
 
     #[test]
+    fn chat_template_kwargs_reach_the_prompt_bounded() {
+        let chat = |kwargs: serde_json::Value| {
+            let req: ChatRequest = serde_json::from_value(serde_json::json!({
+                "messages": [{"role": "user", "content": "hi"}],
+                "chat_template_kwargs": kwargs}))
+            .unwrap();
+            req.validate(128, ToolFormat::Hermes)
+        };
+        let v = chat(serde_json::json!({"enable_thinking": false, "x": [1, {"y": "z"}]})).unwrap();
+        let PromptInput::Chat {
+            template_kwargs, ..
+        } = &v.prompts[0]
+        else {
+            panic!("{v:?}")
+        };
+        assert_eq!(template_kwargs["enable_thinking"], false);
+        assert_eq!(template_kwargs["x"][1]["y"], "z");
+        assert!(chat(serde_json::Value::Null).is_ok());
+        let many: serde_json::Map<String, serde_json::Value> = (0..=MAX_TEMPLATE_KWARGS)
+            .map(|i| (format!("k{i}"), serde_json::Value::Null))
+            .collect();
+        for bad in [
+            serde_json::json!("enable_thinking"),
+            serde_json::json!({"messages": []}),
+            serde_json::json!({"add_generation_prompt": false}),
+            serde_json::json!({"": 1}),
+            serde_json::json!({"k".repeat(MAX_TEMPLATE_KWARG_NAME + 1): 1}),
+            serde_json::Value::Object(many),
+        ] {
+            assert_eq!(
+                param_of(chat(bad.clone())).as_deref(),
+                Some("chat_template_kwargs"),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
     fn chat_maps_logprobs_and_max_completion_tokens() {
         let req: ChatRequest = serde_json::from_value(serde_json::json!({
             "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
@@ -749,10 +839,13 @@ mod tests {
         assert_eq!(v.max_tokens, Some(7));
         assert_eq!(
             v.prompts,
-            vec![PromptInput::Chat(vec![ChatMessage {
-                role: ChatRole::User,
-                content: "hi".into()
-            }])]
+            vec![PromptInput::Chat {
+                messages: vec![ChatMessage {
+                    role: ChatRole::User,
+                    content: "hi".into()
+                }],
+                template_kwargs: TemplateKwargs::new(),
+            }]
         );
     }
 
@@ -773,7 +866,7 @@ mod tests {
         assert!(
             matches!(&v.structured, Some(StructuredOutputSpec::ToolCalls(g)) if g.contains("\\\"now\\\""))
         );
-        let PromptInput::Chat(m) = &v.prompts[0] else {
+        let PromptInput::Chat { messages: m, .. } = &v.prompts[0] else {
             panic!("{v:?}")
         };
         assert_eq!(m.len(), 2);
@@ -785,7 +878,7 @@ mod tests {
                                {"role": "user", "content": "time?"}]),
             serde_json::json!("required"),
         );
-        let PromptInput::Chat(m) = &v.prompts[0] else {
+        let PromptInput::Chat { messages: m, .. } = &v.prompts[0] else {
             panic!("{v:?}")
         };
         assert_eq!(m.len(), 2);
@@ -802,10 +895,13 @@ mod tests {
         assert!(v.tool_calls.is_none() && v.structured.is_none());
         assert_eq!(
             v.prompts,
-            vec![PromptInput::Chat(vec![ChatMessage {
-                role: ChatRole::User,
-                content: "time?".into()
-            }])]
+            vec![PromptInput::Chat {
+                messages: vec![ChatMessage {
+                    role: ChatRole::User,
+                    content: "time?".into()
+                }],
+                template_kwargs: TemplateKwargs::new(),
+            }]
         );
     }
 
@@ -818,7 +914,7 @@ mod tests {
             .unwrap();
             let v = req.validate(128, ToolFormat::Llama3Json).unwrap();
             match v.prompts.into_iter().next() {
-                Some(PromptInput::Chat(m)) => m,
+                Some(PromptInput::Chat { messages, .. }) => messages,
                 other => panic!("{other:?}"),
             }
         };

@@ -137,7 +137,7 @@ impl Engine for EchoEngine {
         let prompt: Vec<u32> = match &request.prompt {
             PromptInput::Text(text) => text.bytes().map(u32::from).collect(),
             PromptInput::Tokens(ids) => ids.clone(),
-            PromptInput::Chat(messages) => {
+            PromptInput::Chat { messages, .. } => {
                 render_chat(messages, true).bytes().map(u32::from).collect()
             }
         };
@@ -209,6 +209,7 @@ impl Engine for EchoEngine {
             TokenizeInput::Chat {
                 messages,
                 add_generation_prompt,
+                ..
             } => render_chat(&messages, add_generation_prompt),
         };
         Box::pin(async move { Ok(text.bytes().map(u32::from).collect()) })

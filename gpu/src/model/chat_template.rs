@@ -185,7 +185,19 @@ impl ChatTemplate {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String, GpuError> {
-        let first = match self.render_as_given(messages, add_generation_prompt) {
+        self.render_with(messages, add_generation_prompt, &serde_json::Map::new())
+    }
+
+    /// [`ChatTemplate::render`] with more variables in the template's context (a request's
+    /// `chat_template_kwargs`); the variables the server sets (`messages`,
+    /// `add_generation_prompt`, `bos_token`, `eos_token`) take precedence.
+    pub fn render_with(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        extra: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String, GpuError> {
+        let first = match self.render_as_given(messages, add_generation_prompt, extra) {
             Err(e) => e,
             done => return done,
         };
@@ -193,7 +205,7 @@ impl ChatTemplate {
             return Err(first);
         };
         let text = self
-            .render_as_given(&folded, add_generation_prompt)
+            .render_as_given(&folded, add_generation_prompt, extra)
             .map_err(|_| first)?;
         tracing::debug!(
             "the chat template refused a system message: rendered it in the first user message"
@@ -205,16 +217,19 @@ impl ChatTemplate {
         &self,
         messages: &[ChatMessage],
         add_generation_prompt: bool,
+        extra: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<String, GpuError> {
         let tmpl = self
             .env
             .get_template(TEMPLATE_NAME)
             .map_err(|e| render_err(&e))?;
+        // Earlier values win a merge: the server's variables, then the request's.
         let ctx = minijinja::context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,
             bos_token => &self.bos_token,
             eos_token => &self.eos_token,
+            ..minijinja::Value::from_serialize(extra)
         };
         let mut out = BoundedWriter {
             buf: Vec::new(),
@@ -312,6 +327,37 @@ mod tests {
         std::fs::write(&file, "{% for %}").unwrap();
         assert!(ChatTemplate::from_file(&file, None, &tokenizer).is_err());
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn request_variables_reach_the_template_and_never_replace_the_server_s() {
+        let t = ChatTemplate::new(
+            "{{ bos_token }}{% if enable_thinking is defined and not enable_thinking %}/no_think {% endif %}{{ messages[0].content }}",
+            "<s>",
+            "</s>",
+        )
+        .unwrap();
+        let m = [ChatMessage::new("user", "hi")];
+        let kwargs = |v: serde_json::Value| v.as_object().unwrap().clone();
+        assert_eq!(t.render(&m, false).unwrap(), "<s>hi");
+        assert_eq!(
+            t.render_with(
+                &m,
+                false,
+                &kwargs(serde_json::json!({"enable_thinking": false}))
+            )
+            .unwrap(),
+            "<s>/no_think hi"
+        );
+        assert_eq!(
+            t.render_with(
+                &m,
+                false,
+                &kwargs(serde_json::json!({"bos_token": "x", "messages": []}))
+            )
+            .unwrap(),
+            "<s>hi"
+        );
     }
 
     #[test]

@@ -6,7 +6,7 @@
 //! Sliding-window attention is not implemented. A model whose every layer attends over a
 //! window (Mistral 7B v0.1: 4,096 tokens) has its context capped at the window, where its
 //! attention is exactly full causal attention; models that mix windowed and full layers
-//! (Qwen2 with `use_sliding_window`) are refused.
+//! (Qwen2 or Qwen3 with `use_sliding_window`) are refused.
 //!
 //! RoPE scaling follows Meta's Llama 3.1 "llama3" frequency-dependent scheme (wavelengths longer
 //! than `original_max_position_embeddings / low_freq_factor` are divided by `factor`, shorter
@@ -248,7 +248,8 @@ impl LlamaConfig {
         Ok(())
     }
 
-    /// Reads a Hugging Face `config.json` (Llama / Mistral / SmolLM2 / Qwen2 architectures).
+    /// Reads a Hugging Face `config.json` (Llama / Mistral / SmolLM2 / Qwen2 / Qwen3
+    /// architectures).
     pub fn from_hf_json(json: &str) -> Result<Self, GpuError> {
         let c: HfConfig = serde_json::from_str(json)
             .map_err(|e| GpuError::InvalidConfig(format!("config.json: {e}")))?;
@@ -321,7 +322,10 @@ impl LlamaConfig {
             hidden_size,
             num_heads,
             num_kv_heads: c.num_key_value_heads.unwrap_or(num_heads),
-            head_dim: c.head_dim.unwrap_or(hidden_size / num_heads),
+            // transformers' Qwen3Config defaults to 128 (not hidden / heads).
+            head_dim: c
+                .head_dim
+                .unwrap_or(if qwen3 { 128 } else { hidden_size / num_heads }),
             intermediate_size: need(c.intermediate_size, "intermediate_size")?,
             vocab_size: need(c.vocab_size, "vocab_size")?,
             rms_norm_eps: c.rms_norm_eps.unwrap_or(1e-6),
@@ -841,6 +845,40 @@ mod tests {
         "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": true,
         "torch_dtype": "bfloat16", "transformers_version": "4.43.1", "use_cache": true,
         "use_sliding_window": false, "vocab_size": 151936}"#;
+
+    #[test]
+    fn qwen3_configs_have_head_norms_and_wide_heads() {
+        // Qwen3-0.6B's config.json (transformers 4.51 layout).
+        let json = r#"{"architectures": ["Qwen3ForCausalLM"], "attention_bias": false,
+            "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645,
+            "head_dim": 128, "hidden_act": "silu", "hidden_size": 1024,
+            "initializer_range": 0.02, "intermediate_size": 3072,
+            "max_position_embeddings": 40960, "max_window_layers": 28, "model_type": "qwen3",
+            "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
+            "rms_norm_eps": 1e-06, "rope_scaling": null, "rope_theta": 1000000,
+            "sliding_window": null, "tie_word_embeddings": true, "torch_dtype": "bfloat16",
+            "transformers_version": "4.51.0", "use_cache": true, "use_sliding_window": false,
+            "vocab_size": 151936}"#;
+        let c = LlamaConfig::from_hf_json(json).unwrap();
+        assert_eq!(c, LlamaConfig::qwen3_06b());
+        assert!(c.qk_norm && !c.qkv_bias);
+        // Without head_dim, transformers' default of 128.
+        let bare = json.replace(r#""head_dim": 128, "#, "");
+        assert_eq!(LlamaConfig::from_hf_json(&bare).unwrap().head_dim, 128);
+        // Refused, not run wrong: biases (also on the output projection), sliding windows.
+        for (from, to) in [
+            (r#""attention_bias": false"#, r#""attention_bias": true"#),
+            (
+                r#""use_sliding_window": false"#,
+                r#""use_sliding_window": true"#,
+            ),
+        ] {
+            assert!(
+                LlamaConfig::from_hf_json(&json.replace(from, to)).is_err(),
+                "{to}"
+            );
+        }
+    }
 
     #[test]
     fn qwen2_configs_have_qkv_biases_and_halves_rope() {
