@@ -103,7 +103,8 @@ fn check(arch: &str, name: &str) {
         c.qk_norm, qwen3,
         "{name}: Qwen3's query and key heads are normalised"
     );
-    assert_eq!(c.head_dim, 16, "{name}");
+    // Qwen3's heads are wider than the residual stream's share (4 x 32 over 64).
+    assert_eq!(c.head_dim, if qwen3 { 32 } else { 16 }, "{name}");
     assert_eq!(c.rope_style, RopeStyle::Halves, "{name}");
     assert_eq!(c.rope_theta, 1e6, "{name}");
     assert!(!c.tie_word_embeddings, "{name}");
@@ -112,10 +113,10 @@ fn check(arch: &str, name: &str) {
     let n = tokens.len();
     // The weights are exact in both files; the CPU path keeps keys and values in f16 and
     // rounds the products' inputs to about 15 bits (`Precise`, two-level int8) or partly to
-    // int8 (this machine's default): the logits, whose spread is about 4, sit within 5e-3 and
-    // 3e-2 of float32's (measured either way: Qwen2 2.2e-3, Qwen3 3.3e-3).
+    // int8 (this machine's default): the logits, whose spread is about 4, sit within 1e-2 and
+    // 3e-2 of float32's (measured either way: Qwen2 2.2e-3, Qwen3 4.8e-3).
     for (precision, tolerance) in [
-        (ActivationPrecision::Precise, 5e-3),
+        (ActivationPrecision::Precise, 1e-2),
         (ActivationPrecision::default(), 3e-2),
     ] {
         model.set_precision(precision);
