@@ -574,3 +574,99 @@ fn a_llama3_template_gets_llama3_json_calls_and_ipython_results() {
     }
     s.assert_serves();
 }
+
+#[test]
+fn reasoning_is_read_apart_when_the_template_thinks() {
+    let template = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/think-style.jinja"
+    );
+    let start = |parser: &str| {
+        Server::start_full(
+            "reasoning",
+            &format!("  chat_template: {template}\n  reasoning_parser: {parser}\n"),
+            "",
+            "scheduler:\n  max_num_seqs: 16\n  max_num_batched_tokens: 1024\n",
+        )
+    };
+    let s = start("auto");
+    assert!(s.log().contains("reasoning"), "{}", s.log());
+    // A regular expression makes SmolLM2 think first, as Qwen3 does.
+    let body = json!({
+        "messages": [{"role": "user", "content": "Name a colour."}],
+        "max_tokens": 60, "temperature": 0, "logprobs": true,
+        "structured_outputs": {"regex": "<think>\n[a-z ]{3,30}\n</think>\n\n[A-Z][a-z]{2,12}\\."},
+    });
+    let (status, v) = s.post_json("/v1/chat/completions", &body);
+    assert_eq!(status, 200, "{v}");
+    let message = &v["choices"][0]["message"];
+    let reasoning = message["reasoning_content"].as_str().expect("reasoning");
+    let content = message["content"].as_str().expect("content");
+    assert!(
+        reasoning.starts_with('\n') && reasoning.ends_with('\n') && reasoning.trim().len() >= 3,
+        "{v}"
+    );
+    assert!(
+        content.ends_with('.') && content.starts_with(|c: char| c.is_ascii_uppercase()),
+        "{v}"
+    );
+    let tokens = v["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .unwrap()
+        .len() as u64;
+    assert_eq!(
+        tokens,
+        v["usage"]["completion_tokens"].as_u64().unwrap(),
+        "{v}"
+    );
+    let _: CreateChatCompletionResponse = serde_json::from_value(v.clone()).expect("typed");
+
+    // Streamed: the same reasoning and content in pieces, every token's logprob once.
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let (mut r, mut c, mut n) = (String::new(), String::new(), 0u64);
+    for event in s.post_stream("/v1/chat/completions", &streamed) {
+        if event == "[DONE]" {
+            continue;
+        }
+        let chunk: Value = serde_json::from_str(&event).expect("a chunk");
+        let choice = &chunk["choices"][0];
+        r.push_str(choice["delta"]["reasoning_content"].as_str().unwrap_or(""));
+        c.push_str(choice["delta"]["content"].as_str().unwrap_or(""));
+        n += choice["logprobs"]["content"]
+            .as_array()
+            .map_or(0, |a| a.len() as u64);
+        let _: CreateChatCompletionStreamResponse =
+            serde_json::from_value(chunk.clone()).expect("typed chunk");
+    }
+    assert_eq!((r.as_str(), c.as_str(), n), (reasoning, content, tokens));
+
+    // An answer that does not open with <think> is all content, and has no reasoning.
+    let (_, v) = s.post_json(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
+                "chat_template_kwargs": {"enable_thinking": false}}),
+    );
+    assert!(
+        v["choices"][0]["message"]
+            .get("reasoning_content")
+            .is_none(),
+        "{v}"
+    );
+    assert!(v["choices"][0]["message"]["content"].is_string(), "{v}");
+    s.assert_serves();
+    drop(s);
+
+    // With the parser off, the block stays in the content.
+    let s = start("none");
+    let (status, v) = s.post_json("/v1/chat/completions", &body);
+    assert_eq!(status, 200, "{v}");
+    let message = &v["choices"][0]["message"];
+    assert!(message.get("reasoning_content").is_none(), "{v}");
+    assert!(
+        message["content"]
+            .as_str()
+            .is_some_and(|t| t.starts_with("<think>\n")),
+        "{v}"
+    );
+}

@@ -33,6 +33,9 @@ pub struct ApiConfig {
     pub anonymous_tenant: String,
     /// How the model writes tool calls (chat completions with tools).
     pub tool_format: ToolFormat,
+    /// Whether chat answers that open with `<think>` have their reasoning read apart
+    /// (`reasoning_content`).
+    pub reasoning: bool,
 }
 
 impl Default for ApiConfig {
@@ -44,6 +47,7 @@ impl Default for ApiConfig {
             default_tier: "standard".to_owned(),
             anonymous_tenant: "anonymous".to_owned(),
             tool_format: ToolFormat::default(),
+            reasoning: false,
         }
     }
 }
@@ -68,6 +72,7 @@ impl std::fmt::Debug for ApiConfig {
             .field("default_tier", &self.default_tier)
             .field("anonymous_tenant", &self.anonymous_tenant)
             .field("tool_format", &self.tool_format)
+            .field("reasoning", &self.reasoning)
             .finish()
     }
 }

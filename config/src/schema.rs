@@ -223,6 +223,22 @@ pub enum ToolCallFormat {
 
 choice_from_str!(ToolCallFormat { "auto" => Auto, "hermes" => Hermes, "llama3_json" => Llama3Json });
 
+/// Whether chat answers have their reasoning (`<think>...</think>`) read apart into
+/// `reasoning_content`.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum ReasoningParser {
+    /// `think` when the chat template writes `<think>` blocks (Qwen3, SmolLM3, QwQ), else `none`.
+    #[default]
+    Auto,
+    /// All of the answer is content.
+    None,
+    /// An answer that opens with `<think>` has the block's text as its reasoning.
+    Think,
+}
+
+choice_from_str!(ReasoningParser { "auto" => Auto, "none" => None, "think" => Think });
+
 /// How the paged KV cache stores keys and values.
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
@@ -262,6 +278,8 @@ pub struct ModelSection {
     pub chat_template: Option<String>,
     /// How the model writes tool calls.
     pub tool_call_format: ToolCallFormat,
+    /// Whether the reasoning of chat answers is read apart.
+    pub reasoning_parser: ReasoningParser,
     /// CPU threads for the CPU backend (0 = all cores).
     #[serde(deserialize_with = "usize_in::<_, 0, 1024>")]
     pub threads: usize,
@@ -279,6 +297,7 @@ impl Default for ModelSection {
             max_model_len: None,
             chat_template: None,
             tool_call_format: ToolCallFormat::Auto,
+            reasoning_parser: ReasoningParser::Auto,
             threads: 0,
         }
     }

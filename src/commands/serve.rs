@@ -20,9 +20,9 @@ use switchyard_api::engine::{
     GenerateRequest, LoraAdapterInfo, PolicyInfo, PolicySpec, SpeculativeSettings, TokenLogprob,
     TokenizeInput, TopLogprob,
 };
-use switchyard_api::schema::tools::ToolFormat;
+use switchyard_api::schema::{reasoning, tools::ToolFormat};
 use switchyard_api::{ApiConfig, ApiKeyEntry, ApiState, ServerOptions};
-use switchyard_config::{Config, LoadFormat, LoraAdapterEntry, ToolCallFormat};
+use switchyard_config::{Config, LoadFormat, LoraAdapterEntry, ReasoningParser, ToolCallFormat};
 use switchyard_gpu::backend::{SamplingParams, MAX_LOGIT_ROWS};
 use switchyard_gpu::model::{ChatTemplate, Tokenizer};
 use switchyard_gpu::LoraLimits;
@@ -86,6 +86,15 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             .map_or(ToolFormat::Hermes, |t| ToolFormat::for_template(t.source())),
     };
     tracing::info!(tool_call_format = tool_format.name(), "tool calls");
+    let reasoning = match config.model.reasoning_parser {
+        ReasoningParser::None => false,
+        ReasoningParser::Think => true,
+        ReasoningParser::Auto => model.chat_template.as_ref().is_some_and(|t| {
+            t.source().contains(reasoning::THINK_OPEN)
+                && t.source().contains(reasoning::THINK_CLOSE)
+        }),
+    };
+    tracing::info!(reasoning, "reasoning read apart into reasoning_content");
     // Clients name the model by its file (or directory) stem unless a served name is configured.
     let model_name = config.model.served_name.clone().unwrap_or_else(|| {
         path.file_stem()
@@ -160,7 +169,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             })
             .collect(),
     };
-    let api_config = api_config(&config, tool_format)?;
+    let mut api_config = api_config(&config, tool_format)?;
+    api_config.reasoning = reasoning;
     let options = ServerOptions {
         bind: vec![format!("{}:{}", config.server.host, config.server.port)
             .parse()

@@ -9,6 +9,7 @@ use crate::body::read_json;
 use crate::engine::{FinishReason, TokenLogprob};
 use crate::error::ApiError;
 use crate::generation::{ChoiceDelta, Generation};
+use crate::schema::reasoning::ThinkSplitter;
 use crate::schema::tools::{ToolAnswer, ToolPiece, ToolStream};
 use crate::schema::{
     ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatLogprobs, ChatRequest, ChatResponse,
@@ -40,9 +41,15 @@ pub(crate) async fn chat_completions(
         usage_field: validated.include_usage.then_some(None),
         tools: validated.tool_calls.is_some().then(|| {
             (0..generation.choices())
-                .map(|_| (ToolStream::new(tool_format), Vec::new()))
+                .map(|_| ToolStream::new(tool_format))
                 .collect()
         }),
+        thinking: state.config.reasoning.then(|| {
+            (0..generation.choices())
+                .map(|_| ThinkSplitter::new())
+                .collect()
+        }),
+        held: vec![Vec::new(); generation.choices()],
         calls_only: validated.tool_calls == Some(ToolAnswer::Calls),
     };
     if validated.stream {
@@ -64,16 +71,22 @@ struct ChatWriter {
     model: String,
     logprobs: bool,
     usage_field: Option<Option<Usage>>,
-    /// Per choice, when the output is read back into content and tool calls: the reader, and
-    /// the logprobs of the tokens whose text it holds back (they go out with the next chunk
-    /// that carries text or a call).
-    tools: Option<Vec<(ToolStream, Vec<TokenLogprob>)>>,
+    /// Per choice, when the output is read back into content and tool calls: the reader.
+    tools: Option<Vec<ToolStream>>,
+    /// Per choice, when reasoning is read apart from the answer: the splitter (before the
+    /// tool reader, which reads the answer).
+    thinking: Option<Vec<ThinkSplitter>>,
+    /// Per choice, the logprobs of the tokens whose text a reader holds back (they go out
+    /// with the next chunk that carries text, reasoning or a call).
+    held: Vec<Vec<TokenLogprob>>,
     /// The answer is calls only: no content, not even an empty one.
     calls_only: bool,
 }
 
 /// What a choice's new text is, read.
 struct Reading {
+    /// Reasoning text.
+    reasoning: String,
     content: String,
     /// Calls opened and arguments written.
     calls: Vec<ToolCallDelta>,
@@ -91,29 +104,42 @@ impl ChatWriter {
         mut logprobs: Vec<TokenLogprob>,
         finished: bool,
     ) -> Reading {
-        let Some((stream, held)) = self
-            .tools
-            .as_mut()
-            .and_then(|t| t.get_mut(usize::try_from(choice).ok()?))
-        else {
-            return Reading {
-                content: text,
-                calls: Vec::new(),
-                logprobs,
-            };
+        let at = usize::try_from(choice).unwrap_or(usize::MAX);
+        let (reasoning, text) = match self.thinking.as_mut().and_then(|t| t.get_mut(at)) {
+            Some(splitter) => {
+                let mut split = splitter.push(&text);
+                if finished {
+                    let last = splitter.finish();
+                    split.reasoning.push_str(&last.reasoning);
+                    split.content.push_str(&last.content);
+                }
+                (split.reasoning, split.content)
+            }
+            None => (String::new(), text),
         };
-        let mut pieces = stream.push(&text);
-        if finished {
-            pieces.extend(stream.finish());
-        }
-        // A token's logprobs go out with the first chunk that carries any of its text (or its
-        // call): held while the reader gives out nothing (the call's closing tokens' until the
-        // next call or the end).
-        if pieces.is_empty() && !finished {
-            held.append(&mut logprobs);
-        } else if !held.is_empty() {
-            held.append(&mut logprobs);
-            logprobs = std::mem::take(held);
+        let pieces = match self.tools.as_mut().and_then(|t| t.get_mut(at)) {
+            Some(stream) => {
+                let mut pieces = stream.push(&text);
+                if finished {
+                    pieces.extend(stream.finish());
+                }
+                pieces
+            }
+            None if text.is_empty() => Vec::new(),
+            None => vec![ToolPiece::Text(text)],
+        };
+        // A token's logprobs go out with the first chunk that carries any of its text,
+        // reasoning or call: held while the readers give out nothing (a possible tag's, or a
+        // call's closing tokens' until the next call or the end).
+        if self.tools.is_some() || self.thinking.is_some() {
+            if let Some(held) = self.held.get_mut(at) {
+                if pieces.is_empty() && reasoning.is_empty() && !finished {
+                    held.append(&mut logprobs);
+                } else if !held.is_empty() {
+                    held.append(&mut logprobs);
+                    logprobs = std::mem::take(held);
+                }
+            }
         }
         let index = |i: usize| u32::try_from(i).unwrap_or(u32::MAX);
         let mut content = String::new();
@@ -145,6 +171,7 @@ impl ChatWriter {
             }
         }
         Reading {
+            reasoning,
             content,
             calls,
             logprobs,
@@ -153,8 +180,15 @@ impl ChatWriter {
 
     /// A choice's reader, when the output is read back into content and tool calls.
     fn reader(&self, choice: u32) -> Option<&ToolStream> {
-        let (stream, _) = self.tools.as_ref()?.get(usize::try_from(choice).ok()?)?;
-        Some(stream)
+        self.tools.as_ref()?.get(usize::try_from(choice).ok()?)
+    }
+
+    /// Whether a choice's output opened with `<think>`.
+    fn reasoned(&self, choice: u32) -> bool {
+        self.thinking
+            .as_ref()
+            .and_then(|t| t.get(usize::try_from(choice).ok()?))
+            .is_some_and(ThinkSplitter::reasoned)
     }
 
     /// Whether a choice's answer is calls from here on: calls only, or a call has opened.
@@ -195,6 +229,7 @@ impl ChunkWriter for ChatWriter {
                     delta: ChatDelta {
                         role: Some("assistant"),
                         content: (!self.calls_only).then(String::new),
+                        reasoning_content: None,
                         tool_calls: None,
                     },
                     logprobs: None,
@@ -208,21 +243,31 @@ impl ChunkWriter for ChatWriter {
     fn delta(&mut self, delta: ChoiceDelta) -> Option<Bytes> {
         let d = delta.delta;
         let Reading {
+            reasoning,
             content: text,
             calls,
             logprobs,
         } = self.read(delta.choice, d.text, d.logprobs, d.finish.is_some());
-        if text.is_empty() && calls.is_empty() && d.finish.is_none() && logprobs.is_empty() {
+        if text.is_empty()
+            && reasoning.is_empty()
+            && calls.is_empty()
+            && d.finish.is_none()
+            && logprobs.is_empty()
+        {
             return None;
         }
         let choice = ChatChunkChoice {
             index: delta.choice,
             delta: ChatDelta {
                 role: None,
-                // An empty content only where text may still come.
+                // An empty content only where text may still come (and no reasoning came).
                 content: (!text.is_empty()
-                    || (d.finish.is_none() && calls.is_empty() && !self.calling(delta.choice)))
+                    || (d.finish.is_none()
+                        && calls.is_empty()
+                        && reasoning.is_empty()
+                        && !self.calling(delta.choice)))
                 .then_some(text),
+                reasoning_content: (!reasoning.is_empty()).then_some(reasoning),
                 tool_calls: (!calls.is_empty()).then_some(calls),
             },
             logprobs: self.logprobs.then(|| ChatLogprobs::from_engine(&logprobs)),
@@ -246,6 +291,7 @@ async fn collect(
             message: ChatResponseMessage {
                 role: "assistant",
                 content: Some(String::new()),
+                reasoning_content: None,
                 tool_calls: Vec::new(),
             },
             logprobs: writer.logprobs.then(ChatLogprobs::default),
@@ -268,6 +314,13 @@ async fn collect(
             .content
             .get_or_insert_with(String::new)
             .push_str(&read.content);
+        if writer.reasoned(delta.choice) {
+            choice
+                .message
+                .reasoning_content
+                .get_or_insert_with(String::new)
+                .push_str(&read.reasoning);
+        }
         let tool_calls = &mut choice.message.tool_calls;
         for call in read.calls {
             match call.id {

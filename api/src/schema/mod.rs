@@ -1,5 +1,6 @@
 //! OpenAI wire types: request bodies with their validation, response bodies and stream chunks.
 
+pub mod reasoning;
 mod request;
 mod response;
 mod sampling;

@@ -140,6 +140,9 @@ pub struct ChatResponseMessage {
     pub role: &'static str,
     /// The generated text; null when the answer is only tool calls.
     pub content: Option<String>,
+    /// The model's reasoning (`<think>...</think>`), when it reasoned (vLLM's field).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
     /// The tools the model called (absent when none).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub tool_calls: Vec<ToolCall>,
@@ -291,6 +294,9 @@ pub struct ChatDelta {
     /// New text.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    /// New reasoning text (vLLM's field).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
     /// Tool calls opened, and more of their arguments.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tool_calls: Option<Vec<ToolCallDelta>>,

@@ -1,0 +1,264 @@
+//! Reasoning read apart from the answer: models that think first (Qwen3, SmolLM3, QwQ) write
+//! `<think>...</think>` before their answer; the text inside goes to the message's
+//! `reasoning_content` (vLLM's field), the rest to `content`.
+//!
+//! A choice reasons only when its output opens with `<think>` (after whitespace): a model whose
+//! thinking is switched off (Qwen3 with `enable_thinking: false`, whose template writes an empty
+//! block into the prompt) answers directly, and all of it is content. The whitespace between
+//! `</think>` and the answer is dropped. [`ThinkSplitter`] reads the text as it streams, holding
+//! back only what may be part of a tag.
+
+/// Opens the reasoning.
+pub const THINK_OPEN: &str = "<think>";
+/// Closes the reasoning.
+pub const THINK_CLOSE: &str = "</think>";
+
+/// Most whitespace held back before `<think>` or after `</think>`: longer runs are content.
+const MAX_HELD_SPACE: usize = 256;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// Before the first character that is not whitespace: `<think>` may open.
+    Start,
+    /// Inside the reasoning.
+    Reasoning,
+    /// After `</think>`, before the answer's first character that is not whitespace.
+    After,
+    /// The answer, passed through.
+    Content,
+}
+
+/// What one piece of text read gives: reasoning and answer text, in that order.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Split {
+    /// Text of the reasoning.
+    pub reasoning: String,
+    /// Text of the answer.
+    pub content: String,
+}
+
+/// Reads one choice's generated text into reasoning and answer, in pieces as it streams.
+#[derive(Debug)]
+pub struct ThinkSplitter {
+    state: State,
+    /// Text read and not given out yet.
+    held: String,
+    /// Whether the output opened with `<think>`.
+    reasoned: bool,
+}
+
+impl Default for ThinkSplitter {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// How much of the end of `text` may be the start of `tag`.
+fn partial_tag(text: &str, tag: &str) -> usize {
+    (1..tag.len())
+        .rev()
+        .find(|&k| text.ends_with(&tag[..k]))
+        .unwrap_or(0)
+}
+
+/// The length of `text`'s leading ASCII whitespace.
+fn leading_space(text: &str) -> usize {
+    text.len()
+        - text
+            .trim_start_matches(|c: char| c.is_ascii_whitespace())
+            .len()
+}
+
+impl ThinkSplitter {
+    /// A splitter at the start of a choice.
+    pub fn new() -> Self {
+        Self {
+            state: State::Start,
+            held: String::new(),
+            reasoned: false,
+        }
+    }
+
+    /// Whether the output opened with `<think>` (so the message has a `reasoning_content`).
+    pub fn reasoned(&self) -> bool {
+        self.reasoned
+    }
+
+    /// Takes the next generated text; returns what is known from it.
+    pub fn push(&mut self, text: &str) -> Split {
+        let mut out = Split::default();
+        if self.state == State::Content {
+            out.content.push_str(text);
+            return out;
+        }
+        self.held.push_str(text);
+        self.pump(&mut out, false);
+        out
+    }
+
+    /// The end of the choice: what was held back comes out (a reasoning cut short stays
+    /// reasoning).
+    pub fn finish(&mut self) -> Split {
+        let mut out = Split::default();
+        self.pump(&mut out, true);
+        out
+    }
+
+    fn pump(&mut self, out: &mut Split, last: bool) {
+        loop {
+            match self.state {
+                State::Start => {
+                    let space = leading_space(&self.held);
+                    let rest = &self.held[space..];
+                    if space <= MAX_HELD_SPACE && rest.starts_with(THINK_OPEN) {
+                        self.held.drain(..space + THINK_OPEN.len());
+                        self.reasoned = true;
+                        self.state = State::Reasoning;
+                        continue;
+                    }
+                    let undecided = space <= MAX_HELD_SPACE && THINK_OPEN.starts_with(rest);
+                    if undecided && !last {
+                        return;
+                    }
+                    self.state = State::Content;
+                    out.content.push_str(&std::mem::take(&mut self.held));
+                    return;
+                }
+                State::Reasoning => {
+                    if let Some(at) = self.held.find(THINK_CLOSE) {
+                        out.reasoning.push_str(&self.held[..at]);
+                        self.held.drain(..at + THINK_CLOSE.len());
+                        self.state = State::After;
+                        continue;
+                    }
+                    let keep = if last {
+                        0
+                    } else {
+                        partial_tag(&self.held, THINK_CLOSE)
+                    };
+                    let rest = self.held.split_off(self.held.len() - keep);
+                    out.reasoning
+                        .push_str(&std::mem::replace(&mut self.held, rest));
+                    return;
+                }
+                State::After => {
+                    let space = leading_space(&self.held);
+                    if space == self.held.len() && space <= MAX_HELD_SPACE {
+                        if last {
+                            self.held.clear();
+                        }
+                        return;
+                    }
+                    if space <= MAX_HELD_SPACE {
+                        self.held.drain(..space);
+                    }
+                    self.state = State::Content;
+                    out.content.push_str(&std::mem::take(&mut self.held));
+                    return;
+                }
+                State::Content => {
+                    out.content.push_str(&std::mem::take(&mut self.held));
+                    return;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Reads `chunks` as one stream: (reasoning, content, reasoned).
+    fn read(chunks: &[&str]) -> (String, String, bool) {
+        let mut s = ThinkSplitter::new();
+        let (mut reasoning, mut content) = (String::new(), String::new());
+        for c in chunks {
+            let split = s.push(c);
+            reasoning.push_str(&split.reasoning);
+            content.push_str(&split.content);
+        }
+        let split = s.finish();
+        reasoning.push_str(&split.reasoning);
+        content.push_str(&split.content);
+        (reasoning, content, s.reasoned())
+    }
+
+    #[test]
+    fn reasoning_and_answer_come_apart_however_the_text_is_cut() {
+        let long = " ".repeat(300);
+        let far = format!("{long}<think>a</think>");
+        // (text, reasoning, content, whether it reasoned)
+        let cases: Vec<(String, &str, String, bool)> = vec![
+            (
+                "<think>\nThe user greets me. ✓\n</think>\n\nHello! ✓".into(),
+                "\nThe user greets me. ✓\n",
+                "Hello! ✓".into(),
+                true,
+            ),
+            ("\n <think>a</think>b".into(), "a", "b".into(), true),
+            // Cut short while thinking: all reasoning.
+            (
+                "<think>still thinking </thi".into(),
+                "still thinking </thi",
+                String::new(),
+                true,
+            ),
+            ("<think></think>".into(), "", String::new(), true),
+            // No block at the start: all content, whitespace and all.
+            (
+                "\n\nHello <think>x</think>".into(),
+                "",
+                "\n\nHello <think>x</think>".into(),
+                false,
+            ),
+            ("<thin".into(), "", "<thin".into(), false),
+            ("<thinking>".into(), "", "<thinking>".into(), false),
+            (String::new(), "", String::new(), false),
+            // A second block is the answer's text.
+            (
+                "<think>a</think>b<think>c</think>".into(),
+                "a",
+                "b<think>c</think>".into(),
+                true,
+            ),
+            // Too much whitespace before the tag, or after the block: content.
+            (far.clone(), "", far, false),
+            (
+                format!("<think>a</think>{long}b"),
+                "a",
+                format!("{long}b"),
+                true,
+            ),
+        ];
+        for (text, reasoning, content, reasoned) in cases {
+            let want = (reasoning.to_string(), content, reasoned);
+            for cut in (0..=text.len()).filter(|&c| text.is_char_boundary(c)) {
+                assert_eq!(
+                    read(&[&text[..cut], &text[cut..]]),
+                    want,
+                    "{text:?} cut at {cut}"
+                );
+            }
+            let chars: Vec<String> = text.chars().map(String::from).collect();
+            let refs: Vec<&str> = chars.iter().map(String::as_str).collect();
+            assert_eq!(read(&refs), want, "{text:?} by chars");
+        }
+    }
+
+    #[test]
+    fn only_a_possible_tag_is_held_back() {
+        let mut s = ThinkSplitter::new();
+        assert_eq!(s.push(" <thi"), Split::default());
+        let split = s.push("nk>I wonder</th");
+        assert_eq!(split.reasoning, "I wonder");
+        assert_eq!(s.push("ink>\n").reasoning, "");
+        let split = s.push("\nYes.");
+        assert_eq!(
+            (split.reasoning.as_str(), split.content.as_str()),
+            ("", "Yes.")
+        );
+        assert_eq!(s.push(" More").content, " More");
+        assert_eq!(s.finish(), Split::default());
+    }
+}
