@@ -203,13 +203,23 @@ fn the_grammar_admits_calls_and_text_as_the_choice_says() {
             false,
         ),
     ];
+    check_cases(ToolFormat::Hermes, &compiler, &tok, cases);
+}
+
+/// (choice, parallel, text, accepted whole, may end there) cases, each against its grammar in
+/// `format`.
+fn check_cases(
+    format: ToolFormat,
+    compiler: &GrammarCompiler,
+    tok: &Tokenizer,
+    cases: Vec<(Value, bool, String, bool, bool)>,
+) {
     for (choice, parallel, text, whole, end) in cases {
-        let c = constraint(&compiler, &tok, choice.clone(), parallel);
-        let got = accepts(&c, &tok, &text);
+        let c = constraint_in(format, compiler, tok, choice.clone(), parallel);
         assert_eq!(
-            got,
+            accepts(&c, tok, &text),
             (whole, end),
-            "choice {choice} parallel {parallel}: {text:?}"
+            "{format:?}, choice {choice} parallel {parallel}: {text:?}"
         );
     }
 }
@@ -391,20 +401,7 @@ fn the_llama3_grammar_admits_calls_as_the_whole_answer() {
             false,
         ),
     ];
-    for (choice, parallel, text, whole, end) in cases {
-        let c = constraint_in(
-            ToolFormat::Llama3Json,
-            &compiler,
-            &tok,
-            choice.clone(),
-            parallel,
-        );
-        assert_eq!(
-            accepts(&c, &tok, &text),
-            (whole, end),
-            "choice {choice} parallel {parallel}: {text:?}"
-        );
-    }
+    check_cases(ToolFormat::Llama3Json, &compiler, &tok, cases);
 }
 
 /// The tokens a model could write for `text` (at each step the longest allowed token that

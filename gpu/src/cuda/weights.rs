@@ -228,8 +228,15 @@ fn f32_to_device(gpu: &Gpu, f: &[f32]) -> Result<DevMem, GpuError> {
     Ok(m)
 }
 
-/// Layer `i`'s Q, K and V biases as one QKV row, the rows of each Q and K head in `order` (as
-/// [`stored_bf16`] stores the weights' rows).
+/// `values`, whole heads of `order.len()`, with each head's values in `order` (as
+/// [`stored_bf16`] stores a head's rows).
+fn in_row_order<'a>(values: &'a [f32], order: &'a [usize]) -> impl Iterator<Item = f32> + 'a {
+    values
+        .chunks_exact(order.len())
+        .flat_map(move |head| order.iter().map(move |&from| head[from]))
+}
+
+/// Layer `i`'s Q, K and V biases as one QKV row, each Q and K head in row order.
 fn upload_qkv_bias(
     gpu: &Gpu,
     w: &ModelWeights,
@@ -246,9 +253,7 @@ fn upload_qkv_bias(
     ] {
         let b = tensor_f32(w, &format!("blk.{i}.{name}.bias"), heads * hd)?;
         if rotated {
-            for head in 0..heads {
-                row.extend(order.iter().map(|&from| b[head * hd + from]));
-            }
+            row.extend(in_row_order(&b, order));
         } else {
             row.extend(b);
         }
@@ -256,8 +261,7 @@ fn upload_qkv_bias(
     f32_to_device(gpu, &row)
 }
 
-/// Layer `i`'s query and key norm weights, each in `order` (as [`stored_bf16`] stores a head's
-/// rows).
+/// Layer `i`'s query and key norm weights (one head's each), in row order.
 fn upload_qk_norm(
     gpu: &Gpu,
     w: &ModelWeights,
@@ -268,7 +272,7 @@ fn upload_qk_norm(
     let mut both = Vec::with_capacity(2 * c.head_dim);
     for name in ["attn_q_norm", "attn_k_norm"] {
         let g = tensor_f32(w, &format!("blk.{i}.{name}.weight"), c.head_dim)?;
-        both.extend(order.iter().map(|&from| g[from]));
+        both.extend(in_row_order(&g, order));
     }
     f32_to_device(gpu, &both)
 }
