@@ -655,6 +655,45 @@ fn reasoning_is_read_apart_when_the_template_thinks() {
     );
     assert!(v["choices"][0]["message"]["content"].is_string(), "{v}");
     s.assert_serves();
+
+    // Cut short while thinking: reasoning, and no content.
+    let mut short = body.clone();
+    short["max_tokens"] = json!(3);
+    let (_, v) = s.post_json("/v1/chat/completions", &short);
+    let message = &v["choices"][0]["message"];
+    assert!(message["content"].is_null(), "{v}");
+    assert!(message["reasoning_content"].is_string(), "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
+    drop(s);
+
+    // A template whose generation prompt opens the block (QwQ, DeepSeek-R1): the output is
+    // reasoning up to </think>.
+    let open = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/think-open.jinja"
+    );
+    let s = Server::start_full(
+        "reasoning-open",
+        &format!("  chat_template: {open}\n"),
+        "",
+        "scheduler:\n  max_num_seqs: 16\n  max_num_batched_tokens: 1024\n",
+    );
+    assert!(s.log().contains("Prompt"), "{}", s.log());
+    let (status, v) = s.post_json(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 60,
+                "temperature": 0,
+                "structured_outputs": {"regex": "[a-z ]{3,30}\n</think>\n\n[A-Z][a-z]{2,12}\\."}}),
+    );
+    assert_eq!(status, 200, "{v}");
+    let message = &v["choices"][0]["message"];
+    let reasoning = message["reasoning_content"].as_str().expect("reasoning");
+    let content = message["content"].as_str().expect("content");
+    assert!(
+        reasoning.ends_with('\n') && reasoning.trim().len() >= 3,
+        "{v}"
+    );
+    assert!(!content.contains("think") && content.ends_with('.'), "{v}");
     drop(s);
 
     // With the parser off, the block stays in the content.

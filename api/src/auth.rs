@@ -14,6 +14,7 @@ use actix_web::{web, HttpMessage};
 use subtle::ConstantTimeEq;
 
 use crate::error::ApiError;
+use crate::schema::reasoning::ThinkStart;
 use crate::schema::tools::ToolFormat;
 use crate::state::ApiState;
 
@@ -33,9 +34,9 @@ pub struct ApiConfig {
     pub anonymous_tenant: String,
     /// How the model writes tool calls (chat completions with tools).
     pub tool_format: ToolFormat,
-    /// Whether chat answers that open with `<think>` have their reasoning read apart
-    /// (`reasoning_content`).
-    pub reasoning: bool,
+    /// Whether chat answers have their `<think>` block read apart (`reasoning_content`), and
+    /// who opens it; `None`: all of an answer is content.
+    pub reasoning: Option<ThinkStart>,
 }
 
 impl Default for ApiConfig {
@@ -47,7 +48,7 @@ impl Default for ApiConfig {
             default_tier: "standard".to_owned(),
             anonymous_tenant: "anonymous".to_owned(),
             tool_format: ToolFormat::default(),
-            reasoning: false,
+            reasoning: None,
         }
     }
 }

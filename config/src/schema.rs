@@ -228,12 +228,14 @@ choice_from_str!(ToolCallFormat { "auto" => Auto, "hermes" => Hermes, "llama3_js
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
 pub enum ReasoningParser {
-    /// `think` when the chat template writes `<think>` blocks (Qwen3, SmolLM3, QwQ), else `none`.
+    /// `think` when the chat template mentions `<think>` (Qwen3, SmolLM3, QwQ, DeepSeek-R1),
+    /// else `none`.
     #[default]
     Auto,
     /// All of the answer is content.
     None,
-    /// An answer that opens with `<think>` has the block's text as its reasoning.
+    /// The `<think>` block (opened by the model, or by the template's generation prompt) is
+    /// the reasoning.
     Think,
 }
 

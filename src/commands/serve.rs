@@ -89,12 +89,28 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let reasoning = match config.model.reasoning_parser {
         ReasoningParser::None => false,
         ReasoningParser::Think => true,
-        ReasoningParser::Auto => model.chat_template.as_ref().is_some_and(|t| {
-            t.source().contains(reasoning::THINK_OPEN)
-                && t.source().contains(reasoning::THINK_CLOSE)
-        }),
+        ReasoningParser::Auto => model
+            .chat_template
+            .as_ref()
+            .is_some_and(|t| t.source().contains(reasoning::THINK_OPEN)),
     };
-    tracing::info!(reasoning, "reasoning read apart into reasoning_content");
+    // Whether the template's generation prompt opens the block itself (QwQ, DeepSeek-R1).
+    let reasoning = reasoning.then(|| {
+        model
+            .chat_template
+            .as_ref()
+            .and_then(|t| {
+                t.render(
+                    &[switchyard_gpu::model::ChatMessage::new("user", "Hi")],
+                    true,
+                )
+                .ok()
+            })
+            .map_or(reasoning::ThinkStart::Model, |p| {
+                reasoning::ThinkStart::for_prompt(&p)
+            })
+    });
+    tracing::info!(?reasoning, "reasoning read apart into reasoning_content");
     // Clients name the model by its file (or directory) stem unless a served name is configured.
     let model_name = config.model.served_name.clone().unwrap_or_else(|| {
         path.file_stem()

@@ -44,9 +44,9 @@ pub(crate) async fn chat_completions(
                 .map(|_| ToolStream::new(tool_format))
                 .collect()
         }),
-        thinking: state.config.reasoning.then(|| {
+        thinking: state.config.reasoning.map(|start| {
             (0..generation.choices())
-                .map(|_| ThinkSplitter::new())
+                .map(|_| ThinkSplitter::new(start))
                 .collect()
         }),
         held: vec![Vec::new(); generation.choices()],
@@ -351,11 +351,11 @@ async fn collect(
             completion_tokens = completion_tokens.saturating_add(finish.completion_tokens);
         }
     }
-    // An answer of calls alone has no content.
+    // An answer of calls alone (or of reasoning alone) has no content.
     for choice in &mut choices {
-        if !choice.message.tool_calls.is_empty()
-            && choice.message.content.as_deref().is_some_and(str::is_empty)
-        {
+        let beside =
+            !choice.message.tool_calls.is_empty() || choice.message.reasoning_content.is_some();
+        if beside && choice.message.content.as_deref().is_some_and(str::is_empty) {
             choice.message.content = None;
         }
     }

@@ -2,11 +2,34 @@
 //! `<think>...</think>` before their answer; the text inside goes to the message's
 //! `reasoning_content` (vLLM's field), the rest to `content`.
 //!
-//! A choice reasons only when its output opens with `<think>` (after whitespace): a model whose
-//! thinking is switched off (Qwen3 with `enable_thinking: false`, whose template writes an empty
-//! block into the prompt) answers directly, and all of it is content. The whitespace between
-//! `</think>` and the answer is dropped. [`ThinkSplitter`] reads the text as it streams, holding
-//! back only what may be part of a tag.
+//! Where the model opens the block itself (Qwen3, SmolLM3), a choice reasons only when its
+//! output opens with `<think>` (after whitespace): a model whose thinking is switched off (Qwen3
+//! with `enable_thinking: false`, whose template writes an empty block into the prompt) answers
+//! directly, and all of it is content. Where the template's generation prompt opens the block
+//! (QwQ, DeepSeek-R1, Qwen3's thinking-only models), the output is reasoning up to `</think>`
+//! ([`ThinkStart::Prompt`]). The whitespace between `</think>` and the answer is dropped.
+//! [`ThinkSplitter`] reads the text as it streams, holding back only what may be part of a tag.
+
+/// Who opens the `<think>` block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ThinkStart {
+    /// The model writes `<think>` (or answers directly).
+    Model,
+    /// The chat template's generation prompt ends with `<think>`: the output starts inside.
+    Prompt,
+}
+
+impl ThinkStart {
+    /// Who opens the block for a template whose generation prompt is `prompt` (a rendered
+    /// conversation with the generation prompt added).
+    pub fn for_prompt(prompt: &str) -> Self {
+        if prompt.trim_end().ends_with(THINK_OPEN) {
+            Self::Prompt
+        } else {
+            Self::Model
+        }
+    }
+}
 
 /// Opens the reasoning.
 pub const THINK_OPEN: &str = "<think>";
@@ -47,12 +70,6 @@ pub struct ThinkSplitter {
     reasoned: bool,
 }
 
-impl Default for ThinkSplitter {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
 /// How much of the end of `text` may be the start of `tag`.
 fn partial_tag(text: &str, tag: &str) -> usize {
     (1..tag.len())
@@ -70,12 +87,17 @@ fn leading_space(text: &str) -> usize {
 }
 
 impl ThinkSplitter {
-    /// A splitter at the start of a choice.
-    pub fn new() -> Self {
+    /// A splitter at the start of a choice whose block `start` opens.
+    pub fn new(start: ThinkStart) -> Self {
+        let prompt = start == ThinkStart::Prompt;
         Self {
-            state: State::Start,
+            state: if prompt {
+                State::Reasoning
+            } else {
+                State::Start
+            },
             held: String::new(),
-            reasoned: false,
+            reasoned: prompt,
         }
     }
 
@@ -171,7 +193,11 @@ mod tests {
 
     /// Reads `chunks` as one stream: (reasoning, content, reasoned).
     fn read(chunks: &[&str]) -> (String, String, bool) {
-        let mut s = ThinkSplitter::new();
+        read_from(ThinkStart::Model, chunks)
+    }
+
+    fn read_from(start: ThinkStart, chunks: &[&str]) -> (String, String, bool) {
+        let mut s = ThinkSplitter::new(start);
         let (mut reasoning, mut content) = (String::new(), String::new());
         for c in chunks {
             let split = s.push(c);
@@ -247,8 +273,37 @@ mod tests {
     }
 
     #[test]
+    fn a_block_the_prompt_opened_is_reasoning_up_to_its_end() {
+        assert_eq!(
+            ThinkStart::for_prompt("<|im_start|>assistant\n<think>\n"),
+            ThinkStart::Prompt
+        );
+        assert_eq!(
+            ThinkStart::for_prompt("<|im_start|>assistant\n<think>\n\n</think>\n\n"),
+            ThinkStart::Model
+        );
+        assert_eq!(
+            ThinkStart::for_prompt("<|im_start|>assistant\n"),
+            ThinkStart::Model
+        );
+        let text = "\nHmm, red ✓.\n</think>\n\nRed.";
+        for cut in (0..=text.len()).filter(|&c| text.is_char_boundary(c)) {
+            assert_eq!(
+                read_from(ThinkStart::Prompt, &[&text[..cut], &text[cut..]]),
+                ("\nHmm, red ✓.\n".into(), "Red.".into(), true),
+                "cut at {cut}"
+            );
+        }
+        // Cut short while thinking: all reasoning; a second opening tag is reasoning's text.
+        assert_eq!(
+            read_from(ThinkStart::Prompt, &["<think>still"]),
+            ("<think>still".into(), String::new(), true)
+        );
+    }
+
+    #[test]
     fn only_a_possible_tag_is_held_back() {
-        let mut s = ThinkSplitter::new();
+        let mut s = ThinkSplitter::new(ThinkStart::Model);
         assert_eq!(s.push(" <thi"), Split::default());
         let split = s.push("nk>I wonder</th");
         assert_eq!(split.reasoning, "I wonder");

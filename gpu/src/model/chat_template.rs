@@ -223,7 +223,7 @@ impl ChatTemplate {
             .env
             .get_template(TEMPLATE_NAME)
             .map_err(|e| render_err(&e))?;
-        // Earlier values win a merge: the server's variables, then the request's.
+        // The keys written out win the merge over the request's variables spread after them.
         let ctx = minijinja::context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,
