@@ -11,10 +11,21 @@ use async_openai::types::chat::{
 use common::Server;
 use serde_json::{json, Value};
 
+const SCHEDULER: &str = "scheduler:\n  max_num_seqs: 16\n  max_num_batched_tokens: 1024\n";
+
 fn server() -> Server {
-    Server::start(
-        "tools",
-        "scheduler:\n  max_num_seqs: 16\n  max_num_batched_tokens: 1024\n",
+    Server::start("tools", SCHEDULER)
+}
+
+/// A server whose chat template is `tests/fixtures/{fixture}`, with `model_lines` more in
+/// `model:`.
+fn server_with_template(name: &str, fixture: &str, model_lines: &str) -> Server {
+    let template = format!("{}/tests/fixtures/{fixture}", env!("CARGO_MANIFEST_DIR"));
+    Server::start_full(
+        name,
+        &format!("  chat_template: {template}\n{model_lines}"),
+        "",
+        SCHEDULER,
     )
 }
 
@@ -431,16 +442,7 @@ fn speculative_decoding_gives_the_same_tool_answers() {
 
 #[test]
 fn a_llama3_template_gets_llama3_json_calls_and_ipython_results() {
-    let template = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/fixtures/llama3-style.jinja"
-    );
-    let s = Server::start_full(
-        "tools-llama3",
-        &format!("  chat_template: {template}\n"),
-        "",
-        "scheduler:\n  max_num_seqs: 16\n  max_num_batched_tokens: 1024\n",
-    );
+    let s = server_with_template("tools-llama3", "llama3-style.jinja", "");
     // The template names Llama 3's call format, so the server chose it.
     assert!(s.log().contains("llama3_json"), "{}", s.log());
     let body = ask(json!({"tool_choice": "required", "logprobs": true, "max_tokens": 120}));
@@ -577,16 +579,11 @@ fn a_llama3_template_gets_llama3_json_calls_and_ipython_results() {
 
 #[test]
 fn reasoning_is_read_apart_when_the_template_thinks() {
-    let template = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/fixtures/think-style.jinja"
-    );
     let start = |parser: &str| {
-        Server::start_full(
+        server_with_template(
             "reasoning",
-            &format!("  chat_template: {template}\n  reasoning_parser: {parser}\n"),
-            "",
-            "scheduler:\n  max_num_seqs: 16\n  max_num_batched_tokens: 1024\n",
+            "think-style.jinja",
+            &format!("  reasoning_parser: {parser}\n"),
         )
     };
     let s = start("auto");
@@ -668,16 +665,7 @@ fn reasoning_is_read_apart_when_the_template_thinks() {
 
     // A template whose generation prompt opens the block (QwQ, DeepSeek-R1): the output is
     // reasoning up to </think>.
-    let open = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/fixtures/think-open.jinja"
-    );
-    let s = Server::start_full(
-        "reasoning-open",
-        &format!("  chat_template: {open}\n"),
-        "",
-        "scheduler:\n  max_num_seqs: 16\n  max_num_batched_tokens: 1024\n",
-    );
+    let s = server_with_template("reasoning-open", "think-open.jinja", "");
     assert!(s.log().contains("Prompt"), "{}", s.log());
     let (status, v) = s.post_json(
         "/v1/chat/completions",

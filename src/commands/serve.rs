@@ -110,7 +110,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
                 reasoning::ThinkStart::for_prompt(&p)
             })
     });
-    tracing::info!(?reasoning, "reasoning read apart into reasoning_content");
+    // None: all of an answer is content; Some(Model | Prompt): who opens `<think>`.
+    tracing::info!(?reasoning, "reasoning parser");
     // Clients name the model by its file (or directory) stem unless a served name is configured.
     let model_name = config.model.served_name.clone().unwrap_or_else(|| {
         path.file_stem()
