@@ -400,6 +400,8 @@ fn generate_runs_qwen2_and_qwen3_from_checkpoints_and_ggufs_as_transformers_does
         ("qwen2", "tiny-qwen2.gguf"),
         ("qwen3", "qwen3"),
         ("qwen3", "tiny-qwen3.gguf"),
+        ("qwen2-yarn", "qwen2-yarn"),
+        ("qwen2-yarn", "tiny-qwen2-yarn.gguf"),
     ] {
         let golden: serde_json::Value = serde_json::from_str(
             &std::fs::read_to_string(fixtures.join(format!("{arch}_golden.json")))

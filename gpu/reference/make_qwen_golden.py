@@ -26,6 +26,12 @@ The script
      sequence and writes every position's logits, and continues a few prompts greedily, keeping
      the two whose continuations vary most.
 
+With `--rope yarn` the model stretches its rotary embedding with YaRN (factor 4 over an original
+context of 16 tokens, so the 24-token sequence runs past it; transformers multiplies cos and sin
+by YaRN's attention factor), written as transformers writes it into config.json and as llama.cpp's
+converter writes it into GGUF (`rope.scaling.type` yarn, `.factor`, `.original_context_length`);
+the outputs are named `{arch}-yarn`.
+
 Output (in --out, default gpu/tests/fixtures): the directory above as qwen2/ (qwen3/),
 tiny-qwen2.gguf (tiny-qwen3.gguf) beside it (a directory holding one GGUF file loads as that
 file), and qwen2_golden.json (qwen3_golden.json)
@@ -43,12 +49,16 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import inspect
 import json
+import math
 import os
 
 GENERATED = 8
 SEED = 20261202
 ROPE_THETA = 1000000.0
+# YaRN (--rope yarn): Qwen's documented form, at a scale the test sequence runs past.
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
 VOCAB = 320
 SPECIALS = {317: "<|endoftext|>", 318: "<|im_start|>", 319: "<|im_end|>"}
 # llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN2 and Qwen2's tokenizer.json: Llama 3's split with single
@@ -147,9 +157,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures"))
     ap.add_argument("--arch", choices=["qwen2", "qwen3"], default="qwen2")
+    ap.add_argument("--rope", choices=["default", "yarn"], default="default")
     args = ap.parse_args()
     arch = args.arch
-    hf = os.path.join(args.out, arch)
+    # The outputs' name.
+    tag = arch if args.rope == "default" else f"{arch}-{args.rope}"
+    hf = os.path.join(args.out, tag)
     os.makedirs(hf, exist_ok=True)
 
     import gguf
@@ -174,6 +187,14 @@ def main() -> None:
         # Heads of 32 over a residual stream of 64: the query width (128) is not the stream's,
         # as in Qwen3-0.6B (16 x 128 over 1024).
         extra = {"head_dim": 32, "attention_bias": False}
+    extra["rope_theta"] = ROPE_THETA
+    if args.rope == "yarn":
+        if "rope_parameters" in inspect.signature(Config.__init__).parameters:
+            # transformers 5: the base and the scaling in one object.
+            del extra["rope_theta"]
+            extra["rope_parameters"] = dict(YARN, rope_theta=ROPE_THETA)
+        else:
+            extra["rope_scaling"] = dict(YARN)
     config = Config(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -182,7 +203,6 @@ def main() -> None:
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=512,
-        rope_theta=ROPE_THETA,
         rms_norm_eps=1e-6,
         # Untied (as Qwen2.5-7B): with a tied head, a random model's residual stream is mostly
         # its input's embedding and greedy decoding repeats the last token.
@@ -212,6 +232,11 @@ def main() -> None:
                 p.copy_(representable(v, torch))
         model.eval()
         assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
+        rotary = model.model.rotary_emb
+        assert getattr(rotary, "rope_type", args.rope) == args.rope, rotary.rope_type
+        if args.rope == "yarn":
+            # transformers multiplies cos and sin by YaRN's attention factor.
+            assert abs(rotary.attention_scaling - (0.1 * math.log(YARN["factor"]) + 1)) < 1e-6
         return model
 
     def continuations(model):
@@ -269,8 +294,8 @@ def main() -> None:
         )
 
     # The GGUF file, as llama.cpp's converter writes the architecture.
-    w = gguf.GGUFWriter(os.path.join(args.out, f"tiny-{arch}.gguf"), arch)
-    w.add_name(f"tiny-{arch}")
+    w = gguf.GGUFWriter(os.path.join(args.out, f"tiny-{tag}.gguf"), arch)
+    w.add_name(f"tiny-{tag}")
     w.add_context_length(config.max_position_embeddings)
     w.add_embedding_length(config.hidden_size)
     w.add_block_count(config.num_hidden_layers)
@@ -281,6 +306,10 @@ def main() -> None:
         w.add_key_length(config.head_dim)
         w.add_value_length(config.head_dim)
     w.add_rope_freq_base(ROPE_THETA)
+    if args.rope == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(YARN["factor"])
+        w.add_rope_scaling_orig_ctx_len(YARN["original_max_position_embeddings"])
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     w.add_tokenizer_model("gpt2")
@@ -333,7 +362,7 @@ def main() -> None:
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0].to(torch.float32)
     out = {
-        "format": f"switchyard-{arch}-golden/1",
+        "format": f"switchyard-{tag}-golden/1",
         "reference": {
             "transformers": transformers.__version__,
             "torch": torch.__version__,
@@ -347,7 +376,7 @@ def main() -> None:
         "tokenization": tokenization,
         "generations": generations,
     }
-    with open(os.path.join(args.out, f"{arch}_golden.json"), "w") as f:
+    with open(os.path.join(args.out, f"{tag}_golden.json"), "w") as f:
         json.dump(out, f)
     top = logits.max(-1)
     print("argmax", top.indices.tolist())

@@ -1713,6 +1713,25 @@ fn a_qwen3_shaped_model_with_head_norms_matches_the_cpu() {
     check_qwen_shape(LlamaConfig::qwen3_06b());
 }
 
+/// Qwen3-0.6B's shape with YaRN as Qwen's model cards set it past 32K tokens (factor 4 over
+/// 32,768): the CPU backend multiplies cos and sin by YaRN's attention factor (as transformers
+/// does), the CUDA backend the softmax scale by its square.
+#[test]
+fn a_yarn_scaled_model_matches_the_cpu() {
+    let mut c = LlamaConfig::qwen3_06b();
+    c.rope_scaling = Some(switchyard_gpu::model::RopeScaling::Yarn(
+        switchyard_gpu::model::YarnScaling {
+            factor: 4.0,
+            original_max_position_embeddings: 32_768,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            attention_factor: 1.0 + 0.1 * 4f32.ln(),
+            truncate: true,
+        },
+    ));
+    check_qwen_shape(c);
+}
+
 // ---------------------------------------------------------------------------------------------
 // A Llama-3-8B-shaped model against a near-f32 reference.
 

@@ -3,7 +3,9 @@
 //! loaded from its Hugging Face checkpoint directory and from the GGUF file llama.cpp's converter
 //! would write, must give transformers' float32 logits at every position (one prefill, or a
 //! prefill then one token at a time), and its tokenizers transformers' tokenizer's ids (NFC,
-//! then Qwen2's split, which Qwen3 shares).
+//! then Qwen2's split, which Qwen3 shares). A third model, Qwen2 with YaRN RoPE scaling
+//! (`--rope yarn`: factor 4 over an original context of 16, the sequence running past it), checks
+//! the scaled frequencies and YaRN's attention factor the same way.
 
 use std::path::PathBuf;
 
@@ -11,17 +13,18 @@ use serde_json::Value;
 use switchyard_gpu::cpu::attention::QueryPos;
 use switchyard_gpu::cpu::kv_cache::KvCache;
 use switchyard_gpu::cpu::llama::{ActivationPrecision, LlamaModel, StepInput};
-use switchyard_gpu::model::{load_model, LlamaConfig, LoadedModel, RopeStyle};
+use switchyard_gpu::model::{load_model, LlamaConfig, LoadedModel, RopeScaling, RopeStyle};
 
 fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
 }
 
-fn golden(arch: &str) -> Value {
-    let path = fixtures().join(format!("{arch}_golden.json"));
+/// The reference of the model `tag` (`qwen2`, `qwen3`, `qwen2-yarn`).
+fn golden(tag: &str) -> Value {
+    let path = fixtures().join(format!("{tag}_golden.json"));
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
         panic!(
-            "{}: {e} (made by gpu/reference/make_qwen_golden.py --arch {arch})",
+            "{}: {e} (made by gpu/reference/make_qwen_golden.py)",
             path.display()
         )
     });
@@ -93,11 +96,23 @@ fn compare(ours: &[Vec<f32>], reference: &Value) -> (f32, usize) {
     (worst, argmax_differs)
 }
 
-fn check(arch: &str, name: &str) {
-    let g = golden(arch);
+fn check(tag: &str, name: &str) {
+    let g = golden(tag);
     let loaded = load(name);
     let c = &loaded.config;
-    let qwen3 = arch == "qwen3";
+    let qwen3 = tag.starts_with("qwen3");
+    let yarn = tag.ends_with("-yarn");
+    match c.rope_scaling {
+        Some(RopeScaling::Yarn(y)) if yarn => {
+            assert_eq!(
+                (y.factor, y.original_max_position_embeddings),
+                (4.0, 16),
+                "{name}"
+            );
+        }
+        None if !yarn => {}
+        other => panic!("{name}: rope scaling {other:?}"),
+    }
     assert_eq!(c.qkv_bias, !qwen3, "{name}: Qwen2's Q, K and V have biases");
     assert_eq!(
         c.qk_norm, qwen3,
@@ -134,8 +149,29 @@ fn check(arch: &str, name: &str) {
         }
     }
     // The reference tells the architecture apart: without the biases (the head norms), or
-    // with Llama's GGUF rotation of adjacent pairs, the logits are far off.
-    for (what, changed) in [
+    // with Llama's GGUF rotation of adjacent pairs (without YaRN, or without its attention
+    // factor), the logits are far off.
+    let mut wrong_ones = Vec::new();
+    if let Some(RopeScaling::Yarn(y)) = c.rope_scaling {
+        wrong_ones.push((
+            "no YaRN",
+            LlamaConfig {
+                rope_scaling: None,
+                ..c.clone()
+            },
+        ));
+        wrong_ones.push((
+            "YaRN without its attention factor",
+            LlamaConfig {
+                rope_scaling: Some(RopeScaling::Yarn(switchyard_gpu::model::YarnScaling {
+                    attention_factor: 1.0,
+                    ..y
+                })),
+                ..c.clone()
+            },
+        ));
+    }
+    for (what, changed) in wrong_ones.into_iter().chain([
         (
             "no biases or head norms",
             LlamaConfig {
@@ -151,7 +187,7 @@ fn check(arch: &str, name: &str) {
                 ..c.clone()
             },
         ),
-    ] {
+    ]) {
         let wrong = LlamaModel::from_weights(&changed, &loaded.weights).expect("the model builds");
         let (worst, _) = compare(&logits(&wrong, &tokens, &[n]), &g["logits"]);
         assert!(
@@ -179,6 +215,16 @@ fn qwen3_checkpoints_give_transformers_logits() {
 #[test]
 fn qwen3_gguf_files_give_transformers_logits() {
     check("qwen3", "tiny-qwen3.gguf");
+}
+
+#[test]
+fn yarn_checkpoints_give_transformers_logits() {
+    check("qwen2-yarn", "qwen2-yarn");
+}
+
+#[test]
+fn yarn_gguf_files_give_transformers_logits() {
+    check("qwen2-yarn", "tiny-qwen2-yarn.gguf");
 }
 
 #[test]

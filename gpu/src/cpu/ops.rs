@@ -91,34 +91,26 @@ pub struct Rope {
     pub inv_freq: Vec<f32>,
     /// Which dimensions form a pair.
     pub style: RopeStyle,
+    /// Multiplier of cos and sin (YaRN's attention factor; 1 otherwise), as transformers
+    /// applies it.
+    pub scale: f32,
 }
 
 impl Rope {
-    /// Frequencies for `cfg` (transformers' `_compute_default_rope_parameters` and
-    /// `_compute_llama3_parameters`, in `f32`).
+    /// Frequencies for `cfg` (transformers' `_compute_default_rope_parameters`, in `f32`,
+    /// then its scaling, [`crate::model::rope`]).
     pub fn new(cfg: &LlamaConfig) -> Self {
         let d = cfg.head_dim;
         let mut inv_freq: Vec<f32> = (0..d / 2)
             .map(|i| 1.0 / cfg.rope_theta.powf((2 * i) as f32 / d as f32))
             .collect();
         if let Some(s) = &cfg.rope_scaling {
-            let old = s.original_max_position_embeddings as f32;
-            let low_wavelen = old / s.low_freq_factor;
-            let high_wavelen = old / s.high_freq_factor;
-            for f in inv_freq.iter_mut() {
-                let wavelen = 2.0 * std::f32::consts::PI / *f;
-                if wavelen > low_wavelen {
-                    *f /= s.factor;
-                } else if wavelen >= high_wavelen {
-                    let smooth = (old / wavelen - s.low_freq_factor)
-                        / (s.high_freq_factor - s.low_freq_factor);
-                    *f = (1.0 - smooth) * *f / s.factor + smooth * *f;
-                }
-            }
+            s.apply(&mut inv_freq, cfg.rope_theta);
         }
         Rope {
             inv_freq,
             style: cfg.rope_style,
+            scale: cfg.rope_attention_factor(),
         }
     }
 
@@ -127,8 +119,8 @@ impl Rope {
         let h = self.inv_freq.len();
         for (i, &f) in self.inv_freq.iter().enumerate() {
             let a = pos as f32 * f;
-            cs[i] = a.cos();
-            cs[h + i] = a.sin();
+            cs[i] = a.cos() * self.scale;
+            cs[h + i] = a.sin() * self.scale;
         }
     }
 
@@ -153,7 +145,7 @@ impl Rope {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::RopeScaling;
+    use crate::model::{Llama3Scaling, RopeScaling};
 
     #[test]
     fn rms_norm_by_hand() {
@@ -225,12 +217,12 @@ mod tests {
         let mut c = cfg(RopeStyle::Halves);
         c.head_dim = 128;
         c.rope_theta = 500_000.0;
-        c.rope_scaling = Some(RopeScaling {
+        c.rope_scaling = Some(RopeScaling::Llama3(Llama3Scaling {
             factor: 8.0,
             low_freq_factor: 1.0,
             high_freq_factor: 4.0,
             original_max_position_embeddings: 8192,
-        });
+        }));
         let scaled = Rope::new(&c).inv_freq;
         c.rope_scaling = None;
         let plain = Rope::new(&c).inv_freq;

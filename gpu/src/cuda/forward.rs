@@ -690,6 +690,7 @@ pub(crate) fn enqueue(
             l,
             (nh, nkv, hd),
             block_size,
+            c.attention_scale(),
         )?;
         // The output projection adds onto the residual stream (beta = 1, f32).
         let epi = pre(o_in, li, o_parts, (GemvInput::Bf16(b.att.ptr()), qw, qw))?;
@@ -886,13 +887,14 @@ pub(crate) const EARLY_KV_MAX_TOKENS: usize = 8;
 
 /// One layer's paged attention: the one-warp kernel over the small tiles and the four-warp
 /// kernel over the others, each split `z` ways along the keys, then the combine step when
-/// `z > 1`.
+/// `z > 1`. `scale` multiplies the logits (`LlamaConfig::attention_scale`).
 pub(crate) fn attention(
     gpu: &Gpu,
     io: &AttentionIo,
     l: &Launch,
     (nh, nkv, hd): (usize, usize, usize),
     block_size: usize,
+    scale: f32,
 ) -> Result<(), GpuError> {
     let k = &gpu.k;
     let which = match hd {
@@ -947,7 +949,7 @@ pub(crate) fn attention(
                     i32v(nh),
                     i32v(nkv),
                     i32v(block_size),
-                    Arg::F32(1.0 / (hd as f32).sqrt()),
+                    Arg::F32(scale),
                     i32v(first),
                     Arg::I32((l.early_kv && gpu.early_kv) as i32),
                     Arg::I32(gpu.att_heads_inner as i32),

@@ -159,6 +159,7 @@ pub fn paged_attention(
         &launch,
         (nh, nkv, hd),
         s.block_size,
+        1.0 / (hd as f32).sqrt(),
     )?;
     let mut o = vec![bf16::ZERO; t * nh * hd];
     gpu.download(&mut o, out.ptr())?;

@@ -8,13 +8,12 @@
 //! attention is exactly full causal attention; models that mix windowed and full layers
 //! (Qwen2 or Qwen3 with `use_sliding_window`) are refused.
 //!
-//! RoPE scaling follows Meta's Llama 3.1 "llama3" frequency-dependent scheme (wavelengths longer
-//! than `original_max_position_embeddings / low_freq_factor` are divided by `factor`, shorter
-//! than `.../high_freq_factor` kept, smoothly interpolated between).
+//! RoPE scaling (Llama 3.1's, linear, YaRN) is read by [`super::rope`].
 
 use serde::Deserialize;
 
 use super::gguf::GgufHeader;
+use super::rope::{self, RopeScaling};
 use crate::error::GpuError;
 
 /// Which pairs of a head's dimensions RoPE rotates together.
@@ -25,20 +24,6 @@ pub enum RopeStyle {
     Interleaved,
     /// NeoX-style halves `(x[i], x[i + d/2])`: Hugging Face checkpoints.
     Halves,
-}
-
-/// Llama 3.1 "llama3" RoPE frequency scaling.
-#[derive(Copy, Clone, Debug, PartialEq)]
-pub struct RopeScaling {
-    /// Divisor of low frequencies.
-    pub factor: f32,
-    /// Wavelength threshold (as a fraction of the original context) above which frequencies
-    /// are scaled fully.
-    pub low_freq_factor: f32,
-    /// Wavelength threshold below which frequencies are kept.
-    pub high_freq_factor: f32,
-    /// Context length the model was pre-trained with.
-    pub original_max_position_embeddings: usize,
 }
 
 /// Architecture hyper-parameters of a Llama-family model.
@@ -62,7 +47,7 @@ pub struct LlamaConfig {
     pub rms_norm_eps: f32,
     /// RoPE base frequency.
     pub rope_theta: f32,
-    /// Llama 3 RoPE scaling, if any.
+    /// RoPE frequency scaling, if any.
     pub rope_scaling: Option<RopeScaling>,
     /// Which dimension pairs RoPE rotates.
     pub rope_style: RopeStyle,
@@ -88,6 +73,8 @@ const MAX_WIDTH: usize = 1 << 20;
 const MAX_HEADS: usize = 4096;
 const MAX_VOCAB: usize = 1 << 22;
 const MAX_CONTEXT: usize = 1 << 24;
+/// Most distinct end-of-sequence ids (every request's stop ids include them).
+pub(crate) const MAX_EOS_IDS: usize = 64;
 
 impl LlamaConfig {
     /// SmolLM2-135M(-Instruct) as shipped in GGUF (interleaved RoPE).
@@ -183,6 +170,21 @@ impl LlamaConfig {
         }
     }
 
+    /// The multiplier of the rotated queries and keys: YaRN's attention factor, else 1.
+    pub fn rope_attention_factor(&self) -> f32 {
+        self.rope_scaling
+            .as_ref()
+            .map_or(1.0, RopeScaling::attention_factor)
+    }
+
+    /// The softmax scale of attention logits: `1 / sqrt(head_dim)`, times the square of
+    /// [`Self::rope_attention_factor`] for a backend that leaves the rotated queries and keys
+    /// unscaled (the same logits as scaling both).
+    pub fn attention_scale(&self) -> f32 {
+        let m = self.rope_attention_factor();
+        m * m / (self.head_dim as f32).sqrt()
+    }
+
     /// Checks that the values are consistent and within the loader's safety bounds.
     pub fn validate(&self) -> Result<(), GpuError> {
         let bad = |m: String| Err(GpuError::InvalidConfig(m));
@@ -227,15 +229,13 @@ impl LlamaConfig {
             return bad(format!("rope_theta {} is not > 1", self.rope_theta));
         }
         if let Some(s) = &self.rope_scaling {
-            let ok = s.factor.is_finite()
-                && s.factor >= 1.0
-                && s.low_freq_factor > 0.0
-                && s.high_freq_factor > s.low_freq_factor
-                && s.high_freq_factor.is_finite()
-                && s.original_max_position_embeddings > 0;
-            if !ok {
-                return bad(format!("invalid rope scaling {s:?}"));
-            }
+            s.validate()?;
+        }
+        if self.eos_token_ids.len() > MAX_EOS_IDS {
+            return bad(format!(
+                "{} end-of-sequence ids (at most {MAX_EOS_IDS})",
+                self.eos_token_ids.len()
+            ));
         }
         for id in self.bos_token_id.iter().chain(&self.eos_token_ids) {
             if *id as usize >= self.vocab_size {
@@ -294,8 +294,9 @@ impl LlamaConfig {
             let p = c.rope_parameters.as_ref()?;
             Some(p.get("rope_theta")?.as_f64()? as f32)
         });
+        let stated_context = c.max_position_embeddings.unwrap_or(2048);
         let rope_scaling = match c.rope_scaling.or(c.rope_parameters) {
-            Some(r) => parse_hf_rope_scaling(&r)?,
+            Some(r) => rope::from_hf(&r, stated_context)?,
             None => None,
         };
         // transformers' Mistral attends over `sliding_window` tokens (4,096 when the key is
@@ -312,11 +313,13 @@ impl LlamaConfig {
             ),
             _ => None,
         };
-        let eos_token_ids = match c.eos_token_id {
+        let mut eos_token_ids = match c.eos_token_id {
             Some(IdOrIds::One(i)) => vec![i],
             Some(IdOrIds::Many(v)) => v,
             None => Vec::new(),
         };
+        let mut seen = std::collections::HashSet::new();
+        eos_token_ids.retain(|id| seen.insert(*id));
         let cfg = LlamaConfig {
             num_layers: need(c.num_hidden_layers, "num_hidden_layers")?,
             hidden_size,
@@ -333,7 +336,7 @@ impl LlamaConfig {
             rope_scaling,
             rope_style: RopeStyle::Halves,
             max_position_embeddings: capped_at_window(
-                c.max_position_embeddings.unwrap_or(2048),
+                scaled_context(stated_context, rope_scaling.as_ref()),
                 window,
             )?,
             tie_word_embeddings: c.tie_word_embeddings.unwrap_or(false),
@@ -391,14 +394,8 @@ impl LlamaConfig {
             .get_usize(&key("attention.key_length"))
             .or_else(|| h.get_usize(&key("rope.dimension_count")))
             .unwrap_or(hidden_size / num_heads);
-        let rope_scaling = match h.get_str(&key("rope.scaling.type")) {
-            None | Some("none") => None,
-            Some(other) => {
-                return Err(GpuError::InvalidConfig(format!(
-                    "unsupported GGUF rope scaling type '{other}'"
-                )))
-            }
-        };
+        let stated_context = h.get_usize(&key("context_length")).unwrap_or(2048);
+        let rope_scaling = rope::from_gguf(h, arch, stated_context)?;
         let token_id = |k: &str| {
             h.get_usize(k)
                 .map(|v| {
@@ -440,7 +437,7 @@ impl LlamaConfig {
             // A window on a Llama-family file (Qwen2's is only used with its
             // `use_sliding_window`, which GGUF does not record).
             max_position_embeddings: capped_at_window(
-                h.get_usize(&key("context_length")).unwrap_or(2048),
+                scaled_context(stated_context, rope_scaling.as_ref()),
                 h.get_usize(&key("attention.sliding_window"))
                     .filter(|_| !(qwen2 || qwen3)),
             )?,
@@ -456,6 +453,24 @@ impl LlamaConfig {
         cfg.validate()?;
         Ok(cfg)
     }
+}
+
+/// The context a configuration states, stretched as its RoPE scaling allows (logged when it
+/// is).
+fn scaled_context(stated: usize, scaling: Option<&RopeScaling>) -> usize {
+    let Some(s) = scaling else {
+        return stated;
+    };
+    let context = s.context(stated, MAX_CONTEXT);
+    if context != stated {
+        tracing::info!(
+            stated,
+            context,
+            scaling = ?s,
+            "the context is the one the RoPE scaling makes room for"
+        );
+    }
+    context
 }
 
 /// The context of a model whose every layer attends over the last `window` tokens: within
@@ -475,108 +490,6 @@ fn capped_at_window(context: usize, window: Option<usize>) -> Result<usize, GpuE
         }
         _ => Ok(context),
     }
-}
-
-/// Recovers Llama 3 RoPE scaling from llama.cpp's `rope_freqs.weight` tensor, which stores
-/// one divisor per rotary frequency instead of the scaling parameters. In the transition band
-/// the divisor `r` satisfies `1/r = (1 - s)/factor + s` with
-/// `s = (original_context / wavelength - low) / (high - low)`, linear in `1 / wavelength`; a
-/// least-squares line through the band gives `low` and `high` for the given
-/// `original_context`. The result is checked by recomputing every divisor.
-pub fn rope_scaling_from_freq_factors(
-    factors: &[f32],
-    rope_theta: f32,
-    head_dim: usize,
-    original_context: usize,
-) -> Result<Option<RopeScaling>, GpuError> {
-    let bad = |m: &str| Err(GpuError::InvalidConfig(format!("rope_freqs.weight: {m}")));
-    if factors.len() != head_dim / 2 || factors.is_empty() {
-        return bad("length is not head_dim / 2");
-    }
-    if factors.iter().any(|f| !f.is_finite() || *f < 0.999) {
-        return bad("divisors must be finite and >= 1");
-    }
-    let factor = f64::from(factors.iter().fold(1.0f32, |a, &b| a.max(b)));
-    if factor < 1.0001 {
-        return Ok(None);
-    }
-    let inv_wavelen = |i: usize| {
-        let freq = 1.0 / f64::from(rope_theta).powf(2.0 * i as f64 / head_dim as f64);
-        freq / (2.0 * std::f64::consts::PI)
-    };
-    let band: Vec<(f64, f64)> = factors
-        .iter()
-        .enumerate()
-        .filter(|(_, &r)| f64::from(r) > 1.0001 && f64::from(r) < factor * 0.9999)
-        .map(|(i, &r)| {
-            let s = (1.0 / f64::from(r) - 1.0 / factor) / (1.0 - 1.0 / factor);
-            (inv_wavelen(i), s)
-        })
-        .collect();
-    if band.len() < 2 {
-        return bad("too few frequencies in the transition band to recover the scaling");
-    }
-    // Fit s = a * x - b.
-    let n = band.len() as f64;
-    let (sx, sy) = band
-        .iter()
-        .fold((0.0, 0.0), |(a, b), (x, y)| (a + x, b + y));
-    let (mx, my) = (sx / n, sy / n);
-    let sxx: f64 = band.iter().map(|(x, _)| (x - mx) * (x - mx)).sum();
-    let sxy: f64 = band.iter().map(|(x, y)| (x - mx) * (y - my)).sum();
-    if sxx <= 0.0 {
-        return bad("degenerate transition band");
-    }
-    let a = sxy / sxx;
-    let b = a * mx - my;
-    let orig = original_context as f64;
-    let width = orig / a;
-    let low = b * width;
-    let scaling = RopeScaling {
-        factor: factor as f32,
-        low_freq_factor: low as f32,
-        high_freq_factor: (low + width) as f32,
-        original_max_position_embeddings: original_context,
-    };
-    if !(a > 0.0 && low > 0.0 && low.is_finite() && width.is_finite()) {
-        return bad("divisors do not follow the Llama 3 scheme");
-    }
-    let recomputed = llama3_freq_factors(&scaling, rope_theta, head_dim);
-    let worst = factors
-        .iter()
-        .zip(&recomputed)
-        .map(|(&f, &g)| ((f - g) / f).abs())
-        .fold(0.0f32, f32::max);
-    if worst > 1e-3 {
-        return bad(&format!(
-            "divisors do not follow the Llama 3 scheme (relative error {worst})"
-        ));
-    }
-    Ok(Some(scaling))
-}
-
-/// The divisor of each rotary frequency under Llama 3 scaling (as llama.cpp stores them).
-pub fn llama3_freq_factors(s: &RopeScaling, rope_theta: f32, head_dim: usize) -> Vec<f32> {
-    let old = s.original_max_position_embeddings as f64;
-    let low_wavelen = old / f64::from(s.low_freq_factor);
-    let high_wavelen = old / f64::from(s.high_freq_factor);
-    (0..head_dim / 2)
-        .map(|i| {
-            let freq = 1.0 / f64::from(rope_theta).powf(2.0 * i as f64 / head_dim as f64);
-            let wavelen = 2.0 * std::f64::consts::PI / freq;
-            let f = f64::from(s.factor);
-            let r = if wavelen < high_wavelen {
-                1.0
-            } else if wavelen > low_wavelen {
-                f
-            } else {
-                let smooth = (old / wavelen - f64::from(s.low_freq_factor))
-                    / f64::from(s.high_freq_factor - s.low_freq_factor);
-                1.0 / ((1.0 - smooth) / f + smooth)
-            };
-            r as f32
-        })
-        .collect()
 }
 
 /// The subset of a Hugging Face `config.json` this crate reads.
@@ -622,36 +535,6 @@ where
 enum IdOrIds {
     One(u32),
     Many(Vec<u32>),
-}
-
-fn parse_hf_rope_scaling(v: &serde_json::Value) -> Result<Option<RopeScaling>, GpuError> {
-    if v.is_null() {
-        return Ok(None);
-    }
-    let ty = v
-        .get("rope_type")
-        .or_else(|| v.get("type"))
-        .and_then(|t| t.as_str())
-        .unwrap_or("default");
-    match ty {
-        "default" => Ok(None),
-        "llama3" => {
-            let f = |k: &str| {
-                v.get(k).and_then(|x| x.as_f64()).ok_or_else(|| {
-                    GpuError::InvalidConfig(format!("rope_scaling lacks numeric {k}"))
-                })
-            };
-            Ok(Some(RopeScaling {
-                factor: f("factor")? as f32,
-                low_freq_factor: f("low_freq_factor")? as f32,
-                high_freq_factor: f("high_freq_factor")? as f32,
-                original_max_position_embeddings: f("original_max_position_embeddings")? as usize,
-            }))
-        }
-        other => Err(GpuError::InvalidConfig(format!(
-            "unsupported rope_scaling type '{other}'"
-        ))),
-    }
 }
 
 #[cfg(test)]
@@ -716,36 +599,6 @@ mod tests {
     }
 
     #[test]
-    fn llama3_scaling_recovered_from_rope_freqs() {
-        // Llama 3.1 8B and Llama 3.2 1B parameters (Meta's published configs).
-        for (factor, theta, hd) in [(8.0, 500_000.0, 128), (32.0, 500_000.0, 64)] {
-            let want = RopeScaling {
-                factor,
-                low_freq_factor: 1.0,
-                high_freq_factor: 4.0,
-                original_max_position_embeddings: 8192,
-            };
-            let factors = llama3_freq_factors(&want, theta, hd);
-            let got = rope_scaling_from_freq_factors(&factors, theta, hd, 8192)
-                .unwrap()
-                .unwrap();
-            assert_eq!(got.factor, factor);
-            assert!((got.low_freq_factor - 1.0).abs() < 1e-3, "{got:?}");
-            assert!((got.high_freq_factor - 4.0).abs() < 1e-3, "{got:?}");
-        }
-        assert_eq!(
-            rope_scaling_from_freq_factors(&[1.0; 64], 5e5, 128, 8192).unwrap(),
-            None
-        );
-        assert!(rope_scaling_from_freq_factors(&[1.0; 3], 5e5, 128, 8192).is_err());
-        let mut noisy = vec![1.0f32; 32];
-        noisy[5] = 3.0;
-        noisy[9] = 2.0;
-        noisy[20] = 5.0;
-        assert!(rope_scaling_from_freq_factors(&noisy, 5e5, 64, 8192).is_err());
-    }
-
-    #[test]
     fn presets_validate() {
         LlamaConfig::smollm2_135m().validate().unwrap();
         LlamaConfig::llama3_8b().validate().unwrap();
@@ -765,9 +618,13 @@ mod tests {
         assert_eq!(c.rope_style, RopeStyle::Halves);
         assert!(!c.tie_word_embeddings);
         assert_eq!(c.eos_token_ids, vec![128001, 128008, 128009]);
-        let s = c.rope_scaling.unwrap();
+        let Some(RopeScaling::Llama3(s)) = c.rope_scaling else {
+            panic!("{:?}", c.rope_scaling)
+        };
         assert_eq!(s.factor, 8.0);
         assert_eq!(s.original_max_position_embeddings, 8192);
+        // Llama 3.1 states its stretched context itself.
+        assert_eq!(c.max_position_embeddings, 131072);
     }
 
     #[test]
@@ -780,6 +637,20 @@ mod tests {
         assert_eq!(c.head_dim, 32);
         assert!(c.tie_word_embeddings);
         assert_eq!(c.eos_token_ids, vec![2]);
+        // End ids are kept once each, and a list longer than the bound is refused (each
+        // request's stop ids include them).
+        let twice = json.replace("\"eos_token_id\":2", "\"eos_token_id\":[2,1,2,2,1]");
+        assert_eq!(
+            LlamaConfig::from_hf_json(&twice).unwrap().eos_token_ids,
+            vec![2, 1]
+        );
+        let ids: Vec<String> = (0..65).map(|i| i.to_string()).collect();
+        let many = json.replace(
+            "\"eos_token_id\":2",
+            &format!("\"eos_token_id\":[{}]", ids.join(",")),
+        );
+        let e = LlamaConfig::from_hf_json(&many).unwrap_err().to_string();
+        assert!(e.contains("65 end-of-sequence ids"), "{e}");
     }
 
     #[test]

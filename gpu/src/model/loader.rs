@@ -7,9 +7,10 @@ use std::path::Path;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use super::chat_template::ChatTemplate;
-use super::config::{rope_scaling_from_freq_factors, LlamaConfig};
+use super::config::{LlamaConfig, MAX_EOS_IDS};
 use super::gguf::GgufFile;
 use super::read_bounded;
+use super::rope;
 use super::safetensors_dir::load_safetensors_dir;
 use super::tensor::ModelWeights;
 use super::tokenizer::Tokenizer;
@@ -117,7 +118,7 @@ fn load_gguf(path: &Path) -> Result<LoadedModel, GpuError> {
             .get_usize(&format!("{arch}.rope.scaling.original_context_length"))
             .unwrap_or(8192);
         config.rope_scaling =
-            rope_scaling_from_freq_factors(&factors, config.rope_theta, config.head_dim, original)?;
+            rope::from_freq_factors(&factors, config.rope_theta, config.head_dim, original)?;
         config.validate()?;
     }
     Ok(LoadedModel {
@@ -163,9 +164,6 @@ fn load_hf_dir(dir: &Path) -> Result<LoadedModel, GpuError> {
         name: file_name(dir),
     })
 }
-
-/// Most end-of-sequence ids taken from `generation_config.json`.
-const MAX_EOS_IDS: usize = 64;
 
 /// Adds the end-of-sequence ids of `generation_config.json` (when there is one) to those of
 /// `config.json`, as transformers' `generate` uses both: Qwen2.5-Instruct lists only

@@ -251,11 +251,11 @@ fn missing_tensor_and_missing_file_are_errors() {
 
 #[test]
 fn loads_tiny_llama3_gguf_with_rope_freqs() {
-    use crate::model::config::{llama3_freq_factors, RopeScaling};
+    use crate::model::rope::{llama3_freq_factors, Llama3Scaling, RopeScaling};
     let (h, heads, kv, ff, vocab) = (128u64, 2u64, 1u64, 64u64, 4u64);
     let hd = h / heads;
     let zeros = |n: u64| vec![0u8; 4 * n as usize];
-    let want = RopeScaling {
+    let want = Llama3Scaling {
         factor: 8.0,
         low_freq_factor: 1.0,
         high_freq_factor: 4.0,
@@ -302,7 +302,9 @@ fn loads_tiny_llama3_gguf_with_rope_freqs() {
     let m = load_model(&p, false).unwrap();
     assert_eq!(m.name, "tiny-llama3");
     assert!(!m.config.tie_word_embeddings);
-    let s = m.config.rope_scaling.unwrap();
+    let Some(RopeScaling::Llama3(s)) = m.config.rope_scaling else {
+        panic!("{:?}", m.config.rope_scaling)
+    };
     assert_eq!((s.factor, s.original_max_position_embeddings), (8.0, 8192));
     assert!((s.low_freq_factor - 1.0).abs() < 1e-3 && (s.high_freq_factor - 4.0).abs() < 1e-3);
     assert!(m.chat_template.is_none());

@@ -29,15 +29,17 @@ pub mod fetch;
 pub mod gguf;
 pub mod loader;
 pub mod quant_blocks;
+pub mod rope;
 pub mod safetensors_dir;
 pub mod tensor;
 pub mod tokenizer;
 mod tokenizer_spm;
 
 pub use chat_template::{ChatMessage, ChatTemplate};
-pub use config::{LlamaConfig, RopeScaling, RopeStyle};
+pub use config::{LlamaConfig, RopeStyle};
 pub use fetch::{default_model_path, fetch_model};
 pub use loader::{load_model, LoadedModel};
+pub use rope::{Llama3Scaling, RopeScaling, YarnScaling};
 pub use tensor::{DType, ModelWeights, TensorView};
 pub use tokenizer::Tokenizer;
 
