@@ -9,22 +9,26 @@
 //! adapters, biases, DoRA magnitudes, `modules_to_save`) is refused, never ignored, since
 //! ignoring it would serve a different model than the one trained.
 //!
-//! Adapter files are hostile input like model files: sizes, ranks, layer indices and shapes are
-//! checked against the base model and [`LoraLimits`] before anything is allocated, and tensor
-//! offsets are validated by the `safetensors` crate.
+//! Adapter files are hostile input like model files: both must be regular files (links are
+//! followed), read to a bound and never past it; sizes, ranks, layer indices and shapes are
+//! checked against the base model and [`LoraLimits`] before anything is allocated, tensor
+//! offsets are validated by the `safetensors` crate, and the weights must stay finite once
+//! scaled. Each loaded copy has a [`LoraAdapter::fingerprint`] of what it computes with, so a
+//! reload can tell whether the files changed.
 //!
 //! The weights are held in f32 with the scale folded into `B`. Q and K rows follow the base
 //! model's RoPE layout: for GGUF models (whose Q and K rows llama.cpp's converter permuted so
 //! that RoPE rotates adjacent pairs) the rows of the q and k `B` matrices are permuted the same
 //! way, so `B (A x)` lands on the rows the base product writes.
 
+use std::io::Read;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use memmap2::Mmap;
 use rayon::prelude::*;
 use safetensors::tensor::Dtype as StDtype;
 use safetensors::SafeTensors;
+use sha2::{Digest, Sha256};
 
 #[cfg(target_arch = "x86_64")]
 use crate::cpu::matmul::Isa;
@@ -151,7 +155,9 @@ impl LoraPair {
     }
 
     /// A pair from `A` and `B` in the Hugging Face layout: `B` scaled, and for GGUF models
-    /// (interleaved RoPE) the q and k rows of `B` permuted as the base weights were.
+    /// (interleaved RoPE) the q and k rows of `B` permuted as the base weights were. Refused
+    /// (with the reason) when `A` or the scaled `B` holds a value that is not finite: finite
+    /// values of `B` can overflow once scaled.
     fn new(
         c: &LlamaConfig,
         target: LoraTarget,
@@ -159,8 +165,14 @@ impl LoraPair {
         scale: f32,
         a: Vec<f32>,
         mut b: Vec<f32>,
-    ) -> Self {
+    ) -> Result<Self, String> {
+        if let Some(x) = a.iter().find(|x| !x.is_finite()) {
+            return Err(format!("lora_A holds {x}"));
+        }
         b.iter_mut().for_each(|x| *x *= scale);
+        if let Some(x) = b.iter().find(|x| !x.is_finite()) {
+            return Err(format!("lora_B scaled by {scale} holds {x}"));
+        }
         let heads = match target {
             LoraTarget::Q => c.num_heads,
             LoraTarget::K => c.num_kv_heads,
@@ -174,7 +186,7 @@ impl LoraPair {
             .flat_map(|j| (0..out).map(move |o| (o, j)))
             .map(|(o, j)| b[o * rank + j])
             .collect();
-        LoraPair { rank, a, b, bt }
+        Ok(LoraPair { rank, a, b, bt })
     }
 
     /// Adds `B (A x)` to `out` for one token (`x`: `in` values, `out`: `out` values): `u = A x`
@@ -223,8 +235,13 @@ static NEXT_UID: AtomicU64 = AtomicU64::new(1);
 /// A loaded LoRA adapter, ready to apply to the base model it was loaded for.
 #[derive(Debug)]
 pub struct LoraAdapter {
+    /// Process-unique id of this loaded copy.
     uid: u64,
+    /// SHA-256 of what the adapter computes with (see [`LoraAdapter::fingerprint`]).
+    fingerprint: [u8; 32],
+    /// The rank of every pair.
     rank: usize,
+    /// `lora_alpha / r` (or `/ sqrt(r)`), folded into every `B`.
     scale: f32,
     /// Per layer, per [`LoraTarget`] (table order), the pair if the projection is adapted.
     layers: Vec<[Option<LoraPair>; 7]>,
@@ -257,16 +274,65 @@ fn invalid(path: &Path, reason: impl Into<String>) -> GpuError {
     }
 }
 
+/// The bytes of the adapter file at `path`, refused unless it is a regular file (links are
+/// followed) of at most `max` bytes. The path is checked before it is opened (opening a FIFO
+/// blocks) and the opened file again; at most `max + 1` bytes are read, so a file that grows
+/// while it is read is refused too.
+fn read_regular_file(path: &Path, max: u64) -> Result<Vec<u8>, GpuError> {
+    let meta = std::fs::metadata(path).map_err(|e| GpuError::io(path, e))?;
+    if !meta.is_file() {
+        return Err(invalid(path, "not a regular file"));
+    }
+    let file = std::fs::File::open(path).map_err(|e| GpuError::io(path, e))?;
+    let meta = file.metadata().map_err(|e| GpuError::io(path, e))?;
+    if !meta.is_file() {
+        return Err(invalid(path, "not a regular file"));
+    }
+    let len = meta.len();
+    if len > max {
+        return Err(invalid(
+            path,
+            format!("{len} bytes exceeds the limit of {max}"),
+        ));
+    }
+    let mut bytes: Vec<u8> = Vec::new();
+    bytes
+        .try_reserve_exact(usize::try_from(len).unwrap_or(usize::MAX))
+        .map_err(|e| invalid(path, format!("cannot hold its {len} bytes: {e}")))?;
+    file.take(max.saturating_add(1))
+        .read_to_end(&mut bytes)
+        .map_err(|e| GpuError::io(path, e))?;
+    if bytes.len() as u64 > max {
+        return Err(invalid(
+            path,
+            format!("grew past the limit of {max} bytes while read"),
+        ));
+    }
+    Ok(bytes)
+}
+
 /// Reads and checks `adapter_config.json`.
 fn read_config(path: &Path, limits: &LoraLimits) -> Result<AdapterConfig, GpuError> {
-    let len = std::fs::metadata(path)
-        .map_err(|e| GpuError::io(path, e))?
-        .len();
-    if len > MAX_CONFIG_JSON {
-        return Err(invalid(path, format!("{len} bytes is too large")));
-    }
-    let text = std::fs::read_to_string(path).map_err(|e| GpuError::io(path, e))?;
-    parse_config(path, &text, limits)
+    let bytes = read_regular_file(path, MAX_CONFIG_JSON)?;
+    let text = std::str::from_utf8(&bytes).map_err(|e| invalid(path, format!("not UTF-8: {e}")))?;
+    parse_config(path, text, limits)
+}
+
+/// A fingerprint's hasher, fed the kind of source (`source`), the rank and the scale.
+fn fingerprint_hasher(source: &[u8], rank: usize, scale: f32) -> Sha256 {
+    let mut h = Sha256::new();
+    h.update((source.len() as u64).to_le_bytes());
+    h.update(source);
+    h.update((rank as u64).to_le_bytes());
+    h.update(scale.to_bits().to_le_bytes());
+    h
+}
+
+/// The digest of `h` as an array.
+fn finish_fingerprint(h: Sha256) -> [u8; 32] {
+    let mut out = [0u8; 32];
+    out.copy_from_slice(&h.finalize());
+    out
 }
 
 /// Checks the text of `adapter_config.json` (`path` names it in errors).
@@ -421,21 +487,16 @@ impl LoraAdapter {
                 format!("no adapter_model.safetensors in the directory{hint}"),
             ));
         }
-        let file = std::fs::File::open(&path).map_err(|e| GpuError::io(&path, e))?;
-        let len = file.metadata().map_err(|e| GpuError::io(&path, e))?.len();
-        if len > limits.max_file_bytes {
-            return Err(invalid(
-                &path,
-                format!("{len} bytes exceeds the limit of {}", limits.max_file_bytes),
-            ));
-        }
-        // SAFETY: read-only private map of an adapter file treated as immutable while loaded.
-        let mmap = unsafe { Mmap::map(&file) }.map_err(|e| GpuError::io(&path, e))?;
-        Self::from_safetensors(&path, &mmap, &cfg, c)
+        // Read, not mapped: the bytes parsed and fingerprinted are the bytes read once, whatever
+        // happens to the file meanwhile (a mapping would show later writes, or fault on a
+        // truncation).
+        let bytes = read_regular_file(&path, limits.max_file_bytes)?;
+        Self::from_safetensors(&path, &bytes, &cfg, c)
     }
 
     /// Builds the adapter from the bytes of `adapter_model.safetensors` (`path` names it in
-    /// errors) and the checked configuration.
+    /// errors) and the checked configuration; the fingerprint hashes those bytes, the rank and
+    /// the scale.
     fn from_safetensors(
         path: &Path,
         bytes: &[u8],
@@ -515,16 +576,20 @@ impl LoraAdapter {
                         ))
                     }
                 };
-                layers[li][target.index()] =
-                    Some(LoraPair::new(c, target, cfg.rank, cfg.scale, a, b));
+                let pair = LoraPair::new(c, target, cfg.rank, cfg.scale, a, b)
+                    .map_err(|m| invalid(path, format!("layer {li} {}: {m}", target.module())))?;
+                layers[li][target.index()] = Some(pair);
                 adapted += 1;
             }
         }
         if adapted == 0 {
             return Err(invalid(path, "adapts no projection"));
         }
+        let mut h = fingerprint_hasher(b"safetensors", cfg.rank, cfg.scale);
+        h.update(bytes);
         Ok(LoraAdapter {
             uid: NEXT_UID.fetch_add(1, Ordering::Relaxed),
+            fingerprint: finish_fingerprint(h),
             rank: cfg.rank,
             scale: cfg.scale,
             layers,
@@ -544,20 +609,30 @@ impl LoraAdapter {
         if rank == 0 || rank > MAX_LORA_RANK || pairs.len() != c.num_layers {
             return bad(format!("rank {rank}, {} layers", pairs.len()));
         }
+        let mut h = fingerprint_hasher(b"pairs", rank, scale);
         let mut layers: Vec<[Option<LoraPair>; 7]> = Vec::with_capacity(c.num_layers);
-        for layer in pairs {
+        for (li, layer) in pairs.into_iter().enumerate() {
             let mut row: [Option<LoraPair>; 7] = Default::default();
             for (target, a, b) in layer {
                 let (din, dout) = target.dims(c);
                 if a.len() != rank * din || b.len() != dout * rank {
                     return bad(format!("{} pair has the wrong size", target.module()));
                 }
-                row[target.index()] = Some(LoraPair::new(c, target, rank, scale, a, b));
+                h.update((li as u64).to_le_bytes());
+                h.update((target.index() as u64).to_le_bytes());
+                for x in a.iter().chain(&b) {
+                    h.update(x.to_le_bytes());
+                }
+                match LoraPair::new(c, target, rank, scale, a, b) {
+                    Ok(p) => row[target.index()] = Some(p),
+                    Err(m) => return bad(format!("layer {li} {}: {m}", target.module())),
+                }
             }
             layers.push(row);
         }
         Ok(LoraAdapter {
             uid: NEXT_UID.fetch_add(1, Ordering::Relaxed),
+            fingerprint: finish_fingerprint(h),
             rank,
             scale,
             layers,
@@ -568,6 +643,15 @@ impl LoraAdapter {
     /// A process-unique id of this loaded copy (a reload is a new copy with a new id).
     pub fn uid(&self) -> u64 {
         self.uid
+    }
+
+    /// A SHA-256 digest of what this copy computes with: the bytes of
+    /// `adapter_model.safetensors` as read, the rank and the scale (for
+    /// [`LoraAdapter::from_pairs`], the pairs). Loads of unchanged files give the same
+    /// fingerprint; a reload whose fingerprint differs from the first load's runs other
+    /// weights, so it must not share that load's prefix-cache key.
+    pub fn fingerprint(&self) -> [u8; 32] {
+        self.fingerprint
     }
 
     /// The rank.
@@ -919,6 +1003,79 @@ mod tests {
             assert!(out[32..48].iter().all(|&v| v == 1.0), "k has no pair");
             assert!(out[48..].iter().all(|&v| v == 1.0), "row 1 has no adapter");
         }
+    }
+
+    /// Regression: `B` was checked for finiteness before it was scaled, so finite values
+    /// times a large `lora_alpha / r` reached the model as infinities.
+    #[test]
+    fn b_that_overflows_once_scaled_is_refused() {
+        let c = tiny(RopeStyle::Halves);
+        let mut t = valid(&c);
+        t[1].2[0] = 1e36;
+        let config = CONFIG.replace("\"lora_alpha\": 6", "\"lora_alpha\": 1000000");
+        let e = err(&c, &config, &file(&t));
+        assert!(e.contains("lora_B scaled by") && e.contains("inf"), "{e}");
+    }
+
+    /// A scratch directory for one test.
+    fn scratch(tag: &str) -> std::path::PathBuf {
+        let d = std::env::temp_dir().join(format!("sy-lora-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    /// An adapter file is read only if it is a regular file (a directory, a link to
+    /// `/dev/zero` or a FIFO is refused before it is opened), and never past its bound.
+    #[test]
+    fn adapter_files_must_be_regular_and_are_read_to_a_bound() {
+        let d = scratch("regular");
+        std::fs::create_dir_all(d.join("dir")).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", d.join("zero")).unwrap();
+        let mut cases = vec![d.join("dir"), d.join("zero")];
+        // No libc in this crate: make the FIFO with mkfifo(1) where there is one.
+        let fifo = d.join("fifo");
+        if std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .is_ok_and(|s| s.success())
+        {
+            cases.push(fifo);
+        }
+        for p in cases {
+            let e = read_regular_file(&p, 1 << 20).unwrap_err().to_string();
+            assert!(e.contains("not a regular file"), "{}: {e}", p.display());
+        }
+        let p = d.join("ten");
+        std::fs::write(&p, b"0123456789").unwrap();
+        assert_eq!(read_regular_file(&p, 10).unwrap(), b"0123456789");
+        let e = read_regular_file(&p, 9).unwrap_err().to_string();
+        assert!(e.contains("exceeds the limit of 9"), "{e}");
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn fingerprints_follow_the_files() {
+        let c = tiny(RopeStyle::Halves);
+        let d = scratch("fingerprint");
+        std::fs::write(d.join("adapter_config.json"), CONFIG).unwrap();
+        std::fs::write(d.join("adapter_model.safetensors"), file(&valid(&c))).unwrap();
+        let limits = LoraLimits::default();
+        let a = LoraAdapter::load(&d, &c, &limits).expect("adapter");
+        let again = LoraAdapter::load(&d, &c, &limits).expect("adapter");
+        assert_ne!(a.uid(), again.uid());
+        assert_eq!(a.fingerprint(), again.fingerprint(), "unchanged files");
+        let mut t = valid(&c);
+        t[1].2[0] += 0.25;
+        std::fs::write(d.join("adapter_model.safetensors"), file(&t)).unwrap();
+        let changed = LoraAdapter::load(&d, &c, &limits).expect("adapter");
+        assert_ne!(a.fingerprint(), changed.fingerprint(), "other weights");
+        std::fs::write(d.join("adapter_model.safetensors"), file(&valid(&c))).unwrap();
+        let alpha = CONFIG.replace("\"lora_alpha\": 6", "\"lora_alpha\": 8");
+        std::fs::write(d.join("adapter_config.json"), alpha).unwrap();
+        let rescaled = LoraAdapter::load(&d, &c, &limits).expect("adapter");
+        assert_ne!(a.fingerprint(), rescaled.fingerprint(), "another scale");
+        std::fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]

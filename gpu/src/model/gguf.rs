@@ -3,8 +3,9 @@
 //!
 //! The file is memory-mapped and never copied. Every count, length, dimension and offset read
 //! from the file is bounded before it is used, and every allocation is sized by a value that
-//! has been checked against the bytes that remain in the file, so a crafted file yields an
-//! error, never a panic or an unbounded allocation.
+//! has been checked against the bytes that remain in the file (and, for metadata arrays, whose
+//! values take more memory than file bytes, against a cap on their elements in all), so a
+//! crafted file yields an error, never a panic or an unbounded allocation.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -22,6 +23,13 @@ pub const MAX_STRING_LEN: u64 = 1 << 20;
 pub const MAX_ARRAY_LEN: u64 = 1 << 24;
 /// Deepest accepted nesting of metadata arrays.
 pub const MAX_ARRAY_DEPTH: usize = 4;
+/// Most metadata array elements accepted in one file, the elements of nested arrays included.
+/// Each becomes a [`GgufValue`] of 32 bytes however few it takes in the file (a `u8` or
+/// `bool` takes one), so this bounds their memory to about 1 GiB; the largest real arrays, the
+/// tokens, scores, token types and merges of a 256K-token vocabulary, hold about 1M in all.
+pub const MAX_ARRAY_ELEMENTS: u64 = 1 << 25;
+// An array of the longest accepted length fits in the file's total.
+const _: () = assert!(MAX_ARRAY_ELEMENTS >= MAX_ARRAY_LEN);
 /// Most tensors accepted in one file.
 pub const MAX_TENSORS: u64 = 1 << 16;
 /// Most metadata key/values accepted in one file.
@@ -164,9 +172,24 @@ pub struct GgufFile {
 }
 
 impl GgufFile {
-    /// Maps and parses `path`.
+    /// Maps and parses `path`, which must be a regular file (links are followed): checked by
+    /// path before it is opened (opening a FIFO blocks) and again once open.
     pub fn open(path: &Path) -> Result<Self, GpuError> {
+        let not_regular = || GpuError::invalid_file(path, "not a regular file");
+        if !std::fs::metadata(path)
+            .map_err(|e| GpuError::io(path, e))?
+            .is_file()
+        {
+            return Err(not_regular());
+        }
         let file = std::fs::File::open(path).map_err(|e| GpuError::io(path, e))?;
+        if !file
+            .metadata()
+            .map_err(|e| GpuError::io(path, e))?
+            .is_file()
+        {
+            return Err(not_regular());
+        }
         // SAFETY: the map is read-only and private to this process; the model file is treated
         // as immutable while it is loaded (as every mmap-based model loader does). A concurrent
         // truncation by another process would be a user error outside our control.
@@ -221,9 +244,16 @@ impl GgufHeader {
 
 /// A bounds-checked little-endian reader over the file bytes.
 struct Cursor<'a> {
+    /// The whole file.
     bytes: &'a [u8],
+    /// Offset of the next byte to read.
     pos: usize,
+    /// The file's path, for errors.
     path: &'a Path,
+    /// Metadata array elements read so far (nested arrays' elements included).
+    array_elements: u64,
+    /// Most metadata array elements accepted ([`MAX_ARRAY_ELEMENTS`] outside tests).
+    max_array_elements: u64,
 }
 
 impl<'a> Cursor<'a> {
@@ -315,6 +345,15 @@ impl<'a> Cursor<'a> {
                         self.err(format!("{key}: array of {len} elements overruns the file"))
                     );
                 }
+                // And the file's arrays together by what their values cost in memory.
+                let total = self.array_elements.saturating_add(len);
+                if total > self.max_array_elements {
+                    return Err(self.err(format!(
+                        "{key}: the metadata arrays hold more than {} elements in all",
+                        self.max_array_elements
+                    )));
+                }
+                self.array_elements = total;
                 let mut v = Vec::with_capacity(len as usize);
                 for _ in 0..len {
                     v.push(self.value(elem_ty, key, depth + 1)?);
@@ -374,10 +413,22 @@ fn dtype_from_ggml(ty: u32, tensor: &str) -> Result<DType, GpuError> {
 /// Parses the header, metadata and tensor infos of a GGUF file held in `bytes`, and checks
 /// that every tensor's data lies inside `bytes`.
 pub fn parse_header(bytes: &[u8], path: &Path) -> Result<GgufHeader, GpuError> {
+    parse_header_limited(bytes, path, MAX_ARRAY_ELEMENTS)
+}
+
+/// [`parse_header`] with at most `max_array_elements` metadata array elements (tests use
+/// small bounds).
+fn parse_header_limited(
+    bytes: &[u8],
+    path: &Path,
+    max_array_elements: u64,
+) -> Result<GgufHeader, GpuError> {
     let mut c = Cursor {
         bytes,
         pos: 0,
         path,
+        array_elements: 0,
+        max_array_elements,
     };
     if c.array::<4>("magic")? != GGUF_MAGIC {
         return Err(c.err("not a GGUF file (bad magic)"));

@@ -286,6 +286,51 @@ fn accepts_nested_arrays_within_depth() {
     );
 }
 
+/// Regression: every array element becomes a `GgufValue` of 32 bytes, so a file of
+/// `u8` arrays cost 32 times its size; the elements of all arrays together are bounded.
+#[test]
+fn caps_metadata_array_elements_across_the_file() {
+    // small_file's arrays hold 3 + 3 elements.
+    let b = small_file();
+    assert!(parse_header_limited(&b, Path::new("t"), 6).is_ok());
+    let e = parse_header_limited(&b, Path::new("t"), 5)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("tokenizer.ggml.token_type") && e.contains("more than 5 elements"),
+        "{e}"
+    );
+    // A nested array counts its own elements and theirs: 2 + 2 * 2.
+    let mut p = 9u32.to_le_bytes().to_vec();
+    p.extend_from_slice(&2u64.to_le_bytes());
+    for v in [[1u8, 2], [3, 4]] {
+        p.extend_from_slice(&0u32.to_le_bytes());
+        p.extend_from_slice(&2u64.to_le_bytes());
+        p.extend_from_slice(&v);
+    }
+    let mut w = GgufWriter::default();
+    w.raw_kv("nest", 9, p);
+    let b = w.build();
+    assert!(parse_header_limited(&b, Path::new("t"), 6).is_ok());
+    let e = parse_header_limited(&b, Path::new("t"), 5)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("more than 5 elements"), "{e}");
+}
+
+#[test]
+fn open_refuses_what_is_not_a_regular_file() {
+    let dir = std::env::temp_dir().join(format!("sy-gguf-irregular-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("dir.gguf")).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", dir.join("zero.gguf")).unwrap();
+    for name in ["dir.gguf", "zero.gguf"] {
+        let e = GgufFile::open(&dir.join(name)).unwrap_err().to_string();
+        assert!(e.contains("not a regular file"), "{name}: {e}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn rejects_bad_tensor_infos() {
     let mut w = GgufWriter::default();

@@ -54,7 +54,19 @@ pub fn canonical_name(hf: &str) -> Option<String> {
     Some(format!("blk.{layer}.{part}.{kind}"))
 }
 
-/// The shard files of the checkpoint in `dir`, sorted.
+/// Refuses `path` unless it is a regular file (links are followed): a FIFO would block the
+/// open, and a device or directory is no checkpoint shard.
+fn check_regular_file(path: &Path) -> Result<(), GpuError> {
+    let meta = std::fs::metadata(path).map_err(|e| GpuError::io(path, e))?;
+    if meta.is_file() {
+        Ok(())
+    } else {
+        Err(GpuError::invalid_file(path, "not a regular file"))
+    }
+}
+
+/// The shard files of the checkpoint in `dir`, sorted. Each is a regular file (links are
+/// followed).
 pub fn shard_files(dir: &Path) -> Result<Vec<PathBuf>, GpuError> {
     let index = dir.join("model.safetensors.index.json");
     let mut files = BTreeSet::new();
@@ -78,7 +90,11 @@ pub fn shard_files(dir: &Path) -> Result<Vec<PathBuf>, GpuError> {
                     format!("bad shard name '{name}'"),
                 ));
             }
-            files.insert(dir.join(name));
+            let shard = dir.join(name);
+            if !files.contains(&shard) {
+                check_regular_file(&shard)?;
+                files.insert(shard);
+            }
             if files.len() > MAX_SHARDS {
                 return Err(GpuError::invalid_file(&index, "too many shards"));
             }
@@ -114,6 +130,7 @@ fn dtype_of(d: StDtype, tensor: &str) -> Result<DType, GpuError> {
 
 /// Maps every shard of the checkpoint in `dir` and registers its tensors under canonical
 /// names. With `tie_word_embeddings`, `lm_head.weight` is left out (the embedding is used).
+/// A shard must be a regular file, checked by path before it is opened and again once open.
 pub fn load_safetensors_dir(
     dir: &Path,
     tie_word_embeddings: bool,
@@ -121,6 +138,13 @@ pub fn load_safetensors_dir(
     let mut weights = ModelWeights::new();
     for path in shard_files(dir)? {
         let file = std::fs::File::open(&path).map_err(|e| GpuError::io(&path, e))?;
+        if !file
+            .metadata()
+            .map_err(|e| GpuError::io(&path, e))?
+            .is_file()
+        {
+            return Err(GpuError::invalid_file(&path, "not a regular file"));
+        }
         // SAFETY: read-only private map of a model file treated as immutable while loaded.
         let mmap = unsafe { Mmap::map(&file) }.map_err(|e| GpuError::io(&path, e))?;
         let (header_len, meta) = SafeTensors::read_metadata(&mmap)
@@ -314,6 +338,39 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("bad shard name"));
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// Regression: the shards named by the index were opened and mapped whatever they were;
+    /// a FIFO blocks the open, and a directory or device is no shard.
+    #[test]
+    fn index_shards_must_be_regular_files() {
+        let d = scratch("irregular");
+        std::fs::create_dir_all(d.join("dir.safetensors")).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", d.join("zero.safetensors")).unwrap();
+        let mut names = vec!["dir.safetensors", "zero.safetensors", "missing.safetensors"];
+        // No libc in this crate: make the FIFO with mkfifo(1) where there is one.
+        if std::process::Command::new("mkfifo")
+            .arg(d.join("fifo.safetensors"))
+            .status()
+            .is_ok_and(|s| s.success())
+        {
+            names.push("fifo.safetensors");
+        }
+        for name in names {
+            std::fs::write(
+                d.join("model.safetensors.index.json"),
+                format!(r#"{{"weight_map": {{"model.norm.weight": "{name}"}}}}"#),
+            )
+            .unwrap();
+            let e = load_safetensors_dir(&d, false).unwrap_err().to_string();
+            let want = if name.starts_with("missing") {
+                "I/O error"
+            } else {
+                "not a regular file"
+            };
+            assert!(e.contains(want), "{name}: {e}");
+        }
         std::fs::remove_dir_all(&d).unwrap();
     }
 }

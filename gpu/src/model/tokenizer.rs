@@ -18,7 +18,7 @@ use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
-use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
+use tokenizers::{AddedToken, DecoderWrapper, PreTokenizerWrapper, SplitDelimiterBehavior};
 
 use super::gguf::{GgufHeader, GgufValue};
 use super::tokenizer_spm::build_spm;
@@ -213,15 +213,18 @@ impl Tokenizer {
 
     /// Loads a Hugging Face `tokenizer.json`. BOS/EOS ids are not in that file: set them with
     /// [`Tokenizer::set_special_ids`] from the model's configuration.
+    ///
+    /// The file must be a regular file (links are followed) of at most [`MAX_TOKENIZER_JSON`]
+    /// bytes. At most one byte more is read, so a file that grows while it is read is refused
+    /// too.
     pub fn from_file(path: &Path) -> Result<Self, GpuError> {
-        let len = std::fs::metadata(path)
-            .map_err(|e| GpuError::io(path, e))?
-            .len();
-        if len > MAX_TOKENIZER_JSON {
-            return Err(tok_err(format!("{} is {len} bytes", path.display())));
+        // A FIFO would block the open itself, and a device can be endless: refuse both first.
+        let meta = std::fs::metadata(path).map_err(|e| GpuError::io(path, e))?;
+        if !meta.is_file() {
+            return Err(GpuError::invalid_file(path, "not a regular file"));
         }
-        let bytes = std::fs::read(path).map_err(|e| GpuError::io(path, e))?;
-        Self::from_json_bytes(&bytes)
+        let text = super::read_bounded(path, MAX_TOKENIZER_JSON)?;
+        Self::from_json_bytes(text.as_bytes())
     }
 
     /// Parses the contents of a Hugging Face `tokenizer.json`.
@@ -236,11 +239,9 @@ impl Tokenizer {
         if n == 0 || n > MAX_VOCAB {
             return Err(tok_err(format!("vocabulary of {n} tokens")));
         }
-        let json: serde_json::Value = serde_json::from_slice(bytes).map_err(tok_err)?;
-        let byte_level = json
-            .get("decoder")
-            .map(|d| d.to_string().contains("\"ByteLevel\""))
-            .unwrap_or(false);
+        // The decoder as parsed (no second pass over the file): byte-level if a ByteLevel
+        // decoder is in it, alone or in a sequence.
+        let byte_level = inner.get_decoder().is_some_and(has_byte_level_decoder);
         let encoding = if byte_level {
             TokenEncoding::ByteLevel
         } else {
@@ -445,6 +446,16 @@ fn pre_tokenizer_for(pre: &str) -> Result<(PreTokenizerWrapper, bool, bool), Gpu
             )))
         }
     })
+}
+
+/// Whether `d` is, or holds in a (nested) sequence, a ByteLevel decoder. The nesting is as
+/// deep as the JSON it was parsed from, which `serde_json` limits to 128 levels.
+fn has_byte_level_decoder(d: &DecoderWrapper) -> bool {
+    match d {
+        DecoderWrapper::ByteLevel(_) => true,
+        DecoderWrapper::Sequence(s) => s.get_decoders().iter().any(has_byte_level_decoder),
+        _ => false,
+    }
 }
 
 /// Raw bytes of every token id.
