@@ -318,6 +318,34 @@ pub struct ApiKeyEntry {
     pub tier: Option<String>,
 }
 
+/// Longest tenant name (the scheduler's label bound).
+pub const MAX_TENANT_BYTES: usize = 256;
+
+impl ApiKeyEntry {
+    /// Checks the key's length, the tenant name's and that the tier is one of `tiers`: the
+    /// field at fault (`key`, `tenant`, `tier`) and why.
+    pub fn check<V>(
+        &self,
+        tiers: &std::collections::BTreeMap<String, V>,
+    ) -> Result<(), (&'static str, String)> {
+        if self.key.len() < 8 || self.key.len() > 512 {
+            return Err(("key", "API keys must be 8-512 bytes".into()));
+        }
+        if self.tenant.is_empty() || self.tenant.len() > MAX_TENANT_BYTES {
+            return Err((
+                "tenant",
+                format!("tenant names are 1-{MAX_TENANT_BYTES} bytes"),
+            ));
+        }
+        if let Some(t) = &self.tier {
+            if !tiers.contains_key(t) {
+                return Err(("tier", format!("unknown tier `{t}`")));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// The `server:` section.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
@@ -423,8 +451,8 @@ impl Default for PolicySpec {
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct SchedulerSection {
-    /// Most sequences in one step.
-    #[serde(deserialize_with = "usize_in::<_, 1, 65536>")]
+    /// Most sequences in one step (at most 2048: the rows a backend samples in one step).
+    #[serde(deserialize_with = "usize_in::<_, 1, 2048>")]
     pub max_num_seqs: usize,
     /// Most tokens (prefill chunks plus decodes) in one step.
     #[serde(deserialize_with = "usize_in::<_, 1, 1048576>")]
@@ -586,20 +614,8 @@ impl Config {
             }
         }
         for (i, k) in self.server.api_keys.iter().enumerate() {
-            if k.key.len() < 8 || k.key.len() > 512 {
-                return Err((
-                    format!("server.api_keys[{i}].key"),
-                    "API keys must be 8-512 bytes".into(),
-                ));
-            }
-            if let Some(t) = &k.tier {
-                if !self.tiers.contains_key(t) {
-                    return Err((
-                        format!("server.api_keys[{i}].tier"),
-                        format!("unknown tier `{t}`"),
-                    ));
-                }
-            }
+            k.check(&self.tiers)
+                .map_err(|(field, why)| (format!("server.api_keys[{i}].{field}"), why))?;
         }
         if let Some(k) = &self.server.admin_key {
             if k.len() < 8 || k.len() > 512 {

@@ -50,6 +50,16 @@ fn cross_field_rule_is_located() {
 }
 
 #[test]
+fn a_tenant_name_longer_than_the_schedulers_label_bound_is_located() {
+    let long = "t".repeat(257);
+    check_err(
+        &format!("server:\n  api_keys:\n    - key: abcdefgh12\n      tenant: {long}\n"),
+        Some(4),
+        "tenant names are 1-256 bytes",
+    );
+}
+
+#[test]
 fn negative_slo_is_rejected() {
     check_err("tiers:\n  gold:\n    ttft_ms: -5\n", Some(3), "positive");
 }

@@ -12,10 +12,12 @@
 //! 3. Waiting sequences, in rank order, are admitted while seats, budget and blocks last:
 //!    their longest cached prefix is pinned (at least the last token is always recomputed,
 //!    so a token can be sampled), the rest is a prefill chunk. When a sequence does not
-//!    fit, the policy may name lower-ranked running victims (`may_preempt`); otherwise
-//!    admission stops (no overtaking, so FCFS order is preserved). The one exception: a
-//!    sequence whose LoRA adapter would make more than `max_loras` distinct adapters
-//!    running is passed over, keeping its place, before anything is preempted for it.
+//!    fit, the policy may name lower-ranked running victims (`may_preempt`), preempted only
+//!    if together they free what the chunk lacks (blocks it would reuse from them do not
+//!    count); otherwise admission stops (no overtaking, so FCFS order is preserved). The
+//!    one exception: a sequence whose LoRA adapter would make more than `max_loras`
+//!    distinct adapters running is passed over, keeping its place, before anything is
+//!    preempted for it.
 //!
 //! Preemption frees every block (full ones stay cached) and keeps the generated tokens, so
 //! the recompute covers prompt + output. Per step the planner does O(running) work
@@ -25,7 +27,7 @@
 //! so a check is O(1). Block hashes are computed once per block per request. Plans carry only
 //! the blocks each sequence gained since it was last scheduled (vLLM V1's `new_block_ids`).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use crate::block_ledger::{BlockLedger, KvCommit, PENDING_BLOCK};
 use crate::error::SchedulerError;
@@ -99,6 +101,15 @@ fn write_entry(plan: &mut StepPlan, n: usize, seq: &mut Sequence, num_new: usize
     plan.num_batched_tokens += num_new;
 }
 
+/// Why a waiting sequence was not admitted.
+#[derive(Copy, Clone, Debug)]
+struct Shortfall {
+    /// Blocks missing for its first chunk.
+    blocks: usize,
+    /// Tokens of that chunk.
+    num_new: usize,
+}
+
 /// Mutable state of the plan being built.
 struct Building<'p> {
     /// The plan (entries past `len` are stale buffers kept for reuse).
@@ -107,36 +118,45 @@ struct Building<'p> {
     len: usize,
     /// Tokens left in the budget.
     budget: usize,
-    /// Logit rows left for the prefill chunks of prompt-logprob requests.
+    /// Logit rows left beyond the one every seat keeps: the rest of the prompt-logprob
+    /// chunks' rows, and the drafts'.
     logit_rows: usize,
     /// Planning ahead of a step in flight: nothing may be preempted.
     ahead: bool,
 }
 
 impl Building<'_> {
-    /// Most new tokens `seq` may get from the logit-row budget.
+    /// Most new tokens `seq` may get from the logit-row budget. A prompt-logprob chunk needs
+    /// a row per token: one is its seat's own, the others come from `logit_rows`. So such a
+    /// request's decodes (and its 1-token chunks) take nothing from the shared rows.
     fn logit_cap(&self, seq: &Sequence) -> usize {
         if seq.req.limits.prompt_logits {
-            self.logit_rows
+            self.logit_rows.saturating_add(1)
         } else {
             usize::MAX
+        }
+    }
+
+    /// Shared logit rows a chunk of `num_new` tokens of `seq` takes (see
+    /// [`Building::logit_cap`]).
+    fn logit_charge(seq: &Sequence, num_new: usize) -> usize {
+        if seq.req.limits.prompt_logits {
+            num_new.saturating_sub(1)
+        } else {
+            0
         }
     }
 
     /// Charges a scheduled chunk to the budgets.
     fn charge(&mut self, seq: &Sequence, num_new: usize) {
         self.budget -= num_new;
-        if seq.req.limits.prompt_logits {
-            self.logit_rows -= num_new;
-        }
+        self.logit_rows -= Self::logit_charge(seq, num_new);
     }
 
     /// Refunds an unscheduled chunk.
     fn refund(&mut self, seq: &Sequence, num_new: usize) {
         self.budget += num_new;
-        if seq.req.limits.prompt_logits {
-            self.logit_rows += num_new;
-        }
+        self.logit_rows += Self::logit_charge(seq, num_new);
     }
 }
 
@@ -638,10 +658,6 @@ impl Scheduler {
                 passed_over = true;
                 continue;
             }
-            // A prompt-logprob request waits for a step with logit rows left (no overtaking).
-            if slot_ref(&self.seqs, cand.slot).is_some_and(|q| b.logit_cap(q) == 0) {
-                break;
-            }
             if num_running >= self.config.max_num_seqs {
                 let end = *ranked.get_or_insert_with(|| {
                     self.rank_into(&self.running[..step_running], now, order);
@@ -652,25 +668,19 @@ impl Scheduler {
                     break;
                 }
             }
-            let mut retried = false;
-            let admitted = loop {
-                match self.try_admit(cand.slot, b) {
-                    Ok(()) => break true,
-                    Err(deficit) => {
-                        if retried {
-                            break false;
-                        }
-                        let end = *ranked.get_or_insert_with(|| {
-                            self.rank_into(&self.running[..step_running], now, order);
-                            order.sort_unstable();
-                            order.len()
-                        });
-                        if !self.preempt_for(cand, deficit, &order[..end], now, b, &mut num_running)
-                        {
-                            break false;
-                        }
-                        retried = true;
-                    }
+            let admitted = match self.try_admit(cand.slot, usize::MAX, b) {
+                Ok(()) => true,
+                Err(short) => {
+                    let end = *ranked.get_or_insert_with(|| {
+                        self.rank_into(&self.running[..step_running], now, order);
+                        order.sort_unstable();
+                        order.len()
+                    });
+                    // The retry plans the same chunk: preempted victims give back budget
+                    // (and logit rows), which would otherwise grow the chunk, and with it
+                    // the blocks it needs, past what the victims were chosen to free.
+                    self.preempt_for(cand, short.blocks, &order[..end], now, b, &mut num_running)
+                        && self.try_admit(cand.slot, short.num_new, b).is_ok()
                 }
             };
             if !admitted {
@@ -681,8 +691,15 @@ impl Scheduler {
         self.wait_order = worder;
     }
 
-    /// Admits one waiting sequence if its blocks fit; otherwise returns the block deficit.
-    fn try_admit(&mut self, slot: u32, b: &mut Building<'_>) -> Result<(), usize> {
+    /// Admits one waiting sequence with a first chunk of at most `max_new` tokens if its
+    /// blocks fit; otherwise returns what was missing, leaving the sequence's prefix match in
+    /// `self.matched` (for `preempt_for`).
+    fn try_admit(
+        &mut self,
+        slot: u32,
+        max_new: usize,
+        b: &mut Building<'_>,
+    ) -> Result<(), Shortfall> {
         let caching = self.config.enable_prefix_caching;
         let Some(seq) = self.seqs.get_mut(slot as usize).and_then(|s| s.as_mut()) else {
             return Ok(());
@@ -705,9 +722,13 @@ impl Scheduler {
                 .match_prefix(&seq.hashes[..upto], &mut self.matched);
         }
         let computed = self.matched.len() * bs;
-        let num_new = (total - computed).min(b.budget).min(b.logit_cap(seq));
+        let num_new = (total - computed)
+            .min(b.budget)
+            .min(b.logit_cap(seq))
+            .min(max_new);
 
         let need_new = self.ledger.blocks_for(computed + num_new) - self.matched.len();
+        // Matched blocks nobody references are counted free but are pinned, not allocated.
         let evictable = self
             .matched
             .iter()
@@ -715,7 +736,10 @@ impl Scheduler {
             .count();
         let available = self.ledger.num_free().saturating_sub(evictable);
         if available < need_new {
-            return Err(need_new - available);
+            return Err(Shortfall {
+                blocks: need_new - available,
+                num_new,
+            });
         }
         seq.block_table.clear();
         seq.blocks_sent = 0;
@@ -749,6 +773,12 @@ impl Scheduler {
 
     /// Preempts running sequences the policy allows (lowest rank first, only ranks after
     /// `cand`) if together they free a seat and `blocks` blocks; otherwise preempts nothing.
+    ///
+    /// With `blocks > 0`, `self.matched` must hold `cand`'s prefix match (from the
+    /// `try_admit` that came up short). A block counts as freed when the victims
+    /// hold all its references, unless `cand` matched it: such a block only turns from pinned
+    /// into evictable-but-matched, which `try_admit` does not count as available, so counting
+    /// it would preempt victims for an admission that then fails.
     fn preempt_for(
         &mut self,
         cand: Ranked,
@@ -761,6 +791,13 @@ impl Scheduler {
         let mut victims = std::mem::take(&mut self.victims);
         victims.clear();
         let mut freed = 0usize;
+        let reused: HashSet<BlockId> = if blocks > 0 {
+            self.matched.iter().copied().collect()
+        } else {
+            HashSet::new()
+        };
+        // References the victims chosen so far hold to blocks shared with other sequences.
+        let mut shared: HashMap<BlockId, u32> = HashMap::new();
         if let Some(w) = slot_ref(&self.seqs, cand.slot) {
             for r in running.iter().rev() {
                 if *r <= cand {
@@ -776,11 +813,22 @@ impl Scheduler {
                 {
                     continue;
                 }
-                freed += v
-                    .block_table
-                    .iter()
-                    .filter(|&&blk| self.ledger.ref_count(blk) == Some(1))
-                    .count();
+                if blocks > 0 {
+                    for &blk in &v.block_table {
+                        let last_ref = match self.ledger.ref_count(blk) {
+                            Some(1) => true,
+                            Some(refs) if refs > 1 => {
+                                let held = shared.entry(blk).or_insert(0);
+                                *held += 1;
+                                *held == refs
+                            }
+                            _ => false,
+                        };
+                        if last_ref && !reused.contains(&blk) {
+                            freed += 1;
+                        }
+                    }
+                }
                 victims.push(r.slot);
                 if freed >= blocks {
                     break;
@@ -930,16 +978,21 @@ impl Scheduler {
             let drafts = &sched.draft_tokens;
             let after =
                 (sched.num_computed_tokens + sched.num_new_tokens).saturating_sub(drafts.len());
-            let idx = after.wrapping_sub(seq.prompt_len);
-            if l.samples && seq.output.get(idx) != Some(&PENDING_TOKEN) {
-                continue; // rolled back since the launch
-            }
+            // The pending token's place in `output`; only a sampling entry has one (a chunk
+            // that ends inside the prompt has `after < prompt_len`).
+            let idx = if l.samples {
+                match after.checked_sub(seq.prompt_len) {
+                    Some(i) if seq.output.get(i) == Some(&PENDING_TOKEN) => Some(i),
+                    _ => continue, // rolled back since the launch
+                }
+            } else {
+                None
+            };
             seq.speculating = false;
             let mut output_tokens = 0;
+            // The stop reason, with the end of the outputs resolved here.
             let mut stop = None;
-            // End of the outputs resolved here.
-            let mut end = idx + 1;
-            if l.samples {
+            if let Some(idx) = idx {
                 let out = match outputs.get(cursor) {
                     Some(o) if o.id == sched.id => {
                         cursor += 1;
@@ -964,6 +1017,7 @@ impl Scheduler {
                             });
                         }
                         seq.last_token_at = Some(now);
+                        let mut end = idx + 1;
                         for (m, &t) in drafts[..accepted].iter().chain([&o.token]).enumerate() {
                             // Drafts are only fed with no other step in flight: the extra
                             // tokens go at the end.
@@ -979,8 +1033,8 @@ impl Scheduler {
                                 token: t,
                                 at: now,
                             });
-                            stop = seq.stop_reason_at(t, end);
-                            if stop.is_some() {
+                            if let Some(reason) = seq.stop_reason_at(t, end) {
+                                stop = Some((reason, end));
                                 break;
                             }
                         }
@@ -1012,7 +1066,7 @@ impl Scheduler {
                 prompt_tokens: l.prompt_tokens as usize,
                 output_tokens,
             });
-            if let Some(reason) = stop {
+            if let Some((reason, end)) = stop {
                 // Tokens sampled after the stop (a step in flight) are dropped.
                 seq.output.truncate(end);
                 seq.pending = 0;

@@ -460,9 +460,9 @@ fn slo_aware_preempts_preemptible_tier_for_feasible_work() {
 
 #[test]
 fn prompt_logprob_chunks_fit_the_logit_row_budget() {
-    // 8 seats keep 8 of the 20 rows; the 12 left bound the chunks of the prompt-logprob
-    // request: 30 prompt tokens go as 12 + 12 + 6, while an ordinary request beside it is
-    // prefilled whole.
+    // 8 seats keep 8 of the 20 rows; a chunk of the prompt-logprob request takes its seat's
+    // row and at most the 12 left: 30 prompt tokens go as 13 + 13 + 4, while an ordinary
+    // request beside it is prefilled whole.
     let c = SchedulerConfig {
         max_logit_rows: 20,
         ..config(64, 4)
@@ -483,7 +483,7 @@ fn prompt_logprob_chunks_fit_the_logit_row_budget() {
             }
         }
     }
-    assert_eq!(chunks, vec![12, 12, 6]);
+    assert_eq!(chunks, vec![13, 13, 4]);
 
     // With no row to spare beyond the seats, such a request is refused up front.
     let c = SchedulerConfig {
@@ -913,4 +913,183 @@ fn a_stop_inside_accepted_drafts_ends_the_sequence_there() {
     assert_eq!(tokens, vec![9]);
     assert_eq!(s.output_tokens(RequestId(1)), Some(&[5, 9][..]));
     assert_eq!(s.stats().num_free_blocks, 64);
+}
+
+/// Regression: blocks of a victim that the waiting request matched in the prefix cache do not
+/// count as freed for it. Preempting the victim only makes them evictable, and admission
+/// pins such blocks rather than counting them as available, so counting them preempted the
+/// victim and then failed the admission anyway (its KV lost for nothing).
+#[test]
+fn preemption_for_admission_does_not_count_blocks_the_candidate_reuses() {
+    // 6 blocks of 4 tokens. Step 1 prefills request 1 (priority 0) and request 2 (priority 5,
+    // prompt 0..8): two blocks each, request 2's both cached.
+    let priority = || Box::new(PriorityPolicy::new(0.0, true, 3));
+    let mut s = sched(config(6, 4), priority());
+    s.add_request(with_adapter(req(1, 0, (100..108).collect(), 8), None, 0))
+        .unwrap();
+    s.add_request(with_adapter(req(2, 0, (0..8).collect(), 8), None, 5))
+        .unwrap();
+    step(&mut s, 0, 50);
+    // Request 3 (priority 1) starts with request 2's prompt: it reuses request 2's two blocks
+    // and needs two more. Step 2's decodes take the last two free blocks (a third block
+    // each). Preempting request 2 would free its three blocks, but two of them are the ones
+    // request 3 reuses: one block for the two needed, so nothing is preempted.
+    let prompt: Vec<u32> = (0..8).chain(200..208).collect();
+    s.add_request(with_adapter(req(3, 1, prompt.clone(), 4), None, 1))
+        .unwrap();
+    let (p, _) = step(&mut s, 1, 51);
+    assert!(p.preempted.is_empty(), "{:?}", p.preempted);
+    assert_eq!(ids(&p), vec![1, 2]);
+    assert_eq!(s.stats().num_preemptions, 0);
+    assert_eq!(s.request_state(RequestId(3)), Some(RequestState::Waiting));
+    // Once request 1 ends, request 3 is admitted on request 2's blocks, still shared.
+    assert!(s.abort(RequestId(1)));
+    let (p, _) = step(&mut s, 2, 52);
+    assert_eq!(ids(&p), vec![2, 3]);
+    let q = &p.seqs[1];
+    assert_eq!((q.num_computed_tokens, q.num_new_tokens), (8, 8));
+
+    // With a request of priority 3 to preempt as well (one block, a second for its decode),
+    // the two victims free the two blocks request 3 needs beyond the ones it reuses: both
+    // go, and request 3 is admitted in the same step.
+    let mut s = sched(config(8, 4), priority());
+    s.add_request(with_adapter(req(1, 0, (100..108).collect(), 8), None, 0))
+        .unwrap();
+    s.add_request(with_adapter(req(2, 0, (0..8).collect(), 8), None, 5))
+        .unwrap();
+    s.add_request(with_adapter(req(4, 0, (300..304).collect(), 8), None, 3))
+        .unwrap();
+    step(&mut s, 0, 50);
+    s.add_request(with_adapter(req(3, 1, prompt, 4), None, 1))
+        .unwrap();
+    let (p, _) = step(&mut s, 1, 51);
+    assert_eq!(p.preempted, vec![RequestId(2), RequestId(4)]);
+    assert_eq!(ids(&p), vec![1, 3]);
+    let q = &p.seqs[1];
+    assert_eq!((q.num_computed_tokens, q.num_new_tokens), (8, 8));
+}
+
+/// Regression: a prefill chunk that ends one token before the end of the prompt (17 tokens,
+/// a 16-token budget) does not sample, and resolving it took `after - prompt_len` with a
+/// wrapping subtraction and then added one: an overflow, which panics with overflow checks
+/// on (this crate's tests may run optimised, where it went unnoticed).
+#[test]
+fn a_chunk_ending_one_token_before_the_prompt_end_resolves() {
+    let budget_16 = || SchedulerConfig {
+        max_num_batched_tokens: 16,
+        ..config(16, 16)
+    };
+    let mut s = sched(budget_16(), Box::new(Fcfs));
+    s.add_request(req(1, 0, (0..17).collect(), 2)).unwrap();
+    let (p, ev) = step(&mut s, 0, 7);
+    let q = &p.seqs[0];
+    assert_eq!(
+        (q.num_computed_tokens, q.num_new_tokens, q.samples),
+        (0, 16, false)
+    );
+    assert!(ev.is_empty());
+    // The last prompt token alone, sampling the first output.
+    let (p, ev) = step(&mut s, 1, 7);
+    let q = &p.seqs[0];
+    assert_eq!(
+        (
+            q.num_computed_tokens,
+            q.num_new_tokens,
+            q.samples,
+            q.is_prefill
+        ),
+        (16, 1, true, false)
+    );
+    assert_eq!(
+        ev.first(),
+        Some(&SeqEvent::FirstToken {
+            id: RequestId(1),
+            at: Timestamp(1)
+        })
+    );
+    let (_, ev) = step(&mut s, 2, 8);
+    assert!(ev.contains(&SeqEvent::Finished {
+        id: RequestId(1),
+        reason: FinishReason::Length,
+        at: Timestamp(2)
+    }));
+    assert_eq!(s.output_tokens(RequestId(1)), Some(&[7, 8][..]));
+
+    // The same, pipelined: the last prompt token is planned while the first chunk runs, and
+    // the first chunk resolves while the second is in flight.
+    let mut s = sched(budget_16(), Box::new(Fcfs));
+    s.add_request(req(1, 0, (0..17).collect(), 2)).unwrap();
+    let first = s.schedule(Timestamp(0));
+    s.launch(&first);
+    let second = s.schedule_ahead(Timestamp(1)).expect("planned ahead");
+    let q = &second.seqs[0];
+    assert_eq!(
+        (q.num_computed_tokens, q.num_new_tokens, q.samples),
+        (16, 1, true)
+    );
+    s.launch(&second);
+    assert!(s.resolve(&first, &[], Timestamp(1)).is_empty());
+    let ev = s.resolve(&second, &[StepOutput::new(RequestId(1), 7)], Timestamp(2));
+    assert!(ev.contains(&SeqEvent::Token {
+        id: RequestId(1),
+        token: 7,
+        at: Timestamp(2)
+    }));
+    assert_eq!(s.output_tokens(RequestId(1)), Some(&[7][..]));
+    s.check_invariants().unwrap();
+}
+
+/// Regression: a prompt-logprob request's decode uses its seat's own row of logits. Charging
+/// it to the shared rows let two such decodes use them all up, and a prompt-logprob request
+/// at the head of the queue then held back every admission.
+#[test]
+fn decodes_of_prompt_logprob_requests_take_no_shared_logit_rows() {
+    // 8 seats and 10 rows: 2 shared.
+    let c = SchedulerConfig {
+        max_logit_rows: 10,
+        ..config(64, 4)
+    };
+    let mut s = sched(c, Box::new(Fcfs));
+    for id in [1, 2] {
+        let mut r = req(id, 0, vec![id as u32], 8);
+        r.limits.prompt_logits = true;
+        s.add_request(r).unwrap();
+    }
+    let (p, _) = step(&mut s, 0, 7);
+    assert_eq!(ids(&p), vec![1, 2]);
+    // Two decodes, then a prompt-logprob request (3 prompt tokens: its seat's row and the 2
+    // shared ones) and an ordinary request behind it.
+    let mut r = req(3, 1, vec![3; 3], 8);
+    r.limits.prompt_logits = true;
+    s.add_request(r).unwrap();
+    s.add_request(req(4, 2, vec![4; 3], 8)).unwrap();
+    let (p, _) = step(&mut s, 1, 7);
+    assert_eq!(ids(&p), vec![1, 2, 3, 4]);
+    let chunks: Vec<usize> = p.seqs.iter().map(|q| q.num_new_tokens).collect();
+    assert_eq!(chunks, vec![1, 1, 3, 3]);
+}
+
+#[test]
+fn max_num_seqs_must_fit_the_logit_rows() {
+    // Every sequence that samples needs a row of logits: more seats than rows would send the
+    // backend steps it refuses.
+    let c = SchedulerConfig {
+        max_num_seqs: 16,
+        max_logit_rows: 8,
+        ..config(4, 4)
+    };
+    let e = Scheduler::new(c, Box::new(Fcfs), [0, 0])
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("max_num_seqs") && e.contains("max_logit_rows"),
+        "{e}"
+    );
+    let c = SchedulerConfig {
+        max_num_seqs: 8,
+        max_logit_rows: 8,
+        ..config(4, 4)
+    };
+    assert!(Scheduler::new(c, Box::new(Fcfs), [0, 0]).is_ok());
 }

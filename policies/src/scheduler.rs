@@ -164,6 +164,17 @@ pub fn validate_config(c: &SchedulerConfig) -> Result<(), SchedulerError> {
     check_limit("num_gpu_blocks", c.num_gpu_blocks, MAX_BLOCKS)?;
     check_limit("max_model_len", c.max_model_len, MAX_LIMIT)?;
     check_limit("max_loras", c.max_loras, MAX_LORAS)?;
+    // Every seat keeps a row of logits (a step may sample every running sequence).
+    if c.max_logit_rows < c.max_num_seqs {
+        return Err(config_err(
+            "max_num_seqs",
+            format!(
+                "{} exceeds max_logit_rows ({}), the rows of logits the backend computes per \
+                 step: every sequence that samples needs one",
+                c.max_num_seqs, c.max_logit_rows
+            ),
+        ));
+    }
     if let Some(spec) = &c.speculative {
         spec.validate()?;
     }

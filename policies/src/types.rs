@@ -89,8 +89,9 @@ pub struct SamplingLimits {
     pub eos_token_id: Option<TokenId>,
     /// Whether to keep generating past the EOS token.
     pub ignore_eos: bool,
-    /// Every prompt position needs a row of logits (prompt logprobs): the request's prefill
-    /// chunks count against the step's logit-row budget ([`SchedulerConfig::max_logit_rows`]).
+    /// Every prompt position needs a row of logits (prompt logprobs): beyond the row its
+    /// seat keeps, each chunk of the request takes a row per further token from the step's
+    /// shared logit rows ([`SchedulerConfig::max_logit_rows`]); its decodes take none.
     pub prompt_logits: bool,
     /// Whether the request may be fed draft tokens when speculative decoding is on
     /// ([`SchedulerConfig::speculative`]); false where the backend cannot verify drafts for
@@ -223,9 +224,10 @@ pub struct SchedulerConfig {
     pub max_model_len: usize,
     /// Service tiers known to this scheduler.
     pub tiers: Vec<TierSpec>,
-    /// Most rows of logits the backend computes in one step. One row is kept for every
-    /// sequence that may sample; the rest bounds the prefill chunks of requests that need
-    /// logits for every prompt position ([`SamplingLimits::prompt_logits`]).
+    /// Most rows of logits the backend computes in one step, at least `max_num_seqs`. One row
+    /// is kept for every sequence that may sample; the rest bounds the prefill chunks of
+    /// requests that need logits for every prompt position ([`SamplingLimits::prompt_logits`])
+    /// and the drafts.
     #[serde(default = "unbounded")]
     pub max_logit_rows: usize,
     /// Most distinct LoRA adapters among the running sequences at any time (default 4), so

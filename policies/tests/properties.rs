@@ -235,18 +235,27 @@ fn check_plan(
         sum,
         w.max_num_batched_tokens
     );
-    let drafts: usize = plan.seqs.iter().map(|q| q.draft_tokens.len()).sum();
+    // Rows of logits the backend may compute: every token of a prompt-logprob chunk, else
+    // the sampled row and the drafts'. Each entry keeps one row of its seat; the rest share
+    // the spare ones.
     let logit_rows: usize = plan
         .seqs
         .iter()
-        .filter(|q| w.reqs[q.id.0 as usize].prompt_logits)
-        .map(|q| q.num_new_tokens - q.draft_tokens.len())
+        .map(|q| {
+            if w.reqs[q.id.0 as usize].prompt_logits {
+                q.num_new_tokens
+            } else if q.samples {
+                1 + q.draft_tokens.len()
+            } else {
+                0
+            }
+        })
         .sum();
     prop_assert!(
-        logit_rows + drafts <= w.spare_logit_rows,
-        "prompt-logprob chunks and drafts take {} + {} logit rows, {} spare",
+        logit_rows <= plan.seqs.len() + w.spare_logit_rows,
+        "{} rows of logits for {} entries, {} spare",
         logit_rows,
-        drafts,
+        plan.seqs.len(),
         w.spare_logit_rows
     );
     for q in &plan.seqs {

@@ -113,7 +113,11 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
     );
     let kind = runtime::parse_backend(&args.backend)?;
     if let Some(b) = args.decode_batch {
-        anyhow::ensure!((1..=4096).contains(&b), "--decode-batch must be 1..=4096");
+        anyhow::ensure!(
+            (1..=switchyard_gpu::backend::MAX_LOGIT_ROWS).contains(&b),
+            "--decode-batch must be 1..={}",
+            switchyard_gpu::backend::MAX_LOGIT_ROWS
+        );
     }
     // Real weights from a file, or random weights of a named architecture.
     let loaded = match &args.dummy {

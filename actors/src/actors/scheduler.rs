@@ -156,6 +156,9 @@ impl SchedulerActor {
         };
         if planned.plan.seqs.is_empty() && planned.commit.is_empty() {
             if self.in_flight.is_some() {
+                // Collecting now resolves the step in flight, as a held-back preemption
+                // wants: the next plan is made in order, so the flag has done its work.
+                self.core.take_preemption_wanted();
                 return self.collect(step_start, ctx);
             }
             self.release_ended();

@@ -199,6 +199,37 @@ mod tests {
     }
 
     #[test]
+    fn every_documented_parameter_is_accepted() {
+        // README's "Scheduling policies" table, plus the parameters each `create` documents.
+        let cases = [
+            ("fcfs", "{}"),
+            (
+                "priority",
+                "{aging_interval_ms: 500, preempt: false, preempted_boost_cap: 2}",
+            ),
+            ("chunked-prefill", "{token_budget: 64}"),
+            (
+                "slo-aware",
+                "{step_overhead_ms: 2, prefill_us_per_token: 4, min_chunk_tokens: 16, \
+                 pace_fraction: 0.5}",
+            ),
+            (
+                "fair-share",
+                "{input_weight: 1, output_weight: 3, tenant_weights: {a: 2}}",
+            ),
+        ];
+        let r = PolicyRegistry::with_builtins();
+        assert_eq!(cases.len(), r.names().len(), "a policy has no case");
+        for (name, params) in cases {
+            let v: serde_yaml::Value = serde_yaml::from_str(params).unwrap();
+            match r.create(name, &v, &[]) {
+                Ok(p) => assert_eq!(p.name(), name),
+                Err(e) => panic!("{name} {params}: {e}"),
+            }
+        }
+    }
+
+    #[test]
     fn unknown_name_lists_known_names() {
         let r = PolicyRegistry::with_builtins();
         let err = r

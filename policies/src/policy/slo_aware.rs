@@ -74,6 +74,7 @@ impl SloAware {
                 "step_overhead_ms",
                 "prefill_us_per_token",
                 "min_chunk_tokens",
+                "pace_fraction",
             ],
         )?;
         let overhead = p.f64_in("step_overhead_ms", 8.0, 0.0, 1e6)?;
@@ -274,6 +275,49 @@ mod tests {
         assert!(p.may_preempt(SeqView::new(&urgent), SeqView::new(&batch), now));
         assert!(!p.may_preempt(SeqView::new(&urgent), SeqView::new(&other), now));
         assert!(!p.may_preempt(SeqView::new(&batch), SeqView::new(&batch), now));
+    }
+
+    #[test]
+    fn every_documented_parameter_is_taken() {
+        // README's policy table: step_overhead_ms, prefill_us_per_token, min_chunk_tokens,
+        // pace_fraction (this one was refused as unknown).
+        let v: serde_yaml::Value = serde_yaml::from_str(
+            "{step_overhead_ms: 2, prefill_us_per_token: 4, min_chunk_tokens: 16, \
+             pace_fraction: 0.5}",
+        )
+        .unwrap();
+        let p = SloAware::create(&v, &[]).unwrap();
+        assert_eq!(p.name(), NAME);
+        let want = SloAware {
+            pace_fraction: 0.5,
+            ..SloAware::new(2.0, 4.0, 16)
+        };
+        // The parameters only show through the budget: a decode due in 10 ms at t = 0, 5 ms
+        // TPOT: (10000 * 0.5 - 2000) / 4 = 750 tokens.
+        let a = with_slo(decoding(seq(1, 0, 4), 2, 0), None, Some(5.0));
+        let seqs = vec![Some(a)];
+        let ctx = StepContext {
+            now: Timestamp(0),
+            max_num_batched_tokens: 8192,
+            max_num_seqs: 8,
+            seqs: &seqs,
+            running: &[0],
+        };
+        assert_eq!(p.token_budget(&ctx), 750);
+        assert_eq!(want.token_budget(&ctx), 750);
+        // min_chunk_tokens: when nothing is affordable, one decode plus 16.
+        let late = StepContext {
+            now: Timestamp(100_000),
+            ..ctx
+        };
+        let v: serde_yaml::Value =
+            serde_yaml::from_str("{step_overhead_ms: 50, min_chunk_tokens: 16}").unwrap();
+        let tight = SloAware::create(&v, &[]).unwrap();
+        assert_eq!(tight.token_budget(&late), 1 + 16);
+        // Out of range is refused, naming the field.
+        let bad: serde_yaml::Value = serde_yaml::from_str("{pace_fraction: 2}").unwrap();
+        let e = SloAware::create(&bad, &[]).err().unwrap().to_string();
+        assert!(e.contains("pace_fraction"), "{e}");
     }
 
     #[test]
