@@ -219,7 +219,7 @@ struct SeqState {
     /// No token sampled yet: fed tokens are prompt tokens.
     in_prompt: bool,
     /// Log-softmax of the last row of the previous prompt chunk (for prompt logprobs).
-    pending: Option<Vec<f32>>,
+    pending: Option<HeldRow>,
     /// The last sampled token (what a [`PENDING_TOKEN`] stands for).
     last: Option<u32>,
 }
@@ -632,14 +632,24 @@ pub(crate) fn logit_rows_of(s: &SeqInput, prompt_logprobs: bool) -> Vec<usize> {
     }
 }
 
+/// The log-softmax row of a prompt chunk's last token, held for the next chunk's first.
+pub(crate) struct HeldRow {
+    /// The position whose token the row scores.
+    position: usize,
+    row: Vec<f32>,
+}
+
 /// The prompt logprobs a step completed for one sequence, from the log-softmax `rows` of its
 /// tokens (one per token of `s.tokens`). The row held back from the sequence's previous chunk
 /// (`pending`) scores this chunk's first token, each row but the last scores the next token,
 /// and the last row is held back for the next chunk unless the step samples (then the prompt
-/// is complete). Both backends report prompt logprobs through this one function.
+/// is complete). A held row scores only the position it was held for: a sequence preempted
+/// between chunks starts again earlier (at a block boundary, or at 0), where the row does not
+/// belong (that position's logprob went out before). Both backends report prompt logprobs
+/// through this one function.
 pub(crate) fn prompt_logprobs(
     s: &SeqInput,
-    pending: &mut Option<Vec<f32>>,
+    pending: &mut Option<HeldRow>,
     rows: impl IntoIterator<Item = Vec<f32>>,
 ) -> Vec<PromptLogprob> {
     let n = s.sampling.prompt_logprobs.unwrap_or(0) as usize;
@@ -651,7 +661,9 @@ pub(crate) fn prompt_logprobs(
     };
     let mut out = Vec::with_capacity(s.tokens.len());
     if let Some(prev) = pending.take() {
-        out.push(entry(&prev, s.num_computed_tokens, s.tokens[0]));
+        if prev.position == s.num_computed_tokens {
+            out.push(entry(&prev.row, s.num_computed_tokens, s.tokens[0]));
+        }
     }
     let mut last = None;
     for (j, lp) in rows.into_iter().enumerate().take(s.tokens.len()) {
@@ -661,7 +673,10 @@ pub(crate) fn prompt_logprobs(
         last = Some(lp);
     }
     if !s.sample {
-        *pending = last;
+        *pending = last.map(|row| HeldRow {
+            position: s.num_computed_tokens + s.tokens.len(),
+            row,
+        });
     }
     out
 }
@@ -718,4 +733,73 @@ fn step_sequence(
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chunk(num_computed_tokens: usize, tokens: Vec<u32>, sample: bool) -> SeqInput {
+        SeqInput {
+            seq_id: 1,
+            num_computed_tokens,
+            tokens,
+            block_table: Vec::new(),
+            sample,
+            num_drafts: 0,
+            sampling: Arc::new(SamplingParams {
+                prompt_logprobs: Some(0),
+                ..SamplingParams::default()
+            }),
+            adapter: None,
+        }
+    }
+
+    /// A row over 4 tokens that gives token `t` the logprob `-t - 10 p` (`p` tells the rows
+    /// apart).
+    fn row(p: usize) -> Vec<f32> {
+        (0..4).map(|t| -(t as f32) - 10.0 * p as f32).collect()
+    }
+
+    #[test]
+    fn a_held_row_scores_only_the_position_it_was_held_for() {
+        let mut pending = None;
+        // Chunk 0..3 (tokens 0, 1, 2): rows 0 and 1 score positions 1 and 2; row 2 is held.
+        let out = prompt_logprobs(
+            &chunk(0, vec![0, 1, 2], false),
+            &mut pending,
+            (0..3).map(row),
+        );
+        let got: Vec<(usize, u32, f32)> = out
+            .iter()
+            .map(|e| (e.position, e.token, e.logprob))
+            .collect();
+        assert_eq!(got, [(1, 1, -1.0), (2, 2, -12.0)]);
+        // The next chunk from position 3: the held row scores its first token.
+        let out = prompt_logprobs(&chunk(3, vec![3, 0], true), &mut pending, (3..5).map(row));
+        let got: Vec<(usize, u32, f32)> = out
+            .iter()
+            .map(|e| (e.position, e.token, e.logprob))
+            .collect();
+        assert_eq!(got, [(3, 3, -23.0), (4, 0, -30.0)]);
+        assert!(pending.is_none(), "a sampling step holds nothing");
+        // Preempted after the first chunk, the sequence starts again at 0 (or a block
+        // boundary before 3): the held row does not belong there.
+        let mut pending = None;
+        prompt_logprobs(
+            &chunk(0, vec![0, 1, 2], false),
+            &mut pending,
+            (0..3).map(row),
+        );
+        let out = prompt_logprobs(
+            &chunk(0, vec![0, 1, 2, 3], false),
+            &mut pending,
+            (0..4).map(row),
+        );
+        assert_eq!(
+            out.iter().map(|e| e.position).collect::<Vec<_>>(),
+            [1, 2, 3],
+            "position 0 has no logprob, whatever was held"
+        );
+    }
 }

@@ -27,7 +27,7 @@ pub(crate) struct SeqState {
     /// No token sampled yet: fed tokens are prompt tokens.
     pub in_prompt: bool,
     /// Log-softmax of the last row of the previous prompt chunk (for prompt logprobs).
-    pub pending: Option<Vec<f32>>,
+    pub pending: Option<crate::backend::HeldRow>,
     /// Prompt tokens (repetition penalty only).
     seen: HashSet<u32>,
     /// Output token counts (penalties only).
