@@ -245,6 +245,18 @@ fn bad_inputs_get_openai_errors_and_the_server_keeps_serving() {
         ),
         (json!({"model": name}), 400, "prompt"),
         (json!({"model": name, "prompt": [99999999]}), 400, ""),
+        // Ids outside the vocabulary, refused before the request reaches a step (where they
+        // would fail every request of the step), streamed or not.
+        (
+            json!({"model": name, "prompt": "hi", "logit_bias": {"4000000000": 1}}),
+            400,
+            "",
+        ),
+        (
+            json!({"model": name, "prompt": "hi", "stop_token_ids": [99999999], "stream": true}),
+            400,
+            "",
+        ),
     ];
     for (body, status, param) in cases {
         let (got, v) = s.post_json("/v1/completions", &body);

@@ -682,6 +682,21 @@ fn reasoning_is_read_apart_when_the_template_thinks() {
         "{v}"
     );
     assert!(!content.contains("think") && content.ends_with('.'), "{v}");
+    // A schema holds the answer from its first token: no room to think, all of it content.
+    let (status, v) = s.post_json(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "Describe a cat."}], "max_tokens": 40,
+                "temperature": 0, "response_format": {"type": "json_object"}}),
+    );
+    assert_eq!(status, 200, "{v}");
+    let message = &v["choices"][0]["message"];
+    assert!(message.get("reasoning_content").is_none(), "{v}");
+    assert!(
+        message["content"]
+            .as_str()
+            .is_some_and(|t| t.starts_with('{')),
+        "{v}"
+    );
     drop(s);
 
     // With the parser off, the block stays in the content.

@@ -48,6 +48,30 @@ async fn completion_repeats_the_prompt_up_to_max_tokens() {
 }
 
 #[actix_web::test]
+async fn completion_without_max_tokens_stops_at_sixteen_tokens() {
+    // OpenAI's legacy completions and vLLM default max_tokens to 16 on /v1/completions.
+    let engine = EchoEngine::new();
+    let (_, app) = app(engine.clone(), api_config()).await;
+    let reply = send(&app, post("/v1/completions", &json!({"prompt": "abc"}))).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    let response: CreateCompletionResponse = serde_json::from_slice(&reply.body).unwrap();
+    assert_eq!(response.choices[0].text, "abcabcabcabcabca");
+    assert_eq!(
+        response.choices[0].finish_reason,
+        Some(CompletionFinishReason::Length)
+    );
+    assert_eq!(response.usage.unwrap().completion_tokens, 16);
+    assert_eq!(engine.last_request().max_tokens, Some(16));
+    // Chat keeps generating up to the context window.
+    let body = json!({"messages": [{"role": "user", "content": "hi"}]});
+    let reply = send(&app, post("/v1/chat/completions", &body)).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(engine.last_request().max_tokens, None);
+    // "user: hi\nassistant:" is 19 tokens of the 64.
+    assert_eq!(reply.json()["usage"]["completion_tokens"], 45);
+}
+
+#[actix_web::test]
 async fn completion_fields_reach_the_engine() {
     let engine = EchoEngine::new();
     let (_, app) = app(engine.clone(), api_config()).await;

@@ -53,11 +53,18 @@ async fn bad_inputs_get_400_with_the_field_named() {
         ("/v1/completions", r#"{"prompt": "x", "logit_bias": {"5": 150}}"#.into(), Some("logit_bias")),
         ("/v1/completions", r#"{"prompt": "x", "logit_bias": {"999": 1}}"#.into(), Some("logit_bias")),
         ("/v1/completions", r#"{"prompt": "x", "stream": true, "n": 0}"#.into(), Some("n")),
+        // One token id named four ways would get four times the bias.
+        ("/v1/completions", r#"{"prompt": "x", "logit_bias": {"5": 100, "05": 100, "+5": 100, " 5": 100}}"#.into(), Some("logit_bias")),
+        // Refused before the stream opens, not by the scheduler after it.
+        ("/v1/completions", r#"{"prompt": "x", "max_tokens": 2, "min_tokens": 3, "stream": true}"#.into(), Some("min_tokens")),
+        ("/v1/completions", r#"{"prompt": "x", "min_tokens": 17, "stream": true}"#.into(), Some("min_tokens")),
+        ("/v1/completions", r#"{"prompt": ["a", "b"], "echo": true, "logprobs": 20}"#.into(), Some("echo")),
         ("/v1/chat/completions", r#"{"messages": []}"#.into(), Some("messages")),
         ("/v1/chat/completions", r#"{"messages": [{"role": "function", "content": "x"}]}"#.into(), Some("messages[0].role")),
         ("/v1/chat/completions", r#"{"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 21}"#.into(), Some("top_logprobs")),
         ("/v1/chat/completions", r#"{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}"#.into(), Some("tools[0].function")),
         ("/v1/chat/completions", r#"{"messages": [{"role": "user", "content": 5}]}"#.into(), Some("messages[0].content")),
+        ("/v1/chat/completions", r#"{"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 2, "min_tokens": 3, "stream": true}"#.into(), Some("min_tokens")),
     ];
     for (path, body, param) in cases {
         let error = check_bad(path, &body, 400, param).await;

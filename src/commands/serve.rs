@@ -189,11 +189,12 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let mut api_config = api_config(&config, tool_format)?;
     api_config.reasoning = reasoning;
     let options = ServerOptions {
-        bind: vec![format!("{}:{}", config.server.host, config.server.port)
-            .parse()
-            .with_context(|| {
+        bind: vec![std::net::SocketAddr::new(
+            config.server.host.parse().with_context(|| {
                 format!("server.host `{}` is not an IP address", config.server.host)
-            })?],
+            })?,
+            config.server.port,
+        )],
         workers: config.server.workers,
         shutdown_timeout: Duration::from_secs(config.server.drain_timeout_s),
         ..ServerOptions::default()
@@ -295,15 +296,14 @@ fn api_config(config: &Config, tool_format: ToolFormat) -> anyhow::Result<ApiCon
             "{} is too large",
             path.display()
         );
+        anyhow::ensure!(meta.is_file(), "{} is not a file", path.display());
         let text = std::fs::read_to_string(&path)?;
         let entries: Vec<switchyard_config::ApiKeyEntry> =
             serde_yaml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
-        for k in entries {
-            anyhow::ensure!(
-                k.key.len() >= 8 && k.key.len() <= 512,
-                "{}: API keys must be 8-512 bytes",
-                path.display()
-            );
+        for (i, k) in entries.into_iter().enumerate() {
+            if let Err((field, why)) = k.check(&config.tiers) {
+                anyhow::bail!("{} entry {i}, {field}: {why}", path.display());
+            }
             keys.push(ApiKeyEntry {
                 key: k.key,
                 tenant: k.tenant,

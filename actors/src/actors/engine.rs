@@ -207,6 +207,8 @@ pub struct Engine {
     next_id: Arc<AtomicU64>,
     in_flight: Arc<AtomicUsize>,
     config: Arc<EngineConfig>,
+    /// The tokenizer's vocabulary size (token ids a request may name are below it).
+    vocab: usize,
     /// False once the executor retired its backend (a panic it does not recover from).
     backend_alive: Arc<AtomicBool>,
 }
@@ -261,6 +263,7 @@ impl Engine {
             ExecutorActor::new(slot.lock().unwrap_or_else(|p| p.into_inner()).take())
                 .reporting_to(alive.clone())
         });
+        let vocab = tokenizer.vocab_size();
         let tok = tokenizer.clone();
         let grammars = LazyGrammarCompiler::default();
         let tokenizers = SyncArbiter::start(config.tokenizer_threads.max(1), move || {
@@ -292,6 +295,7 @@ impl Engine {
             next_id: Arc::new(AtomicU64::new(1)),
             in_flight: Arc::new(AtomicUsize::new(0)),
             config: Arc::new(config),
+            vocab,
             backend_alive,
         })
     }
@@ -406,6 +410,30 @@ impl Engine {
             adapter,
             constraints,
         } = resolved;
+        // What the backend checks of each step is checked here first: a bad value would fail
+        // the whole step, every request in it with this one.
+        let named = options.sampling.logit_bias.iter().map(|b| b.0);
+        let named = named.chain(options.sampling.stop_token_ids.iter().copied());
+        let check = options
+            .sampling
+            .validate(usize::MAX)
+            .map_err(|e| e.to_string());
+        let check =
+            check.and_then(
+                |()| match named.into_iter().find(|&t| t as usize >= self.vocab) {
+                    Some(t) => Err(format!(
+                "token id {t} in logit_bias or stop_token_ids is outside the vocabulary (size {})",
+                self.vocab
+            )),
+                    None => Ok(()),
+                },
+            );
+        if let Err(message) = check {
+            return Err((
+                SubmitError::new(SubmitErrorKind::InvalidRequest, message),
+                sink,
+            ));
+        }
         let max_len = self.max_model_len();
         if prompt.is_empty() {
             return Err((

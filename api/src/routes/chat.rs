@@ -6,10 +6,10 @@ use bytes::Bytes;
 use super::{check_model, engine_requests, request_id_header};
 use crate::auth::Principal;
 use crate::body::read_json;
-use crate::engine::{FinishReason, TokenLogprob};
+use crate::engine::{FinishReason, StructuredOutputSpec, TokenLogprob};
 use crate::error::ApiError;
 use crate::generation::{ChoiceDelta, Generation};
-use crate::schema::reasoning::ThinkSplitter;
+use crate::schema::reasoning::{ThinkSplitter, THINK_CLOSE};
 use crate::schema::tools::{ToolAnswer, ToolPiece, ToolStream};
 use crate::schema::{
     ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatLogprobs, ChatRequest, ChatResponse,
@@ -33,6 +33,16 @@ pub(crate) async fn chat_completions(
     let id = request_id("chatcmpl-", request_id_header(&req));
     let requests = engine_requests(&id, &validated, &principal, None, lora.as_deref());
     let generation = Generation::start(&*state.engine, requests, validated.n, "messages").await?;
+    let free_text = match &validated.structured {
+        None | Some(StructuredOutputSpec::ToolCalls(_)) => {
+            validated.tool_calls != Some(ToolAnswer::Calls)
+        }
+        // A client's own regex or grammar may write the block.
+        Some(StructuredOutputSpec::Regex(g) | StructuredOutputSpec::Grammar(g)) => {
+            g.contains(THINK_CLOSE)
+        }
+        Some(_) => false,
+    };
     let writer = ChatWriter {
         id,
         created: unix_now(),
@@ -44,11 +54,18 @@ pub(crate) async fn chat_completions(
                 .map(|_| ToolStream::new(tool_format))
                 .collect()
         }),
-        thinking: state.config.reasoning.map(|start| {
-            (0..generation.choices())
-                .map(|_| ThinkSplitter::new(start))
-                .collect()
-        }),
+        // A grammar that holds the answer from its first token (a schema, a choice, calls
+        // only, a regex or grammar that does not write </think>) leaves the model no room to
+        // think: what it writes is the answer, even where the generation prompt opened a
+        // <think> block.
+        thinking: free_text
+            .then_some(state.config.reasoning)
+            .flatten()
+            .map(|start| {
+                (0..generation.choices())
+                    .map(|_| ThinkSplitter::new(start))
+                    .collect()
+            }),
         held: vec![Vec::new(); generation.choices()],
         calls_only: validated.tool_calls == Some(ToolAnswer::Calls),
     };

@@ -1,5 +1,6 @@
 //! OpenAI wire types: request bodies with their validation, response bodies and stream chunks.
 
+mod held;
 pub mod reasoning;
 mod request;
 mod response;
@@ -19,6 +20,11 @@ pub use limits::*;
 
 /// Bounds on every count a request can carry.
 pub mod limits {
+    /// Completion length limit of a `/v1/completions` request without `max_tokens` (at most
+    /// the context length), as in OpenAI's legacy completions API and vLLM's
+    /// `CompletionRequest`. Chat completions without a limit generate up to the context
+    /// window, as theirs do.
+    pub const DEFAULT_COMPLETION_MAX_TOKENS: u32 = 16;
     /// Most choices per prompt (`n`).
     pub const MAX_N: u32 = 16;
     /// Most prompts in one completions request.
@@ -41,6 +47,15 @@ pub mod limits {
     pub const MAX_LOGIT_BIAS: usize = 300;
     /// Most alternatives per token (`logprobs`, `top_logprobs`).
     pub const MAX_LOGPROBS: u32 = 20;
+    /// Most prompt-logprob entries per prompt position of a `/v1/completions` request with both
+    /// `echo` and `logprobs`: prompts × n × (logprobs + 1) must not exceed it. Each choice
+    /// echoes its prompt's logprobs, `logprobs + 1` entries per prompt token, and prompt token
+    /// counts are only known after tokenization, but no prompt is longer than the context
+    /// length, so a response carries at most this many times the context length of them (and
+    /// the engine computes at most this many prompts' worth of logits). It is what one prompt
+    /// with one choice and [`MAX_LOGPROBS`] needs, so scoring one prompt always fits; many
+    /// prompts or choices must ask for fewer alternatives.
+    pub const MAX_ECHO_LOGPROB_ENTRIES: usize = MAX_LOGPROBS as usize + 1;
     /// Most token ids accepted by `/detokenize`.
     pub const MAX_DETOKENIZE_TOKENS: usize = 1 << 20;
     /// Most bytes of a structured-output schema, regex, grammar or choice list.

@@ -10,6 +10,8 @@
 //! ([`ThinkStart::Prompt`]). The whitespace between `</think>` and the answer is dropped.
 //! [`ThinkSplitter`] reads the text as it streams, holding back only what may be part of a tag.
 
+use super::held::{leading_space, partial_tag, MAX_HELD_SPACE};
+
 /// Who opens the `<think>` block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ThinkStart {
@@ -35,9 +37,6 @@ impl ThinkStart {
 pub const THINK_OPEN: &str = "<think>";
 /// Closes the reasoning.
 pub const THINK_CLOSE: &str = "</think>";
-
-/// Most whitespace held back before `<think>` or after `</think>`: longer runs are content.
-const MAX_HELD_SPACE: usize = 256;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
@@ -68,22 +67,6 @@ pub struct ThinkSplitter {
     held: String,
     /// Whether the output opened with `<think>`.
     reasoned: bool,
-}
-
-/// How much of the end of `text` may be the start of `tag`.
-fn partial_tag(text: &str, tag: &str) -> usize {
-    (1..tag.len())
-        .rev()
-        .find(|&k| text.ends_with(&tag[..k]))
-        .unwrap_or(0)
-}
-
-/// The length of `text`'s leading ASCII whitespace.
-fn leading_space(text: &str) -> usize {
-    text.len()
-        - text
-            .trim_start_matches(|c: char| c.is_ascii_whitespace())
-            .len()
 }
 
 impl ThinkSplitter {

@@ -59,7 +59,7 @@ pub struct CompletionRequest {
     pub model: Option<String>,
     /// The prompt(s).
     pub prompt: PromptField,
-    /// Completion length limit.
+    /// Completion length limit; [`DEFAULT_COMPLETION_MAX_TOKENS`] if absent.
     pub max_tokens: Option<u32>,
     /// Choices per prompt.
     pub n: Option<u32>,
@@ -239,7 +239,7 @@ pub struct Validated {
     pub stop: Vec<String>,
     /// Choices per prompt.
     pub n: u32,
-    /// Completion length limit.
+    /// Completion length limit; `None` (chat only) means up to the context window.
     pub max_tokens: Option<u32>,
     /// Top-logprobs count per sampled token, if asked.
     pub logprobs: Option<u32>,
@@ -326,6 +326,53 @@ fn parse_max_tokens(
     }
 }
 
+/// Refuses a `min_tokens` the request can never reach, so that it fails with a 400 rather
+/// than in the scheduler once a stream has begun: above the completion length limit
+/// (`limit`: the value and how the request set it), or, without a limit, at or above the
+/// context length (the prompt takes at least one of its tokens).
+fn check_min_tokens(
+    min_tokens: u32,
+    limit: Option<(&str, u32)>,
+    max_model_len: usize,
+) -> Result<(), ApiError> {
+    match limit {
+        Some((name, max)) if min_tokens > max => Err(ApiError::invalid(
+            "min_tokens",
+            format!("min_tokens ({min_tokens}) must be at most {name} ({max})"),
+        )),
+        None if usize::try_from(min_tokens).map_or(true, |m| m >= max_model_len) => {
+            Err(ApiError::invalid(
+                "min_tokens",
+                format!(
+                    "min_tokens must be less than the context length {max_model_len}, \
+                     got {min_tokens}"
+                ),
+            ))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Bounds the prompt logprobs of a request with `echo` and `logprobs`: every choice carries
+/// `logprobs + 1` entries per token of its prompt, so prompts × n × (logprobs + 1) is at most
+/// [`MAX_ECHO_LOGPROB_ENTRIES`] (prompts are at most the context length each).
+fn check_echo_logprobs(prompts: usize, n: u32, logprobs: u32) -> Result<(), ApiError> {
+    let per_position = prompts
+        .saturating_mul(usize::try_from(n).unwrap_or(usize::MAX))
+        .saturating_mul(usize::try_from(logprobs).map_or(usize::MAX, |k| k.saturating_add(1)));
+    if per_position > MAX_ECHO_LOGPROB_ENTRIES {
+        return Err(ApiError::invalid(
+            "echo",
+            format!(
+                "echo with logprobs returns logprobs + 1 entries per prompt token for every \
+                 choice; prompts × n × (logprobs + 1) must be at most \
+                 {MAX_ECHO_LOGPROB_ENTRIES}, got {prompts} × {n} × ({logprobs} + 1)"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 fn check_token_prompt(tokens: Vec<u32>, max_model_len: usize) -> Result<PromptInput, ApiError> {
     if tokens.is_empty() {
         return Err(ApiError::invalid("prompt", "prompt must not be empty"));
@@ -391,15 +438,34 @@ impl CompletionRequest {
                     .collect::<Result<_, _>>()?
             }
         };
+        let echo = self.echo.unwrap_or(false);
+        if let Some(k) = self.logprobs.filter(|_| echo) {
+            check_echo_logprobs(prompts.len(), n, k)?;
+        }
+        let (limit_name, max_tokens) =
+            match parse_max_tokens("max_tokens", self.max_tokens, max_model_len)? {
+                Some(max) => ("max_tokens", max),
+                None => (
+                    "the default max_tokens",
+                    u32::try_from(max_model_len).map_or(DEFAULT_COMPLETION_MAX_TOKENS, |len| {
+                        len.min(DEFAULT_COMPLETION_MAX_TOKENS)
+                    }),
+                ),
+            };
+        check_min_tokens(
+            sampling.min_tokens,
+            Some((limit_name, max_tokens)),
+            max_model_len,
+        )?;
         let stream = self.stream.unwrap_or(false);
         Ok(Validated {
             prompts,
             sampling,
             stop: parse_stop(self.stop)?,
             n,
-            max_tokens: parse_max_tokens("max_tokens", self.max_tokens, max_model_len)?,
+            max_tokens: Some(max_tokens),
             logprobs: self.logprobs,
-            echo: self.echo.unwrap_or(false),
+            echo,
             stream,
             include_usage: stream_usage(stream, self.stream_options)?,
             priority: self.priority.unwrap_or(0),
@@ -493,10 +559,21 @@ impl ChatRequest {
                 structured = Some(StructuredOutputSpec::ToolCalls(grammar.to_owned()));
             }
         }
-        let max_tokens = match self.max_completion_tokens {
-            Some(v) => parse_max_tokens("max_completion_tokens", Some(v), max_model_len)?,
-            None => parse_max_tokens("max_tokens", self.max_tokens, max_model_len)?,
+        let (limit_name, max_tokens) = match self.max_completion_tokens {
+            Some(v) => (
+                "max_completion_tokens",
+                parse_max_tokens("max_completion_tokens", Some(v), max_model_len)?,
+            ),
+            None => (
+                "max_tokens",
+                parse_max_tokens("max_tokens", self.max_tokens, max_model_len)?,
+            ),
         };
+        check_min_tokens(
+            sampling.min_tokens,
+            max_tokens.map(|max| (limit_name, max)),
+            max_model_len,
+        )?;
         let stream = self.stream.unwrap_or(false);
         Ok(Validated {
             prompts: vec![PromptInput::Chat {
@@ -723,6 +800,81 @@ mod tests {
         assert_eq!(v.sampling, SamplingOptions::default());
         assert!(!v.stream && !v.echo && !v.include_usage);
         assert_eq!(v.prompts, vec![PromptInput::Text("hi".into())]);
+        // Completions stop at 16 tokens by default (OpenAI, vLLM); chat runs to the context.
+        assert_eq!(v.max_tokens, Some(DEFAULT_COMPLETION_MAX_TOKENS));
+        let v = completion(serde_json::json!({"prompt": "hi", "max_tokens": 100})).unwrap();
+        assert_eq!(v.max_tokens, Some(100));
+        let chat: ChatRequest = serde_json::from_value(
+            serde_json::json!({"messages": [{"role": "user", "content": "hi"}]}),
+        )
+        .unwrap();
+        assert_eq!(
+            chat.validate(128, ToolFormat::Hermes).unwrap().max_tokens,
+            None
+        );
+    }
+
+    #[test]
+    fn min_tokens_above_max_tokens_is_refused_before_generation() {
+        let chat = |extra: serde_json::Value| {
+            let mut json = serde_json::json!({"messages": [{"role": "user", "content": "x"}]});
+            if let (Some(body), Some(extra)) = (json.as_object_mut(), extra.as_object()) {
+                body.extend(extra.clone());
+            }
+            let req: ChatRequest = serde_json::from_value(json).unwrap();
+            req.validate(128, ToolFormat::Hermes)
+        };
+        let refused = [
+            completion(serde_json::json!({"prompt": "x", "max_tokens": 4, "min_tokens": 5})),
+            completion(serde_json::json!({"prompt": "x", "min_tokens": 17, "stream": true})),
+            chat(serde_json::json!({"max_tokens": 4, "min_tokens": 5})),
+            chat(serde_json::json!({"max_tokens": 9, "max_completion_tokens": 4, "min_tokens": 5})),
+            chat(serde_json::json!({"min_tokens": 128})),
+        ];
+        for result in refused {
+            assert_eq!(param_of(result).as_deref(), Some("min_tokens"));
+        }
+        let accepted = [
+            completion(serde_json::json!({"prompt": "x", "max_tokens": 4, "min_tokens": 4})),
+            completion(serde_json::json!({"prompt": "x", "min_tokens": 16})),
+            chat(serde_json::json!({"max_completion_tokens": 9, "max_tokens": 4, "min_tokens": 5})),
+            chat(serde_json::json!({"min_tokens": 127})),
+        ];
+        for result in accepted {
+            assert!(result.is_ok(), "{result:?}");
+        }
+    }
+
+    #[test]
+    fn echo_with_logprobs_is_bounded_per_prompt_position() {
+        let prompts = |count: usize| serde_json::json!(vec!["x"; count]);
+        let refused = [
+            serde_json::json!({"prompt": ["a", "b"], "echo": true, "logprobs": 20}),
+            serde_json::json!({"prompt": "x", "n": 16, "echo": true, "logprobs": 1}),
+            serde_json::json!({"prompt": prompts(MAX_ECHO_LOGPROB_ENTRIES + 1), "echo": true,
+                "logprobs": 0}),
+        ];
+        for json in refused {
+            assert_eq!(
+                param_of(completion(json.clone())).as_deref(),
+                Some("echo"),
+                "{json}"
+            );
+        }
+        let accepted = [
+            // Scoring one prompt with every alternative.
+            serde_json::json!({"prompt": "x", "echo": true, "logprobs": MAX_LOGPROBS}),
+            serde_json::json!({"prompt": [1, 2], "n": 16, "echo": true, "logprobs": 0}),
+            serde_json::json!({"prompt": ["a", "b"], "n": 2, "echo": true, "logprobs": 4}),
+            serde_json::json!({"prompt": prompts(MAX_ECHO_LOGPROB_ENTRIES), "echo": true,
+                "logprobs": 0}),
+            // Either alone is unbounded by this.
+            serde_json::json!({"prompt": prompts(MAX_PROMPTS), "echo": true}),
+            serde_json::json!({"prompt": ["a", "b"], "n": 16, "logprobs": MAX_LOGPROBS}),
+        ];
+        for json in accepted {
+            assert!(completion(json.clone()).is_ok(), "{json}");
+        }
     }
 
     #[test]
@@ -769,6 +921,10 @@ mod tests {
             ),
             (
                 serde_json::json!({"prompt": "x", "logit_bias": {"5": 101}}),
+                "logit_bias",
+            ),
+            (
+                serde_json::json!({"prompt": "x", "logit_bias": {"5": 100, "05": 100}}),
                 "logit_bias",
             ),
             (serde_json::json!({"prompt": ""}), "prompt"),

@@ -126,6 +126,15 @@ fn parse_logit_bias(raw: Option<HashMap<String, f32>>) -> Result<Vec<(u32, f32)>
         bias.push((token, value));
     }
     bias.sort_by_key(|&(token, _)| token);
+    // Keys are parsed one by one ("5", "05", "+5" and " 5" all name token 5) and the samplers
+    // add entries up, so a repeated id would take its bias past [-100, 100].
+    if let Some(pair) = bias.windows(2).find(|pair| pair[0].0 == pair[1].0) {
+        let token = pair[0].0;
+        return Err(ApiError::invalid(
+            "logit_bias",
+            format!("logit_bias names token id {token} more than once"),
+        ));
+    }
     Ok(bias)
 }
 
@@ -155,6 +164,35 @@ mod tests {
             ..SamplerFields::default()
         };
         assert_eq!(param_of(fields).as_deref(), Some("logit_bias"));
+    }
+
+    #[test]
+    fn logit_bias_naming_a_token_twice_is_refused() {
+        let keys = ["5", "05", "+5", " 5"];
+        for pair in [&keys[..2], &keys[2..], &keys[..]] {
+            let fields = SamplerFields {
+                logit_bias: Some(pair.iter().map(|k| ((*k).to_owned(), 100.0)).collect()),
+                ..SamplerFields::default()
+            };
+            match fields.validate() {
+                Err(ApiError::InvalidRequest { message, param }) => {
+                    assert_eq!(param.as_deref(), Some("logit_bias"));
+                    assert!(message.contains("token id 5 "), "{message}");
+                }
+                other => panic!("expected an error for {pair:?}, got {other:?}"),
+            }
+        }
+        let fields = SamplerFields {
+            logit_bias: Some(HashMap::from([
+                ("5".to_owned(), 100.0),
+                ("6".to_owned(), 1.0),
+            ])),
+            ..SamplerFields::default()
+        };
+        assert_eq!(
+            fields.validate().unwrap().logit_bias,
+            vec![(5, 100.0), (6, 1.0)]
+        );
     }
 
     #[test]

@@ -23,6 +23,7 @@
 
 use serde_json::{Map, Value};
 
+use super::held::{partial_tag, trim_space_end, MAX_HELD_SPACE};
 use super::limits::MAX_STRUCTURED_BYTES;
 use crate::error::ApiError;
 
@@ -751,10 +752,6 @@ enum StreamState {
     Plain,
 }
 
-/// Most trailing whitespace held back in case a call follows, and most whitespace read
-/// between the parts of calls: longer runs are text.
-const MAX_HELD_SPACE: usize = 256;
-
 /// Where a bracketed JSON value ends, found byte by byte as its text arrives (strings and
 /// their escapes skipped), so that reading stays linear in the text however it is cut.
 #[derive(Debug, Default)]
@@ -920,22 +917,10 @@ pub struct ToolStream {
     cut: bool,
 }
 
-/// `text` without its trailing ASCII whitespace (a cut there is always on a character
-/// boundary).
-fn trim_space_end(text: &str) -> &str {
-    text.trim_end_matches(|c: char| c.is_ascii_whitespace())
-}
-
 /// How much of the end of `text` to hold back in case a call starts there: trailing
 /// whitespace (at most [`MAX_HELD_SPACE`] bytes of it), and a part of `<tool_call>` after it.
 fn held_suffix(text: &str) -> usize {
-    let mut keep = 0;
-    for k in (1..CALL_OPEN.len()).rev() {
-        if text.ends_with(&CALL_OPEN[..k]) {
-            keep = k;
-            break;
-        }
-    }
+    let keep = partial_tag(text, CALL_OPEN);
     let before = &text[..text.len() - keep];
     keep + (before.len() - trim_space_end(before).len()).min(MAX_HELD_SPACE)
 }
