@@ -1715,7 +1715,9 @@ fn a_qwen3_shaped_model_with_head_norms_matches_the_cpu() {
 
 /// Qwen3-0.6B's shape with YaRN as Qwen's model cards set it past 32K tokens (factor 4 over
 /// 32,768): the CPU backend multiplies cos and sin by YaRN's attention factor (as transformers
-/// does), the CUDA backend the softmax scale by its square.
+/// does), the CUDA backend the softmax scale by its square. Measured on the H200: bf16 8.7e-3 to
+/// 1.48e-2 (with or without graphs), an fp8 cache 4.5e-2 to 8.1e-2, fp8 layers 9.2e-2 to 1.36e-1
+/// (the logits are 1.30x larger than without YaRN's factor).
 #[test]
 fn a_yarn_scaled_model_matches_the_cpu() {
     let mut c = LlamaConfig::qwen3_06b();
