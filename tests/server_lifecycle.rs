@@ -353,3 +353,79 @@ fn sighup_rereads_the_policy_section() {
         .unwrap();
     assert_eq!(r.status, 200);
 }
+
+/// Cached prefixes are shared within a tenant, not across tenants (`cache.prefix_sharing:
+/// tenant`, the default), nor across `cache_salt`s; with `global`, tenants share.
+#[test]
+fn tenants_and_cache_salts_share_cached_prefixes_only_among_themselves() {
+    let keys = "  api_keys:\n    - { key: tenant-a-key-0001, tenant: a }\n    - { key: tenant-b-key-0001, tenant: b }\n";
+    // Three blocks of 16 tokens and more: a repeat finds at least 48 cached tokens.
+    let prompt = "Trains crossed the valley every morning, carrying coal, timber and letters \
+                  to the towns along the river, and the stationmaster wrote each one down in \
+                  a ledger bound in green leather, with the hour, the weight of the load and \
+                  the name of the driver, so that nothing was ever lost between the towns.";
+    for (sharing, tenants_share) in [("tenant", false), ("global", true)] {
+        let s = Server::start_with(
+            &format!("salt-{sharing}"),
+            keys,
+            &format!("cache:\n  prefix_sharing: {sharing}\n"),
+        );
+        let hits = || {
+            s.metric("switchyard:prefix_cache_hits_total")
+                .unwrap_or(0.0)
+        };
+        let post = |key: &str, salt: Option<&str>| {
+            let mut body = json!({"prompt": prompt, "max_tokens": 1, "temperature": 0});
+            if let Some(salt) = salt {
+                body["cache_salt"] = json!(salt);
+            }
+            let auth = format!("Bearer {key}");
+            let before = hits();
+            let r = s
+                .request(
+                    "POST",
+                    "/v1/completions",
+                    Some(&body.to_string()),
+                    &[("Authorization", &auth)],
+                )
+                .expect("request");
+            assert_eq!(r.status, 200, "{}", r.body);
+            hits() - before
+        };
+        let (a, b) = ("tenant-a-key-0001", "tenant-b-key-0001");
+        assert_eq!(post(a, None), 0.0, "{sharing}: nothing cached yet");
+        assert!(
+            post(a, None) >= 48.0,
+            "{sharing}: a tenant reuses its own prefix"
+        );
+        let across = post(b, None);
+        if tenants_share {
+            assert!(across >= 48.0, "{sharing}: tenants share ({across})");
+        } else {
+            assert_eq!(
+                across, 0.0,
+                "{sharing}: another tenant's prefix is not reused"
+            );
+            assert!(post(b, None) >= 48.0, "{sharing}: b reuses its own");
+        }
+        assert_eq!(
+            post(a, Some("s1")),
+            0.0,
+            "{sharing}: a new salt shares nothing"
+        );
+        assert!(
+            post(a, Some("s1")) >= 48.0,
+            "{sharing}: the same salt shares"
+        );
+        let r = s
+            .request(
+                "POST",
+                "/v1/completions",
+                Some(&json!({"prompt": "x", "cache_salt": ""}).to_string()),
+                &[("Authorization", "Bearer tenant-a-key-0001")],
+            )
+            .expect("request");
+        assert_eq!(r.status, 400, "{}", r.body);
+        assert!(r.body.contains("cache_salt"), "{}", r.body);
+    }
+}

@@ -98,6 +98,7 @@ fn request() -> RequestOptions {
         tier: String::new(),
         tenant: String::new(),
         prompt_logprobs: None,
+        cache_salt: None,
         lora: None,
         structured: None,
     }
@@ -151,6 +152,7 @@ fn start_engine(running: usize) -> (Arc<AtomicU64>, actix::System) {
                     tier_slos: Vec::new(),
                     async_scheduling: Default::default(),
                     lora: None,
+                    prefix_sharing_by_tenant: false,
                 },
                 Box::new(InstantBackend {
                     steps: counter,

@@ -189,6 +189,9 @@ pub struct GenerateRequest {
     pub lora: Option<String>,
     /// What the generated text must follow; `None` for free text.
     pub structured: Option<StructuredOutputSpec>,
+    /// vLLM's `cache_salt`: cached prefixes are shared only among requests with the same
+    /// salt (and, as the server is configured, the same tenant).
+    pub cache_salt: Option<String>,
 }
 
 /// A structure the output must follow (structured output).

@@ -256,6 +256,20 @@ pub enum KvCacheDtype {
 
 choice_from_str!(KvCacheDtype { "auto" => Auto, "fp8" => Fp8 });
 
+/// Whose requests may share cached prefix blocks.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum PrefixSharing {
+    /// Only requests of the same tenant (the API key's): one tenant cannot learn from the
+    /// time to first token whether another sent a prompt.
+    #[default]
+    Tenant,
+    /// Every request (one tenant, or tenants who trust each other).
+    Global,
+}
+
+choice_from_str!(PrefixSharing { "tenant" => Tenant, "global" => Global });
+
 /// The `model:` section.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
@@ -409,6 +423,8 @@ pub struct CacheSection {
     pub gpu_memory_utilization: f64,
     /// Reuse KV blocks of identical prefixes across requests.
     pub prefix_caching: bool,
+    /// Whose requests share cached prefixes (a request's `cache_salt` narrows it further).
+    pub prefix_sharing: PrefixSharing,
     /// How keys and values are stored: `auto` (the backend's own) or `fp8` (CUDA backend
     /// only).
     pub kv_cache_dtype: KvCacheDtype,
@@ -422,6 +438,7 @@ impl Default for CacheSection {
             kv_cache_mb: 512,
             gpu_memory_utilization: 0.9,
             prefix_caching: true,
+            prefix_sharing: PrefixSharing::Tenant,
             kv_cache_dtype: KvCacheDtype::Auto,
         }
     }

@@ -169,6 +169,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             speculative: runtime::speculative_from_config(config.speculative.as_ref())?,
         },
         lora,
+        prefix_sharing_by_tenant: config.cache.prefix_sharing
+            == switchyard_config::PrefixSharing::Tenant,
         hash_key: runtime::random_hash_key(),
         async_scheduling: runtime::async_mode(config.scheduler.async_scheduling),
         tokenizer_threads: 2,
@@ -595,6 +597,7 @@ impl port::Engine for EngineAdapter {
             tier: request.tier,
             tenant: request.tenant,
             prompt_logprobs: request.prompt_logprobs,
+            cache_salt: request.cache_salt,
             lora: request.lora,
             structured: request.structured.map(|s| match s {
                 port::StructuredOutputSpec::JsonObject => StructuredOutput::JsonObject,

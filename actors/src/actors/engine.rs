@@ -46,6 +46,9 @@ pub struct EngineConfig {
     pub async_scheduling: AsyncScheduling,
     /// LoRA adapters: `None` when disabled.
     pub lora: Option<LoraManagerConfig>,
+    /// Cached prefix blocks are shared only among a tenant's requests (each tenant's
+    /// requests hash their blocks with a salt of their own).
+    pub prefix_sharing_by_tenant: bool,
 }
 
 /// A prompt as the client gave it.
@@ -91,6 +94,9 @@ pub struct RequestOptions {
     pub lora: Option<String>,
     /// Structured output: what the generated text must follow; `None` for free text.
     pub structured: Option<StructuredOutput>,
+    /// vLLM's `cache_salt`: requests share cached prefix blocks only with requests of the same
+    /// salt (and, with [`EngineConfig::prefix_sharing_by_tenant`], the same tenant).
+    pub cache_salt: Option<String>,
 }
 
 /// New output for one choice.
@@ -209,6 +215,8 @@ pub struct Engine {
     config: Arc<EngineConfig>,
     /// The tokenizer's vocabulary size (token ids a request may name are below it).
     vocab: usize,
+    /// Hashes tenants and salts into prefix-cache salts (keys random per process).
+    salts: std::collections::hash_map::RandomState,
     /// False once the executor retired its backend (a panic it does not recover from).
     backend_alive: Arc<AtomicBool>,
 }
@@ -296,6 +304,7 @@ impl Engine {
             in_flight: Arc::new(AtomicUsize::new(0)),
             config: Arc::new(config),
             vocab,
+            salts: std::collections::hash_map::RandomState::new(),
             backend_alive,
         })
     }
@@ -395,6 +404,23 @@ impl Engine {
         });
     }
 
+    /// The prefix-cache salt of a request's blocks: its tenant's (when tenants do not share)
+    /// and its own `cache_salt`, hashed with this process's keys; `None` (shared with every
+    /// request) when neither applies.
+    fn cache_salt(&self, options: &RequestOptions) -> Option<u64> {
+        use std::hash::BuildHasher;
+        let tenant = self
+            .config
+            .prefix_sharing_by_tenant
+            .then_some(options.tenant.as_str());
+        if tenant.is_none() && options.cache_salt.is_none() {
+            return None;
+        }
+        let h = self.salts.hash_one((tenant, options.cache_salt.as_deref()));
+        // Even: never one of the odd salts of prompt-logprob requests.
+        Some(h & !1)
+    }
+
     /// Validates lengths, registers the choices with the detokenizer and submits them.
     #[allow(clippy::result_large_err)]
     fn admit(
@@ -488,6 +514,7 @@ impl Engine {
                 ttft_ms: None,
                 tpot_ms: None,
             });
+        let shared_salt = self.cache_salt(&options);
         let eos = options.sampling.eos_token_ids.first().copied();
         let mut stop_ids = options.sampling.stop_token_ids.clone();
         stop_ids.extend(options.sampling.eos_token_ids.iter().skip(1).copied());
@@ -526,9 +553,10 @@ impl Engine {
                     },
                     // Prompt logprobs need every prompt position computed: a salt of its own
                     // keeps the request off shared prefix blocks.
-                    cache_salt: options
-                        .prompt_logprobs
-                        .map(|_| (id.0 ^ 0x5bd1_e995_0000_0000) | 1),
+                    cache_salt: match options.prompt_logprobs {
+                        Some(_) => Some((id.0 ^ 0x5bd1_e995_0000_0000) | 1),
+                        None => shared_salt,
+                    },
                 },
                 sampling: Arc::new(sampling),
                 adapter: adapter.as_ref().map(|(_, a)| a.clone()),

@@ -74,6 +74,7 @@ pub(crate) fn engine_requests(
             tenant: principal.tenant.clone(),
             lora: lora.map(str::to_owned),
             structured: validated.structured.clone(),
+            cache_salt: validated.cache_salt.clone(),
         })
         .collect()
 }

@@ -31,6 +31,8 @@ pub mod limits {
     pub const MAX_PROMPTS: usize = 32;
     /// Most choices in one request (prompts × n).
     pub const MAX_CHOICES: usize = 64;
+    /// Longest `cache_salt`.
+    pub const MAX_CACHE_SALT_BYTES: usize = 256;
     /// Most chat messages in one request.
     pub const MAX_MESSAGES: usize = 1024;
     /// Most `chat_template_kwargs` entries.

@@ -105,6 +105,8 @@ pub struct CompletionRequest {
     pub min_tokens: Option<u32>,
     /// `ignore_eos`.
     pub ignore_eos: Option<bool>,
+    /// vLLM's `cache_salt`: cached prefixes are shared only with requests of the same salt.
+    pub cache_salt: Option<String>,
     /// Structured output (`response_format`, `structured_outputs`, `guided_*`).
     #[serde(flatten)]
     pub structured: StructuredFields,
@@ -169,6 +171,8 @@ pub struct ChatRequest {
     pub min_tokens: Option<u32>,
     /// `ignore_eos`.
     pub ignore_eos: Option<bool>,
+    /// vLLM's `cache_salt`: cached prefixes are shared only with requests of the same salt.
+    pub cache_salt: Option<String>,
     /// Structured output (`response_format`, `structured_outputs`, `guided_*`).
     #[serde(flatten)]
     pub structured: StructuredFields,
@@ -255,6 +259,19 @@ pub struct Validated {
     pub structured: Option<StructuredOutputSpec>,
     /// How the output is read back into content and tool calls (chat with tools).
     pub tool_calls: Option<ToolAnswer>,
+    /// The prefix-cache salt asked for.
+    pub cache_salt: Option<String>,
+}
+
+/// A `cache_salt`: 1 to [`MAX_CACHE_SALT_BYTES`] bytes.
+fn parse_cache_salt(salt: Option<String>) -> Result<Option<String>, ApiError> {
+    match salt {
+        Some(s) if s.is_empty() || s.len() > MAX_CACHE_SALT_BYTES => Err(ApiError::invalid(
+            "cache_salt",
+            format!("cache_salt must be 1 to {MAX_CACHE_SALT_BYTES} bytes"),
+        )),
+        other => Ok(other),
+    }
 }
 
 /// The structure asked for, refused together with `ignore_eos` (a finished structure ends
@@ -471,6 +488,7 @@ impl CompletionRequest {
             priority: self.priority.unwrap_or(0),
             structured,
             tool_calls: None,
+            cache_salt: parse_cache_salt(self.cache_salt)?,
         })
     }
 }
@@ -591,6 +609,7 @@ impl ChatRequest {
             priority: self.priority.unwrap_or(0),
             structured,
             tool_calls: tools.as_ref().and_then(ToolUse::answer),
+            cache_salt: parse_cache_salt(self.cache_salt)?,
         })
     }
 }
@@ -926,6 +945,14 @@ mod tests {
             (
                 serde_json::json!({"prompt": "x", "logit_bias": {"5": 100, "05": 100}}),
                 "logit_bias",
+            ),
+            (
+                serde_json::json!({"prompt": "x", "cache_salt": ""}),
+                "cache_salt",
+            ),
+            (
+                serde_json::json!({"prompt": "x", "cache_salt": "s".repeat(257)}),
+                "cache_salt",
             ),
             (serde_json::json!({"prompt": ""}), "prompt"),
             (serde_json::json!({"prompt": []}), "prompt"),
