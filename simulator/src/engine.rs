@@ -427,7 +427,16 @@ impl<'a> Loop<'a> {
                 prompt_logits: false,
                 speculate: true,
             },
-            cache_salt: None,
+            // As the server salts them: by tenant unless prefixes are shared globally (a
+            // fixed hash: runs repeat exactly).
+            cache_salt: (self.sim.spec.cache.prefix_sharing
+                == switchyard_config::PrefixSharing::Tenant)
+                .then(|| {
+                    use std::hash::{Hash, Hasher};
+                    let mut h = std::hash::DefaultHasher::new();
+                    r.tenant.hash(&mut h);
+                    h.finish() & !1
+                }),
         }
     }
 
@@ -824,6 +833,33 @@ workload: {trace: unused.csv, format: azure}
             priority: None,
             adapter: None,
         }
+    }
+
+    #[test]
+    fn tenants_share_cached_prefixes_as_the_server_lets_them() {
+        // The same 48-token prompt from tenants a, b, a, b, one after another: with prefixes
+        // shared by tenant (the server's default) only the second a and the second b find it
+        // cached; shared globally, every request after the first does.
+        let mut sim = one_ms_steps();
+        let rs: Vec<TraceRequest> = ["a", "b", "a", "b"]
+            .iter()
+            .enumerate()
+            .map(|(i, t)| TraceRequest {
+                tenant: (*t).into(),
+                ..req(i as f64, 48, 1, "")
+            })
+            .collect();
+        let mut hits = |sharing| {
+            sim.spec.cache.prefix_sharing = sharing;
+            let run = sim
+                .run_policy(&PolicySpec::named("fcfs"), &rs, false)
+                .unwrap();
+            run.counters.prefix_hits
+        };
+        let by_tenant = hits(switchyard_config::PrefixSharing::Tenant);
+        let global = hits(switchyard_config::PrefixSharing::Global);
+        // The last token is always recomputed, so its block is too: 32 tokens per hit.
+        assert_eq!((by_tenant, global), (2 * 32, 3 * 32));
     }
 
     #[test]

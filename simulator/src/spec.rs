@@ -8,7 +8,7 @@
 //! model: llama-3-8b            # a preset name, or the fields of `ModelSpec`
 //! hardware: h200               # a preset name, or the fields of `HardwareSpec`
 //! calibration: cal.yaml        # optional, replaces the roofline
-//! cache: { block_size: 16, gpu_memory_utilization: 0.9, prefix_caching: true }
+//! cache: { block_size: 16, gpu_memory_utilization: 0.9, prefix_caching: true, prefix_sharing: tenant }
 //! scheduler: { max_num_seqs: 256, max_num_batched_tokens: 8192 }
 //! policies: [ { name: fcfs }, { name: slo-aware, params: {} } ]
 //! tiers:
@@ -124,6 +124,9 @@ pub struct CacheSection {
     pub gpu_memory_utilization: f64,
     /// Automatic prefix caching.
     pub prefix_caching: bool,
+    /// Whose requests share cached prefixes, as the server's `cache.prefix_sharing`:
+    /// `tenant` (the server's default) or `global`.
+    pub prefix_sharing: switchyard_config::PrefixSharing,
 }
 
 impl Default for CacheSection {
@@ -133,6 +136,7 @@ impl Default for CacheSection {
             num_gpu_blocks: None,
             gpu_memory_utilization: 0.9,
             prefix_caching: true,
+            prefix_sharing: switchyard_config::PrefixSharing::Tenant,
         }
     }
 }

@@ -268,8 +268,13 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
                 "draining: new requests get 503"
             );
             state.begin_drain();
-            let _ = tokio::time::timeout(drain, state.wait_idle()).await;
-            handle.stop(true).await;
+            // Past the drain timeout, what is still in flight is cut off at once (a graceful
+            // stop would wait up to the timeout again).
+            let idle = tokio::time::timeout(drain, state.wait_idle()).await.is_ok();
+            if !idle {
+                tracing::warn!("drain timeout reached: closing the requests still in flight");
+            }
+            handle.stop(idle).await;
         });
         server.await?;
         tracing::info!("stopped");

@@ -5,7 +5,9 @@
 //!
 //! Templates come from model files, so they run in a sandbox: no loader (a template cannot
 //! include or import anything, hence no file or network access), a fuel limit on the
-//! instructions executed, a recursion limit, and a bound on the size of the output.
+//! instructions executed, a recursion limit, and a bound on the size of the output. Not bounded:
+//! the memory of values built inside a render (minijinja caps one string repetition at 100 MB,
+//! not repeated `~` concatenation), see ARCHITECTURE.md.
 
 use std::io::Write;
 use std::path::Path;
