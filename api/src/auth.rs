@@ -14,7 +14,6 @@ use actix_web::{web, HttpMessage};
 use subtle::ConstantTimeEq;
 
 use crate::error::ApiError;
-use crate::schema::reasoning::ThinkStart;
 use crate::schema::tools::ToolFormat;
 use crate::state::ApiState;
 
@@ -34,9 +33,9 @@ pub struct ApiConfig {
     pub anonymous_tenant: String,
     /// How the model writes tool calls (chat completions with tools).
     pub tool_format: ToolFormat,
-    /// Whether chat answers have their `<think>` block read apart (`reasoning_content`), and
-    /// who opens it; `None`: all of an answer is content.
-    pub reasoning: Option<ThinkStart>,
+    /// Whether chat answers have their `<think>` block read apart (`reasoning_content`); who
+    /// opens it is found per request (the engine says whether the rendered prompt opened it).
+    pub reasoning: bool,
 }
 
 impl Default for ApiConfig {
@@ -48,7 +47,7 @@ impl Default for ApiConfig {
             default_tier: "standard".to_owned(),
             anonymous_tenant: "anonymous".to_owned(),
             tool_format: ToolFormat::default(),
-            reasoning: None,
+            reasoning: false,
         }
     }
 }

@@ -326,6 +326,10 @@ pub enum EngineEvent {
     Prompt {
         /// Number of prompt tokens (after the chat template).
         prompt_tokens: u32,
+        /// The chat prompt ends inside a `<think>` block its template opened (QwQ and
+        /// DeepSeek-R1 always; hybrid templates as their variables say): the output starts as
+        /// reasoning.
+        opens_thinking: bool,
         /// One entry per prompt token when `prompt_logprobs` was asked (the first has no
         /// logprob).
         prompt_logprobs: Option<Vec<TokenLogprob>>,

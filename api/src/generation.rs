@@ -49,6 +49,8 @@ pub(crate) struct Generation {
     pub prompt_tokens: Vec<u32>,
     /// Prompt logprobs per prompt, when asked.
     pub prompt_logprobs: Vec<Option<Vec<TokenLogprob>>>,
+    /// Per prompt, whether it ends inside a `<think>` block its chat template opened.
+    pub opens_thinking: Vec<bool>,
     finished: Vec<bool>,
     remaining: usize,
     /// Param named by a context-length error without one (`prompt` or `messages`).
@@ -101,6 +103,7 @@ impl Generation {
             n,
             prompt_tokens: vec![0; prompts],
             prompt_logprobs: vec![None; prompts],
+            opens_thinking: vec![false; prompts],
             finished: vec![false; choices],
             remaining: choices,
             prompt_param,
@@ -114,11 +117,13 @@ impl Generation {
             match event {
                 EngineEvent::Prompt {
                     prompt_tokens,
+                    opens_thinking,
                     prompt_logprobs,
                 } if !accepted[prompt] => {
                     accepted[prompt] = true;
                     waiting -= 1;
                     generation.prompt_tokens[prompt] = prompt_tokens;
+                    generation.opens_thinking[prompt] = opens_thinking;
                     generation.prompt_logprobs[prompt] = prompt_logprobs;
                 }
                 EngineEvent::Prompt { .. } => return Err(protocol_error("second prompt event")),
@@ -237,6 +242,7 @@ mod tests {
     fn prompt(tokens: u32) -> EngineEvent {
         EngineEvent::Prompt {
             prompt_tokens: tokens,
+            opens_thinking: false,
             prompt_logprobs: None,
         }
     }

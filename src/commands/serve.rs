@@ -94,24 +94,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             .as_ref()
             .is_some_and(|t| t.source().contains(reasoning::THINK_OPEN)),
     };
-    // Whether the template's generation prompt opens the block itself (QwQ, DeepSeek-R1).
-    let reasoning = reasoning.then(|| {
-        model
-            .chat_template
-            .as_ref()
-            .and_then(|t| {
-                t.render(
-                    &[switchyard_gpu::model::ChatMessage::new("user", "Hi")],
-                    true,
-                )
-                .ok()
-            })
-            .map_or(reasoning::ThinkStart::Model, |p| {
-                reasoning::ThinkStart::for_prompt(&p)
-            })
-    });
-    // None: all of an answer is content; Some(Model | Prompt): who opens `<think>`.
-    tracing::info!(?reasoning, "reasoning parser");
+    // Who opens the block is found per request, from the rendered prompt (QwQ's and
+    // DeepSeek-R1's generation prompts open it; hybrid templates as their variables say).
+    tracing::info!(reasoning, "reasoning parser (<think> read apart)");
     // Clients name the model by its file (or directory) stem unless a served name is configured.
     let model_name = config.model.served_name.clone().unwrap_or_else(|| {
         path.file_stem()
@@ -512,9 +497,11 @@ impl OutputSink for ChannelSink {
         let event = match output {
             EngineOutput::Prompt {
                 prompt_tokens,
+                opens_thinking,
                 prompt_logprobs,
             } => EngineEvent::Prompt {
                 prompt_tokens,
+                opens_thinking,
                 prompt_logprobs: prompt_logprobs.map(|l| self.logprobs(l)),
             },
             EngineOutput::Delta(d) => EngineEvent::Delta(self.delta(d)),

@@ -153,6 +153,8 @@ impl DetokenizerActor {
                 .collect();
             request.sink.send(EngineOutput::Prompt {
                 prompt_tokens: prompt.len() as u32,
+                // Prompt logprobs are a completions feature: no chat template ran.
+                opens_thinking: false,
                 prompt_logprobs: Some(list),
             });
         }

@@ -132,6 +132,8 @@ pub enum EngineOutput {
     Prompt {
         /// Prompt length in tokens.
         prompt_tokens: u32,
+        /// The chat prompt ends inside a `<think>` block its template opened.
+        opens_thinking: bool,
         /// One entry per prompt token when prompt logprobs were asked (the first token, which
         /// has no context, has no logprob).
         prompt_logprobs: Option<Vec<TokenLogprobs>>,
@@ -199,6 +201,7 @@ impl Drop for InFlight {
 /// (prefix-cache id and weights) and one structured-output constraint per choice.
 struct Resolved {
     prompt: Vec<u32>,
+    opens_thinking: bool,
     adapter: Option<(u32, Arc<LoraAdapter>)>,
     constraints: Vec<Constraint>,
 }
@@ -347,8 +350,8 @@ impl Engine {
                     add_special_tokens: true,
                 })
                 .await;
-            let ids = match encoded {
-                Ok(ids) => ids,
+            let encoded = match encoded {
+                Ok(e) => e,
                 Err(e) => {
                     sink.send(EngineOutput::Error(e));
                     return;
@@ -391,7 +394,8 @@ impl Engine {
                 }
             };
             let resolved = Resolved {
-                prompt: ids,
+                prompt: encoded.ids,
+                opens_thinking: encoded.opens_thinking,
                 adapter,
                 constraints,
             };
@@ -433,6 +437,7 @@ impl Engine {
     ) -> Result<(), (SubmitError, Box<dyn OutputSink>)> {
         let Resolved {
             prompt,
+            opens_thinking,
             adapter,
             constraints,
         } = resolved;
@@ -498,6 +503,7 @@ impl Engine {
         if options.prompt_logprobs.is_none()
             && !sink.send(EngineOutput::Prompt {
                 prompt_tokens: prompt.len() as u32,
+                opens_thinking,
                 prompt_logprobs: None,
             })
         {
@@ -596,6 +602,7 @@ impl Engine {
             add_special_tokens,
         })
         .await
+        .map(|e| e.ids)
     }
 
     /// Turns token ids into text.

@@ -10,9 +10,25 @@ use switchyard_gpu::Constraint;
 use super::engine::{PromptSource, SubmitError, SubmitErrorKind};
 use crate::structured::{LazyGrammarCompiler, StructuredOutput};
 
+/// A prompt as token ids.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Encoded {
+    /// The ids.
+    pub ids: Vec<u32>,
+    /// A chat prompt that ends inside a `<think>` block its template opened (QwQ and
+    /// DeepSeek-R1 always, hybrid templates as their variables say): the answer starts as
+    /// reasoning.
+    pub opens_thinking: bool,
+}
+
+/// Whether a rendered chat prompt ends with `<think>` (after whitespace).
+fn ends_inside_think(prompt: &str) -> bool {
+    prompt.trim_end().ends_with("<think>")
+}
+
 /// Turns a prompt into token ids.
 #[derive(Message)]
-#[rtype(result = "Result<Vec<u32>, SubmitError>")]
+#[rtype(result = "Result<Encoded, SubmitError>")]
 pub struct Encode {
     /// What to encode.
     pub source: PromptSource,
@@ -74,7 +90,7 @@ fn invalid(message: String) -> SubmitError {
 }
 
 impl Handler<Encode> for TokenizerActor {
-    type Result = Result<Vec<u32>, SubmitError>;
+    type Result = Result<Encoded, SubmitError>;
 
     fn handle(&mut self, msg: Encode, _: &mut SyncContext<Self>) -> Self::Result {
         match msg.source {
@@ -85,11 +101,18 @@ impl Handler<Encode> for TokenizerActor {
                         "token id {bad} is outside the vocabulary (size {vocab})"
                     )));
                 }
-                Ok(ids)
+                Ok(Encoded {
+                    ids,
+                    opens_thinking: false,
+                })
             }
             PromptSource::Text(text) => self
                 .tokenizer
                 .encode(&text, msg.add_special_tokens)
+                .map(|ids| Encoded {
+                    ids,
+                    opens_thinking: false,
+                })
                 .map_err(|e| invalid(e.to_string())),
             PromptSource::Chat {
                 messages,
@@ -108,6 +131,10 @@ impl Handler<Encode> for TokenizerActor {
                 // The template already wrote the special tokens it wants.
                 self.tokenizer
                     .encode(&text, false)
+                    .map(|ids| Encoded {
+                        ids,
+                        opens_thinking: ends_inside_think(&text),
+                    })
                     .map_err(|e| invalid(e.to_string()))
             }
         }
@@ -144,5 +171,22 @@ impl Handler<Constrain> for TokenizerActor {
         compiler
             .compile(&msg.spec, &msg.end_ids, msg.n)
             .map_err(invalid)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ends_inside_think;
+
+    #[test]
+    fn a_prompt_that_opens_the_block_is_told_apart() {
+        // QwQ's and DeepSeek-R1's generation prompts open it.
+        assert!(ends_inside_think("<|im_start|>assistant\n<think>\n"));
+        // Qwen3 with enable_thinking false writes an empty block: the model answers.
+        assert!(!ends_inside_think(
+            "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+        ));
+        assert!(!ends_inside_think("<|im_start|>assistant\n"));
+        assert!(!ends_inside_think(""));
     }
 }

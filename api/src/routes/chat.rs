@@ -9,7 +9,7 @@ use crate::body::read_json;
 use crate::engine::{FinishReason, StructuredOutputSpec, TokenLogprob};
 use crate::error::ApiError;
 use crate::generation::{ChoiceDelta, Generation};
-use crate::schema::reasoning::{ThinkSplitter, THINK_CLOSE};
+use crate::schema::reasoning::{ThinkSplitter, ThinkStart, THINK_CLOSE};
 use crate::schema::tools::{ToolAnswer, ToolPiece, ToolStream};
 use crate::schema::{
     ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatLogprobs, ChatRequest, ChatResponse,
@@ -58,14 +58,17 @@ pub(crate) async fn chat_completions(
         // only, a regex or grammar that does not write </think>) leaves the model no room to
         // think: what it writes is the answer, even where the generation prompt opened a
         // <think> block.
-        thinking: free_text
-            .then_some(state.config.reasoning)
-            .flatten()
-            .map(|start| {
-                (0..generation.choices())
-                    .map(|_| ThinkSplitter::new(start))
-                    .collect()
-            }),
+        thinking: (free_text && state.config.reasoning).then(|| {
+            // A chat request has one prompt: its template opened the block, or the model may.
+            let start = if generation.opens_thinking.first() == Some(&true) {
+                ThinkStart::Prompt
+            } else {
+                ThinkStart::Model
+            };
+            (0..generation.choices())
+                .map(|_| ThinkSplitter::new(start))
+                .collect()
+        }),
         held: vec![Vec::new(); generation.choices()],
         calls_only: validated.tool_calls == Some(ToolAnswer::Calls),
     };

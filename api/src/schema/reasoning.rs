@@ -21,18 +21,6 @@ pub enum ThinkStart {
     Prompt,
 }
 
-impl ThinkStart {
-    /// Who opens the block for a template whose generation prompt is `prompt` (a rendered
-    /// conversation with the generation prompt added).
-    pub fn for_prompt(prompt: &str) -> Self {
-        if prompt.trim_end().ends_with(THINK_OPEN) {
-            Self::Prompt
-        } else {
-            Self::Model
-        }
-    }
-}
-
 /// Opens the reasoning.
 pub const THINK_OPEN: &str = "<think>";
 /// Closes the reasoning.
@@ -257,18 +245,6 @@ mod tests {
 
     #[test]
     fn a_block_the_prompt_opened_is_reasoning_up_to_its_end() {
-        assert_eq!(
-            ThinkStart::for_prompt("<|im_start|>assistant\n<think>\n"),
-            ThinkStart::Prompt
-        );
-        assert_eq!(
-            ThinkStart::for_prompt("<|im_start|>assistant\n<think>\n\n</think>\n\n"),
-            ThinkStart::Model
-        );
-        assert_eq!(
-            ThinkStart::for_prompt("<|im_start|>assistant\n"),
-            ThinkStart::Model
-        );
         let text = "\nHmm, red ✓.\n</think>\n\nRed.";
         for cut in (0..=text.len()).filter(|&c| text.is_char_boundary(c)) {
             assert_eq!(

@@ -164,6 +164,7 @@ impl Engine for EchoEngine {
         } else {
             events.push(EngineEvent::Prompt {
                 prompt_tokens: prompt.len() as u32,
+                opens_thinking: false,
                 prompt_logprobs: request.prompt_logprobs.map(|k| {
                     prompt
                         .iter()
