@@ -267,6 +267,30 @@ fn bad_inputs_get_openai_errors_and_the_server_keeps_serving() {
             assert_eq!(v["error"]["param"], param, "{body} -> {v}");
         }
     }
+    // A chat answer without max_tokens may use the room its prompt leaves: a min_tokens above
+    // that is refused before the stream starts (it is only known once the prompt is rendered).
+    let models: Value = serde_json::from_str(
+        &s.request("GET", "/v1/models", None, &[])
+            .expect("models")
+            .body,
+    )
+    .expect("JSON");
+    let max_model_len = models["data"][0]["max_model_len"]
+        .as_u64()
+        .expect("max_model_len");
+    let (status, v) = s.post_json(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "hi"}], "stream": true,
+                "min_tokens": max_model_len - 1}),
+    );
+    assert_eq!(status, 400, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("min_tokens"),
+        "{v}"
+    );
     let r = s
         .request("POST", "/v1/completions", Some("{not json"), &[])
         .expect("request");

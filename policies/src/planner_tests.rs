@@ -485,21 +485,22 @@ fn prompt_logprob_chunks_fit_the_logit_row_budget() {
     }
     assert_eq!(chunks, vec![13, 13, 4]);
 
-    // With no row to spare beyond the seats, such a request is refused up front.
+    // With no row to spare beyond the seats, such a request still runs, on its seat's row:
+    // a token of its prompt per step.
     let c = SchedulerConfig {
         max_logit_rows: 8,
         ..config(64, 4)
     };
     let mut s = sched(c, Box::new(Fcfs));
-    let mut r = req(3, 0, vec![3; 30], 2);
+    let mut r = req(3, 0, vec![3; 5], 2);
     r.limits.prompt_logits = true;
-    assert!(matches!(
-        s.add_request(r),
-        Err(SchedulerError::InvalidRequest {
-            field: "prompt_logprobs",
-            ..
-        })
-    ));
+    s.add_request(r).unwrap();
+    let mut chunks = Vec::new();
+    for now in 1..=5 {
+        let (p, _) = step(&mut s, now, 7);
+        chunks.extend(p.seqs.iter().map(|q| q.num_new_tokens));
+    }
+    assert_eq!(chunks, vec![1, 1, 1, 1, 1]);
 }
 
 fn with_adapter(mut r: Request, adapter: Option<u32>, priority: i32) -> Request {

@@ -331,15 +331,6 @@ impl Scheduler {
                 format!("more than {MAX_STOP_TOKEN_IDS}"),
             ));
         }
-        if req.limits.prompt_logits && self.config.max_logit_rows <= self.config.max_num_seqs {
-            return Err(invalid(
-                "prompt_logprobs",
-                format!(
-                    "needs more logit rows per step ({}) than max_num_seqs ({})",
-                    self.config.max_logit_rows, self.config.max_num_seqs
-                ),
-            ));
-        }
         check_target(req.slo.ttft_ms).map_err(|r| invalid("slo.ttft_ms", r))?;
         check_target(req.slo.tpot_ms).map_err(|r| invalid("slo.tpot_ms", r))?;
         let max_len = req.prompt.len().saturating_add(l.max_tokens as usize);

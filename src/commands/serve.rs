@@ -177,9 +177,16 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     api_config.reasoning = reasoning;
     let options = ServerOptions {
         bind: vec![std::net::SocketAddr::new(
-            config.server.host.parse().with_context(|| {
-                format!("server.host `{}` is not an IP address", config.server.host)
-            })?,
+            // `[::1]` as in a URL, or `::1`.
+            config
+                .server
+                .host
+                .trim_start_matches('[')
+                .trim_end_matches(']')
+                .parse()
+                .with_context(|| {
+                    format!("server.host `{}` is not an IP address", config.server.host)
+                })?,
             config.server.port,
         )],
         workers: config.server.workers,

@@ -216,7 +216,8 @@ pub struct Engine {
     next_id: Arc<AtomicU64>,
     in_flight: Arc<AtomicUsize>,
     config: Arc<EngineConfig>,
-    /// The tokenizer's vocabulary size (token ids a request may name are below it).
+    /// The tokenizer's vocabulary size: token ids a request may name are below it (a model
+    /// whose embedding has padding rows past the tokenizer's tokens has them refused).
     vocab: usize,
     /// Hashes tenants and salts into prefix-cache salts (keys random per process).
     salts: std::collections::hash_map::RandomState,
@@ -492,6 +493,20 @@ impl Engine {
                     SubmitErrorKind::ContextLengthExceeded,
                     format!(
                         "this model's context is {max_len} tokens; the prompt has {} and max_tokens asks for {max_tokens} more",
+                        prompt.len()
+                    ),
+                ),
+                sink,
+            ));
+        }
+        // Without max_tokens the limit is the room the prompt leaves, known only now.
+        if options.sampling.min_tokens > max_tokens {
+            return Err((
+                SubmitError::new(
+                    SubmitErrorKind::InvalidRequest,
+                    format!(
+                        "min_tokens ({}) is more than the {max_tokens} tokens this request may generate (the prompt has {} of the context's {max_len})",
+                        options.sampling.min_tokens,
                         prompt.len()
                     ),
                 ),

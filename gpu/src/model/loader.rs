@@ -112,6 +112,11 @@ fn load_gguf(path: &Path) -> Result<LoadedModel, GpuError> {
     let mut config = config;
     // Llama 3.1+ GGUF files carry the RoPE scaling as per-frequency divisors.
     if weights.contains("rope_freqs.weight") {
+        if let Some(s) = &config.rope_scaling {
+            return Err(GpuError::InvalidConfig(format!(
+                "the file has both rope scaling keys ({s:?}) and a rope_freqs.weight tensor"
+            )));
+        }
         let factors = weights.get("rope_freqs.weight")?.to_f32_vec();
         let arch = header.get_str("general.architecture").unwrap_or("llama");
         let original = header

@@ -308,6 +308,12 @@ fn loads_tiny_llama3_gguf_with_rope_freqs() {
     assert_eq!((s.factor, s.original_max_position_embeddings), (8.0, 8192));
     assert!((s.low_freq_factor - 1.0).abs() < 1e-3 && (s.high_freq_factor - 4.0).abs() < 1e-3);
     assert!(m.chat_template.is_none());
+    // Scaling keys beside the tensor: two answers, refused.
+    w.string("llama.rope.scaling.type", "linear")
+        .f32("llama.rope.scaling.factor", 2.0);
+    std::fs::write(&p, w.build()).unwrap();
+    let e = load_model(&p, false).unwrap_err().to_string();
+    assert!(e.contains("rope_freqs.weight"), "{e}");
     std::fs::remove_dir_all(&d).unwrap();
 }
 

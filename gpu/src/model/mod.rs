@@ -6,9 +6,19 @@ use std::path::Path;
 use crate::error::GpuError;
 
 /// The text of the file at `path`, refused when it is over `max` bytes: at most `max + 1`
-/// bytes are read, so a file that grows while it is read is refused too.
+/// bytes are read, so a file that grows while it is read is refused too. Only a regular file
+/// (links followed) is read: a FIFO would block the open, a device could be endless.
 pub(crate) fn read_bounded(path: &Path, max: u64) -> Result<String, GpuError> {
+    let regular = |m: std::fs::Metadata| {
+        if m.is_file() {
+            Ok(())
+        } else {
+            Err(GpuError::invalid_file(path, "not a regular file"))
+        }
+    };
+    regular(std::fs::metadata(path).map_err(|e| GpuError::io(path, e))?)?;
     let file = std::fs::File::open(path).map_err(|e| GpuError::io(path, e))?;
+    regular(file.metadata().map_err(|e| GpuError::io(path, e))?)?;
     let mut bytes = Vec::new();
     file.take(max.saturating_add(1))
         .read_to_end(&mut bytes)
@@ -59,6 +69,10 @@ mod tests {
         std::fs::write(&p, [b'a', 0xff]).unwrap();
         let e = super::read_bounded(&p, 10).unwrap_err().to_string();
         assert!(e.contains("UTF-8"), "{e}");
+        let e = super::read_bounded(&std::env::temp_dir(), 10)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("not a regular file"), "{e}");
         std::fs::remove_file(&p).unwrap();
         assert!(super::read_bounded(&p, 10).is_err());
     }
