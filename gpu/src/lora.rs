@@ -21,7 +21,6 @@
 //! that RoPE rotates adjacent pairs) the rows of the q and k `B` matrices are permuted the same
 //! way, so `B (A x)` lands on the rows the base product writes.
 
-use std::io::Read;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -274,41 +273,13 @@ fn invalid(path: &Path, reason: impl Into<String>) -> GpuError {
     }
 }
 
-/// The bytes of the adapter file at `path`, refused unless it is a regular file (links are
-/// followed) of at most `max` bytes. The path is checked before it is opened (opening a FIFO
-/// blocks) and the opened file again; at most `max + 1` bytes are read, so a file that grows
-/// while it is read is refused too.
+/// The bytes of the adapter file at `path`: a regular file of at most `max` bytes
+/// ([`crate::model::read_bounded_bytes`]), its refusals as adapter errors.
 fn read_regular_file(path: &Path, max: u64) -> Result<Vec<u8>, GpuError> {
-    let meta = std::fs::metadata(path).map_err(|e| GpuError::io(path, e))?;
-    if !meta.is_file() {
-        return Err(invalid(path, "not a regular file"));
-    }
-    let file = std::fs::File::open(path).map_err(|e| GpuError::io(path, e))?;
-    let meta = file.metadata().map_err(|e| GpuError::io(path, e))?;
-    if !meta.is_file() {
-        return Err(invalid(path, "not a regular file"));
-    }
-    let len = meta.len();
-    if len > max {
-        return Err(invalid(
-            path,
-            format!("{len} bytes exceeds the limit of {max}"),
-        ));
-    }
-    let mut bytes: Vec<u8> = Vec::new();
-    bytes
-        .try_reserve_exact(usize::try_from(len).unwrap_or(usize::MAX))
-        .map_err(|e| invalid(path, format!("cannot hold its {len} bytes: {e}")))?;
-    file.take(max.saturating_add(1))
-        .read_to_end(&mut bytes)
-        .map_err(|e| GpuError::io(path, e))?;
-    if bytes.len() as u64 > max {
-        return Err(invalid(
-            path,
-            format!("grew past the limit of {max} bytes while read"),
-        ));
-    }
-    Ok(bytes)
+    crate::model::read_bounded_bytes(path, max).map_err(|e| match e {
+        GpuError::InvalidModelFile { path, reason } => GpuError::InvalidAdapter { path, reason },
+        other => other,
+    })
 }
 
 /// Reads and checks `adapter_config.json`.
@@ -1029,28 +1000,17 @@ mod tests {
     /// `/dev/zero` or a FIFO is refused before it is opened), and never past its bound.
     #[test]
     fn adapter_files_must_be_regular_and_are_read_to_a_bound() {
-        let d = scratch("regular");
-        std::fs::create_dir_all(d.join("dir")).unwrap();
-        std::os::unix::fs::symlink("/dev/zero", d.join("zero")).unwrap();
-        let mut cases = vec![d.join("dir"), d.join("zero")];
-        // No libc in this crate: make the FIFO with mkfifo(1) where there is one.
-        let fifo = d.join("fifo");
-        if std::process::Command::new("mkfifo")
-            .arg(&fifo)
-            .status()
-            .is_ok_and(|s| s.success())
-        {
-            cases.push(fifo);
-        }
-        for p in cases {
+        let (d, irregular) = crate::model::testing::irregular_paths("lora");
+        for p in irregular {
             let e = read_regular_file(&p, 1 << 20).unwrap_err().to_string();
             assert!(e.contains("not a regular file"), "{}: {e}", p.display());
+            assert!(e.contains("invalid LoRA adapter"), "{e}");
         }
         let p = d.join("ten");
         std::fs::write(&p, b"0123456789").unwrap();
         assert_eq!(read_regular_file(&p, 10).unwrap(), b"0123456789");
         let e = read_regular_file(&p, 9).unwrap_err().to_string();
-        assert!(e.contains("exceeds the limit of 9"), "{e}");
+        assert!(e.contains("more than 9 bytes"), "{e}");
         std::fs::remove_dir_all(&d).unwrap();
     }
 

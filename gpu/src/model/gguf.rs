@@ -175,21 +175,7 @@ impl GgufFile {
     /// Maps and parses `path`, which must be a regular file (links are followed): checked by
     /// path before it is opened (opening a FIFO blocks) and again once open.
     pub fn open(path: &Path) -> Result<Self, GpuError> {
-        let not_regular = || GpuError::invalid_file(path, "not a regular file");
-        if !std::fs::metadata(path)
-            .map_err(|e| GpuError::io(path, e))?
-            .is_file()
-        {
-            return Err(not_regular());
-        }
-        let file = std::fs::File::open(path).map_err(|e| GpuError::io(path, e))?;
-        if !file
-            .metadata()
-            .map_err(|e| GpuError::io(path, e))?
-            .is_file()
-        {
-            return Err(not_regular());
-        }
+        let file = super::open_regular(path)?;
         // SAFETY: the map is read-only and private to this process; the model file is treated
         // as immutable while it is loaded (as every mmap-based model loader does). A concurrent
         // truncation by another process would be a user error outside our control.

@@ -320,13 +320,10 @@ fn caps_metadata_array_elements_across_the_file() {
 
 #[test]
 fn open_refuses_what_is_not_a_regular_file() {
-    let dir = std::env::temp_dir().join(format!("sy-gguf-irregular-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(dir.join("dir.gguf")).unwrap();
-    std::os::unix::fs::symlink("/dev/zero", dir.join("zero.gguf")).unwrap();
-    for name in ["dir.gguf", "zero.gguf"] {
-        let e = GgufFile::open(&dir.join(name)).unwrap_err().to_string();
-        assert!(e.contains("not a regular file"), "{name}: {e}");
+    let (dir, irregular) = crate::model::testing::irregular_paths("gguf");
+    for p in irregular {
+        let e = GgufFile::open(&p).unwrap_err().to_string();
+        assert!(e.contains("not a regular file"), "{}: {e}", p.display());
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -54,17 +54,6 @@ pub fn canonical_name(hf: &str) -> Option<String> {
     Some(format!("blk.{layer}.{part}.{kind}"))
 }
 
-/// Refuses `path` unless it is a regular file (links are followed): a FIFO would block the
-/// open, and a device or directory is no checkpoint shard.
-fn check_regular_file(path: &Path) -> Result<(), GpuError> {
-    let meta = std::fs::metadata(path).map_err(|e| GpuError::io(path, e))?;
-    if meta.is_file() {
-        Ok(())
-    } else {
-        Err(GpuError::invalid_file(path, "not a regular file"))
-    }
-}
-
 /// The shard files of the checkpoint in `dir`, sorted. Each is a regular file (links are
 /// followed).
 pub fn shard_files(dir: &Path) -> Result<Vec<PathBuf>, GpuError> {
@@ -92,7 +81,7 @@ pub fn shard_files(dir: &Path) -> Result<Vec<PathBuf>, GpuError> {
             }
             let shard = dir.join(name);
             if !files.contains(&shard) {
-                check_regular_file(&shard)?;
+                super::open_regular(&shard).map(drop)?;
                 files.insert(shard);
             }
             if files.len() > MAX_SHARDS {
@@ -137,14 +126,7 @@ pub fn load_safetensors_dir(
 ) -> Result<ModelWeights, GpuError> {
     let mut weights = ModelWeights::new();
     for path in shard_files(dir)? {
-        let file = std::fs::File::open(&path).map_err(|e| GpuError::io(&path, e))?;
-        if !file
-            .metadata()
-            .map_err(|e| GpuError::io(&path, e))?
-            .is_file()
-        {
-            return Err(GpuError::invalid_file(&path, "not a regular file"));
-        }
+        let file = super::open_regular(&path)?;
         // SAFETY: read-only private map of a model file treated as immutable while loaded.
         let mmap = unsafe { Mmap::map(&file) }.map_err(|e| GpuError::io(&path, e))?;
         let (header_len, meta) = SafeTensors::read_metadata(&mmap)

@@ -218,11 +218,6 @@ impl Tokenizer {
     /// bytes. At most one byte more is read, so a file that grows while it is read is refused
     /// too.
     pub fn from_file(path: &Path) -> Result<Self, GpuError> {
-        // A FIFO would block the open itself, and a device can be endless: refuse both first.
-        let meta = std::fs::metadata(path).map_err(|e| GpuError::io(path, e))?;
-        if !meta.is_file() {
-            return Err(GpuError::invalid_file(path, "not a regular file"));
-        }
         let text = super::read_bounded(path, MAX_TOKENIZER_JSON)?;
         Self::from_json_bytes(text.as_bytes())
     }

@@ -332,21 +332,8 @@ fn missing_pre_tokenizer_defaults_to_gpt2_and_aliases_split_digits() {
 /// directory is refused as clearly.
 #[test]
 fn tokenizer_json_must_be_a_regular_file() {
-    let d = std::env::temp_dir().join(format!("sy-tok-file-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(d.join("dir")).unwrap();
-    std::os::unix::fs::symlink("/dev/zero", d.join("zero")).unwrap();
-    let mut cases = vec![d.join("dir"), d.join("zero")];
-    // No libc in this crate: make the FIFO with mkfifo(1) where there is one.
-    let fifo = d.join("fifo");
-    if std::process::Command::new("mkfifo")
-        .arg(&fifo)
-        .status()
-        .is_ok_and(|s| s.success())
-    {
-        cases.push(fifo);
-    }
-    for p in cases {
+    let (d, irregular) = crate::model::testing::irregular_paths("tokenizer");
+    for p in irregular {
         let e = Tokenizer::from_file(&p).unwrap_err().to_string();
         assert!(e.contains("not a regular file"), "{}: {e}", p.display());
     }
