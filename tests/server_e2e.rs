@@ -308,6 +308,22 @@ fn context_length_is_enforced_with_its_code() {
     );
     assert_eq!(status, 400, "{v}");
     assert_eq!(v["error"]["code"], "context_length_exceeded", "{v}");
+    // Completions' default of 16 tokens is cut to the room a long prompt leaves (5 here);
+    // a max_tokens the client asked for is not.
+    let s = &Server::start_full("short-context", "  max_model_len: 256\n", "", "");
+    let prompt: Vec<u64> = (0..251).map(|i| 100 + i % 50).collect();
+    let (status, v) = s.post_json(
+        "/v1/completions",
+        &json!({"prompt": prompt, "ignore_eos": true, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 5, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
+    let (status, v) = s.post_json(
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 16}),
+    );
+    assert_eq!(status, 400, "{v}");
 }
 
 #[test]

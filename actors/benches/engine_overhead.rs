@@ -94,6 +94,7 @@ fn request() -> RequestOptions {
         stop: Vec::new(),
         n: 1,
         max_tokens: Some(256),
+        default_max_tokens: None,
         priority: 0,
         tier: String::new(),
         tenant: String::new(),
@@ -153,6 +154,7 @@ fn start_engine(running: usize) -> (Arc<AtomicU64>, actix::System) {
                     async_scheduling: Default::default(),
                     lora: None,
                     prefix_sharing_by_tenant: false,
+                    vocab_size: 0,
                 },
                 Box::new(InstantBackend {
                     steps: counter,

@@ -173,6 +173,9 @@ pub struct GenerateRequest {
     pub n: u32,
     /// Completion length limit; `None` means up to the context window.
     pub max_tokens: Option<u32>,
+    /// `max_tokens` is the endpoint's default (completions' 16), not the client's: the engine
+    /// cuts it to the room the prompt leaves rather than refusing the request.
+    pub max_tokens_defaulted: bool,
     /// Number of top alternatives to report per sampled token; `None` means no logprobs.
     pub logprobs: Option<u32>,
     /// Whether [`EngineEvent::Prompt`] must carry the prompt's logprobs (completions' `echo`

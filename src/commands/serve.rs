@@ -139,6 +139,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         max_adapters: config.lora.max_adapters,
         max_loaded: config.lora.max_cpu_loras,
     });
+    let vocab_size = model.config.vocab_size;
     drop(model);
     let engine_config = EngineConfig {
         scheduler: SchedulerConfig {
@@ -154,6 +155,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             speculative: runtime::speculative_from_config(config.speculative.as_ref())?,
         },
         lora,
+        vocab_size,
         prefix_sharing_by_tenant: config.cache.prefix_sharing
             == switchyard_config::PrefixSharing::Tenant,
         hash_key: runtime::random_hash_key(),
@@ -591,7 +593,8 @@ impl port::Engine for EngineAdapter {
             sampling,
             stop: request.stop,
             n: request.n,
-            max_tokens: request.max_tokens,
+            max_tokens: request.max_tokens.filter(|_| !request.max_tokens_defaulted),
+            default_max_tokens: request.max_tokens.filter(|_| request.max_tokens_defaulted),
             priority: request.priority,
             tier: request.tier,
             tenant: request.tenant,

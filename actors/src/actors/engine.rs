@@ -46,6 +46,9 @@ pub struct EngineConfig {
     pub async_scheduling: AsyncScheduling,
     /// LoRA adapters: `None` when disabled.
     pub lora: Option<LoraManagerConfig>,
+    /// The model's vocabulary (rows of its output; at least the tokenizer's): token ids a
+    /// request names (`logit_bias`, `stop_token_ids`) are below it, as the backend checks.
+    pub vocab_size: usize,
     /// Cached prefix blocks are shared only among a tenant's requests (each tenant's
     /// requests hash their blocks with a salt of their own).
     pub prefix_sharing_by_tenant: bool,
@@ -79,8 +82,10 @@ pub struct RequestOptions {
     pub stop: Vec<String>,
     /// Number of choices.
     pub n: u32,
-    /// Completion limit; `None` means up to the context window.
+    /// Completion limit; `None` means up to the context window (or `default_max_tokens`).
     pub max_tokens: Option<u32>,
+    /// Without `max_tokens`: at most this many, or the room the prompt leaves if less.
+    pub default_max_tokens: Option<u32>,
     /// Lower is more urgent.
     pub priority: i32,
     /// Tier name.
@@ -216,8 +221,8 @@ pub struct Engine {
     next_id: Arc<AtomicU64>,
     in_flight: Arc<AtomicUsize>,
     config: Arc<EngineConfig>,
-    /// The tokenizer's vocabulary size: token ids a request may name are below it (a model
-    /// whose embedding has padding rows past the tokenizer's tokens has them refused).
+    /// Token ids a request may name are below this ([`EngineConfig::vocab_size`], or the
+    /// tokenizer's vocabulary when larger).
     vocab: usize,
     /// Hashes tenants and salts into prefix-cache salts (keys random per process).
     salts: std::collections::hash_map::RandomState,
@@ -275,7 +280,7 @@ impl Engine {
             ExecutorActor::new(slot.lock().unwrap_or_else(|p| p.into_inner()).take())
                 .reporting_to(alive.clone())
         });
-        let vocab = tokenizer.vocab_size();
+        let vocab = tokenizer.vocab_size().max(config.vocab_size);
         let tok = tokenizer.clone();
         let grammars = LazyGrammarCompiler::default();
         let tokenizers = SyncArbiter::start(config.tokenizer_threads.max(1), move || {
@@ -486,7 +491,9 @@ impl Engine {
             ));
         }
         let room = (max_len - prompt.len()) as u32;
-        let max_tokens = options.max_tokens.unwrap_or(room);
+        let max_tokens = options
+            .max_tokens
+            .unwrap_or_else(|| options.default_max_tokens.map_or(room, |d| d.min(room)));
         if max_tokens > room {
             return Err((
                 SubmitError::new(

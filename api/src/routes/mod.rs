@@ -67,6 +67,7 @@ pub(crate) fn engine_requests(
             stop: validated.stop.clone(),
             n: validated.n,
             max_tokens: validated.max_tokens,
+            max_tokens_defaulted: validated.max_tokens_defaulted,
             logprobs: validated.logprobs,
             prompt_logprobs,
             priority: validated.priority,

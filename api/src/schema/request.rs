@@ -245,6 +245,9 @@ pub struct Validated {
     pub n: u32,
     /// Completion length limit; `None` (chat only) means up to the context window.
     pub max_tokens: Option<u32>,
+    /// `max_tokens` is the endpoint's default, not the client's: cut to the room the prompt
+    /// leaves rather than refused.
+    pub max_tokens_defaulted: bool,
     /// Top-logprobs count per sampled token, if asked.
     pub logprobs: Option<u32>,
     /// Prepend the prompt (completions only).
@@ -481,6 +484,7 @@ impl CompletionRequest {
             stop: parse_stop(self.stop)?,
             n,
             max_tokens: Some(max_tokens),
+            max_tokens_defaulted: self.max_tokens.is_none(),
             logprobs: self.logprobs,
             echo,
             stream,
@@ -602,6 +606,7 @@ impl ChatRequest {
             stop: parse_stop(self.stop)?,
             n,
             max_tokens,
+            max_tokens_defaulted: false,
             logprobs,
             echo: false,
             stream,
