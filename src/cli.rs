@@ -69,8 +69,17 @@ pub enum TraceFormat {
 /// `switchyard simulate`.
 #[derive(Debug, Args)]
 pub struct SimulateArgs {
-    /// A YAML file describing the simulation (model, hardware, scheduler, policies, workload).
-    #[arg(long, short, conflicts_with_all = ["trace"])]
+    /// A YAML file describing the simulation (model, hardware, scheduler, policies, workload);
+    /// the flags that the file sets instead (--trace, --format, --policies, --model,
+    /// --hardware, --load, --rate, --time-scale, --seed, --limit) cannot be given with it.
+    #[arg(
+        long,
+        short,
+        conflicts_with_all = [
+            "trace", "format", "policies", "model", "hardware", "load", "rate", "time_scale",
+            "seed", "limit",
+        ]
+    )]
     pub config: Option<PathBuf>,
     /// A trace file to replay (instead of --config).
     #[arg(long, requires = "format")]
@@ -90,7 +99,7 @@ pub struct SimulateArgs {
     /// Offered load as a fraction of the estimated capacity (instead of --rate).
     #[arg(long, conflicts_with = "rate")]
     pub load: Option<f64>,
-    /// Divide trace timestamps by this factor (2 = twice as fast).
+    /// Divide the trace's arrival times by this factor (2 = replay twice as fast; finite, > 0).
     #[arg(long)]
     pub time_scale: Option<f64>,
     /// Output directory for the summary, per-request JSONL and SVG plots.
@@ -232,34 +241,38 @@ pub struct ServeBenchArgs {
     /// CSV file for sharegpt and trace datasets.
     #[arg(long)]
     pub dataset_path: Option<PathBuf>,
-    /// Prompt tokens (random dataset).
+    /// Prompt tokens (random dataset; 1..=1048576).
     #[arg(long, default_value_t = 128)]
     pub input_len: usize,
-    /// Output tokens (random dataset).
+    /// Output tokens (random dataset; 1..=1048576).
     #[arg(long, default_value_t = 128)]
     pub output_len: usize,
-    /// Longest prompt taken from a dataset (longer ones are truncated).
+    /// Longest prompt taken from a dataset (longer ones are truncated; 1..=1048576).
     #[arg(long, default_value_t = 1536)]
     pub max_input_len: usize,
-    /// Longest output taken from a dataset.
+    /// Longest output taken from a dataset (1..=1048576).
     #[arg(long, default_value_t = 512)]
     pub max_output_len: usize,
     /// Number of requests.
     #[arg(long, default_value_t = 64)]
     pub num_prompts: usize,
-    /// Poisson arrival rate in requests/s (default: all at once, limited by --max-concurrency).
+    /// Poisson arrival rate in requests/s (> 0); without it, or with `inf`, every request is
+    /// sent at once, as in vLLM. The trace dataset keeps its own arrival times.
     #[arg(long)]
     pub request_rate: Option<f64>,
-    /// Most requests in flight at once.
+    /// Most requests in flight at once (1..=16384). Without it requests still start when due,
+    /// as in vLLM, but at most 1024 are in flight (one thread each): a request due while all
+    /// 1024 are busy waits for the first to finish.
     #[arg(long)]
     pub max_concurrency: Option<usize>,
-    /// Divide trace timestamps by this factor (2 = twice as fast).
+    /// Divide the trace's arrival times by this factor (2 = replay twice as fast; finite, > 0).
     #[arg(long, default_value_t = 1.0)]
     pub time_scale: f64,
     /// Generate exactly the requested output lengths.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub ignore_eos: bool,
-    /// Random prompt token ids are drawn from [offset, offset + range).
+    /// Random prompt token ids are drawn from [offset, offset + range); offset + range must
+    /// fit in a u32.
     #[arg(long, default_value_t = 1000)]
     pub token_offset: u32,
     /// See --token-offset.

@@ -130,6 +130,38 @@ fn simulate_writes_summary_requests_and_plots_for_each_policy() {
 }
 
 #[test]
+fn simulate_refuses_flags_its_config_would_ignore_and_a_bad_time_scale() {
+    for flag in [
+        ["--seed", "3"],
+        ["--policies", "fcfs"],
+        ["--rate", "2"],
+        ["--load", "0.5"],
+        ["--limit", "10"],
+        ["--time-scale", "2"],
+    ] {
+        let err = fails(
+            switchyard()
+                .args([
+                    "simulate",
+                    "--config",
+                    "config/examples/sim-azure-tiers.yaml",
+                ])
+                .args(flag)
+                .current_dir(env!("CARGO_MANIFEST_DIR")),
+        );
+        assert!(err.contains("cannot be used with"), "{flag:?}: {err}");
+    }
+    for scale in ["0", "-2", "NaN", "inf"] {
+        let err = fails(
+            switchyard()
+                .args(["simulate", "--trace", "missing.csv", "--format", "azure"])
+                .arg(format!("--time-scale={scale}")),
+        );
+        assert!(err.contains("--time-scale must be"), "{scale}: {err}");
+    }
+}
+
+#[test]
 fn bench_serve_reports_vllm_labels_against_a_live_server() {
     let server = Server::start("bench", "");
     let dir = temp_dir("bench");

@@ -214,9 +214,10 @@ impl Simulation {
             trace::scale_time(&mut requests, f);
         }
         let mut estimated_capacity_rps = None;
+        let shape_err = |m: String| SimError::spec(&w.trace, m);
         if w.format != TraceFormat::Sharegpt {
             if let Some(rate) = arrival.rate {
-                trace::rescale_to_rate(&mut requests, rate);
+                trace::rescale_to_rate(&mut requests, rate).map_err(shape_err)?;
             }
         }
         if let Some(load) = arrival.load {
@@ -226,9 +227,12 @@ impl Simulation {
                 // Generated at one request per second: gaps scale linearly with 1/rate.
                 trace::scale_time(&mut requests, 1.0 / (load * capacity));
             } else {
-                trace::rescale_to_rate(&mut requests, load * capacity);
+                trace::rescale_to_rate(&mut requests, load * capacity).map_err(shape_err)?;
             }
         }
+        // A tiny rate or load, or a huge time scale, can push arrivals past what the clock
+        // holds.
+        trace::check_arrivals(&requests).map_err(shape_err)?;
         Ok(Workload {
             requests,
             estimated_capacity_rps,
@@ -466,7 +470,7 @@ impl<'a> Loop<'a> {
             }
             idle_ticks = 0;
             let dt = self.start_step(&plan, now, &mut outputs);
-            now += dt + self.host_us();
+            now = now.saturating_add(dt).saturating_add(self.host_us());
             self.steps += 1;
             for ev in self.sched.apply_outputs(&plan, &outputs, Timestamp(now)) {
                 finished += usize::from(self.on_event(ev));
@@ -537,10 +541,10 @@ impl<'a> Loop<'a> {
             in_order |=
                 self.sched.drafts_enabled() || plan.seqs.iter().any(|s| !s.draft_tokens.is_empty());
             // The host plans from `now`; the device starts once it is done and free.
-            let ready = now + self.host_us();
+            let ready = now.saturating_add(self.host_us());
             let start = in_flight.as_ref().map_or(ready, |f| ready.max(f.2));
             let mut outputs = Vec::with_capacity(plan.seqs.len());
-            let end = start + self.start_step(&plan, start, &mut outputs);
+            let end = start.saturating_add(self.start_step(&plan, start, &mut outputs));
             self.steps += 1;
             // The step before this one ends as this one starts.
             if let Some((prev, outs, prev_end)) = in_flight.replace((plan, outputs, end)) {
@@ -592,7 +596,7 @@ impl<'a> Loop<'a> {
                 running: stats.num_running,
             });
         }
-        Ok(now + IDLE_TICK_US)
+        Ok(now.saturating_add(IDLE_TICK_US))
     }
 
     /// Records a step starting at `start`, fills `outputs` with its sampled tokens and returns
@@ -640,7 +644,7 @@ impl<'a> Loop<'a> {
         ((self.sim.cost.step_time(&shape) * 1e6).round() as u64).max(1)
     }
 
-    /// The host's time per step, in whole microseconds.
+    /// The host's time per step, in whole microseconds (at most 1e7: the spec bounds it).
     fn host_us(&self) -> u64 {
         self.sim.spec.scheduler.host_overhead_us.max(0.0).round() as u64
     }
@@ -801,6 +805,7 @@ fn record(
 mod tests {
     use super::*;
     use crate::cost::Calibration;
+    use crate::spec::ArrivalSpec;
     use std::path::Path;
     use std::sync::Arc;
 
@@ -938,6 +943,61 @@ workload: {trace: unused.csv, format: azure}
             .unwrap();
         let b = &ahead.records[0];
         assert_eq!((b.first_token_s, b.finish_s), (Some(0.0014), Some(0.0034)));
+    }
+
+    #[test]
+    fn shaping_that_pushes_arrivals_past_the_clock_or_has_no_span_is_an_error() {
+        let dir = std::env::temp_dir().join(format!("sy-engine-shape-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let jsonl = dir.join("t.jsonl");
+        let rows = |times: &[f64]| -> String {
+            times
+                .iter()
+                .map(|t| format!("{{\"arrival_s\": {t}, \"prompt_len\": 8, \"output_len\": 1}}\n"))
+                .collect()
+        };
+        let mut sim = one_ms_steps();
+        sim.spec.workload.trace = jsonl.clone();
+        sim.spec.workload.format = TraceFormat::Jsonl;
+        std::fs::write(&jsonl, rows(&[0.0, 1.0, 2.0])).unwrap();
+        assert_eq!(sim.load_workload().unwrap().requests.len(), 3);
+        let past = |sim: &Simulation| {
+            let err = sim.load_workload().unwrap_err().to_string();
+            assert!(err.contains("past the bound"), "{err}");
+        };
+        sim.spec.workload.time_scale = Some(1e300);
+        past(&sim);
+        sim.spec.workload.time_scale = None;
+        sim.spec.workload.arrival = Some(ArrivalSpec {
+            rate: Some(1e-10),
+            ..Default::default()
+        });
+        past(&sim);
+        // Generated arrivals at one request per 1e9 s on average.
+        let csv = dir.join("s.csv");
+        std::fs::write(
+            &csv,
+            "num_prefill_tokens,num_decode_tokens\n8,1\n8,1\n8,1\n8,1\n8,1\n",
+        )
+        .unwrap();
+        sim.spec.workload.trace = csv;
+        sim.spec.workload.format = TraceFormat::Sharegpt;
+        sim.spec.workload.arrival = Some(ArrivalSpec {
+            rate: Some(1e-9),
+            ..Default::default()
+        });
+        past(&sim);
+        // Every request at one time: no rate can be reached by rescaling.
+        sim.spec.workload.trace = jsonl.clone();
+        sim.spec.workload.format = TraceFormat::Jsonl;
+        std::fs::write(&jsonl, rows(&[4.0, 4.0, 4.0])).unwrap();
+        sim.spec.workload.arrival = Some(ArrivalSpec {
+            rate: Some(2.0),
+            ..Default::default()
+        });
+        let err = sim.load_workload().unwrap_err().to_string();
+        assert!(err.contains("no time span"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -49,24 +49,32 @@ pub fn thin_series(points: &[(f64, f64)]) -> Vec<(f64, f64)> {
         .collect()
 }
 
+/// The log x axis of a CDF plot: the positive latencies with a margin; a factor of 2 either
+/// side of a single distinct value; 0.1–10 ms when there is none.
+fn cdf_axis(series: &[(String, Vec<(f64, f64)>)]) -> (f64, f64) {
+    let xs = series
+        .iter()
+        .flat_map(|(_, p)| p.iter().map(|q| q.0))
+        .filter(|x| *x > 0.0 && x.is_finite());
+    let (lo, hi) = xs.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), x| {
+        (a.min(x), b.max(x))
+    });
+    if !lo.is_finite() {
+        (0.1, 10.0)
+    } else if hi > lo {
+        (lo * 0.9, hi * 1.1)
+    } else {
+        (lo * 0.5, lo * 2.0)
+    }
+}
+
 /// Draws CDFs of latencies (ms) for each labelled series on a log x axis.
 pub fn plot_cdfs(
     path: &Path,
     title: &str,
     series: &[(String, Vec<(f64, f64)>)],
 ) -> Result<(), SimError> {
-    let xs = series
-        .iter()
-        .flat_map(|(_, p)| p.iter().map(|q| q.0))
-        .filter(|x| *x > 0.0);
-    let (lo, hi) = xs.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), x| {
-        (a.min(x), b.max(x))
-    });
-    let (lo, hi) = if lo.is_finite() && hi > lo {
-        (lo * 0.9, hi * 1.1)
-    } else {
-        (0.1, 10.0)
-    };
+    let (lo, hi) = cdf_axis(series);
     let root = SVGBackend::new(path, SIZE).into_drawing_area();
     root.fill(&WHITE).map_err(|e| plot_err(path, e))?;
     let mut chart = ChartBuilder::on(&root)
@@ -175,6 +183,21 @@ mod tests {
         let t = thin_series(&s);
         assert!(t.len() <= MAX_POINTS);
         assert!(t.iter().any(|p| p.1 == 9.0));
+    }
+
+    #[test]
+    fn cdf_axis_holds_a_single_latency() {
+        let one = |mut v: Vec<f64>| vec![("x".to_string(), cdf_points(&mut v))];
+        // One distinct value far from 0.1-10 ms: the axis is centred on it.
+        let (lo, hi) = cdf_axis(&one(vec![250.0, 250.0, 250.0]));
+        assert!(lo < 250.0 && 250.0 < hi, "{lo}..{hi}");
+        assert_eq!((lo, hi), (125.0, 500.0));
+        let (lo, hi) = cdf_axis(&one(vec![0.002]));
+        assert!(lo < 0.002 && 0.002 < hi, "{lo}..{hi}");
+        let (lo, hi) = cdf_axis(&one(vec![2.0, 40.0]));
+        assert!(lo < 2.0 && 40.0 < hi, "{lo}..{hi}");
+        assert_eq!(cdf_axis(&one(vec![])), (0.1, 10.0));
+        assert_eq!(cdf_axis(&one(vec![0.0])), (0.1, 10.0));
     }
 
     #[test]

@@ -50,6 +50,10 @@ pub(crate) fn read_text(path: &Path, max: u64) -> Result<String, SimError> {
     Ok(text)
 }
 
+/// Largest host time per step accepted, in microseconds (10 s: far above any real step, and
+/// small enough that the virtual clock cannot overflow).
+pub const MAX_HOST_OVERHEAD_US: f64 = 1e7;
+
 /// Most tiers (or tenants) in a spec.
 pub const MAX_LABELS: usize = 256;
 
@@ -263,7 +267,7 @@ pub struct WorkloadSpec {
     pub trace: PathBuf,
     /// Its format.
     pub format: TraceFormat,
-    /// Keep at most this many requests.
+    /// Keep at most this many requests (1 or more), the first ones by arrival.
     #[serde(default)]
     pub limit: Option<usize>,
     /// Drop requests before this time (s, trace clock).
@@ -418,6 +422,12 @@ impl SimulationSpec {
         if s.max_model_len.is_some_and(|n| n == 0 || n > 1 << 24) {
             return Err("scheduler.max_model_len outside 1..=16777216".into());
         }
+        if !(0.0..=MAX_HOST_OVERHEAD_US).contains(&s.host_overhead_us) {
+            return Err(format!(
+                "scheduler.host_overhead_us {} outside 0..={MAX_HOST_OVERHEAD_US} (microseconds per step)",
+                s.host_overhead_us
+            ));
+        }
         if !(1..=1024).contains(&s.max_loras) {
             return Err("scheduler.max_loras outside 1..=1024".into());
         }
@@ -463,6 +473,11 @@ impl SimulationSpec {
         let w = &self.workload;
         if w.format == TraceFormat::Sharegpt && (w.start_s.is_some() || w.end_s.is_some()) {
             return Err("workload: start_s/end_s need timestamps; use `limit` for sharegpt".into());
+        }
+        if w.limit == Some(0) {
+            return Err(
+                "workload.limit must be at least 1 (leave it out to keep every request)".into(),
+            );
         }
         if w.time_scale.is_some_and(|f| !(f.is_finite() && f > 0.0)) {
             return Err("workload.time_scale must be positive".into());
@@ -650,6 +665,42 @@ workload:
                 format!("{}\nscheduler: {{ max_loras: 0 }}\n", GOOD.trim_end()),
                 "scheduler.max_loras",
             ),
+            (
+                format!(
+                    "{}\nscheduler: {{ host_overhead_us: .inf }}\n",
+                    GOOD.trim_end()
+                ),
+                "scheduler.host_overhead_us",
+            ),
+            (
+                format!(
+                    "{}\nscheduler: {{ host_overhead_us: 1e20 }}\n",
+                    GOOD.trim_end()
+                ),
+                "scheduler.host_overhead_us",
+            ),
+            (
+                format!(
+                    "{}\nscheduler: {{ host_overhead_us: -1 }}\n",
+                    GOOD.trim_end()
+                ),
+                "scheduler.host_overhead_us",
+            ),
+            (
+                format!(
+                    "{}\nscheduler: {{ host_overhead_us: .nan }}\n",
+                    GOOD.trim_end()
+                ),
+                "scheduler.host_overhead_us",
+            ),
+            (
+                GOOD.replace("format: azure", "format: azure\n  limit: 0"),
+                "workload.limit",
+            ),
+            (
+                GOOD.replace("format: azure", "format: azure\n  time_scale: .inf"),
+                "workload.time_scale",
+            ),
         ];
         for (text, want) in cases {
             let err = parse(&text).unwrap_err().to_string();
@@ -658,6 +709,20 @@ workload:
                 "want {want}: {err}"
             );
         }
+    }
+
+    #[test]
+    fn bounds_accept_their_edges() {
+        let edge = format!(
+            "{}\nscheduler: {{ host_overhead_us: 1e7 }}\n",
+            GOOD.trim_end()
+        )
+        .replace("format: azure", "format: azure\n  limit: 1");
+        let s = parse(&edge).unwrap();
+        assert_eq!(
+            (s.scheduler.host_overhead_us, s.workload.limit),
+            (1e7, Some(1))
+        );
     }
 
     #[test]

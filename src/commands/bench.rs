@@ -84,8 +84,7 @@ fn prompt_dataset(
 
 /// Reads (prompt, output) lengths from a ShareGPT lengths CSV.
 fn sharegpt_lengths(path: &Path, max_model_len: usize) -> anyhow::Result<Vec<(usize, usize)>> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let text = super::bench_serve::read_bounded(path, super::bench_serve::MAX_DATASET_BYTES)?;
     let mut out = Vec::new();
     for (i, line) in text.lines().enumerate().skip(1) {
         let mut fields = line.split(',');
@@ -98,7 +97,14 @@ fn sharegpt_lengths(path: &Path, max_model_len: usize) -> anyhow::Result<Vec<(us
                 })
         };
         let (p, o) = (num("num_prefill_tokens")?, num("num_decode_tokens")?);
-        if p >= 1 && o >= 1 && p + o <= max_model_len {
+        let total = p.checked_add(o).with_context(|| {
+            format!(
+                "{}:{}: num_prefill_tokens + num_decode_tokens overflows",
+                path.display(),
+                i + 1
+            )
+        })?;
+        if p >= 1 && o >= 1 && total <= max_model_len {
             out.push((p, o));
         }
     }
@@ -161,8 +167,12 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
                 args.input_len >= 1 && args.output_len >= 1,
                 "--input-len and --output-len must be at least 1"
             );
+            let total = args
+                .input_len
+                .checked_add(args.output_len)
+                .context("--input-len + --output-len overflows")?;
             anyhow::ensure!(
-                args.input_len + args.output_len <= max_model_len,
+                total <= max_model_len,
                 "input + output length exceed the context ({max_model_len})"
             );
             let n = args.decode_batch.unwrap_or(args.num_prompts);
@@ -188,7 +198,7 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
             let out = args.output_len.max(1);
             for t in &texts {
                 anyhow::ensure!(
-                    t.len() + out <= max_model_len,
+                    t.len().checked_add(out).is_some_and(|n| n <= max_model_len),
                     "a prompt of {} tokens and {out} output tokens exceed the context ({max_model_len})",
                     t.len()
                 );

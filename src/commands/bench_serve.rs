@@ -2,23 +2,36 @@
 //! llama-server, vLLM). Streams completions, timestamps every chunk, and prints the labels
 //! `vllm bench serve` prints; `--result-file` writes the same figures as JSON.
 //!
-//! Plain HTTP/1.1 over `std::net` with one thread per in-flight request: the generator must not
-//! be the bottleneck at the concurrencies a single server sees, and it needs no TLS.
+//! A fixed pool of threads, one per request in flight, sends the requests through the plain
+//! HTTP/1.1 client in `http`: the generator must not be the bottleneck at the concurrencies
+//! a single server sees, and it needs no TLS.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
-use std::sync::mpsc;
+mod http;
+
+use std::io::{Read, Write};
+use std::path::Path;
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde_json::json;
+use switchyard_simulator::report::percentile;
 
+use self::http::{connect, first_model, one_request, parse_url, Target, MAX_SMALL_RESPONSE_BYTES};
 use crate::cli::{ServeBenchArgs, ServeDataset};
 
 /// Most prompts in one run.
 const MAX_PROMPTS: usize = 1_000_000;
+/// Longest prompt or output of one request, in tokens (`--input-len`, `--max-input-len`, ...).
+const MAX_REQUEST_TOKENS: usize = 1 << 20;
+/// Requests in flight (threads) without `--max-concurrency`.
+const DEFAULT_IN_FLIGHT: usize = 1024;
+/// Largest `--max-concurrency`.
+const MAX_IN_FLIGHT: usize = 16_384;
+/// Largest dataset file read, in bytes.
+pub(super) const MAX_DATASET_BYTES: u64 = 1 << 30;
 
 /// One request's measurements.
 #[derive(Debug, Clone, Default)]
@@ -32,26 +45,63 @@ struct Sample {
     latency: f64,
 }
 
-struct Target {
-    host: String,
-    port: u16,
-    prefix: String,
+/// Refuses arguments the run cannot honour, before anything is sent.
+fn validate(args: &ServeBenchArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        (1..=MAX_PROMPTS).contains(&args.num_prompts),
+        "--num-prompts must be 1..={MAX_PROMPTS}"
+    );
+    for (name, v) in [
+        ("--input-len", args.input_len),
+        ("--output-len", args.output_len),
+        ("--max-input-len", args.max_input_len),
+        ("--max-output-len", args.max_output_len),
+    ] {
+        anyhow::ensure!(
+            (1..=MAX_REQUEST_TOKENS).contains(&v),
+            "{name} must be 1..={MAX_REQUEST_TOKENS}, not {v}"
+        );
+    }
+    if let Some(c) = args.max_concurrency {
+        anyhow::ensure!(
+            (1..=MAX_IN_FLIGHT).contains(&c),
+            "--max-concurrency must be 1..={MAX_IN_FLIGHT}, not {c}"
+        );
+    }
+    if let Some(r) = args.request_rate {
+        // NaN fails the comparison too; `inf` means every request at once, as in vLLM.
+        anyhow::ensure!(
+            r > 0.0,
+            "--request-rate must be > 0 requests/s (inf sends every request at once), not {r}"
+        );
+    }
+    anyhow::ensure!(
+        args.time_scale.is_finite() && args.time_scale > 0.0,
+        "--time-scale must be a finite number > 0 (2 = twice as fast), not {}",
+        args.time_scale
+    );
+    anyhow::ensure!(
+        args.token_offset.checked_add(args.token_range).is_some(),
+        "--token-offset + --token-range must not exceed {} (token ids are u32)",
+        u32::MAX
+    );
+    Ok(())
 }
 
-fn parse_url(url: &str) -> anyhow::Result<Target> {
-    let rest = url
-        .strip_prefix("http://")
-        .context("--base-url must start with http:// (TLS is not supported)")?;
-    let (hostport, prefix) = rest
-        .split_once('/')
-        .map(|(h, p)| (h, format!("/{}", p.trim_end_matches('/'))))
-        .unwrap_or((rest, String::new()));
-    let (host, port) = match hostport.rsplit_once(':') {
-        Some((h, p)) => (h.to_string(), p.parse().context("bad port in --base-url")?),
-        None => (hostport.to_string(), 80),
-    };
-    let prefix = if prefix == "/" { String::new() } else { prefix };
-    Ok(Target { host, port, prefix })
+/// Reads a text file of at most `max` bytes; a larger one is an error, not a truncation.
+pub(super) fn read_bounded(path: &Path, max: u64) -> anyhow::Result<String> {
+    let file = std::fs::File::open(path).with_context(|| format!("reading {}", path.display()))?;
+    let mut text = String::new();
+    file.take(max.saturating_add(1))
+        .read_to_string(&mut text)
+        .with_context(|| format!("reading {}", path.display()))?;
+    anyhow::ensure!(
+        text.len() as u64 <= max,
+        "{} is larger than {} MiB",
+        path.display(),
+        max >> 20
+    );
+    Ok(text)
 }
 
 /// (prompt token count, output tokens, arrival offset in seconds if the dataset has one).
@@ -67,8 +117,7 @@ fn workload(
                 .dataset_path
                 .clone()
                 .context("--dataset-path is required for sharegpt and trace datasets")?;
-            let text = std::fs::read_to_string(&path)
-                .with_context(|| format!("reading {}", path.display()))?;
+            let text = read_bounded(&path, MAX_DATASET_BYTES)?;
             let mut rows = Vec::new();
             let mut first_ts: Option<f64> = None;
             for (i, line) in text.lines().enumerate().skip(1) {
@@ -101,6 +150,7 @@ fn workload(
                 }
             }
             anyhow::ensure!(!rows.is_empty(), "{} has no rows", path.display());
+            // `validate` keeps both maxima at 1 or more, so the clamps cannot panic.
             let rows: Vec<_> = rows
                 .into_iter()
                 .map(|(p, o, t)| {
@@ -121,21 +171,89 @@ fn workload(
     }
 }
 
-/// Seconds since midnight of a `YYYY-MM-DD HH:MM:SS.fffffff` wall-clock time.
+/// Seconds since 1970-01-01 (UTC assumed) of a `YYYY-MM-DD HH:MM:SS[.fffffff]` wall-clock
+/// time: the whole timestamp, so a trace that crosses midnight keeps its arrivals in order.
 fn parse_clock(ts: &str) -> Option<f64> {
-    let time = ts.trim().split(' ').nth(1)?;
-    let mut parts = time.split(':');
-    let h: f64 = parts.next()?.parse().ok()?;
-    let m: f64 = parts.next()?.parse().ok()?;
-    let s: f64 = parts.next()?.parse().ok()?;
-    Some(h * 3600.0 + m * 60.0 + s)
+    let (date, time) = ts.trim().split_once([' ', 'T'])?;
+    let mut d = date.splitn(3, '-');
+    let y: i64 = d.next()?.parse().ok()?;
+    let m: u32 = d.next()?.parse().ok()?;
+    let day: u32 = d.next()?.parse().ok()?;
+    let mut t = time.trim().splitn(3, ':');
+    let hh: u32 = t.next()?.parse().ok()?;
+    let mm: u32 = t.next()?.parse().ok()?;
+    let ss: f64 = t.next()?.parse().ok()?;
+    let valid = (1..=9999).contains(&y)
+        && (1..=12).contains(&m)
+        && (1..=31).contains(&day)
+        && hh < 24
+        && mm < 60
+        && (0.0..61.0).contains(&ss);
+    if !valid {
+        return None;
+    }
+    let days = days_from_civil(y, m, day);
+    Some(days as f64 * 86_400.0 + f64::from(hh * 3600 + mm * 60) + ss)
+}
+
+/// Days since 1970-01-01 of a proleptic Gregorian date (H. Hinnant's `days_from_civil`,
+/// "chrono-Compatible Low-Level Date Algorithms"; the simulator's Azure loader uses the same).
+fn days_from_civil(y: i64, m: u32, d: u32) -> i64 {
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let m = i64::from(m);
+    let doy = (153 * (if m > 2 { m - 3 } else { m + 9 }) + 2) / 5 + i64::from(d) - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
+}
+
+/// One request for a worker thread: its JSON body and its prompt length.
+struct Job {
+    /// The `/v1/completions` request body.
+    body: String,
+    /// Prompt tokens.
+    input: usize,
+}
+
+/// Starts `n` threads that send the jobs given to the returned sender, one at a time each, and
+/// report every sample on the returned receiver; they end once the sender is dropped.
+fn spawn_workers(
+    n: usize,
+    target: &Target,
+    path: &str,
+    key: Option<&str>,
+) -> anyhow::Result<(mpsc::Sender<Job>, mpsc::Receiver<Sample>)> {
+    let (job_tx, job_rx) = mpsc::channel::<Job>();
+    let job_rx = Arc::new(Mutex::new(job_rx));
+    let (tx, rx) = mpsc::channel::<Sample>();
+    for w in 0..n {
+        let (host, port) = (target.host.clone(), target.port);
+        let (path, key) = (path.to_string(), key.map(str::to_string));
+        let (job_rx, tx) = (Arc::clone(&job_rx), tx.clone());
+        std::thread::Builder::new()
+            .name(format!("bench-{w}"))
+            .spawn(move || {
+                // The guard is dropped inside `and_then`: the lock is held only while waiting.
+                while let Some(job) = job_rx.lock().ok().and_then(|jobs| jobs.recv().ok()) {
+                    let sample =
+                        one_request(&host, port, &path, key.as_deref(), &job.body, job.input)
+                            .unwrap_or_else(|e| Sample {
+                                error: format!("{e:#}"),
+                                ..Sample::default()
+                            });
+                    if tx.send(sample).is_err() {
+                        break;
+                    }
+                }
+            })
+            .context("starting a benchmark thread")?;
+    }
+    Ok((job_tx, rx))
 }
 
 pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(
-        (1..=MAX_PROMPTS).contains(&args.num_prompts),
-        "--num-prompts must be 1..={MAX_PROMPTS}"
-    );
+    validate(&args)?;
     let target = parse_url(&args.base_url)?;
     let model = match &args.model {
         Some(m) => m.clone(),
@@ -146,18 +264,28 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
     let work = workload(&args, &mut rng)?;
     // Speculative decoding's counters before the run (a server without them reports none).
     let spec_before = spec_counters(&target);
-    let concurrency = args.max_concurrency.unwrap_or(usize::MAX).max(1);
-    let (tx, rx) = mpsc::channel::<Sample>();
+    // One thread per request in flight: --max-concurrency of them, else up to
+    // DEFAULT_IN_FLIGHT (requests still start when due; one due while all are busy waits).
+    let concurrency = args
+        .max_concurrency
+        .unwrap_or(DEFAULT_IN_FLIGHT)
+        .min(work.len())
+        .max(1);
+    let path = format!("{}/v1/completions", target.prefix);
+    let (jobs, rx) = spawn_workers(concurrency, &target, &path, args.api_key.as_deref())?;
     let bar = super::progress_bar(work.len() as u64, "requests");
     let start = Instant::now();
     let mut in_flight = 0usize;
     let mut samples = Vec::with_capacity(work.len());
     let mut next_arrival = 0.0f64;
-    for (i, &(input, output, at)) in work.iter().enumerate() {
-        // Arrival time: the trace's own, Poisson at --request-rate, or all at once.
+    // `validate` keeps offset + range within u32.
+    let token_range = args.token_range.max(1);
+    for &(input, output, at) in &work {
+        // Arrival time: the trace's own, Poisson at --request-rate, or all at once (no rate,
+        // or an infinite one, as vLLM's default).
         let due = match (at, args.request_rate) {
-            (Some(t), _) => t / args.time_scale.max(1e-9),
-            (None, Some(rate)) if rate.is_finite() && rate > 0.0 => {
+            (Some(t), _) => t / args.time_scale,
+            (None, Some(rate)) if rate.is_finite() => {
                 let t = next_arrival;
                 next_arrival += -(1.0 - rng.random::<f64>()).ln() / rate;
                 t
@@ -166,42 +294,31 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
         };
         let wait = due - start.elapsed().as_secs_f64();
         if wait > 0.0 {
-            std::thread::sleep(Duration::from_secs_f64(wait));
+            let wait = Duration::try_from_secs_f64(wait)
+                .with_context(|| format!("an arrival {due} s after the start is out of range"))?;
+            std::thread::sleep(wait);
         }
         while in_flight >= concurrency {
-            samples.push(rx.recv().context("worker vanished")?);
+            samples.push(rx.recv().context("benchmark threads vanished")?);
             in_flight -= 1;
             bar.inc(1);
         }
         let prompt: Vec<u32> = (0..input)
-            .map(|_| args.token_offset + rng.random_range(0..args.token_range.max(1)))
+            .map(|_| args.token_offset + rng.random_range(0..token_range))
             .collect();
         let body = json!({
             "model": model, "prompt": prompt, "max_tokens": output, "temperature": 0.0,
             "ignore_eos": args.ignore_eos, "stream": true, "stream_options": {"include_usage": true},
         })
         .to_string();
-        let (host, port, path, key, tx) = (
-            target.host.clone(),
-            target.port,
-            format!("{}/v1/completions", target.prefix),
-            args.api_key.clone(),
-            tx.clone(),
-        );
-        std::thread::Builder::new()
-            .name(format!("bench-{i}"))
-            .spawn(move || {
-                let sample = one_request(&host, port, &path, key.as_deref(), &body, input)
-                    .unwrap_or_else(|e| Sample {
-                        error: format!("{e:#}"),
-                        ..Sample::default()
-                    });
-                let _ = tx.send(sample);
-            })?;
+        jobs.send(Job { body, input })
+            .context("benchmark threads vanished")?;
         in_flight += 1;
     }
+    // Dropping the sender lets every worker end once the queue is empty.
+    drop(jobs);
     while in_flight > 0 {
-        samples.push(rx.recv().context("worker vanished")?);
+        samples.push(rx.recv().context("benchmark threads vanished")?);
         in_flight -= 1;
         bar.inc(1);
     }
@@ -243,7 +360,9 @@ fn spec_counters(t: &Target) -> Option<SpecCounters> {
     )
     .ok()?;
     let mut text = String::new();
-    s.take(16 << 20).read_to_string(&mut text).ok()?;
+    s.take(MAX_SMALL_RESPONSE_BYTES)
+        .read_to_string(&mut text)
+        .ok()?;
     parse_spec_counters(&text)
 }
 
@@ -259,168 +378,6 @@ fn parse_spec_counters(text: &str) -> Option<SpecCounters> {
         draft_tokens: value("switchyard:spec_decode_num_draft_tokens_total")?,
         accepted: value("switchyard:spec_decode_num_accepted_tokens_total")?,
     })
-}
-
-fn connect(host: &str, port: u16) -> anyhow::Result<TcpStream> {
-    let s =
-        TcpStream::connect((host, port)).with_context(|| format!("connecting to {host}:{port}"))?;
-    s.set_read_timeout(Some(Duration::from_secs(600)))?;
-    s.set_nodelay(true)?;
-    Ok(s)
-}
-
-fn first_model(t: &Target, key: Option<&str>) -> anyhow::Result<String> {
-    let mut s = connect(&t.host, t.port)?;
-    let auth = key
-        .map(|k| format!("Authorization: Bearer {k}\r\n"))
-        .unwrap_or_default();
-    write!(
-        s,
-        "GET {}/v1/models HTTP/1.1\r\nHost: {}\r\n{auth}Connection: close\r\n\r\n",
-        t.prefix, t.host
-    )?;
-    let mut text = String::new();
-    s.read_to_string(&mut text)?;
-    let body = text.split_once("\r\n\r\n").map(|x| x.1).unwrap_or_default();
-    // Tolerate chunked framing: take the JSON object inside.
-    let json_text = &body[body.find('{').unwrap_or(0)..=body.rfind('}').unwrap_or(0)];
-    let v: serde_json::Value = serde_json::from_str(json_text).context("parsing /v1/models")?;
-    v["data"][0]["id"]
-        .as_str()
-        .map(str::to_string)
-        .context("no model listed")
-}
-
-/// Sends one streaming completion and timestamps its chunks.
-fn one_request(
-    host: &str,
-    port: u16,
-    path: &str,
-    key: Option<&str>,
-    body: &str,
-    input: usize,
-) -> anyhow::Result<Sample> {
-    let t0 = Instant::now();
-    let mut stream = connect(host, port)?;
-    let auth = key
-        .map(|k| format!("Authorization: Bearer {k}\r\n"))
-        .unwrap_or_default();
-    write!(
-        stream,
-        "POST {path} HTTP/1.1\r\nHost: {host}\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )?;
-    let mut reader = BufReader::new(stream);
-    let mut line = String::new();
-    reader.read_line(&mut line)?;
-    let status: u16 = line
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    let mut chunked = false;
-    loop {
-        line.clear();
-        if reader.read_line(&mut line)? == 0 {
-            break;
-        }
-        let l = line.trim_end();
-        if l.is_empty() {
-            break;
-        }
-        if l.to_ascii_lowercase().starts_with("transfer-encoding:")
-            && l.to_ascii_lowercase().contains("chunked")
-        {
-            chunked = true;
-        }
-    }
-    let mut sample = Sample {
-        prompt_tokens: input,
-        ..Sample::default()
-    };
-    if status != 200 {
-        let mut rest = String::new();
-        let _ = reader.read_to_string(&mut rest);
-        sample.error = format!(
-            "HTTP {status}: {}",
-            rest.chars().take(200).collect::<String>()
-        );
-        return Ok(sample);
-    }
-    let mut pending = String::new();
-    let mut last: Option<Instant> = None;
-    let mut done = false;
-    let mut buf = Vec::new();
-    while !done {
-        buf.clear();
-        if chunked {
-            line.clear();
-            if reader.read_line(&mut line)? == 0 {
-                break;
-            }
-            let size = usize::from_str_radix(line.trim(), 16).unwrap_or(0);
-            if size == 0 {
-                break;
-            }
-            buf.resize(size, 0);
-            reader.read_exact(&mut buf)?;
-            line.clear();
-            reader.read_line(&mut line)?;
-        } else {
-            buf.resize(8192, 0);
-            let n = reader.read(&mut buf)?;
-            if n == 0 {
-                break;
-            }
-            buf.truncate(n);
-        }
-        let now = Instant::now();
-        pending.push_str(&String::from_utf8_lossy(&buf));
-        while let Some(end) = pending.find("\n\n") {
-            let event: String = pending.drain(..end + 2).collect();
-            let Some(data) = event.trim().strip_prefix("data:") else {
-                continue;
-            };
-            let data = data.trim();
-            if data == "[DONE]" {
-                done = true;
-                break;
-            }
-            let v: serde_json::Value = serde_json::from_str(data).unwrap_or_default();
-            if let Some(u) = v
-                .get("usage")
-                .and_then(|u| u.get("completion_tokens"))
-                .and_then(|c| c.as_u64())
-            {
-                sample.output_tokens = u as usize;
-            }
-            let has_text = v["choices"]
-                .get(0)
-                .and_then(|c| c["text"].as_str())
-                .is_some_and(|t| !t.is_empty());
-            if has_text {
-                match last {
-                    None => sample.ttft = (now - t0).as_secs_f64(),
-                    Some(l) => sample.itl.push((now - l).as_secs_f64()),
-                }
-                last = Some(now);
-            }
-        }
-    }
-    sample.latency = t0.elapsed().as_secs_f64();
-    sample.ok = done && last.is_some();
-    if !sample.ok {
-        sample.error = "stream ended without [DONE] or without output".into();
-    }
-    Ok(sample)
-}
-
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    let rank = (p / 100.0 * (sorted.len() - 1) as f64).round() as usize;
-    sorted[rank.min(sorted.len() - 1)]
 }
 
 fn stats(mut v: Vec<f64>) -> (f64, f64, f64) {
@@ -537,21 +494,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn urls_parse_with_and_without_prefix() {
-        let t = parse_url("http://127.0.0.1:8000").unwrap();
-        assert_eq!(
-            (t.host.as_str(), t.port, t.prefix.as_str()),
-            ("127.0.0.1", 8000, "")
-        );
-        let t = parse_url("http://localhost/api/").unwrap();
-        assert_eq!(
-            (t.host.as_str(), t.port, t.prefix.as_str()),
-            ("localhost", 80, "/api")
-        );
-        assert!(parse_url("https://x").is_err());
-    }
-
-    #[test]
     fn speculative_counters_parse_from_prometheus_text() {
         let text = "HTTP/1.1 200 OK\r\n\r\n# HELP x\nswitchyard:spec_decode_num_drafts_total 12\n\
                     switchyard:spec_decode_num_draft_tokens_total 48\n\
@@ -568,12 +510,85 @@ mod tests {
     }
 
     #[test]
-    fn percentiles_and_clock_parse() {
-        assert_eq!(percentile(&[1.0, 2.0, 3.0, 4.0, 5.0], 50.0), 3.0);
+    fn percentiles_interpolate_linearly_as_numpy() {
+        // numpy.percentile([1, 2, 3, 4], [50, 99]) = [2.5, 3.97]
+        let v = [1.0, 2.0, 3.0, 4.0];
+        assert_eq!(percentile(&v, 50.0), 2.5);
+        assert!((percentile(&v, 99.0) - 3.97).abs() < 1e-12);
         assert_eq!(percentile(&[], 99.0), 0.0);
+        let (mean, p50, p99) = stats(vec![0.004, 0.001, 0.003, 0.002]);
+        assert!((mean - 2.5).abs() < 1e-9 && (p50 - 2.5).abs() < 1e-9);
+        assert!((p99 - 3.97).abs() < 1e-9);
+    }
+
+    #[test]
+    fn trace_clock_keeps_order_across_midnight() {
+        assert_eq!(parse_clock("1970-01-01 00:00:00"), Some(0.0));
+        // 2023-11-16 is 19677 days after the epoch.
         assert_eq!(
             parse_clock("2023-11-16 18:17:03.5"),
-            Some(18.0 * 3600.0 + 17.0 * 60.0 + 3.5)
+            Some(19_677.0 * 86_400.0 + 18.0 * 3600.0 + 17.0 * 60.0 + 3.5)
         );
+        let a = parse_clock("2023-11-16 23:59:59.5000000").unwrap();
+        let b = parse_clock("2023-11-17 00:00:01.2500000").unwrap();
+        assert!((b - a - 1.75).abs() < 1e-6, "{}", b - a);
+        assert_eq!(parse_clock("18:17:03"), None);
+        assert_eq!(parse_clock("2023-13-01 00:00:00"), None);
+    }
+
+    #[test]
+    fn dataset_files_are_read_up_to_a_cap() {
+        let path =
+            std::env::temp_dir().join(format!("switchyard-bench-{}.csv", std::process::id()));
+        std::fs::write(&path, "12345").unwrap();
+        assert_eq!(read_bounded(&path, 5).unwrap(), "12345");
+        assert!(read_bounded(&path, 4).is_err());
+        let _ = std::fs::remove_file(&path);
+    }
+
+    /// `bench serve` arguments as clap parses them from `extra`.
+    fn serve_args(extra: &str) -> ServeBenchArgs {
+        use clap::Parser;
+        let argv = ["switchyard", "bench", "serve"]
+            .into_iter()
+            .chain(extra.split_whitespace());
+        match crate::cli::Cli::try_parse_from(argv)
+            .expect("parses")
+            .command
+        {
+            crate::cli::Command::Bench(crate::cli::BenchCommand::Serve(a)) => a,
+            other => panic!("parsed {other:?}"),
+        }
+    }
+
+    #[test]
+    fn out_of_range_arguments_are_refused_before_any_request() {
+        for good in [
+            "",
+            "--request-rate inf",
+            "--request-rate 0.5 --time-scale 2",
+            "--input-len 1048576 --max-concurrency 16384",
+        ] {
+            assert!(validate(&serve_args(good)).is_ok(), "{good:?} was refused");
+        }
+        for bad in [
+            "--max-input-len 0",
+            "--max-output-len 0",
+            "--input-len 0",
+            "--output-len 1048577",
+            "--time-scale 0",
+            "--time-scale=-1",
+            "--time-scale NaN",
+            "--time-scale inf",
+            "--request-rate 0",
+            "--request-rate=-2",
+            "--request-rate NaN",
+            "--token-offset 4294967295",
+            "--max-concurrency 0",
+            "--max-concurrency 16385",
+            "--num-prompts 0",
+        ] {
+            assert!(validate(&serve_args(bad)).is_err(), "{bad:?} was accepted");
+        }
     }
 }

@@ -5,6 +5,17 @@ use switchyard_simulator::{CliOptions, SimulationSpec, TraceFormat};
 use crate::cli::{SimulateArgs, TraceFormat as CliFormat};
 
 pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
+    // `--time-scale t` divides arrival times (2 = twice as fast); the spec's factor multiplies.
+    let time_scale = match args.time_scale {
+        Some(t) => {
+            anyhow::ensure!(
+                t.is_finite() && t > 0.0 && (1.0 / t).is_finite(),
+                "--time-scale must be a finite number > 0 (2 = twice as fast), not {t}"
+            );
+            Some(1.0 / t)
+        }
+        None => None,
+    };
     let spec = match (&args.config, &args.trace) {
         (Some(file), _) => SimulationSpec::from_yaml_file(file)?,
         (None, Some(trace)) => {
@@ -25,7 +36,7 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
                 limit: args.limit,
                 rate: args.rate,
                 load: args.load,
-                time_scale: args.time_scale,
+                time_scale,
             })?
         }
         (None, None) => anyhow::bail!("give --config FILE, or --trace FILE --format F"),

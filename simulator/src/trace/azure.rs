@@ -66,6 +66,11 @@ pub fn load_azure(
         if !options.in_window(arrival_s) {
             return Ok(true);
         }
+        if options.full(out.len()) {
+            // Reached only with a limit of 0: otherwise reading stops right after the push
+            // that fills the trace.
+            return Ok(false);
+        }
         add_total(&mut total, prompt_len, path, line)?;
         out.push(TraceRequest {
             arrival_s,
@@ -190,6 +195,15 @@ mod tests {
         )
         .unwrap();
         assert_eq!(limited.len(), 3);
+        let none = load(
+            text,
+            &LoadOptions {
+                limit: Some(0),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert!(none.is_empty(), "a limit of 0 keeps no request");
         let window = LoadOptions {
             start_s: Some(1.0),
             end_s: Some(3.0),

@@ -3,7 +3,9 @@
 //! be written down exactly), `output_len`, and optional `tenant`, `tier`,
 //! `priority` (lower is more urgent) and `adapter`. Unknown fields are errors
 //! (they are usually typos). Lines may come in any order; requests are sorted
-//! by arrival, ties kept in file order.
+//! by arrival, ties kept in file order, and a `limit` keeps the first requests
+//! by arrival (not by line): the loader holds at most `limit` of them while
+//! reading (a max-heap on arrival evicts the latest), so memory stays bounded.
 
 use super::{
     add_total, check_output_len, check_prompt_len, for_each_line, unique_prompt, LoadOptions,
@@ -11,6 +13,8 @@ use super::{
 };
 use crate::error::SimError;
 use serde_json::{Map, Value};
+use std::cmp::Ordering;
+use std::collections::BinaryHeap;
 use std::io::BufRead;
 use std::path::Path;
 use std::sync::Arc;
@@ -26,13 +30,48 @@ const FIELDS: [&str; 8] = [
     "adapter",
 ];
 
-/// Loads a Switchyard JSONL trace.
+/// A request held while reading, ordered by arrival then by position in the file, so the
+/// top of a max-heap is the one to evict first.
+struct Kept {
+    /// Position among the requests in the window, in file order.
+    seq: u64,
+    /// The request.
+    request: TraceRequest,
+}
+
+impl Ord for Kept {
+    fn cmp(&self, other: &Self) -> Ordering {
+        self.request
+            .arrival_s
+            .total_cmp(&other.request.arrival_s)
+            .then(self.seq.cmp(&other.seq))
+    }
+}
+
+impl PartialOrd for Kept {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl PartialEq for Kept {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+
+impl Eq for Kept {}
+
+/// Loads a Switchyard JSONL trace: the first `limit` requests by arrival (at most
+/// [`MAX_REQUESTS`](super::MAX_REQUESTS)), sorted by arrival, ties in file order.
 pub fn load_jsonl(
     reader: impl BufRead,
     path: &Path,
     options: &LoadOptions,
 ) -> Result<Vec<TraceRequest>, SimError> {
-    let mut out = Vec::new();
+    let cap = options.cap();
+    let mut kept: BinaryHeap<Kept> = BinaryHeap::new();
+    let mut seq = 0u64;
     let mut total = 0usize;
     for_each_line(reader, path, |line, text| {
         let v: Value = serde_json::from_str(text)
@@ -40,15 +79,34 @@ pub fn load_jsonl(
         let obj = v
             .as_object()
             .ok_or_else(|| SimError::trace(path, line, "<json>", "expected a JSON object"))?;
-        let r = parse_row(obj, path, line, out.len() as u64)?;
-        if options.in_window(r.arrival_s) {
-            add_total(&mut total, r.prompt.len(), path, line)?;
-            out.push(r);
+        let r = parse_row(obj, path, line, seq)?;
+        if !options.in_window(r.arrival_s) {
+            return Ok(true);
         }
-        Ok(!options.full(out.len()))
+        if kept.len() >= cap {
+            // Full: the request replaces the latest one held if it arrives strictly earlier
+            // (on a tie the earlier line stays).
+            let earlier = kept
+                .peek()
+                .is_some_and(|top| top.request.arrival_s > r.arrival_s);
+            if !earlier {
+                seq += 1;
+                return Ok(true);
+            }
+            if let Some(evicted) = kept.pop() {
+                total -= evicted.request.prompt.len();
+            }
+        }
+        add_total(&mut total, r.prompt.len(), path, line)?;
+        kept.push(Kept { seq, request: r });
+        seq += 1;
+        Ok(true)
     })?;
-    out.sort_by(|a, b| a.arrival_s.total_cmp(&b.arrival_s));
-    Ok(out)
+    Ok(kept
+        .into_sorted_vec()
+        .into_iter()
+        .map(|k| k.request)
+        .collect())
 }
 
 fn parse_row(
@@ -168,6 +226,49 @@ mod tests {
             (4, "acme", "premium")
         );
         assert_eq!((r.priority, r.adapter), (Some(-1), Some(7)));
+    }
+
+    fn arrivals(text: &str, limit: Option<usize>) -> Vec<f64> {
+        let options = LoadOptions {
+            limit,
+            ..Default::default()
+        };
+        load_jsonl(text.as_bytes(), Path::new("own.jsonl"), &options)
+            .unwrap()
+            .iter()
+            .map(|r| r.arrival_s)
+            .collect()
+    }
+
+    #[test]
+    fn limit_keeps_the_first_arrivals_of_an_unsorted_file() {
+        let row = |t: f64, len: u32| {
+            format!("{{\"arrival_s\": {t}, \"prompt_len\": {len}, \"output_len\": 1}}\n")
+        };
+        let text: String = [(5.0, 1), (1.0, 2), (4.0, 3), (0.5, 4), (3.0, 5), (1.0, 6)]
+            .iter()
+            .map(|&(t, len)| row(t, len))
+            .collect();
+        assert_eq!(arrivals(&text, Some(3)), vec![0.5, 1.0, 1.0]);
+        assert_eq!(arrivals(&text, Some(1)), vec![0.5]);
+        assert_eq!(arrivals(&text, Some(0)), Vec::<f64>::new());
+        assert_eq!(
+            arrivals(&text, None),
+            vec![0.5, 1.0, 1.0, 3.0, 4.0, 5.0],
+            "no limit keeps every request"
+        );
+        // Ties keep file order, also at the cut: of the two requests at 1.0 s only the one
+        // on the earlier line (prompt_len 2) is kept.
+        let options = LoadOptions {
+            limit: Some(2),
+            ..Default::default()
+        };
+        let rs = load_jsonl(text.as_bytes(), Path::new("own.jsonl"), &options).unwrap();
+        let lens: Vec<usize> = rs.iter().map(|r| r.prompt.len()).collect();
+        assert_eq!(lens, vec![4, 2]);
+        let all = load(&text).unwrap();
+        let lens: Vec<usize> = all.iter().map(|r| r.prompt.len()).collect();
+        assert_eq!(lens, vec![4, 2, 6, 5, 3, 1]);
     }
 
     #[test]

@@ -46,7 +46,9 @@ pub const MAX_TOTAL_PROMPT_TOKENS: usize = 1 << 29;
 pub const MAX_LINE_BYTES: usize = 1 << 20;
 /// Longest tenant or tier label, in bytes.
 pub const MAX_LABEL_BYTES: usize = 64;
-/// Latest arrival accepted, in seconds (one year).
+/// Latest arrival accepted, in seconds (one year): read from a file, and again after the
+/// workload is shaped (time scale, rate, load), so the virtual clock in microseconds stays
+/// far from overflowing.
 pub const MAX_ARRIVAL_S: f64 = 366.0 * 86_400.0;
 
 /// One request of a trace, ready to be turned into a scheduler request.
@@ -100,7 +102,8 @@ impl std::str::FromStr for TraceFormat {
 /// Row selection applied while loading (before any arrival rescaling).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct LoadOptions {
-    /// Keep at most this many requests.
+    /// Keep at most this many requests, the first ones by arrival (the JSONL loader sorts;
+    /// the other formats are in arrival order).
     pub limit: Option<usize>,
     /// Drop requests arriving before this many seconds (timestamped traces).
     pub start_s: Option<f64>,
@@ -114,9 +117,14 @@ impl LoadOptions {
         self.start_s.is_none_or(|s| arrival_s >= s) && self.end_s.is_none_or(|e| arrival_s < e)
     }
 
+    /// Most requests kept: the limit, and never more than [`MAX_REQUESTS`].
+    pub(crate) fn cap(&self) -> usize {
+        self.limit.unwrap_or(MAX_REQUESTS).min(MAX_REQUESTS)
+    }
+
     /// Whether `count` requests already reach the limit.
     pub(crate) fn full(&self, count: usize) -> bool {
-        count >= self.limit.unwrap_or(MAX_REQUESTS).min(MAX_REQUESTS)
+        count >= self.cap()
     }
 }
 
@@ -310,19 +318,51 @@ fn kind(is_tier: bool) -> &'static str {
     }
 }
 
-/// Rescales arrival times so the mean arrival rate becomes `rate` requests/s
-/// (inter-arrival gaps keep their shape). No-op for fewer than two requests
-/// or a zero-length trace.
-pub fn rescale_to_rate(requests: &mut [TraceRequest], rate: f64) {
+/// Rescales arrival times (sorted) so the mean arrival rate becomes `rate` requests/s
+/// (inter-arrival gaps keep their shape). No-op for fewer than two requests, which have no
+/// rate; an error when every arrival shares one timestamp, since no scaling of a zero-length
+/// trace gives it a rate, or when `rate` is not a positive number.
+pub fn rescale_to_rate(requests: &mut [TraceRequest], rate: f64) -> Result<(), String> {
+    if !(rate.is_finite() && rate > 0.0) {
+        return Err(format!(
+            "arrival rate {rate} must be a positive number of requests/s"
+        ));
+    }
     let (Some(first), Some(last)) = (requests.first(), requests.last()) else {
-        return;
+        return Ok(());
     };
+    if requests.len() < 2 {
+        return Ok(());
+    }
     let span = last.arrival_s - first.arrival_s;
-    if requests.len() < 2 || span <= 0.0 || rate <= 0.0 || !rate.is_finite() {
-        return;
+    if span.is_nan() || span <= 0.0 {
+        return Err(format!(
+            "all {} requests arrive at {} s: the trace has no time span to rescale to \
+             {rate} requests/s (give the requests distinct arrival times)",
+            requests.len(),
+            first.arrival_s
+        ));
     }
     let current = (requests.len() - 1) as f64 / span;
     scale_time(requests, current / rate);
+    Ok(())
+}
+
+/// Checks that every arrival (after shaping) is a finite time in `0..=MAX_ARRIVAL_S`;
+/// otherwise names the first request out of bounds.
+pub fn check_arrivals(requests: &[TraceRequest]) -> Result<(), String> {
+    match requests
+        .iter()
+        .position(|r| !(0.0..=MAX_ARRIVAL_S).contains(&r.arrival_s))
+    {
+        None => Ok(()),
+        Some(i) => Err(format!(
+            "request {i} arrives at {} s once the workload is shaped (time_scale, rate, load), \
+             past the bound of {MAX_ARRIVAL_S} s (one year): raise the rate or the load, or \
+             lower time_scale",
+            requests[i].arrival_s
+        )),
+    }
 }
 
 /// Multiplies every arrival time (relative to the first) by `factor`.
@@ -407,9 +447,43 @@ mod tests {
     #[test]
     fn rescale_sets_mean_rate() {
         let mut rs: Vec<TraceRequest> = (0..11).map(|i| req(5.0 + 2.0 * f64::from(i))).collect();
-        rescale_to_rate(&mut rs, 2.0);
+        rescale_to_rate(&mut rs, 2.0).unwrap();
         assert_eq!(rs[0].arrival_s, 0.0);
         assert!((rs[10].arrival_s - 5.0).abs() < 1e-12);
+        let mut one = vec![req(3.0)];
+        rescale_to_rate(&mut one, 2.0).unwrap();
+        assert_eq!(one[0].arrival_s, 3.0, "one request has no rate to change");
+        assert!(rescale_to_rate(&mut rs, 0.0).is_err());
+        assert!(rescale_to_rate(&mut rs, f64::NAN).is_err());
+    }
+
+    #[test]
+    fn rescaling_a_trace_without_time_span_is_an_error_not_a_no_op() {
+        let mut rs: Vec<TraceRequest> = (0..5).map(|_| req(7.0)).collect();
+        let err = rescale_to_rate(&mut rs, 2.0).unwrap_err();
+        assert!(err.contains("no time span"), "{err}");
+        assert!(rs.iter().all(|r| r.arrival_s == 7.0), "left unchanged");
+    }
+
+    #[test]
+    fn arrivals_past_the_bound_after_shaping_are_refused() {
+        let mut rs: Vec<TraceRequest> = (0..3).map(|i| req(f64::from(i))).collect();
+        check_arrivals(&rs).unwrap();
+        rs[2].arrival_s = MAX_ARRIVAL_S;
+        check_arrivals(&rs).unwrap();
+        // A tiny rate or a huge time scale pushes arrivals past the bound, to infinity, or
+        // (0 * inf) to NaN.
+        for bad in [MAX_ARRIVAL_S * 1.01, 1e300, f64::INFINITY, f64::NAN] {
+            rs[2].arrival_s = bad;
+            let err = check_arrivals(&rs).unwrap_err();
+            assert!(err.starts_with("request 2 arrives at"), "{err}");
+        }
+        let mut far: Vec<TraceRequest> = (0..3).map(|i| req(f64::from(i))).collect();
+        scale_time(&mut far, 1e300);
+        assert!(check_arrivals(&far).is_err());
+        let mut slow: Vec<TraceRequest> = (0..3).map(|i| req(f64::from(i))).collect();
+        rescale_to_rate(&mut slow, 1e-10).unwrap();
+        assert!(check_arrivals(&slow).is_err());
     }
 
     #[test]

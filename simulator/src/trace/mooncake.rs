@@ -103,6 +103,11 @@ pub fn load_mooncake(
         if !options.in_window(arrival_s) {
             return Ok(true);
         }
+        if options.full(out.len()) {
+            // Reached only with a limit of 0: otherwise reading stops right after the push
+            // that fills the trace.
+            return Ok(false);
+        }
         add_total(&mut total, input, path, line)?;
         out.push(TraceRequest {
             arrival_s,

@@ -131,6 +131,11 @@ pub fn load_sharegpt(
             COLUMNS[1],
             parse_u64(get(1)?, path, line, COLUMNS[1])?,
         )?;
+        if options.full(out.len()) {
+            // Reached only with a limit of 0: otherwise reading stops right after the push
+            // that fills the trace.
+            return Ok(false);
+        }
         add_total(&mut total, p, path, line)?;
         out.push(TraceRequest {
             arrival_s: 0.0,

@@ -1,0 +1,388 @@
+//! The client side of `bench serve`: plain HTTP/1.1 over `std::net` (no TLS), chunked
+//! transfer decoding and server-sent events. Everything a server sends is bounded (line,
+//! chunk and event sizes), so a broken or hostile server fails its requests instead of
+//! exhausting memory.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+
+use super::Sample;
+
+/// Largest HTTP chunk, and largest server-sent event, of a response, in bytes.
+const MAX_CHUNK_BYTES: usize = 16 << 20;
+/// Longest status, header or chunk-size line of a response, in bytes.
+const MAX_LINE_BYTES: u64 = 64 << 10;
+/// Largest `/v1/models` or `/metrics` response read, in bytes.
+pub(super) const MAX_SMALL_RESPONSE_BYTES: u64 = 16 << 20;
+/// Most bytes of a failed response's body read for its error message.
+const MAX_ERROR_BODY_BYTES: u64 = 64 << 10;
+
+/// Where the server listens.
+pub(super) struct Target {
+    /// Host name or address.
+    pub(super) host: String,
+    /// TCP port.
+    pub(super) port: u16,
+    /// Path prefix before `/v1` (empty, or starting with `/`).
+    pub(super) prefix: String,
+}
+
+/// Parses `--base-url` (`http://host[:port][/prefix]`).
+pub(super) fn parse_url(url: &str) -> anyhow::Result<Target> {
+    let rest = url
+        .strip_prefix("http://")
+        .context("--base-url must start with http:// (TLS is not supported)")?;
+    let (hostport, prefix) = rest
+        .split_once('/')
+        .map(|(h, p)| (h, format!("/{}", p.trim_end_matches('/'))))
+        .unwrap_or((rest, String::new()));
+    let (host, port) = match hostport.rsplit_once(':') {
+        Some((h, p)) => (h.to_string(), p.parse().context("bad port in --base-url")?),
+        None => (hostport.to_string(), 80),
+    };
+    let prefix = if prefix == "/" { String::new() } else { prefix };
+    Ok(Target { host, port, prefix })
+}
+
+/// A TCP connection to the server with a read timeout of 10 minutes.
+pub(super) fn connect(host: &str, port: u16) -> anyhow::Result<TcpStream> {
+    let s =
+        TcpStream::connect((host, port)).with_context(|| format!("connecting to {host}:{port}"))?;
+    s.set_read_timeout(Some(Duration::from_secs(600)))?;
+    s.set_nodelay(true)?;
+    Ok(s)
+}
+
+/// Asks `/v1/models` for the first model the server lists.
+pub(super) fn first_model(t: &Target, key: Option<&str>) -> anyhow::Result<String> {
+    let mut s = connect(&t.host, t.port)?;
+    let auth = key
+        .map(|k| format!("Authorization: Bearer {k}\r\n"))
+        .unwrap_or_default();
+    write!(
+        s,
+        "GET {}/v1/models HTTP/1.1\r\nHost: {}\r\n{auth}Connection: close\r\n\r\n",
+        t.prefix, t.host
+    )?;
+    let mut text = String::new();
+    s.take(MAX_SMALL_RESPONSE_BYTES).read_to_string(&mut text)?;
+    parse_first_model(&text)
+}
+
+/// The first model id of a whole `/v1/models` HTTP response.
+fn parse_first_model(response: &str) -> anyhow::Result<String> {
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|x| x.1)
+        .unwrap_or_default();
+    // Tolerate chunked framing: take the JSON object inside.
+    let (Some(start), Some(end)) = (body.find('{'), body.rfind('}')) else {
+        anyhow::bail!("/v1/models returned no JSON object");
+    };
+    anyhow::ensure!(start <= end, "/v1/models returned no JSON object");
+    let v: serde_json::Value =
+        serde_json::from_str(&body[start..=end]).context("parsing /v1/models")?;
+    v["data"][0]["id"]
+        .as_str()
+        .map(str::to_string)
+        .context("no model listed")
+}
+
+/// Reads one line of at most `MAX_LINE_BYTES` (a longer one is an error); 0 at end of stream.
+fn read_line_bounded(reader: &mut impl BufRead, line: &mut String) -> anyhow::Result<usize> {
+    let n = reader.by_ref().take(MAX_LINE_BYTES).read_line(line)?;
+    anyhow::ensure!(
+        (n as u64) < MAX_LINE_BYTES || line.ends_with('\n'),
+        "a line of the response is longer than {} KiB",
+        MAX_LINE_BYTES >> 10
+    );
+    Ok(n)
+}
+
+/// The size of an HTTP/1.1 chunk from its size line (extensions after `;` ignored). A chunk
+/// over `MAX_CHUNK_BYTES` fails the request rather than allocating what the server asks for.
+fn parse_chunk_size(line: &str) -> anyhow::Result<usize> {
+    let hex = line.split(';').next().unwrap_or_default().trim();
+    let size = usize::from_str_radix(hex, 16).with_context(|| format!("bad chunk size `{hex}`"))?;
+    anyhow::ensure!(
+        size <= MAX_CHUNK_BYTES,
+        "a chunk of {size} bytes exceeds {} MiB",
+        MAX_CHUNK_BYTES >> 20
+    );
+    Ok(size)
+}
+
+/// Server-sent events as their bytes arrive: the `data` of each complete event comes out.
+/// Events end with a blank line, framed with LF (`\n\n`) or CRLF (`\r\n\r\n`).
+#[derive(Debug, Default)]
+struct EventStream {
+    /// Bytes received and not yet split into events.
+    pending: Vec<u8>,
+    /// How far `pending` has been searched for the end of an event.
+    searched: usize,
+}
+
+impl EventStream {
+    fn push(&mut self, bytes: &[u8]) {
+        self.pending.extend_from_slice(bytes);
+    }
+
+    /// The data of the next complete event (its `data:` lines joined by newlines), `None` until
+    /// one has fully arrived; an event over `MAX_CHUNK_BYTES` is an error.
+    fn next_data(&mut self) -> anyhow::Result<Option<String>> {
+        loop {
+            let Some((end, blank)) = find_event_end(&self.pending, self.searched) else {
+                anyhow::ensure!(
+                    self.pending.len() <= MAX_CHUNK_BYTES,
+                    "a server-sent event exceeds {} MiB",
+                    MAX_CHUNK_BYTES >> 20
+                );
+                // The next blank line may begin in the last 3 bytes ("\r\n\r" + "\n").
+                self.searched = self.pending.len().saturating_sub(3);
+                return Ok(None);
+            };
+            let event: Vec<u8> = self.pending.drain(..end + blank).collect();
+            self.searched = 0;
+            let text = String::from_utf8_lossy(&event[..end]);
+            let data: Vec<&str> = text
+                .lines()
+                .filter_map(|l| l.strip_prefix("data:"))
+                .map(|d| d.strip_prefix(' ').unwrap_or(d))
+                .collect();
+            if !data.is_empty() {
+                return Ok(Some(data.join("\n")));
+            }
+        }
+    }
+}
+
+/// Where the first event of `b` ends, searching from `from`: its length and the length of
+/// the blank line after it.
+fn find_event_end(b: &[u8], from: usize) -> Option<(usize, usize)> {
+    (from..b.len()).find_map(|i| {
+        if b[i..].starts_with(b"\n\n") {
+            Some((i, 2))
+        } else if b[i..].starts_with(b"\r\n\r\n") {
+            Some((i, 4))
+        } else {
+            None
+        }
+    })
+}
+
+/// Sends one streaming completion and timestamps its chunks. As in vLLM, a request succeeds
+/// when its stream completes (`[DONE]`) after at least one chunk with a choice, even one
+/// without text (an immediate end of sequence).
+pub(super) fn one_request(
+    host: &str,
+    port: u16,
+    path: &str,
+    key: Option<&str>,
+    body: &str,
+    input: usize,
+) -> anyhow::Result<Sample> {
+    let t0 = Instant::now();
+    let mut stream = connect(host, port)?;
+    let auth = key
+        .map(|k| format!("Authorization: Bearer {k}\r\n"))
+        .unwrap_or_default();
+    write!(
+        stream,
+        "POST {path} HTTP/1.1\r\nHost: {host}\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )?;
+    let mut reader = BufReader::new(stream);
+    let mut line = String::new();
+    read_line_bounded(&mut reader, &mut line)?;
+    let status: u16 = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let mut chunked = false;
+    loop {
+        line.clear();
+        if read_line_bounded(&mut reader, &mut line)? == 0 {
+            break;
+        }
+        let l = line.trim_end();
+        if l.is_empty() {
+            break;
+        }
+        if l.to_ascii_lowercase().starts_with("transfer-encoding:")
+            && l.to_ascii_lowercase().contains("chunked")
+        {
+            chunked = true;
+        }
+    }
+    let mut sample = Sample {
+        prompt_tokens: input,
+        ..Sample::default()
+    };
+    if status != 200 {
+        let mut rest = String::new();
+        let _ = reader
+            .by_ref()
+            .take(MAX_ERROR_BODY_BYTES)
+            .read_to_string(&mut rest);
+        sample.error = format!(
+            "HTTP {status}: {}",
+            rest.chars().take(200).collect::<String>()
+        );
+        return Ok(sample);
+    }
+    let mut events = EventStream::default();
+    // The first chunk with a choice, and the last one with text.
+    let mut first: Option<Instant> = None;
+    let mut last: Option<Instant> = None;
+    let mut done = false;
+    let mut buf = Vec::new();
+    while !done {
+        buf.clear();
+        if chunked {
+            line.clear();
+            if read_line_bounded(&mut reader, &mut line)? == 0 {
+                break;
+            }
+            let size = parse_chunk_size(&line)?;
+            if size == 0 {
+                break;
+            }
+            buf.resize(size, 0);
+            reader.read_exact(&mut buf)?;
+            line.clear();
+            read_line_bounded(&mut reader, &mut line)?;
+        } else {
+            buf.resize(8192, 0);
+            let n = reader.read(&mut buf)?;
+            if n == 0 {
+                break;
+            }
+            buf.truncate(n);
+        }
+        let now = Instant::now();
+        events.push(&buf);
+        while let Some(data) = events.next_data()? {
+            let data = data.trim();
+            if data == "[DONE]" {
+                done = true;
+                break;
+            }
+            let v: serde_json::Value = serde_json::from_str(data).unwrap_or_default();
+            if let Some(u) = v
+                .get("usage")
+                .and_then(|u| u.get("completion_tokens"))
+                .and_then(|c| c.as_u64())
+            {
+                sample.output_tokens = u as usize;
+            }
+            let Some(choice) = v.get("choices").and_then(|c| c.get(0)) else {
+                continue;
+            };
+            first = first.or(Some(now));
+            let has_text = choice["text"].as_str().is_some_and(|t| !t.is_empty());
+            if has_text {
+                match last {
+                    None => sample.ttft = (now - t0).as_secs_f64(),
+                    Some(l) => sample.itl.push((now - l).as_secs_f64()),
+                }
+                last = Some(now);
+            }
+        }
+    }
+    sample.latency = t0.elapsed().as_secs_f64();
+    if let (None, Some(f)) = (last, first) {
+        // No text at all (an immediate end of sequence): the first chunk is the first token.
+        sample.ttft = (f - t0).as_secs_f64();
+    }
+    sample.ok = done && first.is_some();
+    if !done {
+        sample.error = "stream ended without [DONE]".into();
+    } else if first.is_none() {
+        sample.error = "stream ended without a completion chunk".into();
+    }
+    Ok(sample)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_parse_with_and_without_prefix() {
+        let t = parse_url("http://127.0.0.1:8000").unwrap();
+        assert_eq!(
+            (t.host.as_str(), t.port, t.prefix.as_str()),
+            ("127.0.0.1", 8000, "")
+        );
+        let t = parse_url("http://localhost/api/").unwrap();
+        assert_eq!(
+            (t.host.as_str(), t.port, t.prefix.as_str()),
+            ("localhost", 80, "/api")
+        );
+        assert!(parse_url("https://x").is_err());
+    }
+
+    #[test]
+    fn models_body_without_a_json_object_is_an_error_not_a_panic() {
+        let ok = "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n\
+                  25\r\n{\"object\":\"list\",\"data\":[{\"id\":\"m\"}]}\r\n0\r\n\r\n";
+        assert_eq!(parse_first_model(ok).unwrap(), "m");
+        for bad in [
+            "",
+            "HTTP/1.1 200 OK\r\n\r\n",
+            "HTTP/1.1 200 OK\r\n\r\n{",
+            "HTTP/1.1 200 OK\r\n\r\n}",
+            "HTTP/1.1 200 OK\r\n\r\n} {",
+            "HTTP/1.1 200 OK\r\n\r\n{\"data\":[]}",
+        ] {
+            assert!(parse_first_model(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn chunk_sizes_are_capped() {
+        assert_eq!(parse_chunk_size("1a\r\n").unwrap(), 26);
+        assert_eq!(parse_chunk_size("5;name=value\r\n").unwrap(), 5);
+        assert_eq!(parse_chunk_size("0\r\n").unwrap(), 0);
+        assert_eq!(parse_chunk_size("1000000\r\n").unwrap(), MAX_CHUNK_BYTES);
+        for bad in [
+            "1000001\r\n",
+            "ffffffffffffffff\r\n",
+            "1ffffffffffffffff",
+            "zz",
+            "",
+        ] {
+            assert!(parse_chunk_size(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn events_split_on_lf_and_crlf_framing_across_reads() {
+        let mut events = EventStream::default();
+        events.push(b"data: {\"a\":1}\n\ndata: {\"b\"");
+        assert_eq!(events.next_data().unwrap().as_deref(), Some("{\"a\":1}"));
+        assert_eq!(events.next_data().unwrap(), None);
+        events.push(b":2}\r\n\r");
+        assert_eq!(events.next_data().unwrap(), None);
+        events.push(b"\n: comment\r\n\r\ndata:[DONE]\r\n\r\n");
+        assert_eq!(events.next_data().unwrap().as_deref(), Some("{\"b\":2}"));
+        assert_eq!(events.next_data().unwrap().as_deref(), Some("[DONE]"));
+        assert_eq!(events.next_data().unwrap(), None);
+    }
+
+    #[test]
+    fn an_event_that_never_ends_fails_the_request() {
+        let mut events = EventStream::default();
+        let piece = vec![b'x'; 1 << 20];
+        for _ in 0..(MAX_CHUNK_BYTES >> 20) {
+            events.push(&piece);
+            assert_eq!(events.next_data().unwrap(), None);
+        }
+        events.push(b"x");
+        assert!(events.next_data().is_err());
+    }
+}
