@@ -20,7 +20,8 @@ pub struct QueryPos {
 
 /// Computes attention for layer `layer`: `q` and `out` are `[tokens][num_heads * head_dim]`,
 /// token `t` at `queries[t]`. The block tables must cover every position (checked by the
-/// caller).
+/// caller). Panics when the shapes disagree (the SIMD paths write whole heads through raw
+/// stores); an instruction set this CPU lacks runs the portable path.
 pub fn attention(
     layer: usize,
     q: &[f32],
@@ -35,6 +36,16 @@ pub fn attention(
         num_heads,
     } = *batch;
     let hd = cache.head_dim;
+    let width = queries.len() * num_heads * hd;
+    assert!(
+        q.len() == width && out.len() == width && num_heads.is_multiple_of(cache.kv_heads),
+        "attention: q {} and out {} for {} tokens of {num_heads} heads of {hd} over {} KV heads",
+        q.len(),
+        out.len(),
+        queries.len(),
+        cache.kv_heads
+    );
+    let isa = if isa.is_supported() { isa } else { Isa::Scalar };
     let group = num_heads / cache.kv_heads;
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx512Vnni
@@ -420,6 +431,25 @@ mod tests {
             tables,
             num_heads: 1,
         }
+    }
+
+    /// An output one head short panics before the grouped path's whole-head stores run
+    /// past it.
+    #[test]
+    #[should_panic(expected = "attention: q 256 and out 192")]
+    fn shapes_that_disagree_are_refused() {
+        let (hd, bs, kvh) = (64, 16, 1);
+        let cache = KvCache::new(1, 2, bs, kvh, hd).unwrap();
+        let queries = [QueryPos { pos: 0, seq: 0 }];
+        let table = [0u32];
+        let batch = AttentionBatch {
+            queries: &queries,
+            tables: &[&table],
+            num_heads: 4,
+        };
+        let q = vec![0.1f32; 4 * hd];
+        let mut out = vec![0f32; 3 * hd];
+        attention(0, &q, &cache, &batch, &mut out, Isa::detect());
     }
 
     /// Three query heads per KV head, 64 dimensions, 16-slot blocks: the grouped AVX-512 path

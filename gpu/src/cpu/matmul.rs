@@ -30,16 +30,20 @@ impl Isa {
     pub fn detect() -> Isa {
         #[cfg(target_arch = "x86_64")]
         {
-            if is_x86_feature_detected!("avx512f")
+            // The AVX-512 level includes the AVX2 one (its paths fall back to AVX2 kernels,
+            // and `Isa::Avx2.is_supported()` holds there): every real AVX-512 CPU has AVX2,
+            // FMA and F16C, a virtual one may be configured without, so both are checked.
+            let avx2 = is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c");
+            if avx2
+                && is_x86_feature_detected!("avx512f")
                 && is_x86_feature_detected!("avx512bw")
                 && is_x86_feature_detected!("avx512vnni")
             {
                 return Isa::Avx512Vnni;
             }
-            if is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-                && is_x86_feature_detected!("f16c")
-            {
+            if avx2 {
                 return Isa::Avx2;
             }
         }
@@ -115,8 +119,14 @@ pub fn linear(
         return shape_err("activation or output size");
     }
     let any_quant = parts.iter().any(|w| matches!(w, Weight::Quant(_)));
-    if any_quant && (xq.tokens != tokens || xq.blocks * QK != cols) {
+    if any_quant && (xq.tokens != tokens || xq.blocks * QK != cols || !xq.is_consistent()) {
         return shape_err("quantized activations do not match");
+    }
+    if parts
+        .iter()
+        .any(|w| matches!(w, Weight::Quant(q) if !q.is_consistent()))
+    {
+        return shape_err("a quantized weight's buffers do not match its shape");
     }
     if !isa.is_supported() {
         return shape_err("instruction set not supported by this CPU");
@@ -717,5 +727,19 @@ mod tests {
             assert_eq!(both[t * 8 + 5..t * 8 + 8], only_b[t * 3..t * 3 + 3]);
         }
         assert!(linear(&[&wa], &x, &xq, 2, &mut only_b, isa).is_err());
+        // Buffers that do not hold the shape their fields claim are refused before the kernels
+        // read them through raw pointers (the fields are public).
+        let hollow = QActs {
+            tokens: 2,
+            blocks: 2,
+            ..QActs::default()
+        };
+        assert!(linear(&[&wb], &x, &hollow, 2, &mut only_b, isa).is_err());
+        let Weight::Quant(mut short) = wb.clone() else {
+            panic!("a quantized weight")
+        };
+        short.qs.truncate(short.qs.len() / 2);
+        let short = Weight::Quant(short);
+        assert!(linear(&[&short], &x, &xq, 2, &mut only_b, isa).is_err());
     }
 }

@@ -303,6 +303,17 @@ fn unpack_nibbles(qs: &[u8; QK / 2], q: &mut [u8; QK]) {
 }
 
 impl QMatrix {
+    /// Whether the buffers hold the layout `rows`, `cols`, `blocks` and `packing` describe
+    /// (the kernels read them through raw pointers on that promise; the fields are public).
+    pub fn is_consistent(&self) -> bool {
+        let groups = self.rows.div_ceil(ROW_GROUP);
+        let scales = groups * self.blocks * self.packing.scales_per_block() * ROW_GROUP;
+        self.blocks * QK == self.cols
+            && self.qs.len() == groups * self.blocks * self.packing.group_block_bytes()
+            && self.d.len() == scales
+            && self.m.len() == scales
+    }
+
     /// Repacks `rows * cols` values of ggml blocks (`data` validated by the caller against
     /// shape and type) into the interleaved layout.
     fn from_blocks(dtype: DType, rows: usize, cols: usize, data: &[u8]) -> Self {
@@ -441,6 +452,21 @@ pub struct QActs {
 }
 
 impl QActs {
+    /// Whether the buffers hold `tokens` rows of `blocks` blocks (the kernels read them
+    /// through raw pointers on that promise; the fields are public).
+    pub fn is_consistent(&self) -> bool {
+        let n = self.tokens * self.blocks;
+        self.qs.len() == n * QK
+            && [
+                self.d.len(),
+                self.s.len(),
+                self.qsum.len(),
+                self.qsum_lo.len(),
+            ]
+            .iter()
+            .all(|&l| l == n)
+    }
+
     /// Quantizes `tokens` rows of `cols` values (`x.len() == tokens * cols`).
     pub fn quantize(x: &[f32], tokens: usize, cols: usize) -> Self {
         let mut a = QActs::default();
