@@ -172,40 +172,10 @@ fn workload(
 }
 
 /// Seconds since 1970-01-01 (UTC assumed) of a `YYYY-MM-DD HH:MM:SS[.fffffff]` wall-clock
-/// time: the whole timestamp, so a trace that crosses midnight keeps its arrivals in order.
+/// time: the whole timestamp, so a trace that crosses midnight keeps its arrivals in order
+/// (the simulator's Azure reader's parser, on the trimmed field).
 fn parse_clock(ts: &str) -> Option<f64> {
-    let (date, time) = ts.trim().split_once([' ', 'T'])?;
-    let mut d = date.splitn(3, '-');
-    let y: i64 = d.next()?.parse().ok()?;
-    let m: u32 = d.next()?.parse().ok()?;
-    let day: u32 = d.next()?.parse().ok()?;
-    let mut t = time.trim().splitn(3, ':');
-    let hh: u32 = t.next()?.parse().ok()?;
-    let mm: u32 = t.next()?.parse().ok()?;
-    let ss: f64 = t.next()?.parse().ok()?;
-    let valid = (1..=9999).contains(&y)
-        && (1..=12).contains(&m)
-        && (1..=31).contains(&day)
-        && hh < 24
-        && mm < 60
-        && (0.0..61.0).contains(&ss);
-    if !valid {
-        return None;
-    }
-    let days = days_from_civil(y, m, day);
-    Some(days as f64 * 86_400.0 + f64::from(hh * 3600 + mm * 60) + ss)
-}
-
-/// Days since 1970-01-01 of a proleptic Gregorian date (H. Hinnant's `days_from_civil`,
-/// "chrono-Compatible Low-Level Date Algorithms"; the simulator's Azure loader uses the same).
-fn days_from_civil(y: i64, m: u32, d: u32) -> i64 {
-    let y = if m <= 2 { y - 1 } else { y };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let m = i64::from(m);
-    let doy = (153 * (if m > 2 { m - 3 } else { m + 9 }) + 2) / 5 + i64::from(d) - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    era * 146_097 + doe - 719_468
+    switchyard_simulator::trace::parse_timestamp(ts.trim())
 }
 
 /// One request for a worker thread: its JSON body and its prompt length.

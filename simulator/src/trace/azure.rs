@@ -115,8 +115,9 @@ pub(crate) fn parse_u64(s: &str, path: &Path, line: usize, field: &str) -> Resul
     })
 }
 
-/// Parses `YYYY-MM-DD HH:MM:SS[.fraction]` into seconds since 1970-01-01 (UTC assumed).
-fn parse_timestamp(s: &str) -> Option<f64> {
+/// Parses `YYYY-MM-DD HH:MM:SS[.fraction]` (or a `T` between date and time) into seconds
+/// since 1970-01-01 (UTC assumed); `None` for anything else.
+pub fn parse_timestamp(s: &str) -> Option<f64> {
     let (date, time) = s.split_once([' ', 'T'])?;
     let mut d = date.splitn(3, '-');
     let y: i64 = d.next()?.parse().ok()?;

@@ -19,7 +19,7 @@ mod jsonl;
 mod mooncake;
 mod sharegpt;
 
-pub use azure::load_azure;
+pub use azure::{load_azure, parse_timestamp};
 pub use jsonl::load_jsonl;
 pub use mooncake::{load_mooncake, MOONCAKE_BLOCK_TOKENS};
 pub use sharegpt::{load_sharegpt, ArrivalProcess};
