@@ -222,6 +222,91 @@ fn stop_string_truncates_and_reports_stop() {
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
 }
 
+/// Text of choice 0.
+fn text_of(v: &Value) -> &str {
+    v["choices"][0]["text"].as_str().expect("text")
+}
+
+#[test]
+fn stop_tokens_stop_strings_and_special_tokens_read_as_in_vllm() {
+    let s = &server();
+    let prompt = "The capital of France is";
+    let full = complete(s, prompt, json!({"max_tokens": 12, "logprobs": 0}));
+    let text = text_of(&full).to_string();
+    let tokens: Vec<&str> = full["choices"][0]["logprobs"]["tokens"]
+        .as_array()
+        .expect("tokens")
+        .iter()
+        .map(|t| t.as_str().expect("token"))
+        .collect();
+    // The greedy answer is " Paris." and more; the period is a token of its own.
+    let dot = tokens.iter().position(|&t| t == ".").expect("a '.' token");
+    let cut = text.find('.').expect("a period");
+    let (status, ids) = s.post_json("/tokenize", &json!({"prompt": "."}));
+    assert_eq!(status, 200, "{ids}");
+    let dot_id = ids["tokens"][0].clone();
+
+    // A stop token's text is left out, unless include_stop_str_in_output.
+    let v = complete(s, prompt, json!({"stop_token_ids": [dot_id]}));
+    assert_eq!(
+        (text_of(&v), &v["choices"][0]["finish_reason"]),
+        (&text[..cut], &json!("stop"))
+    );
+    assert_eq!(v["usage"]["completion_tokens"], dot + 1);
+    let v = complete(
+        s,
+        prompt,
+        json!({"stop_token_ids": [dot_id], "include_stop_str_in_output": true}),
+    );
+    assert_eq!(text_of(&v), &text[..=cut]);
+    // So is a stop string.
+    let v = complete(
+        s,
+        prompt,
+        json!({"stop": ["."], "include_stop_str_in_output": true}),
+    );
+    assert_eq!(text_of(&v), &text[..=cut]);
+    // Stop strings count only past min_tokens: a period in the first min_tokens tokens is text.
+    let v = complete(s, prompt, json!({"stop": ["."], "min_tokens": dot + 1}));
+    assert!(text_of(&v).starts_with(&text[..=cut]), "{v}");
+
+    // Offsets add up the tokens' texts while the detokenizer holds text back for a stop
+    // string, and each token is among its own top_logprobs.
+    let v = complete(
+        s,
+        prompt,
+        json!({"stop": ["\n\nX"], "logprobs": 0, "max_tokens": 8}),
+    );
+    let lp = &v["choices"][0]["logprobs"];
+    let mut offset = 0;
+    for (i, token) in lp["tokens"].as_array().expect("tokens").iter().enumerate() {
+        let token = token.as_str().expect("token");
+        assert_eq!(lp["text_offset"][i], offset, "{lp}");
+        assert!(lp["top_logprobs"][i].get(token).is_some(), "{lp}");
+        offset += token.chars().count();
+    }
+
+    // Special tokens are text with skip_special_tokens false, and echoed token prompts keep
+    // them.
+    let chat = "<|im_start|>user\nSay hi<|im_end|>\n<|im_start|>assistant\n";
+    let v = complete(
+        s,
+        chat,
+        json!({"max_tokens": 40, "ignore_eos": true, "skip_special_tokens": false}),
+    );
+    assert!(text_of(&v).contains("<|im_end|>"), "{v}");
+    let v = complete(s, chat, json!({"max_tokens": 40, "ignore_eos": true}));
+    assert!(!text_of(&v).contains("<|im_end|>"), "{v}");
+    let (status, ids) = s.post_json("/tokenize", &json!({"prompt": chat}));
+    assert_eq!(status, 200, "{ids}");
+    let v = complete(
+        s,
+        "",
+        json!({"prompt": ids["tokens"], "echo": true, "max_tokens": 1}),
+    );
+    assert!(text_of(&v).starts_with(chat), "{v}");
+}
+
 #[test]
 fn bad_inputs_get_openai_errors_and_the_server_keeps_serving() {
     let s = &server();

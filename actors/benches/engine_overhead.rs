@@ -92,6 +92,8 @@ fn request() -> RequestOptions {
             ..SamplingParams::default()
         },
         stop: Vec::new(),
+        include_stop_str_in_output: false,
+        skip_special_tokens: true,
         n: 1,
         max_tokens: Some(256),
         default_max_tokens: None,

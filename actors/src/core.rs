@@ -124,6 +124,9 @@ pub enum CoreEvent {
         logprob: Option<f32>,
         /// The most likely alternatives, when logprobs were requested.
         top_logprobs: Vec<(TokenId, f32)>,
+        /// The token ended the sequence as a stop token or the end of sequence: as in vLLM,
+        /// its text is not part of the output unless the request asks for stop strings in it.
+        stops: bool,
     },
     /// Logprobs of prompt positions completed in this step (requests that asked for them).
     PromptLogprobs {
@@ -656,7 +659,8 @@ impl StepCore {
                 self.spec.num_accepted_tokens += u64::from(a.min(n));
             }
         }
-        for event in seq_events {
+        let stop_tokens = stopping_tokens(&seq_events);
+        for (i, event) in seq_events.into_iter().enumerate() {
             match event {
                 SeqEvent::Token { id, token, .. } => {
                     let (logprob, top_logprobs) = logprobs
@@ -668,6 +672,7 @@ impl StepCore {
                         token,
                         logprob,
                         top_logprobs,
+                        stops: stop_tokens.get(i).copied().unwrap_or(false),
                     });
                 }
                 SeqEvent::Finished { id, reason, .. } => {
@@ -682,6 +687,40 @@ impl StepCore {
         }
         events
     }
+}
+
+/// Per event, whether it is the token that ended its sequence as a stop token or the end of
+/// sequence (the last `Token` of a sequence before its `Finished` with `Stop` or `Eos`); empty
+/// when no sequence ended so. A sequence a stop string ended has its last token marked too,
+/// which changes nothing: the detokenizer has stopped reading it.
+fn stopping_tokens(events: &[SeqEvent]) -> Vec<bool> {
+    let by_token = |e: &SeqEvent| {
+        matches!(
+            e,
+            SeqEvent::Finished {
+                reason: FinishReason::Stop | FinishReason::Eos,
+                ..
+            }
+        )
+    };
+    if !events.iter().any(by_token) {
+        return Vec::new();
+    }
+    let mut marks = vec![false; events.len()];
+    let mut ending: Vec<RequestId> = Vec::new();
+    for (i, e) in events.iter().enumerate().rev() {
+        match e {
+            SeqEvent::Finished { id, .. } if by_token(e) => ending.push(*id),
+            SeqEvent::Token { id, .. } => {
+                if let Some(k) = ending.iter().rposition(|x| x == id) {
+                    ending.swap_remove(k);
+                    marks[i] = true;
+                }
+            }
+            _ => {}
+        }
+    }
+    marks
 }
 
 /// The scheduling core and a backend stepped together on the caller's thread: offline
@@ -840,6 +879,38 @@ mod tests {
     use std::collections::BTreeMap;
     use switchyard_gpu::GpuError;
     use switchyard_policies::{PolicyRegistry, SamplingLimits};
+
+    #[test]
+    fn the_token_before_a_stop_or_eos_finish_is_marked() {
+        let at = Timestamp(0);
+        let token = |id: u64, token: u32| SeqEvent::Token {
+            id: RequestId(id),
+            token,
+            at,
+        };
+        let finished = |id: u64, reason: FinishReason| SeqEvent::Finished {
+            id: RequestId(id),
+            reason,
+            at,
+        };
+        // No stop: nothing to mark, nothing allocated.
+        assert!(stopping_tokens(&[token(1, 5), finished(1, FinishReason::Length)]).is_empty());
+        let events = [
+            token(1, 5),
+            token(2, 6),
+            token(1, 7),
+            finished(1, FinishReason::Eos),
+            token(3, 8),
+            finished(3, FinishReason::Length),
+            token(2, 9),
+            finished(2, FinishReason::Stop),
+            finished(4, FinishReason::Abort),
+        ];
+        assert_eq!(
+            stopping_tokens(&events),
+            [false, false, true, false, false, false, true, false, false]
+        );
+    }
 
     /// (sequence, first position, tokens) of every sequence fed to the backend, in order.
     type FedLog = std::sync::Arc<std::sync::Mutex<Vec<(u64, usize, Vec<u32>)>>>;

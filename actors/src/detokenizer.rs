@@ -4,8 +4,10 @@
 //! UTF-8 character). The detokenizer emits only complete characters, and holds back the longest
 //! tail of the text that could still grow into a stop string, so a client never sees the start
 //! of a stop string that is then retracted. When a stop string is found, the text before it is
-//! emitted and the sequence is reported as stopped; the stop string itself is never emitted
-//! (OpenAI semantics).
+//! emitted and the sequence is reported as stopped; the stop string itself is not emitted
+//! (OpenAI semantics) unless the request asks for it (vLLM's `include_stop_str_in_output`).
+//! Until a sequence has its `min_tokens`, stop strings are not looked for (vLLM), though text
+//! that may start one is still held back.
 
 /// Text released by one call, and whether a stop string ended the sequence.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -29,6 +31,10 @@ pub struct IncrementalDetokenizer {
     max_stop_len: usize,
     /// Set once a stop string matched.
     stopped: bool,
+    /// A matched stop string is released with the text before it.
+    include_stop: bool,
+    /// Stop strings end the sequence (false while it is short of its `min_tokens`).
+    armed: bool,
 }
 
 impl IncrementalDetokenizer {
@@ -42,7 +48,22 @@ impl IncrementalDetokenizer {
             stop,
             max_stop_len,
             stopped: false,
+            include_stop: false,
+            armed: true,
         }
+    }
+
+    /// Releases a matched stop string with the text before it (vLLM's
+    /// `include_stop_str_in_output`).
+    pub fn include_stop(mut self, include: bool) -> Self {
+        self.include_stop = include;
+        self
+    }
+
+    /// Whether a stop string found from now on ends the sequence; a disarmed detokenizer
+    /// releases a whole stop string as text (a sequence short of its `min_tokens`).
+    pub fn arm(&mut self, armed: bool) {
+        self.armed = armed;
     }
 
     /// Whether a stop string has matched.
@@ -137,13 +158,17 @@ impl IncrementalDetokenizer {
         self.held.push_str(&decoded);
         // Earliest stop-string match in the held window; held text never contains a match that
         // started in already released text, because any possible start was held back.
-        let hit = self
-            .stop
-            .iter()
-            .filter_map(|s| self.held.find(s.as_str()))
-            .min();
-        if let Some(pos) = hit {
-            let text = self.held[..pos].to_string();
+        let hit = if self.armed {
+            self.stop
+                .iter()
+                .filter_map(|s| self.held.find(s.as_str()).map(|pos| (pos, s.len())))
+                .min_by_key(|&(pos, _)| pos)
+        } else {
+            None
+        };
+        if let Some((pos, len)) = hit {
+            let end = if self.include_stop { pos + len } else { pos };
+            let text = self.held[..end].to_string();
             self.held.clear();
             self.stopped = true;
             return Detokenized {
@@ -248,5 +273,31 @@ mod tests {
         let (out, stopped) = run(&["éx"], &["aé".as_bytes(), b"y"]);
         assert!(!stopped);
         assert_eq!(out.concat(), "aéy");
+    }
+
+    #[test]
+    fn an_included_stop_string_ends_the_text() {
+        let mut d = IncrementalDetokenizer::new(vec!["END".into(), "lo".into()]).include_stop(true);
+        let first = d.push(b"hello E");
+        assert_eq!((first.text.as_str(), first.stopped), ("hello", true));
+        let mut d = IncrementalDetokenizer::new(vec!["END".into()]).include_stop(true);
+        assert_eq!(d.push(b"a E").text, "a ");
+        let r = d.push(b"ND b");
+        assert_eq!((r.text.as_str(), r.stopped), ("END", true));
+        assert_eq!(d.push(b"more").text, "");
+    }
+
+    #[test]
+    fn a_disarmed_detokenizer_releases_stop_strings_as_text() {
+        let mut d = IncrementalDetokenizer::new(vec!["..".into()]);
+        d.arm(false);
+        let mut text = String::new();
+        assert!(!d.push_into(b"a.. b.", &mut text));
+        // The possible start of a stop string is still held back.
+        assert_eq!(text, "a.. b");
+        d.arm(true);
+        assert!(d.push_into(b".c", &mut text));
+        assert_eq!(text, "a.. b");
+        assert!(d.is_stopped());
     }
 }

@@ -83,7 +83,8 @@ pub trait Engine: Send + Sync + 'static {
     /// Tokenizes text, or chat messages through the model's chat template.
     fn tokenize(&self, input: TokenizeInput) -> EngineFuture<Vec<u32>>;
 
-    /// Turns token ids back into text. Unknown ids are an [`EngineErrorKind::InvalidRequest`].
+    /// Turns token ids back into text, special tokens included (as vLLM's `/detokenize` and
+    /// `echo` do). Unknown ids are an [`EngineErrorKind::InvalidRequest`].
     fn detokenize(&self, token_ids: Vec<u32>) -> EngineFuture<String>;
 
     /// The scheduling policy in force.
@@ -167,8 +168,14 @@ pub struct GenerateRequest {
     pub prompt: PromptInput,
     /// Sampler settings.
     pub sampling: SamplingOptions,
-    /// Stop strings (at most [`crate::schema::MAX_STOP_STRINGS`]); matched text is not returned.
+    /// Stop strings (at most [`crate::schema::MAX_STOP_STRINGS`]); matched text is not returned
+    /// unless `include_stop_str_in_output`.
     pub stop: Vec<String>,
+    /// Keep a matched stop string, or the text of the stop token or end-of-sequence token that
+    /// ended a choice, in its text (vLLM's `include_stop_str_in_output`).
+    pub include_stop_str_in_output: bool,
+    /// Leave special tokens' text out (vLLM's `skip_special_tokens`, default true).
+    pub skip_special_tokens: bool,
     /// Number of choices to generate from the one prompt (1 ..= [`crate::schema::MAX_N`]).
     pub n: u32,
     /// Completion length limit; `None` means up to the context window.
@@ -396,6 +403,8 @@ pub struct TokenLogprob {
     pub token_id: u32,
     /// The token's text (lossy for byte-fallback tokens).
     pub token: String,
+    /// The token's bytes (part of a character for some byte-level tokens).
+    pub bytes: Vec<u8>,
     /// Its log probability; `None` for the first prompt token, which has no context.
     pub logprob: Option<f32>,
     /// The most likely alternatives, best first (at most the requested number).
@@ -407,8 +416,10 @@ pub struct TokenLogprob {
 pub struct TopLogprob {
     /// The token's id.
     pub token_id: u32,
-    /// The token's text.
+    /// The token's text (lossy for byte-fallback tokens).
     pub token: String,
+    /// The token's bytes.
+    pub bytes: Vec<u8>,
     /// Its log probability.
     pub logprob: f32,
 }

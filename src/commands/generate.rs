@@ -150,13 +150,16 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         let report = engine.step(now)?;
         for event in report.events {
             match event {
-                CoreEvent::Token { id, token, .. } => {
+                CoreEvent::Token {
+                    id, token, stops, ..
+                } => {
                     let Some(out) = outputs.get_mut(&id) else {
                         continue;
                     };
                     generated += 1;
                     out.tokens.push(token);
-                    let bytes = if tokenizer.is_special(token) {
+                    // A stop or end-of-sequence token ends the text without a part in it.
+                    let bytes = if stops || tokenizer.is_special(token) {
                         &[][..]
                     } else {
                         tokenizer.token_bytes(token).unwrap_or(&[])

@@ -456,28 +456,35 @@ struct ChannelSink {
 }
 
 impl ChannelSink {
-    fn token_text(&self, id: u32) -> String {
-        self.tokenizer
-            .token_bytes(id)
-            .map(|b| String::from_utf8_lossy(b).into_owned())
-            .unwrap_or_default()
+    /// A token's text (lossy where it holds part of a character) and its bytes.
+    fn token_text(&self, id: u32) -> (String, Vec<u8>) {
+        let bytes = self.tokenizer.token_bytes(id).unwrap_or_default();
+        (String::from_utf8_lossy(bytes).into_owned(), bytes.to_vec())
     }
 
     fn logprobs(&self, list: Vec<TokenLogprobs>) -> Vec<TokenLogprob> {
         list.into_iter()
-            .map(|t| TokenLogprob {
-                token_id: t.token,
-                token: self.token_text(t.token),
-                logprob: t.logprob,
-                top: t
-                    .top
-                    .into_iter()
-                    .map(|(t, l)| TopLogprob {
-                        token_id: t,
-                        token: self.token_text(t),
-                        logprob: l,
-                    })
-                    .collect(),
+            .map(|t| {
+                let (token, bytes) = self.token_text(t.token);
+                TokenLogprob {
+                    token_id: t.token,
+                    token,
+                    bytes,
+                    logprob: t.logprob,
+                    top: t
+                        .top
+                        .into_iter()
+                        .map(|(t, l)| {
+                            let (token, bytes) = self.token_text(t);
+                            TopLogprob {
+                                token_id: t,
+                                token,
+                                bytes,
+                                logprob: l,
+                            }
+                        })
+                        .collect(),
+                }
             })
             .collect()
     }
@@ -592,6 +599,8 @@ impl port::Engine for EngineAdapter {
             prompt,
             sampling,
             stop: request.stop,
+            include_stop_str_in_output: request.include_stop_str_in_output,
+            skip_special_tokens: request.skip_special_tokens,
             n: request.n,
             max_tokens: request.max_tokens.filter(|_| !request.max_tokens_defaulted),
             default_max_tokens: request.max_tokens.filter(|_| request.max_tokens_defaulted),

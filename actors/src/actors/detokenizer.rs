@@ -32,12 +32,36 @@ pub struct Register {
     pub sink: Box<dyn OutputSink>,
     /// Stop strings.
     pub stop: Vec<String>,
+    /// How the text is made.
+    pub text: TextOptions,
     /// When the request arrived, for latency metrics.
     pub arrival: Instant,
     /// Counts the request as in flight until its last choice ends.
     pub guard: InFlight,
     /// The prompt, when its logprobs were asked: the prompt event then waits for them.
     pub pending_prompt: Option<Arc<[u32]>>,
+}
+
+/// How a request's tokens become its text (vLLM's output fields).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TextOptions {
+    /// Stop strings are looked for only once a choice has more tokens than this (vLLM).
+    pub min_tokens: u32,
+    /// A matched stop string, and the text of a stop token or end-of-sequence token that ended
+    /// the choice, are part of the text (`include_stop_str_in_output`).
+    pub include_stop: bool,
+    /// Special tokens' text is left out (`skip_special_tokens`).
+    pub skip_special: bool,
+}
+
+impl Default for TextOptions {
+    fn default() -> Self {
+        Self {
+            min_tokens: 0,
+            include_stop: false,
+            skip_special: true,
+        }
+    }
 }
 
 /// The events of one step, or the failure of its requests.
@@ -103,6 +127,7 @@ struct RequestSink {
 struct ChoiceState {
     index: u32,
     detok: IncrementalDetokenizer,
+    text: TextOptions,
     tokens: u32,
     /// When this choice's first and latest tokens arrived (its time per output token).
     first_at: Option<Instant>,
@@ -259,7 +284,9 @@ impl Handler<Register> for DetokenizerActor {
                 id,
                 ChoiceState {
                     index: index as u32,
-                    detok: IncrementalDetokenizer::new(msg.stop.clone()),
+                    detok: IncrementalDetokenizer::new(msg.stop.clone())
+                        .include_stop(msg.text.include_stop),
+                    text: msg.text,
                     tokens: 0,
                     first_at: None,
                     last_at: None,
@@ -306,6 +333,7 @@ impl Handler<StepEvents> for DetokenizerActor {
                     token,
                     logprob,
                     top_logprobs,
+                    stops,
                 } => {
                     let Some(c) = self.choices.get_mut(&id) else {
                         continue;
@@ -336,12 +364,16 @@ impl Handler<StepEvents> for DetokenizerActor {
                         }
                         r.last_token = Some(now);
                     }
-                    let bytes = if self.tokenizer.is_special(token) {
+                    let text = c.text;
+                    let bytes = if (stops && !text.include_stop)
+                        || (text.skip_special && self.tokenizer.is_special(token))
+                    {
                         &[][..]
                     } else {
                         self.tokenizer.token_bytes(token).unwrap_or(&[])
                     };
                     let d = deltas.of(id, c.index);
+                    c.detok.arm(c.tokens > text.min_tokens);
                     let stopped_now = c.detok.push_into(bytes, &mut d.text);
                     d.token_ids.push(token);
                     if logprob.is_some() || !top_logprobs.is_empty() {

@@ -16,7 +16,7 @@ use switchyard_policies::{
 };
 
 use super::allocator::KvAllocatorActor;
-use super::detokenizer::{DetokenizerActor, Register, SetScheduler, StepEvents};
+use super::detokenizer::{DetokenizerActor, Register, SetScheduler, StepEvents, TextOptions};
 use super::executor::ExecutorActor;
 use super::lora::{
     AdapterInfo, LoraError, LoraManager, LoraManagerConfig, LoraRegistry,
@@ -80,6 +80,11 @@ pub struct RequestOptions {
     pub sampling: SamplingParams,
     /// Stop strings.
     pub stop: Vec<String>,
+    /// vLLM's `include_stop_str_in_output`: a matched stop string, or the text of the stop
+    /// token that ended a choice, stays in its text.
+    pub include_stop_str_in_output: bool,
+    /// vLLM's `skip_special_tokens`: special tokens' text is left out (the usual).
+    pub skip_special_tokens: bool,
     /// Number of choices.
     pub n: u32,
     /// Completion limit; `None` means up to the context window (or `default_max_tokens`).
@@ -595,6 +600,11 @@ impl Engine {
             pending_prompt: options.prompt_logprobs.map(|_| prompt.clone()),
             sink,
             stop: options.stop,
+            text: TextOptions {
+                min_tokens: options.sampling.min_tokens,
+                include_stop: options.include_stop_str_in_output,
+                skip_special: options.skip_special_tokens,
+            },
             arrival,
             guard,
         });
@@ -627,7 +637,7 @@ impl Engine {
         .map(|e| e.ids)
     }
 
-    /// Turns token ids into text.
+    /// Turns token ids into text, special tokens included.
     pub async fn detokenize(&self, ids: Vec<u32>) -> Result<String, SubmitError> {
         self.ask_tokenizers(Decode(ids)).await
     }

@@ -39,7 +39,7 @@ pub struct Encode {
     pub add_special_tokens: bool,
 }
 
-/// Turns token ids back into text.
+/// Turns token ids back into text, special tokens included.
 #[derive(Message)]
 #[rtype(result = "Result<String, SubmitError>")]
 pub struct Decode(pub Vec<u32>);
@@ -152,7 +152,7 @@ impl Handler<Decode> for TokenizerActor {
             )));
         }
         self.tokenizer
-            .decode(&msg.0, true)
+            .decode(&msg.0, false)
             .map_err(|e| invalid(e.to_string()))
     }
 }

@@ -6,7 +6,7 @@ use bytes::Bytes;
 use super::{check_model, engine_requests, request_id_header};
 use crate::auth::Principal;
 use crate::body::read_json;
-use crate::engine::{PromptInput, TokenLogprob};
+use crate::engine::PromptInput;
 use crate::error::ApiError;
 use crate::generation::{ChoiceDelta, Generation};
 use crate::schema::{
@@ -81,7 +81,8 @@ struct CompletionWriter {
     /// Per prompt, the text to prepend (when `echo`).
     echo: Option<Vec<String>>,
     logprobs: bool,
-    /// Per choice, characters sent so far (for `text_offset`).
+    /// Per choice, where the next token's text starts (for `text_offset`): the characters of
+    /// the tokens reported so far.
     offsets: Vec<u32>,
     /// `Some(None)` when every chunk carries `"usage": null`.
     usage_field: Option<Option<Usage>>,
@@ -117,17 +118,17 @@ impl CompletionWriter {
                     .unwrap_or(u32::MAX)
                     .saturating_mul(n)
                     .saturating_add(i);
-                let chars = u32::try_from(text.chars().count()).unwrap_or(u32::MAX);
+                let mut end = 0;
                 let logprobs = self.logprobs.then(|| {
                     let mut lp = CompletionLogprobs::default();
-                    lp.extend(prompt_logprobs.as_deref().unwrap_or_default(), 0);
+                    end = lp.extend(prompt_logprobs.as_deref().unwrap_or_default(), 0);
                     lp
                 });
                 if let Some(offset) = usize::try_from(index)
                     .ok()
                     .and_then(|i| self.offsets.get_mut(i))
                 {
-                    *offset = chars;
+                    *offset = end;
                 }
                 choices.push(CompletionChoice {
                     index,
@@ -144,16 +145,15 @@ impl CompletionWriter {
         let offset = usize::try_from(delta.choice)
             .ok()
             .and_then(|i| self.offsets.get_mut(i));
+        // Offsets count each token's text whole (as vLLM does), not the text released so far:
+        // the detokenizer may hold text back (a possible stop string, part of a character).
         let logprobs = match offset {
-            Some(offset) => {
-                let start = *offset;
-                *offset = start.saturating_add(
-                    u32::try_from(delta.delta.text.chars().count()).unwrap_or(u32::MAX),
-                );
-                self.logprobs
-                    .then(|| logprobs_from(&delta.delta.logprobs, start))
+            Some(offset) if self.logprobs => {
+                let mut lp = CompletionLogprobs::default();
+                *offset = lp.extend(&delta.delta.logprobs, *offset);
+                Some(lp)
             }
-            None => None,
+            _ => None,
         };
         CompletionChoice {
             index: delta.choice,
@@ -162,12 +162,6 @@ impl CompletionWriter {
             finish_reason: delta.delta.finish.map(|f| f.reason.as_str()),
         }
     }
-}
-
-fn logprobs_from(logprobs: &[TokenLogprob], start: u32) -> CompletionLogprobs {
-    let mut out = CompletionLogprobs::default();
-    out.extend(logprobs, start);
-    out
 }
 
 impl ChunkWriter for CompletionWriter {

@@ -76,6 +76,8 @@ pub(crate) fn engine_requests(
             lora: lora.map(str::to_owned),
             structured: validated.structured.clone(),
             cache_salt: validated.cache_salt.clone(),
+            include_stop_str_in_output: validated.include_stop_str_in_output,
+            skip_special_tokens: validated.skip_special_tokens,
         })
         .collect()
 }

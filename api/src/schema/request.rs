@@ -3,9 +3,10 @@
 //!
 //! Fields follow OpenAI's API reference and vLLM's `CompletionRequest` / `ChatCompletionRequest`
 //! extensions (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`,
-//! `stop_token_ids`, `priority`). Unknown fields are ignored, as OpenAI and vLLM do; known fields
-//! this server cannot honour (`suffix`, `best_of`) are rejected with a 400 naming them rather
-//! than silently ignored. Tool calling is in [`super::tools`].
+//! `stop_token_ids`, `priority`, `include_stop_str_in_output`, `skip_special_tokens`). Unknown
+//! fields are ignored, as OpenAI and vLLM do; known fields this server cannot honour (`suffix`,
+//! `best_of`, `stream_options.continuous_usage_stats`) are rejected with a 400 naming them
+//! rather than silently ignored. Tool calling is in [`super::tools`].
 
 use std::collections::HashMap;
 
@@ -50,6 +51,9 @@ pub struct StreamOptions {
     /// Send a final chunk with the token usage before `[DONE]`.
     #[serde(default)]
     pub include_usage: bool,
+    /// vLLM's usage in every chunk: not supported, refused when true.
+    #[serde(default)]
+    pub continuous_usage_stats: bool,
 }
 
 /// Body of `POST /v1/completions`.
@@ -107,6 +111,11 @@ pub struct CompletionRequest {
     pub ignore_eos: Option<bool>,
     /// vLLM's `cache_salt`: cached prefixes are shared only with requests of the same salt.
     pub cache_salt: Option<String>,
+    /// vLLM's `include_stop_str_in_output`: keep a matched stop string (or the text of the stop
+    /// token that ended the output) in the text.
+    pub include_stop_str_in_output: Option<bool>,
+    /// vLLM's `skip_special_tokens` (default true): leave special tokens' text out.
+    pub skip_special_tokens: Option<bool>,
     /// Structured output (`response_format`, `structured_outputs`, `guided_*`).
     #[serde(flatten)]
     pub structured: StructuredFields,
@@ -173,6 +182,11 @@ pub struct ChatRequest {
     pub ignore_eos: Option<bool>,
     /// vLLM's `cache_salt`: cached prefixes are shared only with requests of the same salt.
     pub cache_salt: Option<String>,
+    /// vLLM's `include_stop_str_in_output`: keep a matched stop string (or the text of the stop
+    /// token that ended the output) in the text.
+    pub include_stop_str_in_output: Option<bool>,
+    /// vLLM's `skip_special_tokens` (default true): leave special tokens' text out.
+    pub skip_special_tokens: Option<bool>,
     /// Structured output (`response_format`, `structured_outputs`, `guided_*`).
     #[serde(flatten)]
     pub structured: StructuredFields,
@@ -264,6 +278,10 @@ pub struct Validated {
     pub tool_calls: Option<ToolAnswer>,
     /// The prefix-cache salt asked for.
     pub cache_salt: Option<String>,
+    /// Keep matched stop strings and stop tokens' text.
+    pub include_stop_str_in_output: bool,
+    /// Leave special tokens' text out.
+    pub skip_special_tokens: bool,
 }
 
 /// A `cache_salt`: 1 to [`MAX_CACHE_SALT_BYTES`] bytes.
@@ -493,6 +511,8 @@ impl CompletionRequest {
             structured,
             tool_calls: None,
             cache_salt: parse_cache_salt(self.cache_salt)?,
+            include_stop_str_in_output: self.include_stop_str_in_output.unwrap_or(false),
+            skip_special_tokens: self.skip_special_tokens.unwrap_or(true),
         })
     }
 }
@@ -518,6 +538,10 @@ fn stream_usage(stream: bool, options: Option<StreamOptions>) -> Result<bool, Ap
         Some(_) if !stream => Err(ApiError::invalid(
             "stream_options",
             "stream_options is only allowed when stream is true",
+        )),
+        Some(o) if o.continuous_usage_stats => Err(ApiError::invalid(
+            "stream_options.continuous_usage_stats",
+            "stream_options.continuous_usage_stats is not supported (include_usage is)",
         )),
         options => Ok(options.is_some_and(|o| o.include_usage)),
     }
@@ -615,6 +639,8 @@ impl ChatRequest {
             structured,
             tool_calls: tools.as_ref().and_then(ToolUse::answer),
             cache_salt: parse_cache_salt(self.cache_salt)?,
+            include_stop_str_in_output: self.include_stop_str_in_output.unwrap_or(false),
+            skip_special_tokens: self.skip_special_tokens.unwrap_or(true),
         })
     }
 }

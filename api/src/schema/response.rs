@@ -66,7 +66,8 @@ pub struct CompletionLogprobs {
     pub tokens: Vec<String>,
     /// Their logprobs (null for the first prompt token).
     pub token_logprobs: Vec<Option<f32>>,
-    /// Per position, a map of alternative token text to logprob (null when none).
+    /// Per position, a map of token text to logprob: the alternatives and the token itself, as
+    /// OpenAI's legacy API has it (null for the first prompt token).
     pub top_logprobs: Vec<Option<TopLogprobMap>>,
     /// Per token, its character offset in the choice's text.
     pub text_offset: Vec<u32>,
@@ -88,19 +89,39 @@ impl Serialize for TopLogprobMap {
 
 impl CompletionLogprobs {
     /// Appends tokens whose text starts at character `offset` of the choice text; returns the
-    /// offset after them.
+    /// offset after them (each token's text counted whole, as vLLM counts it).
     pub fn extend(&mut self, logprobs: &[TokenLogprob], mut offset: u32) -> u32 {
         for lp in logprobs {
             self.tokens.push(lp.token.clone());
             self.token_logprobs.push(lp.logprob);
             self.top_logprobs
-                .push(lp.logprob.map(|_| TopLogprobMap(lp.top.clone())));
+                .push(lp.logprob.map(|logprob| top_map(lp, logprob)));
             self.text_offset.push(offset);
             let chars = u32::try_from(lp.token.chars().count()).unwrap_or(u32::MAX);
             offset = offset.saturating_add(chars);
         }
         offset
     }
+}
+
+/// The alternatives at a position as a JSON object's entries: each text once (byte tokens
+/// that are parts of characters all read U+FFFD; the likeliest keeps the key) and the chosen
+/// token among them, best first.
+fn top_map(lp: &TokenLogprob, logprob: f32) -> TopLogprobMap {
+    let mut top: Vec<TopLogprob> = Vec::with_capacity(lp.top.len() + 1);
+    let chosen = TopLogprob {
+        token_id: lp.token_id,
+        token: lp.token.clone(),
+        bytes: lp.bytes.clone(),
+        logprob,
+    };
+    for t in lp.top.iter().chain([&chosen]) {
+        if !top.iter().any(|kept| kept.token == t.token) {
+            top.push(t.clone());
+        }
+    }
+    top.sort_by(|a, b| b.logprob.total_cmp(&a.logprob));
+    TopLogprobMap(top)
 }
 
 /// A `/v1/chat/completions` response.
@@ -238,14 +259,14 @@ impl ChatLogprobs {
                 .map(|lp| ChatTokenLogprob {
                     token: lp.token.clone(),
                     logprob: lp.logprob.unwrap_or(VERY_UNLIKELY),
-                    bytes: lp.token.as_bytes().to_vec(),
+                    bytes: lp.bytes.clone(),
                     top_logprobs: lp
                         .top
                         .iter()
                         .map(|t| ChatTopLogprob {
                             token: t.token.clone(),
                             logprob: t.logprob,
-                            bytes: t.token.as_bytes().to_vec(),
+                            bytes: t.bytes.clone(),
                         })
                         .collect(),
                 })
@@ -337,12 +358,14 @@ mod tests {
         TokenLogprob {
             token_id: 0,
             token: token.to_owned(),
+            bytes: token.as_bytes().to_vec(),
             logprob,
             top: top
                 .iter()
                 .map(|&(t, l)| TopLogprob {
                     token_id: 0,
                     token: t.to_owned(),
+                    bytes: t.as_bytes().to_vec(),
                     logprob: l,
                 })
                 .collect(),
@@ -366,6 +389,40 @@ mod tests {
             serde_json::json!({"tokens": ["hé", " llo"], "token_logprobs": [null, -0.5],
                 "top_logprobs": [null, {" llo": -0.5}], "text_offset": [3, 5]})
         );
+    }
+
+    #[test]
+    fn completion_top_logprobs_hold_the_chosen_token_and_each_text_once() {
+        let mut out = CompletionLogprobs::default();
+        let replacement = "\u{FFFD}";
+        out.extend(
+            &[
+                // Sampled outside the top 1: it joins the map, in likelihood order.
+                lp("Max", Some(-14.8), &[(" \"", -2.0)]),
+                // logprobs: 0 still names the chosen token.
+                lp("a", Some(-0.1), &[]),
+                // Two byte tokens that both read U+FFFD: the likelier keeps the key.
+                lp(
+                    replacement,
+                    Some(-3.0),
+                    &[(replacement, -0.2), (replacement, -3.0)],
+                ),
+            ],
+            0,
+        );
+        assert_eq!(
+            serde_json::to_string(&out.top_logprobs).unwrap(),
+            format!(r#"[{{" \"":-2.0,"Max":-14.8}},{{"a":-0.1}},{{"{replacement}":-0.2}}]"#)
+        );
+    }
+
+    #[test]
+    fn chat_logprobs_carry_the_tokens_own_bytes() {
+        let mut half = lp("\u{FFFD}", Some(-1.0), &[]);
+        half.bytes = vec![0xf0, 0x9f];
+        let chat = ChatLogprobs::from_engine(&[half]);
+        assert_eq!(chat.content[0].bytes, vec![0xf0, 0x9f]);
+        assert_eq!(chat.content[0].token, "\u{FFFD}");
     }
 
     #[test]

@@ -91,17 +91,20 @@ fn sampled_logprob(id: u32, top: u32) -> TokenLogprob {
         TopLogprob {
             token_id: id,
             token: token_text(id),
+            bytes: token_text(id).into_bytes(),
             logprob: -0.5,
         },
         TopLogprob {
             token_id: u32::from(b'~'),
             token: "~".into(),
+            bytes: b"~".to_vec(),
             logprob: -2.0,
         },
     ];
     TokenLogprob {
         token_id: id,
         token: token_text(id),
+        bytes: token_text(id).into_bytes(),
         logprob: Some(-0.5),
         top: alternatives.into_iter().take(top as usize).collect(),
     }
@@ -172,6 +175,7 @@ impl Engine for EchoEngine {
                         .map(|(i, &id)| TokenLogprob {
                             token_id: id,
                             token: token_text(id),
+                            bytes: token_text(id).into_bytes(),
                             logprob: (i > 0).then_some(-1.0),
                             top: if i > 0 {
                                 sampled_logprob(id, k).top
