@@ -281,6 +281,17 @@ impl GrammarConstraint {
         }
     }
 
+    /// Whether the grammar takes end id `token` as text: a request's `stop_token_ids` are end
+    /// ids, but one sampled before `min_tokens` does not end the request and is part of the
+    /// output, so the grammar must read it (the tokenizer's end-of-sequence tokens never are).
+    fn takes_as_text(&mut self, token: u32) -> bool {
+        let eos = self
+            .matcher
+            .tok_env()
+            .map_or(true, |env| env.tok_trie().eos_tokens().contains(&token));
+        !eos && matches!(self.matcher.validate_tokens(&[token]), Ok(1))
+    }
+
     fn fail(&mut self, what: &str, e: impl std::fmt::Display) {
         tracing::warn!(error = %e, "structured output: {what} failed; ending the sequence");
         metrics::counter!(names::STRUCTURED_FAILURES).increment(1);
@@ -326,7 +337,10 @@ impl TokenConstraint for GrammarConstraint {
         if self.recent.len() == ROLLBACK_WINDOW {
             self.recent.pop_front();
         }
-        if self.failed || self.end_ids.contains(&token) || self.matcher.is_stopped() {
+        if self.failed
+            || self.matcher.is_stopped()
+            || (self.end_ids.contains(&token) && !self.takes_as_text(token))
+        {
             self.recent.push_back(false);
             return;
         }
@@ -456,6 +470,31 @@ mod tests {
             );
             assert!(o["ok"].is_boolean(), "{text}");
         }
+    }
+
+    #[test]
+    fn a_stop_id_the_grammar_reads_as_text_moves_it_on() {
+        // A stop id sampled before min_tokens is output, not an end: the grammar reads it.
+        let tok = tokenizer();
+        let compiler = GrammarCompiler::new(tok.clone()).expect("compiler");
+        let id = |s: &str| tok.encode(s, false).expect("ids")[0];
+        let (end, x, three, y) = (tok.eos_token_ids()[0], id("x"), id("3"), id("y"));
+        let c = compiler
+            .compile(&StructuredOutput::Regex("x3y".into()), &[end, three], 1)
+            .expect("compiles")
+            .pop()
+            .expect("one");
+        let vocab = tok.vocab_size();
+        assert!(is_allowed(&c.allowed(vocab), x as usize));
+        c.commit(x);
+        assert!(is_allowed(&c.allowed(vocab), three as usize));
+        c.commit(three);
+        let allowed = c.allowed(vocab);
+        assert!(
+            is_allowed(&allowed, y as usize),
+            "the grammar moved on past 3"
+        );
+        assert!(!is_allowed(&allowed, three as usize));
     }
 
     #[test]

@@ -1570,7 +1570,7 @@ impl TokenConstraint for HashedHistory {
             (self.history.len() as u64) << 32 | u64::from(*self.history.last().unwrap_or(&0));
         for t in 0..self.vocab {
             let h = (salt ^ u64::from(t)).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 60;
-            if h % 3 == 0 {
+            if h.is_multiple_of(3) {
                 allowed[t as usize / 32] |= 1 << (t % 32);
             }
         }
@@ -1666,9 +1666,9 @@ fn qwen_shape_errors(c: LlamaConfig, fp8: Fp8, graphs: bool) -> Vec<(usize, f64)
     for (i, &r) in rows.iter().enumerate() {
         check(r, &got[i * v..(i + 1) * v]);
     }
-    for pos in prefill..all.len() {
+    for (pos, &token) in all.iter().enumerate().skip(prefill) {
         let batch = Batch {
-            seqs: vec![one_seq(0, pos, vec![all[pos]], table.clone(), &p)],
+            seqs: vec![one_seq(0, pos, vec![token], table.clone(), &p)],
         };
         check(pos, &cuda.logits(&batch).expect("cuda logits"));
     }
@@ -2659,13 +2659,16 @@ fn prompt_logprobs_match_the_cpu_backend_across_chunks() {
     assert!(worst < 0.1, "prompt logprobs differ by {worst} nats");
 }
 
+/// The allowed sets a [`RandomSets`] gave and the tokens committed to it.
+type SetLog = Arc<parking_lot::Mutex<(Vec<Vec<u32>>, Vec<u32>)>>;
+
 /// Allows a fresh random set of `size` tokens at every step (from its own seeded stream) and
 /// records the sets and the committed tokens.
 struct RandomSets {
     rng: ChaCha8Rng,
     size: usize,
     vocab: u32,
-    log: Arc<parking_lot::Mutex<(Vec<Vec<u32>>, Vec<u32>)>>,
+    log: SetLog,
 }
 
 impl TokenConstraint for RandomSets {

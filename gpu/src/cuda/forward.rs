@@ -129,19 +129,19 @@ fn kv_part_layout(c: &LlamaConfig, slots: usize, fp8: bool) -> (usize, usize) {
     }
 }
 
-/// Bytes of the step buffer for `tokens` tokens and `rows` logit rows with block tables of at
-/// most `stride` entries.
-pub(crate) fn step_bytes(tokens: usize, rows: usize, stride: usize) -> usize {
-    Layout::new(tokens, tokens, rows, rows).tables + 4 * tokens * stride
+/// Bytes of the step buffer for `tokens` tokens of at most `seqs` sequences and `rows` logit
+/// rows, with block tables of at most `stride` entries.
+pub(crate) fn step_bytes(tokens: usize, seqs: usize, rows: usize, stride: usize) -> usize {
+    Layout::new(tokens, tokens, rows, rows).tables + 4 * seqs.min(tokens) * stride
 }
 
 impl Buffers {
-    /// Activation buffers for `max_tokens` tokens and `max_rows` logit rows (without the KV
-    /// cache, which is sized from what is left: see [`Buffers::with_cache`]); `fp8`: with the
-    /// fp8 activation buffers.
+    /// Activation buffers for `max_tokens` tokens of at most `max_seqs` sequences and
+    /// `max_rows` logit rows (without the KV cache, which is sized from what is left: see
+    /// [`Buffers::with_cache`]); `fp8`: with the fp8 activation buffers.
     pub fn activation_bytes(
         c: &LlamaConfig,
-        max_tokens: usize,
+        (max_tokens, max_seqs): (usize, usize),
         max_rows: usize,
         block_size: usize,
         fp8: bool,
@@ -160,17 +160,18 @@ impl Buffers {
             + max_rows * h * 2
             + max_rows * c.vocab_size * 4
             + split_t * c.num_heads * MAX_SPLITS * (hd + 2) * 4
-            + step_bytes(t, max_rows, stride)
+            + step_bytes(t, max_seqs, max_rows, stride)
             + max_rows * 4
             + if fp8 { Fp8Buffers::bytes(c, t) } else { 0 }
     }
 
-    /// Allocates the buffers (`fp8`: with the fp8 activation buffers) and a cache of `blocks`
-    /// blocks (`kv_fp8`: e4m3 with scales).
+    /// Allocates the buffers for steps of at most `max_tokens` tokens, `max_seqs` sequences
+    /// and `max_rows` logit rows (`fp8`: with the fp8 activation buffers) and a cache of
+    /// `blocks` blocks (`kv_fp8`: e4m3 with scales).
     pub fn with_cache(
         gpu: &Gpu,
         c: &LlamaConfig,
-        (max_tokens, max_rows): (usize, usize),
+        (max_tokens, max_seqs, max_rows): (usize, usize, usize),
         blocks: usize,
         block_size: usize,
         (fp8, kv_fp8): (bool, bool),
@@ -194,7 +195,7 @@ impl Buffers {
             logits: gpu.alloc(max_rows * c.vocab_size * 4)?,
             part_acc: gpu.alloc(split_tokens * c.num_heads * MAX_SPLITS * hd * 4)?,
             part_ml: gpu.alloc(split_tokens * c.num_heads * MAX_SPLITS * 2 * 4)?,
-            step: gpu.alloc(step_bytes(t, max_rows, stride))?,
+            step: gpu.alloc(step_bytes(t, max_seqs, max_rows, stride))?,
             sampled: gpu.alloc(max_rows * 4)?,
             kv: gpu.alloc(2 * c.num_layers * kv_layer_bytes)?,
             fp8: if fp8 {

@@ -139,6 +139,9 @@ pub struct CudaBackend {
     gpu: Gpu,
     config: LlamaConfig,
     block_size: usize,
+    /// Most sequences in one step (`max_num_seqs`): the step buffer holds that many block
+    /// tables.
+    max_seqs: usize,
     num_blocks: usize,
     max_graph_batch: usize,
     states: HashMap<u64, SeqState>,
@@ -367,7 +370,8 @@ impl CudaBackend {
         let max_rows = max_tokens.min(MAX_LOGIT_ROWS.max(cfg.max_num_seqs));
         let bs = cfg.block_size;
         let per_block = forward::kv_block_bytes(config, bs, cfg.kv_fp8);
-        let act = Buffers::activation_bytes(config, max_tokens, max_rows, bs, cfg.fp8)
+        let max_seqs = cfg.max_num_seqs.min(max_tokens);
+        let act = Buffers::activation_bytes(config, (max_tokens, max_seqs), max_rows, bs, cfg.fp8)
             + sampling::ArgmaxScratch::bytes(max_rows);
         let num_blocks = match cfg.num_kv_blocks {
             Some(n) => n,
@@ -392,7 +396,7 @@ impl CudaBackend {
         let buf = Buffers::with_cache(
             &gpu,
             config,
-            (max_tokens, max_rows),
+            (max_tokens, max_seqs, max_rows),
             num_blocks,
             bs,
             (cfg.fp8, cfg.kv_fp8),
@@ -444,6 +448,7 @@ impl CudaBackend {
             gpu,
             config: config.clone(),
             block_size: bs,
+            max_seqs,
             num_blocks,
             max_graph_batch,
             states: HashMap::new(),
@@ -612,6 +617,11 @@ impl CudaBackend {
 
 impl Drop for CudaBackend {
     fn drop(&mut self) {
+        // Queued work may still read the buffers, graphs and adapters freed after this (a
+        // backend retired after a failed step): let it finish first.
+        if let Err(e) = self.gpu.sync() {
+            tracing::warn!(error = %e, "CUDA backend dropped with the device in error");
+        }
         if let Some(report) = self.gpu.profile_report() {
             eprintln!("{report}");
         }
@@ -678,6 +688,8 @@ impl Backend for CudaBackend {
     }
 
     fn collect(&mut self) -> Result<Vec<SeqOutput>, GpuError> {
+        // The deferred sampling below launches kernels: the context must be this thread's.
+        self.gpu.bind()?;
         let Some(sub) = self.submitted.pop_front() else {
             return Err(GpuError::Internal("no submitted step to collect".into()));
         };
@@ -798,6 +810,13 @@ impl CudaBackend {
     /// before.
     fn submit_step(&mut self, batch: &Batch, pending_ok: bool) -> Result<(), GpuError> {
         self.gpu.bind()?;
+        if batch.seqs.len() > self.max_seqs {
+            return Err(GpuError::BadBatch(format!(
+                "{} sequences in one step exceed max_num_seqs {}",
+                batch.seqs.len(),
+                self.max_seqs
+            )));
+        }
         let c = &self.config;
         validate_batch(
             batch,
@@ -863,7 +882,10 @@ impl CudaBackend {
                 )));
             }
             let drafts = &s.tokens[s.tokens.len() - s.num_drafts..];
-            let first = row + n - 1 - s.num_drafts;
+            // Its rows are row..end: the drafts' rows, then the sampled one (a chunk that
+            // samples nothing has none, and no drafts).
+            let end = row + n;
+            let first = end.saturating_sub(1 + s.num_drafts);
             if s.sample && s.sampling.constraint.is_some() {
                 // Its edits wait for its allowed sets (one per row: the drafts committed in
                 // turn, then taken back), computed while the step runs.
@@ -879,7 +901,7 @@ impl CudaBackend {
             // One row per draft position, each the next draw of the stream and with the
             // penalties of the drafts before it, as if fed one token per step (collect takes
             // back the draws and the drafts of rows after a rejection).
-            for (r, &d) in (first..row + n - 1).zip(drafts) {
+            for (r, &d) in (first..end.saturating_sub(1)).zip(drafts) {
                 if s.sampling.constraint.is_none() {
                     st.edits(r, &s.sampling, None, &mut edits);
                 }
@@ -887,7 +909,7 @@ impl CudaBackend {
                 st.record(d, &s.sampling);
             }
             if s.sample {
-                let r = row + n - 1;
+                let r = end - 1;
                 if s.sampling.constraint.is_some() {
                     // Edits with the masks (above).
                 } else {
@@ -984,7 +1006,8 @@ impl CudaBackend {
         // A constrained row whose sequence feeds a pending token needs that token in its
         // constraint before its mask: its sampling waits for the previous step's collect (the
         // forward pass, queued above, does not).
-        if waits {
+        // Without a step before it (nothing to collect), it cannot wait: it goes now.
+        if waits && !self.submitted.is_empty() {
             self.deferred = Some(tail);
             Ok(())
         } else {

@@ -176,9 +176,15 @@ impl Default for Edit {
     }
 }
 
-/// `buf`, reallocated at twice `bytes` when it holds fewer than `bytes`.
+/// `buf`, reallocated at twice `bytes` when it holds fewer than `bytes`. The old buffer may
+/// still be read by a step in flight (the edits of the step submitted before): the device
+/// finishes its queued work before it is freed (rare: the buffer grows geometrically), rather
+/// than relying on `cuMemFree`'s implicit synchronisation, which the driver does not promise.
 fn grown<'a>(gpu: &Gpu, buf: &'a mut Option<DevMem>, bytes: usize) -> Result<&'a DevMem, GpuError> {
     if buf.as_ref().is_none_or(|b| b.bytes() < bytes) {
+        if buf.is_some() {
+            gpu.sync()?;
+        }
         *buf = None;
         *buf = Some(gpu.alloc(bytes * 2)?);
     }
