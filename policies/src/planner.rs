@@ -638,6 +638,13 @@ impl Scheduler {
         worder[..k].sort_unstable();
         let mut num_running = self.running.len();
         let mut passed_over = false;
+        // The best-ranked request waiting for a LoRA adapter slot: later adapter requests may
+        // pass it (as in vLLM, so that the running adapters keep their batches), but at most
+        // max_num_seqs of them in all; then they wait too, the running adapters drain, and a
+        // slot frees for it. Without the bound, steady traffic for the running adapters keeps
+        // it waiting for as long as the traffic lasts.
+        let mut slot_waiter: Option<u32> = None;
+        let pass_limit = u32::try_from(self.config.max_num_seqs).unwrap_or(u32::MAX);
         let mut i = 0;
         while i < worder.len() && b.budget > 0 {
             if i == k {
@@ -655,6 +662,17 @@ impl Scheduler {
             // Admissions earlier in this step count; preemptions only free slots.
             let adapter = slot_ref(&self.seqs, cand.slot).and_then(|q| q.req.lora_adapter);
             if !self.adapters.admits(adapter, self.config.max_loras) {
+                passed_over = true;
+                slot_waiter.get_or_insert(cand.slot);
+                continue;
+            }
+            let passes = match (adapter, slot_waiter) {
+                (Some(_), Some(w)) => Some(w),
+                _ => None,
+            };
+            if passes.is_some_and(|w| {
+                slot_ref(&self.seqs, w).is_some_and(|q| q.lora_passes >= pass_limit)
+            }) {
                 passed_over = true;
                 continue;
             }
@@ -687,6 +705,16 @@ impl Scheduler {
                 break;
             }
             num_running += 1;
+            if let Some(q) = self
+                .seqs
+                .get_mut(cand.slot as usize)
+                .and_then(Option::as_mut)
+            {
+                q.lora_passes = 0;
+            }
+            if let Some(q) = passes.and_then(|w| self.seqs.get_mut(w as usize)?.as_mut()) {
+                q.lora_passes = q.lora_passes.saturating_add(1);
+            }
         }
         self.wait_order = worder;
     }

@@ -578,6 +578,49 @@ fn request_of_a_third_adapter_waits_while_others_pass_it() {
 }
 
 #[test]
+fn a_request_waiting_for_an_adapter_slot_is_passed_at_most_max_num_seqs_times() {
+    // One adapter slot, four seats; adapter 1 gets a new request every step, each running 3
+    // tokens, so adapter 1 always has running sequences. Request 2 (adapter 2) waits; at most
+    // four of adapter 1's later requests pass it, then they wait too, adapter 1 drains and
+    // request 2 gets the slot (it waited as long as the traffic lasted before the bound).
+    let c = SchedulerConfig {
+        max_num_seqs: 4,
+        max_loras: 1,
+        ..config(64, 4)
+    };
+    let mut s = sched(c, Box::new(Fcfs));
+    s.add_request(with_adapter(req(1, 0, vec![1; 4], 3), Some(1), 0))
+        .unwrap();
+    step(&mut s, 5, 7);
+    s.add_request(with_adapter(req(2, 10, vec![2; 4], 3), Some(2), 0))
+        .unwrap();
+    let (mut passed, mut admitted_at) = (0, None);
+    for t in 1..40u64 {
+        s.add_request(with_adapter(
+            req(100 + t, 10 * t + 10, vec![3; 4], 3),
+            Some(1),
+            0,
+        ))
+        .unwrap();
+        let (p, _) = step(&mut s, 10 * t + 15, 7);
+        if ids(&p).contains(&2) {
+            admitted_at = Some(t);
+            break;
+        }
+        passed += p
+            .seqs
+            .iter()
+            .filter(|q| q.id.0 >= 100 && q.num_computed_tokens == 0)
+            .count();
+    }
+    let t = admitted_at.expect("request 2 got the slot");
+    assert_eq!(passed, 4, "requests that passed it");
+    assert!(t <= 8, "admitted at step {t}");
+    // The rest of adapter 1's requests wait behind it now.
+    assert_eq!(s.stats().num_running_adapters, 1);
+}
+
+#[test]
 fn nothing_is_preempted_for_a_request_whose_adapter_has_no_slot() {
     // One seat, one adapter slot, and a priority policy that preempts for more urgent work:
     // without the slot rule, urgent request 2 (adapter 2) would preempt request 1 (adapter

@@ -55,6 +55,9 @@ pub(crate) struct Sequence {
     pub(crate) last_token_at: Option<Timestamp>,
     /// When the request last entered the waiting queue.
     pub(crate) queued_at: Timestamp,
+    /// Adapter requests ranked behind this one admitted while it waited for a LoRA adapter
+    /// slot (bounded: see the planner's `admit_waiting`).
+    pub(crate) lora_passes: u32,
     /// Chained hashes of the leading full blocks of prompt + output (computed once each).
     pub(crate) hashes: Vec<PrefixHash>,
     /// SLO targets after filling gaps from the tier.
@@ -74,6 +77,7 @@ impl Sequence {
         Self {
             state: RequestState::Waiting,
             num_preemptions: 0,
+            lora_passes: 0,
             pending: 0,
             num_computed: 0,
             blocks_sent: 0,
