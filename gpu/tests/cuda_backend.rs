@@ -1049,6 +1049,15 @@ fn smollm2_with_a_lora_adapter_agrees_with_merged_weights_cpu_and_transformers()
         "steps with adapters differ with and without graphs"
     );
     assert_ne!(alone[0], alone[1], "the adapter changes the answer");
+    // The device copy goes once the engine has dropped the adapter (the next step frees it).
+    assert_eq!(eager.lora_device_copies(), 1);
+    drop(adapters);
+    cuda_rows(&mut eager, None)(&ps[1], &[0]);
+    assert_eq!(
+        eager.lora_device_copies(),
+        0,
+        "an adapter nobody holds keeps its device copy"
+    );
     let first = ids(&gens[0]["tokens"]);
     assert_eq!(
         alone[0][..4],

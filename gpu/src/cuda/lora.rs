@@ -12,6 +12,8 @@
 //! adapted QKV or gate|up product goes without its fused stages. Decode steps whose adapters
 //! have at most [`GRAPH_MAX_RANK`] replay CUDA graphs of their own.
 
+use std::sync::{Arc, Weak};
+
 use half::bf16;
 
 use super::device::{DevMem, Gpu};
@@ -32,6 +34,9 @@ const ALIGN: usize = 256;
 
 struct DeviceAdapter {
     uid: u64,
+    /// The adapter it copies: once the engine has dropped it (unloaded, or evicted from host
+    /// memory, and no request left on it), the copy is freed.
+    source: Weak<LoraAdapter>,
     /// Keeps the matrices alive.
     _mem: DevMem,
     /// Per layer and target: the device addresses of A and B, 0 where not adapted.
@@ -138,34 +143,36 @@ impl DeviceLoras {
         step: u64,
         bucket: Option<usize>,
     ) -> Result<Option<(LoraStep, bool)>, GpuError> {
+        // Copies of adapters the engine no longer holds go (a step in flight may still read
+        // them: the device finishes first). Rare; a check of a few weak counts otherwise.
+        if self.cache.iter().any(|d| d.source.strong_count() == 0) {
+            gpu.sync()?;
+            self.cache.retain(|d| d.source.strong_count() > 0);
+        }
         if batch.seqs.iter().all(|s| s.adapter.is_none()) {
             return Ok(None);
         }
         self.clock += 1;
-        // The step's adapters, in batch order, and each token's slot.
-        let mut slots: Vec<usize> = Vec::new();
-        let mut row_slot: Vec<i32> = Vec::with_capacity(tokens);
-        for s in &batch.seqs {
-            let slot = match &s.adapter {
-                None => -1,
-                Some(a) => {
-                    let i = match self.cache.iter().position(|d| d.uid == a.uid()) {
-                        Some(i) => i,
-                        None => self.insert(gpu, c, a, &slots)?,
-                    };
-                    self.cache[i].last_used = self.clock;
-                    let k = match slots.iter().position(|&j| j == i) {
-                        Some(k) => k,
-                        None => {
-                            slots.push(i);
-                            slots.len() - 1
-                        }
-                    };
-                    k as i32
+        // The step's adapters, in batch order, and each token's slot. When the device has no
+        // memory for an adapter's copy, the copies of adapters outside the step go and the
+        // step tries once more.
+        let (slots, mut row_slot) = match self.assign_slots(gpu, c, batch, tokens) {
+            Ok(assigned) => assigned,
+            Err(e) => {
+                let needed: Vec<u64> = batch
+                    .seqs
+                    .iter()
+                    .filter_map(|s| s.adapter.as_ref().map(|a| a.uid()))
+                    .collect();
+                if self.cache.iter().all(|d| needed.contains(&d.uid)) {
+                    return Err(e);
                 }
-            };
-            row_slot.extend(std::iter::repeat_n(slot, s.tokens.len()));
-        }
+                tracing::warn!(error = %e, "LoRA copies on the device: freeing those outside the step");
+                gpu.sync()?;
+                self.cache.retain(|d| needed.contains(&d.uid));
+                self.assign_slots(gpu, c, batch, tokens)?
+            }
+        };
         if row_slot.len() != tokens {
             return Err(GpuError::Internal(format!(
                 "{} LoRA rows for {tokens} tokens",
@@ -246,6 +253,46 @@ impl DeviceLoras {
         Ok(Some((step, graph.is_some())))
     }
 
+    /// The device entries of the step's adapters (uploading those not there yet), in batch
+    /// order, and each token's index into them (-1: no adapter).
+    fn assign_slots(
+        &mut self,
+        gpu: &Gpu,
+        c: &LlamaConfig,
+        batch: &Batch,
+        tokens: usize,
+    ) -> Result<(Vec<usize>, Vec<i32>), GpuError> {
+        let mut slots: Vec<usize> = Vec::new();
+        let mut row_slot: Vec<i32> = Vec::with_capacity(tokens);
+        for s in &batch.seqs {
+            let slot = match &s.adapter {
+                None => -1,
+                Some(a) => {
+                    let i = match self.cache.iter().position(|d| d.uid == a.uid()) {
+                        Some(i) => i,
+                        None => self.insert(gpu, c, a, &slots)?,
+                    };
+                    self.cache[i].last_used = self.clock;
+                    let k = match slots.iter().position(|&j| j == i) {
+                        Some(k) => k,
+                        None => {
+                            slots.push(i);
+                            slots.len() - 1
+                        }
+                    };
+                    k as i32
+                }
+            };
+            row_slot.extend(std::iter::repeat_n(slot, s.tokens.len()));
+        }
+        Ok((slots, row_slot))
+    }
+
+    /// Number of adapters with a copy on the device.
+    pub fn len(&self) -> usize {
+        self.cache.len()
+    }
+
     /// Uploads `a` and returns its index: a new entry, or, when the device holds
     /// [`MAX_DEVICE_ADAPTERS`], the entry of the least recently used adapter outside `keep`
     /// (the step's adapters so far), replaced in place so no other index moves.
@@ -253,7 +300,7 @@ impl DeviceLoras {
         &mut self,
         gpu: &Gpu,
         c: &LlamaConfig,
-        a: &LoraAdapter,
+        a: &Arc<LoraAdapter>,
         keep: &[usize],
     ) -> Result<usize, GpuError> {
         if !a.fits(c) {
@@ -279,6 +326,7 @@ impl DeviceLoras {
         let (mem, ptrs) = upload(gpu, c, a)?;
         let entry = DeviceAdapter {
             uid: a.uid(),
+            source: Arc::downgrade(a),
             _mem: mem,
             ptrs,
             rank: a.rank(),

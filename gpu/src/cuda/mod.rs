@@ -479,6 +479,11 @@ impl CudaBackend {
         self.graphs.lora_len()
     }
 
+    /// Number of LoRA adapters with a copy on the device.
+    pub fn lora_device_copies(&self) -> usize {
+        self.loras.len()
+    }
+
     /// Runs the forward pass only and returns the logits of the last token of every sequence
     /// (`seqs.len() * vocab_size`), touching no sampler state; for tests and benchmarks.
     pub fn logits(&mut self, batch: &Batch) -> Result<Vec<f32>, GpuError> {
