@@ -11,13 +11,16 @@
 //!    If anything was preempted, nothing is admitted.
 //! 3. Waiting sequences, in rank order, are admitted while seats, budget and blocks last:
 //!    their longest cached prefix is pinned (at least the last token is always recomputed,
-//!    so a token can be sampled), the rest is a prefill chunk. When a sequence does not
-//!    fit, the policy may name lower-ranked running victims (`may_preempt`), preempted only
-//!    if together they free what the chunk lacks (blocks it would reuse from them do not
-//!    count); otherwise admission stops (no overtaking, so FCFS order is preserved). The
-//!    one exception: a sequence whose LoRA adapter would make more than `max_loras`
-//!    distinct adapters running is passed over, keeping its place, before anything is
-//!    preempted for it.
+//!    so a token can be sampled), the rest is a prefill chunk. The free blocks must hold the
+//!    whole remaining prefill, though only the chunk's are reserved (admitted for its first
+//!    chunk alone, a long prompt would preempt itself at a later chunk and come back, over
+//!    and over). When a sequence does not fit, the policy may name lower-ranked running
+//!    victims (`may_preempt`), preempted only if together they free a seat when one is
+//!    needed and the blocks it lacks (blocks it would reuse from them do not count);
+//!    otherwise admission stops (no overtaking, so FCFS order is preserved). The one
+//!    exception: a sequence whose LoRA adapter would make more than `max_loras` distinct
+//!    adapters running is passed over, keeping its place, before anything is preempted for
+//!    it, by at most `max_num_seqs` later adapter requests.
 //!
 //! Preemption frees every block (full ones stay cached) and keeps the generated tokens, so
 //! the recompute covers prompt + output. Per step the planner does O(running) work
@@ -104,10 +107,20 @@ fn write_entry(plan: &mut StepPlan, n: usize, seq: &mut Sequence, num_new: usize
 /// Why a waiting sequence was not admitted.
 #[derive(Copy, Clone, Debug)]
 struct Shortfall {
-    /// Blocks missing for its first chunk.
+    /// Blocks missing for its whole remaining prefill.
     blocks: usize,
     /// Tokens of that chunk.
     num_new: usize,
+}
+
+/// What admitting a waiting sequence takes (see `admission`).
+struct Admission {
+    /// Tokens its prefix match covers.
+    computed: usize,
+    /// Tokens of its first chunk.
+    num_new: usize,
+    /// Blocks to reserve for that chunk.
+    need_new: usize,
 }
 
 /// Mutable state of the plan being built.
@@ -305,13 +318,16 @@ impl Scheduler {
         };
         let mut order = std::mem::take(&mut self.order);
         let mut ranked = if ahead {
-            if !self.schedule_all_running(&mut b) {
+            if self.schedule_all_running(&mut b) {
+                None
+            } else if self.schedule_ranked_ahead(now, &mut order, &mut b) {
+                Some(order.len())
+            } else {
                 // Rolled back: nothing planned, nothing changed.
                 self.order = order;
                 b.plan.seqs.truncate(0);
                 return None;
             }
-            None
         } else {
             self.schedule_running(now, &mut order, &mut b)
         };
@@ -489,9 +505,15 @@ impl Scheduler {
             b.charge(seq, num_new);
             self.last_slots.push(slot);
         }
-        if fits {
-            return true;
+        if !fits {
+            self.unplan(b, budget, logit_rows);
         }
+        fits
+    }
+
+    /// Takes back everything planned so far in this step (only running sequences' chunks: no
+    /// preemption, no admission), restoring the budget and logit rows it started with.
+    fn unplan(&mut self, b: &mut Building<'_>, budget: usize, logit_rows: usize) {
         for (entry, &slot) in b.plan.seqs[..b.len].iter().zip(&self.last_slots) {
             let Some(seq) = self.seqs.get_mut(slot as usize).and_then(|s| s.as_mut()) else {
                 continue;
@@ -510,7 +532,40 @@ impl Scheduler {
         b.budget = budget;
         b.logit_rows = logit_rows;
         b.plan.num_batched_tokens = 0;
-        false
+    }
+
+    /// Ahead of a step in flight, when [`Scheduler::schedule_all_running`] found the whole
+    /// chunks too large: schedules the running sequences in rank order, each a chunk within
+    /// what the budget leaves, as [`Scheduler::schedule_running`] does (so a long prefill
+    /// does not force in-order planning). Returns false, with everything rolled back, when
+    /// the blocks run out: that takes a preemption, which only an in-order plan makes.
+    fn schedule_ranked_ahead(
+        &mut self,
+        now: Timestamp,
+        order: &mut Vec<Ranked>,
+        b: &mut Building<'_>,
+    ) -> bool {
+        let (budget, logit_rows) = (b.budget, b.logit_rows);
+        self.rank_into(&self.running, now, order);
+        order.sort_unstable();
+        for i in 0..order.len() {
+            let slot = order[i].slot;
+            let Some(seq) = self.seq(slot) else { continue };
+            let num_new = seq.schedulable_tokens().min(b.budget).min(b.logit_cap(seq));
+            if num_new == 0 {
+                continue;
+            }
+            let need = self
+                .ledger
+                .blocks_for(seq.num_computed + num_new)
+                .saturating_sub(seq.block_table.len());
+            if self.ledger.num_free() < need {
+                self.unplan(b, budget, logit_rows);
+                return false;
+            }
+            self.grow_and_emit(slot, need, num_new, b);
+        }
+        true
     }
 
     /// Schedules running sequences. Returns `Some(n)` when `order` holds them ranked (the
@@ -682,9 +737,23 @@ impl Scheduler {
                     order.sort_unstable();
                     order.len()
                 });
-                if !self.preempt_for(cand, 0, &order[..end], now, b, &mut num_running) {
+                // A seat and the blocks it lacks, from the same victims, or nothing: a victim
+                // preempted for the seat alone is lost when the blocks then come up short.
+                let short = match self.admission(cand.slot, usize::MAX, b) {
+                    Ok(a) => Shortfall {
+                        blocks: 0,
+                        num_new: a.num_new,
+                    },
+                    Err(short) => short,
+                };
+                let admitted =
+                    self.preempt_for(cand, short.blocks, &order[..end], now, b, &mut num_running)
+                        && self.try_admit(cand.slot, short.num_new, b).is_ok();
+                if !admitted {
                     break;
                 }
+                self.admitted(cand.slot, passes, &mut num_running);
+                continue;
             }
             let admitted = match self.try_admit(cand.slot, usize::MAX, b) {
                 Ok(()) => true,
@@ -704,33 +773,44 @@ impl Scheduler {
             if !admitted {
                 break;
             }
-            num_running += 1;
-            if let Some(q) = self
-                .seqs
-                .get_mut(cand.slot as usize)
-                .and_then(Option::as_mut)
-            {
-                q.lora_passes = 0;
-            }
-            if let Some(q) = passes.and_then(|w| self.seqs.get_mut(w as usize)?.as_mut()) {
-                q.lora_passes = q.lora_passes.saturating_add(1);
-            }
+            self.admitted(cand.slot, passes, &mut num_running);
         }
         self.wait_order = worder;
     }
 
-    /// Admits one waiting sequence with a first chunk of at most `max_new` tokens if its
-    /// blocks fit; otherwise returns what was missing, leaving the sequence's prefix match in
-    /// `self.matched` (for `preempt_for`).
-    fn try_admit(
+    /// Books an admission: one more running, and one more pass of the request waiting for an
+    /// adapter slot that it overtook (`passed`).
+    fn admitted(&mut self, slot: u32, passed: Option<u32>, num_running: &mut usize) {
+        *num_running += 1;
+        if let Some(q) = self.seqs.get_mut(slot as usize).and_then(Option::as_mut) {
+            q.lora_passes = 0;
+        }
+        if let Some(q) = passed.and_then(|w| self.seqs.get_mut(w as usize)?.as_mut()) {
+            q.lora_passes = q.lora_passes.saturating_add(1);
+        }
+    }
+
+    /// Whether a waiting sequence can be admitted with a first chunk of at most `max_new`
+    /// tokens: its prefix match (left in `self.matched`), and the chunk, or what is missing.
+    ///
+    /// The free blocks must hold its whole remaining prefill, though only the first chunk's
+    /// are reserved: a request admitted for its first chunk alone preempts itself when a later
+    /// chunk finds no blocks, and is admitted again the next step, over and over (vLLM V0's
+    /// whole-prompt `can_allocate` check).
+    fn admission(
         &mut self,
         slot: u32,
         max_new: usize,
-        b: &mut Building<'_>,
-    ) -> Result<(), Shortfall> {
+        b: &Building<'_>,
+    ) -> Result<Admission, Shortfall> {
         let caching = self.config.enable_prefix_caching;
         let Some(seq) = self.seqs.get_mut(slot as usize).and_then(|s| s.as_mut()) else {
-            return Ok(());
+            // Not a live sequence: nothing to admit, and nothing to preempt for.
+            return Ok(Admission {
+                computed: 0,
+                num_new: 0,
+                need_new: 0,
+            });
         };
         let bs = self.ledger.block_size();
         let total = seq.num_tokens();
@@ -756,6 +836,7 @@ impl Scheduler {
             .min(max_new);
 
         let need_new = self.ledger.blocks_for(computed + num_new) - self.matched.len();
+        let need_all = self.ledger.blocks_for(total) - self.matched.len();
         // Matched blocks nobody references are counted free but are pinned, not allocated.
         let evictable = self
             .matched
@@ -763,12 +844,38 @@ impl Scheduler {
             .filter(|&&blk| self.ledger.ref_count(blk) == Some(0))
             .count();
         let available = self.ledger.num_free().saturating_sub(evictable);
-        if available < need_new {
+        if available < need_all {
             return Err(Shortfall {
-                blocks: need_new - available,
+                blocks: need_all - available,
                 num_new,
             });
         }
+        Ok(Admission {
+            computed,
+            num_new,
+            need_new,
+        })
+    }
+
+    /// Admits one waiting sequence with a first chunk of at most `max_new` tokens if
+    /// [`Scheduler::admission`] allows it; otherwise returns what was missing, leaving the
+    /// sequence's prefix match in `self.matched` (for `preempt_for`).
+    fn try_admit(
+        &mut self,
+        slot: u32,
+        max_new: usize,
+        b: &mut Building<'_>,
+    ) -> Result<(), Shortfall> {
+        let Admission {
+            computed,
+            num_new,
+            need_new,
+        } = self.admission(slot, max_new, b)?;
+        let caching = self.config.enable_prefix_caching;
+        let Some(seq) = self.seqs.get_mut(slot as usize).and_then(|s| s.as_mut()) else {
+            return Ok(());
+        };
+        let total = seq.num_tokens();
         seq.block_table.clear();
         seq.blocks_sent = 0;
         for &blk in &self.matched {

@@ -372,6 +372,62 @@ fn urgent_request_preempts_at_max_num_seqs() {
 }
 
 #[test]
+fn a_victim_is_preempted_for_a_seat_only_if_the_blocks_fit_too() {
+    // Two seats, 12 blocks of 4 tokens. Request 1 (priority 0, 32 tokens) and request 2
+    // (priority 1, 4 tokens) run; request 3 (priority 0, 24 tokens: 6 blocks) needs a seat,
+    // which preempting request 2 gives, but its blocks would still be short (request 1 is as
+    // urgent as it, so no further victim): nothing is preempted and request 3 waits.
+    let mut c = config(12, 4);
+    c.max_num_seqs = 2;
+    let mut s = sched(c, Box::new(PriorityPolicy::new(0.0, true, 3)));
+    s.add_request(with_adapter(req(1, 0, vec![1; 32], 8), None, 0))
+        .unwrap();
+    s.add_request(with_adapter(req(2, 0, vec![2; 4], 20), None, 1))
+        .unwrap();
+    step(&mut s, 0, 3);
+    s.add_request(with_adapter(req(3, 1, vec![3; 24], 4), None, 0))
+        .unwrap();
+    let (p, _) = step(&mut s, 1, 3);
+    assert!(p.preempted.is_empty(), "{:?}", p.preempted);
+    assert_eq!(ids(&p), vec![1, 2]);
+    assert_eq!(s.request_state(RequestId(3)), Some(RequestState::Waiting));
+    assert_eq!(s.stats().num_preemptions, 0);
+}
+
+#[test]
+fn a_request_whose_prefill_does_not_fit_waits_instead_of_preempting_itself() {
+    // 10 blocks of 4 tokens, 8 tokens per step. Request 1 (16 tokens, 8 more) grows to 6
+    // blocks; request 2 (28 tokens: 7 blocks) would fit its first chunk beside it but not its
+    // whole prompt: admitted, it would preempt itself at every later chunk that finds no
+    // blocks and be admitted again. It waits for request 1 to finish instead.
+    let mut c = config(10, 4);
+    c.max_num_batched_tokens = 8;
+    let mut s = sched(c, Box::new(Fcfs));
+    s.add_request(req(1, 0, vec![1; 16], 8)).unwrap();
+    step(&mut s, 0, 3);
+    step(&mut s, 1, 3);
+    s.add_request(req(2, 1, vec![2; 28], 2)).unwrap();
+    let mut done = false;
+    for t in 2..40 {
+        let (_, ev) = step(&mut s, t, 3);
+        done |= ev.iter().any(|e| {
+            matches!(
+                e,
+                SeqEvent::Finished {
+                    id: RequestId(2),
+                    ..
+                }
+            )
+        });
+        if done {
+            break;
+        }
+    }
+    assert!(done, "request 2 finished");
+    assert_eq!(s.stats().num_preemptions, 0);
+}
+
+#[test]
 fn swapping_policy_keeps_every_request() {
     let mut s = sched(config(16, 4), Box::new(Fcfs));
     for i in 0..4 {
@@ -1080,6 +1136,30 @@ fn a_chunk_ending_one_token_before_the_prompt_end_resolves() {
         at: Timestamp(2)
     }));
     assert_eq!(s.output_tokens(RequestId(1)), Some(&[7][..]));
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn a_prefill_longer_than_the_budget_is_planned_ahead_in_chunks() {
+    // Budget 16, a 40-token prompt: its second chunk is planned while the first runs (an
+    // ahead plan used to take whole remaining prefills only, and gave up on this one).
+    let c = SchedulerConfig {
+        max_num_batched_tokens: 16,
+        ..config(64, 4)
+    };
+    let mut s = sched(c, Box::new(Fcfs));
+    s.add_request(req(1, 0, (0..40).collect(), 2)).unwrap();
+    let first = s.schedule(Timestamp(0));
+    s.launch(&first);
+    let second = s.schedule_ahead(Timestamp(1)).expect("planned ahead");
+    let q = &second.seqs[0];
+    assert_eq!(
+        (q.num_computed_tokens, q.num_new_tokens, q.samples),
+        (16, 16, false)
+    );
+    s.launch(&second);
+    assert!(s.resolve(&first, &[], Timestamp(1)).is_empty());
+    assert!(s.resolve(&second, &[], Timestamp(2)).is_empty());
     s.check_invariants().unwrap();
 }
 
