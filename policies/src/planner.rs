@@ -548,8 +548,7 @@ impl Scheduler {
         let (budget, logit_rows) = (b.budget, b.logit_rows);
         self.rank_into(&self.running, now, order);
         order.sort_unstable();
-        for i in 0..order.len() {
-            let slot = order[i].slot;
+        for slot in order.iter().map(|r| r.slot) {
             let Some(seq) = self.seq(slot) else { continue };
             let num_new = seq.schedulable_tokens().min(b.budget).min(b.logit_cap(seq));
             if num_new == 0 {

@@ -422,7 +422,7 @@ fn run(w: &Workload, first: &str, swaps: &[&str], pipelined: bool) -> Result<End
                 }
             }
         }
-        if step > 0 && step % w.swap_every == 0 {
+        if step > 0 && step.is_multiple_of(w.swap_every) {
             if let Some(next) = swaps.next() {
                 let before = s.stats();
                 s.swap_policy(make_policy(next));
