@@ -311,3 +311,64 @@ fn sighup_brings_the_configured_adapters_in_line_with_the_file() {
     assert_haiku(s, "renamed", "lora_golden.json");
     assert_eq!(haiku(s, "tuned").0, 404);
 }
+
+#[test]
+fn an_evicted_adapter_whose_files_broke_is_the_servers_503_without_its_path() {
+    // One adapter in memory at a time: using one evicts the other once it is unused.
+    let s = &Server::start_with(
+        "lora-broken",
+        "  admin_key: admin-secret-key\n",
+        "lora:\n  enabled: true\n  max_cpu_loras: 1\n",
+    );
+    let copy = |name: &str| {
+        let dir = s.dir.join(name);
+        std::fs::create_dir_all(&dir).expect("adapter dir");
+        for f in ["adapter_config.json", "adapter_model.safetensors"] {
+            std::fs::copy(format!("{}/{f}", adapter_dir()), dir.join(f)).expect("copy");
+        }
+        dir
+    };
+    let load = |name: &str, dir: &std::path::Path| {
+        let body = json!({"lora_name": name, "lora_path": dir});
+        let r = s
+            .request("POST", "/admin/lora", Some(&body.to_string()), &[ADMIN])
+            .expect("load");
+        assert_eq!(r.status, 200, "{}", r.body);
+    };
+    let complete = |model: &str| {
+        s.post_json(
+            "/v1/completions",
+            &json!({"model": model, "prompt": "Hello", "max_tokens": 2, "temperature": 0}),
+        )
+    };
+    let (one, two) = (copy("one"), copy("two"));
+    load("one", &one);
+    assert_eq!(complete("one").0, 200);
+    load("two", &two);
+    assert_eq!(complete("two").0, 200);
+    std::fs::remove_file(one.join("adapter_model.safetensors")).expect("break one");
+
+    let (status, v) = complete("one");
+    assert_eq!(status, 503, "{v}\n{}", s.log());
+    assert_eq!(
+        v["error"]["message"],
+        "LoRA adapter 'one' could not be loaded"
+    );
+    let shown = one.display().to_string();
+    assert!(!v.to_string().contains(&shown), "the path leaked: {v}");
+    // The detail is the operator's, in the log.
+    let log = s.log();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("WARN") && l.contains("could not be loaded") && l.contains(&shown)),
+        "{log}"
+    );
+    // The other adapter still serves, and an admin load of a broken path keeps its reason.
+    assert_eq!(complete("two").0, 200);
+    let body = json!({"lora_name": "three", "lora_path": one});
+    let r = s
+        .request("POST", "/admin/lora", Some(&body.to_string()), &[ADMIN])
+        .expect("load");
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.body.contains("adapter_model.safetensors"), "{}", r.body);
+}

@@ -240,8 +240,8 @@ pub struct StepCore {
     live: IdMap<LiveRequest>,
     /// Sequences that ended since the last prepared step; their backend state is released.
     ended: Vec<u64>,
-    /// The last batch's entries, refilled by the next step.
-    /// Entries of batches that ran, refilled by later steps (two while steps are pipelined).
+    /// Entries of batches that ran, refilled by later steps (two while steps are pipelined);
+    /// they name no adapter ([`StepCore::keep_spare`]).
     spare: Vec<Vec<SeqInput>>,
     /// Which requests the backend verifies drafts for (speculative decoding).
     verifier: Option<DraftVerifier>,
@@ -551,7 +551,7 @@ impl StepCore {
                     // The plan asks for tokens the request does not have.
                     let error = EngineError::UnknownSequence(s.id.0);
                     seqs.truncate(n);
-                    self.spare.push(seqs);
+                    self.keep_spare(seqs);
                     return Err(FailedBuild { plan, error });
                 };
                 entry.tokens.push(t);
@@ -569,7 +569,7 @@ impl StepCore {
         seqs.truncate(n);
         if n == 0 {
             // Nothing left to run; the ended sequences are released with the next batch.
-            self.spare.push(seqs);
+            self.keep_spare(seqs);
             return Ok(None);
         }
         let release = std::mem::take(&mut self.ended);
@@ -584,9 +584,21 @@ impl StepCore {
 
     /// Gives back a batch that ran, so the next step reuses its buffers.
     pub fn recycle(&mut self, batch: Batch) {
-        if self.spare.len() < 2 {
-            self.spare.push(batch.seqs);
+        self.keep_spare(batch.seqs);
+    }
+
+    /// Keeps a batch's entries for reuse (two batches at most), without their adapters: an
+    /// entry kept with its `Arc<LoraAdapter>` would hold the weights of a request that ended,
+    /// so the LoRA manager could not evict them, and an unloaded adapter's weights would stay
+    /// in memory until later steps overwrote the entry.
+    fn keep_spare(&mut self, mut seqs: Vec<SeqInput>) {
+        if self.spare.len() >= 2 {
+            return;
         }
+        for s in &mut seqs {
+            s.adapter = None;
+        }
+        self.spare.push(seqs);
     }
 
     /// Applies the backend's outputs for a prepared step and returns what happened.
@@ -1358,6 +1370,37 @@ mod tests {
         // The request is still the engine's to end.
         assert!(e.core().abort(RequestId(1)));
         assert!(!e.core().has_unfinished());
+    }
+
+    #[test]
+    fn recycled_batches_keep_no_adapter_weights_alive() {
+        // Batches kept for reuse once kept their entries' adapters: the weights of a request
+        // that ended stayed alive, so the LoRA manager could neither evict nor free them.
+        let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../gpu/tests/fixtures/lora/smollm2-r4");
+        let model = switchyard_gpu::model::LlamaConfig::smollm2_135m();
+        let limits = switchyard_gpu::LoraLimits::default();
+        let adapter = Arc::new(LoraAdapter::load(&dir, &model, &limits).expect("adapter"));
+        for pipelines in [false, true] {
+            let backend = NextTokenBackend {
+                pipelines,
+                ..NextTokenBackend::default()
+            };
+            let mut e = engine(backend).with_async_scheduling(AsyncScheduling::On);
+            let with_adapter =
+                |id| request(id, vec![1, 2, 3], 3, None).with_adapter(7, adapter.clone());
+            e.core().add_request(with_adapter(1)).unwrap();
+            e.core().add_request(with_adapter(2)).unwrap();
+            e.step(Timestamp(0)).unwrap();
+            assert!(Arc::strong_count(&adapter) > 1, "the requests hold it");
+            run_to_end(&mut e);
+            assert!(!e.core().spare.is_empty(), "batches were kept for reuse");
+            assert_eq!(
+                Arc::strong_count(&adapter),
+                1,
+                "a kept batch holds the adapter (pipelined: {pipelines})"
+            );
+        }
     }
 
     #[test]

@@ -19,8 +19,8 @@ use super::allocator::KvAllocatorActor;
 use super::detokenizer::{DetokenizerActor, Register, SetScheduler, StepEvents, TextOptions};
 use super::executor::ExecutorActor;
 use super::lora::{
-    AdapterInfo, LoraError, LoraManager, LoraManagerConfig, LoraRegistry,
-    Register as RegisterAdapter, Resolve, Unregister,
+    AdapterInfo, LoraError, LoraHandle, LoraManager, LoraManagerConfig,
+    Register as RegisterAdapter, Unregister,
 };
 use super::scheduler::{GetStats, SchedulerActor, SetSpeculative, Submit, SwapPolicy};
 use super::tokenizer::{Constrain, Decode, Encode, TokenizerActor};
@@ -219,7 +219,7 @@ struct Resolved {
 /// The engine handle.
 #[derive(Clone)]
 pub struct Engine {
-    lora: Option<(Addr<LoraManager>, LoraRegistry)>,
+    lora: Option<LoraHandle>,
     scheduler: Addr<SchedulerActor>,
     detokenizer: Addr<DetokenizerActor>,
     tokenizers: Addr<TokenizerActor>,
@@ -268,11 +268,7 @@ impl Engine {
                         backend.name()
                     ))));
                 }
-                let registry = LoraRegistry::default();
-                let (lc, view) = (lc.clone(), registry.clone());
-                let addr =
-                    SyncArbiter::start(1, move || LoraManager::new(lc.clone(), view.clone()));
-                Some((addr, registry))
+                Some(LoraHandle::start(lc.clone()))
             }
             None => None,
         };
@@ -642,9 +638,12 @@ impl Engine {
         self.ask_tokenizers(Decode(ids)).await
     }
 
-    /// The id and weights of a registered adapter (loaded from disk if it was evicted).
+    /// The id and weights of a registered adapter: read from the registry when they are in
+    /// memory, loaded again by the LoRA manager if they were evicted.
     async fn resolve_adapter(&self, name: &str) -> Result<(u32, Arc<LoraAdapter>), SubmitError> {
-        self.ask_lora(Resolve(name.to_owned())).await
+        let lora = self.lora.as_ref().ok_or(LoraError::Disabled);
+        let lora = lora.map_err(lora_submit_error)?;
+        lora.resolve(name).await.map_err(lora_submit_error)
     }
 
     /// Registers a LoRA adapter under `name` (loads it to check it).
@@ -661,7 +660,6 @@ impl Engine {
         self.ask_lora(Unregister(name)).await
     }
 
-    /// Sends `msg` to the LoRA manager and maps its error for the client.
     /// Sends `msg` to the tokenizer pool; a pool that is gone means the engine is stopping.
     async fn ask_tokenizers<M, T>(&self, msg: M) -> Result<T, SubmitError>
     where
@@ -677,33 +675,31 @@ impl Engine {
         })
     }
 
+    /// Sends `msg` to the LoRA manager and maps its error for the client.
     async fn ask_lora<M, T>(&self, msg: M) -> Result<T, SubmitError>
     where
         M: actix::Message<Result = Result<T, LoraError>> + Send + 'static,
         T: Send + 'static,
         LoraManager: actix::Handler<M>,
     {
-        let (addr, _) = self.lora.as_ref().ok_or_else(|| {
-            SubmitError::new(
-                SubmitErrorKind::InvalidRequest,
-                LoraError::Disabled.to_string(),
-            )
-        })?;
-        match addr.send(msg).await {
-            Ok(r) => r.map_err(lora_submit_error),
-            Err(_) => Err(SubmitError::new(
-                SubmitErrorKind::Unavailable,
-                "the engine is shutting down",
-            )),
-        }
+        let lora = self.lora.as_ref().ok_or(LoraError::Disabled);
+        let lora = lora.map_err(lora_submit_error)?;
+        lora.ask(msg).await.map_err(lora_submit_error)
     }
 
     /// The registered LoRA adapters (none when LoRA is disabled).
     pub fn adapters(&self) -> Vec<AdapterInfo> {
         self.lora
             .as_ref()
-            .map(|(_, r)| r.list())
+            .map(|l| l.registry().list())
             .unwrap_or_default()
+    }
+
+    /// Whether a LoRA adapter is registered under `name` (a name check that copies nothing).
+    pub fn has_adapter(&self, name: &str) -> bool {
+        self.lora
+            .as_ref()
+            .is_some_and(|l| l.registry().contains(name))
     }
 
     /// Replaces the policy at the next step boundary.
@@ -734,7 +730,10 @@ impl Engine {
     }
 }
 
-/// The client-facing form of a LoRA manager error.
+/// The client-facing form of a LoRA manager error. What the client asked wrongly (a bad name,
+/// or a path an admin gave that holds no usable adapter) is its 400; a registered adapter
+/// whose files broke on the server is the server's 503, without the detail (the manager logs
+/// it).
 fn lora_submit_error(e: LoraError) -> SubmitError {
     let kind = match e {
         LoraError::Unknown(_) => SubmitErrorKind::UnknownModel,
@@ -743,6 +742,7 @@ fn lora_submit_error(e: LoraError) -> SubmitError {
         | LoraError::BadName(_)
         | LoraError::Full(_)
         | LoraError::Load(_) => SubmitErrorKind::InvalidRequest,
+        LoraError::Reload(_) | LoraError::Stopped => SubmitErrorKind::Unavailable,
     };
     SubmitError::new(kind, e.to_string())
 }

@@ -11,16 +11,28 @@
 //! it ends, so unregistering or evicting an adapter never pulls weights from under a running
 //! request.
 //!
+//! Resolution. The registered names and the adapters in memory are published in a
+//! [`LoraRegistry`] (behind a read-write lock) that the submit path reads directly: a request
+//! for an adapter in memory never goes through the manager's thread, so an admin load or the
+//! reload of another adapter (seconds for a large one) does not hold it up. Only an adapter
+//! that was evicted is resolved by the manager, which loads it again. The manager is the only
+//! writer of the registry: only it loads, registers, evicts and unregisters.
+//!
 //! Memory. At most `max_adapters` names are registered and at most `max_loaded` adapters are
-//! kept loaded while no request uses them; beyond that, the least recently used unused adapter
-//! is dropped and loaded again on its next request. Adapters in use stay loaded, so memory is
-//! bounded by `max_adapters` adapters of at most `max_lora_rank`. How many different adapters
-//! run in one step is the scheduler's limit (`max_loras`).
+//! kept in memory, those in use included; beyond that, the least recently used adapter that no
+//! request holds is dropped and loaded again on its next request. Adapters in use are never
+//! dropped, so while more than `max_loaded` are in use all of them stay (memory is then bounded
+//! by `max_adapters` adapters of at most `max_lora_rank`), and the excess is dropped once they
+//! are released: by the manager's next load, or on the next request for an adapter in memory,
+//! which asks the manager to evict again. How many different adapters run in one step is the
+//! scheduler's limit (`max_loras`).
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use actix::{Actor, Handler, Message, SyncContext};
+use actix::{Actor, Addr, Handler, Message, SyncArbiter, SyncContext};
 use parking_lot::RwLock;
 use switchyard_gpu::model::LlamaConfig;
 use switchyard_gpu::{GpuError, LoraAdapter, LoraLimits};
@@ -39,7 +51,8 @@ pub struct LoraManagerConfig {
     pub limits: LoraLimits,
     /// Most adapters registered at once.
     pub max_adapters: usize,
-    /// Most adapters kept loaded while unused.
+    /// Most adapters kept in memory, those in use included (adapters in use are never dropped,
+    /// so more stay while more are in use).
     pub max_loaded: usize,
 }
 
@@ -71,57 +84,186 @@ pub enum LoraError {
     /// The registry is full.
     #[error("{0} LoRA adapters are loaded, the configured maximum (lora.max_adapters); unload one first")]
     Full(usize),
-    /// The adapter's files are missing, malformed or do not fit the model.
+    /// The adapter's files are missing, malformed or do not fit the model (registering: the
+    /// caller named the path, so the reason is theirs to read).
     #[error(transparent)]
     Load(#[from] GpuError),
+    /// A registered adapter that was evicted could not be loaded again: the server's files
+    /// broke since it was registered. The detail (path and reason) is logged, not returned.
+    #[error("LoRA adapter '{0}' could not be loaded")]
+    Reload(String),
     /// LoRA is not enabled in this server.
     #[error("LoRA adapters are not enabled on this server (lora.enabled)")]
     Disabled,
+    /// The manager is gone (the engine is shutting down).
+    #[error("the engine is shutting down")]
+    Stopped,
 }
 
-struct Entry {
-    info: AdapterInfo,
-    loaded: Option<Arc<LoraAdapter>>,
-    last_used: u64,
-    /// What the weights under `info.id` are ([`LoraAdapter::fingerprint`]).
-    fingerprint: [u8; 32],
+/// An adapter held in memory.
+struct Resident {
+    /// The id its weights are cached under.
+    id: u32,
+    /// The weights; each request using them holds a clone until it ends.
+    adapter: Arc<LoraAdapter>,
+    /// When a request last resolved it (the registry's clock), for least-recently-used
+    /// eviction; readers update it under the read lock.
+    last_used: AtomicU64,
 }
 
-/// The registered adapters as other threads see them (for model lists and name checks).
+/// The contents of a [`LoraRegistry`].
+#[derive(Default)]
+struct RegistryState {
+    /// Every registered adapter, in registration order.
+    adapters: Vec<AdapterInfo>,
+    /// The adapters in memory, by name.
+    resident: HashMap<String, Resident>,
+}
+
+/// What a [`LoraRegistry`] shares between its clones.
+#[derive(Default)]
+struct SharedRegistry {
+    /// Registered and resident adapters; written only by the manager.
+    state: RwLock<RegistryState>,
+    /// Ticks at every resolution (the `last_used` of [`Resident`]).
+    clock: AtomicU64,
+    /// Set when the manager left more than `max_loaded` adapters in memory because they were
+    /// in use; the next request served from memory takes it and asks the manager to evict.
+    over_limit: AtomicBool,
+}
+
+/// The registered adapters and the weights of those in memory, as other threads see them:
+/// model lists, name checks and, for adapters in memory, request resolution, all without a
+/// trip through the manager's thread.
 #[derive(Clone, Default)]
-pub struct LoraRegistry(Arc<RwLock<Vec<AdapterInfo>>>);
+pub struct LoraRegistry(Arc<SharedRegistry>);
+
+/// What the registry knows of a name.
+enum Lookup {
+    /// In memory: the id and the weights.
+    Resident(u32, Arc<LoraAdapter>),
+    /// Registered, but evicted from memory: the manager must load it again.
+    Evicted,
+    /// Not registered.
+    Unknown,
+}
 
 impl LoraRegistry {
     /// Every registered adapter, in registration order.
     pub fn list(&self) -> Vec<AdapterInfo> {
-        self.0.read().clone()
+        self.0.state.read().adapters.clone()
+    }
+
+    /// Whether an adapter is registered under `name` (without copying the registry).
+    pub fn contains(&self, name: &str) -> bool {
+        self.0.state.read().adapters.iter().any(|a| a.name == name)
+    }
+
+    /// The id and weights of `name` if they are in memory, marking it used.
+    fn lookup(&self, name: &str) -> Lookup {
+        let state = self.0.state.read();
+        if let Some(r) = state.resident.get(name) {
+            r.last_used.store(self.tick(), Ordering::Relaxed);
+            return Lookup::Resident(r.id, r.adapter.clone());
+        }
+        if state.adapters.iter().any(|a| a.name == name) {
+            Lookup::Evicted
+        } else {
+            Lookup::Unknown
+        }
+    }
+
+    /// The registration of `name`.
+    fn info(&self, name: &str) -> Option<AdapterInfo> {
+        let state = self.0.state.read();
+        state.adapters.iter().find(|a| a.name == name).cloned()
+    }
+
+    /// The next value of the registry's clock.
+    fn tick(&self) -> u64 {
+        self.0.clock.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    /// Whether the manager should evict again (true once per time it was left over the limit).
+    fn take_over_limit(&self) -> bool {
+        self.0.over_limit.load(Ordering::Relaxed) && self.0.over_limit.swap(false, Ordering::AcqRel)
+    }
+}
+
+/// What the engine holds of the LoRA manager: its address, for registrations and reloads, and
+/// the registry it publishes, read directly for adapters in memory.
+#[derive(Clone)]
+pub struct LoraHandle {
+    /// The manager's thread.
+    addr: Addr<LoraManager>,
+    /// The manager's registry.
+    registry: LoraRegistry,
+}
+
+impl LoraHandle {
+    /// Starts the manager on a thread of its own; must run inside an actix `System`.
+    pub fn start(config: LoraManagerConfig) -> Self {
+        let registry = LoraRegistry::default();
+        let view = registry.clone();
+        let addr = SyncArbiter::start(1, move || LoraManager::new(config.clone(), view.clone()));
+        LoraHandle { addr, registry }
+    }
+
+    /// The registered adapters.
+    pub fn registry(&self) -> &LoraRegistry {
+        &self.registry
+    }
+
+    /// The id and weights of `name`: from the registry when they are in memory (without
+    /// waiting for the manager, whatever it is doing), else loaded again by the manager.
+    pub async fn resolve(&self, name: &str) -> Result<(u32, Arc<LoraAdapter>), LoraError> {
+        match self.registry.lookup(name) {
+            Lookup::Resident(id, adapter) => {
+                if self.registry.take_over_limit() {
+                    self.addr.do_send(Evict);
+                }
+                Ok((id, adapter))
+            }
+            Lookup::Evicted => self.ask(Resolve(name.to_owned())).await,
+            Lookup::Unknown => Err(LoraError::Unknown(name.to_owned())),
+        }
+    }
+
+    /// Sends `msg` to the manager and waits for its answer.
+    pub async fn ask<M, T>(&self, msg: M) -> Result<T, LoraError>
+    where
+        M: Message<Result = Result<T, LoraError>> + Send + 'static,
+        T: Send + 'static,
+        LoraManager: Handler<M>,
+    {
+        self.addr.send(msg).await.unwrap_or(Err(LoraError::Stopped))
     }
 }
 
 /// The LoRA manager actor.
 pub struct LoraManager {
     config: LoraManagerConfig,
-    entries: Vec<Entry>,
+    /// What the weights under each registered name's id are ([`LoraAdapter::fingerprint`]).
+    fingerprints: HashMap<String, [u8; 32]>,
     next_id: u32,
-    clock: u64,
-    view: LoraRegistry,
+    /// What the manager publishes; it is the only writer.
+    registry: LoraRegistry,
 }
 
 impl LoraManager {
-    /// A manager with no adapters; `view` is updated on every change.
-    pub fn new(config: LoraManagerConfig, view: LoraRegistry) -> Self {
+    /// A manager with no adapters, publishing to `registry`.
+    pub fn new(config: LoraManagerConfig, registry: LoraRegistry) -> Self {
         LoraManager {
             config,
-            entries: Vec::new(),
+            fingerprints: HashMap::new(),
             next_id: 1,
-            clock: 0,
-            view,
+            registry,
         }
     }
 
     fn publish(&self) {
-        *self.view.0.write() = self.entries.iter().map(|e| e.info.clone()).collect();
-        metrics::gauge!(crate::metric_names::LORA_ADAPTERS).set(self.entries.len() as f64);
+        let registered = self.registry.0.state.read().adapters.len();
+        metrics::gauge!(crate::metric_names::LORA_ADAPTERS).set(registered as f64);
     }
 
     fn check_name(&self, name: &str) -> Result<(), LoraError> {
@@ -152,13 +294,31 @@ impl LoraManager {
         Ok(Arc::new(adapter))
     }
 
+    /// Puts `adapter` in memory under `name` and `id`.
+    fn make_resident(&self, name: &str, id: u32, adapter: Arc<LoraAdapter>) {
+        let resident = Resident {
+            id,
+            adapter,
+            last_used: AtomicU64::new(self.registry.tick()),
+        };
+        let old = self
+            .registry
+            .0
+            .state
+            .write()
+            .resident
+            .insert(name.to_owned(), resident);
+        // Weights are freed outside the lock (none are replaced: the manager checks first).
+        drop(old);
+    }
+
     /// Registers `name` at `path`, loading the adapter to check it.
     pub fn register(&mut self, name: &str, path: &Path) -> Result<AdapterInfo, LoraError> {
         self.check_name(name)?;
-        if self.entries.iter().any(|e| e.info.name == name) {
+        if self.registry.contains(name) {
             return Err(LoraError::Exists(name.to_owned()));
         }
-        if self.entries.len() >= self.config.max_adapters {
+        if self.registry.0.state.read().adapters.len() >= self.config.max_adapters {
             return Err(LoraError::Full(self.config.max_adapters));
         }
         let adapter = self.load(path)?;
@@ -168,13 +328,19 @@ impl LoraManager {
             path: path.to_path_buf(),
             rank: adapter.rank(),
         };
-        self.clock += 1;
-        self.entries.push(Entry {
-            info: info.clone(),
-            fingerprint: adapter.fingerprint(),
-            loaded: Some(adapter),
-            last_used: self.clock,
-        });
+        self.fingerprints
+            .insert(name.to_owned(), adapter.fingerprint());
+        // Listed and in memory at once: no reader sees a registered name without its weights.
+        let resident = Resident {
+            id: info.id,
+            adapter,
+            last_used: AtomicU64::new(self.registry.tick()),
+        };
+        {
+            let mut state = self.registry.0.state.write();
+            state.adapters.push(info.clone());
+            state.resident.insert(name.to_owned(), resident);
+        }
         self.evict();
         self.publish();
         tracing::info!(name, id = info.id, "LoRA adapter registered");
@@ -190,12 +356,19 @@ impl LoraManager {
 
     /// Forgets `name`; requests already using it finish with its weights.
     pub fn unregister(&mut self, name: &str) -> Result<(), LoraError> {
-        let i = self
-            .entries
-            .iter()
-            .position(|e| e.info.name == name)
-            .ok_or_else(|| LoraError::Unknown(name.to_owned()))?;
-        self.entries.remove(i);
+        let dropped = {
+            let mut state = self.registry.0.state.write();
+            let i = state
+                .adapters
+                .iter()
+                .position(|a| a.name == name)
+                .ok_or_else(|| LoraError::Unknown(name.to_owned()))?;
+            state.adapters.remove(i);
+            state.resident.remove(name)
+        };
+        // The weights go (unless a request holds them) outside the lock.
+        drop(dropped);
+        self.fingerprints.remove(name);
         self.publish();
         tracing::info!(name, "LoRA adapter unregistered");
         Ok(())
@@ -203,72 +376,96 @@ impl LoraManager {
 
     /// The id and weights of `name`, loading them if they were evicted.
     pub fn resolve(&mut self, name: &str) -> Result<(u32, Arc<LoraAdapter>), LoraError> {
-        let i = self
-            .entries
-            .iter()
-            .position(|e| e.info.name == name)
-            .ok_or_else(|| LoraError::Unknown(name.to_owned()))?;
-        self.clock += 1;
-        let adapter = match &self.entries[i].loaded {
-            Some(a) => a.clone(),
-            None => {
-                let a = self.load(&self.entries[i].info.path)?;
-                if a.fingerprint() != self.entries[i].fingerprint {
-                    // The files changed since they were loaded: other weights, so another
-                    // prefix-cache key (blocks cached under the old id are never reused).
-                    let id = self.fresh_id();
-                    let e = &mut self.entries[i];
-                    tracing::warn!(
-                        name = %e.info.name,
-                        old_id = e.info.id,
-                        new_id = id,
-                        "LoRA adapter files changed since they were loaded; serving the new weights under a new id"
-                    );
-                    e.info.id = id;
-                    e.info.rank = a.rank();
-                    e.fingerprint = a.fingerprint();
-                    self.publish();
-                }
-                self.entries[i].loaded = Some(a.clone());
-                a
-            }
+        let resolved = match self.registry.lookup(name) {
+            Lookup::Resident(id, adapter) => Ok((id, adapter)),
+            Lookup::Evicted => self.reload(name),
+            Lookup::Unknown => Err(LoraError::Unknown(name.to_owned())),
         };
-        self.entries[i].last_used = self.clock;
-        let id = self.entries[i].info.id;
         self.evict();
+        resolved
+    }
+
+    /// Loads an evicted adapter again. Its files are the server's, not the client's: a failure
+    /// is logged with its detail and reported without it.
+    fn reload(&mut self, name: &str) -> Result<(u32, Arc<LoraAdapter>), LoraError> {
+        let info = self
+            .registry
+            .info(name)
+            .ok_or_else(|| LoraError::Unknown(name.to_owned()))?;
+        let adapter = self.load(&info.path).map_err(|e| {
+            tracing::warn!(
+                name,
+                path = %info.path.display(),
+                error = %e,
+                "LoRA adapter could not be loaded again; its requests fail until its files are \
+                 restored or it is unloaded"
+            );
+            LoraError::Reload(name.to_owned())
+        })?;
+        let mut id = info.id;
+        if self.fingerprints.get(name) != Some(&adapter.fingerprint()) {
+            // The files changed since they were loaded: other weights, so another prefix-cache
+            // key (blocks cached under the old id are never reused).
+            id = self.fresh_id();
+            tracing::warn!(
+                name,
+                old_id = info.id,
+                new_id = id,
+                "LoRA adapter files changed since they were loaded; serving the new weights under a new id"
+            );
+            self.fingerprints
+                .insert(name.to_owned(), adapter.fingerprint());
+            let mut state = self.registry.0.state.write();
+            if let Some(a) = state.adapters.iter_mut().find(|a| a.name == name) {
+                a.id = id;
+                a.rank = adapter.rank();
+            }
+        }
+        self.make_resident(name, id, adapter.clone());
         Ok((id, adapter))
     }
 
     /// Drops least recently used adapters that no request holds while more than `max_loaded`
-    /// are loaded.
+    /// are in memory; flags the registry when adapters in use keep it over the limit.
     fn evict(&mut self) {
-        loop {
-            let loaded = self.entries.iter().filter(|e| e.loaded.is_some()).count();
-            if loaded <= self.config.max_loaded {
-                return;
-            }
-            let victim = self
-                .entries
-                .iter_mut()
-                .filter(|e| e.loaded.as_ref().is_some_and(|a| Arc::strong_count(a) == 1))
-                .min_by_key(|e| e.last_used);
-            match victim {
-                Some(e) => {
-                    tracing::debug!(name = %e.info.name, "LoRA adapter evicted from memory");
-                    e.loaded = None;
-                }
-                None => return,
-            }
+        let max = self.config.max_loaded;
+        let shared = &self.registry.0;
+        if shared.state.read().resident.len() <= max {
+            shared.over_limit.store(false, Ordering::Release);
+            return;
         }
+        let mut dropped = Vec::new();
+        let mut state = shared.state.write();
+        while state.resident.len() > max {
+            // Only the registry holds an unused adapter's weights; readers clone them only
+            // under the read lock, so none can start using a victim while this lock is held.
+            let victim = state
+                .resident
+                .iter()
+                .filter(|(_, r)| Arc::strong_count(&r.adapter) == 1)
+                .min_by_key(|(_, r)| r.last_used.load(Ordering::Relaxed))
+                .map(|(name, _)| name.clone());
+            let Some(name) = victim else { break };
+            tracing::debug!(name = %name, "LoRA adapter evicted from memory");
+            dropped.extend(state.resident.remove(&name));
+        }
+        shared
+            .over_limit
+            .store(state.resident.len() > max, Ordering::Release);
+        drop(state);
+        // The weights are freed outside the lock.
+        drop(dropped);
     }
 
-    /// Names of the adapters held in memory.
+    /// Names of the adapters held in memory, in registration order.
     #[cfg(test)]
-    fn loaded(&self) -> Vec<&str> {
-        self.entries
+    fn loaded(&self) -> Vec<String> {
+        let state = self.registry.0.state.read();
+        state
+            .adapters
             .iter()
-            .filter(|e| e.loaded.is_some())
-            .map(|e| e.info.name.as_str())
+            .filter(|a| state.resident.contains_key(&a.name))
+            .map(|a| a.name.clone())
             .collect()
     }
 }
@@ -306,15 +503,41 @@ impl Handler<Unregister> for LoraManager {
     }
 }
 
-/// Resolves an adapter name for a request.
+/// Resolves an adapter name for a request (one the registry did not have in memory).
 #[derive(Message)]
 #[rtype(result = "Result<(u32, Arc<LoraAdapter>), LoraError>")]
-pub struct Resolve(pub String);
+struct Resolve(String);
 
 impl Handler<Resolve> for LoraManager {
     type Result = Result<(u32, Arc<LoraAdapter>), LoraError>;
     fn handle(&mut self, msg: Resolve, _: &mut Self::Context) -> Self::Result {
         self.resolve(&msg.0)
+    }
+}
+
+/// Drops what adapters no request holds any more beyond `max_loaded`.
+#[derive(Message)]
+#[rtype(result = "()")]
+struct Evict;
+
+impl Handler<Evict> for LoraManager {
+    type Result = ();
+    fn handle(&mut self, _: Evict, _: &mut Self::Context) {
+        self.evict();
+    }
+}
+
+/// Keeps the manager's thread busy until the sender side sends (or is dropped).
+#[cfg(test)]
+#[derive(Message)]
+#[rtype(result = "()")]
+struct Hold(std::sync::mpsc::Receiver<()>);
+
+#[cfg(test)]
+impl Handler<Hold> for LoraManager {
+    type Result = ();
+    fn handle(&mut self, msg: Hold, _: &mut Self::Context) {
+        let _ = msg.0.recv();
     }
 }
 
@@ -326,17 +549,38 @@ mod tests {
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../gpu/tests/fixtures/lora/smollm2-r4")
     }
 
+    fn config(max_adapters: usize, max_loaded: usize) -> LoraManagerConfig {
+        LoraManagerConfig {
+            model: LlamaConfig::smollm2_135m(),
+            base_name: "base".into(),
+            limits: LoraLimits::default(),
+            max_adapters,
+            max_loaded,
+        }
+    }
+
     fn manager(max_adapters: usize, max_loaded: usize) -> LoraManager {
-        LoraManager::new(
-            LoraManagerConfig {
-                model: LlamaConfig::smollm2_135m(),
-                base_name: "base".into(),
-                limits: LoraLimits::default(),
-                max_adapters,
-                max_loaded,
-            },
-            LoraRegistry::default(),
-        )
+        LoraManager::new(config(max_adapters, max_loaded), LoraRegistry::default())
+    }
+
+    /// A copy of the test adapter in a directory of its own, removed on drop.
+    struct AdapterCopy(PathBuf);
+
+    impl AdapterCopy {
+        fn new(tag: &str) -> Self {
+            let dir = std::env::temp_dir().join(format!("sy-lora-{tag}-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).unwrap();
+            for f in ["adapter_config.json", "adapter_model.safetensors"] {
+                std::fs::copy(fixture().join(f), dir.join(f)).unwrap();
+            }
+            AdapterCopy(dir)
+        }
+    }
+
+    impl Drop for AdapterCopy {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
     }
 
     #[test]
@@ -357,14 +601,16 @@ mod tests {
             m.register("missing", Path::new("/nonexistent/adapter")),
             Err(LoraError::Load(_))
         ));
+        assert!(m.registry.contains("a") && !m.registry.contains("missing"));
         m.unregister("a").expect("unregister");
         assert!(matches!(m.resolve("a"), Err(LoraError::Unknown(_))));
+        assert!(!m.registry.contains("a"));
         let again = m.register("a", &fixture()).expect("a again");
         assert_ne!(
             a.id, again.id,
             "a new registration is a new prefix-cache key"
         );
-        assert_eq!(m.view.list(), vec![again]);
+        assert_eq!(m.registry.list(), vec![again]);
     }
 
     #[test]
@@ -383,15 +629,15 @@ mod tests {
         let mut m = manager(4, 1);
         m.register("a", &fixture()).expect("a");
         m.register("b", &fixture()).expect("b");
-        assert_eq!(m.loaded(), vec!["b"]);
+        assert_eq!(m.loaded(), ["b"]);
         // A request holds a's weights: a stays loaded past the limit while held.
         let (id_a, held) = m.resolve("a").expect("a");
-        assert_eq!(m.loaded(), vec!["a"]);
+        assert_eq!(m.loaded(), ["a"]);
         let (_, b) = m.resolve("b").expect("b");
-        assert_eq!(m.loaded(), vec!["a", "b"]);
+        assert_eq!(m.loaded(), ["a", "b"]);
         drop(b);
         m.register("c", &fixture()).expect("c");
-        assert_eq!(m.loaded(), vec!["a"], "b and c unused, a held");
+        assert_eq!(m.loaded(), ["a"], "b and c unused, a held");
         drop(held);
         let (id, _) = m.resolve("a").expect("a");
         assert_eq!(id, id_a);
@@ -403,30 +649,113 @@ mod tests {
 
     #[test]
     fn an_adapter_whose_files_changed_while_evicted_comes_back_under_a_new_id() {
-        let dir = std::env::temp_dir().join(format!("sy-lora-changed-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        for f in ["adapter_config.json", "adapter_model.safetensors"] {
-            std::fs::copy(fixture().join(f), dir.join(f)).unwrap();
-        }
+        let dir = AdapterCopy::new("changed");
         let mut m = manager(4, 1);
-        let a = m.register("a", &dir).expect("a");
+        let a = m.register("a", &dir.0).expect("a");
         m.register("b", &fixture()).expect("b");
-        assert_eq!(m.loaded(), vec!["b"]);
+        assert_eq!(m.loaded(), ["b"]);
         // Reloaded from unchanged files: the same weights, the same id.
         assert_eq!(m.resolve("a").expect("a").0, a.id);
         m.resolve("b").expect("b");
-        assert_eq!(m.loaded(), vec!["b"]);
+        assert_eq!(m.loaded(), ["b"]);
         // Reloaded after the files changed (another scale): a new id, listed as such.
-        let config = std::fs::read_to_string(dir.join("adapter_config.json")).unwrap();
+        let config = std::fs::read_to_string(dir.0.join("adapter_config.json")).unwrap();
         let changed = config.replace("\"lora_alpha\": 8.0", "\"lora_alpha\": 16.0");
         assert_ne!(changed, config);
-        std::fs::write(dir.join("adapter_config.json"), changed).unwrap();
+        std::fs::write(dir.0.join("adapter_config.json"), changed).unwrap();
         let (id, _) = m.resolve("a").expect("a");
         assert_ne!(
             id, a.id,
             "other weights never share the old id's cached blocks"
         );
-        assert!(m.view.list().iter().any(|i| i.name == "a" && i.id == id));
-        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(m
+            .registry
+            .list()
+            .iter()
+            .any(|i| i.name == "a" && i.id == id));
+    }
+
+    #[test]
+    fn a_failed_reload_names_the_adapter_but_not_its_files() {
+        let dir = AdapterCopy::new("broken");
+        let mut m = manager(4, 1);
+        m.register("a", &dir.0).expect("a");
+        m.register("b", &fixture()).expect("b");
+        std::fs::remove_file(dir.0.join("adapter_model.safetensors")).unwrap();
+        let e = m.resolve("a").expect_err("the files are gone");
+        assert!(matches!(&e, LoraError::Reload(n) if n == "a"), "{e:?}");
+        let message = e.to_string();
+        assert_eq!(message, "LoRA adapter 'a' could not be loaded");
+        // Still registered; the adapter in memory is untouched.
+        assert!(m.registry.contains("a"));
+        assert_eq!(m.loaded(), ["b"]);
+    }
+
+    /// Polls `fut` once: `Some` with its output if it completes without waiting.
+    fn poll_once<F: std::future::Future>(fut: std::pin::Pin<&mut F>) -> Option<F::Output> {
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        match fut.poll(&mut cx) {
+            std::task::Poll::Ready(out) => Some(out),
+            std::task::Poll::Pending => None,
+        }
+    }
+
+    #[actix::test]
+    async fn adapters_in_memory_resolve_while_the_manager_is_busy() {
+        let lora = LoraHandle::start(config(4, 1));
+        let register = |name: &str| Register {
+            name: name.into(),
+            path: fixture(),
+        };
+        let a = lora.ask(register("a")).await.expect("a");
+        let b = lora.ask(register("b")).await.expect("b");
+        // The manager's thread is taken (as by an admin load of a large adapter).
+        let (release, hold) = std::sync::mpsc::channel();
+        lora.addr.do_send(Hold(hold));
+        // b is in memory: resolved from the registry, without waiting for the manager.
+        let resolve_b = std::pin::pin!(lora.resolve("b"));
+        let (id, _) = poll_once(resolve_b)
+            .expect("resolved without the manager")
+            .expect("b");
+        assert_eq!(id, b.id);
+        let unknown = std::pin::pin!(lora.resolve("nobody"));
+        assert!(matches!(
+            poll_once(unknown),
+            Some(Err(LoraError::Unknown(_)))
+        ));
+        // a was evicted (max_loaded 1): only its reload waits for the manager.
+        let mut resolve_a = std::pin::pin!(lora.resolve("a"));
+        assert!(poll_once(resolve_a.as_mut()).is_none(), "a reload waits");
+        release.send(()).unwrap();
+        let (id, _) = resolve_a.await.expect("a");
+        assert_eq!(id, a.id);
+    }
+
+    #[actix::test]
+    async fn adapters_released_over_the_limit_are_evicted_on_the_next_request() {
+        let lora = LoraHandle::start(config(4, 1));
+        let register = |name: &str| Register {
+            name: name.into(),
+            path: fixture(),
+        };
+        lora.ask(register("a")).await.expect("a");
+        let (_, held_a) = lora.resolve("a").await.expect("a");
+        // b, unused, makes way at once for a, in use.
+        lora.ask(register("b")).await.expect("b");
+        let in_memory = || lora.registry.0.state.read().resident.len();
+        assert_eq!(in_memory(), 1);
+        // Reloaded for a request while a is in use: two in memory, over the limit of one.
+        let (_, held_b) = lora.resolve("b").await.expect("b");
+        assert_eq!(in_memory(), 2);
+        drop((held_a, held_b));
+        // The next request served from memory asks the manager to evict again: a, unused and
+        // the least recently used, goes. A message sent after that request's returns once the
+        // manager has handled it.
+        lora.resolve("b").await.expect("b");
+        let (release, hold) = std::sync::mpsc::channel();
+        release.send(()).unwrap();
+        lora.addr.send(Hold(hold)).await.unwrap();
+        let state = lora.registry.0.state.read();
+        assert_eq!(state.resident.keys().collect::<Vec<_>>(), ["b"]);
     }
 }
