@@ -21,7 +21,8 @@ use crate::state::ApiState;
 #[derive(Clone, PartialEq)]
 pub struct ApiConfig {
     /// Accepted API keys. Empty means the API is open and every request belongs to
-    /// [`ApiConfig::anonymous_tenant`] at [`ApiConfig::default_tier`].
+    /// [`ApiConfig::anonymous_tenant`] at [`ApiConfig::default_tier`]; the binary says so at
+    /// start, and refuses a configured keys file that holds no key rather than open the API.
     pub api_keys: Vec<ApiKeyEntry>,
     /// Key for `/admin/*`; `None` disables the admin routes (always 401).
     pub admin_key: Option<String>,

@@ -123,6 +123,12 @@ pub trait Engine: Send + Sync + 'static {
         Vec::new()
     }
 
+    /// Whether requests may name the LoRA adapter `name` (checked per request: an engine
+    /// should answer without copying its registry).
+    fn has_lora_adapter(&self, name: &str) -> bool {
+        self.lora_adapters().iter().any(|a| a.name == name)
+    }
+
     /// Loads a LoRA adapter from a directory on the server and serves it under `name`. A bad
     /// name or file is an [`EngineErrorKind::InvalidRequest`].
     fn load_lora(&self, name: String, path: String) -> EngineFuture<LoraAdapterInfo> {
@@ -445,8 +451,11 @@ pub enum TokenizeInput {
     },
 }
 
-/// A policy to switch to: a registered name and its YAML/JSON parameters.
+/// A policy to switch to: a registered name and its YAML/JSON parameters (`PUT
+/// /admin/policy`). Unknown fields are refused: a misspelt `params` would otherwise swap in
+/// the policy's defaults without a word.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct PolicySpec {
     /// Registered policy name, e.g. `fcfs`, `priority`, `slo-aware`.
     pub name: String,
@@ -470,6 +479,10 @@ pub struct PolicyInfo {
     pub available: Vec<String>,
 }
 
+/// Most running sequences `max_running` may name, as in the `speculative:` section of the
+/// configuration.
+pub const MAX_SPECULATIVE_RUNNING: usize = 65536;
+
 /// Speculative decoding settings (`PUT /admin/speculative`; the `speculative:` section of the
 /// configuration).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -483,7 +496,8 @@ pub struct SpeculativeSettings {
     /// Longest suffix matched.
     #[serde(default = "lookup_max")]
     pub prompt_lookup_max: usize,
-    /// No drafts while more sequences than this run (0: no limit).
+    /// No drafts while more sequences than this run (0: no limit; at most
+    /// [`MAX_SPECULATIVE_RUNNING`]).
     #[serde(default)]
     pub max_running: usize,
 }
@@ -569,6 +583,15 @@ mod tests {
     fn policy_spec_defaults_params_to_empty_object() {
         let spec: PolicySpec = serde_json::from_str(r#"{"name":"fcfs"}"#).unwrap();
         assert_eq!(spec.params, serde_json::json!({}));
+    }
+
+    #[test]
+    fn policy_spec_refuses_unknown_fields() {
+        // `param` for `params` once swapped in the policy's defaults without a word.
+        let e = serde_json::from_str::<PolicySpec>(r#"{"name":"fcfs","param":{"x":1}}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("unknown field `param`"), "{e}");
     }
 
     #[test]

@@ -281,13 +281,16 @@ pub struct ModelSection {
     pub served_name: Option<String>,
     /// Backend selection.
     pub backend: BackendKind,
-    /// How weights are loaded.
+    /// How weights are loaded: `auto` follows the path; `gguf` or `safetensors` must match
+    /// what the path holds (`serve` refuses a mismatch before loading).
     pub load_format: LoadFormat,
-    /// Architecture preset for `load_format: dummy` (`smollm2-135m`, `llama-3-8b`).
+    /// Architecture preset for `load_format: dummy` (`smollm2-135m`, `llama-3-8b`); refused
+    /// with any other load format (a model file's architecture is read from the file).
     pub architecture: Option<String>,
     /// Weight quantization applied at load (`none`, `fp8`: CUDA backend only).
     pub quantization: Quantization,
-    /// Longest prompt plus output accepted; defaults to the model's context length.
+    /// Longest prompt plus output accepted; defaults to the model's context length, and may
+    /// not exceed it (`serve` refuses a larger value).
     pub max_model_len: Option<usize>,
     /// A Jinja chat template file used instead of the model's own; `~` expands to the home
     /// directory.
@@ -369,11 +372,14 @@ pub struct ServerSection {
     /// Port to bind (0 picks a free port and logs it).
     #[serde(deserialize_with = "u16_in::<_, 0, 65535>")]
     pub port: u16,
-    /// API keys inline; when both this and `api_keys_file` are empty, no key is required.
+    /// API keys inline; when there are none and `api_keys_file` is unset, no key is required
+    /// (an open API, logged as such at start). Each key must be unique.
     pub api_keys: Vec<ApiKeyEntry>,
-    /// A YAML file holding a list of API keys (same shape as `api_keys`).
+    /// A YAML file holding a list of API keys (same shape as `api_keys`), read at start; set,
+    /// it must hold at least one key. `~` expands to the home directory.
     pub api_keys_file: Option<String>,
-    /// Bearer token for /admin routes; admin routes are disabled when unset.
+    /// Bearer token for /admin routes; admin routes are disabled when unset. It must differ
+    /// from every API key.
     pub admin_key: Option<String>,
     /// Largest accepted request body in bytes.
     #[serde(deserialize_with = "usize_in::<_, 1024, 67108864>")]
@@ -387,6 +393,24 @@ pub struct ServerSection {
     /// HTTP worker threads (0 = one per core).
     #[serde(deserialize_with = "usize_in::<_, 0, 256>")]
     pub workers: usize,
+}
+
+impl ServerSection {
+    /// `host` as the IP address to bind (`::1` or `[::1]` as in a URL); why not, when it is
+    /// not one (host names are not resolved).
+    pub fn bind_ip(&self) -> Result<std::net::IpAddr, String> {
+        self.host
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .parse()
+            .map_err(|_| {
+                format!(
+                    "`{}` is not an IP address (such as 127.0.0.1, 0.0.0.0 or ::1; host names \
+                     are not resolved)",
+                    self.host
+                )
+            })
+    }
 }
 
 impl Default for ServerSection {
@@ -530,7 +554,8 @@ pub enum LogFormat {
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct LoggingSection {
-    /// A tracing filter such as `info` or `switchyard=debug,info`.
+    /// A tracing filter such as `info` or `switchyard=debug,info`: comma-separated
+    /// directives, each a level (trace, debug, info, warn, error, off) or `target=level`.
     pub level: String,
     /// Output format.
     pub format: LogFormat,
@@ -562,8 +587,9 @@ pub struct LoraSection {
     /// Most adapters registered at once (from this file and the admin API together).
     #[serde(deserialize_with = "usize_in::<_, 1, 4096>")]
     pub max_adapters: usize,
-    /// Most adapters kept in memory while no request uses them (least recently used ones
-    /// are dropped and reloaded from disk on their next request).
+    /// Most adapters kept in memory, those in use included: beyond it, the least recently
+    /// used adapter no request uses is dropped and reloaded from disk on its next request;
+    /// adapters in use are never dropped, so while more than this many are in use, all stay.
     #[serde(deserialize_with = "usize_in::<_, 0, 4096>")]
     pub max_cpu_loras: usize,
     /// Adapters registered at start.
@@ -634,6 +660,7 @@ impl Config {
             k.check(&self.tiers)
                 .map_err(|(field, why)| (format!("server.api_keys[{i}].{field}"), why))?;
         }
+        crate::keys::check_inline(self)?;
         if let Some(k) = &self.server.admin_key {
             if k.len() < 8 || k.len() > 512 {
                 return Err((
@@ -664,10 +691,31 @@ impl Config {
                 "load_format: dummy needs an architecture (smollm2-135m, llama-3-8b)".into(),
             ));
         }
+        // The architecture of real weights comes from their files: a preset set beside them
+        // would be ignored, so it is refused rather than let the operator believe it applies.
+        if self.model.load_format != LoadFormat::Dummy {
+            if let Some(a) = &self.model.architecture {
+                return Err((
+                    "model.architecture".into(),
+                    format!(
+                        "`{a}` is only used with load_format: dummy (random weights); the \
+                         architecture of a model file is read from the file, so remove this field"
+                    ),
+                ));
+            }
+        }
+        self.server
+            .bind_ip()
+            .map_err(|why| ("server.host".to_string(), why))?;
+        crate::log_filter::check_log_filter(&self.logging.level)
+            .map_err(|why| ("logging.level".to_string(), why))?;
         if self.scheduler.max_num_batched_tokens < self.scheduler.max_num_seqs {
             return Err((
                 "scheduler.max_num_batched_tokens".into(),
-                "must be at least max_num_seqs".into(),
+                format!(
+                    "{} must be at least max_num_seqs ({})",
+                    self.scheduler.max_num_batched_tokens, self.scheduler.max_num_seqs
+                ),
             ));
         }
         if !self.lora.adapters.is_empty() && !self.lora.enabled {

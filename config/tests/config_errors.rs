@@ -83,7 +83,12 @@ fn overrides_apply_and_are_validated() {
     assert_eq!(cfg.server.port, 9001);
     let err =
         Config::from_yaml_with_overrides("", "o.yaml", &["cache.block_size=0".into()]).unwrap_err();
-    assert!(err.to_string().contains("overrides"), "{err}");
+    // The error names the override and the field it set.
+    let text = err.to_string();
+    assert!(
+        text.contains("--set cache.block_size=0") && text.contains("field `cache.block_size`"),
+        "{text}"
+    );
 }
 
 #[test]

@@ -30,6 +30,9 @@ pub fn progress_enabled() -> bool {
 }
 
 /// Installs the tracing subscriber once, honouring `RUST_LOG` over the configured level.
+/// `level` comes from a validated configuration (`logging.level`, see
+/// [`switchyard_config::check_log_filter`]): tracing reads a bare word it does not know as a
+/// target, so an unchecked misspelt level would turn logging off.
 pub fn init_logging(level: &str, json: bool) {
     use tracing_subscriber::EnvFilter;
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(level));

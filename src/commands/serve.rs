@@ -2,7 +2,14 @@
 //!
 //! The HTTP layer (`switchyard-api`) talks to the engine through its `Engine` port; this module
 //! adapts the actor engine (`switchyard-actors`) to that port, so neither crate knows the other.
+//! Everything the configuration can get wrong is checked before the (slow) model load, except
+//! what needs the model (`model.max_model_len` against its context). SIGHUP is handled in
+//! [`reload`].
 
+mod checks;
+mod reload;
+
+use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -22,11 +29,14 @@ use switchyard_api::engine::{
 };
 use switchyard_api::schema::{reasoning, tools::ToolFormat};
 use switchyard_api::{ApiConfig, ApiKeyEntry, ApiState, ServerOptions};
-use switchyard_config::{Config, LoadFormat, LoraAdapterEntry, ReasoningParser, ToolCallFormat};
+use switchyard_config::{Config, LoadFormat, ReasoningParser, ToolCallFormat};
 use switchyard_gpu::backend::{SamplingParams, MAX_LOGIT_ROWS};
 use switchyard_gpu::model::{ChatTemplate, Tokenizer};
 use switchyard_gpu::LoraLimits;
-use switchyard_policies::{FinishReason, PolicyRegistry, SchedulerConfig, SloTargets, TierSpec};
+use switchyard_policies::{
+    FinishReason, Policy, PolicyError, PolicyRegistry, SchedulerConfig, SloTargets, TierSpec,
+};
+use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::mpsc;
 
 use super::runtime;
@@ -36,6 +46,14 @@ use crate::cli::ServeArgs;
 const CHANNEL_CAPACITY: usize = 4096;
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    // SIGHUP's default action ends the process, and the signal loop below starts only once
+    // the model is loaded: take the signal over first. tokio's handler stays installed from
+    // here on and keeps a hang-up that arrives meanwhile for the loop, which then reloads
+    // (the file may have changed since it was read).
+    let system = actix_web::rt::System::new();
+    let hangup = system
+        .block_on(async { signal(SignalKind::hangup()) })
+        .context("cannot install the SIGHUP handler")?;
     let config = super::config::load(&args.config, &args.overrides)?;
     // The recorder goes in first so that no metric recorded during start-up is lost.
     let prometheus = match switchyard_api::metrics::install_prometheus_recorder() {
@@ -51,23 +69,29 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     );
     anyhow::ensure!(
         config.model.load_format != LoadFormat::Dummy,
-        "load_format: dummy is for benchmarks; serve needs real weights"
+        "model.load_format: dummy is for benchmarks; serve needs real weights"
     );
     let path = if config.model.path.is_empty() {
         runtime::resolve_model_path(None)?
     } else {
         runtime::resolve_model_path(Some(Path::new(&config.model.path)))?
     };
-    // Check the policy before the (slow) model load, so a typo fails fast.
+    // Everything that can be checked without the model is checked before its (slow) load,
+    // so a typo fails fast: the load format, the address, the policy and the API keys.
+    checks::load_format(config.model.load_format, &path)?;
+    let bind = SocketAddr::new(
+        config
+            .server
+            .bind_ip()
+            .map_err(|why| anyhow::anyhow!("server.host: {why}"))?,
+        config.server.port,
+    );
     let tiers: Vec<TierSpec> = super::config::tier_specs(&config);
     let registry = PolicyRegistry::with_builtins();
-    let policy = registry
-        .create(
-            &config.scheduler.policy.name,
-            &config.scheduler.policy.params,
-            &tiers,
-        )
+    let policy = super::config::build_policy(&config.scheduler.policy, &tiers)
         .with_context(|| format!("{}: scheduler.policy", args.config.display()))?;
+    let api_keys = config.load_api_keys()?;
+    checks::warn_if_open(api_keys.is_empty(), bind);
     tracing::info!(model = %path.display(), "loading model");
     let mut model = runtime::load(&path)?;
     if let Some(file) = &config.model.chat_template {
@@ -103,11 +127,11 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_else(|| model.name.clone())
     });
-    let max_model_len = config
-        .model
-        .max_model_len
-        .unwrap_or(model.config.max_position_embeddings)
-        .min(model.config.max_position_embeddings);
+    let max_model_len = checks::max_model_len(
+        config.model.max_model_len,
+        model.config.max_position_embeddings,
+        &path,
+    )?;
     let tokenizer = Arc::new(model.tokenizer.clone());
     let template = model.chat_template.take().map(Arc::new);
     let block_size = config.cache.block_size;
@@ -175,22 +199,10 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             })
             .collect(),
     };
-    let mut api_config = api_config(&config, tool_format)?;
+    let mut api_config = api_config(&config, api_keys, tool_format);
     api_config.reasoning = reasoning;
     let options = ServerOptions {
-        bind: vec![std::net::SocketAddr::new(
-            // `[::1]` as in a URL, or `::1`.
-            config
-                .server
-                .host
-                .trim_start_matches('[')
-                .trim_end_matches(']')
-                .parse()
-                .with_context(|| {
-                    format!("server.host `{}` is not an IP address", config.server.host)
-                })?,
-            config.server.port,
-        )],
+        bind: vec![bind],
         workers: config.server.workers,
         shutdown_timeout: Duration::from_secs(config.server.drain_timeout_s),
         ..ServerOptions::default()
@@ -198,22 +210,23 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let drain = Duration::from_secs(config.server.drain_timeout_s);
     let policy_info = PolicyInfo {
         name: config.scheduler.policy.name.clone(),
-        params: serde_json::to_value(&config.scheduler.policy.params)
-            .unwrap_or(serde_json::Value::Null),
+        params: policy_params(&config.scheduler.policy.params),
         available: registry.names().iter().map(|s| s.to_string()).collect(),
     };
     let config_path = args.config.clone();
     let overrides = args.overrides.clone();
-    actix_web::rt::System::new().block_on(async move {
+    system.block_on(async move {
         let engine =
             ActorEngine::start(engine_config, backend, tokenizer.clone(), template, policy)?;
+        let mut file_adapters = Vec::new();
         for a in &config.lora.adapters {
-            let path = runtime::expand_home(Path::new(&a.path));
+            let path = switchyard_config::expand_home(&a.path);
             let info = engine
-                .register_adapter(a.name.clone(), path)
+                .register_adapter(a.name.clone(), path.clone())
                 .await
                 .map_err(|e| anyhow::anyhow!("lora.adapters `{}`: {e}", a.name))?;
             tracing::info!(name = %info.name, rank = info.rank, "LoRA adapter served");
+            file_adapters.push((a.name.clone(), path));
         }
         let adapter = Arc::new(EngineAdapter {
             engine,
@@ -223,29 +236,35 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             ready: AtomicBool::new(true),
             tiers,
             policy: Mutex::new(policy_info),
-            speculative: Arc::new(Mutex::new(config.speculative.as_ref().map(|s| {
-                SpeculativeSettings {
+            speculative: Arc::new(tokio::sync::Mutex::new(config.speculative.as_ref().map(
+                |s| SpeculativeSettings {
                     num_speculative_tokens: s.num_speculative_tokens,
                     prompt_lookup_min: s.prompt_lookup_min,
                     prompt_lookup_max: s.prompt_lookup_max,
                     max_running: s.max_running,
-                }
-            }))),
+                },
+            ))),
             lora_enabled: config.lora.enabled,
-            config_adapters: Mutex::new(config.lora.adapters.clone()),
         });
         metrics::gauge!(switchyard_api::metrics::POLICY_INFO, "policy" => policy_label(&adapter.policy.lock().name)).set(1.0);
         let state = ApiState::new(adapter.clone(), api_config, prometheus);
         let server = switchyard_api::build_server(state.clone(), &options)?;
         let handle = server.handle();
         tracing::info!(addr = ?options.bind, "serving");
-        // Signals: SIGTERM/SIGINT drain then stop; SIGHUP re-reads the policy section.
+        let reloader = reload::Reloader::new(
+            adapter,
+            config_path,
+            overrides,
+            config,
+            file_adapters,
+        );
+        // Signals: SIGTERM/SIGINT drain then stop; SIGHUP re-reads the policy section and
+        // the adapters (one reload at a time, in the background).
+        let mut hangup = hangup;
         actix_web::rt::spawn(async move {
-            use tokio::signal::unix::{signal, SignalKind};
-            let (Ok(mut term), Ok(mut int), Ok(mut hup)) = (
+            let (Ok(mut term), Ok(mut int)) = (
                 signal(SignalKind::terminate()),
                 signal(SignalKind::interrupt()),
-                signal(SignalKind::hangup()),
             ) else {
                 tracing::error!("cannot install signal handlers");
                 return;
@@ -254,7 +273,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
                 tokio::select! {
                     _ = term.recv() => break,
                     _ = int.recv() => break,
-                    _ = hup.recv() => reload(&adapter, &config_path, &overrides),
+                    _ = hangup.recv() => reloader.spawn(),
                 }
             }
             tracing::info!(
@@ -276,76 +295,54 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     })
 }
 
-/// Builds the HTTP layer's settings: API keys inline and from `api_keys_file`.
-fn api_config(config: &Config, tool_format: ToolFormat) -> anyhow::Result<ApiConfig> {
-    let mut keys: Vec<ApiKeyEntry> = config
-        .server
-        .api_keys
-        .iter()
+/// Builds the HTTP layer's settings from the configuration and the API keys (inline and from
+/// `server.api_keys_file`, already read and checked).
+fn api_config(
+    config: &Config,
+    keys: Vec<switchyard_config::ApiKeyEntry>,
+    tool_format: ToolFormat,
+) -> ApiConfig {
+    let api_keys = keys
+        .into_iter()
         .map(|k| ApiKeyEntry {
-            key: k.key.clone(),
-            tenant: k.tenant.clone(),
-            tier: k.tier.clone().unwrap_or_else(|| "standard".into()),
+            key: k.key,
+            tenant: k.tenant,
+            tier: k.tier.unwrap_or_else(|| "standard".into()),
         })
         .collect();
-    if let Some(file) = &config.server.api_keys_file {
-        let path = runtime::expand_home(Path::new(file));
-        let meta = std::fs::metadata(&path)
-            .with_context(|| format!("server.api_keys_file {}", path.display()))?;
-        anyhow::ensure!(
-            meta.len() <= switchyard_config::MAX_CONFIG_BYTES,
-            "{} is too large",
-            path.display()
-        );
-        anyhow::ensure!(meta.is_file(), "{} is not a file", path.display());
-        let text = std::fs::read_to_string(&path)?;
-        let entries: Vec<switchyard_config::ApiKeyEntry> =
-            serde_yaml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
-        for (i, k) in entries.into_iter().enumerate() {
-            if let Err((field, why)) = k.check(&config.tiers) {
-                anyhow::bail!("{} entry {i}, {field}: {why}", path.display());
-            }
-            keys.push(ApiKeyEntry {
-                key: k.key,
-                tenant: k.tenant,
-                tier: k.tier.unwrap_or_else(|| "standard".into()),
-            });
-        }
-    }
-    Ok(ApiConfig {
-        api_keys: keys,
+    ApiConfig {
+        api_keys,
         admin_key: config.server.admin_key.clone(),
         max_body_bytes: config.server.max_body_bytes,
         tool_format,
         ..ApiConfig::default()
-    })
+    }
 }
 
-/// SIGHUP: re-reads the config file, swaps the policy and brings the adapters of
-/// `lora.adapters` in line with the file (in the background).
-fn reload(adapter: &Arc<EngineAdapter>, path: &Path, overrides: &[String]) {
-    match super::config::load(path, overrides) {
-        Ok(cfg) => {
-            let spec = PolicySpec {
-                name: cfg.scheduler.policy.name.clone(),
-                params: serde_json::to_value(&cfg.scheduler.policy.params)
-                    .unwrap_or(serde_json::Value::Null),
-            };
-            match adapter.swap(spec) {
-                Ok(info) => tracing::info!(policy = %info.name, "SIGHUP: policy reloaded"),
-                Err(e) => tracing::error!(error = %e, "SIGHUP: policy not reloaded"),
-            }
-            if cfg.lora.enabled != adapter.lora_enabled {
-                tracing::warn!("SIGHUP: lora.enabled changed; that takes a restart");
-            } else if adapter.lora_enabled {
-                let adapter = adapter.clone();
-                actix_web::rt::spawn(
-                    async move { adapter.reload_adapters(cfg.lora.adapters).await },
-                );
-            }
-        }
-        Err(e) => tracing::error!(error = %e, "SIGHUP: config not reloaded"),
+/// A policy's parameters as `GET /admin/policy` shows them: no parameters (`null`) is `{}`,
+/// the policy's defaults, so that a section without parameters and one with `params: {}` are
+/// the same policy.
+fn policy_params(params: &serde_yaml::Value) -> serde_json::Value {
+    json_params(serde_json::to_value(params).unwrap_or(serde_json::Value::Null))
+}
+
+/// [`policy_params`] for parameters already in JSON.
+fn json_params(params: serde_json::Value) -> serde_json::Value {
+    match params {
+        serde_json::Value::Null => serde_json::Value::Object(serde_json::Map::new()),
+        other => other,
     }
+}
+
+/// A policy the registry refused, as an invalid request naming the field at fault: the name,
+/// or the parameter (`params.token_budget`).
+fn policy_error(e: PolicyError) -> EngineError {
+    let param = match &e {
+        PolicyError::UnknownPolicy { .. } | PolicyError::DuplicateName(_) => "name".to_string(),
+        PolicyError::InvalidParam { field, .. } if field == "params" => "params".to_string(),
+        PolicyError::InvalidParam { field, .. } => format!("params.{field}"),
+    };
+    EngineError::new(EngineErrorKind::InvalidRequest, e.to_string()).with_param(param)
 }
 
 /// Adapts the actor engine to the HTTP layer's port.
@@ -355,71 +352,63 @@ struct EngineAdapter {
     model_name: String,
     max_model_len: usize,
     ready: AtomicBool,
+    /// The tiers in force (policies are built with them; changing them takes a restart).
     tiers: Vec<TierSpec>,
+    /// The policy in force. Held while a swap is queued, so that swaps reach the scheduler in
+    /// the order their records are written.
     policy: Mutex<PolicyInfo>,
-    /// The speculative decoding settings in force.
-    speculative: Arc<Mutex<Option<SpeculativeSettings>>>,
+    /// The speculative decoding settings in force; held from a change's send to the engine
+    /// to its record, so that concurrent changes are recorded in the order they are applied.
+    speculative: Arc<tokio::sync::Mutex<Option<SpeculativeSettings>>>,
+    /// Whether LoRA adapters are served (`lora.enabled` at start).
     lora_enabled: bool,
-    /// The adapters the config file lists (SIGHUP reconciles them; adapters loaded through
-    /// the admin API are left alone).
-    config_adapters: Mutex<Vec<LoraAdapterEntry>>,
 }
 
 impl EngineAdapter {
-    /// Unregisters the file's adapters that it no longer lists (or lists at another path)
-    /// and registers the ones it newly lists; failures are logged and leave the rest going.
-    async fn reload_adapters(&self, wanted: Vec<LoraAdapterEntry>) {
-        let old = self.config_adapters.lock().clone();
-        for a in old.iter().filter(|a| !wanted.contains(a)) {
-            match self.engine.unregister_adapter(a.name.clone()).await {
-                Ok(()) => tracing::info!(name = %a.name, "SIGHUP: LoRA adapter unloaded"),
-                Err(e) => {
-                    tracing::warn!(name = %a.name, error = %e, "SIGHUP: LoRA adapter not unloaded")
-                }
-            }
-        }
-        let mut kept: Vec<LoraAdapterEntry> =
-            old.into_iter().filter(|a| wanted.contains(a)).collect();
-        let new: Vec<LoraAdapterEntry> = wanted.into_iter().filter(|a| !kept.contains(a)).collect();
-        for a in new {
-            let path = runtime::expand_home(Path::new(&a.path));
-            match self.engine.register_adapter(a.name.clone(), path).await {
-                Ok(info) => {
-                    tracing::info!(name = %info.name, rank = info.rank, "SIGHUP: LoRA adapter loaded");
-                    kept.push(a);
-                }
-                Err(e) => {
-                    tracing::error!(name = %a.name, error = %e, "SIGHUP: LoRA adapter not loaded")
-                }
-            }
-        }
-        *self.config_adapters.lock() = kept;
-    }
-
+    /// `PUT /admin/policy`: builds the policy `spec` names (checked by the registry) and
+    /// swaps it in, even when it equals the one in force (an explicit request restarts it).
     fn swap(&self, spec: PolicySpec) -> Result<PolicyInfo, EngineError> {
         let params: serde_yaml::Value = serde_yaml::to_value(&spec.params).map_err(|e| {
             EngineError::new(EngineErrorKind::InvalidRequest, e.to_string()).with_param("params")
         })?;
-        let registry = PolicyRegistry::with_builtins();
-        let policy = registry
-            .create(&spec.name, &params, &self.tiers)
-            .map_err(|e| {
-                EngineError::new(EngineErrorKind::InvalidRequest, e.to_string()).with_param("name")
-            })?;
-        self.engine.swap_policy(policy);
+        let section = switchyard_config::PolicySpec {
+            name: spec.name.clone(),
+            params,
+        };
+        let policy = super::config::build_policy(&section, &self.tiers).map_err(policy_error)?;
+        let (info, _) = self.install_policy(spec.name, spec.params, policy, false);
+        Ok(info)
+    }
+
+    /// Swaps in `policy` (built from `name` and `params`) and records it; with
+    /// `keep_unchanged`, a policy equal to the one in force is not swapped in (that would reset
+    /// its state: fair-share counters, aging). Returns the policy in force and whether it was
+    /// swapped.
+    fn install_policy(
+        &self,
+        name: String,
+        params: serde_json::Value,
+        policy: Box<dyn Policy>,
+        keep_unchanged: bool,
+    ) -> (PolicyInfo, bool) {
+        let params = json_params(params);
+        // Taken before the swap is queued (which does not block): concurrent swaps are queued
+        // and recorded in the same order, so `GET /admin/policy` and the policy_info gauge
+        // show the policy the scheduler runs.
         let mut info = self.policy.lock();
+        if keep_unchanged && info.name == name && info.params == params {
+            return (info.clone(), false);
+        }
+        self.engine.swap_policy(policy);
         metrics::gauge!(switchyard_api::metrics::POLICY_INFO, "policy" => policy_label(&info.name))
             .set(0.0);
         metrics::counter!(switchyard_api::metrics::POLICY_SWAPS).increment(1);
-        *info = PolicyInfo {
-            name: spec.name,
-            params: spec.params,
-            available: registry.names().iter().map(|s| s.to_string()).collect(),
-        };
+        info.name = name;
+        info.params = params;
         metrics::gauge!(switchyard_api::metrics::POLICY_INFO, "policy" => policy_label(&info.name))
             .set(1.0);
         tracing::info!(policy = %info.name, "scheduling policy swap requested");
-        Ok(info.clone())
+        (info.clone(), true)
     }
 }
 
@@ -676,8 +665,8 @@ impl port::Engine for EngineAdapter {
     }
 
     fn speculative(&self) -> EngineFuture<Option<SpeculativeSettings>> {
-        let s = self.speculative.lock().clone();
-        Box::pin(async move { Ok(s) })
+        let slot = self.speculative.clone();
+        Box::pin(async move { Ok(slot.lock().await.clone()) })
     }
 
     fn set_speculative(
@@ -696,15 +685,22 @@ impl port::Engine for EngineAdapter {
         // The scheduler checks the settings (a refusal is an invalid request).
         let slot = self.speculative.clone();
         Box::pin(async move {
+            // Held from the send to the record: changes reach the scheduler and the record in
+            // the same order, so `GET /admin/speculative` shows the settings in force.
+            let mut current = slot.lock().await;
             engine
                 .set_speculative(config)
                 .await
                 .map_err(to_port_error)?;
             // Recorded once the scheduler took them.
-            *slot.lock() = settings.clone();
+            *current = settings.clone();
             tracing::info!(settings = ?settings, "speculative decoding set");
             Ok(settings)
         })
+    }
+
+    fn has_lora_adapter(&self, name: &str) -> bool {
+        self.engine.has_adapter(name)
     }
 
     fn lora_adapters(&self) -> Vec<LoraAdapterInfo> {
@@ -718,7 +714,7 @@ impl port::Engine for EngineAdapter {
     fn load_lora(&self, name: String, path: String) -> EngineFuture<LoraAdapterInfo> {
         let engine = self.engine.clone();
         Box::pin(async move {
-            let path = runtime::expand_home(Path::new(&path));
+            let path = switchyard_config::expand_home(&path);
             engine
                 .register_adapter(name, path)
                 .await

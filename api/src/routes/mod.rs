@@ -25,9 +25,7 @@ pub(crate) fn check_model(
     match model {
         None => Ok(None),
         Some(name) if name == state.engine.model_name() => Ok(None),
-        Some(name) if state.engine.lora_adapters().iter().any(|a| a.name == name) => {
-            Ok(Some(name.to_owned()))
-        }
+        Some(name) if state.engine.has_lora_adapter(name) => Ok(Some(name.to_owned())),
         Some(name) => {
             // Bound the echoed name so a huge field cannot bloat the error body.
             let shown: String = name.chars().take(128).collect();

@@ -6,7 +6,9 @@ use serde::{Deserialize, Serialize};
 
 use super::check_model;
 use crate::body::read_json;
-use crate::engine::{EngineError, EngineErrorKind, PolicySpec, TokenizeInput};
+use crate::engine::{
+    EngineError, EngineErrorKind, PolicySpec, TokenizeInput, MAX_SPECULATIVE_RUNNING,
+};
 use crate::error::ApiError;
 use crate::schema::{
     parse_messages, parse_template_kwargs, MessageField, ModelCard, ModelList,
@@ -208,6 +210,17 @@ pub(crate) async fn put_speculative(
 ) -> Result<HttpResponse, ApiError> {
     let settings: Option<crate::engine::SpeculativeSettings> =
         read_json(&req, payload, state.config.max_body_bytes).await?;
+    if let Some(s) = &settings {
+        if s.max_running > MAX_SPECULATIVE_RUNNING {
+            return Err(ApiError::invalid(
+                "max_running",
+                format!(
+                    "max_running must be at most {MAX_SPECULATIVE_RUNNING} (0: no limit), got {}",
+                    s.max_running
+                ),
+            ));
+        }
+    }
     let info = state.engine.set_speculative(settings).await?;
     tracing::info!(settings = ?info, "speculative decoding set through the admin API");
     Ok(HttpResponse::Ok().json(info))

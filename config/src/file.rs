@@ -1,0 +1,93 @@
+//! Reading the operator's files (the configuration, the API keys file): regular files only,
+//! to a bound, as UTF-8 text.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+/// Why a file could not be read.
+#[derive(Debug)]
+pub(crate) enum ReadError {
+    /// The operating system refused (missing file, permissions...).
+    Io(std::io::Error),
+    /// Not a regular file, too large, or not UTF-8.
+    Invalid(String),
+}
+
+/// Expands a leading `~` (the home directory) in an operator-given path.
+pub fn expand_home(path: &str) -> PathBuf {
+    let p = Path::new(path);
+    match (p.strip_prefix("~"), std::env::var_os("HOME")) {
+        (Ok(rest), Some(home)) => PathBuf::from(home).join(rest),
+        _ => p.to_path_buf(),
+    }
+}
+
+/// The text of the regular file at `path` (links followed), at most `max` bytes. The kind of
+/// file is checked before it is opened (opening a FIFO blocks; a device such as `/dev/zero`
+/// never ends) and again once open; at most `max + 1` bytes are read, so a file that grows
+/// meanwhile is refused too.
+pub(crate) fn read_text(path: &Path, max: u64) -> Result<String, ReadError> {
+    let regular = |m: std::fs::Metadata| {
+        if m.is_file() {
+            Ok(())
+        } else {
+            Err(ReadError::Invalid("not a regular file".into()))
+        }
+    };
+    regular(std::fs::metadata(path).map_err(ReadError::Io)?)?;
+    let file = std::fs::File::open(path).map_err(ReadError::Io)?;
+    regular(file.metadata().map_err(ReadError::Io)?)?;
+    let too_large = || ReadError::Invalid(format!("too large: more than {max} bytes"));
+    let mut bytes = Vec::new();
+    file.take(max.saturating_add(1))
+        .read_to_end(&mut bytes)
+        .map_err(ReadError::Io)?;
+    if bytes.len() as u64 > max {
+        return Err(too_large());
+    }
+    String::from_utf8(bytes).map_err(|e| {
+        ReadError::Invalid(format!(
+            "not UTF-8 text (invalid byte at offset {})",
+            e.utf8_error().valid_up_to()
+        ))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_up_to_the_bound_and_refuses_devices_directories_and_binary() {
+        let dir = std::env::temp_dir().join(format!("sy-config-read-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("a.yaml");
+        std::fs::write(&p, "0123456789").unwrap();
+        assert_eq!(read_text(&p, 10).unwrap(), "0123456789");
+        let invalid = |r: Result<String, ReadError>| match r {
+            Err(ReadError::Invalid(m)) => m,
+            other => panic!("expected a refusal, got {other:?}"),
+        };
+        assert!(invalid(read_text(&p, 9)).contains("too large"));
+        std::fs::write(&p, [b'a', b':', 0xff]).unwrap();
+        assert!(invalid(read_text(&p, 10)).contains("not UTF-8"));
+        // `config check /dev/zero` once read until memory ran out.
+        assert!(invalid(read_text(Path::new("/dev/zero"), 10)).contains("not a regular file"));
+        assert!(invalid(read_text(&dir, 10)).contains("not a regular file"));
+        assert!(matches!(
+            read_text(&dir.join("missing"), 10),
+            Err(ReadError::Io(_))
+        ));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_leading_tilde_is_the_home_directory() {
+        let home = std::env::var_os("HOME").map(PathBuf::from);
+        if let Some(home) = home {
+            assert_eq!(expand_home("~/k.yaml"), home.join("k.yaml"));
+        }
+        assert_eq!(expand_home("/k~/x"), PathBuf::from("/k~/x"));
+    }
+}

@@ -1,0 +1,121 @@
+//! Start-up checks of `serve` that need the file system or the model, and what it says about
+//! an open API.
+
+use std::net::SocketAddr;
+use std::path::Path;
+
+use switchyard_config::LoadFormat;
+
+/// Refuses a `model.load_format` that names another format than the one at `path` (`auto`
+/// takes what is there).
+pub(super) fn load_format(configured: LoadFormat, path: &Path) -> anyhow::Result<()> {
+    let name = |f: LoadFormat| match f {
+        LoadFormat::Auto => "auto",
+        LoadFormat::Gguf => "gguf",
+        LoadFormat::Safetensors => "safetensors",
+        LoadFormat::Dummy => "dummy",
+    };
+    // A missing path is the loader's to report.
+    if matches!(configured, LoadFormat::Auto) || !path.exists() {
+        return Ok(());
+    }
+    // As the loader reads a path: a directory with config.json is a Hugging Face checkpoint,
+    // any other directory holds one GGUF file, and a file is GGUF.
+    let found = if path.is_dir() && path.join("config.json").exists() {
+        LoadFormat::Safetensors
+    } else {
+        LoadFormat::Gguf
+    };
+    anyhow::ensure!(
+        configured == found,
+        "model.load_format is {} but {} holds a {} model (set load_format: {} or auto)",
+        name(configured),
+        path.display(),
+        name(found),
+        name(found)
+    );
+    Ok(())
+}
+
+/// The longest sequence served: `model.max_model_len` when set, which may not exceed the
+/// model's context (positions past it were never trained; vLLM refuses it too), else the
+/// context.
+pub(super) fn max_model_len(
+    configured: Option<usize>,
+    context: usize,
+    path: &Path,
+) -> anyhow::Result<usize> {
+    match configured {
+        Some(n) if n > context => anyhow::bail!(
+            "model.max_model_len is {n}, more than the {context} tokens of context of {}: \
+             lower it to at most {context} or leave it out",
+            path.display()
+        ),
+        Some(n) => Ok(n),
+        None => Ok(context),
+    }
+}
+
+/// Says so at start when the API takes no key: a warning on a loopback address, an error
+/// where other hosts may reach it.
+pub(super) fn warn_if_open(open: bool, bind: SocketAddr) {
+    if !open {
+        return;
+    }
+    if bind.ip().is_loopback() {
+        tracing::warn!(
+            %bind,
+            "no API keys (server.api_keys, server.api_keys_file): the API is open to every \
+             local user"
+        );
+    } else {
+        tracing::error!(
+            %bind,
+            "no API keys (server.api_keys, server.api_keys_file) on a non-loopback address: \
+             the API is open to anyone who can reach it"
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_load_format_must_match_what_the_path_holds() {
+        let dir = std::env::temp_dir().join(format!("sy-serve-format-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let gguf = dir.join("m.gguf");
+        std::fs::write(&gguf, b"GGUF").unwrap();
+        assert!(load_format(LoadFormat::Gguf, &gguf).is_ok());
+        assert!(load_format(LoadFormat::Auto, &gguf).is_ok());
+        let e = load_format(LoadFormat::Safetensors, &gguf)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("model.load_format is safetensors") && e.contains("gguf"),
+            "{e}"
+        );
+        std::fs::write(dir.join("config.json"), b"{}").unwrap();
+        assert!(load_format(LoadFormat::Safetensors, &dir).is_ok());
+        let e = load_format(LoadFormat::Gguf, &dir).unwrap_err().to_string();
+        assert!(e.contains("holds a safetensors model"), "{e}");
+        // A missing path is the loader's to report.
+        assert!(load_format(LoadFormat::Gguf, &dir.join("missing")).is_ok());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn max_model_len_may_not_exceed_the_context() {
+        let p = Path::new("/m.gguf");
+        assert_eq!(max_model_len(None, 8192, p).unwrap(), 8192);
+        assert_eq!(max_model_len(Some(2048), 8192, p).unwrap(), 2048);
+        assert_eq!(max_model_len(Some(8192), 8192, p).unwrap(), 8192);
+        let e = max_model_len(Some(8193), 8192, p).unwrap_err().to_string();
+        assert!(
+            e.contains("model.max_model_len is 8193") && e.contains("8192 tokens"),
+            "{e}"
+        );
+    }
+}

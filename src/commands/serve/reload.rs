@@ -1,0 +1,238 @@
+//! SIGHUP: the configuration file is read again and its policy and `lora.adapters` applied.
+//!
+//! Reloads run one at a time, in the order of their signals (an async mutex is held for the
+//! whole of one), and each is all or nothing up to the adapters: a file that does not load,
+//! or whose policy the registry refuses, changes nothing. The policy is swapped only when it
+//! differs from the one in force (a swap resets its state). Adapters are reconciled against the
+//! engine's live registry, by name and directory: an adapter the file lists that is not served
+//! (an admin unloaded it, or it failed before) is loaded, and one the file listed before and no
+//! longer lists is unloaded if it is still served from the file's directory. Sections that take
+//! a restart are compared with the configuration the server started with, and named in a
+//! warning while they differ.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use switchyard_config::{Config, LoraAdapterEntry};
+
+use super::EngineAdapter;
+
+/// What reloads share; one runs at a time.
+pub(super) struct Reloader {
+    /// The engine and the records of what is in force.
+    adapter: Arc<EngineAdapter>,
+    /// The configuration file.
+    path: PathBuf,
+    /// The `--set` overrides of the command line (environment overrides are read again).
+    overrides: Vec<String>,
+    /// Held for the whole of a reload.
+    state: tokio::sync::Mutex<ReloadState>,
+}
+
+/// What one reload leaves for the next.
+struct ReloadState {
+    /// The configuration the server started with (sections that take a restart are compared
+    /// with it).
+    started: Config,
+    /// The adapters of `lora.adapters` that the last reload (or the start) served, by name and
+    /// directory (`~` expanded).
+    file_adapters: Vec<(String, PathBuf)>,
+}
+
+impl Reloader {
+    /// A reloader for a server started with `started`, serving `file_adapters` from its file.
+    pub(super) fn new(
+        adapter: Arc<EngineAdapter>,
+        path: PathBuf,
+        overrides: Vec<String>,
+        started: Config,
+        file_adapters: Vec<(String, PathBuf)>,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            adapter,
+            path,
+            overrides,
+            state: tokio::sync::Mutex::new(ReloadState {
+                started,
+                file_adapters,
+            }),
+        })
+    }
+
+    /// Starts a reload in the background; it waits for the one before it to finish.
+    pub(super) fn spawn(self: &Arc<Self>) {
+        tracing::info!(file = %self.path.display(), "SIGHUP: reloading the configuration");
+        let this = Arc::clone(self);
+        actix_web::rt::spawn(async move { this.reload().await });
+    }
+
+    /// Reads the file again and applies its policy and adapters.
+    async fn reload(&self) {
+        let mut state = self.state.lock().await;
+        let cfg = match crate::commands::config::load(&self.path, &self.overrides) {
+            Ok(cfg) => cfg,
+            Err(e) => {
+                tracing::error!(error = %format!("{e:#}"), "SIGHUP: configuration not reloaded");
+                return;
+            }
+        };
+        let restart = restart_sections(&state.started, &cfg);
+        if !restart.is_empty() {
+            tracing::warn!(
+                "SIGHUP: changed in the file but taking a restart, so not applied: {}",
+                restart.join(", ")
+            );
+        }
+        // Built (so checked) before anything is applied: a bad policy leaves the adapters
+        // as they are too.
+        let spec = &cfg.scheduler.policy;
+        let policy = match crate::commands::config::build_policy(spec, &self.adapter.tiers) {
+            Ok(policy) => policy,
+            Err(e) => {
+                tracing::error!(
+                    error = %e,
+                    "SIGHUP: scheduler.policy is invalid; nothing was reloaded"
+                );
+                return;
+            }
+        };
+        let params = super::policy_params(&spec.params);
+        let (info, swapped) = self
+            .adapter
+            .install_policy(spec.name.clone(), params, policy, true);
+        if swapped {
+            tracing::info!(policy = %info.name, "SIGHUP: policy reloaded");
+        } else {
+            tracing::info!(policy = %info.name, "SIGHUP: policy unchanged, left running");
+        }
+        // A change of lora.enabled is among the sections that take a restart.
+        if self.adapter.lora_enabled && cfg.lora.enabled {
+            self.reconcile_adapters(&mut state, &cfg.lora.adapters)
+                .await;
+        }
+        tracing::info!("SIGHUP: reload finished");
+    }
+
+    /// Brings the served adapters in line with `wanted`, the file's list, against the engine's
+    /// live registry; failures are logged and leave the rest going.
+    async fn reconcile_adapters(&self, state: &mut ReloadState, wanted: &[LoraAdapterEntry]) {
+        let engine = &self.adapter.engine;
+        let served = |name: &str| {
+            engine
+                .adapters()
+                .into_iter()
+                .find(|a| a.name == name)
+                .map(|a| a.path)
+        };
+        let wanted: Vec<(String, PathBuf)> = wanted
+            .iter()
+            .map(|a| (a.name.clone(), switchyard_config::expand_home(&a.path)))
+            .collect();
+        // The file's adapters it no longer lists (or lists elsewhere), when still served from
+        // the file's directory (one replaced through the admin API since is the admin's).
+        for (name, path) in &state.file_adapters {
+            if wanted.contains(&(name.clone(), path.clone())) || served(name).as_ref() != Some(path)
+            {
+                continue;
+            }
+            match engine.unregister_adapter(name.clone()).await {
+                Ok(()) => tracing::info!(%name, "SIGHUP: LoRA adapter unloaded"),
+                Err(e) => {
+                    tracing::warn!(%name, error = %e, "SIGHUP: LoRA adapter not unloaded")
+                }
+            }
+        }
+        let mut applied = Vec::new();
+        for (name, path) in wanted {
+            match served(&name) {
+                Some(p) if p == path => {
+                    applied.push((name, path));
+                    continue;
+                }
+                Some(p) => {
+                    // Loaded through the admin API from another directory: the file's entry
+                    // is what the operator asks SIGHUP to serve.
+                    tracing::warn!(
+                        %name,
+                        from = %p.display(),
+                        to = %path.display(),
+                        "SIGHUP: LoRA adapter served from another directory; replacing it with \
+                         the file's"
+                    );
+                    if let Err(e) = engine.unregister_adapter(name.clone()).await {
+                        tracing::error!(%name, error = %e, "SIGHUP: LoRA adapter not replaced");
+                        continue;
+                    }
+                }
+                None => {}
+            }
+            match engine.register_adapter(name.clone(), path.clone()).await {
+                Ok(info) => {
+                    tracing::info!(name = %info.name, rank = info.rank, "SIGHUP: LoRA adapter loaded");
+                    applied.push((name, path));
+                }
+                Err(e) => {
+                    tracing::error!(%name, error = %e, "SIGHUP: LoRA adapter not loaded")
+                }
+            }
+        }
+        state.file_adapters = applied;
+    }
+}
+
+/// The parts of `new` that differ from `old` and that a reload does not apply (everything but
+/// `scheduler.policy` and `lora.adapters`).
+fn restart_sections(old: &Config, new: &Config) -> Vec<&'static str> {
+    let mut out = Vec::new();
+    let mut differs = |name: &'static str, changed: bool| {
+        if changed {
+            out.push(name);
+        }
+    };
+    differs("model", old.model != new.model);
+    differs("server", old.server != new.server);
+    differs("cache", old.cache != new.cache);
+    differs("tiers", old.tiers != new.tiers);
+    differs("logging", old.logging != new.logging);
+    differs("speculative", old.speculative != new.speculative);
+    let (mut a, b) = (old.scheduler.clone(), new.scheduler.clone());
+    a.policy = b.policy.clone();
+    differs("scheduler (but for its policy)", a != b);
+    let (mut a, mut b) = (old.lora.clone(), new.lora.clone());
+    a.adapters.clear();
+    b.adapters.clear();
+    differs("lora (but for its adapters)", a != b);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(yaml: &str) -> Config {
+        Config::from_yaml_str(yaml, "t.yaml").expect("valid")
+    }
+
+    #[test]
+    fn only_sections_a_reload_does_not_apply_take_a_restart() {
+        let old = config("lora: { enabled: true }\nscheduler: { policy: { name: fcfs } }\n");
+        let same = config(
+            "lora: { enabled: true, adapters: [{ name: a, path: /a }] }\n\
+             scheduler: { policy: { name: priority } }\n",
+        );
+        assert!(restart_sections(&old, &same).is_empty());
+        let changed = config(
+            "lora: { enabled: true, max_loras: 2 }\ncache: { block_size: 32 }\n\
+             tiers: { gold: { ttft_ms: 100 } }\nscheduler: { max_num_seqs: 8 }\n",
+        );
+        assert_eq!(
+            restart_sections(&old, &changed),
+            [
+                "cache",
+                "tiers",
+                "scheduler (but for its policy)",
+                "lora (but for its adapters)"
+            ]
+        );
+    }
+}

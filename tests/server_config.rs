@@ -1,0 +1,480 @@
+//! End-to-end tests of configuration and operations: what `serve` refuses before it serves,
+//! what `config check` checks, SIGHUP reloads and the admin routes' checks. The real binary,
+//! SmolLM2 on the CPU, HTTP on loopback; each test starts its own server.
+
+mod common;
+
+use common::{model_path, Server};
+use serde_json::{json, Value};
+use std::ffi::OsString;
+use std::os::unix::ffi::OsStringExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const ADMIN: (&str, &str) = ("Authorization", "Bearer admin-secret-key");
+
+fn switchyard() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_switchyard"))
+}
+
+/// A fresh scratch directory for one test.
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("switchyard-config-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// A server configuration on the embedded model, as `common::Server::start_full` writes it.
+fn config_yaml(port: u16, model_lines: &str, server_lines: &str, extra: &str) -> String {
+    format!(
+        "model:\n  path: {}\n  threads: 2\n{model_lines}server:\n  host: 127.0.0.1\n  port: {port}\n  drain_timeout_s: 20\n{server_lines}{extra}",
+        model_path().display()
+    )
+}
+
+/// Starts `serve` on `config.yaml` in `dir` with extra environment variables, its stderr in
+/// `server.log`.
+fn spawn(dir: &Path, env: &[(OsString, OsString)]) -> std::process::Child {
+    let log = std::fs::File::create(dir.join("server.log")).expect("log file");
+    let mut cmd = switchyard();
+    cmd.args(["serve", "--config"])
+        .arg(dir.join("config.yaml"))
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(log);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.spawn().expect("start switchyard serve")
+}
+
+/// Starts a server (configuration as [`config_yaml`]) with extra environment variables and
+/// waits until it is ready.
+fn start(name: &str, server_lines: &str, extra: &str, env: &[(OsString, OsString)]) -> Server {
+    let dir = scratch(name);
+    let port = free_port();
+    std::fs::write(
+        dir.join("config.yaml"),
+        config_yaml(port, "", server_lines, extra),
+    )
+    .expect("write config");
+    let child = spawn(&dir, env);
+    let mut server = Server { port, child, dir };
+    wait_ready(&mut server);
+    server
+}
+
+/// Waits until the server is ready; fails at once if it exits.
+fn wait_ready(server: &mut Server) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        if let Ok(r) = server.request("GET", "/ready", None, &[]) {
+            if r.status == 200 {
+                return;
+            }
+        }
+        if let Some(status) = server.child.try_wait().expect("wait") {
+            panic!("server exited ({status}); log:\n{}", server.log());
+        }
+        assert!(
+            Instant::now() < deadline,
+            "server did not become ready; log:\n{}",
+            server.log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Runs `serve` on a configuration that must be refused; returns its stderr.
+fn serve_refuses(name: &str, model_lines: &str, server_lines: &str, extra: &str) -> String {
+    let dir = scratch(name);
+    std::fs::write(
+        dir.join("config.yaml"),
+        config_yaml(free_port(), model_lines, server_lines, extra),
+    )
+    .expect("write config");
+    let mut child = spawn(&dir, &[]);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("serve did not refuse the configuration");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let log = std::fs::read_to_string(dir.join("server.log")).unwrap_or_default();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(
+        !status.success(),
+        "serve accepted the configuration:\n{log}"
+    );
+    log
+}
+
+/// Sends SIGHUP to the server.
+fn hang_up(s: &Server) {
+    let status = Command::new("kill")
+        .args(["-HUP", &s.child.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(status.success());
+}
+
+/// Waits until the server's log holds `text` `n` times.
+fn wait_log(s: &Server, text: &str, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while s.log().matches(text).count() < n {
+        assert!(
+            Instant::now() < deadline,
+            "`{text}` not logged {n} times:\n{}",
+            s.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn get(s: &Server, path: &str) -> Value {
+    let r = s.request("GET", path, None, &[ADMIN]).expect("GET");
+    assert_eq!(r.status, 200, "{}", r.body);
+    serde_json::from_str(&r.body).expect("json")
+}
+
+fn put(s: &Server, path: &str, body: &str) -> (u16, Value) {
+    let r = s.request("PUT", path, Some(body), &[ADMIN]).expect("PUT");
+    (
+        r.status,
+        serde_json::from_str(&r.body).unwrap_or(Value::Null),
+    )
+}
+
+/// The adapters `GET /v1/models` lists, in order.
+fn adapters(s: &Server) -> Vec<String> {
+    let r = s.request("GET", "/v1/models", None, &[]).expect("models");
+    let v: Value = serde_json::from_str(&r.body).expect("json");
+    v["data"]
+        .as_array()
+        .expect("data")
+        .iter()
+        .skip(1)
+        .filter_map(|m| m["id"].as_str().map(str::to_owned))
+        .collect()
+}
+
+fn adapter_dir() -> &'static str {
+    concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/gpu/tests/fixtures/lora/smollm2-r4"
+    )
+}
+
+/// A server with the admin key, the FCFS policy and the test adapter as `tuned`.
+fn lora_server(name: &str) -> Server {
+    start(
+        name,
+        "  admin_key: admin-secret-key\n",
+        &format!(
+            "scheduler:\n  policy: {{ name: fcfs }}\nlora:\n  enabled: true\n  adapters:\n    - name: tuned\n      path: {}\n",
+            adapter_dir()
+        ),
+        &[],
+    )
+}
+
+/// Rewrites the server's configuration file, replacing `from` by `to`.
+fn edit_config(s: &Server, from: &str, to: &str) {
+    let path = s.dir.join("config.yaml");
+    let text = std::fs::read_to_string(&path).expect("config");
+    assert!(text.contains(from), "`{from}` not in\n{text}");
+    std::fs::write(&path, text.replace(from, to)).expect("write config");
+}
+
+#[test]
+fn an_api_keys_file_without_keys_is_refused_before_the_model_loads() {
+    let dir = scratch("emptykeys");
+    for (i, body) in ["", "# keys: none yet\n", "[]\n"].iter().enumerate() {
+        let keys = dir.join(format!("keys-{i}.yaml"));
+        std::fs::write(&keys, body).expect("keys file");
+        let log = serve_refuses(
+            "emptykeys-serve",
+            "",
+            &format!("  api_keys_file: {}\n", keys.display()),
+            "",
+        );
+        assert!(
+            log.contains("server.api_keys_file") && log.contains("no API keys"),
+            "{body:?}: {log}"
+        );
+        assert!(!log.contains("loading model"), "checked too late: {log}");
+    }
+    // A keys file that is not UTF-8 is named.
+    let keys = dir.join("binary.yaml");
+    std::fs::write(
+        &keys,
+        b"- { key: \xff\xfe\xfd\xfc\xfb\xfa\xf9\xf8, tenant: a }\n",
+    )
+    .unwrap();
+    let log = serve_refuses(
+        "binarykeys",
+        "",
+        &format!("  api_keys_file: {}\n", keys.display()),
+        "",
+    );
+    assert!(
+        log.contains("binary.yaml") && log.contains("UTF-8"),
+        "{log}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_variable_that_is_not_utf8_is_ignored_and_an_open_api_is_logged() {
+    let s = start(
+        "envutf8",
+        "",
+        "",
+        &[(
+            "SWITCHYARD_TEST_NOT_UTF8".into(),
+            OsString::from_vec(vec![b'a', 0xff, 0xfe]),
+        )],
+    );
+    s.assert_serves();
+    let log = s.log();
+    assert!(
+        log.contains("WARN") && log.contains("no API keys"),
+        "the open API was not logged:\n{log}"
+    );
+    // One that is an override is refused, named.
+    let dir = scratch("envutf8-check");
+    let file = dir.join("c.yaml");
+    std::fs::write(&file, "").unwrap();
+    let out = switchyard()
+        .args(["config", "check"])
+        .arg(&file)
+        .env("SWITCHYARD__SERVER__HOST", OsString::from_vec(vec![0xff]))
+        .output()
+        .expect("config check");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("SWITCHYARD__SERVER__HOST") && err.contains("UTF-8"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn sighup_with_a_bad_policy_changes_nothing() {
+    let s = lora_server("badpolicy");
+    assert_eq!(adapters(&s), ["tuned"]);
+    // A bad parameter and a renamed adapter: neither may be applied.
+    edit_config(
+        &s,
+        "name: fcfs }",
+        "name: chunked-prefill, params: { token_budget: -1 } }",
+    );
+    edit_config(&s, "- name: tuned", "- name: renamed");
+    hang_up(&s);
+    wait_log(&s, "nothing was reloaded", 1);
+    assert_eq!(get(&s, "/admin/policy")["name"], "fcfs");
+    assert_eq!(adapters(&s), ["tuned"]);
+    assert_eq!(
+        s.metric("switchyard:policy_swaps_total").unwrap_or(0.0),
+        0.0
+    );
+}
+
+#[test]
+fn sighup_keeps_an_unchanged_policy_and_names_sections_that_take_a_restart() {
+    let s = lora_server("unchanged");
+    edit_config(&s, "threads: 2", "threads: 1");
+    hang_up(&s);
+    wait_log(&s, "policy unchanged", 1);
+    let log = s.log();
+    assert!(
+        log.contains("taking a restart, so not applied: model\n"),
+        "{log}"
+    );
+    assert_eq!(
+        s.metric("switchyard:policy_swaps_total").unwrap_or(0.0),
+        0.0,
+        "an unchanged policy was swapped"
+    );
+    // A changed one is.
+    edit_config(&s, "name: fcfs }", "name: priority }");
+    hang_up(&s);
+    wait_log(&s, "SIGHUP: policy reloaded", 1);
+    assert_eq!(get(&s, "/admin/policy")["name"], "priority");
+    assert_eq!(s.metric("switchyard:policy_swaps_total"), Some(1.0));
+}
+
+#[test]
+fn sighup_restores_an_adapter_an_admin_deleted_and_hangups_in_a_row_agree() {
+    let s = lora_server("reconcile");
+    let r = s
+        .request("DELETE", "/admin/lora/tuned", None, &[ADMIN])
+        .expect("delete");
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(adapters(&s).is_empty());
+    hang_up(&s);
+    wait_log(&s, "SIGHUP: reload finished", 1);
+    assert_eq!(adapters(&s), ["tuned"]);
+    // Hang-ups close together: each reload sees what the one before did. (Signals close
+    // together may be delivered as one: wait until every reload begun has finished.)
+    edit_config(&s, "- name: tuned", "- name: renamed");
+    hang_up(&s);
+    hang_up(&s);
+    hang_up(&s);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let log = s.log();
+        let begun = log.matches("SIGHUP: reloading").count();
+        if begun >= 2 && log.matches("SIGHUP: reload finished").count() == begun {
+            break;
+        }
+        assert!(Instant::now() < deadline, "reloads did not finish:\n{log}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let log = s.log();
+    assert_eq!(adapters(&s), ["renamed"], "{log}");
+    for bad in ["not loaded", "not unloaded", "not replaced"] {
+        assert!(!log.contains(bad), "`{bad}` in the log:\n{log}");
+    }
+}
+
+#[test]
+fn sighup_during_the_model_load_does_not_stop_the_server() {
+    let dir = scratch("early-hup");
+    let port = free_port();
+    std::fs::write(dir.join("config.yaml"), config_yaml(port, "", "", "")).unwrap();
+    let child = spawn(&dir, &[]);
+    let mut s = Server { port, child, dir };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !s.log().contains("loading model") {
+        assert!(Instant::now() < deadline, "no model load:\n{}", s.log());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    hang_up(&s);
+    wait_ready(&mut s);
+    s.assert_serves();
+    // The hang-up was kept for the reload once serving.
+    wait_log(&s, "SIGHUP: policy unchanged", 1);
+}
+
+#[test]
+fn admin_puts_refuse_unknown_fields_and_name_the_parameter_at_fault() {
+    let s = start(
+        "adminput",
+        "  admin_key: admin-secret-key\n",
+        "scheduler:\n  policy: { name: fcfs }\n",
+        &[],
+    );
+    let (status, v) = put(&s, "/admin/policy", r#"{"name":"priority","param":{}}"#);
+    assert_eq!(status, 400, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("param"),
+        "{v}"
+    );
+    let (status, v) = put(
+        &s,
+        "/admin/policy",
+        r#"{"name":"chunked-prefill","params":{"token_budget":-1}}"#,
+    );
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["param"], "params.token_budget", "{v}");
+    let (status, v) = put(&s, "/admin/policy", r#"{"name":"lottery"}"#);
+    assert_eq!((status, v["error"]["param"].clone()), (400, json!("name")));
+    assert_eq!(get(&s, "/admin/policy")["name"], "fcfs");
+    let (status, v) = put(
+        &s,
+        "/admin/speculative",
+        r#"{"num_speculative_tokens": 2, "max_running": 70000}"#,
+    );
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["param"], "max_running", "{v}");
+    assert_eq!(get(&s, "/admin/speculative"), Value::Null);
+}
+
+#[test]
+fn serve_refuses_a_max_model_len_beyond_the_context_and_a_wrong_load_format() {
+    let log = serve_refuses("maxlen", "  max_model_len: 1000000\n", "", "");
+    assert!(
+        log.contains("model.max_model_len") && log.contains("1000000") && log.contains("8192"),
+        "{log}"
+    );
+    let log = serve_refuses("format", "  load_format: safetensors\n", "", "");
+    assert!(
+        log.contains("model.load_format") && log.contains("gguf"),
+        "{log}"
+    );
+    assert!(!log.contains("loading model"), "checked too late: {log}");
+}
+
+#[test]
+fn config_check_refuses_a_misspelt_log_level_and_hides_keys() {
+    let dir = scratch("check");
+    let file = dir.join("c.yaml");
+    let check = |file: &Path| {
+        switchyard()
+            .args(["config", "check"])
+            .arg(file)
+            .output()
+            .expect("config check")
+    };
+    std::fs::write(&file, "logging:\n  level: warning\n").unwrap();
+    let out = check(&file);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("c.yaml:2: logging.level") && err.contains("`warning`"),
+        "{err}"
+    );
+    // The keys file is read (and an empty one refused); keys are not printed.
+    let keys = dir.join("keys.yaml");
+    std::fs::write(&keys, "[]\n").unwrap();
+    let yaml = format!(
+        "server:\n  admin_key: admin-secret-key\n  api_keys_file: {}\n  api_keys:\n    - {{ key: inline-key-0001, tenant: a }}\n",
+        keys.display()
+    );
+    std::fs::write(&file, &yaml).unwrap();
+    let out = check(&file);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("server.api_keys_file"),
+        "{err}"
+    );
+    std::fs::write(&keys, "- { key: file-key-000001, tenant: b }\n").unwrap();
+    let out = check(&file);
+    let printed = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for secret in ["admin-secret-key", "inline-key-0001", "file-key-000001"] {
+        assert!(!printed.contains(secret), "`{secret}` printed:\n{printed}");
+    }
+    // Not a regular file: refused, not read.
+    let out = check(Path::new("/dev/zero"));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("not a regular file"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
