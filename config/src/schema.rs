@@ -56,11 +56,11 @@ fn opt_positive_ms<'de, D: Deserializer<'de>>(d: D) -> Result<Option<f64>, D::Er
 
 fn weight<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
     let v = f64::deserialize(d)?;
-    if v.is_finite() && v > 0.0 && v <= 1e6 {
+    if v.is_finite() && (1e-3..=1e6).contains(&v) {
         Ok(v)
     } else {
         Err(serde::de::Error::custom(format!(
-            "{v} must be a positive weight (at most 1e6)"
+            "{v} must be a weight in 0.001..=1e6"
         )))
     }
 }
@@ -527,7 +527,8 @@ pub struct TierConfig {
     /// Time-per-output-token target in milliseconds.
     #[serde(default, deserialize_with = "opt_positive_ms")]
     pub tpot_ms: Option<f64>,
-    /// Share weight for fair scheduling.
+    /// Share weight for fair scheduling (`fair-share`: a request weighs its tenant's weight
+    /// times its tier's), 0.001 to 1e6.
     #[serde(default = "one", deserialize_with = "weight")]
     pub weight: f64,
     /// Whether running requests of this tier may be preempted for other tiers.

@@ -842,7 +842,14 @@ impl Scheduler {
             .iter()
             .filter(|&&blk| self.ledger.ref_count(blk) == Some(0))
             .count();
-        let available = self.ledger.num_free().saturating_sub(evictable);
+        // The running sequences' own known tokens come first: blocks they will take for the
+        // rest of their prefills (admitted for a first chunk) are not free for this one.
+        let owed = self.blocks_owed();
+        let available = self
+            .ledger
+            .num_free()
+            .saturating_sub(evictable)
+            .saturating_sub(owed);
         if available < need_all {
             return Err(Shortfall {
                 blocks: need_all - available,
@@ -854,6 +861,22 @@ impl Scheduler {
             num_new,
             need_new,
         })
+    }
+
+    /// Blocks the running sequences still need for the tokens they hold (the rest of a prefill
+    /// admitted for its first chunk, a token past a full block): O(running), and only when
+    /// something waits.
+    fn blocks_owed(&self) -> usize {
+        self.running
+            .iter()
+            .filter_map(|&slot| slot_ref(&self.seqs, slot))
+            .filter(|q| q.state == RequestState::Running)
+            .map(|q| {
+                self.ledger
+                    .blocks_for(q.num_tokens())
+                    .saturating_sub(q.block_table.len())
+            })
+            .sum()
     }
 
     /// Admits one waiting sequence with a first chunk of at most `max_new` tokens if

@@ -462,16 +462,17 @@ fn fair_share_admits_the_least_served_tenant_first() {
     let mut a1 = req(1, 0, vec![1; 8], 1);
     a1.tenant = "a".into();
     s.add_request(a1).unwrap();
-    step(&mut s, 0, 3); // tenant a: 8 prompt + 2 * 1 output = 10 virtual tokens
-                        // b joins while no tenant is live, so it keeps counter 0; a's next request lifts a to
-                        // max(10, min live counter = 0) = 10.
+    // b waits (backlogged) while a is served: 8 prompt + 2 * 1 output = 10 virtual tokens.
     let mut b1 = req(3, 2, vec![2; 4], 1);
     b1.tenant = "b".into();
     s.add_request(b1).unwrap();
+    let (p, _) = step(&mut s, 0, 3);
+    assert_eq!(p.seqs.iter().map(|q| q.id.0).collect::<Vec<_>>(), vec![1]);
+    // a's next request finds nothing of a's waiting: a is lifted to max(10, the smallest
+    // backlogged counter, b's 0) = 10, so b (0) goes before a although a's request is older.
     let mut a2 = req(2, 1, vec![1; 4], 1);
     a2.tenant = "a".into();
     s.add_request(a2).unwrap();
-    // b (counter 0) goes before a (counter 10) although a's request arrived first.
     let (p, _) = step(&mut s, 3, 3);
     assert_eq!(p.seqs.iter().map(|q| q.id.0).collect::<Vec<_>>(), vec![3]);
 }

@@ -1,42 +1,121 @@
 //! Fair share across tenants with the Virtual Token Counter (VTC) of Sheng et al.,
-//! "Fairness in Serving Large Language Models", OSDI 2024.
+//! "Fairness in Serving Large Language Models", OSDI 2024 (the paper's Algorithm 2 and its
+//! artifact, S-LoRA's `slora/server/router/vtc_req_queue.py`).
 //!
-//! Each tenant has a counter of the service it received: `input_weight` per prompt token
-//! computed plus `output_weight` per generated token (the paper's w_p = 1, w_q = 2),
-//! divided by the tenant's weight (`tenant_weights`, default 1). Waiting requests are
-//! admitted from the tenant with the smallest counter. When a tenant with no live request
-//! sends one, its counter is lifted to at least the smallest counter among tenants with
-//! live requests, so idle time cannot be banked into a later burst (the paper's counter
-//! lift). As in the paper, VTC decides admission order: running requests keep arrival
+//! **Counters.** Each tenant has a counter of the service it received, in virtual tokens:
+//! `input_weight` per prompt token plus `output_weight` per generated token (the paper's
+//! w_p = 1, w_q = 2), each divided by the request's weight, which is its tenant's weight
+//! (`tenant_weights`, default 1) times its tier's `weight` (the `tiers` section; 1 for a
+//! request whose tier is not configured). So under backlog a tenant of weight 4 gets about
+//! four times the service of a tenant of weight 1, and so do one tenant's requests in a
+//! tier of weight 4 against another's in a tier of weight 1. Recomputation after
+//! preemption is not charged.
+//!
+//! **Admission.** Waiting requests are admitted from the tenant with the smallest counter.
+//! Like the artifact, which charges a request's prompt when it admits it, the order is
+//! decided per request, not per step: the core ranks the waiting queue once per step, so
+//! each never-admitted waiting request ranks at its tenant's counter plus the prompt cost
+//! of the tenant's requests that are admitted but not yet charged (a prompt is charged as
+//! its chunks are computed) and of the tenant's waiting requests ahead of it (in arrival
+//! order). That is the counter the tenant would have when VTC picks that request, so the
+//! seats freed in one step are shared between tenants (A, B, A, B, ...) instead of going
+//! to one tenant in a block. A preempted request ranks at its tenant's counter (its prompt
+//! was charged when first computed).
+//!
+//! **Counter lift.** A tenant is backlogged while it has requests in the waiting queue that
+//! were never admitted. When a request arrives for a tenant that is not backlogged, the
+//! tenant's counter is lifted to at least the smallest counter among backlogged tenants or,
+//! when no tenant is backlogged, to the system's virtual time: the counter of the last
+//! tenant to leave the backlog (the rule of the paper's Algorithm 2 for an empty queue; the
+//! artifact's `append` lifts only when another client waits, which lets a tenant bank idle
+//! time whenever the queue drains). The virtual time only moves forward: it is at least
+//! every counter a tenant had when it left the backlog. So idle time cannot be banked into a later burst, whether other tenants
+//! wait, run or are gone, and a tenant that only has running requests is lifted too when
+//! it sends one more. (Counters include the prompt cost not yet charged, as above.)
+//!
+//! **Scope.** As in the paper, VTC decides admission order: running requests keep arrival
 //! order, so preemption victims are the newest running requests and counters cannot make
-//! two requests evict each other in turn. Recomputation after preemption is not charged.
+//! two requests evict each other in turn. Limits of the plugin interface: the policy learns
+//! of an admission when the request's first chunk is served (one step later), and of no
+//! preemption, so a tenant whose only waiting requests were preempted counts as not
+//! backlogged; output tokens are charged after each step.
 //!
-//! Counters are updated once per step, so within one step several requests of the same
-//! tenant may be admitted before the next counter comparison.
+//! Cost: O(1) per served sequence; O(tenants) per arrival of a request whose tenant is not
+//! backlogged; a rank is O(1) plus the requests of the same tenant admitted out of order
+//! ahead of it (requests passed over for a LoRA slot), usually none.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::hash::BuildHasherDefault;
 
 use crate::error::PolicyError;
 use crate::policy::params::Params;
 use crate::policy::{Policy, PolicyEvent, Rank};
+use crate::scheduler::IdHasher;
 use crate::sequence::SeqView;
-use crate::types::{TierSpec, Timestamp};
+use crate::types::{RequestId, RequestState, TierSpec, Timestamp};
 
 /// Registered name.
 pub(crate) const NAME: &str = "fair-share";
 
-/// Counter units per token of service (ranks are integers).
-const SCALE: f64 = 1000.0;
+/// Smallest tenant or tier weight accepted (their product divides every cost).
+pub(crate) const MIN_WEIGHT: f64 = 1e-3;
+/// Largest tenant or tier weight accepted.
+pub(crate) const MAX_WEIGHT: f64 = 1e6;
 
 /// A tenant's accounting.
 #[derive(Clone, Debug, Default)]
 struct Tenant {
-    /// Virtual tokens of service received.
+    /// Virtual tokens of service received (charged as computed).
     counter: f64,
-    /// Live (waiting or running) requests.
-    live: usize,
+    /// Prompt cost of the tenant's admitted live requests not yet charged.
+    uncharged: f64,
     /// The tenant's weight (resolved from `tenant_weights` when first seen).
     weight: f64,
+    /// Live (waiting or running) requests.
+    live: usize,
+    /// Ordinals of the tenant's never-admitted waiting requests (its backlog).
+    queue: BTreeSet<u64>,
+    /// Admission cost of the requests that entered the queue since it was last empty.
+    enqueued: f64,
+    /// Admission cost of those that left it.
+    dequeued: f64,
+    /// Requests that left the queue behind a request still in it (ordinal → cost).
+    holes: BTreeMap<u64, f64>,
+}
+
+impl Tenant {
+    /// The counter VTC would have: service received plus admitted prompts not yet charged.
+    fn projected(&self) -> f64 {
+        self.counter + self.uncharged
+    }
+
+    /// Admission cost of the queued requests ahead of the one with `ord` and `start`.
+    fn ahead(&self, ord: u64, start: f64) -> f64 {
+        let behind: f64 = self.holes.range(ord + 1..).map(|(_, c)| c).sum();
+        (start - self.dequeued + behind).max(0.0)
+    }
+}
+
+/// A live request's accounting.
+#[derive(Copy, Clone, Debug)]
+struct Entry {
+    /// The tenant's id.
+    tenant: u32,
+    /// Tenant weight × tier weight.
+    weight: f64,
+    /// Prompt cost not yet charged.
+    uncharged: f64,
+    /// The place in its tenant's queue while never admitted.
+    queued: Option<Queued>,
+}
+
+/// A never-admitted request's place in its tenant's queue.
+#[derive(Copy, Clone, Debug)]
+struct Queued {
+    /// Arrival ordinal.
+    ord: u64,
+    /// The tenant's `enqueued` when the request entered the queue.
+    start: f64,
 }
 
 /// VTC fair share.
@@ -48,26 +127,48 @@ pub struct FairShare {
     output_weight: f64,
     /// Per-tenant weights (default 1).
     weights: BTreeMap<String, f64>,
+    /// Per-tier weights (default 1).
+    tier_weights: BTreeMap<String, f64>,
     /// Counters indexed by [`SeqView::tenant_id`] (`None` until the tenant is first seen).
     tenants: Vec<Option<Tenant>>,
+    /// Live requests.
+    requests: HashMap<RequestId, Entry, BuildHasherDefault<IdHasher>>,
+    /// The next arrival ordinal.
+    next_ord: u64,
+    /// The last tenant to leave the backlog.
+    last_left: Option<u32>,
+    /// System virtual time: the lift when no tenant is backlogged (never decreases).
+    vtime: f64,
 }
 
 impl FairShare {
-    /// A VTC policy with the given token costs and tenant weights.
+    /// A VTC policy with the given token costs and tenant weights (every tier weighs 1).
     pub fn new(input_weight: f64, output_weight: f64, weights: BTreeMap<String, f64>) -> Self {
         Self {
             input_weight,
             output_weight,
             weights,
+            tier_weights: BTreeMap::new(),
             tenants: Vec::new(),
+            requests: HashMap::default(),
+            next_ord: 0,
+            last_left: None,
+            vtime: 0.0,
         }
     }
 
+    /// Weighs requests by their tier too (tier name → weight).
+    pub fn with_tier_weights(mut self, tier_weights: BTreeMap<String, f64>) -> Self {
+        self.tier_weights = tier_weights;
+        self
+    }
+
     /// Builds the policy from `{input_weight, output_weight, tenant_weights: {name: w}}`
-    /// (defaults 1, 2, all 1).
+    /// (defaults 1, 2, all 1) and the tiers' weights. Tenant and tier weights must lie in
+    /// `MIN_WEIGHT..=MAX_WEIGHT`.
     pub fn create(
         params: &serde_yaml::Value,
-        _tiers: &[TierSpec],
+        tiers: &[TierSpec],
     ) -> Result<Box<dyn Policy>, PolicyError> {
         let p = Params::new(
             NAME,
@@ -76,11 +177,28 @@ impl FairShare {
         )?;
         let wi = p.f64_in("input_weight", 1.0, 0.0, 1e6)?;
         let wo = p.f64_in("output_weight", 2.0, 0.0, 1e6)?;
-        let weights = p.positive_map("tenant_weights")?;
-        Ok(Box::new(Self::new(wi, wo, weights)))
+        let weights = p.map_in("tenant_weights", "tenant", MIN_WEIGHT, MAX_WEIGHT)?;
+        let mut tier_weights = BTreeMap::new();
+        for t in tiers {
+            if !(MIN_WEIGHT..=MAX_WEIGHT).contains(&t.weight) {
+                return Err(PolicyError::InvalidParam {
+                    policy: NAME,
+                    field: "tiers".into(),
+                    reason: format!(
+                        "tier `{}`: weight must be in {MIN_WEIGHT}..={MAX_WEIGHT}, got {}",
+                        t.name, t.weight
+                    ),
+                });
+            }
+            tier_weights.insert(t.name.clone(), t.weight);
+        }
+        Ok(Box::new(
+            Self::new(wi, wo, weights).with_tier_weights(tier_weights),
+        ))
     }
 
-    /// The virtual token counter of the tenant with this id (0 for an unknown tenant).
+    /// The virtual token counter of the tenant with this id (0 for an unknown tenant): the
+    /// service charged so far, lifts included.
     pub fn counter(&self, tenant_id: u32) -> f64 {
         self.tenant(tenant_id).map_or(0.0, |t| t.counter)
     }
@@ -92,6 +210,161 @@ impl FairShare {
     fn tenant_mut(&mut self, id: u32) -> Option<&mut Tenant> {
         self.tenants.get_mut(id as usize).and_then(|t| t.as_mut())
     }
+
+    /// The lift for a tenant entering the backlog: the smallest projected counter among the
+    /// other backlogged tenants, else the system virtual time (`None` before any tenant left
+    /// the backlog).
+    fn lift_target(&mut self, id: u32) -> Option<f64> {
+        let backlogged = self
+            .tenants
+            .iter()
+            .enumerate()
+            .filter(|&(i, _)| i != id as usize)
+            .filter_map(|(_, t)| t.as_ref())
+            .filter(|t| !t.queue.is_empty())
+            .map(Tenant::projected)
+            .reduce(f64::min);
+        if backlogged.is_some() {
+            return backlogged;
+        }
+        let last = self.tenant(self.last_left?)?.projected();
+        self.vtime = self.vtime.max(last);
+        Some(self.vtime)
+    }
+
+    /// Takes a request out of its tenant's queue (admitted or departed); the tenant leaves
+    /// the backlog with its last one.
+    fn dequeue(&mut self, id: u32, q: Queued, cost: f64) {
+        let Some(t) = self.tenant_mut(id) else { return };
+        t.queue.remove(&q.ord);
+        t.dequeued += cost;
+        match t.queue.first().copied() {
+            None => {
+                t.enqueued = 0.0;
+                t.dequeued = 0.0;
+                t.holes.clear();
+                let projected = t.projected();
+                self.vtime = self.vtime.max(projected);
+                self.last_left = Some(id);
+            }
+            Some(head) => {
+                if q.ord > head {
+                    t.holes.insert(q.ord, cost);
+                }
+                while t.holes.first_key_value().is_some_and(|(&o, _)| o < head) {
+                    t.holes.pop_first();
+                }
+            }
+        }
+    }
+
+    fn arrived(&mut self, seq: SeqView<'_>) {
+        let (rid, id) = (seq.id(), seq.tenant_id());
+        if self.requests.contains_key(&rid) {
+            return;
+        }
+        if self.tenants.len() <= id as usize {
+            self.tenants.resize(id as usize + 1, None);
+        }
+        let tenant_weight = self.weights.get(seq.tenant()).copied().unwrap_or(1.0);
+        let t = self.tenants[id as usize].get_or_insert_with(|| Tenant {
+            weight: tenant_weight,
+            ..Tenant::default()
+        });
+        t.live += 1;
+        let weight = t.weight * self.tier_weights.get(seq.tier()).copied().unwrap_or(1.0);
+        let prompt = seq.prompt_len() as f64 * self.input_weight / weight;
+        let mut entry = Entry {
+            tenant: id,
+            weight,
+            uncharged: prompt,
+            queued: None,
+        };
+        match seq.state() {
+            RequestState::Waiting => {
+                if t.queue.is_empty() {
+                    if let Some(lift) = self.lift_target(id) {
+                        if let Some(t) = self.tenant_mut(id) {
+                            t.counter = t.counter.max(lift - t.uncharged);
+                        }
+                    }
+                }
+                let ord = self.next_ord;
+                self.next_ord += 1;
+                if let Some(t) = self.tenant_mut(id) {
+                    entry.queued = Some(Queued {
+                        ord,
+                        start: t.enqueued,
+                    });
+                    t.enqueued += prompt;
+                    t.queue.insert(ord);
+                }
+            }
+            // Replayed after a swap: already admitted; what is computed of the prompt
+            // counts as charged (a preempted request's prompt was computed before).
+            state => {
+                let left = match state {
+                    RequestState::Running => {
+                        seq.prompt_len().saturating_sub(seq.num_computed_tokens())
+                    }
+                    _ => 0,
+                };
+                entry.uncharged = left as f64 * self.input_weight / weight;
+                t.uncharged += entry.uncharged;
+            }
+        }
+        self.requests.insert(rid, entry);
+    }
+
+    fn served(&mut self, seq: SeqView<'_>, prompt_tokens: usize, output_tokens: usize) {
+        let Some(e) = self.requests.get_mut(&seq.id()) else {
+            return;
+        };
+        let (tenant, weight, admitted) = (e.tenant, e.weight, e.queued.take());
+        let prompt = prompt_tokens as f64 * self.input_weight / weight;
+        let output = output_tokens as f64 * self.output_weight / weight;
+        let was_uncharged = prompt.min(e.uncharged);
+        let cost = e.uncharged;
+        e.uncharged -= was_uncharged;
+        if let Some(q) = admitted {
+            // Admitted: its prompt counts from now on (so also when its tenant leaves the
+            // backlog with it, as VTC charges it at admission).
+            if let Some(t) = self.tenant_mut(tenant) {
+                t.uncharged += cost;
+            }
+            self.dequeue(tenant, q, cost);
+        }
+        if let Some(t) = self.tenant_mut(tenant) {
+            t.counter += prompt + output;
+            t.uncharged = (t.uncharged - was_uncharged).max(0.0);
+        }
+    }
+
+    fn departed(&mut self, seq: SeqView<'_>) {
+        let Some(e) = self.requests.remove(&seq.id()) else {
+            return;
+        };
+        match e.queued {
+            Some(q) => self.dequeue(e.tenant, q, e.uncharged),
+            None => {
+                if let Some(t) = self.tenant_mut(e.tenant) {
+                    t.uncharged = (t.uncharged - e.uncharged).max(0.0);
+                }
+            }
+        }
+        if let Some(t) = self.tenant_mut(e.tenant) {
+            t.live = t.live.saturating_sub(1);
+            if t.live == 0 {
+                t.uncharged = 0.0; // rounding left over
+            }
+        }
+    }
+}
+
+/// A rank key ordered like `x` for every `x >= 0` (its IEEE bits), with no loss of precision
+/// and no saturation.
+fn key(x: f64) -> i64 {
+    x.max(0.0).to_bits() as i64
 }
 
 impl Policy for FairShare {
@@ -103,120 +376,32 @@ impl Policy for FairShare {
         if seq.is_running() {
             return Rank::default();
         }
-        let c = (self.counter(seq.tenant_id()) * SCALE).min(i64::MAX as f64) as i64;
-        Rank { class: 1, key: c }
+        let Some(t) = self.tenant(seq.tenant_id()) else {
+            return Rank { class: 1, key: 0 };
+        };
+        let ahead = match self.requests.get(&seq.id()).and_then(|e| e.queued) {
+            Some(q) => t.ahead(q.ord, q.start),
+            None => 0.0,
+        };
+        Rank {
+            class: 1,
+            key: key(t.projected() + ahead),
+        }
     }
 
     fn observe(&mut self, event: PolicyEvent<'_>) {
         match event {
-            PolicyEvent::Arrived(seq) => {
-                let id = seq.tenant_id();
-                let floor = match self.tenant(id) {
-                    Some(t) if t.live > 0 => None,
-                    _ => self
-                        .tenants
-                        .iter()
-                        .flatten()
-                        .filter(|t| t.live > 0)
-                        .map(|t| t.counter)
-                        .reduce(f64::min),
-                };
-                if self.tenants.len() <= id as usize {
-                    self.tenants.resize(id as usize + 1, None);
-                }
-                let weight = self.weights.get(seq.tenant()).copied().unwrap_or(1.0);
-                let t = self.tenants[id as usize].get_or_insert(Tenant {
-                    counter: 0.0,
-                    live: 0,
-                    weight,
-                });
-                if let Some(f) = floor {
-                    t.counter = t.counter.max(f);
-                }
-                t.live += 1;
-            }
+            PolicyEvent::Arrived(seq) => self.arrived(seq),
             PolicyEvent::Served {
                 seq,
                 prompt_tokens,
                 output_tokens,
-            } => {
-                let cost = prompt_tokens as f64 * self.input_weight
-                    + output_tokens as f64 * self.output_weight;
-                if let Some(t) = self.tenant_mut(seq.tenant_id()) {
-                    t.counter += cost / t.weight;
-                }
-            }
-            PolicyEvent::Departed(seq) => {
-                if let Some(t) = self.tenant_mut(seq.tenant_id()) {
-                    t.live = t.live.saturating_sub(1);
-                }
-            }
+            } => self.served(seq, prompt_tokens, output_tokens),
+            PolicyEvent::Departed(seq) => self.departed(seq),
         }
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::policy::testutil::seq;
-    use crate::sequence::Sequence;
-
-    fn of(tenant: &str, id: u64) -> Sequence {
-        let mut s = seq(id, id, 10);
-        s.req.tenant = tenant.into();
-        s.tenant_id = u32::from(tenant.as_bytes()[0] - b'a');
-        s
-    }
-
-    fn serve(p: &mut FairShare, s: &Sequence, prompt: usize, out: usize) {
-        p.observe(PolicyEvent::Served {
-            seq: SeqView::new(s),
-            prompt_tokens: prompt,
-            output_tokens: out,
-        });
-    }
-
-    #[test]
-    fn counters_charge_input_and_output_with_tenant_weight() {
-        let mut w = BTreeMap::new();
-        w.insert("b".to_string(), 2.0);
-        let mut p = FairShare::new(1.0, 2.0, w);
-        let (a, b) = (of("a", 1), of("b", 2));
-        p.observe(PolicyEvent::Arrived(SeqView::new(&a)));
-        p.observe(PolicyEvent::Arrived(SeqView::new(&b)));
-        serve(&mut p, &a, 100, 1); // 100 + 2 = 102
-        serve(&mut p, &b, 100, 1); // 102 / 2 = 51
-        assert_eq!(p.counter(0), 102.0);
-        assert_eq!(p.counter(1), 51.0);
-        // b has received less weighted service, so b's waiting requests come first.
-        let (a2, b2) = (of("a", 3), of("b", 4));
-        assert!(p.rank(SeqView::new(&b2), Timestamp(0)) < p.rank(SeqView::new(&a2), Timestamp(0)));
-    }
-
-    #[test]
-    fn idle_tenant_is_lifted_to_the_smallest_live_counter() {
-        let mut p = FairShare::new(1.0, 2.0, BTreeMap::new());
-        let (a, b) = (of("a", 1), of("b", 2));
-        p.observe(PolicyEvent::Arrived(SeqView::new(&a)));
-        p.observe(PolicyEvent::Arrived(SeqView::new(&b)));
-        serve(&mut p, &a, 500, 0);
-        serve(&mut p, &b, 300, 0);
-        // c arrives while a (500) and b (300) are live: lifted to 300.
-        let c = of("c", 3);
-        p.observe(PolicyEvent::Arrived(SeqView::new(&c)));
-        assert_eq!(p.counter(2), 300.0);
-        // b departs and returns: it is lifted to min(a = 500, c = 700) = 500.
-        p.observe(PolicyEvent::Departed(SeqView::new(&b)));
-        serve(&mut p, &c, 400, 0); // c = 700
-        p.observe(PolicyEvent::Arrived(SeqView::new(&of("b", 4))));
-        assert_eq!(p.counter(1), 500.0);
-    }
-
-    #[test]
-    fn running_requests_keep_arrival_order() {
-        let p = FairShare::new(1.0, 2.0, BTreeMap::new());
-        let mut r = of("a", 1);
-        r.state = crate::types::RequestState::Running;
-        assert_eq!(p.rank(SeqView::new(&r), Timestamp(0)), Rank::default());
-    }
-}
+#[path = "fair_share_tests.rs"]
+mod tests;

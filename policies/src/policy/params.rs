@@ -123,8 +123,15 @@ impl<'v> Params<'v> {
         }
     }
 
-    /// A map from short strings to positive finite numbers (empty when absent).
-    pub(crate) fn positive_map(&self, field: &str) -> Result<BTreeMap<String, f64>, PolicyError> {
+    /// A map from short strings (`what`s, e.g. tenants) to finite numbers in `min..=max`
+    /// (empty when absent); an error names the entry.
+    pub(crate) fn map_in(
+        &self,
+        field: &str,
+        what: &str,
+        min: f64,
+        max: f64,
+    ) -> Result<BTreeMap<String, f64>, PolicyError> {
         let Some(v) = self.get(field) else {
             return Ok(BTreeMap::new());
         };
@@ -145,15 +152,21 @@ impl<'v> Params<'v> {
                         format!("keys must be strings of at most {MAX_KEY_LEN} bytes"),
                     )
                 })?;
-            let x = val
-                .as_f64()
-                .filter(|x| x.is_finite() && *x > 0.0)
-                .ok_or_else(|| {
-                    self.err(
-                        field,
-                        format!("value for `{key}` must be a positive number"),
-                    )
-                })?;
+            let x = val.as_f64().ok_or_else(|| {
+                self.err(
+                    field,
+                    format!(
+                        "value for {what} `{key}`: expected a number, got {}",
+                        kind(val)
+                    ),
+                )
+            })?;
+            if !x.is_finite() || x < min || x > max {
+                return Err(self.err(
+                    field,
+                    format!("value for {what} `{key}` must be in {min}..={max}, got {x}"),
+                ));
+            }
             out.insert(key.to_string(), x);
         }
         Ok(out)
@@ -211,10 +224,22 @@ mod tests {
     }
 
     #[test]
-    fn positive_map_validates_values() {
-        let v = yaml("{w: {a: 2, b: 0}}");
-        let p = Params::new("x", &v, &["w"]).unwrap();
-        let e = p.positive_map("w").err().unwrap().to_string();
-        assert!(e.contains("`w`") && e.contains("`b`"), "{e}");
+    fn map_in_validates_values_and_names_the_entry() {
+        let v = yaml("{w: {a: 2, b: 0}, tiny: {c: 1e-300}, huge: {d: 1e7}, s: {e: x}}");
+        let p = Params::new("x", &v, &["w", "tiny", "huge", "s"]).unwrap();
+        for (field, key) in [("w", "`b`"), ("tiny", "`c`"), ("huge", "`d`"), ("s", "`e`")] {
+            let e = p
+                .map_in(field, "tenant", 1e-3, 1e6)
+                .err()
+                .unwrap()
+                .to_string();
+            assert!(
+                e.contains(&format!("`{field}`")) && e.contains(&format!("tenant {key}")),
+                "{e}"
+            );
+        }
+        let ok = yaml("{w: {a: 0.001, b: 1000000}}");
+        let p = Params::new("x", &ok, &["w"]).unwrap();
+        assert_eq!(p.map_in("w", "tenant", 1e-3, 1e6).unwrap().len(), 2);
     }
 }

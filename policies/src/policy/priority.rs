@@ -8,10 +8,12 @@
 //! * #40004: a waiting request may preempt running work of strictly worse effective
 //!   priority not only when KV blocks run out but also when `max_num_seqs` is reached
 //!   (the core asks [`Policy::may_preempt`] in both cases).
-//! * #41951: within a priority level a preempted request ranks before fresh ones (a bounded
-//!   boost of up to `preempted_boost_cap` preemptions), and victims are chosen with the very
-//!   same rank, so a re-admitted request is not the next victim and wasted recompute stays
-//!   bounded.
+//! * #41951: within a priority level a preempted request waiting for re-admission ranks
+//!   before fresh ones (a bounded boost of up to `preempted_boost_cap` preemptions), so its
+//!   recompute is not postponed behind later arrivals. The boost only orders the waiting
+//!   queue: running requests rank by effective priority, then arrival, so a victim is the
+//!   newest running request of the worst level and a re-admitted, barely prefilled request
+//!   never makes an older request of its level the victim in its place.
 //!
 //! Running and waiting requests age alike (from arrival): the difference of two effective
 //! priorities only takes two adjacent values over time, so with the strict comparison of
@@ -38,17 +40,25 @@ pub struct PriorityPolicy {
 }
 
 impl PriorityPolicy {
-    /// A priority policy; `aging_interval_ms == 0` disables aging.
+    /// A priority policy; `aging_interval_ms == 0` disables aging. The interval is rounded
+    /// to whole microseconds, at least one when it is positive (so aging never switches off
+    /// by rounding).
     pub fn new(aging_interval_ms: f64, preempt: bool, boost_cap: u32) -> Self {
+        let us = (aging_interval_ms * 1e3).round() as u64;
         Self {
-            aging_interval_us: (aging_interval_ms * 1e3) as u64,
+            aging_interval_us: if aging_interval_ms > 0.0 {
+                us.max(1)
+            } else {
+                0
+            },
             preempt,
             boost_cap,
         }
     }
 
     /// Builds the policy from `{aging_interval_ms, preempt, preempted_boost_cap}`
-    /// (defaults 10000, true, 3).
+    /// (defaults 10000, true, 3). `aging_interval_ms` is 0 (no aging) or at least 0.001 (one
+    /// microsecond, the clock's resolution).
     pub fn create(
         params: &serde_yaml::Value,
         _tiers: &[TierSpec],
@@ -59,6 +69,15 @@ impl PriorityPolicy {
             &["aging_interval_ms", "preempt", "preempted_boost_cap"],
         )?;
         let aging = p.f64_in("aging_interval_ms", 10_000.0, 0.0, 1e9)?;
+        if aging > 0.0 && aging < 1e-3 {
+            return Err(PolicyError::InvalidParam {
+                policy: NAME,
+                field: "aging_interval_ms".into(),
+                reason: format!(
+                    "must be 0 (no aging) or at least 0.001 (one microsecond), got {aging}"
+                ),
+            });
+        }
         let preempt = p.bool("preempt", true)?;
         let cap = p.u64_in("preempted_boost_cap", 3, 0, 1000)? as u32;
         Ok(Box::new(Self::new(aging, preempt, cap)))
@@ -80,9 +99,16 @@ impl Policy for PriorityPolicy {
     }
 
     fn rank(&self, seq: SeqView<'_>, now: Timestamp) -> Rank {
+        // The re-admission boost orders the waiting queue only: among running requests
+        // (service order, and victims in reverse) arrival decides within a level.
+        let boost = if seq.is_running() {
+            0
+        } else {
+            seq.num_preemptions().min(self.boost_cap)
+        };
         Rank {
             class: self.effective_priority(seq, now),
-            key: -i64::from(seq.num_preemptions().min(self.boost_cap)),
+            key: -i64::from(boost),
         }
     }
 
@@ -95,7 +121,7 @@ impl Policy for PriorityPolicy {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::policy::testutil::{decoding, seq};
+    use crate::policy::testutil::{decoding, prefilling, seq};
 
     fn with_prio(id: u64, arrival: u64, prio: i32) -> crate::sequence::Sequence {
         let mut s = seq(id, arrival, 10);
@@ -136,6 +162,46 @@ mod tests {
     }
 
     #[test]
+    fn boost_orders_the_waiting_queue_only() {
+        let p = PriorityPolicy::new(0.0, true, 3);
+        let mut again = with_prio(2, 50, 1);
+        again.num_preemptions = 1;
+        let running = |s: crate::sequence::Sequence| prefilling(s, 2);
+        // Running, the re-admitted request ranks like any other of its level (arrival then
+        // decides, so it is preempted before an older request).
+        let older = decoding(with_prio(1, 0, 1), 5, 10);
+        let again = running(again);
+        assert_eq!(
+            p.rank(SeqView::new(&again), Timestamp(60)),
+            p.rank(SeqView::new(&older), Timestamp(60))
+        );
+    }
+
+    #[test]
+    fn sub_microsecond_aging_interval_is_refused() {
+        let create = |v: &str| {
+            let v: serde_yaml::Value = serde_yaml::from_str(v).unwrap();
+            PriorityPolicy::create(&v, &[])
+        };
+        let e = create("{aging_interval_ms: 0.0005}")
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains("aging_interval_ms") && e.contains("0.001"),
+            "{e}"
+        );
+        assert!(create("{aging_interval_ms: 0}").is_ok());
+        assert!(create("{aging_interval_ms: 0.001}").is_ok());
+        // Built directly, a positive interval never rounds down to "no aging".
+        let p = PriorityPolicy::new(0.0004, true, 3);
+        let s = with_prio(1, 0, 5);
+        assert_eq!(p.effective_priority(SeqView::new(&s), Timestamp(3)), 2);
+        // Rounded, not truncated: 4.35 ms is 4350 us (4349.999... in binary).
+        assert_eq!(PriorityPolicy::new(4.35, true, 3).aging_interval_us, 4350);
+    }
+
+    #[test]
     fn only_strictly_more_urgent_work_preempts() {
         let p = PriorityPolicy::new(0.0, true, 3);
         let urgent = with_prio(1, 10, 0);
@@ -146,5 +212,76 @@ mod tests {
         assert!(!p.may_preempt(SeqView::new(&same), SeqView::new(&running), now));
         let off = PriorityPolicy::new(0.0, false, 3);
         assert!(!off.may_preempt(SeqView::new(&urgent), SeqView::new(&running), now));
+    }
+}
+
+#[cfg(test)]
+mod through_the_scheduler {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::types::{
+        Request, RequestId, SamplingLimits, SchedulerConfig, SloTargets, StepOutput,
+    };
+    use crate::Scheduler;
+
+    fn req(id: u64, arrival: u64, prio: i32, prompt: usize, max_tokens: u32) -> Request {
+        Request {
+            id: RequestId(id),
+            tenant: String::new(),
+            tier: String::new(),
+            priority: prio,
+            lora_adapter: None,
+            arrival: Timestamp(arrival),
+            slo: SloTargets::default(),
+            prompt: Arc::from(vec![3u32; prompt]),
+            limits: SamplingLimits {
+                max_tokens,
+                ..SamplingLimits::default()
+            },
+            cache_salt: None,
+        }
+    }
+
+    /// Review finding 6: D (arrival 0) and R (arrival 1) decode at the same priority in 12
+    /// blocks of 4 tokens. At step 14 urgent U preempts R (the newest); U ends, R is
+    /// re-admitted and recomputed; at step 23 the blocks run out again. The victim must be R
+    /// again, the newer of the two: with the re-admission boost in the running order, R
+    /// outranked D and the older D was preempted instead (once per boosted preemption).
+    #[test]
+    fn readmitted_request_does_not_make_an_older_one_the_victim() {
+        let c = SchedulerConfig {
+            max_num_seqs: 8,
+            max_num_batched_tokens: 1024,
+            block_size: 4,
+            num_gpu_blocks: 12,
+            enable_prefix_caching: false,
+            max_model_len: 256,
+            ..SchedulerConfig::default()
+        };
+        let policy = Box::new(PriorityPolicy::new(0.0, true, 3));
+        let mut s = Scheduler::new(c, policy, [1, 2]).unwrap();
+        s.add_request(req(1, 0, 1, 4, 40)).unwrap(); // D
+        s.add_request(req(2, 1, 1, 4, 30)).unwrap(); // R
+        let mut victims = Vec::new();
+        for now in 2..200u64 {
+            if now == 14 {
+                s.add_request(req(3, now, 0, 20, 1)).unwrap(); // U
+            }
+            let plan = s.schedule(Timestamp(now));
+            victims.extend(plan.preempted.iter().map(|id| (now, id.0)));
+            let outs: Vec<StepOutput> = plan
+                .seqs
+                .iter()
+                .filter(|q| q.samples)
+                .map(|q| StepOutput::new(q.id, 7))
+                .collect();
+            s.apply_outputs(&plan, &outs, Timestamp(now));
+            s.check_invariants().unwrap();
+            if !s.has_unfinished() {
+                break;
+            }
+        }
+        assert_eq!(victims, [(14, 2), (23, 2)]);
     }
 }
