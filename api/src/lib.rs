@@ -14,7 +14,7 @@
 //! use switchyard_api::{ApiConfig, ApiState, ServerOptions};
 //! let metrics = switchyard_api::metrics::install_prometheus_recorder().ok();
 //! let state = ApiState::new(engine, ApiConfig::default(), metrics);
-//! let server = switchyard_api::build_server(state.clone(), &ServerOptions::default())?;
+//! let (server, _addrs) = switchyard_api::build_server(state.clone(), &ServerOptions::default())?;
 //! // On SIGTERM: state.begin_drain(); wait for state.wait_idle() (bounded);
 //! // then server.handle().stop(true).
 //! server.await

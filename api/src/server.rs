@@ -149,11 +149,15 @@ impl Default for ServerOptions {
     }
 }
 
-/// Binds the server. The caller awaits the returned [`Server`] inside an actix (or
+/// Binds the server and returns it with the addresses it listens on (a port 0 asked for is
+/// the one the system picked). The caller awaits the returned [`Server`] inside an actix (or
 /// `#[actix_web::main]`) runtime and keeps `server.handle()` to stop it. actix-web's own
 /// signal handling is disabled: the binary drains with [`ApiState::begin_drain`] and
 /// [`ApiState::wait_idle`], then calls `handle.stop(true)`.
-pub fn build_server(state: ApiState, options: &ServerOptions) -> std::io::Result<Server> {
+pub fn build_server(
+    state: ApiState,
+    options: &ServerOptions,
+) -> std::io::Result<(Server, Vec<SocketAddr>)> {
     let app_state = state.clone();
     let mut server = HttpServer::new(move || {
         let state = app_state.clone();
@@ -171,5 +175,6 @@ pub fn build_server(state: ApiState, options: &ServerOptions) -> std::io::Result
     for addr in &options.bind {
         server = server.bind(addr)?;
     }
-    Ok(server.run())
+    let addrs = server.addrs();
+    Ok((server.run(), addrs))
 }

@@ -248,9 +248,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         });
         metrics::gauge!(switchyard_api::metrics::POLICY_INFO, "policy" => policy_label(&adapter.policy.lock().name)).set(1.0);
         let state = ApiState::new(adapter.clone(), api_config, prometheus);
-        let server = switchyard_api::build_server(state.clone(), &options)?;
+        let (server, addrs) = switchyard_api::build_server(state.clone(), &options)?;
         let handle = server.handle();
-        tracing::info!(addr = ?options.bind, "serving");
+        tracing::info!(addr = ?addrs, "serving");
         let reloader = reload::Reloader::new(
             adapter,
             config_path,
