@@ -121,6 +121,8 @@ struct Admission {
     num_new: usize,
     /// Blocks to reserve for that chunk.
     need_new: usize,
+    /// Blocks its whole remaining prefill takes (those of the chunk included).
+    need_all: usize,
 }
 
 /// Mutable state of the plan being built.
@@ -136,6 +138,10 @@ struct Building<'p> {
     logit_rows: usize,
     /// Planning ahead of a step in flight: nothing may be preempted.
     ahead: bool,
+    /// Blocks the running sequences still owe their known tokens (see `blocks_owed`), once
+    /// counted in this step: kept up to date as sequences are admitted, recounted after a
+    /// preemption.
+    owed: Option<usize>,
 }
 
 impl Building<'_> {
@@ -315,6 +321,7 @@ impl Scheduler {
                 .max_logit_rows
                 .saturating_sub(self.config.max_num_seqs),
             ahead,
+            owed: None,
         };
         let mut order = std::mem::take(&mut self.order);
         let mut ranked = if ahead {
@@ -635,6 +642,7 @@ impl Scheduler {
 
     /// Preempts a running sequence by recompute, unscheduling it if it was planned.
     fn preempt(&mut self, slot: u32, now: Timestamp, b: &mut Building<'_>) {
+        b.owed = None;
         if let Some(pos) = self.last_slots.iter().position(|&s| s == slot) {
             let removed = b.plan.seqs[pos].num_new_tokens;
             b.plan.seqs[pos..b.len].rotate_left(1);
@@ -800,7 +808,7 @@ impl Scheduler {
         &mut self,
         slot: u32,
         max_new: usize,
-        b: &Building<'_>,
+        b: &mut Building<'_>,
     ) -> Result<Admission, Shortfall> {
         let caching = self.config.enable_prefix_caching;
         let Some(seq) = self.seqs.get_mut(slot as usize).and_then(|s| s.as_mut()) else {
@@ -809,6 +817,7 @@ impl Scheduler {
                 computed: 0,
                 num_new: 0,
                 need_new: 0,
+                need_all: 0,
             });
         };
         let bs = self.ledger.block_size();
@@ -844,7 +853,10 @@ impl Scheduler {
             .count();
         // The running sequences' own known tokens come first: blocks they will take for the
         // rest of their prefills (admitted for a first chunk) are not free for this one.
-        let owed = self.blocks_owed();
+        let owed = match b.owed {
+            Some(owed) => owed,
+            None => *b.owed.insert(self.blocks_owed()),
+        };
         let available = self
             .ledger
             .num_free()
@@ -860,6 +872,7 @@ impl Scheduler {
             computed,
             num_new,
             need_new,
+            need_all,
         })
     }
 
@@ -892,7 +905,12 @@ impl Scheduler {
             computed,
             num_new,
             need_new,
+            need_all,
         } = self.admission(slot, max_new, b)?;
+        // Running now, it owes the rest of its prefill's blocks.
+        if let Some(owed) = b.owed.as_mut() {
+            *owed += need_all - need_new;
+        }
         let caching = self.config.enable_prefix_caching;
         let Some(seq) = self.seqs.get_mut(slot as usize).and_then(|s| s.as_mut()) else {
             return Ok(());
