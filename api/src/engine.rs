@@ -453,15 +453,36 @@ pub enum TokenizeInput {
 
 /// A policy to switch to: a registered name and its YAML/JSON parameters (`PUT
 /// /admin/policy`). Unknown fields are refused: a misspelt `params` would otherwise swap in
-/// the policy's defaults without a word.
+/// the policy's defaults without a word. `GET /admin/policy`'s `available` is accepted and
+/// ignored, so that a body read, edited and sent back works.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(from = "PolicySpecFields")]
 pub struct PolicySpec {
     /// Registered policy name, e.g. `fcfs`, `priority`, `slo-aware`.
     pub name: String,
     /// Policy parameters; `{}` means the policy's defaults.
-    #[serde(default = "empty_params")]
     pub params: serde_json::Value,
+}
+
+/// The fields a [`PolicySpec`] is read from.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PolicySpecFields {
+    name: String,
+    #[serde(default = "empty_params")]
+    params: serde_json::Value,
+    /// `GET /admin/policy`'s list of policies, sent back as it was read.
+    #[serde(default, rename = "available")]
+    _available: Option<serde::de::IgnoredAny>,
+}
+
+impl From<PolicySpecFields> for PolicySpec {
+    fn from(f: PolicySpecFields) -> Self {
+        Self {
+            name: f.name,
+            params: f.params,
+        }
+    }
 }
 
 fn empty_params() -> serde_json::Value {
@@ -592,6 +613,15 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("unknown field `param`"), "{e}");
+        // What GET /admin/policy answers can be sent back.
+        let spec: PolicySpec = serde_json::from_str(
+            r#"{"name":"priority","params":{"aging_interval_ms":50},"available":["fcfs"]}"#,
+        )
+        .expect("a GET body");
+        assert_eq!(
+            (spec.name.as_str(), &spec.params),
+            ("priority", &serde_json::json!({"aging_interval_ms": 50}))
+        );
     }
 
     #[test]

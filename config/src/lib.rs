@@ -152,18 +152,26 @@ impl Config {
         } else {
             serde_yaml::from_str(text).map_err(|e| parse_err(file, e))?
         };
-        if !overrides.is_empty() {
+        if let Some(last) = overrides.last() {
             let mut value = serde_yaml::to_value(&config).map_err(|e| parse_err(file, e))?;
-            // One at a time, so that a value out of range or of the wrong type is blamed on
-            // the override that brought it.
             for o in overrides {
                 apply_override(&mut value, o)?;
-                config =
-                    serde_yaml::from_value(value.clone()).map_err(|e| ConfigError::Override {
-                        text: o.to_string(),
-                        message: format!("field `{}`: {e}", o.path()),
-                    })?;
             }
+            // All of them, then one check, so that a later override can correct an earlier
+            // one (`--set` over the environment); a value out of range or of the wrong type
+            // is blamed on the last override of its field.
+            config = serde_path_to_error::deserialize(value).map_err(|e| {
+                let field = e.path().to_string();
+                let by = overrides
+                    .iter()
+                    .rev()
+                    .find(|o| o.covers(&field))
+                    .unwrap_or(last);
+                ConfigError::Override {
+                    text: by.to_string(),
+                    message: format!("field `{field}`: {}", e.inner()),
+                }
+            })?;
         }
         config.validate().map_err(|(field, message)| {
             // A rule broken by an overridden field is the override's, not the file's (the
@@ -287,6 +295,17 @@ mod tests {
             &["cache.block_size=0".into(), "server.port=9000".into()],
         );
         assert!(e.contains("--set cache.block_size=0"), "{e}");
+        // A later override corrects an earlier one (`--set` over the environment).
+        let c = Config::from_yaml_with_overrides(
+            "",
+            "t.yaml",
+            &[
+                env("SWITCHYARD__CACHE__BLOCK_SIZE", "0"),
+                "cache.block_size=32".into(),
+            ],
+        )
+        .expect("the later override wins");
+        assert_eq!(c.cache.block_size, 32);
     }
 
     #[test]

@@ -989,6 +989,12 @@ impl Scheduler {
                     continue;
                 }
                 if blocks > 0 {
+                    // Blocks it still owes its known tokens were counted as taken (see
+                    // `blocks_owed`): preempted, it owes nothing.
+                    freed += self
+                        .ledger
+                        .blocks_for(v.num_tokens())
+                        .saturating_sub(v.block_table.len());
                     for &blk in &v.block_table {
                         let last_ref = match self.ledger.ref_count(blk) {
                             Some(1) => true,

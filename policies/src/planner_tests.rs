@@ -395,6 +395,26 @@ fn a_victim_is_preempted_for_a_seat_only_if_the_blocks_fit_too() {
 }
 
 #[test]
+fn a_victim_frees_the_blocks_it_still_owes_its_prefill() {
+    // 12 blocks of 4 tokens, three spare logit rows: request 1 (priority 1, prompt logprobs,
+    // 44 tokens) runs chunks of at most 4 tokens, holding 2 blocks after step 1 and owing 9.
+    // Urgent request 2 (16 tokens: 4 blocks) finds 1 block free of what is owed; preempting
+    // request 1 frees its 2 held blocks and the 9 it owes, so it is preempted at once.
+    let mut c = config(12, 4);
+    c.max_logit_rows = c.max_num_seqs + 3;
+    let mut s = sched(c, Box::new(PriorityPolicy::new(0.0, true, 3)));
+    let mut low = with_adapter(req(1, 0, vec![1; 44], 1), None, 1);
+    low.limits.prompt_logits = true;
+    s.add_request(low).unwrap();
+    step(&mut s, 0, 3);
+    s.add_request(with_adapter(req(2, 1, vec![2; 16], 1), None, 0))
+        .unwrap();
+    let (p, _) = step(&mut s, 1, 3);
+    assert_eq!(p.preempted, vec![RequestId(1)]);
+    assert_eq!(ids(&p), vec![2]);
+}
+
+#[test]
 fn a_request_whose_prefill_does_not_fit_waits_instead_of_preempting_itself() {
     // 10 blocks of 4 tokens, 8 tokens per step. Request 1 (16 tokens, 8 more) grows to 6
     // blocks; request 2 (28 tokens: 7 blocks) would fit its first chunk beside it but not its
