@@ -155,13 +155,27 @@ impl IncrementalDetokenizer {
                 stopped: false,
             };
         }
+        let old = self.held.len();
         self.held.push_str(&decoded);
-        // Earliest stop-string match in the held window; held text never contains a match that
-        // started in already released text, because any possible start was held back.
+        // Earliest stop-string match in the held window that takes some of the new text (as
+        // vLLM looks): held text never contains a match that started in already released text,
+        // because any possible start was held back, and a match within the old held text
+        // either ended the sequence then or came before `min_tokens` (one stop string inside
+        // another, held as a possible start of the longer one).
         let hit = if self.armed {
             self.stop
                 .iter()
-                .filter_map(|s| self.held.find(s.as_str()).map(|pos| (pos, s.len())))
+                .filter_map(|s| {
+                    let mut from = (old + 1).saturating_sub(s.len());
+                    while !self.held.is_char_boundary(from) {
+                        from -= 1;
+                    }
+                    self.held[from..]
+                        .match_indices(s.as_str())
+                        .map(|(pos, _)| from + pos)
+                        .find(|&pos| pos + s.len() > old)
+                        .map(|pos| (pos, s.len()))
+                })
                 .min_by_key(|&(pos, _)| pos)
         } else {
             None
@@ -299,5 +313,14 @@ mod tests {
         assert!(d.push_into(b".c", &mut text));
         assert_eq!(text, "a.. b");
         assert!(d.is_stopped());
+        // One stop string inside another, whole before min_tokens and held as the possible
+        // start of the longer: it does not end the sequence once armed (vLLM).
+        let mut d = IncrementalDetokenizer::new(vec!["..".into(), "...".into()]);
+        let mut text = String::new();
+        d.arm(false);
+        assert!(!d.push_into(b"a..", &mut text));
+        d.arm(true);
+        assert!(!d.push_into(b"x", &mut text));
+        assert_eq!(text, "a..x");
     }
 }
