@@ -116,6 +116,81 @@ fn streaming_matches_the_non_streaming_text() {
     );
 }
 
+/// The JSON chunks of an SSE stream (without `[DONE]`).
+fn stream_chunks(s: &Server, path: &str, body: &Value) -> Vec<Value> {
+    let r = s
+        .request("POST", path, Some(&body.to_string()), &[])
+        .expect("stream");
+    assert_eq!(r.status, 200, "{}", r.body);
+    let events = sse_events(&r.body);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).expect("chunk json"))
+        .collect()
+}
+
+#[test]
+fn continuous_usage_stats_count_each_choices_tokens_so_far() {
+    let s = &server();
+    let options = json!({"include_usage": true, "continuous_usage_stats": true});
+    let mut body = completion(
+        "Once upon a time",
+        json!({"stream": true, "n": 2, "temperature": 1.0, "seed": 5, "stream_options": options}),
+    );
+    body["model"] = json!(s.model_id());
+    let chunks = stream_chunks(s, "/v1/completions", &body);
+    let (last, rest) = chunks.split_last().expect("chunks");
+    let mut seen = [0u64; 2];
+    let mut prompt = None;
+    for c in rest {
+        // Every chunk carries its choice's usage so far (vLLM's reading).
+        let choice = c["choices"][0]["index"].as_u64().expect("index") as usize;
+        let usage = &c["usage"];
+        let done = usage["completion_tokens"]
+            .as_u64()
+            .expect("usage in every chunk");
+        assert!(done >= seen[choice], "{c}");
+        seen[choice] = done;
+        let p = usage["prompt_tokens"].as_u64().expect("prompt tokens");
+        assert_eq!(*prompt.get_or_insert(p), p);
+        assert_eq!(usage["total_tokens"].as_u64(), Some(p + done));
+    }
+    // The closing usage chunk adds up the choices.
+    assert!(
+        last["choices"].as_array().is_some_and(|a| a.is_empty()),
+        "{last}"
+    );
+    assert_eq!(last["usage"]["completion_tokens"], seen[0] + seen[1]);
+    assert!(seen.iter().all(|&n| n > 0));
+
+    // Chat: the role chunk counts nothing yet.
+    let chat = json!({"model": s.model_id(), "max_tokens": 6, "temperature": 0, "stream": true,
+        "stream_options": options, "messages": [{"role": "user", "content": "Hi"}]});
+    let chunks = stream_chunks(s, "/v1/chat/completions", &chat);
+    assert_eq!(chunks[0]["usage"]["completion_tokens"], 0, "{}", chunks[0]);
+    let last_choice = chunks
+        .iter()
+        .rev()
+        .find(|c| c["choices"].as_array().is_some_and(|a| !a.is_empty()))
+        .expect("a choice chunk");
+    assert_eq!(
+        last_choice["usage"]["completion_tokens"],
+        chunks.last().expect("usage")["usage"]["completion_tokens"]
+    );
+    // Without include_usage it asks for nothing (vLLM).
+    let mut body = completion(
+        "Once upon a time",
+        json!({"stream": true, "stream_options": {"continuous_usage_stats": true}}),
+    );
+    body["model"] = json!(s.model_id());
+    let chunks = stream_chunks(s, "/v1/completions", &body);
+    assert!(
+        chunks.iter().all(|c| c.get("usage").is_none()),
+        "{chunks:?}"
+    );
+}
+
 /// A golden generation made by Hugging Face transformers
 /// (gpu/tests/fixtures/smollm2_golden.json, made by gpu/reference/make_golden.py).
 fn golden(name: &str) -> Value {

@@ -41,6 +41,50 @@ pub(crate) trait ChunkWriter: 'static {
     fn usage(&self, usage: Usage) -> Bytes;
 }
 
+/// vLLM's `stream_options.continuous_usage_stats`: every chunk carries the usage so far of its
+/// choice, its prompt's tokens and the tokens the choice generated (vLLM's reading).
+pub(crate) struct RunningUsage {
+    prompt_tokens: Vec<u32>,
+    n: usize,
+    completion: Vec<u32>,
+}
+
+impl RunningUsage {
+    /// Nothing generated yet.
+    pub(crate) fn new(generation: &Generation) -> Self {
+        Self {
+            prompt_tokens: generation.prompt_tokens.clone(),
+            n: usize::try_from(generation.n()).unwrap_or(1).max(1),
+            completion: vec![0; generation.choices()],
+        }
+    }
+
+    /// Choice `choice`'s usage after `tokens` more tokens.
+    pub(crate) fn add(&mut self, choice: u32, tokens: usize) -> Usage {
+        let i = usize::try_from(choice).unwrap_or(usize::MAX);
+        let prompt = self.prompt_tokens.get(i / self.n).copied().unwrap_or(0);
+        let done = self.completion.get_mut(i).map_or(0, |c| {
+            *c = c.saturating_add(u32::try_from(tokens).unwrap_or(u32::MAX));
+            *c
+        });
+        Usage::new(prompt, done)
+    }
+}
+
+/// The `usage` field of a chunk of choice `choice` with `tokens` new tokens: the running usage
+/// when asked for, else `field` (absent, or null with `include_usage`).
+pub(crate) fn chunk_usage(
+    running: &mut Option<RunningUsage>,
+    field: Option<Option<Usage>>,
+    choice: u32,
+    tokens: usize,
+) -> Option<Option<Usage>> {
+    match running {
+        Some(r) => Some(Some(r.add(choice, tokens))),
+        None => field,
+    }
+}
+
 /// One `data:` frame holding `value` as JSON.
 pub(crate) fn frame<T: Serialize>(value: &T) -> Bytes {
     let mut out = b"data: ".to_vec();

@@ -15,7 +15,7 @@ use crate::schema::{
     ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatLogprobs, ChatRequest, ChatResponse,
     ChatResponseMessage, FunctionCall, FunctionCallDelta, ToolCall, ToolCallDelta, Usage,
 };
-use crate::sse::{frame, sse_response, ChunkWriter};
+use crate::sse::{chunk_usage, frame, sse_response, ChunkWriter, RunningUsage};
 use crate::state::{request_id, unix_now, ApiState};
 
 /// Handles `POST /v1/chat/completions`.
@@ -49,6 +49,9 @@ pub(crate) async fn chat_completions(
         model: lora.unwrap_or_else(|| state.engine.model_name().to_owned()),
         logprobs: validated.logprobs.is_some(),
         usage_field: validated.include_usage.then_some(None),
+        running: validated
+            .continuous_usage
+            .then(|| RunningUsage::new(&generation)),
         tools: validated.tool_calls.is_some().then(|| {
             (0..generation.choices())
                 .map(|_| ToolStream::new(tool_format))
@@ -91,6 +94,8 @@ struct ChatWriter {
     model: String,
     logprobs: bool,
     usage_field: Option<Option<Usage>>,
+    /// Every chunk's usage so far, when the client asked for it (`continuous_usage_stats`).
+    running: Option<RunningUsage>,
     /// Per choice, when the output is read back into content and tool calls: the reader.
     tools: Option<Vec<ToolStream>>,
     /// Per choice, when reasoning is read apart from the answer: the splitter (before the
@@ -115,6 +120,11 @@ struct Reading {
 }
 
 impl ChatWriter {
+    /// The `usage` of a chunk of `choice` carrying `tokens` new tokens.
+    fn usage_for(&mut self, choice: u32, tokens: usize) -> Option<Option<Usage>> {
+        chunk_usage(&mut self.running, self.usage_field, choice, tokens)
+    }
+
     /// What a choice's new text is: content, and the calls it opens and writes. `finished`:
     /// the choice's last text (what was held back comes out).
     fn read(
@@ -255,13 +265,15 @@ impl ChunkWriter for ChatWriter {
                     logprobs: None,
                     finish_reason: None,
                 };
-                frame(&self.chunk(vec![choice], self.usage_field))
+                let usage = self.usage_for(choice.index, 0);
+                frame(&self.chunk(vec![choice], usage))
             })
             .collect()
     }
 
     fn delta(&mut self, delta: ChoiceDelta) -> Option<Bytes> {
         let d = delta.delta;
+        let usage = self.usage_for(delta.choice, d.token_ids.len());
         let Reading {
             reasoning,
             content: text,
@@ -293,7 +305,7 @@ impl ChunkWriter for ChatWriter {
             logprobs: self.logprobs.then(|| ChatLogprobs::from_engine(&logprobs)),
             finish_reason: d.finish.map(|f| self.finish_reason(delta.choice, f.reason)),
         };
-        Some(frame(&self.chunk(vec![choice], self.usage_field)))
+        Some(frame(&self.chunk(vec![choice], usage)))
     }
 
     fn usage(&self, usage: Usage) -> Bytes {

@@ -12,7 +12,7 @@ use crate::generation::{ChoiceDelta, Generation};
 use crate::schema::{
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage,
 };
-use crate::sse::{frame, sse_response, ChunkWriter};
+use crate::sse::{chunk_usage, frame, sse_response, ChunkWriter, RunningUsage};
 use crate::state::{request_id, unix_now, ApiState};
 
 /// Handles `POST /v1/completions`.
@@ -59,6 +59,9 @@ pub(crate) async fn completions(
         logprobs: validated.logprobs.is_some(),
         offsets: vec![0; generation.choices()],
         usage_field: validated.include_usage.then_some(None),
+        running: validated
+            .continuous_usage
+            .then(|| RunningUsage::new(&generation)),
     };
     if validated.stream {
         return Ok(sse_response(
@@ -86,9 +89,16 @@ struct CompletionWriter {
     offsets: Vec<u32>,
     /// `Some(None)` when every chunk carries `"usage": null`.
     usage_field: Option<Option<Usage>>,
+    /// Every chunk's usage so far, when the client asked for it (`continuous_usage_stats`).
+    running: Option<RunningUsage>,
 }
 
 impl CompletionWriter {
+    /// The `usage` of a chunk of `choice` carrying `tokens` new tokens.
+    fn usage_for(&mut self, choice: u32, tokens: usize) -> Option<Option<Usage>> {
+        chunk_usage(&mut self.running, self.usage_field, choice, tokens)
+    }
+
     fn response(
         &self,
         choices: Vec<CompletionChoice>,
@@ -168,13 +178,17 @@ impl ChunkWriter for CompletionWriter {
     fn opening(&mut self, generation: &Generation) -> Vec<Bytes> {
         self.echo_choices(generation)
             .into_iter()
-            .map(|choice| frame(&self.response(vec![choice], self.usage_field)))
+            .map(|choice| {
+                let usage = self.usage_for(choice.index, 0);
+                frame(&self.response(vec![choice], usage))
+            })
             .collect()
     }
 
     fn delta(&mut self, delta: ChoiceDelta) -> Option<Bytes> {
+        let usage = self.usage_for(delta.choice, delta.delta.token_ids.len());
         let choice = self.delta_choice(&delta);
-        Some(frame(&self.response(vec![choice], self.usage_field)))
+        Some(frame(&self.response(vec![choice], usage)))
     }
 
     fn usage(&self, usage: Usage) -> Bytes {

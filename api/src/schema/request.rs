@@ -5,8 +5,8 @@
 //! extensions (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`,
 //! `stop_token_ids`, `priority`, `include_stop_str_in_output`, `skip_special_tokens`). Unknown
 //! fields are ignored, as OpenAI and vLLM do; known fields this server cannot honour (`suffix`,
-//! `best_of`, `stream_options.continuous_usage_stats`) are rejected with a 400 naming them
-//! rather than silently ignored. Tool calling is in [`super::tools`].
+//! `best_of`) are rejected with a 400 naming them rather than silently ignored. Tool calling
+//! is in [`super::tools`].
 
 use std::collections::HashMap;
 
@@ -51,7 +51,8 @@ pub struct StreamOptions {
     /// Send a final chunk with the token usage before `[DONE]`.
     #[serde(default)]
     pub include_usage: bool,
-    /// vLLM's usage in every chunk: not supported, refused when true.
+    /// vLLM's usage in every chunk (with `include_usage`): the tokens so far of the chunk's
+    /// choice.
     #[serde(default)]
     pub continuous_usage_stats: bool,
 }
@@ -270,6 +271,9 @@ pub struct Validated {
     pub stream: bool,
     /// Send a usage chunk at the end of the stream.
     pub include_usage: bool,
+    /// Every chunk carries its choice's usage so far (vLLM's `continuous_usage_stats`, with
+    /// `include_usage`).
+    pub continuous_usage: bool,
     /// Scheduling priority.
     pub priority: i32,
     /// What the output must follow.
@@ -506,7 +510,8 @@ impl CompletionRequest {
             logprobs: self.logprobs,
             echo,
             stream,
-            include_usage: stream_usage(stream, self.stream_options)?,
+            include_usage: stream_usage(stream, &self.stream_options)?,
+            continuous_usage: continuous_usage(&self.stream_options),
             priority: self.priority.unwrap_or(0),
             structured,
             tool_calls: None,
@@ -533,18 +538,21 @@ fn check_prompt_count(count: usize, n: u32) -> Result<(), ApiError> {
     Ok(())
 }
 
-fn stream_usage(stream: bool, options: Option<StreamOptions>) -> Result<bool, ApiError> {
+fn stream_usage(stream: bool, options: &Option<StreamOptions>) -> Result<bool, ApiError> {
     match options {
         Some(_) if !stream => Err(ApiError::invalid(
             "stream_options",
             "stream_options is only allowed when stream is true",
         )),
-        Some(o) if o.continuous_usage_stats => Err(ApiError::invalid(
-            "stream_options.continuous_usage_stats",
-            "stream_options.continuous_usage_stats is not supported (include_usage is)",
-        )),
-        options => Ok(options.is_some_and(|o| o.include_usage)),
+        options => Ok(options.as_ref().is_some_and(|o| o.include_usage)),
     }
+}
+
+/// vLLM's reading: `continuous_usage_stats` counts only together with `include_usage`.
+fn continuous_usage(options: &Option<StreamOptions>) -> bool {
+    options
+        .as_ref()
+        .is_some_and(|o| o.include_usage && o.continuous_usage_stats)
 }
 
 impl ChatRequest {
@@ -634,7 +642,8 @@ impl ChatRequest {
             logprobs,
             echo: false,
             stream,
-            include_usage: stream_usage(stream, self.stream_options)?,
+            include_usage: stream_usage(stream, &self.stream_options)?,
+            continuous_usage: continuous_usage(&self.stream_options),
             priority: self.priority.unwrap_or(0),
             structured,
             tool_calls: tools.as_ref().and_then(ToolUse::answer),
