@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{model_path, Server};
+use common::{lora_fixture_dir, model_path, Server};
 use serde_json::{json, Value};
 use std::ffi::OsString;
 use std::os::unix::ffi::OsStringExt;
@@ -160,26 +160,6 @@ fn put(s: &Server, path: &str, body: &str) -> (u16, Value) {
     )
 }
 
-/// The adapters `GET /v1/models` lists, in order.
-fn adapters(s: &Server) -> Vec<String> {
-    let r = s.request("GET", "/v1/models", None, &[]).expect("models");
-    let v: Value = serde_json::from_str(&r.body).expect("json");
-    v["data"]
-        .as_array()
-        .expect("data")
-        .iter()
-        .skip(1)
-        .filter_map(|m| m["id"].as_str().map(str::to_owned))
-        .collect()
-}
-
-fn adapter_dir() -> &'static str {
-    concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/gpu/tests/fixtures/lora/smollm2-r4"
-    )
-}
-
 /// A server with the admin key, the FCFS policy and the test adapter as `tuned`.
 fn lora_server(name: &str) -> Server {
     start(
@@ -187,7 +167,7 @@ fn lora_server(name: &str) -> Server {
         "  admin_key: admin-secret-key\n",
         &format!(
             "scheduler:\n  policy: {{ name: fcfs }}\nlora:\n  enabled: true\n  adapters:\n    - name: tuned\n      path: {}\n",
-            adapter_dir()
+            lora_fixture_dir()
         ),
         &[],
     )
@@ -278,7 +258,7 @@ fn a_variable_that_is_not_utf8_is_ignored_and_an_open_api_is_logged() {
 #[test]
 fn sighup_with_a_bad_policy_changes_nothing() {
     let s = lora_server("badpolicy");
-    assert_eq!(adapters(&s), ["tuned"]);
+    assert_eq!(s.served_adapters(), ["tuned"]);
     // A bad parameter and a renamed adapter: neither may be applied.
     edit_config(
         &s,
@@ -289,7 +269,7 @@ fn sighup_with_a_bad_policy_changes_nothing() {
     hang_up(&s);
     wait_log(&s, "nothing was reloaded", 1);
     assert_eq!(get(&s, "/admin/policy")["name"], "fcfs");
-    assert_eq!(adapters(&s), ["tuned"]);
+    assert_eq!(s.served_adapters(), ["tuned"]);
     assert_eq!(
         s.metric("switchyard:policy_swaps_total").unwrap_or(0.0),
         0.0
@@ -327,10 +307,10 @@ fn sighup_restores_an_adapter_an_admin_deleted_and_hangups_in_a_row_agree() {
         .request("DELETE", "/admin/lora/tuned", None, &[ADMIN])
         .expect("delete");
     assert_eq!(r.status, 200, "{}", r.body);
-    assert!(adapters(&s).is_empty());
+    assert!(s.served_adapters().is_empty());
     hang_up(&s);
     wait_log(&s, "SIGHUP: reload finished", 1);
-    assert_eq!(adapters(&s), ["tuned"]);
+    assert_eq!(s.served_adapters(), ["tuned"]);
     // Hang-ups close together: each reload sees what the one before did. (Signals close
     // together may be delivered as one: wait until every reload begun has finished.)
     edit_config(&s, "- name: tuned", "- name: renamed");
@@ -348,7 +328,7 @@ fn sighup_restores_an_adapter_an_admin_deleted_and_hangups_in_a_row_agree() {
         std::thread::sleep(Duration::from_millis(50));
     }
     let log = s.log();
-    assert_eq!(adapters(&s), ["renamed"], "{log}");
+    assert_eq!(s.served_adapters(), ["renamed"], "{log}");
     for bad in ["not loaded", "not unloaded", "not replaced"] {
         assert!(!log.contains(bad), "`{bad}` in the log:\n{log}");
     }

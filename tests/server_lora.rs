@@ -7,17 +7,10 @@
 
 mod common;
 
-use common::Server;
+use common::{lora_fixture_dir, Server};
 use serde_json::{json, Value};
 
 const ADMIN: (&str, &str) = ("Authorization", "Bearer admin-secret-key");
-
-fn adapter_dir() -> &'static str {
-    concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/gpu/tests/fixtures/lora/smollm2-r4"
-    )
-}
 
 fn server() -> Server {
     Server::start_with(
@@ -34,7 +27,7 @@ lora:
     - name: tuned
       path: {}
 ",
-            adapter_dir()
+            lora_fixture_dir()
         ),
     )
 }
@@ -207,7 +200,7 @@ fn adapters_load_and_unload_at_run_time_through_the_admin_api() {
         let v: Value = serde_json::from_str(&r.body).unwrap_or(Value::Null);
         (r.status, v)
     };
-    let body = json!({"lora_name": "second", "lora_path": adapter_dir()});
+    let body = json!({"lora_name": "second", "lora_path": lora_fixture_dir()});
     assert_eq!(load(&body, &[]).0, 401, "the admin key is required");
     let (status, v) = load(&body, &[ADMIN]);
     assert_eq!(status, 200, "{v}");
@@ -269,23 +262,12 @@ fn adapters_load_and_unload_at_run_time_through_the_admin_api() {
 #[test]
 fn sighup_brings_the_configured_adapters_in_line_with_the_file() {
     let s = &server();
-    let body = json!({"lora_name": "runtime", "lora_path": adapter_dir()});
+    let body = json!({"lora_name": "runtime", "lora_path": lora_fixture_dir()});
     let r = s
         .request("POST", "/admin/lora", Some(&body.to_string()), &[ADMIN])
         .expect("load");
     assert_eq!(r.status, 200, "{}", r.body);
-    let models = |s: &Server| -> Vec<String> {
-        let r = s.request("GET", "/v1/models", None, &[]).expect("models");
-        let v: Value = serde_json::from_str(&r.body).expect("json");
-        v["data"]
-            .as_array()
-            .expect("data")
-            .iter()
-            .skip(1)
-            .filter_map(|m| m["id"].as_str().map(str::to_owned))
-            .collect()
-    };
-    assert_eq!(models(s), ["tuned", "runtime"]);
+    assert_eq!(s.served_adapters(), ["tuned", "runtime"]);
     let config = s.dir.join("config.yaml");
     let text = std::fs::read_to_string(&config)
         .expect("config")
@@ -299,11 +281,11 @@ fn sighup_brings_the_configured_adapters_in_line_with_the_file() {
         .success());
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
     // The file's adapter is replaced; the one loaded through the admin API stays.
-    while models(s) != ["runtime", "renamed"] {
+    while s.served_adapters() != ["runtime", "renamed"] {
         assert!(
             std::time::Instant::now() < deadline,
             "adapters not reloaded: {:?}\n{}",
-            models(s),
+            s.served_adapters(),
             s.log()
         );
         std::thread::sleep(std::time::Duration::from_millis(50));
@@ -324,7 +306,7 @@ fn an_evicted_adapter_whose_files_broke_is_the_servers_503_without_its_path() {
         let dir = s.dir.join(name);
         std::fs::create_dir_all(&dir).expect("adapter dir");
         for f in ["adapter_config.json", "adapter_model.safetensors"] {
-            std::fs::copy(format!("{}/{f}", adapter_dir()), dir.join(f)).expect("copy");
+            std::fs::copy(format!("{}/{f}", lora_fixture_dir()), dir.join(f)).expect("copy");
         }
         dir
     };

@@ -556,15 +556,9 @@ impl Scheduler {
         self.rank_into(&self.running, now, order);
         order.sort_unstable();
         for slot in order.iter().map(|r| r.slot) {
-            let Some(seq) = self.seq(slot) else { continue };
-            let num_new = seq.schedulable_tokens().min(b.budget).min(b.logit_cap(seq));
-            if num_new == 0 {
+            let Some((num_new, need)) = self.next_chunk(slot, b) else {
                 continue;
-            }
-            let need = self
-                .ledger
-                .blocks_for(seq.num_computed + num_new)
-                .saturating_sub(seq.block_table.len());
+            };
             if self.ledger.num_free() < need {
                 self.unplan(b, budget, logit_rows);
                 return false;
@@ -593,16 +587,9 @@ impl Scheduler {
         while i < end {
             let slot = order[i].slot;
             i += 1;
-            let Some(seq) = self.seq(slot) else { continue };
-            let remaining = seq.schedulable_tokens();
-            let num_new = remaining.min(b.budget).min(b.logit_cap(seq));
-            if num_new == 0 {
+            let Some((num_new, need)) = self.next_chunk(slot, b) else {
                 continue;
-            }
-            let need = self
-                .ledger
-                .blocks_for(seq.num_computed + num_new)
-                .saturating_sub(seq.block_table.len());
+            };
             loop {
                 if self.ledger.num_free() >= need {
                     self.grow_and_emit(slot, need, num_new, b);
@@ -617,6 +604,21 @@ impl Scheduler {
             }
         }
         Some(end)
+    }
+
+    /// A running sequence's next chunk within what the budget and the logit rows leave, and
+    /// the blocks it needs beyond its table; `None` when it has nothing to schedule.
+    fn next_chunk(&self, slot: u32, b: &Building<'_>) -> Option<(usize, usize)> {
+        let seq = self.seq(slot)?;
+        let num_new = seq.schedulable_tokens().min(b.budget).min(b.logit_cap(seq));
+        if num_new == 0 {
+            return None;
+        }
+        let need = self
+            .ledger
+            .blocks_for(seq.num_computed + num_new)
+            .saturating_sub(seq.block_table.len());
+        Some((num_new, need))
     }
 
     /// Allocates `need` more blocks for a running sequence and adds it to the plan.

@@ -40,7 +40,30 @@ fn free_port() -> u16 {
         .expect("a free port")
 }
 
+/// The rank-4 SmolLM2 LoRA adapter of the fixtures (PEFT's format).
+pub fn lora_fixture_dir() -> &'static str {
+    concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/gpu/tests/fixtures/lora/smollm2-r4"
+    )
+}
+
 impl Server {
+    /// The adapters `GET /v1/models` lists after the base model, in order.
+    pub fn served_adapters(&self) -> Vec<String> {
+        let r = self
+            .request("GET", "/v1/models", None, &[])
+            .expect("models");
+        let v: serde_json::Value = serde_json::from_str(&r.body).expect("json");
+        v["data"]
+            .as_array()
+            .expect("data")
+            .iter()
+            .skip(1)
+            .filter_map(|m| m["id"].as_str().map(str::to_owned))
+            .collect()
+    }
+
     /// Starts the binary with `extra_yaml` appended to a base config and waits for /ready.
     pub fn start(name: &str, extra_yaml: &str) -> Server {
         Self::start_with(name, "", extra_yaml)

@@ -59,9 +59,15 @@ pub fn load_model(path: &Path, progress: bool) -> Result<LoadedModel, GpuError> 
     Ok(model)
 }
 
-/// The only `.gguf` file in `dir` when it has no `config.json`.
+/// Whether [`load_model`] reads `path` as a Hugging Face checkpoint (a directory with
+/// `config.json`); any other directory holds one GGUF file, and a file is GGUF.
+pub fn is_hf_checkpoint(path: &Path) -> bool {
+    path.is_dir() && path.join("config.json").exists()
+}
+
+/// The only `.gguf` file in `dir` when it is not a Hugging Face checkpoint.
 fn single_gguf_in(dir: &Path) -> Result<Option<std::path::PathBuf>, GpuError> {
-    if dir.join("config.json").exists() {
+    if is_hf_checkpoint(dir) {
         return Ok(None);
     }
     let mut found = Vec::new();

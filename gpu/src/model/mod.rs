@@ -67,7 +67,7 @@ mod tokenizer_spm;
 pub use chat_template::{ChatMessage, ChatTemplate};
 pub use config::{LlamaConfig, RopeStyle};
 pub use fetch::{default_model_path, fetch_model};
-pub use loader::{load_model, LoadedModel};
+pub use loader::{is_hf_checkpoint, load_model, LoadedModel};
 pub use rope::{Llama3Scaling, RopeScaling, YarnScaling};
 pub use tensor::{DType, ModelWeights, TensorView};
 pub use tokenizer::Tokenizer;

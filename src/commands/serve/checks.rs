@@ -19,9 +19,7 @@ pub(super) fn load_format(configured: LoadFormat, path: &Path) -> anyhow::Result
     if matches!(configured, LoadFormat::Auto) || !path.exists() {
         return Ok(());
     }
-    // As the loader reads a path: a directory with config.json is a Hugging Face checkpoint,
-    // any other directory holds one GGUF file, and a file is GGUF.
-    let found = if path.is_dir() && path.join("config.json").exists() {
+    let found = if switchyard_gpu::model::is_hf_checkpoint(path) {
         LoadFormat::Safetensors
     } else {
         LoadFormat::Gguf
