@@ -734,3 +734,26 @@ fn async_scheduling_serves_the_same_answers() {
     assert_eq!(stopped["choices"][0]["text"].as_str(), Some(&full[..pos]));
     assert_eq!(stopped["choices"][0]["finish_reason"], "stop");
 }
+
+#[test]
+fn repetition_penalty_counts_prompt_tokens_served_from_the_prefix_cache() {
+    // The repetition penalty covers the whole prompt, whether its blocks were computed for
+    // this request or found in the prefix cache: the answer does not depend on the cache.
+    let s = &server();
+    let prompt = "Alice, Bob, Carol, Dave, Eve, Frank, Grace, Heidi, Ivan, Judy, Mallory, Niaj, \
+                  Olivia, Peggy, Rupert, Sybil, Trent, Victor, Walter, Zed. Now repeat the list \
+                  once more: Alice, Bob, Carol,";
+    let extra = json!({"max_tokens": 12, "repetition_penalty": 2.0});
+    let hits = || {
+        s.metric("switchyard:prefix_cache_hits_total")
+            .unwrap_or(0.0)
+    };
+    let cold = complete(s, prompt, extra.clone());
+    let before = hits();
+    let warm = complete(s, prompt, extra);
+    assert!(
+        hits() > before,
+        "the second request must hit the prefix cache"
+    );
+    assert_eq!(text_of(&warm), text_of(&cold));
+}

@@ -509,7 +509,8 @@ impl StepCore {
             let Some(live) = self.live.get_mut(&s.id) else {
                 continue;
             };
-            if !live.started {
+            let first_step = !live.started;
+            if first_step {
                 live.started = true;
                 queue_times_us.push(now.saturating_sub(live.arrival));
             }
@@ -523,6 +524,7 @@ impl StepCore {
                     num_drafts: 0,
                     sampling: live.sampling.clone(),
                     adapter: None,
+                    cached_prompt: None,
                 });
             }
             let entry = &mut seqs[n];
@@ -532,6 +534,12 @@ impl StepCore {
             entry.sample = s.samples;
             entry.num_drafts = s.draft_tokens.len();
             entry.adapter.clone_from(&live.adapter);
+            // Prompt tokens served from the prefix cache still count for the repetition
+            // penalty: the backend's sampler hears of them on the first step.
+            entry.cached_prompt = (first_step
+                && s.num_computed_tokens > 0
+                && live.sampling.repetition_penalty != 1.0)
+                .then(|| live.prompt.clone());
             if !Arc::ptr_eq(&entry.sampling, &live.sampling) {
                 entry.sampling = live.sampling.clone();
             }

@@ -56,6 +56,7 @@ fn seq(id: u64, start: usize, tokens: Vec<u32>, blocks_per_seq: usize) -> SeqInp
         num_drafts: 0,
         sampling: Arc::new(SamplingParams::greedy()),
         adapter: None,
+        cached_prompt: None,
     }
 }
 
@@ -134,6 +135,7 @@ fn bench(c: &mut Criterion) {
             .iter()
             .map(|s| SeqInput {
                 adapter: Some(adapter.clone()),
+                cached_prompt: None,
                 ..s.clone()
             })
             .collect(),

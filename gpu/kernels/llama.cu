@@ -1863,10 +1863,11 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 2)
     const float floor_logit = minp_floor(mx, T, min_p[s]);
     float tp = top_p[s];
     if (tp < 1.f) {
+        // Over the tokens min-p keeps (vLLM applies min-p before top-p).
         float total = 0.f;
         for (int i = tid; i < n; i += blockDim.x) {
             float v = l[i];
-            if (fkey(v) >= thr) total += __expf((v - mx) * inv_t);
+            if (fkey(v) >= thr && v >= floor_logit) total += __expf((v - mx) * inv_t);
         }
         total = block_sum(total, red);
         float target = tp * total;
@@ -1879,7 +1880,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 2)
             float mass = 0.f;
             for (int i = tid; i < n; i += blockDim.x) {
                 float v = l[i];
-                if (fkey(v) >= lim) mass += __expf((v - mx) * inv_t);
+                if (fkey(v) >= lim && v >= floor_logit) mass += __expf((v - mx) * inv_t);
             }
             if (block_sum(mass, red) >= target) res = cand;
         }

@@ -45,6 +45,10 @@ pub struct SeqInput {
     /// The request's LoRA adapter, if any (loaded for this backend's model; only for backends
     /// whose [`Backend::lora_slots`] is not 0).
     pub adapter: Option<Arc<LoraAdapter>>,
+    /// On the sequence's first step, when it starts past prompt tokens this backend never
+    /// saw (prefix-cache hits) and its sampler needs the whole prompt (a repetition
+    /// penalty): the prompt, whose first `num_computed_tokens` the sampler records as if fed.
+    pub cached_prompt: Option<Arc<[u32]>>,
 }
 
 /// One scheduler step.
@@ -698,6 +702,10 @@ fn step_sequence(
         prompt_logprobs: Vec::new(),
     };
     if st.in_prompt {
+        if let Some(prompt) = &s.cached_prompt {
+            st.sampler
+                .observe_prompt(&prompt[..s.num_computed_tokens.min(prompt.len())]);
+        }
         st.sampler
             .observe_prompt(&s.tokens[..s.tokens.len() - s.num_drafts]);
     }
@@ -752,6 +760,7 @@ mod tests {
                 ..SamplingParams::default()
             }),
             adapter: None,
+            cached_prompt: None,
         }
     }
 

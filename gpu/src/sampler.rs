@@ -2,8 +2,8 @@
 //! repetition penalty as in Hugging Face transformers (CTRL, Keskar et al. 2019: over prompt
 //! and output, dividing positive logits and multiplying negative ones), presence and frequency
 //! penalties as in the OpenAI API (over the output), then greedy or temperature sampling with
-//! top-k, top-p (nucleus, Holtzman et al. 2020) and min-p. Logprobs are the log-softmax of the
-//! raw model logits, as vLLM returns them by default.
+//! min-p, top-k and top-p (nucleus, Holtzman et al. 2020), in vLLM's order. Logprobs are the
+//! log-softmax of the raw model logits, as vLLM returns them by default.
 //!
 //! Each sequence owns a ChaCha8 stream seeded from its request's seed, and draws exactly one
 //! number per sampled token, so a seed reproduces the same tokens whatever else is batched.
@@ -22,11 +22,14 @@ pub const MAX_LOGPROBS: u32 = 20;
 pub const MAX_LOGIT_BIAS: usize = 1024;
 /// Most stop or end-of-sequence ids per request.
 pub const MAX_STOP_IDS: usize = 1024;
+/// Temperatures below this sample greedily (vLLM's `_SAMPLING_EPS`): dividing by them
+/// overflows, and their distribution is the argmax's anyway.
+pub const GREEDY_BELOW: f32 = 1e-5;
 
 /// How to pick the next token of one request.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SamplingParams {
-    /// Softmax temperature; 0 means greedy.
+    /// Softmax temperature; 0 (anything below [`GREEDY_BELOW`]) means greedy.
     pub temperature: f32,
     /// Keep only the `top_k` most likely tokens; 0 disables.
     pub top_k: u32,
@@ -91,6 +94,33 @@ impl SamplingParams {
             temperature: 0.0,
             ..Self::default()
         }
+    }
+
+    /// Whether the request samples greedily (its temperature is below [`GREEDY_BELOW`]).
+    pub fn is_greedy(&self) -> bool {
+        self.temperature < GREEDY_BELOW
+    }
+
+    /// The ids `min_tokens` masks: stop ids, and end-of-sequence ids unless `ignore_eos`.
+    pub fn stop_ids(&self) -> impl Iterator<Item = u32> + '_ {
+        let eos = self.eos_token_ids.iter().filter(|_| !self.ignore_eos);
+        self.stop_token_ids.iter().chain(eos).copied()
+    }
+
+    /// Whether a grammar's `allowed` set holds nothing but ids `min_tokens` masks: the
+    /// grammar can only end the sequence, and wins over `min_tokens` (the mask is left out).
+    pub fn grammar_needs_a_stop(&self, allowed: &[u32]) -> bool {
+        let stops: HashSet<u32> = self.stop_ids().collect();
+        allowed
+            .iter()
+            .enumerate()
+            .filter(|(_, w)| **w != 0)
+            .flat_map(|(i, &w)| {
+                (0..32)
+                    .filter(move |b| w >> b & 1 == 1)
+                    .map(move |b| i * 32 + b)
+            })
+            .all(|t| u32::try_from(t).is_ok_and(|t| stops.contains(&t)))
     }
 
     /// Checks ranges and that every token id is inside a vocabulary of `vocab` tokens.
@@ -184,6 +214,10 @@ pub fn top_n(values: &[f32], n: usize) -> Vec<(u32, f32)> {
         return best;
     }
     for (i, &v) in values.iter().enumerate() {
+        // NaN never wins (nor ranks among the best).
+        if v.is_nan() {
+            continue;
+        }
         if best.len() == n
             && best
                 .last()
@@ -221,14 +255,22 @@ impl SeqSampler {
 
     /// Applies bias, `min_tokens` masking and penalties to `logits` in place.
     pub fn process(&self, logits: &mut [f32], p: &SamplingParams) {
+        self.process_under(logits, p, None);
+    }
+
+    /// [`SeqSampler::process`] for a row a grammar restricts to `allowed`: when that set holds
+    /// only ids `min_tokens` would mask, the mask is left out (the grammar wins), as on the
+    /// GPU.
+    fn process_under(&self, logits: &mut [f32], p: &SamplingParams, allowed: Option<&[u32]>) {
         for &(id, b) in &p.logit_bias {
             if let Some(l) = logits.get_mut(id as usize) {
                 *l += b;
             }
         }
-        if (self.output.len() as u64) < u64::from(p.min_tokens) {
-            let eos = p.eos_token_ids.iter().filter(|_| !p.ignore_eos);
-            for &id in p.stop_token_ids.iter().chain(eos) {
+        if (self.output.len() as u64) < u64::from(p.min_tokens)
+            && !allowed.is_some_and(|a| p.grammar_needs_a_stop(a))
+        {
+            for id in p.stop_ids() {
                 if let Some(l) = logits.get_mut(id as usize) {
                     *l = f32::NEG_INFINITY;
                 }
@@ -267,12 +309,12 @@ impl SeqSampler {
             None => (None, Vec::new()),
         };
         let mut l = logits.to_vec();
-        self.process(&mut l, p);
-        if let Some(c) = &p.constraint {
-            let allowed = c.allowed(l.len());
-            mask_logits(&mut l, logits, &allowed);
+        let allowed = p.constraint.as_ref().map(|c| c.allowed(l.len()));
+        self.process_under(&mut l, p, allowed.as_deref());
+        if let Some(allowed) = &allowed {
+            mask_logits(&mut l, logits, allowed);
         }
-        let token = if p.temperature == 0.0 {
+        let token = if p.is_greedy() {
             top_n(&l, 1).first().map_or(0, |b| b.0)
         } else {
             self.draw(&l, p)
@@ -289,7 +331,8 @@ impl SeqSampler {
         }
     }
 
-    /// Temperature, top-k, top-p and min-p, then one draw from the random stream.
+    /// Temperature, min-p, top-k and top-p (vLLM's order: min-p before top-p changes which
+    /// tokens top-p keeps), then one draw from the random stream.
     fn draw(&mut self, logits: &[f32], p: &SamplingParams) -> u32 {
         let inv_t = 1.0 / p.temperature;
         let m = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
@@ -303,13 +346,20 @@ impl SeqSampler {
             .map(|(i, &x)| (i as u32, f64::from((x - m) * inv_t).exp()))
             .filter(|c| c.1 > 0.0)
             .collect();
+        if p.min_p > 0.0 {
+            // The largest probability is exp(0) = 1 before normalisation.
+            let floor = f64::from(p.min_p) * cand.iter().fold(0f64, |a, c| a.max(c.1));
+            cand.retain(|c| c.1 >= floor);
+        }
         let truncate = p.top_k > 0 || p.top_p < 1.0;
         if truncate {
             let by_prob = |a: &(u32, f64), b: &(u32, f64)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
             let k = p.top_k as usize;
             if k > 0 && k < cand.len() {
-                cand.select_nth_unstable_by(k - 1, by_prob);
-                cand.truncate(k);
+                // Tokens tied with the k-th stay (vLLM masks only those below it).
+                let (_, kth, _) = cand.select_nth_unstable_by(k - 1, by_prob);
+                let kth = kth.1;
+                cand.retain(|c| c.1 >= kth);
             }
             cand.sort_unstable_by(by_prob);
             if p.top_p < 1.0 {
@@ -325,11 +375,6 @@ impl SeqSampler {
                 }
                 cand.truncate(keep);
             }
-        }
-        if p.min_p > 0.0 {
-            // The largest probability is exp(0) = 1 before normalisation.
-            let floor = f64::from(p.min_p) * cand.iter().fold(0f64, |a, c| a.max(c.1));
-            cand.retain(|c| c.1 >= floor);
         }
         let total: f64 = cand.iter().map(|c| c.1).sum();
         let mut target = u * total;
@@ -482,6 +527,86 @@ mod tests {
         // Plain sampling reaches every token, in proportion.
         let h = histogram(&SamplingParams::default(), 4000);
         assert!((f64::from(h[3]) / 4000.0 - 0.05).abs() < 0.015, "{h:?}");
+    }
+
+    #[test]
+    fn min_p_cuts_before_top_p_measures_the_nucleus() {
+        // min_p 0.5 keeps 0.5 and 0.3 (floor 0.25), renormalised to 0.625 / 0.375: top_p 0.6
+        // then keeps token 0 alone (vLLM's order). Top-p first would keep {0, 1} (0.5 < 0.6).
+        let h = histogram(
+            &SamplingParams {
+                min_p: 0.5,
+                top_p: 0.6,
+                ..Default::default()
+            },
+            300,
+        );
+        assert_eq!(h, [300, 0, 0, 0]);
+    }
+
+    #[test]
+    fn top_k_keeps_tokens_tied_with_the_kth() {
+        let tied = [1.0f32, 1.0, 1.0, 0.0];
+        let p = SamplingParams {
+            top_k: 2,
+            ..Default::default()
+        };
+        let mut h = [0u32; 4];
+        for seed in 0..600 {
+            h[SeqSampler::new(seed).sample(&tied, &p).token as usize] += 1;
+        }
+        assert!(h[0] > 0 && h[1] > 0 && h[2] > 0 && h[3] == 0, "{h:?}");
+    }
+
+    #[test]
+    fn temperatures_below_the_epsilon_are_greedy() {
+        for t in [1e-39f32, 1e-30, 9e-6] {
+            let p = SamplingParams {
+                temperature: t,
+                ..Default::default()
+            };
+            // The argmax is not token 0 (what a failed draw falls back to).
+            let l = [0.1f32, 0.2, 0.9, 0.3];
+            for seed in 0..20 {
+                assert_eq!(SeqSampler::new(seed).sample(&l, &p).token, 2, "{t}");
+            }
+        }
+    }
+
+    #[test]
+    fn nan_never_wins() {
+        assert_eq!(top_n(&[f32::NAN, 1.0, 2.0], 2), vec![(2, 2.0), (1, 1.0)]);
+        let l = [f32::NAN, 1.0, 2.0, 0.5];
+        assert_eq!(
+            SeqSampler::new(0)
+                .sample(&l, &SamplingParams::greedy())
+                .token,
+            2
+        );
+    }
+
+    #[test]
+    fn a_grammar_that_can_only_end_outranks_min_tokens_with_the_sampler_edits_applied() {
+        use crate::constraint::tests::Script;
+        use std::sync::Arc;
+        // The grammar allows only its end (3) and a stop id (2); min_tokens would mask both.
+        // The mask is left out and the edits stand: the bias makes 2 the greedy choice,
+        // where the raw logits prefer 3 (as on the GPU).
+        let constraint = Constraint::new(Script {
+            steps: vec![vec![2, 3]],
+            eos: 3,
+            seen: Arc::new(parking_lot::Mutex::new(Vec::new())),
+        });
+        let raw = [0.0f32, 0.0, 1.0, 2.0];
+        let p = SamplingParams {
+            constraint: Some(constraint),
+            min_tokens: 5,
+            stop_token_ids: vec![2],
+            eos_token_ids: vec![3],
+            logit_bias: vec![(2, 5.0)],
+            ..SamplingParams::greedy()
+        };
+        assert_eq!(SeqSampler::new(0).sample(&raw, &p).token, 2);
     }
 
     #[test]

@@ -102,6 +102,7 @@ impl Seq {
             num_drafts: 0,
             sampling: Arc::new(SamplingParams::greedy()),
             adapter: self.adapter.clone(),
+            cached_prompt: None,
         }
     }
 }

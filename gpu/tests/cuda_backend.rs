@@ -706,6 +706,7 @@ fn one_seq(
         num_drafts: 0,
         sampling: p.clone(),
         adapter: None,
+        cached_prompt: None,
     }
 }
 

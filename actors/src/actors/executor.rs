@@ -300,6 +300,7 @@ mod tests {
                 num_drafts: 0,
                 sampling: Default::default(),
                 adapter: None,
+                cached_prompt: None,
             }],
         }
     }

@@ -14,7 +14,6 @@ use std::collections::{HashMap, HashSet};
 use super::device::{Arg, DevMem, Gpu};
 use super::step::{Layout, SampleRow};
 use crate::backend::SeqInput;
-use crate::constraint::is_allowed;
 use crate::error::GpuError;
 use crate::sampler::SamplingParams;
 
@@ -50,6 +49,10 @@ impl SeqState {
     /// Records this step's fed tokens (prompt tokens while in the prompt).
     pub fn observe(&mut self, s: &SeqInput) {
         if self.in_prompt && s.sampling.repetition_penalty != 1.0 {
+            if let Some(prompt) = &s.cached_prompt {
+                let cached = s.num_computed_tokens.min(prompt.len());
+                self.seen.extend(prompt[..cached].iter().copied());
+            }
             let known = s.tokens.len().saturating_sub(s.num_drafts);
             self.seen.extend(s.tokens[..known].iter().copied());
         }
@@ -84,7 +87,8 @@ impl SeqState {
         self.in_prompt = false;
         SampleRow {
             row: row as i32,
-            temperature: p.temperature,
+            // The kernels' greedy rows are those of temperature 0.
+            temperature: if p.is_greedy() { 0.0 } else { p.temperature },
             top_k: i32::try_from(p.top_k).unwrap_or(i32::MAX),
             top_p: p.top_p,
             min_p: p.min_p,
@@ -115,20 +119,9 @@ impl SeqState {
         for &(id, b) in &p.logit_bias {
             m.entry(id).or_default().bias += b;
         }
-        let stops = || {
-            let eos = p.eos_token_ids.iter().filter(|_| !p.ignore_eos);
-            p.stop_token_ids.iter().chain(eos)
-        };
-        let masks_stops = sampled < u64::from(p.min_tokens);
-        let grammar_needs_a_stop = masks_stops
-            && allowed.is_some_and(|a| {
-                let stop_set: HashSet<u32> = stops().copied().collect();
-                (0..a.len() * 32)
-                    .filter(|&t| is_allowed(a, t))
-                    .all(|t| stop_set.contains(&(t as u32)))
-            });
-        if masks_stops && !grammar_needs_a_stop {
-            for &id in stops() {
+        if sampled < u64::from(p.min_tokens) && !allowed.is_some_and(|a| p.grammar_needs_a_stop(a))
+        {
+            for id in p.stop_ids() {
                 m.entry(id).or_default().mask = true;
             }
         }
@@ -529,6 +522,7 @@ mod tests {
             num_drafts: 0,
             sampling: std::sync::Arc::new(p.clone()),
             adapter: None,
+            cached_prompt: None,
         };
         st.observe(&s);
         let mut e = Edits::default();

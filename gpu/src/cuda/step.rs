@@ -354,6 +354,7 @@ mod tests {
             num_drafts: 0,
             sampling: Arc::new(SamplingParams::greedy()),
             adapter: None,
+            cached_prompt: None,
         }
     }
 

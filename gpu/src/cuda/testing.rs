@@ -77,6 +77,7 @@ pub fn paged_attention(
                 num_drafts: 0,
                 sampling: Arc::new(SamplingParams::greedy()),
                 adapter: None,
+                cached_prompt: None,
             })
             .collect(),
     };
@@ -290,6 +291,7 @@ pub fn sample(
             num_drafts: 0,
             sampling: Arc::new(p.clone()),
             adapter: None,
+            cached_prompt: None,
         });
         st.sampled = counter;
         st.edits(r, p, None, &mut edits);

@@ -28,6 +28,7 @@ fn entry(
         num_drafts: 0,
         sampling: p.clone(),
         adapter: None,
+        cached_prompt: None,
     }
 }
 
