@@ -154,8 +154,10 @@ pub struct CudaBackend {
     /// Scratch of the split greedy sampling (`None` with `SWITCHYARD_CUDA_SPLIT_ARGMAX=0`: one
     /// `sample_rows` block per row, greedy rows included).
     argmax: Option<sampling::ArgmaxScratch>,
-    /// Steps on the stream whose sampled ids are not read yet, oldest first (at most two).
-    submitted: std::collections::VecDeque<Submitted>,
+    /// Steps on the stream whose sampled ids are not read yet, oldest first (at most two); a
+    /// step whose deferred sampling half failed holds its error, so that its own collect
+    /// answers for it (the step collected before it keeps its outputs).
+    submitted: std::collections::VecDeque<Result<Submitted, GpuError>>,
     /// Number of the next step submitted (page-locked buffers and timing events alternate by
     /// it).
     next_step: u64,
@@ -698,13 +700,13 @@ impl Backend for CudaBackend {
         let Some(sub) = self.submitted.pop_front() else {
             return Err(GpuError::Internal("no submitted step to collect".into()));
         };
-        let outputs = self.collect_step(sub);
+        let outputs = sub.and_then(|sub| self.collect_step(sub));
         // The step submitted after this one waited for its tokens (structured output): its
-        // sampling goes now, while its forward pass runs.
+        // sampling goes now, while its forward pass runs. If that fails, the failure is the
+        // next step's, reported by its collect; this step's outputs stand.
         if let Some(tail) = self.deferred.take() {
-            let finished = self.finish_step(tail);
-            if outputs.is_ok() {
-                finished?;
+            if let Err(e) = self.finish_step(tail) {
+                self.submitted.push_back(Err(e));
             }
         }
         outputs
@@ -1162,13 +1164,13 @@ impl CudaBackend {
             }
             outputs.push(out);
         }
-        self.submitted.push_back(Submitted {
+        self.submitted.push_back(Ok(Submitted {
             step: n_step,
             outputs,
             samples: sampled,
             raw,
             ids,
-        });
+        }));
         Ok(())
     }
 }
