@@ -757,3 +757,28 @@ fn repetition_penalty_counts_prompt_tokens_served_from_the_prefix_cache() {
     );
     assert_eq!(text_of(&warm), text_of(&cold));
 }
+
+#[test]
+fn echoed_prompt_logprobs_are_whole_whatever_the_requests_before() {
+    // Each prompt-logprob request computes every prompt position: no other request's
+    // prefix-cache blocks stand in for them (requests with adjacent ids shared a salt).
+    let s = &server();
+    let prompt = "The quick brown fox jumps over the lazy dog while the cat watches from the \
+                  window, and the bird sings a song about the morning sun rising over the hills \
+                  beyond the river that runs through the valley of the old town.";
+    for round in 0..3 {
+        let v = complete(
+            s,
+            prompt,
+            json!({"max_tokens": 2, "echo": true, "logprobs": 1}),
+        );
+        let lps = v["choices"][0]["logprobs"]["token_logprobs"]
+            .as_array()
+            .expect("token_logprobs")
+            .clone();
+        let prompt_tokens = v["usage"]["prompt_tokens"].as_u64().expect("usage") as usize;
+        assert!(prompt_tokens > 32, "the prompt must span cached blocks");
+        let nulls: Vec<usize> = (0..lps.len()).filter(|&i| lps[i].is_null()).collect();
+        assert_eq!(nulls, vec![0], "round {round}: only the first position has none");
+    }
+}

@@ -44,9 +44,18 @@ use crate::types::{
 };
 
 /// Registers the leading full, computed blocks of `seq` in the prefix cache (never a block
-/// holding a pending token: its hash needs the real one).
+/// holding a pending token: its hash needs the real one); nothing without prefix caching
+/// (nothing would read them).
 #[inline]
-fn cache_full_blocks(hasher: &BlockHasher, pool: &mut BlockLedger, seq: &mut Sequence) {
+fn cache_full_blocks(
+    caching: bool,
+    hasher: &BlockHasher,
+    pool: &mut BlockLedger,
+    seq: &mut Sequence,
+) {
+    if !caching {
+        return;
+    }
     let full = pool.full_blocks(seq.num_computed.min(seq.num_known_tokens()));
     if full <= seq.num_cached_blocks {
         return;
@@ -1095,7 +1104,12 @@ impl Scheduler {
             let p = seq.prompt_len;
             let prompt_tokens = after.min(p).saturating_sub(seq.max_computed.min(p));
             seq.max_computed = seq.max_computed.max(after);
-            cache_full_blocks(&self.hasher, &mut self.ledger, seq);
+            cache_full_blocks(
+                self.config.enable_prefix_caching,
+                &self.hasher,
+                &mut self.ledger,
+                seq,
+            );
             let samples = sched.samples && after == seq.num_tokens();
             if samples {
                 seq.output.push(PENDING_TOKEN);
@@ -1230,7 +1244,12 @@ impl Scheduler {
                             trim_blocks(&mut self.ledger, seq, &mut self.pool_errors);
                         }
                         // The resolved tokens may complete blocks.
-                        cache_full_blocks(&self.hasher, &mut self.ledger, seq);
+                        cache_full_blocks(
+                            self.config.enable_prefix_caching,
+                            &self.hasher,
+                            &mut self.ledger,
+                            seq,
+                        );
                     }
                     _ => {
                         // No token: feed the last known position again (a step launched

@@ -1238,3 +1238,22 @@ fn max_num_seqs_must_fit_the_logit_rows() {
     };
     assert!(Scheduler::new(c, Box::new(Fcfs), [0, 0]).is_ok());
 }
+
+#[test]
+fn without_prefix_caching_no_block_is_registered() {
+    let mut c = config(16, 4);
+    c.enable_prefix_caching = false;
+    let mut s = sched(c, Box::new(Fcfs));
+    s.add_request(req(1, 0, (0..20).collect(), 6)).unwrap();
+    for now in 1..=6 {
+        step(&mut s, now, 7);
+    }
+    assert_eq!(s.ledger().num_cached(), 0);
+    // With caching, the same run registers its full blocks.
+    let mut s = sched(config(16, 4), Box::new(Fcfs));
+    s.add_request(req(1, 0, (0..20).collect(), 6)).unwrap();
+    for now in 1..=6 {
+        step(&mut s, now, 7);
+    }
+    assert!(s.ledger().num_cached() >= 5);
+}

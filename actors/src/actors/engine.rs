@@ -583,7 +583,7 @@ impl Engine {
                     // Prompt logprobs need every prompt position computed: a salt of its own
                     // keeps the request off shared prefix blocks.
                     cache_salt: match options.prompt_logprobs {
-                        Some(_) => Some((id.0 ^ 0x5bd1_e995_0000_0000) | 1),
+                        Some(_) => Some(prompt_logprob_salt(id)),
                         None => shared_salt,
                     },
                 },
@@ -750,4 +750,12 @@ fn lora_submit_error(e: LoraError) -> SubmitError {
 /// Moves the backend into the executor thread exactly once.
 fn parking_slot(backend: Box<dyn Backend>) -> Arc<std::sync::Mutex<Option<Box<dyn Backend>>>> {
     Arc::new(std::sync::Mutex::new(Some(backend)))
+}
+
+/// The prefix-cache salt of a request that asks for prompt logprobs: its own, so that no
+/// other request's blocks stand in for prompt positions it must compute (nor tell it that
+/// someone sent the same prompt). Odd, unlike every shared salt, and one per request id
+/// (ids stay below 2^63).
+fn prompt_logprob_salt(id: RequestId) -> u64 {
+    (id.0 << 1) | 1
 }
