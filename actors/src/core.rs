@@ -565,10 +565,6 @@ impl StepCore {
                 entry.tokens.push(t);
             }
             entry.tokens.extend_from_slice(&s.draft_tokens);
-            if !s.draft_tokens.is_empty() {
-                self.spec.num_drafts += 1;
-                self.spec.num_draft_tokens += s.draft_tokens.len() as u64;
-            }
             entry.block_table.clear();
             entry
                 .block_table
@@ -631,6 +627,17 @@ impl StepCore {
             HashMap::new();
         let mut sampled = Vec::with_capacity(outputs.len());
         let mut events = Vec::with_capacity(outputs.len());
+        // Drafts verified this step, counted as vLLM counts them: per sequence whose step
+        // ran, the drafts fed and those the backend accepted (stops after them included).
+        let drafted: HashMap<u64, usize> = if plan.seqs.iter().any(|s| !s.draft_tokens.is_empty()) {
+            plan.seqs
+                .iter()
+                .filter(|s| !s.draft_tokens.is_empty())
+                .map(|s| (s.id.0, s.draft_tokens.len()))
+                .collect()
+        } else {
+            HashMap::new()
+        };
         for o in outputs {
             // Prompt logprobs come before the step's tokens: a request's first token follows
             // its last prompt position.
@@ -641,6 +648,11 @@ impl StepCore {
                 });
             }
             if let Some(token) = o.token {
+                if let Some(&fed) = drafted.get(&o.seq_id) {
+                    self.spec.num_drafts += 1;
+                    self.spec.num_draft_tokens += fed as u64;
+                    self.spec.num_accepted_tokens += o.accepted.len().min(fed) as u64;
+                }
                 sampled.push(StepOutput {
                     id: RequestId(o.seq_id),
                     token,
@@ -660,25 +672,6 @@ impl StepCore {
         } else {
             self.scheduler.apply_outputs(plan, &sampled, now)
         };
-        // Accepted drafts that became outputs (none past a stop): a sequence's tokens of the
-        // step, at most its accepted drafts.
-        let accepted: HashMap<RequestId, u32> = sampled
-            .iter()
-            .filter(|o| o.accepted > 0)
-            .map(|o| (o.id, o.accepted))
-            .collect();
-        if !accepted.is_empty() {
-            let mut emitted: HashMap<RequestId, u32> = HashMap::new();
-            for e in &seq_events {
-                if let SeqEvent::Token { id, .. } = e {
-                    *emitted.entry(*id).or_default() += 1;
-                }
-            }
-            for (id, a) in accepted {
-                let n = emitted.get(&id).copied().unwrap_or(0);
-                self.spec.num_accepted_tokens += u64::from(a.min(n));
-            }
-        }
         let stop_tokens = stopping_tokens(&seq_events);
         for (i, event) in seq_events.into_iter().enumerate() {
             match event {
@@ -1248,6 +1241,47 @@ mod tests {
         .err()
         .expect("refused");
         assert!(err.to_string().contains("draft"), "{err}");
+    }
+
+    /// Draft counters read as vLLM's: drafts the backend accepted count even past a stop
+    /// inside the accepted run.
+    #[test]
+    fn accepted_drafts_count_up_to_the_backend_not_to_the_stop() {
+        let spec = switchyard_policies::SpeculativeConfig {
+            num_speculative_tokens: 3,
+            prompt_lookup_min: 2,
+            prompt_lookup_max: 2,
+            max_running: 0,
+        };
+        let backend = NextTokenBackend {
+            verifies: true,
+            ..NextTokenBackend::default()
+        };
+        let fed = backend.fed.clone();
+        let mut e = engine_with(backend, Some(spec));
+        // The model counts up. After the first output (3), "2 3" recurs at the prompt's
+        // start and proposes "4 5 1": 4 and 5 are accepted, 1 is not (the model says 6).
+        // The end of sequence is 4: the choice ends at the first accepted draft.
+        e.core()
+            .add_request(request(1, vec![1, 2, 3, 4, 5, 1, 2], 9, Some(4)))
+            .unwrap();
+        let events = run_to_end(&mut e);
+        let out = per_request(&events);
+        assert_eq!(out[&1], (vec![3, 4], Some(FinishReason::Eos)));
+        let fed = fed.lock().unwrap().clone();
+        assert!(
+            fed.iter()
+                .any(|(_, start, t)| *start == 7 && t == &vec![3, 4, 5, 1]),
+            "{fed:?}"
+        );
+        assert_eq!(
+            e.core().spec_decode_stats(),
+            SpecDecodeStats {
+                num_drafts: 1,
+                num_draft_tokens: 3,
+                num_accepted_tokens: 2,
+            }
+        );
     }
 
     fn run_to_end(e: &mut EngineCore) -> Vec<CoreEvent> {

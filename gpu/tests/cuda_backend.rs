@@ -606,6 +606,25 @@ fn sampling_follows_the_cpu_semantics() {
         n,
     );
     assert!(h[0] > 0 && h[1] > 0 && h[2] + h[3] == 0, "{h:?}");
+    // min-p before top-p (vLLM's order): min_p 0.5 keeps 0.5 and 0.3, renormalised to 0.625
+    // and 0.375, so top_p 0.6 keeps token 0 alone (top-p first would keep two).
+    let h = histogram(
+        &SamplingParams {
+            min_p: 0.5,
+            top_p: 0.6,
+            ..Default::default()
+        },
+        n,
+    );
+    assert_eq!(h, [n, 0, 0, 0]);
+    // Temperatures below 1e-5 are greedy (the argmax is not token 0 here).
+    for t in [1e-39f32, 9e-6] {
+        let tiny = SamplingParams {
+            temperature: t,
+            ..Default::default()
+        };
+        assert_eq!(one(&[0.1, 0.2, 0.9, 0.3], &tiny, &[]), 2, "{t}");
+    }
     let h = histogram(&SamplingParams::default(), n);
     for (i, want) in [0.5, 0.3, 0.15, 0.05].iter().enumerate() {
         assert!((h[i] as f64 / n as f64 - want).abs() < 0.025, "{h:?}");

@@ -502,6 +502,30 @@ mod tests {
     }
 
     #[test]
+    fn prompt_tokens_from_the_prefix_cache_are_penalised_like_fed_ones() {
+        let p = SamplingParams {
+            repetition_penalty: 2.0,
+            ..SamplingParams::default()
+        };
+        // Positions 0..4 came from the prefix cache; 4..6 are fed.
+        let mut st = SeqState::new(1);
+        st.observe(&SeqInput {
+            seq_id: 1,
+            num_computed_tokens: 4,
+            tokens: vec![8, 9],
+            block_table: vec![0, 1],
+            sample: true,
+            num_drafts: 0,
+            sampling: std::sync::Arc::new(p.clone()),
+            adapter: None,
+            cached_prompt: Some(std::sync::Arc::from(vec![3u32, 4, 5, 6, 8, 9])),
+        });
+        let mut e = Edits::default();
+        st.edits(0, &p, None, &mut e);
+        assert_eq!(e.tokens, vec![3, 4, 5, 6, 8, 9]);
+    }
+
+    #[test]
     fn edits_merge_in_the_cpu_order() {
         let p = SamplingParams {
             logit_bias: vec![(3, 1.0), (3, 0.5), (7, -2.0)],
