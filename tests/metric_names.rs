@@ -39,3 +39,18 @@ fn every_engine_metric_is_described_by_the_api() {
         }
     }
 }
+
+#[test]
+fn request_outcome_names_and_label_keys_agree_between_the_crates() {
+    use switchyard_actors::metric_names as engine;
+    use switchyard_api::metrics as api;
+    for (e, a) in [
+        (engine::REQUEST_SUCCESS, api::REQUEST_SUCCESS),
+        (engine::REQUEST_ABORTED, api::REQUEST_ABORTED),
+        (engine::REQUEST_FAILED, api::REQUEST_FAILED),
+        (engine::LABEL_FINISHED_REASON, api::LABEL_FINISHED_REASON),
+        (engine::LABEL_REASON, api::LABEL_REASON),
+    ] {
+        assert_eq!(e, a);
+    }
+}

@@ -406,6 +406,51 @@ fn serve_refuses_a_max_model_len_beyond_the_context_and_a_wrong_load_format() {
 }
 
 #[test]
+fn max_model_len_is_kept_within_what_the_kv_cache_holds() {
+    // 16 MiB hold a few hundred of SmolLM2's tokens, far from its 8192 of context. Configured
+    // beyond the cache, max_model_len is refused, with both numbers and what to change.
+    let small = "cache:\n  kv_cache_mb: 16\n";
+    let log = serve_refuses("kv-fit", "  max_model_len: 8192\n", "", small);
+    assert!(
+        log.contains("model.max_model_len is 8192")
+            && log.contains("the KV cache holds")
+            && log.contains("cache.kv_cache_mb"),
+        "{log}"
+    );
+    // Left to the model, it is lowered to what the cache holds, and served as such.
+    let s = start("kv-lowered", "", small, &[]);
+    let models = get(&s, "/v1/models");
+    let len = models["data"][0]["max_model_len"]
+        .as_u64()
+        .expect("max_model_len");
+    assert!((64..8192).contains(&len), "{models}");
+    assert!(
+        s.log().contains(&format!("serving max_model_len {len}")),
+        "{}",
+        s.log()
+    );
+    // A chat request without max_tokens (the room its prompt leaves) is served to its end.
+    let body = json!({"messages": [{"role": "user", "content": "hi"}], "stream": true});
+    let events = s.post_stream("/v1/chat/completions", &body);
+    assert!(
+        events.iter().all(|e| !e.contains("\"error\"")),
+        "{events:?}"
+    );
+    let finished = events.iter().any(|e| {
+        serde_json::from_str::<Value>(e).is_ok_and(|v| v["choices"][0]["finish_reason"].is_string())
+    });
+    assert!(finished, "{events:?}");
+    // A max_tokens the cache cannot hold with its prompt is refused before any answer.
+    let (status, v) = s.post_json(
+        "/v1/completions",
+        &json!({"prompt": "Once upon a time", "max_tokens": len - 1, "stream": true}),
+    );
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["code"], "context_length_exceeded", "{v}");
+    assert_eq!(v["error"]["param"], "max_tokens", "{v}");
+}
+
+#[test]
 fn config_check_refuses_a_misspelt_log_level_and_hides_keys() {
     let dir = scratch("check");
     let file = dir.join("c.yaml");

@@ -779,6 +779,10 @@ fn echoed_prompt_logprobs_are_whole_whatever_the_requests_before() {
         let prompt_tokens = v["usage"]["prompt_tokens"].as_u64().expect("usage") as usize;
         assert!(prompt_tokens > 32, "the prompt must span cached blocks");
         let nulls: Vec<usize> = (0..lps.len()).filter(|&i| lps[i].is_null()).collect();
-        assert_eq!(nulls, vec![0], "round {round}: only the first position has none");
+        assert_eq!(
+            nulls,
+            vec![0],
+            "round {round}: only the first position has none"
+        );
     }
 }

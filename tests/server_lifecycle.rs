@@ -308,6 +308,81 @@ fn sigterm_drains_in_flight_requests_then_exits_zero() {
     assert!(code.success(), "exit status {code:?}\n{}", s.log());
 }
 
+/// Past the drain timeout, every request still in flight gets a final answer: a stream its
+/// error event and `[DONE]`, a plain request a 503; then the server exits 0.
+#[test]
+fn requests_left_at_the_drain_timeout_end_with_an_error() {
+    let mut s = Server::start_with("drain-timeout", "  drain_timeout_s: 3\n", "");
+    let model = s.model_id();
+    // Far longer than the drain timeout.
+    let body = |stream: bool| {
+        json!({"model": model, "prompt": "Tell me a very long story", "max_tokens": 6000,
+               "ignore_eos": true, "stream": stream})
+        .to_string()
+    };
+    let mut streamed = s.open("POST", "/v1/completions", Some(&body(true)));
+    let mut whole = s.open("POST", "/v1/completions", Some(&body(false)));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while s.metric("switchyard:num_requests_running").unwrap_or(0.0) < 2.0 {
+        assert!(Instant::now() < deadline, "the requests never ran");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let pid = s.child.id().to_string();
+    let status = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .expect("kill");
+    assert!(status.success());
+    for stream in [&mut streamed, &mut whole] {
+        stream
+            .set_read_timeout(Some(Duration::from_secs(120)))
+            .unwrap();
+    }
+    let r = common::read_response(&mut streamed).expect("the stream's end");
+    assert_eq!(r.status, 200, "{}", r.body);
+    let mut events = sse_events(&r.body);
+    assert_eq!(events.pop().as_deref(), Some("[DONE]"), "{}", r.body);
+    let last: Value = serde_json::from_str(events.last().expect("an event")).expect("JSON");
+    assert_eq!(last["error"]["code"], "unavailable", "{}", r.body);
+    let r = common::read_response(&mut whole).expect("an answer");
+    assert_eq!(r.status, 503, "{}", r.body);
+    let v: Value = serde_json::from_str(&r.body).expect("JSON");
+    assert_eq!(v["error"]["code"], "unavailable", "{v}");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let code = loop {
+        if let Some(code) = s.child.try_wait().expect("wait") {
+            break code;
+        }
+        assert!(Instant::now() < deadline, "server did not exit");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(code.success(), "exit status {code:?}\n{}", s.log());
+}
+
+/// A client that sends its head and part of its body, then nothing, gets a 408 once
+/// `server.request_timeout_s` passes, its connection closed and its count released.
+#[test]
+fn a_body_that_stops_arriving_is_answered_408() {
+    let s = Server::start_with("body-timeout", "  request_timeout_s: 2\n", "");
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", s.port)).expect("connect");
+    stream
+        .write_all(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+              Content-Length: 100\r\n\r\n{\"prompt\":",
+        )
+        .expect("send");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    let r = common::read_response(&mut stream).expect("an answer");
+    assert_eq!(r.status, 408, "{r:?}");
+    let v: Value = serde_json::from_str(&r.body).expect("JSON");
+    assert_eq!(v["error"]["code"], "request_timeout", "{v}");
+    assert_eq!(r.header("connection"), Some("close"), "{r:?}");
+    assert_eq!(s.metric("switchyard:http_requests_in_flight"), Some(0.0));
+    s.assert_serves();
+}
+
 #[test]
 fn sighup_rereads_the_policy_section() {
     let s = Server::start_with("sighup", KEYS, "scheduler:\n  policy: { name: fcfs }\n");

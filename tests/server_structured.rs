@@ -180,3 +180,131 @@ fn bad_structured_requests_are_refused_and_the_server_keeps_serving() {
         assert!(text.starts_with('{'), "{text:?}");
     }
 }
+
+/// The reviewer's schema: 20 intersected patterns, 45 s of compiling before the bounds.
+fn intersected_patterns(n: usize) -> Value {
+    let letters: Vec<char> = ('a'..='z').collect();
+    let mut all = vec![json!({"type": "string", "pattern": ".*a.*b.*"})];
+    for i in 1..n {
+        all.push(json!({"pattern": format!(".*{}.*{}.*", letters[i], letters[i + 1])}));
+    }
+    json!({"allOf": all})
+}
+
+#[test]
+fn grammars_beyond_the_bounds_or_that_cannot_start_are_refused() {
+    let s = server();
+    let refused = |body: Value, why: &str| {
+        let (status, v) = s.post_json("/v1/completions", &body);
+        assert_eq!(status, 400, "{body}: {v}");
+        let message = v["error"]["message"].as_str().unwrap_or("");
+        assert!(message.contains(why), "{body}: {message}");
+    };
+    // Refused before compiling: a bound on the work, not a timeout.
+    let schema = intersected_patterns(20);
+    refused(
+        json!({"prompt": "x", "max_tokens": 4, "guided_json": schema}),
+        "at most 8 may meet",
+    );
+    refused(
+        json!({"prompt": "x", "max_tokens": 4, "structured_outputs": {"json": schema}}),
+        "at most 8 may meet",
+    );
+    // Unsatisfiable, or beyond llguidance's limits from the first token: a 400 rather than
+    // an empty answer that reads as a normal stop.
+    refused(
+        json!({"prompt": "x", "max_tokens": 4,
+               "guided_json": {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}}),
+        "no output satisfies it",
+    );
+    refused(
+        json!({"prompt": "x", "max_tokens": 4, "guided_regex": "(.{1,1000}){1,1000}"}),
+        "fails at the first token",
+    );
+    let v = ok(
+        &s,
+        "/v1/completions",
+        json!({"prompt": "Hello", "max_tokens": 2}),
+    );
+    assert_eq!(v["usage"]["completion_tokens"], 2, "{v}");
+}
+
+#[test]
+fn an_end_token_ends_a_finished_grammar_before_min_tokens() {
+    let s = server();
+    // 104 is `x`: the prompt makes the model want it; the grammar holds the output to "abc".
+    let v = ok(
+        &s,
+        "/v1/completions",
+        json!({"prompt": "abcxabcxabcxabcxabcxabcx", "guided_regex": "abc",
+               "stop_token_ids": [104], "min_tokens": 6, "temperature": 0}),
+    );
+    assert_eq!(v["choices"][0]["text"], "abc", "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    // The end of sequence only, special tokens shown: none of them follows the five letters.
+    let v = ok(
+        &s,
+        "/v1/completions",
+        json!({"prompt": "abcxabcxabcxabcxabcxabcx", "guided_regex": "[a-z]{5}",
+               "min_tokens": 8, "temperature": 0, "skip_special_tokens": false}),
+    );
+    let text = v["choices"][0]["text"].as_str().unwrap_or("");
+    assert!(
+        text.len() == 5 && text.bytes().all(|b| b.is_ascii_lowercase()),
+        "{v}"
+    );
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+}
+
+#[test]
+fn vllm_json_options_are_accepted_with_their_meaning() {
+    let s = server();
+    let schema = json!({"type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20},
+                       "inhabitants": {"type": "integer", "minimum": 0, "maximum": 100000000}},
+        "required": ["city", "inhabitants"]});
+    let ask = |options: Value| {
+        let mut so = options;
+        so["json"] = schema.clone();
+        let v = ok(
+            &s,
+            "/v1/completions",
+            json!({"prompt": "Paris, as JSON:", "max_tokens": 48, "temperature": 0,
+                   "structured_outputs": so}),
+        );
+        let text = v["choices"][0]["text"].as_str().unwrap_or("").to_string();
+        assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+        let parsed: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+        (text, parsed)
+    };
+    // Closed objects: exactly the two properties, written without free whitespace.
+    let (text, parsed) = ask(json!({"disable_any_whitespace": true,
+                                    "disable_additional_properties": true,
+                                    "disable_fallback": true}));
+    let o = parsed.as_object().expect("an object");
+    assert_eq!(o.len(), 2, "{text}");
+    assert!(o["city"].is_string() && o["inhabitants"].is_u64(), "{text}");
+    assert_eq!(text, tool_json(&parsed), "{text}");
+    // A whitespace pattern that allows none: compact JSON, separators without spaces.
+    let (text, parsed) = ask(json!({"whitespace_pattern": "[ ]{0}",
+                                    "disable_additional_properties": true}));
+    assert_eq!(text, parsed.to_string(), "{text}");
+}
+
+/// `v` as Python's `json.dumps` writes it.
+fn tool_json(v: &Value) -> String {
+    match v {
+        Value::Object(o) => format!(
+            "{{{}}}",
+            o.iter()
+                .map(|(k, v)| format!("{}: {}", Value::String(k.clone()), tool_json(v)))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+        Value::Array(a) => format!(
+            "[{}]",
+            a.iter().map(tool_json).collect::<Vec<_>>().join(", ")
+        ),
+        other => other.to_string(),
+    }
+}

@@ -135,12 +135,16 @@ fn required_and_named_choices_answer_with_calls_that_follow_the_schema() {
         ChatCompletionMessageToolCalls::Function(c) if c.function.name == calls[0].0
     ));
 
-    // A named function is the one called, with its (empty) arguments.
+    // A named function is the one called, with its (empty) arguments; the choice finishes
+    // with stop, as OpenAI's (and vLLM's) do when tool_choice names the function.
     let (status, v) = s.post_json(
         "/v1/chat/completions",
         &ask(json!({"tool_choice": {"type": "function", "function": {"name": "local_time"}}})),
     );
     assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    let typed: CreateChatCompletionResponse = serde_json::from_value(v.clone()).expect("typed");
+    assert_eq!(typed.choices[0].finish_reason, Some(FinishReason::Stop));
     let calls = calls_of(&v["choices"][0]["message"]);
     assert!(!calls.is_empty(), "{v}");
     for (name, args) in calls {
@@ -253,7 +257,8 @@ fn a_streamed_call_is_the_call_of_the_whole_answer_its_arguments_in_pieces() {
         }
     }
     assert_eq!(content, "", "{}", body);
-    assert_eq!(finish, ["tool_calls"], "{}", body);
+    // A named function: stop, as OpenAI's.
+    assert_eq!(finish, ["stop"], "{}", body);
     let streamed = calls_of(&json!({"tool_calls": calls}));
     assert_eq!(streamed, expected, "{body}");
     // The arguments were streamed as the model wrote them, not sent whole at the end.
@@ -303,6 +308,90 @@ fn a_streamed_call_is_the_call_of_the_whole_answer_its_arguments_in_pieces() {
         full.starts_with(args) && args.starts_with("{\"city") && args.len() < full.len(),
         "{args:?} of {full:?}"
     );
+}
+
+/// The reviewer's 20 intersected patterns (45 s of compiling before the bound on them).
+fn intersected_patterns() -> Value {
+    let letters: Vec<char> = ('a'..='z').collect();
+    let mut all = vec![json!({"type": "string", "pattern": ".*a.*b.*"})];
+    for i in 1..20 {
+        all.push(json!({"pattern": format!(".*{}.*{}.*", letters[i], letters[i + 1])}));
+    }
+    json!({"allOf": all})
+}
+
+#[test]
+fn a_call_cut_short_after_a_call_leaves_no_markup_in_the_content() {
+    let s = server();
+    // Calls only, several allowed: the model calls again after its first call.
+    let body = ask(json!({"tool_choice": "required", "logprobs": true, "max_tokens": 120}));
+    let (status, whole) = s.post_json("/v1/chat/completions", &body);
+    assert_eq!(status, 200, "{whole}");
+    let all_calls = calls_of(&whole["choices"][0]["message"]);
+    assert!(all_calls.len() >= 2, "the model wrote one call: {whole}");
+    let tokens: Vec<&str> = whole["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .expect("logprobs")
+        .iter()
+        .map(|t| t["token"].as_str().expect("token"))
+        .collect();
+    // The tokens through the first call's closing tag.
+    let mut text = String::new();
+    let first_end = tokens
+        .iter()
+        .position(|t| {
+            text.push_str(t);
+            text.ends_with("</tool_call>")
+        })
+        .expect("the first call's end")
+        + 1;
+    // Every cut between the first call's end and the second call's arguments (the reviewer's
+    // max_tokens 54/56/58 gave content "\n<", "\n<tool_", "\n<tool_call>").
+    let second_arguments = tokens
+        .iter()
+        .enumerate()
+        .skip(first_end)
+        .find(|(_, t)| t.contains("arguments"))
+        .map(|(i, _)| i + 1)
+        .expect("the second call's arguments");
+    for max_tokens in first_end + 1..=second_arguments {
+        let mut cut = body.clone();
+        cut["max_tokens"] = json!(max_tokens);
+        cut.as_object_mut().expect("body").remove("logprobs");
+        let (status, v) = s.post_json("/v1/chat/completions", &cut);
+        assert_eq!(status, 200, "{v}");
+        let choice = &v["choices"][0];
+        assert_eq!(choice["finish_reason"], "length", "{max_tokens}: {v}");
+        assert!(choice["message"]["content"].is_null(), "{max_tokens}: {v}");
+        assert_eq!(
+            calls_of(&choice["message"])[..1],
+            all_calls[..1],
+            "{max_tokens}: {v}"
+        );
+        // Streamed: no content in any delta, the last one included.
+        cut["stream"] = json!(true);
+        let events = s.post_stream("/v1/chat/completions", &cut);
+        let mut finish = None;
+        let mut opened = 0;
+        for e in &events {
+            let c: Value = serde_json::from_str(e).expect("a JSON chunk");
+            let choice = &c["choices"][0];
+            assert!(choice["delta"]["content"].is_null(), "{max_tokens}: {c}");
+            opened += choice["delta"]["tool_calls"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter(|call| call["id"].is_string())
+                .count();
+            finish = finish.or(choice["finish_reason"].as_str().map(str::to_owned));
+        }
+        assert_eq!(
+            finish.as_deref(),
+            Some("length"),
+            "{max_tokens}: {events:?}"
+        );
+        assert!(opened >= 1, "{max_tokens}: {events:?}");
+    }
 }
 
 #[test]
@@ -394,6 +483,15 @@ fn bad_tool_requests_are_refused_with_the_field_and_the_server_serves_on() {
             assert_eq!(v["error"]["param"], param, "{body}: {v}");
         }
     }
+    // A tool whose schema would take exponential time to compile: refused before compiling.
+    let body = ask(
+        json!({"tools": [{"type": "function", "function": {"name": "f",
+        "parameters": {"type": "object", "properties": {"x": intersected_patterns()}}}}]}),
+    );
+    let (status, v) = s.post_json("/v1/chat/completions", &body);
+    assert_eq!(status, 400, "{v}");
+    let message = v["error"]["message"].as_str().unwrap_or("");
+    assert!(message.contains("at most 8 may meet"), "{message}");
     s.assert_serves();
 }
 

@@ -2,7 +2,12 @@
 //! recording sites here and for `switchyard-api`, which describes them and serves
 //! `/metrics`). The request-level ones mirror vLLM's production metrics under the
 //! `switchyard:` prefix with the same meaning and units; the `engine_*` ones are Switchyard's
-//! own. Labels are bounded: `finished_reason` is `stop` or `length`.
+//! own. Labels are bounded: `finished_reason` is `stop` or `length` (the end-of-sequence token
+//! is a `stop`), `reason` is the kind of error (a fixed set).
+//!
+//! The request-level ones count each choice of a request with `n > 1` as a request of its own,
+//! as vLLM counts its child requests: one TTFT, E2E latency, TPOT and queue time per choice, and
+//! each choice ends once, as a success, an abort or a failure.
 
 /// Gauge: requests currently in a running batch.
 pub const NUM_REQUESTS_RUNNING: &str = "switchyard:num_requests_running";
@@ -22,23 +27,27 @@ pub const NUM_PREEMPTIONS: &str = "switchyard:num_preemptions_total";
 pub const PROMPT_TOKENS: &str = "switchyard:prompt_tokens_total";
 /// Counter: tokens generated.
 pub const GENERATION_TOKENS: &str = "switchyard:generation_tokens_total";
-/// Counter, label `finished_reason`: requests that finished.
+/// Counter, label `finished_reason` (`stop`, `length`): requests that finished.
 pub const REQUEST_SUCCESS: &str = "switchyard:request_success_total";
-/// Counter: requests aborted (client gone, shutdown, relegated).
+/// Counter: requests aborted because their client went away.
 pub const REQUEST_ABORTED: &str = "switchyard:request_aborted_total";
+/// Counter, label `reason`: requests that ended with an error after they were queued, by kind:
+/// `invalid_request`, `context_length`, `unknown_model`, `overloaded`, `unavailable` (refused), or `error` (the server's own failure, such as a failed step).
+pub const REQUEST_FAILED: &str = "switchyard:request_failed_total";
 /// Counter: engine steps that failed (a backend error or panic, or a lost executor or
 /// allocator); their requests ended with an error, the server went on.
 pub const ENGINE_FAILED_STEPS: &str = "switchyard:engine_failed_steps_total";
-/// Histogram, seconds: arrival to first generated token.
+/// Histogram, seconds: arrival to first generated token, per choice.
 pub const TIME_TO_FIRST_TOKEN: &str = "switchyard:time_to_first_token_seconds";
-/// Histogram, seconds: between consecutive generated tokens of a request.
+/// Histogram, seconds: between the engine steps that bring a choice tokens, one per step after
+/// its first (vLLM's definition: the tokens of a speculative step come together).
 pub const INTER_TOKEN_LATENCY: &str = "switchyard:inter_token_latency_seconds";
 /// Histogram, seconds: mean time per output token after the first, per finished choice (TPOT;
 /// a choice of `n > 1` counts as its own sequence, as in vLLM).
 pub const TIME_PER_OUTPUT_TOKEN: &str = "switchyard:time_per_output_token_seconds";
-/// Histogram, seconds: arrival to finish.
+/// Histogram, seconds: arrival to finish, per finished choice.
 pub const E2E_REQUEST_LATENCY: &str = "switchyard:e2e_request_latency_seconds";
-/// Histogram, seconds: time spent waiting before first being scheduled.
+/// Histogram, seconds: time spent waiting before first being scheduled, per choice.
 pub const REQUEST_QUEUE_TIME: &str = "switchyard:request_queue_time_seconds";
 /// Histogram, seconds: the scheduler's planning time per step.
 pub const ENGINE_PLAN: &str = "switchyard:engine_plan_seconds";
@@ -74,6 +83,8 @@ pub const SPEC_DECODE_ACCEPTED_TOKENS: &str = "switchyard:spec_decode_num_accept
 
 /// Label key of [`REQUEST_SUCCESS`].
 pub const LABEL_FINISHED_REASON: &str = "finished_reason";
+/// Label key of [`REQUEST_FAILED`].
+pub const LABEL_REASON: &str = "reason";
 
 /// Every name above, by kind (for describing them and for tests).
 pub const GAUGES: &[&str] = &[
@@ -95,6 +106,7 @@ pub const COUNTERS: &[&str] = &[
     GENERATION_TOKENS,
     REQUEST_SUCCESS,
     REQUEST_ABORTED,
+    REQUEST_FAILED,
     ENGINE_FAILED_STEPS,
     LORA_LOADS,
     STRUCTURED_REQUESTS,

@@ -5,11 +5,22 @@
 //! One [`GrammarCompiler`] per model holds llguidance's view of the tokenizer (a token trie of
 //! every token's bytes, special tokens marked so grammars never produce them); it is built on
 //! the first structured request, not at start. Compiling a request's grammar checks it (a bad
-//! schema or regex is the client's error) and yields one fresh matcher per choice. At run
-//! time a matcher that fails (it should not: every sampled token comes from its own mask)
-//! ends its sequence through the end-of-sequence tokens rather than sampling unconstrained.
+//! schema or regex is the client's error, and so is one whose first token mask fails: it is
+//! unsatisfiable, or beyond llguidance's limits from the start) and yields one fresh matcher
+//! per choice. At run time a matcher that fails later (it should not: every sampled token
+//! comes from its own mask) ends its sequence through the end ids rather than sampling
+//! unconstrained.
+//!
+//! Grammars compile on a [`CompilePool`] of their own ([`LazyGrammarCompiler::compile_then`]),
+//! never on the threads that encode prompts, and the work of one compile is bounded: by
+//! llguidance's limits, by [`MAX_INTERSECTED_PATTERNS`] (checked before compiling: one step of
+//! llguidance's check of an intersection of patterns grows exponentially with their number,
+//! and its fuel is only counted between steps), and by [`COMPILE_DEADLINE`].
 
+use std::collections::{HashMap, VecDeque};
+use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
 
 use llguidance::api::{ParserLimits, TopLevelGrammar};
 use llguidance::{Matcher, ParserFactory};
@@ -23,6 +34,242 @@ use crate::metric_names as names;
 pub const MAX_SPEC_BYTES: usize = 64 * 1024;
 /// Most alternatives of a choice.
 pub const MAX_CHOICES: usize = 1024;
+
+/// Most JSON-schema `pattern`s and string `format`s that may meet in one intersection (through
+/// `allOf`, `anyOf` / `oneOf` inside it, and `$ref`s with their siblings), counted before
+/// compiling (over-approximated: the counts of branches merged by `allOf` add up whatever
+/// they constrain). llguidance checks every intersection of patterns for emptiness; one step
+/// of that check grows exponentially with the number of patterns (20 patterns like
+/// `.*a.*b.*`, a 953-byte schema, took 45 s) and its fuel is only counted between steps. Eight
+/// take about a millisecond; llguidance itself gives up on most intersections of more than
+/// three patterns ("unable to determine if regex is empty").
+pub const MAX_INTERSECTED_PATTERNS: usize = 8;
+/// Most `%json` schemas looked into in one Lark grammar (a tool-call grammar has one per tool).
+pub const MAX_EMBEDDED_SCHEMAS: usize = 256;
+/// Most schema nodes visited when counting patterns (a schema is at most [`MAX_SPEC_BYTES`]).
+const MAX_COUNT_STEPS: usize = 1 << 20;
+/// Deepest nesting of schemas followed when counting patterns; deeper counts as every pattern
+/// of the document.
+const MAX_COUNT_DEPTH: usize = 256;
+
+/// Refuses a specification whose compile would do unbounded work that llguidance's own limits
+/// do not cover: JSON schemas (their own, or a Lark grammar's `%json` ones) whose patterns meet
+/// in an intersection of more than [`MAX_INTERSECTED_PATTERNS`].
+pub fn check_work(spec: &StructuredOutput) -> Result<(), String> {
+    match spec {
+        StructuredOutput::JsonSchema(schema) => check_patterns(schema),
+        StructuredOutput::Grammar(g) | StructuredOutput::ToolCalls(g) => {
+            let mut seen = 0;
+            let mut from = 0;
+            while let Some(at) = g[from..].find("%json") {
+                let start = from + at + "%json".len();
+                seen += 1;
+                if seen > MAX_EMBEDDED_SCHEMAS {
+                    return Err(format!(
+                        "the grammar has more than {MAX_EMBEDDED_SCHEMAS} %json schemas"
+                    ));
+                }
+                let rest = &g[start..];
+                let skipped = rest.len() - rest.trim_start().len();
+                let mut values = serde_json::Deserializer::from_str(rest.trim_start())
+                    .into_iter::<serde_json::Value>();
+                from = match values.next() {
+                    Some(Ok(schema)) => {
+                        check_patterns(&schema)?;
+                        start + skipped + values.byte_offset()
+                    }
+                    // Not JSON after all: llguidance says what is wrong.
+                    _ => start,
+                };
+            }
+            Ok(())
+        }
+        _ => Ok(()),
+    }
+}
+
+fn check_patterns(schema: &serde_json::Value) -> Result<(), String> {
+    let mut counter = PatternCounter {
+        root: schema,
+        total: count_all_patterns(schema),
+        references: HashMap::new(),
+        steps: 0,
+    };
+    let n = counter.count(schema, 0);
+    if counter.steps > MAX_COUNT_STEPS {
+        return Err(format!(
+            "the JSON schema is too complex to check: its references reach more than {MAX_COUNT_STEPS} subschemas"
+        ));
+    }
+    if n > MAX_INTERSECTED_PATTERNS {
+        return Err(format!(
+            "the JSON schema intersects up to {n} string patterns or formats (through allOf or \
+             $ref); at most {MAX_INTERSECTED_PATTERNS} may meet, since checking such an \
+             intersection takes time exponential in their number"
+        ));
+    }
+    Ok(())
+}
+
+/// `pattern`s and `format`s anywhere in `v`: what a reference that cannot be followed may
+/// bring.
+fn count_all_patterns(v: &serde_json::Value) -> usize {
+    let mut n = 0;
+    let mut stack = vec![v];
+    while let Some(v) = stack.pop() {
+        match v {
+            serde_json::Value::Object(o) => {
+                n += o
+                    .iter()
+                    .filter(|(k, v)| (*k == "pattern" || *k == "format") && v.is_string())
+                    .count();
+                stack.extend(o.values());
+            }
+            serde_json::Value::Array(a) => stack.extend(a),
+            _ => {}
+        }
+    }
+    n
+}
+
+/// Counts, for a schema, the most patterns that can meet in one intersection (see
+/// [`MAX_INTERSECTED_PATTERNS`]).
+struct PatternCounter<'a> {
+    root: &'a serde_json::Value,
+    /// Every pattern and format of the document.
+    total: usize,
+    /// Counts of the references followed (0 while one is being counted: a recursive schema
+    /// does not intersect itself).
+    references: HashMap<&'a str, usize>,
+    steps: usize,
+}
+
+impl<'a> PatternCounter<'a> {
+    /// Keywords whose subschemas constrain other values (properties, items, ...): each is an
+    /// intersection of its own.
+    const NESTED: [&'static str; 11] = [
+        "additionalProperties",
+        "items",
+        "additionalItems",
+        "contains",
+        "propertyNames",
+        "unevaluatedProperties",
+        "unevaluatedItems",
+        "not",
+        "if",
+        "then",
+        "else",
+    ];
+    /// Keywords holding maps or lists of such subschemas.
+    const NESTED_MAPS: [&'static str; 4] = [
+        "properties",
+        "patternProperties",
+        "prefixItems",
+        "dependentSchemas",
+    ];
+
+    fn count(&mut self, schema: &'a serde_json::Value, depth: usize) -> usize {
+        self.steps += 1;
+        let Some(obj) = schema.as_object() else {
+            return 0;
+        };
+        if depth > MAX_COUNT_DEPTH || self.steps > MAX_COUNT_STEPS {
+            return self.total;
+        }
+        let mut own = ["pattern", "format"]
+            .iter()
+            .filter(|k| obj.get(**k).is_some_and(serde_json::Value::is_string))
+            .count();
+        if let Some(serde_json::Value::String(r)) = obj.get("$ref") {
+            own += self.reference(r, depth);
+        }
+        if let Some(serde_json::Value::Array(all)) = obj.get("allOf") {
+            for branch in all {
+                own += self.count(branch, depth + 1);
+            }
+        }
+        for key in ["anyOf", "oneOf"] {
+            if let Some(serde_json::Value::Array(any)) = obj.get(key) {
+                let most = any.iter().map(|b| self.count(b, depth + 1)).max();
+                own += most.unwrap_or(0);
+            }
+        }
+        // What nested values get is counted as if merged with this schema's own (an allOf of
+        // objects merges their properties): an over-approximation.
+        let mut nested = 0;
+        for key in Self::NESTED {
+            if let Some(v) = obj.get(key) {
+                let n = match v {
+                    serde_json::Value::Array(items) => {
+                        items.iter().map(|i| self.count(i, depth + 1)).max()
+                    }
+                    other => Some(self.count(other, depth + 1)),
+                };
+                nested = nested.max(n.unwrap_or(0));
+            }
+        }
+        for key in Self::NESTED_MAPS {
+            let children: Vec<&'a serde_json::Value> = match obj.get(key) {
+                Some(serde_json::Value::Object(m)) => m.values().collect(),
+                Some(serde_json::Value::Array(a)) => a.iter().collect(),
+                _ => continue,
+            };
+            for c in children {
+                nested = nested.max(self.count(c, depth + 1));
+            }
+        }
+        own + nested
+    }
+
+    /// The count of the schema `r` refers to: a JSON pointer into the document is followed
+    /// (once); any other reference (an anchor, an `$id`) counts every pattern of the document.
+    fn reference(&mut self, r: &'a str, depth: usize) -> usize {
+        if let Some(&n) = self.references.get(r) {
+            return n;
+        }
+        let Some(target) = resolve_pointer(self.root, r) else {
+            return self.total;
+        };
+        self.references.insert(r, 0);
+        let n = self.count(target, depth + 1);
+        self.references.insert(r, n);
+        n
+    }
+}
+
+/// The subschema a local reference (`#`, `#/$defs/a`) points at.
+fn resolve_pointer<'a>(root: &'a serde_json::Value, r: &str) -> Option<&'a serde_json::Value> {
+    let pointer = r.strip_prefix('#')?;
+    if pointer.is_empty() {
+        return Some(root);
+    }
+    let pointer = percent_decode(pointer)?;
+    if !pointer.starts_with('/') {
+        return None;
+    }
+    root.pointer(&pointer)
+}
+
+/// `s` with its `%XX` escapes decoded (a URI fragment); `None` when they are not UTF-8.
+fn percent_decode(s: &str) -> Option<String> {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let hex = |c: u8| (c as char).to_digit(16);
+        match (b[i], b.get(i + 1).copied(), b.get(i + 2).copied()) {
+            (b'%', Some(h), Some(l)) if hex(h).is_some() && hex(l).is_some() => {
+                out.push((hex(h)? * 16 + hex(l)?) as u8);
+                i += 3;
+            }
+            (c, _, _) => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8(out).ok()
+}
 
 /// What a request's output must follow.
 #[derive(Debug, Clone, PartialEq)]
@@ -112,6 +359,16 @@ impl StructuredOutput {
             }
         }
     }
+}
+
+/// The first line of an error, at most 300 bytes of it.
+fn first_line(e: &str) -> &str {
+    let line = e.lines().next().unwrap_or("");
+    let mut end = line.len().min(300);
+    while !line.is_char_boundary(end) {
+        end -= 1;
+    }
+    &line[..end]
 }
 
 /// `s` as a regular expression matching exactly `s`.
@@ -211,14 +468,37 @@ impl GrammarCompiler {
         n: usize,
     ) -> Result<Vec<Constraint>, String> {
         spec.check_bounds()?;
+        check_work(spec).map_err(|e| format!("invalid structured output specification: {e}"))?;
         let t0 = std::time::Instant::now();
         let parser = self
             .factory
             .create_parser(spec.grammar())
             .map_err(|e| format!("invalid structured output specification: {e}"))?;
-        let matcher = Matcher::new(Ok(parser));
+        let mut matcher = Matcher::new(Ok(parser));
         if let Some(e) = matcher.get_error() {
             return Err(format!("invalid structured output specification: {e}"));
+        }
+        // The first mask: a grammar that no output satisfies (a reference that only refers to
+        // itself), or whose first step is already beyond llguidance's limits, is the client's
+        // error now rather than an empty answer later.
+        match matcher.compute_mask_or_eos() {
+            Ok(mask) if mask.is_zero() => {
+                return Err(
+                    "invalid structured output specification: no output satisfies it".into(),
+                )
+            }
+            Ok(_) => {}
+            Err(e) => {
+                let e = e.to_string();
+                let why = match first_line(&e) {
+                    // llguidance's word for "no token can extend the output and it cannot end".
+                    "NoExtensionBias" => "no output satisfies it",
+                    other => other,
+                };
+                return Err(format!(
+                    "invalid structured output specification: it fails at the first token ({why})"
+                ));
+            }
         }
         metrics::histogram!(names::STRUCTURED_COMPILE).record(t0.elapsed().as_secs_f64());
         metrics::counter!(names::STRUCTURED_REQUESTS, "kind" => spec.kind()).increment(1);
@@ -236,26 +516,340 @@ impl GrammarCompiler {
     }
 }
 
-/// A [`GrammarCompiler`] built on first use.
+/// Threads that compile grammars: at most this many compiles run at once, whatever the load,
+/// beside (never on) the threads that encode prompts.
+pub const COMPILE_THREADS: usize = 2;
+/// Most compiles waiting for a thread; more are refused as an overload (503).
+pub const MAX_WAITING_COMPILES: usize = 64;
+/// How long a compile may take, and how long one may wait for a thread. A compile past it
+/// gets its request a 400 (it was beyond the bounds on work) while its thread finishes it in
+/// the background (a thread cannot be stopped; llguidance's limits and
+/// [`MAX_INTERSECTED_PATTERNS`] bound what it can do), its result then dropped; one that
+/// waited that long gets a 503.
+pub const COMPILE_DEADLINE: Duration = Duration::from_secs(10);
+
+/// Why a structured-output specification was not compiled.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CompileError {
+    /// The specification is the client's error: invalid, unsatisfiable or beyond the bounds
+    /// on the work of one compile.
+    #[error("{0}")]
+    Invalid(String),
+    /// Structured output cannot be served for this model (no end-of-sequence token).
+    #[error("structured output is unavailable for this model: {0}")]
+    Unavailable(String),
+    /// Every compile thread is taken and too many compiles wait, or one waited
+    /// [`COMPILE_DEADLINE`] for a thread.
+    #[error("{0}")]
+    Busy(String),
+}
+
+/// What a compile yields.
+pub type CompileResult = Result<Vec<Constraint>, CompileError>;
+
+/// Where a compile's result goes.
+pub trait CompileReply: Send {
+    /// Delivers the result.
+    fn send(self: Box<Self>, result: CompileResult);
+    /// Whether nobody waits for the result any more (the compile is then not started).
+    fn is_closed(&self) -> bool {
+        false
+    }
+}
+
+/// A compile's reply, answered once: by the compile, or by the watchdog at the deadline.
+struct Pending(parking_lot::Mutex<Option<Box<dyn CompileReply>>>);
+
+impl Pending {
+    fn answer(&self, result: CompileResult) -> bool {
+        let reply = self.0.lock().take();
+        reply.map(|r| r.send(result)).is_some()
+    }
+
+    fn answered(&self) -> bool {
+        self.0.lock().is_none()
+    }
+
+    /// Answered already, or nobody waits for the answer.
+    fn gone(&self) -> bool {
+        self.0.lock().as_ref().is_none_or(|r| r.is_closed())
+    }
+}
+
+struct CompileJob {
+    run: Box<dyn FnOnce() -> CompileResult + Send>,
+    pending: Arc<Pending>,
+    queued_at: Instant,
+}
+
+#[derive(Default)]
+struct PoolState {
+    queue: VecDeque<CompileJob>,
+    /// Compiles running: when each started, and its reply.
+    running: Vec<(Instant, Arc<Pending>)>,
+    /// Whether the threads were started (on the first compile).
+    started: bool,
+}
+
+/// The threads that compile grammars, a bounded queue before them and a watchdog that answers
+/// requests whose compile (or wait) passes the deadline.
+pub struct CompilePool {
+    state: parking_lot::Mutex<PoolState>,
+    /// Signals the compile threads: a job was queued.
+    work: parking_lot::Condvar,
+    /// Signals the watchdog: a deadline was added.
+    watch: parking_lot::Condvar,
+    threads: usize,
+    max_waiting: usize,
+    deadline: Duration,
+}
+
+impl Default for CompilePool {
+    fn default() -> Self {
+        Self::new(COMPILE_THREADS, MAX_WAITING_COMPILES, COMPILE_DEADLINE)
+    }
+}
+
+impl CompilePool {
+    /// A pool of `threads` compile threads (started on the first compile), `max_waiting`
+    /// compiles queued at most, each given `deadline` to wait and then to compile.
+    pub fn new(threads: usize, max_waiting: usize, deadline: Duration) -> Self {
+        Self {
+            state: parking_lot::Mutex::new(PoolState::default()),
+            work: parking_lot::Condvar::new(),
+            watch: parking_lot::Condvar::new(),
+            threads: threads.max(1),
+            max_waiting,
+            deadline,
+        }
+    }
+
+    /// Queues `run`; its result (or the deadline's error) goes to `reply`.
+    pub fn submit(
+        self: &Arc<Self>,
+        run: Box<dyn FnOnce() -> CompileResult + Send>,
+        reply: Box<dyn CompileReply>,
+    ) {
+        let mut state = self.state.lock();
+        if state.queue.len() >= self.max_waiting {
+            // Compiles nobody waits for any more do not count.
+            state.queue.retain(|j| !j.pending.gone());
+        }
+        if state.queue.len() >= self.max_waiting {
+            drop(state);
+            reply.send(Err(CompileError::Busy(format!(
+                "{} structured output specifications are waiting to compile; retry shortly",
+                self.max_waiting
+            ))));
+            return;
+        }
+        if !state.started {
+            if let Err(e) = self.start_threads() {
+                drop(state);
+                tracing::error!(error = %e, "structured output: no compile thread started");
+                reply.send(Err(CompileError::Unavailable(format!(
+                    "no compile thread could be started: {e}"
+                ))));
+                return;
+            }
+            state.started = true;
+        }
+        state.queue.push_back(CompileJob {
+            run,
+            pending: Arc::new(Pending(parking_lot::Mutex::new(Some(reply)))),
+            queued_at: Instant::now(),
+        });
+        drop(state);
+        self.work.notify_one();
+        self.watch.notify_one();
+    }
+
+    fn start_threads(self: &Arc<Self>) -> std::io::Result<()> {
+        for i in 0..self.threads {
+            let pool = self.clone();
+            std::thread::Builder::new()
+                .name(format!("grammar-{i}"))
+                // Schemas nest (serde_json allows 128 levels) and llguidance recurses over them.
+                .stack_size(16 << 20)
+                .spawn(move || pool.compile_loop())?;
+        }
+        let pool = self.clone();
+        std::thread::Builder::new()
+            .name("grammar-watchdog".into())
+            .spawn(move || pool.watchdog_loop())?;
+        Ok(())
+    }
+
+    fn compile_loop(&self) {
+        loop {
+            let job = {
+                let mut state = self.state.lock();
+                loop {
+                    match state.queue.pop_front() {
+                        // Nobody waits for it (the requester went away, or the watchdog
+                        // answered it): not started.
+                        Some(job) if job.pending.gone() => continue,
+                        Some(job) => {
+                            state.running.push((Instant::now(), job.pending.clone()));
+                            break job;
+                        }
+                        None => self.work.wait(&mut state),
+                    }
+                }
+            };
+            self.watch.notify_one();
+            let result = std::panic::catch_unwind(AssertUnwindSafe(job.run)).unwrap_or_else(|_| {
+                Err(CompileError::Invalid(
+                    "invalid structured output specification: the grammar compiler failed on it"
+                        .into(),
+                ))
+            });
+            self.state
+                .lock()
+                .running
+                .retain(|(_, p)| !Arc::ptr_eq(p, &job.pending));
+            if !job.pending.answer(result) {
+                tracing::warn!(
+                    waited_ms = job.queued_at.elapsed().as_millis() as u64,
+                    "structured output: a compile finished after its deadline; its request was refused"
+                );
+            }
+        }
+    }
+
+    fn watchdog_loop(&self) {
+        let mut state = self.state.lock();
+        loop {
+            let now = Instant::now();
+            let mut waited = Vec::new();
+            let deadline = self.deadline;
+            state.queue.retain(|j| {
+                let late = now >= j.queued_at + deadline;
+                if late {
+                    waited.push(j.pending.clone());
+                }
+                !late
+            });
+            let late: Vec<Arc<Pending>> = state
+                .running
+                .iter()
+                .filter(|(started, p)| now >= *started + deadline && !p.answered())
+                .map(|(_, p)| p.clone())
+                .collect();
+            let next = state
+                .queue
+                .iter()
+                .map(|j| j.queued_at + deadline)
+                .chain(
+                    state
+                        .running
+                        .iter()
+                        .filter(|(started, p)| *started + deadline > now && !p.answered())
+                        .map(|(started, _)| *started + deadline),
+                )
+                .min();
+            if !waited.is_empty() || !late.is_empty() {
+                parking_lot::MutexGuard::unlocked(&mut state, || {
+                    for p in waited {
+                        p.answer(Err(CompileError::Busy(format!(
+                            "no grammar compiler was free within {} s; retry shortly",
+                            deadline.as_secs_f32()
+                        ))));
+                    }
+                    for p in late {
+                        metrics::counter!(names::STRUCTURED_FAILURES).increment(1);
+                        tracing::warn!(
+                            "structured output: a compile passed its deadline; refusing its request"
+                        );
+                        p.answer(Err(CompileError::Invalid(format!(
+                            "invalid structured output specification: it did not compile within \
+                             {} s",
+                            deadline.as_secs_f32()
+                        ))));
+                    }
+                });
+                continue;
+            }
+            match next {
+                Some(at) => {
+                    self.watch.wait_until(&mut state, at);
+                }
+                None => self.watch.wait(&mut state),
+            }
+        }
+    }
+}
+
+/// A [`GrammarCompiler`] built on first use (on a compile thread), and the [`CompilePool`]
+/// that compiles with it.
 #[derive(Clone, Default)]
-pub struct LazyGrammarCompiler(Arc<OnceLock<Result<GrammarCompiler, String>>>);
+pub struct LazyGrammarCompiler {
+    compiler: Arc<OnceLock<Result<GrammarCompiler, String>>>,
+    pool: Arc<CompilePool>,
+}
 
 impl LazyGrammarCompiler {
+    /// Compiles on `pool` (see [`CompilePool::new`]).
+    pub fn with_pool(pool: CompilePool) -> Self {
+        Self {
+            compiler: Arc::default(),
+            pool: Arc::new(pool),
+        }
+    }
+
     /// The compiler for `tokenizer`, built now if this is the first call.
     pub fn get(&self, tokenizer: &Arc<Tokenizer>) -> Result<&GrammarCompiler, String> {
-        self.0
-            .get_or_init(|| {
-                let t0 = std::time::Instant::now();
-                let c = GrammarCompiler::new(tokenizer.clone());
-                tracing::info!(
-                    elapsed_ms = t0.elapsed().as_millis() as u64,
-                    "structured output: token trie built"
-                );
-                c
-            })
-            .as_ref()
-            .map_err(Clone::clone)
+        get_compiler(&self.compiler, tokenizer)
     }
+
+    /// Compiles `spec` on the compile pool (see [`GrammarCompiler::compile`]); the result goes
+    /// to `reply`.
+    pub fn compile_then(
+        &self,
+        tokenizer: &Arc<Tokenizer>,
+        spec: StructuredOutput,
+        end_ids: Vec<u32>,
+        n: usize,
+        reply: Box<dyn CompileReply>,
+    ) {
+        let compiler = self.compiler.clone();
+        let tokenizer = tokenizer.clone();
+        self.submit(
+            Box::new(move || {
+                get_compiler(&compiler, &tokenizer)
+                    .map_err(CompileError::Unavailable)?
+                    .compile(&spec, &end_ids, n)
+                    .map_err(CompileError::Invalid)
+            }),
+            reply,
+        );
+    }
+
+    /// Runs `run` on the compile pool.
+    pub fn submit(
+        &self,
+        run: Box<dyn FnOnce() -> CompileResult + Send>,
+        reply: Box<dyn CompileReply>,
+    ) {
+        self.pool.submit(run, reply);
+    }
+}
+
+fn get_compiler<'a>(
+    cell: &'a OnceLock<Result<GrammarCompiler, String>>,
+    tokenizer: &Arc<Tokenizer>,
+) -> Result<&'a GrammarCompiler, String> {
+    cell.get_or_init(|| {
+        let t0 = std::time::Instant::now();
+        let c = GrammarCompiler::new(tokenizer.clone());
+        tracing::info!(
+            elapsed_ms = t0.elapsed().as_millis() as u64,
+            "structured output: token trie built"
+        );
+        c
+    })
+    .as_ref()
+    .map_err(Clone::clone)
 }
 
 /// One sequence's grammar state.
@@ -279,17 +873,6 @@ impl GrammarConstraint {
                 *w |= 1 << (t % 32);
             }
         }
-    }
-
-    /// Whether the grammar takes end id `token` as text: a request's `stop_token_ids` are end
-    /// ids, but one sampled before `min_tokens` does not end the request and is part of the
-    /// output, so the grammar must read it (the tokenizer's end-of-sequence tokens never are).
-    fn takes_as_text(&mut self, token: u32) -> bool {
-        let eos = self
-            .matcher
-            .tok_env()
-            .map_or(true, |env| env.tok_trie().eos_tokens().contains(&token));
-        !eos && matches!(self.matcher.validate_tokens(&[token]), Ok(1))
     }
 
     fn fail(&mut self, what: &str, e: impl std::fmt::Display) {
@@ -337,10 +920,10 @@ impl TokenConstraint for GrammarConstraint {
         if self.recent.len() == ROLLBACK_WINDOW {
             self.recent.pop_front();
         }
-        if self.failed
-            || self.matcher.is_stopped()
-            || (self.end_ids.contains(&token) && !self.takes_as_text(token))
-        {
+        // An end id ends the request wherever it is sampled (the scheduler ends a sequence at
+        // one even before `min_tokens`: the sampler lets one through that early only where the
+        // grammar allows nothing else), so the grammar never reads one as text.
+        if self.failed || self.matcher.is_stopped() || self.end_ids.contains(&token) {
             self.recent.push_back(false);
             return;
         }
@@ -473,28 +1056,236 @@ mod tests {
     }
 
     #[test]
-    fn a_stop_id_the_grammar_reads_as_text_moves_it_on() {
-        // A stop id sampled before min_tokens is output, not an end: the grammar reads it.
+    fn an_end_id_is_never_read_as_text() {
+        // A stop id ends the request wherever it is sampled (before min_tokens too, where the
+        // sampler lets one through only when the grammar allows nothing else): the grammar
+        // does not read it, and what it allows stays as it was.
         let tok = tokenizer();
         let compiler = GrammarCompiler::new(tok.clone()).expect("compiler");
         let id = |s: &str| tok.encode(s, false).expect("ids")[0];
-        let (end, x, three, y) = (tok.eos_token_ids()[0], id("x"), id("3"), id("y"));
+        let (end, x, three) = (tok.eos_token_ids()[0], id("x"), id("3"));
         let c = compiler
             .compile(&StructuredOutput::Regex("x3y".into()), &[end, three], 1)
             .expect("compiles")
             .pop()
             .expect("one");
         let vocab = tok.vocab_size();
-        assert!(is_allowed(&c.allowed(vocab), x as usize));
         c.commit(x);
-        assert!(is_allowed(&c.allowed(vocab), three as usize));
+        let before = c.allowed(vocab);
+        assert!(is_allowed(&before, three as usize));
         c.commit(three);
-        let allowed = c.allowed(vocab);
-        assert!(
-            is_allowed(&allowed, y as usize),
-            "the grammar moved on past 3"
+        assert_eq!(c.allowed(vocab), before, "the grammar read the stop id");
+        // A finished grammar allows only the end ids, and committing one changes nothing.
+        let c = compiler
+            .compile(&StructuredOutput::Regex("abc".into()), &[end, x], 1)
+            .expect("compiles")
+            .pop()
+            .expect("one");
+        c.commit_all(&tok.encode("abc", false).expect("ids"));
+        let ends = |c: &Constraint| -> Vec<usize> {
+            let a = c.allowed(vocab);
+            (0..vocab).filter(|&t| is_allowed(&a, t)).collect()
+        };
+        let mut want = vec![end as usize, x as usize];
+        want.sort_unstable();
+        assert_eq!(ends(&c), want);
+        c.commit(x);
+        assert_eq!(ends(&c), want);
+    }
+
+    /// The reviewer's schema: 20 intersected patterns took llguidance 45 s before it gave up.
+    fn intersected_patterns(n: usize) -> Value {
+        let letters: Vec<char> = ('a'..='z').collect();
+        let mut all = vec![json!({"type": "string", "pattern": ".*a.*b.*"})];
+        for i in 1..n {
+            all.push(json!({"pattern": format!(".*{}.*{}.*", letters[i], letters[i + 1])}));
+        }
+        json!({"allOf": all})
+    }
+
+    #[test]
+    fn intersections_of_many_patterns_are_refused_before_compiling() {
+        let tok = tokenizer();
+        let compiler = GrammarCompiler::new(tok.clone()).expect("compiler");
+        let end = [tok.eos_token_ids()[0]];
+        let refused = |spec: StructuredOutput| {
+            let e = compiler.compile(&spec, &end, 1).expect_err("refused");
+            assert!(
+                e.contains(&format!("at most {MAX_INTERSECTED_PATTERNS} may meet")),
+                "{e}"
+            );
+        };
+        refused(StructuredOutput::JsonSchema(intersected_patterns(20)));
+        refused(StructuredOutput::JsonSchema(intersected_patterns(
+            MAX_INTERSECTED_PATTERNS + 1,
+        )));
+        // Through references, anyOf branches and nested values.
+        let defs: serde_json::Map<String, Value> = (0..12)
+            .map(|i| (format!("p{i}"), json!({"pattern": format!(".*{i}.*")})))
+            .collect();
+        let refs: Vec<Value> = (0..12)
+            .map(|i| json!({"$ref": format!("#/$defs/p{i}")}))
+            .collect();
+        refused(StructuredOutput::JsonSchema(
+            json!({"$defs": defs, "type": "object",
+                   "properties": {"a": {"anyOf": [{"type": "integer"}, {"allOf": refs}]}}}),
+        ));
+        // A reference the count cannot follow counts every pattern of the document.
+        refused(StructuredOutput::JsonSchema(
+            json!({"$defs": {"x": {"$anchor": "x", "allOf": intersected_patterns(10)["allOf"]}},
+                   "allOf": [{"$ref": "#x"}]}),
+        ));
+        // A tool's parameters inside the tool-call grammar, and a client's %json.
+        let schema = intersected_patterns(20).to_string();
+        refused(StructuredOutput::ToolCalls(format!(
+            "start: \"<tool_call>\" body\nbody: \"{{\\\"arguments\\\": \" %json{schema} \"}}\"\n"
+        )));
+        refused(StructuredOutput::Grammar(format!(
+            "start: a\na: %json {schema}\n"
+        )));
+        // What schemas use: a few patterns meeting, many apart, a recursive reference.
+        let few = json!({"allOf": [{"type": "string", "pattern": "^[a-z]+$"},
+                                   {"pattern": "^.{2,8}$"}]});
+        let apart: serde_json::Map<String, Value> = (0..40)
+            .map(|i| {
+                (
+                    format!("f{i}"),
+                    json!({"type": "string", "pattern": format!("^[a-z]{{{i}}}$")}),
+                )
+            })
+            .collect();
+        let tree = json!({"$defs": {"node": {"type": "object", "properties": {
+            "name": {"type": "string", "pattern": "^[a-z]+$"},
+            "children": {"type": "array", "items": {"$ref": "#/$defs/node"}}}}},
+            "$ref": "#/$defs/node"});
+        for ok in [few, json!({"type": "object", "properties": apart}), tree] {
+            check_work(&StructuredOutput::JsonSchema(ok.clone()))
+                .unwrap_or_else(|e| panic!("{ok}: {e}"));
+        }
+        let ok = compiler.compile(
+            &StructuredOutput::JsonSchema(json!({"allOf": [
+                {"type": "string", "pattern": "^[a-z]+$"}, {"pattern": "^.{2,8}$"}]})),
+            &end,
+            1,
         );
-        assert!(!is_allowed(&allowed, three as usize));
+        assert!(ok.is_ok(), "{:?}", ok.err());
+    }
+
+    #[test]
+    fn grammars_that_fail_at_the_first_token_are_refused() {
+        let tok = tokenizer();
+        let compiler = GrammarCompiler::new(tok.clone()).expect("compiler");
+        let end = [tok.eos_token_ids()[0]];
+        for spec in [
+            // A reference that only refers to itself: no output satisfies it.
+            StructuredOutput::JsonSchema(json!({"$defs": {"a": {"$ref": "#/$defs/a"}},
+                                                "$ref": "#/$defs/a"})),
+            // Beyond llguidance's lexer limits from the first token.
+            StructuredOutput::Regex("(.{1,1000}){1,1000}".into()),
+        ] {
+            let e = compiler.compile(&spec, &end, 1).expect_err("refused");
+            assert!(
+                e.starts_with("invalid structured output specification"),
+                "{spec:?}: {e}"
+            );
+        }
+    }
+
+    /// A reply that hands the result to a channel.
+    struct ToChannel(std::sync::mpsc::Sender<CompileResult>, bool);
+
+    impl CompileReply for ToChannel {
+        fn send(self: Box<Self>, result: CompileResult) {
+            let _ = self.0.send(result);
+        }
+        fn is_closed(&self) -> bool {
+            self.1
+        }
+    }
+
+    /// A job that waits until `release` is dropped or sent to, and says when it started.
+    fn blocker(
+        started: std::sync::mpsc::Sender<()>,
+    ) -> (
+        std::sync::mpsc::Sender<()>,
+        Box<dyn FnOnce() -> CompileResult + Send>,
+    ) {
+        let (release, wait) = std::sync::mpsc::channel::<()>();
+        let job = Box::new(move || {
+            let _ = started.send(());
+            let _ = wait.recv();
+            Ok(Vec::new())
+        });
+        (release, job)
+    }
+
+    #[test]
+    fn the_compile_pool_bounds_its_queue_and_skips_requests_nobody_waits_for() {
+        let pool = Arc::new(CompilePool::new(1, 1, Duration::from_secs(3600)));
+        let (started_tx, started) = std::sync::mpsc::channel();
+        let (release, job) = blocker(started_tx);
+        let (tx, first) = std::sync::mpsc::channel();
+        pool.submit(job, Box::new(ToChannel(tx, false)));
+        started.recv().expect("the first compile started");
+        // The thread is busy. A compile nobody waits for is never started and takes no room.
+        let ran = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = ran.clone();
+        let (gone_tx, _gone) = std::sync::mpsc::channel();
+        pool.submit(
+            Box::new(move || {
+                flag.store(true, std::sync::atomic::Ordering::SeqCst);
+                Ok(Vec::new())
+            }),
+            Box::new(ToChannel(gone_tx, true)),
+        );
+        // One compile may wait; the next is refused as an overload, at once.
+        let (tx, waiting) = std::sync::mpsc::channel();
+        pool.submit(
+            Box::new(|| Err(CompileError::Invalid("bad".into()))),
+            Box::new(ToChannel(tx, false)),
+        );
+        let (busy_tx, busy) = std::sync::mpsc::channel();
+        pool.submit(
+            Box::new(|| Ok(Vec::new())),
+            Box::new(ToChannel(busy_tx, false)),
+        );
+        assert!(matches!(busy.recv(), Ok(Err(CompileError::Busy(_)))));
+        drop(release);
+        assert_eq!(first.recv().expect("answered"), Ok(Vec::new()));
+        assert_eq!(
+            waiting.recv().expect("answered"),
+            Err(CompileError::Invalid("bad".into()))
+        );
+        assert!(!ran.load(std::sync::atomic::Ordering::SeqCst));
+    }
+
+    #[test]
+    fn a_compile_past_its_deadline_is_refused_and_finishes_in_the_background() {
+        let pool = Arc::new(CompilePool::new(1, 4, Duration::from_millis(50)));
+        let (started_tx, started) = std::sync::mpsc::channel();
+        let (release, job) = blocker(started_tx);
+        let (tx, slow) = std::sync::mpsc::channel();
+        pool.submit(job, Box::new(ToChannel(tx, false)));
+        started.recv().expect("started");
+        // Queued behind it: refused as an overload once it waited past the deadline.
+        let (tx, waiting) = std::sync::mpsc::channel();
+        pool.submit(Box::new(|| Ok(Vec::new())), Box::new(ToChannel(tx, false)));
+        // The compile is still blocked when its request is refused.
+        match slow.recv().expect("answered at the deadline") {
+            Err(CompileError::Invalid(m)) => assert!(m.contains("did not compile within"), "{m}"),
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            waiting.recv().expect("answered"),
+            Err(CompileError::Busy(_))
+        ));
+        // It finishes in the background; its late result goes nowhere, and the thread serves
+        // the next compile.
+        drop(release);
+        let (tx, next) = std::sync::mpsc::channel();
+        pool.submit(Box::new(|| Ok(Vec::new())), Box::new(ToChannel(tx, false)));
+        assert_eq!(next.recv().expect("answered"), Ok(Vec::new()));
+        assert!(slow.try_recv().is_err(), "answered twice");
     }
 
     #[test]

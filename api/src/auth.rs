@@ -28,6 +28,8 @@ pub struct ApiConfig {
     pub admin_key: Option<String>,
     /// Largest accepted request body in bytes (larger → 413).
     pub max_body_bytes: usize,
+    /// Time a client may take to send a request body once its head is read (longer → 408).
+    pub body_timeout: std::time::Duration,
     /// Tier of requests on an open API.
     pub default_tier: String,
     /// Tenant of requests on an open API.
@@ -45,6 +47,7 @@ impl Default for ApiConfig {
             api_keys: Vec::new(),
             admin_key: None,
             max_body_bytes: 4 * 1024 * 1024,
+            body_timeout: std::time::Duration::from_secs(10),
             default_tier: "standard".to_owned(),
             anonymous_tenant: "anonymous".to_owned(),
             tool_format: ToolFormat::default(),
@@ -70,6 +73,7 @@ impl std::fmt::Debug for ApiConfig {
             .field("api_keys", &self.api_keys)
             .field("admin_key", &self.admin_key.as_ref().map(|_| "<redacted>"))
             .field("max_body_bytes", &self.max_body_bytes)
+            .field("body_timeout", &self.body_timeout)
             .field("default_tier", &self.default_tier)
             .field("anonymous_tenant", &self.anonymous_tenant)
             .field("tool_format", &self.tool_format)

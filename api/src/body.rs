@@ -6,16 +6,32 @@ use bytes::BytesMut;
 use futures_util::StreamExt;
 use serde::de::DeserializeOwned;
 
+use crate::auth::ApiConfig;
 use crate::error::ApiError;
 
-/// Reads the whole body (at most `limit` bytes, else 413) and parses it as JSON, whatever the
-/// `Content-Type` (as `curl -d` sends form encoding). Type errors name the field's path as
-/// `param`; a missing required field is named too.
+/// Reads the whole body (at most `max_body_bytes`, else 413; within `body_timeout`, else 408:
+/// a client that stops sending would hold its connection and its place in the drain) and
+/// parses it as JSON, whatever the `Content-Type` (as `curl -d` sends form encoding). Type
+/// errors name the field's path as `param`; a missing required field is named too.
 pub(crate) async fn read_json<T: DeserializeOwned>(
+    req: &HttpRequest,
+    payload: web::Payload,
+    config: &ApiConfig,
+) -> Result<T, ApiError> {
+    let timeout = config.body_timeout;
+    let body =
+        actix_web::rt::time::timeout(timeout, read_body(req, payload, config.max_body_bytes))
+            .await
+            .map_err(|_| ApiError::BodyTimeout(timeout))??;
+    parse_json(&body)
+}
+
+/// Reads the whole body, at most `limit` bytes (else 413).
+async fn read_body(
     req: &HttpRequest,
     mut payload: web::Payload,
     limit: usize,
-) -> Result<T, ApiError> {
+) -> Result<BytesMut, ApiError> {
     let declared = req
         .headers()
         .get(header::CONTENT_LENGTH)
@@ -35,7 +51,7 @@ pub(crate) async fn read_json<T: DeserializeOwned>(
         }
         body.extend_from_slice(&chunk);
     }
-    parse_json(&body)
+    Ok(body)
 }
 
 /// Parses JSON, naming the offending field in the error.

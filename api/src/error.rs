@@ -50,6 +50,9 @@ pub enum ApiError {
         /// The limit in bytes.
         limit: usize,
     },
+    /// The body did not arrive within the configured time (408).
+    #[error("The request body did not arrive within {} seconds.", .0.as_secs_f64())]
+    BodyTimeout(std::time::Duration),
     /// The server is shutting down and accepts no new work (503).
     #[error("The server is shutting down.")]
     Draining,
@@ -117,6 +120,11 @@ impl ApiError {
                 StatusCode::PAYLOAD_TOO_LARGE,
                 INVALID_REQUEST,
                 Some("request_too_large"),
+            ),
+            Self::BodyTimeout(_) => (
+                StatusCode::REQUEST_TIMEOUT,
+                INVALID_REQUEST,
+                Some("request_timeout"),
             ),
             Self::Draining => (
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -204,6 +212,10 @@ impl ResponseError for ApiError {
         if let Some(secs) = self.retry_after_secs() {
             response.insert_header((header::RETRY_AFTER, secs.to_string()));
         }
+        if matches!(self, Self::BodyTimeout(_)) {
+            // The rest of the body may still come: the connection cannot be reused.
+            response.force_close();
+        }
         response.json(self.to_body())
     }
 }
@@ -264,6 +276,24 @@ mod tests {
         assert_eq!(body["error"]["code"], "context_length_exceeded");
         assert_eq!(body["error"]["param"], "prompt");
         assert_eq!(e.status_code(), StatusCode::BAD_REQUEST);
+    }
+
+    #[test]
+    fn a_body_timeout_is_408_and_closes_the_connection() {
+        let e = ApiError::BodyTimeout(std::time::Duration::from_secs(2));
+        let response = e.error_response();
+        assert_eq!(response.status(), StatusCode::REQUEST_TIMEOUT);
+        assert!(!response.head().keep_alive(), "the connection is kept");
+        let body = body_json(&e);
+        assert_eq!(body["error"]["code"], "request_timeout");
+        assert_eq!(body["error"]["type"], "invalid_request_error");
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("2 seconds"),
+            "{body}"
+        );
     }
 
     #[test]

@@ -5,8 +5,10 @@
 //! the `switchyard:` prefix, with the same meaning and units, so existing dashboards need only a
 //! prefix change. The engine records them through the `metrics` crate with these constants; the
 //! HTTP layer records the `HTTP_*` ones itself. Labels are bounded: `finished_reason`
-//! (`stop`/`length`), `tier` and `policy` (configured names), `route` (route templates) and
-//! `status` (HTTP status codes) — never a user-supplied string.
+//! (`stop`/`length`; the end-of-sequence token is a `stop`), `reason` (a kind of error),
+//! `tier` and `policy` (configured names), `route` (route templates) and `status` (HTTP status
+//! codes) — never a user-supplied string. As in vLLM, each choice of a request with `n > 1`
+//! counts as a request of its own in the request-level metrics.
 
 use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
@@ -31,22 +33,26 @@ pub const NUM_PREEMPTIONS: &str = "switchyard:num_preemptions_total";
 pub const PROMPT_TOKENS: &str = "switchyard:prompt_tokens_total";
 /// Counter: tokens generated.
 pub const GENERATION_TOKENS: &str = "switchyard:generation_tokens_total";
-/// Counter, label `finished_reason`: requests that finished.
+/// Counter, label `finished_reason` (`stop`, `length`): requests that finished.
 pub const REQUEST_SUCCESS: &str = "switchyard:request_success_total";
-/// Counter: requests aborted (client gone, shutdown, relegated).
+/// Counter: requests aborted because their client went away.
 pub const REQUEST_ABORTED: &str = "switchyard:request_aborted_total";
+/// Counter, label `reason`: requests that ended with an error after they were queued, by kind:
+/// `invalid_request`, `context_length`, `unknown_model`, `overloaded`, `unavailable` (refused), or `error` (the server's own failure, such as a failed step).
+pub const REQUEST_FAILED: &str = "switchyard:request_failed_total";
 /// Counter: engine steps that failed; their requests ended with an error.
 pub const ENGINE_FAILED_STEPS: &str = "switchyard:engine_failed_steps_total";
-/// Histogram, seconds: arrival to first generated token.
+/// Histogram, seconds: arrival to first generated token, per choice.
 pub const TIME_TO_FIRST_TOKEN: &str = "switchyard:time_to_first_token_seconds";
-/// Histogram, seconds: between consecutive generated tokens of a request.
+/// Histogram, seconds: between the engine steps that bring a choice tokens, one per step after
+/// its first (vLLM's definition: the tokens of a speculative step come together).
 pub const INTER_TOKEN_LATENCY: &str = "switchyard:inter_token_latency_seconds";
 /// Histogram, seconds: mean time per output token after the first, per finished choice (TPOT;
 /// a choice of `n > 1` counts as its own sequence, as in vLLM).
 pub const TIME_PER_OUTPUT_TOKEN: &str = "switchyard:time_per_output_token_seconds";
-/// Histogram, seconds: arrival to finish.
+/// Histogram, seconds: arrival to finish, per finished choice.
 pub const E2E_REQUEST_LATENCY: &str = "switchyard:e2e_request_latency_seconds";
-/// Histogram, seconds: time spent waiting before first being scheduled.
+/// Histogram, seconds: time spent waiting before first being scheduled, per choice.
 pub const REQUEST_QUEUE_TIME: &str = "switchyard:request_queue_time_seconds";
 /// Histogram, seconds: the scheduler's planning time per step.
 pub const ENGINE_PLAN: &str = "switchyard:engine_plan_seconds";
@@ -95,6 +101,8 @@ pub const BACKEND_INFO: &str = "switchyard:backend_info";
 
 /// Label key of [`REQUEST_SUCCESS`].
 pub const LABEL_FINISHED_REASON: &str = "finished_reason";
+/// Label key of [`REQUEST_FAILED`].
+pub const LABEL_REASON: &str = "reason";
 /// Label key of [`BACKEND_INFO`].
 pub const LABEL_BACKEND: &str = "backend";
 /// Label key of [`POLICY_INFO`].
@@ -184,9 +192,18 @@ pub fn describe_metrics() {
     describe_counter!(
         REQUEST_SUCCESS,
         Unit::Count,
-        "Finished requests, by finish reason."
+        "Finished requests (each choice of n > 1 counts), by finish reason: stop (a stop string, stop token or end of sequence) or length."
     );
-    describe_counter!(REQUEST_ABORTED, Unit::Count, "Aborted requests.");
+    describe_counter!(
+        REQUEST_ABORTED,
+        Unit::Count,
+        "Requests (each choice of n > 1 counts) aborted because their client went away."
+    );
+    describe_counter!(
+        REQUEST_FAILED,
+        Unit::Count,
+        "Requests (each choice of n > 1 counts) that ended with an error after they were queued, by reason: invalid_request, context_length, unknown_model, overloaded, unavailable (refused), or error (the server's own failure, such as a failed step)."
+    );
     describe_counter!(
         ENGINE_FAILED_STEPS,
         Unit::Count,
@@ -195,27 +212,27 @@ pub fn describe_metrics() {
     describe_histogram!(
         TIME_TO_FIRST_TOKEN,
         Unit::Seconds,
-        "Time from arrival to the first generated token."
+        "Time from arrival to the first generated token, per request (each choice of n > 1 counts)."
     );
     describe_histogram!(
         INTER_TOKEN_LATENCY,
         Unit::Seconds,
-        "Time between consecutive generated tokens."
+        "Time between the engine steps that bring a request tokens: one per step after its first (the tokens of a speculative step come together)."
     );
     describe_histogram!(
         TIME_PER_OUTPUT_TOKEN,
         Unit::Seconds,
-        "Mean time per output token after the first, per request."
+        "Mean time per output token after the first, per request (each choice of n > 1 counts)."
     );
     describe_histogram!(
         E2E_REQUEST_LATENCY,
         Unit::Seconds,
-        "Time from arrival to finish."
+        "Time from arrival to finish, per request (each choice of n > 1 counts)."
     );
     describe_histogram!(
         REQUEST_QUEUE_TIME,
         Unit::Seconds,
-        "Time waiting before first being scheduled."
+        "Time waiting before first being scheduled, per request (each choice of n > 1 counts)."
     );
     describe_gauge!(POLICY_INFO, "1 for the scheduling policy in force.");
     describe_counter!(POLICY_SWAPS, Unit::Count, "Scheduling-policy hot swaps.");
@@ -336,6 +353,7 @@ mod tests {
         GENERATION_TOKENS,
         REQUEST_SUCCESS,
         REQUEST_ABORTED,
+        REQUEST_FAILED,
         ENGINE_FAILED_STEPS,
         POLICY_SWAPS,
         HTTP_REQUESTS,

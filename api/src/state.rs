@@ -79,8 +79,8 @@ impl ApiState {
         let _ = rx.wait_for(|&n| n == 0).await;
     }
 
-    /// Admits one generation request, or refuses it while draining or before the engine is
-    /// ready.
+    /// Admits one generation request, or refuses it while draining, before the engine is
+    /// ready and once it cannot serve (its backend retired: every request would fail).
     pub(crate) fn admit(&self) -> Result<InFlight, ApiError> {
         if self.is_draining() {
             return Err(ApiError::Draining);
@@ -91,12 +91,24 @@ impl ApiState {
                 "The model is still loading.",
             )));
         }
+        if !self.engine.is_alive() {
+            return Err(engine_dead());
+        }
         self.lifecycle.in_flight.send_modify(|n| *n += 1);
         metrics::gauge!(HTTP_IN_FLIGHT).increment(1.0);
         Ok(InFlight {
             lifecycle: Arc::clone(&self.lifecycle),
         })
     }
+}
+
+/// The error of requests, `/health` and `/ready` once the engine cannot serve.
+pub(crate) fn engine_dead() -> ApiError {
+    ApiError::Engine(EngineError::new(
+        EngineErrorKind::Unavailable,
+        "The engine cannot serve any more: its backend was retired after a failure (see the \
+         server log). Restart the server.",
+    ))
 }
 
 /// Marks one generation request as in flight until dropped.

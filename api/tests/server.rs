@@ -257,6 +257,34 @@ async fn health_and_ready_are_503_once_the_engine_cannot_serve() {
 }
 
 #[actix_web::test]
+async fn generation_is_503_once_the_engine_cannot_serve() {
+    // A retired backend fails every step: refused at the door, before any stream opens.
+    let engine = EchoEngine::new();
+    let (_state, app) = app(engine.clone(), api_config()).await;
+    engine.alive.store(false, Ordering::SeqCst);
+    let requests = [
+        ("/v1/completions", json!({"prompt": "x", "max_tokens": 1})),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "x"}], "stream": true}),
+        ),
+    ];
+    for (path, body) in requests {
+        let reply = send(&app, post(path, &body)).await;
+        let body = reply.assert_error(503, "server_error", None);
+        assert_eq!(body["error"]["code"], "unavailable", "{path}");
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("Restart the server"),
+            "{body}"
+        );
+    }
+    assert!(engine.submitted.lock().unwrap().is_empty());
+}
+
+#[actix_web::test]
 async fn ready_is_503_until_the_engine_is_ready_and_while_draining() {
     let engine = EchoEngine::new();
     engine.ready.store(false, Ordering::SeqCst);

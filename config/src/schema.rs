@@ -390,6 +390,9 @@ pub struct ServerSection {
     /// Seconds to let in-flight requests finish after SIGTERM.
     #[serde(deserialize_with = "int_in::<_, 0, 3600>")]
     pub drain_timeout_s: u64,
+    /// Seconds a client may take to send a request's head, and again its body (else 408).
+    #[serde(deserialize_with = "int_in::<_, 1, 3600>")]
+    pub request_timeout_s: u64,
     /// HTTP worker threads (0 = one per core).
     #[serde(deserialize_with = "usize_in::<_, 0, 256>")]
     pub workers: usize,
@@ -424,6 +427,7 @@ impl Default for ServerSection {
             max_body_bytes: 4 << 20,
             max_pending_requests: 4096,
             drain_timeout_s: 30,
+            request_timeout_s: 10,
             workers: 0,
         }
     }

@@ -265,8 +265,10 @@ fn missing_output_is_rolled_back_and_sampled_again() {
 }
 
 #[test]
-fn stop_conditions_respect_min_tokens_and_ignore_eos() {
+fn stop_conditions_end_at_the_sampled_stop_and_ignore_eos() {
     let mut s = sched(config(16, 4), Box::new(Fcfs));
+    // min_tokens is the sampler's (it masks the stop ids until then): an EOS it let through
+    // before min_tokens is one a grammar forced, and it ends the sequence.
     let mut a = req(1, 0, vec![1; 4], 10);
     a.limits.eos_token_id = Some(0);
     a.limits.min_tokens = 2;
@@ -290,7 +292,7 @@ fn stop_conditions_respect_min_tokens_and_ignore_eos() {
     assert_eq!(
         ended,
         vec![
-            (1, FinishReason::Eos, 2),
+            (1, FinishReason::Eos, 1),
             (2, FinishReason::Length, 3),
             (3, FinishReason::Stop, 1)
         ]

@@ -36,8 +36,6 @@ pub(crate) struct Sequence {
     pub(crate) max_computed: usize,
     /// `limits.max_tokens` (copied for locality).
     pub(crate) max_tokens: u32,
-    /// `limits.min_tokens` (copied for locality).
-    pub(crate) min_tokens: u32,
     /// The EOS token to stop at (None when absent or ignored).
     pub(crate) stop_eos: Option<TokenId>,
     /// Whether `limits.stop_token_ids` is non-empty.
@@ -88,7 +86,6 @@ impl Sequence {
             output: Vec::new(),
             max_computed: 0,
             max_tokens: l.max_tokens,
-            min_tokens: l.min_tokens,
             stop_eos: l.eos_token_id.filter(|_| !l.ignore_eos),
             has_stop_ids: !l.stop_token_ids.is_empty(),
             preemptible,
@@ -154,16 +151,19 @@ impl Sequence {
     }
 
     /// Checks the stop conditions for `token`, the `n`-th output token (1-based; vLLM's
-    /// order: EOS/stop ids once `min_tokens` are out, then the length limit).
+    /// order: EOS/stop ids, then the length limit).
+    ///
+    /// An EOS or stop id ends the sequence even before `min_tokens`: the sampler enforces
+    /// `min_tokens` by masking those ids, so one is sampled that early only where a grammar
+    /// (structured output) allows nothing else, i.e. the grammar has finished and wins. Taking
+    /// it as text there would go on outside the grammar.
     #[inline]
     pub(crate) fn stop_reason_at(&self, token: TokenId, n: usize) -> Option<FinishReason> {
-        if n >= self.min_tokens as usize {
-            if self.stop_eos == Some(token) {
-                return Some(FinishReason::Eos);
-            }
-            if self.has_stop_ids && self.req.limits.stop_token_ids.contains(&token) {
-                return Some(FinishReason::Stop);
-            }
+        if self.stop_eos == Some(token) {
+            return Some(FinishReason::Eos);
+        }
+        if self.has_stop_ids && self.req.limits.stop_token_ids.contains(&token) {
+            return Some(FinishReason::Stop);
         }
         if n >= self.max_tokens as usize {
             return Some(FinishReason::Length);

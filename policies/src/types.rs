@@ -167,6 +167,17 @@ impl FinishReason {
             FinishReason::Abort => "abort",
         }
     }
+
+    /// The `finished_reason` label of a finished request's metrics, as vLLM's
+    /// `request_success_total` has it: `stop`, `length` or `abort`. The end-of-sequence token
+    /// is a `stop`, as the API reports it (vLLM has no separate reason for it).
+    pub fn metric_label(self) -> &'static str {
+        match self {
+            FinishReason::Length => "length",
+            FinishReason::Stop | FinishReason::Eos => "stop",
+            FinishReason::Abort => "abort",
+        }
+    }
 }
 
 /// Life-cycle state: waiting → running → finished | aborted; running → preempted → running.

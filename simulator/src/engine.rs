@@ -56,7 +56,8 @@ pub struct PolicyRun {
     pub label: String,
     /// One record per trace request, in trace order.
     pub records: Vec<RequestRecord>,
-    /// Every inter-token gap, in ms.
+    /// Every inter-token gap, in ms: one per step that brings a request tokens (after its
+    /// first), so the tokens of a speculative step count once.
     pub itls_ms: Vec<f64>,
     /// Scheduler snapshots over time (thinned to at most 65,536).
     pub samples: Vec<StepSample>,
@@ -670,8 +671,14 @@ impl<'a> Loop<'a> {
             }
             SeqEvent::Token { id, at, .. } => {
                 if let Some(t) = self.tracks.get_mut(id.0 as usize) {
-                    if let Some(last) = t.last_token {
-                        self.itls_ms.push(at.0.saturating_sub(last) as f64 / 1e3);
+                    // One ITL per step that brings a request tokens, as vLLM's server records
+                    // it: the tokens of one step (a speculative step's accepted run) share
+                    // its time, and their zero gaps are no latency.
+                    match t.last_token {
+                        Some(last) if last != at.0 => {
+                            self.itls_ms.push(at.0.saturating_sub(last) as f64 / 1e3);
+                        }
+                        _ => {}
                     }
                     t.last_token = Some(at.0);
                     t.generated += 1;
@@ -895,6 +902,37 @@ workload: {trace: unused.csv, format: azure}
         assert_eq!((b.met_ttft, b.met_tpot), (None, None));
         assert_eq!(run.itls_ms, vec![1.0, 1.0]);
         assert_eq!(run.counters.steps, 4);
+    }
+
+    #[test]
+    fn speculative_steps_record_one_itl_per_step() {
+        // Every draft accepted: a decode step brings a request up to 3 tokens at one time,
+        // which is one inter-token latency (1 ms here), never a 0 ms gap per extra token.
+        let yaml = SPEC.replace(
+            "max_model_len: 100}",
+            "max_model_len: 100, speculative: {num_speculative_tokens: 2, acceptance_rate: 1.0}}",
+        );
+        let spec = SimulationSpec::from_yaml_str(&yaml, Path::new("t.yaml")).unwrap();
+        let mut sim = Simulation::new(&spec).unwrap();
+        sim.cost = CostModel::Calibrated(Calibration {
+            intercept_s: 1e-3,
+            ..Default::default()
+        });
+        let run = sim
+            .run_policy(&PolicySpec::named("fcfs"), &[req(0.0, 8, 10, "")], false)
+            .unwrap();
+        let r = &run.records[0];
+        assert_eq!(r.generated, 10);
+        assert!(run.counters.accepted_tokens > 0, "{:?}", run.counters);
+        assert!(
+            run.itls_ms.iter().all(|&itl| itl == 1.0),
+            "{:?}",
+            run.itls_ms
+        );
+        // One per step after the first token's: the finish is that many steps later.
+        let steps = (r.finish_s.unwrap() - r.first_token_s.unwrap()) * 1e3;
+        assert_eq!(run.itls_ms.len() as f64, steps.round());
+        assert!(run.itls_ms.len() < 9);
     }
 
     #[test]

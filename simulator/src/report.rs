@@ -3,7 +3,9 @@
 //!
 //! Metric definitions follow vLLM's benchmark conventions: TTFT = first token
 //! − arrival; TPOT = (finish − first token) / (output tokens − 1); ITL = gap
-//! between consecutive tokens of a request; E2E = finish − arrival.
+//! between consecutive steps that bring a request tokens (one per step, as
+//! vLLM's server records it: the tokens of a speculative step arrive together);
+//! E2E = finish − arrival.
 //! Percentiles interpolate linearly between order statistics (NumPy's
 //! default). SLO attainment is the fraction of a tier's requests (rejected and
 //! unfinished ones count as misses) meeting a target; goodput is the rate of
@@ -174,7 +176,7 @@ pub struct PolicySummary {
     pub ttft_ms: LatencyStats,
     /// Time per output token.
     pub tpot_ms: LatencyStats,
-    /// Inter-token latency.
+    /// Inter-token latency: one per step that brings a request tokens, after its first.
     pub itl_ms: LatencyStats,
     /// End-to-end latency.
     pub e2e_ms: LatencyStats,

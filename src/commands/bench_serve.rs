@@ -43,6 +43,8 @@ struct Sample {
     ttft: f64,
     itl: Vec<f64>,
     latency: f64,
+    /// The server sent no `usage`: `output_tokens` counts the streamed chunks with a choice.
+    usage_missing: bool,
 }
 
 /// Refuses arguments the run cannot honour, before anything is sent.
@@ -364,6 +366,21 @@ fn stats(mut v: Vec<f64>) -> (f64, f64, f64) {
     )
 }
 
+/// The warning, once per run, that the server sent no `usage` for some successful requests,
+/// so that their output tokens (and the throughput and TPOT from them) are counted from the
+/// stream (vLLM tokenizes the text instead; this client has no tokenizer).
+fn usage_warning(ok: &[&Sample]) -> Option<String> {
+    let missing = ok.iter().filter(|s| s.usage_missing).count();
+    (missing > 0).then(|| {
+        format!(
+            "warning: the server sent no usage for {missing} of {} successful requests \
+             (stream_options.include_usage); their output tokens are the streamed chunks with \
+             a choice, fewer than the tokens where a chunk carries several (speculative decoding)",
+            ok.len()
+        )
+    })
+}
+
 fn report(
     args: &ServeBenchArgs,
     samples: &[Sample],
@@ -371,6 +388,9 @@ fn report(
     spec: Option<SpecCounters>,
 ) -> anyhow::Result<()> {
     let ok: Vec<&Sample> = samples.iter().filter(|s| s.ok).collect();
+    if let Some(warning) = usage_warning(&ok) {
+        eprintln!("{warning}");
+    }
     let failed = samples.len() - ok.len();
     let input: usize = ok.iter().map(|s| s.prompt_tokens).sum();
     let output: usize = ok.iter().map(|s| s.output_tokens).sum();
@@ -477,6 +497,22 @@ mod tests {
             })
         );
         assert_eq!(parse_spec_counters("switchyard:other 1\n"), None);
+    }
+
+    #[test]
+    fn missing_usage_is_warned_once_per_run() {
+        let with = Sample {
+            ok: true,
+            output_tokens: 8,
+            ..Sample::default()
+        };
+        let without = Sample {
+            usage_missing: true,
+            ..with.clone()
+        };
+        assert_eq!(usage_warning(&[&with, &with]), None);
+        let warning = usage_warning(&[&with, &without, &without]).expect("a warning");
+        assert!(warning.contains("no usage for 2 of 3"), "{warning}");
     }
 
     #[test]

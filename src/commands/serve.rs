@@ -3,8 +3,8 @@
 //! The HTTP layer (`switchyard-api`) talks to the engine through its `Engine` port; this module
 //! adapts the actor engine (`switchyard-actors`) to that port, so neither crate knows the other.
 //! Everything the configuration can get wrong is checked before the (slow) model load, except
-//! what needs the model (`model.max_model_len` against its context). SIGHUP is handled in
-//! [`reload`].
+//! what needs the model (`model.max_model_len` against its context, and against the KV cache
+//! the backend sized). SIGHUP is handled in [`reload`].
 
 mod checks;
 mod reload;
@@ -44,6 +44,9 @@ use crate::cli::ServeArgs;
 
 /// Deltas buffered per request before a slow client is cut off.
 const CHANNEL_CAPACITY: usize = 4096;
+
+/// How long, past the drain timeout, the requests failed then get to write their error.
+const DRAIN_GRACE: Duration = Duration::from_secs(5);
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     // SIGHUP's default action ends the process, and the signal loop below starts only once
@@ -151,8 +154,15 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         runtime::ModelSource::Loaded(&model.config, &model.weights),
         &settings,
     )?;
-    // The scheduler plans with the blocks the backend actually holds.
+    // The scheduler plans with the blocks the backend actually holds, and a sequence of
+    // max_model_len tokens must fit in them (else such requests could never run).
     let num_blocks = backend.num_kv_blocks();
+    let max_model_len = checks::fit_kv_cache(
+        max_model_len,
+        config.model.max_model_len.is_some(),
+        num_blocks,
+        block_size,
+    )?;
     let lora = config.lora.enabled.then(|| LoraManagerConfig {
         model: model.config.clone(),
         base_name: model_name.clone(),
@@ -205,7 +215,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         bind: vec![bind],
         workers: config.server.workers,
         shutdown_timeout: Duration::from_secs(config.server.drain_timeout_s),
-        ..ServerOptions::default()
+        client_request_timeout: Duration::from_secs(config.server.request_timeout_s),
     };
     let drain = Duration::from_secs(config.server.drain_timeout_s);
     let policy_info = PolicyInfo {
@@ -218,6 +228,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     system.block_on(async move {
         let engine =
             ActorEngine::start(engine_config, backend, tokenizer.clone(), template, policy)?;
+        let drain_engine = engine.clone();
         let mut file_adapters = Vec::new();
         for a in &config.lora.adapters {
             let path = switchyard_config::expand_home(&a.path);
@@ -281,12 +292,24 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
                 "draining: new requests get 503"
             );
             state.begin_drain();
-            // Past the drain timeout, what is still in flight is cut off at once (a graceful
-            // stop would wait up to the timeout again).
-            let idle = tokio::time::timeout(drain, state.wait_idle()).await.is_ok();
+            let mut idle = tokio::time::timeout(drain, state.wait_idle()).await.is_ok();
             if !idle {
-                tracing::warn!("drain timeout reached: closing the requests still in flight");
+                // Past the drain timeout, every request still in flight ends with a 503 error
+                // (a stream with an error event and [DONE]); they get a short grace to write
+                // it, then what is left is cut off.
+                tracing::warn!("drain timeout reached: failing the requests still in flight");
+                drain_engine.fail_in_flight(
+                    "the server is shutting down: this request did not finish within the \
+                     drain timeout (server.drain_timeout_s)",
+                );
+                idle = tokio::time::timeout(DRAIN_GRACE, state.wait_idle())
+                    .await
+                    .is_ok();
+                if !idle {
+                    tracing::warn!("closing the connections still open");
+                }
             }
+            // Graceful once nothing is in flight: the last responses are still being written.
             handle.stop(idle).await;
         });
         server.await?;
@@ -314,6 +337,7 @@ fn api_config(
         api_keys,
         admin_key: config.server.admin_key.clone(),
         max_body_bytes: config.server.max_body_bytes,
+        body_timeout: Duration::from_secs(config.server.request_timeout_s),
         tool_format,
         ..ApiConfig::default()
     }
@@ -435,7 +459,11 @@ fn to_port_error(e: SubmitError) -> EngineError {
         SubmitErrorKind::Unavailable => EngineErrorKind::Unavailable,
         SubmitErrorKind::Internal => EngineErrorKind::Internal,
     };
-    EngineError::new(kind, e.message)
+    let error = EngineError::new(kind, e.message);
+    match e.param {
+        Some(param) => error.with_param(param),
+        None => error,
+    }
 }
 
 /// Delivers engine outputs to an HTTP response's channel, converting them to the port's events.

@@ -89,8 +89,14 @@ impl Server {
             std::env::temp_dir().join(format!("switchyard-e2e-{name}-{}-{n}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("temp dir");
         let config = dir.join("config.yaml");
+        // 20 s of drain unless `server_lines` sets it.
+        let drain = if server_lines.contains("drain_timeout_s:") {
+            ""
+        } else {
+            "  drain_timeout_s: 20\n"
+        };
         let yaml = format!(
-            "model:\n  path: {}\n  threads: 2\n{model_lines}server:\n  host: 127.0.0.1\n  port: {port}\n  drain_timeout_s: 20\n{server_lines}{extra_yaml}",
+            "model:\n  path: {}\n  threads: 2\n{model_lines}server:\n  host: 127.0.0.1\n  port: {port}\n{drain}{server_lines}{extra_yaml}",
             model.display()
         );
         std::fs::write(&config, yaml).expect("write config");

@@ -9,25 +9,30 @@ use std::time::{Duration, Instant};
 
 use actix::{Actor, Addr, AsyncContext, Context, Handler, Message};
 use switchyard_gpu::model::Tokenizer;
-use switchyard_policies::{FinishReason, IdMap, RequestId};
+use switchyard_policies::{FinishReason, IdMap, RequestId, SchedulerError};
 
 use super::engine::{
     ChoiceDelta, EngineOutput, InFlight, OutputSink, SubmitError, SubmitErrorKind, TokenLogprobs,
 };
-use super::scheduler::{Finish, SchedulerActor};
-use crate::core::CoreEvent;
+use super::scheduler::{Finish, SchedulerActor, Submit};
+use crate::core::{CoreEvent, SubmitOptions};
 use crate::detokenizer::IncrementalDetokenizer;
 use crate::metric_names as names;
+use crate::EngineError;
 
 /// How often sinks of queued requests are checked for departed clients.
 const SINK_CHECK_INTERVAL: Duration = Duration::from_millis(100);
 
-/// Registers the choices of one request before they are submitted to the scheduler.
+/// Registers the choices of one request and submits them to the scheduler. Submitted from
+/// here, a request reaches the scheduler before anything this actor says about it (an abort),
+/// and the scheduler's refusal reaches this actor after the registration.
 #[derive(Message)]
 #[rtype(result = "()")]
 pub struct Register {
     /// Scheduler ids of the choices, in choice order.
     pub ids: Vec<RequestId>,
+    /// The choices as the scheduler takes them (same order as `ids`).
+    pub submits: Vec<SubmitOptions>,
     /// Where the request's output goes.
     pub sink: Box<dyn OutputSink>,
     /// Stop strings.
@@ -84,27 +89,92 @@ impl StepEvents {
     pub fn failed(ids: Vec<RequestId>, message: String) -> Self {
         Self {
             events: Vec::new(),
-            failed: Some((
-                ids,
-                SubmitError {
-                    kind: SubmitErrorKind::Internal,
-                    message,
-                },
-            )),
+            failed: Some((ids, SubmitError::new(SubmitErrorKind::Internal, message))),
         }
     }
-    /// Requests the scheduler refused to queue.
-    pub fn rejected(ids: Vec<RequestId>, message: String) -> Self {
+    /// Requests the scheduler refused to queue, failed with the client-facing form of
+    /// `error` ([`rejection`]).
+    pub fn rejected(ids: Vec<RequestId>, error: &EngineError) -> Self {
         Self {
             events: Vec::new(),
-            failed: Some((
-                ids,
-                SubmitError {
-                    kind: SubmitErrorKind::InvalidRequest,
-                    message,
-                },
-            )),
+            failed: Some((ids, rejection(error))),
         }
+    }
+}
+
+/// The client-facing form of the scheduler's refusal of a request: too long for the context
+/// or the KV cache is `ContextLengthExceeded`, a bad field `InvalidRequest`, anything else the
+/// server's own failure. The message names no internal id.
+pub(crate) fn rejection(error: &EngineError) -> SubmitError {
+    use SubmitErrorKind as K;
+    let (kind, message) = match error {
+        EngineError::Scheduler(SchedulerError::TooLong {
+            prompt_len,
+            max_tokens,
+            max_model_len,
+            ..
+        }) => (
+            K::ContextLengthExceeded,
+            format!(
+                "this model's context is {max_model_len} tokens; the prompt has {prompt_len} \
+                 and max_tokens asks for {max_tokens} more"
+            ),
+        ),
+        EngineError::Scheduler(SchedulerError::ExceedsKvCapacity {
+            needed, capacity, ..
+        }) => (
+            K::ContextLengthExceeded,
+            format!(
+                "the prompt and max_tokens need {needed} KV cache blocks; the cache holds \
+                 {capacity}"
+            ),
+        ),
+        EngineError::Scheduler(SchedulerError::InvalidRequest { field, reason, .. }) => {
+            (K::InvalidRequest, format!("{field}: {reason}"))
+        }
+        other => (K::Internal, other.to_string()),
+    };
+    SubmitError::new(kind, message)
+}
+
+/// Ends every request in flight with the error it carries (a drain that timed out): the
+/// error goes to each client and the requests are aborted in the scheduler; requests
+/// registered later get it at once and are never submitted.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct FailAll(pub SubmitError);
+
+/// How the open choices of a request ended early, and the counter each one counts in.
+#[derive(Clone, Copy)]
+enum EndedEarly {
+    /// The client went away ([`names::REQUEST_ABORTED`]).
+    Aborted,
+    /// An error ([`names::REQUEST_FAILED`], this `reason` label).
+    Failed(&'static str),
+}
+
+impl EndedEarly {
+    fn count(self, choices: usize) {
+        match self {
+            EndedEarly::Aborted => metrics::counter!(names::REQUEST_ABORTED),
+            EndedEarly::Failed(reason) => {
+                metrics::counter!(names::REQUEST_FAILED, names::LABEL_REASON => reason)
+            }
+        }
+        .increment(choices as u64);
+    }
+}
+
+/// The `reason` label of a request that ended with an error (a bounded set, by kind): the
+/// server's own failures (a failed step) are `error`.
+fn failure_label(kind: SubmitErrorKind) -> &'static str {
+    match kind {
+        SubmitErrorKind::InvalidRequest => "invalid_request",
+        SubmitErrorKind::UnknownModel => "unknown_model",
+        SubmitErrorKind::ContextLengthExceeded => "context_length",
+        SubmitErrorKind::Overloaded => "overloaded",
+        SubmitErrorKind::Unavailable => "unavailable",
+        SubmitErrorKind::Internal => "error",
     }
 }
 
@@ -112,9 +182,6 @@ impl StepEvents {
 struct RequestSink {
     sink: Box<dyn OutputSink>,
     arrival: Instant,
-    first_token: Option<Instant>,
-    last_token: Option<Instant>,
-    open_choices: usize,
     /// Scheduler ids of all choices, to abort them together.
     ids: Vec<RequestId>,
     /// Released with the last choice.
@@ -129,7 +196,9 @@ struct ChoiceState {
     detok: IncrementalDetokenizer,
     text: TextOptions,
     tokens: u32,
-    /// When this choice's first and latest tokens arrived (its time per output token).
+    /// When this choice's first and latest tokens arrived (its time to first token, inter-token
+    /// latencies and time per output token: a choice is a request of its own in the metrics,
+    /// as vLLM counts the child requests of `n > 1`).
     first_at: Option<Instant>,
     last_at: Option<Instant>,
     request: Rc<RefCell<RequestSink>>,
@@ -143,6 +212,8 @@ pub struct DetokenizerActor {
     tokenizer: Arc<Tokenizer>,
     scheduler: Option<Addr<SchedulerActor>>,
     choices: IdMap<ChoiceState>,
+    /// Set by [`FailAll`]: what every request registered from then on fails with.
+    closed: Option<SubmitError>,
 }
 
 impl DetokenizerActor {
@@ -152,6 +223,7 @@ impl DetokenizerActor {
             tokenizer,
             scheduler: None,
             choices: IdMap::default(),
+            closed: None,
         }
     }
 
@@ -185,8 +257,10 @@ impl DetokenizerActor {
         }
     }
 
-    /// Drops every choice of a request whose client is gone and aborts them in the scheduler.
-    fn abort_request(&mut self, request: &Rc<RefCell<RequestSink>>) {
+    /// Drops every open choice of a request whose client is gone, or that failed, and aborts
+    /// them in the scheduler. Each choice is counted once, under `ended` (a choice that already
+    /// finished was counted then).
+    fn abort_request(&mut self, request: &Rc<RefCell<RequestSink>>, ended: EndedEarly) {
         let ids = request.borrow().ids.clone();
         let mut aborted = Vec::new();
         for id in ids {
@@ -194,7 +268,10 @@ impl DetokenizerActor {
                 aborted.push((id, FinishReason::Abort));
             }
         }
-        metrics::counter!(names::REQUEST_ABORTED).increment(1);
+        if aborted.is_empty() {
+            return;
+        }
+        ended.count(aborted.len());
         tracing::info!(ids = ?aborted.iter().map(|(id, _)| id.0).collect::<Vec<_>>(), "request aborted");
         self.finish_in_scheduler(aborted);
     }
@@ -252,7 +329,7 @@ impl Actor for DetokenizerActor {
                 }
             }
             for r in gone {
-                act.abort_request(&r);
+                act.abort_request(&r, EndedEarly::Aborted);
             }
         });
     }
@@ -267,13 +344,25 @@ impl Handler<SetScheduler> for DetokenizerActor {
 
 impl Handler<Register> for DetokenizerActor {
     type Result = ();
-    fn handle(&mut self, msg: Register, _: &mut Context<Self>) {
+    fn handle(&mut self, mut msg: Register, _: &mut Context<Self>) {
+        let refusal = match (&self.closed, &self.scheduler) {
+            (Some(e), _) => Some(e.clone()),
+            (None, Some(s)) if s.connected() => {
+                s.do_send(Submit(std::mem::take(&mut msg.submits)));
+                None
+            }
+            (None, _) => Some(SubmitError::new(
+                SubmitErrorKind::Unavailable,
+                "the engine is shutting down",
+            )),
+        };
+        if let Some(e) = refusal {
+            msg.sink.send(EngineOutput::Error(e));
+            return;
+        }
         let request = Rc::new(RefCell::new(RequestSink {
             sink: msg.sink,
             arrival: msg.arrival,
-            first_token: None,
-            last_token: None,
-            open_choices: msg.ids.len(),
             ids: msg.ids.clone(),
             _guard: msg.guard,
             pending_prompt: msg.pending_prompt.clone(),
@@ -298,15 +387,40 @@ impl Handler<Register> for DetokenizerActor {
     }
 }
 
+impl Handler<FailAll> for DetokenizerActor {
+    type Result = ();
+    fn handle(&mut self, msg: FailAll, _: &mut Context<Self>) {
+        let mut requests: Vec<Rc<RefCell<RequestSink>>> = Vec::new();
+        for c in self.choices.values() {
+            if !requests.iter().any(|r| Rc::ptr_eq(r, &c.request)) {
+                requests.push(c.request.clone());
+            }
+        }
+        tracing::warn!(
+            requests = requests.len(),
+            error = %msg.0,
+            "failing every request in flight"
+        );
+        // Aborted first: once a client hears of it, the scheduler has the abort queued.
+        for r in requests {
+            self.abort_request(&r, EndedEarly::Failed(failure_label(msg.0.kind)));
+            r.borrow_mut().sink.send(EngineOutput::Error(msg.0.clone()));
+        }
+        self.closed = Some(msg.0);
+    }
+}
+
 impl Handler<StepEvents> for DetokenizerActor {
     type Result = ();
 
     fn handle(&mut self, msg: StepEvents, _: &mut Context<Self>) {
         let now = Instant::now();
         if let Some((ids, error)) = msg.failed {
+            let ended = EndedEarly::Failed(failure_label(error.kind));
             let mut told: Vec<Rc<RefCell<RequestSink>>> = Vec::new();
             for id in ids {
                 if let Some(c) = self.choices.remove(&id) {
+                    ended.count(1);
                     if !told.iter().any(|t| Rc::ptr_eq(t, &c.request)) {
                         c.request
                             .borrow_mut()
@@ -318,7 +432,7 @@ impl Handler<StepEvents> for DetokenizerActor {
             }
             // Other choices of the same requests cannot complete a response any more.
             for r in told {
-                self.abort_request(&r);
+                self.abort_request(&r, ended);
             }
             return;
         }
@@ -345,25 +459,22 @@ impl Handler<StepEvents> for DetokenizerActor {
                     }
                     generated += 1;
                     c.tokens += 1;
+                    // Per choice, as vLLM per (child) request: the first token's TTFT, then one
+                    // inter-token latency per step, at the choice's first token in it (the
+                    // drafts a speculative step accepted arrive with it, not 0 s later).
+                    match c.last_at {
+                        None => {
+                            metrics::histogram!(names::TIME_TO_FIRST_TOKEN)
+                                .record((now - c.request.borrow().arrival).as_secs_f64());
+                        }
+                        Some(last) if !deltas.index.contains_key(&id) => {
+                            metrics::histogram!(names::INTER_TOKEN_LATENCY)
+                                .record((now - last).as_secs_f64());
+                        }
+                        Some(_) => {}
+                    }
                     c.first_at.get_or_insert(now);
                     c.last_at = Some(now);
-                    {
-                        let mut r = c.request.borrow_mut();
-                        match r.first_token {
-                            None => {
-                                r.first_token = Some(now);
-                                metrics::histogram!(names::TIME_TO_FIRST_TOKEN)
-                                    .record((now - r.arrival).as_secs_f64());
-                            }
-                            Some(_) => {
-                                if let Some(last) = r.last_token {
-                                    metrics::histogram!(names::INTER_TOKEN_LATENCY)
-                                        .record((now - last).as_secs_f64());
-                                }
-                            }
-                        }
-                        r.last_token = Some(now);
-                    }
                     let text = c.text;
                     let bytes = if (stops && !text.include_stop)
                         || (text.skip_special && self.tokenizer.is_special(token))
@@ -431,8 +542,9 @@ impl Handler<StepEvents> for DetokenizerActor {
             let request = c.request.clone();
             // A finishing choice's metrics are recorded before its last delta goes out, so
             // that a client reading /metrics right after its response sees them (the HTTP
-            // layer may answer before this actor runs again). A client already gone gets none;
-            // one whose last delta then fails to go out is counted as aborted too.
+            // layer may answer before this actor runs again). A client already gone gets none
+            // (its choices count as aborted); one whose last delta then fails to go out stays
+            // a success: the choice is gone, and the abort counts only its open siblings.
             if let Some((reason, _)) = finished {
                 if !request.borrow().sink.is_closed() {
                     if let Some(ChoiceState {
@@ -447,13 +559,9 @@ impl Handler<StepEvents> for DetokenizerActor {
                                 .record((last - first).as_secs_f64() / f64::from(tokens - 1));
                         }
                     }
-                    let mut r = request.borrow_mut();
-                    r.open_choices = r.open_choices.saturating_sub(1);
-                    if r.open_choices == 0 {
-                        metrics::histogram!(names::E2E_REQUEST_LATENCY)
-                            .record((now - r.arrival).as_secs_f64());
-                        metrics::counter!(names::REQUEST_SUCCESS, names::LABEL_FINISHED_REASON => reason.as_str()).increment(1);
-                    }
+                    metrics::histogram!(names::E2E_REQUEST_LATENCY)
+                        .record((now - request.borrow().arrival).as_secs_f64());
+                    metrics::counter!(names::REQUEST_SUCCESS, names::LABEL_FINISHED_REASON => reason.metric_label()).increment(1);
                 }
             }
             let delivered = request.borrow_mut().sink.send(EngineOutput::Delta(delta));
@@ -462,7 +570,11 @@ impl Handler<StepEvents> for DetokenizerActor {
             }
         }
         for r in gone {
-            self.abort_request(&r);
+            self.abort_request(&r, EndedEarly::Aborted);
         }
     }
 }
+
+#[cfg(test)]
+#[path = "detokenizer_tests.rs"]
+mod tests;

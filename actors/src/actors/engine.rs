@@ -16,13 +16,13 @@ use switchyard_policies::{
 };
 
 use super::allocator::KvAllocatorActor;
-use super::detokenizer::{DetokenizerActor, Register, SetScheduler, StepEvents, TextOptions};
+use super::detokenizer::{DetokenizerActor, FailAll, Register, SetScheduler, TextOptions};
 use super::executor::ExecutorActor;
 use super::lora::{
     AdapterInfo, LoraError, LoraHandle, LoraManager, LoraManagerConfig,
     Register as RegisterAdapter, Unregister,
 };
-use super::scheduler::{GetStats, SchedulerActor, SetSpeculative, Submit, SwapPolicy};
+use super::scheduler::{GetStats, SchedulerActor, SetSpeculative, SwapPolicy};
 use super::tokenizer::{Constrain, Decode, Encode, TokenizerActor};
 use crate::core::{AsyncScheduling, EngineCoreConfig, StepCore, SubmitOptions};
 use crate::metric_names as names;
@@ -187,14 +187,24 @@ pub struct SubmitError {
     pub kind: SubmitErrorKind,
     /// For the client.
     pub message: String,
+    /// The request field at fault, when one is (OpenAI's `param`).
+    pub param: Option<&'static str>,
 }
 
 impl SubmitError {
-    fn new(kind: SubmitErrorKind, message: impl Into<String>) -> Self {
+    pub(crate) fn new(kind: SubmitErrorKind, message: impl Into<String>) -> Self {
         Self {
             kind,
             message: message.into(),
+            param: None,
         }
+    }
+
+    /// Names the request field at fault.
+    #[must_use]
+    pub(crate) fn with_param(mut self, param: &'static str) -> Self {
+        self.param = Some(param);
+        self
     }
 }
 
@@ -233,6 +243,8 @@ pub struct Engine {
     salts: std::collections::hash_map::RandomState,
     /// False once the executor retired its backend (a panic it does not recover from).
     backend_alive: Arc<AtomicBool>,
+    /// Set by [`Engine::fail_in_flight`]: no request is admitted any more.
+    closed: Arc<AtomicBool>,
 }
 
 impl Engine {
@@ -316,7 +328,19 @@ impl Engine {
             vocab,
             salts: std::collections::hash_map::RandomState::new(),
             backend_alive,
+            closed: Arc::new(AtomicBool::new(false)),
         })
+    }
+
+    /// Ends every request in flight with an `Unavailable` error carrying `message` (streams
+    /// get it as their last event, other requests as their answer) and admits no request from
+    /// now on: the end of a drain that timed out.
+    pub fn fail_in_flight(&self, message: impl Into<String>) {
+        self.closed.store(true, Ordering::Release);
+        self.detokenizer.do_send(FailAll(SubmitError::new(
+            SubmitErrorKind::Unavailable,
+            message,
+        )));
     }
 
     /// Whether the engine can still serve: false once its backend was retired after a panic
@@ -328,6 +352,12 @@ impl Engine {
     /// The context window in tokens.
     pub fn max_model_len(&self) -> usize {
         self.config.scheduler.max_model_len
+    }
+
+    /// The longest sequence the KV cache holds: every block of the pool.
+    pub fn kv_capacity_tokens(&self) -> usize {
+        let s = &self.config.scheduler;
+        s.num_gpu_blocks.saturating_mul(s.block_size)
     }
 
     /// Requests in flight.
@@ -364,6 +394,11 @@ impl Engine {
                     return;
                 }
             };
+            // A client gone while its prompt was encoded needs no adapter and no grammar (the
+            // compile pool also skips a compile nobody waits for, which this makes true).
+            if sink.is_closed() {
+                return;
+            }
             let adapter = match &options.lora {
                 None => None,
                 Some(name) => match this.resolve_adapter(name).await {
@@ -472,26 +507,36 @@ impl Engine {
                 sink,
             ));
         }
-        let max_len = self.max_model_len();
         if prompt.is_empty() {
             return Err((
                 SubmitError::new(SubmitErrorKind::InvalidRequest, "the prompt is empty"),
                 sink,
             ));
         }
-        if prompt.len() >= max_len {
+        // A sequence must fit in the context and, alone, in the KV cache: the scheduler
+        // refuses one that cannot, which must be found here, before the prompt event opens
+        // the response (serve keeps max_model_len within the cache; other callers may not).
+        let max_len = self.max_model_len();
+        let kv_tokens = self.kv_capacity_tokens();
+        let (limit, what) = if kv_tokens < max_len {
+            (
+                kv_tokens,
+                format!("the KV cache holds at most {kv_tokens} tokens of one sequence"),
+            )
+        } else {
+            (max_len, format!("this model's context is {max_len} tokens"))
+        };
+        if prompt.len() >= limit {
             return Err((
                 SubmitError::new(
                     SubmitErrorKind::ContextLengthExceeded,
-                    format!(
-                        "the prompt has {} tokens; this model's context is {max_len} tokens",
-                        prompt.len()
-                    ),
+                    format!("the prompt has {} tokens; {what}", prompt.len()),
                 ),
                 sink,
             ));
         }
-        let room = (max_len - prompt.len()) as u32;
+        let room = (limit - prompt.len()) as u32;
+        // A default is cut to the room; a limit the client asked for is not.
         let max_tokens = options
             .max_tokens
             .unwrap_or_else(|| options.default_max_tokens.map_or(room, |d| d.min(room)));
@@ -500,10 +545,11 @@ impl Engine {
                 SubmitError::new(
                     SubmitErrorKind::ContextLengthExceeded,
                     format!(
-                        "this model's context is {max_len} tokens; the prompt has {} and max_tokens asks for {max_tokens} more",
+                        "{what}; the prompt has {} and max_tokens asks for {max_tokens} more",
                         prompt.len()
                     ),
-                ),
+                )
+                .with_param("max_tokens"),
                 sink,
             ));
         }
@@ -513,13 +559,23 @@ impl Engine {
                 SubmitError::new(
                     SubmitErrorKind::InvalidRequest,
                     format!(
-                        "min_tokens ({}) is more than the {max_tokens} tokens this request may generate (the prompt has {} of the context's {max_len})",
+                        "min_tokens ({}) is more than the {max_tokens} tokens this request may generate (the prompt has {} of the {limit} a sequence may hold)",
                         options.sampling.min_tokens,
                         prompt.len()
                     ),
                 ),
                 sink,
             ));
+        }
+        if self.closed.load(Ordering::Acquire) || !self.detokenizer.connected() {
+            return Err((
+                SubmitError::new(SubmitErrorKind::Unavailable, "the engine is shutting down"),
+                sink,
+            ));
+        }
+        // A client already gone (a prompt-logprob request sends no prompt event to find out).
+        if sink.is_closed() {
+            return Ok(());
         }
         metrics::counter!(names::PROMPT_TOKENS).increment(prompt.len() as u64);
         // With prompt logprobs the detokenizer sends the prompt event once they are computed.
@@ -591,8 +647,12 @@ impl Engine {
                 adapter: adapter.as_ref().map(|(_, a)| a.clone()),
             });
         }
+        // The detokenizer queues the request with the scheduler as it registers it, so that
+        // nothing it sends the scheduler about the request (an abort when the client leaves)
+        // can arrive before it; the scheduler reports a refusal back to the detokenizer.
         self.detokenizer.do_send(Register {
-            ids: ids.clone(),
+            ids,
+            submits,
             pending_prompt: options.prompt_logprobs.map(|_| prompt.clone()),
             sink,
             stop: options.stop,
@@ -603,16 +663,6 @@ impl Engine {
             },
             arrival,
             guard,
-        });
-        let scheduler = self.scheduler.clone();
-        let detokenizer = self.detokenizer.clone();
-        actix::spawn(async move {
-            let failure = match scheduler.send(Submit(submits)).await {
-                Ok(Ok(())) => return,
-                Ok(Err(e)) => e.to_string(),
-                Err(_) => "the engine is shutting down".to_string(),
-            };
-            detokenizer.do_send(StepEvents::rejected(ids, failure));
         });
         Ok(())
     }
@@ -758,4 +808,348 @@ fn parking_slot(backend: Box<dyn Backend>) -> Arc<std::sync::Mutex<Option<Box<dy
 /// (ids stay below 2^63).
 fn prompt_logprob_salt(id: RequestId) -> u64 {
     (id.0 << 1) | 1
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+    use std::sync::mpsc::{channel, Receiver, Sender};
+    use std::sync::Mutex;
+    use std::time::Duration;
+
+    use switchyard_gpu::backend::{Batch, SeqOutput};
+    use switchyard_policies::{PolicyRegistry, SchedulerError};
+
+    use super::*;
+    use crate::actors::detokenizer::rejection;
+
+    /// Samples token 1 at once and counts the tokens each sequence was fed: 64 blocks of 4
+    /// tokens, so the KV cache holds 256 tokens of one sequence.
+    struct CountingBackend(Arc<Mutex<HashMap<u64, usize>>>);
+
+    impl Backend for CountingBackend {
+        fn name(&self) -> &str {
+            "counting"
+        }
+        fn num_kv_blocks(&self) -> usize {
+            64
+        }
+        fn block_size(&self) -> usize {
+            4
+        }
+        fn max_batch_tokens(&self) -> usize {
+            1024
+        }
+        fn execute(&mut self, batch: &Batch) -> Result<Vec<SeqOutput>, GpuError> {
+            let mut fed = self.0.lock().unwrap();
+            Ok(batch
+                .seqs
+                .iter()
+                .map(|s| {
+                    *fed.entry(s.seq_id).or_default() += s.tokens.len();
+                    SeqOutput {
+                        seq_id: s.seq_id,
+                        accepted: Vec::new(),
+                        token: s.sample.then_some(1),
+                        logprob: None,
+                        top_logprobs: Vec::new(),
+                        prompt_logprobs: Vec::new(),
+                    }
+                })
+                .collect())
+        }
+        fn release(&mut self, _: u64) {}
+    }
+
+    /// Records what a request receives.
+    struct Recorder {
+        tx: Sender<EngineOutput>,
+        closed: Arc<AtomicBool>,
+    }
+
+    impl OutputSink for Recorder {
+        fn send(&mut self, output: EngineOutput) -> bool {
+            self.tx.send(output).is_ok()
+        }
+        fn is_closed(&self) -> bool {
+            self.closed.load(Ordering::Acquire)
+        }
+    }
+
+    fn recorder() -> (Box<dyn OutputSink>, Receiver<EngineOutput>) {
+        let (tx, rx) = channel();
+        let closed = Arc::new(AtomicBool::new(false));
+        (Box::new(Recorder { tx, closed }), rx)
+    }
+
+    /// An engine over a [`CountingBackend`] (whose counts come back too) with a context of
+    /// `max_model_len` tokens.
+    fn engine(max_model_len: usize) -> (Engine, Arc<Mutex<HashMap<u64, usize>>>) {
+        let json = r#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],
+            "normalizer":null,"pre_tokenizer":{"type":"Whitespace"},"post_processor":null,
+            "decoder":null,"model":{"type":"WordLevel","vocab":{"a":0,"b":1,"c":2},"unk_token":"a"}}"#;
+        let tokenizer = Arc::new(Tokenizer::from_json_bytes(json.as_bytes()).unwrap());
+        let fed = Arc::new(Mutex::new(HashMap::new()));
+        let config = EngineConfig {
+            scheduler: SchedulerConfig {
+                num_gpu_blocks: 64,
+                block_size: 4,
+                max_model_len,
+                ..SchedulerConfig::default()
+            },
+            hash_key: [1, 2],
+            tokenizer_threads: 1,
+            max_pending_requests: 16,
+            tier_slos: Vec::new(),
+            async_scheduling: AsyncScheduling::Off,
+            lora: None,
+            vocab_size: 3,
+            prefix_sharing_by_tenant: true,
+        };
+        let policy = PolicyRegistry::with_builtins()
+            .create("fcfs", &serde_yaml::Value::Null, &[])
+            .unwrap();
+        let backend = Box::new(CountingBackend(fed.clone()));
+        let engine = Engine::start(config, backend, tokenizer, None, policy).unwrap();
+        (engine, fed)
+    }
+
+    fn options(max_tokens: Option<u32>) -> RequestOptions {
+        RequestOptions {
+            prompt: PromptSource::Tokens(Vec::new()),
+            sampling: SamplingParams {
+                ignore_eos: true,
+                ..SamplingParams::default()
+            },
+            stop: Vec::new(),
+            include_stop_str_in_output: false,
+            skip_special_tokens: true,
+            n: 1,
+            max_tokens,
+            default_max_tokens: None,
+            priority: 0,
+            tier: String::new(),
+            tenant: String::new(),
+            prompt_logprobs: None,
+            lora: None,
+            structured: None,
+            cache_salt: None,
+        }
+    }
+
+    /// Admits a request with a prompt of `prompt_len` tokens, as `submit` does once it is
+    /// tokenized.
+    #[allow(clippy::result_large_err)]
+    fn admit(
+        engine: &Engine,
+        prompt_len: usize,
+        max_tokens: Option<u32>,
+        sink: Box<dyn OutputSink>,
+    ) -> Result<(), (SubmitError, Box<dyn OutputSink>)> {
+        engine.in_flight.fetch_add(1, Ordering::AcqRel);
+        let resolved = Resolved {
+            prompt: vec![2; prompt_len],
+            opens_thinking: false,
+            adapter: None,
+            constraints: Vec::new(),
+        };
+        let guard = InFlight(engine.in_flight.clone());
+        engine.admit(options(max_tokens), resolved, sink, guard, Instant::now())
+    }
+
+    /// The next output, yielding to the actors while there is none.
+    async fn next_output(rx: &Receiver<EngineOutput>) -> EngineOutput {
+        // A guard against a hang, generous for a loaded machine.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(output) = rx.try_recv() {
+                return output;
+            }
+            assert!(Instant::now() < deadline, "no output came");
+            actix::clock::sleep(Duration::from_millis(1)).await;
+        }
+    }
+
+    /// Waits until nothing runs or waits in the scheduler.
+    async fn wait_idle(engine: &Engine) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let s = engine.stats().await.unwrap();
+            if s.num_running == 0 && s.num_waiting == 0 {
+                return;
+            }
+            assert!(Instant::now() < deadline, "the scheduler never went idle");
+            actix::clock::sleep(Duration::from_millis(2)).await;
+        }
+    }
+
+    #[actix::test]
+    async fn a_request_the_kv_cache_cannot_hold_is_refused_before_its_prompt_event() {
+        // A context of 1024 tokens over a cache of 256: a limit the client asked for that only
+        // the context allows is a 400 naming max_tokens, sent before anything else.
+        let (engine, _) = engine(1024);
+        let (sink, rx) = recorder();
+        let Err((e, _)) = admit(&engine, 10, Some(500), sink) else {
+            panic!("a request the KV cache cannot hold was admitted");
+        };
+        assert_eq!(e.kind, SubmitErrorKind::ContextLengthExceeded, "{e}");
+        assert_eq!(e.param, Some("max_tokens"));
+        assert!(e.message.contains("256 tokens"), "{e}");
+        assert!(
+            rx.try_recv().is_err(),
+            "something was sent before the refusal"
+        );
+        // The longest prompt the cache holds (with room for one token) is admitted.
+        let (sink, _rx) = recorder();
+        assert!(admit(&engine, 256, None, sink).is_err());
+        let (sink, _rx) = recorder();
+        assert!(admit(&engine, 255, Some(1), sink).is_ok());
+    }
+
+    #[actix::test]
+    async fn a_defaulted_max_tokens_is_cut_to_what_the_kv_cache_holds() {
+        let (engine, _) = engine(1024);
+        let (sink, rx) = recorder();
+        assert!(admit(&engine, 10, None, sink).is_ok());
+        assert!(matches!(
+            next_output(&rx).await,
+            EngineOutput::Prompt {
+                prompt_tokens: 10,
+                ..
+            }
+        ));
+        loop {
+            match next_output(&rx).await {
+                EngineOutput::Delta(d) => match d.finish {
+                    Some(finish) => {
+                        assert_eq!(finish, (FinishReason::Length, 246));
+                        break;
+                    }
+                    None => continue,
+                },
+                other => panic!("expected deltas to the end of the cache, got {other:?}"),
+            }
+        }
+    }
+
+    #[actix::test]
+    async fn an_abort_never_reaches_the_scheduler_before_its_request() {
+        let (engine, fed) = engine(64);
+        let (sink, rx) = recorder();
+        assert!(admit(&engine, 10, Some(40), sink).is_ok());
+        assert!(matches!(rx.try_recv(), Ok(EngineOutput::Prompt { .. })));
+        // The detokenizer ends the request (as it ends one whose client left) right after it
+        // registered it. This thread, which runs the scheduler, blocks until then: whatever the
+        // request's submission left for it to do later would reach the scheduler after the
+        // abort, which would then find no request to end.
+        engine.fail_in_flight("stopping");
+        match rx.recv_timeout(Duration::from_secs(30)) {
+            Ok(EngineOutput::Error(e)) => {
+                assert_eq!(e.kind, SubmitErrorKind::Unavailable, "{e}");
+                assert_eq!(e.message, "stopping");
+            }
+            other => panic!("expected the error, got {other:?}"),
+        }
+        // Tasks spawned on this thread run in order: once this one has, whatever the
+        // submission left to run here has run too, and the scheduler sees what it sent before
+        // the next question.
+        actix::spawn(async {}).await.unwrap();
+        wait_idle(&engine).await;
+        // Run to its end, it would have been fed its 10 prompt tokens and 39 sampled ones.
+        let fed = fed.lock().unwrap().get(&1).copied().unwrap_or(0);
+        assert!(fed < 49, "the aborted request ran to its end");
+        // Nothing is admitted any more.
+        let (sink, rx) = recorder();
+        let Err((e, _)) = admit(&engine, 10, Some(4), sink) else {
+            panic!("a request was admitted after fail_in_flight");
+        };
+        assert_eq!(e.kind, SubmitErrorKind::Unavailable);
+        assert!(rx.try_recv().is_err());
+    }
+
+    #[actix::test]
+    async fn the_scheduler_refusal_of_a_registered_request_is_a_context_length_error() {
+        // A request that skipped admission's checks, as a scheduler-side refusal comes back.
+        let (engine, _) = engine(64);
+        let (sink, rx) = recorder();
+        let limits = SamplingLimits {
+            max_tokens: 100,
+            ..SamplingLimits::default()
+        };
+        let submit = SubmitOptions::offline(7, vec![2; 10], limits, Arc::default());
+        engine.detokenizer.do_send(Register {
+            ids: vec![RequestId(7)],
+            submits: vec![submit],
+            pending_prompt: None,
+            sink,
+            stop: Vec::new(),
+            text: TextOptions::default(),
+            arrival: Instant::now(),
+            guard: InFlight(Arc::new(AtomicUsize::new(1))),
+        });
+        match next_output(&rx).await {
+            EngineOutput::Error(e) => {
+                assert_eq!(e.kind, SubmitErrorKind::ContextLengthExceeded, "{e}");
+                assert!(!e.message.contains("RequestId"), "{e}");
+                assert!(e.message.contains("64 tokens"), "{e}");
+            }
+            other => panic!("expected the refusal, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn scheduler_refusals_keep_their_kind_and_name_no_internal_id() {
+        let too_long = EngineError::Scheduler(SchedulerError::TooLong {
+            id: RequestId(2),
+            prompt_len: 10,
+            max_tokens: 100,
+            max_model_len: 64,
+        });
+        let too_big = EngineError::Scheduler(SchedulerError::ExceedsKvCapacity {
+            id: RequestId(2),
+            needed: 30,
+            capacity: 22,
+        });
+        for e in [too_long, too_big] {
+            let r = rejection(&e);
+            assert_eq!(r.kind, SubmitErrorKind::ContextLengthExceeded, "{r}");
+            assert!(!r.message.contains("RequestId"), "{r}");
+        }
+        let field = EngineError::Scheduler(SchedulerError::InvalidRequest {
+            id: RequestId(2),
+            field: "tenant",
+            reason: "longer than 256 bytes".into(),
+        });
+        let r = rejection(&field);
+        assert_eq!(r.kind, SubmitErrorKind::InvalidRequest);
+        assert_eq!(r.message, "tenant: longer than 256 bytes");
+        assert_eq!(
+            rejection(&EngineError::DuplicateRequest(2)).kind,
+            SubmitErrorKind::Internal
+        );
+    }
+
+    #[actix::test]
+    async fn a_request_registered_without_a_scheduler_is_unavailable() {
+        let json = r#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],
+            "normalizer":null,"pre_tokenizer":null,"post_processor":null,"decoder":null,
+            "model":{"type":"WordLevel","vocab":{"a":0},"unk_token":"a"}}"#;
+        let tokenizer = Arc::new(Tokenizer::from_json_bytes(json.as_bytes()).unwrap());
+        let detokenizer = DetokenizerActor::new(tokenizer).start();
+        let (sink, rx) = recorder();
+        detokenizer.do_send(Register {
+            ids: vec![RequestId(1)],
+            submits: Vec::new(),
+            pending_prompt: None,
+            sink,
+            stop: Vec::new(),
+            text: TextOptions::default(),
+            arrival: Instant::now(),
+            guard: InFlight(Arc::new(AtomicUsize::new(1))),
+        });
+        match next_output(&rx).await {
+            EngineOutput::Error(e) => assert_eq!(e.kind, SubmitErrorKind::Unavailable, "{e}"),
+            other => panic!("expected the error, got {other:?}"),
+        }
+    }
 }

@@ -400,8 +400,11 @@ impl Handler<Kick> for SchedulerActor {
 impl Handler<Submit> for SchedulerActor {
     type Result = Result<(), EngineError>;
 
+    /// Queues the choices, or refuses them all; a refusal is also reported to the detokenizer
+    /// (which submits requests without waiting for the answer).
     fn handle(&mut self, msg: Submit, ctx: &mut Context<Self>) -> Self::Result {
         let mut added = Vec::with_capacity(msg.0.len());
+        let ids: Vec<RequestId> = msg.0.iter().map(|s| s.request.id).collect();
         let now = self.now();
         for mut submit in msg.0 {
             // Arrival on the engine clock: policies order, age and set deadlines by it.
@@ -412,6 +415,7 @@ impl Handler<Submit> for SchedulerActor {
                 for id in added {
                     self.core.abort(id);
                 }
+                self.detokenizer.do_send(StepEvents::rejected(ids, &e));
                 return Err(e);
             }
             added.push(id);

@@ -1,14 +1,19 @@
 //! The tokenizer pool: sync actors on their own threads apply the chat template and encode, so
-//! neither HTTP workers nor the scheduler spend time on it.
+//! neither HTTP workers nor the scheduler spend time on it. Structured-output grammars are
+//! handed on to the compile pool (`structured::CompilePool`), so that no compile holds up
+//! prompt encoding.
 
 use std::sync::Arc;
 
+use actix::dev::{MessageResponse, OneshotSender};
 use actix::{Actor, Handler, Message, SyncContext};
 use switchyard_gpu::model::{ChatMessage, ChatTemplate, Tokenizer};
 use switchyard_gpu::Constraint;
 
 use super::engine::{PromptSource, SubmitError, SubmitErrorKind};
-use crate::structured::{LazyGrammarCompiler, StructuredOutput};
+use crate::structured::{
+    CompileError, CompileReply, CompileResult, LazyGrammarCompiler, StructuredOutput,
+};
 
 /// A prompt as token ids.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -86,6 +91,7 @@ fn invalid(message: String) -> SubmitError {
     SubmitError {
         kind: SubmitErrorKind::InvalidRequest,
         message,
+        param: None,
     }
 }
 
@@ -157,26 +163,150 @@ impl Handler<Decode> for TokenizerActor {
     }
 }
 
-impl Handler<Constrain> for TokenizerActor {
-    type Result = Result<Vec<Constraint>, SubmitError>;
+/// A [`Constrain`] handed to the compile pool: the tokenizer thread returns at once, the
+/// pool answers the request when the grammar is compiled (or refused).
+pub struct Compiling {
+    grammars: LazyGrammarCompiler,
+    tokenizer: Arc<Tokenizer>,
+    msg: Constrain,
+}
 
-    fn handle(&mut self, msg: Constrain, _: &mut SyncContext<Self>) -> Self::Result {
-        let compiler = self
-            .grammars
-            .get(&self.tokenizer)
-            .map_err(|e| SubmitError {
+/// The answer of a [`Constrain`] request, sent from the compile pool.
+struct ConstrainReply(OneshotSender<Result<Vec<Constraint>, SubmitError>>);
+
+impl CompileReply for ConstrainReply {
+    fn send(self: Box<Self>, result: CompileResult) {
+        let result = result.map_err(|e| match e {
+            CompileError::Invalid(m) => invalid(m),
+            CompileError::Unavailable(_) => SubmitError {
                 kind: SubmitErrorKind::Internal,
-                message: format!("structured output is unavailable for this model: {e}"),
-            })?;
-        compiler
-            .compile(&msg.spec, &msg.end_ids, msg.n)
-            .map_err(invalid)
+                message: e.to_string(),
+                param: None,
+            },
+            CompileError::Busy(message) => SubmitError {
+                kind: SubmitErrorKind::Overloaded,
+                message,
+                param: None,
+            },
+        });
+        // The requester may have gone meanwhile.
+        let _ = self.0.send(result);
+    }
+
+    fn is_closed(&self) -> bool {
+        self.0.is_closed()
+    }
+}
+
+impl MessageResponse<TokenizerActor, Constrain> for Compiling {
+    fn handle(
+        self,
+        _: &mut SyncContext<TokenizerActor>,
+        tx: Option<OneshotSender<Result<Vec<Constraint>, SubmitError>>>,
+    ) {
+        // Sent without waiting for the answer: nobody would use the constraints.
+        let Some(tx) = tx else { return };
+        let Constrain { spec, end_ids, n } = self.msg;
+        self.grammars.compile_then(
+            &self.tokenizer,
+            spec,
+            end_ids,
+            n,
+            Box::new(ConstrainReply(tx)),
+        );
+    }
+}
+
+impl Handler<Constrain> for TokenizerActor {
+    type Result = Compiling;
+
+    /// Grammars compile on the compile pool, never on the threads that encode prompts: a
+    /// slow compile cannot hold up other requests' prompts.
+    fn handle(&mut self, msg: Constrain, _: &mut SyncContext<Self>) -> Compiling {
+        Compiling {
+            grammars: self.grammars.clone(),
+            tokenizer: self.tokenizer.clone(),
+            msg,
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::ends_inside_think;
+    use std::future::Future;
+    use std::time::Duration;
+
+    use actix::SyncArbiter;
+
+    use super::*;
+    use crate::structured::CompilePool;
+
+    /// Drops a compile's result.
+    struct Discard;
+
+    impl CompileReply for Discard {
+        fn send(self: Box<Self>, _: CompileResult) {}
+    }
+
+    fn tokenizer() -> Arc<Tokenizer> {
+        let json = r#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],
+            "normalizer":null,"pre_tokenizer":{"type":"Whitespace"},"post_processor":null,
+            "decoder":null,"model":{"type":"WordLevel","vocab":{"a":0,"b":1,"c":2},"unk_token":"a"}}"#;
+        Arc::new(Tokenizer::from_json_bytes(json.as_bytes()).expect("tokenizer"))
+    }
+
+    /// A grammar compiling (here: a compile that waits) holds up no prompt: grammars go to
+    /// the compile pool, and the one tokenizer thread goes on encoding.
+    #[actix::test]
+    async fn prompts_are_encoded_while_a_grammar_compiles() {
+        let grammars =
+            LazyGrammarCompiler::with_pool(CompilePool::new(1, 8, Duration::from_secs(3600)));
+        let (started_tx, started) = std::sync::mpsc::channel();
+        let (release, wait) = std::sync::mpsc::channel::<()>();
+        grammars.submit(
+            Box::new(move || {
+                let _ = started_tx.send(());
+                let _ = wait.recv();
+                Ok(Vec::new())
+            }),
+            Box::new(Discard),
+        );
+        started.recv().expect("the compile started");
+        let (tok, g) = (tokenizer(), grammars.clone());
+        let actors =
+            SyncArbiter::start(1, move || TokenizerActor::new(tok.clone(), None, g.clone()));
+        let mut constrain = Box::pin(actors.send(Constrain {
+            spec: StructuredOutput::Regex("a b".into()),
+            end_ids: vec![2],
+            n: 1,
+        }));
+        // The one tokenizer thread took the Constrain first, then this.
+        let encoded = actors
+            .send(Encode {
+                source: PromptSource::Text("a b".into()),
+                add_generation_prompt: false,
+                add_special_tokens: false,
+            })
+            .await
+            .expect("mailbox")
+            .expect("encoded");
+        assert_eq!(encoded.ids, vec![0, 1]);
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        assert!(
+            constrain.as_mut().poll(&mut cx).is_pending(),
+            "the grammar was compiled on the tokenizer thread"
+        );
+        drop(release);
+        // Its turn on the compile thread: this vocabulary has no end-of-sequence token.
+        let answer = constrain.await.expect("mailbox");
+        match answer {
+            Err(e) => {
+                assert_eq!(e.kind, SubmitErrorKind::Internal, "{e}");
+                assert!(e.message.contains("end-of-sequence"), "{e}");
+            }
+            Ok(_) => panic!("compiled without an end-of-sequence token"),
+        }
+    }
 
     #[test]
     fn a_prompt_that_opens_the_block_is_told_apart() {

@@ -26,7 +26,7 @@ pub(crate) async fn chat_completions(
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
     let in_flight = state.admit()?;
-    let body: ChatRequest = read_json(&req, payload, state.config.max_body_bytes).await?;
+    let body: ChatRequest = read_json(&req, payload, &state.config).await?;
     let lora = check_model(&state, body.model.as_deref())?;
     let tool_format = state.config.tool_format;
     let validated = body.validate(state.engine.max_model_len(), tool_format)?;
@@ -35,7 +35,7 @@ pub(crate) async fn chat_completions(
     let generation = Generation::start(&*state.engine, requests, validated.n, "messages").await?;
     let free_text = match &validated.structured {
         None | Some(StructuredOutputSpec::ToolCalls(_)) => {
-            validated.tool_calls != Some(ToolAnswer::Calls)
+            !validated.tool_calls.is_some_and(ToolAnswer::calls_only)
         }
         // A client's own regex or grammar may write the block.
         Some(StructuredOutputSpec::Regex(g) | StructuredOutputSpec::Grammar(g)) => {
@@ -52,9 +52,9 @@ pub(crate) async fn chat_completions(
         running: validated
             .continuous_usage
             .then(|| RunningUsage::new(&generation)),
-        tools: validated.tool_calls.is_some().then(|| {
+        tools: validated.tool_calls.map(|answer| {
             (0..generation.choices())
-                .map(|_| ToolStream::new(tool_format))
+                .map(|_| ToolStream::new(tool_format).calls_only(answer.calls_only()))
                 .collect()
         }),
         // A grammar that holds the answer from its first token (a schema, a choice, calls
@@ -73,7 +73,8 @@ pub(crate) async fn chat_completions(
                 .collect()
         }),
         held: vec![Vec::new(); generation.choices()],
-        calls_only: validated.tool_calls == Some(ToolAnswer::Calls),
+        calls_only: validated.tool_calls.is_some_and(ToolAnswer::calls_only),
+        named: validated.tool_calls == Some(ToolAnswer::Named),
     };
     if validated.stream {
         return Ok(sse_response(
@@ -106,6 +107,8 @@ struct ChatWriter {
     held: Vec<Vec<TokenLogprob>>,
     /// The answer is calls only: no content, not even an empty one.
     calls_only: bool,
+    /// `tool_choice` names the function: a choice that calls it finishes with `stop`.
+    named: bool,
 }
 
 /// What a choice's new text is, read.
@@ -227,11 +230,13 @@ impl ChatWriter {
     }
 
     /// `tool_calls` for a choice that called tools and stopped after its last call's
-    /// arguments (not inside them, at a stop string); otherwise the engine's reason.
+    /// arguments (not inside them, at a stop string); otherwise the engine's reason. A call of
+    /// the function `tool_choice` names finishes with `stop`, as OpenAI's and vLLM's do.
     fn finish_reason(&self, choice: u32, reason: FinishReason) -> &'static str {
-        let called = self
-            .reader(choice)
-            .is_some_and(|s| s.calls() > 0 && !s.cut_short());
+        let called = !self.named
+            && self
+                .reader(choice)
+                .is_some_and(|s| s.calls() > 0 && !s.cut_short());
         match reason {
             FinishReason::Stop if called => "tool_calls",
             reason => reason.as_str(),

@@ -23,7 +23,7 @@ pub(crate) async fn completions(
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
     let in_flight = state.admit()?;
-    let body: CompletionRequest = read_json(&req, payload, state.config.max_body_bytes).await?;
+    let body: CompletionRequest = read_json(&req, payload, &state.config).await?;
     let lora = check_model(&state, body.model.as_deref())?;
     let validated = body.validate(state.engine.max_model_len())?;
     let id = request_id("cmpl-", request_id_header(&req));

@@ -14,7 +14,7 @@ use crate::schema::{
     parse_messages, parse_template_kwargs, MessageField, ModelCard, ModelList,
     MAX_DETOKENIZE_TOKENS,
 };
-use crate::state::ApiState;
+use crate::state::{engine_dead, ApiState};
 
 /// `GET /v1/models`: the base model, then every LoRA adapter served on it.
 pub(crate) async fn list_models(state: web::Data<ApiState>) -> HttpResponse {
@@ -66,7 +66,7 @@ pub(crate) async fn tokenize(
     req: HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
-    let body: TokenizeRequest = read_json(&req, payload, state.config.max_body_bytes).await?;
+    let body: TokenizeRequest = read_json(&req, payload, &state.config).await?;
     check_model(&state, body.model.as_deref())?;
     let input = match (body.prompt, body.messages) {
         (Some(text), None) => TokenizeInput::Text {
@@ -112,7 +112,7 @@ pub(crate) async fn detokenize(
     req: HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
-    let body: DetokenizeRequest = read_json(&req, payload, state.config.max_body_bytes).await?;
+    let body: DetokenizeRequest = read_json(&req, payload, &state.config).await?;
     check_model(&state, body.model.as_deref())?;
     if body.tokens.len() > MAX_DETOKENIZE_TOKENS {
         return Err(ApiError::invalid(
@@ -122,15 +122,6 @@ pub(crate) async fn detokenize(
     }
     let prompt = state.engine.detokenize(body.tokens).await?;
     Ok(HttpResponse::Ok().json(DetokenizeResponse { prompt }))
-}
-
-/// The error of `/health` and `/ready` once the engine cannot serve.
-fn engine_dead() -> ApiError {
-    ApiError::Engine(EngineError::new(
-        EngineErrorKind::Unavailable,
-        "The engine cannot serve any more: its backend was retired after a failure (see the \
-         server log). Restart the server.",
-    ))
 }
 
 /// `GET /health`: 200 while the process is alive and its engine can serve (503 once the
@@ -183,7 +174,7 @@ pub(crate) async fn put_policy(
     req: HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
-    let spec: PolicySpec = read_json(&req, payload, state.config.max_body_bytes).await?;
+    let spec: PolicySpec = read_json(&req, payload, &state.config).await?;
     if spec.name.is_empty() || spec.name.len() > 64 {
         return Err(ApiError::invalid(
             "name",
@@ -209,7 +200,7 @@ pub(crate) async fn put_speculative(
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
     let settings: Option<crate::engine::SpeculativeSettings> =
-        read_json(&req, payload, state.config.max_body_bytes).await?;
+        read_json(&req, payload, &state.config).await?;
     if let Some(s) = &settings {
         if s.max_running > MAX_SPECULATIVE_RUNNING {
             return Err(ApiError::invalid(
@@ -248,7 +239,7 @@ pub(crate) async fn load_lora(
     req: HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
-    let body: LoadLoraRequest = read_json(&req, payload, state.config.max_body_bytes).await?;
+    let body: LoadLoraRequest = read_json(&req, payload, &state.config).await?;
     if body.lora_path.is_empty() || body.lora_path.len() > MAX_LORA_PATH {
         return Err(ApiError::invalid(
             "lora_path",

@@ -2,6 +2,17 @@
 //! `json_schema`), vLLM's `structured_outputs` object (`json`, `regex`, `choice`, `grammar`,
 //! `json_object`) and its older `guided_json` / `guided_regex` / `guided_choice` /
 //! `guided_grammar` fields. At most one of them may ask for a structure.
+//!
+//! vLLM's JSON options in `structured_outputs` apply to the JSON structure asked for (by any of
+//! the fields), as vLLM applies them; other structures ignore them, as vLLM's do:
+//! - `disable_any_whitespace`: JSON is always written without free whitespace here (as
+//!   Python's `json.dumps` writes it, xgrammar's output with the option), so it is accepted,
+//!   `true` or `false`;
+//! - `disable_additional_properties`: every object schema with `properties` or
+//!   `patternProperties` and no `additionalProperties` gets `additionalProperties: false`;
+//! - `whitespace_pattern`: the regex of the whitespace allowed between JSON tokens (the
+//!   separators become `,` and `:`), llguidance's `whitespace_pattern`;
+//! - `disable_fallback`: there is one grammar engine and no fallback, so it is accepted.
 
 use serde::Deserialize;
 
@@ -82,7 +93,110 @@ fn response_format(v: &serde_json::Value) -> Result<Option<StructuredOutputSpec>
     }
 }
 
-fn structured_outputs(v: &serde_json::Value) -> Result<Option<StructuredOutputSpec>, ApiError> {
+/// vLLM's options for JSON output (see the module's documentation).
+#[derive(Debug, Clone, Default, PartialEq)]
+struct JsonOptions {
+    disable_additional_properties: bool,
+    whitespace_pattern: Option<String>,
+}
+
+impl JsonOptions {
+    /// Reads option `key` of `structured_outputs`; false when `key` is not an option.
+    fn read(&mut self, key: &str, value: &serde_json::Value) -> Result<bool, ApiError> {
+        let param = || format!("structured_outputs.{key}");
+        let flag = || {
+            value.as_bool().ok_or_else(|| {
+                ApiError::invalid(
+                    param(),
+                    format!("structured_outputs.{key} must be a boolean"),
+                )
+            })
+        };
+        match key {
+            "disable_any_whitespace" | "disable_fallback" => {
+                flag()?;
+            }
+            "disable_additional_properties" => self.disable_additional_properties = flag()?,
+            "whitespace_pattern" => {
+                let pattern = match value {
+                    serde_json::Value::Null => None,
+                    serde_json::Value::String(p) if !p.is_empty() => Some(p.clone()),
+                    _ => {
+                        return Err(ApiError::invalid(
+                            param(),
+                            "structured_outputs.whitespace_pattern must be a non-empty regex",
+                        ))
+                    }
+                };
+                self.whitespace_pattern = pattern;
+            }
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    /// `spec` with the options applied (to JSON; other structures ignore them).
+    fn apply(&self, spec: StructuredOutputSpec) -> StructuredOutputSpec {
+        let mut schema = match spec {
+            StructuredOutputSpec::JsonSchema(s) => s,
+            StructuredOutputSpec::JsonObject if self.whitespace_pattern.is_some() => {
+                serde_json::json!({"type": "object"})
+            }
+            other => return other,
+        };
+        if self.disable_additional_properties {
+            close_objects(&mut schema);
+        }
+        if let (Some(pattern), Some(obj)) = (&self.whitespace_pattern, schema.as_object_mut()) {
+            match obj.get_mut("x-guidance").and_then(|g| g.as_object_mut()) {
+                // The schema's own options win, as they do over the engine's defaults.
+                Some(own) => {
+                    own.entry("whitespace_pattern")
+                        .or_insert_with(|| serde_json::Value::String(pattern.clone()));
+                }
+                None => {
+                    obj.insert(
+                        "x-guidance".into(),
+                        serde_json::json!({
+                            "whitespace_flexible": false,
+                            "whitespace_pattern": pattern,
+                            "item_separator": ",",
+                            "key_separator": ":",
+                        }),
+                    );
+                }
+            }
+        }
+        StructuredOutputSpec::JsonSchema(schema)
+    }
+}
+
+/// vLLM's `disable_additional_properties`: every object (schema) with `properties` or
+/// `patternProperties` and no `additionalProperties` gets `additionalProperties: false`.
+fn close_objects(v: &mut serde_json::Value) {
+    match v {
+        serde_json::Value::Object(o) => {
+            for child in o.values_mut() {
+                close_objects(child);
+            }
+            if !o.contains_key("additionalProperties")
+                && (o.contains_key("properties") || o.contains_key("patternProperties"))
+            {
+                o.insert(
+                    "additionalProperties".into(),
+                    serde_json::Value::Bool(false),
+                );
+            }
+        }
+        serde_json::Value::Array(a) => a.iter_mut().for_each(close_objects),
+        _ => {}
+    }
+}
+
+fn structured_outputs(
+    v: &serde_json::Value,
+    options: &mut JsonOptions,
+) -> Result<Option<StructuredOutputSpec>, ApiError> {
     const P: &str = "structured_outputs";
     let Some(obj) = v.as_object() else {
         return if v.is_null() {
@@ -93,6 +207,9 @@ fn structured_outputs(v: &serde_json::Value) -> Result<Option<StructuredOutputSp
     };
     let mut found = Vec::new();
     for (key, value) in obj {
+        if options.read(key, value)? {
+            continue;
+        }
         if value.is_null() || value == &serde_json::Value::Bool(false) {
             continue;
         }
@@ -106,7 +223,7 @@ fn structured_outputs(v: &serde_json::Value) -> Result<Option<StructuredOutputSp
             other => {
                 return Err(ApiError::invalid(
                     param,
-                    format!("structured_outputs.{other} is not supported (json, regex, choice, grammar and json_object are)"),
+                    format!("structured_outputs.{other} is not supported (json, regex, choice, grammar and json_object are, with the options disable_any_whitespace, disable_additional_properties, whitespace_pattern and disable_fallback)"),
                 ))
             }
         });
@@ -164,13 +281,14 @@ impl StructuredFields {
     /// checked by the engine when it compiles it).
     pub fn validate(&self) -> Result<Option<StructuredOutputSpec>, ApiError> {
         let mut asked: Vec<(&str, StructuredOutputSpec)> = Vec::new();
+        let mut options = JsonOptions::default();
         if let Some(v) = &self.response_format {
             if let Some(s) = response_format(v)? {
                 asked.push(("response_format", s));
             }
         }
         if let Some(v) = &self.structured_outputs {
-            if let Some(s) = structured_outputs(v)? {
+            if let Some(s) = structured_outputs(v, &mut options)? {
                 asked.push(("structured_outputs", s));
             }
         }
@@ -201,6 +319,7 @@ impl StructuredFields {
         }
         match asked.pop() {
             Some((param, spec)) => {
+                let spec = options.apply(spec);
                 check_bounds(param, &spec)?;
                 Ok(Some(spec))
             }
@@ -268,6 +387,109 @@ mod tests {
             parse(json!({"guided_json": schema})).unwrap(),
             Some(StructuredOutputSpec::JsonSchema(schema))
         );
+    }
+
+    #[test]
+    fn vllm_json_options_apply_to_the_json_asked_for() {
+        let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+        // Our JSON has no free whitespace anyway, and there is no fallback engine.
+        for flags in [
+            json!({"disable_any_whitespace": true}),
+            json!({"disable_any_whitespace": false, "disable_fallback": true}),
+        ] {
+            let mut so = flags.clone();
+            so["json"] = schema.clone();
+            assert_eq!(
+                parse(json!({"structured_outputs": so})).unwrap(),
+                Some(StructuredOutputSpec::JsonSchema(schema.clone())),
+                "{flags}"
+            );
+        }
+        // disable_additional_properties closes every object that lists properties and does
+        // not say, as vLLM's does, whichever field asked for the schema.
+        let open = json!({"type": "object",
+            "properties": {"a": {"type": "object", "properties": {"b": {"type": "string"}}},
+                           "c": {"type": "object", "properties": {}, "additionalProperties": true}},
+            "$defs": {"d": {"patternProperties": {"^x": {"type": "string"}}}}});
+        let closed = json!({"type": "object",
+            "properties": {"a": {"type": "object", "properties": {"b": {"type": "string"}},
+                                 "additionalProperties": false},
+                           "c": {"type": "object", "properties": {}, "additionalProperties": true}},
+            "$defs": {"d": {"patternProperties": {"^x": {"type": "string"}},
+                            "additionalProperties": false}},
+            "additionalProperties": false});
+        let want = Some(StructuredOutputSpec::JsonSchema(closed));
+        assert_eq!(
+            parse(json!({"structured_outputs": {"json": open.clone(),
+                                                "disable_additional_properties": true}}))
+            .unwrap(),
+            want
+        );
+        assert_eq!(
+            parse(json!({"response_format": {"type": "json_schema",
+                                             "json_schema": {"name": "x", "schema": open}},
+                         "structured_outputs": {"disable_additional_properties": true}}))
+            .unwrap(),
+            want
+        );
+        // whitespace_pattern: llguidance's, between JSON tokens; the schema's own options win.
+        let ws = json!({"whitespace_flexible": false, "whitespace_pattern": "[ ]?",
+                        "item_separator": ",", "key_separator": ":"});
+        let mut with_ws = schema.clone();
+        with_ws["x-guidance"] = ws.clone();
+        assert_eq!(
+            parse(json!({"guided_json": schema,
+                         "structured_outputs": {"whitespace_pattern": "[ ]?"}}))
+            .unwrap(),
+            Some(StructuredOutputSpec::JsonSchema(with_ws))
+        );
+        assert_eq!(
+            parse(json!({"response_format": {"type": "json_object"},
+                         "structured_outputs": {"whitespace_pattern": "[ ]?"}}))
+            .unwrap(),
+            Some(StructuredOutputSpec::JsonSchema(
+                json!({"type": "object", "x-guidance": ws})
+            ))
+        );
+        let own = json!({"type": "object", "x-guidance": {"whitespace_pattern": "\\n?"}});
+        assert_eq!(
+            parse(json!({"structured_outputs": {"json": own.clone(),
+                                                "whitespace_pattern": "[ ]?"}}))
+            .unwrap(),
+            Some(StructuredOutputSpec::JsonSchema(own))
+        );
+        // Other structures ignore them, as vLLM's do.
+        assert_eq!(
+            parse(
+                json!({"structured_outputs": {"regex": "[a-z]+", "whitespace_pattern": " ",
+                                                "disable_additional_properties": true}})
+            )
+            .unwrap(),
+            Some(StructuredOutputSpec::Regex("[a-z]+".into()))
+        );
+        assert_eq!(
+            parse(json!({"structured_outputs": {"disable_any_whitespace": true}})).unwrap(),
+            None
+        );
+        // Wrong types name the option.
+        for (bad, p) in [
+            (
+                json!({"disable_any_whitespace": "yes"}),
+                "disable_any_whitespace",
+            ),
+            (
+                json!({"disable_additional_properties": 1}),
+                "disable_additional_properties",
+            ),
+            (json!({"whitespace_pattern": ""}), "whitespace_pattern"),
+            (json!({"whitespace_pattern": 3}), "whitespace_pattern"),
+            (json!({"structural_tag": "x"}), "structural_tag"),
+        ] {
+            assert_eq!(
+                param(parse(json!({"structured_outputs": bad}))),
+                format!("structured_outputs.{p}")
+            );
+        }
     }
 
     #[test]

@@ -32,8 +32,18 @@ use crate::error::ApiError;
 pub enum ToolAnswer {
     /// Text, or text then calls (`tool_choice: auto`).
     TextOrCalls,
-    /// Calls only (`required`, a named function).
+    /// Calls only (`tool_choice: required`).
     Calls,
+    /// The call of the function `tool_choice` names: calls only, and a choice that ends after
+    /// it finishes with `stop`, as OpenAI's (and vLLM's) do.
+    Named,
+}
+
+impl ToolAnswer {
+    /// Whether the answer is calls only: no text may come.
+    pub fn calls_only(self) -> bool {
+        matches!(self, ToolAnswer::Calls | ToolAnswer::Named)
+    }
 }
 
 /// How a model writes its calls (see the module's documentation).
@@ -454,7 +464,8 @@ impl ToolUse {
         match self.choice {
             ToolChoice::None => None,
             ToolChoice::Auto => Some(ToolAnswer::TextOrCalls),
-            ToolChoice::Required | ToolChoice::Function(_) => Some(ToolAnswer::Calls),
+            ToolChoice::Required => Some(ToolAnswer::Calls),
+            ToolChoice::Function(_) => Some(ToolAnswer::Named),
         }
     }
 
@@ -915,6 +926,8 @@ pub struct ToolStream {
     calls: usize,
     /// The text ended inside a call's arguments.
     cut: bool,
+    /// The answer is calls only (`required`, a named function).
+    calls_only: bool,
 }
 
 /// How much of the end of `text` to hold back in case a call starts there: trailing
@@ -935,7 +948,15 @@ impl ToolStream {
             lead: String::new(),
             calls: 0,
             cut: false,
+            calls_only: false,
         }
+    }
+
+    /// A stream of an answer that is calls only (`required`, a named function): a call's
+    /// opening cut short at the end is dropped even before the first call.
+    pub fn calls_only(mut self, calls_only: bool) -> Self {
+        self.calls_only = calls_only;
+        self
     }
 
     /// Reads a whole answer into its content and its calls.
@@ -981,7 +1002,10 @@ impl ToolStream {
     /// The end of the choice: what was held back comes out. A call whose closing tag is
     /// missing (a stop string took it) still counts; so does one cut short in its arguments
     /// (`max_tokens`), whose arguments are what was written. A call cut short before its
-    /// arguments begin (`{"name": "...", "arguments": {` not all written) is text.
+    /// arguments begin (`{"name": "...", "arguments": {` not all written, or only part of
+    /// `<tool_call>`) is dropped once a call was read or when the answer is calls only (as
+    /// vLLM's Hermes reader puts no text after the first `<tool_call>` into the content), and
+    /// is text otherwise.
     pub fn finish(&mut self) -> Vec<ToolPiece> {
         let mut out = Vec::new();
         self.pump(&mut out, true);
@@ -1019,6 +1043,17 @@ impl ToolStream {
         index
     }
 
+    /// At the end, a call's opening cut short: dropped where the answer is calls from here on
+    /// (a call was read, or calls only), text otherwise.
+    fn unfinished_call(&mut self, out: &mut Vec<ToolPiece>) {
+        if self.calls > 0 || self.calls_only {
+            self.buf.clear();
+            self.lead.clear();
+        } else {
+            self.not_a_call(out);
+        }
+    }
+
     /// Not a call after all: everything kept is text from here on.
     fn not_a_call(&mut self, out: &mut Vec<ToolPiece>) {
         let text = std::mem::take(&mut self.lead) + &std::mem::take(&mut self.buf);
@@ -1043,6 +1078,8 @@ impl ToolStream {
                     }
                     match self.buf.as_bytes().get(start) {
                         None if !last => return,
+                        // Calls only, cut before the first call opens: no content.
+                        None if self.calls_only => return self.unfinished_call(out),
                         Some(b'{') => {
                             self.lead = self.buf[..start].to_owned();
                             self.buf.drain(..start);
@@ -1073,6 +1110,13 @@ impl ToolStream {
                         };
                         continue;
                     }
+                    if last && self.calls_only {
+                        // Calls only, cut inside the first `<tool_call>`: no content.
+                        let tag = partial_tag(&self.buf, CALL_OPEN);
+                        let text = trim_space_end(&self.buf[..self.buf.len() - tag]).len();
+                        self.buf.truncate(text);
+                        self.lead.clear();
+                    }
                     let keep = if last { 0 } else { held_suffix(&self.buf) };
                     if keep < self.buf.len() {
                         let rest = self.buf.split_off(self.buf.len() - keep);
@@ -1099,8 +1143,11 @@ impl ToolStream {
                     }
                     let open = self.format.open();
                     if !rest.starts_with(open) {
-                        if open.starts_with(rest) && !last {
-                            return;
+                        if open.starts_with(rest) {
+                            if !last {
+                                return;
+                            }
+                            return self.unfinished_call(out);
                         }
                         return self.not_a_call(out);
                     }
@@ -1119,15 +1166,16 @@ impl ToolStream {
                                 continue;
                             }
                             Header::More if !last => return,
-                            Header::More => return self.not_a_call(out),
+                            Header::More => return self.unfinished_call(out),
                             Header::Other => *whole = true,
                         }
                     }
                     match end.advance(self.buf.as_bytes(), body) {
                         Ok(Some(_)) => {}
-                        // Braces still open: wait (at the end, what is kept is text).
+                        // Braces still open: wait (at the end, a call cut short).
                         Ok(None) if !last => return,
-                        Ok(None) | Err(()) => return self.not_a_call(out),
+                        Ok(None) => return self.unfinished_call(out),
+                        Err(()) => return self.not_a_call(out),
                     }
                     match read_call(&self.buf[body..], last, self.format) {
                         Read::Call(call, used) => {
@@ -1143,7 +1191,8 @@ impl ToolStream {
                             };
                         }
                         Read::More if !last => return,
-                        Read::More | Read::Bad => return self.not_a_call(out),
+                        Read::More => return self.unfinished_call(out),
+                        Read::Bad => return self.not_a_call(out),
                     }
                 }
                 // At the end, a call cut short in its arguments: they went out as they came.
@@ -1673,7 +1722,16 @@ mod tests {
 
     /// Reads `chunks` as one stream in `format`, checking what any reading must hold.
     fn read_in(format: ToolFormat, chunks: &[&str]) -> (String, Vec<ParsedCall>) {
-        let mut s = ToolStream::new(format);
+        read_answer(format, false, chunks)
+    }
+
+    /// [`read_in`] for an answer that is calls only, or not.
+    fn read_answer(
+        format: ToolFormat,
+        calls_only: bool,
+        chunks: &[&str],
+    ) -> (String, Vec<ParsedCall>) {
+        let mut s = ToolStream::new(format).calls_only(calls_only);
         let mut pieces = Vec::new();
         for c in chunks {
             pieces.extend(s.push(c));
@@ -1884,10 +1942,11 @@ mod tests {
                 "<tool_call>\n{\"name\": \"now\", \"argu".into(),
                 Vec::new(),
             ),
-            // A complete call, then one cut short.
+            // A complete call, then one cut short (max_tokens) before its arguments: dropped,
+            // no text comes after a call.
             (
                 "<tool_call>\n{\"name\": \"now\", \"arguments\": {}}\n</tool_call>\n<tool_call>\n{",
-                "\n<tool_call>\n{".into(),
+                String::new(),
                 vec![expected[1].clone()],
             ),
             // Not a call after the tag, or arguments that are no object: text.
@@ -1958,6 +2017,78 @@ mod tests {
                 read_all(&refs),
                 (want_text, want_calls),
                 "{text:?} by chars"
+            );
+        }
+    }
+
+    #[test]
+    fn a_call_opening_cut_short_at_the_end_is_dropped_once_the_answer_is_calls() {
+        let now = |format: ToolFormat| ParsedCall {
+            name: "now".into(),
+            arguments: match format {
+                ToolFormat::Hermes => "{}".into(),
+                ToolFormat::Llama3Json => "{\"a\": 1}".into(),
+            },
+        };
+        let hermes_call = "<tool_call>\n{\"name\": \"now\", \"arguments\": {}}\n</tool_call>";
+        let llama_call = "{\"name\": \"now\", \"parameters\": {\"a\": 1}}";
+        // (format, calls only, text, the calls read): no text in any of them.
+        let mut cases: Vec<(ToolFormat, bool, String, usize)> = Vec::new();
+        for calls_only in [false, true] {
+            // After a call (max_tokens 54/56/58 of the reviewer's two-tool request).
+            for tail in [
+                "\n<",
+                "\n<tool_",
+                "\n<tool_call>",
+                "\n<tool_call>\n{\"name\": \"ge",
+            ] {
+                cases.push((
+                    ToolFormat::Hermes,
+                    calls_only,
+                    format!("{hermes_call}{tail}"),
+                    1,
+                ));
+            }
+            for tail in ["; ", "; {", "; {\"name\": \"now\", \"param"] {
+                cases.push((
+                    ToolFormat::Llama3Json,
+                    calls_only,
+                    format!("{llama_call}{tail}"),
+                    1,
+                ));
+            }
+        }
+        // Calls only, cut before the first call is whole: nothing at all.
+        for text in [
+            "<",
+            "<tool_call",
+            "\n<tool_call>\n{\"name\": \"now\", \"argu",
+            "",
+        ] {
+            cases.push((ToolFormat::Hermes, true, text.into(), 0));
+        }
+        for text in [" \n", "{", "{\"name\": \"now\", \"para"] {
+            cases.push((ToolFormat::Llama3Json, true, text.into(), 0));
+        }
+        for (format, calls_only, text, calls) in cases {
+            let want = (String::new(), vec![now(format); calls]);
+            for cut in (0..=text.len()).filter(|&c| text.is_char_boundary(c)) {
+                assert_eq!(
+                    read_answer(format, calls_only, &[&text[..cut], &text[cut..]]),
+                    want,
+                    "{format:?} {calls_only} {text:?} cut at {cut}"
+                );
+            }
+        }
+        // With auto, a first call cut short is text, as vLLM's reader gives it back.
+        for format in [ToolFormat::Hermes, ToolFormat::Llama3Json] {
+            let text = match format {
+                ToolFormat::Hermes => "<tool_call>\n{\"name\": \"now\", \"argu",
+                ToolFormat::Llama3Json => "{\"name\": \"now\", \"para",
+            };
+            assert_eq!(
+                read_answer(format, false, &[text]),
+                (text.into(), Vec::new())
             );
         }
     }

@@ -173,6 +173,51 @@ fn find_event_end(b: &[u8], from: usize) -> Option<(usize, usize)> {
     })
 }
 
+/// One stream's chunks, timed as vLLM's benchmark times them: every chunk with a choice
+/// counts, text or not ("text could be empty here e.g. for special tokens", or an end of
+/// sequence under `ignore_eos`); the first one is the first token (TTFT), each later one adds
+/// an inter-token latency.
+#[derive(Debug, Default)]
+struct StreamTimer {
+    /// When the latest chunk with a choice arrived.
+    last: Option<Instant>,
+    /// Chunks with a choice.
+    chunks: usize,
+    /// `usage.completion_tokens`, the latest the server sent.
+    usage_tokens: Option<usize>,
+}
+
+impl StreamTimer {
+    /// Takes one chunk (a parsed event) that arrived at `now`, for a request sent at `t0`.
+    fn on_chunk(&mut self, v: &serde_json::Value, now: Instant, t0: Instant, sample: &mut Sample) {
+        if let Some(u) = v
+            .get("usage")
+            .and_then(|u| u.get("completion_tokens"))
+            .and_then(|c| c.as_u64())
+        {
+            self.usage_tokens = Some(u as usize);
+        }
+        // A usage-only chunk (`choices: []`) is not a token.
+        if v.get("choices").and_then(|c| c.get(0)).is_none() {
+            return;
+        }
+        match self.last {
+            None => sample.ttft = (now - t0).as_secs_f64(),
+            Some(l) => sample.itl.push((now - l).as_secs_f64()),
+        }
+        self.last = Some(now);
+        self.chunks += 1;
+    }
+
+    /// Sets the sample's output tokens: the server's usage, or without one the chunks with a
+    /// choice (a token each; fewer than the tokens when a chunk carries several, as with
+    /// speculative decoding), flagged in [`Sample::usage_missing`].
+    fn finish(&self, sample: &mut Sample) {
+        sample.output_tokens = self.usage_tokens.unwrap_or(self.chunks);
+        sample.usage_missing = self.usage_tokens.is_none();
+    }
+}
+
 /// Sends one streaming completion and timestamps its chunks. As in vLLM, a request succeeds
 /// when its stream completes (`[DONE]`) after at least one chunk with a choice, even one
 /// without text (an immediate end of sequence).
@@ -235,9 +280,7 @@ pub(super) fn one_request(
         return Ok(sample);
     }
     let mut events = EventStream::default();
-    // The first chunk with a choice, and the last one with text.
-    let mut first: Option<Instant> = None;
-    let mut last: Option<Instant> = None;
+    let mut timer = StreamTimer::default();
     let mut done = false;
     let mut buf = Vec::new();
     while !done {
@@ -272,36 +315,16 @@ pub(super) fn one_request(
                 break;
             }
             let v: serde_json::Value = serde_json::from_str(data).unwrap_or_default();
-            if let Some(u) = v
-                .get("usage")
-                .and_then(|u| u.get("completion_tokens"))
-                .and_then(|c| c.as_u64())
-            {
-                sample.output_tokens = u as usize;
-            }
-            let Some(choice) = v.get("choices").and_then(|c| c.get(0)) else {
-                continue;
-            };
-            first = first.or(Some(now));
-            let has_text = choice["text"].as_str().is_some_and(|t| !t.is_empty());
-            if has_text {
-                match last {
-                    None => sample.ttft = (now - t0).as_secs_f64(),
-                    Some(l) => sample.itl.push((now - l).as_secs_f64()),
-                }
-                last = Some(now);
-            }
+            timer.on_chunk(&v, now, t0, &mut sample);
         }
     }
     sample.latency = t0.elapsed().as_secs_f64();
-    if let (None, Some(f)) = (last, first) {
-        // No text at all (an immediate end of sequence): the first chunk is the first token.
-        sample.ttft = (f - t0).as_secs_f64();
-    }
-    sample.ok = done && first.is_some();
+    timer.finish(&mut sample);
+    let any = timer.chunks > 0;
+    sample.ok = done && any;
     if !done {
         sample.error = "stream ended without [DONE]".into();
-    } else if first.is_none() {
+    } else if !any {
         sample.error = "stream ended without a completion chunk".into();
     }
     Ok(sample)
@@ -372,6 +395,72 @@ mod tests {
         assert_eq!(events.next_data().unwrap().as_deref(), Some("{\"b\":2}"));
         assert_eq!(events.next_data().unwrap().as_deref(), Some("[DONE]"));
         assert_eq!(events.next_data().unwrap(), None);
+    }
+
+    /// One chunk of a completion stream with this text.
+    fn text_chunk(text: &str) -> serde_json::Value {
+        serde_json::json!({"choices": [{"index": 0, "text": text, "finish_reason": null}]})
+    }
+
+    #[test]
+    fn chunks_without_text_are_timed_as_tokens() {
+        // vLLM times every chunk with a choice: a special token's empty text first is the
+        // first token, and an empty chunk between two texts is a token of its own.
+        let t0 = Instant::now();
+        let ms = |n: u64| t0 + Duration::from_millis(n);
+        let mut timer = StreamTimer::default();
+        let mut sample = Sample::default();
+        for (at, text) in [(1, ""), (3, "a"), (6, ""), (10, "b")] {
+            timer.on_chunk(&text_chunk(text), ms(at), t0, &mut sample);
+        }
+        let usage = serde_json::json!({"choices": [], "usage": {"completion_tokens": 4}});
+        timer.on_chunk(&usage, ms(11), t0, &mut sample);
+        timer.finish(&mut sample);
+        assert_eq!(sample.ttft, 0.001);
+        let itl: Vec<u128> = sample
+            .itl
+            .iter()
+            .map(|s| Duration::from_secs_f64(*s).as_micros())
+            .collect();
+        assert_eq!(itl, vec![2000, 3000, 4000]);
+        assert_eq!((sample.output_tokens, sample.usage_missing), (4, false));
+    }
+
+    /// Answers the first connection on a loopback port with `response` once the request
+    /// (whose body is `{}`) has arrived.
+    fn serve_once(response: String) -> u16 {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            let mut got = Vec::new();
+            let mut buf = [0u8; 4096];
+            while !got.ends_with(b"{}") {
+                match s.read(&mut buf) {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => got.extend_from_slice(&buf[..n]),
+                }
+            }
+            let _ = s.write_all(response.as_bytes());
+        });
+        port
+    }
+
+    #[test]
+    fn a_stream_without_usage_counts_its_chunks_as_output_tokens() {
+        let mut response =
+            String::from("HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n");
+        for text in ["", "a", "", "b"] {
+            response.push_str(&format!("data: {}\n\n", text_chunk(text)));
+        }
+        response.push_str("data: [DONE]\n\n");
+        let port = serve_once(response);
+        let sample = one_request("127.0.0.1", port, "/v1/completions", None, "{}", 3).unwrap();
+        assert!(sample.ok, "{}", sample.error);
+        assert_eq!((sample.output_tokens, sample.usage_missing), (4, true));
+        // Every chunk is timed, the empty ones too.
+        assert_eq!(sample.itl.len(), 3);
+        assert_eq!(sample.prompt_tokens, 3);
     }
 
     #[test]

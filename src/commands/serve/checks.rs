@@ -54,6 +54,39 @@ pub(super) fn max_model_len(
     }
 }
 
+/// The longest sequence served once the KV cache is sized (`num_blocks` blocks of
+/// `block_size` tokens): a sequence the cache cannot hold alone could never run, so, as vLLM
+/// does, a configured `model.max_model_len` (`configured`) beyond the cache is refused, naming
+/// both numbers and what to change; the model's own context is lowered to what the cache holds,
+/// with a warning.
+pub(super) fn fit_kv_cache(
+    max_model_len: usize,
+    configured: bool,
+    num_blocks: usize,
+    block_size: usize,
+) -> anyhow::Result<usize> {
+    let capacity = num_blocks.saturating_mul(block_size);
+    if max_model_len <= capacity {
+        return Ok(max_model_len);
+    }
+    let remedy = "raise cache.kv_cache_mb (CPU backend) or cache.gpu_memory_utilization \
+                  (CUDA backend), or set cache.num_blocks higher";
+    anyhow::ensure!(
+        !configured,
+        "model.max_model_len is {max_model_len} tokens, more than the {capacity} tokens the KV \
+         cache holds ({num_blocks} blocks of {block_size}): {remedy}, or lower \
+         model.max_model_len to at most {capacity}"
+    );
+    tracing::warn!(
+        context = max_model_len,
+        kv_cache_tokens = capacity,
+        "the model's context of {max_model_len} tokens is more than the {capacity} tokens the \
+         KV cache holds ({num_blocks} blocks of {block_size}): serving max_model_len \
+         {capacity}; {remedy} to serve the whole context"
+    );
+    Ok(capacity)
+}
+
 /// Says so at start when the API takes no key: a warning on a loopback address, an error
 /// where other hosts may reach it.
 pub(super) fn warn_if_open(open: bool, bind: SocketAddr) {
@@ -102,6 +135,27 @@ mod tests {
         // A missing path is the loader's to report.
         assert!(load_format(LoadFormat::Gguf, &dir.join("missing")).is_ok());
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn max_model_len_must_fit_in_the_kv_cache() {
+        // It fits: unchanged, configured or not.
+        assert_eq!(fit_kv_cache(8192, true, 512, 16).unwrap(), 8192);
+        assert_eq!(fit_kv_cache(8192, false, 600, 16).unwrap(), 8192);
+        // The model's own context is lowered to what the cache holds.
+        assert_eq!(fit_kv_cache(8192, false, 45, 16).unwrap(), 720);
+        // A configured one is refused, with both numbers and what to change.
+        let e = fit_kv_cache(8192, true, 45, 16).unwrap_err().to_string();
+        for part in [
+            "model.max_model_len is 8192",
+            "720 tokens",
+            "45 blocks of 16",
+            "cache.kv_cache_mb",
+            "cache.gpu_memory_utilization",
+            "at most 720",
+        ] {
+            assert!(e.contains(part), "`{part}` missing: {e}");
+        }
     }
 
     #[test]

@@ -1,0 +1,485 @@
+//! The request-level metrics the detokenizer records, through a real engine (scheduler,
+//! executor, detokenizer) around a backend that answers at once: counts only, no timings.
+//!
+//! The metrics crate has one global recorder per process and the tests of this crate run at
+//! once, so the recorder here keeps what each actix system's arbiter threads record apart
+//! (the detokenizer runs on an arbiter of its own, named after its system), and each test
+//! reads its own system's.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use metrics::{
+    Counter, Gauge, Histogram, HistogramFn, Key, KeyName, Metadata, Recorder, SharedString, Unit,
+};
+use switchyard_gpu::backend::SamplingParams;
+use switchyard_gpu::backend::{AcceptedDraft, Backend, Batch, DraftVerifier, SeqOutput};
+use switchyard_gpu::model::Tokenizer;
+use switchyard_gpu::GpuError;
+use switchyard_policies::{PolicyRegistry, SchedulerConfig, SpeculativeConfig};
+
+use crate::actors::{Engine, EngineConfig, EngineOutput, OutputSink, PromptSource, RequestOptions};
+use crate::metric_names as names;
+
+/// The backend's tokens: each one is followed by the next, `CYCLE - 1` by 0.
+const CYCLE: u32 = 4;
+
+/// What the arbiter threads of each actix system recorded: counters and histograms by
+/// `name{label=value,…}`.
+#[derive(Default)]
+struct Recorded {
+    counters: HashMap<String, Arc<AtomicU64>>,
+    histograms: HashMap<String, Arc<Values>>,
+}
+
+#[derive(Default)]
+struct Values(Mutex<Vec<f64>>);
+
+impl HistogramFn for Values {
+    fn record(&self, value: f64) {
+        self.0.lock().unwrap().push(value);
+    }
+}
+
+fn recorded() -> &'static Mutex<HashMap<usize, Recorded>> {
+    static RECORDED: OnceLock<Mutex<HashMap<usize, Recorded>>> = OnceLock::new();
+    RECORDED.get_or_init(Default::default)
+}
+
+/// The actix system whose arbiter runs on this thread (`actix-rt|system:N|arbiter:M`).
+fn system_of_thread() -> Option<usize> {
+    let thread = std::thread::current();
+    let rest = thread.name()?.strip_prefix("actix-rt|system:")?;
+    rest.split('|').next()?.parse().ok()
+}
+
+fn key_text(key: &Key) -> String {
+    let labels: Vec<String> = key
+        .labels()
+        .map(|l| format!("{}={}", l.key(), l.value()))
+        .collect();
+    if labels.is_empty() {
+        key.name().to_string()
+    } else {
+        format!("{}{{{}}}", key.name(), labels.join(","))
+    }
+}
+
+struct BySystem;
+
+impl Recorder for BySystem {
+    fn describe_counter(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+    fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+    fn describe_histogram(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+    fn register_counter(&self, key: &Key, _: &Metadata<'_>) -> Counter {
+        let Some(system) = system_of_thread() else {
+            return Counter::noop();
+        };
+        let mut all = recorded().lock().unwrap();
+        let c = all
+            .entry(system)
+            .or_default()
+            .counters
+            .entry(key_text(key))
+            .or_default();
+        Counter::from_arc(c.clone())
+    }
+    fn register_gauge(&self, _: &Key, _: &Metadata<'_>) -> Gauge {
+        Gauge::noop()
+    }
+    fn register_histogram(&self, key: &Key, _: &Metadata<'_>) -> Histogram {
+        let Some(system) = system_of_thread() else {
+            return Histogram::noop();
+        };
+        let mut all = recorded().lock().unwrap();
+        let h = all
+            .entry(system)
+            .or_default()
+            .histograms
+            .entry(key_text(key))
+            .or_default();
+        Histogram::from_arc(h.clone())
+    }
+}
+
+/// What this test's system recorded so far.
+struct Snapshot {
+    counters: HashMap<String, u64>,
+    histograms: HashMap<String, Vec<f64>>,
+}
+
+impl Snapshot {
+    fn take() -> Self {
+        let system = actix::System::current().id();
+        let all = recorded().lock().unwrap();
+        let empty = Recorded::default();
+        let r = all.get(&system).unwrap_or(&empty);
+        Snapshot {
+            counters: r
+                .counters
+                .iter()
+                .map(|(k, v)| (k.clone(), v.load(Ordering::Relaxed)))
+                .collect(),
+            histograms: r
+                .histograms
+                .iter()
+                .map(|(k, v)| (k.clone(), v.0.lock().unwrap().clone()))
+                .collect(),
+        }
+    }
+    fn counter(&self, key: &str) -> u64 {
+        self.counters.get(key).copied().unwrap_or(0)
+    }
+    fn count(&self, histogram: &str) -> usize {
+        self.histograms.get(histogram).map_or(0, Vec::len)
+    }
+    /// The counters of `name`, with their labels, that are not 0.
+    fn counters_of(&self, name: &str) -> Vec<(String, u64)> {
+        let mut v: Vec<(String, u64)> = self
+            .counters
+            .iter()
+            .filter(|(k, &n)| n > 0 && (*k == name || k.starts_with(&format!("{name}{{"))))
+            .map(|(k, &n)| (k.clone(), n))
+            .collect();
+        v.sort();
+        v
+    }
+}
+
+fn install_recorder() {
+    static INSTALLED: OnceLock<()> = OnceLock::new();
+    INSTALLED.get_or_init(|| {
+        metrics::set_global_recorder(BySystem).expect("no other recorder in these tests");
+    });
+}
+
+/// Samples the token after the last one fed (`x + 1` modulo `CYCLE`), verifies drafts
+/// against that rule, fails every step when `fail` is set, and counts each sequence's
+/// sampling steps.
+struct CycleBackend {
+    fail: bool,
+    sampled_steps: Arc<Mutex<HashMap<u64, usize>>>,
+}
+
+impl Backend for CycleBackend {
+    fn name(&self) -> &str {
+        "cycle"
+    }
+    fn num_kv_blocks(&self) -> usize {
+        64
+    }
+    fn block_size(&self) -> usize {
+        16
+    }
+    fn max_batch_tokens(&self) -> usize {
+        1024
+    }
+    fn draft_verifier(&self) -> Option<DraftVerifier> {
+        Some(|_| true)
+    }
+    fn execute(&mut self, batch: &Batch) -> Result<Vec<SeqOutput>, GpuError> {
+        if self.fail {
+            return Err(GpuError::Internal(
+                "the test backend fails every step".into(),
+            ));
+        }
+        let mut steps = self.sampled_steps.lock().unwrap();
+        Ok(batch
+            .seqs
+            .iter()
+            .map(|s| {
+                let known = s.tokens.len() - s.num_drafts;
+                let mut prev = s.tokens[known - 1];
+                let mut accepted = Vec::new();
+                for &d in &s.tokens[known..] {
+                    if d != (prev + 1) % CYCLE {
+                        break;
+                    }
+                    accepted.push(AcceptedDraft {
+                        token: d,
+                        logprob: None,
+                        top_logprobs: Vec::new(),
+                    });
+                    prev = d;
+                }
+                if s.sample {
+                    *steps.entry(s.seq_id).or_default() += 1;
+                }
+                SeqOutput {
+                    seq_id: s.seq_id,
+                    accepted,
+                    token: s.sample.then_some((prev + 1) % CYCLE),
+                    logprob: None,
+                    top_logprobs: Vec::new(),
+                    prompt_logprobs: Vec::new(),
+                }
+            })
+            .collect())
+    }
+    fn release(&mut self, _: u64) {}
+}
+
+/// A word-level tokenizer of the tokens `t0 … t{CYCLE-1}`.
+fn tokenizer() -> Arc<Tokenizer> {
+    let vocab: serde_json::Map<String, serde_json::Value> = (0..CYCLE)
+        .map(|i| (format!("t{i}"), serde_json::Value::from(i)))
+        .collect();
+    let json = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+        "decoder": null, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "t0"}
+    });
+    Arc::new(Tokenizer::from_json_bytes(json.to_string().as_bytes()).expect("tokenizer"))
+}
+
+/// An engine over a `CycleBackend` (with prompt-lookup drafts when `speculative`), and the
+/// backend's sampling steps per sequence.
+fn start_engine(fail: bool, speculative: bool) -> (Engine, Arc<Mutex<HashMap<u64, usize>>>) {
+    install_recorder();
+    let sampled_steps = Arc::new(Mutex::new(HashMap::new()));
+    let scheduler = SchedulerConfig {
+        max_num_seqs: 8,
+        max_num_batched_tokens: 1024,
+        num_gpu_blocks: 64,
+        max_model_len: 256,
+        speculative: speculative.then_some(SpeculativeConfig {
+            num_speculative_tokens: 3,
+            prompt_lookup_min: 2,
+            prompt_lookup_max: 4,
+            max_running: 0,
+        }),
+        ..SchedulerConfig::default()
+    };
+    let policy = PolicyRegistry::with_builtins()
+        .create("fcfs", &serde_yaml::Value::Null, &[])
+        .expect("policy");
+    let engine = Engine::start(
+        EngineConfig {
+            scheduler,
+            hash_key: [1, 2],
+            tokenizer_threads: 1,
+            max_pending_requests: 16,
+            tier_slos: Vec::new(),
+            async_scheduling: crate::AsyncScheduling::Off,
+            lora: None,
+            prefix_sharing_by_tenant: false,
+            vocab_size: 0,
+        },
+        Box::new(CycleBackend {
+            fail,
+            sampled_steps: sampled_steps.clone(),
+        }),
+        tokenizer(),
+        None,
+        policy,
+    )
+    .expect("engine");
+    (engine, sampled_steps)
+}
+
+/// A request for `n` choices of `max_tokens` tokens after the prompt `0 1 2 3 0 1 2 3 0 1`.
+fn request(n: u32, max_tokens: u32, sampling: SamplingParams) -> RequestOptions {
+    RequestOptions {
+        prompt: PromptSource::Tokens((0..10).map(|i| i % CYCLE).collect()),
+        sampling,
+        stop: Vec::new(),
+        include_stop_str_in_output: false,
+        skip_special_tokens: true,
+        n,
+        max_tokens: Some(max_tokens),
+        default_max_tokens: None,
+        priority: 0,
+        tier: String::new(),
+        tenant: String::new(),
+        prompt_logprobs: None,
+        cache_salt: None,
+        lora: None,
+        structured: None,
+    }
+}
+
+fn ignoring_eos() -> SamplingParams {
+    SamplingParams {
+        ignore_eos: true,
+        ..SamplingParams::default()
+    }
+}
+
+/// How a test client behaves.
+#[derive(Clone, Copy, PartialEq)]
+enum Client {
+    /// Reads everything.
+    Stays,
+    /// Is gone by the time its first delta is sent.
+    LeavesAtFirstDelta,
+    /// Is gone by the time a choice's last delta is sent (after its success was counted).
+    LeavesAtLastDelta,
+}
+
+struct Sink {
+    client: Client,
+    gone: bool,
+    errors: Arc<Mutex<Vec<String>>>,
+}
+
+impl OutputSink for Sink {
+    fn send(&mut self, output: EngineOutput) -> bool {
+        match output {
+            EngineOutput::Delta(d) => {
+                let leaves = match self.client {
+                    Client::Stays => false,
+                    Client::LeavesAtFirstDelta => true,
+                    Client::LeavesAtLastDelta => d.finish.is_some(),
+                };
+                self.gone |= leaves;
+            }
+            EngineOutput::Error(e) => self.errors.lock().unwrap().push(e.message),
+            EngineOutput::Prompt { .. } => {}
+        }
+        !self.gone
+    }
+    fn is_closed(&self) -> bool {
+        self.gone
+    }
+}
+
+/// Submits one request and waits until it has ended (the detokenizer released it, after its
+/// metrics); returns the errors its client was sent.
+async fn run(engine: &Engine, options: RequestOptions, client: Client) -> Vec<String> {
+    let errors = Arc::new(Mutex::new(Vec::new()));
+    engine.submit(
+        options,
+        Box::new(Sink {
+            client,
+            gone: false,
+            errors: errors.clone(),
+        }),
+    );
+    // A hang guard only (generous for a loaded machine); nothing here is timed.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while engine.in_flight() > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the request never ended"
+        );
+        actix::clock::sleep(Duration::from_millis(2)).await;
+    }
+    let errors = errors.lock().unwrap().clone();
+    errors
+}
+
+fn success(reason: &str) -> String {
+    format!(
+        "{}{{{}={reason}}}",
+        names::REQUEST_SUCCESS,
+        names::LABEL_FINISHED_REASON
+    )
+}
+
+#[actix::test]
+async fn each_choice_of_n_is_a_request_with_one_itl_per_step() {
+    let (engine, _) = start_engine(false, false);
+    let errors = run(&engine, request(4, 11, ignoring_eos()), Client::Stays).await;
+    assert!(errors.is_empty(), "{errors:?}");
+    let m = Snapshot::take();
+    // As vLLM's child requests: 11 tokens a choice, one per step, so 10 inter-token
+    // latencies each (one per request and step, never a 0 s gap between choices).
+    assert_eq!(m.count(names::INTER_TOKEN_LATENCY), 40);
+    for histogram in [
+        names::TIME_TO_FIRST_TOKEN,
+        names::TIME_PER_OUTPUT_TOKEN,
+        names::E2E_REQUEST_LATENCY,
+    ] {
+        assert_eq!(m.count(histogram), 4, "{histogram}");
+    }
+    assert_eq!(
+        m.counters_of(names::REQUEST_SUCCESS),
+        vec![(success("length"), 4)]
+    );
+    assert_eq!(m.counter(names::GENERATION_TOKENS), 44);
+}
+
+#[actix::test]
+async fn a_speculative_step_is_one_inter_token_latency() {
+    let (engine, sampled_steps) = start_engine(false, true);
+    let errors = run(&engine, request(1, 24, ignoring_eos()), Client::Stays).await;
+    assert!(errors.is_empty(), "{errors:?}");
+    let steps: usize = sampled_steps.lock().unwrap().values().sum();
+    // Drafts were accepted: fewer steps than tokens.
+    assert!(steps < 24, "{steps} sampling steps for 24 tokens");
+    let m = Snapshot::take();
+    assert_eq!(m.counter(names::GENERATION_TOKENS), 24);
+    // One per step after the first token's, however many tokens each step brought.
+    assert_eq!(m.count(names::INTER_TOKEN_LATENCY), steps - 1);
+}
+
+#[actix::test]
+async fn the_end_of_sequence_token_finishes_as_stop() {
+    let (engine, _) = start_engine(false, false);
+    // The prompt ends in 1: the answer is 2 3, and 3 is the end-of-sequence token.
+    let sampling = SamplingParams {
+        eos_token_ids: vec![CYCLE - 1],
+        ..SamplingParams::default()
+    };
+    let errors = run(&engine, request(1, 10, sampling), Client::Stays).await;
+    assert!(errors.is_empty(), "{errors:?}");
+    let m = Snapshot::take();
+    assert_eq!(m.counter(names::GENERATION_TOKENS), 2);
+    assert_eq!(
+        m.counters_of(names::REQUEST_SUCCESS),
+        vec![(success("stop"), 1)]
+    );
+}
+
+#[actix::test]
+async fn failed_steps_count_as_failures_not_aborts() {
+    let (engine, _) = start_engine(true, false);
+    let errors = run(&engine, request(2, 8, ignoring_eos()), Client::Stays).await;
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    let m = Snapshot::take();
+    assert_eq!(m.counter(names::REQUEST_ABORTED), 0);
+    assert_eq!(
+        m.counters_of(names::REQUEST_FAILED),
+        vec![(
+            format!("{}{{{}=error}}", names::REQUEST_FAILED, names::LABEL_REASON),
+            2
+        )]
+    );
+    assert!(m.counters_of(names::REQUEST_SUCCESS).is_empty());
+}
+
+#[actix::test]
+async fn a_client_gone_counts_each_open_choice_as_aborted() {
+    let (engine, _) = start_engine(false, false);
+    // Gone at its first delta: both choices are aborted, and counted once each.
+    run(
+        &engine,
+        request(2, 50, ignoring_eos()),
+        Client::LeavesAtFirstDelta,
+    )
+    .await;
+    let m = Snapshot::take();
+    assert_eq!(m.counter(names::REQUEST_ABORTED), 2);
+    assert!(m.counters_of(names::REQUEST_SUCCESS).is_empty());
+    assert!(m.counters_of(names::REQUEST_FAILED).is_empty());
+}
+
+#[actix::test]
+async fn a_last_delta_lost_after_the_success_counts_once() {
+    let (engine, _) = start_engine(false, false);
+    // Gone as its last delta is sent, after the choice's success was counted: a success only.
+    run(
+        &engine,
+        request(1, 3, ignoring_eos()),
+        Client::LeavesAtLastDelta,
+    )
+    .await;
+    let m = Snapshot::take();
+    assert_eq!(
+        m.counters_of(names::REQUEST_SUCCESS),
+        vec![(success("length"), 1)]
+    );
+    assert_eq!(m.counter(names::REQUEST_ABORTED), 0);
+}
