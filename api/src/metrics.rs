@@ -253,7 +253,7 @@ pub fn describe_metrics() {
     describe_gauge!(
         KV_CACHE_CACHED_BLOCKS,
         Unit::Count,
-        "KV-cache blocks held only by the prefix cache (reusable, evictable)."
+        "KV-cache blocks registered in the prefix cache, in use or not (those no request holds are reusable and evicted last-used first)."
     );
     describe_gauge!(
         ENGINE_BATCH_SIZE,
