@@ -296,8 +296,14 @@ impl Engine {
         let vocab = tokenizer.vocab_size().max(config.vocab_size);
         let tok = tokenizer.clone();
         let grammars = LazyGrammarCompiler::default();
+        let max_model_len = config.scheduler.max_model_len;
         let tokenizers = SyncArbiter::start(config.tokenizer_threads.max(1), move || {
-            TokenizerActor::new(tok.clone(), template.clone(), grammars.clone())
+            TokenizerActor::new(
+                tok.clone(),
+                template.clone(),
+                grammars.clone(),
+                max_model_len,
+            )
         });
         // The detokenizer gets a thread of its own so that text work and client sends never
         // delay the scheduler's next step.

@@ -66,20 +66,49 @@ pub struct TokenizerActor {
     tokenizer: Arc<Tokenizer>,
     template: Option<Arc<ChatTemplate>>,
     grammars: LazyGrammarCompiler,
+    /// The model's context in tokens.
+    max_model_len: usize,
+    /// Longest prompt text that could fit `max_model_len` tokens: longer is refused unencoded.
+    max_text_len: usize,
 }
 
 impl TokenizerActor {
-    /// Shares the model's tokenizer, chat template and grammar compiler.
+    /// Shares the model's tokenizer, chat template and grammar compiler; prompts whose text
+    /// could not fit in `max_model_len` tokens are refused before they are encoded.
     pub fn new(
         tokenizer: Arc<Tokenizer>,
         template: Option<Arc<ChatTemplate>>,
         grammars: LazyGrammarCompiler,
+        max_model_len: usize,
     ) -> Self {
+        let max_text_len = tokenizer.max_text_len(max_model_len);
         Self {
             tokenizer,
             template,
             grammars,
+            max_model_len,
+            max_text_len,
         }
+    }
+
+    /// Encodes prompt text, refusing as `ContextLengthExceeded`, without encoding it, a text
+    /// too long to fit in the context whatever its tokens.
+    fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>, SubmitError> {
+        if text.len() > self.max_text_len {
+            return Err(SubmitError::new(
+                SubmitErrorKind::ContextLengthExceeded,
+                format!(
+                    "the prompt of {} bytes cannot fit in this model's context of {} tokens \
+                     (at most {} bytes of text)",
+                    text.len(),
+                    self.max_model_len,
+                    self.max_text_len
+                ),
+            ));
+        }
+        self.tokenizer
+            .encode(text, add_special)
+            .map_err(|e| invalid(e.to_string()))
     }
 }
 
@@ -112,14 +141,13 @@ impl Handler<Encode> for TokenizerActor {
                     opens_thinking: false,
                 })
             }
-            PromptSource::Text(text) => self
-                .tokenizer
-                .encode(&text, msg.add_special_tokens)
-                .map(|ids| Encoded {
-                    ids,
-                    opens_thinking: false,
-                })
-                .map_err(|e| invalid(e.to_string())),
+            PromptSource::Text(text) => {
+                self.encode(&text, msg.add_special_tokens)
+                    .map(|ids| Encoded {
+                        ids,
+                        opens_thinking: false,
+                    })
+            }
             PromptSource::Chat {
                 messages,
                 template_kwargs,
@@ -135,13 +163,10 @@ impl Handler<Encode> for TokenizerActor {
                     .render_with(&messages, msg.add_generation_prompt, &template_kwargs)
                     .map_err(|e| invalid(e.to_string()))?;
                 // The template already wrote the special tokens it wants.
-                self.tokenizer
-                    .encode(&text, false)
-                    .map(|ids| Encoded {
-                        ids,
-                        opens_thinking: ends_inside_think(&text),
-                    })
-                    .map_err(|e| invalid(e.to_string()))
+                self.encode(&text, false).map(|ids| Encoded {
+                    ids,
+                    opens_thinking: ends_inside_think(&text),
+                })
             }
         }
     }
@@ -273,8 +298,9 @@ mod tests {
         );
         started.recv().expect("the compile started");
         let (tok, g) = (tokenizer(), grammars.clone());
-        let actors =
-            SyncArbiter::start(1, move || TokenizerActor::new(tok.clone(), None, g.clone()));
+        let actors = SyncArbiter::start(1, move || {
+            TokenizerActor::new(tok.clone(), None, g.clone(), 1024)
+        });
         let mut constrain = Box::pin(actors.send(Constrain {
             spec: StructuredOutput::Regex("a b".into()),
             end_ids: vec![2],
@@ -306,6 +332,70 @@ mod tests {
             }
             Ok(_) => panic!("compiled without an end-of-sequence token"),
         }
+    }
+
+    /// A text longer than the context could hold whatever its tokens is refused as too
+    /// long for the context, unencoded (encoding it would succeed); one at the bound is
+    /// encoded.
+    #[actix::test]
+    async fn a_prompt_text_too_long_for_the_context_is_refused_unencoded() {
+        // Tokens of at most 2 bytes (4 counted: an unknown character's), no normalizer.
+        let json = r#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],
+            "normalizer":null,"pre_tokenizer":null,"post_processor":null,"decoder":null,
+            "model":{"type":"BPE","vocab":{"a":0,"b":1,"ab":2},"merges":[["a","b"]]}}"#;
+        let tok = Arc::new(Tokenizer::from_json_bytes(json.as_bytes()).expect("tokenizer"));
+        let bound = tok.max_text_len(10);
+        assert_eq!(
+            bound,
+            10 * 4 + switchyard_gpu::model::tokenizer::TEXT_LEN_MARGIN
+        );
+        let template =
+            Arc::new(ChatTemplate::new("{{ messages[0].content }}b", "", "").expect("template"));
+        let actors = SyncArbiter::start(1, move || {
+            TokenizerActor::new(
+                tok.clone(),
+                Some(template.clone()),
+                LazyGrammarCompiler::default(),
+                10,
+            )
+        });
+        let text = |source: PromptSource| {
+            actors.send(Encode {
+                source,
+                add_generation_prompt: false,
+                add_special_tokens: false,
+            })
+        };
+        let at_bound = "ab".repeat(bound / 2);
+        let ids = text(PromptSource::Text(at_bound.clone()))
+            .await
+            .expect("mailbox")
+            .expect("a text at the bound is encoded")
+            .ids;
+        assert_eq!(ids, vec![2; bound / 2]);
+        let e = text(PromptSource::Text(at_bound.clone() + "a"))
+            .await
+            .expect("mailbox")
+            .expect_err("refused");
+        assert_eq!(e.kind, SubmitErrorKind::ContextLengthExceeded, "{e}");
+        assert!(e.message.contains("10 tokens"), "{e}");
+        // A rendered chat prompt is bounded too: the template's "b" takes it past.
+        let chat = |content: String| PromptSource::Chat {
+            messages: vec![("user".into(), content)],
+            template_kwargs: Default::default(),
+        };
+        let e = text(chat(at_bound.clone()))
+            .await
+            .expect("mailbox")
+            .expect_err("refused");
+        assert_eq!(e.kind, SubmitErrorKind::ContextLengthExceeded, "{e}");
+        let ids = text(chat(at_bound[1..].to_string()))
+            .await
+            .expect("mailbox")
+            .expect("encoded")
+            .ids;
+        // "b", "ab" ..., "b".
+        assert_eq!(ids.len(), bound / 2 + 1);
     }
 
     #[test]

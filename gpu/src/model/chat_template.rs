@@ -1,7 +1,8 @@
 //! Chat templates: the Jinja template a model ships (GGUF `tokenizer.chat_template`, or
 //! `chat_template` in a Hugging Face `tokenizer_config.json`) rendered with minijinja the way
 //! Hugging Face `apply_chat_template` renders it (`trim_blocks`, `lstrip_blocks`, loop
-//! controls, `raise_exception`, Python string methods).
+//! controls, `raise_exception`, `strftime_now`, a `tojson` that writes what Python's
+//! `json.dumps` writes, Python string methods).
 //!
 //! Templates come from model files, so they run in a sandbox: no loader (a template cannot
 //! include or import anything, hence no file or network access), a fuel limit on the
@@ -12,7 +13,8 @@
 use std::io::Write;
 use std::path::Path;
 
-use minijinja::{Environment, Error, ErrorKind};
+use minijinja::value::{ArgType, Kwargs, Rest, ValueKind};
+use minijinja::{Environment, Error, ErrorKind, Value};
 use serde::{Deserialize, Serialize};
 
 use super::tokenizer::Tokenizer;
@@ -100,6 +102,13 @@ impl ChatTemplate {
         env.add_function("raise_exception", |msg: String| -> Result<String, Error> {
             Err(Error::new(ErrorKind::InvalidOperation, msg))
         });
+        env.add_function("strftime_now", |format: String| -> Result<String, Error> {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs() as i64);
+            strftime(&format, now)
+        });
+        env.add_filter("tojson", tojson);
         env.add_template_owned(TEMPLATE_NAME, source.to_string())
             .map_err(|e| render_err(&e))?;
         Ok(ChatTemplate {
@@ -248,6 +257,322 @@ impl ChatTemplate {
         }
         String::from_utf8(out.buf).map_err(tmpl_err)
     }
+}
+
+/// Python's `time.strftime(format)` at `secs` seconds since the Unix epoch, in UTC (Hugging
+/// Face renders `strftime_now` in the server's local time; servers usually run in UTC).
+/// The codes templates use are supported: `%Y %m %d %B %b %H %M %S %A %a %j %y %e %%`, and
+/// glibc's unpadded `%-d %-m %-H %-M %-S %-j`; any other is an error.
+fn strftime(format: &str, secs: i64) -> Result<String, Error> {
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    const DAYS: [&str; 7] = [
+        "Sunday",
+        "Monday",
+        "Tuesday",
+        "Wednesday",
+        "Thursday",
+        "Friday",
+        "Saturday",
+    ];
+    let days = secs.div_euclid(86_400);
+    let tod = secs.rem_euclid(86_400);
+    let (year, month, day) = civil_from_days(days);
+    let (hour, minute, second) = (tod / 3600, tod / 60 % 60, tod % 60);
+    let weekday = (days + 4).rem_euclid(7) as usize; // 1970-01-01 was a Thursday.
+    let leap = (year % 4 == 0 && year % 100 != 0) || year % 400 == 0;
+    let before = [0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334][month as usize - 1];
+    let yday = before + day + i64::from(leap && month > 2);
+    let mut out = String::with_capacity(format.len() + 16);
+    let mut chars = format.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        let mut code = chars.next();
+        let unpadded = code == Some('-');
+        if unpadded {
+            code = chars.next();
+        }
+        let num = |v: i64, width: usize| {
+            if unpadded {
+                v.to_string()
+            } else {
+                format!("{v:0width$}")
+            }
+        };
+        let text = match (code, unpadded) {
+            (Some('Y'), false) => year.to_string(),
+            (Some('y'), false) => format!("{:02}", year.rem_euclid(100)),
+            (Some('m'), _) => num(month, 2),
+            (Some('d'), _) => num(day, 2),
+            (Some('e'), false) => format!("{day:>2}"),
+            (Some('j'), _) => num(yday, 3),
+            (Some('H'), _) => num(hour, 2),
+            (Some('M'), _) => num(minute, 2),
+            (Some('S'), _) => num(second, 2),
+            (Some('B'), false) => MONTHS[month as usize - 1].to_string(),
+            (Some('b'), false) => MONTHS[month as usize - 1][..3].to_string(),
+            (Some('A'), false) => DAYS[weekday].to_string(),
+            (Some('a'), false) => DAYS[weekday][..3].to_string(),
+            (Some('%'), false) => "%".to_string(),
+            _ => {
+                return Err(Error::new(
+                    ErrorKind::InvalidOperation,
+                    format!("strftime_now: unsupported format in {format:?}"),
+                ))
+            }
+        };
+        out.push_str(&text);
+    }
+    Ok(out)
+}
+
+/// The proleptic Gregorian (year, month, day) of a day count from 1970-01-01 (Howard
+/// Hinnant's `civil_from_days`).
+fn civil_from_days(days: i64) -> (i64, i64, i64) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    (year, month, day)
+}
+
+/// Deepest nesting `tojson` writes.
+const MAX_JSON_DEPTH: usize = 128;
+
+/// How `tojson` writes JSON (Python's `json.dumps` arguments).
+struct JsonStyle {
+    indent: Option<String>,
+    ensure_ascii: bool,
+    item_sep: String,
+    key_sep: String,
+    sort_keys: bool,
+}
+
+/// The `tojson` filter of Hugging Face's template environment: `json.dumps(x,
+/// ensure_ascii=False, indent=None, separators=None, sort_keys=False)` with those arguments
+/// in that order, positional or by name. Unlike minijinja's, nothing is HTML-escaped and
+/// the separators are Python's (`", "` and `": "`; `","` between items when indenting).
+fn tojson(value: Value, args: Rest<Value>) -> Result<String, Error> {
+    let invalid = |m: String| Error::new(ErrorKind::InvalidOperation, format!("tojson: {m}"));
+    let (positional, kwargs) = match args.split_last() {
+        Some((last, rest)) if last.is_kwargs() => (rest, Kwargs::from_value(Some(last))?),
+        _ => (
+            &args[..],
+            Kwargs::from_iter(std::iter::empty::<(&str, Value)>()),
+        ),
+    };
+    if positional.len() > 4 {
+        return Err(invalid(format!(
+            "takes at most 4 arguments, {} given",
+            positional.len()
+        )));
+    }
+    let mut positional = positional.iter().cloned();
+    let (ensure_ascii, indent, separators, sort_keys) = (
+        positional.next(),
+        positional.next(),
+        positional.next(),
+        positional.next(),
+    );
+    let arg = |pos: Option<Value>, name: &str| -> Result<Option<Value>, Error> {
+        let named: Option<Value> = kwargs.get(name)?;
+        match (pos, named) {
+            (Some(_), Some(_)) => Err(invalid(format!("{name} given twice"))),
+            (p, n) => Ok(p.or(n).filter(|v| !v.is_none() && !v.is_undefined())),
+        }
+    };
+    let ensure_ascii = arg(ensure_ascii, "ensure_ascii")?.is_some_and(|v| v.is_true());
+    let sort_keys = arg(sort_keys, "sort_keys")?.is_some_and(|v| v.is_true());
+    let indent = match arg(indent, "indent")? {
+        None => None,
+        Some(v) if v.kind() == ValueKind::String => Some(v.as_str().unwrap_or("").to_string()),
+        Some(v) => match v.as_i64() {
+            // Python indents by that many spaces; none for 0 or less, but still new lines.
+            Some(n) => Some(" ".repeat(n.clamp(0, 64) as usize)),
+            None => return Err(invalid(format!("indent must be an integer, not {v}"))),
+        },
+    };
+    let (item_sep, key_sep) = match arg(separators, "separators")? {
+        None if indent.is_some() => (",".to_string(), ": ".to_string()),
+        None => (", ".to_string(), ": ".to_string()),
+        Some(v) => {
+            let parts: Vec<Value> = v
+                .try_iter()
+                .map_err(|_| invalid("separators must be an (item, key) pair".into()))?
+                .collect();
+            match parts.as_slice() {
+                [i, k] if i.as_str().is_some() && k.as_str().is_some() => (
+                    i.as_str().unwrap_or_default().to_string(),
+                    k.as_str().unwrap_or_default().to_string(),
+                ),
+                _ => return Err(invalid("separators must be an (item, key) pair".into())),
+            }
+        }
+    };
+    kwargs.assert_all_used()?;
+    let style = JsonStyle {
+        indent,
+        ensure_ascii,
+        item_sep,
+        key_sep,
+        sort_keys,
+    };
+    let mut out = String::new();
+    write_json(&mut out, &value, &style, 0)?;
+    Ok(out)
+}
+
+/// Writes `v` as Python's `json.dumps` would.
+fn write_json(out: &mut String, v: &Value, style: &JsonStyle, depth: usize) -> Result<(), Error> {
+    let invalid = |m: String| Error::new(ErrorKind::InvalidOperation, format!("tojson: {m}"));
+    if depth > MAX_JSON_DEPTH {
+        return Err(invalid(format!("nested deeper than {MAX_JSON_DEPTH}")));
+    }
+    let newline = |out: &mut String, level: usize| {
+        if let Some(ind) = &style.indent {
+            out.push('\n');
+            for _ in 0..level {
+                out.push_str(ind);
+            }
+        }
+    };
+    match v.kind() {
+        ValueKind::None => out.push_str("null"),
+        ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
+        ValueKind::Number => out.push_str(&json_number(v)),
+        ValueKind::String => write_json_str(out, v.as_str().unwrap_or_default(), style),
+        ValueKind::Seq | ValueKind::Iterable => {
+            let items: Vec<Value> = v.try_iter()?.collect();
+            if items.is_empty() {
+                out.push_str("[]");
+                return Ok(());
+            }
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(&style.item_sep);
+                }
+                newline(out, depth + 1);
+                write_json(out, item, style, depth + 1)?;
+            }
+            newline(out, depth);
+            out.push(']');
+        }
+        ValueKind::Map => {
+            let mut entries = Vec::new();
+            for key in v.try_iter()? {
+                let value = v.get_item(&key)?;
+                let key = match key.kind() {
+                    ValueKind::String => key.as_str().unwrap_or_default().to_string(),
+                    ValueKind::None => "null".to_string(),
+                    ValueKind::Bool | ValueKind::Number => {
+                        let mut k = String::new();
+                        write_json(&mut k, &key, style, depth + 1)?;
+                        k
+                    }
+                    _ => return Err(invalid(format!("keys must be strings, not {key}"))),
+                };
+                entries.push((key, value));
+            }
+            if style.sort_keys {
+                entries.sort_by(|a, b| a.0.cmp(&b.0));
+            }
+            if entries.is_empty() {
+                out.push_str("{}");
+                return Ok(());
+            }
+            out.push('{');
+            for (i, (key, value)) in entries.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(&style.item_sep);
+                }
+                newline(out, depth + 1);
+                write_json_str(out, key, style);
+                out.push_str(&style.key_sep);
+                write_json(out, value, style, depth + 1)?;
+            }
+            newline(out, depth);
+            out.push('}');
+        }
+        ValueKind::Undefined => return Err(invalid("an undefined value".into())),
+        _ => return Err(invalid(format!("{v} is not JSON serializable"))),
+    }
+    Ok(())
+}
+
+/// A number as Python's `json.dumps` writes it: integers whole, floats by `repr` (`1.0`,
+/// `1e+16`, `1e-05`), `NaN`, `Infinity`, `-Infinity`.
+fn json_number(v: &Value) -> String {
+    if v.is_integer() {
+        return v.to_string();
+    }
+    let x = f64::try_from(v.clone()).unwrap_or(f64::NAN);
+    if x.is_nan() {
+        return "NaN".into();
+    }
+    if x.is_infinite() {
+        return if x > 0.0 { "Infinity" } else { "-Infinity" }.into();
+    }
+    let a = x.abs();
+    if a == 0.0 || (1e-4..1e16).contains(&a) {
+        let s = format!("{x}");
+        return if s.contains('.') { s } else { s + ".0" };
+    }
+    // Shortest digits in exponent form, the exponent signed and of two digits at least.
+    let s = format!("{x:e}");
+    let (mantissa, exp) = s.split_once('e').unwrap_or((&s, "0"));
+    let (sign, digits) = match exp.strip_prefix('-') {
+        Some(d) => ('-', d),
+        None => ('+', exp),
+    };
+    format!("{mantissa}e{sign}{digits:0>2}")
+}
+
+/// A JSON string as Python writes it: `\"`, `\\`, `\n`, `\r`, `\t`, `\b`, `\f`, other
+/// control characters as `\u00XX`; with `ensure_ascii`, DEL and every non-ASCII character
+/// as `\uXXXX` (UTF-16, surrogate pairs past U+FFFF).
+fn write_json_str(out: &mut String, s: &str, style: &JsonStyle) {
+    use std::fmt::Write as _;
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            '\u{8}' => out.push_str("\\b"),
+            '\u{c}' => out.push_str("\\f"),
+            c if (c as u32) < 0x20 || (style.ensure_ascii && (c as u32) >= 0x7f) => {
+                let mut units = [0u16; 2];
+                for u in c.encode_utf16(&mut units) {
+                    let _ = write!(out, "\\u{u:04x}");
+                }
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
 }
 
 /// `messages` with the system message it opens with moved to the head of the first user
@@ -482,6 +807,135 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.to_string().contains("exceeds"), "{e}");
+    }
+
+    /// (year, month, day) of now in UTC, counted year by year and month by month (not the
+    /// code under test's arithmetic).
+    fn today_utc() -> (i64, i64, i64) {
+        let secs = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs() as i64;
+        let mut days = secs / 86_400;
+        let mut year = 1970;
+        let leap = |y: i64| (y % 4 == 0 && y % 100 != 0) || y % 400 == 0;
+        while days >= 365 + i64::from(leap(year)) {
+            days -= 365 + i64::from(leap(year));
+            year += 1;
+        }
+        let mut month = 1;
+        for len in [
+            31,
+            28 + i64::from(leap(year)),
+            31,
+            30,
+            31,
+            30,
+            31,
+            31,
+            30,
+            31,
+            30,
+            31,
+        ] {
+            if days < len {
+                break;
+            }
+            days -= len;
+            month += 1;
+        }
+        (year, month, days + 1)
+    }
+
+    #[test]
+    fn strftime_now_writes_today() {
+        // Mistral Small 3.1 calls it unguarded; Llama 3.x after `is defined`.
+        let src = "{% if strftime_now is defined %}{{ strftime_now('%Y-%m-%d') }}{% else %}none{% endif %}";
+        let before = today_utc();
+        let out = render(src, &[], false).unwrap();
+        let after = today_utc();
+        let expect = |(y, m, d): (i64, i64, i64)| format!("{y:04}-{m:02}-{d:02}");
+        assert!(
+            out == expect(before) || out == expect(after),
+            "{out} is not {before:?} or {after:?}"
+        );
+        let e = render("{{ strftime_now('%Y %Q') }}", &[], false).unwrap_err();
+        assert!(e.to_string().contains("unsupported"), "{e}");
+        assert!(render("{{ strftime_now('%') }}", &[], false).is_err());
+    }
+
+    #[test]
+    fn strftime_codes_match_python() {
+        // time.strftime(f, time.gmtime(1709211909)), a leap day.
+        assert_eq!(
+            strftime("%Y %m %d %B %b %H %M %S %A %a %j %y %e %%", 1_709_211_909).unwrap(),
+            "2024 02 29 February Feb 13 05 09 Thursday Thu 060 24 29 %"
+        );
+        assert_eq!(
+            strftime("%d %b %Y, %-d/%-m %e|%j", 0).unwrap(),
+            "01 Jan 1970, 1/1  1|001"
+        );
+        // 2000-12-31 (leap year, day 366) and 2100-03-01 (not a leap year).
+        assert_eq!(
+            strftime("%Y-%m-%d %j %a", 978_264_000).unwrap(),
+            "2000-12-31 366 Sun"
+        );
+        assert_eq!(
+            strftime("%Y-%m-%d %j %A", 4_107_542_400).unwrap(),
+            "2100-03-01 060 Monday"
+        );
+    }
+
+    #[test]
+    fn tojson_writes_what_python_json_dumps_writes() {
+        let r = |src: &str| render(src, &[], false);
+        // json.dumps(x, ensure_ascii=False): Python's separators, insertion order, no
+        // HTML escaping.
+        assert_eq!(
+            r(r#"{{ {"b":1,"a":[1,2],"s":"it's < 5 & > 2"}|tojson }}"#).unwrap(),
+            r#"{"b": 1, "a": [1, 2], "s": "it's < 5 & > 2"}"#
+        );
+        assert_eq!(
+            r(r#"{{ {"b":1,"a":[1,2],"e":{},"l":[]}|tojson(indent=2) }}"#).unwrap(),
+            "{\n  \"b\": 1,\n  \"a\": [\n    1,\n    2\n  ],\n  \"e\": {},\n  \"l\": []\n}"
+        );
+        assert_eq!(
+            r(r#"{{ {"b":1,"a":[1,2.5,1e20,0.00001,none,true]}|tojson(sort_keys=true, separators=(",", ":")) }}"#)
+                .unwrap(),
+            r#"{"a":[1,2.5,1e+20,1e-05,null,true],"b":1}"#
+        );
+        // Hugging Face's argument order: ensure_ascii, indent, separators, sort_keys.
+        assert_eq!(
+            r(r#"{{ "é😀\x01"|tojson }} {{ "é😀"|tojson(true) }} {{ "é"|tojson(ensure_ascii=true) }}"#)
+                .unwrap(),
+            "\"é😀\\u0001\" \"\\u00e9\\ud83d\\ude00\" \"\\u00e9\""
+        );
+        assert_eq!(
+            r(r#"{{ ["q\"\\", 1.0, {"k": "v"}]|tojson(false, 1, ("; ", " = ")) }}"#).unwrap(),
+            "[\n \"q\\\"\\\\\"; \n 1.0; \n {\n  \"k\" = \"v\"\n }\n]"
+        );
+        // What Python refuses is refused.
+        assert!(r("{{ 1|tojson(foo=1) }}").is_err());
+        assert!(r("{{ 1|tojson(true, ensure_ascii=true) }}").is_err());
+        assert!(r("{{ 1|tojson(indent='x', separators=1) }}").is_err());
+        assert!(r("{{ undefined_thing|tojson }}").is_err());
+    }
+
+    #[test]
+    fn request_values_keep_their_key_order() {
+        let t = ChatTemplate::new(
+            "{{ tools|tojson }}|{% for k, v in tools[0]|items %}{{ k }}{% endfor %}",
+            "",
+            "",
+        )
+        .unwrap();
+        let extra =
+            serde_json::json!({"tools": [{"name": "f", "description": "d", "parameters": {}}]});
+        assert_eq!(
+            t.render_with(&[], false, extra.as_object().unwrap())
+                .unwrap(),
+            r#"[{"name": "f", "description": "d", "parameters": {}}]|namedescriptionparameters"#
+        );
     }
 
     #[test]

@@ -32,6 +32,28 @@ pub const MAX_TOKEN_LEN: usize = 4096;
 pub const MAX_ENCODE_LEN: usize = 64 << 20;
 /// Largest `tokenizer.json` accepted, in bytes.
 pub const MAX_TOKENIZER_JSON: u64 = 256 << 20;
+/// Bytes allowed past `tokens x longest token` by [`Tokenizer::max_text_len`] (template and
+/// special text; never needed by the arithmetic, kept as slack).
+pub const TEXT_LEN_MARGIN: usize = 4096;
+
+/// Control tokens llama.cpp ends generation on by name (`llama_vocab::impl::load`), besides
+/// the EOS/EOT/EOM ids the file names.
+const END_OF_GENERATION_TOKENS: &[&str] = &[
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "<EOT>",
+    "_<EOT>",
+    "<\u{ff5c}end\u{2581}of\u{2581}sentence\u{ff5c}>",
+    "<end_of_utterance>",
+    "<|return|>",
+    "<|call|>",
+    "</s>",
+];
 
 /// Llama 3's pre-tokenizer regex (OpenAI's cl100k pattern).
 const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
@@ -90,7 +112,12 @@ pub struct Tokenizer {
     bos_token_id: Option<u32>,
     eos_token_ids: Vec<u32>,
     add_bos: bool,
+    /// The EOS id `encode(.., true)` appends (GGUF `tokenizer.ggml.add_eos_token`).
+    add_eos: Option<u32>,
     encoding: TokenEncoding,
+    /// Most bytes of (un-normalized) text one token can stand for, or `None` when the
+    /// pipeline can fold unbounded text into one token (see [`bytes_per_token`]).
+    bytes_per_token: Option<usize>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -185,21 +212,50 @@ impl Tokenizer {
             }
         };
         let bos_token_id = id("tokenizer.ggml.bos_token_id")?;
+        let eos_token_id = id("tokenizer.ggml.eos_token_id")?;
         let mut eos_token_ids = Vec::new();
-        for k in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"] {
-            if let Some(e) = id(k)? {
-                if !eos_token_ids.contains(&e) {
-                    eos_token_ids.push(e);
-                }
+        let mut push = |e: u32| {
+            if !eos_token_ids.contains(&e) {
+                eos_token_ids.push(e);
             }
+        };
+        for k in ["tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"] {
+            if let Some(e) = id(k)? {
+                push(e);
+            }
+        }
+        if let Some(e) = eos_token_id {
+            push(e);
+        }
+        // As llama.cpp: control tokens with these names end generation too; gpt-oss ends a
+        // message (not the generation) with `<|end|>` when it has `<|return|>`.
+        let has_return = tokens.contains(&"<|return|>");
+        for (i, (t, &ty)) in tokens.iter().zip(&types).enumerate() {
+            if ty == TOKEN_TYPE_CONTROL
+                && END_OF_GENERATION_TOKENS.contains(t)
+                && !(has_return && *t == "<|end|>")
+            {
+                push(i as u32);
+            }
+        }
+        // EOS first: what callers take as "the" end token.
+        if let Some(e) = eos_token_id {
+            eos_token_ids.retain(|&x| x != e);
+            eos_token_ids.insert(0, e);
         }
         let add_bos = h
             .get("tokenizer.ggml.add_bos_token")
             .and_then(GgufValue::as_bool)
             .unwrap_or(default_add_bos)
             && bos_token_id.is_some();
+        let add_eos = eos_token_id.filter(|_| {
+            h.get("tokenizer.ggml.add_eos_token")
+                .and_then(GgufValue::as_bool)
+                .unwrap_or(false)
+        });
         let special: Vec<bool> = types.iter().map(|&t| is_special(t)).collect();
         let token_bytes = build_token_bytes(&inner, tokens.len(), encoding);
+        let bytes_per_token = bytes_per_token(&inner, &token_bytes);
         Ok(Tokenizer {
             inner,
             token_bytes,
@@ -207,7 +263,9 @@ impl Tokenizer {
             bos_token_id,
             eos_token_ids,
             add_bos,
+            add_eos,
             encoding,
+            bytes_per_token,
         })
     }
 
@@ -249,6 +307,7 @@ impl Tokenizer {
             }
         }
         let token_bytes = build_token_bytes(&inner, n, encoding);
+        let bytes_per_token = bytes_per_token(&inner, &token_bytes);
         Ok(Tokenizer {
             inner,
             token_bytes,
@@ -256,7 +315,9 @@ impl Tokenizer {
             bos_token_id: None,
             eos_token_ids: Vec::new(),
             add_bos: false,
+            add_eos: None,
             encoding,
+            bytes_per_token,
         })
     }
 
@@ -266,8 +327,22 @@ impl Tokenizer {
         self.eos_token_ids = eos_token_ids;
     }
 
+    /// The longest text (in bytes) that could encode to at most `max_tokens` tokens: a longer
+    /// one cannot fit, and can be refused before spending time on encoding it. It is
+    /// `max_tokens` times the most bytes one token stands for, plus [`TEXT_LEN_MARGIN`];
+    /// [`MAX_ENCODE_LEN`] when the pipeline can fold unbounded text into one token (an unknown
+    /// word, stripped whitespace: see [`bytes_per_token`]).
+    pub fn max_text_len(&self, max_tokens: usize) -> usize {
+        self.bytes_per_token
+            .map_or(MAX_ENCODE_LEN, |b| {
+                max_tokens.saturating_mul(b).saturating_add(TEXT_LEN_MARGIN)
+            })
+            .min(MAX_ENCODE_LEN)
+    }
+
     /// Encodes `text`. Special tokens written in the text (e.g. `<|im_start|>`) are always
-    /// recognised; `add_special` adds what the model's tokenizer adds around a sequence (BOS).
+    /// recognised; `add_special` adds what the model's tokenizer adds around a sequence (BOS,
+    /// and EOS where a GGUF file asks for it).
     pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>, GpuError> {
         if text.len() > MAX_ENCODE_LEN {
             return Err(tok_err(format!("text of {} bytes is too long", text.len())));
@@ -280,6 +355,9 @@ impl Tokenizer {
             }
         }
         ids.extend_from_slice(enc.get_ids());
+        if add_special {
+            ids.extend(self.add_eos);
+        }
         Ok(ids)
     }
 
@@ -417,7 +495,8 @@ fn pre_tokenizer_for(pre: &str) -> Result<(PreTokenizerWrapper, bool, bool), Gpu
     let byte_level =
         |use_regex: bool| -> PreTokenizerWrapper { ByteLevel::new(false, false, use_regex).into() };
     Ok(match pre {
-        "gpt2" => (byte_level(true), false, false),
+        // llama.cpp writes "gpt-2"; older files "gpt2".
+        "gpt2" | "gpt-2" => (byte_level(true), false, false),
         // llama.cpp gives these the same split: each numeral alone, then GPT-2's regex.
         "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" => (
             Sequence::new(vec![Digits::new(true).into(), byte_level(true)]).into(),
@@ -441,6 +520,73 @@ fn pre_tokenizer_for(pre: &str) -> Result<(PreTokenizerWrapper, bool, bool), Gpu
             )))
         }
     })
+}
+
+/// Most bytes of input text one token can stand for: the longest token (at least 4, a
+/// character an unknown token replaces) times how much the normalizer can shrink text.
+/// `None` where one token can stand for unbounded text: an unknown token that fuses runs
+/// (BPE without byte fallback, Unigram) or covers a word (WordLevel, WordPiece), a
+/// normalizer or pre-tokenizer that deletes text, an added token that strips whitespace.
+fn bytes_per_token(inner: &tokenizers::Tokenizer, token_bytes: &[Vec<u8>]) -> Option<usize> {
+    use tokenizers::models::ModelWrapper;
+    let unk_ok = match inner.get_model() {
+        ModelWrapper::BPE(b) => b.unk_token.is_none() || !b.fuse_unk || b.byte_fallback,
+        ModelWrapper::Unigram(u) => u.byte_fallback(),
+        ModelWrapper::WordLevel(_) | ModelWrapper::WordPiece(_) => false,
+    };
+    let strips = inner
+        .get_added_tokens_decoder()
+        .values()
+        .any(|t| t.lstrip || t.rstrip);
+    if !unk_ok || strips {
+        return None;
+    }
+    let shrink = match inner.get_normalizer() {
+        None => 1,
+        Some(n) => normalizer_shrink(&serde_json::to_value(n).ok()?)?,
+    };
+    if let Some(p) = inner.get_pre_tokenizer() {
+        if !pre_tokenizer_keeps_text(&serde_json::to_value(p).ok()?) {
+            return None;
+        }
+    }
+    let longest = token_bytes.iter().map(Vec::len).max().unwrap_or(0).max(4);
+    longest.checked_mul(shrink)
+}
+
+/// How many times shorter (at most) a normalizer, as serialized by `tokenizers`, can make
+/// text; `None` if unbounded. Unicode normalization and lowercasing map one character to
+/// at least one byte (U+1D400 is 4 bytes, NFKC makes it `A`).
+fn normalizer_shrink(v: &serde_json::Value) -> Option<usize> {
+    match v.get("type")?.as_str()? {
+        "NFC" | "NFD" | "NFKC" | "NFKD" | "Lowercase" => Some(4),
+        "Prepend" | "ByteLevel" => Some(1),
+        "Replace" => {
+            let pattern = v.get("pattern")?.get("String")?.as_str()?;
+            let content = v.get("content")?.as_str()?;
+            (!pattern.is_empty() && content.len() >= pattern.len()).then_some(1)
+        }
+        "Sequence" => v
+            .get("normalizers")?
+            .as_array()?
+            .iter()
+            .try_fold(1usize, |acc, n| acc.checked_mul(normalizer_shrink(n)?)),
+        _ => None,
+    }
+}
+
+/// Whether a pre-tokenizer, as serialized by `tokenizers`, keeps every byte of its input.
+fn pre_tokenizer_keeps_text(v: &serde_json::Value) -> bool {
+    let removes = v.get("behavior").and_then(|b| b.as_str()) == Some("Removed");
+    match v.get("type").and_then(|t| t.as_str()) {
+        Some("ByteLevel" | "Metaspace" | "Digits" | "UnicodeScripts" | "FixedLength") => true,
+        Some("Split" | "Punctuation") => !removes,
+        Some("Sequence") => v
+            .get("pretokenizers")
+            .and_then(|p| p.as_array())
+            .is_some_and(|ps| ps.iter().all(pre_tokenizer_keeps_text)),
+        _ => false,
+    }
 }
 
 /// Whether `d` is, or holds in a (nested) sequence, a ByteLevel decoder. The nesting is as

@@ -52,7 +52,8 @@ fn smollm2_golden_special_tokens() {
         tok.encode("hi", true).unwrap(),
         tok.encode("hi", false).unwrap()
     );
-    assert_eq!(tok.eos_token_ids(), &[2]);
+    // `<|im_end|>` (EOS), and `<|endoftext|>`: a control token llama.cpp ends on too.
+    assert_eq!(tok.eos_token_ids(), &[2, 0]);
     assert_eq!(tok.bos_token_id(), Some(1));
     assert_eq!(tok.vocab_size(), 49152);
 }
@@ -342,4 +343,133 @@ fn tokenizer_json_must_be_a_regular_file() {
         .to_string();
     assert!(e.contains("I/O error"), "{e}");
     std::fs::remove_dir_all(&d).unwrap();
+}
+
+#[test]
+fn text_longer_than_the_context_could_hold_is_bounded() {
+    // The longest token is "<tag>" (5 bytes).
+    let tok = tiny_tok(&tiny("gpt2")).unwrap();
+    assert_eq!(tok.max_text_len(10), 10 * 5 + TEXT_LEN_MARGIN);
+    assert_eq!(tok.max_text_len(0), TEXT_LEN_MARGIN);
+    assert_eq!(tok.max_text_len(usize::MAX), MAX_ENCODE_LEN);
+    // A text at the bound still encodes, and no encoding of a text packs more bytes into
+    // fewer tokens than the bound allows.
+    let at_bound = " ab".repeat(tok.max_text_len(10) / 3);
+    let ids = tok.encode(&at_bound, false).unwrap();
+    assert_eq!(ids.len(), at_bound.len() / 3);
+    assert!(at_bound.len() <= tok.max_text_len(ids.len()));
+    let smol = smollm2();
+    let text = "naïve café — 東京 🚀 ".repeat(50) + &" ".repeat(300);
+    let n = smol.encode(&text, false).unwrap().len();
+    assert!(text.len() <= smol.max_text_len(n) - TEXT_LEN_MARGIN);
+    assert!(smol.max_text_len(8192) < 8192 * 1024);
+}
+
+#[test]
+fn text_bound_covers_normalizers_and_unknown_words() {
+    let json = |normalizer: &str, pre: &str, model: &str| {
+        format!(
+            r#"{{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],
+            "normalizer":{normalizer},"pre_tokenizer":{pre},"post_processor":null,
+            "decoder":null,"model":{model}}}"#
+        )
+    };
+    let bpe = r#"{"type":"BPE","vocab":{"a":0,"b":1,"ab":2},"merges":[["a","b"]]}"#;
+    let bound = |n: &str, p: &str, m: &str| {
+        Tokenizer::from_json_bytes(json(n, p, m).as_bytes())
+            .unwrap()
+            .max_text_len(100)
+    };
+    assert_eq!(bound("null", "null", bpe), 400 + TEXT_LEN_MARGIN);
+    // NFKC can make 4 bytes one (U+1D400 is `A`).
+    assert_eq!(
+        bound(r#"{"type":"NFKC"}"#, "null", bpe),
+        1600 + TEXT_LEN_MARGIN
+    );
+    let spm_like = r#"{"type":"Sequence","normalizers":[{"type":"Prepend","prepend":"▁"},
+        {"type":"Replace","pattern":{"String":" "},"content":"▁"}]}"#;
+    assert_eq!(bound(spm_like, "null", bpe), 400 + TEXT_LEN_MARGIN);
+    // Whatever deletes text, or folds a run into one token, has no bound but the cap.
+    let strip = r#"{"type":"Strip","strip_left":true,"strip_right":true}"#;
+    assert_eq!(bound(strip, "null", bpe), MAX_ENCODE_LEN);
+    let deleting = r#"{"type":"Replace","pattern":{"String":"  "},"content":""}"#;
+    assert_eq!(bound(deleting, "null", bpe), MAX_ENCODE_LEN);
+    assert_eq!(
+        bound("null", r#"{"type":"Whitespace"}"#, bpe),
+        MAX_ENCODE_LEN
+    );
+    let word_level = r#"{"type":"WordLevel","vocab":{"a":0},"unk_token":"a"}"#;
+    assert_eq!(bound("null", "null", word_level), MAX_ENCODE_LEN);
+    let fused = r#"{"type":"BPE","vocab":{"a":0,"<unk>":1},"merges":[],"unk_token":"<unk>",
+        "fuse_unk":true}"#;
+    assert_eq!(bound("null", "null", fused), MAX_ENCODE_LEN);
+}
+
+#[test]
+fn end_of_generation_tokens_follow_llama_cpp() {
+    let mut w = GgufWriter::default();
+    w.string("tokenizer.ggml.model", "gpt2")
+        .string("tokenizer.ggml.pre", "gpt2")
+        .str_array(
+            "tokenizer.ggml.tokens",
+            &[
+                "<|begin_of_text|>",
+                "a",
+                "b",
+                "<|end_of_text|>",
+                "<|eot_id|>",
+                "<|im_end|>",
+                "<my_eom>",
+                "<end_of_turn>",
+                "<|eom_id|>",
+            ],
+        )
+        // `<|im_end|>` is an ordinary token here and `<|eom_id|>` user-defined: neither ends.
+        .i32_array("tokenizer.ggml.token_type", &[3, 1, 1, 3, 3, 1, 3, 3, 4])
+        .str_array("tokenizer.ggml.merges", &[])
+        .u32("tokenizer.ggml.bos_token_id", 0)
+        .u32("tokenizer.ggml.eos_token_id", 3)
+        .u32("tokenizer.ggml.eom_token_id", 6);
+    let tok = tiny_tok(&w).unwrap();
+    assert_eq!(tok.eos_token_ids(), &[3, 6, 4, 7]);
+
+    // gpt-oss ends a message with `<|end|>` and the generation with `<|return|>`.
+    let mut w = GgufWriter::default();
+    w.string("tokenizer.ggml.model", "gpt2")
+        .string("tokenizer.ggml.pre", "gpt2")
+        .str_array("tokenizer.ggml.tokens", &["a", "<|end|>", "<|return|>"])
+        .i32_array("tokenizer.ggml.token_type", &[1, 3, 3])
+        .str_array("tokenizer.ggml.merges", &[]);
+    assert_eq!(tiny_tok(&w).unwrap().eos_token_ids(), &[2]);
+    let mut w = GgufWriter::default();
+    w.string("tokenizer.ggml.model", "gpt2")
+        .string("tokenizer.ggml.pre", "gpt2")
+        .str_array("tokenizer.ggml.tokens", &["a", "<|end|>"])
+        .i32_array("tokenizer.ggml.token_type", &[1, 3])
+        .str_array("tokenizer.ggml.merges", &[]);
+    assert_eq!(tiny_tok(&w).unwrap().eos_token_ids(), &[1]);
+}
+
+#[test]
+fn add_eos_token_is_honoured() {
+    let mut w = tiny("gpt2");
+    w.bool("tokenizer.ggml.add_eos_token", true);
+    let tok = tiny_tok(&w).unwrap();
+    assert_eq!(tok.encode("ab", true).unwrap(), vec![6, 0]);
+    assert_eq!(tok.encode("ab", false).unwrap(), vec![6]);
+    let mut w = tiny("llama-bpe");
+    w.bool("tokenizer.ggml.add_eos_token", true);
+    assert_eq!(
+        tiny_tok(&w).unwrap().encode("ab", true).unwrap(),
+        vec![0, 6, 0]
+    );
+    // Off by default.
+    let tok = tiny_tok(&tiny("gpt2")).unwrap();
+    assert_eq!(tok.encode("ab", true).unwrap(), vec![6]);
+}
+
+#[test]
+fn gpt_2_pre_tokenizer_name_is_accepted() {
+    let tok = tiny_tok(&tiny("gpt-2")).unwrap();
+    check(&tok, "ab ab12", &[6, 7, 8]);
 }
