@@ -786,3 +786,57 @@ fn echoed_prompt_logprobs_are_whole_whatever_the_requests_before() {
         );
     }
 }
+
+#[test]
+fn developer_messages_unsupported_fields_and_logprob_bounds_over_http() {
+    let s = &server();
+    // SmolLM2's ChatML template knows only `system`: a developer message must render as one
+    // (not as a foreign turn after the template's default system prompt).
+    let tokens = |role: &str| {
+        let (status, v) = s.post_json(
+            "/tokenize",
+            &json!({"messages": [{"role": role, "content": "Be brief."},
+                                 {"role": "user", "content": "hi"}]}),
+        );
+        assert_eq!(status, 200, "{v}");
+        v["tokens"].clone()
+    };
+    assert_eq!(tokens("developer"), tokens("system"));
+    let user = json!([{"role": "user", "content": "hi"}]);
+    let cases = [
+        (
+            json!({"messages": user, "add_generation_prompt": false}),
+            "add_generation_prompt",
+        ),
+        (
+            json!({"messages": user, "continue_final_message": true}),
+            "continue_final_message",
+        ),
+        (json!({"messages": user, "echo": true}), "echo"),
+        (
+            json!({"messages": user, "use_beam_search": true}),
+            "use_beam_search",
+        ),
+        (
+            json!({"messages": user, "prompt_logprobs": 1}),
+            "prompt_logprobs",
+        ),
+        // 16 choices to the 8k context with 21 entries a token, not streamed.
+        (
+            json!({"messages": user, "n": 16, "logprobs": true, "top_logprobs": 20}),
+            "logprobs",
+        ),
+    ];
+    for (body, param) in cases {
+        let (status, v) = s.post_json("/v1/chat/completions", &body);
+        assert_eq!(status, 400, "{body} -> {v}");
+        assert_eq!(v["error"]["param"], param, "{body} -> {v}");
+    }
+    // top_logprobs 0 without logprobs is accepted, as vLLM does.
+    let (status, v) = s.post_json(
+        "/v1/chat/completions",
+        &json!({"messages": user, "top_logprobs": 0, "max_tokens": 2, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{v}");
+    assert!(v["choices"][0]["logprobs"].is_null(), "{v}");
+}

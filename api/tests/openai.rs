@@ -12,6 +12,7 @@ use async_openai::types::completions::CreateCompletionResponse;
 use async_openai::types::models::ListModelResponse;
 use common::*;
 use serde_json::{json, Value};
+use std::sync::Arc;
 
 #[actix_web::test]
 async fn completion_repeats_the_prompt_up_to_max_tokens() {
@@ -408,4 +409,96 @@ async fn tokenize_needs_exactly_one_input() {
     send(&app, post("/detokenize", &json!({"tokens": [300]})))
         .await
         .assert_error(400, "invalid_request_error", Some("tokens"));
+}
+
+#[actix_web::test]
+async fn logprobs_of_a_large_non_streaming_answer_are_refused_before_the_engine() {
+    let mut engine = EchoEngine::new();
+    Arc::get_mut(&mut engine).unwrap().max_model_len = 8192;
+    let (_, app) = app(engine.clone(), api_config()).await;
+    let user = json!([{"role": "user", "content": "x"}]);
+    // 16 choices to the context (8191 tokens) × 21 entries.
+    let body = json!({"messages": user, "n": 16, "logprobs": true, "top_logprobs": 20});
+    let error = send(&app, post("/v1/chat/completions", &body))
+        .await
+        .assert_error(400, "invalid_request_error", Some("logprobs"));
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("stream")),
+        "{error}"
+    );
+    let body = json!({"prompt": ["a", "b", "c", "d"], "n": 16, "max_tokens": 8191,
+        "logprobs": 20});
+    send(&app, post("/v1/completions", &body))
+        .await
+        .assert_error(400, "invalid_request_error", Some("logprobs"));
+    assert!(engine.submitted.lock().unwrap().is_empty());
+    // One choice with every alternative is served.
+    let body = json!({"messages": user, "logprobs": true, "top_logprobs": 20, "max_tokens": 3});
+    let reply = send(&app, post("/v1/chat/completions", &body)).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+}
+
+#[actix_web::test]
+async fn developer_messages_reach_the_template_as_system_messages() {
+    let (_, app) = app(EchoEngine::new(), api_config()).await;
+    let messages = |role: &str| {
+        json!([{"role": role, "content": "Be brief."},
+        {"role": "user", "content": "x"}])
+    };
+    let tokens = |reply: Reply| reply.json()["tokens"].clone();
+    let developer = tokens(
+        send(
+            &app,
+            post("/tokenize", &json!({"messages": messages("developer")})),
+        )
+        .await,
+    );
+    let system = tokens(
+        send(
+            &app,
+            post("/tokenize", &json!({"messages": messages("system")})),
+        )
+        .await,
+    );
+    assert!(developer.as_array().is_some_and(|t| !t.is_empty()));
+    assert_eq!(developer, system);
+}
+
+#[actix_web::test]
+async fn fields_the_server_cannot_honour_are_refused_by_name() {
+    let (_, app) = app(EchoEngine::new(), api_config()).await;
+    let user = json!([{"role": "user", "content": "x"}]);
+    for (field, value) in [
+        ("add_generation_prompt", json!(false)),
+        ("continue_final_message", json!(true)),
+        ("echo", json!(true)),
+        ("use_beam_search", json!(true)),
+        ("prompt_logprobs", json!(1)),
+    ] {
+        let body = json!({"messages": user, field: value});
+        send(&app, post("/v1/chat/completions", &body))
+            .await
+            .assert_error(400, "invalid_request_error", Some(field));
+    }
+    send(
+        &app,
+        post(
+            "/v1/completions",
+            &json!({"prompt": "x", "prompt_logprobs": 0}),
+        ),
+    )
+    .await
+    .assert_error(400, "invalid_request_error", Some("prompt_logprobs"));
+    // top_logprobs 0 asks for no alternatives: accepted without logprobs, as vLLM does.
+    let body = json!({"messages": user, "top_logprobs": 0, "max_tokens": 2,
+        "add_generation_prompt": true, "continue_final_message": false});
+    let reply = send(&app, post("/v1/chat/completions", &body)).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert!(
+        reply.json()["choices"][0]["logprobs"].is_null(),
+        "{}",
+        reply.text()
+    );
 }

@@ -58,6 +58,14 @@ pub mod limits {
     /// with one choice and [`MAX_LOGPROBS`] needs, so scoring one prompt always fits; many
     /// prompts or choices must ask for fewer alternatives.
     pub const MAX_ECHO_LOGPROB_ENTRIES: usize = MAX_LOGPROBS as usize + 1;
+    /// Most logprob entries of generated tokens in one non-streaming response: choices ×
+    /// the completion length limit × (alternatives + 1) must not exceed it. A non-streaming
+    /// body is held whole in memory and written at once (about 70 bytes of JSON an entry, so
+    /// this is some 18 MB); a streamed one is written as it goes and is not bounded. Without
+    /// a limit (chat without `max_tokens`) the answer may take the room the shortest prompt
+    /// leaves, the context length less one. It lets one choice with every alternative
+    /// ([`MAX_LOGPROBS`]) run to an 8k context, or with one alternative to a 128k context.
+    pub const MAX_GENERATED_LOGPROB_ENTRIES: usize = 1 << 18;
     /// Most token ids accepted by `/detokenize`.
     pub const MAX_DETOKENIZE_TOKENS: usize = 1 << 20;
     /// Most bytes of a structured-output schema, regex, grammar or choice list.

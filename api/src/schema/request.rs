@@ -5,8 +5,11 @@
 //! extensions (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`,
 //! `stop_token_ids`, `priority`, `include_stop_str_in_output`, `skip_special_tokens`). Unknown
 //! fields are ignored, as OpenAI and vLLM do; known fields this server cannot honour (`suffix`,
-//! `best_of`) are rejected with a 400 naming them rather than silently ignored. Tool calling
-//! is in [`super::tools`].
+//! `best_of`, vLLM's `use_beam_search` and `prompt_logprobs`, and on chat `echo`,
+//! `add_generation_prompt: false` and `continue_final_message`) are rejected with a 400 naming
+//! them when set to anything but their default, rather than silently ignored. Tool calling
+//! is in [`super::tools`]. A `developer` message is read as the system message (see
+//! [`parse_messages`]).
 
 use std::collections::HashMap;
 
@@ -82,6 +85,11 @@ pub struct CompletionRequest {
     pub best_of: Option<u32>,
     /// Not supported (insertion); only empty is accepted.
     pub suffix: Option<String>,
+    /// vLLM's beam search; not supported, only `false` is accepted.
+    pub use_beam_search: Option<bool>,
+    /// vLLM's prompt logprobs (a separate `prompt_logprobs` response field); not supported,
+    /// only `null` is accepted (`echo` with `logprobs` returns them OpenAI's way).
+    pub prompt_logprobs: Option<serde_json::Value>,
     /// Scheduling priority (vLLM: lower first).
     pub priority: Option<i32>,
     /// End-user id; accepted and ignored (never a metric label).
@@ -153,6 +161,16 @@ pub struct ChatRequest {
     pub parallel_tool_calls: Option<bool>,
     /// More variables for the chat template (vLLM's field; e.g. Qwen3's `enable_thinking`).
     pub chat_template_kwargs: Option<serde_json::Value>,
+    /// vLLM's `add_generation_prompt`; only `true` (the default) is accepted.
+    pub add_generation_prompt: Option<bool>,
+    /// vLLM's `continue_final_message`; only `false` (the default) is accepted.
+    pub continue_final_message: Option<bool>,
+    /// vLLM's chat `echo` (prepend the last message); only `false` is accepted.
+    pub echo: Option<bool>,
+    /// vLLM's beam search; not supported, only `false` is accepted.
+    pub use_beam_search: Option<bool>,
+    /// vLLM's prompt logprobs; not supported, only `null` is accepted.
+    pub prompt_logprobs: Option<serde_json::Value>,
     /// Scheduling priority (vLLM: lower first).
     pub priority: Option<i32>,
     /// End-user id; accepted and ignored.
@@ -415,6 +433,65 @@ fn check_echo_logprobs(prompts: usize, n: u32, logprobs: u32) -> Result<(), ApiE
     Ok(())
 }
 
+/// Bounds the generated tokens' logprobs of a non-streaming request (a streamed one is
+/// written as it goes): choices × `max_tokens` × (`logprobs` + 1) is at most
+/// [`MAX_GENERATED_LOGPROB_ENTRIES`]. `max_tokens` is `None` for a chat answer without a
+/// limit, which may take the room the shortest prompt leaves (the context length less one).
+fn check_generated_logprobs(
+    param: &str,
+    choices: usize,
+    max_tokens: Option<u32>,
+    logprobs: u32,
+    max_model_len: usize,
+) -> Result<(), ApiError> {
+    let length = max_tokens.map_or(max_model_len.saturating_sub(1), |m| {
+        usize::try_from(m).unwrap_or(usize::MAX)
+    });
+    let per_token = usize::try_from(logprobs).map_or(usize::MAX, |k| k.saturating_add(1));
+    let entries = choices.saturating_mul(length).saturating_mul(per_token);
+    if entries > MAX_GENERATED_LOGPROB_ENTRIES {
+        let length_name = if max_tokens.is_some() {
+            "max_tokens"
+        } else {
+            "max_tokens (absent: the context length less one)"
+        };
+        return Err(ApiError::invalid(
+            param,
+            format!(
+                "a response with logprobs holds choices × {length_name} × (top logprobs + 1) \
+                 entries, at most {MAX_GENERATED_LOGPROB_ENTRIES} unless streamed; got \
+                 {choices} × {length} × {per_token} = {entries}. Set stream to true, or lower \
+                 n, max_tokens or the number of top logprobs"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Refuses a known field set to a value the server cannot honour (`set`), naming it.
+fn refuse_unsupported(param: &str, set: bool, what: &str) -> Result<(), ApiError> {
+    if set {
+        return Err(ApiError::invalid(
+            param,
+            format!("{param} {what} is not supported"),
+        ));
+    }
+    Ok(())
+}
+
+/// Refuses vLLM's `use_beam_search` and `prompt_logprobs` (both endpoints) unless default.
+fn refuse_vllm_extras(
+    use_beam_search: Option<bool>,
+    prompt_logprobs: &Option<serde_json::Value>,
+) -> Result<(), ApiError> {
+    refuse_unsupported("use_beam_search", use_beam_search == Some(true), "= true")?;
+    refuse_unsupported(
+        "prompt_logprobs",
+        prompt_logprobs.as_ref().is_some_and(|v| !v.is_null()),
+        "(other than null)",
+    )
+}
+
 fn check_token_prompt(tokens: Vec<u32>, max_model_len: usize) -> Result<PromptInput, ApiError> {
     if tokens.is_empty() {
         return Err(ApiError::invalid("prompt", "prompt must not be empty"));
@@ -456,6 +533,7 @@ impl CompletionRequest {
         if self.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
             return Err(ApiError::invalid("suffix", "suffix is not supported"));
         }
+        refuse_vllm_extras(self.use_beam_search, &self.prompt_logprobs)?;
         if let Some(k) = self.logprobs.filter(|&k| k > MAX_LOGPROBS) {
             return Err(ApiError::invalid(
                 "logprobs",
@@ -500,6 +578,12 @@ impl CompletionRequest {
             max_model_len,
         )?;
         let stream = self.stream.unwrap_or(false);
+        if let Some(k) = self.logprobs.filter(|_| !stream) {
+            let choices = prompts
+                .len()
+                .saturating_mul(usize::try_from(n).unwrap_or(usize::MAX));
+            check_generated_logprobs("logprobs", choices, Some(max_tokens), k, max_model_len)?;
+        }
         Ok(Validated {
             prompts,
             sampling,
@@ -580,15 +664,32 @@ impl ChatRequest {
                     format!("top_logprobs must be in [0, {MAX_LOGPROBS}], got {k}"),
                 ))
             }
-            (false, Some(_)) => {
+            // vLLM refuses only alternatives asked without logprobs; 0 asks for none.
+            (false, Some(k)) if k > 0 => {
                 return Err(ApiError::invalid(
                     "top_logprobs",
                     "top_logprobs requires logprobs to be true",
                 ))
             }
             (true, k) => Some(k.unwrap_or(0)),
-            (false, None) => None,
+            (false, _) => None,
         };
+        refuse_unsupported(
+            "add_generation_prompt",
+            self.add_generation_prompt == Some(false),
+            "= false",
+        )?;
+        refuse_unsupported(
+            "continue_final_message",
+            self.continue_final_message == Some(true),
+            "= true",
+        )?;
+        refuse_unsupported(
+            "echo",
+            self.echo == Some(true),
+            "= true on chat completions",
+        )?;
+        refuse_vllm_extras(self.use_beam_search, &self.prompt_logprobs)?;
         let mut messages = parse_messages(self.messages, tool_format)?;
         let template_kwargs = parse_template_kwargs(self.chat_template_kwargs)?;
         if let Some(tools) = &tools {
@@ -629,6 +730,10 @@ impl ChatRequest {
             max_model_len,
         )?;
         let stream = self.stream.unwrap_or(false);
+        if let Some(k) = logprobs.filter(|_| !stream) {
+            let choices = usize::try_from(n).unwrap_or(usize::MAX);
+            check_generated_logprobs("logprobs", choices, max_tokens, k, max_model_len)?;
+        }
         Ok(Validated {
             prompts: vec![PromptInput::Chat {
                 messages,
@@ -729,6 +834,11 @@ fn add_to_first_user(messages: &mut Vec<ChatMessage>, text: String) {
 
 /// Validates `messages` and reduces each to role and text; calls and results are written in
 /// `tool_format` (Hermes: results join a user turn; Llama 3: each is a `tool` message).
+///
+/// A `developer` message is a `system` message, as OpenAI reads it for models without a
+/// developer role: chat templates know `system` (and fold it into the first user turn where
+/// they have no system role) but would write `developer` as a foreign turn, or refuse it.
+/// The route cannot see the template, so the mapping is unconditional.
 pub fn parse_messages(
     messages: Vec<MessageField>,
     tool_format: ToolFormat,
@@ -748,8 +858,7 @@ pub fn parse_messages(
     for (i, m) in messages.into_iter().enumerate() {
         let content = message_text(i, m.content)?;
         let role = match m.role.as_str() {
-            "system" => ChatRole::System,
-            "developer" => ChatRole::Developer,
+            "system" | "developer" => ChatRole::System,
             "user" => ChatRole::User,
             "assistant" => ChatRole::Assistant,
             "tool" if tool_format == ToolFormat::Llama3Json => ChatRole::Tool,
@@ -1268,5 +1377,229 @@ mod tests {
                 "{json}"
             );
         }
+    }
+
+    fn chat_at(max_model_len: usize, json: serde_json::Value) -> Result<Validated, ApiError> {
+        let req: ChatRequest = serde_json::from_value(json).unwrap();
+        req.validate(max_model_len, ToolFormat::Hermes)
+    }
+
+    fn completion_at(max_model_len: usize, json: serde_json::Value) -> Result<Validated, ApiError> {
+        let req: CompletionRequest = serde_json::from_value(json).unwrap();
+        req.validate(max_model_len)
+    }
+
+    #[test]
+    fn generated_logprobs_are_bounded_unless_streamed() {
+        let user = serde_json::json!([{"role": "user", "content": "x"}]);
+        let four = serde_json::json!(["a", "b", "c", "d"]);
+        let refused = [
+            // The review's cases: 4 prompts × n 16 × 8191 × 21, chat n 16 to an 8k context.
+            completion_at(
+                8192,
+                serde_json::json!({"prompt": four, "n": 16,
+                "max_tokens": 8191, "logprobs": 20}),
+            ),
+            chat_at(
+                8192,
+                serde_json::json!({"messages": user, "n": 16, "logprobs": true,
+                "top_logprobs": 20}),
+            ),
+            // Without max_tokens a chat answer may run to the context: 2 × 8191 × 21.
+            chat_at(
+                8192,
+                serde_json::json!({"messages": user, "n": 2, "logprobs": true,
+                "top_logprobs": 20}),
+            ),
+            // One past the bound: 16 × 16385 × 1.
+            completion_at(
+                1 << 20,
+                serde_json::json!({"prompt": "x", "n": 16,
+                "max_tokens": 16385, "logprobs": 0}),
+            ),
+            chat_at(
+                1 << 17,
+                serde_json::json!({"messages": user, "logprobs": true,
+                "top_logprobs": 2}),
+            ),
+        ];
+        for result in refused {
+            let Err(ApiError::InvalidRequest { param, message }) = result else {
+                panic!("{result:?}")
+            };
+            assert_eq!(param.as_deref(), Some("logprobs"));
+            assert!(message.contains("stream"), "{message}");
+        }
+        let accepted = [
+            // The same, streamed.
+            completion_at(
+                8192,
+                serde_json::json!({"prompt": four, "n": 16,
+                "max_tokens": 8191, "logprobs": 20, "stream": true}),
+            ),
+            chat_at(
+                8192,
+                serde_json::json!({"messages": user, "n": 16, "logprobs": true,
+                "top_logprobs": 20, "stream": true}),
+            ),
+            // Every alternative of one choice to an 8k context.
+            chat_at(
+                8192,
+                serde_json::json!({"messages": user, "logprobs": true,
+                "top_logprobs": 20}),
+            ),
+            completion_at(
+                8192,
+                serde_json::json!({"prompt": "x", "max_tokens": 8191,
+                "logprobs": 20}),
+            ),
+            chat_at(
+                8192,
+                serde_json::json!({"messages": user, "n": 2, "logprobs": true,
+                "top_logprobs": 20, "max_tokens": 1000}),
+            ),
+            // Exactly the bound: 16 × 16384 × 1; one alternative to a 128k context.
+            completion_at(
+                1 << 20,
+                serde_json::json!({"prompt": "x", "n": 16,
+                "max_tokens": 16384, "logprobs": 0}),
+            ),
+            chat_at(
+                1 << 17,
+                serde_json::json!({"messages": user, "logprobs": true,
+                "top_logprobs": 1}),
+            ),
+            // No logprobs, no bound.
+            chat_at(1 << 20, serde_json::json!({"messages": user, "n": 16})),
+            // Completions' default max_tokens (16) counts, not the context.
+            completion_at(
+                1 << 20,
+                serde_json::json!({"prompt": four, "n": 16,
+                "logprobs": 20}),
+            ),
+        ];
+        for result in accepted {
+            assert!(result.is_ok(), "{result:?}");
+        }
+    }
+
+    #[test]
+    fn developer_messages_are_system_messages() {
+        let messages: Vec<MessageField> = serde_json::from_value(serde_json::json!([
+            {"role": "developer", "content": "Be brief."},
+            {"role": "user", "content": "hi"},
+        ]))
+        .unwrap();
+        let m = parse_messages(messages, ToolFormat::Hermes).unwrap();
+        let roles: Vec<ChatRole> = m.iter().map(|m| m.role).collect();
+        assert_eq!(roles, [ChatRole::System, ChatRole::User]);
+        // Tools join the developer message as they join a system message.
+        let v = chat_at(
+            128,
+            serde_json::json!({"messages": [{"role": "developer", "content": "Be brief."},
+                {"role": "user", "content": "hi"}],
+                "tools": [{"type": "function", "function": {"name": "now"}}]}),
+        )
+        .unwrap();
+        let PromptInput::Chat { messages: m, .. } = &v.prompts[0] else {
+            panic!("{v:?}")
+        };
+        assert_eq!(m.len(), 2);
+        assert_eq!(m[0].role, ChatRole::System);
+        assert!(
+            m[0].content.starts_with("Be brief.\n\n# Tools\n"),
+            "{}",
+            m[0].content
+        );
+    }
+
+    #[test]
+    fn fields_that_would_change_the_output_are_refused_unless_default() {
+        let user = serde_json::json!([{"role": "user", "content": "x"}]);
+        let chat_refused = [
+            (
+                serde_json::json!({"add_generation_prompt": false}),
+                "add_generation_prompt",
+            ),
+            (
+                serde_json::json!({"continue_final_message": true}),
+                "continue_final_message",
+            ),
+            (serde_json::json!({"echo": true}), "echo"),
+            (
+                serde_json::json!({"use_beam_search": true}),
+                "use_beam_search",
+            ),
+            (serde_json::json!({"prompt_logprobs": 0}), "prompt_logprobs"),
+            (
+                serde_json::json!({"prompt_logprobs": -1}),
+                "prompt_logprobs",
+            ),
+        ];
+        for (extra, param) in chat_refused {
+            let mut body = serde_json::json!({"messages": user});
+            body.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            assert_eq!(
+                param_of(chat_at(128, body)).as_deref(),
+                Some(param),
+                "{extra}"
+            );
+        }
+        for (json, param) in [
+            (
+                serde_json::json!({"prompt": "x", "use_beam_search": true}),
+                "use_beam_search",
+            ),
+            (
+                serde_json::json!({"prompt": "x", "prompt_logprobs": 1}),
+                "prompt_logprobs",
+            ),
+        ] {
+            assert_eq!(
+                param_of(completion(json.clone())).as_deref(),
+                Some(param),
+                "{json}"
+            );
+        }
+        // Their defaults, spelt out, are accepted.
+        assert!(chat_at(
+            128,
+            serde_json::json!({"messages": user, "add_generation_prompt": true,
+                "continue_final_message": false, "echo": false, "use_beam_search": false,
+                "prompt_logprobs": null})
+        )
+        .is_ok());
+        assert!(
+            completion(serde_json::json!({"prompt": "x", "use_beam_search": false,
+            "prompt_logprobs": null}))
+            .is_ok()
+        );
+    }
+
+    #[test]
+    fn top_logprobs_zero_without_logprobs_is_accepted() {
+        let user = serde_json::json!([{"role": "user", "content": "x"}]);
+        let v = chat_at(
+            128,
+            serde_json::json!({"messages": user, "top_logprobs": 0}),
+        )
+        .unwrap();
+        assert_eq!(v.logprobs, None);
+        let v = chat_at(
+            128,
+            serde_json::json!({"messages": user, "logprobs": false, "top_logprobs": 0}),
+        )
+        .unwrap();
+        assert_eq!(v.logprobs, None);
+        assert_eq!(
+            param_of(chat_at(
+                128,
+                serde_json::json!({"messages": user, "logprobs": false, "top_logprobs": 1})
+            ))
+            .as_deref(),
+            Some("top_logprobs")
+        );
     }
 }
