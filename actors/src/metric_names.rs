@@ -32,7 +32,7 @@ pub const REQUEST_SUCCESS: &str = "switchyard:request_success_total";
 /// Counter: requests aborted because their client went away.
 pub const REQUEST_ABORTED: &str = "switchyard:request_aborted_total";
 /// Counter, label `reason`: requests that ended with an error after they were queued, by kind:
-/// `invalid_request`, `context_length`, `unknown_model`, `overloaded`, `unavailable` (refused), or `error` (the server's own failure, such as a failed step).
+/// `invalid_request`, `context_length`, `unknown_model`, `overloaded`, `unavailable` (refused, or cut off at the drain timeout), or `error` (the server's own failure, such as a failed step).
 pub const REQUEST_FAILED: &str = "switchyard:request_failed_total";
 /// Counter: engine steps that failed (a backend error or panic, or a lost executor or
 /// allocator); their requests ended with an error, the server went on.

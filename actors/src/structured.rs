@@ -763,7 +763,8 @@ impl CompilePool {
                         );
                         p.answer(Err(CompileError::Invalid(format!(
                             "invalid structured output specification: it did not compile within \
-                             {} s",
+                             {} s (a grammar that costly is refused; on a heavily loaded server a \
+                             retry may succeed)",
                             deadline.as_secs_f32()
                         ))));
                     }

@@ -202,7 +202,7 @@ pub fn describe_metrics() {
     describe_counter!(
         REQUEST_FAILED,
         Unit::Count,
-        "Requests (each choice of n > 1 counts) that ended with an error after they were queued, by reason: invalid_request, context_length, unknown_model, overloaded, unavailable (refused), or error (the server's own failure, such as a failed step)."
+        "Requests (each choice of n > 1 counts) that ended with an error after they were queued, by reason: invalid_request, context_length, unknown_model, overloaded, unavailable (refused, or cut off at the drain timeout), or error (the server's own failure, such as a failed step)."
     );
     describe_counter!(
         ENGINE_FAILED_STEPS,

@@ -425,16 +425,17 @@ impl Engine {
                         .chain(&options.sampling.stop_token_ids)
                         .copied()
                         .collect();
-                    let compiled = this
-                        .ask_tokenizers(Constrain {
-                            spec: spec.clone(),
-                            end_ids,
-                            n: options.n.max(1) as usize,
-                        })
-                        .await;
-                    match compiled {
-                        Ok(c) => c,
-                        Err(e) => {
+                    let compile = this.ask_tokenizers(Constrain {
+                        spec: spec.clone(),
+                        end_ids,
+                        n: options.n.max(1) as usize,
+                    });
+                    // A client that leaves while its grammar waits for the compile pool drops
+                    // the wait, so the pool skips (or stops waiting for) a compile nobody needs.
+                    match unless_gone(compile, sink.as_ref()).await {
+                        None => return,
+                        Some(Ok(c)) => c,
+                        Some(Err(e)) => {
                             sink.send(EngineOutput::Error(e));
                             return;
                         }
@@ -808,6 +809,32 @@ fn parking_slot(backend: Box<dyn Backend>) -> Arc<std::sync::Mutex<Option<Box<dy
     Arc::new(std::sync::Mutex::new(Some(backend)))
 }
 
+/// How often a wait on a client's behalf checks that the client is still there.
+const CLIENT_CHECK: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// Awaits `fut` unless the client behind `sink` leaves first (checked every
+/// [`CLIENT_CHECK`]): then `fut` is dropped, so whatever answers it learns that nobody waits.
+async fn unless_gone<F: std::future::Future>(fut: F, sink: &dyn OutputSink) -> Option<F::Output> {
+    use std::future::Future;
+    use std::task::Poll;
+    let mut fut = std::pin::pin!(fut);
+    loop {
+        let mut tick = std::pin::pin!(actix::clock::sleep(CLIENT_CHECK));
+        let done = std::future::poll_fn(|cx| {
+            if let Poll::Ready(v) = fut.as_mut().poll(cx) {
+                return Poll::Ready(Some(v));
+            }
+            tick.as_mut().poll(cx).map(|()| None)
+        })
+        .await;
+        match done {
+            Some(v) => return Some(v),
+            None if sink.is_closed() => return None,
+            None => {}
+        }
+    }
+}
+
 /// The prefix-cache salt of a request that asks for prompt logprobs: its own, so that no
 /// other request's blocks stand in for prompt positions it must compute (nor tell it that
 /// someone sent the same prompt). Odd, unlike every shared salt, and one per request id
@@ -987,6 +1014,35 @@ mod tests {
             assert!(Instant::now() < deadline, "the scheduler never went idle");
             actix::clock::sleep(Duration::from_millis(2)).await;
         }
+    }
+
+    #[actix::test]
+    async fn a_wait_ends_when_its_client_leaves_and_not_before() {
+        let (sink, _rx) = recorder();
+        // Answered: the answer comes back.
+        assert_eq!(unless_gone(async { 7 }, sink.as_ref()).await, Some(7));
+        // Never answered, client present: still waiting after a few checks.
+        let pending = unless_gone(std::future::pending::<()>(), sink.as_ref());
+        let waited = actix::clock::timeout(CLIENT_CHECK * 3, pending).await;
+        assert!(waited.is_err(), "gave up on a client that is still there");
+        // Never answered, client gone: the wait ends (and drops what it waited for).
+        let closed = Arc::new(AtomicBool::new(true));
+        let (tx, _rx) = channel();
+        let gone = Recorder { tx, closed };
+        let dropped = Arc::new(AtomicBool::new(false));
+        struct Flag(Arc<AtomicBool>);
+        impl Drop for Flag {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::Release);
+            }
+        }
+        let flag = Flag(dropped.clone());
+        let never = async move {
+            let _flag = flag;
+            std::future::pending::<()>().await
+        };
+        assert_eq!(unless_gone(never, &gone).await, None);
+        assert!(dropped.load(Ordering::Acquire));
     }
 
     #[actix::test]

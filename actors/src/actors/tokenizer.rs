@@ -117,11 +117,7 @@ impl Actor for TokenizerActor {
 }
 
 fn invalid(message: String) -> SubmitError {
-    SubmitError {
-        kind: SubmitErrorKind::InvalidRequest,
-        message,
-        param: None,
-    }
+    SubmitError::new(SubmitErrorKind::InvalidRequest, message)
 }
 
 impl Handler<Encode> for TokenizerActor {
@@ -203,16 +199,10 @@ impl CompileReply for ConstrainReply {
     fn send(self: Box<Self>, result: CompileResult) {
         let result = result.map_err(|e| match e {
             CompileError::Invalid(m) => invalid(m),
-            CompileError::Unavailable(_) => SubmitError {
-                kind: SubmitErrorKind::Internal,
-                message: e.to_string(),
-                param: None,
-            },
-            CompileError::Busy(message) => SubmitError {
-                kind: SubmitErrorKind::Overloaded,
-                message,
-                param: None,
-            },
+            CompileError::Unavailable(_) => {
+                SubmitError::new(SubmitErrorKind::Internal, e.to_string())
+            }
+            CompileError::Busy(message) => SubmitError::new(SubmitErrorKind::Overloaded, message),
         });
         // The requester may have gone meanwhile.
         let _ = self.0.send(result);
