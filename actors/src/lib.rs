@@ -8,6 +8,8 @@ mod detokenizer;
 mod error;
 pub mod metric_names;
 pub mod structured;
+#[cfg(test)]
+mod testing;
 
 pub use crate::core::{
     AsyncScheduling, CoreEvent, EngineCore, EngineCoreConfig, PreparedStep, StepCore, StepReport,

@@ -850,49 +850,11 @@ mod tests {
     use std::sync::Mutex;
     use std::time::Duration;
 
-    use switchyard_gpu::backend::{Batch, SeqOutput};
     use switchyard_policies::{PolicyRegistry, SchedulerError};
 
     use super::*;
     use crate::actors::detokenizer::rejection;
-
-    /// Samples token 1 at once and counts the tokens each sequence was fed: 64 blocks of 4
-    /// tokens, so the KV cache holds 256 tokens of one sequence.
-    struct CountingBackend(Arc<Mutex<HashMap<u64, usize>>>);
-
-    impl Backend for CountingBackend {
-        fn name(&self) -> &str {
-            "counting"
-        }
-        fn num_kv_blocks(&self) -> usize {
-            64
-        }
-        fn block_size(&self) -> usize {
-            4
-        }
-        fn max_batch_tokens(&self) -> usize {
-            1024
-        }
-        fn execute(&mut self, batch: &Batch) -> Result<Vec<SeqOutput>, GpuError> {
-            let mut fed = self.0.lock().unwrap();
-            Ok(batch
-                .seqs
-                .iter()
-                .map(|s| {
-                    *fed.entry(s.seq_id).or_default() += s.tokens.len();
-                    SeqOutput {
-                        seq_id: s.seq_id,
-                        accepted: Vec::new(),
-                        token: s.sample.then_some(1),
-                        logprob: None,
-                        top_logprobs: Vec::new(),
-                        prompt_logprobs: Vec::new(),
-                    }
-                })
-                .collect())
-        }
-        fn release(&mut self, _: u64) {}
-    }
+    use crate::testing::{abc_tokenizer, CountingBackend};
 
     /// Records what a request receives.
     struct Recorder {
@@ -918,10 +880,7 @@ mod tests {
     /// An engine over a [`CountingBackend`] (whose counts come back too) with a context of
     /// `max_model_len` tokens.
     fn engine(max_model_len: usize) -> (Engine, Arc<Mutex<HashMap<u64, usize>>>) {
-        let json = r#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],
-            "normalizer":null,"pre_tokenizer":{"type":"Whitespace"},"post_processor":null,
-            "decoder":null,"model":{"type":"WordLevel","vocab":{"a":0,"b":1,"c":2},"unk_token":"a"}}"#;
-        let tokenizer = Arc::new(Tokenizer::from_json_bytes(json.as_bytes()).unwrap());
+        let tokenizer = abc_tokenizer();
         let fed = Arc::new(Mutex::new(HashMap::new()));
         let config = EngineConfig {
             scheduler: SchedulerConfig {
@@ -1193,11 +1152,7 @@ mod tests {
 
     #[actix::test]
     async fn a_request_registered_without_a_scheduler_is_unavailable() {
-        let json = r#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],
-            "normalizer":null,"pre_tokenizer":null,"post_processor":null,"decoder":null,
-            "model":{"type":"WordLevel","vocab":{"a":0},"unk_token":"a"}}"#;
-        let tokenizer = Arc::new(Tokenizer::from_json_bytes(json.as_bytes()).unwrap());
-        let detokenizer = DetokenizerActor::new(tokenizer).start();
+        let detokenizer = DetokenizerActor::new(abc_tokenizer()).start();
         let (sink, rx) = recorder();
         detokenizer.do_send(Register {
             ids: vec![RequestId(1)],

@@ -472,7 +472,6 @@ mod tests {
 
     use actix::SyncArbiter;
     use switchyard_gpu::backend::{Backend, Batch, SamplingParams, SeqOutput};
-    use switchyard_gpu::model::Tokenizer;
     use switchyard_gpu::GpuError;
     use switchyard_policies::{PolicyRegistry, SamplingLimits, SchedulerConfig};
 
@@ -480,50 +479,7 @@ mod tests {
     use crate::actors::allocator::KvAllocatorActor;
     use crate::actors::detokenizer::SetScheduler;
     use crate::core::EngineCoreConfig;
-
-    /// Samples token 1 at once and counts the tokens each sequence was fed; an empty batch
-    /// (which the engine must never build) is counted under [`EMPTY_BATCHES`].
-    struct CountingBackend(Arc<Mutex<HashMap<u64, usize>>>);
-
-    /// The key under which `CountingBackend` counts empty batches.
-    const EMPTY_BATCHES: u64 = u64::MAX;
-
-    impl Backend for CountingBackend {
-        fn name(&self) -> &str {
-            "counting"
-        }
-        fn num_kv_blocks(&self) -> usize {
-            64
-        }
-        fn block_size(&self) -> usize {
-            4
-        }
-        fn max_batch_tokens(&self) -> usize {
-            1024
-        }
-        fn execute(&mut self, batch: &Batch) -> Result<Vec<SeqOutput>, GpuError> {
-            let mut fed = self.0.lock().unwrap();
-            if batch.seqs.is_empty() {
-                *fed.entry(EMPTY_BATCHES).or_default() += 1;
-            }
-            Ok(batch
-                .seqs
-                .iter()
-                .map(|s| {
-                    *fed.entry(s.seq_id).or_default() += s.tokens.len();
-                    SeqOutput {
-                        seq_id: s.seq_id,
-                        accepted: Vec::new(),
-                        token: s.sample.then_some(1),
-                        logprob: None,
-                        top_logprobs: Vec::new(),
-                        prompt_logprobs: Vec::new(),
-                    }
-                })
-                .collect())
-        }
-        fn release(&mut self, _: u64) {}
-    }
+    use crate::testing::{abc_tokenizer, CountingBackend, EMPTY_BATCHES};
 
     /// `CountingBackend` taking steps one ahead: pending tokens are token 1 (what it
     /// samples); counts steps submitted while another was outstanding.
@@ -620,7 +576,7 @@ mod tests {
         async_scheduling: bool,
     ) -> Addr<SchedulerActor> {
         let executor = SyncArbiter::start(1, move || ExecutorActor::new(Some(backend())));
-        let detokenizer = DetokenizerActor::new(tokenizer()).start();
+        let detokenizer = DetokenizerActor::new(abc_tokenizer()).start();
         let config = SchedulerConfig {
             num_gpu_blocks: 64,
             block_size: 4,
@@ -665,13 +621,6 @@ mod tests {
         let stats = scheduler.send(GetStats).await.unwrap();
         assert_eq!((stats.num_running, stats.num_waiting), (0, 0));
         assert_eq!(stats.kv_usage, 0.0, "every block is back");
-    }
-
-    fn tokenizer() -> Arc<Tokenizer> {
-        let json = r#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],
-            "normalizer":null,"pre_tokenizer":{"type":"Whitespace"},"post_processor":null,
-            "decoder":null,"model":{"type":"WordLevel","vocab":{"a":0,"b":1,"c":2},"unk_token":"a"}}"#;
-        Arc::new(Tokenizer::from_json_bytes(json.as_bytes()).unwrap())
     }
 
     /// A scheduler actor over a `CountingBackend`, steps in order, and the backend's counts.

@@ -264,10 +264,7 @@ mod tests {
     }
 
     fn tokenizer() -> Arc<Tokenizer> {
-        let json = r#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],
-            "normalizer":null,"pre_tokenizer":{"type":"Whitespace"},"post_processor":null,
-            "decoder":null,"model":{"type":"WordLevel","vocab":{"a":0,"b":1,"c":2},"unk_token":"a"}}"#;
-        Arc::new(Tokenizer::from_json_bytes(json.as_bytes()).expect("tokenizer"))
+        crate::testing::abc_tokenizer()
     }
 
     /// A grammar compiling (here: a compile that waits) holds up no prompt: grammars go to
