@@ -261,17 +261,8 @@ fn sigterm_drains_in_flight_requests_then_exits_zero() {
     // the server stops at once, and a request then finds no one to answer it.
     let body = json!({"model": model, "prompt": "Write a list of fruits", "max_tokens": 200, "ignore_eos": true, "stream": true}).to_string();
     let mut stream = s.open("POST", "/v1/completions", Some(&body));
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while s.metric("switchyard:num_requests_running").unwrap_or(0.0) < 1.0 {
-        assert!(Instant::now() < deadline, "request never ran");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let pid = s.child.id().to_string();
-    let status = std::process::Command::new("kill")
-        .args(["-TERM", &pid])
-        .status()
-        .expect("kill");
-    assert!(status.success());
+    wait_running(&s, 1);
+    sigterm(&s);
     // The signal is handled asynchronously: wait for readiness to turn off.
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
@@ -294,18 +285,7 @@ fn sigterm_drains_in_flight_requests_then_exits_zero() {
     let r = common::read_response(&mut stream).expect("in-flight stream completes");
     let events = sse_events(&r.body);
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let code = loop {
-        if let Some(code) = s.child.try_wait().expect("wait") {
-            break code;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "server did not exit after draining"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    };
-    assert!(code.success(), "exit status {code:?}\n{}", s.log());
+    wait_exit_zero(&mut s);
 }
 
 /// Past the drain timeout, every request still in flight gets a final answer: a stream its
@@ -322,17 +302,8 @@ fn requests_left_at_the_drain_timeout_end_with_an_error() {
     };
     let mut streamed = s.open("POST", "/v1/completions", Some(&body(true)));
     let mut whole = s.open("POST", "/v1/completions", Some(&body(false)));
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while s.metric("switchyard:num_requests_running").unwrap_or(0.0) < 2.0 {
-        assert!(Instant::now() < deadline, "the requests never ran");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let pid = s.child.id().to_string();
-    let status = std::process::Command::new("kill")
-        .args(["-TERM", &pid])
-        .status()
-        .expect("kill");
-    assert!(status.success());
+    wait_running(&s, 2);
+    sigterm(&s);
     for stream in [&mut streamed, &mut whole] {
         stream
             .set_read_timeout(Some(Duration::from_secs(120)))
@@ -348,6 +319,33 @@ fn requests_left_at_the_drain_timeout_end_with_an_error() {
     assert_eq!(r.status, 503, "{}", r.body);
     let v: Value = serde_json::from_str(&r.body).expect("JSON");
     assert_eq!(v["error"]["code"], "unavailable", "{v}");
+    wait_exit_zero(&mut s);
+}
+
+/// Waits (at most a minute) until `n` requests run.
+fn wait_running(s: &Server, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while s.metric("switchyard:num_requests_running").unwrap_or(0.0) < n as f64 {
+        assert!(
+            Instant::now() < deadline,
+            "fewer than {n} requests ever ran"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Sends the server SIGTERM.
+fn sigterm(s: &Server) {
+    let pid = s.child.id().to_string();
+    let status = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .expect("kill");
+    assert!(status.success());
+}
+
+/// Waits (at most 30 s) for the server to exit, and checks that it exited 0.
+fn wait_exit_zero(s: &mut Server) {
     let deadline = Instant::now() + Duration::from_secs(30);
     let code = loop {
         if let Some(code) = s.child.try_wait().expect("wait") {
