@@ -787,6 +787,53 @@ fn echoed_prompt_logprobs_are_whole_whatever_the_requests_before() {
     }
 }
 
+/// `continue_final_message`: the prompt is the conversation cut after the final message's
+/// text (the closed rendering without SmolLM2's `<|im_end|>\n`), and the model continues it
+/// as a completion of those very tokens does.
+#[test]
+fn a_continued_final_message_is_the_prompt_the_model_continues() {
+    let s = &server();
+    let messages = json!([{"role": "user", "content": "What is the capital of France?"},
+                          {"role": "assistant", "content": "The capital of France is"}]);
+    let tokens = |extra: Value| -> Vec<Value> {
+        let mut body = json!({"messages": messages});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let (status, v) = s.post_json("/tokenize", &body);
+        assert_eq!(status, 200, "{v}");
+        v["tokens"].as_array().unwrap().clone()
+    };
+    let open = tokens(json!({"continue_final_message": true}));
+    let closed = tokens(json!({"add_generation_prompt": false}));
+    assert!(closed.starts_with(&open), "{open:?} {closed:?}");
+    let (status, tail) = s.post_json("/detokenize", &json!({"tokens": closed[open.len()..]}));
+    assert_eq!(status, 200, "{tail}");
+    assert_eq!(tail["prompt"], "<|im_end|>\n");
+    let (_, text) = s.post_json("/detokenize", &json!({"tokens": open}));
+    assert!(
+        text["prompt"]
+            .as_str()
+            .unwrap()
+            .ends_with("<|im_start|>assistant\nThe capital of France is"),
+        "{text}"
+    );
+    let (status, chat) = s.post_json(
+        "/v1/chat/completions",
+        &json!({"messages": messages, "continue_final_message": true,
+                "add_generation_prompt": false, "max_tokens": 8, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{chat}");
+    let (status, raw) = s.post_json(
+        "/v1/completions",
+        &json!({"prompt": open, "max_tokens": 8, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{raw}");
+    let continued = chat["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(!continued.is_empty());
+    assert_eq!(continued, raw["choices"][0]["text"].as_str().unwrap());
+}
+
 #[test]
 fn developer_messages_unsupported_fields_and_logprob_bounds_over_http() {
     let s = &server();
@@ -805,11 +852,8 @@ fn developer_messages_unsupported_fields_and_logprob_bounds_over_http() {
     let user = json!([{"role": "user", "content": "hi"}]);
     let cases = [
         (
-            json!({"messages": user, "add_generation_prompt": false}),
-            "add_generation_prompt",
-        ),
-        (
-            json!({"messages": user, "continue_final_message": true}),
+            json!({"messages": user, "continue_final_message": true,
+                   "add_generation_prompt": true}),
             "continue_final_message",
         ),
         (json!({"messages": user, "echo": true}), "echo"),

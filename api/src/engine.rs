@@ -235,14 +235,31 @@ pub enum PromptInput {
     Text(String),
     /// Pre-tokenized input, used as is.
     Tokens(Vec<u32>),
-    /// Chat messages, rendered through the model's chat template with the generation prompt.
+    /// Chat messages, rendered through the model's chat template.
     Chat {
         /// The conversation.
         messages: Vec<ChatMessage>,
         /// More variables for the template (`chat_template_kwargs`, such as Qwen3's
         /// `enable_thinking`).
         template_kwargs: TemplateKwargs,
+        /// How the rendering ends (vLLM's `add_generation_prompt` and
+        /// `continue_final_message`).
+        ending: ChatEnding,
     },
+}
+
+/// How a rendered conversation ends.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum ChatEnding {
+    /// The template's generation prompt opens the model's answer (the default).
+    #[default]
+    GenerationPrompt,
+    /// The last message ends as the template ends a message; no generation prompt
+    /// (`add_generation_prompt: false`).
+    Closed,
+    /// The last message is left open and the model continues it
+    /// (`continue_final_message: true`).
+    ContinueFinal,
 }
 
 /// Variables a request adds to the chat template's context (checked: bounded, and none of the
@@ -444,8 +461,8 @@ pub enum TokenizeInput {
     Chat {
         /// The messages.
         messages: Vec<ChatMessage>,
-        /// Whether to append the assistant generation prompt.
-        add_generation_prompt: bool,
+        /// How the rendering ends.
+        ending: ChatEnding,
         /// More variables for the template.
         template_kwargs: TemplateKwargs,
     },

@@ -13,6 +13,7 @@ use async_openai::types::models::ListModelResponse;
 use common::*;
 use serde_json::{json, Value};
 use std::sync::Arc;
+use switchyard_api::engine::{ChatEnding, PromptInput};
 
 #[actix_web::test]
 async fn completion_repeats_the_prompt_up_to_max_tokens() {
@@ -384,6 +385,53 @@ async fn tokenize_and_detokenize_round_trip() {
     assert_eq!(reply.json(), json!({"prompt": "hey"}));
 }
 
+/// `continue_final_message` and `add_generation_prompt` reach the engine as the prompt's
+/// ending, on chat completions and on /tokenize; both true is a 400.
+#[actix_web::test]
+async fn a_chat_prompt_ends_as_the_request_says() {
+    let engine = EchoEngine::new();
+    let (_, app) = app(engine.clone(), api_config()).await;
+    let messages =
+        json!([{"role": "user", "content": "x"}, {"role": "assistant", "content": "ab"}]);
+    // "user: x\nassistant: ab" is 21 bytes: open, closed (+ "\n") and with a new turn.
+    for (extra, count, ending) in [
+        (
+            json!({"continue_final_message": true}),
+            21,
+            ChatEnding::ContinueFinal,
+        ),
+        (
+            json!({"add_generation_prompt": false}),
+            22,
+            ChatEnding::Closed,
+        ),
+        (json!({}), 32, ChatEnding::GenerationPrompt),
+    ] {
+        let mut body = json!({"messages": messages});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let reply = send(&app, post("/tokenize", &body)).await;
+        assert_eq!(reply.json()["count"], count, "{extra}");
+        body["max_tokens"] = json!(1);
+        let reply = send(&app, post("/v1/chat/completions", &body)).await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+        match engine.last_request().prompt {
+            PromptInput::Chat { ending: sent, .. } => assert_eq!(sent, ending, "{extra}"),
+            other => panic!("{other:?}"),
+        }
+    }
+    let both = json!({"messages": messages, "continue_final_message": true,
+        "add_generation_prompt": true});
+    for path in ["/tokenize", "/v1/chat/completions"] {
+        send(&app, post(path, &both)).await.assert_error(
+            400,
+            "invalid_request_error",
+            Some("continue_final_message"),
+        );
+    }
+}
+
 #[actix_web::test]
 async fn completion_stream_with_echo_opens_with_the_prompt() {
     let (_, app) = app(EchoEngine::new(), api_config()).await;
@@ -471,8 +519,6 @@ async fn fields_the_server_cannot_honour_are_refused_by_name() {
     let (_, app) = app(EchoEngine::new(), api_config()).await;
     let user = json!([{"role": "user", "content": "x"}]);
     for (field, value) in [
-        ("add_generation_prompt", json!(false)),
-        ("continue_final_message", json!(true)),
         ("echo", json!(true)),
         ("use_beam_search", json!(true)),
         ("prompt_logprobs", json!(1)),

@@ -31,7 +31,7 @@ use switchyard_api::schema::{reasoning, tools::ToolFormat};
 use switchyard_api::{ApiConfig, ApiKeyEntry, ApiState, ServerOptions};
 use switchyard_config::{Config, LoadFormat, ReasoningParser, ToolCallFormat};
 use switchyard_gpu::backend::{SamplingParams, MAX_LOGIT_ROWS};
-use switchyard_gpu::model::{ChatTemplate, Tokenizer};
+use switchyard_gpu::model::{ChatEnding, ChatTemplate, Tokenizer};
 use switchyard_gpu::LoraLimits;
 use switchyard_policies::{
     FinishReason, Policy, PolicyError, PolicyRegistry, SchedulerConfig, SloTargets, TierSpec,
@@ -448,6 +448,27 @@ fn policy_label(name: &str) -> &'static str {
     }
 }
 
+/// A chat prompt for the engine: the API's messages as (role, content), its ending as the
+/// chat template's.
+fn chat_source(
+    messages: Vec<port::ChatMessage>,
+    template_kwargs: port::TemplateKwargs,
+    ending: port::ChatEnding,
+) -> PromptSource {
+    PromptSource::Chat {
+        messages: messages
+            .into_iter()
+            .map(|m| (m.role.as_str().to_string(), m.content))
+            .collect(),
+        template_kwargs,
+        ending: match ending {
+            port::ChatEnding::GenerationPrompt => ChatEnding::GenerationPrompt,
+            port::ChatEnding::Closed => ChatEnding::Closed,
+            port::ChatEnding::ContinueFinal => ChatEnding::ContinueFinal,
+        },
+    }
+}
+
 fn to_port_error(e: SubmitError) -> EngineError {
     let kind = match e.kind {
         SubmitErrorKind::InvalidRequest => EngineErrorKind::InvalidRequest,
@@ -603,13 +624,8 @@ impl port::Engine for EngineAdapter {
             port::PromptInput::Chat {
                 messages,
                 template_kwargs,
-            } => PromptSource::Chat {
-                messages: messages
-                    .into_iter()
-                    .map(|m| (m.role.as_str().to_string(), m.content))
-                    .collect(),
-                template_kwargs,
-            },
+                ending,
+            } => chat_source(messages, template_kwargs, ending),
         };
         let (tx, rx) = mpsc::channel(CHANNEL_CAPACITY);
         let options = RequestOptions {
@@ -649,29 +665,19 @@ impl port::Engine for EngineAdapter {
     fn tokenize(&self, input: TokenizeInput) -> EngineFuture<Vec<u32>> {
         let engine = self.engine.clone();
         Box::pin(async move {
-            let (source, add_generation_prompt, add_special) = match input {
+            let (source, add_special) = match input {
                 TokenizeInput::Text {
                     text,
                     add_special_tokens,
-                } => (PromptSource::Text(text), false, add_special_tokens),
+                } => (PromptSource::Text(text), add_special_tokens),
                 TokenizeInput::Chat {
                     messages,
-                    add_generation_prompt,
+                    ending,
                     template_kwargs,
-                } => (
-                    PromptSource::Chat {
-                        messages: messages
-                            .into_iter()
-                            .map(|m| (m.role.as_str().to_string(), m.content))
-                            .collect(),
-                        template_kwargs,
-                    },
-                    add_generation_prompt,
-                    true,
-                ),
+                } => (chat_source(messages, template_kwargs, ending), true),
             };
             engine
-                .tokenize(source, add_generation_prompt, add_special)
+                .tokenize(source, add_special)
                 .await
                 .map_err(to_port_error)
         })

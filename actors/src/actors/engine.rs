@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use actix::{Actor, Addr, SyncArbiter};
 use switchyard_gpu::backend::{Backend, SamplingParams};
-use switchyard_gpu::model::{ChatTemplate, Tokenizer};
+use switchyard_gpu::model::{ChatEnding, ChatTemplate, Tokenizer};
 use switchyard_gpu::{Constraint, GpuError, LoraAdapter};
 use switchyard_policies::{
     FinishReason, Policy, Request, RequestId, SamplingLimits, SchedulerConfig, SchedulerStats,
@@ -68,6 +68,9 @@ pub enum PromptSource {
         messages: Vec<(String, String)>,
         /// More variables for the template.
         template_kwargs: serde_json::Map<String, serde_json::Value>,
+        /// How the rendering ends: a generation prompt (the default), the last message
+        /// closed, or the last message left open for the model to continue.
+        ending: ChatEnding,
     },
 }
 
@@ -389,7 +392,6 @@ impl Engine {
             let encoded = this
                 .ask_tokenizers(Encode {
                     source: options.prompt.clone(),
-                    add_generation_prompt: true,
                     add_special_tokens: true,
                 })
                 .await;
@@ -678,12 +680,10 @@ impl Engine {
     pub async fn tokenize(
         &self,
         source: PromptSource,
-        add_generation_prompt: bool,
         add_special_tokens: bool,
     ) -> Result<Vec<u32>, SubmitError> {
         self.ask_tokenizers(Encode {
             source,
-            add_generation_prompt,
             add_special_tokens,
         })
         .await

@@ -37,8 +37,6 @@ fn ends_inside_think(prompt: &str) -> bool {
 pub struct Encode {
     /// What to encode.
     pub source: PromptSource,
-    /// For chat: append the assistant generation prompt.
-    pub add_generation_prompt: bool,
     /// Add the tokenizer's special tokens (BOS) to a text prompt; chat prompts get theirs
     /// from the template.
     pub add_special_tokens: bool,
@@ -147,6 +145,7 @@ impl Handler<Encode> for TokenizerActor {
             PromptSource::Chat {
                 messages,
                 template_kwargs,
+                ending,
             } => {
                 let template = self.template.as_ref().ok_or_else(|| {
                     invalid("this model has no chat template; use /v1/completions".into())
@@ -156,7 +155,7 @@ impl Handler<Encode> for TokenizerActor {
                     .map(|(role, content)| ChatMessage { role, content })
                     .collect();
                 let text = template
-                    .render_with(&messages, msg.add_generation_prompt, &template_kwargs)
+                    .render_ending(&messages, ending, &template_kwargs)
                     .map_err(|e| invalid(e.to_string()))?;
                 // The template already wrote the special tokens it wants.
                 self.encode(&text, false).map(|ids| Encoded {
@@ -297,7 +296,6 @@ mod tests {
         let encoded = actors
             .send(Encode {
                 source: PromptSource::Text("a b".into()),
-                add_generation_prompt: false,
                 add_special_tokens: false,
             })
             .await
@@ -349,7 +347,6 @@ mod tests {
         let text = |source: PromptSource| {
             actors.send(Encode {
                 source,
-                add_generation_prompt: false,
                 add_special_tokens: false,
             })
         };
@@ -370,6 +367,7 @@ mod tests {
         let chat = |content: String| PromptSource::Chat {
             messages: vec![("user".into(), content)],
             template_kwargs: Default::default(),
+            ending: switchyard_gpu::model::ChatEnding::Closed,
         };
         let e = text(chat(at_bound.clone()))
             .await

@@ -11,8 +11,8 @@ use crate::engine::{
 };
 use crate::error::ApiError;
 use crate::schema::{
-    parse_messages, parse_template_kwargs, MessageField, ModelCard, ModelList,
-    MAX_DETOKENIZE_TOKENS,
+    chat_ending, check_continued, parse_messages, parse_template_kwargs, MessageField, ModelCard,
+    ModelList, MAX_DETOKENIZE_TOKENS,
 };
 use crate::state::{engine_dead, ApiState};
 
@@ -49,6 +49,7 @@ pub(crate) struct TokenizeRequest {
     messages: Option<Vec<MessageField>>,
     add_special_tokens: Option<bool>,
     add_generation_prompt: Option<bool>,
+    continue_final_message: Option<bool>,
     chat_template_kwargs: Option<serde_json::Value>,
 }
 
@@ -73,11 +74,16 @@ pub(crate) async fn tokenize(
             text,
             add_special_tokens: body.add_special_tokens.unwrap_or(true),
         },
-        (None, Some(messages)) => TokenizeInput::Chat {
-            messages: parse_messages(messages, state.config.tool_format)?,
-            add_generation_prompt: body.add_generation_prompt.unwrap_or(true),
-            template_kwargs: parse_template_kwargs(body.chat_template_kwargs)?,
-        },
+        (None, Some(messages)) => {
+            let ending = chat_ending(body.add_generation_prompt, body.continue_final_message)?;
+            let messages = parse_messages(messages, state.config.tool_format)?;
+            check_continued(&messages, ending)?;
+            TokenizeInput::Chat {
+                messages,
+                ending,
+                template_kwargs: parse_template_kwargs(body.chat_template_kwargs)?,
+            }
+        }
         _ => {
             return Err(ApiError::invalid(
                 "prompt",

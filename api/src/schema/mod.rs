@@ -9,8 +9,9 @@ mod structured;
 pub mod tools;
 
 pub use request::{
-    parse_messages, parse_template_kwargs, ChatRequest, CompletionRequest, ContentField,
-    ContentPart, MessageField, PromptField, StopField, StreamOptions, Validated,
+    chat_ending, check_continued, parse_messages, parse_template_kwargs, ChatRequest,
+    CompletionRequest, ContentField, ContentPart, MessageField, PromptField, StopField,
+    StreamOptions, Validated,
 };
 pub use response::*;
 pub use sampling::SamplerFields;

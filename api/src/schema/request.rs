@@ -5,9 +5,10 @@
 //! extensions (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`,
 //! `stop_token_ids`, `priority`, `include_stop_str_in_output`, `skip_special_tokens`). Unknown
 //! fields are ignored, as OpenAI and vLLM do; known fields this server cannot honour (`suffix`,
-//! `best_of`, vLLM's `use_beam_search` and `prompt_logprobs`, and on chat `echo`,
-//! `add_generation_prompt: false` and `continue_final_message`) are rejected with a 400 naming
-//! them when set to anything but their default, rather than silently ignored. Tool calling
+//! `best_of`, vLLM's `use_beam_search` and `prompt_logprobs`, and on chat `echo`) are rejected
+//! with a 400 naming them when set to anything but their default, rather than silently
+//! ignored. Chat takes vLLM's `add_generation_prompt` and `continue_final_message` (see
+//! [`chat_ending`]). Tool calling
 //! is in [`super::tools`]. A `developer` message is read as the system message (see
 //! [`parse_messages`]).
 
@@ -20,7 +21,8 @@ use super::sampling::SamplerFields;
 use super::structured::StructuredFields;
 use super::tools::{render_calls, render_response, ToolAnswer, ToolFormat, ToolPrompt, ToolUse};
 use crate::engine::{
-    ChatMessage, ChatRole, PromptInput, SamplingOptions, StructuredOutputSpec, TemplateKwargs,
+    ChatEnding, ChatMessage, ChatRole, PromptInput, SamplingOptions, StructuredOutputSpec,
+    TemplateKwargs,
 };
 use crate::error::ApiError;
 
@@ -161,9 +163,11 @@ pub struct ChatRequest {
     pub parallel_tool_calls: Option<bool>,
     /// More variables for the chat template (vLLM's field; e.g. Qwen3's `enable_thinking`).
     pub chat_template_kwargs: Option<serde_json::Value>,
-    /// vLLM's `add_generation_prompt`; only `true` (the default) is accepted.
+    /// vLLM's `add_generation_prompt`: open the answer with the template's generation prompt
+    /// (default true, false when `continue_final_message` is true).
     pub add_generation_prompt: Option<bool>,
-    /// vLLM's `continue_final_message`; only `false` (the default) is accepted.
+    /// vLLM's `continue_final_message`: leave the final message open for the model to
+    /// continue (default false).
     pub continue_final_message: Option<bool>,
     /// vLLM's chat `echo` (prepend the last message); only `false` is accepted.
     pub echo: Option<bool>,
@@ -479,6 +483,39 @@ fn refuse_unsupported(param: &str, set: bool, what: &str) -> Result<(), ApiError
     Ok(())
 }
 
+/// How a chat prompt ends, from vLLM's `add_generation_prompt` (default true) and
+/// `continue_final_message` (default false). Both true is refused, as vLLM refuses it; unlike
+/// vLLM, `continue_final_message` alone turns the generation prompt off (vLLM asks for
+/// `add_generation_prompt: false` beside it: accepted too).
+pub fn chat_ending(
+    add_generation_prompt: Option<bool>,
+    continue_final_message: Option<bool>,
+) -> Result<ChatEnding, ApiError> {
+    match (add_generation_prompt, continue_final_message) {
+        (Some(true), Some(true)) => Err(ApiError::invalid(
+            "continue_final_message",
+            "continue_final_message and add_generation_prompt cannot both be true: the first \
+             continues the final message, the second opens a new one",
+        )),
+        (_, Some(true)) => Ok(ChatEnding::ContinueFinal),
+        (Some(false), _) => Ok(ChatEnding::Closed),
+        _ => Ok(ChatEnding::GenerationPrompt),
+    }
+}
+
+/// A conversation whose final message is continued must end with text to continue.
+pub fn check_continued(messages: &[ChatMessage], ending: ChatEnding) -> Result<(), ApiError> {
+    if ending == ChatEnding::ContinueFinal
+        && messages.last().is_none_or(|m| m.content.trim().is_empty())
+    {
+        return Err(ApiError::invalid(
+            "continue_final_message",
+            "continue_final_message needs a final message with text to continue",
+        ));
+    }
+    Ok(())
+}
+
 /// Refuses vLLM's `use_beam_search` and `prompt_logprobs` (both endpoints) unless default.
 fn refuse_vllm_extras(
     use_beam_search: Option<bool>,
@@ -674,16 +711,7 @@ impl ChatRequest {
             (true, k) => Some(k.unwrap_or(0)),
             (false, _) => None,
         };
-        refuse_unsupported(
-            "add_generation_prompt",
-            self.add_generation_prompt == Some(false),
-            "= false",
-        )?;
-        refuse_unsupported(
-            "continue_final_message",
-            self.continue_final_message == Some(true),
-            "= true",
-        )?;
+        let ending = chat_ending(self.add_generation_prompt, self.continue_final_message)?;
         refuse_unsupported(
             "echo",
             self.echo == Some(true),
@@ -691,6 +719,7 @@ impl ChatRequest {
         )?;
         refuse_vllm_extras(self.use_beam_search, &self.prompt_logprobs)?;
         let mut messages = parse_messages(self.messages, tool_format)?;
+        check_continued(&messages, ending)?;
         let template_kwargs = parse_template_kwargs(self.chat_template_kwargs)?;
         if let Some(tools) = &tools {
             if structured.is_some() {
@@ -738,6 +767,7 @@ impl ChatRequest {
             prompts: vec![PromptInput::Chat {
                 messages,
                 template_kwargs,
+                ending,
             }],
             sampling,
             stop: parse_stop(self.stop)?,
@@ -1177,6 +1207,7 @@ mod tests {
                     content: "hi".into()
                 }],
                 template_kwargs: TemplateKwargs::new(),
+                ending: ChatEnding::GenerationPrompt,
             }]
         );
     }
@@ -1233,6 +1264,7 @@ mod tests {
                     content: "time?".into()
                 }],
                 template_kwargs: TemplateKwargs::new(),
+                ending: ChatEnding::GenerationPrompt,
             }]
         );
     }
@@ -1513,16 +1545,49 @@ mod tests {
         );
     }
 
+    /// vLLM's `add_generation_prompt` and `continue_final_message` choose how the prompt
+    /// ends; continuing needs text at the end to continue.
+    #[test]
+    fn a_chat_prompt_ends_as_add_generation_prompt_and_continue_final_message_say() {
+        let ending = |extra: serde_json::Value, last: &str| {
+            let mut body = serde_json::json!({"messages": [
+                {"role": "user", "content": "x"}, {"role": "assistant", "content": last}]});
+            body.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            chat_at(128, body).map(|v| match &v.prompts[0] {
+                PromptInput::Chat { ending, .. } => *ending,
+                other => panic!("{other:?}"),
+            })
+        };
+        assert_eq!(
+            ending(serde_json::json!({}), "a").unwrap(),
+            ChatEnding::GenerationPrompt
+        );
+        assert_eq!(
+            ending(serde_json::json!({"add_generation_prompt": false}), "a").unwrap(),
+            ChatEnding::Closed
+        );
+        for extra in [
+            serde_json::json!({"continue_final_message": true}),
+            serde_json::json!({"continue_final_message": true, "add_generation_prompt": false}),
+        ] {
+            assert_eq!(ending(extra, "a").unwrap(), ChatEnding::ContinueFinal);
+        }
+        match ending(serde_json::json!({"continue_final_message": true}), " \n") {
+            Err(ApiError::InvalidRequest { param, .. }) => {
+                assert_eq!(param.as_deref(), Some("continue_final_message"))
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
     #[test]
     fn fields_that_would_change_the_output_are_refused_unless_default() {
         let user = serde_json::json!([{"role": "user", "content": "x"}]);
         let chat_refused = [
             (
-                serde_json::json!({"add_generation_prompt": false}),
-                "add_generation_prompt",
-            ),
-            (
-                serde_json::json!({"continue_final_message": true}),
+                serde_json::json!({"continue_final_message": true, "add_generation_prompt": true}),
                 "continue_final_message",
             ),
             (serde_json::json!({"echo": true}), "echo"),

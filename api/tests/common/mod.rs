@@ -18,9 +18,9 @@ use actix_web::dev::{Service, ServiceResponse};
 use actix_web::http::StatusCode;
 use actix_web::{test, App};
 use switchyard_api::engine::{
-    ChatMessage, Delta, Engine, EngineError, EngineErrorKind, EngineEvent, EngineFuture, Finish,
-    FinishReason, GenerateRequest, PolicyInfo, PolicySpec, PromptInput, TokenLogprob,
-    TokenizeInput, TopLogprob,
+    ChatEnding, ChatMessage, Delta, Engine, EngineError, EngineErrorKind, EngineEvent,
+    EngineFuture, Finish, FinishReason, GenerateRequest, PolicyInfo, PolicySpec, PromptInput,
+    TokenLogprob, TokenizeInput, TopLogprob,
 };
 use switchyard_api::{ApiConfig, ApiKeyEntry, ApiState};
 use tokio::sync::mpsc;
@@ -68,7 +68,7 @@ impl EchoEngine {
     }
 }
 
-pub fn render_chat(messages: &[ChatMessage], add_generation_prompt: bool) -> String {
+pub fn render_chat(messages: &[ChatMessage], ending: ChatEnding) -> String {
     let mut text = String::new();
     for m in messages {
         text.push_str(m.role.as_str());
@@ -76,8 +76,12 @@ pub fn render_chat(messages: &[ChatMessage], add_generation_prompt: bool) -> Str
         text.push_str(&m.content);
         text.push('\n');
     }
-    if add_generation_prompt {
-        text.push_str("assistant:");
+    match ending {
+        ChatEnding::GenerationPrompt => text.push_str("assistant:"),
+        ChatEnding::Closed => {}
+        ChatEnding::ContinueFinal => {
+            text.pop();
+        }
     }
     text
 }
@@ -140,9 +144,12 @@ impl Engine for EchoEngine {
         let prompt: Vec<u32> = match &request.prompt {
             PromptInput::Text(text) => text.bytes().map(u32::from).collect(),
             PromptInput::Tokens(ids) => ids.clone(),
-            PromptInput::Chat { messages, .. } => {
-                render_chat(messages, true).bytes().map(u32::from).collect()
-            }
+            PromptInput::Chat {
+                messages, ending, ..
+            } => render_chat(messages, *ending)
+                .bytes()
+                .map(u32::from)
+                .collect(),
         };
         let mut events = Vec::new();
         let budget = self.max_model_len.saturating_sub(prompt.len());
@@ -212,10 +219,8 @@ impl Engine for EchoEngine {
         let text = match input {
             TokenizeInput::Text { text, .. } => text,
             TokenizeInput::Chat {
-                messages,
-                add_generation_prompt,
-                ..
-            } => render_chat(&messages, add_generation_prompt),
+                messages, ending, ..
+            } => render_chat(&messages, ending),
         };
         Box::pin(async move { Ok(text.bytes().map(u32::from).collect()) })
     }

@@ -208,20 +208,47 @@ impl ChatTemplate {
         add_generation_prompt: bool,
         extra: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<String, GpuError> {
-        let first = match self.render_as_given(messages, add_generation_prompt, extra) {
-            Err(e) => e,
-            done => return done,
+        let ending = if add_generation_prompt {
+            ChatEnding::GenerationPrompt
+        } else {
+            ChatEnding::Closed
         };
-        let Some(folded) = fold_system(messages) else {
-            return Err(first);
+        self.render_ending(messages, ending, extra)
+    }
+
+    /// [`ChatTemplate::render_with`] for any [`ChatEnding`]: with
+    /// [`ChatEnding::ContinueFinal`], the rendering is cut after the final message's text, as
+    /// Hugging Face's `apply_chat_template(continue_final_message=True)` cuts it.
+    pub fn render_ending(
+        &self,
+        messages: &[ChatMessage],
+        ending: ChatEnding,
+        extra: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String, GpuError> {
+        let add_generation_prompt = ending == ChatEnding::GenerationPrompt;
+        let text = match self.render_as_given(messages, add_generation_prompt, extra) {
+            Ok(text) => text,
+            Err(first) => {
+                let Some(folded) = fold_system(messages) else {
+                    return Err(first);
+                };
+                let text = self
+                    .render_as_given(&folded, add_generation_prompt, extra)
+                    .map_err(|_| first)?;
+                tracing::debug!(
+                    "the chat template refused a system message: rendered it in the first user \
+                     message"
+                );
+                text
+            }
         };
-        let text = self
-            .render_as_given(&folded, add_generation_prompt, extra)
-            .map_err(|_| first)?;
-        tracing::debug!(
-            "the chat template refused a system message: rendered it in the first user message"
-        );
-        Ok(text)
+        match ending {
+            ChatEnding::ContinueFinal => {
+                let last = messages.last().map_or("", |m| m.content.as_str());
+                open_final_message(text, last)
+            }
+            _ => Ok(text),
+        }
     }
 
     fn render_as_given(
@@ -257,6 +284,48 @@ impl ChatTemplate {
         }
         String::from_utf8(out.buf).map_err(tmpl_err)
     }
+}
+
+/// How a rendered conversation ends.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ChatEnding {
+    /// With the template's generation prompt: the model answers in a new assistant turn
+    /// (`add_generation_prompt: true`, the default).
+    #[default]
+    GenerationPrompt,
+    /// As the template closes the last message (`add_generation_prompt: false`).
+    Closed,
+    /// The final message left open, so that the model continues it (vLLM's and Hugging
+    /// Face's `continue_final_message`): the rendering ends with that message's text.
+    ContinueFinal,
+}
+
+/// Cuts `rendered` after the last occurrence of the final message's text, as Hugging Face's
+/// `apply_chat_template(continue_final_message=True)` does: after the text as given when the
+/// template kept it so (and it starts with no whitespace), else after the text without its
+/// surrounding whitespace (which the template trimmed).
+fn open_final_message(mut rendered: String, last: &str) -> Result<String, GpuError> {
+    let trimmed = last.trim();
+    if trimmed.is_empty() {
+        return Err(tmpl_err(
+            "continue_final_message needs a final message with text to continue",
+        ));
+    }
+    let Some(at) = rendered.rfind(trimmed) else {
+        return Err(tmpl_err(
+            "continue_final_message: the chat template does not write the final message's \
+             text as given, so it cannot be continued",
+        ));
+    };
+    let kept_as_given = last.len() == last.trim_start().len() && rendered[at..].starts_with(last);
+    let end = at
+        + if kept_as_given {
+            last.len()
+        } else {
+            trimmed.len()
+        };
+    rendered.truncate(end);
+    Ok(rendered)
 }
 
 /// Python's `time.strftime(format)` at `secs` seconds since the Unix epoch, in UTC (Hugging
@@ -621,6 +690,76 @@ mod tests {
 
     fn render(src: &str, msgs: &[ChatMessage], gen: bool) -> Result<String, GpuError> {
         ChatTemplate::new(src, "<s>", "</s>")?.render(msgs, gen)
+    }
+
+    /// `continue_final_message` as Hugging Face's `apply_chat_template` cuts the rendering:
+    /// after the final message's text, without the turn's end and without a generation
+    /// prompt; after the trimmed text when the template trims it; refused when the text is
+    /// empty or the template does not write it.
+    #[test]
+    fn a_continued_final_message_ends_the_rendering_at_its_text() {
+        let t = ChatTemplate::new(SMOLLM2, "", "").unwrap();
+        let none = serde_json::Map::new();
+        let conversation = |last: &str| {
+            vec![
+                ChatMessage::new("user", "What is 2+2?"),
+                ChatMessage::new("assistant", last),
+            ]
+        };
+        let head = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by \
+                    Hugging Face<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n\
+                    <|im_start|>assistant\n";
+        let open = t
+            .render_ending(
+                &conversation("The answer is"),
+                ChatEnding::ContinueFinal,
+                &none,
+            )
+            .unwrap();
+        assert_eq!(open, format!("{head}The answer is"));
+        // Closed: the turn ends and no new one opens.
+        let closed = t
+            .render_ending(&conversation("The answer is"), ChatEnding::Closed, &none)
+            .unwrap();
+        assert_eq!(closed, format!("{head}The answer is<|im_end|>\n"));
+        // Whitespace the template keeps stays, at the end as given.
+        let spaced = t
+            .render_ending(
+                &conversation("The answer is "),
+                ChatEnding::ContinueFinal,
+                &none,
+            )
+            .unwrap();
+        assert_eq!(spaced, format!("{head}The answer is "));
+        // Leading whitespace: cut after the trimmed text, as transformers does.
+        let led = t
+            .render_ending(&conversation(" Four \n"), ChatEnding::ContinueFinal, &none)
+            .unwrap();
+        assert_eq!(led, format!("{head} Four"));
+        // A template that trims the content: cut after the trimmed text.
+        let trims = ChatTemplate::new(
+            "{% for m in messages %}[{{ m.role }}] {{ m.content | trim }}</s>{% endfor %}",
+            "",
+            "",
+        )
+        .unwrap();
+        assert_eq!(
+            trims
+                .render_ending(&conversation("It is  "), ChatEnding::ContinueFinal, &none)
+                .unwrap(),
+            "[user] What is 2+2?</s>[assistant] It is"
+        );
+        // Nothing to continue, or a template that does not write the text.
+        let e = t
+            .render_ending(&conversation("  "), ChatEnding::ContinueFinal, &none)
+            .unwrap_err();
+        assert!(e.to_string().contains("final message with text"), "{e}");
+        let hides =
+            ChatTemplate::new("{% for m in messages %}{{ m.role }};{% endfor %}", "", "").unwrap();
+        let e = hides
+            .render_ending(&conversation("Four"), ChatEnding::ContinueFinal, &none)
+            .unwrap_err();
+        assert!(e.to_string().contains("cannot be continued"), "{e}");
     }
 
     #[test]
