@@ -508,7 +508,7 @@ impl GrammarCompiler {
                 Constraint::new(GrammarConstraint {
                     matcher: matcher.deep_clone(),
                     end_ids: end_ids.clone(),
-                    failed: false,
+                    failure: None,
                     recent: std::collections::VecDeque::with_capacity(ROLLBACK_WINDOW),
                 })
             })
@@ -857,7 +857,8 @@ fn get_compiler<'a>(
 struct GrammarConstraint {
     matcher: Matcher,
     end_ids: Arc<[u32]>,
-    failed: bool,
+    /// What failed, once something did: the sequence then ends.
+    failure: Option<String>,
     /// Whether each of the latest commits (at most [`ROLLBACK_WINDOW`]) reached the matcher
     /// (end ids and commits after the grammar stopped do not), so a rollback takes back
     /// exactly what was consumed.
@@ -879,13 +880,13 @@ impl GrammarConstraint {
     fn fail(&mut self, what: &str, e: impl std::fmt::Display) {
         tracing::warn!(error = %e, "structured output: {what} failed; ending the sequence");
         metrics::counter!(names::STRUCTURED_FAILURES).increment(1);
-        self.failed = true;
+        self.failure = Some(format!("{what} failed: {e}"));
     }
 }
 
 impl TokenConstraint for GrammarConstraint {
     fn fill_allowed(&mut self, allowed: &mut [u32]) {
-        if !self.failed {
+        if self.failure.is_none() {
             match self.matcher.compute_mask_or_eos() {
                 Ok(mask) => {
                     let src = mask.as_slice();
@@ -924,7 +925,7 @@ impl TokenConstraint for GrammarConstraint {
         // An end id ends the request wherever it is sampled (the scheduler ends a sequence at
         // one even before `min_tokens`: the sampler lets one through that early only where the
         // grammar allows nothing else), so the grammar never reads one as text.
-        if self.failed || self.matcher.is_stopped() || self.end_ids.contains(&token) {
+        if self.failure.is_some() || self.matcher.is_stopped() || self.end_ids.contains(&token) {
             self.recent.push_back(false);
             return;
         }
@@ -938,8 +939,12 @@ impl TokenConstraint for GrammarConstraint {
         true
     }
 
+    fn failure(&self) -> Option<String> {
+        self.failure.clone()
+    }
+
     fn rollback(&mut self, n: usize) -> bool {
-        if n > self.recent.len() || self.failed {
+        if n > self.recent.len() || self.failure.is_some() {
             return false;
         }
         let consumed = (0..n)
@@ -1092,6 +1097,30 @@ mod tests {
         assert_eq!(ends(&c), want);
         c.commit(x);
         assert_eq!(ends(&c), want);
+    }
+
+    /// A token the grammar cannot read (a backend that sampled past the mask) fails the
+    /// constraint: it says what failed, and allows only the end ids from then on.
+    #[test]
+    fn a_grammar_that_fails_while_generating_says_so() {
+        let tok = tokenizer();
+        let compiler = GrammarCompiler::new(tok.clone()).expect("compiler");
+        let id = |s: &str| tok.encode(s, false).expect("ids")[0];
+        let end = tok.eos_token_ids()[0];
+        let c = compiler
+            .compile(&StructuredOutput::Regex("abc".into()), &[end], 1)
+            .expect("compiles")
+            .pop()
+            .expect("one");
+        c.commit(id("a"));
+        assert_eq!(c.failure(), None);
+        c.commit(id("z"));
+        let failure = c.failure().expect("the grammar failed");
+        assert!(failure.starts_with("consuming a token failed"), "{failure}");
+        let vocab = tok.vocab_size();
+        let allowed = c.allowed(vocab);
+        let ids: Vec<usize> = (0..vocab).filter(|&t| is_allowed(&allowed, t)).collect();
+        assert_eq!(ids, vec![end as usize]);
     }
 
     /// The reviewer's schema: 20 intersected patterns took llguidance 45 s before it gave up.

@@ -38,7 +38,9 @@ pub const REQUEST_SUCCESS: &str = "switchyard:request_success_total";
 /// Counter: requests aborted because their client went away.
 pub const REQUEST_ABORTED: &str = "switchyard:request_aborted_total";
 /// Counter, label `reason`: requests that ended with an error after they were queued, by kind:
-/// `invalid_request`, `context_length`, `unknown_model`, `overloaded`, `unavailable` (refused), or `error` (the server's own failure, such as a failed step).
+/// `invalid_request`, `context_length`, `unknown_model`, `overloaded`, `unavailable` (refused),
+/// `structured_output` (the grammar failed while generating), or `error` (the server's own
+/// failure, such as a failed step).
 pub const REQUEST_FAILED: &str = "switchyard:request_failed_total";
 /// Counter: engine steps that failed; their requests ended with an error.
 pub const ENGINE_FAILED_STEPS: &str = "switchyard:engine_failed_steps_total";
@@ -202,7 +204,7 @@ pub fn describe_metrics() {
     describe_counter!(
         REQUEST_FAILED,
         Unit::Count,
-        "Requests (each choice of n > 1 counts) that ended with an error after they were queued, by reason: invalid_request, context_length, unknown_model, overloaded, unavailable (refused, or cut off at the drain timeout), or error (the server's own failure, such as a failed step)."
+        "Requests (each choice of n > 1 counts) that ended with an error after they were queued, by reason: invalid_request, context_length, unknown_model, overloaded, unavailable (refused, or cut off at the drain timeout), structured_output (the grammar failed while generating: the output could not complete it), or error (the server's own failure, such as a failed step)."
     );
     describe_counter!(
         ENGINE_FAILED_STEPS,

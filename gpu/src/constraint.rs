@@ -31,6 +31,11 @@ pub trait TokenConstraint: Send {
     fn rollback(&mut self, n: usize) -> bool {
         n == 0
     }
+    /// What went wrong, when the constraint failed while generating (from then on it allows
+    /// only the end-of-sequence tokens, so the output so far does not complete it).
+    fn failure(&self) -> Option<String> {
+        None
+    }
 }
 
 /// A sequence's constraint, shared between the engine (which creates it per choice) and the
@@ -68,6 +73,11 @@ impl Constraint {
         for &t in tokens {
             c.commit(t);
         }
+    }
+
+    /// What went wrong, when the constraint failed ([`TokenConstraint::failure`]).
+    pub fn failure(&self) -> Option<String> {
+        self.0.lock().failure()
     }
 
     /// Whether the constraint can take commits back ([`TokenConstraint::rollback`]).

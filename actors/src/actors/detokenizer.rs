@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use actix::{Actor, Addr, AsyncContext, Context, Handler, Message};
 use switchyard_gpu::model::Tokenizer;
+use switchyard_gpu::Constraint;
 use switchyard_policies::{FinishReason, IdMap, RequestId, SchedulerError};
 
 use super::engine::{
@@ -165,6 +166,10 @@ impl EndedEarly {
     }
 }
 
+/// The `reason` label of a choice whose structured-output grammar failed while generating
+/// (and of the other choices of its request).
+const STRUCTURED_FAILURE: &str = "structured_output";
+
 /// The `reason` label of a request that ended with an error (a bounded set, by kind): the
 /// server's own failures (a failed step) are `error`.
 fn failure_label(kind: SubmitErrorKind) -> &'static str {
@@ -205,6 +210,9 @@ struct ChoiceState {
     /// Prompt logprobs by position (1..), filled as the prompt is computed; positions may
     /// arrive again after a preemption and are then overwritten.
     prompt_logprobs: Vec<Option<TokenLogprobs>>,
+    /// The choice's structured-output constraint: one that failed while generating turns the
+    /// choice's end into an error.
+    constraint: Option<Constraint>,
 }
 
 /// Owns the per-choice text state and the sinks.
@@ -255,6 +263,36 @@ impl DetokenizerActor {
                 prompt_logprobs: Some(list),
             });
         }
+    }
+
+    /// Ends the request of choice `id`, whose grammar failed while generating, with an error:
+    /// its output cannot complete the structured output asked for, so it is no answer (the
+    /// choice ended through its end tokens, which is all a failed grammar allows). The text of
+    /// its last step goes out first, then the error; its other choices are aborted.
+    fn fail_constrained(
+        &mut self,
+        id: RequestId,
+        mut delta: ChoiceDelta,
+        failure: &str,
+        request: &Rc<RefCell<RequestSink>>,
+    ) {
+        let tokens = delta.finish.take().map_or(0, |(_, tokens)| tokens);
+        let ended = EndedEarly::Failed(STRUCTURED_FAILURE);
+        self.choices.remove(&id);
+        ended.count(1);
+        let mut r = request.borrow_mut();
+        if !delta.token_ids.is_empty() {
+            r.sink.send(EngineOutput::Delta(delta));
+        }
+        r.sink.send(EngineOutput::Error(SubmitError::new(
+            SubmitErrorKind::Internal,
+            format!(
+                "structured output: {failure} after {tokens} generated tokens; the output does \
+                 not complete the grammar"
+            ),
+        )));
+        drop(r);
+        self.abort_request(request, ended);
     }
 
     /// Drops every open choice of a request whose client is gone, or that failed, and aborts
@@ -345,6 +383,11 @@ impl Handler<SetScheduler> for DetokenizerActor {
 impl Handler<Register> for DetokenizerActor {
     type Result = ();
     fn handle(&mut self, mut msg: Register, _: &mut Context<Self>) {
+        let constraints: Vec<Option<Constraint>> = msg
+            .submits
+            .iter()
+            .map(|s| s.sampling.constraint.clone())
+            .collect();
         let refusal = match (&self.closed, &self.scheduler) {
             (Some(e), _) => Some(e.clone()),
             (None, Some(s)) if s.connected() => {
@@ -381,6 +424,7 @@ impl Handler<Register> for DetokenizerActor {
                     last_at: None,
                     request: request.clone(),
                     prompt_logprobs: vec![None; prompt_len],
+                    constraint: constraints.get(index).cloned().flatten(),
                 },
             );
         }
@@ -540,6 +584,13 @@ impl Handler<StepEvents> for DetokenizerActor {
                 continue;
             };
             let request = c.request.clone();
+            let failure = finished
+                .and_then(|_| c.constraint.as_ref()?.failure())
+                .filter(|_| !request.borrow().sink.is_closed());
+            if let Some(failure) = failure {
+                self.fail_constrained(id, delta, &failure, &request);
+                continue;
+            }
             // A finishing choice's metrics are recorded before its last delta goes out, so
             // that a client reading /metrics right after its response sees them (the HTTP
             // layer may answer before this actor runs again). A client already gone gets none

@@ -1150,6 +1150,69 @@ mod tests {
         );
     }
 
+    /// A constraint that failed while generating (what a grammar that cannot go on reports).
+    struct FailedGrammar;
+
+    impl switchyard_gpu::TokenConstraint for FailedGrammar {
+        fn fill_allowed(&mut self, allowed: &mut [u32]) {
+            allowed[0] = 1;
+        }
+        fn commit(&mut self, _: u32) {}
+        fn failure(&self) -> Option<String> {
+            Some("the token mask failed: too complex".into())
+        }
+    }
+
+    /// A choice whose grammar failed ends its request with an error after the text it had,
+    /// not with a finish reason: its output does not complete the grammar. Its sibling is
+    /// aborted, and both count as failed under `structured_output`.
+    #[actix::test]
+    async fn a_choice_whose_grammar_failed_ends_its_request_with_an_error() {
+        let (engine, _) = engine(64);
+        let (sink, rx) = recorder();
+        engine.in_flight.fetch_add(1, Ordering::AcqRel);
+        let resolved = Resolved {
+            prompt: vec![2; 4],
+            opens_thinking: false,
+            adapter: None,
+            constraints: vec![
+                Constraint::new(FailedGrammar),
+                Constraint::new(FailedGrammar),
+            ],
+        };
+        let mut request = options(Some(3));
+        request.n = 2;
+        let guard = InFlight(engine.in_flight.clone());
+        if engine
+            .admit(request, resolved, sink, guard, Instant::now())
+            .is_err()
+        {
+            panic!("refused");
+        }
+        let mut tokens = 0;
+        let error = loop {
+            match next_output(&rx).await {
+                EngineOutput::Prompt { .. } => {}
+                EngineOutput::Delta(d) => {
+                    assert!(d.finish.is_none(), "{d:?}");
+                    tokens += d.token_ids.len();
+                }
+                EngineOutput::Error(e) => break e,
+            }
+        };
+        assert_eq!(error.kind, SubmitErrorKind::Internal, "{error}");
+        assert!(
+            error
+                .message
+                .contains("the token mask failed: too complex after 3 generated"),
+            "{error}"
+        );
+        // Both choices' tokens up to the first one's end went out; nothing after the error.
+        assert!((3..=6).contains(&tokens), "{tokens}");
+        wait_idle(&engine).await;
+        assert!(rx.try_recv().is_err());
+    }
+
     #[actix::test]
     async fn a_request_registered_without_a_scheduler_is_unavailable() {
         let detokenizer = DetokenizerActor::new(abc_tokenizer()).start();
