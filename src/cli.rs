@@ -281,6 +281,11 @@ pub struct ServeBenchArgs {
     /// Seed for prompts and arrivals.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Requests sent before the timed run and left out of the results (as vLLM's
+    /// --num-warmups; 0..=10000). A single test request always goes first, and a failure
+    /// there stops the run with the server's reason.
+    #[arg(long, default_value_t = 0)]
+    pub num_warmups: usize,
     /// Write the result as JSON to this file.
     #[arg(long)]
     pub result_file: Option<PathBuf>,

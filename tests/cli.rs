@@ -179,11 +179,18 @@ fn bench_serve_reports_vllm_labels_against_a_live_server() {
                 "16",
                 "--output-len",
                 "8",
+                "--num-warmups",
+                "3",
             ])
             .arg("--base-url")
             .arg(format!("http://127.0.0.1:{}", server.port))
             .arg("--result-file")
             .arg(&result),
+    );
+    // The test request and three warmups went first, outside the results.
+    assert_eq!(
+        server.metric("switchyard:request_success_total"),
+        Some(10.0)
     );
     for label in [
         "Successful requests:",
@@ -201,6 +208,21 @@ fn bench_serve_reports_vllm_labels_against_a_live_server() {
     assert_eq!(v["completed"], 6);
     assert_eq!(v["total_output_tokens"], 48);
     assert!(!stdout.contains("Speculative Decoding"), "{stdout}");
+    // A run whose test request fails stops there with the server's reason.
+    let err = fails(
+        switchyard()
+            .args(["bench", "serve", "--num-prompts", "50", "--model", "nope"])
+            .arg("--base-url")
+            .arg(format!("http://127.0.0.1:{}", server.port)),
+    );
+    assert!(
+        err.contains("initial test request failed") && err.contains("nope"),
+        "{err}"
+    );
+    assert_eq!(
+        server.metric("switchyard:request_success_total"),
+        Some(10.0)
+    );
 }
 
 #[test]

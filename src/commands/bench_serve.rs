@@ -24,6 +24,8 @@ use crate::cli::{ServeBenchArgs, ServeDataset};
 
 /// Most prompts in one run.
 const MAX_PROMPTS: usize = 1_000_000;
+/// Most warmup requests.
+const MAX_WARMUPS: usize = 10_000;
 /// Longest prompt or output of one request, in tokens (`--input-len`, `--max-input-len`, ...).
 const MAX_REQUEST_TOKENS: usize = 1 << 20;
 /// Requests in flight (threads) without `--max-concurrency`.
@@ -52,6 +54,10 @@ fn validate(args: &ServeBenchArgs) -> anyhow::Result<()> {
     anyhow::ensure!(
         (1..=MAX_PROMPTS).contains(&args.num_prompts),
         "--num-prompts must be 1..={MAX_PROMPTS}"
+    );
+    anyhow::ensure!(
+        args.num_warmups <= MAX_WARMUPS,
+        "--num-warmups must be 0..={MAX_WARMUPS}"
     );
     for (name, v) in [
         ("--input-len", args.input_len),
@@ -234,24 +240,67 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
     };
     let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
     let work = workload(&args, &mut rng)?;
-    // Speculative decoding's counters before the run (a server without them reports none).
-    let spec_before = spec_counters(&target);
     // One thread per request in flight: --max-concurrency of them, else up to
     // DEFAULT_IN_FLIGHT (requests still start when due; one due while all are busy waits).
     let concurrency = args
         .max_concurrency
         .unwrap_or(DEFAULT_IN_FLIGHT)
-        .min(work.len())
+        .min(work.len().max(args.num_warmups))
         .max(1);
     let path = format!("{}/v1/completions", target.prefix);
     let (jobs, rx) = spawn_workers(concurrency, &target, &path, args.api_key.as_deref())?;
+    // The test request and the warmups have prompts of their own (another stream of the
+    // seed), so the run's prompts are the same with or without them and none is cached.
+    let mut warm_rng = ChaCha8Rng::seed_from_u64(args.seed ^ WARMUP_SEED);
+    let (input, output, _) = work[0];
+    eprintln!("Starting initial single prompt test run...");
+    jobs.send(Job {
+        body: request_body(
+            &model,
+            &random_prompt(&args, input, &mut warm_rng),
+            output,
+            &args,
+        ),
+        input,
+    })
+    .context("benchmark threads vanished")?;
+    let test = rx.recv().context("benchmark threads vanished")?;
+    anyhow::ensure!(
+        test.ok,
+        "the initial test request failed, so the run was not started (check --base-url, \
+         --model and the lengths): {}",
+        test.error
+    );
+    if args.num_warmups > 0 {
+        eprintln!("Warming up with {} requests...", args.num_warmups);
+        let mut failed = 0;
+        for i in 0..args.num_warmups {
+            let (input, output, _) = work[i % work.len()];
+            let prompt = random_prompt(&args, input, &mut warm_rng);
+            jobs.send(Job {
+                body: request_body(&model, &prompt, output, &args),
+                input,
+            })
+            .context("benchmark threads vanished")?;
+        }
+        for _ in 0..args.num_warmups {
+            failed += usize::from(!rx.recv().context("benchmark threads vanished")?.ok);
+        }
+        if failed > 0 {
+            eprintln!(
+                "warning: {failed} of {} warmup requests failed",
+                args.num_warmups
+            );
+        }
+    }
+    eprintln!("Starting the benchmark run...");
+    // Speculative decoding's counters before the run (a server without them reports none).
+    let spec_before = spec_counters(&target);
     let bar = super::progress_bar(work.len() as u64, "requests");
     let start = Instant::now();
     let mut in_flight = 0usize;
     let mut samples = Vec::with_capacity(work.len());
     let mut next_arrival = 0.0f64;
-    // `validate` keeps offset + range within u32.
-    let token_range = args.token_range.max(1);
     for &(input, output, at) in &work {
         // Arrival time: the trace's own, Poisson at --request-rate, or all at once (no rate,
         // or an infinite one, as vLLM's default).
@@ -275,16 +324,12 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
             in_flight -= 1;
             bar.inc(1);
         }
-        let prompt: Vec<u32> = (0..input)
-            .map(|_| args.token_offset + rng.random_range(0..token_range))
-            .collect();
-        let body = json!({
-            "model": model, "prompt": prompt, "max_tokens": output, "temperature": 0.0,
-            "ignore_eos": args.ignore_eos, "stream": true, "stream_options": {"include_usage": true},
+        let prompt = random_prompt(&args, input, &mut rng);
+        jobs.send(Job {
+            body: request_body(&model, &prompt, output, &args),
+            input,
         })
-        .to_string();
-        jobs.send(Job { body, input })
-            .context("benchmark threads vanished")?;
+        .context("benchmark threads vanished")?;
         in_flight += 1;
     }
     // Dropping the sender lets every worker end once the queue is empty.
@@ -311,6 +356,27 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
         duration,
         spec.filter(|s| s.draft_tokens > 0.0),
     )
+}
+
+/// Mixed into the seed for the test request's and the warmups' prompts.
+const WARMUP_SEED: u64 = 0x5741_524d_5550_5321;
+
+/// `input` random prompt token ids from [offset, offset + range) (`validate` keeps the sum
+/// within u32).
+fn random_prompt(args: &ServeBenchArgs, input: usize, rng: &mut ChaCha8Rng) -> Vec<u32> {
+    let range = args.token_range.max(1);
+    (0..input)
+        .map(|_| args.token_offset + rng.random_range(0..range))
+        .collect()
+}
+
+/// The streamed `/v1/completions` body of one request.
+fn request_body(model: &str, prompt: &[u32], output: usize, args: &ServeBenchArgs) -> String {
+    json!({
+        "model": model, "prompt": prompt, "max_tokens": output, "temperature": 0.0,
+        "ignore_eos": args.ignore_eos, "stream": true, "stream_options": {"include_usage": true},
+    })
+    .to_string()
 }
 
 /// Speculative decoding counters of a Switchyard server (`/metrics`).
