@@ -489,6 +489,24 @@ fn context_length_is_enforced_with_its_code() {
 #[test]
 fn metrics_are_exported() {
     let s = &server();
+    // Every engine metric is listed from the start, at zero (as vLLM's), counters with each
+    // value of their label.
+    let fresh = s.request("GET", "/metrics", None, &[]).expect("metrics");
+    for line in [
+        "switchyard:num_requests_running 0",
+        "switchyard:request_aborted_total 0",
+        "switchyard:engine_failed_steps_total 0",
+        "switchyard:request_success_total{finished_reason=\"stop\"} 0",
+        "switchyard:request_failed_total{reason=\"structured_output\"} 0",
+        "switchyard:e2e_request_latency_seconds_count 0",
+        "switchyard:policy_swaps_total 0",
+    ] {
+        assert!(
+            fresh.body.lines().any(|l| l == line),
+            "missing {line} in\n{}",
+            fresh.body
+        );
+    }
     complete(s, "Metrics", json!({"max_tokens": 3, "ignore_eos": true}));
     let r = s.request("GET", "/metrics", None, &[]).expect("metrics");
     assert_eq!(r.status, 200);

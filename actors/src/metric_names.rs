@@ -86,6 +86,48 @@ pub const LABEL_FINISHED_REASON: &str = "finished_reason";
 /// Label key of [`REQUEST_FAILED`].
 pub const LABEL_REASON: &str = "reason";
 
+/// The values of [`REQUEST_SUCCESS`]'s [`LABEL_FINISHED_REASON`].
+pub const FINISHED_REASONS: &[&str] = &["stop", "length"];
+/// The values of [`REQUEST_FAILED`]'s [`LABEL_REASON`].
+pub const FAILURE_REASONS: &[&str] = &[
+    "invalid_request",
+    "unknown_model",
+    "context_length",
+    "overloaded",
+    "unavailable",
+    "structured_output",
+    "error",
+];
+
+/// Creates every engine metric at zero, [`REQUEST_SUCCESS`] and [`REQUEST_FAILED`] with each
+/// value of their label (not [`STRUCTURED_REQUESTS`], by kind of specification), so that
+/// `/metrics` lists them from the start as vLLM's does: a dashboard shows 0 rather than no
+/// data, and `rate()` sees the first increment. Call it once the recorder is installed.
+pub fn register_at_zero() {
+    for &g in GAUGES {
+        metrics::gauge!(g).set(0.0);
+    }
+    for &c in COUNTERS {
+        match c {
+            REQUEST_SUCCESS => {
+                for &r in FINISHED_REASONS {
+                    metrics::counter!(c, LABEL_FINISHED_REASON => r).increment(0);
+                }
+            }
+            REQUEST_FAILED => {
+                for &r in FAILURE_REASONS {
+                    metrics::counter!(c, LABEL_REASON => r).increment(0);
+                }
+            }
+            STRUCTURED_REQUESTS => {}
+            _ => metrics::counter!(c).increment(0),
+        }
+    }
+    for &h in HISTOGRAMS {
+        drop(metrics::histogram!(h));
+    }
+}
+
 /// Every name above, by kind (for describing them and for tests).
 pub const GAUGES: &[&str] = &[
     NUM_REQUESTS_RUNNING,

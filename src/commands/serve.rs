@@ -60,7 +60,11 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let config = super::config::load(&args.config, &args.overrides)?;
     // The recorder goes in first so that no metric recorded during start-up is lost.
     let prometheus = match switchyard_api::metrics::install_prometheus_recorder() {
-        Ok(handle) => Some(handle),
+        Ok(handle) => {
+            switchyard_actors::metric_names::register_at_zero();
+            metrics::counter!(switchyard_api::metrics::POLICY_SWAPS).increment(0);
+            Some(handle)
+        }
         Err(e) => {
             eprintln!("warning: /metrics disabled: {e}");
             None

@@ -483,3 +483,31 @@ async fn a_last_delta_lost_after_the_success_counts_once() {
     );
     assert_eq!(m.counter(names::REQUEST_ABORTED), 0);
 }
+
+/// Every `reason` a failed request can count under is created at zero at start.
+#[test]
+fn every_failure_reason_is_registered_at_zero() {
+    use crate::actors::SubmitErrorKind as K;
+    let kinds = [
+        K::InvalidRequest,
+        K::UnknownModel,
+        K::ContextLengthExceeded,
+        K::Overloaded,
+        K::Unavailable,
+        K::Internal,
+    ];
+    let labels = kinds
+        .into_iter()
+        .map(super::failure_label)
+        .chain([super::STRUCTURED_FAILURE]);
+    for label in labels {
+        assert!(names::FAILURE_REASONS.contains(&label), "{label}");
+    }
+    for reason in [
+        switchyard_policies::FinishReason::Stop,
+        switchyard_policies::FinishReason::Eos,
+        switchyard_policies::FinishReason::Length,
+    ] {
+        assert!(names::FINISHED_REASONS.contains(&reason.metric_label()));
+    }
+}
