@@ -300,7 +300,7 @@ pub enum BenchDataset {
     Sharegpt,
     /// Real prompts, one JSON object per line of --dataset-path (`{"prompt": "..."}`), run
     /// through the model's chat template, cycled to --num-prompts; outputs end at the model's
-    /// end of sequence or at --output-len (needs --model).
+    /// end of sequence or at --output-len (needs a model with a tokenizer: not --dummy).
     Prompts,
 }
 
@@ -320,7 +320,8 @@ pub struct ThroughputArgs {
     /// Dataset of prompt/output lengths.
     #[arg(long, value_enum, default_value = "random")]
     pub dataset: BenchDataset,
-    /// ShareGPT lengths file (with --dataset sharegpt).
+    /// The dataset's file: ShareGPT lengths (default: the ShareGPT file of ../shared/traces,
+    /// relative to the current directory), or the prompts JSONL.
     #[arg(long)]
     pub dataset_path: Option<PathBuf>,
     /// Prompt length in tokens (random dataset).

@@ -22,3 +22,12 @@ pub enum EngineError {
     #[error("the engine has shut down")]
     ShutDown,
 }
+
+impl EngineError {
+    /// The message a client is given for this error when it refuses a request: the
+    /// scheduler's refusals in the client's terms, with no internal request id (as the server
+    /// words them); other errors as they display.
+    pub fn client_message(&self) -> String {
+        crate::actors::detokenizer_rejection(self).message
+    }
+}

@@ -182,14 +182,25 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
             let file = args.dataset_path.clone().unwrap_or_else(|| {
                 "../shared/traces/sharegpt_8k_filtered_stats_llama2_tokenizer.csv".into()
             });
-            let all = sharegpt_lengths(&file, max_model_len)?;
+            let all = sharegpt_lengths(&file, max_model_len).with_context(|| {
+                format!(
+                    "the sharegpt dataset {} (pass another with --dataset-path)",
+                    file.display()
+                )
+            })?;
             (0..args.num_prompts)
                 .map(|_| all[rng.random_range(0..all.len())])
                 .collect()
         }
         BenchDataset::Prompts => {
-            let (Some(file), Some(m)) = (&args.dataset_path, &loaded) else {
-                anyhow::bail!("--dataset prompts needs --dataset-path FILE and --model");
+            let Some(file) = &args.dataset_path else {
+                anyhow::bail!("--dataset prompts needs --dataset-path FILE");
+            };
+            let Some(m) = &loaded else {
+                anyhow::bail!(
+                    "--dataset prompts needs a model with a tokenizer (--model, or the \
+                     embedded default), not --dummy"
+                );
             };
             let all = prompt_dataset(file, m)?;
             anyhow::ensure!(!all.is_empty(), "{} holds no prompts", file.display());

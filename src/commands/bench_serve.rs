@@ -126,33 +126,55 @@ fn workload(
                 .clone()
                 .context("--dataset-path is required for sharegpt and trace datasets")?;
             let text = read_bounded(&path, MAX_DATASET_BYTES)?;
+            let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
+            // Columns by their header's names (as the simulator reads these files).
+            let header: Vec<&str> = text
+                .lines()
+                .next()
+                .unwrap_or_default()
+                .split(',')
+                .map(str::trim)
+                .collect();
+            let column = |name: &str| -> anyhow::Result<usize> {
+                header
+                    .iter()
+                    .position(|h| *h == name)
+                    .with_context(|| format!("{}: the header has no column {name}", path.display()))
+            };
+            let (prompt_col, output_col, ts_col) = if args.dataset == ServeDataset::Sharegpt {
+                (
+                    column("num_prefill_tokens")?,
+                    column("num_decode_tokens")?,
+                    None,
+                )
+            } else {
+                (
+                    column("ContextTokens")?,
+                    column("GeneratedTokens")?,
+                    Some(column("TIMESTAMP")?),
+                )
+            };
             let mut rows = Vec::new();
             let mut first_ts: Option<f64> = None;
             for (i, line) in text.lines().enumerate().skip(1) {
                 let f: Vec<&str> = line.split(',').collect();
-                let num = |k: usize, name: &str| -> anyhow::Result<usize> {
+                let num = |k: usize| -> anyhow::Result<usize> {
                     f.get(k)
                         .and_then(|v| v.trim().parse().ok())
-                        .with_context(|| format!("{}:{}: field {name}", path.display(), i + 1))
+                        .with_context(|| {
+                            format!("{}:{}: field {}", path.display(), i + 1, header[k])
+                        })
                 };
-                if args.dataset == ServeDataset::Sharegpt {
-                    rows.push((
-                        num(0, "num_prefill_tokens")?,
-                        num(1, "num_decode_tokens")?,
-                        None,
-                    ));
-                } else {
-                    // Azure trace: TIMESTAMP, ContextTokens, GeneratedTokens.
-                    let ts = f.first().and_then(|t| parse_clock(t)).with_context(|| {
-                        format!("{}:{}: field TIMESTAMP", path.display(), i + 1)
-                    })?;
-                    let base = *first_ts.get_or_insert(ts);
-                    rows.push((
-                        num(1, "ContextTokens")?,
-                        num(2, "GeneratedTokens")?,
-                        Some(ts - base),
-                    ));
-                }
+                let at = match ts_col {
+                    None => None,
+                    Some(k) => {
+                        let ts = f.get(k).and_then(|t| parse_clock(t)).with_context(|| {
+                            format!("{}:{}: field TIMESTAMP", path.display(), i + 1)
+                        })?;
+                        Some(ts - *first_ts.get_or_insert(ts))
+                    }
+                };
+                rows.push((num(prompt_col)?, num(output_col)?, at));
                 if args.dataset == ServeDataset::Trace && rows.len() >= n {
                     break;
                 }
@@ -631,6 +653,40 @@ mod tests {
             crate::cli::Command::Bench(crate::cli::BenchCommand::Serve(a)) => a,
             other => panic!("parsed {other:?}"),
         }
+    }
+
+    /// Dataset columns are found by their header's names (a byte-order mark before it is
+    /// skipped), so a file with its columns in another order reads the same.
+    #[test]
+    fn dataset_columns_are_read_by_name() {
+        let dir = std::env::temp_dir();
+        let path = dir.join(format!("switchyard-bench-cols-{}.csv", std::process::id()));
+        std::fs::write(
+            &path,
+            "\u{feff}GeneratedTokens,TIMESTAMP,ContextTokens\n\
+             7,2023-11-16 18:15:46.6805900,100\n9,2023-11-16 18:15:48.1805900,200\n",
+        )
+        .unwrap();
+        let args = serve_args(&format!(
+            "--dataset trace --num-prompts 2 --dataset-path {}",
+            path.display()
+        ));
+        let work = workload(&args, &mut ChaCha8Rng::seed_from_u64(0)).unwrap();
+        assert_eq!(work, vec![(100, 7, Some(0.0)), (200, 9, Some(1.5))]);
+        std::fs::write(&path, "num_decode_tokens,num_prefill_tokens\n5,50\n").unwrap();
+        let args = serve_args(&format!(
+            "--dataset sharegpt --num-prompts 1 --dataset-path {}",
+            path.display()
+        ));
+        let work = workload(&args, &mut ChaCha8Rng::seed_from_u64(0)).unwrap();
+        assert_eq!(work, vec![(50, 5, None)]);
+        std::fs::write(&path, "a,b\n1,2\n").unwrap();
+        let e = workload(&args, &mut ChaCha8Rng::seed_from_u64(0)).unwrap_err();
+        assert!(
+            format!("{e:#}").contains("no column num_prefill_tokens"),
+            "{e:#}"
+        );
+        let _ = std::fs::remove_file(&path);
     }
 
     #[test]

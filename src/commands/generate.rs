@@ -139,7 +139,10 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         if let Some(a) = &adapter {
             submit = submit.with_adapter(1, a.clone());
         }
-        engine.core().add_request(submit)?;
+        engine
+            .core()
+            .add_request(submit)
+            .map_err(|e| anyhow::anyhow!("prompt {}: {}", id.0 + 1, e.client_message()))?;
     }
     let stream = outputs.len() == 1 && !args.json;
     let start = Instant::now();
@@ -181,7 +184,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
                         writeln!(stdout, "{rest}")?;
                     }
                     out.text.push_str(&rest);
-                    out.finish = Some(reason.as_str());
+                    out.finish = Some(reason.metric_label());
                 }
             }
         }

@@ -20,6 +20,8 @@ mod lora;
 mod scheduler;
 mod tokenizer;
 
+pub(crate) use detokenizer::rejection as detokenizer_rejection;
+
 pub use engine::{
     ChoiceDelta, Engine, EngineConfig, EngineOutput, OutputSink, PromptSource, RequestOptions,
     SubmitError, SubmitErrorKind, TokenLogprobs,

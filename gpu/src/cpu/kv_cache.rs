@@ -34,6 +34,23 @@ pub struct KvCache {
     v: Vec<f16>,
 }
 
+/// `n` zeros, allocated zeroed (the pages are the operating system's zero pages until
+/// written, so a large cache costs neither start-up time nor memory before it is used);
+/// `None` when the memory cannot be had.
+fn zeroed_f16(n: usize) -> Option<Vec<f16>> {
+    if n == 0 {
+        return Some(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<f16>(n).ok()?;
+    // SAFETY: `layout` has a non-zero size (n > 0, f16 is 2 bytes). All-zero bits are a valid
+    // f16 (+0.0), so the n elements are initialised. The pointer comes from the global
+    // allocator with exactly the layout a Vec<f16> of capacity n frees it with.
+    unsafe {
+        let p = std::alloc::alloc_zeroed(layout).cast::<f16>();
+        (!p.is_null()).then(|| Vec::from_raw_parts(p, n, n))
+    }
+}
+
 impl KvCache {
     /// Allocates a zeroed cache; fails (instead of aborting) when the size overflows or the
     /// memory cannot be reserved.
@@ -55,15 +72,12 @@ impl KvCache {
             .filter(|n| n.checked_mul(8).is_some())
             .ok_or_else(|| GpuError::InvalidConfig("KV cache size overflows".into()))?;
         let alloc = |what: &str| {
-            let mut v: Vec<f16> = Vec::new();
-            v.try_reserve_exact(n).map_err(|_| {
+            zeroed_f16(n).ok_or_else(|| {
                 GpuError::InvalidConfig(format!(
                     "cannot allocate the KV cache ({what}: {} MiB)",
                     (n * 2) >> 20
                 ))
-            })?;
-            v.resize(n, f16::ZERO);
-            Ok::<_, GpuError>(v)
+            })
         };
         Ok(KvCache {
             layers,
@@ -118,6 +132,15 @@ impl KvCache {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_new_cache_reads_zeros_everywhere() {
+        let c = KvCache::new(2, 3, 4, 2, 8).unwrap();
+        assert_eq!(c.bytes(), 2 * 2 * 3 * 4 * 2 * 8 * 2);
+        assert!(c.k.iter().chain(c.v.iter()).all(|x| x.to_bits() == 0));
+        assert_eq!(c.k.len(), 2 * 3 * 4 * 2 * 8);
+    }
+
     use super::*;
 
     #[test]

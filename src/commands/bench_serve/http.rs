@@ -72,12 +72,24 @@ pub(super) fn first_model(t: &Target, key: Option<&str>) -> anyhow::Result<Strin
     parse_first_model(&text)
 }
 
-/// The first model id of a whole `/v1/models` HTTP response.
+/// The first model id of a whole `/v1/models` HTTP response; a response other than 200 is
+/// an error with its status and body (a 401 asks for `--api-key`).
 fn parse_first_model(response: &str) -> anyhow::Result<String> {
-    let body = response
-        .split_once("\r\n\r\n")
-        .map(|x| x.1)
-        .unwrap_or_default();
+    let (head, body) = response.split_once("\r\n\r\n").unwrap_or((response, ""));
+    let status = head
+        .lines()
+        .next()
+        .and_then(|l| l.split_whitespace().nth(1))
+        .unwrap_or("");
+    if status != "200" {
+        let detail: String = body.trim().chars().take(300).collect();
+        let hint = if status == "401" {
+            " (pass the key with --api-key or SWITCHYARD_API_KEY)"
+        } else {
+            ""
+        };
+        anyhow::bail!("/v1/models answered {status}{hint}: {detail}");
+    }
     // Tolerate chunked framing: take the JSON object inside.
     let (Some(start), Some(end)) = (body.find('{'), body.rfind('}')) else {
         anyhow::bail!("/v1/models returned no JSON object");
@@ -364,6 +376,14 @@ mod tests {
         ] {
             assert!(parse_first_model(bad).is_err(), "{bad:?}");
         }
+        // A refusal says so, with the server's reason (not "no model listed").
+        let denied = "HTTP/1.1 401 Unauthorized\r\ncontent-type: application/json\r\n\r\n\
+                      {\"error\":{\"message\":\"Missing API key\"}}";
+        let e = parse_first_model(denied).unwrap_err().to_string();
+        assert!(
+            e.contains("401") && e.contains("--api-key") && e.contains("Missing API key"),
+            "{e}"
+        );
     }
 
     #[test]
