@@ -74,6 +74,11 @@ pub struct SubmitOptions {
     /// The LoRA adapter's weights, when `request.lora_adapter` names one (the id is the
     /// scheduler's and the prefix cache's; the weights go to the backend with each step).
     pub adapter: Option<Arc<LoraAdapter>>,
+    /// When the request reached the engine (before its prompt was encoded): the scheduler
+    /// actor dates the request's arrival from it, so that policies age requests and set SLO
+    /// deadlines from the moment the client's time to first token runs from. `None`: it
+    /// arrives when the scheduler takes it.
+    pub received: Option<std::time::Instant>,
 }
 
 impl SubmitOptions {
@@ -100,6 +105,7 @@ impl SubmitOptions {
             },
             sampling,
             adapter: None,
+            received: None,
         }
     }
 

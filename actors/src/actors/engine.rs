@@ -654,6 +654,7 @@ impl Engine {
                 },
                 sampling: Arc::new(sampling),
                 adapter: adapter.as_ref().map(|(_, a)| a.clone()),
+                received: Some(arrival),
             });
         }
         // The detokenizer queues the request with the scheduler as it registers it, so that

@@ -397,6 +397,15 @@ impl Handler<Kick> for SchedulerActor {
     }
 }
 
+/// The engine-clock time (microseconds since `origin`) of a request the engine received at
+/// `received`, taken at `now`: never later than `now`, never before the clock's origin.
+fn arrival_stamp(origin: Instant, received: Option<Instant>, now: Timestamp) -> Timestamp {
+    received.map_or(now, |at| {
+        let since = at.saturating_duration_since(origin).as_micros();
+        Timestamp(u64::try_from(since).unwrap_or(u64::MAX).min(now.0))
+    })
+}
+
 impl Handler<Submit> for SchedulerActor {
     type Result = Result<(), EngineError>;
 
@@ -407,8 +416,9 @@ impl Handler<Submit> for SchedulerActor {
         let ids: Vec<RequestId> = msg.0.iter().map(|s| s.request.id).collect();
         let now = self.now();
         for mut submit in msg.0 {
-            // Arrival on the engine clock: policies order, age and set deadlines by it.
-            submit.request.arrival = now;
+            // Arrival on the engine clock: policies order, age and set deadlines by it. A
+            // request arrived when the engine received it, before its prompt was encoded.
+            submit.request.arrival = arrival_stamp(self.origin, submit.received, now);
             let id = submit.request.id;
             if let Err(e) = self.core.add_request(submit) {
                 // All choices of a request go in together or not at all.
@@ -642,6 +652,24 @@ mod tests {
             ..SamplingLimits::default()
         };
         SubmitOptions::offline(id, vec![2; 10], limits, Arc::new(SamplingParams::default()))
+    }
+
+    /// A request is dated from when the engine received it (before its prompt was encoded),
+    /// as its time to first token is, within the engine clock.
+    #[test]
+    fn arrival_is_when_the_engine_received_the_request() {
+        let origin = Instant::now();
+        let now = Timestamp(10_000_000);
+        let at = |us: u64| Some(origin + Duration::from_micros(us));
+        assert_eq!(
+            arrival_stamp(origin, at(2_500_000), now),
+            Timestamp(2_500_000)
+        );
+        assert_eq!(arrival_stamp(origin, None, now), now);
+        // Never after now, never before the origin.
+        assert_eq!(arrival_stamp(origin, at(20_000_000), now), now);
+        let before = origin.checked_sub(Duration::from_secs(1));
+        assert_eq!(arrival_stamp(origin, before, now), Timestamp(0));
     }
 
     #[actix::test]
