@@ -30,12 +30,14 @@ use std::path::Path;
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     /// The file could not be read.
-    #[error("cannot read {path}: {source}")]
+    // The cause is in the message and deliberately not a `source`: a `{:#}` (anyhow) printed
+    // it twice.
+    #[error("cannot read {path}: {error}")]
     Io {
         /// The file.
         path: String,
         /// The underlying error.
-        source: std::io::Error,
+        error: std::io::Error,
     },
     /// The YAML is malformed or a field has a wrong type, an unknown name or an out-of-range value.
     #[error("{file}{}: {message}", line.map(|l| format!(":{l}")).unwrap_or_default())]
@@ -79,14 +81,6 @@ pub enum ConfigError {
     },
 }
 
-/// The key written on 1-based `line` of block-style YAML (`  block_size: 0` gives `block_size`).
-fn key_on_line(text: &str, line: usize) -> Option<&str> {
-    let l = text.lines().nth(line.checked_sub(1)?)?;
-    let (key, _) = l.trim_start().trim_start_matches("- ").split_once(':')?;
-    let key = key.trim();
-    (!key.is_empty() && key.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')).then_some(key)
-}
-
 /// Upper bound on the size of a configuration file (or API keys file) we are willing to parse.
 pub const MAX_CONFIG_BYTES: u64 = 1 << 20;
 
@@ -102,11 +96,23 @@ impl Config {
         path: &Path,
         overrides: &[Override],
     ) -> Result<Self, ConfigError> {
+        Self::from_file_checked(path, overrides, |_| Ok(()))
+    }
+
+    /// [`Config::from_file_with_overrides`] with a further check of the caller's (one that
+    /// needs another crate, such as the policy registry's): it runs after
+    /// [`Config::validate`] and returns the dotted field at fault and why, which is blamed as
+    /// `validate`'s are: on the override that set the field, else on the file's line.
+    pub fn from_file_checked(
+        path: &Path,
+        overrides: &[Override],
+        check: impl FnOnce(&Config) -> Result<(), (String, String)>,
+    ) -> Result<Self, ConfigError> {
         let name = path.display().to_string();
         let text = file::read_text(path, MAX_CONFIG_BYTES).map_err(|e| match e {
-            file::ReadError::Io(source) => ConfigError::Io {
+            file::ReadError::Io(error) => ConfigError::Io {
                 path: name.clone(),
-                source,
+                error,
             },
             file::ReadError::Invalid(message) => ConfigError::Parse {
                 file: name.clone(),
@@ -114,7 +120,7 @@ impl Config {
                 message,
             },
         })?;
-        Self::from_yaml_with_overrides(&text, &name, overrides)
+        Self::from_yaml_checked(&text, &name, overrides, check)
     }
 
     /// Parses and validates YAML text; `file` names it in errors.
@@ -130,21 +136,23 @@ impl Config {
         file: &str,
         overrides: &[Override],
     ) -> Result<Self, ConfigError> {
-        let parse_err = |file: &str, e: serde_yaml::Error| {
-            let line = e.location().map(|l| l.line());
-            let mut message = e.to_string();
-            // Range checks run inside a field's deserializer, where the parser's message names
-            // only the enclosing section: name the key written on the error's line too.
-            if let Some(key) = line.and_then(|l| key_on_line(text, l)) {
-                if !message.contains(key) {
-                    message = format!("field `{key}`: {message}");
-                }
-            }
-            ConfigError::Parse {
-                file: file.to_string(),
-                line,
-                message,
-            }
+        Self::from_yaml_checked(text, file, overrides, |_| Ok(()))
+    }
+
+    /// [`Config::from_yaml_with_overrides`] with the caller's `check` after
+    /// [`Config::validate`] (see [`Config::from_file_checked`]).
+    pub fn from_yaml_checked(
+        text: &str,
+        file: &str,
+        overrides: &[Override],
+        check: impl FnOnce(&Config) -> Result<(), (String, String)>,
+    ) -> Result<Self, ConfigError> {
+        // The parser's message names the field by its path and the value's position (range
+        // checks run while the parser is at the value).
+        let parse_err = |file: &str, e: serde_yaml::Error| ConfigError::Parse {
+            file: file.to_string(),
+            line: e.location().map(|l| l.line()),
+            message: e.to_string(),
         };
         // An empty file is the all-defaults configuration.
         let mut config: Config = if text.trim().is_empty() {
@@ -173,7 +181,8 @@ impl Config {
                 }
             })?;
         }
-        config.validate().map_err(|(field, message)| {
+        let checked = config.validate().and_then(|()| check(&config));
+        checked.map_err(|(field, message)| {
             // A rule broken by an overridden field is the override's, not the file's (the
             // file's line, if any, holds a value that is no longer in force).
             if let Some(o) = overrides.iter().rev().find(|o| o.covers(&field)) {
@@ -262,15 +271,234 @@ mod tests {
         let e = error("model:\n  architecture: llama-3-8b\n", &[]);
         assert!(e.starts_with("t.yaml:2: model.architecture"), "{e}");
         assert!(e.contains("load_format: dummy"), "{e}");
-        assert!(Config::from_yaml_str(
-            "model: { load_format: dummy, architecture: llama-3-8b }",
-            "t"
-        )
-        .is_ok());
         let e = error("server:\n  host: localhost\n", &[]);
         assert!(e.starts_with("t.yaml:2: server.host"), "{e}");
         let c = Config::from_yaml_str("server: { host: '[::1]' }", "t").unwrap();
         assert_eq!(c.server.bind_ip(), Ok("::1".parse().unwrap()));
+    }
+
+    /// `serve` refuses random weights; the configuration does, so `config check` does too.
+    #[test]
+    fn dummy_weights_are_refused_as_serve_refuses_them() {
+        for yaml in [
+            "model:\n  load_format: dummy\n  architecture: llama-3-8b\n",
+            "model:\n  load_format: dummy\n  architecture: foo\n",
+            "model:\n  load_format: dummy\n",
+        ] {
+            let e = error(yaml, &[]);
+            assert!(
+                e.starts_with("t.yaml:2: model.load_format: dummy is for benchmarks"),
+                "{e}"
+            );
+            assert!(e.contains("serve needs real weights"), "{e}");
+            for arch in DUMMY_ARCHITECTURES {
+                assert!(e.contains(arch), "{e}");
+            }
+        }
+        let e = error("", &["model.load_format=dummy".into()]);
+        assert!(
+            e.starts_with("override `--set model.load_format=dummy`: model.load_format: dummy"),
+            "{e}"
+        );
+        assert!(
+            DUMMY_ARCHITECTURES.contains(&"qwen2.5-0.5b")
+                && DUMMY_ARCHITECTURES.contains(&"qwen3-0.6b")
+        );
+    }
+
+    /// A value out of range is blamed on its own field and line (it once was on the first key
+    /// of its section, and that key's line): one case per section kind, in the example file.
+    #[test]
+    fn a_value_out_of_range_names_its_own_field_and_line() {
+        const EXAMPLE: &str = include_str!("../examples/default.yaml");
+        let cases = [
+            ("cache", "kv_cache_mb", "0", "0 is out of range 1..=1048576"),
+            (
+                "cache",
+                "block_size",
+                "2048",
+                "2048 is out of range 1..=1024",
+            ),
+            ("server", "port", "99999", "99999 is out of range 0..=65535"),
+            ("server", "port", "-1", "-1 is out of range 0..=65535"),
+            (
+                "server",
+                "request_timeout_s",
+                "0",
+                "0 is out of range 1..=3600",
+            ),
+            ("lora", "max_loras", "0", "0 is out of range 1..=1024"),
+            (
+                "lora",
+                "max_cpu_loras",
+                "5000",
+                "5000 is out of range 0..=4096",
+            ),
+            (
+                "scheduler",
+                "max_num_batched_tokens",
+                "0",
+                "0 is out of range 1..=1048576",
+            ),
+            ("model", "threads", "2000", "2000 is out of range 0..=1024"),
+        ];
+        for (section, key, value, why) in cases {
+            let field = format!("{section}.{key}");
+            let line = locate(EXAMPLE, &field).expect("the example sets the field");
+            let text: String = EXAMPLE
+                .lines()
+                .enumerate()
+                .map(|(i, l)| {
+                    if i + 1 == line {
+                        format!("{}{key}: {value}\n", &l[..l.find(key).unwrap()])
+                    } else {
+                        format!("{l}\n")
+                    }
+                })
+                .collect();
+            let e = error(&text, &[]);
+            assert!(
+                e.starts_with(&format!("t.yaml:{line}: {field}: {why} at line {line} ")),
+                "{field}={value}: {e}"
+            );
+        }
+        // A section the example leaves out, a map of sections, a flow mapping and a float.
+        let e = error(
+            "speculative:\n  method: ngram\n  num_speculative_tokens: 17\n",
+            &[],
+        );
+        assert!(
+            e.starts_with("t.yaml:3: speculative.num_speculative_tokens: 17 is out of range"),
+            "{e}"
+        );
+        let e = error("tiers:\n  gold:\n    ttft_ms: 100\n    weight: 0\n", &[]);
+        assert!(
+            e.starts_with("t.yaml:4: tiers.gold.weight: 0 must be a weight"),
+            "{e}"
+        );
+        let e = error(
+            "tiers:\n  gold:\n    preemptible: true\n    tpot_ms: -1\n",
+            &[],
+        );
+        assert!(
+            e.starts_with("t.yaml:4: tiers.gold.tpot_ms: -1 must be"),
+            "{e}"
+        );
+        let e = error("\ncache: { block_size: 16, kv_cache_mb: 0 }\n", &[]);
+        assert!(
+            e.starts_with("t.yaml:2: cache.kv_cache_mb: 0 is out of range")
+                && e.ends_with("at line 2 column 39"),
+            "{e}"
+        );
+        let e = error(
+            "cache:\n  block_size: 16\n  gpu_memory_utilization: 1.5\n",
+            &[],
+        );
+        assert!(
+            e.starts_with("t.yaml:3: cache.gpu_memory_utilization: 1.5 must be in (0, 1]"),
+            "{e}"
+        );
+        // Values in range, integers for floats and nulls are still read.
+        let c = Config::from_yaml_str(
+            "cache: { gpu_memory_utilization: 1 }\ntiers:\n  a: { ttft_ms: ~, tpot_ms: 50, weight: 2 }\nserver: { port: 0x1F90 }\n",
+            "t",
+        )
+        .unwrap();
+        assert_eq!(c.cache.gpu_memory_utilization, 1.0);
+        assert_eq!(c.tiers["a"].ttft_ms, None);
+        assert_eq!(c.tiers["a"].tpot_ms, Some(50.0));
+        assert_eq!(c.server.port, 8080);
+        // The type is still checked, and said in words.
+        let e = error("server:\n  port: eighty\n", &[]);
+        assert!(
+            e.contains(
+                "server.port: invalid type: string \"eighty\", expected an integer in 0..=65535"
+            ),
+            "{e}"
+        );
+    }
+
+    /// With `--set`, the field is named likewise, and a section given a scalar is said to
+    /// need a mapping, without the Rust type's name.
+    #[test]
+    fn an_override_out_of_range_or_not_a_mapping_names_the_field() {
+        let e = error("", &["lora.max_loras=0".into()]);
+        assert_eq!(
+            e,
+            "override `--set lora.max_loras=0`: field `lora.max_loras`: 0 is out of range 1..=1024"
+        );
+        let e = error("", &["server=3".into()]);
+        assert_eq!(
+            e,
+            "override `--set server=3`: field `server`: invalid type: integer `3`, expected a \
+             mapping (the server section)"
+        );
+        let e = error("server: 3\n", &[]);
+        assert!(
+            !e.contains("ServerSection") && e.contains("expected a mapping"),
+            "{e}"
+        );
+        let e = error("", &["scheduler.policy=fcfs".into()]);
+        assert!(
+            !e.contains("PolicySpec") && e.contains("expected a mapping"),
+            "{e}"
+        );
+    }
+
+    /// A caller's check (the policy registry's) is blamed as `validate`'s rules are: on the
+    /// override that set the field, else on the file's line, flow mappings included.
+    #[test]
+    fn a_callers_check_names_the_override_or_the_files_line() {
+        let nope = |c: &Config| {
+            if c.scheduler.policy.name == "nope" {
+                Err(("scheduler.policy.name".to_string(), "unknown".to_string()))
+            } else {
+                Ok(())
+            }
+        };
+        let file = "scheduler:\n  max_num_seqs: 8\n  policy: { name: fcfs }   # comment\n";
+        let e =
+            Config::from_yaml_checked(file, "t.yaml", &["scheduler.policy.name=nope".into()], nope)
+                .unwrap_err()
+                .to_string();
+        assert_eq!(
+            e,
+            "override `--set scheduler.policy.name=nope`: scheduler.policy.name: unknown"
+        );
+        let e = Config::from_yaml_checked(
+            file,
+            "t.yaml",
+            &[env("SWITCHYARD__SCHEDULER__POLICY__NAME", "nope")],
+            nope,
+        )
+        .unwrap_err()
+        .to_string();
+        assert_eq!(
+            e,
+            "override `SWITCHYARD__SCHEDULER__POLICY__NAME=nope`: scheduler.policy.name: unknown"
+        );
+        let e = Config::from_yaml_checked(&file.replace("fcfs", "nope"), "t.yaml", &[], nope)
+            .unwrap_err()
+            .to_string();
+        assert_eq!(e, "t.yaml:3: scheduler.policy.name: unknown");
+        let block = "scheduler:\n  policy:\n    name: nope\n";
+        let e = Config::from_yaml_checked(block, "t.yaml", &[], nope)
+            .unwrap_err()
+            .to_string();
+        assert_eq!(e, "t.yaml:3: scheduler.policy.name: unknown");
+    }
+
+    #[test]
+    fn a_missing_file_names_its_cause_once() {
+        let e = Config::from_file(Path::new("/nonexistent/switchyard.yaml")).unwrap_err();
+        assert!(std::error::Error::source(&e).is_none());
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "cannot read /nonexistent/switchyard.yaml: {}",
+                std::io::Error::from_raw_os_error(2)
+            )
+        );
     }
 
     #[test]

@@ -2,9 +2,51 @@
 //! (the YAML parser already locates type and range errors itself).
 
 /// Returns the 1-based line where `path` (e.g. `scheduler.policy.name` or
-/// `server.api_keys[1].tier`) is written in block-style YAML, or `None` when it cannot be found
-/// (flow style, or a field that was left to its default).
+/// `server.api_keys[1].tier`) is written: in block-style YAML, or inside a flow mapping on one
+/// line (`policy: { name: fcfs }`); `None` when it cannot be found (a flow mapping over several
+/// lines, or a field that was left to its default).
 pub fn locate(text: &str, path: &str) -> Option<usize> {
+    locate_block(text, path).or_else(|| locate_in_flow(text, path))
+}
+
+/// The line of the nearest enclosing field of `path` written in block style, when the rest of
+/// the path's keys are written on that same line, in order (a one-line flow mapping).
+fn locate_in_flow(text: &str, path: &str) -> Option<usize> {
+    let segments: Vec<&str> = path.split('.').collect();
+    for n in (1..segments.len()).rev() {
+        let Some(line) = locate_block(text, &segments[..n].join(".")) else {
+            continue;
+        };
+        let written = text.lines().nth(line - 1)?;
+        // Leave out a comment (` #` outside quotes is close enough for keys).
+        let mut rest = written.split(" #").next().unwrap_or(written);
+        for seg in &segments[n..] {
+            let key = seg.split('[').next().unwrap_or(seg);
+            let at = find_key(rest, key)?;
+            rest = &rest[at + key.len()..];
+        }
+        return Some(line);
+    }
+    None
+}
+
+/// Where `key:` is written in `line` as a whole key (not the end of a longer one).
+fn find_key(line: &str, key: &str) -> Option<usize> {
+    let pattern = format!("{key}:");
+    let mut from = 0;
+    while let Some(i) = line[from..].find(&pattern) {
+        let at = from + i;
+        let before = line[..at].chars().next_back();
+        if before.is_none_or(|c| matches!(c, '{' | ',' | ' ' | '\t' | '"' | '\'')) {
+            return Some(at);
+        }
+        from = at + pattern.len();
+    }
+    None
+}
+
+/// [`locate`] in block style only.
+fn locate_block(text: &str, path: &str) -> Option<usize> {
     let mut parent_indent: Option<usize> = None;
     let mut start = 0usize;
     let lines: Vec<&str> = text.lines().collect();
@@ -85,6 +127,21 @@ mod tests {
     fn finds_list_items() {
         assert_eq!(locate(TEXT, "server.api_keys[1].tier"), Some(8));
         assert_eq!(locate(TEXT, "server.api_keys[0].key"), Some(5));
+    }
+
+    #[test]
+    fn finds_keys_of_one_line_flow_mappings() {
+        let text = "scheduler:\n  max_num_seqs: 8\n  policy: { name: x, params: { token_budget: -1 } } # c\nlora: { max_loras: 0 }\n";
+        assert_eq!(locate(text, "scheduler.policy.name"), Some(3));
+        assert_eq!(
+            locate(text, "scheduler.policy.params.token_budget"),
+            Some(3)
+        );
+        assert_eq!(locate(text, "lora.max_loras"), Some(4));
+        // Not written: no line, even though the enclosing mapping is found.
+        assert_eq!(locate(text, "scheduler.policy.params.aging"), None);
+        assert_eq!(locate(text, "lora.max_lora_rank"), None);
+        assert_eq!(locate(text, "scheduler.policy.me"), None);
     }
 
     #[test]

@@ -3,71 +3,180 @@
 //! Every number a file controls is bounded here, while deserializing, so that the YAML parser
 //! reports the line of an out-of-range value.
 
+use serde::de::{self, Visitor};
 use serde::{Deserialize, Deserializer, Serialize};
 use std::collections::BTreeMap;
+use std::fmt;
+
+// The checks run inside the visitors, while the parser is at the value: an error raised there
+// is located at the value's own line and named by its full path (`cache.kv_cache_mb`). A check
+// made after `u64::deserialize` returned was located by the enclosing section instead (its
+// first key's line).
+
+/// The message of an integer outside `MIN..=MAX`.
+fn out_of_range<E: de::Error>(v: impl fmt::Display, min: u64, max: u64) -> E {
+    E::custom(format!("{v} is out of range {min}..={max}"))
+}
+
+/// Visits an integer in `MIN..=MAX`.
+struct IntIn<const MIN: u64, const MAX: u64>;
+
+impl<const MIN: u64, const MAX: u64> Visitor<'_> for IntIn<MIN, MAX> {
+    type Value = u64;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "an integer in {MIN}..={MAX}")
+    }
+
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<u64, E> {
+        if (MIN..=MAX).contains(&v) {
+            Ok(v)
+        } else {
+            Err(out_of_range(v, MIN, MAX))
+        }
+    }
+
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<u64, E> {
+        match u64::try_from(v) {
+            Ok(v) => self.visit_u64(v),
+            Err(_) => Err(out_of_range(v, MIN, MAX)),
+        }
+    }
+
+    fn visit_u128<E: de::Error>(self, v: u128) -> Result<u64, E> {
+        match u64::try_from(v) {
+            Ok(v) => self.visit_u64(v),
+            Err(_) => Err(out_of_range(v, MIN, MAX)),
+        }
+    }
+
+    fn visit_i128<E: de::Error>(self, v: i128) -> Result<u64, E> {
+        match u64::try_from(v) {
+            Ok(v) => self.visit_u64(v),
+            Err(_) => Err(out_of_range(v, MIN, MAX)),
+        }
+    }
+}
 
 /// Deserializes an integer and checks it lies in `MIN..=MAX`.
 fn int_in<'de, D: Deserializer<'de>, const MIN: u64, const MAX: u64>(
     d: D,
 ) -> Result<u64, D::Error> {
-    let v = u64::deserialize(d)?;
-    if (MIN..=MAX).contains(&v) {
-        Ok(v)
-    } else {
-        Err(serde::de::Error::custom(format!(
-            "{v} is out of range {MIN}..={MAX}"
-        )))
-    }
+    d.deserialize_any(IntIn::<MIN, MAX>)
 }
 
 fn usize_in<'de, D: Deserializer<'de>, const MIN: u64, const MAX: u64>(
     d: D,
 ) -> Result<usize, D::Error> {
     let v = int_in::<D, MIN, MAX>(d)?;
-    usize::try_from(v).map_err(serde::de::Error::custom)
+    usize::try_from(v).map_err(de::Error::custom)
 }
 
 fn u16_in<'de, D: Deserializer<'de>, const MIN: u64, const MAX: u64>(
     d: D,
 ) -> Result<u16, D::Error> {
     let v = int_in::<D, MIN, MAX>(d)?;
-    u16::try_from(v).map_err(serde::de::Error::custom)
+    u16::try_from(v).map_err(de::Error::custom)
+}
+
+/// Visits a number (an integer is taken as a float) that `check` accepts; `expecting` says
+/// what is accepted.
+struct Checked {
+    check: fn(f64) -> Result<f64, String>,
+    expecting: &'static str,
+}
+
+impl Visitor<'_> for Checked {
+    type Value = f64;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.expecting)
+    }
+
+    fn visit_f64<E: de::Error>(self, v: f64) -> Result<f64, E> {
+        (self.check)(v).map_err(E::custom)
+    }
+
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<f64, E> {
+        self.visit_f64(v as f64)
+    }
+
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<f64, E> {
+        self.visit_f64(v as f64)
+    }
+}
+
+/// Visits `null` (None) or a number `Checked` accepts.
+struct OptChecked(Checked);
+
+impl<'de> Visitor<'de> for OptChecked {
+    type Value = Option<f64>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} or null", self.0.expecting)
+    }
+
+    fn visit_none<E: de::Error>(self) -> Result<Option<f64>, E> {
+        Ok(None)
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Option<f64>, E> {
+        Ok(None)
+    }
+
+    fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Option<f64>, D::Error> {
+        d.deserialize_any(self.0).map(Some)
+    }
 }
 
 fn fraction<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
-    let v = f64::deserialize(d)?;
-    if v > 0.0 && v <= 1.0 {
-        Ok(v)
-    } else {
-        Err(serde::de::Error::custom(format!("{v} must be in (0, 1]")))
-    }
+    d.deserialize_any(Checked {
+        check: |v| {
+            if v > 0.0 && v <= 1.0 {
+                Ok(v)
+            } else {
+                Err(format!("{v} must be in (0, 1]"))
+            }
+        },
+        expecting: "a number in (0, 1]",
+    })
 }
 
 fn opt_positive_ms<'de, D: Deserializer<'de>>(d: D) -> Result<Option<f64>, D::Error> {
-    match Option::<f64>::deserialize(d)? {
-        Some(v) if !(v.is_finite() && v > 0.0 && v <= 3_600_000.0) => {
-            Err(serde::de::Error::custom(format!(
-                "{v} must be a positive number of milliseconds (at most one hour)"
-            )))
-        }
-        other => Ok(other),
-    }
+    d.deserialize_option(OptChecked(Checked {
+        check: |v| {
+            if v.is_finite() && v > 0.0 && v <= 3_600_000.0 {
+                Ok(v)
+            } else {
+                Err(format!(
+                    "{v} must be a positive number of milliseconds (at most one hour)"
+                ))
+            }
+        },
+        expecting: "a positive number of milliseconds",
+    }))
 }
 
 fn weight<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
-    let v = f64::deserialize(d)?;
-    if v.is_finite() && (1e-3..=1e6).contains(&v) {
-        Ok(v)
-    } else {
-        Err(serde::de::Error::custom(format!(
-            "{v} must be a weight in 0.001..=1e6"
-        )))
-    }
+    d.deserialize_any(Checked {
+        check: |v| {
+            if v.is_finite() && (1e-3..=1e6).contains(&v) {
+                Ok(v)
+            } else {
+                Err(format!("{v} must be a weight in 0.001..=1e6"))
+            }
+        },
+        expecting: "a weight in 0.001..=1e6",
+    })
 }
 
 /// The whole configuration file.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields, default)]
+#[serde(
+    deny_unknown_fields,
+    default,
+    expecting = "a mapping of sections (model, server, cache, scheduler, tiers, logging, lora, speculative)"
+)]
 pub struct Config {
     /// Which model to serve and on which backend.
     pub model: ModelSection,
@@ -99,7 +208,11 @@ pub enum SpeculativeMethod {
 
 /// The `speculative:` section (vLLM's `speculative_config`).
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields, default)]
+#[serde(
+    deny_unknown_fields,
+    default,
+    expecting = "a mapping (the speculative section)"
+)]
 pub struct SpeculativeSection {
     /// How drafts are proposed.
     pub method: SpeculativeMethod,
@@ -188,7 +301,8 @@ pub enum LoadFormat {
     Gguf,
     /// A Hugging Face directory with config.json and safetensors.
     Safetensors,
-    /// Random weights for `model.architecture` (benchmarks without weight files).
+    /// Random weights for `model.architecture` (benchmarks without weight files); refused by
+    /// [`Config::validate`], since `serve` needs real weights.
     Dummy,
 }
 
@@ -272,7 +386,11 @@ choice_from_str!(PrefixSharing { "tenant" => Tenant, "global" => Global });
 
 /// The `model:` section.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields, default)]
+#[serde(
+    deny_unknown_fields,
+    default,
+    expecting = "a mapping (the model section)"
+)]
 pub struct ModelSection {
     /// A GGUF file or a Hugging Face directory; `~` expands to the home directory. When empty,
     /// the embedded default (SmolLM2-135M-Instruct, fetched by `switchyard model fetch`) is used.
@@ -284,8 +402,9 @@ pub struct ModelSection {
     /// How weights are loaded: `auto` follows the path; `gguf` or `safetensors` must match
     /// what the path holds (`serve` refuses a mismatch before loading).
     pub load_format: LoadFormat,
-    /// Architecture preset for `load_format: dummy` (`smollm2-135m`, `llama-3-8b`); refused
-    /// with any other load format (a model file's architecture is read from the file).
+    /// Architecture preset of random weights (one of [`DUMMY_ARCHITECTURES`]) for
+    /// `load_format: dummy`, which is for benchmarks: `serve` (so the configuration) refuses
+    /// both; a model file's architecture is read from the file.
     pub architecture: Option<String>,
     /// Weight quantization applied at load (`none`, `fp8`: CUDA backend only).
     pub quantization: Quantization,
@@ -324,7 +443,7 @@ impl Default for ModelSection {
 
 /// One API key and who it belongs to.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping of key, tenant and tier")]
 pub struct ApiKeyEntry {
     /// The secret bearer token.
     pub key: String,
@@ -365,7 +484,11 @@ impl ApiKeyEntry {
 
 /// The `server:` section.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields, default)]
+#[serde(
+    deny_unknown_fields,
+    default,
+    expecting = "a mapping (the server section)"
+)]
 pub struct ServerSection {
     /// Address to bind.
     pub host: String,
@@ -435,7 +558,11 @@ impl Default for ServerSection {
 
 /// The `cache:` section.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields, default)]
+#[serde(
+    deny_unknown_fields,
+    default,
+    expecting = "a mapping (the cache section)"
+)]
 pub struct CacheSection {
     /// Tokens per KV block.
     #[serde(deserialize_with = "usize_in::<_, 1, 1024>")]
@@ -474,7 +601,7 @@ impl Default for CacheSection {
 
 /// A policy by registered name, with its parameters.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping of name and params")]
 pub struct PolicySpec {
     /// Registered policy name (`fcfs`, `priority`, `slo-aware`, `chunked-prefill`, `fair-share`).
     pub name: String,
@@ -494,7 +621,11 @@ impl Default for PolicySpec {
 
 /// The `scheduler:` section.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields, default)]
+#[serde(
+    deny_unknown_fields,
+    default,
+    expecting = "a mapping (the scheduler section)"
+)]
 pub struct SchedulerSection {
     /// Most sequences in one step (at most 2048: the rows a backend samples in one step).
     #[serde(deserialize_with = "usize_in::<_, 1, 2048>")]
@@ -523,7 +654,10 @@ impl Default for SchedulerSection {
 
 /// One SLO tier.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a mapping (a tier: ttft_ms, tpot_ms, weight, preemptible)"
+)]
 pub struct TierConfig {
     /// Time-to-first-token target in milliseconds.
     #[serde(default, deserialize_with = "opt_positive_ms")]
@@ -557,7 +691,11 @@ pub enum LogFormat {
 
 /// The `logging:` section.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields, default)]
+#[serde(
+    deny_unknown_fields,
+    default,
+    expecting = "a mapping (the logging section)"
+)]
 pub struct LoggingSection {
     /// A tracing filter such as `info` or `switchyard=debug,info`: comma-separated
     /// directives, each a level (trace, debug, info, warn, error, off) or `target=level`.
@@ -578,7 +716,11 @@ impl Default for LoggingSection {
 /// The `lora:` section: adapters served on top of the base model, chosen per request by
 /// `model: <adapter name>`.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields, default)]
+#[serde(
+    deny_unknown_fields,
+    default,
+    expecting = "a mapping (the lora section)"
+)]
 pub struct LoraSection {
     /// Serve LoRA adapters.
     pub enabled: bool,
@@ -616,7 +758,7 @@ impl Default for LoraSection {
 
 /// One adapter of `lora.adapters`.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping of name and path")]
 pub struct LoraAdapterEntry {
     /// The name requests use as `model`.
     pub name: String,
@@ -624,6 +766,11 @@ pub struct LoraAdapterEntry {
     /// relative paths are taken from the server's working directory, `~/` is expanded.
     pub path: String,
 }
+
+/// The architecture presets of random (dummy) weights, as `switchyard bench throughput --dummy`
+/// names them (`runtime::preset` in the binary builds each).
+pub const DUMMY_ARCHITECTURES: [&str; 4] =
+    ["smollm2-135m", "llama-3-8b", "qwen2.5-0.5b", "qwen3-0.6b"];
 
 /// Most tiers a configuration may declare (tier names become metric labels).
 pub const MAX_TIERS: usize = 32;
@@ -690,24 +837,28 @@ impl Config {
                 ));
             }
         }
-        if self.model.load_format == LoadFormat::Dummy && self.model.architecture.is_none() {
+        // What `serve` refuses before loading the model, refused here too so that `config
+        // check` (and a SIGHUP reload) refuse it as well.
+        if self.model.load_format == LoadFormat::Dummy {
             return Err((
-                "model.architecture".into(),
-                "load_format: dummy needs an architecture (smollm2-135m, llama-3-8b)".into(),
+                "model.load_format".into(),
+                format!(
+                    "dummy is for benchmarks (`switchyard bench throughput --dummy ARCH`, ARCH \
+                     one of {}); serve needs real weights",
+                    DUMMY_ARCHITECTURES.join(", ")
+                ),
             ));
         }
         // The architecture of real weights comes from their files: a preset set beside them
         // would be ignored, so it is refused rather than let the operator believe it applies.
-        if self.model.load_format != LoadFormat::Dummy {
-            if let Some(a) = &self.model.architecture {
-                return Err((
-                    "model.architecture".into(),
-                    format!(
-                        "`{a}` is only used with load_format: dummy (random weights); the \
-                         architecture of a model file is read from the file, so remove this field"
-                    ),
-                ));
-            }
+        if let Some(a) = &self.model.architecture {
+            return Err((
+                "model.architecture".into(),
+                format!(
+                    "`{a}` is only used with load_format: dummy (random weights); the \
+                     architecture of a model file is read from the file, so remove this field"
+                ),
+            ));
         }
         self.server
             .bind_ip()

@@ -2,17 +2,15 @@
 
 use crate::cli::ConfigCommand;
 use switchyard_config::{env_overrides, Config, Override, PolicySpec};
-use switchyard_policies::{Policy, PolicyRegistry, TierSpec};
+use switchyard_policies::{Policy, PolicyError, PolicyRegistry, TierSpec};
 
 pub fn run(cmd: ConfigCommand) -> anyhow::Result<()> {
     match cmd {
         ConfigCommand::Check { file, overrides } => {
-            let config = load(&file, &overrides)?;
             // What `serve` checks before it loads the model, so that a configuration that
             // passes here does not fail there: the policy and its parameters (by the registry
             // that will run them) and the API keys file.
-            build_policy(&config.scheduler.policy, &tier_specs(&config))
-                .map_err(|e| anyhow::anyhow!("{}: scheduler.policy: {e}", file.display()))?;
+            let config = load_checked(&file, &overrides)?;
             let keys = config.load_api_keys()?;
             // Keys are secrets: the printed configuration leaves them out.
             println!("# API keys and the admin key are shown as <redacted>.");
@@ -35,9 +33,60 @@ pub fn run(cmd: ConfigCommand) -> anyhow::Result<()> {
 /// Only variables with that prefix are read, so others may hold anything (even bytes that are
 /// not UTF-8); one with the prefix that is not UTF-8 is an error naming it.
 pub fn load(file: &std::path::Path, cli_overrides: &[String]) -> anyhow::Result<Config> {
+    load_with(file, cli_overrides, |_| Ok(()))
+}
+
+/// [`load`], with `scheduler.policy` built too (by the registry that runs it, with the
+/// configured tiers): an error names the field (`scheduler.policy.name`,
+/// `scheduler.policy.params.token_budget`) and the override that set it, or the file's line.
+/// What `config check` and `serve`'s start read.
+pub fn load_checked(file: &std::path::Path, cli_overrides: &[String]) -> anyhow::Result<Config> {
+    load_with(file, cli_overrides, |config| {
+        let spec = &config.scheduler.policy;
+        build_policy(spec, &tier_specs(config))
+            .map(drop)
+            .map_err(policy_field_error)
+    })
+}
+
+fn load_with(
+    file: &std::path::Path,
+    cli_overrides: &[String],
+    check: impl FnOnce(&Config) -> Result<(), (String, String)>,
+) -> anyhow::Result<Config> {
     let mut all = env_overrides(std::env::vars_os())?;
     all.extend(cli_overrides.iter().cloned().map(Override::flag));
-    Ok(Config::from_file_with_overrides(file, &all)?)
+    Ok(Config::from_file_checked(file, &all, check)?)
+}
+
+/// The field of `scheduler.policy` a policy error is about, and the message.
+fn policy_field_error(e: PolicyError) -> (String, String) {
+    match e {
+        PolicyError::UnknownPolicy { .. } => ("scheduler.policy.name".into(), e.to_string()),
+        PolicyError::InvalidParam {
+            policy,
+            field,
+            reason,
+        } if field == "params" => (
+            "scheduler.policy.params".into(),
+            format!("policy `{policy}`: {reason}"),
+        ),
+        PolicyError::InvalidParam {
+            policy,
+            field,
+            reason,
+        } if !field.is_empty()
+            && field
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-') =>
+        {
+            (
+                format!("scheduler.policy.params.{field}"),
+                format!("policy `{policy}`: parameter `{field}`: {reason}"),
+            )
+        }
+        other => ("scheduler.policy".into(), other.to_string()),
+    }
 }
 
 /// Builds the policy a `scheduler.policy` section names, with its parameters checked by the

@@ -277,8 +277,8 @@ pub fn preset(name: &str) -> anyhow::Result<LlamaConfig> {
         "qwen2.5-0.5b" => Ok(LlamaConfig::qwen25_05b()),
         "qwen3-0.6b" => Ok(LlamaConfig::qwen3_06b()),
         other => anyhow::bail!(
-            "unknown architecture `{other}` (known: smollm2-135m, llama-3-8b, qwen2.5-0.5b, \
-             qwen3-0.6b)"
+            "unknown architecture `{other}` (known: {})",
+            switchyard_config::DUMMY_ARCHITECTURES.join(", ")
         ),
     }
 }
@@ -361,4 +361,18 @@ pub fn random_hash_key() -> [u64; 2] {
         u64::from_le_bytes(lo.try_into().unwrap_or([0; 8])),
         u64::from_le_bytes(hi.try_into().unwrap_or([0; 8])),
     ]
+}
+
+#[cfg(test)]
+mod tests {
+    /// Every architecture the configuration names for dummy weights has a preset, and an
+    /// unknown one is refused with the list.
+    #[test]
+    fn every_named_dummy_architecture_has_a_preset() {
+        for name in switchyard_config::DUMMY_ARCHITECTURES {
+            assert!(super::preset(name).is_ok(), "{name}");
+        }
+        let e = super::preset("gpt-5").unwrap_err().to_string();
+        assert!(e.contains("qwen3-0.6b"), "{e}");
+    }
 }

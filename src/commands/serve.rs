@@ -29,7 +29,7 @@ use switchyard_api::engine::{
 };
 use switchyard_api::schema::{reasoning, tools::ToolFormat};
 use switchyard_api::{ApiConfig, ApiKeyEntry, ApiState, ServerOptions};
-use switchyard_config::{Config, LoadFormat, ReasoningParser, ToolCallFormat};
+use switchyard_config::{Config, ReasoningParser, ToolCallFormat};
 use switchyard_gpu::backend::{SamplingParams, MAX_LOGIT_ROWS};
 use switchyard_gpu::model::{ChatEnding, ChatTemplate, Tokenizer};
 use switchyard_gpu::LoraLimits;
@@ -57,7 +57,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let hangup = system
         .block_on(async { signal(SignalKind::hangup()) })
         .context("cannot install the SIGHUP handler")?;
-    let config = super::config::load(&args.config, &args.overrides)?;
+    let config = super::config::load_checked(&args.config, &args.overrides)?;
     // The recorder goes in first so that no metric recorded during start-up is lost.
     let prometheus = match switchyard_api::metrics::install_prometheus_recorder() {
         Ok(handle) => {
@@ -73,10 +73,6 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     super::init_logging(
         &config.logging.level,
         config.logging.format == switchyard_config::LogFormat::Json,
-    );
-    anyhow::ensure!(
-        config.model.load_format != LoadFormat::Dummy,
-        "model.load_format: dummy is for benchmarks; serve needs real weights"
     );
     let path = if config.model.path.is_empty() {
         runtime::resolve_model_path(None)?

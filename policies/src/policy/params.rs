@@ -47,10 +47,15 @@ impl<'v> Params<'v> {
                     });
                 };
                 if !known.contains(&name) {
+                    let reason = if known.is_empty() {
+                        format!("unknown parameter: `{policy}` takes no parameters")
+                    } else {
+                        format!("unknown parameter; known: {}", known.join(", "))
+                    };
                     return Err(PolicyError::InvalidParam {
                         policy,
                         field: name.chars().take(MAX_KEY_LEN).collect(),
-                        reason: format!("unknown parameter; known: {}", known.join(", ")),
+                        reason,
                     });
                 }
             }
@@ -173,15 +178,17 @@ impl<'v> Params<'v> {
     }
 }
 
-fn kind(v: &Value) -> &'static str {
+/// What a value is, for an error: a number or a boolean as written (`-1`, `2.5`), the rest
+/// by kind.
+fn kind(v: &Value) -> String {
     match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Sequence(_) => "a list",
-        Value::Mapping(_) => "a mapping",
-        Value::Tagged(_) => "a tagged value",
+        Value::Null => "null".into(),
+        Value::Bool(b) => b.to_string(),
+        Value::Number(n) => n.to_string(),
+        Value::String(_) => "a string".into(),
+        Value::Sequence(_) => "a list".into(),
+        Value::Mapping(_) => "a mapping".into(),
+        Value::Tagged(_) => "a tagged value".into(),
     }
 }
 

@@ -1,0 +1,182 @@
+//! `switchyard config check`'s errors as an operator reads them: the file and the line of the
+//! value at fault, or the override that set it, and the field. The real binary; no model.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const EXAMPLE: &str = "config/examples/default.yaml";
+
+/// `config check FILE ARGS...` with `env`; its exit status and stderr.
+fn check(file: &Path, args: &[&str], env: &[(&str, &str)]) -> (bool, String) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_switchyard"));
+    cmd.current_dir(env!("CARGO_MANIFEST_DIR"))
+        .args(["config", "check"])
+        .arg(file)
+        .args(args);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().expect("run switchyard config check");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The error `config check` prints (it must fail).
+fn refused(file: &Path, args: &[&str], env: &[(&str, &str)]) -> String {
+    let (ok, err) = check(file, args, env);
+    assert!(!ok, "accepted: {err}");
+    err
+}
+
+/// The example file with `find` replaced by `replace` (which must occur), written apart.
+fn edited(name: &str, find: &str, replace: &str) -> PathBuf {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(root.join(EXAMPLE)).expect("the example");
+    assert!(text.contains(find), "`{find}` is not in the example");
+    let dir = std::env::temp_dir().join(format!("switchyard-config-errors-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let path = dir.join(format!("{name}.yaml"));
+    std::fs::write(&path, text.replacen(find, replace, 1)).expect("write");
+    path
+}
+
+#[test]
+fn a_value_out_of_range_names_its_own_field_and_line() {
+    for (find, replace, expected) in [
+        (
+            "kv_cache_mb: 256",
+            "kv_cache_mb: 0",
+            ":32: cache.kv_cache_mb: 0 is out of range 1..=1048576 at line 32",
+        ),
+        (
+            "port: 8000",
+            "port: 99999",
+            ":22: server.port: 99999 is out of range 0..=65535 at line 22",
+        ),
+        (
+            "max_loras: 4",
+            "max_loras: 0",
+            ":50: lora.max_loras: 0 is out of range 1..=1024 at line 50",
+        ),
+        (
+            "max_num_batched_tokens: 2048",
+            "max_num_batched_tokens: 0",
+            ":38: scheduler.max_num_batched_tokens: 0 is out of range 1..=1048576 at line 38",
+        ),
+    ] {
+        let file = edited("range", find, replace);
+        let err = refused(&file, &[], &[]);
+        assert!(
+            err.starts_with(&format!("error: {}{expected}", file.display())),
+            "{replace}: {err}"
+        );
+    }
+}
+
+#[test]
+fn a_policy_error_names_the_override_that_set_it_or_the_files_line() {
+    let example = Path::new(EXAMPLE);
+    let unknown = "scheduler.policy.name: unknown scheduling policy `nope`; known policies: fcfs";
+    let err = refused(example, &["--set", "scheduler.policy.name=nope"], &[]);
+    assert!(
+        err.starts_with(&format!(
+            "error: override `--set scheduler.policy.name=nope`: {unknown}"
+        )),
+        "{err}"
+    );
+    assert!(!err.contains("default.yaml"), "{err}");
+    let err = refused(
+        example,
+        &[],
+        &[("SWITCHYARD__SCHEDULER__POLICY__NAME", "nope")],
+    );
+    assert!(
+        err.starts_with(&format!(
+            "error: override `SWITCHYARD__SCHEDULER__POLICY__NAME=nope`: {unknown}"
+        )),
+        "{err}"
+    );
+    // Set by the file (a flow mapping): the file's line.
+    let file = edited("policy", "{ name: fcfs }", "{ name: nope }");
+    let err = refused(&file, &[], &[]);
+    assert!(
+        err.starts_with(&format!("error: {}:39: {unknown}", file.display())),
+        "{err}"
+    );
+    // A parameter: the value as written.
+    let err = refused(
+        example,
+        &[
+            "--set",
+            "scheduler.policy.name=chunked-prefill",
+            "--set",
+            "scheduler.policy.params.token_budget=-1",
+        ],
+        &[],
+    );
+    assert!(
+        err.starts_with(
+            "error: override `--set scheduler.policy.params.token_budget=-1`: \
+             scheduler.policy.params.token_budget: policy `chunked-prefill`: parameter \
+             `token_budget`: expected a non-negative integer, got -1"
+        ),
+        "{err}"
+    );
+}
+
+#[test]
+fn dummy_weights_are_refused_as_serve_refuses_them() {
+    let file = edited(
+        "dummy",
+        "  backend: auto",
+        "  load_format: dummy\n  architecture: foo\n  backend: auto",
+    );
+    let err = refused(&file, &[], &[]);
+    assert!(
+        err.starts_with(&format!(
+            "error: {}:11: model.load_format: dummy is for benchmarks",
+            file.display()
+        )),
+        "{err}"
+    );
+    assert!(err.contains("serve needs real weights"), "{err}");
+    for arch in ["smollm2-135m", "llama-3-8b", "qwen2.5-0.5b", "qwen3-0.6b"] {
+        assert!(err.contains(arch), "{arch} not listed: {err}");
+    }
+    let err = refused(
+        Path::new(EXAMPLE),
+        &[
+            "--set",
+            "model.load_format=dummy",
+            "--set",
+            "model.architecture=llama-3-8b",
+        ],
+        &[],
+    );
+    assert!(
+        err.starts_with("error: override `--set model.load_format=dummy`: model.load_format:"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_missing_file_and_a_section_set_to_a_scalar_are_said_once_and_in_words() {
+    let err = refused(Path::new("/nonexistent.yaml"), &[], &[]);
+    assert_eq!(
+        err.trim_end(),
+        format!(
+            "error: cannot read /nonexistent.yaml: {}",
+            std::io::Error::from_raw_os_error(2)
+        )
+    );
+    let err = refused(Path::new(EXAMPLE), &["--set", "server=3"], &[]);
+    assert_eq!(
+        err.trim_end(),
+        "error: override `--set server=3`: field `server`: invalid type: integer `3`, expected \
+         a mapping (the server section)"
+    );
+    let (ok, err) = check(Path::new(EXAMPLE), &[], &[]);
+    assert!(ok, "{err}");
+}
