@@ -7,6 +7,7 @@ use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use actix::prelude::SendError;
 use actix::{Actor, Addr, AsyncContext, Context, Handler, Message};
 use switchyard_gpu::model::Tokenizer;
 use switchyard_gpu::Constraint;
@@ -388,16 +389,25 @@ impl Handler<Register> for DetokenizerActor {
             .iter()
             .map(|s| s.sampling.constraint.clone())
             .collect();
-        let refusal = match (&self.closed, &self.scheduler) {
-            (Some(e), _) => Some(e.clone()),
-            (None, Some(s)) if s.connected() => {
-                s.do_send(Submit(std::mem::take(&mut msg.submits)));
-                None
-            }
-            (None, _) => Some(SubmitError::new(
+        let shutting_down = || {
+            Some(SubmitError::new(
                 SubmitErrorKind::Unavailable,
                 "the engine is shutting down",
-            )),
+            ))
+        };
+        let refusal = match (&self.closed, &self.scheduler) {
+            (Some(e), _) => Some(e.clone()),
+            // A closed mailbox refuses the request (do_send would drop it without a word, and
+            // the request would stay registered, never scheduled); a full one still takes it.
+            (None, Some(s)) => match s.try_send(Submit(std::mem::take(&mut msg.submits))) {
+                Ok(()) => None,
+                Err(SendError::Full(submit)) => {
+                    s.do_send(submit);
+                    None
+                }
+                Err(SendError::Closed(_)) => shutting_down(),
+            },
+            (None, None) => shutting_down(),
         };
         if let Some(e) = refusal {
             msg.sink.send(EngineOutput::Error(e));

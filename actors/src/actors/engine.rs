@@ -1214,6 +1214,40 @@ mod tests {
         assert!(rx.try_recv().is_err());
     }
 
+    /// A scheduler whose mailbox closed (shutting down) refuses a request as it registers,
+    /// rather than leaving it registered and never scheduled.
+    #[actix::test]
+    async fn a_request_registered_as_the_scheduler_stops_is_unavailable() {
+        let detokenizer = DetokenizerActor::new(abc_tokenizer()).start();
+        let (tx, rx) = actix::dev::channel::channel::<SchedulerActor>(16);
+        drop(rx);
+        detokenizer.do_send(SetScheduler(Addr::new(tx)));
+        let (sink, outputs) = recorder();
+        let limits = SamplingLimits {
+            max_tokens: 4,
+            ..SamplingLimits::default()
+        };
+        detokenizer.do_send(Register {
+            ids: vec![RequestId(1)],
+            submits: vec![SubmitOptions::offline(
+                1,
+                vec![2; 3],
+                limits,
+                Arc::default(),
+            )],
+            pending_prompt: None,
+            sink,
+            stop: Vec::new(),
+            text: TextOptions::default(),
+            arrival: Instant::now(),
+            guard: InFlight(Arc::new(AtomicUsize::new(1))),
+        });
+        match next_output(&outputs).await {
+            EngineOutput::Error(e) => assert_eq!(e.kind, SubmitErrorKind::Unavailable, "{e}"),
+            other => panic!("expected the error, got {other:?}"),
+        }
+    }
+
     #[actix::test]
     async fn a_request_registered_without_a_scheduler_is_unavailable() {
         let detokenizer = DetokenizerActor::new(abc_tokenizer()).start();
