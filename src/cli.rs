@@ -90,7 +90,8 @@ pub struct SimulateArgs {
     /// Comma-separated registered policy names to compare side by side (`all` for every one).
     #[arg(long, value_delimiter = ',', default_value = "fcfs")]
     pub policies: Vec<String>,
-    /// Model preset for the step-cost model (`llama-3-8b`, `smollm2-135m`).
+    /// Model preset for the step-cost model (`llama-3-8b`, `llama-3.1-8b`, `smollm2-135m`,
+    /// `qwen2.5-0.5b`, `qwen3-0.6b`).
     #[arg(long, default_value = "llama-3-8b")]
     pub model: String,
     /// Hardware preset for the step-cost model (`h200`).
@@ -108,7 +109,7 @@ pub struct SimulateArgs {
     /// Random seed for synthetic arrivals and tier assignment.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Arrival rate in requests/s (ShareGPT arrivals, or a rescaled trace).
+    /// Arrival rate in requests/s (a rescaled trace; ShareGPT needs this or --load).
     #[arg(long)]
     pub rate: Option<f64>,
     /// Replay only the first N requests.

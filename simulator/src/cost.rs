@@ -72,6 +72,9 @@ pub struct ModelSpec {
     pub bytes_per_weight: f64,
     /// Bytes per KV-cache element (2 for bf16).
     pub bytes_per_kv: f64,
+    /// The model's context length (`max_position_embeddings` of its config.json): the
+    /// longest prompt plus output it serves, and the default `scheduler.max_model_len`.
+    pub max_position_embeddings: u64,
 }
 
 impl ModelSpec {
@@ -89,6 +92,17 @@ impl ModelSpec {
             tied_embeddings: false,
             bytes_per_weight: 2.0,
             bytes_per_kv: 2.0,
+            max_position_embeddings: 8192,
+        }
+    }
+
+    /// Llama-3.1-8B (Meta, 2024): Llama-3-8B's shape with a context of 131,072 tokens (RoPE
+    /// scaling changes no cost).
+    pub fn llama_3_1_8b() -> Self {
+        ModelSpec {
+            name: "llama-3.1-8b".into(),
+            max_position_embeddings: 131_072,
+            ..Self::llama_3_8b()
         }
     }
 
@@ -106,14 +120,60 @@ impl ModelSpec {
             tied_embeddings: true,
             bytes_per_weight: 2.0,
             bytes_per_kv: 2.0,
+            max_position_embeddings: 8192,
         }
     }
 
-    /// A preset by name (`llama-3-8b`, `smollm2-135m`).
+    /// Qwen2.5-0.5B (Alibaba, 2024): 24 layers, hidden 896, 14/2 heads of 64, FFN 4864, vocab
+    /// 151936, tied, bf16, context 32,768 (its Q, K and V biases are not counted).
+    pub fn qwen2_5_0_5b() -> Self {
+        ModelSpec {
+            name: "qwen2.5-0.5b".into(),
+            num_layers: 24,
+            hidden_size: 896,
+            num_heads: 14,
+            num_kv_heads: 2,
+            head_dim: Some(64),
+            ffn_size: 4864,
+            vocab_size: 151_936,
+            tied_embeddings: true,
+            bytes_per_weight: 2.0,
+            bytes_per_kv: 2.0,
+            max_position_embeddings: 32_768,
+        }
+    }
+
+    /// Qwen3-0.6B (Alibaba, 2025): 28 layers, hidden 1024, 16/8 heads of 128, FFN 3072, vocab
+    /// 151936, tied, bf16, context 40,960 (its query and key norms are not counted).
+    pub fn qwen3_0_6b() -> Self {
+        ModelSpec {
+            name: "qwen3-0.6b".into(),
+            num_layers: 28,
+            hidden_size: 1024,
+            num_heads: 16,
+            num_kv_heads: 8,
+            head_dim: Some(128),
+            ffn_size: 3072,
+            vocab_size: 151_936,
+            tied_embeddings: true,
+            bytes_per_weight: 2.0,
+            bytes_per_kv: 2.0,
+            max_position_embeddings: 40_960,
+        }
+    }
+
+    /// Names of the presets, for messages.
+    pub const PRESETS: &'static str =
+        "llama-3-8b, llama-3.1-8b, smollm2-135m, qwen2.5-0.5b, qwen3-0.6b";
+
+    /// A preset by name (see [`ModelSpec::PRESETS`]).
     pub fn preset(name: &str) -> Option<Self> {
         match name {
             "llama-3-8b" => Some(Self::llama_3_8b()),
+            "llama-3.1-8b" => Some(Self::llama_3_1_8b()),
             "smollm2-135m" => Some(Self::smollm2_135m()),
+            "qwen2.5-0.5b" => Some(Self::qwen2_5_0_5b()),
+            "qwen3-0.6b" => Some(Self::qwen3_0_6b()),
             _ => None,
         }
     }
@@ -128,6 +188,11 @@ impl ModelSpec {
             ("head_dim", self.head_dim(), 1 << 12),
             ("ffn_size", self.ffn_size, 1 << 19),
             ("vocab_size", self.vocab_size, 1 << 22),
+            (
+                "max_position_embeddings",
+                self.max_position_embeddings,
+                1 << 24,
+            ),
         ];
         for (name, v, max) in dims {
             if v == 0 || v > max {
@@ -335,7 +400,7 @@ pub struct Calibration {
     pub per_attention_pair_s: f64,
 }
 
-/// Shortest step the calibrated model returns (a fit may go below zero at tiny shapes).
+/// Shortest step the calibrated model returns (every coefficient may be zero).
 const MIN_STEP_S: f64 = 1e-6;
 
 impl Calibration {
@@ -359,7 +424,8 @@ impl Calibration {
         Ok(cal)
     }
 
-    /// Checks that every coefficient is finite and below one second.
+    /// Checks that every coefficient is finite, not negative and below one second: a
+    /// negative cost would make a step cheaper the more it does.
     pub fn validate(&self) -> Result<(), String> {
         let c = [
             ("intercept_s", self.intercept_s),
@@ -371,9 +437,11 @@ impl Calibration {
             ("per_attention_pair_s", self.per_attention_pair_s),
         ];
         for (name, v) in c {
-            if !(v.is_finite() && v.abs() < 1.0) {
+            if !(v.is_finite() && (0.0..1.0).contains(&v)) {
                 return Err(format!(
-                    "{name} = {v} must be finite and below 1 s in magnitude"
+                    "{name} = {v} must be a cost in seconds, at least 0 and below 1 (a fit \
+                     that gives a negative coefficient does not describe the engine: refit \
+                     without that term, or with more shapes)"
                 ));
             }
         }
@@ -486,6 +554,7 @@ mod tests {
             tied_embeddings: false,
             bytes_per_weight: 2.0,
             bytes_per_kv: 2.0,
+            max_position_embeddings: 64,
         };
         let h = HardwareSpec {
             name: "toy".into(),
@@ -575,7 +644,35 @@ mod tests {
         );
         std::fs::write(&bad, "intercept_s: .nan\n").unwrap();
         assert!(Calibration::load(&bad).is_err());
+        // A negative coefficient is refused by name, not clamped into a 1 us step.
+        std::fs::write(&bad, "intercept_s: 0.001\nper_kv_token_s: -2e-9\n").unwrap();
+        let err = Calibration::load(&bad).unwrap_err().to_string();
+        assert!(
+            err.contains("bad.yaml") && err.contains("per_kv_token_s = -0.000000002"),
+            "{err}"
+        );
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn presets_carry_their_context_lengths() {
+        // config.json `max_position_embeddings` of each model (gpu/src/model/config.rs).
+        let ctx = |n: &str| ModelSpec::preset(n).unwrap().max_position_embeddings;
+        assert_eq!(ctx("llama-3-8b"), 8192);
+        assert_eq!(ctx("llama-3.1-8b"), 131_072);
+        assert_eq!(ctx("smollm2-135m"), 8192);
+        assert_eq!(ctx("qwen2.5-0.5b"), 32_768);
+        assert_eq!(ctx("qwen3-0.6b"), 40_960);
+        for n in ModelSpec::PRESETS.split(", ") {
+            let m = ModelSpec::preset(n).unwrap();
+            assert_eq!(m.name, n);
+            m.validate().unwrap();
+        }
+        // Qwen2.5-0.5B: 494,032,768 parameters less its 24 * (896 + 2 * 128) biases.
+        assert_eq!(
+            ModelSpec::qwen2_5_0_5b().total_params(),
+            494_032_768 - 24 * (896 + 256)
+        );
     }
 
     #[test]

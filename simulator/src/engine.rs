@@ -103,22 +103,41 @@ impl Simulation {
             },
         };
         let c = &spec.cache;
-        let num_gpu_blocks = match c.num_gpu_blocks {
-            Some(n) => n,
-            None => kv_capacity_blocks(&model, &hardware, c.gpu_memory_utilization, c.block_size)
-                .filter(|n| *n > 0)
-                .ok_or_else(|| {
-                    SimError::spec(
-                        cli,
-                        format!("{} does not fit in {} memory", model.name, hardware.name),
-                    )
-                })?
-                .min(1 << 26),
+        let num_gpu_blocks = match (c.num_gpu_blocks, &spec.calibration) {
+            (Some(n), _) => n,
+            // The calibrated engine's memory is not the hardware preset's (a CPU fit would get
+            // an H200's 141 GB of cache): its capacity must be given.
+            (None, Some(path)) => {
+                return Err(SimError::spec(
+                    cli,
+                    format!(
+                        "calibration {}: step times come from the calibration file, so the KV \
+                         capacity cannot come from the `{}` hardware preset: set \
+                         cache.num_gpu_blocks to the KV blocks of the engine that was calibrated",
+                        path.display(),
+                        hardware.name
+                    ),
+                ))
+            }
+            (None, None) => {
+                kv_capacity_blocks(&model, &hardware, c.gpu_memory_utilization, c.block_size)
+                    .filter(|n| *n > 0)
+                    .ok_or_else(|| {
+                        SimError::spec(
+                            cli,
+                            format!("{} does not fit in {} memory", model.name, hardware.name),
+                        )
+                    })?
+                    .min(1 << 26)
+            }
         };
-        let max_model_len = spec
-            .scheduler
-            .max_model_len
-            .unwrap_or_else(|| num_gpu_blocks.saturating_mul(c.block_size).min(1 << 24));
+        let max_model_len = fit_max_model_len(
+            spec.scheduler.max_model_len,
+            &model,
+            num_gpu_blocks,
+            c.block_size,
+        )
+        .map_err(|m| SimError::spec(cli, m))?;
         let tiers = spec
             .tiers
             .iter()
@@ -182,9 +201,13 @@ impl Simulation {
             limit: w.limit,
             start_s: w.start_s,
             end_s: w.end_s,
+            // As the server refuses a tier its configuration does not define.
+            known_tiers: Some(self.spec.tiers.keys().cloned().collect()),
         };
         let arrival = w.arrival.clone().unwrap_or_default();
         let mut requests = if w.format == TraceFormat::Sharegpt {
+            // The spec requires a rate or a load for sharegpt: with a load, arrivals are
+            // generated at one request per second and rescaled below.
             let rate = arrival.rate.unwrap_or(1.0);
             let process = match arrival.process.unwrap_or(ProcessKind::Poisson) {
                 ProcessKind::Poisson => ArrivalProcess::Poisson { rate },
@@ -204,6 +227,14 @@ impl Simulation {
         } else {
             trace::load_trace(&w.trace, w.format, &options)?
         };
+        if requests.is_empty() {
+            let why = if w.start_s.is_some() || w.end_s.is_some() {
+                "no request of the trace lies in the window given by workload.start_s/end_s"
+            } else {
+                "the trace has no requests"
+            };
+            return Err(SimError::spec(&w.trace, why));
+        }
         trace::assign_mix(
             &mut requests,
             &w.mix.tier_mix(),
@@ -212,7 +243,9 @@ impl Simulation {
         )
         .map_err(|m| SimError::spec(&w.trace, m))?;
         if let Some(f) = w.time_scale {
-            trace::scale_time(&mut requests, f);
+            // Divides, as `simulate --time-scale` and `bench serve --time-scale`: 2 replays
+            // the trace twice as fast.
+            trace::scale_time(&mut requests, 1.0 / f);
         }
         let mut estimated_capacity_rps = None;
         let shape_err = |m: String| SimError::spec(&w.trace, m);
@@ -253,6 +286,11 @@ impl Simulation {
             })
             .collect();
         let run = self.run_policy(&PolicySpec::named("fcfs"), &sample, false)?;
+        if sample.is_empty() {
+            return Err(SimError::Scheduler(
+                "capacity estimate: the trace has no requests".into(),
+            ));
+        }
         let finished = run.records.iter().filter(|r| r.finish_s.is_some()).count();
         let makespan = run
             .records
@@ -260,9 +298,12 @@ impl Simulation {
             .filter_map(|r| r.finish_s)
             .fold(0.0, f64::max);
         if finished == 0 || makespan <= 0.0 {
-            return Err(SimError::Scheduler(
-                "capacity estimate: no request finished".into(),
-            ));
+            return Err(SimError::Scheduler(format!(
+                "capacity estimate: none of the {} sampled requests finished (each longer \
+                 than max_model_len {}?)",
+                sample.len(),
+                self.scheduler.max_model_len
+            )));
         }
         Ok(finished as f64 / makespan)
     }
@@ -301,6 +342,70 @@ impl Simulation {
         result?;
         Ok(lp.into_run())
     }
+}
+
+/// The longest sequence served, as the server's `serve` decides it: `scheduler.max_model_len`
+/// when set, which may exceed neither the model's context nor what the KV cache holds; else the
+/// model's context, lowered to what the KV cache holds.
+fn fit_max_model_len(
+    configured: Option<usize>,
+    model: &ModelSpec,
+    num_gpu_blocks: usize,
+    block_size: usize,
+) -> Result<usize, String> {
+    let context = usize::try_from(model.max_position_embeddings)
+        .unwrap_or(usize::MAX)
+        .min(1 << 24);
+    let capacity = num_gpu_blocks.saturating_mul(block_size);
+    match configured {
+        Some(n) if n > context => Err(format!(
+            "scheduler.max_model_len is {n}, more than the {context} tokens of context of model \
+             {}: lower it to at most {context} or leave it out",
+            model.name
+        )),
+        Some(n) if n > capacity => Err(format!(
+            "scheduler.max_model_len is {n} tokens, more than the {capacity} tokens the KV cache \
+             holds ({num_gpu_blocks} blocks of {block_size}): raise cache.num_gpu_blocks or \
+             cache.gpu_memory_utilization, or lower scheduler.max_model_len"
+        )),
+        Some(n) => Ok(n),
+        None => Ok(context.min(capacity)),
+    }
+}
+
+/// Per-draft acceptance probabilities, indexed by the number of drafts `d` in a step (0..=16):
+/// the `p` for which a run of drafts accepted from the first, each with probability `p` once
+/// the ones before it were, accepts `rate * d` drafts on average, i.e.
+/// `(p + p² + ... + p^d) / d = rate`. The run's accepted / draft tokens is then `rate` in
+/// expectation however many drafts its steps carry, as the server reports it.
+fn per_draft_probabilities(rate: f64) -> Vec<f64> {
+    let rate = rate.clamp(0.0, 1.0);
+    (0..=16usize)
+        .map(|d| {
+            if d <= 1 || rate == 0.0 || rate == 1.0 {
+                return rate;
+            }
+            let mean = |p: f64| {
+                let (mut sum, mut pow) = (0.0, 1.0);
+                for _ in 0..d {
+                    pow *= p;
+                    sum += pow;
+                }
+                sum / d as f64
+            };
+            // `mean` increases from 0 to 1 on [0, 1]: bisect.
+            let (mut lo, mut hi) = (0.0f64, 1.0f64);
+            for _ in 0..64 {
+                let mid = 0.5 * (lo + hi);
+                if mean(mid) < rate {
+                    lo = mid;
+                } else {
+                    hi = mid;
+                }
+            }
+            (0.5 * (lo + hi)).clamp(0.0, 1.0)
+        })
+        .collect()
 }
 
 fn progress_bar(progress: bool, len: usize, label: &str) -> Option<indicatif::ProgressBar> {
@@ -355,6 +460,8 @@ struct Loop<'a> {
     last_sample: (u64, f64),
     /// Draws the acceptance of drafts (seeded: runs are reproducible).
     drafts_rng: ChaCha8Rng,
+    /// Per-draft acceptance probability by drafts in the step ([`per_draft_probabilities`]).
+    accept_p: Vec<f64>,
     draft_tokens: u64,
     accepted_tokens: u64,
 }
@@ -403,6 +510,13 @@ impl<'a> Loop<'a> {
             kv_max: 0.0,
             last_sample: (0, 0.0),
             drafts_rng: ChaCha8Rng::seed_from_u64(trace::mix64(sim.spec.seed ^ 0x0044_5241_4654)),
+            accept_p: per_draft_probabilities(
+                sim.spec
+                    .scheduler
+                    .speculative
+                    .as_ref()
+                    .map_or(0.0, |sp| sp.acceptance_rate),
+            ),
             draft_tokens: 0,
             accepted_tokens: 0,
         }
@@ -617,18 +731,12 @@ impl<'a> Loop<'a> {
             }
             if s.samples {
                 // Invented output: deterministic in (request, position), never EOS-checked;
-                // drafts accepted in a run at the configured rate.
+                // drafts accepted in a run, at the configured accepted / draft tokens.
                 let drafts = s.draft_tokens.len();
                 let first = s.num_computed_tokens + s.num_new_tokens - drafts;
-                let rate = self
-                    .sim
-                    .spec
-                    .scheduler
-                    .speculative
-                    .as_ref()
-                    .map_or(0.0, |sp| sp.acceptance_rate);
+                let p = self.accept_p.get(drafts).copied().unwrap_or(0.0);
                 let mut accepted = 0;
-                while accepted < drafts && self.drafts_rng.random_bool(rate) {
+                while accepted < drafts && self.drafts_rng.random_bool(p) {
                     accepted += 1;
                 }
                 self.draft_tokens += drafts as u64;
@@ -1003,7 +1111,7 @@ workload: {trace: unused.csv, format: azure}
             let err = sim.load_workload().unwrap_err().to_string();
             assert!(err.contains("past the bound"), "{err}");
         };
-        sim.spec.workload.time_scale = Some(1e300);
+        sim.spec.workload.time_scale = Some(1e-300);
         past(&sim);
         sim.spec.workload.time_scale = None;
         sim.spec.workload.arrival = Some(ArrivalSpec {
@@ -1036,6 +1144,203 @@ workload: {trace: unused.csv, format: azure}
         let err = sim.load_workload().unwrap_err().to_string();
         assert!(err.contains("no time span"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    fn temp(tag: &str) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("sy-engine-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    fn spec(yaml: &str) -> SimulationSpec {
+        SimulationSpec::from_yaml_str(yaml, Path::new("t.yaml")).unwrap()
+    }
+
+    #[test]
+    fn max_model_len_defaults_to_the_model_context_not_the_kv_cache() {
+        // Llama-3-8B on the H200: 52,852 blocks (845,632 tokens) but 8,192 tokens of context.
+        let s = spec("policies: [{name: fcfs}]\nworkload: {trace: t.csv, format: azure}\n");
+        let sim = Simulation::new(&s).unwrap();
+        assert_eq!(sim.scheduler.num_gpu_blocks, 52_852);
+        assert_eq!(sim.scheduler.max_model_len, 8192);
+        let rs = vec![req(0.0, 8000, 192, ""), req(0.0, 8000, 193, "")];
+        let run = sim
+            .run_policy(&PolicySpec::named("fcfs"), &rs, false)
+            .unwrap();
+        let outcomes: Vec<&str> = run.records.iter().map(|r| r.outcome.as_str()).collect();
+        assert_eq!(outcomes, ["length", "rejected"]);
+        // A long-context preset serves it; the KV cache bounds the default.
+        let long = spec(
+            "model: llama-3.1-8b\ncache: {num_gpu_blocks: 1000}\npolicies: [{name: fcfs}]\n\
+             workload: {trace: t.csv, format: azure}\n",
+        );
+        assert_eq!(
+            Simulation::new(&long).unwrap().scheduler.max_model_len,
+            16_000
+        );
+        // Set above what the KV cache holds: refused, as `serve` refuses it.
+        let over = spec(
+            "cache: {num_gpu_blocks: 100}\nscheduler: {max_model_len: 2000}\n\
+             policies: [{name: fcfs}]\nworkload: {trace: t.csv, format: azure}\n",
+        );
+        let err = Simulation::new(&over).unwrap_err().to_string();
+        assert!(
+            err.contains("more than the 1600 tokens the KV cache holds"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_calibration_needs_the_kv_capacity() {
+        let dir = temp("cal");
+        std::fs::write(dir.join("cal.yaml"), "intercept_s: 0.001\n").unwrap();
+        let mut s = spec(
+            "model: smollm2-135m\ncalibration: cal.yaml\npolicies: [{name: fcfs}]\n\
+             workload: {trace: t.csv, format: azure}\n",
+        );
+        s.calibration = Some(dir.join("cal.yaml"));
+        let err = Simulation::new(&s).unwrap_err().to_string();
+        assert!(
+            err.contains("cal.yaml") && err.contains("set cache.num_gpu_blocks"),
+            "{err}"
+        );
+        s.cache.num_gpu_blocks = Some(728);
+        assert_eq!(Simulation::new(&s).unwrap().scheduler.num_gpu_blocks, 728);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn traces_may_only_name_defined_tiers_and_may_not_be_empty() {
+        let dir = temp("tiers");
+        let jsonl = dir.join("t.jsonl");
+        let mut sim = one_ms_steps();
+        sim.spec.workload.trace = jsonl.clone();
+        sim.spec.workload.format = TraceFormat::Jsonl;
+        std::fs::write(
+            &jsonl,
+            "{\"arrival_s\": 0, \"prompt_len\": 8, \"output_len\": 1, \"tier\": \"gold\"}\n\
+             {\"arrival_s\": 1, \"prompt_len\": 8, \"output_len\": 1}\n\
+             {\"arrival_s\": 2, \"prompt_len\": 8, \"output_len\": 1, \"tier\": \"gld\"}\n",
+        )
+        .unwrap();
+        let err = sim.load_workload().unwrap_err().to_string();
+        assert!(
+            err.contains("t.jsonl:3: field `tier`") && err.contains("tier `gld` is not defined"),
+            "{err}"
+        );
+        std::fs::write(&jsonl, "").unwrap();
+        let err = sim.load_workload().unwrap_err().to_string();
+        assert!(err.contains("the trace has no requests"), "{err}");
+        // A header-only CSV asked for a load: the same, not a failed capacity estimate.
+        let csv = dir.join("h.csv");
+        std::fs::write(&csv, "TIMESTAMP,ContextTokens,GeneratedTokens\n").unwrap();
+        sim.spec.workload.trace = csv;
+        sim.spec.workload.format = TraceFormat::Azure;
+        sim.spec.workload.arrival = Some(ArrivalSpec {
+            load: Some(0.5),
+            ..Default::default()
+        });
+        let err = sim.load_workload().unwrap_err().to_string();
+        assert!(err.contains("the trace has no requests"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn time_scale_divides_arrival_times() {
+        let dir = temp("scale");
+        let jsonl = dir.join("t.jsonl");
+        std::fs::write(
+            &jsonl,
+            "{\"arrival_s\": 0, \"prompt_len\": 8, \"output_len\": 1}\n\
+             {\"arrival_s\": 3, \"prompt_len\": 8, \"output_len\": 1}\n",
+        )
+        .unwrap();
+        let mut sim = one_ms_steps();
+        sim.spec.workload.trace = jsonl;
+        sim.spec.workload.format = TraceFormat::Jsonl;
+        sim.spec.workload.time_scale = Some(2.0);
+        let times: Vec<f64> = sim
+            .load_workload()
+            .unwrap()
+            .requests
+            .iter()
+            .map(|r| r.arrival_s)
+            .collect();
+        assert_eq!(times, vec![0.0, 1.5], "2 = twice as fast");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn acceptance_rate_is_accepted_over_draft_tokens() {
+        // The figure the server and `bench serve` report: 4 drafts per step at 0.6 accept
+        // 60% of the draft tokens over the run (a per-draft probability of 0.6 would give
+        // (0.6 + 0.36 + 0.216 + 0.1296) / 4 = 32.6%).
+        for rate in [0.3, 0.6, 0.9] {
+            let yaml = SPEC.replace(
+                "max_model_len: 100}",
+                &format!(
+                    "max_model_len: 1000, speculative: {{num_speculative_tokens: 4, \
+                     acceptance_rate: {rate}}}}}"
+                ),
+            );
+            let mut sim = Simulation::new(&spec(&yaml)).unwrap();
+            sim.cost = CostModel::Calibrated(Calibration {
+                intercept_s: 1e-3,
+                ..Default::default()
+            });
+            let rs: Vec<TraceRequest> = (0..8).map(|i| req(f64::from(i), 8, 600, "")).collect();
+            let run = sim
+                .run_policy(&PolicySpec::named("fcfs"), &rs, false)
+                .unwrap();
+            let c = &run.counters;
+            let measured = c.accepted_tokens as f64 / c.draft_tokens as f64;
+            assert!(
+                (measured - rate).abs() < 0.02 && c.draft_tokens > 1000,
+                "{rate}: {c:?}"
+            );
+        }
+        let p = per_draft_probabilities(0.6);
+        assert_eq!((p[0], p[1]), (0.6, 0.6));
+        let mean4 = (p[4] + p[4].powi(2) + p[4].powi(3) + p[4].powi(4)) / 4.0;
+        assert!((mean4 - 0.6).abs() < 1e-12 && p[4] > 0.6, "{}", p[4]);
+        assert_eq!(per_draft_probabilities(1.0)[16], 1.0);
+        assert_eq!(per_draft_probabilities(0.0)[16], 0.0);
+    }
+
+    #[test]
+    fn a_request_without_a_priority_takes_its_tiers() {
+        // One sequence at a time under `priority`, all arriving at 0: lower value first.
+        // a: tier lo (priority 2); b: tier hi (priority 0); c: tier lo but its own -1;
+        // d: no tier, no priority (0, after b by arrival).
+        let yaml = "policies: [{name: priority}]\ntiers: {hi: {priority: 0}, lo: {priority: 2}}\n\
+                    scheduler: {max_num_seqs: 1, max_model_len: 100}\ncache: {num_gpu_blocks: 64}\n\
+                    workload: {trace: unused.csv, format: azure}\n";
+        let mut sim = Simulation::new(&spec(yaml)).unwrap();
+        sim.cost = CostModel::Calibrated(Calibration {
+            intercept_s: 1e-3,
+            ..Default::default()
+        });
+        let c = TraceRequest {
+            priority: Some(-1),
+            ..req(0.0, 8, 2, "lo")
+        };
+        let rs = vec![
+            req(0.0, 8, 2, "lo"),
+            req(0.0, 8, 2, "hi"),
+            c,
+            req(0.0, 8, 2, ""),
+        ];
+        let run = sim
+            .run_policy(&PolicySpec::named("priority"), &rs, false)
+            .unwrap();
+        let mut order: Vec<(f64, usize)> = run
+            .records
+            .iter()
+            .map(|r| (r.first_scheduled_s.unwrap(), r.id as usize))
+            .collect();
+        order.sort_by(|x, y| x.0.total_cmp(&y.0));
+        let ids: Vec<usize> = order.iter().map(|o| o.1).collect();
+        assert_eq!(ids, [2, 1, 3, 0]);
     }
 
     #[test]

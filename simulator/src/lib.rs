@@ -60,6 +60,7 @@ pub fn simulate(
             0.0
         },
         estimated_capacity_rps: workload.estimated_capacity_rps,
+        max_model_len: sim.scheduler.max_model_len as u64,
         policies: runs
             .iter_mut()
             .map(|r| PolicySummary::new(&r.label, &r.records, &mut r.itls_ms, r.counters.clone()))

@@ -7,10 +7,15 @@
 //! vLLM's server records it: the tokens of a speculative step arrive together);
 //! E2E = finish − arrival.
 //! Percentiles interpolate linearly between order statistics (NumPy's
-//! default). SLO attainment is the fraction of a tier's requests (rejected and
-//! unfinished ones count as misses) meeting a target; goodput is the rate of
-//! requests meeting both TTFT and TPOT targets, as defined by DistServe (Zhong
-//! et al., OSDI'24).
+//! default). SLO attainment counts only the requests that have a target (their
+//! tier sets `ttft_ms` or `tpot_ms`): the fraction of them meeting every target
+//! they have (rejected and unfinished ones count as misses), `None` (shown as
+//! n/a) when no request has one; goodput is the rate of those requests meeting
+//! every target, as defined by DistServe (Zhong et al., OSDI'24), over the run's
+//! duration. Requests without targets count in neither.
+//!
+//! Latencies in milliseconds are written rounded to the nanosecond (6 decimals),
+//! so `3.7` rather than `3.6999999999999997`; they are computed unrounded.
 
 use crate::error::SimError;
 use serde::{Deserialize, Serialize};
@@ -47,10 +52,13 @@ pub struct RequestRecord {
     /// Times it was preempted.
     pub preemptions: u64,
     /// Time to first token in ms.
+    #[serde(serialize_with = "round_opt")]
     pub ttft_ms: Option<f64>,
     /// Time per output token after the first, in ms.
+    #[serde(serialize_with = "round_opt")]
     pub tpot_ms: Option<f64>,
     /// End-to-end latency in ms.
+    #[serde(serialize_with = "round_opt")]
     pub e2e_ms: Option<f64>,
     /// Whether the tier's TTFT target was met (`None`: no target).
     pub met_ttft: Option<bool>,
@@ -59,9 +67,36 @@ pub struct RequestRecord {
 }
 
 impl RequestRecord {
-    /// Whether both targets were met (a missing target counts as met).
-    pub fn met_slo(&self) -> bool {
-        self.finish_s.is_some() && self.met_ttft != Some(false) && self.met_tpot != Some(false)
+    /// Whether the request met every target it has; `None` when its tier sets none (such a
+    /// request counts in neither SLO attainment nor goodput).
+    pub fn met_slo(&self) -> Option<bool> {
+        if self.met_ttft.is_none() && self.met_tpot.is_none() {
+            return None;
+        }
+        Some(
+            self.finish_s.is_some() && self.met_ttft != Some(false) && self.met_tpot != Some(false),
+        )
+    }
+}
+
+/// `x` rounded to 6 decimals (nanoseconds of a value in ms) for output.
+fn round6(x: f64) -> f64 {
+    let r = (x * 1e6).round() / 1e6;
+    if r.is_finite() {
+        r
+    } else {
+        x
+    }
+}
+
+fn round<S: serde::Serializer>(v: &f64, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_f64(round6(*v))
+}
+
+fn round_opt<S: serde::Serializer>(v: &Option<f64>, s: S) -> Result<S::Ok, S::Error> {
+    match v {
+        Some(v) => s.serialize_some(&round6(*v)),
+        None => s.serialize_none(),
     }
 }
 
@@ -71,12 +106,16 @@ pub struct LatencyStats {
     /// Number of values.
     pub count: u64,
     /// Mean.
+    #[serde(serialize_with = "round")]
     pub mean: f64,
     /// Median.
+    #[serde(serialize_with = "round")]
     pub p50: f64,
     /// 90th percentile.
+    #[serde(serialize_with = "round")]
     pub p90: f64,
     /// 99th percentile.
+    #[serde(serialize_with = "round")]
     pub p99: f64,
 }
 
@@ -122,10 +161,10 @@ pub struct TierSummary {
     pub ttft_attainment: Option<f64>,
     /// Fraction meeting the TPOT target (`None`: no target).
     pub tpot_attainment: Option<f64>,
-    /// Fraction meeting both.
-    pub slo_attainment: f64,
-    /// Requests per second meeting both.
-    pub goodput_rps: f64,
+    /// Fraction meeting every target (`None`: the tier has none).
+    pub slo_attainment: Option<f64>,
+    /// Requests per second meeting every target (`None`: the tier has none).
+    pub goodput_rps: Option<f64>,
     /// TTFT of the tier's finished requests.
     pub ttft_ms: LatencyStats,
     /// TPOT of the tier's finished requests.
@@ -164,7 +203,8 @@ pub struct PolicySummary {
     pub requests: u64,
     /// Finished requests.
     pub finished: u64,
-    /// Requests the scheduler rejected (too long).
+    /// Requests rejected as the server would refuse them: prompt plus output longer than
+    /// `max_model_len` (the server's 400 `context_length_exceeded`).
     pub rejected: u64,
     /// First arrival to last finish, in virtual seconds.
     pub duration_s: f64,
@@ -184,10 +224,14 @@ pub struct PolicySummary {
     pub queue_ms: LatencyStats,
     /// Prefix-cache hit rate (hit tokens / queried tokens).
     pub prefix_cache_hit_rate: f64,
-    /// Fraction of all requests meeting both targets of their tier.
-    pub slo_attainment: f64,
-    /// Requests per second meeting both targets.
-    pub goodput_rps: f64,
+    /// Requests whose tier sets a TTFT or TPOT target: those SLO attainment and goodput count.
+    pub slo_requests: u64,
+    /// Fraction of the requests with targets meeting every target of their tier (`None`:
+    /// no request has a target).
+    pub slo_attainment: Option<f64>,
+    /// Requests per second meeting every target of their tier, among those with targets
+    /// (`None`: no request has a target).
+    pub goodput_rps: Option<f64>,
     /// Scheduler counters.
     pub counters: RunCounters,
     /// Per-tier SLO results, by tier name.
@@ -220,7 +264,8 @@ impl PolicySummary {
         };
         let finished = records.iter().filter(|r| r.finish_s.is_some()).count() as u64;
         let generated: u64 = records.iter().map(|r| r.generated).sum();
-        let met = records.iter().filter(|r| r.met_slo()).count() as f64;
+        let slo_requests = records.iter().filter(|r| r.met_slo().is_some()).count() as u64;
+        let met = records.iter().filter(|r| r.met_slo() == Some(true)).count() as f64;
         let mut tiers: BTreeMap<&str, Vec<&RequestRecord>> = BTreeMap::new();
         for r in records {
             tiers.entry(r.tier.as_str()).or_default().push(r);
@@ -248,8 +293,9 @@ impl PolicySummary {
                 counters.prefix_hits as f64,
                 counters.prefix_queries as f64,
             ),
-            slo_attainment: ratio(met, records.len() as f64),
-            goodput_rps: per_s(met),
+            slo_requests,
+            slo_attainment: (slo_requests > 0).then(|| ratio(met, slo_requests as f64)),
+            goodput_rps: (slo_requests > 0).then(|| per_s(met)),
             counters,
             tiers,
         }
@@ -273,20 +319,21 @@ fn stats_of<'a>(
 }
 
 fn tier_summary(tier: &str, rs: &[&RequestRecord], duration_s: f64) -> TierSummary {
-    let n = rs.len() as f64;
     let attainment = |get: fn(&RequestRecord) -> Option<bool>| {
         let targeted = rs.iter().filter(|r| get(r).is_some()).count();
-        (targeted > 0).then(|| rs.iter().filter(|r| get(r) == Some(true)).count() as f64 / n)
+        (targeted > 0)
+            .then(|| rs.iter().filter(|r| get(r) == Some(true)).count() as f64 / targeted as f64)
     };
-    let met = rs.iter().filter(|r| r.met_slo()).count() as f64;
+    let targeted = rs.iter().filter(|r| r.met_slo().is_some()).count();
+    let met = rs.iter().filter(|r| r.met_slo() == Some(true)).count() as f64;
     TierSummary {
         tier: tier.to_string(),
         requests: rs.len() as u64,
         finished: rs.iter().filter(|r| r.finish_s.is_some()).count() as u64,
         ttft_attainment: attainment(|r| r.met_ttft),
         tpot_attainment: attainment(|r| r.met_tpot),
-        slo_attainment: ratio(met, n),
-        goodput_rps: ratio(met, duration_s),
+        slo_attainment: (targeted > 0).then(|| met / targeted as f64),
+        goodput_rps: (targeted > 0).then(|| ratio(met, duration_s)),
         ttft_ms: stats_of(rs.iter().copied(), |r| r.ttft_ms),
         tpot_ms: stats_of(rs.iter().copied(), |r| r.tpot_ms),
     }
@@ -305,6 +352,9 @@ pub struct Comparison {
     pub arrival_rate: f64,
     /// Estimated capacity in requests/s when a load was asked for.
     pub estimated_capacity_rps: Option<f64>,
+    /// Longest prompt plus output served; longer requests are rejected.
+    #[serde(default)]
+    pub max_model_len: u64,
     /// One summary per policy, in spec order.
     pub policies: Vec<PolicySummary>,
 }
@@ -319,9 +369,15 @@ impl Comparison {
             .unwrap_or_default();
         let _ = writeln!(
             s,
-            "{} on {}: {} requests at {:.2} req/s{cap}\n",
-            self.model, self.hardware, self.requests, self.arrival_rate
+            "{} on {}: {} requests at {:.2} req/s{cap}, max_model_len {}",
+            self.model, self.hardware, self.requests, self.arrival_rate, self.max_model_len
         );
+        let _ = writeln!(
+            s,
+            "slo% and goodput count the requests whose tier sets a ttft_ms or tpot_ms target \
+             (n/a: none has one); rejected and unfinished ones miss\n"
+        );
+        let pct = |x: Option<f64>| x.map_or("n/a".to_string(), |v| format!("{:.1}", 100.0 * v));
         let _ = writeln!(
             s,
             "{:<18} {:>8} {:>8} {:>9} {:>9} {:>9} {:>8} {:>8} {:>9} {:>9} {:>7} {:>6} {:>6} {:>6}",
@@ -343,11 +399,19 @@ impl Comparison {
         for p in &self.policies {
             let _ = writeln!(
                 s,
-                "{:<18} {:>8.2} {:>8.1} {:>9.1} {:>9.1} {:>9.2} {:>8.2} {:>8.2} {:>9.1} {:>9.1} {:>7} {:>6.1} {:>6.1} {:>6.1}",
+                "{:<18} {:>8.2} {:>8.1} {:>9.1} {:>9.1} {:>9.2} {:>8.2} {:>8.2} {:>9.1} {:>9.1} {:>7} {:>6.1} {:>6.1} {:>6}",
                 p.policy, p.request_throughput, p.output_token_throughput, p.ttft_ms.p50, p.ttft_ms.p99,
                 p.tpot_ms.p50, p.tpot_ms.p99, p.itl_ms.p99, p.e2e_ms.p50, p.e2e_ms.p99,
                 p.counters.preemptions, 100.0 * p.prefix_cache_hit_rate,
-                100.0 * p.counters.kv_usage_mean, 100.0 * p.slo_attainment
+                100.0 * p.counters.kv_usage_mean, pct(p.slo_attainment)
+            );
+        }
+        for p in self.policies.iter().filter(|p| p.rejected > 0) {
+            let _ = writeln!(
+                s,
+                "{}: {} of {} requests rejected, longer than max_model_len {} (the server \
+                 answers them 400 context_length_exceeded)",
+                p.policy, p.rejected, p.requests, self.max_model_len
             );
         }
         for p in self.policies.iter().filter(|p| p.counters.draft_tokens > 0) {
@@ -381,18 +445,17 @@ impl Comparison {
             );
             for p in &self.policies {
                 for t in &p.tiers {
-                    let pct =
-                        |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{:.1}", 100.0 * v));
                     let _ = writeln!(
                         s,
-                        "{:<18} {:<10} {:>6} {:>7} {:>7} {:>7.1} {:>9.2} {:>9.1} {:>9.2}",
+                        "{:<18} {:<10} {:>6} {:>7} {:>7} {:>7} {:>9} {:>9.1} {:>9.2}",
                         p.policy,
                         t.tier,
                         t.requests,
                         pct(t.ttft_attainment),
                         pct(t.tpot_attainment),
-                        100.0 * t.slo_attainment,
-                        t.goodput_rps,
+                        pct(t.slo_attainment),
+                        t.goodput_rps
+                            .map_or("n/a".to_string(), |g| format!("{g:.2}")),
                         t.ttft_ms.p99,
                         t.tpot_ms.p99
                     );
@@ -441,6 +504,16 @@ mod tests {
     }
 
     fn rec(tier: &str, arrival: f64, finish: Option<f64>, met_ttft: Option<bool>) -> RequestRecord {
+        rec2(tier, arrival, finish, met_ttft, finish.map(|_| true))
+    }
+
+    fn rec2(
+        tier: &str,
+        arrival: f64,
+        finish: Option<f64>,
+        met_ttft: Option<bool>,
+        met_tpot: Option<bool>,
+    ) -> RequestRecord {
         RequestRecord {
             tier: tier.into(),
             arrival_s: arrival,
@@ -449,7 +522,7 @@ mod tests {
             ttft_ms: finish.map(|_| 100.0),
             e2e_ms: finish.map(|f| (f - arrival) * 1e3),
             met_ttft,
-            met_tpot: finish.map(|_| true),
+            met_tpot,
             outcome: if finish.is_some() {
                 "length".into()
             } else {
@@ -461,11 +534,12 @@ mod tests {
 
     #[test]
     fn summary_counts_attainment_and_goodput() {
+        // Premium has both targets (a rejected request misses both); batch has none.
         let rs = vec![
             rec("premium", 0.0, Some(2.0), Some(true)),
             rec("premium", 1.0, Some(4.0), Some(false)),
-            rec("premium", 2.0, None, None),
-            rec("batch", 3.0, Some(5.0), None),
+            rec2("premium", 2.0, None, Some(false), Some(false)),
+            rec2("batch", 3.0, Some(5.0), None, None),
         ];
         let s = PolicySummary::new(
             "fcfs",
@@ -482,15 +556,18 @@ mod tests {
         assert_eq!(s.request_throughput, 0.6);
         assert_eq!(s.output_token_throughput, 6.0);
         assert_eq!(s.prefix_cache_hit_rate, 0.4);
-        // Met: request 0 (premium) and 3 (batch, no TTFT target).
-        assert_eq!(s.slo_attainment, 0.5);
-        assert_eq!(s.goodput_rps, 0.4);
+        // Only the three premium requests have targets; request 0 met them. Batch, without
+        // targets, counts in neither attainment nor goodput.
+        assert_eq!(s.slo_requests, 3);
+        assert_eq!(s.slo_attainment, Some(1.0 / 3.0));
+        assert_eq!(s.goodput_rps, Some(0.2));
         let premium = s.tiers.iter().find(|t| t.tier == "premium").unwrap();
         assert_eq!(premium.requests, 3);
         assert!((premium.ttft_attainment.unwrap() - 1.0 / 3.0).abs() < 1e-12);
-        assert!((premium.slo_attainment - 1.0 / 3.0).abs() < 1e-12);
+        assert_eq!(premium.slo_attainment, Some(1.0 / 3.0));
         let batch = s.tiers.iter().find(|t| t.tier == "batch").unwrap();
         assert_eq!(batch.ttft_attainment, None);
+        assert_eq!((batch.slo_attainment, batch.goodput_rps), (None, None));
         let c = Comparison {
             policies: vec![s],
             ..Default::default()
@@ -500,5 +577,45 @@ mod tests {
             text.contains("fcfs") && text.contains("premium") && text.contains("33.3"),
             "{text}"
         );
+        let batch_row = text.lines().find(|l| l.contains("batch")).unwrap();
+        assert_eq!(batch_row.matches("n/a").count(), 4, "{batch_row}");
+        assert!(text.contains("1 of 4 requests rejected"), "{text}");
+    }
+
+    #[test]
+    fn without_any_target_attainment_is_not_applicable() {
+        let rs = vec![
+            rec2("", 0.0, Some(1.0), None, None),
+            rec2("", 0.5, Some(2.0), None, None),
+        ];
+        let s = PolicySummary::new("fcfs", &rs, &mut [], RunCounters::default());
+        assert_eq!(
+            (s.slo_requests, s.slo_attainment, s.goodput_rps),
+            (0, None, None)
+        );
+        let c = Comparison {
+            policies: vec![s],
+            ..Default::default()
+        };
+        let row = c.to_text().lines().nth(4).unwrap().to_string();
+        assert!(row.starts_with("fcfs") && row.ends_with("n/a"), "{row}");
+    }
+
+    #[test]
+    fn latencies_are_written_rounded_to_the_nanosecond() {
+        let r = RequestRecord {
+            tpot_ms: Some(3.6999999999999997),
+            ttft_ms: Some(0.1 + 0.2),
+            ..Default::default()
+        };
+        let json = serde_json::to_string(&r).unwrap();
+        assert!(
+            json.contains("\"tpot_ms\":3.7,") && json.contains("\"ttft_ms\":0.3,"),
+            "{json}"
+        );
+        assert_eq!(r.tpot_ms, Some(3.6999999999999997), "computation unchanged");
+        let mut v = [0.1, 0.2, 0.3 + 0.4 + 1e-13];
+        let stats = serde_json::to_string(&LatencyStats::from_values(&mut v)).unwrap();
+        assert!(!stats.contains("0000000"), "{stats}");
     }
 }

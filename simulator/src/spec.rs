@@ -6,10 +6,12 @@
 //! ```yaml
 //! seed: 1
 //! model: llama-3-8b            # a preset name, or the fields of `ModelSpec`
+//!                              # (presets: llama-3-8b, llama-3.1-8b, smollm2-135m,
+//!                              # qwen2.5-0.5b, qwen3-0.6b)
 //! hardware: h200               # a preset name, or the fields of `HardwareSpec`
-//! calibration: cal.yaml        # optional, replaces the roofline
+//! calibration: cal.yaml        # optional, replaces the roofline (then give num_gpu_blocks)
 //! cache: { block_size: 16, gpu_memory_utilization: 0.9, prefix_caching: true, prefix_sharing: tenant }
-//! scheduler: { max_num_seqs: 256, max_num_batched_tokens: 8192 }
+//! scheduler: { max_num_seqs: 256, max_num_batched_tokens: 8192, max_model_len: 8192 }
 //! policies: [ { name: fcfs }, { name: slo-aware, params: {} } ]
 //! tiers:
 //!   premium: { ttft_ms: 500, tpot_ms: 50, weight: 4, priority: 0 }
@@ -17,6 +19,7 @@
 //! workload:
 //!   trace: ../../shared/traces/AzureLLMInferenceTrace_code.csv   # relative to this file
 //!   format: azure
+//!   time_scale: 2              # optional: divides arrival times (2 = twice as fast)
 //!   arrival: { load: 0.9 }     # or { rate: 20 }; sharegpt: { process: gamma, cv: 2, rate: 5 }
 //!   mix: { tiers: { premium: 0.2, standard: 0.5, batch: 0.3 } }
 //! ```
@@ -100,7 +103,7 @@ fn default_hardware() -> HardwareChoice {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(untagged)]
 pub enum ModelChoice {
-    /// `llama-3-8b` or `smollm2-135m`.
+    /// A preset: `llama-3-8b`, `llama-3.1-8b`, `smollm2-135m`, `qwen2.5-0.5b`, `qwen3-0.6b`.
     Preset(String),
     /// A full model shape.
     Custom(ModelSpec),
@@ -122,7 +125,8 @@ pub enum HardwareChoice {
 pub struct CacheSection {
     /// Tokens per KV block.
     pub block_size: usize,
-    /// KV blocks; computed from device memory when absent.
+    /// KV blocks; computed from the hardware's memory when absent, which needs the roofline:
+    /// with a calibration file it must be given (the server logs its number of blocks).
     pub num_gpu_blocks: Option<usize>,
     /// Fraction of device memory for weights plus KV.
     pub gpu_memory_utilization: f64,
@@ -153,7 +157,10 @@ pub struct SchedulerLimits {
     pub max_num_seqs: usize,
     /// Most tokens per step.
     pub max_num_batched_tokens: usize,
-    /// Longest prompt + output; longer requests are rejected. Defaults to the KV capacity.
+    /// Longest prompt + output, as the server's `model.max_model_len`: longer requests are
+    /// rejected (the server answers them 400 `context_length_exceeded`) and counted as such.
+    /// Defaults to the model's context (`max_position_embeddings`), lowered to what the KV
+    /// cache holds; a value above the model's context, or above the KV cache, is an error.
     pub max_model_len: Option<usize>,
     /// Plan each step while the previous one runs, as the server does on a GPU
     /// (`scheduler.async_scheduling`): a request that arrives during a step is admitted a step
@@ -173,16 +180,23 @@ pub struct SchedulerLimits {
 }
 
 /// Speculative decoding as the simulator models it: decode steps carry up to
-/// `num_speculative_tokens` drafts (from what the step leaves over, as in the engine), and
-/// each draft is accepted with probability `acceptance_rate` once the ones before it were (the
-/// usual i.i.d. model of speculative decoding analyses), so a step yields one token plus the
-/// accepted run. The cost model prices the drafts as the tokens they are.
+/// `num_speculative_tokens` drafts (from what the step leaves over, as in the engine), and a
+/// step yields one token plus the run of drafts accepted from the first: each draft is accepted
+/// with a fixed probability once the ones before it were (the usual i.i.d. model of speculative
+/// decoding analyses). `acceptance_rate` is the figure the server and `bench serve` report,
+/// accepted draft tokens / draft tokens over a run
+/// (`switchyard:spec_decode_num_accepted_tokens_total / ..._num_draft_tokens_total`), so a
+/// measured figure can be pasted in: for a step of `d` drafts the simulator draws with the
+/// per-draft probability `p` that gives `(p + p² + ... + p^d) / d = acceptance_rate`, so the
+/// run's accepted / draft tokens comes out at `acceptance_rate` whatever the number of drafts
+/// per step. The cost model prices the drafts as the tokens they are.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SimSpeculative {
     /// Most drafts per sequence and step (1..=16).
     pub num_speculative_tokens: usize,
-    /// Probability that a draft is accepted, given the drafts before it were (0..=1).
+    /// Accepted draft tokens / draft tokens over the run (0..=1), as the server's metrics and
+    /// `bench serve` report it.
     pub acceptance_rate: f64,
     /// No drafts while more sequences than this run (0: no limit), as the engine's
     /// `speculative.max_running`.
@@ -250,7 +264,8 @@ pub struct TierConf {
     /// Whether its requests may be preempted first.
     #[serde(default)]
     pub preemptible: bool,
-    /// Priority given to its requests that carry none (lower is more urgent).
+    /// Priority of its requests that carry none of their own (default 0; lower is more
+    /// urgent, as vLLM's). A request's own `priority` (JSONL traces) wins over it.
     #[serde(default)]
     pub priority: i32,
 }
@@ -276,10 +291,11 @@ pub struct WorkloadSpec {
     /// Drop requests at or after this time (s, trace clock).
     #[serde(default)]
     pub end_s: Option<f64>,
-    /// Multiply arrival times by this factor (after loading).
+    /// Divide arrival times by this factor after loading (2 = twice as fast), as
+    /// `simulate --time-scale` and `bench serve --time-scale` do.
     #[serde(default)]
     pub time_scale: Option<f64>,
-    /// Arrival rate or load; required for sharegpt.
+    /// Arrival rate or load; required for sharegpt (it has no timestamps).
     #[serde(default)]
     pub arrival: Option<ArrivalSpec>,
     /// Tier and tenant mixes for requests without labels.
@@ -376,7 +392,10 @@ impl SimulationSpec {
     pub fn model_spec(&self) -> Result<ModelSpec, String> {
         let m = match &self.model {
             ModelChoice::Preset(name) => ModelSpec::preset(name).ok_or_else(|| {
-                format!("model: unknown preset `{name}` (known: llama-3-8b, smollm2-135m)")
+                format!(
+                    "model: unknown preset `{name}` (known: {})",
+                    ModelSpec::PRESETS
+                )
             })?,
             ModelChoice::Custom(m) => m.clone(),
         };
@@ -421,6 +440,15 @@ impl SimulationSpec {
         }
         if s.max_model_len.is_some_and(|n| n == 0 || n > 1 << 24) {
             return Err("scheduler.max_model_len outside 1..=16777216".into());
+        }
+        let context = self.model_spec()?.max_position_embeddings;
+        if let Some(n) = s.max_model_len.filter(|&n| n as u64 > context) {
+            return Err(format!(
+                "scheduler.max_model_len is {n}, more than the {context} tokens of context of \
+                 model {}: lower it to at most {context} or leave it out (the server refuses \
+                 it too)",
+                self.model_spec()?.name
+            ));
         }
         if !(0.0..=MAX_HOST_OVERHEAD_US).contains(&s.host_overhead_us) {
             return Err(format!(
@@ -479,8 +507,14 @@ impl SimulationSpec {
                 "workload.limit must be at least 1 (leave it out to keep every request)".into(),
             );
         }
-        if w.time_scale.is_some_and(|f| !(f.is_finite() && f > 0.0)) {
-            return Err("workload.time_scale must be positive".into());
+        if w.time_scale
+            .is_some_and(|f| !(f.is_finite() && f > 0.0 && (1.0 / f).is_finite()))
+        {
+            return Err(
+                "workload.time_scale must be a finite number > 0 (it divides arrival times: \
+                 2 = twice as fast)"
+                    .into(),
+            );
         }
         for (kind, mix) in [("tiers", &w.mix.tiers), ("tenants", &w.mix.tenants)] {
             if mix.len() > MAX_LABELS {
@@ -552,9 +586,9 @@ pub struct CliOptions {
     pub limit: Option<usize>,
     /// Arrival rate in requests/s (exclusive with `load`).
     pub rate: Option<f64>,
-    /// Load fraction of capacity (exclusive with `rate`); sharegpt defaults to 0.8.
+    /// Load fraction of capacity (exclusive with `rate`); sharegpt needs one of the two.
     pub load: Option<f64>,
-    /// Multiply arrival times by this factor (2 = half the rate).
+    /// Divide arrival times by this factor (2 = twice as fast), as `workload.time_scale`.
     pub time_scale: Option<f64>,
 }
 
@@ -562,14 +596,17 @@ impl SimulationSpec {
     /// Builds a spec from CLI flags with default cache, scheduler and no tiers.
     pub fn from_cli(o: &CliOptions) -> Result<Self, SimError> {
         let cli = Path::new("<cli>");
-        let load = match (o.rate, o.load, o.format) {
-            (None, None, TraceFormat::Sharegpt) => Some(0.8),
-            (_, l, _) => l,
-        };
-        let arrival = (o.rate.is_some() || load.is_some()).then_some(ArrivalSpec {
+        if o.format == TraceFormat::Sharegpt && o.rate.is_none() && o.load.is_none() {
+            return Err(SimError::spec(
+                cli,
+                "--format sharegpt has no timestamps: give --rate R (requests/s) or --load F \
+                 (a fraction of the estimated capacity)",
+            ));
+        }
+        let arrival = (o.rate.is_some() || o.load.is_some()).then_some(ArrivalSpec {
             process: None,
             rate: o.rate,
-            load,
+            load: o.load,
             cv: None,
         });
         let spec = SimulationSpec {
@@ -701,6 +738,17 @@ workload:
                 GOOD.replace("format: azure", "format: azure\n  time_scale: .inf"),
                 "workload.time_scale",
             ),
+            (
+                GOOD.replace("format: azure", "format: azure\n  time_scale: 1e-320"),
+                "workload.time_scale",
+            ),
+            (
+                format!(
+                    "{}\nscheduler: {{ max_model_len: 8193 }}\n",
+                    GOOD.trim_end()
+                ),
+                "more than the 8192 tokens of context of model smollm2-135m",
+            ),
         ];
         for (text, want) in cases {
             let err = parse(&text).unwrap_err().to_string();
@@ -726,7 +774,17 @@ workload:
     }
 
     #[test]
-    fn cli_specs_default_sharegpt_load_and_check_policies() {
+    fn max_model_len_may_reach_the_model_context() {
+        let s = parse(&format!(
+            "{}\nscheduler: {{ max_model_len: 8192 }}\n",
+            GOOD.trim_end()
+        ))
+        .unwrap();
+        assert_eq!(s.scheduler.max_model_len, Some(8192));
+    }
+
+    #[test]
+    fn cli_specs_need_a_sharegpt_rate_and_check_policies() {
         let mut o = CliOptions {
             trace: "x.csv".into(),
             format: TraceFormat::Sharegpt,
@@ -739,6 +797,13 @@ workload:
             load: None,
             time_scale: None,
         };
+        // No timestamps and no rate: an error naming the flags, not a silent default.
+        let err = SimulationSpec::from_cli(&o).unwrap_err().to_string();
+        assert!(
+            err.starts_with("<cli>") && err.contains("--rate") && err.contains("--load"),
+            "{err}"
+        );
+        o.load = Some(0.8);
         let s = SimulationSpec::from_cli(&o).unwrap();
         assert_eq!(s.workload.arrival.as_ref().and_then(|a| a.load), Some(0.8));
         o.policies = vec!["all".into()];

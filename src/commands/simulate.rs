@@ -5,14 +5,14 @@ use switchyard_simulator::{CliOptions, SimulationSpec, TraceFormat};
 use crate::cli::{SimulateArgs, TraceFormat as CliFormat};
 
 pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
-    // `--time-scale t` divides arrival times (2 = twice as fast); the spec's factor multiplies.
+    // `--time-scale t` divides arrival times (2 = twice as fast), as `workload.time_scale` does.
     let time_scale = match args.time_scale {
         Some(t) => {
             anyhow::ensure!(
                 t.is_finite() && t > 0.0 && (1.0 / t).is_finite(),
                 "--time-scale must be a finite number > 0 (2 = twice as fast), not {t}"
             );
-            Some(1.0 / t)
+            Some(t)
         }
         None => None,
     };

@@ -115,10 +115,12 @@ pub(crate) fn parse_u64(s: &str, path: &Path, line: usize, field: &str) -> Resul
     })
 }
 
-/// Parses `YYYY-MM-DD HH:MM:SS[.fraction]` (or a `T` between date and time) into seconds
-/// since 1970-01-01 (UTC assumed); `None` for anything else.
+/// Parses `YYYY-MM-DD HH:MM:SS[.fraction]` into seconds since 1970-01-01 (UTC assumed), and
+/// ISO 8601 / RFC 3339 likewise: a `T` between date and time, and a `Z` or a `+HH:MM` /
+/// `-HH:MM` (or `+HHMM`) offset after it (`2023-11-16T18:17:03.25Z`); `None` for anything else.
 pub fn parse_timestamp(s: &str) -> Option<f64> {
     let (date, time) = s.split_once([' ', 'T'])?;
+    let (time, offset_s) = split_offset(time)?;
     let mut d = date.splitn(3, '-');
     let y: i64 = d.next()?.parse().ok()?;
     let m: u32 = d.next()?.parse().ok()?;
@@ -137,7 +139,36 @@ pub fn parse_timestamp(s: &str) -> Option<f64> {
         return None;
     }
     let days = days_from_civil(y, m, day);
-    Some(days as f64 * 86_400.0 + f64::from(hh * 3600 + mm * 60) + ss)
+    Some(days as f64 * 86_400.0 + f64::from(hh * 3600 + mm * 60) + ss - offset_s)
+}
+
+/// Splits a time of day from its UTC designator or offset: the time and the offset in seconds
+/// (local time minus UTC); `None` for a malformed offset.
+fn split_offset(time: &str) -> Option<(&str, f64)> {
+    if let Some(t) = time.strip_suffix(['Z', 'z']) {
+        return Some((t, 0.0));
+    }
+    let Some(at) = time.find(['+', '-']) else {
+        return Some((time, 0.0));
+    };
+    let (t, off) = time.split_at(at);
+    let sign = if off.starts_with('-') { -1.0 } else { 1.0 };
+    let digits = &off[1..];
+    let (h, m) = match digits.split_once(':') {
+        Some(hm) => hm,
+        None if digits.len() == 4 => digits.split_at(2),
+        None if digits.len() == 2 => (digits, "00"),
+        None => return None,
+    };
+    let all_digits = |x: &str| x.len() == 2 && x.bytes().all(|b| b.is_ascii_digit());
+    if !(all_digits(h) && all_digits(m)) {
+        return None;
+    }
+    let (h, m): (u32, u32) = (h.parse().ok()?, m.parse().ok()?);
+    if h > 23 || m > 59 {
+        return None;
+    }
+    Some((t, sign * f64::from(h * 3600 + m * 60)))
 }
 
 /// Days since 1970-01-01 of a proleptic Gregorian date (H. Hinnant's
@@ -166,6 +197,32 @@ mod tests {
         assert_eq!(days_from_civil(1970, 1, 1), 0);
         assert_eq!(days_from_civil(2023, 11, 16), 19_677);
         assert_eq!(days_from_civil(2000, 3, 1), 11_017);
+    }
+
+    #[test]
+    fn iso_8601_timestamps_parse_as_the_azure_ones() {
+        let azure = parse_timestamp("2023-11-16 18:17:03").unwrap();
+        assert_eq!(parse_timestamp("2023-11-16T18:17:03Z"), Some(azure));
+        assert_eq!(
+            parse_timestamp("2023-11-16T18:17:03.25Z"),
+            Some(azure + 0.25)
+        );
+        assert_eq!(parse_timestamp("2023-11-16T19:17:03+01:00"), Some(azure));
+        assert_eq!(parse_timestamp("2023-11-16T13:17:03-0500"), Some(azure));
+        let fraction = parse_timestamp("2023-11-16T18:17:03.9799600Z").unwrap() - azure;
+        assert!((fraction - 0.97996).abs() < 1e-6, "{fraction}");
+        for bad in [
+            "2023-11-16T18:17:03+1:00",
+            "2023-11-16T18:17:03+25:00",
+            "2023-11-16T18:17:03ZZ",
+        ] {
+            assert_eq!(parse_timestamp(bad), None, "{bad}");
+        }
+        let text = "\u{feff}TIMESTAMP,ContextTokens,GeneratedTokens\n\
+                    2023-11-16T18:17:03Z,100,10\n2023-11-16T18:17:04.5Z,100,10\n";
+        let rs = load(text, &LoadOptions::default()).unwrap();
+        let times: Vec<f64> = rs.iter().map(|r| r.arrival_s).collect();
+        assert_eq!(times, vec![0.0, 1.5]);
     }
 
     #[test]

@@ -80,6 +80,7 @@ pub fn load_jsonl(
             .as_object()
             .ok_or_else(|| SimError::trace(path, line, "<json>", "expected a JSON object"))?;
         let r = parse_row(obj, path, line, seq)?;
+        options.check_tier(path, line, &r.tier)?;
         if !options.in_window(r.arrival_s) {
             return Ok(true);
         }

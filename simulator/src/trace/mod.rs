@@ -109,6 +109,10 @@ pub struct LoadOptions {
     pub start_s: Option<f64>,
     /// Drop requests arriving at or after this many seconds (timestamped traces).
     pub end_s: Option<f64>,
+    /// The tiers the spec defines: a trace line naming another tier is an error, as the
+    /// server refuses an unknown tier (`None`: not checked). The empty tier (none given)
+    /// is always accepted.
+    pub known_tiers: Option<Vec<String>>,
 }
 
 impl LoadOptions {
@@ -120,6 +124,29 @@ impl LoadOptions {
     /// Most requests kept: the limit, and never more than [`MAX_REQUESTS`].
     pub(crate) fn cap(&self) -> usize {
         self.limit.unwrap_or(MAX_REQUESTS).min(MAX_REQUESTS)
+    }
+
+    /// An error naming `tier` and the line when the spec does not define it.
+    pub(crate) fn check_tier(&self, path: &Path, line: usize, tier: &str) -> Result<(), SimError> {
+        match &self.known_tiers {
+            Some(known) if !tier.is_empty() && !known.iter().any(|k| k == tier) => {
+                let defined = if known.is_empty() {
+                    "the spec defines no tiers".to_string()
+                } else {
+                    format!("defined: {}", known.join(", "))
+                };
+                Err(SimError::trace(
+                    path,
+                    line,
+                    "tier",
+                    format!(
+                        "tier `{tier}` is not defined under `tiers` ({defined}); the server \
+                         refuses an unknown tier"
+                    ),
+                ))
+            }
+            _ => Ok(()),
+        }
     }
 
     /// Whether `count` requests already reach the limit.
@@ -150,7 +177,8 @@ pub fn load_trace(
 
 /// Reads `reader` line by line with a bounded line length, calling `f` with
 /// the 1-based line number and the line without its terminator. Blank lines
-/// are skipped. `f` returns `false` to stop early.
+/// are skipped, and a UTF-8 byte order mark at the start of the file is dropped (spreadsheet
+/// exports write one). `f` returns `false` to stop early.
 pub(crate) fn for_each_line(
     mut reader: impl BufRead,
     path: &Path,
@@ -178,6 +206,11 @@ pub(crate) fn for_each_line(
         let text = std::str::from_utf8(&buf)
             .map_err(|_| SimError::trace(path, line_no, "<line>", "not valid UTF-8"))?;
         let text = text.trim_end_matches(['\n', '\r']);
+        let text = if line_no == 1 {
+            text.strip_prefix('\u{feff}').unwrap_or(text)
+        } else {
+            text
+        };
         if text.trim().is_empty() {
             continue;
         }
