@@ -503,3 +503,69 @@ fn config_check_refuses_a_misspelt_log_level_and_hides_keys() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `tiers.<name>.priority` is the priority of the tier's requests that set none; a request's
+/// own `priority` wins. One seat (`max_num_seqs: 1`) held by a long request: a low tier's
+/// request queued first is served after a standard tier's queued later, and a request of the
+/// low tier that asks for priority -1 goes before both.
+#[test]
+fn a_tier_priority_orders_its_requests_that_set_none() {
+    let keys = "  api_keys:\n    - { key: std-tier-key-0001, tenant: a, tier: std }\n    \
+                - { key: low-tier-key-0001, tenant: b, tier: low }\n";
+    let s = std::sync::Arc::new(Server::start_with(
+        "tier-priority",
+        keys,
+        "scheduler:\n  max_num_seqs: 1\n  policy: { name: priority, params: { preempt: false } }\n\
+         tiers:\n  std: {}\n  low: { priority: 5 }\n",
+    ));
+    let start = Instant::now();
+    let send = |key: &'static str, tokens: u32, priority: Option<i32>| {
+        let s = s.clone();
+        std::thread::spawn(move || {
+            let mut body = json!({"prompt": "Count:", "max_tokens": tokens, "ignore_eos": true});
+            if let Some(p) = priority {
+                body["priority"] = json!(p);
+            }
+            let auth = format!("Bearer {key}");
+            let r = s
+                .request(
+                    "POST",
+                    "/v1/completions",
+                    Some(&body.to_string()),
+                    &[("authorization", auth.as_str())],
+                )
+                .expect("request");
+            assert_eq!(r.status, 200, "{}", r.body);
+            Instant::now()
+        })
+    };
+    let wait_for = |metric: &str, value: f64| {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while s.metric(metric) != Some(value) {
+            assert!(Instant::now() < deadline, "{metric} never reached {value}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    };
+    let occupant = send("std-tier-key-0001", 96, None);
+    wait_for("switchyard:num_requests_running", 1.0);
+    let low = send("low-tier-key-0001", 4, None);
+    wait_for("switchyard:num_requests_waiting", 1.0);
+    let standard = send("std-tier-key-0001", 4, None);
+    wait_for("switchyard:num_requests_waiting", 2.0);
+    let urgent = send("low-tier-key-0001", 4, Some(-1));
+    wait_for("switchyard:num_requests_waiting", 3.0);
+    let occupant = occupant.join().unwrap();
+    let (urgent, standard, low) = (
+        urgent.join().unwrap(),
+        standard.join().unwrap(),
+        low.join().unwrap(),
+    );
+    assert!(
+        occupant < urgent && urgent < standard && standard < low,
+        "finished at {:?} / {:?} / {:?} / {:?}",
+        occupant - start,
+        urgent - start,
+        standard - start,
+        low - start
+    );
+}

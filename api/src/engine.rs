@@ -194,8 +194,9 @@ pub struct GenerateRequest {
     /// Whether [`EngineEvent::Prompt`] must carry the prompt's logprobs (completions' `echo`
     /// together with `logprobs`).
     pub prompt_logprobs: Option<u32>,
-    /// Scheduling priority as vLLM defines it: lower values are served first; default 0.
-    pub priority: i32,
+    /// Scheduling priority as vLLM defines it: lower values are served first; `None`: the
+    /// request set none (its tier's applies, else 0).
+    pub priority: Option<i32>,
     /// Service tier (from the API key), for SLO-aware and fair-share policies.
     pub tier: String,
     /// Tenant (from the API key), for fair share and prefix-cache isolation.

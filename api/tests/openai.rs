@@ -107,7 +107,7 @@ async fn completion_fields_reach_the_engine() {
     assert_eq!(s.stop_token_ids, vec![9]);
     assert_eq!((s.min_tokens, s.ignore_eos), (1, true));
     assert_eq!(request.stop, vec!["zz".to_owned()]);
-    assert_eq!((request.priority, request.max_tokens), (-3, Some(2)));
+    assert_eq!((request.priority, request.max_tokens), (Some(-3), Some(2)));
     assert_eq!(
         (request.tenant.as_str(), request.tier.as_str()),
         ("acme", "premium")

@@ -656,7 +656,7 @@ impl Default for SchedulerSection {
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(
     deny_unknown_fields,
-    expecting = "a mapping (a tier: ttft_ms, tpot_ms, weight, preemptible)"
+    expecting = "a mapping (a tier: ttft_ms, tpot_ms, weight, preemptible, priority)"
 )]
 pub struct TierConfig {
     /// Time-to-first-token target in milliseconds.
@@ -672,6 +672,10 @@ pub struct TierConfig {
     /// Whether running requests of this tier may be preempted for other tiers.
     #[serde(default)]
     pub preemptible: bool,
+    /// Scheduling priority of the tier's requests that set none themselves (vLLM's: lower is
+    /// served first; the `priority` policy reads it), default 0.
+    #[serde(default)]
+    pub priority: i32,
 }
 
 fn one() -> f64 {

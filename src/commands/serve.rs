@@ -9,6 +9,7 @@
 mod checks;
 mod reload;
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -246,6 +247,11 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             max_model_len,
             ready: AtomicBool::new(true),
             tiers,
+            tier_priorities: config
+                .tiers
+                .iter()
+                .map(|(name, t)| (name.clone(), t.priority))
+                .collect(),
             policy: Mutex::new(policy_info),
             speculative: Arc::new(tokio::sync::Mutex::new(config.speculative.as_ref().map(
                 |s| SpeculativeSettings {
@@ -378,6 +384,8 @@ struct EngineAdapter {
     ready: AtomicBool,
     /// The tiers in force (policies are built with them; changing them takes a restart).
     tiers: Vec<TierSpec>,
+    /// Each tier's priority, for its requests that set none (`tiers.<name>.priority`).
+    tier_priorities: HashMap<String, i32>,
     /// The policy in force. Held while a swap is queued, so that swaps reach the scheduler in
     /// the order their records are written.
     policy: Mutex<PolicyInfo>,
@@ -637,7 +645,12 @@ impl port::Engine for EngineAdapter {
             n: request.n,
             max_tokens: request.max_tokens.filter(|_| !request.max_tokens_defaulted),
             default_max_tokens: request.max_tokens.filter(|_| request.max_tokens_defaulted),
-            priority: request.priority,
+            priority: request.priority.unwrap_or_else(|| {
+                self.tier_priorities
+                    .get(&request.tier)
+                    .copied()
+                    .unwrap_or(0)
+            }),
             tier: request.tier,
             tenant: request.tenant,
             prompt_logprobs: request.prompt_logprobs,

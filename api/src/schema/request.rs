@@ -296,8 +296,8 @@ pub struct Validated {
     /// Every chunk carries its choice's usage so far (vLLM's `continuous_usage_stats`, with
     /// `include_usage`).
     pub continuous_usage: bool,
-    /// Scheduling priority.
-    pub priority: i32,
+    /// Scheduling priority; `None` when the request set none (its tier's applies).
+    pub priority: Option<i32>,
     /// What the output must follow.
     pub structured: Option<StructuredOutputSpec>,
     /// How the output is read back into content and tool calls (chat with tools).
@@ -633,7 +633,7 @@ impl CompletionRequest {
             stream,
             include_usage: stream_usage(stream, &self.stream_options)?,
             continuous_usage: continuous_usage(&self.stream_options),
-            priority: self.priority.unwrap_or(0),
+            priority: self.priority,
             structured,
             tool_calls: None,
             cache_salt: parse_cache_salt(self.cache_salt)?,
@@ -779,7 +779,7 @@ impl ChatRequest {
             stream,
             include_usage: stream_usage(stream, &self.stream_options)?,
             continuous_usage: continuous_usage(&self.stream_options),
-            priority: self.priority.unwrap_or(0),
+            priority: self.priority,
             structured,
             tool_calls: tools.as_ref().and_then(ToolUse::answer),
             cache_salt: parse_cache_salt(self.cache_salt)?,
