@@ -10,10 +10,10 @@ mod http;
 
 use std::io::{Read, Write};
 use std::path::Path;
-use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use crossbeam::channel;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde_json::json;
@@ -217,25 +217,24 @@ struct Job {
 }
 
 /// Starts `n` threads that send the jobs given to the returned sender, one at a time each, and
-/// report every sample on the returned receiver; they end once the sender is dropped.
+/// report every sample on the returned receiver; they end once the sender is dropped. The jobs
+/// go through one multi-consumer queue (crossbeam's channel): an idle worker takes the next.
 fn spawn_workers(
     n: usize,
     target: &Target,
     path: &str,
     key: Option<&str>,
-) -> anyhow::Result<(mpsc::Sender<Job>, mpsc::Receiver<Sample>)> {
-    let (job_tx, job_rx) = mpsc::channel::<Job>();
-    let job_rx = Arc::new(Mutex::new(job_rx));
-    let (tx, rx) = mpsc::channel::<Sample>();
+) -> anyhow::Result<(channel::Sender<Job>, channel::Receiver<Sample>)> {
+    let (job_tx, job_rx) = channel::unbounded::<Job>();
+    let (tx, rx) = channel::unbounded::<Sample>();
     for w in 0..n {
         let (host, port) = (target.host.clone(), target.port);
         let (path, key) = (path.to_string(), key.map(str::to_string));
-        let (job_rx, tx) = (Arc::clone(&job_rx), tx.clone());
+        let (job_rx, tx) = (job_rx.clone(), tx.clone());
         std::thread::Builder::new()
             .name(format!("bench-{w}"))
             .spawn(move || {
-                // The guard is dropped inside `and_then`: the lock is held only while waiting.
-                while let Some(job) = job_rx.lock().ok().and_then(|jobs| jobs.recv().ok()) {
+                while let Ok(job) = job_rx.recv() {
                     let sample =
                         one_request(&host, port, &path, key.as_deref(), &job.body, job.input)
                             .unwrap_or_else(|e| Sample {

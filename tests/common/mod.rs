@@ -193,14 +193,19 @@ impl Server {
         events
     }
 
-    /// Reads a metric's value from /metrics (first sample whose name matches exactly, any labels).
+    /// Reads a metric from /metrics: the sum of its samples over all their labels.
     pub fn metric(&self, name: &str) -> Option<f64> {
         let r = self.request("GET", "/metrics", None, &[]).ok()?;
-        r.body.lines().find_map(|l| {
-            let (lhs, value) = l.rsplit_once(' ')?;
-            let metric = lhs.split('{').next()?;
-            (metric == name).then(|| value.parse().ok()).flatten()
-        })
+        let values: Vec<f64> = r
+            .body
+            .lines()
+            .filter_map(|l| {
+                let (lhs, value) = l.rsplit_once(' ')?;
+                let metric = lhs.split('{').next()?;
+                (metric == name).then(|| value.parse().ok()).flatten()
+            })
+            .collect();
+        (!values.is_empty()).then(|| values.iter().sum())
     }
 }
 
