@@ -486,6 +486,45 @@ fn context_length_is_enforced_with_its_code() {
     assert_eq!(status, 400, "{v}");
 }
 
+/// A completion of several prompts, one too long: the 400 ends the others too, and their
+/// choices count as failed with it, not as aborted (the client did not leave).
+#[test]
+fn the_other_prompts_of_a_refused_request_fail_with_it_and_are_not_aborted() {
+    let s = &server();
+    let failed = |s: &common::Server| {
+        let r = s.request("GET", "/metrics", None, &[]).expect("metrics");
+        r.body
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix("switchyard:request_failed_total{reason=\"context_length\"} ")
+                    .and_then(|v| v.parse::<f64>().ok())
+            })
+            .unwrap_or(0.0)
+    };
+    let (aborted0, failed0) = (s.metric("switchyard:request_aborted_total"), failed(s));
+    let long = "hello ".repeat(9000);
+    let (status, v) = s.post_json(
+        "/v1/completions",
+        &json!({"prompt": ["Count to three:", long], "n": 3, "max_tokens": 64,
+                "ignore_eos": true}),
+    );
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["code"], "context_length_exceeded", "{v}");
+    // Idle again, and the detokenizer had time to notice the dropped receivers.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while s.metric("switchyard:num_requests_running") != Some(0.0)
+        || s.metric("switchyard:num_requests_waiting") != Some(0.0)
+    {
+        assert!(std::time::Instant::now() < deadline, "never idle");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(400));
+    assert_eq!(s.metric("switchyard:request_aborted_total"), aborted0);
+    // The first prompt's three choices, if they were queued before the refusal.
+    let more = failed(s) - failed0;
+    assert!(more == 0.0 || more == 3.0, "{more}");
+}
+
 #[test]
 fn metrics_are_exported() {
     let s = &server();

@@ -41,6 +41,7 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::{Arc, OnceLock};
 
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
@@ -163,6 +164,31 @@ pub struct LoraAdapterInfo {
     pub rank: usize,
 }
 
+/// Shared by the prompts of one HTTP request. When one of them fails, the HTTP layer records
+/// the failure's kind here before it drops the others' receivers: they end because of that
+/// failure, not because the client left, and an engine counts them as failed, not aborted.
+#[derive(Debug, Clone, Default)]
+pub struct SiblingFailure(Arc<OnceLock<EngineErrorKind>>);
+
+impl SiblingFailure {
+    /// Records why the request failed (the first failure stays).
+    pub fn set(&self, kind: EngineErrorKind) {
+        let _ = self.0.set(kind);
+    }
+
+    /// The failure recorded, if any.
+    pub fn get(&self) -> Option<EngineErrorKind> {
+        self.0.get().copied()
+    }
+}
+
+/// Requests compare equal whatever their cells hold (the cell is shared state, not content).
+impl PartialEq for SiblingFailure {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
 /// One generation request, validated and bounded by the HTTP layer.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GenerateRequest {
@@ -209,6 +235,9 @@ pub struct GenerateRequest {
     /// vLLM's `cache_salt`: cached prefixes are shared only among requests with the same
     /// salt (and, as the server is configured, the same tenant).
     pub cache_salt: Option<String>,
+    /// Shared by the prompts of one HTTP request (set by the HTTP layer): see
+    /// [`SiblingFailure`].
+    pub sibling_failure: SiblingFailure,
 }
 
 /// A structure the output must follow (structured output).

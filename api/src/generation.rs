@@ -11,7 +11,9 @@ use std::task::{Context, Poll};
 use futures_util::stream::{SelectAll, Stream, StreamExt};
 use tokio::sync::mpsc;
 
-use crate::engine::{Delta, Engine, EngineError, EngineErrorKind, EngineEvent, TokenLogprob};
+use crate::engine::{
+    Delta, Engine, EngineError, EngineErrorKind, EngineEvent, SiblingFailure, TokenLogprob,
+};
 use crate::error::ApiError;
 
 /// One prompt's event channel, tagged with the prompt's position.
@@ -55,6 +57,9 @@ pub(crate) struct Generation {
     remaining: usize,
     /// Param named by a context-length error without one (`prompt` or `messages`).
     prompt_param: &'static str,
+    /// Shared with the engine requests: set when the generation fails, before its receivers
+    /// drop.
+    failure: SiblingFailure,
 }
 
 fn protocol_error(message: &str) -> ApiError {
@@ -74,15 +79,26 @@ impl Generation {
         n: u32,
         prompt_param: &'static str,
     ) -> Result<Self, ApiError> {
+        let failure = SiblingFailure::default();
         let mut receivers = Vec::with_capacity(requests.len());
-        for request in requests {
-            // On error the receivers collected so far drop here, aborting those requests.
-            let rx = engine
-                .submit(request)
-                .map_err(|e| with_prompt_param(e, prompt_param))?;
+        for mut request in requests {
+            request.sibling_failure = failure.clone();
+            // On error the receivers collected so far drop here, ending those requests as
+            // failed with this one.
+            let rx = engine.submit(request).map_err(|e| {
+                failure.set(e.kind);
+                with_prompt_param(e, prompt_param)
+            })?;
             receivers.push(rx);
         }
-        Self::accept(receivers, n, prompt_param).await
+        let generation = Self::accept(receivers, n, prompt_param, failure.clone()).await;
+        if let Err(e) = &generation {
+            failure.set(match e {
+                ApiError::Engine(e) => e.kind,
+                _ => EngineErrorKind::Internal,
+            });
+        }
+        generation
     }
 
     /// Waits for every prompt's [`EngineEvent::Prompt`], buffering deltas that arrive early.
@@ -90,6 +106,7 @@ impl Generation {
         receivers: Vec<mpsc::Receiver<EngineEvent>>,
         n: u32,
         prompt_param: &'static str,
+        failure: SiblingFailure,
     ) -> Result<Self, ApiError> {
         let prompts = receivers.len();
         let mut events = SelectAll::new();
@@ -107,6 +124,7 @@ impl Generation {
             finished: vec![false; choices],
             remaining: choices,
             prompt_param,
+            failure,
         };
         let mut accepted = vec![false; prompts];
         let mut waiting = prompts;
@@ -177,6 +195,7 @@ impl Generation {
                     }
                     Some((_, EngineEvent::Error(e))) => {
                         self.remaining = 0;
+                        self.failure.set(e.kind);
                         return Some(Err(with_prompt_param(e, self.prompt_param)));
                     }
                     Some((prompt, EngineEvent::Delta(delta))) => (prompt, delta),
@@ -268,7 +287,13 @@ mod tests {
             delta(0, "", true),
             delta(1, "b1", true),
         ]);
-        let mut g = block_on(Generation::accept(vec![a, b], 2, "prompt")).unwrap();
+        let mut g = block_on(Generation::accept(
+            vec![a, b],
+            2,
+            "prompt",
+            SiblingFailure::default(),
+        ))
+        .unwrap();
         assert_eq!(g.total_prompt_tokens(), 5);
         let mut seen = Vec::new();
         while let Some(d) = block_on(g.next()) {
@@ -284,7 +309,12 @@ mod tests {
     fn an_error_before_the_prompt_event_fails_the_start() {
         let e = EngineError::new(EngineErrorKind::ContextLengthExceeded, "too long");
         let rx = channel(vec![EngineEvent::Error(e)]);
-        match block_on(Generation::accept(vec![rx], 1, "messages")) {
+        match block_on(Generation::accept(
+            vec![rx],
+            1,
+            "messages",
+            SiblingFailure::default(),
+        )) {
             Err(ApiError::Engine(e)) => assert_eq!(e.param.as_deref(), Some("messages")),
             _ => panic!("expected the engine error"),
         }
@@ -298,7 +328,13 @@ mod tests {
             vec![prompt(1), prompt(1)],
         ];
         for events in cases {
-            let mut g = block_on(Generation::accept(vec![channel(events)], 1, "prompt")).unwrap();
+            let mut g = block_on(Generation::accept(
+                vec![channel(events)],
+                1,
+                "prompt",
+                SiblingFailure::default(),
+            ))
+            .unwrap();
             let mut last = None;
             while let Some(d) = block_on(g.next()) {
                 last = Some(d);
@@ -313,7 +349,13 @@ mod tests {
     #[test]
     fn output_after_a_choice_finished_is_dropped() {
         let rx = channel(vec![prompt(1), delta(0, "x", true), delta(0, "late", true)]);
-        let mut g = block_on(Generation::accept(vec![rx], 1, "prompt")).unwrap();
+        let mut g = block_on(Generation::accept(
+            vec![rx],
+            1,
+            "prompt",
+            SiblingFailure::default(),
+        ))
+        .unwrap();
         assert_eq!(block_on(g.next()).unwrap().unwrap().delta.text, "x");
         assert!(block_on(g.next()).is_none());
     }

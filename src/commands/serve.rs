@@ -499,6 +499,8 @@ fn to_port_error(e: SubmitError) -> EngineError {
 struct ChannelSink {
     tx: mpsc::Sender<EngineEvent>,
     tokenizer: Arc<Tokenizer>,
+    /// Set by the HTTP layer when another prompt of the same request failed.
+    sibling_failure: port::SiblingFailure,
 }
 
 impl ChannelSink {
@@ -588,6 +590,17 @@ impl OutputSink for ChannelSink {
     fn is_closed(&self) -> bool {
         self.tx.is_closed()
     }
+
+    fn abandoned_for(&self) -> Option<SubmitErrorKind> {
+        self.sibling_failure.get().map(|kind| match kind {
+            EngineErrorKind::InvalidRequest => SubmitErrorKind::InvalidRequest,
+            EngineErrorKind::NotFound => SubmitErrorKind::UnknownModel,
+            EngineErrorKind::ContextLengthExceeded => SubmitErrorKind::ContextLengthExceeded,
+            EngineErrorKind::Overloaded { .. } => SubmitErrorKind::Overloaded,
+            EngineErrorKind::Unavailable => SubmitErrorKind::Unavailable,
+            EngineErrorKind::Internal => SubmitErrorKind::Internal,
+        })
+    }
 }
 
 impl port::Engine for EngineAdapter {
@@ -608,6 +621,7 @@ impl port::Engine for EngineAdapter {
     }
 
     fn submit(&self, request: GenerateRequest) -> Result<mpsc::Receiver<EngineEvent>, EngineError> {
+        let sibling_failure = request.sibling_failure.clone();
         let s = &request.sampling;
         let sampling = SamplingParams {
             temperature: s.temperature,
@@ -670,6 +684,7 @@ impl port::Engine for EngineAdapter {
             Box::new(ChannelSink {
                 tx,
                 tokenizer: self.tokenizer.clone(),
+                sibling_failure: sibling_failure.clone(),
             }),
         );
         Ok(rx)
@@ -805,7 +820,11 @@ mod tests {
             "normalizer":null,"pre_tokenizer":null,"post_processor":null,"decoder":null,
             "model":{"type":"WordLevel","vocab":{"a":0,"b":1},"unk_token":"a"}}"#;
         let tokenizer = Arc::new(Tokenizer::from_json_bytes(json.as_bytes()).unwrap());
-        let mut sink = ChannelSink { tx, tokenizer };
+        let mut sink = ChannelSink {
+            tx,
+            tokenizer,
+            sibling_failure: Default::default(),
+        };
         // Nobody reads: three deltas fit, the fourth finds only the slot kept for the reason.
         assert!(sink.send(delta(0)));
         assert!(sink.send(delta(0)));

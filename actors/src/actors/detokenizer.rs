@@ -156,6 +156,15 @@ enum EndedEarly {
 }
 
 impl EndedEarly {
+    /// How the open choices of a request whose sink closed end: aborted, unless the client
+    /// dropped them because another part of its request failed.
+    fn of_closed(sink: &dyn OutputSink) -> Self {
+        match sink.abandoned_for() {
+            Some(kind) => EndedEarly::Failed(failure_label(kind)),
+            None => EndedEarly::Aborted,
+        }
+    }
+
     fn count(self, choices: usize) {
         match self {
             EndedEarly::Aborted => metrics::counter!(names::REQUEST_ABORTED),
@@ -368,7 +377,8 @@ impl Actor for DetokenizerActor {
                 }
             }
             for r in gone {
-                act.abort_request(&r, EndedEarly::Aborted);
+                let ended = EndedEarly::of_closed(&*r.borrow().sink);
+                act.abort_request(&r, ended);
             }
         });
     }
@@ -631,7 +641,8 @@ impl Handler<StepEvents> for DetokenizerActor {
             }
         }
         for r in gone {
-            self.abort_request(&r, EndedEarly::Aborted);
+            let ended = EndedEarly::of_closed(&*r.borrow().sink);
+            self.abort_request(&r, ended);
         }
     }
 }

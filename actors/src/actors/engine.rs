@@ -163,6 +163,12 @@ pub trait OutputSink: Send + 'static {
     fn send(&mut self, output: EngineOutput) -> bool;
     /// Whether the client is gone.
     fn is_closed(&self) -> bool;
+    /// Why a closed sink was closed when not because the client left: another part of the
+    /// same client request failed with this kind (its choices then count as failed with it,
+    /// not as aborted). `None` by default.
+    fn abandoned_for(&self) -> Option<SubmitErrorKind> {
+        None
+    }
 }
 
 /// Classes of request failure.
