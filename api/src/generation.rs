@@ -91,14 +91,7 @@ impl Generation {
             })?;
             receivers.push(rx);
         }
-        let generation = Self::accept(receivers, n, prompt_param, failure.clone()).await;
-        if let Err(e) = &generation {
-            failure.set(match e {
-                ApiError::Engine(e) => e.kind,
-                _ => EngineErrorKind::Internal,
-            });
-        }
-        generation
+        Self::accept(receivers, n, prompt_param, failure).await
     }
 
     /// Waits for every prompt's [`EngineEvent::Prompt`], buffering deltas that arrive early.
@@ -130,6 +123,7 @@ impl Generation {
         let mut waiting = prompts;
         while waiting > 0 {
             let Some((prompt, event)) = generation.events.next().await else {
+                generation.failure.set(EngineErrorKind::Internal);
                 return Err(protocol_error("channel closed before the prompt event"));
             };
             match event {
@@ -144,12 +138,20 @@ impl Generation {
                     generation.opens_thinking[prompt] = opens_thinking;
                     generation.prompt_logprobs[prompt] = prompt_logprobs;
                 }
-                EngineEvent::Prompt { .. } => return Err(protocol_error("second prompt event")),
+                EngineEvent::Prompt { .. } => {
+                    generation.failure.set(EngineErrorKind::Internal);
+                    return Err(protocol_error("second prompt event"));
+                }
                 EngineEvent::Delta(_) if !accepted[prompt] => {
-                    return Err(protocol_error("delta before the prompt event"))
+                    generation.failure.set(EngineErrorKind::Internal);
+                    return Err(protocol_error("delta before the prompt event"));
                 }
                 EngineEvent::Delta(delta) => generation.early.push_back((prompt, delta)),
-                EngineEvent::Error(e) => return Err(with_prompt_param(e, prompt_param)),
+                EngineEvent::Error(e) => {
+                    // Recorded before the receivers drop with `generation`.
+                    generation.failure.set(e.kind);
+                    return Err(with_prompt_param(e, prompt_param));
+                }
             }
         }
         Ok(generation)
@@ -309,12 +311,11 @@ mod tests {
     fn an_error_before_the_prompt_event_fails_the_start() {
         let e = EngineError::new(EngineErrorKind::ContextLengthExceeded, "too long");
         let rx = channel(vec![EngineEvent::Error(e)]);
-        match block_on(Generation::accept(
-            vec![rx],
-            1,
-            "messages",
-            SiblingFailure::default(),
-        )) {
+        let failure = SiblingFailure::default();
+        let result = block_on(Generation::accept(vec![rx], 1, "messages", failure.clone()));
+        // The other prompts' requests learn why their receivers dropped.
+        assert_eq!(failure.get(), Some(EngineErrorKind::ContextLengthExceeded));
+        match result {
             Err(ApiError::Engine(e)) => assert_eq!(e.param.as_deref(), Some("messages")),
             _ => panic!("expected the engine error"),
         }

@@ -73,8 +73,10 @@ pub struct ModelSpec {
     /// Bytes per KV-cache element (2 for bf16).
     pub bytes_per_kv: f64,
     /// The model's context length (`max_position_embeddings` of its config.json): the
-    /// longest prompt plus output it serves, and the default `scheduler.max_model_len`.
-    pub max_position_embeddings: u64,
+    /// longest prompt plus output it serves, and the default `scheduler.max_model_len`. Every
+    /// preset has one; a custom model without it is bounded by the KV cache only.
+    #[serde(default)]
+    pub max_position_embeddings: Option<u64>,
 }
 
 impl ModelSpec {
@@ -92,7 +94,7 @@ impl ModelSpec {
             tied_embeddings: false,
             bytes_per_weight: 2.0,
             bytes_per_kv: 2.0,
-            max_position_embeddings: 8192,
+            max_position_embeddings: Some(8192),
         }
     }
 
@@ -101,7 +103,7 @@ impl ModelSpec {
     pub fn llama_3_1_8b() -> Self {
         ModelSpec {
             name: "llama-3.1-8b".into(),
-            max_position_embeddings: 131_072,
+            max_position_embeddings: Some(131_072),
             ..Self::llama_3_8b()
         }
     }
@@ -120,7 +122,7 @@ impl ModelSpec {
             tied_embeddings: true,
             bytes_per_weight: 2.0,
             bytes_per_kv: 2.0,
-            max_position_embeddings: 8192,
+            max_position_embeddings: Some(8192),
         }
     }
 
@@ -139,7 +141,7 @@ impl ModelSpec {
             tied_embeddings: true,
             bytes_per_weight: 2.0,
             bytes_per_kv: 2.0,
-            max_position_embeddings: 32_768,
+            max_position_embeddings: Some(32_768),
         }
     }
 
@@ -158,7 +160,7 @@ impl ModelSpec {
             tied_embeddings: true,
             bytes_per_weight: 2.0,
             bytes_per_kv: 2.0,
-            max_position_embeddings: 40_960,
+            max_position_embeddings: Some(40_960),
         }
     }
 
@@ -190,7 +192,7 @@ impl ModelSpec {
             ("vocab_size", self.vocab_size, 1 << 22),
             (
                 "max_position_embeddings",
-                self.max_position_embeddings,
+                self.max_position_embeddings.unwrap_or(1),
                 1 << 24,
             ),
         ];
@@ -554,7 +556,7 @@ mod tests {
             tied_embeddings: false,
             bytes_per_weight: 2.0,
             bytes_per_kv: 2.0,
-            max_position_embeddings: 64,
+            max_position_embeddings: Some(64),
         };
         let h = HardwareSpec {
             name: "toy".into(),
@@ -657,7 +659,12 @@ mod tests {
     #[test]
     fn presets_carry_their_context_lengths() {
         // config.json `max_position_embeddings` of each model (gpu/src/model/config.rs).
-        let ctx = |n: &str| ModelSpec::preset(n).unwrap().max_position_embeddings;
+        let ctx = |n: &str| {
+            ModelSpec::preset(n)
+                .unwrap()
+                .max_position_embeddings
+                .unwrap()
+        };
         assert_eq!(ctx("llama-3-8b"), 8192);
         assert_eq!(ctx("llama-3.1-8b"), 131_072);
         assert_eq!(ctx("smollm2-135m"), 8192);

@@ -202,7 +202,9 @@ impl Simulation {
             start_s: w.start_s,
             end_s: w.end_s,
             // As the server refuses a tier its configuration does not define.
-            known_tiers: Some(self.spec.tiers.keys().cloned().collect()),
+            // A spec without tiers (the command line's) reads a trace's tiers as labels.
+            known_tiers: (!self.spec.tiers.is_empty())
+                .then(|| self.spec.tiers.keys().cloned().collect()),
         };
         let arrival = w.arrival.clone().unwrap_or_default();
         let mut requests = if w.format == TraceFormat::Sharegpt {
@@ -353,8 +355,9 @@ fn fit_max_model_len(
     num_gpu_blocks: usize,
     block_size: usize,
 ) -> Result<usize, String> {
-    let context = usize::try_from(model.max_position_embeddings)
-        .unwrap_or(usize::MAX)
+    let context = model
+        .max_position_embeddings
+        .map_or(usize::MAX, |c| usize::try_from(c).unwrap_or(usize::MAX))
         .min(1 << 24);
     let capacity = num_gpu_blocks.saturating_mul(block_size);
     match configured {
@@ -1178,6 +1181,18 @@ workload: {trace: unused.csv, format: azure}
             Simulation::new(&long).unwrap().scheduler.max_model_len,
             16_000
         );
+        // A custom model without a context (a spec written before presets had one): the KV
+        // cache bounds it.
+        let custom = spec(
+            "model: {name: mine, num_layers: 2, hidden_size: 64, num_heads: 4, num_kv_heads: 2, \
+             ffn_size: 128, vocab_size: 1000, bytes_per_weight: 2, bytes_per_kv: 2}\n\
+             cache: {num_gpu_blocks: 100}\npolicies: [{name: fcfs}]\n\
+             workload: {trace: t.csv, format: azure}\n",
+        );
+        assert_eq!(
+            Simulation::new(&custom).unwrap().scheduler.max_model_len,
+            1600
+        );
         // Set above what the KV cache holds: refused, as `serve` refuses it.
         let over = spec(
             "cache: {num_gpu_blocks: 100}\nscheduler: {max_model_len: 2000}\n\
@@ -1228,6 +1243,10 @@ workload: {trace: unused.csv, format: azure}
             err.contains("t.jsonl:3: field `tier`") && err.contains("tier `gld` is not defined"),
             "{err}"
         );
+        // A spec without tiers (the command line's) reads them as labels.
+        let tiers = std::mem::take(&mut sim.spec.tiers);
+        assert_eq!(sim.load_workload().unwrap().requests.len(), 3);
+        sim.spec.tiers = tiers;
         std::fs::write(&jsonl, "").unwrap();
         let err = sim.load_workload().unwrap_err().to_string();
         assert!(err.contains("the trace has no requests"), "{err}");

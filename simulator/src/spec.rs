@@ -441,7 +441,10 @@ impl SimulationSpec {
         if s.max_model_len.is_some_and(|n| n == 0 || n > 1 << 24) {
             return Err("scheduler.max_model_len outside 1..=16777216".into());
         }
-        let context = self.model_spec()?.max_position_embeddings;
+        let context = self
+            .model_spec()?
+            .max_position_embeddings
+            .unwrap_or(u64::MAX);
         if let Some(n) = s.max_model_len.filter(|&n| n as u64 > context) {
             return Err(format!(
                 "scheduler.max_model_len is {n}, more than the {context} tokens of context of \

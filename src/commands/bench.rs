@@ -85,18 +85,25 @@ fn prompt_dataset(
 /// Reads (prompt, output) lengths from a ShareGPT lengths CSV.
 fn sharegpt_lengths(path: &Path, max_model_len: usize) -> anyhow::Result<Vec<(usize, usize)>> {
     let text = super::bench_serve::read_bounded(path, super::bench_serve::MAX_DATASET_BYTES)?;
+    let names = ["num_prefill_tokens", "num_decode_tokens"];
+    let (text, columns) = super::bench_serve::csv_columns(path, &text, &names)?;
     let mut out = Vec::new();
     for (i, line) in text.lines().enumerate().skip(1) {
-        let mut fields = line.split(',');
-        let mut num = |name: &str| -> anyhow::Result<usize> {
+        let fields: Vec<&str> = line.split(',').collect();
+        let num = |k: usize| -> anyhow::Result<usize> {
             fields
-                .next()
+                .get(columns[k])
                 .and_then(|f| f.trim().parse().ok())
                 .with_context(|| {
-                    format!("{}:{}: field {name} is not a number", path.display(), i + 1)
+                    format!(
+                        "{}:{}: field {} is not a number",
+                        path.display(),
+                        i + 1,
+                        names[k]
+                    )
                 })
         };
-        let (p, o) = (num("num_prefill_tokens")?, num("num_decode_tokens")?);
+        let (p, o) = (num(0)?, num(1)?);
         let total = p.checked_add(o).with_context(|| {
             format!(
                 "{}:{}: num_prefill_tokens + num_decode_tokens overflows",
@@ -442,6 +449,25 @@ fn decode_tokens_per_second(steps: &[(u64, usize)]) -> Option<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// ShareGPT lengths are read by column name, as `bench serve` and the simulator read them.
+    #[test]
+    fn sharegpt_columns_are_read_by_name() {
+        let path = std::env::temp_dir().join(format!("switchyard-sg-{}.csv", std::process::id()));
+        std::fs::write(
+            &path,
+            "\u{feff}num_decode_tokens,pd_ratio,num_prefill_tokens\n5,0.1,50\n",
+        )
+        .unwrap();
+        assert_eq!(sharegpt_lengths(&path, 1000).unwrap(), vec![(50, 5)]);
+        std::fs::write(&path, "a,b\n1,2\n").unwrap();
+        let e = sharegpt_lengths(&path, 1000).unwrap_err();
+        assert!(
+            format!("{e:#}").contains("no column num_prefill_tokens"),
+            "{e:#}"
+        );
+        let _ = std::fs::remove_file(&path);
+    }
 
     #[test]
     fn decode_throughput_counts_the_tokens_the_steps_produced() {

@@ -126,8 +126,15 @@ fn workload(
                 .clone()
                 .context("--dataset-path is required for sharegpt and trace datasets")?;
             let text = read_bounded(&path, MAX_DATASET_BYTES)?;
-            let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
-            // Columns by their header's names (as the simulator reads these files).
+            let (text, prompt_col, output_col, ts_col) = if args.dataset == ServeDataset::Sharegpt {
+                let names = ["num_prefill_tokens", "num_decode_tokens"];
+                let (text, c) = csv_columns(&path, &text, &names)?;
+                (text, c[0], c[1], None)
+            } else {
+                let names = ["ContextTokens", "GeneratedTokens", "TIMESTAMP"];
+                let (text, c) = csv_columns(&path, &text, &names)?;
+                (text, c[0], c[1], Some(c[2]))
+            };
             let header: Vec<&str> = text
                 .lines()
                 .next()
@@ -135,25 +142,6 @@ fn workload(
                 .split(',')
                 .map(str::trim)
                 .collect();
-            let column = |name: &str| -> anyhow::Result<usize> {
-                header
-                    .iter()
-                    .position(|h| *h == name)
-                    .with_context(|| format!("{}: the header has no column {name}", path.display()))
-            };
-            let (prompt_col, output_col, ts_col) = if args.dataset == ServeDataset::Sharegpt {
-                (
-                    column("num_prefill_tokens")?,
-                    column("num_decode_tokens")?,
-                    None,
-                )
-            } else {
-                (
-                    column("ContextTokens")?,
-                    column("GeneratedTokens")?,
-                    Some(column("TIMESTAMP")?),
-                )
-            };
             let mut rows = Vec::new();
             let mut first_ts: Option<f64> = None;
             for (i, line) in text.lines().enumerate().skip(1) {
@@ -199,6 +187,34 @@ fn workload(
                 .collect())
         }
     }
+}
+
+/// `text` without a leading byte-order mark, and the positions of the columns `names` in its
+/// header line: a dataset's columns are found by name, in any order (as the simulator reads
+/// these files).
+pub(super) fn csv_columns<'t>(
+    path: &Path,
+    text: &'t str,
+    names: &[&str],
+) -> anyhow::Result<(&'t str, Vec<usize>)> {
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
+    let header: Vec<&str> = text
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .split(',')
+        .map(str::trim)
+        .collect();
+    let columns = names
+        .iter()
+        .map(|&name| {
+            header
+                .iter()
+                .position(|h| *h == name)
+                .with_context(|| format!("{}: the header has no column {name}", path.display()))
+        })
+        .collect::<anyhow::Result<_>>()?;
+    Ok((text, columns))
 }
 
 /// Seconds since 1970-01-01 (UTC assumed) of a `YYYY-MM-DD HH:MM:SS[.fffffff]` wall-clock

@@ -393,8 +393,8 @@ impl Engine {
             return;
         }
         let this = self.clone();
+        let arrival = Instant::now();
         actix::spawn(async move {
-            let arrival = Instant::now();
             let encoded = this
                 .ask_tokenizers(Encode {
                     source: options.prompt.clone(),

@@ -51,9 +51,35 @@ fn zeroed_f16(n: usize) -> Option<Vec<f16>> {
     }
 }
 
+/// Bytes of memory this process may still use, where the system says (Linux: `MemAvailable`
+/// of /proc/meminfo, and a cgroup v2 limit's headroom when one is set); `None` elsewhere.
+fn available_memory() -> Option<usize> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kib: usize = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    let mut available = kib.saturating_mul(1024);
+    let read = |f: &str| std::fs::read_to_string(format!("/sys/fs/cgroup/{f}")).ok();
+    if let (Some(max), Some(current)) = (read("memory.max"), read("memory.current")) {
+        if let (Ok(max), Ok(current)) =
+            (max.trim().parse::<usize>(), current.trim().parse::<usize>())
+        {
+            available = available.min(max.saturating_sub(current));
+        }
+    }
+    Some(available)
+}
+
 impl KvCache {
-    /// Allocates a zeroed cache; fails (instead of aborting) when the size overflows or the
-    /// memory cannot be reserved.
+    /// Allocates a zeroed cache; fails (instead of aborting) when the size overflows, when it
+    /// is larger than the memory available now (the pages are committed only as the cache
+    /// fills, so without this check a cache too large for the machine would start and be
+    /// killed for memory hours later), or when the memory cannot be reserved.
     pub fn new(
         layers: usize,
         num_blocks: usize,
@@ -71,6 +97,17 @@ impl KvCache {
             .try_fold(1usize, |a, &d| a.checked_mul(d))
             .filter(|n| n.checked_mul(8).is_some())
             .ok_or_else(|| GpuError::InvalidConfig("KV cache size overflows".into()))?;
+        let bytes = n * 4; // keys and values, 2 bytes each
+        if let Some(available) = available_memory() {
+            if bytes > available {
+                return Err(GpuError::InvalidConfig(format!(
+                    "the KV cache needs {} MiB but only {} MiB of memory is available: lower \
+                     cache.kv_cache_mb",
+                    bytes >> 20,
+                    available >> 20
+                )));
+            }
+        }
         let alloc = |what: &str| {
             zeroed_f16(n).ok_or_else(|| {
                 GpuError::InvalidConfig(format!(
@@ -132,6 +169,25 @@ impl KvCache {
 
 #[cfg(test)]
 mod tests {
+
+    /// A cache larger than the machine's memory is refused at once (its pages would only be
+    /// committed as it fills, and the process killed for memory then).
+    #[test]
+    fn a_cache_larger_than_the_memory_available_is_refused() {
+        // 2^50 halves of keys and as many of values: 4 PiB.
+        let e = KvCache::new(1024, 1 << 20, 4096, 1, 256)
+            .err()
+            .expect("refused");
+        let e = e.to_string();
+        if cfg!(target_os = "linux") {
+            assert!(
+                e.contains("of memory is available: lower cache.kv_cache_mb"),
+                "{e}"
+            );
+        } else {
+            assert!(e.contains("cannot allocate"), "{e}");
+        }
+    }
 
     #[test]
     fn a_new_cache_reads_zeros_everywhere() {

@@ -130,11 +130,7 @@ impl LoadOptions {
     pub(crate) fn check_tier(&self, path: &Path, line: usize, tier: &str) -> Result<(), SimError> {
         match &self.known_tiers {
             Some(known) if !tier.is_empty() && !known.iter().any(|k| k == tier) => {
-                let defined = if known.is_empty() {
-                    "the spec defines no tiers".to_string()
-                } else {
-                    format!("defined: {}", known.join(", "))
-                };
+                let defined = format!("defined: {}", known.join(", "));
                 Err(SimError::trace(
                     path,
                     line,
