@@ -26,6 +26,11 @@ pub enum Command {
         after_help = "Examples:\n  switchyard simulate --config config/examples/sim-azure-tiers.yaml --out out/sim\n  switchyard simulate --trace ../shared/traces/AzureLLMInferenceTrace_code.csv --format azure \\\n      --policies fcfs,priority,slo-aware,chunked-prefill --out out/azure --seed 1"
     )]
     Simulate(SimulateArgs),
+    /// Measure the engine's step times and fit the simulator's cost model to them.
+    #[command(
+        after_help = "Examples:\n  switchyard calibrate --output cal.yaml\n  switchyard calibrate --config prod.yaml --output cal.yaml --samples steps.json\n  switchyard calibrate --from-samples steps.json --output cal.yaml\n\nThen, in a simulator spec: `calibration: cal.yaml`."
+    )]
+    Calibrate(CalibrateArgs),
     /// Generate text from a model with continuous batching (several prompts at once).
     #[command(
         after_help = "Examples:\n  switchyard generate --model ~/.cache/switchyard/models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf --prompt 'The capital of France is'\n  switchyard generate --chat --prompt 'Write a haiku about trains' --prompt 'What is 2+2?' --max-tokens 64"
@@ -382,6 +387,47 @@ pub struct ThroughputArgs {
     /// Print the result as JSON.
     #[arg(long)]
     pub json: bool,
+}
+
+/// `switchyard calibrate`.
+#[derive(Debug, Args)]
+pub struct CalibrateArgs {
+    /// The server's YAML configuration: the model, backend, KV cache and batch limits it
+    /// names are the engine measured (default: the built-in defaults, the embedded model).
+    #[arg(long, short)]
+    pub config: Option<PathBuf>,
+    /// Override a configuration field: `--set model.backend=cuda` (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub overrides: Vec<String>,
+    /// Random weights of a named architecture instead of the configured model file
+    /// (smollm2-135m, llama-3-8b, qwen2.5-0.5b, qwen3-0.6b): step times depend on the shape,
+    /// not the values.
+    #[arg(long)]
+    pub dummy: Option<String>,
+    /// Longest context measured, in tokens (capped by the model's context and the KV cache).
+    #[arg(long, default_value_t = 1024)]
+    pub max_context: usize,
+    /// Most tokens of context one decode measurement holds over all its sequences (its
+    /// prompts are prefilled first, so this bounds the time it takes). Default: 8192 on the
+    /// CPU, 262144 on a GPU, at most half the KV cache.
+    #[arg(long)]
+    pub max_kv_tokens: Option<usize>,
+    /// Times the whole sweep runs; each distinct step's time is the median over the runs
+    /// (the first run pays one-off costs such as CUDA graph captures).
+    #[arg(long, default_value_t = 3)]
+    pub repeats: usize,
+    /// Where to write the calibration file (YAML).
+    #[arg(long, short, default_value = "calibration.yaml")]
+    pub output: PathBuf,
+    /// Also write the measured steps (JSON) to this file, to refit with `--from-samples`.
+    #[arg(long, value_name = "FILE")]
+    pub samples: Option<PathBuf>,
+    /// Fit the steps of a file `--samples` wrote instead of measuring the engine.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["config", "overrides", "dummy", "samples"])]
+    pub from_samples: Option<PathBuf>,
+    /// Seed of the random prompts.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
 }
 
 /// `switchyard model ...`.

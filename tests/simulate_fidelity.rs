@@ -165,3 +165,124 @@ fn exported_csv_and_iso_timestamps_are_read_and_long_requests_refused() {
     assert!(p["slo_attainment"].is_null(), "no tier has targets: {p}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The `key: number` lines of a calibration file.
+fn calibration_values(path: &Path) -> std::collections::HashMap<String, f64> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.split_once(": "))
+        .filter_map(|(k, v)| Some((k.to_string(), v.trim().parse().ok()?)))
+        .collect()
+}
+
+/// `switchyard calibrate` measures the embedded model on the CPU over a small sweep, writes a
+/// calibration that the simulator runs on (its step times are the fitted model's, plus the
+/// engine's host time; its KV cache is the engine's), and refits the very same coefficients
+/// from the steps it saved.
+#[test]
+fn calibrate_fits_the_engine_and_the_simulator_runs_on_the_fit() {
+    let dir = temp_dir("calibrate");
+    // A small engine: 4 sequences a step, a 16 MiB KV cache.
+    let stdout = succeeds(
+        switchyard()
+            .args(["calibrate", "--repeats", "1", "--max-context", "128"])
+            .args([
+                "--max-kv-tokens",
+                "512",
+                "--set",
+                "scheduler.max_num_seqs=4",
+            ])
+            .args(["--set", "cache.kv_cache_mb=16", "--output"])
+            .arg(dir.join("cal.yaml"))
+            .arg("--samples")
+            .arg(dir.join("steps.json")),
+    );
+    assert!(stdout.contains("Fit error"), "{stdout}");
+    let cal = calibration_values(&dir.join("cal.yaml"));
+    // SmolLM2-135M keeps 2 (K, V) x 30 layers x 3 KV heads x 64 dims x 2 bytes (f16) per
+    // token: 16 MiB hold 45 blocks of 16 tokens.
+    assert_eq!(
+        (cal["num_gpu_blocks"], cal["block_size"]),
+        (45.0, 16.0),
+        "{cal:?}"
+    );
+    assert!(cal["host_overhead_us"] > 0.0, "{cal:?}");
+    // Decode and prefill steps were measured, none beyond the engine's limits.
+    let steps: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("steps.json")).unwrap()).unwrap();
+    let shapes: Vec<&serde_json::Value> = steps["samples"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| &s["shape"])
+        .collect();
+    assert!(shapes.iter().all(|s| s["num_seqs"].as_u64().unwrap() <= 4));
+    assert!(shapes
+        .iter()
+        .any(|s| s["num_decode_seqs"].as_u64() == Some(4)));
+    assert!(shapes
+        .iter()
+        .any(|s| s["num_prefill_tokens"].as_u64() == Some(127)));
+    // Refitting the saved steps gives the same coefficients.
+    succeeds(
+        switchyard()
+            .args(["calibrate", "--from-samples"])
+            .arg(dir.join("steps.json"))
+            .arg("--output")
+            .arg(dir.join("refit.yaml")),
+    );
+    assert_eq!(calibration_values(&dir.join("refit.yaml")), cal);
+    // One request of 8 prompt tokens and 2 output tokens: a prefill step (8 tokens, 36
+    // attention pairs) and a decode step (9 keys), each with the host's time.
+    std::fs::write(dir.join("one.jsonl"), TWO.lines().next().unwrap()).unwrap();
+    std::fs::write(
+        dir.join("spec.yaml"),
+        "model: smollm2-135m\ncalibration: cal.yaml\npolicies: [{name: fcfs}]\n\
+         workload: {trace: one.jsonl, format: jsonl}\n",
+    )
+    .unwrap();
+    succeeds(
+        switchyard()
+            .args(["simulate", "--config"])
+            .arg(dir.join("spec.yaml"))
+            .arg("--out")
+            .arg(dir.join("sim")),
+    );
+    let step = |tokens: f64, prefill: f64, decodes: f64, kv: f64, pairs: f64| {
+        let s = cal["intercept_s"]
+            + cal["per_token_s"] * tokens
+            + cal["per_prefill_token_s"] * prefill
+            + cal["per_decode_seq_s"] * decodes
+            + cal["per_sampled_seq_s"]
+            + cal["per_kv_token_s"] * kv
+            + cal["per_attention_pair_s"] * pairs;
+        (s * 1e6).round() + cal["host_overhead_us"].round()
+    };
+    let want_ms = (step(8.0, 8.0, 0.0, 8.0, 36.0) + step(1.0, 0.0, 1.0, 9.0, 9.0)) / 1e3;
+    let record: serde_json::Value = serde_json::from_str(
+        std::fs::read_to_string(dir.join("sim/requests-fcfs.jsonl"))
+            .unwrap()
+            .lines()
+            .next()
+            .unwrap(),
+    )
+    .unwrap();
+    let e2e = record["e2e_ms"].as_f64().unwrap();
+    assert!(
+        (e2e - want_ms).abs() < 0.01,
+        "e2e {e2e} ms, the fit says {want_ms}"
+    );
+    // Bad inputs are refused with the flag named.
+    let err = fails(switchyard().args(["calibrate", "--repeats", "0"]));
+    assert!(err.contains("--repeats must be 1..="), "{err}");
+    std::fs::write(dir.join("bad.json"), "{\"samples\": 3}").unwrap();
+    let err = fails(
+        switchyard()
+            .args(["calibrate", "--from-samples"])
+            .arg(dir.join("bad.json")),
+    );
+    assert!(err.contains("bad.json"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -24,7 +24,7 @@ use switchyard_gpu::LoraAdapter;
 use switchyard_policies::{
     BlockId, BlockPool, FinishReason, IdMap, KvCommit, Policy, Request, RequestId, SamplingLimits,
     Scheduler, SchedulerConfig, SchedulerStats, SeqEvent, SloTargets, StepOutput, StepPlan,
-    Timestamp, TokenId, PENDING_TOKEN,
+    StepShape, Timestamp, TokenId, PENDING_TOKEN,
 };
 
 // The scheduler's pending token is the backend's.
@@ -179,6 +179,10 @@ pub struct StepReport {
     pub execute_us: u64,
     /// Microseconds spent applying outputs.
     pub apply_us: u64,
+    /// The work of the batch planned in this call (what the simulator's cost model prices).
+    /// Without asynchronous scheduling `execute_us` is this batch's time; with it, the batch
+    /// runs while the next call plans, so its time is spread over the next report.
+    pub shape: StepShape,
 }
 
 /// A planned step: the scheduler's plan and the batch the backend must run for it.
@@ -818,6 +822,7 @@ impl EngineCore {
             plan_us: prepared.plan_us,
             execute_us: (t2 - t1).as_micros() as u64,
             apply_us: t2.elapsed().as_micros() as u64,
+            shape: prepared.plan.shape(),
         })
     }
 
@@ -841,16 +846,21 @@ impl EngineCore {
         // A held-back preemption: the step after this one is planned in order.
         let wants_order = self.core.take_preemption_wanted();
         let t1 = Instant::now();
-        let (num_seqs, num_batched_tokens, plan_us) = match &next {
+        let (num_seqs, num_batched_tokens, plan_us, shape) = match &next {
             Some(p) => {
                 for id in &p.release {
                     self.backend.release(*id);
                 }
                 self.ahead_ok = self.core.launch(&p.plan) && !wants_order;
                 self.backend.submit(&p.batch)?;
-                (p.plan.seqs.len(), p.plan.num_batched_tokens, p.plan_us)
+                (
+                    p.plan.seqs.len(),
+                    p.plan.num_batched_tokens,
+                    p.plan_us,
+                    p.plan.shape(),
+                )
             }
-            None => (0, 0, 0),
+            None => (0, 0, 0, StepShape::default()),
         };
         execute_us += t1.elapsed().as_micros() as u64;
         // The previous step's outputs (it ran while this one was planned), then this one's
@@ -867,6 +877,7 @@ impl EngineCore {
             plan_us,
             execute_us,
             apply_us,
+            shape,
         })
     }
 

@@ -317,6 +317,65 @@ pub struct StepPlan {
     pub num_batched_tokens: usize,
 }
 
+impl StepPlan {
+    /// The step's work, aggregated over its sequences, as the simulator's cost models price
+    /// it and `switchyard calibrate` fits them: every draft token is a row of logits beside
+    /// the sampled position.
+    pub fn shape(&self) -> StepShape {
+        let mut shape = StepShape::default();
+        for s in &self.seqs {
+            shape.add_seq(
+                s.num_computed_tokens as u64,
+                s.num_new_tokens as u64,
+                s.is_prefill,
+                s.samples,
+            );
+            if s.samples {
+                shape.num_sampled += s.draft_tokens.len() as u64;
+            }
+        }
+        shape
+    }
+}
+
+/// The work of one step, aggregated over its sequences: what a step's time depends on.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StepShape {
+    /// Sequences in the step.
+    pub num_seqs: u64,
+    /// Tokens fed through the model (`T`).
+    pub num_tokens: u64,
+    /// Of which prompt (prefill) tokens.
+    pub num_prefill_tokens: u64,
+    /// Sequences decoding (one token, plus any drafts).
+    pub num_decode_seqs: u64,
+    /// Rows of logits sampled (`S`): a sampled position per sequence that samples, plus its
+    /// drafts.
+    pub num_sampled: u64,
+    /// Σ over sequences of context + new tokens: KV read and written (`K`).
+    pub kv_tokens: u64,
+    /// Σ over new tokens of the keys each attends to, causal (`A`).
+    pub attention_pairs: u64,
+}
+
+impl StepShape {
+    /// Adds one sequence with `computed` tokens already in KV and `new` tokens this step.
+    pub fn add_seq(&mut self, computed: u64, new: u64, is_prefill: bool, samples: bool) {
+        self.num_seqs += 1;
+        self.num_tokens += new;
+        if is_prefill {
+            self.num_prefill_tokens += new;
+        } else {
+            self.num_decode_seqs += 1;
+        }
+        self.num_sampled += u64::from(samples);
+        self.kv_tokens += computed + new;
+        // New token j (1-based) attends to computed + j keys.
+        self.attention_pairs += new * computed + new * (new + 1) / 2;
+    }
+}
+
 /// A sampled token for one scheduled sequence with `samples == true`.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct StepOutput {

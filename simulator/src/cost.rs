@@ -333,51 +333,19 @@ impl HardwareSpec {
     }
 }
 
-/// The work of one step, aggregated over its sequences.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct StepShape {
-    /// Sequences in the step.
-    pub num_seqs: u64,
-    /// Tokens fed through the model (`T`).
-    pub num_tokens: u64,
-    /// Of which prompt (prefill) tokens.
-    pub num_prefill_tokens: u64,
-    /// Sequences decoding one token.
-    pub num_decode_seqs: u64,
-    /// Sequences whose last position is sampled (`S`).
-    pub num_sampled: u64,
-    /// Σ over sequences of context + new tokens: KV read and written (`K`).
-    pub kv_tokens: u64,
-    /// Σ over new tokens of the keys each attends to, causal (`A`).
-    pub attention_pairs: u64,
-}
-
-impl StepShape {
-    /// Adds one sequence with `computed` tokens already in KV and `new` tokens this step.
-    pub fn add_seq(&mut self, computed: u64, new: u64, is_prefill: bool, samples: bool) {
-        self.num_seqs += 1;
-        self.num_tokens += new;
-        if is_prefill {
-            self.num_prefill_tokens += new;
-        } else {
-            self.num_decode_seqs += 1;
-        }
-        self.num_sampled += u64::from(samples);
-        self.kv_tokens += computed + new;
-        // New token j (1-based) attends to computed + j keys.
-        self.attention_pairs += new * computed + new * (new + 1) / 2;
-    }
-}
+/// The work of one step, as the cost models read it: the scheduling core computes it from a
+/// plan ([`switchyard_policies::StepPlan::shape`]), for the simulator and the real engine alike.
+pub use switchyard_policies::StepShape;
 
 /// Fitted coefficients of the linear step-time model (all in seconds).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Calibration {
     /// Model the fit was made on (informational).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
     /// Hardware the fit was made on (informational).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hardware: Option<String>,
     /// Constant cost per step.
     #[serde(default)]
@@ -400,6 +368,19 @@ pub struct Calibration {
     /// Cost per attention (query, key) pair.
     #[serde(default)]
     pub per_attention_pair_s: f64,
+    /// KV blocks of the engine that was calibrated (its log and `/metrics` show them too):
+    /// the simulated cache when the spec sets no `cache.num_gpu_blocks`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_gpu_blocks: Option<usize>,
+    /// Tokens per KV block of that engine: a spec's `cache.block_size` must match it, or its
+    /// `num_gpu_blocks` would hold another number of tokens.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_size: Option<usize>,
+    /// The engine's host time per step in microseconds (planning and applying outputs,
+    /// outside the backend's time): the simulated `scheduler.host_overhead_us` when the spec
+    /// sets none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_overhead_us: Option<f64>,
 }
 
 /// Shortest step the calibrated model returns (every coefficient may be zero).
@@ -446,6 +427,21 @@ impl Calibration {
                      without that term, or with more shapes)"
                 ));
             }
+        }
+        if self.num_gpu_blocks.is_some_and(|n| n == 0 || n > 1 << 26) {
+            return Err("num_gpu_blocks outside 1..=67108864".into());
+        }
+        if self.block_size.is_some_and(|n| !(1..=1024).contains(&n)) {
+            return Err("block_size outside 1..=1024".into());
+        }
+        let max = crate::spec::MAX_HOST_OVERHEAD_US;
+        if self
+            .host_overhead_us
+            .is_some_and(|us| !(0.0..=max).contains(&us))
+        {
+            return Err(format!(
+                "host_overhead_us outside 0..={max} (microseconds per step)"
+            ));
         }
         Ok(())
     }

@@ -12,7 +12,7 @@
 //! Same inputs and seed give byte-identical outputs: no wall clock, no hash
 //! map iteration, requests identified by their trace index.
 
-use crate::cost::{kv_capacity_blocks, Calibration, CostModel, HardwareSpec, ModelSpec, StepShape};
+use crate::cost::{kv_capacity_blocks, Calibration, CostModel, HardwareSpec, ModelSpec};
 use crate::error::SimError;
 use crate::report::{RequestRecord, RunCounters};
 use crate::spec::{PolicySpec, ProcessKind, SimulationSpec, TierConf};
@@ -78,6 +78,8 @@ pub struct Simulation {
     pub hardware: HardwareSpec,
     /// The scheduler configuration used for every policy.
     pub scheduler: SchedulerConfig,
+    /// The host's time per step in microseconds: the spec's, else the calibration's, else 0.
+    pub host_overhead_us: f64,
 }
 
 /// A loaded workload.
@@ -95,25 +97,55 @@ impl Simulation {
         let cli = std::path::Path::new("<spec>");
         let model = spec.model_spec().map_err(|m| SimError::spec(cli, m))?;
         let hardware = spec.hardware_spec().map_err(|m| SimError::spec(cli, m))?;
-        let cost = match &spec.calibration {
-            Some(path) => CostModel::Calibrated(Calibration::load(path)?),
+        let calibration = spec
+            .calibration
+            .as_ref()
+            .map(|path| Calibration::load(path).map(|c| (path, c)))
+            .transpose()?;
+        let cost = match &calibration {
+            Some((_, c)) => CostModel::Calibrated(c.clone()),
             None => CostModel::Roofline {
                 model: model.clone(),
                 hardware: hardware.clone(),
             },
         };
         let c = &spec.cache;
-        let num_gpu_blocks = match (c.num_gpu_blocks, &spec.calibration) {
-            (Some(n), _) => n,
+        if let Some((path, n)) = calibration
+            .as_ref()
+            .and_then(|(path, cal)| Some((path, cal.block_size?)))
+            .filter(|&(_, n)| n != c.block_size)
+        {
+            return Err(SimError::spec(
+                cli,
+                format!(
+                    "calibration {} was measured on an engine with blocks of {n} tokens: set \
+                     cache.block_size to {n} (it is {}), or the cache would hold another \
+                     number of tokens",
+                    path.display(),
+                    c.block_size
+                ),
+            ));
+        }
+        let host_overhead_us = spec
+            .scheduler
+            .host_overhead_us
+            .or_else(|| calibration.as_ref().and_then(|(_, c)| c.host_overhead_us))
+            .unwrap_or(0.0);
+        let num_gpu_blocks = match (
+            c.num_gpu_blocks,
+            calibration.as_ref().map(|(p, c)| (p, c.num_gpu_blocks)),
+        ) {
+            (Some(n), _) | (None, Some((_, Some(n)))) => n,
             // The calibrated engine's memory is not the hardware preset's (a CPU fit would get
             // an H200's 141 GB of cache): its capacity must be given.
-            (None, Some(path)) => {
+            (None, Some((path, None))) => {
                 return Err(SimError::spec(
                     cli,
                     format!(
                         "calibration {}: step times come from the calibration file, so the KV \
                          capacity cannot come from the `{}` hardware preset: set \
-                         cache.num_gpu_blocks to the KV blocks of the engine that was calibrated",
+                         cache.num_gpu_blocks to the KV blocks of the engine that was calibrated \
+                         (a file `switchyard calibrate` writes carries them)",
                         path.display(),
                         hardware.name
                     ),
@@ -191,6 +223,7 @@ impl Simulation {
             model,
             hardware,
             scheduler,
+            host_overhead_us,
         })
     }
 
@@ -720,15 +753,9 @@ impl<'a> Loop<'a> {
     /// Records a step starting at `start`, fills `outputs` with its sampled tokens and returns
     /// its device time in microseconds.
     fn start_step(&mut self, plan: &StepPlan, start: u64, outputs: &mut Vec<StepOutput>) -> u64 {
-        let mut shape = StepShape::default();
+        let shape = plan.shape();
         outputs.clear();
         for s in &plan.seqs {
-            shape.add_seq(
-                s.num_computed_tokens as u64,
-                s.num_new_tokens as u64,
-                s.is_prefill,
-                s.samples,
-            );
             if let Some(t) = self.tracks.get_mut(s.id.0 as usize) {
                 t.first_scheduled.get_or_insert(start);
             }
@@ -744,8 +771,6 @@ impl<'a> Loop<'a> {
                 }
                 self.draft_tokens += drafts as u64;
                 self.accepted_tokens += accepted as u64;
-                // Every draft is a row of logits.
-                shape.num_sampled += drafts as u64;
                 outputs.push(StepOutput {
                     id: s.id,
                     token: invented_token(s.id, first + accepted),
@@ -758,7 +783,7 @@ impl<'a> Loop<'a> {
 
     /// The host's time per step, in whole microseconds (at most 1e7: the spec bounds it).
     fn host_us(&self) -> u64 {
-        self.sim.spec.scheduler.host_overhead_us.max(0.0).round() as u64
+        self.sim.host_overhead_us.max(0.0).round() as u64
     }
 
     /// Applies a launched step's outputs at time `at`; returns how many requests finished.
@@ -1079,7 +1104,7 @@ workload: {trace: unused.csv, format: azure}
         // tokens. In order each step costs 1.4 ms: tokens at 1.4, 2.8, 4.2 ms. Asynchronously
         // only the first plan is exposed: steps run [0.4, 1.4], [1.4, 2.4], [2.4, 3.4].
         let mut sim = one_ms_steps();
-        sim.spec.scheduler.host_overhead_us = 400.0;
+        sim.host_overhead_us = 400.0;
         let rs = vec![req(0.0, 32, 3, "")];
         let in_order = sim
             .run_policy(&PolicySpec::named("fcfs"), &rs, false)
@@ -1221,6 +1246,31 @@ workload: {trace: unused.csv, format: azure}
         );
         s.cache.num_gpu_blocks = Some(728);
         assert_eq!(Simulation::new(&s).unwrap().scheduler.num_gpu_blocks, 728);
+        assert_eq!(Simulation::new(&s).unwrap().host_overhead_us, 0.0);
+        // A file `switchyard calibrate` wrote carries the engine's blocks, block size and host
+        // time; the spec's own values win.
+        std::fs::write(
+            dir.join("cal.yaml"),
+            "intercept_s: 0.001\nnum_gpu_blocks: 500\nblock_size: 16\nhost_overhead_us: 80\n",
+        )
+        .unwrap();
+        s.cache.num_gpu_blocks = None;
+        let sim = Simulation::new(&s).unwrap();
+        assert_eq!(
+            (sim.scheduler.num_gpu_blocks, sim.host_overhead_us),
+            (500, 80.0)
+        );
+        s.cache.num_gpu_blocks = Some(728);
+        s.scheduler.host_overhead_us = Some(5.0);
+        let sim = Simulation::new(&s).unwrap();
+        assert_eq!(
+            (sim.scheduler.num_gpu_blocks, sim.host_overhead_us),
+            (728, 5.0)
+        );
+        // Blocks of another size would hold another number of tokens.
+        s.cache.block_size = 32;
+        let err = Simulation::new(&s).unwrap_err().to_string();
+        assert!(err.contains("set cache.block_size to 16"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -13,6 +13,7 @@
 //! # Ok::<(), switchyard_simulator::SimError>(())
 //! ```
 
+pub mod calibrate;
 pub mod cost;
 pub mod engine;
 pub mod error;
@@ -50,7 +51,10 @@ pub fn simulate(
     let comparison = Comparison {
         model: sim.model.name.clone(),
         hardware: match sim.cost {
-            cost::CostModel::Calibrated(_) => "calibrated".into(),
+            cost::CostModel::Calibrated(c) => match &c.hardware {
+                Some(h) => format!("calibrated on {h}"),
+                None => "calibrated".into(),
+            },
             cost::CostModel::Roofline { .. } => sim.hardware.name.clone(),
         },
         requests: requests.len() as u64,

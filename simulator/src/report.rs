@@ -344,7 +344,7 @@ fn tier_summary(tier: &str, rs: &[&RequestRecord], duration_s: f64) -> TierSumma
 pub struct Comparison {
     /// Model name.
     pub model: String,
-    /// Hardware name (or "calibrated").
+    /// Hardware name (or "calibrated on" the calibration's hardware).
     pub hardware: String,
     /// Requests in the workload.
     pub requests: u64,

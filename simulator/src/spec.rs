@@ -9,7 +9,7 @@
 //!                              # (presets: llama-3-8b, llama-3.1-8b, smollm2-135m,
 //!                              # qwen2.5-0.5b, qwen3-0.6b)
 //! hardware: h200               # a preset name, or the fields of `HardwareSpec`
-//! calibration: cal.yaml        # optional, replaces the roofline (then give num_gpu_blocks)
+//! calibration: cal.yaml        # optional, from `switchyard calibrate`: replaces the roofline
 //! cache: { block_size: 16, gpu_memory_utilization: 0.9, prefix_caching: true, prefix_sharing: tenant }
 //! scheduler: { max_num_seqs: 256, max_num_batched_tokens: 8192, max_model_len: 8192 }
 //! policies: [ { name: fcfs }, { name: slo-aware, params: {} } ]
@@ -169,8 +169,9 @@ pub struct SchedulerLimits {
     /// The host's time per step in microseconds (planning, building the batch, launching,
     /// applying outputs; `SWITCHYARD_CUDA_STEP_TIMING` shows the GPU idle this long between
     /// steps): added to every step in order, overlapped with the step before when
-    /// `async_scheduling` is on.
-    pub host_overhead_us: f64,
+    /// `async_scheduling` is on. Unset: the calibration file's `host_overhead_us` when it has
+    /// one, else 0.
+    pub host_overhead_us: Option<f64>,
     /// Most distinct LoRA adapters among the running requests (trace records may name an
     /// `adapter`), as the server's `lora.max_loras`.
     pub max_loras: usize,
@@ -211,7 +212,7 @@ impl Default for SchedulerLimits {
             max_num_batched_tokens: 8192,
             max_model_len: None,
             async_scheduling: false,
-            host_overhead_us: 0.0,
+            host_overhead_us: None,
             max_loras: 4,
             speculative: None,
         }
@@ -453,10 +454,12 @@ impl SimulationSpec {
                 self.model_spec()?.name
             ));
         }
-        if !(0.0..=MAX_HOST_OVERHEAD_US).contains(&s.host_overhead_us) {
+        if let Some(us) = s
+            .host_overhead_us
+            .filter(|us| !(0.0..=MAX_HOST_OVERHEAD_US).contains(us))
+        {
             return Err(format!(
-                "scheduler.host_overhead_us {} outside 0..={MAX_HOST_OVERHEAD_US} (microseconds per step)",
-                s.host_overhead_us
+                "scheduler.host_overhead_us {us} outside 0..={MAX_HOST_OVERHEAD_US} (microseconds per step)"
             ));
         }
         if !(1..=1024).contains(&s.max_loras) {
@@ -772,7 +775,7 @@ workload:
         let s = parse(&edge).unwrap();
         assert_eq!(
             (s.scheduler.host_overhead_us, s.workload.limit),
-            (1e7, Some(1))
+            (Some(1e7), Some(1))
         );
     }
 

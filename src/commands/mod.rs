@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_serve;
+mod calibrate;
 mod config;
 mod generate;
 mod model;
@@ -17,6 +18,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Config(cmd) => config::run(cmd),
         Command::Model(cmd) => model::run(cmd),
+        Command::Calibrate(args) => calibrate::run(args),
         Command::Generate(args) => generate::run(args),
         Command::Bench(cmd) => bench::run(cmd),
         Command::Serve(args) => serve::run(args),

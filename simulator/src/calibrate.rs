@@ -1,0 +1,430 @@
+//! Fitting the calibrated step-cost model ([`Calibration`]) to step times measured on the real
+//! engine (`switchyard calibrate` measures them).
+//!
+//! The model is linear in seven features of a step's [`StepShape`] (see [`crate::cost`]), and a
+//! cost cannot be negative, so the fit is a non-negative least-squares problem, solved with
+//! Lawson and Hanson's active-set method ("Solving Least Squares Problems", 1974, ch. 23).
+//! Step times span three orders of magnitude (a decode step of one sequence against a prefill
+//! of thousands of tokens), so the residuals are relative: every row is divided by its
+//! measured time, and a 10% error costs the same on a 2 ms step as on a 2 s one.
+
+use crate::cost::{Calibration, StepShape};
+use serde::{Deserialize, Serialize};
+
+/// Number of coefficients of the linear model.
+pub const NUM_TERMS: usize = 7;
+
+/// The coefficients' names, in [`features`] order, as the calibration file spells them.
+pub const TERM_NAMES: [&str; NUM_TERMS] = [
+    "intercept_s",
+    "per_token_s",
+    "per_prefill_token_s",
+    "per_decode_seq_s",
+    "per_sampled_seq_s",
+    "per_kv_token_s",
+    "per_attention_pair_s",
+];
+
+/// Most samples a fit takes (a sweep of the engine measures a few hundred distinct shapes).
+pub const MAX_SAMPLES: usize = 1_000_000;
+
+/// One measured step: its shape and the time the backend took for it.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Sample {
+    /// The step's work.
+    pub shape: StepShape,
+    /// The backend's time for the step, in seconds.
+    pub seconds: f64,
+}
+
+/// The model's features of one step, in [`TERM_NAMES`] order.
+pub fn features(s: &StepShape) -> [f64; NUM_TERMS] {
+    [
+        1.0,
+        s.num_tokens as f64,
+        s.num_prefill_tokens as f64,
+        s.num_decode_seqs as f64,
+        s.num_sampled as f64,
+        s.kv_tokens as f64,
+        s.attention_pairs as f64,
+    ]
+}
+
+/// A fitted model and how well it describes the samples it was fitted to.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Fit {
+    /// The coefficients (the informational and engine fields left empty).
+    pub calibration: Calibration,
+    /// Samples fitted.
+    pub num_samples: usize,
+    /// Relative error (predicted / measured - 1) of every sample, in the samples' order.
+    pub relative_errors: Vec<f64>,
+}
+
+impl Fit {
+    /// The `q` quantile (0..=1, nearest rank) of the absolute relative errors.
+    pub fn abs_error_quantile(&self, q: f64) -> f64 {
+        let mut e: Vec<f64> = self.relative_errors.iter().map(|e| e.abs()).collect();
+        e.sort_by(f64::total_cmp);
+        if e.is_empty() {
+            return 0.0;
+        }
+        let i = ((q.clamp(0.0, 1.0) * e.len() as f64).ceil() as usize).clamp(1, e.len()) - 1;
+        e[i]
+    }
+}
+
+/// Why a fit could not be made.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum FitError {
+    /// Fewer samples than the model has terms.
+    #[error("{0} step samples: a fit needs at least {NUM_TERMS} distinct steps")]
+    TooFewSamples(usize),
+    /// More samples than a fit takes.
+    #[error("{0} step samples: at most {MAX_SAMPLES} are fitted")]
+    TooManySamples(usize),
+    /// A sample's time is not a positive finite number of seconds.
+    #[error("step sample {index}: time {seconds} s is not a positive number below an hour")]
+    BadTime {
+        /// The sample's position.
+        index: usize,
+        /// Its time.
+        seconds: f64,
+    },
+    /// A sample has no work (an empty step costs nothing to fit).
+    #[error("step sample {0}: an empty step (no sequence)")]
+    EmptyStep(usize),
+}
+
+/// Fits the calibrated model to `samples`, minimising the squared relative errors with every
+/// coefficient at least zero. A term the samples cannot tell apart from the others (a feature
+/// that is zero everywhere, or a combination of others) gets what the active-set method gives
+/// it, usually zero: the predictions of the samples are what the fit answers for. Without
+/// speculative decoding every decode feeds one token, so the tokens of a step are its prompt
+/// tokens plus its decodes and the per-token cost is shared out between the other two.
+pub fn fit(samples: &[Sample]) -> Result<Fit, FitError> {
+    if samples.len() < NUM_TERMS {
+        return Err(FitError::TooFewSamples(samples.len()));
+    }
+    if samples.len() > MAX_SAMPLES {
+        return Err(FitError::TooManySamples(samples.len()));
+    }
+    for (index, s) in samples.iter().enumerate() {
+        if !(s.seconds.is_finite() && s.seconds > 0.0 && s.seconds < 3600.0) {
+            return Err(FitError::BadTime {
+                index,
+                seconds: s.seconds,
+            });
+        }
+        if s.shape.num_seqs == 0 {
+            return Err(FitError::EmptyStep(index));
+        }
+    }
+    // Rows divided by the measured time: the target is 1 everywhere.
+    let rows: Vec<[f64; NUM_TERMS]> = samples
+        .iter()
+        .map(|s| features(&s.shape).map(|f| f / s.seconds))
+        .collect();
+    let target = vec![1.0; rows.len()];
+    // Columns scaled to unit length, so the solver's tolerances mean the same for every term
+    // (attention pairs run to 1e9 where the intercept's column is 1 / seconds).
+    let mut scale = [0.0f64; NUM_TERMS];
+    for r in &rows {
+        for (j, v) in r.iter().enumerate() {
+            scale[j] += v * v;
+        }
+    }
+    let scale = scale.map(|s| if s > 0.0 { s.sqrt() } else { 1.0 });
+    let scaled: Vec<[f64; NUM_TERMS]> = rows
+        .iter()
+        .map(|r| std::array::from_fn(|j| r[j] / scale[j]))
+        .collect();
+    let x = nnls(&scaled, &target);
+    let c: [f64; NUM_TERMS] = std::array::from_fn(|j| x[j] / scale[j]);
+    let calibration = Calibration {
+        intercept_s: c[0],
+        per_token_s: c[1],
+        per_prefill_token_s: c[2],
+        per_decode_seq_s: c[3],
+        per_sampled_seq_s: c[4],
+        per_kv_token_s: c[5],
+        per_attention_pair_s: c[6],
+        ..Calibration::default()
+    };
+    let relative_errors = samples
+        .iter()
+        .map(|s| predict(&c, &s.shape) / s.seconds - 1.0)
+        .collect();
+    Ok(Fit {
+        calibration,
+        num_samples: samples.len(),
+        relative_errors,
+    })
+}
+
+/// The model's time for `shape` with coefficients `c` (no floor).
+fn predict(c: &[f64; NUM_TERMS], shape: &StepShape) -> f64 {
+    features(shape).iter().zip(c).map(|(f, c)| f * c).sum()
+}
+
+/// Non-negative least squares: `x >= 0` minimising `|A x - b|²`, by Lawson and Hanson's
+/// active-set method. `a` has one row per observation.
+pub fn nnls(a: &[[f64; NUM_TERMS]], b: &[f64]) -> [f64; NUM_TERMS] {
+    let n = NUM_TERMS;
+    let norm_b = b.iter().map(|v| v * v).sum::<f64>().sqrt().max(1e-300);
+    // A gradient component below this is zero (relative to the data's size).
+    let tol = 1e-10 * norm_b * (a.len() as f64).sqrt().max(1.0);
+    let mut x = [0.0f64; NUM_TERMS];
+    let mut passive = [false; NUM_TERMS];
+    // Each outer iteration frees one coefficient; the inner loop only binds them again, so
+    // a bound of a few times the terms is never reached on a well-posed problem.
+    for _ in 0..3 * n {
+        let w = gradient(a, b, &x);
+        let Some(j) = (0..n)
+            .filter(|&j| !passive[j] && w[j] > tol)
+            .max_by(|&i, &k| w[i].total_cmp(&w[k]))
+        else {
+            break;
+        };
+        passive[j] = true;
+        for _ in 0..=n {
+            let Some(s) = least_squares(a, b, &passive) else {
+                // The freed column is a combination of the others: bind it again.
+                passive[j] = false;
+                break;
+            };
+            if (0..n).all(|i| !passive[i] || s[i] > 0.0) {
+                x = s;
+                break;
+            }
+            // Step from x towards s as far as every coefficient stays >= 0, then bind
+            // the ones that reached zero.
+            let alpha = (0..n)
+                .filter(|&i| passive[i] && s[i] <= 0.0)
+                .map(|i| x[i] / (x[i] - s[i]))
+                .fold(f64::INFINITY, f64::min);
+            for i in 0..n {
+                x[i] += alpha * (s[i] - x[i]);
+                if passive[i] && x[i] <= 1e-15 * x.iter().fold(0.0f64, |m, v| m.max(v.abs())) {
+                    passive[i] = false;
+                    x[i] = 0.0;
+                }
+            }
+        }
+    }
+    x
+}
+
+/// `Aᵀ (b - A x)`: the negative gradient of half the squared residual.
+fn gradient(a: &[[f64; NUM_TERMS]], b: &[f64], x: &[f64; NUM_TERMS]) -> [f64; NUM_TERMS] {
+    let mut w = [0.0; NUM_TERMS];
+    for (row, &bi) in a.iter().zip(b) {
+        let r = bi - row.iter().zip(x).map(|(v, x)| v * x).sum::<f64>();
+        for (wj, v) in w.iter_mut().zip(row) {
+            *wj += v * r;
+        }
+    }
+    w
+}
+
+/// Unconstrained least squares over the `passive` columns (the others zero), by the normal
+/// equations and a Cholesky factorisation (the columns are unit length, so they are well
+/// scaled). `None` when those columns are (numerically) dependent.
+fn least_squares(
+    a: &[[f64; NUM_TERMS]],
+    b: &[f64],
+    passive: &[bool; NUM_TERMS],
+) -> Option<[f64; NUM_TERMS]> {
+    let cols: Vec<usize> = (0..NUM_TERMS).filter(|&j| passive[j]).collect();
+    let k = cols.len();
+    let mut g = vec![vec![0.0f64; k]; k];
+    let mut rhs = vec![0.0f64; k];
+    for (row, &bi) in a.iter().zip(b) {
+        for (p, &i) in cols.iter().enumerate() {
+            rhs[p] += row[i] * bi;
+            for (q, &j) in cols.iter().enumerate().take(p + 1) {
+                g[p][q] += row[i] * row[j];
+            }
+        }
+    }
+    // Cholesky: g = L Lᵀ, in place in the lower triangle.
+    let max_diag = (0..k).map(|p| g[p][p]).fold(0.0f64, f64::max);
+    for p in 0..k {
+        for q in 0..=p {
+            let dot: f64 = g[p][..q].iter().zip(&g[q][..q]).map(|(a, b)| a * b).sum();
+            let v = g[p][q] - dot;
+            if p == q {
+                if v <= 1e-12 * max_diag {
+                    return None;
+                }
+                g[p][p] = v.sqrt();
+            } else {
+                g[p][q] = v / g[q][q];
+            }
+        }
+    }
+    // L y = rhs, then Lᵀ s = y.
+    let mut y = rhs;
+    for p in 0..k {
+        for r in 0..p {
+            y[p] -= g[p][r] * y[r];
+        }
+        y[p] /= g[p][p];
+    }
+    for p in (0..k).rev() {
+        for r in p + 1..k {
+            y[p] -= g[r][p] * y[r];
+        }
+        y[p] /= g[p][p];
+    }
+    let mut s = [0.0; NUM_TERMS];
+    for (p, &j) in cols.iter().enumerate() {
+        s[j] = y[p];
+    }
+    Some(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn shape(seqs: &[(u64, u64, bool)]) -> StepShape {
+        let mut s = StepShape::default();
+        for &(computed, new, prefill) in seqs {
+            s.add_seq(computed, new, prefill, true);
+        }
+        s
+    }
+
+    /// Shapes like a sweep's: prefills of several lengths (some chunked, past cached tokens),
+    /// decodes at several batches and contexts, and mixed steps.
+    fn sweep() -> Vec<StepShape> {
+        let mut out = Vec::new();
+        for p in [16, 64, 256, 1024] {
+            out.push(shape(&[(0, p, true)]));
+            out.push(shape(&[(p, p, true)]));
+            out.push(shape(&[(0, p, true); 4]));
+        }
+        for b in [1usize, 2, 8, 32] {
+            for c in [32, 300, 1000] {
+                out.push(shape(&vec![(c, 1, false); b]));
+                // Decodes with three drafts each: without them every decode feeds one token,
+                // T = T_prefill + D, and the per-token, per-prefill-token and per-decode costs
+                // cannot be told apart.
+                let mut drafts = shape(&vec![(c, 4, false); b]);
+                drafts.num_sampled += 3 * b as u64;
+                out.push(drafts);
+                let mut mixed = vec![(c, 1, false); b];
+                mixed.push((0, 128, true));
+                out.push(shape(&mixed));
+            }
+        }
+        out
+    }
+
+    /// Data made by the model itself is fitted exactly, every coefficient recovered.
+    #[test]
+    fn recovers_the_coefficients_that_made_the_data() {
+        let truth = [2e-3, 5e-6, 1e-6, 3e-5, 4e-5, 2e-8, 1e-10];
+        let samples: Vec<Sample> = sweep()
+            .into_iter()
+            .map(|shape| Sample {
+                shape,
+                seconds: predict(&truth, &shape),
+            })
+            .collect();
+        let f = fit(&samples).unwrap();
+        let c = &f.calibration;
+        let got = [
+            c.intercept_s,
+            c.per_token_s,
+            c.per_prefill_token_s,
+            c.per_decode_seq_s,
+            c.per_sampled_seq_s,
+            c.per_kv_token_s,
+            c.per_attention_pair_s,
+        ];
+        for (j, (g, t)) in got.iter().zip(truth).enumerate() {
+            assert!((g - t).abs() <= 1e-6 * t, "{}: {g} vs {t}", TERM_NAMES[j]);
+        }
+        assert!(f.abs_error_quantile(1.0) < 1e-9);
+        assert!(c.validate().is_ok());
+    }
+
+    /// A cost that falls with the work (a negative coefficient would fit it best) is fitted
+    /// with that coefficient at zero, never below.
+    #[test]
+    fn never_fits_a_negative_cost() {
+        let samples: Vec<Sample> = sweep()
+            .into_iter()
+            .map(|shape| Sample {
+                shape,
+                seconds: (1e-2 - 1e-6 * shape.num_tokens as f64).max(1e-4)
+                    + 1e-5 * shape.num_decode_seqs as f64,
+            })
+            .collect();
+        let f = fit(&samples).unwrap();
+        assert!(f.calibration.validate().is_ok(), "{:?}", f.calibration);
+        assert_eq!(f.calibration.per_token_s, 0.0);
+    }
+
+    #[test]
+    fn refuses_what_it_cannot_fit() {
+        let one = Sample {
+            shape: shape(&[(0, 8, true)]),
+            seconds: 1e-3,
+        };
+        assert_eq!(fit(&[one; 3]), Err(FitError::TooFewSamples(3)));
+        let mut s = vec![one; 8];
+        s[2].seconds = f64::NAN;
+        assert!(matches!(fit(&s), Err(FitError::BadTime { index: 2, .. })));
+        s[2].seconds = -1.0;
+        assert!(matches!(fit(&s), Err(FitError::BadTime { index: 2, .. })));
+        s[2] = Sample {
+            shape: StepShape::default(),
+            seconds: 1e-3,
+        };
+        assert_eq!(fit(&s), Err(FitError::EmptyStep(2)));
+    }
+
+    /// Identical samples leave most terms unidentifiable: the fit still answers the samples.
+    #[test]
+    fn collinear_samples_are_still_predicted() {
+        let s = vec![
+            Sample {
+                shape: shape(&[(100, 1, false); 4]),
+                seconds: 5e-3,
+            };
+            10
+        ];
+        let f = fit(&s).unwrap();
+        assert!(f.abs_error_quantile(1.0) < 1e-9, "{:?}", f.relative_errors);
+        assert!(f.calibration.validate().is_ok());
+    }
+
+    proptest! {
+        /// The Karush-Kuhn-Tucker conditions, which characterise the minimum of this convex
+        /// problem: x >= 0, the gradient zero along every positive coefficient and pointing
+        /// outwards (the residual cannot fall) along every zero one.
+        #[test]
+        fn nnls_meets_the_optimality_conditions(
+            rows in prop::collection::vec(prop::array::uniform7(-1.0f64..1.0), 7..40),
+            b in prop::collection::vec(-1.0f64..1.0, 40),
+        ) {
+            let b = &b[..rows.len()];
+            let x = nnls(&rows, b);
+            let w = gradient(&rows, b, &x);
+            let scale = b.iter().map(|v| v * v).sum::<f64>().sqrt().max(1.0) * 1e-7;
+            for j in 0..NUM_TERMS {
+                prop_assert!(x[j] >= 0.0, "x[{j}] = {}", x[j]);
+                if x[j] > 0.0 {
+                    prop_assert!(w[j].abs() <= scale, "x[{j}] = {} with gradient {}", x[j], w[j]);
+                } else {
+                    prop_assert!(w[j] <= scale, "x[{j}] = 0 with gradient {}", w[j]);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,661 @@
+//! `switchyard calibrate`: runs the engine a server's configuration describes over a sweep of
+//! batch shapes (prefills of several lengths, alone and batched, chunked and past cached
+//! prefixes; decodes at several batch sizes and contexts; decodes joined by prefills),
+//! records each step's shape and the backend's time for it, and fits the simulator's
+//! calibrated cost model ([`switchyard_simulator::calibrate`]) to them.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::Context;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+use switchyard_actors::{CoreEvent, EngineCore, SubmitOptions};
+use switchyard_config::{AsyncSchedulingMode, BackendKind};
+use switchyard_gpu::backend::SamplingParams;
+use switchyard_policies::{SamplingLimits, SchedulerConfig, StepShape, Timestamp};
+use switchyard_simulator::calibrate::{self, Fit, Sample};
+use switchyard_simulator::cost::Calibration;
+
+use super::runtime;
+use crate::cli::CalibrateArgs;
+
+/// Largest samples file read.
+const MAX_SAMPLES_FILE: u64 = 256 << 20;
+/// Most runs of the sweep.
+const MAX_REPEATS: usize = 100;
+/// Tokens each decode measurement generates per sequence.
+const DECODE_STEPS: usize = 8;
+
+/// The measured steps and the engine they were measured on, as `--samples` writes them.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SamplesFile {
+    /// The model.
+    model: String,
+    /// The backend, as it names itself.
+    hardware: String,
+    /// The engine's KV blocks.
+    num_gpu_blocks: usize,
+    /// Tokens per block.
+    block_size: usize,
+    /// Median host time per step (planning and applying outputs), microseconds.
+    host_overhead_us: f64,
+    /// Runs of the sweep the samples' times are medians of.
+    repeats: usize,
+    /// One per distinct step shape.
+    samples: Vec<Sample>,
+}
+
+pub fn run(args: CalibrateArgs) -> anyhow::Result<()> {
+    let measured = match &args.from_samples {
+        Some(path) => read_samples(path)?,
+        None => {
+            let m = measure(&args)?;
+            if let Some(path) = &args.samples {
+                let json = serde_json::to_string_pretty(&m)?;
+                std::fs::write(path, json + "\n")
+                    .with_context(|| format!("cannot write {}", path.display()))?;
+                eprintln!("wrote the measured steps to {}", path.display());
+            }
+            m
+        }
+    };
+    let fit = calibrate::fit(&measured.samples).context("fitting the step times")?;
+    let calibration = Calibration {
+        model: Some(measured.model.clone()),
+        hardware: Some(measured.hardware.clone()),
+        num_gpu_blocks: Some(measured.num_gpu_blocks),
+        block_size: Some(measured.block_size),
+        host_overhead_us: Some((measured.host_overhead_us * 10.0).round() / 10.0),
+        ..fit.calibration.clone()
+    };
+    calibration
+        .validate()
+        .map_err(|why| anyhow::anyhow!("the fitted model is not usable: {why}"))?;
+    print!("{}", report(&measured, &fit, &calibration));
+    let yaml = format!(
+        "# Written by `switchyard calibrate` (switchyard {}): {} distinct steps, each the median\n\
+         # of {} run(s); |predicted / measured - 1| median {:.1}%, 90th percentile {:.1}%, worst {:.1}%.\n{}",
+        env!("CARGO_PKG_VERSION"),
+        fit.num_samples,
+        measured.repeats,
+        100.0 * fit.abs_error_quantile(0.5),
+        100.0 * fit.abs_error_quantile(0.9),
+        100.0 * fit.abs_error_quantile(1.0),
+        serde_yaml::to_string(&calibration)?
+    );
+    std::fs::write(&args.output, yaml)
+        .with_context(|| format!("cannot write {}", args.output.display()))?;
+    println!(
+        "Wrote {}: use it as `calibration: {}` in a simulator spec (it sets the KV cache to {} \
+         blocks of {} tokens and scheduler.host_overhead_us to {:.1} where the spec leaves them out).",
+        args.output.display(),
+        args.output.display(),
+        measured.num_gpu_blocks,
+        measured.block_size,
+        calibration.host_overhead_us.unwrap_or(0.0)
+    );
+    Ok(())
+}
+
+fn read_samples(path: &Path) -> anyhow::Result<SamplesFile> {
+    let text = super::bench_serve::read_bounded(path, MAX_SAMPLES_FILE)?;
+    let file: SamplesFile =
+        serde_json::from_str(&text).with_context(|| format!("{}", path.display()))?;
+    anyhow::ensure!(
+        file.samples.len() <= calibrate::MAX_SAMPLES,
+        "{}: {} samples, at most {} are fitted",
+        path.display(),
+        file.samples.len(),
+        calibrate::MAX_SAMPLES
+    );
+    Ok(file)
+}
+
+/// The fitted coefficients, the fit's error by kind of step, and the host's time.
+fn report(m: &SamplesFile, fit: &Fit, c: &Calibration) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    let (lo, hi) = m
+        .samples
+        .iter()
+        .fold((f64::INFINITY, 0.0f64), |(lo, hi), s| {
+            (lo.min(s.seconds), hi.max(s.seconds))
+        });
+    let _ = writeln!(
+        out,
+        "Measured {} distinct steps (the median of {} run(s) each) on {} with {}: {:.2} ms to {:.1} ms.",
+        m.samples.len(),
+        m.repeats,
+        m.hardware,
+        m.model,
+        lo * 1e3,
+        hi * 1e3
+    );
+    let _ = writeln!(out, "Step time = the sum of these terms:");
+    let terms = [
+        ("intercept_s", c.intercept_s, "per step"),
+        ("per_token_s", c.per_token_s, "per token fed"),
+        (
+            "per_prefill_token_s",
+            c.per_prefill_token_s,
+            "per prompt token, more",
+        ),
+        (
+            "per_decode_seq_s",
+            c.per_decode_seq_s,
+            "per decoding sequence",
+        ),
+        (
+            "per_sampled_seq_s",
+            c.per_sampled_seq_s,
+            "per row of logits sampled",
+        ),
+        (
+            "per_kv_token_s",
+            c.per_kv_token_s,
+            "per token of context read",
+        ),
+        (
+            "per_attention_pair_s",
+            c.per_attention_pair_s,
+            "per (query, key) pair",
+        ),
+    ];
+    for (name, v, what) in terms {
+        let _ = writeln!(out, "  {name:<22} {v:>11.4e}  {what}");
+    }
+    let _ = writeln!(
+        out,
+        "Fit error |predicted / measured - 1|: median {:.1}%, 90th percentile {:.1}%, worst {:.1}%",
+        100.0 * fit.abs_error_quantile(0.5),
+        100.0 * fit.abs_error_quantile(0.9),
+        100.0 * fit.abs_error_quantile(1.0)
+    );
+    type Kind = (&'static str, fn(&StepShape) -> bool);
+    let kinds: [Kind; 3] = [
+        ("prefill steps", |s| s.num_decode_seqs == 0),
+        ("decode steps", |s| s.num_prefill_tokens == 0),
+        ("mixed steps", |s| {
+            s.num_decode_seqs > 0 && s.num_prefill_tokens > 0
+        }),
+    ];
+    for (name, is) in kinds {
+        let mut e: Vec<f64> = m
+            .samples
+            .iter()
+            .zip(&fit.relative_errors)
+            .filter(|(s, _)| is(&s.shape))
+            .map(|(_, e)| e.abs())
+            .collect();
+        if e.is_empty() {
+            continue;
+        }
+        e.sort_by(f64::total_cmp);
+        let _ = writeln!(
+            out,
+            "  {name:<14} {:>4}: median {:.1}%, worst {:.1}%",
+            e.len(),
+            100.0 * e[e.len() / 2],
+            100.0 * e[e.len() - 1]
+        );
+    }
+    let _ = writeln!(
+        out,
+        "Host time per step (planning and applying outputs, outside the backend): median {:.1} us",
+        m.host_overhead_us
+    );
+    out
+}
+
+/// A request of a measurement.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Req {
+    /// Prompt tokens.
+    prompt: usize,
+    /// Tokens to generate.
+    output: usize,
+    /// Its prompt starts with the prompt of this earlier request of the measurement (a
+    /// prefix-cache hit).
+    extends: Option<usize>,
+}
+
+impl Req {
+    fn new(prompt: usize, output: usize) -> Self {
+        Req {
+            prompt,
+            output,
+            extends: None,
+        }
+    }
+}
+
+/// One measurement: requests submitted together, then (once every one of them has its first
+/// token and `later_after` more steps ran, or they all finished) some more, all run to the end.
+#[derive(Clone, Debug, PartialEq)]
+struct Scenario {
+    first: Vec<Req>,
+    later: Vec<Req>,
+    later_after: usize,
+}
+
+/// The sweep's limits.
+#[derive(Clone, Copy, Debug)]
+struct Limits {
+    /// Longest prompt plus output.
+    max_context: usize,
+    /// Most context tokens of one measurement, over its sequences.
+    max_kv_tokens: usize,
+    /// Most sequences per step.
+    max_num_seqs: usize,
+}
+
+/// The sweep: prefills alone and batched (long ones chunked by the token budget), prompts
+/// extending a cached one, decodes at batch sizes 1, 4, 16, ... at three contexts, and decodes
+/// that prefills join.
+fn sweep(l: Limits) -> Vec<Scenario> {
+    let mut out = Vec::new();
+    let fits = |reqs: &[Req]| {
+        reqs.iter().all(|r| r.prompt + r.output <= l.max_context)
+            && reqs.iter().map(|r| r.prompt + r.output).sum::<usize>() <= l.max_kv_tokens
+            && reqs.len() <= l.max_num_seqs
+    };
+    let mut push = |first: Vec<Req>, later: Vec<Req>, later_after: usize| {
+        let all: Vec<Req> = first.iter().chain(&later).copied().collect();
+        if !first.is_empty() && fits(&all) {
+            out.push(Scenario {
+                first,
+                later,
+                later_after,
+            });
+        }
+    };
+    // Prefills of one prompt, 16 to the longest context.
+    let mut lengths: Vec<usize> = std::iter::successors(Some(16usize), |p| Some(p * 4))
+        .take_while(|&p| p < l.max_context)
+        .collect();
+    lengths.push(l.max_context - 1);
+    lengths.dedup();
+    for &p in &lengths {
+        push(vec![Req::new(p, 1)], vec![], 0);
+    }
+    // Batched prefills.
+    for (n, p) in [(4, 64), (16, 64), (64, 64), (4, 256), (16, 256)] {
+        push(vec![Req::new(p, 1); n], vec![], 0);
+    }
+    // Prompts that extend a cached prompt: few new tokens over a long context.
+    for c in [256, l.max_context / 2 / 16 * 16] {
+        for new in [16, 128] {
+            push(
+                vec![Req::new(c, 1)],
+                vec![Req {
+                    prompt: c + new,
+                    output: 1,
+                    extends: Some(0),
+                }],
+                0,
+            );
+        }
+    }
+    // Decodes.
+    let mut contexts = vec![32, 256, l.max_context.saturating_sub(DECODE_STEPS)];
+    contexts.dedup();
+    for c in contexts.into_iter().filter(|&c| c >= 1) {
+        let most = (l.max_kv_tokens / (c + DECODE_STEPS)).min(l.max_num_seqs);
+        let mut batches: Vec<usize> = std::iter::successors(Some(1usize), |b| Some(b * 4))
+            .take_while(|&b| b < most)
+            .collect();
+        batches.push(most);
+        batches.dedup();
+        for b in batches.into_iter().filter(|&b| b >= 1) {
+            push(vec![Req::new(c, DECODE_STEPS); b], vec![], 0);
+        }
+    }
+    // Decodes joined by prefills.
+    for b in [4, 16] {
+        for p in [64, 512] {
+            push(
+                vec![Req::new(256, 2 * DECODE_STEPS); b],
+                vec![Req::new(p, 1)],
+                2,
+            );
+        }
+    }
+    out
+}
+
+/// Loads the configured engine, runs the sweep `repeats` times and returns each distinct step
+/// shape with the median of its times.
+fn measure(args: &CalibrateArgs) -> anyhow::Result<SamplesFile> {
+    anyhow::ensure!(
+        (1..=MAX_REPEATS).contains(&args.repeats),
+        "--repeats must be 1..={MAX_REPEATS}"
+    );
+    let config = match &args.config {
+        Some(file) => super::config::load(file, &args.overrides)?,
+        None => switchyard_config::Config::from_yaml_with_overrides(
+            "",
+            "<defaults>",
+            &args
+                .overrides
+                .iter()
+                .cloned()
+                .map(switchyard_config::Override::flag)
+                .collect::<Vec<_>>(),
+        )?,
+    };
+    let loaded = match &args.dummy {
+        Some(_) => None,
+        None => {
+            let path = if config.model.path.is_empty() {
+                runtime::resolve_model_path(None)?
+            } else {
+                runtime::resolve_model_path(Some(Path::new(&config.model.path)))?
+            };
+            Some(runtime::load(&path)?)
+        }
+    };
+    let (source, model_name) = match (&args.dummy, &loaded) {
+        (Some(arch), _) => (
+            runtime::ModelSource::Dummy(runtime::preset(arch)?, args.seed),
+            format!("{arch} (random weights)"),
+        ),
+        (None, Some(m)) => (
+            runtime::ModelSource::Loaded(&m.config, &m.weights),
+            m.name.clone(),
+        ),
+        (None, None) => anyhow::bail!("no model"),
+    };
+    let model_config = source.config().clone();
+    let block_size = config.cache.block_size;
+    let settings = runtime::BackendSettings {
+        num_blocks: config.cache.num_blocks,
+        kv_cache_mb: config.cache.kv_cache_mb,
+        gpu_memory_utilization: config.cache.gpu_memory_utilization,
+        block_size,
+        threads: config.model.threads,
+        max_batch_tokens: config.scheduler.max_num_batched_tokens,
+        max_num_seqs: config.scheduler.max_num_seqs,
+        quantization: config.model.quantization,
+        kv_cache_dtype: config.cache.kv_cache_dtype,
+    };
+    let (backend, chosen) = runtime::build_backend(config.model.backend, source, &settings)?;
+    drop(loaded);
+    let num_blocks = backend.num_kv_blocks();
+    let hardware = backend.name().to_string();
+    let capacity = num_blocks * block_size;
+    let max_model_len = config
+        .model
+        .max_model_len
+        .unwrap_or(model_config.max_position_embeddings)
+        .min(model_config.max_position_embeddings)
+        .min(capacity);
+    let default_kv = if chosen == BackendKind::Cuda {
+        262_144
+    } else {
+        8192
+    };
+    let limits = Limits {
+        max_context: args.max_context.min(max_model_len),
+        max_kv_tokens: args.max_kv_tokens.unwrap_or(default_kv).min(capacity / 2),
+        max_num_seqs: config.scheduler.max_num_seqs,
+    };
+    anyhow::ensure!(
+        limits.max_context >= 64,
+        "the longest context measured is {} tokens (--max-context, the model's context and the \
+         KV cache cap it): at least 64 are needed",
+        limits.max_context
+    );
+    anyhow::ensure!(
+        limits.max_kv_tokens >= limits.max_context,
+        "--max-kv-tokens must be at least the longest context measured ({})",
+        limits.max_context
+    );
+    let scheduler = SchedulerConfig {
+        max_num_seqs: config.scheduler.max_num_seqs,
+        max_num_batched_tokens: config.scheduler.max_num_batched_tokens,
+        block_size,
+        num_gpu_blocks: num_blocks,
+        enable_prefix_caching: true,
+        max_model_len,
+        tiers: Vec::new(),
+        max_logit_rows: switchyard_gpu::backend::MAX_LOGIT_ROWS,
+        max_loras: 1,
+        speculative: None,
+    };
+    // One step at a time, so that each backend time is one planned step's.
+    let mut engine = runtime::offline_core(backend, scheduler, AsyncSchedulingMode::Off)?;
+    let scenarios = sweep(limits);
+    let vocab = model_config.vocab_size as u64;
+    let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
+    let mut steps: Vec<(StepShape, u64, u64)> = Vec::new();
+    let bar = super::progress_bar((scenarios.len() * args.repeats) as u64, "measurements");
+    let mut next_id = 0u64;
+    let start = Instant::now();
+    for _ in 0..args.repeats {
+        for s in &scenarios {
+            run_scenario(
+                &mut engine,
+                s,
+                &mut Prompts {
+                    rng: &mut rng,
+                    vocab,
+                },
+                &mut next_id,
+                start,
+                &mut steps,
+            )?;
+            bar.inc(1);
+        }
+    }
+    bar.finish_and_clear();
+    let mut host: Vec<u64> = steps.iter().map(|&(_, _, h)| h).collect();
+    host.sort_unstable();
+    let host_overhead_us = host.get(host.len() / 2).copied().unwrap_or(0) as f64;
+    Ok(SamplesFile {
+        model: model_name,
+        hardware,
+        num_gpu_blocks: num_blocks,
+        block_size,
+        host_overhead_us,
+        repeats: args.repeats,
+        samples: medians(&steps),
+    })
+}
+
+/// Each distinct shape once, with the median of its backend times (at least a microsecond),
+/// in the order the shapes were first seen.
+fn medians(steps: &[(StepShape, u64, u64)]) -> Vec<Sample> {
+    let mut order = Vec::new();
+    let mut times: HashMap<StepShape, Vec<u64>> = HashMap::new();
+    for &(shape, us, _) in steps {
+        let t = times.entry(shape).or_default();
+        if t.is_empty() {
+            order.push(shape);
+        }
+        t.push(us);
+    }
+    order
+        .into_iter()
+        .map(|shape| {
+            let t = times.get_mut(&shape).expect("every shape seen has times");
+            t.sort_unstable();
+            Sample {
+                shape,
+                seconds: t[t.len() / 2].max(1) as f64 / 1e6,
+            }
+        })
+        .collect()
+}
+
+/// Random prompts: ids away from the first 256 (special and byte tokens), distinct per
+/// request, so that only the prefixes a measurement asks for are cached.
+struct Prompts<'a> {
+    rng: &'a mut ChaCha8Rng,
+    vocab: u64,
+}
+
+impl Prompts<'_> {
+    fn make(&mut self, len: usize, prefix: Option<&[u32]>) -> Vec<u32> {
+        let mut p: Vec<u32> = prefix.map(<[u32]>::to_vec).unwrap_or_default();
+        let span = self.vocab.saturating_sub(256).max(1);
+        while p.len() < len {
+            p.push((256 + self.rng.random_range(0..span)) as u32);
+        }
+        p.truncate(len);
+        p
+    }
+}
+
+/// Runs one measurement to its end, recording every non-empty step's shape, backend time and
+/// host time (microseconds).
+fn run_scenario(
+    engine: &mut EngineCore,
+    s: &Scenario,
+    prompts: &mut Prompts<'_>,
+    next_id: &mut u64,
+    start: Instant,
+    out: &mut Vec<(StepShape, u64, u64)>,
+) -> anyhow::Result<()> {
+    let sampling = Arc::new(SamplingParams {
+        temperature: 1.0,
+        ignore_eos: true,
+        ..SamplingParams::default()
+    });
+    let mut made: Vec<Vec<u32>> = Vec::new();
+    let mut submit = |engine: &mut EngineCore, reqs: &[Req]| -> anyhow::Result<Vec<u64>> {
+        let mut ids = Vec::new();
+        for r in reqs {
+            let prefix = r.extends.and_then(|i| made.get(i)).cloned();
+            let prompt = prompts.make(r.prompt, prefix.as_deref());
+            made.push(prompt.clone());
+            let limits = SamplingLimits {
+                max_tokens: r.output as u32,
+                ignore_eos: true,
+                ..SamplingLimits::default()
+            };
+            let id = *next_id;
+            *next_id += 1;
+            engine.core().add_request(SubmitOptions::offline(
+                id,
+                prompt,
+                limits,
+                sampling.clone(),
+            ))?;
+            ids.push(id);
+        }
+        Ok(ids)
+    };
+    let first = submit(engine, &s.first)?;
+    let mut started = std::collections::HashSet::new();
+    let (mut later_done, mut steps_since_started) = (s.later.is_empty(), 0usize);
+    loop {
+        let all_started = first.iter().all(|id| started.contains(id));
+        if !later_done
+            && ((all_started && steps_since_started >= s.later_after)
+                || !engine.core().has_unfinished())
+        {
+            submit(engine, &s.later)?;
+            later_done = true;
+        }
+        if !engine.core().has_unfinished() {
+            return Ok(());
+        }
+        let report = engine.step(Timestamp(start.elapsed().as_micros() as u64))?;
+        if report.shape.num_seqs > 0 {
+            out.push((
+                report.shape,
+                report.execute_us,
+                report.plan_us + report.apply_us,
+            ));
+        }
+        if all_started {
+            steps_since_started += 1;
+        }
+        for e in &report.events {
+            if let CoreEvent::Token { id, .. } = e {
+                started.insert(id.0);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LIMITS: Limits = Limits {
+        max_context: 1024,
+        max_kv_tokens: 8192,
+        max_num_seqs: 256,
+    };
+
+    /// Every measurement fits the limits, and the sweep has each kind of step: long and short
+    /// prefills, batched ones, prefix hits, decodes from batch 1 to the most that fit, and
+    /// decodes joined by a prefill.
+    #[test]
+    fn the_sweep_covers_every_kind_of_step_within_the_limits() {
+        let s = sweep(LIMITS);
+        for sc in &s {
+            let all: Vec<&Req> = sc.first.iter().chain(&sc.later).collect();
+            assert!(all.iter().all(|r| r.prompt + r.output <= 1024), "{sc:?}");
+            let kv: usize = all.iter().map(|r| r.prompt + r.output).sum();
+            assert!(kv <= 8192 && all.len() <= 256, "{sc:?}");
+        }
+        let single = |p: usize| {
+            s.iter()
+                .any(|sc| sc.first == [Req::new(p, 1)] && sc.later.is_empty())
+        };
+        assert!(single(16) && single(1023));
+        assert!(s
+            .iter()
+            .any(|sc| sc.later.first().is_some_and(|r| r.extends == Some(0))));
+        let decode = |c: usize, b: usize| {
+            s.iter()
+                .any(|sc| sc.first == vec![Req::new(c, DECODE_STEPS); b] && sc.later.is_empty())
+        };
+        // 8192 / (32 + 8) = 204 sequences at the shortest context, 8 at the longest.
+        assert!(decode(32, 1) && decode(32, 204) && decode(1016, 8));
+        assert!(s
+            .iter()
+            .any(|sc| sc.later_after == 2 && !sc.later.is_empty()));
+        // A smaller engine gets a smaller sweep, still within its limits.
+        let small = sweep(Limits {
+            max_context: 100,
+            max_kv_tokens: 400,
+            max_num_seqs: 4,
+        });
+        assert!(!small.is_empty());
+        for sc in &small {
+            let all: Vec<&Req> = sc.first.iter().chain(&sc.later).collect();
+            assert!(all.iter().all(|r| r.prompt + r.output <= 100) && all.len() <= 4);
+        }
+    }
+
+    #[test]
+    fn each_shape_gets_the_median_of_its_times() {
+        let a = StepShape {
+            num_seqs: 1,
+            num_tokens: 16,
+            ..StepShape::default()
+        };
+        let b = StepShape { num_seqs: 2, ..a };
+        let steps = [
+            (a, 30, 1),
+            (b, 0, 1),
+            (a, 10, 1),
+            (a, 20, 1),
+            (b, 0, 1),
+            (b, 5, 1),
+        ];
+        let m = medians(&steps);
+        assert_eq!(m.len(), 2);
+        assert_eq!((m[0].shape, m[0].seconds), (a, 20e-6));
+        // A step faster than the clock's microsecond counts as one.
+        assert_eq!((m[1].shape, m[1].seconds), (b, 1e-6));
+    }
+}
