@@ -32,6 +32,10 @@ use crate::metric_names as names;
 
 /// Most bytes of a schema, regex, grammar or all choices together in one request.
 pub const MAX_SPEC_BYTES: usize = 64 * 1024;
+/// The `param` a refusal of a request's structured-output specification names (it does not
+/// compile, or no output satisfies it): vLLM's field for it, which the HTTP layer replaces
+/// with the field the request carried it in (`api::engine::STRUCTURED_OUTPUT_PARAM`).
+pub const STRUCTURED_OUTPUT_PARAM: &str = "structured_outputs";
 /// Most alternatives of a choice.
 pub const MAX_CHOICES: usize = 1024;
 

@@ -24,6 +24,12 @@
 //! [`EngineEvent::Error`] after the prompt event ends the whole request: the HTTP layer stops
 //! reading and reports the error (as an error chunk then `[DONE]` when streaming).
 //!
+//! An error names the request field at fault in [`EngineError::param`] when the engine knows
+//! it. Two it cannot know, the HTTP layer fills in: a context-length error without one names
+//! the prompt's field (`prompt` or `messages`), and a refusal of the structured-output
+//! specification names [`STRUCTURED_OUTPUT_PARAM`], which becomes the field the request
+//! carried it in (`response_format`, `guided_regex`, `tools`, ...).
+//!
 //! # Cancellation
 //!
 //! **Dropping the receiver is the abort signal.** The HTTP layer owns the receiver inside the
@@ -239,6 +245,12 @@ pub struct GenerateRequest {
     /// [`SiblingFailure`].
     pub sibling_failure: SiblingFailure,
 }
+
+/// The `param` an engine names when it refuses a request's [`StructuredOutputSpec`] (it does
+/// not compile, or no output satisfies it): vLLM's field for structured output. The engine
+/// cannot tell which of the request's fields carried the specification; the HTTP layer
+/// replaces it with that field.
+pub const STRUCTURED_OUTPUT_PARAM: &str = "structured_outputs";
 
 /// A structure the output must follow (structured output).
 #[derive(Debug, Clone, PartialEq)]
@@ -625,6 +637,10 @@ pub enum EngineErrorKind {
     Unavailable,
     /// The request names a model (LoRA adapter) the server does not serve.
     NotFound,
+    /// The structured-output grammar of a choice failed while generating: the output cannot
+    /// complete it. A server error as [`Self::Internal`] is, but a kind of its own, so that
+    /// the request's other prompts, ended because of it, are counted with its reason.
+    StructuredOutput,
     /// A bug or a backend failure; the message is logged, the client gets a generic one.
     Internal,
 }
@@ -637,6 +653,7 @@ impl fmt::Display for EngineErrorKind {
             Self::Overloaded { .. } => "overloaded",
             Self::Unavailable => "unavailable",
             Self::NotFound => "not_found",
+            Self::StructuredOutput => "structured_output",
             Self::Internal => "internal",
         };
         f.write_str(name)

@@ -153,7 +153,7 @@ impl ApiError {
                     INVALID_REQUEST,
                     Some("model_not_found"),
                 ),
-                EngineErrorKind::Internal => {
+                EngineErrorKind::Internal | EngineErrorKind::StructuredOutput => {
                     (StatusCode::INTERNAL_SERVER_ERROR, SERVER_ERROR, None)
                 }
             },
@@ -179,7 +179,7 @@ impl ApiError {
         let (message, param) = match self {
             Self::InvalidRequest { message, param } => (message.clone(), param.clone()),
             Self::ModelNotFound(_) => (self.to_string(), Some("model".to_owned())),
-            Self::Engine(e) if e.kind == EngineErrorKind::Internal => {
+            Self::Engine(e) if hides_detail(e.kind) => {
                 // The detail goes to the log, not to the client.
                 ("The server had an internal error.".to_owned(), None)
             }
@@ -197,6 +197,14 @@ impl ApiError {
     }
 }
 
+/// The server's own failures: 500, the detail logged rather than shown.
+fn hides_detail(kind: EngineErrorKind) -> bool {
+    matches!(
+        kind,
+        EngineErrorKind::Internal | EngineErrorKind::StructuredOutput
+    )
+}
+
 impl ResponseError for ApiError {
     fn status_code(&self) -> StatusCode {
         self.classify().0
@@ -204,7 +212,7 @@ impl ResponseError for ApiError {
 
     fn error_response(&self) -> HttpResponse {
         if let Self::Engine(e) = self {
-            if e.kind == EngineErrorKind::Internal {
+            if hides_detail(e.kind) {
                 tracing::error!(error = %e.message, "engine failure");
             }
         }
@@ -264,6 +272,19 @@ mod tests {
         assert_eq!(e.status_code(), StatusCode::INTERNAL_SERVER_ERROR);
         let body = body_json(&e);
         assert!(!body["error"]["message"].as_str().unwrap().contains("cuda"));
+    }
+
+    /// A grammar that failed while generating is a server error as an internal one is.
+    #[test]
+    fn a_grammar_failed_while_generating_is_a_server_error() {
+        let e = ApiError::from(EngineError::new(
+            EngineErrorKind::StructuredOutput,
+            "structured output: the lexer failed after 3 generated tokens",
+        ));
+        assert_eq!(e.status_code(), StatusCode::INTERNAL_SERVER_ERROR);
+        let body = body_json(&e);
+        assert_eq!(body["error"]["type"], "server_error");
+        assert!(!body["error"]["message"].as_str().unwrap().contains("lexer"));
     }
 
     #[test]

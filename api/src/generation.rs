@@ -13,6 +13,7 @@ use tokio::sync::mpsc;
 
 use crate::engine::{
     Delta, Engine, EngineError, EngineErrorKind, EngineEvent, SiblingFailure, TokenLogprob,
+    STRUCTURED_OUTPUT_PARAM,
 };
 use crate::error::ApiError;
 
@@ -42,6 +43,17 @@ pub(crate) struct ChoiceDelta {
     pub delta: Delta,
 }
 
+/// The request's fields an engine error names where the engine cannot (see the port's
+/// documentation).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RequestFields {
+    /// The prompt's field (`prompt` or `messages`), named by a context-length error.
+    pub prompt: &'static str,
+    /// The field that carried the structured output, if any, named by the engine's refusal
+    /// of the specification.
+    pub structured: Option<&'static str>,
+}
+
 /// The running generation of one HTTP request.
 pub(crate) struct Generation {
     events: SelectAll<Tagged>,
@@ -55,8 +67,8 @@ pub(crate) struct Generation {
     pub opens_thinking: Vec<bool>,
     finished: Vec<bool>,
     remaining: usize,
-    /// Param named by a context-length error without one (`prompt` or `messages`).
-    prompt_param: &'static str,
+    /// The fields errors name where the engine cannot.
+    fields: RequestFields,
     /// Shared with the engine requests: set when the generation fails, before its receivers
     /// drop.
     failure: SiblingFailure,
@@ -77,7 +89,7 @@ impl Generation {
         engine: &dyn Engine,
         requests: Vec<crate::engine::GenerateRequest>,
         n: u32,
-        prompt_param: &'static str,
+        fields: RequestFields,
     ) -> Result<Self, ApiError> {
         let failure = SiblingFailure::default();
         let mut receivers = Vec::with_capacity(requests.len());
@@ -87,18 +99,18 @@ impl Generation {
             // failed with this one.
             let rx = engine.submit(request).map_err(|e| {
                 failure.set(e.kind);
-                with_prompt_param(e, prompt_param)
+                name_fields(e, fields)
             })?;
             receivers.push(rx);
         }
-        Self::accept(receivers, n, prompt_param, failure).await
+        Self::accept(receivers, n, fields, failure).await
     }
 
     /// Waits for every prompt's [`EngineEvent::Prompt`], buffering deltas that arrive early.
     async fn accept(
         receivers: Vec<mpsc::Receiver<EngineEvent>>,
         n: u32,
-        prompt_param: &'static str,
+        fields: RequestFields,
         failure: SiblingFailure,
     ) -> Result<Self, ApiError> {
         let prompts = receivers.len();
@@ -116,7 +128,7 @@ impl Generation {
             opens_thinking: vec![false; prompts],
             finished: vec![false; choices],
             remaining: choices,
-            prompt_param,
+            fields,
             failure,
         };
         let mut accepted = vec![false; prompts];
@@ -150,7 +162,7 @@ impl Generation {
                 EngineEvent::Error(e) => {
                     // Recorded before the receivers drop with `generation`.
                     generation.failure.set(e.kind);
-                    return Err(with_prompt_param(e, prompt_param));
+                    return Err(name_fields(e, fields));
                 }
             }
         }
@@ -198,7 +210,7 @@ impl Generation {
                     Some((_, EngineEvent::Error(e))) => {
                         self.remaining = 0;
                         self.failure.set(e.kind);
-                        return Some(Err(with_prompt_param(e, self.prompt_param)));
+                        return Some(Err(name_fields(e, self.fields)));
                     }
                     Some((prompt, EngineEvent::Delta(delta))) => (prompt, delta),
                 },
@@ -235,9 +247,17 @@ impl Generation {
     }
 }
 
-fn with_prompt_param(mut e: EngineError, param: &'static str) -> ApiError {
+/// `e` naming the request's own field where the engine could not: the prompt's for a
+/// context-length error without one, the one that carried the structured output for a
+/// refusal of it.
+fn name_fields(mut e: EngineError, fields: RequestFields) -> ApiError {
     if e.kind == EngineErrorKind::ContextLengthExceeded && e.param.is_none() {
-        e.param = Some(param.to_owned());
+        e.param = Some(fields.prompt.to_owned());
+    }
+    if let Some(field) = fields.structured {
+        if e.param.as_deref() == Some(STRUCTURED_OUTPUT_PARAM) {
+            e.param = Some(field.to_owned());
+        }
     }
     ApiError::Engine(e)
 }
@@ -276,6 +296,13 @@ mod tests {
         rx
     }
 
+    fn fields(prompt: &'static str) -> RequestFields {
+        RequestFields {
+            prompt,
+            structured: None,
+        }
+    }
+
     fn block_on<F: std::future::Future>(f: F) -> F::Output {
         futures_util::FutureExt::now_or_never(f).expect("all events are buffered")
     }
@@ -292,7 +319,7 @@ mod tests {
         let mut g = block_on(Generation::accept(
             vec![a, b],
             2,
-            "prompt",
+            fields("prompt"),
             SiblingFailure::default(),
         ))
         .unwrap();
@@ -312,13 +339,80 @@ mod tests {
         let e = EngineError::new(EngineErrorKind::ContextLengthExceeded, "too long");
         let rx = channel(vec![EngineEvent::Error(e)]);
         let failure = SiblingFailure::default();
-        let result = block_on(Generation::accept(vec![rx], 1, "messages", failure.clone()));
+        let result = block_on(Generation::accept(
+            vec![rx],
+            1,
+            fields("messages"),
+            failure.clone(),
+        ));
         // The other prompts' requests learn why their receivers dropped.
         assert_eq!(failure.get(), Some(EngineErrorKind::ContextLengthExceeded));
         match result {
             Err(ApiError::Engine(e)) => assert_eq!(e.param.as_deref(), Some("messages")),
             _ => panic!("expected the engine error"),
         }
+    }
+
+    /// The engine's refusal of the structured-output specification names the field the
+    /// request carried it in; a param the engine knows stays.
+    #[test]
+    fn a_refused_specification_names_the_field_that_carried_it() {
+        let refusal = |param: &str| {
+            EngineEvent::Error(
+                EngineError::new(EngineErrorKind::InvalidRequest, "bad regex").with_param(param),
+            )
+        };
+        let guided = RequestFields {
+            prompt: "prompt",
+            structured: Some("guided_regex"),
+        };
+        for (param, named) in [
+            (STRUCTURED_OUTPUT_PARAM, "guided_regex"),
+            ("logit_bias", "logit_bias"),
+        ] {
+            let rx = channel(vec![refusal(param)]);
+            let result = block_on(Generation::accept(
+                vec![rx],
+                1,
+                guided,
+                SiblingFailure::default(),
+            ));
+            match result {
+                Err(ApiError::Engine(e)) => assert_eq!(e.param.as_deref(), Some(named)),
+                _ => panic!("expected the engine error"),
+            }
+        }
+    }
+
+    /// A prompt whose grammar failed while generating ends the request, and the other
+    /// prompts learn it was that: they count under its reason, not as internal errors.
+    #[test]
+    fn the_other_prompts_learn_that_a_grammar_failed() {
+        let failed = EngineEvent::Error(EngineError::new(
+            EngineErrorKind::StructuredOutput,
+            "structured output: the lexer failed",
+        ));
+        let a = channel(vec![prompt(1), delta(0, "a", false), failed]);
+        let b = channel(vec![prompt(1)]);
+        let failure = SiblingFailure::default();
+        let mut g = block_on(Generation::accept(
+            vec![a, b],
+            1,
+            fields("prompt"),
+            failure.clone(),
+        ))
+        .unwrap();
+        let mut last = None;
+        while let Some(d) = futures_util::FutureExt::now_or_never(g.next()).flatten() {
+            last = Some(d);
+        }
+        match last {
+            Some(Err(ApiError::Engine(e))) => {
+                assert_eq!(e.kind, EngineErrorKind::StructuredOutput)
+            }
+            other => panic!("expected the grammar's error, got {other:?}"),
+        }
+        assert_eq!(failure.get(), Some(EngineErrorKind::StructuredOutput));
     }
 
     #[test]
@@ -332,7 +426,7 @@ mod tests {
             let mut g = block_on(Generation::accept(
                 vec![channel(events)],
                 1,
-                "prompt",
+                fields("prompt"),
                 SiblingFailure::default(),
             ))
             .unwrap();
@@ -353,7 +447,7 @@ mod tests {
         let mut g = block_on(Generation::accept(
             vec![rx],
             1,
-            "prompt",
+            fields("prompt"),
             SiblingFailure::default(),
         ))
         .unwrap();

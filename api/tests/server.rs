@@ -72,6 +72,52 @@ async fn bad_inputs_get_400_with_the_field_named() {
     }
 }
 
+/// A structured output the engine cannot compile is a 400 naming the field that carried it,
+/// whichever spelling the request used.
+#[actix_web::test]
+async fn a_structure_the_engine_refuses_names_the_field_that_carried_it() {
+    let schema = json!({"type": "no-such-type"});
+    let user = json!([{"role": "user", "content": "x"}]);
+    let cases = [
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "guided_regex": "(unclosed"}),
+            "guided_regex",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "structured_outputs": {"regex": "(unclosed"}}),
+            "structured_outputs",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "guided_json": schema}),
+            "guided_json",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": ["x", "y"], "guided_grammar": "start: (unclosed"}),
+            "guided_grammar",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": user, "response_format": {"type": "json_schema",
+                   "json_schema": {"name": "x", "schema": schema}}}),
+            "response_format",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": user, "stream": true, "tools": [{"type": "function",
+                   "function": {"name": "f", "parameters": {"type": "object",
+                   "properties": {"a": schema}}}}]}),
+            "tools",
+        ),
+    ];
+    for (path, body, field) in cases {
+        check_bad(path, &body.to_string(), 400, Some(field)).await;
+    }
+}
+
 #[actix_web::test]
 async fn context_overflow_is_400_context_length_exceeded() {
     let long = "x".repeat(60);

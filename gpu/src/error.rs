@@ -62,6 +62,13 @@ pub enum GpuError {
     /// Parsing or rendering the chat template failed.
     #[error("chat template error: {0}")]
     ChatTemplate(String),
+    /// A chat template's rendering passed the bound its caller set (the longest prompt text
+    /// the model could take): the prompt cannot fit.
+    #[error("chat template error: the rendering exceeds {limit} bytes")]
+    ChatTemplateTooLong {
+        /// The bound, in bytes.
+        limit: usize,
+    },
     /// Fetching a model into the local cache failed.
     #[error("model fetch failed: {0}")]
     Fetch(String),

@@ -486,6 +486,7 @@ fn to_port_error(e: SubmitError) -> EngineError {
             retry_after_secs: 1,
         },
         SubmitErrorKind::Unavailable => EngineErrorKind::Unavailable,
+        SubmitErrorKind::StructuredOutput => EngineErrorKind::StructuredOutput,
         SubmitErrorKind::Internal => EngineErrorKind::Internal,
     };
     let error = EngineError::new(kind, e.message);
@@ -598,6 +599,7 @@ impl OutputSink for ChannelSink {
             EngineErrorKind::ContextLengthExceeded => SubmitErrorKind::ContextLengthExceeded,
             EngineErrorKind::Overloaded { .. } => SubmitErrorKind::Overloaded,
             EngineErrorKind::Unavailable => SubmitErrorKind::Unavailable,
+            EngineErrorKind::StructuredOutput => SubmitErrorKind::StructuredOutput,
             EngineErrorKind::Internal => SubmitErrorKind::Internal,
         })
     }

@@ -176,12 +176,10 @@ impl EndedEarly {
     }
 }
 
-/// The `reason` label of a choice whose structured-output grammar failed while generating
-/// (and of the other choices of its request).
-const STRUCTURED_FAILURE: &str = "structured_output";
-
 /// The `reason` label of a request that ended with an error (a bounded set, by kind): the
-/// server's own failures (a failed step) are `error`.
+/// server's own failures (a failed step) are `error`; a choice whose structured-output
+/// grammar failed while generating, and the other choices and prompts of its request, are
+/// `structured_output`.
 fn failure_label(kind: SubmitErrorKind) -> &'static str {
     match kind {
         SubmitErrorKind::InvalidRequest => "invalid_request",
@@ -189,6 +187,7 @@ fn failure_label(kind: SubmitErrorKind) -> &'static str {
         SubmitErrorKind::ContextLengthExceeded => "context_length",
         SubmitErrorKind::Overloaded => "overloaded",
         SubmitErrorKind::Unavailable => "unavailable",
+        SubmitErrorKind::StructuredOutput => "structured_output",
         SubmitErrorKind::Internal => "error",
     }
 }
@@ -287,7 +286,7 @@ impl DetokenizerActor {
         request: &Rc<RefCell<RequestSink>>,
     ) {
         let tokens = delta.finish.take().map_or(0, |(_, tokens)| tokens);
-        let ended = EndedEarly::Failed(STRUCTURED_FAILURE);
+        let ended = EndedEarly::Failed(failure_label(SubmitErrorKind::StructuredOutput));
         self.choices.remove(&id);
         ended.count(1);
         let mut r = request.borrow_mut();
@@ -295,7 +294,7 @@ impl DetokenizerActor {
             r.sink.send(EngineOutput::Delta(delta));
         }
         r.sink.send(EngineOutput::Error(SubmitError::new(
-            SubmitErrorKind::Internal,
+            SubmitErrorKind::StructuredOutput,
             format!(
                 "structured output: {failure} after {tokens} generated tokens; the output does \
                  not complete the grammar"

@@ -20,7 +20,9 @@ use switchyard_gpu::model::Tokenizer;
 use switchyard_gpu::GpuError;
 use switchyard_policies::{PolicyRegistry, SchedulerConfig, SpeculativeConfig};
 
-use crate::actors::{Engine, EngineConfig, EngineOutput, OutputSink, PromptSource, RequestOptions};
+use crate::actors::{
+    Engine, EngineConfig, EngineOutput, OutputSink, PromptSource, RequestOptions, SubmitErrorKind,
+};
 use crate::metric_names as names;
 
 /// The backend's tokens: each one is followed by the next, `CYCLE - 1` by 0.
@@ -322,6 +324,8 @@ struct Sink {
     client: Client,
     gone: bool,
     errors: Arc<Mutex<Vec<String>>>,
+    /// What the client's other prompts failed with, if that is why it left.
+    abandoned_for: Option<SubmitErrorKind>,
 }
 
 impl OutputSink for Sink {
@@ -343,11 +347,24 @@ impl OutputSink for Sink {
     fn is_closed(&self) -> bool {
         self.gone
     }
+    fn abandoned_for(&self) -> Option<SubmitErrorKind> {
+        self.abandoned_for
+    }
 }
 
 /// Submits one request and waits until it has ended (the detokenizer released it, after its
 /// metrics); returns the errors its client was sent.
 async fn run(engine: &Engine, options: RequestOptions, client: Client) -> Vec<String> {
+    run_abandoned(engine, options, client, None).await
+}
+
+/// [`run`], the client's other prompts having failed with `abandoned_for` when it leaves.
+async fn run_abandoned(
+    engine: &Engine,
+    options: RequestOptions,
+    client: Client,
+    abandoned_for: Option<SubmitErrorKind>,
+) -> Vec<String> {
     let errors = Arc::new(Mutex::new(Vec::new()));
     engine.submit(
         options,
@@ -355,6 +372,7 @@ async fn run(engine: &Engine, options: RequestOptions, client: Client) -> Vec<St
             client,
             gone: false,
             errors: errors.clone(),
+            abandoned_for,
         }),
     );
     // A hang guard only (generous for a loaded machine); nothing here is timed.
@@ -466,6 +484,34 @@ async fn a_client_gone_counts_each_open_choice_as_aborted() {
     assert!(m.counters_of(names::REQUEST_FAILED).is_empty());
 }
 
+/// A request dropped because another prompt of its client request failed counts each open
+/// choice as failed under that prompt's reason: a grammar that failed while generating is
+/// `structured_output` for the other prompts too, not `error`.
+#[actix::test]
+async fn the_other_prompts_of_a_failed_grammar_count_under_its_reason() {
+    let (engine, _) = start_engine(false, false);
+    run_abandoned(
+        &engine,
+        request(2, 50, ignoring_eos()),
+        Client::LeavesAtFirstDelta,
+        Some(SubmitErrorKind::StructuredOutput),
+    )
+    .await;
+    let m = Snapshot::take();
+    assert_eq!(m.counter(names::REQUEST_ABORTED), 0);
+    assert_eq!(
+        m.counters_of(names::REQUEST_FAILED),
+        vec![(
+            format!(
+                "{}{{{}=structured_output}}",
+                names::REQUEST_FAILED,
+                names::LABEL_REASON
+            ),
+            2
+        )]
+    );
+}
+
 #[actix::test]
 async fn a_last_delta_lost_after_the_success_counts_once() {
     let (engine, _) = start_engine(false, false);
@@ -494,13 +540,10 @@ fn every_failure_reason_is_registered_at_zero() {
         K::ContextLengthExceeded,
         K::Overloaded,
         K::Unavailable,
+        K::StructuredOutput,
         K::Internal,
     ];
-    let labels = kinds
-        .into_iter()
-        .map(super::failure_label)
-        .chain([super::STRUCTURED_FAILURE]);
-    for label in labels {
+    for label in kinds.into_iter().map(super::failure_label) {
         assert!(names::FAILURE_REASONS.contains(&label), "{label}");
     }
     for reason in [

@@ -184,6 +184,10 @@ pub enum SubmitErrorKind {
     Overloaded,
     /// The engine is shutting down.
     Unavailable,
+    /// The structured-output grammar of a choice failed while generating: its output cannot
+    /// complete it (a server error, counted under its own `reason`; the request's other
+    /// choices, and its other prompts, end with it).
+    StructuredOutput,
     /// A backend failure.
     Internal,
 }
@@ -1207,7 +1211,8 @@ mod tests {
                 EngineOutput::Error(e) => break e,
             }
         };
-        assert_eq!(error.kind, SubmitErrorKind::Internal, "{error}");
+        // A kind of its own, so that the request's other prompts count under its reason.
+        assert_eq!(error.kind, SubmitErrorKind::StructuredOutput, "{error}");
         assert!(
             error
                 .message

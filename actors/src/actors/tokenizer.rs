@@ -8,11 +8,12 @@ use std::sync::Arc;
 use actix::dev::{MessageResponse, OneshotSender};
 use actix::{Actor, Handler, Message, SyncContext};
 use switchyard_gpu::model::{ChatMessage, ChatTemplate, Tokenizer};
-use switchyard_gpu::Constraint;
+use switchyard_gpu::{Constraint, GpuError};
 
 use super::engine::{PromptSource, SubmitError, SubmitErrorKind};
 use crate::structured::{
     CompileError, CompileReply, CompileResult, LazyGrammarCompiler, StructuredOutput,
+    STRUCTURED_OUTPUT_PARAM,
 };
 
 /// A prompt as token ids.
@@ -154,9 +155,20 @@ impl Handler<Encode> for TokenizerActor {
                     .into_iter()
                     .map(|(role, content)| ChatMessage { role, content })
                     .collect();
+                // The rendering stops as it passes the longest text that could fit.
                 let text = template
-                    .render_ending(&messages, ending, &template_kwargs)
-                    .map_err(|e| invalid(e.to_string()))?;
+                    .render_within(&messages, ending, &template_kwargs, self.max_text_len)
+                    .map_err(|e| match e {
+                        GpuError::ChatTemplateTooLong { limit } => SubmitError::new(
+                            SubmitErrorKind::ContextLengthExceeded,
+                            format!(
+                                "the chat prompt renders to more than {limit} bytes: it cannot \
+                                 fit in this model's context of {} tokens",
+                                self.max_model_len
+                            ),
+                        ),
+                        e => invalid(e.to_string()),
+                    })?;
                 // The template already wrote the special tokens it wants.
                 self.encode(&text, false).map(|ids| Encoded {
                     ids,
@@ -194,15 +206,19 @@ pub struct Compiling {
 /// The answer of a [`Constrain`] request, sent from the compile pool.
 struct ConstrainReply(OneshotSender<Result<Vec<Constraint>, SubmitError>>);
 
+/// How a compile's failure is answered: a specification that does not compile is the
+/// request's error, named by [`STRUCTURED_OUTPUT_PARAM`].
+fn compile_refusal(e: CompileError) -> SubmitError {
+    match e {
+        CompileError::Invalid(m) => invalid(m).with_param(STRUCTURED_OUTPUT_PARAM),
+        CompileError::Unavailable(_) => SubmitError::new(SubmitErrorKind::Internal, e.to_string()),
+        CompileError::Busy(message) => SubmitError::new(SubmitErrorKind::Overloaded, message),
+    }
+}
+
 impl CompileReply for ConstrainReply {
     fn send(self: Box<Self>, result: CompileResult) {
-        let result = result.map_err(|e| match e {
-            CompileError::Invalid(m) => invalid(m),
-            CompileError::Unavailable(_) => {
-                SubmitError::new(SubmitErrorKind::Internal, e.to_string())
-            }
-            CompileError::Busy(message) => SubmitError::new(SubmitErrorKind::Overloaded, message),
-        });
+        let result = result.map_err(compile_refusal);
         // The requester may have gone meanwhile.
         let _ = self.0.send(result);
     }
@@ -374,6 +390,8 @@ mod tests {
             .expect("mailbox")
             .expect_err("refused");
         assert_eq!(e.kind, SubmitErrorKind::ContextLengthExceeded, "{e}");
+        // The rendering stopped at the bound, before it was encoded.
+        assert!(e.message.contains("renders to more than"), "{e}");
         let ids = text(chat(at_bound[1..].to_string()))
             .await
             .expect("mailbox")
@@ -381,6 +399,21 @@ mod tests {
             .ids;
         // "b", "ab" ..., "b".
         assert_eq!(ids.len(), bound / 2 + 1);
+    }
+
+    /// A specification that does not compile is the request's error, naming the field that
+    /// carries structured output (the HTTP layer names the spelling the request used); the
+    /// engine's own failures name none.
+    #[test]
+    fn a_specification_that_does_not_compile_names_its_field() {
+        let e = compile_refusal(CompileError::Invalid("bad regex".into()));
+        assert_eq!(e.kind, SubmitErrorKind::InvalidRequest);
+        assert_eq!(e.param, Some(STRUCTURED_OUTPUT_PARAM));
+        assert_eq!(e.message, "bad regex");
+        let e = compile_refusal(CompileError::Busy("busy".into()));
+        assert_eq!((e.kind, e.param), (SubmitErrorKind::Overloaded, None));
+        let e = compile_refusal(CompileError::Unavailable("no end".into()));
+        assert_eq!((e.kind, e.param), (SubmitErrorKind::Internal, None));
     }
 
     #[test]

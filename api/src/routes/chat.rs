@@ -8,7 +8,7 @@ use crate::auth::Principal;
 use crate::body::read_json;
 use crate::engine::{FinishReason, StructuredOutputSpec, TokenLogprob};
 use crate::error::ApiError;
-use crate::generation::{ChoiceDelta, Generation};
+use crate::generation::{ChoiceDelta, Generation, RequestFields};
 use crate::schema::reasoning::{ThinkSplitter, ThinkStart, THINK_CLOSE};
 use crate::schema::tools::{ToolAnswer, ToolPiece, ToolStream};
 use crate::schema::{
@@ -32,7 +32,11 @@ pub(crate) async fn chat_completions(
     let validated = body.validate(state.engine.max_model_len(), tool_format)?;
     let id = request_id("chatcmpl-", request_id_header(&req));
     let requests = engine_requests(&id, &validated, &principal, None, lora.as_deref());
-    let generation = Generation::start(&*state.engine, requests, validated.n, "messages").await?;
+    let fields = RequestFields {
+        prompt: "messages",
+        structured: validated.structured_field,
+    };
+    let generation = Generation::start(&*state.engine, requests, validated.n, fields).await?;
     let free_text = match &validated.structured {
         None | Some(StructuredOutputSpec::ToolCalls(_)) => {
             !validated.tool_calls.is_some_and(ToolAnswer::calls_only)

@@ -8,7 +8,7 @@ use crate::auth::Principal;
 use crate::body::read_json;
 use crate::engine::PromptInput;
 use crate::error::ApiError;
-use crate::generation::{ChoiceDelta, Generation};
+use crate::generation::{ChoiceDelta, Generation, RequestFields};
 use crate::schema::{
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage,
 };
@@ -49,7 +49,11 @@ pub(crate) async fn completions(
         prompt_logprobs,
         lora.as_deref(),
     );
-    let generation = Generation::start(&*state.engine, requests, validated.n, "prompt").await?;
+    let fields = RequestFields {
+        prompt: "prompt",
+        structured: validated.structured_field,
+    };
+    let generation = Generation::start(&*state.engine, requests, validated.n, fields).await?;
 
     let writer = CompletionWriter {
         id,

@@ -15,7 +15,7 @@ pub use request::{
 };
 pub use response::*;
 pub use sampling::SamplerFields;
-pub use structured::StructuredFields;
+pub use structured::{Structured, StructuredFields};
 
 pub use limits::*;
 

@@ -18,7 +18,7 @@ use serde::Deserialize;
 
 use super::limits::*;
 use super::sampling::SamplerFields;
-use super::structured::StructuredFields;
+use super::structured::{Structured, StructuredFields};
 use super::tools::{render_calls, render_response, ToolAnswer, ToolFormat, ToolPrompt, ToolUse};
 use crate::engine::{
     ChatEnding, ChatMessage, ChatRole, PromptInput, SamplingOptions, StructuredOutputSpec,
@@ -300,6 +300,9 @@ pub struct Validated {
     pub priority: Option<i32>,
     /// What the output must follow.
     pub structured: Option<StructuredOutputSpec>,
+    /// The request field that asked for `structured` (`tools` for tool calls): the `param` of
+    /// the engine's refusal of it.
+    pub structured_field: Option<&'static str>,
     /// How the output is read back into content and tool calls (chat with tools).
     pub tool_calls: Option<ToolAnswer>,
     /// The prefix-cache salt asked for.
@@ -326,7 +329,7 @@ fn parse_cache_salt(salt: Option<String>) -> Result<Option<String>, ApiError> {
 fn parse_structured(
     fields: &StructuredFields,
     sampling: &SamplingOptions,
-) -> Result<Option<StructuredOutputSpec>, ApiError> {
+) -> Result<Option<Structured>, ApiError> {
     let spec = fields.validate()?;
     if spec.is_some() && sampling.ignore_eos {
         return Err(ApiError::invalid(
@@ -560,6 +563,10 @@ impl CompletionRequest {
     pub fn validate(self, max_model_len: usize) -> Result<Validated, ApiError> {
         let sampling = sampler_fields!(self).validate()?;
         let structured = parse_structured(&self.structured, &sampling)?;
+        let (structured_field, structured) = match structured {
+            Some(s) => (Some(s.field), Some(s.spec)),
+            None => (None, None),
+        };
         let n = parse_n(self.n)?;
         if self.best_of.is_some_and(|b| b != n) {
             return Err(ApiError::invalid(
@@ -635,6 +642,7 @@ impl CompletionRequest {
             continuous_usage: continuous_usage(&self.stream_options),
             priority: self.priority,
             structured,
+            structured_field,
             tool_calls: None,
             cache_salt: parse_cache_salt(self.cache_salt)?,
             include_stop_str_in_output: self.include_stop_str_in_output.unwrap_or(false),
@@ -685,7 +693,11 @@ impl ChatRequest {
         tool_format: ToolFormat,
     ) -> Result<Validated, ApiError> {
         let sampling = sampler_fields!(self).validate()?;
-        let mut structured = parse_structured(&self.structured, &sampling)?;
+        let (mut structured_field, mut structured) =
+            match parse_structured(&self.structured, &sampling)? {
+                Some(s) => (Some(s.field), Some(s.spec)),
+                None => (None, None),
+            };
         let n = parse_n(self.n)?;
         let tools = ToolUse::parse(
             self.tools.as_ref(),
@@ -741,6 +753,7 @@ impl ChatRequest {
                     ToolPrompt::FirstUser(text) => add_to_first_user(&mut messages, text),
                 }
                 structured = Some(StructuredOutputSpec::ToolCalls(grammar.to_owned()));
+                structured_field = Some("tools");
             }
         }
         let (limit_name, max_tokens) = match self.max_completion_tokens {
@@ -781,6 +794,7 @@ impl ChatRequest {
             continuous_usage: continuous_usage(&self.stream_options),
             priority: self.priority,
             structured,
+            structured_field,
             tool_calls: tools.as_ref().and_then(ToolUse::answer),
             cache_salt: parse_cache_salt(self.cache_salt)?,
             include_stop_str_in_output: self.include_stop_str_in_output.unwrap_or(false),

@@ -276,11 +276,21 @@ fn check_bounds(param: &str, spec: &StructuredOutputSpec) -> Result<(), ApiError
     Ok(())
 }
 
+/// The structure a request asks for, and the field that asks for it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Structured {
+    /// The top-level field that carried it (`response_format`, `structured_outputs`,
+    /// `guided_regex`, ...): the `param` of the engine's refusal of it.
+    pub field: &'static str,
+    /// What the output must follow.
+    pub spec: StructuredOutputSpec,
+}
+
 impl StructuredFields {
     /// The one structure asked for, if any, with its sizes checked (the grammar itself is
     /// checked by the engine when it compiles it).
-    pub fn validate(&self) -> Result<Option<StructuredOutputSpec>, ApiError> {
-        let mut asked: Vec<(&str, StructuredOutputSpec)> = Vec::new();
+    pub fn validate(&self) -> Result<Option<Structured>, ApiError> {
+        let mut asked: Vec<(&'static str, StructuredOutputSpec)> = Vec::new();
         let mut options = JsonOptions::default();
         if let Some(v) = &self.response_format {
             if let Some(s) = response_format(v)? {
@@ -318,10 +328,10 @@ impl StructuredFields {
             ));
         }
         match asked.pop() {
-            Some((param, spec)) => {
+            Some((field, spec)) => {
                 let spec = options.apply(spec);
-                check_bounds(param, &spec)?;
-                Ok(Some(spec))
+                check_bounds(field, &spec)?;
+                Ok(Some(Structured { field, spec }))
             }
             None => Ok(None),
         }
@@ -334,9 +344,47 @@ mod tests {
     use serde_json::json;
 
     fn parse(v: serde_json::Value) -> Result<Option<StructuredOutputSpec>, ApiError> {
+        parse_field(v).map(|s| s.map(|(_, spec)| spec))
+    }
+
+    fn parse_field(
+        v: serde_json::Value,
+    ) -> Result<Option<(&'static str, StructuredOutputSpec)>, ApiError> {
         serde_json::from_value::<StructuredFields>(v)
             .unwrap()
             .validate()
+            .map(|s| s.map(|s| (s.field, s.spec)))
+    }
+
+    /// The field that asked for the structure is kept: the engine's refusal of the
+    /// structure (a regex that does not compile) names it.
+    #[test]
+    fn the_field_that_asked_is_kept() {
+        let schema = json!({"type": "object"});
+        for (body, field) in [
+            (
+                json!({"response_format": {"type": "json_object"}}),
+                "response_format",
+            ),
+            (
+                json!({"response_format": {"type": "json_schema", "json_schema": {"schema": schema}}}),
+                "response_format",
+            ),
+            (
+                json!({"structured_outputs": {"regex": "a"}}),
+                "structured_outputs",
+            ),
+            (json!({"guided_json": schema}), "guided_json"),
+            (json!({"guided_regex": "a"}), "guided_regex"),
+            (json!({"guided_choice": ["a"]}), "guided_choice"),
+            (json!({"guided_grammar": "start: \"a\""}), "guided_grammar"),
+        ] {
+            assert_eq!(
+                parse_field(body.clone()).unwrap().unwrap().0,
+                field,
+                "{body}"
+            );
+        }
     }
 
     fn param(r: Result<Option<StructuredOutputSpec>, ApiError>) -> String {

@@ -6,7 +6,9 @@
 //! window). A stop string truncates the output before it (finish reason `stop`). With logprobs,
 //! every sampled token has logprob -0.5 and its alternatives are the token itself (-0.5) then
 //! `"~"` (-2.0), cut to the requested count; prompt logprobs are null for the first token, -1.0
-//! after. Chat messages render as `role: content\n` lines followed by `assistant:`.
+//! after. Chat messages render as `role: content\n` lines followed by `assistant:`. A
+//! structured output whose text holds `(unclosed` or `no-such-type` does not compile: it is
+//! refused naming `STRUCTURED_OUTPUT_PARAM`, as the engine refuses it.
 
 #![allow(dead_code)]
 
@@ -20,7 +22,7 @@ use actix_web::{test, App};
 use switchyard_api::engine::{
     ChatEnding, ChatMessage, Delta, Engine, EngineError, EngineErrorKind, EngineEvent,
     EngineFuture, Finish, FinishReason, GenerateRequest, PolicyInfo, PolicySpec, PromptInput,
-    TokenLogprob, TokenizeInput, TopLogprob,
+    StructuredOutputSpec, TokenLogprob, TokenizeInput, TopLogprob, STRUCTURED_OUTPUT_PARAM,
 };
 use switchyard_api::{ApiConfig, ApiKeyEntry, ApiState};
 use tokio::sync::mpsc;
@@ -84,6 +86,19 @@ pub fn render_chat(messages: &[ChatMessage], ending: ChatEnding) -> String {
         }
     }
     text
+}
+
+/// Whether the echo engine's "compiler" refuses `spec` (see the module's documentation).
+fn does_not_compile(spec: &StructuredOutputSpec) -> bool {
+    let text = match spec {
+        StructuredOutputSpec::Regex(t)
+        | StructuredOutputSpec::Grammar(t)
+        | StructuredOutputSpec::ToolCalls(t) => t.clone(),
+        StructuredOutputSpec::JsonSchema(v) => v.to_string(),
+        StructuredOutputSpec::Choice(c) => c.join("|"),
+        StructuredOutputSpec::JsonObject => String::new(),
+    };
+    text.contains("(unclosed") || text.contains("no-such-type")
 }
 
 fn token_text(id: u32) -> String {
@@ -154,7 +169,15 @@ impl Engine for EchoEngine {
         let mut events = Vec::new();
         let budget = self.max_model_len.saturating_sub(prompt.len());
         let max_tokens = request.max_tokens.map_or(budget, |m| m as usize);
-        if prompt.len() + max_tokens > self.max_model_len {
+        if request.structured.as_ref().is_some_and(does_not_compile) {
+            events.push(EngineEvent::Error(
+                EngineError::new(
+                    EngineErrorKind::InvalidRequest,
+                    "invalid structured output specification",
+                )
+                .with_param(STRUCTURED_OUTPUT_PARAM),
+            ));
+        } else if prompt.len() + max_tokens > self.max_model_len {
             events.push(EngineEvent::Error(EngineError::new(
                 EngineErrorKind::ContextLengthExceeded,
                 format!(

@@ -175,9 +175,7 @@ mod tests {
     #[test]
     fn a_cache_larger_than_the_memory_available_is_refused() {
         // 2^50 halves of keys and as many of values: 4 PiB.
-        let e = KvCache::new(1024, 1 << 20, 4096, 1, 256)
-            .err()
-            .expect("refused");
+        let e = KvCache::new(1024, 1 << 20, 4096, 1, 256).expect_err("refused");
         let e = e.to_string();
         if cfg!(target_os = "linux") {
             assert!(

@@ -6,11 +6,12 @@
 //!
 //! Templates come from model files, so they run in a sandbox: no loader (a template cannot
 //! include or import anything, hence no file or network access), a fuel limit on the
-//! instructions executed, a recursion limit, and a bound on the size of the output. Not bounded:
-//! the memory of values built inside a render (minijinja caps one string repetition at 100 MB,
-//! not repeated `~` concatenation), see ARCHITECTURE.md.
+//! instructions executed, a recursion limit, bounded builtins, and a bound on the size of the
+//! output. Not bounded: the memory of values built inside a rendering. The bounds, how they
+//! were chosen and what they leave open are in [`sandbox`].
 
-use std::io::Write;
+mod sandbox;
+
 use std::path::Path;
 
 use minijinja::value::{ArgType, Kwargs, Rest, ValueKind};
@@ -20,12 +21,10 @@ use serde::{Deserialize, Serialize};
 use super::tokenizer::Tokenizer;
 use crate::error::GpuError;
 
+pub use sandbox::{MAX_ITEMS, MAX_PAD, MAX_RENDER_LEN, RECURSION_LIMIT, RENDER_FUEL};
+
 /// Longest template source accepted, in bytes.
 pub const MAX_TEMPLATE_LEN: usize = 1 << 20;
-/// Most bytes one rendering may produce.
-pub const MAX_RENDER_LEN: usize = 16 << 20;
-/// Instructions one rendering may execute (minijinja fuel).
-pub const RENDER_FUEL: u64 = 10_000_000;
 /// Largest `tokenizer_config.json` accepted, in bytes.
 const MAX_TOKENIZER_CONFIG: u64 = 64 << 20;
 
@@ -96,9 +95,7 @@ impl ChatTemplate {
         let mut env = Environment::new();
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
-        env.set_fuel(Some(RENDER_FUEL));
-        env.set_recursion_limit(64);
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        sandbox::configure(&mut env);
         env.add_function("raise_exception", |msg: String| -> Result<String, Error> {
             Err(Error::new(ErrorKind::InvalidOperation, msg))
         });
@@ -225,15 +222,30 @@ impl ChatTemplate {
         ending: ChatEnding,
         extra: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<String, GpuError> {
+        self.render_within(messages, ending, extra, MAX_RENDER_LEN)
+    }
+
+    /// [`ChatTemplate::render_ending`], the rendering at most `max_len` bytes (the longest
+    /// prompt text the caller could take): one that passes it stops there with
+    /// [`GpuError::ChatTemplateTooLong`].
+    pub fn render_within(
+        &self,
+        messages: &[ChatMessage],
+        ending: ChatEnding,
+        extra: &serde_json::Map<String, serde_json::Value>,
+        max_len: usize,
+    ) -> Result<String, GpuError> {
         let add_generation_prompt = ending == ChatEnding::GenerationPrompt;
-        let text = match self.render_as_given(messages, add_generation_prompt, extra) {
+        let text = match self.render_as_given(messages, add_generation_prompt, extra, max_len) {
             Ok(text) => text,
+            // Folding the system message would not make it shorter.
+            Err(first @ GpuError::ChatTemplateTooLong { .. }) => return Err(first),
             Err(first) => {
                 let Some(folded) = fold_system(messages) else {
                     return Err(first);
                 };
                 let text = self
-                    .render_as_given(&folded, add_generation_prompt, extra)
+                    .render_as_given(&folded, add_generation_prompt, extra, max_len)
                     .map_err(|_| first)?;
                 tracing::debug!(
                     "the chat template refused a system message: rendered it in the first user \
@@ -256,6 +268,7 @@ impl ChatTemplate {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
         extra: &serde_json::Map<String, serde_json::Value>,
+        max_len: usize,
     ) -> Result<String, GpuError> {
         let tmpl = self
             .env
@@ -269,20 +282,7 @@ impl ChatTemplate {
             eos_token => &self.eos_token,
             ..minijinja::Value::from_serialize(extra)
         };
-        let mut out = BoundedWriter {
-            buf: Vec::new(),
-            limit: MAX_RENDER_LEN,
-        };
-        match tmpl.render_captured_to(ctx, &mut out) {
-            Ok(_) => {}
-            Err(e) if out.buf.len() >= MAX_RENDER_LEN => {
-                return Err(tmpl_err(format!(
-                    "output exceeds {MAX_RENDER_LEN} bytes ({e})"
-                )))
-            }
-            Err(e) => return Err(render_err(&e)),
-        }
-        String::from_utf8(out.buf).map_err(tmpl_err)
+        sandbox::render(&tmpl, ctx, max_len)
     }
 }
 
@@ -511,11 +511,16 @@ fn tojson(value: Value, args: Rest<Value>) -> Result<String, Error> {
     Ok(out)
 }
 
-/// Writes `v` as Python's `json.dumps` would.
+/// Writes `v` as Python's `json.dumps` would, failing once `out` holds more than the
+/// rendering's bound (so a long lazy list is never collected).
 fn write_json(out: &mut String, v: &Value, style: &JsonStyle, depth: usize) -> Result<(), Error> {
     let invalid = |m: String| Error::new(ErrorKind::InvalidOperation, format!("tojson: {m}"));
     if depth > MAX_JSON_DEPTH {
         return Err(invalid(format!("nested deeper than {MAX_JSON_DEPTH}")));
+    }
+    let bound = sandbox::output_bound();
+    if out.len() > bound {
+        return Err(invalid(format!("the JSON exceeds {bound} bytes")));
     }
     let newline = |out: &mut String, level: usize| {
         if let Some(ind) = &style.indent {
@@ -531,20 +536,19 @@ fn write_json(out: &mut String, v: &Value, style: &JsonStyle, depth: usize) -> R
         ValueKind::Number => out.push_str(&json_number(v)),
         ValueKind::String => write_json_str(out, v.as_str().unwrap_or_default(), style),
         ValueKind::Seq | ValueKind::Iterable => {
-            let items: Vec<Value> = v.try_iter()?.collect();
-            if items.is_empty() {
-                out.push_str("[]");
-                return Ok(());
-            }
             out.push('[');
-            for (i, item) in items.iter().enumerate() {
-                if i > 0 {
+            let mut empty = true;
+            for item in v.try_iter()? {
+                if !empty {
                     out.push_str(&style.item_sep);
                 }
+                empty = false;
                 newline(out, depth + 1);
-                write_json(out, item, style, depth + 1)?;
+                write_json(out, &item, style, depth + 1)?;
             }
-            newline(out, depth);
+            if !empty {
+                newline(out, depth);
+            }
             out.push(']');
         }
         ValueKind::Map => {
@@ -657,28 +661,6 @@ fn fold_system(messages: &[ChatMessage]) -> Option<Vec<ChatMessage>> {
         _ => out.insert(0, ChatMessage::new("user", system.content.clone())),
     }
     Some(out)
-}
-
-/// An in-memory writer that fails once `limit` bytes have been written.
-struct BoundedWriter {
-    buf: Vec<u8>,
-    limit: usize,
-}
-
-impl Write for BoundedWriter {
-    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
-        if self.buf.len() + data.len() > self.limit {
-            let room = self.limit - self.buf.len();
-            self.buf.extend_from_slice(&data[..room]);
-            return Err(std::io::Error::other("chat template output too long"));
-        }
-        self.buf.extend_from_slice(data);
-        Ok(data.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
 }
 
 #[cfg(test)]
@@ -932,20 +914,6 @@ mod tests {
             "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}";
         let e = render(src, &[], false).unwrap_err();
         assert!(e.to_string().contains("fuel"), "{e}");
-    }
-
-    #[test]
-    fn output_size_is_bounded() {
-        // 20 messages of 1 MiB each exceed the 16 MiB bound within the fuel.
-        let big = "x".repeat(1 << 20);
-        let msgs = vec![ChatMessage::new("user", big); 20];
-        let e = render(
-            "{% for m in messages %}{{ m.content }}{% endfor %}",
-            &msgs,
-            false,
-        )
-        .unwrap_err();
-        assert!(e.to_string().contains("exceeds"), "{e}");
     }
 
     /// (year, month, day) of now in UTC, counted year by year and month by month (not the
