@@ -197,12 +197,11 @@ impl ApiError {
     }
 }
 
-/// The server's own failures: 500, the detail logged rather than shown.
+/// The server's own failures: 500, the detail logged rather than shown. A grammar that failed
+/// while generating is a 500 too, but its message is about the request's own grammar and the
+/// output so far (what llguidance gave up on, after how many tokens), so the client sees it.
 fn hides_detail(kind: EngineErrorKind) -> bool {
-    matches!(
-        kind,
-        EngineErrorKind::Internal | EngineErrorKind::StructuredOutput
-    )
+    matches!(kind, EngineErrorKind::Internal)
 }
 
 impl ResponseError for ApiError {
@@ -274,9 +273,10 @@ mod tests {
         assert!(!body["error"]["message"].as_str().unwrap().contains("cuda"));
     }
 
-    /// A grammar that failed while generating is a server error as an internal one is.
+    /// A grammar that failed while generating is a server error as an internal one is, but the
+    /// client learns why: the message is about its own grammar.
     #[test]
-    fn a_grammar_failed_while_generating_is_a_server_error() {
+    fn a_grammar_failed_while_generating_is_a_server_error_that_says_why() {
         let e = ApiError::from(EngineError::new(
             EngineErrorKind::StructuredOutput,
             "structured output: the lexer failed after 3 generated tokens",
@@ -284,7 +284,10 @@ mod tests {
         assert_eq!(e.status_code(), StatusCode::INTERNAL_SERVER_ERROR);
         let body = body_json(&e);
         assert_eq!(body["error"]["type"], "server_error");
-        assert!(!body["error"]["message"].as_str().unwrap().contains("lexer"));
+        assert_eq!(
+            body["error"]["message"],
+            "structured output: the lexer failed after 3 generated tokens"
+        );
     }
 
     #[test]
