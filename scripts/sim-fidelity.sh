@@ -7,6 +7,9 @@
 # The trace: N requests (40) with ShareGPT lengths from ../shared/traces (prompt / 4, at most
 # 512 tokens; output / 2, at most 128), Poisson arrivals at 1 request/s (seed 11); time
 # scale 1 is a light load for SmolLM2 on 2 CPU cores, 3 is close to saturation.
+# The simulator's spec is written for the default configuration: smollm2-135m, 256 sequences
+# and 8,192 tokens a step, blocks of 16 (the simulator's defaults); another configuration
+# needs its model and limits in the spec below.
 # usage: scripts/sim-fidelity.sh [CONFIG]   (default config/examples/default.yaml; needs
 #        target/release/switchyard and python3; OUT, PORT and N override the defaults, and
 #        KEEP_CALIBRATION=1 reuses OUT's calibration)

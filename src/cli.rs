@@ -392,8 +392,10 @@ pub struct ThroughputArgs {
 /// `switchyard calibrate`.
 #[derive(Debug, Args)]
 pub struct CalibrateArgs {
-    /// The server's YAML configuration: the model, backend, KV cache and batch limits it
-    /// names are the engine measured (default: the built-in defaults, the embedded model).
+    /// The server's YAML configuration: the model, backend, KV cache, prefix caching and batch
+    /// limits it names are the engine measured (default: the built-in defaults, the embedded
+    /// model). Steps are planned one at a time (the simulator models planning ahead from the
+    /// host time measured), without speculative decoding or LoRA adapters.
     #[arg(long, short)]
     pub config: Option<PathBuf>,
     /// Override a configuration field: `--set model.backend=cuda` (repeatable).
@@ -419,11 +421,14 @@ pub struct CalibrateArgs {
     /// Where to write the calibration file (YAML).
     #[arg(long, short, default_value = "calibration.yaml")]
     pub output: PathBuf,
-    /// Also write the measured steps (JSON) to this file, to refit with `--from-samples`.
+    /// Where to write the measured steps (JSON), to refit them with `--from-samples`
+    /// [default: the output's name with the extension .steps.json].
     #[arg(long, value_name = "FILE")]
     pub samples: Option<PathBuf>,
-    /// Fit the steps of a file `--samples` wrote instead of measuring the engine.
-    #[arg(long, value_name = "FILE", conflicts_with_all = ["config", "overrides", "dummy", "samples"])]
+    /// Fit the steps of a file written by an earlier run instead of measuring the engine.
+    #[arg(long, value_name = "FILE", conflicts_with_all = [
+        "config", "overrides", "dummy", "samples", "max_context", "max_kv_tokens", "repeats", "seed",
+    ])]
     pub from_samples: Option<PathBuf>,
     /// Seed of the random prompts.
     #[arg(long, default_value_t = 0)]

@@ -208,7 +208,7 @@ fn calibrate_fits_the_engine_and_the_simulator_runs_on_the_fit() {
         (45.0, 16.0),
         "{cal:?}"
     );
-    assert!(cal["host_overhead_us"] > 0.0, "{cal:?}");
+    assert!(cal["host_overhead_us"] >= 0.0, "{cal:?}");
     // Decode and prefill steps were measured, none beyond the engine's limits.
     let steps: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("steps.json")).unwrap()).unwrap();

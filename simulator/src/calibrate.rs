@@ -27,6 +27,13 @@ pub const TERM_NAMES: [&str; NUM_TERMS] = [
 
 /// Most samples a fit takes (a sweep of the engine measures a few hundred distinct shapes).
 pub const MAX_SAMPLES: usize = 1_000_000;
+/// Shortest step time fitted, in seconds (a tenth of a microsecond: below any real step).
+pub const MIN_SECONDS: f64 = 1e-7;
+/// Longest step time fitted, in seconds.
+pub const MAX_SECONDS: f64 = 3600.0;
+/// Largest value of a step's feature (2^53: every count exact as a float), so that a row over
+/// its time stays far from overflowing.
+pub const MAX_FEATURE: f64 = 9_007_199_254_740_992.0;
 
 /// One measured step: its shape and the time the backend took for it.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -84,8 +91,8 @@ pub enum FitError {
     /// More samples than a fit takes.
     #[error("{0} step samples: at most {MAX_SAMPLES} are fitted")]
     TooManySamples(usize),
-    /// A sample's time is not a positive finite number of seconds.
-    #[error("step sample {index}: time {seconds} s is not a positive number below an hour")]
+    /// A sample's time is not a finite number of seconds in `MIN_SECONDS..MAX_SECONDS`.
+    #[error("step sample {index}: time {seconds:e} s is not between 1e-7 s and an hour")]
     BadTime {
         /// The sample's position.
         index: usize,
@@ -95,6 +102,12 @@ pub enum FitError {
     /// A sample has no work (an empty step costs nothing to fit).
     #[error("step sample {0}: an empty step (no sequence)")]
     EmptyStep(usize),
+    /// A sample's counts are beyond any step.
+    #[error("step sample {0}: a count above 2^53")]
+    BadShape(usize),
+    /// The fit broke down (every coefficient zero, or not finite).
+    #[error("the fit broke down: the samples' features and times are not of one engine")]
+    Degenerate,
 }
 
 /// Fits the calibrated model to `samples`, minimising the squared relative errors with every
@@ -111,7 +124,7 @@ pub fn fit(samples: &[Sample]) -> Result<Fit, FitError> {
         return Err(FitError::TooManySamples(samples.len()));
     }
     for (index, s) in samples.iter().enumerate() {
-        if !(s.seconds.is_finite() && s.seconds > 0.0 && s.seconds < 3600.0) {
+        if !(s.seconds.is_finite() && (MIN_SECONDS..MAX_SECONDS).contains(&s.seconds)) {
             return Err(FitError::BadTime {
                 index,
                 seconds: s.seconds,
@@ -119,6 +132,9 @@ pub fn fit(samples: &[Sample]) -> Result<Fit, FitError> {
         }
         if s.shape.num_seqs == 0 {
             return Err(FitError::EmptyStep(index));
+        }
+        if features(&s.shape).iter().any(|&f| f > MAX_FEATURE) {
+            return Err(FitError::BadShape(index));
         }
     }
     // Rows divided by the measured time: the target is 1 everywhere.
@@ -142,6 +158,11 @@ pub fn fit(samples: &[Sample]) -> Result<Fit, FitError> {
         .collect();
     let x = nnls(&scaled, &target);
     let c: [f64; NUM_TERMS] = std::array::from_fn(|j| x[j] / scale[j]);
+    // With positive times and features the intercept alone beats all zeros, so zeros (or
+    // non-finite values) mean the arithmetic broke down.
+    if c.iter().all(|&v| v == 0.0) || c.iter().any(|v| !v.is_finite()) {
+        return Err(FitError::Degenerate);
+    }
     let calibration = Calibration {
         intercept_s: c[0],
         per_token_s: c[1],
@@ -382,11 +403,16 @@ mod tests {
         assert!(matches!(fit(&s), Err(FitError::BadTime { index: 2, .. })));
         s[2].seconds = -1.0;
         assert!(matches!(fit(&s), Err(FitError::BadTime { index: 2, .. })));
+        s[2].seconds = 1e-300;
+        assert!(matches!(fit(&s), Err(FitError::BadTime { index: 2, .. })));
         s[2] = Sample {
             shape: StepShape::default(),
             seconds: 1e-3,
         };
         assert_eq!(fit(&s), Err(FitError::EmptyStep(2)));
+        s[2].shape = shape(&[(0, 8, true)]);
+        s[2].shape.attention_pairs = u64::MAX;
+        assert_eq!(fit(&s), Err(FitError::BadShape(2)));
     }
 
     /// Identical samples leave most terms unidentifiable: the fit still answers the samples.

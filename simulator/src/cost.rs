@@ -407,7 +407,7 @@ impl Calibration {
         Ok(cal)
     }
 
-    /// Checks that every coefficient is finite, not negative and below one second: a
+    /// Checks that every coefficient is finite, not negative and below an hour: a
     /// negative cost would make a step cheaper the more it does.
     pub fn validate(&self) -> Result<(), String> {
         let c = [
@@ -420,11 +420,11 @@ impl Calibration {
             ("per_attention_pair_s", self.per_attention_pair_s),
         ];
         for (name, v) in c {
-            if !(v.is_finite() && (0.0..1.0).contains(&v)) {
+            if !(v.is_finite() && (0.0..3600.0).contains(&v)) {
                 return Err(format!(
-                    "{name} = {v} must be a cost in seconds, at least 0 and below 1 (a fit \
-                     that gives a negative coefficient does not describe the engine: refit \
-                     without that term, or with more shapes)"
+                    "{name} = {v} must be a cost in seconds, at least 0 (a negative cost would \
+                     make a step cheaper the more it does: `switchyard calibrate` fits none) and \
+                     below an hour"
                 ));
             }
         }

@@ -46,21 +46,36 @@ struct SamplesFile {
     host_overhead_us: f64,
     /// Runs of the sweep the samples' times are medians of.
     repeats: usize,
+    /// The engine's most sequences per step.
+    #[serde(default)]
+    max_num_seqs: Option<usize>,
+    /// The engine's most tokens per step.
+    #[serde(default)]
+    max_num_batched_tokens: Option<usize>,
     /// One per distinct step shape.
     samples: Vec<Sample>,
 }
 
 pub fn run(args: CalibrateArgs) -> anyhow::Result<()> {
+    // Where the results go is checked before minutes of measuring.
+    writable(&args.output)?;
+    let samples_path = args
+        .samples
+        .clone()
+        .unwrap_or_else(|| args.output.with_extension("steps.json"));
     let measured = match &args.from_samples {
         Some(path) => read_samples(path)?,
         None => {
+            writable(&samples_path)?;
             let m = measure(&args)?;
-            if let Some(path) = &args.samples {
-                let json = serde_json::to_string_pretty(&m)?;
-                std::fs::write(path, json + "\n")
-                    .with_context(|| format!("cannot write {}", path.display()))?;
-                eprintln!("wrote the measured steps to {}", path.display());
-            }
+            // Written before the fit, so that no measurement is lost to a failed one.
+            let json = serde_json::to_string_pretty(&m)?;
+            std::fs::write(&samples_path, json + "\n")
+                .with_context(|| format!("cannot write {}", samples_path.display()))?;
+            eprintln!(
+                "wrote the measured steps to {} (refit them with --from-samples)",
+                samples_path.display()
+            );
             m
         }
     };
@@ -77,13 +92,29 @@ pub fn run(args: CalibrateArgs) -> anyhow::Result<()> {
         .validate()
         .map_err(|why| anyhow::anyhow!("the fitted model is not usable: {why}"))?;
     print!("{}", report(&measured, &fit, &calibration));
+    let median = fit.abs_error_quantile(0.5);
+    if median > POOR_FIT {
+        eprintln!(
+            "warning: the linear model misses these steps by {:.0}% at the median: the \
+             simulator's times will be as far off (a noisy machine, or an engine whose step time \
+             is not linear in its work)",
+            100.0 * median
+        );
+    }
+    let limits = match (measured.max_num_seqs, measured.max_num_batched_tokens) {
+        (Some(seqs), Some(tokens)) => format!(
+            "# The engine ran at most {seqs} sequences and {tokens} tokens a step: give a spec the \
+             same\n# scheduler.max_num_seqs and scheduler.max_num_batched_tokens.\n"
+        ),
+        _ => String::new(),
+    };
     let yaml = format!(
-        "# Written by `switchyard calibrate` (switchyard {}): {} distinct steps, each the median\n\
-         # of {} run(s); |predicted / measured - 1| median {:.1}%, 90th percentile {:.1}%, worst {:.1}%.\n{}",
+        "# Written by `switchyard calibrate` (switchyard {}): {} steps, each the median\n\
+         # of {} run(s); |predicted / measured - 1| median {:.1}%, 90th percentile {:.1}%, worst {:.1}%.\n{limits}{}",
         env!("CARGO_PKG_VERSION"),
         fit.num_samples,
         measured.repeats,
-        100.0 * fit.abs_error_quantile(0.5),
+        100.0 * median,
         100.0 * fit.abs_error_quantile(0.9),
         100.0 * fit.abs_error_quantile(1.0),
         serde_yaml::to_string(&calibration)?
@@ -91,13 +122,43 @@ pub fn run(args: CalibrateArgs) -> anyhow::Result<()> {
     std::fs::write(&args.output, yaml)
         .with_context(|| format!("cannot write {}", args.output.display()))?;
     println!(
-        "Wrote {}: use it as `calibration: {}` in a simulator spec (it sets the KV cache to {} \
-         blocks of {} tokens and scheduler.host_overhead_us to {:.1} where the spec leaves them out).",
+        "Wrote {}: use it as `calibration: {}` in a simulator spec. It sets the KV cache to {} \
+         blocks and scheduler.host_overhead_us to {:.1} where the spec leaves them out; the \
+         spec's cache.block_size must be {}.",
         args.output.display(),
         args.output.display(),
         measured.num_gpu_blocks,
+        calibration.host_overhead_us.unwrap_or(0.0),
         measured.block_size,
-        calibration.host_overhead_us.unwrap_or(0.0)
+    );
+    if let (Some(seqs), Some(tokens)) = (measured.max_num_seqs, measured.max_num_batched_tokens) {
+        println!(
+            "The engine ran at most {seqs} sequences and {tokens} tokens a step: set the spec's \
+             scheduler.max_num_seqs and max_num_batched_tokens to the same."
+        );
+    }
+    Ok(())
+}
+
+/// A median error above which the fit is reported as poor.
+const POOR_FIT: f64 = 0.25;
+
+/// Fails unless `path` names a file in an existing directory (it may exist).
+fn writable(path: &Path) -> anyhow::Result<()> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    anyhow::ensure!(
+        dir.is_dir(),
+        "cannot write {}: {} is not a directory",
+        path.display(),
+        dir.display()
+    );
+    anyhow::ensure!(
+        !path.is_dir(),
+        "cannot write {}: it is a directory",
+        path.display()
     );
     Ok(())
 }
@@ -252,6 +313,8 @@ struct Limits {
     max_kv_tokens: usize,
     /// Most sequences per step.
     max_num_seqs: usize,
+    /// Most tokens per step.
+    max_num_batched_tokens: usize,
 }
 
 /// The sweep: prefills alone and batched (long ones chunked by the token budget), prompts
@@ -302,17 +365,30 @@ fn sweep(l: Limits) -> Vec<Scenario> {
         }
     }
     // Decodes.
-    let mut contexts = vec![32, 256, l.max_context.saturating_sub(DECODE_STEPS)];
+    // The longest context leaves room for the tokens generated while the batch is prefilled.
+    let prefill_steps = l.max_kv_tokens.div_ceil(l.max_num_batched_tokens.max(1));
+    let mut contexts = vec![
+        32,
+        256,
+        l.max_context.saturating_sub(DECODE_STEPS + prefill_steps),
+    ];
     contexts.dedup();
     for c in contexts.into_iter().filter(|&c| c >= 1) {
-        let most = (l.max_kv_tokens / (c + DECODE_STEPS)).min(l.max_num_seqs);
+        // The prompts take several steps to prefill, and the first to finish theirs decode
+        // meanwhile: each generates enough tokens to still be running when the last starts.
+        let output = |b: usize| DECODE_STEPS + (b * c).div_ceil(l.max_num_batched_tokens.max(1));
+        let fits_kv = |b: usize| b * (c + output(b)) <= l.max_kv_tokens;
+        let mut most = l.max_num_seqs.min(l.max_kv_tokens / (c + DECODE_STEPS));
+        while most > 1 && !fits_kv(most) {
+            most -= 1;
+        }
         let mut batches: Vec<usize> = std::iter::successors(Some(1usize), |b| Some(b * 4))
             .take_while(|&b| b < most)
             .collect();
         batches.push(most);
         batches.dedup();
         for b in batches.into_iter().filter(|&b| b >= 1) {
-            push(vec![Req::new(c, DECODE_STEPS); b], vec![], 0);
+            push(vec![Req::new(c, output(b)); b], vec![], 0);
         }
     }
     // Decodes joined by prefills.
@@ -399,28 +475,29 @@ fn measure(args: &CalibrateArgs) -> anyhow::Result<SamplesFile> {
     } else {
         8192
     };
+    let max_kv_tokens = args.max_kv_tokens.unwrap_or(default_kv).min(capacity / 2);
     let limits = Limits {
-        max_context: args.max_context.min(max_model_len),
-        max_kv_tokens: args.max_kv_tokens.unwrap_or(default_kv).min(capacity / 2),
+        max_context: args.max_context.min(max_model_len).min(max_kv_tokens),
+        max_kv_tokens,
         max_num_seqs: config.scheduler.max_num_seqs,
+        max_num_batched_tokens: config.scheduler.max_num_batched_tokens,
     };
     anyhow::ensure!(
         limits.max_context >= 64,
-        "the longest context measured is {} tokens (--max-context, the model's context and the \
-         KV cache cap it): at least 64 are needed",
-        limits.max_context
-    );
-    anyhow::ensure!(
-        limits.max_kv_tokens >= limits.max_context,
-        "--max-kv-tokens must be at least the longest context measured ({})",
-        limits.max_context
+        "the longest context measured would be {} tokens: --max-context ({}), the model's \
+         context ({max_model_len}), --max-kv-tokens and half the KV cache ({} tokens: \
+         cache.kv_cache_mb, cache.num_blocks or cache.gpu_memory_utilization) cap it, and at \
+         least 64 are needed",
+        limits.max_context,
+        args.max_context,
+        capacity / 2
     );
     let scheduler = SchedulerConfig {
         max_num_seqs: config.scheduler.max_num_seqs,
         max_num_batched_tokens: config.scheduler.max_num_batched_tokens,
         block_size,
         num_gpu_blocks: num_blocks,
-        enable_prefix_caching: true,
+        enable_prefix_caching: config.cache.prefix_caching,
         max_model_len,
         tiers: Vec::new(),
         max_logit_rows: switchyard_gpu::backend::MAX_LOGIT_ROWS,
@@ -436,6 +513,21 @@ fn measure(args: &CalibrateArgs) -> anyhow::Result<SamplesFile> {
     let bar = super::progress_bar((scenarios.len() * args.repeats) as u64, "measurements");
     let mut next_id = 0u64;
     let start = Instant::now();
+    // A warm-up, not recorded: the first steps of a process pay for page faults, caches and
+    // (on a GPU) kernel loads.
+    if let Some(first) = scenarios.iter().find(|s| s.later.is_empty()) {
+        run_scenario(
+            &mut engine,
+            first,
+            &mut Prompts {
+                rng: &mut rng,
+                vocab,
+            },
+            &mut next_id,
+            start,
+            &mut Vec::new(),
+        )?;
+    }
     for _ in 0..args.repeats {
         for s in &scenarios {
             run_scenario(
@@ -463,12 +555,15 @@ fn measure(args: &CalibrateArgs) -> anyhow::Result<SamplesFile> {
         block_size,
         host_overhead_us,
         repeats: args.repeats,
+        max_num_seqs: Some(config.scheduler.max_num_seqs),
+        max_num_batched_tokens: Some(config.scheduler.max_num_batched_tokens),
         samples: medians(&steps),
     })
 }
 
-/// Each distinct shape once, with the median of its backend times (at least a microsecond),
-/// in the order the shapes were first seen.
+/// Each distinct shape once, with the median of its backend times (the lower one of an even
+/// count: an outlier is a slow step, never a fast one; at least a microsecond), in the order
+/// the shapes were first seen.
 fn medians(steps: &[(StepShape, u64, u64)]) -> Vec<Sample> {
     let mut order = Vec::new();
     let mut times: HashMap<StepShape, Vec<u64>> = HashMap::new();
@@ -486,7 +581,7 @@ fn medians(steps: &[(StepShape, u64, u64)]) -> Vec<Sample> {
             t.sort_unstable();
             Sample {
                 shape,
-                seconds: t[t.len() / 2].max(1) as f64 / 1e6,
+                seconds: t[(t.len() - 1) / 2].max(1) as f64 / 1e6,
             }
         })
         .collect()
@@ -592,6 +687,7 @@ mod tests {
         max_context: 1024,
         max_kv_tokens: 8192,
         max_num_seqs: 256,
+        max_num_batched_tokens: 2048,
     };
 
     /// Every measurement fits the limits, and the sweep has each kind of step: long and short
@@ -614,12 +710,18 @@ mod tests {
         assert!(s
             .iter()
             .any(|sc| sc.later.first().is_some_and(|r| r.extends == Some(0))));
+        // A decode measurement's sequences generate DECODE_STEPS tokens once all of them run:
+        // the prefill takes ceil(b * c / 2048) steps, during which the first ones decode.
         let decode = |c: usize, b: usize| {
+            let output = DECODE_STEPS + (b * c).div_ceil(2048);
             s.iter()
-                .any(|sc| sc.first == vec![Req::new(c, DECODE_STEPS); b] && sc.later.is_empty())
+                .any(|sc| sc.first == vec![Req::new(c, output); b] && sc.later.is_empty())
         };
-        // 8192 / (32 + 8) = 204 sequences at the shortest context, 8 at the longest.
-        assert!(decode(32, 1) && decode(32, 204) && decode(1016, 8));
+        // At the shortest context 190 sequences of 32 + 8 + 3 tokens fit in 8192 (191 do
+        // not); the longest context leaves room for 8 + 8192 / 2048 tokens, 1012, and 8 such
+        // sequences fit.
+        assert!(decode(32, 1) && decode(32, 190) && decode(1012, 8));
+        assert!(!decode(32, 191) && !decode(1012, 9));
         assert!(s
             .iter()
             .any(|sc| sc.later_after == 2 && !sc.later.is_empty()));
@@ -628,6 +730,7 @@ mod tests {
             max_context: 100,
             max_kv_tokens: 400,
             max_num_seqs: 4,
+            max_num_batched_tokens: 64,
         });
         assert!(!small.is_empty());
         for sc in &small {
