@@ -400,7 +400,15 @@ impl TokenizerEnv for TokenizerView {
 
     fn tokenize_bytes(&self, s: &[u8]) -> Vec<u32> {
         self.trie.tokenize_with_greedy_fallback(s, |text| {
-            self.tokenizer.encode(text, false).unwrap_or_default()
+            let ids = self.tokenizer.encode(text, false).unwrap_or_default();
+            // Text the grammar forces is text, even where it spells a special token
+            // (`<|im_end|>`, Mistral's `[TOOL_CALLS]`): the tokenizer would read that as the
+            // special id, whose bytes the grammar does not have, and only the end could follow.
+            if ids.iter().any(|&id| self.tokenizer.is_special(id)) {
+                self.trie.greedy_tokenize(text.as_bytes())
+            } else {
+                ids
+            }
         })
     }
 }
@@ -1101,6 +1109,49 @@ mod tests {
         assert_eq!(ends(&c), want);
         c.commit(x);
         assert_eq!(ends(&c), want);
+    }
+
+    /// A grammar whose text spells a special token (SmolLM2's `<|im_start|>`) is written as
+    /// text: the forced text was tokenized into the special id, whose bytes the grammar does
+    /// not have, so nothing but the end could follow.
+    #[test]
+    fn forced_text_that_spells_a_special_token_is_written_as_text() {
+        let tok = tokenizer();
+        let compiler = GrammarCompiler::new(tok.clone()).expect("compiler");
+        let special = tok.encode("<|im_start|>", false).expect("ids");
+        assert!(
+            special.len() == 1 && tok.is_special(special[0]),
+            "{special:?}"
+        );
+        let end = tok.eos_token_ids()[0];
+        let c = compiler
+            .compile(
+                &StructuredOutput::Regex(r"<\|im_start\|>[a-z]{2,3}".into()),
+                &[end],
+                1,
+            )
+            .expect("compiles")
+            .pop()
+            .expect("one");
+        let vocab = tok.vocab_size();
+        // Write the text with the longest allowed token at each step.
+        let text = b"<|im_start|>abc";
+        let mut at = 0;
+        while at < text.len() {
+            let allowed = c.allowed(vocab);
+            assert!(!is_allowed(&allowed, special[0] as usize), "the special id");
+            let (len, t) = (0..vocab)
+                .filter(|&t| is_allowed(&allowed, t))
+                .filter_map(|t| {
+                    let b = tok.token_bytes(t as u32)?;
+                    (!b.is_empty() && text[at..].starts_with(b)).then_some((b.len(), t as u32))
+                })
+                .max()
+                .unwrap_or_else(|| panic!("nothing allowed writes the text at byte {at}"));
+            c.commit(t);
+            at += len;
+        }
+        assert!(is_allowed(&c.allowed(vocab), end as usize), "the end");
     }
 
     /// A token the grammar cannot read (a backend that sampled past the mask) fails the
