@@ -36,6 +36,18 @@ fn fails(cmd: &mut Command) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
+/// Writes `spec` as `dir/spec.yaml` and simulates it into `dir/out`.
+fn simulate_spec(dir: &Path, spec: &str, out: &str) {
+    std::fs::write(dir.join("spec.yaml"), spec).unwrap();
+    succeeds(
+        switchyard()
+            .args(["simulate", "--config"])
+            .arg(dir.join("spec.yaml"))
+            .arg("--out")
+            .arg(dir.join(out)),
+    );
+}
+
 /// Arrival times (s) of the per-request records of a run.
 fn arrivals(out: &Path) -> Vec<f64> {
     std::fs::read_to_string(out.join("requests-fcfs.jsonl"))
@@ -55,18 +67,11 @@ const TWO: &str = "{\"arrival_s\": 0, \"prompt_len\": 8, \"output_len\": 2}\n\
 fn yaml_and_flag_time_scales_both_divide_arrival_times() {
     let dir = temp_dir("scale");
     std::fs::write(dir.join("two.jsonl"), TWO).unwrap();
-    std::fs::write(
-        dir.join("spec.yaml"),
+    simulate_spec(
+        &dir,
         "model: smollm2-135m\npolicies: [{name: fcfs}]\n\
          workload: {trace: two.jsonl, format: jsonl, time_scale: 2}\n",
-    )
-    .unwrap();
-    succeeds(
-        switchyard()
-            .args(["simulate", "--config"])
-            .arg(dir.join("spec.yaml"))
-            .arg("--out")
-            .arg(dir.join("yaml")),
+        "yaml",
     );
     succeeds(
         switchyard()
@@ -237,18 +242,11 @@ fn calibrate_fits_the_engine_and_the_simulator_runs_on_the_fit() {
     // One request of 8 prompt tokens and 2 output tokens: a prefill step (8 tokens, 36
     // attention pairs) and a decode step (9 keys), each with the host's time.
     std::fs::write(dir.join("one.jsonl"), TWO.lines().next().unwrap()).unwrap();
-    std::fs::write(
-        dir.join("spec.yaml"),
+    simulate_spec(
+        &dir,
         "model: smollm2-135m\ncalibration: cal.yaml\npolicies: [{name: fcfs}]\n\
          workload: {trace: one.jsonl, format: jsonl}\n",
-    )
-    .unwrap();
-    succeeds(
-        switchyard()
-            .args(["simulate", "--config"])
-            .arg(dir.join("spec.yaml"))
-            .arg("--out")
-            .arg(dir.join("sim")),
+        "sim",
     );
     let step = |tokens: f64, prefill: f64, decodes: f64, kv: f64, pairs: f64| {
         let s = cal["intercept_s"]

@@ -426,14 +426,7 @@ fn measure(args: &CalibrateArgs) -> anyhow::Result<SamplesFile> {
     };
     let loaded = match &args.dummy {
         Some(_) => None,
-        None => {
-            let path = if config.model.path.is_empty() {
-                runtime::resolve_model_path(None)?
-            } else {
-                runtime::resolve_model_path(Some(Path::new(&config.model.path)))?
-            };
-            Some(runtime::load(&path)?)
-        }
+        None => Some(runtime::load(&runtime::config_model_path(&config)?)?),
     };
     let (source, model_name) = match (&args.dummy, &loaded) {
         (Some(arch), _) => (
@@ -448,17 +441,7 @@ fn measure(args: &CalibrateArgs) -> anyhow::Result<SamplesFile> {
     };
     let model_config = source.config().clone();
     let block_size = config.cache.block_size;
-    let settings = runtime::BackendSettings {
-        num_blocks: config.cache.num_blocks,
-        kv_cache_mb: config.cache.kv_cache_mb,
-        gpu_memory_utilization: config.cache.gpu_memory_utilization,
-        block_size,
-        threads: config.model.threads,
-        max_batch_tokens: config.scheduler.max_num_batched_tokens,
-        max_num_seqs: config.scheduler.max_num_seqs,
-        quantization: config.model.quantization,
-        kv_cache_dtype: config.cache.kv_cache_dtype,
-    };
+    let settings = runtime::BackendSettings::from_config(&config);
     let (backend, chosen) = runtime::build_backend(config.model.backend, source, &settings)?;
     drop(loaded);
     let num_blocks = backend.num_kv_blocks();

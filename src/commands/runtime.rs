@@ -139,6 +139,33 @@ pub struct BackendSettings {
     pub kv_cache_dtype: KvCacheDtype,
 }
 
+impl BackendSettings {
+    /// The settings a server configuration names (`serve` and `calibrate` build its backend).
+    pub fn from_config(config: &switchyard_config::Config) -> Self {
+        BackendSettings {
+            num_blocks: config.cache.num_blocks,
+            kv_cache_mb: config.cache.kv_cache_mb,
+            gpu_memory_utilization: config.cache.gpu_memory_utilization,
+            block_size: config.cache.block_size,
+            threads: config.model.threads,
+            max_batch_tokens: config.scheduler.max_num_batched_tokens,
+            max_num_seqs: config.scheduler.max_num_seqs,
+            quantization: config.model.quantization,
+            kv_cache_dtype: config.cache.kv_cache_dtype,
+        }
+    }
+}
+
+/// The model file a server configuration names: `model.path`, or the embedded default when
+/// it is empty.
+pub fn config_model_path(config: &switchyard_config::Config) -> anyhow::Result<PathBuf> {
+    if config.model.path.is_empty() {
+        resolve_model_path(None)
+    } else {
+        resolve_model_path(Some(Path::new(&config.model.path)))
+    }
+}
+
 /// Parses a `--backend` flag.
 pub fn parse_backend(s: &str) -> anyhow::Result<BackendKind> {
     match s {

@@ -75,11 +75,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         &config.logging.level,
         config.logging.format == switchyard_config::LogFormat::Json,
     );
-    let path = if config.model.path.is_empty() {
-        runtime::resolve_model_path(None)?
-    } else {
-        runtime::resolve_model_path(Some(Path::new(&config.model.path)))?
-    };
+    let path = runtime::config_model_path(&config)?;
     // Everything that can be checked without the model is checked before its (slow) load,
     // so a typo fails fast: the load format, the address, the policy and the API keys.
     checks::load_format(config.model.load_format, &path)?;
@@ -139,17 +135,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let tokenizer = Arc::new(model.tokenizer.clone());
     let template = model.chat_template.take().map(Arc::new);
     let block_size = config.cache.block_size;
-    let settings = runtime::BackendSettings {
-        num_blocks: config.cache.num_blocks,
-        kv_cache_mb: config.cache.kv_cache_mb,
-        gpu_memory_utilization: config.cache.gpu_memory_utilization,
-        block_size,
-        threads: config.model.threads,
-        max_batch_tokens: config.scheduler.max_num_batched_tokens,
-        max_num_seqs: config.scheduler.max_num_seqs,
-        quantization: config.model.quantization,
-        kv_cache_dtype: config.cache.kv_cache_dtype,
-    };
+    let settings = runtime::BackendSettings::from_config(&config);
     let (backend, _) = runtime::build_backend(
         config.model.backend,
         runtime::ModelSource::Loaded(&model.config, &model.weights),
