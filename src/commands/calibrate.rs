@@ -411,19 +411,7 @@ fn measure(args: &CalibrateArgs) -> anyhow::Result<SamplesFile> {
         (1..=MAX_REPEATS).contains(&args.repeats),
         "--repeats must be 1..={MAX_REPEATS}"
     );
-    let config = match &args.config {
-        Some(file) => super::config::load(file, &args.overrides)?,
-        None => switchyard_config::Config::from_yaml_with_overrides(
-            "",
-            "<defaults>",
-            &args
-                .overrides
-                .iter()
-                .cloned()
-                .map(switchyard_config::Override::flag)
-                .collect::<Vec<_>>(),
-        )?,
-    };
+    let config = super::config::load_or_defaults(args.config.as_deref(), &args.overrides)?;
     let loaded = match &args.dummy {
         Some(_) => None,
         None => Some(runtime::load(&runtime::config_model_path(&config)?)?),

@@ -36,6 +36,21 @@ pub fn load(file: &std::path::Path, cli_overrides: &[String]) -> anyhow::Result<
     load_with(file, cli_overrides, |_| Ok(()))
 }
 
+/// [`load`] of `file`, or without one the built-in defaults, with the same overrides.
+pub fn load_or_defaults(
+    file: Option<&std::path::Path>,
+    cli_overrides: &[String],
+) -> anyhow::Result<Config> {
+    match file {
+        Some(file) => load(file, cli_overrides),
+        None => {
+            let mut all = env_overrides(std::env::vars_os())?;
+            all.extend(cli_overrides.iter().cloned().map(Override::flag));
+            Ok(Config::from_yaml_with_overrides("", "<defaults>", &all)?)
+        }
+    }
+}
+
 /// [`load`], with `scheduler.policy` built too (by the registry that runs it, with the
 /// configured tiers): an error names the field (`scheduler.policy.name`,
 /// `scheduler.policy.params.token_budget`) and the override that set it, or the file's line.
