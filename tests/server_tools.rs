@@ -424,10 +424,30 @@ fn conversations_with_tool_results_and_tool_choice_none_are_answered() {
         }
         let _: CreateChatCompletionResponse = serde_json::from_value(v).expect("typed");
     }
-    // /tokenize reads tool messages the same way.
+    // /tokenize reads tool messages the same way, and offers the tools a chat completion
+    // would: the prompt the completion counted.
     let (status, v) = s.post_json("/tokenize", &json!({"messages": history}));
     assert_eq!(status, 200, "{v}");
     assert!(v["count"].as_u64().is_some_and(|n| n > 20), "{v}");
+    let body = ask(json!({"messages": history, "max_tokens": 1}));
+    let (status, chat) = s.post_json("/v1/chat/completions", &body);
+    assert_eq!(status, 200, "{chat}");
+    let (status, with_tools) = s.post_json(
+        "/tokenize",
+        &json!({"messages": history, "tools": weather_tools()}),
+    );
+    assert_eq!(status, 200, "{with_tools}");
+    assert_eq!(
+        with_tools["count"], chat["usage"]["prompt_tokens"],
+        "{with_tools} {chat}"
+    );
+    assert!(with_tools["count"].as_u64() > v["count"].as_u64());
+    let (status, v) = s.post_json(
+        "/tokenize",
+        &json!({"prompt": "hi", "tools": weather_tools()}),
+    );
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["param"], "tools", "{v}");
 }
 
 #[test]
@@ -540,7 +560,12 @@ fn speculative_decoding_gives_the_same_tool_answers() {
 
 #[test]
 fn a_llama3_template_gets_llama3_json_calls_and_ipython_results() {
-    let s = server_with_template("tools-llama3", "llama3-style.jinja", "");
+    // The server writes the tools (this template reads `tools` but does not write them).
+    let s = server_with_template(
+        "tools-llama3",
+        "llama3-style.jinja",
+        "  tool_prompt: server\n",
+    );
     // The template names Llama 3's call format, so the server chose it.
     assert!(s.log().contains("llama3_json"), "{}", s.log());
     let body = ask(json!({"tool_choice": "required", "logprobs": true, "max_tokens": 120}));
@@ -673,6 +698,89 @@ fn a_llama3_template_gets_llama3_json_calls_and_ipython_results() {
         assert_eq!(v["error"]["param"], "chat_template_kwargs", "{v}");
     }
     s.assert_serves();
+}
+
+/// The prompt `/tokenize` renders for `request`, as text.
+fn rendered(s: &Server, request: &Value) -> String {
+    let (status, v) = s.post_json("/tokenize", request);
+    assert_eq!(status, 200, "{request}: {v}");
+    let (status, text) = s.post_json("/detokenize", &json!({"tokens": v["tokens"]}));
+    assert_eq!(status, 200, "{text}");
+    text["prompt"].as_str().expect("prompt").to_owned()
+}
+
+/// Models' own templates that read `tools` (Qwen3's, Llama 3.1's) get the tools, the
+/// conversation's calls (arguments as objects) and its results as Hugging Face's
+/// `apply_chat_template` hands them over: the prompts equal Jinja2's renderings
+/// (tests/reference/tool_templates.py), and the answers are still held to the format.
+#[test]
+fn templates_write_tools_calls_and_results_as_transformers_renders_them() {
+    let golden: Vec<Value> = serde_json::from_str(
+        &std::fs::read_to_string(format!(
+            "{}/tests/fixtures/tool_templates_golden.json",
+            env!("CARGO_MANIFEST_DIR")
+        ))
+        .expect("golden file"),
+    )
+    .expect("golden JSON");
+    for (fixture, format) in [("qwen3.jinja", "hermes"), ("llama3.1.jinja", "llama3_json")] {
+        let s = server_with_template(&format!("tools-{fixture}"), fixture, "");
+        let log = s.log();
+        assert!(
+            log.contains("tool_prompt=\"template\"") && log.contains(format),
+            "{log}"
+        );
+        let cases: Vec<&Value> = golden.iter().filter(|c| c["template"] == fixture).collect();
+        assert!(cases.len() >= 2, "{fixture}");
+        for case in cases {
+            assert_eq!(
+                rendered(&s, &case["request"]),
+                case["prompt"].as_str().unwrap(),
+                "{}",
+                case["name"]
+            );
+        }
+        // Calls asked of the model are held to the format and read back.
+        let (status, v) = s.post_json(
+            "/v1/chat/completions",
+            &ask(json!({"tool_choice": "required", "parallel_tool_calls": false})),
+        );
+        assert_eq!(status, 200, "{v}");
+        let calls = calls_of(&v["choices"][0]["message"]);
+        assert_eq!(calls.len(), 1, "{v}");
+        assert_eq!(v["choices"][0]["finish_reason"], "tool_calls", "{v}");
+        // The request's tools are the template's `tools`: not for chat_template_kwargs too.
+        let (status, v) = s.post_json(
+            "/v1/chat/completions",
+            &ask(json!({"chat_template_kwargs": {"tools": []}})),
+        );
+        assert_eq!(status, 400, "{v}");
+        assert_eq!(v["error"]["param"], "chat_template_kwargs", "{v}");
+        s.assert_serves();
+    }
+    // What a template refuses is the client's 400, in the template's words: Llama 3.1 takes
+    // one call per assistant turn.
+    let s = server_with_template("tools-llama3.1-refuses", "llama3.1.jinja", "");
+    let two = &golden
+        .iter()
+        .find(|c| c["name"] == "qwen3 writes a conversation's calls and results")
+        .unwrap()["request"];
+    let (status, v) = s.post_json("/v1/chat/completions", two);
+    assert_eq!(status, 400, "{v}");
+    let message = v["error"]["message"].as_str().unwrap_or("");
+    assert!(message.contains("only supports single tool-calls"), "{v}");
+    // `tool_prompt: server` on the same template: the server's words, not the template's.
+    let s = server_with_template(
+        "tools-qwen3-server",
+        "qwen3.jinja",
+        "  tool_prompt: server\n",
+    );
+    let request = &golden[0]["request"];
+    let prompt = rendered(&s, request);
+    assert!(
+        prompt.contains("<tools>") && !prompt.contains("You may call one or more"),
+        "{prompt}"
+    );
 }
 
 #[test]

@@ -14,7 +14,7 @@ use actix_web::{web, HttpMessage};
 use subtle::ConstantTimeEq;
 
 use crate::error::ApiError;
-use crate::schema::tools::ToolFormat;
+use crate::schema::tools::ToolSetup;
 use crate::state::ApiState;
 
 /// HTTP-layer settings, filled from the YAML config by the binary.
@@ -34,8 +34,9 @@ pub struct ApiConfig {
     pub default_tier: String,
     /// Tenant of requests on an open API.
     pub anonymous_tenant: String,
-    /// How the model writes tool calls (chat completions with tools).
-    pub tool_format: ToolFormat,
+    /// How the model writes tool calls, and who writes tools into its prompts (chat
+    /// completions and `/tokenize` with tools).
+    pub tools: ToolSetup,
     /// Whether chat answers have their `<think>` block read apart (`reasoning_content`); who
     /// opens it is found per request (the engine says whether the rendered prompt opened it).
     pub reasoning: bool,
@@ -50,7 +51,7 @@ impl Default for ApiConfig {
             body_timeout: std::time::Duration::from_secs(10),
             default_tier: "standard".to_owned(),
             anonymous_tenant: "anonymous".to_owned(),
-            tool_format: ToolFormat::default(),
+            tools: ToolSetup::default(),
             reasoning: false,
         }
     }
@@ -76,7 +77,7 @@ impl std::fmt::Debug for ApiConfig {
             .field("body_timeout", &self.body_timeout)
             .field("default_tier", &self.default_tier)
             .field("anonymous_tenant", &self.anonymous_tenant)
-            .field("tool_format", &self.tool_format)
+            .field("tools", &self.tools)
             .field("reasoning", &self.reasoning)
             .finish()
     }

@@ -308,13 +308,37 @@ pub enum ChatEnding {
 /// names the server sets itself).
 pub type TemplateKwargs = serde_json::Map<String, serde_json::Value>;
 
-/// One chat message, reduced to text.
+/// One chat message: its text and, where the chat template writes tool calls and results
+/// itself, those fields as the template reads them.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChatMessage {
     /// Who wrote the message.
     pub role: ChatRole,
     /// The message text (text parts of a multi-part message are joined with newlines).
     pub content: String,
+    /// An assistant message's calls, in OpenAI's shape with each call's `arguments` an object
+    /// (as vLLM and Hugging Face hand them to a template).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<serde_json::Value>,
+    /// The call a `tool` message answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// The author's name, as the client gave it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+}
+
+impl ChatMessage {
+    /// A message of text only.
+    pub fn text(role: ChatRole, content: impl Into<String>) -> Self {
+        ChatMessage {
+            role,
+            content: content.into(),
+            tool_calls: None,
+            tool_call_id: None,
+            name: None,
+        }
+    }
 }
 
 /// The author of a chat message.

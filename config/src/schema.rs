@@ -337,6 +337,26 @@ pub enum ToolCallFormat {
 
 choice_from_str!(ToolCallFormat { "auto" => Auto, "hermes" => Hermes, "llama3_json" => Llama3Json });
 
+/// Who writes a request's tools, and its conversation's tool calls and results, into the
+/// prompt.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum ToolPrompt {
+    /// `template` when the chat template reads the `tools` variable (Qwen 2.5 and later,
+    /// Llama 3.1 to 3.3, Hermes, Mistral), else `server`.
+    #[default]
+    Auto,
+    /// The chat template, given `tools` and messages with `tool_calls` and `tool_call_id`
+    /// as Hugging Face's `apply_chat_template` and vLLM give them: the words the model was
+    /// trained on.
+    Template,
+    /// The server, as text in the model's call format, for templates that know nothing of
+    /// tools.
+    Server,
+}
+
+choice_from_str!(ToolPrompt { "auto" => Auto, "template" => Template, "server" => Server });
+
 /// Whether chat answers have their reasoning (`<think>...</think>`) read apart into
 /// `reasoning_content`.
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
@@ -416,6 +436,8 @@ pub struct ModelSection {
     pub chat_template: Option<String>,
     /// How the model writes tool calls.
     pub tool_call_format: ToolCallFormat,
+    /// Who writes tools, calls and results into the prompt.
+    pub tool_prompt: ToolPrompt,
     /// Whether the reasoning of chat answers is read apart.
     pub reasoning_parser: ReasoningParser,
     /// CPU threads for the CPU backend (0 = all cores).
@@ -435,6 +457,7 @@ impl Default for ModelSection {
             max_model_len: None,
             chat_template: None,
             tool_call_format: ToolCallFormat::Auto,
+            tool_prompt: ToolPrompt::Auto,
             reasoning_parser: ReasoningParser::Auto,
             threads: 0,
         }

@@ -61,10 +61,7 @@ fn prompt_dataset(
         let ids = match &model.chat_template {
             Some(t) => {
                 let rendered = t.render(
-                    &[switchyard_gpu::model::ChatMessage {
-                        role: "user".into(),
-                        content: l.prompt,
-                    }],
+                    &[switchyard_gpu::model::ChatMessage::new("user", l.prompt)],
                     true,
                 )?;
                 model.tokenizer.encode(&rendered, false)?

@@ -43,13 +43,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             let template = model.chat_template.as_ref().ok_or_else(|| {
                 anyhow::anyhow!("{} has no chat template; drop --chat", path.display())
             })?;
-            let text = template.render(
-                &[ChatMessage {
-                    role: "user".into(),
-                    content: p.clone(),
-                }],
-                true,
-            )?;
+            let text = template.render(&[ChatMessage::new("user", p.clone())], true)?;
             tokenizer.encode(&text, false)?
         } else {
             tokenizer.encode(p, true)?

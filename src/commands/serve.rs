@@ -28,11 +28,14 @@ use switchyard_api::engine::{
     GenerateRequest, LoraAdapterInfo, PolicyInfo, PolicySpec, SpeculativeSettings, TokenLogprob,
     TokenizeInput, TopLogprob,
 };
-use switchyard_api::schema::{reasoning, tools::ToolFormat};
+use switchyard_api::schema::{
+    reasoning,
+    tools::{ToolFormat, ToolSetup},
+};
 use switchyard_api::{ApiConfig, ApiKeyEntry, ApiState, ServerOptions};
-use switchyard_config::{Config, ReasoningParser, ToolCallFormat};
+use switchyard_config::{Config, ReasoningParser, ToolCallFormat, ToolPrompt};
 use switchyard_gpu::backend::{SamplingParams, MAX_LOGIT_ROWS};
-use switchyard_gpu::model::{ChatEnding, ChatTemplate, Tokenizer};
+use switchyard_gpu::model::{ChatEnding, ChatMessage, ChatTemplate, Tokenizer};
 use switchyard_gpu::LoraLimits;
 use switchyard_policies::{
     FinishReason, Policy, PolicyError, PolicyRegistry, SchedulerConfig, SloTargets, TierSpec,
@@ -109,7 +112,29 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             .as_ref()
             .map_or(ToolFormat::Hermes, |t| ToolFormat::for_template(t.source())),
     };
-    tracing::info!(tool_call_format = tool_format.name(), "tool calls");
+    let reads_tools = model
+        .chat_template
+        .as_ref()
+        .is_some_and(ChatTemplate::reads_tools);
+    let tools = ToolSetup {
+        format: tool_format,
+        template: match config.model.tool_prompt {
+            ToolPrompt::Auto => reads_tools,
+            ToolPrompt::Template => true,
+            ToolPrompt::Server => false,
+        },
+    };
+    if tools.template && !reads_tools {
+        tracing::warn!(
+            "model.tool_prompt is `template` but the chat template does not read `tools`: \
+             requests' tools will not reach the prompt (the grammar still holds the answer)"
+        );
+    }
+    tracing::info!(
+        tool_call_format = tool_format.name(),
+        tool_prompt = if tools.template { "template" } else { "server" },
+        "tool calls"
+    );
     let reasoning = match config.model.reasoning_parser {
         ReasoningParser::None => false,
         ReasoningParser::Think => true,
@@ -196,7 +221,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             })
             .collect(),
     };
-    let mut api_config = api_config(&config, api_keys, tool_format);
+    let mut api_config = api_config(&config, api_keys, tools);
     api_config.reasoning = reasoning;
     let options = ServerOptions {
         bind: vec![bind],
@@ -315,7 +340,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
 fn api_config(
     config: &Config,
     keys: Vec<switchyard_config::ApiKeyEntry>,
-    tool_format: ToolFormat,
+    tools: ToolSetup,
 ) -> ApiConfig {
     let api_keys = keys
         .into_iter()
@@ -330,7 +355,7 @@ fn api_config(
         admin_key: config.server.admin_key.clone(),
         max_body_bytes: config.server.max_body_bytes,
         body_timeout: Duration::from_secs(config.server.request_timeout_s),
-        tool_format,
+        tools,
         ..ApiConfig::default()
     }
 }
@@ -452,7 +477,13 @@ fn chat_source(
     PromptSource::Chat {
         messages: messages
             .into_iter()
-            .map(|m| (m.role.as_str().to_string(), m.content))
+            .map(|m| ChatMessage {
+                role: m.role.as_str().to_owned(),
+                content: m.content,
+                tool_calls: m.tool_calls,
+                tool_call_id: m.tool_call_id,
+                name: m.name,
+            })
             .collect(),
         template_kwargs,
         ending: match ending {

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use actix::{Actor, Addr, SyncArbiter};
 use switchyard_gpu::backend::{Backend, SamplingParams};
-use switchyard_gpu::model::{ChatEnding, ChatTemplate, Tokenizer};
+use switchyard_gpu::model::{ChatEnding, ChatMessage, ChatTemplate, Tokenizer};
 use switchyard_gpu::{Constraint, GpuError, LoraAdapter};
 use switchyard_policies::{
     FinishReason, Policy, Request, RequestId, SamplingLimits, SchedulerConfig, SchedulerStats,
@@ -61,11 +61,11 @@ pub enum PromptSource {
     Text(String),
     /// Token ids, used as they are.
     Tokens(Vec<u32>),
-    /// Chat messages as (role, content), rendered by the chat template with `template_kwargs`
-    /// added to its variables.
+    /// Chat messages, rendered by the chat template with `template_kwargs` added to its
+    /// variables.
     Chat {
-        /// The conversation, as (role, content).
-        messages: Vec<(String, String)>,
+        /// The conversation.
+        messages: Vec<ChatMessage>,
         /// More variables for the template.
         template_kwargs: serde_json::Map<String, serde_json::Value>,
         /// How the rendering ends: a generation prompt (the default), the last message

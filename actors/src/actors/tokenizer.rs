@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use actix::dev::{MessageResponse, OneshotSender};
 use actix::{Actor, Handler, Message, SyncContext};
-use switchyard_gpu::model::{ChatMessage, ChatTemplate, Tokenizer};
+use switchyard_gpu::model::{ChatTemplate, Tokenizer};
 use switchyard_gpu::{Constraint, GpuError};
 
 use super::engine::{PromptSource, SubmitError, SubmitErrorKind};
@@ -151,10 +151,6 @@ impl Handler<Encode> for TokenizerActor {
                 let template = self.template.as_ref().ok_or_else(|| {
                     invalid("this model has no chat template; use /v1/completions".into())
                 })?;
-                let messages: Vec<ChatMessage> = messages
-                    .into_iter()
-                    .map(|(role, content)| ChatMessage { role, content })
-                    .collect();
                 // The rendering stops as it passes the longest text that could fit.
                 let text = template
                     .render_within(&messages, ending, &template_kwargs, self.max_text_len)
@@ -381,7 +377,7 @@ mod tests {
         assert!(e.message.contains("10 tokens"), "{e}");
         // A rendered chat prompt is bounded too: the template's "b" takes it past.
         let chat = |content: String| PromptSource::Chat {
-            messages: vec![("user".into(), content)],
+            messages: vec![switchyard_gpu::model::ChatMessage::new("user", content)],
             template_kwargs: Default::default(),
             ending: switchyard_gpu::model::ChatEnding::Closed,
         };

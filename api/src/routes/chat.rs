@@ -28,8 +28,8 @@ pub(crate) async fn chat_completions(
     let in_flight = state.admit()?;
     let body: ChatRequest = read_json(&req, payload, &state.config).await?;
     let lora = check_model(&state, body.model.as_deref())?;
-    let tool_format = state.config.tool_format;
-    let validated = body.validate(state.engine.max_model_len(), tool_format)?;
+    let tool_format = state.config.tools.format;
+    let validated = body.validate(state.engine.max_model_len(), state.config.tools)?;
     let id = request_id("chatcmpl-", request_id_header(&req));
     let requests = engine_requests(&id, &validated, &principal, None, lora.as_deref());
     let fields = RequestFields {

@@ -10,9 +10,10 @@ use crate::engine::{
     EngineError, EngineErrorKind, PolicySpec, TokenizeInput, MAX_SPECULATIVE_RUNNING,
 };
 use crate::error::ApiError;
+use crate::schema::tools::ToolUse;
 use crate::schema::{
-    chat_ending, check_continued, parse_messages, parse_template_kwargs, MessageField, ModelCard,
-    ModelList, MAX_DETOKENIZE_TOKENS,
+    chat_ending, check_continued, offer_tools, parse_messages, parse_template_kwargs, MessageField,
+    ModelCard, ModelList, MAX_DETOKENIZE_TOKENS,
 };
 use crate::state::{engine_dead, ApiState};
 
@@ -41,12 +42,16 @@ pub(crate) async fn list_models(state: web::Data<ApiState>) -> HttpResponse {
     })
 }
 
-/// Body of `POST /tokenize` (vLLM's shape): a `prompt`, or chat `messages`.
+/// Body of `POST /tokenize` (vLLM's shape): a `prompt`, or chat `messages` with the `tools`
+/// (and `tool_choice`, `parallel_tool_calls`) a chat completion would offer.
 #[derive(Debug, Deserialize)]
 pub(crate) struct TokenizeRequest {
     model: Option<String>,
     prompt: Option<String>,
     messages: Option<Vec<MessageField>>,
+    tools: Option<serde_json::Value>,
+    tool_choice: Option<serde_json::Value>,
+    parallel_tool_calls: Option<bool>,
     add_special_tokens: Option<bool>,
     add_generation_prompt: Option<bool>,
     continue_final_message: Option<bool>,
@@ -70,18 +75,33 @@ pub(crate) async fn tokenize(
     let body: TokenizeRequest = read_json(&req, payload, &state.config).await?;
     check_model(&state, body.model.as_deref())?;
     let input = match (body.prompt, body.messages) {
+        (Some(_), None) if body.tools.is_some() => {
+            return Err(ApiError::invalid(
+                "tools",
+                "tools are offered with chat `messages`, not with a `prompt`",
+            ))
+        }
         (Some(text), None) => TokenizeInput::Text {
             text,
             add_special_tokens: body.add_special_tokens.unwrap_or(true),
         },
         (None, Some(messages)) => {
             let ending = chat_ending(body.add_generation_prompt, body.continue_final_message)?;
-            let messages = parse_messages(messages, state.config.tool_format)?;
+            let setup = state.config.tools;
+            let tools = ToolUse::parse(
+                body.tools.as_ref(),
+                body.tool_choice.as_ref(),
+                body.parallel_tool_calls,
+                setup.format,
+            )?;
+            let mut messages = parse_messages(messages, setup)?;
             check_continued(&messages, ending)?;
+            let mut template_kwargs = parse_template_kwargs(body.chat_template_kwargs)?;
+            offer_tools(tools.as_ref(), setup, &mut messages, &mut template_kwargs)?;
             TokenizeInput::Chat {
                 messages,
                 ending,
-                template_kwargs: parse_template_kwargs(body.chat_template_kwargs)?,
+                template_kwargs,
             }
         }
         _ => {

@@ -9,7 +9,7 @@ mod structured;
 pub mod tools;
 
 pub use request::{
-    chat_ending, check_continued, parse_messages, parse_template_kwargs, ChatRequest,
+    chat_ending, check_continued, offer_tools, parse_messages, parse_template_kwargs, ChatRequest,
     CompletionRequest, ContentField, ContentPart, MessageField, PromptField, StopField,
     StreamOptions, Validated,
 };

@@ -19,7 +19,10 @@ use serde::Deserialize;
 use super::limits::*;
 use super::sampling::SamplerFields;
 use super::structured::{Structured, StructuredFields};
-use super::tools::{render_calls, render_response, ToolAnswer, ToolFormat, ToolPrompt, ToolUse};
+use super::tools::{
+    render_calls, render_response, template_calls, ToolAnswer, ToolFormat, ToolPrompt, ToolSetup,
+    ToolUse, MAX_TOOL_CALL_ID,
+};
 use crate::engine::{
     ChatEnding, ChatMessage, ChatRole, PromptInput, SamplingOptions, StructuredOutputSpec,
     TemplateKwargs,
@@ -686,12 +689,9 @@ fn continuous_usage(options: &Option<StreamOptions>) -> bool {
 
 impl ChatRequest {
     /// Validates the request against the limits and the context window; tools are offered,
-    /// and calls in the conversation written, in `tool_format`.
-    pub fn validate(
-        self,
-        max_model_len: usize,
-        tool_format: ToolFormat,
-    ) -> Result<Validated, ApiError> {
+    /// and calls in the conversation written, as `tools` says.
+    pub fn validate(self, max_model_len: usize, tools: ToolSetup) -> Result<Validated, ApiError> {
+        let setup = tools;
         let sampling = sampler_fields!(self).validate()?;
         let (mut structured_field, mut structured) =
             match parse_structured(&self.structured, &sampling)? {
@@ -703,7 +703,7 @@ impl ChatRequest {
             self.tools.as_ref(),
             self.tool_choice.as_ref(),
             self.parallel_tool_calls,
-            tool_format,
+            setup.format,
         )?
         .filter(ToolUse::active);
         let logprobs = match (self.logprobs.unwrap_or(false), self.top_logprobs) {
@@ -730,9 +730,10 @@ impl ChatRequest {
             "= true on chat completions",
         )?;
         refuse_vllm_extras(self.use_beam_search, &self.prompt_logprobs)?;
-        let mut messages = parse_messages(self.messages, tool_format)?;
+        let mut messages = parse_messages(self.messages, setup)?;
         check_continued(&messages, ending)?;
-        let template_kwargs = parse_template_kwargs(self.chat_template_kwargs)?;
+        let mut template_kwargs = parse_template_kwargs(self.chat_template_kwargs)?;
+        offer_tools(tools.as_ref(), setup, &mut messages, &mut template_kwargs)?;
         if let Some(tools) = &tools {
             if structured.is_some() {
                 return Err(ApiError::invalid(
@@ -747,11 +748,7 @@ impl ChatRequest {
                     "ignore_eos cannot be combined with tools",
                 ));
             }
-            if let (Some(prompt), Some(grammar)) = (tools.prompt(), tools.grammar()) {
-                match prompt {
-                    ToolPrompt::System(text) => add_to_system(&mut messages, &text),
-                    ToolPrompt::FirstUser(text) => add_to_first_user(&mut messages, text),
-                }
+            if let Some(grammar) = tools.grammar() {
                 structured = Some(StructuredOutputSpec::ToolCalls(grammar.to_owned()));
                 structured_field = Some("tools");
             }
@@ -803,6 +800,45 @@ impl ChatRequest {
     }
 }
 
+/// Writes the callable tools into a chat prompt: into the chat template's `tools` variable
+/// (`setup.template`; `none` when no tool may be called, as Hugging Face and vLLM define it),
+/// or as the server's text in the model's format (Hermes: at the end of the system message;
+/// Llama 3: at the head of the first user message).
+pub fn offer_tools(
+    tools: Option<&ToolUse>,
+    setup: ToolSetup,
+    messages: &mut Vec<ChatMessage>,
+    template_kwargs: &mut TemplateKwargs,
+) -> Result<(), ApiError> {
+    let tools = tools.filter(|t| t.active());
+    if setup.template {
+        match tools {
+            Some(_) if template_kwargs.contains_key("tools") => {
+                return Err(ApiError::invalid(
+                    "chat_template_kwargs",
+                    "\"tools\" is set by the server from the request's tools",
+                ))
+            }
+            Some(tools) => {
+                let list = serde_json::Value::Array(tools.template_tools());
+                template_kwargs.insert("tools".into(), list);
+            }
+            None => {
+                template_kwargs
+                    .entry("tools")
+                    .or_insert(serde_json::Value::Null);
+            }
+        }
+        return Ok(());
+    }
+    match tools.and_then(ToolUse::prompt) {
+        Some(ToolPrompt::System(text)) => add_to_system(messages, &text),
+        Some(ToolPrompt::FirstUser(text)) => add_to_first_user(messages, text),
+        None => {}
+    }
+    Ok(())
+}
+
 /// Appends `text` to the conversation's first system (or developer) message, or puts a system
 /// message holding it first.
 fn add_to_system(messages: &mut Vec<ChatMessage>, text: &str) {
@@ -813,13 +849,7 @@ fn add_to_system(messages: &mut Vec<ChatMessage>, text: &str) {
             }
             m.content.push_str(text);
         }
-        _ => messages.insert(
-            0,
-            ChatMessage {
-                role: ChatRole::System,
-                content: text.to_owned(),
-            },
-        ),
+        _ => messages.insert(0, ChatMessage::text(ChatRole::System, text)),
     }
 }
 
@@ -876,8 +906,10 @@ fn add_to_first_user(messages: &mut Vec<ChatMessage>, text: String) {
     }
 }
 
-/// Validates `messages` and reduces each to role and text; calls and results are written in
-/// `tool_format` (Hermes: results join a user turn; Llama 3: each is a `tool` message).
+/// Reads `messages`: roles, text, and the conversation's tool calls and results, which the
+/// chat template receives as fields (`setup.template`: `tool_calls` with each call's
+/// arguments an object, `tool_call_id`, `name`) or the server writes as text in the model's
+/// format (Hermes: results join a user turn; Llama 3: each is a `tool` message).
 ///
 /// A `developer` message is a `system` message, as OpenAI reads it for models without a
 /// developer role: chat templates know `system` (and fold it into the first user turn where
@@ -885,7 +917,7 @@ fn add_to_first_user(messages: &mut Vec<ChatMessage>, text: String) {
 /// The route cannot see the template, so the mapping is unconditional.
 pub fn parse_messages(
     messages: Vec<MessageField>,
-    tool_format: ToolFormat,
+    setup: ToolSetup,
 ) -> Result<Vec<ChatMessage>, ApiError> {
     if messages.is_empty() {
         return Err(ApiError::invalid("messages", "messages must not be empty"));
@@ -896,15 +928,20 @@ pub fn parse_messages(
             format!("at most {MAX_MESSAGES} messages are allowed"),
         ));
     }
+    if setup.template {
+        return messages
+            .into_iter()
+            .enumerate()
+            .map(|(i, m)| template_message(i, m))
+            .collect();
+    }
+    let tool_format = setup.format;
     let mut out: Vec<ChatMessage> = Vec::with_capacity(messages.len());
     // Whether the last message of `out` holds tool results (consecutive ones share a turn).
     let mut in_results = false;
     for (i, m) in messages.into_iter().enumerate() {
         let content = message_text(i, m.content)?;
         let role = match m.role.as_str() {
-            "system" | "developer" => ChatRole::System,
-            "user" => ChatRole::User,
-            "assistant" => ChatRole::Assistant,
             "tool" if tool_format == ToolFormat::Llama3Json => ChatRole::Tool,
             "tool" => {
                 let result = render_response(&content);
@@ -917,20 +954,12 @@ pub fn parse_messages(
                         }
                         last.content.push_str(&result);
                     }
-                    _ => out.push(ChatMessage {
-                        role: ChatRole::User,
-                        content: result,
-                    }),
+                    _ => out.push(ChatMessage::text(ChatRole::User, result)),
                 }
                 in_results = true;
                 continue;
             }
-            other => {
-                return Err(ApiError::invalid(
-                    format!("messages[{i}].role"),
-                    format!("role {other:?} is not supported"),
-                ))
-            }
+            other => chat_role(i, other)?,
         };
         let after_results = std::mem::take(&mut in_results);
         let content = match m.tool_calls {
@@ -946,12 +975,7 @@ pub fn parse_messages(
                     (false, false, ToolFormat::Hermes) => format!("{content}\n{calls}"),
                 }
             }
-            Some(_) => {
-                return Err(ApiError::invalid(
-                    format!("messages[{i}].tool_calls"),
-                    "tool_calls is a list, on assistant messages only",
-                ))
-            }
+            Some(_) => return Err(calls_not_a_list(i)),
         };
         match out.last_mut() {
             // A user message after tool results joins their turn.
@@ -959,10 +983,69 @@ pub fn parse_messages(
                 last.content.push('\n');
                 last.content.push_str(&content);
             }
-            _ => out.push(ChatMessage { role, content }),
+            _ => out.push(ChatMessage::text(role, content)),
         }
     }
     Ok(out)
+}
+
+/// A message's role; `tool` is read by the caller.
+fn chat_role(i: usize, role: &str) -> Result<ChatRole, ApiError> {
+    Ok(match role {
+        "system" | "developer" => ChatRole::System,
+        "user" => ChatRole::User,
+        "assistant" => ChatRole::Assistant,
+        "tool" => ChatRole::Tool,
+        other => {
+            return Err(ApiError::invalid(
+                format!("messages[{i}].role"),
+                format!("role {other:?} is not supported"),
+            ))
+        }
+    })
+}
+
+fn calls_not_a_list(i: usize) -> ApiError {
+    ApiError::invalid(
+        format!("messages[{i}].tool_calls"),
+        "tool_calls is a list, on assistant messages only",
+    )
+}
+
+/// An optional string field of message `i`, at most [`MAX_TOOL_CALL_ID`] bytes.
+fn short_field(i: usize, field: &str, v: Option<String>) -> Result<Option<String>, ApiError> {
+    match v {
+        Some(s) if s.len() > MAX_TOOL_CALL_ID => Err(ApiError::invalid(
+            format!("messages[{i}].{field}"),
+            format!("{field} is at most {MAX_TOOL_CALL_ID} bytes"),
+        )),
+        v => Ok(v),
+    }
+}
+
+/// Message `i` as the chat template reads it: calls and results stay fields of their
+/// messages (Hugging Face's and vLLM's shape).
+fn template_message(i: usize, m: MessageField) -> Result<ChatMessage, ApiError> {
+    let role = chat_role(i, &m.role)?;
+    let content = message_text(i, m.content)?;
+    let tool_calls = match m.tool_calls {
+        None | Some(serde_json::Value::Null) => None,
+        Some(serde_json::Value::Array(calls)) if role == ChatRole::Assistant => {
+            template_calls(&format!("messages[{i}].tool_calls"), &calls)?
+        }
+        Some(_) => return Err(calls_not_a_list(i)),
+    };
+    let tool_call_id = match role {
+        ChatRole::Tool => short_field(i, "tool_call_id", m.tool_call_id)?,
+        _ => None,
+    };
+    Ok(ChatMessage {
+        role,
+        content,
+        tool_calls,
+        tool_call_id,
+        name: short_field(i, "name", m.name)?,
+    })
 }
 
 /// A message's text: its string, or its text parts joined with newlines.
@@ -1021,7 +1104,9 @@ mod tests {
         )
         .unwrap();
         assert_eq!(
-            chat.validate(128, ToolFormat::Hermes).unwrap().max_tokens,
+            chat.validate(128, ToolFormat::Hermes.into())
+                .unwrap()
+                .max_tokens,
             None
         );
     }
@@ -1034,7 +1119,7 @@ mod tests {
                 body.extend(extra.clone());
             }
             let req: ChatRequest = serde_json::from_value(json).unwrap();
-            req.validate(128, ToolFormat::Hermes)
+            req.validate(128, ToolFormat::Hermes.into())
         };
         let refused = [
             completion(serde_json::json!({"prompt": "x", "max_tokens": 4, "min_tokens": 5})),
@@ -1172,7 +1257,7 @@ mod tests {
                 "messages": [{"role": "user", "content": "hi"}],
                 "chat_template_kwargs": kwargs}))
             .unwrap();
-            req.validate(128, ToolFormat::Hermes)
+            req.validate(128, ToolFormat::Hermes.into())
         };
         let v = chat(serde_json::json!({"enable_thinking": false, "x": [1, {"y": "z"}]})).unwrap();
         let PromptInput::Chat {
@@ -1210,16 +1295,13 @@ mod tests {
             "logprobs": true, "top_logprobs": 3, "max_tokens": 5, "max_completion_tokens": 7
         }))
         .unwrap();
-        let v = req.validate(128, ToolFormat::Hermes).unwrap();
+        let v = req.validate(128, ToolFormat::Hermes.into()).unwrap();
         assert_eq!(v.logprobs, Some(3));
         assert_eq!(v.max_tokens, Some(7));
         assert_eq!(
             v.prompts,
             vec![PromptInput::Chat {
-                messages: vec![ChatMessage {
-                    role: ChatRole::User,
-                    content: "hi".into()
-                }],
+                messages: vec![ChatMessage::text(ChatRole::User, "hi")],
                 template_kwargs: TemplateKwargs::new(),
                 ending: ChatEnding::GenerationPrompt,
             }]
@@ -1233,7 +1315,7 @@ mod tests {
             let req: ChatRequest = serde_json::from_value(serde_json::json!({
                 "messages": messages, "tools": tools, "tool_choice": choice}))
             .unwrap();
-            req.validate(128, ToolFormat::Hermes).unwrap()
+            req.validate(128, ToolFormat::Hermes.into()).unwrap()
         };
         let v = chat(
             serde_json::json!([{"role": "user", "content": "time?"}]),
@@ -1273,10 +1355,7 @@ mod tests {
         assert_eq!(
             v.prompts,
             vec![PromptInput::Chat {
-                messages: vec![ChatMessage {
-                    role: ChatRole::User,
-                    content: "time?".into()
-                }],
+                messages: vec![ChatMessage::text(ChatRole::User, "time?")],
                 template_kwargs: TemplateKwargs::new(),
                 ending: ChatEnding::GenerationPrompt,
             }]
@@ -1290,7 +1369,7 @@ mod tests {
             let req: ChatRequest = serde_json::from_value(serde_json::json!({
                 "messages": messages, "tools": tools, "tool_choice": "required"}))
             .unwrap();
-            let v = req.validate(128, ToolFormat::Llama3Json).unwrap();
+            let v = req.validate(128, ToolFormat::Llama3Json.into()).unwrap();
             match v.prompts.into_iter().next() {
                 Some(PromptInput::Chat { messages, .. }) => messages,
                 other => panic!("{other:?}"),
@@ -1347,7 +1426,7 @@ mod tests {
             {"role": "tool", "content": "later"},
         ]))
         .unwrap();
-        let m = parse_messages(messages, ToolFormat::Hermes).unwrap();
+        let m = parse_messages(messages, ToolFormat::Hermes.into()).unwrap();
         let call = |city: &str| {
             format!(
                 "<tool_call>\n{{\"name\": \"get_weather\", \"arguments\": {{\"city\": \"{city}\"}}}}\n</tool_call>"
@@ -1372,6 +1451,137 @@ mod tests {
         ];
         let got: Vec<(ChatRole, String)> = m.into_iter().map(|m| (m.role, m.content)).collect();
         assert_eq!(got, expected);
+    }
+
+    /// With a template that writes tools, messages keep their calls (arguments parsed to
+    /// objects, in the client's key order), results and ids as fields, nothing is merged,
+    /// and the tools go to the `tools` variable (`null` when none may be called).
+    #[test]
+    fn a_template_that_writes_tools_gets_them_as_fields() {
+        let setup = ToolSetup {
+            format: ToolFormat::Hermes,
+            template: true,
+        };
+        let messages: Vec<MessageField> = serde_json::from_value(serde_json::json!([
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": null, "tool_calls": [
+                {"id": "a", "type": "function",
+                 "function": {"name": "get_weather", "arguments": "{\"unit\": \"c\", \"city\": \"Paris\"}"}},
+                {"type": "function", "function": {"name": "now"}}]},
+            {"role": "tool", "tool_call_id": "a", "name": "get_weather", "content": "18 C"},
+            {"role": "tool", "content": "09:30"},
+            {"role": "assistant", "content": "Sunny.", "tool_calls": []},
+        ]))
+        .unwrap();
+        let m = parse_messages(messages, setup).unwrap();
+        assert_eq!(m.len(), 5);
+        assert_eq!(
+            m[1].tool_calls,
+            Some(serde_json::json!([
+                {"id": "a", "type": "function",
+                 "function": {"name": "get_weather", "arguments": {"unit": "c", "city": "Paris"}}},
+                {"type": "function", "function": {"name": "now", "arguments": {}}}]))
+        );
+        let keys: Vec<&String> = m[1].tool_calls.as_ref().unwrap()[0]["function"]["arguments"]
+            .as_object()
+            .unwrap()
+            .keys()
+            .collect();
+        assert_eq!(keys, ["unit", "city"]);
+        assert_eq!(
+            (m[1].role, m[1].content.as_str()),
+            (ChatRole::Assistant, "")
+        );
+        assert_eq!(
+            (
+                m[2].role,
+                m[2].tool_call_id.as_deref(),
+                m[2].name.as_deref()
+            ),
+            (ChatRole::Tool, Some("a"), Some("get_weather"))
+        );
+        assert_eq!(
+            (m[3].role, m[3].content.as_str()),
+            (ChatRole::Tool, "09:30")
+        );
+        // An empty list is no calls: the field is absent, as for a message without calls.
+        assert_eq!(m[4].tool_calls, None);
+        let json = serde_json::to_value(&m[4]).unwrap();
+        assert!(json.get("tool_calls").is_none(), "{json}");
+
+        let long = "x".repeat(MAX_TOOL_CALL_ID + 1);
+        for (bad, param) in [
+            (
+                serde_json::json!({"role": "tool", "tool_call_id": long, "content": "x"}),
+                "messages[0].tool_call_id",
+            ),
+            (
+                serde_json::json!({"role": "user", "name": long, "content": "x"}),
+                "messages[0].name",
+            ),
+            (
+                serde_json::json!({"role": "assistant", "tool_calls": [{"id": 7,
+                    "function": {"name": "f"}}]}),
+                "messages[0].tool_calls[0].id",
+            ),
+            (
+                serde_json::json!({"role": "user", "tool_calls": []}),
+                "messages[0].tool_calls",
+            ),
+        ] {
+            let messages: Vec<MessageField> =
+                serde_json::from_value(serde_json::json!([bad])).unwrap();
+            match parse_messages(messages, setup) {
+                Err(ApiError::InvalidRequest { param: p, .. }) => {
+                    assert_eq!(p.as_deref(), Some(param))
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+
+        let chat = |extra: serde_json::Value| {
+            let mut body = serde_json::json!({"messages": [{"role": "user", "content": "hi"}]});
+            for (k, v) in extra.as_object().unwrap() {
+                body[k] = v.clone();
+            }
+            serde_json::from_value::<ChatRequest>(body)
+                .unwrap()
+                .validate(128, setup)
+        };
+        let tools = serde_json::json!([
+            {"function": {"name": "f", "parameters": {"properties": {}}}, "type": "function"},
+            {"type": "function", "function": {"name": "g"}}]);
+        let kwargs = |v: Validated| match &v.prompts[0] {
+            PromptInput::Chat {
+                template_kwargs,
+                messages,
+                ..
+            } => {
+                // The server's text is not added: the template writes the tools.
+                assert_eq!(messages.len(), 1);
+                template_kwargs.clone()
+            }
+            other => panic!("{other:?}"),
+        };
+        let v = chat(serde_json::json!({"tools": tools})).unwrap();
+        assert!(matches!(
+            v.structured,
+            Some(StructuredOutputSpec::ToolCalls(_))
+        ));
+        // As the client wrote them.
+        assert_eq!(kwargs(v)["tools"], tools);
+        let named = serde_json::json!({"type": "function", "function": {"name": "g"}});
+        let v = chat(serde_json::json!({"tools": tools, "tool_choice": named})).unwrap();
+        assert_eq!(kwargs(v)["tools"], serde_json::json!([tools[1]]));
+        let v = chat(serde_json::json!({"tools": tools, "tool_choice": "none"})).unwrap();
+        assert_eq!(kwargs(v)["tools"], serde_json::Value::Null);
+        let v = chat(serde_json::json!({})).unwrap();
+        assert_eq!(kwargs(v)["tools"], serde_json::Value::Null);
+        // Without tools a client may set the variable itself; with them it is the server's.
+        let v = chat(serde_json::json!({"chat_template_kwargs": {"tools": [1]}})).unwrap();
+        assert_eq!(kwargs(v)["tools"], serde_json::json!([1]));
+        let e = chat(serde_json::json!({"tools": tools, "chat_template_kwargs": {"tools": []}}));
+        assert_eq!(param_of(e).as_deref(), Some("chat_template_kwargs"));
     }
 
     #[test]
@@ -1418,7 +1628,7 @@ mod tests {
         for (json, param) in bad {
             let req: ChatRequest = serde_json::from_value(json.clone()).unwrap();
             assert_eq!(
-                param_of(req.validate(128, ToolFormat::Hermes)).as_deref(),
+                param_of(req.validate(128, ToolFormat::Hermes.into())).as_deref(),
                 Some(param),
                 "{json}"
             );
@@ -1427,7 +1637,7 @@ mod tests {
 
     fn chat_at(max_model_len: usize, json: serde_json::Value) -> Result<Validated, ApiError> {
         let req: ChatRequest = serde_json::from_value(json).unwrap();
-        req.validate(max_model_len, ToolFormat::Hermes)
+        req.validate(max_model_len, ToolFormat::Hermes.into())
     }
 
     fn completion_at(max_model_len: usize, json: serde_json::Value) -> Result<Validated, ApiError> {
@@ -1536,7 +1746,7 @@ mod tests {
             {"role": "user", "content": "hi"},
         ]))
         .unwrap();
-        let m = parse_messages(messages, ToolFormat::Hermes).unwrap();
+        let m = parse_messages(messages, ToolFormat::Hermes.into()).unwrap();
         let roles: Vec<ChatRole> = m.iter().map(|m| m.role).collect();
         assert_eq!(roles, [ChatRole::System, ChatRole::User]);
         // Tools join the developer message as they join a system message.

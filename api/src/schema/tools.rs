@@ -103,6 +103,30 @@ impl ToolFormat {
     }
 }
 
+/// Who writes a model's tools, and its conversation's calls and results, into the prompt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ToolSetup {
+    /// How the model writes calls: what the grammar allows and the reader reads.
+    pub format: ToolFormat,
+    /// Whether the chat template writes them, as Hugging Face's `apply_chat_template` and
+    /// vLLM have it do: the callable tools go to its `tools` variable, assistant messages keep
+    /// their `tool_calls` (each call's arguments an object) and `tool` messages their
+    /// `tool_call_id`. Otherwise the server writes them as text in the model's format
+    /// ([`ToolUse::prompt`], [`render_calls`], [`render_response`]), for templates that know
+    /// nothing of tools.
+    pub template: bool,
+}
+
+impl From<ToolFormat> for ToolSetup {
+    /// Calls in `format`, written into prompts by the server.
+    fn from(format: ToolFormat) -> Self {
+        ToolSetup {
+            format,
+            template: false,
+        }
+    }
+}
+
 /// Opens a call (Hermes).
 pub const CALL_OPEN: &str = "<tool_call>";
 /// Closes a call (Hermes).
@@ -126,6 +150,8 @@ pub struct Tool {
     pub description: Option<String>,
     /// A JSON Schema for its arguments (an object).
     pub parameters: Value,
+    /// The tool as the client wrote it, for a chat template's `tools`.
+    pub given: Value,
 }
 
 /// `tool_choice`.
@@ -253,6 +279,7 @@ fn parse_tool(i: usize, v: &Value) -> Result<Tool, ApiError> {
         name: name.to_owned(),
         description,
         parameters,
+        given: v.clone(),
     })
 }
 
@@ -408,13 +435,14 @@ impl ToolUse {
             let mut tool = Map::new();
             tool.insert("type".into(), Value::String("function".into()));
             tool.insert("function".into(), Value::Object(function));
+            let tool = Value::Object(tool);
             match self.format {
                 ToolFormat::Hermes => {
-                    out.push_str(&json_dumps(&Value::Object(tool)));
+                    out.push_str(&json_dumps(&tool));
                     out.push('\n');
                 }
                 ToolFormat::Llama3Json => {
-                    out.push_str(&json_indented(&Value::Object(tool)));
+                    out.push_str(&json_indented(&tool));
                     out.push_str("\n\n");
                 }
             }
@@ -452,6 +480,13 @@ impl ToolUse {
                 ToolPrompt::FirstUser(out)
             }
         })
+    }
+
+    /// The tools the model may call as the client wrote them, for a chat template's `tools`
+    /// variable (Hugging Face's `apply_chat_template(tools=...)` hands a template the
+    /// caller's dictionaries).
+    pub fn template_tools(&self) -> Vec<Value> {
+        self.callable().map(|t| t.given.clone()).collect()
     }
 
     /// Whether the answer is calls only (`required`, a named function): no text may come.
@@ -610,17 +645,49 @@ pub struct ParsedCall {
     pub arguments: String,
 }
 
-/// Renders an assistant message's `tool_calls` (OpenAI's shape) as the model writes calls.
-pub fn render_calls(param: &str, calls: &[Value], format: ToolFormat) -> Result<String, ApiError> {
+/// One call of an assistant message in the conversation, read and checked.
+struct HistoryCall<'a> {
+    /// Its id, as the client gave it.
+    id: Option<&'a str>,
+    /// The function's name.
+    name: &'a str,
+    /// Its arguments.
+    arguments: HistoryArguments,
+}
+
+/// A called function's arguments.
+enum HistoryArguments {
+    /// An object (what serde_json reads).
+    Object(Value),
+    /// An object as written, where serde_json refuses what it holds (numbers out of f64's
+    /// range, lone surrogate escapes) but it scans whole: what this server wrote may be so.
+    Raw(String),
+}
+
+/// The longest id of a call in the conversation, in bytes.
+pub const MAX_TOOL_CALL_ID: usize = 256;
+
+/// Reads an assistant message's `tool_calls` (OpenAI's shape); `param` names the field.
+fn read_calls<'a>(param: &str, calls: &'a [Value]) -> Result<Vec<HistoryCall<'a>>, ApiError> {
     if calls.len() > MAX_TOOL_CALLS {
         return Err(invalid(
             param,
             format!("at most {MAX_TOOL_CALLS} tool calls per message are allowed"),
         ));
     }
-    let mut out = String::new();
+    let mut out = Vec::with_capacity(calls.len());
     for (j, call) in calls.iter().enumerate() {
         let at = |field: &str| format!("{param}[{j}]{field}");
+        let id = match call.get("id") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(id)) if id.len() <= MAX_TOOL_CALL_ID => Some(id.as_str()),
+            Some(_) => {
+                return Err(invalid(
+                    at(".id"),
+                    format!("a call's id is a string of at most {MAX_TOOL_CALL_ID} bytes"),
+                ))
+            }
+        };
         let function = call
             .get("function")
             .and_then(Value::as_object)
@@ -644,13 +711,10 @@ pub fn render_calls(param: &str, calls: &[Value], format: ToolFormat) -> Result<
             )
         };
         let arguments = match function.get("arguments") {
-            None | Some(Value::Null) => "{}".to_owned(),
+            None | Some(Value::Null) => HistoryArguments::Object(Value::Object(Map::new())),
             Some(Value::String(s)) => match serde_json::from_str::<Value>(s) {
-                Ok(v @ Value::Object(_)) => json_dumps(&v),
+                Ok(v @ Value::Object(_)) => HistoryArguments::Object(v),
                 Ok(_) => return Err(not_object()),
-                // What this server wrote may hold what serde_json refuses (numbers out of
-                // f64's range, lone surrogate escapes): an object that scans whole is kept
-                // as written.
                 Err(e) => {
                     let raw = s.trim();
                     let whole = raw.starts_with('{')
@@ -661,16 +725,33 @@ pub fn render_calls(param: &str, calls: &[Value], format: ToolFormat) -> Result<
                             format!("arguments is not valid JSON: {e}"),
                         ));
                     }
-                    raw.to_owned()
+                    HistoryArguments::Raw(raw.to_owned())
                 }
             },
             // Some clients send the object itself.
-            Some(v @ Value::Object(_)) => json_dumps(v),
+            Some(v @ Value::Object(_)) => HistoryArguments::Object(v.clone()),
             Some(_) => return Err(not_object()),
+        };
+        out.push(HistoryCall {
+            id,
+            name,
+            arguments,
+        });
+    }
+    Ok(out)
+}
+
+/// Renders an assistant message's `tool_calls` (OpenAI's shape) as the model writes calls.
+pub fn render_calls(param: &str, calls: &[Value], format: ToolFormat) -> Result<String, ApiError> {
+    let mut out = String::new();
+    for call in read_calls(param, calls)? {
+        let arguments = match &call.arguments {
+            HistoryArguments::Object(v) => json_dumps(v),
+            HistoryArguments::Raw(raw) => raw.clone(),
         };
         let call = format!(
             "{{\"name\": {name}, \"{key}\": {arguments}}}",
-            name = json_dumps(&Value::String(name.to_owned())),
+            name = json_dumps(&Value::String(call.name.to_owned())),
             key = format.arguments_key(),
         );
         match format {
@@ -689,6 +770,39 @@ pub fn render_calls(param: &str, calls: &[Value], format: ToolFormat) -> Result<
         }
     }
     Ok(out)
+}
+
+/// An assistant message's `tool_calls` as a chat template reads them: OpenAI's shape, each
+/// call's `arguments` an object (vLLM parses them so for templates, which write them with
+/// `tojson`; arguments serde_json cannot hold stay the text they were); `None` when there
+/// are none.
+pub fn template_calls(param: &str, calls: &[Value]) -> Result<Option<Value>, ApiError> {
+    let calls = read_calls(param, calls)?;
+    if calls.is_empty() {
+        return Ok(None);
+    }
+    let calls = calls
+        .into_iter()
+        .map(|call| {
+            let mut function = Map::new();
+            function.insert("name".into(), Value::String(call.name.to_owned()));
+            function.insert(
+                "arguments".into(),
+                match call.arguments {
+                    HistoryArguments::Object(v) => v,
+                    HistoryArguments::Raw(raw) => Value::String(raw),
+                },
+            );
+            let mut out = Map::new();
+            if let Some(id) = call.id {
+                out.insert("id".into(), Value::String(id.to_owned()));
+            }
+            out.insert("type".into(), Value::String("function".into()));
+            out.insert("function".into(), Value::Object(function));
+            Value::Object(out)
+        })
+        .collect();
+    Ok(Some(Value::Array(calls)))
 }
 
 /// A tool's result as a Hermes model reads it, in a user turn.

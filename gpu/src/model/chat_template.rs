@@ -30,13 +30,26 @@ const MAX_TOKENIZER_CONFIG: u64 = 64 << 20;
 
 const TEMPLATE_NAME: &str = "chat";
 
-/// One message of a conversation.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+/// One message of a conversation, as Hugging Face's `apply_chat_template` hands it to a
+/// template: the fields that are not set are absent (a template may ask
+/// `'tool_calls' in message`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChatMessage {
     /// `system`, `user`, `assistant`, ...
     pub role: String,
     /// The message text.
     pub content: String,
+    /// An assistant message's tool calls in OpenAI's shape
+    /// (`[{"id", "type": "function", "function": {"name", "arguments"}}]`), each call's
+    /// `arguments` a JSON object as templates write it with `tojson`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<serde_json::Value>,
+    /// The call a `tool` message answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// The author's name (a tool message's function).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 impl ChatMessage {
@@ -45,6 +58,7 @@ impl ChatMessage {
         ChatMessage {
             role: role.into(),
             content: content.into(),
+            ..ChatMessage::default()
         }
     }
 }
@@ -139,6 +153,15 @@ impl ChatTemplate {
             &text(tokenizer.bos_token_id()),
             &text(tokenizer.eos_token_ids().first().copied()),
         )
+    }
+
+    /// Whether the template reads the `tools` variable (Qwen 2.5 and later, Llama 3.1,
+    /// Hermes, Mistral's templates do): it can then write the tools, and the conversation's
+    /// calls and results, in the words the model was trained on.
+    pub fn reads_tools(&self) -> bool {
+        self.env
+            .get_template(TEMPLATE_NAME)
+            .is_ok_and(|t| t.undeclared_variables(false).contains("tools"))
     }
 
     /// The template's source text.
@@ -678,6 +701,35 @@ mod tests {
     /// after the final message's text, without the turn's end and without a generation
     /// prompt; after the trimmed text when the template trims it; refused when the text is
     /// empty or the template does not write it.
+    /// A template reads `tools` when it looks the variable up; one that sets it first, or
+    /// never names it, does not.
+    #[test]
+    fn templates_that_read_tools_are_told_apart() {
+        let reads = |src: &str| ChatTemplate::new(src, "", "").unwrap().reads_tools();
+        assert!(reads("{% if tools %}{{ tools | tojson }}{% endif %}"));
+        assert!(reads(
+            "{%- if not tools is defined %}{%- set tools = none %}{%- endif %}{{ tools }}"
+        ));
+        assert!(!reads(SMOLLM2));
+        assert!(!reads("{% set tools = [1] %}{{ tools }}"));
+        assert!(!reads("{{ messages[0].tools }}"));
+    }
+
+    /// Fields not set are absent from a message, as a template asking
+    /// `'tool_calls' in message` (Llama 3.1's) expects; set ones are there.
+    #[test]
+    fn unset_message_fields_are_absent() {
+        let src = "{% for m in messages %}{{ 'tool_calls' in m }} {{ m.tool_call_id is defined }} \
+                   {{ m.tool_calls[0].function.arguments.city if m.tool_calls }};{% endfor %}";
+        let mut call = ChatMessage::new("assistant", "");
+        call.tool_calls = Some(serde_json::json!([
+            {"type": "function", "function": {"name": "f", "arguments": {"city": "Rome"}}}]));
+        let mut result = ChatMessage::new("tool", "18");
+        result.tool_call_id = Some("a".into());
+        let text = render(src, &[ChatMessage::new("user", "hi"), call, result], false).unwrap();
+        assert_eq!(text, "False False ;True False Rome;False True ;");
+    }
+
     #[test]
     fn a_continued_final_message_ends_the_rendering_at_its_text() {
         let t = ChatTemplate::new(SMOLLM2, "", "").unwrap();
