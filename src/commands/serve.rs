@@ -108,6 +108,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let tool_format = match config.model.tool_call_format {
         ToolCallFormat::Hermes => ToolFormat::Hermes,
         ToolCallFormat::Llama3Json => ToolFormat::Llama3Json,
+        ToolCallFormat::Mistral => ToolFormat::Mistral,
         ToolCallFormat::Auto => model
             .chat_template
             .as_ref()

@@ -941,8 +941,9 @@ pub fn parse_messages(
                 match (content.is_empty(), calls.is_empty(), tool_format) {
                     (_, true, _) => content,
                     // A Llama 3 call is the whole answer: as Meta's template renders such a
-                    // turn, its text is left out.
-                    (true, false, _) | (false, false, ToolFormat::Llama3Json) => calls,
+                    // turn, its text is left out (and Mistral's templates leave it out).
+                    (true, false, _)
+                    | (false, false, ToolFormat::Llama3Json | ToolFormat::Mistral) => calls,
                     (false, false, ToolFormat::Hermes) => format!("{content}\n{calls}"),
                 }
             }
