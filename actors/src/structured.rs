@@ -400,7 +400,15 @@ impl TokenizerEnv for TokenizerView {
 
     fn tokenize_bytes(&self, s: &[u8]) -> Vec<u32> {
         self.trie.tokenize_with_greedy_fallback(s, |text| {
-            self.tokenizer.encode(text, false).unwrap_or_default()
+            let ids = self.tokenizer.encode(text, false).unwrap_or_default();
+            // Text the grammar forces is text, even where it spells a special token
+            // (`<|im_end|>`, Mistral's `[TOOL_CALLS]`): the tokenizer would read that as the
+            // special id, whose bytes the grammar does not have, and only the end could follow.
+            if ids.iter().any(|&id| self.tokenizer.is_special(id)) {
+                self.trie.greedy_tokenize(text.as_bytes())
+            } else {
+                ids
+            }
         })
     }
 }
