@@ -64,8 +64,11 @@ fn calls_of(message: &Value) -> Vec<(String, Value)> {
                 .iter()
                 .map(|c| {
                     assert_eq!(c["type"], "function", "{c}");
+                    // OpenAI's ids, or Mistral's 9 letters and digits.
+                    let id = c["id"].as_str().unwrap_or("");
                     assert!(
-                        c["id"].as_str().is_some_and(|id| id.starts_with("call_")),
+                        id.starts_with("call_")
+                            || (id.len() == 9 && id.bytes().all(|b| b.is_ascii_alphanumeric())),
                         "{c}"
                     );
                     let args = c["function"]["arguments"].as_str().expect("arguments text");
@@ -709,7 +712,7 @@ fn rendered(s: &Server, request: &Value) -> String {
     text["prompt"].as_str().expect("prompt").to_owned()
 }
 
-/// Models' own templates that read `tools` (Qwen3's, Llama 3.1's) get the tools, the
+/// Models' own templates that read `tools` (Qwen3's, Llama 3.1's, Mistral's) get the tools, the
 /// conversation's calls (arguments as objects) and its results as Hugging Face's
 /// `apply_chat_template` hands them over: the prompts equal Jinja2's renderings
 /// (tests/reference/tool_templates.py), and the answers are still held to the format.
@@ -723,7 +726,11 @@ fn templates_write_tools_calls_and_results_as_transformers_renders_them() {
         .expect("golden file"),
     )
     .expect("golden JSON");
-    for (fixture, format) in [("qwen3.jinja", "hermes"), ("llama3.1.jinja", "llama3_json")] {
+    for (fixture, format) in [
+        ("qwen3.jinja", "hermes"),
+        ("llama3.1.jinja", "llama3_json"),
+        ("mistral-v3.jinja", "mistral"),
+    ] {
         let s = server_with_template(&format!("tools-{fixture}"), fixture, "");
         let log = s.log();
         assert!(
@@ -781,6 +788,155 @@ fn templates_write_tools_calls_and_results_as_transformers_renders_them() {
         prompt.contains("<tools>") && !prompt.contains("You may call one or more"),
         "{prompt}"
     );
+}
+
+#[test]
+fn a_mistral_server_writes_its_calls_in_one_list_after_the_marker() {
+    // Mistral's format chosen by configuration (SmolLM2's template is ChatML): the grammar holds
+    // the model to it, and calls in the conversation are written as Mistral's templates write
+    // them.
+    let s = Server::start_full(
+        "tools-mistral",
+        "  tool_call_format: mistral\n",
+        "",
+        SCHEDULER,
+    );
+    assert!(
+        s.log()
+            .lines()
+            .any(|l| l.contains("tool calls") && l.contains("mistral")),
+        "{}",
+        s.log()
+    );
+    let body = ask(
+        json!({"tool_choice": "required", "parallel_tool_calls": false,
+                          "logprobs": true, "max_tokens": 120}),
+    );
+    let (status, v) = s.post_json("/v1/chat/completions", &body);
+    assert_eq!(status, 200, "{v}");
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
+    assert!(
+        choice["message"].get("content").is_none_or(Value::is_null),
+        "{v}"
+    );
+    let calls = calls_of(&choice["message"]);
+    assert_eq!(calls.len(), 1, "{v}");
+    match calls[0].0.as_str() {
+        "get_weather" => assert_weather_arguments(&calls[0].1),
+        "local_time" => assert_eq!(calls[0].1, json!({}), "{v}"),
+        other => panic!("called {other:?}: {v}"),
+    }
+    let _: CreateChatCompletionResponse = serde_json::from_value(v.clone()).expect("typed");
+    // What the model wrote, token by token, is Mistral's format (mistral-common's rendering of a
+    // call, without the id the model does not write): the marker, then the list.
+    let written: String = choice["logprobs"]["content"]
+        .as_array()
+        .expect("logprobs")
+        .iter()
+        .map(|t| t["token"].as_str().expect("a token"))
+        .collect();
+    let call = &choice["message"]["tool_calls"][0]["function"];
+    let raw = format!(
+        "[TOOL_CALLS] [{{\"name\": \"{}\", \"arguments\": {}}}]",
+        call["name"].as_str().unwrap(),
+        call["arguments"].as_str().unwrap()
+    );
+    let written = written.strip_suffix("<|im_end|>").unwrap_or(&written);
+    assert_eq!(written, raw, "{v}");
+
+    // Streamed, the same call in pieces, and no content.
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let mut names: Vec<String> = Vec::new();
+    let mut arguments: Vec<String> = Vec::new();
+    let mut finish = Vec::new();
+    for event in s.post_stream("/v1/chat/completions", &streamed) {
+        if event == "[DONE]" {
+            continue;
+        }
+        let chunk: Value = serde_json::from_str(&event).expect("a chunk");
+        let _: CreateChatCompletionStreamResponse =
+            serde_json::from_value(chunk.clone()).expect("typed chunk");
+        let delta = &chunk["choices"][0]["delta"];
+        assert!(delta.get("content").is_none_or(Value::is_null), "{chunk}");
+        for call in delta["tool_calls"].as_array().into_iter().flatten() {
+            let index = call["index"].as_u64().unwrap() as usize;
+            if let Some(name) = call["function"]["name"].as_str() {
+                assert_eq!(index, names.len(), "{chunk}");
+                names.push(name.to_owned());
+                arguments.push(String::new());
+            }
+            arguments[index].push_str(call["function"]["arguments"].as_str().unwrap_or(""));
+        }
+        if let Some(f) = chunk["choices"][0]["finish_reason"].as_str() {
+            finish.push(f.to_owned());
+        }
+    }
+    assert_eq!(finish, ["tool_calls"]);
+    let whole: Vec<(String, Value)> = names
+        .into_iter()
+        .zip(
+            arguments
+                .iter()
+                .map(|a| serde_json::from_str(a).expect("JSON")),
+        )
+        .collect();
+    assert_eq!(whole, calls);
+
+    // Several calls may be made in the one list; each reads back against its tool.
+    let (status, v) = s.post_json(
+        "/v1/chat/completions",
+        &ask(json!({"tool_choice": "required", "max_tokens": 120})),
+    );
+    assert_eq!(status, 200, "{v}");
+    for (name, args) in calls_of(&v["choices"][0]["message"]) {
+        match name.as_str() {
+            "get_weather" => assert_weather_arguments(&args),
+            "local_time" => assert_eq!(args, json!({}), "{v}"),
+            other => panic!("called {other:?}: {v}"),
+        }
+    }
+
+    // A named function is the one called; the choice finishes with stop.
+    let (status, v) = s.post_json(
+        "/v1/chat/completions",
+        &ask(json!({"tool_choice": {"type": "function", "function": {"name": "local_time"}}})),
+    );
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    assert_eq!(
+        calls_of(&v["choices"][0]["message"]),
+        [("local_time".to_owned(), json!({}))],
+        "{v}"
+    );
+
+    // A conversation's calls are written as mistral-common writes them, each with its id (kept
+    // when it is one of Mistral's, otherwise made one: the last 9 characters of ours), the
+    // turn's text left out.
+    let history = json!([
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "Let me look.", "tool_calls": [
+            {"id": "123456789", "type": "function", "function": {"name": "get_weather",
+                "arguments": "{\"city\": \"Paris\", \"unit\": \"celsius\"}"}},
+            {"id": "call_0123456789abcdef0123456789abcdef", "type": "function",
+                "function": {"name": "local_time", "arguments": "{}"}}]},
+    ]);
+    let (status, v) = s.post_json("/tokenize", &json!({"messages": history}));
+    assert_eq!(status, 200, "{v}");
+    let (status, text) = s.post_json("/detokenize", &json!({"tokens": v["tokens"]}));
+    assert_eq!(status, 200, "{text}");
+    let prompt = text["prompt"].as_str().expect("prompt");
+    assert!(
+        prompt.contains(
+            "<|im_start|>assistant\n[TOOL_CALLS] [{\"name\": \"get_weather\", \"arguments\": \
+             {\"city\": \"Paris\", \"unit\": \"celsius\"}, \"id\": \"123456789\"}, {\"name\": \
+             \"local_time\", \"arguments\": {}, \"id\": \"789abcdef\"}]<|im_end|>"
+        ),
+        "{prompt:?}"
+    );
+    assert!(!prompt.contains("Let me look."), "{prompt:?}");
+    s.assert_serves();
 }
 
 #[test]

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use serde_json::{json, Value};
 use switchyard_actors::structured::{GrammarCompiler, StructuredOutput};
-use switchyard_api::schema::tools::{ToolFormat, ToolPiece, ToolStream, ToolUse};
+use switchyard_api::schema::tools::{ToolFormat, ToolPiece, ToolSetup, ToolStream, ToolUse};
 use switchyard_gpu::constraint::{is_allowed, Constraint};
 use switchyard_gpu::model::{load_model, Tokenizer};
 
@@ -232,9 +232,12 @@ fn whatever_the_required_grammar_lets_a_model_write_reads_back_as_valid_calls() 
     let eos = tok.eos_token_ids()[0];
     let mut ended = 0;
     for seed in 0..48u64 {
-        // Hermes for three walks in four, Llama 3 for the fourth.
+        // Llama 3 for one walk in four; Mistral for one in four, and one in eight with
+        // parallel calls; Hermes for the others.
         let format = if seed % 4 == 3 {
             ToolFormat::Llama3Json
+        } else if seed % 4 == 1 || seed % 8 == 2 {
+            ToolFormat::Mistral
         } else {
             ToolFormat::Hermes
         };
@@ -308,6 +311,7 @@ fn whatever_the_required_grammar_lets_a_model_write_reads_back_as_valid_calls() 
                         ToolFormat::Llama3Json => {
                             assert!(!t.trim_start().starts_with('{'), "{text:?}")
                         }
+                        ToolFormat::Mistral => assert!(!t.contains("[TOOL_CALLS]"), "{text:?}"),
                     }
                 }
                 _ => opened = true,
@@ -402,6 +406,202 @@ fn the_llama3_grammar_admits_calls_as_the_whole_answer() {
         ),
     ];
     check_cases(ToolFormat::Llama3Json, &compiler, &tok, cases);
+}
+
+#[test]
+fn the_mistral_grammar_admits_one_list_of_calls_after_the_marker() {
+    let tok = tokenizer();
+    let compiler = GrammarCompiler::new(tok.clone()).expect("compiler");
+    let call = |name: &str, arguments: &str| {
+        format!("{{\"name\": \"{name}\", \"arguments\": {arguments}}}")
+    };
+    let paris = call("get_weather", r#"{"city": "Paris", "unit": "celsius"}"#);
+    let now = call("now", "{}");
+    let one = format!("[TOOL_CALLS] [{paris}]");
+    let two = format!("[TOOL_CALLS] [{paris}, {now}]");
+    let named = json!({"type": "function", "function": {"name": "now"}});
+    // (choice, parallel, text, accepted whole, may end there)
+    let cases: Vec<(Value, bool, String, bool, bool)> = vec![
+        (
+            json!("auto"),
+            true,
+            "It is sunny [22 C], {dry}.".into(),
+            true,
+            true,
+        ),
+        (json!("auto"), true, one.clone(), true, true),
+        (json!("auto"), true, two.clone(), true, true),
+        // Text may come before the list, not after it; the marker is the list's.
+        (
+            json!("auto"),
+            true,
+            format!("Let me look.{one}"),
+            true,
+            true,
+        ),
+        (json!("auto"), true, format!("{one} done"), false, false),
+        (json!("auto"), true, format!("{one}\n"), false, false),
+        (json!("auto"), true, "a [TOOL_CALLS] b".into(), false, false),
+        (json!("required"), true, "It is sunny.".into(), false, false),
+        (json!("required"), true, format!("[{paris}]"), false, false),
+        (json!("required"), true, two.clone(), true, true),
+        (json!("required"), false, one.clone(), true, true),
+        (json!("required"), false, two.clone(), false, false),
+        (json!("required"), true, format!("Sure.{one}"), false, false),
+        // Arguments follow the schema; the key is "arguments"; the grammar writes no ids.
+        (
+            json!("required"),
+            true,
+            format!(
+                "[TOOL_CALLS] [{}]",
+                call("get_weather", r#"{"city": "Paris", "unit": "kelvin"}"#)
+            ),
+            false,
+            false,
+        ),
+        (
+            json!("required"),
+            true,
+            "[TOOL_CALLS] [{\"name\": \"now\", \"parameters\": {}}]".into(),
+            false,
+            false,
+        ),
+        (
+            json!("required"),
+            true,
+            "[TOOL_CALLS] [{\"name\": \"now\", \"arguments\": {}, \"id\": \"123456789\"}]".into(),
+            false,
+            false,
+        ),
+        (
+            named.clone(),
+            true,
+            format!("[TOOL_CALLS] [{now}]"),
+            true,
+            true,
+        ),
+        (named.clone(), true, one.clone(), false, false),
+        (
+            named,
+            true,
+            format!("[TOOL_CALLS] [{now}, {now}]"),
+            false,
+            false,
+        ),
+        // A list not yet closed may not end.
+        (
+            json!("required"),
+            true,
+            one[..one.len() - 1].to_string(),
+            true,
+            false,
+        ),
+    ];
+    check_cases(ToolFormat::Mistral, &compiler, &tok, cases);
+}
+
+/// SmolLM2's tokenizer with `[TOOL_CALLS]` added as a special token, as in Mistral's
+/// tokenizers; and the marker's id.
+fn tokenizer_with_special_marker() -> (Arc<Tokenizer>, u32) {
+    let base = tokenizer();
+    let mut json: Value = serde_json::from_str(&base.to_json().expect("json")).expect("JSON");
+    json["added_tokens"]
+        .as_array_mut()
+        .expect("added tokens")
+        .push(
+            json!({"id": base.vocab_size(), "content": "[TOOL_CALLS]", "single_word": false,
+                     "lstrip": false, "rstrip": false, "normalized": false, "special": true}),
+        );
+    let mut tok =
+        Tokenizer::from_json_bytes(json.to_string().as_bytes()).expect("the tokenizer loads");
+    tok.set_special_ids(base.bos_token_id(), base.eos_token_ids().to_vec());
+    let marker = tok.token_to_id("[TOOL_CALLS]").expect("the marker");
+    assert!(tok.is_special(marker));
+    (Arc::new(tok), marker)
+}
+
+/// The Mistral grammar of `choice` over a tokenizer whose `[TOOL_CALLS]` is the special token
+/// `marker`, told it as `serve` tells it (`ToolSetup::marker_token`).
+fn special_marker_constraint(
+    compiler: &GrammarCompiler,
+    tok: &Tokenizer,
+    marker: u32,
+    choice: &Value,
+) -> Constraint {
+    let setup = ToolSetup {
+        format: ToolFormat::Mistral,
+        template: false,
+        marker_token: Some(marker),
+    };
+    let tool_use = ToolUse::parse(Some(&tools()), Some(choice), Some(true), setup)
+        .expect("valid tools")
+        .expect("tools");
+    assert!(tool_use.keeps_special_tokens());
+    compiler
+        .compile(
+            &StructuredOutput::ToolCalls(tool_use.grammar().expect("a grammar").to_owned()),
+            &[tok.eos_token_ids()[0]],
+            1,
+        )
+        .expect("the grammar compiles")
+        .pop()
+        .expect("one constraint")
+}
+
+/// Where `[TOOL_CALLS]` is a special token (Mistral's tokenizers), the grammar writes that
+/// token, as the model was trained to: forced when the answer is calls only, allowed at the
+/// start or after text with `auto`, never spelled as text. Decoded with special tokens (the
+/// server turns skipping them off for such requests), the answer reads back as the calls.
+#[test]
+fn a_mistral_marker_that_is_a_special_token_is_written_as_that_token() {
+    let (tok, marker) = tokenizer_with_special_marker();
+    let compiler = GrammarCompiler::new(tok.clone()).expect("compiler");
+    let vocab = tok.vocab_size();
+    let eos = tok.eos_token_ids()[0] as usize;
+    // In a prompt the marker is the special token, and a decoding that skips special tokens
+    // leaves its text out.
+    assert_eq!(tok.encode("[TOOL_CALLS]", false).expect("encode"), [marker]);
+    assert_eq!(tok.decode(&[marker], true).expect("decode"), "");
+    let list = " [{\"name\": \"now\", \"arguments\": {}}]";
+    let read = |ids: &[u32]| {
+        let text = tok.decode(ids, false).expect("decode");
+        let (content, calls) = ToolStream::read_all(ToolFormat::Mistral, &text);
+        assert_eq!(calls.len(), 1, "{text:?}");
+        assert_eq!(
+            (calls[0].name.as_str(), calls[0].arguments.as_str()),
+            ("now", "{}")
+        );
+        (text, content)
+    };
+    let named = json!({"type": "function", "function": {"name": "now"}});
+    for choice in [json!("required"), named] {
+        let c = special_marker_constraint(&compiler, &tok, marker, &choice);
+        let allowed = c.allowed(vocab);
+        let first: Vec<usize> = (0..vocab).filter(|&t| is_allowed(&allowed, t)).collect();
+        assert_eq!(first, [marker as usize], "{choice}");
+        c.commit(marker);
+        let mut ids = vec![marker];
+        ids.extend(path(&c, &tok, list));
+        assert!(is_allowed(&c.allowed(vocab), eos), "{choice}");
+        let (text, content) = read(&ids);
+        assert_eq!(text, format!("[TOOL_CALLS]{list}"));
+        assert_eq!(content, "");
+    }
+    let auto = json!("auto");
+    let c = special_marker_constraint(&compiler, &tok, marker, &auto);
+    assert!(is_allowed(&c.allowed(vocab), marker as usize));
+    let mut ids = path(&c, &tok, "Let me look.");
+    assert!(!ids.contains(&marker));
+    let allowed = c.allowed(vocab);
+    assert!(is_allowed(&allowed, marker as usize) && is_allowed(&allowed, eos));
+    c.commit(marker);
+    ids.push(marker);
+    ids.extend(path(&c, &tok, list));
+    assert!(is_allowed(&c.allowed(vocab), eos));
+    assert_eq!(read(&ids).1, "Let me look.");
+    // The marker's text written as text is not a way in.
+    let c = special_marker_constraint(&compiler, &tok, marker, &auto);
+    assert!(!accepts(&c, &tok, "a [TOOL_CALLS] b").0);
 }
 
 /// The tokens a model could write for `text` (at each step the longest allowed token that

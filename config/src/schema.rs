@@ -326,16 +326,25 @@ choice_from_str!(Quantization { "none" => None, "fp8" => Fp8 });
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
 pub enum ToolCallFormat {
-    /// From the chat template: Llama 3's for Meta's Llama 3.1-3.3 templates, Hermes otherwise.
+    /// From the chat template: Mistral's for templates that write `[TOOL_CALLS]` and
+    /// `[AVAILABLE_TOOLS]`, Llama 3's for Meta's Llama 3.1-3.3 templates, Hermes otherwise.
     #[default]
     Auto,
     /// `<tool_call>` blocks (Qwen 2.5 and later, Hermes, SmolLM3; any other model).
     Hermes,
     /// Meta's JSON calls, `{"name": ..., "parameters": ...}` (Llama 3.1 to 3.3).
     Llama3Json,
+    /// Mistral's list of calls, `[TOOL_CALLS] [{"name": ..., "arguments": ...}]` (Mistral 7B
+    /// Instruct v0.3 and the other models of Mistral's v3 tokenizer).
+    Mistral,
 }
 
-choice_from_str!(ToolCallFormat { "auto" => Auto, "hermes" => Hermes, "llama3_json" => Llama3Json });
+choice_from_str!(ToolCallFormat {
+    "auto" => Auto,
+    "hermes" => Hermes,
+    "llama3_json" => Llama3Json,
+    "mistral" => Mistral,
+});
 
 /// Who writes a request's tools, and its conversation's tool calls and results, into the
 /// prompt.

@@ -30,7 +30,7 @@ use switchyard_api::engine::{
 };
 use switchyard_api::schema::{
     reasoning,
-    tools::{ToolFormat, ToolSetup},
+    tools::{ToolFormat, ToolSetup, TOOL_CALLS as mistral_tools_marker},
 };
 use switchyard_api::{ApiConfig, ApiKeyEntry, ApiState, ServerOptions};
 use switchyard_config::{Config, ReasoningParser, ToolCallFormat, ToolPrompt};
@@ -107,6 +107,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let tool_format = match config.model.tool_call_format {
         ToolCallFormat::Hermes => ToolFormat::Hermes,
         ToolCallFormat::Llama3Json => ToolFormat::Llama3Json,
+        ToolCallFormat::Mistral => ToolFormat::Mistral,
         ToolCallFormat::Auto => model
             .chat_template
             .as_ref()
@@ -123,6 +124,12 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             ToolPrompt::Template => true,
             ToolPrompt::Server => false,
         },
+        // Mistral's tokenizers have `[TOOL_CALLS]` as a special token.
+        marker_token: tool_format
+            .marker_is_token()
+            .then(|| model.tokenizer.token_to_id(mistral_tools_marker))
+            .flatten()
+            .filter(|&id| model.tokenizer.is_special(id)),
     };
     if tools.template && !reads_tools {
         tracing::warn!(
@@ -133,6 +140,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     tracing::info!(
         tool_call_format = tool_format.name(),
         tool_prompt = if tools.template { "template" } else { "server" },
+        marker_token = tools.marker_token,
         "tool calls"
     );
     let reasoning = match config.model.reasoning_parser {

@@ -6,7 +6,8 @@ configures it (transformers/utils/chat_template_utils.py: a sandboxed environmen
 `raise_exception`), rendering each OpenAI chat request the way vLLM hands one to a template:
 `tools` is the list of tool dictionaries as the client wrote them (`None` without tools), an
 assistant message's `tool_calls` keep their shape with each call's `arguments` string parsed to
-an object, a `tool` message keeps `tool_call_id`, a null `content` is the empty string.
+an object, a `tool` message keeps `tool_call_id`, a null `content` is the empty string; for
+Mistral's templates, which take only 9-character ids, vLLM keeps an id's last 9 characters.
 
 Two server rules are applied here as the server states them (not taken from its output):
 `tool_choice: "none"` offers no tool, and a named `tool_choice` offers only that tool.
@@ -15,6 +16,8 @@ The templates are the models' own, unmodified, in tests/fixtures:
 - qwen3.jinja: `chat_template` of Qwen/Qwen3-8B's tokenizer_config.json.
 - llama3.1.jinja: `chat_template` of meta-llama/Llama-3.1-8B-Instruct's tokenizer_config.json
   (the July 2024 release, whose default date is "26 Jul 2024").
+- mistral-v3.jinja: Mistral's "v3" template of Mistral-Large-Instruct-2407, as llama.cpp's
+  chat-template tests (tests/test-chat-template.cpp) carry it.
 
 Run from the repository root (needs only jinja2):
 
@@ -55,7 +58,7 @@ def environment():
     return env
 
 
-def template_messages(messages):
+def template_messages(messages, mistral):
     out = []
     for m in messages:
         m = copy.deepcopy(m)
@@ -65,6 +68,10 @@ def template_messages(messages):
             args = call["function"].get("arguments")
             if isinstance(args, str):
                 call["function"]["arguments"] = json.loads(args)
+            if mistral and "id" in call:
+                call["id"] = call["id"][-9:]
+        if mistral and "tool_call_id" in m:
+            m["tool_call_id"] = m["tool_call_id"][-9:]
         out.append(m)
     return out
 
@@ -80,10 +87,10 @@ def offered_tools(request):
     return tools
 
 
-def render(env, template, request):
+def render(env, fixture, template, request):
     kwargs = dict(request.get("chat_template_kwargs") or {})
     return env.from_string(template).render(
-        messages=template_messages(request["messages"]),
+        messages=template_messages(request["messages"], fixture.startswith("mistral")),
         tools=offered_tools(request),
         add_generation_prompt=request.get("add_generation_prompt", True),
         bos_token=BOS,
@@ -202,6 +209,46 @@ CASES = [
 ]
 
 
+MISTRAL_CALLS = [
+    {
+        "id": "call_abc123def",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Zürich", "unit": "celsius"}'},
+    },
+    {"id": "call_xyz987uvw", "type": "function", "function": {"name": "local_time", "arguments": "{}"}},
+]
+CASES += [
+    (
+        "mistral v3 offers the tools before the last user turn",
+        "mistral-v3.jinja",
+        {
+            "messages": [
+                {"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello."},
+                {"role": "user", "content": "What is the weather like in Paris?"},
+            ],
+            "tools": [WEATHER, TIME],
+        },
+    ),
+    (
+        "mistral v3 writes calls and results with their ids",
+        "mistral-v3.jinja",
+        {
+            "messages": [
+                {"role": "user", "content": "Weather in Zürich, and the time?"},
+                {"role": "assistant", "content": None, "tool_calls": MISTRAL_CALLS},
+                {"role": "tool", "tool_call_id": "call_abc123def", "content": '{"temperature": 18}'},
+                {"role": "tool", "tool_call_id": "call_xyz987uvw", "content": "09:30"},
+                {"role": "assistant", "content": "18 C at 09:30."},
+                {"role": "user", "content": "Thanks."},
+            ],
+            "tools": [WEATHER, TIME],
+        },
+    ),
+]
+
+
 def main():
     env = environment()
     out = []
@@ -213,7 +260,7 @@ def main():
                 "name": name,
                 "template": fixture,
                 "request": request,
-                "prompt": render(env, template, request),
+                "prompt": render(env, fixture, template, request),
             }
         )
     json.dump(out, sys.stdout, ensure_ascii=False, indent=1)

@@ -10,7 +10,7 @@ use crate::engine::{FinishReason, StructuredOutputSpec, TokenLogprob};
 use crate::error::ApiError;
 use crate::generation::{ChoiceDelta, Generation, RequestFields};
 use crate::schema::reasoning::{ThinkSplitter, ThinkStart, THINK_CLOSE};
-use crate::schema::tools::{ToolAnswer, ToolPiece, ToolStream};
+use crate::schema::tools::{new_call_id, ToolAnswer, ToolFormat, ToolPiece, ToolStream};
 use crate::schema::{
     ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatLogprobs, ChatRequest, ChatResponse,
     ChatResponseMessage, FunctionCall, FunctionCallDelta, ToolCall, ToolCallDelta, Usage,
@@ -79,6 +79,7 @@ pub(crate) async fn chat_completions(
         held: vec![Vec::new(); generation.choices()],
         calls_only: validated.tool_calls.is_some_and(ToolAnswer::calls_only),
         named: validated.tool_calls == Some(ToolAnswer::Named),
+        call_format: tool_format,
     };
     if validated.stream {
         return Ok(sse_response(
@@ -113,6 +114,8 @@ struct ChatWriter {
     calls_only: bool,
     /// `tool_choice` names the function: a choice that calls it finishes with `stop`.
     named: bool,
+    /// The model's call format, whose ids the calls get.
+    call_format: ToolFormat,
 }
 
 /// What a choice's new text is, read.
@@ -186,7 +189,7 @@ impl ChatWriter {
                 ToolPiece::Text(t) => content.push_str(&t),
                 ToolPiece::Call { index: i, name } => calls.push(ToolCallDelta {
                     index: index(i),
-                    id: Some(request_id("call_", None)),
+                    id: Some(new_call_id(self.call_format, || request_id("call_", None))),
                     kind: Some("function"),
                     function: FunctionCallDelta {
                         name: Some(name),

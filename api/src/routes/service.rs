@@ -92,7 +92,7 @@ pub(crate) async fn tokenize(
                 body.tools.as_ref(),
                 body.tool_choice.as_ref(),
                 body.parallel_tool_calls,
-                setup.format,
+                setup,
             )?;
             let mut messages = parse_messages(messages, setup)?;
             check_continued(&messages, ending)?;

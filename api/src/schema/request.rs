@@ -20,8 +20,8 @@ use super::limits::*;
 use super::sampling::SamplerFields;
 use super::structured::{Structured, StructuredFields};
 use super::tools::{
-    render_calls, render_response, template_calls, ToolAnswer, ToolFormat, ToolPrompt, ToolSetup,
-    ToolUse, MAX_TOOL_CALL_ID,
+    render_calls, render_result, template_call_id, template_calls, ToolAnswer, ToolFormat,
+    ToolPrompt, ToolSetup, ToolUse, MAX_TOOL_CALL_ID,
 };
 use crate::engine::{
     ChatEnding, ChatMessage, ChatRole, PromptInput, SamplingOptions, StructuredOutputSpec,
@@ -703,7 +703,7 @@ impl ChatRequest {
             self.tools.as_ref(),
             self.tool_choice.as_ref(),
             self.parallel_tool_calls,
-            setup.format,
+            setup,
         )?
         .filter(ToolUse::active);
         let logprobs = match (self.logprobs.unwrap_or(false), self.top_logprobs) {
@@ -795,7 +795,10 @@ impl ChatRequest {
             tool_calls: tools.as_ref().and_then(ToolUse::answer),
             cache_salt: parse_cache_salt(self.cache_salt)?,
             include_stop_str_in_output: self.include_stop_str_in_output.unwrap_or(false),
-            skip_special_tokens: self.skip_special_tokens.unwrap_or(true),
+            // A marker that is a special token must reach the tool reader (vLLM turns the
+            // option off for Mistral's tool parser too).
+            skip_special_tokens: self.skip_special_tokens.unwrap_or(true)
+                && !tools.as_ref().is_some_and(ToolUse::keeps_special_tokens),
         })
     }
 }
@@ -932,7 +935,7 @@ pub fn parse_messages(
         return messages
             .into_iter()
             .enumerate()
-            .map(|(i, m)| template_message(i, m))
+            .map(|(i, m)| template_message(i, m, setup.format))
             .collect();
     }
     let tool_format = setup.format;
@@ -944,7 +947,7 @@ pub fn parse_messages(
         let role = match m.role.as_str() {
             "tool" if tool_format == ToolFormat::Llama3Json => ChatRole::Tool,
             "tool" => {
-                let result = render_response(&content);
+                let result = render_result(tool_format, &content, m.tool_call_id.as_deref());
                 match out.last_mut() {
                     // Results join the user turn before them (earlier results, or a user
                     // message), so roles still alternate for templates that insist.
@@ -970,8 +973,9 @@ pub fn parse_messages(
                 match (content.is_empty(), calls.is_empty(), tool_format) {
                     (_, true, _) => content,
                     // A Llama 3 call is the whole answer: as Meta's template renders such a
-                    // turn, its text is left out.
-                    (true, false, _) | (false, false, ToolFormat::Llama3Json) => calls,
+                    // turn, its text is left out (and Mistral's templates leave it out).
+                    (true, false, _)
+                    | (false, false, ToolFormat::Llama3Json | ToolFormat::Mistral) => calls,
                     (false, false, ToolFormat::Hermes) => format!("{content}\n{calls}"),
                 }
             }
@@ -1025,18 +1029,24 @@ fn short_field(i: usize, field: &str, v: Option<String>) -> Result<Option<String
 
 /// Message `i` as the chat template reads it: calls and results stay fields of their
 /// messages (Hugging Face's and vLLM's shape).
-fn template_message(i: usize, m: MessageField) -> Result<ChatMessage, ApiError> {
+fn template_message(
+    i: usize,
+    m: MessageField,
+    format: ToolFormat,
+) -> Result<ChatMessage, ApiError> {
     let role = chat_role(i, &m.role)?;
     let content = message_text(i, m.content)?;
     let tool_calls = match m.tool_calls {
         None | Some(serde_json::Value::Null) => None,
         Some(serde_json::Value::Array(calls)) if role == ChatRole::Assistant => {
-            template_calls(&format!("messages[{i}].tool_calls"), &calls)?
+            template_calls(&format!("messages[{i}].tool_calls"), &calls, format)?
         }
         Some(_) => return Err(calls_not_a_list(i)),
     };
     let tool_call_id = match role {
-        ChatRole::Tool => short_field(i, "tool_call_id", m.tool_call_id)?,
+        ChatRole::Tool => {
+            short_field(i, "tool_call_id", m.tool_call_id)?.map(|id| template_call_id(&id, format))
+        }
         _ => None,
     };
     Ok(ChatMessage {
@@ -1461,6 +1471,7 @@ mod tests {
         let setup = ToolSetup {
             format: ToolFormat::Hermes,
             template: true,
+            marker_token: None,
         };
         let messages: Vec<MessageField> = serde_json::from_value(serde_json::json!([
             {"role": "user", "content": "Weather in Paris?"},
@@ -1582,6 +1593,42 @@ mod tests {
         assert_eq!(kwargs(v)["tools"], serde_json::json!([1]));
         let e = chat(serde_json::json!({"tools": tools, "chat_template_kwargs": {"tools": []}}));
         assert_eq!(param_of(e).as_deref(), Some("chat_template_kwargs"));
+    }
+
+    /// A call marker that is a special token (Mistral's `[TOOL_CALLS]`) is decoded into the
+    /// answer's text for the tool reader: such requests keep special tokens, others do not.
+    #[test]
+    fn a_special_call_marker_keeps_special_tokens_in_the_answer() {
+        let chat = |format: ToolFormat, extra: serde_json::Value| {
+            let mut body = serde_json::json!({"messages": [{"role": "user", "content": "hi"}],
+                "tools": [{"type": "function", "function": {"name": "f"}}]});
+            for (k, v) in extra.as_object().unwrap() {
+                body[k] = v.clone();
+            }
+            let setup = ToolSetup {
+                format,
+                template: false,
+                marker_token: Some(7),
+            };
+            serde_json::from_value::<ChatRequest>(body)
+                .unwrap()
+                .validate(128, setup)
+                .unwrap()
+        };
+        let v = chat(ToolFormat::Mistral, serde_json::json!({}));
+        assert!(!v.skip_special_tokens);
+        let Some(StructuredOutputSpec::ToolCalls(grammar)) = &v.structured else {
+            panic!("{:?}", v.structured)
+        };
+        assert!(grammar.contains("<[7]>"), "{grammar}");
+        let v = chat(
+            ToolFormat::Mistral,
+            serde_json::json!({"tool_choice": "none"}),
+        );
+        assert!(v.skip_special_tokens);
+        // Only Mistral's marker is a token; Hermes' is text.
+        let v = chat(ToolFormat::Hermes, serde_json::json!({}));
+        assert!(v.skip_special_tokens);
     }
 
     #[test]

@@ -1,31 +1,54 @@
 //! Tool calling on `/v1/chat/completions`: OpenAI's `tools`, `tool_choice` and
 //! `parallel_tool_calls`, assistant messages carrying `tool_calls`, and `tool` messages.
 //!
-//! The model writes calls in one of two formats ([`ToolFormat`]), chosen by the server for the
-//! model (by default from its chat template):
+//! The model writes calls in one of three formats ([`ToolFormat`]), chosen by the server for the
+//! model (by default from its chat template). Where the chat template reads `tools`, it writes
+//! the tools, and the conversation's calls and results, itself ([`ToolSetup::template`]); the
+//! placements below are the server's own, for templates that know nothing of tools:
 //! - **Hermes**, which Qwen 2.5 and later, Hermes and SmolLM3 are trained on, and the default
 //!   for any other model. The tools' signatures go into the system message as JSON lines inside
 //!   `<tools></tools>`. A call is `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`;
 //!   several calls are separated by newlines, and text may come before them. A tool's result
 //!   goes back as a user turn holding `<tool_response>\n...\n</tool_response>` (consecutive
 //!   results share one turn).
-//! - **Llama 3 JSON**, Meta's format for Llama 3.1 to 3.3 with tools in the system prompt. The
-//!   tools' signatures go into the system message as JSON lines. A call is the whole answer,
+//! - **Llama 3 JSON**, Meta's format for Llama 3.1 to 3.3. The tools' signatures go at the head
+//!   of the first user message in Meta's words, as JSON. A call is the whole answer,
 //!   `{"name": ..., "parameters": {...}}`; several calls are separated by `"; "`. A tool's result
 //!   goes back as a `tool` message, which Llama 3's templates render as the `ipython` turn.
+//! - **Mistral**, the format of Mistral 7B Instruct v0.3 and the other models of Mistral's v3
+//!   tokenizer (`tools/mistral.rs`). The tools go in `[AVAILABLE_TOOLS] [...][/AVAILABLE_TOOLS]`
+//!   at the head of the first user message; the calls are one JSON list after `[TOOL_CALLS]`,
+//!   `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`, and text may come before it. Calls
+//!   in the conversation carry their ids as Mistral's templates require them (9 letters and
+//!   digits); Mistral's form of a result, naming the id of the call it answers, is
+//!   [`render_result`]'s.
 //!
 //! The output is held to the format by a grammar in llguidance's Lark dialect, which the
 //! engine runs like any structured output, so a call always parses and its arguments follow
 //! the tool's `parameters` schema: `auto` allows either text (which may not contain
-//! `<tool_call>`, or, in the Llama 3 format, begin with `{`) or calls, `required` and a named
-//! function allow only calls. [`ToolStream`] reads the generated text back into content and
-//! calls, incrementally for streams.
+//! `<tool_call>` or `[TOOL_CALLS]`, or, in the Llama 3 format, begin with `{`) or calls,
+//! `required` and a named function allow only calls. [`ToolStream`] reads the generated text
+//! back into content and calls, incrementally for streams.
+
+mod mistral;
 
 use serde_json::{Map, Value};
 
 use super::held::{partial_tag, trim_space_end, MAX_HELD_SPACE};
 use super::limits::MAX_STRUCTURED_BYTES;
 use crate::error::ApiError;
+
+pub use mistral::{call_id as mistral_call_id, TOOL_CALLS};
+
+/// A new id for a call the model wrote in `format`: OpenAI's `call_` and 32 hex digits
+/// (`random_hex`), or Mistral's 9 letters and digits, which its templates require when the
+/// call comes back in a conversation.
+pub fn new_call_id(format: ToolFormat, random_hex: impl FnOnce() -> String) -> String {
+    match format {
+        ToolFormat::Mistral => mistral::new_call_id(),
+        ToolFormat::Hermes | ToolFormat::Llama3Json => random_hex(),
+    }
+}
 
 /// How a chat answer with tools is read back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -54,13 +77,18 @@ pub enum ToolFormat {
     Hermes,
     /// `{"name": ..., "parameters": ...}` as the whole answer, several separated by `"; "`.
     Llama3Json,
+    /// `[TOOL_CALLS] [{"name": ..., "arguments": ...}, ...]`, after any text.
+    Mistral,
 }
 
 impl ToolFormat {
-    /// The format a chat template was written for: Llama 3's when it holds Meta's call
-    /// instructions (Llama 3.1 to 3.3), Hermes otherwise.
+    /// The format a chat template was written for: Mistral's when it writes `[TOOL_CALLS]` and
+    /// `[AVAILABLE_TOOLS]`, Llama 3's when it holds Meta's call instructions (Llama 3.1 to
+    /// 3.3), Hermes otherwise.
     pub fn for_template(source: &str) -> Self {
-        if !source.contains(CALL_OPEN)
+        if mistral::is_template(source) {
+            Self::Mistral
+        } else if !source.contains(CALL_OPEN)
             && source.contains("\"parameters\": dictionary of argument name and its value")
         {
             Self::Llama3Json
@@ -74,30 +102,49 @@ impl ToolFormat {
         match self {
             Self::Hermes => "hermes",
             Self::Llama3Json => "llama3_json",
+            Self::Mistral => "mistral",
         }
     }
 
-    /// What opens a call: empty for Llama 3, whose calls are the whole answer.
+    /// What opens a call: empty for Llama 3, whose calls are the whole answer, and for Mistral,
+    /// whose list of calls opens once (read apart: [`mistral::list_open`]).
     fn open(self) -> &'static str {
         match self {
             Self::Hermes => CALL_OPEN,
-            Self::Llama3Json => "",
+            Self::Llama3Json | Self::Mistral => "",
         }
     }
 
     /// What follows a call's object: Hermes' closing tag, or Llama 3's separator (the last
-    /// call has none).
+    /// call has none). Mistral's (`,`, or the list's `]`) is read apart
+    /// ([`mistral::after_arguments`]).
     fn close(self) -> &'static str {
         match self {
             Self::Hermes => CALL_CLOSE,
             Self::Llama3Json => ";",
+            Self::Mistral => ",",
         }
+    }
+
+    /// What marks the start of calls after text: `<tool_call>`, `[TOOL_CALLS]`; empty for
+    /// Llama 3, whose calls are the whole answer.
+    fn marker(self) -> &'static str {
+        match self {
+            Self::Hermes => CALL_OPEN,
+            Self::Llama3Json => "",
+            Self::Mistral => TOOL_CALLS,
+        }
+    }
+
+    /// Whether the marker may be a special token of the model's tokenizer (Mistral's).
+    pub fn marker_is_token(self) -> bool {
+        self == Self::Mistral
     }
 
     /// The key of a call's arguments.
     fn arguments_key(self) -> &'static str {
         match self {
-            Self::Hermes => "arguments",
+            Self::Hermes | Self::Mistral => "arguments",
             Self::Llama3Json => "parameters",
         }
     }
@@ -115,14 +162,20 @@ pub struct ToolSetup {
     /// ([`ToolUse::prompt`], [`render_calls`], [`render_response`]), for templates that know
     /// nothing of tools.
     pub template: bool,
+    /// The special token that opens calls, where the model's tokenizer has one (Mistral's
+    /// `[TOOL_CALLS]`): the grammar writes that token (llguidance's `<[id]>`), as the model
+    /// was trained to, and the answer is decoded with special tokens so that the reader sees
+    /// it. `None`: the marker is text.
+    pub marker_token: Option<u32>,
 }
 
 impl From<ToolFormat> for ToolSetup {
-    /// Calls in `format`, written into prompts by the server.
+    /// Calls in `format`, written into prompts by the server, the marker as text.
     fn from(format: ToolFormat) -> Self {
         ToolSetup {
             format,
             template: false,
+            marker_token: None,
         }
     }
 }
@@ -172,8 +225,9 @@ pub enum ToolChoice {
 pub enum ToolPrompt {
     /// At the end of the system message (Hermes).
     System(String),
-    /// At the head of the first user message, the text ending with a blank line (Llama 3,
-    /// as its own template puts custom tools).
+    /// At the head of the first user message (Llama 3, as its own template puts custom tools,
+    /// the text ending with a blank line; Mistral, `[AVAILABLE_TOOLS]` then the user's text,
+    /// next to where Mistral's template puts them: before the last user turn's `[INST]`).
     FirstUser(String),
 }
 
@@ -188,6 +242,8 @@ pub struct ToolUse {
     parallel: bool,
     /// How the model writes calls.
     format: ToolFormat,
+    /// The special token that opens calls ([`ToolSetup::marker_token`]).
+    marker_token: Option<u32>,
     /// The output's grammar, built once (its size is checked when the request is read).
     grammar: Option<String>,
 }
@@ -290,8 +346,9 @@ impl ToolUse {
         tools: Option<&Value>,
         tool_choice: Option<&Value>,
         parallel_tool_calls: Option<bool>,
-        format: ToolFormat,
+        setup: impl Into<ToolSetup>,
     ) -> Result<Option<ToolUse>, ApiError> {
+        let setup = setup.into();
         let list = match tools {
             None | Some(Value::Null) => &[][..],
             Some(Value::Array(list)) => list.as_slice(),
@@ -374,7 +431,10 @@ impl ToolUse {
             tools: parsed,
             choice,
             parallel: parallel_tool_calls.unwrap_or(true),
-            format,
+            format: setup.format,
+            marker_token: setup
+                .marker_token
+                .filter(|_| setup.format.marker_is_token()),
             grammar: None,
         };
         tool_use.grammar = tool_use.build_grammar();
@@ -424,8 +484,10 @@ impl ToolUse {
                  Respond in the format {\"name\": function name, \"parameters\": dictionary of \
                  argument name and its value}. Do not use variables.\n\n"
             }
+            // Mistral's own block: the tools as one JSON list.
+            ToolFormat::Mistral => mistral::TOOLS_OPEN,
         });
-        for t in self.callable() {
+        for (i, t) in self.callable().enumerate() {
             let mut function = Map::new();
             function.insert("name".into(), Value::String(t.name.clone()));
             if let Some(d) = &t.description {
@@ -445,8 +507,15 @@ impl ToolUse {
                     out.push_str(&json_indented(&tool));
                     out.push_str("\n\n");
                 }
+                ToolFormat::Mistral => {
+                    if i > 0 {
+                        out.push_str(", ");
+                    }
+                    out.push_str(&json_dumps(&tool));
+                }
             }
         }
+        // How several calls are written; Mistral's list needs no words.
         let several = match self.format {
             ToolFormat::Hermes => {
                 out.push_str(
@@ -455,28 +524,44 @@ impl ToolUse {
                      {\"name\": <function-name>, \"arguments\": <arguments-json-object>}\n\
                      </tool_call>",
                 );
-                "one <tool_call> block each"
+                Some("one <tool_call> block each")
             }
             ToolFormat::Llama3Json => {
                 out.truncate(out.len() - 2);
-                "the calls separated by \"; \""
+                Some("the calls separated by \"; \"")
+            }
+            ToolFormat::Mistral => {
+                out.push_str(mistral::TOOLS_CLOSE);
+                None
             }
         };
-        match (&self.choice, self.parallel) {
-            (ToolChoice::Function(name), _) => {
-                out.push_str(&format!("\n\nCall the function {name:?} now."));
+        // What the choice asks for; nothing when Mistral's model may call as it was trained to.
+        let ask = match (&self.choice, self.parallel) {
+            (ToolChoice::Function(name), _) => Some(format!("Call the function {name:?} now.")),
+            (ToolChoice::Required, true) => Some(match several {
+                Some(several) => format!("Call at least one function now, {several}."),
+                None => "Call at least one function now.".to_owned(),
+            }),
+            (ToolChoice::Required, false) => Some("Call one function now.".to_owned()),
+            (_, true) => {
+                several.map(|several| format!("You may call several functions, {several}."))
             }
-            (ToolChoice::Required, true) => {
-                out.push_str(&format!("\n\nCall at least one function now, {several}."));
-            }
-            (ToolChoice::Required, false) => out.push_str("\n\nCall one function now."),
-            (_, true) => out.push_str(&format!("\n\nYou may call several functions, {several}.")),
-            (_, false) => out.push_str("\n\nCall at most one function."),
-        }
+            (_, false) => Some("Call at most one function.".to_owned()),
+        };
         Some(match self.format {
-            ToolFormat::Hermes => ToolPrompt::System(out),
+            ToolFormat::Hermes => {
+                out.push_str(&format!("\n\n{}", ask.unwrap_or_default()));
+                ToolPrompt::System(out)
+            }
             ToolFormat::Llama3Json => {
-                out.push_str("\n\n");
+                out.push_str(&format!("\n\n{}\n\n", ask.unwrap_or_default()));
+                ToolPrompt::FirstUser(out)
+            }
+            // The user's text follows the block directly, as it follows it in Mistral's prompts.
+            ToolFormat::Mistral => {
+                if let Some(ask) = ask {
+                    out.push_str(&format!("{ask}\n\n"));
+                }
                 ToolPrompt::FirstUser(out)
             }
         })
@@ -487,6 +572,12 @@ impl ToolUse {
     /// caller's dictionaries).
     pub fn template_tools(&self) -> Vec<Value> {
         self.callable().map(|t| t.given.clone()).collect()
+    }
+
+    /// Whether the answer must be decoded with its special tokens: the marker that opens
+    /// calls is one.
+    pub fn keeps_special_tokens(&self) -> bool {
+        self.active() && self.marker_token.is_some()
     }
 
     /// Whether the answer is calls only (`required`, a named function): no text may come.
@@ -515,7 +606,9 @@ impl ToolUse {
     /// Each tool has a rule of its own whose arguments are a `%json` schema at its own root,
     /// so the tool's `$ref`s resolve in its schema. With `auto` the answer is text without
     /// `<tool_call>` (`TEXT`), or any text up to the first `<tool_call>` (a lazy rule ending at
-    /// the tag: a model may think or explain first) and calls; calls end the answer.
+    /// the tag: a model may think or explain first) and calls; calls end the answer. Mistral's
+    /// is built the same way around `[TOOL_CALLS]` and its list (`list`); Llama 3's answer is
+    /// text that does not begin with `{`, or calls.
     fn build_grammar(&self) -> Option<String> {
         if !self.active() {
             return None;
@@ -544,7 +637,7 @@ impl ToolUse {
                 key = self.format.arguments_key(),
                 close = match self.format {
                     ToolFormat::Hermes => "\\n</tool_call>",
-                    ToolFormat::Llama3Json => "",
+                    ToolFormat::Llama3Json | ToolFormat::Mistral => "",
                 },
             ));
             bodies.push(format!("body_{k}"));
@@ -554,6 +647,7 @@ impl ToolUse {
         let separator = match self.format {
             ToolFormat::Hermes => "\\n",
             ToolFormat::Llama3Json => "; ",
+            ToolFormat::Mistral => ", ",
         };
         let more = if repeat {
             format!(" (\"{separator}\" call)*")
@@ -561,6 +655,9 @@ impl ToolUse {
             String::new()
         };
         let start = match (self.format, self.calls_only()) {
+            (ToolFormat::Mistral, calls_only) => {
+                mistral::grammar_start(calls_only, self.marker_token)
+            }
             (_, true) => format!("start: call{more}\n"),
             (ToolFormat::Hermes, false) => format!(
                 "start: TEXT | pre \"\\n\" body{more}\n\
@@ -575,10 +672,15 @@ impl ToolUse {
         };
         let open = match self.format {
             ToolFormat::Hermes => "\"<tool_call>\\n\" ",
-            ToolFormat::Llama3Json => "",
+            ToolFormat::Llama3Json | ToolFormat::Mistral => "",
+        };
+        // Mistral's calls are one list: `[TOOL_CALLS]`, then `" ["`, the calls, `"]"`.
+        let list = match self.format {
+            ToolFormat::Mistral => format!("list: \" [\" call{more} \"]\"\n"),
+            ToolFormat::Hermes | ToolFormat::Llama3Json => String::new(),
         };
         Some(format!(
-            "{start}call: {open}body\nbody: {bodies}\n{rules}",
+            "{start}{list}call: {open}body\nbody: {bodies}\n{rules}",
             bodies = bodies.join(" | "),
         ))
     }
@@ -741,7 +843,8 @@ fn read_calls<'a>(param: &str, calls: &'a [Value]) -> Result<Vec<HistoryCall<'a>
     Ok(out)
 }
 
-/// Renders an assistant message's `tool_calls` (OpenAI's shape) as the model writes calls.
+/// Renders an assistant message's `tool_calls` (OpenAI's shape) as the model writes calls
+/// (Mistral: with each call's id, made one of Mistral's by [`mistral_call_id`]).
 pub fn render_calls(param: &str, calls: &[Value], format: ToolFormat) -> Result<String, ApiError> {
     let mut out = String::new();
     for call in read_calls(param, calls)? {
@@ -749,8 +852,15 @@ pub fn render_calls(param: &str, calls: &[Value], format: ToolFormat) -> Result<
             HistoryArguments::Object(v) => json_dumps(v),
             HistoryArguments::Raw(raw) => raw.clone(),
         };
+        // Mistral's calls carry their ids after the arguments (as mistral-common writes them).
+        let id = match (format, call.id) {
+            (ToolFormat::Mistral, Some(id)) if !id.is_empty() => {
+                format!(", \"id\": \"{}\"", mistral_call_id(id))
+            }
+            _ => String::new(),
+        };
         let call = format!(
-            "{{\"name\": {name}, \"{key}\": {arguments}}}",
+            "{{\"name\": {name}, \"{key}\": {arguments}{id}}}",
             name = json_dumps(&Value::String(call.name.to_owned())),
             key = format.arguments_key(),
         );
@@ -767,16 +877,33 @@ pub fn render_calls(param: &str, calls: &[Value], format: ToolFormat) -> Result<
                 }
                 out.push_str(&call);
             }
+            ToolFormat::Mistral => {
+                if out.is_empty() {
+                    out.push_str(TOOL_CALLS);
+                    out.push_str(" [");
+                } else {
+                    out.push_str(", ");
+                }
+                out.push_str(&call);
+            }
         }
+    }
+    if format == ToolFormat::Mistral && !out.is_empty() {
+        out.push(']');
     }
     Ok(out)
 }
 
 /// An assistant message's `tool_calls` as a chat template reads them: OpenAI's shape, each
 /// call's `arguments` an object (vLLM parses them so for templates, which write them with
-/// `tojson`; arguments serde_json cannot hold stay the text they were); `None` when there
-/// are none.
-pub fn template_calls(param: &str, calls: &[Value]) -> Result<Option<Value>, ApiError> {
+/// `tojson`; arguments serde_json cannot hold stay the text they were), ids as the client gave
+/// them (Mistral's format: made Mistral's by [`mistral_call_id`], as its templates require);
+/// `None` when there are none.
+pub fn template_calls(
+    param: &str,
+    calls: &[Value],
+    format: ToolFormat,
+) -> Result<Option<Value>, ApiError> {
     let calls = read_calls(param, calls)?;
     if calls.is_empty() {
         return Ok(None);
@@ -795,7 +922,7 @@ pub fn template_calls(param: &str, calls: &[Value]) -> Result<Option<Value>, Api
             );
             let mut out = Map::new();
             if let Some(id) = call.id {
-                out.insert("id".into(), Value::String(id.to_owned()));
+                out.insert("id".into(), Value::String(template_call_id(id, format)));
             }
             out.insert("type".into(), Value::String("function".into()));
             out.insert("function".into(), Value::Object(function));
@@ -805,9 +932,29 @@ pub fn template_calls(param: &str, calls: &[Value]) -> Result<Option<Value>, Api
     Ok(Some(Value::Array(calls)))
 }
 
+/// A call's id as a chat template for `format` reads it (in a call, and in the `tool`
+/// message that answers it): Mistral's templates take only their own 9-character ids.
+pub fn template_call_id(id: &str, format: ToolFormat) -> String {
+    match format {
+        ToolFormat::Mistral => mistral_call_id(id),
+        ToolFormat::Hermes | ToolFormat::Llama3Json => id.to_owned(),
+    }
+}
+
 /// A tool's result as a Hermes model reads it, in a user turn.
 pub fn render_response(content: &str) -> String {
     format!("<tool_response>\n{content}\n</tool_response>")
+}
+
+/// A tool's result as a model of `format` reads it: Hermes' `<tool_response>` block (in a user
+/// turn), Mistral's `[TOOL_RESULTS]` block naming the call it answers (`tool_call_id`, made
+/// one of Mistral's ids as the call's is), or Llama 3's `tool` message text as it is.
+pub fn render_result(format: ToolFormat, content: &str, tool_call_id: Option<&str>) -> String {
+    match format {
+        ToolFormat::Hermes => render_response(content),
+        ToolFormat::Llama3Json => content.to_owned(),
+        ToolFormat::Mistral => mistral::result_block(content, tool_call_id),
+    }
 }
 
 /// What [`ToolStream`] makes of generated text.
@@ -858,19 +1005,20 @@ impl ToolPiece {
 #[derive(Debug)]
 enum StreamState {
     /// Text, passed through except what may be the start of a call: trailing ASCII
-    /// whitespace (up to [`MAX_HELD_SPACE`] bytes) and a prefix of `<tool_call>` are held back
-    /// until the next text tells. Llama 3: the answer's start, its leading whitespace held
-    /// back until a character tells text from a call.
+    /// whitespace (up to [`MAX_HELD_SPACE`] bytes) and a prefix of `<tool_call>` (Mistral:
+    /// `[TOOL_CALLS]`) are held back until the next text tells. Llama 3: the answer's start,
+    /// its leading whitespace held back until a character tells text from a call.
     Text,
-    /// At a call's `<tool_call>`, or between calls, until the call's opening
-    /// `{"name": ..., "arguments": ` tells its name. `whole`: the call does not open that way
-    /// (the grammar writes no other; kept for safety), so it is read whole once its JSON has
-    /// closed, which `end` finds.
+    /// At a call's `<tool_call>` (Mistral: at `[TOOL_CALLS] [`, or after the `,` of its list),
+    /// or between calls, until the call's opening `{"name": ..., "arguments": ` tells its
+    /// name. `whole`: the call does not open that way (the grammar writes no other; kept for
+    /// safety), so it is read whole once its JSON has closed, which `end` finds.
     Call { end: BodyEnd, whole: bool },
     /// In call `index`'s arguments, which go out as they come, until `nesting` closes.
     Arguments { index: usize, nesting: Nesting },
     /// After a streamed call's arguments: the call's own `}`, then `</tool_call>` (Llama 3:
-    /// `;` before the next call, or the end).
+    /// `;` before the next call, or the end; Mistral: any more members, such as an `"id"`,
+    /// then `,` before the next call of the list or `]` after the last).
     Close,
     /// After text that is not a call where a call had to be (the grammar rules it out; kept
     /// for safety): everything is text, passed through.
@@ -1042,12 +1190,16 @@ pub struct ToolStream {
     cut: bool,
     /// The answer is calls only (`required`, a named function).
     calls_only: bool,
+    /// Mistral: inside a list of calls (its `[TOOL_CALLS] [` read and a call opened in it, its
+    /// `]` not yet read).
+    listed: bool,
 }
 
 /// How much of the end of `text` to hold back in case a call starts there: trailing
-/// whitespace (at most [`MAX_HELD_SPACE`] bytes of it), and a part of `<tool_call>` after it.
-fn held_suffix(text: &str) -> usize {
-    let keep = partial_tag(text, CALL_OPEN);
+/// whitespace (at most [`MAX_HELD_SPACE`] bytes of it), and a part of `marker` (`<tool_call>`,
+/// `[TOOL_CALLS]`) after it.
+fn held_suffix(text: &str, marker: &str) -> usize {
+    let keep = partial_tag(text, marker);
     let before = &text[..text.len() - keep];
     keep + (before.len() - trim_space_end(before).len()).min(MAX_HELD_SPACE)
 }
@@ -1063,6 +1215,7 @@ impl ToolStream {
             calls: 0,
             cut: false,
             calls_only: false,
+            listed: false,
         }
     }
 
@@ -1153,6 +1306,8 @@ impl ToolStream {
         let index = self.calls;
         self.calls += 1;
         self.lead.clear();
+        // (Read by the Mistral format only: its calls open inside a list.)
+        self.listed = true;
         out.push(ToolPiece::Call { index, name });
         index
     }
@@ -1206,8 +1361,9 @@ impl ToolStream {
                     }
                 }
                 StreamState::Text => {
+                    let marker = self.format.marker();
                     // Only the held-back end and the new text are searched.
-                    if let Some(at) = self.buf.find(CALL_OPEN) {
+                    if let Some(at) = self.buf.find(marker) {
                         // As held_suffix holds it back: whitespace beyond the last
                         // MAX_HELD_SPACE bytes before the tag is text.
                         let before = trim_space_end(&self.buf[..at])
@@ -1226,12 +1382,16 @@ impl ToolStream {
                     }
                     if last && self.calls_only {
                         // Calls only, cut inside the first `<tool_call>`: no content.
-                        let tag = partial_tag(&self.buf, CALL_OPEN);
+                        let tag = partial_tag(&self.buf, marker);
                         let text = trim_space_end(&self.buf[..self.buf.len() - tag]).len();
                         self.buf.truncate(text);
                         self.lead.clear();
                     }
-                    let keep = if last { 0 } else { held_suffix(&self.buf) };
+                    let keep = if last {
+                        0
+                    } else {
+                        held_suffix(&self.buf, marker)
+                    };
                     if keep < self.buf.len() {
                         let rest = self.buf.split_off(self.buf.len() - keep);
                         out.push(ToolPiece::Text(std::mem::replace(&mut self.buf, rest)));
@@ -1255,17 +1415,28 @@ impl ToolStream {
                         }
                         return;
                     }
-                    let open = self.format.open();
-                    if !rest.starts_with(open) {
-                        if open.starts_with(rest) {
-                            if !last {
-                                return;
-                            }
-                            return self.unfinished_call(out);
+                    let body = if self.format == ToolFormat::Mistral && !self.listed {
+                        // `[TOOL_CALLS]`, whitespace, `[`: kept until a call opens in the list,
+                        // so that it comes back as text if none does.
+                        match mistral::list_open(self.buf.as_bytes(), start) {
+                            Ok(body) => body,
+                            Err(true) if !last => return,
+                            Err(true) => return self.unfinished_call(out),
+                            Err(false) => return self.not_a_call(out),
                         }
-                        return self.not_a_call(out);
-                    }
-                    let body = start + open.len();
+                    } else {
+                        let open = self.format.open();
+                        if !rest.starts_with(open) {
+                            if open.starts_with(rest) {
+                                if !last {
+                                    return;
+                                }
+                                return self.unfinished_call(out);
+                            }
+                            return self.not_a_call(out);
+                        }
+                        start + open.len()
+                    };
                     if !*whole {
                         match header(&self.buf[body..], self.format.arguments_key()) {
                             Header::Done { name, arguments } => {
@@ -1299,9 +1470,13 @@ impl ToolStream {
                                 text: call.arguments,
                             });
                             self.buf.drain(..body + used);
-                            self.state = StreamState::Call {
-                                end: BodyEnd::default(),
-                                whole: false,
+                            self.state = match self.format {
+                                // What follows the call's brace, which is left in place.
+                                ToolFormat::Mistral => StreamState::Close,
+                                ToolFormat::Hermes | ToolFormat::Llama3Json => StreamState::Call {
+                                    end: BodyEnd::default(),
+                                    whole: false,
+                                },
                             };
                         }
                         Read::More if !last => return,
@@ -1313,6 +1488,31 @@ impl ToolStream {
                 StreamState::Arguments { .. } => {
                     self.cut = last;
                     return;
+                }
+                StreamState::Close if self.format == ToolFormat::Mistral => {
+                    match mistral::after_arguments(self.buf.as_bytes()) {
+                        mistral::After::Next(n, more) => {
+                            self.buf.drain(..n);
+                            self.listed = more;
+                            self.state = StreamState::Call {
+                                end: BodyEnd::default(),
+                                whole: false,
+                            };
+                        }
+                        mistral::After::More if !last => return,
+                        // The call's brace or the list's `]` taken by a stop string or cut by
+                        // `max_tokens`: the call stands.
+                        mistral::After::More => {
+                            self.buf.clear();
+                            return;
+                        }
+                        // Something else (the grammar rules it out): the call stands, the rest
+                        // (after its brace, if it closed) is text.
+                        mistral::After::Other(end) => {
+                            self.buf.drain(..end);
+                            return self.not_a_call(out);
+                        }
+                    }
                 }
                 StreamState::Close => {
                     let b = self.buf.as_bytes();
@@ -1483,7 +1683,8 @@ fn scan_container(b: &[u8], i: usize, depth: usize) -> Scan {
 
 /// Reads a call's body (after `<tool_call>`): `{"name": ..., "arguments": {...}}` then
 /// `</tool_call>` (Llama 3: `{"name": ..., "parameters": {...}}` then `;`); at the `last` text
-/// a complete body without its closing tag (or separator) counts.
+/// a complete body without its closing tag (or separator) counts. A Mistral call is its object
+/// (any keys, in any order), up to its closing brace.
 fn read_call(body: &str, last: bool, format: ToolFormat) -> Read {
     let close = format.close();
     let b = body.as_bytes();
@@ -1499,6 +1700,10 @@ fn read_call(body: &str, last: bool, format: ToolFormat) -> Read {
     let Some(call) = call_fields(&body[i..end], format) else {
         return Read::Bad;
     };
+    if format == ToolFormat::Mistral {
+        // Its brace is left for what follows a call in the list (StreamState::Close).
+        return Read::Call(call, end - 1);
+    }
     let after = skip_ws(b, end);
     let tail = &body[after..];
     let spaced = after - end > MAX_HELD_SPACE;
@@ -1515,8 +1720,8 @@ fn read_call(body: &str, last: bool, format: ToolFormat) -> Read {
     match format {
         ToolFormat::Hermes => Read::Bad,
         // A Llama 3 call ends at its brace: what follows, not its separator, is the caller's to
-        // read (text), as when its arguments are streamed.
-        ToolFormat::Llama3Json => Read::Call(call, end),
+        // read (text), as when its arguments are streamed. (Mistral's was read above.)
+        ToolFormat::Llama3Json | ToolFormat::Mistral => Read::Call(call, end),
     }
 }
 
@@ -1891,6 +2096,11 @@ mod tests {
             Just("{\"name\": \"g\", \"arguments\": {}}".to_string()),
             Just("{\"name\": \"h\", \"parameters\": {\"x\": [1, \"}\"]}}".to_string()),
             Just("; ".to_string()),
+            Just("[TOOL_CALLS]".to_string()),
+            Just("[TOOL_CALLS] [{\"name\": \"f\", \"arguments\": {\"a\": \"¡é✓\"}}]".to_string()),
+            Just(", \"id\": \"123456789\"}".to_string()),
+            Just(", ".to_string()),
+            Just("]".to_string()),
             Just("\"\\\"}".to_string()),
             Just("{[".to_string()),
             Just("]}".to_string()),
@@ -1908,9 +2118,13 @@ mod tests {
         fn the_reader_never_panics_and_loses_no_text_however_it_is_cut(
             text in model_text(),
             cuts in proptest::collection::vec(0usize..200, 0..6),
-            llama in proptest::bool::ANY,
+            format in 0..3u8,
         ) {
-            let format = if llama { ToolFormat::Llama3Json } else { ToolFormat::Hermes };
+            let format = match format {
+                0 => ToolFormat::Hermes,
+                1 => ToolFormat::Llama3Json,
+                _ => ToolFormat::Mistral,
+            };
             let mut points: Vec<usize> = cuts
                 .into_iter()
                 .map(|c| c % (text.len() + 1))
@@ -2140,12 +2354,13 @@ mod tests {
         let now = |format: ToolFormat| ParsedCall {
             name: "now".into(),
             arguments: match format {
-                ToolFormat::Hermes => "{}".into(),
+                ToolFormat::Hermes | ToolFormat::Mistral => "{}".into(),
                 ToolFormat::Llama3Json => "{\"a\": 1}".into(),
             },
         };
         let hermes_call = "<tool_call>\n{\"name\": \"now\", \"arguments\": {}}\n</tool_call>";
         let llama_call = "{\"name\": \"now\", \"parameters\": {\"a\": 1}}";
+        let mistral_call = "[TOOL_CALLS] [{\"name\": \"now\", \"arguments\": {}}";
         // (format, calls only, text, the calls read): no text in any of them.
         let mut cases: Vec<(ToolFormat, bool, String, usize)> = Vec::new();
         for calls_only in [false, true] {
@@ -2171,6 +2386,14 @@ mod tests {
                     1,
                 ));
             }
+            for tail in [", ", ", {", ", {\"name\": \"now\", \"argu"] {
+                cases.push((
+                    ToolFormat::Mistral,
+                    calls_only,
+                    format!("{mistral_call}{tail}"),
+                    1,
+                ));
+            }
         }
         // Calls only, cut before the first call is whole: nothing at all.
         for text in [
@@ -2184,6 +2407,13 @@ mod tests {
         for text in [" \n", "{", "{\"name\": \"now\", \"para"] {
             cases.push((ToolFormat::Llama3Json, true, text.into(), 0));
         }
+        for text in [
+            "[",
+            "[TOOL_CALLS",
+            "\n[TOOL_CALLS] [{\"name\": \"now\", \"argu",
+        ] {
+            cases.push((ToolFormat::Mistral, true, text.into(), 0));
+        }
         for (format, calls_only, text, calls) in cases {
             let want = (String::new(), vec![now(format); calls]);
             for cut in (0..=text.len()).filter(|&c| text.is_char_boundary(c)) {
@@ -2195,10 +2425,15 @@ mod tests {
             }
         }
         // With auto, a first call cut short is text, as vLLM's reader gives it back.
-        for format in [ToolFormat::Hermes, ToolFormat::Llama3Json] {
+        for format in [
+            ToolFormat::Hermes,
+            ToolFormat::Llama3Json,
+            ToolFormat::Mistral,
+        ] {
             let text = match format {
                 ToolFormat::Hermes => "<tool_call>\n{\"name\": \"now\", \"argu",
                 ToolFormat::Llama3Json => "{\"name\": \"now\", \"para",
+                ToolFormat::Mistral => "[TOOL_CALLS] [{\"name\": \"now\", \"argu",
             };
             assert_eq!(
                 read_answer(format, false, &[text]),
