@@ -55,8 +55,22 @@ fn ask(extra: Value) -> Value {
     body
 }
 
-/// The (name, arguments) of a response's calls, arguments parsed.
+/// The (name, arguments) of a response's calls, arguments parsed; their ids OpenAI's.
 fn calls_of(message: &Value) -> Vec<(String, Value)> {
+    calls_in(message, "hermes")
+}
+
+/// Whether `id` is a call id of the model's call `format`: OpenAI's `call_` ids, or Mistral's
+/// 9 letters and digits.
+fn id_of_format(id: &str, format: &str) -> bool {
+    match format {
+        "mistral" => id.len() == 9 && id.bytes().all(|b| b.is_ascii_alphanumeric()),
+        _ => id.starts_with("call_") && id.len() > 9,
+    }
+}
+
+/// [`calls_of`] for a model whose call format is `format`.
+fn calls_in(message: &Value, format: &str) -> Vec<(String, Value)> {
     message["tool_calls"]
         .as_array()
         .map(|calls| {
@@ -64,13 +78,7 @@ fn calls_of(message: &Value) -> Vec<(String, Value)> {
                 .iter()
                 .map(|c| {
                     assert_eq!(c["type"], "function", "{c}");
-                    // OpenAI's ids, or Mistral's 9 letters and digits.
-                    let id = c["id"].as_str().unwrap_or("");
-                    assert!(
-                        id.starts_with("call_")
-                            || (id.len() == 9 && id.bytes().all(|b| b.is_ascii_alphanumeric())),
-                        "{c}"
-                    );
+                    assert!(id_of_format(c["id"].as_str().unwrap_or(""), format), "{c}");
                     let args = c["function"]["arguments"].as_str().expect("arguments text");
                     let args: Value = serde_json::from_str(args)
                         .unwrap_or_else(|e| panic!("arguments {args:?}: {e}"));
@@ -563,14 +571,11 @@ fn speculative_decoding_gives_the_same_tool_answers() {
 
 #[test]
 fn a_llama3_template_gets_llama3_json_calls_and_ipython_results() {
-    // The server writes the tools (this template reads `tools` but does not write them).
-    let s = server_with_template(
-        "tools-llama3",
-        "llama3-style.jinja",
-        "  tool_prompt: server\n",
-    );
+    // The template reads `tools` but writes neither them nor the calls: the server does.
+    let s = server_with_template("tools-llama3", "llama3-style.jinja", "");
     // The template names Llama 3's call format, so the server chose it.
     assert!(s.log().contains("llama3_json"), "{}", s.log());
+    assert!(s.log().contains("tool_prompt=\"server\""), "{}", s.log());
     let body = ask(json!({"tool_choice": "required", "logprobs": true, "max_tokens": 120}));
     let (status, v) = s.post_json("/v1/chat/completions", &body);
     assert_eq!(status, 200, "{v}");
@@ -753,7 +758,7 @@ fn templates_write_tools_calls_and_results_as_transformers_renders_them() {
             &ask(json!({"tool_choice": "required", "parallel_tool_calls": false})),
         );
         assert_eq!(status, 200, "{v}");
-        let calls = calls_of(&v["choices"][0]["message"]);
+        let calls = calls_in(&v["choices"][0]["message"], format);
         assert_eq!(calls.len(), 1, "{v}");
         assert_eq!(v["choices"][0]["finish_reason"], "tool_calls", "{v}");
         // The request's tools are the template's `tools`: not for chat_template_kwargs too.
@@ -820,7 +825,7 @@ fn a_mistral_server_writes_its_calls_in_one_list_after_the_marker() {
         choice["message"].get("content").is_none_or(Value::is_null),
         "{v}"
     );
-    let calls = calls_of(&choice["message"]);
+    let calls = calls_in(&choice["message"], "mistral");
     assert_eq!(calls.len(), 1, "{v}");
     match calls[0].0.as_str() {
         "get_weather" => assert_weather_arguments(&calls[0].1),
@@ -890,7 +895,7 @@ fn a_mistral_server_writes_its_calls_in_one_list_after_the_marker() {
         &ask(json!({"tool_choice": "required", "max_tokens": 120})),
     );
     assert_eq!(status, 200, "{v}");
-    for (name, args) in calls_of(&v["choices"][0]["message"]) {
+    for (name, args) in calls_in(&v["choices"][0]["message"], "mistral") {
         match name.as_str() {
             "get_weather" => assert_weather_arguments(&args),
             "local_time" => assert_eq!(args, json!({}), "{v}"),
@@ -906,7 +911,7 @@ fn a_mistral_server_writes_its_calls_in_one_list_after_the_marker() {
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
     assert_eq!(
-        calls_of(&v["choices"][0]["message"]),
+        calls_in(&v["choices"][0]["message"], "mistral"),
         [("local_time".to_owned(), json!({}))],
         "{v}"
     );

@@ -536,7 +536,7 @@ fn special_marker_constraint(
     let tool_use = ToolUse::parse(Some(&tools()), Some(choice), Some(true), setup)
         .expect("valid tools")
         .expect("tools");
-    assert!(tool_use.keeps_special_tokens());
+    assert_eq!(tool_use.kept_special_token(), Some(marker));
     compiler
         .compile(
             &StructuredOutput::ToolCalls(tool_use.grammar().expect("a grammar").to_owned()),

@@ -351,7 +351,7 @@ choice_from_str!(ToolCallFormat {
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
 pub enum ToolPrompt {
-    /// `template` when the chat template reads the `tools` variable (Qwen 2.5 and later,
+    /// `template` when the chat template writes tools, calls and results by itself (Qwen 2.5 and later,
     /// Llama 3.1 to 3.3, Hermes, Mistral), else `server`.
     #[default]
     Auto,

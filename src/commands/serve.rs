@@ -113,14 +113,15 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             .as_ref()
             .map_or(ToolFormat::Hermes, |t| ToolFormat::for_template(t.source())),
     };
-    let reads_tools = model
+    let support = model
         .chat_template
         .as_ref()
-        .is_some_and(ChatTemplate::reads_tools);
+        .map(ChatTemplate::tool_support)
+        .unwrap_or_default();
     let tools = ToolSetup {
         format: tool_format,
         template: match config.model.tool_prompt {
-            ToolPrompt::Auto => reads_tools,
+            ToolPrompt::Auto => support.complete(),
             ToolPrompt::Template => true,
             ToolPrompt::Server => false,
         },
@@ -131,10 +132,21 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             .flatten()
             .filter(|&id| model.tokenizer.is_special(id)),
     };
-    if tools.template && !reads_tools {
+    if tools.template && !support.complete() {
         tracing::warn!(
-            "model.tool_prompt is `template` but the chat template does not read `tools`: \
-             requests' tools will not reach the prompt (the grammar still holds the answer)"
+            writes_tools = support.tools,
+            writes_calls = support.calls,
+            writes_results = support.results,
+            "model.tool_prompt is `template` but the chat template does not write all of a \
+             request's tools, calls and results: what it leaves out will not reach the prompt \
+             (the grammar still holds the answer)"
+        );
+    } else if !tools.template && (support.tools || support.calls) {
+        tracing::info!(
+            writes_tools = support.tools,
+            writes_calls = support.calls,
+            writes_results = support.results,
+            "the chat template writes only part of what tools need: the server writes them"
         );
     }
     tracing::info!(
@@ -683,6 +695,7 @@ impl port::Engine for EngineAdapter {
             stop: request.stop,
             include_stop_str_in_output: request.include_stop_str_in_output,
             skip_special_tokens: request.skip_special_tokens,
+            keep_special_token: request.keep_special_token,
             n: request.n,
             max_tokens: request.max_tokens.filter(|_| !request.max_tokens_defaulted),
             default_max_tokens: request.max_tokens.filter(|_| request.max_tokens_defaulted),

@@ -59,6 +59,9 @@ pub struct TextOptions {
     pub include_stop: bool,
     /// Special tokens' text is left out (`skip_special_tokens`).
     pub skip_special: bool,
+    /// A special token whose text is kept all the same: the marker that opens tool calls
+    /// (Mistral's `[TOOL_CALLS]`), which the tool reader must see.
+    pub keep_special: Option<u32>,
 }
 
 impl Default for TextOptions {
@@ -67,6 +70,7 @@ impl Default for TextOptions {
             min_tokens: 0,
             include_stop: false,
             skip_special: true,
+            keep_special: None,
         }
     }
 }
@@ -540,7 +544,9 @@ impl Handler<StepEvents> for DetokenizerActor {
                     c.last_at = Some(now);
                     let text = c.text;
                     let bytes = if (stops && !text.include_stop)
-                        || (text.skip_special && self.tokenizer.is_special(token))
+                        || (text.skip_special
+                            && text.keep_special != Some(token)
+                            && self.tokenizer.is_special(token))
                     {
                         &[][..]
                     } else {

@@ -289,6 +289,7 @@ fn request(n: u32, max_tokens: u32, sampling: SamplingParams) -> RequestOptions 
         stop: Vec::new(),
         include_stop_str_in_output: false,
         skip_special_tokens: true,
+        keep_special_token: None,
         n,
         max_tokens: Some(max_tokens),
         default_max_tokens: None,

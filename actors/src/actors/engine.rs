@@ -88,6 +88,9 @@ pub struct RequestOptions {
     pub include_stop_str_in_output: bool,
     /// vLLM's `skip_special_tokens`: special tokens' text is left out (the usual).
     pub skip_special_tokens: bool,
+    /// A special token whose text is kept though special tokens are skipped (the tool-call
+    /// marker of a request with tools, where it is a special token).
+    pub keep_special_token: Option<u32>,
     /// Number of choices.
     pub n: u32,
     /// Completion limit; `None` means up to the context window (or `default_max_tokens`).
@@ -680,6 +683,7 @@ impl Engine {
                 min_tokens: options.sampling.min_tokens,
                 include_stop: options.include_stop_str_in_output,
                 skip_special: options.skip_special_tokens,
+                keep_special: options.keep_special_token,
             },
             arrival,
             guard,
@@ -927,6 +931,7 @@ mod tests {
             stop: Vec::new(),
             include_stop_str_in_output: false,
             skip_special_tokens: true,
+            keep_special_token: None,
             n: 1,
             max_tokens,
             default_max_tokens: None,

@@ -225,11 +225,13 @@ pub struct MessageField {
     pub role: String,
     /// Text, or a list of content parts of which only `text` parts are supported.
     pub content: Option<ContentField>,
-    /// Participant name; accepted and ignored.
+    /// Participant name: given to a chat template that writes tools itself, else ignored.
     pub name: Option<String>,
     /// An assistant message's tool calls.
     pub tool_calls: Option<serde_json::Value>,
-    /// The call a `tool` message answers; accepted (the model reads results in order).
+    /// The call a `tool` message answers: given to a chat template that writes tools itself
+    /// (Mistral's name the call in a result), and in Mistral's results when the server writes
+    /// them.
     pub tool_call_id: Option<String>,
 }
 
@@ -314,6 +316,9 @@ pub struct Validated {
     pub include_stop_str_in_output: bool,
     /// Leave special tokens' text out.
     pub skip_special_tokens: bool,
+    /// A special token whose text is kept though special tokens are skipped (the tool-call
+    /// marker, where it is one).
+    pub keep_special_token: Option<u32>,
 }
 
 /// A `cache_salt`: 1 to [`MAX_CACHE_SALT_BYTES`] bytes.
@@ -650,6 +655,7 @@ impl CompletionRequest {
             cache_salt: parse_cache_salt(self.cache_salt)?,
             include_stop_str_in_output: self.include_stop_str_in_output.unwrap_or(false),
             skip_special_tokens: self.skip_special_tokens.unwrap_or(true),
+            keep_special_token: None,
         })
     }
 }
@@ -795,10 +801,11 @@ impl ChatRequest {
             tool_calls: tools.as_ref().and_then(ToolUse::answer),
             cache_salt: parse_cache_salt(self.cache_salt)?,
             include_stop_str_in_output: self.include_stop_str_in_output.unwrap_or(false),
-            // A marker that is a special token must reach the tool reader (vLLM turns the
-            // option off for Mistral's tool parser too).
-            skip_special_tokens: self.skip_special_tokens.unwrap_or(true)
-                && !tools.as_ref().is_some_and(ToolUse::keeps_special_tokens),
+            skip_special_tokens: self.skip_special_tokens.unwrap_or(true),
+            // A marker that is a special token must reach the tool reader (vLLM turns
+            // skipping off altogether for Mistral's tool parser; only the marker is kept here,
+            // so that an end-of-sequence text is not taken for content).
+            keep_special_token: tools.as_ref().and_then(ToolUse::kept_special_token),
         })
     }
 }
@@ -814,6 +821,13 @@ pub fn offer_tools(
     template_kwargs: &mut TemplateKwargs,
 ) -> Result<(), ApiError> {
     let tools = tools.filter(|t| t.active());
+    if !setup.template {
+        // As transformers and vLLM render: `tools` is defined, as none, where the template is
+        // not given tools (a client may set it through chat_template_kwargs).
+        template_kwargs
+            .entry("tools")
+            .or_insert(serde_json::Value::Null);
+    }
     if setup.template {
         match tools {
             Some(_) if template_kwargs.contains_key("tools") => {
@@ -947,7 +961,8 @@ pub fn parse_messages(
         let role = match m.role.as_str() {
             "tool" if tool_format == ToolFormat::Llama3Json => ChatRole::Tool,
             "tool" => {
-                let result = render_result(tool_format, &content, m.tool_call_id.as_deref());
+                let id = call_id_field(i, m.tool_call_id)?;
+                let result = render_result(tool_format, &content, id.as_deref());
                 match out.last_mut() {
                     // Results join the user turn before them (earlier results, or a user
                     // message), so roles still alternate for templates that insist.
@@ -1027,6 +1042,11 @@ fn short_field(i: usize, field: &str, v: Option<String>) -> Result<Option<String
     }
 }
 
+/// A `tool` message's `tool_call_id`: at most [`MAX_TOOL_CALL_ID`] bytes, an empty one none.
+fn call_id_field(i: usize, v: Option<String>) -> Result<Option<String>, ApiError> {
+    Ok(short_field(i, "tool_call_id", v)?.filter(|id| !id.is_empty()))
+}
+
 /// Message `i` as the chat template reads it: calls and results stay fields of their
 /// messages (Hugging Face's and vLLM's shape).
 fn template_message(
@@ -1044,9 +1064,7 @@ fn template_message(
         Some(_) => return Err(calls_not_a_list(i)),
     };
     let tool_call_id = match role {
-        ChatRole::Tool => {
-            short_field(i, "tool_call_id", m.tool_call_id)?.map(|id| template_call_id(&id, format))
-        }
+        ChatRole::Tool => call_id_field(i, m.tool_call_id)?.map(|id| template_call_id(&id, format)),
         _ => None,
     };
     Ok(ChatMessage {
@@ -1088,6 +1106,13 @@ mod tests {
     fn completion(json: serde_json::Value) -> Result<Validated, ApiError> {
         let req: CompletionRequest = serde_json::from_value(json).unwrap();
         req.validate(128)
+    }
+
+    /// A chat template's variables without tools: `tools` is none, as transformers has it.
+    fn without_tools() -> TemplateKwargs {
+        let mut kwargs = TemplateKwargs::new();
+        kwargs.insert("tools".into(), serde_json::Value::Null);
+        kwargs
     }
 
     fn param_of(result: Result<Validated, ApiError>) -> Option<String> {
@@ -1312,7 +1337,7 @@ mod tests {
             v.prompts,
             vec![PromptInput::Chat {
                 messages: vec![ChatMessage::text(ChatRole::User, "hi")],
-                template_kwargs: TemplateKwargs::new(),
+                template_kwargs: without_tools(),
                 ending: ChatEnding::GenerationPrompt,
             }]
         );
@@ -1366,7 +1391,7 @@ mod tests {
             v.prompts,
             vec![PromptInput::Chat {
                 messages: vec![ChatMessage::text(ChatRole::User, "time?")],
-                template_kwargs: TemplateKwargs::new(),
+                template_kwargs: without_tools(),
                 ending: ChatEnding::GenerationPrompt,
             }]
         );
@@ -1582,8 +1607,9 @@ mod tests {
         // As the client wrote them.
         assert_eq!(kwargs(v)["tools"], tools);
         let named = serde_json::json!({"type": "function", "function": {"name": "g"}});
+        // A named choice: every tool still (the grammar holds the answer to the one).
         let v = chat(serde_json::json!({"tools": tools, "tool_choice": named})).unwrap();
-        assert_eq!(kwargs(v)["tools"], serde_json::json!([tools[1]]));
+        assert_eq!(kwargs(v)["tools"], tools);
         let v = chat(serde_json::json!({"tools": tools, "tool_choice": "none"})).unwrap();
         assert_eq!(kwargs(v)["tools"], serde_json::Value::Null);
         let v = chat(serde_json::json!({})).unwrap();
@@ -1596,7 +1622,7 @@ mod tests {
     }
 
     /// A call marker that is a special token (Mistral's `[TOOL_CALLS]`) is decoded into the
-    /// answer's text for the tool reader: such requests keep special tokens, others do not.
+    /// answer's text for the tool reader: such requests keep that token's text (only it).
     #[test]
     fn a_special_call_marker_keeps_special_tokens_in_the_answer() {
         let chat = |format: ToolFormat, extra: serde_json::Value| {
@@ -1616,7 +1642,10 @@ mod tests {
                 .unwrap()
         };
         let v = chat(ToolFormat::Mistral, serde_json::json!({}));
-        assert!(!v.skip_special_tokens);
+        assert_eq!(
+            (v.skip_special_tokens, v.keep_special_token),
+            (true, Some(7))
+        );
         let Some(StructuredOutputSpec::ToolCalls(grammar)) = &v.structured else {
             panic!("{:?}", v.structured)
         };
@@ -1625,10 +1654,10 @@ mod tests {
             ToolFormat::Mistral,
             serde_json::json!({"tool_choice": "none"}),
         );
-        assert!(v.skip_special_tokens);
+        assert_eq!(v.keep_special_token, None);
         // Only Mistral's marker is a token; Hermes' is text.
         let v = chat(ToolFormat::Hermes, serde_json::json!({}));
-        assert!(v.skip_special_tokens);
+        assert_eq!(v.keep_special_token, None);
     }
 
     #[test]

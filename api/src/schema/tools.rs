@@ -2,7 +2,7 @@
 //! `parallel_tool_calls`, assistant messages carrying `tool_calls`, and `tool` messages.
 //!
 //! The model writes calls in one of three formats ([`ToolFormat`]), chosen by the server for the
-//! model (by default from its chat template). Where the chat template reads `tools`, it writes
+//! model (by default from its chat template). Where the chat template writes tools by itself, it writes
 //! the tools, and the conversation's calls and results, itself ([`ToolSetup::template`]); the
 //! placements below are the server's own, for templates that know nothing of tools:
 //! - **Hermes**, which Qwen 2.5 and later, Hermes and SmolLM3 are trained on, and the default
@@ -567,17 +567,24 @@ impl ToolUse {
         })
     }
 
-    /// The tools the model may call as the client wrote them, for a chat template's `tools`
-    /// variable (Hugging Face's `apply_chat_template(tools=...)` hands a template the
-    /// caller's dictionaries).
+    /// The request's tools as the client wrote them, for a chat template's `tools` variable
+    /// (Hugging Face's `apply_chat_template(tools=...)` hands a template the caller's
+    /// dictionaries): all of them, whatever `tool_choice` names (as vLLM gives them, so that
+    /// the prompt, and its cached prefix, do not change with the choice; the grammar holds the
+    /// answer to the named tool); none with `tool_choice: none` (vLLM's
+    /// `--exclude-tools-when-tool-choice-none`: a model not told of tools does not write calls
+    /// into its text).
     pub fn template_tools(&self) -> Vec<Value> {
-        self.callable().map(|t| t.given.clone()).collect()
+        if !self.active() {
+            return Vec::new();
+        }
+        self.tools.iter().map(|t| t.given.clone()).collect()
     }
 
-    /// Whether the answer must be decoded with its special tokens: the marker that opens
-    /// calls is one.
-    pub fn keeps_special_tokens(&self) -> bool {
-        self.active() && self.marker_token.is_some()
+    /// The special token the answer's text keeps though special tokens are skipped: the
+    /// marker that opens calls, where it is one.
+    pub fn kept_special_token(&self) -> Option<u32> {
+        self.marker_token.filter(|_| self.active())
     }
 
     /// Whether the answer is calls only (`required`, a named function): no text may come.
@@ -781,7 +788,9 @@ fn read_calls<'a>(param: &str, calls: &'a [Value]) -> Result<Vec<HistoryCall<'a>
     for (j, call) in calls.iter().enumerate() {
         let at = |field: &str| format!("{param}[{j}]{field}");
         let id = match call.get("id") {
+            // An empty id is no id.
             None | Some(Value::Null) => None,
+            Some(Value::String(id)) if id.is_empty() => None,
             Some(Value::String(id)) if id.len() <= MAX_TOOL_CALL_ID => Some(id.as_str()),
             Some(_) => {
                 return Err(invalid(

@@ -155,13 +155,41 @@ impl ChatTemplate {
         )
     }
 
-    /// Whether the template reads the `tools` variable (Qwen 2.5 and later, Llama 3.1,
-    /// Hermes, Mistral's templates do): it can then write the tools, and the conversation's
-    /// calls and results, in the words the model was trained on.
-    pub fn reads_tools(&self) -> bool {
-        self.env
-            .get_template(TEMPLATE_NAME)
-            .is_ok_and(|t| t.undeclared_variables(false).contains("tools"))
+    /// What of a request's tools and its conversation's calls and results the template
+    /// writes itself, found by rendering a probe: a conversation with a call of a tool, its
+    /// result (the call's id 9 letters and digits, as Mistral's templates demand), an answer
+    /// and a new question, the tool in `tools`. Qwen 2.5 and later, Llama 3.1, Hermes and
+    /// Mistral's templates write all three, in the words the model was trained on.
+    pub fn tool_support(&self) -> ToolSupport {
+        const TOOL: &str = "switchyard_probe_tool";
+        const CALLED: &str = "switchyard_probe_called";
+        const RESULT: &str = "switchyard_probe_result";
+        let mut call = ChatMessage::new("assistant", "");
+        call.tool_calls = Some(serde_json::json!([{"id": "probe0001", "type": "function",
+            "function": {"name": CALLED, "arguments": {"q": 1}}}]));
+        let mut result = ChatMessage::new("tool", RESULT);
+        result.tool_call_id = Some("probe0001".into());
+        let messages = [
+            ChatMessage::new("user", "What is it?"),
+            call,
+            result,
+            ChatMessage::new("assistant", "It is."),
+            ChatMessage::new("user", "And now?"),
+        ];
+        let mut extra = serde_json::Map::new();
+        extra.insert(
+            "tools".into(),
+            serde_json::json!([{"type": "function", "function": {"name": TOOL,
+                "description": "A probe", "parameters": {"type": "object", "properties": {}}}}]),
+        );
+        match self.render_as_given(&messages, true, &extra, MAX_RENDER_LEN) {
+            Ok(text) => ToolSupport {
+                tools: text.contains(TOOL),
+                calls: text.contains(CALLED),
+                results: text.contains(RESULT),
+            },
+            Err(_) => ToolSupport::default(),
+        }
     }
 
     /// The template's source text.
@@ -306,6 +334,24 @@ impl ChatTemplate {
             ..minijinja::Value::from_serialize(extra)
         };
         sandbox::render(&tmpl, ctx, max_len)
+    }
+}
+
+/// What a chat template writes of tools ([`ChatTemplate::tool_support`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ToolSupport {
+    /// The `tools` it is given.
+    pub tools: bool,
+    /// Assistant messages' `tool_calls`.
+    pub calls: bool,
+    /// `tool` messages.
+    pub results: bool,
+}
+
+impl ToolSupport {
+    /// All three: the template can write a conversation with tools by itself.
+    pub fn complete(self) -> bool {
+        self.tools && self.calls && self.results
     }
 }
 
@@ -701,18 +747,31 @@ mod tests {
     /// after the final message's text, without the turn's end and without a generation
     /// prompt; after the trimmed text when the template trims it; refused when the text is
     /// empty or the template does not write it.
-    /// A template reads `tools` when it looks the variable up; one that sets it first, or
-    /// never names it, does not.
+    /// What a template writes of tools is what a probe rendering shows: all of tools, calls
+    /// and results, some, or none (a template that fails on the probe writes none).
     #[test]
-    fn templates_that_read_tools_are_told_apart() {
-        let reads = |src: &str| ChatTemplate::new(src, "", "").unwrap().reads_tools();
-        assert!(reads("{% if tools %}{{ tools | tojson }}{% endif %}"));
-        assert!(reads(
-            "{%- if not tools is defined %}{%- set tools = none %}{%- endif %}{{ tools }}"
-        ));
-        assert!(!reads(SMOLLM2));
-        assert!(!reads("{% set tools = [1] %}{{ tools }}"));
-        assert!(!reads("{{ messages[0].tools }}"));
+    fn what_a_template_writes_of_tools_is_found_by_rendering() {
+        let support = |src: &str| ChatTemplate::new(src, "", "").unwrap().tool_support();
+        let all = "{% set tools = tools or [] %}{{ tools | tojson }}{% for m in messages %}\
+                   {{ m.content }}{% for c in m.tool_calls or [] %}{{ c.function | tojson }}\
+                   {% endfor %}{% endfor %}";
+        assert!(support(all).complete());
+        // Reads `tools` but writes only the messages' text (the calls' turn is empty).
+        let text_only = "{% if tools is defined and tools is not none %}[tools]{% endif %}\
+                         {% for m in messages %}{{ m.content }}{% endfor %}";
+        assert_eq!(
+            support(text_only),
+            ToolSupport {
+                tools: false,
+                calls: false,
+                results: true
+            }
+        );
+        assert!(!support(SMOLLM2).tools);
+        assert!(!support(SMOLLM2).complete());
+        let refuses = "{% for m in messages %}{% if m.role == 'tool' %}\
+                       {{ raise_exception('no tools') }}{% endif %}{% endfor %}";
+        assert_eq!(support(refuses), ToolSupport::default());
     }
 
     /// Fields not set are absent from a message, as a template asking

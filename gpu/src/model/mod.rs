@@ -64,7 +64,7 @@ pub mod tensor;
 pub mod tokenizer;
 mod tokenizer_spm;
 
-pub use chat_template::{ChatEnding, ChatMessage, ChatTemplate};
+pub use chat_template::{ChatEnding, ChatMessage, ChatTemplate, ToolSupport};
 pub use config::{LlamaConfig, RopeStyle};
 pub use fetch::{default_model_path, fetch_model};
 pub use loader::{is_hf_checkpoint, load_model, LoadedModel};
