@@ -249,8 +249,9 @@ fn calibrate_fits_the_engine_and_the_simulator_runs_on_the_fit() {
         "sim",
     );
     let step = |tokens: f64, prefill: f64, decodes: f64, kv: f64, pairs: f64| {
+        let knee = cal.get("token_knee").copied().unwrap_or(0.0);
         let s = cal["intercept_s"]
-            + cal["per_token_s"] * tokens
+            + cal["per_token_s"] * tokens.max(knee)
             + cal["per_prefill_token_s"] * prefill
             + cal["per_decode_seq_s"] * decodes
             + cal["per_sampled_seq_s"]

@@ -7,6 +7,13 @@
 //! Step times span three orders of magnitude (a decode step of one sequence against a prefill
 //! of thousands of tokens), so the residuals are relative: every row is divided by its
 //! measured time, and a 10% error costs the same on a 2 ms step as on a 2 s one.
+//!
+//! One term is not linear: a step pays the per-token cost on at least `token_knee` tokens
+//! (the roofline's knee: below it a step streams the weights whatever it computes, so a
+//! decode of 8 sequences costs what one of 1 does). The knee is chosen by fitting every
+//! candidate (none, and the powers of two up to the largest step measured) and keeping the
+//! one whose fit has the least squared relative error: no knee is one of the candidates, so
+//! the fit is never worse than the linear model's.
 
 use crate::cost::{Calibration, StepShape};
 use serde::{Deserialize, Serialize};
@@ -45,11 +52,15 @@ pub struct Sample {
     pub seconds: f64,
 }
 
-/// The model's features of one step, in [`TERM_NAMES`] order.
-pub fn features(s: &StepShape) -> [f64; NUM_TERMS] {
+/// Largest knee tried, in tokens.
+pub const MAX_TOKEN_KNEE: u64 = 1 << 20;
+
+/// The model's features of one step, in [`TERM_NAMES`] order, with the per-token cost paid
+/// on at least `knee` tokens.
+pub fn features(s: &StepShape, knee: u64) -> [f64; NUM_TERMS] {
     [
         1.0,
-        s.num_tokens as f64,
+        s.num_tokens.max(knee) as f64,
         s.num_prefill_tokens as f64,
         s.num_decode_seqs as f64,
         s.num_sampled as f64,
@@ -133,14 +144,62 @@ pub fn fit(samples: &[Sample]) -> Result<Fit, FitError> {
         if s.shape.num_seqs == 0 {
             return Err(FitError::EmptyStep(index));
         }
-        if features(&s.shape).iter().any(|&f| f > MAX_FEATURE) {
+        if features(&s.shape, 0).iter().any(|&f| f > MAX_FEATURE) {
             return Err(FitError::BadShape(index));
         }
     }
+    let largest = samples
+        .iter()
+        .map(|s| s.shape.num_tokens)
+        .max()
+        .unwrap_or(0)
+        .min(MAX_TOKEN_KNEE);
+    // No knee, then 2, 4, ... up to the largest step (a knee above it is a constant).
+    let knees = std::iter::once(0).chain(
+        std::iter::successors(Some(2u64), |k| Some(k * 2)).take_while(move |&k| k <= largest),
+    );
+    let mut best: Option<(f64, u64, [f64; NUM_TERMS])> = None;
+    for knee in knees {
+        let c = fit_linear(samples, knee)?;
+        let sse: f64 = samples
+            .iter()
+            .map(|s| (predict(&c, knee, &s.shape) / s.seconds - 1.0).powi(2))
+            .sum();
+        // A knee is kept only where it fits better by more than rounding.
+        if best.is_none_or(|(b, _, _)| sse < b * (1.0 - 1e-9)) {
+            best = Some((sse, knee, c));
+        }
+    }
+    let (_, knee, c) = best.ok_or(FitError::Degenerate)?;
+    let calibration = Calibration {
+        intercept_s: c[0],
+        per_token_s: c[1],
+        per_prefill_token_s: c[2],
+        per_decode_seq_s: c[3],
+        per_sampled_seq_s: c[4],
+        per_kv_token_s: c[5],
+        per_attention_pair_s: c[6],
+        token_knee: (knee > 0 && c[1] > 0.0).then_some(knee),
+        ..Calibration::default()
+    };
+    let relative_errors = samples
+        .iter()
+        .map(|s| predict(&c, knee, &s.shape) / s.seconds - 1.0)
+        .collect();
+    Ok(Fit {
+        calibration,
+        num_samples: samples.len(),
+        relative_errors,
+    })
+}
+
+/// The linear model's coefficients for `samples` with the per-token cost paid on at least
+/// `knee` tokens.
+fn fit_linear(samples: &[Sample], knee: u64) -> Result<[f64; NUM_TERMS], FitError> {
     // Rows divided by the measured time: the target is 1 everywhere.
     let rows: Vec<[f64; NUM_TERMS]> = samples
         .iter()
-        .map(|s| features(&s.shape).map(|f| f / s.seconds))
+        .map(|s| features(&s.shape, knee).map(|f| f / s.seconds))
         .collect();
     let target = vec![1.0; rows.len()];
     // Columns scaled to unit length, so the solver's tolerances mean the same for every term
@@ -163,30 +222,16 @@ pub fn fit(samples: &[Sample]) -> Result<Fit, FitError> {
     if c.iter().all(|&v| v == 0.0) || c.iter().any(|v| !v.is_finite()) {
         return Err(FitError::Degenerate);
     }
-    let calibration = Calibration {
-        intercept_s: c[0],
-        per_token_s: c[1],
-        per_prefill_token_s: c[2],
-        per_decode_seq_s: c[3],
-        per_sampled_seq_s: c[4],
-        per_kv_token_s: c[5],
-        per_attention_pair_s: c[6],
-        ..Calibration::default()
-    };
-    let relative_errors = samples
-        .iter()
-        .map(|s| predict(&c, &s.shape) / s.seconds - 1.0)
-        .collect();
-    Ok(Fit {
-        calibration,
-        num_samples: samples.len(),
-        relative_errors,
-    })
+    Ok(c)
 }
 
-/// The model's time for `shape` with coefficients `c` (no floor).
-fn predict(c: &[f64; NUM_TERMS], shape: &StepShape) -> f64 {
-    features(shape).iter().zip(c).map(|(f, c)| f * c).sum()
+/// The model's time for `shape` with coefficients `c` and `knee` (no floor).
+fn predict(c: &[f64; NUM_TERMS], knee: u64, shape: &StepShape) -> f64 {
+    features(shape, knee)
+        .iter()
+        .zip(c)
+        .map(|(f, c)| f * c)
+        .sum()
 }
 
 /// Non-negative least squares: `x >= 0` minimising `|A x - b|²`, by Lawson and Hanson's
@@ -353,7 +398,7 @@ mod tests {
             .into_iter()
             .map(|shape| Sample {
                 shape,
-                seconds: predict(&truth, &shape),
+                seconds: predict(&truth, 0, &shape),
             })
             .collect();
         let f = fit(&samples).unwrap();
@@ -372,6 +417,34 @@ mod tests {
         }
         assert!(f.abs_error_quantile(1.0) < 1e-9);
         assert!(c.validate().is_ok());
+    }
+
+    /// Data made with a knee (a step pays the per-token cost on at least 64 tokens) is fitted
+    /// exactly with that knee; the linear model alone could not.
+    #[test]
+    fn finds_the_knee_that_made_the_data() {
+        let truth = [2e-3, 5e-6, 1e-6, 3e-5, 4e-5, 2e-8, 1e-10];
+        let samples: Vec<Sample> = sweep()
+            .into_iter()
+            .map(|shape| Sample {
+                shape,
+                seconds: predict(&truth, 64, &shape),
+            })
+            .collect();
+        let f = fit(&samples).unwrap();
+        assert_eq!(f.calibration.token_knee, Some(64));
+        assert!((f.calibration.per_token_s - truth[1]).abs() <= 1e-6 * truth[1]);
+        assert!(f.abs_error_quantile(1.0) < 1e-9, "{:?}", f.relative_errors);
+        let linear = fit_linear(&samples, 0).unwrap();
+        let worst = samples
+            .iter()
+            .map(|s| (predict(&linear, 0, &s.shape) / s.seconds - 1.0).abs())
+            .fold(0.0, f64::max);
+        assert!(worst > 1e-3, "{worst}");
+        // The simulator prices a step as the fit does.
+        let small = shape(&[(40, 1, false); 2]);
+        let want = predict(&truth, 64, &small);
+        assert!((f.calibration.step_time(&small) - want).abs() <= 1e-9 * want);
     }
 
     /// A cost that falls with the work (a negative coefficient would fit it best) is fitted

@@ -32,7 +32,7 @@
 //! operator runtimes:
 //!
 //! ```text
-//! step_s = intercept_s + per_token_s * T + per_prefill_token_s * T_prefill
+//! step_s = intercept_s + per_token_s * max(T, token_knee) + per_prefill_token_s * T_prefill
 //!        + per_decode_seq_s * D + per_sampled_seq_s * S
 //!        + per_kv_token_s * K + per_attention_pair_s * A
 //! ```
@@ -368,6 +368,10 @@ pub struct Calibration {
     /// Cost per attention (query, key) pair.
     #[serde(default)]
     pub per_attention_pair_s: f64,
+    /// The per-token cost is paid on at least this many tokens (the roofline's knee: below
+    /// it a step streams the weights whatever it computes). `None`: on the tokens fed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_knee: Option<u64>,
     /// KV blocks of the engine that was calibrated (its log and `/metrics` show them too):
     /// the simulated cache when the spec sets no `cache.num_gpu_blocks`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -428,6 +432,10 @@ impl Calibration {
                 ));
             }
         }
+        let max_knee = crate::calibrate::MAX_TOKEN_KNEE;
+        if self.token_knee.is_some_and(|k| k > max_knee) {
+            return Err(format!("token_knee outside 0..={max_knee} (tokens)"));
+        }
         if self.num_gpu_blocks.is_some_and(|n| n == 0 || n > 1 << 26) {
             return Err("num_gpu_blocks outside 1..=67108864".into());
         }
@@ -446,9 +454,9 @@ impl Calibration {
         Ok(())
     }
 
-    fn step_time(&self, s: &StepShape) -> f64 {
+    pub(crate) fn step_time(&self, s: &StepShape) -> f64 {
         let t = self.intercept_s
-            + self.per_token_s * s.num_tokens as f64
+            + self.per_token_s * s.num_tokens.max(self.token_knee.unwrap_or(0)) as f64
             + self.per_prefill_token_s * s.num_prefill_tokens as f64
             + self.per_decode_seq_s * s.num_decode_seqs as f64
             + self.per_sampled_seq_s * s.num_sampled as f64

@@ -230,6 +230,14 @@ fn report(m: &SamplesFile, fit: &Fit, c: &Calibration) -> String {
     for (name, v, what) in terms {
         let _ = writeln!(out, "  {name:<22} {v:>11.4e}  {what}");
     }
+    if let Some(knee) = c.token_knee {
+        let _ = writeln!(
+            out,
+            "  {:<22} {knee:>11}  tokens: a step pays per_token_s on at least these (below, it \
+             reads the weights whatever it computes)",
+            "token_knee"
+        );
+    }
     let _ = writeln!(
         out,
         "Fit error |predicted / measured - 1|: median {:.1}%, 90th percentile {:.1}%, worst {:.1}%",
