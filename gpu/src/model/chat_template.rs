@@ -69,6 +69,9 @@ pub struct ChatTemplate {
     source: String,
     bos_token: String,
     eos_token: String,
+    /// The template has no system role (found when it is compiled): a system message opening
+    /// a conversation goes to the head of the first user message.
+    folds_system: bool,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -122,12 +125,32 @@ impl ChatTemplate {
         env.add_filter("tojson", tojson);
         env.add_template_owned(TEMPLATE_NAME, source.to_string())
             .map_err(|e| render_err(&e))?;
-        Ok(ChatTemplate {
+        let mut template = ChatTemplate {
             env,
             source: source.to_string(),
             bos_token: bos_token.to_string(),
             eos_token: eos_token.to_string(),
-        })
+            folds_system: false,
+        };
+        template.folds_system = template.refuses_system_role();
+        Ok(template)
+    }
+
+    /// Whether the template has no system role: it refuses a system message before a user
+    /// message, and takes the same text folded into the user message (Gemma 2's and the
+    /// first Mistral's templates raise an exception on a system message).
+    fn refuses_system_role(&self) -> bool {
+        let none = serde_json::Map::new();
+        let given = [
+            ChatMessage::new("system", "Be brief."),
+            ChatMessage::new("user", "Hello"),
+        ];
+        self.render_as_given(&given, true, &none, MAX_RENDER_LEN)
+            .is_err()
+            && fold_system(&given).is_some_and(|f| {
+                self.render_as_given(&f, true, &none, MAX_RENDER_LEN)
+                    .is_ok()
+            })
     }
 
     /// Reads a Jinja template file (at most [`MAX_TEMPLATE_LEN`] bytes) to replace `model`'s
@@ -235,10 +258,10 @@ impl ChatTemplate {
 
     /// Renders a conversation; `add_generation_prompt` appends the assistant turn header.
     ///
-    /// A template that refuses a conversation opening with a system message (Gemma 2's and
-    /// Mistral's first raise an exception: they have no system role) gets the system text at
-    /// the head of the first user message instead, as Gemma 3's template places it itself.
-    /// Should that fail too, the first error is returned.
+    /// A template without a system role (Gemma 2's and Mistral's first raise an exception on
+    /// a system message before a user message; found once, when the template is compiled) gets
+    /// a conversation's opening system text at the head of the first user message instead, as
+    /// Gemma 3's template places it itself. Any other refusal is the template's error.
     pub fn render(
         &self,
         messages: &[ChatMessage],
@@ -287,24 +310,19 @@ impl ChatTemplate {
         max_len: usize,
     ) -> Result<String, GpuError> {
         let add_generation_prompt = ending == ChatEnding::GenerationPrompt;
-        let text = match self.render_as_given(messages, add_generation_prompt, extra, max_len) {
-            Ok(text) => text,
-            // Folding the system message would not make it shorter.
-            Err(first @ GpuError::ChatTemplateTooLong { .. }) => return Err(first),
-            Err(first) => {
-                let Some(folded) = fold_system(messages) else {
-                    return Err(first);
-                };
-                let text = self
-                    .render_as_given(&folded, add_generation_prompt, extra, max_len)
-                    .map_err(|_| first)?;
-                tracing::debug!(
-                    "the chat template refused a system message: rendered it in the first user \
-                     message"
-                );
-                text
-            }
+        // A template without a system role gets the system text in the first user message;
+        // any other template's refusal of a conversation is the template's error.
+        let folded = if self.folds_system {
+            fold_system(messages)
+        } else {
+            None
         };
+        let text = self.render_as_given(
+            folded.as_deref().unwrap_or(messages),
+            add_generation_prompt,
+            extra,
+            max_len,
+        )?;
         match ending {
             ChatEnding::ContinueFinal => {
                 let last = messages.last().map_or("", |m| m.content.as_str());
@@ -1003,13 +1021,33 @@ mod tests {
                 .unwrap(),
             "<bos><start_of_turn>user\nAnswer in French.<end_of_turn>\n<start_of_turn>model\nBonjour<end_of_turn>\n"
         );
-        // Other refusals stand, with the template's first error.
+        // Other refusals stand, with the template's error.
         let e = t
             .render(&[system, user.clone(), user.clone()], true)
             .unwrap_err();
-        assert!(e.to_string().contains("System role not supported"), "{e}");
+        assert!(e.to_string().contains("must alternate"), "{e}");
         let e = t.render(&[user.clone(), user], true).unwrap_err();
         assert!(e.to_string().contains("must alternate"), "{e}");
+    }
+
+    /// A template with a system role keeps its own refusals: a conversation it refuses is not
+    /// retried with the system text moved (Llama 3.1's raises without a user message to put
+    /// the tools in; folding the system text into one would answer what transformers
+    /// refuses).
+    #[test]
+    fn a_template_with_a_system_role_keeps_its_refusals() {
+        let src = "{% for m in messages %}{% if m.role == 'system' and messages | length == 1 %}\
+                   {{ raise_exception('needs a user message') }}{% endif %}\
+                   {{ m.role }}: {{ m.content }}\n{% endfor %}";
+        let t = ChatTemplate::new(src, "", "").unwrap();
+        let system = ChatMessage::new("system", "Be brief.");
+        let e = t.render(std::slice::from_ref(&system), true).unwrap_err();
+        assert!(e.to_string().contains("needs a user message"), "{e}");
+        assert_eq!(
+            t.render(&[system, ChatMessage::new("user", "Hi")], true)
+                .unwrap(),
+            "system: Be brief.\nuser: Hi\n"
+        );
     }
 
     #[test]
