@@ -92,6 +92,47 @@ fn calls_in(message: &Value, format: &str) -> Vec<(String, Value)> {
         .unwrap_or_default()
 }
 
+/// `body` streamed: the calls its chunks open and write, arguments parsed (each chunk a typed
+/// OpenAI chunk, none with content), and the finish reasons.
+fn streamed_calls(s: &Server, body: &Value) -> (Vec<(String, Value)>, Vec<String>) {
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let mut names: Vec<String> = Vec::new();
+    let mut arguments: Vec<String> = Vec::new();
+    let mut finish = Vec::new();
+    for event in s.post_stream("/v1/chat/completions", &streamed) {
+        if event == "[DONE]" {
+            continue;
+        }
+        let chunk: Value = serde_json::from_str(&event).expect("a chunk");
+        let _: CreateChatCompletionStreamResponse =
+            serde_json::from_value(chunk.clone()).expect("typed chunk");
+        let delta = &chunk["choices"][0]["delta"];
+        assert!(delta.get("content").is_none_or(Value::is_null), "{chunk}");
+        for call in delta["tool_calls"].as_array().into_iter().flatten() {
+            let index = call["index"].as_u64().unwrap() as usize;
+            if let Some(name) = call["function"]["name"].as_str() {
+                assert_eq!(index, names.len(), "{chunk}");
+                names.push(name.to_owned());
+                arguments.push(String::new());
+            }
+            arguments[index].push_str(call["function"]["arguments"].as_str().unwrap_or(""));
+        }
+        if let Some(f) = chunk["choices"][0]["finish_reason"].as_str() {
+            finish.push(f.to_owned());
+        }
+    }
+    let calls = names
+        .into_iter()
+        .zip(
+            arguments
+                .iter()
+                .map(|a| serde_json::from_str(a).expect("JSON")),
+        )
+        .collect();
+    (calls, finish)
+}
+
 fn assert_weather_arguments(args: &Value) {
     let o = args.as_object().expect("an object");
     assert_eq!(o.len(), 2, "{args}");
@@ -613,36 +654,7 @@ fn a_llama3_template_gets_llama3_json_calls_and_ipython_results() {
     let _: CreateChatCompletionResponse = serde_json::from_value(v.clone()).expect("typed");
 
     // Streamed, the same calls in pieces.
-    let mut streamed = body.clone();
-    streamed["stream"] = json!(true);
-    let mut names: Vec<String> = Vec::new();
-    let mut arguments: Vec<String> = Vec::new();
-    for event in s.post_stream("/v1/chat/completions", &streamed) {
-        if event == "[DONE]" {
-            continue;
-        }
-        let chunk: Value = serde_json::from_str(&event).expect("a chunk");
-        let delta = &chunk["choices"][0]["delta"];
-        assert!(delta.get("content").is_none_or(Value::is_null), "{chunk}");
-        for call in delta["tool_calls"].as_array().into_iter().flatten() {
-            let index = call["index"].as_u64().unwrap() as usize;
-            if let Some(name) = call["function"]["name"].as_str() {
-                assert_eq!(index, names.len(), "{chunk}");
-                names.push(name.to_owned());
-                arguments.push(String::new());
-            }
-            arguments[index].push_str(call["function"]["arguments"].as_str().unwrap_or(""));
-        }
-    }
-    let whole: Vec<(String, Value)> = names
-        .into_iter()
-        .zip(
-            arguments
-                .iter()
-                .map(|a| serde_json::from_str(a).expect("JSON")),
-        )
-        .collect();
-    assert_eq!(whole, calls);
+    assert_eq!(streamed_calls(&s, &body).0, calls);
 
     // A conversation's calls are written in the format, and its results go to the ipython
     // turn.
@@ -851,42 +863,8 @@ fn a_mistral_server_writes_its_calls_in_one_list_after_the_marker() {
     assert_eq!(written, raw, "{v}");
 
     // Streamed, the same call in pieces, and no content.
-    let mut streamed = body.clone();
-    streamed["stream"] = json!(true);
-    let mut names: Vec<String> = Vec::new();
-    let mut arguments: Vec<String> = Vec::new();
-    let mut finish = Vec::new();
-    for event in s.post_stream("/v1/chat/completions", &streamed) {
-        if event == "[DONE]" {
-            continue;
-        }
-        let chunk: Value = serde_json::from_str(&event).expect("a chunk");
-        let _: CreateChatCompletionStreamResponse =
-            serde_json::from_value(chunk.clone()).expect("typed chunk");
-        let delta = &chunk["choices"][0]["delta"];
-        assert!(delta.get("content").is_none_or(Value::is_null), "{chunk}");
-        for call in delta["tool_calls"].as_array().into_iter().flatten() {
-            let index = call["index"].as_u64().unwrap() as usize;
-            if let Some(name) = call["function"]["name"].as_str() {
-                assert_eq!(index, names.len(), "{chunk}");
-                names.push(name.to_owned());
-                arguments.push(String::new());
-            }
-            arguments[index].push_str(call["function"]["arguments"].as_str().unwrap_or(""));
-        }
-        if let Some(f) = chunk["choices"][0]["finish_reason"].as_str() {
-            finish.push(f.to_owned());
-        }
-    }
+    let (whole, finish) = streamed_calls(&s, &body);
     assert_eq!(finish, ["tool_calls"]);
-    let whole: Vec<(String, Value)> = names
-        .into_iter()
-        .zip(
-            arguments
-                .iter()
-                .map(|a| serde_json::from_str(a).expect("JSON")),
-        )
-        .collect();
     assert_eq!(whole, calls);
 
     // Several calls may be made in the one list; each reads back against its tool.
