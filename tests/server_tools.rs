@@ -92,6 +92,31 @@ fn calls_in(message: &Value, format: &str) -> Vec<(String, Value)> {
         .unwrap_or_default()
 }
 
+/// `body` answered with calls only: status 200, `finish_reason` `tool_calls`, no content;
+/// the response and its calls (ids of the model's call `format`).
+fn calls_only_answer(s: &Server, body: &Value, format: &str) -> (Value, Vec<(String, Value)>) {
+    let (status, v) = s.post_json("/v1/chat/completions", body);
+    assert_eq!(status, 200, "{v}");
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
+    assert!(
+        choice["message"].get("content").is_none_or(Value::is_null),
+        "{v}"
+    );
+    let calls = calls_in(&choice["message"], format);
+    (v, calls)
+}
+
+/// What a choice's tokens wrote, from its logprobs.
+fn written_by_tokens(choice: &Value) -> String {
+    choice["logprobs"]["content"]
+        .as_array()
+        .expect("logprobs")
+        .iter()
+        .map(|t| t["token"].as_str().expect("a token"))
+        .collect()
+}
+
 /// `body` streamed: the calls its chunks open and write, arguments parsed (each chunk a typed
 /// OpenAI chunk, none with content), and the finish reasons.
 fn streamed_calls(s: &Server, body: &Value) -> (Vec<(String, Value)>, Vec<String>) {
@@ -618,24 +643,12 @@ fn a_llama3_template_gets_llama3_json_calls_and_ipython_results() {
     assert!(s.log().contains("llama3_json"), "{}", s.log());
     assert!(s.log().contains("tool_prompt=\"server\""), "{}", s.log());
     let body = ask(json!({"tool_choice": "required", "logprobs": true, "max_tokens": 120}));
-    let (status, v) = s.post_json("/v1/chat/completions", &body);
-    assert_eq!(status, 200, "{v}");
+    let (v, calls) = calls_only_answer(&s, &body, "llama3_json");
     let choice = &v["choices"][0];
-    assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
-    assert!(
-        choice["message"].get("content").is_none_or(Value::is_null),
-        "{v}"
-    );
-    let calls = calls_of(&choice["message"]);
     assert!(!calls.is_empty(), "{v}");
     // What the model wrote, token by token, is Llama 3's format: the calls, as the response
     // gives them, `{"name": ..., "parameters": ...}` separated by "; ".
-    let written: String = choice["logprobs"]["content"]
-        .as_array()
-        .expect("logprobs")
-        .iter()
-        .map(|t| t["token"].as_str().expect("a token"))
-        .collect();
+    let written = written_by_tokens(choice);
     let raw: Vec<String> = choice["message"]["tool_calls"]
         .as_array()
         .unwrap()
@@ -829,15 +842,8 @@ fn a_mistral_server_writes_its_calls_in_one_list_after_the_marker() {
         json!({"tool_choice": "required", "parallel_tool_calls": false,
                           "logprobs": true, "max_tokens": 120}),
     );
-    let (status, v) = s.post_json("/v1/chat/completions", &body);
-    assert_eq!(status, 200, "{v}");
+    let (v, calls) = calls_only_answer(&s, &body, "mistral");
     let choice = &v["choices"][0];
-    assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
-    assert!(
-        choice["message"].get("content").is_none_or(Value::is_null),
-        "{v}"
-    );
-    let calls = calls_in(&choice["message"], "mistral");
     assert_eq!(calls.len(), 1, "{v}");
     match calls[0].0.as_str() {
         "get_weather" => assert_weather_arguments(&calls[0].1),
@@ -847,12 +853,7 @@ fn a_mistral_server_writes_its_calls_in_one_list_after_the_marker() {
     let _: CreateChatCompletionResponse = serde_json::from_value(v.clone()).expect("typed");
     // What the model wrote, token by token, is Mistral's format (mistral-common's rendering of a
     // call, without the id the model does not write): the marker, then the list.
-    let written: String = choice["logprobs"]["content"]
-        .as_array()
-        .expect("logprobs")
-        .iter()
-        .map(|t| t["token"].as_str().expect("a token"))
-        .collect();
+    let written = written_by_tokens(choice);
     let call = &choice["message"]["tool_calls"][0]["function"];
     let raw = format!(
         "[TOOL_CALLS] [{{\"name\": \"{}\", \"arguments\": {}}}]",
