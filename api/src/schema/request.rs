@@ -1624,7 +1624,7 @@ mod tests {
     /// A call marker that is a special token (Mistral's `[TOOL_CALLS]`) is decoded into the
     /// answer's text for the tool reader: such requests keep that token's text (only it).
     #[test]
-    fn a_special_call_marker_keeps_special_tokens_in_the_answer() {
+    fn a_special_call_marker_keeps_its_text_in_the_answer() {
         let chat = |format: ToolFormat, extra: serde_json::Value| {
             let mut body = serde_json::json!({"messages": [{"role": "user", "content": "hi"}],
                 "tools": [{"type": "function", "function": {"name": "f"}}]});

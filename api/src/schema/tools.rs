@@ -164,8 +164,8 @@ pub struct ToolSetup {
     pub template: bool,
     /// The special token that opens calls, where the model's tokenizer has one (Mistral's
     /// `[TOOL_CALLS]`): the grammar writes that token (llguidance's `<[id]>`), as the model
-    /// was trained to, and the answer is decoded with special tokens so that the reader sees
-    /// it. `None`: the marker is text.
+    /// was trained to, and the answer's text keeps that token (other special tokens are still
+    /// skipped) so that the reader sees it. `None`: the marker is text.
     pub marker_token: Option<u32>,
 }
 

@@ -23,9 +23,9 @@
 //!
 //! `[TOOL_CALLS]` is a special token of Mistral's tokenizers. Where it is one, the server tells
 //! the grammar its id (`ToolSetup::marker_token`): the grammar writes that token (llguidance's
-//! `<[id]>`, which text cannot spell), as the model was trained to, and such a request is
-//! decoded with its special tokens (as vLLM's Mistral reader has it), so the reader finds the
-//! marker in the text as it finds `<tool_call>`. Where the tokenizer has no such token, the
+//! `<[id]>`, which text cannot spell), as the model was trained to, and such a request's text
+//! keeps that one special token (vLLM keeps them all for its Mistral reader, end of sequence
+//! included), so the reader finds the marker in the text as it finds `<tool_call>`. Where the tokenizer has no such token, the
 //! marker is text.
 
 use serde_json::{Map, Value};
