@@ -64,7 +64,7 @@ fn calls_of(message: &Value) -> Vec<(String, Value)> {
 /// 9 letters and digits.
 fn id_of_format(id: &str, format: &str) -> bool {
     match format {
-        "mistral" => id.len() == 9 && id.bytes().all(|b| b.is_ascii_alphanumeric()),
+        "mistral" | "mistral_v11" => id.len() == 9 && id.bytes().all(|b| b.is_ascii_alphanumeric()),
         _ => id.starts_with("call_") && id.len() > 9,
     }
 }
@@ -742,7 +742,7 @@ fn rendered(s: &Server, request: &Value) -> String {
     text["prompt"].as_str().expect("prompt").to_owned()
 }
 
-/// Models' own templates that read `tools` (Qwen3's, Llama 3.1's, Mistral's) get the tools, the
+/// Models' own templates that read `tools` (Qwen3's, Llama 3.1's, Mistral's v3 and v11) get the tools, the
 /// conversation's calls (arguments as objects) and its results as Hugging Face's
 /// `apply_chat_template` hands them over: the prompts equal Jinja2's renderings
 /// (tests/reference/tool_templates.py), and the answers are still held to the format.
@@ -760,6 +760,7 @@ fn templates_write_tools_calls_and_results_as_transformers_renders_them() {
         ("qwen3.jinja", "hermes"),
         ("llama3.1.jinja", "llama3_json"),
         ("mistral-v3.jinja", "mistral"),
+        ("mistral-v11.jinja", "mistral_v11"),
     ] {
         let s = server_with_template(&format!("tools-{fixture}"), fixture, "");
         let log = s.log();
@@ -921,6 +922,100 @@ fn a_mistral_server_writes_its_calls_in_one_list_after_the_marker() {
     );
     assert!(!prompt.contains("Let me look."), "{prompt:?}");
     s.assert_serves();
+}
+
+/// A Mistral v11 template (found by its `[ARGS]`): the model writes each call as
+/// `[TOOL_CALLS]name[ARGS]{...}`, held there by the grammar, read back streamed or whole.
+#[test]
+fn a_mistral_v11_template_gets_each_call_after_the_marker() {
+    let s = server_with_template("tools-mistral-v11", "mistral-v11.jinja", "");
+    let log = s.log();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("tool calls") && l.contains("mistral_v11")),
+        "{log}"
+    );
+    let body = ask(
+        json!({"tool_choice": "required", "parallel_tool_calls": false,
+                          "logprobs": true, "max_tokens": 120}),
+    );
+    let (v, calls) = calls_only_answer(&s, &body, "mistral_v11");
+    assert_eq!(calls.len(), 1, "{v}");
+    match calls[0].0.as_str() {
+        "get_weather" => assert_weather_arguments(&calls[0].1),
+        "local_time" => assert_eq!(calls[0].1, json!({}), "{v}"),
+        other => panic!("called {other:?}: {v}"),
+    }
+    // What the model wrote, token by token, is the template's form of a call.
+    let choice = &v["choices"][0];
+    let call = &choice["message"]["tool_calls"][0]["function"];
+    let raw = format!(
+        "[TOOL_CALLS]{}[ARGS]{}",
+        call["name"].as_str().unwrap(),
+        call["arguments"].as_str().unwrap()
+    );
+    let written = written_by_tokens(choice);
+    let written = written.strip_suffix("<|im_end|>").unwrap_or(&written);
+    assert_eq!(written, raw, "{v}");
+    // Streamed, the same call in pieces, and no content.
+    let (whole, finish) = streamed_calls(&s, &body);
+    assert_eq!(finish, ["tool_calls"]);
+    assert_eq!(whole, calls);
+    // Several calls, each after its marker; each reads back against its tool.
+    let (status, v) = s.post_json(
+        "/v1/chat/completions",
+        &ask(json!({"tool_choice": "required", "max_tokens": 160, "logprobs": true})),
+    );
+    assert_eq!(status, 200, "{v}");
+    let calls = calls_in(&v["choices"][0]["message"], "mistral_v11");
+    assert!(!calls.is_empty(), "{v}");
+    let written = written_by_tokens(&v["choices"][0]);
+    assert_eq!(written.matches("[TOOL_CALLS]").count(), calls.len(), "{v}");
+    for (name, args) in calls {
+        match name.as_str() {
+            "get_weather" => assert_weather_arguments(&args),
+            "local_time" => assert_eq!(args, json!({}), "{v}"),
+            other => panic!("called {other:?}: {v}"),
+        }
+    }
+    s.assert_serves();
+    drop(s);
+
+    // A template that writes each call's id (as Mistral Small 3.1's): the model writes one
+    // too, 9 letters and digits after `[CALL_ID]`; the call still gets the server's id.
+    let source = std::fs::read_to_string(format!(
+        "{}/tests/fixtures/mistral-v11.jinja",
+        env!("CARGO_MANIFEST_DIR")
+    ))
+    .expect("fixture");
+    let with_ids = source.replace(
+        "tool['function']['name'] + '[ARGS]'",
+        "tool['function']['name'] + '[CALL_ID]' + tool['id'] + '[ARGS]'",
+    );
+    assert_ne!(with_ids, source);
+    let file = std::env::temp_dir().join(format!("mistral-v11-ids-{}.jinja", std::process::id()));
+    std::fs::write(&file, with_ids).expect("template");
+    let s = Server::start_full(
+        "tools-mistral-v11-ids",
+        &format!("  chat_template: {}\n", file.display()),
+        "",
+        SCHEDULER,
+    );
+    assert!(s.log().contains("call_ids=true"), "{}", s.log());
+    let (v, calls) = calls_only_answer(&s, &body, "mistral_v11");
+    assert_eq!(calls.len(), 1, "{v}");
+    let written = written_by_tokens(&v["choices"][0]);
+    let id = written
+        .split_once("[CALL_ID]")
+        .and_then(|(_, rest)| rest.split_once("[ARGS]"))
+        .map(|(id, _)| id.to_owned())
+        .unwrap_or_default();
+    assert!(
+        id.len() == 9 && id.bytes().all(|b| b.is_ascii_alphanumeric()),
+        "{written:?}"
+    );
+    s.assert_serves();
+    let _ = std::fs::remove_file(file);
 }
 
 #[test]

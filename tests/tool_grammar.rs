@@ -8,7 +8,9 @@ use std::sync::Arc;
 
 use serde_json::{json, Value};
 use switchyard_actors::structured::{GrammarCompiler, StructuredOutput};
-use switchyard_api::schema::tools::{ToolFormat, ToolPiece, ToolSetup, ToolStream, ToolUse};
+use switchyard_api::schema::tools::{
+    MarkerTokens, ToolFormat, ToolPiece, ToolSetup, ToolStream, ToolUse,
+};
 use switchyard_gpu::constraint::{is_allowed, Constraint};
 use switchyard_gpu::model::{load_model, Tokenizer};
 
@@ -233,11 +235,14 @@ fn whatever_the_required_grammar_lets_a_model_write_reads_back_as_valid_calls() 
     let mut ended = 0;
     for seed in 0..48u64 {
         // Llama 3 for one walk in four; Mistral for one in four, and one in eight with
-        // parallel calls; Hermes for the others.
+        // parallel calls; Mistral v11 for one in eight, with parallel calls; Hermes for the
+        // others.
         let format = if seed % 4 == 3 {
             ToolFormat::Llama3Json
         } else if seed % 4 == 1 || seed % 8 == 2 {
             ToolFormat::Mistral
+        } else if seed % 8 == 6 {
+            ToolFormat::MistralV11
         } else {
             ToolFormat::Hermes
         };
@@ -311,7 +316,9 @@ fn whatever_the_required_grammar_lets_a_model_write_reads_back_as_valid_calls() 
                         ToolFormat::Llama3Json => {
                             assert!(!t.trim_start().starts_with('{'), "{text:?}")
                         }
-                        ToolFormat::Mistral => assert!(!t.contains("[TOOL_CALLS]"), "{text:?}"),
+                        ToolFormat::Mistral | ToolFormat::MistralV11 => {
+                            assert!(!t.contains("[TOOL_CALLS]"), "{text:?}")
+                        }
                     }
                 }
                 _ => opened = true,
@@ -500,28 +507,43 @@ fn the_mistral_grammar_admits_one_list_of_calls_after_the_marker() {
     check_cases(ToolFormat::Mistral, &compiler, &tok, cases);
 }
 
-/// SmolLM2's tokenizer with `[TOOL_CALLS]` added as a special token, as in Mistral's
-/// tokenizers; and the marker's id.
-fn tokenizer_with_special_marker() -> (Arc<Tokenizer>, u32) {
+/// SmolLM2's tokenizer with `markers` added as special tokens, as in Mistral's tokenizers; and
+/// their ids.
+fn tokenizer_with_special(markers: &[&str]) -> (Arc<Tokenizer>, Vec<u32>) {
     let base = tokenizer();
     let mut json: Value = serde_json::from_str(&base.to_json().expect("json")).expect("JSON");
-    json["added_tokens"]
-        .as_array_mut()
-        .expect("added tokens")
-        .push(
-            json!({"id": base.vocab_size(), "content": "[TOOL_CALLS]", "single_word": false,
-                     "lstrip": false, "rstrip": false, "normalized": false, "special": true}),
-        );
+    for (k, marker) in markers.iter().enumerate() {
+        json["added_tokens"]
+            .as_array_mut()
+            .expect("added tokens")
+            .push(
+                json!({"id": base.vocab_size() + k, "content": marker, "single_word": false,
+                         "lstrip": false, "rstrip": false, "normalized": false,
+                         "special": true}),
+            );
+    }
     let mut tok =
         Tokenizer::from_json_bytes(json.to_string().as_bytes()).expect("the tokenizer loads");
     tok.set_special_ids(base.bos_token_id(), base.eos_token_ids().to_vec());
-    let marker = tok.token_to_id("[TOOL_CALLS]").expect("the marker");
-    assert!(tok.is_special(marker));
-    (Arc::new(tok), marker)
+    let ids = markers
+        .iter()
+        .map(|m| {
+            let id = tok.token_to_id(m).expect("the marker");
+            assert!(tok.is_special(id));
+            id
+        })
+        .collect();
+    (Arc::new(tok), ids)
+}
+
+/// SmolLM2's tokenizer with `[TOOL_CALLS]` added as a special token; and the marker's id.
+fn tokenizer_with_special_marker() -> (Arc<Tokenizer>, u32) {
+    let (tok, ids) = tokenizer_with_special(&["[TOOL_CALLS]"]);
+    (tok, ids[0])
 }
 
 /// The Mistral grammar of `choice` over a tokenizer whose `[TOOL_CALLS]` is the special token
-/// `marker`, told it as `serve` tells it (`ToolSetup::marker_token`).
+/// `marker`, told it as `serve` tells it (`ToolSetup::markers`).
 fn special_marker_constraint(
     compiler: &GrammarCompiler,
     tok: &Tokenizer,
@@ -531,12 +553,16 @@ fn special_marker_constraint(
     let setup = ToolSetup {
         format: ToolFormat::Mistral,
         template: false,
-        marker_token: Some(marker),
+        markers: MarkerTokens {
+            calls: Some(marker),
+            ..Default::default()
+        },
+        call_ids: false,
     };
     let tool_use = ToolUse::parse(Some(&tools()), Some(choice), Some(true), setup)
         .expect("valid tools")
         .expect("tools");
-    assert_eq!(tool_use.kept_special_token(), Some(marker));
+    assert_eq!(tool_use.kept_special_tokens(), [Some(marker), None, None]);
     compiler
         .compile(
             &StructuredOutput::ToolCalls(tool_use.grammar().expect("a grammar").to_owned()),
@@ -602,6 +628,233 @@ fn a_mistral_marker_that_is_a_special_token_is_written_as_that_token() {
     // The marker's text written as text is not a way in.
     let c = special_marker_constraint(&compiler, &tok, marker, &auto);
     assert!(!accepts(&c, &tok, "a [TOOL_CALLS] b").0);
+}
+
+#[test]
+fn the_mistral_v11_grammar_admits_calls_each_after_the_marker() {
+    let tok = tokenizer();
+    let compiler = GrammarCompiler::new(tok.clone()).expect("compiler");
+    let paris = r#"[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}"#;
+    let now = "[TOOL_CALLS]now[ARGS]{}";
+    let two = format!("{paris}{now}");
+    let named = json!({"type": "function", "function": {"name": "now"}});
+    // (choice, parallel, text, accepted whole, may end there)
+    let cases: Vec<(Value, bool, String, bool, bool)> = vec![
+        (
+            json!("auto"),
+            true,
+            "It is sunny [22 C], {dry}.".into(),
+            true,
+            true,
+        ),
+        (json!("auto"), true, paris.into(), true, true),
+        (json!("auto"), true, two.clone(), true, true),
+        (
+            json!("auto"),
+            true,
+            format!("Let me look.{two}"),
+            true,
+            true,
+        ),
+        // Text may come before the calls, not after them; the marker is the calls'.
+        (json!("auto"), true, format!("{now} done"), false, false),
+        (
+            json!("auto"),
+            true,
+            format!(
+                "{now}
+"
+            ),
+            false,
+            false,
+        ),
+        (json!("auto"), true, "a [TOOL_CALLS] b".into(), false, false),
+        (json!("auto"), false, two.clone(), false, false),
+        (json!("required"), true, "It is sunny.".into(), false, false),
+        (json!("required"), true, two.clone(), true, true),
+        (json!("required"), false, now.into(), true, true),
+        (json!("required"), true, format!("Sure.{now}"), false, false),
+        // No id where the template writes none (ToolSetup::call_ids).
+        (
+            json!("required"),
+            true,
+            "[TOOL_CALLS]now[CALL_ID]a1B2c3D4e[ARGS]{}".into(),
+            false,
+            false,
+        ),
+        // Arguments follow the schema; names are the tools'.
+        (
+            json!("required"),
+            true,
+            r#"[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "kelvin"}"#.into(),
+            false,
+            false,
+        ),
+        (
+            json!("required"),
+            true,
+            "[TOOL_CALLS]later[ARGS]{}".into(),
+            false,
+            false,
+        ),
+        (named.clone(), true, now.into(), true, true),
+        (named.clone(), true, format!("{now}{now}"), false, false),
+        (named, true, paris.into(), false, false),
+        // Cut inside the arguments: not an end.
+        (
+            json!("required"),
+            true,
+            paris[..paris.len() - 2].to_string(),
+            true,
+            false,
+        ),
+    ];
+    check_cases(ToolFormat::MistralV11, &compiler, &tok, cases);
+}
+
+/// Where Mistral v11's markers are special tokens (as in its tokenizers), the grammar writes
+/// those tokens and never their text; decoded with those tokens kept (as the server keeps them
+/// for such requests, other special tokens skipped), the answer reads back as its calls.
+#[test]
+fn mistral_v11_markers_that_are_special_tokens_are_written_as_those_tokens() {
+    let (tok, ids) = tokenizer_with_special(&["[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"]);
+    let (calls, args, call_id) = (ids[0], ids[1], ids[2]);
+    let compiler = GrammarCompiler::new(tok.clone()).expect("compiler");
+    let vocab = tok.vocab_size();
+    let eos = tok.eos_token_ids()[0];
+    let constraint = |choice: &Value, call_ids: bool| {
+        let setup = ToolSetup {
+            format: ToolFormat::MistralV11,
+            template: true,
+            markers: MarkerTokens {
+                calls: Some(calls),
+                args: Some(args),
+                call_id: Some(call_id),
+            },
+            call_ids,
+        };
+        let tool_use = ToolUse::parse(Some(&tools()), Some(choice), Some(true), setup)
+            .expect("valid tools")
+            .expect("tools");
+        assert_eq!(
+            tool_use.kept_special_tokens(),
+            [Some(calls), Some(args), Some(call_id)]
+        );
+        compiler
+            .compile(
+                &StructuredOutput::ToolCalls(tool_use.grammar().expect("a grammar").to_owned()),
+                &[eos],
+                1,
+            )
+            .expect("the grammar compiles")
+            .pop()
+            .expect("one constraint")
+    };
+    // The text a detokenizer keeping only the markers writes.
+    let text_of = |ids: &[u32]| {
+        let mut text = String::new();
+        for &t in ids {
+            if [calls, args, call_id].contains(&t) || !tok.is_special(t) {
+                text.push_str(&tok.decode(&[t], false).expect("decode"));
+            }
+        }
+        text
+    };
+    let only = |c: &Constraint| {
+        let allowed = c.allowed(vocab);
+        (0..vocab)
+            .filter(|&t| is_allowed(&allowed, t))
+            .collect::<Vec<_>>()
+    };
+    let read = |text: &str| {
+        let (content, calls) = ToolStream::read_all(ToolFormat::MistralV11, text);
+        let calls: Vec<(String, String)> =
+            calls.into_iter().map(|c| (c.name, c.arguments)).collect();
+        (content, calls)
+    };
+    let weather = r#"{"city": "Paris", "unit": "celsius"}"#;
+    // Calls only: the marker token first, then the name, then `[ARGS]` as a token, never as
+    // text; another call, or the end.
+    let c = constraint(&json!("required"), false);
+    assert_eq!(only(&c), [calls as usize]);
+    c.commit(calls);
+    let mut ids = vec![calls];
+    ids.extend(path(&c, &tok, "now"));
+    assert_eq!(only(&c), [args as usize]);
+    c.commit(args);
+    ids.push(args);
+    ids.extend(path(&c, &tok, "{}"));
+    let allowed = c.allowed(vocab);
+    assert!(is_allowed(&allowed, calls as usize) && is_allowed(&allowed, eos as usize));
+    c.commit(calls);
+    ids.push(calls);
+    ids.extend(path(&c, &tok, "get_weather"));
+    c.commit(args);
+    ids.push(args);
+    ids.extend(path(&c, &tok, weather));
+    assert!(is_allowed(&c.allowed(vocab), eos as usize));
+    let text = text_of(&ids);
+    assert_eq!(
+        text,
+        format!("[TOOL_CALLS]now[ARGS]{{}}[TOOL_CALLS]get_weather[ARGS]{weather}")
+    );
+    let both = vec![
+        ("now".to_owned(), "{}".to_owned()),
+        ("get_weather".to_owned(), weather.to_owned()),
+    ];
+    assert_eq!(read(&text), (String::new(), both.clone()));
+    // Where the template writes ids, each call has `[CALL_ID]` and an id before `[ARGS]`.
+    let c = constraint(&json!("required"), true);
+    c.commit(calls);
+    let mut ids = vec![calls];
+    ids.extend(path(&c, &tok, "now"));
+    assert_eq!(only(&c), [call_id as usize]);
+    c.commit(call_id);
+    ids.push(call_id);
+    ids.extend(path(&c, &tok, "a1B2c3D4e"));
+    assert_eq!(only(&c), [args as usize]);
+    c.commit(args);
+    ids.push(args);
+    ids.extend(path(&c, &tok, "{}"));
+    c.commit(calls);
+    ids.push(calls);
+    ids.extend(path(&c, &tok, "get_weather"));
+    assert_eq!(only(&c), [call_id as usize]);
+    c.commit(call_id);
+    ids.push(call_id);
+    ids.extend(path(&c, &tok, "Zz9Zz9Zz9"));
+    c.commit(args);
+    ids.push(args);
+    ids.extend(path(&c, &tok, weather));
+    assert!(is_allowed(&c.allowed(vocab), eos as usize));
+    let text = text_of(&ids);
+    assert_eq!(
+        text,
+        format!(
+            "[TOOL_CALLS]now[CALL_ID]a1B2c3D4e[ARGS]{{}}\
+             [TOOL_CALLS]get_weather[CALL_ID]Zz9Zz9Zz9[ARGS]{weather}"
+        )
+    );
+    assert_eq!(read(&text), (String::new(), both));
+    // Auto: text, then the marker token; the marker's text is not a way in.
+    let c = constraint(&json!("auto"), false);
+    let mut ids = path(&c, &tok, "Let me look.");
+    assert!(is_allowed(&c.allowed(vocab), calls as usize));
+    c.commit(calls);
+    ids.push(calls);
+    ids.extend(path(&c, &tok, "now"));
+    c.commit(args);
+    ids.push(args);
+    ids.extend(path(&c, &tok, "{}"));
+    assert_eq!(
+        read(&text_of(&ids)),
+        (
+            "Let me look.".to_owned(),
+            vec![("now".to_owned(), "{}".to_owned())]
+        )
+    );
+    let c = constraint(&json!("auto"), false);
+    assert!(!accepts(&c, &tok, "a [TOOL_CALLS]now[ARGS]{}").0);
 }
 
 /// The tokens a model could write for `text` (at each step the longest allowed token that

@@ -94,7 +94,7 @@ fn request() -> RequestOptions {
         stop: Vec::new(),
         include_stop_str_in_output: false,
         skip_special_tokens: true,
-        keep_special_token: None,
+        keep_special_tokens: Default::default(),
         n: 1,
         max_tokens: Some(256),
         default_max_tokens: None,

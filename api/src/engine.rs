@@ -214,9 +214,9 @@ pub struct GenerateRequest {
     pub include_stop_str_in_output: bool,
     /// Leave special tokens' text out (vLLM's `skip_special_tokens`, default true).
     pub skip_special_tokens: bool,
-    /// A special token whose text is kept all the same: the tool-call marker, where the
-    /// tokenizer has it as a special token (Mistral's `[TOOL_CALLS]`).
-    pub keep_special_token: Option<u32>,
+    /// Special tokens whose text is kept all the same: the tool-call markers, where the
+    /// tokenizer has them as special tokens (Mistral's `[TOOL_CALLS]`, `[ARGS]`, `[CALL_ID]`).
+    pub keep_special_tokens: crate::schema::tools::KeptTokens,
     /// Number of choices to generate from the one prompt (1 ..= [`crate::schema::MAX_N`]).
     pub n: u32,
     /// Completion length limit; `None` means up to the context window.

@@ -326,8 +326,9 @@ choice_from_str!(Quantization { "none" => None, "fp8" => Fp8 });
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
 pub enum ToolCallFormat {
-    /// From the chat template: Mistral's for templates that write `[TOOL_CALLS]` and
-    /// `[AVAILABLE_TOOLS]`, Llama 3's for Meta's Llama 3.1-3.3 templates, Hermes otherwise.
+    /// From the chat template: Mistral v11's for templates that write `[TOOL_CALLS]` and
+    /// `[ARGS]`, Mistral's for templates that write `[TOOL_CALLS]` and `[AVAILABLE_TOOLS]`,
+    /// Llama 3's for Meta's Llama 3.1-3.3 templates, Hermes otherwise.
     #[default]
     Auto,
     /// `<tool_call>` blocks (Qwen 2.5 and later, Hermes, SmolLM3; any other model).
@@ -337,6 +338,9 @@ pub enum ToolCallFormat {
     /// Mistral's list of calls, `[TOOL_CALLS] [{"name": ..., "arguments": ...}]` (Mistral 7B
     /// Instruct v0.3 and the other models of Mistral's v3 tokenizer).
     Mistral,
+    /// Mistral's calls from its v11 tokenizers on, `[TOOL_CALLS]name[ARGS]{...}` for each
+    /// (Mistral Small 3.1 and 3.2, Magistral, Devstral).
+    MistralV11,
 }
 
 choice_from_str!(ToolCallFormat {
@@ -344,6 +348,7 @@ choice_from_str!(ToolCallFormat {
     "hermes" => Hermes,
     "llama3_json" => Llama3Json,
     "mistral" => Mistral,
+    "mistral_v11" => MistralV11,
 });
 
 /// Who writes a request's tools, and its conversation's tool calls and results, into the

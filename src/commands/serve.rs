@@ -30,7 +30,7 @@ use switchyard_api::engine::{
 };
 use switchyard_api::schema::{
     reasoning,
-    tools::{ToolFormat, ToolSetup, TOOL_CALLS as mistral_tools_marker},
+    tools::{writes_call_ids, MarkerTokens, ToolFormat, ToolSetup},
 };
 use switchyard_api::{ApiConfig, ApiKeyEntry, ApiState, ServerOptions};
 use switchyard_config::{Config, ReasoningParser, ToolCallFormat, ToolPrompt};
@@ -108,6 +108,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         ToolCallFormat::Hermes => ToolFormat::Hermes,
         ToolCallFormat::Llama3Json => ToolFormat::Llama3Json,
         ToolCallFormat::Mistral => ToolFormat::Mistral,
+        ToolCallFormat::MistralV11 => ToolFormat::MistralV11,
         ToolCallFormat::Auto => model
             .chat_template
             .as_ref()
@@ -118,19 +119,22 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         .as_ref()
         .map(ChatTemplate::tool_support)
         .unwrap_or_default();
+    let template = match config.model.tool_prompt {
+        ToolPrompt::Auto => support.complete(),
+        ToolPrompt::Template => true,
+        ToolPrompt::Server => false,
+    };
     let tools = ToolSetup {
         format: tool_format,
-        template: match config.model.tool_prompt {
-            ToolPrompt::Auto => support.complete(),
-            ToolPrompt::Template => true,
-            ToolPrompt::Server => false,
-        },
-        // Mistral's tokenizers have `[TOOL_CALLS]` as a special token.
-        marker_token: tool_format
-            .marker_is_token()
-            .then(|| model.tokenizer.token_to_id(mistral_tools_marker))
-            .flatten()
-            .filter(|&id| model.tokenizer.is_special(id)),
+        template,
+        markers: marker_tokens(&model.tokenizer, tool_format),
+        // A Mistral v11 template that writes each call's id: its model writes them too.
+        call_ids: template
+            && tool_format == ToolFormat::MistralV11
+            && model
+                .chat_template
+                .as_ref()
+                .is_some_and(|t| writes_call_ids(t.source())),
     };
     if tools.template && !support.complete() {
         tracing::warn!(
@@ -152,7 +156,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     tracing::info!(
         tool_call_format = tool_format.name(),
         tool_prompt = if tools.template { "template" } else { "server" },
-        marker_token = tools.marker_token,
+        marker_tokens = ?tools.markers.kept(),
+        call_ids = tools.call_ids,
         "tool calls"
     );
     let reasoning = match config.model.reasoning_parser {
@@ -357,6 +362,24 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
 
 /// Builds the HTTP layer's settings from the configuration and the API keys (inline and from
 /// `server.api_keys_file`, already read and checked).
+/// The ids of `format`'s markers that are special tokens of the model's tokenizer (Mistral's
+/// tokenizers have `[TOOL_CALLS]`, and from v11 on `[ARGS]` and `[CALL_ID]`, as special tokens).
+fn marker_tokens(tokenizer: &Tokenizer, format: ToolFormat) -> MarkerTokens {
+    let special = |marker: &str| {
+        format
+            .special_markers()
+            .contains(&marker)
+            .then(|| tokenizer.token_to_id(marker))
+            .flatten()
+            .filter(|&id| tokenizer.is_special(id))
+    };
+    MarkerTokens {
+        calls: special(switchyard_api::schema::tools::TOOL_CALLS),
+        args: special(switchyard_api::schema::tools::ARGS),
+        call_id: special(switchyard_api::schema::tools::CALL_ID),
+    }
+}
+
 fn api_config(
     config: &Config,
     keys: Vec<switchyard_config::ApiKeyEntry>,
@@ -695,7 +718,7 @@ impl port::Engine for EngineAdapter {
             stop: request.stop,
             include_stop_str_in_output: request.include_stop_str_in_output,
             skip_special_tokens: request.skip_special_tokens,
-            keep_special_token: request.keep_special_token,
+            keep_special_tokens: request.keep_special_tokens,
             n: request.n,
             max_tokens: request.max_tokens.filter(|_| !request.max_tokens_defaulted),
             default_max_tokens: request.max_tokens.filter(|_| request.max_tokens_defaulted),

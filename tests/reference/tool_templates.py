@@ -12,12 +12,15 @@ Mistral's templates, which take only 9-character ids, vLLM keeps an id's last 9 
 `tools` is every tool of the request whatever `tool_choice` names, and none with
 `tool_choice: "none"`, as vLLM gives them with `--exclude-tools-when-tool-choice-none`.
 
-The templates are the models' own, unmodified, in tests/fixtures:
+The templates are the models' own, unmodified but where noted, in tests/fixtures:
 - qwen3.jinja: `chat_template` of Qwen/Qwen3-8B's tokenizer_config.json.
 - llama3.1.jinja: `chat_template` of meta-llama/Llama-3.1-8B-Instruct's tokenizer_config.json
   (the July 2024 release, whose default date is "26 Jul 2024").
 - mistral-v3.jinja: Mistral's "v3" template of Mistral-Large-Instruct-2407, as llama.cpp's
   chat-template tests (tests/test-chat-template.cpp) carry it.
+- mistral-v11.jinja: the template of Ministral-3-8B-Instruct-2512 (Mistral's v11+ call format,
+  `[TOOL_CALLS]name[ARGS]{...}`) as Unsloth ships it, with one change: its long default system
+  message is cut to its first sentence.
 
 Run from the repository root (needs only jinja2):
 
@@ -235,6 +238,33 @@ CASES += [
             "messages": [
                 {"role": "user", "content": "Weather in Zürich, and the time?"},
                 {"role": "assistant", "content": None, "tool_calls": MISTRAL_CALLS},
+                {"role": "tool", "tool_call_id": "call_abc123def", "content": '{"temperature": 18}'},
+                {"role": "tool", "tool_call_id": "call_xyz987uvw", "content": "09:30"},
+                {"role": "assistant", "content": "18 C at 09:30."},
+                {"role": "user", "content": "Thanks."},
+            ],
+            "tools": [WEATHER, TIME],
+        },
+    ),
+]
+
+CASES += [
+    (
+        "mistral v11 offers the tools after the system prompt",
+        "mistral-v11.jinja",
+        {
+            "messages": [{"role": "user", "content": "What is the weather like in Paris?"}],
+            "tools": [WEATHER, TIME],
+        },
+    ),
+    (
+        "mistral v11 writes text, calls and results",
+        "mistral-v11.jinja",
+        {
+            "messages": [
+                {"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "Weather in Zürich, and the time?"},
+                {"role": "assistant", "content": "Let me look.", "tool_calls": MISTRAL_CALLS},
                 {"role": "tool", "tool_call_id": "call_abc123def", "content": '{"temperature": 18}'},
                 {"role": "tool", "tool_call_id": "call_xyz987uvw", "content": "09:30"},
                 {"role": "assistant", "content": "18 C at 09:30."},

@@ -49,6 +49,10 @@ pub struct Register {
     pub pending_prompt: Option<Arc<[u32]>>,
 }
 
+/// Special tokens whose text a choice keeps though special tokens are skipped (at most three:
+/// the markers of a tool-call format).
+pub type KeptSpecial = [Option<u32>; 3];
+
 /// How a request's tokens become its text (vLLM's output fields).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TextOptions {
@@ -59,9 +63,9 @@ pub struct TextOptions {
     pub include_stop: bool,
     /// Special tokens' text is left out (`skip_special_tokens`).
     pub skip_special: bool,
-    /// A special token whose text is kept all the same: the marker that opens tool calls
-    /// (Mistral's `[TOOL_CALLS]`), which the tool reader must see.
-    pub keep_special: Option<u32>,
+    /// Special tokens whose text is kept all the same: the markers of tool calls (Mistral's
+    /// `[TOOL_CALLS]`, `[ARGS]`, `[CALL_ID]`), which the tool reader must see.
+    pub keep_special: KeptSpecial,
 }
 
 impl Default for TextOptions {
@@ -70,7 +74,7 @@ impl Default for TextOptions {
             min_tokens: 0,
             include_stop: false,
             skip_special: true,
-            keep_special: None,
+            keep_special: KeptSpecial::default(),
         }
     }
 }
@@ -545,7 +549,7 @@ impl Handler<StepEvents> for DetokenizerActor {
                     let text = c.text;
                     let bytes = if (stops && !text.include_stop)
                         || (text.skip_special
-                            && text.keep_special != Some(token)
+                            && !text.keep_special.contains(&Some(token))
                             && self.tokenizer.is_special(token))
                     {
                         &[][..]

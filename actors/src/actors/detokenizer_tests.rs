@@ -225,11 +225,23 @@ impl Backend for CycleBackend {
 
 /// A word-level tokenizer of the tokens `t0 … t{CYCLE-1}`.
 fn tokenizer() -> Arc<Tokenizer> {
+    tokenizer_with_special(&[])
+}
+
+/// [`tokenizer`], the tokens `special` special tokens.
+fn tokenizer_with_special(special: &[u32]) -> Arc<Tokenizer> {
     let vocab: serde_json::Map<String, serde_json::Value> = (0..CYCLE)
         .map(|i| (format!("t{i}"), serde_json::Value::from(i)))
         .collect();
+    let added: Vec<serde_json::Value> = special
+        .iter()
+        .map(|&i| {
+            serde_json::json!({"id": i, "content": format!("t{i}"), "single_word": false,
+                "lstrip": false, "rstrip": false, "normalized": false, "special": true})
+        })
+        .collect();
     let json = serde_json::json!({
-        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
         "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
         "decoder": null, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "t0"}
     });
@@ -239,6 +251,15 @@ fn tokenizer() -> Arc<Tokenizer> {
 /// An engine over a `CycleBackend` (with prompt-lookup drafts when `speculative`), and the
 /// backend's sampling steps per sequence.
 fn start_engine(fail: bool, speculative: bool) -> (Engine, Arc<Mutex<HashMap<u64, usize>>>) {
+    start_engine_with(fail, speculative, tokenizer())
+}
+
+/// [`start_engine`] with `tokenizer`.
+fn start_engine_with(
+    fail: bool,
+    speculative: bool,
+    tokenizer: Arc<Tokenizer>,
+) -> (Engine, Arc<Mutex<HashMap<u64, usize>>>) {
     install_recorder();
     let sampled_steps = Arc::new(Mutex::new(HashMap::new()));
     let scheduler = SchedulerConfig {
@@ -273,7 +294,7 @@ fn start_engine(fail: bool, speculative: bool) -> (Engine, Arc<Mutex<HashMap<u64
             fail,
             sampled_steps: sampled_steps.clone(),
         }),
-        tokenizer(),
+        tokenizer,
         None,
         policy,
     )
@@ -289,7 +310,7 @@ fn request(n: u32, max_tokens: u32, sampling: SamplingParams) -> RequestOptions 
         stop: Vec::new(),
         include_stop_str_in_output: false,
         skip_special_tokens: true,
-        keep_special_token: None,
+        keep_special_tokens: Default::default(),
         n,
         max_tokens: Some(max_tokens),
         default_max_tokens: None,
@@ -554,4 +575,54 @@ fn every_failure_reason_is_registered_at_zero() {
     ] {
         assert!(names::FINISHED_REASONS.contains(&reason.metric_label()));
     }
+}
+
+/// Collects a request's text.
+struct TextSink(Arc<Mutex<String>>);
+
+impl OutputSink for TextSink {
+    fn send(&mut self, output: EngineOutput) -> bool {
+        if let EngineOutput::Delta(d) = output {
+            self.0.lock().unwrap().push_str(&d.text);
+        }
+        true
+    }
+    fn is_closed(&self) -> bool {
+        false
+    }
+    fn abandoned_for(&self) -> Option<SubmitErrorKind> {
+        None
+    }
+}
+
+/// With special tokens skipped, the tokens a request keeps (a tool format's markers) keep
+/// their text, and only they; with special tokens not skipped, every token's text is there.
+#[actix::test]
+async fn kept_special_tokens_keep_their_text_and_only_they() {
+    // t1 and t2 are special; the answer to the prompt (which ends in t1) is t2 t3 t0 t1 t2 t3.
+    let (engine, _) = start_engine_with(false, false, tokenizer_with_special(&[1, 2]));
+    let text = |skip: bool, keep: [Option<u32>; 3]| {
+        let engine = &engine;
+        async move {
+            let mut options = request(1, 6, ignoring_eos());
+            options.skip_special_tokens = skip;
+            options.keep_special_tokens = keep;
+            let text = Arc::new(Mutex::new(String::new()));
+            engine.submit(options, Box::new(TextSink(text.clone())));
+            // A hang guard only; nothing here is timed.
+            let deadline = std::time::Instant::now() + Duration::from_secs(60);
+            while engine.in_flight() > 0 {
+                assert!(std::time::Instant::now() < deadline, "never ended");
+                actix::clock::sleep(Duration::from_millis(2)).await;
+            }
+            let text = text.lock().unwrap().clone();
+            text
+        }
+    };
+    assert_eq!(text(true, [None; 3]).await, "t3t0t3");
+    assert_eq!(text(true, [Some(2), None, None]).await, "t2t3t0t2t3");
+    assert_eq!(text(true, [None, Some(1), Some(2)]).await, "t2t3t0t1t2t3");
+    // A kept token that is not special changes nothing.
+    assert_eq!(text(true, [Some(3), None, None]).await, "t3t0t3");
+    assert_eq!(text(false, [None; 3]).await, "t2t3t0t1t2t3");
 }

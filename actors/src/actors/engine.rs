@@ -16,7 +16,9 @@ use switchyard_policies::{
 };
 
 use super::allocator::KvAllocatorActor;
-use super::detokenizer::{DetokenizerActor, FailAll, Register, SetScheduler, TextOptions};
+use super::detokenizer::{
+    DetokenizerActor, FailAll, KeptSpecial, Register, SetScheduler, TextOptions,
+};
 use super::executor::ExecutorActor;
 use super::lora::{
     AdapterInfo, LoraError, LoraHandle, LoraManager, LoraManagerConfig,
@@ -88,9 +90,9 @@ pub struct RequestOptions {
     pub include_stop_str_in_output: bool,
     /// vLLM's `skip_special_tokens`: special tokens' text is left out (the usual).
     pub skip_special_tokens: bool,
-    /// A special token whose text is kept though special tokens are skipped (the tool-call
-    /// marker of a request with tools, where it is a special token).
-    pub keep_special_token: Option<u32>,
+    /// Special tokens whose text is kept though special tokens are skipped (the tool-call
+    /// markers of a request with tools, where they are special tokens).
+    pub keep_special_tokens: KeptSpecial,
     /// Number of choices.
     pub n: u32,
     /// Completion limit; `None` means up to the context window (or `default_max_tokens`).
@@ -683,7 +685,7 @@ impl Engine {
                 min_tokens: options.sampling.min_tokens,
                 include_stop: options.include_stop_str_in_output,
                 skip_special: options.skip_special_tokens,
-                keep_special: options.keep_special_token,
+                keep_special: options.keep_special_tokens,
             },
             arrival,
             guard,
@@ -931,7 +933,7 @@ mod tests {
             stop: Vec::new(),
             include_stop_str_in_output: false,
             skip_special_tokens: true,
-            keep_special_token: None,
+            keep_special_tokens: KeptSpecial::default(),
             n: 1,
             max_tokens,
             default_max_tokens: None,

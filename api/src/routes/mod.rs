@@ -76,7 +76,7 @@ pub(crate) fn engine_requests(
             cache_salt: validated.cache_salt.clone(),
             include_stop_str_in_output: validated.include_stop_str_in_output,
             skip_special_tokens: validated.skip_special_tokens,
-            keep_special_token: validated.keep_special_token,
+            keep_special_tokens: validated.keep_special_tokens,
             sibling_failure: Default::default(),
         })
         .collect()

@@ -20,8 +20,8 @@ use super::limits::*;
 use super::sampling::SamplerFields;
 use super::structured::{Structured, StructuredFields};
 use super::tools::{
-    render_calls, render_result, template_call_id, template_calls, ToolAnswer, ToolFormat,
-    ToolPrompt, ToolSetup, ToolUse, MAX_TOOL_CALL_ID,
+    render_calls, render_result, template_call_id, template_calls, KeptTokens, ToolAnswer,
+    ToolFormat, ToolPrompt, ToolSetup, ToolUse, MAX_TOOL_CALL_ID,
 };
 use crate::engine::{
     ChatEnding, ChatMessage, ChatRole, PromptInput, SamplingOptions, StructuredOutputSpec,
@@ -316,9 +316,9 @@ pub struct Validated {
     pub include_stop_str_in_output: bool,
     /// Leave special tokens' text out.
     pub skip_special_tokens: bool,
-    /// A special token whose text is kept though special tokens are skipped (the tool-call
-    /// marker, where it is one).
-    pub keep_special_token: Option<u32>,
+    /// Special tokens whose text is kept though special tokens are skipped (the tool-call
+    /// markers, where they are special tokens).
+    pub keep_special_tokens: KeptTokens,
 }
 
 /// A `cache_salt`: 1 to [`MAX_CACHE_SALT_BYTES`] bytes.
@@ -655,7 +655,7 @@ impl CompletionRequest {
             cache_salt: parse_cache_salt(self.cache_salt)?,
             include_stop_str_in_output: self.include_stop_str_in_output.unwrap_or(false),
             skip_special_tokens: self.skip_special_tokens.unwrap_or(true),
-            keep_special_token: None,
+            keep_special_tokens: KeptTokens::default(),
         })
     }
 }
@@ -805,7 +805,10 @@ impl ChatRequest {
             // A marker that is a special token must reach the tool reader (vLLM turns
             // skipping off altogether for Mistral's tool parser; only the marker is kept here,
             // so that an end-of-sequence text is not taken for content).
-            keep_special_token: tools.as_ref().and_then(ToolUse::kept_special_token),
+            keep_special_tokens: tools
+                .as_ref()
+                .map(ToolUse::kept_special_tokens)
+                .unwrap_or_default(),
         })
     }
 }
@@ -992,6 +995,8 @@ pub fn parse_messages(
                     (true, false, _)
                     | (false, false, ToolFormat::Llama3Json | ToolFormat::Mistral) => calls,
                     (false, false, ToolFormat::Hermes) => format!("{content}\n{calls}"),
+                    // Mistral v11's templates write the text, then the calls.
+                    (false, false, ToolFormat::MistralV11) => format!("{content}{calls}"),
                 }
             }
             Some(_) => return Err(calls_not_a_list(i)),
@@ -1496,7 +1501,7 @@ mod tests {
         let setup = ToolSetup {
             format: ToolFormat::Hermes,
             template: true,
-            marker_token: None,
+            ..Default::default()
         };
         let messages: Vec<MessageField> = serde_json::from_value(serde_json::json!([
             {"role": "user", "content": "Weather in Paris?"},
@@ -1634,7 +1639,12 @@ mod tests {
             let setup = ToolSetup {
                 format,
                 template: false,
-                marker_token: Some(7),
+                markers: crate::schema::tools::MarkerTokens {
+                    calls: Some(7),
+                    args: Some(8),
+                    call_id: Some(9),
+                },
+                call_ids: true,
             };
             serde_json::from_value::<ChatRequest>(body)
                 .unwrap()
@@ -1643,21 +1653,36 @@ mod tests {
         };
         let v = chat(ToolFormat::Mistral, serde_json::json!({}));
         assert_eq!(
-            (v.skip_special_tokens, v.keep_special_token),
-            (true, Some(7))
+            (v.skip_special_tokens, v.keep_special_tokens),
+            (true, [Some(7), None, None])
         );
         let Some(StructuredOutputSpec::ToolCalls(grammar)) = &v.structured else {
             panic!("{:?}", v.structured)
         };
-        assert!(grammar.contains("<[7]>"), "{grammar}");
+        assert!(
+            grammar.contains("<[7]>") && !grammar.contains("<[8]>"),
+            "{grammar}"
+        );
+        // Mistral v11 writes all three.
+        let v = chat(ToolFormat::MistralV11, serde_json::json!({}));
+        assert_eq!(v.keep_special_tokens, [Some(7), Some(8), Some(9)]);
+        let Some(StructuredOutputSpec::ToolCalls(grammar)) = &v.structured else {
+            panic!("{:?}", v.structured)
+        };
+        assert!(
+            ["<[7]>", "<[8]>", "<[9]>"]
+                .iter()
+                .all(|t| grammar.contains(t)),
+            "{grammar}"
+        );
         let v = chat(
             ToolFormat::Mistral,
             serde_json::json!({"tool_choice": "none"}),
         );
-        assert_eq!(v.keep_special_token, None);
-        // Only Mistral's marker is a token; Hermes' is text.
+        assert_eq!(v.keep_special_tokens, [None; 3]);
+        // Only Mistral's markers are tokens; Hermes' is text.
         let v = chat(ToolFormat::Hermes, serde_json::json!({}));
-        assert_eq!(v.keep_special_token, None);
+        assert_eq!(v.keep_special_tokens, [None; 3]);
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! Tool calling on `/v1/chat/completions`: OpenAI's `tools`, `tool_choice` and
 //! `parallel_tool_calls`, assistant messages carrying `tool_calls`, and `tool` messages.
 //!
-//! The model writes calls in one of three formats ([`ToolFormat`]), chosen by the server for the
+//! The model writes calls in one of four formats ([`ToolFormat`]), chosen by the server for the
 //! model (by default from its chat template). Where the chat template writes tools by itself, it writes
 //! the tools, and the conversation's calls and results, itself ([`ToolSetup::template`]); the
 //! placements below are the server's own, for templates that know nothing of tools:
@@ -22,6 +22,10 @@
 //!   in the conversation carry their ids as Mistral's templates require them (9 letters and
 //!   digits); Mistral's form of a result, naming the id of the call it answers, is
 //!   [`render_result`]'s.
+//! - **Mistral v11**, the format of Mistral's tokenizers from v11 on (Mistral Small 3.1 and 3.2,
+//!   Magistral, Devstral; `tools/mistral_v11.rs`): each call is `[TOOL_CALLS]name[ARGS]{...}`,
+//!   after any text; the tools go in `[AVAILABLE_TOOLS][...][/AVAILABLE_TOOLS]`, a result in
+//!   `[TOOL_RESULTS]...[/TOOL_RESULTS]`.
 //!
 //! The output is held to the format by a grammar in llguidance's Lark dialect, which the
 //! engine runs like any structured output, so a call always parses and its arguments follow
@@ -31,6 +35,7 @@
 //! back into content and calls, incrementally for streams.
 
 mod mistral;
+mod mistral_v11;
 
 use serde_json::{Map, Value};
 
@@ -39,13 +44,14 @@ use super::limits::MAX_STRUCTURED_BYTES;
 use crate::error::ApiError;
 
 pub use mistral::{call_id as mistral_call_id, TOOL_CALLS};
+pub use mistral_v11::{writes_call_ids, ARGS, CALL_ID};
 
 /// A new id for a call the model wrote in `format`: OpenAI's `call_` and 32 hex digits
 /// (`random_hex`), or Mistral's 9 letters and digits, which its templates require when the
 /// call comes back in a conversation.
 pub fn new_call_id(format: ToolFormat, random_hex: impl FnOnce() -> String) -> String {
     match format {
-        ToolFormat::Mistral => mistral::new_call_id(),
+        ToolFormat::Mistral | ToolFormat::MistralV11 => mistral::new_call_id(),
         ToolFormat::Hermes | ToolFormat::Llama3Json => random_hex(),
     }
 }
@@ -79,14 +85,18 @@ pub enum ToolFormat {
     Llama3Json,
     /// `[TOOL_CALLS] [{"name": ..., "arguments": ...}, ...]`, after any text.
     Mistral,
+    /// `[TOOL_CALLS]name[ARGS]{...}` for each call, after any text.
+    MistralV11,
 }
 
 impl ToolFormat {
-    /// The format a chat template was written for: Mistral's when it writes `[TOOL_CALLS]` and
-    /// `[AVAILABLE_TOOLS]`, Llama 3's when it holds Meta's call instructions (Llama 3.1 to
-    /// 3.3), Hermes otherwise.
+    /// The format a chat template was written for: Mistral's v11 when it writes `[TOOL_CALLS]`
+    /// and `[ARGS]`, Mistral's (v3) when it writes `[TOOL_CALLS]` and `[AVAILABLE_TOOLS]`,
+    /// Llama 3's when it holds Meta's call instructions (Llama 3.1 to 3.3), Hermes otherwise.
     pub fn for_template(source: &str) -> Self {
-        if mistral::is_template(source) {
+        if mistral_v11::is_template(source) {
+            Self::MistralV11
+        } else if mistral::is_template(source) {
             Self::Mistral
         } else if !source.contains(CALL_OPEN)
             && source.contains("\"parameters\": dictionary of argument name and its value")
@@ -103,6 +113,7 @@ impl ToolFormat {
             Self::Hermes => "hermes",
             Self::Llama3Json => "llama3_json",
             Self::Mistral => "mistral",
+            Self::MistralV11 => "mistral_v11",
         }
     }
 
@@ -111,18 +122,20 @@ impl ToolFormat {
     fn open(self) -> &'static str {
         match self {
             Self::Hermes => CALL_OPEN,
+            Self::MistralV11 => TOOL_CALLS,
             Self::Llama3Json | Self::Mistral => "",
         }
     }
 
     /// What follows a call's object: Hermes' closing tag, or Llama 3's separator (the last
     /// call has none). Mistral's (`,`, or the list's `]`) is read apart
-    /// ([`mistral::after_arguments`]).
+    /// ([`mistral::after_arguments`]); a Mistral v11 call ends with its arguments.
     fn close(self) -> &'static str {
         match self {
             Self::Hermes => CALL_CLOSE,
             Self::Llama3Json => ";",
             Self::Mistral => ",",
+            Self::MistralV11 => "",
         }
     }
 
@@ -132,19 +145,24 @@ impl ToolFormat {
         match self {
             Self::Hermes => CALL_OPEN,
             Self::Llama3Json => "",
-            Self::Mistral => TOOL_CALLS,
+            Self::Mistral | Self::MistralV11 => TOOL_CALLS,
         }
     }
 
-    /// Whether the marker may be a special token of the model's tokenizer (Mistral's).
-    pub fn marker_is_token(self) -> bool {
-        self == Self::Mistral
+    /// The markers that may be special tokens of the model's tokenizer (Mistral's), in the
+    /// order of [`MarkerTokens`]' fields: `[TOOL_CALLS]`, `[ARGS]`, `[CALL_ID]`.
+    pub fn special_markers(self) -> &'static [&'static str] {
+        match self {
+            Self::Hermes | Self::Llama3Json => &[],
+            Self::Mistral => &[TOOL_CALLS],
+            Self::MistralV11 => &[TOOL_CALLS, ARGS, CALL_ID],
+        }
     }
 
     /// The key of a call's arguments.
     fn arguments_key(self) -> &'static str {
         match self {
-            Self::Hermes | Self::Mistral => "arguments",
+            Self::Hermes | Self::Mistral | Self::MistralV11 => "arguments",
             Self::Llama3Json => "parameters",
         }
     }
@@ -162,21 +180,58 @@ pub struct ToolSetup {
     /// ([`ToolUse::prompt`], [`render_calls`], [`render_response`]), for templates that know
     /// nothing of tools.
     pub template: bool,
-    /// The special token that opens calls, where the model's tokenizer has one (Mistral's
-    /// `[TOOL_CALLS]`): the grammar writes that token (llguidance's `<[id]>`), as the model
-    /// was trained to, and the answer's text keeps that token (other special tokens are still
-    /// skipped) so that the reader sees it. `None`: the marker is text.
-    pub marker_token: Option<u32>,
+    /// The format's markers that are special tokens of the model's tokenizer (Mistral's
+    /// `[TOOL_CALLS]`, and v11's `[ARGS]` and `[CALL_ID]`).
+    pub markers: MarkerTokens,
+    /// The model writes an id with each call (Mistral v11's templates that write calls as
+    /// `[TOOL_CALLS]name[CALL_ID]id[ARGS]{...}`, Mistral Small 3.1's): the grammar has it
+    /// write one, 9 letters and digits, as the template writes its calls.
+    pub call_ids: bool,
 }
 
 impl From<ToolFormat> for ToolSetup {
-    /// Calls in `format`, written into prompts by the server, the marker as text.
+    /// Calls in `format`, written into prompts by the server, the markers as text.
     fn from(format: ToolFormat) -> Self {
         ToolSetup {
             format,
             template: false,
-            marker_token: None,
+            markers: MarkerTokens::default(),
+            call_ids: false,
         }
+    }
+}
+
+/// The ids of a format's markers where the model's tokenizer has them as special tokens (as
+/// Mistral's do): the grammar writes those tokens (llguidance's `<[id]>`, which text cannot
+/// spell), as the model was trained to, and the answer's text keeps those tokens (other special
+/// tokens are still skipped) so that the reader sees them. `None`: that marker is text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct MarkerTokens {
+    /// `[TOOL_CALLS]`, which opens calls (both Mistral formats).
+    pub calls: Option<u32>,
+    /// `[ARGS]`, before a call's arguments (Mistral v11).
+    pub args: Option<u32>,
+    /// `[CALL_ID]`, before a call's id (Mistral v11, where a template writes ids).
+    pub call_id: Option<u32>,
+}
+
+/// The special tokens whose text an answer keeps though special tokens are skipped.
+pub type KeptTokens = [Option<u32>; 3];
+
+impl MarkerTokens {
+    /// Those of `format`'s markers (the others are `None`).
+    pub fn of(self, format: ToolFormat) -> Self {
+        let has = |marker: &str| format.special_markers().contains(&marker);
+        MarkerTokens {
+            calls: self.calls.filter(|_| has(TOOL_CALLS)),
+            args: self.args.filter(|_| has(ARGS)),
+            call_id: self.call_id.filter(|_| has(CALL_ID)),
+        }
+    }
+
+    /// The tokens, to keep in an answer's text.
+    pub fn kept(self) -> KeptTokens {
+        [self.calls, self.args, self.call_id]
     }
 }
 
@@ -242,8 +297,10 @@ pub struct ToolUse {
     parallel: bool,
     /// How the model writes calls.
     format: ToolFormat,
-    /// The special token that opens calls ([`ToolSetup::marker_token`]).
-    marker_token: Option<u32>,
+    /// The markers that are special tokens ([`ToolSetup::markers`]).
+    markers: MarkerTokens,
+    /// Calls carry ids ([`ToolSetup::call_ids`]).
+    call_ids: bool,
     /// The output's grammar, built once (its size is checked when the request is read).
     grammar: Option<String>,
 }
@@ -432,9 +489,8 @@ impl ToolUse {
             choice,
             parallel: parallel_tool_calls.unwrap_or(true),
             format: setup.format,
-            marker_token: setup
-                .marker_token
-                .filter(|_| setup.format.marker_is_token()),
+            markers: setup.markers.of(setup.format),
+            call_ids: setup.call_ids && setup.format == ToolFormat::MistralV11,
             grammar: None,
         };
         tool_use.grammar = tool_use.build_grammar();
@@ -486,6 +542,7 @@ impl ToolUse {
             }
             // Mistral's own block: the tools as one JSON list.
             ToolFormat::Mistral => mistral::TOOLS_OPEN,
+            ToolFormat::MistralV11 => mistral_v11::TOOLS_OPEN,
         });
         for (i, t) in self.callable().enumerate() {
             let mut function = Map::new();
@@ -507,7 +564,7 @@ impl ToolUse {
                     out.push_str(&json_indented(&tool));
                     out.push_str("\n\n");
                 }
-                ToolFormat::Mistral => {
+                ToolFormat::Mistral | ToolFormat::MistralV11 => {
                     if i > 0 {
                         out.push_str(", ");
                     }
@@ -534,6 +591,10 @@ impl ToolUse {
                 out.push_str(mistral::TOOLS_CLOSE);
                 None
             }
+            ToolFormat::MistralV11 => {
+                out.push_str(mistral_v11::TOOLS_CLOSE);
+                None
+            }
         };
         // What the choice asks for; nothing when Mistral's model may call as it was trained to.
         let ask = match (&self.choice, self.parallel) {
@@ -558,7 +619,7 @@ impl ToolUse {
                 ToolPrompt::FirstUser(out)
             }
             // The user's text follows the block directly, as it follows it in Mistral's prompts.
-            ToolFormat::Mistral => {
+            ToolFormat::Mistral | ToolFormat::MistralV11 => {
                 if let Some(ask) = ask {
                     out.push_str(&format!("{ask}\n\n"));
                 }
@@ -581,10 +642,14 @@ impl ToolUse {
         self.tools.iter().map(|t| t.given.clone()).collect()
     }
 
-    /// The special token the answer's text keeps though special tokens are skipped: the
-    /// marker that opens calls, where it is one.
-    pub fn kept_special_token(&self) -> Option<u32> {
-        self.marker_token.filter(|_| self.active())
+    /// The special tokens the answer's text keeps though special tokens are skipped: the
+    /// format's markers, where they are special tokens.
+    pub fn kept_special_tokens(&self) -> KeptTokens {
+        if self.active() {
+            self.markers.kept()
+        } else {
+            KeptTokens::default()
+        }
     }
 
     /// Whether the answer is calls only (`required`, a named function): no text may come.
@@ -638,23 +703,38 @@ impl ToolUse {
                 );
             }
             // The name is of [A-Za-z0-9_-] (checked), so it needs no escaping in a literal.
-            rules.push_str(&format!(
-                "body_{k}: \"{{\\\"name\\\": \\\"{name}\\\", \\\"{key}\\\": \" %json{schema} \"}}{close}\"\n",
-                name = t.name,
-                key = self.format.arguments_key(),
-                close = match self.format {
-                    ToolFormat::Hermes => "\\n</tool_call>",
-                    ToolFormat::Llama3Json | ToolFormat::Mistral => "",
-                },
-            ));
+            if self.format == ToolFormat::MistralV11 {
+                rules.push_str(&format!(
+                    "body_{k}: \"{name}\" args %json{schema}\n",
+                    name = t.name
+                ));
+            } else {
+                rules.push_str(&format!(
+                    "body_{k}: \"{{\\\"name\\\": \\\"{name}\\\", \\\"{key}\\\": \" %json{schema} \"}}{close}\"\n",
+                    name = t.name,
+                    key = self.format.arguments_key(),
+                    close = match self.format {
+                        ToolFormat::Hermes => "\\n</tool_call>",
+                        ToolFormat::Llama3Json | ToolFormat::Mistral | ToolFormat::MistralV11 => "",
+                    },
+                ));
+            }
             bodies.push(format!("body_{k}"));
         }
         // A named function is called once (as OpenAI does), whatever parallel_tool_calls says.
         let repeat = self.parallel && !matches!(self.choice, ToolChoice::Function(_));
+        if self.format == ToolFormat::MistralV11 {
+            // Each call opens with the marker: no separator.
+            return Some(format!(
+                "{}body: {}\n{rules}",
+                mistral_v11::grammar_rules(self.calls_only(), repeat, self.markers, self.call_ids),
+                bodies.join(" | "),
+            ));
+        }
         let separator = match self.format {
             ToolFormat::Hermes => "\\n",
             ToolFormat::Llama3Json => "; ",
-            ToolFormat::Mistral => ", ",
+            ToolFormat::Mistral | ToolFormat::MistralV11 => ", ",
         };
         let more = if repeat {
             format!(" (\"{separator}\" call)*")
@@ -663,9 +743,11 @@ impl ToolUse {
         };
         let start = match (self.format, self.calls_only()) {
             (ToolFormat::Mistral, calls_only) => {
-                mistral::grammar_start(calls_only, self.marker_token)
+                mistral::grammar_start(calls_only, self.markers.calls)
             }
             (_, true) => format!("start: call{more}\n"),
+            // Built above.
+            (ToolFormat::MistralV11, false) => return None,
             (ToolFormat::Hermes, false) => format!(
                 "start: TEXT | pre \"\\n\" body{more}\n\
                  pre[suffix=\"{CALL_OPEN}\"]: /(?s:.*)/\n\
@@ -679,12 +761,12 @@ impl ToolUse {
         };
         let open = match self.format {
             ToolFormat::Hermes => "\"<tool_call>\\n\" ",
-            ToolFormat::Llama3Json | ToolFormat::Mistral => "",
+            ToolFormat::Llama3Json | ToolFormat::Mistral | ToolFormat::MistralV11 => "",
         };
         // Mistral's calls are one list: `[TOOL_CALLS]`, then `" ["`, the calls, `"]"`.
         let list = match self.format {
             ToolFormat::Mistral => format!("list: \" [\" call{more} \"]\"\n"),
-            ToolFormat::Hermes | ToolFormat::Llama3Json => String::new(),
+            ToolFormat::Hermes | ToolFormat::Llama3Json | ToolFormat::MistralV11 => String::new(),
         };
         Some(format!(
             "{start}{list}call: {open}body\nbody: {bodies}\n{rules}",
@@ -853,7 +935,8 @@ fn read_calls<'a>(param: &str, calls: &'a [Value]) -> Result<Vec<HistoryCall<'a>
 }
 
 /// Renders an assistant message's `tool_calls` (OpenAI's shape) as the model writes calls
-/// (Mistral: with each call's id, made one of Mistral's by [`mistral_call_id`]).
+/// (Mistral: with each call's id, made one of Mistral's by [`mistral_call_id`]; Mistral v11:
+/// as its templates write calls, without ids).
 pub fn render_calls(param: &str, calls: &[Value], format: ToolFormat) -> Result<String, ApiError> {
     let mut out = String::new();
     for call in read_calls(param, calls)? {
@@ -861,6 +944,10 @@ pub fn render_calls(param: &str, calls: &[Value], format: ToolFormat) -> Result<
             HistoryArguments::Object(v) => json_dumps(v),
             HistoryArguments::Raw(raw) => raw.clone(),
         };
+        if format == ToolFormat::MistralV11 {
+            out.push_str(&mistral_v11::render_call(call.name, &arguments));
+            continue;
+        }
         // Mistral's calls carry their ids after the arguments (as mistral-common writes them).
         let id = match (format, call.id) {
             (ToolFormat::Mistral, Some(id)) if !id.is_empty() => {
@@ -886,7 +973,7 @@ pub fn render_calls(param: &str, calls: &[Value], format: ToolFormat) -> Result<
                 }
                 out.push_str(&call);
             }
-            ToolFormat::Mistral => {
+            ToolFormat::Mistral | ToolFormat::MistralV11 => {
                 if out.is_empty() {
                     out.push_str(TOOL_CALLS);
                     out.push_str(" [");
@@ -945,7 +1032,7 @@ pub fn template_calls(
 /// message that answers it): Mistral's templates take only their own 9-character ids.
 pub fn template_call_id(id: &str, format: ToolFormat) -> String {
     match format {
-        ToolFormat::Mistral => mistral_call_id(id),
+        ToolFormat::Mistral | ToolFormat::MistralV11 => mistral_call_id(id),
         ToolFormat::Hermes | ToolFormat::Llama3Json => id.to_owned(),
     }
 }
@@ -963,6 +1050,7 @@ pub fn render_result(format: ToolFormat, content: &str, tool_call_id: Option<&st
         ToolFormat::Hermes => render_response(content),
         ToolFormat::Llama3Json => content.to_owned(),
         ToolFormat::Mistral => mistral::result_block(content, tool_call_id),
+        ToolFormat::MistralV11 => mistral_v11::result_block(content),
     }
 }
 
@@ -1447,7 +1535,12 @@ impl ToolStream {
                         start + open.len()
                     };
                     if !*whole {
-                        match header(&self.buf[body..], self.format.arguments_key()) {
+                        let opening = &self.buf[body..];
+                        let read = match self.format {
+                            ToolFormat::MistralV11 => mistral_v11::header(opening),
+                            _ => header(opening, self.format.arguments_key()),
+                        };
+                        match read {
                             Header::Done { name, arguments } => {
                                 let index = self.open(name, out);
                                 let args = self.buf.split_off(body + arguments);
@@ -1461,6 +1554,10 @@ impl ToolStream {
                             }
                             Header::More if !last => return,
                             Header::More => return self.unfinished_call(out),
+                            // A v11 call has no other form.
+                            Header::Other if self.format == ToolFormat::MistralV11 => {
+                                return self.not_a_call(out)
+                            }
                             Header::Other => *whole = true,
                         }
                     }
@@ -1482,7 +1579,9 @@ impl ToolStream {
                             self.state = match self.format {
                                 // What follows the call's brace, which is left in place.
                                 ToolFormat::Mistral => StreamState::Close,
-                                ToolFormat::Hermes | ToolFormat::Llama3Json => StreamState::Call {
+                                ToolFormat::Hermes
+                                | ToolFormat::Llama3Json
+                                | ToolFormat::MistralV11 => StreamState::Call {
                                     end: BodyEnd::default(),
                                     whole: false,
                                 },
@@ -1497,6 +1596,13 @@ impl ToolStream {
                 StreamState::Arguments { .. } => {
                     self.cut = last;
                     return;
+                }
+                // A v11 call ends with its arguments; the next opens with the marker.
+                StreamState::Close if self.format == ToolFormat::MistralV11 => {
+                    self.state = StreamState::Call {
+                        end: BodyEnd::default(),
+                        whole: false,
+                    };
                 }
                 StreamState::Close if self.format == ToolFormat::Mistral => {
                     match mistral::after_arguments(self.buf.as_bytes()) {
@@ -1730,7 +1836,9 @@ fn read_call(body: &str, last: bool, format: ToolFormat) -> Read {
         ToolFormat::Hermes => Read::Bad,
         // A Llama 3 call ends at its brace: what follows, not its separator, is the caller's to
         // read (text), as when its arguments are streamed. (Mistral's was read above.)
-        ToolFormat::Llama3Json | ToolFormat::Mistral => Read::Call(call, end),
+        ToolFormat::Llama3Json | ToolFormat::Mistral | ToolFormat::MistralV11 => {
+            Read::Call(call, end)
+        }
     }
 }
 
@@ -2363,7 +2471,7 @@ mod tests {
         let now = |format: ToolFormat| ParsedCall {
             name: "now".into(),
             arguments: match format {
-                ToolFormat::Hermes | ToolFormat::Mistral => "{}".into(),
+                ToolFormat::Hermes | ToolFormat::Mistral | ToolFormat::MistralV11 => "{}".into(),
                 ToolFormat::Llama3Json => "{\"a\": 1}".into(),
             },
         };
@@ -2403,6 +2511,14 @@ mod tests {
                     1,
                 ));
             }
+            for tail in ["[", "[TOOL_CALLS]", "[TOOL_CALLS]now[AR", "\n"] {
+                cases.push((
+                    ToolFormat::MistralV11,
+                    calls_only,
+                    format!("[TOOL_CALLS]now[ARGS]{{}}{tail}"),
+                    1,
+                ));
+            }
         }
         // Calls only, cut before the first call is whole: nothing at all.
         for text in [
@@ -2423,6 +2539,9 @@ mod tests {
         ] {
             cases.push((ToolFormat::Mistral, true, text.into(), 0));
         }
+        for text in ["[", "[TOOL_CALLS", " [TOOL_CALLS]now[ARGS]"] {
+            cases.push((ToolFormat::MistralV11, true, text.into(), 0));
+        }
         for (format, calls_only, text, calls) in cases {
             let want = (String::new(), vec![now(format); calls]);
             for cut in (0..=text.len()).filter(|&c| text.is_char_boundary(c)) {
@@ -2438,11 +2557,13 @@ mod tests {
             ToolFormat::Hermes,
             ToolFormat::Llama3Json,
             ToolFormat::Mistral,
+            ToolFormat::MistralV11,
         ] {
             let text = match format {
                 ToolFormat::Hermes => "<tool_call>\n{\"name\": \"now\", \"argu",
                 ToolFormat::Llama3Json => "{\"name\": \"now\", \"para",
                 ToolFormat::Mistral => "[TOOL_CALLS] [{\"name\": \"now\", \"argu",
+                ToolFormat::MistralV11 => "[TOOL_CALLS]now[AR",
             };
             assert_eq!(
                 read_answer(format, false, &[text]),

@@ -18,11 +18,11 @@
 //!   and its result, whoever writes them.
 //!
 //! Mistral's tokenizers from v11 on (Mistral Small 3.2, Magistral, Devstral) call as
-//! `[TOOL_CALLS]name[ARGS]{...}`; their templates write both markers too, and this format holds
-//! those models to the v3 list.
+//! `[TOOL_CALLS]name[ARGS]{...}`: that is [`ToolFormat::MistralV11`](super::ToolFormat)'s
+//! (`mistral_v11.rs`).
 //!
 //! `[TOOL_CALLS]` is a special token of Mistral's tokenizers. Where it is one, the server tells
-//! the grammar its id (`ToolSetup::marker_token`): the grammar writes that token (llguidance's
+//! the grammar its id (`ToolSetup::markers`): the grammar writes that token (llguidance's
 //! `<[id]>`, which text cannot spell), as the model was trained to, and such a request's text
 //! keeps that one special token (vLLM keeps them all for its Mistral reader, end of sequence
 //! included), so the reader finds the marker in the text as it finds `<tool_call>`. Where the tokenizer has no such token, the
