@@ -79,6 +79,10 @@ pub struct SubmitOptions {
     /// deadlines from the moment the client's time to first token runs from. `None`: it
     /// arrives when the scheduler takes it.
     pub received: Option<std::time::Instant>,
+    /// When the request entered the engine's queue on the engine clock, its prompt encoded
+    /// (the scheduler actor stamps it): its queue time, vLLM's time spent waiting to be
+    /// scheduled, runs from then, without the encoding. `None`: from its arrival.
+    pub queued: Option<Timestamp>,
 }
 
 impl SubmitOptions {
@@ -106,6 +110,7 @@ impl SubmitOptions {
             sampling,
             adapter: None,
             received: None,
+            queued: None,
         }
     }
 
@@ -196,7 +201,7 @@ pub struct PreparedStep {
     pub release: Vec<u64>,
     /// Microseconds spent planning.
     pub plan_us: u64,
-    /// Queue times (arrival to first scheduled, microseconds) of requests scheduled for the first
+    /// Queue times (queued to first scheduled, microseconds) of requests scheduled for the first
     /// time in this step.
     pub queue_times_us: Vec<u64>,
 }
@@ -233,8 +238,8 @@ struct LiveRequest {
     sampling: Arc<SamplingParams>,
     /// LoRA adapter weights.
     adapter: Option<Arc<LoraAdapter>>,
-    /// Arrival on the engine clock.
-    arrival: Timestamp,
+    /// When it entered the queue, on the engine clock ([`SubmitOptions::queued`]).
+    queued: Timestamp,
     /// Whether it has been scheduled at least once.
     started: bool,
     /// Whether it may be fed drafts (speculative decoding).
@@ -330,7 +335,7 @@ impl StepCore {
             prompt: submit.request.prompt.clone(),
             sampling: submit.sampling,
             adapter: submit.adapter,
-            arrival: submit.request.arrival,
+            queued: submit.queued.unwrap_or(submit.request.arrival),
             started: false,
             speculate: submit.request.limits.speculate,
         };
@@ -522,7 +527,7 @@ impl StepCore {
             let first_step = !live.started;
             if first_step {
                 live.started = true;
-                queue_times_us.push(now.saturating_sub(live.arrival));
+                queue_times_us.push(now.saturating_sub(live.queued));
             }
             if n == seqs.len() {
                 seqs.push(SeqInput {
@@ -1406,6 +1411,25 @@ mod tests {
         let prepared = e.core().build_step(planned).unwrap().expect("a batch");
         assert_eq!(prepared.batch.seqs.len(), 1);
         assert_eq!(prepared.release, vec![1]);
+    }
+
+    /// A request's queue time runs from when it was queued (its prompt encoded), as vLLM's
+    /// time spent waiting to be scheduled, not from its arrival; without a queueing time, from
+    /// its arrival.
+    #[test]
+    fn queue_time_runs_from_the_queueing_not_the_arrival() {
+        let mut e = engine(NextTokenBackend::default());
+        let mut encoded = request(1, vec![1, 2], 2, None);
+        encoded.request.arrival = Timestamp(1_000);
+        encoded.queued = Some(Timestamp(4_000));
+        e.core().add_request(encoded).unwrap();
+        let mut offline = request(2, vec![3, 4], 2, None);
+        offline.request.arrival = Timestamp(500);
+        e.core().add_request(offline).unwrap();
+        let prepared = e.core().prepare(Timestamp(6_500)).unwrap().expect("a step");
+        let mut queued = prepared.queue_times_us.clone();
+        queued.sort_unstable();
+        assert_eq!(queued, [2_500, 6_000]);
     }
 
     #[test]

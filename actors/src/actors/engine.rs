@@ -670,6 +670,8 @@ impl Engine {
                 sampling: Arc::new(sampling),
                 adapter: adapter.as_ref().map(|(_, a)| a.clone()),
                 received: Some(arrival),
+                // Stamped by the scheduler when it queues the request.
+                queued: None,
             });
         }
         // The detokenizer queues the request with the scheduler as it registers it, so that
