@@ -684,6 +684,8 @@ impl Scheduler {
         self.num_preemptions += 1;
         self.waiting.push(slot);
         b.plan.preempted.push(seq.id);
+        self.policy
+            .observe(PolicyEvent::Preempted(SeqView::new(seq)));
     }
 
     /// Admits waiting sequences in rank order. `order[..ranked]` is the step's ranked
@@ -802,6 +804,7 @@ impl Scheduler {
         *num_running += 1;
         if let Some(q) = self.seqs.get_mut(slot as usize).and_then(Option::as_mut) {
             q.lora_passes = 0;
+            self.policy.observe(PolicyEvent::Admitted(SeqView::new(q)));
         }
         if let Some(q) = passed.and_then(|w| self.seqs.get_mut(w as usize)?.as_mut()) {
             q.lora_passes = q.lora_passes.saturating_add(1);

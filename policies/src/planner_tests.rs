@@ -348,6 +348,64 @@ fn config_errors_name_the_field() {
     assert!(e.contains("block_size"), "{e}");
 }
 
+/// Policies hear of an admission and of a preemption as the step is planned, before its
+/// outputs: what they know at the next arrival is what the plan did.
+#[test]
+fn policies_hear_of_admissions_and_preemptions_when_they_are_planned() {
+    use crate::policy::{PolicyEvent, Rank};
+    use crate::sequence::SeqView;
+    use std::sync::Mutex;
+    /// FCFS that writes down what it hears of.
+    struct Listening(Arc<Mutex<Vec<String>>>);
+    impl Policy for Listening {
+        fn name(&self) -> &str {
+            "listening"
+        }
+        fn rank(&self, seq: SeqView<'_>, _: Timestamp) -> Rank {
+            Rank {
+                class: 0,
+                key: seq.arrival().0 as i64,
+            }
+        }
+        fn observe(&mut self, event: PolicyEvent<'_>) {
+            let line = match event {
+                PolicyEvent::Admitted(q) => format!("admitted {} {:?}", q.id().0, q.state()),
+                PolicyEvent::Preempted(q) => format!("preempted {} {:?}", q.id().0, q.state()),
+                _ => return,
+            };
+            self.0.lock().unwrap().push(line);
+        }
+    }
+    let heard = Arc::new(Mutex::new(Vec::new()));
+    let take = || std::mem::take(&mut *heard.lock().unwrap());
+    // The case of out_of_blocks_preempts_the_newest_and_recomputes_prompt_and_output.
+    let mut s = sched(config(4, 4), Box::new(Listening(heard.clone())));
+    s.add_request(req(1, 0, (0..8).collect(), 8)).unwrap();
+    s.add_request(req(2, 1, (100..108).collect(), 8)).unwrap();
+    let plan = s.schedule(Timestamp(0));
+    assert_eq!(take(), ["admitted 1 Running", "admitted 2 Running"]);
+    let outs: Vec<StepOutput> = plan
+        .seqs
+        .iter()
+        .map(|q| StepOutput::new(q.id, 50))
+        .collect();
+    s.apply_outputs(&plan, &outs, Timestamp(0));
+    assert_eq!(take(), Vec::<String>::new());
+    let plan = s.schedule(Timestamp(1));
+    assert_eq!(plan.preempted, vec![RequestId(2)]);
+    assert_eq!(take(), ["preempted 2 Preempted"]);
+    let outs: Vec<StepOutput> = plan
+        .seqs
+        .iter()
+        .map(|q| StepOutput::new(q.id, 51))
+        .collect();
+    s.apply_outputs(&plan, &outs, Timestamp(1));
+    // Request 1 gone, request 2 runs again.
+    assert!(s.abort(RequestId(1)));
+    s.schedule(Timestamp(2));
+    assert_eq!(take(), ["admitted 2 Running"]);
+}
+
 #[test]
 fn urgent_request_preempts_at_max_num_seqs() {
     // vLLM #40004: a full running set must not block more urgent waiting work.

@@ -22,8 +22,9 @@
 //! to one tenant in a block. A preempted request ranks at its tenant's counter (its prompt
 //! was charged when first computed).
 //!
-//! **Counter lift.** A tenant is backlogged while it has requests in the waiting queue that
-//! were never admitted. When a request arrives for a tenant that is not backlogged, the
+//! **Counter lift.** A tenant is backlogged while it has requests in the waiting queue: never
+//! admitted, or preempted and waiting to run again. When a request arrives for a tenant that
+//! is not backlogged, the
 //! tenant's counter is lifted to at least the smallest counter among backlogged tenants or,
 //! when no tenant is backlogged, to the system's virtual time: the counter of the last
 //! tenant to leave the backlog (the rule of the paper's Algorithm 2 for an empty queue; the
@@ -35,10 +36,10 @@
 //!
 //! **Scope.** As in the paper, VTC decides admission order: running requests keep arrival
 //! order, so preemption victims are the newest running requests and counters cannot make
-//! two requests evict each other in turn. Limits of the plugin interface: the policy learns
-//! of an admission when the request's first chunk is served (one step later), and of no
-//! preemption, so a tenant whose only waiting requests were preempted counts as not
-//! backlogged; output tokens are charged after each step.
+//! two requests evict each other in turn. The policy hears of an admission and of a
+//! preemption as the step is planned (`PolicyEvent::Admitted`, `PolicyEvent::Preempted`), so
+//! a request arriving while that step runs sees the backlog the plan left; computed tokens are
+//! charged after each step.
 //!
 //! Cost: O(1) per served sequence; O(tenants) per arrival of a request whose tenant is not
 //! backlogged; a rank is O(1) plus the requests of the same tenant admitted out of order
@@ -73,8 +74,10 @@ struct Tenant {
     weight: f64,
     /// Live (waiting or running) requests.
     live: usize,
-    /// Ordinals of the tenant's never-admitted waiting requests (its backlog).
+    /// Ordinals of the tenant's never-admitted waiting requests.
     queue: BTreeSet<u64>,
+    /// The tenant's preempted requests waiting to run again. With `queue`, its backlog.
+    preempted: usize,
     /// Admission cost of the requests that entered the queue since it was last empty.
     enqueued: f64,
     /// Admission cost of those that left it.
@@ -87,6 +90,11 @@ impl Tenant {
     /// The counter VTC would have: service received plus admitted prompts not yet charged.
     fn projected(&self) -> f64 {
         self.counter + self.uncharged
+    }
+
+    /// Whether the tenant has requests waiting: never admitted, or preempted.
+    fn backlogged(&self) -> bool {
+        !self.queue.is_empty() || self.preempted > 0
     }
 
     /// Admission cost of the queued requests ahead of the one with `ord` and `start`.
@@ -107,6 +115,8 @@ struct Entry {
     uncharged: f64,
     /// The place in its tenant's queue while never admitted.
     queued: Option<Queued>,
+    /// Preempted, waiting to run again.
+    preempted: bool,
 }
 
 /// A never-admitted request's place in its tenant's queue.
@@ -221,7 +231,7 @@ impl FairShare {
             .enumerate()
             .filter(|&(i, _)| i != id as usize)
             .filter_map(|(_, t)| t.as_ref())
-            .filter(|t| !t.queue.is_empty())
+            .filter(|t| t.backlogged())
             .map(Tenant::projected)
             .reduce(f64::min);
         if backlogged.is_some() {
@@ -233,7 +243,7 @@ impl FairShare {
     }
 
     /// Takes a request out of its tenant's queue (admitted or departed); the tenant leaves
-    /// the backlog with its last one.
+    /// the backlog with its last one, unless it has preempted requests waiting.
     fn dequeue(&mut self, id: u32, q: Queued, cost: f64) {
         let Some(t) = self.tenant_mut(id) else { return };
         t.queue.remove(&q.ord);
@@ -243,9 +253,7 @@ impl FairShare {
                 t.enqueued = 0.0;
                 t.dequeued = 0.0;
                 t.holes.clear();
-                let projected = t.projected();
-                self.vtime = self.vtime.max(projected);
-                self.last_left = Some(id);
+                self.left_if_idle(id);
             }
             Some(head) => {
                 if q.ord > head {
@@ -256,6 +264,25 @@ impl FairShare {
                 }
             }
         }
+    }
+
+    /// A preempted request of the tenant runs again or departs; the tenant leaves the backlog
+    /// with its last waiting request.
+    fn unpreempt(&mut self, id: u32) {
+        let Some(t) = self.tenant_mut(id) else { return };
+        t.preempted = t.preempted.saturating_sub(1);
+        self.left_if_idle(id);
+    }
+
+    /// Records the tenant's leaving the backlog when it has nothing waiting any more: the
+    /// system virtual time moves up to its counter.
+    fn left_if_idle(&mut self, id: u32) {
+        let Some(t) = self.tenant(id) else { return };
+        if t.backlogged() {
+            return;
+        }
+        self.vtime = self.vtime.max(t.projected());
+        self.last_left = Some(id);
     }
 
     fn arrived(&mut self, seq: SeqView<'_>) {
@@ -279,10 +306,11 @@ impl FairShare {
             weight,
             uncharged: prompt,
             queued: None,
+            preempted: false,
         };
         match seq.state() {
             RequestState::Waiting => {
-                if t.queue.is_empty() {
+                if !t.backlogged() {
                     if let Some(lift) = self.lift_target(id) {
                         if let Some(t) = self.tenant_mut(id) {
                             t.counter = t.counter.max(lift - t.uncharged);
@@ -301,7 +329,8 @@ impl FairShare {
                 }
             }
             // Replayed after a swap: already admitted; what is computed of the prompt
-            // counts as charged (a preempted request's prompt was computed before).
+            // counts as charged (a preempted request's prompt was computed before), and a
+            // preempted request waits again.
             state => {
                 let left = match state {
                     RequestState::Running => {
@@ -311,9 +340,46 @@ impl FairShare {
                 };
                 entry.uncharged = left as f64 * self.input_weight / weight;
                 t.uncharged += entry.uncharged;
+                if state == RequestState::Preempted {
+                    entry.preempted = true;
+                    t.preempted += 1;
+                }
             }
         }
         self.requests.insert(rid, entry);
+    }
+
+    /// Admitted: a never-admitted request leaves its tenant's queue and its prompt counts from
+    /// now on (VTC charges it at admission); a preempted one no longer waits.
+    fn admitted(&mut self, seq: SeqView<'_>) {
+        let Some(e) = self.requests.get_mut(&seq.id()) else {
+            return;
+        };
+        let (tenant, cost) = (e.tenant, e.uncharged);
+        if let Some(q) = e.queued.take() {
+            if let Some(t) = self.tenant_mut(tenant) {
+                t.uncharged += cost;
+            }
+            self.dequeue(tenant, q, cost);
+        } else if std::mem::take(&mut e.preempted) {
+            self.unpreempt(tenant);
+        }
+    }
+
+    /// Preempted: the request waits again, so its tenant is backlogged (not lifted when it
+    /// sends more); its prompt, charged as computed, is not charged again.
+    fn preempted(&mut self, seq: SeqView<'_>) {
+        let Some(e) = self.requests.get_mut(&seq.id()) else {
+            return;
+        };
+        if e.queued.is_some() || e.preempted {
+            return;
+        }
+        e.preempted = true;
+        let tenant = e.tenant;
+        if let Some(t) = self.tenant_mut(tenant) {
+            t.preempted += 1;
+        }
     }
 
     fn served(&mut self, seq: SeqView<'_>, prompt_tokens: usize, output_tokens: usize) {
@@ -327,8 +393,9 @@ impl FairShare {
         let cost = e.uncharged;
         e.uncharged -= was_uncharged;
         if let Some(q) = admitted {
-            // Admitted: its prompt counts from now on (so also when its tenant leaves the
-            // backlog with it, as VTC charges it at admission).
+            // Admitted without a word (a plan outside the planner): its prompt counts from
+            // now on (so also when its tenant leaves the backlog with it, as VTC charges it at
+            // admission).
             if let Some(t) = self.tenant_mut(tenant) {
                 t.uncharged += cost;
             }
@@ -349,6 +416,9 @@ impl FairShare {
             None => {
                 if let Some(t) = self.tenant_mut(e.tenant) {
                     t.uncharged = (t.uncharged - e.uncharged).max(0.0);
+                }
+                if e.preempted {
+                    self.unpreempt(e.tenant);
                 }
             }
         }
@@ -392,6 +462,8 @@ impl Policy for FairShare {
     fn observe(&mut self, event: PolicyEvent<'_>) {
         match event {
             PolicyEvent::Arrived(seq) => self.arrived(seq),
+            PolicyEvent::Admitted(seq) => self.admitted(seq),
+            PolicyEvent::Preempted(seq) => self.preempted(seq),
             PolicyEvent::Served {
                 seq,
                 prompt_tokens,

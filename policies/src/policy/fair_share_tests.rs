@@ -34,6 +34,18 @@ fn serve(p: &mut FairShare, s: &mut Sequence, prompt: usize, out: usize) {
     });
 }
 
+/// Admits `s` as the planner does, before any of it is served.
+fn admit(p: &mut FairShare, s: &mut Sequence) {
+    s.state = RequestState::Running;
+    p.observe(PolicyEvent::Admitted(SeqView::new(s)));
+}
+
+/// Preempts `s` as the planner does.
+fn preempt(p: &mut FairShare, s: &mut Sequence) {
+    s.state = RequestState::Preempted;
+    p.observe(PolicyEvent::Preempted(SeqView::new(s)));
+}
+
 fn depart(p: &mut FairShare, s: &mut Sequence) {
     s.state = RequestState::Finished(crate::types::FinishReason::Length);
     p.observe(PolicyEvent::Departed(SeqView::new(s)));
@@ -142,6 +154,67 @@ fn tenant_with_only_running_requests_is_lifted() {
     let b2 = of("b", 4);
     arrive(&mut p, &b2);
     assert_eq!(p.counter(1), 1000.0);
+}
+
+/// An admission takes the request out of its tenant's backlog as it is planned, before any of
+/// it is served: the tenant's next request is lifted as VTC lifts a tenant with nothing
+/// waiting (before, the admitted request still counted as waiting until its first chunk was
+/// served, and the next one ranked at the tenant's stale counter).
+#[test]
+fn an_admission_ends_the_backlog_when_it_is_planned() {
+    let mut p = FairShare::new(1.0, 2.0, BTreeMap::new());
+    let (mut a, mut b) = (of("a", 1), of("b", 2));
+    let b2 = of("b", 3);
+    for s in [&a, &b, &b2] {
+        arrive(&mut p, s);
+    }
+    serve(&mut p, &mut b, 500, 0);
+    // b is backlogged at 500 (+10 for b2 ahead of nothing: b2 is its queue); a's only
+    // request is admitted, not yet served.
+    admit(&mut p, &mut a);
+    let a2 = of("a", 4);
+    arrive(&mut p, &a2);
+    // Lifted to b's projected counter, less what a's admitted request will be charged.
+    assert_eq!(p.tenant(0).map(Tenant::projected), Some(500.0));
+    assert_eq!(p.counter(0), 490.0);
+    // Serving the admitted request charges its prompt once.
+    serve(&mut p, &mut a, 10, 0);
+    assert_eq!(p.counter(0), 500.0);
+}
+
+/// A tenant whose only waiting requests were preempted is still backlogged: it is not lifted
+/// when it sends more (it waits; its counter is not stale), and it leaves the backlog, moving
+/// the system virtual time, when the preempted request runs again.
+#[test]
+fn a_tenant_with_preempted_requests_waiting_is_backlogged() {
+    let mut p = FairShare::new(1.0, 2.0, BTreeMap::new());
+    let (mut a, mut b) = (of("a", 1), of("b", 2));
+    let b2 = of("b", 3);
+    for s in [&a, &b, &b2] {
+        arrive(&mut p, s);
+    }
+    admit(&mut p, &mut a);
+    serve(&mut p, &mut a, 10, 0);
+    serve(&mut p, &mut b, 500, 0);
+    preempt(&mut p, &mut a);
+    let a2 = of("a", 4);
+    arrive(&mut p, &a2);
+    assert_eq!(p.counter(0), 10.0);
+    // a's preempted request runs again; a2 still waits, so a stays backlogged.
+    admit(&mut p, &mut a);
+    assert!(p.tenant(0).is_some_and(Tenant::backlogged));
+    let vtime = p.vtime;
+    // Without a preempted request left, a's last waiting request leaves the backlog with its
+    // admission, and the virtual time moves to a's counter.
+    let mut a2 = a2;
+    admit(&mut p, &mut a2);
+    assert!(!p.tenant(0).is_some_and(Tenant::backlogged));
+    assert!(p.vtime >= vtime && p.vtime >= 20.0);
+    // A preempted request that departs leaves the backlog too.
+    preempt(&mut p, &mut a2);
+    assert!(p.tenant(0).is_some_and(Tenant::backlogged));
+    depart(&mut p, &mut a2);
+    assert!(!p.tenant(0).is_some_and(Tenant::backlogged));
 }
 
 #[test]
@@ -393,6 +466,10 @@ enum Op {
     Serve(usize, usize, usize),
     /// The `.0`-th live request (mod live) ends.
     Depart(usize),
+    /// The `.0`-th live request (mod live), if it waits, is admitted (planned).
+    Admit(usize),
+    /// The `.0`-th live request (mod live), if it runs, is preempted.
+    Preempt(usize),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -400,15 +477,19 @@ fn op() -> impl Strategy<Value = Op> {
         (0u8..3, 1usize..40).prop_map(|(t, p)| Op::Arrive(t, p)),
         (0usize..16, 0usize..40, 0usize..3).prop_map(|(i, p, o)| Op::Serve(i, p, o)),
         (0usize..16).prop_map(Op::Depart),
+        (0usize..16).prop_map(Op::Admit),
+        (0usize..16).prop_map(Op::Preempt),
     ]
 }
 
 proptest! {
-    /// After any sequence of arrivals, services and departures: every waiting request ranks
-    /// at its tenant's counter plus the uncharged prompts of the tenant's admitted requests
-    /// and of its waiting requests ahead of it (recomputed from scratch); an arrival for a
-    /// tenant with no waiting request lifts it at least to the smallest such counter among
-    /// backlogged tenants, or to the system virtual time, which never decreases.
+    /// After any sequence of arrivals, admissions, services, preemptions and departures:
+    /// every never-admitted waiting request ranks at its tenant's counter plus the uncharged
+    /// prompts of the tenant's admitted requests and of its waiting requests ahead of it, a
+    /// preempted one at the counter plus the admitted requests' (recomputed from scratch); an
+    /// arrival for a tenant with no waiting request (never admitted or preempted) lifts it at
+    /// least to the smallest such counter among backlogged tenants, or to the system virtual
+    /// time, which never decreases.
     #[test]
     fn ranks_match_a_recomputation_and_the_lift_holds(ops in prop::collection::vec(op(), 1..80)) {
         let tiers = BTreeMap::from([("t".to_string(), 2.0)]);
@@ -430,7 +511,8 @@ proptest! {
                     }
                     let backlogged = |p: &FairShare, live: &[(Sequence, usize)], id: u32| {
                         live.iter().any(|(q, _)| {
-                            q.tenant_id == id && q.state == RequestState::Waiting
+                            q.tenant_id == id
+                                && matches!(q.state, RequestState::Waiting | RequestState::Preempted)
                         }) && p.tenant(id).is_some()
                     };
                     let was = backlogged(&p, &live, s.tenant_id);
@@ -451,7 +533,12 @@ proptest! {
                     }
                     live.push((s, prompt));
                 }
-                Op::Serve(i, prompt, out) if !live.is_empty() => {
+                // A preempted request is admitted again before it is served (the planner's
+                // order); a waiting one may be served without a word (admitted then).
+                Op::Serve(i, prompt, out)
+                    if !live.is_empty()
+                        && live[i % live.len()].0.state != RequestState::Preempted =>
+                {
                     let k = i % live.len();
                     let (s, left) = &mut live[k];
                     let prompt = prompt.min(*left);
@@ -461,6 +548,24 @@ proptest! {
                 Op::Depart(i) if !live.is_empty() => {
                     let (mut s, _) = live.remove(i % live.len());
                     depart(&mut p, &mut s);
+                    prop_assert!(p.vtime >= vtime);
+                    vtime = p.vtime;
+                }
+                Op::Admit(i) if !live.is_empty() => {
+                    let k = i % live.len();
+                    let s = &mut live[k].0;
+                    if matches!(s.state, RequestState::Waiting | RequestState::Preempted) {
+                        admit(&mut p, s);
+                        prop_assert!(p.vtime >= vtime);
+                        vtime = p.vtime;
+                    }
+                }
+                Op::Preempt(i) if !live.is_empty() => {
+                    let k = i % live.len();
+                    let s = &mut live[k].0;
+                    if s.state == RequestState::Running {
+                        preempt(&mut p, s);
+                    }
                 }
                 _ => {}
             }
@@ -469,12 +574,20 @@ proptest! {
                 (if s.tenant_id == 1 { 3.0 } else { 1.0 })
                     * (if s.req.tier == "t" { 2.0 } else { 1.0 })
             };
-            for (s, _) in live.iter().filter(|(s, _)| s.state == RequestState::Waiting) {
+            let waiting = |q: &Sequence| {
+                matches!(q.state, RequestState::Waiting | RequestState::Preempted)
+            };
+            for (s, _) in live.iter().filter(|(s, _)| waiting(s)) {
                 let t = s.tenant_id;
                 let uncharged: f64 = live
                     .iter()
                     .filter(|(q, _)| q.tenant_id == t)
-                    .filter(|(q, _)| q.state == RequestState::Running || q.id.0 < s.id.0)
+                    .filter(|(q, _)| {
+                        matches!(q.state, RequestState::Running | RequestState::Preempted)
+                            || (s.state == RequestState::Waiting
+                                && q.state == RequestState::Waiting
+                                && q.id.0 < s.id.0)
+                    })
                     .map(|(q, left)| *left as f64 / weight(q))
                     .sum();
                 let want = p.counter(t) + uncharged;

@@ -43,6 +43,12 @@ pub struct Rank {
 pub enum PolicyEvent<'a> {
     /// A request entered the scheduler (also replayed for every live request after a swap).
     Arrived(SeqView<'a>),
+    /// A waiting sequence was admitted while a step was planned (its first chunk is in the
+    /// plan; it runs from now on), for the first time or after a preemption.
+    Admitted(SeqView<'a>),
+    /// A running sequence was preempted by recompute while a step was planned: it waits
+    /// again, its computed tokens dropped.
+    Preempted(SeqView<'a>),
     /// A step's work on a sequence completed.
     Served {
         /// The sequence after the step.
