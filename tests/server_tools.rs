@@ -981,7 +981,7 @@ fn a_mistral_v11_template_gets_each_call_after_the_marker() {
     s.assert_serves();
     drop(s);
 
-    // A template that writes each call's id (as Mistral Small 3.1's): the model writes one
+    // A template that writes each call's id (as some v11 templates do): the model writes one
     // too, 9 letters and digits after `[CALL_ID]`; the call still gets the server's id.
     let source = std::fs::read_to_string(format!(
         "{}/tests/fixtures/mistral-v11.jinja",

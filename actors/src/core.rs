@@ -79,9 +79,13 @@ pub struct SubmitOptions {
     /// deadlines from the moment the client's time to first token runs from. `None`: it
     /// arrives when the scheduler takes it.
     pub received: Option<std::time::Instant>,
-    /// When the request entered the engine's queue on the engine clock, its prompt encoded
-    /// (the scheduler actor stamps it): its queue time, vLLM's time spent waiting to be
-    /// scheduled, runs from then, without the encoding. `None`: from its arrival.
+    /// When its prompt was encoded: the scheduler actor dates [`SubmitOptions::queued`] from
+    /// it (its adapter's lookup and its grammar's compile come after, as in vLLM, where a
+    /// request waits for both in the scheduler's queue). `None`: when the scheduler takes it.
+    pub encoded: Option<std::time::Instant>,
+    /// When the request entered the engine's queue, on the engine clock (the scheduler actor
+    /// stamps it from [`SubmitOptions::encoded`]): its queue time, vLLM's time spent waiting
+    /// to be scheduled, runs from then, without the encoding. `None`: from its arrival.
     pub queued: Option<Timestamp>,
 }
 
@@ -110,6 +114,7 @@ impl SubmitOptions {
             sampling,
             adapter: None,
             received: None,
+            encoded: None,
             queued: None,
         }
     }

@@ -54,8 +54,8 @@ pub const INTER_TOKEN_LATENCY: &str = "switchyard:inter_token_latency_seconds";
 pub const TIME_PER_OUTPUT_TOKEN: &str = "switchyard:time_per_output_token_seconds";
 /// Histogram, seconds: arrival to finish, per finished choice.
 pub const E2E_REQUEST_LATENCY: &str = "switchyard:e2e_request_latency_seconds";
-/// Histogram, seconds: arrival at the engine (before the prompt is encoded) to first being
-/// scheduled, per choice.
+/// Histogram, seconds: from when the request's prompt was encoded (its adapter's lookup and its
+/// grammar's compile included, as vLLM counts them) to first being scheduled, per choice.
 pub const REQUEST_QUEUE_TIME: &str = "switchyard:request_queue_time_seconds";
 /// Histogram, seconds: the scheduler's planning time per step.
 pub const ENGINE_PLAN: &str = "switchyard:engine_plan_seconds";
@@ -235,7 +235,7 @@ pub fn describe_metrics() {
     describe_histogram!(
         REQUEST_QUEUE_TIME,
         Unit::Seconds,
-        "From arrival at the engine (before the prompt is encoded, the moment TTFT also runs from) to first being scheduled, per request (each choice of n > 1 counts)."
+        "From when the request's prompt was encoded (its grammar's compile included) to first being scheduled, per request (each choice of n > 1 counts); TTFT runs from its arrival, before the encoding."
     );
     describe_gauge!(POLICY_INFO, "1 for the scheduling policy in force.");
     describe_counter!(POLICY_SWAPS, Unit::Count, "Scheduling-policy hot swaps.");

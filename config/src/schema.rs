@@ -339,7 +339,7 @@ pub enum ToolCallFormat {
     /// Instruct v0.3 and the other models of Mistral's v3 tokenizer).
     Mistral,
     /// Mistral's calls from its v11 tokenizers on, `[TOOL_CALLS]name[ARGS]{...}` for each
-    /// (Mistral Small 3.1 and 3.2, Magistral, Devstral).
+    /// (Mistral Small 3.2, Magistral, Devstral, Ministral 3).
     MistralV11,
 }
 

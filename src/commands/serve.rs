@@ -360,8 +360,6 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     })
 }
 
-/// Builds the HTTP layer's settings from the configuration and the API keys (inline and from
-/// `server.api_keys_file`, already read and checked).
 /// The ids of `format`'s markers that are special tokens of the model's tokenizer (Mistral's
 /// tokenizers have `[TOOL_CALLS]`, and from v11 on `[ARGS]` and `[CALL_ID]`, as special tokens).
 fn marker_tokens(tokenizer: &Tokenizer, format: ToolFormat) -> MarkerTokens {
@@ -380,6 +378,8 @@ fn marker_tokens(tokenizer: &Tokenizer, format: ToolFormat) -> MarkerTokens {
     }
 }
 
+/// Builds the HTTP layer's settings from the configuration and the API keys (inline and from
+/// `server.api_keys_file`, already read and checked).
 fn api_config(
     config: &Config,
     keys: Vec<switchyard_config::ApiKeyEntry>,

@@ -242,6 +242,8 @@ struct Resolved {
     opens_thinking: bool,
     adapter: Option<(u32, Arc<LoraAdapter>)>,
     constraints: Vec<Constraint>,
+    /// When the prompt was encoded (the request's queue time runs from then).
+    encoded: Instant,
 }
 
 /// The engine handle.
@@ -417,6 +419,7 @@ impl Engine {
                     return;
                 }
             };
+            let encoded_at = Instant::now();
             // A client gone while its prompt was encoded needs no adapter and no grammar (the
             // compile pool also skips a compile nobody waits for, which this makes true).
             if sink.is_closed() {
@@ -464,6 +467,7 @@ impl Engine {
                 opens_thinking: encoded.opens_thinking,
                 adapter,
                 constraints,
+                encoded: encoded_at,
             };
             match this.admit(options, resolved, sink, guard, arrival) {
                 Ok(()) => {}
@@ -506,6 +510,7 @@ impl Engine {
             opens_thinking,
             adapter,
             constraints,
+            encoded,
         } = resolved;
         // What the backend checks of each step is checked here first: a bad value would fail
         // the whole step, every request in it with this one.
@@ -670,6 +675,7 @@ impl Engine {
                 sampling: Arc::new(sampling),
                 adapter: adapter.as_ref().map(|(_, a)| a.clone()),
                 received: Some(arrival),
+                encoded: Some(encoded),
                 // Stamped by the scheduler when it queues the request.
                 queued: None,
             });
@@ -964,6 +970,7 @@ mod tests {
             opens_thinking: false,
             adapter: None,
             constraints: Vec::new(),
+            encoded: Instant::now(),
         };
         let guard = InFlight(engine.in_flight.clone());
         engine.admit(options(max_tokens), resolved, sink, guard, Instant::now())
@@ -1199,6 +1206,7 @@ mod tests {
                 Constraint::new(FailedGrammar),
                 Constraint::new(FailedGrammar),
             ],
+            encoded: Instant::now(),
         };
         let mut request = options(Some(3));
         request.n = 2;

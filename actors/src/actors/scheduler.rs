@@ -419,8 +419,9 @@ impl Handler<Submit> for SchedulerActor {
             // Arrival on the engine clock: policies order, age and set deadlines by it. A
             // request arrived when the engine received it, before its prompt was encoded.
             submit.request.arrival = arrival_stamp(self.origin, submit.received, now);
-            // Its queue time runs from now, its prompt encoded (vLLM's: time spent waiting).
-            submit.queued = Some(now);
+            // Its queue time runs from when its prompt was encoded (vLLM's: time spent waiting,
+            // the grammar's compile included).
+            submit.queued = Some(arrival_stamp(self.origin, submit.encoded, now));
             let id = submit.request.id;
             if let Err(e) = self.core.add_request(submit) {
                 // All choices of a request go in together or not at all.

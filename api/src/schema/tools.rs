@@ -22,8 +22,8 @@
 //!   in the conversation carry their ids as Mistral's templates require them (9 letters and
 //!   digits); Mistral's form of a result, naming the id of the call it answers, is
 //!   [`render_result`]'s.
-//! - **Mistral v11**, the format of Mistral's tokenizers from v11 on (Mistral Small 3.1 and 3.2,
-//!   Magistral, Devstral; `tools/mistral_v11.rs`): each call is `[TOOL_CALLS]name[ARGS]{...}`,
+//! - **Mistral v11**, the format of Mistral's tokenizers from v11 on (Mistral Small 3.2,
+//!   Magistral, Devstral, Ministral 3; `tools/mistral_v11.rs`): each call is `[TOOL_CALLS]name[ARGS]{...}`,
 //!   after any text; the tools go in `[AVAILABLE_TOOLS][...][/AVAILABLE_TOOLS]`, a result in
 //!   `[TOOL_RESULTS]...[/TOOL_RESULTS]`.
 //!
@@ -184,7 +184,7 @@ pub struct ToolSetup {
     /// `[TOOL_CALLS]`, and v11's `[ARGS]` and `[CALL_ID]`).
     pub markers: MarkerTokens,
     /// The model writes an id with each call (Mistral v11's templates that write calls as
-    /// `[TOOL_CALLS]name[CALL_ID]id[ARGS]{...}`, Mistral Small 3.1's): the grammar has it
+    /// `[TOOL_CALLS]name[CALL_ID]id[ARGS]{...}`, as some v11 templates do): the grammar has it
     /// write one, 9 letters and digits, as the template writes its calls.
     pub call_ids: bool,
 }

@@ -1,4 +1,4 @@
-//! Mistral's tool-call format from its v11 tokenizers on (Mistral Small 3.1 and 3.2, Magistral,
+//! Mistral's tool-call format from its v11 tokenizers on (Mistral Small 3.2, Magistral,
 //! Devstral, Ministral 3), as their chat templates write it: the pieces
 //! [`ToolFormat::MistralV11`](super::ToolFormat) needs beyond what it shares with the other
 //! formats (text, then calls after a marker).
@@ -8,11 +8,12 @@
 //!   place the block themselves (`model.tool_prompt: template`, the default for them); when the
 //!   server writes it (`server`), it heads the first user message.
 //! - The calls: `[TOOL_CALLS]name[ARGS]{...}`, the marker again before each further call, after
-//!   any text. Some of these templates (Mistral Small 3.1's) also write a call's id,
+//!   any text. Some of these templates (v11's, not v13's) also write a call's id,
 //!   `[TOOL_CALLS]name[CALL_ID]id[ARGS]{...}`: for those the grammar has the model write one
 //!   (9 letters and digits), as the template writes its calls ([`writes_call_ids`]), and the
 //!   reader passes over it (a call gets the server's id, as in every format).
-//! - The results: `[TOOL_RESULTS]...[/TOOL_RESULTS]`, the result's text as it is.
+//! - The results: `[TOOL_RESULTS]...[/TOOL_RESULTS]`, the result's text as it is (v13's form;
+//!   v11's templates, which write ids, write `[TOOL_RESULTS]id[TOOL_CONTENT]...` themselves).
 //!
 //! `[TOOL_CALLS]`, `[ARGS]` and `[CALL_ID]` are special tokens of these tokenizers. Where they
 //! are, the server tells the grammar their ids ([`MarkerTokens`](super::MarkerTokens)): the
@@ -190,7 +191,9 @@ mod tests {
     #[test]
     fn calls_read_as_vllm_reads_v11_output_however_the_text_is_cut() {
         // vLLM's tests of its `mistral` reader with a v11 tokenizer (Mistral Small 3.2), with
-        // the `[ARGS]` token its decoding leaves out put back, and what they read.
+        // the `[ARGS]` token its decoding leaves out put back, and what they read; then
+        // Switchyard's own cases, read as in its other formats (vLLM keeps the space before the
+        // marker in the content and drops text after the calls, which the grammar rules out).
         let weather = "{\"city\": \"San Francisco\", \"state\": \"CA\", \"unit\": \"celsius\"}";
         let cases: Vec<(&str, &str, Vec<ParsedCall>)> = vec![
             ("This is a test", "This is a test", vec![]),
@@ -220,8 +223,8 @@ mod tests {
                     "{\"command\": \"print(\\\"hello world!\\\")\\nre.compile(r'{}')\"}",
                 )],
             ),
-            // Text before the calls is content; a call's id (Mistral Small 3.1's templates) is
-            // passed over.
+            // Text before the calls is content (its trailing space trimmed); a call's id (the
+            // templates that write ids) is passed over.
             (
                 "Let me check. [TOOL_CALLS]get_weather[CALL_ID]a1B2c3D4e[ARGS]{\"city\": \"Paris\"}",
                 "Let me check.",
@@ -338,8 +341,8 @@ mod tests {
 
     #[test]
     fn the_format_is_chosen_for_v11_templates_and_writes_what_they_write() {
-        // The lines that write calls in Mistral Small 3.2's template and in Mistral Small
-        // 3.1's (with ids); the v3 template's.
+        // The lines that write calls in Ministral 3's template and in a v11 template that
+        // writes ids; the v3 template's.
         let v11 = "{{- '[AVAILABLE_TOOLS]' + (tools| tojson) + '[/AVAILABLE_TOOLS]' }}{{- '[TOOL_CALLS]' + tool['function']['name'] + '[ARGS]' + arguments }}";
         let v11_ids = "{{- '[TOOL_CALLS]' + tool_call.function.name }}{{- '[CALL_ID]' + tool_call.id }}{{- '[ARGS]' + tool_call['function']['arguments']|tojson }}";
         let v3 = "{%- set available_tools = '[AVAILABLE_TOOLS] ' + (tools| tojson) + '[/AVAILABLE_TOOLS]' %}{{- '[TOOL_CALLS] [' }}";
