@@ -1,8 +1,18 @@
 #!/usr/bin/env python3
-"""Golden reference for the Qwen2 and Qwen3 architectures (--arch): a tiny random model, as a
-Hugging Face checkpoint directory and as a GGUF file, with float32 logits from Hugging Face
+"""Golden reference for the Qwen2, Qwen3 and Phi-3 architectures (--arch): a tiny random model,
+as a Hugging Face checkpoint directory and as a GGUF file, with float32 logits from Hugging Face
 transformers. Qwen3 is Qwen2 without the QKV biases and with an RMSNorm over each query and key
-head (q_norm, k_norm) before RoPE.
+head (q_norm, k_norm) before RoPE. Phi-3 is Llama with Q, K and V in one matrix (qkv_proj) and
+gate and up in another (gate_up_proj), and LongRoPE: each rotary frequency divided by a factor
+of its own, from `short_factor` while the sequence is within the pre-training context
+(`original_max_position_embeddings`, 16 here) and `long_factor` past it, cos and sin times
+sqrt(1 + ln(64 / 16) / ln(16)). transformers picks the list per forward pass by the sequence's
+length: the 24-token reference uses the long factors, and `logits_short` (the first 12
+positions, run on their own) the short ones; Phi-3's greedy continuations cross the switch
+inside `generate`, so there are none (`generations` is empty). The GGUF file is written as
+llama.cpp's converter writes Phi-3 (`attn_qkv`, `ffn_up` holding gate then up, the factors as
+`rope_factors_short.weight` / `rope_factors_long.weight`, `rope.scaling.original_context_length`
+and `rope.scaling.attn_factor`).
 
 The script
   1. builds a byte-level BPE tokenizer in Qwen2's form with the `tokenizers` library (the Qwen2
@@ -59,6 +69,15 @@ SEED = 20261202
 ROPE_THETA = 1000000.0
 # YaRN (--rope yarn): Qwen's documented form, at a scale the test sequence runs past.
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+# Phi-3 (--arch phi3): LongRoPE over an original context of 16 stretched to 64, so the 24-token
+# sequence runs past it; factors distinct per frequency, as Phi-3.5's are.
+PHI3_ORIGINAL = 16
+PHI3_CONTEXT = 64
+PHI3_LONGROPE = {
+    "rope_type": "longrope",
+    "short_factor": [1.0, 1.02, 1.05, 1.1, 1.18, 1.3, 1.45, 1.6],
+    "long_factor": [1.0, 1.3, 1.9, 2.8, 4.1, 6.0, 8.5, 12.0],
+}
 VOCAB = 320
 SPECIALS = {317: "<|endoftext|>", 318: "<|im_start|>", 319: "<|im_end|>"}
 # llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN2 and Qwen2's tokenizer.json: Llama 3's split with single
@@ -156,7 +175,7 @@ def representable(t, torch):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures"))
-    ap.add_argument("--arch", choices=["qwen2", "qwen3"], default="qwen2")
+    ap.add_argument("--arch", choices=["qwen2", "qwen3", "phi3"], default="qwen2")
     ap.add_argument("--rope", choices=["default", "yarn"], default="default")
     args = ap.parse_args()
     arch = args.arch
@@ -181,6 +200,10 @@ def main() -> None:
         from transformers import Qwen2Config as Config, Qwen2ForCausalLM as Model
 
         extra = {}
+    elif arch == "phi3":
+        from transformers import Phi3Config as Config, Phi3ForCausalLM as Model
+
+        extra = {"original_max_position_embeddings": PHI3_ORIGINAL, "pad_token_id": 319}
     else:
         from transformers import Qwen3Config as Config, Qwen3ForCausalLM as Model
 
@@ -188,6 +211,9 @@ def main() -> None:
         # as in Qwen3-0.6B (16 x 128 over 1024).
         extra = {"head_dim": 32, "attention_bias": False}
     extra["rope_theta"] = ROPE_THETA
+    if arch == "phi3":
+        del extra["rope_theta"]
+        extra["rope_parameters"] = dict(PHI3_LONGROPE, rope_theta=ROPE_THETA)
     if args.rope == "yarn":
         if "rope_parameters" in inspect.signature(Config.__init__).parameters:
             # transformers 5: the base and the scaling in one object.
@@ -202,12 +228,12 @@ def main() -> None:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=PHI3_CONTEXT if arch == "phi3" else 512,
         rms_norm_eps=1e-6,
         # Untied (as Qwen2.5-7B): with a tied head, a random model's residual stream is mostly
         # its input's embedding and greedy decoding repeats the last token.
         tie_word_embeddings=False,
-        use_sliding_window=False,
+        **({} if arch == "phi3" else {"use_sliding_window": False}),
         hidden_act="silu",
         bos_token_id=317,
         eos_token_id=319,
@@ -233,7 +259,12 @@ def main() -> None:
         model.eval()
         assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
         rotary = model.model.rotary_emb
-        assert getattr(rotary, "rope_type", args.rope) == args.rope, rotary.rope_type
+        if arch == "phi3":
+            assert rotary.rope_type == "longrope", rotary.rope_type
+            want = math.sqrt(1 + math.log(PHI3_CONTEXT / PHI3_ORIGINAL) / math.log(PHI3_ORIGINAL))
+            assert abs(rotary.attention_scaling - want) < 1e-6, rotary.attention_scaling
+        else:
+            assert getattr(rotary, "rope_type", args.rope) == args.rope, rotary.rope_type
         if args.rope == "yarn":
             # transformers multiplies cos and sin by YaRN's attention factor.
             assert abs(rotary.attention_scaling - (0.1 * math.log(YARN["factor"]) + 1)) < 1e-6
@@ -271,6 +302,10 @@ def main() -> None:
     # whole characters (a random model may stop inside a character's bytes).
     for seed in range(SEED, SEED + 16):
         model = random_model(seed)
+        if arch == "phi3":
+            # LongRoPE switches factors inside generate (see above): no continuations.
+            generations = []
+            break
         generations = continuations(model)
         if generations:
             break
@@ -306,6 +341,15 @@ def main() -> None:
         w.add_key_length(config.head_dim)
         w.add_value_length(config.head_dim)
     w.add_rope_freq_base(ROPE_THETA)
+    if arch == "phi3":
+        # llama.cpp's Phi3MiniModel: the rotary dimensions, the original context and the
+        # attention factor; the factors are tensors (below).
+        w.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+        w.add_rope_scaling_orig_ctx_len(PHI3_ORIGINAL)
+        w.add_rope_scaling_attn_factors(
+            math.sqrt(1 + math.log(PHI3_CONTEXT / PHI3_ORIGINAL) / math.log(PHI3_ORIGINAL))
+        )
+        w.add_sliding_window(0)
     if args.rope == "yarn":
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(YARN["factor"])
@@ -331,6 +375,9 @@ def main() -> None:
         "mlp.gate_proj": "ffn_gate",
         "mlp.up_proj": "ffn_up",
         "mlp.down_proj": "ffn_down",
+        # Phi-3's fused projections keep their fusion in llama.cpp's files.
+        "self_attn.qkv_proj": "attn_qkv",
+        "mlp.gate_up_proj": "ffn_up",
         "input_layernorm": "attn_norm",
         "post_attention_layernorm": "ffn_norm",
     }
@@ -350,6 +397,9 @@ def main() -> None:
         if arr.ndim == 2:
             arr = arr.astype(np.float16)
         w.add_tensor(out, arr)
+    if arch == "phi3":
+        w.add_tensor("rope_factors_long.weight", np.array(PHI3_LONGROPE["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(PHI3_LONGROPE["short_factor"], dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -361,6 +411,8 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0].to(torch.float32)
+        # Within the pre-training context on its own: LongRoPE's short factors.
+        short = model(torch.tensor([ids[:12]])).logits[0].to(torch.float32)
     out = {
         "format": f"switchyard-{tag}-golden/1",
         "reference": {
@@ -373,6 +425,11 @@ def main() -> None:
         },
         "tokens": ids,
         "logits": [[float(f"{x:.7g}") for x in row] for row in logits.tolist()],
+        **(
+            {"logits_short": [[float(f"{x:.7g}") for x in row] for row in short.tolist()]}
+            if arch == "phi3"
+            else {}
+        ),
         "tokenization": tokenization,
         "generations": generations,
     }

@@ -1763,6 +1763,27 @@ fn a_yarn_scaled_model_matches_the_cpu() {
     check_qwen_shape(c);
 }
 
+/// Qwen3-0.6B's shape with LongRoPE as Phi-3 sets it (a factor per frequency, long ones for a
+/// context past the original 4,096, cos and sin times sqrt(1 + ln(32) / ln(4096))): the CPU
+/// backend multiplies its table, the CUDA backend the softmax scale by the factor's square.
+#[test]
+fn a_longrope_scaled_model_matches_the_cpu() {
+    let mut c = LlamaConfig::qwen3_06b();
+    let pairs = c.head_dim / 2;
+    c.rope_scaling = Some(switchyard_gpu::model::RopeScaling::LongRope(
+        switchyard_gpu::model::LongRopeScaling {
+            pairs,
+            short: (0..pairs).map(|i| 1.0 + 0.01 * i as f32).collect(),
+            long: (0..pairs).map(|i| 1.0 + 0.5 * i as f32).collect(),
+            original_max_position_embeddings: 4096,
+            attention_factor: (1.0f32 + 32f32.ln() / 4096f32.ln()).sqrt(),
+            context: 131_072,
+            use_long: true,
+        },
+    ));
+    check_qwen_shape(c);
+}
+
 // ---------------------------------------------------------------------------------------------
 // A Llama-3-8B-shaped model against a near-f32 reference.
 

@@ -5,7 +5,9 @@
 //! prefill then one token at a time), and its tokenizers transformers' tokenizer's ids (NFC,
 //! then Qwen2's split, which Qwen3 shares). A third model, Qwen2 with YaRN RoPE scaling
 //! (`--rope yarn`: factor 4 over an original context of 16, the sequence running past it), checks
-//! the scaled frequencies and YaRN's attention factor the same way.
+//! the scaled frequencies and YaRN's attention factor the same way; a fourth, Phi-3 (`--arch
+//! phi3`: fused projections, LongRoPE over an original context of 16 stretched to 64), its
+//! loader's splitting of the fused matrices and both of LongRoPE's factor lists.
 
 use std::path::PathBuf;
 
@@ -13,7 +15,9 @@ use serde_json::Value;
 use switchyard_gpu::cpu::attention::QueryPos;
 use switchyard_gpu::cpu::kv_cache::KvCache;
 use switchyard_gpu::cpu::llama::{ActivationPrecision, LlamaModel, StepInput};
-use switchyard_gpu::model::{load_model, LlamaConfig, LoadedModel, RopeScaling, RopeStyle};
+use switchyard_gpu::model::{
+    load_model, LlamaConfig, LoadedModel, LongRopeScaling, RopeScaling, RopeStyle,
+};
 
 fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
@@ -96,13 +100,41 @@ fn compare(ours: &[Vec<f32>], reference: &Value) -> (f32, usize) {
     (worst, argmax_differs)
 }
 
+/// `model`'s logits for `tokens` (in one step, and in chunks of 7, 5, then one token at a time)
+/// against `reference`, at both of the CPU path's precisions.
+fn assert_logits(model: &mut LlamaModel, tokens: &[u32], reference: &Value, name: &str) {
+    let n = tokens.len();
+    // The weights are exact in both files; the CPU path keeps keys and values in f16 and
+    // rounds the products' inputs to about 15 bits (`Precise`, two-level int8) or partly to
+    // int8 (this machine's default): the logits, whose spread is about 4, sit within 1e-2 and
+    // 3e-2 of float32's (measured either way: Qwen2 2.2e-3, Qwen3 4.8e-3).
+    for (precision, tolerance) in [
+        (ActivationPrecision::Precise, 1e-2),
+        (ActivationPrecision::default(), 3e-2),
+    ] {
+        model.set_precision(precision);
+        for chunks in [vec![n], {
+            let mut v = vec![7, 5];
+            v.extend(std::iter::repeat_n(1, n - 12));
+            v
+        }] {
+            let (worst, differs) = compare(&logits(model, tokens, &chunks), reference);
+            eprintln!(
+                "{name}, {precision:?}, chunks {chunks:?}: max |Δ logit| {worst:e}, argmax differs at {differs}"
+            );
+            assert!(worst < tolerance, "{name}: max |Δ logit| {worst}");
+            assert_eq!(differs, 0, "{name}");
+        }
+    }
+}
+
 fn check(tag: &str, name: &str) {
     let g = golden(tag);
     let loaded = load(name);
     let c = &loaded.config;
     let qwen3 = tag.starts_with("qwen3");
     let yarn = tag.ends_with("-yarn");
-    match c.rope_scaling {
+    match &c.rope_scaling {
         Some(RopeScaling::Yarn(y)) if yarn => {
             assert_eq!(
                 (y.factor, y.original_max_position_embeddings),
@@ -126,33 +158,12 @@ fn check(tag: &str, name: &str) {
     let mut model = LlamaModel::from_weights(c, &loaded.weights).expect("the model builds");
     let tokens = ids(&g["tokens"]);
     let n = tokens.len();
-    // The weights are exact in both files; the CPU path keeps keys and values in f16 and
-    // rounds the products' inputs to about 15 bits (`Precise`, two-level int8) or partly to
-    // int8 (this machine's default): the logits, whose spread is about 4, sit within 1e-2 and
-    // 3e-2 of float32's (measured either way: Qwen2 2.2e-3, Qwen3 4.8e-3).
-    for (precision, tolerance) in [
-        (ActivationPrecision::Precise, 1e-2),
-        (ActivationPrecision::default(), 3e-2),
-    ] {
-        model.set_precision(precision);
-        for chunks in [vec![n], {
-            let mut v = vec![7, 5];
-            v.extend(std::iter::repeat_n(1, n - 12));
-            v
-        }] {
-            let (worst, differs) = compare(&logits(&model, &tokens, &chunks), &g["logits"]);
-            eprintln!(
-                "{name}, {precision:?}, chunks {chunks:?}: max |Δ logit| {worst:e}, argmax differs at {differs}"
-            );
-            assert!(worst < tolerance, "{name}: max |Δ logit| {worst}");
-            assert_eq!(differs, 0, "{name}");
-        }
-    }
+    assert_logits(&mut model, &tokens, &g["logits"], name);
     // The reference tells the architecture apart: without the biases (the head norms), or
     // with Llama's GGUF rotation of adjacent pairs (without YaRN, or without its attention
     // factor), the logits are far off.
     let mut wrong_ones = Vec::new();
-    if let Some(RopeScaling::Yarn(y)) = c.rope_scaling {
+    if let Some(RopeScaling::Yarn(y)) = c.rope_scaling.clone() {
         wrong_ones.push((
             "no YaRN",
             LlamaConfig {
@@ -225,6 +236,118 @@ fn yarn_checkpoints_give_transformers_logits() {
 #[test]
 fn yarn_gguf_files_give_transformers_logits() {
     check("qwen2-yarn", "tiny-qwen2-yarn.gguf");
+}
+
+/// Phi-3 (fused Q, K and V, fused gate and up, LongRoPE): served past its pre-training context
+/// (the model's 64 tokens over 16) with the long factors, transformers' logits for the 24-token
+/// sequence; served within it (`model.max_model_len` 16), with the short factors, its logits
+/// for the first 12 tokens on their own.
+fn check_phi3(name: &str) {
+    let g = golden("phi3");
+    let loaded = load(name);
+    let c = &loaded.config;
+    let Some(RopeScaling::LongRope(l)) = c.rope_scaling.clone() else {
+        panic!("{name}: rope scaling {:?}", c.rope_scaling)
+    };
+    assert_eq!(
+        (l.original_max_position_embeddings, l.pairs, l.use_long),
+        (16, 8, true),
+        "{name}"
+    );
+    let sqrt_factor = (1.0f32 + 4f32.ln() / 16f32.ln()).sqrt();
+    assert!(
+        (l.attention_factor - sqrt_factor).abs() < 1e-6,
+        "{name}: {l:?}"
+    );
+    assert_eq!(
+        l.factors(),
+        [1.0, 1.3, 1.9, 2.8, 4.1, 6.0, 8.5, 12.0],
+        "{name}"
+    );
+    assert_eq!(
+        (c.head_dim, c.max_position_embeddings, c.rope_style),
+        (16, 64, RopeStyle::Halves),
+        "{name}"
+    );
+    assert!(
+        !c.qkv_bias && !c.qk_norm && !c.tie_word_embeddings,
+        "{name}"
+    );
+    // The fused matrices were split into the projections the backends use.
+    for t in ["attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up"] {
+        let shape = loaded
+            .weights
+            .get(&format!("blk.1.{t}.weight"))
+            .unwrap()
+            .shape;
+        let rows = match t {
+            "attn_q" => 64,
+            "attn_k" | "attn_v" => 32,
+            _ => 128,
+        };
+        assert_eq!(shape, [rows, 64], "{name}: {t}");
+    }
+    assert!(!loaded.weights.contains("blk.0.attn_qkv.weight"), "{name}");
+    let tokens = ids(&g["tokens"]);
+    let mut model = LlamaModel::from_weights(c, &loaded.weights).expect("the model builds");
+    assert_logits(&mut model, &tokens, &g["logits"], name);
+    let mut within = c.clone();
+    within.serve_context(16);
+    let mut short = LlamaModel::from_weights(&within, &loaded.weights).expect("the model builds");
+    assert_logits(
+        &mut short,
+        &tokens[..12],
+        &g["logits_short"],
+        &format!("{name}, short"),
+    );
+    // The reference tells the factors apart: the long ones on the short sequence, the short
+    // ones on the long one, no LongRoPE, or no attention factor, are far off.
+    let far = |config: &LlamaConfig, tokens: &[u32], reference: &Value, what: &str| {
+        let wrong = LlamaModel::from_weights(config, &loaded.weights).expect("the model builds");
+        let (worst, _) = compare(&logits(&wrong, tokens, &[tokens.len()]), reference);
+        assert!(
+            worst > 0.1,
+            "{name} with {what}: max |Δ logit| only {worst}"
+        );
+    };
+    far(
+        c,
+        &tokens[..12],
+        &g["logits_short"],
+        "the long factors within",
+    );
+    far(&within, &tokens, &g["logits"], "the short factors past");
+    far(
+        &LlamaConfig {
+            rope_scaling: None,
+            ..c.clone()
+        },
+        &tokens,
+        &g["logits"],
+        "no LongRoPE",
+    );
+    far(
+        &LlamaConfig {
+            rope_scaling: Some(RopeScaling::LongRope(LongRopeScaling {
+                attention_factor: 1.0,
+                ..l
+            })),
+            ..c.clone()
+        },
+        &tokens,
+        &g["logits"],
+        "no attention factor",
+    );
+}
+
+#[test]
+fn phi3_checkpoints_give_transformers_logits() {
+    check_phi3("phi3");
+}
+
+#[test]
+fn phi3_gguf_files_give_transformers_logits() {
+    check_phi3("tiny-phi3.gguf");
 }
 
 #[test]

@@ -182,6 +182,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         model.config.max_position_embeddings,
         &path,
     )?;
+    // LongRoPE's factors for the context served (`model.max_model_len` when set).
+    model.config.serve_context(max_model_len);
     let tokenizer = Arc::new(model.tokenizer.clone());
     let template = model.chat_template.take().map(Arc::new);
     let block_size = config.cache.block_size;

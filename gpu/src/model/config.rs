@@ -170,6 +170,24 @@ impl LlamaConfig {
         }
     }
 
+    /// Picks the RoPE scaling's variant for the context the model is served with (LongRoPE's
+    /// long factors past the pre-training context, its short ones within it: see
+    /// [`crate::model::rope`]); the context itself is left as it is.
+    pub fn serve_context(&mut self, context: usize) {
+        if let Some(RopeScaling::LongRope(l)) = &mut self.rope_scaling {
+            let use_long = context > l.original_max_position_embeddings;
+            if use_long != l.use_long {
+                tracing::info!(
+                    context,
+                    original = l.original_max_position_embeddings,
+                    use_long,
+                    "LongRoPE factors for the served context"
+                );
+            }
+            l.use_long = use_long;
+        }
+    }
+
     /// The multiplier of the rotated queries and keys: YaRN's attention factor, else 1.
     pub fn rope_attention_factor(&self) -> f32 {
         self.rope_scaling
@@ -230,6 +248,14 @@ impl LlamaConfig {
         }
         if let Some(s) = &self.rope_scaling {
             s.validate()?;
+            if let RopeScaling::LongRope(l) = s {
+                if l.pairs != self.head_dim / 2 {
+                    return bad(format!(
+                        "LongRoPE lists of {} factors for heads of {} dimensions",
+                        l.pairs, self.head_dim
+                    ));
+                }
+            }
         }
         if self.eos_token_ids.len() > MAX_EOS_IDS {
             return bad(format!(
@@ -254,7 +280,9 @@ impl LlamaConfig {
         let c: HfConfig = serde_json::from_str(json)
             .map_err(|e| GpuError::InvalidConfig(format!("config.json: {e}")))?;
         let (qwen2, qwen3) = match c.model_type.as_deref() {
-            None | Some("llama" | "mistral") => (false, false),
+            // Phi-3 is Llama with Q, K and V in one matrix and gate and up in another (the
+            // loader splits them) and LongRoPE.
+            None | Some("llama" | "mistral" | "phi3") => (false, false),
             Some("qwen2") => (true, false),
             Some("qwen3") => (false, true),
             Some(other) => return Err(GpuError::UnsupportedArchitecture(other.to_owned())),
@@ -295,16 +323,36 @@ impl LlamaConfig {
             Some(p.get("rope_theta")?.as_f64()? as f32)
         });
         let stated_context = c.max_position_embeddings.unwrap_or(2048);
-        let rope_scaling = match c.rope_scaling.or(c.rope_parameters) {
+        let mut rope_object = c.rope_scaling.or(c.rope_parameters);
+        // Phi-3 states its pre-training context at the top level (transformers 5 copies it
+        // into `rope_parameters`).
+        if let (Some(serde_json::Value::Object(r)), Some(original)) =
+            (&mut rope_object, c.original_max_position_embeddings)
+        {
+            r.entry("original_max_position_embeddings")
+                .or_insert(serde_json::Value::from(original));
+        }
+        // Only part of each head rotated (Phi-4-mini, GPT-NeoX style): no backend does that.
+        let partial = c
+            .partial_rotary_factor
+            .or_else(|| rope_object.as_ref()?.get("partial_rotary_factor")?.as_f64());
+        if partial.is_some_and(|p| p != 1.0) {
+            return unsupported("partial_rotary_factor");
+        }
+        let rope_scaling = match rope_object {
             Some(r) => rope::from_hf(&r, stated_context)?,
             None => None,
         };
         // transformers' Mistral attends over `sliding_window` tokens (4,096 when the key is
         // absent; `null` for none); Llama and Qwen2 (without `use_sliding_window`) do not.
+        // transformers' Phi-3 attends over `sliding_window` tokens when it is set (Phi-3-mini-4k:
+        // 2,047).
         let window = match (c.model_type.as_deref(), &c.sliding_window) {
             (Some("mistral"), None) => Some(4096),
-            (Some("mistral"), Some(serde_json::Value::Null)) => None,
-            (Some("mistral"), Some(w)) => Some(
+            (Some("mistral" | "phi3"), Some(serde_json::Value::Null)) | (Some("phi3"), None) => {
+                None
+            }
+            (Some("mistral" | "phi3"), Some(w)) => Some(
                 w.as_u64()
                     .and_then(|w| usize::try_from(w).ok())
                     .ok_or_else(|| {
@@ -333,7 +381,7 @@ impl LlamaConfig {
             vocab_size: need(c.vocab_size, "vocab_size")?,
             rms_norm_eps: c.rms_norm_eps.unwrap_or(1e-6),
             rope_theta: rope_theta.unwrap_or(10_000.0),
-            rope_scaling,
+            rope_scaling: rope_scaling.clone(),
             rope_style: RopeStyle::Halves,
             max_position_embeddings: capped_at_window(
                 scaled_context(stated_context, rope_scaling.as_ref()),
@@ -356,11 +404,12 @@ impl LlamaConfig {
         let arch = h
             .get_str("general.architecture")
             .ok_or_else(|| GpuError::InvalidConfig("GGUF lacks general.architecture".into()))?;
-        if !matches!(arch, "llama" | "mistral" | "qwen2" | "qwen3") {
+        if !matches!(arch, "llama" | "mistral" | "qwen2" | "qwen3" | "phi3") {
             return Err(GpuError::UnsupportedArchitecture(arch.to_string()));
         }
         let qwen2 = arch == "qwen2";
         let qwen3 = arch == "qwen3";
+        let phi3 = arch == "phi3";
         // Biases nothing would add (on a Llama's projections, or Qwen2's output or FFN):
         // refused, not ignored.
         if let Some(t) = h.tensors.iter().find(|t| {
@@ -392,8 +441,17 @@ impl LlamaConfig {
             .ok_or_else(|| GpuError::InvalidConfig("GGUF has no vocabulary size".into()))?;
         let head_dim = h
             .get_usize(&key("attention.key_length"))
-            .or_else(|| h.get_usize(&key("rope.dimension_count")))
+            .or_else(|| h.get_usize(&key("rope.dimension_count")).filter(|_| !phi3))
             .unwrap_or(hidden_size / num_heads);
+        // Phi-4-mini rotates part of each head: no backend does that.
+        if phi3
+            && h.get_usize(&key("rope.dimension_count"))
+                .is_some_and(|d| d != head_dim)
+        {
+            return Err(GpuError::UnsupportedArchitecture(
+                "phi3 with a partial rotary embedding".into(),
+            ));
+        }
         let stated_context = h.get_usize(&key("context_length")).unwrap_or(2048);
         let rope_scaling = rope::from_gguf(h, arch, stated_context)?;
         let token_id = |k: &str| {
@@ -425,11 +483,11 @@ impl LlamaConfig {
                 .get_f32(&key("attention.layer_norm_rms_epsilon"))
                 .unwrap_or(1e-5),
             rope_theta: h.get_f32(&key("rope.freq_base")).unwrap_or(10_000.0),
-            rope_scaling,
+            rope_scaling: rope_scaling.clone(),
             // llama.cpp's converter permutes Llama's Q and K rows for adjacent pairs, and
-            // leaves Qwen2's and Qwen3's as they are (llama.cpp rotates them in the NeoX
-            // layout).
-            rope_style: if qwen2 || qwen3 {
+            // leaves Qwen2's, Qwen3's and Phi-3's as they are (llama.cpp rotates them in the
+            // NeoX layout).
+            rope_style: if qwen2 || qwen3 || phi3 {
                 RopeStyle::Halves
             } else {
                 RopeStyle::Interleaved
@@ -508,6 +566,10 @@ struct HfConfig {
     rope_scaling: Option<serde_json::Value>,
     rope_parameters: Option<serde_json::Value>,
     max_position_embeddings: Option<usize>,
+    /// Phi-3's pre-training context (LongRoPE's switch point).
+    original_max_position_embeddings: Option<usize>,
+    /// The fraction of each head that is rotated.
+    partial_rotary_factor: Option<f64>,
     tie_word_embeddings: Option<bool>,
     attention_bias: Option<bool>,
     mlp_bias: Option<bool>,
@@ -716,6 +778,59 @@ mod tests {
         "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": true,
         "torch_dtype": "bfloat16", "transformers_version": "4.43.1", "use_cache": true,
         "use_sliding_window": false, "vocab_size": 151936}"#;
+
+    /// Phi-3's configurations (transformers 4's form: `rope_scaling` of type `longrope` or
+    /// `su`, the original context at the top level): Llama with LongRoPE, the long factors
+    /// when served past the original context; a partial rotary embedding (Phi-4-mini) is
+    /// refused; a sliding window caps the context.
+    #[test]
+    fn phi3_configs_read_longrope() {
+        let json = |ty: &str, extra: &str| {
+            format!(
+                r#"{{"architectures": ["Phi3ForCausalLM"], "model_type": "phi3",
+                "hidden_size": 3072, "intermediate_size": 8192, "num_attention_heads": 32,
+                "num_hidden_layers": 32, "num_key_value_heads": 32, "vocab_size": 32064,
+                "max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+                "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "sliding_window": 262144,
+                "tie_word_embeddings": false, "bos_token_id": 1, "eos_token_id": 32000,
+                "rope_scaling": {{"type": "{ty}",
+                  "short_factor": [{short}], "long_factor": [{long}]}}{extra}}}"#,
+                short = vec!["1.05"; 48].join(","),
+                long = vec!["2.5"; 48].join(","),
+            )
+        };
+        for ty in ["longrope", "su"] {
+            let mut c = LlamaConfig::from_hf_json(&json(ty, "")).unwrap();
+            let Some(RopeScaling::LongRope(l)) = c.rope_scaling.clone() else {
+                panic!("{:?}", c.rope_scaling)
+            };
+            assert_eq!((c.head_dim, c.max_position_embeddings), (96, 131_072));
+            assert_eq!((l.pairs, l.original_max_position_embeddings), (48, 4096));
+            assert!(l.use_long && l.factors().iter().all(|&f| f == 2.5));
+            // sqrt(1 + ln(32) / ln(4096)), Phi-3.5's 1.1902.
+            assert!((l.attention_factor - 1.190_239).abs() < 1e-5, "{l:?}");
+            assert_eq!(c.rope_attention_factor(), l.attention_factor);
+            c.serve_context(4096);
+            let Some(RopeScaling::LongRope(l)) = c.rope_scaling.clone() else {
+                unreachable!()
+            };
+            assert!(!l.use_long && l.factors().iter().all(|&f| f == 1.05));
+        }
+        let e = LlamaConfig::from_hf_json(&json("longrope", r#", "partial_rotary_factor": 0.75"#))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("partial_rotary_factor"), "{e}");
+        let windowed = json("longrope", "").replace("262144", "2047");
+        assert_eq!(
+            LlamaConfig::from_hf_json(&windowed)
+                .unwrap()
+                .max_position_embeddings,
+            2047
+        );
+        // Lists of the wrong length for the heads are refused.
+        let short_lists = json("longrope", "").replace(&vec!["2.5"; 48].join(","), "2.5");
+        assert!(LlamaConfig::from_hf_json(&short_lists).is_err());
+    }
 
     #[test]
     fn qwen3_configs_have_head_norms_and_wide_heads() {

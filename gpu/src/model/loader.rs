@@ -48,6 +48,8 @@ pub fn load_model(path: &Path, progress: bool) -> Result<LoadedModel, GpuError> 
     } else {
         load_gguf(path)?
     };
+    let mut model = model;
+    unfuse(&model.config, &mut model.weights)?;
     validate_weights(&model.config, &model.weights, progress)?;
     if model.tokenizer.vocab_size() > model.config.vocab_size {
         return Err(GpuError::InvalidConfig(format!(
@@ -57,6 +59,39 @@ pub fn load_model(path: &Path, progress: bool) -> Result<LoadedModel, GpuError> 
         )));
     }
     Ok(model)
+}
+
+/// Splits fused projections into the ones the backends use (views of the same bytes): Phi-3's
+/// `attn_qkv` (Q, K and V rows) and its `ffn_up` of twice the FFN's rows (gate, then up), as
+/// transformers' `Phi3` and llama.cpp read them.
+fn unfuse(c: &LlamaConfig, weights: &mut ModelWeights) -> Result<(), GpuError> {
+    let (q, kv, ff) = (
+        c.num_heads * c.head_dim,
+        c.num_kv_heads * c.head_dim,
+        c.intermediate_size,
+    );
+    for i in 0..c.num_layers {
+        let name = |n: &str| format!("blk.{i}.{n}.weight");
+        if weights.contains(&name("attn_qkv")) {
+            weights.split_rows(
+                &name("attn_qkv"),
+                &[
+                    (name("attn_q"), q),
+                    (name("attn_k"), kv),
+                    (name("attn_v"), kv),
+                ],
+            )?;
+        }
+        let up = name("ffn_up");
+        let fused_up = !weights.contains(&name("ffn_gate"))
+            && weights
+                .get(&up)
+                .is_ok_and(|t| t.shape.first() == Some(&(2 * ff)));
+        if fused_up {
+            weights.split_rows(&up, &[(name("ffn_gate"), ff), (up.clone(), ff)])?;
+        }
+    }
+    Ok(())
 }
 
 /// Whether [`load_model`] reads `path` as a Hugging Face checkpoint (a directory with
@@ -116,6 +151,12 @@ fn load_gguf(path: &Path) -> Result<LoadedModel, GpuError> {
         .map_or_else(|| file_name(path), str::to_string);
     let (header, weights) = file.into_weights()?;
     let mut config = config;
+    // Phi-3's files carry LongRoPE's factors as two tensors (llama.cpp's converter).
+    if weights.contains("rope_factors_long.weight") || weights.contains("rope_factors_short.weight")
+    {
+        config.rope_scaling = Some(gguf_long_rope(&config, &header, &weights)?);
+        config.validate()?;
+    }
     // Llama 3.1+ GGUF files carry the RoPE scaling as per-frequency divisors.
     if weights.contains("rope_freqs.weight") {
         if let Some(s) = &config.rope_scaling {
@@ -139,6 +180,71 @@ fn load_gguf(path: &Path) -> Result<LoadedModel, GpuError> {
         chat_template,
         name,
     })
+}
+
+/// LongRoPE from a GGUF file: the `rope_factors_short.weight` and `rope_factors_long.weight`
+/// tensors, `{arch}.rope.scaling.original_context_length` and (when given)
+/// `{arch}.rope.scaling.attn_factor`, as llama.cpp's converter writes Phi-3.
+fn gguf_long_rope(
+    config: &LlamaConfig,
+    header: &super::gguf::GgufHeader,
+    weights: &ModelWeights,
+) -> Result<rope::RopeScaling, GpuError> {
+    if let Some(s) = &config.rope_scaling {
+        return Err(GpuError::InvalidConfig(format!(
+            "the file has both rope scaling keys ({s:?}) and LongRoPE factor tensors"
+        )));
+    }
+    let arch = header.get_str("general.architecture").unwrap_or("llama");
+    let key = |k: &str| format!("{arch}.rope.scaling.{k}");
+    let original = header
+        .get_usize(&key("original_context_length"))
+        .ok_or_else(|| {
+            GpuError::InvalidConfig(format!(
+                "LongRoPE factor tensors without {}",
+                key("original_context_length")
+            ))
+        })?;
+    let list = |name: &str| -> Result<std::sync::Arc<[f32]>, GpuError> {
+        let t = weights.get(name)?;
+        let n = t.num_elements();
+        if n == 0 || n > rope::MAX_ROPE_PAIRS || t.dtype.is_quantized() {
+            return Err(GpuError::BadTensor {
+                tensor: name.into(),
+                reason: format!(
+                    "{n} {} values (1 to {} floats)",
+                    t.dtype,
+                    rope::MAX_ROPE_PAIRS
+                ),
+            });
+        }
+        Ok(t.to_f32_vec().into())
+    };
+    let short = list("rope_factors_short.weight")?;
+    let long = list("rope_factors_long.weight")?;
+    if short.len() != long.len() {
+        return Err(GpuError::InvalidConfig(
+            "LongRoPE factor tensors of different lengths".into(),
+        ));
+    }
+    let context = config.max_position_embeddings;
+    let factor = context as f64 / original as f64;
+    let attention_factor = match header.get_f32(&key("attn_factor")) {
+        Some(a) => f64::from(a),
+        None if factor <= 1.0 => 1.0,
+        None => (1.0 + factor.ln() / (original as f64).ln()).sqrt(),
+    };
+    let s = rope::RopeScaling::LongRope(rope::LongRopeScaling {
+        pairs: short.len(),
+        short,
+        long,
+        original_max_position_embeddings: original,
+        attention_factor: attention_factor as f32,
+        context,
+        use_long: context > original,
+    });
+    s.validate()?;
+    Ok(s)
 }
 
 fn load_hf_dir(dir: &Path) -> Result<LoadedModel, GpuError> {

@@ -1,8 +1,15 @@
 //! RoPE frequency scaling, the ways models stretch their rotary embedding past the context
-//! they were pre-trained with: Meta's Llama 3.1 scheme, position interpolation ("linear") and
-//! YaRN (Qwen2.5 and Qwen3 past 32K tokens, DeepSeek), read from a Hugging Face `config.json`
-//! or from GGUF metadata, and the rotary frequencies each gives. "dynamic" (NTK) and
-//! "longrope" scaling are refused.
+//! they were pre-trained with: Meta's Llama 3.1 scheme, position interpolation ("linear"),
+//! YaRN (Qwen2.5 and Qwen3 past 32K tokens, DeepSeek) and LongRoPE (Phi-3), read from a
+//! Hugging Face `config.json` or from GGUF metadata, and the rotary frequencies each gives.
+//! "dynamic" (NTK) scaling is refused.
+//!
+//! LongRoPE divides each frequency by a factor of its own, from one list for contexts within
+//! the pre-training context and another for longer ones. transformers picks the list per
+//! forward pass by the sequence's length, which a KV cache (and a shared prefix) cannot
+//! follow: here it is picked once, by the context the model is served with (the model's,
+//! lowered to `model.max_model_len` when that is set: [`super::LlamaConfig::serve_context`]),
+//! as llama.cpp picks it by its context size.
 //!
 //! YaRN also scales the rotated query and key by its attention factor (transformers multiplies
 //! cos and sin by it, so the attention logits grow by its square): the CPU backend multiplies
@@ -12,7 +19,7 @@
 use crate::error::GpuError;
 
 /// RoPE frequency scaling.
-#[derive(Copy, Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum RopeScaling {
     /// Llama 3.1's frequency-dependent scheme.
     Llama3(Llama3Scaling),
@@ -23,6 +30,43 @@ pub enum RopeScaling {
     },
     /// YaRN (Peng et al. 2023).
     Yarn(YarnScaling),
+    /// LongRoPE (Ding et al. 2024), Phi-3's.
+    LongRope(LongRopeScaling),
+}
+
+/// The most rotary pairs a LongRoPE list holds (heads of up to 256 dimensions).
+pub const MAX_ROPE_PAIRS: usize = 128;
+
+/// LongRoPE: each rotary frequency divided by its own factor, from `short` within the
+/// pre-training context and from `long` past it (transformers' `_compute_longrope_parameters`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct LongRopeScaling {
+    /// Rotary pairs (`head_dim / 2`): the length of both lists.
+    pub pairs: usize,
+    /// Divisors within the pre-training context.
+    pub short: std::sync::Arc<[f32]>,
+    /// Divisors past it.
+    pub long: std::sync::Arc<[f32]>,
+    /// Context length the model was pre-trained with.
+    pub original_max_position_embeddings: usize,
+    /// Multiplier of the rotated query and key (`sqrt(1 + ln(factor) / ln(original))` for a
+    /// context `factor` times the original unless the model says).
+    pub attention_factor: f32,
+    /// The context the scaling makes room for (the configuration's).
+    pub context: usize,
+    /// Whether the model is served past the pre-training context: `long` is used.
+    pub use_long: bool,
+}
+
+impl LongRopeScaling {
+    /// The divisors in use.
+    pub fn factors(&self) -> &[f32] {
+        if self.use_long {
+            &self.long
+        } else {
+            &self.short
+        }
+    }
 }
 
 /// Llama 3.1 "llama3" RoPE frequency scaling: wavelengths longer than
@@ -82,6 +126,9 @@ impl RopeScaling {
             RopeScaling::Llama3(s) => s.factor,
             RopeScaling::Linear { factor } => *factor,
             RopeScaling::Yarn(y) => y.factor,
+            RopeScaling::LongRope(l) => {
+                l.context as f32 / l.original_max_position_embeddings.max(1) as f32
+            }
         }
     }
 
@@ -89,6 +136,7 @@ impl RopeScaling {
     pub fn attention_factor(&self) -> f32 {
         match self {
             RopeScaling::Yarn(y) => y.attention_factor,
+            RopeScaling::LongRope(l) => l.attention_factor,
             _ => 1.0,
         }
     }
@@ -102,6 +150,8 @@ impl RopeScaling {
             RopeScaling::Llama3(_) => stated as f64,
             RopeScaling::Linear { factor } => stated as f64 * f64::from(*factor),
             RopeScaling::Yarn(y) => y.original_max_position_embeddings as f64 * f64::from(y.factor),
+            // Phi-3's configurations state the stretched context.
+            RopeScaling::LongRope(_) => stated as f64,
         };
         (stretched.round().min(cap as f64) as usize).max(stated.min(cap))
     }
@@ -127,6 +177,20 @@ impl RopeScaling {
                     && y.attention_factor.is_finite()
                     && y.attention_factor > 0.0
                     && y.attention_factor <= 16.0
+            }
+            RopeScaling::LongRope(l) => {
+                let list_ok = |v: &[f32]| {
+                    v.len() == l.pairs
+                        && v.iter()
+                            .all(|f| f.is_finite() && (1e-3..=MAX_FACTOR).contains(f))
+                };
+                (1..=MAX_ROPE_PAIRS).contains(&l.pairs)
+                    && list_ok(&l.short)
+                    && list_ok(&l.long)
+                    && l.original_max_position_embeddings > 0
+                    && l.attention_factor.is_finite()
+                    && l.attention_factor > 0.0
+                    && l.attention_factor <= 16.0
             }
         };
         if ok {
@@ -158,6 +222,13 @@ impl RopeScaling {
                 }
             }
             RopeScaling::Linear { factor } => inv_freq.iter_mut().for_each(|f| *f /= factor),
+            RopeScaling::LongRope(l) => {
+                let dim = (2 * inv_freq.len()) as f32;
+                for (i, (f, d)) in inv_freq.iter_mut().zip(l.factors()).enumerate() {
+                    // transformers' 1 / (factor * base^(2i/d)), in f32.
+                    *f = 1.0 / (d * rope_theta.powf((2 * i) as f32 / dim));
+                }
+            }
             RopeScaling::Yarn(y) => {
                 let dim = 2 * inv_freq.len();
                 let (low, high) = yarn_ramp_ends(y, dim, rope_theta);
@@ -285,14 +356,67 @@ pub fn from_hf(
                 truncate,
             })
         }
+        "longrope" | "su" => {
+            let original = length(v, "original_max_position_embeddings")?.ok_or_else(|| {
+                GpuError::InvalidConfig(
+                    "LongRoPE scaling lacks original_max_position_embeddings".into(),
+                )
+            })?;
+            let factor = match number(v, "factor")? {
+                Some(f) => f,
+                None => max_position_embeddings as f64 / original as f64,
+            };
+            let attention_factor = match number(v, "attention_factor")? {
+                Some(a) => a,
+                None if factor <= 1.0 => 1.0,
+                None => (1.0 + factor.ln() / (original as f64).ln()).sqrt(),
+            };
+            let short = factor_list(v, "short_factor")?;
+            let long = factor_list(v, "long_factor")?;
+            if short.len() != long.len() {
+                return Err(GpuError::InvalidConfig(format!(
+                    "rope_scaling.short_factor has {} entries and long_factor {}",
+                    short.len(),
+                    long.len()
+                )));
+            }
+            RopeScaling::LongRope(LongRopeScaling {
+                pairs: short.len(),
+                short,
+                long,
+                original_max_position_embeddings: original,
+                attention_factor: attention_factor as f32,
+                context: max_position_embeddings,
+                use_long: max_position_embeddings > original,
+            })
+        }
         other => {
             return Err(GpuError::InvalidConfig(format!(
-                "unsupported rope_scaling type '{other}' (supported: llama3, linear, yarn)"
+                "unsupported rope_scaling type '{other}' (supported: llama3, linear, yarn, \
+                 longrope)"
             )))
         }
     };
     scaling.validate()?;
     Ok(Some(scaling))
+}
+
+/// A LongRoPE factor list of a scaling object (1 to [`MAX_ROPE_PAIRS`] numbers).
+fn factor_list(v: &serde_json::Value, k: &str) -> Result<std::sync::Arc<[f32]>, GpuError> {
+    let bad = |m: &str| Err(GpuError::InvalidConfig(format!("rope_scaling.{k} {m}")));
+    let Some(list) = v.get(k).and_then(|x| x.as_array()) else {
+        return bad("is not a list");
+    };
+    if list.is_empty() || list.len() > MAX_ROPE_PAIRS {
+        return bad(&format!(
+            "has {} entries (1 to {MAX_ROPE_PAIRS})",
+            list.len()
+        ));
+    }
+    match list.iter().map(|x| x.as_f64().map(|f| f as f32)).collect() {
+        Some(out) => Ok(out),
+        None => bad("holds something other than numbers"),
+    }
 }
 
 /// Reads GGUF's `{arch}.rope.scaling.*` keys (llama.cpp's converter writes the type, the
@@ -602,7 +726,25 @@ mod tests {
     fn unsupported_or_bad_scaling_is_refused_by_name() {
         for (json, want) in [
             (r#"{"type": "dynamic", "factor": 2.0}"#, "'dynamic'"),
-            (r#"{"rope_type": "longrope", "factor": 2.0}"#, "'longrope'"),
+            (
+                r#"{"rope_type": "longrope", "factor": 2.0}"#,
+                "lacks original_max_position_embeddings",
+            ),
+            (
+                r#"{"rope_type": "longrope", "original_max_position_embeddings": 16,
+                    "short_factor": [1, 1], "long_factor": [2]}"#,
+                "2 entries and long_factor 1",
+            ),
+            (
+                r#"{"rope_type": "longrope", "original_max_position_embeddings": 16,
+                    "short_factor": [1, "x"], "long_factor": [2, 2]}"#,
+                "other than numbers",
+            ),
+            (
+                r#"{"rope_type": "su", "original_max_position_embeddings": 16,
+                    "short_factor": [1, 0], "long_factor": [2, 2]}"#,
+                "invalid rope scaling",
+            ),
             (r#"{"type": "linear"}"#, "lacks numeric factor"),
             (r#"{"type": "linear", "factor": "2"}"#, "not a number"),
             (

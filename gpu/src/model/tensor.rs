@@ -274,6 +274,43 @@ impl ModelWeights {
         self.insert_tensor(name, idx, 0, dtype, shape)
     }
 
+    /// Replaces the matrix `name` by consecutive bands of its rows, `parts` (name, rows) in
+    /// order, each a view of the same bytes (no copy). The rows must add up to the matrix's.
+    pub(crate) fn split_rows(
+        &mut self,
+        name: &str,
+        parts: &[(String, usize)],
+    ) -> Result<(), GpuError> {
+        let bad = |reason: String| GpuError::BadTensor {
+            tensor: name.to_string(),
+            reason,
+        };
+        let e = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| GpuError::TensorNotFound(name.to_string()))?;
+        let [rows, cols] = e.shape[..] else {
+            return Err(bad(format!("shape {:?} is not a matrix", e.shape)));
+        };
+        let total: usize = parts.iter().map(|(_, r)| r).sum();
+        if total != rows {
+            return Err(bad(format!(
+                "{rows} rows, expected {total} (the parts it holds)"
+            )));
+        }
+        let row_bytes = e
+            .dtype
+            .row_bytes(cols)
+            .ok_or_else(|| bad(format!("rows of {cols} {} values", e.dtype)))?;
+        let (storage, mut offset, dtype) = (e.storage, e.offset, e.dtype);
+        self.tensors.remove(name);
+        for (part, r) in parts {
+            self.insert_tensor(part.clone(), storage, offset, dtype, vec![*r, cols])?;
+            offset += r * row_bytes;
+        }
+        Ok(())
+    }
+
     /// The tensor called `name`; the error names the tensor when it is missing.
     pub fn get(&self, name: &str) -> Result<TensorView<'_>, GpuError> {
         let e = self
@@ -333,6 +370,35 @@ mod tests {
         assert_eq!(DType::F16.tensor_bytes(&[5]), Some(10));
         assert_eq!(DType::Q8_0.tensor_bytes(&[2, 33]), None);
         assert_eq!(DType::F32.tensor_bytes(&[usize::MAX, 2]), None);
+    }
+
+    /// A fused matrix splits into bands of rows that view its bytes; rows that do not add up
+    /// are refused and leave it as it was.
+    #[test]
+    fn split_rows_views_bands_of_a_matrix() {
+        let mut w = ModelWeights::new();
+        let data: Vec<u8> = (0..6 * 4 * 2).map(|b| b as u8).collect();
+        w.insert_owned("qkv", DType::F16, vec![6, 4], data.clone())
+            .unwrap();
+        let parts = |r: [usize; 3]| {
+            vec![
+                ("q".to_string(), r[0]),
+                ("k".to_string(), r[1]),
+                ("v".to_string(), r[2]),
+            ]
+        };
+        let e = w
+            .split_rows("qkv", &parts([2, 2, 1]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("6 rows, expected 5"), "{e}");
+        assert!(w.contains("qkv") && !w.contains("q"));
+        w.split_rows("qkv", &parts([2, 3, 1])).unwrap();
+        assert!(!w.contains("qkv"));
+        let k = w.get("k").unwrap();
+        assert_eq!((k.shape.as_slice(), k.data), (&[3, 4][..], &data[16..40]));
+        assert_eq!(w.get("v").unwrap().data, &data[40..]);
+        assert!(w.split_rows("missing", &parts([1, 1, 1])).is_err());
     }
 
     #[test]
