@@ -399,6 +399,14 @@ mod tests {
         assert_eq!((k.shape.as_slice(), k.data), (&[3, 4][..], &data[16..40]));
         assert_eq!(w.get("v").unwrap().data, &data[40..]);
         assert!(w.split_rows("missing", &parts([1, 1, 1])).is_err());
+        // Quantized rows split the same way: 32 values of Q8_0 are one 34-byte block.
+        let data: Vec<u8> = (0..3 * 34).map(|b| b as u8).collect();
+        w.insert_owned("fused", DType::Q8_0, vec![3, 32], data.clone())
+            .unwrap();
+        w.split_rows("fused", &[("gate".into(), 1), ("up".into(), 2)])
+            .unwrap();
+        assert_eq!(w.get("gate").unwrap().data, &data[..34]);
+        assert_eq!(w.get("up").unwrap().data, &data[34..]);
     }
 
     #[test]
