@@ -1889,6 +1889,54 @@ fn call_fields(object: &str, format: ToolFormat) -> Option<ParsedCall> {
     })
 }
 
+/// What the formats' reader tests share.
+#[cfg(test)]
+mod reading_tests {
+    use super::{ParsedCall, ToolFormat, ToolPiece, ToolStream};
+
+    /// A call with `name` and `arguments`.
+    pub(super) fn call(name: &str, arguments: &str) -> ParsedCall {
+        ParsedCall {
+            name: name.into(),
+            arguments: arguments.into(),
+        }
+    }
+
+    /// Reads `text` in `format` cut in two at every character boundary, and one character at
+    /// a time (and whole, unless the answer is calls only): each reading must give `want`.
+    pub(super) fn check(
+        format: ToolFormat,
+        calls_only: bool,
+        text: &str,
+        want: &(String, Vec<ParsedCall>),
+    ) {
+        let read = |chunks: &[&str]| {
+            let mut s = ToolStream::new(format).calls_only(calls_only);
+            let mut pieces = Vec::new();
+            for c in chunks {
+                pieces.extend(s.push(c));
+            }
+            pieces.extend(s.finish());
+            assert!(!s.holding(), "{text:?}");
+            assert_eq!(s.calls(), ToolPiece::join(pieces.clone()).1.len());
+            ToolPiece::join(pieces)
+        };
+        for cut in (0..=text.len()).filter(|&c| text.is_char_boundary(c)) {
+            assert_eq!(
+                &read(&[&text[..cut], &text[cut..]]),
+                want,
+                "{text:?} cut at {cut}"
+            );
+        }
+        let chars: Vec<String> = text.chars().map(String::from).collect();
+        let refs: Vec<&str> = chars.iter().map(String::as_str).collect();
+        assert_eq!(&read(&refs), want, "{text:?} by chars");
+        if !calls_only {
+            assert_eq!(&ToolStream::read_all(format, text), want, "{text:?} whole");
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

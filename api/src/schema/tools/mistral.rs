@@ -203,16 +203,10 @@ pub(super) fn after_arguments(b: &[u8]) -> After {
 
 #[cfg(test)]
 mod tests {
+    use super::super::reading_tests::{call, check};
     use super::super::*;
     use super::*;
     use serde_json::json;
-
-    fn call(name: &str, arguments: &str) -> ParsedCall {
-        ParsedCall {
-            name: name.into(),
-            arguments: arguments.into(),
-        }
-    }
 
     fn weather_tool() -> Value {
         // mistral-common's test tool (its expected renderings are the golden values below).
@@ -225,39 +219,6 @@ mod tests {
                 "format": {"type": "string", "enum": ["celsius", "fahrenheit"],
                            "description": "The temperature unit to use. Infer this from the users location."}},
                 "required": ["location", "format"]}}})
-    }
-
-    /// Reads `text` cut in two at every character boundary, and one character at a time: each
-    /// reading must give `want`.
-    fn check(calls_only: bool, text: &str, want: &(String, Vec<ParsedCall>)) {
-        let read = |chunks: &[&str]| {
-            let mut s = ToolStream::new(ToolFormat::Mistral).calls_only(calls_only);
-            let mut pieces = Vec::new();
-            for c in chunks {
-                pieces.extend(s.push(c));
-            }
-            pieces.extend(s.finish());
-            assert!(!s.holding(), "{text:?}");
-            assert_eq!(s.calls(), ToolPiece::join(pieces.clone()).1.len());
-            ToolPiece::join(pieces)
-        };
-        for cut in (0..=text.len()).filter(|&c| text.is_char_boundary(c)) {
-            assert_eq!(
-                &read(&[&text[..cut], &text[cut..]]),
-                want,
-                "{text:?} cut at {cut}"
-            );
-        }
-        let chars: Vec<String> = text.chars().map(String::from).collect();
-        let refs: Vec<&str> = chars.iter().map(String::as_str).collect();
-        assert_eq!(&read(&refs), want, "{text:?} by chars");
-        if !calls_only {
-            assert_eq!(
-                &ToolStream::read_all(ToolFormat::Mistral, text),
-                want,
-                "{text:?} whole"
-            );
-        }
     }
 
     #[test]
@@ -344,7 +305,12 @@ mod tests {
             ),
         ];
         for (text, content, calls) in cases {
-            check(false, text, &(content.to_owned(), calls));
+            check(
+                ToolFormat::Mistral,
+                false,
+                text,
+                &(content.to_owned(), calls),
+            );
         }
     }
 
@@ -420,7 +386,12 @@ mod tests {
             ),
         ];
         for (text, content, calls) in cases {
-            check(false, text, &(content.to_owned(), calls));
+            check(
+                ToolFormat::Mistral,
+                false,
+                text,
+                &(content.to_owned(), calls),
+            );
         }
         // Calls only: an opening cut short is no content.
         for text in [
@@ -428,7 +399,7 @@ mod tests {
             "[TOOL_CALLS] [",
             "[TOOL_CALLS] [{\"name\": \"now\", \"ar",
         ] {
-            check(true, text, &(String::new(), vec![]));
+            check(ToolFormat::Mistral, true, text, &(String::new(), vec![]));
         }
     }
 

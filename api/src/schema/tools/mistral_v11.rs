@@ -145,48 +145,9 @@ pub(super) fn result_block(content: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+    use super::super::reading_tests::{call, check};
     use super::super::*;
     use serde_json::json;
-
-    fn call(name: &str, arguments: &str) -> ParsedCall {
-        ParsedCall {
-            name: name.into(),
-            arguments: arguments.into(),
-        }
-    }
-
-    /// Reads `text` cut in two at every character boundary, and one character at a time: each
-    /// reading must give `want`.
-    fn check(calls_only: bool, text: &str, want: &(String, Vec<ParsedCall>)) {
-        let read = |chunks: &[&str]| {
-            let mut s = ToolStream::new(ToolFormat::MistralV11).calls_only(calls_only);
-            let mut pieces = Vec::new();
-            for c in chunks {
-                pieces.extend(s.push(c));
-            }
-            pieces.extend(s.finish());
-            assert!(!s.holding(), "{text:?}");
-            assert_eq!(s.calls(), ToolPiece::join(pieces.clone()).1.len());
-            ToolPiece::join(pieces)
-        };
-        for cut in (0..=text.len()).filter(|&c| text.is_char_boundary(c)) {
-            assert_eq!(
-                &read(&[&text[..cut], &text[cut..]]),
-                want,
-                "{text:?} cut at {cut}"
-            );
-        }
-        let chars: Vec<String> = text.chars().map(String::from).collect();
-        let refs: Vec<&str> = chars.iter().map(String::as_str).collect();
-        assert_eq!(&read(&refs), want, "{text:?} by chars");
-        if !calls_only {
-            assert_eq!(
-                &ToolStream::read_all(ToolFormat::MistralV11, text),
-                want,
-                "{text:?} whole"
-            );
-        }
-    }
 
     #[test]
     fn calls_read_as_vllm_reads_v11_output_however_the_text_is_cut() {
@@ -244,7 +205,12 @@ mod tests {
             ),
         ];
         for (text, content, calls) in cases {
-            check(false, text, &(content.to_owned(), calls));
+            check(
+                ToolFormat::MistralV11,
+                false,
+                text,
+                &(content.to_owned(), calls),
+            );
         }
     }
 
@@ -289,15 +255,25 @@ mod tests {
             ),
         ];
         for (text, content, calls) in cases {
-            check(false, text, &(content.to_owned(), calls));
+            check(
+                ToolFormat::MistralV11,
+                false,
+                text,
+                &(content.to_owned(), calls),
+            );
         }
         // Calls only: an opening cut short is no content.
         for text in ["[TOOL_CA", "[TOOL_CALLS]", "[TOOL_CALLS]now[ARG"] {
-            check(true, text, &(String::new(), vec![]));
+            check(ToolFormat::MistralV11, true, text, &(String::new(), vec![]));
         }
         // A name longer than a call's opening may be is text.
         let long = format!("[TOOL_CALLS]{}[ARGS]{{}}", "n".repeat(MAX_HEADER));
-        check(false, &long, &(long.clone(), vec![]));
+        check(
+            ToolFormat::MistralV11,
+            false,
+            &long,
+            &(long.clone(), vec![]),
+        );
     }
 
     #[test]
