@@ -1018,6 +1018,74 @@ fn a_mistral_v11_template_gets_each_call_after_the_marker() {
     let _ = std::fs::remove_file(file);
 }
 
+/// A template that asks for Mistral's `[THINK]...[/THINK]` (Magistral's): found at start, and
+/// the block read apart as `<think>`'s is, streamed or not; `<think>` is then the answer's text.
+#[test]
+fn mistral_think_tags_are_read_apart_when_the_template_uses_them() {
+    let s = server_with_template("reasoning-mistral", "think-mistral.jinja", "");
+    let log = s.log();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("reasoning parser") && l.contains("[/THINK]")),
+        "{log}"
+    );
+    let body = json!({
+        "messages": [{"role": "user", "content": "Name a colour."}],
+        "max_tokens": 60, "temperature": 0,
+        "structured_outputs": {"regex": "\\[THINK\\][a-z ]{3,30}\\[/THINK\\][A-Z][a-z]{2,12}\\."},
+    });
+    let (status, v) = s.post_json("/v1/chat/completions", &body);
+    assert_eq!(status, 200, "{v}");
+    let message = &v["choices"][0]["message"];
+    let reasoning = message["reasoning_content"].as_str().expect("reasoning");
+    let content = message["content"].as_str().expect("content");
+    assert!(
+        reasoning.trim().len() >= 3 && !reasoning.contains('['),
+        "{v}"
+    );
+    assert!(
+        content.ends_with('.') && content.starts_with(|c: char| c.is_ascii_uppercase()),
+        "{v}"
+    );
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let (mut r, mut c) = (String::new(), String::new());
+    for event in s.post_stream("/v1/chat/completions", &streamed) {
+        if event == "[DONE]" {
+            continue;
+        }
+        let chunk: Value = serde_json::from_str(&event).expect("a chunk");
+        r.push_str(
+            chunk["choices"][0]["delta"]["reasoning_content"]
+                .as_str()
+                .unwrap_or(""),
+        );
+        c.push_str(
+            chunk["choices"][0]["delta"]["content"]
+                .as_str()
+                .unwrap_or(""),
+        );
+    }
+    assert_eq!((r.as_str(), c.as_str()), (reasoning, content));
+    // `<think>` is not this model's tag: all content.
+    let (status, v) = s.post_json(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 30,
+                "temperature": 0,
+                "structured_outputs": {"regex": "<think>[a-z ]{3,10}</think>[A-Z][a-z]{2,12}\\."}}),
+    );
+    assert_eq!(status, 200, "{v}");
+    let message = &v["choices"][0]["message"];
+    assert!(message.get("reasoning_content").is_none(), "{v}");
+    assert!(
+        message["content"]
+            .as_str()
+            .is_some_and(|c| c.starts_with("<think>")),
+        "{v}"
+    );
+    s.assert_serves();
+}
+
 #[test]
 fn reasoning_is_read_apart_when_the_template_thinks() {
     let start = |parser: &str| {

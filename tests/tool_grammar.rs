@@ -562,7 +562,10 @@ fn special_marker_constraint(
     let tool_use = ToolUse::parse(Some(&tools()), Some(choice), Some(true), setup)
         .expect("valid tools")
         .expect("tools");
-    assert_eq!(tool_use.kept_special_tokens(), [Some(marker), None, None]);
+    assert_eq!(
+        tool_use.kept_special_tokens(),
+        [Some(marker), None, None, None, None]
+    );
     compiler
         .compile(
             &StructuredOutput::ToolCalls(tool_use.grammar().expect("a grammar").to_owned()),
@@ -738,7 +741,7 @@ fn mistral_v11_markers_that_are_special_tokens_are_written_as_those_tokens() {
             .expect("tools");
         assert_eq!(
             tool_use.kept_special_tokens(),
-            [Some(calls), Some(args), Some(call_id)]
+            [Some(calls), Some(args), Some(call_id), None, None]
         );
         compiler
             .compile(

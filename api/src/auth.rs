@@ -14,6 +14,7 @@ use actix_web::{web, HttpMessage};
 use subtle::ConstantTimeEq;
 
 use crate::error::ApiError;
+use crate::schema::reasoning::ThinkTags;
 use crate::schema::tools::ToolSetup;
 use crate::state::ApiState;
 
@@ -37,9 +38,13 @@ pub struct ApiConfig {
     /// How the model writes tool calls, and who writes tools into its prompts (chat
     /// completions and `/tokenize` with tools).
     pub tools: ToolSetup,
-    /// Whether chat answers have their `<think>` block read apart (`reasoning_content`); who
-    /// opens it is found per request (the engine says whether the rendered prompt opened it).
-    pub reasoning: bool,
+    /// The tags of the reasoning read apart from chat answers (`reasoning_content`), if it is;
+    /// who opens the block is found per request (the engine says whether the rendered prompt
+    /// opened it).
+    pub reasoning: Option<ThinkTags>,
+    /// The tags' ids where they are special tokens of the tokenizer (Mistral's `[THINK]` and
+    /// `[/THINK]`): the answer's text keeps them for the splitter.
+    pub reasoning_tokens: [Option<u32>; 2],
 }
 
 impl Default for ApiConfig {
@@ -52,7 +57,8 @@ impl Default for ApiConfig {
             default_tier: "standard".to_owned(),
             anonymous_tenant: "anonymous".to_owned(),
             tools: ToolSetup::default(),
-            reasoning: false,
+            reasoning: None,
+            reasoning_tokens: [None; 2],
         }
     }
 }
@@ -79,6 +85,7 @@ impl std::fmt::Debug for ApiConfig {
             .field("anonymous_tenant", &self.anonymous_tenant)
             .field("tools", &self.tools)
             .field("reasoning", &self.reasoning)
+            .field("reasoning_tokens", &self.reasoning_tokens)
             .finish()
     }
 }

@@ -371,13 +371,13 @@ pub enum ToolPrompt {
 
 choice_from_str!(ToolPrompt { "auto" => Auto, "template" => Template, "server" => Server });
 
-/// Whether chat answers have their reasoning (`<think>...</think>`) read apart into
-/// `reasoning_content`.
+/// Whether chat answers have their reasoning (`<think>...</think>`, or Mistral's
+/// `[THINK]...[/THINK]`) read apart into `reasoning_content`.
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
 pub enum ReasoningParser {
-    /// `think` when the chat template mentions `<think>` (Qwen3, SmolLM3, QwQ, DeepSeek-R1),
-    /// else `none`.
+    /// `mistral` when the chat template mentions `[THINK]` (Magistral), `think` when it
+    /// mentions `<think>` (Qwen3, SmolLM3, QwQ, DeepSeek-R1), else `none`.
     #[default]
     Auto,
     /// All of the answer is content.
@@ -385,9 +385,11 @@ pub enum ReasoningParser {
     /// The `<think>` block (opened by the model, or by the template's generation prompt) is
     /// the reasoning.
     Think,
+    /// Mistral's `[THINK]...[/THINK]` block (Magistral) is the reasoning.
+    Mistral,
 }
 
-choice_from_str!(ReasoningParser { "auto" => Auto, "none" => None, "think" => Think });
+choice_from_str!(ReasoningParser { "auto" => Auto, "none" => None, "think" => Think, "mistral" => Mistral });
 
 /// How the paged KV cache stores keys and values.
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]

@@ -161,16 +161,31 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         "tool calls"
     );
     let reasoning = match config.model.reasoning_parser {
-        ReasoningParser::None => false,
-        ReasoningParser::Think => true,
+        ReasoningParser::None => None,
+        ReasoningParser::Think => Some(reasoning::THINK_TAGS),
+        ReasoningParser::Mistral => Some(reasoning::MISTRAL_THINK_TAGS),
         ReasoningParser::Auto => model
             .chat_template
             .as_ref()
-            .is_some_and(|t| t.source().contains(reasoning::THINK_OPEN)),
+            .and_then(|t| reasoning::ThinkTags::for_template(t.source())),
     };
+    // Tags that are special tokens (Magistral's) stay in the answer's text for the splitter.
+    let reasoning_tokens = reasoning.map_or([None; 2], |tags| {
+        [tags.open, tags.close].map(|tag| {
+            model
+                .tokenizer
+                .token_to_id(tag)
+                .filter(|&id| model.tokenizer.is_special(id))
+        })
+    });
     // Who opens the block is found per request, from the rendered prompt (QwQ's and
     // DeepSeek-R1's generation prompts open it; hybrid templates as their variables say).
-    tracing::info!(reasoning, "reasoning parser (<think> read apart)");
+    tracing::info!(
+        reasoning = reasoning.is_some(),
+        tags = ?reasoning.map(|t| (t.open, t.close)),
+        tokens = ?reasoning_tokens,
+        "reasoning parser (the think block read apart)"
+    );
     // Clients name the model by its file (or directory) stem unless a served name is configured.
     let model_name = config.model.served_name.clone().unwrap_or_else(|| {
         path.file_stem()
@@ -250,6 +265,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     };
     let mut api_config = api_config(&config, api_keys, tools);
     api_config.reasoning = reasoning;
+    api_config.reasoning_tokens = reasoning_tokens;
     let options = ServerOptions {
         bind: vec![bind],
         workers: config.server.workers,

@@ -51,7 +51,7 @@ pub struct Register {
 
 /// Special tokens whose text a choice keeps though special tokens are skipped (at most three:
 /// the markers of a tool-call format).
-pub type KeptSpecial = [Option<u32>; 3];
+pub type KeptSpecial = [Option<u32>; 5];
 
 /// How a request's tokens become its text (vLLM's output fields).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

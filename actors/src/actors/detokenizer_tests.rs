@@ -601,7 +601,7 @@ impl OutputSink for TextSink {
 async fn kept_special_tokens_keep_their_text_and_only_they() {
     // t1 and t2 are special; the answer to the prompt (which ends in t1) is t2 t3 t0 t1 t2 t3.
     let (engine, _) = start_engine_with(false, false, tokenizer_with_special(&[1, 2]));
-    let text = |skip: bool, keep: [Option<u32>; 3]| {
+    let text = |skip: bool, keep: [Option<u32>; 5]| {
         let engine = &engine;
         async move {
             let mut options = request(1, 6, ignoring_eos());
@@ -619,10 +619,19 @@ async fn kept_special_tokens_keep_their_text_and_only_they() {
             text
         }
     };
-    assert_eq!(text(true, [None; 3]).await, "t3t0t3");
-    assert_eq!(text(true, [Some(2), None, None]).await, "t2t3t0t2t3");
-    assert_eq!(text(true, [None, Some(1), Some(2)]).await, "t2t3t0t1t2t3");
+    assert_eq!(text(true, [None; 5]).await, "t3t0t3");
+    assert_eq!(
+        text(true, [Some(2), None, None, None, None]).await,
+        "t2t3t0t2t3"
+    );
+    assert_eq!(
+        text(true, [None, Some(1), None, None, Some(2)]).await,
+        "t2t3t0t1t2t3"
+    );
     // A kept token that is not special changes nothing.
-    assert_eq!(text(true, [Some(3), None, None]).await, "t3t0t3");
-    assert_eq!(text(false, [None; 3]).await, "t2t3t0t1t2t3");
+    assert_eq!(
+        text(true, [Some(3), None, None, None, None]).await,
+        "t3t0t3"
+    );
+    assert_eq!(text(false, [None; 5]).await, "t2t3t0t1t2t3");
 }

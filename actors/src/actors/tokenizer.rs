@@ -29,7 +29,9 @@ pub struct Encoded {
 
 /// Whether a rendered chat prompt ends with `<think>` (after whitespace).
 fn ends_inside_think(prompt: &str) -> bool {
-    prompt.trim_end().ends_with("<think>")
+    let prompt = prompt.trim_end();
+    // `<think>`, or Mistral's `[THINK]` (the HTTP layer reads it for the tags it uses).
+    prompt.ends_with("<think>") || prompt.ends_with("[THINK]")
 }
 
 /// Turns a prompt into token ids.

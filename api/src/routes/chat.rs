@@ -9,7 +9,7 @@ use crate::body::read_json;
 use crate::engine::{FinishReason, StructuredOutputSpec, TokenLogprob};
 use crate::error::ApiError;
 use crate::generation::{ChoiceDelta, Generation, RequestFields};
-use crate::schema::reasoning::{ThinkSplitter, ThinkStart, THINK_CLOSE};
+use crate::schema::reasoning::{ThinkSplitter, ThinkStart};
 use crate::schema::tools::{new_call_id, ToolAnswer, ToolFormat, ToolPiece, ToolStream};
 use crate::schema::{
     ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatLogprobs, ChatRequest, ChatResponse,
@@ -29,7 +29,11 @@ pub(crate) async fn chat_completions(
     let body: ChatRequest = read_json(&req, payload, &state.config).await?;
     let lora = check_model(&state, body.model.as_deref())?;
     let tool_format = state.config.tools.format;
-    let validated = body.validate(state.engine.max_model_len(), state.config.tools)?;
+    let mut validated = body.validate(state.engine.max_model_len(), state.config.tools)?;
+    // Reasoning tags that are special tokens stay in the text for the splitter.
+    if state.config.reasoning.is_some() {
+        validated.keep_special_tokens[3..].copy_from_slice(&state.config.reasoning_tokens);
+    }
     let id = request_id("chatcmpl-", request_id_header(&req));
     let requests = engine_requests(&id, &validated, &principal, None, lora.as_deref());
     let fields = RequestFields {
@@ -41,10 +45,12 @@ pub(crate) async fn chat_completions(
         None | Some(StructuredOutputSpec::ToolCalls(_)) => {
             !validated.tool_calls.is_some_and(ToolAnswer::calls_only)
         }
-        // A client's own regex or grammar may write the block.
-        Some(StructuredOutputSpec::Regex(g) | StructuredOutputSpec::Grammar(g)) => {
-            g.contains(THINK_CLOSE)
-        }
+        // A client's own regex or grammar may write the block (its closing tag in it, escaped
+        // or not: Mistral's brackets are escaped in a regex).
+        Some(StructuredOutputSpec::Regex(g) | StructuredOutputSpec::Grammar(g)) => state
+            .config
+            .reasoning
+            .is_some_and(|tags| g.contains(tags.close) || g.replace('\\', "").contains(tags.close)),
         Some(_) => false,
     };
     let writer = ChatWriter {
@@ -65,7 +71,7 @@ pub(crate) async fn chat_completions(
         // only, a regex or grammar that does not write </think>) leaves the model no room to
         // think: what it writes is the answer, even where the generation prompt opened a
         // <think> block.
-        thinking: (free_text && state.config.reasoning).then(|| {
+        thinking: state.config.reasoning.filter(|_| free_text).map(|tags| {
             // A chat request has one prompt: its template opened the block, or the model may.
             let start = if generation.opens_thinking.first() == Some(&true) {
                 ThinkStart::Prompt
@@ -73,7 +79,7 @@ pub(crate) async fn chat_completions(
                 ThinkStart::Model
             };
             (0..generation.choices())
-                .map(|_| ThinkSplitter::new(start))
+                .map(|_| ThinkSplitter::with_tags(start, tags))
                 .collect()
         }),
         held: vec![Vec::new(); generation.choices()],

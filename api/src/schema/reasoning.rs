@@ -9,6 +9,10 @@
 //! (QwQ, DeepSeek-R1, Qwen3's thinking-only models), the output is reasoning up to `</think>`
 //! ([`ThinkStart::Prompt`]). The whitespace between `</think>` and the answer is dropped.
 //! [`ThinkSplitter`] reads the text as it streams, holding back only what may be part of a tag.
+//!
+//! Mistral's reasoning models (Magistral) write `[THINK]...[/THINK]` instead
+//! ([`MISTRAL_THINK_TAGS`]), special tokens of their tokenizers whose text the answer keeps for
+//! the splitter, as it keeps tool-call markers.
 
 use super::held::{leading_space, partial_tag, MAX_HELD_SPACE};
 
@@ -25,6 +29,46 @@ pub enum ThinkStart {
 pub const THINK_OPEN: &str = "<think>";
 /// Closes the reasoning.
 pub const THINK_CLOSE: &str = "</think>";
+
+/// The tags a model writes its reasoning between.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ThinkTags {
+    /// Opens the reasoning.
+    pub open: &'static str,
+    /// Closes it.
+    pub close: &'static str,
+}
+
+/// `<think>...</think>` (Qwen3, SmolLM3, QwQ, DeepSeek-R1).
+pub const THINK_TAGS: ThinkTags = ThinkTags {
+    open: THINK_OPEN,
+    close: THINK_CLOSE,
+};
+
+/// `[THINK]...[/THINK]` (Mistral's Magistral).
+pub const MISTRAL_THINK_TAGS: ThinkTags = ThinkTags {
+    open: "[THINK]",
+    close: "[/THINK]",
+};
+
+impl ThinkTags {
+    /// The tags a chat template writes: Mistral's when it mentions `[THINK]`, `<think>` when
+    /// it mentions that, else none.
+    pub fn for_template(source: &str) -> Option<Self> {
+        if source.contains(MISTRAL_THINK_TAGS.open) {
+            Some(MISTRAL_THINK_TAGS)
+        } else if source.contains(THINK_OPEN) {
+            Some(THINK_TAGS)
+        } else {
+            None
+        }
+    }
+
+    /// Whether a rendered prompt ends inside an opened block (its generation prompt opened it).
+    pub fn ends_inside(self, prompt: &str) -> bool {
+        prompt.trim_end().ends_with(self.open)
+    }
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
@@ -55,11 +99,18 @@ pub struct ThinkSplitter {
     held: String,
     /// Whether the output opened with `<think>`.
     reasoned: bool,
+    /// The tags.
+    tags: ThinkTags,
 }
 
 impl ThinkSplitter {
     /// A splitter at the start of a choice whose block `start` opens.
     pub fn new(start: ThinkStart) -> Self {
+        Self::with_tags(start, THINK_TAGS)
+    }
+
+    /// A splitter for reasoning between `tags`.
+    pub fn with_tags(start: ThinkStart, tags: ThinkTags) -> Self {
         let prompt = start == ThinkStart::Prompt;
         Self {
             state: if prompt {
@@ -69,6 +120,7 @@ impl ThinkSplitter {
             },
             held: String::new(),
             reasoned: prompt,
+            tags,
         }
     }
 
@@ -103,13 +155,14 @@ impl ThinkSplitter {
                 State::Start => {
                     let space = leading_space(&self.held);
                     let rest = &self.held[space..];
-                    if space <= MAX_HELD_SPACE && rest.starts_with(THINK_OPEN) {
-                        self.held.drain(..space + THINK_OPEN.len());
+                    let open = self.tags.open;
+                    if space <= MAX_HELD_SPACE && rest.starts_with(open) {
+                        self.held.drain(..space + open.len());
                         self.reasoned = true;
                         self.state = State::Reasoning;
                         continue;
                     }
-                    let undecided = space <= MAX_HELD_SPACE && THINK_OPEN.starts_with(rest);
+                    let undecided = space <= MAX_HELD_SPACE && open.starts_with(rest);
                     if undecided && !last {
                         return;
                     }
@@ -118,16 +171,17 @@ impl ThinkSplitter {
                     return;
                 }
                 State::Reasoning => {
-                    if let Some(at) = self.held.find(THINK_CLOSE) {
+                    let close = self.tags.close;
+                    if let Some(at) = self.held.find(close) {
                         out.reasoning.push_str(&self.held[..at]);
-                        self.held.drain(..at + THINK_CLOSE.len());
+                        self.held.drain(..at + close.len());
                         self.state = State::After;
                         continue;
                     }
                     let keep = if last {
                         0
                     } else {
-                        partial_tag(&self.held, THINK_CLOSE)
+                        partial_tag(&self.held, close)
                     };
                     let rest = self.held.split_off(self.held.len() - keep);
                     out.reasoning
@@ -241,6 +295,60 @@ mod tests {
             let refs: Vec<&str> = chars.iter().map(String::as_str).collect();
             assert_eq!(read(&refs), want, "{text:?} by chars");
         }
+    }
+
+    /// Mistral's tags (Magistral) come apart the same way, whatever the cuts; `<think>` is
+    /// text to them.
+    #[test]
+    fn mistral_tags_come_apart_however_the_text_is_cut() {
+        let read_tags = |start: ThinkStart, chunks: &[&str]| {
+            let mut s = ThinkSplitter::with_tags(start, MISTRAL_THINK_TAGS);
+            let (mut reasoning, mut content) = (String::new(), String::new());
+            let mut splits: Vec<Split> = chunks.iter().map(|c| s.push(c)).collect();
+            splits.push(s.finish());
+            for c in splits {
+                reasoning.push_str(&c.reasoning);
+                content.push_str(&c.content);
+            }
+            (reasoning, content, s.reasoned())
+        };
+        let cases = [
+            (
+                ThinkStart::Model,
+                "[THINK]Red or blue ✓?[/THINK]Red.",
+                "Red or blue ✓?",
+                "Red.",
+                true,
+            ),
+            (ThinkStart::Model, " [THINK]a[/THINK]\n\nb", "a", "b", true),
+            (
+                ThinkStart::Model,
+                "<think>a</think>b",
+                "",
+                "<think>a</think>b",
+                false,
+            ),
+            (ThinkStart::Model, "[THINK]cut [/THI", "cut [/THI", "", true),
+            (ThinkStart::Prompt, "hmm[/THINK]Yes.", "hmm", "Yes.", true),
+        ];
+        for (start, text, reasoning, content, reasoned) in cases {
+            let want = (reasoning.to_string(), content.to_string(), reasoned);
+            for cut in (0..=text.len()).filter(|&c| text.is_char_boundary(c)) {
+                assert_eq!(
+                    read_tags(start, &[&text[..cut], &text[cut..]]),
+                    want,
+                    "{text:?} cut at {cut}"
+                );
+            }
+        }
+        assert_eq!(
+            ThinkTags::for_template("{{- '[THINK]' }}<think>"),
+            Some(MISTRAL_THINK_TAGS)
+        );
+        assert_eq!(ThinkTags::for_template("<think>"), Some(THINK_TAGS));
+        assert_eq!(ThinkTags::for_template("{{ messages }}"), None);
+        assert!(MISTRAL_THINK_TAGS.ends_inside("[INST]x[/INST][THINK]\n"));
+        assert!(!THINK_TAGS.ends_inside("[INST]x[/INST][THINK]"));
     }
 
     #[test]

@@ -1654,7 +1654,7 @@ mod tests {
         let v = chat(ToolFormat::Mistral, serde_json::json!({}));
         assert_eq!(
             (v.skip_special_tokens, v.keep_special_tokens),
-            (true, [Some(7), None, None])
+            (true, [Some(7), None, None, None, None])
         );
         let Some(StructuredOutputSpec::ToolCalls(grammar)) = &v.structured else {
             panic!("{:?}", v.structured)
@@ -1665,7 +1665,10 @@ mod tests {
         );
         // Mistral v11 writes all three.
         let v = chat(ToolFormat::MistralV11, serde_json::json!({}));
-        assert_eq!(v.keep_special_tokens, [Some(7), Some(8), Some(9)]);
+        assert_eq!(
+            v.keep_special_tokens,
+            [Some(7), Some(8), Some(9), None, None]
+        );
         let Some(StructuredOutputSpec::ToolCalls(grammar)) = &v.structured else {
             panic!("{:?}", v.structured)
         };
@@ -1679,10 +1682,10 @@ mod tests {
             ToolFormat::Mistral,
             serde_json::json!({"tool_choice": "none"}),
         );
-        assert_eq!(v.keep_special_tokens, [None; 3]);
+        assert_eq!(v.keep_special_tokens, [None; 5]);
         // Only Mistral's markers are tokens; Hermes' is text.
         let v = chat(ToolFormat::Hermes, serde_json::json!({}));
-        assert_eq!(v.keep_special_tokens, [None; 3]);
+        assert_eq!(v.keep_special_tokens, [None; 5]);
     }
 
     #[test]

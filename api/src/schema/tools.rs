@@ -215,8 +215,9 @@ pub struct MarkerTokens {
     pub call_id: Option<u32>,
 }
 
-/// The special tokens whose text an answer keeps though special tokens are skipped.
-pub type KeptTokens = [Option<u32>; 3];
+/// The special tokens whose text an answer keeps though special tokens are skipped: a tool
+/// format's markers (three at most), then the reasoning's tags (two).
+pub type KeptTokens = [Option<u32>; 5];
 
 impl MarkerTokens {
     /// Those of `format`'s markers (the others are `None`).
@@ -231,7 +232,7 @@ impl MarkerTokens {
 
     /// The tokens, to keep in an answer's text.
     pub fn kept(self) -> KeptTokens {
-        [self.calls, self.args, self.call_id]
+        [self.calls, self.args, self.call_id, None, None]
     }
 }
 
