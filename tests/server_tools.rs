@@ -171,6 +171,16 @@ fn assert_weather_arguments(args: &Value) {
     );
 }
 
+/// Checks a call of one of [`weather_tools`]' tools against its tool (`v`, the response, for
+/// the messages).
+fn assert_tool_call(name: &str, args: &Value, v: &Value) {
+    match name {
+        "get_weather" => assert_weather_arguments(args),
+        "local_time" => assert_eq!(args, &json!({}), "{v}"),
+        other => panic!("called {other:?}: {v}"),
+    }
+}
+
 #[test]
 fn required_and_named_choices_answer_with_calls_that_follow_the_schema() {
     let s = server();
@@ -196,11 +206,7 @@ fn required_and_named_choices_answer_with_calls_that_follow_the_schema() {
     assert!(choice["message"]["content"].is_null(), "{v}");
     let calls = calls_of(&choice["message"]);
     assert_eq!(calls.len(), 1, "{v}");
-    match calls[0].0.as_str() {
-        "get_weather" => assert_weather_arguments(&calls[0].1),
-        "local_time" => assert_eq!(calls[0].1, json!({}), "{v}"),
-        other => panic!("called {other:?}: {v}"),
-    }
+    assert_tool_call(&calls[0].0, &calls[0].1, &v);
     let typed: CreateChatCompletionResponse = serde_json::from_value(v.clone()).expect("typed");
     assert_eq!(
         typed.choices[0].finish_reason,
@@ -846,11 +852,7 @@ fn a_mistral_server_writes_its_calls_in_one_list_after_the_marker() {
     let (v, calls) = calls_only_answer(&s, &body, "mistral");
     let choice = &v["choices"][0];
     assert_eq!(calls.len(), 1, "{v}");
-    match calls[0].0.as_str() {
-        "get_weather" => assert_weather_arguments(&calls[0].1),
-        "local_time" => assert_eq!(calls[0].1, json!({}), "{v}"),
-        other => panic!("called {other:?}: {v}"),
-    }
+    assert_tool_call(&calls[0].0, &calls[0].1, &v);
     let _: CreateChatCompletionResponse = serde_json::from_value(v.clone()).expect("typed");
     // What the model wrote, token by token, is Mistral's format (mistral-common's rendering of a
     // call, without the id the model does not write): the marker, then the list.
@@ -876,11 +878,7 @@ fn a_mistral_server_writes_its_calls_in_one_list_after_the_marker() {
     );
     assert_eq!(status, 200, "{v}");
     for (name, args) in calls_in(&v["choices"][0]["message"], "mistral") {
-        match name.as_str() {
-            "get_weather" => assert_weather_arguments(&args),
-            "local_time" => assert_eq!(args, json!({}), "{v}"),
-            other => panic!("called {other:?}: {v}"),
-        }
+        assert_tool_call(&name, &args, &v);
     }
 
     // A named function is the one called; the choice finishes with stop.
@@ -941,11 +939,7 @@ fn a_mistral_v11_template_gets_each_call_after_the_marker() {
     );
     let (v, calls) = calls_only_answer(&s, &body, "mistral_v11");
     assert_eq!(calls.len(), 1, "{v}");
-    match calls[0].0.as_str() {
-        "get_weather" => assert_weather_arguments(&calls[0].1),
-        "local_time" => assert_eq!(calls[0].1, json!({}), "{v}"),
-        other => panic!("called {other:?}: {v}"),
-    }
+    assert_tool_call(&calls[0].0, &calls[0].1, &v);
     // What the model wrote, token by token, is the template's form of a call.
     let choice = &v["choices"][0];
     let call = &choice["message"]["tool_calls"][0]["function"];
@@ -972,11 +966,7 @@ fn a_mistral_v11_template_gets_each_call_after_the_marker() {
     let written = written_by_tokens(&v["choices"][0]);
     assert_eq!(written.matches("[TOOL_CALLS]").count(), calls.len(), "{v}");
     for (name, args) in calls {
-        match name.as_str() {
-            "get_weather" => assert_weather_arguments(&args),
-            "local_time" => assert_eq!(args, json!({}), "{v}"),
-            other => panic!("called {other:?}: {v}"),
-        }
+        assert_tool_call(&name, &args, &v);
     }
     s.assert_serves();
     drop(s);

@@ -171,12 +171,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     };
     // Tags that are special tokens (Magistral's) stay in the answer's text for the splitter.
     let reasoning_tokens = reasoning.map_or([None; 2], |tags| {
-        [tags.open, tags.close].map(|tag| {
-            model
-                .tokenizer
-                .token_to_id(tag)
-                .filter(|&id| model.tokenizer.is_special(id))
-        })
+        [tags.open, tags.close].map(|tag| special_token(&model.tokenizer, tag))
     });
     // Who opens the block is found per request, from the rendered prompt (QwQ's and
     // DeepSeek-R1's generation prompts open it; hybrid templates as their variables say).
@@ -385,15 +380,21 @@ fn marker_tokens(tokenizer: &Tokenizer, format: ToolFormat) -> MarkerTokens {
         format
             .special_markers()
             .contains(&marker)
-            .then(|| tokenizer.token_to_id(marker))
+            .then(|| special_token(tokenizer, marker))
             .flatten()
-            .filter(|&id| tokenizer.is_special(id))
     };
     MarkerTokens {
         calls: special(switchyard_api::schema::tools::TOOL_CALLS),
         args: special(switchyard_api::schema::tools::ARGS),
         call_id: special(switchyard_api::schema::tools::CALL_ID),
     }
+}
+
+/// The id of `text` where it is one special token of the tokenizer.
+fn special_token(tokenizer: &Tokenizer, text: &str) -> Option<u32> {
+    tokenizer
+        .token_to_id(text)
+        .filter(|&id| tokenizer.is_special(id))
 }
 
 /// Builds the HTTP layer's settings from the configuration and the API keys (inline and from

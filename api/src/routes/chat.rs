@@ -50,7 +50,7 @@ pub(crate) async fn chat_completions(
         Some(StructuredOutputSpec::Regex(g) | StructuredOutputSpec::Grammar(g)) => state
             .config
             .reasoning
-            .is_some_and(|tags| g.contains(tags.close) || g.replace('\\', "").contains(tags.close)),
+            .is_some_and(|tags| g.replace('\\', "").contains(tags.close)),
         Some(_) => false,
     };
     let writer = ChatWriter {

@@ -220,29 +220,14 @@ fn gguf_long_rope(
         }
         Ok(t.to_f32_vec().into())
     };
-    let short = list("rope_factors_short.weight")?;
-    let long = list("rope_factors_long.weight")?;
-    if short.len() != long.len() {
-        return Err(GpuError::InvalidConfig(
-            "LongRoPE factor tensors of different lengths".into(),
-        ));
-    }
-    let context = config.max_position_embeddings;
-    let factor = context as f64 / original as f64;
-    let attention_factor = match header.get_f32(&key("attn_factor")) {
-        Some(a) => f64::from(a),
-        None if factor <= 1.0 => 1.0,
-        None => (1.0 + factor.ln() / (original as f64).ln()).sqrt(),
-    };
-    let s = rope::RopeScaling::LongRope(rope::LongRopeScaling {
-        pairs: short.len(),
-        short,
-        long,
-        original_max_position_embeddings: original,
-        attention_factor: attention_factor as f32,
-        context,
-        use_long: context > original,
-    });
+    let s = rope::RopeScaling::LongRope(rope::LongRopeScaling::new(
+        list("rope_factors_short.weight")?,
+        list("rope_factors_long.weight")?,
+        original,
+        config.max_position_embeddings,
+        None,
+        header.get_f32(&key("attn_factor")).map(f64::from),
+    )?);
     s.validate()?;
     Ok(s)
 }

@@ -59,6 +59,43 @@ pub struct LongRopeScaling {
 }
 
 impl LongRopeScaling {
+    /// LongRoPE with the `short` and `long` divisors (of the same length) for a model of
+    /// `context` tokens pre-trained on `original`: the long ones past it, and the attention
+    /// factor the model gives or else transformers' default for a stretch of `factor` (the
+    /// context over the original unless given): `sqrt(1 + ln(factor) / ln(original))`, 1 when
+    /// nothing is stretched.
+    pub fn new(
+        short: std::sync::Arc<[f32]>,
+        long: std::sync::Arc<[f32]>,
+        original: usize,
+        context: usize,
+        factor: Option<f64>,
+        attention_factor: Option<f64>,
+    ) -> Result<Self, GpuError> {
+        if short.len() != long.len() {
+            return Err(GpuError::InvalidConfig(format!(
+                "LongRoPE's short factors number {} and its long ones {}",
+                short.len(),
+                long.len()
+            )));
+        }
+        let factor = factor.unwrap_or(context as f64 / original.max(1) as f64);
+        let attention_factor = match attention_factor {
+            Some(a) => a,
+            None if factor <= 1.0 => 1.0,
+            None => (1.0 + factor.ln() / (original as f64).ln()).sqrt(),
+        };
+        Ok(LongRopeScaling {
+            pairs: short.len(),
+            short,
+            long,
+            original_max_position_embeddings: original,
+            attention_factor: attention_factor as f32,
+            context,
+            use_long: context > original,
+        })
+    }
+
     /// The divisors in use.
     pub fn factors(&self) -> &[f32] {
         if self.use_long {
@@ -362,33 +399,14 @@ pub fn from_hf(
                     "LongRoPE scaling lacks original_max_position_embeddings".into(),
                 )
             })?;
-            let factor = match number(v, "factor")? {
-                Some(f) => f,
-                None => max_position_embeddings as f64 / original as f64,
-            };
-            let attention_factor = match number(v, "attention_factor")? {
-                Some(a) => a,
-                None if factor <= 1.0 => 1.0,
-                None => (1.0 + factor.ln() / (original as f64).ln()).sqrt(),
-            };
-            let short = factor_list(v, "short_factor")?;
-            let long = factor_list(v, "long_factor")?;
-            if short.len() != long.len() {
-                return Err(GpuError::InvalidConfig(format!(
-                    "rope_scaling.short_factor has {} entries and long_factor {}",
-                    short.len(),
-                    long.len()
-                )));
-            }
-            RopeScaling::LongRope(LongRopeScaling {
-                pairs: short.len(),
-                short,
-                long,
-                original_max_position_embeddings: original,
-                attention_factor: attention_factor as f32,
-                context: max_position_embeddings,
-                use_long: max_position_embeddings > original,
-            })
+            RopeScaling::LongRope(LongRopeScaling::new(
+                factor_list(v, "short_factor")?,
+                factor_list(v, "long_factor")?,
+                original,
+                max_position_embeddings,
+                number(v, "factor")?,
+                number(v, "attention_factor")?,
+            )?)
         }
         other => {
             return Err(GpuError::InvalidConfig(format!(
@@ -733,7 +751,7 @@ mod tests {
             (
                 r#"{"rope_type": "longrope", "original_max_position_embeddings": 16,
                     "short_factor": [1, 1], "long_factor": [2]}"#,
-                "2 entries and long_factor 1",
+                "short factors number 2 and its long ones 1",
             ),
             (
                 r#"{"rope_type": "longrope", "original_max_position_embeddings": 16,
