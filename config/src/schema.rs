@@ -812,8 +812,13 @@ pub struct LoraAdapterEntry {
 
 /// The architecture presets of random (dummy) weights, as `switchyard bench throughput --dummy`
 /// names them (`runtime::preset` in the binary builds each).
-pub const DUMMY_ARCHITECTURES: [&str; 4] =
-    ["smollm2-135m", "llama-3-8b", "qwen2.5-0.5b", "qwen3-0.6b"];
+pub const DUMMY_ARCHITECTURES: [&str; 5] = [
+    "smollm2-135m",
+    "llama-3-8b",
+    "qwen2.5-0.5b",
+    "qwen3-0.6b",
+    "phi-3-mini",
+];
 
 /// Most tiers a configuration may declare (tier names become metric labels).
 pub const MAX_TIERS: usize = 32;

@@ -413,8 +413,8 @@ __device__ __forceinline__ float qkv_at(const float* row, const float* bias, int
 // slot: each (slot, KV head) vector rounded to bf16 (what a bf16 cache would hold), then
 // quantized as fp8_quant_rows quantizes a row: s = max(amax / 448, FP8_MIN_SCALE) into
 // ksc / vsc [slot * nkv + head], e4m3(x / s) (nearest even, saturating) into the cache. One
-// warp per vector (K heads, then V heads); lane l takes pairs (or values) l, l + 32, ...
-// (hd a multiple of 64: the attention kernels' 64 or 128).
+// warp per vector (K heads, then V heads); lane l takes pairs (or values) l, l + 32, ... below
+// hd / 2 (or hd): the attention kernels' 64, 96 or 128.
 __device__ __forceinline__ void kv_store_f8(const float* row, const float* bias,
                                             __nv_fp8_storage_t* kc, __nv_fp8_storage_t* vc,
                                             float* ksc, float* vsc, long long slot, float p,
@@ -425,16 +425,16 @@ __device__ __forceinline__ void kv_store_f8(const float* row, const float* bias,
     for (int vec = warp; vec < 2 * nkv; vec += warps) {
         const bool key = vec < nkv;
         const int head = key ? vec : vec - nkv;
-        // hd / 32 (at most 4) values: pairs (a, b) for keys, every 32nd value for values; the
-        // loops unrolled to 4 with the bound as a predicate, so x and at stay in registers.
+        // Up to 4 values: pairs (a, b) for keys, every 32nd value for values; the loops
+        // unrolled to 4 with the bound as a predicate, so x and at stay in registers. at < 0:
+        // no value (hd 96 leaves half the lanes' second pair, and a third of their values).
         float x[4] = {0.f, 0.f, 0.f, 0.f};
-        int at[4] = {0, 0, 0, 0};
-        const int per = hd / 32;
+        int at[4] = {-1, -1, -1, -1};
         if (key) {
 #pragma unroll
             for (int i = 0; i < 2; i++) {
-                if (2 * i >= per) break;
                 const int j = lane + 32 * i;
+                if (j >= half) break;
                 float sn, cs;
                 sincosf(__fmul_rn(p, inv_freq[j]), &sn, &cs);
                 const int r = (nh + head) * hd + rope_pair_row(j);
@@ -449,7 +449,7 @@ __device__ __forceinline__ void kv_store_f8(const float* row, const float* bias,
             const int v = (nh + nkv + head) * hd;
 #pragma unroll
             for (int i = 0; i < 4; i++) {
-                if (i >= per) break;
+                if (lane + 32 * i >= hd) break;
                 x[i] = __bfloat162float(__float2bfloat16(qkv_at(row, bias, v + lane + 32 * i)));
                 at[i] = lane + 32 * i;
             }
@@ -471,7 +471,7 @@ __device__ __forceinline__ void kv_store_f8(const float* row, const float* bias,
         __nv_fp8_storage_t* o = (key ? kc : vc) + base * hd;
 #pragma unroll
         for (int i = 0; i < 4; i++)
-            if (i < per) o[at[i]] = __nv_cvt_float_to_fp8(x[i] * inv, __NV_SATFINITE, __NV_E4M3);
+            if (at[i] >= 0) o[at[i]] = __nv_cvt_float_to_fp8(x[i] * inv, __NV_SATFINITE, __NV_E4M3);
         if (lane == 0) (key ? ksc : vsc)[base] = s;
     }
 }
@@ -1006,14 +1006,18 @@ __device__ __forceinline__ void load_kv_chunk(bf16* dst, const bf16* __restrict_
     constexpr int PER = KPW < 32 ? KPW : 32;  // keys per lookup register
     const int lane = threadIdx.x & 31;
     const int c = lane % PIECES;
+    // Lanes past KPI whole keys (HD 96: 8 of 32) copy nothing (RAGGED: a test folded away for
+    // HD 64 and 128).
+    constexpr bool RAGGED = KPI * PIECES < 32;
+    const bool copies = lane < KPI * PIECES;
 #pragma unroll
     for (int r = 0; r < (KPW + 31) / 32; r++) {
 #pragma unroll 4
-        for (int u = 0; u < PER / KPI; u++) {
+        for (int u = 0; u < (PER + KPI - 1) / KPI; u++) {
             const int lk = u * KPI + lane / PIECES;  // the key within this register's 32
-            const long long slot = __shfl_sync(0xffffffffu, s[r], lk);
+            const long long slot = __shfl_sync(0xffffffffu, s[r], lk & 31);
             const int key = warp * KPW + 32 * r + lk, kp = kb + key;
-            if (FILTER && (kp < lo || kp >= hi)) continue;
+            if ((RAGGED && (!copies || lk >= PER)) || (FILTER && (kp < lo || kp >= hi))) continue;
             const bool ok = slot >= 0;
             cp_async16(dst + key * LD + c * 8, cache + (ok ? (slot * nkv + kvh) * HD + c * 8 : 0),
                        ok);
@@ -1035,6 +1039,9 @@ __device__ __forceinline__ void load_kv_chunk_f8(unsigned char* dst, float* sdst
     constexpr int LD8 = HD + 16;
     const int lane = threadIdx.x & 31;
     const int c = lane % PIECES;
+    // Lanes past KPI whole keys (HD 96: 2 of 32) copy nothing.
+    constexpr bool RAGGED = KPI * PIECES < 32;
+    const bool copies = lane < KPI * PIECES;
 #pragma unroll
     for (int r = 0; r < (KPW + 31) / 32; r++) {
 #pragma unroll 4
@@ -1042,7 +1049,7 @@ __device__ __forceinline__ void load_kv_chunk_f8(unsigned char* dst, float* sdst
             const int lk = u * KPI + lane / PIECES;  // the key within this register's 32
             const long long slot = __shfl_sync(0xffffffffu, s[r], lk & 31);
             const int key = warp * KPW + 32 * r + lk, kp = kb + key;
-            if (lk >= PER || (FILTER && (kp < lo || kp >= hi))) continue;
+            if ((RAGGED && !copies) || lk >= PER || (FILTER && (kp < lo || kp >= hi))) continue;
             const bool ok = slot >= 0;
             const long long vec = ok ? slot * nkv + kvh : 0;
             cp_async16(dst + key * LD8 + c * 16, cache + vec * HD + c * 16, ok);
@@ -1591,6 +1598,10 @@ ATTENTION_KERNEL(attention_w1_64_f8, 64, 1, ATT_F8_KEYS, true)
 ATTENTION_KERNEL(attention_w1_128_f8, 128, 1, ATT_F8_KEYS, true)
 ATTENTION_KERNEL(attention_w4_64_f8, 64, 4, MMA_KEYS, true)
 ATTENTION_KERNEL(attention_w4_128_f8, 128, 4, MMA_KEYS, true)
+ATTENTION_KERNEL(attention_w1_96, 96, 1, MMA_KEYS, false)
+ATTENTION_KERNEL(attention_w4_96, 96, 4, MMA_KEYS, false)
+ATTENTION_KERNEL(attention_w1_96_f8, 96, 1, ATT_F8_KEYS, true)
+ATTENTION_KERNEL(attention_w4_96_f8, 96, 4, MMA_KEYS, true)
 
 
 #ifndef COMBINE_BATCH

@@ -369,7 +369,7 @@ fn rope_store_into_an_fp8_cache_quantizes_what_a_bf16_cache_holds() {
         return;
     }
     let mut rng = ChaCha8Rng::seed_from_u64(8);
-    for (nh, nkv, hd) in [(9, 3, 64), (32, 8, 128)] {
+    for (nh, nkv, hd) in [(9, 3, 64), (32, 8, 128), (12, 4, 96)] {
         for interleaved in [false, true] {
             let t = 37;
             let width = (nh + 2 * nkv) * hd;
@@ -414,6 +414,8 @@ fn attention_cases(fp8: bool, seed: u64, variants: &[(Option<usize>, bool)]) {
         (32, 8, 128, 16),
         (4, 4, 64, 8),
         (8, 1, 128, 32),
+        (12, 4, 96, 16),
+        (6, 6, 96, 8),
     ];
     for (nh, nkv, hd, bs) in shapes {
         for &(splits, one_warp) in variants {
@@ -1664,7 +1666,13 @@ fn constrained_drafts_are_kept_exactly_where_one_token_per_step_agrees() {
 /// 80-token prefill (the cuBLAS route) and then one token per step (the GEMV route), against
 /// the CPU forward pass with near-f32 activations.
 fn qwen_shape_errors(c: LlamaConfig, fp8: Fp8, graphs: bool) -> Vec<(usize, f64)> {
-    let name = if c.qk_norm { "Qwen3" } else { "Qwen2" };
+    let name = if c.qk_norm {
+        "Qwen3"
+    } else if c.qkv_bias {
+        "Qwen2"
+    } else {
+        "Llama-family"
+    };
     let c = LlamaConfig { num_layers: 2, ..c };
     let w = dummy_weights(&c, 13).expect("dummy weights");
     let backend_cfg = fp8.config(cfg(16, graphs));
@@ -1672,7 +1680,9 @@ fn qwen_shape_errors(c: LlamaConfig, fp8: Fp8, graphs: bool) -> Vec<(usize, f64)
     let mut cpu = LlamaModel::from_weights(&c, &w).expect("cpu model");
     cpu.set_precision(ActivationPrecision::Precise);
     let mut rng = ChaCha8Rng::seed_from_u64(3);
-    let all: Vec<u32> = (0..96).map(|_| rng.random_range(0..151_000)).collect();
+    let all: Vec<u32> = (0..96)
+        .map(|_| rng.random_range(0..151_000.min(c.vocab_size as u32)))
+        .collect();
     let want = cpu_logits(&cpu, &all, &(0..all.len()).collect::<Vec<_>>(), None);
     let p = Arc::new(SamplingParams::greedy());
     let table: Vec<u32> = (0..6).collect();
@@ -1791,6 +1801,13 @@ fn a_longrope_scaled_model_matches_the_cpu() {
         },
     ));
     check_qwen_shape_within(c, 0.12, 0.18);
+}
+
+/// Phi-3-mini's shape: 32 heads of 96 dimensions without grouping (the attention kernels' third
+/// width) over a residual stream of 3072, halves RoPE.
+#[test]
+fn a_phi3_mini_shaped_model_matches_the_cpu() {
+    check_qwen_shape(LlamaConfig::phi3_mini());
 }
 
 // ---------------------------------------------------------------------------------------------

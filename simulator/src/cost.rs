@@ -164,9 +164,29 @@ impl ModelSpec {
         }
     }
 
+    /// Phi-3-mini-4k (Microsoft, 2024): 32 layers, hidden 3072, 32/32 heads of 96, FFN 8192,
+    /// vocab 32064, untied, bf16; its sliding window of 2,047 caps the context (as the loader
+    /// caps it).
+    pub fn phi3_mini() -> Self {
+        ModelSpec {
+            name: "phi-3-mini".into(),
+            num_layers: 32,
+            hidden_size: 3072,
+            num_heads: 32,
+            num_kv_heads: 32,
+            head_dim: Some(96),
+            ffn_size: 8192,
+            vocab_size: 32_064,
+            tied_embeddings: false,
+            bytes_per_weight: 2.0,
+            bytes_per_kv: 2.0,
+            max_position_embeddings: Some(2047),
+        }
+    }
+
     /// Names of the presets, for messages.
     pub const PRESETS: &'static str =
-        "llama-3-8b, llama-3.1-8b, smollm2-135m, qwen2.5-0.5b, qwen3-0.6b";
+        "llama-3-8b, llama-3.1-8b, smollm2-135m, qwen2.5-0.5b, qwen3-0.6b, phi-3-mini";
 
     /// A preset by name (see [`ModelSpec::PRESETS`]).
     pub fn preset(name: &str) -> Option<Self> {
@@ -176,6 +196,7 @@ impl ModelSpec {
             "smollm2-135m" => Some(Self::smollm2_135m()),
             "qwen2.5-0.5b" => Some(Self::qwen2_5_0_5b()),
             "qwen3-0.6b" => Some(Self::qwen3_0_6b()),
+            "phi-3-mini" => Some(Self::phi3_mini()),
             _ => None,
         }
     }
@@ -580,6 +601,8 @@ mod tests {
         // Hugging Face model cards / safetensors metadata: 8,030,261,248 and 134,515,008.
         assert_eq!(ModelSpec::llama_3_8b().total_params(), 8_030_261_248);
         assert_eq!(ModelSpec::smollm2_135m().total_params(), 134_515_008);
+        // Phi-3-mini-4k-instruct's safetensors metadata: 3,821,079,552.
+        assert_eq!(ModelSpec::phi3_mini().total_params(), 3_821_079_552);
         // Llama-3-8B: 2 (K,V) * 32 layers * 8 heads * 128 dims * 2 bytes = 128 KiB per token.
         assert_eq!(ModelSpec::llama_3_8b().kv_bytes_per_token(), 131_072.0);
     }
@@ -674,6 +697,8 @@ mod tests {
         assert_eq!(ctx("smollm2-135m"), 8192);
         assert_eq!(ctx("qwen2.5-0.5b"), 32_768);
         assert_eq!(ctx("qwen3-0.6b"), 40_960);
+        // Phi-3-mini-4k: 4,096 in config.json, capped at its sliding window of 2,047.
+        assert_eq!(ctx("phi-3-mini"), 2047);
         for n in ModelSpec::PRESETS.split(", ") {
             let m = ModelSpec::preset(n).unwrap();
             assert_eq!(m.name, n);

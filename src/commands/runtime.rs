@@ -303,6 +303,7 @@ pub fn preset(name: &str) -> anyhow::Result<LlamaConfig> {
         "llama-3-8b" => Ok(LlamaConfig::llama3_8b()),
         "qwen2.5-0.5b" => Ok(LlamaConfig::qwen25_05b()),
         "qwen3-0.6b" => Ok(LlamaConfig::qwen3_06b()),
+        "phi-3-mini" => Ok(LlamaConfig::phi3_mini()),
         other => anyhow::bail!(
             "unknown architecture `{other}` (known: {})",
             switchyard_config::DUMMY_ARCHITECTURES.join(", ")

@@ -407,6 +407,15 @@ pub(crate) enum Arg {
     F32(f32),
 }
 
+/// The head dimensions the attention kernels are built for (`Kernels::attention_w1` and the
+/// others hold one kernel per entry, in this order).
+pub(crate) const ATTENTION_HEAD_DIMS: [usize; 3] = [64, 96, 128];
+
+/// The index of `head_dim` in [`ATTENTION_HEAD_DIMS`], if the kernels run it.
+pub(crate) fn attention_kernel_index(head_dim: usize) -> Option<usize> {
+    ATTENTION_HEAD_DIMS.iter().position(|&d| d == head_dim)
+}
+
 /// The kernels, by name.
 pub(crate) struct Kernels {
     pub init_uniform_bf16: CudaFunction,
@@ -425,13 +434,14 @@ pub(crate) struct Kernels {
     pub lora_shrink: CudaFunction,
     pub lora_expand: CudaFunction,
     pub lora_silu_mul: CudaFunction,
-    /// Paged attention in one-warp blocks (tiles of at most 16 rows), head dims 64 and 128.
-    pub attention_w1: [CudaFunction; 2],
+    /// Paged attention in one-warp blocks (tiles of at most 16 rows), one kernel per head
+    /// dimension of [`ATTENTION_HEAD_DIMS`].
+    pub attention_w1: [CudaFunction; 3],
     /// Paged attention in four-warp blocks (larger tiles).
-    pub attention_w4: [CudaFunction; 2],
+    pub attention_w4: [CudaFunction; 3],
     /// The same over an fp8 cache.
-    pub attention_w1_f8: [CudaFunction; 2],
-    pub attention_w4_f8: [CudaFunction; 2],
+    pub attention_w1_f8: [CudaFunction; 3],
+    pub attention_w4_f8: [CudaFunction; 3],
     pub attention_combine: CudaFunction,
     pub apply_logit_edits: CudaFunction,
     pub apply_token_masks: CudaFunction,
@@ -621,10 +631,26 @@ impl Gpu {
             lora_shrink: f("lora_shrink")?,
             lora_expand: f("lora_expand")?,
             lora_silu_mul: f("lora_silu_mul")?,
-            attention_w1: [f("attention_w1_64")?, f("attention_w1_128")?],
-            attention_w4: [f("attention_w4_64")?, f("attention_w4_128")?],
-            attention_w1_f8: [f("attention_w1_64_f8")?, f("attention_w1_128_f8")?],
-            attention_w4_f8: [f("attention_w4_64_f8")?, f("attention_w4_128_f8")?],
+            attention_w1: [
+                f("attention_w1_64")?,
+                f("attention_w1_96")?,
+                f("attention_w1_128")?,
+            ],
+            attention_w4: [
+                f("attention_w4_64")?,
+                f("attention_w4_96")?,
+                f("attention_w4_128")?,
+            ],
+            attention_w1_f8: [
+                f("attention_w1_64_f8")?,
+                f("attention_w1_96_f8")?,
+                f("attention_w1_128_f8")?,
+            ],
+            attention_w4_f8: [
+                f("attention_w4_64_f8")?,
+                f("attention_w4_96_f8")?,
+                f("attention_w4_128_f8")?,
+            ],
             attention_combine: f("attention_combine")?,
             apply_logit_edits: f("apply_logit_edits")?,
             apply_token_masks: f("apply_token_masks")?,

@@ -898,15 +898,12 @@ pub(crate) fn attention(
     scale: f32,
 ) -> Result<(), GpuError> {
     let k = &gpu.k;
-    let which = match hd {
-        64 => 0,
-        128 => 1,
-        other => {
-            return Err(GpuError::InvalidConfig(format!(
-                "the CUDA backend supports head dimensions 64 and 128, not {other}"
-            )))
-        }
-    };
+    let which = super::device::attention_kernel_index(hd).ok_or_else(|| {
+        GpuError::InvalidConfig(format!(
+            "the CUDA backend runs head dimensions {:?}, not {hd}",
+            super::device::ATTENTION_HEAD_DIMS
+        ))
+    })?;
     let lay = &l.layout;
     let s = |off: usize| io.step.at(off);
     let i32v = |v: usize| Arg::I32(v as i32);

@@ -319,9 +319,10 @@ impl CudaBackend {
         cfg: &CudaBackendConfig,
     ) -> Result<Self, GpuError> {
         config.validate()?;
-        if !matches!(config.head_dim, 64 | 128) {
+        if device::attention_kernel_index(config.head_dim).is_none() {
             return Err(GpuError::InvalidConfig(format!(
-                "the CUDA backend runs head dimensions 64 and 128, not {}",
+                "the CUDA backend runs head dimensions {:?}, not {}",
+                device::ATTENTION_HEAD_DIMS,
                 config.head_dim
             )));
         }

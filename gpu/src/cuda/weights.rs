@@ -287,9 +287,10 @@ pub(crate) fn from_model(
     crate::model::loader::validate_weights(c, w, false)?;
     let (h, hd) = (c.hidden_size, c.head_dim);
     let (q, kv, inter) = (c.num_heads * hd, c.num_kv_heads * hd, c.intermediate_size);
-    if hd % 16 != 0 {
+    if super::device::attention_kernel_index(hd).is_none() {
         return Err(GpuError::InvalidConfig(format!(
-            "the CUDA backend supports head dimensions 64 and 128, not {hd}"
+            "the CUDA backend runs head dimensions {:?}, not {hd}",
+            super::device::ATTENTION_HEAD_DIMS
         )));
     }
     let order = rope_row_order(hd, c.rope_style == RopeStyle::Interleaved);

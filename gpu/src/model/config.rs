@@ -170,6 +170,31 @@ impl LlamaConfig {
         }
     }
 
+    /// Microsoft Phi-3-mini-4k(-instruct) with its projections split as the loader splits them
+    /// (halves RoPE; 32 heads of 96 dimensions, no grouping; its sliding window of 2,047 caps
+    /// the context, as the loader caps it).
+    pub fn phi3_mini() -> Self {
+        LlamaConfig {
+            num_layers: 32,
+            hidden_size: 3072,
+            num_heads: 32,
+            num_kv_heads: 32,
+            head_dim: 96,
+            intermediate_size: 8192,
+            vocab_size: 32_064,
+            rms_norm_eps: 1e-5,
+            rope_theta: 10_000.0,
+            rope_scaling: None,
+            rope_style: RopeStyle::Halves,
+            max_position_embeddings: 2047,
+            tie_word_embeddings: false,
+            qkv_bias: false,
+            qk_norm: false,
+            bos_token_id: Some(1),
+            eos_token_ids: vec![32_000],
+        }
+    }
+
     /// Picks the RoPE scaling's variant for the context the model is served with (LongRoPE's
     /// long factors past the pre-training context, its short ones within it: see
     /// [`crate::model::rope`]); the context itself is left as it is.
