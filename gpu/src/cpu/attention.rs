@@ -126,17 +126,14 @@ struct HeadJob<'a> {
 #[target_feature(enable = "avx512f")]
 unsafe fn attend_avx512(job: &HeadJob<'_>, q: &[f32], out: &mut [f32]) {
     let c = job.cache;
-    if c.block_size.is_multiple_of(L)
-        && c.head_dim.is_multiple_of(4)
-        && (c.head_dim == 64 || c.head_dim == 128)
-    {
+    if c.block_size.is_multiple_of(L) && matches!(c.head_dim, 64 | 96 | 128) {
         let mut scores = vec![0f32; job.ctx];
         x86::scores(job, q, &mut scores);
         let inv = softmax_unnormalised(&mut scores);
-        if c.head_dim == 64 {
-            x86::weighted_values::<4>(job, &scores, inv, out);
-        } else {
-            x86::weighted_values::<8>(job, &scores, inv, out);
+        match c.head_dim {
+            64 => x86::weighted_values::<4>(job, &scores, inv, out),
+            96 => x86::weighted_values::<6>(job, &scores, inv, out),
+            _ => x86::weighted_values::<8>(job, &scores, inv, out),
         }
     } else {
         attend(job, q, out)
@@ -147,12 +144,18 @@ unsafe fn attend_avx512(job: &HeadJob<'_>, q: &[f32], out: &mut [f32]) {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn attend_avx2(job: &HeadJob<'_>, q: &[f32], out: &mut [f32]) {
     let c = job.cache;
-    if c.block_size.is_multiple_of(x86::L8) && c.head_dim.is_multiple_of(64) {
+    if c.block_size.is_multiple_of(x86::L8) && c.head_dim.is_multiple_of(32) {
         let mut scores = vec![0f32; job.ctx];
         x86::scores_avx2(job, q, &mut scores);
         let inv = softmax_unnormalised(&mut scores);
-        for half in 0..c.head_dim / 64 {
-            x86::weighted_values_avx2(job, &scores, inv, half * 64, &mut out[half * 64..]);
+        // 64 dimensions per pass over the values, then the last 32 (heads of 96).
+        let mut d0 = 0;
+        while d0 + 64 <= c.head_dim {
+            x86::weighted_values_avx2::<8>(job, &scores, inv, d0, &mut out[d0..]);
+            d0 += 64;
+        }
+        if d0 < c.head_dim {
+            x86::weighted_values_avx2::<4>(job, &scores, inv, d0, &mut out[d0..]);
         }
     } else {
         attend(job, q, out)
@@ -213,7 +216,8 @@ fn attend(job: &HeadJob<'_>, q: &[f32], out: &mut [f32]) {
     }
 }
 
-/// AVX-512 loops for 16-slot-multiple blocks and heads of 64 or 128 dimensions.
+/// AVX-512 loops for 16-slot-multiple blocks and heads of 64, 96 or 128 dimensions (AVX2:
+/// 8-slot-multiple blocks, heads of a multiple of 32).
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
@@ -361,9 +365,9 @@ mod x86 {
         }
     }
 
-    /// `out[..64] = inv * sum_j p_j v_j[d0..d0 + 64]` (AVX2, eight independent chains).
+    /// `out[..8 C] = inv * sum_j p_j v_j[d0..d0 + 8 C]` (AVX2, `C` independent chains).
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn weighted_values_avx2(
+    pub(super) unsafe fn weighted_values_avx2<const C: usize>(
         job: &HeadJob<'_>,
         p: &[f32],
         inv: f32,
@@ -372,7 +376,7 @@ mod x86 {
     ) {
         let c = job.cache;
         let (hd, bs) = (c.head_dim, c.block_size);
-        let mut acc = [_mm256_setzero_ps(); 8];
+        let mut acc = [_mm256_setzero_ps(); C];
         for (bi, &block) in job.table.iter().take(job.ctx.div_ceil(bs)).enumerate() {
             let n = bs.min(job.ctx - bi * bs);
             let vb = c.values(job.layer, block as usize, job.kv_head).as_ptr();
@@ -493,8 +497,9 @@ mod tests {
 
     #[test]
     fn vector_path_matches_plain_path() {
-        // Head dimensions 64 and 128 with 16-slot blocks take the vector loops; others the plain ones.
-        for (hd, bs) in [(64, 16), (128, 16), (32, 16), (64, 3), (6, 16)] {
+        // Head dimensions 64, 96 and 128 with 16-slot blocks take the vector loops (AVX2: any
+        // multiple of 32); others the plain ones.
+        for (hd, bs) in [(64, 16), (128, 16), (96, 16), (32, 16), (64, 3), (6, 16)] {
             let ctx = 37;
             let mut cache = KvCache::new(1, 16, bs, 1, hd).unwrap();
             let table: Vec<u32> = (0..16).rev().collect();
@@ -512,24 +517,14 @@ mod tests {
                 pos: ctx - 1,
                 seq: 0,
             }];
-            let mut fast = vec![0f32; hd];
-            let mut plain = vec![0f32; hd];
-            attention(
-                0,
-                &q,
-                &cache,
-                &batch1(&queries, &[&table]),
-                &mut fast,
-                Isa::detect(),
-            );
-            attention(
-                0,
-                &q,
-                &cache,
-                &batch1(&queries, &[&table]),
-                &mut plain,
-                Isa::Scalar,
-            );
+            // Every instruction set this machine runs (`attention` falls back to the plain
+            // loops for one it does not).
+            let isas = [Isa::Avx512Vnni, Isa::Avx2, Isa::Scalar];
+            let outs = isas.map(|isa| {
+                let mut out = vec![0f32; hd];
+                attention(0, &q, &cache, &batch1(&queries, &[&table]), &mut out, isa);
+                out
+            });
             // A dense reference.
             let keys: Vec<Vec<f32>> = (0..ctx)
                 .map(|i| {
@@ -548,8 +543,12 @@ mod tests {
                 let want: f32 = (0..ctx)
                     .map(|i| (logits[i] - m).exp() / z * h(((i * 5 + d) % 13) as f32 * 0.2 - 1.0))
                     .sum();
-                assert!((fast[d] - want).abs() < 1e-5, "hd {hd} bs {bs} d {d}");
-                assert!((plain[d] - want).abs() < 1e-5, "hd {hd} bs {bs} d {d}");
+                for (isa, out) in isas.iter().zip(&outs) {
+                    assert!(
+                        (out[d] - want).abs() < 1e-5,
+                        "{isa:?}: hd {hd} bs {bs} d {d}"
+                    );
+                }
             }
         }
     }
