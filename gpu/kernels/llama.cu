@@ -1205,7 +1205,8 @@ __device__ __forceinline__ void att_pv_f8(float (&o)[HD / 8][4], const u32 (&pa)
 // this lane's share of the chunk's row sums.
 template <int KEYS>
 __device__ __forceinline__ void att_softmax(float (&s)[KEYS / 8][4], int kb, int p_lo, int p_hi,
-                                            float sl2, int t4, float& m_lo, float& m_hi,
+                                            int w_lo, int w_hi, float sl2, int t4,
+                                            float& m_lo, float& m_hi,
                                             float& c_lo, float& c_hi, float& sum_lo,
                                             float& sum_hi) {
     constexpr int NS = KEYS / 8;
@@ -1215,8 +1216,11 @@ __device__ __forceinline__ void att_softmax(float (&s)[KEYS / 8][4], int kb, int
 #pragma unroll
         for (int e = 0; e < 2; e++) {
             const int kp = kb + 8 * n + 2 * t4 + e;
-            s[n][e] = kp <= p_lo ? __fmul_rn(s[n][e], sl2) : NEG_INF;
-            s[n][2 + e] = kp <= p_hi ? __fmul_rn(s[n][2 + e], sl2) : NEG_INF;
+            // p - w < kp <= p in one unsigned comparison (w: the row's window, INT_MAX for
+            // none; p = -1 for rows past the tile's masks every key).
+            s[n][e] = (unsigned)(p_lo - kp) < (unsigned)w_lo ? __fmul_rn(s[n][e], sl2) : NEG_INF;
+            s[n][2 + e] =
+                (unsigned)(p_hi - kp) < (unsigned)w_hi ? __fmul_rn(s[n][2 + e], sl2) : NEG_INF;
             mx_lo = fmaxf(mx_lo, s[n][e]);
             mx_hi = fmaxf(mx_hi, s[n][2 + e]);
         }
@@ -1390,7 +1394,7 @@ __device__ void attention_body(const bf16* __restrict__ q, const void* __restric
                                    const int* __restrict__ meta, float* __restrict__ part_acc,
                                    float* __restrict__ part_ml, bf16* __restrict__ out, int nh,
                                    int nkv, int block_size, float scale, int tile_base,
-                                   int early_kv, int heads_inner) {
+                                   int early_kv, int heads_inner, int window) {
     constexpr int LD = HD + 8;  // shared row stride in bf16: ldmatrix rows hit distinct banks
     constexpr int KT = HD / 16;       // k-steps of Q K^T
     constexpr int NS = KEYS / 8;  // score n-tiles
@@ -1436,21 +1440,32 @@ __device__ void attention_body(const bf16* __restrict__ q, const void* __restric
     const int kend = min(kstart + split_len, last + 1);
     // Splits past this tile's keys: the combine step never reads them.
     if (kstart >= kend) return;
+    // A sliding window (window > 0): the tile's first row attends from pos[q0] - window + 1 on
+    // and the others from later, so the chunks before it are skipped. A split wholly before it
+    // leaves (the combine step reads only the splits from each token's window on).
+    int kfirst = kstart;
+    if (window > 0) {
+        const int wlo = pos[q0] - window + 1;
+        if (wlo > kstart) kfirst = kstart + (wlo - kstart) / KEYS * KEYS;
+        if (kfirst >= kend) return;
+        if (kfirst != kstart)
+            chunk_entries<WARPS, KEYS>(entries, table, kfirst, block_size, stride, warp);
+    }
     const int g = lane >> 2, t4 = lane & 3;
 
     long long slots[(KEYS / WARPS + 31) / 32];
-    entries_to_slots<WARPS, KEYS>(slots, entries, kstart, kend, block_size, warp);
+    entries_to_slots<WARPS, KEYS>(slots, entries, kfirst, kend, block_size, warp);
     if (early_kv) {
-        load_kv<HD, LD, WARPS, KEYS, true, F8>(kdst, ksc_s, kc, ksc, slots, nkv, kvh, kstart,
-                                               kstart, cached, warp);
-        load_kv<HD, LD, WARPS, KEYS, true, F8>(vdst, vsc_s, vc, vsc, slots, nkv, kvh, kstart,
-                                               kstart, cached, warp);
+        load_kv<HD, LD, WARPS, KEYS, true, F8>(kdst, ksc_s, kc, ksc, slots, nkv, kvh, kfirst,
+                                               kfirst, cached, warp);
+        load_kv<HD, LD, WARPS, KEYS, true, F8>(vdst, vsc_s, vc, vsc, slots, nkv, kvh, kfirst,
+                                               kfirst, cached, warp);
 #if ATT_L2_PREFETCH
         // The later chunks' cached keys and values into L2 (a split of several chunks: their
         // copies follow the wait one chunk at a time). An experiment for few splits
         // (SWITCHYARD_CUDA_ATT_SPLITS), off by default.
         const int pf_end = min(kend, cached);
-        for (int kp = kstart + KEYS + threadIdx.x; kp < pf_end; kp += blockDim.x) {
+        for (int kp = kfirst + KEYS + threadIdx.x; kp < pf_end; kp += blockDim.x) {
             const long long slot =
                 (long long)table[kp / block_size] * block_size + kp % block_size;
             constexpr int VB = HD * (F8 ? 1 : 2);  // bytes per vector
@@ -1472,8 +1487,14 @@ __device__ void attention_body(const bf16* __restrict__ q, const void* __restric
     load_q_frags<HD, F8>(qf, q, q0, group, nh, kvh, rows, r_lo);
     // The last key a row attends to in this split: its position, or the split's last key (a
     // chunk may be longer than the split).
-    const int p_lo = r_lo < rows ? min(pos[q0 + r_lo / group], kend - 1) : -1;
-    const int p_hi = r_hi < rows ? min(pos[q0 + r_hi / group], kend - 1) : -1;
+    const int a_lo = r_lo < rows ? pos[q0 + r_lo / group] : -1;
+    const int a_hi = r_hi < rows ? pos[q0 + r_hi / group] : -1;
+    const int p_lo = r_lo < rows ? min(a_lo, kend - 1) : -1;
+    const int p_hi = r_hi < rows ? min(a_hi, kend - 1) : -1;
+    // How many keys from p_* back a row attends to: its window less the keys this split cut
+    // from the window's end (none past it: 0), or all of them.
+    const int w_lo = window > 0 ? max(0, window - (a_lo - p_lo)) : 0x7fffffff;
+    const int w_hi = window > 0 ? max(0, window - (a_hi - p_hi)) : 0x7fffffff;
     const bool active = warp * 16 < rows;  // warp-uniform
     // An fp8 cache (F8): keys and values enter the products widened to their e4m3 values
     // times 2^-120 (att_scores_f8, att_pv_f8), Q times 2^60 (exact), so a score comes out as the e4m3
@@ -1506,20 +1527,20 @@ __device__ void attention_body(const bf16* __restrict__ q, const void* __restric
     // The rest of the first chunk (the keys from `cached` on, and zeros past kend): K(0) is
     // the group of every first-chunk copy issued so far, V(0) the rest of the values.
     if (early_kv) {
-        load_kv<HD, LD, WARPS, KEYS, true, F8>(kdst, ksc_s, kc, ksc, slots, nkv, kvh, kstart,
+        load_kv<HD, LD, WARPS, KEYS, true, F8>(kdst, ksc_s, kc, ksc, slots, nkv, kvh, kfirst,
                                                cached, 0x7fffffff, warp);
         cp_async_commit();
-        load_kv<HD, LD, WARPS, KEYS, true, F8>(vdst, vsc_s, vc, vsc, slots, nkv, kvh, kstart,
+        load_kv<HD, LD, WARPS, KEYS, true, F8>(vdst, vsc_s, vc, vsc, slots, nkv, kvh, kfirst,
                                                cached, 0x7fffffff, warp);
     } else {
-        load_kv<HD, LD, WARPS, KEYS, false, F8>(kdst, ksc_s, kc, ksc, slots, nkv, kvh, kstart, 0,
+        load_kv<HD, LD, WARPS, KEYS, false, F8>(kdst, ksc_s, kc, ksc, slots, nkv, kvh, kfirst, 0,
                                                 0, warp);
         cp_async_commit();
-        load_kv<HD, LD, WARPS, KEYS, false, F8>(vdst, vsc_s, vc, vsc, slots, nkv, kvh, kstart, 0,
+        load_kv<HD, LD, WARPS, KEYS, false, F8>(vdst, vsc_s, vc, vsc, slots, nkv, kvh, kfirst, 0,
                                                 0, warp);
     }
     cp_async_commit();
-    for (int kb = kstart; kb < kend; kb += KEYS) {
+    for (int kb = kfirst; kb < kend; kb += KEYS) {
         const bool more = kb + KEYS < kend;  // block-uniform
         cp_async_wait<1>();  // K(c); V(c) may still be in flight
         __syncthreads();
@@ -1543,7 +1564,8 @@ __device__ void attention_body(const bf16* __restrict__ q, const void* __restric
         }
         if (active) {
             float c_lo, c_hi, sum_lo, sum_hi;
-            att_softmax<KEYS>(s, kb, p_lo, p_hi, sl2, t4, m_lo, m_hi, c_lo, c_hi, sum_lo, sum_hi);
+            att_softmax<KEYS>(s, kb, p_lo, p_hi, w_lo, w_hi, sl2, t4, m_lo, m_hi, c_lo, c_hi,
+                              sum_lo, sum_hi);
             // Per-lane partial sums, summed over the quad at the end.
             l_lo = __fmaf_rn(l_lo, c_lo, sum_lo);
             l_hi = __fmaf_rn(l_hi, c_hi, sum_hi);
@@ -1578,16 +1600,18 @@ __device__ void attention_body(const bf16* __restrict__ q, const void* __restric
 
 // Grid (tiles, kv heads, splits), or (tiles x kv heads, 1, splits) with heads_inner; 32 * W
 // threads, KEYS keys per chunk. ksc, vsc: the fp8 cache's scales (F8; not read otherwise).
+// window: a sliding window (each query attends to its last `window` positions), 0 for none.
 #define ATTENTION_KERNEL(NAME, HD, W, KEYS, F8)                                                  \
     extern "C" __global__ void __launch_bounds__(32 * W) NAME(                                  \
         const bf16* q, const void* kc, const void* vc, const float* ksc, const float* vsc,      \
         const int* pos, const int* tile_seq, const int* tile_q0, const int* tile_qn,            \
         const int* block_tables, const int* meta, float* part_acc, float* part_ml, bf16* out,   \
         int nh, int nkv, int block_size, float scale, int tile_base, int early_kv,              \
-        int heads_inner) {                                                                      \
+        int heads_inner, int window) {                                                          \
         attention_body<HD, W, KEYS, F8>(q, kc, vc, ksc, vsc, pos, tile_seq, tile_q0, tile_qn,   \
                                         block_tables, meta, part_acc, part_ml, out, nh, nkv,    \
-                                        block_size, scale, tile_base, early_kv, heads_inner);   \
+                                        block_size, scale, tile_base, early_kv, heads_inner,    \
+                                        window);                                                \
     }
 
 ATTENTION_KERNEL(attention_w1_64, 64, 1, MMA_KEYS, false)
@@ -1610,11 +1634,12 @@ ATTENTION_KERNEL(attention_w4_96_f8, 96, 4, MMA_KEYS, true)
 
 // Merges the splits of every (token, head) of the step's tiles: grid (tiles, heads), block hd
 // threads. `pos` gives each token's position, so splits past it (never written in this
-// step) are skipped.
+// step) are skipped, and with a sliding window (window > 0) the splits before its window
+// (which the attention kernel may have left unwritten).
 extern "C" __global__ void attention_combine(const float* part_acc, const float* part_ml,
                                              const int* pos, const int* tile_q0,
                                              const int* tile_qn, const int* meta, bf16* out,
-                                             int nh, int hd, int max_splits) {
+                                             int nh, int hd, int max_splits, int window) {
     // The step buffer is the host's: read before the wait.
     int tile = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
     int q0 = tile_q0[tile], qn = tile_qn[tile];
@@ -1626,7 +1651,8 @@ extern "C" __global__ void attention_combine(const float* part_acc, const float*
     // registers; in split order either way.
     constexpr int CB = COMBINE_BATCH;
     for (int t = q0; t < q0 + qn; t++) {
-        int used = min(nsplit, pos[t] / split_len + 1);
+        const int used = min(nsplit, pos[t] / split_len + 1);
+        const int first = window > 0 ? max(0, pos[t] - window + 1) / split_len : 0;
         long long base = ((long long)t * nh + head) * max_splits;
         float ms[CB], ls[CB], as[CB];
         auto load = [&](int s0, bool all) {
@@ -1642,15 +1668,15 @@ extern "C" __global__ void attention_combine(const float* part_acc, const float*
             }
         };
         float mx = NEG_INF;
-        for (int s0 = 0; s0 < used; s0 += CB) {
-            load(s0, used <= CB);
+        for (int s0 = first; s0 < used; s0 += CB) {
+            load(s0, used - first <= CB);
 #pragma unroll
             for (int j = 0; j < CB; j++) mx = fmaxf(mx, ms[j]);
         }
         float num = 0.f, den = 0.f;
         if (mx != NEG_INF) {
-            for (int s0 = 0; s0 < used; s0 += CB) {
-                if (used > CB) load(s0, true);
+            for (int s0 = first; s0 < used; s0 += CB) {
+                if (used - first > CB) load(s0, true);
 #pragma unroll
                 for (int j = 0; j < CB; j++) {
                     if (ms[j] == NEG_INF) continue;

@@ -42,6 +42,11 @@ by YaRN's attention factor), written as transformers writes it into config.json 
 converter writes it into GGUF (`rope.scaling.type` yarn, `.factor`, `.original_context_length`);
 the outputs are named `{arch}-yarn`.
 
+With `--window N` (Phi-3 only) every layer attends over the last N positions (transformers'
+`sliding_window`: a query at position p sees keys p - N + 1 ..= p), written into config.json and
+as GGUF's `attention.sliding_window`; the outputs are named `{arch}-swa` (the 24-token sequence
+runs far past a window of 7).
+
 Output (in --out, default gpu/tests/fixtures): the directory above as qwen2/ (qwen3/),
 tiny-qwen2.gguf (tiny-qwen3.gguf) beside it (a directory holding one GGUF file loads as that
 file), and qwen2_golden.json (qwen3_golden.json)
@@ -177,10 +182,15 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures"))
     ap.add_argument("--arch", choices=["qwen2", "qwen3", "phi3"], default="qwen2")
     ap.add_argument("--rope", choices=["default", "yarn"], default="default")
+    ap.add_argument("--window", type=int, default=None, help="sliding window (phi3 only)")
     args = ap.parse_args()
     arch = args.arch
+    if args.window is not None and arch != "phi3":
+        raise SystemExit("--window needs --arch phi3")
     # The outputs' name.
     tag = arch if args.rope == "default" else f"{arch}-{args.rope}"
+    if args.window is not None:
+        tag += "-swa"
     hf = os.path.join(args.out, tag)
     os.makedirs(hf, exist_ok=True)
 
@@ -203,7 +213,11 @@ def main() -> None:
     elif arch == "phi3":
         from transformers import Phi3Config as Config, Phi3ForCausalLM as Model
 
-        extra = {"original_max_position_embeddings": PHI3_ORIGINAL, "pad_token_id": 319}
+        extra = {
+            "original_max_position_embeddings": PHI3_ORIGINAL,
+            "pad_token_id": 319,
+            "sliding_window": args.window,
+        }
     else:
         from transformers import Qwen3Config as Config, Qwen3ForCausalLM as Model
 
@@ -349,7 +363,7 @@ def main() -> None:
         w.add_rope_scaling_attn_factors(
             math.sqrt(1 + math.log(PHI3_CONTEXT / PHI3_ORIGINAL) / math.log(PHI3_ORIGINAL))
         )
-        w.add_sliding_window(0)
+        w.add_sliding_window(args.window or 0)
     if args.rope == "yarn":
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(YARN["factor"])

@@ -185,7 +185,7 @@ fn cfg(blocks: usize, graphs: bool) -> CudaBackendConfig {
 // Paged attention.
 
 /// Naive attention over the same bf16-rounded inputs (keys and values as given, unless
-/// `round_kv`), in f64.
+/// `round_kv`), in f64, over each query's sliding window when the shape has one.
 fn naive(
     s: &AttentionShape,
     seqs: &[AttentionSeq],
@@ -212,7 +212,9 @@ fn naive(
         let a = &seqs[i];
         let slot =
             |key: usize| a.table[key / s.block_size] as usize * s.block_size + key % s.block_size;
-        let slots: Vec<usize> = (0..=p).map(slot).collect();
+        // Its window's positions (all of them up to its own without one).
+        let from = s.window.map_or(0, |w| (p + 1).saturating_sub(w));
+        let slots: Vec<usize> = (from..=p).map(slot).collect();
         for h in 0..nh {
             let g = h / group;
             let qv: Vec<f64> = q[(t * nh + h) * hd..][..hd].iter().map(r).collect();
@@ -360,6 +362,55 @@ fn paged_attention_over_an_fp8_cache_matches_naive() {
     attention_cases(true, 6, &[(Some(1), true), (None, true), (Some(3), false)]);
 }
 
+/// A sliding window (`LlamaConfig::sliding_window`): each query attends to its last `window`
+/// positions. Windows shorter than a chunk of keys, spanning several, of one position, and
+/// starting inside a split and past whole splits (the kernel skips the chunks before a tile's
+/// first row's window and leaves splits wholly before it; the combine step reads each token's
+/// splits from its window's on), in decodes, chunked prefill over cached prefixes and whole
+/// prompts, over a bf16 and an fp8 cache.
+#[test]
+fn paged_attention_with_a_sliding_window_matches_naive() {
+    if !gpu() {
+        return;
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(9);
+    for (nh, nkv, hd, bs) in [(9, 3, 64, 16), (32, 8, 128, 16), (12, 4, 96, 8)] {
+        for window in [1, 7, 50, 300] {
+            for (splits, one_warp, fp8) in [
+                (Some(1), true, false),
+                (Some(8), true, false),
+                (None, false, false),
+                (None, true, true),
+            ] {
+                if fp8 && !fp8_gpu() {
+                    continue;
+                }
+                let shape = AttentionShape {
+                    num_heads: nh,
+                    num_kv_heads: nkv,
+                    head_dim: hd,
+                    block_size: bs,
+                    num_blocks: 400,
+                    splits,
+                    one_warp,
+                    fp8_kv: fp8,
+                    window: Some(window),
+                };
+                let decodes: Vec<(usize, usize)> =
+                    (0..6).map(|_| (rng.random_range(0..1200), 1)).collect();
+                check_attention(&mut rng, shape.clone(), &decodes, false);
+                check_attention(
+                    &mut rng,
+                    shape.clone(),
+                    &[(37, 40), (200, 9), (0, 1), (0, 70)],
+                    true,
+                );
+                check_attention(&mut rng, shape, &[(0, 128), (0, 600), (64, 64)], false);
+            }
+        }
+    }
+}
+
 /// `rope_store_kv_f8` writes each (token, KV head) vector of keys and values as `fp8_quant_rows`
 /// quantizes a row, from exactly the values `rope_store_kv` stores in a bf16 cache, and Q as it
 /// does.
@@ -428,6 +479,7 @@ fn attention_cases(fp8: bool, seed: u64, variants: &[(Option<usize>, bool)]) {
                 splits,
                 one_warp,
                 fp8_kv: fp8,
+                window: None,
             };
             // Decodes at random context lengths.
             let decodes: Vec<(usize, usize)> =
@@ -1808,6 +1860,16 @@ fn a_longrope_scaled_model_matches_the_cpu() {
 #[test]
 fn a_phi3_mini_shaped_model_matches_the_cpu() {
     check_qwen_shape(LlamaConfig::phi3_mini());
+}
+
+/// Qwen2.5-0.5B's shape with a sliding window of 24 positions (as Mistral 7B v0.1's 4,096 or
+/// Phi-3-mini-4k's 2,047, at the test's scale): the 80-token prefill and the decodes after it
+/// attend past the window, on both routes, against the CPU's windowed attention.
+#[test]
+fn a_sliding_window_model_matches_the_cpu() {
+    let mut c = LlamaConfig::qwen25_05b();
+    c.sliding_window = Some(24);
+    check_qwen_shape(c);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -7,7 +7,8 @@
 //! (`--rope yarn`: factor 4 over an original context of 16, the sequence running past it), checks
 //! the scaled frequencies and YaRN's attention factor the same way; a fourth, Phi-3 (`--arch
 //! phi3`: fused projections, LongRoPE over an original context of 16 stretched to 64), its
-//! loader's splitting of the fused matrices and both of LongRoPE's factor lists.
+//! loader's splitting of the fused matrices and both of LongRoPE's factor lists; a fifth, that
+//! Phi-3 with a sliding window of 7 (`--window 7`), sliding-window attention.
 
 use std::path::PathBuf;
 
@@ -348,6 +349,44 @@ fn phi3_checkpoints_give_transformers_logits() {
 #[test]
 fn phi3_gguf_files_give_transformers_logits() {
     check_phi3("tiny-phi3.gguf");
+}
+
+/// Phi-3 with a sliding window of 7 (`--arch phi3 --window 7`: every layer's query attends to
+/// its last 7 positions): transformers' logits for the 24-token sequence, in one step and in
+/// chunks (windows starting inside a chunk and inside a block of the cache), and far off with
+/// full causal attention.
+fn check_phi3_window(name: &str) {
+    let g = golden("phi3-swa");
+    let loaded = load(name);
+    let c = &loaded.config;
+    assert_eq!(
+        (c.sliding_window, c.max_position_embeddings),
+        (Some(7), 64),
+        "{name}"
+    );
+    let tokens = ids(&g["tokens"]);
+    let mut model = LlamaModel::from_weights(c, &loaded.weights).expect("the model builds");
+    assert_logits(&mut model, &tokens, &g["logits"], name);
+    let full = LlamaConfig {
+        sliding_window: None,
+        ..c.clone()
+    };
+    let wrong = LlamaModel::from_weights(&full, &loaded.weights).expect("the model builds");
+    let (worst, _) = compare(&logits(&wrong, &tokens, &[tokens.len()]), &g["logits"]);
+    assert!(
+        worst > 0.1,
+        "{name} without its window: max |Δ logit| only {worst}"
+    );
+}
+
+#[test]
+fn phi3_checkpoints_with_a_sliding_window_give_transformers_logits() {
+    check_phi3_window("phi3-swa");
+}
+
+#[test]
+fn phi3_gguf_files_with_a_sliding_window_give_transformers_logits() {
+    check_phi3_window("tiny-phi3-swa.gguf");
 }
 
 #[test]

@@ -1,7 +1,8 @@
 //! Grouped-query attention (Ainslie et al. 2023) over the paged KV cache: each query token
 //! attends causally to every cached position of its sequence up to its own (earlier chunks,
-//! prefix-cache hits and the tokens of its own chunk written just before), walking the
-//! sequence's block table as PagedAttention does.
+//! prefix-cache hits and the tokens of its own chunk written just before), or with a sliding
+//! window to the last `window` of them, walking the sequence's block table as PagedAttention
+//! does.
 
 use rayon::prelude::*;
 
@@ -34,7 +35,10 @@ pub fn attention(
         queries,
         tables,
         num_heads,
+        window,
     } = *batch;
+    // The first position a query at `pos` attends to.
+    let first = |pos: usize| window.map_or(0, |w| (pos + 1).saturating_sub(w));
     let hd = cache.head_dim;
     let width = queries.len() * num_heads * hd;
     assert!(
@@ -65,6 +69,7 @@ pub fn attention(
                     cache,
                     kv_head: h,
                     table: tables[qp.seq],
+                    first: first(qp.pos),
                     ctx: qp.pos + 1,
                 };
                 // SAFETY: the caller checked that the CPU supports AVX-512; shapes checked above.
@@ -87,6 +92,7 @@ pub fn attention(
             cache,
             kv_head: h / group,
             table: tables[qp.seq],
+            first: first(qp.pos),
             ctx: qp.pos + 1,
         };
         match isa {
@@ -110,6 +116,8 @@ pub struct AttentionBatch<'a> {
     pub tables: &'a [&'a [u32]],
     /// Query heads per token.
     pub num_heads: usize,
+    /// Sliding window: each query attends to its last `window` positions (its own included).
+    pub window: Option<usize>,
 }
 
 /// One query head of one token; query head `h` reads KV head `h / group` (as transformers'
@@ -119,7 +127,28 @@ struct HeadJob<'a> {
     cache: &'a KvCache,
     kv_head: usize,
     table: &'a [u32],
+    /// The first position attended to (0, or the sliding window's start).
+    first: usize,
+    /// One past the last position attended to (the query's own).
     ctx: usize,
+}
+
+impl HeadJob<'_> {
+    /// Blocks holding attended positions: (index in the table, block, first slot attended,
+    /// slots up to the last attended one).
+    fn blocks(&self) -> impl Iterator<Item = (usize, usize, usize, usize)> + '_ {
+        let bs = self.cache.block_size;
+        let lo = self.first / bs;
+        self.table
+            .iter()
+            .enumerate()
+            .take(self.ctx.div_ceil(bs))
+            .skip(lo)
+            .map(move |(bi, &block)| {
+                let from = if bi == lo { self.first - bi * bs } else { 0 };
+                (bi, block as usize, from, bs.min(self.ctx - bi * bs))
+            })
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -129,7 +158,7 @@ unsafe fn attend_avx512(job: &HeadJob<'_>, q: &[f32], out: &mut [f32]) {
     if c.block_size.is_multiple_of(L) && matches!(c.head_dim, 64 | 96 | 128) {
         let mut scores = vec![0f32; job.ctx];
         x86::scores(job, q, &mut scores);
-        let inv = softmax_unnormalised(&mut scores);
+        let inv = softmax_unnormalised(&mut scores[job.first..]);
         match c.head_dim {
             64 => x86::weighted_values::<4>(job, &scores, inv, out),
             96 => x86::weighted_values::<6>(job, &scores, inv, out),
@@ -147,7 +176,7 @@ unsafe fn attend_avx2(job: &HeadJob<'_>, q: &[f32], out: &mut [f32]) {
     if c.block_size.is_multiple_of(x86::L8) && c.head_dim.is_multiple_of(32) {
         let mut scores = vec![0f32; job.ctx];
         x86::scores_avx2(job, q, &mut scores);
-        let inv = softmax_unnormalised(&mut scores);
+        let inv = softmax_unnormalised(&mut scores[job.first..]);
         // 64 dimensions per pass over the values, then the last 32 (heads of 96).
         let mut d0 = 0;
         while d0 + 64 <= c.head_dim {
@@ -189,12 +218,15 @@ fn attend(job: &HeadJob<'_>, q: &[f32], out: &mut [f32]) {
     let c = job.cache;
     let (hd, bs, ctx) = (c.head_dim, c.block_size, job.ctx);
     let scale = 1.0 / (hd as f32).sqrt();
+    // Indexed by position; those before the window's first are left out.
     let mut scores = vec![0f32; ctx];
-    let blocks = ctx.div_ceil(bs);
-    for (bi, &block) in job.table.iter().take(blocks).enumerate() {
-        let n = bs.min(ctx - bi * bs);
-        let kt = c.keys(job.layer, block as usize, job.kv_head);
-        for (j, s) in scores[bi * bs..bi * bs + n].iter_mut().enumerate() {
+    for (bi, block, from, n) in job.blocks() {
+        let kt = c.keys(job.layer, block, job.kv_head);
+        for (j, s) in scores[bi * bs..bi * bs + n]
+            .iter_mut()
+            .enumerate()
+            .skip(from)
+        {
             let dot: f32 = q
                 .iter()
                 .enumerate()
@@ -203,12 +235,11 @@ fn attend(job: &HeadJob<'_>, q: &[f32], out: &mut [f32]) {
             *s = dot * scale;
         }
     }
-    let inv = softmax_unnormalised(&mut scores);
+    let inv = softmax_unnormalised(&mut scores[job.first..]);
     out.fill(0.0);
-    for (bi, &block) in job.table.iter().take(blocks).enumerate() {
-        let n = bs.min(ctx - bi * bs);
-        let vb = c.values(job.layer, block as usize, job.kv_head);
-        for (j, &p) in scores[bi * bs..bi * bs + n].iter().enumerate() {
+    for (bi, block, from, n) in job.blocks() {
+        let vb = c.values(job.layer, block, job.kv_head);
+        for (j, &p) in scores[bi * bs..bi * bs + n].iter().enumerate().skip(from) {
             for (o, &v) in out.iter_mut().zip(&vb[j * hd..(j + 1) * hd]) {
                 *o += p * inv * v.to_f32();
             }
@@ -234,12 +265,12 @@ mod x86 {
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn scores(job: &HeadJob<'_>, q: &[f32], scores: &mut [f32]) {
         let c = job.cache;
-        let (hd, bs, ctx) = (c.head_dim, c.block_size, job.ctx);
+        let (hd, bs) = (c.head_dim, c.block_size);
         let scale = _mm512_set1_ps(1.0 / (hd as f32).sqrt());
         let mut lanes = [0f32; L];
-        for (bi, &block) in job.table.iter().take(ctx.div_ceil(bs)).enumerate() {
-            let n = bs.min(ctx - bi * bs);
-            let kt = c.keys(job.layer, block as usize, job.kv_head).as_ptr();
+        // Whole blocks: the slots before the window's first are scored and left unused.
+        for (bi, block, _, n) in job.blocks() {
+            let kt = c.keys(job.layer, block, job.kv_head).as_ptr();
             for j0 in (0..n).step_by(L) {
                 let mut acc = [_mm512_setzero_ps(); 4];
                 for d0 in (0..hd).step_by(4) {
@@ -271,10 +302,9 @@ mod x86 {
         let scale = _mm512_set1_ps(1.0 / (HD as f32).sqrt());
         let mut scores = vec![0f32; G * ctx];
         let mut lanes = [0f32; L];
-        let blocks = ctx.div_ceil(bs);
-        for (bi, &block) in job.table.iter().take(blocks).enumerate() {
-            let n = bs.min(ctx - bi * bs);
-            let kt = c.keys(job.layer, block as usize, job.kv_head).as_ptr();
+        // Whole blocks: the slots before the window's first are scored and left unused.
+        for (bi, block, _, n) in job.blocks() {
+            let kt = c.keys(job.layer, block, job.kv_head).as_ptr();
             for j0 in (0..n).step_by(L) {
                 let mut acc = [[_mm512_setzero_ps(); 2]; G];
                 for d0 in (0..HD).step_by(2) {
@@ -303,13 +333,12 @@ mod x86 {
         }
         let mut inv = [0f32; G];
         for (g, i) in inv.iter_mut().enumerate() {
-            *i = super::softmax_unnormalised(&mut scores[g * ctx..(g + 1) * ctx]);
+            *i = super::softmax_unnormalised(&mut scores[g * ctx + job.first..(g + 1) * ctx]);
         }
         let mut acc = [[_mm512_setzero_ps(); 4]; G];
-        for (bi, &block) in job.table.iter().take(blocks).enumerate() {
-            let n = bs.min(ctx - bi * bs);
-            let vb = c.values(job.layer, block as usize, job.kv_head).as_ptr();
-            for j in 0..n {
+        for (bi, block, from, n) in job.blocks() {
+            let vb = c.values(job.layer, block, job.kv_head).as_ptr();
+            for j in from..n {
                 let v = [0, 1, 2, 3].map(|ci| load16(vb.add(j * HD + ci * L)));
                 for (g, a) in acc.iter_mut().enumerate() {
                     let p = _mm512_set1_ps(*scores.get_unchecked(g * ctx + bi * bs + j));
@@ -341,12 +370,12 @@ mod x86 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn scores_avx2(job: &HeadJob<'_>, q: &[f32], scores: &mut [f32]) {
         let c = job.cache;
-        let (hd, bs, ctx) = (c.head_dim, c.block_size, job.ctx);
+        let (hd, bs) = (c.head_dim, c.block_size);
         let scale = _mm256_set1_ps(1.0 / (hd as f32).sqrt());
         let mut lanes = [0f32; L8];
-        for (bi, &block) in job.table.iter().take(ctx.div_ceil(bs)).enumerate() {
-            let n = bs.min(ctx - bi * bs);
-            let kt = c.keys(job.layer, block as usize, job.kv_head).as_ptr();
+        // Whole blocks: the slots before the window's first are scored and left unused.
+        for (bi, block, _, n) in job.blocks() {
+            let kt = c.keys(job.layer, block, job.kv_head).as_ptr();
             for j0 in (0..n).step_by(L8) {
                 let mut acc = [_mm256_setzero_ps(); 4];
                 for d0 in (0..hd).step_by(4) {
@@ -377,10 +406,9 @@ mod x86 {
         let c = job.cache;
         let (hd, bs) = (c.head_dim, c.block_size);
         let mut acc = [_mm256_setzero_ps(); C];
-        for (bi, &block) in job.table.iter().take(job.ctx.div_ceil(bs)).enumerate() {
-            let n = bs.min(job.ctx - bi * bs);
-            let vb = c.values(job.layer, block as usize, job.kv_head).as_ptr();
-            for j in 0..n {
+        for (bi, block, from, n) in job.blocks() {
+            let vb = c.values(job.layer, block, job.kv_head).as_ptr();
+            for j in from..n {
                 let pj = _mm256_set1_ps(p[bi * bs + j]);
                 for (ci, a) in acc.iter_mut().enumerate() {
                     *a = _mm256_fmadd_ps(pj, load8(vb.add(j * hd + d0 + ci * L8)), *a);
@@ -404,10 +432,9 @@ mod x86 {
         let c = job.cache;
         let (hd, bs) = (c.head_dim, c.block_size);
         let mut acc = [_mm512_setzero_ps(); C];
-        for (bi, &block) in job.table.iter().take(job.ctx.div_ceil(bs)).enumerate() {
-            let n = bs.min(job.ctx - bi * bs);
-            let vb = c.values(job.layer, block as usize, job.kv_head).as_ptr();
-            for j in 0..n {
+        for (bi, block, from, n) in job.blocks() {
+            let vb = c.values(job.layer, block, job.kv_head).as_ptr();
+            for j in from..n {
                 let pj = _mm512_set1_ps(p[bi * bs + j]);
                 for (ci, a) in acc.iter_mut().enumerate() {
                     *a = _mm512_fmadd_ps(pj, load16(vb.add(j * hd + ci * L)), *a);
@@ -434,6 +461,7 @@ mod tests {
             queries,
             tables,
             num_heads: 1,
+            window: None,
         }
     }
 
@@ -450,6 +478,7 @@ mod tests {
             queries: &queries,
             tables: &[&table],
             num_heads: 4,
+            window: None,
         };
         let q = vec![0.1f32; 4 * hd];
         let mut out = vec![0f32; 3 * hd];
@@ -485,6 +514,7 @@ mod tests {
             queries: &queries,
             tables: &[&table],
             num_heads: nh,
+            window: None,
         };
         let mut fast = vec![0f32; 2 * nh * hd];
         let mut plain = vec![0f32; 2 * nh * hd];
@@ -492,6 +522,84 @@ mod tests {
         attention(0, &q, &cache, &batch, &mut plain, Isa::Scalar);
         for (i, (a, b)) in fast.iter().zip(&plain).enumerate() {
             assert!((a - b).abs() < 1e-5, "{i}: {a} vs {b}");
+        }
+    }
+
+    /// A sliding window: each query attends to its last `window` positions only, on every
+    /// path (the grouped AVX-512 one at 64 dimensions and 3 heads per KV head, the one-head
+    /// vector loops at 96 and 128, AVX2 at 32, the plain loops for 8-slot blocks under
+    /// AVX-512 and odd block sizes), against a dense softmax over those positions; windows
+    /// starting inside a block, on a block's first slot, of one position and past the start.
+    #[test]
+    fn a_sliding_window_attends_to_the_last_positions_only() {
+        for (hd, bs, group) in [
+            (64, 16, 3),
+            (96, 16, 1),
+            (128, 16, 2),
+            (32, 8, 1),
+            (64, 5, 2),
+        ] {
+            let (kvh, ctx) = (2, 70);
+            let nh = kvh * group;
+            let mut cache = KvCache::new(1, 32, bs, kvh, hd).unwrap();
+            let table: Vec<u32> = (0..32).rev().collect();
+            let key = |i: usize, d: usize| h(((i * 7 + d * 3) % 17) as f32 * 0.08 - 0.6);
+            let val = |i: usize, d: usize| h(((i * 5 + d) % 13) as f32 * 0.2 - 1.0);
+            for i in 0..ctx {
+                let k: Vec<f32> = (0..kvh * hd).map(|d| key(i, d)).collect();
+                let v: Vec<f32> = (0..kvh * hd).map(|d| val(i, d)).collect();
+                cache.write(0, table[i / bs] as usize, i % bs, &k, &v);
+            }
+            let positions = [ctx - 1, 40, 16, 3, 0];
+            let queries: Vec<QueryPos> = positions
+                .iter()
+                .map(|&pos| QueryPos { pos, seq: 0 })
+                .collect();
+            let q: Vec<f32> = (0..positions.len() * nh * hd)
+                .map(|i| (i as f32 * 0.37).sin())
+                .collect();
+            for window in [1, 16, 17, 33, 69] {
+                for isa in [Isa::Avx512Vnni, Isa::Avx2, Isa::Scalar] {
+                    let batch = AttentionBatch {
+                        queries: &queries,
+                        tables: &[&table],
+                        num_heads: nh,
+                        window: Some(window),
+                    };
+                    let mut out = vec![0f32; q.len()];
+                    attention(0, &q, &cache, &batch, &mut out, isa);
+                    for (t, &pos) in positions.iter().enumerate() {
+                        for head in 0..nh {
+                            let kv = head / group;
+                            let at = (t * nh + head) * hd;
+                            let qh = &q[at..at + hd];
+                            let keys = (pos + 1).saturating_sub(window)..=pos;
+                            let logits: Vec<f32> = keys
+                                .clone()
+                                .map(|i| {
+                                    (0..hd).map(|d| qh[d] * key(i, kv * hd + d)).sum::<f32>()
+                                        / (hd as f32).sqrt()
+                                })
+                                .collect();
+                            let m = logits.iter().cloned().fold(f32::MIN, f32::max);
+                            let z: f32 = logits.iter().map(|l| (l - m).exp()).sum();
+                            for d in 0..hd {
+                                let want: f32 = keys
+                                    .clone()
+                                    .zip(&logits)
+                                    .map(|(i, l)| (l - m).exp() / z * val(i, kv * hd + d))
+                                    .sum();
+                                let got = out[at + d];
+                                assert!(
+                                    (got - want).abs() < 1e-4,
+                                    "{isa:?} hd {hd} bs {bs} group {group} window {window} \
+                                     pos {pos} head {head} d {d}: {got} vs {want}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
         }
     }
 
@@ -580,6 +688,7 @@ mod tests {
                 queries: &queries,
                 tables: &[&table],
                 num_heads: 2,
+                window: None,
             };
             attention(0, &q, &cache, &batch, &mut out, isa);
             for g in 0..2 {

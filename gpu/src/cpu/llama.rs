@@ -336,6 +336,7 @@ impl LlamaModel {
             queries: step.queries,
             tables: step.tables,
             num_heads: c.num_heads,
+            window: c.sliding_window,
         };
         // Each token's adapter (empty when the step has none).
         let row_adapter: Vec<Option<&LoraAdapter>> = if step.adapters.iter().any(|a| a.is_some()) {

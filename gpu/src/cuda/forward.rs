@@ -692,6 +692,7 @@ pub(crate) fn enqueue(
             (nh, nkv, hd),
             block_size,
             c.attention_scale(),
+            c.sliding_window,
         )?;
         // The output projection adds onto the residual stream (beta = 1, f32).
         let epi = pre(o_in, li, o_parts, (GemvInput::Bf16(b.att.ptr()), qw, qw))?;
@@ -888,7 +889,8 @@ pub(crate) const EARLY_KV_MAX_TOKENS: usize = 8;
 
 /// One layer's paged attention: the one-warp kernel over the small tiles and the four-warp
 /// kernel over the others, each split `z` ways along the keys, then the combine step when
-/// `z > 1`. `scale` multiplies the logits (`LlamaConfig::attention_scale`).
+/// `z > 1`. `scale` multiplies the logits (`LlamaConfig::attention_scale`); `window`, a
+/// sliding window (`LlamaConfig::sliding_window`).
 pub(crate) fn attention(
     gpu: &Gpu,
     io: &AttentionIo,
@@ -896,6 +898,7 @@ pub(crate) fn attention(
     (nh, nkv, hd): (usize, usize, usize),
     block_size: usize,
     scale: f32,
+    window: Option<usize>,
 ) -> Result<(), GpuError> {
     let k = &gpu.k;
     let which = super::device::attention_kernel_index(hd).ok_or_else(|| {
@@ -951,6 +954,7 @@ pub(crate) fn attention(
                     i32v(first),
                     Arg::I32((l.early_kv && gpu.early_kv) as i32),
                     Arg::I32(gpu.att_heads_inner as i32),
+                    i32v(window.unwrap_or(0)),
                 ],
             )
         })?;
@@ -972,6 +976,7 @@ pub(crate) fn attention(
                     i32v(nh),
                     i32v(hd),
                     i32v(l.z),
+                    i32v(window.unwrap_or(0)),
                 ],
             )
         })?;

@@ -41,6 +41,8 @@ pub struct AttentionShape {
     /// An fp8 cache (`kv_cache_dtype: fp8`): each (slot, KV head) vector quantized by the
     /// backend's kernel (e4m3, a scale per vector).
     pub fp8_kv: bool,
+    /// A sliding window: each query attends to its last `window` positions.
+    pub window: Option<usize>,
 }
 
 /// What [`paged_attention`] returns: the output `[tokens, heads, head_dim]` and, over an fp8
@@ -161,6 +163,7 @@ pub fn paged_attention(
         (nh, nkv, hd),
         s.block_size,
         1.0 / (hd as f32).sqrt(),
+        s.window,
     )?;
     let mut o = vec![bf16::ZERO; t * nh * hd];
     gpu.download(&mut o, out.ptr())?;

@@ -53,6 +53,11 @@ pub struct LlamaConfig {
     pub rope_style: RopeStyle,
     /// Context window.
     pub max_position_embeddings: usize,
+    /// Sliding-window attention: every layer's query at position `p` attends to the keys at
+    /// positions `p - w + 1 ..= p` only (transformers' `sliding_window`, Mistral 7B v0.1's
+    /// 4,096 and Phi-3-mini-4k's 2,047); `None` for full causal attention. Set only when
+    /// shorter than the context (where it is shorter than every sequence it is the same).
+    pub sliding_window: Option<usize>,
     /// Whether the output projection reuses the token embedding.
     pub tie_word_embeddings: bool,
     /// Whether the Q, K and V projections add a bias (Qwen2).
@@ -92,6 +97,7 @@ impl LlamaConfig {
             rope_scaling: None,
             rope_style: RopeStyle::Interleaved,
             max_position_embeddings: 8192,
+            sliding_window: None,
             tie_word_embeddings: true,
             qkv_bias: false,
             qk_norm: false,
@@ -115,6 +121,7 @@ impl LlamaConfig {
             rope_scaling: None,
             rope_style: RopeStyle::Halves,
             max_position_embeddings: 8192,
+            sliding_window: None,
             tie_word_embeddings: false,
             qkv_bias: false,
             qk_norm: false,
@@ -138,6 +145,7 @@ impl LlamaConfig {
             rope_scaling: None,
             rope_style: RopeStyle::Halves,
             max_position_embeddings: 32_768,
+            sliding_window: None,
             tie_word_embeddings: true,
             qkv_bias: true,
             qk_norm: false,
@@ -162,6 +170,7 @@ impl LlamaConfig {
             rope_scaling: None,
             rope_style: RopeStyle::Halves,
             max_position_embeddings: 40_960,
+            sliding_window: None,
             tie_word_embeddings: true,
             qkv_bias: false,
             qk_norm: true,
@@ -171,8 +180,8 @@ impl LlamaConfig {
     }
 
     /// Microsoft Phi-3-mini-4k(-instruct) with its projections split as the loader splits them
-    /// (halves RoPE; 32 heads of 96 dimensions, no grouping; its sliding window of 2,047 caps
-    /// the context, as the loader caps it).
+    /// (halves RoPE; 32 heads of 96 dimensions, no grouping; a sliding window of 2,047 over a
+    /// context of 4,096).
     pub fn phi3_mini() -> Self {
         LlamaConfig {
             num_layers: 32,
@@ -186,7 +195,8 @@ impl LlamaConfig {
             rope_theta: 10_000.0,
             rope_scaling: None,
             rope_style: RopeStyle::Halves,
-            max_position_embeddings: 2047,
+            max_position_embeddings: 4096,
+            sliding_window: Some(2047),
             tie_word_embeddings: false,
             qkv_bias: false,
             qk_norm: false,
@@ -280,6 +290,14 @@ impl LlamaConfig {
                         l.pairs, self.head_dim
                     ));
                 }
+            }
+        }
+        if let Some(w) = self.sliding_window {
+            if w == 0 || w >= self.max_position_embeddings {
+                return bad(format!(
+                    "sliding_window {w} is outside 1..{}",
+                    self.max_position_embeddings
+                ));
             }
         }
         if self.eos_token_ids.len() > MAX_EOS_IDS {
@@ -386,6 +404,7 @@ impl LlamaConfig {
             ),
             _ => None,
         };
+        let context = scaled_context(stated_context, rope_scaling.as_ref());
         let mut eos_token_ids = match c.eos_token_id {
             Some(IdOrIds::One(i)) => vec![i],
             Some(IdOrIds::Many(v)) => v,
@@ -408,10 +427,8 @@ impl LlamaConfig {
             rope_theta: rope_theta.unwrap_or(10_000.0),
             rope_scaling: rope_scaling.clone(),
             rope_style: RopeStyle::Halves,
-            max_position_embeddings: capped_at_window(
-                scaled_context(stated_context, rope_scaling.as_ref()),
-                window,
-            )?,
+            max_position_embeddings: context,
+            sliding_window: window_within(window, context),
             tie_word_embeddings: c.tie_word_embeddings.unwrap_or(false),
             qkv_bias: qwen2,
             qk_norm: qwen3,
@@ -479,6 +496,7 @@ impl LlamaConfig {
         }
         let stated_context = h.get_usize(&key("context_length")).unwrap_or(2048);
         let rope_scaling = rope::from_gguf(h, arch, stated_context)?;
+        let context = scaled_context(stated_context, rope_scaling.as_ref());
         let token_id = |k: &str| {
             h.get_usize(k)
                 .map(|v| {
@@ -517,13 +535,14 @@ impl LlamaConfig {
             } else {
                 RopeStyle::Interleaved
             },
+            max_position_embeddings: context,
             // A window on a Llama-family file (Qwen2's is only used with its
             // `use_sliding_window`, which GGUF does not record).
-            max_position_embeddings: capped_at_window(
-                scaled_context(stated_context, rope_scaling.as_ref()),
+            sliding_window: window_within(
                 h.get_usize(&key("attention.sliding_window"))
                     .filter(|_| !(qwen2 || qwen3)),
-            )?,
+                context,
+            ),
             // GGUF files omit `output.weight` when the embedding is tied.
             tie_word_embeddings: !h.tensors.iter().any(|t| t.name == "output.weight"),
             // Qwen2's files hold `blk.N.attn_{q,k,v}.bias` (checked with the weights).
@@ -556,23 +575,11 @@ fn scaled_context(stated: usize, scaling: Option<&RopeScaling>) -> usize {
     context
 }
 
-/// The context of a model whose every layer attends over the last `window` tokens: within
-/// the window that is full causal attention, which both backends run, so the context stops
-/// there (sliding-window attention is not implemented). A window of 0 is none (llama.cpp
-/// writes 0 for none).
-fn capped_at_window(context: usize, window: Option<usize>) -> Result<usize, GpuError> {
-    match window {
-        Some(w) if w > 0 && w < context => {
-            tracing::warn!(
-                window = w,
-                context,
-                "the model attends over a sliding window, which Switchyard does not implement: \
-                 its context is capped at the window"
-            );
-            Ok(w)
-        }
-        _ => Ok(context),
-    }
+/// The sliding window of a model whose every layer attends over the last `window` tokens, if
+/// it is shorter than the context (a longer one never applies). A window of 0 is none
+/// (llama.cpp writes 0 for none).
+fn window_within(window: Option<usize>, context: usize) -> Option<usize> {
+    window.filter(|&w| w > 0 && w < context)
 }
 
 /// The subset of a Hugging Face `config.json` this crate reads.
@@ -654,23 +661,23 @@ mod tests {
         assert!(c.tie_word_embeddings);
         assert_eq!((c.bos_token_id, c.eos_token_ids), (Some(1), vec![2]));
         assert_eq!(c.max_position_embeddings, 256);
-        // A sliding window shorter than the context caps it.
+        assert_eq!(c.sliding_window, None);
+        // A sliding window shorter than the context.
         let mut windowed = w.clone();
         windowed.u32("llama.attention.sliding_window", 64);
         let h =
             crate::model::gguf::parse_header(&windowed.build(), std::path::Path::new("t")).unwrap();
+        let c = LlamaConfig::from_gguf(&h).unwrap();
         assert_eq!(
-            LlamaConfig::from_gguf(&h).unwrap().max_position_embeddings,
-            64
+            (c.sliding_window, c.max_position_embeddings),
+            (Some(64), 256)
         );
         // llama.cpp writes 0 for no window.
         let mut none = w.clone();
         none.u32("llama.attention.sliding_window", 0);
         let h = crate::model::gguf::parse_header(&none.build(), std::path::Path::new("t")).unwrap();
-        assert_eq!(
-            LlamaConfig::from_gguf(&h).unwrap().max_position_embeddings,
-            256
-        );
+        let c = LlamaConfig::from_gguf(&h).unwrap();
+        assert_eq!((c.sliding_window, c.max_position_embeddings), (None, 256));
 
         // A bias no Llama adds: refused, not ignored.
         let mut biased = w.clone();
@@ -741,46 +748,47 @@ mod tests {
     }
 
     #[test]
-    fn mistral_sliding_windows_cap_the_context() {
+    fn mistral_configs_read_their_sliding_windows() {
         // Mistral 7B v0.1's config.json (the fields this reader takes).
         let v01 = r#"{"model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336,
             "max_position_embeddings": 32768, "num_attention_heads": 32,
             "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
             "rope_theta": 10000.0, "sliding_window": 4096, "vocab_size": 32000}"#;
+        // (window, context)
         let window = |json: &str| {
-            LlamaConfig::from_hf_json(json)
-                .unwrap()
-                .max_position_embeddings
+            let c = LlamaConfig::from_hf_json(json).unwrap();
+            (c.sliding_window, c.max_position_embeddings)
         };
-        assert_eq!(window(v01), 4096);
+        assert_eq!(window(v01), (Some(4096), 32768));
         // v0.2 and later: no window.
         assert_eq!(
             window(&v01.replace("window\": 4096", "window\": null")),
-            32768
+            (None, 32768)
         );
         // Absent: transformers' default window.
-        assert_eq!(window(&v01.replace(r#""sliding_window": 4096,"#, "")), 4096);
+        assert_eq!(
+            window(&v01.replace(r#""sliding_window": 4096,"#, "")),
+            (Some(4096), 32768)
+        );
         // A window at least the context changes nothing.
         assert_eq!(
             window(&v01.replace("window\": 4096", "window\": 65536")),
-            32768
+            (None, 32768)
         );
-        assert_eq!(window(&v01.replace("window\": 4096", "window\": 0")), 32768);
+        assert_eq!(
+            window(&v01.replace("window\": 4096", "window\": 0")),
+            (None, 32768)
+        );
         assert!(LlamaConfig::from_hf_json(&v01.replace("window\": 4096", "window\": -1")).is_err());
         // Other architectures' windows are not read at all.
         let llama = v01.replace("mistral", "llama");
         assert_eq!(
             window(&llama.replace("window\": 4096", "window\": \"x\"")),
-            32768
+            (None, 32768)
         );
         // Llama and Qwen2 configs carry no window of their own.
-        assert_eq!(window(&v01.replace("mistral", "llama")), 32768);
-        assert_eq!(
-            LlamaConfig::from_hf_json(QWEN25_05B)
-                .unwrap()
-                .max_position_embeddings,
-            32768
-        );
+        assert_eq!(window(&v01.replace("mistral", "llama")), (None, 32768));
+        assert_eq!(window(QWEN25_05B), (None, 32768));
     }
 
     #[test]
@@ -845,12 +853,11 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("partial_rotary_factor"), "{e}");
-        let windowed = json("longrope", "").replace("262144", "2047");
+        let windowed =
+            LlamaConfig::from_hf_json(&json("longrope", "").replace("262144", "2047")).unwrap();
         assert_eq!(
-            LlamaConfig::from_hf_json(&windowed)
-                .unwrap()
-                .max_position_embeddings,
-            2047
+            (windowed.sliding_window, windowed.max_position_embeddings),
+            (Some(2047), 131_072)
         );
         // Lists of the wrong length for the heads are refused.
         let short_lists = json("longrope", "").replace(&vec!["2.5"; 48].join(","), "2.5");
