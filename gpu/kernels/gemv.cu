@@ -126,8 +126,9 @@ __device__ __forceinline__ uint4 gemv_norm_piece(const float* __restrict__ xr,
 }
 
 // Where the RoPE variants write (see gemv_rope above): Q [T, nh, hd], the layer's K and V cache
-// [slots, nkv, hd], each token's position and slot, the rotation frequencies, and the head
-// shape; interleaved: pairs (2j, 2j + 1) rather than (j, j + hd / 2).
+// [slots, nkv, hd], each token's position and slot, the rotation frequencies (then the pairs'
+// amplitudes: rope_apply), and the head shape; interleaved: pairs (2j, 2j + 1) rather than
+// (j, j + hd / 2).
 struct GemvRope {
     bf16* q;
     bf16* kc;
@@ -149,7 +150,7 @@ __device__ __forceinline__ void gemv_rope_out(const GemvRope& r, int t, int ra, 
         const int a = r.interleaved ? 2 * j : j;
         const int b = r.interleaved ? 2 * j + 1 : j + r.hd / 2;
         float y0, y1;
-        rope_rotate(v0, v1, (float)r.pos[t], r.inv_freq[j], &y0, &y1);
+        rope_rotate(v0, v1, (float)r.pos[t], r.inv_freq[j], r.inv_freq[r.hd / 2 + j], &y0, &y1);
         bf16* o;
         if (head < r.nh)
             o = r.q + ((u64)t * r.nh + head) * r.hd;

@@ -377,26 +377,30 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, bf16* out, c
 // is 8 rows further).
 __device__ __forceinline__ int rope_pair_row(int j) { return 16 * (j >> 3) + (j & 7); }
 
-// (x0, x1) rotated by the angle whose sine and cosine are s and c, each operation rounded once.
-__device__ __forceinline__ void rope_apply(float x0, float x1, float s, float c, float* y0,
-                                           float* y1) {
-    *y0 = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
-    *y1 = __fadd_rn(__fmul_rn(x1, c), __fmul_rn(x0, s));
+// (x0, x1) rotated by the angle whose sine and cosine are s and c, times am, each operation
+// rounded once. am: the pair's amplitude, the table's second half (inv_freq[hd / 2 + j]): 1
+// (exact), or for a partial rotary embedding with an attention factor (LongRoPE, YaRN) the
+// factor on the rotated pairs and 1 on the others, which the softmax scale then leaves out
+// (`LlamaConfig::attention_scale`).
+__device__ __forceinline__ void rope_apply(float x0, float x1, float s, float c, float am,
+                                           float* y0, float* y1) {
+    *y0 = __fmul_rn(__fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s)), am);
+    *y1 = __fmul_rn(__fadd_rn(__fmul_rn(x1, c), __fmul_rn(x0, s)), am);
 }
 
-// (x0, x1) rotated by the angle pos * freq.
-__device__ __forceinline__ void rope_rotate(float x0, float x1, float pos, float freq, float* y0,
-                                            float* y1) {
+// (x0, x1) rotated by the angle pos * freq, times am.
+__device__ __forceinline__ void rope_rotate(float x0, float x1, float pos, float freq, float am,
+                                            float* y0, float* y1) {
     float s, c;
     sincosf(__fmul_rn(pos, freq), &s, &c);
-    rope_apply(x0, x1, s, c, y0, y1);
+    rope_apply(x0, x1, s, c, am, y0, y1);
 }
 
 // RoPE on the Q and K parts of `qkv` (f32 [T, (nh + 2 nkv) hd], Q and K rows in the permuted
 // order above), Q written to `q` (bf16), K and V written to the cache slots (slot < 0: a padding
 // token, nothing written); q and the cache hold every head in the checkpoint's order. `bias`
 // (null, or f32 [(nh + 2 nkv) hd] in the rows' order: Qwen2's Q, K and V biases) is added to
-// every token's row first.
+// every token's row first. inv_freq: hd / 2 frequencies, then hd / 2 amplitudes (rope_apply).
 // Grid: one block per token. Thread i takes rotation pair j = i % (hd / 2) of every
 // (blockDim.x / (hd / 2))-th head from head i / (hd / 2) on, so it computes the pair's sine
 // and cosine once (rope_rotate's, the same bits) for all heads, and a warp reads whole rows.
@@ -439,7 +443,8 @@ __device__ __forceinline__ void kv_store_f8(const float* row, const float* bias,
                 sincosf(__fmul_rn(p, inv_freq[j]), &sn, &cs);
                 const int r = (nh + head) * hd + rope_pair_row(j);
                 float y0, y1;
-                rope_apply(qkv_at(row, bias, r), qkv_at(row, bias, r + 8), sn, cs, &y0, &y1);
+                rope_apply(qkv_at(row, bias, r), qkv_at(row, bias, r + 8), sn, cs,
+                           inv_freq[half + j], &y0, &y1);
                 x[2 * i] = __bfloat162float(__float2bfloat16(y0));
                 x[2 * i + 1] = __bfloat162float(__float2bfloat16(y1));
                 at[2 * i] = interleaved ? 2 * j : j;
@@ -498,6 +503,7 @@ __device__ __forceinline__ void rope_store_kv_body(const float* qkv, const float
     for (int j = wide ? threadIdx.x % half : threadIdx.x; first < groups && j < half; j += jstep) {
         float sn, cs;
         sincosf(__fmul_rn((float)pos[t], inv_freq[j]), &sn, &cs);
+        const float am = inv_freq[half + j];
         const int a = interleaved ? 2 * j : j;
         const int b = interleaved ? 2 * j + 1 : j + half;
         const int pr = rope_pair_row(j);
@@ -505,7 +511,7 @@ __device__ __forceinline__ void rope_store_kv_body(const float* qkv, const float
         for (int head = first; head < rotated; head += groups) {
             const int r = head * hd + pr;
             float y0, y1;
-            rope_apply(qkv_at(row, bias, r), qkv_at(row, bias, r + 8), sn, cs, &y0, &y1);
+            rope_apply(qkv_at(row, bias, r), qkv_at(row, bias, r + 8), sn, cs, am, &y0, &y1);
             bf16* o;
             if (head < nh)
                 o = q + ((u64)t * nh + head) * hd;

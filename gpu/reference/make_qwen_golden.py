@@ -42,6 +42,11 @@ by YaRN's attention factor), written as transformers writes it into config.json 
 converter writes it into GGUF (`rope.scaling.type` yarn, `.factor`, `.original_context_length`);
 the outputs are named `{arch}-yarn`.
 
+With `--partial F` (Phi-3 only) each head rotates only its first int(16 F) dimensions
+(transformers' `partial_rotary_factor`, Phi-4-mini's 0.75; LongRoPE's lists cut to that many
+pairs), written into config.json and as GGUF's `rope.dimension_count`; the outputs are named
+`{arch}-partial`.
+
 With `--window N` (Phi-3 only) every layer attends over the last N positions (transformers'
 `sliding_window`: a query at position p sees keys p - N + 1 ..= p), written into config.json and
 as GGUF's `attention.sliding_window`; the outputs are named `{arch}-swa` (the 24-token sequence
@@ -183,14 +188,23 @@ def main() -> None:
     ap.add_argument("--arch", choices=["qwen2", "qwen3", "phi3"], default="qwen2")
     ap.add_argument("--rope", choices=["default", "yarn"], default="default")
     ap.add_argument("--window", type=int, default=None, help="sliding window (phi3 only)")
+    ap.add_argument("--partial", type=float, default=None, help="partial rotary factor (phi3 only)")
     args = ap.parse_args()
     arch = args.arch
-    if args.window is not None and arch != "phi3":
-        raise SystemExit("--window needs --arch phi3")
+    if (args.window is not None or args.partial is not None) and arch != "phi3":
+        raise SystemExit("--window and --partial need --arch phi3")
+    head_dim = 16
+    rotary = int(head_dim * args.partial) if args.partial is not None else head_dim
+    rotary_pairs = rotary // 2
+    longrope = {
+        k: (v[: rotary // 2] if isinstance(v, list) else v) for k, v in PHI3_LONGROPE.items()
+    }
     # The outputs' name.
     tag = arch if args.rope == "default" else f"{arch}-{args.rope}"
     if args.window is not None:
         tag += "-swa"
+    if args.partial is not None:
+        tag += "-partial"
     hf = os.path.join(args.out, tag)
     os.makedirs(hf, exist_ok=True)
 
@@ -218,6 +232,7 @@ def main() -> None:
             "pad_token_id": 319,
             "sliding_window": args.window,
         }
+
     else:
         from transformers import Qwen3Config as Config, Qwen3ForCausalLM as Model
 
@@ -227,7 +242,10 @@ def main() -> None:
     extra["rope_theta"] = ROPE_THETA
     if arch == "phi3":
         del extra["rope_theta"]
-        extra["rope_parameters"] = dict(PHI3_LONGROPE, rope_theta=ROPE_THETA)
+        extra["rope_parameters"] = dict(longrope, rope_theta=ROPE_THETA)
+        if args.partial is not None:
+            # transformers 5 reads it from the rope parameters (earlier ones: top level).
+            extra["rope_parameters"]["partial_rotary_factor"] = args.partial
     if args.rope == "yarn":
         if "rope_parameters" in inspect.signature(Config.__init__).parameters:
             # transformers 5: the base and the scaling in one object.
@@ -275,6 +293,7 @@ def main() -> None:
         rotary = model.model.rotary_emb
         if arch == "phi3":
             assert rotary.rope_type == "longrope", rotary.rope_type
+            assert model.model.rotary_emb.inv_freq.numel() == rotary_pairs, model.model.rotary_emb.inv_freq.shape
             want = math.sqrt(1 + math.log(PHI3_CONTEXT / PHI3_ORIGINAL) / math.log(PHI3_ORIGINAL))
             assert abs(rotary.attention_scaling - want) < 1e-6, rotary.attention_scaling
         else:
@@ -358,7 +377,7 @@ def main() -> None:
     if arch == "phi3":
         # llama.cpp's Phi3MiniModel: the rotary dimensions, the original context and the
         # attention factor; the factors are tensors (below).
-        w.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+        w.add_rope_dimension_count(rotary)
         w.add_rope_scaling_orig_ctx_len(PHI3_ORIGINAL)
         w.add_rope_scaling_attn_factors(
             math.sqrt(1 + math.log(PHI3_CONTEXT / PHI3_ORIGINAL) / math.log(PHI3_ORIGINAL))
@@ -412,8 +431,8 @@ def main() -> None:
             arr = arr.astype(np.float16)
         w.add_tensor(out, arr)
     if arch == "phi3":
-        w.add_tensor("rope_factors_long.weight", np.array(PHI3_LONGROPE["long_factor"], dtype=np.float32))
-        w.add_tensor("rope_factors_short.weight", np.array(PHI3_LONGROPE["short_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_long.weight", np.array(longrope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(longrope["short_factor"], dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

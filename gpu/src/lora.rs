@@ -178,7 +178,11 @@ impl LoraPair {
             _ => 0,
         };
         if heads > 0 && c.rope_style == RopeStyle::Interleaved {
-            b = permute_rows_for_gguf(&b, heads, c.head_dim, rank);
+            b = permute_head_rows(&b, heads, &gguf_row_order(c.head_dim), rank);
+        } else if heads > 0 && c.rotary_dim < c.head_dim {
+            // A partial rotary embedding: the loader moved the base rows alike.
+            let order = crate::model::loader::partial_rotary_order(c.head_dim, c.rotary_dim);
+            b = permute_head_rows(&b, heads, &order, rank);
         }
         let out = b.len() / rank;
         let bt = (0..rank)
@@ -423,15 +427,23 @@ fn to_f32(path: &Path, name: &str, dtype: StDtype, data: &[u8]) -> Result<Vec<f3
     Ok(out)
 }
 
-/// Permutes the rows of a q or k `B` (`heads * head_dim` rows of `rank`) from the Hugging Face
-/// layout to llama.cpp's: within each head, row `2i + half` takes HF row `half * d/2 + i`.
-fn permute_rows_for_gguf(b: &[f32], heads: usize, head_dim: usize, rank: usize) -> Vec<f32> {
-    let mut out = vec![0f32; b.len()];
+/// llama.cpp's order of a Q or K head's rows for interleaved RoPE: row `2i + h` holds Hugging
+/// Face's row `h * head_dim / 2 + i`.
+fn gguf_row_order(head_dim: usize) -> Vec<usize> {
     let half = head_dim / 2;
+    (0..head_dim).map(|j| (j % 2) * half + j / 2).collect()
+}
+
+/// `B`'s rows (`heads` heads of `order.len()` rows, `rank` values each) with each head's row
+/// `i` taken from its row `order[i]`, as the base weights' rows are ordered: llama.cpp's for
+/// interleaved RoPE ([`gguf_row_order`]) or a partial rotary embedding's
+/// ([`crate::model::loader::partial_rotary_order`]).
+fn permute_head_rows(b: &[f32], heads: usize, order: &[usize], rank: usize) -> Vec<f32> {
+    let mut out = vec![0f32; b.len()];
+    let hd = order.len();
     for h in 0..heads {
-        for j in 0..head_dim {
-            let src = h * head_dim + (j % 2) * half + j / 2;
-            let dst = h * head_dim + j;
+        for (j, &o) in order.iter().enumerate() {
+            let (src, dst) = (h * hd + o, h * hd + j);
             out[dst * rank..(dst + 1) * rank].copy_from_slice(&b[src * rank..(src + 1) * rank]);
         }
     }
@@ -755,6 +767,7 @@ mod tests {
         c.num_heads = 4;
         c.num_kv_heads = 2;
         c.head_dim = 8;
+        c.rotary_dim = 8;
         c.intermediate_size = 48;
         c.rope_style = style;
         c
@@ -1044,8 +1057,26 @@ mod tests {
         // h*d + 2i + s holds HF row h*d + s*d/2 + i.
         let (heads, d, rank) = (2, 4, 1);
         let b: Vec<f32> = (0..heads * d).map(|i| i as f32).collect();
-        let p = permute_rows_for_gguf(&b, heads, d, rank);
+        let p = permute_head_rows(&b, heads, &gguf_row_order(d), rank);
         assert_eq!(p, vec![0.0, 2.0, 1.0, 3.0, 4.0, 6.0, 5.0, 7.0]);
+    }
+
+    /// A partial rotary embedding (4 of 8 dimensions): the rotated pairs (0, 2) and (1, 3) of
+    /// each head become the halves' pairs (0, 4) and (1, 5), the unrotated dimensions 4 to 7
+    /// the pairs (2, 6) and (3, 7); rank-2 rows move whole.
+    #[test]
+    fn partial_rotary_rows_move_as_the_loader_moves_them() {
+        let order = crate::model::loader::partial_rotary_order(8, 4);
+        assert_eq!(order, vec![0, 1, 4, 5, 2, 3, 6, 7]);
+        let (heads, rank) = (2, 2);
+        let b: Vec<f32> = (0..heads * 8 * rank).map(|i| i as f32).collect();
+        let p = permute_head_rows(&b, heads, &order, rank);
+        for h in 0..heads {
+            for (j, &o) in order.iter().enumerate() {
+                let (dst, src) = ((h * 8 + j) * rank, (h * 8 + o) * rank);
+                assert_eq!(p[dst..dst + rank], b[src..src + rank]);
+            }
+        }
     }
 
     #[test]

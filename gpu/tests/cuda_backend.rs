@@ -1862,6 +1862,31 @@ fn a_phi3_mini_shaped_model_matches_the_cpu() {
     check_qwen_shape(LlamaConfig::phi3_mini());
 }
 
+/// Phi-4-mini's heads at Qwen3-0.6B's width: 128 dimensions of which 96 rotate, LongRoPE over
+/// those 48 pairs with its attention factor (1.19), which the CUDA backend puts on the rotated
+/// pairs (their amplitude) rather than on the softmax scale, since the 32 unrotated dimensions
+/// pass unscaled (the CPU scales only the rotated pairs' cos and sin, as transformers does).
+#[test]
+fn a_partial_rotary_model_matches_the_cpu() {
+    let mut c = LlamaConfig::qwen3_06b();
+    c.qk_norm = false;
+    c.rotary_dim = 96;
+    let pairs = 48;
+    c.rope_scaling = Some(switchyard_gpu::model::RopeScaling::LongRope(
+        switchyard_gpu::model::LongRopeScaling {
+            pairs,
+            short: (0..pairs).map(|i| 1.0 + 0.01 * i as f32).collect(),
+            long: (0..pairs).map(|i| 1.0 + 0.5 * i as f32).collect(),
+            original_max_position_embeddings: 4096,
+            attention_factor: (1.0f32 + 32f32.ln() / 4096f32.ln()).sqrt(),
+            context: 131_072,
+            use_long: true,
+        },
+    ));
+    c.validate().expect("a valid configuration");
+    check_qwen_shape_within(c, 0.12, 0.18);
+}
+
 /// Qwen2.5-0.5B's shape with a sliding window of 24 positions (as Mistral 7B v0.1's 4,096 or
 /// Phi-3-mini-4k's 2,047, at the test's scale): the 80-token prefill and the decodes after it
 /// attend past the window, on both routes, against the CPU's windowed attention.

@@ -8,7 +8,8 @@
 //! the scaled frequencies and YaRN's attention factor the same way; a fourth, Phi-3 (`--arch
 //! phi3`: fused projections, LongRoPE over an original context of 16 stretched to 64), its
 //! loader's splitting of the fused matrices and both of LongRoPE's factor lists; a fifth, that
-//! Phi-3 with a sliding window of 7 (`--window 7`), sliding-window attention.
+//! Phi-3 with a sliding window of 7 (`--window 7`), sliding-window attention; a sixth, Phi-3
+//! rotating half of each head (`--partial 0.5`), partial rotary embeddings.
 
 use std::path::PathBuf;
 
@@ -387,6 +388,57 @@ fn phi3_checkpoints_with_a_sliding_window_give_transformers_logits() {
 #[test]
 fn phi3_gguf_files_with_a_sliding_window_give_transformers_logits() {
     check_phi3_window("tiny-phi3-swa.gguf");
+}
+
+/// Phi-3 rotating half of each head (`--arch phi3 --partial 0.5`: 8 of 16 dimensions, as
+/// Phi-4-mini rotates 96 of 128, LongRoPE's lists of 4 pairs): transformers' logits for the
+/// 24-token sequence (the loader moves the unrotated dimensions of Q and K to the pairs the
+/// backends leave at frequency 0), and far off rotating every dimension.
+fn check_phi3_partial(name: &str) {
+    let g = golden("phi3-partial");
+    let loaded = load(name);
+    let c = &loaded.config;
+    assert_eq!((c.head_dim, c.rotary_dim), (16, 8), "{name}");
+    let Some(RopeScaling::LongRope(l)) = c.rope_scaling.clone() else {
+        panic!("{name}: rope scaling {:?}", c.rope_scaling)
+    };
+    assert_eq!(l.pairs, 4, "{name}");
+    let tokens = ids(&g["tokens"]);
+    let mut model = LlamaModel::from_weights(c, &loaded.weights).expect("the model builds");
+    assert_logits(&mut model, &tokens, &g["logits"], name);
+    // Rotating every dimension (the frequencies of a head of 16, LongRoPE's lists padded).
+    let pad = |v: &[f32]| -> std::sync::Arc<[f32]> {
+        v.iter()
+            .copied()
+            .chain(std::iter::repeat_n(1.0, 4))
+            .collect()
+    };
+    let full = LlamaConfig {
+        rotary_dim: 16,
+        rope_scaling: Some(RopeScaling::LongRope(LongRopeScaling {
+            pairs: 8,
+            short: pad(&l.short),
+            long: pad(&l.long),
+            ..l
+        })),
+        ..c.clone()
+    };
+    let wrong = LlamaModel::from_weights(&full, &loaded.weights).expect("the model builds");
+    let (worst, _) = compare(&logits(&wrong, &tokens, &[tokens.len()]), &g["logits"]);
+    assert!(
+        worst > 0.1,
+        "{name} rotating every dimension: max |Δ logit| only {worst}"
+    );
+}
+
+#[test]
+fn phi3_checkpoints_with_a_partial_rotary_embedding_give_transformers_logits() {
+    check_phi3_partial("phi3-partial");
+}
+
+#[test]
+fn phi3_gguf_files_with_a_partial_rotary_embedding_give_transformers_logits() {
+    check_phi3_partial("tiny-phi3-partial.gguf");
 }
 
 #[test]

@@ -642,6 +642,7 @@ mod tests {
         c.num_heads = 4;
         c.num_kv_heads = 2;
         c.head_dim = 16;
+        c.rotary_dim = 16;
         c.intermediate_size = 96;
         c.vocab_size = 256;
         c

@@ -87,40 +87,52 @@ fn swiglu_body(gate_up: &[f32], n: usize, out: &mut [f32]) {
 /// Rotary embedding frequencies of a model, including Llama 3 scaling.
 #[derive(Clone, Debug)]
 pub struct Rope {
-    /// Inverse frequency of each of the `head_dim / 2` rotated pairs.
+    /// Inverse frequency of each of the `head_dim / 2` pairs: the `rotary_dim / 2` rotated
+    /// ones, then 0 for the pairs a partial rotary embedding leaves as they are (moved there
+    /// by the loader: `LlamaConfig::rotary_dim`).
     pub inv_freq: Vec<f32>,
     /// Which dimensions form a pair.
     pub style: RopeStyle,
     /// Multiplier of cos and sin (YaRN's attention factor; 1 otherwise), as transformers
-    /// applies it.
+    /// applies it: to the rotated pairs only.
     pub scale: f32,
+    /// Pairs rotated (`rotary_dim / 2`); the others keep their values exactly.
+    pub rotated: usize,
 }
 
 impl Rope {
-    /// Frequencies for `cfg` (transformers' `_compute_default_rope_parameters`, in `f32`,
-    /// then its scaling, [`crate::model::rope`]).
+    /// Frequencies for `cfg` (transformers' `_compute_default_rope_parameters` over the
+    /// rotated dimensions, in `f32`, then its scaling, [`crate::model::rope`]).
     pub fn new(cfg: &LlamaConfig) -> Self {
-        let d = cfg.head_dim;
-        let mut inv_freq: Vec<f32> = (0..d / 2)
-            .map(|i| 1.0 / cfg.rope_theta.powf((2 * i) as f32 / d as f32))
+        let r = cfg.rotary_dim.min(cfg.head_dim);
+        let mut inv_freq: Vec<f32> = (0..r / 2)
+            .map(|i| 1.0 / cfg.rope_theta.powf((2 * i) as f32 / r as f32))
             .collect();
         if let Some(s) = &cfg.rope_scaling {
             s.apply(&mut inv_freq, cfg.rope_theta);
         }
+        inv_freq.resize(cfg.head_dim / 2, 0.0);
         Rope {
             inv_freq,
             style: cfg.rope_style,
             scale: cfg.rope_attention_factor(),
+            rotated: r / 2,
         }
     }
 
-    /// Cosines and sines for `pos`, `head_dim / 2` each, written to `cs` as `[cos.., sin..]`.
+    /// Cosines and sines for `pos`, `head_dim / 2` each, written to `cs` as `[cos.., sin..]`
+    /// (1 and 0 for the pairs not rotated).
     pub fn table(&self, pos: usize, cs: &mut [f32]) {
         let h = self.inv_freq.len();
         for (i, &f) in self.inv_freq.iter().enumerate() {
-            let a = pos as f32 * f;
-            cs[i] = a.cos() * self.scale;
-            cs[h + i] = a.sin() * self.scale;
+            let (c, s) = if i < self.rotated {
+                let a = pos as f32 * f;
+                (a.cos() * self.scale, a.sin() * self.scale)
+            } else {
+                (1.0, 0.0)
+            };
+            cs[i] = c;
+            cs[h + i] = s;
         }
     }
 
@@ -179,6 +191,7 @@ mod tests {
     fn cfg(style: RopeStyle) -> LlamaConfig {
         let mut c = LlamaConfig::smollm2_135m();
         c.head_dim = 4;
+        c.rotary_dim = 4;
         c.rope_theta = 100.0;
         c.rope_style = style;
         c
@@ -216,6 +229,7 @@ mod tests {
     fn llama3_scaling_divides_low_frequencies_only() {
         let mut c = cfg(RopeStyle::Halves);
         c.head_dim = 128;
+        c.rotary_dim = 128;
         c.rope_theta = 500_000.0;
         c.rope_scaling = Some(RopeScaling::Llama3(Llama3Scaling {
             factor: 8.0,

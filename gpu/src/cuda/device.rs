@@ -290,7 +290,8 @@ pub(crate) struct RopeOut {
     /// Each token's position (`i32`) and cache slot (`i64`, < 0: none).
     pub pos: u64,
     pub slots: u64,
-    /// The rotation frequencies (`f32`, head_dim / 2).
+    /// The rotation frequencies (`f32`, head_dim / 2), then each pair's amplitude (head_dim
+    /// / 2: `LlamaConfig::rope_amplitudes`).
     pub inv_freq: u64,
     /// (heads, kv heads, head dim).
     pub heads: (usize, usize, usize),

@@ -200,16 +200,18 @@ pub fn rope_store(
     interleaved: bool,
 ) -> Result<RopeStoreRun, GpuError> {
     let t = pos.len();
-    if t == 0 || qkv.len() != t * (nh + 2 * nkv) * hd || !matches!(hd, 64 | 128) {
+    if t == 0 || qkv.len() != t * (nh + 2 * nkv) * hd || !matches!(hd, 64 | 96 | 128) {
         return Err(GpuError::BadBatch("rope check: sizes disagree".into()));
     }
     let gpu = Gpu::open(0)?;
+    // The frequencies, then the pairs' amplitudes (1: a full rotary embedding).
     let inv_freq: Vec<f32> = (0..hd / 2)
         .map(|j| theta.powf(-2.0 * j as f32 / hd as f32))
+        .chain(std::iter::repeat_n(1.0, hd / 2))
         .collect();
     let slots: Vec<i64> = (0..t as i64).collect();
     let up = |bytes: usize| gpu.alloc(bytes);
-    let (qkv_d, pos_d, slots_d, freq_d) = (up(qkv.len() * 4)?, up(t * 4)?, up(t * 8)?, up(hd * 2)?);
+    let (qkv_d, pos_d, slots_d, freq_d) = (up(qkv.len() * 4)?, up(t * 4)?, up(t * 8)?, up(hd * 4)?);
     gpu.upload(qkv_d.ptr(), qkv)?;
     gpu.upload(pos_d.ptr(), pos)?;
     gpu.upload(slots_d.ptr(), &slots)?;

@@ -103,8 +103,13 @@ impl GpuWeights {
     }
 }
 
+/// The RoPE kernels' table: `head_dim / 2` inverse frequencies (0 for the pairs a partial
+/// rotary embedding leaves as they are), then each pair's amplitude: 1, or for a partial rotary
+/// embedding the RoPE scaling's attention factor on the rotated pairs
+/// ([`LlamaConfig::rope_amplitudes`]).
 fn inv_freq(gpu: &Gpu, c: &LlamaConfig) -> Result<DevMem, GpuError> {
-    let f = crate::cpu::ops::Rope::new(c).inv_freq;
+    let mut f = crate::cpu::ops::Rope::new(c).inv_freq;
+    f.extend(c.rope_amplitudes());
     let m = gpu.alloc(f.len() * 4)?;
     gpu.upload(m.ptr(), &f)?;
     gpu.sync()?;

@@ -51,6 +51,14 @@ pub struct LlamaConfig {
     pub rope_scaling: Option<RopeScaling>,
     /// Which dimension pairs RoPE rotates.
     pub rope_style: RopeStyle,
+    /// Dimensions of each query and key head that RoPE rotates: `head_dim`, or fewer for a
+    /// partial rotary embedding (Phi-4-mini: 96 of 128, transformers' `partial_rotary_factor`,
+    /// GGUF's `rope.dimension_count`), which rotates the pairs `(i, i + rotary_dim / 2)` and
+    /// leaves the dimensions from `rotary_dim` on as they are. The loader moves those
+    /// dimensions of the query and key rows to the end of each half of the head, so that the
+    /// backends rotate the usual halves' pairs, the moved ones at frequency 0
+    /// ([`crate::model::loader`]).
+    pub rotary_dim: usize,
     /// Context window.
     pub max_position_embeddings: usize,
     /// Sliding-window attention: every layer's query at position `p` attends to the keys at
@@ -96,6 +104,7 @@ impl LlamaConfig {
             rope_theta: 100_000.0,
             rope_scaling: None,
             rope_style: RopeStyle::Interleaved,
+            rotary_dim: 64,
             max_position_embeddings: 8192,
             sliding_window: None,
             tie_word_embeddings: true,
@@ -120,6 +129,7 @@ impl LlamaConfig {
             rope_theta: 500_000.0,
             rope_scaling: None,
             rope_style: RopeStyle::Halves,
+            rotary_dim: 128,
             max_position_embeddings: 8192,
             sliding_window: None,
             tie_word_embeddings: false,
@@ -144,6 +154,7 @@ impl LlamaConfig {
             rope_theta: 1_000_000.0,
             rope_scaling: None,
             rope_style: RopeStyle::Halves,
+            rotary_dim: 64,
             max_position_embeddings: 32_768,
             sliding_window: None,
             tie_word_embeddings: true,
@@ -169,6 +180,7 @@ impl LlamaConfig {
             rope_theta: 1_000_000.0,
             rope_scaling: None,
             rope_style: RopeStyle::Halves,
+            rotary_dim: 128,
             max_position_embeddings: 40_960,
             sliding_window: None,
             tie_word_embeddings: true,
@@ -195,6 +207,7 @@ impl LlamaConfig {
             rope_theta: 10_000.0,
             rope_scaling: None,
             rope_style: RopeStyle::Halves,
+            rotary_dim: 96,
             max_position_embeddings: 4096,
             sliding_window: Some(2047),
             tie_word_embeddings: false,
@@ -232,10 +245,31 @@ impl LlamaConfig {
 
     /// The softmax scale of attention logits: `1 / sqrt(head_dim)`, times the square of
     /// [`Self::rope_attention_factor`] for a backend that leaves the rotated queries and keys
-    /// unscaled (the same logits as scaling both).
+    /// unscaled (the same logits as scaling both). With a partial rotary embedding the factor
+    /// scales only the rotated dimensions' products, so it stays out of this scale and goes on
+    /// the rotated pairs instead ([`Self::rope_amplitudes`]).
     pub fn attention_scale(&self) -> f32 {
-        let m = self.rope_attention_factor();
+        let m = if self.rotary_dim < self.head_dim {
+            1.0
+        } else {
+            self.rope_attention_factor()
+        };
         m * m / (self.head_dim as f32).sqrt()
+    }
+
+    /// The factor a backend that uses [`Self::attention_scale`] multiplies each rotated pair
+    /// by (`head_dim / 2` of them): 1 throughout, except with a partial rotary embedding,
+    /// where the rotated pairs take [`Self::rope_attention_factor`] (transformers scales cos
+    /// and sin by it, and the unrotated dimensions pass unscaled).
+    pub fn rope_amplitudes(&self) -> Vec<f32> {
+        let m = if self.rotary_dim < self.head_dim {
+            self.rope_attention_factor()
+        } else {
+            1.0
+        };
+        (0..self.head_dim / 2)
+            .map(|i| if i < self.rotary_dim / 2 { m } else { 1.0 })
+            .collect()
     }
 
     /// Checks that the values are consistent and within the loader's safety bounds.
@@ -284,13 +318,25 @@ impl LlamaConfig {
         if let Some(s) = &self.rope_scaling {
             s.validate()?;
             if let RopeScaling::LongRope(l) = s {
-                if l.pairs != self.head_dim / 2 {
+                if l.pairs != self.rotary_dim / 2 {
                     return bad(format!(
-                        "LongRoPE lists of {} factors for heads of {} dimensions",
-                        l.pairs, self.head_dim
+                        "LongRoPE lists of {} factors for {} rotated dimensions",
+                        l.pairs, self.rotary_dim
                     ));
                 }
             }
+        }
+        if self.rotary_dim < 2
+            || self.rotary_dim > self.head_dim
+            || !self.rotary_dim.is_multiple_of(2)
+        {
+            return bad(format!(
+                "rotary_dim {} is not an even count of at most head_dim {}",
+                self.rotary_dim, self.head_dim
+            ));
+        }
+        if self.rotary_dim < self.head_dim && (self.qkv_bias || self.qk_norm) {
+            return bad("a partial rotary embedding with Q and K biases or norms".into());
         }
         if let Some(w) = self.sliding_window {
             if w == 0 || w >= self.max_position_embeddings {
@@ -375,13 +421,28 @@ impl LlamaConfig {
             r.entry("original_max_position_embeddings")
                 .or_insert(serde_json::Value::from(original));
         }
-        // Only part of each head rotated (Phi-4-mini, GPT-NeoX style): no backend does that.
+        // transformers' Qwen3Config defaults to 128 (not hidden / heads).
+        let head_dim = c
+            .head_dim
+            .unwrap_or(if qwen3 { 128 } else { hidden_size / num_heads });
+        // Only part of each head rotated (Phi-4-mini: 0.75): transformers' Phi-3 rotates
+        // int(head_dim * factor) dimensions; its Llama, Mistral and Qwen models rotate all.
         let partial = c
             .partial_rotary_factor
             .or_else(|| rope_object.as_ref()?.get("partial_rotary_factor")?.as_f64());
-        if partial.is_some_and(|p| p != 1.0) {
-            return unsupported("partial_rotary_factor");
-        }
+        let rotary_dim = match partial {
+            None => head_dim,
+            Some(p) if p == 1.0 => head_dim,
+            Some(_) if c.model_type.as_deref() != Some("phi3") => {
+                return unsupported("partial_rotary_factor");
+            }
+            Some(p) if p > 0.0 && p < 1.0 => (head_dim as f64 * p) as usize,
+            Some(p) => {
+                return Err(GpuError::InvalidConfig(format!(
+                    "partial_rotary_factor {p} is outside (0, 1]"
+                )))
+            }
+        };
         let rope_scaling = match rope_object {
             Some(r) => rope::from_hf(&r, stated_context)?,
             None => None,
@@ -417,16 +478,14 @@ impl LlamaConfig {
             hidden_size,
             num_heads,
             num_kv_heads: c.num_key_value_heads.unwrap_or(num_heads),
-            // transformers' Qwen3Config defaults to 128 (not hidden / heads).
-            head_dim: c
-                .head_dim
-                .unwrap_or(if qwen3 { 128 } else { hidden_size / num_heads }),
+            head_dim,
             intermediate_size: need(c.intermediate_size, "intermediate_size")?,
             vocab_size: need(c.vocab_size, "vocab_size")?,
             rms_norm_eps: c.rms_norm_eps.unwrap_or(1e-6),
             rope_theta: rope_theta.unwrap_or(10_000.0),
             rope_scaling: rope_scaling.clone(),
             rope_style: RopeStyle::Halves,
+            rotary_dim,
             max_position_embeddings: context,
             sliding_window: window_within(window, context),
             tie_word_embeddings: c.tie_word_embeddings.unwrap_or(false),
@@ -485,15 +544,14 @@ impl LlamaConfig {
             .get_usize(&key("attention.key_length"))
             .or_else(|| h.get_usize(&key("rope.dimension_count")).filter(|_| !phi3))
             .unwrap_or(hidden_size / num_heads);
-        // Phi-4-mini rotates part of each head: no backend does that.
-        if phi3
-            && h.get_usize(&key("rope.dimension_count"))
-                .is_some_and(|d| d != head_dim)
-        {
-            return Err(GpuError::UnsupportedArchitecture(
-                "phi3 with a partial rotary embedding".into(),
-            ));
-        }
+        // Phi-4-mini rotates part of each head, which llama.cpp's converter writes as the
+        // rotary dimensions (other architectures' files state the head size there).
+        let rotary_dim = if phi3 {
+            h.get_usize(&key("rope.dimension_count"))
+                .unwrap_or(head_dim)
+        } else {
+            head_dim
+        };
         let stated_context = h.get_usize(&key("context_length")).unwrap_or(2048);
         let rope_scaling = rope::from_gguf(h, arch, stated_context)?;
         let context = scaled_context(stated_context, rope_scaling.as_ref());
@@ -535,6 +593,7 @@ impl LlamaConfig {
             } else {
                 RopeStyle::Interleaved
             },
+            rotary_dim,
             max_position_embeddings: context,
             // A window on a Llama-family file (Qwen2's is only used with its
             // `use_sliding_window`, which GGUF does not record).
@@ -849,7 +908,27 @@ mod tests {
             };
             assert!(!l.use_long && l.factors().iter().all(|&f| f == 1.05));
         }
-        let e = LlamaConfig::from_hf_json(&json("longrope", r#", "partial_rotary_factor": 0.75"#))
+        // A partial rotary embedding (Phi-4-mini's factor, at the top level as its config.json
+        // has it): LongRoPE's lists then hold the rotated pairs only (72 of 96 dimensions: 36).
+        let partial = |lists: usize, factor: &str| {
+            json(
+                "longrope",
+                &format!(r#", "partial_rotary_factor": {factor}"#),
+            )
+            .replace(&vec!["1.05"; 48].join(","), &vec!["1.05"; lists].join(","))
+            .replace(&vec!["2.5"; 48].join(","), &vec!["2.5"; lists].join(","))
+        };
+        let c = LlamaConfig::from_hf_json(&partial(36, "0.75")).unwrap();
+        assert_eq!((c.head_dim, c.rotary_dim), (96, 72));
+        // Lists for the whole head, a factor out of range, or another architecture: refused.
+        assert!(LlamaConfig::from_hf_json(&partial(48, "0.75")).is_err());
+        for bad in ["0", "1.5", "-0.5"] {
+            let e = LlamaConfig::from_hf_json(&partial(36, bad))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("partial_rotary_factor"), "{e}");
+        }
+        let e = LlamaConfig::from_hf_json(&partial(36, "0.75").replace("\"phi3\"", "\"llama\""))
             .unwrap_err()
             .to_string();
         assert!(e.contains("partial_rotary_factor"), "{e}");

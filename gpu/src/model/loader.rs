@@ -50,6 +50,7 @@ pub fn load_model(path: &Path, progress: bool) -> Result<LoadedModel, GpuError> 
     };
     let mut model = model;
     unfuse(&model.config, &mut model.weights)?;
+    move_unrotated_dims(&model.config, &mut model.weights)?;
     validate_weights(&model.config, &model.weights, progress)?;
     if model.tokenizer.vocab_size() > model.config.vocab_size {
         return Err(GpuError::InvalidConfig(format!(
@@ -90,6 +91,48 @@ fn unfuse(c: &LlamaConfig, weights: &mut ModelWeights) -> Result<(), GpuError> {
         if fused_up {
             weights.split_rows(&up, &[(name("ffn_gate"), ff), (up.clone(), ff)])?;
         }
+    }
+    Ok(())
+}
+
+/// The order of one query or key head's dimensions for a partial rotary embedding of
+/// `rotary` of `head_dim` dimensions: entry `i` is the model's dimension that goes to `i`. The
+/// model rotates the pairs `(j, j + rotary / 2)` and leaves the dimensions from `rotary` on as
+/// they are; in the new order the rotated pairs are the first `rotary / 2` of the usual halves'
+/// pairs `(i, i + head_dim / 2)`, and the unrotated dimensions fill the rest of each half, so
+/// a backend rotates every pair of the halves, the last ones at frequency 0. A query's and a
+/// key's dimensions move alike, so their dot products, and attention, are the model's.
+pub(crate) fn partial_rotary_order(head_dim: usize, rotary: usize) -> Vec<usize> {
+    let (half, r2, rest) = (head_dim / 2, rotary / 2, (head_dim - rotary) / 2);
+    let mut order = vec![0; head_dim];
+    for j in 0..r2 {
+        order[j] = j;
+        order[half + j] = r2 + j;
+    }
+    for m in 0..rest {
+        order[r2 + m] = rotary + m;
+        order[half + r2 + m] = rotary + rest + m;
+    }
+    order
+}
+
+/// Reorders each query and key head's rows by [`partial_rotary_order`] for a model that
+/// rotates only part of each head (`LlamaConfig::rotary_dim`; the config refuses Q and K
+/// biases or norms with it, which would need the same order).
+fn move_unrotated_dims(c: &LlamaConfig, weights: &mut ModelWeights) -> Result<(), GpuError> {
+    if c.rotary_dim >= c.head_dim {
+        return Ok(());
+    }
+    let head = partial_rotary_order(c.head_dim, c.rotary_dim);
+    let rows = |heads: usize| -> Vec<usize> {
+        (0..heads)
+            .flat_map(|h| head.iter().map(move |&d| h * c.head_dim + d))
+            .collect()
+    };
+    let (q, k) = (rows(c.num_heads), rows(c.num_kv_heads));
+    for i in 0..c.num_layers {
+        weights.permute_rows(&format!("blk.{i}.attn_q.weight"), &q)?;
+        weights.permute_rows(&format!("blk.{i}.attn_k.weight"), &k)?;
     }
     Ok(())
 }
@@ -170,7 +213,7 @@ fn load_gguf(path: &Path) -> Result<LoadedModel, GpuError> {
             .get_usize(&format!("{arch}.rope.scaling.original_context_length"))
             .unwrap_or(8192);
         config.rope_scaling =
-            rope::from_freq_factors(&factors, config.rope_theta, config.head_dim, original)?;
+            rope::from_freq_factors(&factors, config.rope_theta, config.rotary_dim, original)?;
         config.validate()?;
     }
     Ok(LoadedModel {

@@ -311,6 +311,44 @@ impl ModelWeights {
         Ok(())
     }
 
+    /// Replaces the matrix `name` by a copy (owned) whose row `i` is its row `order[i]`;
+    /// `order` must be a permutation of its rows. Quantized rows move whole.
+    pub(crate) fn permute_rows(&mut self, name: &str, order: &[usize]) -> Result<(), GpuError> {
+        let bad = |reason: String| GpuError::BadTensor {
+            tensor: name.to_string(),
+            reason,
+        };
+        let t = self.get(name)?;
+        let [rows, cols] = t.shape[..] else {
+            return Err(bad(format!("shape {:?} is not a matrix", t.shape)));
+        };
+        let mut seen = vec![false; rows];
+        for &o in order {
+            if o >= rows || std::mem::replace(&mut seen[o], true) {
+                return Err(bad(format!(
+                    "row order {o} is not a permutation of {rows} rows"
+                )));
+            }
+        }
+        if order.len() != rows {
+            return Err(bad(format!(
+                "{} rows ordered, the matrix has {rows}",
+                order.len()
+            )));
+        }
+        let row_bytes = t
+            .dtype
+            .row_bytes(cols)
+            .ok_or_else(|| bad(format!("rows of {cols} {} values", t.dtype)))?;
+        let mut data = Vec::with_capacity(t.data.len());
+        for &o in order {
+            data.extend_from_slice(&t.data[o * row_bytes..(o + 1) * row_bytes]);
+        }
+        let (dtype, shape) = (t.dtype, t.shape.clone());
+        self.tensors.remove(name);
+        self.insert_owned(name, dtype, shape, data)
+    }
+
     /// The tensor called `name`; the error names the tensor when it is missing.
     pub fn get(&self, name: &str) -> Result<TensorView<'_>, GpuError> {
         let e = self
