@@ -431,8 +431,7 @@ impl LlamaConfig {
             .partial_rotary_factor
             .or_else(|| rope_object.as_ref()?.get("partial_rotary_factor")?.as_f64());
         let rotary_dim = match partial {
-            None => head_dim,
-            Some(p) if p == 1.0 => head_dim,
+            None | Some(1.0) => head_dim,
             Some(_) if c.model_type.as_deref() != Some("phi3") => {
                 return unsupported("partial_rotary_factor");
             }
