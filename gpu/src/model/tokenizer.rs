@@ -1,7 +1,8 @@
 //! Tokenizers: a Hugging Face `tokenizer.json` through the `tokenizers` crate, or a tokenizer
 //! rebuilt from a GGUF file's embedded vocabulary (`tokenizer.ggml.*`): byte-level BPE
 //! (`gpt2`) with the pre-tokenizer named by `tokenizer.ggml.pre` (the regexes of llama.cpp's
-//! pre-tokenizer table for "gpt2", "llama-bpe"/"llama3", "smollm" and "qwen2"), or SentencePiece
+//! pre-tokenizer table for "gpt2", "llama-bpe"/"llama3", "smollm", "qwen2" and "gpt-4o"), or
+//! SentencePiece
 //! (`llama`, see `tokenizer_spm`).
 //!
 //! Byte-level BPE (GPT-2, Radford et al. 2019) maps every byte to a printable unicode character
@@ -59,6 +60,14 @@ const END_OF_GENERATION_TOKENS: &[&str] = &[
 const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 /// Qwen2's split (`tokenizer.ggml.pre` "qwen2"): Llama 3's with every digit alone.
 const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// OpenAI's o200k split (`tokenizer.ggml.pre` "gpt-4o", llama.cpp's name for it; Phi-4-mini):
+/// words by case runs with their contractions, digits in threes, punctuation with trailing
+/// newlines and slashes.
+const GPT4O_PATTERN: &str = concat!(
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+);
 
 /// GGUF token types (llama.cpp's `llama_token_type`).
 const TOKEN_TYPE_UNKNOWN: i64 = 2;
@@ -508,6 +517,12 @@ fn pre_tokenizer_for(pre: &str) -> Result<(PreTokenizerWrapper, bool, bool), Gpu
             true,
             true,
         ),
+        // Phi-4-mini: no BOS, merges as listed (llama.cpp ignores them only for Llama 3).
+        "gpt-4o" => (
+            Sequence::new(vec![split(GPT4O_PATTERN)?, byte_level(false)]).into(),
+            false,
+            false,
+        ),
         // Qwen2 and Qwen2.5: no BOS.
         "qwen2" => (
             Sequence::new(vec![split(QWEN2_PATTERN)?, byte_level(false)]).into(),
@@ -516,7 +531,7 @@ fn pre_tokenizer_for(pre: &str) -> Result<(PreTokenizerWrapper, bool, bool), Gpu
         ),
         other => {
             return Err(tok_err(format!(
-                "pre-tokenizer '{other}' is not supported (gpt2, smollm, llama-bpe, qwen2)"
+                "pre-tokenizer '{other}' is not supported (gpt2, smollm, llama-bpe, qwen2, gpt-4o)"
             )))
         }
     })

@@ -114,6 +114,53 @@ fn tiny_tok(w: &GgufWriter) -> Result<Tokenizer, GpuError> {
     Tokenizer::from_gguf(&h)
 }
 
+/// `tokenizer.ggml.pre = "gpt-4o"` (OpenAI's o200k split, Phi-4-mini's files): a tiny
+/// byte-level BPE vocabulary built from `gpt4o_tokenizer_golden.json`
+/// (`gpu/reference/make_gpt4o_tokenizer_golden.py`) gives the ids OpenAI's `tiktoken` gives
+/// with o200k_base's pattern and the same ranks: case runs with their contractions, digits in
+/// threes, punctuation with trailing newlines and slashes, marks, whitespace runs. The pattern
+/// is tiktoken's, character for character.
+#[test]
+fn gpt4o_pre_tokenizer_splits_as_tiktoken_does() {
+    let path =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gpt4o_tokenizer_golden.json");
+    let g: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    assert_eq!(g["pattern"].as_str().unwrap(), GPT4O_PATTERN);
+    let strings = |k: &str| -> Vec<String> {
+        g[k].as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_str().unwrap().to_string())
+            .collect()
+    };
+    let (tokens, merges) = (strings("tokens"), strings("merges"));
+    fn refs(v: &[String]) -> Vec<&str> {
+        v.iter().map(String::as_str).collect()
+    }
+    let mut w = GgufWriter::default();
+    w.string("tokenizer.ggml.model", "gpt2")
+        .string("tokenizer.ggml.pre", "gpt-4o")
+        .str_array("tokenizer.ggml.tokens", &refs(&tokens))
+        .i32_array("tokenizer.ggml.token_type", &vec![1; tokens.len()])
+        .str_array("tokenizer.ggml.merges", &refs(&merges));
+    let tok = tiny_tok(&w).unwrap();
+    for t in g["texts"].as_array().unwrap() {
+        let ids: Vec<u32> = t["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        check(&tok, t["text"].as_str().unwrap(), &ids);
+    }
+    // No BOS by default, as llama.cpp reads these files.
+    assert_eq!(
+        tok.encode("ab", true).unwrap(),
+        tok.encode("ab", false).unwrap()
+    );
+}
+
 #[test]
 fn gpt2_pre_tokenizer_keeps_digit_runs() {
     let tok = tiny_tok(&tiny("gpt2")).unwrap();
