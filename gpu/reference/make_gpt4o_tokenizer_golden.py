@@ -46,21 +46,6 @@ TEXTS = [
 ]
 
 
-def byte_symbols() -> list[str]:
-    """GPT-2's byte symbols, indexed by byte value (what GGUF's token strings hold)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    bs += list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    table = dict(zip(bs, cs))
-    return [chr(table[b]) for b in range(256)]
-
-
 def main() -> None:
     import tiktoken
     import tiktoken_ext.openai_public as registry
@@ -69,8 +54,11 @@ def main() -> None:
     registry.load_tiktoken_bpe = lambda *a, **k: {}
     pat_str = registry.o200k_base()["pat_str"]
 
+    # GPT-2's byte symbols, indexed by byte value (what GGUF's token strings hold).
+    from make_qwen_golden import bytes_to_unicode
+
     ranks = {bytes([b]): b for b in range(256)}
-    symbols = byte_symbols()
+    symbols = bytes_to_unicode()
     merges = []
     for m in MERGES:
         # The merge that makes m: the split with both halves already tokens and the lowest

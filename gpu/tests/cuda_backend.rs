@@ -1840,19 +1840,22 @@ fn a_yarn_scaled_model_matches_the_cpu() {
 #[test]
 fn a_longrope_scaled_model_matches_the_cpu() {
     let mut c = LlamaConfig::qwen3_06b();
-    let pairs = c.head_dim / 2;
-    c.rope_scaling = Some(switchyard_gpu::model::RopeScaling::LongRope(
-        switchyard_gpu::model::LongRopeScaling {
-            pairs,
-            short: (0..pairs).map(|i| 1.0 + 0.01 * i as f32).collect(),
-            long: (0..pairs).map(|i| 1.0 + 0.5 * i as f32).collect(),
-            original_max_position_embeddings: 4096,
-            attention_factor: (1.0f32 + 32f32.ln() / 4096f32.ln()).sqrt(),
-            context: 131_072,
-            use_long: true,
-        },
-    ));
+    c.rope_scaling = Some(phi3_style_longrope(c.head_dim / 2));
     check_qwen_shape_within(c, 0.12, 0.18);
+}
+
+/// LongRoPE as Phi-3 sets it, over `pairs` rotated pairs: a factor per frequency (long ones
+/// for a context 32 times the original 4,096), cos and sin times sqrt(1 + ln(32) / ln(4096)).
+fn phi3_style_longrope(pairs: usize) -> switchyard_gpu::model::RopeScaling {
+    switchyard_gpu::model::RopeScaling::LongRope(switchyard_gpu::model::LongRopeScaling {
+        pairs,
+        short: (0..pairs).map(|i| 1.0 + 0.01 * i as f32).collect(),
+        long: (0..pairs).map(|i| 1.0 + 0.5 * i as f32).collect(),
+        original_max_position_embeddings: 4096,
+        attention_factor: (1.0f32 + 32f32.ln() / 4096f32.ln()).sqrt(),
+        context: 131_072,
+        use_long: true,
+    })
 }
 
 /// Phi-3-mini's shape: 32 heads of 96 dimensions without grouping (the attention kernels' third
@@ -1871,18 +1874,7 @@ fn a_partial_rotary_model_matches_the_cpu() {
     let mut c = LlamaConfig::qwen3_06b();
     c.qk_norm = false;
     c.rotary_dim = 96;
-    let pairs = 48;
-    c.rope_scaling = Some(switchyard_gpu::model::RopeScaling::LongRope(
-        switchyard_gpu::model::LongRopeScaling {
-            pairs,
-            short: (0..pairs).map(|i| 1.0 + 0.01 * i as f32).collect(),
-            long: (0..pairs).map(|i| 1.0 + 0.5 * i as f32).collect(),
-            original_max_position_embeddings: 4096,
-            attention_factor: (1.0f32 + 32f32.ln() / 4096f32.ln()).sqrt(),
-            context: 131_072,
-            use_long: true,
-        },
-    ));
+    c.rope_scaling = Some(phi3_style_longrope(48));
     c.validate().expect("a valid configuration");
     check_qwen_shape_within(c, 0.12, 0.18);
 }

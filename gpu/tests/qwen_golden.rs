@@ -18,7 +18,7 @@ use switchyard_gpu::cpu::attention::QueryPos;
 use switchyard_gpu::cpu::kv_cache::KvCache;
 use switchyard_gpu::cpu::llama::{ActivationPrecision, LlamaModel, StepInput};
 use switchyard_gpu::model::{
-    load_model, LlamaConfig, LoadedModel, LongRopeScaling, RopeScaling, RopeStyle,
+    load_model, LlamaConfig, LoadedModel, LongRopeScaling, ModelWeights, RopeScaling, RopeStyle,
 };
 
 fn fixtures() -> PathBuf {
@@ -128,6 +128,20 @@ fn assert_logits(model: &mut LlamaModel, tokens: &[u32], reference: &Value, name
             assert_eq!(differs, 0, "{name}");
         }
     }
+}
+
+/// `config`'s logits for `tokens` (one step) are far (more than 0.1) from `reference`: the
+/// reference tells `what` from the model it was made with.
+fn assert_far(
+    config: &LlamaConfig,
+    weights: &ModelWeights,
+    tokens: &[u32],
+    reference: &Value,
+    what: &str,
+) {
+    let wrong = LlamaModel::from_weights(config, weights).expect("the model builds");
+    let (worst, _) = compare(&logits(&wrong, tokens, &[tokens.len()]), reference);
+    assert!(worst > 0.1, "{what}: max |Δ logit| only {worst}");
 }
 
 fn check(tag: &str, name: &str) {
@@ -305,11 +319,12 @@ fn check_phi3(name: &str) {
     // The reference tells the factors apart: the long ones on the short sequence, the short
     // ones on the long one, no LongRoPE, or no attention factor, are far off.
     let far = |config: &LlamaConfig, tokens: &[u32], reference: &Value, what: &str| {
-        let wrong = LlamaModel::from_weights(config, &loaded.weights).expect("the model builds");
-        let (worst, _) = compare(&logits(&wrong, tokens, &[tokens.len()]), reference);
-        assert!(
-            worst > 0.1,
-            "{name} with {what}: max |Δ logit| only {worst}"
+        assert_far(
+            config,
+            &loaded.weights,
+            tokens,
+            reference,
+            &format!("{name} with {what}"),
         );
     };
     far(
@@ -372,12 +387,8 @@ fn check_phi3_window(name: &str) {
         sliding_window: None,
         ..c.clone()
     };
-    let wrong = LlamaModel::from_weights(&full, &loaded.weights).expect("the model builds");
-    let (worst, _) = compare(&logits(&wrong, &tokens, &[tokens.len()]), &g["logits"]);
-    assert!(
-        worst > 0.1,
-        "{name} without its window: max |Δ logit| only {worst}"
-    );
+    let what = format!("{name} without its window");
+    assert_far(&full, &loaded.weights, &tokens, &g["logits"], &what);
 }
 
 #[test]
@@ -423,12 +434,8 @@ fn check_phi3_partial(name: &str) {
         })),
         ..c.clone()
     };
-    let wrong = LlamaModel::from_weights(&full, &loaded.weights).expect("the model builds");
-    let (worst, _) = compare(&logits(&wrong, &tokens, &[tokens.len()]), &g["logits"]);
-    assert!(
-        worst > 0.1,
-        "{name} rotating every dimension: max |Δ logit| only {worst}"
-    );
+    let what = format!("{name} rotating every dimension");
+    assert_far(&full, &loaded.weights, &tokens, &g["logits"], &what);
 }
 
 #[test]
