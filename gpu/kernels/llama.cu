@@ -1021,7 +1021,7 @@ __device__ __forceinline__ void load_kv_chunk(bf16* dst, const bf16* __restrict_
 #pragma unroll 4
         for (int u = 0; u < (PER + KPI - 1) / KPI; u++) {
             const int lk = u * KPI + lane / PIECES;  // the key within this register's 32
-            const long long slot = __shfl_sync(0xffffffffu, s[r], lk & 31);
+            const long long slot = __shfl_sync(0xffffffffu, s[r], RAGGED ? lk & 31 : lk);
             const int key = warp * KPW + 32 * r + lk, kp = kb + key;
             if ((RAGGED && (!copies || lk >= PER)) || (FILTER && (kp < lo || kp >= hi))) continue;
             const bool ok = slot >= 0;
@@ -1209,7 +1209,7 @@ __device__ __forceinline__ void att_pv_f8(float (&o)[HD / 8][4], const u32 (&pa)
 // softmax of the chunk starting at key kb: s becomes exp2 of the scaled scores less the new
 // running maxima (m_lo, m_hi, updated), c_* the factors for the earlier sums and outputs, sum_*
 // this lane's share of the chunk's row sums.
-template <int KEYS>
+template <int KEYS, bool WINDOW>
 __device__ __forceinline__ void att_softmax(float (&s)[KEYS / 8][4], int kb, int p_lo, int p_hi,
                                             int w_lo, int w_hi, float sl2, int t4,
                                             float& m_lo, float& m_hi,
@@ -1222,11 +1222,13 @@ __device__ __forceinline__ void att_softmax(float (&s)[KEYS / 8][4], int kb, int
 #pragma unroll
         for (int e = 0; e < 2; e++) {
             const int kp = kb + 8 * n + 2 * t4 + e;
-            // p - w < kp <= p in one unsigned comparison (w: the row's window, INT_MAX for
-            // none; p = -1 for rows past the tile's masks every key).
-            s[n][e] = (unsigned)(p_lo - kp) < (unsigned)w_lo ? __fmul_rn(s[n][e], sl2) : NEG_INF;
-            s[n][2 + e] =
-                (unsigned)(p_hi - kp) < (unsigned)w_hi ? __fmul_rn(s[n][2 + e], sl2) : NEG_INF;
+            // WINDOW (a chunk holding keys before some row's sliding window): p - w < kp <= p
+            // in one unsigned comparison (w: the row's window; p = -1 for rows past the tile's
+            // masks every key); otherwise kp <= p.
+            const bool in_lo = WINDOW ? (unsigned)(p_lo - kp) < (unsigned)w_lo : kp <= p_lo;
+            const bool in_hi = WINDOW ? (unsigned)(p_hi - kp) < (unsigned)w_hi : kp <= p_hi;
+            s[n][e] = in_lo ? __fmul_rn(s[n][e], sl2) : NEG_INF;
+            s[n][2 + e] = in_hi ? __fmul_rn(s[n][2 + e], sl2) : NEG_INF;
             mx_lo = fmaxf(mx_lo, s[n][e]);
             mx_hi = fmaxf(mx_hi, s[n][2 + e]);
         }
@@ -1498,9 +1500,12 @@ __device__ void attention_body(const bf16* __restrict__ q, const void* __restric
     const int p_lo = r_lo < rows ? min(a_lo, kend - 1) : -1;
     const int p_hi = r_hi < rows ? min(a_hi, kend - 1) : -1;
     // How many keys from p_* back a row attends to: its window less the keys this split cut
-    // from the window's end (none past it: 0), or all of them.
+    // from the window's end (none past it: 0), or all of them. Only the chunks before the
+    // last row's window start (wend) hold keys some row does not attend to: the others take
+    // the causal mask alone (att_softmax's WINDOW), as every chunk does without a window.
     const int w_lo = window > 0 ? max(0, window - (a_lo - p_lo)) : 0x7fffffff;
     const int w_hi = window > 0 ? max(0, window - (a_hi - p_hi)) : 0x7fffffff;
+    const int wend = window > 0 ? last - window + 1 : 0;
     const bool active = warp * 16 < rows;  // warp-uniform
     // An fp8 cache (F8): keys and values enter the products widened to their e4m3 values
     // times 2^-120 (att_scores_f8, att_pv_f8), Q times 2^60 (exact), so a score comes out as the e4m3
@@ -1570,8 +1575,12 @@ __device__ void attention_body(const bf16* __restrict__ q, const void* __restric
         }
         if (active) {
             float c_lo, c_hi, sum_lo, sum_hi;
-            att_softmax<KEYS>(s, kb, p_lo, p_hi, w_lo, w_hi, sl2, t4, m_lo, m_hi, c_lo, c_hi,
-                              sum_lo, sum_hi);
+            if (kb < wend)  // block-uniform
+                att_softmax<KEYS, true>(s, kb, p_lo, p_hi, w_lo, w_hi, sl2, t4, m_lo, m_hi,
+                                        c_lo, c_hi, sum_lo, sum_hi);
+            else
+                att_softmax<KEYS, false>(s, kb, p_lo, p_hi, w_lo, w_hi, sl2, t4, m_lo, m_hi,
+                                         c_lo, c_hi, sum_lo, sum_hi);
             // Per-lane partial sums, summed over the quad at the end.
             l_lo = __fmaf_rn(l_lo, c_lo, sum_lo);
             l_hi = __fmaf_rn(l_hi, c_hi, sum_hi);
