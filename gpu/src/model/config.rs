@@ -3,12 +3,13 @@
 //! dummy weights. Qwen2 (and Qwen2.5) is a Llama with biases on the Q, K and V projections;
 //! Qwen3 is a Llama with an RMSNorm over each query and key head before RoPE.
 //!
-//! Sliding-window attention is not implemented. A model whose every layer attends over a
-//! window (Mistral 7B v0.1: 4,096 tokens) has its context capped at the window, where its
-//! attention is exactly full causal attention; models that mix windowed and full layers
-//! (Qwen2 or Qwen3 with `use_sliding_window`) are refused.
+//! A model whose every layer attends over a sliding window (Mistral 7B v0.1: 4,096 tokens,
+//! Phi-3-mini-4k: 2,047) keeps its context and states the window
+//! ([`LlamaConfig::sliding_window`]), which both backends' attention honours; models that mix
+//! windowed and full layers (Qwen2 or Qwen3 with `use_sliding_window`) are refused. A partial
+//! rotary embedding (Phi-4-mini) is [`LlamaConfig::rotary_dim`].
 //!
-//! RoPE scaling (Llama 3.1's, linear, YaRN) is read by [`super::rope`].
+//! RoPE scaling (Llama 3.1's, linear, YaRN, LongRoPE) is read by [`super::rope`].
 
 use serde::Deserialize;
 
@@ -872,8 +873,8 @@ mod tests {
 
     /// Phi-3's configurations (transformers 4's form: `rope_scaling` of type `longrope` or
     /// `su`, the original context at the top level): Llama with LongRoPE, the long factors
-    /// when served past the original context; a partial rotary embedding (Phi-4-mini) is
-    /// refused; a sliding window caps the context.
+    /// when served past the original context; a partial rotary embedding (Phi-4-mini) rotates
+    /// its share of each head, with lists for those pairs; a sliding window is read as one.
     #[test]
     fn phi3_configs_read_longrope() {
         let json = |ty: &str, extra: &str| {
