@@ -927,12 +927,7 @@ fn a_mistral_server_writes_its_calls_in_one_list_after_the_marker() {
 #[test]
 fn a_mistral_v11_template_gets_each_call_after_the_marker() {
     let s = server_with_template("tools-mistral-v11", "mistral-v11.jinja", "");
-    let log = s.log();
-    assert!(
-        log.lines()
-            .any(|l| l.contains("tool calls") && l.contains("mistral_v11")),
-        "{log}"
-    );
+    s.assert_logged(&["tool calls", "mistral_v11"]);
     let body = ask(
         json!({"tool_choice": "required", "parallel_tool_calls": false,
                           "logprobs": true, "max_tokens": 120}),
@@ -1013,12 +1008,7 @@ fn a_mistral_v11_template_gets_each_call_after_the_marker() {
 #[test]
 fn mistral_think_tags_are_read_apart_when_the_template_uses_them() {
     let s = server_with_template("reasoning-mistral", "think-mistral.jinja", "");
-    let log = s.log();
-    assert!(
-        log.lines()
-            .any(|l| l.contains("reasoning parser") && l.contains("[/THINK]")),
-        "{log}"
-    );
+    s.assert_logged(&["reasoning parser", "[/THINK]"]);
     let body = json!({
         "messages": [{"role": "user", "content": "Name a colour."}],
         "max_tokens": 60, "temperature": 0,

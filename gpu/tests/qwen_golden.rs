@@ -380,15 +380,28 @@ fn check_phi3_window(name: &str) {
         (Some(7), 64),
         "{name}"
     );
-    let tokens = ids(&g["tokens"]);
-    let mut model = LlamaModel::from_weights(c, &loaded.weights).expect("the model builds");
-    assert_logits(&mut model, &tokens, &g["logits"], name);
     let full = LlamaConfig {
         sliding_window: None,
         ..c.clone()
     };
-    let what = format!("{name} without its window");
-    assert_far(&full, &loaded.weights, &tokens, &g["logits"], &what);
+    matches_and_tells_apart(&loaded, &g, name, &full, "without its window");
+}
+
+/// `loaded` gives the reference `g`'s logits ([`assert_logits`]), and the same weights read as
+/// `wrong` says (`what`) are far from them ([`assert_far`]).
+fn matches_and_tells_apart(
+    loaded: &LoadedModel,
+    g: &Value,
+    name: &str,
+    wrong: &LlamaConfig,
+    what: &str,
+) {
+    let tokens = ids(&g["tokens"]);
+    let mut model =
+        LlamaModel::from_weights(&loaded.config, &loaded.weights).expect("the model builds");
+    assert_logits(&mut model, &tokens, &g["logits"], name);
+    let what = format!("{name} {what}");
+    assert_far(wrong, &loaded.weights, &tokens, &g["logits"], &what);
 }
 
 #[test]
@@ -414,9 +427,6 @@ fn check_phi3_partial(name: &str) {
         panic!("{name}: rope scaling {:?}", c.rope_scaling)
     };
     assert_eq!(l.pairs, 4, "{name}");
-    let tokens = ids(&g["tokens"]);
-    let mut model = LlamaModel::from_weights(c, &loaded.weights).expect("the model builds");
-    assert_logits(&mut model, &tokens, &g["logits"], name);
     // Rotating every dimension (the frequencies of a head of 16, LongRoPE's lists padded).
     let pad = |v: &[f32]| -> std::sync::Arc<[f32]> {
         v.iter()
@@ -434,8 +444,7 @@ fn check_phi3_partial(name: &str) {
         })),
         ..c.clone()
     };
-    let what = format!("{name} rotating every dimension");
-    assert_far(&full, &loaded.weights, &tokens, &g["logits"], &what);
+    matches_and_tells_apart(&loaded, &g, name, &full, "rotating every dimension");
 }
 
 #[test]

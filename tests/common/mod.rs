@@ -131,6 +131,15 @@ impl Server {
         std::fs::read_to_string(self.dir.join("server.log")).unwrap_or_default()
     }
 
+    /// Asserts that one line of the server's log holds every one of `parts`.
+    pub fn assert_logged(&self, parts: &[&str]) {
+        let log = self.log();
+        assert!(
+            log.lines().any(|l| parts.iter().all(|p| l.contains(p))),
+            "no log line holds all of {parts:?}:\n{log}"
+        );
+    }
+
     /// Sends one request and reads the whole response.
     pub fn request(
         &self,

@@ -200,7 +200,10 @@ pub fn rope_store(
     interleaved: bool,
 ) -> Result<RopeStoreRun, GpuError> {
     let t = pos.len();
-    if t == 0 || qkv.len() != t * (nh + 2 * nkv) * hd || !matches!(hd, 64 | 96 | 128) {
+    if t == 0
+        || qkv.len() != t * (nh + 2 * nkv) * hd
+        || super::device::attention_kernel_index(hd).is_none()
+    {
         return Err(GpuError::BadBatch("rope check: sizes disagree".into()));
     }
     let gpu = Gpu::open(0)?;
