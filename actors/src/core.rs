@@ -24,7 +24,7 @@ use switchyard_gpu::LoraAdapter;
 use switchyard_policies::{
     BlockId, BlockPool, FinishReason, IdMap, KvCommit, Policy, Request, RequestId, SamplingLimits,
     Scheduler, SchedulerConfig, SchedulerStats, SeqEvent, SloTargets, StepOutput, StepPlan,
-    StepShape, Timestamp, TokenId, PENDING_TOKEN,
+    StepShape, Timestamp, TokenId, PENDING_TOKEN, RELEASED_BLOCK,
 };
 
 // The scheduler's pending token is the backend's.
@@ -270,6 +270,12 @@ pub struct StepCore {
 }
 
 impl StepCore {
+    /// A planned step's work as the cost models price it, the model's sliding window
+    /// included ([`StepPlan::shape_within`]).
+    pub fn shape(&self, plan: &StepPlan) -> StepShape {
+        plan.shape_within(self.scheduler.config().sliding_window)
+    }
+
     /// Builds the core; fails when the scheduler configuration is inconsistent.
     pub fn new(config: EngineCoreConfig, policy: Box<dyn Policy>) -> Result<Self, EngineError> {
         let scheduler = Scheduler::new(config.scheduler, policy, config.hash_key)?;
@@ -586,9 +592,18 @@ impl StepCore {
             }
             entry.tokens.extend_from_slice(&s.draft_tokens);
             entry.block_table.clear();
-            entry
-                .block_table
-                .extend_from_slice(self.scheduler.block_table(s.id).unwrap_or_default());
+            let table = self.scheduler.block_table(s.id).unwrap_or_default();
+            match table.iter().position(|&b| b != RELEASED_BLOCK) {
+                Some(0) | None => entry.block_table.extend_from_slice(table),
+                // Blocks given back behind a sliding window: the backend reads no key there
+                // (`Backend::window_read_slack`), so they name the first block the sequence
+                // still holds and every entry stays an id of the cache.
+                Some(held) => {
+                    let fill = table[held];
+                    entry.block_table.resize(held, fill);
+                    entry.block_table.extend_from_slice(&table[held..]);
+                }
+            }
         }
         seqs.truncate(n);
         if n == 0 {
@@ -832,7 +847,7 @@ impl EngineCore {
             plan_us: prepared.plan_us,
             execute_us: (t2 - t1).as_micros() as u64,
             apply_us: t2.elapsed().as_micros() as u64,
-            shape: prepared.plan.shape(),
+            shape: self.core.shape(&prepared.plan),
         })
     }
 
@@ -867,7 +882,7 @@ impl EngineCore {
                     p.plan.seqs.len(),
                     p.plan.num_batched_tokens,
                     p.plan_us,
-                    p.plan.shape(),
+                    self.core.shape(&p.plan),
                 )
             }
             None => (0, 0, 0, StepShape::default()),
@@ -1086,6 +1101,7 @@ mod tests {
             max_logit_rows: usize::MAX,
             max_loras: 4,
             speculative,
+            sliding_window: None,
         };
         let policy = PolicyRegistry::with_builtins()
             .create("fcfs", &serde_yaml::Value::Null, &[])

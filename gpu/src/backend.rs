@@ -99,6 +99,13 @@ pub struct SeqOutput {
     pub prompt_logprobs: Vec<PromptLogprob>,
 }
 
+/// Keys before a sliding window's first key that the CUDA backend's attention may read for a
+/// query ([`Backend::window_read_slack`]): a split's keys are read in chunks from the one
+/// holding the window's first key, and a chunk is at most 128 keys (`MMA_KEYS`, at most 64,
+/// and `ATT_F8_KEYS`, at most 128, in gpu/kernels/llama.cu). Outside the `cuda` feature so
+/// that the simulator's model of that backend can be checked against it.
+pub const CUDA_WINDOW_READ_SLACK: usize = 128;
+
 /// A model executor.
 /// Stands in a batch for the token a sequence sampled in the step submitted just before,
 /// whose value is still on the device ([`Backend::submit`]): only as the one token of a
@@ -129,6 +136,15 @@ pub trait Backend: Send {
     /// No by default: a device backend may have work queued that the panic left behind.
     fn recovers_from_panics(&self) -> bool {
         false
+    }
+    /// Under a sliding window ([`crate::LlamaConfig::sliding_window`]), how many keys before a
+    /// query's window the backend may still read for it (it reads keys in blocks or chunks
+    /// and masks those outside the window): the scheduler gives a running sequence's blocks
+    /// back only this far behind its window, and their slots may then hold anything. A
+    /// block's length by default: a backend whose reads start at the block holding the
+    /// window's first key.
+    fn window_read_slack(&self) -> usize {
+        self.block_size()
     }
     /// Whether [`Backend::submit`] and [`Backend::collect`] work: steps may be submitted one
     /// ahead of their outputs, fed [`PENDING_TOKEN`]s.

@@ -14,7 +14,9 @@ pub mod cpu;
 pub mod cuda;
 pub mod lora;
 pub mod sampler;
-pub use backend::{Backend, Batch, CpuBackend, CpuBackendConfig, SeqInput, SeqOutput};
+pub use backend::{
+    Backend, Batch, CpuBackend, CpuBackendConfig, SeqInput, SeqOutput, CUDA_WINDOW_READ_SLACK,
+};
 pub use constraint::{Constraint, TokenConstraint};
 pub use cpu::llama::ActivationPrecision;
 pub use lora::{LoraAdapter, LoraLimits, LoraTarget};

@@ -82,6 +82,7 @@ fn decoding_scheduler_spec(
         max_logit_rows: usize::MAX,
         max_loras: 4,
         speculative,
+        sliding_window: None,
     };
     let p = PolicyRegistry::with_builtins()
         .create(policy, &serde_yaml::Value::Null, &tiers())

@@ -31,6 +31,11 @@ use crate::types::BlockId;
 /// A table entry reserved during planning; the commit replaces it with a real block id.
 pub const PENDING_BLOCK: BlockId = BlockId::MAX;
 
+/// A table entry whose block was given back while its sequence runs: it left every sliding
+/// window the sequence's next steps attend over ([`crate::SlidingWindow`]). Never sent in a
+/// plan (only blocks past those already sent are), and never an id of the pool.
+pub const RELEASED_BLOCK: BlockId = BlockId::MAX - 1;
+
 /// One step's changes to the block pool, in the order the allocator applies them.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct KvCommit {

@@ -54,7 +54,7 @@ pub mod sequence;
 pub mod speculative;
 pub mod types;
 
-pub use block_ledger::{BlockLedger, KvCommit, PENDING_BLOCK};
+pub use block_ledger::{BlockLedger, KvCommit, PENDING_BLOCK, RELEASED_BLOCK};
 pub use block_pool::BlockPool;
 pub use error::{PolicyError, SchedulerError};
 pub use policy::{

@@ -23,7 +23,10 @@
 //!    it, by at most `max_num_seqs` later adapter requests.
 //!
 //! Preemption frees every block (full ones stay cached) and keeps the generated tokens, so
-//! the recompute covers prompt + output. Per step the planner does O(running) work
+//! the recompute covers prompt + output. Under a sliding window
+//! ([`crate::SchedulerConfig::sliding_window`]), each step first gives back the running
+//! sequences' blocks that hold only keys before every window their next steps read, and
+//! admission asks for at most the blocks a sequence holds at once. Per step the planner does O(running) work
 //! (O(running · log running) when constrained) plus O(waiting) ranking when something waits
 //! (O(waiting · log waiting) when candidates passed over for adapter slots leave the first
 //! `max_num_seqs + 1` short); adapter slots are counted as sequences start and stop running,
@@ -32,7 +35,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use crate::block_ledger::{BlockLedger, KvCommit, PENDING_BLOCK};
+use crate::block_ledger::{BlockLedger, KvCommit, PENDING_BLOCK, RELEASED_BLOCK};
 use crate::error::SchedulerError;
 use crate::policy::{PolicyEvent, StepContext};
 use crate::prefix_hash::BlockHasher;
@@ -310,6 +313,7 @@ impl Scheduler {
         plan.preempted.clear();
         plan.num_batched_tokens = 0;
         self.last_slots.clear();
+        self.release_out_of_window();
         let ctx = StepContext {
             now,
             max_num_batched_tokens: self.config.max_num_batched_tokens,
@@ -667,15 +671,13 @@ impl Scheduler {
         let Some(seq) = self.seqs.get_mut(slot as usize).and_then(|s| s.as_mut()) else {
             return;
         };
-        for &blk in seq.block_table.iter().rev() {
+        for &blk in seq.held_blocks().iter().rev() {
             if self.ledger.free(blk).is_err() {
                 self.pool_errors += 1;
             }
         }
-        seq.block_table.clear();
-        seq.blocks_sent = 0;
+        seq.clear_blocks();
         seq.num_computed = 0;
-        seq.num_cached_blocks = 0;
         seq.drop_pending();
         seq.state = RequestState::Preempted;
         self.adapters.stopped(seq.req.lora_adapter);
@@ -858,7 +860,12 @@ impl Scheduler {
             .min(max_new);
 
         let need_new = self.ledger.blocks_for(computed + num_new) - self.matched.len();
-        let need_all = self.ledger.blocks_for(total) - self.matched.len();
+        let mut need_all = self.ledger.blocks_for(total) - self.matched.len();
+        if let Some(cap) = self.window_cap() {
+            // Under a sliding window the prefill holds at most `cap` blocks at once (the
+            // matched ones count: the first steps give back those behind the window).
+            need_all = need_all.min(cap.saturating_sub(self.matched.len()).max(need_new));
+        }
         // Matched blocks nobody references are counted free but are pinned, not allocated.
         let evictable = self
             .matched
@@ -898,12 +905,70 @@ impl Scheduler {
             .iter()
             .filter_map(|&slot| slot_ref(&self.seqs, slot))
             .filter(|q| q.state == RequestState::Running)
-            .map(|q| {
-                self.ledger
-                    .blocks_for(q.num_tokens())
-                    .saturating_sub(q.block_table.len())
-            })
+            .map(|q| self.owed_by(q))
             .sum()
+    }
+
+    /// Blocks a running sequence still needs for the tokens it holds: the rest of its table
+    /// or, under a sliding window, at most what it may hold at once less what it holds.
+    fn owed_by(&self, q: &Sequence) -> usize {
+        let rest = self
+            .ledger
+            .blocks_for(q.num_tokens())
+            .saturating_sub(q.block_table.len());
+        match self.window_cap() {
+            Some(cap) => rest.min(cap.saturating_sub(q.held_blocks().len())),
+            None => rest,
+        }
+    }
+
+    /// Under a sliding window, the most blocks a sequence holds at once: those of its window
+    /// and the keys read before it (see [`Scheduler::release_out_of_window`]) and of a chunk
+    /// of `max_num_batched_tokens`, each span's partial blocks at both ends included.
+    pub(crate) fn window_cap(&self) -> Option<usize> {
+        let w = self.config.sliding_window?;
+        Some(w.blocks_held(self.ledger.block_size(), self.config.max_num_batched_tokens))
+    }
+
+    /// Gives back the leading blocks of running sequences that hold only keys before every
+    /// window their next steps read: the next query of a sequence at `num_computed` attends
+    /// from `num_computed + 1 - window` on, the backend may read `read_slack` keys before
+    /// that, and a step that fails (or several in flight) moves a sequence back by at most
+    /// `WINDOW_MARGIN` positions. Prefix-cached blocks are given back once registered, so
+    /// they stay in the cache (evictable) for requests with the same prefix. O(running).
+    ///
+    /// A step launched earlier may still read a block given back here: the allocator hands
+    /// it to a sequence in a later step, whose writes the device orders after that step's
+    /// reads (the executors run steps in order).
+    fn release_out_of_window(&mut self) {
+        let Some(w) = self.config.sliding_window else {
+            return;
+        };
+        let bs = self.ledger.block_size();
+        let caching = self.config.enable_prefix_caching;
+        let behind = w.tokens_kept();
+        for &slot in &self.running {
+            let Some(seq) = self.seqs.get_mut(slot as usize).and_then(|s| s.as_mut()) else {
+                continue;
+            };
+            if seq.state != RequestState::Running {
+                continue;
+            }
+            let mut upto = (seq.num_computed.saturating_sub(behind) / bs)
+                .min(seq.blocks_sent)
+                .min(seq.block_table.len());
+            if caching {
+                upto = upto.min(seq.num_cached_blocks);
+            }
+            while seq.released_blocks < upto {
+                let i = seq.released_blocks;
+                let blk = std::mem::replace(&mut seq.block_table[i], RELEASED_BLOCK);
+                if blk == PENDING_BLOCK || self.ledger.free(blk).is_err() {
+                    self.pool_errors += 1;
+                }
+                seq.released_blocks += 1;
+            }
+        }
     }
 
     /// Admits one waiting sequence with a first chunk of at most `max_new` tokens if
@@ -930,8 +995,7 @@ impl Scheduler {
             return Ok(());
         };
         let total = seq.num_tokens();
-        seq.block_table.clear();
-        seq.blocks_sent = 0;
+        seq.clear_blocks();
         for &blk in &self.matched {
             match self.ledger.touch(blk) {
                 Ok(()) => seq.block_table.push(blk),
@@ -1005,11 +1069,8 @@ impl Scheduler {
                 if blocks > 0 {
                     // Blocks it still owes its known tokens were counted as taken (see
                     // `blocks_owed`): preempted, it owes nothing.
-                    freed += self
-                        .ledger
-                        .blocks_for(v.num_tokens())
-                        .saturating_sub(v.block_table.len());
-                    for &blk in &v.block_table {
+                    freed += self.owed_by(v);
+                    for &blk in v.held_blocks() {
                         let last_ref = match self.ledger.ref_count(blk) {
                             Some(1) => true,
                             Some(refs) if refs > 1 => {

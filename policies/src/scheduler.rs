@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::adapter_slots::AdapterSlots;
-use crate::block_ledger::BlockLedger;
+use crate::block_ledger::{BlockLedger, RELEASED_BLOCK};
 use crate::block_pool::{BlockPool, MAX_BLOCKS};
 use crate::error::SchedulerError;
 use crate::policy::{Policy, PolicyEvent, Rank};
@@ -177,6 +177,15 @@ pub fn validate_config(c: &SchedulerConfig) -> Result<(), SchedulerError> {
     }
     if let Some(spec) = &c.speculative {
         spec.validate()?;
+    }
+    if let Some(w) = c.sliding_window {
+        check_limit("sliding_window.tokens", w.tokens, MAX_LIMIT)?;
+        if w.read_slack > MAX_LIMIT {
+            return Err(config_err(
+                "sliding_window.read_slack",
+                format!("at most {MAX_LIMIT}, got {}", w.read_slack),
+            ));
+        }
     }
     if c.tiers.len() > MAX_TIERS {
         return Err(config_err("tiers", format!("at most {MAX_TIERS} tiers")));
@@ -343,7 +352,7 @@ impl Scheduler {
             });
         }
         let needed = self.ledger.blocks_for(max_len);
-        if needed > self.ledger.num_blocks() {
+        if max_len > self.config.kv_capacity_tokens() {
             return Err(SchedulerError::ExceedsKvCapacity {
                 id,
                 needed,
@@ -445,16 +454,14 @@ impl Scheduler {
             self.adapters.stopped(seq.req.lora_adapter);
         }
         self.adapters.ended(seq.req.lora_adapter);
-        for &b in seq.block_table.iter().rev() {
+        for &b in seq.held_blocks().iter().rev() {
             // Table blocks are referenced by construction; a failure would be a core bug,
             // which check_invariants reports.
             if self.ledger.free(b).is_err() {
                 self.pool_errors += 1;
             }
         }
-        seq.block_table.clear();
-        seq.blocks_sent = 0;
-        seq.num_cached_blocks = 0;
+        seq.clear_blocks();
         // Tokens still on the device will not be resolved for an ended request.
         seq.drop_pending();
         seq.state = terminal;
@@ -632,7 +639,30 @@ impl Scheduler {
                     s.req.id, s.pending
                 ));
             }
-            for &b in &s.block_table {
+            if s.released_blocks > s.block_table.len()
+                || s.block_table[..s.released_blocks]
+                    .iter()
+                    .any(|&b| b != RELEASED_BLOCK)
+                || s.held_blocks().contains(&RELEASED_BLOCK)
+            {
+                return bad(format!(
+                    "{:?}: {} released blocks do not lead its table",
+                    s.req.id, s.released_blocks
+                ));
+            }
+            if let Some(w) = self.config.sliding_window {
+                // Released blocks hold only keys before every window its next steps read.
+                let bs = self.ledger.block_size();
+                if s.released_blocks * bs > s.num_computed.saturating_sub(w.tokens) {
+                    return bad(format!(
+                        "{:?}: {} blocks released at {} computed tokens, window {}",
+                        s.req.id, s.released_blocks, s.num_computed, w.tokens
+                    ));
+                }
+            } else if s.released_blocks != 0 {
+                return bad(format!("{:?} released blocks without a window", s.req.id));
+            }
+            for &b in s.held_blocks() {
                 match refs.get_mut(b as usize) {
                     Some(r) => *r += 1,
                     None => return bad(format!("{:?} holds unknown block {b}", s.req.id)),

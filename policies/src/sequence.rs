@@ -26,7 +26,9 @@ pub(crate) struct Sequence {
     pub(crate) num_cached_blocks: usize,
     /// Prompt length (copied out of `req` for locality).
     pub(crate) prompt_len: usize,
-    /// KV blocks, one per `block_size` tokens; empty unless running.
+    /// KV blocks, one per `block_size` tokens; empty unless running. The first
+    /// `released_blocks` entries are [`crate::block_ledger::RELEASED_BLOCK`]: blocks that
+    /// left every sliding window were given back while the sequence runs.
     pub(crate) block_table: Vec<BlockId>,
     /// Request id (copied out of `req` for locality).
     pub(crate) id: RequestId,
@@ -67,6 +69,9 @@ pub(crate) struct Sequence {
     /// A launched step fed drafts, its outputs not resolved yet: how many tokens it yields
     /// is unknown, so nothing more is scheduled for the sequence until then.
     pub(crate) speculating: bool,
+    /// Leading entries of `block_table` given back (sliding window); 0 without one. Read
+    /// only by windowed schedulers, so out of the fields every step touches.
+    pub(crate) released_blocks: usize,
 }
 
 impl Sequence {
@@ -82,6 +87,7 @@ impl Sequence {
             num_cached_blocks: 0,
             prompt_len: req.prompt.len(),
             block_table: Vec::new(),
+            released_blocks: 0,
             id: req.id,
             output: Vec::new(),
             max_computed: 0,
@@ -99,6 +105,21 @@ impl Sequence {
             ngrams: None,
             speculating: false,
         }
+    }
+
+    /// The blocks the sequence holds a reference to: its table less the released entries.
+    pub(crate) fn held_blocks(&self) -> &[BlockId] {
+        self.block_table
+            .get(self.released_blocks..)
+            .unwrap_or_default()
+    }
+
+    /// Empties the block table (the caller drops the references).
+    pub(crate) fn clear_blocks(&mut self) {
+        self.block_table.clear();
+        self.released_blocks = 0;
+        self.blocks_sent = 0;
+        self.num_cached_blocks = 0;
     }
 
     /// Prompt plus output tokens.

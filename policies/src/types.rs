@@ -251,6 +251,48 @@ pub struct SchedulerConfig {
     /// after every running sequence's next token and the admissions.
     #[serde(default)]
     pub speculative: Option<SpeculativeConfig>,
+    /// The model's sliding window, when every layer attends over one: the blocks that left
+    /// every window the next steps can read are freed while their sequence runs (`None`, the
+    /// default: a sequence keeps every block until it ends).
+    #[serde(default)]
+    pub sliding_window: Option<SlidingWindow>,
+}
+
+/// A sliding window over the KV cache: each query attends to its last `tokens` positions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SlidingWindow {
+    /// Positions each query attends to: its own and the `tokens - 1` before it (at least 1).
+    pub tokens: usize,
+    /// Keys before a window's first position the backend may still read (it reads in
+    /// chunks), so they are freed only this far behind the window: the backend's
+    /// `window_read_slack`.
+    pub read_slack: usize,
+}
+
+/// Positions a sequence may move back after its blocks behind the window were given back: a
+/// failed step rolls its last position back, and up to two steps are in flight.
+pub(crate) const WINDOW_MARGIN: usize = 4;
+
+impl SlidingWindow {
+    /// Tokens behind a sequence's next position whose blocks it keeps: its window, the keys
+    /// the backend reads before it, and [`WINDOW_MARGIN`].
+    pub fn tokens_kept(self) -> usize {
+        self.tokens
+            .saturating_add(self.read_slack)
+            .saturating_add(WINDOW_MARGIN)
+    }
+
+    /// The most blocks of `block_size` tokens a running sequence holds at once when its steps
+    /// feed at most `max_chunk` tokens: those of [`SlidingWindow::tokens_kept`] and of a
+    /// chunk, a partial block at either end, and one not yet given back while its prefix
+    /// hash waits for a token in flight.
+    pub fn blocks_held(self, block_size: usize, max_chunk: usize) -> usize {
+        self.tokens_kept()
+            .saturating_add(max_chunk)
+            .div_ceil(block_size.max(1))
+            .saturating_add(3)
+    }
 }
 
 fn unbounded() -> usize {
@@ -259,6 +301,21 @@ fn unbounded() -> usize {
 
 fn default_max_loras() -> usize {
     4
+}
+
+impl SchedulerConfig {
+    /// Tokens of the longest sequence the KV cache holds alone: its every block's or, under
+    /// a sliding window whose sequences hold at most as many blocks as the cache has
+    /// ([`SlidingWindow::blocks_held`]), any length (`usize::MAX`).
+    pub fn kv_capacity_tokens(&self) -> usize {
+        let held = self
+            .sliding_window
+            .map(|w| w.blocks_held(self.block_size, self.max_num_batched_tokens));
+        if held.is_some_and(|h| h <= self.num_gpu_blocks) {
+            return usize::MAX;
+        }
+        self.num_gpu_blocks.saturating_mul(self.block_size)
+    }
 }
 
 impl Default for SchedulerConfig {
@@ -274,6 +331,7 @@ impl Default for SchedulerConfig {
             max_logit_rows: usize::MAX,
             max_loras: default_max_loras(),
             speculative: None,
+            sliding_window: None,
         }
     }
 }
@@ -322,13 +380,20 @@ impl StepPlan {
     /// it and `switchyard calibrate` fits them: every draft token is a row of logits beside
     /// the sampled position.
     pub fn shape(&self) -> StepShape {
+        self.shape_within(None)
+    }
+
+    /// [`StepPlan::shape`] for a model attending over a sliding window: each new token's
+    /// keys and the keys read are those of its window.
+    pub fn shape_within(&self, window: Option<SlidingWindow>) -> StepShape {
         let mut shape = StepShape::default();
         for s in &self.seqs {
-            shape.add_seq(
+            shape.add_seq_within(
                 s.num_computed_tokens as u64,
                 s.num_new_tokens as u64,
                 s.is_prefill,
                 s.samples,
+                window,
             );
             if s.samples {
                 shape.num_sampled += s.draft_tokens.len() as u64;
@@ -362,6 +427,20 @@ pub struct StepShape {
 impl StepShape {
     /// Adds one sequence with `computed` tokens already in KV and `new` tokens this step.
     pub fn add_seq(&mut self, computed: u64, new: u64, is_prefill: bool, samples: bool) {
+        self.add_seq_within(computed, new, is_prefill, samples, None);
+    }
+
+    /// [`StepShape::add_seq`] under a sliding window: new token `j` (1-based) attends to
+    /// `min(computed + j, window)` keys, and the step reads the keys from its first token's
+    /// window on.
+    pub fn add_seq_within(
+        &mut self,
+        computed: u64,
+        new: u64,
+        is_prefill: bool,
+        samples: bool,
+        window: Option<SlidingWindow>,
+    ) {
         self.num_seqs += 1;
         self.num_tokens += new;
         if is_prefill {
@@ -370,9 +449,19 @@ impl StepShape {
             self.num_decode_seqs += 1;
         }
         self.num_sampled += u64::from(samples);
-        self.kv_tokens += computed + new;
-        // New token j (1-based) attends to computed + j keys.
-        self.attention_pairs += new * computed + new * (new + 1) / 2;
+        let Some(w) = window else {
+            self.kv_tokens += computed + new;
+            // New token j (1-based) attends to computed + j keys.
+            self.attention_pairs += new * computed + new * (new + 1) / 2;
+            return;
+        };
+        let w = w.tokens.max(1) as u64;
+        // Keys before the first new token's window are not read.
+        self.kv_tokens += computed + new - (computed + 1).saturating_sub(w);
+        // Tokens j = 1..=new attend to computed + j keys until that reaches w: the first
+        // `ramp` of them (computed + j < w), then w each.
+        let ramp = w.saturating_sub(computed + 1).min(new);
+        self.attention_pairs += ramp * computed + ramp * (ramp + 1) / 2 + (new - ramp) * w;
     }
 }
 

@@ -56,6 +56,8 @@ struct Workload {
     speculative: Option<SpeculativeConfig>,
     /// Outputs repeat with this period (0: no pattern), so drafts are often right.
     period: u8,
+    /// A sliding window: blocks behind it are given back while a request runs.
+    window: Option<SlidingWindow>,
 }
 
 fn spec() -> impl Strategy<Value = Spec> {
@@ -111,6 +113,7 @@ fn workload() -> impl Strategy<Value = Workload> {
                 ),
             ),
             prop::sample::select(vec![0u8, 2, 3, 5]),
+            prop::option::weighted(0.4, (1usize..24, 0usize..10)),
         ),
     )
         .prop_map(
@@ -122,7 +125,7 @@ fn workload() -> impl Strategy<Value = Workload> {
                 caching,
                 reqs,
                 (swap_every, spare_logit_rows, max_loras),
-                (speculative, period),
+                (speculative, period, window),
             )| Workload {
                 block_size,
                 num_gpu_blocks,
@@ -140,6 +143,7 @@ fn workload() -> impl Strategy<Value = Workload> {
                     max_running,
                 }),
                 period,
+                window: window.map(|(tokens, read_slack)| SlidingWindow { tokens, read_slack }),
             },
         )
 }
@@ -295,17 +299,49 @@ fn check_plan(
         );
         table.truncate(q.first_new_block);
         table.extend_from_slice(&q.new_blocks);
-        prop_assert_eq!(
-            Some(table.as_slice()),
-            s.block_table(q.id),
-            "mirror differs"
+        prop_assert!(
+            !q.new_blocks.contains(&RELEASED_BLOCK),
+            "a released entry sent"
         );
+        // The scheduler's table, with the blocks given back behind a sliding window as
+        // RELEASED_BLOCK: the mirror still holds their old ids, which the backend never reads.
+        let sched = s.block_table(q.id).unwrap_or(&[]);
+        let released = sched.iter().take_while(|&&b| b == RELEASED_BLOCK).count();
+        prop_assert_eq!(table.len(), sched.len(), "mirror differs");
+        prop_assert_eq!(&table[released..], &sched[released..], "mirror differs");
         let need = (q.num_computed_tokens + q.num_new_tokens).div_ceil(w.block_size);
         prop_assert!(table.len() >= need, "block table too short");
-        let distinct: BTreeSet<_> = table.iter().collect();
-        prop_assert_eq!(distinct.len(), table.len(), "block twice in one table");
-        for &b in table.iter() {
+        let held = &table[released..];
+        let distinct: BTreeSet<_> = held.iter().collect();
+        prop_assert_eq!(distinct.len(), held.len(), "block twice in one table");
+        for &b in held {
             *uses.entry(b).or_default() += 1;
+        }
+        match w.window {
+            // Every key the step's queries attend to, and the `read_slack` keys before the
+            // first one's window, are in blocks it holds; once running, it holds at most
+            // `blocks_held`.
+            Some(win) => {
+                prop_assert!(
+                    released == 0
+                        || released * w.block_size + win.tokens + win.read_slack
+                            <= q.num_computed_tokens,
+                    "{} blocks released at {} computed, window {:?}",
+                    released,
+                    q.num_computed_tokens,
+                    win
+                );
+                if q.first_new_block > 0 {
+                    let cap = win.blocks_held(w.block_size, w.max_num_batched_tokens);
+                    prop_assert!(
+                        held.len() <= cap,
+                        "{} blocks held, at most {}",
+                        held.len(),
+                        cap
+                    );
+                }
+            }
+            None => prop_assert_eq!(released, 0, "released without a window"),
         }
         prop_assert_eq!(s.request_state(q.id), Some(RequestState::Running));
     }
@@ -369,6 +405,7 @@ fn run(w: &Workload, first: &str, swaps: &[&str], pipelined: bool) -> Result<End
         max_logit_rows: w.max_num_seqs + w.spare_logit_rows,
         max_loras: w.max_loras,
         speculative: w.speculative.clone(),
+        sliding_window: w.window,
     };
     let mut s = Scheduler::new(config, make_policy(first), [7, 9]).unwrap();
     let mut admitted: BTreeMap<RequestId, &Spec> = BTreeMap::new();
@@ -385,15 +422,25 @@ fn run(w: &Workload, first: &str, swaps: &[&str], pipelined: bool) -> Result<End
         for (i, r) in w.reqs.iter().enumerate() {
             if r.arrival_step == step {
                 let id = RequestId(i as u64);
-                let needed =
-                    (r.prefix_len + r.suffix_len + r.max_tokens as usize).div_ceil(w.block_size);
+                // The longest sequence the cache holds alone: every block's tokens, or any
+                // length under a window whose sequences hold at most that many blocks.
+                let fits = r.prefix_len + r.suffix_len + r.max_tokens as usize
+                    <= match w.window {
+                        Some(win)
+                            if win.blocks_held(w.block_size, w.max_num_batched_tokens)
+                                <= w.num_gpu_blocks =>
+                        {
+                            usize::MAX
+                        }
+                        _ => w.num_gpu_blocks * w.block_size,
+                    };
                 match s.add_request(request(i, r)) {
                     Ok(()) => {
-                        prop_assert!(needed <= w.num_gpu_blocks);
+                        prop_assert!(fits);
                         admitted.insert(id, r);
                     }
                     Err(e) => {
-                        prop_assert!(needed > w.num_gpu_blocks, "unexpected rejection: {}", e);
+                        prop_assert!(!fits, "unexpected rejection: {}", e);
                         prop_assert_eq!(s.request_state(id), None);
                     }
                 }

@@ -77,7 +77,16 @@ pub struct ModelSpec {
     /// preset has one; a custom model without it is bounded by the KV cache only.
     #[serde(default)]
     pub max_position_embeddings: Option<u64>,
+    /// Positions each query attends to when every layer attends over a sliding window (its
+    /// config.json's `sliding_window`): steps read only the window's keys, and the scheduler
+    /// gives back the blocks behind it while a request runs.
+    #[serde(default)]
+    pub sliding_window: Option<u64>,
 }
+
+/// Keys before a window's start that the modelled backend reads: the CUDA backend's chunked
+/// reads (`switchyard_gpu::CUDA_WINDOW_READ_SLACK`; a test of the binary checks they agree).
+pub const WINDOW_READ_SLACK: usize = 128;
 
 impl ModelSpec {
     /// Llama-3-8B (Meta, 2024): 32 layers, hidden 4096, 32/8 heads, FFN 14336, vocab 128256, bf16.
@@ -95,6 +104,7 @@ impl ModelSpec {
             bytes_per_weight: 2.0,
             bytes_per_kv: 2.0,
             max_position_embeddings: Some(8192),
+            sliding_window: None,
         }
     }
 
@@ -123,6 +133,7 @@ impl ModelSpec {
             bytes_per_weight: 2.0,
             bytes_per_kv: 2.0,
             max_position_embeddings: Some(8192),
+            sliding_window: None,
         }
     }
 
@@ -142,6 +153,7 @@ impl ModelSpec {
             bytes_per_weight: 2.0,
             bytes_per_kv: 2.0,
             max_position_embeddings: Some(32_768),
+            sliding_window: None,
         }
     }
 
@@ -161,13 +173,12 @@ impl ModelSpec {
             bytes_per_weight: 2.0,
             bytes_per_kv: 2.0,
             max_position_embeddings: Some(40_960),
+            sliding_window: None,
         }
     }
 
     /// Phi-3-mini-4k (Microsoft, 2024): 32 layers, hidden 3072, 32/32 heads of 96, FFN 8192,
-    /// vocab 32064, untied, bf16, context 4,096. Its layers attend over a sliding window of
-    /// 2,047 positions, which the roofline does not model: past that it prices a step's
-    /// attention over the whole context (an upper bound).
+    /// vocab 32064, untied, bf16, context 4,096, a sliding window of 2,047 positions.
     pub fn phi3_mini() -> Self {
         ModelSpec {
             name: "phi-3-mini".into(),
@@ -182,12 +193,36 @@ impl ModelSpec {
             bytes_per_weight: 2.0,
             bytes_per_kv: 2.0,
             max_position_embeddings: Some(4096),
+            sliding_window: Some(2047),
         }
+    }
+
+    /// Mistral-7B-v0.1 (Mistral AI, 2023): Llama-3-8B's layers (32, hidden 4096, 32/8 heads,
+    /// FFN 14336) with a vocabulary of 32000, untied, bf16, context 32,768 over a sliding
+    /// window of 4,096 positions.
+    pub fn mistral_7b_v0_1() -> Self {
+        ModelSpec {
+            name: "mistral-7b-v0.1".into(),
+            vocab_size: 32_000,
+            max_position_embeddings: Some(32_768),
+            sliding_window: Some(4096),
+            ..Self::llama_3_8b()
+        }
+    }
+
+    /// The scheduler's view of the model's sliding window, if it has one.
+    pub fn window(&self) -> Option<switchyard_policies::SlidingWindow> {
+        self.sliding_window
+            .map(|w| switchyard_policies::SlidingWindow {
+                tokens: usize::try_from(w).unwrap_or(usize::MAX),
+                read_slack: WINDOW_READ_SLACK,
+            })
     }
 
     /// Names of the presets, for messages.
     pub const PRESETS: &'static str =
-        "llama-3-8b, llama-3.1-8b, smollm2-135m, qwen2.5-0.5b, qwen3-0.6b, phi-3-mini";
+        "llama-3-8b, llama-3.1-8b, smollm2-135m, qwen2.5-0.5b, qwen3-0.6b, phi-3-mini, \
+         mistral-7b-v0.1";
 
     /// A preset by name (see [`ModelSpec::PRESETS`]).
     pub fn preset(name: &str) -> Option<Self> {
@@ -198,6 +233,7 @@ impl ModelSpec {
             "qwen2.5-0.5b" => Some(Self::qwen2_5_0_5b()),
             "qwen3-0.6b" => Some(Self::qwen3_0_6b()),
             "phi-3-mini" => Some(Self::phi3_mini()),
+            "mistral-7b-v0.1" => Some(Self::mistral_7b_v0_1()),
             _ => None,
         }
     }
@@ -583,6 +619,7 @@ mod tests {
             bytes_per_weight: 2.0,
             bytes_per_kv: 2.0,
             max_position_embeddings: Some(64),
+            sliding_window: None,
         };
         let h = HardwareSpec {
             name: "toy".into(),
@@ -604,6 +641,8 @@ mod tests {
         assert_eq!(ModelSpec::smollm2_135m().total_params(), 134_515_008);
         // Phi-3-mini-4k-instruct's safetensors metadata: 3,821,079,552.
         assert_eq!(ModelSpec::phi3_mini().total_params(), 3_821_079_552);
+        // Mistral-7B-v0.1's model card: 7.24B; its safetensors metadata: 7,241,732,096.
+        assert_eq!(ModelSpec::mistral_7b_v0_1().total_params(), 7_241_732_096);
         // Llama-3-8B: 2 (K,V) * 32 layers * 8 heads * 128 dims * 2 bytes = 128 KiB per token.
         assert_eq!(ModelSpec::llama_3_8b().kv_bytes_per_token(), 131_072.0);
     }
@@ -699,6 +738,12 @@ mod tests {
         assert_eq!(ctx("qwen2.5-0.5b"), 32_768);
         assert_eq!(ctx("qwen3-0.6b"), 40_960);
         assert_eq!(ctx("phi-3-mini"), 4096);
+        assert_eq!(ctx("mistral-7b-v0.1"), 32_768);
+        // And the sliding windows of their config.json.
+        let window = |n: &str| ModelSpec::preset(n).unwrap().sliding_window;
+        assert_eq!(window("phi-3-mini"), Some(2047));
+        assert_eq!(window("mistral-7b-v0.1"), Some(4096));
+        assert_eq!(window("llama-3-8b"), None);
         for n in ModelSpec::PRESETS.split(", ") {
             let m = ModelSpec::preset(n).unwrap();
             assert_eq!(m.name, n);

@@ -22,6 +22,7 @@ pub mod report;
 pub mod spec;
 pub mod trace;
 
+pub use cost::WINDOW_READ_SLACK;
 pub use engine::{PolicyRun, Simulation, Workload};
 pub use error::SimError;
 pub use report::Comparison;

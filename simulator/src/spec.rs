@@ -103,7 +103,7 @@ fn default_hardware() -> HardwareChoice {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(untagged)]
 pub enum ModelChoice {
-    /// A preset: `llama-3-8b`, `llama-3.1-8b`, `smollm2-135m`, `qwen2.5-0.5b`, `qwen3-0.6b`.
+    /// A preset (see [`ModelSpec::PRESETS`]).
     Preset(String),
     /// A full model shape.
     Custom(ModelSpec),

@@ -258,6 +258,7 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
         max_logit_rows: switchyard_gpu::backend::MAX_LOGIT_ROWS,
         max_loras: 4,
         speculative: runtime::speculative_from_args(&args.speculative)?,
+        sliding_window: runtime::sliding_window(&config, backend.as_ref()),
     };
     let mut engine = runtime::offline_core(backend, scheduler, args.async_scheduling)?;
     anyhow::ensure!(

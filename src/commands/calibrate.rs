@@ -482,6 +482,7 @@ fn measure(args: &CalibrateArgs) -> anyhow::Result<SamplesFile> {
         max_logit_rows: switchyard_gpu::backend::MAX_LOGIT_ROWS,
         max_loras: 1,
         speculative: None,
+        sliding_window: runtime::sliding_window(&model_config, backend.as_ref()),
     };
     // One step at a time, so that each backend time is one planned step's.
     let mut engine = runtime::offline_core(backend, scheduler, AsyncSchedulingMode::Off)?;

@@ -69,6 +69,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         runtime::ModelSource::Loaded(&model.config, &model.weights),
         &settings,
     )?;
+    let sliding_window = runtime::sliding_window(&model.config, backend.as_ref());
     drop(model);
     anyhow::ensure!(
         adapter.is_none() || backend.lora_slots() > 0,
@@ -87,6 +88,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         max_logit_rows: switchyard_gpu::backend::MAX_LOGIT_ROWS,
         max_loras: 4,
         speculative: runtime::speculative_from_args(&args.speculative)?,
+        sliding_window,
     };
     let mut engine = runtime::offline_core(backend, scheduler, args.async_scheduling)?;
     let eos = tokenizer.eos_token_ids().to_vec();

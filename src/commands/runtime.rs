@@ -296,6 +296,20 @@ fn cuda_backend(_: ModelSource<'_>, _: &BackendSettings) -> anyhow::Result<Box<d
     anyhow::bail!("this binary was built without the `cuda` feature")
 }
 
+/// The scheduler's view of a model's sliding window served by `backend`: the window, and the
+/// keys before it the backend may read ([`Backend::window_read_slack`]).
+pub fn sliding_window(
+    config: &LlamaConfig,
+    backend: &dyn Backend,
+) -> Option<switchyard_policies::SlidingWindow> {
+    config
+        .sliding_window
+        .map(|tokens| switchyard_policies::SlidingWindow {
+            tokens,
+            read_slack: backend.window_read_slack(),
+        })
+}
+
 /// A named architecture preset for random (dummy) weights.
 pub fn preset(name: &str) -> anyhow::Result<LlamaConfig> {
     match name {
@@ -402,5 +416,14 @@ mod tests {
         }
         let e = super::preset("gpt-5").unwrap_err().to_string();
         assert!(e.contains("qwen3-0.6b"), "{e}");
+    }
+
+    /// The simulator prices sliding windows with the CUDA backend's read slack.
+    #[test]
+    fn the_simulator_models_the_cuda_backends_window_reads() {
+        assert_eq!(
+            switchyard_simulator::WINDOW_READ_SLACK,
+            switchyard_gpu::CUDA_WINDOW_READ_SLACK
+        );
     }
 }

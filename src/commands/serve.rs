@@ -206,11 +206,13 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     // The scheduler plans with the blocks the backend actually holds, and a sequence of
     // max_model_len tokens must fit in them (else such requests could never run).
     let num_blocks = backend.num_kv_blocks();
+    let sliding_window = runtime::sliding_window(&model.config, backend.as_ref());
     let max_model_len = checks::fit_kv_cache(
         max_model_len,
         config.model.max_model_len.is_some(),
         num_blocks,
         block_size,
+        sliding_window.map(|w| w.blocks_held(block_size, config.scheduler.max_num_batched_tokens)),
     )?;
     let lora = config.lora.enabled.then(|| LoraManagerConfig {
         model: model.config.clone(),
@@ -236,6 +238,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             max_logit_rows: MAX_LOGIT_ROWS,
             max_loras: config.lora.max_loras,
             speculative: runtime::speculative_from_config(config.speculative.as_ref())?,
+            sliding_window,
         },
         lora,
         vocab_size,

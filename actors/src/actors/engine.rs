@@ -380,10 +380,9 @@ impl Engine {
         self.config.scheduler.max_model_len
     }
 
-    /// The longest sequence the KV cache holds: every block of the pool.
+    /// The longest sequence the KV cache holds ([`SchedulerConfig::kv_capacity_tokens`]).
     pub fn kv_capacity_tokens(&self) -> usize {
-        let s = &self.config.scheduler;
-        s.num_gpu_blocks.saturating_mul(s.block_size)
+        self.config.scheduler.kv_capacity_tokens()
     }
 
     /// Requests in flight.

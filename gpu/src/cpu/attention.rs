@@ -603,6 +603,66 @@ mod tests {
         }
     }
 
+    /// What the scheduler relies on when it gives back a running sequence's blocks behind a
+    /// sliding window (`Backend::window_read_slack`: a block for this backend): a query reads
+    /// no key more than a block before its window, so those slots may hold anything, NaN
+    /// included, on every path and instruction set.
+    #[test]
+    fn no_key_more_than_a_block_before_the_window_is_read() {
+        for (hd, bs, group) in [
+            (64, 16, 3),
+            (96, 16, 1),
+            (128, 16, 2),
+            (32, 8, 1),
+            (64, 5, 2),
+        ] {
+            let (kvh, ctx) = (2, 70);
+            let nh = kvh * group;
+            let table: Vec<u32> = (0..32).rev().collect();
+            let fill = |poison_below: usize| {
+                let mut cache = KvCache::new(1, 32, bs, kvh, hd).unwrap();
+                for i in 0..ctx {
+                    let (k, v): (Vec<f32>, Vec<f32>) = (0..kvh * hd)
+                        .map(|d| match i < poison_below {
+                            true => (f32::NAN, f32::NAN),
+                            false => (
+                                ((i * 7 + d * 3) % 17) as f32 * 0.08 - 0.6,
+                                ((i * 5 + d) % 13) as f32 * 0.2 - 1.0,
+                            ),
+                        })
+                        .unzip();
+                    cache.write(0, table[i / bs] as usize, i % bs, &k, &v);
+                }
+                cache
+            };
+            let clean = fill(0);
+            for window in [1, 7, 16, 33] {
+                for pos in [ctx - 1, 40, 23] {
+                    let first = (pos + 1).saturating_sub(window);
+                    let poisoned = fill(first.saturating_sub(bs));
+                    let queries = [QueryPos { pos, seq: 0 }];
+                    let q: Vec<f32> = (0..nh * hd).map(|i| (i as f32 * 0.37).sin()).collect();
+                    let batch = AttentionBatch {
+                        queries: &queries,
+                        tables: &[&table],
+                        num_heads: nh,
+                        window: Some(window),
+                    };
+                    for isa in [Isa::Avx512Vnni, Isa::Avx2, Isa::Scalar] {
+                        let mut want = vec![0f32; q.len()];
+                        let mut got = vec![0f32; q.len()];
+                        attention(0, &q, &clean, &batch, &mut want, isa);
+                        attention(0, &q, &poisoned, &batch, &mut got, isa);
+                        assert_eq!(
+                            got, want,
+                            "{isa:?} hd {hd} bs {bs} group {group} window {window} pos {pos}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn vector_path_matches_plain_path() {
         // Head dimensions 64, 96 and 128 with 16-slot blocks take the vector loops (AVX2: any

@@ -639,6 +639,9 @@ impl Drop for CudaBackend {
     }
 }
 
+// The attention kernels read a sliding window's keys from the chunk holding its first key.
+const _: () = assert!(step::ATT_KEYS <= crate::backend::CUDA_WINDOW_READ_SLACK);
+
 impl Backend for CudaBackend {
     fn name(&self) -> &str {
         &self.name
@@ -668,6 +671,10 @@ impl Backend for CudaBackend {
 
     fn release(&mut self, seq_id: u64) {
         self.states.remove(&seq_id);
+    }
+
+    fn window_read_slack(&self) -> usize {
+        crate::backend::CUDA_WINDOW_READ_SLACK
     }
 
     fn lora_slots(&self) -> usize {

@@ -58,15 +58,18 @@ pub(super) fn max_model_len(
 /// `block_size` tokens): a sequence the cache cannot hold alone could never run, so, as vLLM
 /// does, a configured `model.max_model_len` (`configured`) beyond the cache is refused, naming
 /// both numbers and what to change; the model's own context is lowered to what the cache holds,
-/// with a warning.
+/// with a warning. Under a sliding window a sequence holds at most `held_at_most` blocks at
+/// once ([`switchyard_policies::SlidingWindow::blocks_held`]), so any length fits a cache of
+/// that many.
 pub(super) fn fit_kv_cache(
     max_model_len: usize,
     configured: bool,
     num_blocks: usize,
     block_size: usize,
+    held_at_most: Option<usize>,
 ) -> anyhow::Result<usize> {
     let capacity = num_blocks.saturating_mul(block_size);
-    if max_model_len <= capacity {
+    if max_model_len <= capacity || held_at_most.is_some_and(|h| h <= num_blocks) {
         return Ok(max_model_len);
     }
     let remedy = "raise cache.kv_cache_mb (CPU backend) or cache.gpu_memory_utilization \
@@ -140,12 +143,18 @@ mod tests {
     #[test]
     fn max_model_len_must_fit_in_the_kv_cache() {
         // It fits: unchanged, configured or not.
-        assert_eq!(fit_kv_cache(8192, true, 512, 16).unwrap(), 8192);
-        assert_eq!(fit_kv_cache(8192, false, 600, 16).unwrap(), 8192);
+        assert_eq!(fit_kv_cache(8192, true, 512, 16, None).unwrap(), 8192);
+        assert_eq!(fit_kv_cache(8192, false, 600, 16, None).unwrap(), 8192);
         // The model's own context is lowered to what the cache holds.
-        assert_eq!(fit_kv_cache(8192, false, 45, 16).unwrap(), 720);
+        assert_eq!(fit_kv_cache(8192, false, 45, 16, None).unwrap(), 720);
+        // Under a sliding window, a cache that holds what a sequence holds at once fits
+        // every length; a smaller one is what it was.
+        assert_eq!(fit_kv_cache(8192, true, 45, 16, Some(45)).unwrap(), 8192);
+        assert_eq!(fit_kv_cache(8192, false, 45, 16, Some(46)).unwrap(), 720);
         // A configured one is refused, with both numbers and what to change.
-        let e = fit_kv_cache(8192, true, 45, 16).unwrap_err().to_string();
+        let e = fit_kv_cache(8192, true, 45, 16, None)
+            .unwrap_err()
+            .to_string();
         for part in [
             "model.max_model_len is 8192",
             "720 tokens",
