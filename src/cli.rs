@@ -96,7 +96,7 @@ pub struct SimulateArgs {
     #[arg(long, value_delimiter = ',', default_value = "fcfs")]
     pub policies: Vec<String>,
     /// Model preset for the step-cost model (`llama-3-8b`, `llama-3.1-8b`, `smollm2-135m`,
-    /// `qwen2.5-0.5b`, `qwen3-0.6b`, `phi-3-mini`).
+    /// `qwen2.5-0.5b`, `qwen3-0.6b`, `phi-3-mini`, `mistral-7b-v0.1`).
     #[arg(long, default_value = "llama-3-8b")]
     pub model: String,
     /// Hardware preset for the step-cost model (`h200`).
@@ -320,7 +320,7 @@ pub struct ThroughputArgs {
     #[arg(long)]
     pub model: Option<PathBuf>,
     /// Random weights of a named architecture instead of a file (smollm2-135m, llama-3-8b,
-    /// qwen2.5-0.5b, qwen3-0.6b, phi-3-mini).
+    /// qwen2.5-0.5b, qwen3-0.6b, phi-3-mini, mistral-7b-v0.1).
     #[arg(long)]
     pub dummy: Option<String>,
     /// Dataset of prompt/output lengths.
@@ -402,7 +402,7 @@ pub struct CalibrateArgs {
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub overrides: Vec<String>,
     /// Random weights of a named architecture instead of the configured model file
-    /// (smollm2-135m, llama-3-8b, qwen2.5-0.5b, qwen3-0.6b, phi-3-mini): step times depend on
+    /// (smollm2-135m, llama-3-8b, qwen2.5-0.5b, qwen3-0.6b, phi-3-mini, mistral-7b-v0.1): step times depend on
     /// the shape, not the values.
     #[arg(long)]
     pub dummy: Option<String>,

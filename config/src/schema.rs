@@ -812,12 +812,13 @@ pub struct LoraAdapterEntry {
 
 /// The architecture presets of random (dummy) weights, as `switchyard bench throughput --dummy`
 /// names them (`runtime::preset` in the binary builds each).
-pub const DUMMY_ARCHITECTURES: [&str; 5] = [
+pub const DUMMY_ARCHITECTURES: [&str; 6] = [
     "smollm2-135m",
     "llama-3-8b",
     "qwen2.5-0.5b",
     "qwen3-0.6b",
     "phi-3-mini",
+    "mistral-7b-v0.1",
 ];
 
 /// Most tiers a configuration may declare (tier names become metric labels).

@@ -34,7 +34,9 @@ use std::sync::Arc;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde_json::Value;
-use switchyard_gpu::backend::{Backend, Batch, SamplingParams, SeqInput, PENDING_TOKEN};
+use switchyard_gpu::backend::{
+    Backend, Batch, SamplingParams, SeqInput, CUDA_WINDOW_READ_SLACK, PENDING_TOKEN,
+};
 use switchyard_gpu::cpu::attention::QueryPos;
 use switchyard_gpu::cpu::kv_cache::KvCache;
 use switchyard_gpu::cpu::llama::{dummy_weights, ActivationPrecision, LlamaModel, StepInput};
@@ -305,6 +307,9 @@ fn check_attention(rng: &mut ChaCha8Rng, s: AttentionShape, spec: &[(usize, usiz
             }
         }
     }
+    if let (Some(w), false) = (s.window, s.fp8_kv) {
+        poison_behind_windows(&s, w, &seqs, &mut k, &mut v);
+    }
     let run = paged_attention(&s, &seqs, &q, &k, &v).expect("attention kernel");
     let got = run.out;
     let want = match run.fp8 {
@@ -342,6 +347,40 @@ fn check_attention(rng: &mut ChaCha8Rng, s: AttentionShape, spec: &[(usize, usiz
     eprintln!("attention {s:?} {spec:?}: max |error| {err:.2e}");
 }
 
+/// What the scheduler relies on when it gives back a running sequence's blocks behind a sliding
+/// window (`Backend::window_read_slack`): the kernels read no key more than
+/// [`CUDA_WINDOW_READ_SLACK`] positions before the window of a sequence's first query, so the
+/// slots of its table before that may hold anything. They are set to NaN here (a key or value
+/// read there, even masked, makes the output NaN), except where another sequence still reads
+/// them (a shared prefix).
+fn poison_behind_windows(
+    s: &AttentionShape,
+    window: usize,
+    seqs: &[AttentionSeq],
+    k: &mut [f32],
+    v: &mut [f32],
+) {
+    let bs = s.block_size;
+    let mut read = vec![false; s.num_blocks * bs];
+    let mut behind = Vec::new();
+    for a in seqs {
+        let lo = (a.computed + 1).saturating_sub(window + CUDA_WINDOW_READ_SLACK);
+        for p in 0..a.computed + a.queries {
+            let slot = a.table[p / bs] as usize * bs + p % bs;
+            if p >= lo {
+                read[slot] = true;
+            } else {
+                behind.push(slot);
+            }
+        }
+    }
+    let width = s.num_kv_heads * s.head_dim;
+    for slot in behind.into_iter().filter(|&sl| !read[sl]) {
+        k[slot * width..][..width].fill(f32::NAN);
+        v[slot * width..][..width].fill(f32::NAN);
+    }
+}
+
 #[test]
 fn paged_attention_matches_naive() {
     // Small tiles (decodes, small chunks) in one-warp and in four-warp blocks.
@@ -367,7 +406,8 @@ fn paged_attention_over_an_fp8_cache_matches_naive() {
 /// starting inside a split and past whole splits (the kernel skips the chunks before a tile's
 /// first row's window and leaves splits wholly before it; the combine step reads each token's
 /// splits from its window's on), in decodes, chunked prefill over cached prefixes and whole
-/// prompts, over a bf16 and an fp8 cache.
+/// prompts, over a bf16 and an fp8 cache; over the bf16 one, with NaN in every slot more than
+/// `CUDA_WINDOW_READ_SLACK` positions before a sequence's window ([`poison_behind_windows`]).
 #[test]
 fn paged_attention_with_a_sliding_window_matches_naive() {
     if !gpu() {

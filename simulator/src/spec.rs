@@ -7,7 +7,7 @@
 //! seed: 1
 //! model: llama-3-8b            # a preset name, or the fields of `ModelSpec`
 //!                              # (presets: llama-3-8b, llama-3.1-8b, smollm2-135m,
-//!                              # qwen2.5-0.5b, qwen3-0.6b)
+//!                              # qwen2.5-0.5b, qwen3-0.6b, phi-3-mini, mistral-7b-v0.1)
 //! hardware: h200               # a preset name, or the fields of `HardwareSpec`
 //! calibration: cal.yaml        # optional, from `switchyard calibrate`: replaces the roofline
 //! cache: { block_size: 16, gpu_memory_utilization: 0.9, prefix_caching: true, prefix_sharing: tenant }

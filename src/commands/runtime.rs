@@ -318,6 +318,7 @@ pub fn preset(name: &str) -> anyhow::Result<LlamaConfig> {
         "qwen2.5-0.5b" => Ok(LlamaConfig::qwen25_05b()),
         "qwen3-0.6b" => Ok(LlamaConfig::qwen3_06b()),
         "phi-3-mini" => Ok(LlamaConfig::phi3_mini()),
+        "mistral-7b-v0.1" => Ok(LlamaConfig::mistral_7b_v0_1()),
         other => anyhow::bail!(
             "unknown architecture `{other}` (known: {})",
             switchyard_config::DUMMY_ARCHITECTURES.join(", ")

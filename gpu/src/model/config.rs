@@ -219,6 +219,21 @@ impl LlamaConfig {
         }
     }
 
+    /// Mistral-7B-v0.1 as its config.json gives it: Llama-3-8B's layers (32 heads, 8 KV heads
+    /// of 128) with a vocabulary of 32,000, RoPE base 10,000 and a sliding window of 4,096 over
+    /// a context of 32,768.
+    pub fn mistral_7b_v0_1() -> Self {
+        LlamaConfig {
+            vocab_size: 32_000,
+            rope_theta: 10_000.0,
+            max_position_embeddings: 32_768,
+            sliding_window: Some(4096),
+            bos_token_id: Some(1),
+            eos_token_ids: vec![2],
+            ..Self::llama3_8b()
+        }
+    }
+
     /// Picks the RoPE scaling's variant for the context the model is served with (LongRoPE's
     /// long factors past the pre-training context, its short ones within it: see
     /// [`crate::model::rope`]); the context itself is left as it is.
@@ -755,6 +770,8 @@ mod tests {
     fn presets_validate() {
         LlamaConfig::smollm2_135m().validate().unwrap();
         LlamaConfig::llama3_8b().validate().unwrap();
+        LlamaConfig::phi3_mini().validate().unwrap();
+        LlamaConfig::mistral_7b_v0_1().validate().unwrap();
     }
 
     #[test]
@@ -819,6 +836,11 @@ mod tests {
             (c.sliding_window, c.max_position_embeddings)
         };
         assert_eq!(window(v01), (Some(4096), 32768));
+        // The dummy-weights preset is that config.
+        let mut read = LlamaConfig::from_hf_json(v01).unwrap();
+        read.bos_token_id = Some(1);
+        read.eos_token_ids = vec![2];
+        assert_eq!(read, LlamaConfig::mistral_7b_v0_1());
         // v0.2 and later: no window.
         assert_eq!(
             window(&v01.replace("window\": 4096", "window\": null")),
