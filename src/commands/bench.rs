@@ -332,6 +332,8 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
     let mut finished_any = false;
     // Each measured decode step's time and the tokens it produced.
     let mut decode_steps: Vec<(u64, usize)> = Vec::new();
+    // The most KV blocks in use after any step.
+    let mut peak_blocks = 0usize;
     while engine.core().has_unfinished() {
         let all_started = first_token.len() == lengths.len();
         let t0 = Instant::now();
@@ -339,6 +341,7 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
         let step_us = t0.elapsed().as_micros() as u64;
         steps += 1;
         overhead_us += report.plan_us + report.apply_us;
+        peak_blocks = peak_blocks.max(num_blocks - engine.core().stats().num_free_blocks);
         let mut finished_now = false;
         let mut step_tokens = 0usize;
         for e in &report.events {
@@ -386,6 +389,9 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
         "steps": steps,
         "async_scheduling": engine.async_scheduling(),
         "engine_overhead_us_per_step": overhead_us as f64 / steps.max(1) as f64,
+        "kv_cache_blocks": num_blocks,
+        "kv_blocks_used_max": peak_blocks,
+        "preemptions": engine.core().stats().num_preemptions,
     });
     let spec = engine.core().spec_decode_stats();
     if spec.num_drafts > 0 {
@@ -415,6 +421,11 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
             overhead_us as f64 / steps.max(1) as f64
         );
         println!("Backend: {backend_name}");
+        println!(
+            "KV cache: {num_blocks} blocks of {block_size}, at most {peak_blocks} in use; {} \
+             preemptions",
+            engine.core().stats().num_preemptions
+        );
         if spec.num_drafts > 0 {
             println!(
                 "Speculative decoding: {} of {} draft tokens accepted ({:.1}%), {:.2} per draft",

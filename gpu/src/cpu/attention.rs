@@ -134,8 +134,19 @@ struct HeadJob<'a> {
 }
 
 impl HeadJob<'_> {
-    /// Blocks holding attended positions: (index in the table, block, first slot attended,
-    /// slots up to the last attended one).
+    /// The position of the first block attended to: scores are kept from it on, so a sliding
+    /// window's job holds its window's (plus at most a block), not the whole context's.
+    fn base(&self) -> usize {
+        self.first - self.first % self.cache.block_size
+    }
+
+    /// Scores kept: from [`HeadJob::base`] to the last position attended to.
+    fn span(&self) -> usize {
+        self.ctx - self.base()
+    }
+
+    /// Blocks holding attended positions: (index of the block's first slot among the scores,
+    /// block, first slot attended, slots up to the last attended one).
     fn blocks(&self) -> impl Iterator<Item = (usize, usize, usize, usize)> + '_ {
         let bs = self.cache.block_size;
         let lo = self.first / bs;
@@ -146,7 +157,12 @@ impl HeadJob<'_> {
             .skip(lo)
             .map(move |(bi, &block)| {
                 let from = if bi == lo { self.first - bi * bs } else { 0 };
-                (bi, block as usize, from, bs.min(self.ctx - bi * bs))
+                (
+                    (bi - lo) * bs,
+                    block as usize,
+                    from,
+                    bs.min(self.ctx - bi * bs),
+                )
             })
     }
 }
@@ -156,9 +172,9 @@ impl HeadJob<'_> {
 unsafe fn attend_avx512(job: &HeadJob<'_>, q: &[f32], out: &mut [f32]) {
     let c = job.cache;
     if c.block_size.is_multiple_of(L) && matches!(c.head_dim, 64 | 96 | 128) {
-        let mut scores = vec![0f32; job.ctx];
+        let mut scores = vec![0f32; job.span()];
         x86::scores(job, q, &mut scores);
-        let inv = softmax_unnormalised(&mut scores[job.first..]);
+        let inv = softmax_unnormalised(&mut scores[job.first - job.base()..]);
         match c.head_dim {
             64 => x86::weighted_values::<4>(job, &scores, inv, out),
             96 => x86::weighted_values::<6>(job, &scores, inv, out),
@@ -174,9 +190,9 @@ unsafe fn attend_avx512(job: &HeadJob<'_>, q: &[f32], out: &mut [f32]) {
 unsafe fn attend_avx2(job: &HeadJob<'_>, q: &[f32], out: &mut [f32]) {
     let c = job.cache;
     if c.block_size.is_multiple_of(x86::L8) && c.head_dim.is_multiple_of(32) {
-        let mut scores = vec![0f32; job.ctx];
+        let mut scores = vec![0f32; job.span()];
         x86::scores_avx2(job, q, &mut scores);
-        let inv = softmax_unnormalised(&mut scores[job.first..]);
+        let inv = softmax_unnormalised(&mut scores[job.first - job.base()..]);
         // 64 dimensions per pass over the values, then the last 32 (heads of 96).
         let mut d0 = 0;
         while d0 + 64 <= c.head_dim {
@@ -216,17 +232,14 @@ fn softmax_unnormalised(scores: &mut [f32]) -> f32 {
 #[inline(always)]
 fn attend(job: &HeadJob<'_>, q: &[f32], out: &mut [f32]) {
     let c = job.cache;
-    let (hd, bs, ctx) = (c.head_dim, c.block_size, job.ctx);
+    let (hd, bs) = (c.head_dim, c.block_size);
     let scale = 1.0 / (hd as f32).sqrt();
-    // Indexed by position; those before the window's first are left out.
-    let mut scores = vec![0f32; ctx];
-    for (bi, block, from, n) in job.blocks() {
+    // Indexed by position from the first block attended to; the slots before the window's
+    // first position are left out.
+    let mut scores = vec![0f32; job.span()];
+    for (at, block, from, n) in job.blocks() {
         let kt = c.keys(job.layer, block, job.kv_head);
-        for (j, s) in scores[bi * bs..bi * bs + n]
-            .iter_mut()
-            .enumerate()
-            .skip(from)
-        {
+        for (j, s) in scores[at..at + n].iter_mut().enumerate().skip(from) {
             let dot: f32 = q
                 .iter()
                 .enumerate()
@@ -235,11 +248,11 @@ fn attend(job: &HeadJob<'_>, q: &[f32], out: &mut [f32]) {
             *s = dot * scale;
         }
     }
-    let inv = softmax_unnormalised(&mut scores[job.first..]);
+    let inv = softmax_unnormalised(&mut scores[job.first - job.base()..]);
     out.fill(0.0);
-    for (bi, block, from, n) in job.blocks() {
+    for (at, block, from, n) in job.blocks() {
         let vb = c.values(job.layer, block, job.kv_head);
-        for (j, &p) in scores[bi * bs..bi * bs + n].iter().enumerate().skip(from) {
+        for (j, &p) in scores[at..at + n].iter().enumerate().skip(from) {
             for (o, &v) in out.iter_mut().zip(&vb[j * hd..(j + 1) * hd]) {
                 *o += p * inv * v.to_f32();
             }
@@ -269,7 +282,7 @@ mod x86 {
         let scale = _mm512_set1_ps(1.0 / (hd as f32).sqrt());
         let mut lanes = [0f32; L];
         // Whole blocks: the slots before the window's first are scored and left unused.
-        for (bi, block, _, n) in job.blocks() {
+        for (at, block, _, n) in job.blocks() {
             let kt = c.keys(job.layer, block, job.kv_head).as_ptr();
             for j0 in (0..n).step_by(L) {
                 let mut acc = [_mm512_setzero_ps(); 4];
@@ -284,7 +297,7 @@ mod x86 {
                     _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
                 _mm512_storeu_ps(lanes.as_mut_ptr(), _mm512_mul_ps(sum, scale));
                 let take = L.min(n - j0);
-                scores[bi * bs + j0..bi * bs + j0 + take].copy_from_slice(&lanes[..take]);
+                scores[at + j0..at + j0 + take].copy_from_slice(&lanes[..take]);
             }
         }
     }
@@ -298,12 +311,12 @@ mod x86 {
     ) {
         const HD: usize = 64;
         let c = job.cache;
-        let (bs, ctx) = (c.block_size, job.ctx);
+        let (bs, span) = (c.block_size, job.span());
         let scale = _mm512_set1_ps(1.0 / (HD as f32).sqrt());
-        let mut scores = vec![0f32; G * ctx];
+        let mut scores = vec![0f32; G * span];
         let mut lanes = [0f32; L];
         // Whole blocks: the slots before the window's first are scored and left unused.
-        for (bi, block, _, n) in job.blocks() {
+        for (at, block, _, n) in job.blocks() {
             let kt = c.keys(job.layer, block, job.kv_head).as_ptr();
             for j0 in (0..n).step_by(L) {
                 let mut acc = [[_mm512_setzero_ps(); 2]; G];
@@ -326,22 +339,23 @@ mod x86 {
                         lanes.as_mut_ptr(),
                         _mm512_mul_ps(_mm512_add_ps(a[0], a[1]), scale),
                     );
-                    let at = g * ctx + bi * bs + j0;
-                    scores[at..at + take].copy_from_slice(&lanes[..take]);
+                    let dst = g * span + at + j0;
+                    scores[dst..dst + take].copy_from_slice(&lanes[..take]);
                 }
             }
         }
         let mut inv = [0f32; G];
         for (g, i) in inv.iter_mut().enumerate() {
-            *i = super::softmax_unnormalised(&mut scores[g * ctx + job.first..(g + 1) * ctx]);
+            let first = g * span + job.first - job.base();
+            *i = super::softmax_unnormalised(&mut scores[first..(g + 1) * span]);
         }
         let mut acc = [[_mm512_setzero_ps(); 4]; G];
-        for (bi, block, from, n) in job.blocks() {
+        for (at, block, from, n) in job.blocks() {
             let vb = c.values(job.layer, block, job.kv_head).as_ptr();
             for j in from..n {
                 let v = [0, 1, 2, 3].map(|ci| load16(vb.add(j * HD + ci * L)));
                 for (g, a) in acc.iter_mut().enumerate() {
-                    let p = _mm512_set1_ps(*scores.get_unchecked(g * ctx + bi * bs + j));
+                    let p = _mm512_set1_ps(*scores.get_unchecked(g * span + at + j));
                     for ci in 0..4 {
                         a[ci] = _mm512_fmadd_ps(p, v[ci], a[ci]);
                     }
@@ -374,7 +388,7 @@ mod x86 {
         let scale = _mm256_set1_ps(1.0 / (hd as f32).sqrt());
         let mut lanes = [0f32; L8];
         // Whole blocks: the slots before the window's first are scored and left unused.
-        for (bi, block, _, n) in job.blocks() {
+        for (at, block, _, n) in job.blocks() {
             let kt = c.keys(job.layer, block, job.kv_head).as_ptr();
             for j0 in (0..n).step_by(L8) {
                 let mut acc = [_mm256_setzero_ps(); 4];
@@ -389,7 +403,7 @@ mod x86 {
                     _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
                 _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_mul_ps(sum, scale));
                 let take = L8.min(n - j0);
-                scores[bi * bs + j0..bi * bs + j0 + take].copy_from_slice(&lanes[..take]);
+                scores[at + j0..at + j0 + take].copy_from_slice(&lanes[..take]);
             }
         }
     }
@@ -404,12 +418,12 @@ mod x86 {
         out: &mut [f32],
     ) {
         let c = job.cache;
-        let (hd, bs) = (c.head_dim, c.block_size);
+        let hd = c.head_dim;
         let mut acc = [_mm256_setzero_ps(); C];
-        for (bi, block, from, n) in job.blocks() {
+        for (at, block, from, n) in job.blocks() {
             let vb = c.values(job.layer, block, job.kv_head).as_ptr();
             for j in from..n {
-                let pj = _mm256_set1_ps(p[bi * bs + j]);
+                let pj = _mm256_set1_ps(p[at + j]);
                 for (ci, a) in acc.iter_mut().enumerate() {
                     *a = _mm256_fmadd_ps(pj, load8(vb.add(j * hd + d0 + ci * L8)), *a);
                 }
@@ -430,12 +444,12 @@ mod x86 {
         out: &mut [f32],
     ) {
         let c = job.cache;
-        let (hd, bs) = (c.head_dim, c.block_size);
+        let hd = c.head_dim;
         let mut acc = [_mm512_setzero_ps(); C];
-        for (bi, block, from, n) in job.blocks() {
+        for (at, block, from, n) in job.blocks() {
             let vb = c.values(job.layer, block, job.kv_head).as_ptr();
             for j in from..n {
-                let pj = _mm512_set1_ps(p[bi * bs + j]);
+                let pj = _mm512_set1_ps(p[at + j]);
                 for (ci, a) in acc.iter_mut().enumerate() {
                     *a = _mm512_fmadd_ps(pj, load16(vb.add(j * hd + ci * L)), *a);
                 }
