@@ -362,6 +362,16 @@ fn bench_throughput_runs_real_prompts_with_speculative_decoding() {
     assert_eq!(plain["total_output_tokens"], spec["total_output_tokens"]);
     assert_eq!(plain["total_prompt_tokens"], spec["total_prompt_tokens"]);
     assert!(plain.get("spec_decode_num_drafts").is_none());
+    // The KV cache's blocks, the most in use (three short requests: some, not all) and
+    // preemptions (none).
+    for r in [&plain, &spec] {
+        let (blocks, used) = (
+            r["kv_cache_blocks"].as_u64(),
+            r["kv_blocks_used_max"].as_u64(),
+        );
+        assert!(used.is_some_and(|u| u > 0) && used < blocks, "{r}");
+        assert_eq!(r["preemptions"], 0, "{r}");
+    }
     let accepted = spec["spec_decode_num_accepted_tokens"]
         .as_u64()
         .expect("accepted");
