@@ -539,6 +539,17 @@ mod tests {
         }
     }
 
+    /// (head dimension, block size, query heads per KV head) of the window checks: the grouped
+    /// AVX-512 path at 64 dimensions and 3 heads per KV head, the one-head vector loops at 96
+    /// and 128, AVX2 at 32, the plain loops for 8-slot blocks under AVX-512 and odd block sizes.
+    const WINDOW_SHAPES: [(usize, usize, usize); 5] = [
+        (64, 16, 3),
+        (96, 16, 1),
+        (128, 16, 2),
+        (32, 8, 1),
+        (64, 5, 2),
+    ];
+
     /// A sliding window: each query attends to its last `window` positions only, on every
     /// path (the grouped AVX-512 one at 64 dimensions and 3 heads per KV head, the one-head
     /// vector loops at 96 and 128, AVX2 at 32, the plain loops for 8-slot blocks under
@@ -546,13 +557,7 @@ mod tests {
     /// starting inside a block, on a block's first slot, of one position and past the start.
     #[test]
     fn a_sliding_window_attends_to_the_last_positions_only() {
-        for (hd, bs, group) in [
-            (64, 16, 3),
-            (96, 16, 1),
-            (128, 16, 2),
-            (32, 8, 1),
-            (64, 5, 2),
-        ] {
+        for (hd, bs, group) in WINDOW_SHAPES {
             let (kvh, ctx) = (2, 70);
             let nh = kvh * group;
             let mut cache = KvCache::new(1, 32, bs, kvh, hd).unwrap();
@@ -623,13 +628,7 @@ mod tests {
     /// included, on every path and instruction set.
     #[test]
     fn no_key_more_than_a_block_before_the_window_is_read() {
-        for (hd, bs, group) in [
-            (64, 16, 3),
-            (96, 16, 1),
-            (128, 16, 2),
-            (32, 8, 1),
-            (64, 5, 2),
-        ] {
+        for (hd, bs, group) in WINDOW_SHAPES {
             let (kvh, ctx) = (2, 70);
             let nh = kvh * group;
             let table: Vec<u32> = (0..32).rev().collect();
