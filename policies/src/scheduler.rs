@@ -560,7 +560,9 @@ impl Scheduler {
         !self.running.is_empty() || !self.waiting.is_empty()
     }
 
-    /// The full KV block table of a running request (empty for waiting ones).
+    /// The full KV block table of a running request (empty for waiting ones). Under a sliding
+    /// window its leading entries may be [`RELEASED_BLOCK`]: blocks given back behind the
+    /// window, which no step reads again.
     pub fn block_table(&self, id: RequestId) -> Option<&[BlockId]> {
         self.index
             .get(&id)

@@ -351,7 +351,9 @@ pub struct ScheduledSeq {
     /// Blocks appended to the sequence's block table since it was last scheduled (vLLM V1
     /// sends new block ids only). Keep a mirror per request: `table.truncate(first_new_block);
     /// table.extend(new_blocks)`; the result covers `num_computed_tokens + num_new_tokens`
-    /// and equals [`crate::Scheduler::block_table`].
+    /// and equals [`crate::Scheduler::block_table`] but for its leading
+    /// [`crate::RELEASED_BLOCK`] entries (a sliding window's blocks given back, whose old ids
+    /// the mirror keeps: nothing reads them).
     pub new_blocks: Vec<BlockId>,
     /// Whether more than one uncomputed token remained before this step (prefill or recompute).
     pub is_prefill: bool,
