@@ -276,7 +276,8 @@ pub(crate) const WINDOW_MARGIN: usize = 4;
 
 impl SlidingWindow {
     /// Tokens behind a sequence's next position whose blocks it keeps: its window, the keys
-    /// the backend reads before it, and [`WINDOW_MARGIN`].
+    /// the backend reads before it, and a margin of 4 (a failed step moves a sequence back a
+    /// position, and steps run ahead of their outputs).
     pub fn tokens_kept(self) -> usize {
         self.tokens
             .saturating_add(self.read_slack)
