@@ -941,3 +941,61 @@ fn developer_messages_unsupported_fields_and_logprob_bounds_over_http() {
     assert_eq!(status, 200, "{v}");
     assert!(v["choices"][0]["logprobs"].is_null(), "{v}");
 }
+
+/// A sliding-window model (the tiny random Phi-3 of gpu/tests/fixtures/phi3-swa: a window of 7
+/// over a context of 64) in a KV cache of 11 blocks of 4 tokens, less than the 16 its context
+/// takes: running requests give back the blocks behind their window and hold at most 11, so
+/// `serve` keeps the whole context, and three requests of the whole context at once get the
+/// tokens each gets alone from a cache of 64 blocks.
+#[test]
+fn a_sliding_window_model_serves_its_whole_context_from_a_small_cache() {
+    let model =
+        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("gpu/tests/fixtures/phi3-swa");
+    let yaml = |blocks: usize| {
+        format!(
+            "cache:\n  block_size: 4\n  num_blocks: {blocks}\nscheduler:\n  max_num_seqs: 4\n  \
+             max_num_batched_tokens: 16\n"
+        )
+    };
+    let prompts: Vec<Vec<u32>> = (0..3u32)
+        .map(|i| {
+            (0..5 + 4 * i)
+                .map(|t| (41 * i + 13 * t) % 300 + 10)
+                .collect()
+        })
+        .collect();
+    let body = |p: &Vec<u32>| {
+        serde_json::json!({
+            "prompt": p,
+            "max_tokens": 64 - p.len(),
+            "temperature": 0,
+            "ignore_eos": true,
+        })
+    };
+    let texts = |s: &Server, together: bool| -> Vec<String> {
+        let one = |p: &Vec<u32>| {
+            let (status, v) = s.post_json("/v1/completions", &body(p));
+            assert_eq!(status, 200, "{v}");
+            assert_eq!(v["usage"]["total_tokens"], 64, "{v}");
+            v["choices"][0]["text"].as_str().expect("text").to_owned()
+        };
+        if together {
+            std::thread::scope(|sc| {
+                let hs: Vec<_> = prompts.iter().map(|p| sc.spawn(move || one(p))).collect();
+                hs.into_iter()
+                    .map(|h| h.join().expect("a request"))
+                    .collect()
+            })
+        } else {
+            prompts.iter().map(one).collect()
+        }
+    };
+    let alone = {
+        let s = Server::start_model("swa-large", &model, "", "", &yaml(64));
+        texts(&s, false)
+    };
+    let s = Server::start_model("swa-small", &model, "", "", &yaml(11));
+    s.assert_logged(&["sliding window", "blocks_held=11"]);
+    assert!(!s.log().contains("serving max_model_len"), "{}", s.log());
+    assert_eq!(texts(&s, true), alone);
+}

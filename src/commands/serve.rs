@@ -207,6 +207,15 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     // max_model_len tokens must fit in them (else such requests could never run).
     let num_blocks = backend.num_kv_blocks();
     let sliding_window = runtime::sliding_window(&model.config, backend.as_ref());
+    if let Some(w) = sliding_window {
+        tracing::info!(
+            window = w.tokens,
+            read_slack = w.read_slack,
+            blocks_held = w.blocks_held(block_size, config.scheduler.max_num_batched_tokens),
+            "sliding window: running requests give back the KV blocks behind it, and hold at \
+             most blocks_held at once"
+        );
+    }
     let max_model_len = checks::fit_kv_cache(
         max_model_len,
         config.model.max_model_len.is_some(),

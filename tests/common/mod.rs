@@ -81,7 +81,18 @@ impl Server {
         server_lines: &str,
         extra_yaml: &str,
     ) -> Server {
-        let model = model_path();
+        Self::start_model(name, &model_path(), model_lines, server_lines, extra_yaml)
+    }
+
+    /// Like [`Server::start_full`], serving the model at `model` (a GGUF file or a checkpoint
+    /// directory) rather than the embedded one.
+    pub fn start_model(
+        name: &str,
+        model: &std::path::Path,
+        model_lines: &str,
+        server_lines: &str,
+        extra_yaml: &str,
+    ) -> Server {
         let port = free_port();
         static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
