@@ -425,17 +425,8 @@ fn paged_attention_with_a_sliding_window_matches_naive() {
                 if fp8 && !fp8_gpu() {
                     continue;
                 }
-                let shape = AttentionShape {
-                    num_heads: nh,
-                    num_kv_heads: nkv,
-                    head_dim: hd,
-                    block_size: bs,
-                    num_blocks: 400,
-                    splits,
-                    one_warp,
-                    fp8_kv: fp8,
-                    window: Some(window),
-                };
+                let shape =
+                    attention_shape((nh, nkv, hd, bs), (splits, one_warp), fp8, Some(window));
                 let decodes: Vec<(usize, usize)> =
                     (0..6).map(|_| (rng.random_range(0..1200), 1)).collect();
                 check_attention(&mut rng, shape.clone(), &decodes, false);
@@ -493,6 +484,28 @@ fn rope_store_into_an_fp8_cache_quantizes_what_a_bf16_cache_holds() {
     }
 }
 
+/// An attention check's shape: (query heads, KV heads, head dimension, block size), (splits,
+/// one-warp blocks), an fp8 cache and a sliding window, in a cache of 400 blocks (more when the
+/// check's sequences need them).
+fn attention_shape(
+    (num_heads, num_kv_heads, head_dim, block_size): (usize, usize, usize, usize),
+    (splits, one_warp): (Option<usize>, bool),
+    fp8_kv: bool,
+    window: Option<usize>,
+) -> AttentionShape {
+    AttentionShape {
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        num_blocks: 400,
+        splits,
+        one_warp,
+        fp8_kv,
+        window,
+    }
+}
+
 /// The attention checks at every shape, for each (splits, one-warp) variant, over a bf16 or
 /// (`fp8`) an fp8 cache.
 fn attention_cases(fp8: bool, seed: u64, variants: &[(Option<usize>, bool)]) {
@@ -510,17 +523,7 @@ fn attention_cases(fp8: bool, seed: u64, variants: &[(Option<usize>, bool)]) {
     ];
     for (nh, nkv, hd, bs) in shapes {
         for &(splits, one_warp) in variants {
-            let shape = AttentionShape {
-                num_heads: nh,
-                num_kv_heads: nkv,
-                head_dim: hd,
-                block_size: bs,
-                num_blocks: 400,
-                splits,
-                one_warp,
-                fp8_kv: fp8,
-                window: None,
-            };
+            let shape = attention_shape((nh, nkv, hd, bs), (splits, one_warp), fp8, None);
             // Decodes at random context lengths.
             let decodes: Vec<(usize, usize)> =
                 (0..5).map(|_| (rng.random_range(0..300), 1)).collect();

@@ -305,18 +305,32 @@ fn default_max_loras() -> usize {
 }
 
 impl SchedulerConfig {
-    /// Tokens of the longest sequence the KV cache holds alone: its every block's or, under
-    /// a sliding window whose sequences hold at most as many blocks as the cache has
-    /// ([`SlidingWindow::blocks_held`]), any length (`usize::MAX`).
+    /// Tokens of the longest sequence the KV cache holds alone ([`kv_capacity_tokens`]).
     pub fn kv_capacity_tokens(&self) -> usize {
-        let held = self
-            .sliding_window
-            .map(|w| w.blocks_held(self.block_size, self.max_num_batched_tokens));
-        if held.is_some_and(|h| h <= self.num_gpu_blocks) {
-            return usize::MAX;
-        }
-        self.num_gpu_blocks.saturating_mul(self.block_size)
+        kv_capacity_tokens(
+            self.num_gpu_blocks,
+            self.block_size,
+            self.max_num_batched_tokens,
+            self.sliding_window,
+        )
     }
+}
+
+/// Tokens of the longest sequence a KV cache of `num_blocks` blocks of `block_size` tokens
+/// holds alone: its every block's or, under a sliding window whose sequences (fed chunks of at
+/// most `max_chunk` tokens) hold at most as many blocks as the cache has
+/// ([`SlidingWindow::blocks_held`]), any length (`usize::MAX`). The scheduler, `serve` and the
+/// simulator bound requests and `max_model_len` by it.
+pub fn kv_capacity_tokens(
+    num_blocks: usize,
+    block_size: usize,
+    max_chunk: usize,
+    window: Option<SlidingWindow>,
+) -> usize {
+    if window.is_some_and(|w| w.blocks_held(block_size, max_chunk) <= num_blocks) {
+        return usize::MAX;
+    }
+    num_blocks.saturating_mul(block_size)
 }
 
 impl Default for SchedulerConfig {

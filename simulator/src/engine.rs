@@ -395,15 +395,12 @@ fn fit_max_model_len(
         .max_position_embeddings
         .map_or(usize::MAX, |c| usize::try_from(c).unwrap_or(usize::MAX))
         .min(1 << 24);
-    let mut capacity = num_gpu_blocks.saturating_mul(block_size);
-    // Under a sliding window a sequence holds at most so many blocks at once, whatever its
-    // length.
-    if model
-        .window()
-        .is_some_and(|w| w.blocks_held(block_size, max_num_batched_tokens) <= num_gpu_blocks)
-    {
-        capacity = usize::MAX;
-    }
+    let capacity = switchyard_policies::kv_capacity_tokens(
+        num_gpu_blocks,
+        block_size,
+        max_num_batched_tokens,
+        model.window(),
+    );
     match configured {
         Some(n) if n > context => Err(format!(
             "scheduler.max_model_len is {n}, more than the {context} tokens of context of model \

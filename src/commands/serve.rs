@@ -219,9 +219,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let max_model_len = checks::fit_kv_cache(
         max_model_len,
         config.model.max_model_len.is_some(),
-        num_blocks,
-        block_size,
-        sliding_window.map(|w| w.blocks_held(block_size, config.scheduler.max_num_batched_tokens)),
+        (num_blocks, block_size),
+        config.scheduler.max_num_batched_tokens,
+        sliding_window,
     )?;
     let lora = config.lora.enabled.then(|| LoraManagerConfig {
         model: model.config.clone(),

@@ -58,20 +58,22 @@ pub(super) fn max_model_len(
 /// `block_size` tokens): a sequence the cache cannot hold alone could never run, so, as vLLM
 /// does, a configured `model.max_model_len` (`configured`) beyond the cache is refused, naming
 /// both numbers and what to change; the model's own context is lowered to what the cache holds,
-/// with a warning. Under a sliding window a sequence holds at most `held_at_most` blocks at
-/// once ([`switchyard_policies::SlidingWindow::blocks_held`]), so any length fits a cache of
-/// that many.
+/// with a warning. Under a sliding window (`window`, steps of at most `max_chunk` tokens) a
+/// sequence holds at most so many blocks at once, so any length fits a cache of that many
+/// ([`switchyard_policies::kv_capacity_tokens`]).
 pub(super) fn fit_kv_cache(
     max_model_len: usize,
     configured: bool,
-    num_blocks: usize,
-    block_size: usize,
-    held_at_most: Option<usize>,
+    (num_blocks, block_size): (usize, usize),
+    max_chunk: usize,
+    window: Option<switchyard_policies::SlidingWindow>,
 ) -> anyhow::Result<usize> {
-    let capacity = num_blocks.saturating_mul(block_size);
-    if max_model_len <= capacity || held_at_most.is_some_and(|h| h <= num_blocks) {
+    if max_model_len
+        <= switchyard_policies::kv_capacity_tokens(num_blocks, block_size, max_chunk, window)
+    {
         return Ok(max_model_len);
     }
+    let capacity = num_blocks.saturating_mul(block_size);
     let remedy = "raise cache.kv_cache_mb (CPU backend) or cache.gpu_memory_utilization \
                   (CUDA backend), or set cache.num_blocks higher";
     anyhow::ensure!(
@@ -143,16 +145,30 @@ mod tests {
     #[test]
     fn max_model_len_must_fit_in_the_kv_cache() {
         // It fits: unchanged, configured or not.
-        assert_eq!(fit_kv_cache(8192, true, 512, 16, None).unwrap(), 8192);
-        assert_eq!(fit_kv_cache(8192, false, 600, 16, None).unwrap(), 8192);
+        assert_eq!(
+            fit_kv_cache(8192, true, (512, 16), 8192, None).unwrap(),
+            8192
+        );
+        assert_eq!(
+            fit_kv_cache(8192, false, (600, 16), 8192, None).unwrap(),
+            8192
+        );
         // The model's own context is lowered to what the cache holds.
-        assert_eq!(fit_kv_cache(8192, false, 45, 16, None).unwrap(), 720);
+        assert_eq!(
+            fit_kv_cache(8192, false, (45, 16), 8192, None).unwrap(),
+            720
+        );
         // Under a sliding window, a cache that holds what a sequence holds at once fits
-        // every length; a smaller one is what it was.
-        assert_eq!(fit_kv_cache(8192, true, 45, 16, Some(45)).unwrap(), 8192);
-        assert_eq!(fit_kv_cache(8192, false, 45, 16, Some(46)).unwrap(), 720);
+        // every length (500 + 16 + 4 behind and a chunk of 152 are 42 blocks, 45 with the
+        // partial ones); a smaller one is what it was (a chunk of 153 takes 46).
+        let w = Some(switchyard_policies::SlidingWindow {
+            tokens: 500,
+            read_slack: 16,
+        });
+        assert_eq!(fit_kv_cache(8192, true, (45, 16), 152, w).unwrap(), 8192);
+        assert_eq!(fit_kv_cache(8192, false, (45, 16), 153, w).unwrap(), 720);
         // A configured one is refused, with both numbers and what to change.
-        let e = fit_kv_cache(8192, true, 45, 16, None)
+        let e = fit_kv_cache(8192, true, (45, 16), 8192, None)
             .unwrap_err()
             .to_string();
         for part in [
