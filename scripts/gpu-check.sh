@@ -29,7 +29,9 @@
 #             VARIANT_BATCHES with and without the GEMV kernels
 #   offline   Llama-3-8B offline 2000 x 128/128 at each OFFLINE_CONFIGS entry
 #             (max_num_seqs:max_num_batched_tokens)
-#   profile   batch-1 decode with SWITCHYARD_CUDA_PROFILE=1 (per-kernel breakdown)
+#   profile   batch-1 decode with SWITCHYARD_CUDA_PROFILE=1 (per-kernel breakdown) of each
+#             PROFILE_MODELS preset (default Llama-3-8B and SmolLM2), then (PROFILE_OFFLINE=0
+#             leaves it out) a 512-prompt Llama-3-8B offline run
 #   ncu       Nsight Compute (--set full) on NCU_KERNELS in the offline profile workload
 #   model     SmolLM2 from the GGUF at MODEL: batch-1 / batch-256 decode, offline, `generate`
 #   serve     `switchyard serve` on MODEL (backend SERVE_BACKEND, default cuda): a completion
@@ -188,7 +190,7 @@ if has offline; then
 fi
 
 if has profile; then
-  for m in llama-3-8b smollm2-135m; do
+  for m in ${PROFILE_MODELS:-llama-3-8b smollm2-135m}; do
     SWITCHYARD_CUDA_PROFILE=1 bench "profile-$m-b1" --dummy "$m" --decode-batch 1 --input-len 128 --output-len 64
     grep -A30 "kernel time by class" "$OUT/profile-$m-b1.log" | sed 's/^/  /' | tee -a "$summary" >/dev/null
   done

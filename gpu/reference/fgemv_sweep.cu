@@ -11,7 +11,7 @@
 #include "../kernels/llama.cu"
 #include "../kernels/gemv.cu"
 #include "sweep_common.cuh"
-#define NOROPE nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0, 0, 0, 0, 0
+#define NOROPE nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0, 0, 0, 0, 0, nullptr, 1
 
 __device__ __forceinline__ void unpack8(uint4 v, float (&f)[8]) {
     f[0] = __uint_as_float(v.x << 16); f[1] = __uint_as_float(v.x & 0xffff0000u);

@@ -9,9 +9,9 @@
 #include "../kernels/llama.cu"
 #include GEMV_SRC
 // The RoPE epilogue arguments of every GEMV kernel, unused by the plain products timed here,
-// and krot 0 (blocks start at the first batch of their k range).
+// krot 0 (blocks start at the first batch of their k range), no fp8 scales.
 #include "sweep_common.cuh"
-#define NOROPE nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0, 0, 0, 0, 0
+#define NOROPE nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0, 0, 0, 0, 0, nullptr, 1
 
 // Pure streaming read, 8 x 16 B in flight per thread.
 __global__ void __launch_bounds__(256) probe_contig(const uint4* p, size_t n16, u32* out) {
@@ -101,9 +101,17 @@ int main() {
   cublasHandle_t h; cublasCreate(&h);
   printf("SMs %d, GEMV_SRC %s\n", sms, GEMV_SRC);
   struct Shape { const char* name; int m, k; int kind; };  // kind 0 plain f32 out, 1 glu, 2 norm glu, 3 norm plain
-  Shape shapes[] = {{"qkv", 6144, 4096, 0}, {"qkv+norm", 6144, 4096, 3}, {"o", 4096, 4096, 0},
-                    {"gate_up+silu", 14336, 4096, 1}, {"gate_up+norm+silu", 14336, 4096, 2},
-                    {"down", 4096, 14336, 0}, {"lm_head/4", 128256 / 4, 4096, 0}};
+  // SWEEP_MODEL=phi3: Phi-3-mini's projections (hidden 3,072, no GQA) instead of Llama-3-8B's.
+  const bool phi3 = getenv("SWEEP_MODEL") && strcmp(getenv("SWEEP_MODEL"), "phi3") == 0;
+  std::vector<Shape> shapes;
+  if (phi3)
+    shapes = {{"qkv", 9216, 3072, 0}, {"qkv+norm", 9216, 3072, 3}, {"o", 3072, 3072, 0},
+              {"gate_up+silu", 8192, 3072, 1}, {"gate_up+norm+silu", 8192, 3072, 2},
+              {"down", 3072, 8192, 0}, {"lm_head", 32064, 3072, 0}};
+  else
+    shapes = {{"qkv", 6144, 4096, 0}, {"qkv+norm", 6144, 4096, 3}, {"o", 4096, 4096, 0},
+              {"gate_up+silu", 14336, 4096, 1}, {"gate_up+norm+silu", 14336, 4096, 2},
+              {"down", 4096, 14336, 0}, {"lm_head/4", 128256 / 4, 4096, 0}};
   int rot = 0;
   // probes on the gate_up weight size
   {
