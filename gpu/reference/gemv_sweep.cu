@@ -1,7 +1,7 @@
 // GEMV bandwidth sweep on a GPU host (nvcc there; gpu/reference/gemv_sweep.sh builds and runs
 // it): the backend's own GEMV kernels (gpu/kernels/gemv.cu, or a variant of it named by
-// GEMV_SRC) at every Llama-3-8B projection shape, n = 1 and 8, with every launch shape (warps
-// per block, warps per tile) they take,
+// GEMV_SRC) at every projection shape of a model (SWEEP_MODEL, below; Llama-3-8B by default),
+// n = 1 and 8, with every launch shape (warps per block, warps per tile) they take,
 // beside cublasGemmEx on the same product and two probes of the memory system alone: a
 // contiguous streaming read, and the GEMV kernels' access pattern (a warp owning 16 rows)
 // without the maths. Weights rotate through four copies so that nothing is served from L2.
@@ -9,9 +9,12 @@
 #include "../kernels/llama.cu"
 #include GEMV_SRC
 // The RoPE epilogue arguments of every GEMV kernel, unused by the plain products timed here,
-// krot 0 (blocks start at the first batch of their k range), no fp8 scales.
+// krot (SWEEP_KROT, default 0: blocks start at the first batch of their k range; the backend
+// passes GEMV_ROTATE = 7 to steps of at most 8 tokens above a hidden size of 2,048), no fp8
+// scales.
 #include "sweep_common.cuh"
-#define NOROPE nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0, 0, 0, 0, 0, nullptr, 1
+static int g_krot = 0;
+#define NOROPE nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0, 0, 0, 0, g_krot, nullptr, 1
 
 // Pure streaming read, 8 x 16 B in flight per thread.
 __global__ void __launch_bounds__(256) probe_contig(const uint4* p, size_t n16, u32* out) {
@@ -20,7 +23,7 @@ __global__ void __launch_bounds__(256) probe_contig(const uint4* p, size_t n16, 
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n16; i += 8 * stride) {
     uint4 v[8];
 #pragma unroll
-    for (int u = 0; u < 8; u++) { size_t j = i + u * stride; v[u] = j < n16 ? gemv_ld_w((const bf16*)(p + j)) : make_uint4(0,0,0,0); }
+    for (int u = 0; u < 8; u++) { size_t j = i + u * stride; v[u] = j < n16 ? gemv_ld_w((const char*)(p + j)) : make_uint4(0,0,0,0); }
 #pragma unroll
     for (int u = 0; u < 8; u++) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
   }
@@ -47,7 +50,7 @@ __global__ void __launch_bounds__(256) probe_rows(const bf16* w, int m, int k, u
     for (int u = 0; u < LOADS; u++) {
       const int ri = u % RPL, st = u / RPL;
       int o = s + st * 8 * LPR;
-      v[u] = gemv_ld_w(wr + (size_t)ri * RPI * k + (o < k ? o : 0));
+      v[u] = gemv_ld_w((const char*)(wr + (size_t)ri * RPI * k + (o < k ? o : 0)));
     }
 #pragma unroll
     for (int u = 0; u < LOADS; u++) acc ^= v[u].x ^ v[u].w;
@@ -75,7 +78,7 @@ __global__ void __launch_bounds__(256) probe_span(const bf16* w, int m, int k, u
 #pragma unroll
       for (int u = 0; u < LOADS; u++) {
         const int o = s + u * 8 * LPR;
-        v[u] = gemv_ld_w(wr + (o < k ? o : 0));
+        v[u] = gemv_ld_w((const char*)(wr + (o < k ? o : 0)));
       }
 #pragma unroll
       for (int u = 0; u < LOADS; u++) acc ^= v[u].x ^ v[u].w;
@@ -86,35 +89,50 @@ __global__ void __launch_bounds__(256) probe_span(const bf16* w, int m, int k, u
 
 int main() {
   int sms; cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  if (getenv("SWEEP_KROT")) g_krot = atoi(getenv("SWEEP_KROT"));
   const size_t COPIES = 4;  // rotate weights so that nothing is served from L2
-  const size_t maxw = (size_t)32064 * 4096;  // the largest shape (lm_head / 4)
+  struct Shape { const char* name; int m, k; int kind; };  // kind 0 plain f32 out, 1 glu, 2 norm glu, 3 norm plain
+  // SWEEP_MODEL: whose projections (the fused QKV, o, gate|up, down, lm_head): llama-3-8b (the
+  // default; its lm_head a quarter of the rows), phi-3-mini (hidden 3,072, no GQA),
+  // llama-3.2-3b (hidden 3,072, 8 KV heads), qwen2.5-7b (hidden 3,584, 4 KV heads).
+  struct Model { const char* name; int hidden, heads, kv_heads, head_dim, inter, lm_rows; };
+  const Model models[] = {{"llama-3-8b", 4096, 32, 8, 128, 14336, 128256 / 4},
+                          {"phi-3-mini", 3072, 32, 32, 96, 8192, 32064},
+                          {"llama-3.2-3b", 3072, 24, 8, 128, 8192, 128256 / 4},
+                          {"qwen2.5-7b", 3584, 28, 4, 128, 18944, 152064 / 4}};
+  const char* want = getenv("SWEEP_MODEL") ? getenv("SWEEP_MODEL") : "llama-3-8b";
+  const Model* md = nullptr;
+  for (auto& x : models) if (strcmp(x.name, want) == 0) md = &x;
+  if (!md) { printf("unknown SWEEP_MODEL %s\n", want); return 1; }
+  const int qkv_rows = (md->heads + 2 * md->kv_heads) * md->head_dim;
+  std::vector<Shape> shapes = {{"qkv", qkv_rows, md->hidden, 0}, {"qkv+norm", qkv_rows, md->hidden, 3},
+                               {"o", md->hidden, md->heads * md->head_dim, 0},
+                               {"gate_up+silu", md->inter, md->hidden, 1},
+                               {"gate_up+norm+silu", md->inter, md->hidden, 2},
+                               {"down", md->hidden, md->inter, 0}, {"lm_head", md->lm_rows, md->hidden, 0}};
+  size_t maxw = (size_t)28672 * 4096, maxk = 0, maxrows = 0;  // at least the probes' bytes
+  for (auto& x : shapes) {
+    const size_t rows = x.kind == 1 || x.kind == 2 ? 2 * (size_t)x.m : x.m;
+    maxw = std::max(maxw, rows * x.k);
+    maxk = std::max(maxk, (size_t)x.k);
+    maxrows = std::max(maxrows, rows);
+  }
   bf16* W; CK(cudaMalloc(&W, maxw * 2 * COPIES));
   fill<<<1024, 256>>>(W, maxw * COPIES, 1);
-  bf16* X; CK(cudaMalloc(&X, 64 * 14336 * 2)); fill<<<64, 256>>>(X, 64 * 14336, 2);
-  float* XF; CK(cudaMalloc(&XF, 64 * 14336 * 4)); fillf<<<64, 256>>>(XF, 64 * 14336, 3);
-  float* NW; CK(cudaMalloc(&NW, 14336 * 4)); fillf<<<64, 256>>>(NW, 14336, 4);
-  float* Y; CK(cudaMalloc(&Y, (size_t)64 * 28672 * 4)); CK(cudaMemset(Y, 0, (size_t)64 * 28672 * 4));
-  float* YR; CK(cudaMalloc(&YR, (size_t)64 * 28672 * 4));
+  bf16* X; CK(cudaMalloc(&X, 64 * maxk * 2)); fill<<<64, 256>>>(X, 64 * maxk, 2);
+  float* XF; CK(cudaMalloc(&XF, 64 * maxk * 4)); fillf<<<64, 256>>>(XF, 64 * maxk, 3);
+  float* NW; CK(cudaMalloc(&NW, maxk * 4)); fillf<<<64, 256>>>(NW, maxk, 4);
+  float* Y; CK(cudaMalloc(&Y, 64 * maxrows * 4)); CK(cudaMemset(Y, 0, 64 * maxrows * 4));
+  float* YR; CK(cudaMalloc(&YR, 64 * maxrows * 4));
   u32* out; CK(cudaMalloc(&out, 4));
   CK(cudaDeviceSynchronize());
   cudaStream_t st = 0;
   cublasHandle_t h; cublasCreate(&h);
-  printf("SMs %d, GEMV_SRC %s\n", sms, GEMV_SRC);
-  struct Shape { const char* name; int m, k; int kind; };  // kind 0 plain f32 out, 1 glu, 2 norm glu, 3 norm plain
-  // SWEEP_MODEL=phi3: Phi-3-mini's projections (hidden 3,072, no GQA) instead of Llama-3-8B's.
-  const bool phi3 = getenv("SWEEP_MODEL") && strcmp(getenv("SWEEP_MODEL"), "phi3") == 0;
-  std::vector<Shape> shapes;
-  if (phi3)
-    shapes = {{"qkv", 9216, 3072, 0}, {"qkv+norm", 9216, 3072, 3}, {"o", 3072, 3072, 0},
-              {"gate_up+silu", 8192, 3072, 1}, {"gate_up+norm+silu", 8192, 3072, 2},
-              {"down", 3072, 8192, 0}, {"lm_head", 32064, 3072, 0}};
-  else
-    shapes = {{"qkv", 6144, 4096, 0}, {"qkv+norm", 6144, 4096, 3}, {"o", 4096, 4096, 0},
-              {"gate_up+silu", 14336, 4096, 1}, {"gate_up+norm+silu", 14336, 4096, 2},
-              {"down", 4096, 14336, 0}, {"lm_head/4", 128256 / 4, 4096, 0}};
+  printf("SMs %d, GEMV_SRC %s, SWEEP_MODEL %s, krot %d\n", sms, GEMV_SRC, md->name, g_krot);
+
   int rot = 0;
-  // probes on the gate_up weight size
-  {
+  // probes on the bytes of Llama-3-8B's gate|up (SWEEP_NO_PROBES=1 leaves them out)
+  if (!getenv("SWEEP_NO_PROBES")) {
     size_t n = (size_t)28672 * 4096;
     double gb = n * 2 / 1e9;
     float t = time_us(st, 20, [&] { probe_contig<<<sms * 8, 256>>>((const uint4*)(W + (rot++ % COPIES) * maxw), n / 8, out); });

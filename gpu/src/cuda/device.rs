@@ -45,6 +45,13 @@ pub(crate) const GEMV_NORM_MAX_TOKENS: usize = 8;
 /// wave of long-lived blocks instead of many short ones.
 const GEMV_WARPS_PER_SM: usize = 16;
 
+/// Most warps in a GEMV block (`GEMV_WARPS` in gemv.cu).
+const GEMV_BLOCK_WARPS: usize = 8;
+
+/// k-steps per batch of weight loads in the GEMV kernels (`STEPS` in gemv.cu's `gemv_body`:
+/// 4, and `GEMV_F8_STEPS` = 4 in the fp8 kernels).
+const GEMV_BATCH_STEPS: usize = 4;
+
 /// Largest hidden size for which mode `auto` runs the projections of every step of up to
 /// [`GEMV_MAX_TOKENS`] tokens, and the lm_head, on the GEMV kernels (with SiLU x up in the
 /// gate|up epilogue and, up to 8 tokens, RMSNorm in the QKV and gate|up prologues). Measured on
@@ -83,14 +90,73 @@ pub(crate) struct GemvGrid {
     pub warps_per_tile: usize,
 }
 
-/// Per tile the most warps (1, 2, 4 or 8) that keep the grid within the warps one wave of
-/// resident blocks holds ([`GEMV_WARPS_PER_SM`] per multiprocessor); blocks of one tile where
-/// that is 4 or 8 warps, else of 8 warps. A function of the shape and the device alone, never
-/// of the number of tokens, so the k split (and with it every output's bits) is the same for
-/// every step. Measured on the H200 against every other shape (gpu/reference/gemv_sweep.cu,
-/// CUDA_NOTES v5): the fastest for Llama-3-8B's qkv (4-warp blocks: 1.1 us faster than 8-warp
-/// ones with the RMSNorm prologue) and o, within 0.8 us for down and 1.4 us for gate|up.
-pub(crate) fn gemv_grid(tiles: usize, sm_count: usize) -> GemvGrid {
+/// The launch shape of a GEMV over `tiles` tiles of `k_steps` k-steps each (32 values of k, 64
+/// for fp8 weights). A function of the shape and the device alone, never of the number of
+/// tokens, so the k split (and with it every output's bits) is the same for every step.
+///
+/// The grids considered fit one wave of resident blocks ([`GEMV_WARPS_PER_SM`] warps per
+/// multiprocessor, so `16 / warps_per_block` blocks of a shape): for each number of warps per
+/// tile (1 to 8), blocks of one tile where that is 3 or more, else of as many tiles as fit (8
+/// warps where that is one wave). Among them the fewest batches of [`GEMV_BATCH_STEPS`] k-steps
+/// per warp (the chain of dependent loads a warp waits through), and among those the most warps
+/// per tile that is a power of two (the shapes before v34), else the most. Beyond one wave,
+/// blocks of 8 tiles of one warp.
+///
+/// Measured on the H200 (CUDA_NOTES v34, against the powers of two alone, interleaved in one
+/// lease): Phi-3-mini's QKV product (576 tiles, 96 k-steps) took 2 warps per tile in 144 blocks
+/// of 8, two blocks on 12 multiprocessors and one on the other 120, 12 batches per warp; 3 warps
+/// in 576 blocks of 3 make 8 batches: batch-1 decode 2.58 -> 2.44 ms. Llama-3-8B's (384 tiles,
+/// 128 k-steps): 5 warps per tile, 7 batches instead of 8: 4.31 -> 4.25 ms. Qwen3-0.6B's
+/// gate|up (384 tiles of 32 k-steps) would take 5 warps per tile for the same 2 batches as 4,
+/// and ran batch 64 2.5-4% slower that way, hence the tie to the powers of two. One-tile blocks
+/// from 3 warps per tile on: Llama-3-8B's QKV product ran 1.1 us faster in blocks of 4 warps
+/// than of 8 with the RMSNorm prologue (v5), whose every block normalises the step's rows once;
+/// below, blocks of several tiles (Phi-3-mini's gate|up with the prologue, 1,024 tiles: 29.3 us
+/// in blocks of 8 warps, 32.2 in blocks of 2).
+pub(crate) fn gemv_grid(tiles: usize, k_steps: usize, sm_count: usize) -> GemvGrid {
+    static POW2: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *POW2
+        .get_or_init(|| std::env::var_os("SWITCHYARD_CUDA_GEMV_GRID").is_some_and(|v| v == "pow2"))
+    {
+        return gemv_grid_pow2(tiles, sm_count);
+    }
+    let batches =
+        |warps_per_tile: usize| k_steps.div_ceil(warps_per_tile).div_ceil(GEMV_BATCH_STEPS);
+    let fits = |warps_per_tile: usize| {
+        let shapes: Vec<usize> = if warps_per_tile >= 3 {
+            vec![warps_per_tile]
+        } else {
+            (1..=GEMV_BLOCK_WARPS / warps_per_tile)
+                .rev()
+                .map(|tiles_per_block| tiles_per_block * warps_per_tile)
+                .collect()
+        };
+        shapes.into_iter().find_map(|warps_per_block| {
+            let blocks = tiles.div_ceil(warps_per_block / warps_per_tile);
+            (blocks <= GEMV_WARPS_PER_SM / warps_per_block * sm_count).then_some(GemvGrid {
+                blocks,
+                warps_per_block,
+                warps_per_tile,
+            })
+        })
+    };
+    let grids: Vec<GemvGrid> = (1..=GEMV_BLOCK_WARPS).filter_map(fits).collect();
+    let fewest = grids.iter().map(|g| batches(g.warps_per_tile)).min();
+    grids
+        .into_iter()
+        .filter(|g| Some(batches(g.warps_per_tile)) == fewest)
+        .max_by_key(|g| (g.warps_per_tile.is_power_of_two(), g.warps_per_tile))
+        .unwrap_or(GemvGrid {
+            blocks: tiles.div_ceil(GEMV_BLOCK_WARPS),
+            warps_per_block: GEMV_BLOCK_WARPS,
+            warps_per_tile: 1,
+        })
+}
+
+/// The launch shape before v34 (`SWITCHYARD_CUDA_GEMV_GRID=pow2`, for measurements): per tile
+/// the most warps (1, 2, 4 or 8) that keep the grid within [`GEMV_WARPS_PER_SM`] warps per
+/// multiprocessor in all; blocks of one tile where that is 4 or 8 warps, else of 8 warps.
+pub(crate) fn gemv_grid_pow2(tiles: usize, sm_count: usize) -> GemvGrid {
     let budget = GEMV_WARPS_PER_SM * sm_count;
     let warps_per_tile = [8usize, 4, 2, 1]
         .into_iter()
@@ -1098,7 +1164,9 @@ impl Gpu {
         if m > i32::MAX as usize / 2 {
             return Err(GpuError::Internal(format!("GEMV with {m} rows")));
         }
-        let grid = gemv_grid(tiles, self.sm_count);
+        // k-steps of 32 values of k (bf16 weights) or 64 (e4m3: 16 per 16-byte load).
+        let k_steps = k.div_ceil(if fp8.is_some() { 64 } else { 32 });
+        let grid = gemv_grid(tiles, k_steps, self.sm_count);
         let group = match n {
             0..=8 => 0,
             9..=16 => 1,
@@ -1598,8 +1666,9 @@ pub fn compile_ptx_with(cc: (i32, i32), defines: &[(String, i32)]) -> Result<Str
 #[cfg(test)]
 mod tests {
     use super::{
-        auto_route, gemv_grid, gemv_rotation, parse_defines, switch_on, GemvGrid, GemvRoute,
-        GEMV_AUTO_MAX_HIDDEN, GEMV_ROTATE, MAX_DEFINES,
+        auto_route, gemv_grid, gemv_grid_pow2, gemv_rotation, parse_defines, switch_on, GemvGrid,
+        GemvRoute, GEMV_AUTO_MAX_HIDDEN, GEMV_BATCH_STEPS, GEMV_ROTATE, GEMV_WARPS_PER_SM,
+        MAX_DEFINES,
     };
 
     #[test]
@@ -1682,24 +1751,51 @@ mod tests {
 
     #[test]
     fn gemv_grid_covers_every_tile_within_a_wave_where_it_can() {
-        // The Llama-3-8B products on an H200 (132 SMs): qkv, o / down, gate|up (GLU tiles of
-        // 8 rows), lm_head.
-        let g = |tiles| gemv_grid(tiles, 132);
+        // Products on an H200 (132 SMs): tiles (16 rows, 8 of gate and 8 of up for gate|up),
+        // k-steps of 32.
+        let g = |tiles, k_steps| gemv_grid(tiles, k_steps, 132);
         let grid = |blocks, warps_per_block, warps_per_tile| GemvGrid {
             blocks,
             warps_per_block,
             warps_per_tile,
         };
-        assert_eq!(g(384), grid(384, 4, 4));
-        assert_eq!(g(256), grid(256, 8, 8));
-        assert_eq!(g(1792), grid(224, 8, 1));
-        assert_eq!(g(8016), grid(1002, 8, 1));
+        // Llama-3-8B: qkv (5 warps per tile: 7 batches of loads each instead of 8), o, down,
+        // gate|up, lm_head.
+        assert_eq!(g(384, 128), grid(384, 5, 5));
+        assert_eq!(g(256, 128), grid(256, 8, 8));
+        assert_eq!(g(256, 448), grid(256, 8, 8));
+        assert_eq!(g(1792, 128), grid(224, 8, 1));
+        assert_eq!(g(8016, 128), grid(1002, 8, 1));
+        // Phi-3-mini: qkv (144 blocks of 8 warps before, not one per SM), gate|up.
+        assert_eq!(g(576, 96), grid(576, 3, 3));
+        assert_eq!(g(1024, 96), grid(256, 8, 2));
+        // Qwen3-0.6B's gate|up: 5 warps per tile would make as many batches as 4.
+        assert_eq!(g(384, 32), grid(384, 4, 4));
+        // SmolLM2's qkv: one batch from 5 warps per tile on; 8 as before.
+        assert_eq!(g(60, 18), grid(60, 8, 8));
         for tiles in 1..5000 {
-            let r = g(tiles);
-            assert_eq!(r.warps_per_block % r.warps_per_tile, 0);
-            let per_block = r.warps_per_block / r.warps_per_tile;
-            assert!(r.blocks * per_block >= tiles && (r.blocks - 1) * per_block < tiles);
-            assert!(r.warps_per_block <= 8);
+            for k_steps in [1, 18, 28, 32, 96, 128, 448] {
+                let r = g(tiles, k_steps);
+                assert_eq!(r.warps_per_block % r.warps_per_tile, 0);
+                let per_block = r.warps_per_block / r.warps_per_tile;
+                assert!(r.blocks * per_block >= tiles && (r.blocks - 1) * per_block < tiles);
+                assert!(r.warps_per_block <= 8);
+                // One wave of resident blocks wherever one-warp tiles in blocks of 8 make one.
+                let resident = GEMV_WARPS_PER_SM / r.warps_per_block * 132;
+                assert!(
+                    r.blocks <= resident || tiles > 8 * resident,
+                    "{tiles}: {r:?}"
+                );
+                // Never fewer warps per tile than the powers of two alone would give, and more
+                // only where that shortens every warp's chain of loads.
+                let old = gemv_grid_pow2(tiles, 132).warps_per_tile;
+                let batches = |w: usize| k_steps.div_ceil(w).div_ceil(GEMV_BATCH_STEPS);
+                assert!(r.warps_per_tile >= old, "{tiles} {k_steps}");
+                assert!(
+                    r.warps_per_tile == old || batches(r.warps_per_tile) < batches(old),
+                    "{tiles} {k_steps}: {r:?}"
+                );
+            }
         }
     }
 }
