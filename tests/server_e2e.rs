@@ -484,6 +484,22 @@ fn context_length_is_enforced_with_its_code() {
         &json!({"prompt": prompt, "max_tokens": 16}),
     );
     assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["param"], "max_tokens", "{v}");
+    // The error names the field the client set the limit with, and min_tokens past the room.
+    let (status, v) = s.post_json(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "Hello there"}],
+                "max_completion_tokens": 250}),
+    );
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["code"], "context_length_exceeded", "{v}");
+    assert_eq!(v["error"]["param"], "max_completion_tokens", "{v}");
+    let (status, v) = s.post_json(
+        "/v1/completions",
+        &json!({"prompt": prompt, "min_tokens": 10}),
+    );
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["param"], "min_tokens", "{v}");
 }
 
 /// A completion of several prompts, one too long: the 400 ends the others too, and their

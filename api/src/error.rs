@@ -40,6 +40,8 @@ pub enum ApiError {
         method: String,
         /// The request's path.
         path: String,
+        /// The methods the path takes, for the `Allow` header (RFC 9110, 15.5.6).
+        allow: &'static str,
     },
     /// The API key is missing or wrong (401).
     #[error("{0}")]
@@ -218,6 +220,9 @@ impl ResponseError for ApiError {
         let mut response = HttpResponse::build(self.status_code());
         if let Some(secs) = self.retry_after_secs() {
             response.insert_header((header::RETRY_AFTER, secs.to_string()));
+        }
+        if let Self::MethodNotAllowed { allow, .. } = self {
+            response.insert_header((header::ALLOW, *allow));
         }
         if matches!(self, Self::BodyTimeout(_)) {
             // The rest of the body may still come: the connection cannot be reused.

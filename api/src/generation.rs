@@ -52,6 +52,9 @@ pub(crate) struct RequestFields {
     /// The field that carried the structured output, if any, named by the engine's refusal
     /// of the specification.
     pub structured: Option<&'static str>,
+    /// The field that set the completion's length limit (`max_tokens`, or chat's
+    /// `max_completion_tokens`), named where the engine names `max_tokens`.
+    pub max_tokens: &'static str,
 }
 
 /// The running generation of one HTTP request.
@@ -249,10 +252,13 @@ impl Generation {
 
 /// `e` naming the request's own field where the engine could not: the prompt's for a
 /// context-length error without one, the one that carried the structured output for a
-/// refusal of it.
+/// refusal of it, the one that set the length limit for the engine's `max_tokens`.
 fn name_fields(mut e: EngineError, fields: RequestFields) -> ApiError {
     if e.kind == EngineErrorKind::ContextLengthExceeded && e.param.is_none() {
         e.param = Some(fields.prompt.to_owned());
+    }
+    if e.param.as_deref() == Some("max_tokens") {
+        e.param = Some(fields.max_tokens.to_owned());
     }
     if let Some(field) = fields.structured {
         if e.param.as_deref() == Some(STRUCTURED_OUTPUT_PARAM) {
@@ -300,6 +306,7 @@ mod tests {
         RequestFields {
             prompt,
             structured: None,
+            max_tokens: "max_tokens",
         }
     }
 
@@ -365,6 +372,7 @@ mod tests {
         let guided = RequestFields {
             prompt: "prompt",
             structured: Some("guided_regex"),
+            max_tokens: "max_tokens",
         };
         for (param, named) in [
             (STRUCTURED_OUTPUT_PARAM, "guided_regex"),
@@ -379,6 +387,33 @@ mod tests {
             ));
             match result {
                 Err(ApiError::Engine(e)) => assert_eq!(e.param.as_deref(), Some(named)),
+                _ => panic!("expected the engine error"),
+            }
+        }
+    }
+
+    /// The engine names `max_tokens` when a limit does not fit; a chat request that set it as
+    /// `max_completion_tokens` hears that name.
+    #[test]
+    fn a_refused_limit_names_the_field_that_set_it() {
+        for field in ["max_tokens", "max_completion_tokens"] {
+            let refusal = EngineEvent::Error(
+                EngineError::new(EngineErrorKind::ContextLengthExceeded, "too long")
+                    .with_param("max_tokens"),
+            );
+            let chat = RequestFields {
+                prompt: "messages",
+                structured: None,
+                max_tokens: field,
+            };
+            let result = block_on(Generation::accept(
+                vec![channel(vec![refusal])],
+                1,
+                chat,
+                SiblingFailure::default(),
+            ));
+            match result {
+                Err(ApiError::Engine(e)) => assert_eq!(e.param.as_deref(), Some(field)),
                 _ => panic!("expected the engine error"),
             }
         }

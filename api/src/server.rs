@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use actix_web::body::MessageBody;
 use actix_web::dev::{Server, ServiceRequest, ServiceResponse};
 use actix_web::middleware::{from_fn, Next};
-use actix_web::{web, App, HttpServer};
+use actix_web::{web, App, HttpRequest, HttpServer};
 
 use crate::auth::{require_admin_key, require_api_key};
 use crate::metrics::{HTTP_REQUESTS, HTTP_REQUEST_DURATION};
@@ -21,7 +21,9 @@ use crate::state::ApiState;
 /// # }
 /// ```
 pub fn configure(cfg: &mut web::ServiceConfig, state: ApiState) {
-    let method_not_allowed = || web::to(routes::method_not_allowed);
+    let method_not_allowed = |allow: &'static str| {
+        web::to(move |req: HttpRequest| routes::method_not_allowed(req, allow))
+    };
     cfg.app_data(web::Data::new(state))
         .service(
             web::scope("/v1")
@@ -30,17 +32,17 @@ pub fn configure(cfg: &mut web::ServiceConfig, state: ApiState) {
                 .service(
                     web::resource("/completions")
                         .route(web::post().to(routes::completions))
-                        .default_service(method_not_allowed()),
+                        .default_service(method_not_allowed("POST")),
                 )
                 .service(
                     web::resource("/chat/completions")
                         .route(web::post().to(routes::chat_completions))
-                        .default_service(method_not_allowed()),
+                        .default_service(method_not_allowed("POST")),
                 )
                 .service(
                     web::resource("/models")
                         .route(web::get().to(routes::list_models))
-                        .default_service(method_not_allowed()),
+                        .default_service(method_not_allowed("GET")),
                 ),
         )
         .service(
@@ -51,24 +53,24 @@ pub fn configure(cfg: &mut web::ServiceConfig, state: ApiState) {
                     web::resource("/policy")
                         .route(web::get().to(routes::get_policy))
                         .route(web::put().to(routes::put_policy))
-                        .default_service(method_not_allowed()),
+                        .default_service(method_not_allowed("GET, PUT")),
                 )
                 .service(
                     web::resource("/speculative")
                         .route(web::get().to(routes::get_speculative))
                         .route(web::put().to(routes::put_speculative))
-                        .default_service(method_not_allowed()),
+                        .default_service(method_not_allowed("GET, PUT")),
                 )
                 .service(
                     web::resource("/lora")
                         .route(web::get().to(routes::list_lora))
                         .route(web::post().to(routes::load_lora))
-                        .default_service(method_not_allowed()),
+                        .default_service(method_not_allowed("GET, POST")),
                 )
                 .service(
                     web::resource("/lora/{name}")
                         .route(web::delete().to(routes::unload_lora))
-                        .default_service(method_not_allowed()),
+                        .default_service(method_not_allowed("DELETE")),
                 ),
         )
         .service(
@@ -78,28 +80,30 @@ pub fn configure(cfg: &mut web::ServiceConfig, state: ApiState) {
                     web::resource("/tokenize")
                         .wrap(from_fn(require_api_key))
                         .route(web::post().to(routes::tokenize))
-                        .default_service(method_not_allowed()),
+                        .default_service(method_not_allowed("POST")),
                 )
                 .service(
                     web::resource("/detokenize")
                         .wrap(from_fn(require_api_key))
                         .route(web::post().to(routes::detokenize))
-                        .default_service(method_not_allowed()),
+                        .default_service(method_not_allowed("POST")),
                 )
                 .service(
                     web::resource("/health")
                         .route(web::get().to(routes::health))
-                        .default_service(method_not_allowed()),
+                        .route(web::head().to(routes::health))
+                        .default_service(method_not_allowed("GET, HEAD")),
                 )
                 .service(
                     web::resource("/ready")
                         .route(web::get().to(routes::ready))
-                        .default_service(method_not_allowed()),
+                        .route(web::head().to(routes::ready))
+                        .default_service(method_not_allowed("GET, HEAD")),
                 )
                 .service(
                     web::resource("/metrics")
                         .route(web::get().to(routes::metrics))
-                        .default_service(method_not_allowed()),
+                        .default_service(method_not_allowed("GET")),
                 ),
         )
         .default_service(web::to(routes::not_found));

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use actix_web::body::MessageBody;
 use actix_web::dev::Service;
+use actix_web::http::Method;
 use actix_web::test::TestRequest;
 use actix_web::web::Bytes;
 use common::*;
@@ -177,7 +178,18 @@ async fn unknown_routes_and_methods_get_openai_bodies() {
     let request = TestRequest::get()
         .uri("/v1/completions")
         .insert_header(("authorization", format!("Bearer {KEY}")));
-    send(&app, request).await.assert_error(405, BAD, None);
+    let reply = send(&app, request).await;
+    reply.assert_error(405, BAD, None);
+    // RFC 9110: a 405 lists the methods the path takes.
+    assert_eq!(reply.headers.get("allow").unwrap(), "POST");
+    let reply = send(&app, TestRequest::post().uri("/health")).await;
+    reply.assert_error(405, BAD, None);
+    assert_eq!(reply.headers.get("allow").unwrap(), "GET, HEAD");
+    // Health probes may use HEAD.
+    for path in ["/health", "/ready"] {
+        let reply = send(&app, TestRequest::default().method(Method::HEAD).uri(path)).await;
+        assert_eq!(reply.status, 200, "{path}: {}", reply.text());
+    }
     let request = TestRequest::get()
         .uri("/v1/embeddings")
         .insert_header(("authorization", format!("Bearer {KEY}")));

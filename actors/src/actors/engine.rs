@@ -591,7 +591,8 @@ impl Engine {
                         options.sampling.min_tokens,
                         prompt.len()
                     ),
-                ),
+                )
+                .with_param("min_tokens"),
                 sink,
             ));
         }

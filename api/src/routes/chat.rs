@@ -39,6 +39,7 @@ pub(crate) async fn chat_completions(
     let fields = RequestFields {
         prompt: "messages",
         structured: validated.structured_field,
+        max_tokens: validated.max_tokens_field,
     };
     let generation = Generation::start(&*state.engine, requests, validated.n, fields).await?;
     let free_text = match &validated.structured {

@@ -52,6 +52,7 @@ pub(crate) async fn completions(
     let fields = RequestFields {
         prompt: "prompt",
         structured: validated.structured_field,
+        max_tokens: validated.max_tokens_field,
     };
     let generation = Generation::start(&*state.engine, requests, validated.n, fields).await?;
 

@@ -305,10 +305,14 @@ pub(crate) async fn not_found(req: HttpRequest) -> Result<HttpResponse, ApiError
     })
 }
 
-/// Fallback for a known path with the wrong method.
-pub(crate) async fn method_not_allowed(req: HttpRequest) -> Result<HttpResponse, ApiError> {
+/// Fallback for a known path with the wrong method; `allow` lists the path's methods.
+pub(crate) async fn method_not_allowed(
+    req: HttpRequest,
+    allow: &'static str,
+) -> Result<HttpResponse, ApiError> {
     Err(ApiError::MethodNotAllowed {
         method: req.method().to_string(),
         path: req.path().chars().take(256).collect(),
+        allow,
     })
 }

@@ -290,6 +290,9 @@ pub struct Validated {
     /// `max_tokens` is the endpoint's default, not the client's: cut to the room the prompt
     /// leaves rather than refused.
     pub max_tokens_defaulted: bool,
+    /// The request field that set `max_tokens` (chat's `max_completion_tokens` or
+    /// `max_tokens`): the `param` of the engine's refusals of the limit.
+    pub max_tokens_field: &'static str,
     /// Top-logprobs count per sampled token, if asked.
     pub logprobs: Option<u32>,
     /// Prepend the prompt (completions only).
@@ -643,6 +646,7 @@ impl CompletionRequest {
             n,
             max_tokens: Some(max_tokens),
             max_tokens_defaulted: self.max_tokens.is_none(),
+            max_tokens_field: "max_tokens",
             logprobs: self.logprobs,
             echo,
             stream,
@@ -790,6 +794,7 @@ impl ChatRequest {
             n,
             max_tokens,
             max_tokens_defaulted: false,
+            max_tokens_field: limit_name,
             logprobs,
             echo: false,
             stream,
