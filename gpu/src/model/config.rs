@@ -310,6 +310,19 @@ impl LlamaConfig {
                 return bad(format!("{name} = {v} is outside 1..={max}"));
             }
         }
+        // The query and key widths size buffers built from the config alone, before any tensor
+        // is checked (the partial-rotary row orders): bounded like every other width.
+        for (name, heads) in [
+            ("num_heads", self.num_heads),
+            ("num_kv_heads", self.num_kv_heads),
+        ] {
+            if heads.saturating_mul(self.head_dim) > MAX_WIDTH {
+                return bad(format!(
+                    "{name} x head_dim = {heads} x {} is more than {MAX_WIDTH}",
+                    self.head_dim
+                ));
+            }
+        }
         if !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return bad(format!(
                 "num_heads {} is not a multiple of num_kv_heads {}",
@@ -764,6 +777,20 @@ mod tests {
         w.u32("tokenizer.ggml.eot_token_id", 7);
         let h = crate::model::gguf::parse_header(&w.build(), std::path::Path::new("t")).unwrap();
         assert!(LlamaConfig::from_gguf(&h).is_err(), "eot id 7 >= vocab 3");
+    }
+
+    /// The query and key widths bound what is built from the config alone: a few bytes of
+    /// metadata asking for 4,096 heads of 2^20 dimensions (each within its own bound) would
+    /// make the partial-rotary row orders 32 GiB before any tensor was looked at.
+    #[test]
+    fn query_and_key_widths_are_bounded() {
+        let mut c = LlamaConfig::phi3_mini();
+        (c.num_heads, c.num_kv_heads, c.head_dim, c.rotary_dim) = (4096, 4096, 1 << 20, 2);
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("num_heads x head_dim"), "{e}");
+        c.num_heads = 1;
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("num_kv_heads x head_dim"), "{e}");
     }
 
     #[test]

@@ -207,7 +207,21 @@ fn load_gguf(path: &Path) -> Result<LoadedModel, GpuError> {
                 "the file has both rope scaling keys ({s:?}) and a rope_freqs.weight tensor"
             )));
         }
-        let factors = weights.get("rope_freqs.weight")?.to_f32_vec();
+        // Checked before it is converted: a quantized tensor of many blocks would be expanded
+        // to f32 whole (12 bytes for every byte of Q2_K) before its length was looked at.
+        let t = weights.get("rope_freqs.weight")?;
+        if t.dtype.is_quantized() || t.num_elements() != config.rotary_dim / 2 {
+            return Err(GpuError::BadTensor {
+                tensor: "rope_freqs.weight".into(),
+                reason: format!(
+                    "{} {} values; the rotary dimensions need {} floats",
+                    t.num_elements(),
+                    t.dtype,
+                    config.rotary_dim / 2
+                ),
+            });
+        }
+        let factors = t.to_f32_vec();
         let arch = header.get_str("general.architecture").unwrap_or("llama");
         let original = header
             .get_usize(&format!("{arch}.rope.scaling.original_context_length"))

@@ -281,7 +281,6 @@ fn loads_tiny_llama3_gguf_with_rope_freqs() {
         .tensor("token_embd.weight", &[h, vocab], 0, zeros(h * vocab))
         .tensor("output.weight", &[h, vocab], 0, zeros(h * vocab))
         .tensor("output_norm.weight", &[h], 0, zeros(h))
-        .tensor("rope_freqs.weight", &[hd / 2], 0, freqs)
         .tensor("blk.0.attn_norm.weight", &[h], 0, zeros(h))
         .tensor("blk.0.ffn_norm.weight", &[h], 0, zeros(h))
         .tensor("blk.0.attn_q.weight", &[h, h], 0, zeros(h * h))
@@ -291,6 +290,8 @@ fn loads_tiny_llama3_gguf_with_rope_freqs() {
         .tensor("blk.0.ffn_gate.weight", &[h, ff], 0, zeros(h * ff))
         .tensor("blk.0.ffn_up.weight", &[h, ff], 0, zeros(h * ff))
         .tensor("blk.0.ffn_down.weight", &[ff, h], 0, zeros(h * ff));
+    let base = w.clone();
+    w.tensor("rope_freqs.weight", &[hd / 2], 0, freqs);
     let d = scratch("llama3");
     let p = d.join("tiny.gguf");
     std::fs::write(&p, w.build()).unwrap();
@@ -314,6 +315,28 @@ fn loads_tiny_llama3_gguf_with_rope_freqs() {
     std::fs::write(&p, w.build()).unwrap();
     let e = load_model(&p, false).unwrap_err().to_string();
     assert!(e.contains("rope_freqs.weight"), "{e}");
+    // A tensor of another length, or quantized, is refused before it is converted to f32
+    // (Q2_K blocks would expand twelvefold first): 33 floats, 256 values of Q2_K (type 10,
+    // one block of 84 bytes), 32 of Q8_0 (type 8, one block of 34 bytes).
+    for (n, ggml_type, bytes) in [
+        (hd / 2 + 1, 0, 4 * (hd / 2 + 1)),
+        (256, 10, 84),
+        (32, 8, 34),
+    ] {
+        let mut w = base.clone();
+        w.tensor(
+            "rope_freqs.weight",
+            &[n],
+            ggml_type,
+            vec![0u8; bytes as usize],
+        );
+        std::fs::write(&p, w.build()).unwrap();
+        let e = load_model(&p, false).unwrap_err().to_string();
+        assert!(
+            e.contains("rope_freqs.weight") && e.contains("need 32 floats"),
+            "{n} of type {ggml_type}: {e}"
+        );
+    }
     std::fs::remove_dir_all(&d).unwrap();
 }
 
