@@ -32,10 +32,11 @@
 //! so that `"" ~ [x] * n` or `|join` builds them) make values from values with no size check:
 //! a template can double a string in each of a few dozen steps. Only the template can do it:
 //! a request's values are data, never template code, and templates that only place them (every
-//! known chat template) build values linear in them. Such a template fails at load already (a
-//! rendering probes whether it takes a system message; the allocation that fails aborts the
-//! process) rather than at a request. Bounding it needs minijinja to check sizes in its
-//! operators (2.24 has no such hook), or renderings in a memory-limited process.
+//! known chat template) build values linear in them. One that doubles a fixed number of times
+//! aborts the process at load (a rendering probes whether it takes a system message; a failed
+//! allocation aborts), one that doubles per message at a request with enough of them. Bounding
+//! it needs minijinja to check sizes in its operators (2.24 has no such hook), or renderings in
+//! a memory-limited process.
 
 use std::cell::Cell;
 use std::io::Write;
