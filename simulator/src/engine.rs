@@ -272,6 +272,17 @@ impl Simulation {
             };
             return Err(SimError::spec(&w.trace, why));
         }
+        let outputs: u64 = requests.iter().map(|r| u64::from(r.output_len)).sum();
+        if outputs > trace::MAX_TOTAL_OUTPUT_TOKENS {
+            return Err(SimError::spec(
+                &w.trace,
+                format!(
+                    "the trace asks for {outputs} output tokens, more than {} (each is \
+                     simulated and its latency kept); use workload.limit or a shorter window",
+                    trace::MAX_TOTAL_OUTPUT_TOKENS
+                ),
+            ));
+        }
         trace::assign_mix(
             &mut requests,
             &w.mix.tier_mix(),
@@ -1179,6 +1190,32 @@ workload: {trace: unused.csv, format: azure}
         });
         let err = sim.load_workload().unwrap_err().to_string();
         assert!(err.contains("no time span"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Every output token is simulated and its latency kept: a trace asking for more than
+    /// `MAX_TOTAL_OUTPUT_TOKENS` of them (5 MB of JSONL could ask for 10^11) is refused.
+    #[test]
+    fn a_trace_asking_for_too_many_output_tokens_is_refused() {
+        let dir = temp("outputs");
+        let jsonl = dir.join("t.jsonl");
+        let per = u64::from(crate::trace::MAX_OUTPUT_TOKENS);
+        let rows = |n: u64| -> String {
+            (0..n)
+                .map(|_| {
+                    format!("{{\"arrival_s\": 0, \"prompt_len\": 1, \"output_len\": {per}}}\n")
+                })
+                .collect()
+        };
+        let mut sim = one_ms_steps();
+        sim.spec.workload.trace = jsonl.clone();
+        sim.spec.workload.format = TraceFormat::Jsonl;
+        let most = crate::trace::MAX_TOTAL_OUTPUT_TOKENS / per;
+        std::fs::write(&jsonl, rows(most)).unwrap();
+        assert_eq!(sim.load_workload().unwrap().requests.len() as u64, most);
+        std::fs::write(&jsonl, rows(most + 1)).unwrap();
+        let err = sim.load_workload().unwrap_err().to_string();
+        assert!(err.contains("output tokens"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

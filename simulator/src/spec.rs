@@ -494,10 +494,15 @@ impl SimulationSpec {
             return Err(format!("tiers: at most {MAX_LABELS}"));
         }
         for (name, t) in &self.tiers {
-            let ok = |v: Option<f64>| v.is_none_or(|v| v.is_finite() && v > 0.0);
+            // At most an hour, as in the server's configuration: a deadline in microseconds
+            // then stays far inside the policies' i64 arithmetic.
+            let ok = |v: Option<f64>| v.is_none_or(|v| v.is_finite() && v > 0.0 && v <= 3.6e6);
             let weight_ok = t.weight.is_finite() && t.weight > 0.0;
             if !(ok(t.ttft_ms) && ok(t.tpot_ms) && weight_ok) {
-                return Err(format!("tiers.{name}: targets and weight must be positive"));
+                return Err(format!(
+                    "tiers.{name}: targets must be positive and at most an hour (3600000 ms), \
+                     the weight positive"
+                ));
             }
         }
         self.validate_workload()
@@ -531,6 +536,14 @@ impl SimulationSpec {
             }
             if !mix.is_empty() && !mix.values().all(|v| v.is_finite() && *v >= 0.0) {
                 return Err(format!("workload.mix.{kind}: weights must be non-negative"));
+            }
+            // Each finite, the sum may still not be (1e308 twice): the draw needs a finite one.
+            let total: f64 = mix.values().sum();
+            let sum_ok = total.is_finite() && total > 0.0;
+            if !mix.is_empty() && !sum_ok {
+                return Err(format!(
+                    "workload.mix.{kind}: weights must add up to a finite number > 0"
+                ));
             }
         }
         if let Some(unknown) = w.mix.tiers.keys().find(|t| !self.tiers.contains_key(*t)) {
@@ -704,6 +717,16 @@ workload:
             (GOOD.replace("premium: 1,", "gold: 1,"), "tier `gold`"),
             (GOOD.replace("format: azure", "format: csv"), "sim.yaml:10:"),
             (GOOD.replace("ttft_ms: 200", "ttft_ms: -1"), "tiers.premium"),
+            // Past an hour: the deadline in microseconds would leave the policies' i64 range.
+            (
+                GOOD.replace("ttft_ms: 200", "ttft_ms: 1e16"),
+                "tiers.premium",
+            ),
+            // Each weight finite, their sum not.
+            (
+                GOOD.replace("premium: 1, batch: 3", "premium: 1e308, batch: 1e308"),
+                "add up to a finite number",
+            ),
             (
                 format!("{}\nscheduler: {{ max_loras: 0 }}\n", GOOD.trim_end()),
                 "scheduler.max_loras",

@@ -209,15 +209,17 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
             let all = prompt_dataset(file, m)?;
             anyhow::ensure!(!all.is_empty(), "{} holds no prompts", file.display());
             let n = args.decode_batch.unwrap_or(args.num_prompts);
-            texts = (0..n).map(|i| all[i % all.len()].clone()).collect();
             let out = args.output_len.max(1);
-            for t in &texts {
+            // Checked before the prompts are copied n times (one prompt may be millions of
+            // tokens).
+            for t in all.iter().take(n) {
                 anyhow::ensure!(
                     t.len().checked_add(out).is_some_and(|n| n <= max_model_len),
                     "a prompt of {} tokens and {out} output tokens exceed the context ({max_model_len})",
                     t.len()
                 );
             }
+            texts = (0..n).map(|i| all[i % all.len()].clone()).collect();
             texts.iter().map(|t| (t.len(), out)).collect()
         }
     };

@@ -18,6 +18,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde_json::json;
 use switchyard_simulator::report::percentile;
+use switchyard_simulator::trace::{MAX_ARRIVAL_S, MAX_REQUESTS as MAX_ROWS};
 
 use self::http::{connect, first_model, one_request, parse_url, Target, MAX_SMALL_RESPONSE_BYTES};
 use crate::cli::{ServeBenchArgs, ServeDataset};
@@ -162,6 +163,20 @@ fn workload(
                         Some(ts - *first_ts.get_or_insert(ts))
                     }
                 };
+                // A timestamp years after the first would have the replay sleep that long.
+                if let Some(t) = at.filter(|&t| t > MAX_ARRIVAL_S) {
+                    anyhow::bail!(
+                        "{}:{}: TIMESTAMP {t:.0} s after the first row's; at most a year \
+                         ({MAX_ARRIVAL_S:.0} s) is replayed",
+                        path.display(),
+                        i + 1
+                    );
+                }
+                anyhow::ensure!(
+                    rows.len() < MAX_ROWS,
+                    "{}: more than {MAX_ROWS} rows",
+                    path.display()
+                );
                 rows.push((num(prompt_col)?, num(output_col)?, at));
                 if args.dataset == ServeDataset::Trace && rows.len() >= n {
                     break;
@@ -688,6 +703,15 @@ mod tests {
         ));
         let work = workload(&args, &mut ChaCha8Rng::seed_from_u64(0)).unwrap();
         assert_eq!(work, vec![(100, 7, Some(0.0)), (200, 9, Some(1.5))]);
+        // A timestamp years after the first would have the replay sleep that long: refused.
+        std::fs::write(
+            &path,
+            "GeneratedTokens,TIMESTAMP,ContextTokens\n\
+             7,2023-11-16 18:15:46.6805900,100\n9,9999-12-31 23:59:59.0000000,200\n",
+        )
+        .unwrap();
+        let e = workload(&args, &mut ChaCha8Rng::seed_from_u64(0)).unwrap_err();
+        assert!(format!("{e:#}").contains(":3: TIMESTAMP"), "{e:#}");
         std::fs::write(&path, "num_decode_tokens,num_prefill_tokens\n5,50\n").unwrap();
         let args = serve_args(&format!(
             "--dataset sharegpt --num-prompts 1 --dataset-path {}",

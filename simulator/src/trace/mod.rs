@@ -42,6 +42,9 @@ pub const MAX_OUTPUT_TOKENS: u32 = 1 << 20;
 pub const MAX_REQUESTS: usize = 10_000_000;
 /// Most prompt tokens held for one trace (bounds memory at 2 GiB of token ids).
 pub const MAX_TOTAL_PROMPT_TOKENS: usize = 1 << 29;
+/// Most output tokens one trace asks for: each is simulated, and its inter-token latency kept
+/// for the report (8 bytes per token and policy: at most 2 GiB).
+pub const MAX_TOTAL_OUTPUT_TOKENS: u64 = 1 << 28;
 /// Longest line accepted in a trace file, in bytes.
 pub const MAX_LINE_BYTES: usize = 1 << 20;
 /// Longest tenant or tier label, in bytes.
@@ -324,6 +327,14 @@ pub fn assign_mix(
             continue;
         }
         let weights: Vec<f64> = mix.entries.iter().map(|(_, w)| *w).collect();
+        // rand's WeightedIndex panics on a sum that overflows to infinity (1e308 twice) rather
+        // than returning its error.
+        if !weights.iter().sum::<f64>().is_finite() {
+            return Err(format!(
+                "invalid {} mix weights: their sum is not finite",
+                kind(is_tier)
+            ));
+        }
         let dist = WeightedIndex::new(&weights)
             .map_err(|e| format!("invalid {} mix weights: {e}", kind(is_tier)))?;
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
@@ -471,6 +482,12 @@ mod tests {
             entries: vec![("a".into(), 0.0)],
         };
         assert!(assign_mix(&mut again, &bad, &LabelMix::default(), 7).is_err());
+        // Each finite, the sum not.
+        let huge = LabelMix {
+            entries: vec![("a".into(), 1e308), ("b".into(), 1e308)],
+        };
+        assert!(assign_mix(&mut again, &huge, &LabelMix::default(), 7).is_err());
+        assert!(assign_mix(&mut again, &LabelMix::default(), &huge, 7).is_err());
     }
 
     #[test]
