@@ -122,17 +122,18 @@ pub(crate) fn gemv_grid(tiles: usize, k_steps: usize, sm_count: usize) -> GemvGr
     }
     let batches =
         |warps_per_tile: usize| k_steps.div_ceil(warps_per_tile).div_ceil(GEMV_BATCH_STEPS);
+    // The block shape a number of warps per tile takes, if its blocks fit one wave: one tile
+    // per block from 3 warps on, else the most tiles per block that fit. Arithmetic only: this
+    // runs at every launch outside the CUDA graphs.
     let fits = |warps_per_tile: usize| {
-        let shapes: Vec<usize> = if warps_per_tile >= 3 {
-            vec![warps_per_tile]
+        let most_tiles = if warps_per_tile >= 3 {
+            1
         } else {
-            (1..=GEMV_BLOCK_WARPS / warps_per_tile)
-                .rev()
-                .map(|tiles_per_block| tiles_per_block * warps_per_tile)
-                .collect()
+            GEMV_BLOCK_WARPS / warps_per_tile
         };
-        shapes.into_iter().find_map(|warps_per_block| {
-            let blocks = tiles.div_ceil(warps_per_block / warps_per_tile);
+        (1..=most_tiles).rev().find_map(|tiles_per_block| {
+            let warps_per_block = tiles_per_block * warps_per_tile;
+            let blocks = tiles.div_ceil(tiles_per_block);
             (blocks <= GEMV_WARPS_PER_SM / warps_per_block * sm_count).then_some(GemvGrid {
                 blocks,
                 warps_per_block,
@@ -140,10 +141,12 @@ pub(crate) fn gemv_grid(tiles: usize, k_steps: usize, sm_count: usize) -> GemvGr
             })
         })
     };
-    let grids: Vec<GemvGrid> = (1..=GEMV_BLOCK_WARPS).filter_map(fits).collect();
-    let fewest = grids.iter().map(|g| batches(g.warps_per_tile)).min();
-    grids
-        .into_iter()
+    let fewest = (1..=GEMV_BLOCK_WARPS)
+        .filter_map(fits)
+        .map(|g| batches(g.warps_per_tile))
+        .min();
+    (1..=GEMV_BLOCK_WARPS)
+        .filter_map(fits)
         .filter(|g| Some(batches(g.warps_per_tile)) == fewest)
         .max_by_key(|g| (g.warps_per_tile.is_power_of_two(), g.warps_per_tile))
         .unwrap_or(GemvGrid {
