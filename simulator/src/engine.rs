@@ -35,6 +35,11 @@ const MAX_IDLE_TICKS: u32 = 100_000;
 const IDLE_TICK_US: u64 = 1_000;
 /// Most scheduler-time samples kept per run (older ones are merged two by two).
 const MAX_SAMPLES: usize = 1 << 16;
+/// The latest virtual time a run may reach, in microseconds (2^53: ~285 years, every time
+/// still exact as an f64). Only step costs far outside any real device's (a calibration or
+/// cost model near its bounds) get there; the run stops with an error rather than saturate
+/// its clock and report wrong latencies.
+const MAX_CLOCK_US: u64 = 1 << 53;
 
 /// One snapshot of the scheduler after a step.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -640,7 +645,7 @@ impl<'a> Loop<'a> {
             }
             idle_ticks = 0;
             let dt = self.start_step(&plan, now, &mut outputs);
-            now = now.saturating_add(dt).saturating_add(self.host_us());
+            now = self.check_clock(now.saturating_add(dt).saturating_add(self.host_us()))?;
             self.steps += 1;
             for ev in self.sched.apply_outputs(&plan, &outputs, Timestamp(now)) {
                 finished += usize::from(self.on_event(ev));
@@ -715,6 +720,7 @@ impl<'a> Loop<'a> {
             let start = in_flight.as_ref().map_or(ready, |f| ready.max(f.2));
             let mut outputs = Vec::with_capacity(plan.seqs.len());
             let end = start.saturating_add(self.start_step(&plan, start, &mut outputs));
+            let end = self.check_clock(end)?;
             self.steps += 1;
             // The step before this one ends as this one starts.
             if let Some((prev, outs, prev_end)) = in_flight.replace((plan, outputs, end)) {
@@ -801,6 +807,17 @@ impl<'a> Loop<'a> {
     }
 
     /// The host's time per step, in whole microseconds (at most 1e7: the spec bounds it).
+    /// `t` where it is within [`MAX_CLOCK_US`], else the error that ends the run.
+    fn check_clock(&self, t: u64) -> Result<u64, SimError> {
+        if t <= MAX_CLOCK_US {
+            return Ok(t);
+        }
+        Err(SimError::ClockLimit {
+            policy: self.label.clone(),
+            steps: self.steps,
+        })
+    }
+
     fn host_us(&self) -> u64 {
         self.sim.host_overhead_us.max(0.0).round() as u64
     }
@@ -1057,6 +1074,43 @@ workload: {trace: unused.csv, format: azure}
         assert_eq!((b.met_ttft, b.met_tpot), (None, None));
         assert_eq!(run.itls_ms, vec![1.0, 1.0]);
         assert_eq!(run.counters.steps, 4);
+    }
+
+    #[test]
+    fn step_costs_that_run_the_clock_past_its_limit_are_an_error() {
+        // Two 3,000-token prompts make ~9 x 10^6 attention pairs at 3,000 s each (a
+        // calibration within its bounds): ~2.7 x 10^16 us of prefill, past 2^53 us. The run
+        // stops there instead of saturating its clock.
+        let spec = SimulationSpec::from_yaml_str(
+            "policies: [{name: fcfs}]\nscheduler: {max_model_len: 4096}\n\
+             cache: {num_gpu_blocks: 1024}\nworkload: {trace: unused.csv, format: azure}\n",
+            Path::new("t.yaml"),
+        )
+        .unwrap();
+        let mut sim = Simulation::new(&spec).unwrap();
+        sim.cost = CostModel::Calibrated(Calibration {
+            per_attention_pair_s: 3000.0,
+            ..Default::default()
+        });
+        let rs = vec![req(0.0, 3000, 4, ""), req(0.0, 3000, 4, "")];
+        for async_scheduling in [false, true] {
+            sim.spec.scheduler.async_scheduling = async_scheduling;
+            let err = sim
+                .run_policy(&PolicySpec::named("fcfs"), &rs, false)
+                .unwrap_err();
+            assert!(matches!(err, SimError::ClockLimit { .. }), "{err}");
+            let msg = err.to_string();
+            assert!(msg.contains("285 years") && msg.contains("`fcfs`"), "{msg}");
+        }
+        // Costs near a real device's run as before.
+        sim.cost = CostModel::Calibrated(Calibration {
+            per_attention_pair_s: 1e-9,
+            ..Default::default()
+        });
+        let run = sim
+            .run_policy(&PolicySpec::named("fcfs"), &rs, false)
+            .unwrap();
+        assert!(run.records.iter().all(|r| r.generated == 4), "{run:?}");
     }
 
     #[test]

@@ -70,6 +70,15 @@ pub enum SimError {
         /// Running requests at the stall.
         running: usize,
     },
+    /// Virtual time ran past the simulator's clock limit (~285 years): step costs far outside
+    /// any device's, from a calibration file or cost model near its bounds.
+    #[error("simulated time passed 285 years after {steps} steps under policy `{policy}`: the step costs (calibration file or cost model) are far outside any real device's")]
+    ClockLimit {
+        /// The policy that was running.
+        policy: String,
+        /// Steps run before the limit was passed.
+        steps: u64,
+    },
     /// A plot could not be drawn.
     #[error("{path}: plot: {message}")]
     Plot {
