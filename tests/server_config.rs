@@ -504,18 +504,20 @@ fn config_check_refuses_a_misspelt_log_level_and_hides_keys() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// `tiers.<name>.priority` is the priority of the tier's requests that set none; a request's
-/// own `priority` wins. One seat (`max_num_seqs: 1`) held by a long request: a low tier's
-/// request queued first is served after a standard tier's queued later, and a request of the
-/// low tier that asks for priority -1 goes before both.
+/// `tiers.<name>.priority` is the priority of the tier's requests, and the most urgent they may
+/// ask for: a request's own `priority` counts only where it is later. One seat
+/// (`max_num_seqs: 1`) held by a long request, no aging: a low tier's request queued first is
+/// served after a standard tier's queued later; a low-tier request that asks for -1 (ahead of
+/// everyone, were it believed) is held at its tier's 5 and served after the first low one; a
+/// standard-tier request that asks for 7 (later than its tier) goes last.
 #[test]
-fn a_tier_priority_orders_its_requests_that_set_none() {
+fn a_tier_priority_bounds_how_urgent_its_requests_may_ask_to_be() {
     let keys = "  api_keys:\n    - { key: std-tier-key-0001, tenant: a, tier: std }\n    \
                 - { key: low-tier-key-0001, tenant: b, tier: low }\n";
     let s = std::sync::Arc::new(Server::start_with(
         "tier-priority",
         keys,
-        "scheduler:\n  max_num_seqs: 1\n  policy: { name: priority, params: { preempt: false } }\n\
+        "scheduler:\n  max_num_seqs: 1\n  policy: { name: priority, params: { preempt: false, aging_interval_ms: 0 } }\n\
          tiers:\n  std: {}\n  low: { priority: 5 }\n",
     ));
     let start = Instant::now();
@@ -552,20 +554,24 @@ fn a_tier_priority_orders_its_requests_that_set_none() {
     wait_for("switchyard:num_requests_waiting", 1.0);
     let standard = send("std-tier-key-0001", 4, None);
     wait_for("switchyard:num_requests_waiting", 2.0);
-    let urgent = send("low-tier-key-0001", 4, Some(-1));
+    let jumper = send("low-tier-key-0001", 4, Some(-1));
     wait_for("switchyard:num_requests_waiting", 3.0);
+    let later = send("std-tier-key-0001", 4, Some(7));
+    wait_for("switchyard:num_requests_waiting", 4.0);
     let occupant = occupant.join().unwrap();
-    let (urgent, standard, low) = (
-        urgent.join().unwrap(),
+    let (standard, low, jumper, later) = (
         standard.join().unwrap(),
         low.join().unwrap(),
+        jumper.join().unwrap(),
+        later.join().unwrap(),
     );
     assert!(
-        occupant < urgent && urgent < standard && standard < low,
-        "finished at {:?} / {:?} / {:?} / {:?}",
+        occupant < standard && standard < low && low < jumper && jumper < later,
+        "finished at {:?} / {:?} / {:?} / {:?} / {:?}",
         occupant - start,
-        urgent - start,
         standard - start,
-        low - start
+        low - start,
+        jumper - start,
+        later - start
     );
 }

@@ -711,8 +711,10 @@ pub struct TierConfig {
     /// Whether running requests of this tier may be preempted for other tiers.
     #[serde(default)]
     pub preemptible: bool,
-    /// Scheduling priority of the tier's requests that set none themselves (vLLM's: lower is
-    /// served first; the `priority` policy reads it), default 0.
+    /// Scheduling priority of the tier's requests (vLLM's: lower is served first; the
+    /// `priority` policy reads it), default 0. It is also the most urgent they may ask to be:
+    /// a request's own `priority` counts only where it is larger (later), so no key's clients
+    /// can jump ahead of a more urgent tier.
     #[serde(default)]
     pub priority: i32,
 }

@@ -558,3 +558,34 @@ pub struct SchedulerStats {
     /// Waiting requests (new and preempted) that name a LoRA adapter.
     pub num_waiting_adapter_requests: usize,
 }
+
+/// The scheduling priority of a request (lower = more urgent) from its own `priority` field and
+/// its tier's priority (`tiers.<name>.priority`, `None` when the request has no configured
+/// tier). A tier's priority is the most urgent its requests may be: a request may ask to be
+/// served later than its tier (a larger value) but not sooner, so a client of a lower tier
+/// cannot jump ahead of a higher tier's traffic by sending `"priority": -100`. Without a tier
+/// (an open server, or a key without one) the request's own value stands, as in vLLM.
+pub fn request_priority(own: Option<i32>, tier: Option<i32>) -> i32 {
+    match (own, tier) {
+        (Some(p), Some(t)) => p.max(t),
+        (Some(p), None) => p,
+        (None, Some(t)) => t,
+        (None, None) => 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_tier_bounds_how_urgent_its_requests_may_ask_to_be() {
+        assert_eq!(request_priority(None, None), 0);
+        assert_eq!(request_priority(Some(-100), None), -100);
+        assert_eq!(request_priority(None, Some(2)), 2);
+        // Sooner than the tier: held at the tier's; later: as asked.
+        assert_eq!(request_priority(Some(-100), Some(2)), 2);
+        assert_eq!(request_priority(Some(5), Some(2)), 5);
+        assert_eq!(request_priority(Some(i32::MIN), Some(i32::MAX)), i32::MAX);
+    }
+}

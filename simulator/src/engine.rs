@@ -589,7 +589,7 @@ impl<'a> Loop<'a> {
             id: RequestId(i as u64),
             tenant: r.tenant.clone(),
             tier: r.tier.clone(),
-            priority: r.priority.unwrap_or_else(|| tier.map_or(0, |t| t.priority)),
+            priority: switchyard_policies::request_priority(r.priority, tier.map(|t| t.priority)),
             lora_adapter: r.adapter,
             arrival: Timestamp(self.arrivals_us[i]),
             slo: SloTargets {
@@ -1532,8 +1532,10 @@ policies: [{{name: fcfs}}]
     #[test]
     fn a_request_without_a_priority_takes_its_tiers() {
         // One sequence at a time under `priority`, all arriving at 0: lower value first.
-        // a: tier lo (priority 2); b: tier hi (priority 0); c: tier lo but its own -1;
-        // d: no tier, no priority (0, after b by arrival).
+        // a: tier lo (priority 2); b: tier hi (priority 0); c: tier lo asking for -1 (held at
+        // its tier's 2, after a by arrival: as the server, a tier bounds how urgent its
+        // requests may be); d: no tier, no priority (0, after b by arrival); e: no tier, its
+        // own -1 (first).
         let yaml = "policies: [{name: priority}]\ntiers: {hi: {priority: 0}, lo: {priority: 2}}\n\
                     scheduler: {max_num_seqs: 1, max_model_len: 100}\ncache: {num_gpu_blocks: 64}\n\
                     workload: {trace: unused.csv, format: azure}\n";
@@ -1551,6 +1553,10 @@ policies: [{{name: fcfs}}]
             req(0.0, 8, 2, "hi"),
             c,
             req(0.0, 8, 2, ""),
+            TraceRequest {
+                priority: Some(-1),
+                ..req(0.0, 8, 2, "")
+            },
         ];
         let run = sim
             .run_policy(&PolicySpec::named("priority"), &rs, false)
@@ -1562,7 +1568,7 @@ policies: [{{name: fcfs}}]
             .collect();
         order.sort_by(|x, y| x.0.total_cmp(&y.0));
         let ids: Vec<usize> = order.iter().map(|o| o.1).collect();
-        assert_eq!(ids, [2, 1, 3, 0]);
+        assert_eq!(ids, [4, 1, 3, 0, 2]);
     }
 
     #[test]

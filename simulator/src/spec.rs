@@ -265,8 +265,9 @@ pub struct TierConf {
     /// Whether its requests may be preempted first.
     #[serde(default)]
     pub preemptible: bool,
-    /// Priority of its requests that carry none of their own (default 0; lower is more
-    /// urgent, as vLLM's). A request's own `priority` (JSONL traces) wins over it.
+    /// Priority of its requests (default 0; lower is more urgent, as vLLM's): the most urgent
+    /// they may be. A request's own `priority` (JSONL traces) counts where it is later, as in
+    /// the server (`switchyard_policies::request_priority`).
     #[serde(default)]
     pub priority: i32,
 }

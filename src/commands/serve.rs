@@ -469,7 +469,8 @@ struct EngineAdapter {
     ready: AtomicBool,
     /// The tiers in force (policies are built with them; changing them takes a restart).
     tiers: Vec<TierSpec>,
-    /// Each tier's priority, for its requests that set none (`tiers.<name>.priority`).
+    /// Each tier's priority (`tiers.<name>.priority`): its requests' unless they ask for a
+    /// later one (`switchyard_policies::request_priority`).
     tier_priorities: HashMap<String, i32>,
     /// The policy in force. Held while a swap is queued, so that swaps reach the scheduler in
     /// the order their records are written.
@@ -753,12 +754,10 @@ impl port::Engine for EngineAdapter {
             n: request.n,
             max_tokens: request.max_tokens.filter(|_| !request.max_tokens_defaulted),
             default_max_tokens: request.max_tokens.filter(|_| request.max_tokens_defaulted),
-            priority: request.priority.unwrap_or_else(|| {
-                self.tier_priorities
-                    .get(&request.tier)
-                    .copied()
-                    .unwrap_or(0)
-            }),
+            priority: switchyard_policies::request_priority(
+                request.priority,
+                self.tier_priorities.get(&request.tier).copied(),
+            ),
             tier: request.tier,
             tenant: request.tenant,
             prompt_logprobs: request.prompt_logprobs,
