@@ -48,6 +48,7 @@ fn request_outcome_names_and_label_keys_agree_between_the_crates() {
         (engine::REQUEST_SUCCESS, api::REQUEST_SUCCESS),
         (engine::REQUEST_ABORTED, api::REQUEST_ABORTED),
         (engine::REQUEST_FAILED, api::REQUEST_FAILED),
+        (engine::SLO_ATTAINMENT, api::SLO_ATTAINMENT),
         (engine::LABEL_FINISHED_REASON, api::LABEL_FINISHED_REASON),
         (engine::LABEL_REASON, api::LABEL_REASON),
     ] {

@@ -575,3 +575,84 @@ fn a_tier_priority_bounds_how_urgent_its_requests_may_ask_to_be() {
         later - start
     );
 }
+
+/// The request-level metrics carry the request's tier (configured names only; a request without
+/// one carries no tier label), and each tier with SLO targets counts its choices that met or
+/// missed them. Tier `gold`'s TTFT target is a minute (met) and its TPOT target a microsecond
+/// (missed); every tier's series exist from the start, at zero.
+#[test]
+fn request_metrics_carry_the_tier_and_count_slo_attainment() {
+    let keys = "  api_keys:\n    - { key: gold-tier-key-0001, tenant: a, tier: gold }\n    \
+                - { key: open-tier-key-0001, tenant: b }\n";
+    let s = Server::start_with(
+        "tier-metrics",
+        keys,
+        "tiers:\n  gold: { ttft_ms: 60000, tpot_ms: 0.001 }\n  bronze: { ttft_ms: 5000 }\n",
+    );
+    let series = |name: &str, labels: &[&str]| -> Option<f64> {
+        let r = s.request("GET", "/metrics", None, &[]).ok()?;
+        r.body.lines().find_map(|l| {
+            let (lhs, value) = l.rsplit_once(' ')?;
+            let (metric, rest) = lhs.split_once('{').unwrap_or((lhs, ""));
+            let found: Vec<&str> = rest.trim_end_matches('}').split(',').collect();
+            let same = metric == name
+                && found.iter().filter(|f| !f.is_empty()).count() == labels.len()
+                && labels.iter().all(|l| found.contains(l));
+            same.then(|| value.parse().ok()).flatten()
+        })
+    };
+    let attainment = "switchyard:slo_attainment_total";
+    // At zero before any request: both tiers, only the targets each has.
+    for (tier, target) in [("gold", "ttft"), ("gold", "tpot"), ("bronze", "ttft")] {
+        for outcome in ["met", "missed"] {
+            let labels = [
+                format!("tier=\"{tier}\""),
+                format!("target=\"{target}\""),
+                format!("outcome=\"{outcome}\""),
+            ];
+            let labels: Vec<&str> = labels.iter().map(String::as_str).collect();
+            assert_eq!(series(attainment, &labels), Some(0.0), "{labels:?}");
+        }
+    }
+    let bronze_tpot = ["tier=\"bronze\"", "target=\"tpot\"", "outcome=\"met\""];
+    assert_eq!(series(attainment, &bronze_tpot), None);
+    let body = json!({"prompt": "Count:", "max_tokens": 4, "ignore_eos": true}).to_string();
+    for key in ["gold-tier-key-0001", "open-tier-key-0001"] {
+        let auth = format!("Bearer {key}");
+        let r = s
+            .request(
+                "POST",
+                "/v1/completions",
+                Some(&body),
+                &[("authorization", auth.as_str())],
+            )
+            .expect("request");
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    let gold = ["tier=\"gold\""];
+    let ttft_met = ["tier=\"gold\"", "target=\"ttft\"", "outcome=\"met\""];
+    let tpot_missed = ["tier=\"gold\"", "target=\"tpot\"", "outcome=\"missed\""];
+    assert_eq!(series(attainment, &ttft_met), Some(1.0));
+    assert_eq!(series(attainment, &tpot_missed), Some(1.0));
+    for h in [
+        "switchyard:time_to_first_token_seconds_count",
+        "switchyard:time_per_output_token_seconds_count",
+        "switchyard:e2e_request_latency_seconds_count",
+        "switchyard:request_queue_time_seconds_count",
+    ] {
+        assert_eq!(series(h, &gold), Some(1.0), "{h}");
+        // The open key's request: no tier label at all.
+        assert_eq!(series(h, &[]), Some(1.0), "{h}");
+    }
+    let success = "switchyard:request_success_total";
+    let gold_length = ["tier=\"gold\"", "finished_reason=\"length\""];
+    assert_eq!(series(success, &gold_length), Some(1.0));
+    assert_eq!(series(success, &["finished_reason=\"length\""]), Some(1.0));
+    assert_eq!(
+        series(
+            "switchyard:time_to_first_token_seconds_count",
+            &["tier=\"bronze\""]
+        ),
+        Some(0.0)
+    );
+}

@@ -87,6 +87,9 @@ pub struct SubmitOptions {
     /// stamps it from [`SubmitOptions::encoded`]): its queue time, vLLM's time spent waiting
     /// to be scheduled, runs from then, without the encoding. `None`: from its arrival.
     pub queued: Option<Timestamp>,
+    /// The tier its metrics carry ([`crate::metric_names::LABEL_TIER`]): its tier where that
+    /// is one of the server's configured tiers, "" otherwise (no tier label).
+    pub metrics_tier: Arc<str>,
 }
 
 impl SubmitOptions {
@@ -116,6 +119,7 @@ impl SubmitOptions {
             received: None,
             encoded: None,
             queued: None,
+            metrics_tier: Arc::from(""),
         }
     }
 
@@ -207,8 +211,8 @@ pub struct PreparedStep {
     /// Microseconds spent planning.
     pub plan_us: u64,
     /// Queue times (queued to first scheduled, microseconds) of requests scheduled for the first
-    /// time in this step.
-    pub queue_times_us: Vec<u64>,
+    /// time in this step, with each one's tier ("" for none).
+    pub queue_times_us: Vec<(Arc<str>, u64)>,
 }
 
 /// A committed plan that could not be turned into a batch (a core bug, never user input): the
@@ -249,6 +253,8 @@ struct LiveRequest {
     started: bool,
     /// Whether it may be fed drafts (speculative decoding).
     speculate: bool,
+    /// Its metrics' tier ([`SubmitOptions::metrics_tier`]), for the per-tier queue time.
+    tier: Arc<str>,
 }
 
 /// The scheduling side of the engine: the policies core plus the prompt and sampler settings of
@@ -349,6 +355,7 @@ impl StepCore {
             queued: submit.queued.unwrap_or(submit.request.arrival),
             started: false,
             speculate: submit.request.limits.speculate,
+            tier: submit.metrics_tier.clone(),
         };
         self.scheduler.add_request(submit.request)?;
         self.live.insert(id, live);
@@ -538,7 +545,7 @@ impl StepCore {
             let first_step = !live.started;
             if first_step {
                 live.started = true;
-                queue_times_us.push(now.saturating_sub(live.queued));
+                queue_times_us.push((live.tier.clone(), now.saturating_sub(live.queued)));
             }
             if n == seqs.len() {
                 seqs.push(SeqInput {
@@ -1448,7 +1455,7 @@ mod tests {
         offline.request.arrival = Timestamp(500);
         e.core().add_request(offline).unwrap();
         let prepared = e.core().prepare(Timestamp(6_500)).unwrap().expect("a step");
-        let mut queued = prepared.queue_times_us.clone();
+        let mut queued: Vec<u64> = prepared.queue_times_us.iter().map(|q| q.1).collect();
         queued.sort_unstable();
         assert_eq!(queued, [2_500, 6_000]);
     }

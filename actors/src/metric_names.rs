@@ -81,8 +81,82 @@ pub const SPEC_DECODE_DRAFT_TOKENS: &str = "switchyard:spec_decode_num_draft_tok
 /// Counter: draft tokens accepted (speculative decoding).
 pub const SPEC_DECODE_ACCEPTED_TOKENS: &str = "switchyard:spec_decode_num_accepted_tokens_total";
 
+/// Counter, labels `tier`, `target` (`ttft`, `tpot`) and `outcome` (`met`, `missed`): choices
+/// of the requests of a tier with that SLO target, by whether they met it: the TTFT target when
+/// the first token arrives, the TPOT target (the mean time per output token after the first)
+/// when a choice of at least two tokens finishes; as the simulator's `met_ttft` / `met_tpot`.
+/// A tier's attainment is `met / (met + missed)`.
+pub const SLO_ATTAINMENT: &str = "switchyard:slo_attainment_total";
+
 /// Label key of [`REQUEST_SUCCESS`].
 pub const LABEL_FINISHED_REASON: &str = "finished_reason";
+/// Label key of the request's SLO tier (`tiers.<name>` of the server's configuration, through
+/// its API key), on [`TIERED`] metrics and [`SLO_ATTAINMENT`]. Requests without a tier carry
+/// no tier label (not an empty one: Prometheus reads `tier=""` as no label, so the two would
+/// be the same series). Bounded: tier names come from the configuration only.
+pub const LABEL_TIER: &str = "tier";
+/// Label keys of [`SLO_ATTAINMENT`].
+pub const LABEL_TARGET: &str = "target";
+pub const LABEL_OUTCOME: &str = "outcome";
+
+/// The metrics recorded per tier: each request's carry its tier's [`LABEL_TIER`], if any.
+pub const TIERED: &[&str] = &[
+    TIME_TO_FIRST_TOKEN,
+    INTER_TOKEN_LATENCY,
+    TIME_PER_OUTPUT_TOKEN,
+    E2E_REQUEST_LATENCY,
+    REQUEST_QUEUE_TIME,
+    REQUEST_SUCCESS,
+];
+
+/// The labels a request of tier `tier` ("" for none) adds to [`TIERED`] metrics.
+pub fn tier_labels(tier: &std::sync::Arc<str>) -> Vec<metrics::Label> {
+    if tier.is_empty() {
+        Vec::new()
+    } else {
+        vec![metrics::Label::new(LABEL_TIER, tier.clone())]
+    }
+}
+
+/// Counts one choice of tier `tier` against an SLO target (`ttft` or `tpot`).
+pub fn record_slo(tier: &std::sync::Arc<str>, target: &'static str, met: bool) {
+    let outcome = if met { "met" } else { "missed" };
+    let mut labels = tier_labels(tier);
+    labels.push(metrics::Label::new(LABEL_TARGET, target));
+    labels.push(metrics::Label::new(LABEL_OUTCOME, outcome));
+    metrics::counter!(SLO_ATTAINMENT, labels).increment(1);
+}
+
+/// Creates the per-tier series at zero ([`register_at_zero`] creates the untiered ones): for
+/// each tier (name, whether it has a TTFT target, whether it has a TPOT target), the
+/// [`TIERED`] metrics with its label and [`SLO_ATTAINMENT`] for each target it has.
+pub fn register_tiers(tiers: &[(String, bool, bool)]) {
+    for (name, ttft, tpot) in tiers {
+        let tier: std::sync::Arc<str> = name.as_str().into();
+        let labels = tier_labels(&tier);
+        for &h in TIERED {
+            if h == REQUEST_SUCCESS {
+                for &r in FINISHED_REASONS {
+                    let mut l = labels.clone();
+                    l.push(metrics::Label::new(LABEL_FINISHED_REASON, r));
+                    metrics::counter!(h, l).increment(0);
+                }
+            } else {
+                drop(metrics::histogram!(h, labels.clone()));
+            }
+        }
+        for (target, has) in [("ttft", *ttft), ("tpot", *tpot)] {
+            if has {
+                for outcome in ["met", "missed"] {
+                    let mut l = labels.clone();
+                    l.push(metrics::Label::new(LABEL_TARGET, target));
+                    l.push(metrics::Label::new(LABEL_OUTCOME, outcome));
+                    metrics::counter!(SLO_ATTAINMENT, l).increment(0);
+                }
+            }
+        }
+    }
+}
 /// Label key of [`REQUEST_FAILED`].
 pub const LABEL_REASON: &str = "reason";
 
@@ -119,7 +193,8 @@ pub fn register_at_zero() {
                     metrics::counter!(c, LABEL_REASON => r).increment(0);
                 }
             }
-            STRUCTURED_REQUESTS => {}
+            // By kind of specification, and per tier (`register_tiers`).
+            STRUCTURED_REQUESTS | SLO_ATTAINMENT => {}
             _ => metrics::counter!(c).increment(0),
         }
     }
@@ -156,6 +231,7 @@ pub const COUNTERS: &[&str] = &[
     SPEC_DECODE_DRAFTS,
     SPEC_DECODE_DRAFT_TOKENS,
     SPEC_DECODE_ACCEPTED_TOKENS,
+    SLO_ATTAINMENT,
 ];
 /// Histograms among the names above.
 pub const HISTOGRAMS: &[&str] = &[

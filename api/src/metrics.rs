@@ -44,6 +44,9 @@ pub const REQUEST_ABORTED: &str = "switchyard:request_aborted_total";
 pub const REQUEST_FAILED: &str = "switchyard:request_failed_total";
 /// Counter: engine steps that failed; their requests ended with an error.
 pub const ENGINE_FAILED_STEPS: &str = "switchyard:engine_failed_steps_total";
+/// Counter, labels `tier`, `target` (`ttft`, `tpot`), `outcome` (`met`, `missed`): choices of a
+/// tier's requests with that SLO target, by whether they met it.
+pub const SLO_ATTAINMENT: &str = "switchyard:slo_attainment_total";
 /// Histogram, seconds: arrival to first generated token, per choice.
 pub const TIME_TO_FIRST_TOKEN: &str = "switchyard:time_to_first_token_seconds";
 /// Histogram, seconds: between the engine steps that bring a choice tokens, one per step after
@@ -212,6 +215,11 @@ pub fn describe_metrics() {
         Unit::Count,
         "Engine steps that failed (a backend error or panic, or a lost executor or allocator); their requests ended with an error and the server went on."
     );
+    describe_counter!(
+        SLO_ATTAINMENT,
+        Unit::Count,
+        "Requests (each choice of n > 1 counts) of a tier with an SLO target, by target (ttft: at the first token; tpot: the mean time per output token after the first, when a choice of two or more tokens finishes) and outcome (met, missed)."
+    );
     describe_histogram!(
         TIME_TO_FIRST_TOKEN,
         Unit::Seconds,
@@ -358,6 +366,7 @@ mod tests {
         REQUEST_ABORTED,
         REQUEST_FAILED,
         ENGINE_FAILED_STEPS,
+        SLO_ATTAINMENT,
         POLICY_SWAPS,
         HTTP_REQUESTS,
     ];

@@ -66,6 +66,13 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let prometheus = match switchyard_api::metrics::install_prometheus_recorder() {
         Ok(handle) => {
             switchyard_actors::metric_names::register_at_zero();
+            // Tiers change only with a restart: their series are made once.
+            let tiers: Vec<(String, bool, bool)> = config
+                .tiers
+                .iter()
+                .map(|(name, t)| (name.clone(), t.ttft_ms.is_some(), t.tpot_ms.is_some()))
+                .collect();
+            switchyard_actors::metric_names::register_tiers(&tiers);
             metrics::counter!(switchyard_api::metrics::POLICY_SWAPS).increment(0);
             Some(handle)
         }

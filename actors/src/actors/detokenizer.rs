@@ -11,7 +11,7 @@ use actix::prelude::SendError;
 use actix::{Actor, Addr, AsyncContext, Context, Handler, Message};
 use switchyard_gpu::model::Tokenizer;
 use switchyard_gpu::Constraint;
-use switchyard_policies::{FinishReason, IdMap, RequestId, SchedulerError};
+use switchyard_policies::{FinishReason, IdMap, RequestId, SchedulerError, SloTargets};
 
 use super::engine::{
     ChoiceDelta, EngineOutput, InFlight, OutputSink, SubmitError, SubmitErrorKind, TokenLogprobs,
@@ -211,6 +211,11 @@ struct RequestSink {
     /// The prompt while its logprobs are still being computed; `None` once the prompt event
     /// went out.
     pending_prompt: Option<Arc<[u32]>>,
+    /// Its metrics' tier ([`SubmitOptions::metrics_tier`]), the labels that puts on the per-tier metrics
+    /// ([`names::TIERED`]) and the tier's SLO targets ([`names::SLO_ATTAINMENT`]).
+    tier: Arc<str>,
+    labels: Vec<metrics::Label>,
+    slo: SloTargets,
 }
 
 struct ChoiceState {
@@ -406,6 +411,11 @@ impl Handler<Register> for DetokenizerActor {
             .iter()
             .map(|s| s.sampling.constraint.clone())
             .collect();
+        // Every choice is the same request's: one tier and one set of targets.
+        let (tier, slo): (Arc<str>, SloTargets) = msg.submits.first().map_or_else(
+            || ("".into(), SloTargets::default()),
+            |s| (s.metrics_tier.clone(), s.request.slo.clone()),
+        );
         let shutting_down = || {
             Some(SubmitError::new(
                 SubmitErrorKind::Unavailable,
@@ -436,6 +446,9 @@ impl Handler<Register> for DetokenizerActor {
             ids: msg.ids.clone(),
             _guard: msg.guard,
             pending_prompt: msg.pending_prompt.clone(),
+            labels: names::tier_labels(&tier),
+            tier,
+            slo,
         }));
         let prompt_len = msg.pending_prompt.as_ref().map_or(0, |p| p.len());
         for (index, id) in msg.ids.into_iter().enumerate() {
@@ -535,12 +548,20 @@ impl Handler<StepEvents> for DetokenizerActor {
                     // drafts a speculative step accepted arrive with it, not 0 s later).
                     match c.last_at {
                         None => {
-                            metrics::histogram!(names::TIME_TO_FIRST_TOKEN)
-                                .record((now - c.request.borrow().arrival).as_secs_f64());
+                            let r = c.request.borrow();
+                            let ttft = (now - r.arrival).as_secs_f64();
+                            metrics::histogram!(names::TIME_TO_FIRST_TOKEN, r.labels.clone())
+                                .record(ttft);
+                            if let Some(target) = r.slo.ttft_ms {
+                                names::record_slo(&r.tier, "ttft", ttft * 1e3 <= target);
+                            }
                         }
                         Some(last) if !deltas.index.contains_key(&id) => {
-                            metrics::histogram!(names::INTER_TOKEN_LATENCY)
-                                .record((now - last).as_secs_f64());
+                            metrics::histogram!(
+                                names::INTER_TOKEN_LATENCY,
+                                c.request.borrow().labels.clone()
+                            )
+                            .record((now - last).as_secs_f64());
                         }
                         Some(_) => {}
                     }
@@ -634,14 +655,25 @@ impl Handler<StepEvents> for DetokenizerActor {
                         ..
                     }) = self.choices.remove(&id)
                     {
+                        let r = request.borrow();
                         if tokens > 1 {
-                            metrics::histogram!(names::TIME_PER_OUTPUT_TOKEN)
-                                .record((last - first).as_secs_f64() / f64::from(tokens - 1));
+                            let tpot = (last - first).as_secs_f64() / f64::from(tokens - 1);
+                            metrics::histogram!(names::TIME_PER_OUTPUT_TOKEN, r.labels.clone())
+                                .record(tpot);
+                            if let Some(target) = r.slo.tpot_ms {
+                                names::record_slo(&r.tier, "tpot", tpot * 1e3 <= target);
+                            }
                         }
                     }
-                    metrics::histogram!(names::E2E_REQUEST_LATENCY)
-                        .record((now - request.borrow().arrival).as_secs_f64());
-                    metrics::counter!(names::REQUEST_SUCCESS, names::LABEL_FINISHED_REASON => reason.metric_label()).increment(1);
+                    let r = request.borrow();
+                    metrics::histogram!(names::E2E_REQUEST_LATENCY, r.labels.clone())
+                        .record((now - r.arrival).as_secs_f64());
+                    let mut labels = r.labels.clone();
+                    labels.push(metrics::Label::new(
+                        names::LABEL_FINISHED_REASON,
+                        reason.metric_label(),
+                    ));
+                    metrics::counter!(names::REQUEST_SUCCESS, labels).increment(1);
                 }
             }
             let delivered = request.borrow_mut().sink.send(EngineOutput::Delta(delta));

@@ -618,16 +618,18 @@ impl Engine {
             return Ok(());
         }
         let prompt: Arc<[u32]> = prompt.into();
-        let slo = self
+        let tier = self
             .config
             .tier_slos
             .iter()
-            .find(|(name, _)| *name == options.tier)
-            .map(|(_, s)| s.clone())
-            .unwrap_or(SloTargets {
-                ttft_ms: None,
-                tpot_ms: None,
-            });
+            .find(|(name, _)| *name == options.tier);
+        let slo = tier.map(|(_, s)| s.clone()).unwrap_or(SloTargets {
+            ttft_ms: None,
+            tpot_ms: None,
+        });
+        // A configured tier labels the request's metrics; any other name (the open API's
+        // default tier when no tier of that name is configured) none.
+        let metrics_tier: Arc<str> = Arc::from(tier.map_or("", |(name, _)| name.as_str()));
         let shared_salt = self.cache_salt(&options);
         let eos = options.sampling.eos_token_ids.first().copied();
         let mut stop_ids = options.sampling.stop_token_ids.clone();
@@ -678,6 +680,7 @@ impl Engine {
                 encoded: Some(encoded),
                 // Stamped by the scheduler when it queues the request.
                 queued: None,
+                metrics_tier: metrics_tier.clone(),
             });
         }
         // The detokenizer queues the request with the scheduler as it registers it, so that

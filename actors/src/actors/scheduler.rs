@@ -359,8 +359,9 @@ impl SchedulerActor {
 
 /// Records a prepared step's queue times and planning time.
 fn record_plan(prepared: &PreparedStep) {
-    for q in &prepared.queue_times_us {
-        metrics::histogram!(names::REQUEST_QUEUE_TIME).record(*q as f64 / 1e6);
+    for (tier, q) in &prepared.queue_times_us {
+        metrics::histogram!(names::REQUEST_QUEUE_TIME, names::tier_labels(tier))
+            .record(*q as f64 / 1e6);
     }
     metrics::histogram!(names::ENGINE_PLAN).record(prepared.plan_us as f64 / 1e6);
 }
