@@ -23,7 +23,7 @@ pub enum Command {
     Serve(ServeArgs),
     /// Replay a request trace against scheduling policies with a virtual clock (no GPU, no model).
     #[command(
-        after_help = "Examples:\n  switchyard simulate --config config/examples/sim-azure-tiers.yaml --out out/sim\n  switchyard simulate --trace ../shared/traces/AzureLLMInferenceTrace_code.csv --format azure \\\n      --policies fcfs,priority,slo-aware,chunked-prefill --out out/azure --seed 1"
+        after_help = "Examples:\n  switchyard simulate --config config/examples/sim-azure-tiers.yaml --out out/sim\n  switchyard simulate --trace ../shared/traces/AzureLLMInferenceTrace_code.csv --format azure \\\n      --policies fcfs,priority,slo-aware,chunked-prefill --out out/azure --seed 1\n  switchyard simulate --trace config/examples/sim-sample-trace.jsonl --format jsonl \\\n      --tiers config/examples/multi-tenant.yaml --policies fcfs,priority --out out/sample"
     )]
     Simulate(SimulateArgs),
     /// Measure the engine's step times and fit the simulator's cost model to them.
@@ -74,15 +74,16 @@ pub enum TraceFormat {
 /// `switchyard simulate`.
 #[derive(Debug, Args)]
 pub struct SimulateArgs {
-    /// A YAML file describing the simulation (model, hardware, scheduler, policies, workload);
-    /// the flags that the file sets instead (--trace, --format, --policies, --model,
-    /// --hardware, --load, --rate, --time-scale, --seed, --limit) cannot be given with it.
+    /// A YAML file describing the simulation (model, hardware, scheduler, policies, tiers,
+    /// workload); the flags that the file sets instead (--trace, --format, --policies, --model,
+    /// --hardware, --load, --rate, --time-scale, --seed, --limit, --tiers) cannot be given
+    /// with it.
     #[arg(
         long,
         short,
         conflicts_with_all = [
             "trace", "format", "policies", "model", "hardware", "load", "rate", "time_scale",
-            "seed", "limit",
+            "seed", "limit", "tiers",
         ]
     )]
     pub config: Option<PathBuf>,
@@ -120,6 +121,11 @@ pub struct SimulateArgs {
     /// Replay only the first N requests.
     #[arg(long)]
     pub limit: Option<usize>,
+    /// Service tiers for a --trace: the `tiers` section of FILE (a server configuration, a
+    /// simulation spec, or a file with only that section). A trace naming a tier that is not
+    /// defined is an error, as the server refuses it.
+    #[arg(long, value_name = "FILE", requires = "trace")]
+    pub tiers: Option<PathBuf>,
     /// Print the summary as JSON instead of a table.
     #[arg(long)]
     pub json: bool,

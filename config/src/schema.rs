@@ -658,6 +658,12 @@ impl Default for PolicySpec {
     }
 }
 
+/// Most sequences in one step (`scheduler.max_num_seqs`): the rows a backend samples in one
+/// step. The simulator's spec shares the bound, so it cannot model a server that cannot run.
+pub const MAX_NUM_SEQS: usize = 2048;
+/// Most tokens in one step (`scheduler.max_num_batched_tokens`); shared with the simulator.
+pub const MAX_NUM_BATCHED_TOKENS: usize = 1 << 20;
+
 /// The `scheduler:` section.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(
@@ -666,11 +672,13 @@ impl Default for PolicySpec {
     expecting = "a mapping (the scheduler section)"
 )]
 pub struct SchedulerSection {
-    /// Most sequences in one step (at most 2048: the rows a backend samples in one step).
-    #[serde(deserialize_with = "usize_in::<_, 1, 2048>")]
+    /// Most sequences in one step (at most [`MAX_NUM_SEQS`], 2048: the rows a backend samples
+    /// in one step).
+    #[serde(deserialize_with = "usize_in::<_, 1, { MAX_NUM_SEQS as u64 }>")]
     pub max_num_seqs: usize,
-    /// Most tokens (prefill chunks plus decodes) in one step.
-    #[serde(deserialize_with = "usize_in::<_, 1, 1048576>")]
+    /// Most tokens (prefill chunks plus decodes) in one step (at most
+    /// [`MAX_NUM_BATCHED_TOKENS`]).
+    #[serde(deserialize_with = "usize_in::<_, 1, { MAX_NUM_BATCHED_TOKENS as u64 }>")]
     pub max_num_batched_tokens: usize,
     /// The scheduling policy.
     pub policy: PolicySpec,

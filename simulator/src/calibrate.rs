@@ -113,12 +113,95 @@ pub enum FitError {
     /// A sample has no work (an empty step costs nothing to fit).
     #[error("step sample {0}: an empty step (no sequence)")]
     EmptyStep(usize),
-    /// A sample's counts are beyond any step.
-    #[error("step sample {0}: a count above 2^53")]
-    BadShape(usize),
+    /// A sample's counts are beyond any step, or contradict each other.
+    #[error("step sample {index}: {reason}")]
+    BadShape {
+        /// The sample's position.
+        index: usize,
+        /// Which count is out of bounds or disagrees with which.
+        reason: String,
+    },
     /// The fit broke down (every coefficient zero, or not finite).
     #[error("the fit broke down: the samples' features and times are not of one engine")]
     Degenerate,
+}
+
+/// Most tokens one sequence of a step decodes: its next token and up to 16 drafts (the most
+/// `speculative.num_speculative_tokens` allows).
+const MAX_DECODE_TOKENS_PER_SEQ: u64 = 17;
+/// Longest context of one sequence (the largest `max_model_len` a spec accepts).
+const MAX_CONTEXT: u64 = 1 << 24;
+
+/// Checks that a measured step's counts are within what a server runs and agree with each
+/// other, as [`StepShape::add_seq`] builds them: every sequence feeds at least one token, a
+/// prefilling one prompt tokens, a decoding one its next token and at most 16 drafts; a step
+/// samples at most one row per token; every token fed is in the KV and attends to at least
+/// one key and at most the step's KV tokens. A file edited by hand, or from another program,
+/// is refused here rather than fitted.
+pub fn check_shape(s: &StepShape) -> Result<(), String> {
+    let (max_seqs, max_tokens) = (
+        switchyard_config::MAX_NUM_SEQS as u64,
+        switchyard_config::MAX_NUM_BATCHED_TOKENS as u64,
+    );
+    if !(1..=max_seqs).contains(&s.num_seqs) {
+        return Err(format!(
+            "num_seqs {} outside 1..={max_seqs} (the server's max_num_seqs)",
+            s.num_seqs
+        ));
+    }
+    if !(s.num_seqs..=max_tokens).contains(&s.num_tokens) {
+        return Err(format!(
+            "num_tokens {} outside num_seqs..={max_tokens} ({} sequences feed at least one token \
+             each; the server's max_num_batched_tokens)",
+            s.num_tokens, s.num_seqs
+        ));
+    }
+    if s.num_prefill_tokens > s.num_tokens || s.num_decode_seqs > s.num_seqs {
+        return Err(format!(
+            "num_prefill_tokens {} and num_decode_seqs {} must be at most num_tokens {} and \
+             num_seqs {}",
+            s.num_prefill_tokens, s.num_decode_seqs, s.num_tokens, s.num_seqs
+        ));
+    }
+    let prefill_seqs = s.num_seqs - s.num_decode_seqs;
+    if s.num_prefill_tokens < prefill_seqs {
+        return Err(format!(
+            "num_prefill_tokens {} for {prefill_seqs} prefilling sequences (num_seqs - \
+             num_decode_seqs): each feeds at least one",
+            s.num_prefill_tokens
+        ));
+    }
+    let decode_tokens = s.num_tokens - s.num_prefill_tokens;
+    let most = s.num_decode_seqs * MAX_DECODE_TOKENS_PER_SEQ;
+    if !(s.num_decode_seqs..=most).contains(&decode_tokens) {
+        return Err(format!(
+            "num_tokens - num_prefill_tokens = {decode_tokens} decode tokens for {} decoding \
+             sequences: each decodes 1 to {MAX_DECODE_TOKENS_PER_SEQ} (its token and up to 16 \
+             drafts)",
+            s.num_decode_seqs
+        ));
+    }
+    if s.num_sampled > s.num_tokens {
+        return Err(format!(
+            "num_sampled {} above num_tokens {}: a step samples at most one row per token",
+            s.num_sampled, s.num_tokens
+        ));
+    }
+    if !(s.num_tokens..=s.num_seqs * MAX_CONTEXT).contains(&s.kv_tokens) {
+        return Err(format!(
+            "kv_tokens {} outside num_tokens..=num_seqs * {MAX_CONTEXT} (the tokens fed are in \
+             the KV; no sequence is longer than {MAX_CONTEXT})",
+            s.kv_tokens
+        ));
+    }
+    if !(s.num_tokens..=s.num_tokens.saturating_mul(s.kv_tokens)).contains(&s.attention_pairs) {
+        return Err(format!(
+            "attention_pairs {} outside num_tokens..=num_tokens * kv_tokens (every token fed \
+             attends to at least one key, and to at most the step's KV tokens)",
+            s.attention_pairs
+        ));
+    }
+    Ok(())
 }
 
 /// Fits the calibrated model to `samples`, minimising the squared relative errors with every
@@ -144,8 +227,12 @@ pub fn fit(samples: &[Sample]) -> Result<Fit, FitError> {
         if s.shape.num_seqs == 0 {
             return Err(FitError::EmptyStep(index));
         }
+        check_shape(&s.shape).map_err(|reason| FitError::BadShape { index, reason })?;
         if features(&s.shape, 0).iter().any(|&f| f > MAX_FEATURE) {
-            return Err(FitError::BadShape(index));
+            return Err(FitError::BadShape {
+                index,
+                reason: "a count above 2^53".into(),
+            });
         }
     }
     let largest = samples
@@ -485,7 +572,56 @@ mod tests {
         assert_eq!(fit(&s), Err(FitError::EmptyStep(2)));
         s[2].shape = shape(&[(0, 8, true)]);
         s[2].shape.attention_pairs = u64::MAX;
-        assert_eq!(fit(&s), Err(FitError::BadShape(2)));
+        assert!(matches!(fit(&s), Err(FitError::BadShape { index: 2, .. })));
+    }
+
+    /// A sample whose counts contradict each other is refused, naming the count: 10^12 tokens
+    /// in a step of one sequence that prefills 16 (the shape of a hand-edited file).
+    #[test]
+    fn samples_whose_counts_contradict_each_other_are_refused() {
+        let good = shape(&[(0, 16, true), (100, 1, true), (40, 3, false)]);
+        check_shape(&good).unwrap();
+        let mut s: Vec<Sample> = sweep()
+            .into_iter()
+            .map(|shape| Sample {
+                shape,
+                seconds: 1e-3,
+            })
+            .collect();
+        let sweep_checks = s.iter().map(|x| check_shape(&x.shape)).collect::<Vec<_>>();
+        assert!(sweep_checks.iter().all(Result::is_ok), "{sweep_checks:?}");
+        let one = shape(&[(0, 16, true)]);
+        type Edit = fn(&mut StepShape);
+        let cases: [(Edit, &str); 8] = [
+            (
+                |x| x.num_tokens = 1_000_000_000_000,
+                "num_tokens 1000000000000 outside",
+            ),
+            (
+                |x| x.num_tokens = 17,
+                "1 decode tokens for 0 decoding sequences",
+            ),
+            (|x| x.num_seqs = 5000, "num_seqs 5000 outside 1..=2048"),
+            (|x| x.num_prefill_tokens = 17, "num_prefill_tokens 17 and"),
+            (|x| x.num_sampled = 20, "num_sampled 20 above num_tokens 16"),
+            (|x| x.kv_tokens = 15, "kv_tokens 15 outside"),
+            (|x| x.attention_pairs = 3, "attention_pairs 3 outside"),
+            (
+                |x| x.num_decode_seqs = 1,
+                "0 decode tokens for 1 decoding sequences",
+            ),
+        ];
+        for (edit, want) in cases {
+            let mut bad = one;
+            edit(&mut bad);
+            s[3].shape = bad;
+            match fit(&s) {
+                Err(FitError::BadShape { index: 3, reason }) => {
+                    assert!(reason.contains(want), "want {want}: {reason}")
+                }
+                other => panic!("want {want}: {other:?}"),
+            }
+        }
     }
 
     /// Identical samples leave most terms unidentifiable: the fit still answers the samples.

@@ -469,6 +469,25 @@ impl Calibration {
         Ok(cal)
     }
 
+    /// Whether the file's `model` names `model`, compared on letters and digits without case
+    /// ("Meta-Llama-3-8B-Instruct" and "llama-3-8b (random weights)" name `llama-3-8b`,
+    /// "SmolLM2 135M Instruct" names `smollm2-135m`); true when the file records no model.
+    pub fn is_for_model(&self, model: &str) -> bool {
+        let key = |s: &str| -> String {
+            s.chars()
+                .filter(char::is_ascii_alphanumeric)
+                .map(|c| c.to_ascii_lowercase())
+                .collect()
+        };
+        match &self.model {
+            None => true,
+            Some(recorded) => {
+                let (recorded, wanted) = (key(recorded), key(model));
+                !wanted.is_empty() && recorded.contains(&wanted)
+            }
+        }
+    }
+
     /// Checks that every coefficient is finite, not negative and below an hour: a
     /// negative cost would make a step cheaper the more it does.
     pub fn validate(&self) -> Result<(), String> {

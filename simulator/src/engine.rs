@@ -85,6 +85,9 @@ pub struct Simulation {
     pub scheduler: SchedulerConfig,
     /// The host's time per step in microseconds: the spec's, else the calibration's, else 0.
     pub host_overhead_us: f64,
+    /// What the spec allows but an operator should know (a calibration fitted on another
+    /// model); the command prints them on stderr and the summary keeps them.
+    pub warnings: Vec<String>,
 }
 
 /// A loaded workload.
@@ -99,7 +102,8 @@ pub struct Workload {
 impl Simulation {
     /// Resolves presets, the calibration file and the KV capacity.
     pub fn new(spec: &SimulationSpec) -> Result<Self, SimError> {
-        let cli = std::path::Path::new("<spec>");
+        // Errors below name the spec's file ("<cli>" for flags).
+        let cli = spec.source();
         let model = spec.model_spec().map_err(|m| SimError::spec(cli, m))?;
         let hardware = spec.hardware_spec().map_err(|m| SimError::spec(cli, m))?;
         let calibration = spec
@@ -114,6 +118,26 @@ impl Simulation {
                 hardware: hardware.clone(),
             },
         };
+        let mut warnings = Vec::new();
+        if let Some((path, cal)) = &calibration {
+            if let Some(other) = cal
+                .model
+                .as_deref()
+                .filter(|_| !cal.is_for_model(&model.name))
+            {
+                let on = cal
+                    .hardware
+                    .as_deref()
+                    .map(|h| format!(" on {h}"))
+                    .unwrap_or_default();
+                warnings.push(format!(
+                    "calibration {} was fitted on model `{other}`{on}, not on the spec's `{}`: \
+                     the simulated step times are that model's",
+                    path.display(),
+                    model.name
+                ));
+            }
+        }
         let c = &spec.cache;
         if let Some((path, n)) = calibration
             .as_ref()
@@ -220,6 +244,7 @@ impl Simulation {
             registry
                 .create(&p.name, &p.params, &scheduler.tiers)
                 .map_err(|e| SimError::Policy {
+                    path: spec.source().to_path_buf(),
                     name: p.name.clone(),
                     message: e.to_string(),
                 })?;
@@ -231,6 +256,7 @@ impl Simulation {
             hardware,
             scheduler,
             host_overhead_us,
+            warnings,
         })
     }
 
@@ -241,10 +267,10 @@ impl Simulation {
             limit: w.limit,
             start_s: w.start_s,
             end_s: w.end_s,
-            // As the server refuses a tier its configuration does not define.
-            // A spec without tiers (the command line's) reads a trace's tiers as labels.
-            known_tiers: (!self.spec.tiers.is_empty())
-                .then(|| self.spec.tiers.keys().cloned().collect()),
+            // As the server refuses a tier its configuration does not define: with no tiers
+            // defined, every tier a trace names is an error (the README's rule), not a label
+            // that silently gets no targets and no priority.
+            known_tiers: Some(self.spec.tiers.keys().cloned().collect()),
         };
         let arrival = w.arrival.clone().unwrap_or_default();
         let mut requests = if w.format == TraceFormat::Sharegpt {
@@ -294,7 +320,7 @@ impl Simulation {
             &w.mix.tenant_mix(),
             self.spec.seed,
         )
-        .map_err(|m| SimError::spec(&w.trace, m))?;
+        .map_err(|m| SimError::spec(self.spec.source(), format!("workload.mix.{m}")))?;
         if let Some(f) = w.time_scale {
             // Divides, as `simulate --time-scale` and `bench serve --time-scale`: 2 replays
             // the trace twice as fast.
@@ -372,6 +398,7 @@ impl Simulation {
         let boxed = registry
             .create(&policy.name, &policy.params, &self.scheduler.tiers)
             .map_err(|e| SimError::Policy {
+                path: self.spec.source().to_path_buf(),
                 name: policy.name.clone(),
                 message: e.to_string(),
             })?;
@@ -812,9 +839,10 @@ impl<'a> Loop<'a> {
         if t <= MAX_CLOCK_US {
             return Ok(t);
         }
+        // Called before the step is counted: it is the next one.
         Err(SimError::ClockLimit {
             policy: self.label.clone(),
-            steps: self.steps,
+            step: self.steps + 1,
         })
     }
 
@@ -1100,7 +1128,11 @@ workload: {trace: unused.csv, format: azure}
                 .unwrap_err();
             assert!(matches!(err, SimError::ClockLimit { .. }), "{err}");
             let msg = err.to_string();
-            assert!(msg.contains("285 years") && msg.contains("`fcfs`"), "{msg}");
+            // Both prompts prefill in the first step, which is the one that runs past it.
+            assert!(
+                msg.contains("285 years in step 1 ") && msg.contains("`fcfs`"),
+                "{msg}"
+            );
         }
         // Costs near a real device's run as before.
         sim.cost = CostModel::Calibrated(Calibration {
@@ -1394,7 +1426,9 @@ policies: [{{name: fcfs}}]
         s.calibration = Some(dir.join("cal.yaml"));
         let err = Simulation::new(&s).unwrap_err().to_string();
         assert!(
-            err.contains("cal.yaml") && err.contains("set cache.num_gpu_blocks"),
+            err.starts_with("t.yaml: calibration ")
+                && err.contains("cal.yaml")
+                && err.contains("set cache.num_gpu_blocks"),
             "{err}"
         );
         s.cache.num_gpu_blocks = Some(728);
@@ -1427,6 +1461,46 @@ policies: [{{name: fcfs}}]
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
+    /// Errors found after parsing name the spec's file (not "<spec>"), and a policy's error
+    /// says "policy `x`" once.
+    #[test]
+    fn errors_after_parsing_name_the_spec_file_once() {
+        let s = spec(
+            "model: smollm2-135m\ncache: {gpu_memory_utilization: 0.0001}\n\
+             policies: [{name: fcfs}]\nworkload: {trace: t.csv, format: azure}\n",
+        );
+        let err = Simulation::new(&s).unwrap_err().to_string();
+        assert!(
+            err.starts_with("t.yaml: smollm2-135m does not fit"),
+            "{err}"
+        );
+        let s = spec(
+            "policies: [{name: chunked-prefill, params: {bogus: 1}}]\n\
+             workload: {trace: t.csv, format: azure}\n",
+        );
+        let err = Simulation::new(&s).unwrap_err().to_string();
+        assert!(err.starts_with("t.yaml: policies: "), "{err}");
+        assert_eq!(err.matches("policy `chunked-prefill`").count(), 1, "{err}");
+        // A mix that a program set after parsing: told in the spec's terms, not rand's.
+        let dir = temp("mix");
+        let jsonl = dir.join("t.jsonl");
+        std::fs::write(
+            &jsonl,
+            "{\"arrival_s\": 0, \"prompt_len\": 8, \"output_len\": 1}\n",
+        )
+        .unwrap();
+        let mut sim = one_ms_steps();
+        sim.spec.workload.trace = jsonl;
+        sim.spec.workload.format = TraceFormat::Jsonl;
+        sim.spec.workload.mix.tiers = [("gold".to_string(), 0.0)].into();
+        let err = sim.load_workload().unwrap_err().to_string();
+        assert!(
+            err.starts_with("t.yaml: workload.mix.tiers: weights must be non-negative"),
+            "{err}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     #[test]
     fn traces_may_only_name_defined_tiers_and_may_not_be_empty() {
         let dir = temp("tiers");
@@ -1446,10 +1520,26 @@ policies: [{{name: fcfs}}]
             err.contains("t.jsonl:3: field `tier`") && err.contains("tier `gld` is not defined"),
             "{err}"
         );
-        // A spec without tiers (the command line's) reads them as labels.
+        // A spec without tiers (the command line's without --tiers) refuses them too, as the
+        // README says: the first tier named, with how to define tiers.
         let tiers = std::mem::take(&mut sim.spec.tiers);
-        assert_eq!(sim.load_workload().unwrap().requests.len(), 3);
+        let err = sim.load_workload().unwrap_err().to_string();
+        assert!(
+            err.contains("t.jsonl:1: field `tier`")
+                && err.contains("tier `gold` is not defined (no tier is defined)")
+                && err.contains("--tiers FILE"),
+            "{err}"
+        );
         sim.spec.tiers = tiers;
+        // Unlabelled requests need no tiers.
+        std::fs::write(
+            &jsonl,
+            "{\"arrival_s\": 0, \"prompt_len\": 8, \"output_len\": 1}\n",
+        )
+        .unwrap();
+        let untiered = std::mem::take(&mut sim.spec.tiers);
+        assert_eq!(sim.load_workload().unwrap().requests.len(), 1);
+        sim.spec.tiers = untiered;
         std::fs::write(&jsonl, "").unwrap();
         let err = sim.load_workload().unwrap_err().to_string();
         assert!(err.contains("the trace has no requests"), "{err}");

@@ -7,13 +7,14 @@ use std::path::{Path, PathBuf};
 /// Everything that can go wrong while loading inputs, simulating or writing reports.
 #[derive(Debug, thiserror::Error)]
 pub enum SimError {
-    /// A file could not be opened, read or written.
-    #[error("{path}: {source}")]
+    /// A file could not be opened, read or written. The OS error is part of the message and
+    /// deliberately not a `source()`: `{:#}` (anyhow's chain) would print it twice.
+    #[error("{path}: {error}")]
     Io {
         /// The file concerned.
         path: PathBuf,
         /// The underlying IO error.
-        source: std::io::Error,
+        error: std::io::Error,
     },
     /// A trace line is malformed or out of bounds.
     #[error("{path}:{line}: field `{field}`: {message}")]
@@ -48,11 +49,14 @@ pub enum SimError {
         message: String,
     },
     /// The policies crate refused a policy name or parameters.
-    #[error("policy `{name}`: {message}")]
+    #[error("{path}: policies: {message}")]
     Policy {
+        /// The spec file ("<cli>" for flags).
+        path: PathBuf,
         /// The policy name from the spec.
         name: String,
-        /// The registry's message (lists the known names for an unknown one).
+        /// The registry's message: it names the policy (and lists the known names for an
+        /// unknown one).
         message: String,
     },
     /// The scheduler could not be built from the spec.
@@ -72,12 +76,12 @@ pub enum SimError {
     },
     /// Virtual time ran past the simulator's clock limit (~285 years): step costs far outside
     /// any device's, from a calibration file or cost model near its bounds.
-    #[error("simulated time passed 285 years after {steps} steps under policy `{policy}`: the step costs (calibration file or cost model) are far outside any real device's")]
+    #[error("simulated time passed 285 years in step {step} under policy `{policy}`: the step costs (calibration file or cost model) are far outside any real device's")]
     ClockLimit {
         /// The policy that was running.
         policy: String,
-        /// Steps run before the limit was passed.
-        steps: u64,
+        /// The step (1-based) whose end ran past the limit.
+        step: u64,
     },
     /// A plot could not be drawn.
     #[error("{path}: plot: {message}")]
@@ -102,7 +106,7 @@ impl SimError {
     pub fn io(path: &Path, source: std::io::Error) -> Self {
         SimError::Io {
             path: path.to_path_buf(),
-            source,
+            error: source,
         }
     }
 
@@ -153,5 +157,23 @@ mod tests {
             SimError::spec(Path::new("s.yaml"), "x").to_string(),
             "s.yaml: x"
         );
+    }
+
+    /// The binary prints errors with anyhow's `{:#}`: each error of the `source()` chain,
+    /// joined by ": ". The OS message must appear once, not twice.
+    #[test]
+    fn io_errors_print_the_os_message_once_in_an_error_chain() {
+        let e = SimError::io(
+            Path::new("/nonexistent.jsonl"),
+            std::io::Error::from(std::io::ErrorKind::NotFound),
+        );
+        let os = std::io::Error::from(std::io::ErrorKind::NotFound).to_string();
+        let mut chain = e.to_string();
+        let mut cause = std::error::Error::source(&e);
+        while let Some(c) = cause {
+            chain = format!("{chain}: {c}");
+            cause = c.source();
+        }
+        assert_eq!(chain, format!("/nonexistent.jsonl: {os}"));
     }
 }

@@ -51,13 +51,18 @@ pub fn simulate(
     };
     let comparison = Comparison {
         model: sim.model.name.clone(),
+        calibrated: matches!(sim.cost, cost::CostModel::Calibrated(_)),
         hardware: match sim.cost {
-            cost::CostModel::Calibrated(c) => match &c.hardware {
-                Some(h) => format!("calibrated on {h}"),
-                None => "calibrated".into(),
+            // The file's own model and hardware: the spec's hardware preset prices nothing.
+            cost::CostModel::Calibrated(c) => match (&c.model, &c.hardware) {
+                (Some(m), Some(h)) => format!("calibrated (file's model {m} on {h})"),
+                (Some(m), None) => format!("calibrated (file's model {m})"),
+                (None, Some(h)) => format!("calibrated (on {h})"),
+                (None, None) => "calibrated".into(),
             },
             cost::CostModel::Roofline { .. } => sim.hardware.name.clone(),
         },
+        warnings: sim.warnings.clone(),
         requests: requests.len() as u64,
         arrival_rate: if span > 0.0 {
             (requests.len() - 1) as f64 / span

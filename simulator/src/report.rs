@@ -89,10 +89,6 @@ fn round6(x: f64) -> f64 {
     }
 }
 
-fn round<S: serde::Serializer>(v: &f64, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_f64(round6(*v))
-}
-
 fn round_opt<S: serde::Serializer>(v: &Option<f64>, s: S) -> Result<S::Ok, S::Error> {
     match v {
         Some(v) => s.serialize_some(&round6(*v)),
@@ -100,27 +96,28 @@ fn round_opt<S: serde::Serializer>(v: &Option<f64>, s: S) -> Result<S::Ok, S::Er
     }
 }
 
-/// Mean and percentiles of a latency sample, in ms.
+/// Mean and percentiles of a latency sample, in ms. An empty sample (no request of a policy
+/// finished) has none: `None`, written `null` and shown as n/a, never a latency of 0.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct LatencyStats {
     /// Number of values.
     pub count: u64,
     /// Mean.
-    #[serde(serialize_with = "round")]
-    pub mean: f64,
+    #[serde(serialize_with = "round_opt")]
+    pub mean: Option<f64>,
     /// Median.
-    #[serde(serialize_with = "round")]
-    pub p50: f64,
+    #[serde(serialize_with = "round_opt")]
+    pub p50: Option<f64>,
     /// 90th percentile.
-    #[serde(serialize_with = "round")]
-    pub p90: f64,
+    #[serde(serialize_with = "round_opt")]
+    pub p90: Option<f64>,
     /// 99th percentile.
-    #[serde(serialize_with = "round")]
-    pub p99: f64,
+    #[serde(serialize_with = "round_opt")]
+    pub p99: Option<f64>,
 }
 
 impl LatencyStats {
-    /// Statistics of `values` (sorted in place). All zero for an empty sample.
+    /// Statistics of `values` (sorted in place); `None` for each of an empty sample's.
     pub fn from_values(values: &mut [f64]) -> Self {
         if values.is_empty() {
             return LatencyStats::default();
@@ -129,12 +126,17 @@ impl LatencyStats {
         let n = values.len();
         LatencyStats {
             count: n as u64,
-            mean: values.iter().sum::<f64>() / n as f64,
-            p50: percentile(values, 50.0),
-            p90: percentile(values, 90.0),
-            p99: percentile(values, 99.0),
+            mean: Some(values.iter().sum::<f64>() / n as f64),
+            p50: Some(percentile(values, 50.0)),
+            p90: Some(percentile(values, 90.0)),
+            p99: Some(percentile(values, 99.0)),
         }
     }
+}
+
+/// `x` with `decimals` decimals, or "n/a" for a statistic of an empty sample.
+fn fmt_ms(x: Option<f64>, decimals: usize) -> String {
+    x.map_or_else(|| "n/a".to_string(), |v| format!("{v:.decimals$}"))
 }
 
 /// The `p`-th percentile of sorted, non-empty `sorted`, interpolating linearly.
@@ -342,10 +344,18 @@ fn tier_summary(tier: &str, rs: &[&RequestRecord], duration_s: f64) -> TierSumma
 /// Several policies run on the same workload.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Comparison {
-    /// Model name.
+    /// Model name (the spec's).
     pub model: String,
-    /// Hardware name (or "calibrated on" the calibration's hardware).
+    /// Whether a calibration file priced the steps (else the roofline of `hardware`).
+    #[serde(default)]
+    pub calibrated: bool,
+    /// The hardware preset's name, or with a calibration "calibrated (file's model M on H)":
+    /// the model and hardware the file records.
     pub hardware: String,
+    /// Warnings about the inputs (a calibration fitted on another model), also printed on
+    /// stderr by `switchyard simulate`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub warnings: Vec<String>,
     /// Requests in the workload.
     pub requests: u64,
     /// Arrival rate of the workload (requests/s over its span).
@@ -367,9 +377,11 @@ impl Comparison {
             .estimated_capacity_rps
             .map(|c| format!(", estimated capacity {c:.2} req/s"))
             .unwrap_or_default();
+        // "llama-3-8b on h200", or "smollm2-135m, calibrated (file's model ... on cpu)".
+        let on = if self.calibrated { ", " } else { " on " };
         let _ = writeln!(
             s,
-            "{} on {}: {} requests at {:.2} req/s{cap}, max_model_len {}",
+            "{}{on}{}: {} requests at {:.2} req/s{cap}, max_model_len {}",
             self.model, self.hardware, self.requests, self.arrival_rate, self.max_model_len
         );
         let _ = writeln!(
@@ -399,9 +411,10 @@ impl Comparison {
         for p in &self.policies {
             let _ = writeln!(
                 s,
-                "{:<18} {:>8.2} {:>8.1} {:>9.1} {:>9.1} {:>9.2} {:>8.2} {:>8.2} {:>9.1} {:>9.1} {:>7} {:>6.1} {:>6.1} {:>6}",
-                p.policy, p.request_throughput, p.output_token_throughput, p.ttft_ms.p50, p.ttft_ms.p99,
-                p.tpot_ms.p50, p.tpot_ms.p99, p.itl_ms.p99, p.e2e_ms.p50, p.e2e_ms.p99,
+                "{:<18} {:>8.2} {:>8.1} {:>9} {:>9} {:>9} {:>8} {:>8} {:>9} {:>9} {:>7} {:>6.1} {:>6.1} {:>6}",
+                p.policy, p.request_throughput, p.output_token_throughput, fmt_ms(p.ttft_ms.p50, 1),
+                fmt_ms(p.ttft_ms.p99, 1), fmt_ms(p.tpot_ms.p50, 2), fmt_ms(p.tpot_ms.p99, 2),
+                fmt_ms(p.itl_ms.p99, 2), fmt_ms(p.e2e_ms.p50, 1), fmt_ms(p.e2e_ms.p99, 1),
                 p.counters.preemptions, 100.0 * p.prefix_cache_hit_rate,
                 100.0 * p.counters.kv_usage_mean, pct(p.slo_attainment)
             );
@@ -447,7 +460,7 @@ impl Comparison {
                 for t in &p.tiers {
                     let _ = writeln!(
                         s,
-                        "{:<18} {:<10} {:>6} {:>7} {:>7} {:>7} {:>9} {:>9.1} {:>9.2}",
+                        "{:<18} {:<10} {:>6} {:>7} {:>7} {:>7} {:>9} {:>9} {:>9}",
                         p.policy,
                         t.tier,
                         t.requests,
@@ -456,8 +469,8 @@ impl Comparison {
                         pct(t.slo_attainment),
                         t.goodput_rps
                             .map_or("n/a".to_string(), |g| format!("{g:.2}")),
-                        t.ttft_ms.p99,
-                        t.tpot_ms.p99
+                        fmt_ms(t.ttft_ms.p99, 1),
+                        fmt_ms(t.tpot_ms.p99, 2)
                     );
                 }
             }
@@ -497,8 +510,9 @@ mod tests {
         // numpy.percentile([1, 2, 3, 4], [50, 90, 99]) = [2.5, 3.7, 3.97]
         let mut v = vec![4.0, 1.0, 3.0, 2.0];
         let s = LatencyStats::from_values(&mut v);
-        assert_eq!((s.count, s.mean, s.p50), (4, 2.5, 2.5));
-        assert!((s.p90 - 3.7).abs() < 1e-12 && (s.p99 - 3.97).abs() < 1e-12);
+        assert_eq!((s.count, s.mean, s.p50), (4, Some(2.5), Some(2.5)));
+        let near = |x: Option<f64>, want: f64| x.is_some_and(|x| (x - want).abs() < 1e-12);
+        assert!(near(s.p90, 3.7) && near(s.p99, 3.97));
         assert_eq!(LatencyStats::from_values(&mut []), LatencyStats::default());
         assert_eq!(percentile(&[7.0], 99.0), 7.0);
     }
@@ -578,7 +592,8 @@ mod tests {
             "{text}"
         );
         let batch_row = text.lines().find(|l| l.contains("batch")).unwrap();
-        assert_eq!(batch_row.matches("n/a").count(), 4, "{batch_row}");
+        // Attainments and goodput, and the TPOT of its one request, which has no second token.
+        assert_eq!(batch_row.matches("n/a").count(), 5, "{batch_row}");
         assert!(text.contains("1 of 4 requests rejected"), "{text}");
     }
 
@@ -599,6 +614,36 @@ mod tests {
         };
         let row = c.to_text().lines().nth(4).unwrap().to_string();
         assert!(row.starts_with("fcfs") && row.ends_with("n/a"), "{row}");
+    }
+
+    /// A policy none of whose requests finished (all rejected) has no latencies: n/a in the
+    /// table and `null` in summary.json, not 0.0 (which reads as instant service).
+    #[test]
+    fn latencies_of_no_finished_request_are_not_applicable_not_zero() {
+        let rejected = RequestRecord {
+            tier: "premium".into(),
+            arrival_s: 0.0,
+            outcome: "rejected".into(),
+            ..Default::default()
+        };
+        let s = PolicySummary::new("fcfs", &[rejected], &mut [], RunCounters::default());
+        assert_eq!((s.finished, s.ttft_ms.count, s.ttft_ms.p50), (0, 0, None));
+        let json = serde_json::to_value(&s).unwrap();
+        assert_eq!(
+            json["ttft_ms"],
+            serde_json::json!({"count": 0, "mean": null, "p50": null, "p90": null, "p99": null})
+        );
+        assert_eq!(json["e2e_ms"]["p99"], serde_json::Value::Null);
+        let c = Comparison {
+            policies: vec![s],
+            ..Default::default()
+        };
+        let text = c.to_text();
+        let row = text.lines().find(|l| l.starts_with("fcfs ")).unwrap();
+        // ttft p50/p99, tpot p50/p99, itl p99, e2e p50/p99, and slo%.
+        assert_eq!(row.matches("n/a").count(), 8, "{row}");
+        let tier_row = text.lines().find(|l| l.contains("premium")).unwrap();
+        assert!(tier_row.trim_end().ends_with("n/a       n/a"), "{tier_row}");
     }
 
     #[test]

@@ -60,6 +60,28 @@ pub const MAX_HOST_OVERHEAD_US: f64 = 1e7;
 /// Most tiers (or tenants) in a spec.
 pub const MAX_LABELS: usize = 256;
 
+/// `v` as an operator wrote it, short: `1e308` and `1e-6` rather than 309 digits or
+/// `0.000001`; plain decimals between a thousandth and a million.
+pub fn short_number(v: f64) -> String {
+    if v != 0.0 && v.is_finite() && !(1e-3..1e6).contains(&v.abs()) {
+        format!("{v:e}")
+    } else {
+        format!("{v}")
+    }
+}
+
+/// Accepted `workload.time_scale` (and `simulate --time-scale`): a million times slower to a
+/// million times faster. Further out, arrivals leave the clock's year or collapse to one
+/// instant.
+pub const TIME_SCALE_RANGE: std::ops::RangeInclusive<f64> = 1e-6..=1e6;
+/// Accepted `workload.arrival.rate` (and `simulate --rate`), in requests per second.
+pub const RATE_RANGE: std::ops::RangeInclusive<f64> = 1e-6..=1e6;
+/// Accepted `workload.arrival.load` (and `simulate --load`), a fraction of the estimated
+/// capacity.
+pub const LOAD_RANGE: std::ops::RangeInclusive<f64> = 1e-3..=100.0;
+/// Accepted `workload.arrival.cv`: the gamma gaps' coefficient of variation (1 is Poisson's).
+pub const CV_RANGE: std::ops::RangeInclusive<f64> = 1e-3..=100.0;
+
 /// A complete simulation description.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -89,6 +111,10 @@ pub struct SimulationSpec {
     pub tiers: BTreeMap<String, TierConf>,
     /// The request workload.
     pub workload: WorkloadSpec,
+    /// The file the spec was read from ("<cli>" for flags): named by errors found once the
+    /// spec is parsed (building the simulation, shaping the workload). Not a field of the file.
+    #[serde(skip)]
+    pub source: PathBuf,
 }
 
 fn default_model() -> ModelChoice {
@@ -380,14 +406,53 @@ impl SimulationSpec {
 
     /// Parses and validates YAML text; `path` is only used in messages.
     pub fn from_yaml_str(text: &str, path: &Path) -> Result<Self, SimError> {
-        let spec: SimulationSpec = serde_yaml::from_str(text).map_err(|e| SimError::Spec {
+        let mut spec: SimulationSpec = serde_yaml::from_str(text).map_err(|e| SimError::Spec {
             path: path.to_path_buf(),
             line: e.location().map(|l| l.line()),
             column: e.location().map(|l| l.column()),
             message: e.to_string(),
         })?;
         spec.validate().map_err(|m| SimError::spec(path, m))?;
+        spec.source = path.to_path_buf();
         Ok(spec)
+    }
+
+    /// The file errors name: the spec file, "<cli>" for flags, "<spec>" for a spec built in
+    /// code.
+    pub fn source(&self) -> &Path {
+        if self.source.as_os_str().is_empty() {
+            Path::new("<spec>")
+        } else {
+            &self.source
+        }
+    }
+
+    /// The `tiers` section of a YAML file, for `simulate --trace ... --tiers FILE`: a server
+    /// configuration (its `tiers` are those the server serves), a simulation spec, or a file
+    /// holding only that section. The file's other sections are not read. Each tier is checked
+    /// as a spec's are; a file without tiers is an error.
+    pub fn tiers_from_file(path: &Path) -> Result<BTreeMap<String, TierConf>, SimError> {
+        #[derive(Deserialize)]
+        struct TiersOnly {
+            #[serde(default)]
+            tiers: BTreeMap<String, TierConf>,
+        }
+        let text = read_text(path, MAX_SPEC_BYTES)?;
+        let file: TiersOnly = serde_yaml::from_str(&text).map_err(|e| SimError::Spec {
+            path: path.to_path_buf(),
+            line: e.location().map(|l| l.line()),
+            column: e.location().map(|l| l.column()),
+            message: e.to_string(),
+        })?;
+        if file.tiers.is_empty() {
+            return Err(SimError::spec(
+                path,
+                "defines no `tiers` (give a server configuration or a simulation spec with a \
+                 `tiers` section)",
+            ));
+        }
+        validate_tiers(&file.tiers).map_err(|m| SimError::spec(path, m))?;
+        Ok(file.tiers)
     }
 
     /// The model shape (preset resolved).
@@ -434,11 +499,22 @@ impl SimulationSpec {
             return Err("cache.gpu_memory_utilization must be in (0, 1]".into());
         }
         let s = &self.scheduler;
-        if !(1..=1 << 16).contains(&s.max_num_seqs) {
-            return Err("scheduler.max_num_seqs outside 1..=65536".into());
+        // The server's bounds: a spec outside them describes a server that cannot be deployed.
+        let (max_seqs, max_tokens) = (
+            switchyard_config::MAX_NUM_SEQS,
+            switchyard_config::MAX_NUM_BATCHED_TOKENS,
+        );
+        if !(1..=max_seqs).contains(&s.max_num_seqs) {
+            return Err(format!(
+                "scheduler.max_num_seqs {} outside 1..={max_seqs} (the server's bound)",
+                s.max_num_seqs
+            ));
         }
-        if !(1..=1 << 22).contains(&s.max_num_batched_tokens) {
-            return Err("scheduler.max_num_batched_tokens outside 1..=4194304".into());
+        if !(1..=max_tokens).contains(&s.max_num_batched_tokens) {
+            return Err(format!(
+                "scheduler.max_num_batched_tokens {} outside 1..={max_tokens} (the server's bound)",
+                s.max_num_batched_tokens
+            ));
         }
         if s.max_model_len.is_some_and(|n| n == 0 || n > 1 << 24) {
             return Err("scheduler.max_model_len outside 1..=16777216".into());
@@ -491,21 +567,7 @@ impl SimulationSpec {
                 w[0]
             ));
         }
-        if self.tiers.len() > MAX_LABELS {
-            return Err(format!("tiers: at most {MAX_LABELS}"));
-        }
-        for (name, t) in &self.tiers {
-            // At most an hour, as in the server's configuration: a deadline in microseconds
-            // then stays far inside the policies' i64 arithmetic.
-            let ok = |v: Option<f64>| v.is_none_or(|v| v.is_finite() && v > 0.0 && v <= 3.6e6);
-            let weight_ok = t.weight.is_finite() && t.weight > 0.0;
-            if !(ok(t.ttft_ms) && ok(t.tpot_ms) && weight_ok) {
-                return Err(format!(
-                    "tiers.{name}: targets must be positive and at most an hour (3600000 ms), \
-                     the weight positive"
-                ));
-            }
-        }
+        validate_tiers(&self.tiers)?;
         self.validate_workload()
     }
 
@@ -519,14 +581,19 @@ impl SimulationSpec {
                 "workload.limit must be at least 1 (leave it out to keep every request)".into(),
             );
         }
-        if w.time_scale
-            .is_some_and(|f| !(f.is_finite() && f > 0.0 && (1.0 / f).is_finite()))
-        {
-            return Err(
-                "workload.time_scale must be a finite number > 0 (it divides arrival times: \
-                 2 = twice as fast)"
-                    .into(),
-            );
+        for (name, v) in [("start_s", w.start_s), ("end_s", w.end_s)] {
+            if v.is_some_and(|v| !v.is_finite()) {
+                return Err(format!(
+                    "workload.{name} must be a finite number of seconds (trace clock)"
+                ));
+            }
+        }
+        if let Some(f) = w.time_scale.filter(|f| !TIME_SCALE_RANGE.contains(f)) {
+            return Err(format!(
+                "workload.time_scale {} outside {} (it divides arrival times: 2 = twice as fast)",
+                short_number(f),
+                show_range(&TIME_SCALE_RANGE)
+            ));
         }
         for (kind, mix) in [("tiers", &w.mix.tiers), ("tenants", &w.mix.tenants)] {
             if mix.len() > MAX_LABELS {
@@ -557,20 +624,48 @@ impl SimulationSpec {
                 if a.rate.is_some() == a.load.is_some() {
                     return Err("workload.arrival: give exactly one of `rate` and `load`".into());
                 }
-                if a.rate
-                    .is_some_and(|r| !(r.is_finite() && r > 0.0 && r <= 1e9))
-                {
-                    return Err("workload.arrival.rate must be in (0, 1e9]".into());
+                if let Some(r) = a.rate.filter(|r| !RATE_RANGE.contains(r)) {
+                    return Err(format!(
+                        "workload.arrival.rate {} outside {} (requests/s)",
+                        short_number(r),
+                        show_range(&RATE_RANGE)
+                    ));
                 }
-                if a.load
-                    .is_some_and(|l| !(l.is_finite() && l > 0.0 && l <= 100.0))
-                {
-                    return Err("workload.arrival.load must be in (0, 100]".into());
+                if let Some(l) = a.load.filter(|l| !LOAD_RANGE.contains(l)) {
+                    return Err(format!(
+                        "workload.arrival.load {} outside {} (a fraction of the estimated \
+                         capacity)",
+                        short_number(l),
+                        show_range(&LOAD_RANGE)
+                    ));
                 }
-                if a.process == Some(ProcessKind::Gamma) && a.cv.is_none() {
-                    return Err("workload.arrival: the gamma process needs `cv`".into());
+                // A timestamped trace keeps its own gaps (rescaled to the rate or load): an
+                // arrival process there would be silently ignored.
+                if w.format != TraceFormat::Sharegpt && (a.process.is_some() || a.cv.is_some()) {
+                    return Err(format!(
+                        "workload.arrival: `process` and `cv` generate arrivals for traces \
+                         without timestamps (sharegpt); a {} trace keeps its own arrival gaps, \
+                         rescaled to the `rate` or `load`: remove them",
+                        w.format.name()
+                    ));
                 }
-                Ok(())
+                match (a.process, a.cv) {
+                    (Some(ProcessKind::Gamma), None) => {
+                        Err("workload.arrival: the gamma process needs `cv`".into())
+                    }
+                    (Some(ProcessKind::Gamma), Some(cv)) if !CV_RANGE.contains(&cv) => {
+                        Err(format!(
+                            "workload.arrival.cv {} outside {} (the gamma gaps' coefficient of \
+                             variation: 1 is Poisson's)",
+                            short_number(cv),
+                            show_range(&CV_RANGE)
+                        ))
+                    }
+                    (Some(ProcessKind::Poisson) | None, Some(_)) => {
+                        Err("workload.arrival.cv applies to `process: gamma` only".into())
+                    }
+                    _ => Ok(()),
+                }
             }
             None if w.format == TraceFormat::Sharegpt => {
                 Err("workload.arrival: the sharegpt format needs a `rate` or a `load`".into())
@@ -578,6 +673,34 @@ impl SimulationSpec {
             None => Ok(()),
         }
     }
+}
+
+/// `[a, b]` with [`short_number`]s.
+pub fn show_range(r: &std::ops::RangeInclusive<f64>) -> String {
+    format!("[{}, {}]", short_number(*r.start()), short_number(*r.end()))
+}
+
+/// Checks tier definitions (a spec's `tiers`, or those of `--tiers FILE`).
+fn validate_tiers(tiers: &BTreeMap<String, TierConf>) -> Result<(), String> {
+    if tiers.len() > MAX_LABELS {
+        return Err(format!("tiers: at most {MAX_LABELS}"));
+    }
+    for (name, t) in tiers {
+        if name.is_empty() || name.len() > crate::trace::MAX_LABEL_BYTES {
+            return Err(format!("tiers: `{name}`: names are 1 to 64 bytes"));
+        }
+        // At most an hour, as in the server's configuration: a deadline in microseconds
+        // then stays far inside the policies' i64 arithmetic.
+        let ok = |v: Option<f64>| v.is_none_or(|v| v.is_finite() && v > 0.0 && v <= 3.6e6);
+        let weight_ok = t.weight.is_finite() && t.weight > 0.0;
+        if !(ok(t.ttft_ms) && ok(t.tpot_ms) && weight_ok) {
+            return Err(format!(
+                "tiers.{name}: targets must be positive and at most an hour (3600000 ms), \
+                 the weight positive"
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn valid_label(l: &str) -> bool {
@@ -610,12 +733,41 @@ pub struct CliOptions {
     pub load: Option<f64>,
     /// Divide arrival times by this factor (2 = twice as fast), as `workload.time_scale`.
     pub time_scale: Option<f64>,
+    /// Service tiers (`--tiers FILE`, read with [`SimulationSpec::tiers_from_file`]): a trace
+    /// naming a tier outside them is an error, as the server refuses one.
+    pub tiers: BTreeMap<String, TierConf>,
 }
 
 impl SimulationSpec {
-    /// Builds a spec from CLI flags with default cache, scheduler and no tiers.
+    /// Builds a spec from CLI flags with default cache and scheduler, and the tiers given.
     pub fn from_cli(o: &CliOptions) -> Result<Self, SimError> {
         let cli = Path::new("<cli>");
+        for (flag, value, range, what) in [
+            ("--rate", o.rate, &RATE_RANGE, "requests/s"),
+            (
+                "--load",
+                o.load,
+                &LOAD_RANGE,
+                "a fraction of the estimated capacity",
+            ),
+            (
+                "--time-scale",
+                o.time_scale,
+                &TIME_SCALE_RANGE,
+                "it divides arrival times: 2 = twice as fast",
+            ),
+        ] {
+            if let Some(v) = value.filter(|v| !range.contains(v)) {
+                return Err(SimError::spec(
+                    cli,
+                    format!(
+                        "{flag} {} outside {} ({what})",
+                        short_number(v),
+                        show_range(range)
+                    ),
+                ));
+            }
+        }
         if o.format == TraceFormat::Sharegpt && o.rate.is_none() && o.load.is_none() {
             return Err(SimError::spec(
                 cli,
@@ -645,7 +797,7 @@ impl SimulationSpec {
             } else {
                 o.policies.iter().map(|n| PolicySpec::named(n)).collect()
             },
-            tiers: BTreeMap::new(),
+            tiers: o.tiers.clone(),
             workload: WorkloadSpec {
                 trace: o.trace.clone(),
                 format: o.format,
@@ -656,6 +808,7 @@ impl SimulationSpec {
                 arrival,
                 mix: MixSpec::default(),
             },
+            source: cli.to_path_buf(),
         };
         spec.validate().map_err(|m| SimError::spec(cli, m))?;
         Ok(spec)
@@ -779,6 +932,52 @@ workload:
                 ),
                 "more than the 8192 tokens of context of model smollm2-135m",
             ),
+            // The server's bound (switchyard_config::MAX_NUM_SEQS), not a wider one.
+            (
+                format!("{}\nscheduler: {{ max_num_seqs: 2049 }}\n", GOOD.trim_end()),
+                "scheduler.max_num_seqs 2049 outside 1..=2048",
+            ),
+            (
+                format!(
+                    "{}\nscheduler: {{ max_num_batched_tokens: 2000000 }}\n",
+                    GOOD.trim_end()
+                ),
+                "scheduler.max_num_batched_tokens 2000000 outside 1..=1048576",
+            ),
+            // Finite but absurd: "inf req/s" in the report.
+            (
+                GOOD.replace("format: azure", "format: azure\n  time_scale: 1e308"),
+                "workload.time_scale 1e308 outside",
+            ),
+            (
+                GOOD.replace("{load: 0.9}", "{load: 1e-300}"),
+                "workload.arrival.load",
+            ),
+            (
+                GOOD.replace("{load: 0.9}", "{rate: 1e-300}"),
+                "workload.arrival.rate",
+            ),
+            (
+                GOOD.replace("{load: 0.9}", "{rate: 1e300}"),
+                "workload.arrival.rate",
+            ),
+            (
+                GOOD.replace("format: azure", "format: azure\n  start_s: .nan"),
+                "workload.start_s must be a finite number",
+            ),
+            (
+                GOOD.replace("format: azure", "format: azure\n  end_s: .inf"),
+                "workload.end_s must be a finite number",
+            ),
+            // A timestamped trace keeps its gaps: a process there would be ignored.
+            (
+                GOOD.replace("{load: 0.9}", "{process: gamma, cv: .nan, rate: 5}"),
+                "`process` and `cv` generate arrivals for traces without timestamps",
+            ),
+            (
+                GOOD.replace("{load: 0.9}", "{process: poisson, load: 0.9}"),
+                "a azure trace keeps its own arrival gaps",
+            ),
         ];
         for (text, want) in cases {
             let err = parse(&text).unwrap_err().to_string();
@@ -787,6 +986,68 @@ workload:
                 "want {want}: {err}"
             );
         }
+    }
+
+    /// Gamma arrivals of a sharegpt trace: `cv` is checked where it is written, in the spec,
+    /// not when the trace is loaded (which named the trace file).
+    #[test]
+    fn arrival_cv_is_checked_in_the_spec() {
+        let sharegpt = GOOD
+            .replace("format: azure", "format: sharegpt")
+            .replace("{load: 0.9}", "{process: gamma, cv: 2, rate: 5}");
+        assert_eq!(
+            parse(&sharegpt).unwrap().workload.arrival.unwrap().cv,
+            Some(2.0)
+        );
+        for (cv, want) in [
+            ("0", "workload.arrival.cv 0 outside"),
+            (".nan", "workload.arrival.cv NaN outside"),
+            ("-1", "workload.arrival.cv -1 outside"),
+            ("1e9", "workload.arrival.cv 1e9 outside [0.001, 100]"),
+        ] {
+            let text = sharegpt.replace("cv: 2", &format!("cv: {cv}"));
+            let err = parse(&text).unwrap_err().to_string();
+            assert!(err.starts_with("sim.yaml: ") && err.contains(want), "{err}");
+        }
+        let poisson = sharegpt.replace("process: gamma", "process: poisson");
+        let err = parse(&poisson).unwrap_err().to_string();
+        assert!(err.contains("applies to `process: gamma` only"), "{err}");
+        let no_cv = sharegpt.replace("cv: 2, ", "");
+        let err = parse(&no_cv).unwrap_err().to_string();
+        assert!(err.contains("the gamma process needs `cv`"), "{err}");
+    }
+
+    #[test]
+    fn tiers_come_from_the_tiers_section_of_any_yaml_file() {
+        let dir = std::env::temp_dir().join(format!("sy-spec-tiers-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // The server's example configuration: its other sections are not read.
+        let server =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../config/examples/multi-tenant.yaml");
+        let tiers = SimulationSpec::tiers_from_file(&server).unwrap();
+        let names: Vec<&str> = tiers.keys().map(String::as_str).collect();
+        assert_eq!(names, ["batch", "premium", "standard"]);
+        assert_eq!(tiers["premium"].ttft_ms, Some(200.0));
+        let file = dir.join("t.yaml");
+        std::fs::write(&file, "server: {port: 1}\n").unwrap();
+        let err = SimulationSpec::tiers_from_file(&file)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("t.yaml: defines no `tiers`"), "{err}");
+        std::fs::write(&file, "tiers:\n  gold: {ttft_ms: -5}\n").unwrap();
+        let err = SimulationSpec::tiers_from_file(&file)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("t.yaml: tiers.gold: targets"), "{err}");
+        std::fs::write(&file, "tiers:\n  gold: {ttft: 5}\n").unwrap();
+        let err = SimulationSpec::tiers_from_file(&file)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with("t.yaml:2:") || err.contains("t.yaml:2:"),
+            "{err}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
@@ -826,6 +1087,7 @@ workload:
             rate: None,
             load: None,
             time_scale: None,
+            tiers: BTreeMap::new(),
         };
         // No timestamps and no rate: an error naming the flags, not a silent default.
         let err = SimulationSpec::from_cli(&o).unwrap_err().to_string();
@@ -845,5 +1107,53 @@ workload:
             .unwrap_err()
             .to_string()
             .starts_with("<cli>"));
+    }
+
+    #[test]
+    fn cli_flags_out_of_range_are_named() {
+        let o = CliOptions {
+            trace: "x.csv".into(),
+            format: TraceFormat::Azure,
+            policies: vec!["fcfs".into()],
+            seed: 0,
+            model: "llama-3-8b".into(),
+            hardware: "h200".into(),
+            limit: None,
+            rate: None,
+            load: None,
+            time_scale: None,
+            tiers: BTreeMap::new(),
+        };
+        let cases = [
+            (
+                CliOptions {
+                    time_scale: Some(1e308),
+                    ..o.clone()
+                },
+                "<cli>: --time-scale 1e308 outside [1e-6, 1e6]",
+            ),
+            (
+                CliOptions {
+                    rate: Some(f64::NAN),
+                    ..o.clone()
+                },
+                "<cli>: --rate NaN outside",
+            ),
+            (
+                CliOptions {
+                    load: Some(0.0),
+                    ..o.clone()
+                },
+                "<cli>: --load 0 outside",
+            ),
+        ];
+        for (opts, want) in cases {
+            let err = SimulationSpec::from_cli(&opts).unwrap_err().to_string();
+            assert!(err.starts_with(want), "want {want}: {err}");
+        }
+        assert_eq!(
+            SimulationSpec::from_cli(&o).unwrap().source(),
+            Path::new("<cli>")
+        );
     }
 }

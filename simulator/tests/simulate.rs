@@ -89,7 +89,7 @@ fn every_example_spec_runs_on_its_trace() {
                 p.policy
             );
             assert!(
-                p.request_throughput > 0.0 && p.ttft_ms.p50 > 0.0,
+                p.request_throughput > 0.0 && p.ttft_ms.p50.is_some_and(|t| t > 0.0),
                 "{name} {}",
                 p.policy
             );
@@ -196,16 +196,69 @@ fn speculative_decoding_is_modelled_with_an_acceptance_rate() {
     assert_eq!(p.counters.draft_tokens, 0);
     assert!(g.counters.accepted_tokens > 0 && g.counters.accepted_tokens < g.counters.draft_tokens);
     assert!(g.counters.steps < p.counters.steps);
+    let tpot = |s: &switchyard_simulator::report::PolicySummary| s.tpot_ms.p50.unwrap();
     assert!(
-        g.tpot_ms.p50 < 0.6 * p.tpot_ms.p50,
+        tpot(g) < 0.6 * tpot(p),
         "tpot p50 {} with drafts, {} without",
-        g.tpot_ms.p50,
-        p.tpot_ms.p50
+        tpot(g),
+        tpot(p)
     );
     assert_eq!(u.counters.accepted_tokens, 0);
-    assert!(u.tpot_ms.p50 >= p.tpot_ms.p50);
+    assert!(tpot(u) >= tpot(p));
     assert_eq!(good, sim(&drafts(0.8)), "not reproducible");
     // Out-of-range settings are refused.
     let bad = yaml("  speculative: { num_speculative_tokens: 4, acceptance_rate: 1.5 }\n");
     assert!(SimulationSpec::from_yaml_str(&bad, Path::new("spec.yaml")).is_err());
+}
+
+/// A calibration file records the model and hardware it was fitted on: used with a spec for
+/// another model it warns, and the header names both instead of "smollm2-135m on calibrated on
+/// a100".
+#[test]
+fn a_calibration_of_another_model_warns_and_is_named_in_the_header() {
+    let dir = temp_dir("calmodel");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("t.jsonl"),
+        "{\"arrival_s\": 0, \"prompt_len\": 16, \"output_len\": 2}\n\
+         {\"arrival_s\": 1, \"prompt_len\": 16, \"output_len\": 2}\n",
+    )
+    .unwrap();
+    let cal = |model: &str| {
+        std::fs::write(
+            dir.join("cal.yaml"),
+            format!(
+                "model: {model}\nhardware: a100\nintercept_s: 0.001\nnum_gpu_blocks: 100\n\
+                 block_size: 16\n"
+            ),
+        )
+        .unwrap();
+        let spec_path = dir.join("spec.yaml");
+        std::fs::write(
+            &spec_path,
+            "model: smollm2-135m\ncalibration: cal.yaml\npolicies: [{name: fcfs}]\n\
+             workload: {trace: t.jsonl, format: jsonl}\n",
+        )
+        .unwrap();
+        let spec = SimulationSpec::from_yaml_file(&spec_path).unwrap();
+        switchyard_simulator::simulate(&spec, false).unwrap().0
+    };
+    let other = cal("Meta-Llama-3-8B-Instruct");
+    let header = other.to_text().lines().next().unwrap().to_string();
+    assert!(
+        header.starts_with(
+            "smollm2-135m, calibrated (file's model Meta-Llama-3-8B-Instruct on a100): 2 requests"
+        ),
+        "{header}"
+    );
+    assert_eq!(other.warnings.len(), 1, "{:?}", other.warnings);
+    assert!(
+        other.warnings[0].contains("cal.yaml was fitted on model `Meta-Llama-3-8B-Instruct` on a100, not on the spec's `smollm2-135m`"),
+        "{:?}",
+        other.warnings
+    );
+    // Its own model, however the file spells it: no warning.
+    let same = cal("SmolLM2 135M Instruct");
+    assert!(same.warnings.is_empty(), "{:?}", same.warnings);
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -116,11 +116,31 @@ fn sharegpt_lengths(path: &Path, max_model_len: usize) -> anyhow::Result<Vec<(us
     Ok(out)
 }
 
+/// The batch limits as the server bounds them, named by their flags: the backend's own
+/// check would name its internal field (`max_batch_tokens`) after the model has loaded.
+fn check_batch_flags(max_num_seqs: usize, max_num_batched_tokens: usize) -> anyhow::Result<()> {
+    let (seqs, tokens) = (
+        switchyard_config::MAX_NUM_SEQS,
+        switchyard_config::MAX_NUM_BATCHED_TOKENS,
+    );
+    anyhow::ensure!(
+        (1..=seqs).contains(&max_num_seqs),
+        "--max-num-seqs must be 1..={seqs} (the server's scheduler.max_num_seqs), not {max_num_seqs}"
+    );
+    anyhow::ensure!(
+        (1..=tokens).contains(&max_num_batched_tokens),
+        "--max-num-batched-tokens must be 1..={tokens} (the server's \
+         scheduler.max_num_batched_tokens), not {max_num_batched_tokens}"
+    );
+    Ok(())
+}
+
 fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
     anyhow::ensure!(
         (1..=MAX_PROMPTS).contains(&args.num_prompts),
         "--num-prompts must be 1..={MAX_PROMPTS}"
     );
+    check_batch_flags(args.max_num_seqs, args.max_num_batched_tokens)?;
     let kind = runtime::parse_backend(&args.backend)?;
     if let Some(b) = args.decode_batch {
         anyhow::ensure!(
@@ -478,6 +498,21 @@ mod tests {
             "{e:#}"
         );
         let _ = std::fs::remove_file(&path);
+    }
+
+    #[test]
+    fn batch_limits_are_checked_under_their_flag_names() {
+        check_batch_flags(256, 8192).unwrap();
+        check_batch_flags(2048, 1 << 20).unwrap();
+        let e = check_batch_flags(256, 0).unwrap_err().to_string();
+        assert!(
+            e.starts_with("--max-num-batched-tokens must be 1..=1048576")
+                && !e.contains("max_batch"),
+            "{e}"
+        );
+        let e = check_batch_flags(0, 8192).unwrap_err().to_string();
+        assert!(e.starts_with("--max-num-seqs must be 1..=2048"), "{e}");
+        assert!(check_batch_flags(2049, 8192).is_err());
     }
 
     #[test]

@@ -18,6 +18,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde_json::json;
 use switchyard_simulator::report::percentile;
+use switchyard_simulator::spec::{short_number, show_range, RATE_RANGE, TIME_SCALE_RANGE};
 use switchyard_simulator::trace::{MAX_ARRIVAL_S, MAX_REQUESTS as MAX_ROWS};
 
 use self::http::{connect, first_model, one_request, parse_url, Target, MAX_SMALL_RESPONSE_BYTES};
@@ -78,16 +79,20 @@ fn validate(args: &ServeBenchArgs) -> anyhow::Result<()> {
         );
     }
     if let Some(r) = args.request_rate {
-        // NaN fails the comparison too; `inf` means every request at once, as in vLLM.
+        // NaN fails the comparison too; `inf` means every request at once, as in vLLM. Below
+        // the range, the arrivals of a run would be years apart (and past what a sleep takes).
         anyhow::ensure!(
-            r > 0.0,
-            "--request-rate must be > 0 requests/s (inf sends every request at once), not {r}"
+            r == f64::INFINITY || RATE_RANGE.contains(&r),
+            "--request-rate {} outside {} requests/s (inf sends every request at once)",
+            short_number(r),
+            show_range(&RATE_RANGE)
         );
     }
     anyhow::ensure!(
-        args.time_scale.is_finite() && args.time_scale > 0.0,
-        "--time-scale must be a finite number > 0 (2 = twice as fast), not {}",
-        args.time_scale
+        TIME_SCALE_RANGE.contains(&args.time_scale),
+        "--time-scale {} outside {} (it divides the trace's arrival times: 2 = twice as fast)",
+        short_number(args.time_scale),
+        show_range(&TIME_SCALE_RANGE)
     );
     anyhow::ensure!(
         args.token_offset.checked_add(args.token_range).is_some(),
@@ -750,6 +755,10 @@ mod tests {
             "--request-rate 0",
             "--request-rate=-2",
             "--request-rate NaN",
+            // Arrivals ~10^300 s apart: refused here, not after the test request.
+            "--request-rate 1e-300",
+            "--time-scale 1e-300",
+            "--time-scale 1e308",
             "--token-offset 4294967295",
             "--max-concurrency 0",
             "--max-concurrency 16385",
@@ -757,5 +766,17 @@ mod tests {
         ] {
             assert!(validate(&serve_args(bad)).is_err(), "{bad:?} was accepted");
         }
+        // Named, with the number short (not 300 digits of a Duration conversion).
+        let e = validate(&serve_args("--request-rate 1e-300")).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "--request-rate 1e-300 outside [1e-6, 1e6] requests/s (inf sends every request at once)"
+        );
+        let e = validate(&serve_args("--time-scale 1e-300")).unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with("--time-scale 1e-300 outside [1e-6, 1e6]"),
+            "{e}"
+        );
     }
 }

@@ -79,7 +79,10 @@ pub fn run(args: CalibrateArgs) -> anyhow::Result<()> {
             m
         }
     };
-    let fit = calibrate::fit(&measured.samples).context("fitting the step times")?;
+    let fit = calibrate::fit(&measured.samples).with_context(|| match &args.from_samples {
+        Some(path) => format!("fitting the step times of {}", path.display()),
+        None => "fitting the step times".to_string(),
+    })?;
     let calibration = Calibration {
         model: Some(measured.model.clone()),
         hardware: Some(measured.hardware.clone()),

@@ -5,17 +5,7 @@ use switchyard_simulator::{CliOptions, SimulationSpec, TraceFormat};
 use crate::cli::{SimulateArgs, TraceFormat as CliFormat};
 
 pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
-    // `--time-scale t` divides arrival times (2 = twice as fast), as `workload.time_scale` does.
-    let time_scale = match args.time_scale {
-        Some(t) => {
-            anyhow::ensure!(
-                t.is_finite() && t > 0.0 && (1.0 / t).is_finite(),
-                "--time-scale must be a finite number > 0 (2 = twice as fast), not {t}"
-            );
-            Some(t)
-        }
-        None => None,
-    };
+    // `SimulationSpec::from_cli` checks the flags' ranges (--rate, --load, --time-scale).
     let spec = match (&args.config, &args.trace) {
         (Some(file), _) => SimulationSpec::from_yaml_file(file)?,
         (None, Some(trace)) => {
@@ -36,12 +26,19 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
                 limit: args.limit,
                 rate: args.rate,
                 load: args.load,
-                time_scale,
+                time_scale: args.time_scale,
+                tiers: match &args.tiers {
+                    Some(file) => SimulationSpec::tiers_from_file(file)?,
+                    None => Default::default(),
+                },
             })?
         }
         (None, None) => anyhow::bail!("give --config FILE, or --trace FILE --format F"),
     };
     let comparison = switchyard_simulator::run(&spec, &args.out, super::progress_enabled())?;
+    for w in &comparison.warnings {
+        eprintln!("warning: {w}");
+    }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&comparison)?);
     } else {

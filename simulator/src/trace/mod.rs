@@ -87,6 +87,18 @@ pub enum TraceFormat {
     Jsonl,
 }
 
+impl TraceFormat {
+    /// The name a spec and the command line use (`azure`, `mooncake`, `sharegpt`, `jsonl`).
+    pub fn name(self) -> &'static str {
+        match self {
+            TraceFormat::Azure => "azure",
+            TraceFormat::Mooncake => "mooncake",
+            TraceFormat::Sharegpt => "sharegpt",
+            TraceFormat::Jsonl => "jsonl",
+        }
+    }
+}
+
 impl std::str::FromStr for TraceFormat {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
@@ -113,8 +125,9 @@ pub struct LoadOptions {
     /// Drop requests arriving at or after this many seconds (timestamped traces).
     pub end_s: Option<f64>,
     /// The tiers the spec defines: a trace line naming another tier is an error, as the
-    /// server refuses an unknown tier (`None`: not checked). The empty tier (none given)
-    /// is always accepted.
+    /// server refuses an unknown tier; with none defined, every tier named is (`None`: not
+    /// checked, for loading a trace on its own). The empty tier (none given) is always
+    /// accepted.
     pub known_tiers: Option<Vec<String>>,
 }
 
@@ -129,18 +142,25 @@ impl LoadOptions {
         self.limit.unwrap_or(MAX_REQUESTS).min(MAX_REQUESTS)
     }
 
-    /// An error naming `tier` and the line when the spec does not define it.
+    /// An error naming `tier` and the line when the spec does not define it, saying how to
+    /// define it (a spec defining no tiers at all included).
     pub(crate) fn check_tier(&self, path: &Path, line: usize, tier: &str) -> Result<(), SimError> {
         match &self.known_tiers {
             Some(known) if !tier.is_empty() && !known.iter().any(|k| k == tier) => {
-                let defined = format!("defined: {}", known.join(", "));
+                let defined = if known.is_empty() {
+                    "no tier is defined".to_string()
+                } else {
+                    format!("defined: {}", known.join(", "))
+                };
                 Err(SimError::trace(
                     path,
                     line,
                     "tier",
                     format!(
-                        "tier `{tier}` is not defined under `tiers` ({defined}); the server \
-                         refuses an unknown tier"
+                        "tier `{tier}` is not defined ({defined}): define it under `tiers` in \
+                         the spec (`simulate --config`), or give `simulate --trace` a file with \
+                         a `tiers` section (a server configuration) with `--tiers FILE`; the \
+                         server refuses an unknown tier"
                     ),
                 ))
             }
@@ -328,15 +348,18 @@ pub fn assign_mix(
         }
         let weights: Vec<f64> = mix.entries.iter().map(|(_, w)| *w).collect();
         // rand's WeightedIndex panics on a sum that overflows to infinity (1e308 twice) rather
-        // than returning its error.
-        if !weights.iter().sum::<f64>().is_finite() {
-            return Err(format!(
-                "invalid {} mix weights: their sum is not finite",
-                kind(is_tier)
-            ));
-        }
-        let dist = WeightedIndex::new(&weights)
-            .map_err(|e| format!("invalid {} mix weights: {e}", kind(is_tier)))?;
+        // than returning its error, and words its errors for programmers ("Not enough weights
+        // > zero"): both are checked here and told in the spec's terms.
+        let sum: f64 = weights.iter().sum();
+        let dist = (sum.is_finite() && sum > 0.0)
+            .then(|| WeightedIndex::new(&weights).ok())
+            .flatten()
+            .ok_or_else(|| {
+                format!(
+                    "{}: weights must be non-negative and add up to a finite number > 0",
+                    kind(is_tier)
+                )
+            })?;
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         rng.set_stream(stream);
         for r in requests.iter_mut() {
@@ -352,9 +375,9 @@ pub fn assign_mix(
 
 fn kind(is_tier: bool) -> &'static str {
     if is_tier {
-        "tier"
+        "tiers"
     } else {
-        "tenant"
+        "tenants"
     }
 }
 

@@ -6,7 +6,11 @@
 //! Block `k` of a prompt holds tokens derived from `(hash_ids[k], position)`,
 //! so equal ids give equal token blocks and the prefix cache sees the trace's
 //! real reuse (512 is a multiple of every usual KV block size). The last block
-//! may be partial; tokens past the last id are unique to the request.
+//! may be partial. A line with `hash_ids` must carry exactly one per block,
+//! `ceil(input_length / 512)`, as the format defines them and the published
+//! traces have them: with fewer, the prompt's tail would have no identity, so
+//! such a line is refused rather than guessed at. A line without `hash_ids`
+//! (absent or null) declares no reuse: its prompt is unique to the request.
 
 use super::{
     add_total, check_output_len, check_prompt_len, for_each_line, mix64, LoadOptions, TraceRequest,
@@ -73,6 +77,7 @@ pub fn load_mooncake(
         let input = check_prompt_len(path, line, "input_length", input)?;
         let output = uint_field(obj, "output_length", path, line)?;
         let output = check_output_len(path, line, "output_length", output)?;
+        let has_ids = !matches!(obj.get("hash_ids"), None | Some(Value::Null));
         let ids = match obj.get("hash_ids") {
             None | Some(Value::Null) => Vec::new(),
             Some(Value::Array(a)) => a
@@ -89,12 +94,18 @@ pub fn load_mooncake(
                 })?,
             Some(_) => return Err(SimError::trace(path, line, "hash_ids", "expected an array")),
         };
-        if ids.len() > input.div_ceil(MOONCAKE_BLOCK_TOKENS) {
+        let blocks = input.div_ceil(MOONCAKE_BLOCK_TOKENS);
+        if has_ids && ids.len() != blocks {
             return Err(SimError::trace(
                 path,
                 line,
                 "hash_ids",
-                format!("{} ids for {input} tokens: more than one per {MOONCAKE_BLOCK_TOKENS}-token block", ids.len()),
+                format!(
+                    "{} ids for {input} tokens: the format has one per \
+                     {MOONCAKE_BLOCK_TOKENS}-token block, {blocks} here (leave `hash_ids` out \
+                     for a prompt that shares nothing)",
+                    ids.len()
+                ),
             ));
         }
         if options.end_s.is_some_and(|e| arrival_s >= e) {
@@ -173,17 +184,20 @@ mod tests {
     fn equal_hash_ids_give_equal_blocks() {
         let text = r#"{"timestamp": 0, "input_length": 1100, "output_length": 3, "hash_ids": [1, 2, 3]}
 {"timestamp": 1500, "input_length": 600, "output_length": 1, "hash_ids": [1, 9]}
-{"timestamp": 1500, "input_length": 1030, "output_length": 1, "hash_ids": [1]}"#;
+{"timestamp": 1500, "input_length": 1030, "output_length": 1, "hash_ids": [1, 7, 8]}
+{"timestamp": 1600, "input_length": 600, "output_length": 1}"#;
         let rs = load(text).unwrap();
-        assert_eq!(rs.len(), 3);
+        assert_eq!(rs.len(), 4);
         assert_eq!(rs[1].arrival_s, 1.5);
         let (a, b, c) = (&rs[0].prompt, &rs[1].prompt, &rs[2].prompt);
         assert_eq!((a.len(), b.len(), c.len()), (1100, 600, 1030));
         assert_eq!(a[..512], b[..512], "shared first block");
         assert_ne!(a[512..600], b[512..600], "different second block");
         assert_eq!(a[..512], c[..512]);
-        // c's tokens past its only id are unique: not a's block 2, not b's.
+        // c's later ids are not a's: its blocks 2 and 3 differ.
         assert_ne!(a[512..1030], c[512..1030]);
+        // Without hash_ids, nothing is shared.
+        assert_ne!(rs[3].prompt[..512], a[..512]);
         // A partial last block equals the start of the full block with the same id.
         let d = load(
             r#"{"timestamp": 0, "input_length": 700, "output_length": 1, "hash_ids": [5, 2]}"#,
@@ -215,6 +229,16 @@ mod tests {
             (
                 r#"{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": ["a"]}"#,
                 "mc.jsonl:2: field `hash_ids`",
+            ),
+            // Fewer ids than the prompt's 512-token blocks (10 needed): the tail has none.
+            (
+                r#"{"timestamp": 0, "input_length": 5000, "output_length": 1, "hash_ids": [1]}"#,
+                "mc.jsonl:2: field `hash_ids`: 1 ids for 5000 tokens: the format has one per \
+                 512-token block, 10 here",
+            ),
+            (
+                r#"{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": []}"#,
+                "mc.jsonl:2: field `hash_ids`: 0 ids",
             ),
             (
                 r#"{"timestamp": 0, "input_length": 10, "output_length": 1"#,
