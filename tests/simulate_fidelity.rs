@@ -111,21 +111,30 @@ fn inputs_without_requests_or_with_unknown_tiers_are_errors() {
     .unwrap();
     let err = fails(simulate("hdr.csv", "azure").args(["--load", "0.5"]));
     assert!(err.contains("the trace has no requests"), "{err}");
-    // The command line defines no tiers: a trace's tiers are labels without targets, and no
-    // request counts as meeting an SLO it does not have (a spec that defines tiers refuses
-    // one it does not define: the simulator's unit tests).
+    // A trace tier the run does not define is an error, as the server refuses an unknown
+    // tier, also when the command line defines none; `--tiers FILE` reads a `tiers` section.
     std::fs::write(
         dir.join("tier.jsonl"),
         "{\"arrival_s\": 0, \"prompt_len\": 8, \"output_len\": 2, \"tier\": \"premuim\"}\n",
     )
     .unwrap();
-    succeeds(&mut simulate("tier.jsonl", "jsonl"));
-    let summary = std::fs::read_to_string(dir.join("out").join("summary.json")).unwrap();
-    let summary: serde_json::Value = serde_json::from_str(&summary).unwrap();
+    let err = fails(&mut simulate("tier.jsonl", "jsonl"));
     assert!(
-        summary.to_string().contains("\"slo_attainment\":null"),
-        "{summary}"
+        err.contains("tier.jsonl:1") && err.contains("`premuim` is not defined"),
+        "{err}"
     );
+    std::fs::write(
+        dir.join("tiers.yaml"),
+        "tiers:\n  premuim: { ttft_ms: 60000 }\n",
+    )
+    .unwrap();
+    succeeds(
+        simulate("tier.jsonl", "jsonl")
+            .arg("--tiers")
+            .arg(dir.join("tiers.yaml")),
+    );
+    let summary = std::fs::read_to_string(dir.join("out").join("summary.json")).unwrap();
+    assert!(summary.contains("premuim"), "{summary}");
     // ShareGPT has no timestamps: a rate or a load must be given.
     std::fs::write(
         dir.join("sg.csv"),
