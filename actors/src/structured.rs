@@ -335,6 +335,10 @@ impl StructuredOutput {
         // small model cannot wander into endless newlines, and the text is what clients
         // expect. A schema's own "x-guidance" options win.
         let with_format = |mut schema: serde_json::Value| {
+            // The schema `true` (anything) is `{}`, which can carry the options.
+            if schema == serde_json::Value::Bool(true) {
+                schema = serde_json::json!({});
+            }
             if let Some(obj) = schema.as_object_mut() {
                 obj.entry("x-guidance").or_insert_with(|| {
                     serde_json::json!({
@@ -1071,6 +1075,31 @@ mod tests {
             );
             assert!(o["ok"].is_boolean(), "{text}");
         }
+    }
+
+    #[test]
+    fn the_schema_true_is_formatted_as_the_empty_schema() {
+        // `true` and `{}` both mean any JSON value; both come out as json.dumps writes it
+        // (`true` took the parser's free whitespace: newlines after `{`).
+        let tok = tokenizer();
+        let compiler = GrammarCompiler::new(tok.clone()).expect("compiler");
+        let end = tok.eos_token_ids()[0];
+        let vocab = tok.vocab_size();
+        let one = |schema: Value| {
+            compiler
+                .compile(&StructuredOutput::JsonSchema(schema), &[end], 1)
+                .expect("compiles")
+                .pop()
+                .expect("one")
+        };
+        let (any, empty) = (one(json!(true)), one(json!({})));
+        let open = tok.encode("{", false).expect("ids")[0];
+        for c in [&any, &empty] {
+            c.commit(open);
+        }
+        let newline = tok.encode("\n", false).expect("ids")[0];
+        assert!(!is_allowed(&empty.allowed(vocab), newline as usize));
+        assert_eq!(any.allowed(vocab), empty.allowed(vocab));
     }
 
     #[test]
