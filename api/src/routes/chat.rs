@@ -35,6 +35,7 @@ pub(crate) async fn chat_completions(
         validated.keep_special_tokens[3..].copy_from_slice(&state.config.reasoning_tokens);
     }
     let id = request_id("chatcmpl-", request_id_header(&req));
+    crate::request_id::record(&req, &id);
     let requests = engine_requests(&id, &validated, &principal, None, lora.as_deref());
     let fields = RequestFields {
         prompt: "messages",

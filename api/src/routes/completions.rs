@@ -27,6 +27,7 @@ pub(crate) async fn completions(
     let lora = check_model(&state, body.model.as_deref())?;
     let validated = body.validate(state.engine.max_model_len())?;
     let id = request_id("cmpl-", request_id_header(&req));
+    crate::request_id::record(&req, &id);
 
     let echo_texts = if validated.echo {
         let mut texts = Vec::with_capacity(validated.prompts.len());

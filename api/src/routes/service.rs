@@ -17,8 +17,9 @@ use crate::schema::{
 };
 use crate::state::{engine_dead, ApiState};
 
-/// `GET /v1/models`: the base model, then every LoRA adapter served on it.
-pub(crate) async fn list_models(state: web::Data<ApiState>) -> HttpResponse {
+/// The models served, as `GET /v1/models` lists them: the base model, then every LoRA adapter
+/// served on it.
+fn model_cards(state: &ApiState) -> Vec<ModelCard> {
     let base = state.engine.model_name().to_owned();
     let card = |id: String, parent: Option<String>| ModelCard {
         id,
@@ -36,10 +37,29 @@ pub(crate) async fn list_models(state: web::Data<ApiState>) -> HttpResponse {
             .into_iter()
             .map(|a| card(a.name, Some(base.clone()))),
     );
+    data
+}
+
+/// `GET /v1/models`: the base model, then every LoRA adapter served on it.
+pub(crate) async fn list_models(state: web::Data<ApiState>) -> HttpResponse {
     HttpResponse::Ok().json(ModelList {
         object: "list",
-        data,
+        data: model_cards(&state),
     })
+}
+
+/// `GET /v1/models/{id}` (the OpenAI SDK's `models.retrieve`): the model as `GET /v1/models`
+/// lists it, or 404 `model_not_found`.
+pub(crate) async fn retrieve_model(
+    state: web::Data<ApiState>,
+    id: web::Path<String>,
+) -> Result<HttpResponse, ApiError> {
+    let id = id.into_inner();
+    match model_cards(&state).into_iter().find(|card| card.id == id) {
+        Some(card) => Ok(HttpResponse::Ok().json(card)),
+        // Bounded as `check_model` bounds it: a huge path cannot bloat the error body.
+        None => Err(ApiError::ModelNotFound(id.chars().take(128).collect())),
+    }
 }
 
 /// Body of `POST /tokenize` (vLLM's shape): a `prompt`, or chat `messages` with the `tools`

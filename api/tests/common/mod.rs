@@ -21,8 +21,9 @@ use actix_web::http::StatusCode;
 use actix_web::{test, App};
 use switchyard_api::engine::{
     ChatEnding, ChatMessage, Delta, Engine, EngineError, EngineErrorKind, EngineEvent,
-    EngineFuture, Finish, FinishReason, GenerateRequest, PolicyInfo, PolicySpec, PromptInput,
-    StructuredOutputSpec, TokenLogprob, TokenizeInput, TopLogprob, STRUCTURED_OUTPUT_PARAM,
+    EngineFuture, Finish, FinishReason, GenerateRequest, LoraAdapterInfo, PolicyInfo, PolicySpec,
+    PromptInput, StructuredOutputSpec, TokenLogprob, TokenizeInput, TopLogprob,
+    STRUCTURED_OUTPUT_PARAM,
 };
 use switchyard_api::{ApiConfig, ApiKeyEntry, ApiState};
 use tokio::sync::mpsc;
@@ -44,6 +45,8 @@ pub struct EchoEngine {
     pub held: Mutex<Vec<mpsc::Sender<EngineEvent>>>,
     pub submitted: Mutex<Vec<GenerateRequest>>,
     pub policy: Mutex<PolicyInfo>,
+    /// The LoRA adapters served (`Engine::lora_adapters`).
+    pub lora: Mutex<Vec<LoraAdapterInfo>>,
 }
 
 impl EchoEngine {
@@ -62,6 +65,7 @@ impl EchoEngine {
                 params: serde_json::json!({}),
                 available: vec!["fcfs".into(), "priority".into()],
             }),
+            lora: Mutex::new(Vec::new()),
         })
     }
 
@@ -263,6 +267,10 @@ impl Engine for EchoEngine {
                 })?;
             Ok(String::from_utf8_lossy(&bytes).into_owned())
         })
+    }
+
+    fn lora_adapters(&self) -> Vec<LoraAdapterInfo> {
+        self.lora.lock().unwrap().clone()
     }
 
     fn policy(&self) -> EngineFuture<PolicyInfo> {
