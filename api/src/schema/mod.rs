@@ -5,6 +5,7 @@ pub mod reasoning;
 mod request;
 mod response;
 mod sampling;
+mod strict;
 mod structured;
 pub mod tools;
 
