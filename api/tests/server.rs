@@ -66,6 +66,13 @@ async fn bad_inputs_get_400_with_the_field_named() {
         ("/v1/chat/completions", r#"{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}"#.into(), Some("tools[0].function")),
         ("/v1/chat/completions", r#"{"messages": [{"role": "user", "content": 5}]}"#.into(), Some("messages[0].content")),
         ("/v1/chat/completions", r#"{"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 2, "min_tokens": 3, "stream": true}"#.into(), Some("min_tokens")),
+        // Deprecated function calling and audio output are refused, not ignored.
+        ("/v1/chat/completions", r#"{"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f", "parameters": {"type": "object"}}]}"#.into(), Some("functions")),
+        ("/v1/chat/completions", r#"{"messages": [{"role": "user", "content": "x"}], "function_call": "auto"}"#.into(), Some("function_call")),
+        ("/v1/chat/completions", r#"{"messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"]}"#.into(), Some("modalities")),
+        ("/v1/chat/completions", r#"{"messages": [{"role": "user", "content": "x"}], "audio": {"voice": "alloy", "format": "mp3"}}"#.into(), Some("audio")),
+        ("/v1/chat/completions", r#"{"messages": [{"role": "user", "content": "x"}], "service_tier": "premium"}"#.into(), Some("service_tier")),
+        ("/v1/chat/completions", r#"{"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "max"}"#.into(), Some("reasoning_effort")),
     ];
     for (path, body, param) in cases {
         let error = check_bad(path, &body, 400, param).await;

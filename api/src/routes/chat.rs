@@ -27,6 +27,7 @@ pub(crate) async fn chat_completions(
 ) -> Result<HttpResponse, ApiError> {
     let in_flight = state.admit()?;
     let body: ChatRequest = read_json(&req, payload, &state.config).await?;
+    body.ignored.warn("/v1/chat/completions");
     let lora = check_model(&state, body.model.as_deref())?;
     let tool_format = state.config.tools.format;
     let mut validated = body.validate(state.engine.max_model_len(), state.config.tools)?;

@@ -4,7 +4,8 @@
 //! Fields follow OpenAI's API reference and vLLM's `CompletionRequest` / `ChatCompletionRequest`
 //! extensions (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`,
 //! `stop_token_ids`, `priority`, `include_stop_str_in_output`, `skip_special_tokens`). Unknown
-//! fields are ignored, as OpenAI and vLLM do; known fields this server cannot honour (`suffix`,
+//! fields are ignored, as OpenAI and vLLM do, and named in a warning (see
+//! [`IgnoredFields`]); known fields this server cannot honour (`suffix`,
 //! `best_of`, vLLM's `use_beam_search` and `prompt_logprobs`, and on chat `echo`) are rejected
 //! with a 400 naming them when set to anything but their default, rather than silently
 //! ignored. Chat takes vLLM's `add_generation_prompt` and `continue_final_message` (see
@@ -16,6 +17,8 @@ use std::collections::HashMap;
 
 use serde::Deserialize;
 
+use super::chat_extras::ChatExtras;
+use super::ignored::IgnoredFields;
 use super::limits::*;
 use super::sampling::SamplerFields;
 use super::structured::{Structured, StructuredFields};
@@ -133,6 +136,9 @@ pub struct CompletionRequest {
     /// Structured output (`response_format`, `structured_outputs`, `guided_*`).
     #[serde(flatten)]
     pub structured: StructuredFields,
+    /// Fields no endpoint reads (logged, see [`IgnoredFields`]); last of the flattened fields.
+    #[serde(flatten)]
+    pub ignored: IgnoredFields,
 }
 
 /// Body of `POST /v1/chat/completions`.
@@ -216,6 +222,12 @@ pub struct ChatRequest {
     /// Structured output (`response_format`, `structured_outputs`, `guided_*`).
     #[serde(flatten)]
     pub structured: StructuredFields,
+    /// OpenAI's fields that are only checked (`functions`, `modalities`, `service_tier`, ...).
+    #[serde(flatten)]
+    pub extras: ChatExtras,
+    /// Fields no endpoint reads (logged, see [`IgnoredFields`]); last of the flattened fields.
+    #[serde(flatten)]
+    pub ignored: IgnoredFields,
 }
 
 /// One message of `messages`.
@@ -702,6 +714,7 @@ impl ChatRequest {
     /// and calls in the conversation written, as `tools` says.
     pub fn validate(self, max_model_len: usize, tools: ToolSetup) -> Result<Validated, ApiError> {
         let setup = tools;
+        self.extras.validate()?;
         let sampling = sampler_fields!(self).validate()?;
         let (mut structured_field, mut structured) =
             match parse_structured(&self.structured, &sampling)? {
