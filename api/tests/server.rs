@@ -398,7 +398,16 @@ async fn admin_policy_needs_the_admin_key_and_swaps() {
     let reply = send(&app, swap).await;
     assert_eq!(reply.status, 200, "{}", reply.text());
     assert_eq!(reply.json()["name"], "priority");
+    assert_eq!(reply.json()["changed"], true);
     assert_eq!(engine.policy.lock().unwrap().params, json!({"aging_s": 5}));
+    // The policy in force with the same parameters: kept, and said so.
+    let again = admin(TestRequest::put().uri("/admin/policy"))
+        .set_payload(r#"{"name": "priority", "params": {"aging_s": 5}}"#);
+    let reply = send(&app, again).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(reply.json()["name"], "priority");
+    assert_eq!(reply.json()["changed"], false);
+    assert_eq!(engine.policy_swaps.load(Ordering::SeqCst), 1);
     let unknown =
         admin(TestRequest::put().uri("/admin/policy")).set_payload(r#"{"name": "lottery"}"#);
     send(&app, unknown)

@@ -214,7 +214,8 @@ pub(crate) async fn get_policy(state: web::Data<ApiState>) -> Result<HttpRespons
     Ok(HttpResponse::Ok().json(state.engine.policy().await?))
 }
 
-/// `PUT /admin/policy`: hot-swaps the scheduling policy.
+/// `PUT /admin/policy`: hot-swaps the scheduling policy; the policy in force with the same
+/// parameters is kept (`"changed": false`), as a configuration reload keeps it.
 pub(crate) async fn put_policy(
     state: web::Data<ApiState>,
     req: HttpRequest,
@@ -228,9 +229,13 @@ pub(crate) async fn put_policy(
         ));
     }
     let name = spec.name.clone();
-    let info = state.engine.swap_policy(spec).await?;
-    tracing::info!(requested = %name, policy = %info.name, "scheduling policy swapped through the admin API");
-    Ok(HttpResponse::Ok().json(info))
+    let swap = state.engine.swap_policy(spec).await?;
+    if swap.changed {
+        tracing::info!(requested = %name, policy = %swap.policy.name, "scheduling policy swapped through the admin API");
+    } else {
+        tracing::info!(policy = %swap.policy.name, "scheduling policy unchanged: the admin API asked for the policy in force");
+    }
+    Ok(HttpResponse::Ok().json(swap))
 }
 
 /// `GET /admin/speculative`: the speculative decoding settings in force (`null`: off).

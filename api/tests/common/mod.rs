@@ -12,7 +12,7 @@
 
 #![allow(dead_code)]
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use actix_web::body::MessageBody;
@@ -22,7 +22,7 @@ use actix_web::{test, App};
 use switchyard_api::engine::{
     ChatEnding, ChatMessage, Delta, Engine, EngineError, EngineErrorKind, EngineEvent,
     EngineFuture, Finish, FinishReason, GenerateRequest, LoraAdapterInfo, PolicyInfo, PolicySpec,
-    PromptInput, StructuredOutputSpec, TokenLogprob, TokenizeInput, TopLogprob,
+    PolicySwap, PromptInput, StructuredOutputSpec, TokenLogprob, TokenizeInput, TopLogprob,
     STRUCTURED_OUTPUT_PARAM,
 };
 use switchyard_api::{ApiConfig, ApiKeyEntry, ApiState};
@@ -47,6 +47,8 @@ pub struct EchoEngine {
     pub policy: Mutex<PolicyInfo>,
     /// The LoRA adapters served (`Engine::lora_adapters`).
     pub lora: Mutex<Vec<LoraAdapterInfo>>,
+    /// Swaps that changed the policy.
+    pub policy_swaps: AtomicUsize,
 }
 
 impl EchoEngine {
@@ -66,6 +68,7 @@ impl EchoEngine {
                 available: vec!["fcfs".into(), "priority".into()],
             }),
             lora: Mutex::new(Vec::new()),
+            policy_swaps: AtomicUsize::new(0),
         })
     }
 
@@ -278,18 +281,27 @@ impl Engine for EchoEngine {
         Box::pin(async move { Ok(info) })
     }
 
-    fn swap_policy(&self, spec: PolicySpec) -> EngineFuture<PolicyInfo> {
+    fn swap_policy(&self, spec: PolicySpec) -> EngineFuture<PolicySwap> {
         let mut policy = self.policy.lock().unwrap();
-        let result = if policy.available.contains(&spec.name) {
-            policy.name = spec.name;
-            policy.params = spec.params;
-            Ok(policy.clone())
-        } else {
+        let result = if !policy.available.contains(&spec.name) {
             Err(EngineError::new(
                 EngineErrorKind::InvalidRequest,
                 format!("unknown policy {:?}", spec.name),
             )
             .with_param("name"))
+        } else if policy.name == spec.name && policy.params == spec.params {
+            Ok(PolicySwap {
+                policy: policy.clone(),
+                changed: false,
+            })
+        } else {
+            policy.name = spec.name;
+            policy.params = spec.params;
+            self.policy_swaps.fetch_add(1, Ordering::SeqCst);
+            Ok(PolicySwap {
+                policy: policy.clone(),
+                changed: true,
+            })
         };
         Box::pin(async move { result })
     }
