@@ -298,6 +298,21 @@ fn sighup_keeps_an_unchanged_policy_and_names_sections_that_take_a_restart() {
     wait_log(&s, "SIGHUP: policy reloaded", 1);
     assert_eq!(get(&s, "/admin/policy")["name"], "priority");
     assert_eq!(s.metric("switchyard:policy_swaps_total"), Some(1.0));
+    // The admin API keeps an unchanged policy too, and says so; a changed one is swapped.
+    let (status, v) = put(&s, "/admin/policy", r#"{"name": "priority", "params": {}}"#);
+    assert_eq!(
+        (status, &v["name"], &v["changed"]),
+        (200, &json!("priority"), &json!(false)),
+        "{v}"
+    );
+    assert_eq!(s.metric("switchyard:policy_swaps_total"), Some(1.0));
+    let (status, v) = put(&s, "/admin/policy", r#"{"name": "fcfs"}"#);
+    assert_eq!(
+        (status, &v["name"], &v["changed"]),
+        (200, &json!("fcfs"), &json!(true)),
+        "{v}"
+    );
+    assert_eq!(s.metric("switchyard:policy_swaps_total"), Some(2.0));
 }
 
 #[test]

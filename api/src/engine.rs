@@ -99,9 +99,11 @@ pub trait Engine: Send + Sync + 'static {
 
     /// Replaces the scheduling policy. It takes effect at the next scheduler step; requests in
     /// flight continue. The engine logs and counts the swap ([`crate::metrics::POLICY_SWAPS`]).
-    /// An unknown name or bad parameters are an [`EngineErrorKind::InvalidRequest`] naming the
-    /// parameter.
-    fn swap_policy(&self, spec: PolicySpec) -> EngineFuture<PolicyInfo>;
+    /// A spec equal to the policy in force (its name and parameters) swaps nothing, as a
+    /// configuration reload keeps an unchanged policy (a swap resets a policy's state):
+    /// [`PolicySwap::changed`] is false. An unknown name or bad parameters are an
+    /// [`EngineErrorKind::InvalidRequest`] naming the parameter, whether or not they changed.
+    fn swap_policy(&self, spec: PolicySpec) -> EngineFuture<PolicySwap>;
 
     /// The speculative decoding settings in force (`None`: off).
     fn speculative(&self) -> EngineFuture<Option<SpeculativeSettings>> {
@@ -584,6 +586,17 @@ pub struct PolicyInfo {
     pub params: serde_json::Value,
     /// Policies the engine can swap to.
     pub available: Vec<String>,
+}
+
+/// The answer to a policy swap: the policy in force and whether the swap changed it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PolicySwap {
+    /// The policy in force after the request.
+    #[serde(flatten)]
+    pub policy: PolicyInfo,
+    /// False when the request named the policy already in force, with the same parameters:
+    /// nothing was swapped (nor counted, nor its state reset).
+    pub changed: bool,
 }
 
 /// Most running sequences `max_running` may name, as in the `speculative:` section of the

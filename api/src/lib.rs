@@ -4,7 +4,8 @@
 //! the [`Engine`] port (see [`engine`] for the request protocol and the abort-on-drop contract).
 //!
 //! Routes: `POST /v1/completions`, `POST /v1/chat/completions` (JSON or SSE), `GET /v1/models`,
-//! `POST /tokenize`, `POST /detokenize` (all behind the API key), `GET /health`, `GET /ready`,
+//! `GET /v1/models/{id}`, `POST /tokenize`, `POST /detokenize` (all behind the API key),
+//! `GET /health`, `GET /ready`,
 //! `GET /metrics`, and `GET`/`PUT /admin/policy`, `GET`/`PUT /admin/speculative`,
 //! `GET`/`POST /admin/lora` and `DELETE /admin/lora/{name}` (behind the admin key).
 //!
@@ -29,6 +30,7 @@ pub mod engine;
 pub mod error;
 mod generation;
 pub mod metrics;
+mod request_id;
 mod routes;
 pub mod schema;
 mod server;

@@ -1,4 +1,4 @@
-//! Route table, HTTP metrics middleware and the server builder.
+//! Route table, HTTP metrics and request-id middleware, and the server builder.
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -10,6 +10,7 @@ use actix_web::{web, App, HttpRequest, HttpServer};
 
 use crate::auth::{require_admin_key, require_api_key};
 use crate::metrics::{HTTP_REQUESTS, HTTP_REQUEST_DURATION};
+use crate::request_id::add_request_id;
 use crate::routes;
 use crate::state::ApiState;
 
@@ -24,7 +25,11 @@ pub fn configure(cfg: &mut web::ServiceConfig, state: ApiState) {
     let method_not_allowed = |allow: &'static str| {
         web::to(move |req: HttpRequest| routes::method_not_allowed(req, allow))
     };
-    cfg.app_data(web::Data::new(state))
+    // One outer scope, so that every response (errors, 404s and the key checks' refusals
+    // included) passes the request-id middleware; unmatched paths reach the app's default
+    // service through the innermost scope `""`.
+    let all = web::scope("")
+        .wrap(from_fn(add_request_id))
         .service(
             web::scope("/v1")
                 .wrap(from_fn(require_api_key))
@@ -42,6 +47,12 @@ pub fn configure(cfg: &mut web::ServiceConfig, state: ApiState) {
                 .service(
                     web::resource("/models")
                         .route(web::get().to(routes::list_models))
+                        .default_service(method_not_allowed("GET")),
+                )
+                .service(
+                    // Served names may hold slashes (`org/model`).
+                    web::resource("/models/{id:.+}")
+                        .route(web::get().to(routes::retrieve_model))
                         .default_service(method_not_allowed("GET")),
                 ),
         )
@@ -105,7 +116,9 @@ pub fn configure(cfg: &mut web::ServiceConfig, state: ApiState) {
                         .route(web::get().to(routes::metrics))
                         .default_service(method_not_allowed("GET")),
                 ),
-        )
+        );
+    cfg.app_data(web::Data::new(state))
+        .service(all)
         .default_service(web::to(routes::not_found));
 }
 

@@ -66,6 +66,13 @@ async fn bad_inputs_get_400_with_the_field_named() {
         ("/v1/chat/completions", r#"{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}"#.into(), Some("tools[0].function")),
         ("/v1/chat/completions", r#"{"messages": [{"role": "user", "content": 5}]}"#.into(), Some("messages[0].content")),
         ("/v1/chat/completions", r#"{"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 2, "min_tokens": 3, "stream": true}"#.into(), Some("min_tokens")),
+        // Deprecated function calling and audio output are refused, not ignored.
+        ("/v1/chat/completions", r#"{"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f", "parameters": {"type": "object"}}]}"#.into(), Some("functions")),
+        ("/v1/chat/completions", r#"{"messages": [{"role": "user", "content": "x"}], "function_call": "auto"}"#.into(), Some("function_call")),
+        ("/v1/chat/completions", r#"{"messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"]}"#.into(), Some("modalities")),
+        ("/v1/chat/completions", r#"{"messages": [{"role": "user", "content": "x"}], "audio": {"voice": "alloy", "format": "mp3"}}"#.into(), Some("audio")),
+        ("/v1/chat/completions", r#"{"messages": [{"role": "user", "content": "x"}], "service_tier": "premium"}"#.into(), Some("service_tier")),
+        ("/v1/chat/completions", r#"{"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "max"}"#.into(), Some("reasoning_effort")),
     ];
     for (path, body, param) in cases {
         let error = check_bad(path, &body, 400, param).await;
@@ -196,6 +203,134 @@ async fn unknown_routes_and_methods_get_openai_bodies() {
     send(&app, request).await.assert_error(404, BAD, None);
 }
 
+/// `GET /v1/models/{id}` (the OpenAI SDK's `models.retrieve`) answers the card `GET
+/// /v1/models` lists, adapters included; an unknown id is OpenAI's 404.
+#[actix_web::test]
+async fn a_model_is_retrieved_as_listed() {
+    let engine = EchoEngine::new();
+    engine
+        .lora
+        .lock()
+        .unwrap()
+        .push(switchyard_api::engine::LoraAdapterInfo {
+            name: "sql/expert".into(),
+            path: "/srv/sql".into(),
+            rank: 8,
+        });
+    let (_, app) = app(engine, api_config()).await;
+    let get = |uri: &str| {
+        TestRequest::get()
+            .uri(uri)
+            .insert_header(("authorization", format!("Bearer {KEY}")))
+    };
+    let list = send(&app, get("/v1/models")).await.json();
+    let cards = list["data"].as_array().unwrap();
+    assert_eq!(cards.len(), 2, "{list}");
+    for card in cards {
+        let id = card["id"].as_str().unwrap();
+        let reply = send(&app, get(&format!("/v1/models/{id}"))).await;
+        assert_eq!(reply.status, 200, "{id}: {}", reply.text());
+        assert_eq!(&reply.json(), card);
+        let model: async_openai::types::models::Model =
+            serde_json::from_slice(&reply.body).unwrap_or_else(|e| panic!("{e}: {}", reply.text()));
+        assert_eq!(model.id, id);
+    }
+    let error = send(&app, get("/v1/models/gpt-9"))
+        .await
+        .assert_error(404, BAD, Some("model"));
+    assert_eq!(error["error"]["code"], "model_not_found");
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("gpt-9"),
+        "{error}"
+    );
+    // Other methods: 405 with the path's methods, as on the other routes.
+    let request = TestRequest::delete()
+        .uri(&format!("/v1/models/{MODEL}"))
+        .insert_header(("authorization", format!("Bearer {KEY}")));
+    let reply = send(&app, request).await;
+    reply.assert_error(405, BAD, None);
+    assert_eq!(reply.headers.get("allow").unwrap(), "GET");
+    // Behind the API key, as the list is.
+    let request = TestRequest::get().uri(&format!("/v1/models/{MODEL}"));
+    send(&app, request).await.assert_error(401, BAD, None);
+}
+
+/// Every response carries `x-request-id`: the client's own when sane, else the completion's
+/// id where there is one, else a fresh one; errors and streams included.
+#[actix_web::test]
+async fn every_response_carries_a_request_id() {
+    let (_, app) = app(EchoEngine::new(), api_config()).await;
+    let id_of = |reply: &Reply| {
+        reply
+            .headers
+            .get("x-request-id")
+            .unwrap_or_else(|| panic!("no x-request-id: {:?}", reply.headers))
+            .to_str()
+            .unwrap()
+            .to_owned()
+    };
+    let completion = json!({"prompt": "ab", "max_tokens": 1});
+    // The client's id, even one that is not plain enough to become the completion's id.
+    let reply = send(
+        &app,
+        post("/v1/completions", &completion).insert_header(("x-request-id", "job:7/a=b")),
+    )
+    .await;
+    assert_eq!(reply.status, 200);
+    assert_eq!(id_of(&reply), "job:7/a=b");
+    // Without one: the completion's id.
+    let reply = send(&app, post("/v1/completions", &completion)).await;
+    assert_eq!(id_of(&reply), reply.json()["id"].as_str().unwrap());
+    // A stream's head carries the chat completion's id.
+    let chat = json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+        "stream": true});
+    let reply = send(&app, post("/v1/chat/completions", &chat)).await;
+    let first: Value = serde_json::from_str(sse_payloads(reply.text())[0]).unwrap();
+    assert!(
+        id_of(&reply).starts_with("chatcmpl-"),
+        "{:?}",
+        reply.headers
+    );
+    assert_eq!(id_of(&reply), first["id"].as_str().unwrap());
+    // An id that is too long or not visible ASCII is ignored.
+    for bad in ["x".repeat(129), "a b".to_owned()] {
+        let request =
+            post("/v1/completions", &completion).insert_header(("x-request-id", bad.as_str()));
+        let reply = send(&app, request).await;
+        assert_ne!(id_of(&reply), bad);
+        assert!(id_of(&reply).starts_with("cmpl-"));
+    }
+    let longest = "y".repeat(128);
+    let request =
+        post("/v1/completions", &completion).insert_header(("x-request-id", longest.as_str()));
+    assert_eq!(id_of(&send(&app, request).await), longest);
+    // Errors: a validation error, an unknown route, a refused key, a wrong method.
+    let reply = send(
+        &app,
+        post("/v1/completions", &json!({"prompt": "x", "n": 99})),
+    )
+    .await;
+    assert_eq!(reply.status, 400);
+    assert_eq!(id_of(&reply).len(), 32, "a fresh id");
+    let a = id_of(&send(&app, TestRequest::get().uri("/nope")).await);
+    let b = id_of(&send(&app, TestRequest::get().uri("/nope")).await);
+    assert_ne!(a, b);
+    let refused = TestRequest::get()
+        .uri("/v1/models")
+        .insert_header(("x-request-id", "r-401"));
+    let reply = send(&app, refused).await;
+    assert_eq!(reply.status, 401);
+    assert_eq!(id_of(&reply), "r-401");
+    let reply = send(&app, TestRequest::post().uri("/health")).await;
+    assert_eq!(reply.status, 405);
+    assert!(!id_of(&reply).is_empty());
+    let reply = send(&app, TestRequest::get().uri("/health")).await;
+    assert!(!id_of(&reply).is_empty());
+}
+
 #[actix_web::test]
 async fn api_key_is_required_and_checked() {
     let (_, app) = app(EchoEngine::new(), api_config()).await;
@@ -263,7 +398,16 @@ async fn admin_policy_needs_the_admin_key_and_swaps() {
     let reply = send(&app, swap).await;
     assert_eq!(reply.status, 200, "{}", reply.text());
     assert_eq!(reply.json()["name"], "priority");
+    assert_eq!(reply.json()["changed"], true);
     assert_eq!(engine.policy.lock().unwrap().params, json!({"aging_s": 5}));
+    // The policy in force with the same parameters: kept, and said so.
+    let again = admin(TestRequest::put().uri("/admin/policy"))
+        .set_payload(r#"{"name": "priority", "params": {"aging_s": 5}}"#);
+    let reply = send(&app, again).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(reply.json()["name"], "priority");
+    assert_eq!(reply.json()["changed"], false);
+    assert_eq!(engine.policy_swaps.load(Ordering::SeqCst), 1);
     let unknown =
         admin(TestRequest::put().uri("/admin/policy")).set_payload(r#"{"name": "lottery"}"#);
     send(&app, unknown)

@@ -25,8 +25,8 @@ use switchyard_actors::actors::{
 use switchyard_actors::structured::StructuredOutput;
 use switchyard_api::engine::{
     self as port, Delta, EngineError, EngineErrorKind, EngineEvent, EngineFuture, Finish,
-    GenerateRequest, LoraAdapterInfo, PolicyInfo, PolicySpec, SpeculativeSettings, TokenLogprob,
-    TokenizeInput, TopLogprob,
+    GenerateRequest, LoraAdapterInfo, PolicyInfo, PolicySpec, PolicySwap, SpeculativeSettings,
+    TokenLogprob, TokenizeInput, TopLogprob,
 };
 use switchyard_api::schema::{
     reasoning,
@@ -491,8 +491,9 @@ struct EngineAdapter {
 
 impl EngineAdapter {
     /// `PUT /admin/policy`: builds the policy `spec` names (checked by the registry) and
-    /// swaps it in, even when it equals the one in force (an explicit request restarts it).
-    fn swap(&self, spec: PolicySpec) -> Result<PolicyInfo, EngineError> {
+    /// swaps it in, unless it equals the one in force (as SIGHUP keeps an unchanged policy:
+    /// a swap would reset its state).
+    fn swap(&self, spec: PolicySpec) -> Result<PolicySwap, EngineError> {
         let params: serde_yaml::Value = serde_yaml::to_value(&spec.params).map_err(|e| {
             EngineError::new(EngineErrorKind::InvalidRequest, e.to_string()).with_param("params")
         })?;
@@ -501,27 +502,25 @@ impl EngineAdapter {
             params,
         };
         let policy = super::config::build_policy(&section, &self.tiers).map_err(policy_error)?;
-        let (info, _) = self.install_policy(spec.name, spec.params, policy, false);
-        Ok(info)
+        let (policy, changed) = self.install_policy(spec.name, spec.params, policy);
+        Ok(PolicySwap { policy, changed })
     }
 
-    /// Swaps in `policy` (built from `name` and `params`) and records it; with
-    /// `keep_unchanged`, a policy equal to the one in force is not swapped in (that would reset
-    /// its state: fair-share counters, aging). Returns the policy in force and whether it was
-    /// swapped.
+    /// Swaps in `policy` (built from `name` and `params`) and records it, unless it equals the
+    /// policy in force (that would reset its state: fair-share counters, aging). Returns the
+    /// policy in force and whether it was swapped.
     fn install_policy(
         &self,
         name: String,
         params: serde_json::Value,
         policy: Box<dyn Policy>,
-        keep_unchanged: bool,
     ) -> (PolicyInfo, bool) {
         let params = json_params(params);
         // Taken before the swap is queued (which does not block): concurrent swaps are queued
         // and recorded in the same order, so `GET /admin/policy` and the policy_info gauge
         // show the policy the scheduler runs.
         let mut info = self.policy.lock();
-        if keep_unchanged && info.name == name && info.params == params {
+        if info.name == name && info.params == params {
             return (info.clone(), false);
         }
         self.engine.swap_policy(policy);
@@ -821,7 +820,7 @@ impl port::Engine for EngineAdapter {
         Box::pin(async move { Ok(info) })
     }
 
-    fn swap_policy(&self, spec: PolicySpec) -> EngineFuture<PolicyInfo> {
+    fn swap_policy(&self, spec: PolicySpec) -> EngineFuture<PolicySwap> {
         let result = self.swap(spec);
         Box::pin(async move { result })
     }

@@ -513,27 +513,29 @@ impl Engine {
         } = resolved;
         // What the backend checks of each step is checked here first: a bad value would fail
         // the whole step, every request in it with this one.
-        let named = options.sampling.logit_bias.iter().map(|b| b.0);
-        let named = named.chain(options.sampling.stop_token_ids.iter().copied());
-        let check = options
-            .sampling
-            .validate(usize::MAX)
-            .map_err(|e| e.to_string());
-        let check =
-            check.and_then(
-                |()| match named.into_iter().find(|&t| t as usize >= self.vocab) {
-                    Some(t) => Err(format!(
-                "token id {t} in logit_bias or stop_token_ids is outside the vocabulary (size {})",
-                self.vocab
+        let outside = |param: &'static str, ids: &[u32]| {
+            ids.iter().find(|&&t| t as usize >= self.vocab).map(|t| {
+                SubmitError::new(
+                    SubmitErrorKind::InvalidRequest,
+                    format!(
+                        "token id {t} in {param} is outside the vocabulary (size {})",
+                        self.vocab
+                    ),
+                )
+                .with_param(param)
+            })
+        };
+        let bias: Vec<u32> = options.sampling.logit_bias.iter().map(|b| b.0).collect();
+        let check = match options.sampling.validate(usize::MAX) {
+            Err(e) => Some(SubmitError::new(
+                SubmitErrorKind::InvalidRequest,
+                e.to_string(),
             )),
-                    None => Ok(()),
-                },
-            );
-        if let Err(message) = check {
-            return Err((
-                SubmitError::new(SubmitErrorKind::InvalidRequest, message),
-                sink,
-            ));
+            Ok(()) => outside("logit_bias", &bias)
+                .or_else(|| outside("stop_token_ids", &options.sampling.stop_token_ids)),
+        };
+        if let Some(error) = check {
+            return Err((error, sink));
         }
         if prompt.is_empty() {
             return Err((
@@ -1032,6 +1034,37 @@ mod tests {
         };
         assert_eq!(unless_gone(never, &gone).await, None);
         assert!(dropped.load(Ordering::Acquire));
+    }
+
+    /// A token id outside the vocabulary in `logit_bias` or `stop_token_ids` is refused naming
+    /// the field it came in.
+    #[actix::test]
+    async fn token_ids_outside_the_vocabulary_name_their_field() {
+        let (engine, _) = engine(64);
+        for (bias, stop, param) in [
+            (vec![(3, 1.0)], Vec::new(), "logit_bias"),
+            (vec![(0, 1.0)], vec![2, 3], "stop_token_ids"),
+        ] {
+            let mut options = options(Some(1));
+            options.sampling.logit_bias = bias;
+            options.sampling.stop_token_ids = stop;
+            engine.in_flight.fetch_add(1, Ordering::AcqRel);
+            let resolved = Resolved {
+                prompt: vec![2; 4],
+                opens_thinking: false,
+                adapter: None,
+                constraints: Vec::new(),
+                encoded: Instant::now(),
+            };
+            let guard = InFlight(engine.in_flight.clone());
+            let (sink, _rx) = recorder();
+            let Err((e, _)) = engine.admit(options, resolved, sink, guard, Instant::now()) else {
+                panic!("{param}: an id outside the vocabulary was admitted");
+            };
+            assert_eq!(e.kind, SubmitErrorKind::InvalidRequest, "{e}");
+            assert_eq!(e.param, Some(param), "{e}");
+            assert!(e.message.contains("token id 3"), "{e}");
+        }
     }
 
     #[actix::test]

@@ -129,9 +129,11 @@ impl Handler<Encode> for TokenizerActor {
             PromptSource::Tokens(ids) => {
                 let vocab = self.tokenizer.vocab_size();
                 if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+                    // Token ids come only from a completion's `prompt`.
                     return Err(invalid(format!(
                         "token id {bad} is outside the vocabulary (size {vocab})"
-                    )));
+                    ))
+                    .with_param("prompt"));
                 }
                 Ok(Encoded {
                     ids,
@@ -278,6 +280,28 @@ mod tests {
 
     fn tokenizer() -> Arc<Tokenizer> {
         crate::testing::abc_tokenizer()
+    }
+
+    /// A token-id prompt with an id outside the vocabulary is refused naming `prompt`.
+    #[actix::test]
+    async fn a_token_prompt_outside_the_vocabulary_names_the_prompt() {
+        let grammars =
+            LazyGrammarCompiler::with_pool(CompilePool::new(1, 8, Duration::from_secs(3600)));
+        let tok = tokenizer();
+        let vocab = u32::try_from(tok.vocab_size()).unwrap();
+        let actors = SyncArbiter::start(1, move || {
+            TokenizerActor::new(tok.clone(), None, grammars.clone(), 1024)
+        });
+        let refused = actors
+            .send(Encode {
+                source: PromptSource::Tokens(vec![0, vocab]),
+                add_special_tokens: false,
+            })
+            .await
+            .expect("mailbox")
+            .expect_err("an id outside the vocabulary");
+        assert_eq!(refused.kind, SubmitErrorKind::InvalidRequest);
+        assert_eq!(refused.param, Some("prompt"), "{refused}");
     }
 
     /// A grammar compiling (here: a compile that waits) holds up no prompt: grammars go to

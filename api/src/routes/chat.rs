@@ -27,6 +27,7 @@ pub(crate) async fn chat_completions(
 ) -> Result<HttpResponse, ApiError> {
     let in_flight = state.admit()?;
     let body: ChatRequest = read_json(&req, payload, &state.config).await?;
+    body.ignored.warn("/v1/chat/completions");
     let lora = check_model(&state, body.model.as_deref())?;
     let tool_format = state.config.tools.format;
     let mut validated = body.validate(state.engine.max_model_len(), state.config.tools)?;
@@ -35,6 +36,7 @@ pub(crate) async fn chat_completions(
         validated.keep_special_tokens[3..].copy_from_slice(&state.config.reasoning_tokens);
     }
     let id = request_id("chatcmpl-", request_id_header(&req));
+    crate::request_id::record(&req, &id);
     let requests = engine_requests(&id, &validated, &principal, None, lora.as_deref());
     let fields = RequestFields {
         prompt: "messages",

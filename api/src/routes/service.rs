@@ -17,8 +17,9 @@ use crate::schema::{
 };
 use crate::state::{engine_dead, ApiState};
 
-/// `GET /v1/models`: the base model, then every LoRA adapter served on it.
-pub(crate) async fn list_models(state: web::Data<ApiState>) -> HttpResponse {
+/// The models served, as `GET /v1/models` lists them: the base model, then every LoRA adapter
+/// served on it.
+fn model_cards(state: &ApiState) -> Vec<ModelCard> {
     let base = state.engine.model_name().to_owned();
     let card = |id: String, parent: Option<String>| ModelCard {
         id,
@@ -36,10 +37,29 @@ pub(crate) async fn list_models(state: web::Data<ApiState>) -> HttpResponse {
             .into_iter()
             .map(|a| card(a.name, Some(base.clone()))),
     );
+    data
+}
+
+/// `GET /v1/models`: the base model, then every LoRA adapter served on it.
+pub(crate) async fn list_models(state: web::Data<ApiState>) -> HttpResponse {
     HttpResponse::Ok().json(ModelList {
         object: "list",
-        data,
+        data: model_cards(&state),
     })
+}
+
+/// `GET /v1/models/{id}` (the OpenAI SDK's `models.retrieve`): the model as `GET /v1/models`
+/// lists it, or 404 `model_not_found`.
+pub(crate) async fn retrieve_model(
+    state: web::Data<ApiState>,
+    id: web::Path<String>,
+) -> Result<HttpResponse, ApiError> {
+    let id = id.into_inner();
+    match model_cards(&state).into_iter().find(|card| card.id == id) {
+        Some(card) => Ok(HttpResponse::Ok().json(card)),
+        // Bounded as `check_model` bounds it: a huge path cannot bloat the error body.
+        None => Err(ApiError::ModelNotFound(id.chars().take(128).collect())),
+    }
 }
 
 /// Body of `POST /tokenize` (vLLM's shape): a `prompt`, or chat `messages` with the `tools`
@@ -194,7 +214,8 @@ pub(crate) async fn get_policy(state: web::Data<ApiState>) -> Result<HttpRespons
     Ok(HttpResponse::Ok().json(state.engine.policy().await?))
 }
 
-/// `PUT /admin/policy`: hot-swaps the scheduling policy.
+/// `PUT /admin/policy`: hot-swaps the scheduling policy; the policy in force with the same
+/// parameters is kept (`"changed": false`), as a configuration reload keeps it.
 pub(crate) async fn put_policy(
     state: web::Data<ApiState>,
     req: HttpRequest,
@@ -208,9 +229,13 @@ pub(crate) async fn put_policy(
         ));
     }
     let name = spec.name.clone();
-    let info = state.engine.swap_policy(spec).await?;
-    tracing::info!(requested = %name, policy = %info.name, "scheduling policy swapped through the admin API");
-    Ok(HttpResponse::Ok().json(info))
+    let swap = state.engine.swap_policy(spec).await?;
+    if swap.changed {
+        tracing::info!(requested = %name, policy = %swap.policy.name, "scheduling policy swapped through the admin API");
+    } else {
+        tracing::info!(policy = %swap.policy.name, "scheduling policy unchanged: the admin API asked for the policy in force");
+    }
+    Ok(HttpResponse::Ok().json(swap))
 }
 
 /// `GET /admin/speculative`: the speculative decoding settings in force (`null`: off).

@@ -1,13 +1,18 @@
 //! OpenAI wire types: request bodies with their validation, response bodies and stream chunks.
 
+mod chat_extras;
 mod held;
+mod ignored;
 pub mod reasoning;
 mod request;
 mod response;
 mod sampling;
+mod strict;
 mod structured;
 pub mod tools;
 
+pub use chat_extras::ChatExtras;
+pub use ignored::IgnoredFields;
 pub use request::{
     chat_ending, check_continued, offer_tools, parse_messages, parse_template_kwargs, ChatRequest,
     CompletionRequest, ContentField, ContentPart, MessageField, PromptField, StopField,

@@ -4,7 +4,8 @@
 //! Fields follow OpenAI's API reference and vLLM's `CompletionRequest` / `ChatCompletionRequest`
 //! extensions (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`,
 //! `stop_token_ids`, `priority`, `include_stop_str_in_output`, `skip_special_tokens`). Unknown
-//! fields are ignored, as OpenAI and vLLM do; known fields this server cannot honour (`suffix`,
+//! fields are ignored, as OpenAI and vLLM do, and named in a warning (see
+//! [`IgnoredFields`]); known fields this server cannot honour (`suffix`,
 //! `best_of`, vLLM's `use_beam_search` and `prompt_logprobs`, and on chat `echo`) are rejected
 //! with a 400 naming them when set to anything but their default, rather than silently
 //! ignored. Chat takes vLLM's `add_generation_prompt` and `continue_final_message` (see
@@ -12,10 +13,12 @@
 //! is in [`super::tools`]. A `developer` message is read as the system message (see
 //! [`parse_messages`]).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use serde::Deserialize;
 
+use super::chat_extras::ChatExtras;
+use super::ignored::IgnoredFields;
 use super::limits::*;
 use super::sampling::SamplerFields;
 use super::structured::{Structured, StructuredFields};
@@ -133,6 +136,9 @@ pub struct CompletionRequest {
     /// Structured output (`response_format`, `structured_outputs`, `guided_*`).
     #[serde(flatten)]
     pub structured: StructuredFields,
+    /// Fields no endpoint reads (logged, see [`IgnoredFields`]); last of the flattened fields.
+    #[serde(flatten)]
+    pub ignored: IgnoredFields,
 }
 
 /// Body of `POST /v1/chat/completions`.
@@ -216,6 +222,12 @@ pub struct ChatRequest {
     /// Structured output (`response_format`, `structured_outputs`, `guided_*`).
     #[serde(flatten)]
     pub structured: StructuredFields,
+    /// OpenAI's fields that are only checked (`functions`, `modalities`, `service_tier`, ...).
+    #[serde(flatten)]
+    pub extras: ChatExtras,
+    /// Fields no endpoint reads (logged, see [`IgnoredFields`]); last of the flattened fields.
+    #[serde(flatten)]
+    pub ignored: IgnoredFields,
 }
 
 /// One message of `messages`.
@@ -248,11 +260,13 @@ pub enum ContentField {
 /// One content part.
 #[derive(Debug, Clone, Deserialize)]
 pub struct ContentPart {
-    /// Part type; only `text` is supported.
+    /// Part type: `text`, or `refusal` in an assistant message.
     #[serde(rename = "type")]
     pub kind: String,
     /// The text of a `text` part.
     pub text: Option<String>,
+    /// The text of a `refusal` part (assistant messages: a refusal the model gave earlier).
+    pub refusal: Option<String>,
 }
 
 macro_rules! sampler_fields {
@@ -702,6 +716,7 @@ impl ChatRequest {
     /// and calls in the conversation written, as `tools` says.
     pub fn validate(self, max_model_len: usize, tools: ToolSetup) -> Result<Validated, ApiError> {
         let setup = tools;
+        self.extras.validate()?;
         let sampling = sampler_fields!(self).validate()?;
         let (mut structured_field, mut structured) =
             match parse_structured(&self.structured, &sampling)? {
@@ -953,6 +968,7 @@ pub fn parse_messages(
             format!("at most {MAX_MESSAGES} messages are allowed"),
         ));
     }
+    check_conversation(&messages)?;
     if setup.template {
         return messages
             .into_iter()
@@ -965,7 +981,7 @@ pub fn parse_messages(
     // Whether the last message of `out` holds tool results (consecutive ones share a turn).
     let mut in_results = false;
     for (i, m) in messages.into_iter().enumerate() {
-        let content = message_text(i, m.content)?;
+        let content = message_text(i, m.role == "assistant", m.content)?;
         let role = match m.role.as_str() {
             "tool" if tool_format == ToolFormat::Llama3Json => ChatRole::Tool,
             "tool" => {
@@ -1065,7 +1081,7 @@ fn template_message(
     format: ToolFormat,
 ) -> Result<ChatMessage, ApiError> {
     let role = chat_role(i, &m.role)?;
-    let content = message_text(i, m.content)?;
+    let content = message_text(i, role == ChatRole::Assistant, m.content)?;
     let tool_calls = match m.tool_calls {
         None | Some(serde_json::Value::Null) => None,
         Some(serde_json::Value::Array(calls)) if role == ChatRole::Assistant => {
@@ -1086,20 +1102,30 @@ fn template_message(
     })
 }
 
-/// A message's text: its string, or its text parts joined with newlines.
-fn message_text(i: usize, content: Option<ContentField>) -> Result<String, ApiError> {
+/// A message's text: its string, or its text parts joined with newlines. An assistant's
+/// `refusal` parts are its text, as OpenAI reads a refusal in the history.
+fn message_text(
+    i: usize,
+    assistant: bool,
+    content: Option<ContentField>,
+) -> Result<String, ApiError> {
     Ok(match content {
         None => String::new(),
         Some(ContentField::Text(text)) => text,
         Some(ContentField::Parts(parts)) => {
             let mut texts = Vec::with_capacity(parts.len());
             for (j, part) in parts.into_iter().enumerate() {
-                match (part.kind.as_str(), part.text) {
-                    ("text", Some(text)) => texts.push(text),
+                match (part.kind.as_str(), part.text, part.refusal) {
+                    ("text", Some(text), _) => texts.push(text),
+                    ("refusal", _, Some(refusal)) if assistant => texts.push(refusal),
                     _ => {
                         return Err(ApiError::invalid(
                             format!("messages[{i}].content[{j}]"),
-                            "only text content parts are supported",
+                            if assistant {
+                                "only text and refusal content parts are supported"
+                            } else {
+                                "only text content parts are supported"
+                            },
                         ))
                     }
                 }
@@ -1107,6 +1133,63 @@ fn message_text(i: usize, content: Option<ContentField>) -> Result<String, ApiEr
             texts.join("\n")
         }
     })
+}
+
+/// OpenAI's checks of a conversation: a system, developer or user message has content (not
+/// null, not an empty list of parts), and a `tool` message names, in `tool_call_id`, a call
+/// of an earlier assistant message. An assistant message may have no content (its calls are
+/// its answer).
+fn check_conversation(messages: &[MessageField]) -> Result<(), ApiError> {
+    let mut call_ids: HashSet<&str> = HashSet::new();
+    for (i, m) in messages.iter().enumerate() {
+        match m.role.as_str() {
+            "system" | "developer" | "user" => match &m.content {
+                None => {
+                    return Err(ApiError::invalid(
+                        format!("messages[{i}].content"),
+                        format!("a {} message needs content", m.role),
+                    ))
+                }
+                Some(ContentField::Parts(parts)) if parts.is_empty() => {
+                    return Err(ApiError::invalid(
+                        format!("messages[{i}].content"),
+                        format!("the content of a {} message must not be empty", m.role),
+                    ))
+                }
+                Some(_) => {}
+            },
+            "assistant" => {
+                if let Some(serde_json::Value::Array(calls)) = &m.tool_calls {
+                    call_ids.extend(
+                        calls
+                            .iter()
+                            .filter_map(|c| c.get("id").and_then(serde_json::Value::as_str)),
+                    );
+                }
+            }
+            "tool" => {
+                let param = || format!("messages[{i}].tool_call_id");
+                let Some(id) = m.tool_call_id.as_deref().filter(|id| !id.is_empty()) else {
+                    return Err(ApiError::invalid(
+                        param(),
+                        "a tool message needs the tool_call_id of the call it answers",
+                    ));
+                };
+                if !call_ids.contains(id) {
+                    let shown: String = id.chars().take(64).collect();
+                    return Err(ApiError::invalid(
+                        param(),
+                        format!(
+                            "tool_call_id {shown:?} answers no tool call of an earlier \
+                             assistant message"
+                        ),
+                    ));
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -1466,9 +1549,9 @@ mod tests {
             {"role": "tool", "tool_call_id": "a", "content": "18 C"},
             {"role": "tool", "tool_call_id": "b", "content": [{"type": "text", "text": "21 C"}]},
             {"role": "assistant", "content": "Paris 18 C, Rome 21 C."},
-            {"role": "tool", "content": "late"},
+            {"role": "tool", "tool_call_id": "a", "content": "late"},
             {"role": "user", "content": "And now?"},
-            {"role": "tool", "content": "later"},
+            {"role": "tool", "tool_call_id": "b", "content": "later"},
         ]))
         .unwrap();
         let m = parse_messages(messages, ToolFormat::Hermes.into()).unwrap();
@@ -1498,6 +1581,87 @@ mod tests {
         assert_eq!(got, expected);
     }
 
+    /// OpenAI's checks of a conversation, in both modes (the server or the template writes
+    /// calls and results): content where it is required, results that answer an earlier call.
+    #[test]
+    fn conversations_are_checked_as_openai_checks_them() {
+        let call = serde_json::json!({"role": "assistant", "content": null, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]});
+        let user = serde_json::json!({"role": "user", "content": "x"});
+        let cases = [
+            (serde_json::json!([{"role": "user"}]), "messages[0].content"),
+            (
+                serde_json::json!([{"role": "user", "content": null}]),
+                "messages[0].content",
+            ),
+            (
+                serde_json::json!([{"role": "system", "content": []}, user]),
+                "messages[0].content",
+            ),
+            (
+                serde_json::json!([user, {"role": "developer"}]),
+                "messages[1].content",
+            ),
+            (
+                serde_json::json!([user, call, {"role": "tool", "content": "r"}]),
+                "messages[2].tool_call_id",
+            ),
+            (
+                serde_json::json!([user, call, {"role": "tool", "tool_call_id": "", "content": "r"}]),
+                "messages[2].tool_call_id",
+            ),
+            (
+                serde_json::json!([user, call, {"role": "tool", "tool_call_id": "c2", "content": "r"}]),
+                "messages[2].tool_call_id",
+            ),
+            // The call must come before its result.
+            (
+                serde_json::json!([user, {"role": "tool", "tool_call_id": "c1", "content": "r"}, call]),
+                "messages[1].tool_call_id",
+            ),
+            // A refusal is an assistant's part only.
+            (
+                serde_json::json!([{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}]),
+                "messages[0].content[0]",
+            ),
+        ];
+        for template in [false, true] {
+            let setup = ToolSetup {
+                format: ToolFormat::Hermes,
+                template,
+                ..Default::default()
+            };
+            for (messages, param) in &cases {
+                let parsed: Vec<MessageField> = serde_json::from_value(messages.clone()).unwrap();
+                match parse_messages(parsed, setup) {
+                    Err(ApiError::InvalidRequest { param: p, .. }) => {
+                        assert_eq!(p.as_deref(), Some(*param), "{messages}")
+                    }
+                    other => panic!("{messages}: {other:?}"),
+                }
+            }
+            // Valid: an assistant without content beside its calls, a result answering an
+            // earlier call (not only the latest message's), an empty assistant text, and a
+            // refusal in an assistant's parts, which is its text.
+            let good = serde_json::json!([
+                {"role": "system", "content": ""},
+                user,
+                call,
+                {"role": "assistant", "content": ""},
+                {"role": "tool", "tool_call_id": "c1", "content": "r"},
+                {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."}]},
+                {"role": "user", "content": [{"type": "text", "text": "why?"}]},
+            ]);
+            let parsed: Vec<MessageField> = serde_json::from_value(good.clone()).unwrap();
+            let m = parse_messages(parsed, setup).unwrap_or_else(|e| panic!("{e:?}"));
+            assert!(
+                m.iter()
+                    .any(|m| m.role == ChatRole::Assistant && m.content == "I can't."),
+                "{m:?}"
+            );
+        }
+    }
+
     /// With a template that writes tools, messages keep their calls (arguments parsed to
     /// objects, in the client's key order), results and ids as fields, nothing is merged,
     /// and the tools go to the `tools` variable (`null` when none may be called).
@@ -1513,9 +1677,9 @@ mod tests {
             {"role": "assistant", "content": null, "tool_calls": [
                 {"id": "a", "type": "function",
                  "function": {"name": "get_weather", "arguments": "{\"unit\": \"c\", \"city\": \"Paris\"}"}},
-                {"type": "function", "function": {"name": "now"}}]},
+                {"id": "b", "type": "function", "function": {"name": "now"}}]},
             {"role": "tool", "tool_call_id": "a", "name": "get_weather", "content": "18 C"},
-            {"role": "tool", "content": "09:30"},
+            {"role": "tool", "tool_call_id": "b", "content": "09:30"},
             {"role": "assistant", "content": "Sunny.", "tool_calls": []},
         ]))
         .unwrap();
@@ -1526,7 +1690,7 @@ mod tests {
             Some(serde_json::json!([
                 {"id": "a", "type": "function",
                  "function": {"name": "get_weather", "arguments": {"unit": "c", "city": "Paris"}}},
-                {"type": "function", "function": {"name": "now", "arguments": {}}}]))
+                {"id": "b", "type": "function", "function": {"name": "now", "arguments": {}}}]))
         );
         let keys: Vec<&String> = m[1].tool_calls.as_ref().unwrap()[0]["function"]["arguments"]
             .as_object()
@@ -1571,7 +1735,7 @@ mod tests {
                 "messages[0].tool_calls[0].id",
             ),
             (
-                serde_json::json!({"role": "user", "tool_calls": []}),
+                serde_json::json!({"role": "user", "content": "x", "tool_calls": []}),
                 "messages[0].tool_calls",
             ),
         ] {

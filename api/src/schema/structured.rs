@@ -15,8 +15,10 @@
 //! - `disable_fallback`: there is one grammar engine and no fallback, so it is accepted.
 
 use serde::Deserialize;
+use serde_json::Value;
 
 use super::limits::{MAX_STRUCTURED_BYTES, MAX_STRUCTURED_CHOICES};
+use super::strict::check_strict_schema;
 use crate::engine::StructuredOutputSpec;
 use crate::error::ApiError;
 
@@ -72,19 +74,36 @@ fn response_format(v: &serde_json::Value) -> Result<Option<StructuredOutputSpec>
         Some("text") => Ok(None),
         Some("json_object") => Ok(Some(StructuredOutputSpec::JsonObject)),
         Some("json_schema") => {
-            let schema = v
-                .get("json_schema")
-                .and_then(|j| j.get("schema"))
-                .ok_or_else(|| {
-                    ApiError::invalid(
-                        "response_format.json_schema.schema",
-                        "response_format of type json_schema needs json_schema.schema",
-                    )
-                })?;
-            Ok(Some(StructuredOutputSpec::JsonSchema(schema_value(
-                "response_format.json_schema.schema",
-                schema,
-            )?)))
+            const SCHEMA: &str = "response_format.json_schema.schema";
+            let json_schema = v.get("json_schema");
+            let schema = json_schema.and_then(|j| j.get("schema")).ok_or_else(|| {
+                ApiError::invalid(
+                    SCHEMA,
+                    "response_format of type json_schema needs json_schema.schema",
+                )
+            })?;
+            let schema = schema_value(SCHEMA, schema)?;
+            // OpenAI and vLLM require the name.
+            if !json_schema
+                .and_then(|j| j.get("name"))
+                .is_some_and(Value::is_string)
+            {
+                return Err(ApiError::invalid(
+                    "response_format.json_schema.name",
+                    "response_format of type json_schema needs json_schema.name (a string)",
+                ));
+            }
+            match json_schema.and_then(|j| j.get("strict")) {
+                None | Some(Value::Null | Value::Bool(false)) => {}
+                Some(Value::Bool(true)) => check_strict_schema(SCHEMA, &schema)?,
+                Some(_) => {
+                    return Err(ApiError::invalid(
+                        "response_format.json_schema.strict",
+                        "response_format.json_schema.strict must be a boolean",
+                    ))
+                }
+            }
+            Ok(Some(StructuredOutputSpec::JsonSchema(schema)))
         }
         _ => Err(ApiError::invalid(
             P,
@@ -367,7 +386,7 @@ mod tests {
                 "response_format",
             ),
             (
-                json!({"response_format": {"type": "json_schema", "json_schema": {"schema": schema}}}),
+                json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}),
                 "response_format",
             ),
             (
@@ -408,9 +427,17 @@ mod tests {
         );
         assert_eq!(
             parse(json!({"response_format": {"type": "json_schema",
-                "json_schema": {"name": "x", "schema": schema, "strict": true}}}))
+                "json_schema": {"name": "x", "schema": schema}}}))
             .unwrap(),
             Some(StructuredOutputSpec::JsonSchema(schema.clone()))
+        );
+        let strict = json!({"type": "object", "properties": {"a": {"type": "integer"}},
+            "required": ["a"], "additionalProperties": false});
+        assert_eq!(
+            parse(json!({"response_format": {"type": "json_schema",
+                "json_schema": {"name": "x", "schema": strict, "strict": true}}}))
+            .unwrap(),
+            Some(StructuredOutputSpec::JsonSchema(strict.clone()))
         );
         assert_eq!(
             parse(json!({"structured_outputs": {"json": schema.to_string()}})).unwrap(),
@@ -538,6 +565,53 @@ mod tests {
                 format!("structured_outputs.{p}")
             );
         }
+    }
+
+    /// OpenAI refuses a json_schema without a name, and a strict schema with an open object
+    /// or an optional property, naming the object's place in the schema.
+    #[test]
+    fn json_schema_needs_a_name_and_strict_schemas_are_closed() {
+        let open = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+        let format = |json_schema: Value| {
+            json!({"response_format": {"type": "json_schema",
+            "json_schema": json_schema}})
+        };
+        assert_eq!(
+            param(parse(format(json!({"schema": open})))),
+            "response_format.json_schema.name"
+        );
+        assert_eq!(
+            param(parse(format(json!({"name": 3, "schema": open})))),
+            "response_format.json_schema.name"
+        );
+        // Not strict: an open schema is the client's to ask for.
+        assert!(parse(format(
+            json!({"name": "x", "schema": open, "strict": false})
+        ))
+        .is_ok());
+        let nested = json!({"type": "object", "required": ["a"], "additionalProperties": false,
+            "properties": {"a": {"type": "object", "properties": {"b": {"type": "string"}},
+                "additionalProperties": false}}});
+        for (schema, place) in [
+            (&open, "at # must set"),
+            (&nested, "at #/properties/a must list"),
+        ] {
+            match parse(format(
+                json!({"name": "x", "schema": schema, "strict": true}),
+            )) {
+                Err(ApiError::InvalidRequest { message, param }) => {
+                    assert_eq!(param.as_deref(), Some("response_format.json_schema.schema"));
+                    assert!(message.contains(place), "{message}");
+                }
+                other => panic!("{schema}: {other:?}"),
+            }
+        }
+        assert_eq!(
+            param(parse(format(
+                json!({"name": "x", "schema": open, "strict": "yes"})
+            ))),
+            "response_format.json_schema.strict"
+        );
     }
 
     #[test]

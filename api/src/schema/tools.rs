@@ -41,6 +41,7 @@ use serde_json::{Map, Value};
 
 use super::held::{partial_tag, trim_space_end, MAX_HELD_SPACE};
 use super::limits::MAX_STRUCTURED_BYTES;
+use super::strict::check_strict_schema;
 use crate::error::ApiError;
 
 pub use mistral::{call_id as mistral_call_id, TOOL_CALLS};
@@ -376,7 +377,7 @@ fn parse_tool(i: usize, v: &Value) -> Result<Tool, ApiError> {
                 Some(_) => {
                     return Err(invalid(
                         at(".function.parameters"),
-                        "parameters describes an object (\"type\": \"object\")",
+                        "parameters must be a JSON Schema object with \"type\": \"object\"",
                     ))
                 }
             }
@@ -385,10 +386,16 @@ fn parse_tool(i: usize, v: &Value) -> Result<Tool, ApiError> {
         Some(_) => {
             return Err(invalid(
                 at(".function.parameters"),
-                "parameters is a JSON Schema (an object)",
+                "parameters must be a JSON Schema object with \"type\": \"object\"",
             ))
         }
     };
+    // OpenAI's strict mode: the arguments' schema must close every object.
+    match function.get("strict") {
+        None | Some(Value::Null | Value::Bool(false)) => {}
+        Some(Value::Bool(true)) => check_strict_schema(&at(".function.parameters"), &parameters)?,
+        Some(_) => return Err(invalid(at(".function.strict"), "strict must be a boolean")),
+    }
     Ok(Tool {
         name: name.to_owned(),
         description,
@@ -2003,6 +2010,45 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(t.tools[0].parameters["additionalProperties"], json!(false));
+    }
+
+    /// A strict tool's parameters must close every object (OpenAI's strict mode); a tool's
+    /// parameters must describe an object, and the message says so plainly.
+    #[test]
+    fn strict_tools_and_non_object_parameters_are_refused_plainly() {
+        let refusal = |function: Value| {
+            let tools = json!([{"type": "function", "function": function}]);
+            match ToolUse::parse(Some(&tools), None, None, ToolFormat::Hermes) {
+                Err(ApiError::InvalidRequest { message, param }) => (param.unwrap(), message),
+                other => panic!("{function}: {other:?}"),
+            }
+        };
+        let (param, message) = refusal(json!({"name": "f", "parameters": {"type": "nope"}}));
+        assert_eq!(param, "tools[0].function.parameters");
+        assert_eq!(
+            message,
+            "parameters must be a JSON Schema object with \"type\": \"object\""
+        );
+        let open = json!({"type": "object", "properties": {"city": {"type": "string"}}});
+        let (param, message) = refusal(json!({"name": "f", "parameters": open, "strict": true}));
+        assert_eq!(param, "tools[0].function.parameters");
+        assert!(message.contains("at # must set"), "{message}");
+        let (param, _) = refusal(json!({"name": "f", "parameters": open, "strict": 1}));
+        assert_eq!(param, "tools[0].function.strict");
+        // Closed, every property required, or no parameters at all: accepted.
+        for function in [
+            json!({"name": "f", "strict": true, "parameters": {"type": "object",
+                "properties": {"city": {"type": "string"}}, "required": ["city"],
+                "additionalProperties": false}}),
+            json!({"name": "f", "strict": true}),
+            json!({"name": "f", "parameters": open, "strict": false}),
+        ] {
+            let tools = json!([{"type": "function", "function": function}]);
+            assert!(
+                ToolUse::parse(Some(&tools), None, None, ToolFormat::Hermes).is_ok(),
+                "{function}"
+            );
+        }
     }
 
     #[test]

@@ -12,7 +12,7 @@
 
 #![allow(dead_code)]
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use actix_web::body::MessageBody;
@@ -21,8 +21,9 @@ use actix_web::http::StatusCode;
 use actix_web::{test, App};
 use switchyard_api::engine::{
     ChatEnding, ChatMessage, Delta, Engine, EngineError, EngineErrorKind, EngineEvent,
-    EngineFuture, Finish, FinishReason, GenerateRequest, PolicyInfo, PolicySpec, PromptInput,
-    StructuredOutputSpec, TokenLogprob, TokenizeInput, TopLogprob, STRUCTURED_OUTPUT_PARAM,
+    EngineFuture, Finish, FinishReason, GenerateRequest, LoraAdapterInfo, PolicyInfo, PolicySpec,
+    PolicySwap, PromptInput, StructuredOutputSpec, TokenLogprob, TokenizeInput, TopLogprob,
+    STRUCTURED_OUTPUT_PARAM,
 };
 use switchyard_api::{ApiConfig, ApiKeyEntry, ApiState};
 use tokio::sync::mpsc;
@@ -44,6 +45,10 @@ pub struct EchoEngine {
     pub held: Mutex<Vec<mpsc::Sender<EngineEvent>>>,
     pub submitted: Mutex<Vec<GenerateRequest>>,
     pub policy: Mutex<PolicyInfo>,
+    /// The LoRA adapters served (`Engine::lora_adapters`).
+    pub lora: Mutex<Vec<LoraAdapterInfo>>,
+    /// Swaps that changed the policy.
+    pub policy_swaps: AtomicUsize,
 }
 
 impl EchoEngine {
@@ -62,6 +67,8 @@ impl EchoEngine {
                 params: serde_json::json!({}),
                 available: vec!["fcfs".into(), "priority".into()],
             }),
+            lora: Mutex::new(Vec::new()),
+            policy_swaps: AtomicUsize::new(0),
         })
     }
 
@@ -265,23 +272,36 @@ impl Engine for EchoEngine {
         })
     }
 
+    fn lora_adapters(&self) -> Vec<LoraAdapterInfo> {
+        self.lora.lock().unwrap().clone()
+    }
+
     fn policy(&self) -> EngineFuture<PolicyInfo> {
         let info = self.policy.lock().unwrap().clone();
         Box::pin(async move { Ok(info) })
     }
 
-    fn swap_policy(&self, spec: PolicySpec) -> EngineFuture<PolicyInfo> {
+    fn swap_policy(&self, spec: PolicySpec) -> EngineFuture<PolicySwap> {
         let mut policy = self.policy.lock().unwrap();
-        let result = if policy.available.contains(&spec.name) {
-            policy.name = spec.name;
-            policy.params = spec.params;
-            Ok(policy.clone())
-        } else {
+        let result = if !policy.available.contains(&spec.name) {
             Err(EngineError::new(
                 EngineErrorKind::InvalidRequest,
                 format!("unknown policy {:?}", spec.name),
             )
             .with_param("name"))
+        } else if policy.name == spec.name && policy.params == spec.params {
+            Ok(PolicySwap {
+                policy: policy.clone(),
+                changed: false,
+            })
+        } else {
+            policy.name = spec.name;
+            policy.params = spec.params;
+            self.policy_swaps.fetch_add(1, Ordering::SeqCst);
+            Ok(PolicySwap {
+                policy: policy.clone(),
+                changed: true,
+            })
         };
         Box::pin(async move { result })
     }

@@ -99,7 +99,7 @@ impl Reloader {
         let params = super::policy_params(&spec.params);
         let (info, swapped) = self
             .adapter
-            .install_policy(spec.name.clone(), params, policy, true);
+            .install_policy(spec.name.clone(), params, policy);
         if swapped {
             tracing::info!(policy = %info.name, "SIGHUP: policy reloaded");
         } else {
