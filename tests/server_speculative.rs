@@ -131,11 +131,13 @@ fn speculative_decoding_is_set_through_the_admin_api() {
     assert_eq!(call("GET", None), (200, Value::Null));
     assert_eq!(drafted(), 0.0);
     // On.
+    // The configuration's section as JSON, `method` included.
     let (status, v) = call(
         "PUT",
-        Some(r#"{"num_speculative_tokens": 3, "max_running": 8}"#),
+        Some(r#"{"method": "ngram", "num_speculative_tokens": 3, "max_running": 8}"#),
     );
     assert_eq!(status, 200, "{v}");
+    assert_eq!(v["method"], "ngram");
     assert_eq!(v["num_speculative_tokens"], 3);
     assert_eq!(v["prompt_lookup_min"], 2);
     assert_eq!(call("GET", None).1, v);
@@ -143,13 +145,20 @@ fn speculative_decoding_is_set_through_the_admin_api() {
     let after_on = drafted();
     assert!(after_on > 0.0);
     // Refused: out of range, unknown field; nothing changes.
-    for bad in [
-        r#"{"num_speculative_tokens": 0}"#,
-        r#"{"num_speculative_tokens": 4, "prompt_lookup_min": 9}"#,
-        r#"{"num_speculative_tokens": 4, "method": "eagle"}"#,
+    for (bad, param) in [
+        (r#"{"num_speculative_tokens": 0}"#, "num_speculative_tokens"),
+        (
+            r#"{"num_speculative_tokens": 4, "prompt_lookup_min": 9}"#,
+            "prompt_lookup_min",
+        ),
+        (
+            r#"{"num_speculative_tokens": 4, "method": "eagle"}"#,
+            "method",
+        ),
     ] {
         let (status, e) = call("PUT", Some(bad));
         assert_eq!(status, 400, "{bad}: {e}");
+        assert_eq!(e["error"]["param"], param, "{bad}: {e}");
     }
     assert_eq!(call("GET", None).1, v);
     // Without the admin key: refused.

@@ -25,7 +25,7 @@ pub struct ApiConfig {
     /// [`ApiConfig::anonymous_tenant`] at [`ApiConfig::default_tier`]; the binary says so at
     /// start, and refuses a configured keys file that holds no key rather than open the API.
     pub api_keys: Vec<ApiKeyEntry>,
-    /// Key for `/admin/*`; `None` disables the admin routes (always 401).
+    /// Key for `/admin/*`; `None` disables the admin routes (always 403 `admin_disabled`).
     pub admin_key: Option<String>,
     /// Largest accepted request body in bytes (larger → 413).
     pub max_body_bytes: usize,
@@ -156,9 +156,7 @@ impl ApiConfig {
     pub fn authenticate_admin(&self, presented: Option<&[u8]>) -> Result<(), ApiError> {
         match (&self.admin_key, presented) {
             (Some(secret), Some(token)) if secret_matches(token, secret) => Ok(()),
-            (None, _) => Err(ApiError::Unauthorized(
-                "The admin API is disabled on this server.",
-            )),
+            (None, _) => Err(ApiError::AdminDisabled),
             (Some(_), None) => Err(ApiError::Unauthorized(
                 "Missing admin key: send it as `Authorization: Bearer <key>`.",
             )),
@@ -251,9 +249,10 @@ mod tests {
         let c = config();
         assert!(c.authenticate_admin(Some(b"adm")).is_ok());
         assert!(c.authenticate_admin(Some(b"sk-a")).is_err());
-        assert!(ApiConfig::default()
-            .authenticate_admin(Some(b"adm"))
-            .is_err());
+        assert_eq!(
+            ApiConfig::default().authenticate_admin(Some(b"adm")),
+            Err(ApiError::AdminDisabled)
+        );
     }
 
     #[test]

@@ -54,29 +54,53 @@ async fn read_body(
     Ok(body)
 }
 
+/// The deepest nesting of arrays and objects a body may have, the body's own object or array
+/// counted: what serde_json's recursion limit (128) lets through (checked by
+/// `a_body_nested_past_the_limit_says_so`).
+pub(crate) const MAX_JSON_DEPTH: usize = 127;
+
 /// Parses JSON, naming the offending field in the error.
 pub(crate) fn parse_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     let mut de = serde_json::Deserializer::from_slice(body);
-    let value = serde_path_to_error::deserialize(&mut de).map_err(|e| {
-        let path = e.path().to_string();
-        let message = e.inner().to_string();
-        // Only data errors (wrong type, missing field) belong to a field; serde_path_to_error
-        // writes "." for the root and "?" where it lost track.
-        let param = match (e.inner().classify(), path.as_str()) {
-            (serde_json::error::Category::Data, ".") => missing_field(&message),
-            (serde_json::error::Category::Data, p) if !p.contains('?') => Some(path),
-            _ => None,
-        };
-        ApiError::InvalidRequest {
-            message: format!("Invalid JSON body: {message}"),
-            param,
-        }
-    })?;
+    let value = serde_path_to_error::deserialize(&mut de).map_err(json_error)?;
     de.end().map_err(|e| ApiError::InvalidRequest {
         message: format!("Invalid JSON body: {e}"),
         param: None,
     })?;
     Ok(value)
+}
+
+/// Reads an already parsed body as `T`, with [`parse_json`]'s errors.
+pub(crate) fn from_value<T: DeserializeOwned>(value: serde_json::Value) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize(value).map_err(json_error)
+}
+
+/// The 400 of a body that does not deserialize: data errors (wrong type, missing field) name
+/// their field; a body nested past serde_json's recursion limit says so rather than reading
+/// like malformed JSON.
+fn json_error(e: serde_path_to_error::Error<serde_json::Error>) -> ApiError {
+    let path = e.path().to_string();
+    let message = e.inner().to_string();
+    if let Some(at) = message.strip_prefix("recursion limit exceeded") {
+        return ApiError::InvalidRequest {
+            message: format!(
+                "Invalid JSON body: it nests arrays and objects deeper than the limit of \
+                 {MAX_JSON_DEPTH} levels{at}"
+            ),
+            param: None,
+        };
+    }
+    // Only data errors (wrong type, missing field) belong to a field; serde_path_to_error
+    // writes "." for the root and "?" where it lost track.
+    let param = match (e.inner().classify(), path.as_str()) {
+        (serde_json::error::Category::Data, ".") => missing_field(&message),
+        (serde_json::error::Category::Data, p) if !p.contains('?') => Some(path),
+        _ => None,
+    };
+    ApiError::InvalidRequest {
+        message: format!("Invalid JSON body: {message}"),
+        param,
+    }
 }
 
 /// The field named by serde's "missing field `x`" message.
@@ -105,6 +129,39 @@ mod tests {
         );
         assert_eq!(param(r#"{"prompt":"x","n":-1}"#).as_deref(), Some("n"));
         assert_eq!(param(r#"{"prompt":{"a":1}}"#).as_deref(), Some("prompt"));
+    }
+
+    /// The message of a body that does not parse.
+    fn message(body: &str) -> String {
+        match parse_json::<CompletionRequest>(body.as_bytes()) {
+            Err(ApiError::InvalidRequest { message, .. }) => message,
+            other => panic!("expected invalid request, got {other:?}"),
+        }
+    }
+
+    /// A body nested `depth` levels deep, the innermost in a field the request ignores.
+    fn nested(depth: usize) -> String {
+        // The request object is level 1, the ignored field's array level 2.
+        format!(
+            r#"{{"prompt":"x","x":{}{}}}"#,
+            "[".repeat(depth - 1),
+            "]".repeat(depth - 1)
+        )
+    }
+
+    /// serde_json refuses a body nested past its recursion limit with "recursion limit
+    /// exceeded", which reads like a malformed body: the message says how deep bodies may go.
+    #[test]
+    fn a_body_nested_past_the_limit_says_so() {
+        assert!(parse_json::<CompletionRequest>(nested(MAX_JSON_DEPTH).as_bytes()).is_ok());
+        let m = message(&nested(MAX_JSON_DEPTH + 1));
+        assert!(
+            m.contains(&format!(
+                "deeper than the limit of {MAX_JSON_DEPTH} levels at line 1"
+            )),
+            "{m}"
+        );
+        assert!(!m.contains("recursion"), "{m}");
     }
 
     #[test]

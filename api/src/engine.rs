@@ -603,17 +603,37 @@ pub struct PolicySwap {
 /// configuration.
 pub const MAX_SPECULATIVE_RUNNING: usize = 65536;
 
+/// Most draft tokens `num_speculative_tokens` may name, as in the configuration.
+pub const MAX_SPECULATIVE_TOKENS: usize = 16;
+
+/// Longest suffix `prompt_lookup_min` and `prompt_lookup_max` may name, as in the
+/// configuration.
+pub const MAX_PROMPT_LOOKUP: usize = 32;
+
+/// How draft tokens are proposed (the `speculative.method` values the configuration accepts).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SpeculativeMethod {
+    /// Prompt lookup: the tokens that followed an earlier occurrence of the sequence's last
+    /// few tokens.
+    #[default]
+    Ngram,
+}
+
 /// Speculative decoding settings (`PUT /admin/speculative`; the `speculative:` section of the
-/// configuration).
+/// configuration, whose fields and bounds they share).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SpeculativeSettings {
-    /// Most draft tokens per sequence and step.
+    /// How drafts are proposed.
+    #[serde(default)]
+    pub method: SpeculativeMethod,
+    /// Most draft tokens per sequence and step (1 to [`MAX_SPECULATIVE_TOKENS`]).
     pub num_speculative_tokens: usize,
-    /// Shortest suffix that must match an earlier position.
+    /// Shortest suffix that must match an earlier position (1 to `prompt_lookup_max`).
     #[serde(default = "lookup_min")]
     pub prompt_lookup_min: usize,
-    /// Longest suffix matched.
+    /// Longest suffix matched (1 to [`MAX_PROMPT_LOOKUP`]).
     #[serde(default = "lookup_max")]
     pub prompt_lookup_max: usize,
     /// No drafts while more sequences than this run (0: no limit; at most
@@ -622,12 +642,18 @@ pub struct SpeculativeSettings {
     pub max_running: usize,
 }
 
+/// `prompt_lookup_min` when it is not given.
+pub const DEFAULT_PROMPT_LOOKUP_MIN: usize = 2;
+
+/// `prompt_lookup_max` when it is not given.
+pub const DEFAULT_PROMPT_LOOKUP_MAX: usize = 4;
+
 fn lookup_min() -> usize {
-    2
+    DEFAULT_PROMPT_LOOKUP_MIN
 }
 
 fn lookup_max() -> usize {
-    4
+    DEFAULT_PROMPT_LOOKUP_MAX
 }
 
 /// Why the engine refused or failed a request. The HTTP layer maps [`EngineErrorKind`] to a

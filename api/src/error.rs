@@ -46,6 +46,10 @@ pub enum ApiError {
     /// The API key is missing or wrong (401).
     #[error("{0}")]
     Unauthorized(&'static str),
+    /// The admin routes are off: no `server.admin_key` is configured (403; no credential
+    /// would help).
+    #[error("The admin API is disabled on this server: set `server.admin_key` to enable it.")]
+    AdminDisabled,
     /// The body exceeds the configured limit (413).
     #[error("Request body exceeds the limit of {limit} bytes.")]
     PayloadTooLarge {
@@ -117,6 +121,11 @@ impl ApiError {
                 StatusCode::UNAUTHORIZED,
                 INVALID_REQUEST,
                 Some("invalid_api_key"),
+            ),
+            Self::AdminDisabled => (
+                StatusCode::FORBIDDEN,
+                INVALID_REQUEST,
+                Some("admin_disabled"),
             ),
             Self::PayloadTooLarge { .. } => (
                 StatusCode::PAYLOAD_TOO_LARGE,
@@ -321,6 +330,24 @@ mod tests {
                 .as_str()
                 .unwrap()
                 .contains("2 seconds"),
+            "{body}"
+        );
+    }
+
+    /// A server without an admin key refuses the admin routes with a 403, not a 401: no
+    /// credential would help, and the message says which setting would.
+    #[test]
+    fn a_disabled_admin_api_is_403_admin_disabled_naming_the_setting() {
+        let e = ApiError::AdminDisabled;
+        assert_eq!(e.status_code(), StatusCode::FORBIDDEN);
+        let body = body_json(&e);
+        assert_eq!(body["error"]["code"], "admin_disabled");
+        assert_eq!(body["error"]["type"], "invalid_request_error");
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("server.admin_key"),
             "{body}"
         );
     }

@@ -415,7 +415,104 @@ async fn admin_policy_needs_the_admin_key_and_swaps() {
         .assert_error(400, BAD, Some("name"));
     let (_, closed) = app_without_admin().await;
     let request = admin(TestRequest::get().uri("/admin/policy"));
-    send(&closed, request).await.assert_error(401, BAD, None);
+    let error = send(&closed, request).await.assert_error(403, BAD, None);
+    assert_eq!(error["error"]["code"], "admin_disabled", "{error}");
+}
+
+/// `PUT /admin/speculative` takes the configuration's `speculative:` section as JSON, `method`
+/// included, and `GET` shows it back; refusals name the field at fault as `param`, say where a
+/// bound came from a default, and a body that is not an object says what it must be.
+#[actix_web::test]
+async fn admin_speculative_takes_the_config_section_and_names_bad_fields() {
+    let engine = EchoEngine::new();
+    let (_, app) = app(engine.clone(), api_config()).await;
+    let put = |body: &str| {
+        TestRequest::put()
+            .uri("/admin/speculative")
+            .insert_header(("authorization", format!("Bearer {ADMIN_KEY}")))
+            .set_payload(body.to_owned())
+    };
+    let section = json!({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+        "prompt_lookup_max": 5, "max_running": 8});
+    let reply = send(&app, put(&section.to_string())).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(reply.json(), section);
+    let get = TestRequest::get()
+        .uri("/admin/speculative")
+        .insert_header(("authorization", format!("Bearer {ADMIN_KEY}")));
+    assert_eq!(send(&app, get).await.json(), section);
+    // Without `method`: the one method there is.
+    let reply = send(&app, put(r#"{"num_speculative_tokens": 2}"#)).await;
+    assert_eq!(reply.json()["method"], "ngram", "{}", reply.text());
+    let refused = |body: &'static str, param: Option<&'static str>, says: &'static str| {
+        let app = &app;
+        async move {
+            let error = send(app, put(body)).await.assert_error(400, BAD, param);
+            let message = error["error"]["message"].as_str().unwrap().to_owned();
+            assert!(message.contains(says), "{body}: {message}");
+            assert!(
+                !message.contains("SpeculativeSettings"),
+                "{body}: {message}"
+            );
+            assert!(!message.contains("scheduler config"), "{body}: {message}");
+        }
+    };
+    refused(
+        r#"{"num_speculative_tokens": 4, "method": "eagle"}"#,
+        Some("method"),
+        "ngram",
+    )
+    .await;
+    refused(
+        r#"{"num_speculative_tokens": 0}"#,
+        Some("num_speculative_tokens"),
+        "1 to 16, got 0",
+    )
+    .await;
+    refused(
+        r#"{"num_speculative_tokens": 4, "prompt_lookup_max": 33}"#,
+        Some("prompt_lookup_max"),
+        "1 to 32, got 33",
+    )
+    .await;
+    refused(
+        r#"{"num_speculative_tokens": 4, "prompt_lookup_min": 9}"#,
+        Some("prompt_lookup_min"),
+        "prompt_lookup_min (9) must be 1 to prompt_lookup_max (4, the default, as it was not sent)",
+    )
+    .await;
+    refused(
+        r#"{"num_speculative_tokens": 4, "prompt_lookup_max": 1}"#,
+        Some("prompt_lookup_max"),
+        "prompt_lookup_min (2, the default, as it was not sent) must be 1 to prompt_lookup_max (1)",
+    )
+    .await;
+    refused(
+        r#"{"num_speculative_tokens": 4, "max_running": 70000}"#,
+        Some("max_running"),
+        "at most 65536",
+    )
+    .await;
+    refused(
+        r#"[]"#,
+        None,
+        "must be a JSON object with `num_speculative_tokens`",
+    )
+    .await;
+    refused(r#"[4, 2, 4, 0]"#, None, "must be a JSON object").await;
+    refused(r#"4"#, None, "must be a JSON object").await;
+    // Nothing refused reached the engine.
+    assert_eq!(
+        engine
+            .speculative
+            .lock()
+            .unwrap()
+            .as_ref()
+            .map(|s| s.num_speculative_tokens),
+        Some(2)
+    );
+    let reply = send(&app, put("null")).await;
+    assert_eq!((reply.status.as_u16(), reply.json()), (200, json!(null)));
 }
 
 async fn app_without_admin() -> (

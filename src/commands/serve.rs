@@ -25,8 +25,8 @@ use switchyard_actors::actors::{
 use switchyard_actors::structured::StructuredOutput;
 use switchyard_api::engine::{
     self as port, Delta, EngineError, EngineErrorKind, EngineEvent, EngineFuture, Finish,
-    GenerateRequest, LoraAdapterInfo, PolicyInfo, PolicySpec, PolicySwap, SpeculativeSettings,
-    TokenLogprob, TokenizeInput, TopLogprob,
+    GenerateRequest, LoraAdapterInfo, PolicyInfo, PolicySpec, PolicySwap, SpeculativeMethod,
+    SpeculativeSettings, TokenLogprob, TokenizeInput, TopLogprob,
 };
 use switchyard_api::schema::{
     reasoning,
@@ -323,6 +323,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             policy: Mutex::new(policy_info),
             speculative: Arc::new(tokio::sync::Mutex::new(config.speculative.as_ref().map(
                 |s| SpeculativeSettings {
+                    method: match s.method {
+                        switchyard_config::SpeculativeMethod::Ngram => SpeculativeMethod::Ngram,
+                    },
                     num_speculative_tokens: s.num_speculative_tokens,
                     prompt_lookup_min: s.prompt_lookup_min,
                     prompt_lookup_max: s.prompt_lookup_max,

@@ -5,9 +5,11 @@ use actix_web::{web, HttpRequest, HttpResponse};
 use serde::{Deserialize, Serialize};
 
 use super::check_model;
-use crate::body::read_json;
+use crate::body::{from_value, read_json};
 use crate::engine::{
-    EngineError, EngineErrorKind, PolicySpec, TokenizeInput, MAX_SPECULATIVE_RUNNING,
+    EngineError, EngineErrorKind, PolicySpec, SpeculativeMethod, SpeculativeSettings,
+    TokenizeInput, DEFAULT_PROMPT_LOOKUP_MAX, DEFAULT_PROMPT_LOOKUP_MIN, MAX_PROMPT_LOOKUP,
+    MAX_SPECULATIVE_RUNNING, MAX_SPECULATIVE_TOKENS,
 };
 use crate::error::ApiError;
 use crate::schema::tools::ToolUse;
@@ -243,26 +245,104 @@ pub(crate) async fn get_speculative(state: web::Data<ApiState>) -> Result<HttpRe
     Ok(HttpResponse::Ok().json(state.engine.speculative().await?))
 }
 
-/// `PUT /admin/speculative`: new settings (`{"num_speculative_tokens": 4, ...}`), or `null` to
-/// turn speculative decoding off; from the next step on.
+/// Body of `PUT /admin/speculative`: the fields of the configuration's `speculative:` section,
+/// the lookup bounds optional so that a refusal can tell a default from a value sent.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SpeculativeBody {
+    #[serde(default)]
+    method: SpeculativeMethod,
+    num_speculative_tokens: usize,
+    prompt_lookup_min: Option<usize>,
+    prompt_lookup_max: Option<usize>,
+    #[serde(default)]
+    max_running: usize,
+}
+
+/// What a body that is neither an object nor `null` is told.
+const SPECULATIVE_BODY: &str = "the body must be a JSON object with `num_speculative_tokens` \
+     and optionally `method` (\"ngram\"), `prompt_lookup_min`, `prompt_lookup_max` and \
+     `max_running`, or `null` to turn speculative decoding off";
+
+impl SpeculativeBody {
+    /// Checks the bounds the configuration's `speculative:` section has, naming the field at
+    /// fault and saying where a bound came from a default.
+    fn check(self) -> Result<SpeculativeSettings, ApiError> {
+        let n = self.num_speculative_tokens;
+        if n == 0 || n > MAX_SPECULATIVE_TOKENS {
+            return Err(ApiError::invalid(
+                "num_speculative_tokens",
+                format!("num_speculative_tokens must be 1 to {MAX_SPECULATIVE_TOKENS}, got {n}"),
+            ));
+        }
+        let described = |value: Option<usize>, default: usize| match value {
+            Some(v) => (v, v.to_string()),
+            None => (
+                default,
+                format!("{default}, the default, as it was not sent"),
+            ),
+        };
+        let (max, max_text) = described(self.prompt_lookup_max, DEFAULT_PROMPT_LOOKUP_MAX);
+        let (min, min_text) = described(self.prompt_lookup_min, DEFAULT_PROMPT_LOOKUP_MIN);
+        if max == 0 || max > MAX_PROMPT_LOOKUP {
+            return Err(ApiError::invalid(
+                "prompt_lookup_max",
+                format!("prompt_lookup_max must be 1 to {MAX_PROMPT_LOOKUP}, got {max}"),
+            ));
+        }
+        if min == 0 || min > max {
+            // Name the field the client sent: a default it never saw is not its fault.
+            let param = if self.prompt_lookup_min.is_none() {
+                "prompt_lookup_max"
+            } else {
+                "prompt_lookup_min"
+            };
+            return Err(ApiError::invalid(
+                param,
+                format!(
+                    "prompt_lookup_min ({min_text}) must be 1 to prompt_lookup_max ({max_text})"
+                ),
+            ));
+        }
+        if self.max_running > MAX_SPECULATIVE_RUNNING {
+            return Err(ApiError::invalid(
+                "max_running",
+                format!(
+                    "max_running must be at most {MAX_SPECULATIVE_RUNNING} (0: no limit), got {}",
+                    self.max_running
+                ),
+            ));
+        }
+        Ok(SpeculativeSettings {
+            method: self.method,
+            num_speculative_tokens: n,
+            prompt_lookup_min: min,
+            prompt_lookup_max: max,
+            max_running: self.max_running,
+        })
+    }
+}
+
+/// `PUT /admin/speculative`: new settings (`{"num_speculative_tokens": 4, ...}`, the
+/// configuration's `speculative:` section as JSON), or `null` to turn speculative decoding off;
+/// from the next step on.
 pub(crate) async fn put_speculative(
     state: web::Data<ApiState>,
     req: HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
-    let settings: Option<crate::engine::SpeculativeSettings> =
-        read_json(&req, payload, &state.config).await?;
-    if let Some(s) = &settings {
-        if s.max_running > MAX_SPECULATIVE_RUNNING {
-            return Err(ApiError::invalid(
-                "max_running",
-                format!(
-                    "max_running must be at most {MAX_SPECULATIVE_RUNNING} (0: no limit), got {}",
-                    s.max_running
-                ),
-            ));
+    let body: serde_json::Value = read_json(&req, payload, &state.config).await?;
+    let settings = match body {
+        serde_json::Value::Null => None,
+        // Only an object: serde would read an array as the fields in order.
+        body @ serde_json::Value::Object(_) => Some(from_value::<SpeculativeBody>(body)?.check()?),
+        _ => {
+            return Err(ApiError::InvalidRequest {
+                message: SPECULATIVE_BODY.to_owned(),
+                param: None,
+            })
         }
-    }
+    };
     let info = state.engine.set_speculative(settings).await?;
     tracing::info!(settings = ?info, "speculative decoding set through the admin API");
     Ok(HttpResponse::Ok().json(info))

@@ -22,8 +22,8 @@ use actix_web::{test, App};
 use switchyard_api::engine::{
     ChatEnding, ChatMessage, Delta, Engine, EngineError, EngineErrorKind, EngineEvent,
     EngineFuture, Finish, FinishReason, GenerateRequest, LoraAdapterInfo, PolicyInfo, PolicySpec,
-    PolicySwap, PromptInput, StructuredOutputSpec, TokenLogprob, TokenizeInput, TopLogprob,
-    STRUCTURED_OUTPUT_PARAM,
+    PolicySwap, PromptInput, SpeculativeSettings, StructuredOutputSpec, TokenLogprob,
+    TokenizeInput, TopLogprob, STRUCTURED_OUTPUT_PARAM,
 };
 use switchyard_api::{ApiConfig, ApiKeyEntry, ApiState};
 use tokio::sync::mpsc;
@@ -49,6 +49,8 @@ pub struct EchoEngine {
     pub lora: Mutex<Vec<LoraAdapterInfo>>,
     /// Swaps that changed the policy.
     pub policy_swaps: AtomicUsize,
+    /// The speculative decoding settings in force (`Engine::speculative`).
+    pub speculative: Mutex<Option<SpeculativeSettings>>,
 }
 
 impl EchoEngine {
@@ -69,6 +71,7 @@ impl EchoEngine {
             }),
             lora: Mutex::new(Vec::new()),
             policy_swaps: AtomicUsize::new(0),
+            speculative: Mutex::new(None),
         })
     }
 
@@ -304,6 +307,20 @@ impl Engine for EchoEngine {
             })
         };
         Box::pin(async move { result })
+    }
+
+    fn speculative(&self) -> EngineFuture<Option<SpeculativeSettings>> {
+        let settings = self.speculative.lock().unwrap().clone();
+        Box::pin(async move { Ok(settings) })
+    }
+
+    fn set_speculative(
+        &self,
+        settings: Option<SpeculativeSettings>,
+    ) -> EngineFuture<Option<SpeculativeSettings>> {
+        // Takes what the HTTP layer passes on: the route alone checks the settings.
+        self.speculative.lock().unwrap().clone_from(&settings);
+        Box::pin(async move { Ok(settings) })
     }
 }
 
