@@ -219,15 +219,39 @@ fn adapters_load_and_unload_at_run_time_through_the_admin_api() {
         &[ADMIN],
     );
     assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["param"], "lora_path", "{v}");
     assert!(
         v["error"]["message"]
             .as_str()
             .unwrap_or("")
-            .contains("adapter_config.json"),
+            .contains("does not exist"),
         "{v}"
     );
+    // A file, or a device, where the directory should be: said as it is.
+    let config_file = format!("{}/adapter_config.json", lora_fixture_dir());
+    for path in [config_file.as_str(), "/dev/zero"] {
+        let (status, v) = load(&json!({"lora_name": "f", "lora_path": path}), &[ADMIN]);
+        assert_eq!(status, 400, "{v}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap_or("")
+                .contains("is not a directory"),
+            "{path}: {v}"
+        );
+    }
     let (status, _) = load(&json!({"lora_name": "x"}), &[ADMIN]);
     assert_eq!(status, 400, "lora_path is required");
+    // Names that are no URL path segment or `model` value ordinary clients keep as they are:
+    // refused, naming `lora_name`.
+    for name in ["..", ".", "a/b", "a b", "a%2Fb", " lead", "trail ", ""] {
+        let (status, v) = load(
+            &json!({"lora_name": name, "lora_path": lora_fixture_dir()}),
+            &[ADMIN],
+        );
+        assert_eq!(status, 400, "{name:?}: {v}");
+        assert_eq!(v["error"]["param"], "lora_name", "{name:?}: {v}");
+    }
 
     let listed = s
         .request("GET", "/admin/lora", None, &[ADMIN])

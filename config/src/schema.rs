@@ -831,6 +831,39 @@ pub const DUMMY_ARCHITECTURES: [&str; 6] = [
     "mistral-7b-v0.1",
 ];
 
+/// Longest LoRA adapter name, in characters.
+pub const MAX_ADAPTER_NAME: usize = 128;
+
+/// Checks a LoRA adapter's name, the one check of `lora.adapters` names and of names loaded
+/// through the admin API: the name is a request's `model` and one segment of
+/// `DELETE /admin/lora/{name}`, so it is 1 to [`MAX_ADAPTER_NAME`] characters that need no
+/// escaping in a URL path and that no client normalises away: ASCII letters, digits and
+/// `.` `_` `-` `:` `@` `+`, and not `.` or `..` (which clients resolve as path steps). `/` is
+/// left out: the route's segment cannot hold it unescaped. The reason is for the message.
+pub fn check_adapter_name(name: &str) -> Result<(), String> {
+    const ALLOWED: &str = "ASCII letters, digits and . _ - : @ +";
+    if name.is_empty() || name.len() > MAX_ADAPTER_NAME {
+        return Err(format!(
+            "an adapter name has 1 to {MAX_ADAPTER_NAME} characters ({ALLOWED})"
+        ));
+    }
+    if let Some(c) = name
+        .chars()
+        .find(|&c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-' | ':' | '@' | '+')))
+    {
+        return Err(format!(
+            "{c:?} is not allowed in an adapter name (only {ALLOWED}: the name is a URL path \
+             segment and a `model` value)"
+        ));
+    }
+    if name == "." || name == ".." {
+        return Err(format!(
+            "`{name}` is not an adapter name: clients resolve it as a path step"
+        ));
+    }
+    Ok(())
+}
+
 /// Most tiers a configuration may declare (tier names become metric labels).
 pub const MAX_TIERS: usize = 32;
 
@@ -950,14 +983,8 @@ impl Config {
             ));
         }
         for (i, a) in self.lora.adapters.iter().enumerate() {
-            if a.name.is_empty()
-                || a.name.chars().count() > 128
-                || a.name.chars().any(char::is_control)
-            {
-                return Err((
-                    format!("lora.adapters[{i}].name"),
-                    "adapter names are 1-128 characters, no control characters".into(),
-                ));
+            if let Err(reason) = check_adapter_name(&a.name) {
+                return Err((format!("lora.adapters[{i}].name"), reason));
             }
             if self.lora.adapters[..i].iter().any(|b| b.name == a.name) {
                 return Err((

@@ -165,3 +165,44 @@ fn kv_cache_dtype_is_parsed_and_checked() {
     let err = "bf16".parse::<KvCacheDtype>().unwrap_err();
     assert!(err.contains("expected one of auto, fp8"), "{err}");
 }
+
+/// A `lora.adapters` name must work as a `model` value and as the one path segment of
+/// `DELETE /admin/lora/{name}`: `..`, `/`, spaces and percent signs were accepted and then
+/// could not be unloaded with ordinary clients.
+#[test]
+fn lora_adapter_names_are_url_safe() {
+    let adapters = |name: &str| {
+        format!("lora:\n  enabled: true\n  adapters:\n    - name: '{name}'\n      path: /srv/a\n")
+    };
+    for (name, says) in [
+        ("..", "`..` is not an adapter name"),
+        (".", "`.` is not an adapter name"),
+        ("a/b", "'/' is not allowed"),
+        ("a b", "' ' is not allowed"),
+        ("a%2Fb", "'%' is not allowed"),
+        (" lead", "' ' is not allowed"),
+        ("trail ", "' ' is not allowed"),
+        ("é", "'é' is not allowed"),
+        ("", "1 to 128 characters"),
+    ] {
+        let err = Config::from_yaml_str(&adapters(name), "test.yaml")
+            .expect_err(name)
+            .to_string();
+        assert!(err.contains("lora.adapters[0].name"), "{name:?}: {err}");
+        assert!(err.contains(says), "{name:?}: {err}");
+    }
+    let long = "a".repeat(129);
+    assert!(Config::from_yaml_str(&adapters(&long), "test.yaml").is_err());
+    for good in [
+        "org-model_v1.2",
+        "sql-expert",
+        "a:b@c+d",
+        "...",
+        "a..b",
+        &"a".repeat(128),
+    ] {
+        Config::from_yaml_str(&adapters(good), "test.yaml")
+            .unwrap_or_else(|e| panic!("{good}: {e}"));
+        assert_eq!(switchyard_config::check_adapter_name(good), Ok(()));
+    }
+}

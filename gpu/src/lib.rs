@@ -13,6 +13,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod lora;
+mod lora_targets;
 pub mod sampler;
 pub use backend::{
     Backend, Batch, CpuBackend, CpuBackendConfig, SeqInput, SeqOutput, CUDA_WINDOW_READ_SLACK,

@@ -8,6 +8,9 @@
 //! (q, k, v, o, gate, up, down) can be adapted; anything else in the file (embedding or LM-head
 //! adapters, biases, DoRA magnitudes, `modules_to_save`) is refused, never ignored, since
 //! ignoring it would serve a different model than the one trained.
+//! Of the projections' tensors, only those of the modules the configuration selects
+//! (`target_modules`, `layers_to_transform`, `exclude_modules`; `crate::lora_targets`) are
+//! applied, as PEFT builds only those modules and does not apply the file's other tensors.
 //!
 //! Adapter files are hostile input like model files: both must be regular files (links are
 //! followed), read to a bound and never past it; sizes, ranks, layer indices and shapes are
@@ -32,6 +35,7 @@ use sha2::{Digest, Sha256};
 #[cfg(target_arch = "x86_64")]
 use crate::cpu::matmul::Isa;
 use crate::error::GpuError;
+use crate::lora_targets::{module_key, ModuleSelection};
 use crate::model::{LlamaConfig, RopeStyle};
 
 /// The projections an adapter may adapt, in the order of [`LoraAdapter`]'s per-layer table.
@@ -268,6 +272,8 @@ fn shape_of(c: &LlamaConfig) -> (usize, usize, usize, usize, usize, RopeStyle) {
 struct AdapterConfig {
     rank: usize,
     scale: f32,
+    /// The modules `target_modules`, `layers_to_transform` and `exclude_modules` select.
+    modules: ModuleSelection,
 }
 
 fn invalid(path: &Path, reason: impl Into<String>) -> GpuError {
@@ -284,6 +290,17 @@ fn read_regular_file(path: &Path, max: u64) -> Result<Vec<u8>, GpuError> {
         GpuError::InvalidModelFile { path, reason } => GpuError::InvalidAdapter { path, reason },
         other => other,
     })
+}
+
+/// Whether `dir` holds `name` as a regular file (links followed); anything else under that
+/// name (a FIFO, a device, a directory) is refused, never opened.
+fn regular_file_in(dir: &Path, name: &str) -> Result<bool, GpuError> {
+    match std::fs::metadata(dir.join(name)) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(invalid(dir, format!("{name} cannot be read: {e}"))),
+        Ok(m) if !m.is_file() => Err(invalid(dir, format!("{name} is not a regular file"))),
+        Ok(_) => Ok(true),
+    }
 }
 
 /// Reads and checks `adapter_config.json`.
@@ -374,9 +391,11 @@ fn parse_config(path: &Path, text: &str, limits: &LoraLimits) -> Result<AdapterC
     } else {
         alpha / rank as f64
     };
+    let modules = ModuleSelection::parse(obj).map_err(|m| invalid(path, m))?;
     Ok(AdapterConfig {
         rank,
         scale: scale as f32,
+        modules,
     })
 }
 
@@ -453,13 +472,21 @@ fn permute_head_rows(b: &[f32], heads: usize, order: &[usize], rank: usize) -> V
 impl LoraAdapter {
     /// Loads the PEFT adapter in `dir` for the base model `c`.
     pub fn load(dir: &Path, c: &LlamaConfig, limits: &LoraLimits) -> Result<Self, GpuError> {
+        match std::fs::metadata(dir) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(invalid(dir, "does not exist"))
+            }
+            Err(e) => return Err(invalid(dir, format!("cannot be read: {e}"))),
+            Ok(m) if !m.is_dir() => return Err(invalid(dir, "is not a directory")),
+            Ok(_) => {}
+        }
         let cfg_path = dir.join("adapter_config.json");
-        if !cfg_path.is_file() {
+        if !regular_file_in(dir, "adapter_config.json")? {
             return Err(invalid(dir, "no adapter_config.json in the directory"));
         }
         let cfg = read_config(&cfg_path, limits)?;
         let path = dir.join("adapter_model.safetensors");
-        if !path.is_file() {
+        if !regular_file_in(dir, "adapter_model.safetensors")? {
             let hint = if dir.join("adapter_model.bin").is_file() {
                 " (adapter_model.bin, a pickle, is not read: save it with safe_serialization)"
             } else {
@@ -497,6 +524,7 @@ impl LoraAdapter {
         if names.is_empty() {
             return Err(invalid(path, "holds no tensors"));
         }
+        let mut skipped = 0usize;
         for name in names {
             let Some((layer, module, is_b)) = parse_name(name) else {
                 return Err(invalid(
@@ -518,6 +546,13 @@ impl LoraAdapter {
                         c.num_layers
                     ),
                 ));
+            }
+            // PEFT builds only the modules its configuration selects, and does not apply the
+            // file's other tensors: neither does this server (once each tensor is known to be
+            // one it could apply: what it cannot read is refused, selected or not).
+            if !cfg.modules.selects(module_key(name), layer) {
+                skipped += 1;
+                continue;
             }
             let t = st.tensor(name).map_err(|e| invalid(path, e.to_string()))?;
             let (din, dout) = target.dims(c);
@@ -566,7 +601,20 @@ impl LoraAdapter {
             }
         }
         if adapted == 0 {
-            return Err(invalid(path, "adapts no projection"));
+            let why = if skipped > 0 {
+                ": target_modules / layers_to_transform in adapter_config.json select none of its tensors"
+            } else {
+                ""
+            };
+            return Err(invalid(path, format!("adapts no projection{why}")));
+        }
+        if skipped > 0 {
+            tracing::warn!(
+                path = %path.display(),
+                skipped,
+                "LoRA adapter: tensors of modules that adapter_config.json does not select \
+                 (target_modules, layers_to_transform) are not applied, as PEFT does not"
+            );
         }
         let mut h = fingerprint_hasher(b"safetensors", cfg.rank, cfg.scale);
         h.update(bytes);

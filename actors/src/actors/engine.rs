@@ -831,7 +831,17 @@ fn lora_submit_error(e: LoraError) -> SubmitError {
         | LoraError::Load(_) => SubmitErrorKind::InvalidRequest,
         LoraError::Reload(_) | LoraError::Stopped => SubmitErrorKind::Unavailable,
     };
-    SubmitError::new(kind, e.to_string())
+    // Names and paths come only from a registration (`POST /admin/lora`'s fields).
+    let param = match e {
+        LoraError::BadName(_) | LoraError::Exists(_) => Some("lora_name"),
+        LoraError::Load(_) => Some("lora_path"),
+        _ => None,
+    };
+    let error = SubmitError::new(kind, e.to_string());
+    match param {
+        Some(param) => error.with_param(param),
+        None => error,
+    }
 }
 
 /// Moves the backend into the executor thread exactly once.

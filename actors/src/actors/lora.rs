@@ -37,8 +37,6 @@ use parking_lot::RwLock;
 use switchyard_gpu::model::LlamaConfig;
 use switchyard_gpu::{GpuError, LoraAdapter, LoraLimits};
 
-/// Longest adapter name accepted.
-pub const MAX_ADAPTER_NAME: usize = 128;
 
 /// Settings of the LoRA manager.
 #[derive(Clone, Debug)]
@@ -78,7 +76,8 @@ pub enum LoraError {
     /// The name is taken.
     #[error("a LoRA adapter named '{0}' is already loaded; unload it first")]
     Exists(String),
-    /// The name is empty, too long, has control characters or is the base model's.
+    /// The name is not one [`switchyard_config::check_adapter_name`] accepts (1 to 128 ASCII
+    /// letters, digits and `.` `_` `-` `:` `@` `+`, not `.` or `..`), or is the base model's.
     #[error("bad LoRA adapter name: {0}")]
     BadName(String),
     /// The registry is full.
@@ -267,15 +266,9 @@ impl LoraManager {
     }
 
     fn check_name(&self, name: &str) -> Result<(), LoraError> {
-        let bad = |m: &str| Err(LoraError::BadName(m.to_owned()));
-        if name.is_empty() || name.chars().count() > MAX_ADAPTER_NAME {
-            return bad(&format!("a name has 1 to {MAX_ADAPTER_NAME} characters"));
-        }
-        if name.chars().any(|c| c.is_control()) {
-            return bad("control characters are not allowed");
-        }
+        switchyard_config::check_adapter_name(name).map_err(LoraError::BadName)?;
         if name == self.config.base_name {
-            return bad("that is the base model's name");
+            return Err(LoraError::BadName("that is the base model's name".into()));
         }
         Ok(())
     }
@@ -583,6 +576,127 @@ mod tests {
         }
     }
 
+    /// The reason registering `path` gives.
+    fn refusal(path: &Path) -> String {
+        match manager(2, 2).register("x", path) {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("{} registered", path.display()),
+        }
+    }
+
+    /// A path that is a file, a device, or a directory whose `adapter_config.json` is a FIFO or
+    /// a link to a device was refused as "no adapter_config.json in the directory"; the refusal
+    /// stays (nothing of the kind is opened), the message says what is wrong.
+    #[test]
+    fn adapter_paths_that_are_no_directory_or_hold_no_regular_file_say_so() {
+        let cases = |dir: &Path| {
+            vec![
+                (fixture().join("adapter_config.json"), "is not a directory"),
+                (PathBuf::from("/dev/zero"), "is not a directory"),
+                (dir.join("missing"), "does not exist"),
+                (
+                    dir.join("fifo"),
+                    "adapter_config.json is not a regular file",
+                ),
+                (
+                    dir.join("device"),
+                    "adapter_config.json is not a regular file",
+                ),
+                (
+                    dir.join("subdir"),
+                    "adapter_config.json is not a regular file",
+                ),
+                (dir.join("empty"), "no adapter_config.json in the directory"),
+            ]
+        };
+        let root = AdapterCopy::new("paths");
+        for d in ["fifo", "device", "subdir", "empty"] {
+            std::fs::create_dir_all(root.0.join(d)).unwrap();
+        }
+        let fifo = root.0.join("fifo/adapter_config.json");
+        let made = std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap();
+        assert!(made.success());
+        std::os::unix::fs::symlink("/dev/zero", root.0.join("device/adapter_config.json")).unwrap();
+        std::fs::create_dir_all(root.0.join("subdir/adapter_config.json")).unwrap();
+        for (path, says) in cases(&root.0) {
+            let reason = refusal(&path);
+            assert!(reason.contains(says), "{}: {reason}", path.display());
+        }
+    }
+
+    /// A copy of the test adapter whose `adapter_config.json` has `fields` set, registered; the
+    /// copy is returned so that it outlives the check.
+    fn with_config(
+        tag: &str,
+        fields: serde_json::Value,
+    ) -> (AdapterCopy, Result<Arc<LoraAdapter>, String>) {
+        let copy = AdapterCopy::new(tag);
+        let file = copy.0.join("adapter_config.json");
+        let mut config: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
+        for (k, v) in fields.as_object().unwrap() {
+            config[k] = v.clone();
+        }
+        std::fs::write(&file, config.to_string()).unwrap();
+        let mut m = manager(2, 2);
+        let loaded = m
+            .register("x", &copy.0)
+            .map_err(|e| e.to_string())
+            .and_then(|_| m.resolve("x").map(|(_, a)| a).map_err(|e| e.to_string()));
+        (copy, loaded)
+    }
+
+    /// The test adapter adapts all seven projections of every layer. An `adapter_config.json`
+    /// that selects fewer (`target_modules`, `layers_to_transform`) was loaded with every
+    /// tensor applied; PEFT builds only the selected modules, so only those are applied.
+    #[test]
+    fn only_the_modules_adapter_config_selects_are_applied_as_peft_does() {
+        use switchyard_gpu::LoraTarget::{self, *};
+        let targets = |fields: serde_json::Value| -> Vec<LoraTarget> {
+            let (_copy, adapter) = with_config("targets", fields.clone());
+            adapter
+                .unwrap_or_else(|e| panic!("{fields}: {e}"))
+                .targets()
+        };
+        assert_eq!(targets(serde_json::json!({})), LoraTarget::ALL);
+        assert_eq!(
+            targets(serde_json::json!({"target_modules": ["q_proj", "v_proj"]})),
+            [Q, V]
+        );
+        assert_eq!(
+            targets(serde_json::json!({"target_modules": "all-linear"})),
+            LoraTarget::ALL
+        );
+        assert_eq!(
+            targets(serde_json::json!({"target_modules": ".*\\.mlp\\.(up|down)_proj"})),
+            [Up, Down]
+        );
+        let (_copy, adapter) = with_config(
+            "layers",
+            serde_json::json!({"target_modules": ["q_proj"], "layers_to_transform": [0, 2]}),
+        );
+        let adapter = adapter.unwrap();
+        assert_eq!(adapter.targets(), [Q]);
+        let layers: Vec<bool> = (0..4).map(|l| adapter.pair(l, Q).is_some()).collect();
+        assert_eq!(layers, [true, false, true, false]);
+        let (_copy, refused) =
+            with_config("none", serde_json::json!({"target_modules": ["lm_head"]}));
+        let reason = refused.err().unwrap();
+        assert!(reason.contains("select none of its tensors"), "{reason}");
+        let (_copy, refused) = with_config(
+            "regex-layers",
+            serde_json::json!({"target_modules": ".*q_proj", "layers_to_transform": 1}),
+        );
+        let reason = refused.err().unwrap();
+        assert!(
+            reason.contains("layers_to_transform cannot be used"),
+            "{reason}"
+        );
+    }
+
     #[test]
     fn registrations_get_fresh_ids_and_names_are_checked() {
         let mut m = manager(3, 3);
@@ -591,7 +705,21 @@ mod tests {
             m.register("a", &fixture()),
             Err(LoraError::Exists(_))
         ));
-        for bad in ["", "base", "x\ny", &"n".repeat(MAX_ADAPTER_NAME + 1)] {
+        // `..`, `/`, spaces and percent signs were accepted, and some could then not be
+        // unloaded with ordinary clients (curl resolves `..`; `/` needs `%2F`).
+        for bad in [
+            "",
+            "base",
+            "x\ny",
+            &"n".repeat(switchyard_config::MAX_ADAPTER_NAME + 1),
+            "..",
+            ".",
+            "a/b",
+            "a b",
+            "a%2Fb",
+            " a",
+            "a ",
+        ] {
             assert!(
                 matches!(m.register(bad, &fixture()), Err(LoraError::BadName(_))),
                 "{bad:?}"
