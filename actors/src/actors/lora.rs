@@ -37,7 +37,6 @@ use parking_lot::RwLock;
 use switchyard_gpu::model::LlamaConfig;
 use switchyard_gpu::{GpuError, LoraAdapter, LoraLimits};
 
-
 /// Settings of the LoRA manager.
 #[derive(Clone, Debug)]
 pub struct LoraManagerConfig {
