@@ -670,4 +670,31 @@ fn request_metrics_carry_the_tier_and_count_slo_attainment() {
         ),
         Some(0.0)
     );
+    // A failure after queueing counts under the tier too: a schema whose every instance nests
+    // forever makes the grammar give up while generating.
+    let failed = "switchyard:request_failed_total";
+    let gold_structured = ["tier=\"gold\"", "reason=\"structured_output\""];
+    assert_eq!(series(failed, &gold_structured), Some(0.0));
+    assert_eq!(series("switchyard:request_aborted_total", &gold), Some(0.0));
+    let endless = json!({
+        "messages": [{"role": "user", "content": "go"}],
+        "max_tokens": 30,
+        "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}},
+                            "required": ["c"]}},
+            "$ref": "#/$defs/n"}}}
+    })
+    .to_string();
+    let r = s
+        .request(
+            "POST",
+            "/v1/chat/completions",
+            Some(&endless),
+            &[("authorization", "Bearer gold-tier-key-0001")],
+        )
+        .expect("request");
+    assert_eq!(r.status, 500, "{}", r.body);
+    assert_eq!(series(failed, &gold_structured), Some(1.0));
+    assert_eq!(series(failed, &["reason=\"structured_output\""]), Some(0.0));
 }

@@ -107,6 +107,8 @@ pub const TIERED: &[&str] = &[
     E2E_REQUEST_LATENCY,
     REQUEST_QUEUE_TIME,
     REQUEST_SUCCESS,
+    REQUEST_ABORTED,
+    REQUEST_FAILED,
 ];
 
 /// The labels a request of tier `tier` ("" for none) adds to [`TIERED`] metrics.
@@ -135,14 +137,18 @@ pub fn register_tiers(tiers: &[(String, bool, bool)]) {
         let tier: std::sync::Arc<str> = name.as_str().into();
         let labels = tier_labels(&tier);
         for &h in TIERED {
-            if h == REQUEST_SUCCESS {
-                for &r in FINISHED_REASONS {
+            let by = |key: &'static str, values: &[&'static str]| {
+                for &v in values {
                     let mut l = labels.clone();
-                    l.push(metrics::Label::new(LABEL_FINISHED_REASON, r));
+                    l.push(metrics::Label::new(key, v));
                     metrics::counter!(h, l).increment(0);
                 }
-            } else {
-                drop(metrics::histogram!(h, labels.clone()));
+            };
+            match h {
+                REQUEST_SUCCESS => by(LABEL_FINISHED_REASON, FINISHED_REASONS),
+                REQUEST_FAILED => by(LABEL_REASON, FAILURE_REASONS),
+                REQUEST_ABORTED => metrics::counter!(h, labels.clone()).increment(0),
+                _ => drop(metrics::histogram!(h, labels.clone())),
             }
         }
         for (target, has) in [("ttft", *ttft), ("tpot", *tpot)] {

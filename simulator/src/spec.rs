@@ -644,7 +644,7 @@ impl SimulationSpec {
                 if w.format != TraceFormat::Sharegpt && (a.process.is_some() || a.cv.is_some()) {
                     return Err(format!(
                         "workload.arrival: `process` and `cv` generate arrivals for traces \
-                         without timestamps (sharegpt); a {} trace keeps its own arrival gaps, \
+                         without timestamps (sharegpt); the {} trace keeps its own arrival gaps, \
                          rescaled to the `rate` or `load`: remove them",
                         w.format.name()
                     ));
@@ -976,7 +976,7 @@ workload:
             ),
             (
                 GOOD.replace("{load: 0.9}", "{process: poisson, load: 0.9}"),
-                "a azure trace keeps its own arrival gaps",
+                "the azure trace keeps its own arrival gaps",
             ),
         ];
         for (text, want) in cases {

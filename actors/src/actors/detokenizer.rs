@@ -173,11 +173,14 @@ impl EndedEarly {
         }
     }
 
-    fn count(self, choices: usize) {
+    /// Counts `choices` choices of a request whose per-tier labels are `tier`.
+    fn count(self, choices: usize, tier: &[metrics::Label]) {
+        let mut labels = tier.to_vec();
         match self {
-            EndedEarly::Aborted => metrics::counter!(names::REQUEST_ABORTED),
+            EndedEarly::Aborted => metrics::counter!(names::REQUEST_ABORTED, labels),
             EndedEarly::Failed(reason) => {
-                metrics::counter!(names::REQUEST_FAILED, names::LABEL_REASON => reason)
+                labels.push(metrics::Label::new(names::LABEL_REASON, reason));
+                metrics::counter!(names::REQUEST_FAILED, labels)
             }
         }
         .increment(choices as u64);
@@ -301,7 +304,7 @@ impl DetokenizerActor {
         let tokens = delta.finish.take().map_or(0, |(_, tokens)| tokens);
         let ended = EndedEarly::Failed(failure_label(SubmitErrorKind::StructuredOutput));
         self.choices.remove(&id);
-        ended.count(1);
+        ended.count(1, &request.borrow().labels);
         let mut r = request.borrow_mut();
         if !delta.token_ids.is_empty() {
             r.sink.send(EngineOutput::Delta(delta));
@@ -331,7 +334,7 @@ impl DetokenizerActor {
         if aborted.is_empty() {
             return;
         }
-        ended.count(aborted.len());
+        ended.count(aborted.len(), &request.borrow().labels);
         tracing::info!(ids = ?aborted.iter().map(|(id, _)| id.0).collect::<Vec<_>>(), "request aborted");
         self.finish_in_scheduler(aborted);
     }
@@ -504,7 +507,7 @@ impl Handler<StepEvents> for DetokenizerActor {
             let mut told: Vec<Rc<RefCell<RequestSink>>> = Vec::new();
             for id in ids {
                 if let Some(c) = self.choices.remove(&id) {
-                    ended.count(1);
+                    ended.count(1, &c.request.borrow().labels);
                     if !told.iter().any(|t| Rc::ptr_eq(t, &c.request)) {
                         c.request
                             .borrow_mut()
