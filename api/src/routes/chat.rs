@@ -3,12 +3,13 @@
 use actix_web::{web, HttpRequest, HttpResponse};
 use bytes::Bytes;
 
-use super::{check_model, engine_requests, request_id_header};
+use super::{check_model, engine_requests};
 use crate::auth::Principal;
 use crate::body::read_json;
 use crate::engine::{FinishReason, StructuredOutputSpec, TokenLogprob};
 use crate::error::ApiError;
 use crate::generation::{ChoiceDelta, Generation, RequestFields};
+use crate::request_id::client_request_id;
 use crate::schema::reasoning::{ThinkSplitter, ThinkStart};
 use crate::schema::tools::{new_call_id, ToolAnswer, ToolFormat, ToolPiece, ToolStream};
 use crate::schema::{
@@ -35,7 +36,7 @@ pub(crate) async fn chat_completions(
     if state.config.reasoning.is_some() {
         validated.keep_special_tokens[3..].copy_from_slice(&state.config.reasoning_tokens);
     }
-    let id = request_id("chatcmpl-", request_id_header(&req));
+    let id = request_id("chatcmpl-", client_request_id(&req));
     crate::request_id::record(&req, &id);
     let requests = engine_requests(&id, &validated, &principal, None, lora.as_deref());
     let fields = RequestFields {

@@ -3,12 +3,13 @@
 use actix_web::{web, HttpRequest, HttpResponse};
 use bytes::Bytes;
 
-use super::{check_model, engine_requests, request_id_header};
+use super::{check_model, engine_requests};
 use crate::auth::Principal;
 use crate::body::read_json;
 use crate::engine::PromptInput;
 use crate::error::ApiError;
 use crate::generation::{ChoiceDelta, Generation, RequestFields};
+use crate::request_id::client_request_id;
 use crate::schema::{
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage,
 };
@@ -27,7 +28,7 @@ pub(crate) async fn completions(
     body.ignored.warn("/v1/completions");
     let lora = check_model(&state, body.model.as_deref())?;
     let validated = body.validate(state.engine.max_model_len())?;
-    let id = request_id("cmpl-", request_id_header(&req));
+    let id = request_id("cmpl-", client_request_id(&req));
     crate::request_id::record(&req, &id);
 
     let echo_texts = if validated.echo {

@@ -8,8 +8,6 @@ pub(crate) use chat::chat_completions;
 pub(crate) use completions::completions;
 pub(crate) use service::*;
 
-use actix_web::HttpRequest;
-
 use crate::auth::Principal;
 use crate::engine::GenerateRequest;
 use crate::error::ApiError;
@@ -32,13 +30,6 @@ pub(crate) fn check_model(
             Err(ApiError::ModelNotFound(shown))
         }
     }
-}
-
-/// The client's `X-Request-Id`, if it sent one.
-pub(crate) fn request_id_header(req: &HttpRequest) -> Option<&str> {
-    req.headers()
-        .get("x-request-id")
-        .and_then(|v| v.to_str().ok())
 }
 
 /// One engine request per prompt; ids are `id` (one prompt) or `id-<prompt>`.
