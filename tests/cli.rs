@@ -129,6 +129,71 @@ fn simulate_writes_summary_requests_and_plots_for_each_policy() {
     assert!(err.contains("known policies: fcfs"), "{err}");
 }
 
+/// A second run into the same --out with other policies must not leave the first run's
+/// per-policy files beside its own, and must leave the user's files alone, even one named
+/// like ours.
+#[test]
+fn simulate_into_the_same_out_keeps_only_this_runs_files_and_the_users() {
+    let dir = temp_dir("simulate-rerun");
+    let examples = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("config/examples");
+    let simulate = |policies: &str| {
+        let mut cmd = switchyard();
+        cmd.args([
+            "simulate",
+            "--format",
+            "jsonl",
+            "--policies",
+            policies,
+            "--trace",
+        ])
+        .arg(examples.join("sim-sample-trace.jsonl"))
+        .arg("--tiers")
+        .arg(examples.join("multi-tenant.yaml"))
+        .arg("--out")
+        .arg(&dir);
+        cmd
+    };
+    std::fs::write(dir.join("notes.txt"), "mine").unwrap();
+    std::fs::write(dir.join("requests-mine.jsonl"), "mine").unwrap();
+    succeeds(&mut simulate("fcfs,priority"));
+    assert!(dir.join("requests-priority.jsonl").exists());
+    let out = simulate("fcfs,chunked-prefill").output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(
+            "removed an earlier run's files there that this run does not write: \
+             requests-priority.jsonl"
+        ),
+        "{stderr}"
+    );
+    let mut listing: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    listing.sort();
+    assert_eq!(
+        listing,
+        [
+            "e2e_cdf.svg",
+            "kv_usage.svg",
+            "notes.txt",
+            "queue.svg",
+            "requests-chunked-prefill.jsonl",
+            "requests-fcfs.jsonl",
+            "requests-mine.jsonl",
+            "simulate-manifest.json",
+            "summary.json",
+            "summary.txt",
+            "ttft_cdf.svg",
+        ]
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.join("requests-mine.jsonl")).unwrap(),
+        "mine"
+    );
+}
+
 #[test]
 fn simulate_refuses_flags_its_config_would_ignore_and_a_bad_time_scale() {
     for flag in [
