@@ -293,6 +293,45 @@ fn bench_serve_reports_vllm_labels_against_a_live_server() {
     );
 }
 
+/// A rate so low that the run would last days is refused before anything is sent (nothing
+/// listens at the URL: a run that went on would fail to connect instead), naming the flags.
+#[test]
+fn bench_serve_refuses_a_run_that_would_last_days_unless_allowed() {
+    let err = fails(switchyard().args([
+        "bench",
+        "serve",
+        "--base-url",
+        "http://127.0.0.1:1",
+        "--request-rate",
+        "0.001",
+        "--num-prompts",
+        "1000",
+    ]));
+    assert!(
+        err.contains("over about 11.6 days")
+            && err.contains("--request-rate")
+            && err.contains("--num-prompts")
+            && err.contains("--allow-long-run"),
+        "{err}"
+    );
+    // Allowed, it goes on to the server (and fails there, as nothing listens).
+    let err = fails(switchyard().args([
+        "bench",
+        "serve",
+        "--base-url",
+        "http://127.0.0.1:1",
+        "--request-rate",
+        "0.001",
+        "--num-prompts",
+        "1000",
+        "--allow-long-run",
+    ]));
+    assert!(
+        err.contains("arrive over about 11.6 days") && err.contains("/v1/models"),
+        "{err}"
+    );
+}
+
 #[test]
 fn bench_serve_reports_speculative_decoding_of_the_server() {
     let server = Server::start(
