@@ -73,6 +73,42 @@ fn config_check_prints_the_effective_config_and_locates_errors() {
     );
 }
 
+/// More tokens a step than the CUDA backend runs is refused under the user's own setting,
+/// without a GPU and before any model loads: the config key for `config check`, the flag for
+/// `bench throughput --backend cuda` (not the backend's internal `max_batch_tokens`).
+#[test]
+fn more_batched_tokens_than_the_cuda_backend_runs_is_refused_by_the_users_setting() {
+    let dir = temp_dir("cuda-tokens");
+    let config = dir.join("cuda.yaml");
+    std::fs::write(
+        &config,
+        "model:\n  backend: cuda\nscheduler:\n  max_num_batched_tokens: 100000\n",
+    )
+    .unwrap();
+    let err = fails(switchyard().args(["config", "check"]).arg(&config));
+    assert!(
+        err.contains(&format!("{}:4", config.display()))
+            && err.contains("scheduler.max_num_batched_tokens: 100000")
+            && err.contains("at most 65536")
+            && !err.contains("max_batch_tokens"),
+        "{err}"
+    );
+    let err = fails(switchyard().args([
+        "bench",
+        "throughput",
+        "--backend",
+        "cuda",
+        "--max-num-batched-tokens",
+        "100000",
+    ]));
+    assert!(
+        err.contains("--max-num-batched-tokens 100000 is more than the CUDA backend")
+            && err.contains("at most 65536")
+            && !err.contains("max_batch_tokens"),
+        "{err}"
+    );
+}
+
 #[test]
 fn simulate_writes_summary_requests_and_plots_for_each_policy() {
     let dir = temp_dir("simulate");
