@@ -272,6 +272,11 @@ pub struct ServeBenchArgs {
     /// sent at once, as in vLLM. The trace dataset keeps its own arrival times.
     #[arg(long)]
     pub request_rate: Option<f64>,
+    /// Start a run whose arrivals are expected to span more than 24 hours ((--num-prompts - 1)
+    /// / --request-rate, or the trace's times over --time-scale). Without it such a run is
+    /// refused before any request is sent: it is more often a mistyped rate than a soak test.
+    #[arg(long)]
+    pub allow_long_run: bool,
     /// Most requests in flight at once (1..=16384). Without it requests still start when due,
     /// as in vLLM, but at most 1024 are in flight (one thread each): a request due while all
     /// 1024 are busy waits for the first to finish.

@@ -73,6 +73,42 @@ fn config_check_prints_the_effective_config_and_locates_errors() {
     );
 }
 
+/// More tokens a step than the CUDA backend runs is refused under the user's own setting,
+/// without a GPU and before any model loads: the config key for `config check`, the flag for
+/// `bench throughput --backend cuda` (not the backend's internal `max_batch_tokens`).
+#[test]
+fn more_batched_tokens_than_the_cuda_backend_runs_is_refused_by_the_users_setting() {
+    let dir = temp_dir("cuda-tokens");
+    let config = dir.join("cuda.yaml");
+    std::fs::write(
+        &config,
+        "model:\n  backend: cuda\nscheduler:\n  max_num_batched_tokens: 100000\n",
+    )
+    .unwrap();
+    let err = fails(switchyard().args(["config", "check"]).arg(&config));
+    assert!(
+        err.contains(&format!("{}:4", config.display()))
+            && err.contains("scheduler.max_num_batched_tokens: 100000")
+            && err.contains("at most 65536")
+            && !err.contains("max_batch_tokens"),
+        "{err}"
+    );
+    let err = fails(switchyard().args([
+        "bench",
+        "throughput",
+        "--backend",
+        "cuda",
+        "--max-num-batched-tokens",
+        "100000",
+    ]));
+    assert!(
+        err.contains("--max-num-batched-tokens 100000 is more than the CUDA backend")
+            && err.contains("at most 65536")
+            && !err.contains("max_batch_tokens"),
+        "{err}"
+    );
+}
+
 #[test]
 fn simulate_writes_summary_requests_and_plots_for_each_policy() {
     let dir = temp_dir("simulate");
@@ -127,6 +163,71 @@ fn simulate_writes_summary_requests_and_plots_for_each_policy() {
 
     let err = fails(&mut simulate("fcfs,nope"));
     assert!(err.contains("known policies: fcfs"), "{err}");
+}
+
+/// A second run into the same --out with other policies must not leave the first run's
+/// per-policy files beside its own, and must leave the user's files alone, even one named
+/// like ours.
+#[test]
+fn simulate_into_the_same_out_keeps_only_this_runs_files_and_the_users() {
+    let dir = temp_dir("simulate-rerun");
+    let examples = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("config/examples");
+    let simulate = |policies: &str| {
+        let mut cmd = switchyard();
+        cmd.args([
+            "simulate",
+            "--format",
+            "jsonl",
+            "--policies",
+            policies,
+            "--trace",
+        ])
+        .arg(examples.join("sim-sample-trace.jsonl"))
+        .arg("--tiers")
+        .arg(examples.join("multi-tenant.yaml"))
+        .arg("--out")
+        .arg(&dir);
+        cmd
+    };
+    std::fs::write(dir.join("notes.txt"), "mine").unwrap();
+    std::fs::write(dir.join("requests-mine.jsonl"), "mine").unwrap();
+    succeeds(&mut simulate("fcfs,priority"));
+    assert!(dir.join("requests-priority.jsonl").exists());
+    let out = simulate("fcfs,chunked-prefill").output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(
+            "removed an earlier run's files there that this run does not write: \
+             requests-priority.jsonl"
+        ),
+        "{stderr}"
+    );
+    let mut listing: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    listing.sort();
+    assert_eq!(
+        listing,
+        [
+            "e2e_cdf.svg",
+            "kv_usage.svg",
+            "notes.txt",
+            "queue.svg",
+            "requests-chunked-prefill.jsonl",
+            "requests-fcfs.jsonl",
+            "requests-mine.jsonl",
+            "simulate-manifest.json",
+            "summary.json",
+            "summary.txt",
+            "ttft_cdf.svg",
+        ]
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.join("requests-mine.jsonl")).unwrap(),
+        "mine"
+    );
 }
 
 #[test]
@@ -225,6 +326,45 @@ fn bench_serve_reports_vllm_labels_against_a_live_server() {
     assert_eq!(
         server.metric("switchyard:request_success_total"),
         Some(10.0)
+    );
+}
+
+/// A rate so low that the run would last days is refused before anything is sent (nothing
+/// listens at the URL: a run that went on would fail to connect instead), naming the flags.
+#[test]
+fn bench_serve_refuses_a_run_that_would_last_days_unless_allowed() {
+    let err = fails(switchyard().args([
+        "bench",
+        "serve",
+        "--base-url",
+        "http://127.0.0.1:1",
+        "--request-rate",
+        "0.001",
+        "--num-prompts",
+        "1000",
+    ]));
+    assert!(
+        err.contains("over about 11.6 days")
+            && err.contains("--request-rate")
+            && err.contains("--num-prompts")
+            && err.contains("--allow-long-run"),
+        "{err}"
+    );
+    // Allowed, it goes on to the server (and fails there, as nothing listens).
+    let err = fails(switchyard().args([
+        "bench",
+        "serve",
+        "--base-url",
+        "http://127.0.0.1:1",
+        "--request-rate",
+        "0.001",
+        "--num-prompts",
+        "1000",
+        "--allow-long-run",
+    ]));
+    assert!(
+        err.contains("arrive over about 11.6 days") && err.contains("/v1/models"),
+        "{err}"
     );
 }
 

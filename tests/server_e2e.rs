@@ -907,6 +907,50 @@ fn a_continued_final_message_is_the_prompt_the_model_continues() {
     assert_eq!(continued, raw["choices"][0]["text"].as_str().unwrap());
 }
 
+/// Fields no endpoint reads are accepted and named in one warning per request, on the
+/// completions, chat, /tokenize and /detokenize endpoints alike (the admin routes refuse them).
+#[test]
+fn ignored_fields_are_named_in_a_warning_on_every_endpoint_with_a_body() {
+    let s = &server();
+    let user = json!([{"role": "user", "content": "hi"}]);
+    for (route, body, field) in [
+        (
+            "/v1/completions",
+            json!({"prompt": "hi", "max_tokens": 1, "max_token": 3}),
+            "max_token",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": user, "max_tokens": 1, "tempreature": 1}),
+            "tempreature",
+        ),
+        (
+            "/tokenize",
+            json!({"prompt": "hi", "return_token_strs": true}),
+            "return_token_strs",
+        ),
+        (
+            "/tokenize",
+            json!({"messages": user, "add_special_token": false}),
+            "add_special_token",
+        ),
+        (
+            "/detokenize",
+            json!({"tokens": [1, 2], "skip_special_token": true}),
+            "skip_special_token",
+        ),
+    ] {
+        let (status, v) = s.post_json(route, &body);
+        assert_eq!(status, 200, "{route}: {v}");
+        s.assert_logged(&[
+            "WARN",
+            "fields were present in the request but ignored",
+            &format!("\"{route}\""),
+            &format!("\"{field}\""),
+        ]);
+    }
+}
+
 #[test]
 fn developer_messages_unsupported_fields_and_logprob_bounds_over_http() {
     let s = &server();

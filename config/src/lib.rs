@@ -561,6 +561,35 @@ mod tests {
         );
     }
 
+    /// The CUDA backend runs at most 65,536 tokens a step: a config that names it is refused
+    /// at the user's field, on any machine; `auto` and `cpu` take up to 1,048,576.
+    #[test]
+    fn a_cuda_config_with_more_batched_tokens_than_the_cuda_backend_runs_is_refused() {
+        let yaml = |backend: &str, tokens: usize| {
+            format!(
+                "model:\n  backend: {backend}\nscheduler:\n  max_num_batched_tokens: {tokens}\n"
+            )
+        };
+        assert_eq!(
+            error(&yaml("cuda", 65_537), &[]),
+            "t.yaml:4: scheduler.max_num_batched_tokens: 65537 is more than the CUDA backend \
+             (model.backend: cuda) runs in one step, at most 65536"
+        );
+        Config::from_yaml_str(&yaml("cuda", 65_536), "t").unwrap();
+        Config::from_yaml_str(&yaml("auto", 1 << 20), "t").unwrap();
+        Config::from_yaml_str(&yaml("cpu", 1 << 20), "t").unwrap();
+        // Set by an override, the override is named.
+        let e = error(
+            &yaml("cuda", 8192),
+            &["scheduler.max_num_batched_tokens=100000".into()],
+        );
+        assert!(
+            e.contains("--set scheduler.max_num_batched_tokens=100000")
+                && e.contains("at most 65536"),
+            "{e}"
+        );
+    }
+
     #[test]
     fn redacted_configs_hold_no_keys() {
         let c = Config::from_yaml_str(

@@ -663,6 +663,10 @@ impl Default for PolicySpec {
 pub const MAX_NUM_SEQS: usize = 2048;
 /// Most tokens in one step (`scheduler.max_num_batched_tokens`); shared with the simulator.
 pub const MAX_NUM_BATCHED_TOKENS: usize = 1 << 20;
+/// Most tokens in one step on the CUDA backend, which sizes its buffers and kernel launches for
+/// at most this many (the CPU backend takes [`MAX_NUM_BATCHED_TOKENS`]): checked by
+/// [`Config::validate`] with `model.backend: cuda`, and when `auto` picks a GPU.
+pub const CUDA_MAX_NUM_BATCHED_TOKENS: usize = 1 << 16;
 
 /// The `scheduler:` section.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -963,6 +967,20 @@ impl Config {
                 format!(
                     "{} must be at least max_num_seqs ({})",
                     self.scheduler.max_num_batched_tokens, self.scheduler.max_num_seqs
+                ),
+            ));
+        }
+        // Only where the backend is known to be CUDA: `auto` may pick the CPU, which takes
+        // more, and is checked once it picks a GPU.
+        if self.model.backend == BackendKind::Cuda
+            && self.scheduler.max_num_batched_tokens > CUDA_MAX_NUM_BATCHED_TOKENS
+        {
+            return Err((
+                "scheduler.max_num_batched_tokens".into(),
+                format!(
+                    "{} is more than the CUDA backend (model.backend: cuda) runs in one step, \
+                     at most {CUDA_MAX_NUM_BATCHED_TOKENS}",
+                    self.scheduler.max_num_batched_tokens
                 ),
             ));
         }

@@ -226,6 +226,11 @@ impl Default for CpuBackendConfig {
     }
 }
 
+/// Most tokens in one step on the CUDA backend (its `max_batch_tokens`; the CPU backend takes
+/// up to 1,048,576). The server's `switchyard_config::CUDA_MAX_NUM_BATCHED_TOKENS` is the same
+/// bound, checked where the user's setting is known so that the refusal names it.
+pub const CUDA_MAX_BATCH_TOKENS: usize = 1 << 16;
+
 /// Most rows of logits one step may compute (prompt logprobs need a row per prompt token;
 /// the scheduler sends such prompts in chunks of at most this many tokens).
 pub const MAX_LOGIT_ROWS: usize = 2048;

@@ -16,7 +16,8 @@ pub mod lora;
 mod lora_targets;
 pub mod sampler;
 pub use backend::{
-    Backend, Batch, CpuBackend, CpuBackendConfig, SeqInput, SeqOutput, CUDA_WINDOW_READ_SLACK,
+    Backend, Batch, CpuBackend, CpuBackendConfig, SeqInput, SeqOutput, CUDA_MAX_BATCH_TOKENS,
+    CUDA_WINDOW_READ_SLACK,
 };
 pub use constraint::{Constraint, TokenConstraint};
 pub use cpu::llama::ActivationPrecision;

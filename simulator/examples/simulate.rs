@@ -13,7 +13,7 @@ fn main() -> Result<(), SimError> {
     };
     let spec = SimulationSpec::from_yaml_file(Path::new(spec))?;
     let start = Instant::now();
-    let comparison = run(&spec, Path::new(out), true)?;
+    let (comparison, _) = run(&spec, Path::new(out), true)?;
     print!("{}", comparison.to_text());
     eprintln!("wall time {:.2} s", start.elapsed().as_secs_f64());
     Ok(())

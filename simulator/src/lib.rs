@@ -8,7 +8,7 @@
 //! use switchyard_simulator::{run, SimulationSpec};
 //!
 //! let spec = SimulationSpec::from_yaml_file(Path::new("config/examples/sim-azure-tiers.yaml"))?;
-//! let comparison = run(&spec, Path::new("out"), true)?;
+//! let (comparison, _files) = run(&spec, Path::new("out"), true)?;
 //! print!("{}", comparison.to_text());
 //! # Ok::<(), switchyard_simulator::SimError>(())
 //! ```
@@ -17,6 +17,7 @@ pub mod calibrate;
 pub mod cost;
 pub mod engine;
 pub mod error;
+pub mod outputs;
 pub mod plot;
 pub mod report;
 pub mod spec;
@@ -25,6 +26,7 @@ pub mod trace;
 pub use cost::WINDOW_READ_SLACK;
 pub use engine::{PolicyRun, Simulation, Workload};
 pub use error::SimError;
+pub use outputs::OutputFiles;
 pub use report::Comparison;
 pub use spec::{CliOptions, SimulationSpec};
 pub use trace::TraceFormat;
@@ -80,27 +82,36 @@ pub fn simulate(
 }
 
 /// Runs every policy of `spec` and writes into `out_dir` (created if needed):
-/// `summary.json`, `summary.txt`, `requests-<policy>.jsonl` per policy and the
-/// plots `ttft_cdf.svg`, `e2e_cdf.svg`, `queue.svg`, `kv_usage.svg`.
-pub fn run(spec: &SimulationSpec, out_dir: &Path, progress: bool) -> Result<Comparison, SimError> {
+/// `summary.json`, `summary.txt`, `requests-<policy>.jsonl` per policy, the
+/// plots `ttft_cdf.svg`, `e2e_cdf.svg`, `queue.svg`, `kv_usage.svg` and
+/// `simulate-manifest.json`; an earlier run's files it does not rewrite are removed
+/// (see [`outputs`]).
+pub fn run(
+    spec: &SimulationSpec,
+    out_dir: &Path,
+    progress: bool,
+) -> Result<(Comparison, OutputFiles), SimError> {
     let (comparison, runs) = simulate(spec, progress)?;
-    write_outputs(out_dir, &comparison, &runs)?;
-    Ok(comparison)
+    let files = write_outputs(out_dir, &comparison, &runs)?;
+    Ok((comparison, files))
 }
 
-/// Writes the summary, per-request JSONL and plots of a finished run.
+/// Writes the summary, per-request JSONL and plots of a finished run, and removes the files
+/// an earlier run recorded in `out_dir` that this one does not rewrite; never any other file.
 pub fn write_outputs(
     out_dir: &Path,
     comparison: &Comparison,
     runs: &[PolicyRun],
-) -> Result<(), SimError> {
-    std::fs::create_dir_all(out_dir).map_err(|e| SimError::io(out_dir, e))?;
+) -> Result<OutputFiles, SimError> {
+    let files: std::collections::BTreeSet<String> = outputs::FIXED_FILES
+        .iter()
+        .map(|f| f.to_string())
+        .chain(runs.iter().map(|r| outputs::requests_file(&r.label)))
+        .collect();
+    let removed = outputs::prepare(out_dir, &files)?;
     comparison.write(out_dir)?;
     for r in runs {
-        report::write_requests_jsonl(
-            &out_dir.join(format!("requests-{}.jsonl", r.label)),
-            &r.records,
-        )?;
+        report::write_requests_jsonl(&out_dir.join(outputs::requests_file(&r.label)), &r.records)?;
     }
     let cdf = |f: fn(&report::RequestRecord) -> Option<f64>| -> Vec<(String, Vec<(f64, f64)>)> {
         runs.iter()
@@ -142,5 +153,8 @@ pub fn write_outputs(
         "fraction of blocks",
         &series(|s| s.kv_usage),
     )?;
-    Ok(())
+    outputs::finish(out_dir, &files)?;
+    let mut written: Vec<String> = files.into_iter().collect();
+    written.push(outputs::MANIFEST.to_string());
+    Ok(OutputFiles { written, removed })
 }

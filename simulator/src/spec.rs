@@ -703,7 +703,8 @@ fn validate_tiers(tiers: &BTreeMap<String, TierConf>) -> Result<(), String> {
     Ok(())
 }
 
-fn valid_label(l: &str) -> bool {
+/// Whether `l` is a valid policy label (it names the policy's per-request file).
+pub(crate) fn valid_label(l: &str) -> bool {
     !l.is_empty()
         && l.len() <= 64
         && l.chars()

@@ -51,6 +51,7 @@ fn same_spec_and_seed_give_byte_identical_outputs() {
         "e2e_cdf.svg",
         "queue.svg",
         "kv_usage.svg",
+        "simulate-manifest.json",
     ] {
         assert!(names.contains(&want), "{want} missing from {names:?}");
     }
@@ -76,7 +77,7 @@ fn every_example_spec_runs_on_its_trace() {
         let mut spec = SimulationSpec::from_yaml_file(&example(name)).unwrap();
         spec.workload.limit = Some(300);
         let dir = temp_dir(name);
-        let cmp = run(&spec, &dir, false).unwrap();
+        let (cmp, _) = run(&spec, &dir, false).unwrap();
         assert_eq!(cmp.policies.len(), spec.policies.len(), "{name}");
         let n = if name == "sim-jsonl.yaml" { 24 } else { 300 };
         // One of Mooncake's first 300 requests is longer than Llama-3.1-8B's context.

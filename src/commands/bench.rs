@@ -10,6 +10,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use switchyard_actors::structured::{GrammarCompiler, StructuredOutput};
 use switchyard_actors::{CoreEvent, SubmitOptions};
+use switchyard_config::BackendKind;
 use switchyard_gpu::backend::SamplingParams;
 use switchyard_policies::{SamplingLimits, SchedulerConfig, Timestamp};
 
@@ -116,9 +117,14 @@ fn sharegpt_lengths(path: &Path, max_model_len: usize) -> anyhow::Result<Vec<(us
     Ok(out)
 }
 
-/// The batch limits as the server bounds them, named by their flags: the backend's own
-/// check would name its internal field (`max_batch_tokens`) after the model has loaded.
-fn check_batch_flags(max_num_seqs: usize, max_num_batched_tokens: usize) -> anyhow::Result<()> {
+/// The batch limits as the server bounds them, and the CUDA backend's bound with `--backend
+/// cuda`, named by their flags: the backend's own check would name its internal field
+/// (`max_batch_tokens`) after the model has loaded.
+fn check_batch_flags(
+    kind: BackendKind,
+    max_num_seqs: usize,
+    max_num_batched_tokens: usize,
+) -> anyhow::Result<()> {
     let (seqs, tokens) = (
         switchyard_config::MAX_NUM_SEQS,
         switchyard_config::MAX_NUM_BATCHED_TOKENS,
@@ -132,6 +138,9 @@ fn check_batch_flags(max_num_seqs: usize, max_num_batched_tokens: usize) -> anyh
         "--max-num-batched-tokens must be 1..={tokens} (the server's \
          scheduler.max_num_batched_tokens), not {max_num_batched_tokens}"
     );
+    if kind == BackendKind::Cuda {
+        runtime::check_cuda_batch_tokens(max_num_batched_tokens, "--max-num-batched-tokens", kind)?;
+    }
     Ok(())
 }
 
@@ -140,8 +149,8 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
         (1..=MAX_PROMPTS).contains(&args.num_prompts),
         "--num-prompts must be 1..={MAX_PROMPTS}"
     );
-    check_batch_flags(args.max_num_seqs, args.max_num_batched_tokens)?;
     let kind = runtime::parse_backend(&args.backend)?;
+    check_batch_flags(kind, args.max_num_seqs, args.max_num_batched_tokens)?;
     if let Some(b) = args.decode_batch {
         anyhow::ensure!(
             (1..=switchyard_gpu::backend::MAX_LOGIT_ROWS).contains(&b),
@@ -256,6 +265,7 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
         block_size,
         threads: args.threads,
         max_batch_tokens: args.max_num_batched_tokens,
+        max_batch_tokens_setting: "--max-num-batched-tokens",
         max_num_seqs,
         quantization: args.quantization,
         kv_cache_dtype: args.kv_cache_dtype,
@@ -502,17 +512,30 @@ mod tests {
 
     #[test]
     fn batch_limits_are_checked_under_their_flag_names() {
-        check_batch_flags(256, 8192).unwrap();
-        check_batch_flags(2048, 1 << 20).unwrap();
-        let e = check_batch_flags(256, 0).unwrap_err().to_string();
+        let (cpu, auto, cuda) = (BackendKind::Cpu, BackendKind::Auto, BackendKind::Cuda);
+        check_batch_flags(cpu, 256, 8192).unwrap();
+        check_batch_flags(cpu, 2048, 1 << 20).unwrap();
+        let e = check_batch_flags(cpu, 256, 0).unwrap_err().to_string();
         assert!(
             e.starts_with("--max-num-batched-tokens must be 1..=1048576")
                 && !e.contains("max_batch"),
             "{e}"
         );
-        let e = check_batch_flags(0, 8192).unwrap_err().to_string();
+        let e = check_batch_flags(cpu, 0, 8192).unwrap_err().to_string();
         assert!(e.starts_with("--max-num-seqs must be 1..=2048"), "{e}");
-        assert!(check_batch_flags(2049, 8192).is_err());
+        assert!(check_batch_flags(cpu, 2049, 8192).is_err());
+        // The CUDA backend runs at most 65,536 tokens a step: refused under the flag's name
+        // with --backend cuda, before the model loads; auto is checked once it picks a GPU.
+        check_batch_flags(cuda, 256, 65_536).unwrap();
+        check_batch_flags(auto, 256, 65_537).unwrap();
+        let e = check_batch_flags(cuda, 256, 65_537)
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e,
+            "--max-num-batched-tokens 65537 is more than the CUDA backend runs in one step, at \
+             most 65536: lower it, or run on the CPU backend"
+        );
     }
 
     #[test]

@@ -36,6 +36,11 @@ const DEFAULT_IN_FLIGHT: usize = 1024;
 const MAX_IN_FLIGHT: usize = 16_384;
 /// Largest dataset file read, in bytes.
 pub(super) const MAX_DATASET_BYTES: u64 = 1 << 30;
+/// Longest expected arrival span of a run started without `--allow-long-run`, in seconds (24
+/// hours): a benchmark is minutes, a soak test hours; days are a mistyped rate.
+const MAX_ARRIVAL_SPAN_S: f64 = 24.0 * 3600.0;
+/// Expected arrival spans from this long up are announced before the run, in seconds.
+const ANNOUNCED_ARRIVAL_SPAN_S: f64 = 60.0;
 
 /// One request's measurements.
 #[derive(Debug, Clone, Default)]
@@ -100,6 +105,65 @@ fn validate(args: &ServeBenchArgs) -> anyhow::Result<()> {
         u32::MAX
     );
     Ok(())
+}
+
+/// The time over which the run's requests are expected to arrive, in seconds: the trace's
+/// last arrival over `--time-scale`, or for Poisson arrivals at `--request-rate` the mean span
+/// `(n - 1) / rate` (the first request goes at once, the gaps average `1 / rate`); 0 when
+/// every request goes at once. The run lasts at least this long.
+fn arrival_span_s(args: &ServeBenchArgs, work: &[(usize, usize, Option<f64>)]) -> f64 {
+    let trace_last = work.iter().filter_map(|w| w.2).reduce(f64::max);
+    match (trace_last, args.request_rate) {
+        (Some(t), _) => t / args.time_scale,
+        (None, Some(rate)) if rate.is_finite() => work.len().saturating_sub(1) as f64 / rate,
+        _ => 0.0,
+    }
+}
+
+/// A duration for people: seconds, minutes, hours or days.
+fn human_duration(s: f64) -> String {
+    if s < 120.0 {
+        format!("{s:.0} s")
+    } else if s < 2.0 * 3600.0 {
+        format!("{:.1} minutes", s / 60.0)
+    } else if s < 2.0 * 86_400.0 {
+        format!("{:.1} hours", s / 3600.0)
+    } else {
+        format!("{:.1} days", s / 86_400.0)
+    }
+}
+
+/// Refuses a run whose arrivals would span more than [`MAX_ARRIVAL_SPAN_S`] unless
+/// `--allow-long-run`, naming the flags that set the span.
+fn check_arrival_span(args: &ServeBenchArgs, span_s: f64) -> anyhow::Result<()> {
+    if span_s <= MAX_ARRIVAL_SPAN_S || args.allow_long_run {
+        return Ok(());
+    }
+    let (what, fix) = if args.dataset == ServeDataset::Trace {
+        (
+            format!(
+                "the trace's first {} arrivals at --time-scale {} span",
+                args.num_prompts,
+                short_number(args.time_scale)
+            ),
+            "raise --time-scale or lower --num-prompts",
+        )
+    } else {
+        (
+            format!(
+                "--num-prompts {} at --request-rate {} requests/s spaces the arrivals over about",
+                args.num_prompts,
+                short_number(args.request_rate.unwrap_or(f64::INFINITY))
+            ),
+            "raise --request-rate or lower --num-prompts",
+        )
+    };
+    anyhow::bail!(
+        "{what} {}, and the run lasts at least that long: {fix}, or pass --allow-long-run to \
+         start a run of more than {} hours anyway",
+        human_duration(span_s),
+        MAX_ARRIVAL_SPAN_S / 3600.0
+    )
 }
 
 /// Reads a text file of at most `max` bytes; a larger one is an error, not a truncation.
@@ -290,13 +354,22 @@ fn spawn_workers(
 pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
     validate(&args)?;
     let target = parse_url(&args.base_url)?;
+    // The workload first: a run that would last days is refused before anything is sent.
+    let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
+    let work = workload(&args, &mut rng)?;
+    let span = arrival_span_s(&args, &work);
+    check_arrival_span(&args, span)?;
+    if span >= ANNOUNCED_ARRIVAL_SPAN_S {
+        eprintln!(
+            "The requests arrive over about {}, so the run lasts at least that long.",
+            human_duration(span)
+        );
+    }
     let model = match &args.model {
         Some(m) => m.clone(),
         None => first_model(&target, args.api_key.as_deref())
             .context("asking /v1/models for the model name (or pass --model)")?,
     };
-    let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
-    let work = workload(&args, &mut rng)?;
     // One thread per request in flight: --max-concurrency of them, else up to
     // DEFAULT_IN_FLIGHT (requests still start when due; one due while all are busy waits).
     let concurrency = args
@@ -778,5 +851,77 @@ mod tests {
                 .starts_with("--time-scale 1e-300 outside [1e-6, 1e6]"),
             "{e}"
         );
+    }
+
+    /// The span a run's arrivals are expected to take, and the refusal of one longer than a
+    /// day unless --allow-long-run.
+    fn span_check(extra: &str) -> anyhow::Result<f64> {
+        let args = serve_args(extra);
+        validate(&args)?;
+        let work = workload(&args, &mut ChaCha8Rng::seed_from_u64(0))?;
+        let span = arrival_span_s(&args, &work);
+        check_arrival_span(&args, span).map(|()| span)
+    }
+
+    #[test]
+    fn a_run_whose_arrivals_span_days_is_refused_unless_allowed() {
+        assert_eq!(span_check("--num-prompts 1000").unwrap(), 0.0);
+        assert_eq!(
+            span_check("--num-prompts 1000 --request-rate inf").unwrap(),
+            0.0
+        );
+        assert_eq!(
+            span_check("--num-prompts 11 --request-rate 2").unwrap(),
+            5.0
+        );
+        // 86,400 s exactly is allowed; one request more is not.
+        let day = "--request-rate 0.5 --num-prompts 43201";
+        assert_eq!(span_check(day).unwrap(), 86_400.0);
+        assert!(span_check("--request-rate 0.5 --num-prompts 43202").is_err());
+        let e = span_check("--request-rate 0.001 --num-prompts 1000").unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "--num-prompts 1000 at --request-rate 0.001 requests/s spaces the arrivals over \
+             about 11.6 days, and the run lasts at least that long: raise --request-rate or \
+             lower --num-prompts, or pass --allow-long-run to start a run of more than 24 hours \
+             anyway"
+        );
+        let allowed = "--request-rate 0.001 --num-prompts 1000 --allow-long-run";
+        assert!((span_check(allowed).unwrap() - 999_000.0).abs() < 1e-6);
+        // A trace's own times count, over --time-scale.
+        let path =
+            std::env::temp_dir().join(format!("switchyard-bench-span-{}.csv", std::process::id()));
+        std::fs::write(
+            &path,
+            "ContextTokens,GeneratedTokens,TIMESTAMP\n\
+             100,7,2023-11-16 00:00:00.0000000\n200,9,2023-11-18 00:00:00.0000000\n",
+        )
+        .unwrap();
+        let trace = format!(
+            "--dataset trace --num-prompts 2 --dataset-path {}",
+            path.display()
+        );
+        let e = span_check(&trace).unwrap_err();
+        assert!(
+            e.to_string().starts_with(
+                "the trace's first 2 arrivals at --time-scale 1 span 2.0 days, and the run lasts"
+            ) && e
+                .to_string()
+                .contains("raise --time-scale or lower --num-prompts"),
+            "{e}"
+        );
+        assert_eq!(
+            span_check(&format!("{trace} --time-scale 4")).unwrap(),
+            43_200.0
+        );
+        let _ = std::fs::remove_file(&path);
+    }
+
+    #[test]
+    fn durations_read_in_the_unit_that_suits_them() {
+        assert_eq!(human_duration(42.4), "42 s");
+        assert_eq!(human_duration(600.0), "10.0 minutes");
+        assert_eq!(human_duration(86_400.0), "24.0 hours");
+        assert_eq!(human_duration(999_000.0), "11.6 days");
     }
 }

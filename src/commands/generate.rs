@@ -60,6 +60,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         block_size,
         threads: args.threads,
         max_batch_tokens: 2048,
+        max_batch_tokens_setting: "generate's step token budget",
         max_num_seqs: 256,
         quantization: args.quantization,
         kv_cache_dtype: args.kv_cache_dtype,

@@ -130,6 +130,9 @@ pub struct BackendSettings {
     pub threads: usize,
     /// Most tokens per step.
     pub max_batch_tokens: usize,
+    /// Where the user set `max_batch_tokens` (`scheduler.max_num_batched_tokens`,
+    /// `--max-num-batched-tokens`), named when a backend cannot run that many.
+    pub max_batch_tokens_setting: &'static str,
     /// Most sequences per step (CUDA graphs are captured up to this batch size).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub max_num_seqs: usize,
@@ -149,6 +152,7 @@ impl BackendSettings {
             block_size: config.cache.block_size,
             threads: config.model.threads,
             max_batch_tokens: config.scheduler.max_num_batched_tokens,
+            max_batch_tokens_setting: "scheduler.max_num_batched_tokens",
             max_num_seqs: config.scheduler.max_num_seqs,
             quantization: config.model.quantization,
             kv_cache_dtype: config.cache.kv_cache_dtype,
@@ -199,6 +203,29 @@ pub fn cuda_usable() -> Result<String, String> {
     }
 }
 
+/// The CUDA backend's bound on the tokens of one step
+/// ([`switchyard_config::CUDA_MAX_NUM_BATCHED_TOKENS`]), checked before it loads anything and
+/// naming the user's setting (the backend's own check can only name its internal field).
+/// `kind` is what the user asked for, so that an `auto` that picked the GPU says so.
+pub fn check_cuda_batch_tokens(
+    max_batch_tokens: usize,
+    setting: &str,
+    kind: BackendKind,
+) -> anyhow::Result<()> {
+    let max = switchyard_config::CUDA_MAX_NUM_BATCHED_TOKENS;
+    let chosen = if kind == BackendKind::Auto {
+        " (backend auto chose it, a GPU being present)"
+    } else {
+        ""
+    };
+    anyhow::ensure!(
+        max_batch_tokens <= max,
+        "{setting} {max_batch_tokens} is more than the CUDA backend{chosen} runs in one step, \
+         at most {max}: lower it, or run on the CPU backend"
+    );
+    Ok(())
+}
+
 /// Builds the backend `kind` asks for: `auto` picks CUDA when [`cuda_usable`], else the CPU.
 /// Logs the choice and sets `switchyard:backend_info{backend}`. Returns the kind chosen.
 pub fn build_backend(
@@ -234,7 +261,10 @@ pub fn build_backend(
     )
     .set(1.0);
     let backend = match chosen {
-        BackendKind::Cuda => cuda_backend(source, s)?,
+        BackendKind::Cuda => {
+            check_cuda_batch_tokens(s.max_batch_tokens, s.max_batch_tokens_setting, kind)?;
+            cuda_backend(source, s)?
+        }
         _ => {
             anyhow::ensure!(
                 s.quantization == Quantization::None,
@@ -425,6 +455,26 @@ mod tests {
         assert_eq!(
             switchyard_simulator::WINDOW_READ_SLACK,
             switchyard_gpu::CUDA_WINDOW_READ_SLACK
+        );
+    }
+
+    /// The server's bound on a CUDA step is the backend's own, and a refusal names the
+    /// user's setting, not the backend's internal field.
+    #[test]
+    fn the_cuda_step_bound_is_the_backends_and_names_the_users_setting() {
+        use switchyard_config::BackendKind;
+        assert_eq!(
+            switchyard_config::CUDA_MAX_NUM_BATCHED_TOKENS,
+            switchyard_gpu::CUDA_MAX_BATCH_TOKENS
+        );
+        let setting = "scheduler.max_num_batched_tokens";
+        super::check_cuda_batch_tokens(65_536, setting, BackendKind::Auto).unwrap();
+        let e = super::check_cuda_batch_tokens(100_000, setting, BackendKind::Auto).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "scheduler.max_num_batched_tokens 100000 is more than the CUDA backend (backend auto \
+             chose it, a GPU being present) runs in one step, at most 65536: lower it, or run on \
+             the CPU backend"
         );
     }
 }

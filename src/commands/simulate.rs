@@ -35,7 +35,8 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
         }
         (None, None) => anyhow::bail!("give --config FILE, or --trace FILE --format F"),
     };
-    let comparison = switchyard_simulator::run(&spec, &args.out, super::progress_enabled())?;
+    let (comparison, files) =
+        switchyard_simulator::run(&spec, &args.out, super::progress_enabled())?;
     for w in &comparison.warnings {
         eprintln!("warning: {w}");
     }
@@ -46,6 +47,13 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
         eprintln!(
             "wrote summary, per-request JSONL and SVG plots to {}",
             args.out.display()
+        );
+    }
+    // Said in both modes, on stderr: files disappearing from a directory is worth a line.
+    if !files.removed.is_empty() {
+        eprintln!(
+            "removed an earlier run's files there that this run does not write: {}",
+            files.removed.join(", ")
         );
     }
     Ok(())

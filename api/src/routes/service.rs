@@ -14,8 +14,8 @@ use crate::engine::{
 use crate::error::ApiError;
 use crate::schema::tools::ToolUse;
 use crate::schema::{
-    chat_ending, check_continued, offer_tools, parse_messages, parse_template_kwargs, MessageField,
-    ModelCard, ModelList, MAX_DETOKENIZE_TOKENS,
+    chat_ending, check_continued, offer_tools, parse_messages, parse_template_kwargs,
+    IgnoredFields, MessageField, ModelCard, ModelList, MAX_DETOKENIZE_TOKENS,
 };
 use crate::state::{engine_dead, ApiState};
 
@@ -65,7 +65,9 @@ pub(crate) async fn retrieve_model(
 }
 
 /// Body of `POST /tokenize` (vLLM's shape): a `prompt`, or chat `messages` with the `tools`
-/// (and `tool_choice`, `parallel_tool_calls`) a chat completion would offer.
+/// (and `tool_choice`, `parallel_tool_calls`) a chat completion would offer. Other fields
+/// (vLLM's `return_token_strs`, a misspelt `add_special_token`) are accepted and named in the
+/// warning completions log.
 #[derive(Debug, Deserialize)]
 pub(crate) struct TokenizeRequest {
     model: Option<String>,
@@ -78,6 +80,9 @@ pub(crate) struct TokenizeRequest {
     add_generation_prompt: Option<bool>,
     continue_final_message: Option<bool>,
     chat_template_kwargs: Option<serde_json::Value>,
+    /// Fields `/tokenize` does not read (logged, see [`IgnoredFields`]).
+    #[serde(flatten)]
+    ignored: IgnoredFields,
 }
 
 /// Response of `POST /tokenize`.
@@ -95,6 +100,7 @@ pub(crate) async fn tokenize(
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
     let body: TokenizeRequest = read_json(&req, payload, &state.config).await?;
+    body.ignored.warn("/tokenize");
     check_model(&state, body.model.as_deref())?;
     let input = match (body.prompt, body.messages) {
         (Some(_), None) if body.tools.is_some() => {
@@ -141,11 +147,14 @@ pub(crate) async fn tokenize(
     }))
 }
 
-/// Body of `POST /detokenize`.
+/// Body of `POST /detokenize`; other fields are accepted and named in a warning.
 #[derive(Debug, Deserialize)]
 pub(crate) struct DetokenizeRequest {
     model: Option<String>,
     tokens: Vec<u32>,
+    /// Fields `/detokenize` does not read (logged, see [`IgnoredFields`]).
+    #[serde(flatten)]
+    ignored: IgnoredFields,
 }
 
 /// Response of `POST /detokenize`.
@@ -161,6 +170,7 @@ pub(crate) async fn detokenize(
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
     let body: DetokenizeRequest = read_json(&req, payload, &state.config).await?;
+    body.ignored.warn("/detokenize");
     check_model(&state, body.model.as_deref())?;
     if body.tokens.len() > MAX_DETOKENIZE_TOKENS {
         return Err(ApiError::invalid(

@@ -36,7 +36,8 @@ use rayon::prelude::*;
 
 use crate::backend::{
     logit_rows_of, prompt_logprobs, takes_pending_tokens, validate_batch, AcceptedDraft, Backend,
-    Batch, DraftVerifier, SamplingParams, SeqInput, SeqOutput, MAX_LOGIT_ROWS, PENDING_TOKEN,
+    Batch, DraftVerifier, SamplingParams, SeqInput, SeqOutput, CUDA_MAX_BATCH_TOKENS,
+    MAX_LOGIT_ROWS, PENDING_TOKEN,
 };
 use crate::error::GpuError;
 use crate::model::{LlamaConfig, ModelWeights};
@@ -326,10 +327,14 @@ impl CudaBackend {
                 config.head_dim
             )));
         }
-        if cfg.max_batch_tokens == 0 || cfg.max_batch_tokens > 1 << 16 {
-            return Err(GpuError::InvalidConfig(
-                "max_batch_tokens must be in 1..=65536".into(),
-            ));
+        // Callers check the user's setting first and name it (`bench --max-num-batched-tokens`,
+        // `scheduler.max_num_batched_tokens`); this names the setting as the server's config.
+        if cfg.max_batch_tokens == 0 || cfg.max_batch_tokens > CUDA_MAX_BATCH_TOKENS {
+            return Err(GpuError::InvalidConfig(format!(
+                "the tokens of one step (scheduler.max_num_batched_tokens) must be in \
+                 1..={CUDA_MAX_BATCH_TOKENS} on the CUDA backend, not {}",
+                cfg.max_batch_tokens
+            )));
         }
         if cfg.block_size == 0 || cfg.block_size > 1024 || cfg.max_num_seqs == 0 {
             return Err(GpuError::InvalidConfig(

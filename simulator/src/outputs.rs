@@ -1,0 +1,281 @@
+//! The output directory of a run: which files a run writes there, and the manifest that lets
+//! the next run into the same directory remove the files of this one that it does not rewrite.
+//!
+//! A run writes fixed names (the summary and the plots, always overwritten) and one
+//! `requests-<label>.jsonl` per policy, so a later run with other policies would leave the
+//! earlier run's per-request files beside its own. The directory must hold exactly the last
+//! run's outputs, yet a user's own files there (notes, a trace, a `requests-mine.jsonl` of
+//! their own) must never be touched: a name pattern alone cannot tell those apart. So every run
+//! records the names it writes in `simulate-manifest.json`, and a run removes only the files an
+//! earlier manifest lists that it does not write itself. The manifest is written before any
+//! output (listing the earlier files and this run's together) and again after the last one
+//! (this run's alone), so a run that stops halfway leaves a manifest covering every file it
+//! may have written. Names read from a manifest are used only when they are names a run writes
+//! (no path separators), so an edited manifest cannot reach outside the directory or past the
+//! simulator's own file names. A directory written before manifests existed has its
+//! `summary.json`, which names its policies: their `requests-<label>.jsonl` are removed then.
+
+use crate::error::SimError;
+use crate::report::Comparison;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeSet;
+use std::path::Path;
+
+/// The manifest's file name.
+pub const MANIFEST: &str = "simulate-manifest.json";
+
+/// What `write` says in the manifest's `written_by`, to tell it from a file of the same name
+/// that is not ours.
+const WRITTEN_BY: &str = "switchyard simulate";
+
+/// The names every run writes, whatever its policies.
+pub const FIXED_FILES: [&str; 6] = [
+    "summary.json",
+    "summary.txt",
+    "ttft_cdf.svg",
+    "e2e_cdf.svg",
+    "queue.svg",
+    "kv_usage.svg",
+];
+
+/// The per-request file of the policy labelled `label`.
+pub fn requests_file(label: &str) -> String {
+    format!("requests-{label}.jsonl")
+}
+
+/// Whether `name` is a file name a run writes: one of [`FIXED_FILES`] or a
+/// [`requests_file`] of a valid policy label.
+fn is_output_name(name: &str) -> bool {
+    FIXED_FILES.contains(&name)
+        || name
+            .strip_prefix("requests-")
+            .and_then(|n| n.strip_suffix(".jsonl"))
+            .is_some_and(crate::spec::valid_label)
+}
+
+/// The manifest's contents.
+#[derive(Debug, Serialize, Deserialize)]
+struct Manifest {
+    /// Always [`WRITTEN_BY`].
+    written_by: String,
+    /// The file names (in the directory) the run wrote.
+    files: BTreeSet<String>,
+}
+
+/// The files a run wrote into its directory and those of an earlier run it removed, by name.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct OutputFiles {
+    /// Written by this run, the manifest included.
+    pub written: Vec<String>,
+    /// Left by an earlier run and removed, as this run does not write them.
+    pub removed: Vec<String>,
+}
+
+/// The files an earlier run recorded in `dir`: its manifest's, or for a directory written
+/// before manifests, the per-request files of the policies its `summary.json` names. A
+/// manifest that is not one `switchyard simulate` wrote is an error: writing ours would
+/// overwrite it.
+fn earlier_files(dir: &Path) -> Result<BTreeSet<String>, SimError> {
+    let path = dir.join(MANIFEST);
+    match std::fs::read_to_string(&path) {
+        Ok(text) => {
+            let not_ours = || {
+                SimError::io(
+                    &path,
+                    std::io::Error::other(
+                        "not a manifest switchyard simulate wrote, and a run would overwrite \
+                         it; move it, or give --out another directory",
+                    ),
+                )
+            };
+            let m: Manifest = serde_json::from_str(&text).map_err(|_| not_ours())?;
+            if m.written_by != WRITTEN_BY {
+                return Err(not_ours());
+            }
+            Ok(m.files.into_iter().filter(|n| is_output_name(n)).collect())
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            // Only a summary.json that reads as ours counts; anything else names nothing.
+            let summary = std::fs::read_to_string(dir.join("summary.json")).ok();
+            let policies = summary
+                .and_then(|s| serde_json::from_str::<Comparison>(&s).ok())
+                .map(|c| c.policies)
+                .unwrap_or_default();
+            Ok(policies
+                .iter()
+                .map(|p| requests_file(&p.policy))
+                .filter(|n| is_output_name(n))
+                .collect())
+        }
+        Err(e) => Err(SimError::io(&path, e)),
+    }
+}
+
+/// Writes the manifest listing `files`, through a temporary file renamed over it so that it is
+/// never seen half written.
+fn write_manifest(dir: &Path, files: &BTreeSet<String>) -> Result<(), SimError> {
+    let path = dir.join(MANIFEST);
+    let tmp = dir.join(format!("{MANIFEST}.tmp"));
+    let m = Manifest {
+        written_by: WRITTEN_BY.into(),
+        files: files.clone(),
+    };
+    let text = serde_json::to_string_pretty(&m)
+        .map_err(|e| SimError::io(&path, std::io::Error::other(e)))?;
+    std::fs::write(&tmp, text + "\n").map_err(|e| SimError::io(&tmp, e))?;
+    std::fs::rename(&tmp, &path).map_err(|e| SimError::io(&path, e))
+}
+
+/// Prepares `dir` (created if needed) for a run that writes `files`: records them in the
+/// manifest beside the earlier run's, then removes the earlier run's files that are not among
+/// them. Returns the removed names; call [`finish`] once every file is written.
+pub fn prepare(dir: &Path, files: &BTreeSet<String>) -> Result<Vec<String>, SimError> {
+    debug_assert!(files.iter().all(|n| is_output_name(n)));
+    std::fs::create_dir_all(dir).map_err(|e| SimError::io(dir, e))?;
+    let earlier = earlier_files(dir)?;
+    write_manifest(dir, &earlier.union(files).cloned().collect())?;
+    let mut removed = Vec::new();
+    for name in earlier.difference(files) {
+        let path = dir.join(name);
+        // A directory or other non-file of that name was never ours to write: leave it.
+        match std::fs::symlink_metadata(&path) {
+            Ok(m) if m.is_file() || m.is_symlink() => {}
+            Ok(_) => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(SimError::io(&path, e)),
+        }
+        match std::fs::remove_file(&path) {
+            Ok(()) => removed.push(name.clone()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(SimError::io(&path, e)),
+        }
+    }
+    Ok(removed)
+}
+
+/// Records that `dir` holds exactly `files` (and the manifest).
+pub fn finish(dir: &Path, files: &BTreeSet<String>) -> Result<(), SimError> {
+    write_manifest(dir, files)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dir(tag: &str) -> std::path::PathBuf {
+        let d = std::env::temp_dir().join(format!("sy-outputs-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    fn names(list: &[&str]) -> BTreeSet<String> {
+        list.iter().map(|s| s.to_string()).collect()
+    }
+
+    fn run(d: &Path, files: &BTreeSet<String>) -> Vec<String> {
+        let removed = prepare(d, files).unwrap();
+        for f in files {
+            std::fs::write(d.join(f), "x").unwrap();
+        }
+        finish(d, files).unwrap();
+        removed
+    }
+
+    fn listing(d: &Path) -> BTreeSet<String> {
+        std::fs::read_dir(d)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn a_second_run_removes_only_the_first_runs_files_it_does_not_rewrite() {
+        let d = dir("second");
+        std::fs::write(d.join("notes.txt"), "mine").unwrap();
+        std::fs::write(d.join("requests-mine.jsonl"), "mine").unwrap();
+        let first = names(&["summary.json", "requests-fcfs.jsonl", "requests-slo.jsonl"]);
+        assert!(run(&d, &first).is_empty());
+        let second = names(&["summary.json", "requests-fcfs.jsonl"]);
+        assert_eq!(run(&d, &second), ["requests-slo.jsonl"]);
+        assert_eq!(
+            listing(&d),
+            names(&[
+                "notes.txt",
+                "requests-mine.jsonl",
+                "summary.json",
+                "requests-fcfs.jsonl",
+                MANIFEST
+            ])
+        );
+    }
+
+    #[test]
+    fn a_run_that_stops_halfway_leaves_a_manifest_covering_both_runs() {
+        let d = dir("halfway");
+        run(&d, &names(&["requests-a.jsonl"]));
+        prepare(&d, &names(&["requests-b.jsonl"])).unwrap();
+        std::fs::write(d.join("requests-b.jsonl"), "x").unwrap();
+        // No finish: the next run still knows requests-b.jsonl is ours.
+        assert_eq!(run(&d, &names(&["summary.json"])), ["requests-b.jsonl"]);
+        assert_eq!(listing(&d), names(&["summary.json", MANIFEST]));
+    }
+
+    #[test]
+    fn an_edited_manifest_reaches_only_the_simulators_names_in_the_directory() {
+        let d = dir("edited");
+        for f in ["notes.txt", "requests-a.jsonl", "requests-a b.jsonl"] {
+            std::fs::write(d.join(f), "x").unwrap();
+        }
+        std::fs::create_dir(d.join("queue.svg")).unwrap();
+        let text = format!(
+            r#"{{"written_by":"{WRITTEN_BY}","files":["notes.txt","../x","/etc/passwd",
+            "requests-a.jsonl","requests-a b.jsonl","queue.svg"]}}"#
+        );
+        std::fs::write(d.join(MANIFEST), text).unwrap();
+        assert_eq!(run(&d, &names(&["summary.txt"])), ["requests-a.jsonl"]);
+        assert!(d.join("notes.txt").exists() && d.join("requests-a b.jsonl").exists());
+        assert!(d.join("queue.svg").is_dir());
+    }
+
+    #[test]
+    fn a_manifest_switchyard_did_not_write_is_refused_not_overwritten() {
+        let d = dir("foreign");
+        std::fs::write(d.join(MANIFEST), "{\"files\": []}").unwrap();
+        let err = prepare(&d, &names(&["summary.json"])).unwrap_err();
+        assert!(err.to_string().contains("not a manifest"), "{err}");
+        assert_eq!(
+            std::fs::read_to_string(d.join(MANIFEST)).unwrap(),
+            "{\"files\": []}"
+        );
+    }
+
+    #[test]
+    fn a_directory_from_before_manifests_gives_its_summarys_policies() {
+        let d = dir("legacy");
+        let summary = Comparison {
+            policies: vec![
+                crate::report::PolicySummary {
+                    policy: "fcfs".into(),
+                    ..Default::default()
+                },
+                crate::report::PolicySummary {
+                    policy: "priority".into(),
+                    ..Default::default()
+                },
+            ],
+            ..Default::default()
+        };
+        summary.write(&d).unwrap();
+        for f in [
+            "requests-fcfs.jsonl",
+            "requests-priority.jsonl",
+            "requests-x.jsonl",
+        ] {
+            std::fs::write(d.join(f), "x").unwrap();
+        }
+        let files = names(&["summary.json", "summary.txt", "requests-fcfs.jsonl"]);
+        assert_eq!(run(&d, &files), ["requests-priority.jsonl"]);
+        assert!(d.join("requests-x.jsonl").exists());
+    }
+}
