@@ -1,5 +1,5 @@
-//! The command line as a user runs it: `config check`, `simulate` and `bench serve` through
-//! the real binary.
+//! The command line as a user runs it through the real binary: `config check`, `simulate`,
+//! `generate`, `bench throughput` and `bench serve`.
 
 mod common;
 

@@ -23,7 +23,9 @@ pub const PREFIX_CACHE_QUERIES: &str = "switchyard:prefix_cache_queries_total";
 pub const PREFIX_CACHE_HITS: &str = "switchyard:prefix_cache_hits_total";
 /// Counter: preemptions (a running request sent back to waiting).
 pub const NUM_PREEMPTIONS: &str = "switchyard:num_preemptions_total";
-/// Counter: prefill tokens processed.
+/// Counter: prompt tokens of the requests the engine accepted, counted when a request is
+/// queued (one whose client leaves before its prefill counts too; prefix-cache hits count, as
+/// in vLLM's `prompt_tokens_total`).
 pub const PROMPT_TOKENS: &str = "switchyard:prompt_tokens_total";
 /// Counter: tokens generated.
 pub const GENERATION_TOKENS: &str = "switchyard:generation_tokens_total";
@@ -32,7 +34,9 @@ pub const REQUEST_SUCCESS: &str = "switchyard:request_success_total";
 /// Counter: requests aborted because their client went away.
 pub const REQUEST_ABORTED: &str = "switchyard:request_aborted_total";
 /// Counter, label `reason`: requests that ended with an error after they were queued, by kind:
-/// `invalid_request`, `context_length`, `unknown_model`, `overloaded`, `unavailable` (refused, or cut off at the drain timeout), or `error` (the server's own failure, such as a failed step).
+/// `invalid_request`, `context_length`, `unknown_model`, `overloaded`, `unavailable` (refused,
+/// or cut off at the drain timeout), `structured_output` (the grammar failed while generating)
+/// or `error` (the server's own failure, such as a failed step).
 pub const REQUEST_FAILED: &str = "switchyard:request_failed_total";
 /// Counter: engine steps that failed (a backend error or panic, or a lost executor or
 /// allocator); their requests ended with an error, the server went on.

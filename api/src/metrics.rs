@@ -29,7 +29,7 @@ pub const PREFIX_CACHE_QUERIES: &str = "switchyard:prefix_cache_queries_total";
 pub const PREFIX_CACHE_HITS: &str = "switchyard:prefix_cache_hits_total";
 /// Counter: preemptions (a running request sent back to waiting).
 pub const NUM_PREEMPTIONS: &str = "switchyard:num_preemptions_total";
-/// Counter: prefill tokens processed.
+/// Counter: prompt tokens of the requests the engine accepted, counted when queued.
 pub const PROMPT_TOKENS: &str = "switchyard:prompt_tokens_total";
 /// Counter: tokens generated.
 pub const GENERATION_TOKENS: &str = "switchyard:generation_tokens_total";
@@ -193,7 +193,11 @@ pub fn describe_metrics() {
         "Prompt tokens found in the prefix cache."
     );
     describe_counter!(NUM_PREEMPTIONS, Unit::Count, "Preemptions.");
-    describe_counter!(PROMPT_TOKENS, Unit::Count, "Prefill tokens processed.");
+    describe_counter!(
+        PROMPT_TOKENS,
+        Unit::Count,
+        "Prompt tokens of the requests the engine accepted (counted when queued; prefix-cache hits included)."
+    );
     describe_counter!(GENERATION_TOKENS, Unit::Count, "Tokens generated.");
     describe_counter!(
         REQUEST_SUCCESS,

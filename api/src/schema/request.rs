@@ -133,6 +133,9 @@ pub struct CompletionRequest {
     pub include_stop_str_in_output: Option<bool>,
     /// vLLM's `skip_special_tokens` (default true): leave special tokens' text out.
     pub skip_special_tokens: Option<bool>,
+    /// vLLM's `spaces_between_special_tokens`: read (a boolean) and without effect, as with
+    /// vLLM's fast tokenizers, so it is not reported as an ignored field.
+    pub spaces_between_special_tokens: Option<bool>,
     /// Structured output (`response_format`, `structured_outputs`, `guided_*`).
     #[serde(flatten)]
     pub structured: StructuredFields,
@@ -219,6 +222,9 @@ pub struct ChatRequest {
     pub include_stop_str_in_output: Option<bool>,
     /// vLLM's `skip_special_tokens` (default true): leave special tokens' text out.
     pub skip_special_tokens: Option<bool>,
+    /// vLLM's `spaces_between_special_tokens`: read (a boolean) and without effect, as with
+    /// vLLM's fast tokenizers, so it is not reported as an ignored field.
+    pub spaces_between_special_tokens: Option<bool>,
     /// Structured output (`response_format`, `structured_outputs`, `guided_*`).
     #[serde(flatten)]
     pub structured: StructuredFields,
