@@ -261,6 +261,11 @@ impl BlockLedger {
         self.log.clear_cache = true;
     }
 
+    /// Whether a block with `hash` is registered in the prefix cache (one probe).
+    pub fn is_cached(&self, hash: PrefixHash) -> bool {
+        self.cache.contains_key(&hash)
+    }
+
     /// Appends to `out` the cached blocks of the longest cached prefix of `hashes`.
     pub fn match_prefix(&self, hashes: &[PrefixHash], out: &mut Vec<BlockId>) -> usize {
         let start = out.len();

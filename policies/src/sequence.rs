@@ -72,6 +72,10 @@ pub(crate) struct Sequence {
     /// Leading entries of `block_table` given back (sliding window); 0 without one. Read
     /// only by windowed schedulers, so out of the fields every step touches.
     pub(crate) released_blocks: usize,
+    /// Tokens of its longest cached prefix, as the planner looked it up for this step's
+    /// ranking (only for a policy that asks, see [`crate::Policy::prefix_lookups`]); `None`
+    /// when it was not looked up, and always once admitted.
+    pub(crate) cached_prefix: Option<u32>,
 }
 
 impl Sequence {
@@ -104,6 +108,7 @@ impl Sequence {
             req,
             ngrams: None,
             speculating: false,
+            cached_prefix: None,
         }
     }
 
@@ -289,6 +294,15 @@ impl<'a> SeqView<'a> {
     /// Times this request was preempted.
     pub fn num_preemptions(&self) -> u32 {
         self.seq.num_preemptions
+    }
+    /// Tokens of a waiting sequence's longest prefix (prompt, then output after a
+    /// preemption) held in the prefix cache when this step was planned: what its admission
+    /// would reuse, a whole number of blocks, never its last token. `None` unless the
+    /// planner looked it up this step: only for a policy whose
+    /// [`crate::Policy::prefix_lookups`] asks for it, with prefix caching on, and for the
+    /// earliest-arrived waiting sequences up to that many; never for a running one.
+    pub fn cached_prefix_tokens(&self) -> Option<usize> {
+        self.seq.cached_prefix.map(|t| t as usize)
     }
 }
 
