@@ -7,8 +7,12 @@
 //! reads it; every other waiting sequence reads `None`. A lookup walks the block-hash chain
 //! as admission's prefix match does, with the same cap (never the last token), and stops at
 //! the first miss: hit length + 1 probes, and a block's hash is computed only when the walk
-//! reaches it, once over the request's life (admission reuses it). Per step that is O(waiting)
-//! to pick the earliest arrivals plus the walks, at most [`MAX_PREFIX_LOOKUPS`] of them.
+//! reaches it, once over the request's life (admission reuses it). A walk resumes where the
+//! sequence's previous one stopped unless a registration was dropped (evicted or cleared) since
+//! ([`crate::BlockLedger::cache_drops`]): registrations only grow in between, so the blocks it
+//! found are still there, and a request waiting many steps costs about one probe a step. Per
+//! step that is O(waiting) to pick the earliest arrivals plus the walks, at most
+//! [`MAX_PREFIX_LOOKUPS`] of them, each at most hit length + 1 probes.
 
 use crate::policy::MAX_PREFIX_LOOKUPS;
 use crate::scheduler::Scheduler;
@@ -57,7 +61,12 @@ impl Scheduler {
             return 0;
         };
         let max_blocks = seq.num_tokens().saturating_sub(1) / bs;
-        let mut n = 0;
+        // Blocks an earlier walk found are still cached if no registration was dropped since.
+        let drops = self.ledger.cache_drops();
+        let mut n = match seq.prefix_walk {
+            (d, found) if d == drops => (found as usize).min(max_blocks),
+            _ => 0,
+        };
         while n < max_blocks {
             if seq.hashes.len() <= n {
                 let extras = seq.hash_extras();
@@ -71,6 +80,7 @@ impl Scheduler {
                 _ => break,
             }
         }
+        seq.prefix_walk = (drops, u32::try_from(n).unwrap_or(u32::MAX));
         n
     }
 }
@@ -274,6 +284,21 @@ mod tests {
         assert_eq!(step(&mut s, 101), [(2, 8)]);
         assert_eq!(step(&mut s, 102), [(3, 0)]);
         assert_eq!(looked_up(&s, 1), None);
+    }
+
+    #[test]
+    fn a_walk_resumes_only_while_nothing_was_dropped_from_the_cache() {
+        let mut s = warm_then_two(Box::new(PrefixAware::new(5_000.0, 128)));
+        s.look_up_cached_prefixes();
+        assert_eq!(looked_up(&s, 2), Some(16));
+        let walk = |s: &Scheduler| s.seq(s.index[&RequestId(2)]).unwrap().prefix_walk;
+        assert_eq!(walk(&s), (0, 4));
+        // A failed step drops every registration: the 4 blocks found before are gone, and a
+        // walk resumed from them would still report 16 tokens.
+        s.clear_prefix_cache();
+        s.look_up_cached_prefixes();
+        assert_eq!(looked_up(&s, 2), Some(0));
+        assert_eq!(walk(&s).1, 0);
     }
 
     #[test]

@@ -76,6 +76,9 @@ pub(crate) struct Sequence {
     /// ranking (only for a policy that asks, see [`crate::Policy::prefix_lookups`]); `None`
     /// when it was not looked up, and always once admitted.
     pub(crate) cached_prefix: Option<u32>,
+    /// The latest cached-prefix walk: the ledger's `cache_drops` then and the leading blocks
+    /// it found cached (still cached while no registration has been dropped since).
+    pub(crate) prefix_walk: (u64, u32),
 }
 
 impl Sequence {
@@ -109,6 +112,7 @@ impl Sequence {
             ngrams: None,
             speculating: false,
             cached_prefix: None,
+            prefix_walk: (0, 0),
         }
     }
 
