@@ -32,7 +32,7 @@
 //! (O(running · log running) when constrained) plus O(waiting) ranking when something waits
 //! (O(waiting · log waiting) when candidates passed over for adapter slots leave the first
 //! `max_num_seqs + 1` short), plus, for a policy that asks for cached prefixes, at most
-//! `min(prefix_lookups, MAX_PREFIX_LOOKUPS)` hash-chain walks of hit length + 1 probes each;
+//! `min(prefix_lookups, MAX_PREFIX_LOOKUPS)` hash-chain walks of at most hit length + 1 probes;
 //! adapter slots are counted as sequences start and stop running,
 //! so a check is O(1). Block hashes are computed once per block per request. Plans carry only
 //! the blocks each sequence gained since it was last scheduled (vLLM V1's `new_block_ids`).

@@ -19,31 +19,35 @@ use crate::scheduler::Scheduler;
 
 impl Scheduler {
     /// Records the cached prefix of the earliest-arrived waiting sequences, up to what the
-    /// policy asks for; nothing when it asks for none. With prefix caching off every waiting
-    /// sequence reads `None`.
+    /// policy asks for; nothing when it asks for none, or with prefix caching off (a setting
+    /// fixed at construction: no sequence then ever holds a lookup).
     pub(crate) fn look_up_cached_prefixes(&mut self) {
         let limit = self.policy.prefix_lookups().min(MAX_PREFIX_LOOKUPS);
-        if limit == 0 {
+        if limit == 0 || !self.config.enable_prefix_caching {
             return;
         }
-        let caching = self.config.enable_prefix_caching;
-        let mut earliest = std::mem::take(&mut self.lookups);
-        earliest.clear();
-        for &slot in &self.waiting {
+        // Only the sequences of the previous lookups can hold one (admission, the end of a
+        // request and a policy swap clear theirs): O(lookups), not O(waiting).
+        for &(_, _, slot) in &self.lookups {
             if let Some(s) = self.seqs.get_mut(slot as usize).and_then(Option::as_mut) {
                 s.cached_prefix = None;
-                if caching {
-                    earliest.push((s.req.arrival, s.id, slot));
-                }
             }
         }
+        let mut earliest = std::mem::take(&mut self.lookups);
+        earliest.clear();
+        earliest.extend(
+            self.waiting
+                .iter()
+                .filter_map(|&slot| self.seq(slot).map(|s| (s.req.arrival, s.id, slot))),
+        );
         let n = limit.min(earliest.len());
         if n < earliest.len() {
             // The n earliest (arrival, id) before position n, in no particular order.
             earliest.select_nth_unstable(n);
         }
+        earliest.truncate(n);
         let bs = self.ledger.block_size();
-        for &(_, _, slot) in &earliest[..n] {
+        for &(_, _, slot) in &earliest {
             let blocks = self.cached_prefix_blocks(slot);
             if let Some(s) = self.seqs.get_mut(slot as usize).and_then(Option::as_mut) {
                 s.cached_prefix = Some(u32::try_from(blocks * bs).unwrap_or(u32::MAX));

@@ -107,7 +107,8 @@ pub struct Scheduler {
     pub(crate) order: Vec<Ranked>,
     /// Scratch: waiting sequences ranked for the current step.
     pub(crate) wait_order: Vec<Ranked>,
-    /// Scratch: (arrival, id, slot) of the waiting sequences, for cached-prefix lookups.
+    /// (arrival, id, slot) of the waiting sequences looked up in the prefix cache by the latest
+    /// lookup (see `prefix_lookup.rs`); scratch while it picks them.
     pub(crate) lookups: Vec<(Timestamp, RequestId, u32)>,
     /// Scratch: prefix-matched blocks of the candidate being admitted.
     pub(crate) matched: Vec<BlockId>,
@@ -525,7 +526,7 @@ impl Scheduler {
     /// lookups made for the old policy are dropped (the new one may not ask for them).
     pub fn swap_policy(&mut self, policy: Box<dyn Policy>) -> Box<dyn Policy> {
         let old = std::mem::replace(&mut self.policy, policy);
-        for &slot in &self.waiting {
+        for (_, _, slot) in self.lookups.drain(..) {
             if let Some(s) = self.seqs.get_mut(slot as usize).and_then(Option::as_mut) {
                 s.cached_prefix = None;
             }

@@ -187,7 +187,7 @@ mod tests {
             looked_up(2, 200, None),
         ];
         assert_eq!(order(&p, &seqs, 1_500), [2, 3, 1]);
-        // Half a microsecond earlier, 3 is not aged yet: 1 overtakes it by prefix.
+        // A microsecond earlier, 3 is not aged yet: 1 overtakes it by prefix.
         assert_eq!(order(&p, &seqs, 1_499), [2, 1, 3]);
     }
 
@@ -209,7 +209,7 @@ mod tests {
             looked_up(3, 2_000, None),
             looked_up(2, 2_000, None),
         ];
-        // At t = 3 ms: 1 and 2, 3 are aged, 4 is not; arrival order either way.
+        // At t = 3 ms, 1, 2 and 3 are aged and 4 is not: arrival order either way.
         assert_eq!(order(&p, &seqs, 3_000), [1, 2, 3, 4]);
     }
 
