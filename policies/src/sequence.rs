@@ -300,9 +300,10 @@ impl<'a> SeqView<'a> {
         self.seq.num_preemptions
     }
     /// Tokens of a waiting sequence's longest prefix (prompt, then output after a
-    /// preemption) held in the prefix cache: what its admission would reuse, a whole number of blocks, never its last token, as of the planner's latest
-    /// lookup, which it makes right before it ranks the waiting queue. `None` unless that
-    /// lookup covered the sequence: only for a policy whose [`crate::Policy::prefix_lookups`]
+    /// preemption) held in the prefix cache: what its admission would reuse, a whole number
+    /// of blocks, never its last token, as of the planner's latest lookup, which it makes
+    /// right before it ranks the waiting queue. `None` unless that lookup covered the
+    /// sequence: only for a policy whose [`crate::Policy::prefix_lookups`]
     /// asks for it, with prefix caching on, and for the earliest-arrived waiting sequences up
     /// to that many; never for a running one.
     pub fn cached_prefix_tokens(&self) -> Option<usize> {
