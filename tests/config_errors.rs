@@ -143,6 +143,24 @@ fn a_policy_error_names_the_override_that_set_it_or_the_files_line() {
         ),
         "{err}"
     );
+    // prefix-aware's starvation bound is bounded: 0 would age every request at once.
+    let err = refused(
+        example,
+        &[
+            "--set",
+            "scheduler.policy.name=prefix-aware",
+            "--set",
+            "scheduler.policy.params.max_wait_ms=0",
+        ],
+        &[],
+    );
+    assert!(
+        err.contains(
+            "scheduler.policy.params.max_wait_ms: policy `prefix-aware`: parameter \
+             `max_wait_ms`: must be in 1..=3600000, got 0"
+        ),
+        "{err}"
+    );
 }
 
 #[test]

@@ -642,7 +642,8 @@ impl Default for CacheSection {
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, expecting = "a mapping of name and params")]
 pub struct PolicySpec {
-    /// Registered policy name (`fcfs`, `priority`, `slo-aware`, `chunked-prefill`, `fair-share`).
+    /// Registered policy name (`fcfs`, `priority`, `slo-aware`, `chunked-prefill`, `fair-share`,
+    /// `prefix-aware`).
     pub name: String,
     /// Policy parameters; each policy validates its own.
     #[serde(default)]

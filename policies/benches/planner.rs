@@ -1,5 +1,6 @@
 //! One planner step (schedule + apply_outputs) at 256 running decode sequences, per policy,
-//! and the per-request cost of admitting and prefilling a 2048-token prompt.
+//! also with 1,000 requests waiting for a seat, and the per-request cost of admitting and
+//! prefilling a 2048-token prompt.
 
 use std::hint::black_box;
 use std::sync::Arc;
@@ -120,17 +121,45 @@ fn decode_all(s: &mut Scheduler) -> Timestamp {
     now
 }
 
+/// Waiting requests in [`saturated_scheduler`].
+const WAITING: usize = 1000;
+
+/// [`decoding_scheduler`] with `WAITING` more requests queued behind the full seats, request
+/// `j` the 512-token prompt of running request `j % 256` (32 cached blocks) and 16 tokens of
+/// its own: each step ranks them (prefix-aware looks up 128 first) and admits none.
+fn saturated_scheduler(policy: &str, params: &serde_yaml::Value) -> (Scheduler, Timestamp) {
+    let (mut s, now) = decoding_scheduler_with(policy, params);
+    for j in 0..WAITING {
+        let r = j % SEQS;
+        let prompt: Arc<[u32]> = (0..PROMPT)
+            .map(|k| (r * PROMPT + k) as u32)
+            .chain((0..16).map(|k| (1 << 30) + (j * 16 + k) as u32))
+            .collect();
+        s.add_request(request(SEQS + j, prompt, 16)).unwrap();
+    }
+    (s, now)
+}
+
 /// Times `iters` steps (schedule_into + apply_outputs), rebuilding the scheduler every
 /// `STEPS_PER_SETUP` steps outside the timed region.
 fn time_steps(iters: u64, policy: &str, params: &serde_yaml::Value, expect: usize) -> Duration {
+    time_steps_from(iters, expect, || decoding_scheduler_with(policy, params))
+}
+
+/// [`time_steps`] from schedulers that `setup` builds.
+fn time_steps_from(
+    iters: u64,
+    expect: usize,
+    setup: impl Fn() -> (Scheduler, Timestamp),
+) -> Duration {
     let mut total = Duration::ZERO;
-    let (mut s, mut now) = decoding_scheduler_with(policy, params);
+    let (mut s, mut now) = setup();
     let mut plan = StepPlan::default();
     let mut outs = Vec::with_capacity(SEQS);
     let mut k = 0;
     for _ in 0..iters {
         if k == STEPS_PER_SETUP {
-            (s, now) = decoding_scheduler_with(policy, params);
+            (s, now) = setup();
             k = 0;
         }
         let t = Instant::now();
@@ -189,6 +218,17 @@ fn planner_step(c: &mut Criterion) {
             total
         })
     });
+    group.finish();
+    let mut group = c.benchmark_group("planner_step_256_decodes_1000_waiting");
+    for policy in ["fcfs", "prefix-aware"] {
+        group.bench_function(policy, |b| {
+            b.iter_custom(|iters| {
+                time_steps_from(iters, SEQS, || {
+                    saturated_scheduler(policy, &serde_yaml::Value::Null)
+                })
+            })
+        });
+    }
     group.finish();
 }
 

@@ -109,6 +109,8 @@ pub struct BlockLedger {
     refs: Vec<u32>,
     hashes: Vec<Option<PrefixHash>>,
     cache: CacheMap,
+    /// Prefix-cache registrations dropped so far (evicted or cleared).
+    cache_drops: u64,
     /// Blocks with no reference, minus the reserved ones.
     num_free: usize,
     /// Blocks reserved since the last commit.
@@ -125,6 +127,7 @@ impl BlockLedger {
             refs: vec![0; num_blocks],
             hashes: vec![None; num_blocks],
             cache: CacheMap::with_capacity_and_hasher(num_blocks.min(1 << 20), Default::default()),
+            cache_drops: 0,
             num_free: num_blocks,
             reserved: 0,
             log: KvCommit::default(),
@@ -255,10 +258,23 @@ impl BlockLedger {
     /// when it is launched, before they hold their KV, so after a failure no registration can
     /// be trusted. Blocks keep their references; only future prefix hits are lost.
     pub fn clear_cache(&mut self) {
+        self.cache_drops += self.cache.len() as u64;
         self.cache.clear();
         self.hashes.fill(None);
         self.log.cache.clear();
         self.log.clear_cache = true;
+    }
+
+    /// Prefix-cache registrations dropped so far (evicted by an allocation or cleared). While
+    /// it stays the same, every hash found registered stays registered, so a prefix walk may
+    /// resume where it stopped.
+    pub fn cache_drops(&self) -> u64 {
+        self.cache_drops
+    }
+
+    /// Whether a block with `hash` is registered in the prefix cache (one probe).
+    pub fn is_cached(&self, hash: PrefixHash) -> bool {
+        self.cache.contains_key(&hash)
     }
 
     /// Appends to `out` the cached blocks of the longest cached prefix of `hashes`.
@@ -306,6 +322,7 @@ impl BlockLedger {
             if let Some(h) = self.hashes[i].take() {
                 if self.cache.get(&h) == Some(&b) {
                     self.cache.remove(&h);
+                    self.cache_drops += 1;
                 }
             }
         }

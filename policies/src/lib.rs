@@ -49,6 +49,7 @@ pub mod error;
 mod planner;
 pub mod policy;
 pub mod prefix_hash;
+mod prefix_lookup;
 pub mod scheduler;
 pub mod sequence;
 pub mod speculative;
@@ -59,7 +60,7 @@ pub use block_pool::BlockPool;
 pub use error::{PolicyError, SchedulerError};
 pub use policy::{
     ChunkedPrefill, FairShare, Fcfs, Policy, PolicyEvent, PolicyFactory, PolicyRegistry,
-    PriorityPolicy, Rank, SloAware, StepContext,
+    PrefixAware, PriorityPolicy, Rank, SloAware, StepContext, MAX_PREFIX_LOOKUPS,
 };
 pub use prefix_hash::{BlockHasher, HashExtras, PrefixHash};
 pub use scheduler::{validate_config, IdHasher, IdMap, Scheduler};

@@ -9,7 +9,9 @@
 //!    Otherwise they are served in rank order, and when the pool runs dry the lowest-ranked
 //!    running sequence not yet scheduled is preempted (possibly the one being scheduled).
 //!    If anything was preempted, nothing is admitted.
-//! 3. Waiting sequences, in rank order, are admitted while seats, budget and blocks last:
+//! 3. Waiting sequences, in rank order, are admitted while seats, budget and blocks last
+//!    (a policy that ranks by cached prefixes first gets the longest cached prefix of up to
+//!    [`crate::Policy::prefix_lookups`] of them, the earliest arrivals; see `prefix_lookup.rs`):
 //!    their longest cached prefix is pinned (at least the last token is always recomputed,
 //!    so a token can be sampled), the rest is a prefill chunk. The free blocks must hold the
 //!    whole remaining prefill, though only the chunk's are reserved (admitted for its first
@@ -29,7 +31,9 @@
 //! admission asks for at most the blocks a sequence holds at once. Per step the planner does O(running) work
 //! (O(running · log running) when constrained) plus O(waiting) ranking when something waits
 //! (O(waiting · log waiting) when candidates passed over for adapter slots leave the first
-//! `max_num_seqs + 1` short); adapter slots are counted as sequences start and stop running,
+//! `max_num_seqs + 1` short), plus, for a policy that asks for cached prefixes, at most
+//! `min(prefix_lookups, MAX_PREFIX_LOOKUPS)` hash-chain walks of at most hit length + 1 probes;
+//! adapter slots are counted as sequences start and stop running,
 //! so a check is O(1). Block hashes are computed once per block per request. Plans carry only
 //! the blocks each sequence gained since it was last scheduled (vLLM V1's `new_block_ids`).
 
@@ -703,6 +707,7 @@ impl Scheduler {
             return;
         }
         let step_running = self.running.len();
+        self.look_up_cached_prefixes();
         let mut worder = std::mem::take(&mut self.wait_order);
         self.rank_into(&self.waiting, now, &mut worder);
         // At most max_num_seqs admissions, plus the one that fails, are ever examined, not
@@ -1010,6 +1015,7 @@ impl Scheduler {
         }
         seq.num_computed = computed;
         seq.num_cached_blocks = self.matched.len();
+        seq.cached_prefix = None;
         seq.state = RequestState::Running;
         self.adapters.started(seq.req.lora_adapter);
         if caching {

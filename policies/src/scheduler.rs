@@ -107,6 +107,9 @@ pub struct Scheduler {
     pub(crate) order: Vec<Ranked>,
     /// Scratch: waiting sequences ranked for the current step.
     pub(crate) wait_order: Vec<Ranked>,
+    /// (arrival, id, slot) of the waiting sequences looked up in the prefix cache by the latest
+    /// lookup (see `prefix_lookup.rs`); scratch while it picks them.
+    pub(crate) lookups: Vec<(Timestamp, RequestId, u32)>,
     /// Scratch: prefix-matched blocks of the candidate being admitted.
     pub(crate) matched: Vec<BlockId>,
     /// Scratch: victims chosen for a policy preemption.
@@ -248,6 +251,7 @@ impl Scheduler {
             waiting: Vec::new(),
             order: Vec::new(),
             wait_order: Vec::new(),
+            lookups: Vec::new(),
             matched: Vec::new(),
             victims: Vec::new(),
             last_slots: Vec::new(),
@@ -464,6 +468,7 @@ impl Scheduler {
         seq.clear_blocks();
         // Tokens still on the device will not be resolved for an ended request.
         seq.drop_pending();
+        seq.cached_prefix = None;
         seq.state = terminal;
         self.policy
             .observe(PolicyEvent::Departed(SeqView::new(seq)));
@@ -517,9 +522,15 @@ impl Scheduler {
     /// Installs `policy` between two steps and returns the old one.
     ///
     /// The queues are untouched (no request is lost or duplicated); the new policy is told
-    /// about every live request, in arrival order, as if they had just arrived.
+    /// about every live request, in arrival order, as if they had just arrived. Cached-prefix
+    /// lookups made for the old policy are dropped (the new one may not ask for them).
     pub fn swap_policy(&mut self, policy: Box<dyn Policy>) -> Box<dyn Policy> {
         let old = std::mem::replace(&mut self.policy, policy);
+        for (_, _, slot) in self.lookups.drain(..) {
+            if let Some(s) = self.seqs.get_mut(slot as usize).and_then(Option::as_mut) {
+                s.cached_prefix = None;
+            }
+        }
         let mut live: Vec<u32> = self.running.iter().chain(&self.waiting).copied().collect();
         live.sort_unstable_by_key(|&s| self.seq(s).map(|q| (q.req.arrival, q.req.id)));
         for slot in live {

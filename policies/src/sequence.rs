@@ -72,6 +72,13 @@ pub(crate) struct Sequence {
     /// Leading entries of `block_table` given back (sliding window); 0 without one. Read
     /// only by windowed schedulers, so out of the fields every step touches.
     pub(crate) released_blocks: usize,
+    /// Tokens of its longest cached prefix, as the planner looked it up for this step's
+    /// ranking (only for a policy that asks, see [`crate::Policy::prefix_lookups`]); `None`
+    /// when it was not looked up, and always once admitted.
+    pub(crate) cached_prefix: Option<u32>,
+    /// The latest cached-prefix walk: the ledger's `cache_drops` then and the leading blocks
+    /// it found cached (still cached while no registration has been dropped since).
+    pub(crate) prefix_walk: (u64, u32),
 }
 
 impl Sequence {
@@ -104,6 +111,8 @@ impl Sequence {
             req,
             ngrams: None,
             speculating: false,
+            cached_prefix: None,
+            prefix_walk: (0, 0),
         }
     }
 
@@ -289,6 +298,16 @@ impl<'a> SeqView<'a> {
     /// Times this request was preempted.
     pub fn num_preemptions(&self) -> u32 {
         self.seq.num_preemptions
+    }
+    /// Tokens of a waiting sequence's longest prefix (prompt, then output after a
+    /// preemption) held in the prefix cache: what its admission would reuse, a whole number
+    /// of blocks, never its last token, as of the planner's latest lookup, which it makes
+    /// right before it ranks the waiting queue. `None` unless that lookup covered the
+    /// sequence: only for a policy whose [`crate::Policy::prefix_lookups`]
+    /// asks for it, with prefix caching on, and for the earliest-arrived waiting sequences up
+    /// to that many; never for a running one.
+    pub fn cached_prefix_tokens(&self) -> Option<usize> {
+        self.seq.cached_prefix.map(|t| t as usize)
     }
 }
 

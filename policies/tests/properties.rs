@@ -174,6 +174,8 @@ fn make_policy(name: &str) -> Box<dyn Policy> {
         )
         .unwrap(),
         "fair-share" => serde_yaml::from_str("{tenant_weights: {t0: 2}}").unwrap(),
+        // Aging within a run (4 steps), and fewer lookups than requests wait.
+        "prefix-aware" => serde_yaml::from_str("{max_wait_ms: 20, lookup_limit: 3}").unwrap(),
         _ => serde_yaml::Value::Null,
     };
     reg.create(name, &params, &tiers()).unwrap()

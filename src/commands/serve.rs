@@ -547,6 +547,7 @@ fn policy_label(name: &str) -> &'static str {
         "slo-aware" => "slo-aware",
         "chunked-prefill" => "chunked-prefill",
         "fair-share" => "fair-share",
+        "prefix-aware" => "prefix-aware",
         _ => "other",
     }
 }

@@ -10,23 +10,35 @@
 //!   after it when admission is blocked by `max_num_seqs` or by KV blocks (vLLM #40004).
 //! * [`Policy::token_budget`]: this step's token budget, which sizes prefill chunks.
 //! * [`Policy::observe`]: arrivals, served tokens and departures, for stateful policies.
+//!
+//! A policy that orders by what the prefix cache holds asks for it with
+//! [`Policy::prefix_lookups`]: before it ranks the waiting queue, the planner then looks up
+//! the longest cached prefix of that many waiting sequences (the earliest arrivals) and hands
+//! it over as [`SeqView::cached_prefix_tokens`]. Other policies pay nothing for it.
 
 mod chunked_prefill;
 mod fair_share;
 mod fcfs;
 mod params;
+mod prefix_aware;
 mod priority;
 mod slo_aware;
 
 pub use chunked_prefill::ChunkedPrefill;
 pub use fair_share::FairShare;
 pub use fcfs::Fcfs;
+pub use prefix_aware::PrefixAware;
 pub use priority::PriorityPolicy;
 pub use slo_aware::SloAware;
 
 use crate::error::PolicyError;
 use crate::sequence::{SeqView, Sequence};
 use crate::types::{TierSpec, Timestamp};
+
+/// Most waiting sequences the planner looks up in the prefix cache per step, whatever
+/// [`Policy::prefix_lookups`] asks for: each lookup walks the hash chain (hit length + 1
+/// probes), so this bounds a step's extra work when thousands wait.
+pub const MAX_PREFIX_LOOKUPS: usize = 4096;
 
 /// A policy's service order for one sequence: lower ranks are served first and preempted
 /// last. The core appends (arrival, id) as tie-breakers.
@@ -109,6 +121,15 @@ pub trait Policy: Send {
 
     /// Observes arrivals, served work and departures.
     fn observe(&mut self, _event: PolicyEvent<'_>) {}
+
+    /// How many waiting sequences, earliest arrivals first (then lowest id), the planner
+    /// looks up in the prefix cache before it ranks the waiting queue, so that [`Policy::rank`]
+    /// sees their [`SeqView::cached_prefix_tokens`]; the rest read `None`. The default, 0,
+    /// looks nothing up. The core clamps it to [`MAX_PREFIX_LOOKUPS`], and looks nothing up
+    /// with prefix caching off.
+    fn prefix_lookups(&self) -> usize {
+        0
+    }
 }
 
 /// Builds a policy from its YAML parameters and the configured tiers.
@@ -128,7 +149,8 @@ impl PolicyRegistry {
         Self::default()
     }
 
-    /// A registry with "fcfs", "priority", "slo-aware", "chunked-prefill" and "fair-share".
+    /// A registry with "fcfs", "priority", "slo-aware", "chunked-prefill", "fair-share" and
+    /// "prefix-aware".
     pub fn with_builtins() -> Self {
         let entries: Vec<(&'static str, PolicyFactory)> = vec![
             (fcfs::NAME, fcfs::Fcfs::create),
@@ -139,6 +161,7 @@ impl PolicyRegistry {
                 chunked_prefill::ChunkedPrefill::create,
             ),
             (fair_share::NAME, fair_share::FairShare::create),
+            (prefix_aware::NAME, prefix_aware::PrefixAware::create),
         ];
         Self { entries }
     }
@@ -195,7 +218,8 @@ mod tests {
                 "priority",
                 "slo-aware",
                 "chunked-prefill",
-                "fair-share"
+                "fair-share",
+                "prefix-aware"
             ]
         );
         for n in r.names() {
@@ -223,6 +247,7 @@ mod tests {
                 "fair-share",
                 "{input_weight: 1, output_weight: 3, tenant_weights: {a: 2}}",
             ),
+            ("prefix-aware", "{max_wait_ms: 2000, lookup_limit: 64}"),
         ];
         let r = PolicyRegistry::with_builtins();
         assert_eq!(cases.len(), r.names().len(), "a policy has no case");

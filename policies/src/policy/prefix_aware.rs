@@ -1,0 +1,247 @@
+//! Longest-prefix-match admission with a starvation bound, after SGLang's `lpm` schedule
+//! policy (Zheng et al., "SGLang: Efficient Execution of Structured Language Model
+//! Programs", NeurIPS 2024, §3: cache-aware scheduling; `python/sglang/srt/managers/
+//! schedule_policy.py`).
+//!
+//! Waiting requests are admitted longest cached prefix first, so a request whose prefix is
+//! in the cache runs while that prefix is still resident instead of after requests that
+//! would evict it: under load the cache hit rate rises and the prefill work falls. SGLang
+//! orders its whole waiting queue this way up to 128 waiting requests and falls back to
+//! FCFS above; here the planner looks up the `lookup_limit` earliest arrivals (see
+//! [`Policy::prefix_lookups`]), they are ranked by their cached prefix, and the rest follow
+//! by arrival. Pure longest-prefix-first starves a request whose prefix nobody shares
+//! behind a stream of requests that share theirs; so a request that has waited
+//! `max_wait_ms` since it arrived ranks before every one that has not, in arrival order.
+//! Its wait is thereby bounded as under FCFS from `max_wait_ms` on: only requests that
+//! arrived before it can still go first.
+//!
+//! Ranks, lower first (ties by arrival, then id, as always):
+//!
+//! | class | who | key |
+//! |---|---|---|
+//! | 0 | running; waiting for at least `max_wait_ms` since arrival | 0 |
+//! | 1 | waiting, looked up | minus the cached prefix tokens |
+//! | 2 | waiting, not looked up (beyond `lookup_limit`, or prefix caching off) | 0 |
+//!
+//! Running requests rank by arrival, as under FCFS: the newest is the preemption victim,
+//! and nothing waiting may preempt. Without prefix caching nothing is looked up and the
+//! order is FCFS exactly (requests aged since arrival all arrived before those that are not).
+//!
+//! Cost per step: the planner's O(waiting) selection of the earliest arrivals plus, for each
+//! of at most `lookup_limit`, a walk down its block-hash chain of at most hit length + 1
+//! probes, resumed where its previous walk stopped while nothing was evicted from the cache
+//! (each block of a request is hashed once over its life).
+//!
+//! When to use it: prompts that share long prefixes (system prompts, documents, multi-turn
+//! histories) with a prefix cache too small to keep every prefix, under enough load that
+//! requests queue. `max_wait_ms` must then exceed the usual queueing delay: a request past it
+//! is served in arrival order, so when every waiting request has waited that long the order
+//! is FCFS's (on the Mooncake trace, prompts of 15k tokens on average, 60000 rather than the
+//! default). Without queueing, or when the cache holds every prefix, it changes little.
+
+use crate::error::PolicyError;
+use crate::policy::params::Params;
+use crate::policy::{Policy, Rank, MAX_PREFIX_LOOKUPS};
+use crate::sequence::SeqView;
+use crate::types::{TierSpec, Timestamp};
+
+/// Registered name.
+pub(crate) const NAME: &str = "prefix-aware";
+
+/// Rank class of running requests and of waiting ones past `max_wait_ms` (arrival order).
+const AGED: i64 = 0;
+/// Rank class of waiting requests whose cached prefix was looked up.
+const LOOKED_UP: i64 = 1;
+/// Rank class of waiting requests not looked up this step (arrival order).
+const NOT_LOOKED_UP: i64 = 2;
+
+/// Default `max_wait_ms`.
+const DEFAULT_MAX_WAIT_MS: f64 = 5_000.0;
+/// Largest `max_wait_ms` accepted (one hour): the starvation bound stays a bound.
+const MAX_WAIT_MS_LIMIT: f64 = 3_600_000.0;
+/// Default `lookup_limit` (SGLang's FCFS fallback threshold).
+const DEFAULT_LOOKUP_LIMIT: u64 = 128;
+
+/// Longest cached prefix first, with aging.
+#[derive(Clone, Debug)]
+pub struct PrefixAware {
+    /// Microseconds since arrival after which a waiting request ranks before every
+    /// non-aged one.
+    max_wait_us: u64,
+    /// Waiting requests (earliest arrivals first) looked up in the prefix cache per step.
+    lookup_limit: usize,
+}
+
+impl PrefixAware {
+    /// A policy aging requests after `max_wait_ms` (rounded to whole microseconds, at least
+    /// one) that asks for `lookup_limit` lookups per step (clamped to
+    /// `1..=`[`MAX_PREFIX_LOOKUPS`]).
+    pub fn new(max_wait_ms: f64, lookup_limit: usize) -> Self {
+        Self {
+            max_wait_us: ((max_wait_ms * 1e3).round() as u64).max(1),
+            lookup_limit: lookup_limit.clamp(1, MAX_PREFIX_LOOKUPS),
+        }
+    }
+
+    /// Builds the policy from `{max_wait_ms, lookup_limit}` (defaults 5000 and 128;
+    /// `max_wait_ms` in 1..=3600000, `lookup_limit` in 1..=4096).
+    pub fn create(
+        params: &serde_yaml::Value,
+        _tiers: &[TierSpec],
+    ) -> Result<Box<dyn Policy>, PolicyError> {
+        let p = Params::new(NAME, params, &["max_wait_ms", "lookup_limit"])?;
+        let max_wait = p.f64_in("max_wait_ms", DEFAULT_MAX_WAIT_MS, 1.0, MAX_WAIT_MS_LIMIT)?;
+        let limit = p.u64_in(
+            "lookup_limit",
+            DEFAULT_LOOKUP_LIMIT,
+            1,
+            MAX_PREFIX_LOOKUPS as u64,
+        )?;
+        Ok(Box::new(Self::new(max_wait, limit as usize)))
+    }
+
+    /// Whether `seq` has waited `max_wait_ms` since it arrived.
+    fn aged(&self, seq: SeqView<'_>, now: Timestamp) -> bool {
+        now.saturating_sub(seq.arrival()) >= self.max_wait_us
+    }
+}
+
+impl Policy for PrefixAware {
+    fn name(&self) -> &str {
+        NAME
+    }
+
+    fn rank(&self, seq: SeqView<'_>, now: Timestamp) -> Rank {
+        if seq.is_running() || self.aged(seq, now) {
+            return Rank {
+                class: AGED,
+                key: 0,
+            };
+        }
+        match seq.cached_prefix_tokens() {
+            Some(tokens) => Rank {
+                class: LOOKED_UP,
+                key: -i64::try_from(tokens).unwrap_or(i64::MAX),
+            },
+            None => Rank {
+                class: NOT_LOOKED_UP,
+                key: 0,
+            },
+        }
+    }
+
+    fn prefix_lookups(&self) -> usize {
+        self.lookup_limit
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::testutil::{decoding, seq};
+    use crate::sequence::Sequence;
+
+    /// A waiting sequence arriving at `arrival_us` whose lookup found `cached` tokens.
+    fn looked_up(id: u64, arrival_us: u64, cached: Option<u32>) -> Sequence {
+        let mut s = seq(id, arrival_us, 100);
+        s.cached_prefix = cached;
+        s
+    }
+
+    /// Ids of `seqs` in the order the core serves them at `now`: rank, arrival, id.
+    fn order(p: &PrefixAware, seqs: &[Sequence], now: u64) -> Vec<u64> {
+        let mut keyed: Vec<_> = seqs
+            .iter()
+            .map(|s| {
+                let v = SeqView::new(s);
+                (p.rank(v, Timestamp(now)), v.arrival(), v.id().0)
+            })
+            .collect();
+        keyed.sort_unstable();
+        keyed.into_iter().map(|k| k.2).collect()
+    }
+
+    #[test]
+    fn longest_cached_prefix_first_then_arrival() {
+        let p = PrefixAware::new(5_000.0, 128);
+        // 1 and 4 both hit 64 tokens: arrival breaks the tie (1 first); 3 was not looked up.
+        let seqs = [
+            looked_up(1, 10, Some(64)),
+            looked_up(2, 20, Some(0)),
+            looked_up(3, 0, None),
+            looked_up(4, 30, Some(64)),
+            looked_up(5, 40, Some(96)),
+        ];
+        assert_eq!(order(&p, &seqs, 1_000), [5, 1, 4, 2, 3]);
+    }
+
+    #[test]
+    fn aged_requests_go_first_in_arrival_order() {
+        // max_wait 1 ms. At t = 1.5 ms, 2 (arrived at 0.2 ms) and 3 (at 0.5 ms) have waited
+        // 1 ms or more; 1 (at 0.6 ms) has not, although its prefix is the longest. Exactly
+        // 1 ms counts as aged (3 at t = 1.5 ms).
+        let p = PrefixAware::new(1.0, 128);
+        let seqs = [
+            looked_up(1, 600, Some(512)),
+            looked_up(3, 500, Some(0)),
+            looked_up(2, 200, None),
+        ];
+        assert_eq!(order(&p, &seqs, 1_500), [2, 3, 1]);
+        // A microsecond earlier, 3 is not aged yet: 1 overtakes it by prefix.
+        assert_eq!(order(&p, &seqs, 1_499), [2, 1, 3]);
+    }
+
+    #[test]
+    fn running_requests_rank_by_arrival() {
+        let p = PrefixAware::new(5_000.0, 128);
+        let a = decoding(seq(1, 50, 10), 2, 60);
+        let mut b = decoding(seq(2, 10, 10), 2, 60);
+        b.cached_prefix = Some(1_000); // a stale value must not matter
+        assert_eq!(order(&p, &[a, b], 100), [2, 1]);
+    }
+
+    #[test]
+    fn without_lookups_the_order_is_fcfs() {
+        let p = PrefixAware::new(1.0, 128);
+        let seqs = [
+            looked_up(4, 3_000, None),
+            looked_up(1, 0, None),
+            looked_up(3, 2_000, None),
+            looked_up(2, 2_000, None),
+        ];
+        // At t = 3 ms, 1, 2 and 3 are aged and 4 is not: arrival order either way.
+        assert_eq!(order(&p, &seqs, 3_000), [1, 2, 3, 4]);
+    }
+
+    #[test]
+    fn params_are_validated_and_name_the_field() {
+        let create = |v: &str| {
+            let v: serde_yaml::Value = serde_yaml::from_str(v).unwrap();
+            PrefixAware::create(&v, &[])
+        };
+        for (params, field) in [
+            ("{max_wait_ms: 0}", "max_wait_ms"),
+            ("{max_wait_ms: -5}", "max_wait_ms"),
+            ("{max_wait_ms: 3600001}", "max_wait_ms"),
+            ("{max_wait_ms: soon}", "max_wait_ms"),
+            ("{lookup_limit: 0}", "lookup_limit"),
+            ("{lookup_limit: 4097}", "lookup_limit"),
+            ("{lookup_limit: 1.5}", "lookup_limit"),
+            ("{max_wait: 10}", "max_wait"),
+        ] {
+            let e = create(params)
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default();
+            assert!(
+                e.contains(&format!("`{field}`")) && e.contains("prefix-aware"),
+                "{params}: {e}"
+            );
+        }
+        let p = create("{max_wait_ms: 1, lookup_limit: 4096}").unwrap();
+        assert_eq!(p.prefix_lookups(), 4096);
+        assert_eq!(create("{}").unwrap().prefix_lookups(), 128);
+        // Rounded, not truncated: 4.35 ms is 4350 us (4349.999... in binary).
+        assert_eq!(PrefixAware::new(4.35, 1).max_wait_us, 4350);
+    }
+}

@@ -1,0 +1,318 @@
+//! Cached-prefix lookups for policies that rank by them (see
+//! [`crate::Policy::prefix_lookups`]).
+//!
+//! Before the planner ranks the waiting queue it looks up, for at most the policy's number of
+//! waiting sequences, the earliest arrivals first (then the lowest id), how many leading
+//! tokens the prefix cache holds, and records it where [`crate::SeqView::cached_prefix_tokens`]
+//! reads it; every other waiting sequence reads `None`. A lookup walks the block-hash chain
+//! as admission's prefix match does, with the same cap (never the last token), and stops at
+//! the first miss: hit length + 1 probes, and a block's hash is computed only when the walk
+//! reaches it, once over the request's life (admission reuses it). A walk resumes where the
+//! sequence's previous one stopped unless a registration was dropped (evicted or cleared) since
+//! ([`crate::BlockLedger::cache_drops`]): registrations only grow in between, so the blocks it
+//! found are still there, and a request waiting many steps costs about one probe a step. Per
+//! step that is O(waiting) to pick the earliest arrivals plus the walks, at most
+//! [`MAX_PREFIX_LOOKUPS`] of them, each at most hit length + 1 probes.
+
+use crate::policy::MAX_PREFIX_LOOKUPS;
+use crate::scheduler::Scheduler;
+
+impl Scheduler {
+    /// Records the cached prefix of the earliest-arrived waiting sequences, up to what the
+    /// policy asks for; nothing when it asks for none, or with prefix caching off (a setting
+    /// fixed at construction: no sequence then ever holds a lookup).
+    pub(crate) fn look_up_cached_prefixes(&mut self) {
+        let limit = self.policy.prefix_lookups().min(MAX_PREFIX_LOOKUPS);
+        if limit == 0 || !self.config.enable_prefix_caching {
+            return;
+        }
+        // Only the sequences of the previous lookups can hold one (admission, the end of a
+        // request and a policy swap clear theirs): O(lookups), not O(waiting).
+        for &(_, _, slot) in &self.lookups {
+            if let Some(s) = self.seqs.get_mut(slot as usize).and_then(Option::as_mut) {
+                s.cached_prefix = None;
+            }
+        }
+        let mut earliest = std::mem::take(&mut self.lookups);
+        earliest.clear();
+        earliest.extend(
+            self.waiting
+                .iter()
+                .filter_map(|&slot| self.seq(slot).map(|s| (s.req.arrival, s.id, slot))),
+        );
+        let n = limit.min(earliest.len());
+        if n < earliest.len() {
+            // The n earliest (arrival, id) before position n, in no particular order.
+            earliest.select_nth_unstable(n);
+        }
+        earliest.truncate(n);
+        let bs = self.ledger.block_size();
+        for &(_, _, slot) in &earliest {
+            let blocks = self.cached_prefix_blocks(slot);
+            if let Some(s) = self.seqs.get_mut(slot as usize).and_then(Option::as_mut) {
+                s.cached_prefix = Some(u32::try_from(blocks * bs).unwrap_or(u32::MAX));
+            }
+        }
+        self.lookups = earliest;
+    }
+
+    /// Leading blocks of a waiting sequence found in the prefix cache, at most those before
+    /// its last token (admission always computes that one), hashing blocks as the walk
+    /// reaches them.
+    fn cached_prefix_blocks(&mut self, slot: u32) -> usize {
+        let bs = self.ledger.block_size();
+        let Some(seq) = self.seqs.get_mut(slot as usize).and_then(Option::as_mut) else {
+            return 0;
+        };
+        let max_blocks = seq.num_tokens().saturating_sub(1) / bs;
+        // Blocks an earlier walk found are still cached if no registration was dropped since.
+        let drops = self.ledger.cache_drops();
+        let mut n = match seq.prefix_walk {
+            (d, found) if d == drops => (found as usize).min(max_blocks),
+            _ => 0,
+        };
+        while n < max_blocks {
+            if seq.hashes.len() <= n {
+                let extras = seq.hash_extras();
+                let mut hashes = std::mem::take(&mut seq.hashes);
+                self.hasher
+                    .extend_chain(&mut hashes, seq.tokens(), bs, n + 1, extras);
+                seq.hashes = hashes;
+            }
+            match seq.hashes.get(n) {
+                Some(&h) if self.ledger.is_cached(h) => n += 1,
+                _ => break,
+            }
+        }
+        seq.prefix_walk = (drops, u32::try_from(n).unwrap_or(u32::MAX));
+        n
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use crate::policy::{Fcfs, Policy, PrefixAware};
+    use crate::types::*;
+    use crate::Scheduler;
+
+    /// Blocks of 4 tokens, one seat: each step admits one request, which (max_tokens 1)
+    /// ends in that step, so the admission order is the order of the plans.
+    fn sched(policy: Box<dyn Policy>, caching: bool) -> Scheduler {
+        let c = SchedulerConfig {
+            max_num_seqs: 1,
+            max_num_batched_tokens: 1024,
+            block_size: 4,
+            num_gpu_blocks: 64,
+            enable_prefix_caching: caching,
+            max_model_len: 1024,
+            ..SchedulerConfig::default()
+        };
+        Scheduler::new(c, policy, [3, 4]).unwrap()
+    }
+
+    /// The 16-token shared prefix (4 blocks).
+    fn shared() -> Vec<u32> {
+        (1..=16).collect()
+    }
+
+    /// `shared()` then `tail`.
+    fn shared_then(tail: &[u32]) -> Vec<u32> {
+        let mut p = shared();
+        p.extend_from_slice(tail);
+        p
+    }
+
+    /// 17 tokens no other prompt shares.
+    fn unique(id: u64) -> Vec<u32> {
+        (0..17).map(|k| 10_000 * id as u32 + k).collect()
+    }
+
+    fn add(s: &mut Scheduler, id: u64, arrival: u64, prompt: Vec<u32>) {
+        s.add_request(Request {
+            id: RequestId(id),
+            tenant: String::new(),
+            tier: String::new(),
+            priority: 0,
+            lora_adapter: None,
+            arrival: Timestamp(arrival),
+            slo: SloTargets::default(),
+            prompt: Arc::from(prompt),
+            limits: SamplingLimits {
+                max_tokens: 1,
+                ..SamplingLimits::default()
+            },
+            cache_salt: None,
+        })
+        .unwrap();
+    }
+
+    /// One step at `now`: the (id, cached tokens reused) of each request it admits.
+    fn step(s: &mut Scheduler, now: u64) -> Vec<(u64, usize)> {
+        let plan = s.schedule(Timestamp(now));
+        let outs: Vec<StepOutput> = plan
+            .seqs
+            .iter()
+            .filter(|q| q.samples)
+            .map(|q| StepOutput::new(q.id, 7))
+            .collect();
+        s.apply_outputs(&plan, &outs, Timestamp(now));
+        s.check_invariants().unwrap();
+        plan.seqs
+            .iter()
+            .map(|q| (q.id.0, q.num_computed_tokens))
+            .collect()
+    }
+
+    /// Steps from `now` on, one per microsecond, until nothing is left: the admission order.
+    fn drain(s: &mut Scheduler, mut now: u64) -> Vec<u64> {
+        let mut order = Vec::new();
+        while s.has_unfinished() && now < 1_000 {
+            order.extend(step(s, now).into_iter().map(|(id, _)| id));
+            now += 1;
+        }
+        order
+    }
+
+    /// The cached tokens the last lookup recorded for request `id`.
+    fn looked_up(s: &Scheduler, id: u64) -> Option<usize> {
+        let slot = s.index[&RequestId(id)];
+        s.seq(slot)
+            .and_then(|q| q.cached_prefix)
+            .map(|t| t as usize)
+    }
+
+    /// Request 0 (arrival 0) puts `shared()` in the cache; then 1 (arrival 10, a prompt of
+    /// its own) and 2 (arrival 20, `shared()` and one token) wait.
+    fn warm_then_two(policy: Box<dyn Policy>) -> Scheduler {
+        let mut s = sched(policy, true);
+        add(&mut s, 0, 0, shared_then(&[99]));
+        assert_eq!(step(&mut s, 0), [(0, 0)]);
+        add(&mut s, 1, 10, unique(1));
+        add(&mut s, 2, 20, shared_then(&[50]));
+        s
+    }
+
+    #[test]
+    fn the_request_with_a_cached_prefix_is_admitted_first() {
+        // 2 arrived after 1, but its 16 leading tokens are cached (4 full blocks before its
+        // last token): it goes first and reuses them; FCFS admits 1 first.
+        let mut s = warm_then_two(Box::new(PrefixAware::new(5_000.0, 128)));
+        assert_eq!(step(&mut s, 100), [(2, 16)]);
+        assert_eq!(step(&mut s, 101), [(1, 0)]);
+        let mut s = warm_then_two(Box::new(Fcfs));
+        assert_eq!(step(&mut s, 100), [(1, 0)]);
+        assert_eq!(step(&mut s, 101), [(2, 16)]);
+    }
+
+    #[test]
+    fn a_request_waiting_max_wait_ms_goes_first() {
+        // max_wait 1 ms: 1 (arrival 10 us) has waited exactly 1000 us at t = 1010 us and
+        // ranks before 2 (990 us waited) despite 2's cached prefix; at t = 1009 it has not.
+        let mut s = warm_then_two(Box::new(PrefixAware::new(1.0, 128)));
+        assert_eq!(step(&mut s, 1_010), [(1, 0)]);
+        let mut s = warm_then_two(Box::new(PrefixAware::new(1.0, 128)));
+        assert_eq!(step(&mut s, 1_009), [(2, 16)]);
+    }
+
+    /// Request 0 (arrival 0) with `shared()`, then 1 and 3 sharing it and 2, 4, 5 with
+    /// prompts of their own, all queued at once.
+    fn mixed(policy: Box<dyn Policy>, caching: bool) -> Vec<u64> {
+        let mut s = sched(policy, caching);
+        add(&mut s, 0, 0, shared_then(&[99]));
+        add(&mut s, 1, 30, shared_then(&[51]));
+        add(&mut s, 2, 10, unique(2));
+        add(&mut s, 3, 20, shared_then(&[53]));
+        add(&mut s, 4, 10, unique(4));
+        add(&mut s, 5, 5, unique(5));
+        drain(&mut s, 100)
+    }
+
+    #[test]
+    fn without_prefix_caching_the_order_is_fcfs() {
+        // Arrival, then id: 0 (0), 5 (5), 2 and 4 (10), 3 (20), 1 (30).
+        let fcfs = [0, 5, 2, 4, 3, 1];
+        assert_eq!(mixed(Box::new(Fcfs), false), fcfs);
+        assert_eq!(mixed(Box::new(Fcfs), true), fcfs);
+        assert_eq!(mixed(Box::new(PrefixAware::new(5_000.0, 128)), false), fcfs);
+        // With caching: nothing is cached at first (0 goes first by arrival), then 3 and 1
+        // hit `shared()` (arrival orders them), then the rest by arrival.
+        assert_eq!(
+            mixed(Box::new(PrefixAware::new(5_000.0, 128)), true),
+            [0, 3, 1, 5, 2, 4]
+        );
+    }
+
+    #[test]
+    fn only_the_earliest_arrivals_up_to_the_limit_are_looked_up() {
+        // Limit 2: 1 (arrival 10) and 3 (arrival 15) are looked up, 2 (arrival 20, sharing
+        // the prefix) is not, and ranks after them by arrival.
+        let run = |limit: usize| {
+            let mut s = sched(Box::new(PrefixAware::new(5_000.0, limit)), true);
+            add(&mut s, 0, 0, shared_then(&[99]));
+            assert_eq!(step(&mut s, 0), [(0, 0)]);
+            add(&mut s, 1, 10, unique(1));
+            add(&mut s, 2, 20, shared_then(&[50]));
+            add(&mut s, 3, 15, unique(3));
+            let first = step(&mut s, 100);
+            let seen = (looked_up(&s, 2), looked_up(&s, 3));
+            (first, seen)
+        };
+        assert_eq!(run(2), (vec![(1, 0)], (None, Some(0))));
+        assert_eq!(run(3), (vec![(2, 16)], (None, Some(0))));
+    }
+
+    #[test]
+    fn a_lookup_finds_what_admission_reuses_and_hashes_hit_plus_one_blocks() {
+        let mut s = sched(Box::new(PrefixAware::new(5_000.0, 128)), true);
+        add(&mut s, 0, 0, shared_then(&[99]));
+        assert_eq!(step(&mut s, 0), [(0, 0)]);
+        // 1: exactly `shared()`: its last token is always computed, so 3 blocks (12 tokens).
+        // 2: the first 2 blocks of `shared()`, then its own 40 tokens: 8 tokens, and only
+        //    3 of its 12 blocks hashed (2 hits and the miss). 3: a miss at once, 1 hashed.
+        let mut half: Vec<u32> = (1..=8).collect();
+        half.extend(500..540);
+        add(&mut s, 1, 10, shared());
+        add(&mut s, 2, 20, half);
+        add(&mut s, 3, 30, unique(3));
+        s.look_up_cached_prefixes();
+        let hashed = |s: &Scheduler, id| s.seq(s.index[&RequestId(id)]).unwrap().hashes.len();
+        assert_eq!(
+            [1, 2, 3].map(|id| looked_up(&s, id)),
+            [Some(12), Some(8), Some(0)]
+        );
+        assert_eq!([2, 3].map(|id| hashed(&s, id)), [3, 1]);
+        // Admitted (longest first), each reuses what its lookup found and reads None.
+        assert_eq!(step(&mut s, 100), [(1, 12)]);
+        assert_eq!(step(&mut s, 101), [(2, 8)]);
+        assert_eq!(step(&mut s, 102), [(3, 0)]);
+        assert_eq!(looked_up(&s, 1), None);
+    }
+
+    #[test]
+    fn a_walk_resumes_only_while_nothing_was_dropped_from_the_cache() {
+        let mut s = warm_then_two(Box::new(PrefixAware::new(5_000.0, 128)));
+        s.look_up_cached_prefixes();
+        assert_eq!(looked_up(&s, 2), Some(16));
+        let walk = |s: &Scheduler| s.seq(s.index[&RequestId(2)]).unwrap().prefix_walk;
+        assert_eq!(walk(&s), (0, 4));
+        // A failed step drops every registration: the 4 blocks found before are gone, and a
+        // walk resumed from them would still report 16 tokens.
+        s.clear_prefix_cache();
+        s.look_up_cached_prefixes();
+        assert_eq!(looked_up(&s, 2), Some(0));
+        assert_eq!(walk(&s).1, 0);
+    }
+
+    #[test]
+    fn a_policy_that_does_not_ask_sees_no_lookup() {
+        let mut s = warm_then_two(Box::new(PrefixAware::new(5_000.0, 128)));
+        s.look_up_cached_prefixes();
+        assert_eq!(looked_up(&s, 2), Some(16));
+        // Swapped out, the lookups are dropped, and FCFS makes none.
+        s.swap_policy(Box::new(Fcfs));
+        s.look_up_cached_prefixes();
+        assert_eq!((looked_up(&s, 1), looked_up(&s, 2)), (None, None));
+    }
+}
