@@ -118,6 +118,19 @@ impl<'v> Params<'v> {
         Ok(x)
     }
 
+    /// An integer in `min..=max`, or `None` when absent or null.
+    pub(crate) fn opt_u64_in(
+        &self,
+        field: &str,
+        min: u64,
+        max: u64,
+    ) -> Result<Option<u64>, PolicyError> {
+        match self.get(field) {
+            None | Some(Value::Null) => Ok(None),
+            Some(_) => self.u64_in(field, 0, min, max).map(Some),
+        }
+    }
+
     /// A boolean, or `default` when absent.
     pub(crate) fn bool(&self, field: &str, default: bool) -> Result<bool, PolicyError> {
         match self.get(field) {

@@ -24,7 +24,11 @@
 //! | 2 | waiting, not looked up (beyond `lookup_limit`, or prefix caching off) | 0 |
 //!
 //! Running requests rank by arrival, as under FCFS: the newest is the preemption victim,
-//! and nothing waiting may preempt. Without prefix caching nothing is looked up and the
+//! and nothing waiting may preempt. With `token_budget` set, steps are chunked as under
+//! `chunked-prefill` (Sarathi-Serve's stall-free batching): each step holds at most that many
+//! tokens, running decodes rank first (class -2), then running prefills (class -1), so a long
+//! admitted prompt is cut into chunks beside the decodes instead of stalling them; the waiting
+//! queue is still ordered by cached prefix. Without prefix caching nothing is looked up and the
 //! order is FCFS exactly (requests aged since arrival all arrived before those that are not).
 //!
 //! Cost per step: the planner's O(waiting) selection of the earliest arrivals plus, for each
@@ -41,7 +45,7 @@
 
 use crate::error::PolicyError;
 use crate::policy::params::Params;
-use crate::policy::{Policy, Rank, MAX_PREFIX_LOOKUPS};
+use crate::policy::{Policy, Rank, StepContext, MAX_PREFIX_LOOKUPS};
 use crate::sequence::SeqView;
 use crate::types::{TierSpec, Timestamp};
 
@@ -61,6 +65,12 @@ const DEFAULT_MAX_WAIT_MS: f64 = 5_000.0;
 const MAX_WAIT_MS_LIMIT: f64 = 3_600_000.0;
 /// Default `lookup_limit` (SGLang's FCFS fallback threshold).
 const DEFAULT_LOOKUP_LIMIT: u64 = 128;
+/// Rank class of running decodes under a `token_budget`.
+const RUNNING_DECODE: i64 = -2;
+/// Rank class of running prefills under a `token_budget`.
+const RUNNING_PREFILL: i64 = -1;
+/// Largest `token_budget` accepted (as `chunked-prefill`'s).
+const MAX_TOKEN_BUDGET: u64 = 1 << 24;
 
 /// Longest cached prefix first, with aging.
 #[derive(Clone, Debug)]
@@ -70,6 +80,9 @@ pub struct PrefixAware {
     max_wait_us: u64,
     /// Waiting requests (earliest arrivals first) looked up in the prefix cache per step.
     lookup_limit: usize,
+    /// Tokens per step with chunked prefills (`None`: the configured step limit, and running
+    /// requests in arrival order).
+    token_budget: Option<usize>,
 }
 
 impl PrefixAware {
@@ -80,16 +93,28 @@ impl PrefixAware {
         Self {
             max_wait_us: ((max_wait_ms * 1e3).round() as u64).max(1),
             lookup_limit: lookup_limit.clamp(1, MAX_PREFIX_LOOKUPS),
+            token_budget: None,
         }
     }
 
-    /// Builds the policy from `{max_wait_ms, lookup_limit}` (defaults 5000 and 128;
-    /// `max_wait_ms` in 1..=3600000, `lookup_limit` in 1..=4096).
+    /// The same policy with chunked prefills under a per-step budget of `tokens` (at least 1).
+    pub fn with_token_budget(mut self, tokens: usize) -> Self {
+        self.token_budget = Some(tokens.max(1));
+        self
+    }
+
+    /// Builds the policy from `{max_wait_ms, lookup_limit, token_budget}` (defaults 5000, 128
+    /// and none; `max_wait_ms` in 1..=3600000, `lookup_limit` in 1..=4096, `token_budget` in
+    /// 1..=2^24).
     pub fn create(
         params: &serde_yaml::Value,
         _tiers: &[TierSpec],
     ) -> Result<Box<dyn Policy>, PolicyError> {
-        let p = Params::new(NAME, params, &["max_wait_ms", "lookup_limit"])?;
+        let p = Params::new(
+            NAME,
+            params,
+            &["max_wait_ms", "lookup_limit", "token_budget"],
+        )?;
         let max_wait = p.f64_in("max_wait_ms", DEFAULT_MAX_WAIT_MS, 1.0, MAX_WAIT_MS_LIMIT)?;
         let limit = p.u64_in(
             "lookup_limit",
@@ -97,7 +122,11 @@ impl PrefixAware {
             1,
             MAX_PREFIX_LOOKUPS as u64,
         )?;
-        Ok(Box::new(Self::new(max_wait, limit as usize)))
+        let mut policy = Self::new(max_wait, limit as usize);
+        if let Some(budget) = p.opt_u64_in("token_budget", 1, MAX_TOKEN_BUDGET)? {
+            policy = policy.with_token_budget(budget as usize);
+        }
+        Ok(Box::new(policy))
     }
 
     /// Whether `seq` has waited `max_wait_ms` since it arrived.
@@ -112,6 +141,14 @@ impl Policy for PrefixAware {
     }
 
     fn rank(&self, seq: SeqView<'_>, now: Timestamp) -> Rank {
+        if seq.is_running() && self.token_budget.is_some() {
+            let class = if seq.is_prefill() {
+                RUNNING_PREFILL
+            } else {
+                RUNNING_DECODE
+            };
+            return Rank { class, key: 0 };
+        }
         if seq.is_running() || self.aged(seq, now) {
             return Rank {
                 class: AGED,
@@ -133,12 +170,18 @@ impl Policy for PrefixAware {
     fn prefix_lookups(&self) -> usize {
         self.lookup_limit
     }
+
+    fn token_budget(&self, ctx: &StepContext<'_>) -> usize {
+        self.token_budget.map_or(ctx.max_num_batched_tokens, |b| {
+            b.min(ctx.max_num_batched_tokens)
+        })
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::policy::testutil::{decoding, seq};
+    use crate::policy::testutil::{decoding, prefilling, seq};
     use crate::sequence::Sequence;
 
     /// A waiting sequence arriving at `arrival_us` whose lookup found `cached` tokens.
@@ -201,6 +244,42 @@ mod tests {
     }
 
     #[test]
+    fn a_token_budget_chunks_steps_and_serves_decodes_before_prefills() {
+        let seqs = vec![Some(seq(9, 0, 10))];
+        let ctx = |max| StepContext {
+            now: Timestamp(0),
+            max_num_batched_tokens: max,
+            max_num_seqs: 8,
+            seqs: &seqs,
+            running: &[],
+        };
+        let plain = PrefixAware::new(5_000.0, 128);
+        assert_eq!(plain.token_budget(&ctx(8192)), 8192);
+        let chunked = PrefixAware::new(5_000.0, 128).with_token_budget(512);
+        assert_eq!(chunked.token_budget(&ctx(8192)), 512);
+        assert_eq!(chunked.token_budget(&ctx(256)), 256);
+        // Running: decodes, then prefills (2 arrived first but is still prefilling), then the
+        // waiting queue by cached prefix, aged ones first.
+        let dec = decoding(seq(1, 50, 10), 2, 60);
+        let pre = prefilling(seq(2, 10, 100), 40);
+        let seqs = [
+            dec,
+            pre,
+            looked_up(3, 20, Some(16)),
+            looked_up(4, 30, Some(64)),
+            looked_up(5, 0, None),
+        ];
+        // At t = 5.00001 s with max_wait 5 s, 5 (arrived at 0) is aged; 3 and 4 are not.
+        assert_eq!(order(&chunked, &seqs, 5_000_010), [1, 2, 5, 4, 3]);
+        // Without the budget, running requests rank by arrival with the aged ones.
+        assert_eq!(order(&plain, &seqs, 5_000_010), [5, 2, 1, 4, 3]);
+        let p = PrefixAware::create(&serde_yaml::from_str("{token_budget: 512}").unwrap(), &[]);
+        assert_eq!(p.unwrap().token_budget(&ctx(8192)), 512);
+        let p = PrefixAware::create(&serde_yaml::from_str("{token_budget: null}").unwrap(), &[]);
+        assert_eq!(p.unwrap().token_budget(&ctx(8192)), 8192);
+    }
+
+    #[test]
     fn without_lookups_the_order_is_fcfs() {
         let p = PrefixAware::new(1.0, 128);
         let seqs = [
@@ -237,6 +316,17 @@ mod tests {
                 e.contains(&format!("`{field}`")) && e.contains("prefix-aware"),
                 "{params}: {e}"
             );
+        }
+        for params in [
+            "{token_budget: 0}",
+            "{token_budget: 16777217}",
+            "{token_budget: -1}",
+        ] {
+            let e = create(params)
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default();
+            assert!(e.contains("`token_budget`"), "{params}: {e}");
         }
         let p = create("{max_wait_ms: 1, lookup_limit: 4096}").unwrap();
         assert_eq!(p.prefix_lookups(), 4096);
