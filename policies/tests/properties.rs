@@ -163,8 +163,24 @@ fn tiers() -> Vec<TierSpec> {
     ]
 }
 
+/// The registered policies, and `prefix-aware` with chunked steps as well.
+fn variants() -> Vec<&'static str> {
+    let mut names = PolicyRegistry::with_builtins().names();
+    names.push(PREFIX_AWARE_CHUNKED);
+    names
+}
+
+/// `prefix-aware` with a `token_budget` (a variant of [`variants`]).
+const PREFIX_AWARE_CHUNKED: &str = "prefix-aware+token_budget";
+
 fn make_policy(name: &str) -> Box<dyn Policy> {
     let reg = PolicyRegistry::with_builtins();
+    if name == PREFIX_AWARE_CHUNKED {
+        let params = serde_yaml::from_str("{max_wait_ms: 20, lookup_limit: 3, token_budget: 8}");
+        return reg
+            .create("prefix-aware", &params.unwrap(), &tiers())
+            .unwrap();
+    }
     let params: serde_yaml::Value = match name {
         // Short aging so that aging actually happens within a run.
         "priority" => serde_yaml::from_str("{aging_interval_ms: 20}").unwrap(),
@@ -618,7 +634,7 @@ proptest! {
 
     #[test]
     fn every_policy_keeps_invariants_and_ends_every_request(w in workload()) {
-        for name in PolicyRegistry::with_builtins().names() {
+        for name in variants() {
             run(&w, name, &[], false)
                 .map_err(|e| TestCaseError::fail(format!("policy {name}: {e}")))?;
         }
@@ -626,7 +642,7 @@ proptest! {
 
     #[test]
     fn hot_swaps_to_every_other_policy_lose_nothing(w in workload()) {
-        let names = PolicyRegistry::with_builtins().names();
+        let names = variants();
         for first in &names {
             let others: Vec<&str> = names.iter().copied().filter(|n| n != first).collect();
             run(&w, first, &others, false)
@@ -642,7 +658,7 @@ proptest! {
         for r in &mut w.reqs {
             r.end_after = None;
         }
-        for name in PolicyRegistry::with_builtins().names() {
+        for name in variants() {
             let in_order = run(&w, name, &[], false)
                 .map_err(|e| TestCaseError::fail(format!("policy {name} in order: {e}")))?;
             let pipelined = run(&w, name, &[], true)
@@ -653,7 +669,7 @@ proptest! {
 
     #[test]
     fn pipelined_steps_keep_invariants_with_aborts_and_swaps(w in workload()) {
-        let names = PolicyRegistry::with_builtins().names();
+        let names = variants();
         for first in &names {
             let others: Vec<&str> = names.iter().copied().filter(|n| n != first).collect();
             run(&w, first, &others, true)
