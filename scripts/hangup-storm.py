@@ -8,12 +8,14 @@ up at a random moment (some after reading a little, some half-closing first). Th
 the engine is idle with every KV block back (exit 1 if it is not within 60 s) and checks that a
 plain request is still served. Standard library only.
 
-usage: scripts/hangup-storm.py [--port 8000] [--rounds 40]
+usage: scripts/hangup-storm.py [--port 8000] [--rounds 40] [--api-key KEY]
+(the key defaults to $SWITCHYARD_API_KEY; none for a server without keys)
 The tests' version of this is tests/server_lifecycle.rs
 (hang_ups_of_every_request_kind_leave_the_engine_idle_and_serving).
 """
 import argparse
 import json
+import os
 import random
 import socket
 import sys
@@ -55,17 +57,22 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--api-key", default=os.environ.get("SWITCHYARD_API_KEY"),
+                    help="bearer key for a server with API keys (default: $SWITCHYARD_API_KEY)")
     args = ap.parse_args()
     base = f"http://127.0.0.1:{args.port}"
+    auth = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    auth_line = f"Authorization: Bearer {args.api_key}\r\n" if args.api_key else ""
 
     def metric(name):
+        """The sum of every series of `name` (per-tier labels split some), None if absent."""
         body = urllib.request.urlopen(f"{base}/metrics").read().decode()
-        for line in body.splitlines():
-            if line.startswith(name + " ") or line.startswith(name + "{"):
-                return float(line.rsplit(" ", 1)[1])
-        return None
+        values = [float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
+                  if line.startswith(name + " ") or line.startswith(name + "{")]
+        return sum(values) if values else None
 
-    model = json.loads(urllib.request.urlopen(f"{base}/v1/models").read())["data"][0]["id"]
+    models = urllib.request.Request(f"{base}/v1/models", headers=auth)
+    model = json.loads(urllib.request.urlopen(models).read())["data"][0]["id"]
 
     def client(seed):
         r = random.Random(seed)
@@ -74,7 +81,7 @@ def main():
         b = json.dumps(body).encode()
         s = socket.create_connection(("127.0.0.1", args.port))
         s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
-                  f"Content-Type: application/json\r\nContent-Length: {len(b)}\r\n\r\n".encode() + b)
+                  f"{auth_line}Content-Type: application/json\r\nContent-Length: {len(b)}\r\n\r\n".encode() + b)
         time.sleep(r.choice([0, 0.002, 0.01, 0.03, 0.1, 0.3, 0.6]))
         if r.random() < 0.3:
             s.settimeout(0.5)
@@ -107,7 +114,7 @@ def main():
         time.sleep(0.2)
     print(f"idle after {time.time() - t0:.1f} s; aborted {metric('switchyard:request_aborted_total')}, "
           f"finished {metric('switchyard:request_success_total')}")
-    req = urllib.request.Request(f"{base}/v1/completions", headers={"Content-Type": "application/json"},
+    req = urllib.request.Request(f"{base}/v1/completions", headers={"Content-Type": "application/json", **auth},
                                  data=json.dumps({"model": model, "prompt": "Hi", "max_tokens": 4,
                                                   "ignore_eos": True}).encode())
     usage = json.loads(urllib.request.urlopen(req).read())["usage"]
