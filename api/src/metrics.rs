@@ -40,7 +40,8 @@ pub const REQUEST_ABORTED: &str = "switchyard:request_aborted_total";
 /// Counter, label `reason`: requests that ended with an error after they were queued, by kind:
 /// `invalid_request`, `context_length`, `unknown_model`, `overloaded`, `unavailable` (refused),
 /// `structured_output` (the grammar failed while generating), or `error` (the server's own
-/// failure, such as a failed step).
+/// failure, such as a failed step); and requests refused as `overloaded` before they were
+/// queued.
 pub const REQUEST_FAILED: &str = "switchyard:request_failed_total";
 /// Counter: engine steps that failed; their requests ended with an error.
 pub const ENGINE_FAILED_STEPS: &str = "switchyard:engine_failed_steps_total";
@@ -212,7 +213,7 @@ pub fn describe_metrics() {
     describe_counter!(
         REQUEST_FAILED,
         Unit::Count,
-        "Requests (each choice of n > 1 counts) that ended with an error after they were queued, by reason: invalid_request, context_length, unknown_model, overloaded, unavailable (refused, or cut off at the drain timeout), structured_output (the grammar failed while generating: the output could not complete it), or error (the server's own failure, such as a failed step)."
+        "Requests (each choice of n > 1 counts) that ended with an error after they were queued, by reason: invalid_request, context_length, unknown_model, overloaded, unavailable (refused, or cut off at the drain timeout), structured_output (the grammar failed while generating: the output could not complete it), or error (the server's own failure, such as a failed step); and requests refused as overloaded before they were queued (the server's or their tier's bound on requests in flight, or a full grammar compile queue)."
     );
     describe_counter!(
         ENGINE_FAILED_STEPS,

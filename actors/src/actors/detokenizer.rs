@@ -13,8 +13,9 @@ use switchyard_gpu::model::Tokenizer;
 use switchyard_gpu::Constraint;
 use switchyard_policies::{FinishReason, IdMap, RequestId, SchedulerError, SloTargets};
 
+use super::admission::InFlight;
 use super::engine::{
-    ChoiceDelta, EngineOutput, InFlight, OutputSink, SubmitError, SubmitErrorKind, TokenLogprobs,
+    ChoiceDelta, EngineOutput, OutputSink, SubmitError, SubmitErrorKind, TokenLogprobs,
 };
 use super::scheduler::{Finish, SchedulerActor, Submit};
 use crate::core::{CoreEvent, SubmitOptions};

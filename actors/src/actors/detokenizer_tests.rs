@@ -284,6 +284,7 @@ fn start_engine_with(
             hash_key: [1, 2],
             tokenizer_threads: 1,
             max_pending_requests: 16,
+            tier_max_pending: Vec::new(),
             tier_slos: Vec::new(),
             async_scheduling: crate::AsyncScheduling::Off,
             lora: None,
