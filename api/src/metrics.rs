@@ -106,6 +106,56 @@ pub const HTTP_IN_FLIGHT: &str = "switchyard:http_requests_in_flight";
 /// Gauge, label `backend` (`cpu` or `cuda`): 1 for the backend the model runs on.
 pub const BACKEND_INFO: &str = "switchyard:backend_info";
 
+/// The status [`HTTP_REQUESTS`] counts for a request whose client went away before its
+/// response was ready (actix dropped the handler, as it does when the connection closes):
+/// nginx's "client closed request".
+pub const CLIENT_CLOSED_REQUEST: u16 = 499;
+
+/// One request's entry in [`HTTP_REQUESTS`] and [`HTTP_REQUEST_DURATION`]: made when it
+/// arrives, recorded once, with the response's status or, if dropped before it has one (the
+/// client left), [`CLIENT_CLOSED_REQUEST`].
+pub(crate) struct HttpRecord {
+    start: std::time::Instant,
+    /// The route template matched on arrival.
+    route: Option<String>,
+    done: bool,
+}
+
+impl HttpRecord {
+    /// A request to `route` (a template; `None`: unmatched) arriving now.
+    pub(crate) fn new(route: Option<String>) -> Self {
+        Self {
+            start: std::time::Instant::now(),
+            route,
+            done: false,
+        }
+    }
+
+    /// The route matched on arrival.
+    pub(crate) fn take_route(&mut self) -> Option<String> {
+        self.route.take()
+    }
+
+    /// Records the response: `status` on `route` (`None`: `unmatched`).
+    pub(crate) fn record(&mut self, route: Option<String>, status: u16) {
+        self.done = true;
+        let route = route.unwrap_or_else(|| "unmatched".to_owned());
+        metrics::counter!(HTTP_REQUESTS, "route" => route.clone(), "status" => status.to_string())
+            .increment(1);
+        metrics::histogram!(HTTP_REQUEST_DURATION, "route" => route)
+            .record(self.start.elapsed().as_secs_f64());
+    }
+}
+
+impl Drop for HttpRecord {
+    fn drop(&mut self) {
+        if !self.done {
+            let route = self.route.take();
+            self.record(route, CLIENT_CLOSED_REQUEST);
+        }
+    }
+}
+
 /// Label key of [`REQUEST_SUCCESS`].
 pub const LABEL_FINISHED_REASON: &str = "finished_reason";
 /// Label key of [`REQUEST_FAILED`].
@@ -255,7 +305,7 @@ pub fn describe_metrics() {
     describe_counter!(
         HTTP_REQUESTS,
         Unit::Count,
-        "HTTP responses by route and status."
+        "HTTP responses by route and status; status 499 (nginx's client closed request) counts requests whose client went away before the response was ready."
     );
     describe_histogram!(
         HTTP_REQUEST_DURATION,

@@ -157,7 +157,7 @@ pub struct FailAll(pub SubmitError);
 
 /// How the open choices of a request ended early, and the counter each one counts in.
 #[derive(Clone, Copy)]
-enum EndedEarly {
+pub(crate) enum EndedEarly {
     /// The client went away ([`names::REQUEST_ABORTED`]).
     Aborted,
     /// An error ([`names::REQUEST_FAILED`], this `reason` label).
@@ -167,7 +167,7 @@ enum EndedEarly {
 impl EndedEarly {
     /// How the open choices of a request whose sink closed end: aborted, unless the client
     /// dropped them because another part of its request failed.
-    fn of_closed(sink: &dyn OutputSink) -> Self {
+    pub(crate) fn of_closed(sink: &dyn OutputSink) -> Self {
         match sink.abandoned_for() {
             Some(kind) => EndedEarly::Failed(failure_label(kind)),
             None => EndedEarly::Aborted,
@@ -175,7 +175,7 @@ impl EndedEarly {
     }
 
     /// Counts `choices` choices of a request whose per-tier labels are `tier`.
-    fn count(self, choices: usize, tier: &[metrics::Label]) {
+    pub(crate) fn count(self, choices: usize, tier: &[metrics::Label]) {
         let mut labels = tier.to_vec();
         match self {
             EndedEarly::Aborted => metrics::counter!(names::REQUEST_ABORTED, labels),

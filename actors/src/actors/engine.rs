@@ -18,7 +18,7 @@ use switchyard_policies::{
 use super::admission::{Admission, InFlight};
 use super::allocator::KvAllocatorActor;
 use super::detokenizer::{
-    DetokenizerActor, FailAll, KeptSpecial, Register, SetScheduler, TextOptions,
+    DetokenizerActor, EndedEarly, FailAll, KeptSpecial, Register, SetScheduler, TextOptions,
 };
 use super::executor::ExecutorActor;
 use super::lora::{
@@ -420,6 +420,7 @@ impl Engine {
             // A client gone while its prompt was encoded needs no adapter and no grammar (the
             // compile pool also skips a compile nobody waits for, which this makes true).
             if sink.is_closed() {
+                this.gone(&options, sink.as_ref());
                 return;
             }
             let adapter = match &options.lora {
@@ -450,7 +451,10 @@ impl Engine {
                     // A client that leaves while its grammar waits for the compile pool drops
                     // the wait, so the pool skips (or stops waiting for) a compile nobody needs.
                     match unless_gone(compile, sink.as_ref()).await {
-                        None => return,
+                        None => {
+                            this.gone(&options, sink.as_ref());
+                            return;
+                        }
                         Some(Ok(c)) => c,
                         Some(Err(e)) => {
                             this.refuse(&options, sink.as_mut(), e);
@@ -484,6 +488,16 @@ impl Engine {
             metrics::counter!(names::REQUEST_FAILED, labels).increment(u64::from(options.n.max(1)));
         }
         sink.send(EngineOutput::Error(error));
+    }
+
+    /// Counts a request whose client left before it was queued as the detokenizer counts one
+    /// that leaves later: each choice in `request_aborted_total`, or, when the client dropped
+    /// it because another prompt of its request failed, in `request_failed_total` with that
+    /// failure's reason.
+    fn gone(&self, options: &RequestOptions, sink: &dyn OutputSink) {
+        let labels = names::tier_labels(&self.metrics_tier(&options.tier));
+        EndedEarly::of_closed(sink).count(options.n.max(1) as usize, &labels);
+        tracing::info!("request aborted before it was queued: its client went away");
     }
 
     /// The tier that labels a request's metrics: a configured tier's name; any other name
@@ -622,6 +636,7 @@ impl Engine {
         }
         // A client already gone (a prompt-logprob request sends no prompt event to find out).
         if sink.is_closed() {
+            self.gone(&options, sink.as_ref());
             return Ok(());
         }
         metrics::counter!(names::PROMPT_TOKENS).increment(prompt.len() as u64);
@@ -633,6 +648,7 @@ impl Engine {
                 prompt_logprobs: None,
             })
         {
+            self.gone(&options, sink.as_ref());
             return Ok(());
         }
         let prompt: Arc<[u32]> = prompt.into();
