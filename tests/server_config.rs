@@ -809,3 +809,59 @@ fn a_tier_flooding_its_bound_does_not_lock_out_the_other_tiers() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A missing or wrong API key or admin key is logged at WARN with the route and the peer
+/// address, never the key, and rate-limited: ten wrong keys in a row write a line or two.
+#[test]
+fn failed_authentication_is_logged_rate_limited_without_the_key() {
+    let keys = "  admin_key: admin-secret-key\n  api_keys:\n    \
+                - { key: good-key-000001, tenant: acme }\n";
+    let s = Server::start_with("auth-log", keys, "");
+    let body = json!({"prompt": "Hi", "max_tokens": 1}).to_string();
+    for _ in 0..10 {
+        let r = s
+            .request(
+                "POST",
+                "/v1/completions",
+                Some(&body),
+                &[("authorization", "Bearer wrong-guess-123456")],
+            )
+            .expect("request");
+        assert_eq!(r.status, 401, "{}", r.body);
+    }
+    let r = s
+        .request(
+            "GET",
+            "/admin/policy",
+            None,
+            &[("authorization", "Bearer not-the-admin-key")],
+        )
+        .expect("request");
+    assert_eq!(r.status, 401, "{}", r.body);
+    let log = s.log();
+    assert!(
+        !log.contains("wrong-guess") && !log.contains("not-the-admin"),
+        "{log}"
+    );
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("authentication failed"))
+        .collect();
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("route=/v1/completions") && l.contains("peer=127.0.0.1")),
+        "{log}"
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("route=/admin/policy") && l.contains("key=\"admin key\"")),
+        "{log}"
+    );
+    let api_lines = lines
+        .iter()
+        .filter(|l| l.contains("/v1/completions"))
+        .count();
+    assert!((1..=3).contains(&api_lines), "{log}");
+}

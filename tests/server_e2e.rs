@@ -1120,3 +1120,79 @@ fn a_client_that_leaves_is_counted_as_499_and_aborted() {
         1.0
     );
 }
+
+/// Per-request log lines name the request as its client knows it (`x-request-id`) and its
+/// tier, through the request's span: the ignored-fields warning (the OpenAI SDK's `store` and
+/// `metadata` trigger it) with the client's own id or the completion id, and the abort of a
+/// request whose client left.
+#[test]
+fn per_request_log_lines_carry_the_public_request_id_and_tier() {
+    let s = &server();
+    let body = json!({"prompt": "Hi", "max_tokens": 2, "store": true,
+                      "metadata": {"user": "u1"}})
+    .to_string();
+    let r = s
+        .request(
+            "POST",
+            "/v1/completions",
+            Some(&body),
+            &[("x-request-id", "audit-req-0042")],
+        )
+        .expect("request");
+    assert_eq!(r.status, 200, "{}", r.body);
+    s.assert_logged(&[
+        "fields were present in the request but ignored",
+        "request_id=audit-req-0042",
+        "tier=standard",
+        "\"store\", \"metadata\"",
+    ]);
+    let r = s
+        .request(
+            "POST",
+            "/v1/chat/completions",
+            Some(
+                &json!({
+                    "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "store": true
+                })
+                .to_string(),
+            ),
+            &[],
+        )
+        .expect("request");
+    assert_eq!(r.status, 200, "{}", r.body);
+    let id = r.header("x-request-id").expect("x-request-id").to_owned();
+    assert!(id.starts_with("chatcmpl-"), "{id}");
+    s.assert_logged(&[
+        "fields were present in the request but ignored",
+        &format!("request_id={id}"),
+    ]);
+    // An abort: the detokenizer's line carries the request's span.
+    let long = json!({"prompt": "Tell me a very long story", "max_tokens": 4000,
+                      "ignore_eos": true})
+    .to_string();
+    let client = s.open_with(
+        "POST",
+        "/v1/completions",
+        Some(&long),
+        &[("x-request-id", "audit-abort-0007")],
+    );
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while s.metric("switchyard:num_requests_running").unwrap_or(0.0) < 1.0 {
+        assert!(std::time::Instant::now() < deadline, "never ran");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    drop(client);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !s
+        .log()
+        .lines()
+        .any(|l| l.contains("request aborted") && l.contains("request_id=audit-abort-0007"))
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no abort line with the id:\n{}",
+            s.log()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}

@@ -48,6 +48,9 @@ pub struct Register {
     pub guard: InFlight,
     /// The prompt, when its logprobs were asked: the prompt event then waits for them.
     pub pending_prompt: Option<Arc<[u32]>>,
+    /// The request's log span (the front end's: its public id and tier), for the lines this
+    /// actor logs about it.
+    pub span: tracing::Span,
 }
 
 /// Special tokens whose text a choice keeps though special tokens are skipped (at most three:
@@ -220,6 +223,8 @@ struct RequestSink {
     tier: Arc<str>,
     labels: Vec<metrics::Label>,
     slo: SloTargets,
+    /// The request's log span ([`Register::span`]).
+    span: tracing::Span,
 }
 
 struct ChoiceState {
@@ -336,7 +341,13 @@ impl DetokenizerActor {
             return;
         }
         ended.count(aborted.len(), &request.borrow().labels);
-        tracing::info!(ids = ?aborted.iter().map(|(id, _)| id.0).collect::<Vec<_>>(), "request aborted");
+        request.borrow().span.in_scope(|| {
+            tracing::info!(
+                ids = ?aborted.iter().map(|(id, _)| id.0).collect::<Vec<_>>(),
+                choices = aborted.len(),
+                "request aborted"
+            );
+        });
         self.finish_in_scheduler(aborted);
     }
 }
@@ -453,6 +464,7 @@ impl Handler<Register> for DetokenizerActor {
             labels: names::tier_labels(&tier),
             tier,
             slo,
+            span: msg.span,
         }));
         let prompt_len = msg.pending_prompt.as_ref().map_or(0, |p| p.len());
         for (index, id) in msg.ids.into_iter().enumerate() {

@@ -402,81 +402,87 @@ impl Engine {
         };
         let this = self.clone();
         let arrival = Instant::now();
-        actix::spawn(async move {
-            let encoded = this
-                .ask_tokenizers(Encode {
-                    source: options.prompt.clone(),
-                    add_special_tokens: true,
-                })
-                .await;
-            let encoded = match encoded {
-                Ok(e) => e,
-                Err(e) => {
-                    sink.send(EngineOutput::Error(e));
-                    return;
-                }
-            };
-            let encoded_at = Instant::now();
-            // A client gone while its prompt was encoded needs no adapter and no grammar (the
-            // compile pool also skips a compile nobody waits for, which this makes true).
-            if sink.is_closed() {
-                this.gone(&options, sink.as_ref());
-                return;
-            }
-            let adapter = match &options.lora {
-                None => None,
-                Some(name) => match this.resolve_adapter(name).await {
-                    Ok(a) => Some(a),
+        // The caller's span (the HTTP layer's, naming the request) goes with the request: the
+        // lines logged about it, here and in the detokenizer, carry it.
+        let span = tracing::Span::current();
+        actix::spawn(tracing::Instrument::instrument(
+            async move {
+                let encoded = this
+                    .ask_tokenizers(Encode {
+                        source: options.prompt.clone(),
+                        add_special_tokens: true,
+                    })
+                    .await;
+                let encoded = match encoded {
+                    Ok(e) => e,
                     Err(e) => {
                         sink.send(EngineOutput::Error(e));
                         return;
                     }
-                },
-            };
-            let constraints = match &options.structured {
-                None => Vec::new(),
-                Some(spec) => {
-                    let end_ids = options
-                        .sampling
-                        .eos_token_ids
-                        .iter()
-                        .chain(&options.sampling.stop_token_ids)
-                        .copied()
-                        .collect();
-                    let compile = this.ask_tokenizers(Constrain {
-                        spec: spec.clone(),
-                        end_ids,
-                        n: options.n.max(1) as usize,
-                    });
-                    // A client that leaves while its grammar waits for the compile pool drops
-                    // the wait, so the pool skips (or stops waiting for) a compile nobody needs.
-                    match unless_gone(compile, sink.as_ref()).await {
-                        None => {
-                            this.gone(&options, sink.as_ref());
+                };
+                let encoded_at = Instant::now();
+                // A client gone while its prompt was encoded needs no adapter and no grammar (the
+                // compile pool also skips a compile nobody waits for, which this makes true).
+                if sink.is_closed() {
+                    this.gone(&options, sink.as_ref());
+                    return;
+                }
+                let adapter = match &options.lora {
+                    None => None,
+                    Some(name) => match this.resolve_adapter(name).await {
+                        Ok(a) => Some(a),
+                        Err(e) => {
+                            sink.send(EngineOutput::Error(e));
                             return;
                         }
-                        Some(Ok(c)) => c,
-                        Some(Err(e)) => {
-                            this.refuse(&options, sink.as_mut(), e);
-                            return;
+                    },
+                };
+                let constraints = match &options.structured {
+                    None => Vec::new(),
+                    Some(spec) => {
+                        let end_ids = options
+                            .sampling
+                            .eos_token_ids
+                            .iter()
+                            .chain(&options.sampling.stop_token_ids)
+                            .copied()
+                            .collect();
+                        let compile = this.ask_tokenizers(Constrain {
+                            spec: spec.clone(),
+                            end_ids,
+                            n: options.n.max(1) as usize,
+                        });
+                        // A client that leaves while its grammar waits for the compile pool drops
+                        // the wait, so the pool skips (or stops waiting for) a compile nobody needs.
+                        match unless_gone(compile, sink.as_ref()).await {
+                            None => {
+                                this.gone(&options, sink.as_ref());
+                                return;
+                            }
+                            Some(Ok(c)) => c,
+                            Some(Err(e)) => {
+                                this.refuse(&options, sink.as_mut(), e);
+                                return;
+                            }
                         }
                     }
+                };
+                let resolved = Resolved {
+                    prompt: encoded.ids,
+                    opens_thinking: encoded.opens_thinking,
+                    adapter,
+                    constraints,
+                    encoded: encoded_at,
+                };
+                match this.admit(options, resolved, sink, guard, arrival) {
+                    Ok(()) => {}
+                    Err((e, mut sink)) => {
+                        sink.send(EngineOutput::Error(e));
+                    }
                 }
-            };
-            let resolved = Resolved {
-                prompt: encoded.ids,
-                opens_thinking: encoded.opens_thinking,
-                adapter,
-                constraints,
-                encoded: encoded_at,
-            };
-            match this.admit(options, resolved, sink, guard, arrival) {
-                Ok(()) => {}
-                Err((e, mut sink)) => {
-                    sink.send(EngineOutput::Error(e));
-                }
-            }
-        });
+            },
+            span,
+        ));
     }
 
     /// Answers a request with `error` before it is queued; one refused as overloaded counts
@@ -732,6 +738,7 @@ impl Engine {
             },
             arrival,
             guard,
+            span: tracing::Span::current(),
         });
         Ok(())
     }
@@ -1212,6 +1219,7 @@ mod tests {
             text: TextOptions::default(),
             arrival: Instant::now(),
             guard: InFlight::new(Arc::new(AtomicUsize::new(1))),
+            span: tracing::Span::none(),
         });
         match next_output(&rx).await {
             EngineOutput::Error(e) => {
@@ -1347,6 +1355,7 @@ mod tests {
             text: TextOptions::default(),
             arrival: Instant::now(),
             guard: InFlight::new(Arc::new(AtomicUsize::new(1))),
+            span: tracing::Span::none(),
         });
         match next_output(&outputs).await {
             EngineOutput::Error(e) => assert_eq!(e.kind, SubmitErrorKind::Unavailable, "{e}"),
@@ -1367,6 +1376,7 @@ mod tests {
             text: TextOptions::default(),
             arrival: Instant::now(),
             guard: InFlight::new(Arc::new(AtomicUsize::new(1))),
+            span: tracing::Span::none(),
         });
         match next_output(&rx).await {
             EngineOutput::Error(e) => assert_eq!(e.kind, SubmitErrorKind::Unavailable, "{e}"),
