@@ -698,3 +698,170 @@ fn request_metrics_carry_the_tier_and_count_slo_attainment() {
     assert_eq!(series(failed, &gold_structured), Some(1.0));
     assert_eq!(series(failed, &["reason=\"structured_output\""]), Some(0.0));
 }
+
+/// `tiers.<name>.max_pending_requests` bounds a tier's requests in flight beside the server's
+/// bound, so one tenant's flood cannot lock the others out (the operator audit: a batch tenant
+/// flooding 30 requests at `max_pending_requests: 8` made a premium request get 503). The
+/// flood's refusals are 503 `overloaded` naming the tier's limit, counted in
+/// `request_failed_total{tier="batch",reason="overloaded"}` and logged at WARN a line per
+/// second at most, not a line per request. `config check` shows the field and refuses a bound
+/// above the server's.
+#[test]
+fn a_tier_flooding_its_bound_does_not_lock_out_the_other_tiers() {
+    let keys = "  max_pending_requests: 8\n  api_keys:\n    \
+                - { key: premium-key-0001, tenant: acme, tier: premium }\n    \
+                - { key: batch-key-000001, tenant: initech, tier: batch }\n";
+    let tiers = "tiers:\n  premium: { ttft_ms: 60000 }\n  \
+                 batch: { preemptible: true, max_pending_requests: 4 }\n";
+    let s = Server::start_with("tier-admission", keys, tiers);
+    // Streams, so an admitted request answers its head at once and stays in flight.
+    let long = json!({"prompt": "Count:", "max_tokens": 400, "ignore_eos": true,
+                      "stream": true})
+    .to_string();
+    let batch = [("authorization", "Bearer batch-key-000001")];
+    let mut flood: Vec<std::net::TcpStream> = (0..30)
+        .map(|_| s.open_with("POST", "/v1/completions", Some(&long), &batch))
+        .collect();
+    let statuses: Vec<u16> = flood.iter_mut().map(common::read_status).collect();
+    let admitted = statuses.iter().filter(|&&c| c == 200).count();
+    let refused = statuses.iter().filter(|&&c| c == 503).count();
+    assert_eq!((admitted, refused), (4, 26), "{statuses:?}");
+    // The batch tier holds 4 of the server's 8 seats: premium is served.
+    let short = json!({"prompt": "Hi", "max_tokens": 2}).to_string();
+    let r = s
+        .request(
+            "POST",
+            "/v1/completions",
+            Some(&short),
+            &[("authorization", "Bearer premium-key-0001")],
+        )
+        .expect("premium request");
+    assert_eq!(r.status, 200, "{}", r.body);
+    // One more batch request: refused, naming the tier's limit.
+    let r = s
+        .request("POST", "/v1/completions", Some(&short), &batch)
+        .expect("batch request");
+    assert_eq!(r.status, 503, "{}", r.body);
+    let v: Value = serde_json::from_str(&r.body).expect("json");
+    assert_eq!(v["error"]["code"], "overloaded", "{v}");
+    let message = v["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("tiers.batch.max_pending_requests") && message.contains("4"),
+        "{message}"
+    );
+    let metrics = s
+        .request("GET", "/metrics", None, &[])
+        .expect("metrics")
+        .body;
+    let overloaded = |tier: &str| {
+        let series =
+            format!("switchyard:request_failed_total{{tier=\"{tier}\",reason=\"overloaded\"}} ");
+        let other =
+            format!("switchyard:request_failed_total{{reason=\"overloaded\",tier=\"{tier}\"}} ");
+        metrics.lines().find_map(|l| {
+            l.strip_prefix(&series)
+                .or_else(|| l.strip_prefix(&other))
+                .and_then(|v| v.parse::<f64>().ok())
+        })
+    };
+    assert_eq!(overloaded("batch"), Some(27.0), "{metrics}");
+    assert_eq!(overloaded("premium"), Some(0.0), "{metrics}");
+    // Rate-limited: the 27 refusals came within a few seconds.
+    let lines = s
+        .log()
+        .lines()
+        .filter(|l| l.contains("requests refused as overloaded") && l.contains("batch"))
+        .count();
+    assert!((1..=10).contains(&lines), "{lines} lines:\n{}", s.log());
+    drop(flood);
+
+    // `config check` shows the bound and refuses one above the server's.
+    let dir = scratch("tier-admission-check");
+    let file = dir.join("c.yaml");
+    let check = |yaml: &str| {
+        std::fs::write(&file, yaml).unwrap();
+        switchyard()
+            .args(["config", "check"])
+            .arg(&file)
+            .output()
+            .expect("config check")
+    };
+    let out = check("tiers:\n  batch: { max_pending_requests: 4 }\n");
+    let printed = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(printed.contains("max_pending_requests: 4"), "{printed}");
+    let out =
+        check("server:\n  max_pending_requests: 8\ntiers:\n  batch: { max_pending_requests: 9 }\n");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("tiers.batch.max_pending_requests"),
+        "{err}"
+    );
+    let out = check("tiers:\n  batch: { max_pending_requests: 0 }\n");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("max_pending_requests"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A missing or wrong API key or admin key is logged at WARN with the route and the peer
+/// address, never the key, and rate-limited: ten wrong keys in a row write a line or two.
+#[test]
+fn failed_authentication_is_logged_rate_limited_without_the_key() {
+    let keys = "  admin_key: admin-secret-key\n  api_keys:\n    \
+                - { key: good-key-000001, tenant: acme }\n";
+    let s = Server::start_with("auth-log", keys, "");
+    let body = json!({"prompt": "Hi", "max_tokens": 1}).to_string();
+    for _ in 0..10 {
+        let r = s
+            .request(
+                "POST",
+                "/v1/completions",
+                Some(&body),
+                &[("authorization", "Bearer wrong-guess-123456")],
+            )
+            .expect("request");
+        assert_eq!(r.status, 401, "{}", r.body);
+    }
+    let r = s
+        .request(
+            "GET",
+            "/admin/policy",
+            None,
+            &[("authorization", "Bearer not-the-admin-key")],
+        )
+        .expect("request");
+    assert_eq!(r.status, 401, "{}", r.body);
+    let log = s.log();
+    assert!(
+        !log.contains("wrong-guess") && !log.contains("not-the-admin"),
+        "{log}"
+    );
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("authentication failed"))
+        .collect();
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("route=/v1/completions") && l.contains("peer=127.0.0.1")),
+        "{log}"
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("route=/admin/policy") && l.contains("key=\"admin key\"")),
+        "{log}"
+    );
+    let api_lines = lines
+        .iter()
+        .filter(|l| l.contains("/v1/completions"))
+        .count();
+    assert!((1..=3).contains(&api_lines), "{log}");
+}

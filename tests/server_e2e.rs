@@ -1059,3 +1059,140 @@ fn a_sliding_window_model_serves_its_whole_context_from_a_small_cache() {
     assert!(!s.log().contains("serving max_model_len"), "{}", s.log());
     assert_eq!(texts(&s, true), alone);
 }
+
+/// A client that leaves a request still counts in the HTTP metrics: a non-streamed one, whose
+/// handler actix drops when the connection closes, as `http_requests_total{status="499"}`
+/// (nginx's "client closed request"); a stream answered its 200 already. Each counts its choice
+/// in `request_aborted_total` (the operator audit: the non-streamed one was in no HTTP count).
+#[test]
+fn a_client_that_leaves_is_counted_as_499_and_aborted() {
+    let s = &server();
+    let series = |s: &Server, name: &str, labels: &str| -> f64 {
+        let r = s.request("GET", "/metrics", None, &[]).expect("metrics");
+        let prefix = format!("{name}{{{labels}}} ");
+        r.body
+            .lines()
+            .find_map(|l| l.strip_prefix(&prefix).and_then(|v| v.parse().ok()))
+            .unwrap_or(0.0)
+    };
+    let closed = |s: &Server| {
+        series(
+            s,
+            "switchyard:http_requests_total",
+            "route=\"/v1/completions\",status=\"499\"",
+        )
+    };
+    assert_eq!(closed(s), 0.0);
+    for stream in [false, true] {
+        let body = json!({"prompt": "Tell me a very long story", "max_tokens": 4000,
+                          "ignore_eos": true, "stream": stream})
+        .to_string();
+        let client = s.open("POST", "/v1/completions", Some(&body));
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while s.metric("switchyard:num_requests_running").unwrap_or(0.0) < 1.0 {
+            assert!(std::time::Instant::now() < deadline, "never ran");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        drop(client);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while s.metric("switchyard:num_requests_running") != Some(0.0) {
+            assert!(std::time::Instant::now() < deadline, "never aborted");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+    // The detokenizer counts an abort when it notices the closed sink (every 100 ms).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while s.metric("switchyard:request_aborted_total") != Some(2.0) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "aborted: {:?}",
+            s.metric("switchyard:request_aborted_total")
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert_eq!(closed(s), 1.0);
+    assert_eq!(
+        series(
+            s,
+            "switchyard:http_requests_total",
+            "route=\"/v1/completions\",status=\"200\""
+        ),
+        1.0
+    );
+}
+
+/// Per-request log lines name the request as its client knows it (`x-request-id`) and its
+/// tier, through the request's span: the ignored-fields warning (the OpenAI SDK's `store` and
+/// `metadata` trigger it) with the client's own id or the completion id, and the abort of a
+/// request whose client left.
+#[test]
+fn per_request_log_lines_carry_the_public_request_id_and_tier() {
+    let s = &server();
+    let body = json!({"prompt": "Hi", "max_tokens": 2, "store": true,
+                      "metadata": {"user": "u1"}})
+    .to_string();
+    let r = s
+        .request(
+            "POST",
+            "/v1/completions",
+            Some(&body),
+            &[("x-request-id", "audit-req-0042")],
+        )
+        .expect("request");
+    assert_eq!(r.status, 200, "{}", r.body);
+    s.assert_logged(&[
+        "fields were present in the request but ignored",
+        "request_id=audit-req-0042",
+        "tier=standard",
+        "\"store\", \"metadata\"",
+    ]);
+    let r = s
+        .request(
+            "POST",
+            "/v1/chat/completions",
+            Some(
+                &json!({
+                    "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "store": true
+                })
+                .to_string(),
+            ),
+            &[],
+        )
+        .expect("request");
+    assert_eq!(r.status, 200, "{}", r.body);
+    let id = r.header("x-request-id").expect("x-request-id").to_owned();
+    assert!(id.starts_with("chatcmpl-"), "{id}");
+    s.assert_logged(&[
+        "fields were present in the request but ignored",
+        &format!("request_id={id}"),
+    ]);
+    // An abort: the detokenizer's line carries the request's span.
+    let long = json!({"prompt": "Tell me a very long story", "max_tokens": 4000,
+                      "ignore_eos": true})
+    .to_string();
+    let client = s.open_with(
+        "POST",
+        "/v1/completions",
+        Some(&long),
+        &[("x-request-id", "audit-abort-0007")],
+    );
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while s.metric("switchyard:num_requests_running").unwrap_or(0.0) < 1.0 {
+        assert!(std::time::Instant::now() < deadline, "never ran");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    drop(client);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !s
+        .log()
+        .lines()
+        .any(|l| l.contains("request aborted") && l.contains("request_id=audit-abort-0007"))
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no abort line with the id:\n{}",
+            s.log()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}

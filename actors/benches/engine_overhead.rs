@@ -153,6 +153,7 @@ fn start_engine(running: usize) -> (Arc<AtomicU64>, actix::System) {
                     hash_key: [1, 2],
                     tokenizer_threads: 1,
                     max_pending_requests: running * 4,
+                    tier_max_pending: Vec::new(),
                     tier_slos: Vec::new(),
                     async_scheduling: Default::default(),
                     lora: None,

@@ -36,7 +36,9 @@ pub const REQUEST_ABORTED: &str = "switchyard:request_aborted_total";
 /// Counter, label `reason`: requests that ended with an error after they were queued, by kind:
 /// `invalid_request`, `context_length`, `unknown_model`, `overloaded`, `unavailable` (refused,
 /// or cut off at the drain timeout), `structured_output` (the grammar failed while generating)
-/// or `error` (the server's own failure, such as a failed step).
+/// or `error` (the server's own failure, such as a failed step); and requests refused before
+/// they were queued as `overloaded` (the server's or their tier's bound on requests in flight,
+/// or a full grammar compile queue). Other refusals before queueing (a 400) are not counted.
 pub const REQUEST_FAILED: &str = "switchyard:request_failed_total";
 /// Counter: engine steps that failed (a backend error or panic, or a lost executor or
 /// allocator); their requests ended with an error, the server went on.

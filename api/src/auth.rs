@@ -17,6 +17,7 @@ use crate::error::ApiError;
 use crate::schema::reasoning::ThinkTags;
 use crate::schema::tools::ToolSetup;
 use crate::state::ApiState;
+use crate::throttle::Throttle;
 
 /// HTTP-layer settings, filled from the YAML config by the binary.
 #[derive(Clone, PartialEq)]
@@ -165,6 +166,38 @@ impl ApiConfig {
     }
 }
 
+/// Refused API keys and admin keys (missing or wrong), each logged at WARN at most once a
+/// second with how many were refused since the previous line: a client guessing keys writes a
+/// line a second, not a line a guess.
+static API_KEY_REFUSALS: Throttle = Throttle::new(std::time::Duration::from_secs(1));
+static ADMIN_KEY_REFUSALS: Throttle = Throttle::new(std::time::Duration::from_secs(1));
+
+/// Logs a refused key (`what`), rate-limited by `throttle`: the route and the peer address of
+/// the latest refusal and the count since the last line; never the key. An admin scope that
+/// is off (403) is no failed authentication and is not logged.
+fn log_refusal(req: &ServiceRequest, e: &ApiError, throttle: &Throttle, what: &'static str) {
+    if !matches!(e, ApiError::Unauthorized(_)) {
+        return;
+    }
+    if let Some(refused) = throttle.hit(std::time::Instant::now()) {
+        let route = req
+            .match_pattern()
+            .unwrap_or_else(|| "unmatched".to_owned());
+        let peer = req
+            .peer_addr()
+            .map_or_else(|| "unknown".to_owned(), |a| a.to_string());
+        let missing = bearer_token(req).is_none();
+        tracing::warn!(
+            %route,
+            %peer,
+            key = what,
+            missing,
+            refused,
+            "authentication failed (refused counts the refusals since the previous such line)"
+        );
+    }
+}
+
 fn config_of(req: &ServiceRequest) -> Result<Arc<ApiConfig>, ApiError> {
     req.app_data::<web::Data<ApiState>>()
         .map(|state| Arc::clone(&state.config))
@@ -182,7 +215,16 @@ pub async fn require_api_key(
     next: Next<impl MessageBody + 'static>,
 ) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
     let config = config_of(&req)?;
-    let principal = config.authenticate(bearer_token(&req))?;
+    let principal = match config.authenticate(bearer_token(&req)) {
+        Ok(p) => p,
+        Err(e) => {
+            log_refusal(&req, &e, &API_KEY_REFUSALS, "API key");
+            return Err(e.into());
+        }
+    };
+    let span = tracing::Span::current();
+    span.record("tenant", tracing::field::display(&principal.tenant));
+    span.record("tier", tracing::field::display(&principal.tier));
     req.extensions_mut().insert(principal);
     next.call(req).await
 }
@@ -193,7 +235,10 @@ pub async fn require_admin_key(
     next: Next<impl MessageBody + 'static>,
 ) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
     let config = config_of(&req)?;
-    config.authenticate_admin(bearer_token(&req))?;
+    if let Err(e) = config.authenticate_admin(bearer_token(&req)) {
+        log_refusal(&req, &e, &ADMIN_KEY_REFUSALS, "admin key");
+        return Err(e.into());
+    }
     next.call(req).await
 }
 

@@ -36,6 +36,7 @@ pub mod schema;
 mod server;
 mod sse;
 mod state;
+mod throttle;
 
 pub use auth::{ApiConfig, ApiKeyEntry, Principal};
 pub use engine::Engine;

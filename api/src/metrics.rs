@@ -40,7 +40,8 @@ pub const REQUEST_ABORTED: &str = "switchyard:request_aborted_total";
 /// Counter, label `reason`: requests that ended with an error after they were queued, by kind:
 /// `invalid_request`, `context_length`, `unknown_model`, `overloaded`, `unavailable` (refused),
 /// `structured_output` (the grammar failed while generating), or `error` (the server's own
-/// failure, such as a failed step).
+/// failure, such as a failed step); and requests refused as `overloaded` before they were
+/// queued.
 pub const REQUEST_FAILED: &str = "switchyard:request_failed_total";
 /// Counter: engine steps that failed; their requests ended with an error.
 pub const ENGINE_FAILED_STEPS: &str = "switchyard:engine_failed_steps_total";
@@ -104,6 +105,56 @@ pub const HTTP_REQUEST_DURATION: &str = "switchyard:http_request_duration_second
 pub const HTTP_IN_FLIGHT: &str = "switchyard:http_requests_in_flight";
 /// Gauge, label `backend` (`cpu` or `cuda`): 1 for the backend the model runs on.
 pub const BACKEND_INFO: &str = "switchyard:backend_info";
+
+/// The status [`HTTP_REQUESTS`] counts for a request whose client went away before its
+/// response was ready (actix dropped the handler, as it does when the connection closes):
+/// nginx's "client closed request".
+pub const CLIENT_CLOSED_REQUEST: u16 = 499;
+
+/// One request's entry in [`HTTP_REQUESTS`] and [`HTTP_REQUEST_DURATION`]: made when it
+/// arrives, recorded once, with the response's status or, if dropped before it has one (the
+/// client left), [`CLIENT_CLOSED_REQUEST`].
+pub(crate) struct HttpRecord {
+    start: std::time::Instant,
+    /// The route template matched on arrival.
+    route: Option<String>,
+    done: bool,
+}
+
+impl HttpRecord {
+    /// A request to `route` (a template; `None`: unmatched) arriving now.
+    pub(crate) fn new(route: Option<String>) -> Self {
+        Self {
+            start: std::time::Instant::now(),
+            route,
+            done: false,
+        }
+    }
+
+    /// The route matched on arrival.
+    pub(crate) fn take_route(&mut self) -> Option<String> {
+        self.route.take()
+    }
+
+    /// Records the response: `status` on `route` (`None`: `unmatched`).
+    pub(crate) fn record(&mut self, route: Option<String>, status: u16) {
+        self.done = true;
+        let route = route.unwrap_or_else(|| "unmatched".to_owned());
+        metrics::counter!(HTTP_REQUESTS, "route" => route.clone(), "status" => status.to_string())
+            .increment(1);
+        metrics::histogram!(HTTP_REQUEST_DURATION, "route" => route)
+            .record(self.start.elapsed().as_secs_f64());
+    }
+}
+
+impl Drop for HttpRecord {
+    fn drop(&mut self) {
+        if !self.done {
+            let route = self.route.take();
+            self.record(route, CLIENT_CLOSED_REQUEST);
+        }
+    }
+}
 
 /// Label key of [`REQUEST_SUCCESS`].
 pub const LABEL_FINISHED_REASON: &str = "finished_reason";
@@ -212,7 +263,7 @@ pub fn describe_metrics() {
     describe_counter!(
         REQUEST_FAILED,
         Unit::Count,
-        "Requests (each choice of n > 1 counts) that ended with an error after they were queued, by reason: invalid_request, context_length, unknown_model, overloaded, unavailable (refused, or cut off at the drain timeout), structured_output (the grammar failed while generating: the output could not complete it), or error (the server's own failure, such as a failed step)."
+        "Requests (each choice of n > 1 counts) that ended with an error after they were queued, by reason: invalid_request, context_length, unknown_model, overloaded, unavailable (refused, or cut off at the drain timeout), structured_output (the grammar failed while generating: the output could not complete it), or error (the server's own failure, such as a failed step); and requests refused as overloaded before they were queued (the server's or their tier's bound on requests in flight, or a full grammar compile queue)."
     );
     describe_counter!(
         ENGINE_FAILED_STEPS,
@@ -254,7 +305,7 @@ pub fn describe_metrics() {
     describe_counter!(
         HTTP_REQUESTS,
         Unit::Count,
-        "HTTP responses by route and status."
+        "HTTP responses by route and status; status 499 (nginx's client closed request) counts requests whose client went away before the response was ready."
     );
     describe_histogram!(
         HTTP_REQUEST_DURATION,

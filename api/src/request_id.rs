@@ -5,6 +5,11 @@
 //! a handler recorded for the request ([`record`]: a completion's `cmpl-…` / `chatcmpl-…`
 //! id), else a fresh random one. Errors, 404s, refusals by the key check and streams carry it
 //! too: the header goes on the response head, before any of a stream's body.
+//!
+//! The same middleware opens the request's log span, `request{request_id, tenant, tier}`: every
+//! line logged while the request is served (its handler, the engine's work started from it, its
+//! stream) carries the id the client sees in `x-request-id` (the client's, else the one the
+//! handler records) and, once the key check has run, its tenant and tier.
 
 use actix_web::body::MessageBody;
 use actix_web::dev::{ServiceRequest, ServiceResponse};
@@ -12,6 +17,7 @@ use actix_web::http::header::{HeaderName, HeaderValue};
 use actix_web::http::StatusCode;
 use actix_web::middleware::Next;
 use actix_web::{HttpMessage, HttpRequest, HttpResponse, ResponseError};
+use tracing::Instrument;
 
 use crate::state::request_id;
 
@@ -29,6 +35,10 @@ struct RecordedId(String);
 /// its own.
 pub(crate) fn record(req: &HttpRequest, id: &str) {
     req.extensions_mut().insert(RecordedId(id.to_owned()));
+    // The log span names the id the response carries: the client's, set on arrival, or this.
+    if client_request_id(req).is_none() {
+        tracing::Span::current().record("request_id", tracing::field::display(id));
+    }
 }
 
 /// The client's `X-Request-Id` if it is sane: 1 to [`MAX_CLIENT_REQUEST_ID`] bytes of visible
@@ -48,7 +58,18 @@ pub(crate) async fn add_request_id(
 ) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
     // Taken before the call: the request cannot be cloned while it is being routed.
     let client = client_request_id(req.request()).map(str::to_owned);
-    match next.call(req).await {
+    // At ERROR level so that it is enabled whatever level logging is at: a warning or error of
+    // the request carries its fields too. Fields are filled as they are known.
+    let span = tracing::error_span!(
+        "request",
+        request_id = tracing::field::Empty,
+        tenant = tracing::field::Empty,
+        tier = tracing::field::Empty,
+    );
+    if let Some(id) = &client {
+        span.record("request_id", tracing::field::display(id));
+    }
+    match next.call(req).instrument(span).await {
         Ok(mut res) => {
             let id =
                 client.unwrap_or_else(|| match res.request().extensions().get::<RecordedId>() {

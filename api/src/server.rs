@@ -1,7 +1,7 @@
 //! Route table, HTTP metrics and request-id middleware, and the server builder.
 
 use std::net::SocketAddr;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use actix_web::body::MessageBody;
 use actix_web::dev::{Server, ServiceRequest, ServiceResponse};
@@ -9,7 +9,7 @@ use actix_web::middleware::{from_fn, Next};
 use actix_web::{web, App, HttpRequest, HttpServer};
 
 use crate::auth::{require_admin_key, require_api_key};
-use crate::metrics::{HTTP_REQUESTS, HTTP_REQUEST_DURATION};
+use crate::metrics::HttpRecord;
 use crate::request_id::add_request_id;
 use crate::routes;
 use crate::state::ApiState;
@@ -122,23 +122,21 @@ pub fn configure(cfg: &mut web::ServiceConfig, state: ApiState) {
         .default_service(web::to(routes::not_found));
 }
 
-/// Counts responses by route template and status, and times them.
+/// Counts responses by route template and status, and times them. A request whose handler is
+/// dropped before it answers (the client closed the connection) counts with status
+/// [`crate::metrics::CLIENT_CLOSED_REQUEST`] (499), through [`HttpRecord`]'s drop.
 async fn record_http(
     req: ServiceRequest,
     next: Next<impl MessageBody + 'static>,
 ) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
-    let start = Instant::now();
-    let fallback = req.match_pattern();
+    // The route is matched against the whole app's routes, so it is known before routing.
+    let mut record = HttpRecord::new(req.match_pattern());
     let result = next.call(req).await;
     let (route, status) = match &result {
         Ok(res) => (res.request().match_pattern(), res.status()),
-        Err(e) => (fallback, e.as_response_error().status_code()),
+        Err(e) => (record.take_route(), e.as_response_error().status_code()),
     };
-    let route = route.unwrap_or_else(|| "unmatched".to_owned());
-    let status = status.as_u16().to_string();
-    metrics::counter!(HTTP_REQUESTS, "route" => route.clone(), "status" => status).increment(1);
-    metrics::histogram!(HTTP_REQUEST_DURATION, "route" => route)
-        .record(start.elapsed().as_secs_f64());
+    record.record(route, status.as_u16());
     result
 }
 

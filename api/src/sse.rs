@@ -106,6 +106,8 @@ struct SseState<W> {
     completion_tokens: u32,
     done: bool,
     _in_flight: InFlight,
+    /// The request's log span (request id, tenant, tier).
+    span: tracing::Span,
 }
 
 /// Streams a started generation as an SSE response.
@@ -124,6 +126,8 @@ pub(crate) fn sse_response<W: ChunkWriter>(
         completion_tokens: 0,
         done: false,
         _in_flight: in_flight,
+        // The body is polled outside the handler: its lines join the request's span here.
+        span: tracing::Span::current(),
     };
     let body = futures_util::stream::unfold(state, |mut st| async move {
         loop {
@@ -149,7 +153,9 @@ pub(crate) fn sse_response<W: ChunkWriter>(
                     }
                 }
                 Some(Err(error)) => {
-                    tracing::warn!(error = %error, "generation failed mid-stream");
+                    st.span.in_scope(|| {
+                        tracing::warn!(error = %error, "generation failed mid-stream");
+                    });
                     st.queue.push_back(frame(&error_body(&error)));
                     st.queue.push_back(Bytes::from_static(DONE_FRAME));
                     st.done = true;

@@ -418,6 +418,44 @@ mod tests {
         );
     }
 
+    /// `tiers.<name>.max_pending_requests` is optional, 1 to 1,000,000 at the value's line,
+    /// and at most `server.max_pending_requests` (also when an override lowers the latter).
+    #[test]
+    fn a_tier_pending_bound_is_bounded_and_within_the_server_one() {
+        let c = Config::from_yaml_str(
+            "tiers:\n  a: { max_pending_requests: 4 }\n  b: { max_pending_requests: ~ }\n  c: {}\n",
+            "t",
+        )
+        .unwrap();
+        assert_eq!(c.tiers["a"].max_pending_requests, Some(4));
+        assert_eq!(c.tiers["b"].max_pending_requests, None);
+        assert_eq!(c.tiers["c"].max_pending_requests, None);
+        let e = error("tiers:\n  a:\n    max_pending_requests: 0\n", &[]);
+        assert!(
+            e.starts_with("t.yaml:3: tiers.a.max_pending_requests: 0 is out of range"),
+            "{e}"
+        );
+        let e = error("tiers:\n  a: { max_pending_requests: many }\n", &[]);
+        assert!(e.contains("tiers.a.max_pending_requests"), "{e}");
+        let e = error(
+            "server:\n  max_pending_requests: 8\ntiers:\n  a:\n    max_pending_requests: 9\n",
+            &[],
+        );
+        assert!(
+            e.contains("tiers.a.max_pending_requests")
+                && e.contains("9 exceeds server.max_pending_requests (8)"),
+            "{e}"
+        );
+        let e = error(
+            "tiers:\n  a: { max_pending_requests: 100 }\n",
+            &["server.max_pending_requests=50".into()],
+        );
+        assert!(
+            e.contains("exceeds server.max_pending_requests (50)"),
+            "{e}"
+        );
+    }
+
     /// With `--set`, the field is named likewise, and a section given a scalar is said to
     /// need a mapping, without the Rust type's name.
     #[test]

@@ -72,6 +72,29 @@ fn usize_in<'de, D: Deserializer<'de>, const MIN: u64, const MAX: u64>(
     usize::try_from(v).map_err(de::Error::custom)
 }
 
+/// `null` (None) or an integer in `MIN..=MAX`.
+fn opt_usize_in<'de, D: Deserializer<'de>, const MIN: u64, const MAX: u64>(
+    d: D,
+) -> Result<Option<usize>, D::Error> {
+    struct OptIntIn<const MIN: u64, const MAX: u64>;
+    impl<'de, const MIN: u64, const MAX: u64> Visitor<'de> for OptIntIn<MIN, MAX> {
+        type Value = Option<usize>;
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            write!(f, "an integer in {MIN}..={MAX} or null")
+        }
+        fn visit_none<E: de::Error>(self) -> Result<Option<usize>, E> {
+            Ok(None)
+        }
+        fn visit_unit<E: de::Error>(self) -> Result<Option<usize>, E> {
+            Ok(None)
+        }
+        fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Option<usize>, D::Error> {
+            usize_in::<D, MIN, MAX>(d).map(Some)
+        }
+    }
+    d.deserialize_option(OptIntIn::<MIN, MAX>)
+}
+
 fn u16_in<'de, D: Deserializer<'de>, const MIN: u64, const MAX: u64>(
     d: D,
 ) -> Result<u16, D::Error> {
@@ -708,7 +731,8 @@ impl Default for SchedulerSection {
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(
     deny_unknown_fields,
-    expecting = "a mapping (a tier: ttft_ms, tpot_ms, weight, preemptible, priority)"
+    expecting = "a mapping (a tier: ttft_ms, tpot_ms, weight, preemptible, priority, \
+                 max_pending_requests)"
 )]
 pub struct TierConfig {
     /// Time-to-first-token target in milliseconds.
@@ -730,6 +754,14 @@ pub struct TierConfig {
     /// can jump ahead of a more urgent tier.
     #[serde(default)]
     pub priority: i32,
+    /// Most requests of this tier in flight at once (queued, running, or still being
+    /// tokenized), 1 to `server.max_pending_requests`; beyond it the tier's requests are
+    /// refused with 503 `overloaded` even while the server has room. `None` (the default):
+    /// only the server's bound applies. The server's bound stays the absolute one, so the
+    /// tiers that may flood should have limits that add up to less than it, leaving the rest
+    /// to the other tiers.
+    #[serde(default, deserialize_with = "opt_usize_in::<_, 1, 1000000>")]
+    pub max_pending_requests: Option<usize>,
 }
 
 fn one() -> f64 {
@@ -903,6 +935,21 @@ impl Config {
                     format!("tiers.{name}"),
                     "tier names are 1-64 characters of [A-Za-z0-9_-]".into(),
                 ));
+            }
+        }
+        for (name, tier) in &self.tiers {
+            match tier.max_pending_requests {
+                Some(n) if n > self.server.max_pending_requests => {
+                    return Err((
+                        format!("tiers.{name}.max_pending_requests"),
+                        format!(
+                            "{n} exceeds server.max_pending_requests ({}), the bound on every \
+                             tier together",
+                            self.server.max_pending_requests
+                        ),
+                    ));
+                }
+                _ => {}
             }
         }
         for (i, k) in self.server.api_keys.iter().enumerate() {

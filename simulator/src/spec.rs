@@ -296,6 +296,11 @@ pub struct TierConf {
     /// the server (`switchyard_policies::request_priority`).
     #[serde(default)]
     pub priority: i32,
+    /// The server's bound on the tier's requests in flight (`tiers.<name>.max_pending_requests`
+    /// of a server configuration). Read so that a server configuration's tiers load; the
+    /// simulator does not model admission, so it changes nothing here.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_pending_requests: Option<usize>,
 }
 
 fn one() -> f64 {
@@ -1029,6 +1034,8 @@ workload:
         let names: Vec<&str> = tiers.keys().map(String::as_str).collect();
         assert_eq!(names, ["batch", "premium", "standard"]);
         assert_eq!(tiers["premium"].ttft_ms, Some(200.0));
+        // The server's admission bound is read (and changes nothing in a simulation).
+        assert_eq!(tiers["batch"].max_pending_requests, Some(1024));
         let file = dir.join("t.yaml");
         std::fs::write(&file, "server: {port: 1}\n").unwrap();
         let err = SimulationSpec::tiers_from_file(&file)

@@ -115,6 +115,15 @@ pub fn build_policy(
 }
 
 /// The configured tiers as the scheduling core sees them.
+/// The tiers with a bound of their own on requests in flight (`tiers.<name>.max_pending_requests`).
+pub fn tier_pending_limits(config: &Config) -> Vec<(String, usize)> {
+    config
+        .tiers
+        .iter()
+        .filter_map(|(name, t)| Some((name.clone(), t.max_pending_requests?)))
+        .collect()
+}
+
 pub fn tier_specs(config: &Config) -> Vec<TierSpec> {
     config
         .tiers

@@ -264,6 +264,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         async_scheduling: runtime::async_mode(config.scheduler.async_scheduling),
         tokenizer_threads: 2,
         max_pending_requests: config.server.max_pending_requests,
+        tier_max_pending: super::config::tier_pending_limits(&config),
         tier_slos: tiers
             .iter()
             .map(|t| {

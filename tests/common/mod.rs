@@ -181,6 +181,19 @@ impl Server {
         stream
     }
 
+    /// [`Server::open`] with headers.
+    pub fn open_with(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&str>,
+        headers: &[(&str, &str)],
+    ) -> TcpStream {
+        let mut stream = TcpStream::connect(("127.0.0.1", self.port)).expect("connect");
+        write_request(&mut stream, method, path, body, headers).expect("send");
+        stream
+    }
+
     /// The served model's id (the first of `GET /v1/models`).
     pub fn model_id(&self) -> String {
         let r = self
@@ -276,6 +289,26 @@ impl Response {
             .find(|(k, _)| k.eq_ignore_ascii_case(name))
             .map(|(_, v)| v.as_str())
     }
+}
+
+/// Reads a response's status line only (the rest stays unread), waiting at most 60 s.
+pub fn read_status(stream: &mut TcpStream) -> u16 {
+    stream
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .expect("timeout");
+    let mut line = Vec::new();
+    let mut byte = [0u8; 1];
+    while line.last() != Some(&b'\n') {
+        match stream.read(&mut byte) {
+            Ok(1) => line.push(byte[0]),
+            _ => break,
+        }
+    }
+    String::from_utf8_lossy(&line)
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0)
 }
 
 /// Reads a response with Content-Length, chunked encoding, or until close.

@@ -13,8 +13,9 @@ use switchyard_gpu::model::Tokenizer;
 use switchyard_gpu::Constraint;
 use switchyard_policies::{FinishReason, IdMap, RequestId, SchedulerError, SloTargets};
 
+use super::admission::InFlight;
 use super::engine::{
-    ChoiceDelta, EngineOutput, InFlight, OutputSink, SubmitError, SubmitErrorKind, TokenLogprobs,
+    ChoiceDelta, EngineOutput, OutputSink, SubmitError, SubmitErrorKind, TokenLogprobs,
 };
 use super::scheduler::{Finish, SchedulerActor, Submit};
 use crate::core::{CoreEvent, SubmitOptions};
@@ -47,6 +48,9 @@ pub struct Register {
     pub guard: InFlight,
     /// The prompt, when its logprobs were asked: the prompt event then waits for them.
     pub pending_prompt: Option<Arc<[u32]>>,
+    /// The request's log span (the front end's: its public id and tier), for the lines this
+    /// actor logs about it.
+    pub span: tracing::Span,
 }
 
 /// Special tokens whose text a choice keeps though special tokens are skipped (at most three:
@@ -156,7 +160,7 @@ pub struct FailAll(pub SubmitError);
 
 /// How the open choices of a request ended early, and the counter each one counts in.
 #[derive(Clone, Copy)]
-enum EndedEarly {
+pub(crate) enum EndedEarly {
     /// The client went away ([`names::REQUEST_ABORTED`]).
     Aborted,
     /// An error ([`names::REQUEST_FAILED`], this `reason` label).
@@ -166,7 +170,7 @@ enum EndedEarly {
 impl EndedEarly {
     /// How the open choices of a request whose sink closed end: aborted, unless the client
     /// dropped them because another part of its request failed.
-    fn of_closed(sink: &dyn OutputSink) -> Self {
+    pub(crate) fn of_closed(sink: &dyn OutputSink) -> Self {
         match sink.abandoned_for() {
             Some(kind) => EndedEarly::Failed(failure_label(kind)),
             None => EndedEarly::Aborted,
@@ -174,7 +178,7 @@ impl EndedEarly {
     }
 
     /// Counts `choices` choices of a request whose per-tier labels are `tier`.
-    fn count(self, choices: usize, tier: &[metrics::Label]) {
+    pub(crate) fn count(self, choices: usize, tier: &[metrics::Label]) {
         let mut labels = tier.to_vec();
         match self {
             EndedEarly::Aborted => metrics::counter!(names::REQUEST_ABORTED, labels),
@@ -219,6 +223,8 @@ struct RequestSink {
     tier: Arc<str>,
     labels: Vec<metrics::Label>,
     slo: SloTargets,
+    /// The request's log span ([`Register::span`]).
+    span: tracing::Span,
 }
 
 struct ChoiceState {
@@ -335,7 +341,13 @@ impl DetokenizerActor {
             return;
         }
         ended.count(aborted.len(), &request.borrow().labels);
-        tracing::info!(ids = ?aborted.iter().map(|(id, _)| id.0).collect::<Vec<_>>(), "request aborted");
+        request.borrow().span.in_scope(|| {
+            tracing::info!(
+                ids = ?aborted.iter().map(|(id, _)| id.0).collect::<Vec<_>>(),
+                choices = aborted.len(),
+                "request aborted"
+            );
+        });
         self.finish_in_scheduler(aborted);
     }
 }
@@ -452,6 +464,7 @@ impl Handler<Register> for DetokenizerActor {
             labels: names::tier_labels(&tier),
             tier,
             slo,
+            span: msg.span,
         }));
         let prompt_len = msg.pending_prompt.as_ref().map_or(0, |p| p.len());
         for (index, id) in msg.ids.into_iter().enumerate() {

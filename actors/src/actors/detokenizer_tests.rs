@@ -51,9 +51,15 @@ fn recorded() -> &'static Mutex<HashMap<usize, Recorded>> {
 }
 
 /// The actix system whose arbiter runs on this thread (`actix-rt|system:N|arbiter:M`).
+/// On a test's own thread (where `Engine::submit` records), the system running there.
 fn system_of_thread() -> Option<usize> {
     let thread = std::thread::current();
-    let rest = thread.name()?.strip_prefix("actix-rt|system:")?;
+    let Some(rest) = thread
+        .name()
+        .and_then(|n| n.strip_prefix("actix-rt|system:"))
+    else {
+        return actix::System::try_current().map(|s| s.id());
+    };
     rest.split('|').next()?.parse().ok()
 }
 
@@ -284,6 +290,7 @@ fn start_engine_with(
             hash_key: [1, 2],
             tokenizer_threads: 1,
             max_pending_requests: 16,
+            tier_max_pending: Vec::new(),
             tier_slos: Vec::new(),
             async_scheduling: crate::AsyncScheduling::Off,
             lora: None,
@@ -340,6 +347,8 @@ enum Client {
     LeavesAtFirstDelta,
     /// Is gone by the time a choice's last delta is sent (after its success was counted).
     LeavesAtLastDelta,
+    /// Is gone before its request is queued (while its prompt is encoded).
+    GoneAtSubmit,
 }
 
 struct Sink {
@@ -355,7 +364,7 @@ impl OutputSink for Sink {
         match output {
             EngineOutput::Delta(d) => {
                 let leaves = match self.client {
-                    Client::Stays => false,
+                    Client::Stays | Client::GoneAtSubmit => false,
                     Client::LeavesAtFirstDelta => true,
                     Client::LeavesAtLastDelta => d.finish.is_some(),
                 };
@@ -392,7 +401,7 @@ async fn run_abandoned(
         options,
         Box::new(Sink {
             client,
-            gone: false,
+            gone: client == Client::GoneAtSubmit,
             errors: errors.clone(),
             abandoned_for,
         }),
@@ -504,6 +513,39 @@ async fn a_client_gone_counts_each_open_choice_as_aborted() {
     assert_eq!(m.counter(names::REQUEST_ABORTED), 2);
     assert!(m.counters_of(names::REQUEST_SUCCESS).is_empty());
     assert!(m.counters_of(names::REQUEST_FAILED).is_empty());
+}
+
+/// A client gone before its request was queued (the engine finds it after encoding the
+/// prompt) counts each choice as aborted, as one that leaves later does; one that dropped it
+/// because another prompt of its request failed counts them as failed with that.
+#[actix::test]
+async fn a_client_gone_before_queueing_counts_each_choice_as_aborted() {
+    let (engine, _) = start_engine(false, false);
+    run(&engine, request(3, 8, ignoring_eos()), Client::GoneAtSubmit).await;
+    let m = Snapshot::take();
+    assert_eq!(m.counter(names::REQUEST_ABORTED), 3);
+    assert!(m.counters_of(names::REQUEST_FAILED).is_empty());
+    assert_eq!(m.counter(names::PROMPT_TOKENS), 0);
+    run_abandoned(
+        &engine,
+        request(2, 8, ignoring_eos()),
+        Client::GoneAtSubmit,
+        Some(SubmitErrorKind::ContextLengthExceeded),
+    )
+    .await;
+    let m = Snapshot::take();
+    assert_eq!(m.counter(names::REQUEST_ABORTED), 3);
+    assert_eq!(
+        m.counters_of(names::REQUEST_FAILED),
+        vec![(
+            format!(
+                "{}{{{}=context_length}}",
+                names::REQUEST_FAILED,
+                names::LABEL_REASON
+            ),
+            2
+        )]
+    );
 }
 
 /// A request dropped because another prompt of its client request failed counts each open

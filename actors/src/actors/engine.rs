@@ -2,7 +2,7 @@
 //! requests with a sink for the output; everything else happens in the actors.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -15,9 +15,10 @@ use switchyard_policies::{
     SloTargets,
 };
 
+use super::admission::{Admission, InFlight};
 use super::allocator::KvAllocatorActor;
 use super::detokenizer::{
-    DetokenizerActor, FailAll, KeptSpecial, Register, SetScheduler, TextOptions,
+    DetokenizerActor, EndedEarly, FailAll, KeptSpecial, Register, SetScheduler, TextOptions,
 };
 use super::executor::ExecutorActor;
 use super::lora::{
@@ -42,6 +43,10 @@ pub struct EngineConfig {
     pub tokenizer_threads: usize,
     /// Requests in flight at once before new ones are refused as overloaded.
     pub max_pending_requests: usize,
+    /// Per-tier bounds (`tiers.<name>.max_pending_requests`): a request of a tier listed here
+    /// is refused as overloaded while that many of its tier are in flight, even if the
+    /// server has room ([`super::admission`]).
+    pub tier_max_pending: Vec<(String, usize)>,
     /// Tier SLO targets by tier name.
     pub tier_slos: Vec<(String, SloTargets)>,
     /// Plan and submit each step while the previous one runs.
@@ -226,15 +231,6 @@ impl SubmitError {
     }
 }
 
-/// Counts requests in flight; the count drops when the guard does.
-pub(crate) struct InFlight(Arc<AtomicUsize>);
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
 /// What a request's submission resolved before admission: its prompt tokens, its adapter
 /// (prefix-cache id and weights) and one structured-output constraint per choice.
 struct Resolved {
@@ -254,7 +250,8 @@ pub struct Engine {
     detokenizer: Addr<DetokenizerActor>,
     tokenizers: Addr<TokenizerActor>,
     next_id: Arc<AtomicU64>,
-    in_flight: Arc<AtomicUsize>,
+    /// The server's and the tiers' bounds on requests in flight.
+    admission: Arc<Admission>,
     config: Arc<EngineConfig>,
     /// Token ids a request may name are below this ([`EngineConfig::vocab_size`], or the
     /// tokenizer's vocabulary when larger).
@@ -349,7 +346,10 @@ impl Engine {
             detokenizer,
             tokenizers,
             next_id: Arc::new(AtomicU64::new(1)),
-            in_flight: Arc::new(AtomicUsize::new(0)),
+            admission: Arc::new(Admission::new(
+                config.max_pending_requests,
+                &config.tier_max_pending,
+            )),
             config: Arc::new(config),
             vocab,
             salts: std::collections::hash_map::RandomState::new(),
@@ -387,94 +387,130 @@ impl Engine {
 
     /// Requests in flight.
     pub fn in_flight(&self) -> usize {
-        self.in_flight.load(Ordering::Acquire)
+        self.admission.in_flight()
     }
 
     /// Queues a request. Its outputs, or an error, arrive at `sink`; dropping the receiving
     /// side of the sink aborts the request.
     pub fn submit(&self, options: RequestOptions, mut sink: Box<dyn OutputSink>) {
-        let previous = self.in_flight.fetch_add(1, Ordering::AcqRel);
-        let guard = InFlight(self.in_flight.clone());
-        if previous >= self.config.max_pending_requests {
-            sink.send(EngineOutput::Error(SubmitError::new(
-                SubmitErrorKind::Overloaded,
-                format!("{previous} requests are in flight; retry shortly"),
-            )));
-            return;
-        }
-        let this = self.clone();
-        let arrival = Instant::now();
-        actix::spawn(async move {
-            let encoded = this
-                .ask_tokenizers(Encode {
-                    source: options.prompt.clone(),
-                    add_special_tokens: true,
-                })
-                .await;
-            let encoded = match encoded {
-                Ok(e) => e,
-                Err(e) => {
-                    sink.send(EngineOutput::Error(e));
-                    return;
-                }
-            };
-            let encoded_at = Instant::now();
-            // A client gone while its prompt was encoded needs no adapter and no grammar (the
-            // compile pool also skips a compile nobody waits for, which this makes true).
-            if sink.is_closed() {
+        let guard = match self.admission.admit(&options.tier) {
+            Ok(guard) => guard,
+            Err(e) => {
+                self.refuse(&options, sink.as_mut(), e);
                 return;
             }
-            let adapter = match &options.lora {
-                None => None,
-                Some(name) => match this.resolve_adapter(name).await {
-                    Ok(a) => Some(a),
+        };
+        let this = self.clone();
+        let arrival = Instant::now();
+        // The caller's span (the HTTP layer's, naming the request) goes with the request: the
+        // lines logged about it, here and in the detokenizer, carry it.
+        let span = tracing::Span::current();
+        actix::spawn(tracing::Instrument::instrument(
+            async move {
+                let encoded = this
+                    .ask_tokenizers(Encode {
+                        source: options.prompt.clone(),
+                        add_special_tokens: true,
+                    })
+                    .await;
+                let encoded = match encoded {
+                    Ok(e) => e,
                     Err(e) => {
                         sink.send(EngineOutput::Error(e));
                         return;
                     }
-                },
-            };
-            let constraints = match &options.structured {
-                None => Vec::new(),
-                Some(spec) => {
-                    let end_ids = options
-                        .sampling
-                        .eos_token_ids
-                        .iter()
-                        .chain(&options.sampling.stop_token_ids)
-                        .copied()
-                        .collect();
-                    let compile = this.ask_tokenizers(Constrain {
-                        spec: spec.clone(),
-                        end_ids,
-                        n: options.n.max(1) as usize,
-                    });
-                    // A client that leaves while its grammar waits for the compile pool drops
-                    // the wait, so the pool skips (or stops waiting for) a compile nobody needs.
-                    match unless_gone(compile, sink.as_ref()).await {
-                        None => return,
-                        Some(Ok(c)) => c,
-                        Some(Err(e)) => {
+                };
+                let encoded_at = Instant::now();
+                // A client gone while its prompt was encoded needs no adapter and no grammar (the
+                // compile pool also skips a compile nobody waits for, which this makes true).
+                if sink.is_closed() {
+                    this.gone(&options, sink.as_ref());
+                    return;
+                }
+                let adapter = match &options.lora {
+                    None => None,
+                    Some(name) => match this.resolve_adapter(name).await {
+                        Ok(a) => Some(a),
+                        Err(e) => {
                             sink.send(EngineOutput::Error(e));
                             return;
                         }
+                    },
+                };
+                let constraints = match &options.structured {
+                    None => Vec::new(),
+                    Some(spec) => {
+                        let end_ids = options
+                            .sampling
+                            .eos_token_ids
+                            .iter()
+                            .chain(&options.sampling.stop_token_ids)
+                            .copied()
+                            .collect();
+                        let compile = this.ask_tokenizers(Constrain {
+                            spec: spec.clone(),
+                            end_ids,
+                            n: options.n.max(1) as usize,
+                        });
+                        // A client that leaves while its grammar waits for the compile pool drops
+                        // the wait, so the pool skips (or stops waiting for) a compile nobody needs.
+                        match unless_gone(compile, sink.as_ref()).await {
+                            None => {
+                                this.gone(&options, sink.as_ref());
+                                return;
+                            }
+                            Some(Ok(c)) => c,
+                            Some(Err(e)) => {
+                                this.refuse(&options, sink.as_mut(), e);
+                                return;
+                            }
+                        }
+                    }
+                };
+                let resolved = Resolved {
+                    prompt: encoded.ids,
+                    opens_thinking: encoded.opens_thinking,
+                    adapter,
+                    constraints,
+                    encoded: encoded_at,
+                };
+                match this.admit(options, resolved, sink, guard, arrival) {
+                    Ok(()) => {}
+                    Err((e, mut sink)) => {
+                        sink.send(EngineOutput::Error(e));
                     }
                 }
-            };
-            let resolved = Resolved {
-                prompt: encoded.ids,
-                opens_thinking: encoded.opens_thinking,
-                adapter,
-                constraints,
-                encoded: encoded_at,
-            };
-            match this.admit(options, resolved, sink, guard, arrival) {
-                Ok(()) => {}
-                Err((e, mut sink)) => {
-                    sink.send(EngineOutput::Error(e));
-                }
-            }
-        });
+            },
+            span,
+        ));
+    }
+
+    /// Answers a request with `error` before it is queued; one refused as overloaded counts
+    /// in `request_failed_total{reason="overloaded"}` (each of its choices, as after queueing).
+    fn refuse(&self, options: &RequestOptions, sink: &mut dyn OutputSink, error: SubmitError) {
+        if error.kind == SubmitErrorKind::Overloaded {
+            let mut labels = names::tier_labels(&self.metrics_tier(&options.tier));
+            labels.push(metrics::Label::new(names::LABEL_REASON, "overloaded"));
+            metrics::counter!(names::REQUEST_FAILED, labels).increment(u64::from(options.n.max(1)));
+        }
+        sink.send(EngineOutput::Error(error));
+    }
+
+    /// Counts a request whose client left before it was queued as the detokenizer counts one
+    /// that leaves later: each choice in `request_aborted_total`, or, when the client dropped
+    /// it because another prompt of its request failed, in `request_failed_total` with that
+    /// failure's reason.
+    fn gone(&self, options: &RequestOptions, sink: &dyn OutputSink) {
+        let labels = names::tier_labels(&self.metrics_tier(&options.tier));
+        EndedEarly::of_closed(sink).count(options.n.max(1) as usize, &labels);
+        tracing::info!("request aborted before it was queued: its client went away");
+    }
+
+    /// The tier that labels a request's metrics: a configured tier's name; any other name
+    /// (the open API's default tier when no tier of that name is configured) none ("").
+    fn metrics_tier(&self, tier: &str) -> Arc<str> {
+        let configured = self.config.tier_slos.iter().any(|(name, _)| name == tier);
+        Arc::from(if configured { tier } else { "" })
     }
 
     /// The prefix-cache salt of a request's blocks: its tenant's (when tenants do not share)
@@ -606,6 +642,7 @@ impl Engine {
         }
         // A client already gone (a prompt-logprob request sends no prompt event to find out).
         if sink.is_closed() {
+            self.gone(&options, sink.as_ref());
             return Ok(());
         }
         metrics::counter!(names::PROMPT_TOKENS).increment(prompt.len() as u64);
@@ -617,6 +654,7 @@ impl Engine {
                 prompt_logprobs: None,
             })
         {
+            self.gone(&options, sink.as_ref());
             return Ok(());
         }
         let prompt: Arc<[u32]> = prompt.into();
@@ -629,9 +667,7 @@ impl Engine {
             ttft_ms: None,
             tpot_ms: None,
         });
-        // A configured tier labels the request's metrics; any other name (the open API's
-        // default tier when no tier of that name is configured) none.
-        let metrics_tier: Arc<str> = Arc::from(tier.map_or("", |(name, _)| name.as_str()));
+        let metrics_tier = self.metrics_tier(&options.tier);
         let shared_salt = self.cache_salt(&options);
         let eos = options.sampling.eos_token_ids.first().copied();
         let mut stop_ids = options.sampling.stop_token_ids.clone();
@@ -702,6 +738,7 @@ impl Engine {
             },
             arrival,
             guard,
+            span: tracing::Span::current(),
         });
         Ok(())
     }
@@ -886,6 +923,7 @@ fn prompt_logprob_salt(id: RequestId) -> u64 {
 #[cfg(test)]
 mod tests {
     use std::collections::HashMap;
+    use std::sync::atomic::AtomicUsize;
     use std::sync::mpsc::{channel, Receiver, Sender};
     use std::sync::Mutex;
     use std::time::Duration;
@@ -932,6 +970,7 @@ mod tests {
             hash_key: [1, 2],
             tokenizer_threads: 1,
             max_pending_requests: 16,
+            tier_max_pending: Vec::new(),
             tier_slos: Vec::new(),
             async_scheduling: AsyncScheduling::Off,
             lora: None,
@@ -979,7 +1018,7 @@ mod tests {
         max_tokens: Option<u32>,
         sink: Box<dyn OutputSink>,
     ) -> Result<(), (SubmitError, Box<dyn OutputSink>)> {
-        engine.in_flight.fetch_add(1, Ordering::AcqRel);
+        engine.admission.counter().fetch_add(1, Ordering::AcqRel);
         let resolved = Resolved {
             prompt: vec![2; prompt_len],
             opens_thinking: false,
@@ -987,7 +1026,7 @@ mod tests {
             constraints: Vec::new(),
             encoded: Instant::now(),
         };
-        let guard = InFlight(engine.in_flight.clone());
+        let guard = InFlight::new(engine.admission.counter());
         engine.admit(options(max_tokens), resolved, sink, guard, Instant::now())
     }
 
@@ -1058,7 +1097,7 @@ mod tests {
             let mut options = options(Some(1));
             options.sampling.logit_bias = bias;
             options.sampling.stop_token_ids = stop;
-            engine.in_flight.fetch_add(1, Ordering::AcqRel);
+            engine.admission.counter().fetch_add(1, Ordering::AcqRel);
             let resolved = Resolved {
                 prompt: vec![2; 4],
                 opens_thinking: false,
@@ -1066,7 +1105,7 @@ mod tests {
                 constraints: Vec::new(),
                 encoded: Instant::now(),
             };
-            let guard = InFlight(engine.in_flight.clone());
+            let guard = InFlight::new(engine.admission.counter());
             let (sink, _rx) = recorder();
             let Err((e, _)) = engine.admit(options, resolved, sink, guard, Instant::now()) else {
                 panic!("{param}: an id outside the vocabulary was admitted");
@@ -1179,7 +1218,8 @@ mod tests {
             stop: Vec::new(),
             text: TextOptions::default(),
             arrival: Instant::now(),
-            guard: InFlight(Arc::new(AtomicUsize::new(1))),
+            guard: InFlight::new(Arc::new(AtomicUsize::new(1))),
+            span: tracing::Span::none(),
         });
         match next_output(&rx).await {
             EngineOutput::Error(e) => {
@@ -1243,7 +1283,7 @@ mod tests {
     async fn a_choice_whose_grammar_failed_ends_its_request_with_an_error() {
         let (engine, _) = engine(64);
         let (sink, rx) = recorder();
-        engine.in_flight.fetch_add(1, Ordering::AcqRel);
+        engine.admission.counter().fetch_add(1, Ordering::AcqRel);
         let resolved = Resolved {
             prompt: vec![2; 4],
             opens_thinking: false,
@@ -1256,7 +1296,7 @@ mod tests {
         };
         let mut request = options(Some(3));
         request.n = 2;
-        let guard = InFlight(engine.in_flight.clone());
+        let guard = InFlight::new(engine.admission.counter());
         if engine
             .admit(request, resolved, sink, guard, Instant::now())
             .is_err()
@@ -1314,7 +1354,8 @@ mod tests {
             stop: Vec::new(),
             text: TextOptions::default(),
             arrival: Instant::now(),
-            guard: InFlight(Arc::new(AtomicUsize::new(1))),
+            guard: InFlight::new(Arc::new(AtomicUsize::new(1))),
+            span: tracing::Span::none(),
         });
         match next_output(&outputs).await {
             EngineOutput::Error(e) => assert_eq!(e.kind, SubmitErrorKind::Unavailable, "{e}"),
@@ -1334,7 +1375,8 @@ mod tests {
             stop: Vec::new(),
             text: TextOptions::default(),
             arrival: Instant::now(),
-            guard: InFlight(Arc::new(AtomicUsize::new(1))),
+            guard: InFlight::new(Arc::new(AtomicUsize::new(1))),
+            span: tracing::Span::none(),
         });
         match next_output(&rx).await {
             EngineOutput::Error(e) => assert_eq!(e.kind, SubmitErrorKind::Unavailable, "{e}"),

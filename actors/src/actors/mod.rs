@@ -12,6 +12,7 @@
 //! detokenizer. The executor owns the backend on its own thread, so neither the HTTP workers nor
 //! the scheduler ever wait on model code.
 
+mod admission;
 mod allocator;
 mod detokenizer;
 mod engine;

@@ -28,6 +28,8 @@ pub(crate) async fn chat_completions(
 ) -> Result<HttpResponse, ApiError> {
     let in_flight = state.admit()?;
     let body: ChatRequest = read_json(&req, payload, &state.config).await?;
+    let id = request_id("chatcmpl-", client_request_id(&req));
+    crate::request_id::record(&req, &id);
     body.ignored.warn("/v1/chat/completions");
     let lora = check_model(&state, body.model.as_deref())?;
     let tool_format = state.config.tools.format;
@@ -36,8 +38,6 @@ pub(crate) async fn chat_completions(
     if state.config.reasoning.is_some() {
         validated.keep_special_tokens[3..].copy_from_slice(&state.config.reasoning_tokens);
     }
-    let id = request_id("chatcmpl-", client_request_id(&req));
-    crate::request_id::record(&req, &id);
     let requests = engine_requests(&id, &validated, &principal, None, lora.as_deref());
     let fields = RequestFields {
         prompt: "messages",

@@ -25,11 +25,11 @@ pub(crate) async fn completions(
 ) -> Result<HttpResponse, ApiError> {
     let in_flight = state.admit()?;
     let body: CompletionRequest = read_json(&req, payload, &state.config).await?;
+    let id = request_id("cmpl-", client_request_id(&req));
+    crate::request_id::record(&req, &id);
     body.ignored.warn("/v1/completions");
     let lora = check_model(&state, body.model.as_deref())?;
     let validated = body.validate(state.engine.max_model_len())?;
-    let id = request_id("cmpl-", client_request_id(&req));
-    crate::request_id::record(&req, &id);
 
     let echo_texts = if validated.echo {
         let mut texts = Vec::with_capacity(validated.prompts.len());

@@ -51,7 +51,8 @@ impl IgnoredFields {
         Some(text)
     }
 
-    /// Logs the one warning of a request to `route`, if it carried fields no one reads.
+    /// Logs the one warning of a request to `route`, if it carried fields no one reads (inside
+    /// the request's log span, which names the request and its tier).
     pub fn warn(&self, route: &str) {
         if let Some(fields) = self.summary() {
             tracing::warn!(
