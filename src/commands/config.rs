@@ -64,6 +64,23 @@ pub fn load_checked(file: &std::path::Path, cli_overrides: &[String]) -> anyhow:
     })
 }
 
+/// Where the value of `field` (dotted, `server.port`) in force comes from, as errors about it
+/// name it: the override that set it (`override `--set server.port=9000``), else the file's
+/// line (`config.yaml:10`), else `default, not set in config.yaml`. For errors found after the
+/// configuration loaded (a port in use), so the file is read again; the environment too.
+pub fn field_origin(file: &std::path::Path, cli_overrides: &[String], field: &str) -> String {
+    let mut all = env_overrides(std::env::vars_os()).unwrap_or_default();
+    all.extend(cli_overrides.iter().cloned().map(Override::flag));
+    if let Some(o) = all.iter().rev().find(|o| o.covers(field)) {
+        return format!("override `{o}`");
+    }
+    let text = std::fs::read_to_string(file).unwrap_or_default();
+    match switchyard_config::locate(&text, field) {
+        Some(line) => format!("{}:{line}", file.display()),
+        None => format!("default, not set in {}", file.display()),
+    }
+}
+
 fn load_with(
     file: &std::path::Path,
     cli_overrides: &[String],

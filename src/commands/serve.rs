@@ -85,7 +85,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     );
     let path = runtime::config_model_path(&config)?;
     // Everything that can be checked without the model is checked before its (slow) load,
-    // so a typo fails fast: the load format, the address, the policy and the API keys.
+    // so a typo fails fast: the load format, the address (bound here: a port in use fails
+    // now), the policy and the API keys.
     checks::load_format(config.model.load_format, &path)?;
     let bind = SocketAddr::new(
         config
@@ -99,6 +100,10 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let policy = super::config::build_policy(&config.scheduler.policy, &tiers)
         .with_context(|| format!("{}: scheduler.policy", args.config.display()))?;
     let api_keys = config.load_api_keys()?;
+    // Bound now, so that an address in use fails before the model loads.
+    let listener = checks::listen(bind, |field| {
+        super::config::field_origin(&args.config, &args.overrides, field)
+    })?;
     checks::warn_if_open(api_keys.is_empty(), bind);
     tracing::info!(model = %path.display(), "loading model");
     let mut model = runtime::load(&path)?;
@@ -279,7 +284,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     api_config.reasoning = reasoning;
     api_config.reasoning_tokens = reasoning_tokens;
     let options = ServerOptions {
-        bind: vec![bind],
+        // The socket bound at the start.
+        bind: Vec::new(),
         workers: config.server.workers,
         shutdown_timeout: Duration::from_secs(config.server.drain_timeout_s),
         client_request_timeout: Duration::from_secs(config.server.request_timeout_s),
@@ -334,7 +340,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         });
         metrics::gauge!(switchyard_api::metrics::POLICY_INFO, "policy" => policy_label(&adapter.policy.lock().name)).set(1.0);
         let state = ApiState::new(adapter.clone(), api_config, prometheus);
-        let (server, addrs) = switchyard_api::build_server(state.clone(), &options)?;
+        let (server, addrs) =
+            switchyard_api::build_server_on(state.clone(), &options, vec![listener])?;
         let handle = server.handle();
         tracing::info!(addr = ?addrs, "serving");
         let reloader = reload::Reloader::new(
