@@ -743,5 +743,19 @@ fn serve_on_a_port_in_use_fails_at_once_naming_server_port() {
         )),
         "{err}"
     );
+    // `serve` checks `model.path` as `config check` does, before anything loads.
+    let err = fails(
+        switchyard()
+            .args(["serve", "--config"])
+            .arg(&config)
+            .args(["--set", "model.path=/nonexistent/model.gguf"]),
+    );
+    assert!(
+        err.contains(
+            "override `--set model.path=/nonexistent/model.gguf`: model.path: cannot read \
+             `/nonexistent/model.gguf`: no such file or directory"
+        ),
+        "{err}"
+    );
     drop(taken);
 }

@@ -9,7 +9,7 @@ pub fn run(cmd: ConfigCommand) -> anyhow::Result<()> {
         ConfigCommand::Check { file, overrides } => {
             // What `serve` checks before it loads the model, so that a configuration that
             // passes here does not fail there: the policy and its parameters (by the registry
-            // that will run them) and the API keys file.
+            // that will run them), that `model.path` can be read, and the API keys file.
             let config = load_checked(&file, &overrides)?;
             let keys = config.load_api_keys()?;
             // Keys are secrets: the printed configuration leaves them out.
@@ -57,6 +57,7 @@ pub fn load_or_defaults(
 /// What `config check` and `serve`'s start read.
 pub fn load_checked(file: &std::path::Path, cli_overrides: &[String]) -> anyhow::Result<Config> {
     load_with(file, cli_overrides, |config| {
+        model_path_readable(&config.model.path).map_err(|why| ("model.path".to_string(), why))?;
         let spec = &config.scheduler.policy;
         build_policy(spec, &tier_specs(config))
             .map(drop)
@@ -89,6 +90,32 @@ fn load_with(
     let mut all = env_overrides(std::env::vars_os())?;
     all.extend(cli_overrides.iter().cloned().map(Override::flag));
     Ok(Config::from_file_checked(file, &all, check)?)
+}
+
+/// Refuses a `model.path` that is not there or cannot be read (`~` expanded), from its
+/// metadata and an open, without loading anything. An empty path is the embedded default,
+/// which may be fetched after the check (`serve` says to fetch it when it is missing).
+fn model_path_readable(path: &str) -> Result<(), String> {
+    if path.is_empty() {
+        return Ok(());
+    }
+    let full = switchyard_config::expand_home(path);
+    let readable = std::fs::metadata(&full).and_then(|m| {
+        if m.is_dir() {
+            std::fs::read_dir(&full).map(drop)
+        } else {
+            std::fs::File::open(&full).map(drop)
+        }
+    });
+    readable.map_err(|e| {
+        let reason = e.to_string();
+        let reason = reason.split(" (os error").next().unwrap_or(&reason);
+        format!(
+            "cannot read `{}`: {}",
+            full.display(),
+            reason.to_lowercase()
+        )
+    })
 }
 
 /// The field of `scheduler.policy` a policy error is about, and the message.
