@@ -461,6 +461,32 @@ fn sighup_rereads_the_policy_section() {
         std::thread::sleep(Duration::from_millis(50));
     }
     assert_eq!(policy(&s)["params"]["token_budget"], 256);
+    // A policy an admin set since is replaced by the file's on the next SIGHUP, with a
+    // warning naming both.
+    let body = json!({"name": "priority", "params": {}}).to_string();
+    let r = s
+        .request("PUT", "/admin/policy", Some(&body), &admin)
+        .expect("swap");
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(std::process::Command::new("kill")
+        .args(["-HUP", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while policy(&s)["name"] != "chunked-prefill" {
+        assert!(
+            Instant::now() < deadline,
+            "policy not reloaded:\n{}",
+            s.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    s.assert_logged(&[
+        "WARN",
+        "the policy set through PUT /admin/policy (priority) is replaced by the file's \
+         (chunked-prefill {\"token_budget\":256})",
+    ]);
     // Still serving.
     let r = s
         .request(

@@ -6,7 +6,8 @@
 //! differs from the one in force (a swap resets its state). Adapters are reconciled against the
 //! engine's live registry, by name and directory: an adapter the file lists that is not served
 //! (an admin unloaded it, or it failed before) is loaded, and one the file listed before and no
-//! longer lists is unloaded if it is still served from the file's directory. Fields that
+//! longer lists is unloaded if it is still served from the file's directory. The file's policy
+//! wins over one set through `PUT /admin/policy` since, with a warning naming both. Fields that
 //! take a restart are compared with the configuration the server started with, and named
 //! (`server.port`, `cache.block_size`) in a warning while they differ.
 
@@ -37,6 +38,48 @@ struct ReloadState {
     /// The adapters of `lora.adapters` that the last reload (or the start) served, by name and
     /// directory (`~` expanded).
     file_adapters: Vec<(String, PathBuf)>,
+    /// The policy the file put in force at the last reload (or the start): one in force that
+    /// differs from it was set through `PUT /admin/policy`.
+    file_policy: PolicyKey,
+}
+
+/// A policy's name and its parameters as `GET /admin/policy` shows them.
+#[derive(Debug, Clone, PartialEq)]
+struct PolicyKey {
+    /// The registered name.
+    name: String,
+    /// The parameters (`{}` for none).
+    params: serde_json::Value,
+}
+
+impl PolicyKey {
+    fn of(spec: &switchyard_config::PolicySpec) -> Self {
+        Self {
+            name: spec.name.clone(),
+            params: super::policy_params(&spec.params),
+        }
+    }
+}
+
+impl std::fmt::Display for PolicyKey {
+    /// `fcfs`, or `chunked-prefill {"token_budget":256}` with parameters.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.params {
+            serde_json::Value::Object(m) if m.is_empty() => write!(f, "{}", self.name),
+            params => write!(f, "{} {params}", self.name),
+        }
+    }
+}
+
+/// Whether a reload that puts `file_now` in force replaces a policy set through the admin
+/// API: the policy `in_force` is neither the one the file put in force before (`file_before`)
+/// nor the file's new one (which would be kept as it is).
+fn replaces_admin_policy(
+    file_before: &PolicyKey,
+    in_force: &PolicyKey,
+    file_now: &PolicyKey,
+) -> bool {
+    in_force != file_before && in_force != file_now
 }
 
 impl Reloader {
@@ -53,6 +96,7 @@ impl Reloader {
             path,
             overrides,
             state: tokio::sync::Mutex::new(ReloadState {
+                file_policy: PolicyKey::of(&started.scheduler.policy),
                 started,
                 file_adapters,
             }),
@@ -96,10 +140,27 @@ impl Reloader {
                 return;
             }
         };
-        let params = super::policy_params(&spec.params);
-        let (info, swapped) = self
-            .adapter
-            .install_policy(spec.name.clone(), params, policy);
+        let file_policy = PolicyKey::of(spec);
+        let in_force = {
+            let info = self.adapter.policy.lock();
+            PolicyKey {
+                name: info.name.clone(),
+                params: info.params.clone(),
+            }
+        };
+        let (info, swapped) = self.adapter.install_policy(
+            file_policy.name.clone(),
+            file_policy.params.clone(),
+            policy,
+        );
+        if swapped && replaces_admin_policy(&state.file_policy, &in_force, &file_policy) {
+            // The documented semantics (the file wins), said out loud.
+            tracing::warn!(
+                "SIGHUP: the policy set through PUT /admin/policy ({in_force}) is replaced by \
+                 the file's ({file_policy})"
+            );
+        }
+        state.file_policy = file_policy;
         if swapped {
             tracing::info!(policy = %info.name, "SIGHUP: policy reloaded");
         } else {
@@ -270,5 +331,38 @@ mod tests {
             restart_fields(&old, &moved),
             ["server.port", "server.api_keys"]
         );
+    }
+
+    fn key(name: &str, params: serde_json::Value) -> PolicyKey {
+        PolicyKey {
+            name: name.into(),
+            params,
+        }
+    }
+
+    #[test]
+    fn a_reload_replaces_an_admin_set_policy_only_when_it_swaps_one_the_file_did_not_set() {
+        let none = || serde_json::json!({});
+        let fcfs = key("fcfs", none());
+        let priority = key("priority", none());
+        let budget = |n: u64| key("chunked-prefill", serde_json::json!({ "token_budget": n }));
+        // The file's policy still in force: nothing an admin set.
+        assert!(!replaces_admin_policy(&fcfs, &fcfs, &priority));
+        // An admin swapped to priority: the file's fcfs (unchanged or not) replaces it.
+        assert!(replaces_admin_policy(&fcfs, &priority, &fcfs));
+        assert!(replaces_admin_policy(&fcfs, &priority, &budget(256)));
+        // Parameters count: an admin's other budget is replaced too.
+        assert!(replaces_admin_policy(
+            &budget(256),
+            &budget(512),
+            &budget(256)
+        ));
+        // The file now names what the admin set: kept, nothing replaced.
+        assert!(!replaces_admin_policy(&fcfs, &priority, &priority));
+        assert_eq!(
+            budget(256).to_string(),
+            r#"chunked-prefill {"token_budget":256}"#
+        );
+        assert_eq!(fcfs.to_string(), "fcfs");
     }
 }
