@@ -682,3 +682,80 @@ fn fp8_layers_and_kv_cache_are_refused_on_the_cpu_backend() {
         "{err}"
     );
 }
+
+/// A port in use is found before the model loads, and the error names the setting and where
+/// it is set: the file's line, or the override.
+#[test]
+fn serve_on_a_port_in_use_fails_at_once_naming_server_port() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("a port");
+    let port = taken.local_addr().unwrap().port();
+    let dir = temp_dir("port-in-use");
+    let config = dir.join("config.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "model:\n  path: {}\nserver:\n  host: 127.0.0.1\n  port: {port}\n",
+            common::model_path().display()
+        ),
+    )
+    .unwrap();
+    let err = fails(switchyard().args(["serve", "--config"]).arg(&config));
+    assert!(
+        err.contains(&format!(
+            "server.port {port} ({}:5): cannot listen on 127.0.0.1:{port}: address already in use",
+            config.display()
+        )),
+        "{err}"
+    );
+    assert!(
+        !err.contains("loading model"),
+        "the model was loaded first:\n{err}"
+    );
+    // Set by an override, the override is named.
+    std::fs::write(&config, "server:\n  host: 127.0.0.1\n").unwrap();
+    let err = fails(
+        switchyard()
+            .args(["serve", "--config"])
+            .arg(&config)
+            .args([
+                "--set",
+                &format!("model.path={}", common::model_path().display()),
+            ])
+            .args(["--set", &format!("server.port={port}")]),
+    );
+    assert!(
+        err.contains(&format!(
+            "server.port {port} (override `--set server.port={port}`): cannot listen"
+        )),
+        "{err}"
+    );
+    // An address that is not this machine's names server.host.
+    std::fs::write(&config, "server:\n  host: 192.0.2.1\n").unwrap();
+    let err = fails(switchyard().args(["serve", "--config"]).arg(&config).args([
+        "--set",
+        &format!("model.path={}", common::model_path().display()),
+    ]));
+    assert!(
+        err.contains(&format!(
+            "server.host 192.0.2.1 ({}:2): cannot listen on 192.0.2.1:8000: cannot assign \
+             requested address",
+            config.display()
+        )),
+        "{err}"
+    );
+    // `serve` checks `model.path` as `config check` does, before anything loads.
+    let err = fails(
+        switchyard()
+            .args(["serve", "--config"])
+            .arg(&config)
+            .args(["--set", "model.path=/nonexistent/model.gguf"]),
+    );
+    assert!(
+        err.contains(
+            "override `--set model.path=/nonexistent/model.gguf`: model.path: cannot read \
+             `/nonexistent/model.gguf`: no such file or directory"
+        ),
+        "{err}"
+    );
+    drop(taken);
+}

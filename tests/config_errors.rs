@@ -218,3 +218,37 @@ fn a_missing_file_and_a_section_set_to_a_scalar_are_said_once_and_in_words() {
     let (ok, err) = check(Path::new(EXAMPLE), &[], &[]);
     assert!(ok, "{err}");
 }
+
+/// A `model.path` that is not there is refused without loading anything, naming the key and
+/// its line (or its override); the empty path (the embedded model, fetched later) is not.
+#[test]
+fn a_missing_model_path_is_refused_naming_the_key_and_its_line() {
+    let file = edited(
+        "missing-model",
+        "  path: \"\"",
+        "  path: /nonexistent/model.gguf",
+    );
+    let err = refused(&file, &[], &[]);
+    assert_eq!(
+        err.trim_end(),
+        format!(
+            "error: {}:{}: model.path: cannot read `/nonexistent/model.gguf`: no such file or \
+             directory",
+            file.display(),
+            line_of("  path: \"\"")
+        )
+    );
+    let err = refused(
+        Path::new(EXAMPLE),
+        &["--set", "model.path=/nonexistent/model.gguf"],
+        &[],
+    );
+    assert!(
+        err.starts_with(
+            "error: override `--set model.path=/nonexistent/model.gguf`: model.path: cannot read"
+        ),
+        "{err}"
+    );
+    let (ok, err) = check(Path::new(EXAMPLE), &[], &[]);
+    assert!(ok, "the example's empty model.path was refused: {err}");
+}

@@ -277,14 +277,14 @@ fn sighup_with_a_bad_policy_changes_nothing() {
 }
 
 #[test]
-fn sighup_keeps_an_unchanged_policy_and_names_sections_that_take_a_restart() {
+fn sighup_keeps_an_unchanged_policy_and_names_fields_that_take_a_restart() {
     let s = lora_server("unchanged");
     edit_config(&s, "threads: 2", "threads: 1");
     hang_up(&s);
     wait_log(&s, "policy unchanged", 1);
     let log = s.log();
     assert!(
-        log.contains("taking a restart, so not applied: model\n"),
+        log.contains("taking a restart, so not applied: model.threads\n"),
         "{log}"
     );
     assert_eq!(

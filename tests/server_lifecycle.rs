@@ -264,18 +264,7 @@ fn sigterm_drains_in_flight_requests_then_exits_zero() {
     wait_running(&s, 1);
     sigterm(&s);
     // The signal is handled asynchronously: wait for readiness to turn off.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let r = s
-            .request("GET", "/ready", None, &[])
-            .expect("/ready while draining");
-        if r.status == 503 {
-            break;
-        }
-        assert_eq!(r.status, 200, "{r:?}");
-        assert!(Instant::now() < deadline, "/ready never turned 503");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_not_ready(&s);
     // New work is refused while draining.
     let (code, v) = s.post_json(
         "/v1/completions",
@@ -322,6 +311,58 @@ fn requests_left_at_the_drain_timeout_end_with_an_error() {
     wait_exit_zero(&mut s);
 }
 
+/// A second SIGINT during the drain ends it at once (the drain timeout is a minute here): the
+/// stream still in flight gets its error event and `[DONE]`, and the server exits 0 promptly.
+#[test]
+fn a_second_sigint_ends_the_drain_at_once() {
+    let mut s = Server::start_with("second-signal", "  drain_timeout_s: 60\n", "");
+    let model = s.model_id();
+    let body = json!({"model": model, "prompt": "Tell me a very long story", "max_tokens": 6000,
+                      "ignore_eos": true, "stream": true})
+    .to_string();
+    let mut streamed = s.open("POST", "/v1/completions", Some(&body));
+    wait_running(&s, 1);
+    signal(&s, "-INT");
+    // Two signals sent at once may arrive as one: the second is sent once the drain began.
+    wait_not_ready(&s);
+    let second = Instant::now();
+    signal(&s, "-INT");
+    streamed
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let r = common::read_response(&mut streamed).expect("the stream's end");
+    let mut events = sse_events(&r.body);
+    assert_eq!(events.pop().as_deref(), Some("[DONE]"), "{}", r.body);
+    let last: Value = serde_json::from_str(events.last().expect("an event")).expect("JSON");
+    assert_eq!(last["error"]["code"], "unavailable", "{}", r.body);
+    wait_exit_zero(&mut s);
+    assert!(
+        second.elapsed() < Duration::from_secs(20),
+        "the server took {:?} to exit after the second signal",
+        second.elapsed()
+    );
+    s.assert_logged(&[
+        "WARN",
+        "second signal: ending the drain now, 1 requests cut off",
+    ]);
+}
+
+/// Waits (at most 10 s) until `/ready` answers 503, checking it answers 200 until then.
+fn wait_not_ready(s: &Server) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let r = s
+            .request("GET", "/ready", None, &[])
+            .expect("/ready while draining");
+        if r.status == 503 {
+            return;
+        }
+        assert_eq!(r.status, 200, "{r:?}");
+        assert!(Instant::now() < deadline, "/ready never turned 503");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// Waits (at most a minute) until `n` requests run.
 fn wait_running(s: &Server, n: usize) {
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -336,9 +377,14 @@ fn wait_running(s: &Server, n: usize) {
 
 /// Sends the server SIGTERM.
 fn sigterm(s: &Server) {
+    signal(s, "-TERM");
+}
+
+/// Sends the server the signal `kill` names by `flag` (`-TERM`, `-INT`).
+fn signal(s: &Server, flag: &str) {
     let pid = s.child.id().to_string();
     let status = std::process::Command::new("kill")
-        .args(["-TERM", &pid])
+        .args([flag, &pid])
         .status()
         .expect("kill");
     assert!(status.success());
@@ -415,6 +461,32 @@ fn sighup_rereads_the_policy_section() {
         std::thread::sleep(Duration::from_millis(50));
     }
     assert_eq!(policy(&s)["params"]["token_budget"], 256);
+    // A policy an admin set since is replaced by the file's on the next SIGHUP, with a
+    // warning naming both.
+    let body = json!({"name": "priority", "params": {}}).to_string();
+    let r = s
+        .request("PUT", "/admin/policy", Some(&body), &admin)
+        .expect("swap");
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(std::process::Command::new("kill")
+        .args(["-HUP", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while policy(&s)["name"] != "chunked-prefill" {
+        assert!(
+            Instant::now() < deadline,
+            "policy not reloaded:\n{}",
+            s.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    s.assert_logged(&[
+        "WARN",
+        "the policy set through PUT /admin/policy (priority) is replaced by the file's \
+         (chunked-prefill {\"token_budget\":256})",
+    ]);
     // Still serving.
     let r = s
         .request(

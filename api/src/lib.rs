@@ -41,5 +41,5 @@ mod throttle;
 pub use auth::{ApiConfig, ApiKeyEntry, Principal};
 pub use engine::Engine;
 pub use error::ApiError;
-pub use server::{build_server, configure, ServerOptions};
+pub use server::{build_server, build_server_on, configure, ServerOptions};
 pub use state::ApiState;

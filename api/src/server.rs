@@ -173,6 +173,16 @@ pub fn build_server(
     state: ApiState,
     options: &ServerOptions,
 ) -> std::io::Result<(Server, Vec<SocketAddr>)> {
+    build_server_on(state, options, Vec::new())
+}
+
+/// [`build_server`], listening on `listeners` (sockets the caller bound already, so that an
+/// address in use is found before a slow start) as well as on `options.bind`.
+pub fn build_server_on(
+    state: ApiState,
+    options: &ServerOptions,
+    listeners: Vec<std::net::TcpListener>,
+) -> std::io::Result<(Server, Vec<SocketAddr>)> {
     let app_state = state.clone();
     let mut server = HttpServer::new(move || {
         let state = app_state.clone();
@@ -189,6 +199,9 @@ pub fn build_server(
     }
     for addr in &options.bind {
         server = server.bind(addr)?;
+    }
+    for listener in listeners {
+        server = server.listen(listener)?;
     }
     let addrs = server.addrs();
     Ok((server.run(), addrs))

@@ -56,6 +56,49 @@ struct Sample {
     usage_missing: bool,
 }
 
+/// The results of a run so far, counted on its progress bar.
+struct Finished {
+    /// The finished requests' measurements.
+    samples: Vec<Sample>,
+    /// Requests sent and not yet finished.
+    in_flight: usize,
+    /// Finished requests of the total (hidden off a terminal).
+    bar: indicatif::ProgressBar,
+}
+
+impl Finished {
+    /// Records a finished request.
+    fn push(&mut self, sample: Sample) {
+        self.samples.push(sample);
+        self.in_flight -= 1;
+        self.bar.inc(1);
+    }
+
+    /// Records the requests that finish until `until` (those already finished if it has
+    /// passed); returns then.
+    fn collect_until(
+        &mut self,
+        rx: &channel::Receiver<Sample>,
+        until: Instant,
+    ) -> anyhow::Result<()> {
+        while self.in_flight > 0 {
+            match rx.recv_deadline(until) {
+                Ok(sample) => self.push(sample),
+                Err(channel::RecvTimeoutError::Timeout) => break,
+                Err(channel::RecvTimeoutError::Disconnected) => {
+                    anyhow::bail!("benchmark threads vanished")
+                }
+            }
+        }
+        // Nothing in flight: wait out the arrival all the same.
+        let left = until.saturating_duration_since(Instant::now());
+        if !left.is_zero() {
+            std::thread::sleep(left);
+        }
+        Ok(())
+    }
+}
+
 /// Refuses arguments the run cannot honour, before anything is sent.
 fn validate(args: &ServeBenchArgs) -> anyhow::Result<()> {
     anyhow::ensure!(
@@ -428,8 +471,11 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
     let spec_before = spec_counters(&target);
     let bar = super::progress_bar(work.len() as u64, "requests");
     let start = Instant::now();
-    let mut in_flight = 0usize;
-    let mut samples = Vec::with_capacity(work.len());
+    let mut done = Finished {
+        samples: Vec::with_capacity(work.len()),
+        in_flight: 0,
+        bar,
+    };
     let mut next_arrival = 0.0f64;
     for &(input, output, at) in &work {
         // Arrival time: the trace's own, Poisson at --request-rate, or all at once (no rate,
@@ -444,15 +490,13 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
             _ => 0.0,
         };
         let wait = due - start.elapsed().as_secs_f64();
-        if wait > 0.0 {
-            let wait = Duration::try_from_secs_f64(wait)
-                .with_context(|| format!("an arrival {due} s after the start is out of range"))?;
-            std::thread::sleep(wait);
-        }
-        while in_flight >= concurrency {
-            samples.push(rx.recv().context("benchmark threads vanished")?);
-            in_flight -= 1;
-            bar.inc(1);
+        let wait = Duration::try_from_secs_f64(wait.max(0.0))
+            .with_context(|| format!("an arrival {due} s after the start is out of range"))?;
+        // Requests that finish while the next one waits for its arrival are counted now, so
+        // that the bar moves during a long run at a --request-rate.
+        done.collect_until(&rx, Instant::now() + wait)?;
+        while done.in_flight >= concurrency {
+            done.push(rx.recv().context("benchmark threads vanished")?);
         }
         let prompt = random_prompt(&args, input, &mut rng);
         jobs.send(Job {
@@ -460,16 +504,15 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
             input,
         })
         .context("benchmark threads vanished")?;
-        in_flight += 1;
+        done.in_flight += 1;
     }
     // Dropping the sender lets every worker end once the queue is empty.
     drop(jobs);
-    while in_flight > 0 {
-        samples.push(rx.recv().context("benchmark threads vanished")?);
-        in_flight -= 1;
-        bar.inc(1);
+    while done.in_flight > 0 {
+        done.push(rx.recv().context("benchmark threads vanished")?);
     }
-    bar.finish_and_clear();
+    done.bar.finish_and_clear();
+    let samples = done.samples;
     let duration = start.elapsed().as_secs_f64();
     let spec = match (spec_before, spec_counters(&target)) {
         (Some(a), Some(b)) => Some(SpecCounters {
@@ -678,6 +721,29 @@ fn report(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The audit's 20 silent minutes: at a --request-rate, requests that finished while the
+    /// next waited for its arrival were counted only once every request was sent.
+    #[test]
+    fn requests_finished_before_the_next_arrival_are_counted_at_once() {
+        let (tx, rx) = channel::unbounded();
+        let mut done = Finished {
+            samples: Vec::new(),
+            in_flight: 3,
+            bar: indicatif::ProgressBar::hidden(),
+        };
+        done.bar.set_length(10);
+        tx.send(Sample::default()).unwrap();
+        tx.send(Sample::default()).unwrap();
+        let start = Instant::now();
+        done.collect_until(&rx, start + Duration::from_millis(50))
+            .unwrap();
+        assert_eq!((done.samples.len(), done.in_flight), (2, 1));
+        assert_eq!(done.bar.position(), 2);
+        // An arrival already due waits for nothing.
+        done.collect_until(&rx, start).unwrap();
+        assert_eq!(done.bar.position(), 2);
+    }
 
     #[test]
     fn speculative_counters_parse_from_prometheus_text() {

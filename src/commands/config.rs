@@ -9,7 +9,7 @@ pub fn run(cmd: ConfigCommand) -> anyhow::Result<()> {
         ConfigCommand::Check { file, overrides } => {
             // What `serve` checks before it loads the model, so that a configuration that
             // passes here does not fail there: the policy and its parameters (by the registry
-            // that will run them) and the API keys file.
+            // that will run them), that `model.path` can be read, and the API keys file.
             let config = load_checked(&file, &overrides)?;
             let keys = config.load_api_keys()?;
             // Keys are secrets: the printed configuration leaves them out.
@@ -57,11 +57,29 @@ pub fn load_or_defaults(
 /// What `config check` and `serve`'s start read.
 pub fn load_checked(file: &std::path::Path, cli_overrides: &[String]) -> anyhow::Result<Config> {
     load_with(file, cli_overrides, |config| {
+        model_path_readable(&config.model.path).map_err(|why| ("model.path".to_string(), why))?;
         let spec = &config.scheduler.policy;
         build_policy(spec, &tier_specs(config))
             .map(drop)
             .map_err(policy_field_error)
     })
+}
+
+/// Where the value of `field` (dotted, `server.port`) in force comes from, as errors about it
+/// name it: the override that set it (`override `--set server.port=9000``), else the file's
+/// line (`config.yaml:10`), else `default, not set in config.yaml`. For errors found after the
+/// configuration loaded (a port in use), so the file is read again; the environment too.
+pub fn field_origin(file: &std::path::Path, cli_overrides: &[String], field: &str) -> String {
+    let mut all = env_overrides(std::env::vars_os()).unwrap_or_default();
+    all.extend(cli_overrides.iter().cloned().map(Override::flag));
+    if let Some(o) = all.iter().rev().find(|o| o.covers(field)) {
+        return format!("override `{o}`");
+    }
+    let text = std::fs::read_to_string(file).unwrap_or_default();
+    match switchyard_config::locate(&text, field) {
+        Some(line) => format!("{}:{line}", file.display()),
+        None => format!("default, not set in {}", file.display()),
+    }
 }
 
 fn load_with(
@@ -72,6 +90,32 @@ fn load_with(
     let mut all = env_overrides(std::env::vars_os())?;
     all.extend(cli_overrides.iter().cloned().map(Override::flag));
     Ok(Config::from_file_checked(file, &all, check)?)
+}
+
+/// Refuses a `model.path` that is not there or cannot be read (`~` expanded), from its
+/// metadata and an open, without loading anything. An empty path is the embedded default,
+/// which may be fetched after the check (`serve` says to fetch it when it is missing).
+fn model_path_readable(path: &str) -> Result<(), String> {
+    if path.is_empty() {
+        return Ok(());
+    }
+    let full = switchyard_config::expand_home(path);
+    let readable = std::fs::metadata(&full).and_then(|m| {
+        if m.is_dir() {
+            std::fs::read_dir(&full).map(drop)
+        } else {
+            std::fs::File::open(&full).map(drop)
+        }
+    });
+    readable.map_err(|e| {
+        let reason = e.to_string();
+        let reason = reason.split(" (os error").next().unwrap_or(&reason);
+        format!(
+            "cannot read `{}`: {}",
+            full.display(),
+            reason.to_lowercase()
+        )
+    })
 }
 
 /// The field of `scheduler.policy` a policy error is about, and the message.

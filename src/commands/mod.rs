@@ -57,7 +57,7 @@ pub fn progress_bar(len: u64, unit: &str) -> indicatif::ProgressBar {
     }
     let bar = indicatif::ProgressBar::new(len);
     let style = indicatif::ProgressStyle::with_template(&format!(
-        "{{bar:40}} {{pos}}/{{len}} {unit} ({{eta}})"
+        "{{bar:40}} {{pos}}/{{len}} {unit} ({{elapsed}} elapsed, eta {{eta}})"
     ))
     .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar());
     bar.set_style(style);

@@ -4,10 +4,11 @@
 //! adapts the actor engine (`switchyard-actors`) to that port, so neither crate knows the other.
 //! Everything the configuration can get wrong is checked before the (slow) model load, except
 //! what needs the model (`model.max_model_len` against its context, and against the KV cache
-//! the backend sized). SIGHUP is handled in [`reload`].
+//! the backend sized). Signals are handled in [`shutdown`], SIGHUP's reload in [`reload`].
 
 mod checks;
 mod reload;
+mod shutdown;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -49,14 +50,11 @@ use crate::cli::ServeArgs;
 /// Deltas buffered per request before a slow client is cut off.
 const CHANNEL_CAPACITY: usize = 4096;
 
-/// How long, past the drain timeout, the requests failed then get to write their error.
-const DRAIN_GRACE: Duration = Duration::from_secs(5);
-
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
-    // SIGHUP's default action ends the process, and the signal loop below starts only once
-    // the model is loaded: take the signal over first. tokio's handler stays installed from
-    // here on and keeps a hang-up that arrives meanwhile for the loop, which then reloads
-    // (the file may have changed since it was read).
+    // SIGHUP's default action ends the process, and the signal loop ([`shutdown`]) starts
+    // only once the model is loaded: take the signal over first. tokio's handler stays
+    // installed from here on and keeps a hang-up that arrives meanwhile for the loop, which
+    // then reloads (the file may have changed since it was read).
     let system = actix_web::rt::System::new();
     let hangup = system
         .block_on(async { signal(SignalKind::hangup()) })
@@ -87,7 +85,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     );
     let path = runtime::config_model_path(&config)?;
     // Everything that can be checked without the model is checked before its (slow) load,
-    // so a typo fails fast: the load format, the address, the policy and the API keys.
+    // so a typo fails fast: the load format, the address (bound here: a port in use fails
+    // now), the policy and the API keys.
     checks::load_format(config.model.load_format, &path)?;
     let bind = SocketAddr::new(
         config
@@ -101,6 +100,10 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let policy = super::config::build_policy(&config.scheduler.policy, &tiers)
         .with_context(|| format!("{}: scheduler.policy", args.config.display()))?;
     let api_keys = config.load_api_keys()?;
+    // Bound now, so that an address in use fails before the model loads.
+    let listener = checks::listen(bind, |field| {
+        super::config::field_origin(&args.config, &args.overrides, field)
+    })?;
     checks::warn_if_open(api_keys.is_empty(), bind);
     tracing::info!(model = %path.display(), "loading model");
     let mut model = runtime::load(&path)?;
@@ -282,7 +285,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     api_config.reasoning = reasoning;
     api_config.reasoning_tokens = reasoning_tokens;
     let options = ServerOptions {
-        bind: vec![bind],
+        // The socket bound at the start.
+        bind: Vec::new(),
         workers: config.server.workers,
         shutdown_timeout: Duration::from_secs(config.server.drain_timeout_s),
         client_request_timeout: Duration::from_secs(config.server.request_timeout_s),
@@ -337,7 +341,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         });
         metrics::gauge!(switchyard_api::metrics::POLICY_INFO, "policy" => policy_label(&adapter.policy.lock().name)).set(1.0);
         let state = ApiState::new(adapter.clone(), api_config, prometheus);
-        let (server, addrs) = switchyard_api::build_server(state.clone(), &options)?;
+        let (server, addrs) =
+            switchyard_api::build_server_on(state.clone(), &options, vec![listener])?;
         let handle = server.handle();
         tracing::info!(addr = ?addrs, "serving");
         let reloader = reload::Reloader::new(
@@ -347,49 +352,16 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             config,
             file_adapters,
         );
-        // Signals: SIGTERM/SIGINT drain then stop; SIGHUP re-reads the policy section and
-        // the adapters (one reload at a time, in the background).
-        let mut hangup = hangup;
-        actix_web::rt::spawn(async move {
-            let (Ok(mut term), Ok(mut int)) = (
-                signal(SignalKind::terminate()),
-                signal(SignalKind::interrupt()),
-            ) else {
-                tracing::error!("cannot install signal handlers");
-                return;
-            };
-            loop {
-                tokio::select! {
-                    _ = term.recv() => break,
-                    _ = int.recv() => break,
-                    _ = hangup.recv() => reloader.spawn(),
-                }
-            }
-            tracing::info!(
-                timeout_s = drain.as_secs(),
-                "draining: new requests get 503"
-            );
-            state.begin_drain();
-            let mut idle = tokio::time::timeout(drain, state.wait_idle()).await.is_ok();
-            if !idle {
-                // Past the drain timeout, every request still in flight ends with a 503 error
-                // (a stream with an error event and [DONE]); they get a short grace to write
-                // it, then what is left is cut off.
-                tracing::warn!("drain timeout reached: failing the requests still in flight");
-                drain_engine.fail_in_flight(
-                    "the server is shutting down: this request did not finish within the \
-                     drain timeout (server.drain_timeout_s)",
-                );
-                idle = tokio::time::timeout(DRAIN_GRACE, state.wait_idle())
-                    .await
-                    .is_ok();
-                if !idle {
-                    tracing::warn!("closing the connections still open");
-                }
-            }
-            // Graceful once nothing is in flight: the last responses are still being written.
-            handle.stop(idle).await;
-        });
+        // Signals: SIGTERM/SIGINT drain then stop (a second one ends the drain); SIGHUP
+        // re-reads the policy section and the adapters (one reload at a time, in the
+        // background).
+        let shutdown = shutdown::Shutdown {
+            state,
+            engine: drain_engine,
+            handle,
+            drain,
+        };
+        actix_web::rt::spawn(shutdown::handle_signals(hangup, reloader, shutdown));
         server.await?;
         tracing::info!("stopped");
         anyhow::Ok(())

@@ -6,6 +6,50 @@ use std::path::Path;
 
 use switchyard_config::LoadFormat;
 
+/// The listening socket on `addr`, bound as actix-web binds its own (address reuse, a backlog
+/// of 1024) but before the model loads, so that an address in use fails at once. An error
+/// names the setting at fault: `server.host` for an address not assignable here,
+/// `server.port` otherwise, with `origin` (where its value comes from: `config.yaml:10`, an
+/// override); `origin` is asked for the field only on failure.
+pub(super) fn listen(
+    addr: SocketAddr,
+    origin: impl Fn(&str) -> String,
+) -> anyhow::Result<std::net::TcpListener> {
+    use socket2::{Domain, Socket, Type};
+    let bind = || -> std::io::Result<std::net::TcpListener> {
+        let socket = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
+        socket.set_reuse_address(true)?;
+        socket.bind(&addr.into())?;
+        socket.listen(1024)?;
+        Ok(socket.into())
+    };
+    bind().map_err(|e| {
+        let (field, value) = match e.kind() {
+            std::io::ErrorKind::AddrNotAvailable => ("server.host", addr.ip().to_string()),
+            _ => ("server.port", addr.port().to_string()),
+        };
+        anyhow::anyhow!(
+            "{field} {value} ({}): cannot listen on {addr}: {}",
+            origin(field),
+            io_reason(&e)
+        )
+    })
+}
+
+/// An I/O error's reason in lower case, without the `(os error N)` the operator has no use for.
+fn io_reason(e: &std::io::Error) -> String {
+    let text = e.to_string();
+    let text = match text.find(" (os error") {
+        Some(at) => text[..at].to_string(),
+        None => text,
+    };
+    let mut chars = text.chars();
+    match chars.next() {
+        Some(first) => first.to_lowercase().chain(chars).collect(),
+        None => text,
+    }
+}
+
 /// Refuses a `model.load_format` that names another format than the one at `path` (`auto`
 /// takes what is there).
 pub(super) fn load_format(configured: LoadFormat, path: &Path) -> anyhow::Result<()> {
@@ -116,6 +160,36 @@ pub(super) fn warn_if_open(open: bool, bind: SocketAddr) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_port_in_use_names_server_port_and_where_it_is_set() {
+        let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = taken.local_addr().unwrap();
+        let err = listen(addr, |field| format!("origin of {field}")).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "server.port {} (origin of server.port): cannot listen on {addr}: address \
+                 already in use",
+                addr.port()
+            )
+        );
+        // A free port is bound, and listens.
+        let free = listen("127.0.0.1:0".parse().unwrap(), |_| unreachable!()).unwrap();
+        std::net::TcpStream::connect(free.local_addr().unwrap()).unwrap();
+    }
+
+    #[test]
+    fn an_address_not_assignable_here_names_server_host() {
+        // TEST-NET-1 (RFC 5737) is never a local address.
+        let addr: SocketAddr = "192.0.2.1:8000".parse().unwrap();
+        let err = listen(addr, |field| format!("origin of {field}")).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "server.host 192.0.2.1 (origin of server.host): cannot listen on 192.0.2.1:8000: \
+             cannot assign requested address"
+        );
+    }
 
     #[test]
     fn a_load_format_must_match_what_the_path_holds() {

@@ -6,9 +6,10 @@
 //! differs from the one in force (a swap resets its state). Adapters are reconciled against the
 //! engine's live registry, by name and directory: an adapter the file lists that is not served
 //! (an admin unloaded it, or it failed before) is loaded, and one the file listed before and no
-//! longer lists is unloaded if it is still served from the file's directory. Sections that take
-//! a restart are compared with the configuration the server started with, and named in a
-//! warning while they differ.
+//! longer lists is unloaded if it is still served from the file's directory. The file's policy
+//! wins over one set through `PUT /admin/policy` since, with a warning naming both. Fields that
+//! take a restart are compared with the configuration the server started with, and named
+//! (`server.port`, `cache.block_size`) in a warning while they differ.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -31,12 +32,54 @@ pub(super) struct Reloader {
 
 /// What one reload leaves for the next.
 struct ReloadState {
-    /// The configuration the server started with (sections that take a restart are compared
+    /// The configuration the server started with (fields that take a restart are compared
     /// with it).
     started: Config,
     /// The adapters of `lora.adapters` that the last reload (or the start) served, by name and
     /// directory (`~` expanded).
     file_adapters: Vec<(String, PathBuf)>,
+    /// The policy the file put in force at the last reload (or the start): one in force that
+    /// differs from it was set through `PUT /admin/policy`.
+    file_policy: PolicyKey,
+}
+
+/// A policy's name and its parameters as `GET /admin/policy` shows them.
+#[derive(Debug, Clone, PartialEq)]
+struct PolicyKey {
+    /// The registered name.
+    name: String,
+    /// The parameters (`{}` for none).
+    params: serde_json::Value,
+}
+
+impl PolicyKey {
+    fn of(spec: &switchyard_config::PolicySpec) -> Self {
+        Self {
+            name: spec.name.clone(),
+            params: super::policy_params(&spec.params),
+        }
+    }
+}
+
+impl std::fmt::Display for PolicyKey {
+    /// `fcfs`, or `chunked-prefill {"token_budget":256}` with parameters.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.params {
+            serde_json::Value::Object(m) if m.is_empty() => write!(f, "{}", self.name),
+            params => write!(f, "{} {params}", self.name),
+        }
+    }
+}
+
+/// Whether a reload that puts `file_now` in force replaces a policy set through the admin
+/// API: the policy `in_force` is neither the one the file put in force before (`file_before`)
+/// nor the file's new one (which would be kept as it is).
+fn replaces_admin_policy(
+    file_before: &PolicyKey,
+    in_force: &PolicyKey,
+    file_now: &PolicyKey,
+) -> bool {
+    in_force != file_before && in_force != file_now
 }
 
 impl Reloader {
@@ -53,6 +96,7 @@ impl Reloader {
             path,
             overrides,
             state: tokio::sync::Mutex::new(ReloadState {
+                file_policy: PolicyKey::of(&started.scheduler.policy),
                 started,
                 file_adapters,
             }),
@@ -76,7 +120,7 @@ impl Reloader {
                 return;
             }
         };
-        let restart = restart_sections(&state.started, &cfg);
+        let restart = restart_fields(&state.started, &cfg);
         if !restart.is_empty() {
             tracing::warn!(
                 "SIGHUP: changed in the file but taking a restart, so not applied: {}",
@@ -96,16 +140,33 @@ impl Reloader {
                 return;
             }
         };
-        let params = super::policy_params(&spec.params);
-        let (info, swapped) = self
-            .adapter
-            .install_policy(spec.name.clone(), params, policy);
+        let file_policy = PolicyKey::of(spec);
+        let in_force = {
+            let info = self.adapter.policy.lock();
+            PolicyKey {
+                name: info.name.clone(),
+                params: info.params.clone(),
+            }
+        };
+        let (info, swapped) = self.adapter.install_policy(
+            file_policy.name.clone(),
+            file_policy.params.clone(),
+            policy,
+        );
+        if swapped && replaces_admin_policy(&state.file_policy, &in_force, &file_policy) {
+            // The documented semantics (the file wins), said out loud.
+            tracing::warn!(
+                "SIGHUP: the policy set through PUT /admin/policy ({in_force}) is replaced by \
+                 the file's ({file_policy})"
+            );
+        }
+        state.file_policy = file_policy;
         if swapped {
             tracing::info!(policy = %info.name, "SIGHUP: policy reloaded");
         } else {
             tracing::info!(policy = %info.name, "SIGHUP: policy unchanged, left running");
         }
-        // A change of lora.enabled is among the sections that take a restart.
+        // A change of lora.enabled is among the fields that take a restart.
         if self.adapter.lora_enabled && cfg.lora.enabled {
             self.reconcile_adapters(&mut state, &cfg.lora.adapters)
                 .await;
@@ -180,29 +241,57 @@ impl Reloader {
     }
 }
 
-/// The parts of `new` that differ from `old` and that a reload does not apply (everything but
-/// `scheduler.policy` and `lora.adapters`).
-fn restart_sections(old: &Config, new: &Config) -> Vec<&'static str> {
+/// The fields of `new` that differ from `old` and that a reload does not apply (everything but
+/// `scheduler.policy` and `lora.adapters`), dotted (`server.port`, `tiers.gold`), in the order
+/// of the schema's sections and fields.
+fn restart_fields(old: &Config, new: &Config) -> Vec<String> {
+    let mut new = new.clone();
+    new.scheduler.policy = old.scheduler.policy.clone();
+    new.lora.adapters = old.lora.adapters.clone();
+    let value = |c: &Config| serde_yaml::to_value(c).unwrap_or(serde_yaml::Value::Null);
     let mut out = Vec::new();
-    let mut differs = |name: &'static str, changed: bool| {
-        if changed {
-            out.push(name);
+    differing_fields("", &value(old), &value(&new), &mut out);
+    out
+}
+
+/// Appends to `out` the paths under `path` where `a` and `b` differ: mappings are compared
+/// key by key, anything else (a list, a value) as a whole.
+fn differing_fields(
+    path: &str,
+    a: &serde_yaml::Value,
+    b: &serde_yaml::Value,
+    out: &mut Vec<String>,
+) {
+    use serde_yaml::Value;
+    if a == b {
+        return;
+    }
+    let (Value::Mapping(a), Value::Mapping(b)) = (a, b) else {
+        out.push(path.to_string());
+        return;
+    };
+    let field = |key: &Value| {
+        let key = match key {
+            Value::String(k) => k.clone(),
+            other => serde_yaml::to_string(other)
+                .unwrap_or_default()
+                .trim()
+                .to_string(),
+        };
+        if path.is_empty() {
+            key
+        } else {
+            format!("{path}.{key}")
         }
     };
-    differs("model", old.model != new.model);
-    differs("server", old.server != new.server);
-    differs("cache", old.cache != new.cache);
-    differs("tiers", old.tiers != new.tiers);
-    differs("logging", old.logging != new.logging);
-    differs("speculative", old.speculative != new.speculative);
-    let (mut a, b) = (old.scheduler.clone(), new.scheduler.clone());
-    a.policy = b.policy.clone();
-    differs("scheduler (but for its policy)", a != b);
-    let (mut a, mut b) = (old.lora.clone(), new.lora.clone());
-    a.adapters.clear();
-    b.adapters.clear();
-    differs("lora (but for its adapters)", a != b);
-    out
+    for (key, va) in a {
+        differing_fields(&field(key), va, b.get(key).unwrap_or(&Value::Null), out);
+    }
+    for (key, vb) in b {
+        if !a.contains_key(key) {
+            differing_fields(&field(key), &Value::Null, vb, out);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -214,25 +303,66 @@ mod tests {
     }
 
     #[test]
-    fn only_sections_a_reload_does_not_apply_take_a_restart() {
+    fn only_fields_a_reload_does_not_apply_take_a_restart_and_are_named() {
         let old = config("lora: { enabled: true }\nscheduler: { policy: { name: fcfs } }\n");
         let same = config(
             "lora: { enabled: true, adapters: [{ name: a, path: /a }] }\n\
              scheduler: { policy: { name: priority } }\n",
         );
-        assert!(restart_sections(&old, &same).is_empty());
+        assert!(restart_fields(&old, &same).is_empty());
         let changed = config(
             "lora: { enabled: true, max_loras: 2 }\ncache: { block_size: 32 }\n\
              tiers: { gold: { ttft_ms: 100 } }\nscheduler: { max_num_seqs: 8 }\n",
         );
         assert_eq!(
-            restart_sections(&old, &changed),
+            restart_fields(&old, &changed),
             [
-                "cache",
-                "tiers",
-                "scheduler (but for its policy)",
-                "lora (but for its adapters)"
+                "cache.block_size",
+                "scheduler.max_num_seqs",
+                "tiers.gold",
+                "lora.max_loras"
             ]
         );
+        let moved = config(
+            "lora: { enabled: true }\nscheduler: { policy: { name: fcfs } }\n\
+             server: { port: 9001, api_keys: [{ key: abcdefghijklmnop, tenant: t }] }\n",
+        );
+        assert_eq!(
+            restart_fields(&old, &moved),
+            ["server.port", "server.api_keys"]
+        );
+    }
+
+    fn key(name: &str, params: serde_json::Value) -> PolicyKey {
+        PolicyKey {
+            name: name.into(),
+            params,
+        }
+    }
+
+    #[test]
+    fn a_reload_replaces_an_admin_set_policy_only_when_it_swaps_one_the_file_did_not_set() {
+        let none = || serde_json::json!({});
+        let fcfs = key("fcfs", none());
+        let priority = key("priority", none());
+        let budget = |n: u64| key("chunked-prefill", serde_json::json!({ "token_budget": n }));
+        // The file's policy still in force: nothing an admin set.
+        assert!(!replaces_admin_policy(&fcfs, &fcfs, &priority));
+        // An admin swapped to priority: the file's fcfs (unchanged or not) replaces it.
+        assert!(replaces_admin_policy(&fcfs, &priority, &fcfs));
+        assert!(replaces_admin_policy(&fcfs, &priority, &budget(256)));
+        // Parameters count: an admin's other budget is replaced too.
+        assert!(replaces_admin_policy(
+            &budget(256),
+            &budget(512),
+            &budget(256)
+        ));
+        // The file now names what the admin set: kept, nothing replaced.
+        assert!(!replaces_admin_policy(&fcfs, &priority, &priority));
+        assert_eq!(
+            budget(256).to_string(),
+            r#"chunked-prefill {"token_budget":256}"#
+        );
+        assert_eq!(fcfs.to_string(), "fcfs");
     }
 }
