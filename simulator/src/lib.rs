@@ -122,12 +122,12 @@ pub fn write_outputs(
             .collect()
     };
     plot::plot_cdfs(
-        &out_dir.join("ttft_cdf.svg"),
+        &out_dir.join(outputs::TTFT_CDF_SVG),
         "Time to first token (CDF)",
         &cdf(|r| r.ttft_ms),
     )?;
     plot::plot_cdfs(
-        &out_dir.join("e2e_cdf.svg"),
+        &out_dir.join(outputs::E2E_CDF_SVG),
         "End-to-end latency (CDF)",
         &cdf(|r| r.e2e_ms),
     )?;
@@ -142,13 +142,13 @@ pub fn write_outputs(
             .collect()
     };
     plot::plot_series(
-        &out_dir.join("queue.svg"),
+        &out_dir.join(outputs::QUEUE_SVG),
         "Waiting requests",
         "requests",
         &series(|s| f64::from(s.waiting)),
     )?;
     plot::plot_series(
-        &out_dir.join("kv_usage.svg"),
+        &out_dir.join(outputs::KV_USAGE_SVG),
         "KV cache usage",
         "fraction of blocks",
         &series(|s| s.kv_usage),

@@ -28,14 +28,27 @@ pub const MANIFEST: &str = "simulate-manifest.json";
 /// that is not ours.
 const WRITTEN_BY: &str = "switchyard simulate";
 
+/// The comparison as JSON.
+pub const SUMMARY_JSON: &str = "summary.json";
+/// The comparison as the table `simulate` prints.
+pub const SUMMARY_TXT: &str = "summary.txt";
+/// Time to first token, a CDF per policy.
+pub const TTFT_CDF_SVG: &str = "ttft_cdf.svg";
+/// End-to-end latency, a CDF per policy.
+pub const E2E_CDF_SVG: &str = "e2e_cdf.svg";
+/// Waiting requests over time.
+pub const QUEUE_SVG: &str = "queue.svg";
+/// KV cache usage over time.
+pub const KV_USAGE_SVG: &str = "kv_usage.svg";
+
 /// The names every run writes, whatever its policies.
 pub const FIXED_FILES: [&str; 6] = [
-    "summary.json",
-    "summary.txt",
-    "ttft_cdf.svg",
-    "e2e_cdf.svg",
-    "queue.svg",
-    "kv_usage.svg",
+    SUMMARY_JSON,
+    SUMMARY_TXT,
+    TTFT_CDF_SVG,
+    E2E_CDF_SVG,
+    QUEUE_SVG,
+    KV_USAGE_SVG,
 ];
 
 /// The per-request file of the policy labelled `label`.
@@ -96,7 +109,7 @@ fn earlier_files(dir: &Path) -> Result<BTreeSet<String>, SimError> {
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             // Only a summary.json that reads as ours counts; anything else names nothing.
-            let summary = std::fs::read_to_string(dir.join("summary.json")).ok();
+            let summary = std::fs::read_to_string(dir.join(SUMMARY_JSON)).ok();
             let policies = summary
                 .and_then(|s| serde_json::from_str::<Comparison>(&s).ok())
                 .map(|c| c.policies)

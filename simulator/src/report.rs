@@ -480,11 +480,11 @@ impl Comparison {
 
     /// Writes `summary.json` and `summary.txt` into `dir`.
     pub fn write(&self, dir: &Path) -> Result<(), SimError> {
-        let json = dir.join("summary.json");
+        let json = dir.join(crate::outputs::SUMMARY_JSON);
         let text = serde_json::to_string_pretty(self)
             .map_err(|e| SimError::io(&json, std::io::Error::other(e)))?;
         std::fs::write(&json, text + "\n").map_err(|e| SimError::io(&json, e))?;
-        let txt = dir.join("summary.txt");
+        let txt = dir.join(crate::outputs::SUMMARY_TXT);
         std::fs::write(&txt, self.to_text()).map_err(|e| SimError::io(&txt, e))
     }
 }
