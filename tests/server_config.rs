@@ -660,9 +660,15 @@ fn request_metrics_carry_the_tier_and_count_slo_attainment() {
         assert_eq!(series(h, &[]), Some(1.0), "{h}");
     }
     let success = "switchyard:request_success_total";
-    let gold_length = ["tier=\"gold\"", "finished_reason=\"length\""];
+    // The outcome counters carry the key's tenant too.
+    let gold_length = [
+        "tier=\"gold\"",
+        "tenant=\"a\"",
+        "finished_reason=\"length\"",
+    ];
     assert_eq!(series(success, &gold_length), Some(1.0));
-    assert_eq!(series(success, &["finished_reason=\"length\""]), Some(1.0));
+    let open_length = ["tenant=\"b\"", "finished_reason=\"length\""];
+    assert_eq!(series(success, &open_length), Some(1.0));
     assert_eq!(
         series(
             "switchyard:time_to_first_token_seconds_count",
@@ -673,9 +679,17 @@ fn request_metrics_carry_the_tier_and_count_slo_attainment() {
     // A failure after queueing counts under the tier too: a schema whose every instance nests
     // forever makes the grammar give up while generating.
     let failed = "switchyard:request_failed_total";
-    let gold_structured = ["tier=\"gold\"", "reason=\"structured_output\""];
+    let gold_structured = [
+        "tier=\"gold\"",
+        "tenant=\"a\"",
+        "reason=\"structured_output\"",
+    ];
     assert_eq!(series(failed, &gold_structured), Some(0.0));
-    assert_eq!(series("switchyard:request_aborted_total", &gold), Some(0.0));
+    let gold_a = ["tier=\"gold\"", "tenant=\"a\""];
+    assert_eq!(
+        series("switchyard:request_aborted_total", &gold_a),
+        Some(0.0)
+    );
     let endless = json!({
         "messages": [{"role": "user", "content": "go"}],
         "max_tokens": 30,
@@ -703,7 +717,7 @@ fn request_metrics_carry_the_tier_and_count_slo_attainment() {
 /// bound, so one tenant's flood cannot lock the others out (the operator audit: a batch tenant
 /// flooding 30 requests at `max_pending_requests: 8` made a premium request get 503). The
 /// flood's refusals are 503 `overloaded` naming the tier's limit, counted in
-/// `request_failed_total{tier="batch",reason="overloaded"}` and logged at WARN a line per
+/// `request_failed_total{tier="batch",tenant="initech",reason="overloaded"}` and logged at WARN a line per
 /// second at most, not a line per request. `config check` shows the field and refuses a bound
 /// above the server's.
 #[test]
@@ -753,19 +767,24 @@ fn a_tier_flooding_its_bound_does_not_lock_out_the_other_tiers() {
         .request("GET", "/metrics", None, &[])
         .expect("metrics")
         .body;
-    let overloaded = |tier: &str| {
-        let series =
-            format!("switchyard:request_failed_total{{tier=\"{tier}\",reason=\"overloaded\"}} ");
-        let other =
-            format!("switchyard:request_failed_total{{reason=\"overloaded\",tier=\"{tier}\"}} ");
+    // Counted under the tier and the key's tenant.
+    let overloaded = |tier: &str, tenant: &str| {
+        let want = [
+            format!("tier=\"{tier}\""),
+            format!("tenant=\"{tenant}\""),
+            "reason=\"overloaded\"".to_owned(),
+        ];
         metrics.lines().find_map(|l| {
-            l.strip_prefix(&series)
-                .or_else(|| l.strip_prefix(&other))
-                .and_then(|v| v.parse::<f64>().ok())
+            let (lhs, value) = l.rsplit_once(' ')?;
+            let labels = lhs.strip_prefix("switchyard:request_failed_total{")?;
+            let labels: Vec<&str> = labels.trim_end_matches('}').split(',').collect();
+            (labels.len() == want.len() && want.iter().all(|w| labels.contains(&w.as_str())))
+                .then(|| value.parse::<f64>().ok())
+                .flatten()
         })
     };
-    assert_eq!(overloaded("batch"), Some(27.0), "{metrics}");
-    assert_eq!(overloaded("premium"), Some(0.0), "{metrics}");
+    assert_eq!(overloaded("batch", "initech"), Some(27.0), "{metrics}");
+    assert_eq!(overloaded("premium", "acme"), Some(0.0), "{metrics}");
     // Rate-limited: the 27 refusals came within a few seconds.
     let lines = s
         .log()

@@ -155,6 +155,7 @@ fn start_engine(running: usize) -> (Arc<AtomicU64>, actix::System) {
                     max_pending_requests: running * 4,
                     tier_max_pending: Vec::new(),
                     tier_slos: Vec::new(),
+                    metrics_tenants: Default::default(),
                     async_scheduling: Default::default(),
                     lora: None,
                     prefix_sharing_by_tenant: false,

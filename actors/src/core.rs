@@ -90,6 +90,9 @@ pub struct SubmitOptions {
     /// The tier its metrics carry ([`crate::metric_names::LABEL_TIER`]): its tier where that
     /// is one of the server's configured tiers, "" otherwise (no tier label).
     pub metrics_tier: Arc<str>,
+    /// The tenant its usage counters carry ([`crate::metric_names::LABEL_TENANT`]): its tenant
+    /// where the server's configuration names it, "" otherwise (no tenant label).
+    pub metrics_tenant: Arc<str>,
 }
 
 impl SubmitOptions {
@@ -120,6 +123,7 @@ impl SubmitOptions {
             encoded: None,
             queued: None,
             metrics_tier: Arc::from(""),
+            metrics_tenant: Arc::from(""),
         }
     }
 

@@ -3,7 +3,8 @@
 //! `/metrics`). The request-level ones mirror vLLM's production metrics under the
 //! `switchyard:` prefix with the same meaning and units; the `engine_*` ones are Switchyard's
 //! own. Labels are bounded: `finished_reason` is `stop` or `length` (the end-of-sequence token
-//! is a `stop`), `reason` is the kind of error (a fixed set).
+//! is a `stop`), `reason` is the kind of error (a fixed set), `tier` and `tenant` are names the
+//! server's configuration gives (any other value collapses to no label; see [`LABEL_TENANT`]).
 //!
 //! The request-level ones count each choice of a request with `n > 1` as a request of its own,
 //! as vLLM counts its child requests: one TTFT, E2E latency, TPOT and queue time per choice, and
@@ -23,17 +24,20 @@ pub const PREFIX_CACHE_QUERIES: &str = "switchyard:prefix_cache_queries_total";
 pub const PREFIX_CACHE_HITS: &str = "switchyard:prefix_cache_hits_total";
 /// Counter: preemptions (a running request sent back to waiting).
 pub const NUM_PREEMPTIONS: &str = "switchyard:num_preemptions_total";
-/// Counter: prompt tokens of the requests the engine accepted, counted when a request is
-/// queued (one whose client leaves before its prefill counts too; prefix-cache hits count, as
-/// in vLLM's `prompt_tokens_total`).
+/// Counter, label `tenant`: prompt tokens of the requests the engine accepted, counted when a
+/// request is queued (one whose client leaves before its prefill counts too; prefix-cache hits
+/// count, as in vLLM's `prompt_tokens_total`): once per prompt, whatever its `n`, as a
+/// response's `usage.prompt_tokens` counts it.
 pub const PROMPT_TOKENS: &str = "switchyard:prompt_tokens_total";
-/// Counter: tokens generated.
+/// Counter, label `tenant`: tokens generated, every choice's (after a stop string matched, none
+/// more): a finished response's `usage.completion_tokens` sums the same tokens.
 pub const GENERATION_TOKENS: &str = "switchyard:generation_tokens_total";
-/// Counter, label `finished_reason` (`stop`, `length`): requests that finished.
+/// Counter, labels `finished_reason` (`stop`, `length`), `tier`, `tenant`: requests that
+/// finished.
 pub const REQUEST_SUCCESS: &str = "switchyard:request_success_total";
-/// Counter: requests aborted because their client went away.
+/// Counter, labels `tier`, `tenant`: requests aborted because their client went away.
 pub const REQUEST_ABORTED: &str = "switchyard:request_aborted_total";
-/// Counter, label `reason`: requests that ended with an error after they were queued, by kind:
+/// Counter, labels `reason`, `tier`, `tenant`: requests that ended with an error after they were queued, by kind:
 /// `invalid_request`, `context_length`, `unknown_model`, `overloaded`, `unavailable` (refused,
 /// or cut off at the drain timeout), `structured_output` (the grammar failed while generating)
 /// or `error` (the server's own failure, such as a failed step); and requests refused before
@@ -101,6 +105,14 @@ pub const LABEL_FINISHED_REASON: &str = "finished_reason";
 /// no tier label (not an empty one: Prometheus reads `tier=""` as no label, so the two would
 /// be the same series). Bounded: tier names come from the configuration only.
 pub const LABEL_TIER: &str = "tier";
+/// Label key of the request's tenant (the tenant of its API key), on the [`PER_TENANT`]
+/// counters: usage accounting per tenant. Bounded like [`LABEL_TIER`]: only tenants the
+/// server's configuration names (the `tenant` of its API keys) carry it; a request of any other
+/// tenant (the open API's anonymous one, an offline request's none) carries no tenant label
+/// (PromQL's `tenant=""`), never a value a client could choose. Latency histograms and
+/// [`SLO_ATTAINMENT`] do not carry it: each tenant would multiply their series (a histogram's
+/// is a series per bucket) for what the tier already shows.
+pub const LABEL_TENANT: &str = "tenant";
 /// Label keys of [`SLO_ATTAINMENT`].
 pub const LABEL_TARGET: &str = "target";
 pub const LABEL_OUTCOME: &str = "outcome";
@@ -116,6 +128,83 @@ pub const TIERED: &[&str] = &[
     REQUEST_ABORTED,
     REQUEST_FAILED,
 ];
+
+/// The metrics counted per tenant ([`LABEL_TENANT`]): the token counters carry the tenant
+/// only, the request outcomes the tier too ([`outcome_labels`]).
+pub const PER_TENANT: &[&str] = &[
+    PROMPT_TOKENS,
+    GENERATION_TOKENS,
+    REQUEST_SUCCESS,
+    REQUEST_ABORTED,
+    REQUEST_FAILED,
+];
+
+/// The tenant that labels a request's metrics: `tenant` where `configured` names it, ""
+/// (no tenant label) otherwise, so that the label's values are the configuration's.
+pub fn metrics_tenant(
+    configured: &std::collections::BTreeSet<String>,
+    tenant: &str,
+) -> std::sync::Arc<str> {
+    std::sync::Arc::from(if configured.contains(tenant) {
+        tenant
+    } else {
+        ""
+    })
+}
+
+/// The labels the token counters ([`PROMPT_TOKENS`], [`GENERATION_TOKENS`]) of a request of
+/// metrics tenant `tenant` ([`metrics_tenant`]; "" for none) carry.
+pub fn tenant_labels(tenant: &std::sync::Arc<str>) -> Vec<metrics::Label> {
+    if tenant.is_empty() {
+        Vec::new()
+    } else {
+        vec![metrics::Label::new(LABEL_TENANT, tenant.clone())]
+    }
+}
+
+/// The labels the outcome counters ([`REQUEST_SUCCESS`], [`REQUEST_ABORTED`],
+/// [`REQUEST_FAILED`]) of a request of tier `tier` and tenant `tenant` (each "" for none)
+/// carry, before their own `finished_reason` or `reason`.
+pub fn outcome_labels(
+    tier: &std::sync::Arc<str>,
+    tenant: &std::sync::Arc<str>,
+) -> Vec<metrics::Label> {
+    let mut labels = tier_labels(tier);
+    labels.extend(tenant_labels(tenant));
+    labels
+}
+
+/// Creates the per-tenant series at zero: for each configured tenant (its name and the
+/// metrics tier of one of its keys, "" for none; a tenant of keys of several tiers comes once
+/// per tier), the token counters with its label and the outcome counters with its and the
+/// tier's, each value of their own label included.
+pub fn register_tenants(tenants: &[(String, String)]) {
+    let mut tokens_done: Vec<&str> = Vec::new();
+    for (name, tier) in tenants {
+        if name.is_empty() {
+            continue;
+        }
+        let tenant: std::sync::Arc<str> = name.as_str().into();
+        if !tokens_done.contains(&name.as_str()) {
+            tokens_done.push(name);
+            for c in [PROMPT_TOKENS, GENERATION_TOKENS] {
+                metrics::counter!(c, tenant_labels(&tenant)).increment(0);
+            }
+        }
+        let tier: std::sync::Arc<str> = tier.as_str().into();
+        let labels = outcome_labels(&tier, &tenant);
+        let by = |name: &'static str, key: &'static str, values: &[&'static str]| {
+            for &v in values {
+                let mut l = labels.clone();
+                l.push(metrics::Label::new(key, v));
+                metrics::counter!(name, l).increment(0);
+            }
+        };
+        by(REQUEST_SUCCESS, LABEL_FINISHED_REASON, FINISHED_REASONS);
+        by(REQUEST_FAILED, LABEL_REASON, FAILURE_REASONS);
+        metrics::counter!(REQUEST_ABORTED, labels.clone()).increment(0);
+    }
+}
 
 /// The labels a request of tier `tier` ("" for none) adds to [`TIERED`] metrics.
 pub fn tier_labels(tier: &std::sync::Arc<str>) -> Vec<metrics::Label> {
@@ -257,3 +346,44 @@ pub const HISTOGRAMS: &[&str] = &[
     ENGINE_STEP_OVERHEAD,
     STRUCTURED_COMPILE,
 ];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    fn text(labels: &[metrics::Label]) -> Vec<String> {
+        labels
+            .iter()
+            .map(|l| format!("{}={}", l.key(), l.value()))
+            .collect()
+    }
+
+    /// Only a configured tenant labels the usage counters; any other name (one a client made
+    /// up, the open API's `anonymous`, an offline request's none) counts without the label.
+    #[test]
+    fn only_configured_tenants_become_label_values() {
+        let configured: std::collections::BTreeSet<String> =
+            ["acme".to_owned(), "globex".to_owned()].into();
+        assert_eq!(&*metrics_tenant(&configured, "acme"), "acme");
+        for other in ["mallory", "anonymous", "", "ACME", "acme "] {
+            assert_eq!(&*metrics_tenant(&configured, other), "", "{other:?}");
+        }
+        assert_eq!(&*metrics_tenant(&Default::default(), "acme"), "");
+    }
+
+    #[test]
+    fn outcome_labels_hold_the_tier_and_the_tenant_each_when_set() {
+        let (gold, acme, none): (Arc<str>, Arc<str>, Arc<str>) =
+            ("gold".into(), "acme".into(), "".into());
+        assert_eq!(
+            text(&outcome_labels(&gold, &acme)),
+            ["tier=gold", "tenant=acme"]
+        );
+        assert_eq!(text(&outcome_labels(&none, &acme)), ["tenant=acme"]);
+        assert_eq!(text(&outcome_labels(&gold, &none)), ["tier=gold"]);
+        assert!(outcome_labels(&none, &none).is_empty());
+        assert_eq!(text(&tenant_labels(&acme)), ["tenant=acme"]);
+        assert!(tenant_labels(&none).is_empty());
+    }
+}

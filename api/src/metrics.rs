@@ -6,8 +6,9 @@
 //! prefix change. The engine records them through the `metrics` crate with these constants; the
 //! HTTP layer records the `HTTP_*` ones itself. Labels are bounded: `finished_reason`
 //! (`stop`/`length`; the end-of-sequence token is a `stop`), `reason` (a kind of error),
-//! `tier` and `policy` (configured names), `route` (route templates) and `status` (HTTP status
-//! codes) — never a user-supplied string. As in vLLM, each choice of a request with `n > 1`
+//! `tier`, `tenant` and `policy` (configured names; a request of a tier or tenant the
+//! configuration does not name carries no such label), `route` (route templates) and `status`
+//! (HTTP status codes) — never a user-supplied string. As in vLLM, each choice of a request with `n > 1`
 //! counts as a request of its own in the request-level metrics.
 
 use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
@@ -29,15 +30,17 @@ pub const PREFIX_CACHE_QUERIES: &str = "switchyard:prefix_cache_queries_total";
 pub const PREFIX_CACHE_HITS: &str = "switchyard:prefix_cache_hits_total";
 /// Counter: preemptions (a running request sent back to waiting).
 pub const NUM_PREEMPTIONS: &str = "switchyard:num_preemptions_total";
-/// Counter: prompt tokens of the requests the engine accepted, counted when queued.
+/// Counter, label `tenant`: prompt tokens of the requests the engine accepted, counted when
+/// queued (once per prompt, as `usage.prompt_tokens`).
 pub const PROMPT_TOKENS: &str = "switchyard:prompt_tokens_total";
-/// Counter: tokens generated.
+/// Counter, label `tenant`: tokens generated (as `usage.completion_tokens`).
 pub const GENERATION_TOKENS: &str = "switchyard:generation_tokens_total";
-/// Counter, label `finished_reason` (`stop`, `length`): requests that finished.
+/// Counter, labels `finished_reason` (`stop`, `length`), `tier`, `tenant`: requests that
+/// finished.
 pub const REQUEST_SUCCESS: &str = "switchyard:request_success_total";
-/// Counter: requests aborted because their client went away.
+/// Counter, labels `tier`, `tenant`: requests aborted because their client went away.
 pub const REQUEST_ABORTED: &str = "switchyard:request_aborted_total";
-/// Counter, label `reason`: requests that ended with an error after they were queued, by kind:
+/// Counter, labels `reason`, `tier`, `tenant`: requests that ended with an error after they were queued, by kind:
 /// `invalid_request`, `context_length`, `unknown_model`, `overloaded`, `unavailable` (refused),
 /// `structured_output` (the grammar failed while generating), or `error` (the server's own
 /// failure, such as a failed step); and requests refused as `overloaded` before they were
@@ -166,6 +169,9 @@ pub const LABEL_BACKEND: &str = "backend";
 pub const LABEL_POLICY: &str = "policy";
 /// Label key for a request's tier.
 pub const LABEL_TIER: &str = "tier";
+/// Label key for a request's tenant (a tenant the API keys name; any other counts without
+/// it), on the token counters and the request outcome counters.
+pub const LABEL_TENANT: &str = "tenant";
 
 /// vLLM's TTFT buckets, in seconds.
 const TTFT_BUCKETS: &[f64] = &[
@@ -247,23 +253,27 @@ pub fn describe_metrics() {
     describe_counter!(
         PROMPT_TOKENS,
         Unit::Count,
-        "Prompt tokens of the requests the engine accepted (counted when queued; prefix-cache hits included)."
+        "Prompt tokens of the requests the engine accepted (counted when queued, once per prompt whatever its n, as usage.prompt_tokens; prefix-cache hits included), by tenant (one the API keys name; others have no tenant label)."
     );
-    describe_counter!(GENERATION_TOKENS, Unit::Count, "Tokens generated.");
+    describe_counter!(
+        GENERATION_TOKENS,
+        Unit::Count,
+        "Tokens generated, every choice's (as usage.completion_tokens), by tenant (one the API keys name; others have no tenant label)."
+    );
     describe_counter!(
         REQUEST_SUCCESS,
         Unit::Count,
-        "Finished requests (each choice of n > 1 counts), by finish reason: stop (a stop string, stop token or end of sequence) or length."
+        "Finished requests (each choice of n > 1 counts), by finish reason: stop (a stop string, stop token or end of sequence) or length. Labelled with the request's tier and tenant where the configuration names them."
     );
     describe_counter!(
         REQUEST_ABORTED,
         Unit::Count,
-        "Requests (each choice of n > 1 counts) aborted because their client went away."
+        "Requests (each choice of n > 1 counts) aborted because their client went away. Labelled with the request's tier and tenant where the configuration names them."
     );
     describe_counter!(
         REQUEST_FAILED,
         Unit::Count,
-        "Requests (each choice of n > 1 counts) that ended with an error after they were queued, by reason: invalid_request, context_length, unknown_model, overloaded, unavailable (refused, or cut off at the drain timeout), structured_output (the grammar failed while generating: the output could not complete it), or error (the server's own failure, such as a failed step); and requests refused as overloaded before they were queued (the server's or their tier's bound on requests in flight, or a full grammar compile queue)."
+        "Requests (each choice of n > 1 counts) that ended with an error after they were queued, by reason: invalid_request, context_length, unknown_model, overloaded, unavailable (refused, or cut off at the drain timeout), structured_output (the grammar failed while generating: the output could not complete it), or error (the server's own failure, such as a failed step); and requests refused as overloaded before they were queued (the server's or their tier's bound on requests in flight, or a full grammar compile queue). Labelled with the request's tier and tenant where the configuration names them."
     );
     describe_counter!(
         ENGINE_FAILED_STEPS,

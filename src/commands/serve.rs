@@ -100,6 +100,12 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let policy = super::config::build_policy(&config.scheduler.policy, &tiers)
         .with_context(|| format!("{}: scheduler.policy", args.config.display()))?;
     let api_keys = config.load_api_keys()?;
+    // The tenants the keys name label the usage counters (no other value does); like the
+    // tiers, they change only with a restart, and their series are made once.
+    let key_tenants = key_tenants(&config, &api_keys);
+    if prometheus.is_some() {
+        switchyard_actors::metric_names::register_tenants(&key_tenants);
+    }
     // Bound now, so that an address in use fails before the model loads.
     let listener = checks::listen(bind, |field| {
         super::config::field_origin(&args.config, &args.overrides, field)
@@ -268,6 +274,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         tokenizer_threads: 2,
         max_pending_requests: config.server.max_pending_requests,
         tier_max_pending: super::config::tier_pending_limits(&config),
+        metrics_tenants: key_tenants.into_iter().map(|(tenant, _)| tenant).collect(),
         tier_slos: tiers
             .iter()
             .map(|t| {
@@ -392,6 +399,27 @@ fn special_token(tokenizer: &Tokenizer, text: &str) -> Option<u32> {
         .filter(|&id| tokenizer.is_special(id))
 }
 
+/// The tier of an API key that names none.
+const KEY_TIER: &str = "standard";
+
+/// The tenants the API keys name, each with the tier its keys' requests carry in the metrics
+/// (their tier where `tiers` configures it, "" otherwise), once per pair.
+fn key_tenants(config: &Config, keys: &[switchyard_config::ApiKeyEntry]) -> Vec<(String, String)> {
+    let pairs: std::collections::BTreeSet<(String, String)> = keys
+        .iter()
+        .map(|k| {
+            let tier = k.tier.as_deref().unwrap_or(KEY_TIER);
+            let tier = if config.tiers.contains_key(tier) {
+                tier
+            } else {
+                ""
+            };
+            (k.tenant.clone(), tier.to_owned())
+        })
+        .collect();
+    pairs.into_iter().collect()
+}
+
 /// Builds the HTTP layer's settings from the configuration and the API keys (inline and from
 /// `server.api_keys_file`, already read and checked).
 fn api_config(
@@ -404,7 +432,7 @@ fn api_config(
         .map(|k| ApiKeyEntry {
             key: k.key,
             tenant: k.tenant,
-            tier: k.tier.unwrap_or_else(|| "standard".into()),
+            tier: k.tier.unwrap_or_else(|| KEY_TIER.into()),
         })
         .collect();
     ApiConfig {
@@ -887,6 +915,30 @@ mod tests {
             logprobs: Vec::new(),
             finish: None,
         })
+    }
+
+    /// Each tenant of the keys comes once per tier its keys' requests carry in the metrics:
+    /// a key without a tier has `standard`'s, which is no metrics tier here (not configured).
+    #[test]
+    fn key_tenants_pair_each_tenant_with_its_keys_metrics_tiers() {
+        let config = Config::from_yaml_str(
+            concat!(
+                "tiers:\n  gold: {}\nserver:\n  api_keys:\n",
+                "    - { key: acme-key-0001, tenant: acme, tier: gold }\n",
+                "    - { key: acme-key-0002, tenant: acme, tier: gold }\n",
+                "    - { key: acme-key-0003, tenant: acme }\n",
+                "    - { key: bob-key-00001, tenant: bob }\n",
+            ),
+            "test.yaml",
+        )
+        .unwrap();
+        let keys = config.load_api_keys().unwrap();
+        let pairs = key_tenants(&config, &keys);
+        let pairs: Vec<(&str, &str)> = pairs
+            .iter()
+            .map(|(t, tier)| (t.as_str(), tier.as_str()))
+            .collect();
+        assert_eq!(pairs, [("acme", ""), ("acme", "gold"), ("bob", "")]);
     }
 
     #[test]

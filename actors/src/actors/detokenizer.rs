@@ -177,9 +177,10 @@ impl EndedEarly {
         }
     }
 
-    /// Counts `choices` choices of a request whose per-tier labels are `tier`.
-    pub(crate) fn count(self, choices: usize, tier: &[metrics::Label]) {
-        let mut labels = tier.to_vec();
+    /// Counts `choices` choices of a request whose outcome labels (tier and tenant,
+    /// [`names::outcome_labels`]) are `outcome`.
+    pub(crate) fn count(self, choices: usize, outcome: &[metrics::Label]) {
+        let mut labels = outcome.to_vec();
         match self {
             EndedEarly::Aborted => metrics::counter!(names::REQUEST_ABORTED, labels),
             EndedEarly::Failed(reason) => {
@@ -222,6 +223,11 @@ struct RequestSink {
     /// ([`names::TIERED`]) and the tier's SLO targets ([`names::SLO_ATTAINMENT`]).
     tier: Arc<str>,
     labels: Vec<metrics::Label>,
+    /// Its metrics' tenant ([`SubmitOptions::metrics_tenant`]; "" for none), which labels the
+    /// tokens it generates, and the labels of its outcome counters: its tier's and its tenant's
+    /// ([`names::outcome_labels`]).
+    tenant: Arc<str>,
+    outcome_labels: Vec<metrics::Label>,
     slo: SloTargets,
     /// The request's log span ([`Register::span`]).
     span: tracing::Span,
@@ -310,7 +316,7 @@ impl DetokenizerActor {
         let tokens = delta.finish.take().map_or(0, |(_, tokens)| tokens);
         let ended = EndedEarly::Failed(failure_label(SubmitErrorKind::StructuredOutput));
         self.choices.remove(&id);
-        ended.count(1, &request.borrow().labels);
+        ended.count(1, &request.borrow().outcome_labels);
         let mut r = request.borrow_mut();
         if !delta.token_ids.is_empty() {
             r.sink.send(EngineOutput::Delta(delta));
@@ -340,7 +346,7 @@ impl DetokenizerActor {
         if aborted.is_empty() {
             return;
         }
-        ended.count(aborted.len(), &request.borrow().labels);
+        ended.count(aborted.len(), &request.borrow().outcome_labels);
         request.borrow().span.in_scope(|| {
             tracing::info!(
                 ids = ?aborted.iter().map(|(id, _)| id.0).collect::<Vec<_>>(),
@@ -426,11 +432,18 @@ impl Handler<Register> for DetokenizerActor {
             .iter()
             .map(|s| s.sampling.constraint.clone())
             .collect();
-        // Every choice is the same request's: one tier and one set of targets.
-        let (tier, slo): (Arc<str>, SloTargets) = msg.submits.first().map_or_else(
-            || ("".into(), SloTargets::default()),
-            |s| (s.metrics_tier.clone(), s.request.slo.clone()),
-        );
+        // Every choice is the same request's: one tier, one tenant and one set of targets.
+        let (tier, tenant, slo): (Arc<str>, Arc<str>, SloTargets) =
+            msg.submits.first().map_or_else(
+                || ("".into(), "".into(), SloTargets::default()),
+                |s| {
+                    (
+                        s.metrics_tier.clone(),
+                        s.metrics_tenant.clone(),
+                        s.request.slo.clone(),
+                    )
+                },
+            );
         let shutting_down = || {
             Some(SubmitError::new(
                 SubmitErrorKind::Unavailable,
@@ -462,7 +475,9 @@ impl Handler<Register> for DetokenizerActor {
             _guard: msg.guard,
             pending_prompt: msg.pending_prompt.clone(),
             labels: names::tier_labels(&tier),
+            outcome_labels: names::outcome_labels(&tier, &tenant),
             tier,
+            tenant,
             slo,
             span: msg.span,
         }));
@@ -520,7 +535,7 @@ impl Handler<StepEvents> for DetokenizerActor {
             let mut told: Vec<Rc<RefCell<RequestSink>>> = Vec::new();
             for id in ids {
                 if let Some(c) = self.choices.remove(&id) {
-                    ended.count(1, &c.request.borrow().labels);
+                    ended.count(1, &c.request.borrow().outcome_labels);
                     if !told.iter().any(|t| Rc::ptr_eq(t, &c.request)) {
                         c.request
                             .borrow_mut()
@@ -539,7 +554,8 @@ impl Handler<StepEvents> for DetokenizerActor {
         // Deltas of this step, in event order, one per choice.
         let mut deltas = StepDeltas::with_capacity(msg.events.len());
         let mut stopped: Vec<(RequestId, FinishReason)> = Vec::new();
-        let mut generated = 0u64;
+        // Tokens generated this step, by metrics tenant (a handful at most).
+        let mut generated: Vec<(Arc<str>, u64)> = Vec::new();
         for event in msg.events {
             match event {
                 CoreEvent::Token {
@@ -557,7 +573,13 @@ impl Handler<StepEvents> for DetokenizerActor {
                     if c.detok.is_stopped() {
                         continue;
                     }
-                    generated += 1;
+                    {
+                        let tenant = &c.request.borrow().tenant;
+                        match generated.iter_mut().find(|(t, _)| t == tenant) {
+                            Some((_, n)) => *n += 1,
+                            None => generated.push((tenant.clone(), 1)),
+                        }
+                    }
                     c.tokens += 1;
                     // Per choice, as vLLM per (child) request: the first token's TTFT, then one
                     // inter-token latency per step, at the choice's first token in it (the
@@ -641,7 +663,9 @@ impl Handler<StepEvents> for DetokenizerActor {
                 }
             }
         }
-        metrics::counter!(names::GENERATION_TOKENS).increment(generated);
+        for (tenant, n) in generated {
+            metrics::counter!(names::GENERATION_TOKENS, names::tenant_labels(&tenant)).increment(n);
+        }
         self.finish_in_scheduler(stopped);
         let mut gone: Vec<Rc<RefCell<RequestSink>>> = Vec::new();
         for (id, delta) in deltas.deltas {
@@ -684,7 +708,7 @@ impl Handler<StepEvents> for DetokenizerActor {
                     let r = request.borrow();
                     metrics::histogram!(names::E2E_REQUEST_LATENCY, r.labels.clone())
                         .record((now - r.arrival).as_secs_f64());
-                    let mut labels = r.labels.clone();
+                    let mut labels = r.outcome_labels.clone();
                     labels.push(metrics::Label::new(
                         names::LABEL_FINISHED_REASON,
                         reason.metric_label(),

@@ -266,6 +266,16 @@ fn start_engine_with(
     speculative: bool,
     tokenizer: Arc<Tokenizer>,
 ) -> (Engine, Arc<Mutex<HashMap<u64, usize>>>) {
+    start_engine_full(fail, speculative, tokenizer, &[])
+}
+
+/// [`start_engine_with`], `tenants` being the configured tenants (the usage counters' labels).
+fn start_engine_full(
+    fail: bool,
+    speculative: bool,
+    tokenizer: Arc<Tokenizer>,
+    tenants: &[&str],
+) -> (Engine, Arc<Mutex<HashMap<u64, usize>>>) {
     install_recorder();
     let sampled_steps = Arc::new(Mutex::new(HashMap::new()));
     let scheduler = SchedulerConfig {
@@ -292,6 +302,7 @@ fn start_engine_with(
             max_pending_requests: 16,
             tier_max_pending: Vec::new(),
             tier_slos: Vec::new(),
+            metrics_tenants: tenants.iter().map(|t| t.to_string()).collect(),
             async_scheduling: crate::AsyncScheduling::Off,
             lora: None,
             prefix_sharing_by_tenant: false,
@@ -676,4 +687,96 @@ async fn kept_special_tokens_keep_their_text_and_only_they() {
         "t3t0t3"
     );
     assert_eq!(text(false, [None; 5]).await, "t2t3t0t1t2t3");
+}
+
+/// The usage counters carry a configured tenant's name: prompt tokens once per prompt (as a
+/// response's `usage.prompt_tokens`), generated tokens summed over the choices (as its
+/// `usage.completion_tokens`), and each choice's outcome with its tier (none here) beside.
+/// A tenant the configuration does not name counts without the label, as before.
+#[actix::test]
+async fn usage_counters_carry_configured_tenants_only() {
+    let (engine, _) = start_engine_full(false, false, tokenizer(), &["acme"]);
+    let of = |tenant: &str| RequestOptions {
+        tenant: tenant.into(),
+        ..request(3, 5, ignoring_eos())
+    };
+    for tenant in ["acme", "mallory", "acme"] {
+        let errors = run(&engine, of(tenant), Client::Stays).await;
+        assert!(errors.is_empty(), "{errors:?}");
+    }
+    let m = Snapshot::take();
+    let acme = |name: &str| format!("{name}{{{}=acme}}", names::LABEL_TENANT);
+    // Two requests of a 10-token prompt and 3 choices of 5 tokens each.
+    assert_eq!(
+        m.counters_of(names::PROMPT_TOKENS),
+        vec![
+            (names::PROMPT_TOKENS.to_string(), 10),
+            (acme(names::PROMPT_TOKENS), 20)
+        ]
+    );
+    assert_eq!(
+        m.counters_of(names::GENERATION_TOKENS),
+        vec![
+            (names::GENERATION_TOKENS.to_string(), 15),
+            (acme(names::GENERATION_TOKENS), 30)
+        ]
+    );
+    assert_eq!(
+        m.counters_of(names::REQUEST_SUCCESS),
+        vec![
+            (success("length"), 3),
+            (
+                format!(
+                    "{}{{{}=acme,{}=length}}",
+                    names::REQUEST_SUCCESS,
+                    names::LABEL_TENANT,
+                    names::LABEL_FINISHED_REASON
+                ),
+                6
+            ),
+        ]
+    );
+    // No series names the unconfigured tenant.
+    assert!(
+        m.counters.keys().all(|k| !k.contains("mallory")),
+        "{:?}",
+        m.counters.keys()
+    );
+}
+
+/// Aborts and failures count under the request's tenant too: a client gone at its first
+/// delta, and a failed step.
+#[actix::test]
+async fn aborts_and_failures_carry_the_tenant() {
+    let (engine, _) = start_engine_full(false, false, tokenizer(), &["acme"]);
+    let acme = RequestOptions {
+        tenant: "acme".into(),
+        ..request(2, 50, ignoring_eos())
+    };
+    run(&engine, acme.clone(), Client::LeavesAtFirstDelta).await;
+    run(&engine, acme.clone(), Client::GoneAtSubmit).await;
+    let m = Snapshot::take();
+    assert_eq!(
+        m.counters_of(names::REQUEST_ABORTED),
+        vec![(
+            format!("{}{{{}=acme}}", names::REQUEST_ABORTED, names::LABEL_TENANT),
+            4
+        )]
+    );
+    let (failing, _) = start_engine_full(true, false, tokenizer(), &["acme"]);
+    let errors = run(&failing, acme, Client::Stays).await;
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    let m = Snapshot::take();
+    assert_eq!(
+        m.counters_of(names::REQUEST_FAILED),
+        vec![(
+            format!(
+                "{}{{{}=acme,{}=error}}",
+                names::REQUEST_FAILED,
+                names::LABEL_TENANT,
+                names::LABEL_REASON
+            ),
+            2
+        )]
+    );
 }

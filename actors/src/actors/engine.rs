@@ -49,6 +49,9 @@ pub struct EngineConfig {
     pub tier_max_pending: Vec<(String, usize)>,
     /// Tier SLO targets by tier name.
     pub tier_slos: Vec<(String, SloTargets)>,
+    /// The tenants the configuration names (its API keys'): only these label the usage
+    /// counters ([`names::LABEL_TENANT`]); a request of any other tenant counts without one.
+    pub metrics_tenants: std::collections::BTreeSet<String>,
     /// Plan and submit each step while the previous one runs.
     pub async_scheduling: AsyncScheduling,
     /// LoRA adapters: `None` when disabled.
@@ -489,7 +492,7 @@ impl Engine {
     /// in `request_failed_total{reason="overloaded"}` (each of its choices, as after queueing).
     fn refuse(&self, options: &RequestOptions, sink: &mut dyn OutputSink, error: SubmitError) {
         if error.kind == SubmitErrorKind::Overloaded {
-            let mut labels = names::tier_labels(&self.metrics_tier(&options.tier));
+            let mut labels = self.outcome_labels(options);
             labels.push(metrics::Label::new(names::LABEL_REASON, "overloaded"));
             metrics::counter!(names::REQUEST_FAILED, labels).increment(u64::from(options.n.max(1)));
         }
@@ -501,7 +504,7 @@ impl Engine {
     /// it because another prompt of its request failed, in `request_failed_total` with that
     /// failure's reason.
     fn gone(&self, options: &RequestOptions, sink: &dyn OutputSink) {
-        let labels = names::tier_labels(&self.metrics_tier(&options.tier));
+        let labels = self.outcome_labels(options);
         EndedEarly::of_closed(sink).count(options.n.max(1) as usize, &labels);
         tracing::info!("request aborted before it was queued: its client went away");
     }
@@ -511,6 +514,20 @@ impl Engine {
     fn metrics_tier(&self, tier: &str) -> Arc<str> {
         let configured = self.config.tier_slos.iter().any(|(name, _)| name == tier);
         Arc::from(if configured { tier } else { "" })
+    }
+
+    /// The tenant that labels a request's usage counters: a configured tenant's name, any
+    /// other none ("").
+    fn metrics_tenant(&self, tenant: &str) -> Arc<str> {
+        names::metrics_tenant(&self.config.metrics_tenants, tenant)
+    }
+
+    /// The labels of a request's outcome counters (its tier and tenant, as configured).
+    fn outcome_labels(&self, options: &RequestOptions) -> Vec<metrics::Label> {
+        names::outcome_labels(
+            &self.metrics_tier(&options.tier),
+            &self.metrics_tenant(&options.tenant),
+        )
     }
 
     /// The prefix-cache salt of a request's blocks: its tenant's (when tenants do not share)
@@ -645,7 +662,9 @@ impl Engine {
             self.gone(&options, sink.as_ref());
             return Ok(());
         }
-        metrics::counter!(names::PROMPT_TOKENS).increment(prompt.len() as u64);
+        let metrics_tenant = self.metrics_tenant(&options.tenant);
+        metrics::counter!(names::PROMPT_TOKENS, names::tenant_labels(&metrics_tenant))
+            .increment(prompt.len() as u64);
         // With prompt logprobs the detokenizer sends the prompt event once they are computed.
         if options.prompt_logprobs.is_none()
             && !sink.send(EngineOutput::Prompt {
@@ -719,6 +738,7 @@ impl Engine {
                 // Stamped by the scheduler when it queues the request.
                 queued: None,
                 metrics_tier: metrics_tier.clone(),
+                metrics_tenant: metrics_tenant.clone(),
             });
         }
         // The detokenizer queues the request with the scheduler as it registers it, so that
@@ -972,6 +992,7 @@ mod tests {
             max_pending_requests: 16,
             tier_max_pending: Vec::new(),
             tier_slos: Vec::new(),
+            metrics_tenants: Default::default(),
             async_scheduling: AsyncScheduling::Off,
             lora: None,
             vocab_size: 3,
