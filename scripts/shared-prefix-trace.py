@@ -9,8 +9,16 @@ the next request of its group is admitted, which is what longest-prefix-match ad
 (`prefix-aware`) is for. Arrivals are Poisson at 1 request/s; rescale them with the spec's
 `arrival: {load: X}`. Deterministic for a given seed.
 
+With `--burst N`, requests arrive N at a time (the bursts Poisson at 1/N per second, so the
+mean rate is unchanged), and each burst asks `--burst-groups` groups (drawn as above, then
+one of them at random per request): many questions about a few documents at once, often
+cold ones, which is where holding back requests that share a prefix not yet cached matters.
+With `--unique-prefixes`, every request gets a prefix of its own (same lengths, nothing
+shared): the control where no sharing policy can gain.
+
     scripts/shared-prefix-trace.py [--requests N] [--groups G] [--prefix-blocks B]
-                                   [--zipf S] [--seed K] > trace.jsonl
+                                   [--zipf S] [--burst N] [--burst-groups K]
+                                   [--unique-prefixes] [--seed K] > trace.jsonl
 """
 
 import argparse
@@ -28,16 +36,34 @@ def main() -> None:
     ap.add_argument("--max-question", type=int, default=512)
     ap.add_argument("--min-output", type=int, default=32)
     ap.add_argument("--max-output", type=int, default=256)
+    ap.add_argument("--burst", type=int, default=1, help="requests arriving at once")
+    ap.add_argument("--burst-groups", type=int, default=1, help="groups one burst asks")
+    ap.add_argument(
+        "--unique-prefixes", action="store_true", help="every prefix its own: no sharing"
+    )
     ap.add_argument("--seed", type=int, default=1)
     a = ap.parse_args()
+    if a.burst < 1 or a.burst_groups < 1:
+        ap.error("--burst and --burst-groups must be at least 1")
     rng = random.Random(a.seed)
     weights = [1.0 / (g + 1) ** a.zipf for g in range(a.groups)]
     next_unique = a.groups * a.prefix_blocks
     t_ms = 0.0
-    for _ in range(a.requests):
-        t_ms += rng.expovariate(1.0) * 1000.0
-        g = rng.choices(range(a.groups), weights)[0]
-        ids = [g * a.prefix_blocks + k for k in range(a.prefix_blocks)]
+    burst_groups: list[int] = []
+    for i in range(a.requests):
+        if a.burst == 1:
+            t_ms += rng.expovariate(1.0) * 1000.0
+            g = rng.choices(range(a.groups), weights)[0]
+        else:
+            if i % a.burst == 0:
+                t_ms += rng.expovariate(1.0 / a.burst) * 1000.0
+                burst_groups = rng.choices(range(a.groups), weights, k=a.burst_groups)
+            g = rng.choice(burst_groups)
+        if a.unique_prefixes:
+            ids = list(range(next_unique, next_unique + a.prefix_blocks))
+            next_unique += a.prefix_blocks
+        else:
+            ids = [g * a.prefix_blocks + k for k in range(a.prefix_blocks)]
         ids.append(next_unique)
         next_unique += 1
         question = rng.randint(a.min_question, a.max_question)

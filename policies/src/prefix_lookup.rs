@@ -10,12 +10,38 @@
 //! reaches it, once over the request's life (admission reuses it). A walk resumes where the
 //! sequence's previous one stopped unless a registration was dropped (evicted or cleared) since
 //! ([`crate::BlockLedger::cache_drops`]): registrations only grow in between, so the blocks it
-//! found are still there, and a request waiting many steps costs about one probe a step. Per
-//! step that is O(waiting) to pick the earliest arrivals plus the walks, at most
-//! [`MAX_PREFIX_LOOKUPS`] of them, each at most hit length + 1 probes.
+//! found are still there, and a request waiting many steps costs about one probe a step.
+//!
+//! The same lookup makes SGLang's in-batch prefix check (`_compute_prefix_matches` in
+//! `python/sglang/srt/managers/schedule_policy.py`, which matches the waiting requests with
+//! little cached against a temporary radix tree of those before them): the miss that ends a
+//! walk is the hash of the first block the sequence would compute, and
+//! [`crate::SeqView::shares_pending_prefix`] tells whether a request ahead of it is to compute
+//! that same block. Ahead means a running sequence still prefilling for which it is the first
+//! block not registered in the cache yet (a prefill in chunks registers its full blocks as each
+//! chunk is launched, so a request admitted mid-way would compute the rest of the shared prefix
+//! beside it), or a looked-up sequence that arrived earlier and is not flagged itself. Chained hashes make one
+//! block enough: two sequences share block *i* exactly when they share blocks 0..=*i*, with
+//! the same adapter and cache salt (the tenant's isolation). Where SGLang checks only requests
+//! with at most 32 cached tokens, this check holds for any cached length (a request whose
+//! shared prefix is partly computed by a running prefill is flagged too).
+//!
+//! Per step that is O(waiting) to pick the earliest arrivals, O(running) to collect the first
+//! uncomputed block of each running prefill, and, for at most [`MAX_PREFIX_LOOKUPS`] sequences,
+//! sorted by arrival (O(L log L)), a walk of at most hit length + 1 probes and one set probe.
 
+use std::collections::HashSet;
+use std::hash::BuildHasherDefault;
+
+use crate::block_pool::PassThroughHasher;
 use crate::policy::MAX_PREFIX_LOOKUPS;
+use crate::prefix_hash::PrefixHash;
 use crate::scheduler::Scheduler;
+use crate::sequence::PrefixLookup;
+use crate::types::RequestState;
+
+/// Block hashes that a request ahead in the current step is to compute.
+pub(crate) type PendingBlocks = HashSet<PrefixHash, BuildHasherDefault<PassThroughHasher>>;
 
 impl Scheduler {
     /// Records the cached prefix of the earliest-arrived waiting sequences, up to what the
@@ -46,14 +72,43 @@ impl Scheduler {
             earliest.select_nth_unstable(n);
         }
         earliest.truncate(n);
+        // In arrival order: of the sequences sharing a block to compute, the first is ahead.
+        earliest.sort_unstable();
+        let mut pending = std::mem::take(&mut self.pending_blocks);
+        self.running_prefill_blocks(&mut pending);
         let bs = self.ledger.block_size();
         for &(_, _, slot) in &earliest {
             let blocks = self.cached_prefix_blocks(slot);
             if let Some(s) = self.seqs.get_mut(slot as usize).and_then(Option::as_mut) {
-                s.cached_prefix = Some(u32::try_from(blocks * bs).unwrap_or(u32::MAX));
+                // The walk hashed the block it missed, if it stopped before its cap.
+                let max_blocks = s.num_tokens().saturating_sub(1) / bs;
+                let next = s.hashes.get(blocks).filter(|_| blocks < max_blocks);
+                s.cached_prefix = Some(PrefixLookup {
+                    tokens: u32::try_from(blocks * bs).unwrap_or(u32::MAX),
+                    pending_ahead: next.is_some_and(|&h| !pending.insert(h)),
+                });
             }
         }
         self.lookups = earliest;
+        self.pending_blocks = pending;
+    }
+
+    /// Fills `out` with, for each running sequence still prefilling, the first block of its
+    /// chain not registered in the cache yet (it computes it in this step or a later one). A
+    /// running sequence's chain covers every full block before its last token from its
+    /// admission on (admission hashes them to match its prefix), so the hash is there.
+    fn running_prefill_blocks(&self, out: &mut PendingBlocks) {
+        out.clear();
+        for &slot in &self.running {
+            let Some(s) = self.seq(slot) else {
+                continue;
+            };
+            if s.state == RequestState::Running && s.num_tokens() - s.num_computed > 1 {
+                if let Some(&h) = s.hashes.get(s.num_cached_blocks) {
+                    out.insert(h);
+                }
+            }
+        }
     }
 
     /// Leading blocks of a waiting sequence found in the prefix cache, at most those before
@@ -95,14 +150,19 @@ mod tests {
 
     use crate::policy::{Fcfs, Policy, PrefixAware};
     use crate::types::*;
-    use crate::Scheduler;
+    use crate::{Scheduler, SeqView};
 
     /// Blocks of 4 tokens, one seat: each step admits one request, which (max_tokens 1)
     /// ends in that step, so the admission order is the order of the plans.
     fn sched(policy: Box<dyn Policy>, caching: bool) -> Scheduler {
+        seated(policy, caching, 1, 1024)
+    }
+
+    /// As [`sched`] with `seats` seats and steps of at most `tokens` tokens.
+    fn seated(policy: Box<dyn Policy>, caching: bool, seats: usize, tokens: usize) -> Scheduler {
         let c = SchedulerConfig {
-            max_num_seqs: 1,
-            max_num_batched_tokens: 1024,
+            max_num_seqs: seats,
+            max_num_batched_tokens: tokens,
             block_size: 4,
             num_gpu_blocks: 64,
             enable_prefix_caching: caching,
@@ -130,6 +190,10 @@ mod tests {
     }
 
     fn add(s: &mut Scheduler, id: u64, arrival: u64, prompt: Vec<u32>) {
+        add_salted(s, id, arrival, prompt, None);
+    }
+
+    fn add_salted(s: &mut Scheduler, id: u64, arrival: u64, prompt: Vec<u32>, salt: Option<u64>) {
         s.add_request(Request {
             id: RequestId(id),
             tenant: String::new(),
@@ -143,7 +207,7 @@ mod tests {
                 max_tokens: 1,
                 ..SamplingLimits::default()
             },
-            cache_salt: None,
+            cache_salt: salt,
         })
         .unwrap();
     }
@@ -180,7 +244,14 @@ mod tests {
         let slot = s.index[&RequestId(id)];
         s.seq(slot)
             .and_then(|q| q.cached_prefix)
-            .map(|t| t as usize)
+            .map(|l| l.tokens as usize)
+    }
+
+    /// Whether the last lookup flagged request `id` as sharing a block still to compute.
+    fn held(s: &Scheduler, id: u64) -> bool {
+        let slot = s.index[&RequestId(id)];
+        s.seq(slot)
+            .is_some_and(|q| SeqView::new(q).shares_pending_prefix())
     }
 
     /// Request 0 (arrival 0) puts `shared()` in the cache; then 1 (arrival 10, a prompt of
@@ -314,5 +385,130 @@ mod tests {
         s.swap_policy(Box::new(Fcfs));
         s.look_up_cached_prefixes();
         assert_eq!((looked_up(&s, 1), looked_up(&s, 2)), (None, None));
+    }
+
+    /// Requests 0 and 1 share `shared()`, cold; 2 has a prompt of its own; all 17 tokens,
+    /// queued at once, with seats for all and steps of 34 tokens (two prompts).
+    fn cold_pair_and_one(on: bool) -> Scheduler {
+        let p = PrefixAware::new(5_000.0, 128).with_hold_back_shared(on);
+        let mut s = seated(Box::new(p), true, 4, 34);
+        add(&mut s, 0, 0, shared_then(&[99]));
+        add(&mut s, 1, 10, shared_then(&[51]));
+        add(&mut s, 2, 20, unique(2));
+        s
+    }
+
+    #[test]
+    fn a_request_sharing_a_cold_prefix_with_one_ahead_waits_and_then_reuses_it() {
+        // 1's first block to compute is 0's: held back behind 2, it finds the prefix cached
+        // in the next step (16 tokens reused); 0 is the first of the two and is not held back.
+        let mut s = cold_pair_and_one(true);
+        s.look_up_cached_prefixes();
+        assert_eq!([0, 1, 2].map(|id| held(&s, id)), [false, true, false]);
+        assert_eq!(step(&mut s, 100), [(0, 0), (2, 0)]);
+        assert_eq!(step(&mut s, 101), [(1, 16)]);
+        // Without the hold-back, 1 goes second by arrival and computes the prefix again.
+        let mut s = cold_pair_and_one(false);
+        assert_eq!(step(&mut s, 100), [(0, 0), (1, 0)]);
+        assert_eq!(step(&mut s, 101), [(2, 0)]);
+    }
+
+    #[test]
+    fn a_held_back_request_still_fills_an_otherwise_idle_step() {
+        // Only 0 and 1 wait: 1 is held back but the step has room, so it is admitted beside 0
+        // (ranks reorder, they never refuse).
+        let p = PrefixAware::new(5_000.0, 128);
+        let mut s = seated(Box::new(p), true, 4, 1024);
+        add(&mut s, 0, 0, shared_then(&[99]));
+        add(&mut s, 1, 10, shared_then(&[51]));
+        assert_eq!(step(&mut s, 100), [(0, 0), (1, 0)]);
+    }
+
+    #[test]
+    fn a_request_whose_shared_prefix_is_cached_is_not_held_back() {
+        // 1 and 2 share `shared()` with 0, which cached it: their first blocks to compute are
+        // their own (here none: only the last token's partial block is left).
+        let mut s = warm_then_two(Box::new(PrefixAware::new(5_000.0, 128)));
+        add(&mut s, 3, 30, shared_then(&[7]));
+        s.look_up_cached_prefixes();
+        assert_eq!(looked_up(&s, 3), Some(16));
+        assert_eq!([1, 2, 3].map(|id| held(&s, id)), [false, false, false]);
+        // Sharing a further block: 4 and 5 have the same 8 tokens after `shared()`, one full
+        // block not cached yet. 4 (earlier) computes it; 5 is held back.
+        add(&mut s, 4, 40, shared_then(&[5, 5, 5, 5, 4]));
+        add(&mut s, 5, 50, shared_then(&[5, 5, 5, 5, 6]));
+        s.look_up_cached_prefixes();
+        assert_eq!([4, 5].map(|id| looked_up(&s, id)), [Some(16), Some(16)]);
+        assert_eq!([4, 5].map(|id| held(&s, id)), [false, true]);
+    }
+
+    #[test]
+    fn a_running_prefill_holds_back_requests_needing_its_blocks_still_to_compute() {
+        // Steps of 10 tokens: 0 (17 tokens) is computed in chunks of 10 and 7; after the
+        // first, 2 of its 4 prefix blocks are cached and its third is the first 1 would
+        // compute, so 1 (cached 8 tokens) ranks after 2 (nothing cached) for the 3 tokens
+        // left in the step. Once 0 has finished, 1 reuses the whole prefix.
+        let run = |on: bool| {
+            let p = PrefixAware::new(5_000.0, 128)
+                .with_token_budget(10)
+                .with_hold_back_shared(on);
+            let mut s = seated(Box::new(p), true, 4, 1024);
+            add(&mut s, 0, 0, shared_then(&[99]));
+            assert_eq!(step(&mut s, 0), [(0, 0)]);
+            add(&mut s, 1, 10, shared_then(&[51]));
+            add(&mut s, 2, 20, unique(2));
+            s.look_up_cached_prefixes();
+            let flags = (looked_up(&s, 1), held(&s, 1), held(&s, 2));
+            let first = step(&mut s, 100);
+            // 1's first entry: the tokens it reused.
+            let reused = first
+                .clone()
+                .into_iter()
+                .chain((101..110).flat_map(|now| step(&mut s, now)))
+                .find(|&(id, _)| id == 1);
+            (flags, first, reused)
+        };
+        let (flags, first, reused) = run(true);
+        assert_eq!(flags, (Some(8), true, false));
+        assert_eq!(first, [(0, 10), (2, 0)]);
+        assert_eq!(reused, Some((1, 16)));
+        // Without the hold-back, 1 is admitted mid-way and computes blocks 2 and 3 itself.
+        let (_, first, reused) = run(false);
+        assert_eq!(first, [(0, 10), (1, 8)]);
+        assert_eq!(reused, Some((1, 8)));
+    }
+
+    #[test]
+    fn requests_that_may_not_share_cached_blocks_are_not_held_back() {
+        // The same prompt under another cache salt (another tenant) hashes to other blocks:
+        // admitting both computes nothing twice that one could reuse.
+        let mut s = seated(Box::new(PrefixAware::new(5_000.0, 128)), true, 4, 1024);
+        add_salted(&mut s, 0, 0, shared_then(&[1]), Some(7));
+        add_salted(&mut s, 1, 10, shared_then(&[2]), Some(8));
+        add_salted(&mut s, 2, 20, shared_then(&[3]), None);
+        add_salted(&mut s, 3, 30, shared_then(&[4]), Some(7));
+        s.look_up_cached_prefixes();
+        assert_eq!(
+            [0, 1, 2, 3].map(|id| held(&s, id)),
+            [false, false, false, true]
+        );
+    }
+
+    #[test]
+    fn only_looked_up_requests_are_checked_and_nothing_else_is_hashed() {
+        // Limit 2 of 3 waiting, all sharing a cold prefix: 0 leads, 1 is held back, and 2 (the
+        // latest arrival) is neither looked up nor flagged, nor was any block of it hashed.
+        let mut s = seated(Box::new(PrefixAware::new(5_000.0, 2)), true, 4, 1024);
+        for id in 0..3 {
+            add(&mut s, id, 10 * id, shared_then(&[id as u32]));
+        }
+        s.look_up_cached_prefixes();
+        assert_eq!([0, 1, 2].map(|id| held(&s, id)), [false, true, false]);
+        assert_eq!(looked_up(&s, 2), None);
+        let hashed = |id| s.seq(s.index[&RequestId(id)]).unwrap().hashes.len();
+        // A cold walk hashes the one block it misses.
+        assert_eq!([0, 1, 2].map(hashed), [1, 1, 0]);
+        // Nothing running and 2 looked-up heads, one shared: one pending block.
+        assert_eq!(s.pending_blocks.len(), 1);
     }
 }

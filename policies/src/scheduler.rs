@@ -110,6 +110,9 @@ pub struct Scheduler {
     /// (arrival, id, slot) of the waiting sequences looked up in the prefix cache by the latest
     /// lookup (see `prefix_lookup.rs`); scratch while it picks them.
     pub(crate) lookups: Vec<(Timestamp, RequestId, u32)>,
+    /// Scratch of the latest lookup: the first uncomputed block of each running prefill and
+    /// of each looked-up sequence not flagged as sharing one (see `prefix_lookup.rs`).
+    pub(crate) pending_blocks: crate::prefix_lookup::PendingBlocks,
     /// Scratch: prefix-matched blocks of the candidate being admitted.
     pub(crate) matched: Vec<BlockId>,
     /// Scratch: victims chosen for a policy preemption.
@@ -252,6 +255,7 @@ impl Scheduler {
             order: Vec::new(),
             wait_order: Vec::new(),
             lookups: Vec::new(),
+            pending_blocks: Default::default(),
             matched: Vec::new(),
             victims: Vec::new(),
             last_slots: Vec::new(),

@@ -7,6 +7,16 @@ use crate::types::{
     PENDING_TOKEN,
 };
 
+/// What a cached-prefix lookup found for a waiting sequence (see `prefix_lookup.rs`).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct PrefixLookup {
+    /// Tokens of its longest cached prefix.
+    pub(crate) tokens: u32,
+    /// Whether the first block past that prefix is one a request ahead of it is to compute
+    /// (see [`SeqView::shares_pending_prefix`]).
+    pub(crate) pending_ahead: bool,
+}
+
 /// Everything the core tracks about one request.
 ///
 /// `repr(C)` with the fields every step touches first, so that a step reads two cache lines
@@ -72,10 +82,10 @@ pub(crate) struct Sequence {
     /// Leading entries of `block_table` given back (sliding window); 0 without one. Read
     /// only by windowed schedulers, so out of the fields every step touches.
     pub(crate) released_blocks: usize,
-    /// Tokens of its longest cached prefix, as the planner looked it up for this step's
-    /// ranking (only for a policy that asks, see [`crate::Policy::prefix_lookups`]); `None`
-    /// when it was not looked up, and always once admitted.
-    pub(crate) cached_prefix: Option<u32>,
+    /// What the planner's lookup for this step's ranking found (only for a policy that asks,
+    /// see [`crate::Policy::prefix_lookups`]); `None` when it was not looked up, and always
+    /// once admitted.
+    pub(crate) cached_prefix: Option<PrefixLookup>,
     /// The latest cached-prefix walk: the ledger's `cache_drops` then and the leading blocks
     /// it found cached (still cached while no registration has been dropped since).
     pub(crate) prefix_walk: (u64, u32),
@@ -307,7 +317,22 @@ impl<'a> SeqView<'a> {
     /// asks for it, with prefix caching on, and for the earliest-arrived waiting sequences up
     /// to that many; never for a running one.
     pub fn cached_prefix_tokens(&self) -> Option<usize> {
-        self.seq.cached_prefix.map(|t| t as usize)
+        self.seq.cached_prefix.map(|l| l.tokens as usize)
+    }
+    /// Whether the first block of a waiting sequence that the prefix cache lacks (the first
+    /// its admission would compute) is also a block that a request ahead of it is to compute:
+    /// a running sequence that has not computed it yet (a prefill in chunks), or a waiting
+    /// sequence of the same lookup that arrived earlier (of the looked-up sequences sharing
+    /// that block, the earliest arrival, then the lowest id, is not flagged unless a running
+    /// one computes it). Admitted now, it would compute that block, and every later one it
+    /// shares, a second time, beside the other; admitted once the other has computed them,
+    /// it finds them cached. Blocks are compared by their prefix-cache hashes, so requests
+    /// that may not share cached blocks (another adapter, cache salt or tenant) never share
+    /// one here either. As of the same lookup as [`SeqView::cached_prefix_tokens`], and
+    /// false whenever that is `None`; never true for a sequence whose cached prefix covers
+    /// every block before its last token.
+    pub fn shares_pending_prefix(&self) -> bool {
+        self.seq.cached_prefix.is_some_and(|l| l.pending_ahead)
     }
 }
 

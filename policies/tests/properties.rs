@@ -163,20 +163,31 @@ fn tiers() -> Vec<TierSpec> {
     ]
 }
 
-/// The registered policies, and `prefix-aware` with chunked steps as well.
+/// The registered policies, and `prefix-aware` with chunked steps and without its hold-back
+/// as well.
 fn variants() -> Vec<&'static str> {
     let mut names = PolicyRegistry::with_builtins().names();
     names.push(PREFIX_AWARE_CHUNKED);
+    names.push(PREFIX_AWARE_NO_HOLD_BACK);
     names
 }
 
 /// `prefix-aware` with a `token_budget` (a variant of [`variants`]).
 const PREFIX_AWARE_CHUNKED: &str = "prefix-aware+token_budget";
+/// `prefix-aware` with `hold_back_shared: false` (a variant of [`variants`]).
+const PREFIX_AWARE_NO_HOLD_BACK: &str = "prefix-aware+hold_back_off";
 
 fn make_policy(name: &str) -> Box<dyn Policy> {
     let reg = PolicyRegistry::with_builtins();
     if name == PREFIX_AWARE_CHUNKED {
         let params = serde_yaml::from_str("{max_wait_ms: 20, lookup_limit: 3, token_budget: 8}");
+        return reg
+            .create("prefix-aware", &params.unwrap(), &tiers())
+            .unwrap();
+    }
+    if name == PREFIX_AWARE_NO_HOLD_BACK {
+        let params =
+            serde_yaml::from_str("{max_wait_ms: 20, lookup_limit: 3, hold_back_shared: false}");
         return reg
             .create("prefix-aware", &params.unwrap(), &tiers())
             .unwrap();

@@ -124,9 +124,9 @@ pub trait Policy: Send {
 
     /// How many waiting sequences, earliest arrivals first (then lowest id), the planner
     /// looks up in the prefix cache before it ranks the waiting queue, so that [`Policy::rank`]
-    /// sees their [`SeqView::cached_prefix_tokens`]; the rest read `None`. The default, 0,
-    /// looks nothing up. The core clamps it to [`MAX_PREFIX_LOOKUPS`], and looks nothing up
-    /// with prefix caching off.
+    /// sees their [`SeqView::cached_prefix_tokens`] and [`SeqView::shares_pending_prefix`];
+    /// the rest read `None` and false. The default, 0, looks nothing up. The core clamps it to
+    /// [`MAX_PREFIX_LOOKUPS`], and looks nothing up with prefix caching off.
     fn prefix_lookups(&self) -> usize {
         0
     }
