@@ -230,6 +230,39 @@ fn simulate_into_the_same_out_keeps_only_this_runs_files_and_the_users() {
     );
 }
 
+/// Off a terminal (stderr to a pipe here, to a log file under nohup or in CI) a run reports
+/// its progress in plain lines rather than hiding a bar: here, where each policy's run takes
+/// less than the interval, the line each writes when it ends.
+#[test]
+fn simulate_reports_progress_in_plain_lines_when_stderr_is_not_a_terminal() {
+    let dir = temp_dir("simulate-progress");
+    let out = switchyard()
+        .args(["simulate", "--config", "config/examples/sim-jsonl.yaml"])
+        .arg("--out")
+        .arg(&dir)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("run switchyard");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(!stderr.contains('\x1b'), "escape codes in {stderr:?}");
+    for policy in [
+        "fcfs",
+        "priority",
+        "slo-aware",
+        "chunked-prefill",
+        "fair-share",
+    ] {
+        let head = format!("simulate {policy}: 24/24 requests, done in ");
+        assert!(
+            stderr
+                .lines()
+                .any(|l| l.starts_with(&head) && l.ends_with(" s")),
+            "no line {head:?}... in\n{stderr}"
+        );
+    }
+}
+
 #[test]
 fn simulate_refuses_flags_its_config_would_ignore_and_a_bad_time_scale() {
     for flag in [
@@ -270,26 +303,35 @@ fn bench_serve_reports_vllm_labels_against_a_live_server() {
     let server = Server::start("bench", "");
     let dir = temp_dir("bench");
     let result = dir.join("result.json");
-    let stdout = succeeds(
-        switchyard()
-            .args([
-                "bench",
-                "serve",
-                "--max-concurrency",
-                "4",
-                "--num-prompts",
-                "6",
-                "--input-len",
-                "16",
-                "--output-len",
-                "8",
-                "--num-warmups",
-                "3",
-            ])
-            .arg("--base-url")
-            .arg(format!("http://127.0.0.1:{}", server.port))
-            .arg("--result-file")
-            .arg(&result),
+    let out = switchyard()
+        .args([
+            "bench",
+            "serve",
+            "--max-concurrency",
+            "4",
+            "--num-prompts",
+            "6",
+            "--input-len",
+            "16",
+            "--output-len",
+            "8",
+            "--num-warmups",
+            "3",
+        ])
+        .arg("--base-url")
+        .arg(format!("http://127.0.0.1:{}", server.port))
+        .arg("--result-file")
+        .arg(&result)
+        .output()
+        .expect("run switchyard");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    // stderr is a pipe: the progress is a plain line, not a bar.
+    assert!(
+        stderr.contains("bench serve: 6/6 requests (0 failed), done in ")
+            && !stderr.contains('\x1b'),
+        "{stderr:?}"
     );
     // The test request and three warmups went first, outside the results.
     assert_eq!(

@@ -14,13 +14,13 @@
 
 use crate::cost::{kv_capacity_blocks, Calibration, CostModel, HardwareSpec, ModelSpec};
 use crate::error::SimError;
+use crate::progress::Progress;
 use crate::report::{RequestRecord, RunCounters};
 use crate::spec::{PolicySpec, ProcessKind, SimulationSpec, TierConf};
 use crate::trace::{self, ArrivalProcess, LoadOptions, TraceFormat, TraceRequest};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::collections::BTreeMap;
-use std::io::IsTerminal;
 use switchyard_policies::{
     DraftSource, PolicyRegistry, Request, RequestId, SamplingLimits, Scheduler, SchedulerConfig,
     SeqEvent, SeqView, SloTargets, SpeculativeConfig, StepOutput, StepPlan, TierSpec, Timestamp,
@@ -409,17 +409,15 @@ impl Simulation {
         let mut sched = Scheduler::new(self.scheduler.clone(), boxed, key)
             .map_err(|e| SimError::Scheduler(e.to_string()))?;
         sched.set_draft_source(Some(Box::new(InventedDrafts)));
-        let bar = progress_bar(progress, requests.len(), policy.label());
+        let progress = policy_progress(progress, requests.len(), policy.label());
         let mut lp = Loop::new(self, sched, requests, policy.label());
         let result = if self.spec.scheduler.async_scheduling {
-            lp.run_async(bar.as_ref())
+            lp.run_async(&progress)
         } else {
-            lp.run(bar.as_ref())
+            lp.run(&progress)
         };
-        if let Some(b) = bar {
-            b.finish_and_clear();
-        }
         result?;
+        progress.finish();
         Ok(lp.into_run())
     }
 }
@@ -495,9 +493,10 @@ fn per_draft_probabilities(rate: f64) -> Vec<f64> {
         .collect()
 }
 
-fn progress_bar(progress: bool, len: usize, label: &str) -> Option<indicatif::ProgressBar> {
-    if !progress || !std::io::stderr().is_terminal() {
-        return None;
+/// A policy's run on stderr, with `progress`: a bar on a terminal, else plain lines.
+fn policy_progress(progress: bool, len: usize, label: &str) -> Progress {
+    if !progress {
+        return Progress::hidden();
     }
     let bar = indicatif::ProgressBar::new(len as u64);
     if let Ok(style) = indicatif::ProgressStyle::with_template(
@@ -506,7 +505,7 @@ fn progress_bar(progress: bool, len: usize, label: &str) -> Option<indicatif::Pr
         bar.set_style(style.progress_chars("=> "));
     }
     bar.set_prefix(label.to_string());
-    Some(bar)
+    Progress::on_stderr(&format!("simulate {label}"), "requests", bar)
 }
 
 /// Per-request progress, indexed by trace position.
@@ -646,7 +645,7 @@ impl<'a> Loop<'a> {
         }
     }
 
-    fn run(&mut self, bar: Option<&indicatif::ProgressBar>) -> Result<(), SimError> {
+    fn run(&mut self, progress: &Progress) -> Result<(), SimError> {
         let mut now = 0u64;
         let mut next = 0usize;
         let mut idle_ticks = 0u32;
@@ -678,10 +677,11 @@ impl<'a> Loop<'a> {
                 finished += usize::from(self.on_event(ev));
             }
             self.sample(now);
-            if let Some(b) = bar.filter(|_| self.steps & 0xff == 0) {
-                b.set_position(finished as u64);
+            if self.steps & 0xff == 0 {
+                progress.set_position(finished as u64);
             }
         }
+        progress.set_position(finished as u64);
         Ok(())
     }
 
@@ -689,7 +689,7 @@ impl<'a> Loop<'a> {
     /// starts on the device (the host's planning costs nothing here), so it sees the arrivals
     /// up to then and the outputs of the steps that have ended; a step's outputs are applied
     /// when it ends. Steps that would preempt are planned in order, after the step in flight.
-    fn run_async(&mut self, bar: Option<&indicatif::ProgressBar>) -> Result<(), SimError> {
+    fn run_async(&mut self, progress: &Progress) -> Result<(), SimError> {
         // When the next step is planned: the start of the step in flight, or later.
         let mut now = 0u64;
         let mut next = 0usize;
@@ -754,10 +754,11 @@ impl<'a> Loop<'a> {
                 finished += self.resolve(&prev, &outs, prev_end);
             }
             now = start;
-            if let Some(b) = bar.filter(|_| self.steps & 0xff == 0) {
-                b.set_position(finished as u64);
+            if self.steps & 0xff == 0 {
+                progress.set_position(finished as u64);
             }
         }
+        progress.set_position(finished as u64);
         Ok(())
     }
 

@@ -19,6 +19,7 @@ pub mod engine;
 pub mod error;
 pub mod outputs;
 pub mod plot;
+pub mod progress;
 pub mod report;
 pub mod spec;
 pub mod trace;
@@ -35,7 +36,8 @@ use report::PolicySummary;
 use std::path::Path;
 
 /// Runs every policy of `spec` on its workload without writing files.
-/// `progress` shows a bar per policy when stderr is a terminal.
+/// With `progress`, each policy's run reports its progress on stderr: a bar on a terminal,
+/// else a plain line every [`progress::LINE_INTERVAL`] and one when it ends.
 pub fn simulate(
     spec: &SimulationSpec,
     progress: bool,

@@ -310,7 +310,7 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
             ..SamplingParams::default()
         }
     });
-    let bar = super::progress_bar(lengths.len() as u64, "requests added");
+    let bar = super::progress("bench throughput", lengths.len() as u64, "requests added");
     let mut prompt_tokens = 0usize;
     for (i, &(input, output)) in lengths.iter().enumerate() {
         let limits = match texts.get(i) {
@@ -355,8 +355,8 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
         engine.core().add_request(submit)?;
         bar.inc(1);
     }
-    bar.finish_and_clear();
-    let bar = super::progress_bar(lengths.len() as u64, "requests");
+    bar.finish();
+    let bar = super::progress("bench throughput", lengths.len() as u64, "requests");
     let start = Instant::now();
     let (mut output_tokens, mut steps, mut overhead_us) = (0usize, 0u64, 0u64);
     // Decode steps: those after every request has its first token and before any finishes.
@@ -395,7 +395,7 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
         }
         finished_any |= finished_now;
     }
-    bar.finish_and_clear();
+    bar.finish();
     let secs = start.elapsed().as_secs_f64().max(1e-9);
     let n = lengths.len() as f64;
     let mut decode_step_us: Vec<u64> = decode_steps.iter().map(|&(us, _)| us).collect();

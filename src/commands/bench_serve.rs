@@ -17,6 +17,7 @@ use crossbeam::channel;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde_json::json;
+use switchyard_simulator::progress::Progress;
 use switchyard_simulator::report::percentile;
 use switchyard_simulator::spec::{short_number, show_range, RATE_RANGE, TIME_SCALE_RANGE};
 use switchyard_simulator::trace::{MAX_ARRIVAL_S, MAX_REQUESTS as MAX_ROWS};
@@ -56,22 +57,26 @@ struct Sample {
     usage_missing: bool,
 }
 
-/// The results of a run so far, counted on its progress bar.
+/// The results of a run so far, counted on its progress (bar or lines).
 struct Finished {
     /// The finished requests' measurements.
     samples: Vec<Sample>,
     /// Requests sent and not yet finished.
     in_flight: usize,
-    /// Finished requests of the total (hidden off a terminal).
-    bar: indicatif::ProgressBar,
+    /// Finished (and failed) requests of the total, on stderr.
+    progress: Progress,
 }
 
 impl Finished {
     /// Records a finished request.
     fn push(&mut self, sample: Sample) {
+        if sample.ok {
+            self.progress.inc(1);
+        } else {
+            self.progress.inc_failed();
+        }
         self.samples.push(sample);
         self.in_flight -= 1;
-        self.bar.inc(1);
     }
 
     /// Records the requests that finish until `until` (those already finished if it has
@@ -469,12 +474,13 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
     eprintln!("Starting the benchmark run...");
     // Speculative decoding's counters before the run (a server without them reports none).
     let spec_before = spec_counters(&target);
-    let bar = super::progress_bar(work.len() as u64, "requests");
+    let progress =
+        super::progress("bench serve", work.len() as u64, "requests").counting_failures();
     let start = Instant::now();
     let mut done = Finished {
         samples: Vec::with_capacity(work.len()),
         in_flight: 0,
-        bar,
+        progress,
     };
     let mut next_arrival = 0.0f64;
     for &(input, output, at) in &work {
@@ -493,7 +499,7 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
         let wait = Duration::try_from_secs_f64(wait.max(0.0))
             .with_context(|| format!("an arrival {due} s after the start is out of range"))?;
         // Requests that finish while the next one waits for its arrival are counted now, so
-        // that the bar moves during a long run at a --request-rate.
+        // that the progress moves during a long run at a --request-rate.
         done.collect_until(&rx, Instant::now() + wait)?;
         while done.in_flight >= concurrency {
             done.push(rx.recv().context("benchmark threads vanished")?);
@@ -511,7 +517,7 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
     while done.in_flight > 0 {
         done.push(rx.recv().context("benchmark threads vanished")?);
     }
-    done.bar.finish_and_clear();
+    done.progress.finish();
     let samples = done.samples;
     let duration = start.elapsed().as_secs_f64();
     let spec = match (spec_before, spec_counters(&target)) {
@@ -730,19 +736,18 @@ mod tests {
         let mut done = Finished {
             samples: Vec::new(),
             in_flight: 3,
-            bar: indicatif::ProgressBar::hidden(),
+            progress: Progress::hidden(),
         };
-        done.bar.set_length(10);
         tx.send(Sample::default()).unwrap();
         tx.send(Sample::default()).unwrap();
         let start = Instant::now();
         done.collect_until(&rx, start + Duration::from_millis(50))
             .unwrap();
         assert_eq!((done.samples.len(), done.in_flight), (2, 1));
-        assert_eq!(done.bar.position(), 2);
+        assert_eq!(done.progress.position(), 2);
         // An arrival already due waits for nothing.
         done.collect_until(&rx, start).unwrap();
-        assert_eq!(done.bar.position(), 2);
+        assert_eq!(done.progress.position(), 2);
     }
 
     #[test]

@@ -493,7 +493,11 @@ fn measure(args: &CalibrateArgs) -> anyhow::Result<SamplesFile> {
     let vocab = model_config.vocab_size as u64;
     let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
     let mut steps: Vec<(StepShape, u64, u64)> = Vec::new();
-    let bar = super::progress_bar((scenarios.len() * args.repeats) as u64, "measurements");
+    let bar = super::progress(
+        "calibrate",
+        (scenarios.len() * args.repeats) as u64,
+        "measurements",
+    );
     let mut next_id = 0u64;
     let start = Instant::now();
     // A warm-up, not recorded: the first steps of a process pay for page faults, caches and
@@ -527,7 +531,7 @@ fn measure(args: &CalibrateArgs) -> anyhow::Result<SamplesFile> {
             bar.inc(1);
         }
     }
-    bar.finish_and_clear();
+    bar.finish();
     let mut host: Vec<u64> = steps.iter().map(|&(_, _, h)| h).collect();
     host.sort_unstable();
     let host_overhead_us = host.get(host.len() / 2).copied().unwrap_or(0) as f64;

@@ -35,8 +35,7 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
         }
         (None, None) => anyhow::bail!("give --config FILE, or --trace FILE --format F"),
     };
-    let (comparison, files) =
-        switchyard_simulator::run(&spec, &args.out, super::progress_enabled())?;
+    let (comparison, files) = switchyard_simulator::run(&spec, &args.out, true)?;
     for w in &comparison.warnings {
         eprintln!("warning: {w}");
     }
