@@ -263,6 +263,73 @@ fn simulate_reports_progress_in_plain_lines_when_stderr_is_not_a_terminal() {
     }
 }
 
+/// A simulation spec given where a server configuration goes (and the reverse) is named as
+/// such, with the command that runs it; a `model` that is neither a preset nor a mapping
+/// says what it may be, not serde's untagged-enum message.
+#[test]
+fn a_spec_and_a_server_configuration_given_to_the_wrong_command_say_which_they_are() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    for cmd in [
+        &["config", "check", "config/examples/sim-jsonl.yaml"][..],
+        &["serve", "--config", "config/examples/sim-jsonl.yaml"][..],
+    ] {
+        let err = fails(switchyard().args(cmd).current_dir(root));
+        assert!(err.contains("unknown field `seed`"), "{cmd:?}: {err}");
+        assert!(
+            err.contains("hint: config/examples/sim-jsonl.yaml is a simulation spec (it has `seed`): run it with `switchyard simulate --config config/examples/sim-jsonl.yaml`"),
+            "{cmd:?}: {err}"
+        );
+    }
+    let err = fails(
+        switchyard()
+            .args(["simulate", "--config", "config/examples/default.yaml"])
+            .current_dir(root),
+    );
+    assert!(
+        err.contains(
+            "hint: config/examples/default.yaml is a server configuration (it has `server`)"
+        ),
+        "{err}"
+    );
+    assert!(!err.contains("untagged"), "{err}");
+    // A configuration's own mistake gets no hint.
+    let dir = temp_dir("kind-hint");
+    let bad = dir.join("bad.yaml");
+    std::fs::write(&bad, "server:\n  prot: 8000\n").unwrap();
+    let err = fails(switchyard().args(["config", "check"]).arg(&bad));
+    assert!(err.contains("prot") && !err.contains("hint:"), "{err}");
+    let spec = dir.join("spec.yaml");
+    std::fs::write(
+        &spec,
+        "model: 7\npolicies: [{name: fcfs}]\nworkload: {trace: t.csv, format: azure}\n",
+    )
+    .unwrap();
+    let err = fails(switchyard().args(["simulate", "--config"]).arg(&spec));
+    assert!(
+        err.contains("`model` is a preset name (") && !err.contains("untagged"),
+        "{err}"
+    );
+}
+
+/// `--policies` naming one policy twice says what to do instead (the command line has no
+/// labels).
+#[test]
+fn simulate_refuses_a_policy_named_twice_on_the_command_line() {
+    let err = fails(switchyard().args([
+        "simulate",
+        "--trace",
+        "missing.csv",
+        "--format",
+        "azure",
+        "--policies",
+        "fcfs,priority,fcfs",
+    ]));
+    assert!(
+        err.contains("--policies names `fcfs` twice") && !err.contains("set `label`"),
+        "{err}"
+    );
+}
+
 #[test]
 fn simulate_refuses_flags_its_config_would_ignore_and_a_bad_time_scale() {
     for flag in [

@@ -126,7 +126,7 @@ fn default_hardware() -> HardwareChoice {
 }
 
 /// A model preset name or an inline shape.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(untagged)]
 pub enum ModelChoice {
     /// A preset (see [`ModelSpec::PRESETS`]).
@@ -136,13 +136,55 @@ pub enum ModelChoice {
 }
 
 /// A hardware preset name or inline figures.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(untagged)]
 pub enum HardwareChoice {
     /// `h200`.
     Preset(String),
     /// Full figures.
     Custom(HardwareSpec),
+}
+
+/// A preset's name (a string) or a full description (a mapping, read as `T`), as `model` and
+/// `hardware` are written; anything else is refused saying so (an untagged enum's error would
+/// name neither form).
+fn preset_or_custom<'de, D, T>(
+    d: D,
+    field: &str,
+    presets: &str,
+) -> Result<Result<String, T>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: serde::de::DeserializeOwned,
+{
+    use serde::de::Error;
+    match serde_yaml::Value::deserialize(d)? {
+        serde_yaml::Value::String(name) => Ok(Ok(name)),
+        v @ serde_yaml::Value::Mapping(_) => serde_yaml::from_value(v)
+            .map(Err)
+            .map_err(|e| D::Error::custom(format!("`{field}` as a mapping: {e}"))),
+        _ => Err(D::Error::custom(format!(
+            "`{field}` is a preset name ({presets}) or a mapping of its figures"
+        ))),
+    }
+}
+
+impl<'de> Deserialize<'de> for ModelChoice {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Ok(match preset_or_custom(d, "model", ModelSpec::PRESETS)? {
+            Ok(name) => ModelChoice::Preset(name),
+            Err(spec) => ModelChoice::Custom(spec),
+        })
+    }
+}
+
+impl<'de> Deserialize<'de> for HardwareChoice {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Ok(match preset_or_custom(d, "hardware", "h200")? {
+            Ok(name) => HardwareChoice::Preset(name),
+            Err(spec) => HardwareChoice::Custom(spec),
+        })
+    }
 }
 
 /// KV cache settings.
@@ -816,6 +858,20 @@ impl SimulationSpec {
             },
             source: cli.to_path_buf(),
         };
+        // The command line cannot set labels, so the spec's advice for a repeated one does
+        // not apply to it.
+        let mut names: Vec<&str> = spec.policies.iter().map(|p| p.name.as_str()).collect();
+        names.sort_unstable();
+        if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
+            return Err(SimError::spec(
+                cli,
+                format!(
+                    "--policies names `{}` twice; to compare settings of one policy, list them \
+                     with a `label` each in a spec file (`simulate --config`)",
+                    w[0]
+                ),
+            ));
+        }
         spec.validate().map_err(|m| SimError::spec(cli, m))?;
         Ok(spec)
     }

@@ -89,7 +89,69 @@ fn load_with(
 ) -> anyhow::Result<Config> {
     let mut all = env_overrides(std::env::vars_os())?;
     all.extend(cli_overrides.iter().cloned().map(Override::flag));
-    Ok(Config::from_file_checked(file, &all, check)?)
+    Config::from_file_checked(file, &all, check)
+        .map_err(|e| with_kind_hint(e.into(), file, FileKind::Server))
+}
+
+/// The two kinds of YAML file the commands read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FileKind {
+    /// A server configuration (`serve`, `config check`, `calibrate --config`).
+    Server,
+    /// A simulation spec (`simulate --config`).
+    Simulation,
+}
+
+/// Top-level keys that only a server configuration has.
+const SERVER_ONLY_KEYS: &[&str] = &["server", "logging", "lora", "speculative"];
+/// Top-level keys that only a simulation spec has.
+const SIMULATION_ONLY_KEYS: &[&str] = &["seed", "hardware", "calibration", "policies", "workload"];
+/// The most of a file read again for [`kind_hint`] (configurations are a few KiB).
+const KIND_HINT_MAX_BYTES: u64 = 1 << 20;
+
+/// When `file`, read as `expected` and refused, is the other kind of file (by a top-level key
+/// only that kind has), what to run instead. Reads the file again: on the error path only.
+pub fn kind_hint(file: &std::path::Path, expected: FileKind) -> Option<String> {
+    use std::io::Read;
+    let mut text = String::new();
+    std::fs::File::open(file)
+        .ok()?
+        .take(KIND_HINT_MAX_BYTES)
+        .read_to_string(&mut text)
+        .ok()?;
+    let top: serde_yaml::Mapping = serde_yaml::from_str(&text).ok()?;
+    let has = |keys: &[&'static str]| {
+        keys.iter()
+            .copied()
+            .find(|k| top.contains_key(serde_yaml::Value::from(*k)))
+    };
+    let f = file.display();
+    match expected {
+        FileKind::Server => has(SIMULATION_ONLY_KEYS).map(|k| {
+            format!(
+                "{f} is a simulation spec (it has `{k}`): run it with `switchyard simulate --config {f}`"
+            )
+        }),
+        FileKind::Simulation => has(SERVER_ONLY_KEYS).map(|k| {
+            format!(
+                "{f} is a server configuration (it has `{k}`): serve it with `switchyard serve --config {f}`; \
+                 `simulate --config` takes a simulation spec (config/examples/sim-*.yaml), and \
+                 `simulate --trace` takes a server configuration's tiers with `--tiers {f}`"
+            )
+        }),
+    }
+}
+
+/// `err`, with [`kind_hint`]'s hint on a line of its own when there is one.
+pub fn with_kind_hint(
+    err: anyhow::Error,
+    file: &std::path::Path,
+    expected: FileKind,
+) -> anyhow::Error {
+    match kind_hint(file, expected) {
+        Some(hint) => anyhow::anyhow!("{err:#}\n  hint: {hint}"),
+        None => err,
+    }
 }
 
 /// Refuses a `model.path` that is not there or cannot be read (`~` expanded), from its
@@ -158,7 +220,6 @@ pub fn build_policy(
     PolicyRegistry::with_builtins().create(&spec.name, &spec.params, tiers)
 }
 
-/// The configured tiers as the scheduling core sees them.
 /// The tiers with a bound of their own on requests in flight (`tiers.<name>.max_pending_requests`).
 pub fn tier_pending_limits(config: &Config) -> Vec<(String, usize)> {
     config
@@ -168,6 +229,7 @@ pub fn tier_pending_limits(config: &Config) -> Vec<(String, usize)> {
         .collect()
 }
 
+/// The configured tiers as the scheduling core sees them.
 pub fn tier_specs(config: &Config) -> Vec<TierSpec> {
     config
         .tiers

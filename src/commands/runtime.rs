@@ -87,6 +87,14 @@ pub fn cpu_backend_for(model: LlamaModel, s: &CpuSettings) -> anyhow::Result<Box
         max_batch_tokens: s.max_batch_tokens,
         ..CpuBackendConfig::default()
     };
+    if let Some(w) = oversubscribed(s.threads, std::thread::available_parallelism().ok()) {
+        // `serve` logs; the other commands have no subscriber and write to stderr.
+        if tracing::dispatcher::has_been_set() {
+            tracing::warn!("{w}");
+        } else {
+            eprintln!("warning: {w}");
+        }
+    }
     let backend = CpuBackend::new(model, &cfg)?;
     tracing::info!(
         backend = backend.name(),
@@ -94,6 +102,19 @@ pub fn cpu_backend_for(model: LlamaModel, s: &CpuSettings) -> anyhow::Result<Box
         "backend ready"
     );
     Ok(Box::new(backend))
+}
+
+/// A warning when `threads` CPU threads (0: one per core) exceed the machine's `cores`: the
+/// step's work is split among more threads than can run, each waiting for the slowest, so
+/// every step slows (1000 threads on 2 cores made a token ~150x slower).
+fn oversubscribed(threads: usize, cores: Option<std::num::NonZeroUsize>) -> Option<String> {
+    let cores = cores?.get();
+    (threads > cores).then(|| {
+        format!(
+            "{threads} CPU threads asked for (model.threads / --threads) on {cores} cores: \
+             threads beyond the cores slow every step; 0 uses one per core"
+        )
+    })
 }
 
 /// Where a backend's weights come from.
@@ -438,6 +459,21 @@ pub fn random_hash_key() -> [u64; 2] {
 
 #[cfg(test)]
 mod tests {
+    /// More threads than cores is warned about; up to the cores, or all of them (0), is not.
+    #[test]
+    fn threads_beyond_the_cores_are_warned_about() {
+        let cores = std::num::NonZeroUsize::new(2);
+        let w = super::oversubscribed(1000, cores).expect("a warning");
+        assert!(
+            w.contains("1000 CPU threads") && w.contains("2 cores"),
+            "{w}"
+        );
+        for ok in [0, 1, 2] {
+            assert_eq!(super::oversubscribed(ok, cores), None, "{ok}");
+        }
+        assert_eq!(super::oversubscribed(1000, None), None);
+    }
+
     /// Every architecture the configuration names for dummy weights has a preset, and an
     /// unknown one is refused with the list.
     #[test]

@@ -7,7 +7,9 @@ use crate::cli::{SimulateArgs, TraceFormat as CliFormat};
 pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
     // `SimulationSpec::from_cli` checks the flags' ranges (--rate, --load, --time-scale).
     let spec = match (&args.config, &args.trace) {
-        (Some(file), _) => SimulationSpec::from_yaml_file(file)?,
+        (Some(file), _) => SimulationSpec::from_yaml_file(file).map_err(|e| {
+            super::config::with_kind_hint(e.into(), file, super::config::FileKind::Simulation)
+        })?,
         (None, Some(trace)) => {
             let format = match args.format {
                 Some(CliFormat::Azure) => TraceFormat::Azure,
