@@ -220,12 +220,20 @@ fn planner_step(c: &mut Criterion) {
     });
     group.finish();
     let mut group = c.benchmark_group("planner_step_256_decodes_1000_waiting");
-    for policy in ["fcfs", "prefix-aware"] {
-        group.bench_function(policy, |b| {
+    // prefix-aware with and without its in-batch check (`hold_back_shared`, on by default).
+    for (label, policy, params) in [
+        ("fcfs", "fcfs", "null"),
+        ("prefix-aware", "prefix-aware", "null"),
+        (
+            "prefix-aware, hold_back_shared off",
+            "prefix-aware",
+            "{hold_back_shared: false}",
+        ),
+    ] {
+        let params: serde_yaml::Value = serde_yaml::from_str(params).expect("params");
+        group.bench_function(label, |b| {
             b.iter_custom(|iters| {
-                time_steps_from(iters, SEQS, || {
-                    saturated_scheduler(policy, &serde_yaml::Value::Null)
-                })
+                time_steps_from(iters, SEQS, || saturated_scheduler(policy, &params))
             })
         });
     }
