@@ -884,3 +884,124 @@ fn failed_authentication_is_logged_rate_limited_without_the_key() {
         .count();
     assert!((1..=3).contains(&api_lines), "{log}");
 }
+
+/// The user audit: `serve --config config/examples/default.yaml --set
+/// server.max_pending_requests=1` answered a completion of two prompts with a retryable 503
+/// on an idle server, every time, while one prompt with `n: 2` was admitted. The bound counts
+/// choices (prompts × n), for prompts and `n` alike: a request with more than the bound ever
+/// admits is a 400 naming the bound and its value (no `Retry-After`, not counted as
+/// overloaded, a WARN line for the operator), one that fits but not now a 503 with
+/// `Retry-After` as before.
+#[test]
+fn a_request_larger_than_max_pending_requests_is_a_400_not_a_retryable_503() {
+    let dir = scratch("admission-too-large");
+    let port = free_port();
+    let log = std::fs::File::create(dir.join("server.log")).expect("log file");
+    let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/examples/default.yaml");
+    let child = switchyard()
+        .args(["serve", "--config"])
+        .arg(example)
+        .args([
+            "--set",
+            &format!("model.path={}", model_path().display()),
+            "--set",
+            "model.threads=2",
+            "--set",
+            &format!("server.port={port}"),
+            "--set",
+            "server.max_pending_requests=1",
+        ])
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("start switchyard serve");
+    let mut s = Server { port, child, dir };
+    wait_ready(&mut s);
+    let post = |body: &Value| {
+        s.request("POST", "/v1/completions", Some(&body.to_string()), &[])
+            .expect("request")
+    };
+
+    // The audit's request, on an idle server: a 400, every time.
+    for _ in 0..2 {
+        let r = post(&json!({"prompt": ["a", "b"], "max_tokens": 3}));
+        assert_eq!(r.status, 400, "{}", r.body);
+        assert_eq!(r.header("retry-after"), None);
+        let v: Value = serde_json::from_str(&r.body).expect("json");
+        assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
+        assert_eq!(v["error"]["code"], "too_many_choices", "{v}");
+        assert_eq!(
+            v["error"]["message"],
+            "this request has 2 choices (2 prompts × n = 1) but server.max_pending_requests is \
+             1: each choice (prompts × n) counts as a request in flight, so it can never be \
+             admitted; send fewer prompts or a smaller n",
+            "{v}"
+        );
+    }
+    // `n` counts as prompts do.
+    let r = post(&json!({"prompt": "hi", "n": 2, "max_tokens": 3}));
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.body.contains("2 choices (n = 2)"), "{}", r.body);
+    // One choice fits.
+    let r = post(&json!({"prompt": ["a"], "max_tokens": 3}));
+    assert_eq!(r.status, 200, "{}", r.body);
+
+    // Fits, but the one seat is taken by a stream: a 503 to retry.
+    let long = json!({"prompt": "Count:", "max_tokens": 400, "ignore_eos": true,
+                      "stream": true})
+    .to_string();
+    let mut stream = s.open("POST", "/v1/completions", Some(&long));
+    assert_eq!(common::read_status(&mut stream), 200);
+    let r = post(&json!({"prompt": "hi", "max_tokens": 3}));
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert_eq!(r.header("retry-after"), Some("1"));
+    let v: Value = serde_json::from_str(&r.body).expect("json");
+    assert_eq!(v["error"]["code"], "overloaded", "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("(server.max_pending_requests is 1); retry shortly"),
+        "{v}"
+    );
+    drop(stream);
+
+    // Only the 503's choice counts as overloaded; the 400s count nowhere.
+    let metrics = s
+        .request("GET", "/metrics", None, &[])
+        .expect("metrics")
+        .body;
+    let failed = |reason: &str| -> f64 {
+        metrics
+            .lines()
+            .filter(|l| {
+                l.starts_with("switchyard:request_failed_total{")
+                    && l.contains(&format!("reason=\"{reason}\""))
+            })
+            .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+            .sum()
+    };
+    assert_eq!(failed("overloaded"), 1.0, "{metrics}");
+    assert_eq!(failed("invalid_request"), 0.0, "{metrics}");
+    s.assert_logged(&[
+        "WARN",
+        "requests refused (400): more choices than server.max_pending_requests ever admits",
+    ]);
+    s.assert_logged(&["WARN", "requests refused as overloaded"]);
+
+    // The stream's seat comes back once it is aborted: one prompt is served again.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let r = post(&json!({"prompt": "hi", "max_tokens": 3}));
+        if r.status == 200 {
+            break;
+        }
+        assert_eq!(r.status, 503, "{}", r.body);
+        assert!(
+            Instant::now() < deadline,
+            "the stream's seat never came back"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}

@@ -6,8 +6,10 @@
 //!
 //! # The request protocol
 //!
-//! [`Engine::submit`] hands over one [`GenerateRequest`] and returns the receiving half of a
-//! bounded channel of [`EngineEvent`]s. The engine must send, in order:
+//! [`Engine::submit`] hands over the [`GenerateRequest`]s of one client request (one per
+//! prompt) and returns, for each, the receiving half of a bounded channel of [`EngineEvent`]s.
+//! The engine admits them together or not at all (a request refused at admission leaves no
+//! part of it queued). On each channel the engine must send, in order:
 //!
 //! 1. exactly one [`EngineEvent::Prompt`] once the request is tokenized, validated against the
 //!    context window and queued — or a single [`EngineEvent::Error`] instead, and nothing after it.
@@ -81,11 +83,16 @@ pub trait Engine: Send + Sync + 'static {
         true
     }
 
-    /// Queues one generation request. See the module docs for the events the engine must send and
-    /// for the abort-on-drop contract. An error here (for instance
-    /// [`EngineErrorKind::Overloaded`] when the waiting queue is full) rejects the request before
-    /// any event.
-    fn submit(&self, request: GenerateRequest) -> Result<mpsc::Receiver<EngineEvent>, EngineError>;
+    /// Queues the generation requests of one client request, one per prompt (at least one;
+    /// all of one tier), and returns their receivers in the same order. See the module docs
+    /// for the events the engine must send and for the abort-on-drop contract. They are
+    /// admitted all or none: an error here (for instance [`EngineErrorKind::Overloaded`] when
+    /// the waiting queue is full), or an [`EngineEvent::Error`] first on every channel, rejects
+    /// them before any is queued.
+    fn submit(
+        &self,
+        requests: Vec<GenerateRequest>,
+    ) -> Result<Vec<mpsc::Receiver<EngineEvent>>, EngineError>;
 
     /// Tokenizes text, or chat messages through the model's chat template.
     fn tokenize(&self, input: TokenizeInput) -> EngineFuture<Vec<u32>>;
@@ -699,6 +706,10 @@ pub enum EngineErrorKind {
         /// Suggested wait before retrying, in seconds.
         retry_after_secs: u32,
     },
+    /// The request has more choices (prompts × `n`) than a bound on requests in flight
+    /// (`server.max_pending_requests`, `tiers.<name>.max_pending_requests`) ever admits:
+    /// retrying cannot help, so it is a client error, not [`Self::Overloaded`].
+    TooManyChoices,
     /// The engine is not ready or is shutting down.
     Unavailable,
     /// The request names a model (LoRA adapter) the server does not serve.
@@ -717,6 +728,7 @@ impl fmt::Display for EngineErrorKind {
             Self::InvalidRequest => "invalid_request",
             Self::ContextLengthExceeded => "context_length_exceeded",
             Self::Overloaded { .. } => "overloaded",
+            Self::TooManyChoices => "too_many_choices",
             Self::Unavailable => "unavailable",
             Self::NotFound => "not_found",
             Self::StructuredOutput => "structured_output",

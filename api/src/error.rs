@@ -154,6 +154,11 @@ impl ApiError {
                     SERVER_ERROR,
                     Some("overloaded"),
                 ),
+                EngineErrorKind::TooManyChoices => (
+                    StatusCode::BAD_REQUEST,
+                    INVALID_REQUEST,
+                    Some("too_many_choices"),
+                ),
                 EngineErrorKind::Unavailable => (
                     StatusCode::SERVICE_UNAVAILABLE,
                     SERVER_ERROR,
@@ -274,6 +279,26 @@ mod tests {
         assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(response.headers().get(header::RETRY_AFTER).unwrap(), "3");
         assert_eq!(body_json(&e)["error"]["code"], "overloaded");
+    }
+
+    /// A request larger than a bound on requests in flight can never be admitted: a 400 with
+    /// the engine's message, and no `Retry-After` (retrying cannot help).
+    #[test]
+    fn too_many_choices_is_a_400_without_retry_after() {
+        let e = ApiError::from(EngineError::new(
+            EngineErrorKind::TooManyChoices,
+            "this request has 2 choices but server.max_pending_requests is 1",
+        ));
+        let response = e.error_response();
+        assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+        assert!(response.headers().get(header::RETRY_AFTER).is_none());
+        let body = body_json(&e);
+        assert_eq!(body["error"]["type"], "invalid_request_error");
+        assert_eq!(body["error"]["code"], "too_many_choices");
+        assert_eq!(
+            body["error"]["message"],
+            "this request has 2 choices but server.max_pending_requests is 1"
+        );
     }
 
     #[test]

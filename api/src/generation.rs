@@ -85,9 +85,9 @@ fn protocol_error(message: &str) -> ApiError {
 }
 
 impl Generation {
-    /// Submits the requests (one per prompt, each with `n` choices) and waits until the engine
-    /// accepted all of them, so that validation errors become an HTTP error status rather than
-    /// an error inside a stream.
+    /// Submits the requests (one per prompt, each with `n` choices) together and waits until
+    /// the engine accepted all of them, so that validation errors become an HTTP error status
+    /// rather than an error inside a stream.
     pub(crate) async fn start(
         engine: &dyn Engine,
         requests: Vec<crate::engine::GenerateRequest>,
@@ -95,17 +95,18 @@ impl Generation {
         fields: RequestFields,
     ) -> Result<Self, ApiError> {
         let failure = SiblingFailure::default();
-        let mut receivers = Vec::with_capacity(requests.len());
-        for mut request in requests {
-            request.sibling_failure = failure.clone();
-            // On error the receivers collected so far drop here, ending those requests as
-            // failed with this one.
-            let rx = engine.submit(request).map_err(|e| {
-                failure.set(e.kind);
-                name_fields(e, fields)
-            })?;
-            receivers.push(rx);
-        }
+        let requests = requests
+            .into_iter()
+            .map(|mut request| {
+                request.sibling_failure = failure.clone();
+                request
+            })
+            .collect();
+        // All prompts at once: the engine admits them together or refuses them all.
+        let receivers = engine.submit(requests).map_err(|e| {
+            failure.set(e.kind);
+            name_fields(e, fields)
+        })?;
         Self::accept(receivers, n, fields, failure).await
     }
 

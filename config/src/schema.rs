@@ -569,7 +569,9 @@ pub struct ServerSection {
     /// Largest accepted request body in bytes.
     #[serde(deserialize_with = "usize_in::<_, 1024, 67108864>")]
     pub max_body_bytes: usize,
-    /// Requests admitted at once before answering 503 with Retry-After.
+    /// Requests in flight at once, counted per choice (prompts × `n`: a completion of two
+    /// prompts counts two, as one prompt with `n: 2` does); a request that fits but not now
+    /// is answered 503 with Retry-After, one with more choices than this is a 400.
     #[serde(deserialize_with = "usize_in::<_, 1, 1000000>")]
     pub max_pending_requests: usize,
     /// Seconds to let in-flight requests finish after SIGTERM.
@@ -755,8 +757,10 @@ pub struct TierConfig {
     #[serde(default)]
     pub priority: i32,
     /// Most requests of this tier in flight at once (queued, running, or still being
-    /// tokenized), 1 to `server.max_pending_requests`; beyond it the tier's requests are
-    /// refused with 503 `overloaded` even while the server has room. `None` (the default):
+    /// tokenized), counted per choice as `server.max_pending_requests` counts them, 1 to
+    /// `server.max_pending_requests`; beyond it the tier's requests are refused with 503
+    /// `overloaded` even while the server has room (a request with more choices than this:
+    /// a 400). `None` (the default):
     /// only the server's bound applies. The server's bound stays the absolute one, so the
     /// tiers that may flood should have limits that add up to less than it, leaving the rest
     /// to the other tiers.

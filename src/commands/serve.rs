@@ -588,6 +588,7 @@ fn to_port_error(e: SubmitError) -> EngineError {
         SubmitErrorKind::Overloaded => EngineErrorKind::Overloaded {
             retry_after_secs: 1,
         },
+        SubmitErrorKind::TooManyChoices => EngineErrorKind::TooManyChoices,
         SubmitErrorKind::Unavailable => EngineErrorKind::Unavailable,
         SubmitErrorKind::StructuredOutput => EngineErrorKind::StructuredOutput,
         SubmitErrorKind::Internal => EngineErrorKind::Internal,
@@ -701,6 +702,7 @@ impl OutputSink for ChannelSink {
             EngineErrorKind::NotFound => SubmitErrorKind::UnknownModel,
             EngineErrorKind::ContextLengthExceeded => SubmitErrorKind::ContextLengthExceeded,
             EngineErrorKind::Overloaded { .. } => SubmitErrorKind::Overloaded,
+            EngineErrorKind::TooManyChoices => SubmitErrorKind::TooManyChoices,
             EngineErrorKind::Unavailable => SubmitErrorKind::Unavailable,
             EngineErrorKind::StructuredOutput => SubmitErrorKind::StructuredOutput,
             EngineErrorKind::Internal => SubmitErrorKind::Internal,
@@ -708,24 +710,16 @@ impl OutputSink for ChannelSink {
     }
 }
 
-impl port::Engine for EngineAdapter {
-    fn model_name(&self) -> &str {
-        &self.model_name
-    }
-
-    fn max_model_len(&self) -> usize {
-        self.max_model_len
-    }
-
-    fn is_ready(&self) -> bool {
-        self.ready.load(Ordering::Acquire)
-    }
-
-    fn is_alive(&self) -> bool {
-        self.engine.is_alive()
-    }
-
-    fn submit(&self, request: GenerateRequest) -> Result<mpsc::Receiver<EngineEvent>, EngineError> {
+impl EngineAdapter {
+    /// One prompt's engine request, its sink and the receiving end of its channel.
+    fn prepare(
+        &self,
+        request: GenerateRequest,
+    ) -> (
+        RequestOptions,
+        Box<dyn OutputSink>,
+        mpsc::Receiver<EngineEvent>,
+    ) {
         let sibling_failure = request.sibling_failure.clone();
         let s = &request.sampling;
         let sampling = SamplingParams {
@@ -783,15 +777,48 @@ impl port::Engine for EngineAdapter {
                 port::StructuredOutputSpec::ToolCalls(g) => StructuredOutput::ToolCalls(g),
             }),
         };
-        self.engine.submit(
-            options,
-            Box::new(ChannelSink {
-                tx,
-                tokenizer: self.tokenizer.clone(),
-                sibling_failure: sibling_failure.clone(),
-            }),
-        );
-        Ok(rx)
+        let sink = Box::new(ChannelSink {
+            tx,
+            tokenizer: self.tokenizer.clone(),
+            sibling_failure,
+        });
+        (options, sink, rx)
+    }
+}
+
+impl port::Engine for EngineAdapter {
+    fn model_name(&self) -> &str {
+        &self.model_name
+    }
+
+    fn max_model_len(&self) -> usize {
+        self.max_model_len
+    }
+
+    fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::Acquire)
+    }
+
+    fn is_alive(&self) -> bool {
+        self.engine.is_alive()
+    }
+
+    fn submit(
+        &self,
+        requests: Vec<GenerateRequest>,
+    ) -> Result<Vec<mpsc::Receiver<EngineEvent>>, EngineError> {
+        let mut receivers = Vec::with_capacity(requests.len());
+        let prompts = requests
+            .into_iter()
+            .map(|request| {
+                let (options, sink, rx) = self.prepare(request);
+                receivers.push(rx);
+                (options, sink)
+            })
+            .collect();
+        // Admitted together or refused together (every channel then gets the refusal).
+        self.engine.submit_all(prompts);
+        Ok(receivers)
     }
 
     fn tokenize(&self, input: TokenizeInput) -> EngineFuture<Vec<u32>> {

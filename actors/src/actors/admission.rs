@@ -1,18 +1,36 @@
 //! Admission: the bounds on requests in flight, the server's (`server.max_pending_requests`)
 //! and each tier's (`tiers.<name>.max_pending_requests`), checked when a request is submitted.
 //!
-//! The rule is simple on purpose: a request is admitted only while its tier is under its own
-//! bound (when it has one) and the server is under its bound. A tier at its bound is refused
-//! even while the server has room; the server's bound is the absolute one and keeps no seats
-//! aside. So one tenant's flood can take at most its tier's bound: an operator who gives the
-//! tiers that may flood bounds that add up to less than the server's leaves the rest to the
-//! other tiers. A request counts from its submission until its last choice ends (tokenizing,
-//! waiting, running), through the [`InFlight`] guard.
+//! **What the bounds count: choices.** A client request takes one seat per choice it asks for,
+//! prompts × `n`: a completion with the prompts `["a", "b"]` takes two, as does one prompt
+//! with `n: 2`. That is what vLLM's OpenAI server submits (one engine request per prompt of a
+//! list, and a choice of `n > 1` is a child request of its own), what the request-level
+//! metrics count (`num_requests_running` / `num_requests_waiting`, `request_*_total`: each
+//! choice a request, [`crate::metric_names`]) and the work the scheduler carries (a sequence
+//! per choice), so a bound sized from those gauges means what it says, and a tier's bound
+//! holds however its tenant packs the work (one request of 32 prompts cannot take 32
+//! sequences under a bound of 2).
 //!
-//! Refusals are logged at WARN, at most one line per bound per [`REFUSAL_LOG_INTERVAL`],
-//! carrying how many requests that bound refused since its previous line (a flood writes a
-//! line a second, not a line a request); the engine counts them in
-//! `request_failed_total{reason="overloaded"}`.
+//! The rule is simple on purpose: a request is admitted only while its tier has room for all
+//! of its choices under its own bound (when it has one) and the server has room under its
+//! bound. A tier at its bound is refused even while the server has room; the server's bound is
+//! the absolute one and keeps no seats aside. So one tenant's flood can take at most its
+//! tier's bound: an operator who gives the tiers that may flood bounds that add up to less
+//! than the server's leaves the rest to the other tiers. A prompt's seats count from the
+//! submission until its last choice ends (tokenizing, waiting, running), through the
+//! [`InFlight`] guard (each prompt of a request holds its own, split from the request's).
+//!
+//! Admission of a request is all-or-nothing: its seats are taken together, or none is. A
+//! request with more choices than a bound ever admits is refused as
+//! [`SubmitErrorKind::TooManyChoices`] (a 400 naming the bound: retrying cannot help); one
+//! that fits the bounds but not what is free now as [`SubmitErrorKind::Overloaded`] (a 503
+//! with `Retry-After`).
+//!
+//! Refusals are logged at WARN, at most one line per bound and kind per
+//! [`REFUSAL_LOG_INTERVAL`], carrying how many requests that bound refused since its previous
+//! line (a flood writes a line a second, not a line a request); the engine counts the
+//! overloaded ones in `request_failed_total{reason="overloaded"}` (each choice), and not the
+//! others (a 400 before queueing, as every such 400).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -23,26 +41,44 @@ use super::engine::{SubmitError, SubmitErrorKind};
 /// Least time between two WARN lines about the refusals of one bound.
 pub(crate) const REFUSAL_LOG_INTERVAL: Duration = Duration::from_secs(1);
 
-/// Counts requests in flight, in the server's count and its tier's; the counts drop when the
-/// guard does.
+/// Seats held in the server's count and its tier's; they are given back when the guard drops.
 pub(crate) struct InFlight {
     all: Arc<AtomicUsize>,
     tier: Option<Arc<AtomicUsize>>,
+    seats: usize,
 }
 
 impl InFlight {
     /// A seat in `all` (already counted there), for tests that admit past [`Admission`].
     #[cfg(test)]
     pub(crate) fn new(all: Arc<AtomicUsize>) -> Self {
-        Self { all, tier: None }
+        Self {
+            all,
+            tier: None,
+            seats: 1,
+        }
+    }
+
+    /// Moves `seats` of this guard's seats (at most all it holds) to a guard of their own.
+    pub(crate) fn split_off(&mut self, seats: usize) -> Self {
+        let seats = seats.min(self.seats);
+        self.seats -= seats;
+        Self {
+            all: self.all.clone(),
+            tier: self.tier.clone(),
+            seats,
+        }
     }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.all.fetch_sub(1, Ordering::AcqRel);
+        if self.seats == 0 {
+            return;
+        }
+        self.all.fetch_sub(self.seats, Ordering::AcqRel);
         if let Some(tier) = &self.tier {
-            tier.fetch_sub(1, Ordering::AcqRel);
+            tier.fetch_sub(self.seats, Ordering::AcqRel);
         }
     }
 }
@@ -80,66 +116,152 @@ impl Throttle {
     }
 }
 
-/// One tier's bound.
-struct TierBound {
-    name: String,
-    limit: usize,
-    in_flight: Arc<AtomicUsize>,
-    refusals: Throttle,
+/// What a client request asks of admission: its prompts and its choices in all (prompts ×
+/// `n`), one seat each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Demand {
+    /// Prompts (1 for chat).
+    pub prompts: usize,
+    /// Choices over all prompts: the seats it takes.
+    pub choices: usize,
 }
 
-/// The server's and the tiers' bounds on requests in flight.
-pub(crate) struct Admission {
-    limit: usize,
-    in_flight: Arc<AtomicUsize>,
-    tiers: Vec<TierBound>,
-    refusals: Throttle,
+impl Demand {
+    /// The request's size as its refusal states it: "2 choices (2 prompts × n = 1)".
+    fn describe(&self) -> String {
+        let Self { prompts, choices } = *self;
+        let plural = if choices == 1 { "" } else { "s" };
+        if prompts <= 1 {
+            format!("{choices} choice{plural} (n = {choices})")
+        } else if choices % prompts == 0 {
+            format!(
+                "{choices} choices ({prompts} prompts × n = {})",
+                choices / prompts
+            )
+        } else {
+            format!("{choices} choices over {prompts} prompts")
+        }
+    }
 }
 
-impl Admission {
-    /// Bounds of `limit` requests in all and, for each tier listed, its own.
-    pub(crate) fn new(limit: usize, tiers: &[(String, usize)]) -> Self {
+/// One bound's count and its refusal logs.
+struct Bound {
+    limit: usize,
+    in_flight: Arc<AtomicUsize>,
+    /// Refusals of requests that fit under the bound, not now.
+    full: Throttle,
+    /// Refusals of requests larger than the bound.
+    too_large: Throttle,
+}
+
+impl Bound {
+    fn new(limit: usize) -> Self {
         Self {
             limit,
             in_flight: Arc::new(AtomicUsize::new(0)),
+            full: Throttle::new(REFUSAL_LOG_INTERVAL),
+            too_large: Throttle::new(REFUSAL_LOG_INTERVAL),
+        }
+    }
+
+    /// Takes `seats` if they all fit under the limit now; none otherwise (never counting
+    /// past the limit, even for a moment).
+    fn take(&self, seats: usize) -> bool {
+        self.in_flight
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                n.checked_add(seats).filter(|&after| after <= self.limit)
+            })
+            .is_ok()
+    }
+
+    fn give_back(&self, seats: usize) {
+        self.in_flight.fetch_sub(seats, Ordering::AcqRel);
+    }
+}
+
+/// One tier's bound.
+struct TierBound {
+    name: String,
+    bound: Bound,
+}
+
+/// The server's and the tiers' bounds on choices in flight.
+pub(crate) struct Admission {
+    server: Bound,
+    tiers: Vec<TierBound>,
+}
+
+impl Admission {
+    /// Bounds of `limit` choices in all and, for each tier listed, its own.
+    pub(crate) fn new(limit: usize, tiers: &[(String, usize)]) -> Self {
+        Self {
+            server: Bound::new(limit),
             tiers: tiers
                 .iter()
                 .map(|(name, limit)| TierBound {
                     name: name.clone(),
-                    limit: *limit,
-                    in_flight: Arc::new(AtomicUsize::new(0)),
-                    refusals: Throttle::new(REFUSAL_LOG_INTERVAL),
+                    bound: Bound::new(*limit),
                 })
                 .collect(),
-            refusals: Throttle::new(REFUSAL_LOG_INTERVAL),
         }
     }
 
-    /// Requests in flight in all.
+    /// Choices in flight in all.
     pub(crate) fn in_flight(&self) -> usize {
-        self.in_flight.load(Ordering::Acquire)
+        self.server.in_flight.load(Ordering::Acquire)
     }
 
     /// The server's count, for guards made outside [`Admission::admit`] (tests).
     #[cfg(test)]
     pub(crate) fn counter(&self) -> Arc<AtomicUsize> {
-        self.in_flight.clone()
+        self.server.in_flight.clone()
     }
 
-    /// Takes a seat for a request of `tier`, or refuses it as overloaded: its tier is at its
-    /// bound, or the server at its own.
-    pub(crate) fn admit(&self, tier: &str) -> Result<InFlight, SubmitError> {
-        let bound = self.tiers.iter().find(|t| t.name == tier);
-        let mut seat_in_tier = None;
-        if let Some(t) = bound {
-            let previous = t.in_flight.fetch_add(1, Ordering::AcqRel);
-            // Released on return unless the request is admitted.
-            let seat = TierSeat(&t.in_flight);
-            if previous >= t.limit {
-                if let Some(refused) = t.refusals.hit(Instant::now()) {
+    /// Takes the seats of a request of `tier` (one per choice), all or none. Refused as
+    /// [`SubmitErrorKind::TooManyChoices`] when it has more choices than its tier's bound or
+    /// the server's ever admits, as [`SubmitErrorKind::Overloaded`] when its tier, or the
+    /// server, has not that many seats free now.
+    pub(crate) fn admit(&self, tier: &str, demand: Demand) -> Result<InFlight, SubmitError> {
+        let seats = demand.choices;
+        let tier_bound = self.tiers.iter().find(|t| t.name == tier);
+        // Larger than a bound: refused whatever is in flight, before any seat is taken.
+        if let Some(t) = tier_bound.filter(|t| seats > t.bound.limit) {
+            if let Some(refused) = t.bound.too_large.hit(Instant::now()) {
+                tracing::warn!(
+                    tier = %t.name,
+                    limit = t.bound.limit,
+                    refused,
+                    "requests refused (400): more choices than their tier's \
+                     tiers.<name>.max_pending_requests ever admits"
+                );
+            }
+            return Err(too_many_choices(
+                demand,
+                &format!("tiers.{}.max_pending_requests", t.name),
+                t.bound.limit,
+            ));
+        }
+        if seats > self.server.limit {
+            if let Some(refused) = self.server.too_large.hit(Instant::now()) {
+                tracing::warn!(
+                    limit = self.server.limit,
+                    refused,
+                    "requests refused (400): more choices than server.max_pending_requests \
+                     ever admits"
+                );
+            }
+            return Err(too_many_choices(
+                demand,
+                "server.max_pending_requests",
+                self.server.limit,
+            ));
+        }
+        if let Some(t) = tier_bound {
+            if !t.bound.take(seats) {
+                if let Some(refused) = t.bound.full.hit(Instant::now()) {
                     tracing::warn!(
                         tier = %t.name,
-                        limit = t.limit,
+                        limit = t.bound.limit,
                         refused,
                         "requests refused as overloaded: their tier is at its \
                          tiers.<name>.max_pending_requests"
@@ -148,24 +270,23 @@ impl Admission {
                 return Err(SubmitError::new(
                     SubmitErrorKind::Overloaded,
                     format!(
-                        "tier `{}` has its limit of {} requests in flight \
-                         (tiers.{}.max_pending_requests); retry shortly",
-                        t.name, t.limit, t.name
+                        "tier `{}` has too many requests in flight for this one's {} \
+                         (tiers.{}.max_pending_requests is {}); retry shortly",
+                        t.name,
+                        demand.describe(),
+                        t.name,
+                        t.bound.limit
                     ),
                 ));
             }
-            std::mem::forget(seat);
-            seat_in_tier = Some(t.in_flight.clone());
         }
-        let previous = self.in_flight.fetch_add(1, Ordering::AcqRel);
-        let guard = InFlight {
-            all: self.in_flight.clone(),
-            tier: seat_in_tier,
-        };
-        if previous >= self.limit {
-            if let Some(refused) = self.refusals.hit(Instant::now()) {
+        if !self.server.take(seats) {
+            if let Some(t) = tier_bound {
+                t.bound.give_back(seats);
+            }
+            if let Some(refused) = self.server.full.hit(Instant::now()) {
                 tracing::warn!(
-                    limit = self.limit,
+                    limit = self.server.limit,
                     refused,
                     "requests refused as overloaded: the server is at its \
                      server.max_pending_requests"
@@ -174,23 +295,31 @@ impl Admission {
             return Err(SubmitError::new(
                 SubmitErrorKind::Overloaded,
                 format!(
-                    "the server has its limit of {} requests in flight \
-                     (server.max_pending_requests); retry shortly",
-                    self.limit
+                    "the server has too many requests in flight for this one's {} \
+                     (server.max_pending_requests is {}); retry shortly",
+                    demand.describe(),
+                    self.server.limit
                 ),
             ));
         }
-        Ok(guard)
+        Ok(InFlight {
+            all: self.server.in_flight.clone(),
+            tier: tier_bound.map(|t| t.bound.in_flight.clone()),
+            seats,
+        })
     }
 }
 
-/// A seat taken in a tier's count, given back when dropped.
-struct TierSeat<'a>(&'a AtomicUsize);
-
-impl Drop for TierSeat<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
-    }
+/// The refusal of a request larger than the bound `name` (of `limit` choices).
+fn too_many_choices(demand: Demand, name: &str, limit: usize) -> SubmitError {
+    SubmitError::new(
+        SubmitErrorKind::TooManyChoices,
+        format!(
+            "this request has {} but {name} is {limit}: each choice (prompts × n) counts as a \
+             request in flight, so it can never be admitted; send fewer prompts or a smaller n",
+            demand.describe()
+        ),
+    )
 }
 
 #[cfg(test)]
@@ -201,32 +330,45 @@ mod tests {
         Admission::new(4, &[("batch".into(), 2)])
     }
 
+    /// A request of one prompt and one choice.
+    const ONE: Demand = Demand {
+        prompts: 1,
+        choices: 1,
+    };
+
+    fn prompts(prompts: usize) -> Demand {
+        Demand {
+            prompts,
+            choices: prompts,
+        }
+    }
+
     /// A tier at its bound is refused while the server has room, other tiers are not; the
     /// server's bound holds over every tier; seats come back with the guards.
     #[test]
     fn a_tier_at_its_bound_is_refused_while_others_are_admitted() {
         let a = admission();
-        let b1 = a.admit("batch").unwrap();
-        let _b2 = a.admit("batch").unwrap();
-        let e = a.admit("batch").err().unwrap();
+        let b1 = a.admit("batch", ONE).unwrap();
+        let _b2 = a.admit("batch", ONE).unwrap();
+        let e = a.admit("batch", ONE).err().unwrap();
         assert_eq!(e.kind, SubmitErrorKind::Overloaded);
         assert!(
-            e.message.contains("tiers.batch.max_pending_requests"),
+            e.message
+                .contains("(tiers.batch.max_pending_requests is 2); retry shortly"),
             "{e}"
         );
-        assert!(e.message.contains("limit of 2"), "{e}");
         assert_eq!(a.in_flight(), 2);
-        let p1 = a.admit("premium").unwrap();
-        let _p2 = a.admit("premium").unwrap();
-        let e = a.admit("premium").err().unwrap();
+        let p1 = a.admit("premium", ONE).unwrap();
+        let _p2 = a.admit("premium", ONE).unwrap();
+        let e = a.admit("premium", ONE).err().unwrap();
         assert!(e.message.contains("server.max_pending_requests"), "{e}");
         // Refused by the server's bound, the tier's seat is given back too.
         drop(p1);
         drop(b1);
         assert_eq!(a.in_flight(), 2);
-        let _b3 = a.admit("batch").unwrap();
-        let _p3 = a.admit("premium").unwrap();
-        assert!(a.admit("batch").is_err());
+        let _b3 = a.admit("batch", ONE).unwrap();
+        let _p3 = a.admit("premium", ONE).unwrap();
+        assert!(a.admit("batch", ONE).is_err());
         assert_eq!(a.in_flight(), 4);
     }
 
@@ -234,15 +376,141 @@ mod tests {
     #[test]
     fn a_refusal_by_the_server_gives_the_tier_seat_back() {
         let a = Admission::new(3, &[("batch".into(), 2)]);
-        let p1 = a.admit("premium").unwrap();
-        let p2 = a.admit("premium").unwrap();
-        let _b1 = a.admit("batch").unwrap();
-        let e = a.admit("batch").err().unwrap();
+        let p1 = a.admit("premium", ONE).unwrap();
+        let p2 = a.admit("premium", ONE).unwrap();
+        let _b1 = a.admit("batch", ONE).unwrap();
+        let e = a.admit("batch", ONE).err().unwrap();
         assert!(e.message.contains("server.max_pending_requests"), "{e}");
         drop((p1, p2));
-        let _b2 = a.admit("batch").unwrap();
-        let e = a.admit("batch").err().unwrap();
+        let _b2 = a.admit("batch", ONE).unwrap();
+        let e = a.admit("batch", ONE).err().unwrap();
         assert!(e.message.contains("tiers.batch"), "{e}");
+    }
+
+    /// A request takes a seat per choice, prompts × n alike: two prompts fill a bound of two
+    /// as one prompt with `n = 2` does.
+    #[test]
+    fn each_choice_takes_a_seat_whether_from_prompts_or_n() {
+        let a = Admission::new(2, &[]);
+        let two_prompts = a.admit("", prompts(2)).unwrap();
+        assert_eq!(a.in_flight(), 2);
+        assert_eq!(
+            a.admit("", ONE).err().unwrap().kind,
+            SubmitErrorKind::Overloaded
+        );
+        drop(two_prompts);
+        let n2 = Demand {
+            prompts: 1,
+            choices: 2,
+        };
+        let _n2 = a.admit("", n2).unwrap();
+        assert_eq!(a.in_flight(), 2);
+        assert_eq!(
+            a.admit("", ONE).err().unwrap().kind,
+            SubmitErrorKind::Overloaded
+        );
+    }
+
+    /// A request larger than a bound is refused as never admissible (a 400), naming the bound
+    /// and its value, even on an idle server; one that fits but not now is overloaded (a 503).
+    #[test]
+    fn a_request_larger_than_a_bound_is_refused_as_too_many_choices() {
+        let a = Admission::new(1, &[]);
+        let e = a.admit("", prompts(2)).err().unwrap();
+        assert_eq!(e.kind, SubmitErrorKind::TooManyChoices);
+        assert_eq!(
+            e.message,
+            "this request has 2 choices (2 prompts × n = 1) but server.max_pending_requests \
+             is 1: each choice (prompts × n) counts as a request in flight, so it can never be \
+             admitted; send fewer prompts or a smaller n"
+        );
+        let n2 = Demand {
+            prompts: 1,
+            choices: 2,
+        };
+        let e = a.admit("", n2).err().unwrap();
+        assert_eq!(e.kind, SubmitErrorKind::TooManyChoices);
+        assert!(e.message.contains("2 choices (n = 2)"), "{e}");
+        assert_eq!(a.in_flight(), 0);
+
+        // A tier's bound, smaller than the server's: its own name and value.
+        let a = Admission::new(8, &[("batch".into(), 3)]);
+        let e = a.admit("batch", prompts(4)).err().unwrap();
+        assert_eq!(e.kind, SubmitErrorKind::TooManyChoices);
+        assert!(
+            e.message.contains(
+                "4 choices (4 prompts × n = 1) but tiers.batch.max_pending_requests is 3"
+            ),
+            "{e}"
+        );
+        // Other tiers take it (the server's bound is 8); larger than the server's: refused.
+        let held = a.admit("premium", prompts(4)).unwrap();
+        let e = a.admit("premium", prompts(9)).err().unwrap();
+        assert_eq!(e.kind, SubmitErrorKind::TooManyChoices);
+        assert!(
+            e.message.contains("server.max_pending_requests is 8"),
+            "{e}"
+        );
+        // Fits the bounds, not what is free now: overloaded.
+        let e = a.admit("premium", prompts(5)).err().unwrap();
+        assert_eq!(e.kind, SubmitErrorKind::Overloaded);
+        assert!(e.message.contains("retry shortly"), "{e}");
+        drop(held);
+        assert_eq!(a.in_flight(), 0);
+    }
+
+    /// Admission is all-or-nothing: a request refused takes no seat (neither the server's nor
+    /// its tier's), and one admitted holds all of its seats until every part is dropped.
+    #[test]
+    fn a_refused_request_holds_no_seat() {
+        let a = Admission::new(4, &[("batch".into(), 3)]);
+        let _b = a.admit("batch", prompts(2)).unwrap();
+        // Two more would take the tier past 3: none of them is taken.
+        let e = a.admit("batch", prompts(2)).err().unwrap();
+        assert_eq!(e.kind, SubmitErrorKind::Overloaded);
+        assert_eq!(a.in_flight(), 2);
+        let _b1 = a.admit("batch", ONE).unwrap();
+        drop(_b1);
+        // The server has 2 free: a request of 3 takes none of them, nor of its tier's.
+        let e = a
+            .admit(
+                "batch",
+                Demand {
+                    prompts: 1,
+                    choices: 3,
+                },
+            )
+            .err()
+            .unwrap();
+        assert_eq!(e.kind, SubmitErrorKind::Overloaded);
+        let p = a.admit("premium", prompts(2)).unwrap();
+        assert_eq!(a.in_flight(), 4);
+        let e = a.admit("batch", ONE).err().unwrap();
+        assert!(e.message.contains("server.max_pending_requests"), "{e}");
+        // The tier's seat taken before the server refused is back: one batch request fits
+        // once the server has room.
+        drop(p);
+        let _b2 = a.admit("batch", ONE).unwrap();
+        assert_eq!(a.in_flight(), 3);
+    }
+
+    /// The guard splits into one per prompt; each gives its own seats back.
+    #[test]
+    fn split_guards_give_their_seats_back_one_by_one() {
+        let a = Admission::new(4, &[("batch".into(), 4)]);
+        let mut all = a.admit("batch", prompts(3)).unwrap();
+        let first = all.split_off(1);
+        let second = all.split_off(1);
+        assert_eq!(a.in_flight(), 3);
+        drop(second);
+        assert_eq!(a.in_flight(), 2);
+        drop(all);
+        assert_eq!(a.in_flight(), 1);
+        // The tier's count too: 3 more fit in it with `first` held, not 4.
+        assert!(a.admit("batch", prompts(4)).is_err());
+        let _three = a.admit("batch", prompts(3)).unwrap();
+        drop(first);
+        assert_eq!(a.in_flight(), 3);
     }
 
     #[test]

@@ -198,7 +198,8 @@ impl EndedEarly {
 /// `structured_output`.
 fn failure_label(kind: SubmitErrorKind) -> &'static str {
     match kind {
-        SubmitErrorKind::InvalidRequest => "invalid_request",
+        // A refusal at admission, before queueing: a 400 as an invalid request is.
+        SubmitErrorKind::InvalidRequest | SubmitErrorKind::TooManyChoices => "invalid_request",
         SubmitErrorKind::UnknownModel => "unknown_model",
         SubmitErrorKind::ContextLengthExceeded => "context_length",
         SubmitErrorKind::Overloaded => "overloaded",

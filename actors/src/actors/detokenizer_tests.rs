@@ -276,6 +276,19 @@ fn start_engine_full(
     tokenizer: Arc<Tokenizer>,
     tenants: &[&str],
 ) -> (Engine, Arc<Mutex<HashMap<u64, usize>>>) {
+    start_engine_bounded(fail, speculative, tokenizer, tenants, 16, &[])
+}
+
+/// [`start_engine_full`] with bounds on requests in flight: the server's `max_pending` and
+/// the tiers' `tier_max_pending`.
+fn start_engine_bounded(
+    fail: bool,
+    speculative: bool,
+    tokenizer: Arc<Tokenizer>,
+    tenants: &[&str],
+    max_pending: usize,
+    tier_max_pending: &[(&str, usize)],
+) -> (Engine, Arc<Mutex<HashMap<u64, usize>>>) {
     install_recorder();
     let sampled_steps = Arc::new(Mutex::new(HashMap::new()));
     let scheduler = SchedulerConfig {
@@ -299,8 +312,11 @@ fn start_engine_full(
             scheduler,
             hash_key: [1, 2],
             tokenizer_threads: 1,
-            max_pending_requests: 16,
-            tier_max_pending: Vec::new(),
+            max_pending_requests: max_pending,
+            tier_max_pending: tier_max_pending
+                .iter()
+                .map(|&(name, limit)| (name.to_owned(), limit))
+                .collect(),
             tier_slos: Vec::new(),
             metrics_tenants: tenants.iter().map(|t| t.to_string()).collect(),
             async_scheduling: crate::AsyncScheduling::Off,
@@ -428,6 +444,130 @@ async fn run_abandoned(
     }
     let errors = errors.lock().unwrap().clone();
     errors
+}
+
+/// A client request's prompts submitted together ([`Engine::submit_all`]), each `n` choices
+/// of tier `tier`; returns the errors each prompt's client was sent (the request is not
+/// waited for).
+fn submit_prompts(
+    engine: &Engine,
+    prompts: usize,
+    n: u32,
+    tier: &str,
+) -> Vec<Arc<Mutex<Vec<String>>>> {
+    let mut errors = Vec::new();
+    let mut all = Vec::new();
+    for _ in 0..prompts {
+        let e = Arc::new(Mutex::new(Vec::new()));
+        errors.push(e.clone());
+        let mut options = request(n, 3, ignoring_eos());
+        options.tier = tier.into();
+        let sink: Box<dyn OutputSink> = Box::new(Sink {
+            client: Client::Stays,
+            gone: false,
+            errors: e,
+            abandoned_for: None,
+        });
+        all.push((options, sink));
+    }
+    engine.submit_all(all);
+    errors
+}
+
+/// Waits until no request is in flight (the detokenizer released them, after their metrics).
+async fn until_idle(engine: &Engine) {
+    // A hang guard only (generous for a loaded machine); nothing here is timed.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while engine.in_flight() > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "a request never ended"
+        );
+        actix::clock::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+/// The errors each prompt was sent.
+fn errors_of(errors: &[Arc<Mutex<Vec<String>>>]) -> Vec<Vec<String>> {
+    errors.iter().map(|e| e.lock().unwrap().clone()).collect()
+}
+
+/// `request_failed_total{reason="overloaded"}`.
+fn overloaded(m: &Snapshot) -> u64 {
+    m.counter(&format!(
+        "{}{{{}=overloaded}}",
+        names::REQUEST_FAILED,
+        names::LABEL_REASON
+    ))
+}
+
+/// The bounds on requests in flight count choices, prompts × n alike. A request with more
+/// than a bound ever admits is refused on every prompt as too many choices, naming the bound
+/// (the server's or its tier's) and its value, on an idle server, and is not counted as
+/// overloaded; one that fits but not now is refused as overloaded on every prompt, holds no
+/// seat, and counts each choice in `request_failed_total{reason="overloaded"}`.
+#[actix::test]
+async fn admission_counts_choices_all_or_nothing_400_apart_from_503() {
+    let (engine, _) = start_engine_bounded(false, false, tokenizer(), &[], 3, &[("batch", 2)]);
+    // The audit's request on an idle server: 4 prompts under a bound of 3, never admissible.
+    let refused = submit_prompts(&engine, 4, 1, "");
+    assert_eq!(engine.in_flight(), 0);
+    let expected = "this request has 4 choices (4 prompts × n = 1) but \
+                    server.max_pending_requests is 3: each choice (prompts × n) counts as a \
+                    request in flight, so it can never be admitted; send fewer prompts or a \
+                    smaller n";
+    assert_eq!(errors_of(&refused), vec![vec![expected.to_owned()]; 4]);
+    // `n` counts as prompts do.
+    let refused = submit_prompts(&engine, 1, 4, "");
+    assert!(errors_of(&refused)[0][0].contains("4 choices (n = 4) but server"));
+    // A tier's bound, below the server's.
+    let refused = submit_prompts(&engine, 3, 1, "batch");
+    for e in errors_of(&refused) {
+        assert_eq!(e.len(), 1);
+        assert!(
+            e[0].contains(
+                "3 choices (3 prompts × n = 1) but tiers.batch.max_pending_requests is 2"
+            ),
+            "{e:?}"
+        );
+    }
+    assert_eq!(overloaded(&Snapshot::take()), 0);
+
+    // Fits, but a request of 2 choices holds 2 of the server's 3 seats (it cannot end before
+    // this test awaits): 2 prompts more are refused together, no seat held.
+    let held = submit_prompts(&engine, 1, 2, "");
+    assert_eq!(engine.in_flight(), 2);
+    let refused = submit_prompts(&engine, 2, 1, "");
+    assert_eq!(engine.in_flight(), 2);
+    for e in errors_of(&refused) {
+        assert_eq!(e.len(), 1);
+        assert!(
+            e[0].contains("server.max_pending_requests is 3); retry shortly"),
+            "{e:?}"
+        );
+    }
+    // The tier's bound: one batch choice fits the server's last seat; two do not fit now.
+    let refused = submit_prompts(&engine, 2, 1, "batch");
+    assert!(errors_of(&refused)[0][0].contains("retry shortly"));
+    let batch = submit_prompts(&engine, 1, 1, "batch");
+    assert_eq!(engine.in_flight(), 3);
+    until_idle(&engine).await;
+    assert_eq!(errors_of(&held), vec![Vec::<String>::new()]);
+    assert_eq!(errors_of(&batch), vec![Vec::<String>::new()]);
+    // Every choice refused as overloaded counts once: 2 + 2.
+    let m = Snapshot::take();
+    assert_eq!(overloaded(&m), 4);
+    assert_eq!(m.counters_of(names::REQUEST_FAILED).len(), 1);
+
+    // Once the seats are free the same request is admitted whole, and both prompts finish.
+    let admitted = submit_prompts(&engine, 2, 1, "");
+    assert_eq!(engine.in_flight(), 2);
+    until_idle(&engine).await;
+    assert_eq!(errors_of(&admitted), vec![Vec::<String>::new(); 2]);
+    assert_eq!(
+        Snapshot::take().counters_of(names::REQUEST_SUCCESS),
+        vec![(success("length"), 2 + 1 + 2)]
+    );
 }
 
 fn success(reason: &str) -> String {
@@ -614,6 +754,7 @@ fn every_failure_reason_is_registered_at_zero() {
         K::UnknownModel,
         K::ContextLengthExceeded,
         K::Overloaded,
+        K::TooManyChoices,
         K::Unavailable,
         K::StructuredOutput,
         K::Internal,

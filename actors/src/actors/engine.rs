@@ -15,7 +15,7 @@ use switchyard_policies::{
     SloTargets,
 };
 
-use super::admission::{Admission, InFlight};
+use super::admission::{Admission, Demand, InFlight};
 use super::allocator::KvAllocatorActor;
 use super::detokenizer::{
     DetokenizerActor, EndedEarly, FailAll, KeptSpecial, Register, SetScheduler, TextOptions,
@@ -41,11 +41,12 @@ pub struct EngineConfig {
     pub hash_key: [u64; 2],
     /// Threads in the tokenizer pool.
     pub tokenizer_threads: usize,
-    /// Requests in flight at once before new ones are refused as overloaded.
+    /// Requests in flight at once, counted per choice (prompts × `n`), before new ones are
+    /// refused as overloaded ([`super::admission`]).
     pub max_pending_requests: usize,
-    /// Per-tier bounds (`tiers.<name>.max_pending_requests`): a request of a tier listed here
-    /// is refused as overloaded while that many of its tier are in flight, even if the
-    /// server has room ([`super::admission`]).
+    /// Per-tier bounds (`tiers.<name>.max_pending_requests`), counted as the server's: a
+    /// request of a tier listed here is refused as overloaded while its tier has not room for
+    /// its choices, even if the server has ([`super::admission`]).
     pub tier_max_pending: Vec<(String, usize)>,
     /// Tier SLO targets by tier name.
     pub tier_slos: Vec<(String, SloTargets)>,
@@ -193,8 +194,12 @@ pub enum SubmitErrorKind {
     UnknownModel,
     /// Prompt plus completion exceed the context window.
     ContextLengthExceeded,
-    /// Too many requests in flight.
+    /// Too many requests in flight: the request fits under the bounds on requests in flight,
+    /// not under what is free now (a 503 to retry).
     Overloaded,
+    /// More choices (prompts × `n`) than a bound on requests in flight ever admits: the
+    /// request can never be admitted under it (a 400 naming the bound, not a retryable 503).
+    TooManyChoices,
     /// The engine is shutting down.
     Unavailable,
     /// The structured-output grammar of a choice failed while generating: its output cannot
@@ -395,14 +400,53 @@ impl Engine {
 
     /// Queues a request. Its outputs, or an error, arrive at `sink`; dropping the receiving
     /// side of the sink aborts the request.
-    pub fn submit(&self, options: RequestOptions, mut sink: Box<dyn OutputSink>) {
-        let guard = match self.admission.admit(&options.tier) {
-            Ok(guard) => guard,
+    pub fn submit(&self, options: RequestOptions, sink: Box<dyn OutputSink>) {
+        self.submit_all(vec![(options, sink)]);
+    }
+
+    /// Queues the prompts of one client request (one tier), each with its sink, as
+    /// [`Engine::submit`] does one. They are admitted together or not at all
+    /// ([`super::admission`]): each choice of each prompt takes a seat under the server's
+    /// and the tier's bounds on requests in flight, and when the seats of all of them are not
+    /// free every sink gets the refusal and none is queued.
+    pub fn submit_all(&self, prompts: Vec<(RequestOptions, Box<dyn OutputSink>)>) {
+        let Some((first, _)) = prompts.first() else {
+            return;
+        };
+        debug_assert!(prompts.iter().all(|(o, _)| o.tier == first.tier));
+        let demand = Demand {
+            prompts: prompts.len(),
+            choices: prompts.iter().map(|(o, _)| o.n.max(1) as usize).sum(),
+        };
+        let mut seats = match self.admission.admit(&first.tier, demand) {
+            Ok(seats) => seats,
             Err(e) => {
-                self.refuse(&options, sink.as_mut(), e);
+                self.refuse_all(prompts, e);
                 return;
             }
         };
+        for (options, sink) in prompts {
+            let guard = seats.split_off(options.n.max(1) as usize);
+            self.submit_admitted(options, sink, guard);
+        }
+    }
+
+    /// Answers every prompt of a request refused at admission with `error`; one refused as
+    /// overloaded counts in `request_failed_total{reason="overloaded"}` once per choice of
+    /// all its prompts (as after queueing).
+    fn refuse_all(&self, prompts: Vec<(RequestOptions, Box<dyn OutputSink>)>, error: SubmitError) {
+        for (options, mut sink) in prompts {
+            self.refuse(&options, sink.as_mut(), error.clone());
+        }
+    }
+
+    /// Tokenizes, resolves and queues a request admitted with `guard`'s seats.
+    fn submit_admitted(
+        &self,
+        options: RequestOptions,
+        mut sink: Box<dyn OutputSink>,
+        guard: InFlight,
+    ) {
         let this = self.clone();
         let arrival = Instant::now();
         // The caller's span (the HTTP layer's, naming the request) goes with the request: the

@@ -139,24 +139,12 @@ fn sampled_logprob(id: u32, top: u32) -> TokenLogprob {
     }
 }
 
-impl Engine for EchoEngine {
-    fn model_name(&self) -> &str {
-        MODEL
-    }
-
-    fn max_model_len(&self) -> usize {
-        self.max_model_len
-    }
-
-    fn is_ready(&self) -> bool {
-        self.ready.load(Ordering::SeqCst)
-    }
-
-    fn is_alive(&self) -> bool {
-        self.alive.load(Ordering::SeqCst)
-    }
-
-    fn submit(&self, request: GenerateRequest) -> Result<mpsc::Receiver<EngineEvent>, EngineError> {
+impl EchoEngine {
+    /// One prompt's channel, its events already in it.
+    fn submit_one(
+        &self,
+        request: GenerateRequest,
+    ) -> Result<mpsc::Receiver<EngineEvent>, EngineError> {
         if self.overloaded.load(Ordering::SeqCst) {
             return Err(EngineError::new(
                 EngineErrorKind::Overloaded {
@@ -246,6 +234,31 @@ impl Engine for EchoEngine {
             self.held.lock().unwrap().push(tx);
         }
         Ok(rx)
+    }
+}
+
+impl Engine for EchoEngine {
+    fn model_name(&self) -> &str {
+        MODEL
+    }
+
+    fn max_model_len(&self) -> usize {
+        self.max_model_len
+    }
+
+    fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::SeqCst)
+    }
+
+    fn is_alive(&self) -> bool {
+        self.alive.load(Ordering::SeqCst)
+    }
+
+    fn submit(
+        &self,
+        requests: Vec<GenerateRequest>,
+    ) -> Result<Vec<mpsc::Receiver<EngineEvent>>, EngineError> {
+        requests.into_iter().map(|r| self.submit_one(r)).collect()
     }
 
     fn tokenize(&self, input: TokenizeInput) -> EngineFuture<Vec<u32>> {
