@@ -404,27 +404,116 @@ fn wait_exit_zero(s: &mut Server) {
 }
 
 /// A client that sends its head and part of its body, then nothing, gets a 408 once
-/// `server.request_timeout_s` passes, its connection closed and its count released.
+/// `server.request_timeout_s` passes, its connection closed and its count released: with a
+/// `Content-Length` body, and with a chunked one stalled after a whole chunk or inside one
+/// (which actix would otherwise keep reading, to drain it, for as long as the client likes).
 #[test]
-fn a_body_that_stops_arriving_is_answered_408() {
+fn a_body_that_stops_arriving_is_answered_408_and_its_connection_closed() {
     let s = Server::start_with("body-timeout", "  request_timeout_s: 2\n", "");
+    let head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n";
+    for body in [
+        "Content-Length: 100\r\n\r\n{\"prompt\":",
+        "Transfer-Encoding: chunked\r\n\r\n5\r\n{\"pro\r\n",
+        "Transfer-Encoding: chunked\r\n\r\n100\r\n{\"prompt\":",
+    ] {
+        let mut stream = std::net::TcpStream::connect(("127.0.0.1", s.port)).expect("connect");
+        stream
+            .write_all(format!("{head}{body}").as_bytes())
+            .expect("send");
+        stream
+            .set_read_timeout(Some(Duration::from_secs(60)))
+            .unwrap();
+        let r = common::read_response(&mut stream).expect("an answer");
+        assert_eq!(r.status, 408, "{body}: {r:?}");
+        let v: Value = serde_json::from_str(&r.body).expect("JSON");
+        assert_eq!(v["error"]["code"], "request_timeout", "{body}: {v}");
+        assert_eq!(r.header("connection"), Some("close"), "{body}: {r:?}");
+        assert_closed(&mut stream, body);
+        assert_eq!(s.metric("switchyard:http_requests_in_flight"), Some(0.0));
+    }
+    s.assert_serves();
+}
+
+/// A chunked body answered before it ended (a 413 for going past `server.max_body_bytes`, a
+/// 401 for want of a key) closes its connection even though the client goes on sending nothing
+/// (or more); a chunked body read to its end leaves the connection open for the next request,
+/// pipelined ones included.
+#[test]
+fn a_chunked_body_answered_early_closes_its_connection() {
+    let s = Server::start_with(
+        "chunked-early",
+        &format!("  max_body_bytes: 1024\n{KEYS}"),
+        "",
+    );
+    let chunk = format!("400\r\n{}\r\n", "x".repeat(1024));
+    let requests = [
+        (
+            format!(
+                "POST /tokenize HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer tenant-a-key-0001\r\n\
+                 Transfer-Encoding: chunked\r\n\r\n{chunk}{chunk}"
+            ),
+            413,
+        ),
+        (
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n\
+             5\r\n{\"pro\r\n"
+                .to_owned(),
+            401,
+        ),
+    ];
+    for (request, status) in requests {
+        let mut stream = std::net::TcpStream::connect(("127.0.0.1", s.port)).expect("connect");
+        stream.write_all(request.as_bytes()).expect("send");
+        stream
+            .set_read_timeout(Some(Duration::from_secs(60)))
+            .unwrap();
+        let r = common::read_response(&mut stream).expect("an answer");
+        assert_eq!(r.status, status, "{r:?}");
+        assert_closed(&mut stream, &request);
+    }
+
+    // Two requests written at once, the first with a whole chunked body: both are answered on
+    // the one connection, which stays open.
     let mut stream = std::net::TcpStream::connect(("127.0.0.1", s.port)).expect("connect");
     stream
         .write_all(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
-              Content-Length: 100\r\n\r\n{\"prompt\":",
+            b"POST /tokenize HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer tenant-a-key-0001\r\n\
+              Transfer-Encoding: chunked\r\n\r\n5\r\n{\"pro\r\na\r\nmpt\":\"hi\"}\r\n0\r\n\r\n\
+              GET /health HTTP/1.1\r\nHost: x\r\n\r\n",
         )
         .expect("send");
     stream
         .set_read_timeout(Some(Duration::from_secs(60)))
         .unwrap();
-    let r = common::read_response(&mut stream).expect("an answer");
-    assert_eq!(r.status, 408, "{r:?}");
-    let v: Value = serde_json::from_str(&r.body).expect("JSON");
-    assert_eq!(v["error"]["code"], "request_timeout", "{v}");
-    assert_eq!(r.header("connection"), Some("close"), "{r:?}");
-    assert_eq!(s.metric("switchyard:http_requests_in_flight"), Some(0.0));
-    s.assert_serves();
+    let mut reader = std::io::BufReader::new(stream.try_clone().unwrap());
+    for status in [200, 200] {
+        let r = common::read_response_from(&mut reader).expect("an answer");
+        assert_eq!(r.status, status, "{r:?}");
+        assert_ne!(r.header("connection"), Some("close"), "{r:?}");
+    }
+    stream
+        .write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        .expect("the connection stays open");
+    let r = common::read_response_from(&mut reader).expect("an answer");
+    assert_eq!(r.status, 200, "{r:?}");
+}
+
+/// Checks that the server closes `stream` (a read gives end of file or a reset) within 20 s
+/// (it lingers `client_disconnect_timeout`, 1 s, first), discarding anything else it sends.
+fn assert_closed(stream: &mut std::net::TcpStream, what: &str) {
+    use std::io::Read;
+    stream
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let mut buf = [0u8; 1024];
+    loop {
+        match stream.read(&mut buf) {
+            Ok(0) => return,
+            Ok(_) => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return,
+            Err(e) => panic!("{what:?}: the connection is still open ({e})"),
+        }
+    }
 }
 
 #[test]

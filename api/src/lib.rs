@@ -37,6 +37,7 @@ mod server;
 mod sse;
 mod state;
 mod throttle;
+mod unread_body;
 
 pub use auth::{ApiConfig, ApiKeyEntry, Principal};
 pub use engine::Engine;

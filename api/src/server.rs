@@ -13,6 +13,7 @@ use crate::metrics::HttpRecord;
 use crate::request_id::add_request_id;
 use crate::routes;
 use crate::state::ApiState;
+use crate::unread_body::hold_request_body;
 
 /// Registers every route on an actix-web app or scope.
 ///
@@ -27,9 +28,12 @@ pub fn configure(cfg: &mut web::ServiceConfig, state: ApiState) {
     };
     // One outer scope, so that every response (errors, 404s and the key checks' refusals
     // included) passes the request-id middleware; unmatched paths reach the app's default
-    // service through the innermost scope `""`.
+    // service through the innermost scope `""`. Outermost, the request's body is kept until
+    // its response is written: one answered before the body ended closes its connection
+    // (see `unread_body`).
     let all = web::scope("")
         .wrap(from_fn(add_request_id))
+        .wrap(from_fn(hold_request_body))
         .service(
             web::scope("/v1")
                 .wrap(from_fn(require_api_key))
@@ -140,6 +144,10 @@ async fn record_http(
     result
 }
 
+/// How long a connection answered before its request's body ended stays open before it is
+/// closed (actix's `client_disconnect_timeout`).
+const CLOSE_LINGER: Duration = Duration::from_secs(1);
+
 /// How to run the HTTP server.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ServerOptions {
@@ -193,6 +201,10 @@ pub fn build_server_on(
     // future or the response body and so aborts the engine request (see `engine` docs).
     .h1_allow_half_closed(false)
     .client_request_timeout(options.client_request_timeout)
+    // How long a connection answered before its request's body ended lingers (reading and
+    // discarding, so that the client gets the response) before it is closed; actix's default,
+    // set here because `unread_body` relies on it to bound such a connection.
+    .client_disconnect_timeout(CLOSE_LINGER)
     .shutdown_timeout(options.shutdown_timeout.as_secs());
     if options.workers > 0 {
         server = server.workers(options.workers);

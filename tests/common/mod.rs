@@ -313,7 +313,12 @@ pub fn read_status(stream: &mut TcpStream) -> u16 {
 
 /// Reads a response with Content-Length, chunked encoding, or until close.
 pub fn read_response(stream: &mut TcpStream) -> std::io::Result<Response> {
-    let mut reader = BufReader::new(stream);
+    read_response_from(&mut BufReader::new(stream))
+}
+
+/// [`read_response`] from a buffered reader, which keeps what follows the response (the next
+/// of pipelined responses) for the next call.
+pub fn read_response_from(reader: &mut impl BufRead) -> std::io::Result<Response> {
     let mut line = String::new();
     reader.read_line(&mut line)?;
     let status = line
