@@ -500,6 +500,75 @@ fn context_length_is_enforced_with_its_code() {
     );
     assert_eq!(status, 400, "{v}");
     assert_eq!(v["error"]["param"], "min_tokens", "{v}");
+
+    // A prompt must leave room for one generated token, token ids or text alike: one of the
+    // context's length is refused in the same words, with the same code and param.
+    let refused = |body: Value| {
+        let (status, v) = s.post_json("/v1/completions", &body);
+        assert_eq!(status, 400, "{v}");
+        assert_eq!(v["error"]["code"], "context_length_exceeded", "{v}");
+        (
+            v["error"]["param"].as_str().unwrap_or("").to_owned(),
+            v["error"]["message"].as_str().unwrap_or("").to_owned(),
+        )
+    };
+    let full: Vec<u64> = (0..256).map(|i| 100 + i % 50).collect();
+    let (param, by_ids) = refused(json!({"prompt": full}));
+    assert_eq!(param, "prompt");
+    assert_eq!(
+        by_ids,
+        "This model's maximum context length is 256 tokens. However, your request has 256 \
+         input tokens, which leaves no room for an output token (a prompt may have at most 255 \
+         tokens). Please reduce the length of the input."
+    );
+    // A text prompt of as many tokens: the engine's check, in the same words.
+    let (status, words) = s.post_json("/tokenize", &json!({"prompt": "hello ".repeat(300)}));
+    assert_eq!(status, 200, "{words}");
+    let first = &words["tokens"].as_array().expect("tokens")[..256];
+    let (status, text) = s.post_json("/detokenize", &json!({"tokens": first}));
+    assert_eq!(status, 200, "{text}");
+    let text = text["prompt"].as_str().expect("text").to_owned();
+    let (status, ids) = s.post_json("/tokenize", &json!({"prompt": text}));
+    assert_eq!(status, 200, "{ids}");
+    assert!(ids["count"].as_u64() >= Some(256), "{ids}");
+    let (param, by_text) = refused(json!({"prompt": text}));
+    assert_eq!(param, "prompt");
+    let (_, by_its_ids) = refused(json!({"prompt": ids["tokens"]}));
+    assert_eq!(by_text, by_its_ids);
+    // A chat prompt too: the words are the same wherever the prompt is found too long.
+    let (status, v) = s.post_json(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": text}]}),
+    );
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["code"], "context_length_exceeded", "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("which leaves no room for an output token"),
+        "{v}"
+    );
+    // A max_tokens no prompt leaves room for is a context-length error too, in vLLM's words,
+    // as one a long prompt leaves no room for is.
+    for max_tokens in [u64::from(u32::MAX), 256] {
+        let (param, message) = refused(json!({"prompt": "hi", "max_tokens": max_tokens}));
+        assert_eq!(param, "max_tokens");
+        assert!(
+            message.starts_with(&format!(
+                "'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This \
+                 model's maximum context length is 256 tokens"
+            )),
+            "{message}"
+        );
+    }
+    let (param, message) = refused(json!({"prompt": prompt, "max_tokens": 16}));
+    assert_eq!(param, "max_tokens");
+    assert_eq!(
+        message,
+        "'max_tokens' or 'max_completion_tokens' is too large: 16. This model's maximum \
+         context length is 256 tokens and your request has 251 input tokens (16 > 256 - 251)."
+    );
 }
 
 /// A completion of several prompts, one too long: the 400 ends the others too, and their

@@ -477,6 +477,62 @@ fn a_call_cut_short_after_a_call_leaves_no_markup_in_the_content() {
     }
 }
 
+/// A call cut short by `max_tokens` (its arguments `{"city":`, no JSON object) is sent back in
+/// the next request's conversation, as agent loops send it, then answered by a `tool`
+/// message: the request is served, and the call is written into the prompt as the model
+/// wrote it, by the server (Hermes) and by a template that writes arguments with `tojson`
+/// (Llama 3.1's).
+#[test]
+fn a_call_cut_short_is_taken_back_in_the_conversation_as_written() {
+    for (s, key) in [
+        (server(), "arguments"),
+        (
+            server_with_template("tools-cut-llama3.1", "llama3.1.jinja", ""),
+            "parameters",
+        ),
+    ] {
+        let asked =
+            ask(json!({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}));
+        let (message, arguments) = (1..60)
+            .find_map(|max_tokens| {
+                let mut body = asked.clone();
+                body["max_tokens"] = json!(max_tokens);
+                let (status, v) = s.post_json("/v1/chat/completions", &body);
+                assert_eq!(status, 200, "{v}");
+                let choice = &v["choices"][0];
+                let arguments = choice["message"]["tool_calls"][0]["function"]["arguments"]
+                    .as_str()?
+                    .to_owned();
+                let cut = arguments.len() > 2 && serde_json::from_str::<Value>(&arguments).is_err();
+                cut.then(|| {
+                    assert_eq!(choice["finish_reason"], "length", "{v}");
+                    (choice["message"].clone(), arguments)
+                })
+            })
+            .expect("a call cut inside its arguments");
+        // The message as the openai SDK sends it back (`model_dump(exclude_none=True)`).
+        let mut message = message.as_object().expect("message").clone();
+        message.retain(|_, v| !v.is_null());
+        let id = message["tool_calls"][0]["id"].clone();
+        let history = json!([
+            asked["messages"][0],
+            message,
+            {"role": "tool", "tool_call_id": id, "content": "sunny"},
+        ]);
+        let (status, v) = s.post_json(
+            "/v1/chat/completions",
+            &ask(json!({"messages": history, "max_tokens": 5})),
+        );
+        assert_eq!(status, 200, "{v}");
+        let prompt = rendered(&s, &json!({"messages": history, "tools": weather_tools()}));
+        assert!(
+            prompt.contains(&format!("\"{key}\": {arguments}")),
+            "{arguments:?} in {prompt:?}"
+        );
+        s.assert_serves();
+    }
+}
+
 #[test]
 fn conversations_with_tool_results_and_tool_choice_none_are_answered() {
     let s = server();
@@ -566,7 +622,7 @@ fn bad_tool_requests_are_refused_with_the_field_and_the_server_serves_on() {
         ),
         (ask(json!({"ignore_eos": true})), "ignore_eos"),
         (
-            json!({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}]}),
+            json!({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": 3}}]}]}),
             "messages[0].tool_calls[0].function.arguments",
         ),
         // A schema llguidance cannot compile is the engine's 400.

@@ -111,14 +111,34 @@ pub struct Principal {
     pub tier: String,
 }
 
-/// The bearer token of a request, if it has a well-formed `Authorization` header.
-fn bearer_token(req: &ServiceRequest) -> Option<&[u8]> {
-    let value = req.headers().get(header::AUTHORIZATION)?.as_bytes();
-    let scheme = value.get(..7)?;
-    if !scheme.eq_ignore_ascii_case(b"bearer ") {
-        return None;
+/// What a request's `Authorization` header presents.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Presented<'a> {
+    /// No header, or the Bearer scheme with no token.
+    Nothing,
+    /// A header that does not use the Bearer scheme (a bare key, `Basic ...`): the key is not
+    /// read, and never echoed.
+    OtherScheme,
+    /// A Bearer token.
+    Bearer(&'a [u8]),
+}
+
+/// What a request's `Authorization` header presents (the scheme's name in any case, as
+/// RFC 9110 has it).
+fn bearer_token(req: &ServiceRequest) -> Presented<'_> {
+    let Some(value) = req.headers().get(header::AUTHORIZATION) else {
+        return Presented::Nothing;
+    };
+    let value = value.as_bytes().trim_ascii();
+    if value.is_empty() || value.eq_ignore_ascii_case(b"bearer") {
+        return Presented::Nothing;
     }
-    value.get(7..).map(<[u8]>::trim_ascii)
+    match value.get(..7) {
+        Some(scheme) if scheme.eq_ignore_ascii_case(b"bearer ") => {
+            Presented::Bearer(value[7..].trim_ascii())
+        }
+        _ => Presented::OtherScheme,
+    }
 }
 
 /// Constant-time equality of a presented token and a configured secret.
@@ -129,16 +149,27 @@ fn secret_matches(presented: &[u8], secret: &str) -> bool {
 
 impl ApiConfig {
     /// Finds the principal for a presented token, comparing against every key.
-    pub fn authenticate(&self, presented: Option<&[u8]>) -> Result<Principal, ApiError> {
+    pub fn authenticate(&self, presented: Presented<'_>) -> Result<Principal, ApiError> {
         if self.api_keys.is_empty() {
             return Ok(Principal {
                 tenant: self.anonymous_tenant.clone(),
                 tier: self.default_tier.clone(),
             });
         }
-        let presented = presented.ok_or(ApiError::Unauthorized(
-            "Missing API key: send it as `Authorization: Bearer <key>`.",
-        ))?;
+        let presented = match presented {
+            Presented::Bearer(token) => token,
+            Presented::Nothing => {
+                return Err(ApiError::Unauthorized(
+                    "Missing API key: send it as `Authorization: Bearer <key>`.",
+                ))
+            }
+            Presented::OtherScheme => {
+                return Err(ApiError::Unauthorized(
+                    "The Authorization header must use the Bearer scheme: send the API key as \
+                     `Authorization: Bearer <key>`.",
+                ))
+            }
+        };
         let mut found: Option<&ApiKeyEntry> = None;
         for entry in &self.api_keys {
             if secret_matches(presented, &entry.key) && found.is_none() {
@@ -154,14 +185,20 @@ impl ApiConfig {
     }
 
     /// Checks a presented token against the admin key.
-    pub fn authenticate_admin(&self, presented: Option<&[u8]>) -> Result<(), ApiError> {
+    pub fn authenticate_admin(&self, presented: Presented<'_>) -> Result<(), ApiError> {
         match (&self.admin_key, presented) {
-            (Some(secret), Some(token)) if secret_matches(token, secret) => Ok(()),
+            (Some(secret), Presented::Bearer(token)) if secret_matches(token, secret) => Ok(()),
             (None, _) => Err(ApiError::AdminDisabled),
-            (Some(_), None) => Err(ApiError::Unauthorized(
+            (Some(_), Presented::Nothing) => Err(ApiError::Unauthorized(
                 "Missing admin key: send it as `Authorization: Bearer <key>`.",
             )),
-            (Some(_), Some(_)) => Err(ApiError::Unauthorized("Incorrect admin key provided.")),
+            (Some(_), Presented::OtherScheme) => Err(ApiError::Unauthorized(
+                "The Authorization header must use the Bearer scheme: send the admin key as \
+                 `Authorization: Bearer <key>`.",
+            )),
+            (Some(_), Presented::Bearer(_)) => {
+                Err(ApiError::Unauthorized("Incorrect admin key provided."))
+            }
         }
     }
 }
@@ -186,7 +223,7 @@ fn log_refusal(req: &ServiceRequest, e: &ApiError, throttle: &Throttle, what: &'
         let peer = req
             .peer_addr()
             .map_or_else(|| "unknown".to_owned(), |a| a.to_string());
-        let missing = bearer_token(req).is_none();
+        let missing = !matches!(bearer_token(req), Presented::Bearer(_));
         tracing::warn!(
             %route,
             %peer,
@@ -267,14 +304,20 @@ mod tests {
 
     #[test]
     fn each_key_maps_to_its_tenant_and_tier() {
-        let p = config().authenticate(Some(b"sk-b")).unwrap();
+        let p = config().authenticate(Presented::Bearer(b"sk-b")).unwrap();
         assert_eq!((p.tenant.as_str(), p.tier.as_str()), ("bob", "batch"));
     }
 
     #[test]
     fn wrong_missing_and_prefix_keys_are_refused() {
         let c = config();
-        for presented in [Some(&b"sk-"[..]), Some(b"sk-ab"), Some(b""), None] {
+        for presented in [
+            Presented::Bearer(b"sk-"),
+            Presented::Bearer(b"sk-ab"),
+            Presented::Bearer(b""),
+            Presented::Nothing,
+            Presented::OtherScheme,
+        ] {
             assert!(matches!(
                 c.authenticate(presented),
                 Err(ApiError::Unauthorized(_))
@@ -282,9 +325,59 @@ mod tests {
         }
     }
 
+    /// A key sent without the Bearer scheme is told so (not "missing"), without the key.
+    #[test]
+    fn a_key_without_the_bearer_scheme_is_told_to_use_it() {
+        let request = |value: &str| {
+            actix_web::test::TestRequest::default()
+                .insert_header((header::AUTHORIZATION, value))
+                .to_srv_request()
+        };
+        let presented = |value: &str| match bearer_token(&request(value)) {
+            Presented::Bearer(token) => Some(String::from_utf8(token.to_vec()).unwrap()),
+            Presented::Nothing => Some("nothing".into()),
+            Presented::OtherScheme => None,
+        };
+        assert_eq!(presented("Bearer sk-a").as_deref(), Some("sk-a"));
+        assert_eq!(presented("bearer  sk-a ").as_deref(), Some("sk-a"));
+        assert_eq!(presented("Bearer").as_deref(), Some("nothing"));
+        assert_eq!(presented("premium-key-0001"), None);
+        assert_eq!(presented("Basic c2stYQ=="), None);
+        assert_eq!(
+            bearer_token(&actix_web::test::TestRequest::default().to_srv_request()),
+            Presented::Nothing
+        );
+        for (result, key) in [
+            (
+                config().authenticate(Presented::OtherScheme).err(),
+                "API key",
+            ),
+            (
+                config().authenticate_admin(Presented::OtherScheme).err(),
+                "admin key",
+            ),
+        ] {
+            let message = result.expect("refused").to_string();
+            assert_eq!(
+                message,
+                format!(
+                    "The Authorization header must use the Bearer scheme: send the {key} as \
+                     `Authorization: Bearer <key>`."
+                )
+            );
+        }
+        assert!(config()
+            .authenticate(Presented::Nothing)
+            .unwrap_err()
+            .to_string()
+            .starts_with("Missing API key"));
+    }
+
     #[test]
     fn open_api_uses_anonymous_tenant() {
-        let p = ApiConfig::default().authenticate(None).unwrap();
+        let p = ApiConfig::default()
+            .authenticate(Presented::OtherScheme)
+            .unwrap();
         assert_eq!(p.tenant, "anonymous");
         assert_eq!(p.tier, "standard");
     }
@@ -292,10 +385,10 @@ mod tests {
     #[test]
     fn admin_key_is_separate_from_api_keys() {
         let c = config();
-        assert!(c.authenticate_admin(Some(b"adm")).is_ok());
-        assert!(c.authenticate_admin(Some(b"sk-a")).is_err());
+        assert!(c.authenticate_admin(Presented::Bearer(b"adm")).is_ok());
+        assert!(c.authenticate_admin(Presented::Bearer(b"sk-a")).is_err());
         assert_eq!(
-            ApiConfig::default().authenticate_admin(Some(b"adm")),
+            ApiConfig::default().authenticate_admin(Presented::Bearer(b"adm")),
             Err(ApiError::AdminDisabled)
         );
     }

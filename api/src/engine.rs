@@ -329,7 +329,8 @@ pub struct ChatMessage {
     /// The message text (text parts of a multi-part message are joined with newlines).
     pub content: String,
     /// An assistant message's calls, in OpenAI's shape with each call's `arguments` an object
-    /// (as vLLM and Hugging Face hand them to a template).
+    /// (as vLLM and Hugging Face hand them to a template), or a string where the client's
+    /// text is no JSON object (a call cut short): the template writes that as it is.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tool_calls: Option<serde_json::Value>,
     /// The call a `tool` message answers.

@@ -14,6 +14,7 @@ use switchyard_gpu::Constraint;
 use switchyard_policies::{FinishReason, IdMap, RequestId, SchedulerError, SloTargets};
 
 use super::admission::InFlight;
+use super::context_length::SequenceLimit;
 use super::engine::{
     ChoiceDelta, EngineOutput, OutputSink, SubmitError, SubmitErrorKind, TokenLogprobs,
 };
@@ -129,10 +130,7 @@ pub(crate) fn rejection(error: &EngineError) -> SubmitError {
             ..
         }) => (
             K::ContextLengthExceeded,
-            format!(
-                "this model's context is {max_model_len} tokens; the prompt has {prompt_len} \
-                 and max_tokens asks for {max_tokens} more"
-            ),
+            SequenceLimit::context(*max_model_len).max_tokens_too_large(*prompt_len, *max_tokens),
         ),
         EngineError::Scheduler(SchedulerError::ExceedsKvCapacity {
             needed, capacity, ..

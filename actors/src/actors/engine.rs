@@ -17,6 +17,7 @@ use switchyard_policies::{
 
 use super::admission::{Admission, Demand, InFlight};
 use super::allocator::KvAllocatorActor;
+use super::context_length::SequenceLimit;
 use super::detokenizer::{
     DetokenizerActor, EndedEarly, FailAll, KeptSpecial, Register, SetScheduler, TextOptions,
 };
@@ -643,21 +644,14 @@ impl Engine {
         // A sequence must fit in the context and, alone, in the KV cache: the scheduler
         // refuses one that cannot, which must be found here, before the prompt event opens
         // the response (serve keeps max_model_len within the cache; other callers may not).
-        let max_len = self.max_model_len();
-        let kv_tokens = self.kv_capacity_tokens();
-        let (limit, what) = if kv_tokens < max_len {
-            (
-                kv_tokens,
-                format!("the KV cache holds at most {kv_tokens} tokens of one sequence"),
-            )
-        } else {
-            (max_len, format!("this model's context is {max_len} tokens"))
-        };
+        let sequence = SequenceLimit::new(self.max_model_len(), self.kv_capacity_tokens());
+        let limit = sequence.tokens();
+        // The prompt must leave room for one generated token at least (as vLLM checks).
         if prompt.len() >= limit {
             return Err((
                 SubmitError::new(
                     SubmitErrorKind::ContextLengthExceeded,
-                    format!("the prompt has {} tokens; {what}", prompt.len()),
+                    sequence.prompt_too_long(prompt.len()),
                 ),
                 sink,
             ));
@@ -671,10 +665,7 @@ impl Engine {
             return Err((
                 SubmitError::new(
                     SubmitErrorKind::ContextLengthExceeded,
-                    format!(
-                        "{what}; the prompt has {} and max_tokens asks for {max_tokens} more",
-                        prompt.len()
-                    ),
+                    sequence.max_tokens_too_large(prompt.len(), max_tokens as usize),
                 )
                 .with_param("max_tokens"),
                 sink,

@@ -14,6 +14,7 @@
 
 mod admission;
 mod allocator;
+mod context_length;
 mod detokenizer;
 mod engine;
 mod executor;

@@ -1,6 +1,7 @@
 //! Fields a request carries that no endpoint reads: accepted, as OpenAI's and vLLM's servers
 //! accept them, and named in one warning per request, as vLLM logs "fields were present in the
-//! request but ignored", so that a misspelt field (`max_token`) is found in the log.
+//! request but ignored", so that a misspelt field (`max_token`) is found in the log. A field
+//! sent as `null` is a field not set, and is not named.
 //!
 //! [`IgnoredFields`] is a request body's `#[serde(flatten)]` catch-all, declared after every
 //! other flattened struct (each takes its own keys first): it is filled during the one parse of
@@ -82,7 +83,11 @@ impl<'de> Visitor<'de> for IgnoredVisitor {
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
         let mut fields = IgnoredFields::default();
         while let Some(name) = map.next_key::<String>()? {
-            map.next_value::<IgnoredAny>()?;
+            // A null is a field not set (as OpenAI's SDKs send unset fields, `"store": null`):
+            // nothing was ignored.
+            if map.next_value::<Option<IgnoredAny>>()?.is_none() {
+                continue;
+            }
             fields.count = fields.count.saturating_add(1);
             if fields.names.len() < MAX_IGNORED_NAMES {
                 let mut kept: String = name.chars().take(MAX_IGNORED_NAME_CHARS).collect();
@@ -123,6 +128,28 @@ mod tests {
         let body = json!({"messages": [], "max_tokens": 1});
         let request: ChatRequest = serde_json::from_value(body).unwrap();
         assert_eq!(request.ignored.summary(), None);
+    }
+
+    /// A field sent as null is not set: no warning names it, on any route's body (all take
+    /// this catch-all: completions, chat, `/tokenize`, `/detokenize`).
+    #[test]
+    fn null_fields_are_not_reported() {
+        let body = json!({"prompt": "x", "store": null, "metadata": null, "max_token": 3});
+        let request: CompletionRequest = serde_json::from_value(body.clone()).unwrap();
+        assert_eq!(request.ignored.names(), ["max_token"]);
+        assert_eq!(request.ignored.summary().as_deref(), Some("\"max_token\""));
+        let request: CompletionRequest =
+            crate::body::parse_json(body.to_string().as_bytes()).unwrap();
+        assert_eq!(request.ignored.names(), ["max_token"]);
+        let body = json!({"messages": [], "store": null, "service_tier": null});
+        let request: ChatRequest = serde_json::from_value(body.clone()).unwrap();
+        assert_eq!(request.ignored.summary(), None);
+        let request: ChatRequest = crate::body::parse_json(body.to_string().as_bytes()).unwrap();
+        assert_eq!(request.ignored.summary(), None);
+        // The catch-all alone, as `/tokenize` and `/detokenize` flatten it.
+        let alone: IgnoredFields =
+            serde_json::from_value(json!({"a": null, "b": 0, "c": false, "d": {}})).unwrap();
+        assert_eq!(alone.names(), ["b", "c", "d"]);
     }
 
     #[test]

@@ -27,14 +27,18 @@ use super::tools::{
     ToolFormat, ToolPrompt, ToolSetup, ToolUse, MAX_TOOL_CALL_ID,
 };
 use crate::engine::{
-    ChatEnding, ChatMessage, ChatRole, PromptInput, SamplingOptions, StructuredOutputSpec,
-    TemplateKwargs,
+    ChatEnding, ChatMessage, ChatRole, EngineError, EngineErrorKind, PromptInput, SamplingOptions,
+    StructuredOutputSpec, TemplateKwargs,
 };
 use crate::error::ApiError;
 
 /// `prompt`: a string, a list of strings, a list of token ids or a list of token-id lists.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(untagged)]
+#[serde(
+    untagged,
+    expecting = "`prompt` must be a string, an array of strings, an array of token ids \
+                 (integers from 0) or an array of arrays of token ids"
+)]
 pub enum PromptField {
     /// One text prompt.
     Text(String),
@@ -48,7 +52,7 @@ pub enum PromptField {
 
 /// `stop`: one string or a list.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(untagged)]
+#[serde(untagged, expecting = "`stop` must be a string or an array of strings")]
 pub enum StopField {
     /// One stop string.
     One(String),
@@ -255,7 +259,11 @@ pub struct MessageField {
 
 /// A message's `content`.
 #[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
+#[serde(
+    untagged,
+    expecting = "`content` must be a string or an array of content parts, each an object \
+                 with a `type` (`{\"type\": \"text\", \"text\": \"...\"}`)"
+)]
 pub enum ContentField {
     /// Plain text.
     Text(String),
@@ -414,14 +422,43 @@ fn parse_max_tokens(
             param,
             format!("{param} must be at least 1"),
         )),
-        Some(v) if usize::try_from(v).map_or(true, |v| v > max_model_len) => {
-            Err(ApiError::invalid(
+        // A prompt takes one token of the context at least: a limit of the whole context
+        // leaves no room for one (the engine checks the prompt's own length).
+        Some(v) if usize::try_from(v).map_or(true, |v| v >= max_model_len) => {
+            Err(context_length_exceeded(
                 param,
-                format!("{param} must be at most the context length {max_model_len}, got {v}"),
+                format!(
+                    "'max_tokens' or 'max_completion_tokens' is too large: {v}. This model's \
+                     maximum context length is {max_model_len} tokens and a prompt takes at \
+                     least one of them ({v} > {max_model_len} - 1)."
+                ),
             ))
         }
         v => Ok(v),
     }
+}
+
+/// A request too long for the context (`context_length_exceeded`), `param` at fault. The
+/// words are the engine's for the same refusals (switchyard-actors' `context_length`
+/// module): vLLM's, and a prompt must leave room for one generated token, as vLLM checks.
+fn context_length_exceeded(param: &str, message: String) -> ApiError {
+    ApiError::Engine(
+        EngineError::new(EngineErrorKind::ContextLengthExceeded, message).with_param(param),
+    )
+}
+
+/// A prompt of `prompt_len` tokens leaves no room for a generated token in a context of
+/// `max_model_len` tokens: the engine's words for the same refusal.
+fn prompt_too_long(prompt_len: usize, max_model_len: usize) -> ApiError {
+    context_length_exceeded(
+        "prompt",
+        format!(
+            "This model's maximum context length is {max_model_len} tokens. However, your \
+             request has {prompt_len} input tokens, which leaves no room for an output token \
+             (a prompt may have at most {} tokens). Please reduce the length of the input.",
+            max_model_len.saturating_sub(1)
+        ),
+    )
 }
 
 /// Refuses a `min_tokens` the request can never reach, so that it fails with a 400 rather
@@ -567,17 +604,9 @@ fn check_token_prompt(tokens: Vec<u32>, max_model_len: usize) -> Result<PromptIn
     if tokens.is_empty() {
         return Err(ApiError::invalid("prompt", "prompt must not be empty"));
     }
-    if tokens.len() > max_model_len {
-        return Err(ApiError::Engine(
-            crate::engine::EngineError::new(
-                crate::engine::EngineErrorKind::ContextLengthExceeded,
-                format!(
-                    "The prompt has {} tokens, more than the context length {max_model_len}.",
-                    tokens.len()
-                ),
-            )
-            .with_param("prompt"),
-        ));
+    // The prompt must leave room for one generated token at least, as the engine checks.
+    if tokens.len() >= max_model_len {
+        return Err(prompt_too_long(tokens.len(), max_model_len));
     }
     Ok(PromptInput::Tokens(tokens))
 }
@@ -688,12 +717,20 @@ fn check_prompt_count(count: usize, n: u32) -> Result<(), ApiError> {
     if count == 0 {
         return Err(ApiError::invalid("prompt", "prompt must not be empty"));
     }
-    let choices = count.saturating_mul(usize::try_from(n).unwrap_or(usize::MAX));
-    if count > MAX_PROMPTS || choices > MAX_CHOICES {
+    if count > MAX_PROMPTS {
         return Err(ApiError::invalid(
             "prompt",
+            format!("a request may have at most {MAX_PROMPTS} prompts, got {count}"),
+        ));
+    }
+    // With at most MAX_PROMPTS prompts, only `n` above 1 can pass the bound on choices.
+    let choices = count.saturating_mul(usize::try_from(n).unwrap_or(usize::MAX));
+    if choices > MAX_CHOICES {
+        return Err(ApiError::invalid(
+            "n",
             format!(
-                "at most {MAX_PROMPTS} prompts and {MAX_CHOICES} choices (prompts × n) per request"
+                "a request may have at most {MAX_CHOICES} choices (prompts × n), got {count} \
+                 prompts × n {n} = {choices}"
             ),
         ));
     }
@@ -1108,6 +1145,14 @@ fn template_message(
     })
 }
 
+/// The 400 of content part `j` of message `i`, of type `field`, without its `field`.
+fn part_without(i: usize, j: usize, field: &str) -> ApiError {
+    ApiError::invalid(
+        format!("messages[{i}].content[{j}].{field}"),
+        format!("a `{field}` content part needs `{field}`, a string; it is missing"),
+    )
+}
+
 /// A message's text: its string, or its text parts joined with newlines. An assistant's
 /// `refusal` parts are its text, as OpenAI reads a refusal in the history.
 fn message_text(
@@ -1124,6 +1169,9 @@ fn message_text(
                 match (part.kind.as_str(), part.text, part.refusal) {
                     ("text", Some(text), _) => texts.push(text),
                     ("refusal", _, Some(refusal)) if assistant => texts.push(refusal),
+                    // A part of a supported type without its text: the field is missing.
+                    ("text", None, _) => return Err(part_without(i, j, "text")),
+                    ("refusal", _, None) if assistant => return Err(part_without(i, j, "refusal")),
                     _ => {
                         return Err(ApiError::invalid(
                             format!("messages[{i}].content[{j}]"),
@@ -1274,6 +1322,109 @@ mod tests {
         for result in accepted {
             assert!(result.is_ok(), "{result:?}");
         }
+    }
+
+    /// A field of several accepted shapes (serde's untagged enums) that matches none says
+    /// what it accepts, with its field, and names no type of the server's.
+    #[test]
+    fn fields_of_several_shapes_say_what_they_accept() {
+        let refused = |body: &str, chat: bool| {
+            let result = if chat {
+                crate::body::parse_json::<ChatRequest>(body.as_bytes()).map(drop)
+            } else {
+                crate::body::parse_json::<CompletionRequest>(body.as_bytes()).map(drop)
+            };
+            match result {
+                Err(ApiError::InvalidRequest { message, param }) => {
+                    assert!(
+                        !message.contains("untagged") && !message.contains("Field"),
+                        "{message}"
+                    );
+                    (message, param.unwrap_or_default())
+                }
+                other => panic!("{body}: {other:?}"),
+            }
+        };
+        for prompt in ["5", "[[\"a\"]]", "[-1]", "{\"a\": 1}"] {
+            let (message, param) = refused(&format!("{{\"prompt\": {prompt}}}"), false);
+            assert_eq!(param, "prompt");
+            assert!(
+                message.contains(
+                    "`prompt` must be a string, an array of strings, an array of token ids \
+                     (integers from 0) or an array of arrays of token ids"
+                ),
+                "{message}"
+            );
+        }
+        let (message, param) = refused(r#"{"prompt": "x", "stop": 5}"#, false);
+        assert_eq!(param, "stop");
+        assert!(
+            message.contains("`stop` must be a string or an array of strings"),
+            "{message}"
+        );
+        let (message, param) = refused(
+            r#"{"messages": [{"role": "user", "content": "a"}], "stop": [1]}"#,
+            true,
+        );
+        assert_eq!(param, "stop");
+        assert!(message.contains("`stop` must be"), "{message}");
+        let (message, param) = refused(r#"{"messages": [{"role": "user", "content": 5}]}"#, true);
+        assert_eq!(param, "messages[0].content");
+        assert!(
+            message.contains("`content` must be a string or an array of content parts"),
+            "{message}"
+        );
+    }
+
+    /// The limits on prompts and choices say which one was passed, and name its field.
+    #[test]
+    fn the_prompt_and_choice_limits_name_the_one_passed() {
+        let refused = |json: serde_json::Value| match completion(json) {
+            Err(ApiError::InvalidRequest { message, param }) => (message, param.unwrap()),
+            other => panic!("{other:?}"),
+        };
+        let (message, param) = refused(serde_json::json!({"prompt": vec!["x"; MAX_PROMPTS + 1]}));
+        assert_eq!(param, "prompt");
+        assert_eq!(message, "a request may have at most 32 prompts, got 33");
+        let (message, param) = refused(serde_json::json!({"prompt": vec!["x"; 5], "n": 16}));
+        assert_eq!(param, "n");
+        assert_eq!(
+            message,
+            "a request may have at most 64 choices (prompts × n), got 5 prompts × n 16 = 80"
+        );
+        assert!(completion(serde_json::json!({"prompt": vec!["x"; 4], "n": 16})).is_ok());
+    }
+
+    /// A content part of type `text` without its `text` is told the field is missing, not
+    /// that the type is unsupported (and an assistant's `refusal` part likewise).
+    #[test]
+    fn a_text_part_without_text_names_the_missing_field() {
+        let refused = |messages: serde_json::Value| match chat_at(
+            128,
+            serde_json::json!({ "messages": messages }),
+        ) {
+            Err(ApiError::InvalidRequest { message, param }) => (message, param.unwrap()),
+            other => panic!("{other:?}"),
+        };
+        let (message, param) =
+            refused(serde_json::json!([{"role": "user", "content": [{"type": "text"}]}]));
+        assert_eq!(param, "messages[0].content[0].text");
+        assert_eq!(
+            message,
+            "a `text` content part needs `text`, a string; it is missing"
+        );
+        let (message, param) = refused(serde_json::json!([
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": [{"type": "text", "text": "a"}, {"type": "refusal"}]},
+        ]));
+        assert_eq!(param, "messages[1].content[1].refusal");
+        assert!(message.contains("`refusal`"), "{message}");
+        // Other types are still unsupported, as they were.
+        let (message, param) = refused(serde_json::json!([
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+        ]));
+        assert_eq!(param, "messages[0].content[0]");
+        assert_eq!(message, "only text content parts are supported");
     }
 
     #[test]
@@ -1922,6 +2073,67 @@ mod tests {
     fn completion_at(max_model_len: usize, json: serde_json::Value) -> Result<Validated, ApiError> {
         let req: CompletionRequest = serde_json::from_value(json).unwrap();
         req.validate(max_model_len)
+    }
+
+    /// A prompt must leave room for one generated token, token ids as text (the engine's
+    /// check): a prompt of the context's length, or a `max_tokens` of it, is refused with the
+    /// context-length code and the engine's words, whatever field carried the limit.
+    #[test]
+    fn what_cannot_fit_the_context_is_a_context_length_error() {
+        let code = |r: Result<Validated, ApiError>| match r {
+            Err(e) => (
+                e.to_body().error.code,
+                e.to_body().error.param,
+                e.to_string(),
+            ),
+            Ok(_) => panic!("accepted"),
+        };
+        let ids = |n: usize| serde_json::json!(vec![7u32; n]);
+        assert!(completion_at(16, serde_json::json!({"prompt": ids(15)})).is_ok());
+        let (c, param, message) = code(completion_at(16, serde_json::json!({"prompt": ids(16)})));
+        assert_eq!(c, Some("context_length_exceeded"));
+        assert_eq!(param.as_deref(), Some("prompt"));
+        assert_eq!(
+            message,
+            "This model's maximum context length is 16 tokens. However, your request has 16 \
+             input tokens, which leaves no room for an output token (a prompt may have at most \
+             15 tokens). Please reduce the length of the input."
+        );
+        let (c, param, _) = code(completion_at(
+            16,
+            serde_json::json!({"prompt": [ids(3), ids(17)]}),
+        ));
+        assert_eq!(
+            (c, param.as_deref()),
+            (Some("context_length_exceeded"), Some("prompt"))
+        );
+        for max_tokens in [u32::MAX, 16] {
+            let json = serde_json::json!({"prompt": "hi", "max_tokens": max_tokens});
+            let (c, param, message) = code(completion_at(16, json));
+            assert_eq!(c, Some("context_length_exceeded"));
+            assert_eq!(param.as_deref(), Some("max_tokens"));
+            assert_eq!(
+                message,
+                format!(
+                    "'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This \
+                     model's maximum context length is 16 tokens and a prompt takes at least \
+                     one of them ({max_tokens} > 16 - 1)."
+                )
+            );
+        }
+        let user = serde_json::json!([{"role": "user", "content": "x"}]);
+        let (c, param, _) = code(chat_at(
+            16,
+            serde_json::json!({"messages": user, "max_completion_tokens": 4294967295u32}),
+        ));
+        assert_eq!(
+            (c, param.as_deref()),
+            (
+                Some("context_length_exceeded"),
+                Some("max_completion_tokens")
+            )
+        );
+        assert!(completion_at(16, serde_json::json!({"prompt": "hi", "max_tokens": 15})).is_ok());
     }
 
     #[test]

@@ -858,8 +858,9 @@ struct HistoryCall<'a> {
 enum HistoryArguments {
     /// An object (what serde_json reads).
     Object(Value),
-    /// An object as written, where serde_json refuses what it holds (numbers out of f64's
-    /// range, lone surrogate escapes) but it scans whole: what this server wrote may be so.
+    /// Text that is not a JSON object serde_json reads, as written: a call cut short by
+    /// `max_tokens` (`{"city":`), or an object holding what serde_json refuses (numbers out
+    /// of f64's range, lone surrogate escapes). The model reads it back as it wrote it.
     Raw(String),
 }
 
@@ -905,33 +906,25 @@ fn read_calls<'a>(param: &str, calls: &'a [Value]) -> Result<Vec<HistoryCall<'a>
                 format!("a called function's name is 1 to {MAX_HISTORY_TOOL_NAME} bytes"),
             ));
         }
-        let not_object = || {
-            invalid(
-                at(".function.arguments"),
-                "arguments is a JSON object, as a string",
-            )
-        };
         let arguments = match function.get("arguments") {
             None | Some(Value::Null) => HistoryArguments::Object(Value::Object(Map::new())),
             Some(Value::String(s)) => match serde_json::from_str::<Value>(s) {
                 Ok(v @ Value::Object(_)) => HistoryArguments::Object(v),
-                Ok(_) => return Err(not_object()),
-                Err(e) => {
-                    let raw = s.trim();
-                    let whole = raw.starts_with('{')
-                        && matches!(scan_value(raw.as_bytes(), 0, 0), Scan::Done(n) if n == raw.len());
-                    if !whole {
-                        return Err(invalid(
-                            at(".function.arguments"),
-                            format!("arguments is not valid JSON: {e}"),
-                        ));
-                    }
-                    HistoryArguments::Raw(raw.to_owned())
-                }
+                // An empty string is no arguments (as vLLM reads it).
+                _ if s.trim().is_empty() => HistoryArguments::Object(Value::Object(Map::new())),
+                // Any other text stays as written (OpenAI takes any string): a call cut short
+                // by `max_tokens` (`{"city":`), or what serde_json refuses but this server
+                // wrote (numbers out of f64's range, lone surrogate escapes).
+                _ => HistoryArguments::Raw(s.clone()),
             },
             // Some clients send the object itself.
             Some(v @ Value::Object(_)) => HistoryArguments::Object(v.clone()),
-            Some(_) => return Err(not_object()),
+            Some(_) => {
+                return Err(invalid(
+                    at(".function.arguments"),
+                    "arguments is a string (JSON text, as the model wrote it) or an object",
+                ))
+            }
         };
         out.push(HistoryCall {
             id,
@@ -1000,7 +993,8 @@ pub fn render_calls(param: &str, calls: &[Value], format: ToolFormat) -> Result<
 
 /// An assistant message's `tool_calls` as a chat template reads them: OpenAI's shape, each
 /// call's `arguments` an object (vLLM parses them so for templates, which write them with
-/// `tojson`; arguments serde_json cannot hold stay the text they were), ids as the client gave
+/// `tojson`; other arguments stay the text they were, which the template writes as it is, with
+/// `tojson` too), ids as the client gave
 /// them (Mistral's format: made Mistral's by [`mistral_call_id`], as its templates require);
 /// `None` when there are none.
 pub fn template_calls(
@@ -2224,14 +2218,27 @@ mod tests {
             render_calls("m", odd.as_array().unwrap(), ToolFormat::Hermes).unwrap(),
             "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"n\": 1e400, \"s\": \"\\ud800\"}}\n</tool_call>"
         );
-        for args in [json!("[1]"), json!("3"), json!(3)] {
+        // Any other text too (OpenAI takes any string): a call cut short by `max_tokens`
+        // comes back as this server answered it, and is written back as it was written.
+        for args in [r#"{"city":"#, "{oops", "[1]", "3"] {
             let v = json!([{"function": {"name": "f", "arguments": args}}]);
-            assert!(
-                render_calls("m", v.as_array().unwrap(), ToolFormat::Hermes).is_err(),
-                "{args}"
+            assert_eq!(
+                render_calls("m", v.as_array().unwrap(), ToolFormat::Hermes).unwrap(),
+                format!("<tool_call>\n{{\"name\": \"f\", \"arguments\": {args}}}\n</tool_call>")
+            );
+            let template = template_calls("m", v.as_array().unwrap(), ToolFormat::Hermes);
+            assert_eq!(
+                template.unwrap().unwrap()[0]["function"]["arguments"],
+                json!(args)
             );
         }
-        let bad = json!([{"function": {"name": "f", "arguments": "{oops"}}]);
+        // An empty string is no arguments, as vLLM reads it.
+        let empty = json!([{"function": {"name": "f", "arguments": " "}}]);
+        assert_eq!(
+            render_calls("m", empty.as_array().unwrap(), ToolFormat::Hermes).unwrap(),
+            "<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>"
+        );
+        let bad = json!([{"function": {"name": "f", "arguments": 3}}]);
         match render_calls(
             "messages[1].tool_calls",
             bad.as_array().unwrap(),

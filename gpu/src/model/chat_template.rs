@@ -41,7 +41,9 @@ pub struct ChatMessage {
     pub content: String,
     /// An assistant message's tool calls in OpenAI's shape
     /// (`[{"id", "type": "function", "function": {"name", "arguments"}}]`), each call's
-    /// `arguments` a JSON object as templates write it with `tojson`.
+    /// `arguments` a JSON object as templates write it with `tojson`, or a string: arguments
+    /// as the model wrote them that are no JSON object (a call cut short, `{"city":`), which
+    /// a template writes as it is, with `tojson` too.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tool_calls: Option<serde_json::Value>,
     /// The call a `tool` message answers.
@@ -345,7 +347,7 @@ impl ChatTemplate {
             .map_err(|e| render_err(&e))?;
         // The keys written out win the merge over the request's variables spread after them.
         let ctx = minijinja::context! {
-            messages => messages,
+            messages => template_messages(messages),
             add_generation_prompt => add_generation_prompt,
             bos_token => &self.bos_token,
             eos_token => &self.eos_token,
@@ -353,6 +355,65 @@ impl ChatTemplate {
         };
         sandbox::render(&tmpl, ctx, max_len)
     }
+}
+
+/// `messages` as a template reads them, each call's `arguments` given as a string made a safe
+/// string: the text as it was written, which `tojson` writes as it is (a template that writes
+/// a string as it is, or one that writes arguments with `tojson`, both give back what the
+/// model wrote, not a quoted string). Chat templates render with no auto-escaping, so the
+/// flag changes nothing else; only `tojson` of a string a template made safe itself (`|safe`)
+/// is written unquoted, where Jinja2 would quote it.
+fn template_messages(messages: &[ChatMessage]) -> Value {
+    let raw = |call: &serde_json::Value| {
+        call.pointer("/function/arguments")
+            .is_some_and(serde_json::Value::is_string)
+    };
+    messages
+        .iter()
+        .map(|m| match &m.tool_calls {
+            Some(serde_json::Value::Array(calls)) if calls.iter().any(raw) => {
+                let calls: Value = calls.iter().map(template_call).collect();
+                let mut fields = vec![
+                    ("role", Value::from(m.role.as_str())),
+                    ("content", Value::from(m.content.as_str())),
+                    ("tool_calls", calls),
+                ];
+                if let Some(id) = &m.tool_call_id {
+                    fields.push(("tool_call_id", Value::from(id.as_str())));
+                }
+                if let Some(name) = &m.name {
+                    fields.push(("name", Value::from(name.as_str())));
+                }
+                fields.into_iter().collect()
+            }
+            _ => Value::from_serialize(m),
+        })
+        .collect()
+}
+
+/// One call of [`template_messages`]: its `function.arguments`, where a string, safe.
+fn template_call(call: &serde_json::Value) -> Value {
+    let Some(fields) = call.as_object() else {
+        return Value::from_serialize(call);
+    };
+    fields
+        .iter()
+        .map(|(key, value)| {
+            let value = match (key.as_str(), value.as_object()) {
+                ("function", Some(function)) => function
+                    .iter()
+                    .map(|(k, v)| match (k.as_str(), v) {
+                        ("arguments", serde_json::Value::String(text)) => {
+                            (k.as_str(), Value::from_safe_string(text.clone()))
+                        }
+                        _ => (k.as_str(), Value::from_serialize(v)),
+                    })
+                    .collect(),
+                _ => Value::from_serialize(value),
+            };
+            (key.as_str(), value)
+        })
+        .collect()
 }
 
 /// What a chat template writes of tools ([`ChatTemplate::tool_support`]).
@@ -621,6 +682,8 @@ fn write_json(out: &mut String, v: &Value, style: &JsonStyle, depth: usize) -> R
         ValueKind::None => out.push_str("null"),
         ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
         ValueKind::Number => out.push_str(&json_number(v)),
+        // Arguments as written ([`template_messages`]): the text as it is.
+        ValueKind::String if v.is_safe() => out.push_str(v.as_str().unwrap_or_default()),
         ValueKind::String => write_json_str(out, v.as_str().unwrap_or_default(), style),
         ValueKind::Seq | ValueKind::Iterable => {
             out.push('[');
@@ -805,6 +868,67 @@ mod tests {
         result.tool_call_id = Some("a".into());
         let text = render(src, &[ChatMessage::new("user", "hi"), call, result], false).unwrap();
         assert_eq!(text, "False False ;True False Rome;False True ;");
+    }
+
+    /// Arguments that are no JSON object (a call cut short) reach the template as the text
+    /// the model wrote, and come out as written whether the template writes a string as it is
+    /// (Qwen's, Mistral v11's) or applies `tojson` to the arguments or to the whole function
+    /// (Llama 3.1's, Mistral v3's); objects and other strings are written as before.
+    #[test]
+    fn arguments_as_written_render_as_written() {
+        let cut = r#"{"city":"#;
+        let mut call = ChatMessage::new("assistant", "");
+        call.tool_calls = Some(serde_json::json!([
+            {"id": "a", "type": "function", "function": {"name": "f", "arguments": cut}},
+            {"id": "b", "type": "function", "function": {"name": "g", "arguments": {"x": 1}}}]));
+        call.name = Some("bot".into());
+        let messages = [ChatMessage::new("user", "hi"), call];
+        let qwen = "{% for m in messages %}{% for c in m.tool_calls or [] %}\
+                    {% if c.function.arguments is string %}{{ c.function.arguments }}\
+                    {% else %}{{ c.function.arguments | tojson }}{% endif %};{% endfor %}{% endfor %}";
+        assert_eq!(
+            render(qwen, &messages, false).unwrap(),
+            format!("{cut};{{\"x\": 1}};")
+        );
+        let llama = "{% for m in messages %}{% for c in m.tool_calls or [] %}\
+                     {{ c.function.arguments | tojson }};{% endfor %}{% endfor %}";
+        assert_eq!(
+            render(llama, &messages, false).unwrap(),
+            format!("{cut};{{\"x\": 1}};")
+        );
+        let mistral = "{% for m in messages %}{% for c in m.tool_calls or [] %}\
+                       {{ c.function | tojson }};{% endfor %}{% endfor %}";
+        assert_eq!(
+            render(mistral, &messages, false).unwrap(),
+            format!(
+                "{{\"name\": \"f\", \"arguments\": {cut}}};\
+                     {{\"name\": \"g\", \"arguments\": {{\"x\": 1}}}};"
+            )
+        );
+        let v11 = "{% for m in messages %}{% for c in m.tool_calls or [] %}\
+                   {% set a = c.function.arguments %}{% if a is not string %}\
+                   {% set a = a | tojson | safe %}{% endif %}{{ '[ARGS]' + a }}{% endfor %}\
+                   {% endfor %}";
+        assert_eq!(
+            render(v11, &messages, false).unwrap(),
+            format!("[ARGS]{cut}[ARGS]{{\"x\": 1}}")
+        );
+        // The message keeps its other fields, in order; other strings are quoted as before.
+        let fields = "{% for m in messages %}{{ m | tojson }};{% endfor %}";
+        let text = render(fields, &messages, false).unwrap();
+        assert!(
+            text.ends_with(&format!(
+                "{{\"role\": \"assistant\", \"content\": \"\", \"tool_calls\": [{{\"id\": \"a\", \
+                 \"type\": \"function\", \"function\": {{\"name\": \"f\", \"arguments\": {cut}}}}}, \
+                 {{\"id\": \"b\", \"type\": \"function\", \"function\": {{\"name\": \"g\", \
+                 \"arguments\": {{\"x\": 1}}}}}}], \"name\": \"bot\"}};"
+            )),
+            "{text}"
+        );
+        assert!(
+            text.starts_with(r#"{"role": "user", "content": "hi"};"#),
+            "{text}"
+        );
     }
 
     #[test]
