@@ -12,7 +12,7 @@ fn main() -> ExitCode {
     match commands::run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
-            eprintln!("error: {err:#}");
+            commands::report_fatal(&err);
             ExitCode::FAILURE
         }
     }

@@ -794,6 +794,38 @@ fn fp8_layers_and_kv_cache_are_refused_on_the_cpu_backend() {
 
 /// A port in use is found before the model loads, and the error names the setting and where
 /// it is set: the file's line, or the override.
+/// With `logging.format: json` every line `serve` writes is JSON, the error it exits on too
+/// (here a truncated model file, found after logging started).
+#[test]
+fn serve_with_json_logs_reports_its_fatal_error_as_json() {
+    let dir = temp_dir("json-fatal");
+    let truncated = dir.join("truncated.gguf");
+    let model = std::fs::read(common::model_path()).expect("the embedded model");
+    std::fs::write(&truncated, &model[..1 << 20]).unwrap();
+    let out = switchyard()
+        .args(["serve", "--config", "config/examples/default.yaml"])
+        .args(["--set", "server.port=0"])
+        .args(["--set", &format!("model.path={}", truncated.display())])
+        .env("SWITCHYARD__LOGGING__FORMAT", "json")
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("run switchyard");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    let lines: Vec<serde_json::Value> = err
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    let last = lines.last().expect("a line");
+    assert_eq!(last["level"], "ERROR", "{last}");
+    assert!(
+        last["fields"]["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("truncated.gguf")),
+        "{last}"
+    );
+}
+
 #[test]
 fn serve_on_a_port_in_use_fails_at_once_naming_server_port() {
     let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("a port");

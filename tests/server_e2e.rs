@@ -624,6 +624,7 @@ fn metrics_are_exported() {
         "switchyard:request_failed_total{reason=\"structured_output\"} 0",
         "switchyard:e2e_request_latency_seconds_count 0",
         "switchyard:policy_swaps_total 0",
+        "switchyard:http_requests_in_flight 0",
     ] {
         assert!(
             fresh.body.lines().any(|l| l == line),

@@ -175,9 +175,16 @@ impl Config {
                     .rev()
                     .find(|o| o.covers(&field))
                     .unwrap_or(last);
+                // serde's type errors quote the value (`invalid type: integer `123``):
+                // never a secret's.
+                let message = if overrides::is_secret_path(&field) {
+                    format!("field `{field}`: must be a string (the value is not shown)")
+                } else {
+                    format!("field `{field}`: {}", e.inner())
+                };
                 ConfigError::Override {
                     text: by.to_string(),
-                    message: format!("field `{field}`: {}", e.inner()),
+                    message,
                 }
             })?;
         }
@@ -572,6 +579,27 @@ mod tests {
         )
         .expect("the later override wins");
         assert_eq!(c.cache.block_size, 32);
+    }
+
+    #[test]
+    fn a_secret_override_is_read_as_written_and_never_shown() {
+        // Digits or 0x… are the key itself, as they would be in the file.
+        for key in ["123456789012", "0x1f2e3d4c5b6a"] {
+            let c = Config::from_yaml_with_overrides(
+                "",
+                "t.yaml",
+                &[env("SWITCHYARD__SERVER__ADMIN_KEY", key)],
+            )
+            .expect("a key of digits is a key");
+            assert_eq!(c.server.admin_key.as_deref(), Some(key));
+        }
+        // A key of the wrong type in a list of keys (YAML reads it as a number) is refused
+        // without showing it.
+        let e = error(
+            "",
+            &["server.api_keys=[{key: 99999999999, tenant: t}]".into()],
+        );
+        assert!(!e.contains("99999999999"), "{e}");
     }
 
     #[test]

@@ -105,8 +105,18 @@ impl From<String> for Override {
     }
 }
 
+/// Whether a field holds one secret string (the admin key, an API key's `key`), which an
+/// override sets as written: parsed as YAML, a key of digits (`123456789`) or `0x…` would be a
+/// number, refused (and shown by the type error) or turned into another string.
+fn is_secret_scalar_path(path: &str) -> bool {
+    path.rsplit('.')
+        .next()
+        .is_some_and(|last| last == "admin_key" || last == "key")
+}
+
 /// Sets `path=value` in a YAML value tree; the value is parsed as a YAML scalar or flow
-/// collection, so `port=9000` is a number and `name=fcfs` a string.
+/// collection, so `port=9000` is a number and `name=fcfs` a string, except a secret's
+/// (`server.admin_key`), which is the string as written.
 pub fn apply_override(root: &mut Value, o: &Override) -> Result<(), ConfigError> {
     let err = |message: &str| ConfigError::Override {
         text: o.to_string(),
@@ -120,8 +130,11 @@ pub fn apply_override(root: &mut Value, o: &Override) -> Result<(), ConfigError>
     if segments.is_empty() || segments.len() > MAX_DEPTH || segments.iter().any(|s| s.is_empty()) {
         return Err(err("the key must be a dotted path such as server.port"));
     }
-    let value: Value =
-        serde_yaml::from_str(raw).map_err(|e| err(&format!("value is not valid YAML: {e}")))?;
+    let value: Value = if is_secret_scalar_path(path.trim()) {
+        Value::String(raw.to_string())
+    } else {
+        serde_yaml::from_str(raw).map_err(|e| err(&format!("value is not valid YAML: {e}")))?
+    };
     let mut node = root;
     for seg in &segments[..segments.len() - 1] {
         if !node.is_mapping() {
@@ -193,6 +206,18 @@ mod tests {
         apply(&mut v, "scheduler.policy.name=priority").unwrap();
         assert_eq!(v["server"]["port"], Value::from(9000));
         assert_eq!(v["scheduler"]["policy"]["name"], Value::from("priority"));
+    }
+
+    #[test]
+    fn a_secret_is_the_string_as_written() {
+        let mut v = Value::Null;
+        for key in ["123456789", "0x1f2e3d4c5b6a", "true", "'quoted'", "[a]"] {
+            apply(&mut v, &format!("server.admin_key={key}")).unwrap();
+            assert_eq!(v["server"]["admin_key"], Value::from(key));
+        }
+        // Other fields keep YAML's types.
+        apply(&mut v, "server.port=0x10").unwrap();
+        assert_eq!(v["server"]["port"], Value::from(16));
     }
 
     #[test]

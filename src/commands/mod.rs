@@ -44,11 +44,31 @@ pub fn init_logging(level: &str, json: bool) {
         .with_env_filter(filter)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
-    let _ = if json {
+    let installed = if json {
         builder.json().try_init()
     } else {
         builder.try_init()
     };
+    if installed.is_ok() && json {
+        JSON_LOGS.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// Whether [`init_logging`] installed JSON logs: then every line on stderr must be JSON, the
+/// error that ends the command included (a log pipeline drops or chokes on a plain line, and
+/// that line says why a pod restarts).
+static JSON_LOGS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Writes the error that ends the command: an ERROR event when the logs are JSON (and ERROR
+/// is enabled), else `error: …` on stderr.
+pub fn report_fatal(err: &anyhow::Error) {
+    if JSON_LOGS.load(std::sync::atomic::Ordering::Relaxed)
+        && tracing::enabled!(tracing::Level::ERROR)
+    {
+        tracing::error!(error = %format!("{err:#}"), "exiting on an error");
+    } else {
+        eprintln!("error: {err:#}");
+    }
 }
 
 /// The progress of a long command on stderr: a bar on a terminal, else a plain line every

@@ -72,6 +72,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
                 .collect();
             switchyard_actors::metric_names::register_tiers(&tiers);
             metrics::counter!(switchyard_api::metrics::POLICY_SWAPS).increment(0);
+            // The HTTP layer moves it per request: made here so that it is there from the start.
+            metrics::gauge!(switchyard_api::metrics::HTTP_IN_FLIGHT).set(0.0);
             Some(handle)
         }
         Err(e) => {
