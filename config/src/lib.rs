@@ -161,15 +161,39 @@ impl Config {
             serde_yaml::from_str(text).map_err(|e| parse_err(file, e))?
         };
         if let Some(last) = overrides.last() {
-            let mut value = serde_yaml::to_value(&config).map_err(|e| parse_err(file, e))?;
-            for o in overrides {
-                apply_override(&mut value, o)?;
-            }
+            let base = serde_yaml::to_value(&config).map_err(|e| parse_err(file, e))?;
             // All of them, then one check, so that a later override can correct an earlier
             // one (`--set` over the environment); a value out of range or of the wrong type
             // is blamed on the last override of its field.
-            config = serde_path_to_error::deserialize(value).map_err(|e| {
+            //
+            // An override's value is parsed as YAML, so `123` is a number; a string field
+            // given one (`model.served_name=123`) takes the text as written, as the file's
+            // plain scalar would be read. Which fields are strings is the deserializer's to
+            // say: an override whose number or boolean is refused at its own field is
+            // applied again as its text (once each), and if that is refused too the first
+            // error stands.
+            let mut as_text = vec![false; overrides.len()];
+            let mut first_error: Vec<Option<serde_path_to_error::Error<serde_yaml::Error>>> =
+                overrides.iter().map(|_| None).collect();
+            config = loop {
+                let mut value = base.clone();
+                for (o, &text) in overrides.iter().zip(&as_text) {
+                    apply_override(&mut value, o, text)?;
+                }
+                let e = match serde_path_to_error::deserialize(value) {
+                    Ok(config) => break config,
+                    Err(e) => e,
+                };
                 let field = e.path().to_string();
+                let own = overrides.iter().rposition(|o| o.path() == field);
+                if let Some(i) = own {
+                    if !as_text[i] && overrides[i].reads_as_number_or_bool() {
+                        as_text[i] = true;
+                        first_error[i] = Some(e);
+                        continue;
+                    }
+                }
+                let e = own.and_then(|i| first_error[i].take()).unwrap_or(e);
                 let by = overrides
                     .iter()
                     .rev()
@@ -182,11 +206,11 @@ impl Config {
                 } else {
                     format!("field `{field}`: {}", e.inner())
                 };
-                ConfigError::Override {
+                return Err(ConfigError::Override {
                     text: by.to_string(),
                     message,
-                }
-            })?;
+                });
+            };
         }
         let checked = config.validate().and_then(|()| check(&config));
         checked.map_err(|(field, message)| {
@@ -600,6 +624,56 @@ mod tests {
             &["server.api_keys=[{key: 99999999999, tenant: t}]".into()],
         );
         assert!(!e.contains("99999999999"), "{e}");
+    }
+
+    #[test]
+    fn a_string_field_takes_an_overrides_number_or_boolean_as_written() {
+        let ok = |o: Override| {
+            Config::from_yaml_with_overrides("", "t.yaml", &[o])
+                .expect("a string field takes the text")
+                .model
+                .served_name
+        };
+        for text in ["123", "0x10", "1e3", "007", "true", "1.50"] {
+            assert_eq!(
+                ok(format!("model.served_name={text}").into()),
+                Some(text.to_string())
+            );
+            assert_eq!(
+                ok(env("SWITCHYARD__MODEL__SERVED_NAME", text)),
+                Some(text.to_string())
+            );
+        }
+        // A string value is YAML's reading, as before (quotes removed).
+        assert_eq!(
+            ok("model.served_name='0x10'".into()),
+            Some("0x10".to_string())
+        );
+        // Later overrides still win, whichever of them is a number.
+        let c = Config::from_yaml_with_overrides(
+            "",
+            "t.yaml",
+            &[
+                "model.served_name=abc".into(),
+                "model.served_name=42".into(),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.model.served_name.as_deref(), Some("42"));
+        // Number fields are unchanged: a number is a number, and errors say what they said.
+        let c =
+            Config::from_yaml_with_overrides("", "t.yaml", &["server.port=9000".into()]).unwrap();
+        assert_eq!(c.server.port, 9000);
+        assert_eq!(
+            error("", &["server.port=99999".into()]),
+            "override `--set server.port=99999`: field `server.port`: 99999 is out of range \
+             0..=65535"
+        );
+        assert_eq!(
+            error("", &["server.port=abc".into()]),
+            "override `--set server.port=abc`: field `server.port`: invalid type: \
+             string \"abc\", expected an integer in 0..=65535"
+        );
     }
 
     #[test]

@@ -55,6 +55,15 @@ impl Override {
         self.text.split_once('=').map_or("", |(_, v)| v)
     }
 
+    /// Whether the value parses as a YAML number or boolean (`123`, `0x1f`, `1e3`, `true`),
+    /// which a string field takes as the text written.
+    pub(crate) fn reads_as_number_or_bool(&self) -> bool {
+        matches!(
+            serde_yaml::from_str::<Value>(self.value()),
+            Ok(Value::Number(_) | Value::Bool(_))
+        )
+    }
+
     /// Whether the field at `field` (a dotted path with list indices, as
     /// [`Config::validate`](crate::Config::validate) names fields) is this override's field,
     /// lies inside it, or holds it.
@@ -116,8 +125,10 @@ fn is_secret_scalar_path(path: &str) -> bool {
 
 /// Sets `path=value` in a YAML value tree; the value is parsed as a YAML scalar or flow
 /// collection, so `port=9000` is a number and `name=fcfs` a string, except a secret's
-/// (`server.admin_key`), which is the string as written.
-pub fn apply_override(root: &mut Value, o: &Override) -> Result<(), ConfigError> {
+/// (`server.admin_key`), which is the string as written, and any value when `as_text` (a
+/// string field given what YAML reads as a number: see
+/// [`Config::from_yaml_with_overrides`](crate::Config::from_yaml_with_overrides)).
+pub fn apply_override(root: &mut Value, o: &Override, as_text: bool) -> Result<(), ConfigError> {
     let err = |message: &str| ConfigError::Override {
         text: o.to_string(),
         message: message.to_string(),
@@ -130,7 +141,7 @@ pub fn apply_override(root: &mut Value, o: &Override) -> Result<(), ConfigError>
     if segments.is_empty() || segments.len() > MAX_DEPTH || segments.iter().any(|s| s.is_empty()) {
         return Err(err("the key must be a dotted path such as server.port"));
     }
-    let value: Value = if is_secret_scalar_path(path.trim()) {
+    let value: Value = if as_text || is_secret_scalar_path(path.trim()) {
         Value::String(raw.to_string())
     } else {
         serde_yaml::from_str(raw).map_err(|e| err(&format!("value is not valid YAML: {e}")))?
@@ -196,7 +207,7 @@ mod tests {
     use std::os::unix::ffi::OsStringExt;
 
     fn apply(v: &mut Value, text: &str) -> Result<(), ConfigError> {
-        apply_override(v, &text.into())
+        apply_override(v, &text.into(), false)
     }
 
     #[test]
