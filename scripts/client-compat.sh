@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Client-framework compatibility: serves the embedded default (SmolLM2-135M, CPU or GPU) with
+# two API keys and drives it through the clients users point at an OpenAI-compatible server:
+# LangChain (langchain-openai's ChatOpenAI and OpenAI), LiteLLM (openai/ and hosted_vllm/),
+# LlamaIndex (llama-index-llms-openai-like) and the Node openai SDK (with zod). Each check is
+# about the protocol, what the framework parses out of our answers, not the small model's
+# answers: chat and completions, n, stop, logprobs, max_completion_tokens, streaming with
+# include_usage and the frameworks' usage callbacks, tool calls (bind_tools, the SDK's stream
+# helper and runTools) with tool results sent back, structured output (with_structured_output,
+# zodResponseFormat / zodFunction with .parse), async clients, the framework's exception for a
+# 400, a context overflow, a 401 and a 404, and a 503 with Retry-After (the SDKs wait and retry).
+# The checks: scripts/client-compat/checks.py and checks.mjs.
+#
+# usage: scripts/client-compat.sh
+#   needs the model fetched, target/release/switchyard (or $SWITCHYARD_BIN), python3 with venv,
+#   node/npm and access to PyPI and the npm registry; installs pinned versions (override with
+#   PY_PACKAGES / NPM_PACKAGES) into DIR (default /tmp/switchyard-client-compat, reused by later
+#   runs); serves on PORT (default 18399). Exits 1 if any check fails.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+repo=$PWD
+bin=${SWITCHYARD_BIN:-${CARGO_TARGET_DIR:-target}/release/switchyard}
+dir=${DIR:-/tmp/switchyard-client-compat}
+port=${PORT:-18399}
+py_packages=${PY_PACKAGES:-langchain-openai==1.8.1 litellm==1.110.2 llama-index-llms-openai-like==0.8.1}
+npm_packages=${NPM_PACKAGES:-openai@6.49.0 zod@4.6.7}
+[ -x "$bin" ] || { echo "no $bin: cargo build --release --bins first" >&2; exit 2; }
+mkdir -p "$dir/node"
+
+[ -x "$dir/venv/bin/python" ] || python3 -m venv "$dir/venv"
+# shellcheck disable=SC2086 # one package a word
+"$dir/venv/bin/pip" install -q $py_packages
+(cd "$dir/node" && { [ -f package.json ] || npm init -y >/dev/null; } && npm install -s $npm_packages)
+cp scripts/client-compat/checks.mjs "$dir/node/"
+
+cat > "$dir/config.yaml" <<YAML
+model: { path: "", served_name: smollm2 }
+server:
+  host: 127.0.0.1
+  api_keys:
+    - { key: sk-compat-0001, tenant: compat, tier: standard }
+    - { key: sk-compat-tiny, tenant: tiny, tier: tiny }   # one request at a time: the 503 checks
+tiers:
+  standard: { weight: 1 }
+  tiny: { weight: 1, max_pending_requests: 1 }
+YAML
+"$bin" serve --config "$dir/config.yaml" --set server.port="$port" >"$dir/server.log" 2>&1 &
+server=$!
+trap 'kill "$server" 2>/dev/null; wait "$server" 2>/dev/null || true' EXIT
+for _ in $(seq 600); do
+  curl -sf "http://127.0.0.1:$port/ready" >/dev/null && break
+  kill -0 "$server" 2>/dev/null || { cat "$dir/server.log" >&2; exit 2; }
+  sleep 0.2
+done
+base=http://127.0.0.1:$port/v1
+rc=0
+LITELLM_LOCAL_MODEL_COST_MAP=True "$dir/venv/bin/python" -W ignore \
+  "$repo/scripts/client-compat/checks.py" "$base" sk-compat-0001 sk-compat-tiny || rc=1
+(cd "$dir/node" && node checks.mjs "$base" sk-compat-0001 sk-compat-tiny) || rc=1
+echo "server log: $dir/server.log"
+exit $rc

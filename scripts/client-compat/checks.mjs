@@ -1,0 +1,126 @@
+// Node `openai` SDK checks for scripts/client-compat.sh, against a running Switchyard server;
+// judged on the protocol (what the SDK and its helpers parse out of our responses), not on
+// the small model's answers.
+// usage: node checks.mjs BASE_URL KEY TINY_KEY (run from a folder with openai and zod installed)
+// Exits 1 if any check fails; prints one line per check.
+import OpenAI from 'openai';
+import { zodFunction, zodResponseFormat } from 'openai/helpers/zod';
+import { z } from 'zod';
+
+const [BASE, KEY, TINY] = process.argv.slice(2);
+const M = 'smollm2';
+const client = new OpenAI({ baseURL: BASE, apiKey: KEY, maxRetries: 0 });
+const failures = [];
+async function check(name, f) {
+  try {
+    const detail = await f();
+    console.log(`ok   ${name}${detail ? ': ' + detail : ''}`);
+  } catch (e) {
+    failures.push(name);
+    console.log(`FAIL ${name}: ${e?.constructor?.name}: ${String(e?.message).slice(0, 300)}`);
+  }
+}
+function expect(cond, what) { if (!cond) throw new Error(typeof what === 'string' ? what : JSON.stringify(what)); }
+async function raises(f, cls, needle) {
+  try { await f(); } catch (e) {
+    expect(e instanceof cls && String(e.message).includes(needle), `${e.constructor.name}: ${e.message}`);
+    return e.constructor.name;
+  }
+  throw new Error(`no ${cls.name}`);
+}
+const user = (content) => [{ role: 'user', content }];
+const weather = [{ type: 'function', function: { name: 'get_weather', description: 'Get the weather for a city',
+  parameters: { type: 'object', properties: { city: { type: 'string' } }, required: ['city'], additionalProperties: false } } }];
+const Event = z.object({ name: z.string(), year: z.number().int() });
+
+await check('models.list / retrieve', async () => {
+  const ids = [];
+  for await (const m of client.models.list()) ids.push(m.id);
+  expect(ids.includes(M) && (await client.models.retrieve(M)).id === M, ids);
+  return ids.join(',');
+});
+await check('chat n, stop, logprobs, max_completion_tokens', async () => {
+  const r = await client.chat.completions.create({ model: M, messages: user('Say hi'), n: 2, stop: ['\n'],
+    max_completion_tokens: 10, logprobs: true, top_logprobs: 2 });
+  expect(r.choices.length === 2 && r.choices[0].logprobs.content[0].top_logprobs.length === 2 && r.usage.completion_tokens > 0, r);
+});
+await check('completions logprobs, n', async () => {
+  const r = await client.completions.create({ model: M, prompt: 'The capital of France is', max_tokens: 4, logprobs: 2, n: 2, temperature: 0 });
+  expect(r.choices.length === 2 && r.choices[0].logprobs.tokens.length >= 1, r);
+});
+await check('stream include_usage', async () => {
+  const s = await client.chat.completions.create({ model: M, messages: user('hi'), max_tokens: 6, stream: true, stream_options: { include_usage: true } });
+  let last; let text = '';
+  for await (const c of s) { last = c; text += c.choices[0]?.delta?.content ?? ''; }
+  expect(last.choices.length === 0 && last.usage.completion_tokens === 6 && text, last);
+});
+await check('chat.completions.stream helper (n=2, logprobs)', async () => {
+  const s = client.chat.completions.stream({ model: M, messages: user('hi'), max_tokens: 5, n: 2, logprobs: true, stream_options: { include_usage: true } });
+  const f = await s.finalChatCompletion();
+  expect(f.choices.length === 2 && f.choices.every((c) => c.logprobs.content.length === 5) && f.usage.completion_tokens === 10, f);
+});
+await check('tools: stream helper accumulates calls', async () => {
+  const s = client.chat.completions.stream({ model: M, messages: user('Weather in Paris?'), max_tokens: 60, temperature: 0, tools: weather, tool_choice: 'required' });
+  const m = (await s.finalChatCompletion()).choices[0].message;
+  expect(m.tool_calls?.length >= 1 && m.tool_calls[0].function.name === 'get_weather' && JSON.parse(m.tool_calls[0].function.arguments).city, m);
+  return m.tool_calls[0].function.arguments;
+});
+await check('tools: call, tool message back', async () => {
+  const r = await client.chat.completions.create({ model: M, messages: user('Weather in Paris?'), max_tokens: 60, temperature: 0, tools: weather, tool_choice: 'required', parallel_tool_calls: false });
+  const m = r.choices[0].message;
+  expect(m.tool_calls.length === 1 && r.choices[0].finish_reason === 'tool_calls', r.choices[0]);
+  const r2 = await client.chat.completions.create({ model: M, max_tokens: 5, tools: weather,
+    messages: [...user('Weather in Paris?'), m, { role: 'tool', tool_call_id: m.tool_calls[0].id, content: [{ type: 'text', text: 'sunny' }] }] });
+  expect(r2.choices[0].finish_reason, r2);
+});
+for (const stream of [false, true]) {
+  await check(`runTools${stream ? ' (stream)' : ''}`, async () => {
+    const calls = [];
+    const runner = client.chat.completions.runTools({ model: M, messages: user('Weather in Paris?'), max_tokens: 60, temperature: 0, stream,
+      tool_choice: { type: 'function', function: { name: 'get_weather' } },
+      tools: [{ type: 'function', function: { name: 'get_weather', parameters: weather[0].function.parameters,
+        function: (a) => { calls.push(a); return 'sunny'; }, parse: JSON.parse } }] });
+    await runner.done();
+    const roles = runner.messages.map((m) => m.role);
+    expect(calls.length >= 1 && typeof calls[0].city === 'string' && roles.includes('tool'), { calls, roles });
+    return roles.join(',');
+  });
+}
+await check('zodResponseFormat + parse', async () => {
+  const r = await client.chat.completions.parse({ model: M, messages: user('Name an event with its year.'), max_tokens: 80, temperature: 0, response_format: zodResponseFormat(Event, 'event') });
+  expect(Event.safeParse(r.choices[0].message.parsed).success, r.choices[0].message);
+  return JSON.stringify(r.choices[0].message.parsed);
+});
+await check('zodResponseFormat + stream helper', async () => {
+  const s = client.chat.completions.stream({ model: M, messages: user('Name an event with its year.'), max_tokens: 80, temperature: 0, response_format: zodResponseFormat(Event, 'event') });
+  const m = (await s.finalChatCompletion()).choices[0].message;
+  expect(Event.safeParse(m.parsed).success, m);
+});
+await check('zodFunction + parse', async () => {
+  const r = await client.chat.completions.parse({ model: M, messages: user('Record an event.'), max_tokens: 80, temperature: 0,
+    tools: [zodFunction({ name: 'record', parameters: Event })], tool_choice: { type: 'function', function: { name: 'record' } } });
+  const c = r.choices[0].message.tool_calls[0];
+  expect(Event.safeParse(c.function.parsed_arguments).success, r.choices[0]);
+  return JSON.stringify(c.function.parsed_arguments);
+});
+await check('errors (400, 404, 401)', async () => {
+  const a = await raises(() => client.chat.completions.create({ model: M, messages: user('x'), n: 100 }), OpenAI.BadRequestError, 'n must be in [1, 16]');
+  const b = await raises(() => client.chat.completions.create({ model: 'nope', messages: user('x') }), OpenAI.NotFoundError, 'does not exist');
+  const c = await raises(() => new OpenAI({ baseURL: BASE, apiKey: 'wrong', maxRetries: 0 }).models.list(), OpenAI.AuthenticationError, 'Incorrect API key');
+  return [a, b, c].join(', ');
+});
+await check('503 then retry after Retry-After', async () => {
+  const hog = fetch(`${BASE}/completions`, { method: 'POST', headers: { authorization: `Bearer ${TINY}`, 'content-type': 'application/json' },
+    body: JSON.stringify({ prompt: 'hi', max_tokens: 40, ignore_eos: true }) });
+  await new Promise((r) => setTimeout(r, 300));
+  const tiny = (retries) => new OpenAI({ baseURL: BASE, apiKey: TINY, maxRetries: retries });
+  const a = await raises(() => tiny(0).chat.completions.create({ model: M, messages: user('x'), max_tokens: 2 }), OpenAI.InternalServerError, 'retry shortly');
+  const t0 = Date.now();
+  await tiny(3).chat.completions.create({ model: M, messages: user('x'), max_tokens: 2 });
+  const secs = (Date.now() - t0) / 1000;
+  await hog;
+  expect(secs >= 0.9, `${secs}s`);
+  return `${a}, then served after ${secs.toFixed(2)}s`;
+});
+console.log(`node openai SDK: ${failures.length} failed${failures.length ? ': ' + failures.join(', ') : ''}`);
+process.exit(failures.length ? 1 : 0);
