@@ -453,7 +453,7 @@ fn bench_serve_refuses_a_run_that_would_last_days_unless_allowed() {
         "1000",
     ]));
     assert!(
-        err.contains("over about 11.6 days")
+        err.contains("over about 11 d 13 h")
             && err.contains("--request-rate")
             && err.contains("--num-prompts")
             && err.contains("--allow-long-run"),
@@ -472,7 +472,7 @@ fn bench_serve_refuses_a_run_that_would_last_days_unless_allowed() {
         "--allow-long-run",
     ]));
     assert!(
-        err.contains("arrive over about 11.6 days") && err.contains("/v1/models"),
+        err.contains("arrive over about 11 d 13 h") && err.contains("/v1/models"),
         "{err}"
     );
 }
