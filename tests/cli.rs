@@ -905,6 +905,58 @@ fn serve_with_json_logs_reports_its_fatal_error_as_json() {
     );
 }
 
+/// With JSON logs, the model load's progress line is a JSON INFO event like every other line
+/// (target `switchyard::progress`): SmolLM2-135M's 30 layers of 9 tensors, its embedding and
+/// final norm (the output tied to the embedding), 272 tensors. Stopped once the line is there.
+#[test]
+fn serve_with_json_logs_writes_the_load_progress_as_json() {
+    let dir = temp_dir("json-progress");
+    let log = dir.join("serve.log");
+    let mut child = switchyard()
+        .args(["serve", "--config", "config/examples/default.yaml"])
+        .args(["--set", "server.port=0", "--set", "model.threads=1"])
+        .args([
+            "--set",
+            &format!("model.path={}", common::model_path().display()),
+        ])
+        .env("SWITCHYARD__LOGGING__FORMAT", "json")
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).expect("log file"))
+        .spawn()
+        .expect("start switchyard serve");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    let text = loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        if text.contains("\"target\":\"switchyard::progress\"}")
+            || child.try_wait().ok().flatten().is_some()
+        {
+            break text;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no progress line:\n{text}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    let _ = child.kill();
+    let _ = child.wait();
+    // Whole lines only: the server may have been writing one as the file was read.
+    let text = &text[..text.rfind('\n').map_or(0, |end| end + 1)];
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    assert!(
+        lines.iter().any(|l| l["level"] == "INFO"
+            && l["target"] == "switchyard::progress"
+            && l["fields"]["message"].as_str().is_some_and(|m| m
+                .starts_with("loading model: 272/272 tensors, done in ")
+                && m.ends_with(" s"))),
+        "{text}"
+    );
+}
+
 #[test]
 fn serve_on_a_port_in_use_fails_at_once_naming_server_port() {
     let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("a port");
