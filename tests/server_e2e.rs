@@ -1191,12 +1191,51 @@ fn a_client_that_leaves_is_counted_as_499_and_aborted() {
     );
 }
 
+/// A request's span names its tier only where its metrics do: a key of a configured tier
+/// (`gold`) shows `tier=gold`; a key without a tier (the keys' default, not configured) shows
+/// none. The fields come in one order whether the id is the client's or the server's.
+#[test]
+fn the_request_span_names_a_tier_only_where_it_is_configured() {
+    let keys = "  api_keys:\n    - { key: gold-span-key-0001, tenant: a, tier: gold }\n    \
+                - { key: plain-span-key-0001, tenant: b }\n";
+    let s = Server::start_with("span-tier", keys, "tiers:\n  gold: {}\n");
+    let body = json!({"prompt": "Hi", "max_tokens": 1, "store": true}).to_string();
+    let send = |key: &str, id: Option<&str>| {
+        let auth = format!("Bearer {key}");
+        let mut headers = vec![("authorization", auth.as_str())];
+        if let Some(id) = id {
+            headers.push(("x-request-id", id));
+        }
+        let r = s
+            .request("POST", "/v1/completions", Some(&body), &headers)
+            .expect("request");
+        assert_eq!(r.status, 200, "{}", r.body);
+        r.header("x-request-id").expect("x-request-id").to_owned()
+    };
+    let ignored = "fields were present in the request but ignored";
+    send("gold-span-key-0001", Some("span-gold-1"));
+    s.assert_logged(&[
+        ignored,
+        "request{request_id=span-gold-1 tenant=a tier=gold}:",
+    ]);
+    let id = send("gold-span-key-0001", None);
+    assert!(id.starts_with("cmpl-"), "{id}");
+    s.assert_logged(&[
+        ignored,
+        &format!("request{{request_id={id} tenant=a tier=gold}}:"),
+    ]);
+    let id = send("plain-span-key-0001", None);
+    s.assert_logged(&[ignored, &format!("request{{request_id={id} tenant=b}}:")]);
+    send("plain-span-key-0001", Some("span-plain-1"));
+    s.assert_logged(&[ignored, "request{request_id=span-plain-1 tenant=b}:"]);
+}
+
 /// Per-request log lines name the request as its client knows it (`x-request-id`) and its
-/// tier, through the request's span: the ignored-fields warning (the OpenAI SDK's `store` and
+/// tenant, through the request's span, fields in a fixed order: the ignored-fields warning (the OpenAI SDK's `store` and
 /// `metadata` trigger it) with the client's own id or the completion id, and the abort of a
 /// request whose client left.
 #[test]
-fn per_request_log_lines_carry_the_public_request_id_and_tier() {
+fn per_request_log_lines_carry_the_public_request_id_and_tenant() {
     let s = &server();
     let body = json!({"prompt": "Hi", "max_tokens": 2, "store": true,
                       "metadata": {"user": "u1"}})
@@ -1210,10 +1249,11 @@ fn per_request_log_lines_carry_the_public_request_id_and_tier() {
         )
         .expect("request");
     assert_eq!(r.status, 200, "{}", r.body);
+    // An open API with no tiers configured: its requests' metrics carry no tier label, and
+    // their span no tier.
     s.assert_logged(&[
         "fields were present in the request but ignored",
-        "request_id=audit-req-0042",
-        "tier=standard",
+        "request{request_id=audit-req-0042 tenant=anonymous}:",
         "\"store\", \"metadata\"",
     ]);
     let r = s
@@ -1232,9 +1272,10 @@ fn per_request_log_lines_carry_the_public_request_id_and_tier() {
     assert_eq!(r.status, 200, "{}", r.body);
     let id = r.header("x-request-id").expect("x-request-id").to_owned();
     assert!(id.starts_with("chatcmpl-"), "{id}");
+    // The id the handler answers with is the span's first field too, as for a client's id.
     s.assert_logged(&[
         "fields were present in the request but ignored",
-        &format!("request_id={id}"),
+        &format!("request{{request_id={id} tenant=anonymous}}:"),
     ]);
     // An abort: the detokenizer's line carries the request's span.
     let long = json!({"prompt": "Tell me a very long story", "max_tokens": 4000,

@@ -16,7 +16,7 @@ use switchyard_gpu::model::{load_model, Tokenizer};
 
 fn tokenizer() -> Arc<Tokenizer> {
     Arc::new(
-        load_model(&common::model_path(), false)
+        load_model(&common::model_path(), &switchyard_gpu::progress::NoProgress)
             .expect("SmolLM2 loads")
             .tokenizer,
     )

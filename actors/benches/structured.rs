@@ -17,7 +17,7 @@ use switchyard_gpu::model::{default_model_path, load_model, Tokenizer};
 fn tokenizer() -> Arc<Tokenizer> {
     let path = default_model_path("smollm2-135m");
     Arc::new(
-        load_model(&path, false)
+        load_model(&path, &switchyard_gpu::progress::NoProgress)
             .expect("SmolLM2 (switchyard model fetch smollm2-135m)")
             .tokenizer,
     )

@@ -994,7 +994,11 @@ mod tests {
             "{} is missing: run `switchyard model fetch smollm2-135m`",
             path.display()
         );
-        Arc::new(load_model(&path, false).expect("SmolLM2 loads").tokenizer)
+        Arc::new(
+            load_model(&path, &switchyard_gpu::progress::NoProgress)
+                .expect("SmolLM2 loads")
+                .tokenizer,
+        )
     }
 
     /// Walks `c` by picking allowed tokens with a seeded generator (ending with probability

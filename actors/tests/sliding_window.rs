@@ -21,7 +21,8 @@ const CHUNK: usize = 16;
 
 fn engine(num_blocks: usize, window: bool) -> EngineCore {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../gpu/tests/fixtures/phi3-swa");
-    let loaded = load_model(&dir, false).expect("the fixture loads");
+    let loaded =
+        load_model(&dir, &switchyard_gpu::progress::NoProgress).expect("the fixture loads");
     assert_eq!(loaded.config.sliding_window, Some(7));
     let model =
         switchyard_gpu::cpu::llama::LlamaModel::from_weights(&loaded.config, &loaded.weights)

@@ -34,6 +34,10 @@ pub struct ApiConfig {
     pub body_timeout: std::time::Duration,
     /// Tier of requests on an open API.
     pub default_tier: String,
+    /// The configured tiers' names: a request's log span names its tier only where it is one
+    /// of these, as its metrics carry a `tier` label only then (the open API's default tier,
+    /// or a key's, when no tier of that name is configured, is named by neither).
+    pub tiers: Vec<String>,
     /// Tenant of requests on an open API.
     pub anonymous_tenant: String,
     /// How the model writes tool calls, and who writes tools into its prompts (chat
@@ -56,6 +60,7 @@ impl Default for ApiConfig {
             max_body_bytes: 4 * 1024 * 1024,
             body_timeout: std::time::Duration::from_secs(10),
             default_tier: "standard".to_owned(),
+            tiers: Vec::new(),
             anonymous_tenant: "anonymous".to_owned(),
             tools: ToolSetup::default(),
             reasoning: None,
@@ -83,6 +88,7 @@ impl std::fmt::Debug for ApiConfig {
             .field("max_body_bytes", &self.max_body_bytes)
             .field("body_timeout", &self.body_timeout)
             .field("default_tier", &self.default_tier)
+            .field("tiers", &self.tiers)
             .field("anonymous_tenant", &self.anonymous_tenant)
             .field("tools", &self.tools)
             .field("reasoning", &self.reasoning)
@@ -261,7 +267,9 @@ pub async fn require_api_key(
     };
     let span = tracing::Span::current();
     span.record("tenant", tracing::field::display(&principal.tenant));
-    span.record("tier", tracing::field::display(&principal.tier));
+    if config.tiers.contains(&principal.tier) {
+        span.record("tier", tracing::field::display(&principal.tier));
+    }
     req.extensions_mut().insert(principal);
     next.call(req).await
 }

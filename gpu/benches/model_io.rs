@@ -14,9 +14,11 @@ fn bench(c: &mut Criterion) {
         path.display()
     );
     c.bench_function("load_model smollm2 gguf", |b| {
-        b.iter(|| load_model(black_box(&path), false).expect("loads"))
+        b.iter(|| {
+            load_model(black_box(&path), &switchyard_gpu::progress::NoProgress).expect("loads")
+        })
     });
-    let m = load_model(&path, false).expect("loads");
+    let m = load_model(&path, &switchyard_gpu::progress::NoProgress).expect("loads");
     let text = "The quick brown fox jumps over the lazy dog. 12345 apples, 678 pears!\n".repeat(64);
     let ids = m.tokenizer.encode(&text, false).expect("encodes");
     let mut g = c.benchmark_group("tokenizer");

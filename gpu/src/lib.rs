@@ -5,6 +5,7 @@ pub mod error;
 #[cfg(test)]
 mod fuzz;
 pub mod model;
+pub mod progress;
 
 pub use error::GpuError;
 pub mod backend;

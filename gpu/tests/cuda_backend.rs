@@ -2646,7 +2646,8 @@ fn llama3_8b_shape_matches_transformers_float32() {
     .expect("JSON");
     assert_eq!(meta["format"], "switchyard-ref-logits/1");
     let started = std::time::Instant::now();
-    let model = switchyard_gpu::model::load_model(&dir, false).expect("load the checkpoint");
+    let model = switchyard_gpu::model::load_model(&dir, &switchyard_gpu::progress::NoProgress)
+        .expect("load the checkpoint");
     let c = model.config.clone();
     let tokens = ids(&meta["tokens"]);
     let positions: Vec<usize> = meta["full_positions"]

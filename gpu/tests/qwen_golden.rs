@@ -46,7 +46,11 @@ fn ids(v: &Value) -> Vec<u32> {
 }
 
 fn load(name: &str) -> LoadedModel {
-    load_model(&fixtures().join(name), false).expect("the model loads")
+    load_model(
+        &fixtures().join(name),
+        &switchyard_gpu::progress::NoProgress,
+    )
+    .expect("the model loads")
 }
 
 /// Logits of `tokens` fed in chunks of `chunks` tokens (one step each), every position's row.

@@ -46,7 +46,7 @@ fn model_path() -> PathBuf {
 }
 
 fn model() -> LoadedModel {
-    load_model(&model_path(), false).expect("SmolLM2 loads")
+    load_model(&model_path(), &switchyard_gpu::progress::NoProgress).expect("SmolLM2 loads")
 }
 
 #[test]

@@ -6,7 +6,9 @@
 //! no escape codes, at most one line per interval however fast the work goes (a thread of its
 //! own writes them, so a line also comes while nothing finishes). `switchyard simulate` reports
 //! each policy's run this way, and the binary's other long commands (`bench serve`,
-//! `bench throughput`, `calibrate`) use the same [`Progress`].
+//! `bench throughput`, `calibrate`, and through the GPU crate's `ProgressSink` `model fetch`
+//! and a model's load) use the same [`Progress`]; where a log subscriber is installed the
+//! binary writes the lines through it ([`Progress::lines`] with a writer of its own).
 //!
 //! ```
 //! use switchyard_simulator::progress::Progress;
@@ -283,19 +285,23 @@ impl LineReport {
             done => {
                 let per_item = elapsed.as_secs_f64() / done as f64;
                 let left = Duration::from_secs_f64(per_item * (counts.len - done) as f64);
-                format!(", about {} left", clock(left))
+                format!(", about {} left", format_duration(left))
             }
         };
         Some(format!(
             "{}, {} elapsed{left}",
             self.counted(counts),
-            clock(elapsed)
+            format_duration(elapsed)
         ))
     }
 
     /// The line written when the task finishes.
     fn final_line(&self, elapsed: Duration, counts: Snapshot) -> String {
-        format!("{}, done in {}", self.counted(counts), clock(elapsed))
+        format!(
+            "{}, done in {}",
+            self.counted(counts),
+            format_duration(elapsed)
+        )
     }
 
     /// `label: done/len unit (failed failed)`.
@@ -311,14 +317,29 @@ impl LineReport {
     }
 }
 
-/// A duration as an operator reads it: `37 s`, `12 min 05 s`, `3 h 07 min`.
-fn clock(d: Duration) -> String {
+/// A duration as an operator reads it, in its two largest units: `37 s`, `12 min 05 s`,
+/// `3 h 07 min`, `11 d 13 h`. Rounded to the second, then the smaller units are dropped (not
+/// rounded): `3 h 07 min 59 s` reads `3 h 07 min`. Every duration the binary shows people
+/// (progress lines, `bench serve`'s warnings) is written by this one function.
+pub fn format_duration(d: Duration) -> String {
     let s = d.as_secs_f64().round() as u64;
     match s {
         0..60 => format!("{s} s"),
         60..3600 => format!("{} min {:02} s", s / 60, s % 60),
-        _ => format!("{} h {:02} min", s / 3600, s % 3600 / 60),
+        3600..86_400 => format!("{} h {:02} min", s / 3600, s % 3600 / 60),
+        _ => format!("{} d {:02} h", s / 86_400, s % 86_400 / 3600),
     }
+}
+
+/// A duration given in seconds, as [`format_duration`] writes it; a negative or NaN count
+/// reads as zero and one too large for a [`Duration`] as the largest.
+pub fn format_seconds(s: f64) -> String {
+    let d = if s.is_nan() || s <= 0.0 {
+        Duration::ZERO
+    } else {
+        Duration::try_from_secs_f64(s).unwrap_or(Duration::MAX)
+    };
+    format_duration(d)
 }
 
 #[cfg(test)]
@@ -351,18 +372,38 @@ mod tests {
         );
     }
 
+    /// Hand-computed: 754 s = 12 x 60 + 34; 11,220 s = 3 x 3600 + 7 x 60; 999,000 s =
+    /// 11 x 86,400 + 13 x 3600 + 1800 (the half hour dropped); 3h 07 min 59.6 s rounds to
+    /// 3 h 08 min 00 s.
     #[test]
-    fn durations_read_in_seconds_minutes_or_hours() {
+    fn durations_read_in_their_two_largest_units() {
         for (secs, text) in [
             (0.4, "0 s"),
+            (0.5, "1 s"),
             (59.4, "59 s"),
+            (59.6, "1 min 00 s"),
             (60.0, "1 min 00 s"),
+            (754.0, "12 min 34 s"),
             (3599.0, "59 min 59 s"),
             (3600.0, "1 h 00 min"),
             (11_220.0, "3 h 07 min"),
+            (11_279.0, "3 h 07 min"),
+            (11_279.6, "3 h 08 min"),
+            (86_399.0, "23 h 59 min"),
+            (86_400.0, "1 d 00 h"),
+            (999_000.0, "11 d 13 h"),
         ] {
-            assert_eq!(clock(Duration::from_secs_f64(secs)), text, "{secs} s");
+            assert_eq!(
+                format_duration(Duration::from_secs_f64(secs)),
+                text,
+                "{secs} s"
+            );
+            assert_eq!(format_seconds(secs), text, "{secs} s");
         }
+        assert_eq!(format_seconds(-3.0), "0 s");
+        assert_eq!(format_seconds(f64::NAN), "0 s");
+        // u64::MAX seconds: 213,503,982,334,601 days and 7 hours.
+        assert_eq!(format_seconds(f64::INFINITY), "213503982334601 d 07 h");
     }
 
     /// However often it is asked (work finishing fast), a line comes at most once per

@@ -17,7 +17,7 @@ use crossbeam::channel;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde_json::json;
-use switchyard_simulator::progress::Progress;
+use switchyard_simulator::progress::{format_seconds, Progress};
 use switchyard_simulator::report::percentile;
 use switchyard_simulator::spec::{short_number, show_range, RATE_RANGE, TIME_SCALE_RANGE};
 use switchyard_simulator::trace::{MAX_ARRIVAL_S, MAX_REQUESTS as MAX_ROWS};
@@ -168,19 +168,6 @@ fn arrival_span_s(args: &ServeBenchArgs, work: &[(usize, usize, Option<f64>)]) -
     }
 }
 
-/// A duration for people: seconds, minutes, hours or days.
-fn human_duration(s: f64) -> String {
-    if s < 120.0 {
-        format!("{s:.0} s")
-    } else if s < 2.0 * 3600.0 {
-        format!("{:.1} minutes", s / 60.0)
-    } else if s < 2.0 * 86_400.0 {
-        format!("{:.1} hours", s / 3600.0)
-    } else {
-        format!("{:.1} days", s / 86_400.0)
-    }
-}
-
 /// Refuses a run whose arrivals would span more than [`MAX_ARRIVAL_SPAN_S`] unless
 /// `--allow-long-run`, naming the flags that set the span.
 fn check_arrival_span(args: &ServeBenchArgs, span_s: f64) -> anyhow::Result<()> {
@@ -209,7 +196,7 @@ fn check_arrival_span(args: &ServeBenchArgs, span_s: f64) -> anyhow::Result<()> 
     anyhow::bail!(
         "{what} {}, and the run lasts at least that long: {fix}, or pass --allow-long-run to \
          start a run of more than {} hours anyway",
-        human_duration(span_s),
+        format_seconds(span_s),
         MAX_ARRIVAL_SPAN_S / 3600.0
     )
 }
@@ -410,7 +397,7 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
     if span >= ANNOUNCED_ARRIVAL_SPAN_S {
         eprintln!(
             "The requests arrive over about {}, so the run lasts at least that long.",
-            human_duration(span)
+            format_seconds(span)
         );
     }
     let model = match &args.model {
@@ -953,7 +940,7 @@ mod tests {
         assert_eq!(
             e.to_string(),
             "--num-prompts 1000 at --request-rate 0.001 requests/s spaces the arrivals over \
-             about 11.6 days, and the run lasts at least that long: raise --request-rate or \
+             about 11 d 13 h, and the run lasts at least that long: raise --request-rate or \
              lower --num-prompts, or pass --allow-long-run to start a run of more than 24 hours \
              anyway"
         );
@@ -975,7 +962,7 @@ mod tests {
         let e = span_check(&trace).unwrap_err();
         assert!(
             e.to_string().starts_with(
-                "the trace's first 2 arrivals at --time-scale 1 span 2.0 days, and the run lasts"
+                "the trace's first 2 arrivals at --time-scale 1 span 2 d 00 h, and the run lasts"
             ) && e
                 .to_string()
                 .contains("raise --time-scale or lower --num-prompts"),
@@ -986,13 +973,5 @@ mod tests {
             43_200.0
         );
         let _ = std::fs::remove_file(&path);
-    }
-
-    #[test]
-    fn durations_read_in_the_unit_that_suits_them() {
-        assert_eq!(human_duration(42.4), "42 s");
-        assert_eq!(human_duration(600.0), "10.0 minutes");
-        assert_eq!(human_duration(86_400.0), "24.0 hours");
-        assert_eq!(human_duration(999_000.0), "11.6 days");
     }
 }

@@ -12,7 +12,8 @@ mod simulate;
 
 use crate::cli::{Cli, Command};
 use std::io::IsTerminal;
-use switchyard_simulator::progress::Progress;
+use switchyard_gpu::progress::{ProgressSink, ProgressStep};
+use switchyard_simulator::progress::{Progress, LINE_INTERVAL};
 
 /// Dispatches a parsed command line.
 pub fn run(cli: Cli) -> anyhow::Result<()> {
@@ -25,11 +26,6 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Serve(args) => serve::run(args),
         Command::Simulate(args) => simulate::run(args),
     }
-}
-
-/// Whether to draw the model loader's progress bars: only on a terminal.
-pub fn progress_enabled() -> bool {
-    std::io::stderr().is_terminal()
 }
 
 /// Installs the tracing subscriber once, honouring `RUST_LOG` over the configured level.
@@ -73,8 +69,20 @@ pub fn report_fatal(err: &anyhow::Error) {
 
 /// The progress of a long command on stderr: a bar on a terminal, else a plain line every
 /// [`switchyard_simulator::progress::LINE_INTERVAL`] and one at the end, such as
-/// `bench serve: 412/1000 requests (0 failed), 37 s elapsed, about 52 s left`.
+/// `bench serve: 412/1000 requests (0 failed), 37 s elapsed, about 52 s left`. Where a log
+/// subscriber is installed (`serve`) and the logs are JSON or stderr is not a terminal, each
+/// such line is an INFO event instead (target `switchyard::progress`), so that a JSON log
+/// stream stays JSON and a text log keeps its line format.
 pub fn progress(label: &str, len: u64, unit: &str) -> Progress {
+    if through_logs() {
+        return Progress::lines(
+            label,
+            unit,
+            len,
+            LINE_INTERVAL,
+            Box::new(LogLines::default()),
+        );
+    }
     let bar = indicatif::ProgressBar::new(len);
     let style = indicatif::ProgressStyle::with_template(&format!(
         "{{bar:40}} {{pos}}/{{len}} {unit} ({{elapsed}} elapsed, eta {{eta}})"
@@ -82,4 +90,69 @@ pub fn progress(label: &str, len: u64, unit: &str) -> Progress {
     .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar());
     bar.set_style(style);
     Progress::on_stderr(label, unit, bar)
+}
+
+/// Whether progress and status lines go through the log subscriber rather than straight to
+/// stderr: where one is installed, and the logs are JSON (every line on stderr must be JSON,
+/// a bar included) or stderr is not a terminal (no bar is drawn).
+fn through_logs() -> bool {
+    tracing::dispatcher::has_been_set()
+        && (JSON_LOGS.load(std::sync::atomic::Ordering::Relaxed)
+            || !std::io::stderr().is_terminal())
+}
+
+/// Progress lines written as INFO events: each line written to it is one event.
+#[derive(Default)]
+struct LogLines {
+    /// A line not yet ended.
+    pending: Vec<u8>,
+}
+
+impl std::io::Write for LogLines {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.pending.extend_from_slice(buf);
+        while let Some(end) = self.pending.iter().position(|&b| b == b'\n') {
+            let line: Vec<u8> = self.pending.drain(..=end).collect();
+            let line = String::from_utf8_lossy(&line[..end]);
+            tracing::info!(target: "switchyard::progress", "{line}");
+        }
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// The binary's [`ProgressSink`] for the GPU crate's long steps (`model fetch`'s download, the
+/// checks of a model's weights as it loads): its steps are shown by [`progress`], as every
+/// long command's, and its notes are written to stderr, or logged at INFO where [`progress`]
+/// logs its lines.
+pub struct StderrProgress;
+
+impl ProgressSink for StderrProgress {
+    fn note(&self, message: &str) {
+        if through_logs() {
+            tracing::info!(target: "switchyard::progress", "{message}");
+        } else {
+            eprintln!("{message}");
+        }
+    }
+
+    fn step(&self, label: &str, len: u64, unit: &str) -> Box<dyn ProgressStep> {
+        Box::new(Step(progress(label, len, unit)))
+    }
+}
+
+/// A step of [`StderrProgress`].
+struct Step(Progress);
+
+impl ProgressStep for Step {
+    fn set_position(&self, done: u64) {
+        self.0.set_position(done);
+    }
+
+    fn finish(self: Box<Self>) {
+        self.0.finish();
+    }
 }

@@ -8,7 +8,7 @@ pub fn run(cmd: ModelCommand) -> anyhow::Result<()> {
             let path = switchyard_gpu::model::fetch::fetch_model(
                 &name,
                 cache_dir.as_deref(),
-                super::progress_enabled(),
+                &super::StderrProgress,
             )?;
             println!("{}", path.display());
             Ok(())

@@ -52,9 +52,9 @@ pub fn expand_home(p: &Path) -> PathBuf {
     }
 }
 
-/// Loads a model file with a progress bar on terminals.
+/// Loads a model file, its progress shown as every long command's ([`super::progress`]).
 pub fn load(path: &Path) -> anyhow::Result<LoadedModel> {
-    switchyard_gpu::model::load_model(path, super::progress_enabled())
+    switchyard_gpu::model::load_model(path, &super::StderrProgress)
         .with_context(|| format!("loading model {}", path.display()))
 }
 

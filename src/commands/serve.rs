@@ -443,6 +443,7 @@ fn api_config(
         max_body_bytes: config.server.max_body_bytes,
         body_timeout: Duration::from_secs(config.server.request_timeout_s),
         tools,
+        tiers: config.tiers.keys().cloned().collect(),
         ..ApiConfig::default()
     }
 }

@@ -9,7 +9,6 @@ use crate::body::read_json;
 use crate::engine::{FinishReason, StructuredOutputSpec, TokenLogprob};
 use crate::error::ApiError;
 use crate::generation::{ChoiceDelta, Generation, RequestFields};
-use crate::request_id::client_request_id;
 use crate::schema::reasoning::{ThinkSplitter, ThinkStart};
 use crate::schema::tools::{new_call_id, ToolAnswer, ToolFormat, ToolPiece, ToolStream};
 use crate::schema::{
@@ -28,8 +27,7 @@ pub(crate) async fn chat_completions(
 ) -> Result<HttpResponse, ApiError> {
     let in_flight = state.admit()?;
     let body: ChatRequest = read_json(&req, payload, &state.config).await?;
-    let id = request_id("chatcmpl-", client_request_id(&req));
-    crate::request_id::record(&req, &id);
+    let id = crate::request_id::completion_id(&req, "chatcmpl-");
     body.ignored.warn("/v1/chat/completions");
     let lora = check_model(&state, body.model.as_deref())?;
     let tool_format = state.config.tools.format;

@@ -9,12 +9,11 @@ use crate::body::read_json;
 use crate::engine::PromptInput;
 use crate::error::ApiError;
 use crate::generation::{ChoiceDelta, Generation, RequestFields};
-use crate::request_id::client_request_id;
 use crate::schema::{
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage,
 };
 use crate::sse::{chunk_usage, frame, sse_response, ChunkWriter, RunningUsage};
-use crate::state::{request_id, unix_now, ApiState};
+use crate::state::{unix_now, ApiState};
 
 /// Handles `POST /v1/completions`.
 pub(crate) async fn completions(
@@ -25,8 +24,7 @@ pub(crate) async fn completions(
 ) -> Result<HttpResponse, ApiError> {
     let in_flight = state.admit()?;
     let body: CompletionRequest = read_json(&req, payload, &state.config).await?;
-    let id = request_id("cmpl-", client_request_id(&req));
-    crate::request_id::record(&req, &id);
+    let id = crate::request_id::completion_id(&req, "cmpl-");
     body.ignored.warn("/v1/completions");
     let lora = check_model(&state, body.model.as_deref())?;
     let validated = body.validate(state.engine.max_model_len())?;

@@ -100,8 +100,6 @@ pub(crate) async fn tokenize(
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
     let body: TokenizeRequest = read_json(&req, payload, &state.config).await?;
-    // An id of its own for the log line and `x-request-id` alike.
-    crate::request_id::record(&req, &crate::state::request_id("", None));
     body.ignored.warn("/tokenize");
     check_model(&state, body.model.as_deref())?;
     let input = match (body.prompt, body.messages) {
@@ -172,7 +170,6 @@ pub(crate) async fn detokenize(
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
     let body: DetokenizeRequest = read_json(&req, payload, &state.config).await?;
-    crate::request_id::record(&req, &crate::state::request_id("", None));
     body.ignored.warn("/detokenize");
     check_model(&state, body.model.as_deref())?;
     if body.tokens.len() > MAX_DETOKENIZE_TOKENS {

