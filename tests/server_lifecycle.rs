@@ -145,7 +145,10 @@ fn client_disconnect_aborts_and_frees_blocks() {
 
 #[test]
 fn hang_ups_of_every_request_kind_leave_the_engine_idle_and_serving() {
-    let s = Server::start("hangups", "");
+    // A bound on requests in flight that the hang-ups below may reach (it refuses some then):
+    // every seat they took must come back, which only a request taking them all can tell.
+    const SEATS: usize = 32;
+    let s = Server::start_with("hangups", &format!("  max_pending_requests: {SEATS}\n"), "");
     let model = s.model_id();
     let kinds: Vec<(&str, Value)> = vec![
         (
@@ -251,6 +254,16 @@ fn hang_ups_of_every_request_kind_leave_the_engine_idle_and_serving() {
         assert!(!log.contains(bad), "`{bad}` in the server log:\n{log}");
     }
     s.assert_serves();
+    // Every admission seat is back: one request of two prompts × 16 choices takes them all.
+    let (code, v) = s.post_json(
+        "/v1/completions",
+        &json!({"model": model, "prompt": ["Hi", "Ho"], "n": SEATS / 2, "max_tokens": 1}),
+    );
+    assert_eq!(
+        code, 200,
+        "seats not all given back after the hang-ups: {v}"
+    );
+    assert_eq!(v["choices"].as_array().map(Vec::len), Some(SEATS), "{v}");
 }
 
 #[test]
