@@ -8,7 +8,10 @@ up at a random moment (some after reading a little, some half-closing first). Th
 the engine is idle with every KV block back (exit 1 if it is not within 60 s) and checks that a
 plain request is still served. Standard library only.
 
-usage: scripts/hangup-storm.py [--port 8000] [--rounds 40] [--api-key KEY]
+With --seats N (the server's server.max_pending_requests, at most 32) it then checks that
+every admission seat came back: one request of two prompts x N/2 choices takes them all.
+
+usage: scripts/hangup-storm.py [--port 8000] [--rounds 40] [--api-key KEY] [--seats N]
 (the key defaults to $SWITCHYARD_API_KEY; none for a server without keys)
 The tests' version of this is tests/server_lifecycle.rs
 (hang_ups_of_every_request_kind_leave_the_engine_idle_and_serving).
@@ -21,6 +24,7 @@ import socket
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 
 KINDS = [
@@ -59,6 +63,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--api-key", default=os.environ.get("SWITCHYARD_API_KEY"),
                     help="bearer key for a server with API keys (default: $SWITCHYARD_API_KEY)")
+    ap.add_argument("--seats", type=int, default=0,
+                    help="the server's server.max_pending_requests (even, at most 32): check "
+                         "that every seat is free after the storm")
     args = ap.parse_args()
     base = f"http://127.0.0.1:{args.port}"
     auth = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -121,6 +128,17 @@ def main():
     print(f"a plain request after it: {usage}")
     if usage["completion_tokens"] != 4:
         sys.exit(1)
+    if args.seats:
+        req = urllib.request.Request(
+            f"{base}/v1/completions", headers={"Content-Type": "application/json", **auth},
+            data=json.dumps({"model": model, "prompt": ["Hi", "Ho"], "n": args.seats // 2,
+                             "max_tokens": 1}).encode())
+        try:
+            choices = len(json.loads(urllib.request.urlopen(req).read())["choices"])
+        except urllib.error.HTTPError as e:
+            print(f"seats not all back: a request for {args.seats} was refused: {e.read().decode()}")
+            sys.exit(1)
+        print(f"all {args.seats} admission seats back: {choices} choices served")
 
 
 if __name__ == "__main__":

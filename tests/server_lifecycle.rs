@@ -143,9 +143,108 @@ fn client_disconnect_aborts_and_frees_blocks() {
     s.assert_serves();
 }
 
+/// The sum of the samples of `name` whose labels include `label` (such as `reason="unavailable"`).
+fn labelled_metric(s: &Server, name: &str, label: &str) -> f64 {
+    let r = s.request("GET", "/metrics", None, &[]).expect("/metrics");
+    r.body
+        .lines()
+        .filter(|l| l.starts_with(&format!("{name}{{")) && l.contains(label))
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum()
+}
+
+/// A client that stays connected but stops reading its stream is cut off once the events
+/// waiting for it fill the request's buffer (4096 events in the server): it gets an
+/// `unavailable` error and `[DONE]`, its request ends (KV blocks and seats back), and each of
+/// its choices counts in `request_failed_total{reason="unavailable"}`: not in
+/// `request_aborted_total` (the client did not leave), nor in `request_success_total` (none of
+/// its choices reached the client's end). Before, they counted as aborted (8 here), and choices
+/// cut off at their last delta as successes.
+#[test]
+fn a_stream_its_client_stops_reading_is_cut_off_and_counted_as_failed() {
+    let s = Server::start("slow-reader", "cache:\n  kv_cache_mb: 1024\n");
+    let model = s.model_id();
+    // 8 choices of up to 4000 tokens, each event carrying logprobs: the cut-off comes long
+    // before any choice could finish (after roughly 1200 steps here, once the socket buffers
+    // and the 4096 events of the channel are full).
+    let body = json!({"model": model, "prompt": "Tell me a story", "max_tokens": 4000, "n": 8,
+                      "ignore_eos": true, "temperature": 1.0, "logprobs": 5, "stream": true})
+    .to_string();
+    // A small receive buffer: the kernel holds little of what the client does not read.
+    let socket =
+        socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).expect("socket");
+    socket.set_recv_buffer_size(2048).expect("SO_RCVBUF");
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], s.port));
+    socket.connect(&addr.into()).expect("connect");
+    let mut stream: std::net::TcpStream = socket.into();
+    write!(
+        stream,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .expect("send");
+    wait_running(&s, 8);
+    // Not read until the request ended: cut off (or, should the cut-off never come, run to
+    // its end, which fails below).
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while s.metric("switchyard:num_requests_running").unwrap_or(0.0) > 0.0 {
+        assert!(
+            Instant::now() < deadline,
+            "the unread stream was never cut off; log:\n{}",
+            s.log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let failed = |reason: &str| {
+        labelled_metric(
+            &s,
+            "switchyard:request_failed_total",
+            &format!("reason=\"{reason}\""),
+        )
+    };
+    // The detokenizer counts before it lets the request go: wait for the seats too.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while failed("unavailable") < 8.0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(
+        (
+            failed("unavailable"),
+            s.metric("switchyard:request_aborted_total"),
+            s.metric("switchyard:request_success_total"),
+        ),
+        (8.0, Some(0.0), Some(0.0)),
+        "(failed unavailable, aborted, success) after the cut-off"
+    );
+    assert_eq!(s.metric("switchyard:kv_cache_usage_perc"), Some(0.0));
+    // The client, reading at last, finds the reason and the end of the stream.
+    stream
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    let r = common::read_response(&mut stream).expect("the stream's end");
+    assert_eq!(r.status, 200);
+    let mut events = sse_events(&r.body);
+    assert_eq!(events.pop().as_deref(), Some("[DONE]"));
+    let last: Value = serde_json::from_str(events.last().expect("an event")).expect("JSON");
+    assert_eq!(last["error"]["code"], "unavailable", "{last}");
+    let message = last["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("cut off"), "{message}");
+    assert!(
+        events
+            .iter()
+            .all(|e| !e.contains("\"finish_reason\":\"length\"")),
+        "a choice finished before the cut-off: the test needs longer choices"
+    );
+    s.assert_serves();
+}
+
 #[test]
 fn hang_ups_of_every_request_kind_leave_the_engine_idle_and_serving() {
-    let s = Server::start("hangups", "");
+    // A bound on requests in flight that the hang-ups below may reach (it refuses some then):
+    // every seat they took must come back, which only a request taking them all can tell.
+    const SEATS: usize = 32;
+    let s = Server::start_with("hangups", &format!("  max_pending_requests: {SEATS}\n"), "");
     let model = s.model_id();
     let kinds: Vec<(&str, Value)> = vec![
         (
@@ -251,6 +350,16 @@ fn hang_ups_of_every_request_kind_leave_the_engine_idle_and_serving() {
         assert!(!log.contains(bad), "`{bad}` in the server log:\n{log}");
     }
     s.assert_serves();
+    // Every admission seat is back: one request of two prompts × 16 choices takes them all.
+    let (code, v) = s.post_json(
+        "/v1/completions",
+        &json!({"model": model, "prompt": ["Hi", "Ho"], "n": SEATS / 2, "max_tokens": 1}),
+    );
+    assert_eq!(
+        code, 200,
+        "seats not all given back after the hang-ups: {v}"
+    );
+    assert_eq!(v["choices"].as_array().map(Vec::len), Some(SEATS), "{v}");
 }
 
 #[test]

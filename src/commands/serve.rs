@@ -609,6 +609,9 @@ struct ChannelSink {
     tokenizer: Arc<Tokenizer>,
     /// Set by the HTTP layer when another prompt of the same request failed.
     sibling_failure: port::SiblingFailure,
+    /// Set once the client was cut off for reading too slowly: the request is over for the
+    /// engine (the sink is closed), and it failed as unavailable, not because the client left.
+    cut_off: bool,
 }
 
 impl ChannelSink {
@@ -679,9 +682,13 @@ impl OutputSink for ChannelSink {
             EngineOutput::Delta(d) => EngineEvent::Delta(self.delta(d)),
             EngineOutput::Error(e) => EngineEvent::Error(to_port_error(e)),
         };
+        if self.cut_off {
+            return false;
+        }
         // A full channel means the client reads far slower than we generate: cut it off
         // rather than block the engine, and say so in the last free slot.
         if self.tx.capacity() <= 1 && !matches!(event, EngineEvent::Error(_)) {
+            self.cut_off = true;
             let _ = self.tx.try_send(EngineEvent::Error(EngineError::new(
                 EngineErrorKind::Unavailable,
                 format!(
@@ -696,10 +703,17 @@ impl OutputSink for ChannelSink {
     }
 
     fn is_closed(&self) -> bool {
-        self.tx.is_closed()
+        self.cut_off || self.tx.is_closed()
+    }
+
+    fn will_deliver(&self) -> bool {
+        !self.is_closed() && self.tx.capacity() > 1
     }
 
     fn abandoned_for(&self) -> Option<SubmitErrorKind> {
+        if self.cut_off && self.sibling_failure.get().is_none() {
+            return Some(SubmitErrorKind::Unavailable);
+        }
         self.sibling_failure.get().map(|kind| match kind {
             EngineErrorKind::InvalidRequest => SubmitErrorKind::InvalidRequest,
             EngineErrorKind::NotFound => SubmitErrorKind::UnknownModel,
@@ -784,6 +798,7 @@ impl EngineAdapter {
             tx,
             tokenizer: self.tokenizer.clone(),
             sibling_failure,
+            cut_off: false,
         });
         (options, sink, rx)
     }
@@ -982,13 +997,23 @@ mod tests {
             tx,
             tokenizer,
             sibling_failure: Default::default(),
+            cut_off: false,
         };
         // Nobody reads: three deltas fit, the fourth finds only the slot kept for the reason.
         assert!(sink.send(delta(0)));
         assert!(sink.send(delta(0)));
+        assert!(sink.will_deliver());
         assert!(sink.send(delta(0)));
+        // The next output would be cut off: the engine hears it before sending a last delta,
+        // so that a choice whose end the client never reads is not counted a success.
+        assert!(!sink.will_deliver());
         assert!(!sink.send(delta(0)));
         assert!(!sink.send(delta(0)));
+        // The client is still connected, but the engine must treat its request as ended,
+        // and the server's cut-off as the reason (request_failed_total{reason="unavailable"}),
+        // not as a client that went away (request_aborted_total).
+        assert!(sink.is_closed());
+        assert_eq!(sink.abandoned_for(), Some(SubmitErrorKind::Unavailable));
         for _ in 0..3 {
             assert!(matches!(rx.try_recv(), Ok(EngineEvent::Delta(_))));
         }

@@ -682,11 +682,13 @@ impl Handler<StepEvents> for DetokenizerActor {
             }
             // A finishing choice's metrics are recorded before its last delta goes out, so
             // that a client reading /metrics right after its response sees them (the HTTP
-            // layer may answer before this actor runs again). A client already gone gets none
-            // (its choices count as aborted); one whose last delta then fails to go out stays
-            // a success: the choice is gone, and the abort counts only its open siblings.
+            // layer may answer before this actor runs again). A client already gone, or one
+            // the sink would cut off rather than deliver the delta to, gets none (its choices
+            // count as aborted, or as failed); one whose last delta then fails to go out (it
+            // left meanwhile) stays a success: the choice is gone, and the abort counts only
+            // its open siblings.
             if let Some((reason, _)) = finished {
-                if !request.borrow().sink.is_closed() {
+                if request.borrow().sink.will_deliver() {
                     if let Some(ChoiceState {
                         tokens,
                         first_at: Some(first),

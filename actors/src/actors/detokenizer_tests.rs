@@ -376,11 +376,18 @@ enum Client {
     LeavesAtLastDelta,
     /// Is gone before its request is queued (while its prompt is encoded).
     GoneAtSubmit,
+    /// Stays connected but reads too slowly: the sink takes this many deltas, then cuts the
+    /// client off with an error (as the server's channel sink does when its buffer is full).
+    CutOffAfter(usize),
 }
 
 struct Sink {
     client: Client,
     gone: bool,
+    /// Deltas taken so far.
+    deltas: usize,
+    /// The sink cut its client off (the client is still connected).
+    cut_off: bool,
     errors: Arc<Mutex<Vec<String>>>,
     /// What the client's other prompts failed with, if that is why it left.
     abandoned_for: Option<SubmitErrorKind>,
@@ -388,10 +395,21 @@ struct Sink {
 
 impl OutputSink for Sink {
     fn send(&mut self, output: EngineOutput) -> bool {
+        if self.gone || self.cut_off {
+            return false;
+        }
         match output {
             EngineOutput::Delta(d) => {
+                if let Client::CutOffAfter(k) = self.client {
+                    if self.deltas == k {
+                        self.cut_off = true;
+                        self.errors.lock().unwrap().push("cut off".into());
+                        return false;
+                    }
+                }
+                self.deltas += 1;
                 let leaves = match self.client {
-                    Client::Stays | Client::GoneAtSubmit => false,
+                    Client::Stays | Client::GoneAtSubmit | Client::CutOffAfter(_) => false,
                     Client::LeavesAtFirstDelta => true,
                     Client::LeavesAtLastDelta => d.finish.is_some(),
                 };
@@ -403,10 +421,17 @@ impl OutputSink for Sink {
         !self.gone
     }
     fn is_closed(&self) -> bool {
-        self.gone
+        self.gone || self.cut_off
+    }
+    fn will_deliver(&self) -> bool {
+        let full = matches!(self.client, Client::CutOffAfter(k) if self.deltas == k);
+        !self.is_closed() && !full
     }
     fn abandoned_for(&self) -> Option<SubmitErrorKind> {
-        self.abandoned_for
+        match self.abandoned_for {
+            Some(kind) => Some(kind),
+            None => self.cut_off.then_some(SubmitErrorKind::Unavailable),
+        }
     }
 }
 
@@ -429,6 +454,8 @@ async fn run_abandoned(
         Box::new(Sink {
             client,
             gone: client == Client::GoneAtSubmit,
+            deltas: 0,
+            cut_off: false,
             errors: errors.clone(),
             abandoned_for,
         }),
@@ -465,6 +492,8 @@ fn submit_prompts(
         let sink: Box<dyn OutputSink> = Box::new(Sink {
             client: Client::Stays,
             gone: false,
+            deltas: 0,
+            cut_off: false,
             errors: e,
             abandoned_for: None,
         });
@@ -743,6 +772,61 @@ async fn a_last_delta_lost_after_the_success_counts_once() {
         vec![(success("length"), 1)]
     );
     assert_eq!(m.counter(names::REQUEST_ABORTED), 0);
+}
+
+/// A client the sink cuts off for reading too slowly is still connected: its request failed
+/// (the server ended it, and told it so), it did not go away. A choice whose last delta is
+/// the one cut off is no success either: its client never read its end.
+#[actix::test]
+async fn a_client_cut_off_for_reading_slowly_counts_as_failed_not_aborted_nor_success() {
+    let (engine, _) = start_engine(false, false);
+    // Three steps, one delta each: the last one (the choice's end) is cut off.
+    let errors = run(
+        &engine,
+        request(1, 3, ignoring_eos()),
+        Client::CutOffAfter(2),
+    )
+    .await;
+    assert_eq!(errors, ["cut off"]);
+    let m = Snapshot::take();
+    assert!(
+        m.counters_of(names::REQUEST_SUCCESS).is_empty(),
+        "{:?}",
+        m.counters_of(names::REQUEST_SUCCESS)
+    );
+    assert_eq!(m.counter(names::REQUEST_ABORTED), 0);
+    assert_eq!(
+        m.counters_of(names::REQUEST_FAILED),
+        vec![(
+            format!(
+                "{}{{{}=unavailable}}",
+                names::REQUEST_FAILED,
+                names::LABEL_REASON
+            ),
+            1
+        )]
+    );
+    // Cut off mid-way, both choices of n = 2 count as failed.
+    run(
+        &engine,
+        request(2, 20, ignoring_eos()),
+        Client::CutOffAfter(3),
+    )
+    .await;
+    let m = Snapshot::take();
+    assert!(m.counters_of(names::REQUEST_SUCCESS).is_empty());
+    assert_eq!(m.counter(names::REQUEST_ABORTED), 0);
+    assert_eq!(
+        m.counters_of(names::REQUEST_FAILED),
+        vec![(
+            format!(
+                "{}{{{}=unavailable}}",
+                names::REQUEST_FAILED,
+                names::LABEL_REASON
+            ),
+            3
+        )]
+    );
 }
 
 /// Every `reason` a failed request can count under is created at zero at start.

@@ -178,9 +178,15 @@ pub trait OutputSink: Send + 'static {
     fn send(&mut self, output: EngineOutput) -> bool;
     /// Whether the client is gone.
     fn is_closed(&self) -> bool;
+    /// Whether the next output sent would reach the client: false once it is gone, and also
+    /// when the sink would cut it off instead (a client reading too slowly). The detokenizer
+    /// counts a choice's success only when its last delta will be delivered.
+    fn will_deliver(&self) -> bool {
+        !self.is_closed()
+    }
     /// Why a closed sink was closed when not because the client left: another part of the
-    /// same client request failed with this kind (its choices then count as failed with it,
-    /// not as aborted). `None` by default.
+    /// same client request failed with this kind, or the sink cut its client off (its choices
+    /// then count as failed with it, not as aborted). `None` by default.
     fn abandoned_for(&self) -> Option<SubmitErrorKind> {
         None
     }
