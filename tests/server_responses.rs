@@ -235,11 +235,9 @@ fn a_response_plain_and_streamed() {
     // The route is counted under its template.
     let r = s.request("GET", "/metrics", None, &[]).expect("metrics");
     assert!(
-        r.body
-            .contains("http_requests_total{route=\"/v1/responses\",status=\"200\"}")
-            || r.body
-                .lines()
-                .any(|l| l.contains("route=\"/v1/responses\"") && l.contains("status=\"200\"")),
+        r.body.lines().any(|l| l.starts_with(
+            "switchyard:http_requests_total{route=\"/v1/responses\",status=\"200\"} "
+        )),
         "{}",
         r.body
     );
@@ -487,4 +485,45 @@ fn what_cannot_be_honoured_is_refused_by_name() {
     // Another model is not found, as on chat.
     let (status, v) = s.post_json("/v1/responses", &json!({"model": "other", "input": "x"}));
     assert_eq!(status, 404, "{v}");
+}
+
+/// A client that leaves aborts its request, as on chat: streamed or not, the engine request
+/// ends (`request_aborted_total`), and the one that had no answer yet counts as a 499 on the
+/// route's template.
+#[test]
+fn a_client_that_leaves_aborts_the_response() {
+    let s = server();
+    let series = |labels: &str| -> f64 {
+        let r = s.request("GET", "/metrics", None, &[]).expect("metrics");
+        let prefix = format!("switchyard:http_requests_total{{{labels}}} ");
+        r.body
+            .lines()
+            .find_map(|l| l.strip_prefix(&prefix).and_then(|v| v.parse().ok()))
+            .unwrap_or(0.0)
+    };
+    let wait = |what: &str, done: &dyn Fn() -> bool| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while !done() {
+            assert!(std::time::Instant::now() < deadline, "{what}");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    };
+    for stream in [false, true] {
+        let body = json!({"input": "Tell me a very long story about dragons and castles.",
+                          "max_output_tokens": 4000, "stream": stream})
+        .to_string();
+        let client = s.open("POST", "/v1/responses", Some(&body));
+        wait("never ran", &|| {
+            s.metric("switchyard:num_requests_running").unwrap_or(0.0) >= 1.0
+        });
+        drop(client);
+        wait("never aborted", &|| {
+            s.metric("switchyard:num_requests_running") == Some(0.0)
+        });
+    }
+    wait("not counted as aborted", &|| {
+        s.metric("switchyard:request_aborted_total") == Some(2.0)
+    });
+    assert_eq!(series("route=\"/v1/responses\",status=\"499\""), 1.0);
+    assert_eq!(series("route=\"/v1/responses\",status=\"200\""), 1.0);
 }

@@ -331,6 +331,17 @@ impl Builder {
         );
     }
 
+    /// OpenAI's `error` event: the error body's `code` (its `type` where it has none),
+    /// `message` and `param`.
+    fn error(&mut self, error: &ApiError) {
+        let body = error.to_body().error;
+        self.emit(
+            "error",
+            json!({"code": body.code.unwrap_or(body.kind), "message": body.message,
+                   "param": body.param}),
+        );
+    }
+
     /// The answer ended: closes the open item (a message with empty text where nothing was
     /// written and text was allowed) and writes the final response.
     fn finish(&mut self, reason: FinishReason, usage: ResponseUsage, text_allowed: bool) {
@@ -422,12 +433,7 @@ impl ChunkWriter for ResponseWriter {
     }
 
     fn failed(&mut self, error: &ApiError) -> Vec<Bytes> {
-        let body = error.to_body().error;
-        self.builder.emit(
-            "error",
-            json!({"code": body.code.unwrap_or(body.kind), "message": body.message,
-                   "param": body.param}),
-        );
+        self.builder.error(error);
         self.builder.take()
     }
 }
@@ -451,4 +457,165 @@ async fn collect(
     let text_allowed = !writer.reader.calls_only();
     writer.builder.finish(reason, usage, text_allowed);
     Ok(writer.builder.response)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::schema::FunctionCallDelta;
+
+    fn template() -> ResponseObject {
+        ResponseObject {
+            id: "resp_1".into(),
+            object: "response",
+            created_at: 1,
+            completed_at: None,
+            status: "in_progress",
+            error: None,
+            incomplete_details: None,
+            instructions: None,
+            max_output_tokens: None,
+            model: "m".into(),
+            output: Vec::new(),
+            parallel_tool_calls: true,
+            previous_response_id: None,
+            reasoning: None,
+            store: true,
+            temperature: 1.0,
+            text: json!({"format": {"type": "text"}}),
+            tool_choice: json!("auto"),
+            tools: Vec::new(),
+            top_p: 1.0,
+            truncation: "disabled",
+            usage: None,
+            user: None,
+            metadata: serde_json::Map::new(),
+            background: false,
+        }
+    }
+
+    /// The events' JSON, each checked against its `event:` line.
+    fn events(frames: &[Bytes]) -> Vec<Value> {
+        let text: String = frames
+            .iter()
+            .map(|f| String::from_utf8(f.to_vec()).unwrap())
+            .collect();
+        text.split_terminator("\n\n")
+            .map(|frame| {
+                let (event, data) = frame
+                    .strip_prefix("event: ")
+                    .and_then(|f| f.split_once("\ndata: "))
+                    .unwrap();
+                let v: Value = serde_json::from_str(data).unwrap();
+                assert_eq!(v["type"], event);
+                v
+            })
+            .collect()
+    }
+
+    fn call(index: u32, id: Option<&str>, name: Option<&str>, arguments: &str) -> ToolCallDelta {
+        ToolCallDelta {
+            index,
+            id: id.map(str::to_owned),
+            kind: id.map(|_| "function"),
+            function: FunctionCallDelta {
+                name: name.map(str::to_owned),
+                arguments: arguments.to_owned(),
+            },
+        }
+    }
+
+    /// Text, then two calls: each item closes before the next opens, in OpenAI's order
+    /// (the event names are the openai SDK's `ResponseStreamEvent` types).
+    #[test]
+    fn items_follow_each_other_in_openais_order() {
+        let mut b = Builder::new(template(), true);
+        b.opening();
+        b.text("Let me ");
+        b.text("check.");
+        b.call(call(0, Some("call_a"), Some("f"), "{\"x\":"));
+        b.call(call(0, None, None, "1}"));
+        b.call(call(1, Some("call_b"), Some("g"), "{}"));
+        b.finish(FinishReason::Stop, ResponseUsage::new(3, 9), true);
+        let e = events(&b.take());
+        let kinds: Vec<&str> = e.iter().map(|e| e["type"].as_str().unwrap()).collect();
+        assert_eq!(
+            kinds,
+            [
+                "response.created",
+                "response.in_progress",
+                "response.output_item.added",
+                "response.content_part.added",
+                "response.output_text.delta",
+                "response.output_text.delta",
+                "response.output_text.done",
+                "response.content_part.done",
+                "response.output_item.done",
+                "response.output_item.added",
+                "response.function_call_arguments.delta",
+                "response.function_call_arguments.delta",
+                "response.function_call_arguments.done",
+                "response.output_item.done",
+                "response.output_item.added",
+                "response.function_call_arguments.delta",
+                "response.function_call_arguments.done",
+                "response.output_item.done",
+                "response.completed",
+            ]
+        );
+        for (i, e) in e.iter().enumerate() {
+            assert_eq!(e["sequence_number"], json!(i));
+        }
+        assert_eq!(e[6]["text"], "Let me check.");
+        assert_eq!(e[12]["arguments"], "{\"x\":1}");
+        assert_eq!(e[12]["output_index"], 1);
+        assert_eq!(e[16]["output_index"], 2);
+        let end = &e[18]["response"];
+        assert_eq!(end["status"], "completed");
+        assert_eq!(end["output"][0]["content"][0]["text"], "Let me check.");
+        assert_eq!(end["output"][1]["call_id"], "call_a");
+        assert_eq!(end["output"][1]["status"], "completed");
+        assert_eq!(end["output"][2]["name"], "g");
+        assert_eq!(end["usage"]["total_tokens"], 12);
+    }
+
+    /// An answer cut at the limit: the open item and the response are incomplete; an answer
+    /// with no text at all still has its (empty) message, unless it may only call.
+    #[test]
+    fn a_cut_answer_is_incomplete_and_an_empty_one_has_an_empty_message() {
+        let mut b = Builder::new(template(), false);
+        b.text("abc");
+        b.finish(FinishReason::Length, ResponseUsage::new(1, 2), true);
+        assert!(b.take().is_empty(), "no events unless streaming");
+        let r = json!(b.response);
+        assert_eq!(r["status"], "incomplete");
+        assert_eq!(r["incomplete_details"]["reason"], "max_output_tokens");
+        assert_eq!(r["output"][0]["status"], "incomplete");
+        assert!(r.get("completed_at").is_none());
+
+        let mut b = Builder::new(template(), false);
+        b.finish(FinishReason::Stop, ResponseUsage::new(1, 1), true);
+        let r = json!(b.response);
+        assert_eq!(r["output"][0]["content"][0]["text"], "");
+        assert!(r["completed_at"].is_u64());
+        let mut b = Builder::new(template(), false);
+        b.finish(FinishReason::Stop, ResponseUsage::new(1, 1), false);
+        assert_eq!(json!(b.response)["output"], json!([]));
+    }
+
+    /// A failure mid-stream is OpenAI's `error` event (`code`, `message`, `param`).
+    #[test]
+    fn a_failure_is_an_error_event() {
+        let mut b = Builder::new(template(), true);
+        b.opening();
+        b.take();
+        b.error(&ApiError::invalid("input", "too long"));
+        let e = events(&b.take());
+        assert_eq!(e.len(), 1);
+        assert_eq!(e[0]["type"], "error");
+        assert_eq!(e[0]["sequence_number"], 2);
+        assert_eq!(e[0]["param"], "input");
+        assert_eq!(e[0]["message"], "too long");
+        assert_eq!(e[0]["code"], "invalid_request_error");
+    }
 }
