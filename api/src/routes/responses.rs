@@ -30,7 +30,8 @@ use crate::error::ApiError;
 use crate::generation::{ChoiceDelta, Generation, RequestFields};
 use crate::request_id::client_request_id;
 use crate::schema::responses::{
-    IncompleteDetails, OutputItem, OutputText, ResponseObject, ResponseUsage, ResponsesRequest,
+    rename_error, IncompleteDetails, OutputItem, OutputText, ResponseObject, ResponseUsage,
+    ResponsesChat, ResponsesRequest,
 };
 use crate::schema::{ToolCallDelta, Usage};
 use crate::sse::{event_frame, sse_response, ChunkWriter};
@@ -48,13 +49,16 @@ pub(crate) async fn create_response(
     let id = request_id("resp_", client_request_id(&req));
     crate::request_id::record(&req, &id);
     body.ignored.warn("/v1/responses");
-    let read = body.into_chat()?;
-    let lora = check_model(&state, read.chat.model.as_deref())?;
-    let validated = read
-        .chat
-        .clone()
+    let ResponsesChat {
+        chat,
+        sources,
+        echo,
+        stream,
+    } = body.into_chat()?;
+    let lora = check_model(&state, chat.model.as_deref())?;
+    let validated = chat
         .validate(state.engine.max_model_len(), state.config.tools)
-        .map_err(|e| read.rename(e))?;
+        .map_err(|e| rename_error(e, &sources))?;
     let requests = engine_requests(&id, &validated, &principal, None, lora.as_deref());
     let fields = RequestFields {
         prompt: "input",
@@ -82,30 +86,30 @@ pub(crate) async fn create_response(
         status: "in_progress",
         error: None,
         incomplete_details: None,
-        instructions: read.echo.instructions.clone(),
-        max_output_tokens: read.echo.max_output_tokens,
+        instructions: echo.instructions,
+        max_output_tokens: echo.max_output_tokens,
         model,
         output: Vec::new(),
-        parallel_tool_calls: read.echo.parallel_tool_calls,
+        parallel_tool_calls: echo.parallel_tool_calls,
         previous_response_id: None,
         reasoning: None,
-        store: read.echo.store,
+        store: echo.store,
         temperature: validated.sampling.temperature,
-        text: read.echo.text.clone(),
-        tool_choice: read.echo.tool_choice.clone(),
-        tools: read.echo.tools.clone(),
+        text: echo.text,
+        tool_choice: echo.tool_choice,
+        tools: echo.tools,
         top_p: validated.sampling.top_p,
         truncation: "disabled",
         usage: None,
-        user: read.echo.user.clone(),
-        metadata: read.echo.metadata.clone(),
+        user: echo.user,
+        metadata: echo.metadata,
         background: false,
     };
     let writer = ResponseWriter {
         reader,
-        builder: Builder::new(template, read.stream),
+        builder: Builder::new(template, stream),
     };
-    if read.stream {
+    if stream {
         return Ok(sse_response(generation, writer, false, in_flight));
     }
     let response = collect(generation, writer).await?;
