@@ -93,6 +93,12 @@ impl Usage {
     }
 }
 
+/// A Responses API `usage` in chat's names.
+fn chat_usage(usage: &Value) -> Value {
+    json!({"prompt_tokens": usage["input_tokens"], "completion_tokens": usage["output_tokens"],
+           "total_tokens": usage["total_tokens"]})
+}
+
 /// POSTs `body` to `path` with `headers`; a 200's JSON.
 fn post(s: &Server, path: &str, body: &Value, headers: &[(&str, &str)]) -> Value {
     let r = s
@@ -200,6 +206,32 @@ fn per_tenant_counters_reconcile_with_usage_and_stay_bounded() {
         u.add(&usage, finished);
         let (usage, finished) = post_stream(&s, "/v1/completions", &completion, &headers);
         u.add(&usage, finished);
+        // A Responses API request is a chat request: it counts as one, streamed or not.
+        let response = json!({"input": "Name three colours.", "max_output_tokens": 6,
+                              "temperature": 0});
+        let v = post(&s, "/v1/responses", &response, &headers);
+        u.add(&chat_usage(&v["usage"]), 1);
+        let mut streamed = response.clone();
+        streamed["stream"] = json!(true);
+        let r = s
+            .request(
+                "POST",
+                "/v1/responses",
+                Some(&streamed.to_string()),
+                &headers,
+            )
+            .expect("request");
+        assert_eq!(r.status, 200, "{}", r.body);
+        let last = r
+            .body
+            .split_terminator("\n\n")
+            .filter(|f| !f.starts_with(':'))
+            .last()
+            .and_then(|f| f.split_once("\ndata: "))
+            .map(|(_, data)| data)
+            .expect("an event");
+        let end: Value = serde_json::from_str(last).expect("json");
+        u.add(&chat_usage(&end["response"]["usage"]), 1);
     }
     // Neither a client's tenant header nor its `user` field picks the tenant, and a wrong
     // key is refused before anything counts.
@@ -215,6 +247,15 @@ fn per_tenant_counters_reconcile_with_usage_and_stay_bounded() {
             "POST",
             "/v1/completions",
             Some(&completion.to_string()),
+            &[("authorization", "Bearer mallory-key-000001")],
+        )
+        .expect("request");
+    assert_eq!(r.status, 401, "{}", r.body);
+    let r = s
+        .request(
+            "POST",
+            "/v1/responses",
+            Some(&json!({"input": "Hi"}).to_string()),
             &[("authorization", "Bearer mallory-key-000001")],
         )
         .expect("request");

@@ -3,7 +3,8 @@
 //! The crate knows HTTP and nothing of the engine's internals: it talks to the engine through
 //! the [`Engine`] port (see [`engine`] for the request protocol and the abort-on-drop contract).
 //!
-//! Routes: `POST /v1/completions`, `POST /v1/chat/completions` (JSON or SSE), `GET /v1/models`,
+//! Routes: `POST /v1/completions`, `POST /v1/chat/completions` (JSON or SSE),
+//! `POST /v1/responses` (JSON or SSE; `/v1/responses/{id}` refused: nothing is stored), `GET /v1/models`,
 //! `GET /v1/models/{id}`, `POST /tokenize`, `POST /detokenize` (all behind the API key),
 //! `GET /health`, `GET /ready`,
 //! `GET /metrics`, and `GET`/`PUT /admin/policy`, `GET`/`PUT /admin/speculative`,

@@ -49,6 +49,19 @@ pub fn configure(cfg: &mut web::ServiceConfig, state: ApiState) {
                         .default_service(method_not_allowed("POST")),
                 )
                 .service(
+                    web::resource("/responses")
+                        .route(web::post().to(routes::create_response))
+                        .default_service(method_not_allowed("POST")),
+                )
+                .service(
+                    // Nothing is stored: retrieving, deleting or cancelling one is refused.
+                    web::resource("/responses/{id}").to(routes::stored_response),
+                )
+                .service(
+                    // `cancel`, `input_items`.
+                    web::resource("/responses/{id}/{action}").to(routes::stored_response),
+                )
+                .service(
                     web::resource("/models")
                         .route(web::get().to(routes::list_models))
                         .default_service(method_not_allowed("GET")),

@@ -1,6 +1,7 @@
 //! Server-sent events in OpenAI's framing: `data: {json}\n\n` per chunk, an optional usage
 //! chunk, then `data: [DONE]\n\n`. An error after the stream started is sent as an OpenAI error
-//! body chunk, then `[DONE]`.
+//! body chunk, then `[DONE]`. The Responses API's writer replaces the ending and the error
+//! frames ([`ChunkWriter::closing`], [`ChunkWriter::failed`]): named events, no `[DONE]`.
 //!
 //! The response body owns the [`Generation`]; when the client disconnects actix-web drops the
 //! body, which drops the engine receivers and so aborts the engine requests. actix-web notices a
@@ -39,6 +40,20 @@ pub(crate) trait ChunkWriter: 'static {
     fn delta(&mut self, delta: ChoiceDelta) -> Option<Bytes>;
     /// The final usage frame.
     fn usage(&self, usage: Usage) -> Bytes;
+    /// The frames after every choice finished: the usage frame (`include_usage`), then
+    /// `[DONE]`. `usage` is the whole request's.
+    fn closing(&mut self, usage: Usage, include_usage: bool) -> Vec<Bytes> {
+        let mut frames = Vec::with_capacity(2);
+        if include_usage {
+            frames.push(self.usage(usage));
+        }
+        frames.push(Bytes::from_static(DONE_FRAME));
+        frames
+    }
+    /// The frames of a failure after the stream started: the error body, then `[DONE]`.
+    fn failed(&mut self, error: &ApiError) -> Vec<Bytes> {
+        vec![frame(&error.to_body()), Bytes::from_static(DONE_FRAME)]
+    }
 }
 
 /// vLLM's `stream_options.continuous_usage_stats`: every chunk carries the usage so far of its
@@ -83,6 +98,14 @@ pub(crate) fn chunk_usage(
         Some(r) => Some(Some(r.add(choice, tokens))),
         None => field,
     }
+}
+
+/// One SSE event named `event` (`event:` line) holding `value` as JSON, as OpenAI's Responses
+/// API frames its events.
+pub(crate) fn event_frame<T: Serialize>(event: &str, value: &T) -> Bytes {
+    let mut out = format!("event: {event}\n").into_bytes();
+    out.extend_from_slice(&frame(value));
+    Bytes::from(out)
 }
 
 /// One `data:` frame holding `value` as JSON.
@@ -156,17 +179,13 @@ pub(crate) fn sse_response<W: ChunkWriter>(
                     st.span.in_scope(|| {
                         tracing::warn!(error = %error, "generation failed mid-stream");
                     });
-                    st.queue.push_back(frame(&error_body(&error)));
-                    st.queue.push_back(Bytes::from_static(DONE_FRAME));
+                    st.queue.extend(st.writer.failed(&error));
                     st.done = true;
                 }
                 None => {
-                    if st.include_usage {
-                        let usage =
-                            Usage::new(st.generation.total_prompt_tokens(), st.completion_tokens);
-                        st.queue.push_back(st.writer.usage(usage));
-                    }
-                    st.queue.push_back(Bytes::from_static(DONE_FRAME));
+                    let usage =
+                        Usage::new(st.generation.total_prompt_tokens(), st.completion_tokens);
+                    st.queue.extend(st.writer.closing(usage, st.include_usage));
                     st.done = true;
                 }
             }
@@ -177,10 +196,6 @@ pub(crate) fn sse_response<W: ChunkWriter>(
         .insert_header((header::CACHE_CONTROL, "no-cache"))
         .insert_header(("X-Accel-Buffering", "no"))
         .streaming(body)
-}
-
-fn error_body(error: &ApiError) -> crate::error::ErrorBody {
-    error.to_body()
 }
 
 #[cfg(test)]

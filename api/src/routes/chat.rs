@@ -14,6 +14,7 @@ use crate::schema::tools::{new_call_id, ToolAnswer, ToolFormat, ToolPiece, ToolS
 use crate::schema::{
     ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatLogprobs, ChatRequest, ChatResponse,
     ChatResponseMessage, FunctionCall, FunctionCallDelta, ToolCall, ToolCallDelta, Usage,
+    Validated,
 };
 use crate::sse::{chunk_usage, frame, sse_response, ChunkWriter, RunningUsage};
 use crate::state::{request_id, unix_now, ApiState};
@@ -30,7 +31,6 @@ pub(crate) async fn chat_completions(
     let id = crate::request_id::completion_id(&req, "chatcmpl-");
     body.ignored.warn("/v1/chat/completions");
     let lora = check_model(&state, body.model.as_deref())?;
-    let tool_format = state.config.tools.format;
     let mut validated = body.validate(state.engine.max_model_len(), state.config.tools)?;
     // Reasoning tags that are special tokens stay in the text for the splitter.
     if state.config.reasoning.is_some() {
@@ -43,52 +43,8 @@ pub(crate) async fn chat_completions(
         max_tokens: validated.max_tokens_field,
     };
     let generation = Generation::start(&*state.engine, requests, validated.n, fields).await?;
-    let free_text = match &validated.structured {
-        None | Some(StructuredOutputSpec::ToolCalls(_)) => {
-            !validated.tool_calls.is_some_and(ToolAnswer::calls_only)
-        }
-        // A client's own regex or grammar may write the block (its closing tag in it, escaped
-        // or not: Mistral's brackets are escaped in a regex).
-        Some(StructuredOutputSpec::Regex(g) | StructuredOutputSpec::Grammar(g)) => state
-            .config
-            .reasoning
-            .is_some_and(|tags| g.replace('\\', "").contains(tags.close)),
-        Some(_) => false,
-    };
-    let writer = ChatWriter {
-        id,
-        created: unix_now(),
-        model: lora.unwrap_or_else(|| state.engine.model_name().to_owned()),
-        logprobs: validated.logprobs.is_some(),
-        usage_field: validated.include_usage.then_some(None),
-        running: validated
-            .continuous_usage
-            .then(|| RunningUsage::new(&generation)),
-        tools: validated.tool_calls.map(|answer| {
-            (0..generation.choices())
-                .map(|_| ToolStream::new(tool_format).calls_only(answer.calls_only()))
-                .collect()
-        }),
-        // A grammar that holds the answer from its first token (a schema, a choice, calls
-        // only, a regex or grammar that does not write </think>) leaves the model no room to
-        // think: what it writes is the answer, even where the generation prompt opened a
-        // <think> block.
-        thinking: state.config.reasoning.filter(|_| free_text).map(|tags| {
-            // A chat request has one prompt: its template opened the block, or the model may.
-            let start = if generation.opens_thinking.first() == Some(&true) {
-                ThinkStart::Prompt
-            } else {
-                ThinkStart::Model
-            };
-            (0..generation.choices())
-                .map(|_| ThinkSplitter::with_tags(start, tags))
-                .collect()
-        }),
-        held: vec![Vec::new(); generation.choices()],
-        calls_only: validated.tool_calls.is_some_and(ToolAnswer::calls_only),
-        named: validated.tool_calls == Some(ToolAnswer::Named),
-        call_format: tool_format,
-    };
+    let model = lora.unwrap_or_else(|| state.engine.model_name().to_owned());
+    let writer = ChatWriter::new(&state, &validated, &generation, id, model, true);
     if validated.stream {
         return Ok(sse_response(
             generation,
@@ -102,7 +58,7 @@ pub(crate) async fn chat_completions(
     Ok(HttpResponse::Ok().json(response))
 }
 
-struct ChatWriter {
+pub(super) struct ChatWriter {
     id: String,
     created: u64,
     model: String,
@@ -126,15 +82,81 @@ struct ChatWriter {
     call_format: ToolFormat,
 }
 
+impl ChatWriter {
+    /// The writer of a chat answer to `validated`, started as `generation`; `reasoning`: read
+    /// a reasoning block apart from the answer (where the server reads reasoning at all).
+    pub(super) fn new(
+        state: &ApiState,
+        validated: &Validated,
+        generation: &Generation,
+        id: String,
+        model: String,
+        reasoning: bool,
+    ) -> Self {
+        let tool_format = state.config.tools.format;
+        let free_text = match &validated.structured {
+            None | Some(StructuredOutputSpec::ToolCalls(_)) => {
+                !validated.tool_calls.is_some_and(ToolAnswer::calls_only)
+            }
+            // A client's own regex or grammar may write the block (its closing tag in it, escaped
+            // or not: Mistral's brackets are escaped in a regex).
+            Some(StructuredOutputSpec::Regex(g) | StructuredOutputSpec::Grammar(g)) => state
+                .config
+                .reasoning
+                .is_some_and(|tags| g.replace('\\', "").contains(tags.close)),
+            Some(_) => false,
+        };
+        ChatWriter {
+            id,
+            created: unix_now(),
+            model,
+            logprobs: validated.logprobs.is_some(),
+            usage_field: validated.include_usage.then_some(None),
+            running: validated
+                .continuous_usage
+                .then(|| RunningUsage::new(generation)),
+            tools: validated.tool_calls.map(|answer| {
+                (0..generation.choices())
+                    .map(|_| ToolStream::new(tool_format).calls_only(answer.calls_only()))
+                    .collect()
+            }),
+            // A grammar that holds the answer from its first token (a schema, a choice, calls
+            // only, a regex or grammar that does not write </think>) leaves the model no room to
+            // think: what it writes is the answer, even where the generation prompt opened a
+            // <think> block.
+            thinking: state
+                .config
+                .reasoning
+                .filter(|_| free_text && reasoning)
+                .map(|tags| {
+                    // A chat request has one prompt: its template opened the block, or the model may.
+                    let start = if generation.opens_thinking.first() == Some(&true) {
+                        ThinkStart::Prompt
+                    } else {
+                        ThinkStart::Model
+                    };
+                    (0..generation.choices())
+                        .map(|_| ThinkSplitter::with_tags(start, tags))
+                        .collect()
+                }),
+            held: vec![Vec::new(); generation.choices()],
+            calls_only: validated.tool_calls.is_some_and(ToolAnswer::calls_only),
+            named: validated.tool_calls == Some(ToolAnswer::Named),
+            call_format: tool_format,
+        }
+    }
+}
+
 /// What a choice's new text is, read.
-struct Reading {
+pub(super) struct Reading {
     /// Reasoning text.
-    reasoning: String,
-    content: String,
+    pub(super) reasoning: String,
+    /// Answer text.
+    pub(super) content: String,
     /// Calls opened and arguments written.
-    calls: Vec<ToolCallDelta>,
+    pub(super) calls: Vec<ToolCallDelta>,
     /// The logprobs to send with them.
-    logprobs: Vec<TokenLogprob>,
+    pub(super) logprobs: Vec<TokenLogprob>,
 }
 
 impl ChatWriter {
@@ -145,7 +167,7 @@ impl ChatWriter {
 
     /// What a choice's new text is: content, and the calls it opens and writes. `finished`:
     /// the choice's last text (what was held back comes out).
-    fn read(
+    pub(super) fn read(
         &mut self,
         choice: u32,
         text: String,
@@ -239,6 +261,11 @@ impl ChatWriter {
             .is_some_and(ThinkSplitter::reasoned)
     }
 
+    /// Whether the answer is calls only (`tool_choice` `required` or a named function).
+    pub(super) fn calls_only(&self) -> bool {
+        self.calls_only
+    }
+
     /// Whether a choice's answer is calls from here on: calls only, or a call has opened.
     fn calling(&self, choice: u32) -> bool {
         self.calls_only || self.reader(choice).is_some_and(|s| s.calls() > 0)
@@ -247,7 +274,7 @@ impl ChatWriter {
     /// `tool_calls` for a choice that called tools and stopped after its last call's
     /// arguments (not inside them, at a stop string); otherwise the engine's reason. A call of
     /// the function `tool_choice` names finishes with `stop`, as OpenAI's and vLLM's do.
-    fn finish_reason(&self, choice: u32, reason: FinishReason) -> &'static str {
+    pub(super) fn finish_reason(&self, choice: u32, reason: FinishReason) -> &'static str {
         let called = !self.named
             && self
                 .reader(choice)

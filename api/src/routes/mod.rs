@@ -2,10 +2,12 @@
 
 mod chat;
 mod completions;
+mod responses;
 mod service;
 
 pub(crate) use chat::chat_completions;
 pub(crate) use completions::completions;
+pub(crate) use responses::{create_response, stored_response};
 pub(crate) use service::*;
 
 use crate::auth::Principal;

@@ -6,6 +6,7 @@ mod ignored;
 pub mod reasoning;
 mod request;
 mod response;
+pub mod responses;
 mod sampling;
 mod strict;
 mod structured;

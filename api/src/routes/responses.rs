@@ -1,0 +1,625 @@
+//! `POST /v1/responses` (OpenAI's Responses API) on the chat path, and `GET
+//! /v1/responses/{id}`, refused: nothing is stored.
+//!
+//! The request is read as a chat request ([`crate::schema::responses`]), validated and run as
+//! chat runs it (the same template, tool prompt and call reader, structured output, limits,
+//! tiers and tenants), and its answer is written as output items: the text a `message` item
+//! with one `output_text` part, each call a `function_call` item. A [`Builder`] follows the
+//! answer as it is read and writes OpenAI's semantic events (each an SSE `event:` named by its
+//! `type`, with a `sequence_number` from 0): `response.created`, `response.in_progress`, per
+//! item `response.output_item.added`, for a message `response.content_part.added`,
+//! `response.output_text.delta`s, `response.output_text.done`, `response.content_part.done`,
+//! for a call `response.function_call_arguments.delta`s and `.done`, then
+//! `response.output_item.done`, and last `response.completed` (or `response.incomplete`, the
+//! length limit reached). No `[DONE]` follows, as OpenAI sends none. A failure after the
+//! stream began is an `error` event. The non-streaming answer is the same builder's response.
+//!
+//! A reasoning model's `<think>` block is not read apart here (no `reasoning` items are made):
+//! what the model writes is the text.
+
+use actix_web::{web, HttpRequest, HttpResponse};
+use bytes::Bytes;
+use serde_json::{json, Value};
+
+use super::chat::ChatWriter;
+use super::{check_model, engine_requests};
+use crate::auth::Principal;
+use crate::body::read_json;
+use crate::engine::FinishReason;
+use crate::error::ApiError;
+use crate::generation::{ChoiceDelta, Generation, RequestFields};
+use crate::request_id::client_request_id;
+use crate::schema::responses::{
+    rename_error, IncompleteDetails, OutputItem, OutputText, ResponseObject, ResponseUsage,
+    ResponsesChat, ResponsesRequest,
+};
+use crate::schema::{ToolCallDelta, Usage};
+use crate::sse::{event_frame, sse_response, ChunkWriter};
+use crate::state::{request_id, unix_now, ApiState};
+
+/// Handles `POST /v1/responses`.
+pub(crate) async fn create_response(
+    state: web::Data<ApiState>,
+    principal: web::ReqData<Principal>,
+    req: HttpRequest,
+    payload: web::Payload,
+) -> Result<HttpResponse, ApiError> {
+    let in_flight = state.admit()?;
+    let body: ResponsesRequest = read_json(&req, payload, &state.config).await?;
+    let id = request_id("resp_", client_request_id(&req));
+    crate::request_id::record(&req, &id);
+    body.ignored.warn("/v1/responses");
+    let ResponsesChat {
+        chat,
+        sources,
+        echo,
+        stream,
+    } = body.into_chat()?;
+    let lora = check_model(&state, chat.model.as_deref())?;
+    let validated = chat
+        .validate(state.engine.max_model_len(), state.config.tools)
+        .map_err(|e| rename_error(e, &sources))?;
+    let requests = engine_requests(&id, &validated, &principal, None, lora.as_deref());
+    let fields = RequestFields {
+        prompt: "input",
+        structured: validated.structured_field.map(|f| match f {
+            "response_format" => "text.format",
+            other => other,
+        }),
+        max_tokens: "max_output_tokens",
+    };
+    let generation = Generation::start(&*state.engine, requests, validated.n, fields).await?;
+    let model = lora.unwrap_or_else(|| state.engine.model_name().to_owned());
+    let reader = ChatWriter::new(
+        &state,
+        &validated,
+        &generation,
+        id.clone(),
+        model.clone(),
+        false,
+    );
+    let template = ResponseObject {
+        id,
+        object: "response",
+        created_at: unix_now(),
+        completed_at: None,
+        status: "in_progress",
+        error: None,
+        incomplete_details: None,
+        instructions: echo.instructions,
+        max_output_tokens: echo.max_output_tokens,
+        model,
+        output: Vec::new(),
+        parallel_tool_calls: echo.parallel_tool_calls,
+        previous_response_id: None,
+        reasoning: None,
+        store: echo.store,
+        temperature: validated.sampling.temperature,
+        text: echo.text,
+        tool_choice: echo.tool_choice,
+        tools: echo.tools,
+        top_p: validated.sampling.top_p,
+        truncation: "disabled",
+        usage: None,
+        user: echo.user,
+        metadata: echo.metadata,
+        background: false,
+    };
+    let writer = ResponseWriter {
+        reader,
+        builder: Builder::new(template, stream),
+    };
+    if stream {
+        return Ok(sse_response(generation, writer, false, in_flight));
+    }
+    let response = collect(generation, writer).await?;
+    drop(in_flight);
+    Ok(HttpResponse::Ok().json(response))
+}
+
+/// Handles `GET /v1/responses/{id}` (and `DELETE`, and `POST .../cancel`): nothing is stored.
+pub(crate) async fn stored_response() -> Result<HttpResponse, ApiError> {
+    Err(ApiError::invalid(
+        "response_id",
+        "responses are not stored on this server (store is accepted and changes nothing), so \
+         none can be retrieved, deleted or cancelled",
+    ))
+}
+
+/// Follows one answer into output items, writing the stream's events when streaming.
+struct Builder {
+    response: ResponseObject,
+    /// The next event's `sequence_number`.
+    sequence: u64,
+    /// Whether events are written (a stream) or only the items built.
+    stream: bool,
+    events: Vec<Bytes>,
+    /// The item being written: its index in `output`.
+    open: Option<usize>,
+    /// Per call of the reader (its index), the call's item.
+    calls: Vec<usize>,
+}
+
+impl Builder {
+    fn new(response: ResponseObject, stream: bool) -> Self {
+        Self {
+            response,
+            sequence: 0,
+            stream,
+            events: Vec::new(),
+            open: None,
+            calls: Vec::new(),
+        }
+    }
+
+    /// Writes event `kind` with `fields` and the next sequence number.
+    fn emit(&mut self, kind: &str, mut fields: Value) {
+        if self.stream {
+            if let Value::Object(map) = &mut fields {
+                map.insert("type".into(), json!(kind));
+                map.insert("sequence_number".into(), json!(self.sequence));
+            }
+            self.events.push(event_frame(kind, &fields));
+        }
+        self.sequence = self.sequence.saturating_add(1);
+    }
+
+    fn take(&mut self) -> Vec<Bytes> {
+        std::mem::take(&mut self.events)
+    }
+
+    /// `response.created` and `response.in_progress`.
+    fn opening(&mut self) {
+        let response = json!(self.response);
+        self.emit("response.created", json!({ "response": response }));
+        self.emit("response.in_progress", json!({ "response": response }));
+    }
+
+    fn item_id(&self, index: usize) -> String {
+        match self.response.output.get(index) {
+            Some(OutputItem::Message { id, .. } | OutputItem::FunctionCall { id, .. }) => {
+                id.clone()
+            }
+            None => String::new(),
+        }
+    }
+
+    /// Opens item `item` at the end of `output`.
+    fn open_item(&mut self, item: OutputItem) -> usize {
+        self.close(false);
+        let index = self.response.output.len();
+        self.emit(
+            "response.output_item.added",
+            json!({"output_index": index, "item": item}),
+        );
+        self.response.output.push(item);
+        self.open = Some(index);
+        index
+    }
+
+    /// More answer text: into the open message, or a new one.
+    fn text(&mut self, text: &str) {
+        let index = match self.open {
+            Some(i)
+                if matches!(
+                    self.response.output.get(i),
+                    Some(OutputItem::Message { .. })
+                ) =>
+            {
+                i
+            }
+            _ => {
+                let index = self.open_item(OutputItem::Message {
+                    id: request_id("msg_", None),
+                    status: "in_progress",
+                    role: "assistant",
+                    content: Vec::new(),
+                });
+                let item_id = self.item_id(index);
+                self.emit(
+                    "response.content_part.added",
+                    json!({"item_id": item_id, "output_index": index, "content_index": 0,
+                           "part": OutputText::new(String::new())}),
+                );
+                if let Some(OutputItem::Message { content, .. }) =
+                    self.response.output.get_mut(index)
+                {
+                    content.push(OutputText::new(String::new()));
+                }
+                index
+            }
+        };
+        if text.is_empty() {
+            return;
+        }
+        if let Some(OutputItem::Message { content, .. }) = self.response.output.get_mut(index) {
+            if let Some(part) = content.first_mut() {
+                part.text.push_str(text);
+            }
+        }
+        let item_id = self.item_id(index);
+        self.emit(
+            "response.output_text.delta",
+            json!({"item_id": item_id, "output_index": index, "content_index": 0,
+                   "delta": text, "logprobs": []}),
+        );
+    }
+
+    /// A call opened or its arguments written (the reader's delta).
+    fn call(&mut self, call: ToolCallDelta) {
+        let index = match (call.id, call.function.name) {
+            (Some(call_id), name) => {
+                let index = self.open_item(OutputItem::FunctionCall {
+                    id: request_id("fc_", None),
+                    call_id,
+                    name: name.unwrap_or_default(),
+                    arguments: String::new(),
+                    status: "in_progress",
+                });
+                self.calls.push(index);
+                index
+            }
+            (None, _) => match usize::try_from(call.index)
+                .ok()
+                .and_then(|i| self.calls.get(i))
+            {
+                Some(&index) => index,
+                None => return,
+            },
+        };
+        let delta = call.function.arguments;
+        if delta.is_empty() {
+            return;
+        }
+        if let Some(OutputItem::FunctionCall { arguments, .. }) =
+            self.response.output.get_mut(index)
+        {
+            arguments.push_str(&delta);
+        }
+        let item_id = self.item_id(index);
+        self.emit(
+            "response.function_call_arguments.delta",
+            json!({"item_id": item_id, "output_index": index, "delta": delta}),
+        );
+    }
+
+    /// Closes the open item (`incomplete`: the length limit cut it).
+    fn close(&mut self, incomplete: bool) {
+        let Some(index) = self.open.take() else {
+            return;
+        };
+        let item_id = self.item_id(index);
+        let Some(item) = self.response.output.get_mut(index) else {
+            return;
+        };
+        match item {
+            OutputItem::Message { status, .. } | OutputItem::FunctionCall { status, .. } => {
+                *status = if incomplete {
+                    "incomplete"
+                } else {
+                    "completed"
+                };
+            }
+        }
+        let item = item.clone();
+        match &item {
+            OutputItem::Message { content, .. } => {
+                let part = content
+                    .first()
+                    .cloned()
+                    .unwrap_or_else(|| OutputText::new(String::new()));
+                self.emit(
+                    "response.output_text.done",
+                    json!({"item_id": item_id, "output_index": index, "content_index": 0,
+                           "text": part.text, "logprobs": []}),
+                );
+                self.emit(
+                    "response.content_part.done",
+                    json!({"item_id": item_id, "output_index": index, "content_index": 0,
+                           "part": part}),
+                );
+            }
+            OutputItem::FunctionCall {
+                arguments, name, ..
+            } => {
+                self.emit(
+                    "response.function_call_arguments.done",
+                    json!({"item_id": item_id, "output_index": index,
+                           "arguments": arguments, "name": name}),
+                );
+            }
+        }
+        self.emit(
+            "response.output_item.done",
+            json!({"output_index": index, "item": item}),
+        );
+    }
+
+    /// OpenAI's `error` event: the error body's `code` (its `type` where it has none),
+    /// `message` and `param`.
+    fn error(&mut self, error: &ApiError) {
+        let body = error.to_body().error;
+        self.emit(
+            "error",
+            json!({"code": body.code.unwrap_or(body.kind), "message": body.message,
+                   "param": body.param}),
+        );
+    }
+
+    /// The answer ended: closes the open item (a message with empty text where nothing was
+    /// written and text was allowed) and writes the final response.
+    fn finish(&mut self, reason: FinishReason, usage: ResponseUsage, text_allowed: bool) {
+        if self.response.output.is_empty() && text_allowed {
+            self.text("");
+        }
+        let incomplete = reason == FinishReason::Length;
+        self.close(incomplete);
+        self.response.usage = Some(usage);
+        if incomplete {
+            self.response.status = "incomplete";
+            self.response.incomplete_details = Some(IncompleteDetails {
+                reason: "max_output_tokens",
+            });
+        } else {
+            self.response.status = "completed";
+            self.response.completed_at = Some(unix_now());
+        }
+        let response = json!(self.response);
+        let kind = if incomplete {
+            "response.incomplete"
+        } else {
+            "response.completed"
+        };
+        self.emit(kind, json!({ "response": response }));
+    }
+}
+
+struct ResponseWriter {
+    /// Chat's reader of the model's text into content and calls.
+    reader: ChatWriter,
+    builder: Builder,
+}
+
+impl ResponseWriter {
+    /// Reads one delta into the builder; the finish reason when it is the last.
+    fn push(&mut self, delta: ChoiceDelta) -> Option<FinishReason> {
+        let d = delta.delta;
+        let finish = d.finish.map(|f| f.reason);
+        let read = self
+            .reader
+            .read(delta.choice, d.text, d.logprobs, finish.is_some());
+        if !read.content.is_empty() {
+            self.builder.text(&read.content);
+        }
+        for call in read.calls {
+            self.builder.call(call);
+        }
+        finish
+    }
+}
+
+impl ChunkWriter for ResponseWriter {
+    fn opening(&mut self, _generation: &Generation) -> Vec<Bytes> {
+        self.builder.opening();
+        self.builder.take()
+    }
+
+    fn delta(&mut self, delta: ChoiceDelta) -> Option<Bytes> {
+        let finish = self.push(delta);
+        if let Some(reason) = finish {
+            // The response's own end waits for the usage (`closing`).
+            self.builder.response.status = match reason {
+                FinishReason::Length => "incomplete",
+                FinishReason::Stop => "completed",
+            };
+        }
+        let events = self.builder.take();
+        (!events.is_empty()).then(|| Bytes::from(events.concat()))
+    }
+
+    fn usage(&self, _usage: Usage) -> Bytes {
+        Bytes::new()
+    }
+
+    fn closing(&mut self, usage: Usage, _include_usage: bool) -> Vec<Bytes> {
+        let reason = if self.builder.response.status == "incomplete" {
+            FinishReason::Length
+        } else {
+            FinishReason::Stop
+        };
+        let text_allowed = !self.reader.calls_only();
+        self.builder.finish(
+            reason,
+            ResponseUsage::new(usage.prompt_tokens, usage.completion_tokens),
+            text_allowed,
+        );
+        self.builder.take()
+    }
+
+    fn failed(&mut self, error: &ApiError) -> Vec<Bytes> {
+        self.builder.error(error);
+        self.builder.take()
+    }
+}
+
+async fn collect(
+    mut generation: Generation,
+    mut writer: ResponseWriter,
+) -> Result<ResponseObject, ApiError> {
+    let mut reason = FinishReason::Stop;
+    let mut completion_tokens = 0u32;
+    while let Some(delta) = generation.next().await {
+        let delta = delta?;
+        if let Some(finish) = &delta.delta.finish {
+            completion_tokens = completion_tokens.saturating_add(finish.completion_tokens);
+        }
+        if let Some(r) = writer.push(delta) {
+            reason = r;
+        }
+    }
+    let usage = ResponseUsage::new(generation.total_prompt_tokens(), completion_tokens);
+    let text_allowed = !writer.reader.calls_only();
+    writer.builder.finish(reason, usage, text_allowed);
+    Ok(writer.builder.response)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::schema::FunctionCallDelta;
+
+    fn template() -> ResponseObject {
+        ResponseObject {
+            id: "resp_1".into(),
+            object: "response",
+            created_at: 1,
+            completed_at: None,
+            status: "in_progress",
+            error: None,
+            incomplete_details: None,
+            instructions: None,
+            max_output_tokens: None,
+            model: "m".into(),
+            output: Vec::new(),
+            parallel_tool_calls: true,
+            previous_response_id: None,
+            reasoning: None,
+            store: true,
+            temperature: 1.0,
+            text: json!({"format": {"type": "text"}}),
+            tool_choice: json!("auto"),
+            tools: Vec::new(),
+            top_p: 1.0,
+            truncation: "disabled",
+            usage: None,
+            user: None,
+            metadata: serde_json::Map::new(),
+            background: false,
+        }
+    }
+
+    /// The events' JSON, each checked against its `event:` line.
+    fn events(frames: &[Bytes]) -> Vec<Value> {
+        let text: String = frames
+            .iter()
+            .map(|f| String::from_utf8(f.to_vec()).unwrap())
+            .collect();
+        text.split_terminator("\n\n")
+            .map(|frame| {
+                let (event, data) = frame
+                    .strip_prefix("event: ")
+                    .and_then(|f| f.split_once("\ndata: "))
+                    .unwrap();
+                let v: Value = serde_json::from_str(data).unwrap();
+                assert_eq!(v["type"], event);
+                v
+            })
+            .collect()
+    }
+
+    fn call(index: u32, id: Option<&str>, name: Option<&str>, arguments: &str) -> ToolCallDelta {
+        ToolCallDelta {
+            index,
+            id: id.map(str::to_owned),
+            kind: id.map(|_| "function"),
+            function: FunctionCallDelta {
+                name: name.map(str::to_owned),
+                arguments: arguments.to_owned(),
+            },
+        }
+    }
+
+    /// Text, then two calls: each item closes before the next opens, in OpenAI's order
+    /// (the event names are the openai SDK's `ResponseStreamEvent` types).
+    #[test]
+    fn items_follow_each_other_in_openais_order() {
+        let mut b = Builder::new(template(), true);
+        b.opening();
+        b.text("Let me ");
+        b.text("check.");
+        b.call(call(0, Some("call_a"), Some("f"), "{\"x\":"));
+        b.call(call(0, None, None, "1}"));
+        b.call(call(1, Some("call_b"), Some("g"), "{}"));
+        b.finish(FinishReason::Stop, ResponseUsage::new(3, 9), true);
+        let e = events(&b.take());
+        let kinds: Vec<&str> = e.iter().map(|e| e["type"].as_str().unwrap()).collect();
+        assert_eq!(
+            kinds,
+            [
+                "response.created",
+                "response.in_progress",
+                "response.output_item.added",
+                "response.content_part.added",
+                "response.output_text.delta",
+                "response.output_text.delta",
+                "response.output_text.done",
+                "response.content_part.done",
+                "response.output_item.done",
+                "response.output_item.added",
+                "response.function_call_arguments.delta",
+                "response.function_call_arguments.delta",
+                "response.function_call_arguments.done",
+                "response.output_item.done",
+                "response.output_item.added",
+                "response.function_call_arguments.delta",
+                "response.function_call_arguments.done",
+                "response.output_item.done",
+                "response.completed",
+            ]
+        );
+        for (i, e) in e.iter().enumerate() {
+            assert_eq!(e["sequence_number"], json!(i));
+        }
+        assert_eq!(e[6]["text"], "Let me check.");
+        assert_eq!(e[12]["arguments"], "{\"x\":1}");
+        assert_eq!(e[12]["output_index"], 1);
+        assert_eq!(e[16]["output_index"], 2);
+        let end = &e[18]["response"];
+        assert_eq!(end["status"], "completed");
+        assert_eq!(end["output"][0]["content"][0]["text"], "Let me check.");
+        assert_eq!(end["output"][1]["call_id"], "call_a");
+        assert_eq!(end["output"][1]["status"], "completed");
+        assert_eq!(end["output"][2]["name"], "g");
+        assert_eq!(end["usage"]["total_tokens"], 12);
+    }
+
+    /// An answer cut at the limit: the open item and the response are incomplete; an answer
+    /// with no text at all still has its (empty) message, unless it may only call.
+    #[test]
+    fn a_cut_answer_is_incomplete_and_an_empty_one_has_an_empty_message() {
+        let mut b = Builder::new(template(), false);
+        b.text("abc");
+        b.finish(FinishReason::Length, ResponseUsage::new(1, 2), true);
+        assert!(b.take().is_empty(), "no events unless streaming");
+        let r = json!(b.response);
+        assert_eq!(r["status"], "incomplete");
+        assert_eq!(r["incomplete_details"]["reason"], "max_output_tokens");
+        assert_eq!(r["output"][0]["status"], "incomplete");
+        assert!(r.get("completed_at").is_none());
+
+        let mut b = Builder::new(template(), false);
+        b.finish(FinishReason::Stop, ResponseUsage::new(1, 1), true);
+        let r = json!(b.response);
+        assert_eq!(r["output"][0]["content"][0]["text"], "");
+        assert!(r["completed_at"].is_u64());
+        let mut b = Builder::new(template(), false);
+        b.finish(FinishReason::Stop, ResponseUsage::new(1, 1), false);
+        assert_eq!(json!(b.response)["output"], json!([]));
+    }
+
+    /// A failure mid-stream is OpenAI's `error` event (`code`, `message`, `param`).
+    #[test]
+    fn a_failure_is_an_error_event() {
+        let mut b = Builder::new(template(), true);
+        b.opening();
+        b.take();
+        b.error(&ApiError::invalid("input", "too long"));
+        let e = events(&b.take());
+        assert_eq!(e.len(), 1);
+        assert_eq!(e[0]["type"], "error");
+        assert_eq!(e[0]["sequence_number"], 2);
+        assert_eq!(e[0]["param"], "input");
+        assert_eq!(e[0]["message"], "too long");
+        assert_eq!(e[0]["code"], "invalid_request_error");
+    }
+}

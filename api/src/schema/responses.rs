@@ -1,0 +1,1283 @@
+//! OpenAI's Responses API (`POST /v1/responses`): the request body, its reading into a chat
+//! request (the route answers it on the chat path), and the response object.
+//!
+//! As vLLM's `serving_responses` does, the request becomes a chat conversation: `instructions`
+//! a system message first, `input` (a string: one user message; or items) the messages after
+//! it; `message` items (or `role` + `content` shorthand) keep their role (`developer` is read as
+//! `system`, as chat reads it), their `input_text` / `output_text` parts their text;
+//! `function_call` items become an assistant message's `tool_calls` and `function_call_output`
+//! items `tool` messages. `tools` (Responses' shape: `name`, `parameters`, `strict` beside
+//! `type`), `tool_choice`, `text.format`, `max_output_tokens` become chat's fields, and chat's
+//! validation bounds them; an error it names by a chat field is renamed to the Responses field
+//! ([`ResponsesChat::rename`]).
+//!
+//! Nothing is stored: `previous_response_id`, `conversation`, `background: true` and
+//! `prompt` (stored prompts) are refused with a 400 naming the field, as are built-in tools,
+//! `reasoning` other than null, `include` entries (none of them can be produced here),
+//! `top_logprobs` above 0 and `truncation: "auto"`. `store` is accepted, `true` (OpenAI's
+//! default) or `false`, and changes nothing.
+
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Map, Value};
+
+use super::chat_extras::ChatExtras;
+use super::ignored::IgnoredFields;
+use super::limits::MAX_MESSAGES;
+use super::request::{ChatRequest, ContentField, ContentPart, MessageField};
+use super::structured::StructuredFields;
+use crate::error::ApiError;
+
+/// Most `metadata` pairs (OpenAI's bound).
+pub const MAX_METADATA_PAIRS: usize = 16;
+/// Longest `metadata` key, in characters (OpenAI's bound).
+pub const MAX_METADATA_KEY_CHARS: usize = 64;
+/// Longest `metadata` value, in characters (OpenAI's bound).
+pub const MAX_METADATA_VALUE_CHARS: usize = 512;
+
+/// Body of `POST /v1/responses`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ResponsesRequest {
+    /// Model name; optional (defaults to the served model), 404 if it names another.
+    pub model: Option<String>,
+    /// A string (one user message) or a list of input items.
+    pub input: Value,
+    /// A system message put first.
+    pub instructions: Option<String>,
+    /// Completion length limit.
+    pub max_output_tokens: Option<u32>,
+    /// `temperature`.
+    pub temperature: Option<f32>,
+    /// `top_p`.
+    pub top_p: Option<f32>,
+    /// Functions the model may call, in the Responses shape.
+    pub tools: Option<Value>,
+    /// `none`, `auto`, `required` or `{"type": "function", "name": ...}`.
+    pub tool_choice: Option<Value>,
+    /// Whether one answer may hold several calls (default true).
+    pub parallel_tool_calls: Option<bool>,
+    /// `{"format": ...}`: text, a JSON object, or a JSON Schema.
+    pub text: Option<Value>,
+    /// Stream the semantic events over SSE.
+    pub stream: Option<bool>,
+    /// OpenAI's `stream_options` (`include_obfuscation`): read, nothing to obfuscate.
+    pub stream_options: Option<Value>,
+    /// End-user id; echoed.
+    pub user: Option<String>,
+    /// Up to 16 string pairs; echoed.
+    pub metadata: Option<Map<String, Value>>,
+    /// Store the response: accepted, `true` or `false`; nothing is stored.
+    pub store: Option<bool>,
+    /// Refused: responses are not stored.
+    pub previous_response_id: Option<Value>,
+    /// Refused: conversations are not stored.
+    pub conversation: Option<Value>,
+    /// Refused (other than null): no reasoning configuration is read here.
+    pub reasoning: Option<Value>,
+    /// Refused when true: responses run in the foreground only.
+    pub background: Option<bool>,
+    /// Refused when not empty: no extra output can be included.
+    pub include: Option<Value>,
+    /// Refused (other than null): stored prompts are not kept here.
+    pub prompt: Option<Value>,
+    /// Refused above 0: output logprobs are not offered on this endpoint.
+    pub top_logprobs: Option<u32>,
+    /// `disabled` only.
+    pub truncation: Option<Value>,
+    /// OpenAI's service tier; checked as chat checks it.
+    pub service_tier: Option<Value>,
+    /// Fields no endpoint reads (logged, see [`IgnoredFields`]).
+    #[serde(flatten)]
+    pub ignored: IgnoredFields,
+}
+
+/// A Responses request read as a chat request, with what the response echoes.
+#[derive(Debug, Clone)]
+pub struct ResponsesChat {
+    /// The chat request to validate and run.
+    pub chat: ChatRequest,
+    /// Per chat message, the Responses field it came from (`instructions`, `input`,
+    /// `input[3]`).
+    pub sources: Vec<String>,
+    /// The settings the response object echoes.
+    pub echo: Echo,
+    /// Whether to stream.
+    pub stream: bool,
+}
+
+/// The request's settings as the response object returns them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Echo {
+    /// `instructions`.
+    pub instructions: Option<String>,
+    /// `max_output_tokens`.
+    pub max_output_tokens: Option<u32>,
+    /// `tools`, as given.
+    pub tools: Vec<Value>,
+    /// `tool_choice` (default `auto`).
+    pub tool_choice: Value,
+    /// `parallel_tool_calls` (default true).
+    pub parallel_tool_calls: bool,
+    /// `text` (default `{"format": {"type": "text"}}`).
+    pub text: Value,
+    /// `metadata` (default `{}`).
+    pub metadata: Map<String, Value>,
+    /// `store` (default true).
+    pub store: bool,
+    /// `user`.
+    pub user: Option<String>,
+}
+
+fn invalid(param: impl Into<String>, message: impl Into<String>) -> ApiError {
+    ApiError::invalid(param, message)
+}
+
+fn set(v: &Option<Value>) -> bool {
+    v.as_ref().is_some_and(|v| !v.is_null())
+}
+
+impl ResponsesRequest {
+    /// Refuses what cannot be honoured, naming the field, and reads the rest as a chat
+    /// request.
+    pub fn into_chat(self) -> Result<ResponsesChat, ApiError> {
+        if set(&self.previous_response_id) {
+            return Err(invalid(
+                "previous_response_id",
+                "previous_response_id is not supported: this server stores no responses; send \
+                 the conversation's items in input",
+            ));
+        }
+        if set(&self.conversation) {
+            return Err(invalid(
+                "conversation",
+                "conversation is not supported: this server stores no conversations; send the \
+                 conversation's items in input",
+            ));
+        }
+        if set(&self.reasoning) {
+            return Err(invalid(
+                "reasoning",
+                "reasoning (other than null) is not supported: no reasoning settings are read \
+                 here",
+            ));
+        }
+        if self.background == Some(true) {
+            return Err(invalid(
+                "background",
+                "background = true is not supported: responses are not stored, so one cannot \
+                 run in the background",
+            ));
+        }
+        if set(&self.prompt) {
+            return Err(invalid(
+                "prompt",
+                "prompt (a stored prompt template) is not supported",
+            ));
+        }
+        check_include(self.include.as_ref())?;
+        if self.top_logprobs.is_some_and(|k| k > 0) {
+            return Err(invalid(
+                "top_logprobs",
+                "top_logprobs is not supported on /v1/responses (no include entry for output \
+                 logprobs is offered); chat completions return logprobs",
+            ));
+        }
+        match &self.truncation {
+            None | Some(Value::Null) => {}
+            Some(Value::String(s)) if s == "disabled" => {}
+            Some(_) => {
+                return Err(invalid(
+                    "truncation",
+                    "only truncation \"disabled\" is supported: an input too long for the \
+                     context is refused, not cut",
+                ))
+            }
+        }
+        if let Some(options) = &self.stream_options {
+            if !(options.is_null() || options.is_object()) {
+                return Err(invalid("stream_options", "stream_options is an object"));
+            }
+        }
+        let metadata = check_metadata(self.metadata)?;
+        let (response_format, text) = text_format(self.text)?;
+        let (tools, given_tools) = chat_tools(self.tools)?;
+        let tool_choice = chat_tool_choice(self.tool_choice.as_ref())?;
+        let (messages, sources) = messages(self.instructions.as_deref(), &self.input)?;
+        let echo = Echo {
+            instructions: self.instructions,
+            max_output_tokens: self.max_output_tokens,
+            tools: given_tools,
+            tool_choice: match &self.tool_choice {
+                None | Some(Value::Null) => json!("auto"),
+                Some(v) => v.clone(),
+            },
+            parallel_tool_calls: self.parallel_tool_calls.unwrap_or(true),
+            text,
+            metadata,
+            store: self.store.unwrap_or(true),
+            user: self.user.clone(),
+        };
+        let stream = self.stream.unwrap_or(false);
+        let chat = ChatRequest {
+            model: self.model,
+            messages,
+            max_tokens: None,
+            max_completion_tokens: self.max_output_tokens,
+            n: None,
+            stop: None,
+            logprobs: None,
+            top_logprobs: None,
+            stream: Some(stream),
+            stream_options: None,
+            tools,
+            tool_choice,
+            parallel_tool_calls: self.parallel_tool_calls,
+            chat_template_kwargs: None,
+            add_generation_prompt: None,
+            continue_final_message: None,
+            echo: None,
+            use_beam_search: None,
+            prompt_logprobs: None,
+            priority: None,
+            user: self.user,
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: None,
+            min_p: None,
+            presence_penalty: None,
+            frequency_penalty: None,
+            repetition_penalty: None,
+            seed: None,
+            logit_bias: None,
+            stop_token_ids: None,
+            min_tokens: None,
+            ignore_eos: None,
+            cache_salt: None,
+            include_stop_str_in_output: None,
+            skip_special_tokens: None,
+            spaces_between_special_tokens: None,
+            structured: StructuredFields {
+                response_format,
+                ..StructuredFields::default()
+            },
+            extras: ChatExtras {
+                service_tier: self.service_tier,
+                ..ChatExtras::default()
+            },
+            ignored: IgnoredFields::default(),
+        };
+        Ok(ResponsesChat {
+            chat,
+            sources,
+            echo,
+            stream,
+        })
+    }
+}
+
+impl ResponsesChat {
+    /// `e` naming the Responses field where the chat validation named its own: a message's
+    /// (`messages[2].content` → `input[1].content`), `max_completion_tokens` →
+    /// `max_output_tokens`, `response_format` → `text.format`, a tool's `function` level
+    /// dropped (`tools[0].function.parameters` → `tools[0].parameters`).
+    pub fn rename(&self, e: ApiError) -> ApiError {
+        rename_error(e, &self.sources)
+    }
+}
+
+/// [`ResponsesChat::rename`].
+pub fn rename_error(e: ApiError, sources: &[String]) -> ApiError {
+    match e {
+        ApiError::InvalidRequest {
+            message,
+            param: Some(param),
+        } => ApiError::InvalidRequest {
+            message,
+            param: Some(rename_param(&param, sources)),
+        },
+        ApiError::Engine(mut e) => {
+            if let Some(param) = e.param.take() {
+                e.param = Some(rename_param(&param, sources));
+            }
+            ApiError::Engine(e)
+        }
+        other => other,
+    }
+}
+
+/// A chat field's name as the Responses field it came from.
+pub fn rename_param(param: &str, sources: &[String]) -> String {
+    if let Some(rest) = param.strip_prefix("messages[") {
+        if let Some((index, tail)) = rest.split_once(']') {
+            if let Some(source) = index.parse::<usize>().ok().and_then(|i| sources.get(i)) {
+                if source == "instructions" || source == "input" {
+                    return source.clone();
+                }
+                // A call's fields are its item's; a result's `tool_call_id` is its `call_id`.
+                let tail = if tail.starts_with(".tool_calls") {
+                    ""
+                } else if tail == ".tool_call_id" {
+                    ".call_id"
+                } else {
+                    tail
+                };
+                return format!("{source}{tail}");
+            }
+        }
+        return "input".to_owned();
+    }
+    match param {
+        "messages" | "prompt" => return "input".to_owned(),
+        "max_completion_tokens" | "max_tokens" => return "max_output_tokens".to_owned(),
+        _ => {}
+    }
+    if let Some(rest) = param.strip_prefix("response_format") {
+        let rest = rest.strip_prefix(".json_schema").unwrap_or(rest);
+        return format!("text.format{rest}");
+    }
+    if let Some(rest) = param.strip_prefix("tools[") {
+        if let Some((index, tail)) = rest.split_once(']') {
+            let tail = tail.strip_prefix(".function").unwrap_or(tail);
+            return format!("tools[{index}]{tail}");
+        }
+    }
+    if param.starts_with("tool_choice") {
+        return "tool_choice".to_owned();
+    }
+    param.to_owned()
+}
+
+/// `include`: a list; every entry names output this server cannot produce.
+fn check_include(include: Option<&Value>) -> Result<(), ApiError> {
+    match include {
+        None | Some(Value::Null) => Ok(()),
+        Some(Value::Array(list)) => match list.first() {
+            None => Ok(()),
+            Some(entry) => {
+                let shown: String = entry
+                    .as_str()
+                    .map_or_else(|| entry.to_string(), str::to_owned)
+                    .chars()
+                    .take(64)
+                    .collect();
+                Err(invalid(
+                    "include[0]",
+                    format!(
+                        "include {shown:?} is not supported: no extra output (logprobs, \
+                         reasoning, tool results) can be included here"
+                    ),
+                ))
+            }
+        },
+        Some(_) => Err(invalid("include", "include is a list of strings")),
+    }
+}
+
+/// `metadata`: at most [`MAX_METADATA_PAIRS`] string pairs, keys at most
+/// [`MAX_METADATA_KEY_CHARS`] characters, values at most [`MAX_METADATA_VALUE_CHARS`].
+fn check_metadata(metadata: Option<Map<String, Value>>) -> Result<Map<String, Value>, ApiError> {
+    let Some(map) = metadata else {
+        return Ok(Map::new());
+    };
+    if map.len() > MAX_METADATA_PAIRS {
+        return Err(invalid(
+            "metadata",
+            format!(
+                "metadata has at most {MAX_METADATA_PAIRS} pairs, got {}",
+                map.len()
+            ),
+        ));
+    }
+    for (key, value) in &map {
+        if key.chars().count() > MAX_METADATA_KEY_CHARS {
+            return Err(invalid(
+                "metadata",
+                format!("a metadata key is at most {MAX_METADATA_KEY_CHARS} characters"),
+            ));
+        }
+        let shown: String = key.chars().take(MAX_METADATA_KEY_CHARS).collect();
+        match value {
+            Value::String(s) if s.chars().count() <= MAX_METADATA_VALUE_CHARS => {}
+            Value::String(_) => {
+                return Err(invalid(
+                    format!("metadata.{shown}"),
+                    format!("a metadata value is at most {MAX_METADATA_VALUE_CHARS} characters"),
+                ))
+            }
+            _ => {
+                return Err(invalid(
+                    format!("metadata.{shown}"),
+                    "a metadata value is a string",
+                ))
+            }
+        }
+    }
+    Ok(map)
+}
+
+/// `text`: its `format` as chat's `response_format`, and the `text` the response echoes.
+fn text_format(text: Option<Value>) -> Result<(Option<Value>, Value), ApiError> {
+    let default = json!({"format": {"type": "text"}});
+    let obj = match text {
+        None | Some(Value::Null) => return Ok((None, default)),
+        Some(Value::Object(obj)) => obj,
+        Some(_) => return Err(invalid("text", "text is an object")),
+    };
+    for key in obj.keys() {
+        match key.as_str() {
+            "format" => {}
+            "verbosity" => match obj.get(key) {
+                Some(Value::Null) => {}
+                Some(Value::String(v)) if v == "medium" => {}
+                _ => {
+                    return Err(invalid(
+                        "text.verbosity",
+                        "only text.verbosity \"medium\" (the default) is supported: no model \
+                         here reads a verbosity",
+                    ))
+                }
+            },
+            other => {
+                let shown: String = other.chars().take(64).collect();
+                return Err(invalid(
+                    format!("text.{shown}"),
+                    "text takes format and verbosity",
+                ));
+            }
+        }
+    }
+    let format = match obj.get("format") {
+        None | Some(Value::Null) => None,
+        Some(Value::Object(format)) => Some(format),
+        Some(_) => return Err(invalid("text.format", "text.format is an object")),
+    };
+    let response_format = match format {
+        None => None,
+        Some(format) => match format.get("type").and_then(Value::as_str) {
+            Some("text") => None,
+            Some("json_object") => Some(json!({"type": "json_object"})),
+            Some("json_schema") => {
+                let schema = format.get("schema").ok_or_else(|| {
+                    invalid("text.format.schema", "a json_schema format needs a schema")
+                })?;
+                let name = match format.get("name") {
+                    Some(Value::String(n)) => n.clone(),
+                    _ => {
+                        return Err(invalid(
+                            "text.format.name",
+                            "a json_schema format needs a name (a string)",
+                        ))
+                    }
+                };
+                let mut json_schema = Map::new();
+                json_schema.insert("name".into(), Value::String(name));
+                json_schema.insert("schema".into(), schema.clone());
+                for key in ["strict", "description"] {
+                    if let Some(v) = format.get(key) {
+                        json_schema.insert(key.into(), v.clone());
+                    }
+                }
+                Some(json!({"type": "json_schema", "json_schema": json_schema}))
+            }
+            _ => {
+                return Err(invalid(
+                    "text.format.type",
+                    "text.format.type is \"text\", \"json_object\" or \"json_schema\"",
+                ))
+            }
+        },
+    };
+    let mut echo = obj;
+    if echo.get("format").is_none_or(Value::is_null) {
+        echo.insert("format".into(), json!({"type": "text"}));
+    }
+    Ok((response_format, Value::Object(echo)))
+}
+
+/// `tools` in chat's shape (`{"type": "function", "function": {...}}`), and as given (for the
+/// echo). Built-in tools are refused, naming their `type`.
+fn chat_tools(tools: Option<Value>) -> Result<(Option<Value>, Vec<Value>), ApiError> {
+    let list = match tools {
+        None | Some(Value::Null) => return Ok((None, Vec::new())),
+        Some(Value::Array(list)) => list,
+        Some(_) => return Err(invalid("tools", "tools is a list")),
+    };
+    // Chat's validation bounds the count; a list longer than any bound is not copied.
+    if list.len() > MAX_MESSAGES {
+        return Err(invalid("tools", "too many tools"));
+    }
+    let mut chat = Vec::with_capacity(list.len());
+    for (i, tool) in list.iter().enumerate() {
+        let obj = tool
+            .as_object()
+            .ok_or_else(|| invalid(format!("tools[{i}]"), "a tool is an object"))?;
+        match obj.get("type").and_then(Value::as_str) {
+            Some("function") => {}
+            Some(other) => {
+                let shown: String = other.chars().take(64).collect();
+                return Err(invalid(
+                    format!("tools[{i}].type"),
+                    format!(
+                        "tools of type {shown:?} are not supported: only \"function\" tools \
+                         (built-in tools such as web_search or file_search run at OpenAI)"
+                    ),
+                ));
+            }
+            None => return Err(invalid(format!("tools[{i}].type"), "a tool needs a type")),
+        }
+        if obj.contains_key("function") {
+            return Err(invalid(
+                format!("tools[{i}].function"),
+                "a Responses tool has name, description, parameters and strict beside its \
+                 type, not under \"function\" (that is the chat completions shape)",
+            ));
+        }
+        let mut function = Map::new();
+        for (key, value) in obj {
+            match key.as_str() {
+                "type" => {}
+                "name" | "description" | "parameters" | "strict" => {
+                    function.insert(key.clone(), value.clone());
+                }
+                other => {
+                    let shown: String = other.chars().take(64).collect();
+                    return Err(invalid(
+                        format!("tools[{i}].{shown}"),
+                        "a function tool takes name, description, parameters and strict",
+                    ));
+                }
+            }
+        }
+        chat.push(json!({"type": "function", "function": function}));
+    }
+    Ok((Some(Value::Array(chat)), list))
+}
+
+/// `tool_choice` in chat's shape.
+fn chat_tool_choice(choice: Option<&Value>) -> Result<Option<Value>, ApiError> {
+    match choice {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) if matches!(s.as_str(), "none" | "auto" | "required") => {
+            Ok(Some(Value::String(s.clone())))
+        }
+        Some(Value::Object(o)) if o.get("type").and_then(Value::as_str) == Some("function") => {
+            let name = o.get("name").and_then(Value::as_str).ok_or_else(|| {
+                invalid(
+                    "tool_choice",
+                    "a named tool_choice is {\"type\": \"function\", \"name\": ...}",
+                )
+            })?;
+            Ok(Some(
+                json!({"type": "function", "function": {"name": name}}),
+            ))
+        }
+        Some(Value::Object(o)) => {
+            let shown: String = o
+                .get("type")
+                .map(|t| t.as_str().map_or_else(|| t.to_string(), str::to_owned))
+                .unwrap_or_default()
+                .chars()
+                .take(64)
+                .collect();
+            Err(invalid(
+                "tool_choice",
+                format!(
+                    "tool_choice of type {shown:?} is not supported: only \"none\", \"auto\", \
+                     \"required\" or {{\"type\": \"function\", \"name\": ...}}"
+                ),
+            ))
+        }
+        Some(_) => Err(invalid(
+            "tool_choice",
+            "tool_choice is \"none\", \"auto\", \"required\" or {\"type\": \"function\", \
+             \"name\": ...}",
+        )),
+    }
+}
+
+/// The chat messages of `instructions` and `input`, each with the field it came from.
+fn messages(
+    instructions: Option<&str>,
+    input: &Value,
+) -> Result<(Vec<MessageField>, Vec<String>), ApiError> {
+    let mut messages = Vec::new();
+    let mut sources = Vec::new();
+    if let Some(text) = instructions {
+        messages.push(message("system", ContentField::Text(text.to_owned())));
+        sources.push("instructions".to_owned());
+    }
+    match input {
+        Value::String(text) => {
+            messages.push(message("user", ContentField::Text(text.clone())));
+            sources.push("input".to_owned());
+        }
+        Value::Array(items) => {
+            if items.is_empty() {
+                return Err(invalid("input", "input must not be empty"));
+            }
+            if items.len() > MAX_MESSAGES {
+                return Err(invalid(
+                    "input",
+                    format!("at most {MAX_MESSAGES} input items are allowed"),
+                ));
+            }
+            for (i, item) in items.iter().enumerate() {
+                read_item(i, item, &mut messages, &mut sources)?;
+            }
+        }
+        _ => {
+            return Err(invalid(
+                "input",
+                "input is a string or a list of input items",
+            ))
+        }
+    }
+    Ok((messages, sources))
+}
+
+fn message(role: &str, content: ContentField) -> MessageField {
+    MessageField {
+        role: role.to_owned(),
+        content: Some(content),
+        name: None,
+        tool_calls: None,
+        tool_call_id: None,
+    }
+}
+
+/// A string field of item `i`.
+fn item_str<'a>(i: usize, item: &'a Map<String, Value>, field: &str) -> Result<&'a str, ApiError> {
+    item.get(field).and_then(Value::as_str).ok_or_else(|| {
+        invalid(
+            format!("input[{i}].{field}"),
+            format!("{field} is a string"),
+        )
+    })
+}
+
+/// Reads input item `i` into chat messages.
+fn read_item(
+    i: usize,
+    item: &Value,
+    messages: &mut Vec<MessageField>,
+    sources: &mut Vec<String>,
+) -> Result<(), ApiError> {
+    let at = |field: &str| format!("input[{i}]{field}");
+    let obj = item
+        .as_object()
+        .ok_or_else(|| invalid(at(""), "an input item is an object"))?;
+    let kind = match obj.get("type") {
+        None | Some(Value::Null) => "message",
+        Some(Value::String(t)) => t.as_str(),
+        Some(_) => return Err(invalid(at(".type"), "type is a string")),
+    };
+    match kind {
+        "message" => {
+            let role = item_str(i, obj, "role")?;
+            let assistant = match role {
+                "user" | "system" | "developer" => false,
+                "assistant" => true,
+                other => {
+                    let shown: String = other.chars().take(32).collect();
+                    return Err(invalid(
+                        at(".role"),
+                        format!(
+                            "role {shown:?} is not supported: user, system, developer or \
+                             assistant"
+                        ),
+                    ));
+                }
+            };
+            let content = match obj.get("content") {
+                Some(Value::String(s)) => ContentField::Text(s.clone()),
+                Some(Value::Array(parts)) => {
+                    let mut out = Vec::with_capacity(parts.len());
+                    for (j, part) in parts.iter().enumerate() {
+                        out.push(content_part(i, j, part, assistant)?);
+                    }
+                    ContentField::Parts(out)
+                }
+                _ => {
+                    return Err(invalid(
+                        at(".content"),
+                        "content is a string or a list of content parts",
+                    ))
+                }
+            };
+            messages.push(message(role, content));
+            sources.push(at(""));
+        }
+        "function_call" => {
+            let call_id = item_str(i, obj, "call_id")?;
+            let name = item_str(i, obj, "name")?;
+            let arguments = item_str(i, obj, "arguments")?;
+            let call = json!({
+                "id": call_id,
+                "type": "function",
+                "function": {"name": name, "arguments": arguments},
+            });
+            // Calls in a row (after the assistant's text, or after each other) are one
+            // assistant turn, as the model wrote them.
+            match messages.last_mut() {
+                Some(last) if last.role == "assistant" => match &mut last.tool_calls {
+                    Some(Value::Array(calls)) => calls.push(call),
+                    _ => last.tool_calls = Some(Value::Array(vec![call])),
+                },
+                _ => {
+                    messages.push(MessageField {
+                        role: "assistant".to_owned(),
+                        content: None,
+                        name: None,
+                        tool_calls: Some(Value::Array(vec![call])),
+                        tool_call_id: None,
+                    });
+                    sources.push(at(""));
+                }
+            }
+        }
+        "function_call_output" => {
+            let call_id = item_str(i, obj, "call_id")?;
+            let output = match obj.get("output") {
+                Some(Value::String(s)) => s.clone(),
+                Some(Value::Array(parts)) => {
+                    let mut texts = Vec::with_capacity(parts.len());
+                    for (j, part) in parts.iter().enumerate() {
+                        match part.get("type").and_then(Value::as_str) {
+                            Some("input_text") => match part.get("text").and_then(Value::as_str) {
+                                Some(t) => texts.push(t),
+                                None => {
+                                    return Err(invalid(
+                                        at(&format!(".output[{j}].text")),
+                                        "an input_text part needs its text",
+                                    ))
+                                }
+                            },
+                            _ => {
+                                return Err(invalid(
+                                    at(&format!(".output[{j}].type")),
+                                    "only input_text output parts are supported",
+                                ))
+                            }
+                        }
+                    }
+                    texts.join("\n")
+                }
+                _ => {
+                    return Err(invalid(
+                        at(".output"),
+                        "output is a string or a list of input_text parts",
+                    ))
+                }
+            };
+            messages.push(MessageField {
+                role: "tool".to_owned(),
+                content: Some(ContentField::Text(output)),
+                name: None,
+                tool_calls: None,
+                tool_call_id: Some(call_id.to_owned()),
+            });
+            sources.push(at(""));
+        }
+        other => {
+            let shown: String = other.chars().take(64).collect();
+            return Err(invalid(
+                at(".type"),
+                format!(
+                    "input items of type {shown:?} are not supported: message, function_call \
+                     and function_call_output"
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Content part `j` of message item `i` as chat's text part.
+fn content_part(
+    i: usize,
+    j: usize,
+    part: &Value,
+    assistant: bool,
+) -> Result<ContentPart, ApiError> {
+    let at = |field: &str| format!("input[{i}].content[{j}]{field}");
+    let (expected, field) = if assistant {
+        ("output_text", "text")
+    } else {
+        ("input_text", "text")
+    };
+    match part.get("type").and_then(Value::as_str) {
+        Some(t) if t == expected => {}
+        Some("refusal") if assistant => {
+            let refusal = part
+                .get("refusal")
+                .and_then(Value::as_str)
+                .ok_or_else(|| invalid(at(".refusal"), "a refusal part needs its refusal"))?;
+            return Ok(ContentPart {
+                kind: "refusal".to_owned(),
+                text: None,
+                refusal: Some(refusal.to_owned()),
+            });
+        }
+        _ => {
+            return Err(invalid(
+                at(".type"),
+                if assistant {
+                    "only output_text and refusal parts are supported in an assistant message"
+                } else {
+                    "only input_text parts are supported (no images, files or audio)"
+                },
+            ))
+        }
+    }
+    let text = part
+        .get(field)
+        .and_then(Value::as_str)
+        .ok_or_else(|| invalid(at(".text"), format!("an {expected} part needs its text")))?;
+    Ok(ContentPart {
+        kind: "text".to_owned(),
+        text: Some(text.to_owned()),
+        refusal: None,
+    })
+}
+
+/// `usage` of a response.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ResponseUsage {
+    /// Prompt tokens.
+    pub input_tokens: u32,
+    /// `{"cached_tokens": ...}`: the engine does not report prefix-cache hits per request, so 0.
+    pub input_tokens_details: Value,
+    /// Generated tokens.
+    pub output_tokens: u32,
+    /// `{"reasoning_tokens": 0}`: no reasoning is read apart here.
+    pub output_tokens_details: Value,
+    /// Input and output.
+    pub total_tokens: u32,
+}
+
+impl ResponseUsage {
+    /// The usage of `input` prompt tokens and `output` generated ones.
+    pub fn new(input: u32, output: u32) -> Self {
+        Self {
+            input_tokens: input,
+            input_tokens_details: json!({"cached_tokens": 0}),
+            output_tokens: output,
+            output_tokens_details: json!({"reasoning_tokens": 0}),
+            total_tokens: input.saturating_add(output),
+        }
+    }
+}
+
+/// An `output_text` content part.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct OutputText {
+    /// `output_text`.
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    /// The text.
+    pub text: String,
+    /// Always empty: no citations are made here.
+    pub annotations: Vec<Value>,
+}
+
+impl OutputText {
+    /// A part holding `text`.
+    pub fn new(text: String) -> Self {
+        Self {
+            kind: "output_text",
+            text,
+            annotations: Vec::new(),
+        }
+    }
+}
+
+/// One item of a response's `output`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum OutputItem {
+    /// The assistant's text.
+    Message {
+        /// `msg_...`.
+        id: String,
+        /// `in_progress`, `completed` or `incomplete`.
+        status: &'static str,
+        /// `assistant`.
+        role: &'static str,
+        /// One `output_text` part.
+        content: Vec<OutputText>,
+    },
+    /// A call of one of the request's functions.
+    FunctionCall {
+        /// `fc_...`.
+        id: String,
+        /// The id a `function_call_output` item answers.
+        call_id: String,
+        /// The function.
+        name: String,
+        /// Its arguments, a JSON object's text.
+        arguments: String,
+        /// `in_progress`, `completed` or `incomplete`.
+        status: &'static str,
+    },
+}
+
+/// `incomplete_details`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct IncompleteDetails {
+    /// `max_output_tokens`.
+    pub reason: &'static str,
+}
+
+/// The response object.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ResponseObject {
+    /// `resp_...`.
+    pub id: String,
+    /// `response`.
+    pub object: &'static str,
+    /// Unix seconds.
+    pub created_at: u64,
+    /// Unix seconds, once the response completed (absent before, and when incomplete).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub completed_at: Option<u64>,
+    /// `in_progress`, `completed` or `incomplete`.
+    pub status: &'static str,
+    /// Always null: a failure is an HTTP error or a stream's `error` event.
+    pub error: Option<Value>,
+    /// Why the response is incomplete.
+    pub incomplete_details: Option<IncompleteDetails>,
+    /// The request's `instructions`.
+    pub instructions: Option<String>,
+    /// The request's `max_output_tokens`.
+    pub max_output_tokens: Option<u32>,
+    /// The model (or adapter) that answered.
+    pub model: String,
+    /// The output items.
+    pub output: Vec<OutputItem>,
+    /// The request's `parallel_tool_calls`.
+    pub parallel_tool_calls: bool,
+    /// Always null: responses are not chained.
+    pub previous_response_id: Option<String>,
+    /// Always null: `reasoning` is refused.
+    pub reasoning: Option<Value>,
+    /// The request's `store`.
+    pub store: bool,
+    /// The temperature used.
+    pub temperature: f32,
+    /// The request's `text`.
+    pub text: Value,
+    /// The request's `tool_choice`.
+    pub tool_choice: Value,
+    /// The request's `tools`.
+    pub tools: Vec<Value>,
+    /// The top_p used.
+    pub top_p: f32,
+    /// `disabled`.
+    pub truncation: &'static str,
+    /// Null until the response is done.
+    pub usage: Option<ResponseUsage>,
+    /// The request's `user`.
+    pub user: Option<String>,
+    /// The request's `metadata`.
+    pub metadata: Map<String, Value>,
+    /// Always false.
+    pub background: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn read(body: Value) -> Result<ResponsesChat, ApiError> {
+        let request: ResponsesRequest = serde_json::from_value(body).unwrap();
+        request.into_chat()
+    }
+
+    fn refused(body: Value) -> String {
+        match read(body) {
+            Err(ApiError::InvalidRequest { param, .. }) => param.expect("a named field"),
+            other => panic!("expected a 400, got {other:?}"),
+        }
+    }
+
+    fn texts(chat: &ChatRequest) -> Vec<(String, String)> {
+        chat.messages
+            .iter()
+            .map(|m| {
+                let text = match &m.content {
+                    None => String::new(),
+                    Some(ContentField::Text(t)) => t.clone(),
+                    Some(ContentField::Parts(parts)) => parts
+                        .iter()
+                        .map(|p| p.text.clone().or(p.refusal.clone()).unwrap_or_default())
+                        .collect::<Vec<_>>()
+                        .join("|"),
+                };
+                (m.role.clone(), text)
+            })
+            .collect()
+    }
+
+    fn pairs(list: &[(&str, &str)]) -> Vec<(String, String)> {
+        list.iter()
+            .map(|(a, b)| ((*a).to_owned(), (*b).to_owned()))
+            .collect()
+    }
+
+    /// OpenAI's and vLLM's reading: instructions first as a system message, a string input
+    /// one user message.
+    #[test]
+    fn a_string_input_is_one_user_message_after_the_instructions() {
+        let r = read(json!({"model": "m", "input": "Hi", "instructions": "Be brief"})).unwrap();
+        assert_eq!(
+            texts(&r.chat),
+            pairs(&[("system", "Be brief"), ("user", "Hi")])
+        );
+        assert_eq!(r.sources, ["instructions", "input"]);
+        assert_eq!(r.echo.tool_choice, json!("auto"));
+        assert_eq!(r.echo.text, json!({"format": {"type": "text"}}));
+        assert!(r.echo.store && r.echo.parallel_tool_calls);
+    }
+
+    #[test]
+    fn message_items_keep_roles_and_part_texts() {
+        let r = read(json!({"input": [
+            {"role": "developer", "content": "rules"},
+            {"type": "message", "role": "user",
+             "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]},
+            {"type": "message", "role": "assistant",
+             "content": [{"type": "output_text", "text": "c", "annotations": []}]},
+            {"role": "user", "content": "d"},
+        ]}))
+        .unwrap();
+        assert_eq!(
+            texts(&r.chat),
+            pairs(&[
+                ("developer", "rules"),
+                ("user", "a|b"),
+                ("assistant", "c"),
+                ("user", "d")
+            ])
+        );
+        assert_eq!(r.sources, ["input[0]", "input[1]", "input[2]", "input[3]"]);
+    }
+
+    /// A tool round trip: the call item joins the assistant's turn as chat's `tool_calls`,
+    /// its output a `tool` message answering the call id.
+    #[test]
+    fn function_call_items_become_tool_calls_and_tool_messages() {
+        let r = read(json!({"input": [
+            {"role": "user", "content": "weather?"},
+            {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather",
+             "arguments": "{\"city\":\"Paris\"}", "status": "completed"},
+            {"type": "function_call", "call_id": "call_2", "name": "get_time", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+            {"type": "function_call_output", "call_id": "call_2",
+             "output": [{"type": "input_text", "text": "noon"}]},
+        ]}))
+        .unwrap();
+        let m = &r.chat.messages;
+        assert_eq!(m.len(), 4);
+        assert_eq!(m[1].role, "assistant");
+        assert_eq!(
+            m[1].tool_calls,
+            Some(json!([
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}},
+                {"id": "call_2", "type": "function",
+                 "function": {"name": "get_time", "arguments": "{}"}},
+            ]))
+        );
+        assert_eq!(m[2].role, "tool");
+        assert_eq!(m[2].tool_call_id.as_deref(), Some("call_1"));
+        assert_eq!(texts(&r.chat)[2].1, "sunny");
+        assert_eq!(texts(&r.chat)[3].1, "noon");
+        assert_eq!(r.sources, ["input[0]", "input[1]", "input[3]", "input[4]"]);
+    }
+
+    /// Responses' tool shape (name and parameters beside type) becomes chat's.
+    #[test]
+    fn tools_and_tool_choice_take_the_chat_shape() {
+        let tool = json!({"type": "function", "name": "f", "description": "d",
+                          "parameters": {"type": "object"}, "strict": true});
+        let r = read(json!({"input": "x", "tools": [tool],
+                            "tool_choice": {"type": "function", "name": "f"}}))
+        .unwrap();
+        assert_eq!(
+            r.chat.tools,
+            Some(
+                json!([{"type": "function", "function": {"name": "f", "description": "d",
+                         "parameters": {"type": "object"}, "strict": true}}])
+            )
+        );
+        assert_eq!(
+            r.chat.tool_choice,
+            Some(json!({"type": "function", "function": {"name": "f"}}))
+        );
+        assert_eq!(r.echo.tools, vec![tool]);
+        assert_eq!(r.echo.tool_choice, json!({"type": "function", "name": "f"}));
+    }
+
+    #[test]
+    fn text_format_becomes_response_format() {
+        let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+        let r = read(
+            json!({"input": "x", "text": {"format": {"type": "json_schema",
+            "name": "s", "schema": schema, "strict": true}}}),
+        )
+        .unwrap();
+        assert_eq!(
+            r.chat.structured.response_format,
+            Some(json!({"type": "json_schema",
+                        "json_schema": {"name": "s", "schema": schema, "strict": true}}))
+        );
+        let r = read(json!({"input": "x", "text": {"format": {"type": "json_object"}}})).unwrap();
+        assert_eq!(
+            r.chat.structured.response_format,
+            Some(json!({"type": "json_object"}))
+        );
+        let r = read(json!({"input": "x", "text": {"format": {"type": "text"}}})).unwrap();
+        assert_eq!(r.chat.structured.response_format, None);
+    }
+
+    #[test]
+    fn what_cannot_be_honoured_is_refused_by_name() {
+        let cases = [
+            (
+                json!({"input": "x", "previous_response_id": "resp_1"}),
+                "previous_response_id",
+            ),
+            (
+                json!({"input": "x", "conversation": "conv_1"}),
+                "conversation",
+            ),
+            (
+                json!({"input": "x", "reasoning": {"effort": "low"}}),
+                "reasoning",
+            ),
+            (json!({"input": "x", "background": true}), "background"),
+            (json!({"input": "x", "prompt": {"id": "p"}}), "prompt"),
+            (
+                json!({"input": "x", "include": ["reasoning.encrypted_content"]}),
+                "include[0]",
+            ),
+            (json!({"input": "x", "top_logprobs": 2}), "top_logprobs"),
+            (json!({"input": "x", "truncation": "auto"}), "truncation"),
+            (
+                json!({"input": "x", "tools": [{"type": "web_search"}]}),
+                "tools[0].type",
+            ),
+            (
+                json!({"input": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}),
+                "tools[0].function",
+            ),
+            (
+                json!({"input": "x", "tool_choice": {"type": "file_search"}}),
+                "tool_choice",
+            ),
+            (
+                json!({"input": "x", "text": {"format": {"type": "xml"}}}),
+                "text.format.type",
+            ),
+            (
+                json!({"input": "x", "text": {"format": {"type": "json_schema", "name": "s"}}}),
+                "text.format.schema",
+            ),
+            (
+                json!({"input": "x", "text": {"verbosity": "low"}}),
+                "text.verbosity",
+            ),
+            (json!({"input": []}), "input"),
+            (json!({"input": 3}), "input"),
+            (
+                json!({"input": [{"type": "reasoning", "summary": []}]}),
+                "input[0].type",
+            ),
+            (
+                json!({"input": [{"role": "tool", "content": "x"}]}),
+                "input[0].role",
+            ),
+            (
+                json!({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}),
+                "input[0].content[0].type",
+            ),
+            (
+                json!({"input": [{"role": "assistant", "content": [{"type": "input_text", "text": "a"}]}]}),
+                "input[0].content[0].type",
+            ),
+            (
+                json!({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}),
+                "input[0].call_id",
+            ),
+            (
+                json!({"input": [{"type": "function_call_output", "call_id": "c"}]}),
+                "input[0].output",
+            ),
+        ];
+        for (body, param) in cases {
+            assert_eq!(refused(body.clone()), param, "{body}");
+        }
+        // `store` either way, and an empty include, are accepted.
+        for body in [
+            json!({"input": "x", "store": true}),
+            json!({"input": "x", "store": false}),
+            json!({"input": "x", "include": [], "reasoning": null, "background": false}),
+        ] {
+            assert!(read(body.clone()).is_ok(), "{body}");
+        }
+    }
+
+    /// OpenAI's bounds: 16 pairs, keys of 64 characters, string values of 512.
+    #[test]
+    fn metadata_is_bounded_as_openai_bounds_it() {
+        let many: Map<String, Value> = (0..17).map(|i| (format!("k{i}"), json!("v"))).collect();
+        assert_eq!(refused(json!({"input": "x", "metadata": many})), "metadata");
+        let fits: Map<String, Value> = (0..16).map(|i| (format!("k{i}"), json!("v"))).collect();
+        assert_eq!(
+            read(json!({"input": "x", "metadata": fits.clone()}))
+                .unwrap()
+                .echo
+                .metadata,
+            fits
+        );
+        let long_key = "k".repeat(65);
+        assert_eq!(
+            refused(json!({"input": "x", "metadata": {long_key: "v"}})),
+            "metadata"
+        );
+        assert!(read(json!({"input": "x", "metadata": {"k".repeat(64): "v".repeat(512)}})).is_ok());
+        assert_eq!(
+            refused(json!({"input": "x", "metadata": {"a": "v".repeat(513)}})),
+            "metadata.a"
+        );
+        assert_eq!(
+            refused(json!({"input": "x", "metadata": {"a": 1}})),
+            "metadata.a"
+        );
+    }
+
+    /// Chat's validation names chat's fields; the client hears its own.
+    #[test]
+    fn chat_fields_are_renamed_to_the_responses_fields() {
+        let sources = [
+            "instructions".to_owned(),
+            "input[0]".to_owned(),
+            "input[2]".to_owned(),
+        ];
+        for (chat, responses) in [
+            ("messages[1].content", "input[0].content"),
+            ("messages[2].tool_call_id", "input[2].call_id"),
+            ("messages[2].tool_calls[0].function.arguments", "input[2]"),
+            ("messages[0].content", "instructions"),
+            ("messages", "input"),
+            ("prompt", "input"),
+            ("max_completion_tokens", "max_output_tokens"),
+            ("response_format.json_schema.schema", "text.format.schema"),
+            ("response_format", "text.format"),
+            ("tools[1].function.parameters", "tools[1].parameters"),
+            ("tools", "tools"),
+            ("temperature", "temperature"),
+        ] {
+            assert_eq!(rename_param(chat, &sources), responses);
+        }
+    }
+}

@@ -1,0 +1,529 @@
+//! End-to-end tests of the Responses API (`POST /v1/responses`): the real binary, SmolLM2 on
+//! the CPU, HTTP on loopback. Bodies and events are read into async-openai's Responses types
+//! (an independent reading of OpenAI's API reference) as well as checked field by field; the
+//! event order is OpenAI's documented one.
+
+mod common;
+
+use async_openai::types::responses::{Response, ResponseStreamEvent};
+use common::Server;
+use serde_json::{json, Value};
+
+fn server() -> Server {
+    Server::start(
+        "responses",
+        "scheduler:\n  max_num_seqs: 16\n  max_num_batched_tokens: 1024\n",
+    )
+}
+
+fn ok(server: &Server, body: &Value) -> Value {
+    let (status, v) = server.post_json("/v1/responses", body);
+    assert_eq!(status, 200, "{v}");
+    let typed: Result<Response, _> = serde_json::from_value(v.clone());
+    assert!(
+        typed.is_ok(),
+        "not an OpenAI response ({:?}): {v}",
+        typed.err()
+    );
+    v
+}
+
+/// The 400's `param`.
+fn refused(server: &Server, body: &Value) -> String {
+    let (status, v) = server.post_json("/v1/responses", body);
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
+    v["error"]["param"].as_str().unwrap_or("").to_string()
+}
+
+/// The text of a response's message items (what the SDKs' `output_text` joins).
+fn output_text(v: &Value) -> String {
+    let mut text = String::new();
+    for item in v["output"].as_array().expect("output") {
+        if item["type"] == "message" {
+            for part in item["content"].as_array().expect("content") {
+                if part["type"] == "output_text" {
+                    text.push_str(part["text"].as_str().expect("text"));
+                }
+            }
+        }
+    }
+    text
+}
+
+/// A stream's events: each frame an `event:` line naming its type, then one `data:` line;
+/// no `[DONE]`. Each is read into async-openai's event type too.
+fn events(server: &Server, body: &Value) -> Vec<Value> {
+    let r = server
+        .request("POST", "/v1/responses", Some(&body.to_string()), &[])
+        .expect("a streamed response");
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.header("content-type"), Some("text/event-stream"));
+    assert!(r.body.ends_with("\n\n"), "{:?}", r.body);
+    let mut out = Vec::new();
+    for frame in r.body.split_terminator("\n\n") {
+        if frame.starts_with(':') {
+            continue;
+        }
+        let (event, data) = frame
+            .strip_prefix("event: ")
+            .and_then(|f| f.split_once("\ndata: "))
+            .unwrap_or_else(|| panic!("not an event frame: {frame:?}"));
+        assert!(!data.contains('\n'), "{frame:?}");
+        let v: Value = serde_json::from_str(data).unwrap_or_else(|e| panic!("{data}: {e}"));
+        assert_eq!(v["type"], event, "{frame}");
+        let typed: Result<ResponseStreamEvent, _> = serde_json::from_value(v.clone());
+        assert!(
+            typed.is_ok(),
+            "not an OpenAI event ({:?}): {v}",
+            typed.err()
+        );
+        out.push(v);
+    }
+    // Sequence numbers count from 0, one per event.
+    for (i, e) in out.iter().enumerate() {
+        assert_eq!(e["sequence_number"], json!(i), "{e}");
+    }
+    out
+}
+
+fn types(events: &[Value]) -> Vec<String> {
+    events
+        .iter()
+        .map(|e| e["type"].as_str().unwrap_or("").to_string())
+        .collect()
+}
+
+/// OpenAI's order for a response of one message: created, in_progress, the item and its part
+/// added, text deltas, the text, part and item done, then the end (`last`).
+fn assert_message_order(events: &[Value], last: &str) {
+    let t = types(events);
+    let deltas = t
+        .iter()
+        .filter(|t| *t == "response.output_text.delta")
+        .count();
+    let mut expected = vec![
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ];
+    expected.extend(std::iter::repeat_n("response.output_text.delta", deltas));
+    expected.extend([
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        last,
+    ]);
+    assert_eq!(t, expected);
+}
+
+#[test]
+fn a_response_plain_and_streamed() {
+    let s = server();
+    let model = s.model_id();
+    let body = json!({
+        "model": model,
+        "instructions": "You are a geography teacher. Answer in one sentence.",
+        "input": "What is the capital of France?",
+        "max_output_tokens": 48,
+        "temperature": 0,
+        "metadata": {"case": "plain"},
+        "user": "u-1",
+    });
+    let v = ok(&s, &body);
+    assert!(
+        v["id"].as_str().is_some_and(|id| id.starts_with("resp_")),
+        "{v}"
+    );
+    assert_eq!(v["object"], "response");
+    assert_eq!(v["model"], model.as_str());
+    // The SDKs compute output_text; the server does not send it (nor does OpenAI).
+    assert!(v.get("output_text").is_none(), "{v}");
+    let output = v["output"].as_array().expect("output");
+    assert_eq!(output.len(), 1, "{v}");
+    let item = &output[0];
+    assert_eq!(item["type"], "message");
+    assert_eq!(item["role"], "assistant");
+    assert!(
+        item["id"].as_str().is_some_and(|id| id.starts_with("msg_")),
+        "{v}"
+    );
+    assert_eq!(item["content"][0]["type"], "output_text");
+    assert_eq!(item["content"][0]["annotations"], json!([]));
+    let text = output_text(&v);
+    assert!(!text.is_empty(), "{v}");
+    let usage = &v["usage"];
+    let out_tokens = usage["output_tokens"].as_u64().expect("output_tokens");
+    assert_eq!(
+        usage["total_tokens"].as_u64(),
+        Some(usage["input_tokens"].as_u64().unwrap() + out_tokens)
+    );
+    assert_eq!(usage["input_tokens_details"]["cached_tokens"], 0);
+    assert_eq!(usage["output_tokens_details"]["reasoning_tokens"], 0);
+    // Complete, or cut at the limit.
+    if out_tokens < 48 {
+        assert_eq!(v["status"], "completed", "{v}");
+        assert_eq!(item["status"], "completed", "{v}");
+        assert!(v["incomplete_details"].is_null());
+    } else {
+        assert_eq!(v["status"], "incomplete", "{v}");
+    }
+    // The request's settings, echoed.
+    assert_eq!(v["instructions"], body["instructions"]);
+    assert_eq!(v["max_output_tokens"], 48);
+    assert_eq!(v["temperature"], 0.0);
+    assert_eq!(v["top_p"], 1.0);
+    assert_eq!(v["metadata"], json!({"case": "plain"}));
+    assert_eq!(v["user"], "u-1");
+    assert_eq!(v["tools"], json!([]));
+    assert_eq!(v["tool_choice"], "auto");
+    assert_eq!(v["parallel_tool_calls"], true);
+    assert_eq!(v["text"], json!({"format": {"type": "text"}}));
+    assert_eq!(v["store"], true);
+    assert!(v["previous_response_id"].is_null());
+
+    // It is the chat answer to the same conversation: instructions as the system message
+    // first (OpenAI's and vLLM's reading), greedy.
+    let (status, chat) = s.post_json(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "system", "content": body["instructions"]},
+                             {"role": "user", "content": body["input"]}],
+                "max_tokens": 48, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{chat}");
+    assert_eq!(chat["choices"][0]["message"]["content"], text.as_str());
+    assert_eq!(
+        chat["usage"]["prompt_tokens"], usage["input_tokens"],
+        "{chat}"
+    );
+
+    // Streamed: OpenAI's events in order, the deltas making the text.
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let e = events(&s, &streamed);
+    let last = if v["status"] == "completed" {
+        "response.completed"
+    } else {
+        "response.incomplete"
+    };
+    assert_message_order(&e, last);
+    assert_eq!(e[0]["response"]["status"], "in_progress");
+    assert_eq!(e[0]["response"]["output"], json!([]));
+    let item_id = e[2]["item"]["id"].as_str().expect("item id").to_string();
+    let deltas: String = e
+        .iter()
+        .filter(|e| e["type"] == "response.output_text.delta")
+        .map(|e| {
+            assert_eq!(e["item_id"], item_id.as_str());
+            assert_eq!(e["output_index"], 0);
+            assert_eq!(e["content_index"], 0);
+            e["delta"].as_str().expect("delta").to_string()
+        })
+        .collect();
+    assert_eq!(deltas, text);
+    let n = e.len();
+    assert_eq!(e[n - 4]["text"], text.as_str());
+    assert_eq!(e[n - 3]["part"]["text"], text.as_str());
+    assert_eq!(e[n - 2]["item"]["content"][0]["text"], text.as_str());
+    let end = &e[n - 1]["response"];
+    assert_eq!(output_text(end), text);
+    assert_eq!(end["status"], v["status"]);
+    assert_eq!(end["usage"], v["usage"]);
+    assert_eq!(end["output"][0]["id"], item_id.as_str());
+
+    // The route is counted under its template.
+    let r = s.request("GET", "/metrics", None, &[]).expect("metrics");
+    assert!(
+        r.body.lines().any(|l| l.starts_with(
+            "switchyard:http_requests_total{route=\"/v1/responses\",status=\"200\"} "
+        )),
+        "{}",
+        r.body
+    );
+}
+
+#[test]
+fn max_output_tokens_makes_an_incomplete_response() {
+    let s = server();
+    let body = json!({
+        "input": [{"role": "user", "content": [{"type": "input_text",
+                   "text": "Write a long story about a dragon who learns to bake bread."}]}],
+        "max_output_tokens": 6,
+        "temperature": 0,
+    });
+    let v = ok(&s, &body);
+    assert_eq!(v["status"], "incomplete", "{v}");
+    assert_eq!(v["incomplete_details"]["reason"], "max_output_tokens");
+    assert_eq!(v["usage"]["output_tokens"], 6);
+    assert_eq!(v["output"][0]["status"], "incomplete");
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let e = events(&s, &streamed);
+    assert_message_order(&e, "response.incomplete");
+    let end = &e.last().expect("events")["response"];
+    assert_eq!(end["incomplete_details"]["reason"], "max_output_tokens");
+    assert_eq!(output_text(end), output_text(&v));
+}
+
+#[test]
+fn a_json_schema_format_is_followed() {
+    let s = server();
+    let schema = json!({
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 40},
+            "country": {"type": "string", "maxLength": 40},
+            "population_millions": {"type": "number"}
+        },
+        "required": ["city", "country", "population_millions"],
+        "additionalProperties": false
+    });
+    let v = ok(
+        &s,
+        &json!({
+            "input": "Describe Paris.",
+            "max_output_tokens": 100,
+            "temperature": 0,
+            "text": {"format": {"type": "json_schema", "name": "city", "schema": schema,
+                                "strict": true}},
+        }),
+    );
+    assert_eq!(v["status"], "completed", "{v}");
+    assert_eq!(v["text"]["format"]["type"], "json_schema");
+    let text = output_text(&v);
+    let answer: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+    let o = answer.as_object().expect("an object");
+    assert_eq!(o.len(), 3, "{text}");
+    assert!(o["city"].is_string() && o["country"].is_string(), "{text}");
+    assert!(o["population_millions"].is_number(), "{text}");
+    // A schema that is not one is named by its Responses field.
+    let bad = json!({"input": "x", "text": {"format": {"type": "json_schema", "name": "s",
+                     "schema": 3}}});
+    assert!(refused(&s, &bad).starts_with("text.format"));
+}
+
+fn weather_tool() -> Value {
+    json!({"type": "function", "name": "get_weather",
+           "description": "The current weather in a city",
+           "parameters": {"type": "object",
+               "properties": {"city": {"type": "string", "maxLength": 40},
+                              "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+               "required": ["city", "unit"], "additionalProperties": false},
+           "strict": true})
+}
+
+/// A call's arguments against the tool's schema.
+fn check_arguments(arguments: &str) {
+    let args: Value =
+        serde_json::from_str(arguments).unwrap_or_else(|e| panic!("{arguments:?}: {e}"));
+    let o = args.as_object().expect("an object");
+    assert_eq!(o.len(), 2, "{arguments}");
+    assert!(o["city"].is_string(), "{arguments}");
+    assert!(["celsius", "fahrenheit"].contains(&o["unit"].as_str().unwrap_or("")));
+}
+
+#[test]
+fn a_function_call_round_trip() {
+    let s = server();
+    let question = json!({"role": "user", "content": "What is the weather like in Paris today?"});
+    let body = json!({
+        "input": [question],
+        "tools": [weather_tool()],
+        "tool_choice": "required",
+        "parallel_tool_calls": false,
+        "max_output_tokens": 80,
+        "temperature": 0,
+    });
+    let v = ok(&s, &body);
+    assert_eq!(v["status"], "completed", "{v}");
+    assert_eq!(v["tools"], json!([weather_tool()]));
+    assert_eq!(v["tool_choice"], "required");
+    assert_eq!(v["parallel_tool_calls"], false);
+    let output = v["output"].as_array().expect("output");
+    assert_eq!(output.len(), 1, "{v}");
+    let call = &output[0];
+    assert_eq!(call["type"], "function_call");
+    assert_eq!(call["name"], "get_weather");
+    assert_eq!(call["status"], "completed");
+    assert!(
+        call["id"].as_str().is_some_and(|id| id.starts_with("fc_")),
+        "{v}"
+    );
+    assert!(
+        call["call_id"].as_str().is_some_and(|id| !id.is_empty()),
+        "{v}"
+    );
+    let arguments = call["arguments"].as_str().expect("arguments");
+    check_arguments(arguments);
+
+    // Streamed: the call's item, its argument deltas making its arguments, in OpenAI's order.
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let e = events(&s, &streamed);
+    let t = types(&e);
+    let deltas = t
+        .iter()
+        .filter(|t| *t == "response.function_call_arguments.delta")
+        .count();
+    assert!(deltas >= 1, "{t:?}");
+    let mut expected = vec![
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+    ];
+    expected.extend(std::iter::repeat_n(
+        "response.function_call_arguments.delta",
+        deltas,
+    ));
+    expected.extend([
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]);
+    assert_eq!(t, expected);
+    assert_eq!(e[2]["item"]["type"], "function_call");
+    assert_eq!(e[2]["item"]["arguments"], "");
+    let joined: String = e
+        .iter()
+        .filter(|e| e["type"] == "response.function_call_arguments.delta")
+        .map(|e| e["delta"].as_str().unwrap_or("").to_string())
+        .collect();
+    let done = &e[e.len() - 3];
+    assert_eq!(done["arguments"], joined.as_str());
+    assert_eq!(done["name"], "get_weather");
+    check_arguments(&joined);
+
+    // The result goes back: the call item as returned, its output answering its call_id.
+    let round = json!({
+        "input": [question, call, {"type": "function_call_output", "call_id": call["call_id"],
+                                   "output": "{\"temperature\": 21, \"sky\": \"sunny\"}"}],
+        "tools": [weather_tool()],
+        "max_output_tokens": 40,
+        "temperature": 0,
+    });
+    let v = ok(&s, &round);
+    assert!(
+        v["output"]
+            .as_array()
+            .expect("output")
+            .iter()
+            .any(|i| i["type"] == "message"),
+        "{v}"
+    );
+    // An output answering no call is refused by its item's field.
+    let mut orphan = round.clone();
+    orphan["input"][2]["call_id"] = json!("call_unknown");
+    assert_eq!(refused(&s, &orphan), "input[2].call_id");
+}
+
+#[test]
+fn what_cannot_be_honoured_is_refused_by_name() {
+    let s = server();
+    for (body, param) in [
+        (
+            json!({"input": "x", "previous_response_id": "resp_123"}),
+            "previous_response_id",
+        ),
+        (
+            json!({"input": "x", "tools": [{"type": "web_search"}]}),
+            "tools[0].type",
+        ),
+        (
+            json!({"input": "x", "reasoning": {"effort": "high"}}),
+            "reasoning",
+        ),
+        (json!({"input": "x", "background": true}), "background"),
+        (
+            json!({"input": "x", "include": ["message.output_text.logprobs"]}),
+            "include[0]",
+        ),
+        (
+            json!({"input": [{"type": "item_reference", "id": "msg_1"}]}),
+            "input[0].type",
+        ),
+        (
+            json!({"input": "x", "max_output_tokens": 0}),
+            "max_output_tokens",
+        ),
+        (json!({"input": "x", "temperature": 3}), "temperature"),
+        (
+            json!({"input": "x", "tools": [weather_tool()],
+                   "tool_choice": {"type": "function", "name": "nope"}}),
+            "tool_choice",
+        ),
+        (
+            json!({"input": "x", "metadata": {"a": "b".repeat(513)}}),
+            "metadata.a",
+        ),
+        (json!({"temperature": 0}), "input"),
+    ] {
+        assert_eq!(refused(&s, &body), param, "{body}");
+    }
+    // Too many metadata pairs.
+    let many: serde_json::Map<String, Value> =
+        (0..17).map(|i| (format!("k{i}"), json!("v"))).collect();
+    assert_eq!(
+        refused(&s, &json!({"input": "x", "metadata": many})),
+        "metadata"
+    );
+    // Nothing is stored: a stored response cannot be fetched.
+    let r = s
+        .request("GET", "/v1/responses/resp_123", None, &[])
+        .expect("GET");
+    assert_eq!(r.status, 400, "{}", r.body);
+    let v: Value = serde_json::from_str(&r.body).expect("json");
+    assert_eq!(v["error"]["param"], "response_id");
+    // store = false and true are both accepted.
+    for store in [false, true] {
+        let v = ok(
+            &s,
+            &json!({"input": "Hi", "max_output_tokens": 2, "store": store}),
+        );
+        assert_eq!(v["store"], store);
+    }
+    // Another model is not found, as on chat.
+    let (status, v) = s.post_json("/v1/responses", &json!({"model": "other", "input": "x"}));
+    assert_eq!(status, 404, "{v}");
+}
+
+/// A client that leaves aborts its request, as on chat: streamed or not, the engine request
+/// ends (`request_aborted_total`), and the one that had no answer yet counts as a 499 on the
+/// route's template.
+#[test]
+fn a_client_that_leaves_aborts_the_response() {
+    let s = server();
+    let series = |labels: &str| -> f64 {
+        let r = s.request("GET", "/metrics", None, &[]).expect("metrics");
+        let prefix = format!("switchyard:http_requests_total{{{labels}}} ");
+        r.body
+            .lines()
+            .find_map(|l| l.strip_prefix(&prefix).and_then(|v| v.parse().ok()))
+            .unwrap_or(0.0)
+    };
+    let wait = |what: &str, done: &dyn Fn() -> bool| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while !done() {
+            assert!(std::time::Instant::now() < deadline, "{what}");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    };
+    for stream in [false, true] {
+        let body = json!({"input": "Tell me a very long story about dragons and castles.",
+                          "max_output_tokens": 4000, "stream": stream})
+        .to_string();
+        let client = s.open("POST", "/v1/responses", Some(&body));
+        wait("never ran", &|| {
+            s.metric("switchyard:num_requests_running").unwrap_or(0.0) >= 1.0
+        });
+        drop(client);
+        wait("never aborted", &|| {
+            s.metric("switchyard:num_requests_running") == Some(0.0)
+        });
+    }
+    wait("not counted as aborted", &|| {
+        s.metric("switchyard:request_aborted_total") == Some(2.0)
+    });
+    assert_eq!(series("route=\"/v1/responses\",status=\"499\""), 1.0);
+    assert_eq!(series("route=\"/v1/responses\",status=\"200\""), 1.0);
+}
