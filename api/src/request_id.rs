@@ -3,8 +3,8 @@
 //! The id is decided when the request arrives: the client's own `X-Request-Id` when it sent a
 //! sane one (1 to [`MAX_CLIENT_REQUEST_ID`] visible ASCII characters; anything else is
 //! ignored), else a fresh random one, prefixed as the route's completion ids are (`cmpl-…` on
-//! `/v1/completions`, `chatcmpl-…` on `/v1/chat/completions`, none elsewhere): a completion
-//! handler takes it as its completion's id ([`completion_id`]). Errors, 404s, refusals by the
+//! `/v1/completions`, `chatcmpl-…` on `/v1/chat/completions`, `resp_…` on `/v1/responses`,
+//! none elsewhere): a completion handler takes it as its completion's id ([`completion_id`]). Errors, 404s, refusals by the
 //! key check and streams carry it too: the header goes on the response head, before any of a
 //! stream's body.
 //!
@@ -41,6 +41,7 @@ fn arrival_prefix(path: &str) -> &'static str {
     match path {
         "/v1/completions" => "cmpl-",
         "/v1/chat/completions" => "chatcmpl-",
+        "/v1/responses" => "resp_",
         _ => "",
     }
 }
@@ -143,6 +144,7 @@ mod tests {
     fn fresh_ids_carry_their_routes_completion_prefix() {
         assert_eq!(arrival_prefix("/v1/completions"), "cmpl-");
         assert_eq!(arrival_prefix("/v1/chat/completions"), "chatcmpl-");
+        assert_eq!(arrival_prefix("/v1/responses"), "resp_");
         assert_eq!(arrival_prefix("/v1/models"), "");
         assert_eq!(arrival_prefix("/tokenize"), "");
         // The arrival id is the completion's; a client's plain id is prefixed; without the

@@ -28,7 +28,6 @@ use crate::body::read_json;
 use crate::engine::FinishReason;
 use crate::error::ApiError;
 use crate::generation::{ChoiceDelta, Generation, RequestFields};
-use crate::request_id::client_request_id;
 use crate::schema::responses::{
     rename_error, IncompleteDetails, OutputItem, OutputText, ResponseObject, ResponseUsage,
     ResponsesChat, ResponsesRequest,
@@ -46,8 +45,7 @@ pub(crate) async fn create_response(
 ) -> Result<HttpResponse, ApiError> {
     let in_flight = state.admit()?;
     let body: ResponsesRequest = read_json(&req, payload, &state.config).await?;
-    let id = request_id("resp_", client_request_id(&req));
-    crate::request_id::record(&req, &id);
+    let id = crate::request_id::completion_id(&req, "resp_");
     body.ignored.warn("/v1/responses");
     let ResponsesChat {
         chat,
