@@ -527,3 +527,87 @@ fn a_client_that_leaves_aborts_the_response() {
     assert_eq!(series("route=\"/v1/responses\",status=\"499\""), 1.0);
     assert_eq!(series("route=\"/v1/responses\",status=\"200\""), 1.0);
 }
+
+/// A reasoning model's thinking is a `reasoning` item before the answer, read as chat reads it
+/// into `reasoning_content` (a template whose generation prompt opens `<think>`, as QwQ's and
+/// DeepSeek-R1's do: what SmolLM2 writes is thinking until it closes the block). Streamed,
+/// the reasoning deltas join to the item's text; a reasoning item sent back in `input` (as
+/// OpenAI asks of clients managing the conversation) is accepted.
+#[test]
+fn reasoning_is_its_own_item_as_chat_reads_it() {
+    let template = format!(
+        "{}/tests/fixtures/think-open.jinja",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let s = Server::start_full(
+        "responses-reasoning",
+        &format!("  chat_template: {template}\n"),
+        "",
+        "scheduler:\n  max_num_seqs: 16\n  max_num_batched_tokens: 1024\n",
+    );
+    let question = "What is the capital of France?";
+    let (status, chat) = s.post_json(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": question}],
+                "max_tokens": 24, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{chat}");
+    let expected_reasoning = chat["choices"][0]["message"]["reasoning_content"]
+        .as_str()
+        .expect("chat reads reasoning")
+        .to_string();
+    let expected_content = chat["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or("")
+        .to_string();
+    assert!(!expected_reasoning.is_empty(), "{chat}");
+
+    let body = json!({"input": question, "max_output_tokens": 24, "temperature": 0});
+    let v = ok(&s, &body);
+    let output = v["output"].as_array().expect("output");
+    assert_eq!(output[0]["type"], "reasoning", "{v}");
+    assert!(output[0]["id"]
+        .as_str()
+        .is_some_and(|id| id.starts_with("rs_")));
+    assert_eq!(output[0]["summary"], json!([]));
+    assert_eq!(
+        output[0]["content"],
+        json!([{"type": "reasoning_text", "text": expected_reasoning}])
+    );
+    assert_eq!(output_text(&v), expected_content);
+    // 24 tokens, thinking or not: the answer was cut by the limit as chat's was.
+    let cut = chat["choices"][0]["finish_reason"] == "length";
+    assert_eq!(v["status"], if cut { "incomplete" } else { "completed" });
+
+    let streamed = events(
+        &s,
+        &json!({"input": question, "max_output_tokens": 24,
+                                      "temperature": 0, "stream": true}),
+    );
+    let t = types(&streamed);
+    assert_eq!(t[2], "response.output_item.added");
+    assert_eq!(streamed[2]["item"]["type"], "reasoning");
+    assert_eq!(streamed[3]["part"]["type"], "reasoning_text");
+    let deltas: String = streamed
+        .iter()
+        .filter(|e| e["type"] == "response.reasoning_text.delta")
+        .map(|e| e["delta"].as_str().unwrap_or(""))
+        .collect();
+    assert_eq!(deltas, expected_reasoning);
+    let done = streamed
+        .iter()
+        .find(|e| e["type"] == "response.reasoning_text.done")
+        .expect("reasoning_text.done");
+    assert_eq!(done["text"], json!(expected_reasoning));
+    // The streamed response's items are the plain one's (their ids apart).
+    let last = &streamed.last().expect("events")["response"];
+    assert_eq!(last["output"][0]["content"], output[0]["content"]);
+    assert_eq!(output_text(last), expected_content);
+    assert_eq!(last["status"], v["status"]);
+
+    // The output sent back as the next turn's input, reasoning item and all.
+    let mut input = vec![json!({"role": "user", "content": question})];
+    input.extend(output.iter().cloned());
+    input.push(json!({"role": "user", "content": "And of Spain?"}));
+    ok(&s, &json!({"input": input, "max_output_tokens": 4}));
+}

@@ -14,8 +14,11 @@
 //! length limit reached). No `[DONE]` follows, as OpenAI sends none. A failure after the
 //! stream began is an `error` event. The non-streaming answer is the same builder's response.
 //!
-//! A reasoning model's `<think>` block is not read apart here (no `reasoning` items are made):
-//! what the model writes is the text.
+//! A reasoning model's thinking (its `<think>` block, where the server reads reasoning: see
+//! `model.reasoning_parser`) is read apart as chat's `reasoning_content` is, into a `reasoning`
+//! item before the answer's, with one `reasoning_text` part: streamed, its item's
+//! `response.output_item.added`, `response.content_part.added`, `response.reasoning_text.delta`s,
+//! `response.reasoning_text.done`, `response.content_part.done`, `response.output_item.done`.
 
 use actix_web::{web, HttpRequest, HttpResponse};
 use bytes::Bytes;
@@ -29,8 +32,8 @@ use crate::engine::FinishReason;
 use crate::error::ApiError;
 use crate::generation::{ChoiceDelta, Generation, RequestFields};
 use crate::schema::responses::{
-    rename_error, IncompleteDetails, OutputItem, OutputText, ResponseObject, ResponseUsage,
-    ResponsesChat, ResponsesRequest,
+    rename_error, IncompleteDetails, OutputItem, OutputText, ReasoningText, ResponseObject,
+    ResponseUsage, ResponsesChat, ResponsesRequest,
 };
 use crate::schema::{ToolCallDelta, Usage};
 use crate::sse::{event_frame, sse_response, ChunkWriter};
@@ -54,9 +57,13 @@ pub(crate) async fn create_response(
         stream,
     } = body.into_chat()?;
     let lora = check_model(&state, chat.model.as_deref())?;
-    let validated = chat
+    let mut validated = chat
         .validate(state.engine.max_model_len(), state.config.tools)
         .map_err(|e| rename_error(e, &sources))?;
+    // Reasoning tags that are special tokens stay in the text for the splitter (as on chat).
+    if state.config.reasoning.is_some() {
+        validated.keep_special_tokens[3..].copy_from_slice(&state.config.reasoning_tokens);
+    }
     let requests = engine_requests(&id, &validated, &principal, None, lora.as_deref());
     let fields = RequestFields {
         prompt: "input",
@@ -74,7 +81,7 @@ pub(crate) async fn create_response(
         &generation,
         id.clone(),
         model.clone(),
-        false,
+        true,
     );
     let template = ResponseObject {
         id,
@@ -175,9 +182,11 @@ impl Builder {
 
     fn item_id(&self, index: usize) -> String {
         match self.response.output.get(index) {
-            Some(OutputItem::Message { id, .. } | OutputItem::FunctionCall { id, .. }) => {
-                id.clone()
-            }
+            Some(
+                OutputItem::Message { id, .. }
+                | OutputItem::FunctionCall { id, .. }
+                | OutputItem::Reasoning { id, .. },
+            ) => id.clone(),
             None => String::new(),
         }
     }
@@ -243,6 +252,51 @@ impl Builder {
         );
     }
 
+    /// More reasoning text: into the open reasoning item, or a new one.
+    fn reasoning(&mut self, text: &str) {
+        let index = match self.open {
+            Some(i)
+                if matches!(
+                    self.response.output.get(i),
+                    Some(OutputItem::Reasoning { .. })
+                ) =>
+            {
+                i
+            }
+            _ => {
+                let index = self.open_item(OutputItem::Reasoning {
+                    id: request_id("rs_", None),
+                    summary: Vec::new(),
+                    content: Vec::new(),
+                    status: "in_progress",
+                });
+                let item_id = self.item_id(index);
+                self.emit(
+                    "response.content_part.added",
+                    json!({"item_id": item_id, "output_index": index, "content_index": 0,
+                           "part": ReasoningText::new(String::new())}),
+                );
+                if let Some(OutputItem::Reasoning { content, .. }) =
+                    self.response.output.get_mut(index)
+                {
+                    content.push(ReasoningText::new(String::new()));
+                }
+                index
+            }
+        };
+        if let Some(OutputItem::Reasoning { content, .. }) = self.response.output.get_mut(index) {
+            if let Some(part) = content.first_mut() {
+                part.text.push_str(text);
+            }
+        }
+        let item_id = self.item_id(index);
+        self.emit(
+            "response.reasoning_text.delta",
+            json!({"item_id": item_id, "output_index": index, "content_index": 0,
+                   "delta": text}),
+        );
+    }
+
     /// A call opened or its arguments written (the reader's delta).
     fn call(&mut self, call: ToolCallDelta) {
         let index = match (call.id, call.function.name) {
@@ -291,7 +345,9 @@ impl Builder {
             return;
         };
         match item {
-            OutputItem::Message { status, .. } | OutputItem::FunctionCall { status, .. } => {
+            OutputItem::Message { status, .. }
+            | OutputItem::FunctionCall { status, .. }
+            | OutputItem::Reasoning { status, .. } => {
                 *status = if incomplete {
                     "incomplete"
                 } else {
@@ -310,6 +366,22 @@ impl Builder {
                     "response.output_text.done",
                     json!({"item_id": item_id, "output_index": index, "content_index": 0,
                            "text": part.text, "logprobs": []}),
+                );
+                self.emit(
+                    "response.content_part.done",
+                    json!({"item_id": item_id, "output_index": index, "content_index": 0,
+                           "part": part}),
+                );
+            }
+            OutputItem::Reasoning { content, .. } => {
+                let part = content
+                    .first()
+                    .cloned()
+                    .unwrap_or_else(|| ReasoningText::new(String::new()));
+                self.emit(
+                    "response.reasoning_text.done",
+                    json!({"item_id": item_id, "output_index": index, "content_index": 0,
+                           "text": part.text}),
                 );
                 self.emit(
                     "response.content_part.done",
@@ -386,6 +458,9 @@ impl ResponseWriter {
         let read = self
             .reader
             .read(delta.choice, d.text, d.logprobs, finish.is_some());
+        if !read.reasoning.is_empty() {
+            self.builder.reasoning(&read.reasoning);
+        }
         if !read.content.is_empty() {
             self.builder.text(&read.content);
         }
@@ -579,6 +654,68 @@ mod tests {
         assert_eq!(end["output"][1]["status"], "completed");
         assert_eq!(end["output"][2]["name"], "g");
         assert_eq!(end["usage"]["total_tokens"], 12);
+    }
+
+    /// Reasoning, then the answer: a `reasoning` item with one `reasoning_text` part before the
+    /// message (event and part names from the openai SDK's `ResponseReasoningTextDeltaEvent`,
+    /// `ResponseReasoningTextDoneEvent`, `ResponseContentPartAddedEvent.PartReasoningText`,
+    /// `ResponseReasoningItem`); cut short while thinking, the reasoning item is incomplete
+    /// and there is no message.
+    #[test]
+    fn reasoning_comes_as_its_own_item_before_the_answer() {
+        let mut b = Builder::new(template(), true);
+        b.opening();
+        b.reasoning("The user asks ");
+        b.reasoning("for a capital.");
+        b.text("Paris.");
+        b.finish(FinishReason::Stop, ResponseUsage::new(3, 9), true);
+        let e = events(&b.take());
+        let kinds: Vec<&str> = e.iter().map(|e| e["type"].as_str().unwrap()).collect();
+        assert_eq!(
+            kinds,
+            [
+                "response.created",
+                "response.in_progress",
+                "response.output_item.added",
+                "response.content_part.added",
+                "response.reasoning_text.delta",
+                "response.reasoning_text.delta",
+                "response.reasoning_text.done",
+                "response.content_part.done",
+                "response.output_item.done",
+                "response.output_item.added",
+                "response.content_part.added",
+                "response.output_text.delta",
+                "response.output_text.done",
+                "response.content_part.done",
+                "response.output_item.done",
+                "response.completed",
+            ]
+        );
+        assert_eq!(e[2]["item"]["type"], "reasoning");
+        assert_eq!(e[2]["item"]["summary"], json!([]));
+        assert_eq!(e[3]["part"], json!({"type": "reasoning_text", "text": ""}));
+        assert_eq!(e[4]["item_id"], e[2]["item"]["id"]);
+        assert!(e[2]["item"]["id"].as_str().unwrap().starts_with("rs_"));
+        assert_eq!(e[6]["text"], "The user asks for a capital.");
+        assert_eq!(e[8]["item"]["status"], "completed");
+        assert_eq!(e[9]["output_index"], 1);
+        let end = &e[15]["response"];
+        assert_eq!(
+            end["output"][0]["content"],
+            json!([{"type": "reasoning_text", "text": "The user asks for a capital."}])
+        );
+        assert_eq!(end["output"][1]["content"][0]["text"], "Paris.");
+
+        let mut b = Builder::new(template(), false);
+        b.reasoning("Hmm, let me");
+        b.finish(FinishReason::Length, ResponseUsage::new(3, 4), true);
+        let r = json!(b.response);
+        assert_eq!(r["status"], "incomplete");
+        assert_eq!(r["output"].as_array().map(Vec::len), Some(1));
+        assert_eq!(r["output"][0]["type"], "reasoning");
+        assert_eq!(r["output"][0]["status"], "incomplete");
+        assert!(b.events.is_empty());
     }
 
     /// An answer cut at the limit: the open item and the response are incomplete; an answer

@@ -777,13 +777,18 @@ fn read_item(
             });
             sources.push(at(""));
         }
+        // A reasoning item of an earlier answer, sent back with the rest of its output (as
+        // OpenAI asks clients managing the conversation themselves to do): accepted, and not
+        // rendered. The messages carry no reasoning to a chat template here, and templates of
+        // reasoning models (Qwen3's) leave earlier turns' thinking out of the prompt.
+        "reasoning" => {}
         other => {
             let shown: String = other.chars().take(64).collect();
             return Err(invalid(
                 at(".type"),
                 format!(
-                    "input items of type {shown:?} are not supported: message, function_call \
-                     and function_call_output"
+                    "input items of type {shown:?} are not supported: message, function_call, \
+                     function_call_output and reasoning"
                 ),
             ));
         }
@@ -918,6 +923,38 @@ pub enum OutputItem {
         /// `in_progress`, `completed` or `incomplete`.
         status: &'static str,
     },
+    /// A reasoning model's thinking (its `<think>` block), read apart from the answer as chat's
+    /// `reasoning_content` is.
+    Reasoning {
+        /// `rs_...`.
+        id: String,
+        /// Always empty: no summaries are written here.
+        summary: Vec<Value>,
+        /// One `reasoning_text` part.
+        content: Vec<ReasoningText>,
+        /// `in_progress`, `completed` or `incomplete`.
+        status: &'static str,
+    },
+}
+
+/// A `reasoning_text` content part: a reasoning item's text.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ReasoningText {
+    /// `reasoning_text`.
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    /// The text.
+    pub text: String,
+}
+
+impl ReasoningText {
+    /// A part holding `text`.
+    pub fn new(text: String) -> Self {
+        Self {
+            kind: "reasoning_text",
+            text,
+        }
+    }
 }
 
 /// `incomplete_details`.
@@ -1061,6 +1098,35 @@ mod tests {
         assert_eq!(r.sources, ["input[0]", "input[1]", "input[2]", "input[3]"]);
     }
 
+    /// An earlier answer's output sent back whole, its reasoning item included (as OpenAI
+    /// asks of clients that manage the conversation): the reasoning is not rendered, and the
+    /// call after it still joins the assistant's turn.
+    #[test]
+    fn reasoning_items_sent_back_are_accepted_and_not_rendered() {
+        let r = read(json!({"input": [
+            {"role": "user", "content": "weather?"},
+            {"type": "reasoning", "id": "rs_1", "summary": [],
+             "content": [{"type": "reasoning_text", "text": "The user wants weather."}],
+             "status": "completed"},
+            {"type": "message", "role": "assistant",
+             "content": [{"type": "output_text", "text": "Checking.", "annotations": []}]},
+            {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+             "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+        ]}))
+        .unwrap();
+        assert_eq!(
+            texts(&r.chat),
+            pairs(&[
+                ("user", "weather?"),
+                ("assistant", "Checking."),
+                ("tool", "sunny")
+            ])
+        );
+        assert!(r.chat.messages[1].tool_calls.is_some());
+        assert_eq!(r.sources, ["input[0]", "input[2]", "input[4]"]);
+    }
+
     /// A tool round trip: the call item joins the assistant's turn as chat's `tool_calls`,
     /// its output a `tool` message answering the call id.
     #[test]
@@ -1189,7 +1255,7 @@ mod tests {
             (json!({"input": []}), "input"),
             (json!({"input": 3}), "input"),
             (
-                json!({"input": [{"type": "reasoning", "summary": []}]}),
+                json!({"input": [{"type": "web_search_call", "id": "ws_1"}]}),
                 "input[0].type",
             ),
             (
