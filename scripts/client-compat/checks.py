@@ -8,6 +8,7 @@ usage: python checks.py BASE_URL KEY TINY_KEY
 Exits 1 if any check fails; prints one line per check.
 """
 import asyncio
+import base64
 import json
 import sys
 import threading
@@ -430,6 +431,10 @@ for prefix in ("openai", "hosted_vllm"):
         r = lr(p, instructions="Answer briefly.")
         text = "".join(c.text for o in r.output if o.type == "message" for c in o.content)
         expect(r.status in ("completed", "incomplete") and text and r.usage.output_tokens > 0, f"{r}")
+        # LiteLLM wraps the server's id (base64 of "litellm:...;response_id:resp_..."): ours
+        # shows the call went to /v1/responses, not through LiteLLM's bridge to chat.
+        inner = base64.b64decode(r.id.removeprefix("resp_")).decode()
+        expect(f"custom_llm_provider:{p};" in inner and "response_id:resp_" in inner, inner)
         return f"{r.status}, {r.usage.input_tokens} in, {r.usage.output_tokens} out"
 
     def lr_stream(p=prefix):
