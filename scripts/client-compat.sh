@@ -2,13 +2,18 @@
 # Client-framework compatibility: serves the embedded default (SmolLM2-135M, CPU or GPU) with
 # two API keys and drives it through the clients users point at an OpenAI-compatible server:
 # LangChain (langchain-openai's ChatOpenAI and OpenAI), LiteLLM (openai/ and hosted_vllm/),
-# LlamaIndex (llama-index-llms-openai-like) and the Node openai SDK (with zod). Each check is
+# LlamaIndex (llama-index-llms-openai-like), the OpenAI Python SDK and the Node openai SDK (with
+# zod), on chat/completions and on /v1/responses (the Responses API). Each check is
 # about the protocol, what the framework parses out of our answers, not the small model's
 # answers: chat and completions, n, stop, logprobs, max_completion_tokens, streaming with
 # include_usage and the frameworks' usage callbacks, tool calls (bind_tools, the SDK's stream
 # helper and runTools) with tool results sent back, structured output (with_structured_output,
 # zodResponseFormat / zodFunction with .parse), async clients, the framework's exception for a
-# 400, a context overflow, a 401 and a 404, and a 503 with Retry-After (the SDKs wait and retry).
+# 400, a context overflow, a 401 and a 404, and a 503 with Retry-After (the SDKs wait and retry);
+# on /v1/responses: LangChain's use_responses_api=True (invoke, stream, bind_tools with a
+# ToolMessage back, with_structured_output, usage_metadata, async), litellm.responses, the
+# Python SDK's responses.create/stream/parse and the Node SDK's responses.create/stream/parse
+# (zodTextFormat, zodResponsesFunction), function_call_output round trips, the refusals.
 # The checks: scripts/client-compat/checks.py and checks.mjs.
 #
 # usage: scripts/client-compat.sh
@@ -22,7 +27,7 @@ repo=$PWD
 bin=${SWITCHYARD_BIN:-${CARGO_TARGET_DIR:-target}/release/switchyard}
 dir=${DIR:-/tmp/switchyard-client-compat}
 port=${PORT:-18399}
-py_packages=${PY_PACKAGES:-langchain-openai==1.8.1 litellm==1.110.2 llama-index-llms-openai-like==0.8.1}
+py_packages=${PY_PACKAGES:-langchain-openai==1.8.1 litellm==1.110.2 llama-index-llms-openai-like==0.8.1 openai==2.54.0}
 npm_packages=${NPM_PACKAGES:-openai@6.49.0 zod@4.6.7}
 [ -x "$bin" ] || { echo "no $bin: cargo build --release --bins first" >&2; exit 2; }
 mkdir -p "$dir/node"

@@ -4,7 +4,7 @@
 // usage: node checks.mjs BASE_URL KEY TINY_KEY (run from a folder with openai and zod installed)
 // Exits 1 if any check fails; prints one line per check.
 import OpenAI from 'openai';
-import { zodFunction, zodResponseFormat } from 'openai/helpers/zod';
+import { zodFunction, zodResponseFormat, zodResponsesFunction, zodTextFormat } from 'openai/helpers/zod';
 import { z } from 'zod';
 
 const [BASE, KEY, TINY] = process.argv.slice(2);
@@ -110,9 +110,13 @@ await check('errors (400, 404, 401)', async () => {
   return [a, b, c].join(', ');
 });
 await check('503 then retry after Retry-After', async () => {
-  const hog = fetch(`${BASE}/completions`, { method: 'POST', headers: { authorization: `Bearer ${TINY}`, 'content-type': 'application/json' },
-    body: JSON.stringify({ prompt: 'hi', max_tokens: 40, ignore_eos: true }) });
-  await new Promise((r) => setTimeout(r, 300));
+  // The hog holds the tiny tier's only seat: a stream of 100 tokens; the checks start once
+  // its first chunk is out, so it is surely being served (not still on its way in).
+  const res = await fetch(`${BASE}/completions`, { method: 'POST', headers: { authorization: `Bearer ${TINY}`, 'content-type': 'application/json' },
+    body: JSON.stringify({ prompt: 'hi', max_tokens: 100, ignore_eos: true, stream: true }) });
+  const reader = res.body.getReader();
+  await reader.read();
+  const hog = (async () => { while (!(await reader.read()).done); })();
   const tiny = (retries) => new OpenAI({ baseURL: BASE, apiKey: TINY, maxRetries: retries });
   const a = await raises(() => tiny(0).chat.completions.create({ model: M, messages: user('x'), max_tokens: 2 }), OpenAI.InternalServerError, 'retry shortly');
   const t0 = Date.now();
@@ -121,6 +125,80 @@ await check('503 then retry after Retry-After', async () => {
   await hog;
   expect(secs >= 0.9, `${secs}s`);
   return `${a}, then served after ${secs.toFixed(2)}s`;
+});
+// The Responses API (/v1/responses).
+const ask = { model: M, instructions: 'Answer in one sentence.', input: 'What is the capital of France?', max_output_tokens: 40, temperature: 0 };
+const rtools = [{ type: 'function', name: 'get_weather', description: 'Get the weather for a city', strict: true,
+  parameters: weather[0].function.parameters }];
+const question = [{ role: 'user', content: 'What is the weather in Paris?' }];
+let plainText;
+await check('responses.create, output_text (+ history back)', async () => {
+  const r = await client.responses.create({ ...ask, metadata: { k: 'v' } });
+  expect(r.id.startsWith('resp_') && r.object === 'response' && r.output_text && r.metadata.k === 'v'
+    && r.usage.total_tokens === r.usage.input_tokens + r.usage.output_tokens, r);
+  plainText = r.output_text;
+  const again = await client.responses.create({ model: M, max_output_tokens: 5,
+    input: [{ role: 'user', content: ask.input }, ...r.output, { role: 'user', content: 'And of Italy?' }] });
+  expect(again.output_text, again);
+  return `${r.status}, ${r.usage.input_tokens} in, ${r.usage.output_tokens} out`;
+});
+await check('responses.create({stream: true})', async () => {
+  const events = [];
+  for await (const e of await client.responses.create({ ...ask, stream: true })) events.push(e);
+  const deltas = events.filter((e) => e.type === 'response.output_text.delta').map((e) => e.delta).join('');
+  const last = events.at(-1);
+  expect(events[0].type === 'response.created' && ['response.completed', 'response.incomplete'].includes(last.type)
+    && events.every((e, i) => e.sequence_number === i), events.map((e) => e.type));
+  // output_text is the SDK's, added to create()'s answer, not to a raw stream's events.
+  const final = last.response.output.filter((o) => o.type === 'message').flatMap((o) => o.content).map((c) => c.text).join('');
+  expect(deltas === plainText && final === plainText, { deltas, final, plainText });
+  return `${events.length} events`;
+});
+await check('responses.stream events, finalResponse()', async () => {
+  const s = client.responses.stream(ask);
+  let deltas = '';
+  let done = '';
+  s.on('response.output_text.delta', (e) => { deltas += e.delta; });
+  s.on('response.output_text.done', (e) => { done = e.text; });
+  const f = await s.finalResponse();
+  expect(f.output_text === plainText && deltas === plainText && done === plainText, { f, deltas, done });
+});
+await check('responses.parse + zodTextFormat (+ stream)', async () => {
+  const r = await client.responses.parse({ model: M, input: 'Name an event with its year.', max_output_tokens: 80, temperature: 0,
+    text: { format: zodTextFormat(Event, 'event') } });
+  expect(Event.safeParse(r.output_parsed).success, r);
+  const s = client.responses.stream({ model: M, input: 'Name an event with its year.', max_output_tokens: 80, temperature: 0,
+    text: { format: zodTextFormat(Event, 'event') } });
+  const f = await s.finalResponse();
+  expect(JSON.stringify(f.output_parsed) === JSON.stringify(r.output_parsed), f);
+  return JSON.stringify(r.output_parsed);
+});
+await check('responses function tool, function_call_output back', async () => {
+  const r = await client.responses.create({ model: M, input: question, tools: rtools, tool_choice: 'required', parallel_tool_calls: false, max_output_tokens: 60, temperature: 0 });
+  const fc = r.output.find((o) => o.type === 'function_call');
+  expect(fc?.name === 'get_weather' && typeof JSON.parse(fc.arguments).city === 'string' && fc.call_id, r.output);
+  const back = await client.responses.create({ model: M, tools: rtools, max_output_tokens: 10,
+    input: [...question, ...r.output, { type: 'function_call_output', call_id: fc.call_id, output: 'sunny' }] });
+  expect(['completed', 'incomplete'].includes(back.status), back);
+  return fc.arguments;
+});
+await check('responses.stream function call arguments, zodResponsesFunction + parse', async () => {
+  const s = client.responses.stream({ model: M, input: question, tools: rtools, tool_choice: 'required', parallel_tool_calls: false, max_output_tokens: 60, temperature: 0 });
+  let args = '';
+  s.on('response.function_call_arguments.delta', (e) => { args += e.delta; });
+  const fc = (await s.finalResponse()).output.find((o) => o.type === 'function_call');
+  expect(fc && fc.arguments === args && JSON.parse(args).city, { fc, args });
+  const p = await client.responses.parse({ model: M, input: 'Record an event.', max_output_tokens: 80, temperature: 0,
+    tools: [zodResponsesFunction({ name: 'record', parameters: Event })], tool_choice: { type: 'function', name: 'record' } });
+  const call = p.output.find((o) => o.type === 'function_call');
+  expect(Event.safeParse(call?.parsed_arguments).success, p.output);
+  return JSON.stringify(call.parsed_arguments);
+});
+await check('responses errors (400 with param, context, 401)', async () => {
+  const a = await raises(() => client.responses.create({ model: M, input: 'x', previous_response_id: 'resp_x' }), OpenAI.BadRequestError, 'previous_response_id');
+  const b = await raises(() => client.responses.create({ model: M, input: 'x', max_output_tokens: 100000 }), OpenAI.BadRequestError, 'maximum context length');
+  const c = await raises(() => new OpenAI({ baseURL: BASE, apiKey: 'wrong', maxRetries: 0 }).responses.create({ model: M, input: 'x' }), OpenAI.AuthenticationError, 'Incorrect API key');
+  return [a, b, c].join(', ');
 });
 console.log(`node openai SDK: ${failures.length} failed${failures.length ? ': ' + failures.join(', ') : ''}`);
 process.exit(failures.length ? 1 : 0);

@@ -1,12 +1,15 @@
-"""Framework checks for scripts/client-compat.sh: LangChain (langchain-openai), LiteLLM and
-LlamaIndex (llama-index-llms-openai-like) against a running Switchyard server, judged on the
-protocol (what each framework parses out of our responses), not on the small model's answers.
+"""Framework checks for scripts/client-compat.sh: LangChain (langchain-openai), LiteLLM,
+LlamaIndex (llama-index-llms-openai-like) and the OpenAI Python SDK against a running Switchyard
+server, on chat/completions and /v1/responses, judged on the protocol (what each client parses
+out of our responses), not on the small model's answers.
 
 usage: python checks.py BASE_URL KEY TINY_KEY
 (KEY: an API key; TINY_KEY: a key whose tier admits one request at a time, for the 503 checks)
 Exits 1 if any check fails; prints one line per check.
 """
 import asyncio
+import base64
+import json
 import sys
 import threading
 import time
@@ -15,7 +18,7 @@ import httpx
 import litellm
 import openai
 from langchain_core.callbacks import get_usage_metadata_callback
-from langchain_core.messages import HumanMessage, ToolMessage
+from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI, OpenAI
 from llama_index.core.callbacks import CallbackManager, TokenCountingHandler
@@ -55,14 +58,21 @@ def raises(f, cls, needle):
 
 
 def hogged(f):
-    """Runs f while another request holds the tiny tier's only seat; returns f's result and
+    """Runs f while another request holds the tiny tier's only seat (a stream of 100 tokens; f
+    starts once its first chunk is out, so it is surely being served); returns f's result and
     the seconds it took."""
+    serving = threading.Event()
+
     def hog():
-        httpx.post(f"{BASE}/completions", headers={"authorization": f"Bearer {TINY}"},
-                   json={"prompt": "hi", "max_tokens": 40, "ignore_eos": True}, timeout=60)
+        with httpx.stream("POST", f"{BASE}/completions", headers={"authorization": f"Bearer {TINY}"},
+                          json={"prompt": "hi", "max_tokens": 100, "ignore_eos": True, "stream": True},
+                          timeout=60) as r:
+            for _ in r.iter_lines():
+                serving.set()
+        serving.set()
     th = threading.Thread(target=hog)
     th.start()
-    time.sleep(0.3)
+    serving.wait(30)
     t0 = time.monotonic()
     try:
         return f(), time.monotonic() - t0
@@ -323,6 +333,245 @@ check("llamaindex TokenCountingHandler reads the server's usage", li_tokens)
 check("llamaindex chat_with_tools (+ stream)", li_tools)
 check("llamaindex structured_predict", li_structured)
 check("llamaindex async", li_async)
+
+# ---------------------------------------------------------------- Responses API (/v1/responses)
+# LangChain's ChatOpenAI(use_responses_api=True): what it sends by default (input items,
+# max_output_tokens, temperature, stream; tools in the Responses shape, text.format for
+# json_schema) is read; it sends include/reasoning/previous_response_id only when asked.
+def rchat(**kw):
+    return chat(use_responses_api=True, **kw)
+
+
+def text_of(msg):
+    return msg.text if isinstance(msg.text, str) else msg.text()
+
+
+def lcr_invoke():
+    r = rchat().invoke("Say hi")
+    u = r.usage_metadata
+    expect(text_of(r) and u["input_tokens"] > 0 and u["output_tokens"] > 0
+           and u["total_tokens"] == u["input_tokens"] + u["output_tokens"], f"{r}")
+    expect(r.response_metadata["id"].startswith("resp_")
+           and r.response_metadata["status"] in ("completed", "incomplete"), r.response_metadata)
+    again = rchat(max_tokens=5).invoke([HumanMessage("Say hi"), r, HumanMessage("Again")])
+    expect(text_of(again), f"{again}")
+    return f"{u['input_tokens']} in, {u['output_tokens']} out; its answer sent back as history"
+
+
+def lcr_stream():
+    acc = None
+    for c in rchat(max_tokens=8).stream("Say hi"):
+        acc = c if acc is None else acc + c
+    expect(text_of(acc) and acc.usage_metadata["output_tokens"] == 8, f"{acc}")
+    return f"{acc.usage_metadata['input_tokens']} in, {acc.usage_metadata['output_tokens']} out"
+
+
+def lcr_tools():
+    msgs = [HumanMessage("What is the weather in Paris?")]
+    ai = rchat(max_tokens=60).bind_tools([get_weather], tool_choice="get_weather").invoke(msgs)
+    expect(len(ai.tool_calls) >= 1 and ai.tool_calls[0]["name"] == "get_weather"
+           and isinstance(ai.tool_calls[0]["args"].get("city"), str), f"{ai}")
+    msgs += [ai] + [ToolMessage(content="sunny", tool_call_id=t["id"]) for t in ai.tool_calls]
+    after = rchat(max_tokens=10).bind_tools([get_weather]).invoke(msgs)
+    expect(after.response_metadata["status"] in ("completed", "incomplete"), f"{after}")
+    acc = None
+    for c in rchat(max_tokens=60).bind_tools([get_weather], tool_choice="required").stream("Weather in Paris?"):
+        acc = c if acc is None else acc + c
+    expect(acc.tool_calls and acc.tool_calls[0]["name"] == "get_weather", f"{acc}")
+    return f"{ai.tool_calls[0]['args']}"
+
+
+def lcr_structured(method):
+    def run():
+        r = rchat(max_tokens=80).with_structured_output(Event, method=method).invoke("Name an event with its year.")
+        expect(isinstance(r, Event), f"{r!r}")
+        return f"{r!r}"
+    return run
+
+
+def lcr_async():
+    async def run():
+        r = await rchat(max_tokens=5).ainvoke("hi")
+        return r, [c async for c in rchat(max_tokens=5).astream("hi")]
+    r, chunks = asyncio.run(run())
+    expect(text_of(r) and len(chunks) > 1, f"{r} {len(chunks)}")
+
+
+def lcr_errors():
+    a = raises(lambda: rchat(max_tokens=100000).invoke("hi"), openai.BadRequestError, "maximum context length")
+    b = raises(lambda: rchat(use_previous_response_id=True).invoke(
+        [HumanMessage("hi"), AIMessage("hello", response_metadata={"id": "resp_x"}), HumanMessage("more")]),
+        openai.BadRequestError, "previous_response_id")
+    c = raises(lambda: rchat(api_key="wrong").invoke("hi"), openai.AuthenticationError, "Incorrect API key")
+    return f"{a}, {b} (previous_response_id refused), {c}"
+
+
+check("langchain responses invoke (+ history)", lcr_invoke)
+check("langchain responses stream", lcr_stream)
+check("langchain responses bind_tools + ToolMessage back (+ stream)", lcr_tools)
+check("langchain responses with_structured_output json_schema", lcr_structured("json_schema"))
+check("langchain responses with_structured_output function_calling", lcr_structured("function_calling"))
+check("langchain responses async", lcr_async)
+check("langchain responses errors (context, previous_response_id, 401)", lcr_errors)
+
+RTOOLS = [{"type": "function", "name": "get_weather", "description": "Get the weather for a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                          "required": ["city"], "additionalProperties": False}, "strict": True}]
+QUESTION = {"role": "user", "content": "What is the weather in Paris?"}
+
+
+for prefix in ("openai", "hosted_vllm"):
+    def lr(p=prefix, **kw):
+        args = dict(model=f"{p}/{MODEL}", api_base=BASE, api_key=KEY, num_retries=0, temperature=0,
+                    max_output_tokens=16, input="Say hi")
+        args.update(kw)
+        return litellm.responses(**args)
+
+    def lr_create(p=prefix):
+        r = lr(p, instructions="Answer briefly.")
+        text = "".join(c.text for o in r.output if o.type == "message" for c in o.content)
+        expect(r.status in ("completed", "incomplete") and text and r.usage.output_tokens > 0, f"{r}")
+        # LiteLLM wraps the server's id (base64 of "litellm:...;response_id:resp_..."): ours
+        # shows the call went to /v1/responses, not through LiteLLM's bridge to chat.
+        inner = base64.b64decode(r.id.removeprefix("resp_")).decode()
+        expect(f"custom_llm_provider:{p};" in inner and "response_id:resp_" in inner, inner)
+        return f"{r.status}, {r.usage.input_tokens} in, {r.usage.output_tokens} out"
+
+    def lr_stream(p=prefix):
+        events = list(lr(p, stream=True))
+        deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        last = events[-1].response
+        text = "".join(c.text for o in last.output if o.type == "message" for c in o.content)
+        expect(deltas and deltas == text and last.usage.output_tokens == 16, f"{deltas!r} {last}")
+        return f"{len(events)} events, {last.status}"
+
+    def lr_tools(p=prefix):
+        r = lr(p, input=[QUESTION], tools=RTOOLS, tool_choice="required", parallel_tool_calls=False,
+               max_output_tokens=60)
+        fc = next(o for o in r.output if o.type == "function_call")
+        expect(fc.name == "get_weather" and isinstance(json.loads(fc.arguments)["city"], str), f"{fc}")
+        back = lr(p, tools=RTOOLS, max_output_tokens=10, input=[
+            QUESTION, {"type": "function_call", "call_id": fc.call_id, "name": fc.name, "arguments": fc.arguments},
+            {"type": "function_call_output", "call_id": fc.call_id, "output": "sunny"}])
+        expect(back.status in ("completed", "incomplete"), f"{back}")
+        return fc.arguments
+
+    def lr_async(p=prefix):
+        r = asyncio.run(litellm.aresponses(model=f"{p}/{MODEL}", api_base=BASE, api_key=KEY,
+                                           input="hi", max_output_tokens=5))
+        expect(r.usage.output_tokens > 0, f"{r}")
+
+    def lr_errors(p=prefix):
+        a = raises(lambda: lr(p, max_output_tokens=100000), litellm.BadRequestError, "maximum context length")
+        b = raises(lambda: lr(p, api_key="wrong"), litellm.AuthenticationError, "Incorrect API key")
+        return f"{a}, {b}"
+
+    check(f"litellm {prefix}/ responses", lr_create)
+    check(f"litellm {prefix}/ responses stream", lr_stream)
+    check(f"litellm {prefix}/ responses function_call + function_call_output back", lr_tools)
+    check(f"litellm {prefix}/ aresponses", lr_async)
+    check(f"litellm {prefix}/ responses errors (context, 401)", lr_errors)
+
+
+# The OpenAI Python SDK's responses.*.
+sdk = openai.OpenAI(base_url=BASE, api_key=KEY, max_retries=0)
+ASK = dict(model=MODEL, instructions="Answer in one sentence.", input="What is the capital of France?",
+           max_output_tokens=40, temperature=0)
+plain = {}
+
+
+def sdk_create():
+    r = sdk.responses.create(**ASK, metadata={"k": "v"})
+    expect(r.output_text and r.object == "response" and r.metadata == {"k": "v"} and r.id.startswith("resp_"), f"{r}")
+    plain["text"] = r.output_text
+    return f"{r.status}, {r.usage.input_tokens} in, {r.usage.output_tokens} out"
+
+
+def sdk_create_stream():
+    events = list(sdk.responses.create(**ASK, stream=True))
+    kinds = [e.type for e in events]
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    expect(kinds[:2] == ["response.created", "response.in_progress"]
+           and kinds[-1] in ("response.completed", "response.incomplete")
+           and [e.sequence_number for e in events] == list(range(len(events))), kinds)
+    expect(deltas == plain["text"] == events[-1].response.output_text, f"{deltas!r} {plain}")
+    return f"{len(events)} events"
+
+
+def sdk_stream_helper():
+    with sdk.responses.stream(**ASK) as s:
+        text = "".join(e.delta for e in s if e.type == "response.output_text.delta")
+        done = s.get_final_response()
+    expect(done.output_text == text == plain["text"], f"{text!r} {done}")
+
+
+def sdk_parse():
+    class City(BaseModel):
+        city: str
+        country: str
+    p = sdk.responses.parse(model=MODEL, input="Describe Paris.", text_format=City, max_output_tokens=60, temperature=0)
+    expect(isinstance(p.output_parsed, City), f"{p}")
+    with sdk.responses.stream(model=MODEL, input="Describe Paris.", text_format=City, max_output_tokens=60,
+                              temperature=0) as s:
+        streamed = s.get_final_response()
+    expect(streamed.output_parsed == p.output_parsed, f"{streamed}")
+    return repr(p.output_parsed)
+
+
+def sdk_tools():
+    t = sdk.responses.create(model=MODEL, input=[QUESTION], tools=RTOOLS, tool_choice="required",
+                             parallel_tool_calls=False, max_output_tokens=60, temperature=0)
+    call = next(i for i in t.output if i.type == "function_call")
+    expect(call.name == "get_weather" and isinstance(json.loads(call.arguments)["city"], str), f"{call}")
+    back = sdk.responses.create(model=MODEL, tools=RTOOLS, max_output_tokens=30, temperature=0, input=[
+        QUESTION, *t.output, {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    expect(back.status in ("completed", "incomplete"), f"{back}")
+    with sdk.responses.stream(model=MODEL, input=[QUESTION], tools=RTOOLS, tool_choice="required",
+                              parallel_tool_calls=False, max_output_tokens=60, temperature=0) as s:
+        arg_deltas = "".join(e.delta for e in s if e.type == "response.function_call_arguments.delta")
+        final = s.get_final_response()
+    fc = next(i for i in final.output if i.type == "function_call")
+    expect(fc.arguments == arg_deltas and json.loads(fc.arguments)["city"], f"{fc} {arg_deltas!r}")
+    return call.arguments
+
+
+def sdk_json_incomplete():
+    j = sdk.responses.create(model=MODEL, input="Give a JSON object describing Paris.",
+                             text={"format": {"type": "json_object"}}, max_output_tokens=80, temperature=0)
+    if j.status == "completed":
+        expect(isinstance(json.loads(j.output_text), dict), j.output_text)
+    inc = sdk.responses.create(model=MODEL, input="Tell me a long story.", max_output_tokens=4)
+    expect(inc.status == "incomplete" and inc.incomplete_details.reason == "max_output_tokens"
+           and inc.usage.output_tokens == 4, f"{inc}")
+    return f"json_object {j.status}, incomplete at 4 tokens"
+
+
+def sdk_refusals():
+    params = []
+    for kwargs, param in [({"previous_response_id": "resp_x"}, "previous_response_id"),
+                          ({"tools": [{"type": "web_search"}]}, "tools[0].type")]:
+        try:
+            sdk.responses.create(model=MODEL, input="x", **kwargs)
+            raise AssertionError(f"{kwargs} accepted")
+        except openai.BadRequestError as e:
+            expect(e.body.get("param") == param, f"{e.body}")
+            params.append(param)
+    try:
+        sdk.responses.retrieve("resp_x")
+        raise AssertionError("retrieve accepted")
+    except openai.BadRequestError as e:
+        expect(e.body.get("param") == "response_id", f"{e.body}")
+    return ", ".join(params) + ", retrieve"
+
+
+check("openai-python responses.create", sdk_create)
+check("openai-python responses.create(stream=True)", sdk_create_stream)
+check("openai-python responses.stream + get_final_response", sdk_stream_helper)
+check("openai-python responses.parse(text_format) (+ stream)", sdk_parse)
+check("openai-python function_call + output back (+ stream)", sdk_tools)
+check("openai-python json_object, incomplete", sdk_json_incomplete)
+check("openai-python refusals (400 with param)", sdk_refusals)
+
 
 print(f"python clients: {len(failures)} failed" + (f": {', '.join(failures)}" if failures else ""))
 sys.exit(1 if failures else 0)
