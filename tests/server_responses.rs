@@ -430,8 +430,8 @@ fn what_cannot_be_honoured_is_refused_by_name() {
             "tools[0].type",
         ),
         (
-            json!({"input": "x", "reasoning": {"effort": "high"}}),
-            "reasoning",
+            json!({"input": "x", "reasoning": {"summary": "detailed"}}),
+            "reasoning.summary",
         ),
         (json!({"input": "x", "background": true}), "background"),
         (

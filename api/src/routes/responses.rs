@@ -97,7 +97,7 @@ pub(crate) async fn create_response(
         output: Vec::new(),
         parallel_tool_calls: echo.parallel_tool_calls,
         previous_response_id: None,
-        reasoning: None,
+        reasoning: echo.reasoning,
         store: echo.store,
         temperature: validated.sampling.temperature,
         text: echo.text,

@@ -13,14 +13,16 @@
 //!
 //! Nothing is stored: `previous_response_id`, `conversation`, `background: true` and
 //! `prompt` (stored prompts) are refused with a 400 naming the field, as are built-in tools,
-//! `reasoning` other than null, `include` entries (none of them can be produced here),
+//! `reasoning.summary` other than null (no summaries are written; `reasoning.effort` is
+//! checked against OpenAI's values and read by no model, as chat's `reasoning_effort`),
+//! `include` entries (none of them can be produced here),
 //! `top_logprobs` above 0 and `truncation: "auto"`. `store` is accepted, `true` (OpenAI's
 //! default) or `false`, and changes nothing.
 
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
 
-use super::chat_extras::ChatExtras;
+use super::chat_extras::{ChatExtras, REASONING_EFFORTS};
 use super::ignored::IgnoredFields;
 use super::limits::MAX_MESSAGES;
 use super::request::{ChatRequest, ContentField, ContentPart, MessageField};
@@ -71,7 +73,8 @@ pub struct ResponsesRequest {
     pub previous_response_id: Option<Value>,
     /// Refused: conversations are not stored.
     pub conversation: Option<Value>,
-    /// Refused (other than null): no reasoning configuration is read here.
+    /// `{effort, summary}`: `effort` one of OpenAI's values (checked; as chat's
+    /// `reasoning_effort`, read by no model here), `summary` null (none are written); echoed.
     pub reasoning: Option<Value>,
     /// Refused when true: responses run in the foreground only.
     pub background: Option<bool>,
@@ -125,6 +128,8 @@ pub struct Echo {
     pub store: bool,
     /// `user`.
     pub user: Option<String>,
+    /// `reasoning`, as sent (null when absent).
+    pub reasoning: Option<Value>,
 }
 
 fn invalid(param: impl Into<String>, message: impl Into<String>) -> ApiError {
@@ -153,13 +158,7 @@ impl ResponsesRequest {
                  conversation's items in input",
             ));
         }
-        if set(&self.reasoning) {
-            return Err(invalid(
-                "reasoning",
-                "reasoning (other than null) is not supported: no reasoning settings are read \
-                 here",
-            ));
-        }
+        check_reasoning(self.reasoning.as_ref())?;
         if self.background == Some(true) {
             return Err(invalid(
                 "background",
@@ -215,6 +214,7 @@ impl ResponsesRequest {
             metadata,
             store: self.store.unwrap_or(true),
             user: self.user.clone(),
+            reasoning: self.reasoning.clone().filter(|r| !r.is_null()),
         };
         let stream = self.stream.unwrap_or(false);
         let chat = ChatRequest {
@@ -302,6 +302,53 @@ pub fn rename_error(e: ApiError, sources: &[String]) -> ApiError {
         }
         other => other,
     }
+}
+
+/// `reasoning`: null, or an object of `effort` (null or one of OpenAI's values: checked, and
+/// as chat's `reasoning_effort` read by no model here; a reasoning model thinks as its template
+/// and the request's `chat_template_kwargs` say) and `summary` (or the deprecated
+/// `generate_summary`) null, as no summaries are written: the thinking comes whole, as a
+/// `reasoning` item's `reasoning_text`.
+fn check_reasoning(value: Option<&Value>) -> Result<(), ApiError> {
+    let fields = match value {
+        None | Some(Value::Null) => return Ok(()),
+        Some(Value::Object(fields)) => fields,
+        Some(_) => return Err(invalid("reasoning", "reasoning is an object or null")),
+    };
+    for (key, value) in fields {
+        match key.as_str() {
+            "effort" => match value {
+                Value::Null => {}
+                Value::String(e) if REASONING_EFFORTS.contains(&e.as_str()) => {}
+                _ => {
+                    let allowed: Vec<String> = REASONING_EFFORTS
+                        .iter()
+                        .map(|e| format!("\"{e}\""))
+                        .collect();
+                    return Err(invalid(
+                        "reasoning.effort",
+                        format!("reasoning.effort must be one of {}", allowed.join(", ")),
+                    ));
+                }
+            },
+            "summary" | "generate_summary" if value.is_null() => {}
+            "summary" | "generate_summary" => {
+                return Err(invalid(
+                    format!("reasoning.{key}"),
+                    "reasoning summaries are not written here (a reasoning model's thinking \
+                     comes whole, as a reasoning item's reasoning_text): leave it null",
+                ))
+            }
+            other => {
+                let shown: String = other.chars().take(64).collect();
+                return Err(invalid(
+                    format!("reasoning.{shown}"),
+                    "reasoning takes effort and summary",
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// A chat field's name as the Responses field it came from.
@@ -853,7 +900,7 @@ pub struct ResponseUsage {
     pub input_tokens_details: Value,
     /// Generated tokens.
     pub output_tokens: u32,
-    /// `{"reasoning_tokens": 0}`: no reasoning is read apart here.
+    /// `{"reasoning_tokens": 0}`: a reasoning item's tokens are not counted apart.
     pub output_tokens_details: Value,
     /// Input and output.
     pub total_tokens: u32,
@@ -994,7 +1041,7 @@ pub struct ResponseObject {
     pub parallel_tool_calls: bool,
     /// Always null: responses are not chained.
     pub previous_response_id: Option<String>,
-    /// Always null: `reasoning` is refused.
+    /// The request's `reasoning`.
     pub reasoning: Option<Value>,
     /// The request's `store`.
     pub store: bool,
@@ -1217,9 +1264,18 @@ mod tests {
                 "conversation",
             ),
             (
-                json!({"input": "x", "reasoning": {"effort": "low"}}),
-                "reasoning",
+                json!({"input": "x", "reasoning": {"effort": "extreme"}}),
+                "reasoning.effort",
             ),
+            (
+                json!({"input": "x", "reasoning": {"summary": "auto"}}),
+                "reasoning.summary",
+            ),
+            (
+                json!({"input": "x", "reasoning": {"effort": "low", "budget": 3}}),
+                "reasoning.budget",
+            ),
+            (json!({"input": "x", "reasoning": "high"}), "reasoning"),
             (json!({"input": "x", "background": true}), "background"),
             (json!({"input": "x", "prompt": {"id": "p"}}), "prompt"),
             (
@@ -1287,9 +1343,16 @@ mod tests {
             json!({"input": "x", "store": true}),
             json!({"input": "x", "store": false}),
             json!({"input": "x", "include": [], "reasoning": null, "background": false}),
+            // An effort is checked and, as chat's reasoning_effort, read by no model here;
+            // empty settings mean what null does.
+            json!({"input": "x", "reasoning": {"effort": "low"}}),
+            json!({"input": "x", "reasoning": {}}),
+            json!({"input": "x", "reasoning": {"effort": null, "summary": null}}),
         ] {
             assert!(read(body.clone()).is_ok(), "{body}");
         }
+        let r = read(json!({"input": "x", "reasoning": {"effort": "high"}})).unwrap();
+        assert_eq!(r.echo.reasoning, Some(json!({"effort": "high"})));
     }
 
     /// OpenAI's bounds: 16 pairs, keys of 64 characters, string values of 512.
