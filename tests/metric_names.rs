@@ -64,6 +64,7 @@ fn request_outcome_names_and_label_keys_agree_between_the_crates() {
         (engine::LABEL_TIER, api::LABEL_TIER),
         (engine::LABEL_TENANT, api::LABEL_TENANT),
         (engine::PROMPT_TOKENS, api::PROMPT_TOKENS),
+        (engine::PROMPT_TOKENS_CACHED, api::PROMPT_TOKENS_CACHED),
         (engine::GENERATION_TOKENS, api::GENERATION_TOKENS),
     ] {
         assert_eq!(e, a);
@@ -90,6 +91,7 @@ fn configured_tenants_series_are_registered_at_zero() {
     for expected in [
         "switchyard:prompt_tokens_total{tenant=\"zeta-tenant\"} 0",
         "switchyard:generation_tokens_total{tenant=\"omega-tenant\"} 0",
+        "switchyard:prompt_tokens_cached_total{tenant=\"omega-tenant\"} 0",
         "switchyard:request_success_total{tier=\"gold\",tenant=\"zeta-tenant\",finished_reason=\"length\"} 0",
         "switchyard:request_success_total{tenant=\"zeta-tenant\",finished_reason=\"stop\"} 0",
         "switchyard:request_failed_total{tenant=\"omega-tenant\",reason=\"overloaded\"} 0",
@@ -97,8 +99,8 @@ fn configured_tenants_series_are_registered_at_zero() {
     ] {
         assert!(mine.contains(&expected), "{expected} missing from {mine:#?}");
     }
-    // Tokens per tenant (2 series each), outcomes per tenant and tier: 2 finish reasons, the
+    // Tokens per tenant (3 series each: prompt, cached prompt, generation), outcomes per tenant and tier: 2 finish reasons, the
     // failure reasons and one abort series, for the three pairs.
     let outcomes = engine::FINISHED_REASONS.len() + engine::FAILURE_REASONS.len() + 1;
-    assert_eq!(mine.len(), 2 * 2 + 3 * outcomes, "{mine:#?}");
+    assert_eq!(mine.len(), 2 * 3 + 3 * outcomes, "{mine:#?}");
 }

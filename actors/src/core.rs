@@ -159,6 +159,15 @@ pub enum CoreEvent {
         /// (position, token, its logprob, top alternatives) per completed prompt position.
         entries: Vec<PromptLogprob>,
     },
+    /// The request's first token was sampled (a `Token` follows): how many of its prompt
+    /// tokens the prefix cache served when it was first admitted (its `usage`'s
+    /// `cached_tokens`; see [`SeqEvent::FirstToken`]).
+    PromptCached {
+        /// The request.
+        id: RequestId,
+        /// Prompt tokens whose KV came from the prefix cache.
+        tokens: u32,
+    },
     /// The request ended; its KV blocks are already freed.
     Finished {
         /// The request.
@@ -741,7 +750,14 @@ impl StepCore {
                     }
                     events.push(CoreEvent::Finished { id, reason });
                 }
-                SeqEvent::FirstToken { .. } => {}
+                SeqEvent::FirstToken {
+                    id,
+                    cached_prompt_tokens,
+                    ..
+                } => events.push(CoreEvent::PromptCached {
+                    id,
+                    tokens: cached_prompt_tokens,
+                }),
             }
         }
         events
@@ -1139,7 +1155,7 @@ mod tests {
                     assert!(e.1.is_none(), "{id:?} finished twice");
                     e.1 = Some(*reason);
                 }
-                CoreEvent::PromptLogprobs { .. } => {}
+                CoreEvent::PromptLogprobs { .. } | CoreEvent::PromptCached { .. } => {}
             }
         }
         m

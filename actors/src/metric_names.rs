@@ -29,6 +29,11 @@ pub const NUM_PREEMPTIONS: &str = "switchyard:num_preemptions_total";
 /// count, as in vLLM's `prompt_tokens_total`): once per prompt, whatever its `n`, as a
 /// response's `usage.prompt_tokens` counts it.
 pub const PROMPT_TOKENS: &str = "switchyard:prompt_tokens_total";
+/// Counter, label `tenant`: prompt tokens whose KV came from the prefix cache at a request's
+/// first admission, counted at its first token, once per prompt whatever its `n` (its first
+/// choice's), as a response's `usage.prompt_tokens_details.cached_tokens` counts them. Unlike
+/// [`PREFIX_CACHE_HITS`], a re-admission after a preemption adds nothing.
+pub const PROMPT_TOKENS_CACHED: &str = "switchyard:prompt_tokens_cached_total";
 /// Counter, label `tenant`: tokens generated, every choice's (after a stop string matched, none
 /// more): a finished response's `usage.completion_tokens` sums the same tokens.
 pub const GENERATION_TOKENS: &str = "switchyard:generation_tokens_total";
@@ -134,6 +139,7 @@ pub const TIERED: &[&str] = &[
 /// only, the request outcomes the tier too ([`outcome_labels`]).
 pub const PER_TENANT: &[&str] = &[
     PROMPT_TOKENS,
+    PROMPT_TOKENS_CACHED,
     GENERATION_TOKENS,
     REQUEST_SUCCESS,
     REQUEST_ABORTED,
@@ -188,7 +194,7 @@ pub fn register_tenants(tenants: &[(String, String)]) {
         let tenant: std::sync::Arc<str> = name.as_str().into();
         if !tokens_done.contains(&name.as_str()) {
             tokens_done.push(name);
-            for c in [PROMPT_TOKENS, GENERATION_TOKENS] {
+            for c in [PROMPT_TOKENS, PROMPT_TOKENS_CACHED, GENERATION_TOKENS] {
                 metrics::counter!(c, tenant_labels(&tenant)).increment(0);
             }
         }
@@ -322,6 +328,7 @@ pub const COUNTERS: &[&str] = &[
     PREFIX_CACHE_HITS,
     NUM_PREEMPTIONS,
     PROMPT_TOKENS,
+    PROMPT_TOKENS_CACHED,
     GENERATION_TOKENS,
     REQUEST_SUCCESS,
     REQUEST_ABORTED,

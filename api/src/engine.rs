@@ -465,6 +465,10 @@ pub struct Delta {
     pub logprobs: Vec<TokenLogprob>,
     /// Set on the choice's last delta.
     pub finish: Option<Finish>,
+    /// Prompt tokens whose KV the prefix cache served when the choice was first admitted
+    /// (whole blocks, never the prompt's last token; 0 without prefix caching; a recompute
+    /// after a preemption does not change it). Every delta carries it.
+    pub cached_prompt_tokens: u32,
 }
 
 /// How and when a choice ended.

@@ -64,6 +64,9 @@ pub(crate) struct Generation {
     n: u32,
     /// Prompt tokens per prompt.
     pub prompt_tokens: Vec<u32>,
+    /// Prompt tokens the prefix cache served, per prompt: its first choice's (choice 0's
+    /// deltas carry it), so that a prompt counts once whatever its `n`, as in `prompt_tokens`.
+    pub cached_prompt_tokens: Vec<u32>,
     /// Prompt logprobs per prompt, when asked.
     pub prompt_logprobs: Vec<Option<Vec<TokenLogprob>>>,
     /// Per prompt, whether it ends inside a `<think>` block its chat template opened.
@@ -128,6 +131,7 @@ impl Generation {
             early: VecDeque::new(),
             n,
             prompt_tokens: vec![0; prompts],
+            cached_prompt_tokens: vec![0; prompts],
             prompt_logprobs: vec![None; prompts],
             opens_thinking: vec![false; prompts],
             finished: vec![false; choices],
@@ -190,6 +194,13 @@ impl Generation {
             .fold(0u32, |acc, &t| acc.saturating_add(t))
     }
 
+    /// Sum of the prompts' cached prompt tokens (complete once every choice finished).
+    pub(crate) fn total_cached_prompt_tokens(&self) -> u32 {
+        self.cached_prompt_tokens
+            .iter()
+            .fold(0u32, |acc, &t| acc.saturating_add(t))
+    }
+
     /// The next delta, `None` once every choice finished, or the error that ended the request.
     /// Cancel-safe (the SSE body drops it on its heartbeat timeout): its only await is the
     /// channels' receive, before any state changes.
@@ -242,6 +253,14 @@ impl Generation {
                 *done = true;
                 self.remaining -= 1;
             }
+            if delta.index == 0 {
+                if let Some(cached) = self.cached_prompt_tokens.get_mut(prompt) {
+                    // Never more than the prompt: the usage stays consistent whatever the
+                    // engine says.
+                    let len = self.prompt_tokens.get(prompt).copied().unwrap_or(0);
+                    *cached = delta.cached_prompt_tokens.min(len);
+                }
+            }
             return Some(Ok(ChoiceDelta {
                 choice,
                 prompt,
@@ -284,6 +303,7 @@ mod tests {
                 reason: FinishReason::Stop,
                 completion_tokens: 1,
             }),
+            cached_prompt_tokens: 0,
         })
     }
 
@@ -340,6 +360,44 @@ mod tests {
         seen.sort();
         let expected = [(0, "a0"), (1, "a1"), (2, ""), (2, "b0"), (3, "b1")];
         assert_eq!(seen, expected.map(|(c, t)| (c, t.to_owned())));
+    }
+
+    fn cached(index: u32, tokens: u32, finish: bool) -> EngineEvent {
+        let mut d = delta(index, "x", finish);
+        if let EngineEvent::Delta(d) = &mut d {
+            d.cached_prompt_tokens = tokens;
+        }
+        d
+    }
+
+    /// Cached prompt tokens count once per prompt (its first choice's, whatever its other
+    /// choices were served) and add up over prompts, as `prompt_tokens` does; a value past the
+    /// prompt is cut to it.
+    #[test]
+    fn cached_prompt_tokens_count_once_per_prompt_and_sum_over_prompts() {
+        // Prompt a (40 tokens, n = 2): choice 0 was served 32 from the cache, choice 1 16.
+        let a = channel(vec![
+            prompt(40),
+            cached(1, 16, false),
+            cached(0, 32, false),
+            cached(1, 16, true),
+            cached(0, 32, true),
+        ]);
+        // Prompt b (20 tokens): its engine says 99, more than the prompt.
+        let b = channel(vec![prompt(20), cached(0, 99, true), cached(1, 0, true)]);
+        let mut g = block_on(Generation::accept(
+            vec![a, b],
+            2,
+            fields("prompt"),
+            SiblingFailure::default(),
+        ))
+        .unwrap();
+        while let Some(d) = block_on(g.next()) {
+            d.unwrap();
+        }
+        assert_eq!(g.cached_prompt_tokens, vec![32, 20]);
+        assert_eq!(g.total_cached_prompt_tokens(), 52);
+        assert_eq!(g.total_prompt_tokens(), 60);
     }
 
     #[test]

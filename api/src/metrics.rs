@@ -33,6 +33,9 @@ pub const NUM_PREEMPTIONS: &str = "switchyard:num_preemptions_total";
 /// Counter, label `tenant`: prompt tokens of the requests the engine accepted, counted when
 /// queued (once per prompt, as `usage.prompt_tokens`).
 pub const PROMPT_TOKENS: &str = "switchyard:prompt_tokens_total";
+/// Counter, label `tenant`: prompt tokens the prefix cache served at the requests' first
+/// admission (once per prompt, as `usage.prompt_tokens_details.cached_tokens`).
+pub const PROMPT_TOKENS_CACHED: &str = "switchyard:prompt_tokens_cached_total";
 /// Counter, label `tenant`: tokens generated (as `usage.completion_tokens`).
 pub const GENERATION_TOKENS: &str = "switchyard:generation_tokens_total";
 /// Counter, labels `finished_reason` (`stop`, `length`), `tier`, `tenant`: requests that
@@ -256,6 +259,11 @@ pub fn describe_metrics() {
         "Prompt tokens of the requests the engine accepted (counted when queued, once per prompt whatever its n, as usage.prompt_tokens; prefix-cache hits included), by tenant (one the API keys name; others have no tenant label)."
     );
     describe_counter!(
+        PROMPT_TOKENS_CACHED,
+        Unit::Count,
+        "Prompt tokens whose KV came from the prefix cache at the request's first admission (counted at its first token, once per prompt whatever its n, as usage.prompt_tokens_details.cached_tokens; a re-admission after a preemption adds nothing), by tenant (one the API keys name; others have no tenant label)."
+    );
+    describe_counter!(
         GENERATION_TOKENS,
         Unit::Count,
         "Tokens generated, every choice's (as usage.completion_tokens), by tenant (one the API keys name; others have no tenant label)."
@@ -426,6 +434,7 @@ mod tests {
         PREFIX_CACHE_HITS,
         NUM_PREEMPTIONS,
         PROMPT_TOKENS,
+        PROMPT_TOKENS_CACHED,
         GENERATION_TOKENS,
         REQUEST_SUCCESS,
         REQUEST_ABORTED,

@@ -57,7 +57,8 @@ pub(crate) trait ChunkWriter: 'static {
 }
 
 /// vLLM's `stream_options.continuous_usage_stats`: every chunk carries the usage so far of its
-/// choice, its prompt's tokens and the tokens the choice generated (vLLM's reading).
+/// choice, its prompt's tokens and the tokens the choice generated (vLLM's reading), and the
+/// prompt tokens the prefix cache served the choice (0 in chunks before its first token).
 pub(crate) struct RunningUsage {
     prompt_tokens: Vec<u32>,
     n: usize,
@@ -74,28 +75,31 @@ impl RunningUsage {
         }
     }
 
-    /// Choice `choice`'s usage after `tokens` more tokens.
-    pub(crate) fn add(&mut self, choice: u32, tokens: usize) -> Usage {
+    /// Choice `choice`'s usage after `tokens` more tokens, `cached` of its prompt's tokens
+    /// served by the prefix cache.
+    pub(crate) fn add(&mut self, choice: u32, tokens: usize, cached: u32) -> Usage {
         let i = usize::try_from(choice).unwrap_or(usize::MAX);
         let prompt = self.prompt_tokens.get(i / self.n).copied().unwrap_or(0);
         let done = self.completion.get_mut(i).map_or(0, |c| {
             *c = c.saturating_add(u32::try_from(tokens).unwrap_or(u32::MAX));
             *c
         });
-        Usage::new(prompt, done)
+        Usage::new(prompt, cached.min(prompt), done)
     }
 }
 
-/// The `usage` field of a chunk of choice `choice` with `tokens` new tokens: the running usage
-/// when asked for, else `field` (absent, or null with `include_usage`).
+/// The `usage` field of a chunk of choice `choice` with `tokens` new tokens (`cached` prompt
+/// tokens served by the prefix cache): the running usage when asked for, else `field` (absent,
+/// or null with `include_usage`).
 pub(crate) fn chunk_usage(
     running: &mut Option<RunningUsage>,
     field: Option<Option<Usage>>,
     choice: u32,
     tokens: usize,
+    cached: u32,
 ) -> Option<Option<Usage>> {
     match running {
-        Some(r) => Some(Some(r.add(choice, tokens))),
+        Some(r) => Some(Some(r.add(choice, tokens, cached))),
         None => field,
     }
 }
@@ -183,8 +187,11 @@ pub(crate) fn sse_response<W: ChunkWriter>(
                     st.done = true;
                 }
                 None => {
-                    let usage =
-                        Usage::new(st.generation.total_prompt_tokens(), st.completion_tokens);
+                    let usage = Usage::new(
+                        st.generation.total_prompt_tokens(),
+                        st.generation.total_cached_prompt_tokens(),
+                        st.completion_tokens,
+                    );
                     st.queue.extend(st.writer.closing(usage, st.include_usage));
                     st.done = true;
                 }

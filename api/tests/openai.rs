@@ -221,7 +221,7 @@ async fn completion_stream_is_framed_exactly() {
         chunk("a", "null"),
         chunk("b", "null"),
         chunk("a", "\"length\""),
-        format!(r#"data: {{"id":"cmpl-t1","object":"text_completion","created":{created},"model":"echo-1","choices":[],"usage":{{"prompt_tokens":2,"completion_tokens":3,"total_tokens":5}}}}"#) + "\n\n",
+        format!(r#"data: {{"id":"cmpl-t1","object":"text_completion","created":{created},"model":"echo-1","choices":[],"usage":{{"prompt_tokens":2,"completion_tokens":3,"total_tokens":5,"prompt_tokens_details":{{"cached_tokens":0}}}}}}"#) + "\n\n",
         "data: [DONE]\n\n".to_owned(),
     ]
     .concat();

@@ -1016,6 +1016,10 @@ impl Scheduler {
         seq.num_computed = computed;
         seq.num_cached_blocks = self.matched.len();
         seq.cached_prefix = None;
+        // Reported once, as vLLM's `num_cached_tokens`: the recompute after a preemption
+        // reuses blocks the request computed itself, which the client was not spared.
+        seq.first_cached
+            .get_or_insert(u32::try_from(computed.min(seq.prompt_len)).unwrap_or(u32::MAX));
         seq.state = RequestState::Running;
         self.adapters.started(seq.req.lora_adapter);
         if caching {
@@ -1281,6 +1285,7 @@ impl Scheduler {
                             events.push(SeqEvent::FirstToken {
                                 id: sched.id,
                                 at: now,
+                                cached_prompt_tokens: seq.first_cached.unwrap_or(0),
                             });
                         }
                         seq.last_token_at = Some(now);

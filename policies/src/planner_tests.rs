@@ -84,7 +84,8 @@ fn prefill_then_decode_with_block_growth() {
         ev[0],
         SeqEvent::FirstToken {
             id: RequestId(1),
-            at: Timestamp(1)
+            at: Timestamp(1),
+            cached_prompt_tokens: 0,
         }
     );
     // Step 2: decode of token 41, still 3 blocks (41 <= 48).
@@ -1186,7 +1187,8 @@ fn a_chunk_ending_one_token_before_the_prompt_end_resolves() {
         ev.first(),
         Some(&SeqEvent::FirstToken {
             id: RequestId(1),
-            at: Timestamp(1)
+            at: Timestamp(1),
+            cached_prompt_tokens: 0,
         })
     );
     let (_, ev) = step(&mut s, 2, 8);
@@ -1439,4 +1441,100 @@ fn a_windowed_step_shape_counts_the_keys_of_each_window() {
             assert_eq!(wide, full);
         }
     }
+}
+
+/// The cached prompt tokens a request's `FirstToken` reports (its `usage`'s `cached_tokens`).
+fn cached_reported(events: &[SeqEvent], id: u64) -> Option<u32> {
+    events.iter().find_map(|e| match *e {
+        SeqEvent::FirstToken {
+            id: i,
+            cached_prompt_tokens,
+            ..
+        } if i == RequestId(id) => Some(cached_prompt_tokens),
+        _ => None,
+    })
+}
+
+#[test]
+fn first_token_reports_the_prompt_tokens_the_prefix_cache_served() {
+    // Blocks of 16. A 40-token prompt: the first request computes it all (0 cached) and
+    // leaves blocks 0 and 1 full and cached. The same prompt again reuses at most
+    // (40 - 1) / 16 = 2 blocks: 32 tokens. A 32-token prefix of it reuses at most
+    // (32 - 1) / 16 = 1 block (its last token, at the end of block 1, is recomputed): 16.
+    let prompt: Vec<u32> = (0..40).collect();
+    let mut s = sched(config(16, 16), Box::new(Fcfs));
+    s.add_request(req(1, 0, prompt.clone(), 1)).unwrap();
+    let (_, ev) = step(&mut s, 0, 7);
+    assert_eq!(cached_reported(&ev, 1), Some(0));
+    s.add_request(req(2, 1, prompt.clone(), 1)).unwrap();
+    let (_, ev) = step(&mut s, 1, 7);
+    assert_eq!(cached_reported(&ev, 2), Some(32));
+    s.add_request(req(3, 2, prompt[..32].to_vec(), 1)).unwrap();
+    let (_, ev) = step(&mut s, 2, 7);
+    assert_eq!(cached_reported(&ev, 3), Some(16));
+    // A prompt sharing only the first block (tokens 0..16) reports that block.
+    let mut other: Vec<u32> = (0..16).collect();
+    other.extend(500..530);
+    s.add_request(req(4, 3, other, 1)).unwrap();
+    let (_, ev) = step(&mut s, 3, 7);
+    assert_eq!(cached_reported(&ev, 4), Some(16));
+
+    // Without prefix caching nothing is ever reported cached.
+    let mut c = config(16, 16);
+    c.enable_prefix_caching = false;
+    let mut s = sched(c, Box::new(Fcfs));
+    s.add_request(req(1, 0, prompt.clone(), 1)).unwrap();
+    step(&mut s, 0, 7);
+    s.add_request(req(2, 1, prompt, 1)).unwrap();
+    let (p, ev) = step(&mut s, 1, 7);
+    assert_eq!(p.seqs[0].num_computed_tokens, 0);
+    assert_eq!(cached_reported(&ev, 2), Some(0));
+}
+
+#[test]
+fn cached_prompt_tokens_are_those_of_the_first_admission_after_a_preemption() {
+    // 5 blocks of 4, chunks of 12. Low-priority request 1 (16-token prompt) computes its
+    // first chunk (3 full blocks, cached); urgent request 2 (8 tokens, 2 blocks) then finds
+    // too few blocks and preempts it before its first token. Re-admitted, request 1 reuses its
+    // own 3 blocks (12 tokens computed), but as vLLM's `num_cached_tokens` it reports what
+    // the cache served at its first admission: 0.
+    let mut c = config(5, 4);
+    c.max_num_batched_tokens = 12;
+    let mut s = sched(c, Box::new(PriorityPolicy::new(0.0, true, 3)));
+    let mut low = req(1, 0, (0..16).collect(), 2);
+    low.priority = 5;
+    s.add_request(low).unwrap();
+    let (p, ev) = step(&mut s, 0, 3);
+    assert_eq!(
+        (p.seqs[0].num_computed_tokens, p.seqs[0].num_new_tokens),
+        (0, 12)
+    );
+    assert!(ev.is_empty());
+    let mut high = req(2, 1, vec![9; 8], 1);
+    high.priority = 0;
+    s.add_request(high).unwrap();
+    let mut events = Vec::new();
+    let mut preempted = false;
+    let mut readmitted_at = None;
+    for now in 1..12 {
+        let (p, ev) = step(&mut s, now, 3);
+        preempted |= p.preempted.contains(&RequestId(1));
+        if let Some(q) = p.seqs.iter().find(|q| q.id == RequestId(1)) {
+            if preempted {
+                readmitted_at.get_or_insert(q.num_computed_tokens);
+            }
+        }
+        events.extend(ev);
+        if cached_reported(&events, 1).is_some() {
+            break;
+        }
+    }
+    assert!(preempted, "request 1 was preempted before its first token");
+    assert_eq!(cached_reported(&events, 2), Some(0));
+    assert_eq!(
+        readmitted_at,
+        Some(12),
+        "re-admitted past its own cached blocks"
+    );
+    assert_eq!(cached_reported(&events, 1), Some(0));
 }

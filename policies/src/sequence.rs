@@ -89,6 +89,10 @@ pub(crate) struct Sequence {
     /// The latest cached-prefix walk: the ledger's `cache_drops` then and the leading blocks
     /// it found cached (still cached while no registration has been dropped since).
     pub(crate) prefix_walk: (u64, u32),
+    /// Prompt tokens whose KV came from the prefix cache at the first admission (vLLM's
+    /// `num_cached_tokens`, set once: an admission after a preemption does not change it);
+    /// `None` until first admitted.
+    pub(crate) first_cached: Option<u32>,
 }
 
 impl Sequence {
@@ -123,6 +127,7 @@ impl Sequence {
             speculating: false,
             cached_prefix: None,
             prefix_walk: (0, 0),
+            first_cached: None,
         }
     }
 

@@ -514,6 +514,11 @@ pub enum SeqEvent {
         id: RequestId,
         /// When.
         at: Timestamp,
+        /// Prompt tokens whose KV came from the prefix cache when the request was first
+        /// admitted (whole blocks, never the last prompt token, which is always computed so
+        /// that a token can be sampled; 0 without prefix caching). As vLLM's
+        /// `num_cached_tokens`, a recompute after a preemption does not change it.
+        cached_prompt_tokens: u32,
     },
     /// An output token was produced.
     Token {

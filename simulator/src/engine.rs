@@ -517,6 +517,8 @@ struct Track {
     finish: Option<u64>,
     generated: u64,
     preemptions: u64,
+    /// Prompt tokens the prefix cache served at its first admission.
+    cached_prompt_tokens: u64,
     outcome: Outcome,
 }
 
@@ -864,9 +866,14 @@ impl<'a> Loop<'a> {
     /// Records one event; returns whether a request finished.
     fn on_event(&mut self, ev: SeqEvent) -> bool {
         match ev {
-            SeqEvent::FirstToken { id, at } => {
+            SeqEvent::FirstToken {
+                id,
+                at,
+                cached_prompt_tokens,
+            } => {
                 if let Some(t) = self.tracks.get_mut(id.0 as usize) {
                     t.first_token.get_or_insert(at.0);
+                    t.cached_prompt_tokens = u64::from(cached_prompt_tokens);
                 }
                 false
             }
@@ -1001,6 +1008,7 @@ fn record(
             Outcome::Finished(reason) => reason.as_str().into(),
         },
         preemptions: t.preemptions,
+        cached_prompt_tokens: t.cached_prompt_tokens,
         ttft_ms,
         tpot_ms,
         e2e_ms,
@@ -1067,12 +1075,17 @@ workload: {trace: unused.csv, format: azure}
             let run = sim
                 .run_policy(&PolicySpec::named("fcfs"), &rs, false)
                 .unwrap();
-            run.counters.prefix_hits
+            let per_request: Vec<u64> =
+                run.records.iter().map(|r| r.cached_prompt_tokens).collect();
+            (run.counters.prefix_hits, per_request)
         };
         let by_tenant = hits(switchyard_config::PrefixSharing::Tenant);
         let global = hits(switchyard_config::PrefixSharing::Global);
         // The last token is always recomputed, so its block is too: 32 tokens per hit.
-        assert_eq!((by_tenant, global), (2 * 32, 3 * 32));
+        assert_eq!((by_tenant.0, global.0), (2 * 32, 3 * 32));
+        // Each request's record says what it was served, as the server's usage would.
+        assert_eq!(by_tenant.1, [0, 0, 32, 32]);
+        assert_eq!(global.1, [0, 32, 32, 32]);
     }
 
     #[test]

@@ -51,6 +51,9 @@ pub struct RequestRecord {
     pub outcome: String,
     /// Times it was preempted.
     pub preemptions: u64,
+    /// Prompt tokens the prefix cache served when it was first admitted (the server's
+    /// `usage.prompt_tokens_details.cached_tokens`).
+    pub cached_prompt_tokens: u64,
     /// Time to first token in ms.
     #[serde(serialize_with = "round_opt")]
     pub ttft_ms: Option<f64>,

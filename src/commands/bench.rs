@@ -387,7 +387,7 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
                     bar.inc(1);
                     finished_now = true;
                 }
-                CoreEvent::PromptLogprobs { .. } => {}
+                CoreEvent::PromptLogprobs { .. } | CoreEvent::PromptCached { .. } => {}
             }
         }
         if all_started && !finished_any && !finished_now {

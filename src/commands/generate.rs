@@ -171,7 +171,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
                     }
                     out.text.push_str(&piece);
                 }
-                CoreEvent::PromptLogprobs { .. } => {}
+                CoreEvent::PromptLogprobs { .. } | CoreEvent::PromptCached { .. } => {}
                 CoreEvent::Finished { id, reason } => {
                     let Some(out) = outputs.get_mut(&id) else {
                         continue;

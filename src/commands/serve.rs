@@ -663,6 +663,7 @@ impl ChannelSink {
             token_ids: d.token_ids,
             logprobs,
             finish,
+            cached_prompt_tokens: d.cached_prompt_tokens,
         }
     }
 }
@@ -959,6 +960,7 @@ mod tests {
             token_ids: vec![1],
             logprobs: Vec::new(),
             finish: None,
+            cached_prompt_tokens: 0,
         })
     }
 

@@ -237,6 +237,9 @@ struct ChoiceState {
     detok: IncrementalDetokenizer,
     text: TextOptions,
     tokens: u32,
+    /// Prompt tokens the prefix cache served at the choice's first admission (known at its
+    /// first token; 0 until then).
+    cached_prompt_tokens: u32,
     /// When this choice's first and latest tokens arrived (its time to first token, inter-token
     /// latencies and time per output token: a choice is a request of its own in the metrics,
     /// as vLLM counts the child requests of `n > 1`).
@@ -490,6 +493,7 @@ impl Handler<Register> for DetokenizerActor {
                         .include_stop(msg.text.include_stop),
                     text: msg.text,
                     tokens: 0,
+                    cached_prompt_tokens: 0,
                     first_at: None,
                     last_at: None,
                     request: request.clone(),
@@ -648,6 +652,22 @@ impl Handler<StepEvents> for DetokenizerActor {
                         Self::flush_prompt(&mut c.request.borrow_mut(), &c.prompt_logprobs);
                     }
                 }
+                CoreEvent::PromptCached { id, tokens } => {
+                    let Some(c) = self.choices.get_mut(&id) else {
+                        continue;
+                    };
+                    c.cached_prompt_tokens = tokens;
+                    // Once per prompt, whatever its `n`, as `usage.cached_tokens` counts it:
+                    // the first choice's.
+                    if c.index == 0 {
+                        let tenant = &c.request.borrow().tenant;
+                        metrics::counter!(
+                            names::PROMPT_TOKENS_CACHED,
+                            names::tenant_labels(tenant)
+                        )
+                        .increment(u64::from(tokens));
+                    }
+                }
                 CoreEvent::Finished { id, reason } => {
                     let Some(c) = self.choices.get_mut(&id) else {
                         continue;
@@ -667,11 +687,12 @@ impl Handler<StepEvents> for DetokenizerActor {
         }
         self.finish_in_scheduler(stopped);
         let mut gone: Vec<Rc<RefCell<RequestSink>>> = Vec::new();
-        for (id, delta) in deltas.deltas {
+        for (id, mut delta) in deltas.deltas {
             let finished = delta.finish;
             let Some(c) = self.choices.get(&id) else {
                 continue;
             };
+            delta.cached_prompt_tokens = c.cached_prompt_tokens;
             let request = c.request.clone();
             let failure = finished
                 .and_then(|_| c.constraint.as_ref()?.failure())

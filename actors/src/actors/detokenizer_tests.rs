@@ -1005,3 +1005,69 @@ async fn aborts_and_failures_carry_the_tenant() {
         )]
     );
 }
+
+/// Each delta's choice index, cached prompt tokens and whether it is the choice's last.
+struct CachedSink(Arc<Mutex<Vec<(u32, u32, bool)>>>);
+
+impl OutputSink for CachedSink {
+    fn send(&mut self, output: EngineOutput) -> bool {
+        if let EngineOutput::Delta(d) = output {
+            self.0
+                .lock()
+                .unwrap()
+                .push((d.index, d.cached_prompt_tokens, d.finish.is_some()));
+        }
+        true
+    }
+    fn is_closed(&self) -> bool {
+        false
+    }
+}
+
+/// What the prefix cache served a choice at its first admission rides on every one of its
+/// deltas, and `prompt_tokens_cached_total` counts it once per prompt (its first choice's),
+/// under the tenant, as `usage.prompt_tokens_details.cached_tokens` does.
+#[actix::test]
+async fn cached_prompt_tokens_ride_on_the_deltas_and_count_once_per_prompt() {
+    let (engine, _) = start_engine_full(false, false, tokenizer(), &["acme"]);
+    // 40 prompt tokens, blocks of 16 (the scheduler's default): computed once, the prompt
+    // then reuses its 2 full blocks before the one of its last token, 32 tokens.
+    let options = || RequestOptions {
+        prompt: PromptSource::Tokens((0..40).map(|i| i % CYCLE).collect()),
+        tenant: "acme".into(),
+        ..request(2, 3, ignoring_eos())
+    };
+    let mut seen = Vec::new();
+    for _ in 0..2 {
+        let deltas = Arc::new(Mutex::new(Vec::new()));
+        engine.submit(options(), Box::new(CachedSink(deltas.clone())));
+        until_idle(&engine).await;
+        let deltas = deltas.lock().unwrap().clone();
+        assert_eq!(deltas.iter().filter(|d| d.2).count(), 2, "{deltas:?}");
+        seen.push(deltas);
+    }
+    let of = |deltas: &[(u32, u32, bool)], index: u32| -> Vec<u32> {
+        deltas
+            .iter()
+            .filter(|d| d.0 == index)
+            .map(|d| d.1)
+            .collect()
+    };
+    // The first request computed its prompt; every delta of the second's choices says 32.
+    assert!(of(&seen[0], 0).iter().all(|&c| c == 0), "{:?}", seen[0]);
+    for index in 0..2 {
+        let cached = of(&seen[1], index);
+        assert!(
+            !cached.is_empty() && cached.iter().all(|&c| c == 32),
+            "{:?}",
+            seen[1]
+        );
+    }
+    let m = Snapshot::take();
+    let acme = format!(
+        "{}{{{}=acme}}",
+        names::PROMPT_TOKENS_CACHED,
+        names::LABEL_TENANT
+    );
+    assert_eq!(m.counters_of(names::PROMPT_TOKENS_CACHED), vec![(acme, 32)]);
+}

@@ -140,6 +140,11 @@ pub struct ChoiceDelta {
     pub logprobs: Vec<TokenLogprobs>,
     /// Set on the last delta: why the choice ended and how many tokens it generated.
     pub finish: Option<(FinishReason, u32)>,
+    /// Prompt tokens whose KV came from the prefix cache when the choice was first admitted
+    /// (vLLM's `num_cached_tokens`: whole blocks, never the last prompt token; a recompute
+    /// after a preemption does not change it). Known from the choice's first token on, so
+    /// the last delta always carries it.
+    pub cached_prompt_tokens: u32,
 }
 
 /// A generated token with its logprob and the most likely alternatives.

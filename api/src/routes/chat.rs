@@ -160,9 +160,10 @@ pub(super) struct Reading {
 }
 
 impl ChatWriter {
-    /// The `usage` of a chunk of `choice` carrying `tokens` new tokens.
-    fn usage_for(&mut self, choice: u32, tokens: usize) -> Option<Option<Usage>> {
-        chunk_usage(&mut self.running, self.usage_field, choice, tokens)
+    /// The `usage` of a chunk of `choice` carrying `tokens` new tokens, `cached` of its
+    /// prompt's tokens served by the prefix cache.
+    fn usage_for(&mut self, choice: u32, tokens: usize, cached: u32) -> Option<Option<Usage>> {
+        chunk_usage(&mut self.running, self.usage_field, choice, tokens, cached)
     }
 
     /// What a choice's new text is: content, and the calls it opens and writes. `finished`:
@@ -312,7 +313,7 @@ impl ChunkWriter for ChatWriter {
                     logprobs: None,
                     finish_reason: None,
                 };
-                let usage = self.usage_for(choice.index, 0);
+                let usage = self.usage_for(choice.index, 0, 0);
                 frame(&self.chunk(vec![choice], usage))
             })
             .collect()
@@ -320,7 +321,7 @@ impl ChunkWriter for ChatWriter {
 
     fn delta(&mut self, delta: ChoiceDelta) -> Option<Bytes> {
         let d = delta.delta;
-        let usage = self.usage_for(delta.choice, d.token_ids.len());
+        let usage = self.usage_for(delta.choice, d.token_ids.len(), d.cached_prompt_tokens);
         let Reading {
             reasoning,
             content: text,
@@ -444,6 +445,10 @@ async fn collect(
         created: writer.created,
         model: writer.model,
         choices,
-        usage: Usage::new(generation.total_prompt_tokens(), completion_tokens),
+        usage: Usage::new(
+            generation.total_prompt_tokens(),
+            generation.total_cached_prompt_tokens(),
+            completion_tokens,
+        ),
     })
 }

@@ -100,9 +100,10 @@ struct CompletionWriter {
 }
 
 impl CompletionWriter {
-    /// The `usage` of a chunk of `choice` carrying `tokens` new tokens.
-    fn usage_for(&mut self, choice: u32, tokens: usize) -> Option<Option<Usage>> {
-        chunk_usage(&mut self.running, self.usage_field, choice, tokens)
+    /// The `usage` of a chunk of `choice` carrying `tokens` new tokens, `cached` of its
+    /// prompt's tokens served by the prefix cache.
+    fn usage_for(&mut self, choice: u32, tokens: usize, cached: u32) -> Option<Option<Usage>> {
+        chunk_usage(&mut self.running, self.usage_field, choice, tokens, cached)
     }
 
     fn response(
@@ -185,14 +186,18 @@ impl ChunkWriter for CompletionWriter {
         self.echo_choices(generation)
             .into_iter()
             .map(|choice| {
-                let usage = self.usage_for(choice.index, 0);
+                let usage = self.usage_for(choice.index, 0, 0);
                 frame(&self.response(vec![choice], usage))
             })
             .collect()
     }
 
     fn delta(&mut self, delta: ChoiceDelta) -> Option<Bytes> {
-        let usage = self.usage_for(delta.choice, delta.delta.token_ids.len());
+        let usage = self.usage_for(
+            delta.choice,
+            delta.delta.token_ids.len(),
+            delta.delta.cached_prompt_tokens,
+        );
         let choice = self.delta_choice(&delta);
         Some(frame(&self.response(vec![choice], usage)))
     }
@@ -240,6 +245,10 @@ async fn collect(
             completion_tokens = completion_tokens.saturating_add(finish.completion_tokens);
         }
     }
-    let usage = Usage::new(generation.total_prompt_tokens(), completion_tokens);
+    let usage = Usage::new(
+        generation.total_prompt_tokens(),
+        generation.total_cached_prompt_tokens(),
+        completion_tokens,
+    );
     Ok(writer.response(choices, Some(Some(usage))))
 }

@@ -503,7 +503,11 @@ impl ChunkWriter for ResponseWriter {
         let text_allowed = !self.reader.calls_only();
         self.builder.finish(
             reason,
-            ResponseUsage::new(usage.prompt_tokens, usage.completion_tokens),
+            ResponseUsage::new(
+                usage.prompt_tokens,
+                usage.prompt_tokens_details.cached_tokens,
+                usage.completion_tokens,
+            ),
             text_allowed,
         );
         self.builder.take()
@@ -530,7 +534,11 @@ async fn collect(
             reason = r;
         }
     }
-    let usage = ResponseUsage::new(generation.total_prompt_tokens(), completion_tokens);
+    let usage = ResponseUsage::new(
+        generation.total_prompt_tokens(),
+        generation.total_cached_prompt_tokens(),
+        completion_tokens,
+    );
     let text_allowed = !writer.reader.calls_only();
     writer.builder.finish(reason, usage, text_allowed);
     Ok(writer.builder.response)
@@ -613,7 +621,7 @@ mod tests {
         b.call(call(0, Some("call_a"), Some("f"), "{\"x\":"));
         b.call(call(0, None, None, "1}"));
         b.call(call(1, Some("call_b"), Some("g"), "{}"));
-        b.finish(FinishReason::Stop, ResponseUsage::new(3, 9), true);
+        b.finish(FinishReason::Stop, ResponseUsage::new(3, 0, 9), true);
         let e = events(&b.take());
         let kinds: Vec<&str> = e.iter().map(|e| e["type"].as_str().unwrap()).collect();
         assert_eq!(
@@ -724,7 +732,7 @@ mod tests {
     fn a_cut_answer_is_incomplete_and_an_empty_one_has_an_empty_message() {
         let mut b = Builder::new(template(), false);
         b.text("abc");
-        b.finish(FinishReason::Length, ResponseUsage::new(1, 2), true);
+        b.finish(FinishReason::Length, ResponseUsage::new(1, 0, 2), true);
         assert!(b.take().is_empty(), "no events unless streaming");
         let r = json!(b.response);
         assert_eq!(r["status"], "incomplete");
@@ -733,12 +741,12 @@ mod tests {
         assert!(r.get("completed_at").is_none());
 
         let mut b = Builder::new(template(), false);
-        b.finish(FinishReason::Stop, ResponseUsage::new(1, 1), true);
+        b.finish(FinishReason::Stop, ResponseUsage::new(1, 0, 1), true);
         let r = json!(b.response);
         assert_eq!(r["output"][0]["content"][0]["text"], "");
         assert!(r["completed_at"].is_u64());
         let mut b = Builder::new(template(), false);
-        b.finish(FinishReason::Stop, ResponseUsage::new(1, 1), false);
+        b.finish(FinishReason::Stop, ResponseUsage::new(1, 0, 1), false);
         assert_eq!(json!(b.response)["output"], json!([]));
     }
 

@@ -15,15 +15,28 @@ pub struct Usage {
     pub completion_tokens: u32,
     /// Their sum.
     pub total_tokens: u32,
+    /// What of the prompt tokens the prefix cache served; always sent, as OpenAI does.
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+/// `usage.prompt_tokens_details` (chat, completions) and the Responses API's
+/// `usage.input_tokens_details`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct PromptTokensDetails {
+    /// Prompt tokens whose KV the prefix cache served at the request's first admission (whole
+    /// blocks, never a prompt's last token), counted once per prompt as `prompt_tokens` is.
+    pub cached_tokens: u32,
 }
 
 impl Usage {
-    /// Usage from the two counts.
-    pub fn new(prompt_tokens: u32, completion_tokens: u32) -> Self {
+    /// Usage of `prompt_tokens` prompt tokens, `cached_tokens` of them served by the prefix
+    /// cache, and `completion_tokens` generated ones.
+    pub fn new(prompt_tokens: u32, cached_tokens: u32, completion_tokens: u32) -> Self {
         Self {
             prompt_tokens,
             completion_tokens,
             total_tokens: prompt_tokens.saturating_add(completion_tokens),
+            prompt_tokens_details: PromptTokensDetails { cached_tokens },
         }
     }
 }
@@ -447,10 +460,29 @@ mod tests {
         assert!(serde_json::to_value(&chunk).unwrap().get("usage").is_none());
         chunk.usage = Some(None);
         assert!(serde_json::to_value(&chunk).unwrap()["usage"].is_null());
-        chunk.usage = Some(Some(Usage::new(2, 3)));
+        chunk.usage = Some(Some(Usage::new(2, 0, 3)));
         assert_eq!(
             serde_json::to_value(&chunk).unwrap()["usage"]["total_tokens"],
             5
+        );
+    }
+
+    /// OpenAI's shape: `prompt_tokens_details.cached_tokens` beside the counts, always there
+    /// (0 when nothing was cached); cached tokens are part of `prompt_tokens`, not added.
+    #[test]
+    fn usage_always_carries_the_cached_prompt_tokens() {
+        assert_eq!(
+            serde_json::to_value(Usage::new(40, 32, 5)).unwrap(),
+            serde_json::json!({
+                "prompt_tokens": 40,
+                "completion_tokens": 5,
+                "total_tokens": 45,
+                "prompt_tokens_details": {"cached_tokens": 32}
+            })
+        );
+        assert_eq!(
+            serde_json::to_value(Usage::new(7, 0, 1)).unwrap()["prompt_tokens_details"],
+            serde_json::json!({"cached_tokens": 0})
         );
     }
 }

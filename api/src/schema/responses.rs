@@ -26,6 +26,7 @@ use super::chat_extras::{ChatExtras, REASONING_EFFORTS};
 use super::ignored::IgnoredFields;
 use super::limits::MAX_MESSAGES;
 use super::request::{ChatRequest, ContentField, ContentPart, MessageField};
+use super::response::PromptTokensDetails;
 use super::structured::StructuredFields;
 use crate::error::ApiError;
 
@@ -896,8 +897,9 @@ fn content_part(
 pub struct ResponseUsage {
     /// Prompt tokens.
     pub input_tokens: u32,
-    /// `{"cached_tokens": ...}`: the engine does not report prefix-cache hits per request, so 0.
-    pub input_tokens_details: Value,
+    /// `{"cached_tokens": ...}`: the prompt tokens the prefix cache served (as chat's
+    /// `usage.prompt_tokens_details`).
+    pub input_tokens_details: PromptTokensDetails,
     /// Generated tokens.
     pub output_tokens: u32,
     /// `{"reasoning_tokens": 0}`: a reasoning item's tokens are not counted apart.
@@ -907,11 +909,14 @@ pub struct ResponseUsage {
 }
 
 impl ResponseUsage {
-    /// The usage of `input` prompt tokens and `output` generated ones.
-    pub fn new(input: u32, output: u32) -> Self {
+    /// The usage of `input` prompt tokens, `cached` of them served by the prefix cache, and
+    /// `output` generated ones.
+    pub fn new(input: u32, cached: u32, output: u32) -> Self {
         Self {
             input_tokens: input,
-            input_tokens_details: json!({"cached_tokens": 0}),
+            input_tokens_details: PromptTokensDetails {
+                cached_tokens: cached,
+            },
             output_tokens: output,
             output_tokens_details: json!({"reasoning_tokens": 0}),
             total_tokens: input.saturating_add(output),

@@ -394,6 +394,7 @@ fn push_outputs(
                     reason: *reason,
                     completion_tokens: ids.len() as u32,
                 }),
+                cached_prompt_tokens: 0,
             }));
         }
     }
