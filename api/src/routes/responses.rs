@@ -676,7 +676,7 @@ mod tests {
         b.reasoning("The user asks ");
         b.reasoning("for a capital.");
         b.text("Paris.");
-        b.finish(FinishReason::Stop, ResponseUsage::new(3, 9), true);
+        b.finish(FinishReason::Stop, ResponseUsage::new(3, 0, 9), true);
         let e = events(&b.take());
         let kinds: Vec<&str> = e.iter().map(|e| e["type"].as_str().unwrap()).collect();
         assert_eq!(
@@ -717,7 +717,7 @@ mod tests {
 
         let mut b = Builder::new(template(), false);
         b.reasoning("Hmm, let me");
-        b.finish(FinishReason::Length, ResponseUsage::new(3, 4), true);
+        b.finish(FinishReason::Length, ResponseUsage::new(3, 0, 4), true);
         let r = json!(b.response);
         assert_eq!(r["status"], "incomplete");
         assert_eq!(r["output"].as_array().map(Vec::len), Some(1));
