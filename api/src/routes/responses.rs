@@ -131,6 +131,15 @@ pub(crate) async fn stored_response() -> Result<HttpResponse, ApiError> {
     ))
 }
 
+/// The items whose one part takes text as the model writes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum TextItem {
+    /// A `message` item's `output_text`.
+    Message,
+    /// A `reasoning` item's `reasoning_text`.
+    Reasoning,
+}
+
 /// Follows one answer into output items, writing the stream's events when streaming.
 struct Builder {
     response: ResponseObject,
@@ -206,32 +215,61 @@ impl Builder {
 
     /// More answer text: into the open message, or a new one.
     fn text(&mut self, text: &str) {
-        let index = match self.open {
-            Some(i)
-                if matches!(
-                    self.response.output.get(i),
-                    Some(OutputItem::Message { .. })
-                ) =>
-            {
-                i
-            }
-            _ => {
-                let index = self.open_item(OutputItem::Message {
-                    id: request_id("msg_", None),
-                    status: "in_progress",
-                    role: "assistant",
-                    content: Vec::new(),
-                });
+        self.append(TextItem::Message, text);
+    }
+
+    /// More reasoning text: into the open reasoning item, or a new one.
+    fn reasoning(&mut self, text: &str) {
+        self.append(TextItem::Reasoning, text);
+    }
+
+    /// `text` into the open item of `kind`'s one part, or a new item (its part added empty).
+    fn append(&mut self, kind: TextItem, text: &str) {
+        let open = self.open.filter(|&i| {
+            matches!(
+                (kind, self.response.output.get(i)),
+                (TextItem::Message, Some(OutputItem::Message { .. }))
+                    | (TextItem::Reasoning, Some(OutputItem::Reasoning { .. }))
+            )
+        });
+        let index = match open {
+            Some(i) => i,
+            None => {
+                let (item, part) = match kind {
+                    TextItem::Message => (
+                        OutputItem::Message {
+                            id: request_id("msg_", None),
+                            status: "in_progress",
+                            role: "assistant",
+                            content: Vec::new(),
+                        },
+                        json!(OutputText::new(String::new())),
+                    ),
+                    TextItem::Reasoning => (
+                        OutputItem::Reasoning {
+                            id: request_id("rs_", None),
+                            summary: Vec::new(),
+                            content: Vec::new(),
+                            status: "in_progress",
+                        },
+                        json!(ReasoningText::new(String::new())),
+                    ),
+                };
+                let index = self.open_item(item);
                 let item_id = self.item_id(index);
                 self.emit(
                     "response.content_part.added",
                     json!({"item_id": item_id, "output_index": index, "content_index": 0,
-                           "part": OutputText::new(String::new())}),
+                           "part": part}),
                 );
-                if let Some(OutputItem::Message { content, .. }) =
-                    self.response.output.get_mut(index)
-                {
-                    content.push(OutputText::new(String::new()));
+                match self.response.output.get_mut(index) {
+                    Some(OutputItem::Message { content, .. }) => {
+                        content.push(OutputText::new(String::new()));
+                    }
+                    Some(OutputItem::Reasoning { content, .. }) => {
+                        content.push(ReasoningText::new(String::new()));
+                    }
+                    _ => {}
                 }
                 index
             }
@@ -239,62 +277,28 @@ impl Builder {
         if text.is_empty() {
             return;
         }
-        if let Some(OutputItem::Message { content, .. }) = self.response.output.get_mut(index) {
-            if let Some(part) = content.first_mut() {
-                part.text.push_str(text);
-            }
-        }
-        let item_id = self.item_id(index);
-        self.emit(
-            "response.output_text.delta",
-            json!({"item_id": item_id, "output_index": index, "content_index": 0,
-                   "delta": text, "logprobs": []}),
-        );
-    }
-
-    /// More reasoning text: into the open reasoning item, or a new one.
-    fn reasoning(&mut self, text: &str) {
-        let index = match self.open {
-            Some(i)
-                if matches!(
-                    self.response.output.get(i),
-                    Some(OutputItem::Reasoning { .. })
-                ) =>
-            {
-                i
-            }
-            _ => {
-                let index = self.open_item(OutputItem::Reasoning {
-                    id: request_id("rs_", None),
-                    summary: Vec::new(),
-                    content: Vec::new(),
-                    status: "in_progress",
-                });
-                let item_id = self.item_id(index);
-                self.emit(
-                    "response.content_part.added",
-                    json!({"item_id": item_id, "output_index": index, "content_index": 0,
-                           "part": ReasoningText::new(String::new())}),
-                );
-                if let Some(OutputItem::Reasoning { content, .. }) =
-                    self.response.output.get_mut(index)
-                {
-                    content.push(ReasoningText::new(String::new()));
-                }
-                index
-            }
+        let part_text = match self.response.output.get_mut(index) {
+            Some(OutputItem::Message { content, .. }) => content.first_mut().map(|p| &mut p.text),
+            Some(OutputItem::Reasoning { content, .. }) => content.first_mut().map(|p| &mut p.text),
+            _ => None,
         };
-        if let Some(OutputItem::Reasoning { content, .. }) = self.response.output.get_mut(index) {
-            if let Some(part) = content.first_mut() {
-                part.text.push_str(text);
-            }
+        if let Some(part_text) = part_text {
+            part_text.push_str(text);
         }
         let item_id = self.item_id(index);
-        self.emit(
-            "response.reasoning_text.delta",
-            json!({"item_id": item_id, "output_index": index, "content_index": 0,
-                   "delta": text}),
-        );
+        let (event, fields) = match kind {
+            TextItem::Message => (
+                "response.output_text.delta",
+                json!({"item_id": item_id, "output_index": index, "content_index": 0,
+                       "delta": text, "logprobs": []}),
+            ),
+            TextItem::Reasoning => (
+                "response.reasoning_text.delta",
+                json!({"item_id": item_id, "output_index": index, "content_index": 0,
+                       "delta": text}),
+            ),
+        };
+        self.emit(event, fields);
     }
 
     /// A call opened or its arguments written (the reader's delta).
