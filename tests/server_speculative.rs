@@ -60,7 +60,13 @@ fn answer(v: &Value) -> Value {
             })
         })
         .collect();
-    json!({"choices": choices, "usage": v["usage"]})
+    // The prompt tokens the prefix cache served depend on the requests before, not on
+    // speculation.
+    let mut usage = v["usage"].clone();
+    if let Some(u) = usage.as_object_mut() {
+        u.remove("prompt_tokens_details");
+    }
+    json!({"choices": choices, "usage": usage})
 }
 
 #[test]
