@@ -473,13 +473,24 @@ fn what_cannot_be_honoured_is_refused_by_name() {
         refused(&s, &json!({"input": "x", "metadata": many})),
         "metadata"
     );
-    // Nothing is stored: a stored response cannot be fetched.
+    // An id never made is a 404 in OpenAI's words, also for the routes under it.
     let r = s
         .request("GET", "/v1/responses/resp_123", None, &[])
         .expect("GET");
-    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(r.status, 404, "{}", r.body);
     let v: Value = serde_json::from_str(&r.body).expect("json");
-    assert_eq!(v["error"]["param"], "response_id");
+    assert_eq!(
+        v["error"]["message"],
+        "Response with id 'resp_123' not found."
+    );
+    for (method, path) in [
+        ("DELETE", "/v1/responses/resp_123"),
+        ("GET", "/v1/responses/resp_123/input_items"),
+        ("POST", "/v1/responses/resp_123/cancel"),
+    ] {
+        let r = s.request(method, path, None, &[]).expect(path);
+        assert_eq!(r.status, 404, "{method} {path}: {}", r.body);
+    }
     // store = false and true are both accepted.
     for store in [false, true] {
         let v = ok(
@@ -616,4 +627,278 @@ fn reasoning_is_its_own_item_as_chat_reads_it() {
     input.extend(output.iter().cloned());
     input.push(json!({"role": "user", "content": "And of Spain?"}));
     ok(&s, &json!({"input": input, "max_output_tokens": 4}));
+}
+
+const ALICE: &str = "Bearer alice-key-00000001";
+const BOB: &str = "Bearer bob-key-000000001";
+
+/// One request as `key`'s tenant: the status and the JSON body.
+fn call(s: &Server, method: &str, path: &str, body: Option<&Value>, key: &str) -> (u16, Value) {
+    let text = body.map(Value::to_string);
+    let r = s
+        .request(method, path, text.as_deref(), &[("authorization", key)])
+        .expect(path);
+    let v = serde_json::from_str(&r.body).unwrap_or_else(|_| Value::String(r.body.clone()));
+    (r.status, v)
+}
+
+/// A response created as `key`'s tenant, read into async-openai's type too.
+fn create(s: &Server, body: &Value, key: &str) -> Value {
+    let (status, v) = call(s, "POST", "/v1/responses", Some(body), key);
+    assert_eq!(status, 200, "{v}");
+    let typed: Result<Response, _> = serde_json::from_value(v.clone());
+    assert!(
+        typed.is_ok(),
+        "not an OpenAI response ({:?}): {v}",
+        typed.err()
+    );
+    v
+}
+
+fn tokens(v: &Value, field: &str) -> u64 {
+    v["usage"][field]
+        .as_u64()
+        .unwrap_or_else(|| panic!("usage.{field}: {v}"))
+}
+
+/// Stored responses: a conversation continued by `previous_response_id` (its history really is
+/// in the prompt: more input tokens than the first turn's input and output, and the prefix
+/// cache serves the first turn's prompt), retrieval equal to what was sent (streamed too),
+/// `input_items` and its paging, deletion, `store: false`, and tenants kept apart (another
+/// tenant's id reads as unknown, for every route).
+#[test]
+fn stored_responses_continue_are_retrieved_and_stay_with_their_tenant() {
+    let s = Server::start_with(
+        "responses-store",
+        "  api_keys:\n    - { key: alice-key-00000001, tenant: alice }\n    \
+         - { key: bob-key-000000001, tenant: bob }\n",
+        "scheduler:\n  max_num_seqs: 16\n",
+    );
+    let first = create(
+        &s,
+        &json!({"input": "My name is Ada. Say hello to me.", "max_output_tokens": 8,
+                "temperature": 0}),
+        ALICE,
+    );
+    let id1 = first["id"].as_str().expect("id").to_owned();
+    assert_eq!(first["store"], true);
+    assert_eq!(first["previous_response_id"], Value::Null);
+    // Retrieved as it was sent; another tenant gets the unknown id's 404.
+    let path1 = format!("/v1/responses/{id1}");
+    assert_eq!(call(&s, "GET", &path1, None, ALICE), (200, first.clone()));
+    let (status, theirs) = call(&s, "GET", &path1, None, BOB);
+    let (_, unknown) = call(&s, "GET", "/v1/responses/resp_unknown", None, BOB);
+    assert_eq!(status, 404, "{theirs}");
+    assert_eq!(
+        theirs["error"]["message"]
+            .as_str()
+            .unwrap()
+            .replace(&id1, "X"),
+        unknown["error"]["message"]
+            .as_str()
+            .unwrap()
+            .replace("resp_unknown", "X")
+    );
+    for (method, path) in [
+        ("DELETE", path1.clone()),
+        ("GET", format!("{path1}/input_items")),
+    ] {
+        assert_eq!(call(&s, method, &path, None, BOB).0, 404, "{method} {path}");
+    }
+    let (status, v) = call(
+        &s,
+        "POST",
+        "/v1/responses",
+        Some(&json!({"input": "And my name?", "previous_response_id": id1})),
+        BOB,
+    );
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["code"], "previous_response_not_found");
+    assert_eq!(v["error"]["param"], "previous_response_id");
+
+    // The second turn continues the first.
+    let second = create(
+        &s,
+        &json!({"input": "What is my name?", "previous_response_id": id1,
+                "max_output_tokens": 8, "temperature": 0}),
+        ALICE,
+    );
+    let id2 = second["id"].as_str().expect("id").to_owned();
+    assert_eq!(second["previous_response_id"], id1.as_str());
+    assert!(
+        tokens(&second, "input_tokens")
+            > tokens(&first, "input_tokens") + tokens(&first, "output_tokens"),
+        "first {first}\nsecond {second}"
+    );
+    let cached = second["usage"]["input_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .expect("cached_tokens");
+    assert!(cached > 0, "{second}");
+    // Its own input items: one user message.
+    let (status, items) = call(
+        &s,
+        "GET",
+        &format!("/v1/responses/{id2}/input_items"),
+        None,
+        ALICE,
+    );
+    assert_eq!(status, 200, "{items}");
+    assert_eq!(items["object"], "list");
+    let data = items["data"].as_array().expect("data");
+    assert_eq!(data.len(), 1, "{items}");
+    assert_eq!(data[0]["type"], "message");
+    assert_eq!(data[0]["role"], "user");
+    assert_eq!(
+        data[0]["content"],
+        json!([{"type": "input_text", "text": "What is my name?"}])
+    );
+    assert_eq!(items["first_id"], data[0]["id"]);
+    assert_eq!(items["has_more"], false);
+
+    // A streamed third turn is stored as its last event's response.
+    let body = json!({"input": "Thanks.", "previous_response_id": id2, "stream": true,
+                      "max_output_tokens": 4});
+    let r = s
+        .request(
+            "POST",
+            "/v1/responses",
+            Some(&body.to_string()),
+            &[("authorization", ALICE)],
+        )
+        .expect("stream");
+    assert_eq!(r.status, 200, "{}", r.body);
+    let last: Value = r
+        .body
+        .split_terminator("\n\n")
+        .filter_map(|f| f.split_once("\ndata: "))
+        .map(|(_, data)| serde_json::from_str::<Value>(data).expect("json"))
+        .last()
+        .expect("events");
+    assert!(
+        last["type"] == "response.completed" || last["type"] == "response.incomplete",
+        "{last}"
+    );
+    let id3 = last["response"]["id"].as_str().expect("id");
+    assert_eq!(
+        call(&s, "GET", &format!("/v1/responses/{id3}"), None, ALICE),
+        (200, last["response"].clone())
+    );
+
+    // input_items' paging over three items.
+    let many = create(
+        &s,
+        &json!({"input": [
+            {"role": "user", "content": "one"},
+            {"role": "assistant", "content": "two"},
+            {"role": "user", "content": "three"}],
+            "max_output_tokens": 2}),
+        ALICE,
+    );
+    let items_path = format!("/v1/responses/{}/input_items", many["id"].as_str().unwrap());
+    let text = |v: &Value| v["content"][0]["text"].as_str().unwrap_or("").to_owned();
+    let (_, page) = call(&s, "GET", &format!("{items_path}?limit=2"), None, ALICE);
+    let data = page["data"].as_array().expect("data");
+    assert_eq!(
+        data.iter().map(text).collect::<Vec<_>>(),
+        ["three", "two"],
+        "{page}"
+    );
+    assert_eq!(page["has_more"], true);
+    let after = page["last_id"].as_str().expect("last_id");
+    let (_, rest) = call(
+        &s,
+        "GET",
+        &format!("{items_path}?limit=2&after={after}"),
+        None,
+        ALICE,
+    );
+    let data = rest["data"].as_array().expect("data");
+    assert_eq!(data.iter().map(text).collect::<Vec<_>>(), ["one"], "{rest}");
+    assert_eq!(rest["has_more"], false);
+    let (_, asc) = call(&s, "GET", &format!("{items_path}?order=asc"), None, ALICE);
+    assert_eq!(text(&asc["data"][0]), "one", "{asc}");
+    for (query, param) in [
+        ("limit=0", "limit"),
+        ("limit=101", "limit"),
+        ("order=up", "order"),
+        ("after=nope", "after"),
+        ("page=2", "page"),
+    ] {
+        let (status, v) = call(&s, "GET", &format!("{items_path}?{query}"), None, ALICE);
+        assert_eq!(
+            (status, v["error"]["param"].as_str()),
+            (400, Some(param)),
+            "{query}: {v}"
+        );
+    }
+
+    // Deleting: OpenAI's answer, then gone; a response continuing it keeps its conversation.
+    let (status, v) = call(&s, "DELETE", &path1, None, ALICE);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v, json!({"id": id1, "object": "response", "deleted": true}));
+    assert_eq!(call(&s, "GET", &path1, None, ALICE).0, 404);
+    assert_eq!(call(&s, "DELETE", &path1, None, ALICE).0, 404);
+    let fourth = create(
+        &s,
+        &json!({"input": "Bye.", "previous_response_id": id2, "max_output_tokens": 2}),
+        ALICE,
+    );
+    assert!(
+        tokens(&fourth, "input_tokens") > tokens(&second, "input_tokens"),
+        "{fourth}"
+    );
+    let (status, v) = call(
+        &s,
+        "POST",
+        "/v1/responses",
+        Some(&json!({"input": "x", "previous_response_id": id1})),
+        ALICE,
+    );
+    assert_eq!(
+        (status, &v["error"]["code"]),
+        (400, &json!("previous_response_not_found"))
+    );
+
+    // store: false is not kept; the gauge counts what is.
+    let unstored = create(
+        &s,
+        &json!({"input": "Hi", "max_output_tokens": 2, "store": false}),
+        ALICE,
+    );
+    assert_eq!(unstored["store"], false);
+    let path = format!("/v1/responses/{}", unstored["id"].as_str().unwrap());
+    assert_eq!(call(&s, "GET", &path, None, ALICE).0, 404);
+    // Kept: the second, third, the paging one and the fourth.
+    assert_eq!(s.metric("switchyard:responses_stored"), Some(4.0));
+}
+
+/// With storing off (`server.responses.max_stored: 0`) nothing is kept, the answer says so
+/// (`store: false`), and `previous_response_id` is refused naming the setting.
+#[test]
+fn storing_off_keeps_nothing_and_refuses_continuations() {
+    let s = Server::start_with("responses-nostore", "  responses:\n    max_stored: 0\n", "");
+    let v = ok(&s, &json!({"input": "Hi", "max_output_tokens": 2}));
+    assert_eq!(v["store"], false);
+    let r = s
+        .request(
+            "GET",
+            &format!("/v1/responses/{}", v["id"].as_str().unwrap()),
+            None,
+            &[],
+        )
+        .expect("GET");
+    assert_eq!(r.status, 404);
+    let (status, e) = s.post_json(
+        "/v1/responses",
+        &json!({"input": "x", "previous_response_id": v["id"]}),
+    );
+    assert_eq!(status, 400, "{e}");
+    assert_eq!(e["error"]["param"], "previous_response_id");
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("server.responses.max_stored"),
+        "{e}"
+    );
 }

@@ -50,6 +50,8 @@ pub struct ApiConfig {
     /// The tags' ids where they are special tokens of the tokenizer (Mistral's `[THINK]` and
     /// `[/THINK]`): the answer's text keeps them for the splitter.
     pub reasoning_tokens: [Option<u32>; 2],
+    /// Bounds of the Responses API's store (`store`, `previous_response_id`).
+    pub responses_store: crate::StoreLimits,
 }
 
 impl Default for ApiConfig {
@@ -65,6 +67,7 @@ impl Default for ApiConfig {
             tools: ToolSetup::default(),
             reasoning: None,
             reasoning_tokens: [None; 2],
+            responses_store: crate::StoreLimits::default(),
         }
     }
 }
@@ -93,6 +96,7 @@ impl std::fmt::Debug for ApiConfig {
             .field("tools", &self.tools)
             .field("reasoning", &self.reasoning)
             .field("reasoning_tokens", &self.reasoning_tokens)
+            .field("responses_store", &self.responses_store)
             .finish()
     }
 }

@@ -62,6 +62,13 @@ pub enum ApiError {
     /// The server is shutting down and accepts no new work (503).
     #[error("The server is shutting down.")]
     Draining,
+    /// No stored response of the caller's tenant has this id (404; the id is bounded).
+    #[error("Response with id '{0}' not found.")]
+    ResponseNotFound(String),
+    /// `previous_response_id` names no stored response of the caller's tenant (400, as
+    /// OpenAI answers it; the id is bounded).
+    #[error("Previous response with id '{0}' not found.")]
+    PreviousResponseNotFound(String),
     /// The metrics recorder was not handed to the API (404 on `/metrics`).
     #[error("Metrics are not enabled on this server.")]
     MetricsDisabled,
@@ -114,6 +121,12 @@ impl ApiError {
             ),
             Self::RouteNotFound { .. } => (StatusCode::NOT_FOUND, INVALID_REQUEST, None),
             Self::MetricsDisabled => (StatusCode::NOT_FOUND, INVALID_REQUEST, None),
+            Self::ResponseNotFound(_) => (StatusCode::NOT_FOUND, INVALID_REQUEST, None),
+            Self::PreviousResponseNotFound(_) => (
+                StatusCode::BAD_REQUEST,
+                INVALID_REQUEST,
+                Some("previous_response_not_found"),
+            ),
             Self::MethodNotAllowed { .. } => {
                 (StatusCode::METHOD_NOT_ALLOWED, INVALID_REQUEST, None)
             }
@@ -195,6 +208,9 @@ impl ApiError {
         let (message, param) = match self {
             Self::InvalidRequest { message, param } => (message.clone(), param.clone()),
             Self::ModelNotFound(_) => (self.to_string(), Some("model".to_owned())),
+            Self::PreviousResponseNotFound(_) => {
+                (self.to_string(), Some("previous_response_id".to_owned()))
+            }
             Self::Engine(e) if hides_detail(e.kind) => {
                 // The detail goes to the log, not to the client.
                 ("The server had an internal error.".to_owned(), None)

@@ -4,7 +4,8 @@
 //! the [`Engine`] port (see [`engine`] for the request protocol and the abort-on-drop contract).
 //!
 //! Routes: `POST /v1/completions`, `POST /v1/chat/completions` (JSON or SSE),
-//! `POST /v1/responses` (JSON or SSE; `/v1/responses/{id}` refused: nothing is stored), `GET /v1/models`,
+//! `POST /v1/responses` (JSON or SSE), `GET`/`DELETE /v1/responses/{id}` and
+//! `GET /v1/responses/{id}/input_items` (stored responses, see [`response_store`]), `GET /v1/models`,
 //! `GET /v1/models/{id}`, `POST /tokenize`, `POST /detokenize` (all behind the API key),
 //! `GET /health`, `GET /ready`,
 //! `GET /metrics`, and `GET`/`PUT /admin/policy`, `GET`/`PUT /admin/speculative`,
@@ -32,6 +33,7 @@ pub mod error;
 mod generation;
 pub mod metrics;
 mod request_id;
+pub mod response_store;
 mod routes;
 pub mod schema;
 mod server;
@@ -43,5 +45,6 @@ mod unread_body;
 pub use auth::{ApiConfig, ApiKeyEntry, Principal};
 pub use engine::Engine;
 pub use error::ApiError;
+pub use response_store::StoreLimits;
 pub use server::{build_server, build_server_on, configure, ServerOptions};
 pub use state::ApiState;

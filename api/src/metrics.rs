@@ -109,6 +109,14 @@ pub const HTTP_REQUESTS: &str = "switchyard:http_requests_total";
 pub const HTTP_REQUEST_DURATION: &str = "switchyard:http_request_duration_seconds";
 /// Gauge: generation requests the HTTP layer is serving (streams included).
 pub const HTTP_IN_FLIGHT: &str = "switchyard:http_requests_in_flight";
+/// Gauge: responses of the Responses API kept for `GET /v1/responses/{id}` and
+/// `previous_response_id`.
+pub const RESPONSES_STORED: &str = "switchyard:responses_stored";
+/// Gauge, bytes: what the stored responses count against `server.responses.max_stored_mb`.
+pub const RESPONSES_STORED_BYTES: &str = "switchyard:responses_stored_bytes";
+/// Counter, label `reason` (`count`, `bytes`, `age`): stored responses let go to keep the
+/// store within its bounds.
+pub const RESPONSES_EVICTED: &str = "switchyard:responses_evicted_total";
 /// Gauge, label `backend` (`cpu` or `cuda`): 1 for the backend the model runs on.
 pub const BACKEND_INFO: &str = "switchyard:backend_info";
 
@@ -413,6 +421,19 @@ pub fn describe_metrics() {
         BACKEND_INFO,
         "1 for the backend the model runs on (label backend)."
     );
+    describe_gauge!(
+        RESPONSES_STORED,
+        "Responses of the Responses API kept for retrieval and previous_response_id."
+    );
+    describe_gauge!(
+        RESPONSES_STORED_BYTES,
+        Unit::Bytes,
+        "Bytes the stored responses count against the store's bound."
+    );
+    describe_counter!(
+        RESPONSES_EVICTED,
+        "Stored responses let go to keep the store within its bounds (label reason: count, bytes, age)."
+    );
 }
 
 #[cfg(test)]
@@ -428,6 +449,8 @@ mod tests {
         POLICY_INFO,
         HTTP_IN_FLIGHT,
         BACKEND_INFO,
+        RESPONSES_STORED,
+        RESPONSES_STORED_BYTES,
     ];
     const COUNTERS: &[&str] = &[
         PREFIX_CACHE_QUERIES,
@@ -443,6 +466,7 @@ mod tests {
         SLO_ATTAINMENT,
         POLICY_SWAPS,
         HTTP_REQUESTS,
+        RESPONSES_EVICTED,
     ];
     const HISTOGRAMS: &[&str] = &[
         TIME_TO_FIRST_TOKEN,

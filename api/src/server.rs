@@ -54,12 +54,20 @@ pub fn configure(cfg: &mut web::ServiceConfig, state: ApiState) {
                         .default_service(method_not_allowed("POST")),
                 )
                 .service(
-                    // Nothing is stored: retrieving, deleting or cancelling one is refused.
-                    web::resource("/responses/{id}").to(routes::stored_response),
+                    web::resource("/responses/{id}")
+                        .route(web::get().to(routes::retrieve_response))
+                        .route(web::delete().to(routes::delete_response))
+                        .default_service(method_not_allowed("GET, DELETE")),
                 )
                 .service(
-                    // `cancel`, `input_items`.
-                    web::resource("/responses/{id}/{action}").to(routes::stored_response),
+                    web::resource("/responses/{id}/input_items")
+                        .route(web::get().to(routes::list_input_items))
+                        .default_service(method_not_allowed("GET")),
+                )
+                .service(
+                    web::resource("/responses/{id}/cancel")
+                        .route(web::post().to(routes::cancel_response))
+                        .default_service(method_not_allowed("POST")),
                 )
                 .service(
                     web::resource("/models")

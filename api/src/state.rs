@@ -12,6 +12,7 @@ use crate::auth::ApiConfig;
 use crate::engine::{Engine, EngineError, EngineErrorKind};
 use crate::error::ApiError;
 use crate::metrics::HTTP_IN_FLIGHT;
+use crate::response_store::ResponseStore;
 
 /// Everything the routes share. Cheap to clone; one clone per HTTP worker.
 #[derive(Clone)]
@@ -26,6 +27,8 @@ pub struct ApiState {
     lifecycle: Arc<Lifecycle>,
     /// Unix time the state was created, for `/v1/models`.
     pub(crate) started: u64,
+    /// The Responses API's stored responses.
+    pub(crate) responses: Arc<ResponseStore>,
 }
 
 struct Lifecycle {
@@ -42,6 +45,7 @@ impl ApiState {
         metrics: Option<PrometheusHandle>,
     ) -> Self {
         let (in_flight, _) = watch::channel(0);
+        let responses = Arc::new(ResponseStore::new(config.responses_store));
         Self {
             engine,
             config: Arc::new(config),
@@ -51,6 +55,7 @@ impl ApiState {
                 in_flight,
             }),
             started: unix_now(),
+            responses,
         }
     }
 

@@ -583,6 +583,40 @@ pub struct ServerSection {
     /// HTTP worker threads (0 = one per core).
     #[serde(deserialize_with = "usize_in::<_, 0, 256>")]
     pub workers: usize,
+    /// The Responses API's store of responses (`GET /v1/responses/{id}`,
+    /// `previous_response_id`).
+    pub responses: ResponsesSection,
+}
+
+/// `server.responses`: bounds of the store of responses, kept in memory per tenant; the least
+/// recently used response leaves first when a bound would be passed.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(
+    deny_unknown_fields,
+    default,
+    expecting = "a mapping (the server.responses section)"
+)]
+pub struct ResponsesSection {
+    /// Most responses kept (0: none is stored, and `previous_response_id` is refused).
+    #[serde(deserialize_with = "usize_in::<_, 0, 1000000>")]
+    pub max_stored: usize,
+    /// Most MiB the kept responses count (a response counts its object and its whole
+    /// conversation's items).
+    #[serde(deserialize_with = "usize_in::<_, 1, 65536>")]
+    pub max_stored_mb: usize,
+    /// Seconds a response is kept after it was stored (0: no age limit).
+    #[serde(deserialize_with = "int_in::<_, 0, 31536000>")]
+    pub max_age_s: u64,
+}
+
+impl Default for ResponsesSection {
+    fn default() -> Self {
+        Self {
+            max_stored: 10_000,
+            max_stored_mb: 256,
+            max_age_s: 86_400,
+        }
+    }
 }
 
 impl ServerSection {
@@ -616,6 +650,7 @@ impl Default for ServerSection {
             drain_timeout_s: 30,
             request_timeout_s: 10,
             workers: 0,
+            responses: ResponsesSection::default(),
         }
     }
 }

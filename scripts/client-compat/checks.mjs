@@ -195,10 +195,23 @@ await check('responses.stream function call arguments, zodResponsesFunction + pa
   return JSON.stringify(call.parsed_arguments);
 });
 await check('responses errors (400 with param, context, 401)', async () => {
-  const a = await raises(() => client.responses.create({ model: M, input: 'x', previous_response_id: 'resp_x' }), OpenAI.BadRequestError, 'previous_response_id');
+  const a = await raises(() => client.responses.create({ model: M, input: 'x', previous_response_id: 'resp_x' }), OpenAI.BadRequestError, "Previous response with id 'resp_x' not found");
   const b = await raises(() => client.responses.create({ model: M, input: 'x', max_output_tokens: 100000 }), OpenAI.BadRequestError, 'maximum context length');
   const c = await raises(() => new OpenAI({ baseURL: BASE, apiKey: 'wrong', maxRetries: 0 }).responses.create({ model: M, input: 'x' }), OpenAI.AuthenticationError, 'Incorrect API key');
   return [a, b, c].join(', ');
+});
+await check('responses stored: retrieve, previous_response_id, input_items, delete', async () => {
+  const first = await client.responses.create({ model: M, input: 'My name is Ada.', max_output_tokens: 8, temperature: 0 });
+  const got = await client.responses.retrieve(first.id);
+  expect(JSON.stringify(got) === JSON.stringify(first), { got, first });
+  const second = await client.responses.create({ model: M, input: 'What is my name?', previous_response_id: first.id, max_output_tokens: 8, temperature: 0 });
+  expect(second.previous_response_id === first.id && second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens, second);
+  const items = [];
+  for await (const item of client.responses.inputItems.list(second.id)) items.push(item);
+  expect(items.length === 1 && items[0].content[0].text === 'What is my name?', items);
+  await client.responses.delete(first.id);
+  const gone = await raises(() => client.responses.retrieve(first.id), OpenAI.NotFoundError, 'not found');
+  return `chained (${second.usage.input_tokens} in), ${gone}`;
 });
 console.log(`node openai SDK: ${failures.length} failed${failures.length ? ': ' + failures.join(', ') : ''}`);
 process.exit(failures.length ? 1 : 0);

@@ -403,7 +403,19 @@ def lcr_errors():
         [HumanMessage("hi"), AIMessage("hello", response_metadata={"id": "resp_x"}), HumanMessage("more")]),
         openai.BadRequestError, "previous_response_id")
     c = raises(lambda: rchat(api_key="wrong").invoke("hi"), openai.AuthenticationError, "Incorrect API key")
-    return f"{a}, {b} (previous_response_id refused), {c}"
+    return f"{a}, {b} (unknown previous_response_id), {c}"
+
+
+def lcr_previous():
+    # use_previous_response_id: LangChain sends only the messages after the last AI message,
+    # with that message's response id; the server supplies the rest from its store.
+    llm = rchat(use_previous_response_id=True, max_tokens=8)
+    first = llm.invoke("My name is Ada.")
+    expect(first.response_metadata.get("id", "").startswith("resp_"), f"{first.response_metadata}")
+    second = llm.invoke([HumanMessage("My name is Ada."), first, HumanMessage("What is my name?")])
+    u1, u2 = first.usage_metadata, second.usage_metadata
+    expect(u2["input_tokens"] > u1["input_tokens"] + u1["output_tokens"], f"{u1} {u2}")
+    return f"{u1['input_tokens']} then {u2['input_tokens']} input tokens"
 
 
 check("langchain responses invoke (+ history)", lcr_invoke)
@@ -413,6 +425,7 @@ check("langchain responses with_structured_output json_schema", lcr_structured("
 check("langchain responses with_structured_output function_calling", lcr_structured("function_calling"))
 check("langchain responses async", lcr_async)
 check("langchain responses errors (context, previous_response_id, 401)", lcr_errors)
+check("langchain responses use_previous_response_id", lcr_previous)
 
 RTOOLS = [{"type": "function", "name": "get_weather", "description": "Get the weather for a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -556,12 +569,27 @@ def sdk_refusals():
         except openai.BadRequestError as e:
             expect(e.body.get("param") == param, f"{e.body}")
             params.append(param)
-    try:
-        sdk.responses.retrieve("resp_x")
-        raise AssertionError("retrieve accepted")
-    except openai.BadRequestError as e:
-        expect(e.body.get("param") == "response_id", f"{e.body}")
-    return ", ".join(params) + ", retrieve"
+    raises(lambda: sdk.responses.retrieve("resp_x"), openai.NotFoundError, "not found")
+    return ", ".join(params) + ", retrieve (404)"
+
+
+def sdk_stored():
+    first = sdk.responses.create(model=MODEL, input="My name is Ada.", max_output_tokens=8, temperature=0)
+    got = sdk.responses.retrieve(first.id)
+    expect(got.model_dump() == first.model_dump(), f"{got} != {first}")
+    second = sdk.responses.create(model=MODEL, input="What is my name?", previous_response_id=first.id,
+                                  max_output_tokens=8, temperature=0)
+    expect(second.previous_response_id == first.id
+           and second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+           and second.usage.input_tokens_details.cached_tokens > 0, f"{first.usage} {second}")
+    items = sdk.responses.input_items.list(second.id)
+    expect([i.type for i in items.data] == ["message"] and items.data[0].content[0].text == "What is my name?",
+           f"{items}")
+    sdk.responses.delete(first.id)
+    raises(lambda: sdk.responses.retrieve(first.id), openai.NotFoundError, "not found")
+    raises(lambda: sdk.responses.create(model=MODEL, input="x", previous_response_id=first.id),
+           openai.BadRequestError, "previous_response_not_found")
+    return f"chained ({second.usage.input_tokens} in, {second.usage.input_tokens_details.cached_tokens} cached), retrieved, listed, deleted"
 
 
 check("openai-python responses.create", sdk_create)
@@ -571,6 +599,7 @@ check("openai-python responses.parse(text_format) (+ stream)", sdk_parse)
 check("openai-python function_call + output back (+ stream)", sdk_tools)
 check("openai-python json_object, incomplete", sdk_json_incomplete)
 check("openai-python refusals (400 with param)", sdk_refusals)
+check("openai-python stored: retrieve, previous_response_id, input_items, delete", sdk_stored)
 
 
 print(f"python clients: {len(failures)} failed" + (f": {', '.join(failures)}" if failures else ""))

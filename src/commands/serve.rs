@@ -33,7 +33,7 @@ use switchyard_api::schema::{
     reasoning,
     tools::{writes_call_ids, MarkerTokens, ToolFormat, ToolSetup},
 };
-use switchyard_api::{ApiConfig, ApiKeyEntry, ApiState, ServerOptions};
+use switchyard_api::{ApiConfig, ApiKeyEntry, ApiState, ServerOptions, StoreLimits};
 use switchyard_config::{Config, ReasoningParser, ToolCallFormat, ToolPrompt};
 use switchyard_gpu::backend::{SamplingParams, MAX_LOGIT_ROWS};
 use switchyard_gpu::model::{ChatEnding, ChatMessage, ChatTemplate, Tokenizer};
@@ -444,6 +444,12 @@ fn api_config(
         body_timeout: Duration::from_secs(config.server.request_timeout_s),
         tools,
         tiers: config.tiers.keys().cloned().collect(),
+        responses_store: StoreLimits {
+            max_responses: config.server.responses.max_stored,
+            max_bytes: config.server.responses.max_stored_mb << 20,
+            max_age: (config.server.responses.max_age_s > 0)
+                .then(|| Duration::from_secs(config.server.responses.max_age_s)),
+        },
         ..ApiConfig::default()
     }
 }

@@ -7,7 +7,9 @@ mod service;
 
 pub(crate) use chat::chat_completions;
 pub(crate) use completions::completions;
-pub(crate) use responses::{create_response, stored_response};
+pub(crate) use responses::{
+    cancel_response, create_response, delete_response, list_input_items, retrieve_response,
+};
 pub(crate) use service::*;
 
 use crate::auth::Principal;

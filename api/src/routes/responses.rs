@@ -1,5 +1,11 @@
-//! `POST /v1/responses` (OpenAI's Responses API) on the chat path, and `GET
-//! /v1/responses/{id}`, refused: nothing is stored.
+//! `POST /v1/responses` (OpenAI's Responses API) on the chat path, and the stored responses'
+//! routes: `GET` and `DELETE /v1/responses/{id}`, `GET /v1/responses/{id}/input_items`.
+//!
+//! A response created with `store` (the default) that ends `completed` or `incomplete` is kept
+//! in the bounded, per-tenant [`ResponseStore`] with its conversation, for those routes and for
+//! a later request's `previous_response_id` (whose conversation comes before its input). A
+//! streamed response is kept once its last event is written; one whose client left, or that
+//! failed, is not kept.
 //!
 //! The request is read as a chat request ([`crate::schema::responses`]), validated and run as
 //! chat runs it (the same template, tool prompt and call reader, structured output, limits,
@@ -20,6 +26,8 @@
 //! `response.output_item.added`, `response.content_part.added`, `response.reasoning_text.delta`s,
 //! `response.reasoning_text.done`, `response.content_part.done`, `response.output_item.done`.
 
+use std::sync::Arc;
+
 use actix_web::{web, HttpRequest, HttpResponse};
 use bytes::Bytes;
 use serde_json::{json, Value};
@@ -31,6 +39,7 @@ use crate::body::read_json;
 use crate::engine::FinishReason;
 use crate::error::ApiError;
 use crate::generation::{ChoiceDelta, Generation, RequestFields};
+use crate::response_store::{Kept, ResponseStore, StoredResponse, Turn, MAX_CHAIN_DEPTH};
 use crate::schema::responses::{
     rename_error, IncompleteDetails, OutputItem, OutputText, ReasoningText, ResponseObject,
     ResponseUsage, ResponsesChat, ResponsesRequest,
@@ -50,12 +59,19 @@ pub(crate) async fn create_response(
     let body: ResponsesRequest = read_json(&req, payload, &state.config).await?;
     let id = crate::request_id::completion_id(&req, "resp_");
     body.ignored.warn("/v1/responses");
+    let parent = match body.previous_response_id()? {
+        Some(previous) => Some(previous_turn(&state, &principal, &previous)?),
+        None => None,
+    };
+    let history = parent.as_deref().map(Turn::items).unwrap_or_default();
     let ResponsesChat {
         chat,
         sources,
         echo,
         stream,
-    } = body.into_chat()?;
+        input_items,
+    } = body.into_chat(&history)?;
+    drop(history);
     let lora = check_model(&state, chat.model.as_deref())?;
     let mut validated = chat
         .validate(state.engine.max_model_len(), state.config.tools)
@@ -75,6 +91,12 @@ pub(crate) async fn create_response(
     };
     let generation = Generation::start(&*state.engine, requests, validated.n, fields).await?;
     let model = lora.unwrap_or_else(|| state.engine.model_name().to_owned());
+    let keep = (echo.store && state.responses.limits().enabled()).then(|| Keep {
+        store: Arc::clone(&state.responses),
+        tenant: principal.tenant.clone(),
+        input: input_items,
+        parent,
+    });
     let reader = ChatWriter::new(
         &state,
         &validated,
@@ -96,9 +118,9 @@ pub(crate) async fn create_response(
         model,
         output: Vec::new(),
         parallel_tool_calls: echo.parallel_tool_calls,
-        previous_response_id: None,
+        previous_response_id: echo.previous_response_id,
         reasoning: echo.reasoning,
-        store: echo.store,
+        store: keep.is_some(),
         temperature: validated.sampling.temperature,
         text: echo.text,
         tool_choice: echo.tool_choice,
@@ -113,6 +135,7 @@ pub(crate) async fn create_response(
     let writer = ResponseWriter {
         reader,
         builder: Builder::new(template, stream),
+        keep,
     };
     if stream {
         return Ok(sse_response(generation, writer, false, in_flight));
@@ -122,13 +145,228 @@ pub(crate) async fn create_response(
     Ok(HttpResponse::Ok().json(response))
 }
 
-/// Handles `GET /v1/responses/{id}` (and `DELETE`, and `POST .../cancel`): nothing is stored.
-pub(crate) async fn stored_response() -> Result<HttpResponse, ApiError> {
+/// Most characters of a requested id shown back in an error.
+const SHOWN_ID_CHARS: usize = 128;
+
+fn shown(id: &str) -> String {
+    id.chars().take(SHOWN_ID_CHARS).collect()
+}
+
+/// The conversation `previous_response_id` continues: the stored response's turn.
+fn previous_turn(
+    state: &ApiState,
+    principal: &Principal,
+    previous: &str,
+) -> Result<Arc<Turn>, ApiError> {
+    if !state.responses.limits().enabled() {
+        return Err(ApiError::invalid(
+            "previous_response_id",
+            "previous_response_id cannot be used: storing responses is off on this server \
+             (server.responses.max_stored is 0); send the conversation's items in input",
+        ));
+    }
+    let stored = state
+        .responses
+        .get(&principal.tenant, previous)
+        .ok_or_else(|| ApiError::PreviousResponseNotFound(shown(previous)))?;
+    if stored.turn.depth() >= MAX_CHAIN_DEPTH {
+        return Err(ApiError::invalid(
+            "previous_response_id",
+            format!(
+                "the conversation already has {MAX_CHAIN_DEPTH} turns, the most one chain may \
+                 hold; send its items in input instead"
+            ),
+        ));
+    }
+    Ok(stored.turn)
+}
+
+/// The stored response `id` of the caller's tenant, or the 404 of an unknown id.
+fn find(state: &ApiState, principal: &Principal, id: &str) -> Result<StoredResponse, ApiError> {
+    state
+        .responses
+        .get(&principal.tenant, id)
+        .ok_or_else(|| ApiError::ResponseNotFound(shown(id)))
+}
+
+/// Handles `GET /v1/responses/{id}`: the stored response object, as it was sent (for a
+/// stream, its `response.completed` or `response.incomplete` event's).
+pub(crate) async fn retrieve_response(
+    state: web::Data<ApiState>,
+    principal: web::ReqData<Principal>,
+    id: web::Path<String>,
+) -> Result<HttpResponse, ApiError> {
+    let stored = find(&state, &principal, &id)?;
+    Ok(HttpResponse::Ok().json(stored.response))
+}
+
+/// Handles `DELETE /v1/responses/{id}`. Responses that continue it keep their conversation.
+pub(crate) async fn delete_response(
+    state: web::Data<ApiState>,
+    principal: web::ReqData<Principal>,
+    id: web::Path<String>,
+) -> Result<HttpResponse, ApiError> {
+    if !state.responses.remove(&principal.tenant, &id) {
+        return Err(ApiError::ResponseNotFound(shown(&id)));
+    }
+    Ok(HttpResponse::Ok().json(json!({"id": *id, "object": "response", "deleted": true})))
+}
+
+/// Handles `POST /v1/responses/{id}/cancel`: only background responses can be cancelled, and
+/// none runs in the background here.
+pub(crate) async fn cancel_response(
+    state: web::Data<ApiState>,
+    principal: web::ReqData<Principal>,
+    id: web::Path<String>,
+) -> Result<HttpResponse, ApiError> {
+    find(&state, &principal, &id)?;
     Err(ApiError::invalid(
         "response_id",
-        "responses are not stored on this server (store is accepted and changes nothing), so \
-         none can be retrieved, deleted or cancelled",
+        "only responses created with background = true can be cancelled, and this server runs \
+         none in the background",
     ))
+}
+
+/// Most items in one page of `input_items` (OpenAI's bound), and the default.
+const MAX_ITEMS_PAGE: usize = 100;
+const DEFAULT_ITEMS_PAGE: usize = 20;
+
+/// Handles `GET /v1/responses/{id}/input_items?limit=&order=&after=`: the response's own input
+/// items (not those of the responses it continued), newest first unless `order=asc`, as
+/// OpenAI's list object.
+pub(crate) async fn list_input_items(
+    state: web::Data<ApiState>,
+    principal: web::ReqData<Principal>,
+    id: web::Path<String>,
+    req: HttpRequest,
+) -> Result<HttpResponse, ApiError> {
+    let page = ItemsPage::parse(req.query_string())?;
+    let stored = find(&state, &principal, &id)?;
+    Ok(HttpResponse::Ok().json(page.list(&stored.turn.input)?))
+}
+
+/// `input_items`' query.
+#[derive(Debug, PartialEq)]
+struct ItemsPage {
+    limit: usize,
+    descending: bool,
+    after: Option<String>,
+}
+
+impl ItemsPage {
+    fn parse(query: &str) -> Result<Self, ApiError> {
+        let pairs = web::Query::<Vec<(String, String)>>::from_query(query)
+            .map_err(|_| ApiError::invalid("query", "the query string is not valid"))?
+            .into_inner();
+        let mut page = Self {
+            limit: DEFAULT_ITEMS_PAGE,
+            descending: true,
+            after: None,
+        };
+        for (name, value) in pairs {
+            match name.as_str() {
+                "limit" => {
+                    page.limit = value
+                        .parse()
+                        .ok()
+                        .filter(|n| (1..=MAX_ITEMS_PAGE).contains(n))
+                        .ok_or_else(|| {
+                            ApiError::invalid(
+                                "limit",
+                                format!("limit is an integer from 1 to {MAX_ITEMS_PAGE}"),
+                            )
+                        })?;
+                }
+                "order" => {
+                    page.descending = match value.as_str() {
+                        "desc" => true,
+                        "asc" => false,
+                        _ => return Err(ApiError::invalid("order", "order is asc or desc")),
+                    }
+                }
+                "after" => page.after = Some(value),
+                other => {
+                    let shown: String = other.chars().take(64).collect();
+                    return Err(ApiError::invalid(
+                        shown.clone(),
+                        format!(
+                            "the query parameter {shown:?} is not supported: limit, order and \
+                             after"
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(page)
+    }
+
+    /// One page of `items` (in their given order) as OpenAI's list object.
+    fn list(&self, items: &[Value]) -> Result<Value, ApiError> {
+        let ordered: Vec<&Value> = if self.descending {
+            items.iter().rev().collect()
+        } else {
+            items.iter().collect()
+        };
+        let start = match &self.after {
+            None => 0,
+            Some(after) => {
+                ordered
+                    .iter()
+                    .position(|v| v.get("id").and_then(Value::as_str) == Some(after.as_str()))
+                    .ok_or_else(|| {
+                        ApiError::invalid(
+                            "after",
+                            format!(
+                                "no input item of this response has the id {:?}",
+                                shown(after)
+                            ),
+                        )
+                    })?
+                    + 1
+            }
+        };
+        let data: Vec<&Value> = ordered
+            .iter()
+            .skip(start)
+            .take(self.limit)
+            .copied()
+            .collect();
+        let id_of = |v: Option<&&Value>| v.and_then(|v| v.get("id")).cloned();
+        Ok(json!({
+            "object": "list",
+            "data": data,
+            "first_id": id_of(data.first()),
+            "last_id": id_of(data.last()),
+            "has_more": start + data.len() < ordered.len(),
+        }))
+    }
+}
+
+/// What keeps a response once it ended: the store, and the turn it completes.
+struct Keep {
+    store: Arc<ResponseStore>,
+    tenant: String,
+    /// The request's own input items.
+    input: Vec<Value>,
+    /// The conversation it continued.
+    parent: Option<Arc<Turn>>,
+}
+
+impl Keep {
+    fn keep(self, response: &ResponseObject) {
+        let output = response.output.iter().map(|item| json!(item)).collect();
+        let turn = Arc::new(Turn::new(self.input, output, self.parent));
+        match self
+            .store
+            .insert(&response.id, &self.tenant, json!(response), turn)
+        {
+            Kept::Yes | Kept::Disabled => {}
+            Kept::TooLarge => tracing::warn!(
+                response_id = %response.id,
+                "response not stored: larger than the store's byte bound (server.responses.max_stored_mb)"
+            ),
+        }
+    }
 }
 
 /// The items whose one part takes text as the model writes it.
@@ -452,6 +690,8 @@ struct ResponseWriter {
     /// Chat's reader of the model's text into content and calls.
     reader: ChatWriter,
     builder: Builder,
+    /// Where the ended response is kept (`None`: not stored).
+    keep: Option<Keep>,
 }
 
 impl ResponseWriter {
@@ -514,6 +754,9 @@ impl ChunkWriter for ResponseWriter {
             ),
             text_allowed,
         );
+        if let Some(keep) = self.keep.take() {
+            keep.keep(&self.builder.response);
+        }
         self.builder.take()
     }
 
@@ -545,6 +788,9 @@ async fn collect(
     );
     let text_allowed = !writer.reader.calls_only();
     writer.builder.finish(reason, usage, text_allowed);
+    if let Some(keep) = writer.keep.take() {
+        keep.keep(&writer.builder.response);
+    }
     Ok(writer.builder.response)
 }
 

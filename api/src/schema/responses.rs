@@ -11,13 +11,14 @@
 //! validation bounds them; an error it names by a chat field is renamed to the Responses field
 //! ([`ResponsesChat::rename`]).
 //!
-//! Nothing is stored: `previous_response_id`, `conversation`, `background: true` and
-//! `prompt` (stored prompts) are refused with a 400 naming the field, as are built-in tools,
-//! `reasoning.summary` other than null (no summaries are written; `reasoning.effort` is
-//! checked against OpenAI's values and read by no model, as chat's `reasoning_effort`),
-//! `include` entries (none of them can be produced here),
-//! `top_logprobs` above 0 and `truncation: "auto"`. `store` is accepted, `true` (OpenAI's
-//! default) or `false`, and changes nothing.
+//! `previous_response_id` continues a stored response (see [`crate::response_store`]): its
+//! conversation's items (each earlier turn's input, then its output) come before this
+//! request's `input`, and, as OpenAI documents, the earlier `instructions` are not carried
+//! over. `conversation`, `background: true` and `prompt` (stored prompts) are refused with a
+//! 400 naming the field, as are built-in tools, `reasoning.summary` other than null (no
+//! summaries are written; `reasoning.effort` is checked against OpenAI's values and read by no
+//! model, as chat's `reasoning_effort`), `include` entries (none of them can be produced
+//! here), `top_logprobs` above 0 and `truncation: "auto"`.
 
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
@@ -29,6 +30,7 @@ use super::request::{ChatRequest, ContentField, ContentPart, MessageField};
 use super::response::PromptTokensDetails;
 use super::structured::StructuredFields;
 use crate::error::ApiError;
+use crate::state::request_id;
 
 /// Most `metadata` pairs (OpenAI's bound).
 pub const MAX_METADATA_PAIRS: usize = 16;
@@ -68,9 +70,9 @@ pub struct ResponsesRequest {
     pub user: Option<String>,
     /// Up to 16 string pairs; echoed.
     pub metadata: Option<Map<String, Value>>,
-    /// Store the response: accepted, `true` or `false`; nothing is stored.
+    /// Store the response for retrieval and continuation (default true).
     pub store: Option<bool>,
-    /// Refused: responses are not stored.
+    /// A stored response (of the same tenant) this one continues.
     pub previous_response_id: Option<Value>,
     /// Refused: conversations are not stored.
     pub conversation: Option<Value>,
@@ -106,6 +108,10 @@ pub struct ResponsesChat {
     pub echo: Echo,
     /// Whether to stream.
     pub stream: bool,
+    /// This request's own input items as a stored response lists them (`input_items`): a
+    /// string input is one user message; each item has an `id` and a `type`, and a message's
+    /// string content is one text part.
+    pub input_items: Vec<Value>,
 }
 
 /// The request's settings as the response object returns them.
@@ -131,6 +137,8 @@ pub struct Echo {
     pub user: Option<String>,
     /// `reasoning`, as sent (null when absent).
     pub reasoning: Option<Value>,
+    /// `previous_response_id`.
+    pub previous_response_id: Option<String>,
 }
 
 fn invalid(param: impl Into<String>, message: impl Into<String>) -> ApiError {
@@ -141,17 +149,38 @@ fn set(v: &Option<Value>) -> bool {
     v.as_ref().is_some_and(|v| !v.is_null())
 }
 
+/// Longest `previous_response_id` looked up, in bytes (ours are 32 characters; OpenAI's
+/// about 50).
+pub const MAX_RESPONSE_ID_BYTES: usize = 256;
+
 impl ResponsesRequest {
-    /// Refuses what cannot be honoured, naming the field, and reads the rest as a chat
-    /// request.
-    pub fn into_chat(self) -> Result<ResponsesChat, ApiError> {
-        if set(&self.previous_response_id) {
-            return Err(invalid(
+    /// `previous_response_id`: `None` when absent or null; a 400 when it is not a string (or
+    /// is longer than any id this server makes).
+    pub fn previous_response_id(&self) -> Result<Option<String>, ApiError> {
+        match &self.previous_response_id {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(id)) if id.is_empty() || id.len() > MAX_RESPONSE_ID_BYTES => {
+                Err(invalid(
+                    "previous_response_id",
+                    format!(
+                        "previous_response_id must be a response id of 1 to \
+                         {MAX_RESPONSE_ID_BYTES} bytes"
+                    ),
+                ))
+            }
+            Some(Value::String(id)) => Ok(Some(id.clone())),
+            Some(_) => Err(invalid(
                 "previous_response_id",
-                "previous_response_id is not supported: this server stores no responses; send \
-                 the conversation's items in input",
-            ));
+                "previous_response_id is a string",
+            )),
         }
+    }
+
+    /// Refuses what cannot be honoured, naming the field, and reads the rest as a chat
+    /// request: `history` (the items of the conversation `previous_response_id` continues,
+    /// oldest first; empty without one) before `input`.
+    pub fn into_chat(self, history: &[Value]) -> Result<ResponsesChat, ApiError> {
+        let previous_response_id = self.previous_response_id()?;
         if set(&self.conversation) {
             return Err(invalid(
                 "conversation",
@@ -163,8 +192,7 @@ impl ResponsesRequest {
         if self.background == Some(true) {
             return Err(invalid(
                 "background",
-                "background = true is not supported: responses are not stored, so one cannot \
-                 run in the background",
+                "background = true is not supported: responses run in the foreground only",
             ));
         }
         if set(&self.prompt) {
@@ -201,7 +229,8 @@ impl ResponsesRequest {
         let (response_format, text) = text_format(self.text)?;
         let (tools, given_tools) = chat_tools(self.tools)?;
         let tool_choice = chat_tool_choice(self.tool_choice.as_ref())?;
-        let (messages, sources) = messages(self.instructions.as_deref(), &self.input)?;
+        let (messages, sources) = messages(self.instructions.as_deref(), history, &self.input)?;
+        let input_items = input_items(&self.input);
         let echo = Echo {
             instructions: self.instructions,
             max_output_tokens: self.max_output_tokens,
@@ -216,6 +245,7 @@ impl ResponsesRequest {
             store: self.store.unwrap_or(true),
             user: self.user.clone(),
             reasoning: self.reasoning.clone().filter(|r| !r.is_null()),
+            previous_response_id,
         };
         let stream = self.stream.unwrap_or(false);
         let chat = ChatRequest {
@@ -271,6 +301,7 @@ impl ResponsesRequest {
             sources,
             echo,
             stream,
+            input_items,
         })
     }
 }
@@ -642,9 +673,11 @@ fn chat_tool_choice(choice: Option<&Value>) -> Result<Option<Value>, ApiError> {
     }
 }
 
-/// The chat messages of `instructions` and `input`, each with the field it came from.
+/// The chat messages of `instructions`, a continued conversation's `history` and `input`,
+/// each with the field it came from (`previous_response_id` for the history's).
 fn messages(
     instructions: Option<&str>,
+    history: &[Value],
     input: &Value,
 ) -> Result<(Vec<MessageField>, Vec<String>), ApiError> {
     let mut messages = Vec::new();
@@ -653,6 +686,28 @@ fn messages(
         messages.push(message("system", ContentField::Text(text.to_owned())));
         sources.push("instructions".to_owned());
     }
+    let given = match input {
+        Value::Array(items) => items.len(),
+        _ => 1,
+    };
+    if history.len().saturating_add(given) > MAX_MESSAGES {
+        return Err(invalid(
+            "previous_response_id",
+            format!(
+                "the conversation would hold {} items with this input: at most {MAX_MESSAGES} \
+                 are allowed",
+                history.len().saturating_add(given)
+            ),
+        ));
+    }
+    for (i, item) in history.iter().enumerate() {
+        let before = sources.len();
+        read_item(i, item, &mut messages, &mut sources)?;
+        for source in &mut sources[before..] {
+            "previous_response_id".clone_into(source);
+        }
+    }
+    // The input's items are numbered from 0 (their own field), after the history's messages.
     match input {
         Value::String(text) => {
             messages.push(message("user", ContentField::Text(text.clone())));
@@ -680,6 +735,53 @@ fn messages(
         }
     }
     Ok((messages, sources))
+}
+
+/// `input` as a stored response's `input_items` (see [`ResponsesChat::input_items`]); `input`
+/// was read by [`messages`] already.
+fn input_items(input: &Value) -> Vec<Value> {
+    let items = match input {
+        Value::String(text) => vec![json!({
+            "type": "message",
+            "role": "user",
+            "content": [{"type": "input_text", "text": text}],
+        })],
+        Value::Array(items) => items.clone(),
+        _ => Vec::new(),
+    };
+    items
+        .into_iter()
+        .map(|mut item| {
+            if let Value::Object(obj) = &mut item {
+                if obj.get("type").is_none_or(Value::is_null) {
+                    obj.insert("type".into(), json!("message"));
+                }
+                let kind = obj.get("type").and_then(Value::as_str).unwrap_or("");
+                let prefix = match kind {
+                    "message" => "msg_",
+                    "function_call" => "fc_",
+                    "function_call_output" => "fco_",
+                    "reasoning" => "rs_",
+                    _ => "item_",
+                };
+                if kind == "message" {
+                    let assistant = obj.get("role").and_then(Value::as_str) == Some("assistant");
+                    if let Some(Value::String(text)) = obj.get("content") {
+                        let part = if assistant {
+                            json!({"type": "output_text", "text": text, "annotations": []})
+                        } else {
+                            json!({"type": "input_text", "text": text})
+                        };
+                        obj.insert("content".into(), json!([part]));
+                    }
+                }
+                if obj.get("id").is_none_or(|id| !id.is_string()) {
+                    obj.insert("id".into(), json!(request_id(prefix, None)));
+                }
+            }
+            item
+        })
+        .collect()
 }
 
 fn message(role: &str, content: ContentField) -> MessageField {
@@ -1044,11 +1146,11 @@ pub struct ResponseObject {
     pub output: Vec<OutputItem>,
     /// The request's `parallel_tool_calls`.
     pub parallel_tool_calls: bool,
-    /// Always null: responses are not chained.
+    /// The request's `previous_response_id`.
     pub previous_response_id: Option<String>,
     /// The request's `reasoning`.
     pub reasoning: Option<Value>,
-    /// The request's `store`.
+    /// Whether the response is stored (the request's `store`, false where storing is off).
     pub store: bool,
     /// The temperature used.
     pub temperature: f32,
@@ -1078,7 +1180,7 @@ mod tests {
 
     fn read(body: Value) -> Result<ResponsesChat, ApiError> {
         let request: ResponsesRequest = serde_json::from_value(body).unwrap();
-        request.into_chat()
+        request.into_chat(&[])
     }
 
     fn refused(body: Value) -> String {
@@ -1257,11 +1359,117 @@ mod tests {
         assert_eq!(r.chat.structured.response_format, None);
     }
 
+    /// A continued conversation: the stored turns' items come first (their input, then their
+    /// output as it was sent), the earlier instructions are not carried over, and the new
+    /// input follows; messages from the history are named by `previous_response_id`.
+    #[test]
+    fn a_continued_conversation_puts_the_history_before_the_input() {
+        let history = [
+            json!({"id": "msg_1", "type": "message", "role": "user",
+                   "content": [{"type": "input_text", "text": "My name is Ada."}]}),
+            json!({"id": "rs_1", "type": "reasoning", "summary": [],
+                   "content": [{"type": "reasoning_text", "text": "greet"}],
+                   "status": "completed"}),
+            json!({"id": "msg_2", "type": "message", "role": "assistant", "status": "completed",
+                   "content": [{"type": "output_text", "text": "Hello Ada.", "annotations": []}]}),
+            json!({"id": "fc_1", "type": "function_call", "call_id": "call_1", "name": "f",
+                   "arguments": "{}", "status": "completed"}),
+        ];
+        let request: ResponsesRequest = serde_json::from_value(json!({
+            "input": [{"type": "function_call_output", "call_id": "call_1", "output": "42"},
+                      {"role": "user", "content": "And my name?"}],
+            "instructions": "Be brief.",
+            "previous_response_id": "resp_0",
+        }))
+        .unwrap();
+        let r = request.into_chat(&history).unwrap();
+        assert_eq!(
+            texts(&r.chat),
+            pairs(&[
+                ("system", "Be brief."),
+                ("user", "My name is Ada."),
+                ("assistant", "Hello Ada."),
+                ("tool", "42"),
+                ("user", "And my name?"),
+            ])
+        );
+        // The earlier answer's call joined its text: one assistant turn.
+        assert_eq!(
+            r.chat.messages[2].tool_calls,
+            Some(json!([{"id": "call_1", "type": "function",
+                         "function": {"name": "f", "arguments": "{}"}}]))
+        );
+        assert_eq!(
+            r.sources,
+            [
+                "instructions",
+                "previous_response_id",
+                "previous_response_id",
+                "input[0]",
+                "input[1]"
+            ]
+        );
+        assert_eq!(r.echo.previous_response_id.as_deref(), Some("resp_0"));
+        // Only this request's input is its own input_items.
+        assert_eq!(r.input_items.len(), 2);
+    }
+
+    #[test]
+    fn a_conversation_longer_than_the_bound_is_refused() {
+        let item = json!({"role": "user", "content": "x"});
+        let history = vec![item; MAX_MESSAGES];
+        let request: ResponsesRequest =
+            serde_json::from_value(json!({"input": "y", "previous_response_id": "resp_0"}))
+                .unwrap();
+        match request.into_chat(&history) {
+            Err(ApiError::InvalidRequest { param, .. }) => {
+                assert_eq!(param.as_deref(), Some("previous_response_id"))
+            }
+            other => panic!("expected a 400, got {other:?}"),
+        }
+    }
+
+    /// `input_items` as OpenAI lists them: typed items with ids, string contents as parts.
+    #[test]
+    fn input_items_are_typed_with_ids_and_parts() {
+        let one = read(json!({"input": "hi"})).unwrap().input_items;
+        assert_eq!(one.len(), 1);
+        assert_eq!(one[0]["type"], "message");
+        assert_eq!(one[0]["role"], "user");
+        assert_eq!(
+            one[0]["content"],
+            json!([{"type": "input_text", "text": "hi"}])
+        );
+        assert!(one[0]["id"].as_str().unwrap().starts_with("msg_"));
+        let items = read(json!({"input": [
+            {"role": "assistant", "content": "earlier"},
+            {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}",
+             "id": "fc_given"},
+            {"type": "function_call_output", "call_id": "c", "output": "1"},
+        ]}))
+        .unwrap()
+        .input_items;
+        assert_eq!(
+            items[0]["content"],
+            json!([{"type": "output_text", "text": "earlier", "annotations": []}])
+        );
+        assert_eq!(items[1]["id"], "fc_given");
+        assert!(items[2]["id"].as_str().unwrap().starts_with("fco_"));
+    }
+
     #[test]
     fn what_cannot_be_honoured_is_refused_by_name() {
         let cases = [
             (
-                json!({"input": "x", "previous_response_id": "resp_1"}),
+                json!({"input": "x", "previous_response_id": 7}),
+                "previous_response_id",
+            ),
+            (
+                json!({"input": "x", "previous_response_id": ""}),
+                "previous_response_id",
+            ),
+            (
+                json!({"input": "x", "previous_response_id": "r".repeat(MAX_RESPONSE_ID_BYTES + 1)}),
                 "previous_response_id",
             ),
             (

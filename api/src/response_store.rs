@@ -1,0 +1,507 @@
+//! Stored responses of the Responses API: what `GET /v1/responses/{id}`, its `input_items`,
+//! `DELETE` and a later request's `previous_response_id` read.
+//!
+//! A response created with `store` (OpenAI's default) that ended `completed` or `incomplete` is
+//! kept with its conversation: a [`Turn`] holding the request's input items and the response's
+//! output items after the turn it continued. Turns are shared (`Arc`) along a chain, so a
+//! conversation of many turns holds each turn once, and a response whose ancestor was evicted
+//! or deleted still continues (it holds the turns it was answered with).
+//!
+//! The store is bounded three ways ([`StoreLimits`]): the most responses, the most bytes (a
+//! response counts its object and the serialized items of its whole conversation, so what the
+//! store keeps alive, shared turns included, never exceeds the bound), and an age. The least
+//! recently used response leaves first when a bound would be passed; one response larger than
+//! the byte bound is not kept. Every operation is O(log n).
+//!
+//! Responses are kept per tenant: a response is found only by requests of the tenant that
+//! created it (an open server is one tenant), and another tenant's id reads as unknown, so
+//! nothing tells one tenant what another stored.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use serde_json::Value;
+
+use crate::metrics::{RESPONSES_EVICTED, RESPONSES_STORED, RESPONSES_STORED_BYTES};
+
+/// Most turns in one conversation chained by `previous_response_id`.
+pub const MAX_CHAIN_DEPTH: usize = 1024;
+
+/// The store's bounds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoreLimits {
+    /// Most responses kept; 0 keeps none (storing is off).
+    pub max_responses: usize,
+    /// Most bytes kept (see the module docs for what a response counts).
+    pub max_bytes: usize,
+    /// Oldest response kept, from when it was stored; `None`: no age limit.
+    pub max_age: Option<Duration>,
+}
+
+impl StoreLimits {
+    /// Whether anything can be stored.
+    pub fn enabled(&self) -> bool {
+        self.max_responses > 0 && self.max_bytes > 0
+    }
+}
+
+impl Default for StoreLimits {
+    fn default() -> Self {
+        Self {
+            max_responses: 10_000,
+            max_bytes: 256 << 20,
+            max_age: Some(Duration::from_secs(24 * 3600)),
+        }
+    }
+}
+
+/// One turn of a conversation: a request's input items and its response's output items, after
+/// the turn it continued.
+#[derive(Debug)]
+pub struct Turn {
+    /// The request's input items, as `input_items` lists them.
+    pub input: Vec<Value>,
+    /// The response's output items.
+    pub output: Vec<Value>,
+    parent: Option<Arc<Turn>>,
+    /// Turns in the conversation up to this one.
+    depth: usize,
+    /// Serialized bytes of this turn's items and its ancestors'.
+    chain_bytes: usize,
+}
+
+impl Turn {
+    /// A turn of `input` and `output` after `parent`.
+    pub fn new(input: Vec<Value>, output: Vec<Value>, parent: Option<Arc<Turn>>) -> Self {
+        let own: usize = input.iter().chain(&output).map(json_len).sum();
+        let (depth, before) = parent.as_ref().map_or((0, 0), |p| (p.depth, p.chain_bytes));
+        Self {
+            input,
+            output,
+            parent,
+            depth: depth + 1,
+            chain_bytes: before.saturating_add(own),
+        }
+    }
+
+    /// Turns in the conversation up to and including this one.
+    pub fn depth(&self) -> usize {
+        self.depth
+    }
+
+    /// The conversation's items, oldest first: each turn's input, then its output.
+    pub fn items(&self) -> Vec<Value> {
+        let mut turns = Vec::with_capacity(self.depth);
+        let mut at = Some(self);
+        while let Some(turn) = at {
+            turns.push(turn);
+            at = turn.parent.as_deref();
+        }
+        turns
+            .iter()
+            .rev()
+            .flat_map(|t| t.input.iter().chain(&t.output))
+            .cloned()
+            .collect()
+    }
+}
+
+impl Drop for Turn {
+    /// Unlinks the chain iteratively: a long conversation dropped at once must not recurse
+    /// once per turn.
+    fn drop(&mut self) {
+        let mut parent = self.parent.take();
+        while let Some(p) = parent {
+            match Arc::try_unwrap(p) {
+                Ok(mut turn) => parent = turn.parent.take(),
+                Err(_) => break,
+            }
+        }
+    }
+}
+
+/// Serialized size of `v`.
+fn json_len(v: &Value) -> usize {
+    serde_json::to_vec(v).map_or(0, |b| b.len())
+}
+
+/// A stored response as read back.
+#[derive(Debug, Clone)]
+pub struct StoredResponse {
+    /// The response object as it was sent (the final one, for a stream).
+    pub response: Value,
+    /// Its conversation.
+    pub turn: Arc<Turn>,
+}
+
+/// Whether [`ResponseStore::insert`] kept the response.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kept {
+    /// Stored.
+    Yes,
+    /// Storing is off.
+    Disabled,
+    /// Larger than the byte bound alone.
+    TooLarge,
+}
+
+struct Entry {
+    tenant: String,
+    stored: StoredResponse,
+    bytes: usize,
+    at: Instant,
+    /// Its key in the recency order.
+    tick: u64,
+}
+
+#[derive(Default)]
+struct Inner {
+    entries: HashMap<String, Entry>,
+    /// Recency: the least recently used first.
+    order: BTreeMap<u64, String>,
+    next_tick: u64,
+    bytes: usize,
+}
+
+impl Inner {
+    fn touch(&mut self, id: &str) {
+        let tick = self.next_tick;
+        if let Some(e) = self.entries.get_mut(id) {
+            self.order.remove(&e.tick);
+            e.tick = tick;
+            self.order.insert(tick, id.to_owned());
+            self.next_tick += 1;
+        }
+    }
+
+    fn remove(&mut self, id: &str) -> Option<Entry> {
+        let e = self.entries.remove(id)?;
+        self.order.remove(&e.tick);
+        self.bytes -= e.bytes;
+        Some(e)
+    }
+
+    fn publish(&self) {
+        metrics::gauge!(RESPONSES_STORED).set(self.entries.len() as f64);
+        metrics::gauge!(RESPONSES_STORED_BYTES).set(self.bytes as f64);
+    }
+}
+
+/// The bounded, tenant-scoped store of responses.
+pub struct ResponseStore {
+    limits: StoreLimits,
+    inner: Mutex<Inner>,
+}
+
+impl std::fmt::Debug for ResponseStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let inner = self.inner.lock();
+        f.debug_struct("ResponseStore")
+            .field("limits", &self.limits)
+            .field("responses", &inner.entries.len())
+            .field("bytes", &inner.bytes)
+            .finish()
+    }
+}
+
+impl ResponseStore {
+    /// An empty store bounded by `limits`.
+    pub fn new(limits: StoreLimits) -> Self {
+        Self {
+            limits,
+            inner: Mutex::new(Inner::default()),
+        }
+    }
+
+    /// Its bounds.
+    pub fn limits(&self) -> StoreLimits {
+        self.limits
+    }
+
+    /// Keeps `response` (its object, its conversation) under `id` for `tenant`, replacing what
+    /// `id` held, and lets the least recently used responses go while a bound is passed.
+    pub fn insert(&self, id: &str, tenant: &str, response: Value, turn: Arc<Turn>) -> Kept {
+        self.insert_at(id, tenant, response, turn, Instant::now())
+    }
+
+    fn insert_at(
+        &self,
+        id: &str,
+        tenant: &str,
+        response: Value,
+        turn: Arc<Turn>,
+        now: Instant,
+    ) -> Kept {
+        if !self.limits.enabled() {
+            return Kept::Disabled;
+        }
+        let bytes = json_len(&response)
+            .saturating_add(turn.chain_bytes)
+            .saturating_add(id.len() + tenant.len());
+        if bytes > self.limits.max_bytes {
+            return Kept::TooLarge;
+        }
+        let mut inner = self.inner.lock();
+        inner.remove(id);
+        self.expire(&mut inner, now);
+        while inner.entries.len() >= self.limits.max_responses
+            || inner.bytes + bytes > self.limits.max_bytes
+        {
+            let reason = if inner.entries.len() >= self.limits.max_responses {
+                "count"
+            } else {
+                "bytes"
+            };
+            let Some((_, oldest)) = inner.order.pop_first() else {
+                break;
+            };
+            if let Some(e) = inner.entries.remove(&oldest) {
+                inner.bytes -= e.bytes;
+            }
+            metrics::counter!(RESPONSES_EVICTED, "reason" => reason).increment(1);
+        }
+        let tick = inner.next_tick;
+        inner.next_tick += 1;
+        inner.order.insert(tick, id.to_owned());
+        inner.bytes += bytes;
+        inner.entries.insert(
+            id.to_owned(),
+            Entry {
+                tenant: tenant.to_owned(),
+                stored: StoredResponse { response, turn },
+                bytes,
+                at: now,
+                tick,
+            },
+        );
+        inner.publish();
+        Kept::Yes
+    }
+
+    /// Lets responses past the age limit go, least recently used first, while the least
+    /// recently used one is past it (the rest go when read, or as the bounds push them out).
+    fn expire(&self, inner: &mut Inner, now: Instant) {
+        let Some(max_age) = self.limits.max_age else {
+            return;
+        };
+        while let Some((_, id)) = inner.order.first_key_value() {
+            let expired = inner
+                .entries
+                .get(id)
+                .is_some_and(|e| now.saturating_duration_since(e.at) > max_age);
+            if !expired {
+                break;
+            }
+            let id = id.clone();
+            inner.remove(&id);
+            metrics::counter!(RESPONSES_EVICTED, "reason" => "age").increment(1);
+        }
+    }
+
+    /// The response `id` of `tenant`, if kept (and not past the age limit); it becomes the
+    /// most recently used.
+    pub fn get(&self, tenant: &str, id: &str) -> Option<StoredResponse> {
+        self.get_at(tenant, id, Instant::now())
+    }
+
+    fn get_at(&self, tenant: &str, id: &str, now: Instant) -> Option<StoredResponse> {
+        let mut inner = self.inner.lock();
+        let entry = inner.entries.get(id).filter(|e| e.tenant == tenant)?;
+        if self
+            .limits
+            .max_age
+            .is_some_and(|max| now.saturating_duration_since(entry.at) > max)
+        {
+            inner.remove(id);
+            metrics::counter!(RESPONSES_EVICTED, "reason" => "age").increment(1);
+            inner.publish();
+            return None;
+        }
+        let stored = entry.stored.clone();
+        inner.touch(id);
+        Some(stored)
+    }
+
+    /// Deletes the response `id` of `tenant`; whether there was one.
+    pub fn remove(&self, tenant: &str, id: &str) -> bool {
+        let mut inner = self.inner.lock();
+        if inner.entries.get(id).is_none_or(|e| e.tenant != tenant) {
+            return false;
+        }
+        inner.remove(id);
+        inner.publish();
+        true
+    }
+
+    /// Responses kept now.
+    pub fn len(&self) -> usize {
+        self.inner.lock().entries.len()
+    }
+
+    /// Whether none is kept.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes counted now.
+    pub fn bytes(&self) -> usize {
+        self.inner.lock().bytes
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn turn(text: &str, parent: Option<Arc<Turn>>) -> Arc<Turn> {
+        Arc::new(Turn::new(
+            vec![json!({"type": "message", "role": "user", "content": text})],
+            vec![json!({"type": "message", "role": "assistant", "content": [
+                {"type": "output_text", "text": format!("re: {text}")}]})],
+            parent,
+        ))
+    }
+
+    fn store(max_responses: usize, max_bytes: usize, max_age: Option<u64>) -> ResponseStore {
+        ResponseStore::new(StoreLimits {
+            max_responses,
+            max_bytes,
+            max_age: max_age.map(Duration::from_secs),
+        })
+    }
+
+    fn keep(s: &ResponseStore, id: &str, tenant: &str) -> Kept {
+        s.insert(id, tenant, json!({"id": id}), turn(id, None))
+    }
+
+    #[test]
+    fn a_chain_reads_back_oldest_first() {
+        let first = turn("a", None);
+        let second = turn("b", Some(Arc::clone(&first)));
+        let third = Arc::new(Turn::new(vec![json!("c")], vec![], Some(second)));
+        assert_eq!(third.depth(), 3);
+        let a = turn("a", None);
+        let b = turn("b", None);
+        let expected: Vec<Value> = [&a, &b]
+            .iter()
+            .flat_map(|t| t.input.iter().chain(&t.output))
+            .cloned()
+            .chain([json!("c")])
+            .collect();
+        assert_eq!(third.items(), expected);
+        // Bytes add up along the chain.
+        assert!(third.chain_bytes > first.chain_bytes * 2);
+    }
+
+    #[test]
+    fn the_least_recently_used_leaves_first_when_full() {
+        let s = store(2, 1 << 20, None);
+        assert_eq!(keep(&s, "r1", "t"), Kept::Yes);
+        assert_eq!(keep(&s, "r2", "t"), Kept::Yes);
+        // Reading r1 makes r2 the least recently used.
+        assert!(s.get("t", "r1").is_some());
+        assert_eq!(keep(&s, "r3", "t"), Kept::Yes);
+        assert_eq!(s.len(), 2);
+        assert!(s.get("t", "r2").is_none());
+        assert!(s.get("t", "r1").is_some() && s.get("t", "r3").is_some());
+    }
+
+    #[test]
+    fn bytes_are_bounded_and_released() {
+        let one = {
+            let s = store(10, 1 << 20, None);
+            keep(&s, "r1", "t");
+            s.bytes()
+        };
+        assert!(one > 0);
+        // Room for two responses of this size, not three.
+        let s = store(10, one * 2 + one / 2, None);
+        for id in ["r1", "r2", "r3"] {
+            assert_eq!(keep(&s, id, "t"), Kept::Yes);
+            assert!(s.bytes() <= one * 2 + one / 2);
+        }
+        assert_eq!(s.len(), 2);
+        assert!(s.get("t", "r1").is_none());
+        assert!(s.remove("t", "r2"));
+        assert_eq!(s.bytes(), one);
+        assert!(s.remove("t", "r3"));
+        assert_eq!((s.len(), s.bytes()), (0, 0));
+    }
+
+    #[test]
+    fn a_response_larger_than_the_bound_is_not_kept() {
+        let s = store(10, 64, None);
+        assert_eq!(keep(&s, "r1", "t"), Kept::TooLarge);
+        assert!(s.is_empty());
+        let off = store(0, 1 << 20, None);
+        assert_eq!(keep(&off, "r1", "t"), Kept::Disabled);
+    }
+
+    #[test]
+    fn responses_past_the_age_limit_are_gone() {
+        let s = store(10, 1 << 20, Some(60));
+        let t0 = Instant::now();
+        s.insert_at("old", "t", json!({}), turn("old", None), t0);
+        s.insert_at(
+            "new",
+            "t",
+            json!({}),
+            turn("new", None),
+            t0 + Duration::from_secs(50),
+        );
+        assert!(s.get_at("t", "old", t0 + Duration::from_secs(59)).is_some());
+        assert!(s.get_at("t", "old", t0 + Duration::from_secs(61)).is_none());
+        assert!(s.get_at("t", "new", t0 + Duration::from_secs(61)).is_some());
+        // Inserting lets the expired least recently used ones go.
+        s.insert_at(
+            "later",
+            "t",
+            json!({}),
+            turn("later", None),
+            t0 + Duration::from_secs(200),
+        );
+        assert_eq!(s.len(), 1);
+    }
+
+    #[test]
+    fn another_tenant_sees_nothing_and_deletes_nothing() {
+        let s = store(10, 1 << 20, None);
+        keep(&s, "r1", "alice");
+        assert!(s.get("bob", "r1").is_none());
+        assert!(!s.remove("bob", "r1"));
+        assert!(s.get("alice", "r1").is_some());
+        assert!(s.remove("alice", "r1"));
+        assert!(!s.remove("alice", "r1"));
+    }
+
+    #[test]
+    fn replacing_an_id_counts_it_once() {
+        let s = store(10, 1 << 20, None);
+        keep(&s, "r1", "t");
+        let once = s.bytes();
+        keep(&s, "r1", "t");
+        assert_eq!((s.len(), s.bytes()), (1, once));
+    }
+
+    #[test]
+    fn a_continued_response_outlives_its_evicted_ancestor() {
+        let s = store(1, 1 << 20, None);
+        let first = turn("a", None);
+        s.insert("r1", "t", json!({}), Arc::clone(&first));
+        s.insert("r2", "t", json!({}), turn("b", Some(first)));
+        assert!(s.get("t", "r1").is_none());
+        assert_eq!(s.get("t", "r2").unwrap().turn.items().len(), 4);
+    }
+
+    #[test]
+    fn a_long_chain_drops_without_deep_recursion() {
+        let mut t = turn("0", None);
+        for i in 1..200_000 {
+            t = Arc::new(Turn::new(vec![json!(i)], Vec::new(), Some(t)));
+        }
+        drop(t);
+    }
+}
