@@ -441,8 +441,14 @@ fn what_cannot_be_honoured_is_refused_by_name() {
         ),
         (json!({"input": "x", "background": true}), "background"),
         (
-            json!({"input": "x", "include": ["message.output_text.logprobs"]}),
+            json!({"input": "x", "include": ["reasoning.encrypted_content"]}),
             "include[0]",
+        ),
+        (json!({"input": "x", "top_logprobs": 2}), "top_logprobs"),
+        (
+            json!({"input": "x", "include": ["message.output_text.logprobs"],
+                   "top_logprobs": 21}),
+            "top_logprobs",
         ),
         (
             json!({"input": [{"type": "item_reference", "id": "msg_1"}]}),
@@ -901,4 +907,76 @@ fn storing_off_keeps_nothing_and_refuses_continuations() {
             .contains("server.responses.max_stored"),
         "{e}"
     );
+}
+
+/// `include: ["message.output_text.logprobs"]` with `top_logprobs`: one entry per generated
+/// token in the message's part, their tokens joining to its text, each with its alternatives,
+/// the values chat completions report for the same greedy answer; streamed, the deltas carry
+/// the same tokens and values.
+#[test]
+fn output_logprobs_are_included_when_asked() {
+    let s = server();
+    let body = json!({"input": "Name three colors.", "max_output_tokens": 12, "temperature": 0,
+                      "include": ["message.output_text.logprobs"], "top_logprobs": 2});
+    let v = ok(&s, &body);
+    let part = &v["output"][0]["content"][0];
+    let logprobs = part["logprobs"].as_array().expect("logprobs");
+    // One per token, the end-of-sequence token of a completed answer aside (it writes no text).
+    let eos = u64::from(v["status"] == "completed");
+    assert_eq!(
+        logprobs.len() as u64 + eos,
+        v["usage"]["output_tokens"].as_u64().unwrap(),
+        "{v}"
+    );
+    let joined: String = logprobs
+        .iter()
+        .map(|l| l["token"].as_str().unwrap())
+        .collect();
+    assert_eq!(joined, part["text"].as_str().unwrap());
+    for l in logprobs {
+        let top = l["top_logprobs"].as_array().expect("top_logprobs");
+        assert_eq!(top.len(), 2, "{l}");
+        // Greedy: the chosen token is the most likely one.
+        assert_eq!(top[0]["token"], l["token"], "{l}");
+        assert!(l["bytes"].is_array() && top[0]["bytes"].is_array(), "{l}");
+    }
+    let (status, chat) = s.post_json(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "Name three colors."}],
+                "max_tokens": 12, "temperature": 0, "logprobs": true, "top_logprobs": 2}),
+    );
+    assert_eq!(status, 200, "{chat}");
+    // Chat lists the end-of-sequence token too (as vLLM does); the text's logprobs do not.
+    let from_chat: Vec<(Value, Value)> = chat["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .expect("chat logprobs")
+        .iter()
+        .map(|l| (l["token"].clone(), l["logprob"].clone()))
+        .take(logprobs.len())
+        .collect();
+    assert_eq!(
+        chat["choices"][0]["logprobs"]["content"]
+            .as_array()
+            .map(Vec::len),
+        Some(logprobs.len() + eos as usize)
+    );
+    let ours: Vec<(Value, Value)> = logprobs
+        .iter()
+        .map(|l| (l["token"].clone(), l["logprob"].clone()))
+        .collect();
+    assert_eq!(ours, from_chat);
+    // Streamed: the deltas' logprobs are the same tokens and values.
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let e = events(&s, &streamed);
+    let from_deltas: Vec<(Value, Value)> = e
+        .iter()
+        .filter(|e| e["type"] == "response.output_text.delta")
+        .flat_map(|e| e["logprobs"].as_array().cloned().unwrap_or_default())
+        .map(|l| (l["token"].clone(), l["logprob"].clone()))
+        .collect();
+    assert_eq!(from_deltas, ours);
+    // Not asked: the part's list is empty, as OpenAI sends it.
+    let plain = ok(&s, &json!({"input": "Hi", "max_output_tokens": 3}));
+    assert_eq!(plain["output"][0]["content"][0]["logprobs"], json!([]));
 }

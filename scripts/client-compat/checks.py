@@ -599,6 +599,20 @@ check("openai-python responses.parse(text_format) (+ stream)", sdk_parse)
 check("openai-python function_call + output back (+ stream)", sdk_tools)
 check("openai-python json_object, incomplete", sdk_json_incomplete)
 check("openai-python refusals (400 with param)", sdk_refusals)
+def sdk_logprobs():
+    r = sdk.responses.create(model=MODEL, input="Name a color.", max_output_tokens=6, temperature=0,
+                             include=["message.output_text.logprobs"], top_logprobs=2)
+    part = r.output[0].content[0]
+    expect(part.logprobs and "".join(l.token for l in part.logprobs) == part.text
+           and all(len(l.top_logprobs) == 2 for l in part.logprobs), f"{part}")
+    with sdk.responses.stream(model=MODEL, input="Name a color.", max_output_tokens=6, temperature=0,
+                              include=["message.output_text.logprobs"], top_logprobs=2) as s:
+        streamed = [l.logprob for e in s if e.type == "response.output_text.delta" for l in e.logprobs]
+    expect(streamed == [l.logprob for l in part.logprobs], f"{streamed} {part.logprobs}")
+    return f"{len(part.logprobs)} tokens"
+
+
+check("openai-python include output_text.logprobs (+ stream)", sdk_logprobs)
 check("openai-python stored: retrieve, previous_response_id, input_items, delete", sdk_stored)
 
 

@@ -41,8 +41,8 @@ use crate::error::ApiError;
 use crate::generation::{ChoiceDelta, Generation, RequestFields};
 use crate::response_store::{Kept, ResponseStore, StoredResponse, Turn, MAX_CHAIN_DEPTH};
 use crate::schema::responses::{
-    rename_error, IncompleteDetails, OutputItem, OutputText, ReasoningText, ResponseObject,
-    ResponseUsage, ResponsesChat, ResponsesRequest,
+    rename_error, IncompleteDetails, OutputItem, OutputLogprob, OutputText, ReasoningText,
+    ResponseObject, ResponseUsage, ResponsesChat, ResponsesRequest,
 };
 use crate::schema::{ToolCallDelta, Usage};
 use crate::sse::{event_frame, sse_response, ChunkWriter};
@@ -143,6 +143,22 @@ pub(crate) async fn create_response(
     let response = collect(generation, writer).await?;
     drop(in_flight);
     Ok(HttpResponse::Ok().json(response))
+}
+
+/// Logprobs in the stream events' shape (the openai SDK's `ResponseTextDeltaEvent`: no
+/// bytes).
+fn delta_logprobs(logprobs: &[OutputLogprob]) -> Vec<Value> {
+    logprobs
+        .iter()
+        .map(|lp| {
+            let top: Vec<Value> = lp
+                .top_logprobs
+                .iter()
+                .map(|t| json!({"token": t.token, "logprob": t.logprob}))
+                .collect();
+            json!({"token": lp.token, "logprob": lp.logprob, "top_logprobs": top})
+        })
+        .collect()
 }
 
 /// Most characters of a requested id shown back in an error.
@@ -451,18 +467,19 @@ impl Builder {
         index
     }
 
-    /// More answer text: into the open message, or a new one.
-    fn text(&mut self, text: &str) {
-        self.append(TextItem::Message, text);
+    /// More answer text, written by tokens of `logprobs` (empty unless asked for): into the
+    /// open message, or a new one.
+    fn text(&mut self, text: &str, logprobs: Vec<OutputLogprob>) {
+        self.append(TextItem::Message, text, logprobs);
     }
 
     /// More reasoning text: into the open reasoning item, or a new one.
     fn reasoning(&mut self, text: &str) {
-        self.append(TextItem::Reasoning, text);
+        self.append(TextItem::Reasoning, text, Vec::new());
     }
 
     /// `text` into the open item of `kind`'s one part, or a new item (its part added empty).
-    fn append(&mut self, kind: TextItem, text: &str) {
+    fn append(&mut self, kind: TextItem, text: &str, logprobs: Vec<OutputLogprob>) {
         let open = self.open.filter(|&i| {
             matches!(
                 (kind, self.response.output.get(i)),
@@ -515,20 +532,27 @@ impl Builder {
         if text.is_empty() {
             return;
         }
-        let part_text = match self.response.output.get_mut(index) {
-            Some(OutputItem::Message { content, .. }) => content.first_mut().map(|p| &mut p.text),
-            Some(OutputItem::Reasoning { content, .. }) => content.first_mut().map(|p| &mut p.text),
-            _ => None,
-        };
-        if let Some(part_text) = part_text {
-            part_text.push_str(text);
+        let event_logprobs = delta_logprobs(&logprobs);
+        match self.response.output.get_mut(index) {
+            Some(OutputItem::Message { content, .. }) => {
+                if let Some(part) = content.first_mut() {
+                    part.text.push_str(text);
+                    part.logprobs.extend(logprobs);
+                }
+            }
+            Some(OutputItem::Reasoning { content, .. }) => {
+                if let Some(part) = content.first_mut() {
+                    part.text.push_str(text);
+                }
+            }
+            _ => {}
         }
         let item_id = self.item_id(index);
         let (event, fields) = match kind {
             TextItem::Message => (
                 "response.output_text.delta",
                 json!({"item_id": item_id, "output_index": index, "content_index": 0,
-                       "delta": text, "logprobs": []}),
+                       "delta": text, "logprobs": event_logprobs}),
             ),
             TextItem::Reasoning => (
                 "response.reasoning_text.delta",
@@ -607,7 +631,7 @@ impl Builder {
                 self.emit(
                     "response.output_text.done",
                     json!({"item_id": item_id, "output_index": index, "content_index": 0,
-                           "text": part.text, "logprobs": []}),
+                           "text": part.text, "logprobs": delta_logprobs(&part.logprobs)}),
                 );
                 self.emit(
                     "response.content_part.done",
@@ -662,7 +686,7 @@ impl Builder {
     /// written and text was allowed) and writes the final response.
     fn finish(&mut self, reason: FinishReason, usage: ResponseUsage, text_allowed: bool) {
         if self.response.output.is_empty() && text_allowed {
-            self.text("");
+            self.text("", Vec::new());
         }
         let incomplete = reason == FinishReason::Length;
         self.close(incomplete);
@@ -706,7 +730,10 @@ impl ResponseWriter {
             self.builder.reasoning(&read.reasoning);
         }
         if !read.content.is_empty() {
-            self.builder.text(&read.content);
+            // The chunk's tokens' logprobs go with its answer text (with a reasoning model, a
+            // chunk that ends the thinking and begins the answer gives them all to the answer).
+            self.builder
+                .text(&read.content, OutputLogprob::from_engine(&read.logprobs));
         }
         for call in read.calls {
             self.builder.call(call);
@@ -866,8 +893,8 @@ mod tests {
     fn items_follow_each_other_in_openais_order() {
         let mut b = Builder::new(template(), true);
         b.opening();
-        b.text("Let me ");
-        b.text("check.");
+        b.text("Let me ", Vec::new());
+        b.text("check.", Vec::new());
         b.call(call(0, Some("call_a"), Some("f"), "{\"x\":"));
         b.call(call(0, None, None, "1}"));
         b.call(call(1, Some("call_b"), Some("g"), "{}"));
@@ -925,7 +952,7 @@ mod tests {
         b.opening();
         b.reasoning("The user asks ");
         b.reasoning("for a capital.");
-        b.text("Paris.");
+        b.text("Paris.", Vec::new());
         b.finish(FinishReason::Stop, ResponseUsage::new(3, 0, 9), true);
         let e = events(&b.take());
         let kinds: Vec<&str> = e.iter().map(|e| e["type"].as_str().unwrap()).collect();
@@ -981,7 +1008,7 @@ mod tests {
     #[test]
     fn a_cut_answer_is_incomplete_and_an_empty_one_has_an_empty_message() {
         let mut b = Builder::new(template(), false);
-        b.text("abc");
+        b.text("abc", Vec::new());
         b.finish(FinishReason::Length, ResponseUsage::new(1, 0, 2), true);
         assert!(b.take().is_empty(), "no events unless streaming");
         let r = json!(b.response);
@@ -998,6 +1025,51 @@ mod tests {
         let mut b = Builder::new(template(), false);
         b.finish(FinishReason::Stop, ResponseUsage::new(1, 0, 1), false);
         assert_eq!(json!(b.response)["output"], json!([]));
+    }
+
+    /// Logprobs go into the message's part (with bytes, as the SDK's `ResponseOutputText`) and
+    /// into each delta event and the done event (without bytes, as its `ResponseTextDeltaEvent`).
+    #[test]
+    fn logprobs_follow_the_text_into_the_part_and_the_events() {
+        let lp = |token: &str, logprob: f32| crate::engine::TokenLogprob {
+            token_id: 0,
+            token: token.to_owned(),
+            bytes: token.as_bytes().to_vec(),
+            logprob: Some(logprob),
+            top: vec![crate::engine::TopLogprob {
+                token_id: 1,
+                token: "x".to_owned(),
+                bytes: b"x".to_vec(),
+                logprob: -3.0,
+            }],
+        };
+        let mut b = Builder::new(template(), true);
+        b.opening();
+        b.take();
+        b.text("Pa", OutputLogprob::from_engine(&[lp("Pa", -0.5)]));
+        b.text("ris", OutputLogprob::from_engine(&[lp("ris", -0.25)]));
+        b.finish(FinishReason::Stop, ResponseUsage::new(1, 0, 2), true);
+        let e = events(&b.take());
+        let deltas: Vec<&Value> = e
+            .iter()
+            .filter(|e| e["type"] == "response.output_text.delta")
+            .collect();
+        assert_eq!(
+            deltas[1]["logprobs"],
+            json!([{"token": "ris", "logprob": -0.25,
+                    "top_logprobs": [{"token": "x", "logprob": -3.0}]}])
+        );
+        let done = e
+            .iter()
+            .find(|e| e["type"] == "response.output_text.done")
+            .expect("done");
+        assert_eq!(done["logprobs"].as_array().map(Vec::len), Some(2));
+        let part = &json!(b.response)["output"][0]["content"][0];
+        assert_eq!(
+            part["logprobs"][0],
+            json!({"token": "Pa", "bytes": [80, 97], "logprob": -0.5,
+                   "top_logprobs": [{"token": "x", "bytes": [120], "logprob": -3.0}]})
+        );
     }
 
     /// A failure mid-stream is OpenAI's `error` event (`code`, `message`, `param`).

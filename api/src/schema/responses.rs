@@ -17,8 +17,9 @@
 //! over. `conversation`, `background: true` and `prompt` (stored prompts) are refused with a
 //! 400 naming the field, as are built-in tools, `reasoning.summary` other than null (no
 //! summaries are written; `reasoning.effort` is checked against OpenAI's values and read by no
-//! model, as chat's `reasoning_effort`), `include` entries (none of them can be produced
-//! here), `top_logprobs` above 0 and `truncation: "auto"`.
+//! model, as chat's `reasoning_effort`), `include` entries other than
+//! `message.output_text.logprobs` (the answer text's token logprobs, with `top_logprobs`
+//! alternatives), `top_logprobs` without it and `truncation: "auto"`.
 
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
@@ -201,12 +202,11 @@ impl ResponsesRequest {
                 "prompt (a stored prompt template) is not supported",
             ));
         }
-        check_include(self.include.as_ref())?;
-        if self.top_logprobs.is_some_and(|k| k > 0) {
+        let logprobs = check_include(self.include.as_ref())?;
+        if !logprobs && self.top_logprobs.is_some_and(|k| k > 0) {
             return Err(invalid(
                 "top_logprobs",
-                "top_logprobs is not supported on /v1/responses (no include entry for output \
-                 logprobs is offered); chat completions return logprobs",
+                format!("top_logprobs needs include: [{INCLUDE_LOGPROBS:?}]"),
             ));
         }
         match &self.truncation {
@@ -255,8 +255,8 @@ impl ResponsesRequest {
             max_completion_tokens: self.max_output_tokens,
             n: None,
             stop: None,
-            logprobs: None,
-            top_logprobs: None,
+            logprobs: logprobs.then_some(true),
+            top_logprobs: self.top_logprobs.filter(|_| logprobs),
             stream: Some(stream),
             stream_options: None,
             tools,
@@ -425,30 +425,45 @@ pub fn rename_param(param: &str, sources: &[String]) -> String {
     param.to_owned()
 }
 
-/// `include`: a list; every entry names output this server cannot produce.
-fn check_include(include: Option<&Value>) -> Result<(), ApiError> {
-    match include {
-        None | Some(Value::Null) => Ok(()),
-        Some(Value::Array(list)) => match list.first() {
-            None => Ok(()),
-            Some(entry) => {
-                let shown: String = entry
-                    .as_str()
-                    .map_or_else(|| entry.to_string(), str::to_owned)
-                    .chars()
-                    .take(64)
-                    .collect();
-                Err(invalid(
-                    "include[0]",
-                    format!(
-                        "include {shown:?} is not supported: no extra output (logprobs, \
-                         reasoning, tool results) can be included here"
-                    ),
-                ))
-            }
-        },
-        Some(_) => Err(invalid("include", "include is a list of strings")),
+/// The one `include` entry this server produces: the answer text's token logprobs.
+pub const INCLUDE_LOGPROBS: &str = "message.output_text.logprobs";
+
+/// Most `include` entries read.
+const MAX_INCLUDE: usize = 16;
+
+/// `include`: a list of at most [`MAX_INCLUDE`] strings, each [`INCLUDE_LOGPROBS`] (every
+/// other entry names output this server cannot produce); whether logprobs are asked for.
+fn check_include(include: Option<&Value>) -> Result<bool, ApiError> {
+    let list = match include {
+        None | Some(Value::Null) => return Ok(false),
+        Some(Value::Array(list)) if list.len() <= MAX_INCLUDE => list,
+        Some(Value::Array(_)) => {
+            return Err(invalid(
+                "include",
+                format!("include holds at most {MAX_INCLUDE} entries"),
+            ))
+        }
+        Some(_) => return Err(invalid("include", "include is a list of strings")),
+    };
+    for (i, entry) in list.iter().enumerate() {
+        if entry.as_str() == Some(INCLUDE_LOGPROBS) {
+            continue;
+        }
+        let shown: String = entry
+            .as_str()
+            .map_or_else(|| entry.to_string(), str::to_owned)
+            .chars()
+            .take(64)
+            .collect();
+        return Err(invalid(
+            format!("include[{i}]"),
+            format!(
+                "include {shown:?} is not supported: only {INCLUDE_LOGPROBS:?} can be included \
+                 here (no reasoning, tool results or images)"
+            ),
+        ));
     }
+    Ok(!list.is_empty())
 }
 
 /// `metadata`: at most [`MAX_METADATA_PAIRS`] string pairs, keys at most
@@ -1036,6 +1051,9 @@ pub struct OutputText {
     pub text: String,
     /// Always empty: no citations are made here.
     pub annotations: Vec<Value>,
+    /// The text's tokens' logprobs, with `include: ["message.output_text.logprobs"]` (empty
+    /// otherwise, as OpenAI sends it).
+    pub logprobs: Vec<OutputLogprob>,
 }
 
 impl OutputText {
@@ -1045,7 +1063,63 @@ impl OutputText {
             kind: "output_text",
             text,
             annotations: Vec::new(),
+            logprobs: Vec::new(),
         }
+    }
+}
+
+/// One token's logprob in an `output_text` part (the openai SDK's `Logprob`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct OutputLogprob {
+    /// The token's text.
+    pub token: String,
+    /// Its bytes.
+    pub bytes: Vec<u8>,
+    /// Its log probability (see [`shortest`]).
+    pub logprob: f64,
+    /// The most likely alternatives, best first (`top_logprobs` of them).
+    pub top_logprobs: Vec<OutputTopLogprob>,
+}
+
+/// One alternative of an [`OutputLogprob`].
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct OutputTopLogprob {
+    /// The token's text.
+    pub token: String,
+    /// Its bytes.
+    pub bytes: Vec<u8>,
+    /// Its log probability (see [`shortest`]).
+    pub logprob: f64,
+}
+
+/// `x` as the f64 of its shortest decimal form: the events are JSON values (where an f32
+/// becomes its exact f64, `-2.223909378051758`), the response object is serialized directly
+/// (`-2.2239094`); both print the same number this way.
+fn shortest(x: f32) -> f64 {
+    x.to_string().parse().unwrap_or(f64::from(x))
+}
+
+impl OutputLogprob {
+    /// The engine's logprobs of generated tokens in this shape (the chat shape's values).
+    pub fn from_engine(logprobs: &[crate::engine::TokenLogprob]) -> Vec<Self> {
+        super::response::ChatLogprobs::from_engine(logprobs)
+            .content
+            .into_iter()
+            .map(|t| Self {
+                token: t.token,
+                bytes: t.bytes,
+                logprob: shortest(t.logprob),
+                top_logprobs: t
+                    .top_logprobs
+                    .into_iter()
+                    .map(|a| OutputTopLogprob {
+                        token: a.token,
+                        bytes: a.bytes,
+                        logprob: shortest(a.logprob),
+                    })
+                    .collect(),
+            })
+            .collect()
     }
 }
 
@@ -1495,6 +1569,11 @@ mod tests {
                 json!({"input": "x", "include": ["reasoning.encrypted_content"]}),
                 "include[0]",
             ),
+            (
+                json!({"input": "x", "include": [INCLUDE_LOGPROBS, "file_search_call.results"]}),
+                "include[1]",
+            ),
+            (json!({"input": "x", "include": "x"}), "include"),
             (json!({"input": "x", "top_logprobs": 2}), "top_logprobs"),
             (json!({"input": "x", "truncation": "auto"}), "truncation"),
             (
