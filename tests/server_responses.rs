@@ -439,7 +439,10 @@ fn what_cannot_be_honoured_is_refused_by_name() {
             json!({"input": "x", "reasoning": {"summary": "detailed"}}),
             "reasoning.summary",
         ),
-        (json!({"input": "x", "background": true}), "background"),
+        (
+            json!({"input": "x", "background": true, "stream": true}),
+            "background",
+        ),
         (
             json!({"input": "x", "include": ["reasoning.encrypted_content"]}),
             "include[0]",
@@ -907,6 +910,12 @@ fn storing_off_keeps_nothing_and_refuses_continuations() {
             .contains("server.responses.max_stored"),
         "{e}"
     );
+    let (status, e) = s.post_json("/v1/responses", &json!({"input": "x", "background": true}));
+    assert_eq!(
+        (status, e["error"]["param"].as_str()),
+        (400, Some("background")),
+        "{e}"
+    );
 }
 
 /// `include: ["message.output_text.logprobs"]` with `top_logprobs`: one entry per generated
@@ -979,4 +988,89 @@ fn output_logprobs_are_included_when_asked() {
     // Not asked: the part's list is empty, as OpenAI sends it.
     let plain = ok(&s, &json!({"input": "Hi", "max_output_tokens": 3}));
     assert_eq!(plain["output"][0]["content"][0]["logprobs"], json!([]));
+}
+
+/// `GET` a stored response until it is no longer `queued`.
+fn poll(s: &Server, id: &str) -> Value {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    loop {
+        let r = s
+            .request("GET", &format!("/v1/responses/{id}"), None, &[])
+            .expect("GET");
+        assert_eq!(r.status, 200, "{}", r.body);
+        let v: Value = serde_json::from_str(&r.body).expect("json");
+        if v["status"] != "queued" {
+            return v;
+        }
+        assert!(std::time::Instant::now() < deadline, "still queued: {v}");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
+/// `background: true`: answered at once as `queued`, then read back by polling until it ends,
+/// with its output and usage; a running one cancelled (`cancelled`, its engine request
+/// aborted), and only once; a foreground response cannot be cancelled.
+#[test]
+fn a_background_response_is_polled_and_can_be_cancelled() {
+    let s = server();
+    let v = ok(
+        &s,
+        &json!({"input": "Say hello.", "background": true, "max_output_tokens": 8}),
+    );
+    assert_eq!(
+        (&v["status"], &v["background"]),
+        (&json!("queued"), &json!(true)),
+        "{v}"
+    );
+    assert_eq!(v["output"], json!([]));
+    let id = v["id"].as_str().expect("id");
+    let done = poll(&s, id);
+    assert!(
+        done["status"] == "completed" || done["status"] == "incomplete",
+        "{done}"
+    );
+    assert!(!output_text(&done).is_empty(), "{done}");
+    assert!(
+        done["usage"]["output_tokens"].as_u64().unwrap() > 0,
+        "{done}"
+    );
+    let typed: Result<Response, _> = serde_json::from_value(done.clone());
+    assert!(typed.is_ok(), "{:?}", typed.err());
+
+    let aborted = s.metric("switchyard:request_aborted_total").unwrap_or(0.0);
+    let long = ok(
+        &s,
+        &json!({"input": "Count from 1 to 1000, one number per line.", "background": true,
+                "max_output_tokens": 2000}),
+    );
+    let path = format!("/v1/responses/{}/cancel", long["id"].as_str().unwrap());
+    let r = s.request("POST", &path, None, &[]).expect("cancel");
+    assert_eq!(r.status, 200, "{}", r.body);
+    let cancelled: Value = serde_json::from_str(&r.body).expect("json");
+    assert_eq!(cancelled["status"], "cancelled");
+    assert_eq!(
+        poll(&s, long["id"].as_str().unwrap())["status"],
+        "cancelled"
+    );
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while s.metric("switchyard:request_aborted_total").unwrap_or(0.0) < aborted + 1.0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the engine request was not aborted"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    // Not twice; not a foreground response.
+    let r = s.request("POST", &path, None, &[]).expect("cancel");
+    assert_eq!(r.status, 400, "{}", r.body);
+    let fg = ok(&s, &json!({"input": "Hi", "max_output_tokens": 2}));
+    let r = s
+        .request(
+            "POST",
+            &format!("/v1/responses/{}/cancel", fg["id"].as_str().unwrap()),
+            None,
+            &[],
+        )
+        .expect("cancel");
+    assert_eq!(r.status, 400, "{}", r.body);
 }

@@ -21,6 +21,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use futures_util::future::AbortHandle;
 use parking_lot::Mutex;
 use serde_json::Value;
 
@@ -189,10 +190,12 @@ impl Inner {
     }
 }
 
-/// The bounded, tenant-scoped store of responses.
+/// The bounded, tenant-scoped store of responses, and the background responses running now.
 pub struct ResponseStore {
     limits: StoreLimits,
     inner: Mutex<Inner>,
+    /// Background responses running: id → (tenant, what aborts it).
+    running: Mutex<HashMap<String, (String, AbortHandle)>>,
 }
 
 impl std::fmt::Debug for ResponseStore {
@@ -212,6 +215,7 @@ impl ResponseStore {
         Self {
             limits,
             inner: Mutex::new(Inner::default()),
+            running: Mutex::new(HashMap::new()),
         }
     }
 
@@ -332,6 +336,32 @@ impl ResponseStore {
         }
         inner.remove(id);
         inner.publish();
+        true
+    }
+
+    /// Registers background response `id` of `tenant` as running, `abort` ending it.
+    pub fn start_background(&self, id: &str, tenant: &str, abort: AbortHandle) {
+        self.running
+            .lock()
+            .insert(id.to_owned(), (tenant.to_owned(), abort));
+    }
+
+    /// Background response `id` ended by itself: whether it was still registered (false: it was
+    /// cancelled meanwhile, and its end is not to be stored).
+    pub fn finish_background(&self, id: &str) -> bool {
+        self.running.lock().remove(id).is_some()
+    }
+
+    /// Cancels background response `id` of `tenant` if it is running: whether it was (its task
+    /// stores nothing more; the caller stores the cancelled response).
+    pub fn cancel_background(&self, tenant: &str, id: &str) -> bool {
+        let mut running = self.running.lock();
+        if running.get(id).is_none_or(|(t, _)| t != tenant) {
+            return false;
+        }
+        if let Some((_, abort)) = running.remove(id) {
+            abort.abort();
+        }
         true
     }
 
@@ -494,6 +524,25 @@ mod tests {
         s.insert("r2", "t", json!({}), turn("b", Some(first)));
         assert!(s.get("t", "r1").is_none());
         assert_eq!(s.get("t", "r2").unwrap().turn.items().len(), 4);
+    }
+
+    #[test]
+    fn a_background_response_is_cancelled_once_and_only_by_its_tenant() {
+        let s = store(10, 1 << 20, None);
+        let (abort, registration) = AbortHandle::new_pair();
+        let task = futures_util::future::Abortable::new(std::future::pending::<()>(), registration);
+        s.start_background("r1", "alice", abort);
+        assert!(!s.cancel_background("bob", "r1"));
+        assert!(!task.is_aborted());
+        assert!(s.cancel_background("alice", "r1"));
+        assert!(task.is_aborted());
+        // Its task learns that it was cancelled; a second cancel finds nothing running.
+        assert!(!s.finish_background("r1"));
+        assert!(!s.cancel_background("alice", "r1"));
+        let (abort, _registration) = AbortHandle::new_pair();
+        s.start_background("r2", "alice", abort);
+        assert!(s.finish_background("r2"));
+        assert!(!s.cancel_background("alice", "r2"));
     }
 
     #[test]

@@ -612,7 +612,23 @@ def sdk_logprobs():
     return f"{len(part.logprobs)} tokens"
 
 
+def sdk_background():
+    import time
+    r = sdk.responses.create(model=MODEL, input="Say hello.", background=True, max_output_tokens=8)
+    expect(r.status == "queued" and r.background, f"{r}")
+    deadline = time.time() + 60
+    while r.status in ("queued", "in_progress") and time.time() < deadline:
+        time.sleep(0.1)
+        r = sdk.responses.retrieve(r.id)
+    expect(r.status in ("completed", "incomplete") and r.output_text, f"{r}")
+    long = sdk.responses.create(model=MODEL, input="Count to 1000.", background=True, max_output_tokens=2000)
+    c = sdk.responses.cancel(long.id)
+    expect(c.status == "cancelled" and sdk.responses.retrieve(long.id).status == "cancelled", f"{c}")
+    return f"polled to {r.status}, cancelled another"
+
+
 check("openai-python include output_text.logprobs (+ stream)", sdk_logprobs)
+check("openai-python background: poll retrieve, cancel", sdk_background)
 check("openai-python stored: retrieve, previous_response_id, input_items, delete", sdk_stored)
 
 

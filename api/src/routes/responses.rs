@@ -7,6 +7,10 @@
 //! streamed response is kept once its last event is written; one whose client left, or that
 //! failed, is not kept.
 //!
+//! `background: true` answers at once with the stored response `queued`; a task holding the
+//! request's in-flight mark runs it and stores its end (`completed`, `incomplete`, or `failed`
+//! with its error); `POST .../cancel` and `DELETE` abort a running one (`cancelled`).
+//!
 //! The request is read as a chat request ([`crate::schema::responses`]), validated and run as
 //! chat runs it (the same template, tool prompt and call reader, structured output, limits,
 //! tiers and tenants), and its answer is written as output items: the text a `message` item
@@ -28,8 +32,9 @@
 
 use std::sync::Arc;
 
-use actix_web::{web, HttpRequest, HttpResponse};
+use actix_web::{web, HttpRequest, HttpResponse, ResponseError};
 use bytes::Bytes;
+use futures_util::future::{AbortHandle, Abortable};
 use serde_json::{json, Value};
 
 use super::chat::ChatWriter;
@@ -46,7 +51,7 @@ use crate::schema::responses::{
 };
 use crate::schema::{ToolCallDelta, Usage};
 use crate::sse::{event_frame, sse_response, ChunkWriter};
-use crate::state::{request_id, unix_now, ApiState};
+use crate::state::{request_id, unix_now, ApiState, InFlight};
 
 /// Handles `POST /v1/responses`.
 pub(crate) async fn create_response(
@@ -72,6 +77,14 @@ pub(crate) async fn create_response(
         input_items,
     } = body.into_chat(&history)?;
     drop(history);
+    let storing = echo.store && state.responses.limits().enabled();
+    if echo.background && !storing {
+        return Err(ApiError::invalid(
+            "background",
+            "background = true cannot be used: storing responses is off on this server \
+             (server.responses.max_stored is 0), so a background response could not be read back",
+        ));
+    }
     let lora = check_model(&state, chat.model.as_deref())?;
     let mut validated = chat
         .validate(state.engine.max_model_len(), state.config.tools)
@@ -91,7 +104,7 @@ pub(crate) async fn create_response(
     };
     let generation = Generation::start(&*state.engine, requests, validated.n, fields).await?;
     let model = lora.unwrap_or_else(|| state.engine.model_name().to_owned());
-    let keep = (echo.store && state.responses.limits().enabled()).then(|| Keep {
+    let keep = storing.then(|| Keep {
         store: Arc::clone(&state.responses),
         tenant: principal.tenant.clone(),
         input: input_items,
@@ -130,8 +143,13 @@ pub(crate) async fn create_response(
         usage: None,
         user: echo.user,
         metadata: echo.metadata,
-        background: false,
+        background: echo.background,
     };
+    if echo.background {
+        return Ok(run_in_background(
+            &state, generation, reader, template, keep, in_flight,
+        ));
+    }
     let writer = ResponseWriter {
         reader,
         builder: Builder::new(template, stream),
@@ -143,6 +161,58 @@ pub(crate) async fn create_response(
     let response = collect(generation, writer).await?;
     drop(in_flight);
     Ok(HttpResponse::Ok().json(response))
+}
+
+/// Starts a background response: it is stored at once as `queued` (the answer), runs in a task
+/// holding its in-flight mark (a drain waits for it), and is stored again when it ends
+/// (`completed`, `incomplete` or `failed`, with its error); `POST .../cancel` or `DELETE` end it
+/// early (`cancelled`).
+fn run_in_background(
+    state: &ApiState,
+    generation: Generation,
+    reader: ChatWriter,
+    mut template: ResponseObject,
+    keep: Option<Keep>,
+    in_flight: InFlight,
+) -> HttpResponse {
+    let Some(keep) = keep else {
+        // Refused before the generation started; kept total for safety.
+        return ApiError::invalid("background", "background = true needs store = true")
+            .error_response();
+    };
+    template.status = "queued";
+    keep.keep_copy(&template);
+    let (abort, registration) = AbortHandle::new_pair();
+    let store = Arc::clone(&state.responses);
+    store.start_background(&template.id, &keep.tenant, abort);
+    let queued = template.clone();
+    let writer = ResponseWriter {
+        reader,
+        builder: Builder::new(template.clone(), false),
+        keep: None,
+    };
+    actix_web::rt::spawn(async move {
+        let ended = Abortable::new(collect(generation, writer), registration).await;
+        drop(in_flight);
+        let Ok(ended) = ended else {
+            // Cancelled: the canceller stored it.
+            return;
+        };
+        if !store.finish_background(&template.id) {
+            return;
+        }
+        match ended {
+            Ok(response) => keep.keep(&response),
+            Err(e) => {
+                let body = e.to_body().error;
+                template.status = "failed";
+                template.error =
+                    Some(json!({"code": body.code.unwrap_or(body.kind), "message": body.message}));
+                keep.keep(&template);
+            }
+        }
+    });
+    HttpResponse::Ok().json(queued)
 }
 
 /// Logprobs in the stream events' shape (the openai SDK's `ResponseTextDeltaEvent`: no
@@ -222,6 +292,8 @@ pub(crate) async fn delete_response(
     principal: web::ReqData<Principal>,
     id: web::Path<String>,
 ) -> Result<HttpResponse, ApiError> {
+    // A background response still running ends with it.
+    state.responses.cancel_background(&principal.tenant, &id);
     if !state.responses.remove(&principal.tenant, &id) {
         return Err(ApiError::ResponseNotFound(shown(&id)));
     }
@@ -235,12 +307,23 @@ pub(crate) async fn cancel_response(
     principal: web::ReqData<Principal>,
     id: web::Path<String>,
 ) -> Result<HttpResponse, ApiError> {
-    find(&state, &principal, &id)?;
-    Err(ApiError::invalid(
-        "response_id",
-        "only responses created with background = true can be cancelled, and this server runs \
-         none in the background",
-    ))
+    let stored = find(&state, &principal, &id)?;
+    if !state.responses.cancel_background(&principal.tenant, &id) {
+        return Err(ApiError::invalid(
+            "response_id",
+            if stored.response["background"] == true {
+                "the response is not running any more: it cannot be cancelled"
+            } else {
+                "only responses created with background = true can be cancelled"
+            },
+        ));
+    }
+    let mut response = stored.response;
+    response["status"] = json!("cancelled");
+    state
+        .responses
+        .insert(&id, &principal.tenant, response.clone(), stored.turn);
+    Ok(HttpResponse::Ok().json(response))
 }
 
 /// Most items in one page of `input_items` (OpenAI's bound), and the default.
@@ -369,6 +452,17 @@ struct Keep {
 }
 
 impl Keep {
+    /// Stores `response` as it is now, keeping what a later [`Keep::keep`] needs.
+    fn keep_copy(&self, response: &ResponseObject) {
+        Keep {
+            store: Arc::clone(&self.store),
+            tenant: self.tenant.clone(),
+            input: self.input.clone(),
+            parent: self.parent.clone(),
+        }
+        .keep(response);
+    }
+
     fn keep(self, response: &ResponseObject) {
         let output = response.output.iter().map(|item| json!(item)).collect();
         let turn = Arc::new(Turn::new(self.input, output, self.parent));

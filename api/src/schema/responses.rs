@@ -14,7 +14,8 @@
 //! `previous_response_id` continues a stored response (see [`crate::response_store`]): its
 //! conversation's items (each earlier turn's input, then its output) come before this
 //! request's `input`, and, as OpenAI documents, the earlier `instructions` are not carried
-//! over. `conversation`, `background: true` and `prompt` (stored prompts) are refused with a
+//! over. `background: true` runs a stored response in the background (see the route).
+//! `conversation` and `prompt` (stored prompts) are refused with a
 //! 400 naming the field, as are built-in tools, `reasoning.summary` other than null (no
 //! summaries are written; `reasoning.effort` is checked against OpenAI's values and read by no
 //! model, as chat's `reasoning_effort`), `include` entries other than
@@ -80,7 +81,8 @@ pub struct ResponsesRequest {
     /// `{effort, summary}`: `effort` one of OpenAI's values (checked; as chat's
     /// `reasoning_effort`, read by no model here), `summary` null (none are written); echoed.
     pub reasoning: Option<Value>,
-    /// Refused when true: responses run in the foreground only.
+    /// Run in the background: answered at once (`queued`), read back with `GET` (needs
+    /// `store`; not with `stream`).
     pub background: Option<bool>,
     /// Refused when not empty: no extra output can be included.
     pub include: Option<Value>,
@@ -140,6 +142,8 @@ pub struct Echo {
     pub reasoning: Option<Value>,
     /// `previous_response_id`.
     pub previous_response_id: Option<String>,
+    /// `background`: answer at once (`queued`) and run the response, read back by `GET`.
+    pub background: bool,
 }
 
 fn invalid(param: impl Into<String>, message: impl Into<String>) -> ApiError {
@@ -190,10 +194,19 @@ impl ResponsesRequest {
             ));
         }
         check_reasoning(self.reasoning.as_ref())?;
-        if self.background == Some(true) {
+        let background = self.background == Some(true);
+        if background && self.store == Some(false) {
             return Err(invalid(
                 "background",
-                "background = true is not supported: responses run in the foreground only",
+                "background = true needs store = true: a background response is read back with \
+                 GET /v1/responses/{id}",
+            ));
+        }
+        if background && self.stream == Some(true) {
+            return Err(invalid(
+                "background",
+                "background = true with stream = true is not supported: create the response in \
+                 the background and poll GET /v1/responses/{id}, or stream it in the foreground",
             ));
         }
         if set(&self.prompt) {
@@ -246,6 +259,7 @@ impl ResponsesRequest {
             user: self.user.clone(),
             reasoning: self.reasoning.clone().filter(|r| !r.is_null()),
             previous_response_id,
+            background,
         };
         let stream = self.stream.unwrap_or(false);
         let chat = ChatRequest {
@@ -1204,9 +1218,11 @@ pub struct ResponseObject {
     /// Unix seconds, once the response completed (absent before, and when incomplete).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub completed_at: Option<u64>,
-    /// `in_progress`, `completed` or `incomplete`.
+    /// `in_progress`, `completed` or `incomplete`; a background response `queued` until it
+    /// ends, or `failed` or `cancelled`.
     pub status: &'static str,
-    /// Always null: a failure is an HTTP error or a stream's `error` event.
+    /// Null, but for a failed background response (`code`, `message`); a foreground failure
+    /// is an HTTP error or a stream's `error` event.
     pub error: Option<Value>,
     /// Why the response is incomplete.
     pub incomplete_details: Option<IncompleteDetails>,
@@ -1244,7 +1260,7 @@ pub struct ResponseObject {
     pub user: Option<String>,
     /// The request's `metadata`.
     pub metadata: Map<String, Value>,
-    /// Always false.
+    /// The request's `background`.
     pub background: bool,
 }
 
@@ -1563,7 +1579,14 @@ mod tests {
                 "reasoning.budget",
             ),
             (json!({"input": "x", "reasoning": "high"}), "reasoning"),
-            (json!({"input": "x", "background": true}), "background"),
+            (
+                json!({"input": "x", "background": true, "store": false}),
+                "background",
+            ),
+            (
+                json!({"input": "x", "background": true, "stream": true}),
+                "background",
+            ),
             (json!({"input": "x", "prompt": {"id": "p"}}), "prompt"),
             (
                 json!({"input": "x", "include": ["reasoning.encrypted_content"]}),
