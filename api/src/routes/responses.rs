@@ -300,8 +300,8 @@ pub(crate) async fn delete_response(
     Ok(HttpResponse::Ok().json(json!({"id": *id, "object": "response", "deleted": true})))
 }
 
-/// Handles `POST /v1/responses/{id}/cancel`: only background responses can be cancelled, and
-/// none runs in the background here.
+/// Handles `POST /v1/responses/{id}/cancel`: a background response still running is aborted
+/// and stored `cancelled`; any other is a 400.
 pub(crate) async fn cancel_response(
     state: web::Data<ApiState>,
     principal: web::ReqData<Principal>,
