@@ -864,6 +864,30 @@ fn stored_responses_continue_are_retrieved_and_stay_with_their_tenant() {
         (400, &json!("previous_response_not_found"))
     );
 
+    // A client's X-Request-Id names its response; another tenant choosing the same one gets a
+    // response of its own and leaves the first alone.
+    let named = |key: &str, text: &str| -> Value {
+        let body = json!({"input": text, "max_output_tokens": 2}).to_string();
+        let r = s
+            .request(
+                "POST",
+                "/v1/responses",
+                Some(&body),
+                &[("authorization", key), ("x-request-id", "shared-name-1")],
+            )
+            .expect("POST");
+        assert_eq!(r.status, 200, "{}", r.body);
+        serde_json::from_str(&r.body).expect("json")
+    };
+    let mine = named(ALICE, "Hello from Alice.");
+    let theirs = named(BOB, "Hello from Bob.");
+    assert_eq!(mine["id"], theirs["id"]);
+    let shared = format!("/v1/responses/{}", mine["id"].as_str().unwrap());
+    assert_eq!(call(&s, "GET", &shared, None, ALICE), (200, mine));
+    assert_eq!(call(&s, "DELETE", &shared, None, BOB).0, 200);
+    assert_eq!(call(&s, "GET", &shared, None, ALICE).0, 200);
+    assert_eq!(call(&s, "DELETE", &shared, None, ALICE).0, 200);
+
     // store: false is not kept; the gauge counts what is.
     let unstored = create(
         &s,

@@ -17,7 +17,9 @@
 //! created it (an open server is one tenant), and another tenant's id reads as unknown, so
 //! nothing tells one tenant what another stored.
 
+use std::collections::hash_map::Entry as Entry_;
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -148,8 +150,15 @@ pub enum Kept {
     TooLarge,
 }
 
+/// A stored response's key: its tenant and its id. Ids are the tenant's own (a client's
+/// `X-Request-Id` names its response), so one tenant's id never touches another's response.
+type Key = (String, String);
+
+fn key(tenant: &str, id: &str) -> Key {
+    (tenant.to_owned(), id.to_owned())
+}
+
 struct Entry {
-    tenant: String,
     stored: StoredResponse,
     bytes: usize,
     at: Instant,
@@ -159,26 +168,26 @@ struct Entry {
 
 #[derive(Default)]
 struct Inner {
-    entries: HashMap<String, Entry>,
+    entries: HashMap<Key, Entry>,
     /// Recency: the least recently used first.
-    order: BTreeMap<u64, String>,
+    order: BTreeMap<u64, Key>,
     next_tick: u64,
     bytes: usize,
 }
 
 impl Inner {
-    fn touch(&mut self, id: &str) {
+    fn touch(&mut self, key: &Key) {
         let tick = self.next_tick;
-        if let Some(e) = self.entries.get_mut(id) {
+        if let Some(e) = self.entries.get_mut(key) {
             self.order.remove(&e.tick);
             e.tick = tick;
-            self.order.insert(tick, id.to_owned());
+            self.order.insert(tick, key.clone());
             self.next_tick += 1;
         }
     }
 
-    fn remove(&mut self, id: &str) -> Option<Entry> {
-        let e = self.entries.remove(id)?;
+    fn remove(&mut self, key: &Key) -> Option<Entry> {
+        let e = self.entries.remove(key)?;
         self.order.remove(&e.tick);
         self.bytes -= e.bytes;
         Some(e)
@@ -190,12 +199,18 @@ impl Inner {
     }
 }
 
+/// A background response running: which run it is, and what aborts it.
+struct Running {
+    run: u64,
+    abort: AbortHandle,
+}
+
 /// The bounded, tenant-scoped store of responses, and the background responses running now.
 pub struct ResponseStore {
     limits: StoreLimits,
     inner: Mutex<Inner>,
-    /// Background responses running: id → (tenant, what aborts it).
-    running: Mutex<HashMap<String, (String, AbortHandle)>>,
+    running: Mutex<HashMap<Key, Running>>,
+    next_run: AtomicU64,
 }
 
 impl std::fmt::Debug for ResponseStore {
@@ -216,6 +231,7 @@ impl ResponseStore {
             limits,
             inner: Mutex::new(Inner::default()),
             running: Mutex::new(HashMap::new()),
+            next_run: AtomicU64::new(0),
         }
     }
 
@@ -225,7 +241,8 @@ impl ResponseStore {
     }
 
     /// Keeps `response` (its object, its conversation) under `id` for `tenant`, replacing what
-    /// `id` held, and lets the least recently used responses go while a bound is passed.
+    /// the tenant's `id` held, and lets the least recently used responses go while a bound is
+    /// passed.
     pub fn insert(&self, id: &str, tenant: &str, response: Value, turn: Arc<Turn>) -> Kept {
         self.insert_at(id, tenant, response, turn, Instant::now())
     }
@@ -247,8 +264,9 @@ impl ResponseStore {
         if bytes > self.limits.max_bytes {
             return Kept::TooLarge;
         }
+        let key = key(tenant, id);
         let mut inner = self.inner.lock();
-        inner.remove(id);
+        inner.remove(&key);
         self.expire(&mut inner, now);
         while inner.entries.len() >= self.limits.max_responses
             || inner.bytes + bytes > self.limits.max_bytes
@@ -258,22 +276,20 @@ impl ResponseStore {
             } else {
                 "bytes"
             };
-            let Some((_, oldest)) = inner.order.pop_first() else {
+            let Some((_, oldest)) = inner.order.first_key_value() else {
                 break;
             };
-            if let Some(e) = inner.entries.remove(&oldest) {
-                inner.bytes -= e.bytes;
-            }
+            let oldest = oldest.clone();
+            inner.remove(&oldest);
             metrics::counter!(RESPONSES_EVICTED, "reason" => reason).increment(1);
         }
         let tick = inner.next_tick;
         inner.next_tick += 1;
-        inner.order.insert(tick, id.to_owned());
+        inner.order.insert(tick, key.clone());
         inner.bytes += bytes;
         inner.entries.insert(
-            id.to_owned(),
+            key,
             Entry {
-                tenant: tenant.to_owned(),
                 stored: StoredResponse { response, turn },
                 bytes,
                 at: now,
@@ -290,16 +306,16 @@ impl ResponseStore {
         let Some(max_age) = self.limits.max_age else {
             return;
         };
-        while let Some((_, id)) = inner.order.first_key_value() {
+        while let Some((_, key)) = inner.order.first_key_value() {
             let expired = inner
                 .entries
-                .get(id)
+                .get(key)
                 .is_some_and(|e| now.saturating_duration_since(e.at) > max_age);
             if !expired {
                 break;
             }
-            let id = id.clone();
-            inner.remove(&id);
+            let key = key.clone();
+            inner.remove(&key);
             metrics::counter!(RESPONSES_EVICTED, "reason" => "age").increment(1);
         }
     }
@@ -311,58 +327,68 @@ impl ResponseStore {
     }
 
     fn get_at(&self, tenant: &str, id: &str, now: Instant) -> Option<StoredResponse> {
+        let key = key(tenant, id);
         let mut inner = self.inner.lock();
-        let entry = inner.entries.get(id).filter(|e| e.tenant == tenant)?;
+        let entry = inner.entries.get(&key)?;
         if self
             .limits
             .max_age
             .is_some_and(|max| now.saturating_duration_since(entry.at) > max)
         {
-            inner.remove(id);
+            inner.remove(&key);
             metrics::counter!(RESPONSES_EVICTED, "reason" => "age").increment(1);
             inner.publish();
             return None;
         }
         let stored = entry.stored.clone();
-        inner.touch(id);
+        inner.touch(&key);
         Some(stored)
     }
 
     /// Deletes the response `id` of `tenant`; whether there was one.
     pub fn remove(&self, tenant: &str, id: &str) -> bool {
         let mut inner = self.inner.lock();
-        if inner.entries.get(id).is_none_or(|e| e.tenant != tenant) {
-            return false;
-        }
-        inner.remove(id);
+        let removed = inner.remove(&key(tenant, id)).is_some();
         inner.publish();
-        true
+        removed
     }
 
-    /// Registers background response `id` of `tenant` as running, `abort` ending it.
-    pub fn start_background(&self, id: &str, tenant: &str, abort: AbortHandle) {
-        self.running
-            .lock()
-            .insert(id.to_owned(), (tenant.to_owned(), abort));
+    /// Registers background response `id` of `tenant` as running, `abort` ending it: the run's
+    /// number for [`ResponseStore::finish_background`], or `None` when one of that id is
+    /// running already (the caller drops its own).
+    pub fn start_background(&self, tenant: &str, id: &str, abort: AbortHandle) -> Option<u64> {
+        let mut running = self.running.lock();
+        let entry = running.entry(key(tenant, id));
+        if matches!(entry, Entry_::Occupied(_)) {
+            return None;
+        }
+        let run = self.next_run.fetch_add(1, Ordering::Relaxed);
+        entry.or_insert(Running { run, abort });
+        Some(run)
     }
 
-    /// Background response `id` ended by itself: whether it was still registered (false: it was
-    /// cancelled meanwhile, and its end is not to be stored).
-    pub fn finish_background(&self, id: &str) -> bool {
-        self.running.lock().remove(id).is_some()
+    /// Background run `run` of response `id` ended by itself: whether it was still registered
+    /// (false: it was cancelled meanwhile, and its end is not to be stored).
+    pub fn finish_background(&self, tenant: &str, id: &str, run: u64) -> bool {
+        let mut running = self.running.lock();
+        let key = key(tenant, id);
+        if running.get(&key).is_some_and(|r| r.run == run) {
+            running.remove(&key);
+            return true;
+        }
+        false
     }
 
     /// Cancels background response `id` of `tenant` if it is running: whether it was (its task
     /// stores nothing more; the caller stores the cancelled response).
     pub fn cancel_background(&self, tenant: &str, id: &str) -> bool {
-        let mut running = self.running.lock();
-        if running.get(id).is_none_or(|(t, _)| t != tenant) {
-            return false;
+        match self.running.lock().remove(&key(tenant, id)) {
+            Some(r) => {
+                r.abort.abort();
+                true
+            }
+            None => false,
         }
-        if let Some((_, abort)) = running.remove(id) {
-            abort.abort();
-        }
-        true
     }
 
     /// Responses kept now.
@@ -531,18 +557,34 @@ mod tests {
         let s = store(10, 1 << 20, None);
         let (abort, registration) = AbortHandle::new_pair();
         let task = futures_util::future::Abortable::new(std::future::pending::<()>(), registration);
-        s.start_background("r1", "alice", abort);
-        assert!(!s.cancel_background("bob", "r1"));
+        let run = s
+            .start_background("alice", "r1", abort)
+            .expect("registered");
+        // The same id runs once per tenant at a time; another tenant's is its own.
+        let (other, _r) = AbortHandle::new_pair();
+        assert_eq!(s.start_background("alice", "r1", other.clone()), None);
+        let bobs = s.start_background("bob", "r1", other).expect("bob's own");
         assert!(!task.is_aborted());
         assert!(s.cancel_background("alice", "r1"));
         assert!(task.is_aborted());
         // Its task learns that it was cancelled; a second cancel finds nothing running.
-        assert!(!s.finish_background("r1"));
+        assert!(!s.finish_background("alice", "r1", run));
         assert!(!s.cancel_background("alice", "r1"));
-        let (abort, _registration) = AbortHandle::new_pair();
-        s.start_background("r2", "alice", abort);
-        assert!(s.finish_background("r2"));
-        assert!(!s.cancel_background("alice", "r2"));
+        // Bob's run is untouched, and ends by itself.
+        assert!(s.finish_background("bob", "r1", bobs));
+        assert!(!s.cancel_background("bob", "r1"));
+    }
+
+    /// A tenant choosing another's id (a client's X-Request-Id names its response) stores its
+    /// own response beside the other's, and deletes only its own.
+    #[test]
+    fn the_same_id_in_two_tenants_is_two_responses() {
+        let s = store(10, 1 << 20, None);
+        s.insert("r1", "alice", json!({"who": "alice"}), turn("a", None));
+        s.insert("r1", "bob", json!({"who": "bob"}), turn("b", None));
+        assert_eq!(s.len(), 2);
+        assert!(s.remove("bob", "r1"));
+        assert_eq!(s.get("alice", "r1").unwrap().response["who"], "alice");
     }
 
     #[test]

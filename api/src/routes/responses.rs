@@ -180,11 +180,23 @@ fn run_in_background(
         return ApiError::invalid("background", "background = true needs store = true")
             .error_response();
     };
-    template.status = "queued";
-    keep.keep_copy(&template);
     let (abort, registration) = AbortHandle::new_pair();
     let store = Arc::clone(&state.responses);
-    store.start_background(&template.id, &keep.tenant, abort);
+    let Some(run) = store.start_background(&keep.tenant, &template.id, abort) else {
+        // Dropping the generation aborts it.
+        drop(generation);
+        return ApiError::invalid(
+            "background",
+            format!(
+                "a background response with the id {} is still running (X-Request-Id names \
+                 responses): cancel it or send another X-Request-Id",
+                template.id
+            ),
+        )
+        .error_response();
+    };
+    template.status = "queued";
+    keep.keep_copy(&template);
     let queued = template.clone();
     let writer = ResponseWriter {
         reader,
@@ -198,7 +210,7 @@ fn run_in_background(
             // Cancelled: the canceller stored it.
             return;
         };
-        if !store.finish_background(&template.id) {
+        if !store.finish_background(&keep.tenant, &template.id, run) {
             return;
         }
         match ended {
