@@ -1063,6 +1063,16 @@ fn a_background_response_is_polled_and_can_be_cancelled() {
         &json!({"input": "Count from 1 to 1000, one number per line.", "background": true,
                 "max_output_tokens": 2000}),
     );
+    // A running one cannot be continued yet.
+    let (status, e) = s.post_json(
+        "/v1/responses",
+        &json!({"input": "x", "previous_response_id": long["id"]}),
+    );
+    assert_eq!(
+        (status, e["error"]["param"].as_str()),
+        (400, Some("previous_response_id")),
+        "{e}"
+    );
     let path = format!("/v1/responses/{}/cancel", long["id"].as_str().unwrap());
     let r = s.request("POST", &path, None, &[]).expect("cancel");
     assert_eq!(r.status, 200, "{}", r.body);

@@ -267,6 +267,16 @@ fn previous_turn(
         .responses
         .get(&principal.tenant, previous)
         .ok_or_else(|| ApiError::PreviousResponseNotFound(shown(previous)))?;
+    if stored.response["status"] == "queued" {
+        return Err(ApiError::invalid(
+            "previous_response_id",
+            format!(
+                "the response {} is still running in the background: continue it once it has \
+                 ended (poll GET /v1/responses/{{id}})",
+                shown(previous)
+            ),
+        ));
+    }
     if stored.turn.depth() >= MAX_CHAIN_DEPTH {
         return Err(ApiError::invalid(
             "previous_response_id",
