@@ -10,7 +10,7 @@
 
 mod common;
 
-use common::{sse_events, Server};
+use common::{stream_chunks, Server};
 use serde_json::{json, Value};
 
 /// Tokens per KV block of the servers below.
@@ -34,20 +34,6 @@ fn post(s: &Server, path: &str, body: &Value) -> Value {
     let (status, v) = s.post_json(path, body);
     assert_eq!(status, 200, "{v}");
     v
-}
-
-/// The chunks of a streamed response, before `[DONE]`.
-fn stream(s: &Server, path: &str, body: &Value) -> Vec<Value> {
-    let r = s
-        .request("POST", path, Some(&body.to_string()), &[])
-        .expect("stream");
-    assert_eq!(r.status, 200, "{}", r.body);
-    let events = sse_events(&r.body);
-    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
-    events[..events.len() - 1]
-        .iter()
-        .map(|e| serde_json::from_str(e).expect("chunk json"))
-        .collect()
 }
 
 /// `usage`'s prompt tokens and cached prompt tokens.
@@ -110,7 +96,7 @@ fn completions_report_the_prompt_tokens_the_prefix_cache_served() {
 
     // Streamed (include_usage and continuous_usage_stats) as non-streamed.
     let options = json!({"include_usage": true, "continuous_usage_stats": true});
-    let chunks = stream(
+    let chunks = stream_chunks(
         s,
         "/v1/completions",
         &completion(
@@ -202,7 +188,7 @@ fn chat_and_responses_report_cached_prompt_tokens() {
     let mut streamed = chat.clone();
     streamed["stream"] = json!(true);
     streamed["stream_options"] = json!({"include_usage": true});
-    let chunks = stream(s, "/v1/chat/completions", &streamed);
+    let chunks = stream_chunks(s, "/v1/chat/completions", &streamed);
     let last = chunks.last().expect("the usage chunk");
     assert_eq!(counts(&last["usage"]), counts(&second["usage"]), "{last}");
 

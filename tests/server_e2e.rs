@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{sse_events, Server};
+use common::{sse_events, stream_chunks, Server};
 use serde_json::{json, Value};
 
 fn server() -> Server {
@@ -114,20 +114,6 @@ fn streaming_matches_the_non_streaming_text() {
         usage["usage"]["completion_tokens"],
         plain["usage"]["completion_tokens"]
     );
-}
-
-/// The JSON chunks of an SSE stream (without `[DONE]`).
-fn stream_chunks(s: &Server, path: &str, body: &Value) -> Vec<Value> {
-    let r = s
-        .request("POST", path, Some(&body.to_string()), &[])
-        .expect("stream");
-    assert_eq!(r.status, 200, "{}", r.body);
-    let events = sse_events(&r.body);
-    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
-    events[..events.len() - 1]
-        .iter()
-        .map(|e| serde_json::from_str(e).expect("chunk json"))
-        .collect()
 }
 
 #[test]

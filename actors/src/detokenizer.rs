@@ -98,7 +98,10 @@ impl IncrementalDetokenizer {
         released.stopped
     }
 
-    /// Ends the stream: releases held text and renders a trailing incomplete character as U+FFFD.
+    /// Ends the stream: releases held text. A trailing incomplete character (generation
+    /// stopped inside a multi-byte character) is dropped, never emitted, as vLLM's
+    /// incremental detokenizer does: the text ends at the last complete character, streamed or
+    /// not, instead of with a U+FFFD the model never produced.
     pub fn finish(&mut self) -> Detokenized {
         if self.stopped {
             return Detokenized {
@@ -106,11 +109,10 @@ impl IncrementalDetokenizer {
                 stopped: true,
             };
         }
-        let mut text = std::mem::take(&mut self.held);
-        if !self.pending.is_empty() {
-            text.push_str(&String::from_utf8_lossy(&self.pending));
-            self.pending.clear();
-        }
+        // `pending` only ever holds the start of a character that may still complete: bytes
+        // that can never become valid were already replaced by U+FFFD as they arrived.
+        self.pending.clear();
+        let text = std::mem::take(&mut self.held);
         Detokenized {
             text,
             stopped: false,
@@ -250,8 +252,54 @@ mod tests {
     fn invalid_bytes_become_replacement_characters() {
         let (out, _) = run(&[], &[b"x\xffy"]);
         assert_eq!(out.concat(), "x\u{FFFD}y");
+        // A character cut off by the end of the stream is held back, not rendered.
         let (out, _) = run(&[], &[b"z\xe2\x82"]);
-        assert_eq!(out.concat(), "z\u{FFFD}");
+        assert_eq!(out.concat(), "z");
+        // Bytes that can never complete a character are replaced even at the very end.
+        let (out, _) = run(&[], &[b"z\xe2\x82", b"q\xe2"]);
+        assert_eq!(out.concat(), "z\u{FFFD}q");
+    }
+
+    /// SmolLM2's byte-level tokens split an emoji: generation that stops after its first bytes
+    /// ends at the last complete character; a whole U+FFFD the model produced is kept.
+    #[test]
+    fn a_character_cut_off_at_the_end_is_held_back_with_real_tokens() {
+        use switchyard_gpu::model::{default_model_path, load_model};
+        let path = default_model_path("smollm2-135m");
+        assert!(
+            path.is_file(),
+            "{} is missing: run `switchyard model fetch smollm2-135m`",
+            path.display()
+        );
+        let tok = load_model(&path, &switchyard_gpu::progress::NoProgress)
+            .expect("SmolLM2 loads")
+            .tokenizer;
+        let text = "Go 🚀";
+        let ids = tok.encode(text, false).unwrap();
+        let bytes: Vec<&[u8]> = ids.iter().map(|&i| tok.token_bytes(i).unwrap()).collect();
+        // The first token that is not valid UTF-8 on its own starts the split emoji.
+        let split = bytes
+            .iter()
+            .position(|b| std::str::from_utf8(b).is_err())
+            .expect("the emoji is split over byte tokens");
+        assert!(split + 1 < bytes.len(), "the emoji spans several tokens");
+        for stop in [&[][..], &["never"][..]] {
+            // Every prefix that ends inside the emoji: deltas joined equal the final text,
+            // which is the text before the emoji, with no U+FFFD.
+            for end in split + 1..bytes.len() {
+                let (out, _) = run(stop, &bytes[..end]);
+                let joined = out.concat();
+                assert_eq!(joined, "Go ", "stop {stop:?}, {end} tokens");
+                assert!(!joined.contains('\u{FFFD}'));
+            }
+            let (out, _) = run(stop, &bytes);
+            assert_eq!(out.concat(), text);
+        }
+        // A generated U+FFFD is a complete character: it stays.
+        let real = "ok \u{FFFD}";
+        let ids = tok.encode(real, false).unwrap();
+        let bytes: Vec<&[u8]> = ids.iter().map(|&i| tok.token_bytes(i).unwrap()).collect();
+        assert_eq!(run(&[], &bytes).0.concat(), real);
     }
 
     #[test]

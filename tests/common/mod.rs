@@ -372,6 +372,20 @@ pub fn read_response_from(reader: &mut impl BufRead) -> std::io::Result<Response
     })
 }
 
+/// The JSON chunks of a streamed response (200, ending with `[DONE]`), before `[DONE]`.
+pub fn stream_chunks(s: &Server, path: &str, body: &serde_json::Value) -> Vec<serde_json::Value> {
+    let r = s
+        .request("POST", path, Some(&body.to_string()), &[])
+        .expect("stream");
+    assert_eq!(r.status, 200, "{}", r.body);
+    let events = sse_events(&r.body);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).expect("chunk json"))
+        .collect()
+}
+
 /// Splits an SSE body into its `data:` payloads, checking the framing exactly: every event is
 /// one `data: ` line followed by a blank line.
 pub fn sse_events(body: &str) -> Vec<String> {

@@ -467,6 +467,9 @@ impl Handler<Register> for DetokenizerActor {
             (None, None) => shutting_down(),
         };
         if let Some(e) = refusal {
+            // Refused at the end of a drain: each choice counts as those it cut off do.
+            EndedEarly::Failed(failure_label(e.kind))
+                .count(msg.ids.len(), &names::outcome_labels(&tier, &tenant));
             msg.sink.send(EngineOutput::Error(e));
             return;
         }

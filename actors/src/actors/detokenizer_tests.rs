@@ -530,6 +530,36 @@ fn overloaded(m: &Snapshot) -> u64 {
     ))
 }
 
+/// Requests refused inside the engine once a drain ended (`fail_in_flight`) count each choice
+/// in `request_failed_total{reason="unavailable"}`, as the requests it cut off do.
+#[actix::test]
+async fn refusals_after_a_drain_count_as_unavailable() {
+    let (engine, _) = start_engine_bounded(false, false, tokenizer(), &[], 8, &[]);
+    engine.fail_in_flight("the server is stopping");
+    let refused = submit_prompts(&engine, 2, 2, "");
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while errors_of(&refused).iter().any(Vec::is_empty) {
+        assert!(std::time::Instant::now() < deadline, "a refusal never came");
+        actix::clock::sleep(Duration::from_millis(2)).await;
+    }
+    for e in errors_of(&refused) {
+        assert_eq!(e.len(), 1, "{e:?}");
+    }
+    until_idle(&engine).await;
+    let m = Snapshot::take();
+    assert_eq!(
+        m.counters_of(names::REQUEST_FAILED),
+        vec![(
+            format!(
+                "{}{{{}=unavailable}}",
+                names::REQUEST_FAILED,
+                names::LABEL_REASON
+            ),
+            4
+        )]
+    );
+}
+
 /// The bounds on requests in flight count choices, prompts × n alike. A request with more
 /// than a bound ever admits is refused on every prompt as too many choices, naming the bound
 /// (the server's or its tier's) and its value, on an idle server, and is not counted as

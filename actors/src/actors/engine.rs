@@ -544,13 +544,18 @@ impl Engine {
         ));
     }
 
-    /// Answers a request with `error` before it is queued; one refused as overloaded counts
-    /// in `request_failed_total{reason="overloaded"}` (each of its choices, as after queueing).
+    /// Answers a request with `error` before it is queued; one refused as overloaded or
+    /// unavailable (the engine shutting down, a broken adapter) counts in
+    /// `request_failed_total` under that reason (each of its choices, as after queueing).
     fn refuse(&self, options: &RequestOptions, sink: &mut dyn OutputSink, error: SubmitError) {
-        if error.kind == SubmitErrorKind::Overloaded {
-            let mut labels = self.outcome_labels(options);
-            labels.push(metrics::Label::new(names::LABEL_REASON, "overloaded"));
-            metrics::counter!(names::REQUEST_FAILED, labels).increment(u64::from(options.n.max(1)));
+        let reason = match error.kind {
+            SubmitErrorKind::Overloaded => Some("overloaded"),
+            SubmitErrorKind::Unavailable => Some("unavailable"),
+            _ => None,
+        };
+        if let Some(reason) = reason {
+            EndedEarly::Failed(reason)
+                .count(options.n.max(1) as usize, &self.outcome_labels(options));
         }
         sink.send(EngineOutput::Error(error));
     }
@@ -698,6 +703,10 @@ impl Engine {
             ));
         }
         if self.closed.load(Ordering::Acquire) || !self.detokenizer.connected() {
+            // Refused inside the engine at the end of a drain: counted as the requests cut off
+            // by it are, under `unavailable`, each choice.
+            EndedEarly::Failed("unavailable")
+                .count(options.n.max(1) as usize, &self.outcome_labels(&options));
             return Err((
                 SubmitError::new(SubmitErrorKind::Unavailable, "the engine is shutting down"),
                 sink,
