@@ -3,31 +3,9 @@
 
 mod common;
 
-use common::Server;
+use common::{fails, succeeds, switchyard, Server};
 use std::path::PathBuf;
-use std::process::{Command, Output};
-
-fn switchyard() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_switchyard"))
-}
-
-/// Runs a command that must succeed; returns its stdout.
-fn succeeds(cmd: &mut Command) -> String {
-    let out: Output = cmd.output().expect("run switchyard");
-    assert!(
-        out.status.success(),
-        "{cmd:?} failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// Runs a command that must fail; returns its stderr.
-fn fails(cmd: &mut Command) -> String {
-    let out: Output = cmd.output().expect("run switchyard");
-    assert!(!out.status.success(), "{cmd:?} should have failed");
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
+use std::process::Command;
 
 fn temp_dir(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("switchyard-cli-{name}-{}", std::process::id()));

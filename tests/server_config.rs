@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{lora_fixture_dir, model_path, Server};
+use common::{lora_fixture_dir, model_path, switchyard, Server};
 use serde_json::{json, Value};
 use std::ffi::OsString;
 use std::os::unix::ffi::OsStringExt;
@@ -13,10 +13,6 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 const ADMIN: (&str, &str) = ("Authorization", "Bearer admin-secret-key");
-
-fn switchyard() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_switchyard"))
-}
 
 /// A fresh scratch directory for one test.
 fn scratch(name: &str) -> PathBuf {

@@ -116,6 +116,56 @@ fn streaming_matches_the_non_streaming_text() {
     );
 }
 
+/// Generation cut by `max_tokens` inside a multi-byte character (SmolLM2 writes CJK with
+/// byte-level tokens that split characters) ends with complete characters only: the partial
+/// character is held back, never rendered as U+FFFD, streamed or not (vLLM's incremental
+/// detokenizer). Every shorter text is then a prefix of the longest one.
+#[test]
+fn a_character_cut_by_max_tokens_is_held_back() {
+    let s = &server();
+    let prompt = "Chinese: 你好, 世界. 我爱";
+    let full = complete(s, prompt, json!({"max_tokens": 10}));
+    let full = full["choices"][0]["text"]
+        .as_str()
+        .expect("text")
+        .to_string();
+    let mut cut_inside = 0;
+    for n in 1..=8 {
+        let v = complete(s, prompt, json!({"max_tokens": n, "logprobs": 0}));
+        let choice = &v["choices"][0];
+        let text = choice["text"].as_str().expect("text");
+        assert!(!text.contains('\u{FFFD}'), "max_tokens {n}: {text:?}");
+        assert!(
+            full.starts_with(text),
+            "max_tokens {n}: {text:?} vs {full:?}"
+        );
+        // A token whose own text is lossy carries part of a character.
+        let tokens = choice["logprobs"]["tokens"].as_array().expect("tokens");
+        if tokens
+            .last()
+            .and_then(Value::as_str)
+            .is_some_and(|t| t.ends_with('\u{FFFD}'))
+        {
+            cut_inside += 1;
+        }
+        let chunks = stream_chunks(
+            s,
+            "/v1/completions",
+            &json!({"model": s.model_id(), "prompt": prompt, "max_tokens": n,
+                "temperature": 0, "stream": true}),
+        );
+        let streamed: String = chunks
+            .iter()
+            .filter_map(|c| c["choices"].get(0)?.get("text")?.as_str())
+            .collect();
+        assert_eq!(streamed, text, "max_tokens {n}");
+    }
+    assert!(
+        cut_inside > 0,
+        "no max_tokens cut {prompt:?}'s continuation {full:?} inside a character"
+    );
+}
+
 #[test]
 fn continuous_usage_stats_count_each_choices_tokens_so_far() {
     let s = &server();

@@ -2,38 +2,16 @@
 //! from elsewhere (a time scale, an empty or exported trace, an unknown tier, a ShareGPT trace
 //! without a rate) behave as the server and `bench serve` would have them.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod common;
 
-fn switchyard() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_switchyard"))
-}
+use common::{fails, succeeds, switchyard};
+use std::path::{Path, PathBuf};
 
 fn temp_dir(tag: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("sy-fidelity-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
-}
-
-fn run(cmd: &mut Command) -> Output {
-    cmd.output().expect("run switchyard")
-}
-
-fn succeeds(cmd: &mut Command) -> String {
-    let out = run(cmd);
-    assert!(
-        out.status.success(),
-        "{cmd:?} failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn fails(cmd: &mut Command) -> String {
-    let out = run(cmd);
-    assert!(!out.status.success(), "{cmd:?} should have failed");
-    String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
 /// Writes `spec` as `dir/spec.yaml` and simulates it into `dir/out`.

@@ -405,3 +405,26 @@ pub fn sse_events(body: &str) -> Vec<String> {
         })
         .collect()
 }
+
+/// The `switchyard` binary, as a command to add arguments to.
+pub fn switchyard() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_switchyard"))
+}
+
+/// Runs a command that must succeed; returns its stdout.
+pub fn succeeds(cmd: &mut Command) -> String {
+    let out = cmd.output().expect("run switchyard");
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Runs a command that must fail; returns its stderr.
+pub fn fails(cmd: &mut Command) -> String {
+    let out = cmd.output().expect("run switchyard");
+    assert!(!out.status.success(), "{cmd:?} should have failed");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
