@@ -58,8 +58,13 @@ fn output_text(v: &Value) -> String {
 /// A stream's events: each frame an `event:` line naming its type, then one `data:` line;
 /// no `[DONE]`. Each is read into async-openai's event type too.
 fn events(server: &Server, body: &Value) -> Vec<Value> {
+    events_as(server, body, &[])
+}
+
+/// [`events`] of a request sent with `headers` (an API key).
+fn events_as(server: &Server, body: &Value, headers: &[(&str, &str)]) -> Vec<Value> {
     let r = server
-        .request("POST", "/v1/responses", Some(&body.to_string()), &[])
+        .request("POST", "/v1/responses", Some(&body.to_string()), headers)
         .expect("a streamed response");
     assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(r.header("content-type"), Some("text/event-stream"));
@@ -763,21 +768,8 @@ fn stored_responses_continue_are_retrieved_and_stay_with_their_tenant() {
     // A streamed third turn is stored as its last event's response.
     let body = json!({"input": "Thanks.", "previous_response_id": id2, "stream": true,
                       "max_output_tokens": 4});
-    let r = s
-        .request(
-            "POST",
-            "/v1/responses",
-            Some(&body.to_string()),
-            &[("authorization", ALICE)],
-        )
-        .expect("stream");
-    assert_eq!(r.status, 200, "{}", r.body);
-    let last: Value = r
-        .body
-        .split_terminator("\n\n")
-        .filter_map(|f| f.split_once("\ndata: "))
-        .map(|(_, data)| serde_json::from_str::<Value>(data).expect("json"))
-        .last()
+    let last = events_as(&s, &body, &[("authorization", ALICE)])
+        .pop()
         .expect("events");
     assert!(
         last["type"] == "response.completed" || last["type"] == "response.incomplete",
