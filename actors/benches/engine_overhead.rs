@@ -54,6 +54,7 @@ impl Backend for InstantBackend {
                 logprob: None,
                 top_logprobs: Vec::new(),
                 prompt_logprobs: Vec::new(),
+                hidden: None,
             })
             .collect())
     }
@@ -103,6 +104,7 @@ fn request() -> RequestOptions {
         tenant: String::new(),
         prompt_logprobs: None,
         cache_salt: None,
+        embed: false,
         lora: None,
         structured: None,
     }

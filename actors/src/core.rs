@@ -168,6 +168,15 @@ pub enum CoreEvent {
         /// Prompt tokens whose KV came from the prefix cache.
         tokens: u32,
     },
+    /// The final hidden state at the request's last prompt token, for a request whose
+    /// sampling asked for it ([`SamplingParams::hidden_state`]: an embedding); comes before
+    /// that step's `Token`.
+    Hidden {
+        /// The request.
+        id: RequestId,
+        /// `hidden_size` values, after the model's last normalization.
+        values: Vec<f32>,
+    },
     /// The request ended; its KV blocks are already freed.
     Finished {
         /// The request.
@@ -702,6 +711,12 @@ impl StepCore {
                     entries: o.prompt_logprobs,
                 });
             }
+            if let Some(values) = o.hidden {
+                events.push(CoreEvent::Hidden {
+                    id: RequestId(o.seq_id),
+                    values,
+                });
+            }
             if let Some(token) = o.token {
                 if let Some(&fed) = drafted.get(&o.seq_id) {
                     self.spec.num_drafts += 1;
@@ -1060,6 +1075,7 @@ mod tests {
                     logprob: None,
                     top_logprobs: Vec::new(),
                     prompt_logprobs: Vec::new(),
+                    hidden: None,
                 });
             }
             Ok(out)
@@ -1155,7 +1171,9 @@ mod tests {
                     assert!(e.1.is_none(), "{id:?} finished twice");
                     e.1 = Some(*reason);
                 }
-                CoreEvent::PromptLogprobs { .. } | CoreEvent::PromptCached { .. } => {}
+                CoreEvent::PromptLogprobs { .. }
+                | CoreEvent::PromptCached { .. }
+                | CoreEvent::Hidden { .. } => {}
             }
         }
         m

@@ -55,6 +55,7 @@ impl Backend for CountingBackend {
                     logprob: None,
                     top_logprobs: Vec::new(),
                     prompt_logprobs: Vec::new(),
+                    hidden: None,
                 }
             })
             .collect())

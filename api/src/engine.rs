@@ -133,6 +133,13 @@ pub trait Engine: Send + Sync + 'static {
         })
     }
 
+    /// The length of the vectors of embedding requests ([`GenerateRequest::embed`]): the
+    /// model's hidden size; `None` when the engine computes no embeddings (`/v1/embeddings`
+    /// then answers that it is not served).
+    fn embedding_size(&self) -> Option<usize> {
+        None
+    }
+
     /// The LoRA adapters requests may name as `model`, in registration order. An engine
     /// without LoRA support has none.
     fn lora_adapters(&self) -> Vec<LoraAdapterInfo> {
@@ -256,6 +263,12 @@ pub struct GenerateRequest {
     /// Shared by the prompts of one HTTP request (set by the HTTP layer): see
     /// [`SiblingFailure`].
     pub sibling_failure: SiblingFailure,
+    /// Compute the prompt's embedding instead of generating (`/v1/embeddings`): the engine
+    /// runs the prompt, sends [`EngineEvent::Prompt`] and then one [`Delta`] for choice 0 with
+    /// `finish` set, no text, no tokens, `completion_tokens` 0 and [`Delta::embedding`] holding
+    /// the vector. The HTTP layer sends such a request with `n` 1, greedy sampling, no
+    /// logprobs, stop conditions or structured output.
+    pub embed: bool,
 }
 
 /// The `param` an engine names when it refuses a request's [`StructuredOutputSpec`] (it does
@@ -469,6 +482,10 @@ pub struct Delta {
     /// (whole blocks, never the prompt's last token; 0 without prefix caching; a recompute
     /// after a preemption does not change it). Every delta carries it.
     pub cached_prompt_tokens: u32,
+    /// An embedding request's vector ([`GenerateRequest::embed`]), on its one delta: the
+    /// final hidden state (after the model's last normalization) at the prompt's last token,
+    /// [`Engine::embedding_size`] values, not normalized. `None` on every other delta.
+    pub embedding: Option<Vec<f32>>,
 }
 
 /// How and when a choice ended.

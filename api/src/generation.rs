@@ -304,6 +304,7 @@ mod tests {
                 completion_tokens: 1,
             }),
             cached_prompt_tokens: 0,
+            embedding: None,
         })
     }
 

@@ -97,6 +97,9 @@ pub struct SeqOutput {
     pub top_logprobs: Vec<(u32, f32)>,
     /// Prompt logprobs of the positions this step completed, when requested.
     pub prompt_logprobs: Vec<PromptLogprob>,
+    /// The final hidden state (after the model's last normalization, `hidden_size` values)
+    /// of the row `token` was sampled from, when [`SamplingParams::hidden_state`] is set.
+    pub hidden: Option<Vec<f32>>,
 }
 
 /// Keys before a sliding window's first key that the CUDA backend's attention may read for a
@@ -436,8 +439,11 @@ impl Backend for CpuBackend {
             adapters: &adapters,
         };
         let (model, cache) = (&self.model, &mut self.cache);
-        let logits = self.pool.install(|| model.forward(cache, &step, &rows))?;
+        let (logits, hidden) = self
+            .pool
+            .install(|| model.forward_rows(cache, &step, &rows))?;
         let vocab = self.model.config.vocab_size;
+        let h = self.model.config.hidden_size;
         // Hand each sequence its state and its rows of logits, then sample in parallel.
         let mut work = Vec::with_capacity(batch.seqs.len());
         let mut offset = 0;
@@ -461,20 +467,30 @@ impl Backend for CpuBackend {
                     }
                 }
             };
+            // The hidden state of the row sampled at the last known token (before any drafts).
+            let hidden = (s.sample && s.sampling.hidden_state).then(|| {
+                let r = offset + n - 1 - s.num_drafts;
+                hidden[r * h..(r + 1) * h].to_vec()
+            });
             work.push((
                 s,
                 state,
                 &logits[offset * vocab..(offset + n) * vocab],
                 prompt_lp[i],
+                hidden,
             ));
             offset += n;
         }
         let outputs: Vec<SeqOutput> = self.pool.install(|| {
             work.par_iter_mut()
-                .map(|(s, st, l, plp)| step_sequence(s, st, l, *plp, vocab))
+                .map(|(s, st, l, plp, hidden)| {
+                    let mut out = step_sequence(s, st, l, *plp, vocab);
+                    out.hidden = hidden.take();
+                    out
+                })
                 .collect()
         });
-        for ((s, mut st, _, _), out) in work.into_iter().zip(&outputs) {
+        for ((s, mut st, _, _, _), out) in work.into_iter().zip(&outputs) {
             st.last = out.token.or(st.last);
             self.states.insert(s.seq_id, st);
         }
@@ -721,6 +737,7 @@ fn step_sequence(
         logprob: None,
         top_logprobs: Vec::new(),
         prompt_logprobs: Vec::new(),
+        hidden: None,
     };
     if st.in_prompt {
         if let Some(prompt) = &s.cached_prompt {

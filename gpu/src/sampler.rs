@@ -62,6 +62,10 @@ pub struct SamplingParams {
     /// Structured output: the tokens must follow this constraint (one per sequence: it keeps
     /// the sequence's state).
     pub constraint: Option<Constraint>,
+    /// Return the final hidden state (after the model's last normalization) of every row
+    /// this request samples, in [`crate::SeqOutput::hidden`]: embeddings, the hidden state at
+    /// the prompt's last token.
+    pub hidden_state: bool,
 }
 
 impl Default for SamplingParams {
@@ -83,6 +87,7 @@ impl Default for SamplingParams {
             logprobs: None,
             prompt_logprobs: None,
             constraint: None,
+            hidden_state: false,
         }
     }
 }

@@ -387,7 +387,9 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
                     bar.inc(1);
                     finished_now = true;
                 }
-                CoreEvent::PromptLogprobs { .. } | CoreEvent::PromptCached { .. } => {}
+                CoreEvent::PromptLogprobs { .. }
+                | CoreEvent::PromptCached { .. }
+                | CoreEvent::Hidden { .. } => {}
             }
         }
         if all_started && !finished_any && !finished_now {

@@ -171,7 +171,9 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
                     }
                     out.text.push_str(&piece);
                 }
-                CoreEvent::PromptLogprobs { .. } | CoreEvent::PromptCached { .. } => {}
+                CoreEvent::PromptLogprobs { .. }
+                | CoreEvent::PromptCached { .. }
+                | CoreEvent::Hidden { .. } => {}
                 CoreEvent::Finished { id, reason } => {
                     let Some(out) = outputs.get_mut(&id) else {
                         continue;

@@ -252,6 +252,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         max_loaded: config.lora.max_cpu_loras,
     });
     let vocab_size = model.config.vocab_size;
+    let hidden_size = model.config.hidden_size;
     drop(model);
     let engine_config = EngineConfig {
         scheduler: SchedulerConfig {
@@ -327,6 +328,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             tokenizer,
             model_name,
             max_model_len,
+            hidden_size,
             ready: AtomicBool::new(true),
             tiers,
             tier_priorities: config
@@ -486,6 +488,8 @@ struct EngineAdapter {
     tokenizer: Arc<Tokenizer>,
     model_name: String,
     max_model_len: usize,
+    /// The model's hidden size: the length of its embeddings.
+    hidden_size: usize,
     ready: AtomicBool,
     /// The tiers in force (policies are built with them; changing them takes a restart).
     tiers: Vec<TierSpec>,
@@ -670,6 +674,7 @@ impl ChannelSink {
             logprobs,
             finish,
             cached_prompt_tokens: d.cached_prompt_tokens,
+            embedding: d.embedding,
         }
     }
 }
@@ -791,6 +796,7 @@ impl EngineAdapter {
             tenant: request.tenant,
             prompt_logprobs: request.prompt_logprobs,
             cache_salt: request.cache_salt,
+            embed: request.embed,
             lora: request.lora,
             structured: request.structured.map(|s| match s {
                 port::StructuredOutputSpec::JsonObject => StructuredOutput::JsonObject,
@@ -818,6 +824,10 @@ impl port::Engine for EngineAdapter {
 
     fn max_model_len(&self) -> usize {
         self.max_model_len
+    }
+
+    fn embedding_size(&self) -> Option<usize> {
+        Some(self.hidden_size)
     }
 
     fn is_ready(&self) -> bool {
@@ -967,6 +977,7 @@ mod tests {
             logprobs: Vec::new(),
             finish: None,
             cached_prompt_tokens: 0,
+            embedding: None,
         })
     }
 

@@ -252,6 +252,10 @@ struct ChoiceState {
     /// The choice's structured-output constraint: one that failed while generating turns the
     /// choice's end into an error.
     constraint: Option<Constraint>,
+    /// An embedding request ([`super::engine::RequestOptions::embed`]): its one sampled token is not output;
+    /// its last delta carries `embedding`, the hidden state the step reported.
+    embed: bool,
+    embedding: Option<Vec<f32>>,
 }
 
 /// Owns the per-choice text state and the sinks.
@@ -434,6 +438,7 @@ impl Handler<Register> for DetokenizerActor {
             .iter()
             .map(|s| s.sampling.constraint.clone())
             .collect();
+        let embed = msg.submits.iter().any(|s| s.sampling.hidden_state);
         // Every choice is the same request's: one tier, one tenant and one set of targets.
         let (tier, tenant, slo): (Arc<str>, Arc<str>, SloTargets) =
             msg.submits.first().map_or_else(
@@ -502,6 +507,8 @@ impl Handler<Register> for DetokenizerActor {
                     request: request.clone(),
                     prompt_logprobs: vec![None; prompt_len],
                     constraint: constraints.get(index).cloned().flatten(),
+                    embed,
+                    embedding: None,
                 },
             );
         }
@@ -576,7 +583,8 @@ impl Handler<StepEvents> for DetokenizerActor {
                     };
                     // The prompt event always precedes a choice's first delta.
                     Self::flush_prompt(&mut c.request.borrow_mut(), &c.prompt_logprobs);
-                    if c.detok.is_stopped() {
+                    // An embedding's token only carried its hidden state: no text, no count.
+                    if c.detok.is_stopped() || c.embed {
                         continue;
                     }
                     {
@@ -671,11 +679,23 @@ impl Handler<StepEvents> for DetokenizerActor {
                         .increment(u64::from(tokens));
                     }
                 }
+                CoreEvent::Hidden { id, values } => {
+                    if let Some(c) = self.choices.get_mut(&id) {
+                        c.embedding = Some(values);
+                    }
+                }
                 CoreEvent::Finished { id, reason } => {
                     let Some(c) = self.choices.get_mut(&id) else {
                         continue;
                     };
                     if c.detok.is_stopped() {
+                        continue;
+                    }
+                    if c.embed {
+                        // Done once its prompt ran: it stopped, whatever ended its one token.
+                        let d = deltas.of(id, c.index);
+                        d.embedding = c.embedding.take();
+                        d.finish = Some((FinishReason::Stop, 0));
                         continue;
                     }
                     let rest = c.detok.finish();

@@ -222,6 +222,7 @@ impl Backend for CycleBackend {
                     logprob: None,
                     top_logprobs: Vec::new(),
                     prompt_logprobs: Vec::new(),
+                    hidden: None,
                 }
             })
             .collect())
@@ -353,6 +354,7 @@ fn request(n: u32, max_tokens: u32, sampling: SamplingParams) -> RequestOptions 
         tenant: String::new(),
         prompt_logprobs: None,
         cache_salt: None,
+        embed: false,
         lora: None,
         structured: None,
     }

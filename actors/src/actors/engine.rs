@@ -125,6 +125,10 @@ pub struct RequestOptions {
     /// vLLM's `cache_salt`: requests share cached prefix blocks only with requests of the same
     /// salt (and, with [`EngineConfig::prefix_sharing_by_tenant`], the same tenant).
     pub cache_salt: Option<String>,
+    /// Compute the prompt's embedding instead of generating: the prompt runs as a one-token
+    /// request whose token is not output; the one delta, finished with 0 tokens, carries
+    /// [`ChoiceDelta::embedding`]. Needs `n` 1.
+    pub embed: bool,
 }
 
 /// New output for one choice.
@@ -145,6 +149,9 @@ pub struct ChoiceDelta {
     /// after a preemption does not change it). Known from the choice's first token on, so
     /// the last delta always carries it.
     pub cached_prompt_tokens: u32,
+    /// An embedding request's vector, on its one (last) delta: the final hidden state at the
+    /// prompt's last token, not normalized ([`RequestOptions::embed`]).
+    pub embedding: Option<Vec<f32>>,
 }
 
 /// A generated token with its logprob and the most likely alternatives.
@@ -612,7 +619,7 @@ impl Engine {
     #[allow(clippy::result_large_err)]
     fn admit(
         &self,
-        options: RequestOptions,
+        mut options: RequestOptions,
         resolved: Resolved,
         mut sink: Box<dyn OutputSink>,
         guard: InFlight,
@@ -639,6 +646,29 @@ impl Engine {
                 .with_param(param)
             })
         };
+        if options.embed {
+            if options.n > 1 || options.prompt_logprobs.is_some() || options.structured.is_some() {
+                return Err((
+                    SubmitError::new(
+                        SubmitErrorKind::InvalidRequest,
+                        "an embedding request has one choice, no prompt logprobs and no \
+                         structured output",
+                    ),
+                    sink,
+                ));
+            }
+            // One greedy token, never output: the step that samples it at the prompt's last
+            // token reports the hidden state there.
+            options.sampling = SamplingParams {
+                temperature: 0.0,
+                ignore_eos: true,
+                hidden_state: true,
+                eos_token_ids: options.sampling.eos_token_ids,
+                ..SamplingParams::default()
+            };
+            options.max_tokens = Some(1);
+            options.stop.clear();
+        }
         let bias: Vec<u32> = options.sampling.logit_bias.iter().map(|b| b.0).collect();
         let check = match options.sampling.validate(usize::MAX) {
             Err(e) => Some(SubmitError::new(
@@ -1082,6 +1112,7 @@ mod tests {
             lora: None,
             structured: None,
             cache_salt: None,
+            embed: false,
         }
     }
 

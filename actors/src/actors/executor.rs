@@ -283,6 +283,7 @@ mod tests {
                     logprob: None,
                     top_logprobs: Vec::new(),
                     prompt_logprobs: Vec::new(),
+                    hidden: None,
                 })
                 .collect())
         }

@@ -73,6 +73,7 @@ pub(crate) fn engine_requests(
             skip_special_tokens: validated.skip_special_tokens,
             keep_special_tokens: validated.keep_special_tokens,
             sibling_failure: Default::default(),
+            embed: false,
         })
         .collect()
 }

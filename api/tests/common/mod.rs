@@ -395,6 +395,7 @@ fn push_outputs(
                     completion_tokens: ids.len() as u32,
                 }),
                 cached_prompt_tokens: 0,
+                embedding: None,
             }));
         }
     }

@@ -298,6 +298,19 @@ impl LlamaModel {
         step: &StepInput<'_>,
         logit_rows: &[usize],
     ) -> Result<Vec<f32>, GpuError> {
+        self.forward_rows(cache, step, logit_rows)
+            .map(|(logits, _)| logits)
+    }
+
+    /// [`LlamaModel::forward`], also returning the final hidden states of the rows
+    /// (`logit_rows.len() * hidden_size`, after the last normalization: what the LM head
+    /// multiplies, and what embeddings are made of).
+    pub fn forward_rows(
+        &self,
+        cache: &mut KvCache,
+        step: &StepInput<'_>,
+        logit_rows: &[usize],
+    ) -> Result<(Vec<f32>, Vec<f32>), GpuError> {
         self.validate(cache, step)?;
         let c = &self.config;
         if cache.layers != c.num_layers
@@ -440,7 +453,7 @@ impl LlamaModel {
             &mut xq,
             &mut ps,
         )?;
-        Ok(logits)
+        Ok((logits, normed))
     }
 }
 

@@ -1147,6 +1147,7 @@ impl CudaBackend {
                 logprob: None,
                 top_logprobs: Vec::new(),
                 prompt_logprobs: Vec::new(),
+                hidden: None,
             };
             if let Some(input) = &s.prompt {
                 out.prompt_logprobs = prompt_logprobs(
