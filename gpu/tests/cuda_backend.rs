@@ -3316,3 +3316,118 @@ fn fp8_gemv_matches_a_float64_reference_and_is_batch_invariant() {
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Embeddings: the final hidden state at a prompt's last token.
+
+/// Cosine similarity of two vectors.
+fn cosine(a: &[f32], b: &[f64]) -> f64 {
+    let (mut dot, mut a2, mut b2) = (0f64, 0f64, 0f64);
+    for (&x, &y) in a.iter().zip(b) {
+        let x = f64::from(x);
+        dot += x * y;
+        a2 += x * x;
+        b2 += y * y;
+    }
+    dot / (a2 * b2).sqrt()
+}
+
+/// SmolLM2 from the GGUF: the hidden state a sampling step with `hidden_state` returns (what
+/// `/v1/embeddings` normalizes), each case of `gpu/tests/fixtures/smollm2_embeddings.json` alone
+/// (one of them a single token: a decode-shaped step, through a CUDA graph), then all in one
+/// batch and in two chunks, against transformers' float32 `last_hidden_state` and against the
+/// CPU backend.
+#[test]
+fn embeddings_agree_with_cpu_and_transformers() {
+    use switchyard_gpu::backend::{CpuBackend, CpuBackendConfig};
+    if !gpu() {
+        return;
+    }
+    let Some((config, weights)) = smollm2() else {
+        return;
+    };
+    let fixture = fixture_named("smollm2_embeddings.json");
+    let cases = fixture["cases"].as_array().expect("cases");
+    let p = Arc::new(SamplingParams {
+        temperature: 0.0,
+        hidden_state: true,
+        ..SamplingParams::default()
+    });
+    let mut cuda = CudaBackend::new(&config, WeightSource::Loaded(&weights), &cfg(256, true))
+        .expect("backend");
+    let model = LlamaModel::from_weights(&config, &weights).expect("cpu model");
+    let mut cpu = CpuBackend::new(model, &CpuBackendConfig::default()).expect("cpu backend");
+    let block = cuda.block_size();
+    let tables = |base: u32, n: usize| -> Vec<u32> {
+        (base..base + n.div_ceil(block) as u32).collect()
+    };
+    let mut alone = Vec::new();
+    for (i, c) in cases.iter().enumerate() {
+        let toks = ids(&c["ids"]);
+        let want: Vec<f64> = c["hidden"]
+            .as_array()
+            .expect("hidden")
+            .iter()
+            .map(|x| x.as_f64().expect("float"))
+            .collect();
+        let batch = Batch {
+            seqs: vec![one_seq(i as u64, 0, toks.clone(), tables(0, toks.len()), &p)],
+        };
+        let ours = cuda.execute(&batch).expect("cuda step")[0]
+            .hidden
+            .clone()
+            .expect("a hidden state");
+        cuda.release(i as u64);
+        let theirs = cpu.execute(&batch).expect("cpu step")[0]
+            .hidden
+            .clone()
+            .expect("a hidden state");
+        cpu.release(i as u64);
+        let vs_ref = cosine(&ours, &want);
+        let cpu64: Vec<f64> = theirs.iter().map(|&x| f64::from(x)).collect();
+        let vs_cpu = cosine(&ours, &cpu64);
+        eprintln!(
+            "{:10} {:3} ids: cosine vs transformers {vs_ref:.6}, vs cpu {vs_cpu:.6}",
+            c["name"],
+            toks.len()
+        );
+        assert!(vs_ref >= 0.999, "{}: cosine {vs_ref} vs transformers", c["name"]);
+        assert!(vs_cpu >= 0.999, "{}: cosine {vs_cpu} vs the CPU backend", c["name"]);
+        alone.push(ours);
+    }
+    // All cases in one step, each with blocks of its own; then each in two chunks, the first
+    // without sampling.
+    let mut base = 0u32;
+    let mut seqs = Vec::new();
+    for (i, c) in cases.iter().enumerate() {
+        let toks = ids(&c["ids"]);
+        let t = tables(base, toks.len());
+        base += t.len() as u32;
+        seqs.push(one_seq(100 + i as u64, 0, toks, t, &p));
+    }
+    let outs = cuda.execute(&Batch { seqs }).expect("batched step");
+    for ((o, one), c) in outs.iter().zip(&alone).zip(cases) {
+        let one64: Vec<f64> = one.iter().map(|&x| f64::from(x)).collect();
+        let cos = cosine(o.hidden.as_ref().expect("hidden"), &one64);
+        assert!(cos >= 0.9999, "{}: batched cosine {cos} vs alone", c["name"]);
+    }
+    for (i, c) in cases.iter().enumerate() {
+        let toks = ids(&c["ids"]);
+        if toks.len() < 2 {
+            continue;
+        }
+        let id = 200 + i as u64;
+        let t = tables(0, toks.len());
+        let cut = toks.len() / 2;
+        let mut first = one_seq(id, 0, toks[..cut].to_vec(), t.clone(), &p);
+        first.sample = false;
+        let out = cuda.execute(&Batch { seqs: vec![first] }).expect("chunk 1");
+        assert!(out[0].hidden.is_none(), "a chunk that samples nothing has no hidden state");
+        let second = one_seq(id, cut, toks[cut..].to_vec(), t, &p);
+        let out = cuda.execute(&Batch { seqs: vec![second] }).expect("chunk 2");
+        cuda.release(id);
+        let one64: Vec<f64> = alone[i].iter().map(|&x| f64::from(x)).collect();
+        let cos = cosine(out[0].hidden.as_ref().expect("hidden"), &one64);
+        assert!(cos >= 0.9999, "{}: chunked cosine {cos} vs one step", c["name"]);
+    }
+}

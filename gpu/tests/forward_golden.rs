@@ -282,3 +282,94 @@ fn lora_teacher_forced(precision: ActivationPrecision, min_top1: f64) {
         "base model agrees at {base_agree}/{total}"
     );
 }
+
+/// Cosine similarity and the largest difference relative to the reference's norm.
+fn compare(ours: &[f32], want: &[f64]) -> (f64, f64) {
+    assert_eq!(ours.len(), want.len(), "vector lengths");
+    let (mut dot, mut a2, mut b2, mut worst) = (0f64, 0f64, 0f64, 0f64);
+    for (&a, &b) in ours.iter().zip(want) {
+        let a = f64::from(a);
+        dot += a * b;
+        a2 += a * a;
+        b2 += b * b;
+        worst = worst.max((a - b).abs());
+    }
+    (dot / (a2 * b2).sqrt(), worst / b2.sqrt())
+}
+
+/// The final hidden state at a prompt's last token (what `/v1/embeddings` normalizes), from
+/// the CPU backend's `execute` as the engine asks for it (a sampling step with
+/// `hidden_state`), against transformers' `last_hidden_state` of the same GGUF
+/// (`gpu/reference/make_embedding_golden.py`): each case alone, then all in one batch, which
+/// must give the same vectors.
+#[test]
+fn embeddings_match_transformers() {
+    use std::sync::Arc;
+    use switchyard_gpu::backend::{Backend, Batch, CpuBackend, CpuBackendConfig, SeqInput};
+    use switchyard_gpu::SamplingParams;
+
+    let fixture = read_fixture("smollm2_embeddings.json", "make_embedding_golden.py");
+    let cases = fixture["cases"].as_array().expect("cases");
+    let mut backend = CpuBackend::new(model(), &CpuBackendConfig::default()).expect("backend");
+    let sampling = Arc::new(SamplingParams {
+        temperature: 0.0,
+        hidden_state: true,
+        ..SamplingParams::default()
+    });
+    let block = backend.block_size();
+    let mut next_block = 0u32;
+    let mut entry = |seq_id: u64, ids: Vec<u32>| {
+        let n = ids.len().div_ceil(block) as u32;
+        let table = (next_block..next_block + n).collect();
+        next_block += n;
+        SeqInput {
+            seq_id,
+            num_computed_tokens: 0,
+            tokens: ids,
+            block_table: table,
+            sample: true,
+            num_drafts: 0,
+            sampling: sampling.clone(),
+            adapter: None,
+            cached_prompt: None,
+        }
+    };
+    let alone: Vec<Vec<f32>> = cases
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let batch = Batch {
+                seqs: vec![entry(i as u64, ids(&c["ids"]))],
+            };
+            let out = backend.execute(&batch).expect("step");
+            backend.release(i as u64);
+            out[0].hidden.clone().expect("a hidden state")
+        })
+        .collect();
+    for (c, ours) in cases.iter().zip(&alone) {
+        let want: Vec<f64> = c["hidden"]
+            .as_array()
+            .expect("hidden")
+            .iter()
+            .map(|x| x.as_f64().expect("a float"))
+            .collect();
+        let (cos, rel) = compare(ours, &want);
+        eprintln!("{:10} cosine {cos:.6} max |diff| / norm {rel:.5}", c["name"]);
+        assert!(cos >= 0.999, "{}: cosine {cos} with transformers", c["name"]);
+        assert!(rel <= 0.05, "{}: max |diff| / norm {rel}", c["name"]);
+    }
+    let batch = Batch {
+        seqs: cases
+            .iter()
+            .enumerate()
+            .map(|(i, c)| entry(100 + i as u64, ids(&c["ids"])))
+            .collect(),
+    };
+    let outs = backend.execute(&batch).expect("batched step");
+    for ((o, one), c) in outs.iter().zip(&alone).zip(cases) {
+        let batched = o.hidden.as_ref().expect("a hidden state");
+        let want: Vec<f64> = one.iter().map(|&x| f64::from(x)).collect();
+        let (cos, _) = compare(batched, &want);
+        assert!(cos >= 0.99999, "{}: batched cosine {cos} with alone", c["name"]);
+    }
+}

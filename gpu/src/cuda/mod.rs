@@ -876,6 +876,7 @@ impl CudaBackend {
         let mut constrained = Vec::new();
         let mut waits = false;
         let mut first_row = Vec::with_capacity(batch.seqs.len());
+        let mut hidden_row = Vec::with_capacity(batch.seqs.len());
         let mut row = 0usize;
         for (i, s) in batch.seqs.iter().enumerate() {
             let st = match self.states.get_mut(&s.seq_id) {
@@ -906,6 +907,8 @@ impl CudaBackend {
             // samples nothing has none, and no drafts).
             let end = row + n;
             let first = end.saturating_sub(1 + s.num_drafts);
+            // The last known token's row (the one sampled before any drafts).
+            hidden_row.push((s.sample && s.sampling.hidden_state).then_some(first));
             if s.sample && s.sampling.constraint.is_some() {
                 // Its edits wait for its allowed sets (one per row: the drafts committed in
                 // turn, then taken back), computed while the step runs.
@@ -1013,6 +1016,7 @@ impl CudaBackend {
                 first_row: first_row[i],
                 prompt: prompt_lp[i].then(|| s.clone()),
                 drafts: s.tokens[s.tokens.len() - s.num_drafts..].to_vec(),
+                hidden_row: hidden_row[i],
             })
             .collect();
         let tail = StepTail {
@@ -1090,6 +1094,15 @@ impl CudaBackend {
                 raw.insert(r, v);
             }
         }
+        // Final hidden states asked for (embeddings): the normalized rows the LM head read,
+        // in bf16 (these copies wait for the step).
+        let h = self.config.hidden_size;
+        let mut hidden: HashMap<usize, Vec<f32>> = HashMap::new();
+        for r in seqs.iter().filter_map(|s| s.hidden_row) {
+            let mut v = vec![0u16; h];
+            self.gpu.download(&mut v, self.buf.xs.at(r * h * 2)?)?;
+            hidden.insert(r, v.iter().map(|&b| f32::from_bits(u32::from(b) << 16)).collect());
+        }
         edits.apply(&self.gpu, &mut self.edit_buf, self.buf.logits.ptr(), vocab)?;
         masks.apply(&self.gpu, &mut self.mask_buf, self.buf.logits.ptr(), vocab)?;
         self.gpu.timed("sample_rows", || {
@@ -1147,7 +1160,7 @@ impl CudaBackend {
                 logprob: None,
                 top_logprobs: Vec::new(),
                 prompt_logprobs: Vec::new(),
-                hidden: None,
+                hidden: s.hidden_row.and_then(|r| hidden.remove(&r)),
             };
             if let Some(input) = &s.prompt {
                 out.prompt_logprobs = prompt_logprobs(
@@ -1200,6 +1213,8 @@ struct SeqTail {
     prompt: Option<SeqInput>,
     /// The draft tokens fed after its last known token.
     drafts: Vec<u32>,
+    /// Its last known token's row, when it asked for the final hidden state there.
+    hidden_row: Option<usize>,
 }
 
 /// A constrained sequence's rows of a step: `drafts.len() + 1` logits rows from `row`.
