@@ -3358,9 +3358,8 @@ fn embeddings_agree_with_cpu_and_transformers() {
     let model = LlamaModel::from_weights(&config, &weights).expect("cpu model");
     let mut cpu = CpuBackend::new(model, &CpuBackendConfig::default()).expect("cpu backend");
     let block = cuda.block_size();
-    let tables = |base: u32, n: usize| -> Vec<u32> {
-        (base..base + n.div_ceil(block) as u32).collect()
-    };
+    let tables =
+        |base: u32, n: usize| -> Vec<u32> { (base..base + n.div_ceil(block) as u32).collect() };
     let mut alone = Vec::new();
     for (i, c) in cases.iter().enumerate() {
         let toks = ids(&c["ids"]);
@@ -3371,7 +3370,13 @@ fn embeddings_agree_with_cpu_and_transformers() {
             .map(|x| x.as_f64().expect("float"))
             .collect();
         let batch = Batch {
-            seqs: vec![one_seq(i as u64, 0, toks.clone(), tables(0, toks.len()), &p)],
+            seqs: vec![one_seq(
+                i as u64,
+                0,
+                toks.clone(),
+                tables(0, toks.len()),
+                &p,
+            )],
         };
         let ours = cuda.execute(&batch).expect("cuda step")[0]
             .hidden
@@ -3391,8 +3396,16 @@ fn embeddings_agree_with_cpu_and_transformers() {
             c["name"],
             toks.len()
         );
-        assert!(vs_ref >= 0.999, "{}: cosine {vs_ref} vs transformers", c["name"]);
-        assert!(vs_cpu >= 0.999, "{}: cosine {vs_cpu} vs the CPU backend", c["name"]);
+        assert!(
+            vs_ref >= 0.999,
+            "{}: cosine {vs_ref} vs transformers",
+            c["name"]
+        );
+        assert!(
+            vs_cpu >= 0.999,
+            "{}: cosine {vs_cpu} vs the CPU backend",
+            c["name"]
+        );
         alone.push(ours);
     }
     // All cases in one step, each with blocks of its own; then each in two chunks, the first
@@ -3409,7 +3422,11 @@ fn embeddings_agree_with_cpu_and_transformers() {
     for ((o, one), c) in outs.iter().zip(&alone).zip(cases) {
         let one64: Vec<f64> = one.iter().map(|&x| f64::from(x)).collect();
         let cos = cosine(o.hidden.as_ref().expect("hidden"), &one64);
-        assert!(cos >= 0.9999, "{}: batched cosine {cos} vs alone", c["name"]);
+        assert!(
+            cos >= 0.9999,
+            "{}: batched cosine {cos} vs alone",
+            c["name"]
+        );
     }
     for (i, c) in cases.iter().enumerate() {
         let toks = ids(&c["ids"]);
@@ -3422,12 +3439,21 @@ fn embeddings_agree_with_cpu_and_transformers() {
         let mut first = one_seq(id, 0, toks[..cut].to_vec(), t.clone(), &p);
         first.sample = false;
         let out = cuda.execute(&Batch { seqs: vec![first] }).expect("chunk 1");
-        assert!(out[0].hidden.is_none(), "a chunk that samples nothing has no hidden state");
+        assert!(
+            out[0].hidden.is_none(),
+            "a chunk that samples nothing has no hidden state"
+        );
         let second = one_seq(id, cut, toks[cut..].to_vec(), t, &p);
-        let out = cuda.execute(&Batch { seqs: vec![second] }).expect("chunk 2");
+        let out = cuda
+            .execute(&Batch { seqs: vec![second] })
+            .expect("chunk 2");
         cuda.release(id);
         let one64: Vec<f64> = alone[i].iter().map(|&x| f64::from(x)).collect();
         let cos = cosine(out[0].hidden.as_ref().expect("hidden"), &one64);
-        assert!(cos >= 0.9999, "{}: chunked cosine {cos} vs one step", c["name"]);
+        assert!(
+            cos >= 0.9999,
+            "{}: chunked cosine {cos} vs one step",
+            c["name"]
+        );
     }
 }

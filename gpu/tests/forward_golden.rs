@@ -354,9 +354,16 @@ fn embeddings_match_transformers() {
             .map(|x| x.as_f64().expect("a float"))
             .collect();
         let (cos, rel) = compare(ours, &want);
-        eprintln!("{:10} cosine {cos:.6} max |diff| / norm {rel:.5}", c["name"]);
-        assert!(cos >= 0.999, "{}: cosine {cos} with transformers", c["name"]);
-        assert!(rel <= 0.05, "{}: max |diff| / norm {rel}", c["name"]);
+        eprintln!(
+            "{:10} cosine {cos:.6} max |diff| / norm {rel:.5}",
+            c["name"]
+        );
+        assert!(
+            cos >= 0.999,
+            "{}: cosine {cos} with transformers",
+            c["name"]
+        );
+        assert!(rel <= 0.02, "{}: max |diff| / norm {rel}", c["name"]);
     }
     let batch = Batch {
         seqs: cases
@@ -370,6 +377,10 @@ fn embeddings_match_transformers() {
         let batched = o.hidden.as_ref().expect("a hidden state");
         let want: Vec<f64> = one.iter().map(|&x| f64::from(x)).collect();
         let (cos, _) = compare(batched, &want);
-        assert!(cos >= 0.99999, "{}: batched cosine {cos} with alone", c["name"]);
+        assert!(
+            cos >= 0.99999,
+            "{}: batched cosine {cos} with alone",
+            c["name"]
+        );
     }
 }

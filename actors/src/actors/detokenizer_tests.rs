@@ -222,7 +222,9 @@ impl Backend for CycleBackend {
                     logprob: None,
                     top_logprobs: Vec::new(),
                     prompt_logprobs: Vec::new(),
-                    hidden: None,
+                    // A stand-in for the hidden state: the last token and the chunk length.
+                    hidden: (s.sample && s.sampling.hidden_state)
+                        .then(|| vec![s.tokens[known - 1] as f32, s.tokens.len() as f32]),
                 }
             })
             .collect())
@@ -1102,4 +1104,66 @@ async fn cached_prompt_tokens_ride_on_the_deltas_and_count_once_per_prompt() {
         names::LABEL_TENANT
     );
     assert_eq!(m.counters_of(names::PROMPT_TOKENS_CACHED), vec![(acme, 32)]);
+}
+
+/// Records every delta and error a request is sent.
+struct DeltaSink(Arc<Mutex<Vec<Result<crate::actors::ChoiceDelta, String>>>>);
+
+impl OutputSink for DeltaSink {
+    fn send(&mut self, output: EngineOutput) -> bool {
+        match output {
+            EngineOutput::Delta(d) => self.0.lock().unwrap().push(Ok(d)),
+            EngineOutput::Error(e) => self.0.lock().unwrap().push(Err(e.message)),
+            EngineOutput::Prompt { .. } => {}
+        }
+        true
+    }
+    fn is_closed(&self) -> bool {
+        false
+    }
+}
+
+/// An embedding request: its one sampled token is not output, its one delta carries the
+/// hidden state the backend reported at the prompt's last token and finishes as `stop` with 0
+/// tokens, whatever the request's own sampling and length settings; it counts as a success
+/// and generates no tokens. One with two choices is refused.
+#[actix::test]
+async fn an_embedding_is_one_delta_with_the_hidden_state_and_no_tokens() {
+    let (engine, _) = start_engine(false, false);
+    let out = Arc::new(Mutex::new(Vec::new()));
+    let options = RequestOptions {
+        embed: true,
+        stop: vec!["t2".into()],
+        ..request(1, 7, ignoring_eos())
+    };
+    engine.submit(options, Box::new(DeltaSink(out.clone())));
+    until_idle(&engine).await;
+    let deltas = out.lock().unwrap().clone();
+    assert_eq!(deltas.len(), 1, "{deltas:?}");
+    let d = deltas[0].as_ref().expect("a delta");
+    assert_eq!(d.text, "");
+    assert!(d.token_ids.is_empty(), "{d:?}");
+    assert_eq!(d.finish, Some((switchyard_policies::FinishReason::Stop, 0)));
+    // The prompt `0 1 2 3 0 1 2 3 0 1`, one chunk of 10 tokens ending in 1.
+    assert_eq!(d.embedding, Some(vec![1.0, 10.0]));
+    let m = Snapshot::take();
+    assert_eq!(m.counter(names::GENERATION_TOKENS), 0);
+    assert_eq!(m.count(names::TIME_TO_FIRST_TOKEN), 0);
+    assert_eq!(
+        m.counters_of(names::REQUEST_SUCCESS),
+        vec![(success("stop"), 1)]
+    );
+
+    let out = Arc::new(Mutex::new(Vec::new()));
+    let options = RequestOptions {
+        embed: true,
+        ..request(2, 1, ignoring_eos())
+    };
+    engine.submit(options, Box::new(DeltaSink(out.clone())));
+    until_idle(&engine).await;
+    let got = out.lock().unwrap().clone();
+    assert!(
+        matches!(got.as_slice(), [Err(m)] if m.contains("one choice")),
+        "{got:?}"
+    );
 }

@@ -1101,7 +1101,12 @@ impl CudaBackend {
         for r in seqs.iter().filter_map(|s| s.hidden_row) {
             let mut v = vec![0u16; h];
             self.gpu.download(&mut v, self.buf.xs.at(r * h * 2)?)?;
-            hidden.insert(r, v.iter().map(|&b| f32::from_bits(u32::from(b) << 16)).collect());
+            hidden.insert(
+                r,
+                v.iter()
+                    .map(|&b| f32::from_bits(u32::from(b) << 16))
+                    .collect(),
+            );
         }
         edits.apply(&self.gpu, &mut self.edit_buf, self.buf.logits.ptr(), vocab)?;
         masks.apply(&self.gpu, &mut self.mask_buf, self.buf.logits.ptr(), vocab)?;
