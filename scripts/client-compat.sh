@@ -13,7 +13,9 @@
 # on /v1/responses: LangChain's use_responses_api=True (invoke, stream, bind_tools with a
 # ToolMessage back, with_structured_output, usage_metadata, async), litellm.responses, the
 # Python SDK's responses.create/stream/parse and the Node SDK's responses.create/stream/parse
-# (zodTextFormat, zodResponsesFunction), function_call_output round trips, the refusals.
+# (zodTextFormat, zodResponsesFunction), function_call_output round trips, the refusals;
+# on /v1/embeddings: embeddings.create in both SDKs (their default base64 and float) and
+# LangChain's OpenAIEmbeddings.
 # The checks: scripts/client-compat/checks.py and checks.mjs.
 #
 # usage: scripts/client-compat.sh

@@ -72,6 +72,11 @@ pub enum ApiError {
     /// The metrics recorder was not handed to the API (404 on `/metrics`).
     #[error("Metrics are not enabled on this server.")]
     MetricsDisabled,
+    /// `/v1/embeddings` on an engine that computes no embeddings
+    /// ([`crate::engine::Engine::embedding_size`] is `None`): 404, as vLLM answers for a
+    /// model without the embedding task (it does not register the route).
+    #[error("The model does not support the Embeddings API: this server computes no embeddings.")]
+    EmbeddingsNotServed,
     /// The engine refused or failed the request; its kind picks the status.
     #[error(transparent)]
     Engine(#[from] EngineError),
@@ -121,6 +126,11 @@ impl ApiError {
             ),
             Self::RouteNotFound { .. } => (StatusCode::NOT_FOUND, INVALID_REQUEST, None),
             Self::MetricsDisabled => (StatusCode::NOT_FOUND, INVALID_REQUEST, None),
+            Self::EmbeddingsNotServed => (
+                StatusCode::NOT_FOUND,
+                INVALID_REQUEST,
+                Some("embeddings_not_served"),
+            ),
             Self::ResponseNotFound(_) => (StatusCode::NOT_FOUND, INVALID_REQUEST, None),
             Self::PreviousResponseNotFound(_) => (
                 StatusCode::BAD_REQUEST,
@@ -389,6 +399,23 @@ mod tests {
                 .as_str()
                 .unwrap()
                 .contains("server.admin_key"),
+            "{body}"
+        );
+    }
+
+    /// An engine without embeddings answers `/v1/embeddings` with a 404 that says so.
+    #[test]
+    fn embeddings_not_served_is_404_with_code() {
+        let e = ApiError::EmbeddingsNotServed;
+        assert_eq!(e.status_code(), StatusCode::NOT_FOUND);
+        let body = body_json(&e);
+        assert_eq!(body["error"]["code"], "embeddings_not_served");
+        assert_eq!(body["error"]["type"], "invalid_request_error");
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("does not support the Embeddings API"),
             "{body}"
         );
     }

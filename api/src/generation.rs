@@ -80,7 +80,8 @@ pub(crate) struct Generation {
     failure: SiblingFailure,
 }
 
-fn protocol_error(message: &str) -> ApiError {
+/// A breach of the port's request protocol by the engine: a 500 whose detail is logged.
+pub(crate) fn protocol_error(message: &str) -> ApiError {
     ApiError::Engine(EngineError::new(
         EngineErrorKind::Internal,
         format!("engine protocol violation: {message}"),
@@ -177,6 +178,13 @@ impl Generation {
         Ok(generation)
     }
 
+    /// Records that the request failed with `kind` for a reason of the route's own (an
+    /// engine's delta it cannot use), before the generation drops: the prompts still running
+    /// end because of it, and the engine counts them so.
+    pub(crate) fn fail(&self, kind: EngineErrorKind) {
+        self.failure.set(kind);
+    }
+
     /// Choices per prompt.
     pub(crate) fn n(&self) -> u32 {
         self.n
@@ -271,10 +279,14 @@ impl Generation {
 }
 
 /// `e` naming the request's own field where the engine could not: the prompt's for a
-/// context-length error without one, the one that carried the structured output for a
-/// refusal of it, the one that set the length limit for the engine's `max_tokens`.
+/// context-length error without one and where the engine names `prompt` (a token id outside
+/// the vocabulary: `/v1/embeddings` calls its prompt `input`), the one that carried the
+/// structured output for a refusal of it, the one that set the length limit for the engine's
+/// `max_tokens`.
 fn name_fields(mut e: EngineError, fields: RequestFields) -> ApiError {
-    if e.kind == EngineErrorKind::ContextLengthExceeded && e.param.is_none() {
+    if (e.kind == EngineErrorKind::ContextLengthExceeded && e.param.is_none())
+        || e.param.as_deref() == Some("prompt")
+    {
         e.param = Some(fields.prompt.to_owned());
     }
     if e.param.as_deref() == Some("max_tokens") {
@@ -474,6 +486,28 @@ mod tests {
             ));
             match result {
                 Err(ApiError::Engine(e)) => assert_eq!(e.param.as_deref(), Some(field)),
+                _ => panic!("expected the engine error"),
+            }
+        }
+    }
+
+    /// The engine names a token id outside the vocabulary `prompt`: a route whose prompt field
+    /// is called otherwise (`/v1/embeddings`' `input`) hears its own name.
+    #[test]
+    fn the_engine_s_prompt_is_the_route_s_prompt_field() {
+        for (route_field, named) in [("prompt", "prompt"), ("input", "input")] {
+            let refusal = EngineEvent::Error(
+                EngineError::new(EngineErrorKind::InvalidRequest, "token id 99999")
+                    .with_param("prompt"),
+            );
+            let result = block_on(Generation::accept(
+                vec![channel(vec![refusal])],
+                1,
+                fields(route_field),
+                SiblingFailure::default(),
+            ));
+            match result {
+                Err(ApiError::Engine(e)) => assert_eq!(e.param.as_deref(), Some(named)),
                 _ => panic!("expected the engine error"),
             }
         }

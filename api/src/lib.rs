@@ -4,6 +4,7 @@
 //! the [`Engine`] port (see [`engine`] for the request protocol and the abort-on-drop contract).
 //!
 //! Routes: `POST /v1/completions`, `POST /v1/chat/completions` (JSON or SSE),
+//! `POST /v1/embeddings`,
 //! `POST /v1/responses` (JSON or SSE), `GET`/`DELETE /v1/responses/{id}` and
 //! `GET /v1/responses/{id}/input_items` (stored responses, see [`response_store`]), `GET /v1/models`,
 //! `GET /v1/models/{id}`, `POST /tokenize`, `POST /detokenize` (all behind the API key),

@@ -4,9 +4,9 @@
 //! sane one (1 to [`MAX_CLIENT_REQUEST_ID`] visible ASCII characters; anything else is
 //! ignored), else a fresh random one, prefixed as the route's completion ids are (`cmpl-…` on
 //! `/v1/completions`, `chatcmpl-…` on `/v1/chat/completions`, `resp_…` on `/v1/responses`,
-//! none elsewhere): a completion handler takes it as its completion's id ([`completion_id`]). Errors, 404s, refusals by the
-//! key check and streams carry it too: the header goes on the response head, before any of a
-//! stream's body.
+//! `embd-…` on `/v1/embeddings`, none elsewhere): a completion handler takes it as its
+//! completion's id ([`completion_id`]). Errors, 404s, refusals by the key check and streams
+//! carry it too: the header goes on the response head, before any of a stream's body.
 //!
 //! The same middleware opens the request's log span, `request{request_id, tenant, tier}`,
 //! with the id already in it: every line logged while the request is served (its handler, the
@@ -42,6 +42,7 @@ fn arrival_prefix(path: &str) -> &'static str {
         "/v1/completions" => "cmpl-",
         "/v1/chat/completions" => "chatcmpl-",
         "/v1/responses" => "resp_",
+        "/v1/embeddings" => "embd-",
         _ => "",
     }
 }
@@ -145,6 +146,7 @@ mod tests {
         assert_eq!(arrival_prefix("/v1/completions"), "cmpl-");
         assert_eq!(arrival_prefix("/v1/chat/completions"), "chatcmpl-");
         assert_eq!(arrival_prefix("/v1/responses"), "resp_");
+        assert_eq!(arrival_prefix("/v1/embeddings"), "embd-");
         assert_eq!(arrival_prefix("/v1/models"), "");
         assert_eq!(arrival_prefix("/tokenize"), "");
         // The arrival id is the completion's; a client's plain id is prefixed; without the

@@ -49,6 +49,11 @@ pub fn configure(cfg: &mut web::ServiceConfig, state: ApiState) {
                         .default_service(method_not_allowed("POST")),
                 )
                 .service(
+                    web::resource("/embeddings")
+                        .route(web::post().to(routes::embeddings))
+                        .default_service(method_not_allowed("POST")),
+                )
+                .service(
                     web::resource("/responses")
                         .route(web::post().to(routes::create_response))
                         .default_service(method_not_allowed("POST")),

@@ -197,8 +197,9 @@ async fn unknown_routes_and_methods_get_openai_bodies() {
         let reply = send(&app, TestRequest::default().method(Method::HEAD).uri(path)).await;
         assert_eq!(reply.status, 200, "{path}: {}", reply.text());
     }
-    let request = TestRequest::get()
-        .uri("/v1/embeddings")
+    // An OpenAI route this server does not serve.
+    let request = TestRequest::post()
+        .uri("/v1/audio/transcriptions")
         .insert_header(("authorization", format!("Bearer {KEY}")));
     send(&app, request).await.assert_error(404, BAD, None);
 }

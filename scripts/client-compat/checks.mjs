@@ -213,5 +213,20 @@ await check('responses stored: retrieve, previous_response_id, input_items, dele
   const gone = await raises(() => client.responses.retrieve(first.id), OpenAI.NotFoundError, 'not found');
   return `chained (${second.usage.input_tokens} in), ${gone}`;
 });
+await check('embeddings.create (default base64, float)', async () => {
+  // Without encodingFormat the SDK asks for base64 and decodes it itself.
+  const input = ['The capital of France is Paris.', 'Bananas are yellow.'];
+  const b64 = await client.embeddings.create({ model: M, input });
+  const floats = await client.embeddings.create({ model: M, input, encoding_format: 'float' });
+  const f32 = (v) => Array.from(Float32Array.from(v));
+  expect(b64.data.length === 2 && b64.data.every((d, i) => d.index === i), b64);
+  b64.data.forEach((d, i) => {
+    const norm = Math.sqrt(d.embedding.reduce((s, x) => s + x * x, 0));
+    expect(Math.abs(norm - 1) < 1e-5 && JSON.stringify(f32(d.embedding)) === JSON.stringify(f32(floats.data[i].embedding)), `vector ${i}`);
+  });
+  expect(b64.usage.prompt_tokens === floats.usage.prompt_tokens && b64.usage.prompt_tokens > 0, b64.usage);
+  const bad = await raises(() => client.embeddings.create({ model: M, input, dimensions: 8 }), OpenAI.BadRequestError, 'Matryoshka');
+  return `${b64.data[0].embedding.length} dims, ${b64.usage.prompt_tokens} tokens, dimensions ${bad}`;
+});
 console.log(`node openai SDK: ${failures.length} failed${failures.length ? ': ' + failures.join(', ') : ''}`);
 process.exit(failures.length ? 1 : 0);

@@ -1,6 +1,6 @@
 """Framework checks for scripts/client-compat.sh: LangChain (langchain-openai), LiteLLM,
 LlamaIndex (llama-index-llms-openai-like) and the OpenAI Python SDK against a running Switchyard
-server, on chat/completions and /v1/responses, judged on the protocol (what each client parses
+server, on chat/completions, /v1/responses and /v1/embeddings, judged on the protocol (what each client parses
 out of our responses), not on the small model's answers.
 
 usage: python checks.py BASE_URL KEY TINY_KEY
@@ -10,6 +10,8 @@ Exits 1 if any check fails; prints one line per check.
 import asyncio
 import base64
 import json
+import math
+import struct
 import sys
 import threading
 import time
@@ -20,7 +22,7 @@ import openai
 from langchain_core.callbacks import get_usage_metadata_callback
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langchain_core.tools import tool
-from langchain_openai import ChatOpenAI, OpenAI
+from langchain_openai import ChatOpenAI, OpenAI, OpenAIEmbeddings
 from llama_index.core.callbacks import CallbackManager, TokenCountingHandler
 from llama_index.core.llms import ChatMessage
 from llama_index.core.prompts import PromptTemplate
@@ -630,6 +632,52 @@ def sdk_background():
 check("openai-python include output_text.logprobs (+ stream)", sdk_logprobs)
 check("openai-python background: poll retrieve, cancel", sdk_background)
 check("openai-python stored: retrieve, previous_response_id, input_items, delete", sdk_stored)
+
+
+# ---------------------------------------------------------------- Embeddings (/v1/embeddings)
+TEXTS = ["The capital of France is Paris.", "Bananas are yellow."]
+
+
+def f32(x):
+    """x as the f32 it was written from (JSON floats read back as doubles)."""
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
+def unit(v):
+    return abs(math.sqrt(sum(x * x for x in v)) - 1.0) < 1e-5
+
+
+def sdk_embeddings():
+    # Without encoding_format the SDK asks for base64 and decodes it itself (numpy if installed,
+    # else the array module): it must read the same f32s as the float answer.
+    b64 = sdk.embeddings.create(model=MODEL, input=TEXTS)
+    floats = sdk.embeddings.create(model=MODEL, input=TEXTS, encoding_format="float")
+    expect([d.index for d in b64.data] == [0, 1] and [d.index for d in floats.data] == [0, 1], f"{b64}")
+    for d, f in zip(b64.data, floats.data):
+        expect(len(d.embedding) == len(f.embedding) > 0 and unit(d.embedding), f"{len(d.embedding)}")
+        expect([f32(x) for x in d.embedding] == [f32(x) for x in f.embedding], "base64 != float")
+    expect(b64.usage.prompt_tokens == floats.usage.prompt_tokens == b64.usage.total_tokens > 0, f"{b64.usage}")
+    raw = sdk.embeddings.create(model=MODEL, input=TEXTS[0], encoding_format="base64").data[0].embedding
+    expect(isinstance(raw, str) and len(base64.b64decode(raw)) == 4 * len(floats.data[0].embedding), raw[:40])
+    a = raises(lambda: sdk.embeddings.create(model=MODEL, input=TEXTS, dimensions=8), openai.BadRequestError,
+               "Matryoshka")
+    b = raises(lambda: sdk.embeddings.create(model=MODEL, input=""), openai.BadRequestError, "must not be empty")
+    return f"{len(floats.data[0].embedding)} dims, {b64.usage.prompt_tokens} tokens; dimensions {a}, empty {b}"
+
+
+def lc_embeddings():
+    # check_embedding_ctx_length=False: by default LangChain sends tiktoken's token ids, which
+    # only OpenAI's models read (as for any OpenAI-compatible server).
+    e = OpenAIEmbeddings(model=MODEL, base_url=BASE, api_key=KEY, max_retries=0, check_embedding_ctx_length=False)
+    docs = e.embed_documents(TEXTS)
+    query = e.embed_query(TEXTS[0])
+    expect(len(docs) == 2 and all(unit(v) for v in docs) and docs[0] != docs[1], f"{len(docs)}")
+    expect(max(abs(x - y) for x, y in zip(docs[0], query)) < 1e-5, "query != its document")
+    return f"{len(docs)} documents of {len(docs[0])} dims"
+
+
+check("openai-python embeddings.create (default base64, float, 400s)", sdk_embeddings)
+check("langchain OpenAIEmbeddings embed_documents, embed_query", lc_embeddings)
 
 
 print(f"python clients: {len(failures)} failed" + (f": {', '.join(failures)}" if failures else ""))

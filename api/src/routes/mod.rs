@@ -2,11 +2,13 @@
 
 mod chat;
 mod completions;
+mod embeddings;
 mod responses;
 mod service;
 
 pub(crate) use chat::chat_completions;
 pub(crate) use completions::completions;
+pub(crate) use embeddings::embeddings;
 pub(crate) use responses::{
     cancel_response, create_response, delete_response, list_input_items, retrieve_response,
 };
@@ -36,6 +38,16 @@ pub(crate) fn check_model(
     }
 }
 
+/// The id of the engine request of prompt `i` of `prompts`: `id` for one prompt, `id-<i>`
+/// for several.
+fn prompt_request_id(id: &str, i: usize, prompts: usize) -> String {
+    if prompts > 1 {
+        format!("{id}-{i}")
+    } else {
+        id.to_owned()
+    }
+}
+
 /// One engine request per prompt; ids are `id` (one prompt) or `id-<prompt>`.
 pub(crate) fn engine_requests(
     id: &str,
@@ -44,17 +56,13 @@ pub(crate) fn engine_requests(
     prompt_logprobs: Option<u32>,
     lora: Option<&str>,
 ) -> Vec<GenerateRequest> {
-    let many = validated.prompts.len() > 1;
+    let prompts = validated.prompts.len();
     validated
         .prompts
         .iter()
         .enumerate()
         .map(|(i, prompt)| GenerateRequest {
-            request_id: if many {
-                format!("{id}-{i}")
-            } else {
-                id.to_owned()
-            },
+            request_id: prompt_request_id(id, i, prompts),
             prompt: prompt.clone(),
             sampling: validated.sampling.clone(),
             stop: validated.stop.clone(),

@@ -1,6 +1,7 @@
 //! OpenAI wire types: request bodies with their validation, response bodies and stream chunks.
 
 mod chat_extras;
+pub mod embeddings;
 mod held;
 mod ignored;
 pub mod reasoning;
@@ -36,6 +37,9 @@ pub mod limits {
     pub const MAX_N: u32 = 16;
     /// Most prompts in one completions request.
     pub const MAX_PROMPTS: usize = 32;
+    /// Most inputs in one `/v1/embeddings` request: OpenAI's limit. Each is one engine
+    /// request, so the engine's bounds on requests in flight apply too.
+    pub const MAX_EMBEDDING_INPUTS: usize = 2048;
     /// Most choices in one request (prompts × n).
     pub const MAX_CHOICES: usize = 64;
     /// Longest `cache_salt`.

@@ -447,11 +447,11 @@ fn context_length_exceeded(param: &str, message: String) -> ApiError {
     )
 }
 
-/// A prompt of `prompt_len` tokens leaves no room for a generated token in a context of
-/// `max_model_len` tokens: the engine's words for the same refusal.
-fn prompt_too_long(prompt_len: usize, max_model_len: usize) -> ApiError {
+/// A prompt of `prompt_len` tokens (the request's `param`) leaves no room for a generated
+/// token in a context of `max_model_len` tokens: the engine's words for the same refusal.
+pub(super) fn prompt_too_long(param: &str, prompt_len: usize, max_model_len: usize) -> ApiError {
     context_length_exceeded(
-        "prompt",
+        param,
         format!(
             "This model's maximum context length is {max_model_len} tokens. However, your \
              request has {prompt_len} input tokens, which leaves no room for an output token \
@@ -606,7 +606,7 @@ fn check_token_prompt(tokens: Vec<u32>, max_model_len: usize) -> Result<PromptIn
     }
     // The prompt must leave room for one generated token at least, as the engine checks.
     if tokens.len() >= max_model_len {
-        return Err(prompt_too_long(tokens.len(), max_model_len));
+        return Err(prompt_too_long("prompt", tokens.len(), max_model_len));
     }
     Ok(PromptInput::Tokens(tokens))
 }

@@ -8,7 +8,13 @@
 //! `"~"` (-2.0), cut to the requested count; prompt logprobs are null for the first token, -1.0
 //! after. Chat messages render as `role: content\n` lines followed by `assistant:`. A
 //! structured output whose text holds `(unclosed` or `no-such-type` does not compile: it is
-//! refused naming `STRUCTURED_OUTPUT_PARAM`, as the engine refuses it.
+//! refused naming `STRUCTURED_OUTPUT_PARAM`, as the engine refuses it. A token-id prompt with
+//! an id from `VOCAB_SIZE` on is refused naming `prompt`, as the engine's tokenizer refuses it.
+//!
+//! An embedding request (`GenerateRequest::embed`) gets its prompt event and then one finishing
+//! delta without text or tokens whose vector has `EMBEDDING_SIZE` values: value `i` counts the
+//! prompt's token ids below 256 (bytes) that are `i` modulo `EMBEDDING_SIZE`, so `"ab"` is
+//! `[0, 1, 1, 0, ...]` and a prompt of ids from 256 on only is the zero vector.
 
 #![allow(dead_code)]
 
@@ -31,6 +37,19 @@ use tokio::sync::mpsc;
 pub const MODEL: &str = "echo-1";
 pub const KEY: &str = "sk-test-acme";
 pub const ADMIN_KEY: &str = "admin-secret";
+/// The echo engine's vocabulary: token ids below it.
+pub const VOCAB_SIZE: u32 = 1000;
+/// The length of the echo engine's embeddings.
+pub const EMBEDDING_SIZE: usize = 8;
+
+/// The echo engine's embedding of `prompt` (see the module's documentation), not normalized.
+pub fn echo_embedding(prompt: &[u32]) -> Vec<f32> {
+    let mut v = vec![0.0f32; EMBEDDING_SIZE];
+    for &id in prompt.iter().filter(|&&id| id < 256) {
+        v[id as usize % EMBEDDING_SIZE] += 1.0;
+    }
+    v
+}
 
 pub struct EchoEngine {
     pub max_model_len: usize,
@@ -51,6 +70,11 @@ pub struct EchoEngine {
     pub policy_swaps: AtomicUsize,
     /// The speculative decoding settings in force (`Engine::speculative`).
     pub speculative: Mutex<Option<SpeculativeSettings>>,
+    /// `Engine::embedding_size`: `Some(EMBEDDING_SIZE)` unless a test turns embeddings off.
+    pub embedding_size: Mutex<Option<usize>>,
+    /// When set, what every embedding request's delta carries instead of its vector (`None`:
+    /// no vector), to test how the HTTP layer takes a faulty engine.
+    pub embedding_override: Mutex<Option<Option<Vec<f32>>>>,
 }
 
 impl EchoEngine {
@@ -72,6 +96,8 @@ impl EchoEngine {
             lora: Mutex::new(Vec::new()),
             policy_swaps: AtomicUsize::new(0),
             speculative: Mutex::new(None),
+            embedding_size: Mutex::new(Some(EMBEDDING_SIZE)),
+            embedding_override: Mutex::new(None),
         })
     }
 
@@ -175,6 +201,14 @@ impl EchoEngine {
                 )
                 .with_param(STRUCTURED_OUTPUT_PARAM),
             ));
+        } else if let Some(bad) = prompt.iter().find(|&&id| id >= VOCAB_SIZE) {
+            events.push(EngineEvent::Error(
+                EngineError::new(
+                    EngineErrorKind::InvalidRequest,
+                    format!("token id {bad} is outside the vocabulary (size {VOCAB_SIZE})"),
+                )
+                .with_param("prompt"),
+            ));
         } else if prompt.len() + max_tokens > self.max_model_len {
             events.push(EngineEvent::Error(EngineError::new(
                 EngineErrorKind::ContextLengthExceeded,
@@ -214,7 +248,28 @@ impl EchoEngine {
                         .collect()
                 }),
             });
-            if !self.hang.load(Ordering::SeqCst) {
+            if self.hang.load(Ordering::SeqCst) {
+                // Nothing after the prompt event: the request waits.
+            } else if request.embed {
+                let embedding = self
+                    .embedding_override
+                    .lock()
+                    .unwrap()
+                    .clone()
+                    .unwrap_or_else(|| Some(echo_embedding(&prompt)));
+                events.push(EngineEvent::Delta(Delta {
+                    index: 0,
+                    text: String::new(),
+                    token_ids: Vec::new(),
+                    logprobs: Vec::new(),
+                    finish: Some(Finish {
+                        reason: FinishReason::Stop,
+                        completion_tokens: 0,
+                    }),
+                    cached_prompt_tokens: 0,
+                    embedding,
+                }));
+            } else {
                 push_outputs(&mut events, &request, &prompt, max_tokens);
             }
             if self.fail_mid_stream.load(Ordering::SeqCst) {
@@ -290,6 +345,10 @@ impl Engine for EchoEngine {
 
     fn lora_adapters(&self) -> Vec<LoraAdapterInfo> {
         self.lora.lock().unwrap().clone()
+    }
+
+    fn embedding_size(&self) -> Option<usize> {
+        *self.embedding_size.lock().unwrap()
     }
 
     fn policy(&self) -> EngineFuture<PolicyInfo> {
