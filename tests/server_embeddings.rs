@@ -288,3 +288,18 @@ fn vectors_match_transformers() {
         assert_eq!(nearest, i, "{}: nearest reference {sims:?}", c["name"]);
     }
 }
+
+/// `server.embeddings: false` turns the route off (404 `embeddings_not_served`) and nothing
+/// else: chat still answers.
+#[test]
+fn embeddings_can_be_switched_off() {
+    let s = Server::start_with("embeddings-off", "  embeddings: false\n", "");
+    let (status, v) = s.post_json("/v1/embeddings", &json!({"input": "hello"}));
+    assert_eq!(status, 404, "{v}");
+    assert_eq!(v["error"]["code"], "embeddings_not_served", "{v}");
+    let (status, v) = s.post_json(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+    );
+    assert_eq!(status, 200, "{v}");
+}

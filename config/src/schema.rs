@@ -586,6 +586,9 @@ pub struct ServerSection {
     /// The Responses API's store of responses (`GET /v1/responses/{id}`,
     /// `previous_response_id`).
     pub responses: ResponsesSection,
+    /// Serve `POST /v1/embeddings` (the model's final hidden state at each input's last
+    /// token, normalized); off, the route answers 404 `embeddings_not_served`.
+    pub embeddings: bool,
 }
 
 /// `server.responses`: bounds of the store of responses, kept in memory per tenant; the least
@@ -651,6 +654,7 @@ impl Default for ServerSection {
             request_timeout_s: 10,
             workers: 0,
             responses: ResponsesSection::default(),
+            embeddings: true,
         }
     }
 }

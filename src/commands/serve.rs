@@ -252,7 +252,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         max_loaded: config.lora.max_cpu_loras,
     });
     let vocab_size = model.config.vocab_size;
-    let hidden_size = model.config.hidden_size;
+    let embedding_size = config.server.embeddings.then_some(model.config.hidden_size);
     drop(model);
     let engine_config = EngineConfig {
         scheduler: SchedulerConfig {
@@ -328,7 +328,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             tokenizer,
             model_name,
             max_model_len,
-            hidden_size,
+            embedding_size,
             ready: AtomicBool::new(true),
             tiers,
             tier_priorities: config
@@ -488,8 +488,9 @@ struct EngineAdapter {
     tokenizer: Arc<Tokenizer>,
     model_name: String,
     max_model_len: usize,
-    /// The model's hidden size: the length of its embeddings.
-    hidden_size: usize,
+    /// The length of the model's embeddings (its hidden size); `None` with
+    /// `server.embeddings: false`.
+    embedding_size: Option<usize>,
     ready: AtomicBool,
     /// The tiers in force (policies are built with them; changing them takes a restart).
     tiers: Vec<TierSpec>,
@@ -827,7 +828,7 @@ impl port::Engine for EngineAdapter {
     }
 
     fn embedding_size(&self) -> Option<usize> {
-        Some(self.hidden_size)
+        self.embedding_size
     }
 
     fn is_ready(&self) -> bool {
