@@ -373,3 +373,62 @@ fn an_evicted_adapter_whose_files_broke_is_the_servers_503_without_its_path() {
     assert_eq!(r.status, 400, "{}", r.body);
     assert!(r.body.contains("adapter_model.safetensors"), "{}", r.body);
 }
+
+/// `/v1/embeddings` naming the adapter as `model` runs the input with it: the answer names the
+/// adapter, its vector differs from the base model's for the same input (the adapter changes
+/// every layer's output), and it is the same again when computed beside the base model's.
+#[test]
+fn embeddings_naming_the_adapter_are_computed_with_it() {
+    let s = &server();
+    let input = "The capital of France is";
+    let embed = |body: Value| -> Value {
+        let (status, v) = s.post_json("/v1/embeddings", &body);
+        assert_eq!(status, 200, "{v}");
+        v
+    };
+    let vector = |v: &Value, i: usize| -> Vec<f64> {
+        v["data"][i]["embedding"]
+            .as_array()
+            .expect("a float vector")
+            .iter()
+            .map(|x| x.as_f64().expect("a float"))
+            .collect()
+    };
+    let tuned = embed(json!({"model": "tuned", "input": input}));
+    assert_eq!(tuned["model"], "tuned", "{tuned}");
+    let base = embed(json!({"model": s.model_id(), "input": input}));
+    let (t, b) = (vector(&tuned, 0), vector(&base, 0));
+    let largest = t
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f64, f64::max);
+    assert!(
+        largest > 1e-3,
+        "the adapter left the vector as it was ({largest})"
+    );
+    // Beside other requests of the base model, in the same batch as they run.
+    let many: Vec<Value> = (0..4)
+        .map(|_| json!({"model": s.model_id(), "input": [input, "Bananas are yellow."]}))
+        .collect();
+    std::thread::scope(|scope| {
+        let others: Vec<_> = many
+            .into_iter()
+            .map(|body| scope.spawn(move || s.post_json("/v1/embeddings", &body)))
+            .collect();
+        let again = embed(json!({"model": "tuned", "input": input}));
+        let diff = vector(&again, 0)
+            .iter()
+            .zip(&t)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f64, f64::max);
+        assert!(
+            diff <= 1e-5,
+            "the adapter's vector moved by {diff} beside other requests"
+        );
+        for o in others {
+            let (status, v) = o.join().expect("a request thread");
+            assert_eq!(status, 200, "{v}");
+        }
+    });
+}
