@@ -257,6 +257,22 @@ EOF
       >"$OUT/serve-chat.json"
     note "serve chat: $(head -c 400 "$OUT/serve-chat.json")"
     curl -s http://127.0.0.1:18431/metrics | grep -E "backend_info" | head -3 | tee -a "$summary"
+    # Embeddings of the golden fixture's ids (one request) against transformers' vectors.
+    note "serve embeddings: $(python3 - "$id" <<'PY' 2>&1 | tail -3
+import json, math, sys, urllib.request
+fx = json.load(open("gpu/tests/fixtures/smollm2_embeddings.json"))
+body = json.dumps({"model": sys.argv[1], "input": [c["ids"] for c in fx["cases"]]}).encode()
+req = urllib.request.Request("http://127.0.0.1:18431/v1/embeddings", body, {"content-type": "application/json"})
+got = json.load(urllib.request.urlopen(req))
+cos = []
+for c, d in zip(fx["cases"], got["data"]):
+    ref, v = c["hidden"], d["embedding"]
+    n = math.sqrt(sum(x * x for x in ref))
+    cos.append(sum(a * b / n for a, b in zip(v, ref)))
+print(f"{len(cos)} inputs, dims {len(got['data'][0]['embedding'])}, cosine vs transformers "
+      f"min {min(cos):.6f} max {max(cos):.6f}, usage {got['usage']}")
+PY
+)"
     # Load through HTTP (`bench serve`, SERVE_BENCH_ARGS): output tok/s, TTFT, TPOT.
     timeout "${BENCH_TIMEOUT:-240}" "$SY" bench serve --base-url http://127.0.0.1:18431 \
       ${SERVE_BENCH_ARGS:---max-concurrency 256 --num-prompts 1000 --input-len 128 --output-len 128} \
