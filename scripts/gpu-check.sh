@@ -35,8 +35,10 @@
 #   ncu       Nsight Compute (--set full) on NCU_KERNELS in the offline profile workload
 #   model     SmolLM2 from the GGUF at MODEL: batch-1 / batch-256 decode, offline, `generate`
 #   serve     `switchyard serve` on MODEL (backend SERVE_BACKEND, default cuda): a completion
-#             with logprobs, a chat completion, the backend metric, then `bench serve`
-#             (SERVE_BENCH_ARGS; default 1000 prompts of 128/128 at concurrency 256);
+#             with logprobs, a chat completion, the backend metric, the golden fixture's
+#             embeddings against transformers', then `bench serve` (SERVE_BENCH_ARGS; default
+#             1000 prompts of 128/128 at concurrency 256) and, with SERVE_EMBED_BENCH_ARGS,
+#             `bench serve` with those arguments (`--endpoint embeddings ...`);
 #             SERVE_SETS: config overrides, e.g. "scheduler.async_scheduling=off"
 #   hf        gpu/reference/hf_bench.py (HF_ARGS): transformers on the same shapes
 #   ab        builds against each other, interleaved: AB_BINS="DIR DIR ..." (each a folder with a
@@ -278,6 +280,14 @@ PY
       ${SERVE_BENCH_ARGS:---max-concurrency 256 --num-prompts 1000 --input-len 128 --output-len 128} \
       --result-file "$OUT/serve-bench.json" >"$OUT/serve-bench.txt" 2>&1
     note "bench serve rc=$?: $(python3 -c "import json; d=json.load(open('$OUT/serve-bench.json')); print({k: v for k, v in d.items() if isinstance(v, (int, float))})" 2>/dev/null | head -c 700)"
+    # Embeddings under load (SERVE_EMBED_BENCH_ARGS, e.g. "--endpoint embeddings --num-prompts
+    # 4096 --input-len 128 --max-concurrency 64"; unset: not run).
+    if [ -n "${SERVE_EMBED_BENCH_ARGS:-}" ]; then
+      # shellcheck disable=SC2086
+      timeout "${BENCH_TIMEOUT:-240}" "$SY" bench serve --base-url http://127.0.0.1:18431 \
+        $SERVE_EMBED_BENCH_ARGS --result-file "$OUT/serve-embed-bench.json" >"$OUT/serve-embed-bench.txt" 2>&1
+      note "bench serve (embeddings) rc=$?: $(python3 -c "import json; d=json.load(open('$OUT/serve-embed-bench.json')); print({k: v for k, v in d.items() if isinstance(v, (int, float, str))})" 2>/dev/null | head -c 700)"
+    fi
   else
     note "serve did not come up"; tail -5 "$OUT/serve.log" | tee -a "$summary"
   fi
