@@ -238,6 +238,8 @@ pub(super) struct ResponseHead {
     pub(super) status: u16,
     /// The body is sent in chunks (`Transfer-Encoding: chunked`).
     pub(super) chunked: bool,
+    /// The body's length, where the head gives one (`Content-Length`) and it is not chunked.
+    pub(super) length: Option<u64>,
 }
 
 /// POSTs `body` (JSON) to `path` on a fresh connection and reads the response's head.
@@ -265,26 +267,28 @@ pub(super) fn post(
         .nth(1)
         .and_then(|s| s.parse().ok())
         .unwrap_or(0);
-    let mut chunked = false;
+    let (mut chunked, mut length) = (false, None);
     loop {
         line.clear();
         if read_line_bounded(&mut reader, &mut line)? == 0 {
             break;
         }
-        let l = line.trim_end();
+        let l = line.trim_end().to_ascii_lowercase();
         if l.is_empty() {
             break;
         }
-        if l.to_ascii_lowercase().starts_with("transfer-encoding:")
-            && l.to_ascii_lowercase().contains("chunked")
-        {
+        if l.starts_with("transfer-encoding:") && l.contains("chunked") {
             chunked = true;
+        }
+        if let Some(n) = l.strip_prefix("content-length:") {
+            length = Some(n.trim().parse().context("a bad Content-Length")?);
         }
     }
     Ok(ResponseHead {
         reader,
         status,
         chunked,
+        length: length.filter(|_| !chunked),
     })
 }
 
@@ -306,11 +310,19 @@ impl ResponseHead {
     }
 
     /// The whole body of a response that is not streamed, of at most `max` bytes (a longer
-    /// one is an error): chunks joined, or everything up to the end of the connection
-    /// (every request is sent with `Connection: close`).
+    /// one is an error): chunks joined, its `Content-Length`, or else everything up to the
+    /// end of the connection (every request is sent with `Connection: close`).
     pub(super) fn body(&mut self, max: usize) -> anyhow::Result<Vec<u8>> {
         let too_long = || format!("the response's body is larger than {} MiB", max >> 20);
         let mut body = Vec::new();
+        if let Some(n) = self.length {
+            anyhow::ensure!(n <= max as u64, too_long());
+            body.resize(n as usize, 0);
+            self.reader
+                .read_exact(&mut body)
+                .context("the response ended before its Content-Length")?;
+            return Ok(body);
+        }
         if !self.chunked {
             self.reader
                 .by_ref()
@@ -570,9 +582,20 @@ mod tests {
                        4\r\n{\"a\"\r\n3\r\n:1}\r\n0\r\n\r\n";
         assert_eq!(read(chunked, 7).unwrap(), b"{\"a\":1}");
         assert!(read(chunked, 6).is_err());
-        let plain = "HTTP/1.1 200 OK\r\nContent-Length: 7\r\n\r\n{\"a\":1}";
-        assert_eq!(read(plain, 7).unwrap(), b"{\"a\":1}");
-        assert!(read(plain, 6).is_err());
+        let sized = "HTTP/1.1 200 OK\r\nContent-Length: 7\r\n\r\n{\"a\":1}";
+        assert_eq!(read(sized, 7).unwrap(), b"{\"a\":1}");
+        assert!(read(sized, 6).is_err());
+        // Read to its length, not to the end of the connection.
+        let short = "HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\n{\"a\":1}";
+        assert_eq!(read(short, 100).unwrap(), b"{\"a\"");
+        let cut_short = "HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\n{\"a\":1}";
+        assert!(read(cut_short, 100).is_err());
+        let bad = "HTTP/1.1 200 OK\r\ncontent-length: many\r\n\r\n{\"a\":1}";
+        let port = serve_once(bad.to_string());
+        assert!(post("127.0.0.1", port, "/v1/embeddings", None, "{}").is_err());
+        let to_close = "HTTP/1.1 200 OK\r\n\r\n{\"a\":1}";
+        assert_eq!(read(to_close, 7).unwrap(), b"{\"a\":1}");
+        assert!(read(to_close, 6).is_err());
         // A chunked body cut off is an error too.
         let cut = "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n4\r\n{\"a\"\r\n";
         assert!(read(cut, 100).is_err());
