@@ -163,7 +163,7 @@ fn bench_serve_embeddings_counts_refused_requests_as_failed() {
     // Some succeeded: the run reports, and exits 0.
     assert!(ok, "{stderr}");
     assert!(
-        stderr.contains("bench serve: 4/8 requests (4 failed)")
+        stderr.contains("bench serve: 8/8 requests (4 failed)")
             && stderr.contains("first failure: HTTP 400"),
         "{stderr}"
     );
