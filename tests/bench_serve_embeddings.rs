@@ -48,9 +48,12 @@ fn bench_serve_embeddings_reports_vllm_labels_tokens_and_the_vectors_length() {
     let server = Server::start("bench-embed", "");
     let dir = temp_dir("ok");
     let result = dir.join("one.json");
-    let tokens_before = server
-        .metric("switchyard:prompt_tokens_total")
-        .unwrap_or(0.0);
+    let tokens = || {
+        server
+            .metric("switchyard:prompt_tokens_total")
+            .expect("prompt_tokens_total")
+    };
+    let tokens_before = tokens();
     let (ok, stdout, stderr) = bench(
         &server,
         &[
@@ -102,9 +105,7 @@ fn bench_serve_embeddings_reports_vllm_labels_tokens_and_the_vectors_length() {
         "{v}"
     );
     // The server computed the test request's, the warmups' and the run's prompts.
-    if let Some(after) = server.metric("switchyard:prompt_tokens_total") {
-        assert_eq!(after - tokens_before, ((1 + 2 + 8) * 16) as f64);
-    }
+    assert_eq!(tokens() - tokens_before, ((1 + 2 + 8) * 16) as f64);
 
     // Four prompts a request: 10 prompts are 3 requests (4, 4 and 2), every prompt counted.
     let result = dir.join("four.json");
