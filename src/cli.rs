@@ -219,7 +219,7 @@ pub enum BenchCommand {
     Throughput(ThroughputArgs),
     /// Load against a running OpenAI-compatible server, as `vllm bench serve`.
     #[command(
-        after_help = "Examples:\n  switchyard bench serve --base-url http://127.0.0.1:8000 --max-concurrency 32 --num-prompts 64 --input-len 128 --output-len 128\n  switchyard bench serve --base-url http://127.0.0.1:8000 --dataset sharegpt --dataset-path ../shared/traces/sharegpt_8k_filtered_stats_llama2_tokenizer.csv --request-rate 4"
+        after_help = "Examples:\n  switchyard bench serve --base-url http://127.0.0.1:8000 --max-concurrency 32 --num-prompts 64 --input-len 128 --output-len 128\n  switchyard bench serve --base-url http://127.0.0.1:8000 --dataset sharegpt --dataset-path ../shared/traces/sharegpt_8k_filtered_stats_llama2_tokenizer.csv --request-rate 4\n  switchyard bench serve --base-url http://127.0.0.1:8000 --endpoint embeddings --embedding-batch 16 --max-concurrency 16 --num-prompts 256 --input-len 128"
     )]
     Serve(ServeBenchArgs),
 }
@@ -235,6 +235,15 @@ pub enum ServeDataset {
     Trace,
 }
 
+/// The API `bench serve` loads.
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum ServeEndpoint {
+    /// Streamed /v1/completions: TTFT, TPOT and ITL.
+    Completions,
+    /// /v1/embeddings with the prompts' token ids, not streamed: end-to-end latency.
+    Embeddings,
+}
+
 /// `switchyard bench serve`.
 #[derive(Debug, Args)]
 pub struct ServeBenchArgs {
@@ -247,6 +256,16 @@ pub struct ServeBenchArgs {
     /// Bearer API key.
     #[arg(long, env = "SWITCHYARD_API_KEY")]
     pub api_key: Option<String>,
+    /// The API loaded: completions (streamed /v1/completions) or embeddings (/v1/embeddings,
+    /// each prompt's token ids an input; output lengths and --ignore-eos are ignored).
+    #[arg(long, value_enum, default_value = "completions")]
+    pub endpoint: ServeEndpoint,
+    /// Prompts per /v1/embeddings request, sent as a list of token-id lists (1..=2048; only
+    /// with --endpoint embeddings; default 1, one list of ids). --num-prompts counts prompts,
+    /// not requests: 256 prompts in batches of 16 are 16 requests, the last one smaller
+    /// where the batch does not divide them; --num-warmups and --request-rate count requests.
+    #[arg(long, value_name = "N")]
+    pub embedding_batch: Option<usize>,
     /// Dataset of prompt/output lengths.
     #[arg(long, value_enum, default_value = "random")]
     pub dataset: ServeDataset,
@@ -265,7 +284,8 @@ pub struct ServeBenchArgs {
     /// Longest output taken from a dataset (1..=1048576).
     #[arg(long, default_value_t = 512)]
     pub max_output_len: usize,
-    /// Number of requests.
+    /// Number of prompts: the requests of a completions run, the inputs of an embeddings run
+    /// (see --embedding-batch; 1..=1000000).
     #[arg(long, default_value_t = 64)]
     pub num_prompts: usize,
     /// Poisson arrival rate in requests/s (> 0); without it, or with `inf`, every request is

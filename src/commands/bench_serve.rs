@@ -1,11 +1,14 @@
 //! `switchyard bench serve`: a load generator for any OpenAI-compatible server (ours,
 //! llama-server, vLLM). Streams completions, timestamps every chunk, and prints the labels
-//! `vllm bench serve` prints; `--result-file` writes the same figures as JSON.
+//! `vllm bench serve` prints; `--result-file` writes the same figures as JSON. With
+//! `--endpoint embeddings` it sends the same prompts' token ids to `/v1/embeddings` instead
+//! (`embeddings`), one prompt or `--embedding-batch` of them a request.
 //!
 //! A fixed pool of threads, one per request in flight, sends the requests through the plain
 //! HTTP/1.1 client in `http`: the generator must not be the bottleneck at the concurrencies
 //! a single server sees, and it needs no TLS.
 
+mod embeddings;
 mod http;
 
 use std::io::{Read, Write};
@@ -22,8 +25,9 @@ use switchyard_simulator::report::percentile;
 use switchyard_simulator::spec::{short_number, show_range, RATE_RANGE, TIME_SCALE_RANGE};
 use switchyard_simulator::trace::{MAX_ARRIVAL_S, MAX_REQUESTS as MAX_ROWS};
 
+use self::embeddings::MAX_EMBEDDING_BATCH;
 use self::http::{connect, first_model, one_request, parse_url, Target, MAX_SMALL_RESPONSE_BYTES};
-use crate::cli::{ServeBenchArgs, ServeDataset};
+use crate::cli::{ServeBenchArgs, ServeDataset, ServeEndpoint};
 
 /// Most prompts in one run.
 const MAX_PROMPTS: usize = 1_000_000;
@@ -53,8 +57,13 @@ struct Sample {
     ttft: f64,
     itl: Vec<f64>,
     latency: f64,
-    /// The server sent no `usage`: `output_tokens` counts the streamed chunks with a choice.
+    /// The server sent no `usage`: `output_tokens` counts the streamed chunks with a choice
+    /// (an embeddings request: `prompt_tokens` counts the ids sent).
     usage_missing: bool,
+    /// Prompts the request carried (1 for a completion).
+    inputs: usize,
+    /// The length of the vectors of a successful embeddings request.
+    dimension: usize,
 }
 
 /// The results of a run so far, counted on its progress (bar or lines).
@@ -152,15 +161,63 @@ fn validate(args: &ServeBenchArgs) -> anyhow::Result<()> {
         "--token-offset + --token-range must not exceed {} (token ids are u32)",
         u32::MAX
     );
+    if let Some(b) = args.embedding_batch {
+        anyhow::ensure!(
+            args.endpoint == ServeEndpoint::Embeddings,
+            "--embedding-batch needs --endpoint embeddings (a completion request carries one \
+             prompt)"
+        );
+        anyhow::ensure!(
+            (1..=MAX_EMBEDDING_BATCH).contains(&b),
+            "--embedding-batch must be 1..={MAX_EMBEDDING_BATCH}, not {b}"
+        );
+        // The longest prompt times the prompts of a request: the ids one request carries.
+        let (name, longest) = match args.dataset {
+            ServeDataset::Random => ("--input-len", args.input_len),
+            ServeDataset::Sharegpt | ServeDataset::Trace => ("--max-input-len", args.max_input_len),
+        };
+        anyhow::ensure!(
+            b.saturating_mul(longest) <= MAX_REQUEST_TOKENS,
+            "--embedding-batch {b} of prompts of up to {longest} tokens ({name}) is more than \
+             {MAX_REQUEST_TOKENS} tokens in one request: lower one of them"
+        );
+    }
     Ok(())
+}
+
+/// One request of a run: its prompts' lengths (one for a completion, up to
+/// `--embedding-batch` for embeddings), its output length and, if the dataset has arrival
+/// times, its arrival offset in seconds.
+#[derive(Debug, Clone, PartialEq)]
+struct Planned {
+    /// Prompt tokens of each prompt.
+    inputs: Vec<usize>,
+    /// Output tokens (a completion's; ignored by embeddings).
+    output: usize,
+    /// Seconds after the first arrival of the dataset, if it has times.
+    at: Option<f64>,
+}
+
+/// The run's requests: the workload's prompts one a request, or for embeddings in groups
+/// of `--embedding-batch` (the last one smaller where it does not divide). A group arrives
+/// with its last prompt: a client that batches sends once it holds the whole batch.
+fn plan(args: &ServeBenchArgs, work: &[(usize, usize, Option<f64>)]) -> Vec<Planned> {
+    // `validate` keeps the batch at 1 or more, so `chunks` cannot panic.
+    work.chunks(args.embedding_batch.unwrap_or(1).max(1))
+        .map(|group| Planned {
+            inputs: group.iter().map(|w| w.0).collect(),
+            output: group[0].1,
+            at: group.iter().filter_map(|w| w.2).reduce(f64::max),
+        })
+        .collect()
 }
 
 /// The time over which the run's requests are expected to arrive, in seconds: the trace's
 /// last arrival over `--time-scale`, or for Poisson arrivals at `--request-rate` the mean span
-/// `(n - 1) / rate` (the first request goes at once, the gaps average `1 / rate`); 0 when
-/// every request goes at once. The run lasts at least this long.
-fn arrival_span_s(args: &ServeBenchArgs, work: &[(usize, usize, Option<f64>)]) -> f64 {
-    let trace_last = work.iter().filter_map(|w| w.2).reduce(f64::max);
+/// `(n - 1) / rate` for its `n` requests (the first goes at once, the gaps average
+/// `1 / rate`); 0 when every request goes at once. The run lasts at least this long.
+fn arrival_span_s(args: &ServeBenchArgs, work: &[Planned]) -> f64 {
+    let trace_last = work.iter().filter_map(|w| w.at).reduce(f64::max);
     match (trace_last, args.request_rate) {
         (Some(t), _) => t / args.time_scale,
         (None, Some(rate)) if rate.is_finite() => work.len().saturating_sub(1) as f64 / rate,
@@ -184,9 +241,14 @@ fn check_arrival_span(args: &ServeBenchArgs, span_s: f64) -> anyhow::Result<()> 
             "raise --time-scale or lower --num-prompts",
         )
     } else {
+        let batch = match args.embedding_batch {
+            Some(b) if b > 1 => format!(" (in requests of --embedding-batch {b})"),
+            _ => String::new(),
+        };
         (
             format!(
-                "--num-prompts {} at --request-rate {} requests/s spaces the arrivals over about",
+                "--num-prompts {}{batch} at --request-rate {} requests/s spaces the arrivals \
+                 over about",
                 args.num_prompts,
                 short_number(args.request_rate.unwrap_or(f64::INFINITY))
             ),
@@ -343,12 +405,43 @@ fn parse_clock(ts: &str) -> Option<f64> {
     switchyard_simulator::trace::parse_timestamp(ts.trim())
 }
 
-/// One request for a worker thread: its JSON body and its prompt length.
+/// One request for a worker thread: its JSON body and its prompts' lengths.
 struct Job {
-    /// The `/v1/completions` request body.
+    /// The `/v1/completions` or `/v1/embeddings` request body.
     body: String,
-    /// Prompt tokens.
+    /// Prompt tokens, of all its prompts.
     input: usize,
+    /// Prompts (an embeddings request's inputs; 1 for a completion).
+    inputs: usize,
+    /// The length every vector of an embeddings answer must have: the test request's, once
+    /// it is known.
+    dimension: Option<usize>,
+}
+
+/// The job of one planned request, its prompts drawn from `rng`: a streamed completion of
+/// its one prompt, or the embeddings of all its prompts.
+fn job(
+    args: &ServeBenchArgs,
+    model: &str,
+    planned: &Planned,
+    rng: &mut ChaCha8Rng,
+    dimension: Option<usize>,
+) -> Job {
+    let prompts: Vec<Vec<u32>> = planned
+        .inputs
+        .iter()
+        .map(|&n| random_prompt(args, n, rng))
+        .collect();
+    let body = match args.endpoint {
+        ServeEndpoint::Completions => request_body(model, &prompts[0], planned.output, args),
+        ServeEndpoint::Embeddings => embeddings::request_body(model, &prompts),
+    };
+    Job {
+        body,
+        input: planned.inputs.iter().sum(),
+        inputs: planned.inputs.len(),
+        dimension,
+    }
 }
 
 /// Starts `n` threads that send the jobs given to the returned sender, one at a time each, and
@@ -357,25 +450,37 @@ struct Job {
 fn spawn_workers(
     n: usize,
     target: &Target,
-    path: &str,
+    endpoint: ServeEndpoint,
     key: Option<&str>,
 ) -> anyhow::Result<(channel::Sender<Job>, channel::Receiver<Sample>)> {
+    let path = match endpoint {
+        ServeEndpoint::Completions => format!("{}/v1/completions", target.prefix),
+        ServeEndpoint::Embeddings => format!("{}/v1/embeddings", target.prefix),
+    };
     let (job_tx, job_rx) = channel::unbounded::<Job>();
     let (tx, rx) = channel::unbounded::<Sample>();
     for w in 0..n {
         let (host, port) = (target.host.clone(), target.port);
-        let (path, key) = (path.to_string(), key.map(str::to_string));
+        let (path, key) = (path.clone(), key.map(str::to_string));
         let (job_rx, tx) = (job_rx.clone(), tx.clone());
         std::thread::Builder::new()
             .name(format!("bench-{w}"))
             .spawn(move || {
                 while let Ok(job) = job_rx.recv() {
-                    let sample =
-                        one_request(&host, port, &path, key.as_deref(), &job.body, job.input)
-                            .unwrap_or_else(|e| Sample {
-                                error: format!("{e:#}"),
-                                ..Sample::default()
-                            });
+                    let key = key.as_deref();
+                    let sample = match endpoint {
+                        ServeEndpoint::Completions => {
+                            one_request(&host, port, &path, key, &job.body, job.input)
+                        }
+                        ServeEndpoint::Embeddings => {
+                            embeddings::one_request(&host, port, &path, key, &job)
+                        }
+                    };
+                    let sample = sample.unwrap_or_else(|e| Sample {
+                        error: format!("{e:#}"),
+                        inputs: job.inputs,
+                        ..Sample::default()
+                    });
                     if tx.send(sample).is_err() {
                         break;
                     }
@@ -391,7 +496,7 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
     let target = parse_url(&args.base_url)?;
     // The workload first: a run that would last days is refused before anything is sent.
     let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
-    let work = workload(&args, &mut rng)?;
+    let work = plan(&args, &workload(&args, &mut rng)?);
     let span = arrival_span_s(&args, &work);
     check_arrival_span(&args, span)?;
     if span >= ANNOUNCED_ARRIVAL_SPAN_S {
@@ -412,23 +517,13 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
         .unwrap_or(DEFAULT_IN_FLIGHT)
         .min(work.len().max(args.num_warmups))
         .max(1);
-    let path = format!("{}/v1/completions", target.prefix);
-    let (jobs, rx) = spawn_workers(concurrency, &target, &path, args.api_key.as_deref())?;
+    let (jobs, rx) = spawn_workers(concurrency, &target, args.endpoint, args.api_key.as_deref())?;
     // The test request and the warmups have prompts of their own (another stream of the
     // seed), so the run's prompts are the same with or without them and none is cached.
     let mut warm_rng = ChaCha8Rng::seed_from_u64(args.seed ^ WARMUP_SEED);
-    let (input, output, _) = work[0];
     eprintln!("Starting initial single prompt test run...");
-    jobs.send(Job {
-        body: request_body(
-            &model,
-            &random_prompt(&args, input, &mut warm_rng),
-            output,
-            &args,
-        ),
-        input,
-    })
-    .context("benchmark threads vanished")?;
+    jobs.send(job(&args, &model, &work[0], &mut warm_rng, None))
+        .context("benchmark threads vanished")?;
     let test = rx.recv().context("benchmark threads vanished")?;
     anyhow::ensure!(
         test.ok,
@@ -436,17 +531,15 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
          --model and the lengths): {}",
         test.error
     );
+    // Every embeddings answer of the run must have the test request's vector length.
+    let dimension = (args.endpoint == ServeEndpoint::Embeddings).then_some(test.dimension);
     if args.num_warmups > 0 {
         eprintln!("Warming up with {} requests...", args.num_warmups);
         let mut failed = 0;
         for i in 0..args.num_warmups {
-            let (input, output, _) = work[i % work.len()];
-            let prompt = random_prompt(&args, input, &mut warm_rng);
-            jobs.send(Job {
-                body: request_body(&model, &prompt, output, &args),
-                input,
-            })
-            .context("benchmark threads vanished")?;
+            let planned = &work[i % work.len()];
+            jobs.send(job(&args, &model, planned, &mut warm_rng, dimension))
+                .context("benchmark threads vanished")?;
         }
         for _ in 0..args.num_warmups {
             failed += usize::from(!rx.recv().context("benchmark threads vanished")?.ok);
@@ -459,8 +552,12 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
         }
     }
     eprintln!("Starting the benchmark run...");
-    // Speculative decoding's counters before the run (a server without them reports none).
-    let spec_before = spec_counters(&target);
+    // Speculative decoding's counters before the run (a server without them reports none;
+    // embeddings draft nothing).
+    let spec_before = match args.endpoint {
+        ServeEndpoint::Completions => spec_counters(&target),
+        ServeEndpoint::Embeddings => None,
+    };
     let progress =
         super::progress("bench serve", work.len() as u64, "requests").counting_failures();
     let start = Instant::now();
@@ -470,10 +567,10 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
         progress,
     };
     let mut next_arrival = 0.0f64;
-    for &(input, output, at) in &work {
+    for planned in &work {
         // Arrival time: the trace's own, Poisson at --request-rate, or all at once (no rate,
         // or an infinite one, as vLLM's default).
-        let due = match (at, args.request_rate) {
+        let due = match (planned.at, args.request_rate) {
             (Some(t), _) => t / args.time_scale,
             (None, Some(rate)) if rate.is_finite() => {
                 let t = next_arrival;
@@ -491,12 +588,8 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
         while done.in_flight >= concurrency {
             done.push(rx.recv().context("benchmark threads vanished")?);
         }
-        let prompt = random_prompt(&args, input, &mut rng);
-        jobs.send(Job {
-            body: request_body(&model, &prompt, output, &args),
-            input,
-        })
-        .context("benchmark threads vanished")?;
+        jobs.send(job(&args, &model, planned, &mut rng, dimension))
+            .context("benchmark threads vanished")?;
         done.in_flight += 1;
     }
     // Dropping the sender lets every worker end once the queue is empty.
@@ -507,6 +600,9 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
     done.progress.finish();
     let samples = done.samples;
     let duration = start.elapsed().as_secs_f64();
+    if args.endpoint == ServeEndpoint::Embeddings {
+        return embeddings::report(&args, &samples, duration);
+    }
     let spec = match (spec_before, spec_counters(&target)) {
         (Some(a), Some(b)) => Some(SpecCounters {
             drafts: b.drafts - a.drafts,
@@ -894,9 +990,33 @@ mod tests {
             "--max-concurrency 0",
             "--max-concurrency 16385",
             "--num-prompts 0",
+            "--endpoint embeddings --embedding-batch 0",
+            "--endpoint embeddings --embedding-batch 2049",
+            // 2048 prompts of 1024 tokens: 2^21 ids in one request.
+            "--endpoint embeddings --embedding-batch 2048 --input-len 1024",
+            "--endpoint embeddings --embedding-batch 1024 --dataset sharegpt",
         ] {
             assert!(validate(&serve_args(bad)).is_err(), "{bad:?} was accepted");
         }
+        for good in [
+            "--endpoint embeddings",
+            "--endpoint embeddings --embedding-batch 2048 --input-len 512",
+            "--endpoint embeddings --embedding-batch 512 --dataset sharegpt",
+        ] {
+            assert!(validate(&serve_args(good)).is_ok(), "{good:?} was refused");
+        }
+        // A batch of completions is no such thing.
+        let e = validate(&serve_args("--embedding-batch 4")).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "--embedding-batch needs --endpoint embeddings (a completion request carries one \
+             prompt)"
+        );
+        let e = validate(&serve_args("--endpoint embeddings --embedding-batch 4096"));
+        assert_eq!(
+            e.unwrap_err().to_string(),
+            "--embedding-batch must be 1..=2048, not 4096"
+        );
         // Named, with the number short (not 300 digits of a Duration conversion).
         let e = validate(&serve_args("--request-rate 1e-300")).unwrap_err();
         assert_eq!(
@@ -911,12 +1031,50 @@ mod tests {
         );
     }
 
+    /// Embeddings requests carry `--embedding-batch` prompts each, the last one the rest; a
+    /// trace's batch arrives with its last prompt.
+    #[test]
+    fn embeddings_batches_group_the_prompts_in_order() {
+        let args = serve_args("--endpoint embeddings --embedding-batch 4 --num-prompts 10");
+        let work = workload(&args, &mut ChaCha8Rng::seed_from_u64(0)).unwrap();
+        let planned = plan(&args, &work);
+        let sizes: Vec<usize> = planned.iter().map(|p| p.inputs.len()).collect();
+        assert_eq!(sizes, vec![4, 4, 2]);
+        assert!(planned.iter().flat_map(|p| &p.inputs).all(|&n| n == 128));
+        // One prompt a request without a batch (completions, or embeddings of one).
+        for extra in ["--num-prompts 10", "--endpoint embeddings --num-prompts 10"] {
+            let args = serve_args(extra);
+            assert_eq!(plan(&args, &work).len(), 10, "{extra}");
+        }
+        let timed = [(5, 1, Some(0.0)), (6, 1, Some(2.0)), (7, 1, Some(3.0))];
+        let args = serve_args("--endpoint embeddings --embedding-batch 2");
+        let planned = plan(&args, &timed);
+        assert_eq!(
+            planned,
+            vec![
+                Planned {
+                    inputs: vec![5, 6],
+                    output: 1,
+                    at: Some(2.0)
+                },
+                Planned {
+                    inputs: vec![7],
+                    output: 1,
+                    at: Some(3.0)
+                }
+            ]
+        );
+        // At a rate, the span counts requests, not prompts: 11 prompts in 3 requests.
+        let args = "--endpoint embeddings --embedding-batch 4 --num-prompts 11 --request-rate 2";
+        assert_eq!(span_check(args).unwrap(), 1.0);
+    }
+
     /// The span a run's arrivals are expected to take, and the refusal of one longer than a
     /// day unless --allow-long-run.
     fn span_check(extra: &str) -> anyhow::Result<f64> {
         let args = serve_args(extra);
         validate(&args)?;
-        let work = workload(&args, &mut ChaCha8Rng::seed_from_u64(0))?;
+        let work = plan(&args, &workload(&args, &mut ChaCha8Rng::seed_from_u64(0))?);
         let span = arrival_span_s(&args, &work);
         check_arrival_span(&args, span).map(|()| span)
     }

@@ -230,18 +230,26 @@ impl StreamTimer {
     }
 }
 
-/// Sends one streaming completion and timestamps its chunks. As in vLLM, a request succeeds
-/// when its stream completes (`[DONE]`) after at least one chunk with a choice, even one
-/// without text (an immediate end of sequence).
-pub(super) fn one_request(
+/// A response whose head has been read: its status and how its body is framed.
+pub(super) struct ResponseHead {
+    /// The body, after the head.
+    pub(super) reader: BufReader<TcpStream>,
+    /// The HTTP status (0 if the status line had none).
+    pub(super) status: u16,
+    /// The body is sent in chunks (`Transfer-Encoding: chunked`).
+    pub(super) chunked: bool,
+    /// The body's length, where the head gives one (`Content-Length`) and it is not chunked.
+    pub(super) length: Option<u64>,
+}
+
+/// POSTs `body` (JSON) to `path` on a fresh connection and reads the response's head.
+pub(super) fn post(
     host: &str,
     port: u16,
     path: &str,
     key: Option<&str>,
     body: &str,
-    input: usize,
-) -> anyhow::Result<Sample> {
-    let t0 = Instant::now();
+) -> anyhow::Result<ResponseHead> {
     let mut stream = connect(host, port)?;
     let auth = key
         .map(|k| format!("Authorization: Bearer {k}\r\n"))
@@ -259,38 +267,115 @@ pub(super) fn one_request(
         .nth(1)
         .and_then(|s| s.parse().ok())
         .unwrap_or(0);
-    let mut chunked = false;
+    let (mut chunked, mut length) = (false, None);
     loop {
         line.clear();
         if read_line_bounded(&mut reader, &mut line)? == 0 {
             break;
         }
-        let l = line.trim_end();
+        let l = line.trim_end().to_ascii_lowercase();
         if l.is_empty() {
             break;
         }
-        if l.to_ascii_lowercase().starts_with("transfer-encoding:")
-            && l.to_ascii_lowercase().contains("chunked")
-        {
+        if l.starts_with("transfer-encoding:") && l.contains("chunked") {
             chunked = true;
         }
+        if let Some(n) = l.strip_prefix("content-length:") {
+            length = Some(n.trim().parse().context("a bad Content-Length")?);
+        }
     }
-    let mut sample = Sample {
-        prompt_tokens: input,
-        ..Sample::default()
-    };
-    if status != 200 {
+    Ok(ResponseHead {
+        reader,
+        status,
+        chunked,
+        length: length.filter(|_| !chunked),
+    })
+}
+
+impl ResponseHead {
+    /// The error of a response other than 200: its status and the start of its body (the
+    /// server's reason).
+    pub(super) fn error(&mut self) -> String {
         let mut rest = String::new();
-        let _ = reader
+        let _ = self
+            .reader
             .by_ref()
             .take(MAX_ERROR_BODY_BYTES)
             .read_to_string(&mut rest);
-        sample.error = format!(
-            "HTTP {status}: {}",
+        format!(
+            "HTTP {}: {}",
+            self.status,
             rest.chars().take(200).collect::<String>()
-        );
+        )
+    }
+
+    /// The whole body of a response that is not streamed, of at most `max` bytes (a longer
+    /// one is an error): chunks joined, its `Content-Length`, or else everything up to the
+    /// end of the connection (every request is sent with `Connection: close`).
+    pub(super) fn body(&mut self, max: usize) -> anyhow::Result<Vec<u8>> {
+        let too_long = || format!("the response's body is larger than {} MiB", max >> 20);
+        let mut body = Vec::new();
+        if let Some(n) = self.length {
+            anyhow::ensure!(n <= max as u64, too_long());
+            body.resize(n as usize, 0);
+            self.reader
+                .read_exact(&mut body)
+                .context("the response ended before its Content-Length")?;
+            return Ok(body);
+        }
+        if !self.chunked {
+            self.reader
+                .by_ref()
+                .take(max as u64 + 1)
+                .read_to_end(&mut body)?;
+            anyhow::ensure!(body.len() <= max, too_long());
+            return Ok(body);
+        }
+        let mut line = String::new();
+        loop {
+            line.clear();
+            anyhow::ensure!(
+                read_line_bounded(&mut self.reader, &mut line)? > 0,
+                "the response ended inside its chunked body"
+            );
+            let size = parse_chunk_size(&line)?;
+            if size == 0 {
+                return Ok(body);
+            }
+            anyhow::ensure!(size <= max - body.len(), too_long());
+            let start = body.len();
+            body.resize(start + size, 0);
+            self.reader.read_exact(&mut body[start..])?;
+            line.clear();
+            read_line_bounded(&mut self.reader, &mut line)?;
+        }
+    }
+}
+
+/// Sends one streaming completion and timestamps its chunks. As in vLLM, a request succeeds
+/// when its stream completes (`[DONE]`) after at least one chunk with a choice, even one
+/// without text (an immediate end of sequence).
+pub(super) fn one_request(
+    host: &str,
+    port: u16,
+    path: &str,
+    key: Option<&str>,
+    body: &str,
+    input: usize,
+) -> anyhow::Result<Sample> {
+    let t0 = Instant::now();
+    let mut head = post(host, port, path, key, body)?;
+    let mut sample = Sample {
+        prompt_tokens: input,
+        inputs: 1,
+        ..Sample::default()
+    };
+    if head.status != 200 {
+        sample.error = head.error();
         return Ok(sample);
     }
+    let (mut reader, chunked) = (head.reader, head.chunked);
+    let mut line = String::new();
     let mut events = EventStream::default();
     let mut timer = StreamTimer::default();
     let mut done = false;
@@ -481,6 +566,43 @@ mod tests {
         // Every chunk is timed, the empty ones too.
         assert_eq!(sample.itl.len(), 3);
         assert_eq!(sample.prompt_tokens, 3);
+    }
+
+    /// A body that is not streamed reads whole, chunked or up to the end of the connection,
+    /// and one over the cap is an error, not a truncation.
+    #[test]
+    fn whole_bodies_read_chunked_or_to_the_end_up_to_a_cap() {
+        let read = |response: &str, max: usize| {
+            let port = serve_once(response.to_string());
+            let mut head = post("127.0.0.1", port, "/v1/embeddings", None, "{}").unwrap();
+            assert_eq!(head.status, 200);
+            head.body(max)
+        };
+        let chunked = "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n\
+                       4\r\n{\"a\"\r\n3\r\n:1}\r\n0\r\n\r\n";
+        assert_eq!(read(chunked, 7).unwrap(), b"{\"a\":1}");
+        assert!(read(chunked, 6).is_err());
+        let sized = "HTTP/1.1 200 OK\r\nContent-Length: 7\r\n\r\n{\"a\":1}";
+        assert_eq!(read(sized, 7).unwrap(), b"{\"a\":1}");
+        assert!(read(sized, 6).is_err());
+        // Read to its length, not to the end of the connection.
+        let short = "HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\n{\"a\":1}";
+        assert_eq!(read(short, 100).unwrap(), b"{\"a\"");
+        let cut_short = "HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\n{\"a\":1}";
+        assert!(read(cut_short, 100).is_err());
+        let bad = "HTTP/1.1 200 OK\r\ncontent-length: many\r\n\r\n{\"a\":1}";
+        let port = serve_once(bad.to_string());
+        assert!(post("127.0.0.1", port, "/v1/embeddings", None, "{}").is_err());
+        let to_close = "HTTP/1.1 200 OK\r\n\r\n{\"a\":1}";
+        assert_eq!(read(to_close, 7).unwrap(), b"{\"a\":1}");
+        assert!(read(to_close, 6).is_err());
+        // A chunked body cut off is an error too.
+        let cut = "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n4\r\n{\"a\"\r\n";
+        assert!(read(cut, 100).is_err());
+        // A refusal keeps its status and reason.
+        let port = serve_once("HTTP/1.1 400 Bad Request\r\n\r\n{\"error\":\"too long\"}".into());
+        let mut head = post("127.0.0.1", port, "/v1/embeddings", None, "{}").unwrap();
+        assert_eq!(head.error(), "HTTP 400: {\"error\":\"too long\"}");
     }
 
     #[test]
