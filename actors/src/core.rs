@@ -712,10 +712,12 @@ impl StepCore {
                 });
             }
             if let Some(values) = o.hidden {
-                events.push(CoreEvent::Hidden {
-                    id: RequestId(o.seq_id),
-                    values,
-                });
+                // Not for a request that ended (aborted) while the step ran: the scheduler
+                // drops that step's token, and nothing more is reported of the request.
+                let id = RequestId(o.seq_id);
+                if self.live.contains_key(&id) {
+                    events.push(CoreEvent::Hidden { id, values });
+                }
             }
             if let Some(token) = o.token {
                 if let Some(&fed) = drafted.get(&o.seq_id) {
@@ -1195,6 +1197,57 @@ mod tests {
         m
     }
 
+    /// An embedding request as `Engine::admit` makes it: one greedy token, EOS ignored,
+    /// [`SamplingParams::hidden_state`].
+    fn embedding(id: u64, prompt: Vec<u32>) -> SubmitOptions {
+        let limits = SamplingLimits {
+            max_tokens: 1,
+            ignore_eos: true,
+            ..SamplingLimits::default()
+        };
+        let sampling = SamplingParams {
+            temperature: 0.0,
+            hidden_state: true,
+            ..SamplingParams::default()
+        };
+        SubmitOptions::offline(id, prompt, limits, Arc::new(sampling))
+    }
+
+    /// An embedding aborted while the step that computes its last prompt position is in
+    /// flight (asynchronous scheduling) gets no event once that step's outputs come in: no
+    /// hidden state, no token, no end; its blocks are all given back.
+    #[test]
+    fn an_embedding_aborted_while_its_last_step_runs_reports_nothing_more() {
+        let backend = NextTokenBackend {
+            pipelines: true,
+            ..NextTokenBackend::default()
+        };
+        let fed = backend.fed.clone();
+        let mut e = engine(backend).with_async_scheduling(AsyncScheduling::On);
+        assert!(e.async_scheduling());
+        // 13 tokens in chunks of 6: the third step feeds the last position.
+        e.core()
+            .add_request(embedding(1, (0..13).collect()))
+            .unwrap();
+        let mut before = Vec::new();
+        let mut now = 0;
+        while !fed.lock().unwrap().iter().any(|f| f.0 == 1 && f.1 == 12) {
+            before.extend(e.step(Timestamp(now)).unwrap().events);
+            now += 1;
+            assert!(now < 10, "the last position was never fed");
+        }
+        assert!(before.is_empty(), "{before:?}");
+        assert!(e.core().abort(RequestId(1)));
+        let mut after = Vec::new();
+        for _ in 0..3 {
+            after.extend(e.step(Timestamp(now)).unwrap().events);
+            now += 1;
+        }
+        assert!(after.is_empty(), "events after the abort: {after:?}");
+        let stats = e.core().stats();
+        assert_eq!((stats.num_running, stats.kv_usage), (0, 0.0));
+    }
+
     /// Embedding requests (one greedy token, [`SamplingParams::hidden_state`]) among
     /// generations that repeat themselves (drafts), in a pool small enough that prefills are
     /// preempted, with and without asynchronous scheduling and speculative decoding: each
@@ -1209,19 +1262,6 @@ mod tests {
             prompt_lookup_min: 1,
             prompt_lookup_max: 2,
             max_running: 0,
-        };
-        let embedding = |id: u64, prompt: Vec<u32>| {
-            let limits = SamplingLimits {
-                max_tokens: 1,
-                ignore_eos: true,
-                ..SamplingLimits::default()
-            };
-            let sampling = SamplingParams {
-                temperature: 0.0,
-                hidden_state: true,
-                ..SamplingParams::default()
-            };
-            SubmitOptions::offline(id, prompt, limits, Arc::new(sampling))
         };
         // In 40 blocks of 4: generations 1 to 3 from the start, embeddings 10 to 13 arriving
         // at steps 2 to 5 (13 tokens, 19, 9, 14), 14 repeating 10's prompt as soon as 10 ended
