@@ -303,3 +303,71 @@ fn embeddings_can_be_switched_off() {
     );
     assert_eq!(status, 200, "{v}");
 }
+
+/// An input embedded again is served from the prefix cache (every whole block before its
+/// last token: the metric grows by exactly that) and gives the same vector as the first time,
+/// when every position was computed; so does the same input prefilled in chunks by a server
+/// whose step budget is smaller than it (the vector comes from the final chunk, over keys and
+/// values the earlier chunks left), and with another input's blocks cached before it.
+#[test]
+fn an_input_served_from_the_prefix_cache_gives_the_same_vector() {
+    const BLOCK: usize = 16;
+    let config = |budget: usize| {
+        format!(
+            "cache:\n  block_size: {BLOCK}\n  prefix_caching: true\nscheduler:\n  \
+             max_num_seqs: 16\n  max_num_batched_tokens: {budget}\n"
+        )
+    };
+    let model = format!("  max_model_len: {CONTEXT}\n");
+    let s = &Server::start_full("embeddings-cached", &model, "", &config(1024));
+    let cached = |s: &Server| {
+        s.metric("switchyard:prompt_tokens_cached_total")
+            .unwrap_or(0.0)
+    };
+    // 100 token ids: 6 whole blocks before the last token are reusable, 96 tokens.
+    let ids: Vec<u64> = (1000..1100).collect();
+    let before = cached(s);
+    let first = one_vector(s, json!(ids));
+    assert_eq!(cached(s), before, "nothing was cached the first time");
+    let second = one_vector(s, json!(ids));
+    assert_eq!(
+        cached(s) - before,
+        ((ids.len() - 1) / BLOCK * BLOCK) as f64,
+        "the second time, the whole blocks before the last token came from the cache"
+    );
+    let diff = max_difference(&first, &second);
+    eprintln!(
+        "cached vs computed: largest difference {diff:e}, same bits: {}",
+        bits(&first) == bits(&second)
+    );
+    assert!(
+        diff <= 1e-6,
+        "the vector over cached blocks differs by {diff:e}"
+    );
+    // A prefix of it, its 4 whole blocks before its last token served by the longer input's.
+    let prefix: Vec<u64> = ids[..70].to_vec();
+    let cached_prefix = one_vector(s, json!(prefix));
+
+    // Chunks of 32 tokens: the prefill runs in 4 steps; the prefix in 3.
+    let chunked = &Server::start_full("embeddings-chunked", &model, "", &config(32));
+    let before = cached(chunked);
+    let in_chunks = one_vector(chunked, json!(ids));
+    let prefix_in_chunks = one_vector(chunked, json!(prefix));
+    assert_eq!(
+        cached(chunked) - before,
+        64.0,
+        "the prefix's 4 whole blocks"
+    );
+    for (what, a, b) in [
+        ("chunked", &first, &in_chunks),
+        (
+            "prefix, chunked vs cached",
+            &cached_prefix,
+            &prefix_in_chunks,
+        ),
+    ] {
+        let diff = max_difference(a, b);
+        eprintln!("{what}: largest difference {diff:e}");
+        assert!(diff <= 1e-5, "{what}: the vectors differ by {diff:e}");
+    }
+}

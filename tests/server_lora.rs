@@ -432,3 +432,62 @@ fn embeddings_naming_the_adapter_are_computed_with_it() {
         }
     });
 }
+
+/// The prefix cache keeps each adapter's blocks apart for embeddings too: a long input embedded
+/// with the base model, then with the adapter, is not served the base model's blocks (nothing
+/// is counted cached, and the vector is the adapter's); each again is served its own blocks
+/// and gives the same bits as the first time.
+#[test]
+fn embeddings_of_an_adapter_are_not_served_the_base_model_s_cached_blocks() {
+    const BLOCK: usize = 16;
+    let s = &Server::start_with(
+        "lora-embeddings-cached",
+        "",
+        &format!(
+            "cache:
+  block_size: {BLOCK}
+  prefix_caching: true
+scheduler:
+  max_num_seqs: 16
+  max_num_batched_tokens: 1024
+lora:
+  enabled: true
+  max_loras: 2
+  adapters:
+    - name: tuned
+      path: {}
+",
+            lora_fixture_dir()
+        ),
+    );
+    let ids: Vec<u64> = (1000..1100).collect();
+    let reusable = ((ids.len() - 1) / BLOCK * BLOCK) as f64;
+    let cached = || {
+        s.metric("switchyard:prompt_tokens_cached_total")
+            .unwrap_or(0.0)
+    };
+    let embed = |model: &str| -> Vec<u32> {
+        let (status, v) = s.post_json("/v1/embeddings", &json!({"model": model, "input": ids}));
+        assert_eq!(status, 200, "{v}");
+        v["data"][0]["embedding"]
+            .as_array()
+            .expect("a float vector")
+            .iter()
+            .map(|x| (x.as_f64().expect("a float") as f32).to_bits())
+            .collect()
+    };
+    let base_model = s.model_id();
+    let start = cached();
+    let base = embed(&base_model);
+    let tuned = embed("tuned");
+    assert_eq!(
+        cached(),
+        start,
+        "the adapter was served the base model's blocks"
+    );
+    assert_ne!(base, tuned);
+    assert_eq!(embed(&base_model), base);
+    assert_eq!(cached() - start, reusable);
+    assert_eq!(embed("tuned"), tuned);
+    assert_eq!(cached() - start, 2.0 * reusable);
+}

@@ -712,10 +712,12 @@ impl StepCore {
                 });
             }
             if let Some(values) = o.hidden {
-                events.push(CoreEvent::Hidden {
-                    id: RequestId(o.seq_id),
-                    values,
-                });
+                // Not for a request that ended (aborted) while the step ran: the scheduler
+                // drops that step's token, and nothing more is reported of the request.
+                let id = RequestId(o.seq_id);
+                if self.live.contains_key(&id) {
+                    events.push(CoreEvent::Hidden { id, values });
+                }
             }
             if let Some(token) = o.token {
                 if let Some(&fed) = drafted.get(&o.seq_id) {
@@ -1075,7 +1077,14 @@ mod tests {
                     logprob: None,
                     top_logprobs: Vec::new(),
                     prompt_logprobs: Vec::new(),
-                    hidden: None,
+                    // A stand-in for the hidden state at the sampled row: its token and the
+                    // number of positions it attends over (computed before it, and its own).
+                    hidden: (s.sample && s.sampling.hidden_state).then(|| {
+                        vec![
+                            s.tokens[known - 1] as f32,
+                            (s.num_computed_tokens + known) as f32,
+                        ]
+                    }),
                 });
             }
             Ok(out)
@@ -1133,11 +1142,20 @@ mod tests {
         backend: NextTokenBackend,
         speculative: Option<switchyard_policies::SpeculativeConfig>,
     ) -> EngineCore {
+        engine_with_blocks(backend, speculative, 64)
+    }
+
+    /// [`engine_with`] over `num_gpu_blocks` blocks of 4 tokens.
+    fn engine_with_blocks(
+        backend: NextTokenBackend,
+        speculative: Option<switchyard_policies::SpeculativeConfig>,
+        num_gpu_blocks: usize,
+    ) -> EngineCore {
         let scheduler = SchedulerConfig {
             max_num_seqs: 8,
             max_num_batched_tokens: 6,
             block_size: 4,
-            num_gpu_blocks: 64,
+            num_gpu_blocks,
             enable_prefix_caching: true,
             max_model_len: 128,
             tiers: Vec::new(),
@@ -1177,6 +1195,220 @@ mod tests {
             }
         }
         m
+    }
+
+    /// An embedding request as `Engine::admit` makes it: one greedy token, EOS ignored,
+    /// [`SamplingParams::hidden_state`].
+    fn embedding(id: u64, prompt: Vec<u32>) -> SubmitOptions {
+        let limits = SamplingLimits {
+            max_tokens: 1,
+            ignore_eos: true,
+            ..SamplingLimits::default()
+        };
+        let sampling = SamplingParams {
+            temperature: 0.0,
+            hidden_state: true,
+            ..SamplingParams::default()
+        };
+        SubmitOptions::offline(id, prompt, limits, Arc::new(sampling))
+    }
+
+    /// An embedding aborted while the step that computes its last prompt position is in
+    /// flight (asynchronous scheduling) gets no event once that step's outputs come in: no
+    /// hidden state, no token, no end; its blocks are all given back.
+    #[test]
+    fn an_embedding_aborted_while_its_last_step_runs_reports_nothing_more() {
+        let backend = NextTokenBackend {
+            pipelines: true,
+            ..NextTokenBackend::default()
+        };
+        let fed = backend.fed.clone();
+        let mut e = engine(backend).with_async_scheduling(AsyncScheduling::On);
+        assert!(e.async_scheduling());
+        // 13 tokens in chunks of 6: the third step feeds the last position.
+        e.core()
+            .add_request(embedding(1, (0..13).collect()))
+            .unwrap();
+        let mut before = Vec::new();
+        let mut now = 0;
+        while !fed.lock().unwrap().iter().any(|f| f.0 == 1 && f.1 == 12) {
+            before.extend(e.step(Timestamp(now)).unwrap().events);
+            now += 1;
+            assert!(now < 10, "the last position was never fed");
+        }
+        assert!(before.is_empty(), "{before:?}");
+        assert!(e.core().abort(RequestId(1)));
+        let mut after = Vec::new();
+        for _ in 0..3 {
+            after.extend(e.step(Timestamp(now)).unwrap().events);
+            now += 1;
+        }
+        assert!(after.is_empty(), "events after the abort: {after:?}");
+        let stats = e.core().stats();
+        assert_eq!((stats.num_running, stats.kv_usage), (0, 0.0));
+    }
+
+    /// Embedding requests (one greedy token, [`SamplingParams::hidden_state`]) among
+    /// generations that repeat themselves (drafts), in a pool small enough that prefills are
+    /// preempted, with and without asynchronous scheduling and speculative decoding: each
+    /// reports one hidden state, that of its complete prompt's last position (never one of a
+    /// chunk, of a step it was preempted after, or of a step planned past its one token), before
+    /// its token and its end, and is never fed drafts nor a position past its prompt; one whose
+    /// prompt an earlier one computed is served from the prefix cache and reports the same.
+    #[test]
+    fn embeddings_report_the_hidden_state_of_their_complete_prompt_once() {
+        let spec = switchyard_policies::SpeculativeConfig {
+            num_speculative_tokens: 3,
+            prompt_lookup_min: 1,
+            prompt_lookup_max: 2,
+            max_running: 0,
+        };
+        // In 40 blocks of 4: generations 1 to 3 from the start, embeddings 10 to 13 arriving
+        // at steps 2 to 5 (13 tokens, 19, 9, 14), 14 repeating 10's prompt as soon as 10 ended
+        // (its blocks still cached). In 8 blocks: generation 1 (14 tokens, 4 blocks, growing
+        // to 8) and embedding 10 at step 3, once 1 decodes (admitted into the 4 free blocks);
+        // as 1 grows past its 4th block, 10 is preempted mid-prefill (10 of its 13 tokens
+        // computed) and comes back once 1 ended; 14 then finds 10's blocks cached.
+        let all: BTreeMap<u64, (u64, Vec<u32>)> = [
+            (10, 2, 1000..1013),
+            (11, 3, 1100..1119),
+            (12, 4, 1200..1209),
+            (13, 5, 1300..1314),
+            (14, u64::MAX, 1000..1013),
+        ]
+        .into_iter()
+        .map(|(id, at, p)| (id, (at, p.collect())))
+        .collect();
+        let mut preempted_somewhere = false;
+        let mut cached_somewhere = false;
+        let mut recomputed_somewhere = false;
+        let configs = [false, true]
+            .into_iter()
+            .flat_map(|p| [(p, false), (p, true)])
+            .flat_map(|(p, s)| [(p, s, 8), (p, s, 40)]);
+        for (pipelined, speculative, blocks) in configs {
+            let small = blocks == 8;
+            let mut arrivals = all.clone();
+            if small {
+                arrivals.retain(|&id, _| id == 10 || id == 14);
+                arrivals.entry(10).and_modify(|a| a.0 = 3);
+            }
+            let backend = NextTokenBackend {
+                verifies: true,
+                pipelines: pipelined,
+                ..NextTokenBackend::default()
+            };
+            let fed = backend.fed.clone();
+            let mut e = engine_with_blocks(backend, speculative.then(|| spec.clone()), blocks)
+                .with_async_scheduling(AsyncScheduling::On);
+            if small {
+                e.core()
+                    .add_request(request(1, (500..514).collect(), 18, None))
+                    .unwrap();
+            } else {
+                for id in 1..=3u64 {
+                    e.core()
+                        .add_request(request(id, vec![1, 2, 3, 1, 2, 3], 24, None))
+                        .unwrap();
+                }
+            }
+            let mut events = Vec::new();
+            let mut step = 0u64;
+            let mut repeated = false;
+            while e.core().has_unfinished() || step <= 5 || !repeated {
+                for (&id, (at, prompt)) in &arrivals {
+                    let ten_ended = || {
+                        events
+                            .iter()
+                            .any(|ev| matches!(ev, CoreEvent::Finished { id, .. } if id.0 == 10))
+                    };
+                    if *at == step || (id == 14 && !repeated && ten_ended()) {
+                        repeated |= id == 14;
+                        e.core().add_request(embedding(id, prompt.clone())).unwrap();
+                    }
+                }
+                events.extend(e.step(Timestamp(step * 1000)).unwrap().events);
+                step += 1;
+                assert!(step < 2000);
+            }
+            preempted_somewhere |= e.core().stats().num_preemptions > 0;
+            let label =
+                format!("pipelined {pipelined}, speculative {speculative}, {blocks} blocks");
+            let fed = fed.lock().unwrap().clone();
+            for (&id, (_, prompt)) in &arrivals {
+                let mine: Vec<&CoreEvent> = events
+                    .iter()
+                    .filter(|ev| match ev {
+                        CoreEvent::Token { id: i, .. }
+                        | CoreEvent::Finished { id: i, .. }
+                        | CoreEvent::PromptCached { id: i, .. }
+                        | CoreEvent::Hidden { id: i, .. }
+                        | CoreEvent::PromptLogprobs { id: i, .. } => i.0 == id,
+                    })
+                    .collect();
+                let hidden: Vec<&Vec<f32>> = mine
+                    .iter()
+                    .filter_map(|ev| match ev {
+                        CoreEvent::Hidden { values, .. } => Some(values),
+                        _ => None,
+                    })
+                    .collect();
+                let want = vec![*prompt.last().unwrap() as f32, prompt.len() as f32];
+                assert_eq!(hidden, vec![&want], "request {id} ({label}): {mine:?}");
+                assert!(
+                    matches!(mine.first(), Some(CoreEvent::Hidden { .. })),
+                    "request {id} ({label}): {mine:?}"
+                );
+                assert!(
+                    matches!(
+                        mine.last(),
+                        Some(CoreEvent::Finished {
+                            reason: FinishReason::Length,
+                            ..
+                        })
+                    ),
+                    "request {id} ({label}): {mine:?}"
+                );
+                let tokens = mine
+                    .iter()
+                    .filter(|ev| matches!(ev, CoreEvent::Token { .. }))
+                    .count();
+                assert_eq!(tokens, 1, "request {id} ({label})");
+                let mut end = 0;
+                for (seq, start, toks) in &fed {
+                    if *seq == id {
+                        assert!(
+                            start + toks.len() <= prompt.len(),
+                            "request {id} ({label}) fed {toks:?} from {start}"
+                        );
+                        // Fed again from an earlier position: preempted mid-prefill.
+                        recomputed_somewhere |= *start < end;
+                        end = end.max(start + toks.len());
+                    }
+                }
+            }
+            let cached: BTreeMap<u64, u32> = events
+                .iter()
+                .filter_map(|ev| match ev {
+                    CoreEvent::PromptCached { id, tokens } => Some((id.0, *tokens)),
+                    _ => None,
+                })
+                .collect();
+            assert_eq!(cached.get(&10), Some(&0), "{label}: {cached:?}");
+            // 14's prompt is 10's: at most its 3 whole blocks before the last token.
+            let again = cached.get(&14).copied();
+            assert!(again.is_some_and(|c| c <= 12), "{label}: {cached:?}");
+            cached_somewhere |= again.is_some_and(|c| c > 0);
+        }
+        assert!(preempted_somewhere, "no configuration preempted anything");
+        assert!(
+            recomputed_somewhere,
+            "no embedding was preempted mid-prefill"
+        );
+        assert!(
+            cached_somewhere,
+            "request 14 never found 10's blocks cached"
+        );
     }
 
     #[test]

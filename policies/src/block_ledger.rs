@@ -277,6 +277,15 @@ impl BlockLedger {
         self.cache.contains_key(&hash)
     }
 
+    /// Points the prefix-cache entry of `block` at `to` instead: a corrupt ledger, for tests
+    /// of what the planner does with one.
+    #[cfg(test)]
+    pub(crate) fn corrupt_cache_entry(&mut self, block: BlockId, to: BlockId) {
+        if let Some(h) = self.hashes.get(block as usize).copied().flatten() {
+            self.cache.insert(h, to);
+        }
+    }
+
     /// Appends to `out` the cached blocks of the longest cached prefix of `hashes`.
     pub fn match_prefix(&self, hashes: &[PrefixHash], out: &mut Vec<BlockId>) -> usize {
         let start = out.len();

@@ -986,15 +986,11 @@ impl Scheduler {
         b: &mut Building<'_>,
     ) -> Result<(), Shortfall> {
         let Admission {
-            computed,
+            mut computed,
             num_new,
             need_new,
-            need_all,
+            mut need_all,
         } = self.admission(slot, max_new, b)?;
-        // Running now, it owes the rest of its prefill's blocks.
-        if let Some(owed) = b.owed.as_mut() {
-            *owed += need_all - need_new;
-        }
         let caching = self.config.enable_prefix_caching;
         let Some(seq) = self.seqs.get_mut(slot as usize).and_then(|s| s.as_mut()) else {
             return Ok(());
@@ -1002,10 +998,26 @@ impl Scheduler {
         let total = seq.num_tokens();
         seq.clear_blocks();
         for &blk in &self.matched {
-            match self.ledger.touch(blk) {
-                Ok(()) => seq.block_table.push(blk),
-                Err(_) => self.pool_errors += 1,
+            if self.ledger.touch(blk).is_err() {
+                // Unreachable (the prefix index only holds ids of the pool): the ledger is
+                // corrupt. The prefix stops before the block, so that the table stays aligned
+                // with positions: what follows is computed again, and counted as not cached.
+                self.pool_errors += 1;
+                break;
             }
+            seq.block_table.push(blk);
+        }
+        let pinned = seq.block_table.len();
+        if pinned < self.matched.len() {
+            // The chunk starts earlier but spans as many blocks (the prefix is whole blocks);
+            // the rest of the prefill needs the blocks left out.
+            computed = pinned * self.ledger.block_size();
+            need_all += self.matched.len() - pinned;
+            self.matched.truncate(pinned);
+        }
+        // Running now, it owes the rest of its prefill's blocks.
+        if let Some(owed) = b.owed.as_mut() {
+            *owed += need_all - need_new;
         }
         for _ in 0..need_new {
             match self.ledger.reserve() {

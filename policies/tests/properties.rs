@@ -390,6 +390,58 @@ fn check_plan(
 
 /// The running set never holds more than `max_loras` distinct adapters (recounted from the
 /// requests' states, not from the scheduler's own counts), and the stats agree.
+/// A request's reported cached prompt tokens (`SeqEvent::FirstToken`): what its first
+/// admission matched (the computed tokens of its first plan entry), whole blocks, short of its
+/// last prompt token, none without prefix caching, and only what another request of its
+/// namespace (LoRA adapter and cache salt) could have computed: prompts share tokens only
+/// within a group's prefix, so at most the shorter prefix of a request of the same group,
+/// adapter and salt.
+fn check_cached(
+    w: &Workload,
+    id: RequestId,
+    reported: u32,
+    first_planned: &HashMap<RequestId, usize>,
+) -> Result<(), TestCaseError> {
+    let i = id.0 as usize;
+    let me = &w.reqs[i];
+    let prompt = me.prefix_len + me.suffix_len;
+    let reported = reported as usize;
+    let planned = first_planned.get(&id).copied();
+    prop_assert_eq!(
+        Some(reported),
+        planned.map(|p| p.min(prompt)),
+        "{:?}: reported cached tokens are not its first admission's",
+        id
+    );
+    prop_assert!(
+        reported.is_multiple_of(w.block_size),
+        "{:?}: {}",
+        id,
+        reported
+    );
+    prop_assert!(reported < prompt, "{:?}: {} of {}", id, reported, prompt);
+    if !w.caching {
+        prop_assert_eq!(reported, 0);
+    }
+    let namespace = |r: &Spec| (r.adapter, r.salted.then_some(r.tenant));
+    let shared = w
+        .reqs
+        .iter()
+        .enumerate()
+        .filter(|&(j, r)| j != i && r.group == me.group && namespace(r) == namespace(me))
+        .map(|(_, r)| r.prefix_len.min(me.prefix_len))
+        .max()
+        .unwrap_or(0);
+    prop_assert!(
+        reported <= shared,
+        "{:?} reported {} cached tokens; at most {} were computed in its namespace",
+        id,
+        reported,
+        shared
+    );
+    Ok(())
+}
+
 fn check_adapters(
     w: &Workload,
     s: &Scheduler,
@@ -441,6 +493,10 @@ fn run(w: &Workload, first: &str, swaps: &[&str], pipelined: bool) -> Result<End
     let mut ended: BTreeMap<RequestId, FinishReason> = BTreeMap::new();
     let mut outputs_seen: HashMap<RequestId, usize> = HashMap::new();
     let mut mirrors: HashMap<RequestId, Vec<BlockId>> = HashMap::new();
+    // Per request: the computed tokens of its first plan entry (its first admission) and the
+    // cached prompt tokens its `FirstToken` reported.
+    let mut first_planned: HashMap<RequestId, usize> = HashMap::new();
+    let mut cached: HashMap<RequestId, u32> = HashMap::new();
     let last_arrival = w.reqs.iter().map(|r| r.arrival_step).max().unwrap_or(0);
     let mut swaps = swaps.iter();
     let mut step = 0u64;
@@ -559,6 +615,9 @@ fn run(w: &Workload, first: &str, swaps: &[&str], pipelined: bool) -> Result<End
         };
         want_in_order = s.take_preemption_wanted();
         check_plan(w, &s, &plan, &mut mirrors)?;
+        for q in &plan.seqs {
+            first_planned.entry(q.id).or_insert(q.num_computed_tokens);
+        }
         s.check_invariants()
             .map_err(|e| TestCaseError::fail(e.to_string()))?;
         check_adapters(w, &s, &admitted)?;
@@ -589,7 +648,24 @@ fn run(w: &Workload, first: &str, swaps: &[&str], pipelined: bool) -> Result<End
                         id
                     );
                 }
-                SeqEvent::FirstToken { .. } => {}
+                SeqEvent::FirstToken {
+                    id,
+                    cached_prompt_tokens,
+                    ..
+                } => {
+                    check_cached(w, id, cached_prompt_tokens, &first_planned)?;
+                    prop_assert_eq!(
+                        outputs_seen.get(&id).copied().unwrap_or(0),
+                        0,
+                        "{:?}: its first token event came after a token",
+                        id
+                    );
+                    prop_assert!(
+                        cached.insert(id, cached_prompt_tokens).is_none(),
+                        "{:?}: cached prompt tokens reported twice",
+                        id
+                    );
+                }
             }
         }
         s.check_invariants()
@@ -623,6 +699,15 @@ fn run(w: &Workload, first: &str, swaps: &[&str], pipelined: bool) -> Result<End
                 k
             );
         }
+        // A request that got a token reported its cached prompt tokens (exactly once: above).
+        prop_assert_eq!(
+            cached.contains_key(id),
+            !out.is_empty(),
+            "{:?}: {} outputs, cached tokens reported: {}",
+            id,
+            out.len(),
+            cached.contains_key(id)
+        );
         result.insert(*id, (out.to_vec(), ended[id]));
         match ended[id] {
             FinishReason::Length => prop_assert_eq!(out.len(), spec.max_tokens as usize),

@@ -292,6 +292,28 @@ fn start_engine_bounded(
     max_pending: usize,
     tier_max_pending: &[(&str, usize)],
 ) -> (Engine, Arc<Mutex<HashMap<u64, usize>>>) {
+    start_engine_sharing(
+        fail,
+        speculative,
+        tokenizer,
+        tenants,
+        max_pending,
+        tier_max_pending,
+        false,
+    )
+}
+
+/// [`start_engine_bounded`], tenants sharing cached prefix blocks unless `by_tenant`
+/// (`cache.prefix_sharing: tenant`).
+fn start_engine_sharing(
+    fail: bool,
+    speculative: bool,
+    tokenizer: Arc<Tokenizer>,
+    tenants: &[&str],
+    max_pending: usize,
+    tier_max_pending: &[(&str, usize)],
+    by_tenant: bool,
+) -> (Engine, Arc<Mutex<HashMap<u64, usize>>>) {
     install_recorder();
     let sampled_steps = Arc::new(Mutex::new(HashMap::new()));
     let scheduler = SchedulerConfig {
@@ -324,7 +346,7 @@ fn start_engine_bounded(
             metrics_tenants: tenants.iter().map(|t| t.to_string()).collect(),
             async_scheduling: crate::AsyncScheduling::Off,
             lora: None,
-            prefix_sharing_by_tenant: false,
+            prefix_sharing_by_tenant: by_tenant,
             vocab_size: 0,
         },
         Box::new(CycleBackend {
@@ -1104,6 +1126,85 @@ async fn cached_prompt_tokens_ride_on_the_deltas_and_count_once_per_prompt() {
         names::LABEL_TENANT
     );
     assert_eq!(m.counters_of(names::PROMPT_TOKENS_CACHED), vec![(acme, 32)]);
+}
+
+/// A request is reported only the prompt tokens its own namespace computed: with tenants
+/// kept apart, another tenant's blocks, another `cache_salt`'s and none for a request that
+/// asks for prompt logprobs (a salt of its own each time: every prompt position computed).
+#[actix::test]
+async fn cached_prompt_tokens_come_only_from_the_request_s_namespace() {
+    let (engine, _) = start_engine_sharing(false, false, tokenizer(), &[], 16, &[], true);
+    // 40 prompt tokens, blocks of 16: 32 reusable.
+    let options = |tenant: &str, salt: Option<&str>, prompt_logprobs: Option<u32>| RequestOptions {
+        prompt: PromptSource::Tokens((0..40).map(|i| i % CYCLE).collect()),
+        tenant: tenant.into(),
+        cache_salt: salt.map(str::to_owned),
+        prompt_logprobs,
+        ..request(1, 2, ignoring_eos())
+    };
+    let cases = [
+        ("a", None, None, 0),
+        ("a", None, None, 32),
+        ("b", None, None, 0),
+        ("b", None, None, 32),
+        ("a", Some("x"), None, 0),
+        ("a", Some("x"), None, 32),
+        ("b", Some("x"), None, 0),
+        ("a", None, Some(0), 0),
+        ("a", None, Some(0), 0),
+        ("a", Some("x"), Some(1), 0),
+        ("a", None, None, 32),
+    ];
+    for (tenant, salt, prompt_logprobs, want) in cases {
+        let deltas = Arc::new(Mutex::new(Vec::new()));
+        engine.submit(
+            options(tenant, salt, prompt_logprobs),
+            Box::new(CachedSink(deltas.clone())),
+        );
+        until_idle(&engine).await;
+        let deltas = deltas.lock().unwrap().clone();
+        assert!(deltas.iter().any(|d| d.2), "{deltas:?}");
+        assert!(
+            deltas.iter().all(|d| d.1 == want),
+            "tenant {tenant}, salt {salt:?}, prompt logprobs {prompt_logprobs:?}: {deltas:?}"
+        );
+    }
+}
+
+/// `prompt_tokens_cached_total` counts what the prefix cache served a prompt whether or not
+/// its client reads the answer, as `prompt_tokens_total` counts the prompt: a client gone at
+/// its first delta, at its last (`will_deliver` then says no) or cut off is counted; one gone
+/// before its request was queued was served nothing and is not.
+#[actix::test]
+async fn cached_prompt_tokens_count_whether_or_not_the_client_reads_them() {
+    let (engine, _) = start_engine(false, false);
+    let options = || RequestOptions {
+        prompt: PromptSource::Tokens((0..40).map(|i| i % CYCLE).collect()),
+        ..request(1, 3, ignoring_eos())
+    };
+    let total = || -> u64 {
+        Snapshot::take()
+            .counters_of(names::PROMPT_TOKENS_CACHED)
+            .iter()
+            .map(|c| c.1)
+            .sum()
+    };
+    assert!(run(&engine, options(), Client::Stays).await.is_empty());
+    assert_eq!(total(), 0);
+    let mut want = 0;
+    for client in [
+        Client::GoneAtSubmit,
+        Client::LeavesAtFirstDelta,
+        Client::LeavesAtLastDelta,
+        Client::CutOffAfter(1),
+        Client::Stays,
+    ] {
+        run(&engine, options(), client).await;
+        if client != Client::GoneAtSubmit {
+            want += 32;
+        }
+        assert_eq!(total(), want);
+    }
 }
 
 /// Records every delta and error a request is sent.
