@@ -185,6 +185,10 @@ struct Submitted {
     /// The sampled ids: already read (pageable copies wait), or on their way into the
     /// page-locked buffer of this step's parity, complete when `ready` has.
     ids: SubmittedIds,
+    /// Final hidden states on their way into the page-locked hidden buffer of this step's
+    /// parity (with the ids): the first row copied, and per output asking for one, the
+    /// output's index and its row.
+    hidden: Option<(usize, Vec<(usize, usize)>)>,
 }
 
 /// One sampled row of a submitted step.
@@ -225,6 +229,9 @@ enum SubmittedIds {
 struct Staging {
     step: [Option<cudarc::driver::PinnedHostSlice<u8>>; 2],
     tokens: [cudarc::driver::PinnedHostSlice<i32>; 2],
+    /// The bf16 final hidden states a step's embeddings asked for (allocated at the first
+    /// such step, grown as needed, like `step`).
+    hidden: [Option<cudarc::driver::PinnedHostSlice<u16>>; 2],
     /// The step whose upload last used each step buffer: the buffer may be rewritten once that
     /// step has finished (`done_before`); otherwise (a step that failed or sampled nothing in
     /// between) the next upload waits for the stream first.
@@ -264,6 +271,7 @@ impl Staging {
             Ok(tokens) => Some(Staging {
                 step: [None, None],
                 tokens,
+                hidden: [None, None],
                 uploaded: [None, None],
                 step_failed: false,
             }),
@@ -302,6 +310,40 @@ impl Staging {
         }
         step.as_mut()?.as_mut_slice().ok()?.get_mut(..n)
     }
+
+    /// A page-locked buffer of at least `n` bf16 values for hidden states (at most `cap`),
+    /// grown if needed; `None` when that failed (the caller then copies synchronously). The
+    /// caller has made sure no copy into the current buffer is running.
+    fn hidden_buffer<'a>(
+        buf: &'a mut Option<cudarc::driver::PinnedHostSlice<u16>>,
+        gpu: &Gpu,
+        n: usize,
+        cap: usize,
+    ) -> Option<&'a mut [u16]> {
+        if buf.as_ref().is_none_or(|b| b.len() < n) {
+            let len = staging_len(n, cap);
+            *buf = None;
+            match alloc_pinned::<u16>(gpu, len) {
+                Ok(b) => *buf = Some(b),
+                Err(e) => {
+                    tracing::warn!(error = ?e, values = len, "no page-locked hidden-state buffer: copied synchronously");
+                    return None;
+                }
+            }
+        }
+        buf.as_mut()?.as_mut_slice().ok()?.get_mut(..n)
+    }
+}
+
+/// The hidden state of row `r` from `v`, a copy of bf16 rows of `h` values from row `lo`.
+fn hidden_row(v: &[u16], lo: usize, h: usize, r: usize) -> Option<Vec<f32>> {
+    let at = r.checked_sub(lo)? * h;
+    Some(
+        v.get(at..at + h)?
+            .iter()
+            .map(|&b| f32::from_bits(u32::from(b) << 16))
+            .collect(),
+    )
 }
 
 /// Where the weights come from.
@@ -754,6 +796,26 @@ impl CudaBackend {
         }
         let vocab = self.config.vocab_size;
         let mut outputs = sub.outputs;
+        if let Some((lo, rows)) = &sub.hidden {
+            // Copied with the ids, which are in (page-locked: `ready` was waited for above).
+            let st = self.staging.as_ref().ok_or_else(|| {
+                GpuError::Internal("page-locked hidden states without staging".into())
+            })?;
+            let pinned = st.hidden[(sub.step % 2) as usize]
+                .as_ref()
+                .ok_or_else(|| GpuError::Internal("no page-locked hidden-state buffer".into()))?
+                .as_slice()
+                .map_err(|e| device::cuda_err("page-locked hidden states", e))?;
+            let h = self.config.hidden_size;
+            for &(o, r) in rows {
+                let out = outputs
+                    .get_mut(o)
+                    .ok_or_else(|| GpuError::Internal("hidden state of no output".into()))?;
+                out.hidden = Some(hidden_row(pinned, *lo, h, r).ok_or_else(|| {
+                    GpuError::Internal("hidden-state row outside its copy".into())
+                })?);
+            }
+        }
         // (output, its constraint, its tokens in order): a sequence's rows are consecutive.
         let mut commits: Vec<(usize, &crate::Constraint, Vec<u32>)> = Vec::new();
         for (s, &tok) in sub.samples.iter().zip(&tokens) {
@@ -1094,20 +1156,45 @@ impl CudaBackend {
                 raw.insert(r, v);
             }
         }
-        // Final hidden states asked for (embeddings): the normalized rows the LM head read,
-        // in bf16 (these copies wait for the step).
+        // Final hidden states asked for (embeddings): the normalized bf16 rows the LM head
+        // read, one copy of the rows from the first to the last asked for; into page-locked
+        // memory with the sampled ids (read on collect), else now (the copy waits).
         let h = self.config.hidden_size;
-        let mut hidden: HashMap<usize, Vec<f32>> = HashMap::new();
-        for r in seqs.iter().filter_map(|s| s.hidden_row) {
-            let mut v = vec![0u16; h];
-            self.gpu.download(&mut v, self.buf.xs.at(r * h * 2)?)?;
-            hidden.insert(
-                r,
-                v.iter()
-                    .map(|&b| f32::from_bits(u32::from(b) << 16))
-                    .collect(),
-            );
+        let hidden_rows: Vec<(usize, usize)> = seqs
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| Some((i, s.hidden_row?)))
+            .collect();
+        let span = hidden_rows
+            .iter()
+            .map(|&(_, r)| r)
+            .min()
+            .zip(hidden_rows.iter().map(|&(_, r)| r).max())
+            .map(|(lo, hi)| (lo, (hi - lo + 1) * h));
+        let mut hidden_pinned = false;
+        let mut hidden_now: Vec<u16> = Vec::new();
+        if let Some((lo, n)) = span {
+            let src = self.buf.xs.at(lo * h * 2)?;
+            let cap = self.buf.max_rows.max(1) * h;
+            let pinned = self.staging.as_mut().and_then(|st| {
+                Staging::hidden_buffer(&mut st.hidden[(n_step % 2) as usize], &self.gpu, n, cap)
+            });
+            match pinned {
+                Some(dst) => {
+                    // SAFETY: the buffer of this step's parity is read only in `collect` after
+                    // the ids' `ready` event (recorded after this copy) completes, and
+                    // rewritten only by the step two later, submitted after this one was
+                    // collected (at most one step is submitted ahead).
+                    unsafe { self.gpu.download_async(dst, src)? };
+                    hidden_pinned = true;
+                }
+                None => {
+                    hidden_now = vec![0u16; n];
+                    self.gpu.download(&mut hidden_now, src)?;
+                }
+            }
         }
+        let lo = span.map_or(0, |(lo, _)| lo);
         edits.apply(&self.gpu, &mut self.edit_buf, self.buf.logits.ptr(), vocab)?;
         masks.apply(&self.gpu, &mut self.mask_buf, self.buf.logits.ptr(), vocab)?;
         self.gpu.timed("sample_rows", || {
@@ -1165,7 +1252,7 @@ impl CudaBackend {
                 logprob: None,
                 top_logprobs: Vec::new(),
                 prompt_logprobs: Vec::new(),
-                hidden: s.hidden_row.and_then(|r| hidden.remove(&r)),
+                hidden: s.hidden_row.and_then(|r| hidden_row(&hidden_now, lo, h, r)),
             };
             if let Some(input) = &s.prompt {
                 out.prompt_logprobs = prompt_logprobs(
@@ -1202,6 +1289,7 @@ impl CudaBackend {
             samples: sampled,
             raw,
             ids,
+            hidden: hidden_pinned.then_some((lo, hidden_rows)),
         }));
         Ok(())
     }
