@@ -549,11 +549,7 @@ fn errors_of(errors: &[Arc<Mutex<Vec<String>>>]) -> Vec<Vec<String>> {
 
 /// `request_failed_total{reason="overloaded"}`.
 fn overloaded(m: &Snapshot) -> u64 {
-    m.counter(&format!(
-        "{}{{{}=overloaded}}",
-        names::REQUEST_FAILED,
-        names::LABEL_REASON
-    ))
+    m.counter(&failed("overloaded"))
 }
 
 /// Requests refused inside the engine once a drain ended (`fail_in_flight`) count each choice
@@ -575,14 +571,7 @@ async fn refusals_after_a_drain_count_as_unavailable() {
     let m = Snapshot::take();
     assert_eq!(
         m.counters_of(names::REQUEST_FAILED),
-        vec![(
-            format!(
-                "{}{{{}=unavailable}}",
-                names::REQUEST_FAILED,
-                names::LABEL_REASON
-            ),
-            4
-        )]
+        vec![(failed("unavailable"), 4)]
     );
 }
 
@@ -653,6 +642,15 @@ async fn admission_counts_choices_all_or_nothing_400_apart_from_503() {
         Snapshot::take().counters_of(names::REQUEST_SUCCESS),
         vec![(success("length"), 2 + 1 + 2)]
     );
+}
+
+/// `request_failed_total{reason=...}`'s key.
+fn failed(reason: &str) -> String {
+    format!(
+        "{}{{{}={reason}}}",
+        names::REQUEST_FAILED,
+        names::LABEL_REASON
+    )
 }
 
 fn success(reason: &str) -> String {
@@ -727,10 +725,7 @@ async fn failed_steps_count_as_failures_not_aborts() {
     assert_eq!(m.counter(names::REQUEST_ABORTED), 0);
     assert_eq!(
         m.counters_of(names::REQUEST_FAILED),
-        vec![(
-            format!("{}{{{}=error}}", names::REQUEST_FAILED, names::LABEL_REASON),
-            2
-        )]
+        vec![(failed("error"), 2)]
     );
     assert!(m.counters_of(names::REQUEST_SUCCESS).is_empty());
 }
@@ -773,14 +768,7 @@ async fn a_client_gone_before_queueing_counts_each_choice_as_aborted() {
     assert_eq!(m.counter(names::REQUEST_ABORTED), 3);
     assert_eq!(
         m.counters_of(names::REQUEST_FAILED),
-        vec![(
-            format!(
-                "{}{{{}=context_length}}",
-                names::REQUEST_FAILED,
-                names::LABEL_REASON
-            ),
-            2
-        )]
+        vec![(failed("context_length"), 2)]
     );
 }
 
@@ -801,14 +789,7 @@ async fn the_other_prompts_of_a_failed_grammar_count_under_its_reason() {
     assert_eq!(m.counter(names::REQUEST_ABORTED), 0);
     assert_eq!(
         m.counters_of(names::REQUEST_FAILED),
-        vec![(
-            format!(
-                "{}{{{}=structured_output}}",
-                names::REQUEST_FAILED,
-                names::LABEL_REASON
-            ),
-            2
-        )]
+        vec![(failed("structured_output"), 2)]
     );
 }
 
@@ -853,14 +834,7 @@ async fn a_client_cut_off_for_reading_slowly_counts_as_failed_not_aborted_nor_su
     assert_eq!(m.counter(names::REQUEST_ABORTED), 0);
     assert_eq!(
         m.counters_of(names::REQUEST_FAILED),
-        vec![(
-            format!(
-                "{}{{{}=unavailable}}",
-                names::REQUEST_FAILED,
-                names::LABEL_REASON
-            ),
-            1
-        )]
+        vec![(failed("unavailable"), 1)]
     );
     // Cut off mid-way, both choices of n = 2 count as failed.
     run(
@@ -874,14 +848,7 @@ async fn a_client_cut_off_for_reading_slowly_counts_as_failed_not_aborted_nor_su
     assert_eq!(m.counter(names::REQUEST_ABORTED), 0);
     assert_eq!(
         m.counters_of(names::REQUEST_FAILED),
-        vec![(
-            format!(
-                "{}{{{}=unavailable}}",
-                names::REQUEST_FAILED,
-                names::LABEL_REASON
-            ),
-            3
-        )]
+        vec![(failed("unavailable"), 3)]
     );
 }
 
