@@ -105,6 +105,7 @@ fn request() -> RequestOptions {
         prompt_logprobs: None,
         cache_salt: None,
         embed: false,
+        beam: None,
         lora: None,
         structured: None,
     }

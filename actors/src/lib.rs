@@ -3,6 +3,7 @@
 //! wrap it for the server live beside it.
 
 pub mod actors;
+mod beam;
 mod core;
 mod detokenizer;
 mod error;
@@ -11,6 +12,7 @@ pub mod structured;
 #[cfg(test)]
 mod testing;
 
+pub use crate::beam::MAX_BEAM_WIDTH;
 pub use crate::core::{
     AsyncScheduling, CoreEvent, EngineCore, EngineCoreConfig, PreparedStep, StepCore, StepReport,
     SubmitOptions,

@@ -269,6 +269,22 @@ pub struct GenerateRequest {
     /// the vector. The HTTP layer sends such a request with `n` 1, greedy sampling, no
     /// logprobs, stop conditions or structured output.
     pub embed: bool,
+    /// vLLM's beam search instead of sampling: `n` is the number of beams (at most
+    /// [`crate::schema::MAX_BEAM_WIDTH`]), the engine sends [`EngineEvent::Prompt`] when the
+    /// search starts and each choice's one delta, a whole answer with `finish` set, when it
+    /// ends, best answer first. The HTTP layer sends it without stop strings, structured
+    /// output or prompt logprobs, and with no sampling settings but `temperature`, `seed`
+    /// and the end tokens' (`ignore_eos`, `stop_token_ids`, `min_tokens`).
+    pub beam_search: Option<BeamSearch>,
+}
+
+/// vLLM's beam search settings.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BeamSearch {
+    /// A beam ranks by its cumulative logprob over `(prompt + generated) ^ length_penalty`
+    /// (vLLM's score; default 1.0, finite, at most [`crate::schema::MAX_LENGTH_PENALTY`] in
+    /// magnitude).
+    pub length_penalty: f32,
 }
 
 /// The `param` an engine names when it refuses a request's [`StructuredOutputSpec`] (it does

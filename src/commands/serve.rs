@@ -20,8 +20,9 @@ use std::time::Duration;
 use anyhow::Context;
 use parking_lot::Mutex;
 use switchyard_actors::actors::{
-    AdapterInfo, ChoiceDelta, Engine as ActorEngine, EngineConfig, EngineOutput, LoraManagerConfig,
-    OutputSink, PromptSource, RequestOptions, SubmitError, SubmitErrorKind, TokenLogprobs,
+    AdapterInfo, BeamOptions, ChoiceDelta, Engine as ActorEngine, EngineConfig, EngineOutput,
+    LoraManagerConfig, OutputSink, PromptSource, RequestOptions, SubmitError, SubmitErrorKind,
+    TokenLogprobs,
 };
 use switchyard_actors::structured::StructuredOutput;
 use switchyard_api::engine::{
@@ -798,6 +799,9 @@ impl EngineAdapter {
             prompt_logprobs: request.prompt_logprobs,
             cache_salt: request.cache_salt,
             embed: request.embed,
+            beam: request.beam_search.map(|b| BeamOptions {
+                length_penalty: b.length_penalty,
+            }),
             lora: request.lora,
             structured: request.structured.map(|s| match s {
                 port::StructuredOutputSpec::JsonObject => StructuredOutput::JsonObject,

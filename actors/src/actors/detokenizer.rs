@@ -52,6 +52,9 @@ pub struct Register {
     /// The request's log span (the front end's: its public id and tier), for the lines this
     /// actor logs about it.
     pub span: tracing::Span,
+    /// A step of a beam search ([`super::beam_search`]), not a client's request: it records no
+    /// per-request metrics (the search records its request's once).
+    pub quiet: bool,
 }
 
 /// Special tokens whose text a choice keeps though special tokens are skipped (at most three:
@@ -194,7 +197,7 @@ impl EndedEarly {
 /// server's own failures (a failed step) are `error`; a choice whose structured-output
 /// grammar failed while generating, and the other choices and prompts of its request, are
 /// `structured_output`.
-fn failure_label(kind: SubmitErrorKind) -> &'static str {
+pub(crate) fn failure_label(kind: SubmitErrorKind) -> &'static str {
     match kind {
         // A refusal at admission, before queueing: a 400 as an invalid request is.
         SubmitErrorKind::InvalidRequest | SubmitErrorKind::TooManyChoices => "invalid_request",
@@ -230,6 +233,8 @@ struct RequestSink {
     slo: SloTargets,
     /// The request's log span ([`Register::span`]).
     span: tracing::Span,
+    /// [`Register::quiet`].
+    quiet: bool,
 }
 
 struct ChoiceState {
@@ -352,7 +357,9 @@ impl DetokenizerActor {
         if aborted.is_empty() {
             return;
         }
-        ended.count(aborted.len(), &request.borrow().outcome_labels);
+        if !request.borrow().quiet {
+            ended.count(aborted.len(), &request.borrow().outcome_labels);
+        }
         request.borrow().span.in_scope(|| {
             tracing::info!(
                 ids = ?aborted.iter().map(|(id, _)| id.0).collect::<Vec<_>>(),
@@ -473,8 +480,10 @@ impl Handler<Register> for DetokenizerActor {
         };
         if let Some(e) = refusal {
             // Refused at the end of a drain: each choice counts as those it cut off do.
-            EndedEarly::Failed(failure_label(e.kind))
-                .count(msg.ids.len(), &names::outcome_labels(&tier, &tenant));
+            if !msg.quiet {
+                EndedEarly::Failed(failure_label(e.kind))
+                    .count(msg.ids.len(), &names::outcome_labels(&tier, &tenant));
+            }
             msg.sink.send(EngineOutput::Error(e));
             return;
         }
@@ -490,6 +499,7 @@ impl Handler<Register> for DetokenizerActor {
             tenant,
             slo,
             span: msg.span,
+            quiet: msg.quiet,
         }));
         let prompt_len = msg.pending_prompt.as_ref().map_or(0, |p| p.len());
         for (index, id) in msg.ids.into_iter().enumerate() {
@@ -548,7 +558,9 @@ impl Handler<StepEvents> for DetokenizerActor {
             let mut told: Vec<Rc<RefCell<RequestSink>>> = Vec::new();
             for id in ids {
                 if let Some(c) = self.choices.remove(&id) {
-                    ended.count(1, &c.request.borrow().outcome_labels);
+                    if !c.request.borrow().quiet {
+                        ended.count(1, &c.request.borrow().outcome_labels);
+                    }
                     if !told.iter().any(|t| Rc::ptr_eq(t, &c.request)) {
                         c.request
                             .borrow_mut()
@@ -587,7 +599,8 @@ impl Handler<StepEvents> for DetokenizerActor {
                     if c.detok.is_stopped() || c.embed {
                         continue;
                     }
-                    {
+                    let quiet = c.request.borrow().quiet;
+                    if !quiet {
                         let tenant = &c.request.borrow().tenant;
                         match generated.iter_mut().find(|(t, _)| t == tenant) {
                             Some((_, n)) => *n += 1,
@@ -599,6 +612,7 @@ impl Handler<StepEvents> for DetokenizerActor {
                     // inter-token latency per step, at the choice's first token in it (the
                     // drafts a speculative step accepted arrive with it, not 0 s later).
                     match c.last_at {
+                        _ if quiet => {}
                         None => {
                             let r = c.request.borrow();
                             let ttft = (now - r.arrival).as_secs_f64();
@@ -670,7 +684,7 @@ impl Handler<StepEvents> for DetokenizerActor {
                     c.cached_prompt_tokens = tokens;
                     // Once per prompt, whatever its `n`, as `usage.cached_tokens` counts it:
                     // the first choice's.
-                    if c.index == 0 {
+                    if c.index == 0 && !c.request.borrow().quiet {
                         let tenant = &c.request.borrow().tenant;
                         metrics::counter!(
                             names::PROMPT_TOKENS_CACHED,
@@ -732,13 +746,18 @@ impl Handler<StepEvents> for DetokenizerActor {
             // left meanwhile) stays a success: the choice is gone, and the abort counts only
             // its open siblings.
             if let Some((reason, _)) = finished {
-                if request.borrow().sink.will_deliver() {
+                let removed = request
+                    .borrow()
+                    .sink
+                    .will_deliver()
+                    .then(|| self.choices.remove(&id));
+                if let Some(removed) = removed.filter(|_| !request.borrow().quiet) {
                     if let Some(ChoiceState {
                         tokens,
                         first_at: Some(first),
                         last_at: Some(last),
                         ..
-                    }) = self.choices.remove(&id)
+                    }) = removed
                     {
                         let r = request.borrow();
                         if tokens > 1 {

@@ -379,6 +379,7 @@ fn request(n: u32, max_tokens: u32, sampling: SamplingParams) -> RequestOptions 
         prompt_logprobs: None,
         cache_salt: None,
         embed: false,
+        beam: None,
         lora: None,
         structured: None,
     }

@@ -129,6 +129,21 @@ pub struct RequestOptions {
     /// request whose token is not output; the one delta, finished with 0 tokens, carries
     /// [`ChoiceDelta::embedding`]. Needs `n` 1.
     pub embed: bool,
+    /// Beam search instead of sampling ([`BeamOptions`]): `n` is the beam width, and each
+    /// choice's one delta, sent when the search ends, holds a whole answer, best first.
+    pub beam: Option<BeamOptions>,
+}
+
+/// vLLM's beam search settings (`use_beam_search`, `length_penalty`). The search keeps `n`
+/// beams (at most [`crate::MAX_BEAM_WIDTH`]) and ranks them by their cumulative logprob
+/// under the model over `(prompt + generated) ^ length_penalty`; sampling settings other
+/// than the end tokens (`ignore_eos`, `stop_token_ids`, `min_tokens`) and `logprobs` do not
+/// apply, and stop strings, structured output, prompt logprobs and embeddings are refused.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BeamOptions {
+    /// The exponent of the length a beam's cumulative logprob is divided by (vLLM's default
+    /// 1.0; finite).
+    pub length_penalty: f32,
 }
 
 /// New output for one choice.
@@ -289,6 +304,8 @@ pub struct Engine {
     backend_alive: Arc<AtomicBool>,
     /// Set by [`Engine::fail_in_flight`]: no request is admitted any more.
     closed: Arc<AtomicBool>,
+    /// The tokenizer, for the text of beam search answers (made once the search ends).
+    tokenizer: Arc<Tokenizer>,
 }
 
 impl Engine {
@@ -339,6 +356,7 @@ impl Engine {
         });
         let vocab = tokenizer.vocab_size().max(config.vocab_size);
         let tok = tokenizer.clone();
+        let tokenizer_for_text = tokenizer.clone();
         let grammars = LazyGrammarCompiler::default();
         let max_model_len = config.scheduler.max_model_len;
         let tokenizers = SyncArbiter::start(config.tokenizer_threads.max(1), move || {
@@ -382,6 +400,7 @@ impl Engine {
             salts: std::collections::hash_map::RandomState::new(),
             backend_alive,
             closed: Arc::new(AtomicBool::new(false)),
+            tokenizer: tokenizer_for_text,
         })
     }
 
@@ -540,7 +559,12 @@ impl Engine {
                     constraints,
                     encoded: encoded_at,
                 };
-                match this.admit(options, resolved, sink, guard, arrival) {
+                if let Some(beam) = options.beam {
+                    this.beam_search(options, beam, resolved, sink, guard, arrival)
+                        .await;
+                    return;
+                }
+                match this.admit(options, resolved, sink, guard, arrival, false) {
                     Ok(()) => {}
                     Err((e, mut sink)) => {
                         sink.send(EngineOutput::Error(e));
@@ -615,7 +639,8 @@ impl Engine {
         Some(h & !1)
     }
 
-    /// Validates lengths, registers the choices with the detokenizer and submits them.
+    /// Validates lengths, registers the choices with the detokenizer and submits them. A
+    /// `quiet` request is a step of a beam search: it records no per-request metrics.
     #[allow(clippy::result_large_err)]
     fn admit(
         &self,
@@ -624,6 +649,7 @@ impl Engine {
         mut sink: Box<dyn OutputSink>,
         guard: InFlight,
         arrival: Instant,
+        quiet: bool,
     ) -> Result<(), (SubmitError, Box<dyn OutputSink>)> {
         let Resolved {
             prompt,
@@ -632,20 +658,6 @@ impl Engine {
             constraints,
             encoded,
         } = resolved;
-        // What the backend checks of each step is checked here first: a bad value would fail
-        // the whole step, every request in it with this one.
-        let outside = |param: &'static str, ids: &[u32]| {
-            ids.iter().find(|&&t| t as usize >= self.vocab).map(|t| {
-                SubmitError::new(
-                    SubmitErrorKind::InvalidRequest,
-                    format!(
-                        "token id {t} in {param} is outside the vocabulary (size {})",
-                        self.vocab
-                    ),
-                )
-                .with_param(param)
-            })
-        };
         if options.embed {
             if options.n > 1 || options.prompt_logprobs.is_some() || options.structured.is_some() {
                 return Err((
@@ -669,6 +681,78 @@ impl Engine {
             options.max_tokens = Some(1);
             options.stop.clear();
         }
+        let max_tokens = match self.check(&options, &prompt) {
+            Ok(m) => m,
+            Err(e) => return Err((e, sink)),
+        };
+        if self.closed.load(Ordering::Acquire) || !self.detokenizer.connected() {
+            // Refused inside the engine at the end of a drain: counted as the requests cut off
+            // by it are, under `unavailable`, each choice.
+            if !quiet {
+                EndedEarly::Failed("unavailable")
+                    .count(options.n.max(1) as usize, &self.outcome_labels(&options));
+            }
+            return Err((
+                SubmitError::new(SubmitErrorKind::Unavailable, "the engine is shutting down"),
+                sink,
+            ));
+        }
+        // A client already gone (a prompt-logprob request sends no prompt event to find out).
+        if sink.is_closed() {
+            if !quiet {
+                self.gone(&options, sink.as_ref());
+            }
+            return Ok(());
+        }
+        let metrics_tenant = self.metrics_tenant(&options.tenant);
+        if !quiet {
+            metrics::counter!(names::PROMPT_TOKENS, names::tenant_labels(&metrics_tenant))
+                .increment(prompt.len() as u64);
+        }
+        // With prompt logprobs the detokenizer sends the prompt event once they are computed.
+        if options.prompt_logprobs.is_none()
+            && !sink.send(EngineOutput::Prompt {
+                prompt_tokens: prompt.len() as u32,
+                opens_thinking,
+                prompt_logprobs: None,
+            })
+        {
+            if !quiet {
+                self.gone(&options, sink.as_ref());
+            }
+            return Ok(());
+        }
+        self.register(
+            options,
+            prompt.into(),
+            adapter,
+            constraints,
+            (sink, guard),
+            (arrival, encoded),
+            max_tokens,
+            quiet,
+        );
+        Ok(())
+    }
+
+    /// What the backend checks of each step, the prompt's length and the completion limit,
+    /// checked before a request is queued; the request's `max_tokens` once the prompt's
+    /// length is known.
+    fn check(&self, options: &RequestOptions, prompt: &[u32]) -> Result<u32, SubmitError> {
+        // What the backend checks of each step is checked here first: a bad value would fail
+        // the whole step, every request in it with this one.
+        let outside = |param: &'static str, ids: &[u32]| {
+            ids.iter().find(|&&t| t as usize >= self.vocab).map(|t| {
+                SubmitError::new(
+                    SubmitErrorKind::InvalidRequest,
+                    format!(
+                        "token id {t} in {param} is outside the vocabulary (size {})",
+                        self.vocab
+                    ),
+                )
+                .with_param(param)
+            })
+        };
         let bias: Vec<u32> = options.sampling.logit_bias.iter().map(|b| b.0).collect();
         let check = match options.sampling.validate(usize::MAX) {
             Err(e) => Some(SubmitError::new(
@@ -679,12 +763,12 @@ impl Engine {
                 .or_else(|| outside("stop_token_ids", &options.sampling.stop_token_ids)),
         };
         if let Some(error) = check {
-            return Err((error, sink));
+            return Err(error);
         }
         if prompt.is_empty() {
-            return Err((
-                SubmitError::new(SubmitErrorKind::InvalidRequest, "the prompt is empty"),
-                sink,
+            return Err(SubmitError::new(
+                SubmitErrorKind::InvalidRequest,
+                "the prompt is empty",
             ));
         }
         // A sequence must fit in the context and, alone, in the KV cache: the scheduler
@@ -694,12 +778,9 @@ impl Engine {
         let limit = sequence.tokens();
         // The prompt must leave room for one generated token at least (as vLLM checks).
         if prompt.len() >= limit {
-            return Err((
-                SubmitError::new(
-                    SubmitErrorKind::ContextLengthExceeded,
-                    sequence.prompt_too_long(prompt.len()),
-                ),
-                sink,
+            return Err(SubmitError::new(
+                SubmitErrorKind::ContextLengthExceeded,
+                sequence.prompt_too_long(prompt.len()),
             ));
         }
         let room = (limit - prompt.len()) as u32;
@@ -708,18 +789,15 @@ impl Engine {
             .max_tokens
             .unwrap_or_else(|| options.default_max_tokens.map_or(room, |d| d.min(room)));
         if max_tokens > room {
-            return Err((
-                SubmitError::new(
-                    SubmitErrorKind::ContextLengthExceeded,
-                    sequence.max_tokens_too_large(prompt.len(), max_tokens as usize),
-                )
-                .with_param("max_tokens"),
-                sink,
-            ));
+            return Err(SubmitError::new(
+                SubmitErrorKind::ContextLengthExceeded,
+                sequence.max_tokens_too_large(prompt.len(), max_tokens as usize),
+            )
+            .with_param("max_tokens"));
         }
         // Without max_tokens the limit is the room the prompt leaves, known only now.
         if options.sampling.min_tokens > max_tokens {
-            return Err((
+            return Err(
                 SubmitError::new(
                     SubmitErrorKind::InvalidRequest,
                     format!(
@@ -729,39 +807,25 @@ impl Engine {
                     ),
                 )
                 .with_param("min_tokens"),
-                sink,
-            ));
+            );
         }
-        if self.closed.load(Ordering::Acquire) || !self.detokenizer.connected() {
-            // Refused inside the engine at the end of a drain: counted as the requests cut off
-            // by it are, under `unavailable`, each choice.
-            EndedEarly::Failed("unavailable")
-                .count(options.n.max(1) as usize, &self.outcome_labels(&options));
-            return Err((
-                SubmitError::new(SubmitErrorKind::Unavailable, "the engine is shutting down"),
-                sink,
-            ));
-        }
-        // A client already gone (a prompt-logprob request sends no prompt event to find out).
-        if sink.is_closed() {
-            self.gone(&options, sink.as_ref());
-            return Ok(());
-        }
+        Ok(max_tokens)
+    }
+
+    /// Registers a checked request's choices with the detokenizer, which queues them.
+    #[allow(clippy::too_many_arguments)]
+    fn register(
+        &self,
+        options: RequestOptions,
+        prompt: Arc<[u32]>,
+        adapter: Option<(u32, Arc<LoraAdapter>)>,
+        constraints: Vec<Constraint>,
+        (sink, guard): (Box<dyn OutputSink>, InFlight),
+        (arrival, encoded): (Instant, Instant),
+        max_tokens: u32,
+        quiet: bool,
+    ) {
         let metrics_tenant = self.metrics_tenant(&options.tenant);
-        metrics::counter!(names::PROMPT_TOKENS, names::tenant_labels(&metrics_tenant))
-            .increment(prompt.len() as u64);
-        // With prompt logprobs the detokenizer sends the prompt event once they are computed.
-        if options.prompt_logprobs.is_none()
-            && !sink.send(EngineOutput::Prompt {
-                prompt_tokens: prompt.len() as u32,
-                opens_thinking,
-                prompt_logprobs: None,
-            })
-        {
-            self.gone(&options, sink.as_ref());
-            return Ok(());
-        }
-        let prompt: Arc<[u32]> = prompt.into();
         let tier = self
             .config
             .tier_slos
@@ -844,8 +908,8 @@ impl Engine {
             arrival,
             guard,
             span: tracing::Span::current(),
+            quiet,
         });
-        Ok(())
     }
 
     /// Tokenizes a prompt (chat messages through the template).
@@ -1113,6 +1177,7 @@ mod tests {
             structured: None,
             cache_salt: None,
             embed: false,
+            beam: None,
         }
     }
 
@@ -1134,7 +1199,14 @@ mod tests {
             encoded: Instant::now(),
         };
         let guard = InFlight::new(engine.admission.counter());
-        engine.admit(options(max_tokens), resolved, sink, guard, Instant::now())
+        engine.admit(
+            options(max_tokens),
+            resolved,
+            sink,
+            guard,
+            Instant::now(),
+            false,
+        )
     }
 
     /// The next output, yielding to the actors while there is none.
@@ -1214,7 +1286,8 @@ mod tests {
             };
             let guard = InFlight::new(engine.admission.counter());
             let (sink, _rx) = recorder();
-            let Err((e, _)) = engine.admit(options, resolved, sink, guard, Instant::now()) else {
+            let Err((e, _)) = engine.admit(options, resolved, sink, guard, Instant::now(), false)
+            else {
                 panic!("{param}: an id outside the vocabulary was admitted");
             };
             assert_eq!(e.kind, SubmitErrorKind::InvalidRequest, "{e}");
@@ -1327,6 +1400,7 @@ mod tests {
             arrival: Instant::now(),
             guard: InFlight::new(Arc::new(AtomicUsize::new(1))),
             span: tracing::Span::none(),
+            quiet: false,
         });
         match next_output(&rx).await {
             EngineOutput::Error(e) => {
@@ -1405,7 +1479,7 @@ mod tests {
         request.n = 2;
         let guard = InFlight::new(engine.admission.counter());
         if engine
-            .admit(request, resolved, sink, guard, Instant::now())
+            .admit(request, resolved, sink, guard, Instant::now(), false)
             .is_err()
         {
             panic!("refused");
@@ -1463,6 +1537,7 @@ mod tests {
             arrival: Instant::now(),
             guard: InFlight::new(Arc::new(AtomicUsize::new(1))),
             span: tracing::Span::none(),
+            quiet: false,
         });
         match next_output(&outputs).await {
             EngineOutput::Error(e) => assert_eq!(e.kind, SubmitErrorKind::Unavailable, "{e}"),
@@ -1484,6 +1559,7 @@ mod tests {
             arrival: Instant::now(),
             guard: InFlight::new(Arc::new(AtomicUsize::new(1))),
             span: tracing::Span::none(),
+            quiet: false,
         });
         match next_output(&rx).await {
             EngineOutput::Error(e) => assert_eq!(e.kind, SubmitErrorKind::Unavailable, "{e}"),
@@ -1491,3 +1567,6 @@ mod tests {
         }
     }
 }
+
+#[path = "beam_search.rs"]
+mod beam_search;

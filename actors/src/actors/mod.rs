@@ -25,7 +25,7 @@ mod tokenizer;
 pub(crate) use detokenizer::rejection as detokenizer_rejection;
 
 pub use engine::{
-    ChoiceDelta, Engine, EngineConfig, EngineOutput, OutputSink, PromptSource, RequestOptions,
-    SubmitError, SubmitErrorKind, TokenLogprobs,
+    BeamOptions, ChoiceDelta, Engine, EngineConfig, EngineOutput, OutputSink, PromptSource,
+    RequestOptions, SubmitError, SubmitErrorKind, TokenLogprobs,
 };
 pub use lora::{AdapterInfo, LoraError, LoraManagerConfig};

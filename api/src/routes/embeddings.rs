@@ -110,6 +110,7 @@ fn embedding_requests(
             cache_salt: None,
             sibling_failure: Default::default(),
             embed: true,
+            beam_search: None,
         })
         .collect()
 }

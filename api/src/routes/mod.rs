@@ -82,6 +82,7 @@ pub(crate) fn engine_requests(
             keep_special_tokens: validated.keep_special_tokens,
             sibling_failure: Default::default(),
             embed: false,
+            beam_search: validated.beam_search,
         })
         .collect()
 }

@@ -60,6 +60,11 @@ pub mod limits {
     pub const MAX_LOGIT_BIAS: usize = 300;
     /// Most alternatives per token (`logprobs`, `top_logprobs`).
     pub const MAX_LOGPROBS: u32 = 20;
+    /// Beams of a beam search (`n` with `use_beam_search`): each step asks for `2 × n`
+    /// alternatives per beam, which the sampler bounds at [`MAX_LOGPROBS`].
+    pub const MAX_BEAM_WIDTH: u32 = MAX_LOGPROBS / 2;
+    /// `length_penalty`'s magnitude.
+    pub const MAX_LENGTH_PENALTY: f32 = 100.0;
     /// Most prompt-logprob entries per prompt position of a `/v1/completions` request with both
     /// `echo` and `logprobs`: prompts × n × (logprobs + 1) must not exceed it. Each choice
     /// echoes its prompt's logprobs, `logprobs + 1` entries per prompt token, and prompt token

@@ -27,8 +27,8 @@ use super::tools::{
     ToolFormat, ToolPrompt, ToolSetup, ToolUse, MAX_TOOL_CALL_ID,
 };
 use crate::engine::{
-    ChatEnding, ChatMessage, ChatRole, EngineError, EngineErrorKind, PromptInput, SamplingOptions,
-    StructuredOutputSpec, TemplateKwargs,
+    BeamSearch, ChatEnding, ChatMessage, ChatRole, EngineError, EngineErrorKind, PromptInput,
+    SamplingOptions, StructuredOutputSpec, TemplateKwargs,
 };
 use crate::error::ApiError;
 
@@ -97,8 +97,10 @@ pub struct CompletionRequest {
     pub best_of: Option<u32>,
     /// Not supported (insertion); only empty is accepted.
     pub suffix: Option<String>,
-    /// vLLM's beam search; not supported, only `false` is accepted.
+    /// vLLM's beam search: `n` beams instead of `n` samples.
     pub use_beam_search: Option<bool>,
+    /// vLLM's beam score: the cumulative logprob over `length ^ length_penalty` (default 1).
+    pub length_penalty: Option<f32>,
     /// vLLM's prompt logprobs (a separate `prompt_logprobs` response field); not supported,
     /// only `null` is accepted (`echo` with `logprobs` returns them OpenAI's way).
     pub prompt_logprobs: Option<serde_json::Value>,
@@ -187,8 +189,10 @@ pub struct ChatRequest {
     pub continue_final_message: Option<bool>,
     /// vLLM's chat `echo` (prepend the last message); only `false` is accepted.
     pub echo: Option<bool>,
-    /// vLLM's beam search; not supported, only `false` is accepted.
+    /// vLLM's beam search: `n` beams instead of `n` samples.
     pub use_beam_search: Option<bool>,
+    /// vLLM's beam score: the cumulative logprob over `length ^ length_penalty` (default 1).
+    pub length_penalty: Option<f32>,
     /// vLLM's prompt logprobs; not supported, only `null` is accepted.
     pub prompt_logprobs: Option<serde_json::Value>,
     /// Scheduling priority (vLLM: lower first).
@@ -343,6 +347,8 @@ pub struct Validated {
     pub tool_calls: Option<ToolAnswer>,
     /// The prefix-cache salt asked for.
     pub cache_salt: Option<String>,
+    /// vLLM's beam search, when asked.
+    pub beam_search: Option<BeamSearch>,
     /// Keep matched stop strings and stop tokens' text.
     pub include_stop_str_in_output: bool,
     /// Leave special tokens' text out.
@@ -587,12 +593,93 @@ pub fn check_continued(messages: &[ChatMessage], ending: ChatEnding) -> Result<(
     Ok(())
 }
 
-/// Refuses vLLM's `use_beam_search` and `prompt_logprobs` (both endpoints) unless default.
-fn refuse_vllm_extras(
+/// vLLM's beam search (`use_beam_search: true`, `length_penalty`), checked against the rest
+/// of the request: `n` beams (at most [`MAX_BEAM_WIDTH`]) ranked by the model's logprobs, so
+/// the settings that shape sampling (`top_p`, `top_k`, `min_p`, the penalties, `logit_bias`)
+/// are refused rather than silently ignored as vLLM does; `temperature` and `seed` are
+/// accepted and change nothing (vLLM's logprobs are the raw logits' too). Stop strings,
+/// structured output and prompt logprobs are refused. `length_penalty` is checked whether or
+/// not the search is on (vLLM accepts it on any request).
+struct BeamFields<'a> {
     use_beam_search: Option<bool>,
-    prompt_logprobs: &Option<serde_json::Value>,
-) -> Result<(), ApiError> {
-    refuse_unsupported("use_beam_search", use_beam_search == Some(true), "= true")?;
+    length_penalty: Option<f32>,
+    n: u32,
+    sampling: &'a SamplingOptions,
+    stop: &'a [String],
+    structured_field: Option<&'static str>,
+    /// Completions' `echo` with `logprobs` (the prompt's logprobs).
+    echo_logprobs: bool,
+}
+
+impl BeamFields<'_> {
+    fn parse(self) -> Result<Option<BeamSearch>, ApiError> {
+        let length_penalty = self.length_penalty.unwrap_or(1.0);
+        if !length_penalty.is_finite() || length_penalty.abs() > MAX_LENGTH_PENALTY {
+            return Err(ApiError::invalid(
+                "length_penalty",
+                format!(
+                    "length_penalty must be a number in [-{MAX_LENGTH_PENALTY}, \
+                     {MAX_LENGTH_PENALTY}]"
+                ),
+            ));
+        }
+        if self.use_beam_search != Some(true) {
+            return Ok(None);
+        }
+        if self.n > MAX_BEAM_WIDTH {
+            return Err(ApiError::invalid(
+                "n",
+                format!(
+                    "beam search keeps at most {MAX_BEAM_WIDTH} beams (n), got {}",
+                    self.n
+                ),
+            ));
+        }
+        let s = self.sampling;
+        let shaping = [
+            ("top_p", s.top_p != 1.0),
+            ("top_k", s.top_k != 0),
+            ("min_p", s.min_p != 0.0),
+            ("presence_penalty", s.presence_penalty != 0.0),
+            ("frequency_penalty", s.frequency_penalty != 0.0),
+            ("repetition_penalty", s.repetition_penalty != 1.0),
+            ("logit_bias", !s.logit_bias.is_empty()),
+        ];
+        if let Some((field, _)) = shaping.iter().find(|(_, set)| *set) {
+            return Err(ApiError::invalid(
+                *field,
+                format!(
+                    "{field} does not apply to beam search, which ranks beams by the model's \
+                     logprobs; leave it out or turn use_beam_search off"
+                ),
+            ));
+        }
+        let other = [
+            ("stop", !self.stop.is_empty(), "stop strings"),
+            (
+                "echo",
+                self.echo_logprobs,
+                "echo with logprobs (the prompt's logprobs)",
+            ),
+        ];
+        if let Some((field, _, what)) = other.iter().find(|(_, set, _)| *set) {
+            return Err(ApiError::invalid(
+                *field,
+                format!("beam search does not take {what}"),
+            ));
+        }
+        if let Some(field) = self.structured_field {
+            return Err(ApiError::invalid(
+                field,
+                "beam search does not take structured output or tools",
+            ));
+        }
+        Ok(Some(BeamSearch { length_penalty }))
+    }
+}
+
+/// Refuses vLLM's `prompt_logprobs` (both endpoints) unless default.
+fn refuse_vllm_extras(prompt_logprobs: &Option<serde_json::Value>) -> Result<(), ApiError> {
     refuse_unsupported(
         "prompt_logprobs",
         prompt_logprobs.as_ref().is_some_and(|v| !v.is_null()),
@@ -637,7 +724,7 @@ impl CompletionRequest {
         if self.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
             return Err(ApiError::invalid("suffix", "suffix is not supported"));
         }
-        refuse_vllm_extras(self.use_beam_search, &self.prompt_logprobs)?;
+        refuse_vllm_extras(&self.prompt_logprobs)?;
         if let Some(k) = self.logprobs.filter(|&k| k > MAX_LOGPROBS) {
             return Err(ApiError::invalid(
                 "logprobs",
@@ -688,10 +775,22 @@ impl CompletionRequest {
                 .saturating_mul(usize::try_from(n).unwrap_or(usize::MAX));
             check_generated_logprobs("logprobs", choices, Some(max_tokens), k, max_model_len)?;
         }
+        let stop = parse_stop(self.stop)?;
+        let beam_search = BeamFields {
+            use_beam_search: self.use_beam_search,
+            length_penalty: self.length_penalty,
+            n,
+            sampling: &sampling,
+            stop: &stop,
+            structured_field,
+            echo_logprobs: echo && self.logprobs.is_some(),
+        }
+        .parse()?;
         Ok(Validated {
             prompts,
             sampling,
-            stop: parse_stop(self.stop)?,
+            stop,
+            beam_search,
             n,
             max_tokens: Some(max_tokens),
             max_tokens_defaulted: self.max_tokens.is_none(),
@@ -797,7 +896,7 @@ impl ChatRequest {
             self.echo == Some(true),
             "= true on chat completions",
         )?;
-        refuse_vllm_extras(self.use_beam_search, &self.prompt_logprobs)?;
+        refuse_vllm_extras(&self.prompt_logprobs)?;
         let mut messages = parse_messages(self.messages, setup)?;
         check_continued(&messages, ending)?;
         let mut template_kwargs = parse_template_kwargs(self.chat_template_kwargs)?;
@@ -841,6 +940,19 @@ impl ChatRequest {
             let choices = usize::try_from(n).unwrap_or(usize::MAX);
             check_generated_logprobs("logprobs", choices, max_tokens, k, max_model_len)?;
         }
+        let stop = parse_stop(self.stop)?;
+        let beam_search = BeamFields {
+            use_beam_search: self.use_beam_search,
+            length_penalty: self.length_penalty,
+            n,
+            sampling: &sampling,
+            stop: &stop,
+            // Tools without a grammar (`tool_choice: "none"`) still ask for tool calls read
+            // back from the text: refused too.
+            structured_field: structured_field.or(tools.as_ref().map(|_| "tools")),
+            echo_logprobs: false,
+        }
+        .parse()?;
         Ok(Validated {
             prompts: vec![PromptInput::Chat {
                 messages,
@@ -848,7 +960,8 @@ impl ChatRequest {
                 ending,
             }],
             sampling,
-            stop: parse_stop(self.stop)?,
+            stop,
+            beam_search,
             n,
             max_tokens,
             max_tokens_defaulted: false,
@@ -2307,8 +2420,8 @@ mod tests {
             ),
             (serde_json::json!({"echo": true}), "echo"),
             (
-                serde_json::json!({"use_beam_search": true}),
-                "use_beam_search",
+                serde_json::json!({"use_beam_search": true, "top_k": 5}),
+                "top_k",
             ),
             (serde_json::json!({"prompt_logprobs": 0}), "prompt_logprobs"),
             (
@@ -2329,8 +2442,8 @@ mod tests {
         }
         for (json, param) in [
             (
-                serde_json::json!({"prompt": "x", "use_beam_search": true}),
-                "use_beam_search",
+                serde_json::json!({"prompt": "x", "use_beam_search": true, "logit_bias": {"1": 1}}),
+                "logit_bias",
             ),
             (
                 serde_json::json!({"prompt": "x", "prompt_logprobs": 1}),
@@ -2355,6 +2468,84 @@ mod tests {
             completion(serde_json::json!({"prompt": "x", "use_beam_search": false,
             "prompt_logprobs": null}))
             .is_ok()
+        );
+    }
+
+    #[test]
+    fn beam_search_is_read_with_its_length_penalty_and_the_fields_it_takes() {
+        let beam = |json: serde_json::Value| completion(json).map(|v| v.beam_search);
+        assert_eq!(beam(serde_json::json!({"prompt": "x"})).unwrap(), None);
+        // vLLM reads length_penalty on any request; only beam search uses it.
+        assert_eq!(
+            beam(serde_json::json!({"prompt": "x", "length_penalty": 2.0})).unwrap(),
+            None
+        );
+        assert_eq!(
+            beam(
+                serde_json::json!({"prompt": "x", "use_beam_search": true, "n": 3,
+                "temperature": 0.7, "seed": 1, "ignore_eos": true, "min_tokens": 2,
+                "stop_token_ids": [5], "logprobs": 2})
+            )
+            .unwrap(),
+            Some(BeamSearch {
+                length_penalty: 1.0
+            })
+        );
+        assert_eq!(
+            beam(serde_json::json!({"prompt": "x", "use_beam_search": true,
+                "length_penalty": -0.5}))
+            .unwrap(),
+            Some(BeamSearch {
+                length_penalty: -0.5
+            })
+        );
+        for (json, param) in [
+            (
+                serde_json::json!({"prompt": "x", "use_beam_search": true, "n": MAX_BEAM_WIDTH + 1}),
+                "n",
+            ),
+            (
+                serde_json::json!({"prompt": "x", "length_penalty": MAX_LENGTH_PENALTY * 2.0}),
+                "length_penalty",
+            ),
+            (
+                serde_json::json!({"prompt": "x", "use_beam_search": true, "min_p": 0.1}),
+                "min_p",
+            ),
+            (
+                serde_json::json!({"prompt": "x", "use_beam_search": true, "repetition_penalty": 1.1}),
+                "repetition_penalty",
+            ),
+            (
+                serde_json::json!({"prompt": "x", "use_beam_search": true, "frequency_penalty": 0.5}),
+                "frequency_penalty",
+            ),
+            (
+                serde_json::json!({"prompt": "x", "use_beam_search": true, "stop": "\n"}),
+                "stop",
+            ),
+            (
+                serde_json::json!({"prompt": "x", "use_beam_search": true, "guided_regex": "[a-z]"}),
+                "guided_regex",
+            ),
+        ] {
+            assert_eq!(
+                param_of(completion(json.clone())).as_deref(),
+                Some(param),
+                "{json}"
+            );
+        }
+        let user = serde_json::json!([{"role": "user", "content": "x"}]);
+        let chat = chat_at(
+            128,
+            serde_json::json!({"messages": user, "use_beam_search": true, "n": 2}),
+        )
+        .unwrap();
+        assert_eq!(
+            chat.beam_search,
+            Some(BeamSearch {
+                length_penalty: 1.0
+            })
         );
     }
 

@@ -281,6 +281,7 @@ impl ResponsesRequest {
             continue_final_message: None,
             echo: None,
             use_beam_search: None,
+            length_penalty: None,
             prompt_logprobs: None,
             priority: None,
             user: self.user,
