@@ -295,6 +295,8 @@ pub struct StepCore {
     verifier: Option<DraftVerifier>,
     /// Speculative decoding counters.
     spec: SpecDecodeStats,
+    /// The scheduler's pool errors already logged and counted ([`StepCore::note_pool_errors`]).
+    pool_errors_seen: u64,
 }
 
 impl StepCore {
@@ -314,6 +316,7 @@ impl StepCore {
             spare: Vec::new(),
             verifier: None,
             spec: SpecDecodeStats::default(),
+            pool_errors_seen: 0,
         })
     }
 
@@ -412,6 +415,28 @@ impl StepCore {
     /// Queue lengths, KV usage, prefix-cache and preemption counters.
     pub fn stats(&self) -> SchedulerStats {
         self.scheduler.stats()
+    }
+
+    /// Makes the scheduler's pool errors seen since the last call visible to operators: an
+    /// ERROR naming the total, and their number added to `engine_pool_errors_total`. The core
+    /// counts them ([`SchedulerStats::pool_errors`]) and goes on, being IO-free; each one is a
+    /// bug in the core or its caller, never user input. Returns how many were new. Called
+    /// after each step is planned and after its outputs are applied; the scheduler actor also
+    /// calls it when it publishes its gauges, for errors between steps (a finish, an abort).
+    pub fn note_pool_errors(&mut self) -> u64 {
+        let total = self.scheduler.pool_errors();
+        let new = total.saturating_sub(self.pool_errors_seen);
+        if new > 0 {
+            self.pool_errors_seen = total;
+            tracing::error!(
+                pool_errors = total,
+                new,
+                "the scheduling core's block accounting failed (a bug: please report it); \
+                 it went on, and the KV cache may serve fewer requests than it should"
+            );
+            metrics::counter!(crate::metric_names::ENGINE_POOL_ERRORS).increment(new);
+        }
+        new
     }
 
     /// Replaces the policy between two steps; returns the old one.
@@ -552,6 +577,7 @@ impl StepCore {
         now: Timestamp,
         t0: Instant,
     ) -> Result<Option<PreparedStep>, FailedBuild> {
+        self.note_pool_errors();
         if plan.seqs.is_empty() {
             return Ok(None);
         }
@@ -777,6 +803,7 @@ impl StepCore {
                 }),
             }
         }
+        self.note_pool_errors();
         events
     }
 }
@@ -1800,5 +1827,90 @@ mod tests {
         assert!(!e.core().has_unfinished());
         assert_eq!(e.core().stats().num_running, 0);
         assert_eq!(e.step(Timestamp(1)).unwrap().num_seqs, 0);
+    }
+
+    /// Counts what is recorded into `engine_pool_errors_total` (every other metric is
+    /// dropped); installed per test thread, so tests running at once do not mix.
+    #[derive(Default)]
+    struct PoolErrorRecorder(Arc<std::sync::atomic::AtomicU64>);
+
+    impl metrics::Recorder for PoolErrorRecorder {
+        fn describe_counter(
+            &self,
+            _: metrics::KeyName,
+            _: Option<metrics::Unit>,
+            _: metrics::SharedString,
+        ) {
+        }
+        fn describe_gauge(
+            &self,
+            _: metrics::KeyName,
+            _: Option<metrics::Unit>,
+            _: metrics::SharedString,
+        ) {
+        }
+        fn describe_histogram(
+            &self,
+            _: metrics::KeyName,
+            _: Option<metrics::Unit>,
+            _: metrics::SharedString,
+        ) {
+        }
+        fn register_counter(
+            &self,
+            key: &metrics::Key,
+            _: &metrics::Metadata<'_>,
+        ) -> metrics::Counter {
+            if key.name() == crate::metric_names::ENGINE_POOL_ERRORS {
+                metrics::Counter::from_arc(self.0.clone())
+            } else {
+                metrics::Counter::noop()
+            }
+        }
+        fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+            metrics::Gauge::noop()
+        }
+        fn register_histogram(
+            &self,
+            _: &metrics::Key,
+            _: &metrics::Metadata<'_>,
+        ) -> metrics::Histogram {
+            metrics::Histogram::noop()
+        }
+    }
+
+    /// The planner's pool errors (core or caller bugs it absorbs) reach the engine's metric,
+    /// each once, at the step that made them: here outputs resolved for a step never launched
+    /// (after applying them) and a step planned with the pool detached (after planning).
+    /// Before, they were visible to `check_invariants` only.
+    #[test]
+    fn pool_errors_are_counted_once_by_the_step_that_made_them() {
+        let recorder = PoolErrorRecorder::default();
+        let counted = recorder.0.clone();
+        let count = || counted.load(std::sync::atomic::Ordering::Relaxed);
+        metrics::with_local_recorder(&recorder, || {
+            let mut e = engine(NextTokenBackend::default());
+            let events = e
+                .core()
+                .resolve(&StepPlan::default(), Vec::new(), Timestamp(0));
+            assert!(events.is_empty(), "{events:?}");
+            assert_eq!(e.core().stats().pool_errors, 1);
+            assert_eq!(count(), 1);
+            // A run without errors counts none more.
+            e.core()
+                .add_request(request(1, (0..10).collect(), 3, None))
+                .unwrap();
+            assert_eq!(per_request(&run_to_end(&mut e))[&1].0.len(), 3);
+            assert_eq!((e.core().stats().pool_errors, count()), (1, 1));
+            assert_eq!(e.core().note_pool_errors(), 0);
+            // Planning without the pool (a caller bug) plans nothing and counts at once.
+            assert!(e.core().detach_allocator().is_some());
+            e.core()
+                .add_request(request(2, (0..10).collect(), 3, None))
+                .unwrap();
+            let report = e.step(Timestamp(1)).unwrap();
+            assert_eq!(report.num_seqs, 0);
+            assert_eq!((e.core().stats().pool_errors, count()), (2, 2));
+        });
     }
 }
