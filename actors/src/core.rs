@@ -729,21 +729,23 @@ impl StepCore {
             HashMap::new()
         };
         for o in outputs {
+            // Neither prompt logprobs nor a hidden state for a request that ended (aborted)
+            // while the step ran: the scheduler drops that step's token, and nothing more is
+            // reported of the request.
+            let live = self.live.contains_key(&RequestId(o.seq_id));
             // Prompt logprobs come before the step's tokens: a request's first token follows
             // its last prompt position.
-            if !o.prompt_logprobs.is_empty() {
+            if live && !o.prompt_logprobs.is_empty() {
                 events.push(CoreEvent::PromptLogprobs {
                     id: RequestId(o.seq_id),
                     entries: o.prompt_logprobs,
                 });
             }
-            if let Some(values) = o.hidden {
-                // Not for a request that ended (aborted) while the step ran: the scheduler
-                // drops that step's token, and nothing more is reported of the request.
-                let id = RequestId(o.seq_id);
-                if self.live.contains_key(&id) {
-                    events.push(CoreEvent::Hidden { id, values });
-                }
+            if let Some(values) = o.hidden.filter(|_| live) {
+                events.push(CoreEvent::Hidden {
+                    id: RequestId(o.seq_id),
+                    values,
+                });
             }
             if let Some(token) = o.token {
                 if let Some(&fed) = drafted.get(&o.seq_id) {
@@ -1103,7 +1105,20 @@ mod tests {
                     token: s.sample.then_some(last + 1),
                     logprob: None,
                     top_logprobs: Vec::new(),
-                    prompt_logprobs: Vec::new(),
+                    // For prompt-logprob requests, every fed known position past the first
+                    // (the tests' such requests end before they decode): the token, logprob 0.
+                    prompt_logprobs: if s.sampling.prompt_logprobs.is_some() {
+                        (s.num_computed_tokens.max(1)..s.num_computed_tokens + known)
+                            .map(|position| switchyard_gpu::backend::PromptLogprob {
+                                position,
+                                token: s.tokens[position - s.num_computed_tokens],
+                                logprob: 0.0,
+                                top_logprobs: Vec::new(),
+                            })
+                            .collect()
+                    } else {
+                        Vec::new()
+                    },
                     // A stand-in for the hidden state at the sampled row: its token and the
                     // number of positions it attends over (computed before it, and its own).
                     hidden: (s.sample && s.sampling.hidden_state).then(|| {
@@ -1264,6 +1279,56 @@ mod tests {
             assert!(now < 10, "the last position was never fed");
         }
         assert!(before.is_empty(), "{before:?}");
+        assert!(e.core().abort(RequestId(1)));
+        let mut after = Vec::new();
+        for _ in 0..3 {
+            after.extend(e.step(Timestamp(now)).unwrap().events);
+            now += 1;
+        }
+        assert!(after.is_empty(), "events after the abort: {after:?}");
+        let stats = e.core().stats();
+        assert_eq!((stats.num_running, stats.kv_usage), (0, 0.0));
+    }
+
+    /// A prompt-logprob request aborted while a step computing part of its prompt is in
+    /// flight (asynchronous scheduling) gets no event once that step's outputs come in: its
+    /// earlier chunk's prompt logprobs came, that chunk's do not (they used to, as
+    /// `CoreEvent::PromptLogprobs` for a request that had ended).
+    #[test]
+    fn prompt_logprobs_of_a_request_aborted_while_its_step_runs_are_not_reported() {
+        let backend = NextTokenBackend {
+            pipelines: true,
+            ..NextTokenBackend::default()
+        };
+        let fed = backend.fed.clone();
+        let mut e = engine(backend).with_async_scheduling(AsyncScheduling::On);
+        let mut req = request(1, (0..13).collect(), 1, None);
+        req.request.limits.prompt_logits = true;
+        req.sampling = Arc::new(SamplingParams {
+            prompt_logprobs: Some(1),
+            ..SamplingParams::default()
+        });
+        e.core().add_request(req).unwrap();
+        // 13 tokens in chunks of 6: the second step feeds positions 6 to 11.
+        let mut before = Vec::new();
+        let mut now = 0;
+        while !fed.lock().unwrap().iter().any(|f| f.0 == 1 && f.1 == 6) {
+            before.extend(e.step(Timestamp(now)).unwrap().events);
+            now += 1;
+            assert!(now < 10, "the second chunk was never fed");
+        }
+        let positions = |events: &[CoreEvent]| -> Vec<usize> {
+            events
+                .iter()
+                .flat_map(|ev| match ev {
+                    CoreEvent::PromptLogprobs { entries, .. } => {
+                        entries.iter().map(|p| p.position).collect()
+                    }
+                    _ => Vec::new(),
+                })
+                .collect()
+        };
+        assert_eq!(positions(&before), [1, 2, 3, 4, 5], "{before:?}");
         assert!(e.core().abort(RequestId(1)));
         let mut after = Vec::new();
         for _ in 0..3 {
