@@ -698,6 +698,49 @@ fn bench_throughput_runs_real_prompts_with_speculative_decoding() {
     assert!(err.contains("line 2"), "{err}");
 }
 
+/// `generate` reports the prompt tokens the prefix cache served: per prompt in `--json`
+/// (`cached_prompt_tokens`), in total on stderr. The same prompt of `p` tokens 14 times fills
+/// more than generate's first step (2,048 tokens): the prompts admitted in it find nothing
+/// cached, those admitted a step later reuse `(p - 1) / 16` blocks of 16.
+#[test]
+fn generate_reports_the_prompt_tokens_served_from_the_prefix_cache() {
+    let model = common::model_path();
+    let numbers: Vec<String> = (1..=45).map(|i| i.to_string()).collect();
+    let prompt = format!("Count: {}", numbers.join(", "));
+    let mut cmd = switchyard();
+    cmd.args(["generate", "--backend", "cpu", "--json", "--threads", "2"])
+        .args(["--temperature", "0", "--max-tokens", "2"])
+        .arg("--model")
+        .arg(&model);
+    for _ in 0..14 {
+        cmd.args(["--prompt", &prompt]);
+    }
+    let out = cmd.output().expect("run switchyard");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .collect();
+    assert_eq!(lines.len(), 14);
+    let figure = |v: &serde_json::Value, key: &str| v[key].as_u64().expect(key);
+    let p = figure(&lines[0], "prompt_tokens");
+    assert!(p * 14 > 2048, "{p} tokens a prompt: all fit the first step");
+    assert_eq!(figure(&lines[0], "cached_prompt_tokens"), 0);
+    let last = figure(&lines[13], "cached_prompt_tokens");
+    assert!(last > 0, "{:?}", lines[13]);
+    assert_eq!(last, (p - 1) / 16 * 16, "{:?}", lines[13]);
+    let cached: u64 = lines
+        .iter()
+        .map(|v| figure(v, "cached_prompt_tokens"))
+        .sum();
+    let summary = format!(
+        "; {cached} of {} prompt tokens from the prefix cache",
+        p * 14
+    );
+    assert!(stderr.contains(&summary), "no {summary:?} in {stderr}");
+}
+
 #[test]
 fn generate_follows_a_json_schema_a_choice_and_refuses_bad_ones() {
     let model = common::model_path();

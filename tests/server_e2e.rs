@@ -656,6 +656,7 @@ fn metrics_are_exported() {
         "switchyard:num_requests_running 0",
         "switchyard:request_aborted_total 0",
         "switchyard:engine_failed_steps_total 0",
+        "switchyard:engine_pool_errors_total 0",
         "switchyard:request_success_total{finished_reason=\"stop\"} 0",
         "switchyard:request_failed_total{reason=\"structured_output\"} 0",
         "switchyard:e2e_request_latency_seconds_count 0",

@@ -295,6 +295,8 @@ pub struct StepCore {
     verifier: Option<DraftVerifier>,
     /// Speculative decoding counters.
     spec: SpecDecodeStats,
+    /// The scheduler's pool errors already logged and counted ([`StepCore::note_pool_errors`]).
+    pool_errors_seen: u64,
 }
 
 impl StepCore {
@@ -314,6 +316,7 @@ impl StepCore {
             spare: Vec::new(),
             verifier: None,
             spec: SpecDecodeStats::default(),
+            pool_errors_seen: 0,
         })
     }
 
@@ -412,6 +415,28 @@ impl StepCore {
     /// Queue lengths, KV usage, prefix-cache and preemption counters.
     pub fn stats(&self) -> SchedulerStats {
         self.scheduler.stats()
+    }
+
+    /// Makes the scheduler's pool errors seen since the last call visible to operators: an
+    /// ERROR naming the total, and their number added to `engine_pool_errors_total`. The core
+    /// counts them ([`SchedulerStats::pool_errors`]) and goes on, being IO-free; each one is a
+    /// bug in the core or its caller, never user input. Returns how many were new. Called
+    /// after each step is planned and after its outputs are applied; the scheduler actor also
+    /// calls it when it publishes its gauges, for errors between steps (a finish, an abort).
+    pub fn note_pool_errors(&mut self) -> u64 {
+        let total = self.scheduler.pool_errors();
+        let new = total.saturating_sub(self.pool_errors_seen);
+        if new > 0 {
+            self.pool_errors_seen = total;
+            tracing::error!(
+                pool_errors = total,
+                new,
+                "the scheduling core's block accounting failed (a bug: please report it); \
+                 it went on, and the KV cache may serve fewer requests than it should"
+            );
+            metrics::counter!(crate::metric_names::ENGINE_POOL_ERRORS).increment(new);
+        }
+        new
     }
 
     /// Replaces the policy between two steps; returns the old one.
@@ -552,6 +577,7 @@ impl StepCore {
         now: Timestamp,
         t0: Instant,
     ) -> Result<Option<PreparedStep>, FailedBuild> {
+        self.note_pool_errors();
         if plan.seqs.is_empty() {
             return Ok(None);
         }
@@ -703,21 +729,23 @@ impl StepCore {
             HashMap::new()
         };
         for o in outputs {
+            // Neither prompt logprobs nor a hidden state for a request that ended (aborted)
+            // while the step ran: the scheduler drops that step's token, and nothing more is
+            // reported of the request.
+            let live = self.live.contains_key(&RequestId(o.seq_id));
             // Prompt logprobs come before the step's tokens: a request's first token follows
             // its last prompt position.
-            if !o.prompt_logprobs.is_empty() {
+            if live && !o.prompt_logprobs.is_empty() {
                 events.push(CoreEvent::PromptLogprobs {
                     id: RequestId(o.seq_id),
                     entries: o.prompt_logprobs,
                 });
             }
-            if let Some(values) = o.hidden {
-                // Not for a request that ended (aborted) while the step ran: the scheduler
-                // drops that step's token, and nothing more is reported of the request.
-                let id = RequestId(o.seq_id);
-                if self.live.contains_key(&id) {
-                    events.push(CoreEvent::Hidden { id, values });
-                }
+            if let Some(values) = o.hidden.filter(|_| live) {
+                events.push(CoreEvent::Hidden {
+                    id: RequestId(o.seq_id),
+                    values,
+                });
             }
             if let Some(token) = o.token {
                 if let Some(&fed) = drafted.get(&o.seq_id) {
@@ -777,6 +805,7 @@ impl StepCore {
                 }),
             }
         }
+        self.note_pool_errors();
         events
     }
 }
@@ -1076,7 +1105,20 @@ mod tests {
                     token: s.sample.then_some(last + 1),
                     logprob: None,
                     top_logprobs: Vec::new(),
-                    prompt_logprobs: Vec::new(),
+                    // For prompt-logprob requests, every fed known position past the first
+                    // (the tests' such requests end before they decode): the token, logprob 0.
+                    prompt_logprobs: if s.sampling.prompt_logprobs.is_some() {
+                        (s.num_computed_tokens.max(1)..s.num_computed_tokens + known)
+                            .map(|position| switchyard_gpu::backend::PromptLogprob {
+                                position,
+                                token: s.tokens[position - s.num_computed_tokens],
+                                logprob: 0.0,
+                                top_logprobs: Vec::new(),
+                            })
+                            .collect()
+                    } else {
+                        Vec::new()
+                    },
                     // A stand-in for the hidden state at the sampled row: its token and the
                     // number of positions it attends over (computed before it, and its own).
                     hidden: (s.sample && s.sampling.hidden_state).then(|| {
@@ -1237,6 +1279,56 @@ mod tests {
             assert!(now < 10, "the last position was never fed");
         }
         assert!(before.is_empty(), "{before:?}");
+        assert!(e.core().abort(RequestId(1)));
+        let mut after = Vec::new();
+        for _ in 0..3 {
+            after.extend(e.step(Timestamp(now)).unwrap().events);
+            now += 1;
+        }
+        assert!(after.is_empty(), "events after the abort: {after:?}");
+        let stats = e.core().stats();
+        assert_eq!((stats.num_running, stats.kv_usage), (0, 0.0));
+    }
+
+    /// A prompt-logprob request aborted while a step computing part of its prompt is in
+    /// flight (asynchronous scheduling) gets no event once that step's outputs come in: its
+    /// earlier chunk's prompt logprobs came, that chunk's do not (they used to, as
+    /// `CoreEvent::PromptLogprobs` for a request that had ended).
+    #[test]
+    fn prompt_logprobs_of_a_request_aborted_while_its_step_runs_are_not_reported() {
+        let backend = NextTokenBackend {
+            pipelines: true,
+            ..NextTokenBackend::default()
+        };
+        let fed = backend.fed.clone();
+        let mut e = engine(backend).with_async_scheduling(AsyncScheduling::On);
+        let mut req = request(1, (0..13).collect(), 1, None);
+        req.request.limits.prompt_logits = true;
+        req.sampling = Arc::new(SamplingParams {
+            prompt_logprobs: Some(1),
+            ..SamplingParams::default()
+        });
+        e.core().add_request(req).unwrap();
+        // 13 tokens in chunks of 6: the second step feeds positions 6 to 11.
+        let mut before = Vec::new();
+        let mut now = 0;
+        while !fed.lock().unwrap().iter().any(|f| f.0 == 1 && f.1 == 6) {
+            before.extend(e.step(Timestamp(now)).unwrap().events);
+            now += 1;
+            assert!(now < 10, "the second chunk was never fed");
+        }
+        let positions = |events: &[CoreEvent]| -> Vec<usize> {
+            events
+                .iter()
+                .flat_map(|ev| match ev {
+                    CoreEvent::PromptLogprobs { entries, .. } => {
+                        entries.iter().map(|p| p.position).collect()
+                    }
+                    _ => Vec::new(),
+                })
+                .collect()
+        };
+        assert_eq!(positions(&before), [1, 2, 3, 4, 5], "{before:?}");
         assert!(e.core().abort(RequestId(1)));
         let mut after = Vec::new();
         for _ in 0..3 {
@@ -1800,5 +1892,90 @@ mod tests {
         assert!(!e.core().has_unfinished());
         assert_eq!(e.core().stats().num_running, 0);
         assert_eq!(e.step(Timestamp(1)).unwrap().num_seqs, 0);
+    }
+
+    /// Counts what is recorded into `engine_pool_errors_total` (every other metric is
+    /// dropped); installed per test thread, so tests running at once do not mix.
+    #[derive(Default)]
+    struct PoolErrorRecorder(Arc<std::sync::atomic::AtomicU64>);
+
+    impl metrics::Recorder for PoolErrorRecorder {
+        fn describe_counter(
+            &self,
+            _: metrics::KeyName,
+            _: Option<metrics::Unit>,
+            _: metrics::SharedString,
+        ) {
+        }
+        fn describe_gauge(
+            &self,
+            _: metrics::KeyName,
+            _: Option<metrics::Unit>,
+            _: metrics::SharedString,
+        ) {
+        }
+        fn describe_histogram(
+            &self,
+            _: metrics::KeyName,
+            _: Option<metrics::Unit>,
+            _: metrics::SharedString,
+        ) {
+        }
+        fn register_counter(
+            &self,
+            key: &metrics::Key,
+            _: &metrics::Metadata<'_>,
+        ) -> metrics::Counter {
+            if key.name() == crate::metric_names::ENGINE_POOL_ERRORS {
+                metrics::Counter::from_arc(self.0.clone())
+            } else {
+                metrics::Counter::noop()
+            }
+        }
+        fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+            metrics::Gauge::noop()
+        }
+        fn register_histogram(
+            &self,
+            _: &metrics::Key,
+            _: &metrics::Metadata<'_>,
+        ) -> metrics::Histogram {
+            metrics::Histogram::noop()
+        }
+    }
+
+    /// The planner's pool errors (core or caller bugs it absorbs) reach the engine's metric,
+    /// each once, at the step that made them: here outputs resolved for a step never launched
+    /// (after applying them) and a step planned with the pool detached (after planning).
+    /// Before, they were visible to `check_invariants` only.
+    #[test]
+    fn pool_errors_are_counted_once_by_the_step_that_made_them() {
+        let recorder = PoolErrorRecorder::default();
+        let counted = recorder.0.clone();
+        let count = || counted.load(std::sync::atomic::Ordering::Relaxed);
+        metrics::with_local_recorder(&recorder, || {
+            let mut e = engine(NextTokenBackend::default());
+            let events = e
+                .core()
+                .resolve(&StepPlan::default(), Vec::new(), Timestamp(0));
+            assert!(events.is_empty(), "{events:?}");
+            assert_eq!(e.core().stats().pool_errors, 1);
+            assert_eq!(count(), 1);
+            // A run without errors counts none more.
+            e.core()
+                .add_request(request(1, (0..10).collect(), 3, None))
+                .unwrap();
+            assert_eq!(per_request(&run_to_end(&mut e))[&1].0.len(), 3);
+            assert_eq!((e.core().stats().pool_errors, count()), (1, 1));
+            assert_eq!(e.core().note_pool_errors(), 0);
+            // Planning without the pool (a caller bug) plans nothing and counts at once.
+            assert!(e.core().detach_allocator().is_some());
+            e.core()
+                .add_request(request(2, (0..10).collect(), 3, None))
+                .unwrap();
+            let report = e.step(Timestamp(1)).unwrap();
+            assert_eq!(report.num_seqs, 0);
+            assert_eq!((e.core().stats().pool_errors, count()), (2, 2));
+        });
     }
 }

@@ -55,6 +55,10 @@ pub const REQUEST_FAILED: &str = "switchyard:request_failed_total";
 /// Counter: engine steps that failed (a backend error or panic, or a lost executor or
 /// allocator); their requests ended with an error, the server went on.
 pub const ENGINE_FAILED_STEPS: &str = "switchyard:engine_failed_steps_total";
+/// Counter: block-accounting calls the scheduling core absorbed because they failed
+/// (`SchedulerStats::pool_errors`: a core or caller bug, never user input; each growth is also
+/// logged at ERROR). Anything but 0 is a bug to report.
+pub const ENGINE_POOL_ERRORS: &str = "switchyard:engine_pool_errors_total";
 /// Histogram, seconds: arrival to first generated token, per choice.
 pub const TIME_TO_FIRST_TOKEN: &str = "switchyard:time_to_first_token_seconds";
 /// Histogram, seconds: between the engine steps that bring a choice tokens, one per step after
@@ -336,6 +340,7 @@ pub const COUNTERS: &[&str] = &[
     REQUEST_ABORTED,
     REQUEST_FAILED,
     ENGINE_FAILED_STEPS,
+    ENGINE_POOL_ERRORS,
     LORA_LOADS,
     STRUCTURED_REQUESTS,
     STRUCTURED_FAILURES,

@@ -51,6 +51,8 @@ pub const REQUEST_ABORTED: &str = "switchyard:request_aborted_total";
 pub const REQUEST_FAILED: &str = "switchyard:request_failed_total";
 /// Counter: engine steps that failed; their requests ended with an error.
 pub const ENGINE_FAILED_STEPS: &str = "switchyard:engine_failed_steps_total";
+/// Counter: failed block-accounting calls the scheduling core absorbed (a bug; each logged).
+pub const ENGINE_POOL_ERRORS: &str = "switchyard:engine_pool_errors_total";
 /// Counter, labels `tier`, `target` (`ttft`, `tpot`), `outcome` (`met`, `missed`): choices of a
 /// tier's requests with that SLO target, by whether they met it.
 pub const SLO_ATTAINMENT: &str = "switchyard:slo_attainment_total";
@@ -297,6 +299,11 @@ pub fn describe_metrics() {
         "Engine steps that failed (a backend error or panic, or a lost executor or allocator); their requests ended with an error and the server went on."
     );
     describe_counter!(
+        ENGINE_POOL_ERRORS,
+        Unit::Count,
+        "Block-accounting calls the scheduling core absorbed because they failed (a plan or commit that did not match its ledger): a bug in Switchyard, never a client's doing; each is also logged at ERROR. Anything but 0 is worth a bug report."
+    );
+    describe_counter!(
         SLO_ATTAINMENT,
         Unit::Count,
         "Requests (each choice of n > 1 counts) of a tier with an SLO target, by target (ttft: at the first token; tpot: the mean time per output token after the first, when a choice of two or more tokens finishes) and outcome (met, missed)."
@@ -463,6 +470,7 @@ mod tests {
         REQUEST_ABORTED,
         REQUEST_FAILED,
         ENGINE_FAILED_STEPS,
+        ENGINE_POOL_ERRORS,
         SLO_ATTAINMENT,
         POLICY_SWAPS,
         HTTP_REQUESTS,

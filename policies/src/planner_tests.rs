@@ -1566,6 +1566,7 @@ fn a_matched_block_the_pool_lacks_ends_the_prefix_there() {
     assert_eq!(q.new_blocks.len(), 2);
     assert_eq!(q.new_blocks[0], blocks[0]);
     assert!(s.check_invariants().is_err(), "the pool error is reported");
+    assert_eq!(s.stats().pool_errors, 1, "and counted in the stats");
     let mut events = s.apply_outputs(&plan, &[], Timestamp(1));
     let plan = s.schedule(Timestamp(2));
     let q = &plan.seqs[0];

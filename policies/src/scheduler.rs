@@ -131,7 +131,8 @@ pub struct Scheduler {
     pub(crate) prefix_hits: u64,
     /// Preemptions since start.
     pub(crate) num_preemptions: u64,
-    /// Allocator calls that failed (a core bug; reported by `check_invariants`).
+    /// Allocator calls that failed (a core bug; reported by `check_invariants` and in
+    /// [`SchedulerStats::pool_errors`]).
     pub(crate) pool_errors: u64,
     /// Where drafts come from instead of prompt lookup (the simulator's model of a draft
     /// source), if set.
@@ -557,7 +558,13 @@ impl Scheduler {
             num_preemptions: self.num_preemptions,
             num_running_adapters: self.adapters.num_running_adapters(),
             num_waiting_adapter_requests: self.adapters.num_waiting_requests(),
+            pool_errors: self.pool_errors,
         }
+    }
+
+    /// Block-accounting calls that failed since start ([`SchedulerStats::pool_errors`]).
+    pub fn pool_errors(&self) -> u64 {
+        self.pool_errors
     }
 
     /// Whether a step planned in order now may feed drafts (speculative decoding is on and

@@ -562,6 +562,12 @@ pub struct SchedulerStats {
     pub num_running_adapters: usize,
     /// Waiting requests (new and preempted) that name a LoRA adapter.
     pub num_waiting_adapter_requests: usize,
+    /// Block-accounting calls that failed since start: a core or caller bug, never user
+    /// input (a plan or commit that does not match the ledger, a launched step resolved out
+    /// of order). The core absorbs each and goes on; [`crate::Scheduler::check_invariants`]
+    /// fails while it is not 0, and the engine logs and counts its growth.
+    #[serde(default)]
+    pub pool_errors: u64,
 }
 
 /// The scheduling priority of a request (lower = more urgent) from its own `priority` field and

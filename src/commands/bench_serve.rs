@@ -709,18 +709,71 @@ fn usage_warning(ok: &[&Sample]) -> Option<String> {
     })
 }
 
+/// What every report counts: the successful requests, the failed ones and the input tokens
+/// of the successful ones.
+struct Counted<'a> {
+    /// The successful requests.
+    ok: Vec<&'a Sample>,
+    /// Requests that failed.
+    failed: usize,
+    /// Prompt tokens of the successful requests.
+    input: usize,
+}
+
+impl<'a> Counted<'a> {
+    fn of(samples: &'a [Sample]) -> Self {
+        let ok: Vec<&Sample> = samples.iter().filter(|s| s.ok).collect();
+        Self {
+            failed: samples.len() - ok.len(),
+            input: ok.iter().map(|s| s.prompt_tokens).sum(),
+            ok,
+        }
+    }
+
+    /// Prints the banner and the labels both endpoints' reports open with, in vLLM's order:
+    /// successful and failed requests, the run's duration and the input tokens.
+    fn print_head(&self, duration: f64) {
+        println!("{:=^50}", " Serving Benchmark Result ");
+        println!("{:<40}{}", "Successful requests:", self.ok.len());
+        println!("{:<40}{}", "Failed requests:", self.failed);
+        println!("{:<40}{:.2}", "Benchmark duration (s):", duration);
+        println!("{:<40}{}", "Total input tokens:", self.input);
+    }
+}
+
+/// Ends a report on either endpoint: the closing rule, the first failure on stderr and the
+/// result file (`result`, built only when `--result-file` asks for it); fails when no request
+/// succeeded.
+fn close_report(
+    args: &ServeBenchArgs,
+    samples: &[Sample],
+    counted: &Counted,
+    result: impl FnOnce() -> serde_json::Value,
+) -> anyhow::Result<()> {
+    println!("{}", "=".repeat(50));
+    if let Some(first) = samples.iter().find(|s| !s.ok) {
+        eprintln!("first failure: {}", first.error);
+    }
+    if let Some(path) = &args.result_file {
+        std::fs::write(path, serde_json::to_string_pretty(&result())?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    anyhow::ensure!(!counted.ok.is_empty(), "no request succeeded");
+    Ok(())
+}
+
 fn report(
     args: &ServeBenchArgs,
     samples: &[Sample],
     duration: f64,
     spec: Option<SpecCounters>,
 ) -> anyhow::Result<()> {
-    let ok: Vec<&Sample> = samples.iter().filter(|s| s.ok).collect();
-    if let Some(warning) = usage_warning(&ok) {
+    let counted = Counted::of(samples);
+    let ok = &counted.ok;
+    if let Some(warning) = usage_warning(ok) {
         eprintln!("{warning}");
     }
-    let failed = samples.len() - ok.len();
-    let input: usize = ok.iter().map(|s| s.prompt_tokens).sum();
+    let (failed, input) = (counted.failed, counted.input);
     let output: usize = ok.iter().map(|s| s.output_tokens).sum();
     let ttft = stats(ok.iter().map(|s| s.ttft).collect());
     let tpot = stats(
@@ -731,11 +784,7 @@ fn report(
     );
     let itl = stats(ok.iter().flat_map(|s| s.itl.iter().copied()).collect());
     let d = duration.max(1e-9);
-    println!("{:=^50}", " Serving Benchmark Result ");
-    println!("{:<40}{}", "Successful requests:", ok.len());
-    println!("{:<40}{}", "Failed requests:", failed);
-    println!("{:<40}{:.2}", "Benchmark duration (s):", duration);
-    println!("{:<40}{}", "Total input tokens:", input);
+    counted.print_head(duration);
     println!("{:<40}{}", "Total generated tokens:", output);
     println!(
         "{:<40}{:.2}",
@@ -778,12 +827,8 @@ fn report(
         println!("{:<40}{}", "Draft tokens:", sp.draft_tokens);
         println!("{:<40}{}", "Accepted tokens:", sp.accepted);
     }
-    println!("{}", "=".repeat(50));
-    if let Some(first) = samples.iter().find(|s| !s.ok) {
-        eprintln!("first failure: {}", first.error);
-    }
-    if let Some(path) = &args.result_file {
-        let result = json!({
+    close_report(args, samples, &counted, || {
+        let mut result = json!({
             "completed": ok.len(), "failed": failed, "duration": duration,
             "total_input_tokens": input, "total_output_tokens": output,
             "request_throughput": ok.len() as f64 / d, "output_throughput": output as f64 / d,
@@ -793,18 +838,14 @@ fn report(
             "mean_itl_ms": itl.0, "median_itl_ms": itl.1, "p99_itl_ms": itl.2,
             "max_concurrency": args.max_concurrency, "request_rate": args.request_rate,
         });
-        let mut result = result;
         if let Some(sp) = spec {
             result["spec_decode_acceptance_rate"] = json!(sp.accepted / sp.draft_tokens);
             result["spec_decode_num_drafts"] = json!(sp.drafts);
             result["spec_decode_num_draft_tokens"] = json!(sp.draft_tokens);
             result["spec_decode_num_accepted_tokens"] = json!(sp.accepted);
         }
-        std::fs::write(path, serde_json::to_string_pretty(&result)?)
-            .with_context(|| format!("writing {}", path.display()))?;
-    }
-    anyhow::ensure!(!ok.is_empty(), "no request succeeded");
-    Ok(())
+        result
+    })
 }
 
 #[cfg(test)]

@@ -21,6 +21,8 @@ const KV_MB: usize = 512;
 
 struct Output {
     prompt_tokens: usize,
+    /// Prompt tokens whose KV came from the prefix cache (whole blocks, at first admission).
+    cached_prompt_tokens: u32,
     tokens: Vec<u32>,
     text: String,
     detok: IncrementalDetokenizer,
@@ -120,6 +122,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             id,
             Output {
                 prompt_tokens: ids.len(),
+                cached_prompt_tokens: 0,
                 tokens: Vec::new(),
                 text: String::new(),
                 detok: IncrementalDetokenizer::new(Vec::new()),
@@ -171,9 +174,12 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
                     }
                     out.text.push_str(&piece);
                 }
-                CoreEvent::PromptLogprobs { .. }
-                | CoreEvent::PromptCached { .. }
-                | CoreEvent::Hidden { .. } => {}
+                CoreEvent::PromptCached { id, tokens } => {
+                    if let Some(out) = outputs.get_mut(&id) {
+                        out.cached_prompt_tokens = tokens;
+                    }
+                }
+                CoreEvent::PromptLogprobs { .. } | CoreEvent::Hidden { .. } => {}
                 CoreEvent::Finished { id, reason } => {
                     let Some(out) = outputs.get_mut(&id) else {
                         continue;
@@ -197,6 +203,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
                     "prompt": args.prompt[id.0 as usize],
                     "text": out.text,
                     "prompt_tokens": out.prompt_tokens,
+                    "cached_prompt_tokens": out.cached_prompt_tokens,
                     "completion_tokens": out.tokens.len(),
                     "finish_reason": out.finish,
                 });
@@ -210,8 +217,14 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             }
         }
     }
+    let prompt_tokens: usize = outputs.values().map(|o| o.prompt_tokens).sum();
+    let cached: u64 = outputs
+        .values()
+        .map(|o| u64::from(o.cached_prompt_tokens))
+        .sum();
     eprintln!(
-        "{generated} tokens for {} prompts in {secs:.2} s ({:.1} tok/s)",
+        "{generated} tokens for {} prompts in {secs:.2} s ({:.1} tok/s); {cached} of \
+         {prompt_tokens} prompt tokens from the prefix cache",
         outputs.len(),
         generated as f64 / secs.max(1e-9)
     );

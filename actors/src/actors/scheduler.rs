@@ -106,7 +106,8 @@ impl SchedulerActor {
         Timestamp(self.origin.elapsed().as_micros() as u64)
     }
 
-    fn publish_stats(&self) {
+    fn publish_stats(&mut self) {
+        self.core.note_pool_errors();
         let s = self.core.stats();
         metrics::gauge!(names::NUM_REQUESTS_RUNNING).set(s.num_running as f64);
         metrics::gauge!(names::NUM_REQUESTS_WAITING).set(s.num_waiting as f64);

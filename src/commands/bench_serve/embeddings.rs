@@ -8,12 +8,11 @@
 
 use std::time::Instant;
 
-use anyhow::Context;
 use serde::Deserialize;
 use serde_json::json;
 
 use super::http::post;
-use super::{stats, Job, Sample};
+use super::{close_report, stats, Counted, Job, Sample};
 use crate::cli::ServeBenchArgs;
 
 /// Most prompts in one `/v1/embeddings` request (`--embedding-batch`), OpenAI's bound on
@@ -164,22 +163,18 @@ pub(super) fn report(
     samples: &[Sample],
     duration: f64,
 ) -> anyhow::Result<()> {
-    let ok: Vec<&Sample> = samples.iter().filter(|s| s.ok).collect();
-    if let Some(warning) = usage_warning(&ok) {
+    let counted = Counted::of(samples);
+    let ok = &counted.ok;
+    if let Some(warning) = usage_warning(ok) {
         eprintln!("{warning}");
     }
-    let failed = samples.len() - ok.len();
-    let input: usize = ok.iter().map(|s| s.prompt_tokens).sum();
+    let (failed, input) = (counted.failed, counted.input);
     let inputs: usize = ok.iter().map(|s| s.inputs).sum();
     // Every success has the test request's length (`check_answer`), so the first says it.
     let dimension = ok.first().map_or(0, |s| s.dimension);
     let e2el = stats(ok.iter().map(|s| s.latency).collect());
     let d = duration.max(1e-9);
-    println!("{:=^50}", " Serving Benchmark Result ");
-    println!("{:<40}{}", "Successful requests:", ok.len());
-    println!("{:<40}{}", "Failed requests:", failed);
-    println!("{:<40}{:.2}", "Benchmark duration (s):", duration);
-    println!("{:<40}{}", "Total input tokens:", input);
+    counted.print_head(duration);
     println!(
         "{:<40}{:.2}",
         "Request throughput (req/s):",
@@ -201,12 +196,8 @@ pub(super) fn report(
     println!("{:<40}{:.2}", "Mean E2EL (ms):", e2el.0);
     println!("{:<40}{:.2}", "Median E2EL (ms):", e2el.1);
     println!("{:<40}{:.2}", "P99 E2EL (ms):", e2el.2);
-    println!("{}", "=".repeat(50));
-    if let Some(first) = samples.iter().find(|s| !s.ok) {
-        eprintln!("first failure: {}", first.error);
-    }
-    if let Some(path) = &args.result_file {
-        let result = json!({
+    close_report(args, samples, &counted, || {
+        json!({
             "endpoint": "embeddings", "embedding_batch": args.embedding_batch.unwrap_or(1),
             "completed": ok.len(), "failed": failed, "duration": duration,
             "total_input_tokens": input, "completed_inputs": inputs,
@@ -214,12 +205,8 @@ pub(super) fn report(
             "input_throughput": inputs as f64 / d, "embedding_dimension": dimension,
             "mean_e2el_ms": e2el.0, "median_e2el_ms": e2el.1, "p99_e2el_ms": e2el.2,
             "max_concurrency": args.max_concurrency, "request_rate": args.request_rate,
-        });
-        std::fs::write(path, serde_json::to_string_pretty(&result)?)
-            .with_context(|| format!("writing {}", path.display()))?;
-    }
-    anyhow::ensure!(!ok.is_empty(), "no request succeeded");
-    Ok(())
+        })
+    })
 }
 
 #[cfg(test)]
