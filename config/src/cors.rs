@@ -60,7 +60,7 @@ impl Default for CorsSection {
 }
 
 /// Whether `list` is `["*"]`, the wildcard.
-pub fn is_wildcard(list: &[String]) -> bool {
+pub(crate) fn is_wildcard(list: &[String]) -> bool {
     matches!(list, [only] if only == "*")
 }
 

@@ -20,7 +20,7 @@ mod overrides;
 mod schema;
 mod tls;
 
-pub use cors::{is_wildcard, CorsSection, MAX_CORS_ENTRIES, MAX_CORS_ENTRY_BYTES};
+pub use cors::{CorsSection, MAX_CORS_ENTRIES, MAX_CORS_ENTRY_BYTES};
 pub use file::expand_home;
 pub use locate::locate;
 pub use log_filter::check_log_filter;
