@@ -52,6 +52,8 @@ pub struct ApiConfig {
     pub reasoning_tokens: [Option<u32>; 2],
     /// Bounds of the Responses API's store (`store`, `previous_response_id`).
     pub responses_store: crate::StoreLimits,
+    /// Which browser origins may call (CORS); `None` sends no CORS headers.
+    pub cors: Option<crate::cors::CorsSettings>,
 }
 
 impl Default for ApiConfig {
@@ -68,6 +70,7 @@ impl Default for ApiConfig {
             reasoning: None,
             reasoning_tokens: [None; 2],
             responses_store: crate::StoreLimits::default(),
+            cors: None,
         }
     }
 }
@@ -97,6 +100,7 @@ impl std::fmt::Debug for ApiConfig {
             .field("reasoning", &self.reasoning)
             .field("reasoning_tokens", &self.reasoning_tokens)
             .field("responses_store", &self.responses_store)
+            .field("cors", &self.cors)
             .finish()
     }
 }

@@ -10,7 +10,9 @@
 //! `GET /v1/models/{id}`, `POST /tokenize`, `POST /detokenize` (all behind the API key),
 //! `GET /health`, `GET /ready`,
 //! `GET /metrics`, and `GET`/`PUT /admin/policy`, `GET`/`PUT /admin/speculative`,
-//! `GET`/`POST /admin/lora` and `DELETE /admin/lora/{name}` (behind the admin key).
+//! `GET`/`POST /admin/lora` and `DELETE /admin/lora/{name}` (behind the admin key). With
+//! [`cors::CorsSettings`] every route answers CORS preflights (without a key); with a
+//! [`tls::CertificateResolver`] the server speaks HTTPS.
 //!
 //! ```no_run
 //! # use std::sync::Arc;
@@ -29,6 +31,7 @@
 
 pub mod auth;
 mod body;
+pub mod cors;
 pub mod engine;
 pub mod error;
 mod generation;
@@ -41,6 +44,7 @@ mod server;
 mod sse;
 mod state;
 mod throttle;
+pub mod tls;
 mod unread_body;
 
 pub use auth::{ApiConfig, ApiKeyEntry, Principal};

@@ -1,11 +1,12 @@
 //! Route table, HTTP metrics and request-id middleware, and the server builder.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use actix_web::body::MessageBody;
 use actix_web::dev::{Server, ServiceRequest, ServiceResponse};
-use actix_web::middleware::{from_fn, Next};
+use actix_web::middleware::{from_fn, Condition, Next};
 use actix_web::{web, App, HttpRequest, HttpServer};
 
 use crate::auth::{require_admin_key, require_api_key};
@@ -13,6 +14,7 @@ use crate::metrics::HttpRecord;
 use crate::request_id::add_request_id;
 use crate::routes;
 use crate::state::ApiState;
+use crate::tls::CertificateResolver;
 use crate::unread_body::hold_request_body;
 
 /// Registers every route on an actix-web app or scope.
@@ -30,8 +32,15 @@ pub fn configure(cfg: &mut web::ServiceConfig, state: ApiState) {
     // included) passes the request-id middleware; unmatched paths reach the app's default
     // service through the innermost scope `""`. Outermost, the request's body is kept until
     // its response is written: one answered before the body ended closes its connection
-    // (see `unread_body`).
+    // (see `unread_body`). CORS, when configured, sits inside the request id (its answers
+    // carry one) and outside the key checks (a preflight carries no key).
+    let cors = state.config.cors.as_ref();
+    let cors = Condition::new(
+        cors.is_some(),
+        cors.map_or_else(actix_cors::Cors::default, |c| c.middleware()),
+    );
     let all = web::scope("")
+        .wrap(cors)
         .wrap(from_fn(add_request_id))
         .wrap(from_fn(hold_request_body))
         .service(
@@ -207,16 +216,22 @@ pub fn build_server(
     state: ApiState,
     options: &ServerOptions,
 ) -> std::io::Result<(Server, Vec<SocketAddr>)> {
-    build_server_on(state, options, Vec::new())
+    build_server_on(state, options, Vec::new(), None)
 }
 
 /// [`build_server`], listening on `listeners` (sockets the caller bound already, so that an
-/// address in use is found before a slow start) as well as on `options.bind`.
+/// address in use is found before a slow start) as well as on `options.bind`; with `tls`,
+/// every one of them speaks HTTPS only, with the certificate `tls` holds at each handshake.
 pub fn build_server_on(
     state: ApiState,
     options: &ServerOptions,
     listeners: Vec<std::net::TcpListener>,
+    tls: Option<Arc<CertificateResolver>>,
 ) -> std::io::Result<(Server, Vec<SocketAddr>)> {
+    let tls = tls
+        .map(crate::tls::server_config)
+        .transpose()
+        .map_err(std::io::Error::other)?;
     let app_state = state.clone();
     let mut server = HttpServer::new(move || {
         let state = app_state.clone();
@@ -236,10 +251,16 @@ pub fn build_server_on(
         server = server.workers(options.workers);
     }
     for addr in &options.bind {
-        server = server.bind(addr)?;
+        server = match &tls {
+            Some(tls) => server.bind_rustls_0_23(addr, tls.clone())?,
+            None => server.bind(addr)?,
+        };
     }
     for listener in listeners {
-        server = server.listen(listener)?;
+        server = match &tls {
+            Some(tls) => server.listen_rustls_0_23(listener, tls.clone())?,
+            None => server.listen(listener)?,
+        };
     }
     let addrs = server.addrs();
     Ok((server.run(), addrs))

@@ -1,5 +1,5 @@
-//! Reading the operator's files (the configuration, the API keys file): regular files only,
-//! to a bound, as UTF-8 text.
+//! Reading the operator's files (the configuration, the API keys file, the TLS files): regular
+//! files only, to a bound, as bytes or UTF-8 text.
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -22,11 +22,22 @@ pub fn expand_home(path: &str) -> PathBuf {
     }
 }
 
-/// The text of the regular file at `path` (links followed), at most `max` bytes. The kind of
-/// file is checked before it is opened (opening a FIFO blocks; a device such as `/dev/zero`
-/// never ends) and again once open; at most `max + 1` bytes are read, so a file that grows
-/// meanwhile is refused too.
+/// The text of the regular file at `path` (links followed), at most `max` bytes: see
+/// [`read_bytes`]; the bytes must be UTF-8.
 pub(crate) fn read_text(path: &Path, max: u64) -> Result<String, ReadError> {
+    String::from_utf8(read_bytes(path, max)?).map_err(|e| {
+        ReadError::Invalid(format!(
+            "not UTF-8 text (invalid byte at offset {})",
+            e.utf8_error().valid_up_to()
+        ))
+    })
+}
+
+/// The bytes of the regular file at `path` (links followed), at most `max`. The kind of file
+/// is checked before it is opened (opening a FIFO blocks; a device such as `/dev/zero` never
+/// ends) and again once open; at most `max + 1` bytes are read, so a file that grows
+/// meanwhile is refused too.
+pub(crate) fn read_bytes(path: &Path, max: u64) -> Result<Vec<u8>, ReadError> {
     let regular = |m: std::fs::Metadata| {
         if m.is_file() {
             Ok(())
@@ -37,20 +48,16 @@ pub(crate) fn read_text(path: &Path, max: u64) -> Result<String, ReadError> {
     regular(std::fs::metadata(path).map_err(ReadError::Io)?)?;
     let file = std::fs::File::open(path).map_err(ReadError::Io)?;
     regular(file.metadata().map_err(ReadError::Io)?)?;
-    let too_large = || ReadError::Invalid(format!("too large: more than {max} bytes"));
     let mut bytes = Vec::new();
     file.take(max.saturating_add(1))
         .read_to_end(&mut bytes)
         .map_err(ReadError::Io)?;
     if bytes.len() as u64 > max {
-        return Err(too_large());
+        return Err(ReadError::Invalid(format!(
+            "too large: more than {max} bytes"
+        )));
     }
-    String::from_utf8(bytes).map_err(|e| {
-        ReadError::Invalid(format!(
-            "not UTF-8 text (invalid byte at offset {})",
-            e.utf8_error().valid_up_to()
-        ))
-    })
+    Ok(bytes)
 }
 
 #[cfg(test)]

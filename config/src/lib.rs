@@ -11,18 +11,22 @@
 //! deserializing (so the YAML parser reports the location), and cross-field rules are checked
 //! afterwards and located by [`locate`].
 
+mod cors;
 mod file;
 mod keys;
 mod locate;
 mod log_filter;
 mod overrides;
 mod schema;
+mod tls;
 
+pub use cors::{CorsSection, MAX_CORS_ENTRIES, MAX_CORS_ENTRY_BYTES};
 pub use file::expand_home;
 pub use locate::locate;
 pub use log_filter::check_log_filter;
 pub use overrides::{apply_override, env_overrides, Override, OverrideSource, ENV_PREFIX};
 pub use schema::*;
+pub use tls::{TlsFiles, TlsSection, MAX_TLS_FILE_BYTES};
 
 use std::path::Path;
 

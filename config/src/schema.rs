@@ -59,7 +59,7 @@ impl<const MIN: u64, const MAX: u64> Visitor<'_> for IntIn<MIN, MAX> {
 }
 
 /// Deserializes an integer and checks it lies in `MIN..=MAX`.
-fn int_in<'de, D: Deserializer<'de>, const MIN: u64, const MAX: u64>(
+pub(crate) fn int_in<'de, D: Deserializer<'de>, const MIN: u64, const MAX: u64>(
     d: D,
 ) -> Result<u64, D::Error> {
     d.deserialize_any(IntIn::<MIN, MAX>)
@@ -589,6 +589,11 @@ pub struct ServerSection {
     /// Serve `POST /v1/embeddings` (the model's final hidden state at each input's last
     /// token, normalized); off, the route answers 404 `embeddings_not_served`.
     pub embeddings: bool,
+    /// HTTPS with these certificate and key files; absent, plain HTTP.
+    pub tls: Option<crate::TlsSection>,
+    /// Which browser origins may call the API; absent, no CORS headers are sent (browsers
+    /// refuse cross-origin calls).
+    pub cors: Option<crate::CorsSection>,
 }
 
 /// `server.responses`: bounds of the store of responses, kept in memory per tenant; the least
@@ -655,6 +660,8 @@ impl Default for ServerSection {
             workers: 0,
             responses: ResponsesSection::default(),
             embeddings: true,
+            tls: None,
+            cors: None,
         }
     }
 }
@@ -1000,6 +1007,12 @@ impl Config {
                 .map_err(|(field, why)| (format!("server.api_keys[{i}].{field}"), why))?;
         }
         crate::keys::check_inline(self)?;
+        if let Some(tls) = &self.server.tls {
+            tls.check()?;
+        }
+        if let Some(cors) = &self.server.cors {
+            cors.check()?;
+        }
         if let Some(k) = &self.server.admin_key {
             if k.len() < 8 || k.len() > 512 {
                 return Err((

@@ -1,7 +1,11 @@
 //! `switchyard config check`, and reading a configuration as `serve` does.
 
+use std::sync::Arc;
+
 use crate::cli::ConfigCommand;
-use switchyard_config::{env_overrides, Config, Override, PolicySpec};
+use switchyard_api::cors::{AllowList, CorsSettings};
+use switchyard_api::tls::{CertifiedKey, TlsError};
+use switchyard_config::{env_overrides, Config, CorsSection, Override, PolicySpec};
 use switchyard_policies::{Policy, PolicyError, PolicyRegistry, TierSpec};
 
 pub fn run(cmd: ConfigCommand) -> anyhow::Result<()> {
@@ -9,8 +13,9 @@ pub fn run(cmd: ConfigCommand) -> anyhow::Result<()> {
         ConfigCommand::Check { file, overrides } => {
             // What `serve` checks before it loads the model, so that a configuration that
             // passes here does not fail there: the policy and its parameters (by the registry
-            // that will run them), that `model.path` can be read, and the API keys file.
-            let config = load_checked(&file, &overrides)?;
+            // that will run them), that `model.path` can be read, the TLS certificate and key,
+            // and the API keys file.
+            let Checked { config, tls } = load_checked(&file, &overrides)?;
             let keys = config.load_api_keys()?;
             // Keys are secrets: the printed configuration leaves them out.
             println!("# API keys and the admin key are shown as <redacted>.");
@@ -21,6 +26,14 @@ pub fn run(cmd: ConfigCommand) -> anyhow::Result<()> {
                     file.display(),
                     keys.len(),
                     keys.len() - config.server.api_keys.len()
+                );
+            }
+            if let (Some(key), Some(section)) = (&tls, &config.server.tls) {
+                eprintln!(
+                    "{}: HTTPS with {} certificate(s) from {}",
+                    file.display(),
+                    key.cert.len(),
+                    section.cert_file
                 );
             }
             eprintln!("{}: ok", file.display());
@@ -51,18 +64,80 @@ pub fn load_or_defaults(
     }
 }
 
+/// A configuration read as `serve` starts, and what its start-up checks made of it.
+pub struct Checked {
+    /// The configuration.
+    pub config: Config,
+    /// The certificate and key of `server.tls`, parsed and matched (`None` without it).
+    pub tls: Option<Arc<CertifiedKey>>,
+}
+
 /// [`load`], with `scheduler.policy` built too (by the registry that runs it, with the
-/// configured tiers): an error names the field (`scheduler.policy.name`,
-/// `scheduler.policy.params.token_budget`) and the override that set it, or the file's line.
-/// What `config check` and `serve`'s start read.
-pub fn load_checked(file: &std::path::Path, cli_overrides: &[String]) -> anyhow::Result<Config> {
-    load_with(file, cli_overrides, |config| {
+/// configured tiers), `server.cors` checked as the HTTP layer builds it and the files of
+/// `server.tls` read and parsed: an error names the field (`scheduler.policy.name`,
+/// `scheduler.policy.params.token_budget`, `server.tls.key_file`) and the override that set
+/// it, or the file's line. What `config check` and `serve`'s start read.
+pub fn load_checked(file: &std::path::Path, cli_overrides: &[String]) -> anyhow::Result<Checked> {
+    let mut tls = None;
+    let config = load_with(file, cli_overrides, |config| {
         model_path_readable(&config.model.path).map_err(|why| ("model.path".to_string(), why))?;
         let spec = &config.scheduler.policy;
         build_policy(spec, &tier_specs(config))
             .map(drop)
-            .map_err(policy_field_error)
-    })
+            .map_err(policy_field_error)?;
+        if let Some(cors) = &config.server.cors {
+            cors_settings(cors)
+                .check()
+                .map_err(|(field, why)| (format!("server.cors.{field}"), why))?;
+        }
+        tls = tls_certificate(config)?;
+        Ok(())
+    })?;
+    Ok(Checked { config, tls })
+}
+
+/// The certificate chain and key of `server.tls`, read (regular files, bounded) and parsed,
+/// the key checked against the first certificate; `None` without the section. An error names
+/// the field at fault (`server.tls.cert_file`, `server.tls.key_file`) and why, with the path.
+/// `serve`'s start, `config check` and SIGHUP all read them through here.
+pub fn tls_certificate(config: &Config) -> Result<Option<Arc<CertifiedKey>>, (String, String)> {
+    let (Some(section), Some(files)) = (&config.server.tls, config.read_tls_files()?) else {
+        return Ok(None);
+    };
+    let cert = switchyard_config::expand_home(&section.cert_file);
+    let key = switchyard_config::expand_home(&section.key_file);
+    switchyard_api::tls::certified_key(&files.cert_pem, &files.key_pem)
+        .map(Some)
+        .map_err(|e| match e {
+            TlsError::Certificate(_) => (
+                "server.tls.cert_file".into(),
+                format!("`{}`: {e}", cert.display()),
+            ),
+            TlsError::Key(_) => (
+                "server.tls.key_file".into(),
+                format!("`{}`: {e}", key.display()),
+            ),
+            TlsError::KeyMismatch => (
+                "server.tls.key_file".into(),
+                format!(
+                    "`{}` is not the key of `{}`: {e}",
+                    key.display(),
+                    cert.display()
+                ),
+            ),
+            TlsError::Setup(_) => ("server.tls".into(), e.to_string()),
+        })
+}
+
+/// The HTTP layer's CORS settings of a `server.cors` section (`["*"]` is any).
+pub fn cors_settings(section: &CorsSection) -> CorsSettings {
+    CorsSettings {
+        allowed_origins: AllowList::from_config(&section.allowed_origins),
+        allowed_methods: AllowList::from_config(&section.allowed_methods),
+        allowed_headers: AllowList::from_config(&section.allowed_headers),
+        allow_credentials: section.allow_credentials,
+        max_age_s: section.max_age_s,
+    }
 }
 
 /// Where the value of `field` (dotted, `server.port`) in force comes from, as errors about it

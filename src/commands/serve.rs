@@ -34,6 +34,7 @@ use switchyard_api::schema::{
     reasoning,
     tools::{writes_call_ids, MarkerTokens, ToolFormat, ToolSetup},
 };
+use switchyard_api::tls::CertificateResolver;
 use switchyard_api::{ApiConfig, ApiKeyEntry, ApiState, ServerOptions, StoreLimits};
 use switchyard_config::{Config, ReasoningParser, ToolCallFormat, ToolPrompt};
 use switchyard_gpu::backend::{SamplingParams, MAX_LOGIT_ROWS};
@@ -60,7 +61,10 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let hangup = system
         .block_on(async { signal(SignalKind::hangup()) })
         .context("cannot install the SIGHUP handler")?;
-    let config = super::config::load_checked(&args.config, &args.overrides)?;
+    let super::config::Checked {
+        config,
+        tls: certificate,
+    } = super::config::load_checked(&args.config, &args.overrides)?;
     // The recorder goes in first so that no metric recorded during start-up is lost.
     let prometheus = match switchyard_api::metrics::install_prometheus_recorder() {
         Ok(handle) => {
@@ -89,7 +93,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let path = runtime::config_model_path(&config)?;
     // Everything that can be checked without the model is checked before its (slow) load,
     // so a typo fails fast: the load format, the address (bound here: a port in use fails
-    // now), the policy and the API keys.
+    // now), the policy, the TLS certificate and key (read above) and the API keys.
     checks::load_format(config.model.load_format, &path)?;
     let bind = SocketAddr::new(
         config
@@ -353,16 +357,28 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         });
         metrics::gauge!(switchyard_api::metrics::POLICY_INFO, "policy" => policy_label(&adapter.policy.lock().name)).set(1.0);
         let state = ApiState::new(adapter.clone(), api_config, prometheus);
-        let (server, addrs) =
-            switchyard_api::build_server_on(state.clone(), &options, vec![listener])?;
+        // With TLS, new connections get the certificate the resolver holds: SIGHUP replaces it.
+        let tls = certificate.map(|key| Arc::new(CertificateResolver::new(key)));
+        let (server, addrs) = switchyard_api::build_server_on(
+            state.clone(),
+            &options,
+            vec![listener],
+            tls.clone(),
+        )?;
         let handle = server.handle();
-        tracing::info!(addr = ?addrs, "serving");
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        for addr in &addrs {
+            tracing::info!(url = %format!("{scheme}://{addr}"), "serving");
+        }
         let reloader = reload::Reloader::new(
             adapter,
-            config_path,
-            overrides,
-            config,
-            file_adapters,
+            reload::Started {
+                path: config_path,
+                overrides,
+                config,
+                file_adapters,
+                tls,
+            },
         );
         // Signals: SIGTERM/SIGINT drain then stop (a second one ends the drain); SIGHUP
         // re-reads the policy section and the adapters (one reload at a time, in the
@@ -453,6 +469,11 @@ fn api_config(
             max_age: (config.server.responses.max_age_s > 0)
                 .then(|| Duration::from_secs(config.server.responses.max_age_s)),
         },
+        cors: config
+            .server
+            .cors
+            .as_ref()
+            .map(super::config::cors_settings),
         ..ApiConfig::default()
     }
 }

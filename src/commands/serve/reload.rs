@@ -7,13 +7,18 @@
 //! engine's live registry, by name and directory: an adapter the file lists that is not served
 //! (an admin unloaded it, or it failed before) is loaded, and one the file listed before and no
 //! longer lists is unloaded if it is still served from the file's directory. The file's policy
-//! wins over one set through `PUT /admin/policy` since, with a warning naming both. Fields that
-//! take a restart are compared with the configuration the server started with, and named
-//! (`server.port`, `cache.block_size`) in a warning while they differ.
+//! wins over one set through `PUT /admin/policy` since, with a warning naming both. With
+//! `server.tls`, its files (at the paths the file now names) are read again and the new
+//! certificate served to new connections; a certificate or key that does not load changes
+//! nothing, as a bad policy does (the policy and the certificate are both checked before
+//! either is applied). Fields that take a restart (turning TLS on or off among them) are
+//! compared with the configuration the server started with, and named (`server.port`,
+//! `server.tls`, `cache.block_size`) in a warning while they differ.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use switchyard_api::tls::CertificateResolver;
 use switchyard_config::{Config, LoraAdapterEntry};
 
 use super::EngineAdapter;
@@ -26,8 +31,24 @@ pub(super) struct Reloader {
     path: PathBuf,
     /// The `--set` overrides of the command line (environment overrides are read again).
     overrides: Vec<String>,
+    /// The certificate new HTTPS connections get; `None` on plain HTTP.
+    tls: Option<Arc<CertificateResolver>>,
     /// Held for the whole of a reload.
     state: tokio::sync::Mutex<ReloadState>,
+}
+
+/// How the server started: what a reloader compares and reloads against.
+pub(super) struct Started {
+    /// The configuration file.
+    pub path: PathBuf,
+    /// The `--set` overrides of the command line.
+    pub overrides: Vec<String>,
+    /// The configuration the server started with.
+    pub config: Config,
+    /// The adapters of `lora.adapters` served from the file, by name and directory.
+    pub file_adapters: Vec<(String, PathBuf)>,
+    /// The certificate resolver of an HTTPS server.
+    pub tls: Option<Arc<CertificateResolver>>,
 }
 
 /// What one reload leaves for the next.
@@ -83,22 +104,17 @@ fn replaces_admin_policy(
 }
 
 impl Reloader {
-    /// A reloader for a server started with `started`, serving `file_adapters` from its file.
-    pub(super) fn new(
-        adapter: Arc<EngineAdapter>,
-        path: PathBuf,
-        overrides: Vec<String>,
-        started: Config,
-        file_adapters: Vec<(String, PathBuf)>,
-    ) -> Arc<Self> {
+    /// A reloader for the server `started` describes.
+    pub(super) fn new(adapter: Arc<EngineAdapter>, started: Started) -> Arc<Self> {
         Arc::new(Self {
             adapter,
-            path,
-            overrides,
+            path: started.path,
+            overrides: started.overrides,
+            tls: started.tls,
             state: tokio::sync::Mutex::new(ReloadState {
-                file_policy: PolicyKey::of(&started.scheduler.policy),
-                started,
-                file_adapters,
+                file_policy: PolicyKey::of(&started.config.scheduler.policy),
+                started: started.config,
+                file_adapters: started.file_adapters,
             }),
         })
     }
@@ -110,7 +126,7 @@ impl Reloader {
         actix_web::rt::spawn(async move { this.reload().await });
     }
 
-    /// Reads the file again and applies its policy and adapters.
+    /// Reads the file again and applies its policy, TLS certificate and adapters.
     async fn reload(&self) {
         let mut state = self.state.lock().await;
         let cfg = match crate::commands::config::load(&self.path, &self.overrides) {
@@ -140,6 +156,22 @@ impl Reloader {
                 return;
             }
         };
+        // Read (so checked) before anything is applied too; kept while TLS is turned off in
+        // the file (a restart, named above).
+        let certificate = match (&self.tls, &cfg.server.tls) {
+            (Some(_), Some(_)) => match crate::commands::config::tls_certificate(&cfg) {
+                Ok(certificate) => certificate,
+                Err((field, why)) => {
+                    tracing::error!(
+                        error = %format!("{field}: {why}"),
+                        "SIGHUP: the TLS certificate or key does not load; the certificate in \
+                         force is kept and nothing was reloaded"
+                    );
+                    return;
+                }
+            },
+            _ => None,
+        };
         let file_policy = PolicyKey::of(spec);
         let in_force = {
             let info = self.adapter.policy.lock();
@@ -165,6 +197,17 @@ impl Reloader {
             tracing::info!(policy = %info.name, "SIGHUP: policy reloaded");
         } else {
             tracing::info!(policy = %info.name, "SIGHUP: policy unchanged, left running");
+        }
+        if let (Some(resolver), Some(certificate)) = (&self.tls, certificate) {
+            let chain = certificate.cert.len();
+            if resolver.replace(certificate) {
+                tracing::info!(
+                    chain,
+                    "SIGHUP: TLS certificate reloaded; new connections get the new one"
+                );
+            } else {
+                tracing::info!(chain, "SIGHUP: TLS certificate unchanged");
+            }
         }
         // A change of lora.enabled is among the fields that take a restart.
         if self.adapter.lora_enabled && cfg.lora.enabled {
@@ -242,12 +285,16 @@ impl Reloader {
 }
 
 /// The fields of `new` that differ from `old` and that a reload does not apply (everything but
-/// `scheduler.policy` and `lora.adapters`), dotted (`server.port`, `tiers.gold`), in the order
-/// of the schema's sections and fields.
+/// `scheduler.policy`, `lora.adapters` and the files of `server.tls`, which is turned on or off
+/// only by a restart), dotted (`server.port`, `server.tls`, `tiers.gold`), in the order of the
+/// schema's sections and fields.
 fn restart_fields(old: &Config, new: &Config) -> Vec<String> {
     let mut new = new.clone();
     new.scheduler.policy = old.scheduler.policy.clone();
     new.lora.adapters = old.lora.adapters.clone();
+    if old.server.tls.is_some() && new.server.tls.is_some() {
+        new.server.tls = old.server.tls.clone();
+    }
     let value = |c: &Config| serde_yaml::to_value(c).unwrap_or(serde_yaml::Value::Null);
     let mut out = Vec::new();
     differing_fields("", &value(old), &value(&new), &mut out);
@@ -331,6 +378,18 @@ mod tests {
             restart_fields(&old, &moved),
             ["server.port", "server.api_keys"]
         );
+        // TLS: other files are reloaded; turning it on or off takes a restart.
+        let tls = |files: &str| {
+            config(&format!(
+                "server: {{ tls: {{ cert_file: {files}.pem, key_file: {files}.key }} }}\n"
+            ))
+        };
+        let plain = config("");
+        assert!(restart_fields(&tls("/a"), &tls("/b")).is_empty());
+        assert_eq!(restart_fields(&plain, &tls("/a")), ["server.tls"]);
+        assert_eq!(restart_fields(&tls("/a"), &plain), ["server.tls"]);
+        let cors = config("server: { cors: { allowed_origins: ['*'] } }\n");
+        assert_eq!(restart_fields(&plain, &cors), ["server.cors"]);
     }
 
     fn key(name: &str, params: serde_json::Value) -> PolicyKey {
