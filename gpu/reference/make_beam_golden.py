@@ -45,10 +45,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from make_golden import (  # noqa: E402
     MODEL_FILE,
-    MODEL_SHA256,
+    default_model_path,
     encode,
-    restore_smollm_pretokenizer,
-    sha256_of,
+    load_reference,
 )
 
 
@@ -111,12 +110,12 @@ def beam_search(logprobs_of, prompt_ids, width, max_tokens, length_penalty, ends
             margin = min(margin, extended[width - 1][2] - extended[width][2])
         live = [(t, c) for t, c, _ in extended[:width]]
     final = completed + [(t, c, score(c, t, False)) for t, c in live]
-    ends = {id(x) for x in completed}
+    ended = {id(x) for x in completed}
     final.sort(key=lambda b: b[2], reverse=True)
     if len(final) > width:
         margin = min(margin, final[width - 1][2] - final[width][2])
     beams = [
-        {"tokens": t, "cum_logprob": c, "finish": "stop" if id(b) in ends else "length"}
+        {"tokens": t, "cum_logprob": c, "finish": "stop" if id(b) in ended else "length"}
         for b in final[:width]
         for (t, c, _) in [b]
     ]
@@ -125,15 +124,8 @@ def beam_search(logprobs_of, prompt_ids, width, max_tokens, length_penalty, ends
 
 def main() -> int:
     here = os.path.dirname(os.path.abspath(__file__))
-    default_model = os.path.join(
-        os.environ.get(
-            "SWITCHYARD_MODEL_DIR",
-            os.path.expanduser("~/.cache/switchyard/models/smollm2-135m"),
-        ),
-        MODEL_FILE,
-    )
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=default_model, help="path of the GGUF file")
+    ap.add_argument("--model", default=default_model_path(), help="path of the GGUF file")
     ap.add_argument(
         "--out",
         default=os.path.join(here, "..", "tests", "fixtures", "smollm2_beam_search.json"),
@@ -141,27 +133,7 @@ def main() -> int:
     ap.add_argument("--device", default=None, help="torch device (default: cuda if available)")
     args = ap.parse_args()
 
-    import torch
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    digest = sha256_of(args.model)
-    if digest != MODEL_SHA256:
-        print(f"{args.model}: sha256 {digest}, expected {MODEL_SHA256}", file=sys.stderr)
-        return 2
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    torch.set_float32_matmul_precision("highest")
-
-    model_dir, model_name = os.path.split(os.path.abspath(args.model))
-    tok = AutoTokenizer.from_pretrained(model_dir, gguf_file=model_name)
-    restore_smollm_pretokenizer(tok, args.model)
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, gguf_file=model_name, dtype=torch.float32, attn_implementation="eager"
-    )
-    model.to(device)
-    model.eval()
+    torch, transformers, tok, model, device, digest = load_reference(args.model, args.device)
     ends = sorted({tok.convert_tokens_to_ids(t) for t in END_TOKENS})
     import gguf
 

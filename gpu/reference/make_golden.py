@@ -235,6 +235,45 @@ def restore_smollm_pretokenizer(tok, model_path: str) -> bool:
     return True
 
 
+def default_model_path() -> str:
+    """The GGUF where `switchyard model fetch smollm2-135m` puts it (SWITCHYARD_MODEL_DIR
+    overrides the folder)."""
+    return os.path.join(
+        os.environ.get(
+            "SWITCHYARD_MODEL_DIR",
+            os.path.expanduser("~/.cache/switchyard/models/smollm2-135m"),
+        ),
+        MODEL_FILE,
+    )
+
+
+def load_reference(model_path: str, device_name):
+    """transformers' float32 model and tokenizer of the GGUF at `model_path`, after checking
+    its sha256 (SystemExit 2 if it is another file): TF32 off, eager attention, the SmolLM
+    pre-tokenizer restored. Returns (torch, transformers, tok, model, device, digest)."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    digest = sha256_of(model_path)
+    if digest != MODEL_SHA256:
+        print(f"{model_path}: sha256 {digest}, expected {MODEL_SHA256}", file=sys.stderr)
+        raise SystemExit(2)
+    device = torch.device(device_name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    model_dir, model_name = os.path.split(os.path.abspath(model_path))
+    tok = AutoTokenizer.from_pretrained(model_dir, gguf_file=model_name)
+    restore_smollm_pretokenizer(tok, model_path)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, gguf_file=model_name, dtype=torch.float32, attn_implementation="eager"
+    )
+    model.to(device)
+    model.eval()
+    return torch, transformers, tok, model, device, digest
+
+
 def render_chat(tok, messages, add_generation_prompt: bool) -> str:
     return tok.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=add_generation_prompt
