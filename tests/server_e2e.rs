@@ -1081,9 +1081,10 @@ fn developer_messages_unsupported_fields_and_logprob_bounds_over_http() {
             "continue_final_message",
         ),
         (json!({"messages": user, "echo": true}), "echo"),
+        // Beam search ranks by the model's logprobs: fields that shape sampling are refused.
         (
-            json!({"messages": user, "use_beam_search": true}),
-            "use_beam_search",
+            json!({"messages": user, "use_beam_search": true, "top_k": 3}),
+            "top_k",
         ),
         (
             json!({"messages": user, "prompt_logprobs": 1}),

@@ -518,11 +518,7 @@ async fn developer_messages_reach_the_template_as_system_messages() {
 async fn fields_the_server_cannot_honour_are_refused_by_name() {
     let (_, app) = app(EchoEngine::new(), api_config()).await;
     let user = json!([{"role": "user", "content": "x"}]);
-    for (field, value) in [
-        ("echo", json!(true)),
-        ("use_beam_search", json!(true)),
-        ("prompt_logprobs", json!(1)),
-    ] {
+    for (field, value) in [("echo", json!(true)), ("prompt_logprobs", json!(1))] {
         let body = json!({"messages": user, field: value});
         send(&app, post("/v1/chat/completions", &body))
             .await

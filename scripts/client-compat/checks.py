@@ -680,5 +680,26 @@ check("openai-python embeddings.create (default base64, float, 400s)", sdk_embed
 check("langchain OpenAIEmbeddings embed_documents, embed_query", lc_embeddings)
 
 
+# ---------------------------------------------------------------- Beam search (vLLM's fields)
+def sdk_beam_search():
+    # vLLM's fields go through the SDK's extra_body, as clients of vLLM send them.
+    c = sdk.completions.create(model=MODEL, prompt="The capital of France is", n=3, max_tokens=8, logprobs=1,
+                               extra_body={"use_beam_search": True, "length_penalty": 0.5})
+    expect([x.index for x in c.choices] == [0, 1, 2] and len({x.text for x in c.choices}) == 3, f"{c}")
+    expect(all(x.finish_reason in ("stop", "length") for x in c.choices), f"{c}")
+    tokens = sum(len(x.logprobs.tokens) + (x.finish_reason == "stop") for x in c.choices)
+    expect(c.usage.completion_tokens == tokens, f"{c.usage} vs {tokens}")
+    chat = sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name a fruit."}], n=2,
+                                       max_tokens=6, extra_body={"use_beam_search": True})
+    expect(len(chat.choices) == 2 and all(x.message.content for x in chat.choices), f"{chat}")
+    e = raises(lambda: sdk.completions.create(model=MODEL, prompt="x", top_p=0.5,
+                                              extra_body={"use_beam_search": True}),
+               openai.BadRequestError, "top_p")
+    return f"{c.choices[0].text!r} first of 3, chat {len(chat.choices)} beams, top_p {e}"
+
+
+check("openai-python beam search (extra_body use_beam_search: completions, chat, a 400)", sdk_beam_search)
+
+
 print(f"python clients: {len(failures)} failed" + (f": {', '.join(failures)}" if failures else ""))
 sys.exit(1 if failures else 0)
