@@ -275,6 +275,41 @@ print(f"{len(cos)} inputs, dims {len(got['data'][0]['embedding'])}, cosine vs tr
       f"min {min(cos):.6f} max {max(cos):.6f}, usage {got['usage']}")
 PY
 )"
+    # Beam search on the golden fixture's prompts against vLLM's algorithm over transformers'
+    # logprobs: how many answers agree beam for beam (the end-to-end cases must; elsewhere the
+    # backend's numbers may reorder near-equal beams), and each answer ranked best first.
+    note "serve beam search: $(python3 - "$id" <<'PY' 2>&1 | tail -3
+import json, sys, urllib.request
+def post(path, body):
+    req = urllib.request.Request("http://127.0.0.1:18431" + path, json.dumps(body).encode(),
+                                 {"content-type": "application/json"})
+    return json.load(urllib.request.urlopen(req))
+fx = json.load(open("gpu/tests/fixtures/smollm2_beam_search.json"))
+same, e2e, e2e_same, ranked = 0, 0, 0, True
+for c in fx["cases"]:
+    got = post("/v1/completions", {"model": sys.argv[1], "prompt": c["prompt_ids"], "n": c["width"],
+               "max_tokens": c["max_tokens"], "use_beam_search": True, "logprobs": 0,
+               "length_penalty": c["length_penalty"], "ignore_eos": c["ignore_eos"]})
+    texts = [ch["text"] for ch in got["choices"]]
+    # The end token that ended a beam, for its logprob (it counts in the score, not its place).
+    kept = post("/v1/completions", {"model": sys.argv[1], "prompt": c["prompt_ids"], "n": c["width"],
+                "max_tokens": c["max_tokens"], "use_beam_search": True, "logprobs": 0,
+                "length_penalty": c["length_penalty"], "ignore_eos": c["ignore_eos"],
+                "include_stop_str_in_output": True})
+    refs = [post("/detokenize", {"tokens": b["tokens"]})["prompt"] for b in c["beams"]]
+    ok = texts == refs
+    same += ok
+    e2e += c["end_to_end"]
+    e2e_same += ok and c["end_to_end"]
+    n, lp = got["usage"]["prompt_tokens"], c["length_penalty"]
+    scores = [sum(ch["logprobs"]["token_logprobs"])
+              / (n + len(ch["logprobs"]["token_logprobs"]) - (ch["finish_reason"] == "stop")) ** lp
+              for ch in kept["choices"]]
+    ranked &= all(a >= b - 1e-6 for a, b in zip(scores, scores[1:]))
+print(f"{same}/{len(fx['cases'])} cases beam for beam as transformers, end-to-end cases "
+      f"{e2e_same}/{e2e}, every answer best first: {ranked}")
+PY
+)"
     # Load through HTTP (`bench serve`, SERVE_BENCH_ARGS): output tok/s, TTFT, TPOT.
     timeout "${BENCH_TIMEOUT:-240}" "$SY" bench serve --base-url http://127.0.0.1:18431 \
       ${SERVE_BENCH_ARGS:---max-concurrency 256 --num-prompts 1000 --input-len 128 --output-len 128} \

@@ -36,12 +36,15 @@ fn texts(v: &Value) -> Vec<String> {
 }
 
 /// vLLM's score of a choice: its cumulative logprob over `(prompt + generated) ^ penalty`.
+/// The choice must hold its end token (`include_stop_str_in_output`), whose logprob counts
+/// while its place does not.
 fn score(choice: &Value, prompt_tokens: usize, penalty: f64) -> f64 {
     let lps = choice["logprobs"]["token_logprobs"]
         .as_array()
         .expect("logprobs");
     let cum: f64 = lps.iter().map(|x| x.as_f64().unwrap()).sum();
-    cum / ((prompt_tokens + lps.len()) as f64).powf(penalty)
+    let ended = usize::from(choice["finish_reason"] == "stop");
+    cum / ((prompt_tokens + lps.len() - ended) as f64).powf(penalty)
 }
 
 #[test]
@@ -107,7 +110,8 @@ fn beams_come_best_first_with_usage_and_metrics_counted_once() {
         let v = complete(
             &s,
             json!({"prompt": "The three primary colors are", "n": 4, "max_tokens": 8,
-                   "use_beam_search": true, "length_penalty": penalty, "logprobs": 1}),
+                   "use_beam_search": true, "length_penalty": penalty, "logprobs": 1,
+                   "include_stop_str_in_output": true}),
         );
         let choices = v["choices"].as_array().unwrap();
         assert_eq!(choices.len(), 4, "{v}");
@@ -126,13 +130,13 @@ fn beams_come_best_first_with_usage_and_metrics_counted_once() {
         t.dedup();
         assert_eq!(t.len(), 4, "{v}");
         // Each token's logprob entry has the one alternative asked for, and usage counts
-        // every choice's tokens (an end token that ended one included).
+        // every choice's tokens (an end token that ended one, kept here, included).
         let listed: usize = choices
             .iter()
             .map(|c| {
                 let top = c["logprobs"]["top_logprobs"].as_array().unwrap();
                 assert!(top.iter().all(|t| t.as_object().unwrap().len() <= 2), "{c}");
-                top.len() + usize::from(c["finish_reason"] == "stop")
+                top.len()
             })
             .sum();
         assert_eq!(
@@ -158,7 +162,28 @@ fn beams_come_best_first_with_usage_and_metrics_counted_once() {
         &json!({"prompt": "The three primary colors are"}),
     );
     assert_eq!(prompt_tokens, 3.0 * tok["count"].as_f64().unwrap());
-    assert!(s.metric("switchyard:generation_tokens_total").unwrap() - generated <= 3.0 * 4.0 * 8.0);
+    let tokens = s.metric("switchyard:generation_tokens_total").unwrap() - generated;
+    assert!(tokens > 0.0 && tokens <= 3.0 * 4.0 * 8.0, "{tokens}");
+    // Without include_stop_str_in_output an end token is not listed, and usage still counts it.
+    let v = complete(
+        &s,
+        json!({"prompt": "The three primary colors are", "n": 4, "max_tokens": 8,
+               "use_beam_search": true, "logprobs": 0}),
+    );
+    let listed: usize = v["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            let n = c["logprobs"]["tokens"].as_array().unwrap().len();
+            n + usize::from(c["finish_reason"] == "stop")
+        })
+        .sum();
+    assert_eq!(
+        v["usage"]["completion_tokens"].as_u64().unwrap() as usize,
+        listed,
+        "{v}"
+    );
 }
 
 #[test]
