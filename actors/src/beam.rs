@@ -129,10 +129,12 @@ impl BeamSearch {
             self.live().len(),
             "one step output per live beam"
         );
-        let config = &self.config;
-        let mut extended: Vec<Beam> = Vec::with_capacity(steps.len() * 2 * config.width);
+        // Every alternative as a candidate first; only the `width` kept of each kind become
+        // beams (a beam's history is copied for those alone, not for all `2 × width²`).
+        let mut extended: Vec<Candidate> = Vec::with_capacity(steps.len() * 2 * self.config.width);
+        let mut ended: Vec<Candidate> = Vec::new();
         let mut seen: Vec<u32> = Vec::new();
-        for (beam, step) in self.live.iter().zip(steps) {
+        for (parent, (beam, step)) in self.live.iter().zip(steps).enumerate() {
             // The alternatives, and the sampled token where they leave it out; each token once.
             seen.clear();
             let own = step.logprob.map(|lp| (step.token, lp));
@@ -142,47 +144,62 @@ impl BeamSearch {
                 }
                 seen.push(token);
                 let cum_logprob = beam.cum_logprob + f64::from(logprob);
-                let entry = TokenLogprobs {
+                let prefix = self.config.prompt_len + beam.tokens.len();
+                let candidate = |score| Candidate {
+                    parent,
                     token,
-                    logprob: Some(logprob),
-                    top: step.top.clone(),
+                    logprob,
+                    cum_logprob,
+                    score,
                 };
-                let prefix = config.prompt_len + beam.tokens.len();
-                if config.end_ids.contains(&token) {
-                    if beam.generated < config.min_tokens {
-                        continue;
+                if self.config.end_ids.contains(&token) {
+                    if beam.generated >= self.config.min_tokens {
+                        ended.push(candidate(self.score(cum_logprob, prefix)));
                     }
-                    let mut done = beam.clone();
-                    if config.keep_end {
-                        done.tokens.push(token);
-                        done.logprobs.push(entry);
-                    }
-                    done.generated += 1;
-                    done.cum_logprob = cum_logprob;
-                    done.finish = Some(FinishReason::Stop);
-                    done.score = self.score(cum_logprob, prefix);
-                    self.completed.push(done);
                 } else {
-                    let mut next = beam.clone();
-                    next.tokens.push(token);
-                    next.logprobs.push(entry);
-                    next.generated += 1;
-                    next.cum_logprob = cum_logprob;
-                    next.score = self.score(cum_logprob, prefix + 1);
-                    extended.push(next);
+                    extended.push(candidate(self.score(cum_logprob, prefix + 1)));
                 }
             }
         }
-        sort_best_first(&mut self.completed);
-        self.completed.truncate(self.config.width);
-        sort_best_first(&mut extended);
-        extended.truncate(self.config.width);
-        self.live = extended;
+        let width = self.config.width;
+        sort_best_first(&mut ended, |c| c.score);
+        ended.truncate(width);
+        let completed: Vec<Beam> = ended.iter().map(|c| self.extend(c, steps, true)).collect();
+        self.completed.extend(completed);
+        sort_best_first(&mut self.completed, |b| b.score);
+        self.completed.truncate(width);
+        sort_best_first(&mut extended, |c| c.score);
+        extended.truncate(width);
+        self.live = extended
+            .iter()
+            .map(|c| self.extend(c, steps, false))
+            .collect();
         let at_limit = self
             .live
             .first()
             .is_none_or(|b| b.generated >= self.config.max_tokens);
         self.done = at_limit || self.decided();
+    }
+
+    /// The beam a candidate makes: its parent's history and its token (an end token only when
+    /// kept), completed when `end`.
+    fn extend(&self, c: &Candidate, steps: &[TokenLogprobs], end: bool) -> Beam {
+        let mut beam = self.live[c.parent].clone();
+        if !end || self.config.keep_end {
+            beam.tokens.push(c.token);
+            beam.logprobs.push(TokenLogprobs {
+                token: c.token,
+                logprob: Some(c.logprob),
+                top: steps[c.parent].top.clone(),
+            });
+        }
+        beam.generated += 1;
+        beam.cum_logprob = c.cum_logprob;
+        beam.score = c.score;
+        if end {
+            beam.finish = Some(FinishReason::Stop);
+        }
+        beam
     }
 
     /// The highest score a live beam's descendants can reach: their logprob is at most its
@@ -219,15 +236,25 @@ impl BeamSearch {
                 b
             }));
         }
-        sort_best_first(&mut all);
+        sort_best_first(&mut all, |b| b.score);
         all.truncate(self.config.width);
         all
     }
 }
 
+/// One alternative of one live beam: `parent` (its index among the live beams) extended by
+/// `token`.
+struct Candidate {
+    parent: usize,
+    token: u32,
+    logprob: f32,
+    cum_logprob: f64,
+    score: f64,
+}
+
 /// Best score first; equal scores keep their order (a stable sort, as vLLM's).
-fn sort_best_first(beams: &mut [Beam]) {
-    beams.sort_by(|a, b| b.score.partial_cmp(&a.score).unwrap_or(Ordering::Equal));
+fn sort_best_first<T>(items: &mut [T], score: impl Fn(&T) -> f64) {
+    items.sort_by(|a, b| score(b).partial_cmp(&score(a)).unwrap_or(Ordering::Equal));
 }
 
 #[cfg(test)]

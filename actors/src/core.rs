@@ -1271,14 +1271,32 @@ mod tests {
         e.core()
             .add_request(embedding(1, (0..13).collect()))
             .unwrap();
-        let mut before = Vec::new();
-        let mut now = 0;
-        while !fed.lock().unwrap().iter().any(|f| f.0 == 1 && f.1 == 12) {
-            before.extend(e.step(Timestamp(now)).unwrap().events);
-            now += 1;
-            assert!(now < 10, "the last position was never fed");
-        }
+        let (before, now) = step_until_fed(&mut e, &fed, 12);
         assert!(before.is_empty(), "{before:?}");
+        abort_and_expect_silence(&mut e, now);
+    }
+
+    /// Steps `e` until a step feeds request 1's prompt position `position` (submitted, its
+    /// outputs not yet collected); the events until then, and the next step's time.
+    fn step_until_fed(e: &mut EngineCore, fed: &FedLog, position: usize) -> (Vec<CoreEvent>, u64) {
+        let mut events = Vec::new();
+        let mut now = 0;
+        while !fed
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|f| f.0 == 1 && f.1 == position)
+        {
+            events.extend(e.step(Timestamp(now)).unwrap().events);
+            now += 1;
+            assert!(now < 10, "position {position} was never fed");
+        }
+        (events, now)
+    }
+
+    /// Aborts request 1 and runs three more steps from `now`: no event comes, and the engine
+    /// is idle with every block back.
+    fn abort_and_expect_silence(e: &mut EngineCore, mut now: u64) {
         assert!(e.core().abort(RequestId(1)));
         let mut after = Vec::new();
         for _ in 0..3 {
@@ -1310,13 +1328,7 @@ mod tests {
         });
         e.core().add_request(req).unwrap();
         // 13 tokens in chunks of 6: the second step feeds positions 6 to 11.
-        let mut before = Vec::new();
-        let mut now = 0;
-        while !fed.lock().unwrap().iter().any(|f| f.0 == 1 && f.1 == 6) {
-            before.extend(e.step(Timestamp(now)).unwrap().events);
-            now += 1;
-            assert!(now < 10, "the second chunk was never fed");
-        }
+        let (before, now) = step_until_fed(&mut e, &fed, 6);
         let positions = |events: &[CoreEvent]| -> Vec<usize> {
             events
                 .iter()
@@ -1329,15 +1341,7 @@ mod tests {
                 .collect()
         };
         assert_eq!(positions(&before), [1, 2, 3, 4, 5], "{before:?}");
-        assert!(e.core().abort(RequestId(1)));
-        let mut after = Vec::new();
-        for _ in 0..3 {
-            after.extend(e.step(Timestamp(now)).unwrap().events);
-            now += 1;
-        }
-        assert!(after.is_empty(), "events after the abort: {after:?}");
-        let stats = e.core().stats();
-        assert_eq!((stats.num_running, stats.kv_usage), (0, 0.0));
+        abort_and_expect_silence(&mut e, now);
     }
 
     /// Embedding requests (one greedy token, [`SamplingParams::hidden_state`]) among
