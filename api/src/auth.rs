@@ -54,6 +54,9 @@ pub struct ApiConfig {
     pub responses_store: crate::StoreLimits,
     /// Which browser origins may call (CORS); `None` sends no CORS headers.
     pub cors: Option<crate::cors::CorsSettings>,
+    /// Rate limits per tier, applied to each tenant ([`crate::rate_limit`]); tiers not
+    /// listed are not limited.
+    pub rate_limits: std::collections::HashMap<String, crate::rate_limit::TierLimits>,
 }
 
 impl Default for ApiConfig {
@@ -71,6 +74,7 @@ impl Default for ApiConfig {
             reasoning_tokens: [None; 2],
             responses_store: crate::StoreLimits::default(),
             cors: None,
+            rate_limits: std::collections::HashMap::new(),
         }
     }
 }
@@ -101,6 +105,7 @@ impl std::fmt::Debug for ApiConfig {
             .field("reasoning_tokens", &self.reasoning_tokens)
             .field("responses_store", &self.responses_store)
             .field("cors", &self.cors)
+            .field("rate_limits", &self.rate_limits)
             .finish()
     }
 }
@@ -279,7 +284,26 @@ pub async fn require_api_key(
         span.record("tier", tracing::field::display(&principal.tier));
     }
     req.extensions_mut().insert(principal);
-    next.call(req).await
+    let mut response = next.call(req).await?;
+    // A route that applied the tenant's rate limits left them for the headers (a refusal's
+    // error response carries them itself).
+    let snapshot = response
+        .request()
+        .extensions()
+        .get::<crate::rate_limit::Snapshot>()
+        .copied();
+    if let Some(snapshot) = snapshot {
+        let headers = response.headers_mut();
+        for (name, value) in snapshot.headers() {
+            if let (Ok(name), Ok(value)) = (
+                actix_web::http::header::HeaderName::try_from(name),
+                actix_web::http::header::HeaderValue::try_from(value),
+            ) {
+                headers.insert(name, value);
+            }
+        }
+    }
+    Ok(response)
 }
 
 /// Middleware for `/admin/*`: requires the admin key.

@@ -10,6 +10,7 @@ use actix_web::{HttpResponse, ResponseError};
 use serde::Serialize;
 
 use crate::engine::{EngineError, EngineErrorKind};
+use crate::rate_limit::RateLimited;
 
 /// Everything a request can fail with.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -77,6 +78,10 @@ pub enum ApiError {
     /// model without the embedding task (it does not register the route).
     #[error("The model does not support the Embeddings API: this server computes no embeddings.")]
     EmbeddingsNotServed,
+    /// The caller's tenant used its tier's requests or tokens per minute (429, OpenAI's
+    /// `rate_limit_exceeded`, typed `requests` or `tokens` as OpenAI types it).
+    #[error("{}", .0.message())]
+    RateLimited(Box<RateLimited>),
     /// The engine refused or failed the request; its kind picks the status.
     #[error(transparent)]
     Engine(#[from] EngineError),
@@ -165,6 +170,11 @@ impl ApiError {
                 SERVER_ERROR,
                 Some("shutting_down"),
             ),
+            Self::RateLimited(r) => (
+                StatusCode::TOO_MANY_REQUESTS,
+                r.kind.as_str(),
+                Some("rate_limit_exceeded"),
+            ),
             Self::Engine(e) => match e.kind {
                 EngineErrorKind::InvalidRequest => (StatusCode::BAD_REQUEST, INVALID_REQUEST, None),
                 EngineErrorKind::ContextLengthExceeded => (
@@ -203,6 +213,11 @@ impl ApiError {
     fn retry_after_secs(&self) -> Option<u32> {
         match self {
             Self::Draining => Some(5),
+            Self::RateLimited(r) => Some(
+                u32::try_from(r.retry_after.as_secs_f64().ceil() as u64)
+                    .unwrap_or(u32::MAX)
+                    .max(1),
+            ),
             Self::Engine(e) => match e.kind {
                 EngineErrorKind::Overloaded { retry_after_secs } => Some(retry_after_secs.max(1)),
                 EngineErrorKind::Unavailable => Some(5),
@@ -263,6 +278,11 @@ impl ResponseError for ApiError {
         }
         if let Self::MethodNotAllowed { allow, .. } = self {
             response.insert_header((header::ALLOW, *allow));
+        }
+        if let Self::RateLimited(r) = self {
+            for header in r.snapshot.headers() {
+                response.insert_header(header);
+            }
         }
         if matches!(self, Self::BodyTimeout(_)) {
             // The rest of the body may still come: the connection cannot be reused.
@@ -417,6 +437,45 @@ mod tests {
                 .unwrap()
                 .contains("does not support the Embeddings API"),
             "{body}"
+        );
+    }
+
+    /// A rate-limited request: 429 typed as OpenAI types it, `Retry-After` rounded up, and the
+    /// tenant's limits in OpenAI's headers.
+    #[test]
+    fn rate_limited_is_429_with_retry_after_and_the_limits() {
+        use crate::rate_limit::{LimitKind, LimitState, Snapshot};
+        let state = LimitState {
+            limit: 1000,
+            remaining: 0,
+            reset: std::time::Duration::from_secs(90),
+        };
+        let e = ApiError::RateLimited(Box::new(RateLimited {
+            kind: LimitKind::Tokens,
+            limit: 1000,
+            retry_after: std::time::Duration::from_millis(2100),
+            snapshot: Snapshot {
+                requests: None,
+                tokens: Some(state),
+            },
+            tier: "free".into(),
+            tenant: "acme".into(),
+        }));
+        let response = e.error_response();
+        assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+        let h = response.headers();
+        assert_eq!(h.get(header::RETRY_AFTER).unwrap(), "3");
+        assert_eq!(h.get("x-ratelimit-limit-tokens").unwrap(), "1000");
+        assert_eq!(h.get("x-ratelimit-remaining-tokens").unwrap(), "0");
+        assert_eq!(h.get("x-ratelimit-reset-tokens").unwrap(), "1m30s");
+        assert!(h.get("x-ratelimit-limit-requests").is_none());
+        let body = body_json(&e);
+        assert_eq!(body["error"]["type"], "tokens");
+        assert_eq!(body["error"]["code"], "rate_limit_exceeded");
+        assert_eq!(
+            body["error"]["message"],
+            "Rate limit reached for tenant acme (tier free) on tokens per min (TPM): Limit \
+             1000, Used 1000. Please try again in 2.1s."
         );
     }
 

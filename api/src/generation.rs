@@ -16,6 +16,7 @@ use crate::engine::{
     STRUCTURED_OUTPUT_PARAM,
 };
 use crate::error::ApiError;
+use crate::rate_limit::Meter;
 
 /// One prompt's event channel, tagged with the prompt's position.
 struct Tagged {
@@ -78,6 +79,10 @@ pub(crate) struct Generation {
     /// Shared with the engine requests: set when the generation fails, before its receivers
     /// drop.
     failure: SiblingFailure,
+    /// Charges the tokens used to the tenant's rate limits.
+    meter: Meter,
+    /// Tokens charged per choice so far.
+    charged: Vec<u32>,
 }
 
 /// A breach of the port's request protocol by the engine: a 500 whose detail is logged.
@@ -91,12 +96,14 @@ pub(crate) fn protocol_error(message: &str) -> ApiError {
 impl Generation {
     /// Submits the requests (one per prompt, each with `n` choices) together and waits until
     /// the engine accepted all of them, so that validation errors become an HTTP error status
-    /// rather than an error inside a stream.
+    /// rather than an error inside a stream. `meter` is charged the prompts' and the
+    /// generated tokens as they come ([`crate::rate_limit`]).
     pub(crate) async fn start(
         engine: &dyn Engine,
         requests: Vec<crate::engine::GenerateRequest>,
         n: u32,
         fields: RequestFields,
+        meter: Meter,
     ) -> Result<Self, ApiError> {
         let failure = SiblingFailure::default();
         let requests = requests
@@ -111,7 +118,7 @@ impl Generation {
             failure.set(e.kind);
             name_fields(e, fields)
         })?;
-        Self::accept(receivers, n, fields, failure).await
+        Self::accept(receivers, n, fields, failure, meter).await
     }
 
     /// Waits for every prompt's [`EngineEvent::Prompt`], buffering deltas that arrive early.
@@ -120,6 +127,7 @@ impl Generation {
         n: u32,
         fields: RequestFields,
         failure: SiblingFailure,
+        meter: Meter,
     ) -> Result<Self, ApiError> {
         let prompts = receivers.len();
         let mut events = SelectAll::new();
@@ -139,6 +147,8 @@ impl Generation {
             remaining: choices,
             fields,
             failure,
+            meter,
+            charged: vec![0; choices],
         };
         let mut accepted = vec![false; prompts];
         let mut waiting = prompts;
@@ -156,6 +166,7 @@ impl Generation {
                     accepted[prompt] = true;
                     waiting -= 1;
                     generation.prompt_tokens[prompt] = prompt_tokens;
+                    generation.meter.prompt(prompt, prompt_tokens);
                     generation.opens_thinking[prompt] = opens_thinking;
                     generation.prompt_logprobs[prompt] = prompt_logprobs;
                 }
@@ -261,6 +272,7 @@ impl Generation {
                 *done = true;
                 self.remaining -= 1;
             }
+            self.charge(choice, &delta);
             if delta.index == 0 {
                 if let Some(cached) = self.cached_prompt_tokens.get_mut(prompt) {
                     // Never more than the prompt: the usage stays consistent whatever the
@@ -275,6 +287,21 @@ impl Generation {
                 delta,
             }));
         }
+    }
+
+    /// Charges a choice's generated tokens to the rate limits as its deltas come: the delta's
+    /// tokens, and at its last delta whatever its count of completion tokens says beyond
+    /// them, so that the charge is what `usage.completion_tokens` reports.
+    fn charge(&mut self, choice: u32, delta: &Delta) {
+        let Some(charged) = self.charged.get_mut(choice as usize) else {
+            return;
+        };
+        let mut now = u32::try_from(delta.token_ids.len()).unwrap_or(u32::MAX);
+        if let Some(finish) = delta.finish {
+            now = now.max(finish.completion_tokens.saturating_sub(*charged));
+        }
+        *charged = charged.saturating_add(now);
+        self.meter.generated(now);
     }
 }
 
@@ -362,6 +389,7 @@ mod tests {
             2,
             fields("prompt"),
             SiblingFailure::default(),
+            Meter::unlimited(),
         ))
         .unwrap();
         assert_eq!(g.total_prompt_tokens(), 5);
@@ -403,6 +431,7 @@ mod tests {
             2,
             fields("prompt"),
             SiblingFailure::default(),
+            Meter::unlimited(),
         ))
         .unwrap();
         while let Some(d) = block_on(g.next()) {
@@ -423,6 +452,7 @@ mod tests {
             1,
             fields("messages"),
             failure.clone(),
+            Meter::unlimited(),
         ));
         // The other prompts' requests learn why their receivers dropped.
         assert_eq!(failure.get(), Some(EngineErrorKind::ContextLengthExceeded));
@@ -456,6 +486,7 @@ mod tests {
                 1,
                 guided,
                 SiblingFailure::default(),
+                Meter::unlimited(),
             ));
             match result {
                 Err(ApiError::Engine(e)) => assert_eq!(e.param.as_deref(), Some(named)),
@@ -483,6 +514,7 @@ mod tests {
                 1,
                 chat,
                 SiblingFailure::default(),
+                Meter::unlimited(),
             ));
             match result {
                 Err(ApiError::Engine(e)) => assert_eq!(e.param.as_deref(), Some(field)),
@@ -505,6 +537,7 @@ mod tests {
                 1,
                 fields(route_field),
                 SiblingFailure::default(),
+                Meter::unlimited(),
             ));
             match result {
                 Err(ApiError::Engine(e)) => assert_eq!(e.param.as_deref(), Some(named)),
@@ -529,6 +562,7 @@ mod tests {
             1,
             fields("prompt"),
             failure.clone(),
+            Meter::unlimited(),
         ))
         .unwrap();
         let mut last = None;
@@ -557,6 +591,7 @@ mod tests {
                 1,
                 fields("prompt"),
                 SiblingFailure::default(),
+                Meter::unlimited(),
             ))
             .unwrap();
             let mut last = None;
@@ -578,6 +613,7 @@ mod tests {
             1,
             fields("prompt"),
             SiblingFailure::default(),
+            Meter::unlimited(),
         ))
         .unwrap();
         assert_eq!(block_on(g.next()).unwrap().unwrap().delta.text, "x");

@@ -119,6 +119,9 @@ pub const RESPONSES_STORED_BYTES: &str = "switchyard:responses_stored_bytes";
 /// Counter, label `reason` (`count`, `bytes`, `age`): stored responses let go to keep the
 /// store within its bounds.
 pub const RESPONSES_EVICTED: &str = "switchyard:responses_evicted_total";
+/// Counter, labels `limit` (`requests`, `tokens`), `tier`, `tenant`: requests refused with a
+/// 429 by their tenant's rate limits ([`crate::rate_limit`]).
+pub const RATE_LIMITED: &str = "switchyard:rate_limited_total";
 /// Gauge, label `backend` (`cpu` or `cuda`): 1 for the backend the model runs on.
 pub const BACKEND_INFO: &str = "switchyard:backend_info";
 
@@ -180,6 +183,8 @@ pub const LABEL_REASON: &str = "reason";
 pub const LABEL_BACKEND: &str = "backend";
 /// Label key of [`POLICY_INFO`].
 pub const LABEL_POLICY: &str = "policy";
+/// Label key of [`RATE_LIMITED`]: the limit that refused (`requests`, `tokens`).
+pub const LABEL_LIMIT: &str = "limit";
 /// Label key for a request's tier.
 pub const LABEL_TIER: &str = "tier";
 /// Label key for a request's tenant (a tenant the API keys name; any other counts without
@@ -441,6 +446,10 @@ pub fn describe_metrics() {
         RESPONSES_EVICTED,
         "Stored responses let go to keep the store within its bounds (label reason: count, bytes, age)."
     );
+    describe_counter!(
+        RATE_LIMITED,
+        "Requests refused with a 429 by their tenant's rate limits (tiers.<name>.requests_per_minute, tokens_per_minute), by limit (requests, tokens), tier and tenant (one the API keys name)."
+    );
 }
 
 #[cfg(test)]
@@ -475,6 +484,7 @@ mod tests {
         POLICY_SWAPS,
         HTTP_REQUESTS,
         RESPONSES_EVICTED,
+        RATE_LIMITED,
     ];
     const HISTOGRAMS: &[&str] = &[
         TIME_TO_FIRST_TOKEN,

@@ -5,14 +5,19 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use actix_web::{HttpMessage, HttpRequest};
 use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::sync::watch;
 
 use crate::auth::ApiConfig;
+use crate::auth::Principal;
+use crate::engine::GenerateRequest;
 use crate::engine::{Engine, EngineError, EngineErrorKind};
 use crate::error::ApiError;
-use crate::metrics::HTTP_IN_FLIGHT;
+use crate::metrics::{HTTP_IN_FLIGHT, LABEL_LIMIT, LABEL_TENANT, LABEL_TIER, RATE_LIMITED};
+use crate::rate_limit::{estimate_prompt_tokens, Meter, RateLimiter};
 use crate::response_store::ResponseStore;
+use crate::throttle::Throttle;
 
 /// Everything the routes share. Cheap to clone; one clone per HTTP worker.
 #[derive(Clone)]
@@ -29,6 +34,8 @@ pub struct ApiState {
     pub(crate) started: u64,
     /// The Responses API's stored responses.
     pub(crate) responses: Arc<ResponseStore>,
+    /// The tenants' rate limits.
+    rate_limiter: Arc<RateLimiter>,
 }
 
 struct Lifecycle {
@@ -46,6 +53,8 @@ impl ApiState {
     ) -> Self {
         let (in_flight, _) = watch::channel(0);
         let responses = Arc::new(ResponseStore::new(config.responses_store));
+        let rate_limiter = Arc::new(RateLimiter::new(config.rate_limits.clone()));
+        register_rate_limited(&config);
         Self {
             engine,
             config: Arc::new(config),
@@ -56,6 +65,7 @@ impl ApiState {
             }),
             started: unix_now(),
             responses,
+            rate_limiter,
         }
     }
 
@@ -104,6 +114,97 @@ impl ApiState {
         Ok(InFlight {
             lifecycle: Arc::clone(&self.lifecycle),
         })
+    }
+}
+
+/// Creates `switchyard:rate_limited_total` at zero for every limit of a limited tier and the
+/// tenants its keys name (on an open API, the default tier's without a tenant label), as every
+/// series exists from the start.
+fn register_rate_limited(config: &ApiConfig) {
+    let mut seen = std::collections::HashSet::new();
+    let principals: Vec<(Option<&str>, &str)> = if config.api_keys.is_empty() {
+        vec![(None, config.default_tier.as_str())]
+    } else {
+        config
+            .api_keys
+            .iter()
+            .map(|k| (Some(k.tenant.as_str()), k.tier.as_str()))
+            .collect()
+    };
+    for (tenant, tier) in principals {
+        let Some(limits) = config.rate_limits.get(tier) else {
+            continue;
+        };
+        for (kind, set) in [
+            ("requests", limits.requests_per_minute.is_some()),
+            ("tokens", limits.tokens_per_minute.is_some()),
+        ] {
+            if !set || !seen.insert((tenant, tier, kind)) {
+                continue;
+            }
+            let mut labels = vec![metrics::Label::new(LABEL_LIMIT, kind)];
+            if config.tiers.iter().any(|t| t == tier) {
+                labels.push(metrics::Label::new(LABEL_TIER, tier.to_owned()));
+            }
+            if let Some(tenant) = tenant {
+                labels.push(metrics::Label::new(LABEL_TENANT, tenant.to_owned()));
+            }
+            metrics::counter!(RATE_LIMITED, labels).increment(0);
+        }
+    }
+}
+
+/// Refusals by rate limits, logged at most once a second with their count.
+static RATE_LIMIT_REFUSALS: Throttle = Throttle::new(std::time::Duration::from_secs(1));
+
+impl ApiState {
+    /// Applies `principal`'s rate limits ([`crate::rate_limit`]) to a request of `requests`
+    /// (its prompts): the meter that charges its tokens, the limits left for the response's
+    /// headers in `req`'s extensions; or the 429, counted and logged (a line a second).
+    pub(crate) fn rate_limit(
+        &self,
+        principal: &Principal,
+        req: &HttpRequest,
+        requests: &[GenerateRequest],
+    ) -> Result<Meter, ApiError> {
+        if !self.rate_limiter.enabled() {
+            return Ok(Meter::unlimited());
+        }
+        let estimates = requests
+            .iter()
+            .map(|r| estimate_prompt_tokens(&r.prompt))
+            .collect();
+        match self
+            .rate_limiter
+            .admit(principal, estimates, std::time::Instant::now())
+        {
+            Ok(meter) => {
+                if let Some(snapshot) = meter.snapshot() {
+                    req.extensions_mut().insert(snapshot);
+                }
+                Ok(meter)
+            }
+            Err(refusal) => {
+                let mut labels = vec![metrics::Label::new(LABEL_LIMIT, refusal.kind.as_str())];
+                if self.config.tiers.contains(&principal.tier) {
+                    labels.push(metrics::Label::new(LABEL_TIER, principal.tier.clone()));
+                }
+                if !self.config.api_keys.is_empty() {
+                    labels.push(metrics::Label::new(LABEL_TENANT, principal.tenant.clone()));
+                }
+                metrics::counter!(RATE_LIMITED, labels).increment(1);
+                if let Some(refused) = RATE_LIMIT_REFUSALS.hit(std::time::Instant::now()) {
+                    tracing::warn!(
+                        limit = refusal.kind.as_str(),
+                        retry_after_ms = refusal.retry_after.as_millis() as u64,
+                        refused,
+                        "rate limit reached (refused counts the refusals since the previous \
+                         such line)"
+                    );
+                }
+                Err(ApiError::RateLimited(refusal))
+            }
+        }
     }
 }
 

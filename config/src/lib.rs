@@ -491,6 +491,35 @@ mod tests {
         );
     }
 
+    /// A tier's rate limits are optional, requests 1 to 1e9 and tokens 1 to 1e12 per
+    /// minute, refused at the value's line or naming the override.
+    #[test]
+    fn a_tier_rate_limit_is_bounded() {
+        let c = Config::from_yaml_str(
+            "tiers:\n  a: { requests_per_minute: 60, tokens_per_minute: 1000000000000 }\n  b: {}\n",
+            "t",
+        )
+        .unwrap();
+        assert_eq!(c.tiers["a"].requests_per_minute, Some(60));
+        assert_eq!(c.tiers["a"].tokens_per_minute, Some(1_000_000_000_000));
+        assert_eq!(c.tiers["b"].requests_per_minute, None);
+        assert_eq!(c.tiers["b"].tokens_per_minute, None);
+        let e = error("tiers:\n  a:\n    tokens_per_minute: 0\n", &[]);
+        assert!(
+            e.starts_with("t.yaml:3: tiers.a.tokens_per_minute: 0 is out of range"),
+            "{e}"
+        );
+        let e = error("tiers:\n  a:\n    requests_per_minute: 1000000001\n", &[]);
+        assert!(e.contains("tiers.a.requests_per_minute"), "{e}");
+        let e = error(
+            "tiers:\n  a: {}\n",
+            &["tiers.a.tokens_per_minute=-5".into()],
+        );
+        assert!(e.contains("tiers.a.tokens_per_minute"), "{e}");
+        let e = error("tiers:\n  a: { requests_per_min: 5 }\n", &[]);
+        assert!(e.contains("requests_per_minute"), "{e}");
+    }
+
     /// With `--set`, the field is named likewise, and a section given a scalar is said to
     /// need a mapping, without the Rust type's name.
     #[test]

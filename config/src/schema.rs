@@ -95,6 +95,13 @@ fn opt_usize_in<'de, D: Deserializer<'de>, const MIN: u64, const MAX: u64>(
     d.deserialize_option(OptIntIn::<MIN, MAX>)
 }
 
+/// `null` (None) or an integer in `MIN..=MAX`, as a `u64`.
+fn opt_u64_in<'de, D: Deserializer<'de>, const MIN: u64, const MAX: u64>(
+    d: D,
+) -> Result<Option<u64>, D::Error> {
+    opt_usize_in::<D, MIN, MAX>(d).map(|v| v.map(|v| v as u64))
+}
+
 fn u16_in<'de, D: Deserializer<'de>, const MIN: u64, const MAX: u64>(
     d: D,
 ) -> Result<u16, D::Error> {
@@ -780,7 +787,7 @@ impl Default for SchedulerSection {
 #[serde(
     deny_unknown_fields,
     expecting = "a mapping (a tier: ttft_ms, tpot_ms, weight, preemptible, priority, \
-                 max_pending_requests)"
+                 max_pending_requests, requests_per_minute, tokens_per_minute)"
 )]
 pub struct TierConfig {
     /// Time-to-first-token target in milliseconds.
@@ -812,6 +819,18 @@ pub struct TierConfig {
     /// to the other tiers.
     #[serde(default, deserialize_with = "opt_usize_in::<_, 1, 1000000>")]
     pub max_pending_requests: Option<usize>,
+    /// Requests per minute each tenant of this tier may make on the generation routes
+    /// (completions, chat, responses, embeddings), 1 to 1e9; beyond it a 429
+    /// `rate_limit_exceeded`. A bucket of a minute's requests that refills continuously.
+    /// `None` (the default): no such limit.
+    #[serde(default, deserialize_with = "opt_u64_in::<_, 1, 1000000000>")]
+    pub requests_per_minute: Option<u64>,
+    /// Tokens per minute (prompt and generated, as `usage` counts them) each tenant of this
+    /// tier may use, 1 to 1e12: a request is admitted while the tenant's budget is not spent
+    /// and its tokens are taken as they are used (see the API crate's `rate_limit`).
+    /// `None` (the default): no such limit.
+    #[serde(default, deserialize_with = "opt_u64_in::<_, 1, 1000000000000>")]
+    pub tokens_per_minute: Option<u64>,
 }
 
 fn one() -> f64 {

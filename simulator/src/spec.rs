@@ -343,6 +343,14 @@ pub struct TierConf {
     /// simulator does not model admission, so it changes nothing here.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_pending_requests: Option<usize>,
+    /// The server's rate limits of the tier's tenants (`tiers.<name>.requests_per_minute`,
+    /// `tokens_per_minute`). Read so that a server configuration's tiers load; the simulator
+    /// replays the trace's requests as admitted, so they change nothing here.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requests_per_minute: Option<u64>,
+    /// See [`TierConf::requests_per_minute`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens_per_minute: Option<u64>,
 }
 
 fn one() -> f64 {
@@ -1092,6 +1100,8 @@ workload:
         assert_eq!(tiers["premium"].ttft_ms, Some(200.0));
         // The server's admission bound is read (and changes nothing in a simulation).
         assert_eq!(tiers["batch"].max_pending_requests, Some(1024));
+        // So are its rate limits.
+        assert_eq!(tiers["standard"].tokens_per_minute, Some(200_000));
         let file = dir.join("t.yaml");
         std::fs::write(&file, "server: {port: 1}\n").unwrap();
         let err = SimulationSpec::tiers_from_file(&file)

@@ -30,6 +30,7 @@ use switchyard_api::engine::{
     GenerateRequest, LoraAdapterInfo, PolicyInfo, PolicySpec, PolicySwap, SpeculativeMethod,
     SpeculativeSettings, TokenLogprob, TokenizeInput, TopLogprob,
 };
+use switchyard_api::rate_limit::TierLimits;
 use switchyard_api::schema::{
     reasoning,
     tools::{writes_call_ids, MarkerTokens, ToolFormat, ToolSetup},
@@ -474,6 +475,17 @@ fn api_config(
             .cors
             .as_ref()
             .map(super::config::cors_settings),
+        rate_limits: config
+            .tiers
+            .iter()
+            .map(|(name, tier)| {
+                let limits = TierLimits {
+                    requests_per_minute: tier.requests_per_minute,
+                    tokens_per_minute: tier.tokens_per_minute,
+                };
+                (name.clone(), limits)
+            })
+            .collect(),
         ..ApiConfig::default()
     }
 }

@@ -42,7 +42,9 @@ pub(crate) async fn chat_completions(
         structured: validated.structured_field,
         max_tokens: validated.max_tokens_field,
     };
-    let generation = Generation::start(&*state.engine, requests, validated.n, fields).await?;
+    let meter = state.rate_limit(&principal, &req, &requests)?;
+    let generation =
+        Generation::start(&*state.engine, requests, validated.n, fields, meter).await?;
     let model = lora.unwrap_or_else(|| state.engine.model_name().to_owned());
     let writer = ChatWriter::new(&state, &validated, &generation, id, model, true);
     if validated.stream {

@@ -55,7 +55,9 @@ pub(crate) async fn completions(
         structured: validated.structured_field,
         max_tokens: validated.max_tokens_field,
     };
-    let generation = Generation::start(&*state.engine, requests, validated.n, fields).await?;
+    let meter = state.rate_limit(&principal, &req, &requests)?;
+    let generation =
+        Generation::start(&*state.engine, requests, validated.n, fields, meter).await?;
 
     let writer = CompletionWriter {
         id,

@@ -43,7 +43,10 @@ pub(crate) async fn embeddings(
         structured: None,
         max_tokens: "input",
     };
-    let generation = Generation::start(&*state.engine, requests, 1, fields).await?;
+    let meter = state
+        .rate_limit(&principal, &req, &requests)?
+        .prompts_only();
+    let generation = Generation::start(&*state.engine, requests, 1, fields, meter).await?;
     let created = unix_now();
     let (vectors, prompt_tokens) = collect(generation, size).await?;
     let data = vectors

@@ -102,7 +102,9 @@ pub(crate) async fn create_response(
         }),
         max_tokens: "max_output_tokens",
     };
-    let generation = Generation::start(&*state.engine, requests, validated.n, fields).await?;
+    let meter = state.rate_limit(&principal, &req, &requests)?;
+    let generation =
+        Generation::start(&*state.engine, requests, validated.n, fields, meter).await?;
     let model = lora.unwrap_or_else(|| state.engine.model_name().to_owned());
     let keep = storing.then(|| Keep {
         store: Arc::clone(&state.responses),

@@ -1,0 +1,175 @@
+//! Rate limits over the in-process app with the echo engine (tests/common): requests and tokens
+//! per minute per tenant of a tier, the 429 in OpenAI's shape with `Retry-After`, OpenAI's
+//! `x-ratelimit-*` headers on every answer of a limited tenant, tokens charged as `usage`
+//! counts them (streamed or not; an embedding's prompt only), other tenants and unlimited
+//! tiers untouched.
+
+mod common;
+
+use std::collections::HashMap;
+
+use common::*;
+use serde_json::json;
+use switchyard_api::rate_limit::TierLimits;
+use switchyard_api::{ApiConfig, ApiKeyEntry};
+
+const BOB: &str = "sk-test-bob";
+const CAROL: &str = "sk-test-carol";
+
+/// acme's key (tests/common, tier premium), bob's of the same tier, carol's of tier free
+/// (not limited); premium limited to `limits`.
+fn config(limits: TierLimits) -> ApiConfig {
+    let mut config = api_config();
+    config.api_keys.push(ApiKeyEntry {
+        key: BOB.into(),
+        tenant: "bob".into(),
+        tier: "premium".into(),
+    });
+    config.api_keys.push(ApiKeyEntry {
+        key: CAROL.into(),
+        tenant: "carol".into(),
+        tier: "free".into(),
+    });
+    config.tiers = vec!["premium".into(), "free".into()];
+    config.rate_limits = HashMap::from([("premium".to_owned(), limits)]);
+    config
+}
+
+fn as_key(key: &str, path: &str, body: &serde_json::Value) -> actix_web::test::TestRequest {
+    actix_web::test::TestRequest::post()
+        .uri(path)
+        .insert_header(("authorization", format!("Bearer {key}")))
+        .set_payload(body.to_string())
+}
+
+fn header<'a>(reply: &'a Reply, name: &str) -> Option<&'a str> {
+    reply.headers.get(name).and_then(|v| v.to_str().ok())
+}
+
+#[actix_web::test]
+async fn requests_per_minute_refuse_the_fourth_request_with_a_429_and_its_wait() {
+    let limits = TierLimits {
+        requests_per_minute: Some(3),
+        tokens_per_minute: None,
+    };
+    let (_, app) = app(EchoEngine::new(), config(limits)).await;
+    let body = json!({"prompt": "abcd", "max_tokens": 2});
+    for remaining in ["2", "1", "0"] {
+        let reply = send(&app, post("/v1/completions", &body)).await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+        assert_eq!(header(&reply, "x-ratelimit-limit-requests"), Some("3"));
+        assert_eq!(
+            header(&reply, "x-ratelimit-remaining-requests"),
+            Some(remaining)
+        );
+        assert!(header(&reply, "x-ratelimit-reset-requests").is_some());
+        assert_eq!(header(&reply, "x-ratelimit-limit-tokens"), None);
+    }
+    // Chat counts against the same budget.
+    let chat = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1});
+    let reply = send(&app, post("/v1/chat/completions", &chat)).await;
+    let body429 = reply.assert_error(429, "requests", None);
+    assert_eq!(body429["error"]["code"], "rate_limit_exceeded");
+    let message = body429["error"]["message"].as_str().unwrap();
+    assert!(
+        message.starts_with(
+            "Rate limit reached for tenant acme (tier premium) on requests per min (RPM): \
+             Limit 3, Used 3. Please try again in"
+        ),
+        "{message}"
+    );
+    // One request refills every 20 s.
+    let wait: u64 = header(&reply, "retry-after").unwrap().parse().unwrap();
+    assert!((19..=20).contains(&wait), "{wait}");
+    assert_eq!(header(&reply, "x-ratelimit-remaining-requests"), Some("0"));
+    // Another tenant of the tier has its own budget; an unlimited tier gets no headers.
+    let reply = send(&app, as_key(BOB, "/v1/completions", &body)).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(header(&reply, "x-ratelimit-remaining-requests"), Some("2"));
+    let reply = send(&app, as_key(CAROL, "/v1/completions", &body)).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(header(&reply, "x-ratelimit-limit-requests"), None);
+    // Routes that generate nothing are not limited.
+    let tokenize = json!({"prompt": "abcd"});
+    let reply = send(&app, post("/tokenize", &tokenize)).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    // The refusal is counted.
+    let metrics = metrics_handle().render();
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("switchyard:rate_limited_total")
+                && l.contains("limit=\"requests\"")
+                && l.contains("tenant=\"acme\"")
+                && l.contains("tier=\"premium\"")),
+        "{metrics}"
+    );
+}
+
+#[actix_web::test]
+async fn tokens_are_charged_as_usage_counts_them_until_the_budget_is_spent() {
+    let limits = TierLimits {
+        requests_per_minute: None,
+        tokens_per_minute: Some(30),
+    };
+    let (_, app) = app(EchoEngine::new(), config(limits)).await;
+    // 4 prompt tokens + 2 × 3 generated (n = 2): 10 tokens.
+    let body = json!({"prompt": "abcd", "max_tokens": 3, "n": 2});
+    let reply = send(&app, post("/v1/completions", &body)).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(reply.json()["usage"]["total_tokens"], 10);
+    // The headers show the budget as the request was admitted (the prompt's estimate, 1,
+    // held): 29.
+    assert_eq!(header(&reply, "x-ratelimit-remaining-tokens"), Some("29"));
+    // Streamed: 4 + 5 = 9 more; the budget stood at 20 when admitted.
+    let stream = json!({"prompt": "abcd", "max_tokens": 5, "stream": true});
+    let reply = send(&app, post("/v1/completions", &stream)).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(header(&reply, "x-ratelimit-remaining-tokens"), Some("19"));
+    // An embedding counts its prompt only: 5 tokens (the echo engine's delta has none).
+    let embed = json!({"input": "abcde"});
+    let reply = send(&app, post("/v1/embeddings", &embed)).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(reply.json()["usage"]["total_tokens"], 5);
+    // 24 used: 6 left, so a request of 4 + 20 is admitted and takes the budget below zero.
+    let big = json!({"prompt": "abcd", "max_tokens": 20});
+    let reply = send(&app, post("/v1/completions", &big)).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(header(&reply, "x-ratelimit-remaining-tokens"), Some("5"));
+    // 48 used of 30: 18 below zero, so the next waits ~19 / 0.5 per second = ~38 s.
+    let reply = send(&app, post("/v1/completions", &body)).await;
+    let error = reply.assert_error(429, "tokens", None);
+    assert_eq!(error["error"]["code"], "rate_limit_exceeded");
+    let wait: u64 = header(&reply, "retry-after").unwrap().parse().unwrap();
+    assert!((37..=39).contains(&wait), "{wait}");
+    assert_eq!(header(&reply, "x-ratelimit-remaining-tokens"), Some("0"));
+    let message = error["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("tokens per min (TPM): Limit 30, Used 30"),
+        "{message}"
+    );
+    // Bob's budget is his own.
+    let reply = send(&app, as_key(BOB, "/v1/completions", &body)).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(header(&reply, "x-ratelimit-remaining-tokens"), Some("29"));
+}
+
+#[actix_web::test]
+async fn a_request_the_engine_refuses_gives_its_estimate_back() {
+    let limits = TierLimits {
+        requests_per_minute: None,
+        tokens_per_minute: Some(100),
+    };
+    let (_, app) = app(EchoEngine::new(), config(limits)).await;
+    // 20 token ids: an estimate of 20 tokens, then refused by the engine (ids outside its
+    // vocabulary), after admission.
+    let outside = json!({"prompt": vec![VOCAB_SIZE; 20], "max_tokens": 1});
+    let reply = send(&app, post("/v1/completions", &outside)).await;
+    reply.assert_error(400, "invalid_request_error", Some("prompt"));
+    assert_eq!(header(&reply, "x-ratelimit-remaining-tokens"), Some("80"));
+    let body = json!({"prompt": "abcd", "max_tokens": 1});
+    let reply = send(&app, post("/v1/completions", &body)).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    // The estimate came back: only this request's own estimate (1) is held.
+    assert_eq!(header(&reply, "x-ratelimit-remaining-tokens"), Some("99"));
+}
