@@ -50,6 +50,7 @@ mod planner;
 pub mod policy;
 pub mod prefix_hash;
 mod prefix_lookup;
+pub mod rate_limit;
 pub mod scheduler;
 pub mod sequence;
 pub mod speculative;

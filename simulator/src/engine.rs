@@ -20,7 +20,8 @@ use crate::spec::{PolicySpec, ProcessKind, SimulationSpec, TierConf};
 use crate::trace::{self, ArrivalProcess, LoadOptions, TraceFormat, TraceRequest};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use switchyard_policies::rate_limit::TenantBudget;
 use switchyard_policies::{
     DraftSource, PolicyRegistry, Request, RequestId, SamplingLimits, Scheduler, SchedulerConfig,
     SeqEvent, SeqView, SloTargets, SpeculativeConfig, StepOutput, StepPlan, TierSpec, Timestamp,
@@ -527,6 +528,8 @@ enum Outcome {
     #[default]
     Unfinished,
     Rejected,
+    /// Refused by its tenant's rate limits (the server's 429).
+    RateLimited,
     Finished(switchyard_policies::FinishReason),
 }
 
@@ -552,6 +555,11 @@ struct Loop<'a> {
     accept_p: Vec<f64>,
     draft_tokens: u64,
     accepted_tokens: u64,
+    /// The tenants' rate-limit budgets, as the server keeps them per (tier, tenant).
+    budgets: Vec<TenantBudget>,
+    budget_index: HashMap<(String, String), usize>,
+    /// Per request, the budget its generated tokens are charged to (a limited tier's).
+    budget_of: Vec<Option<usize>>,
 }
 
 /// The token the simulator invents at position `pos` of request `id`: deterministic in both,
@@ -607,6 +615,9 @@ impl<'a> Loop<'a> {
             ),
             draft_tokens: 0,
             accepted_tokens: 0,
+            budgets: Vec::new(),
+            budget_index: HashMap::new(),
+            budget_of: vec![None; requests.len()],
         }
     }
 
@@ -765,17 +776,47 @@ impl<'a> Loop<'a> {
     }
 
     /// Queues the requests that have arrived by `now` (from `next` on); returns how many were
-    /// rejected.
+    /// rejected or rate-limited.
     fn admit_arrivals(&mut self, now: u64, next: &mut usize) -> usize {
         let mut rejected = 0;
         while *next < self.requests.len() && self.arrivals_us[*next] <= now {
-            if self.sched.add_request(self.request(*next)).is_err() {
+            if !self.within_rate_limits(*next) {
+                self.tracks[*next].outcome = Outcome::RateLimited;
+                rejected += 1;
+            } else if self.sched.add_request(self.request(*next)).is_err() {
                 self.tracks[*next].outcome = Outcome::Rejected;
                 rejected += 1;
             }
             *next += 1;
         }
         rejected
+    }
+
+    /// Whether request `i`'s tenant may send it at its arrival, as the server decides
+    /// (`switchyard_policies::rate_limit`); its prompt's tokens are charged then (the server
+    /// charges them once tokenized, a moment later), its generated tokens as they come.
+    fn within_rate_limits(&mut self, i: usize) -> bool {
+        let r = &self.requests[i];
+        let Some(limits) = self.tiers.get(&r.tier).map(TierConf::rate_limits) else {
+            return true;
+        };
+        if !limits.any() {
+            return true;
+        }
+        let at_s = self.arrivals_us[i] as f64 / 1e6;
+        let key = (r.tier.clone(), r.tenant.clone());
+        let budgets = &mut self.budgets;
+        let b = *self.budget_index.entry(key).or_insert_with(|| {
+            budgets.push(TenantBudget::new(limits, at_s));
+            budgets.len() - 1
+        });
+        if budgets[b].admit(at_s, r.prompt.len() as f64).is_err() {
+            return false;
+        }
+        if limits.tokens_per_minute.is_some() {
+            self.budget_of[i] = Some(b);
+        }
+        true
     }
 
     fn count_preemptions(&mut self, plan: &StepPlan) {
@@ -891,6 +932,9 @@ impl<'a> Loop<'a> {
                     t.last_token = Some(at.0);
                     t.generated += 1;
                 }
+                if let Some(&Some(b)) = self.budget_of.get(id.0 as usize) {
+                    self.budgets[b].charge(1.0, at.0 as f64 / 1e6);
+                }
                 false
             }
             SeqEvent::Finished { id, reason, at } => {
@@ -1005,6 +1049,7 @@ fn record(
         outcome: match t.outcome {
             Outcome::Unfinished => "unfinished".into(),
             Outcome::Rejected => "rejected".into(),
+            Outcome::RateLimited => "rate_limited".into(),
             Outcome::Finished(reason) => reason.as_str().into(),
         },
         preemptions: t.preemptions,
@@ -1673,6 +1718,77 @@ policies: [{{name: fcfs}}]
         order.sort_by(|x, y| x.0.total_cmp(&y.0));
         let ids: Vec<usize> = order.iter().map(|o| o.1).collect();
         assert_eq!(ids, [4, 1, 3, 0, 2]);
+    }
+
+    #[test]
+    fn a_tenant_past_its_rate_limits_is_refused_as_the_server_refuses_it() {
+        // Tier lim: 2 requests and 60 tokens a minute per tenant (one token a second), 1 ms
+        // steps. Tenant a: 10 + 50 tokens at 0 s (admitted; its tokens are out by 0.05 s), 10 +
+        // 1 at 1.2 s (admitted: ~1.15 tokens refilled), 10 + 1 at 2 s (refused: the
+        // requests budget is spent, one refills every 30 s), 10 + 1 at 40 s (requests: one
+        // refilled; tokens: 60 - 60 - 11 + 40 = 29 left: admitted). Tenant b's requests at
+        // 0 s and 2 s have their own budget; tier free's are not limited.
+        let yaml = "policies: [{name: fcfs}]\n\
+                    tiers: {lim: {requests_per_minute: 2, tokens_per_minute: 60}, free: {}}\n\
+                    scheduler: {max_num_seqs: 8, max_model_len: 100}\ncache: {num_gpu_blocks: 64}\n\
+                    workload: {trace: unused.csv, format: azure}\n";
+        let mut sim = Simulation::new(&spec(yaml)).unwrap();
+        sim.cost = CostModel::Calibrated(Calibration {
+            intercept_s: 1e-3,
+            ..Default::default()
+        });
+        let of = |tenant: &str, r: TraceRequest| TraceRequest {
+            tenant: tenant.into(),
+            ..r
+        };
+        let rs = vec![
+            of("a", req(0.0, 10, 50, "lim")),
+            of("b", req(0.0, 10, 1, "lim")),
+            of("a", req(1.2, 10, 1, "lim")),
+            of("a", req(2.0, 10, 1, "lim")),
+            of("b", req(2.0, 10, 1, "lim")),
+            of("a", req(2.0, 10, 1, "free")),
+            of("a", req(40.0, 10, 1, "lim")),
+        ];
+        let run = sim
+            .run_policy(&PolicySpec::named("fcfs"), &rs, false)
+            .unwrap();
+        let outcomes: Vec<&str> = run.records.iter().map(|r| r.outcome.as_str()).collect();
+        assert_eq!(
+            outcomes,
+            [
+                "length",
+                "length",
+                "length",
+                "rate_limited",
+                "length",
+                "length",
+                "length"
+            ]
+        );
+        // The tokens limit alone: generated tokens are charged as they come.
+        let yaml = yaml.replace("requests_per_minute: 2, ", "");
+        let mut sim = Simulation::new(&spec(&yaml)).unwrap();
+        sim.cost = CostModel::Calibrated(Calibration {
+            intercept_s: 1e-3,
+            ..Default::default()
+        });
+        // a: 10 + 50 at 0 s, its 50 tokens out by 0.05 s (1 ms steps): at 0.5 s ~0.45 back,
+        // refused (it would pass were they not charged); at 1.5 s ~1.45 back: admitted.
+        let rs = vec![
+            of("a", req(0.0, 10, 50, "lim")),
+            of("a", req(0.5, 10, 1, "lim")),
+            of("a", req(1.5, 10, 1, "lim")),
+        ];
+        let run = sim
+            .run_policy(&PolicySpec::named("fcfs"), &rs, false)
+            .unwrap();
+        let outcomes: Vec<&str> = run.records.iter().map(|r| r.outcome.as_str()).collect();
+        assert_eq!(outcomes, ["length", "rate_limited", "length"]);
+        let summary =
+            crate::report::PolicySummary::new("fcfs", &run.records, &mut [], run.counters.clone());
+        assert_eq!(summary.rate_limited, 1);
+        assert_eq!(summary.tiers[0].rate_limited, 1);
     }
 
     #[test]

@@ -9,7 +9,7 @@
 //! Percentiles interpolate linearly between order statistics (NumPy's
 //! default). SLO attainment counts only the requests that have a target (their
 //! tier sets `ttft_ms` or `tpot_ms`): the fraction of them meeting every target
-//! they have (rejected and unfinished ones count as misses), `None` (shown as
+//! they have (rejected, rate-limited and unfinished ones count as misses), `None` (shown as
 //! n/a) when no request has one; goodput is the rate of those requests meeting
 //! every target, as defined by DistServe (Zhong et al., OSDI'24), over the run's
 //! duration. Requests without targets count in neither.
@@ -162,6 +162,9 @@ pub struct TierSummary {
     pub requests: u64,
     /// Of which finished.
     pub finished: u64,
+    /// Of which refused by their tenant's rate limits (`rate_limited`).
+    #[serde(default)]
+    pub rate_limited: u64,
     /// Fraction meeting the TTFT target (`None`: no target).
     pub ttft_attainment: Option<f64>,
     /// Fraction meeting the TPOT target (`None`: no target).
@@ -211,6 +214,10 @@ pub struct PolicySummary {
     /// Requests rejected as the server would refuse them: prompt plus output longer than
     /// `max_model_len` (the server's 400 `context_length_exceeded`).
     pub rejected: u64,
+    /// Requests refused by their tenant's rate limits (`tiers.<name>.requests_per_minute`,
+    /// `tokens_per_minute`: the server's 429).
+    #[serde(default)]
+    pub rate_limited: u64,
     /// First arrival to last finish, in virtual seconds.
     pub duration_s: f64,
     /// Finished requests per second.
@@ -284,6 +291,7 @@ impl PolicySummary {
             requests: records.len() as u64,
             finished,
             rejected: records.iter().filter(|r| r.outcome == "rejected").count() as u64,
+            rate_limited: records.iter().filter(|r| r.outcome == RATE_LIMITED).count() as u64,
             duration_s,
             request_throughput: per_s(finished as f64),
             output_token_throughput: per_s(generated as f64),
@@ -335,6 +343,7 @@ fn tier_summary(tier: &str, rs: &[&RequestRecord], duration_s: f64) -> TierSumma
         tier: tier.to_string(),
         requests: rs.len() as u64,
         finished: rs.iter().filter(|r| r.finish_s.is_some()).count() as u64,
+        rate_limited: rs.iter().filter(|r| r.outcome == RATE_LIMITED).count() as u64,
         ttft_attainment: attainment(|r| r.met_ttft),
         tpot_attainment: attainment(|r| r.met_tpot),
         slo_attainment: (targeted > 0).then(|| met / targeted as f64),
@@ -343,6 +352,9 @@ fn tier_summary(tier: &str, rs: &[&RequestRecord], duration_s: f64) -> TierSumma
         tpot_ms: stats_of(rs.iter().copied(), |r| r.tpot_ms),
     }
 }
+
+/// The outcome of a request refused by its tenant's rate limits.
+pub const RATE_LIMITED: &str = "rate_limited";
 
 /// Several policies run on the same workload.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -390,7 +402,7 @@ impl Comparison {
         let _ = writeln!(
             s,
             "slo% and goodput count the requests whose tier sets a ttft_ms or tpot_ms target \
-             (n/a: none has one); rejected and unfinished ones miss\n"
+             (n/a: none has one); rejected, rate-limited and unfinished ones miss\n"
         );
         let pct = |x: Option<f64>| x.map_or("n/a".to_string(), |v| format!("{:.1}", 100.0 * v));
         let _ = writeln!(
@@ -428,6 +440,23 @@ impl Comparison {
                 "{}: {} of {} requests rejected, longer than max_model_len {} (the server \
                  answers them 400 context_length_exceeded)",
                 p.policy, p.rejected, p.requests, self.max_model_len
+            );
+        }
+        for p in self.policies.iter().filter(|p| p.rate_limited > 0) {
+            let by_tier: Vec<String> = p
+                .tiers
+                .iter()
+                .filter(|t| t.rate_limited > 0)
+                .map(|t| format!("{} {}", t.tier, t.rate_limited))
+                .collect();
+            let _ = writeln!(
+                s,
+                "{}: {} of {} requests rate-limited by their tier's requests_per_minute or \
+                 tokens_per_minute (the server answers them 429 rate_limit_exceeded): {}",
+                p.policy,
+                p.rate_limited,
+                p.requests,
+                by_tier.join(", ")
             );
         }
         for p in self.policies.iter().filter(|p| p.counters.draft_tokens > 0) {
@@ -598,6 +627,41 @@ mod tests {
         // Attainments and goodput, and the TPOT of its one request, which has no second token.
         assert_eq!(batch_row.matches("n/a").count(), 5, "{batch_row}");
         assert!(text.contains("1 of 4 requests rejected"), "{text}");
+    }
+
+    #[test]
+    fn rate_limited_requests_are_counted_per_tier_and_miss_their_targets() {
+        let limited = |tier: &str, arrival: f64| RequestRecord {
+            outcome: RATE_LIMITED.into(),
+            ..rec2(tier, arrival, None, Some(false), Some(false))
+        };
+        let rs = vec![
+            rec("premium", 0.0, Some(2.0), Some(true)),
+            limited("premium", 1.0),
+            limited("premium", 1.5),
+            limited("batch", 2.0),
+        ];
+        let s = PolicySummary::new("fcfs", &rs, &mut [], RunCounters::default());
+        assert_eq!(
+            (s.requests, s.finished, s.rejected, s.rate_limited),
+            (4, 1, 0, 3)
+        );
+        assert_eq!(s.slo_attainment, Some(0.25));
+        let premium = s.tiers.iter().find(|t| t.tier == "premium").unwrap();
+        assert_eq!(premium.rate_limited, 2);
+        let text = Comparison {
+            policies: vec![s],
+            ..Default::default()
+        }
+        .to_text();
+        assert!(
+            text.contains(
+                "fcfs: 3 of 4 requests rate-limited by their tier's requests_per_minute or \
+                 tokens_per_minute (the server answers them 429 rate_limit_exceeded): batch 1, \
+                 premium 2"
+            ),
+            "{text}"
+        );
     }
 
     #[test]

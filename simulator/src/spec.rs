@@ -344,13 +344,23 @@ pub struct TierConf {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_pending_requests: Option<usize>,
     /// The server's rate limits of the tier's tenants (`tiers.<name>.requests_per_minute`,
-    /// `tokens_per_minute`). Read so that a server configuration's tiers load; the simulator
-    /// replays the trace's requests as admitted, so they change nothing here.
+    /// `tokens_per_minute`): a request its tenant may not send at its arrival is refused, as
+    /// the server answers it 429, and reported `rate_limited`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub requests_per_minute: Option<u64>,
     /// See [`TierConf::requests_per_minute`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokens_per_minute: Option<u64>,
+}
+
+impl TierConf {
+    /// The tier's rate limits.
+    pub fn rate_limits(&self) -> switchyard_policies::rate_limit::TierLimits {
+        switchyard_policies::rate_limit::TierLimits {
+            requests_per_minute: self.requests_per_minute,
+            tokens_per_minute: self.tokens_per_minute,
+        }
+    }
 }
 
 fn one() -> f64 {
