@@ -9,7 +9,9 @@
 # include_usage and the frameworks' usage callbacks, tool calls (bind_tools, the SDK's stream
 # helper and runTools) with tool results sent back, structured output (with_structured_output,
 # zodResponseFormat / zodFunction with .parse), async clients, the framework's exception for a
-# 400, a context overflow, a 401 and a 404, and a 503 with Retry-After (the SDKs wait and retry);
+# 400, a context overflow, a 401 and a 404, and a 503 with Retry-After (the SDKs wait and retry),
+# a 429 of a tenant's rate limit (the SDK's, LangChain's and LiteLLM's RateLimitError, OpenAI's
+# x-ratelimit-* headers read through the SDK's raw response);
 # on /v1/responses: LangChain's use_responses_api=True (invoke, stream, bind_tools with a
 # ToolMessage back, with_structured_output, usage_metadata, async), litellm.responses, the
 # Python SDK's responses.create/stream/parse and the Node SDK's responses.create/stream/parse
@@ -47,9 +49,11 @@ server:
   api_keys:
     - { key: sk-compat-0001, tenant: compat, tier: standard }
     - { key: sk-compat-tiny, tenant: tiny, tier: tiny }   # one request at a time: the 503 checks
+    - { key: sk-compat-rate, tenant: rated, tier: rated }  # two requests a minute: the 429 checks
 tiers:
   standard: { weight: 1 }
   tiny: { weight: 1, max_pending_requests: 1 }
+  rated: { weight: 1, requests_per_minute: 2 }
 YAML
 "$bin" serve --config "$dir/config.yaml" --set server.port="$port" >"$dir/server.log" 2>&1 &
 server=$!
@@ -62,7 +66,7 @@ done
 base=http://127.0.0.1:$port/v1
 rc=0
 LITELLM_LOCAL_MODEL_COST_MAP=True "$dir/venv/bin/python" -W ignore \
-  "$repo/scripts/client-compat/checks.py" "$base" sk-compat-0001 sk-compat-tiny || rc=1
+  "$repo/scripts/client-compat/checks.py" "$base" sk-compat-0001 sk-compat-tiny sk-compat-rate || rc=1
 (cd "$dir/node" && node checks.mjs "$base" sk-compat-0001 sk-compat-tiny) || rc=1
 echo "server log: $dir/server.log"
 exit $rc

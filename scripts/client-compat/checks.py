@@ -3,8 +3,9 @@ LlamaIndex (llama-index-llms-openai-like) and the OpenAI Python SDK against a ru
 server, on chat/completions, /v1/responses and /v1/embeddings, judged on the protocol (what each client parses
 out of our responses), not on the small model's answers.
 
-usage: python checks.py BASE_URL KEY TINY_KEY
-(KEY: an API key; TINY_KEY: a key whose tier admits one request at a time, for the 503 checks)
+usage: python checks.py BASE_URL KEY TINY_KEY RATE_KEY
+(KEY: an API key; TINY_KEY: a key whose tier admits one request at a time, for the 503 checks;
+RATE_KEY: a key whose tier allows two requests a minute, for the 429 checks)
 Exits 1 if any check fails; prints one line per check.
 """
 import asyncio
@@ -30,7 +31,7 @@ from llama_index.core.tools import FunctionTool
 from llama_index.llms.openai_like import OpenAILike
 from pydantic import BaseModel
 
-BASE, KEY, TINY = sys.argv[1], sys.argv[2], sys.argv[3]
+BASE, KEY, TINY, RATE = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
 MODEL = "smollm2"
 litellm.suppress_debug_info = True
 failures = []
@@ -699,6 +700,36 @@ def sdk_beam_search():
 
 
 check("openai-python beam search (extra_body use_beam_search: completions, chat, a 400)", sdk_beam_search)
+
+
+def rate_limited():
+    # Two requests a minute: both answered with OpenAI's headers, then every client's 429.
+    rated = openai.OpenAI(base_url=BASE, api_key=RATE, max_retries=0)
+    left = []
+    for _ in range(2):
+        raw = rated.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+        expect(raw.parse().choices, f"{raw}")
+        expect(raw.headers["x-ratelimit-limit-requests"] == "2", f"{raw.headers}")
+        left.append(raw.headers["x-ratelimit-remaining-requests"])
+    expect(left == ["1", "0"], f"{left}")
+    try:
+        rated.completions.create(model=MODEL, prompt="x", max_tokens=1)
+        raise AssertionError("no RateLimitError")
+    except openai.RateLimitError as e:
+        expect(e.status_code == 429 and e.code == "rate_limit_exceeded", f"{e}")
+        wait = int(e.response.headers["retry-after"])
+        expect(1 <= wait <= 30, f"{e.response.headers}")
+    lc = raises(lambda: ChatOpenAI(base_url=BASE, api_key=RATE, model=MODEL, max_retries=0).invoke("Hi"),
+                openai.RateLimitError, "Rate limit reached")
+    lite = raises(lambda: litellm.completion(model=f"openai/{MODEL}", api_base=BASE, api_key=RATE,
+                                             messages=[{"role": "user", "content": "Hi"}], num_retries=0),
+                  litellm.RateLimitError, "Rate limit reached")
+    return f"remaining {left}, then 429 with Retry-After {wait}s; langchain {lc}, litellm {lite}"
+
+
+check("rate limits: 429 as RateLimitError (openai-python, langchain, litellm), x-ratelimit-* headers",
+      rate_limited)
 
 
 print(f"python clients: {len(failures)} failed" + (f": {', '.join(failures)}" if failures else ""))
