@@ -9,6 +9,7 @@ use actix_web::http::{header, StatusCode};
 use actix_web::{HttpResponse, ResponseError};
 use serde::Serialize;
 
+use crate::cors::CorsRefusal;
 use crate::engine::{EngineError, EngineErrorKind};
 
 /// Everything a request can fail with.
@@ -77,6 +78,10 @@ pub enum ApiError {
     /// model without the embedding task (it does not register the route).
     #[error("The model does not support the Embeddings API: this server computes no embeddings.")]
     EmbeddingsNotServed,
+    /// A CORS preflight (or cross-origin request) `server.cors` refuses (400, a code per
+    /// reason: `cors_origin_not_allowed`, ...).
+    #[error(transparent)]
+    CorsRefused(#[from] CorsRefusal),
     /// The engine refused or failed the request; its kind picks the status.
     #[error(transparent)]
     Engine(#[from] EngineError),
@@ -159,6 +164,11 @@ impl ApiError {
                 StatusCode::REQUEST_TIMEOUT,
                 INVALID_REQUEST,
                 Some("request_timeout"),
+            ),
+            Self::CorsRefused(refusal) => (
+                StatusCode::BAD_REQUEST,
+                INVALID_REQUEST,
+                Some(refusal.code()),
             ),
             Self::Draining => (
                 StatusCode::SERVICE_UNAVAILABLE,
