@@ -219,7 +219,7 @@ pub enum BenchCommand {
     Throughput(ThroughputArgs),
     /// Load against a running OpenAI-compatible server, as `vllm bench serve`.
     #[command(
-        after_help = "Examples:\n  switchyard bench serve --base-url http://127.0.0.1:8000 --max-concurrency 32 --num-prompts 64 --input-len 128 --output-len 128\n  switchyard bench serve --base-url http://127.0.0.1:8000 --dataset sharegpt --dataset-path ../shared/traces/sharegpt_8k_filtered_stats_llama2_tokenizer.csv --request-rate 4\n  switchyard bench serve --base-url http://127.0.0.1:8000 --endpoint embeddings --embedding-batch 16 --max-concurrency 16 --num-prompts 256 --input-len 128"
+        after_help = "Examples:\n  switchyard bench serve --base-url http://127.0.0.1:8000 --max-concurrency 32 --num-prompts 64 --input-len 128 --output-len 128\n  switchyard bench serve --base-url https://localhost:8443 --cacert ca.pem --num-prompts 64\n  switchyard bench serve --base-url http://127.0.0.1:8000 --dataset sharegpt --dataset-path ../shared/traces/sharegpt_8k_filtered_stats_llama2_tokenizer.csv --request-rate 4\n  switchyard bench serve --base-url http://127.0.0.1:8000 --endpoint embeddings --embedding-batch 16 --max-concurrency 16 --num-prompts 256 --input-len 128"
     )]
     Serve(ServeBenchArgs),
 }
@@ -247,9 +247,14 @@ pub enum ServeEndpoint {
 /// `switchyard bench serve`.
 #[derive(Debug, Args)]
 pub struct ServeBenchArgs {
-    /// Server base URL (http only), e.g. http://127.0.0.1:8000.
+    /// Server base URL, e.g. http://127.0.0.1:8000, or https://host:8443 with --cacert.
     #[arg(long, default_value = "http://127.0.0.1:8000")]
     pub base_url: String,
+    /// PEM file of the CA certificates an https:// --base-url is verified against (a private
+    /// CA, or a system bundle such as /etc/ssl/certs/ca-certificates.crt; at most 1 MiB).
+    /// Required with https://: no certificate store is built in.
+    #[arg(long, value_name = "FILE")]
+    pub cacert: Option<PathBuf>,
     /// Model name; asked from /v1/models when omitted.
     #[arg(long)]
     pub model: Option<String>,

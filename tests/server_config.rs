@@ -4,30 +4,15 @@
 
 mod common;
 
-use common::{lora_fixture_dir, model_path, switchyard, Server};
+use common::{free_port, lora_fixture_dir, model_path, scratch, switchyard, wait_exit, Server};
 use serde_json::{json, Value};
 use std::ffi::OsString;
 use std::os::unix::ffi::OsStringExt;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::path::Path;
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 const ADMIN: (&str, &str) = ("Authorization", "Bearer admin-secret-key");
-
-/// A fresh scratch directory for one test.
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("switchyard-config-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    dir
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
-}
 
 /// A server configuration on the embedded model, as `common::Server::start_full` writes it.
 fn config_yaml(port: u16, model_lines: &str, server_lines: &str, extra: &str) -> String {
@@ -56,7 +41,7 @@ fn spawn(dir: &Path, env: &[(OsString, OsString)]) -> std::process::Child {
 /// Starts a server (configuration as [`config_yaml`]) with extra environment variables and
 /// waits until it is ready.
 fn start(name: &str, server_lines: &str, extra: &str, env: &[(OsString, OsString)]) -> Server {
-    let dir = scratch(name);
+    let dir = scratch("config", name);
     let port = free_port();
     std::fs::write(
         dir.join("config.yaml"),
@@ -65,52 +50,24 @@ fn start(name: &str, server_lines: &str, extra: &str, env: &[(OsString, OsString
     .expect("write config");
     let child = spawn(&dir, env);
     let mut server = Server { port, child, dir };
-    wait_ready(&mut server);
+    server.wait_ready();
     server
-}
-
-/// Waits until the server is ready; fails at once if it exits.
-fn wait_ready(server: &mut Server) {
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        if let Ok(r) = server.request("GET", "/ready", None, &[]) {
-            if r.status == 200 {
-                return;
-            }
-        }
-        if let Some(status) = server.child.try_wait().expect("wait") {
-            panic!("server exited ({status}); log:\n{}", server.log());
-        }
-        assert!(
-            Instant::now() < deadline,
-            "server did not become ready; log:\n{}",
-            server.log()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
 }
 
 /// Runs `serve` on a configuration that must be refused; returns its stderr.
 fn serve_refuses(name: &str, model_lines: &str, server_lines: &str, extra: &str) -> String {
-    let dir = scratch(name);
+    let dir = scratch("config", name);
     std::fs::write(
         dir.join("config.yaml"),
         config_yaml(free_port(), model_lines, server_lines, extra),
     )
     .expect("write config");
     let mut child = spawn(&dir, &[]);
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("wait") {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("serve did not refuse the configuration");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let status = wait_exit(
+        &mut child,
+        Duration::from_secs(120),
+        "serve did not refuse the configuration",
+    );
     let log = std::fs::read_to_string(dir.join("server.log")).unwrap_or_default();
     let _ = std::fs::remove_dir_all(&dir);
     assert!(
@@ -118,28 +75,6 @@ fn serve_refuses(name: &str, model_lines: &str, server_lines: &str, extra: &str)
         "serve accepted the configuration:\n{log}"
     );
     log
-}
-
-/// Sends SIGHUP to the server.
-fn hang_up(s: &Server) {
-    let status = Command::new("kill")
-        .args(["-HUP", &s.child.id().to_string()])
-        .status()
-        .expect("kill");
-    assert!(status.success());
-}
-
-/// Waits until the server's log holds `text` `n` times.
-fn wait_log(s: &Server, text: &str, n: usize) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while s.log().matches(text).count() < n {
-        assert!(
-            Instant::now() < deadline,
-            "`{text}` not logged {n} times:\n{}",
-            s.log()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 fn get(s: &Server, path: &str) -> Value {
@@ -179,7 +114,7 @@ fn edit_config(s: &Server, from: &str, to: &str) {
 
 #[test]
 fn an_api_keys_file_without_keys_is_refused_before_the_model_loads() {
-    let dir = scratch("emptykeys");
+    let dir = scratch("config", "emptykeys");
     for (i, body) in ["", "# keys: none yet\n", "[]\n"].iter().enumerate() {
         let keys = dir.join(format!("keys-{i}.yaml"));
         std::fs::write(&keys, body).expect("keys file");
@@ -233,7 +168,7 @@ fn a_variable_that_is_not_utf8_is_ignored_and_an_open_api_is_logged() {
         "the open API was not logged:\n{log}"
     );
     // One that is an override is refused, named.
-    let dir = scratch("envutf8-check");
+    let dir = scratch("config", "envutf8-check");
     let file = dir.join("c.yaml");
     std::fs::write(&file, "").unwrap();
     let out = switchyard()
@@ -262,8 +197,8 @@ fn sighup_with_a_bad_policy_changes_nothing() {
         "name: chunked-prefill, params: { token_budget: -1 } }",
     );
     edit_config(&s, "- name: tuned", "- name: renamed");
-    hang_up(&s);
-    wait_log(&s, "nothing was reloaded", 1);
+    s.hang_up();
+    s.wait_logged("nothing was reloaded", 1);
     assert_eq!(get(&s, "/admin/policy")["name"], "fcfs");
     assert_eq!(s.served_adapters(), ["tuned"]);
     assert_eq!(
@@ -276,8 +211,8 @@ fn sighup_with_a_bad_policy_changes_nothing() {
 fn sighup_keeps_an_unchanged_policy_and_names_fields_that_take_a_restart() {
     let s = lora_server("unchanged");
     edit_config(&s, "threads: 2", "threads: 1");
-    hang_up(&s);
-    wait_log(&s, "policy unchanged", 1);
+    s.hang_up();
+    s.wait_logged("policy unchanged", 1);
     let log = s.log();
     assert!(
         log.contains("taking a restart, so not applied: model.threads\n"),
@@ -290,8 +225,8 @@ fn sighup_keeps_an_unchanged_policy_and_names_fields_that_take_a_restart() {
     );
     // A changed one is.
     edit_config(&s, "name: fcfs }", "name: priority }");
-    hang_up(&s);
-    wait_log(&s, "SIGHUP: policy reloaded", 1);
+    s.hang_up();
+    s.wait_logged("SIGHUP: policy reloaded", 1);
     assert_eq!(get(&s, "/admin/policy")["name"], "priority");
     assert_eq!(s.metric("switchyard:policy_swaps_total"), Some(1.0));
     // The admin API keeps an unchanged policy too, and says so; a changed one is swapped.
@@ -319,15 +254,15 @@ fn sighup_restores_an_adapter_an_admin_deleted_and_hangups_in_a_row_agree() {
         .expect("delete");
     assert_eq!(r.status, 200, "{}", r.body);
     assert!(s.served_adapters().is_empty());
-    hang_up(&s);
-    wait_log(&s, "SIGHUP: reload finished", 1);
+    s.hang_up();
+    s.wait_logged("SIGHUP: reload finished", 1);
     assert_eq!(s.served_adapters(), ["tuned"]);
     // Hang-ups close together: each reload sees what the one before did. (Signals close
     // together may be delivered as one: wait until every reload begun has finished.)
     edit_config(&s, "- name: tuned", "- name: renamed");
-    hang_up(&s);
-    hang_up(&s);
-    hang_up(&s);
+    s.hang_up();
+    s.hang_up();
+    s.hang_up();
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let log = s.log();
@@ -347,7 +282,7 @@ fn sighup_restores_an_adapter_an_admin_deleted_and_hangups_in_a_row_agree() {
 
 #[test]
 fn sighup_during_the_model_load_does_not_stop_the_server() {
-    let dir = scratch("early-hup");
+    let dir = scratch("config", "early-hup");
     let port = free_port();
     std::fs::write(dir.join("config.yaml"), config_yaml(port, "", "", "")).unwrap();
     let child = spawn(&dir, &[]);
@@ -357,11 +292,11 @@ fn sighup_during_the_model_load_does_not_stop_the_server() {
         assert!(Instant::now() < deadline, "no model load:\n{}", s.log());
         std::thread::sleep(Duration::from_millis(5));
     }
-    hang_up(&s);
-    wait_ready(&mut s);
+    s.hang_up();
+    s.wait_ready();
     s.assert_serves();
     // The hang-up was kept for the reload once serving.
-    wait_log(&s, "SIGHUP: policy unchanged", 1);
+    s.wait_logged("SIGHUP: policy unchanged", 1);
 }
 
 #[test]
@@ -463,7 +398,7 @@ fn max_model_len_is_kept_within_what_the_kv_cache_holds() {
 
 #[test]
 fn config_check_refuses_a_misspelt_log_level_and_hides_keys() {
-    let dir = scratch("check");
+    let dir = scratch("config", "check");
     let file = dir.join("c.yaml");
     let check = |file: &Path| {
         switchyard()
@@ -791,7 +726,7 @@ fn a_tier_flooding_its_bound_does_not_lock_out_the_other_tiers() {
     drop(flood);
 
     // `config check` shows the bound and refuses one above the server's.
-    let dir = scratch("tier-admission-check");
+    let dir = scratch("config", "tier-admission-check");
     let file = dir.join("c.yaml");
     let check = |yaml: &str| {
         std::fs::write(&file, yaml).unwrap();
@@ -890,7 +825,7 @@ fn failed_authentication_is_logged_rate_limited_without_the_key() {
 /// `Retry-After` as before.
 #[test]
 fn a_request_larger_than_max_pending_requests_is_a_400_not_a_retryable_503() {
-    let dir = scratch("admission-too-large");
+    let dir = scratch("config", "admission-too-large");
     let port = free_port();
     let log = std::fs::File::create(dir.join("server.log")).expect("log file");
     let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/examples/default.yaml");
@@ -913,7 +848,7 @@ fn a_request_larger_than_max_pending_requests_is_a_400_not_a_retryable_503() {
         .spawn()
         .expect("start switchyard serve");
     let mut s = Server { port, child, dir };
-    wait_ready(&mut s);
+    s.wait_ready();
     let post = |body: &Value| {
         s.request("POST", "/v1/completions", Some(&body.to_string()), &[])
             .expect("request")

@@ -7,13 +7,13 @@ mod common;
 use std::io::{BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::{model_path, read_response_from, switchyard, Response, Server};
+use common::{free_port, model_path, read_response_from, switchyard, wait_exit, Response, Server};
 use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, ServerName};
+use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 
 /// A fixture of `tests/fixtures/tls`.
 fn fixture(name: &str) -> PathBuf {
@@ -39,13 +39,29 @@ fn assert_leaf(leaf: &[u8], name: &str) {
 
 /// A client that trusts only the test CA and offers h2 then http/1.1.
 fn client() -> Arc<rustls::ClientConfig> {
+    client_at(Arc::new(rustls::time_provider::DefaultTimeProvider))
+}
+
+/// The clock of a client that believes it is always `self.0`.
+#[derive(Debug)]
+struct FixedTime(UnixTime);
+
+impl rustls::time_provider::TimeProvider for FixedTime {
+    fn current_time(&self) -> Option<UnixTime> {
+        Some(self.0)
+    }
+}
+
+/// [`client`], verifying certificates as at the time `clock` gives.
+fn client_at(clock: Arc<dyn rustls::time_provider::TimeProvider>) -> Arc<rustls::ClientConfig> {
     let mut roots = rustls::RootCertStore::empty();
     roots
         .add(CertificateDer::from_pem_file(fixture("ca.pem")).expect("the CA"))
         .expect("a CA certificate");
-    let mut config = rustls::ClientConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
+    let mut config = rustls::ClientConfig::builder_with_details(
+        Arc::new(rustls::crypto::ring::default_provider()),
+        clock,
+    )
     .with_safe_default_protocol_versions()
     .expect("protocol versions")
     .with_root_certificates(roots)
@@ -64,8 +80,19 @@ struct Answer {
 
 /// One request over a new HTTPS connection to `localhost` (the name the certificates carry).
 fn https(port: u16, method: &str, path: &str, body: Option<&str>) -> std::io::Result<Answer> {
+    https_as(client(), port, method, path, body)
+}
+
+/// [`https`] with the client `config`.
+fn https_as(
+    config: Arc<rustls::ClientConfig>,
+    port: u16,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+) -> std::io::Result<Answer> {
     let name = ServerName::try_from("localhost").expect("a name");
-    let conn = rustls::ClientConnection::new(client(), name).map_err(std::io::Error::other)?;
+    let conn = rustls::ClientConnection::new(config, name).map_err(std::io::Error::other)?;
     let sock = TcpStream::connect(("127.0.0.1", port))?;
     sock.set_read_timeout(Some(Duration::from_secs(300)))?;
     let mut stream = rustls::StreamOwned::new(conn, sock);
@@ -95,21 +122,6 @@ fn https(port: u16, method: &str, path: &str, body: Option<&str>) -> std::io::Re
         leaf,
         alpn,
     })
-}
-
-/// A scratch directory for one test.
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("switchyard-tls-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    dir
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
 }
 
 /// Writes `config.yaml` into `dir`: the embedded model on `port`, with `server_lines`.
@@ -142,36 +154,15 @@ fn start(dir: PathBuf, port: u16) -> Server {
         .spawn()
         .expect("start switchyard serve");
     let mut server = Server { port, child, dir };
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        if let Ok(a) = https(port, "GET", "/ready", None) {
-            if a.response.status == 200 {
-                return server;
-            }
-        }
-        if let Some(status) = server.child.try_wait().expect("wait") {
-            panic!("server exited ({status}); log:\n{}", server.log());
-        }
-        assert!(
-            Instant::now() < deadline,
-            "server did not become ready over HTTPS; log:\n{}",
-            server.log()
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    server.wait_ready_by(|s| {
+        https(s.port, "GET", "/ready", None).is_ok_and(|a| a.response.status == 200)
+    });
+    server
 }
 
-/// Waits until the server's log holds `text` `n` times.
-fn wait_log(s: &Server, text: &str, n: usize) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while s.log().matches(text).count() < n {
-        assert!(
-            Instant::now() < deadline,
-            "`{text}` not logged {n} times:\n{}",
-            s.log()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+/// A scratch directory for one test.
+fn scratch(name: &str) -> PathBuf {
+    common::scratch("tls", name)
 }
 
 /// Asserts that a 4-token completion is served over HTTPS.
@@ -236,18 +227,11 @@ fn a_key_of_another_certificate_is_refused_at_start_naming_the_field() {
         .stderr(log)
         .spawn()
         .expect("run serve");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("wait") {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("serve did not refuse the key");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let status = wait_exit(
+        &mut child,
+        Duration::from_secs(60),
+        "serve did not refuse the key",
+    );
     let stderr = std::fs::read_to_string(dir.join("server.log")).unwrap_or_default();
     assert!(!status.success(), "{stderr}");
     assert!(
@@ -291,7 +275,13 @@ fn a_key_of_another_certificate_is_refused_at_start_naming_the_field() {
         "{e}"
     );
     let (ok, e) = check(&tls_lines(&fixture("rotated.pem"), &fixture("rotated.key")));
-    assert!(ok && e.contains("HTTPS with 1 certificate(s)"), "{e}");
+    assert!(
+        ok && e.contains("HTTPS with 1 certificate(s)") && e.contains("valid until 2126-11-10T"),
+        "{e}"
+    );
+    // An expired certificate is served (the operator decides), and said to be expired.
+    let (ok, e) = check(&tls_lines(&fixture("expired.pem"), &fixture("expired.key")));
+    assert!(ok && e.contains("EXPIRED at 2001-01-01T00:00:00Z"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -311,30 +301,23 @@ fn sighup_serves_a_new_certificate_to_new_connections_and_keeps_it_through_a_bad
         &https(port, "GET", "/health", None).unwrap().leaf,
         "server.pem",
     );
-    let hang_up = || {
-        let status = Command::new("kill")
-            .args(["-HUP", &s.child.id().to_string()])
-            .status()
-            .expect("kill");
-        assert!(status.success());
-    };
 
     // The same files: nothing changes.
-    hang_up();
-    wait_log(&s, "SIGHUP: TLS certificate unchanged", 1);
+    s.hang_up();
+    s.wait_logged("SIGHUP: TLS certificate unchanged", 1);
 
     // A new certificate and key (RSA, PKCS#1) at the same paths.
     put("rotated.pem", "rotated.key");
-    hang_up();
-    wait_log(&s, "SIGHUP: TLS certificate reloaded", 1);
+    s.hang_up();
+    s.wait_logged("SIGHUP: TLS certificate reloaded", 1);
     let a = https(port, "GET", "/health", None).expect("HTTPS");
     assert_leaf(&a.leaf, "rotated.pem");
     assert_serves_https(&s);
 
     // A key that is not the certificate's: the rotated certificate stays in force.
     std::fs::copy(fixture("server.key"), &key).expect("copy key");
-    hang_up();
-    wait_log(&s, "the certificate in force is kept", 1);
+    s.hang_up();
+    s.wait_logged("the certificate in force is kept", 1);
     s.assert_logged(&["server.tls.key_file", "does not match"]);
     assert_leaf(
         &https(port, "GET", "/health", None).unwrap().leaf,
@@ -343,8 +326,200 @@ fn sighup_serves_a_new_certificate_to_new_connections_and_keeps_it_through_a_bad
 
     // Turning TLS off takes a restart: named, and HTTPS goes on.
     write_config(&dir, port, "");
-    hang_up();
-    wait_log(&s, "SIGHUP: reload finished", 3);
+    s.hang_up();
+    s.wait_logged("SIGHUP: reload finished", 3);
     s.assert_logged(&["taking a restart", "server.tls"]);
     assert_serves_https(&s);
+}
+
+/// A client whose clock says 2000-06-03: the expired certificate was valid then (the CA, a
+/// trust anchor, has no validity checked).
+fn client_in_2000() -> Arc<rustls::ClientConfig> {
+    let in_2000 = UnixTime::since_unix_epoch(Duration::from_secs(960_000_000));
+    client_at(Arc::new(FixedTime(in_2000)))
+}
+
+/// The expiry gauge of `/metrics`, over HTTPS with the client `config`.
+fn expiry_gauge(config: Arc<rustls::ClientConfig>, port: u16) -> Option<f64> {
+    let a = https_as(config, port, "GET", "/metrics", None).expect("GET /metrics");
+    a.response.body.lines().find_map(|l| {
+        let (name, value) = l.rsplit_once(' ')?;
+        (name == "switchyard:tls_certificate_expiry_timestamp_seconds")
+            .then(|| value.parse().ok())?
+    })
+}
+
+/// The `notAfter` of a fixture's certificate (`openssl x509 -enddate`), in Unix seconds.
+fn not_after(name: &str) -> f64 {
+    switchyard_api::tls::expiry::not_after(&leaf_der(name)).expect("a notAfter") as f64
+}
+
+#[test]
+fn the_certificate_expiry_is_exported_and_an_expired_one_is_logged_and_still_served() {
+    let dir = scratch("expiry");
+    let (cert, key) = (dir.join("cert.pem"), dir.join("key.pem"));
+    let put = |name: &str| {
+        std::fs::copy(fixture(&format!("{name}.pem")), &cert).expect("copy cert");
+        std::fs::copy(fixture(&format!("{name}.key")), &key).expect("copy key");
+    };
+    put("server");
+    let port = free_port();
+    write_config(&dir, port, &tls_lines(&cert, &key));
+    let s = start(dir.clone(), port);
+    // 2126: no warning, the gauge at its notAfter.
+    assert_eq!(expiry_gauge(client(), port), Some(not_after("server.pem")));
+    assert!(!s.log().contains("TLS: the certificate"), "{}", s.log());
+
+    // SIGHUP to an expired certificate: an ERROR naming the date, the gauge follows, and it is
+    // served all the same.
+    put("expired");
+    s.hang_up();
+    s.wait_logged("SIGHUP: TLS certificate reloaded", 1);
+    s.assert_logged(&[
+        "ERROR",
+        "TLS: the certificate expired",
+        "2001-01-01T00:00:00Z",
+    ]);
+    assert_eq!(expiry_gauge(client_in_2000(), port), Some(978_307_200.0));
+    let name = ServerName::try_from("localhost").expect("a name");
+    let mut conn = rustls::ClientConnection::new(client(), name).expect("client");
+    let mut sock = TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    // A verifying client refuses it: the server did send it.
+    let refused = loop {
+        match conn.complete_io(&mut sock) {
+            Ok(_) if conn.is_handshaking() => continue,
+            Ok(_) => break None,
+            Err(e) => break Some(e.to_string()),
+        }
+    };
+    let refused = refused.expect("the expired certificate was accepted");
+    assert!(refused.contains("expired"), "{refused}");
+
+    // And back: the gauge moves again.
+    put("server");
+    s.hang_up();
+    s.wait_logged("SIGHUP: TLS certificate reloaded", 2);
+    assert_eq!(expiry_gauge(client(), port), Some(not_after("server.pem")));
+    assert_serves_https(&s);
+}
+
+/// Runs `bench serve` with `args`; returns whether it succeeded and its stderr. It must end
+/// within 120 s (a hang fails the test).
+fn bench_serve(args: &[&str]) -> (bool, String) {
+    let mut child = switchyard()
+        .args(["bench", "serve"])
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run bench serve");
+    let mut stderr = child.stderr.take().expect("stderr");
+    let reader = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = stderr.read_to_string(&mut text);
+        text
+    });
+    let status = wait_exit(&mut child, Duration::from_secs(120), "bench serve");
+    let stderr = reader.join().expect("stderr reader");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    (status.success(), stderr)
+}
+
+#[test]
+fn bench_serve_runs_over_https_with_cacert_and_names_a_ca_that_did_not_sign() {
+    let dir = scratch("bench");
+    let port = free_port();
+    write_config(
+        &dir,
+        port,
+        &tls_lines(&fixture("server.pem"), &fixture("server.key")),
+    );
+    let s = start(dir.clone(), port);
+    let url = format!("https://localhost:{port}");
+    let ca = fixture("ca.pem");
+    let result = dir.join("result.json");
+    let (ok, stderr) = bench_serve(&[
+        "--base-url",
+        &url,
+        "--cacert",
+        ca.to_str().expect("a UTF-8 path"),
+        "--num-prompts",
+        "4",
+        "--input-len",
+        "8",
+        "--output-len",
+        "4",
+        "--ignore-eos",
+        "true",
+        "--max-concurrency",
+        "2",
+        "--result-file",
+        result.to_str().expect("a UTF-8 path"),
+    ]);
+    assert!(ok, "{stderr}\nlog:\n{}", s.log());
+    assert!(
+        stderr.contains("bench serve: 4/4 requests (0 failed)"),
+        "{stderr}"
+    );
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&result).expect("the result file"))
+            .expect("JSON");
+    assert_eq!(report["completed"], 4, "{report}");
+    assert_eq!(report["failed"], 0, "{report}");
+    assert_eq!(report["total_output_tokens"], 16, "{report}");
+
+    // A CA that did not sign the server's certificate: refused at the handshake, named.
+    let other = fixture("rotated.pem");
+    let (ok, stderr) = bench_serve(&[
+        "--base-url",
+        &url,
+        "--cacert",
+        other.to_str().expect("a UTF-8 path"),
+        "--num-prompts",
+        "1",
+    ]);
+    assert!(!ok, "{stderr}");
+    assert!(
+        stderr.contains(&format!("TLS handshake with localhost:{port} failed"))
+            && stderr.contains("UnknownIssuer")
+            && stderr.contains("is --cacert the CA that signed the server's certificate?"),
+        "{stderr}"
+    );
+    // The name checked is the URL's host: the certificate names 127.0.0.1 too.
+    let (ok, stderr) = bench_serve(&[
+        "--base-url",
+        &format!("https://127.0.0.1:{port}"),
+        "--cacert",
+        ca.to_str().expect("a UTF-8 path"),
+        "--num-prompts",
+        "1",
+        "--output-len",
+        "1",
+    ]);
+    assert!(ok, "{stderr}");
+    // https:// without --cacert: refused before anything is sent.
+    let (ok, stderr) = bench_serve(&["--base-url", &url, "--num-prompts", "1"]);
+    assert!(!ok && stderr.contains("needs --cacert"), "{stderr}");
+
+    // An https:// URL on a port that speaks plain HTTP fails at once, saying so.
+    let plain = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let plain_port = plain.local_addr().expect("addr").port();
+    std::thread::spawn(move || {
+        for conn in plain.incoming().take(2) {
+            let Ok(mut conn) = conn else { continue };
+            let _ = conn.write_all(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n");
+        }
+    });
+    let (ok, stderr) = bench_serve(&[
+        "--base-url",
+        &format!("https://localhost:{plain_port}"),
+        "--cacert",
+        ca.to_str().expect("a UTF-8 path"),
+        "--num-prompts",
+        "1",
+    ]);
+    assert!(
+        !ok && stderr.contains("TLS handshake") && stderr.contains("speak TLS on this port"),
+        "{stderr}"
+    );
 }

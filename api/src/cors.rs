@@ -5,12 +5,23 @@
 //! answered by it, without an API key (browsers send preflights without credentials), while
 //! the request that follows still needs its key. A request from an origin not allowed is
 //! served as it would be without CORS, with no `Access-Control-Allow-Origin`, so the browser
-//! keeps the answer from the page; its preflight is refused (400). Without settings no CORS
-//! header is sent at all.
+//! keeps the answer from the page; its preflight is refused (400, in OpenAI's error body:
+//! [`json_refusals`] maps actix-cors's plain-text refusals to [`CorsRefusal`]s, which
+//! `crate::error` turns into HTTP as every other error). Without settings no CORS header is
+//! sent at all.
 
-use actix_cors::Cors;
-use actix_web::http::header::HeaderName;
+use actix_cors::{Cors, CorsError};
+use actix_web::body::{EitherBody, MessageBody};
+use actix_web::dev::{ServiceRequest, ServiceResponse};
+use actix_web::http::header::{self, HeaderName, HeaderValue};
 use actix_web::http::{Method, Uri};
+use actix_web::middleware::Next;
+use actix_web::{HttpRequest, ResponseError};
+
+use crate::error::ApiError;
+
+/// Most bytes of a request header quoted in a refusal's message.
+const MAX_QUOTED_BYTES: usize = 256;
 
 /// A list of allowed values, or any.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -110,6 +121,110 @@ impl CorsSettings {
     }
 }
 
+/// Why a CORS request was refused (400): what `server.cors` does not allow, or a preflight
+/// that is malformed. The quoted request values are cut to [`MAX_QUOTED_BYTES`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CorsRefusal {
+    /// The `Origin` is not in `server.cors.allowed_origins`.
+    #[error(
+        "The origin {0} is not allowed to make cross-origin requests to this server \
+         (server.cors.allowed_origins)."
+    )]
+    OriginNotAllowed(String),
+    /// The preflight's `Access-Control-Request-Method` is not in `allowed_methods`.
+    #[error(
+        "The method {0} is not allowed in cross-origin requests to this server \
+         (server.cors.allowed_methods)."
+    )]
+    MethodNotAllowed(String),
+    /// One of the preflight's `Access-Control-Request-Headers` is not in `allowed_headers`.
+    #[error(
+        "The request headers {0} are not all allowed in cross-origin requests to this \
+         server (server.cors.allowed_headers)."
+    )]
+    HeadersNotAllowed(String),
+    /// A header the preflight needs is missing or malformed.
+    #[error("Malformed CORS preflight: {0}.")]
+    Malformed(&'static str),
+}
+
+impl CorsRefusal {
+    /// The error body's `code`.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Self::OriginNotAllowed(_) => "cors_origin_not_allowed",
+            Self::MethodNotAllowed(_) => "cors_method_not_allowed",
+            Self::HeadersNotAllowed(_) => "cors_headers_not_allowed",
+            Self::Malformed(_) => "cors_invalid_preflight",
+        }
+    }
+
+    /// The refusal of actix-cors's `error` for `req`, quoting the request's header at fault.
+    fn of(error: &CorsError, req: &HttpRequest) -> Self {
+        let quote = |name: HeaderName| quoted(req.headers().get(name));
+        match error {
+            CorsError::OriginNotAllowed => Self::OriginNotAllowed(quote(header::ORIGIN)),
+            CorsError::MethodNotAllowed => {
+                Self::MethodNotAllowed(quote(header::ACCESS_CONTROL_REQUEST_METHOD))
+            }
+            CorsError::HeadersNotAllowed => {
+                Self::HeadersNotAllowed(quote(header::ACCESS_CONTROL_REQUEST_HEADERS))
+            }
+            CorsError::MissingOrigin => Self::Malformed("the Origin header is missing"),
+            CorsError::MissingRequestMethod => {
+                Self::Malformed("the Access-Control-Request-Method header is missing")
+            }
+            CorsError::BadRequestMethod => {
+                Self::Malformed("the Access-Control-Request-Method header is not a method")
+            }
+            CorsError::BadRequestHeaders => Self::Malformed(
+                "the Access-Control-Request-Headers header is not a list of header names",
+            ),
+            _ => Self::Malformed("refused by the CORS settings"),
+        }
+    }
+}
+
+/// A request header's value in backquotes for a message: at most [`MAX_QUOTED_BYTES`] (cut at
+/// a character boundary, marked `...`); one that is not visible text is not quoted.
+fn quoted(value: Option<&HeaderValue>) -> String {
+    let Some(text) = value.and_then(|v| v.to_str().ok()) else {
+        return "(not text)".into();
+    };
+    if text.len() <= MAX_QUOTED_BYTES {
+        return format!("`{text}`");
+    }
+    let mut end = MAX_QUOTED_BYTES;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("`{}...`", &text[..end])
+}
+
+/// Answers actix-cors's refusals (its plain-text 400s) with [`ApiError::CorsRefused`], OpenAI's
+/// JSON error body; every other response passes as it is. Wraps the CORS middleware, so a
+/// refusal carries no CORS header but the `Vary` actix-cors set.
+pub(crate) async fn json_refusals(
+    req: ServiceRequest,
+    next: Next<impl MessageBody + 'static>,
+) -> Result<ServiceResponse<EitherBody<impl MessageBody>>, actix_web::Error> {
+    let res = next.call(req).await?;
+    let refusal = res
+        .response()
+        .error()
+        .and_then(|e| e.as_error::<CorsError>())
+        .map(|e| CorsRefusal::of(e, res.request()));
+    let Some(refusal) = refusal else {
+        return Ok(res.map_into_left_body());
+    };
+    let (req, refused) = res.into_parts();
+    let mut answer = ApiError::CorsRefused(refusal).error_response();
+    for vary in refused.headers().get_all(header::VARY) {
+        answer.headers_mut().append(header::VARY, vary.clone());
+    }
+    Ok(ServiceResponse::new(req, answer).map_into_right_body())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -140,5 +255,18 @@ mod tests {
         let mut s = settings(&["*"]);
         s.allow_credentials = true;
         assert_eq!(s.check().unwrap_err().0, "allow_credentials");
+    }
+
+    #[test]
+    fn quoted_header_values_are_bounded_and_text_only() {
+        assert_eq!(quoted(None), "(not text)");
+        let v = HeaderValue::from_static("https://x.example");
+        assert_eq!(quoted(Some(&v)), "`https://x.example`");
+        let bytes = HeaderValue::from_bytes(b"caf\xc3\xa9").unwrap();
+        assert_eq!(quoted(Some(&bytes)), "(not text)");
+        let long = HeaderValue::from_str(&"a".repeat(1000)).unwrap();
+        let q = quoted(Some(&long));
+        assert_eq!(q.len(), MAX_QUOTED_BYTES + 5, "{q}");
+        assert!(q.ends_with("...`"));
     }
 }

@@ -9,6 +9,7 @@ use actix_web::http::{header, StatusCode};
 use actix_web::{HttpResponse, ResponseError};
 use serde::Serialize;
 
+use crate::cors::CorsRefusal;
 use crate::engine::{EngineError, EngineErrorKind};
 use crate::rate_limit::RateLimited;
 
@@ -82,6 +83,10 @@ pub enum ApiError {
     /// `rate_limit_exceeded`, typed `requests` or `tokens` as OpenAI types it).
     #[error("{}", .0.message())]
     RateLimited(Box<RateLimited>),
+    /// A CORS preflight (or cross-origin request) `server.cors` refuses (400, a code per
+    /// reason: `cors_origin_not_allowed`, ...).
+    #[error(transparent)]
+    CorsRefused(#[from] CorsRefusal),
     /// The engine refused or failed the request; its kind picks the status.
     #[error(transparent)]
     Engine(#[from] EngineError),
@@ -164,6 +169,11 @@ impl ApiError {
                 StatusCode::REQUEST_TIMEOUT,
                 INVALID_REQUEST,
                 Some("request_timeout"),
+            ),
+            Self::CorsRefused(refusal) => (
+                StatusCode::BAD_REQUEST,
+                INVALID_REQUEST,
+                Some(refusal.code()),
             ),
             Self::Draining => (
                 StatusCode::SERVICE_UNAVAILABLE,

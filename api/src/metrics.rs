@@ -124,6 +124,9 @@ pub const RESPONSES_EVICTED: &str = "switchyard:responses_evicted_total";
 pub const RATE_LIMITED: &str = "switchyard:rate_limited_total";
 /// Gauge, label `backend` (`cpu` or `cuda`): 1 for the backend the model runs on.
 pub const BACKEND_INFO: &str = "switchyard:backend_info";
+/// Gauge, seconds since the Unix epoch: the `notAfter` of the TLS certificate in force (set
+/// when it is loaded, at start and on SIGHUP; absent without `server.tls`).
+pub const TLS_CERTIFICATE_EXPIRY: &str = "switchyard:tls_certificate_expiry_timestamp_seconds";
 
 /// The status [`HTTP_REQUESTS`] counts for a request whose client went away before its
 /// response was ready (actix dropped the handler, as it does when the connection closes):
@@ -339,6 +342,11 @@ pub fn describe_metrics() {
         "From when the request's prompt was encoded (its grammar's compile included) to first being scheduled, per request (each choice of n > 1 counts); TTFT runs from its arrival, before the encoding."
     );
     describe_gauge!(POLICY_INFO, "1 for the scheduling policy in force.");
+    describe_gauge!(
+        TLS_CERTIFICATE_EXPIRY,
+        Unit::Seconds,
+        "When the TLS certificate in force expires (its notAfter), in seconds since the Unix epoch; set when it is loaded (at start and on SIGHUP), NaN if it cannot be read."
+    );
     describe_counter!(POLICY_SWAPS, Unit::Count, "Scheduling-policy hot swaps.");
     describe_counter!(
         HTTP_REQUESTS,

@@ -33,7 +33,8 @@ pub fn configure(cfg: &mut web::ServiceConfig, state: ApiState) {
     // service through the innermost scope `""`. Outermost, the request's body is kept until
     // its response is written: one answered before the body ended closes its connection
     // (see `unread_body`). CORS, when configured, sits inside the request id (its answers
-    // carry one) and outside the key checks (a preflight carries no key).
+    // carry one) and outside the key checks (a preflight carries no key); its refusals become
+    // OpenAI error bodies just outside it.
     let cors = state.config.cors.as_ref();
     let cors = Condition::new(
         cors.is_some(),
@@ -41,6 +42,7 @@ pub fn configure(cfg: &mut web::ServiceConfig, state: ApiState) {
     );
     let all = web::scope("")
         .wrap(cors)
+        .wrap(from_fn(crate::cors::json_refusals))
         .wrap(from_fn(add_request_id))
         .wrap(from_fn(hold_request_body))
         .service(

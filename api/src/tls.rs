@@ -6,6 +6,8 @@
 //! (the binary's SIGHUP) rotates it without a restart: handshakes under way keep the one they
 //! started with. Protocols are rustls' safe defaults (TLS 1.3 and 1.2); ALPN offers
 //! `http/1.1` only (actix-web adds it; HTTP/2 would need its `http2` feature).
+//! [`report_expiry`] exports a certificate's `notAfter` ([`expiry`] reads it) and warns as it
+//! nears.
 //!
 //! ```no_run
 //! # fn f(cert_pem: &[u8], key_pem: &[u8]) -> Result<(), switchyard_api::tls::TlsError> {
@@ -17,7 +19,10 @@
 //! # Ok(()) }
 //! ```
 
+pub mod expiry;
+
 use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use parking_lot::RwLock;
 use rustls::pki_types::pem::{self, PemObject};
@@ -172,6 +177,49 @@ pub fn server_config(resolver: Arc<CertificateResolver>) -> Result<rustls::Serve
             .with_no_client_auth()
             .with_cert_resolver(resolver),
     )
+}
+
+/// Exports the `notAfter` of `key`'s certificate (the chain's first) as
+/// [`crate::metrics::TLS_CERTIFICATE_EXPIRY`] and logs a WARN when it expires within
+/// [`expiry::EXPIRY_WARNING_DAYS`] days, an ERROR once it has expired (it is served all the
+/// same: the operator decides). A `notAfter` that cannot be read (rustls accepted the
+/// certificate, so hardly ever) is a WARN and sets the gauge to NaN, so no stale date stays.
+/// Called when a certificate is loaded: at start and on each SIGHUP.
+pub fn report_expiry(key: &CertifiedKey) -> Option<expiry::ExpiryState> {
+    let gauge = metrics::gauge!(crate::metrics::TLS_CERTIFICATE_EXPIRY);
+    let read = key
+        .cert
+        .first()
+        .ok_or(expiry::ExpiryError::EMPTY_CHAIN)
+        .and_then(|leaf| expiry::not_after(leaf));
+    let not_after = match read {
+        Ok(t) => t,
+        Err(e) => {
+            gauge.set(f64::NAN);
+            tracing::warn!(error = %e, "TLS: the certificate's expiry is not known");
+            return None;
+        }
+    };
+    gauge.set(not_after as f64);
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
+    let state = expiry::expiry_state(not_after, now);
+    let at = expiry::rfc3339(not_after);
+    match state {
+        expiry::ExpiryState::Valid => {}
+        expiry::ExpiryState::ExpiresSoon(days) => tracing::warn!(
+            not_after = %at,
+            "TLS: the certificate expires in {days} day(s), at {at}: put a new one in \
+             server.tls's files and send SIGHUP"
+        ),
+        expiry::ExpiryState::Expired(days) => tracing::error!(
+            not_after = %at,
+            "TLS: the certificate expired {days} day(s) ago, at {at}, and clients refuse it \
+             (it is served all the same): put a new one in server.tls's files and send SIGHUP"
+        ),
+    }
+    Some(state)
 }
 
 #[cfg(test)]

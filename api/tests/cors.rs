@@ -106,9 +106,19 @@ async fn an_origin_not_allowed_gets_no_allow_origin_header() {
         "https://evil.example",
         "https://app.example.com.evil.example",
     ] {
+        // Refused in OpenAI's error shape, naming the origin and the setting.
         let reply = send(&app, preflight("/v1/completions", origin)).await;
-        assert_eq!(reply.status, 400, "{origin}");
+        let body = reply.assert_error(400, "invalid_request_error", None);
+        assert_eq!(body["error"]["code"], "cors_origin_not_allowed", "{body}");
+        let message = body["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            message.contains(&format!("`{origin}`"))
+                && message.contains("server.cors.allowed_origins"),
+            "{message}"
+        );
+        assert_eq!(header(&reply, "content-type"), Some("application/json"));
         assert_eq!(header(&reply, "access-control-allow-origin"), None);
+        assert!(header(&reply, "x-request-id").is_some());
         // The request itself is served as without CORS, but the browser hides the answer.
         let reply = send(
             &app,
@@ -118,14 +128,42 @@ async fn an_origin_not_allowed_gets_no_allow_origin_header() {
         assert_eq!(reply.status, 200);
         assert_eq!(header(&reply, "access-control-allow-origin"), None);
     }
-    // A method not allowed is refused at preflight.
+    // A method not allowed is refused at preflight, as are headers not allowed and a
+    // malformed preflight, each with its code.
     let reply = send(
         &app,
         preflight("/v1/completions", ALLOWED)
             .insert_header(("access-control-request-method", "DELETE")),
     )
     .await;
-    assert_eq!(reply.status, 400);
+    let body = reply.assert_error(400, "invalid_request_error", None);
+    assert_eq!(body["error"]["code"], "cors_method_not_allowed", "{body}");
+    assert!(body["error"]["message"]
+        .as_str()
+        .unwrap_or_default()
+        .contains("`DELETE`"));
+    let reply = send(
+        &app,
+        preflight("/v1/completions", ALLOWED)
+            .insert_header(("access-control-request-headers", "authorization, x-secret")),
+    )
+    .await;
+    let body = reply.assert_error(400, "invalid_request_error", None);
+    assert_eq!(body["error"]["code"], "cors_headers_not_allowed", "{body}");
+    let reply = send(
+        &app,
+        preflight("/v1/completions", ALLOWED)
+            .insert_header(("access-control-request-headers", "a b")),
+    )
+    .await;
+    let body = reply.assert_error(400, "invalid_request_error", None);
+    assert_eq!(body["error"]["code"], "cors_invalid_preflight", "{body}");
+    // A huge origin is quoted cut short.
+    let long = format!("https://{}.example", "a".repeat(4000));
+    let reply = send(&app, preflight("/v1/completions", &long)).await;
+    let body = reply.assert_error(400, "invalid_request_error", None);
+    let message = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.len() < 600 && message.contains("..."), "{message}");
 }
 
 #[actix_web::test]

@@ -5,11 +5,13 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 
 /// Why a file could not be read.
-#[derive(Debug)]
-pub(crate) enum ReadError {
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
     /// The operating system refused (missing file, permissions...).
+    #[error("cannot read it: {0}")]
     Io(std::io::Error),
     /// Not a regular file, too large, or not UTF-8.
+    #[error("{0}")]
     Invalid(String),
 }
 
@@ -37,7 +39,7 @@ pub(crate) fn read_text(path: &Path, max: u64) -> Result<String, ReadError> {
 /// is checked before it is opened (opening a FIFO blocks; a device such as `/dev/zero` never
 /// ends) and again once open; at most `max + 1` bytes are read, so a file that grows
 /// meanwhile is refused too.
-pub(crate) fn read_bytes(path: &Path, max: u64) -> Result<Vec<u8>, ReadError> {
+pub fn read_bytes(path: &Path, max: u64) -> Result<Vec<u8>, ReadError> {
     let regular = |m: std::fs::Metadata| {
         if m.is_file() {
             Ok(())

@@ -21,7 +21,7 @@ mod schema;
 mod tls;
 
 pub use cors::{CorsSection, MAX_CORS_ENTRIES, MAX_CORS_ENTRY_BYTES};
-pub use file::expand_home;
+pub use file::{expand_home, read_bytes, ReadError};
 pub use locate::locate;
 pub use log_filter::check_log_filter;
 pub use overrides::{apply_override, env_overrides, Override, OverrideSource, ENV_PREFIX};

@@ -4,14 +4,14 @@
 //! `--endpoint embeddings` it sends the same prompts' token ids to `/v1/embeddings` instead
 //! (`embeddings`), one prompt or `--embedding-batch` of them a request.
 //!
-//! A fixed pool of threads, one per request in flight, sends the requests through the plain
-//! HTTP/1.1 client in `http`: the generator must not be the bottleneck at the concurrencies
-//! a single server sees, and it needs no TLS.
+//! A fixed pool of threads, one per request in flight, sends the requests through the
+//! HTTP/1.1 client in `http` (plain, or TLS verified against `--cacert`): the generator must
+//! not be the bottleneck at the concurrencies a single server sees.
 
 mod embeddings;
 mod http;
 
-use std::io::{Read, Write};
+use std::io::Read;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -26,7 +26,7 @@ use switchyard_simulator::spec::{short_number, show_range, RATE_RANGE, TIME_SCAL
 use switchyard_simulator::trace::{MAX_ARRIVAL_S, MAX_REQUESTS as MAX_ROWS};
 
 use self::embeddings::MAX_EMBEDDING_BATCH;
-use self::http::{connect, first_model, one_request, parse_url, Target, MAX_SMALL_RESPONSE_BYTES};
+use self::http::{first_model, one_request, parse_url, Target, MAX_SMALL_RESPONSE_BYTES};
 use crate::cli::{ServeBenchArgs, ServeDataset, ServeEndpoint};
 
 /// Most prompts in one run.
@@ -460,7 +460,7 @@ fn spawn_workers(
     let (job_tx, job_rx) = channel::unbounded::<Job>();
     let (tx, rx) = channel::unbounded::<Sample>();
     for w in 0..n {
-        let (host, port) = (target.host.clone(), target.port);
+        let target = target.clone();
         let (path, key) = (path.clone(), key.map(str::to_string));
         let (job_rx, tx) = (job_rx.clone(), tx.clone());
         std::thread::Builder::new()
@@ -470,10 +470,10 @@ fn spawn_workers(
                     let key = key.as_deref();
                     let sample = match endpoint {
                         ServeEndpoint::Completions => {
-                            one_request(&host, port, &path, key, &job.body, job.input)
+                            one_request(&target, &path, key, &job.body, job.input)
                         }
                         ServeEndpoint::Embeddings => {
-                            embeddings::one_request(&host, port, &path, key, &job)
+                            embeddings::one_request(&target, &path, key, &job)
                         }
                     };
                     let sample = sample.unwrap_or_else(|e| Sample {
@@ -493,7 +493,8 @@ fn spawn_workers(
 
 pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
     validate(&args)?;
-    let target = parse_url(&args.base_url)?;
+    let mut target = parse_url(&args.base_url)?;
+    target.trust(args.cacert.as_deref())?;
     // The workload first: a run that would last days is refused before anything is sent.
     let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
     let work = plan(&args, &workload(&args, &mut rng)?);
@@ -652,13 +653,7 @@ struct SpecCounters {
 /// Reads the speculative decoding counters from `/metrics`; `None` when the endpoint or the
 /// counters are missing (another server, or metrics behind a key).
 fn spec_counters(t: &Target) -> Option<SpecCounters> {
-    let mut s = connect(&t.host, t.port).ok()?;
-    write!(
-        s,
-        "GET /metrics HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n",
-        t.host
-    )
-    .ok()?;
+    let s = http::get(t, "/metrics", None).ok()?;
     let mut text = String::new();
     s.take(MAX_SMALL_RESPONSE_BYTES)
         .read_to_string(&mut text)

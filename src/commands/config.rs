@@ -29,8 +29,17 @@ pub fn run(cmd: ConfigCommand) -> anyhow::Result<()> {
                 );
             }
             if let (Some(key), Some(section)) = (&tls, &config.server.tls) {
+                use switchyard_api::tls::expiry;
+                let now = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
+                let until = match key.cert.first().map(|leaf| expiry::not_after(leaf)) {
+                    Some(Ok(t)) if t < now => format!(", EXPIRED at {}", expiry::rfc3339(t)),
+                    Some(Ok(t)) => format!(", valid until {}", expiry::rfc3339(t)),
+                    _ => String::new(),
+                };
                 eprintln!(
-                    "{}: HTTPS with {} certificate(s) from {}",
+                    "{}: HTTPS with {} certificate(s) from {}{until}",
                     file.display(),
                     key.cert.len(),
                     section.cert_file

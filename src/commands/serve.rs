@@ -91,6 +91,10 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         &config.logging.level,
         config.logging.format == switchyard_config::LogFormat::Json,
     );
+    // The certificate's expiry: a gauge, and a warning as it nears (it is served regardless).
+    if let Some(key) = &certificate {
+        switchyard_api::tls::report_expiry(key);
+    }
     let path = runtime::config_model_path(&config)?;
     // Everything that can be checked without the model is checked before its (slow) load,
     // so a typo fails fast: the load format, the address (bound here: a port in use fails

@@ -33,11 +33,37 @@ pub struct Server {
     pub dir: PathBuf,
 }
 
-fn free_port() -> u16 {
+/// A loopback port free now (the OS's pick).
+pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
         .expect("a free port")
+}
+
+/// A fresh, empty scratch directory for one test: `switchyard-{kind}-{name}-{pid}`.
+pub fn scratch(kind: &str, name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("switchyard-{kind}-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir
+}
+
+/// Waits for `child` to exit, at most `within` (then kills it and fails naming `what`, the
+/// exit the test waited for); returns its status.
+pub fn wait_exit(child: &mut Child, within: Duration, what: &str) -> std::process::ExitStatus {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            return status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{what}: still running after {within:?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 /// The rank-4 SmolLM2 LoRA adapter of the fixtures (PEFT's format).
@@ -120,20 +146,56 @@ impl Server {
             .stderr(log)
             .spawn()
             .expect("start switchyard serve");
-        let server = Server { port, child, dir };
+        let mut server = Server { port, child, dir };
+        server.wait_ready();
+        server
+    }
+
+    /// Waits (up to 120 s) until `/ready` answers 200 over plain HTTP; fails at once, with the
+    /// log, if the server exits.
+    pub fn wait_ready(&mut self) {
+        self.wait_ready_by(|s| {
+            s.request("GET", "/ready", None, &[])
+                .is_ok_and(|r| r.status == 200)
+        });
+    }
+
+    /// Waits (up to 120 s) until `ready` says the server is; fails at once, with the log, if
+    /// the server exits.
+    pub fn wait_ready_by(&mut self, ready: impl Fn(&Server) -> bool) {
         let deadline = Instant::now() + Duration::from_secs(120);
-        loop {
-            if let Ok(r) = server.request("GET", "/ready", None, &[]) {
-                if r.status == 200 {
-                    return server;
-                }
+        while !ready(self) {
+            if let Some(status) = self.child.try_wait().expect("wait") {
+                panic!("server exited ({status}); log:\n{}", self.log());
             }
             assert!(
                 Instant::now() < deadline,
                 "server did not become ready; log:\n{}",
-                server.log()
+                self.log()
             );
-            std::thread::sleep(Duration::from_millis(200));
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Sends SIGHUP to the server.
+    pub fn hang_up(&self) {
+        let status = Command::new("kill")
+            .args(["-HUP", &self.child.id().to_string()])
+            .status()
+            .expect("kill");
+        assert!(status.success());
+    }
+
+    /// Waits (up to 30 s) until the server's log holds `text` `n` times.
+    pub fn wait_logged(&self, text: &str, n: usize) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while self.log().matches(text).count() < n {
+            assert!(
+                Instant::now() < deadline,
+                "`{text}` not logged {n} times:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
         }
     }
 

@@ -11,7 +11,7 @@ use std::time::Instant;
 use serde::Deserialize;
 use serde_json::json;
 
-use super::http::post;
+use super::http::{post, Target};
 use super::{close_report, stats, Counted, Job, Sample};
 use crate::cli::ServeBenchArgs;
 
@@ -112,14 +112,13 @@ fn check_answer(body: &[u8], job: &Job) -> Result<Checked, String> {
 
 /// Sends one embeddings request and checks its answer.
 pub(super) fn one_request(
-    host: &str,
-    port: u16,
+    target: &Target,
     path: &str,
     key: Option<&str>,
     job: &Job,
 ) -> anyhow::Result<Sample> {
     let t0 = Instant::now();
-    let mut head = post(host, port, path, key, &job.body)?;
+    let mut head = post(target, path, key, &job.body)?;
     let mut sample = Sample {
         prompt_tokens: job.input,
         inputs: job.inputs,

@@ -1,13 +1,18 @@
-//! The client side of `bench serve`: plain HTTP/1.1 over `std::net` (no TLS), chunked
-//! transfer decoding and server-sent events. Everything a server sends is bounded (line,
-//! chunk and event sizes), so a broken or hostile server fails its requests instead of
-//! exhausting memory.
+//! The client side of `bench serve`: HTTP/1.1 over `std::net`, plain or over TLS (rustls on
+//! the ring provider, the server's own TLS library, verifying the server against the CA
+//! certificates of `--cacert`), chunked transfer decoding and server-sent events. Everything
+//! a server sends is bounded (line, chunk and event sizes), so a broken or hostile server
+//! fails its requests instead of exhausting memory.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
+use std::path::Path;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, ServerName};
 
 use super::Sample;
 
@@ -19,8 +24,16 @@ const MAX_LINE_BYTES: u64 = 64 << 10;
 pub(super) const MAX_SMALL_RESPONSE_BYTES: u64 = 16 << 20;
 /// Most bytes of a failed response's body read for its error message.
 const MAX_ERROR_BODY_BYTES: u64 = 64 << 10;
+/// Largest `--cacert` file, in bytes (a system bundle of ~150 roots is about 200 KiB).
+const MAX_CACERT_BYTES: u64 = 1 << 20;
+/// How long a connection's TLS handshake may take: a server that never answers one (plain
+/// HTTP behind an https:// URL waits for a request) fails the request instead of hanging it.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a read may wait once the connection is up (a long prefill sends nothing).
+const READ_TIMEOUT: Duration = Duration::from_secs(600);
 
-/// Where the server listens.
+/// Where the server listens, and how to speak to it.
+#[derive(Clone)]
 pub(super) struct Target {
     /// Host name or address.
     pub(super) host: String,
@@ -28,45 +41,211 @@ pub(super) struct Target {
     pub(super) port: u16,
     /// Path prefix before `/v1` (empty, or starting with `/`).
     pub(super) prefix: String,
+    /// The URL is `https://`.
+    pub(super) https: bool,
+    /// The TLS client's configuration, set (by [`Target::trust`]) for an `https://` URL.
+    tls: Option<Arc<rustls::ClientConfig>>,
 }
 
-/// Parses `--base-url` (`http://host[:port][/prefix]`).
+/// Parses `--base-url` (`http://host[:port][/prefix]` or `https://...`; the port defaults to
+/// 80 and 443).
 pub(super) fn parse_url(url: &str) -> anyhow::Result<Target> {
-    let rest = url
-        .strip_prefix("http://")
-        .context("--base-url must start with http:// (TLS is not supported)")?;
+    let (https, rest) = match (url.strip_prefix("http://"), url.strip_prefix("https://")) {
+        (Some(rest), _) => (false, rest),
+        (_, Some(rest)) => (true, rest),
+        _ => anyhow::bail!("--base-url must start with http:// or https://"),
+    };
     let (hostport, prefix) = rest
         .split_once('/')
         .map(|(h, p)| (h, format!("/{}", p.trim_end_matches('/'))))
         .unwrap_or((rest, String::new()));
     let (host, port) = match hostport.rsplit_once(':') {
         Some((h, p)) => (h.to_string(), p.parse().context("bad port in --base-url")?),
-        None => (hostport.to_string(), 80),
+        None => (hostport.to_string(), if https { 443 } else { 80 }),
     };
+    anyhow::ensure!(!host.is_empty(), "--base-url has no host");
     let prefix = if prefix == "/" { String::new() } else { prefix };
-    Ok(Target { host, port, prefix })
+    Ok(Target {
+        host,
+        port,
+        prefix,
+        https,
+        tls: None,
+    })
 }
 
-/// A TCP connection to the server with a read timeout of 10 minutes.
-pub(super) fn connect(host: &str, port: u16) -> anyhow::Result<TcpStream> {
-    let s =
+impl Target {
+    /// Sets up TLS for an `https://` target from `--cacert`: the server's certificate must
+    /// chain to one of the file's CA certificates and name the URL's host. `https://` without
+    /// `--cacert` is refused (no certificate store is built in), as is `--cacert` with
+    /// `http://` (it would be ignored).
+    pub(super) fn trust(&mut self, cacert: Option<&Path>) -> anyhow::Result<()> {
+        match (self.https, cacert) {
+            (false, None) => Ok(()),
+            (false, Some(_)) => anyhow::bail!(
+                "--cacert is for an https:// --base-url; this one is http://, which TLS does \
+                 not protect"
+            ),
+            (true, None) => anyhow::bail!(
+                "an https:// --base-url needs --cacert FILE, the PEM certificate(s) of the CA \
+                 that signed the server's certificate (no certificate store is built in; \
+                 /etc/ssl/certs/ca-certificates.crt trusts the system's roots on Debian)"
+            ),
+            (true, Some(path)) => {
+                self.tls = Some(Arc::new(client_config(path)?));
+                Ok(())
+            }
+        }
+    }
+}
+
+/// A TLS client configuration trusting the CA certificates of the PEM file at `path`: the
+/// ring provider, rustls' safe default protocol versions, ALPN `http/1.1`.
+fn client_config(path: &Path) -> anyhow::Result<rustls::ClientConfig> {
+    let shown = path.display();
+    let pem = switchyard_config::read_bytes(path, MAX_CACERT_BYTES)
+        .with_context(|| format!("--cacert {shown}"))?;
+    let mut certificates = Vec::new();
+    for cert in CertificateDer::pem_slice_iter(&pem) {
+        certificates.push(
+            cert.map_err(|e| {
+                anyhow::anyhow!("--cacert {shown}: not a PEM certificate file ({e})")
+            })?,
+        );
+    }
+    anyhow::ensure!(
+        !certificates.is_empty(),
+        "--cacert {shown}: no certificate in it (expected PEM blocks `-----BEGIN \
+         CERTIFICATE-----`)"
+    );
+    let mut roots = rustls::RootCertStore::empty();
+    let (added, ignored) = roots.add_parsable_certificates(certificates);
+    anyhow::ensure!(
+        added > 0,
+        "--cacert {shown}: none of its {ignored} certificate(s) can be used as a CA"
+    );
+    if ignored > 0 {
+        eprintln!("warning: --cacert {shown}: {ignored} certificate(s) cannot be used, ignored");
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .context("setting up TLS")?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(config)
+}
+
+/// A connection to the server: plain TCP, or TLS over it.
+pub(super) enum Connection {
+    /// `http://`.
+    Plain(TcpStream),
+    /// `https://`, its handshake done.
+    Tls(Box<rustls::StreamOwned<rustls::ClientConnection, TcpStream>>),
+}
+
+impl Read for Connection {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match self {
+            Self::Plain(s) => s.read(buf),
+            // A server that closes without TLS's close_notify ends the stream as a plain one
+            // would: the HTTP framing (length, chunks, `[DONE]`) tells a cut response.
+            Self::Tls(s) => match s.read(buf) {
+                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Ok(0),
+                other => other,
+            },
+        }
+    }
+}
+
+impl Write for Connection {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match self {
+            Self::Plain(s) => s.write(buf),
+            Self::Tls(s) => s.write(buf),
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        match self {
+            Self::Plain(s) => s.flush(),
+            Self::Tls(s) => s.flush(),
+        }
+    }
+}
+
+/// A connection to the target, its TLS handshake done for `https://` (within
+/// [`HANDSHAKE_TIMEOUT`]); reads then wait at most [`READ_TIMEOUT`].
+pub(super) fn connect(t: &Target) -> anyhow::Result<Connection> {
+    let (host, port) = (t.host.as_str(), t.port);
+    let mut s =
         TcpStream::connect((host, port)).with_context(|| format!("connecting to {host}:{port}"))?;
-    s.set_read_timeout(Some(Duration::from_secs(600)))?;
     s.set_nodelay(true)?;
+    let Some(config) = &t.tls else {
+        anyhow::ensure!(!t.https, "internal: https:// without a TLS configuration");
+        s.set_read_timeout(Some(READ_TIMEOUT))?;
+        return Ok(Connection::Plain(s));
+    };
+    // An IPv6 address is written in brackets in a URL, not in a certificate.
+    let name = host.trim_start_matches('[').trim_end_matches(']');
+    let name = ServerName::try_from(name.to_string())
+        .with_context(|| format!("`{host}` is not a host name TLS can verify"))?;
+    let mut conn = rustls::ClientConnection::new(Arc::clone(config), name)
+        .context("setting up the TLS connection")?;
+    s.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
+    s.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
+    while conn.is_handshaking() {
+        conn.complete_io(&mut s)
+            .map_err(|e| handshake_error(&e, host, port))?;
+    }
+    s.set_read_timeout(Some(READ_TIMEOUT))?;
+    s.set_write_timeout(None)?;
+    Ok(Connection::Tls(Box::new(rustls::StreamOwned::new(conn, s))))
+}
+
+/// Why the TLS handshake with `host:port` failed, with what to check.
+fn handshake_error(e: &std::io::Error, host: &str, port: u16) -> anyhow::Error {
+    let hint = match e.get_ref().and_then(|e| e.downcast_ref::<rustls::Error>()) {
+        Some(rustls::Error::InvalidCertificate(rustls::CertificateError::UnknownIssuer)) => {
+            " (is --cacert the CA that signed the server's certificate?)"
+        }
+        Some(rustls::Error::InvalidCertificate(_)) => "",
+        _ if matches!(
+            e.kind(),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+        ) =>
+        {
+            " (no answer: does the server speak TLS on this port?)"
+        }
+        _ => " (does the server speak TLS on this port?)",
+    };
+    anyhow::anyhow!("TLS handshake with {host}:{port} failed: {e}{hint}")
+}
+
+/// The `Authorization` header line of `key`, or nothing.
+fn auth_line(key: Option<&str>) -> String {
+    key.map(|k| format!("Authorization: Bearer {k}\r\n"))
+        .unwrap_or_default()
+}
+
+/// Sends `GET path` on a fresh connection (with `Connection: close`) and returns it, the
+/// response to be read from it to its end.
+pub(super) fn get(t: &Target, path: &str, key: Option<&str>) -> anyhow::Result<Connection> {
+    let mut s = connect(t)?;
+    let request = format!(
+        "GET {path} HTTP/1.1\r\nHost: {}\r\n{}Connection: close\r\n\r\n",
+        t.host,
+        auth_line(key)
+    );
+    s.write_all(request.as_bytes())?;
+    s.flush()?;
     Ok(s)
 }
 
 /// Asks `/v1/models` for the first model the server lists.
 pub(super) fn first_model(t: &Target, key: Option<&str>) -> anyhow::Result<String> {
-    let mut s = connect(&t.host, t.port)?;
-    let auth = key
-        .map(|k| format!("Authorization: Bearer {k}\r\n"))
-        .unwrap_or_default();
-    write!(
-        s,
-        "GET {}/v1/models HTTP/1.1\r\nHost: {}\r\n{auth}Connection: close\r\n\r\n",
-        t.prefix, t.host
-    )?;
+    let s = get(t, &format!("{}/v1/models", t.prefix), key)?;
     let mut text = String::new();
     s.take(MAX_SMALL_RESPONSE_BYTES).read_to_string(&mut text)?;
     parse_first_model(&text)
@@ -233,7 +412,7 @@ impl StreamTimer {
 /// A response whose head has been read: its status and how its body is framed.
 pub(super) struct ResponseHead {
     /// The body, after the head.
-    pub(super) reader: BufReader<TcpStream>,
+    pub(super) reader: BufReader<Connection>,
     /// The HTTP status (0 if the status line had none).
     pub(super) status: u16,
     /// The body is sent in chunks (`Transfer-Encoding: chunked`).
@@ -244,21 +423,21 @@ pub(super) struct ResponseHead {
 
 /// POSTs `body` (JSON) to `path` on a fresh connection and reads the response's head.
 pub(super) fn post(
-    host: &str,
-    port: u16,
+    t: &Target,
     path: &str,
     key: Option<&str>,
     body: &str,
 ) -> anyhow::Result<ResponseHead> {
-    let mut stream = connect(host, port)?;
-    let auth = key
-        .map(|k| format!("Authorization: Bearer {k}\r\n"))
-        .unwrap_or_default();
-    write!(
-        stream,
-        "POST {path} HTTP/1.1\r\nHost: {host}\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+    let mut stream = connect(t)?;
+    // One write: over TLS each write is a record of its own.
+    let request = format!(
+        "POST {path} HTTP/1.1\r\nHost: {}\r\n{}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        t.host,
+        auth_line(key),
         body.len()
-    )?;
+    );
+    stream.write_all(request.as_bytes())?;
+    stream.flush()?;
     let mut reader = BufReader::new(stream);
     let mut line = String::new();
     read_line_bounded(&mut reader, &mut line)?;
@@ -356,15 +535,14 @@ impl ResponseHead {
 /// when its stream completes (`[DONE]`) after at least one chunk with a choice, even one
 /// without text (an immediate end of sequence).
 pub(super) fn one_request(
-    host: &str,
-    port: u16,
+    t: &Target,
     path: &str,
     key: Option<&str>,
     body: &str,
     input: usize,
 ) -> anyhow::Result<Sample> {
     let t0 = Instant::now();
-    let mut head = post(host, port, path, key, body)?;
+    let mut head = post(t, path, key, body)?;
     let mut sample = Sample {
         prompt_tokens: input,
         inputs: 1,
@@ -443,7 +621,42 @@ mod tests {
             (t.host.as_str(), t.port, t.prefix.as_str()),
             ("localhost", 80, "/api")
         );
-        assert!(parse_url("https://x").is_err());
+        let t = parse_url("https://localhost/v1x").unwrap();
+        assert_eq!((t.https, t.port, t.prefix.as_str()), (true, 443, "/v1x"));
+        assert!(!parse_url("http://x").unwrap().https);
+        for bad in ["ftp://x", "localhost:8000", "http://:80", "https://x:port"] {
+            assert!(parse_url(bad).is_err(), "{bad}");
+        }
+    }
+
+    /// `https://` needs `--cacert`, `http://` refuses it, and a file without a usable CA
+    /// certificate is refused naming it, before anything is sent.
+    #[test]
+    fn https_needs_a_cacert_with_a_ca_certificate() {
+        let fixture = |name: &str| {
+            std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("tests/fixtures/tls")
+                .join(name)
+        };
+        let mut t = parse_url("https://localhost:8443").unwrap();
+        let e = t.trust(None).unwrap_err().to_string();
+        assert!(e.contains("needs --cacert"), "{e}");
+        t.trust(Some(&fixture("ca.pem"))).unwrap();
+        assert!(t.tls.is_some());
+        let mut plain = parse_url("http://localhost:8000").unwrap();
+        plain.trust(None).unwrap();
+        let e = plain.trust(Some(&fixture("ca.pem"))).unwrap_err();
+        assert!(e.to_string().contains("--cacert is for an https://"), "{e}");
+        let mut t = parse_url("https://localhost:8443").unwrap();
+        for (name, why) in [
+            ("server.key", "no certificate in it"),
+            ("missing.pem", "cannot read it"),
+            ("", "not a regular file"),
+        ] {
+            let e = format!("{:#}", t.trust(Some(&fixture(name))).unwrap_err());
+            assert!(e.contains("--cacert") && e.contains(why), "{name}: {e}");
+        }
+        assert!(t.tls.is_none());
     }
 
     #[test]
@@ -531,6 +744,11 @@ mod tests {
         assert_eq!((sample.output_tokens, sample.usage_missing), (4, false));
     }
 
+    /// The plain-HTTP target on a loopback port.
+    fn local(port: u16) -> Target {
+        parse_url(&format!("http://127.0.0.1:{port}")).unwrap()
+    }
+
     /// Answers the first connection on a loopback port with `response` once the request
     /// (whose body is `{}`) has arrived.
     fn serve_once(response: String) -> u16 {
@@ -560,7 +778,7 @@ mod tests {
         }
         response.push_str("data: [DONE]\n\n");
         let port = serve_once(response);
-        let sample = one_request("127.0.0.1", port, "/v1/completions", None, "{}", 3).unwrap();
+        let sample = one_request(&local(port), "/v1/completions", None, "{}", 3).unwrap();
         assert!(sample.ok, "{}", sample.error);
         assert_eq!((sample.output_tokens, sample.usage_missing), (4, true));
         // Every chunk is timed, the empty ones too.
@@ -574,7 +792,7 @@ mod tests {
     fn whole_bodies_read_chunked_or_to_the_end_up_to_a_cap() {
         let read = |response: &str, max: usize| {
             let port = serve_once(response.to_string());
-            let mut head = post("127.0.0.1", port, "/v1/embeddings", None, "{}").unwrap();
+            let mut head = post(&local(port), "/v1/embeddings", None, "{}").unwrap();
             assert_eq!(head.status, 200);
             head.body(max)
         };
@@ -592,7 +810,7 @@ mod tests {
         assert!(read(cut_short, 100).is_err());
         let bad = "HTTP/1.1 200 OK\r\ncontent-length: many\r\n\r\n{\"a\":1}";
         let port = serve_once(bad.to_string());
-        assert!(post("127.0.0.1", port, "/v1/embeddings", None, "{}").is_err());
+        assert!(post(&local(port), "/v1/embeddings", None, "{}").is_err());
         let to_close = "HTTP/1.1 200 OK\r\n\r\n{\"a\":1}";
         assert_eq!(read(to_close, 7).unwrap(), b"{\"a\":1}");
         assert!(read(to_close, 6).is_err());
@@ -601,7 +819,7 @@ mod tests {
         assert!(read(cut, 100).is_err());
         // A refusal keeps its status and reason.
         let port = serve_once("HTTP/1.1 400 Bad Request\r\n\r\n{\"error\":\"too long\"}".into());
-        let mut head = post("127.0.0.1", port, "/v1/embeddings", None, "{}").unwrap();
+        let mut head = post(&local(port), "/v1/embeddings", None, "{}").unwrap();
         assert_eq!(head.error(), "HTTP 400: {\"error\":\"too long\"}");
     }
 

@@ -200,6 +200,7 @@ impl Reloader {
         }
         if let (Some(resolver), Some(certificate)) = (&self.tls, certificate) {
             let chain = certificate.cert.len();
+            switchyard_api::tls::report_expiry(&certificate);
             if resolver.replace(certificate) {
                 tracing::info!(
                     chain,
