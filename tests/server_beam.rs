@@ -106,6 +106,7 @@ fn beams_come_best_first_with_usage_and_metrics_counted_once() {
     let prompt = before("switchyard:prompt_tokens_total");
     let generated = before("switchyard:generation_tokens_total");
     let e2e = before("switchyard:e2e_request_latency_seconds_count");
+    let queued = before("switchyard:request_queue_time_seconds_count");
     for penalty in [0.0, 1.0, 2.0] {
         let v = complete(
             &s,
@@ -154,6 +155,14 @@ fn beams_come_best_first_with_usage_and_metrics_counted_once() {
         s.metric("switchyard:e2e_request_latency_seconds_count")
             .unwrap()
             - e2e,
+        12.0
+    );
+    // The queue time too, from the first step only (the later steps' waits are not the
+    // client request's).
+    assert_eq!(
+        s.metric("switchyard:request_queue_time_seconds_count")
+            .unwrap()
+            - queued,
         12.0
     );
     let prompt_tokens = s.metric("switchyard:prompt_tokens_total").unwrap() - prompt;

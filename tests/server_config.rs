@@ -496,13 +496,16 @@ fn a_tier_priority_bounds_how_urgent_its_requests_may_ask_to_be() {
     };
     let occupant = send("std-tier-key-0001", 96, None);
     wait_for("switchyard:num_requests_running", 1.0);
-    let low = send("low-tier-key-0001", 4, None);
+    // 24 tokens each, one request at a time: finishes ~24 steps apart, far more than a loaded
+    // machine's jitter in when the client threads read their answers (with 4 tokens, 2 ms
+    // apart, two came out in reverse order once).
+    let low = send("low-tier-key-0001", 24, None);
     wait_for("switchyard:num_requests_waiting", 1.0);
-    let standard = send("std-tier-key-0001", 4, None);
+    let standard = send("std-tier-key-0001", 24, None);
     wait_for("switchyard:num_requests_waiting", 2.0);
-    let jumper = send("low-tier-key-0001", 4, Some(-1));
+    let jumper = send("low-tier-key-0001", 24, Some(-1));
     wait_for("switchyard:num_requests_waiting", 3.0);
-    let later = send("std-tier-key-0001", 4, Some(7));
+    let later = send("std-tier-key-0001", 24, Some(7));
     wait_for("switchyard:num_requests_waiting", 4.0);
     let occupant = occupant.join().unwrap();
     let (standard, low, jumper, later) = (

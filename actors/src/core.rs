@@ -87,6 +87,10 @@ pub struct SubmitOptions {
     /// stamps it from [`SubmitOptions::encoded`]): its queue time, vLLM's time spent waiting
     /// to be scheduled, runs from then, without the encoding. `None`: from its arrival.
     pub queued: Option<Timestamp>,
+    /// How many times its queue time counts in `request_queue_time_seconds`: once, or for a
+    /// beam search's steps, once per beam for the first and not for the others (the client's
+    /// request waited once).
+    pub queue_times: u32,
     /// The tier its metrics carry ([`crate::metric_names::LABEL_TIER`]): its tier where that
     /// is one of the server's configured tiers, "" otherwise (no tier label).
     pub metrics_tier: Arc<str>,
@@ -122,6 +126,7 @@ impl SubmitOptions {
             received: None,
             encoded: None,
             queued: None,
+            queue_times: 1,
             metrics_tier: Arc::from(""),
             metrics_tenant: Arc::from(""),
         }
@@ -273,6 +278,8 @@ struct LiveRequest {
     queued: Timestamp,
     /// Whether it has been scheduled at least once.
     started: bool,
+    /// How many times its queue time is recorded ([`SubmitOptions::queue_times`]).
+    queue_times: u32,
     /// Whether it may be fed drafts (speculative decoding).
     speculate: bool,
     /// Its metrics' tier ([`SubmitOptions::metrics_tier`]), for the per-tier queue time.
@@ -379,6 +386,7 @@ impl StepCore {
             adapter: submit.adapter,
             queued: submit.queued.unwrap_or(submit.request.arrival),
             started: false,
+            queue_times: submit.queue_times,
             speculate: submit.request.limits.speculate,
             tier: submit.metrics_tier.clone(),
         };
@@ -593,7 +601,10 @@ impl StepCore {
             let first_step = !live.started;
             if first_step {
                 live.started = true;
-                queue_times_us.push((live.tier.clone(), now.saturating_sub(live.queued)));
+                let waited = now.saturating_sub(live.queued);
+                for _ in 0..live.queue_times {
+                    queue_times_us.push((live.tier.clone(), waited));
+                }
             }
             if n == seqs.len() {
                 seqs.push(SeqInput {

@@ -21,7 +21,7 @@ use tokio::sync::mpsc;
 
 use super::{
     names, unless_gone, BeamOptions, ChoiceDelta, EndedEarly, Engine, EngineOutput, InFlight,
-    OutputSink, PromptSource, RequestOptions, Resolved, SubmitError, SubmitErrorKind,
+    Metering, OutputSink, PromptSource, RequestOptions, Resolved, SubmitError, SubmitErrorKind,
     TokenLogprobs,
 };
 use crate::actors::detokenizer::failure_label;
@@ -313,9 +313,23 @@ impl Engine {
                 encoded: Instant::now(),
             };
             let sink = Box::new(StepSink(tx));
-            if let Err((e, _)) =
-                self.admit(step, step_resolved, sink, guard.split_off(0), arrival, true)
-            {
+            // The first step's queue time is the request's own (once per beam, as each beam
+            // counts as a choice); later steps' are not counted.
+            let metering = Metering::BeamStep {
+                queue_times: if beam.tokens.is_empty() {
+                    options.n.max(1)
+                } else {
+                    0
+                },
+            };
+            if let Err((e, _)) = self.admit(
+                step,
+                step_resolved,
+                sink,
+                guard.split_off(0),
+                arrival,
+                metering,
+            ) {
                 return Err(StepEnd(e));
             }
             receivers.push(rx);

@@ -273,6 +273,35 @@ impl SubmitError {
     }
 }
 
+/// Which per-request metrics a request admitted through [`Engine::admit`] records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Metering {
+    /// A client's request: all of them.
+    Request,
+    /// A step of a beam search: none (the search counts the client's request once, each beam
+    /// a choice), but the first step's queue time, which is the client request's own, once per
+    /// beam.
+    BeamStep {
+        /// How many times its queue time counts: the beams for the first step, else 0.
+        queue_times: u32,
+    },
+}
+
+impl Metering {
+    /// Whether the detokenizer and the admission record no per-request metrics.
+    fn quiet(self) -> bool {
+        self != Self::Request
+    }
+
+    /// How many times its queue time counts in `request_queue_time_seconds`.
+    fn queue_times(self) -> u32 {
+        match self {
+            Self::Request => 1,
+            Self::BeamStep { queue_times } => queue_times,
+        }
+    }
+}
+
 /// What a request's submission resolved before admission: its prompt tokens, its adapter
 /// (prefix-cache id and weights) and one structured-output constraint per choice.
 struct Resolved {
@@ -564,7 +593,7 @@ impl Engine {
                         .await;
                     return;
                 }
-                match this.admit(options, resolved, sink, guard, arrival, false) {
+                match this.admit(options, resolved, sink, guard, arrival, Metering::Request) {
                     Ok(()) => {}
                     Err((e, mut sink)) => {
                         sink.send(EngineOutput::Error(e));
@@ -639,8 +668,8 @@ impl Engine {
         Some(h & !1)
     }
 
-    /// Validates lengths, registers the choices with the detokenizer and submits them. A
-    /// `quiet` request is a step of a beam search: it records no per-request metrics.
+    /// Validates lengths, registers the choices with the detokenizer and submits them, its
+    /// per-request metrics recorded as `metering` says.
     #[allow(clippy::result_large_err)]
     fn admit(
         &self,
@@ -649,8 +678,9 @@ impl Engine {
         mut sink: Box<dyn OutputSink>,
         guard: InFlight,
         arrival: Instant,
-        quiet: bool,
+        metering: Metering,
     ) -> Result<(), (SubmitError, Box<dyn OutputSink>)> {
+        let quiet = metering.quiet();
         let Resolved {
             prompt,
             opens_thinking,
@@ -730,7 +760,7 @@ impl Engine {
             (sink, guard),
             (arrival, encoded),
             max_tokens,
-            quiet,
+            metering,
         );
         Ok(())
     }
@@ -823,7 +853,7 @@ impl Engine {
         (sink, guard): (Box<dyn OutputSink>, InFlight),
         (arrival, encoded): (Instant, Instant),
         max_tokens: u32,
-        quiet: bool,
+        metering: Metering,
     ) {
         let metrics_tenant = self.metrics_tenant(&options.tenant);
         let tier = self
@@ -886,6 +916,7 @@ impl Engine {
                 encoded: Some(encoded),
                 // Stamped by the scheduler when it queues the request.
                 queued: None,
+                queue_times: metering.queue_times(),
                 metrics_tier: metrics_tier.clone(),
                 metrics_tenant: metrics_tenant.clone(),
             });
@@ -908,7 +939,7 @@ impl Engine {
             arrival,
             guard,
             span: tracing::Span::current(),
-            quiet,
+            quiet: metering.quiet(),
         });
     }
 
@@ -1205,7 +1236,7 @@ mod tests {
             sink,
             guard,
             Instant::now(),
-            false,
+            Metering::Request,
         )
     }
 
@@ -1286,8 +1317,14 @@ mod tests {
             };
             let guard = InFlight::new(engine.admission.counter());
             let (sink, _rx) = recorder();
-            let Err((e, _)) = engine.admit(options, resolved, sink, guard, Instant::now(), false)
-            else {
+            let Err((e, _)) = engine.admit(
+                options,
+                resolved,
+                sink,
+                guard,
+                Instant::now(),
+                Metering::Request,
+            ) else {
                 panic!("{param}: an id outside the vocabulary was admitted");
             };
             assert_eq!(e.kind, SubmitErrorKind::InvalidRequest, "{e}");
@@ -1479,7 +1516,14 @@ mod tests {
         request.n = 2;
         let guard = InFlight::new(engine.admission.counter());
         if engine
-            .admit(request, resolved, sink, guard, Instant::now(), false)
+            .admit(
+                request,
+                resolved,
+                sink,
+                guard,
+                Instant::now(),
+                Metering::Request,
+            )
             .is_err()
         {
             panic!("refused");
