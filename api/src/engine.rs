@@ -546,6 +546,9 @@ pub struct TokenLogprob {
     pub bytes: Vec<u8>,
     /// Its log probability; `None` for the first prompt token, which has no context.
     pub logprob: Option<f32>,
+    /// Its rank among the vocabulary at its position, as vLLM counts it (the tokens whose
+    /// logprob is at least its own; 1 = the most likely): prompt tokens past the first only.
+    pub rank: Option<u32>,
     /// The most likely alternatives, best first (at most the requested number).
     pub top: Vec<TopLogprob>,
 }
