@@ -242,8 +242,9 @@ pub struct GenerateRequest {
     pub max_tokens_defaulted: bool,
     /// Number of top alternatives to report per sampled token; `None` means no logprobs.
     pub logprobs: Option<u32>,
-    /// Whether [`EngineEvent::Prompt`] must carry the prompt's logprobs (completions' `echo`
-    /// together with `logprobs`).
+    /// Whether [`EngineEvent::Prompt`] must carry the prompt's logprobs, with this many
+    /// alternatives per token (completions' `echo` together with `logprobs`, vLLM's
+    /// `prompt_logprobs`: the larger of the two).
     pub prompt_logprobs: Option<u32>,
     /// Scheduling priority as vLLM defines it: lower values are served first; `None`: the
     /// request set none (its tier's applies, else 0).

@@ -5,13 +5,12 @@
 //! extensions (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`,
 //! `stop_token_ids`, `priority`, `include_stop_str_in_output`, `skip_special_tokens`). Unknown
 //! fields are ignored, as OpenAI and vLLM do, and named in a warning (see
-//! [`IgnoredFields`]); known fields this server cannot honour (`suffix`,
-//! `best_of`, and on chat `echo`) are rejected with a 400 naming them when set to anything but
-//! their default, rather than silently ignored. vLLM's `prompt_logprobs` is read by
-//! [`parse_prompt_logprobs`]. Chat takes vLLM's `add_generation_prompt` and `continue_final_message` (see
-//! [`chat_ending`]). Tool calling
-//! is in [`super::tools`]. A `developer` message is read as the system message (see
-//! [`parse_messages`]).
+//! [`IgnoredFields`]); known fields this server cannot honour (`suffix`, `best_of`, and on chat
+//! `echo`) are rejected with a 400 naming them when set to anything but their default, rather
+//! than silently ignored. vLLM's `prompt_logprobs` is read as vLLM reads it
+//! (`parse_prompt_logprobs`). Chat takes vLLM's `add_generation_prompt` and
+//! `continue_final_message` (see [`chat_ending`]). Tool calling is in [`super::tools`]. A
+//! `developer` message is read as the system message (see [`parse_messages`]).
 
 use std::collections::{HashMap, HashSet};
 
@@ -103,7 +102,7 @@ pub struct CompletionRequest {
     pub length_penalty: Option<f32>,
     /// vLLM's prompt logprobs: each choice's `prompt_logprobs` field holds, per prompt token,
     /// its logprob and rank and this many alternatives (0 ..= 20; see
-    /// [`parse_prompt_logprobs`]).
+    /// `parse_prompt_logprobs`).
     pub prompt_logprobs: Option<i64>,
     /// Scheduling priority (vLLM: lower first).
     pub priority: Option<i32>,
@@ -195,7 +194,7 @@ pub struct ChatRequest {
     /// vLLM's beam score: the cumulative logprob over `length ^ length_penalty` (default 1).
     pub length_penalty: Option<f32>,
     /// vLLM's prompt logprobs: the response's `prompt_logprobs` field (0 ..= 20 alternatives;
-    /// see [`parse_prompt_logprobs`]).
+    /// see `parse_prompt_logprobs`).
     pub prompt_logprobs: Option<i64>,
     /// Scheduling priority (vLLM: lower first).
     pub priority: Option<i32>,
