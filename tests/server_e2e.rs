@@ -1086,8 +1086,9 @@ fn developer_messages_unsupported_fields_and_logprob_bounds_over_http() {
             json!({"messages": user, "use_beam_search": true, "top_k": 3}),
             "top_k",
         ),
+        // vLLM's -1 (the whole vocabulary) is beyond the bound of 20.
         (
-            json!({"messages": user, "prompt_logprobs": 1}),
+            json!({"messages": user, "prompt_logprobs": -1}),
             "prompt_logprobs",
         ),
         // 16 choices to the 8k context with 21 entries a token, not streamed.

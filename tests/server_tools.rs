@@ -1211,12 +1211,10 @@ fn reasoning_is_read_apart_when_the_template_thinks() {
     // A template whose generation prompt opens the block (QwQ, DeepSeek-R1): the output is
     // reasoning up to </think>.
     let s = server_with_template("reasoning-open", "think-open.jinja", "");
-    let (status, v) = s.post_json(
-        "/v1/chat/completions",
-        &json!({"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 60,
-                "temperature": 0,
-                "structured_outputs": {"regex": "[a-z ]{3,30}\n</think>\n\n[A-Z][a-z]{2,12}\\."}}),
-    );
+    let open = json!({"messages": [{"role": "user", "content": "Name a colour."}],
+        "max_tokens": 60, "temperature": 0,
+        "structured_outputs": {"regex": "[a-z ]{3,30}\n</think>\n\n[A-Z][a-z]{2,12}\\."}});
+    let (status, v) = s.post_json("/v1/chat/completions", &open);
     assert_eq!(status, 200, "{v}");
     let message = &v["choices"][0]["message"];
     let reasoning = message["reasoning_content"].as_str().expect("reasoning");
@@ -1226,6 +1224,22 @@ fn reasoning_is_read_apart_when_the_template_thinks() {
         "{v}"
     );
     assert!(!content.contains("think") && content.ends_with('.'), "{v}");
+    // With vLLM's prompt_logprobs the prompt's event waits for them: it still says that the
+    // prompt opened the block, and the answer reads the same.
+    let mut scored = open.clone();
+    scored["prompt_logprobs"] = json!(0);
+    let (status, w) = s.post_json("/v1/chat/completions", &scored);
+    assert_eq!(status, 200, "{w}");
+    assert_eq!(
+        w["choices"][0]["message"], v["choices"][0]["message"],
+        "{w}"
+    );
+    assert!(
+        w["prompt_logprobs"]
+            .as_array()
+            .is_some_and(|l| l[0].is_null() && l.len() > 1),
+        "{w}"
+    );
     // Per request: with thinking switched off by the template's variable (DeepSeek-V3.1's
     // `thinking`), the prompt closes the block and the output is all content.
     let (status, v) = s.post_json(

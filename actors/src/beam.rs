@@ -190,6 +190,7 @@ impl BeamSearch {
             beam.logprobs.push(TokenLogprobs {
                 token: c.token,
                 logprob: Some(c.logprob),
+                rank: None,
                 top: steps[c.parent].top.clone(),
             });
         }
@@ -281,6 +282,7 @@ mod tests {
         TokenLogprobs {
             token: top[0].0,
             logprob: Some(top[0].1),
+            rank: None,
             top,
         }
     }
@@ -510,6 +512,7 @@ mod tests {
                         TokenLogprobs {
                             token: top[0].0,
                             logprob: Some(top[0].1),
+                            rank: None,
                             top: top.clone(),
                         }
                     })

@@ -1124,6 +1124,7 @@ mod tests {
                                 position,
                                 token: s.tokens[position - s.num_computed_tokens],
                                 logprob: 0.0,
+                                rank: 1,
                                 top_logprobs: Vec::new(),
                             })
                             .collect()

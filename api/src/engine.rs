@@ -242,8 +242,9 @@ pub struct GenerateRequest {
     pub max_tokens_defaulted: bool,
     /// Number of top alternatives to report per sampled token; `None` means no logprobs.
     pub logprobs: Option<u32>,
-    /// Whether [`EngineEvent::Prompt`] must carry the prompt's logprobs (completions' `echo`
-    /// together with `logprobs`).
+    /// Whether [`EngineEvent::Prompt`] must carry the prompt's logprobs, with this many
+    /// alternatives per token (completions' `echo` together with `logprobs`, vLLM's
+    /// `prompt_logprobs`: the larger of the two).
     pub prompt_logprobs: Option<u32>,
     /// Scheduling priority as vLLM defines it: lower values are served first; `None`: the
     /// request set none (its tier's applies, else 0).
@@ -546,6 +547,9 @@ pub struct TokenLogprob {
     pub bytes: Vec<u8>,
     /// Its log probability; `None` for the first prompt token, which has no context.
     pub logprob: Option<f32>,
+    /// Its rank among the vocabulary at its position, as vLLM counts it (the tokens whose
+    /// logprob is at least its own; 1 = the most likely): prompt tokens past the first only.
+    pub rank: Option<u32>,
     /// The most likely alternatives, best first (at most the requested number).
     pub top: Vec<TopLogprob>,
 }

@@ -514,11 +514,46 @@ async fn developer_messages_reach_the_template_as_system_messages() {
     assert_eq!(developer, system);
 }
 
+/// vLLM's `prompt_logprobs`: on completions each choice carries its own prompt's list (every
+/// one of its `n`), on chat the response carries the prompt's once, at its top level; absent
+/// when not asked.
+#[actix_web::test]
+async fn prompt_logprobs_go_where_vllm_puts_them() {
+    let (_, app) = app(EchoEngine::new(), api_config()).await;
+    // The echo engine's tokens are the prompt's bytes; its logprobs stand-ins.
+    let entry =
+        |id: u8| json!({"logprob": -1.0, "rank": 2, "decoded_token": char::from(id).to_string()});
+    let body = json!({"prompt": ["ab", "cd"], "n": 2, "max_tokens": 1, "prompt_logprobs": 0});
+    let reply = send(&app, post("/v1/completions", &body)).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    let choices = reply.json()["choices"].clone();
+    for (i, want) in [(0, b'b'), (1, b'b'), (2, b'd'), (3, b'd')] {
+        assert_eq!(
+            choices[i]["prompt_logprobs"],
+            json!([null, {want.to_string(): entry(want)}]),
+            "choice {i}"
+        );
+    }
+    let reply = send(&app, post("/v1/completions", &json!({"prompt": "ab"}))).await;
+    assert!(reply.json()["choices"][0].get("prompt_logprobs").is_none());
+    let body = json!({"messages": [{"role": "user", "content": "x"}], "n": 2,
+        "max_tokens": 1, "prompt_logprobs": 0});
+    let reply = send(&app, post("/v1/chat/completions", &body)).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    let json = reply.json();
+    let list = json["prompt_logprobs"].as_array().unwrap();
+    assert!(list[0].is_null() && list.len() > 1, "{json}");
+    for choice in json["choices"].as_array().unwrap() {
+        assert!(choice.get("prompt_logprobs").is_none(), "{json}");
+    }
+}
+
 #[actix_web::test]
 async fn fields_the_server_cannot_honour_are_refused_by_name() {
     let (_, app) = app(EchoEngine::new(), api_config()).await;
     let user = json!([{"role": "user", "content": "x"}]);
-    for (field, value) in [("echo", json!(true)), ("prompt_logprobs", json!(1))] {
+    // vLLM's -1 (the whole vocabulary) is beyond prompt_logprobs' bound.
+    for (field, value) in [("echo", json!(true)), ("prompt_logprobs", json!(-1))] {
         let body = json!({"messages": user, field: value});
         send(&app, post("/v1/chat/completions", &body))
             .await
@@ -528,7 +563,7 @@ async fn fields_the_server_cannot_honour_are_refused_by_name() {
         &app,
         post(
             "/v1/completions",
-            &json!({"prompt": "x", "prompt_logprobs": 0}),
+            &json!({"prompt": "x", "prompt_logprobs": -1}),
         ),
     )
     .await

@@ -67,8 +67,20 @@ pub struct PromptLogprob {
     pub token: u32,
     /// Its logprob.
     pub logprob: f32,
+    /// Its rank among the vocabulary at this position, as vLLM counts it: the number of
+    /// tokens whose logprob is at least its own (1 = the most likely; ties share the worse
+    /// rank).
+    pub rank: u32,
     /// The most likely tokens at this position with their logprobs, best first.
     pub top_logprobs: Vec<(u32, f32)>,
+}
+
+/// The rank of a token whose logprob is `logprob` in the log-softmax row `row`: how many
+/// tokens have a logprob at least as high (vLLM's `batched_count_greater_than`, which counts
+/// the token itself). At least 1, also for a NaN logprob that nothing compares with.
+pub fn rank_in_row(row: &[f32], logprob: f32) -> u32 {
+    let at_least = row.iter().filter(|&&v| v >= logprob).count().max(1);
+    u32::try_from(at_least).unwrap_or(u32::MAX)
 }
 
 /// A draft token the backend accepted, with its logprobs (as for [`SeqOutput::token`]).
@@ -694,11 +706,15 @@ pub(crate) fn prompt_logprobs(
     rows: impl IntoIterator<Item = Vec<f32>>,
 ) -> Vec<PromptLogprob> {
     let n = s.sampling.prompt_logprobs.unwrap_or(0) as usize;
-    let entry = |lp: &[f32], position: usize, token: u32| PromptLogprob {
-        position,
-        token,
-        logprob: lp.get(token as usize).copied().unwrap_or(f32::NEG_INFINITY),
-        top_logprobs: top_n(lp, n),
+    let entry = |lp: &[f32], position: usize, token: u32| {
+        let logprob = lp.get(token as usize).copied().unwrap_or(f32::NEG_INFINITY);
+        PromptLogprob {
+            position,
+            token,
+            logprob,
+            rank: rank_in_row(lp, logprob),
+            top_logprobs: top_n(lp, n),
+        }
     };
     let mut out = Vec::with_capacity(s.tokens.len());
     if let Some(prev) = pending.take() {
@@ -830,6 +846,8 @@ mod tests {
             .collect();
         assert_eq!(got, [(3, 3, -23.0), (4, 0, -30.0)]);
         assert!(pending.is_none(), "a sampling step holds nothing");
+        // Row 4 gives token 0 the best logprob: rank 1; the others' ranks follow their ids.
+        assert_eq!(out.iter().map(|e| e.rank).collect::<Vec<_>>(), [4, 1]);
         // Preempted after the first chunk, the sequence starts again at 0 (or a block
         // boundary before 3): the held row does not belong there.
         let mut pending = None;
@@ -848,5 +866,15 @@ mod tests {
             [1, 2, 3],
             "position 0 has no logprob, whatever was held"
         );
+    }
+
+    #[test]
+    fn a_rank_counts_the_tokens_at_least_as_likely_as_vllm_does() {
+        let row = [-1.0, -3.0, -2.0, -2.0, f32::NAN];
+        assert_eq!(rank_in_row(&row, -1.0), 1);
+        assert_eq!(rank_in_row(&row, -3.0), 4);
+        // Ties share the worse rank (vLLM counts `logprob >= token's`).
+        assert_eq!(rank_in_row(&row, -2.0), 3);
+        assert_eq!(rank_in_row(&row, f32::NAN), 1);
     }
 }

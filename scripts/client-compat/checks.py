@@ -732,5 +732,30 @@ check("rate limits: 429 as RateLimitError (openai-python, langchain, litellm), x
       rate_limited)
 
 
+# ---------------------------------------------------------------- Prompt logprobs (vLLM's field)
+def sdk_prompt_logprobs():
+    # vLLM's prompt_logprobs through extra_body; the SDK keeps the field it does not know among
+    # the model's extras. Completions: per choice, each its own prompt's; chat: at the top.
+    c = sdk.completions.create(model=MODEL, prompt=["The capital of France is", "Hi there"], n=2,
+                               max_tokens=2, extra_body={"prompt_logprobs": 1})
+    lists = [x.model_extra.get("prompt_logprobs") for x in c.choices]
+    expect(all(lp and lp[0] is None and all(1 <= len(p) <= 2 for p in lp[1:]) for lp in lists), f"{lists}")
+    expect(lists[0] == lists[1] and lists[2] == lists[3] and lists[0] != lists[2], f"{lists}")
+    first = next(iter(lists[0][1].values()))
+    expect(set(first) == {"logprob", "rank", "decoded_token"} and first["rank"] >= 1, f"{first}")
+    chat = sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                       extra_body={"prompt_logprobs": 0})
+    top = chat.model_extra.get("prompt_logprobs")
+    expect(top and top[0] is None and all(len(p) == 1 for p in top[1:]), f"{chat}")
+    e = raises(lambda: sdk.completions.create(model=MODEL, prompt="x", stream=True,
+                                              extra_body={"prompt_logprobs": 1}),
+               openai.BadRequestError, "prompt_logprobs")
+    return f"{len(lists[0])} and {len(lists[2])} prompt tokens, chat {len(top)}, streamed {e}"
+
+
+check("openai-python prompt_logprobs (extra_body: completions n=2 two prompts, chat, a streamed 400)",
+      sdk_prompt_logprobs)
+
+
 print(f"python clients: {len(failures)} failed" + (f": {', '.join(failures)}" if failures else ""))
 sys.exit(1 if failures else 0)

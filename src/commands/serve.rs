@@ -679,6 +679,7 @@ impl ChannelSink {
                     token,
                     bytes,
                     logprob: t.logprob,
+                    rank: t.rank,
                     top: t
                         .top
                         .into_iter()

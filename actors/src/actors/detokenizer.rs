@@ -48,13 +48,22 @@ pub struct Register {
     /// Counts the request as in flight until its last choice ends.
     pub guard: InFlight,
     /// The prompt, when its logprobs were asked: the prompt event then waits for them.
-    pub pending_prompt: Option<Arc<[u32]>>,
+    pub pending_prompt: Option<PendingPrompt>,
     /// The request's log span (the front end's: its public id and tier), for the lines this
     /// actor logs about it.
     pub span: tracing::Span,
     /// A step of a beam search ([`super::beam_search`]), not a client's request: it records no
     /// per-request metrics (the search records its request's once).
     pub quiet: bool,
+}
+
+/// A prompt whose logprobs were asked: its prompt event waits for them.
+#[derive(Debug, Clone)]
+pub struct PendingPrompt {
+    /// The prompt's tokens.
+    pub tokens: Arc<[u32]>,
+    /// The chat prompt ends inside a `<think>` block its template opened (for the event).
+    pub opens_thinking: bool,
 }
 
 /// Special tokens whose text a choice keeps though special tokens are skipped (at most three:
@@ -220,7 +229,7 @@ struct RequestSink {
     _guard: InFlight,
     /// The prompt while its logprobs are still being computed; `None` once the prompt event
     /// went out.
-    pending_prompt: Option<Arc<[u32]>>,
+    pending_prompt: Option<PendingPrompt>,
     /// Its metrics' tier ([`SubmitOptions::metrics_tier`]), the labels that puts on the per-tier metrics
     /// ([`names::TIERED`]) and the tier's SLO targets ([`names::SLO_ATTAINMENT`]).
     tier: Arc<str>,
@@ -292,7 +301,11 @@ impl DetokenizerActor {
     /// Sends a request's deferred prompt event with the prompt logprobs known so far (positions
     /// not computed, such as the first, have none).
     fn flush_prompt(request: &mut RequestSink, known: &[Option<TokenLogprobs>]) {
-        if let Some(prompt) = request.pending_prompt.take() {
+        if let Some(PendingPrompt {
+            tokens: prompt,
+            opens_thinking,
+        }) = request.pending_prompt.take()
+        {
             let list = prompt
                 .iter()
                 .enumerate()
@@ -300,14 +313,14 @@ impl DetokenizerActor {
                     known.get(pos).cloned().flatten().unwrap_or(TokenLogprobs {
                         token,
                         logprob: None,
+                        rank: None,
                         top: Vec::new(),
                     })
                 })
                 .collect();
             request.sink.send(EngineOutput::Prompt {
                 prompt_tokens: prompt.len() as u32,
-                // Prompt logprobs are a completions feature: no chat template ran.
-                opens_thinking: false,
+                opens_thinking,
                 prompt_logprobs: Some(list),
             });
         }
@@ -501,7 +514,7 @@ impl Handler<Register> for DetokenizerActor {
             span: msg.span,
             quiet: msg.quiet,
         }));
-        let prompt_len = msg.pending_prompt.as_ref().map_or(0, |p| p.len());
+        let prompt_len = msg.pending_prompt.as_ref().map_or(0, |p| p.tokens.len());
         for (index, id) in msg.ids.into_iter().enumerate() {
             self.choices.insert(
                 id,
@@ -651,6 +664,7 @@ impl Handler<StepEvents> for DetokenizerActor {
                         d.logprobs.push(TokenLogprobs {
                             token,
                             logprob,
+                            rank: None,
                             top: top_logprobs,
                         });
                     }
@@ -668,6 +682,7 @@ impl Handler<StepEvents> for DetokenizerActor {
                             *slot = Some(TokenLogprobs {
                                 token: e.token,
                                 logprob: Some(e.logprob),
+                                rank: Some(e.rank),
                                 top: e.top_logprobs,
                             });
                         }

@@ -19,7 +19,8 @@ use super::admission::{Admission, Demand, InFlight};
 use super::allocator::KvAllocatorActor;
 use super::context_length::SequenceLimit;
 use super::detokenizer::{
-    DetokenizerActor, EndedEarly, FailAll, KeptSpecial, Register, SetScheduler, TextOptions,
+    DetokenizerActor, EndedEarly, FailAll, KeptSpecial, PendingPrompt, Register, SetScheduler,
+    TextOptions,
 };
 use super::executor::ExecutorActor;
 use super::lora::{
@@ -176,6 +177,8 @@ pub struct TokenLogprobs {
     pub token: u32,
     /// Its logprob under the model.
     pub logprob: Option<f32>,
+    /// Its rank at its position (1 = the most likely, vLLM's count): prompt tokens only.
+    pub rank: Option<u32>,
     /// The most likely tokens at its position, best first.
     pub top: Vec<(u32, f32)>,
 }
@@ -754,7 +757,7 @@ impl Engine {
         }
         self.register(
             options,
-            prompt.into(),
+            (prompt.into(), opens_thinking),
             adapter,
             constraints,
             (sink, guard),
@@ -847,7 +850,7 @@ impl Engine {
     fn register(
         &self,
         options: RequestOptions,
-        prompt: Arc<[u32]>,
+        (prompt, opens_thinking): (Arc<[u32]>, bool),
         adapter: Option<(u32, Arc<LoraAdapter>)>,
         constraints: Vec<Constraint>,
         (sink, guard): (Box<dyn OutputSink>, InFlight),
@@ -927,7 +930,10 @@ impl Engine {
         self.detokenizer.do_send(Register {
             ids,
             submits,
-            pending_prompt: options.prompt_logprobs.map(|_| prompt.clone()),
+            pending_prompt: options.prompt_logprobs.map(|_| PendingPrompt {
+                tokens: prompt.clone(),
+                opens_thinking,
+            }),
             sink,
             stop: options.stop,
             text: TextOptions {

@@ -13,8 +13,8 @@ use crate::schema::reasoning::{ThinkSplitter, ThinkStart};
 use crate::schema::tools::{new_call_id, ToolAnswer, ToolFormat, ToolPiece, ToolStream};
 use crate::schema::{
     ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatLogprobs, ChatRequest, ChatResponse,
-    ChatResponseMessage, FunctionCall, FunctionCallDelta, ToolCall, ToolCallDelta, Usage,
-    Validated,
+    ChatResponseMessage, FunctionCall, FunctionCallDelta, PromptLogprobs, ToolCall, ToolCallDelta,
+    Usage, Validated,
 };
 use crate::sse::{chunk_usage, frame, sse_response, ChunkWriter, RunningUsage};
 use crate::state::{request_id, unix_now, ApiState};
@@ -36,7 +36,13 @@ pub(crate) async fn chat_completions(
     if state.config.reasoning.is_some() {
         validated.keep_special_tokens[3..].copy_from_slice(&state.config.reasoning_tokens);
     }
-    let requests = engine_requests(&id, &validated, &principal, None, lora.as_deref());
+    let requests = engine_requests(
+        &id,
+        &validated,
+        &principal,
+        validated.prompt_logprobs,
+        lora.as_deref(),
+    );
     let fields = RequestFields {
         prompt: "messages",
         structured: validated.structured_field,
@@ -65,6 +71,8 @@ pub(super) struct ChatWriter {
     created: u64,
     model: String,
     logprobs: bool,
+    /// Alternatives per prompt token in vLLM's `prompt_logprobs` field, when asked.
+    prompt_logprobs: Option<u32>,
     usage_field: Option<Option<Usage>>,
     /// Every chunk's usage so far, when the client asked for it (`continuous_usage_stats`).
     running: Option<RunningUsage>,
@@ -113,6 +121,7 @@ impl ChatWriter {
             created: unix_now(),
             model,
             logprobs: validated.logprobs.is_some(),
+            prompt_logprobs: validated.prompt_logprobs,
             usage_field: validated.include_usage.then_some(None),
             running: validated
                 .continuous_usage
@@ -452,5 +461,9 @@ async fn collect(
             generation.total_cached_prompt_tokens(),
             completion_tokens,
         ),
+        prompt_logprobs: writer.prompt_logprobs.and_then(|k| {
+            let list = generation.prompt_logprobs.first()?.as_deref()?;
+            Some(PromptLogprobs::from_engine(list, k))
+        }),
     })
 }

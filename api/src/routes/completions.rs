@@ -10,7 +10,8 @@ use crate::engine::PromptInput;
 use crate::error::ApiError;
 use crate::generation::{ChoiceDelta, Generation, RequestFields};
 use crate::schema::{
-    CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage,
+    CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, PromptLogprobs,
+    Usage,
 };
 use crate::sse::{chunk_usage, frame, sse_response, ChunkWriter, RunningUsage};
 use crate::state::{unix_now, ApiState};
@@ -42,7 +43,9 @@ pub(crate) async fn completions(
     } else {
         None
     };
-    let prompt_logprobs = validated.logprobs.filter(|_| validated.echo);
+    // One computation serves both: echo's logprobs and vLLM's field, each cut to its count.
+    let echo_logprobs = validated.logprobs.filter(|_| validated.echo);
+    let prompt_logprobs = echo_logprobs.max(validated.prompt_logprobs);
     let requests = engine_requests(
         &id,
         &validated,
@@ -64,7 +67,8 @@ pub(crate) async fn completions(
         created: unix_now(),
         model: lora.unwrap_or_else(|| state.engine.model_name().to_owned()),
         echo: echo_texts,
-        logprobs: validated.logprobs.is_some(),
+        logprobs: validated.logprobs,
+        prompt_logprobs: validated.prompt_logprobs,
         offsets: vec![0; generation.choices()],
         usage_field: validated.include_usage.then_some(None),
         running: validated
@@ -91,7 +95,10 @@ struct CompletionWriter {
     model: String,
     /// Per prompt, the text to prepend (when `echo`).
     echo: Option<Vec<String>>,
-    logprobs: bool,
+    /// Alternatives per token in `logprobs`, when asked.
+    logprobs: Option<u32>,
+    /// Alternatives per prompt token in vLLM's `prompt_logprobs` field, when asked.
+    prompt_logprobs: Option<u32>,
     /// Per choice, where the next token's text starts (for `text_offset`): the characters of
     /// the tokens reported so far.
     offsets: Vec<u32>,
@@ -131,14 +138,19 @@ impl CompletionWriter {
         let n = generation.n();
         let mut choices = Vec::with_capacity(generation.choices());
         for (prompt, text) in echo.iter().enumerate() {
-            let prompt_logprobs = generation.prompt_logprobs.get(prompt).cloned().flatten();
+            let mut prompt_logprobs = generation.prompt_logprobs.get(prompt).cloned().flatten();
+            // The engine computed as many alternatives as vLLM's field asked, if more.
+            let k = usize::try_from(self.logprobs.unwrap_or(0)).unwrap_or(usize::MAX);
+            for lp in prompt_logprobs.iter_mut().flatten() {
+                lp.top.truncate(k);
+            }
             for i in 0..n {
                 let index = u32::try_from(prompt)
                     .unwrap_or(u32::MAX)
                     .saturating_mul(n)
                     .saturating_add(i);
                 let mut end = 0;
-                let logprobs = self.logprobs.then(|| {
+                let logprobs = self.logprobs.map(|_| {
                     let mut lp = CompletionLogprobs::default();
                     end = lp.extend(prompt_logprobs.as_deref().unwrap_or_default(), 0);
                     lp
@@ -154,6 +166,7 @@ impl CompletionWriter {
                     text: text.clone(),
                     logprobs,
                     finish_reason: None,
+                    prompt_logprobs: None,
                 });
             }
         }
@@ -167,7 +180,7 @@ impl CompletionWriter {
         // Offsets count each token's text whole (as vLLM does), not the text released so far:
         // the detokenizer may hold text back (a possible stop string, part of a character).
         let logprobs = match offset {
-            Some(offset) if self.logprobs => {
+            Some(offset) if self.logprobs.is_some() => {
                 let mut lp = CompletionLogprobs::default();
                 *offset = lp.extend(&delta.delta.logprobs, *offset);
                 Some(lp)
@@ -179,6 +192,7 @@ impl CompletionWriter {
             text: delta.delta.text.clone(),
             logprobs,
             finish_reason: delta.delta.finish.map(|f| f.reason.as_str()),
+            prompt_logprobs: None,
         }
     }
 }
@@ -220,10 +234,23 @@ async fn collect(
             .map(|i| CompletionChoice {
                 index: u32::try_from(i).unwrap_or(u32::MAX),
                 text: String::new(),
-                logprobs: writer.logprobs.then(CompletionLogprobs::default),
+                logprobs: writer.logprobs.map(|_| CompletionLogprobs::default()),
                 finish_reason: None,
+                prompt_logprobs: None,
             })
             .collect();
+    }
+    // vLLM's field: every choice its own prompt's list (choices are prompt × n + i).
+    if let Some(k) = writer.prompt_logprobs {
+        let n = usize::try_from(generation.n()).unwrap_or(usize::MAX).max(1);
+        let lists: Vec<Option<PromptLogprobs>> = generation
+            .prompt_logprobs
+            .iter()
+            .map(|list| list.as_deref().map(|l| PromptLogprobs::from_engine(l, k)))
+            .collect();
+        for (i, choice) in choices.iter_mut().enumerate() {
+            choice.prompt_logprobs = lists.get(i / n).cloned().flatten();
+        }
     }
     let mut completion_tokens = 0u32;
     while let Some(delta) = generation.next().await {

@@ -1154,6 +1154,7 @@ mod tests {
             token: token.to_owned(),
             bytes: token.as_bytes().to_vec(),
             logprob: Some(logprob),
+            rank: None,
             top: vec![crate::engine::TopLogprob {
                 token_id: 1,
                 token: "x".to_owned(),

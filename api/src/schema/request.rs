@@ -5,13 +5,12 @@
 //! extensions (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`,
 //! `stop_token_ids`, `priority`, `include_stop_str_in_output`, `skip_special_tokens`). Unknown
 //! fields are ignored, as OpenAI and vLLM do, and named in a warning (see
-//! [`IgnoredFields`]); known fields this server cannot honour (`suffix`,
-//! `best_of`, vLLM's `use_beam_search` and `prompt_logprobs`, and on chat `echo`) are rejected
-//! with a 400 naming them when set to anything but their default, rather than silently
-//! ignored. Chat takes vLLM's `add_generation_prompt` and `continue_final_message` (see
-//! [`chat_ending`]). Tool calling
-//! is in [`super::tools`]. A `developer` message is read as the system message (see
-//! [`parse_messages`]).
+//! [`IgnoredFields`]); known fields this server cannot honour (`suffix`, `best_of`, and on chat
+//! `echo`) are rejected with a 400 naming them when set to anything but their default, rather
+//! than silently ignored. vLLM's `prompt_logprobs` is read as vLLM reads it
+//! (`parse_prompt_logprobs`). Chat takes vLLM's `add_generation_prompt` and
+//! `continue_final_message` (see [`chat_ending`]). Tool calling is in [`super::tools`]. A
+//! `developer` message is read as the system message (see [`parse_messages`]).
 
 use std::collections::{HashMap, HashSet};
 
@@ -101,9 +100,10 @@ pub struct CompletionRequest {
     pub use_beam_search: Option<bool>,
     /// vLLM's beam score: the cumulative logprob over `length ^ length_penalty` (default 1).
     pub length_penalty: Option<f32>,
-    /// vLLM's prompt logprobs (a separate `prompt_logprobs` response field); not supported,
-    /// only `null` is accepted (`echo` with `logprobs` returns them OpenAI's way).
-    pub prompt_logprobs: Option<serde_json::Value>,
+    /// vLLM's prompt logprobs: each choice's `prompt_logprobs` field holds, per prompt token,
+    /// its logprob and rank and this many alternatives (0 ..= 20; see
+    /// `parse_prompt_logprobs`).
+    pub prompt_logprobs: Option<i64>,
     /// Scheduling priority (vLLM: lower first).
     pub priority: Option<i32>,
     /// End-user id; accepted and ignored (never a metric label).
@@ -193,8 +193,9 @@ pub struct ChatRequest {
     pub use_beam_search: Option<bool>,
     /// vLLM's beam score: the cumulative logprob over `length ^ length_penalty` (default 1).
     pub length_penalty: Option<f32>,
-    /// vLLM's prompt logprobs; not supported, only `null` is accepted.
-    pub prompt_logprobs: Option<serde_json::Value>,
+    /// vLLM's prompt logprobs: the response's `prompt_logprobs` field (0 ..= 20 alternatives;
+    /// see `parse_prompt_logprobs`).
+    pub prompt_logprobs: Option<i64>,
     /// Scheduling priority (vLLM: lower first).
     pub priority: Option<i32>,
     /// End-user id; accepted and ignored.
@@ -327,6 +328,9 @@ pub struct Validated {
     pub max_tokens_field: &'static str,
     /// Top-logprobs count per sampled token, if asked.
     pub logprobs: Option<u32>,
+    /// vLLM's `prompt_logprobs`: alternatives per prompt token in the response's
+    /// `prompt_logprobs` field, if asked (never with `stream`).
+    pub prompt_logprobs: Option<u32>,
     /// Prepend the prompt (completions only).
     pub echo: bool,
     /// Stream over SSE.
@@ -609,6 +613,8 @@ struct BeamFields<'a> {
     structured_field: Option<&'static str>,
     /// Completions' `echo` with `logprobs` (the prompt's logprobs).
     echo_logprobs: bool,
+    /// vLLM's `prompt_logprobs`.
+    prompt_logprobs: bool,
 }
 
 impl BeamFields<'_> {
@@ -661,6 +667,7 @@ impl BeamFields<'_> {
                 self.echo_logprobs,
                 "echo with logprobs (the prompt's logprobs)",
             ),
+            ("prompt_logprobs", self.prompt_logprobs, "prompt logprobs"),
         ];
         if let Some((field, _, what)) = other.iter().find(|(_, set, _)| *set) {
             return Err(ApiError::invalid(
@@ -678,13 +685,66 @@ impl BeamFields<'_> {
     }
 }
 
-/// Refuses vLLM's `prompt_logprobs` (both endpoints) unless default.
-fn refuse_vllm_extras(prompt_logprobs: &Option<serde_json::Value>) -> Result<(), ApiError> {
-    refuse_unsupported(
-        "prompt_logprobs",
-        prompt_logprobs.as_ref().is_some_and(|v| !v.is_null()),
-        "(other than null)",
-    )
+/// vLLM's `prompt_logprobs` (both endpoints): the number of alternatives per prompt token
+/// (0 ..= [`MAX_LOGPROBS`]; vLLM's -1, the whole vocabulary, is refused), `None` when the
+/// response carries none. As vLLM, a streamed request may not ask for alternatives (a 400) and
+/// `0` with `stream` is accepted and sends nothing. The response carries
+/// `prompt_logprobs + 1` entries per prompt token (the alternatives and the token itself) for
+/// each of `copies` (completions: every choice, `n` per prompt; chat: once), bounded as the
+/// generated tokens' logprobs are: at most [`MAX_GENERATED_LOGPROB_ENTRIES`] over the
+/// `prompt_tokens` (per prompt; a text prompt counts as the context length less one, its
+/// length known only once tokenized).
+fn parse_prompt_logprobs(
+    value: Option<i64>,
+    stream: bool,
+    prompt_tokens: impl IntoIterator<Item = usize>,
+    copies: u32,
+) -> Result<Option<u32>, ApiError> {
+    let Some(value) = value else {
+        return Ok(None);
+    };
+    let k = u32::try_from(value)
+        .ok()
+        .filter(|&k| k <= MAX_LOGPROBS)
+        .ok_or_else(|| {
+            ApiError::invalid(
+                "prompt_logprobs",
+                format!(
+                    "prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {value} (vLLM's -1, \
+                     the whole vocabulary, is not supported)"
+                ),
+            )
+        })?;
+    if stream {
+        return match k {
+            0 => Ok(None),
+            _ => Err(ApiError::invalid(
+                "prompt_logprobs",
+                "prompt_logprobs are not available when stream is true (0 is accepted and \
+                 returns none)",
+            )),
+        };
+    }
+    let tokens = prompt_tokens
+        .into_iter()
+        .fold(0usize, |sum, len| sum.saturating_add(len));
+    let copies_n = usize::try_from(copies).unwrap_or(usize::MAX);
+    let per_token = usize::try_from(k).map_or(usize::MAX, |k| k.saturating_add(1));
+    let entries = tokens.saturating_mul(copies_n).saturating_mul(per_token);
+    if entries > MAX_GENERATED_LOGPROB_ENTRIES {
+        return Err(ApiError::invalid(
+            "prompt_logprobs",
+            format!(
+                "a response with prompt_logprobs holds prompt tokens × lists per prompt (n on \
+                 completions, 1 on chat) × \
+                 (prompt_logprobs + 1) entries, at most {MAX_GENERATED_LOGPROB_ENTRIES} (a \
+                 prompt given as text counts as the context length less one); got {tokens} × \
+                 {copies} × ({k} + 1) = {entries}. Lower prompt_logprobs or n, or send fewer \
+                 or shorter prompts"
+            ),
+        ));
+    }
+    Ok(Some(k))
 }
 
 fn check_token_prompt(tokens: Vec<u32>, max_model_len: usize) -> Result<PromptInput, ApiError> {
@@ -724,7 +784,6 @@ impl CompletionRequest {
         if self.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
             return Err(ApiError::invalid("suffix", "suffix is not supported"));
         }
-        refuse_vllm_extras(&self.prompt_logprobs)?;
         if let Some(k) = self.logprobs.filter(|&k| k > MAX_LOGPROBS) {
             return Err(ApiError::invalid(
                 "logprobs",
@@ -775,6 +834,15 @@ impl CompletionRequest {
                 .saturating_mul(usize::try_from(n).unwrap_or(usize::MAX));
             check_generated_logprobs("logprobs", choices, Some(max_tokens), k, max_model_len)?;
         }
+        let prompt_logprobs = parse_prompt_logprobs(
+            self.prompt_logprobs,
+            stream,
+            prompts.iter().map(|p| match p {
+                PromptInput::Tokens(tokens) => tokens.len(),
+                _ => max_model_len.saturating_sub(1),
+            }),
+            n,
+        )?;
         let stop = parse_stop(self.stop)?;
         let beam_search = BeamFields {
             use_beam_search: self.use_beam_search,
@@ -784,6 +852,7 @@ impl CompletionRequest {
             stop: &stop,
             structured_field,
             echo_logprobs: echo && self.logprobs.is_some(),
+            prompt_logprobs: prompt_logprobs.is_some(),
         }
         .parse()?;
         Ok(Validated {
@@ -796,6 +865,7 @@ impl CompletionRequest {
             max_tokens_defaulted: self.max_tokens.is_none(),
             max_tokens_field: "max_tokens",
             logprobs: self.logprobs,
+            prompt_logprobs,
             echo,
             stream,
             include_usage: stream_usage(stream, &self.stream_options)?,
@@ -896,7 +966,6 @@ impl ChatRequest {
             self.echo == Some(true),
             "= true on chat completions",
         )?;
-        refuse_vllm_extras(&self.prompt_logprobs)?;
         let mut messages = parse_messages(self.messages, setup)?;
         check_continued(&messages, ending)?;
         let mut template_kwargs = parse_template_kwargs(self.chat_template_kwargs)?;
@@ -940,6 +1009,13 @@ impl ChatRequest {
             let choices = usize::try_from(n).unwrap_or(usize::MAX);
             check_generated_logprobs("logprobs", choices, max_tokens, k, max_model_len)?;
         }
+        // One list at the response's top level (vLLM's place), whatever `n`.
+        let prompt_logprobs = parse_prompt_logprobs(
+            self.prompt_logprobs,
+            stream,
+            [max_model_len.saturating_sub(1)],
+            1,
+        )?;
         let stop = parse_stop(self.stop)?;
         let beam_search = BeamFields {
             use_beam_search: self.use_beam_search,
@@ -951,6 +1027,7 @@ impl ChatRequest {
             // back from the text: refused too.
             structured_field: structured_field.or(tools.as_ref().map(|_| "tools")),
             echo_logprobs: false,
+            prompt_logprobs: prompt_logprobs.is_some(),
         }
         .parse()?;
         Ok(Validated {
@@ -967,6 +1044,7 @@ impl ChatRequest {
             max_tokens_defaulted: false,
             max_tokens_field: limit_name,
             logprobs,
+            prompt_logprobs,
             echo: false,
             stream,
             include_usage: stream_usage(stream, &self.stream_options)?,
@@ -2423,9 +2501,8 @@ mod tests {
                 serde_json::json!({"use_beam_search": true, "top_k": 5}),
                 "top_k",
             ),
-            (serde_json::json!({"prompt_logprobs": 0}), "prompt_logprobs"),
             (
-                serde_json::json!({"prompt_logprobs": -1}),
+                serde_json::json!({"use_beam_search": true, "prompt_logprobs": 0}),
                 "prompt_logprobs",
             ),
         ];
@@ -2446,7 +2523,7 @@ mod tests {
                 "logit_bias",
             ),
             (
-                serde_json::json!({"prompt": "x", "prompt_logprobs": 1}),
+                serde_json::json!({"prompt": "x", "use_beam_search": true, "prompt_logprobs": 1}),
                 "prompt_logprobs",
             ),
         ] {
@@ -2469,6 +2546,119 @@ mod tests {
             "prompt_logprobs": null}))
             .is_ok()
         );
+    }
+
+    /// vLLM's `prompt_logprobs`: 0 to 20 alternatives (its -1, the whole vocabulary, and
+    /// anything outside refused naming the field and the bound), not with `stream` but for 0
+    /// (accepted, nothing returned, as vLLM), the response's entries bounded.
+    #[test]
+    fn prompt_logprobs_are_read_as_vllm_reads_them() {
+        let user = serde_json::json!([{"role": "user", "content": "x"}]);
+        let read = |json: serde_json::Value| completion(json).map(|v| v.prompt_logprobs);
+        let read_chat = |extra: serde_json::Value| {
+            let mut body = serde_json::json!({"messages": user});
+            body.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            chat_at(128, body).map(|v| v.prompt_logprobs)
+        };
+        assert_eq!(read(serde_json::json!({"prompt": "x"})).unwrap(), None);
+        for k in [0, 1, 20] {
+            let json = serde_json::json!({"prompt": "x", "prompt_logprobs": k});
+            assert_eq!(read(json).unwrap(), Some(k));
+            assert_eq!(
+                read_chat(serde_json::json!({"prompt_logprobs": k})).unwrap(),
+                Some(k)
+            );
+        }
+        assert_eq!(
+            read(serde_json::json!({"prompt": "x", "prompt_logprobs": null})).unwrap(),
+            None
+        );
+        for k in [-1, -2, 21, 1i64 << 40] {
+            for result in [
+                completion(serde_json::json!({"prompt": "x", "prompt_logprobs": k})),
+                chat_at(
+                    128,
+                    serde_json::json!({"messages": user, "prompt_logprobs": k}),
+                ),
+            ] {
+                match result {
+                    Err(ApiError::InvalidRequest { param, message }) => {
+                        assert_eq!(param.as_deref(), Some("prompt_logprobs"));
+                        assert!(message.contains("[0, 20]"), "{message}");
+                    }
+                    other => panic!("{k}: {other:?}"),
+                }
+            }
+        }
+        // Streamed: alternatives refused, 0 accepted and nothing returned (vLLM's rules).
+        let streamed = serde_json::json!({"prompt": "x", "stream": true, "prompt_logprobs": 1});
+        assert_eq!(
+            param_of(completion(streamed)).as_deref(),
+            Some("prompt_logprobs")
+        );
+        let streamed = serde_json::json!({"messages": user, "stream": true, "prompt_logprobs": 2});
+        assert_eq!(
+            param_of(chat_at(128, streamed)).as_deref(),
+            Some("prompt_logprobs")
+        );
+        assert_eq!(
+            read(serde_json::json!({"prompt": "x", "stream": true, "prompt_logprobs": 0})).unwrap(),
+            None
+        );
+        assert_eq!(
+            read_chat(serde_json::json!({"stream": true, "prompt_logprobs": 0})).unwrap(),
+            None
+        );
+    }
+
+    /// Prompt logprobs count prompt tokens × lists × (alternatives + 1) against the bound of
+    /// logprob entries: token prompts by their length (summed over prompts, every choice a
+    /// list), text and chat prompts as the context length less one (chat: one list).
+    #[test]
+    fn prompt_logprobs_are_bounded_by_the_entries_they_return() {
+        let tokens = |prompts: usize, len: usize, n: u32, k: u32| {
+            serde_json::json!({"prompt": vec![vec![1u32; len]; prompts], "n": n,
+                "prompt_logprobs": k})
+        };
+        // 2 prompts × 2048 tokens × n 4 × (15 + 1) = 262,144: the bound exactly.
+        assert_eq!(
+            completion_at(8192, tokens(2, 2048, 4, 15))
+                .unwrap()
+                .prompt_logprobs,
+            Some(15)
+        );
+        let refused = completion_at(8192, tokens(2, 2048, 4, 16));
+        match refused {
+            Err(ApiError::InvalidRequest { param, message }) => {
+                assert_eq!(param.as_deref(), Some("prompt_logprobs"));
+                assert!(message.contains("4096 × 4 × (16 + 1)"), "{message}");
+            }
+            other => panic!("{other:?}"),
+        }
+        // A text prompt counts as the context less one: 65,535 × (3 + 1) fits, × (4 + 1) not.
+        let text = |k: u32| serde_json::json!({"prompt": "x", "prompt_logprobs": k});
+        assert!(completion_at(1 << 16, text(3)).is_ok());
+        assert_eq!(
+            param_of(completion_at(1 << 16, text(4))).as_deref(),
+            Some("prompt_logprobs")
+        );
+        // Chat returns one list whatever n.
+        let chat = |k: u32| {
+            serde_json::json!({"messages": [{"role": "user", "content": "x"}], "n": 16,
+                "prompt_logprobs": k})
+        };
+        assert!(chat_at(1 << 16, chat(3)).is_ok());
+        assert_eq!(
+            param_of(chat_at(1 << 16, chat(4))).as_deref(),
+            Some("prompt_logprobs")
+        );
+        // Streamed with 0, nothing is returned: nothing to bound.
+        let mut streamed = text(0);
+        streamed["stream"] = serde_json::json!(true);
+        streamed["prompt"] = serde_json::json!(vec![vec![1u32; 8191]; 32]);
+        assert!(completion_at(8192, streamed).is_ok());
     }
 
     #[test]

@@ -70,6 +70,101 @@ pub struct CompletionChoice {
     pub logprobs: Option<CompletionLogprobs>,
     /// `stop` or `length` once finished, else null.
     pub finish_reason: Option<&'static str>,
+    /// vLLM's prompt logprobs of the choice's prompt, when asked (absent otherwise, and in
+    /// stream chunks).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_logprobs: Option<PromptLogprobs>,
+}
+
+/// vLLM's `prompt_logprobs`: per prompt token, `null` for the first (it has no context), else
+/// an object keyed by token id (a JSON key, so a string) whose entries hold `logprob`, `rank`
+/// (1 = the most likely) and `decoded_token`: the prompt's own token first, then the most
+/// likely tokens best first, the prompt's token among them only once (so `k` or `k + 1`
+/// entries), as vLLM's dictionary of them is built. A logprob of minus infinity reads -9999.0,
+/// as vLLM writes it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(transparent)]
+pub struct PromptLogprobs(pub Vec<Option<PromptLogprobPosition>>);
+
+/// One prompt position of [`PromptLogprobs`]: (token id, entry) in vLLM's order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromptLogprobPosition(pub Vec<(u32, PromptLogprobEntry)>);
+
+/// One token of a [`PromptLogprobPosition`] (vLLM's `Logprob`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PromptLogprobEntry {
+    /// Its log probability (at least -9999.0).
+    pub logprob: f32,
+    /// Its rank at the position, 1 = the most likely.
+    pub rank: u32,
+    /// Its text.
+    pub decoded_token: String,
+}
+
+impl Serialize for PromptLogprobPosition {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let mut map = serializer.serialize_map(Some(self.0.len()))?;
+        for (id, entry) in &self.0 {
+            map.serialize_entry(&id.to_string(), entry)?;
+        }
+        map.end()
+    }
+}
+
+/// vLLM's floor for a logprob of minus infinity, which JSON cannot hold.
+const LOGPROB_FLOOR: f32 = -9999.0;
+
+impl PromptLogprobs {
+    /// The engine's prompt logprobs (one per prompt token, the first without a logprob) with
+    /// at most `k` alternatives per position.
+    pub fn from_engine(list: &[TokenLogprob], k: u32) -> Self {
+        let k = usize::try_from(k).unwrap_or(usize::MAX);
+        Self(
+            list.iter()
+                .map(|lp| {
+                    let logprob = lp.logprob?;
+                    let top = &lp.top[..k.min(lp.top.len())];
+                    // vLLM inserts the prompt's token, then the top k: a token among them keeps
+                    // its first place and takes the later entry (its rank in the top k).
+                    let rank = top
+                        .iter()
+                        .position(|t| t.token_id == lp.token_id)
+                        .map_or_else(
+                            || {
+                                lp.rank.unwrap_or_else(|| {
+                                    let better = top.iter().filter(|t| t.logprob > logprob).count();
+                                    u32::try_from(better).map_or(u32::MAX, |b| b.saturating_add(1))
+                                })
+                            },
+                            |i| u32::try_from(i).map_or(u32::MAX, |i| i.saturating_add(1)),
+                        );
+                    let mut entries = Vec::with_capacity(top.len() + 1);
+                    entries.push((
+                        lp.token_id,
+                        PromptLogprobEntry {
+                            logprob: logprob.max(LOGPROB_FLOOR),
+                            rank,
+                            decoded_token: lp.token.clone(),
+                        },
+                    ));
+                    for (i, t) in top.iter().enumerate() {
+                        if t.token_id != lp.token_id {
+                            entries.push((
+                                t.token_id,
+                                PromptLogprobEntry {
+                                    logprob: t.logprob.max(LOGPROB_FLOOR),
+                                    rank: u32::try_from(i)
+                                        .map_or(u32::MAX, |i| i.saturating_add(1)),
+                                    decoded_token: t.token.clone(),
+                                },
+                            ));
+                        }
+                    }
+                    Some(PromptLogprobPosition(entries))
+                })
+                .collect(),
+        )
+    }
 }
 
 /// The legacy completions logprobs object.
@@ -152,6 +247,10 @@ pub struct ChatResponse {
     pub choices: Vec<ChatChoice>,
     /// Token usage.
     pub usage: Usage,
+    /// vLLM's prompt logprobs, when asked: the prompt's, once for all choices, at the top
+    /// level as vLLM places them (absent otherwise).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_logprobs: Option<PromptLogprobs>,
 }
 
 /// One chat choice.
@@ -373,6 +472,7 @@ mod tests {
             token: token.to_owned(),
             bytes: token.as_bytes().to_vec(),
             logprob,
+            rank: None,
             top: top
                 .iter()
                 .map(|&(t, l)| TopLogprob {
@@ -383,6 +483,61 @@ mod tests {
                 })
                 .collect(),
         }
+    }
+
+    /// A prompt token with its id, rank and alternatives (id, text, logprob), best first.
+    fn prompt_lp(
+        (id, token, logprob, rank): (u32, &str, Option<f32>, Option<u32>),
+        top: &[(u32, &str, f32)],
+    ) -> TokenLogprob {
+        TokenLogprob {
+            token_id: id,
+            token: token.to_owned(),
+            bytes: token.as_bytes().to_vec(),
+            logprob,
+            rank,
+            top: top
+                .iter()
+                .map(|&(id, t, l)| TopLogprob {
+                    token_id: id,
+                    token: t.to_owned(),
+                    bytes: t.as_bytes().to_vec(),
+                    logprob: l,
+                })
+                .collect(),
+        }
+    }
+
+    /// vLLM's shape: null first, then objects keyed by token id, the prompt's token first and
+    /// once, the top `k` after it with ranks 1..=k, minus infinity as -9999.0.
+    #[test]
+    fn prompt_logprobs_are_written_as_vllm_writes_them() {
+        let top = [(5, "a", -0.5), (7, "b", -1.5), (9, "c", -2.0)];
+        let list = [
+            prompt_lp((1, "<s>", None, None), &[]),
+            // Among the top 2: one entry, in the prompt token's place, ranked as in the top.
+            prompt_lp((7, "b", Some(-1.5), Some(2)), &top),
+            // Outside the top 2: its own rank, then the top 2 (k + 1 entries).
+            prompt_lp((9, "c", Some(-2.0), Some(3)), &top),
+            prompt_lp((11, "d", Some(f32::NEG_INFINITY), Some(40)), &top),
+        ];
+        let json = serde_json::to_string(&PromptLogprobs::from_engine(&list, 2)).unwrap();
+        let lp = |logprob: f32, rank: u32, token: &str| {
+            format!(r#"{{"logprob":{logprob:?},"rank":{rank},"decoded_token":"{token}"}}"#)
+        };
+        let (a, b) = (lp(-0.5, 1, "a"), lp(-1.5, 2, "b"));
+        let want = format!(
+            r#"[null,{{"7":{b},"5":{a}}},{{"9":{},"5":{a},"7":{b}}},{{"11":{},"5":{a},"7":{b}}}]"#,
+            lp(-2.0, 3, "c"),
+            lp(-9999.0, 40, "d"),
+        );
+        assert_eq!(json, want, "key order is vLLM's dictionary's");
+        // k = 0: the prompt's token alone.
+        let json = serde_json::to_value(PromptLogprobs::from_engine(&list[..2], 0)).unwrap();
+        assert_eq!(
+            json,
+            serde_json::json!([null, {"7": {"logprob": -1.5, "rank": 2, "decoded_token": "b"}}])
+        );
     }
 
     #[test]

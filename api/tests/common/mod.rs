@@ -161,6 +161,7 @@ fn sampled_logprob(id: u32, top: u32) -> TokenLogprob {
         token: token_text(id),
         bytes: token_text(id).into_bytes(),
         logprob: Some(-0.5),
+        rank: None,
         top: alternatives.into_iter().take(top as usize).collect(),
     }
 }
@@ -239,6 +240,8 @@ impl EchoEngine {
                             token: token_text(id),
                             bytes: token_text(id).into_bytes(),
                             logprob: (i > 0).then_some(-1.0),
+                            // A stand-in rank: this engine has no vocabulary.
+                            rank: (i > 0).then_some(2),
                             top: if i > 0 {
                                 sampled_logprob(id, k).top
                             } else {
