@@ -310,6 +310,36 @@ print(f"{same}/{len(fx['cases'])} cases beam for beam as transformers, end-to-en
       f"{e2e_same}/{e2e}, every answer best first: {ranked}")
 PY
 )"
+    # vLLM's prompt_logprobs over each golden generation (prompt + its 32 tokens, teacher
+    # forced) against transformers' per-step logprobs and top-1, and equal to echo's numbers.
+    note "serve prompt_logprobs: $(python3 - "$id" <<'PY' 2>&1 | tail -3
+import json, sys, urllib.request
+def post(path, body):
+    req = urllib.request.Request("http://127.0.0.1:18431" + path, json.dumps(body).encode(),
+                                 {"content-type": "application/json"})
+    return json.load(urllib.request.urlopen(req))
+fx = json.load(open("gpu/tests/fixtures/smollm2_golden.json"))
+worst, top1, positions, echo_same = 0.0, 0, 0, True
+for g in fx["generations"]:
+    ids = g["prompt_ids"] + g["tokens"]
+    got = post("/v1/completions", {"model": sys.argv[1], "prompt": ids, "max_tokens": 1,
+               "temperature": 0, "prompt_logprobs": 1})["choices"][0]["prompt_logprobs"]
+    echo = post("/v1/completions", {"model": sys.argv[1], "prompt": ids, "max_tokens": 1,
+                "temperature": 0, "echo": True, "logprobs": 1})["choices"][0]["logprobs"]
+    echo_same &= [None] + [e[str(t)]["logprob"] for e, t in zip(got[1:], ids[1:])] \
+        == echo["token_logprobs"][:len(ids)]
+    for i, step in enumerate(g["steps"]):
+        p = len(g["prompt_ids"]) + i
+        entry = got[p][str(ids[p])]
+        worst = max(worst, abs(entry["logprob"] - step["logprob"]))
+        best = min(got[p].items(), key=lambda kv: kv[1]["rank"])[0]
+        top1 += int(best) == step["top5"][0][0]
+        positions += 1
+print(f"{positions} generated positions of {len(fx['generations'])} golden generations: top-1 as "
+      f"transformers {top1}/{positions}, max |logprob - transformers| {worst:.4f}, "
+      f"equal to echo's: {echo_same}")
+PY
+)"
     # Load through HTTP (`bench serve`, SERVE_BENCH_ARGS): output tok/s, TTFT, TPOT.
     timeout "${BENCH_TIMEOUT:-240}" "$SY" bench serve --base-url http://127.0.0.1:18431 \
       ${SERVE_BENCH_ARGS:---max-concurrency 256 --num-prompts 1000 --input-len 128 --output-len 128} \
