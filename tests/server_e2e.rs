@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{sse_events, stream_chunks, Server};
+use common::{golden, sse_events, stream_chunks, Server};
 use serde_json::{json, Value};
 
 fn server() -> Server {
@@ -225,24 +225,6 @@ fn continuous_usage_stats_count_each_choices_tokens_so_far() {
         chunks.iter().all(|c| c.get("usage").is_none()),
         "{chunks:?}"
     );
-}
-
-/// A golden generation made by Hugging Face transformers
-/// (gpu/tests/fixtures/smollm2_golden.json, made by gpu/reference/make_golden.py).
-fn golden(name: &str) -> Value {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/gpu/tests/fixtures/smollm2_golden.json"
-    );
-    let fixture: Value = serde_json::from_str(&std::fs::read_to_string(path).expect("fixture"))
-        .expect("fixture json");
-    let found = fixture["generations"]
-        .as_array()
-        .expect("generations")
-        .iter()
-        .find(|g| g["name"] == name)
-        .cloned();
-    found.unwrap_or_else(|| panic!("no golden generation {name}"))
 }
 
 /// The reference continuation (decoded text) of a golden prompt.

@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::Server;
+use common::{golden, Server};
 use serde_json::{json, Map, Value};
 
 fn server(name: &str) -> Server {
@@ -18,23 +18,6 @@ fn post(s: &Server, path: &str, body: &Value) -> Value {
     let (status, v) = s.post_json(path, body);
     assert_eq!(status, 200, "{body}: {v}\nlog:\n{}", s.log());
     v
-}
-
-/// A generation of the golden fixture, by name.
-fn golden(name: &str) -> Value {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/gpu/tests/fixtures/smollm2_golden.json"
-    );
-    let fixture: Value = serde_json::from_str(&std::fs::read_to_string(path).expect("fixture"))
-        .expect("fixture json");
-    fixture["generations"]
-        .as_array()
-        .expect("generations")
-        .iter()
-        .find(|g| g["name"] == name)
-        .cloned()
-        .unwrap_or_else(|| panic!("no golden generation {name}"))
 }
 
 fn ids(v: &Value) -> Vec<u64> {

@@ -1732,11 +1732,17 @@ policies: [{{name: fcfs}}]
                     tiers: {lim: {requests_per_minute: 2, tokens_per_minute: 60}, free: {}}\n\
                     scheduler: {max_num_seqs: 8, max_model_len: 100}\ncache: {num_gpu_blocks: 64}\n\
                     workload: {trace: unused.csv, format: azure}\n";
-        let mut sim = Simulation::new(&spec(yaml)).unwrap();
-        sim.cost = CostModel::Calibrated(Calibration {
-            intercept_s: 1e-3,
-            ..Default::default()
-        });
+        // Each request's record after a run of 1 ms steps.
+        let outcomes = |yaml: &str, rs: &[TraceRequest]| {
+            let mut sim = Simulation::new(&spec(yaml)).unwrap();
+            sim.cost = CostModel::Calibrated(Calibration {
+                intercept_s: 1e-3,
+                ..Default::default()
+            });
+            sim.run_policy(&PolicySpec::named("fcfs"), rs, false)
+                .unwrap()
+                .records
+        };
         let of = |tenant: &str, r: TraceRequest| TraceRequest {
             tenant: tenant.into(),
             ..r
@@ -1750,12 +1756,10 @@ policies: [{{name: fcfs}}]
             of("a", req(2.0, 10, 1, "free")),
             of("a", req(40.0, 10, 1, "lim")),
         ];
-        let run = sim
-            .run_policy(&PolicySpec::named("fcfs"), &rs, false)
-            .unwrap();
-        let outcomes: Vec<&str> = run.records.iter().map(|r| r.outcome.as_str()).collect();
+        let records = outcomes(yaml, &rs);
+        let got: Vec<&str> = records.iter().map(|r| r.outcome.as_str()).collect();
         assert_eq!(
-            outcomes,
+            got,
             [
                 "length",
                 "length",
@@ -1768,11 +1772,6 @@ policies: [{{name: fcfs}}]
         );
         // The tokens limit alone: generated tokens are charged as they come.
         let yaml = yaml.replace("requests_per_minute: 2, ", "");
-        let mut sim = Simulation::new(&spec(&yaml)).unwrap();
-        sim.cost = CostModel::Calibrated(Calibration {
-            intercept_s: 1e-3,
-            ..Default::default()
-        });
         // a: 10 + 50 at 0 s, its 50 tokens out by 0.05 s (1 ms steps): at 0.5 s ~0.45 back,
         // refused (it would pass were they not charged); at 1.5 s ~1.45 back: admitted.
         let rs = vec![
@@ -1780,13 +1779,11 @@ policies: [{{name: fcfs}}]
             of("a", req(0.5, 10, 1, "lim")),
             of("a", req(1.5, 10, 1, "lim")),
         ];
-        let run = sim
-            .run_policy(&PolicySpec::named("fcfs"), &rs, false)
-            .unwrap();
-        let outcomes: Vec<&str> = run.records.iter().map(|r| r.outcome.as_str()).collect();
-        assert_eq!(outcomes, ["length", "rate_limited", "length"]);
+        let records = outcomes(&yaml, &rs);
+        let got: Vec<&str> = records.iter().map(|r| r.outcome.as_str()).collect();
+        assert_eq!(got, ["length", "rate_limited", "length"]);
         let summary =
-            crate::report::PolicySummary::new("fcfs", &run.records, &mut [], run.counters.clone());
+            crate::report::PolicySummary::new("fcfs", &records, &mut [], Default::default());
         assert_eq!(summary.rate_limited, 1);
         assert_eq!(summary.tiers[0].rate_limited, 1);
     }

@@ -67,6 +67,25 @@ pub fn wait_exit(child: &mut Child, within: Duration, what: &str) -> std::proces
 }
 
 /// The rank-4 SmolLM2 LoRA adapter of the fixtures (PEFT's format).
+/// A golden generation made by Hugging Face transformers, by name
+/// (gpu/tests/fixtures/smollm2_golden.json, made by gpu/reference/make_golden.py).
+pub fn golden(name: &str) -> serde_json::Value {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/gpu/tests/fixtures/smollm2_golden.json"
+    );
+    let fixture: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).expect("fixture"))
+            .expect("fixture json");
+    fixture["generations"]
+        .as_array()
+        .expect("generations")
+        .iter()
+        .find(|g| g["name"] == name)
+        .cloned()
+        .unwrap_or_else(|| panic!("no golden generation {name}"))
+}
+
 pub fn lora_fixture_dir() -> &'static str {
     concat!(
         env!("CARGO_MANIFEST_DIR"),
