@@ -71,6 +71,10 @@ pub enum ApiError {
     /// OpenAI answers it; the id is bounded).
     #[error("Previous response with id '{0}' not found.")]
     PreviousResponseNotFound(String),
+    /// `DELETE /admin/rate_limits/{tier}/{tenant}` names a tier without rate limits (404; the
+    /// name is bounded).
+    #[error("Tier '{0}' has no rate limits.")]
+    TierNotLimited(String),
     /// The metrics recorder was not handed to the API (404 on `/metrics`).
     #[error("Metrics are not enabled on this server.")]
     MetricsDisabled,
@@ -136,6 +140,7 @@ impl ApiError {
             ),
             Self::RouteNotFound { .. } => (StatusCode::NOT_FOUND, INVALID_REQUEST, None),
             Self::MetricsDisabled => (StatusCode::NOT_FOUND, INVALID_REQUEST, None),
+            Self::TierNotLimited(_) => (StatusCode::NOT_FOUND, INVALID_REQUEST, None),
             Self::EmbeddingsNotServed => (
                 StatusCode::NOT_FOUND,
                 INVALID_REQUEST,

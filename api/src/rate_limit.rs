@@ -244,6 +244,69 @@ impl RateLimiter {
     }
 }
 
+impl RateLimiter {
+    /// What `GET /admin/rate_limits` shows: each limited tier's limits and each tenant's
+    /// budgets as of `now` (by tier, then tenant).
+    pub fn report(&self, now: Instant) -> serde_json::Value {
+        let now_s = now.saturating_duration_since(self.origin).as_secs_f64();
+        let limit = |b: Option<&TokenBucket>| {
+            b.map(|b| {
+                serde_json::json!({
+                    "limit": b.limit(),
+                    "remaining": b.remaining(),
+                    // Until a request would be admitted, and until the budget is full.
+                    "wait_s": b.wait_for(1.0),
+                    "reset_s": b.until_full(),
+                })
+            })
+        };
+        let mut tiers: Vec<_> = self.tiers.iter().collect();
+        tiers.sort_by(|a, b| a.0.cmp(b.0));
+        let tiers: serde_json::Map<String, serde_json::Value> = tiers
+            .into_iter()
+            .map(|(name, l)| {
+                let limits = serde_json::json!({
+                    "requests_per_minute": l.requests_per_minute,
+                    "tokens_per_minute": l.tokens_per_minute,
+                });
+                (name.clone(), limits)
+            })
+            .collect();
+        let mut tenants: Vec<(TenantKey, Arc<Mutex<TenantBudget>>)> = self
+            .tenants
+            .lock()
+            .iter()
+            .map(|(k, v)| (k.clone(), Arc::clone(v)))
+            .collect();
+        tenants.sort_by(|a, b| a.0.cmp(&b.0));
+        let tenants: Vec<serde_json::Value> = tenants
+            .into_iter()
+            .map(|((tier, tenant), budget)| {
+                let mut b = budget.lock();
+                b.refill(now_s);
+                serde_json::json!({
+                    "tier": tier,
+                    "tenant": tenant,
+                    "requests": limit(b.requests()),
+                    "tokens": limit(b.tokens()),
+                })
+            })
+            .collect();
+        serde_json::json!({ "tiers": tiers, "tenants": tenants })
+    }
+
+    /// Gives `tenant` of `tier` a full budget again (its next request starts afresh; tokens
+    /// its requests in flight still use are not counted). `None` when the tier has no limits;
+    /// `Some(false)` when the tenant had no budget yet (it was full).
+    pub fn reset(&self, tier: &str, tenant: &str) -> Option<bool> {
+        if !self.tiers.contains_key(tier) {
+            return None;
+        }
+        let key = (tier.to_owned(), tenant.to_owned());
+        Some(self.tenants.lock().remove(&key).is_some())
+    }
+}
+
 /// The estimate of a prompt's tokens held between admission and tokenization: its bytes / 4
 /// (rounded up), its length for token ids, the JSON of its messages / 4 for chat.
 pub fn estimate_prompt_tokens(prompt: &PromptInput) -> u64 {

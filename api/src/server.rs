@@ -123,6 +123,16 @@ pub fn configure(cfg: &mut web::ServiceConfig, state: ApiState) {
                     web::resource("/lora/{name}")
                         .route(web::delete().to(routes::unload_lora))
                         .default_service(method_not_allowed("DELETE")),
+                )
+                .service(
+                    web::resource("/rate_limits")
+                        .route(web::get().to(routes::get_rate_limits))
+                        .default_service(method_not_allowed("GET")),
+                )
+                .service(
+                    web::resource("/rate_limits/{tier}/{tenant}")
+                        .route(web::delete().to(routes::reset_rate_limit))
+                        .default_service(method_not_allowed("DELETE")),
                 ),
         )
         .service(

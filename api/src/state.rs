@@ -35,7 +35,7 @@ pub struct ApiState {
     /// The Responses API's stored responses.
     pub(crate) responses: Arc<ResponseStore>,
     /// The tenants' rate limits.
-    rate_limiter: Arc<RateLimiter>,
+    pub(crate) rate_limiter: Arc<RateLimiter>,
 }
 
 struct Lifecycle {

@@ -173,3 +173,70 @@ async fn a_request_the_engine_refuses_gives_its_estimate_back() {
     // The estimate came back: only this request's own estimate (1) is held.
     assert_eq!(header(&reply, "x-ratelimit-remaining-tokens"), Some("99"));
 }
+
+fn admin(method: actix_web::http::Method, path: &str) -> actix_web::test::TestRequest {
+    actix_web::test::TestRequest::default()
+        .method(method)
+        .uri(path)
+        .insert_header(("authorization", format!("Bearer {ADMIN_KEY}")))
+}
+
+#[actix_web::test]
+async fn the_admin_api_shows_each_tenants_budget_and_resets_one() {
+    use actix_web::http::Method;
+    let limits = TierLimits {
+        requests_per_minute: Some(2),
+        tokens_per_minute: Some(600),
+    };
+    let (_, app) = app(EchoEngine::new(), config(limits)).await;
+    let body = json!({"prompt": "abcd", "max_tokens": 6});
+    for _ in 0..2 {
+        let reply = send(&app, post("/v1/completions", &body)).await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+    }
+    assert_eq!(send(&app, post("/v1/completions", &body)).await.status, 429);
+    let reply = send(&app, admin(Method::GET, "/admin/rate_limits")).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    let v = reply.json();
+    assert_eq!(
+        v["tiers"],
+        json!({"premium": {"requests_per_minute": 2, "tokens_per_minute": 600}})
+    );
+    let tenants = v["tenants"].as_array().unwrap();
+    assert_eq!(tenants.len(), 1, "{v}");
+    let acme = &tenants[0];
+    assert_eq!(
+        (acme["tier"].as_str(), acme["tenant"].as_str()),
+        (Some("premium"), Some("acme"))
+    );
+    assert_eq!(acme["requests"]["limit"], 2);
+    assert_eq!(acme["requests"]["remaining"], 0);
+    // One request refills every 30 s.
+    let wait = acme["requests"]["wait_s"].as_f64().unwrap();
+    assert!(wait > 29.0 && wait <= 30.0, "{acme}");
+    // Two requests of 4 + 6 tokens.
+    assert_eq!(acme["tokens"]["remaining"], 580, "{acme}");
+    // Reset: the next request finds a full budget.
+    let reply = send(
+        &app,
+        admin(Method::DELETE, "/admin/rate_limits/premium/acme"),
+    )
+    .await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(reply.json()["reset"], true);
+    let reply = send(&app, post("/v1/completions", &body)).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(header(&reply, "x-ratelimit-remaining-requests"), Some("1"));
+    // A tenant never limited has nothing to reset; a tier without limits is a 404; the admin
+    // key is needed.
+    let reply = send(
+        &app,
+        admin(Method::DELETE, "/admin/rate_limits/premium/bob"),
+    )
+    .await;
+    assert_eq!(reply.json()["reset"], false);
+    let reply = send(&app, admin(Method::DELETE, "/admin/rate_limits/free/carol")).await;
+    reply.assert_error(404, "invalid_request_error", None);
+    let reply = send(&app, post("/admin/rate_limits", &json!({}))).await;
+    assert_eq!(reply.status, 401, "{}", reply.text());
+}

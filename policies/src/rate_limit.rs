@@ -148,16 +148,21 @@ impl TenantBudget {
         self.tokens.as_ref()
     }
 
-    /// Admits a request at `now_s` while a request and a token are left, taking one request
-    /// and `tokens` (what it is charged at once: an estimate or its prompt); or refuses it,
-    /// taking nothing (the requests limit is checked first).
-    pub fn admit(&mut self, now_s: f64, tokens: f64) -> Result<(), Refusal> {
+    /// Brings both buckets up to `now_s`.
+    pub fn refill(&mut self, now_s: f64) {
         for bucket in [self.requests.as_mut(), self.tokens.as_mut()]
             .into_iter()
             .flatten()
         {
             bucket.refill(now_s);
         }
+    }
+
+    /// Admits a request at `now_s` while a request and a token are left, taking one request
+    /// and `tokens` (what it is charged at once: an estimate or its prompt); or refuses it,
+    /// taking nothing (the requests limit is checked first).
+    pub fn admit(&mut self, now_s: f64, tokens: f64) -> Result<(), Refusal> {
+        self.refill(now_s);
         let short = [
             (LimitKind::Requests, self.requests.as_ref()),
             (LimitKind::Tokens, self.tokens.as_ref()),

@@ -412,6 +412,29 @@ pub(crate) async fn unload_lora(
     Ok(HttpResponse::Ok().json(serde_json::json!({ "unloaded": name })))
 }
 
+/// `GET /admin/rate_limits`: each limited tier's limits and each tenant's budgets now.
+pub(crate) async fn get_rate_limits(state: web::Data<ApiState>) -> HttpResponse {
+    HttpResponse::Ok().json(state.rate_limiter.report(std::time::Instant::now()))
+}
+
+/// `DELETE /admin/rate_limits/{tier}/{tenant}`: gives the tenant a full budget again.
+pub(crate) async fn reset_rate_limit(
+    state: web::Data<ApiState>,
+    path: web::Path<(String, String)>,
+) -> Result<HttpResponse, ApiError> {
+    let (tier, tenant) = path.into_inner();
+    let Some(had) = state.rate_limiter.reset(&tier, &tenant) else {
+        return Err(ApiError::TierNotLimited(tier.chars().take(256).collect()));
+    };
+    tracing::info!(%tier, %tenant, "rate-limit budget reset through the admin API");
+    Ok(HttpResponse::Ok().json(serde_json::json!({
+        "tier": tier,
+        "tenant": tenant,
+        // Whether it had a budget to reset (one never limited was full already).
+        "reset": had,
+    })))
+}
+
 /// Fallback for unknown paths.
 pub(crate) async fn not_found(req: HttpRequest) -> Result<HttpResponse, ApiError> {
     Err(ApiError::RouteNotFound {
