@@ -8,6 +8,10 @@
 //! has refilled). Time is passed in, as seconds from an origin of the caller's choosing (a
 //! time before the last one seen refills nothing).
 
+/// How far below one unit a bucket may be and still admit: times are differences of floats,
+/// so a client that waits exactly the time it was told must not miss by a rounding error.
+const SLACK: f64 = 1e-9;
+
 /// A tier's limits, each applied to every tenant of the tier on its own.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct TierLimits {
@@ -169,7 +173,7 @@ impl TenantBudget {
         ]
         .into_iter()
         .find_map(|(kind, bucket)| {
-            let bucket = bucket.filter(|b| b.level < 1.0)?;
+            let bucket = bucket.filter(|b| b.level < 1.0 - SLACK)?;
             Some(Refusal {
                 kind,
                 limit: bucket.limit,
@@ -223,6 +227,25 @@ mod tests {
         assert!(b.admit(0.9, 0.0).is_err());
         assert!(b.admit(1.0, 0.0).is_ok());
         assert!(b.admit(1.5, 0.0).is_err());
+    }
+
+    #[test]
+    fn the_wait_it_was_told_is_enough_whatever_the_clock_offset() {
+        // Times off the origin: (0.9 + 1.0) - 0.9 is 0.9999999999999999 in floats.
+        for start in [0.9, 0.0007, 12345.678901] {
+            let mut b = TenantBudget::new(
+                TierLimits {
+                    requests_per_minute: Some(60),
+                    tokens_per_minute: None,
+                },
+                start,
+            );
+            for _ in 0..60 {
+                b.admit(start, 0.0).unwrap();
+            }
+            let e = b.admit(start, 0.0).unwrap_err();
+            assert!(b.admit(start + e.retry_after_s, 0.0).is_ok(), "{start}");
+        }
     }
 
     #[test]
