@@ -252,3 +252,36 @@ fn a_missing_model_path_is_refused_naming_the_key_and_its_line() {
     let (ok, err) = check(Path::new(EXAMPLE), &[], &[]);
     assert!(ok, "the example's empty model.path was refused: {err}");
 }
+
+/// An entry of `lora.adapter_dirs` that is not a directory is refused before the model loads,
+/// naming its index and what it is.
+#[test]
+fn lora_adapter_dirs_must_be_directories() {
+    let set = |value: &str| {
+        vec![
+            "--set".to_owned(),
+            "lora.enabled=true".into(),
+            "--set".into(),
+            format!("lora.adapter_dirs={value}"),
+        ]
+    };
+    let args = set("[/nonexistent/adapters]");
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let err = refused(Path::new(EXAMPLE), &args, &[]);
+    assert!(
+        err.contains("lora.adapter_dirs[0]: cannot read `/nonexistent/adapters`: no such file"),
+        "{err}"
+    );
+    let file = Path::new(env!("CARGO_MANIFEST_DIR")).join(EXAMPLE);
+    let args = set(&format!("[/tmp, {}]", file.display()));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let err = refused(Path::new(EXAMPLE), &args, &[]);
+    assert!(
+        err.contains("lora.adapter_dirs[1]") && err.contains("is not a directory"),
+        "{err}"
+    );
+    let args = set("[/tmp]");
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (ok, err) = check(Path::new(EXAMPLE), &args, &[]);
+    assert!(ok, "{err}");
+}

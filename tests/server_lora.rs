@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{lora_fixture_dir, Server};
+use common::{lora_fixture_dir, scratch, Server};
 use serde_json::{json, Value};
 
 const ADMIN: (&str, &str) = ("Authorization", "Bearer admin-secret-key");
@@ -73,18 +73,37 @@ fn completion_steps(v: &Value) -> Vec<Step> {
 /// Greedy chat answer of `model` to the haiku prompt of both fixtures, with each token's two
 /// most likely alternatives.
 fn haiku(s: &Server, model: &str) -> (u16, Value) {
-    s.post_json(
-        "/v1/chat/completions",
-        &json!({"model": model, "max_tokens": 12, "temperature": 0,
-                "logprobs": true, "top_logprobs": 2,
-                "messages": [{"role": "user", "content": "Write a haiku about trains."}]}),
-    )
+    haiku_as(s, None, model)
+}
+
+/// [`haiku`] with the API key `key`, if any.
+fn haiku_as(s: &Server, key: Option<&str>, model: &str) -> (u16, Value) {
+    let body = json!({"model": model, "max_tokens": 12, "temperature": 0,
+                      "logprobs": true, "top_logprobs": 2,
+                      "messages": [{"role": "user", "content": "Write a haiku about trains."}]});
+    let auth = key.map(|k| format!("Bearer {k}"));
+    let headers: Vec<(&str, &str)> = auth.iter().map(|a| ("Authorization", a.as_str())).collect();
+    let r = s
+        .request(
+            "POST",
+            "/v1/chat/completions",
+            Some(&body.to_string()),
+            &headers,
+        )
+        .expect("request");
+    let v = serde_json::from_str(&r.body).unwrap_or(Value::String(r.body.clone()));
+    (r.status, v)
 }
 
 /// `model`'s haiku answer follows the reference answer in `fixture` ([`follows_reference`]),
 /// and the response names `model`.
 fn assert_haiku(s: &Server, model: &str, fixture: &str) {
-    let (status, v) = haiku(s, model);
+    assert_haiku_as(s, None, model, fixture);
+}
+
+/// [`assert_haiku`] with the API key `key`, if any.
+fn assert_haiku_as(s: &Server, key: Option<&str>, model: &str, fixture: &str) {
+    let (status, v) = haiku_as(s, key, model);
     assert_eq!(status, 200, "{v}\n{}", s.log());
     assert_eq!(v["model"], model);
     let steps: Vec<Step> = v["choices"][0]["logprobs"]["content"]
@@ -490,4 +509,89 @@ lora:
     assert_eq!(cached() - start, reusable);
     assert_eq!(embed("tuned"), tuned);
     assert_eq!(cached() - start, 2.0 * reusable);
+}
+
+/// Adapters in `lora.adapter_dirs` are served from the first request naming them (vLLM's
+/// filesystem resolver), with the same weights as when registered, and only to the keys whose
+/// `adapters` patterns match them: to the others they do not exist.
+#[test]
+fn adapters_in_a_directory_are_served_on_demand_to_the_keys_that_may_name_them() {
+    const ACME: &str = "acme-key-000001";
+    const OPS: &str = "ops-key-0000001";
+    let root = scratch("lora-dirs", "adapters");
+    for name in ["acme-tuned", "bob-tuned"] {
+        let dir = root.join(name);
+        std::fs::create_dir_all(&dir).expect("dir");
+        for f in ["adapter_config.json", "adapter_model.safetensors"] {
+            std::fs::copy(format!("{}/{f}", lora_fixture_dir()), dir.join(f)).expect("copy");
+        }
+    }
+    let s = &Server::start_with(
+        "lora-dirs",
+        &format!(
+            "  admin_key: admin-secret-key\n  api_keys:\n    - {{ key: {ACME}, tenant: acme, adapters: [acme-*] }}\n    - {{ key: {OPS}, tenant: ops }}\n"
+        ),
+        &format!(
+            "scheduler:\n  max_num_seqs: 16\n  max_num_batched_tokens: 1024\nlora:\n  enabled: true\n  adapter_dirs: [{}]\n",
+            root.display()
+        ),
+    );
+    let get = |key: &str, path: &str| -> (u16, Value) {
+        let auth = format!("Bearer {key}");
+        let r = s
+            .request("GET", path, None, &[("Authorization", auth.as_str())])
+            .expect("request");
+        (
+            r.status,
+            serde_json::from_str(&r.body).unwrap_or(Value::Null),
+        )
+    };
+    let listed = |key: &str| -> Vec<String> {
+        let (status, v) = get(key, "/v1/models");
+        assert_eq!(status, 200, "{v}");
+        v["data"]
+            .as_array()
+            .expect("data")
+            .iter()
+            .skip(1)
+            .map(|m| m["id"].as_str().expect("id").to_owned())
+            .collect()
+    };
+    // Nothing is registered before a request names it.
+    assert!(listed(ACME).is_empty() && listed(OPS).is_empty());
+    // Found on the first request, and answering as the same adapter registered does.
+    assert_haiku_as(s, Some(ACME), "acme-tuned", "lora_golden.json");
+    assert_eq!(listed(ACME), ["acme-tuned"]);
+    // Another tenant's adapter is no model to acme, though it is there: the same 404 as one
+    // that is not, and nothing is loaded for it.
+    for model in ["bob-tuned", "acme-missing"] {
+        let (status, v) = haiku_as(s, Some(ACME), model);
+        assert_eq!(status, 404, "{model}: {v}");
+        assert_eq!(v["error"]["code"], "model_not_found", "{model}");
+    }
+    assert_eq!(get(ACME, "/v1/models/bob-tuned").0, 404);
+    assert_eq!(
+        listed(OPS),
+        ["acme-tuned"],
+        "bob-tuned was not loaded for acme"
+    );
+    // A key without patterns names every adapter; retrieving one finds it too.
+    let (status, card) = get(OPS, "/v1/models/bob-tuned");
+    assert_eq!(status, 200, "{card}");
+    let base = get(OPS, "/v1/models").1["data"][0]["id"].clone();
+    assert_eq!(card["parent"], base);
+    assert_haiku_as(s, Some(OPS), "bob-tuned", "lora_golden.json");
+    assert_eq!(listed(OPS), ["acme-tuned", "bob-tuned"]);
+    assert_eq!(listed(ACME), ["acme-tuned"]);
+    let (status, admin) = get("admin-secret-key", "/admin/lora");
+    assert_eq!(status, 200, "{admin}");
+    let adapters = admin["adapters"].as_array().expect("adapters");
+    assert_eq!(adapters.len(), 2, "{admin}");
+    assert!(adapters.iter().all(|a| a["discovered"] == true), "{admin}");
+    s.assert_logged(&[
+        "LoRA adapter registered",
+        "name=\"bob-tuned\"",
+        "discovered=true",
+    ]);
+    let _ = std::fs::remove_dir_all(&root);
 }

@@ -88,6 +88,38 @@ pub struct ApiKeyEntry {
     pub tenant: String,
     /// Service tier of the key's requests.
     pub tier: String,
+    /// The LoRA adapters the key's requests may name.
+    pub adapters: AdapterAccess,
+}
+
+/// The LoRA adapters an API key's requests may name as `model` (its `adapters` patterns:
+/// names, or prefixes ending in `*`); every adapter by default. An adapter a key may not name
+/// is `model_not_found` to it, listed nowhere it can see, as if it did not exist.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AdapterAccess(Option<Arc<[String]>>);
+
+impl AdapterAccess {
+    /// Every adapter.
+    pub fn all() -> Self {
+        Self(None)
+    }
+
+    /// Only the adapters `patterns` match (checked by the configuration:
+    /// `switchyard_config::check_adapter_pattern`); none for an empty list.
+    pub fn only(patterns: Vec<String>) -> Self {
+        Self(Some(patterns.into()))
+    }
+
+    /// Whether the adapter `name` may be named: O(patterns), at most 256 of them.
+    pub fn allows(&self, name: &str) -> bool {
+        let Some(patterns) = &self.0 else {
+            return true;
+        };
+        patterns.iter().any(|p| match p.strip_suffix('*') {
+            Some(prefix) => name.starts_with(prefix),
+            None => p == name,
+        })
+    }
 }
 
 impl std::fmt::Debug for ApiConfig {
@@ -116,6 +148,7 @@ impl std::fmt::Debug for ApiKeyEntry {
             .field("key", &"<redacted>")
             .field("tenant", &self.tenant)
             .field("tier", &self.tier)
+            .field("adapters", &self.adapters)
             .finish()
     }
 }
@@ -128,6 +161,8 @@ pub struct Principal {
     pub tenant: String,
     /// The caller's tier.
     pub tier: String,
+    /// The LoRA adapters the caller may name.
+    pub adapters: AdapterAccess,
 }
 
 /// What a request's `Authorization` header presents.
@@ -173,6 +208,7 @@ impl ApiConfig {
             return Ok(Principal {
                 tenant: self.anonymous_tenant.clone(),
                 tier: self.default_tier.clone(),
+                adapters: AdapterAccess::all(),
             });
         }
         let presented = match presented {
@@ -199,6 +235,7 @@ impl ApiConfig {
             .map(|e| Principal {
                 tenant: e.tenant.clone(),
                 tier: e.tier.clone(),
+                adapters: e.adapters.clone(),
             })
             .ok_or(ApiError::Unauthorized("Incorrect API key provided."))
     }
@@ -330,11 +367,13 @@ mod tests {
                     key: "sk-a".into(),
                     tenant: "acme".into(),
                     tier: "premium".into(),
+                    adapters: AdapterAccess::only(vec!["acme-*".into(), "shared".into()]),
                 },
                 ApiKeyEntry {
                     key: "sk-b".into(),
                     tenant: "bob".into(),
                     tier: "batch".into(),
+                    adapters: AdapterAccess::all(),
                 },
             ],
             admin_key: Some("adm".into()),
@@ -346,6 +385,33 @@ mod tests {
     fn each_key_maps_to_its_tenant_and_tier() {
         let p = config().authenticate(Presented::Bearer(b"sk-b")).unwrap();
         assert_eq!((p.tenant.as_str(), p.tier.as_str()), ("bob", "batch"));
+    }
+
+    /// A key's adapter patterns: exact names and prefixes; every adapter without patterns,
+    /// none with an empty list.
+    #[test]
+    fn each_key_may_name_the_adapters_its_patterns_match() {
+        let c = config();
+        let acme = c.authenticate(Presented::Bearer(b"sk-a")).unwrap().adapters;
+        for (name, allowed) in [
+            ("acme-sql", true),
+            ("acme-", true),
+            ("shared", true),
+            ("shared-v2", false),
+            ("bob-sql", false),
+            ("acm", false),
+        ] {
+            assert_eq!(acme.allows(name), allowed, "{name}");
+        }
+        let bob = c.authenticate(Presented::Bearer(b"sk-b")).unwrap().adapters;
+        assert!(bob.allows("acme-sql") && bob.allows("anything"));
+        assert!(!AdapterAccess::only(Vec::new()).allows("acme-sql"));
+        assert!(AdapterAccess::only(vec!["*".into()]).allows("acme-sql"));
+        // An open API serves every adapter.
+        let open = ApiConfig::default()
+            .authenticate(Presented::Nothing)
+            .unwrap();
+        assert_eq!(open.adapters, AdapterAccess::all());
     }
 
     #[test]

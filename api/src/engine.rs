@@ -152,6 +152,16 @@ pub trait Engine: Send + Sync + 'static {
         self.lora_adapters().iter().any(|a| a.name == name)
     }
 
+    /// Whether requests may name the LoRA adapter `name`, once the engine has made it
+    /// servable: an engine that serves adapters from directories on demand
+    /// (`lora.adapter_dirs`) registers the one it finds there. `false`: there is no such
+    /// adapter. An adapter found that cannot be served now is an
+    /// [`EngineErrorKind::Unavailable`].
+    fn find_lora_adapter(&self, name: String) -> EngineFuture<bool> {
+        let found = self.has_lora_adapter(&name);
+        Box::pin(async move { Ok(found) })
+    }
+
     /// Loads a LoRA adapter from a directory on the server and serves it under `name`. A bad
     /// name or file is an [`EngineErrorKind::InvalidRequest`].
     fn load_lora(&self, name: String, path: String) -> EngineFuture<LoraAdapterInfo> {
@@ -184,6 +194,9 @@ pub struct LoraAdapterInfo {
     pub path: String,
     /// Its rank.
     pub rank: usize,
+    /// Found in one of `lora.adapter_dirs` on a request (rather than registered by the
+    /// configuration or an admin).
+    pub discovered: bool,
 }
 
 /// Shared by the prompts of one HTTP request. When one of them fails, the HTTP layer records

@@ -48,7 +48,7 @@ mod throttle;
 pub mod tls;
 mod unread_body;
 
-pub use auth::{ApiConfig, ApiKeyEntry, Principal};
+pub use auth::{AdapterAccess, ApiConfig, ApiKeyEntry, Principal};
 pub use engine::Engine;
 pub use error::ApiError;
 pub use response_store::StoreLimits;

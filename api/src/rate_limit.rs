@@ -395,6 +395,7 @@ mod tests {
         Principal {
             tenant: tenant.into(),
             tier: tier.into(),
+            adapters: crate::auth::AdapterAccess::all(),
         }
     }
 

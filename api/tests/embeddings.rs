@@ -310,6 +310,7 @@ async fn a_lora_adapter_is_a_model_and_an_unknown_model_is_404() {
         name: "sql/expert".into(),
         path: "/srv/sql".into(),
         rank: 8,
+        discovered: false,
     });
     let (_, app) = app(engine.clone(), api_config()).await;
     let reply = send(

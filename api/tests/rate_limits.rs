@@ -24,11 +24,13 @@ fn config(limits: TierLimits) -> ApiConfig {
         key: BOB.into(),
         tenant: "bob".into(),
         tier: "premium".into(),
+        adapters: switchyard_api::AdapterAccess::all(),
     });
     config.api_keys.push(ApiKeyEntry {
         key: CAROL.into(),
         tenant: "carol".into(),
         tier: "free".into(),
+        adapters: switchyard_api::AdapterAccess::all(),
     });
     config.tiers = vec!["premium".into(), "free".into()];
     config.rate_limits = HashMap::from([("premium".to_owned(), limits)]);

@@ -204,6 +204,107 @@ async fn unknown_routes_and_methods_get_openai_bodies() {
     send(&app, request).await.assert_error(404, BAD, None);
 }
 
+/// A key with `adapters` patterns sees only the adapters they match: listed, retrieved and
+/// served; any other is `model_not_found` to it, the same answer as an adapter that does not
+/// exist. The base model stays open to it, and a key without patterns sees every adapter.
+#[actix_web::test]
+async fn a_key_names_only_the_adapters_its_patterns_allow() {
+    const LIMITED: &str = "sk-limited-key-0001";
+    let engine = EchoEngine::new();
+    for name in ["acme-sql", "bob-sql", "shared"] {
+        engine
+            .lora
+            .lock()
+            .unwrap()
+            .push(switchyard_api::engine::LoraAdapterInfo {
+                name: name.into(),
+                path: format!("/srv/{name}"),
+                rank: 8,
+                discovered: false,
+            });
+    }
+    let mut config = api_config();
+    config.api_keys.push(switchyard_api::ApiKeyEntry {
+        key: LIMITED.into(),
+        tenant: "acme".into(),
+        tier: "premium".into(),
+        adapters: switchyard_api::AdapterAccess::only(vec!["acme-*".into(), "shared".into()]),
+    });
+    let (_, app) = app(engine, config).await;
+    let as_key = |key: &str, request: TestRequest| {
+        request.insert_header(("authorization", format!("Bearer {key}")))
+    };
+    let ids = |v: Value| -> Vec<String> {
+        v["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["id"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    let listed = send(&app, as_key(LIMITED, TestRequest::get().uri("/v1/models")))
+        .await
+        .json();
+    assert_eq!(ids(listed), [MODEL, "acme-sql", "shared"]);
+    let listed = send(&app, as_key(KEY, TestRequest::get().uri("/v1/models")))
+        .await
+        .json();
+    assert_eq!(ids(listed), [MODEL, "acme-sql", "bob-sql", "shared"]);
+    let complete = |key: &'static str, model: &str| {
+        as_key(
+            key,
+            TestRequest::post()
+                .uri("/v1/completions")
+                .set_json(json!({"model": model, "prompt": "hi", "max_tokens": 2})),
+        )
+    };
+    for model in [MODEL, "acme-sql", "shared"] {
+        let reply = send(&app, complete(LIMITED, model)).await;
+        assert_eq!(reply.status, 200, "{model}: {}", reply.text());
+    }
+    let hidden =
+        send(&app, complete(LIMITED, "bob-sql"))
+            .await
+            .assert_error(404, BAD, Some("model"));
+    let missing = send(&app, complete(LIMITED, "acme-none"))
+        .await
+        .assert_error(404, BAD, Some("model"));
+    assert_eq!(hidden["error"]["code"], "model_not_found");
+    assert_eq!(
+        hidden["error"]["message"]
+            .as_str()
+            .unwrap()
+            .replace("bob-sql", "X"),
+        missing["error"]["message"]
+            .as_str()
+            .unwrap()
+            .replace("acme-none", "X"),
+        "a hidden adapter reads as one that does not exist"
+    );
+    let reply = send(&app, complete(KEY, "bob-sql")).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    for (key, uri, status) in [
+        (LIMITED, "/v1/models/bob-sql", 404),
+        (LIMITED, "/v1/models/acme-sql", 200),
+        (KEY, "/v1/models/bob-sql", 200),
+    ] {
+        let reply = send(&app, as_key(key, TestRequest::get().uri(uri))).await;
+        assert_eq!(reply.status, status, "{uri}: {}", reply.text());
+    }
+    // Embeddings and /tokenize check the same way.
+    let reply = send(
+        &app,
+        as_key(
+            LIMITED,
+            TestRequest::post()
+                .uri("/tokenize")
+                .set_json(json!({"model": "bob-sql", "prompt": "hi"})),
+        ),
+    )
+    .await;
+    reply.assert_error(404, BAD, Some("model"));
+}
+
 /// `GET /v1/models/{id}` (the OpenAI SDK's `models.retrieve`) answers the card `GET
 /// /v1/models` lists, adapters included; an unknown id is OpenAI's 404.
 #[actix_web::test]
@@ -217,6 +318,7 @@ async fn a_model_is_retrieved_as_listed() {
             name: "sql/expert".into(),
             path: "/srv/sql".into(),
             rank: 8,
+            discovered: false,
         });
     let (_, app) = app(engine, api_config()).await;
     let get = |uri: &str| {

@@ -64,7 +64,7 @@ impl Config {
                 file: shown.clone(),
                 line: e.location().map(|l| l.line()),
                 message: format!(
-                    "{FILE_FIELD}: expected a list of {{key, tenant, tier}} entries: {e}"
+                    "{FILE_FIELD}: expected a list of {{key, tenant, tier, adapters}} entries: {e}"
                 ),
             })?
         };
@@ -230,5 +230,63 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("t.yaml:2: server.admin_key"), "{e}");
+    }
+
+    /// A key's `adapters` are names or prefixes ending in `*`, bounded; a bad one is named
+    /// with its entry, inline and in the keys file.
+    #[test]
+    fn key_adapter_patterns_are_checked() {
+        let keys = load(
+            "patterns",
+            "",
+            b"- { key: file-key-00001, tenant: b, adapters: [acme-*, shared.v1, '*'] }\n- { key: file-key-00002, tenant: c, adapters: [] }\n",
+        )
+        .unwrap();
+        assert_eq!(
+            keys[0].adapters.as_deref(),
+            Some(&["acme-*".to_string(), "shared.v1".into(), "*".into()][..])
+        );
+        assert_eq!(keys[1].adapters.as_deref(), Some(&[][..]));
+        for (bad, says) in [
+            ("'a*b'", "may only end"),
+            ("'**'", "may only end"),
+            ("'a/*'", "ASCII letters"),
+            ("'..'", "not"),
+            ("''", "1 to 128"),
+        ] {
+            let e = load(
+                "bad-pattern",
+                "",
+                format!("- {{ key: file-key-00001, tenant: b, adapters: [{bad}] }}\n").as_bytes(),
+            )
+            .unwrap_err()
+            .to_string();
+            assert!(
+                e.contains("server.api_keys_file[0].adapters") && e.contains(says),
+                "{bad}: {e}"
+            );
+        }
+        let long = format!(
+            "[{}]",
+            vec!["a"; crate::MAX_ADAPTER_PATTERNS + 1].join(", ")
+        );
+        let e = Config::from_yaml_str(
+            &format!(
+                "server:\n  api_keys:\n    - {{ key: k-00000001, tenant: a, adapters: {long} }}\n"
+            ),
+            "t.yaml",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("server.api_keys[0].adapters") && e.contains("at most 256"),
+            "{e}"
+        );
+        let prefix = format!("{}*", "p".repeat(crate::MAX_ADAPTER_NAME));
+        assert!(
+            crate::check_adapter_pattern(&prefix).is_err(),
+            "no name fits after it"
+        );
+        assert!(crate::check_adapter_pattern(&prefix[1..]).is_ok());
     }
 }

@@ -512,7 +512,10 @@ impl Default for ModelSection {
 
 /// One API key and who it belongs to.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields, expecting = "a mapping of key, tenant and tier")]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a mapping of key, tenant, tier and adapters"
+)]
 pub struct ApiKeyEntry {
     /// The secret bearer token.
     pub key: String,
@@ -521,6 +524,39 @@ pub struct ApiKeyEntry {
     /// Default tier for this tenant's requests.
     #[serde(default)]
     pub tier: Option<String>,
+    /// The LoRA adapters the key's requests may name as `model`: names, or name prefixes
+    /// ending in `*` (`acme-*`; `*` alone is every adapter), at most
+    /// [`MAX_ADAPTER_PATTERNS`]. `None` (the default): every adapter; `[]`: none, the base
+    /// model only. Other adapters are `model_not_found` to the key, as if they did not exist.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adapters: Option<Vec<String>>,
+}
+
+/// Most patterns in an API key's `adapters`.
+pub const MAX_ADAPTER_PATTERNS: usize = 256;
+
+/// Checks one pattern of an API key's `adapters`: an adapter name as
+/// [`check_adapter_name`] accepts it, or a prefix of one (possibly empty) followed by `*`.
+pub fn check_adapter_pattern(pattern: &str) -> Result<(), String> {
+    let (prefix, wildcard) = match pattern.strip_suffix('*') {
+        Some(prefix) => (prefix, true),
+        None => (pattern, false),
+    };
+    if prefix.contains('*') {
+        return Err(format!(
+            "`{pattern}`: `*` may only end a pattern (a name prefix: `acme-*`)"
+        ));
+    }
+    if !wildcard {
+        return check_adapter_name(pattern);
+    }
+    if prefix.is_empty() {
+        return Ok(());
+    }
+    // A prefix of a valid name: every character allowed, and not too long for a name to
+    // follow it. `.` alone is a valid prefix (of `.x`).
+    let probe = format!("{prefix}x");
+    check_adapter_name(&probe).map_err(|why| format!("`{pattern}`: {why}"))
 }
 
 /// Longest tenant name (the scheduler's label bound).
@@ -545,6 +581,17 @@ impl ApiKeyEntry {
         if let Some(t) = &self.tier {
             if !tiers.contains_key(t) {
                 return Err(("tier", format!("unknown tier `{t}`")));
+            }
+        }
+        if let Some(patterns) = &self.adapters {
+            if patterns.len() > MAX_ADAPTER_PATTERNS {
+                return Err((
+                    "adapters",
+                    format!("at most {MAX_ADAPTER_PATTERNS} patterns"),
+                ));
+            }
+            for p in patterns {
+                check_adapter_pattern(p).map_err(|why| ("adapters", why))?;
             }
         }
         Ok(())
@@ -900,7 +947,15 @@ pub struct LoraSection {
     pub max_cpu_loras: usize,
     /// Adapters registered at start.
     pub adapters: Vec<LoraAdapterEntry>,
+    /// Directories of adapters served on demand (vLLM's filesystem LoRA resolver): a request
+    /// naming an adapter that is not registered is served the adapter in `<dir>/<name>/` of
+    /// the first directory that has one (`adapter_config.json` there), registered on that
+    /// first request. At most [`MAX_ADAPTER_DIRS`]; `~/` expands.
+    pub adapter_dirs: Vec<String>,
 }
+
+/// Most entries of `lora.adapter_dirs`.
+pub const MAX_ADAPTER_DIRS: usize = 16;
 
 impl Default for LoraSection {
     fn default() -> Self {
@@ -911,6 +966,7 @@ impl Default for LoraSection {
             max_adapters: 64,
             max_cpu_loras: 8,
             adapters: Vec::new(),
+            adapter_dirs: Vec::new(),
         }
     }
 }
@@ -1112,6 +1168,26 @@ impl Config {
                 "lora.adapters".into(),
                 "adapters are listed but lora.enabled is false".into(),
             ));
+        }
+        if !self.lora.adapter_dirs.is_empty() && !self.lora.enabled {
+            return Err((
+                "lora.adapter_dirs".into(),
+                "adapter directories are listed but lora.enabled is false".into(),
+            ));
+        }
+        if self.lora.adapter_dirs.len() > MAX_ADAPTER_DIRS {
+            return Err((
+                "lora.adapter_dirs".into(),
+                format!("at most {MAX_ADAPTER_DIRS} directories"),
+            ));
+        }
+        for (i, d) in self.lora.adapter_dirs.iter().enumerate() {
+            if d.is_empty() || d.len() > 4096 {
+                return Err((
+                    format!("lora.adapter_dirs[{i}]"),
+                    "paths are 1-4096 bytes".into(),
+                ));
+            }
         }
         if self.lora.adapters.len() > self.lora.max_adapters {
             return Err((

@@ -206,3 +206,27 @@ fn lora_adapter_names_are_url_safe() {
         assert_eq!(switchyard_config::check_adapter_name(good), Ok(()));
     }
 }
+
+/// `lora.adapter_dirs` needs LoRA on, holds at most 16 paths of 1 to 4096 bytes.
+#[test]
+fn lora_adapter_dirs_are_bounded_and_need_lora() {
+    let err = Config::from_yaml_str("lora:\n  adapter_dirs: [/srv/adapters]\n", "test.yaml")
+        .expect_err("lora off")
+        .to_string();
+    assert!(
+        err.contains("lora.adapter_dirs") && err.contains("lora.enabled is false"),
+        "{err}"
+    );
+    let dirs = |list: &str| format!("lora:\n  enabled: true\n  adapter_dirs: {list}\n");
+    let many = format!("[{}]", vec!["/srv/a"; 17].join(", "));
+    let err = Config::from_yaml_str(&dirs(&many), "test.yaml")
+        .expect_err("17 dirs")
+        .to_string();
+    assert!(err.contains("at most 16"), "{err}");
+    let err = Config::from_yaml_str(&dirs("[/srv/a, '']"), "test.yaml")
+        .expect_err("empty path")
+        .to_string();
+    assert!(err.contains("lora.adapter_dirs[1]"), "{err}");
+    let ok = Config::from_yaml_str(&dirs("[/srv/a, ~/adapters]"), "test.yaml").expect("ok");
+    assert_eq!(ok.lora.adapter_dirs, ["/srv/a", "~/adapters"]);
+}

@@ -90,6 +90,9 @@ pub fn load_checked(file: &std::path::Path, cli_overrides: &[String]) -> anyhow:
     let mut tls = None;
     let config = load_with(file, cli_overrides, |config| {
         model_path_readable(&config.model.path).map_err(|why| ("model.path".to_string(), why))?;
+        for (i, dir) in config.lora.adapter_dirs.iter().enumerate() {
+            adapter_dir_readable(dir).map_err(|why| (format!("lora.adapter_dirs[{i}]"), why))?;
+        }
         let spec = &config.scheduler.policy;
         build_policy(spec, &tier_specs(config))
             .map(drop)
@@ -253,15 +256,34 @@ fn model_path_readable(path: &str) -> Result<(), String> {
             std::fs::File::open(&full).map(drop)
         }
     });
-    readable.map_err(|e| {
-        let reason = e.to_string();
-        let reason = reason.split(" (os error").next().unwrap_or(&reason);
-        format!(
+    readable.map_err(|e| format!("cannot read `{}`: {}", full.display(), io_reason(&e)))
+}
+
+/// Refuses an entry of `lora.adapter_dirs` that is not a directory this process can list
+/// (`~` expanded); its adapters are read as requests name them.
+fn adapter_dir_readable(dir: &str) -> Result<(), String> {
+    let full = switchyard_config::expand_home(dir);
+    match std::fs::metadata(&full) {
+        Ok(m) if !m.is_dir() => Err(format!("`{}` is not a directory", full.display())),
+        Ok(_) => std::fs::read_dir(&full)
+            .map(drop)
+            .map_err(|e| format!("cannot read `{}`: {}", full.display(), io_reason(&e))),
+        Err(e) => Err(format!(
             "cannot read `{}`: {}",
             full.display(),
-            reason.to_lowercase()
-        )
-    })
+            io_reason(&e)
+        )),
+    }
+}
+
+/// An I/O error's reason as a message part: lower case, without the OS error number.
+fn io_reason(e: &std::io::Error) -> String {
+    let reason = e.to_string();
+    reason
+        .split(" (os error")
+        .next()
+        .unwrap_or(&reason)
+        .to_lowercase()
 }
 
 /// The field of `scheduler.policy` a policy error is about, and the message.

@@ -36,7 +36,7 @@ use switchyard_api::schema::{
     tools::{writes_call_ids, MarkerTokens, ToolFormat, ToolSetup},
 };
 use switchyard_api::tls::CertificateResolver;
-use switchyard_api::{ApiConfig, ApiKeyEntry, ApiState, ServerOptions, StoreLimits};
+use switchyard_api::{AdapterAccess, ApiConfig, ApiKeyEntry, ApiState, ServerOptions, StoreLimits};
 use switchyard_config::{Config, ReasoningParser, ToolCallFormat, ToolPrompt};
 use switchyard_gpu::backend::{SamplingParams, MAX_LOGIT_ROWS};
 use switchyard_gpu::model::{ChatEnding, ChatMessage, ChatTemplate, Tokenizer};
@@ -260,6 +260,12 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         },
         max_adapters: config.lora.max_adapters,
         max_loaded: config.lora.max_cpu_loras,
+        adapter_dirs: config
+            .lora
+            .adapter_dirs
+            .iter()
+            .map(|d| switchyard_config::expand_home(d))
+            .collect(),
     });
     let vocab_size = model.config.vocab_size;
     let embedding_size = config.server.embeddings.then_some(model.config.hidden_size);
@@ -459,6 +465,9 @@ fn api_config(
             key: k.key,
             tenant: k.tenant,
             tier: k.tier.unwrap_or_else(|| KEY_TIER.into()),
+            adapters: k
+                .adapters
+                .map_or_else(AdapterAccess::all, AdapterAccess::only),
         })
         .collect();
     ApiConfig {
@@ -974,6 +983,11 @@ impl port::Engine for EngineAdapter {
         self.engine.has_adapter(name)
     }
 
+    fn find_lora_adapter(&self, name: String) -> EngineFuture<bool> {
+        let engine = self.engine.clone();
+        Box::pin(async move { engine.find_adapter(&name).await.map_err(to_port_error) })
+    }
+
     fn lora_adapters(&self) -> Vec<LoraAdapterInfo> {
         self.engine
             .adapters()
@@ -1005,6 +1019,7 @@ fn port_adapter(a: AdapterInfo) -> LoraAdapterInfo {
         name: a.name,
         path: a.path.display().to_string(),
         rank: a.rank,
+        discovered: a.discovered,
     }
 }
 

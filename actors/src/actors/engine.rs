@@ -1032,6 +1032,19 @@ impl Engine {
             .is_some_and(|l| l.registry().contains(name))
     }
 
+    /// Whether requests may name the LoRA adapter `name`: registered, or found now in
+    /// `lora.adapter_dirs` (and registered by the LoRA manager). A directory's adapter that
+    /// does not load, or a full registry of adapters in use, is an `Unavailable` error.
+    pub async fn find_adapter(&self, name: &str) -> Result<bool, SubmitError> {
+        let Some(lora) = &self.lora else {
+            return Ok(false);
+        };
+        lora.find(name)
+            .await
+            .map(|found| found.is_some())
+            .map_err(lora_submit_error)
+    }
+
     /// Replaces the policy at the next step boundary.
     pub fn swap_policy(&self, policy: Box<dyn Policy>) {
         self.scheduler.do_send(SwapPolicy(policy));
@@ -1072,7 +1085,9 @@ fn lora_submit_error(e: LoraError) -> SubmitError {
         | LoraError::BadName(_)
         | LoraError::Full(_)
         | LoraError::Load(_) => SubmitErrorKind::InvalidRequest,
-        LoraError::Reload(_) | LoraError::Stopped => SubmitErrorKind::Unavailable,
+        LoraError::Reload(_) | LoraError::Busy(..) | LoraError::Stopped => {
+            SubmitErrorKind::Unavailable
+        }
     };
     // Names and paths come only from a registration (`POST /admin/lora`'s fields).
     let param = match e {

@@ -18,6 +18,16 @@
 //! that was evicted is resolved by the manager, which loads it again. The manager is the only
 //! writer of the registry: only it loads, registers, evicts and unregisters.
 //!
+//! Directories. With `adapter_dirs` (vLLM's filesystem resolver), a request naming an adapter
+//! that is not registered is served the adapter in `<dir>/<name>/` of the first directory that
+//! holds an `adapter_config.json` there: the manager registers it (*discovered*) on that first
+//! request, and it is then served as any other. The name passed the same check as every
+//! registration (one path segment, never `.` or `..`), so the path stays inside the directory.
+//! Discovered adapters make room for one another: when the registry is full, the least
+//! recently used discovered adapter no request holds is unregistered (it is found again on its
+//! next request); a discovered adapter whose files are gone or broken when it is loaded again
+//! is unregistered, so it is found again, or not, as its directory then says.
+//!
 //! Memory. At most `max_adapters` names are registered and at most `max_loaded` adapters are
 //! kept in memory, those in use included; beyond that, the least recently used adapter that no
 //! request holds is dropped and loaded again on its next request. Adapters in use are never
@@ -51,6 +61,9 @@ pub struct LoraManagerConfig {
     /// Most adapters kept in memory, those in use included (adapters in use are never dropped,
     /// so more stay while more are in use).
     pub max_loaded: usize,
+    /// Directories searched, in order, for an adapter a request names that is not registered
+    /// (`<dir>/<name>/`); empty: none is.
+    pub adapter_dirs: Vec<PathBuf>,
 }
 
 /// A registered adapter.
@@ -64,6 +77,9 @@ pub struct AdapterInfo {
     pub path: PathBuf,
     /// Its rank.
     pub rank: usize,
+    /// Found in one of the `adapter_dirs` on a request, rather than registered by the
+    /// configuration or an admin: unregistered to make room for another found one.
+    pub discovered: bool,
 }
 
 /// What can go wrong with adapters.
@@ -90,6 +106,13 @@ pub enum LoraError {
     /// broke since it was registered. The detail (path and reason) is logged, not returned.
     #[error("LoRA adapter '{0}' could not be loaded")]
     Reload(String),
+    /// An adapter found in a directory cannot be registered: the registry is full and every
+    /// other adapter found so is in use (or there are none).
+    #[error(
+        "LoRA adapter '{0}' cannot be loaded now: all {1} adapters registered \
+         (lora.max_adapters) are in use or were not found in lora.adapter_dirs"
+    )]
+    Busy(String, usize),
     /// LoRA is not enabled in this server.
     #[error("LoRA adapters are not enabled on this server (lora.enabled)")]
     Disabled,
@@ -196,6 +219,8 @@ pub struct LoraHandle {
     addr: Addr<LoraManager>,
     /// The manager's registry.
     registry: LoraRegistry,
+    /// Names not registered are looked for in directories (`adapter_dirs`).
+    discovers: bool,
 }
 
 impl LoraHandle {
@@ -203,8 +228,25 @@ impl LoraHandle {
     pub fn start(config: LoraManagerConfig) -> Self {
         let registry = LoraRegistry::default();
         let view = registry.clone();
+        let discovers = !config.adapter_dirs.is_empty();
         let addr = SyncArbiter::start(1, move || LoraManager::new(config.clone(), view.clone()));
-        LoraHandle { addr, registry }
+        LoraHandle {
+            addr,
+            registry,
+            discovers,
+        }
+    }
+
+    /// Whether requests may name `name`: registered, or found now in `adapter_dirs` (and then
+    /// registered, by the manager). `None` when no adapter of that name exists.
+    pub async fn find(&self, name: &str) -> Result<Option<AdapterInfo>, LoraError> {
+        if let Some(info) = self.registry.info(name) {
+            return Ok(Some(info));
+        }
+        if !self.discovers {
+            return Ok(None);
+        }
+        self.ask(Find(name.to_owned())).await
     }
 
     /// The registered adapters.
@@ -223,6 +265,7 @@ impl LoraHandle {
                 Ok((id, adapter))
             }
             Lookup::Evicted => self.ask(Resolve(name.to_owned())).await,
+            Lookup::Unknown if self.discovers => self.ask(Resolve(name.to_owned())).await,
             Lookup::Unknown => Err(LoraError::Unknown(name.to_owned())),
         }
     }
@@ -306,6 +349,16 @@ impl LoraManager {
 
     /// Registers `name` at `path`, loading the adapter to check it.
     pub fn register(&mut self, name: &str, path: &Path) -> Result<AdapterInfo, LoraError> {
+        self.register_as(name, path, false)
+    }
+
+    /// Registers `name` at `path`, found in a directory (`discovered`) or not.
+    fn register_as(
+        &mut self,
+        name: &str,
+        path: &Path,
+        discovered: bool,
+    ) -> Result<AdapterInfo, LoraError> {
         self.check_name(name)?;
         if self.registry.contains(name) {
             return Err(LoraError::Exists(name.to_owned()));
@@ -319,6 +372,7 @@ impl LoraManager {
             id: self.fresh_id(),
             path: path.to_path_buf(),
             rank: adapter.rank(),
+            discovered,
         };
         self.fingerprints
             .insert(name.to_owned(), adapter.fingerprint());
@@ -335,8 +389,83 @@ impl LoraManager {
         }
         self.evict();
         self.publish();
-        tracing::info!(name, id = info.id, "LoRA adapter registered");
+        tracing::info!(name, id = info.id, discovered, "LoRA adapter registered");
         Ok(info)
+    }
+
+    /// The registration of `name`, or, where it has none, the adapter in `<dir>/<name>/` of
+    /// the first of `adapter_dirs` that holds an `adapter_config.json` there, registered now
+    /// (making room by unregistering the least recently used discovered adapter no request
+    /// holds, if the registry is full). `None`: no such adapter. A directory's adapter that
+    /// does not load is the server's fault: logged with its path and reason, and reported
+    /// without them.
+    pub fn find(&mut self, name: &str) -> Result<Option<AdapterInfo>, LoraError> {
+        if let Some(info) = self.registry.info(name) {
+            return Ok(Some(info));
+        }
+        // A name no registration could take is no directory's either: it is one path
+        // segment, never `.` or `..`, before it is joined to a directory.
+        if self.config.adapter_dirs.is_empty() || self.check_name(name).is_err() {
+            return Ok(None);
+        }
+        let Some(path) = self
+            .config
+            .adapter_dirs
+            .iter()
+            .map(|dir| dir.join(name))
+            .find(|path| path.join("adapter_config.json").is_file())
+        else {
+            return Ok(None);
+        };
+        self.make_room(name)?;
+        match self.register_as(name, &path, true) {
+            Ok(info) => Ok(Some(info)),
+            Err(LoraError::Load(e)) => {
+                tracing::warn!(
+                    name,
+                    path = %path.display(),
+                    error = %e,
+                    "LoRA adapter found in lora.adapter_dirs could not be loaded; its requests \
+                     fail until its files are fixed"
+                );
+                Err(LoraError::Reload(name.to_owned()))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Unregisters discovered adapters no request holds, least recently used first (those
+    /// not in memory before any in memory), until one more registration fits; `Busy` when
+    /// none can go.
+    fn make_room(&mut self, name: &str) -> Result<(), LoraError> {
+        let max = self.config.max_adapters;
+        while self.registry.0.state.read().adapters.len() >= max {
+            let victim = {
+                let state = self.registry.0.state.read();
+                state
+                    .adapters
+                    .iter()
+                    .filter(|a| a.discovered)
+                    .filter_map(|a| match state.resident.get(&a.name) {
+                        None => Some((0, &a.name)),
+                        Some(r) if Arc::strong_count(&r.adapter) == 1 => {
+                            Some((r.last_used.load(Ordering::Relaxed), &a.name))
+                        }
+                        Some(_) => None,
+                    })
+                    .min_by_key(|(used, _)| *used)
+                    .map(|(_, name)| name.clone())
+            };
+            let Some(victim) = victim else {
+                return Err(LoraError::Busy(name.to_owned(), max));
+            };
+            tracing::info!(
+                name = %victim,
+                "LoRA adapter found in a directory unregistered to make room for another"
+            );
+            self.unregister(&victim)?;
+        }
+        Ok(())
     }
 
     /// An id no registration has had.
@@ -371,7 +500,15 @@ impl LoraManager {
         let resolved = match self.registry.lookup(name) {
             Lookup::Resident(id, adapter) => Ok((id, adapter)),
             Lookup::Evicted => self.reload(name),
-            Lookup::Unknown => Err(LoraError::Unknown(name.to_owned())),
+            Lookup::Unknown => match self.find(name) {
+                // Registered just now, and so in memory.
+                Ok(Some(_)) => match self.registry.lookup(name) {
+                    Lookup::Resident(id, adapter) => Ok((id, adapter)),
+                    _ => Err(LoraError::Unknown(name.to_owned())),
+                },
+                Ok(None) => Err(LoraError::Unknown(name.to_owned())),
+                Err(e) => Err(e),
+            },
         };
         self.evict();
         resolved
@@ -384,16 +521,36 @@ impl LoraManager {
             .registry
             .info(name)
             .ok_or_else(|| LoraError::Unknown(name.to_owned()))?;
-        let adapter = self.load(&info.path).map_err(|e| {
-            tracing::warn!(
-                name,
-                path = %info.path.display(),
-                error = %e,
-                "LoRA adapter could not be loaded again; its requests fail until its files are \
-                 restored or it is unloaded"
-            );
-            LoraError::Reload(name.to_owned())
-        })?;
+        let adapter = match self.load(&info.path) {
+            Ok(adapter) => adapter,
+            Err(e) if info.discovered => {
+                // Found in a directory, so found again (or not) as the directory now says.
+                let gone = !info.path.join("adapter_config.json").is_file();
+                tracing::warn!(
+                    name,
+                    path = %info.path.display(),
+                    error = %e,
+                    "LoRA adapter found in lora.adapter_dirs could not be loaded again; \
+                     unregistered"
+                );
+                self.unregister(name)?;
+                return Err(if gone {
+                    LoraError::Unknown(name.to_owned())
+                } else {
+                    LoraError::Reload(name.to_owned())
+                });
+            }
+            Err(e) => {
+                tracing::warn!(
+                    name,
+                    path = %info.path.display(),
+                    error = %e,
+                    "LoRA adapter could not be loaded again; its requests fail until its files \
+                     are restored or it is unloaded"
+                );
+                return Err(LoraError::Reload(name.to_owned()));
+            }
+        };
         let mut id = info.id;
         if self.fingerprints.get(name) != Some(&adapter.fingerprint()) {
             // The files changed since they were loaded: other weights, so another prefix-cache
@@ -495,6 +652,18 @@ impl Handler<Unregister> for LoraManager {
     }
 }
 
+/// Finds an adapter a request names: registered, or in `adapter_dirs` (then registered).
+#[derive(Message)]
+#[rtype(result = "Result<Option<AdapterInfo>, LoraError>")]
+struct Find(String);
+
+impl Handler<Find> for LoraManager {
+    type Result = Result<Option<AdapterInfo>, LoraError>;
+    fn handle(&mut self, msg: Find, _: &mut Self::Context) -> Self::Result {
+        self.find(&msg.0)
+    }
+}
+
 /// Resolves an adapter name for a request (one the registry did not have in memory).
 #[derive(Message)]
 #[rtype(result = "Result<(u32, Arc<LoraAdapter>), LoraError>")]
@@ -548,6 +717,7 @@ mod tests {
             limits: LoraLimits::default(),
             max_adapters,
             max_loaded,
+            adapter_dirs: Vec::new(),
         }
     }
 
@@ -816,6 +986,162 @@ mod tests {
         // Still registered; the adapter in memory is untouched.
         assert!(m.registry.contains("a"));
         assert_eq!(m.loaded(), ["b"]);
+    }
+
+    /// A manager that looks for adapters in `dirs`.
+    fn finder(max_adapters: usize, max_loaded: usize, dirs: &[&Path]) -> LoraManager {
+        let mut c = config(max_adapters, max_loaded);
+        c.adapter_dirs = dirs.iter().map(|d| d.to_path_buf()).collect();
+        LoraManager::new(c, LoraRegistry::default())
+    }
+
+    /// Copies the test adapter to `root/name`.
+    fn copy_into(root: &Path, name: &str) {
+        let dir = root.join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        for f in ["adapter_config.json", "adapter_model.safetensors"] {
+            std::fs::copy(fixture().join(f), dir.join(f)).unwrap();
+        }
+    }
+
+    #[test]
+    fn adapters_in_the_directories_are_found_on_demand() {
+        let first = AdapterCopy::new("dirs-first");
+        let second = AdapterCopy::new("dirs-second");
+        copy_into(&second.0, "found");
+        copy_into(&first.0, "both");
+        copy_into(&second.0, "both");
+        copy_into(&second.0, "taken");
+        // A directory without adapter_config.json holds no adapter.
+        std::fs::create_dir_all(second.0.join("empty")).unwrap();
+        let missing = Path::new("/nonexistent/adapters");
+        let mut m = finder(8, 8, &[missing, &first.0, &second.0]);
+        m.register("taken", &fixture()).expect("registered");
+        let found = m.find("found").expect("found").expect("an adapter");
+        assert!(found.discovered && found.path == second.0.join("found"));
+        // The first directory that has it wins; a registration wins over every directory.
+        let both = m.find("both").unwrap().unwrap();
+        assert_eq!(both.path, first.0.join("both"));
+        let taken = m.find("taken").unwrap().unwrap();
+        assert!(!taken.discovered && taken.path == fixture());
+        // Names that are no adapter's, or no single path segment, find nothing.
+        for name in [
+            "nobody",
+            "empty",
+            "..",
+            ".",
+            "found/../found",
+            "/found",
+            "",
+            "base",
+        ] {
+            assert!(m.find(name).unwrap().is_none(), "{name:?}");
+        }
+        // A request resolves a name it finds, and it is listed from then on.
+        copy_into(&first.0, "late");
+        let (id, adapter) = m.resolve("late").expect("late");
+        assert_eq!(adapter.rank(), 4);
+        assert!(m
+            .registry
+            .list()
+            .iter()
+            .any(|a| a.name == "late" && a.id == id));
+        assert!(matches!(m.resolve("nobody"), Err(LoraError::Unknown(_))));
+        // Without directories nothing is found.
+        let mut plain = manager(8, 8);
+        assert!(plain.find("found").unwrap().is_none());
+    }
+
+    #[test]
+    fn found_adapters_make_room_for_each_other_but_not_for_adapters_in_use() {
+        let root = AdapterCopy::new("room");
+        for name in ["d1", "d2", "d3"] {
+            copy_into(&root.0, name);
+        }
+        let mut m = finder(2, 2, &[&root.0]);
+        m.register("configured", &fixture()).expect("configured");
+        m.find("d1").unwrap().unwrap();
+        // Full: d1, found and unused, makes room; the configured adapter never does.
+        m.find("d2").unwrap().unwrap();
+        let names = |m: &LoraManager| -> Vec<String> {
+            m.registry.list().into_iter().map(|a| a.name).collect()
+        };
+        assert_eq!(names(&m), ["configured", "d2"]);
+        // d2 in use: nothing can go.
+        let (_, held) = m.resolve("d2").expect("d2");
+        let e = m.find("d3").expect_err("full of adapters in use");
+        assert!(matches!(&e, LoraError::Busy(n, 2) if n == "d3"), "{e:?}");
+        assert_eq!(names(&m), ["configured", "d2"]);
+        drop(held);
+        m.find("d3").unwrap().unwrap();
+        assert_eq!(names(&m), ["configured", "d3"]);
+        // The least recently used goes first, those evicted from memory before any other.
+        let mut m = finder(3, 1, &[&root.0]);
+        m.find("d1").unwrap().unwrap();
+        m.find("d2").unwrap().unwrap();
+        m.find("d3").unwrap().unwrap();
+        m.resolve("d1").expect("d1");
+        copy_into(&root.0, "d4");
+        m.find("d4").unwrap().unwrap();
+        assert_eq!(
+            names(&m),
+            ["d1", "d3", "d4"],
+            "d2, out of memory and older, went"
+        );
+    }
+
+    #[test]
+    fn a_found_adapter_whose_files_went_is_found_again_as_its_directory_says() {
+        let root = AdapterCopy::new("gone");
+        for name in ["d1", "d2", "d3"] {
+            copy_into(&root.0, name);
+        }
+        let mut m = finder(8, 1, &[&root.0]);
+        m.find("d1").unwrap().unwrap();
+        m.find("d2").unwrap().unwrap();
+        m.find("d3").unwrap().unwrap();
+        assert_eq!(m.loaded(), ["d3"]);
+        // Removed while out of memory: unregistered on its next request, which is a 404's.
+        std::fs::remove_dir_all(root.0.join("d1")).unwrap();
+        assert!(matches!(m.resolve("d1"), Err(LoraError::Unknown(_))));
+        assert!(!m.registry.contains("d1"));
+        // Broken: the server's 503, without the path, unregistered, and still refused while
+        // its files stay broken.
+        std::fs::remove_file(root.0.join("d2/adapter_model.safetensors")).unwrap();
+        let e = m.resolve("d2").expect_err("broken");
+        assert_eq!(e.to_string(), "LoRA adapter 'd2' could not be loaded");
+        assert!(!m.registry.contains("d2"));
+        let e = m.find("d2").expect_err("still broken");
+        assert!(matches!(&e, LoraError::Reload(n) if n == "d2"), "{e:?}");
+        // Fixed: found again.
+        copy_into(&root.0, "d2");
+        assert!(m.find("d2").unwrap().unwrap().discovered);
+    }
+
+    #[actix::test]
+    async fn the_handle_finds_adapters_through_the_manager() {
+        let root = AdapterCopy::new("handle");
+        copy_into(&root.0, "found");
+        let mut c = config(4, 4);
+        c.adapter_dirs = vec![root.0.clone()];
+        let lora = LoraHandle::start(c);
+        assert!(lora.find("nobody").await.unwrap().is_none());
+        let info = lora.find("found").await.unwrap().unwrap();
+        assert!(info.discovered);
+        let (id, _) = lora.resolve("found").await.expect("found");
+        assert_eq!(id, info.id);
+        // Resolved directly too, without a find first.
+        copy_into(&root.0, "direct");
+        lora.resolve("direct").await.expect("direct");
+        assert!(lora.registry.contains("direct"));
+        // Without directories, an unknown name never reaches the manager.
+        let plain = LoraHandle::start(config(4, 4));
+        copy_into(&root.0, "x");
+        assert!(plain.find("x").await.unwrap().is_none());
+        assert!(matches!(
+            plain.resolve("x").await,
+            Err(LoraError::Unknown(_))
+        ));
     }
 
     /// Polls `fut` once: `Some` with its output if it completes without waiting.

@@ -30,7 +30,7 @@ pub(crate) async fn chat_completions(
     let body: ChatRequest = read_json(&req, payload, &state.config).await?;
     let id = crate::request_id::completion_id(&req, "chatcmpl-");
     body.ignored.warn("/v1/chat/completions");
-    let lora = check_model(&state, body.model.as_deref())?;
+    let lora = check_model(&state, &principal, body.model.as_deref()).await?;
     let mut validated = body.validate(state.engine.max_model_len(), state.config.tools)?;
     // Reasoning tags that are special tokens stay in the text for the splitter.
     if state.config.reasoning.is_some() {

@@ -27,7 +27,7 @@ pub(crate) async fn completions(
     let body: CompletionRequest = read_json(&req, payload, &state.config).await?;
     let id = crate::request_id::completion_id(&req, "cmpl-");
     body.ignored.warn("/v1/completions");
-    let lora = check_model(&state, body.model.as_deref())?;
+    let lora = check_model(&state, &principal, body.model.as_deref()).await?;
     let validated = body.validate(state.engine.max_model_len())?;
 
     let echo_texts = if validated.echo {

@@ -33,7 +33,7 @@ pub(crate) async fn embeddings(
     let body: EmbeddingRequest = read_json(&req, payload, &state.config).await?;
     let id = crate::request_id::completion_id(&req, "embd-");
     body.ignored.warn("/v1/embeddings");
-    let lora = check_model(&state, body.model.as_deref())?;
+    let lora = check_model(&state, &principal, body.model.as_deref()).await?;
     let job = body.validate(state.engine.max_model_len(), size)?;
     let requests = embedding_requests(&id, &job, &principal, lora.as_deref());
     // A too-long input is named `input`, whatever the engine names (its one token's

@@ -21,21 +21,30 @@ use crate::schema::Validated;
 use crate::state::ApiState;
 
 /// What `model` names: `Ok(None)` for the base model (or no `model`), `Ok(Some(adapter))` for
-/// a LoRA adapter the engine serves, 404 otherwise.
-pub(crate) fn check_model(
+/// a LoRA adapter the engine serves (registered, or found now in `lora.adapter_dirs`) that
+/// the caller's key may name, 404 `model_not_found` otherwise.
+pub(crate) async fn check_model(
     state: &ApiState,
+    principal: &Principal,
     model: Option<&str>,
 ) -> Result<Option<String>, ApiError> {
-    match model {
-        None => Ok(None),
-        Some(name) if name == state.engine.model_name() => Ok(None),
-        Some(name) if state.engine.has_lora_adapter(name) => Ok(Some(name.to_owned())),
-        Some(name) => {
-            // Bound the echoed name so a huge field cannot bloat the error body.
-            let shown: String = name.chars().take(128).collect();
-            Err(ApiError::ModelNotFound(shown))
-        }
+    let Some(name) = model else {
+        return Ok(None);
+    };
+    if name == state.engine.model_name() {
+        return Ok(None);
     }
+    // An adapter the key may not name does not exist for it (the same 404, and nothing is
+    // looked up, so its existence does not show in the time taken either).
+    if principal.adapters.allows(name)
+        && (state.engine.has_lora_adapter(name)
+            || state.engine.find_lora_adapter(name.to_owned()).await?)
+    {
+        return Ok(Some(name.to_owned()));
+    }
+    // Bound the echoed name so a huge field cannot bloat the error body.
+    let shown: String = name.chars().take(128).collect();
+    Err(ApiError::ModelNotFound(shown))
 }
 
 /// The id of the engine request of prompt `i` of `prompts`: `id` for one prompt, `id-<i>`

@@ -85,7 +85,7 @@ pub(crate) async fn create_response(
              (server.responses.max_stored is 0), so a background response could not be read back",
         ));
     }
-    let lora = check_model(&state, chat.model.as_deref())?;
+    let lora = check_model(&state, &principal, chat.model.as_deref()).await?;
     let mut validated = chat
         .validate(state.engine.max_model_len(), state.config.tools)
         .map_err(|e| rename_error(e, &sources))?;

@@ -5,6 +5,7 @@ use actix_web::{web, HttpRequest, HttpResponse};
 use serde::{Deserialize, Serialize};
 
 use super::check_model;
+use crate::auth::Principal;
 use crate::body::{from_value, read_json};
 use crate::engine::{
     EngineError, EngineErrorKind, PolicySpec, SpeculativeMethod, SpeculativeSettings,
@@ -19,49 +20,55 @@ use crate::schema::{
 };
 use crate::state::{engine_dead, ApiState};
 
-/// The models served, as `GET /v1/models` lists them: the base model, then every LoRA adapter
-/// served on it.
-fn model_cards(state: &ApiState) -> Vec<ModelCard> {
-    let base = state.engine.model_name().to_owned();
-    let card = |id: String, parent: Option<String>| ModelCard {
+/// A model card of the served model (`parent: None`) or of an adapter on it.
+fn model_card(state: &ApiState, id: String, parent: Option<String>) -> ModelCard {
+    ModelCard {
         id,
         object: "model",
         created: state.started,
         owned_by: "switchyard",
         max_model_len: state.engine.max_model_len(),
         parent,
-    };
-    let mut data = vec![card(base.clone(), None)];
+    }
+}
+
+/// `GET /v1/models`: the base model, then every LoRA adapter served on it that the caller's
+/// key may name (adapters in `lora.adapter_dirs` once a request has found them).
+pub(crate) async fn list_models(
+    state: web::Data<ApiState>,
+    principal: web::ReqData<Principal>,
+) -> HttpResponse {
+    let base = state.engine.model_name().to_owned();
+    let mut data = vec![model_card(&state, base.clone(), None)];
     data.extend(
         state
             .engine
             .lora_adapters()
             .into_iter()
-            .map(|a| card(a.name, Some(base.clone()))),
+            .filter(|a| principal.adapters.allows(&a.name))
+            .map(|a| model_card(&state, a.name, Some(base.clone()))),
     );
-    data
-}
-
-/// `GET /v1/models`: the base model, then every LoRA adapter served on it.
-pub(crate) async fn list_models(state: web::Data<ApiState>) -> HttpResponse {
     HttpResponse::Ok().json(ModelList {
         object: "list",
-        data: model_cards(&state),
+        data,
     })
 }
 
-/// `GET /v1/models/{id}` (the OpenAI SDK's `models.retrieve`): the model as `GET /v1/models`
-/// lists it, or 404 `model_not_found`.
+/// `GET /v1/models/{id}` (the OpenAI SDK's `models.retrieve`): the model as a request naming
+/// it would be served (an adapter of `lora.adapter_dirs` is found, as a completion finds it),
+/// or 404 `model_not_found`.
 pub(crate) async fn retrieve_model(
     state: web::Data<ApiState>,
+    principal: web::ReqData<Principal>,
     id: web::Path<String>,
 ) -> Result<HttpResponse, ApiError> {
     let id = id.into_inner();
-    match model_cards(&state).into_iter().find(|card| card.id == id) {
-        Some(card) => Ok(HttpResponse::Ok().json(card)),
-        // Bounded as `check_model` bounds it: a huge path cannot bloat the error body.
-        None => Err(ApiError::ModelNotFound(id.chars().take(128).collect())),
-    }
+    let base = state.engine.model_name().to_owned();
+    let card = match check_model(&state, &principal, Some(&id)).await? {
+        None => model_card(&state, base, None),
+        Some(adapter) => model_card(&state, adapter, Some(base)),
+    };
+    Ok(HttpResponse::Ok().json(card))
 }
 
 /// Body of `POST /tokenize` (vLLM's shape): a `prompt`, or chat `messages` with the `tools`
@@ -96,12 +103,13 @@ pub(crate) struct TokenizeResponse {
 /// `POST /tokenize`.
 pub(crate) async fn tokenize(
     state: web::Data<ApiState>,
+    principal: web::ReqData<Principal>,
     req: HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
     let body: TokenizeRequest = read_json(&req, payload, &state.config).await?;
     body.ignored.warn("/tokenize");
-    check_model(&state, body.model.as_deref())?;
+    check_model(&state, &principal, body.model.as_deref()).await?;
     let input = match (body.prompt, body.messages) {
         (Some(_), None) if body.tools.is_some() => {
             return Err(ApiError::invalid(
@@ -166,12 +174,13 @@ pub(crate) struct DetokenizeResponse {
 /// `POST /detokenize`.
 pub(crate) async fn detokenize(
     state: web::Data<ApiState>,
+    principal: web::ReqData<Principal>,
     req: HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
     let body: DetokenizeRequest = read_json(&req, payload, &state.config).await?;
     body.ignored.warn("/detokenize");
-    check_model(&state, body.model.as_deref())?;
+    check_model(&state, &principal, body.model.as_deref()).await?;
     if body.tokens.len() > MAX_DETOKENIZE_TOKENS {
         return Err(ApiError::invalid(
             "tokens",

@@ -469,6 +469,7 @@ pub fn api_config() -> ApiConfig {
             key: KEY.into(),
             tenant: "acme".into(),
             tier: "premium".into(),
+            adapters: switchyard_api::AdapterAccess::all(),
         }],
         admin_key: Some(ADMIN_KEY.into()),
         max_body_bytes: 4096,
