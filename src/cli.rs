@@ -219,7 +219,7 @@ pub enum BenchCommand {
     Throughput(ThroughputArgs),
     /// Load against a running OpenAI-compatible server, as `vllm bench serve`.
     #[command(
-        after_help = "Examples:\n  switchyard bench serve --base-url http://127.0.0.1:8000 --max-concurrency 32 --num-prompts 64 --input-len 128 --output-len 128\n  switchyard bench serve --base-url https://localhost:8443 --cacert ca.pem --num-prompts 64\n  switchyard bench serve --base-url http://127.0.0.1:8000 --dataset sharegpt --dataset-path ../shared/traces/sharegpt_8k_filtered_stats_llama2_tokenizer.csv --request-rate 4\n  switchyard bench serve --base-url http://127.0.0.1:8000 --endpoint embeddings --embedding-batch 16 --max-concurrency 16 --num-prompts 256 --input-len 128"
+        after_help = "Examples:\n  switchyard bench serve --base-url http://127.0.0.1:8000 --max-concurrency 32 --num-prompts 64 --input-len 128 --output-len 128\n  switchyard bench serve --base-url https://localhost:8443 --cacert ca.pem --num-prompts 64\n  switchyard bench serve --base-url http://127.0.0.1:8000 --dataset sharegpt --dataset-path ../shared/traces/sharegpt_8k_filtered_stats_llama2_tokenizer.csv --request-rate 4\n  switchyard bench serve --base-url http://127.0.0.1:8000 --endpoint embeddings --embedding-batch 16 --max-concurrency 16 --num-prompts 256 --input-len 128\n  switchyard bench serve --base-url http://127.0.0.1:8000 --lora-modules sql-expert support-bot --max-concurrency 8 --num-prompts 64"
     )]
     Serve(ServeBenchArgs),
 }
@@ -261,6 +261,11 @@ pub struct ServeBenchArgs {
     /// Bearer API key.
     #[arg(long, env = "SWITCHYARD_API_KEY")]
     pub api_key: Option<String>,
+    /// LoRA adapters the requests name, as vLLM's --lora-modules: each request's `model` is
+    /// one of them drawn at random (seeded by --seed, apart from the prompts, so a run's
+    /// prompts are the same with or without them) instead of --model; at most 1024 names.
+    #[arg(long, num_args = 1.., value_name = "NAME")]
+    pub lora_modules: Vec<String>,
     /// The API loaded: completions (streamed /v1/completions) or embeddings (/v1/embeddings,
     /// each prompt's token ids an input; output lengths and --ignore-eos are ignored).
     #[arg(long, value_enum, default_value = "completions")]

@@ -595,3 +595,78 @@ fn adapters_in_a_directory_are_served_on_demand_to_the_keys_that_may_name_them()
     ]);
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// `bench serve --lora-modules` names one of the adapters at random in each request (vLLM's
+/// flag): every request succeeds, the adapters found in the directory are registered as the
+/// requests name them, and the result file lists the modules.
+#[test]
+fn bench_serve_spreads_its_requests_over_the_lora_modules() {
+    let root = scratch("lora-bench", "adapters");
+    for name in ["a1", "a2"] {
+        let dir = root.join(name);
+        std::fs::create_dir_all(&dir).expect("dir");
+        for f in ["adapter_config.json", "adapter_model.safetensors"] {
+            std::fs::copy(format!("{}/{f}", lora_fixture_dir()), dir.join(f)).expect("copy");
+        }
+    }
+    let s = &Server::start(
+        "lora-bench",
+        &format!(
+            "scheduler:\n  max_num_seqs: 16\n  max_num_batched_tokens: 1024\nlora:\n  enabled: true\n  max_loras: 2\n  adapter_dirs: [{}]\n  adapters:\n    - {{ name: tuned, path: {} }}\n",
+            root.display(),
+            lora_fixture_dir()
+        ),
+    );
+    let result = root.join("result.json");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_switchyard"))
+        .args([
+            "bench",
+            "serve",
+            "--num-prompts",
+            "12",
+            "--input-len",
+            "8",
+            "--output-len",
+            "4",
+            "--max-concurrency",
+            "4",
+            "--lora-modules",
+            "a1",
+            "a2",
+            "tuned",
+        ])
+        .arg("--base-url")
+        .arg(format!("http://127.0.0.1:{}", s.port))
+        .arg("--result-file")
+        .arg(&result)
+        .output()
+        .expect("run switchyard");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}\n{}", s.log());
+    assert!(
+        stderr.contains("Each request names one of 3 LoRA adapters"),
+        "{stderr}"
+    );
+    let v: Value =
+        serde_json::from_str(&std::fs::read_to_string(&result).expect("result")).expect("json");
+    assert_eq!(v["completed"], 12);
+    assert_eq!(v["lora_modules"], json!(["a1", "a2", "tuned"]));
+    // The directory's adapters were found as the requests named them (the draw of seed 0
+    // names each of the three among the test request and the 12).
+    let mut served = s.served_adapters();
+    served.sort();
+    assert_eq!(served, ["a1", "a2", "tuned"]);
+    // Bounded: an empty name is refused before anything is sent.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_switchyard"))
+        .args(["bench", "serve", "--lora-modules", ""])
+        .arg("--base-url")
+        .arg(format!("http://127.0.0.1:{}", s.port))
+        .output()
+        .expect("run switchyard");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("--lora-modules: `` is not a model name"),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_dir_all(&root);
+}

@@ -134,6 +134,21 @@ fn validate(args: &ServeBenchArgs) -> anyhow::Result<()> {
             "{name} must be 1..={MAX_REQUEST_TOKENS}, not {v}"
         );
     }
+    anyhow::ensure!(
+        args.lora_modules.len() <= MAX_LORA_MODULES,
+        "--lora-modules takes at most {MAX_LORA_MODULES} names, not {}",
+        args.lora_modules.len()
+    );
+    if let Some(bad) = args
+        .lora_modules
+        .iter()
+        .find(|m| m.is_empty() || m.len() > MAX_MODEL_NAME_BYTES)
+    {
+        anyhow::bail!(
+            "--lora-modules: `{}` is not a model name (1 to {MAX_MODEL_NAME_BYTES} bytes)",
+            bad.chars().take(64).collect::<String>()
+        );
+    }
     if let Some(c) = args.max_concurrency {
         anyhow::ensure!(
             (1..=MAX_IN_FLIGHT).contains(&c),
@@ -508,9 +523,24 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
     }
     let model = match &args.model {
         Some(m) => m.clone(),
+        // Every request names an adapter.
+        None if !args.lora_modules.is_empty() => String::new(),
         None => first_model(&target, args.api_key.as_deref())
             .context("asking /v1/models for the model name (or pass --model)")?,
     };
+    // Each request's `model`: --model, or one of --lora-modules at random, drawn from a
+    // stream of its own so that the prompts are the same either way.
+    let mut lora_rng = ChaCha8Rng::seed_from_u64(args.seed ^ LORA_SEED);
+    let mut model_for = || match args.lora_modules.len() {
+        0 => model.clone(),
+        n => args.lora_modules[lora_rng.random_range(0..n)].clone(),
+    };
+    if !args.lora_modules.is_empty() {
+        eprintln!(
+            "Each request names one of {} LoRA adapters (--lora-modules), at random.",
+            args.lora_modules.len()
+        );
+    }
     // One thread per request in flight: --max-concurrency of them, else up to
     // DEFAULT_IN_FLIGHT (requests still start when due; one due while all are busy waits).
     let concurrency = args
@@ -523,7 +553,7 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
     // seed), so the run's prompts are the same with or without them and none is cached.
     let mut warm_rng = ChaCha8Rng::seed_from_u64(args.seed ^ WARMUP_SEED);
     eprintln!("Starting initial single prompt test run...");
-    jobs.send(job(&args, &model, &work[0], &mut warm_rng, None))
+    jobs.send(job(&args, &model_for(), &work[0], &mut warm_rng, None))
         .context("benchmark threads vanished")?;
     let test = rx.recv().context("benchmark threads vanished")?;
     anyhow::ensure!(
@@ -539,7 +569,7 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
         let mut failed = 0;
         for i in 0..args.num_warmups {
             let planned = &work[i % work.len()];
-            jobs.send(job(&args, &model, planned, &mut warm_rng, dimension))
+            jobs.send(job(&args, &model_for(), planned, &mut warm_rng, dimension))
                 .context("benchmark threads vanished")?;
         }
         for _ in 0..args.num_warmups {
@@ -589,7 +619,7 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
         while done.in_flight >= concurrency {
             done.push(rx.recv().context("benchmark threads vanished")?);
         }
-        jobs.send(job(&args, &model, planned, &mut rng, dimension))
+        jobs.send(job(&args, &model_for(), planned, &mut rng, dimension))
             .context("benchmark threads vanished")?;
         done.in_flight += 1;
     }
@@ -623,6 +653,15 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
 
 /// Mixed into the seed for the test request's and the warmups' prompts.
 const WARMUP_SEED: u64 = 0x5741_524d_5550_5321;
+
+/// Mixed into the seed for the adapters of --lora-modules.
+const LORA_SEED: u64 = 0x4c4f_5241_4d4f_4453;
+
+/// Most names in --lora-modules.
+const MAX_LORA_MODULES: usize = 1024;
+
+/// Longest model name --lora-modules takes, in bytes.
+const MAX_MODEL_NAME_BYTES: usize = 256;
 
 /// `input` random prompt token ids from [offset, offset + range) (`validate` keeps the sum
 /// within u32).
@@ -750,7 +789,11 @@ fn close_report(
         eprintln!("first failure: {}", first.error);
     }
     if let Some(path) = &args.result_file {
-        std::fs::write(path, serde_json::to_string_pretty(&result())?)
+        let mut result = result();
+        if !args.lora_modules.is_empty() {
+            result["lora_modules"] = json!(args.lora_modules);
+        }
+        std::fs::write(path, serde_json::to_string_pretty(&result)?)
             .with_context(|| format!("writing {}", path.display()))?;
     }
     anyhow::ensure!(!counted.ok.is_empty(), "no request succeeded");
