@@ -670,3 +670,70 @@ fn bench_serve_spreads_its_requests_over_the_lora_modules() {
     );
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// `POST /admin/lora` with `load_inplace` (vLLM's field) replaces the adapter served under a
+/// name: the next requests get the new weights (an adapter of `lora_alpha` 0 answers as the
+/// base model), requests sent all along never find the name missing, and a replacement that
+/// does not load leaves the adapter served as it was.
+#[test]
+fn an_adapter_is_replaced_in_place_while_requests_keep_coming() {
+    let s = &server();
+    let zero = scratch("lora-inplace", "zero");
+    for f in ["adapter_config.json", "adapter_model.safetensors"] {
+        std::fs::copy(format!("{}/{f}", lora_fixture_dir()), zero.join(f)).expect("copy");
+    }
+    let config = std::fs::read_to_string(zero.join("adapter_config.json")).expect("config");
+    let scaled = config.replace("\"lora_alpha\": 8.0", "\"lora_alpha\": 0.0");
+    assert_ne!(scaled, config);
+    std::fs::write(zero.join("adapter_config.json"), scaled).expect("write");
+    let load = |path: &str, in_place: Option<bool>| {
+        let mut body = json!({"lora_name": "tuned", "lora_path": path});
+        if let Some(flag) = in_place {
+            body["load_inplace"] = json!(flag);
+        }
+        let r = s
+            .request("POST", "/admin/lora", Some(&body.to_string()), &[ADMIN])
+            .expect("request");
+        (
+            r.status,
+            serde_json::from_str::<Value>(&r.body).unwrap_or(Value::Null),
+        )
+    };
+    let zero_path = zero.display().to_string();
+    for flag in [None, Some(false)] {
+        let (status, v) = load(&zero_path, flag);
+        assert_eq!(status, 400, "{flag:?}: {v}");
+    }
+    // Requests for the name all along: none may find it missing.
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let statuses = std::thread::scope(|scope| {
+        let client = scope.spawn(|| {
+            let mut statuses = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let (status, _) = s.post_json(
+                    "/v1/completions",
+                    &json!({"model": "tuned", "prompt": "Hi", "max_tokens": 1}),
+                );
+                statuses.push(status);
+            }
+            statuses
+        });
+        let (status, v) = load(&zero_path, Some(true));
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["path"], zero_path.as_str(), "{v}");
+        assert_haiku(s, "tuned", "smollm2_golden.json");
+        // A replacement that does not load: refused, the adapter served as it was.
+        let (status, v) = load("/nonexistent/adapter", Some(true));
+        assert_eq!(status, 400, "{v}");
+        assert_eq!(v["error"]["param"], "lora_path", "{v}");
+        assert_haiku(s, "tuned", "smollm2_golden.json");
+        let (status, v) = load(lora_fixture_dir(), Some(true));
+        assert_eq!(status, 200, "{v}");
+        assert_haiku(s, "tuned", "lora_golden.json");
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        client.join().expect("client")
+    });
+    assert!(statuses.len() >= 3, "{statuses:?}");
+    assert!(statuses.iter().all(|&st| st == 200), "{statuses:?}");
+    let _ = std::fs::remove_dir_all(&zero);
+}

@@ -163,9 +163,17 @@ pub trait Engine: Send + Sync + 'static {
     }
 
     /// Loads a LoRA adapter from a directory on the server and serves it under `name`. A bad
-    /// name or file is an [`EngineErrorKind::InvalidRequest`].
-    fn load_lora(&self, name: String, path: String) -> EngineFuture<LoraAdapterInfo> {
-        let _ = (name, path);
+    /// name or file is an [`EngineErrorKind::InvalidRequest`]. A name already served is refused
+    /// unless `in_place` (vLLM's `load_inplace`): then the new adapter is loaded first and takes
+    /// the name's place at once (a bad file leaves the old one served; requests running keep
+    /// the old weights).
+    fn load_lora(
+        &self,
+        name: String,
+        path: String,
+        in_place: bool,
+    ) -> EngineFuture<LoraAdapterInfo> {
+        let _ = (name, path, in_place);
         Box::pin(async { Err(lora_disabled()) })
     }
 

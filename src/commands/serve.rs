@@ -996,15 +996,21 @@ impl port::Engine for EngineAdapter {
             .collect()
     }
 
-    fn load_lora(&self, name: String, path: String) -> EngineFuture<LoraAdapterInfo> {
+    fn load_lora(
+        &self,
+        name: String,
+        path: String,
+        in_place: bool,
+    ) -> EngineFuture<LoraAdapterInfo> {
         let engine = self.engine.clone();
         Box::pin(async move {
             let path = switchyard_config::expand_home(&path);
-            engine
-                .register_adapter(name, path)
-                .await
-                .map(port_adapter)
-                .map_err(to_port_error)
+            let loaded = if in_place {
+                engine.replace_adapter(name, path).await
+            } else {
+                engine.register_adapter(name, path).await
+            };
+            loaded.map(port_adapter).map_err(to_port_error)
         })
     }
 

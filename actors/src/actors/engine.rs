@@ -25,7 +25,7 @@ use super::detokenizer::{
 use super::executor::ExecutorActor;
 use super::lora::{
     AdapterInfo, LoraError, LoraHandle, LoraManager, LoraManagerConfig,
-    Register as RegisterAdapter, Unregister,
+    Register as RegisterAdapter, Replace as ReplaceAdapter, Unregister,
 };
 use super::scheduler::{GetStats, SchedulerActor, SetSpeculative, SwapPolicy};
 use super::tokenizer::{Constrain, Decode, Encode, TokenizerActor};
@@ -983,6 +983,17 @@ impl Engine {
         path: PathBuf,
     ) -> Result<AdapterInfo, SubmitError> {
         self.ask_lora(RegisterAdapter { name, path }).await
+    }
+
+    /// Serves the adapter at `path` under `name` in place of the one registered under it (a
+    /// new name is registered): loaded first, so a bad file leaves the old one served, and the
+    /// name is never missing (vLLM's `load_inplace`).
+    pub async fn replace_adapter(
+        &self,
+        name: String,
+        path: PathBuf,
+    ) -> Result<AdapterInfo, SubmitError> {
+        self.ask_lora(ReplaceAdapter { name, path }).await
     }
 
     /// Unregisters a LoRA adapter; requests using it finish with it.

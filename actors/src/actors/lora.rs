@@ -468,6 +468,61 @@ impl LoraManager {
         Ok(())
     }
 
+    /// Serves the adapter at `path` under `name` in place of the one registered under it, if
+    /// any (vLLM's `load_inplace`; a name not registered is registered as [`Self::register`]
+    /// does). The new adapter is loaded first: if it does not load, the old one stays served
+    /// and nothing changes. Then, under one write lock, the name points at the new weights, so
+    /// no request ever finds the name missing; requests already running finish with the old
+    /// weights, which they hold. Other weights get a fresh id (a new prefix-cache key); the
+    /// same weights (an unchanged fingerprint) keep theirs, and their cached blocks.
+    pub fn replace(&mut self, name: &str, path: &Path) -> Result<AdapterInfo, LoraError> {
+        self.check_name(name)?;
+        let Some(old) = self.registry.info(name) else {
+            return self.register(name, path);
+        };
+        let adapter = self.load(path)?;
+        let fingerprint = adapter.fingerprint();
+        let id = if self.fingerprints.get(name) == Some(&fingerprint) {
+            old.id
+        } else {
+            self.fresh_id()
+        };
+        let info = AdapterInfo {
+            name: name.to_owned(),
+            id,
+            path: path.to_path_buf(),
+            rank: adapter.rank(),
+            // An admin's from now on, never unregistered to make room.
+            discovered: false,
+        };
+        let resident = Resident {
+            id,
+            adapter,
+            last_used: AtomicU64::new(self.registry.tick()),
+        };
+        let replaced = {
+            let mut state = self.registry.0.state.write();
+            if let Some(a) = state.adapters.iter_mut().find(|a| a.name == name) {
+                *a = info.clone();
+            }
+            state.resident.insert(name.to_owned(), resident)
+        };
+        // The old weights go (unless a request holds them) outside the lock.
+        drop(replaced);
+        self.fingerprints.insert(name.to_owned(), fingerprint);
+        self.evict();
+        self.publish();
+        tracing::info!(
+            name,
+            old_id = old.id,
+            id,
+            from = %old.path.display(),
+            to = %path.display(),
+            "LoRA adapter replaced in place"
+        );
+        Ok(info)
+    }
+
     /// An id no registration has had.
     fn fresh_id(&mut self) -> u32 {
         let id = self.next_id;
@@ -637,6 +692,23 @@ impl Handler<Register> for LoraManager {
     type Result = Result<AdapterInfo, LoraError>;
     fn handle(&mut self, msg: Register, _: &mut Self::Context) -> Self::Result {
         self.register(&msg.name, &msg.path)
+    }
+}
+
+/// Serves an adapter in place of the one registered under its name ([`LoraManager::replace`]).
+#[derive(Message)]
+#[rtype(result = "Result<AdapterInfo, LoraError>")]
+pub struct Replace {
+    /// The name requests use.
+    pub name: String,
+    /// The new adapter's directory.
+    pub path: PathBuf,
+}
+
+impl Handler<Replace> for LoraManager {
+    type Result = Result<AdapterInfo, LoraError>;
+    fn handle(&mut self, msg: Replace, _: &mut Self::Context) -> Self::Result {
+        self.replace(&msg.name, &msg.path)
     }
 }
 
@@ -1142,6 +1214,61 @@ mod tests {
             plain.resolve("x").await,
             Err(LoraError::Unknown(_))
         ));
+    }
+
+    #[test]
+    fn an_adapter_replaced_in_place_is_never_missing_and_a_bad_replacement_changes_nothing() {
+        let other = AdapterCopy::new("replace");
+        let config = std::fs::read_to_string(other.0.join("adapter_config.json")).unwrap();
+        let changed = config.replace("\"lora_alpha\": 8.0", "\"lora_alpha\": 16.0");
+        assert_ne!(changed, config);
+        std::fs::write(other.0.join("adapter_config.json"), changed).unwrap();
+        let mut m = manager(4, 4);
+        let first = m.register("a", &fixture()).expect("a");
+        let (_, held) = m.resolve("a").expect("a");
+        // Other weights: a fresh id, the new path; a request running keeps the old weights.
+        let second = m.replace("a", &other.0).expect("replaced");
+        assert_ne!(second.id, first.id);
+        assert_eq!(second.path, other.0);
+        let (id, now) = m.resolve("a").expect("a");
+        assert_eq!(id, second.id);
+        assert!(
+            !Arc::ptr_eq(&held, &now),
+            "new requests get the new weights"
+        );
+        assert_eq!(m.registry.list(), vec![second.clone()]);
+        // The same weights again (a copy elsewhere): the id, and its cached blocks, stay.
+        let copy = AdapterCopy::new("replace-same");
+        std::fs::copy(
+            other.0.join("adapter_config.json"),
+            copy.0.join("adapter_config.json"),
+        )
+        .unwrap();
+        let third = m.replace("a", &copy.0).expect("same weights");
+        assert_eq!(third.id, second.id);
+        // A replacement that does not load leaves the adapter served as it was.
+        let e = m
+            .replace("a", Path::new("/nonexistent/adapter"))
+            .expect_err("missing");
+        assert!(matches!(e, LoraError::Load(_)), "{e:?}");
+        assert_eq!(m.registry.list(), vec![third.clone()]);
+        assert_eq!(m.resolve("a").expect("a").0, third.id);
+        // A name not registered is registered; a bad name is refused.
+        let b = m.replace("b", &fixture()).expect("b");
+        assert!(m.registry.contains("b") && b.id != third.id);
+        assert!(matches!(
+            m.replace("..", &fixture()),
+            Err(LoraError::BadName(_))
+        ));
+        // A found adapter replaced by an admin is the admin's: it never makes room.
+        let root = AdapterCopy::new("replace-found");
+        copy_into(&root.0, "found");
+        let mut m = finder(2, 2, &[&root.0]);
+        assert!(m.find("found").unwrap().unwrap().discovered);
+        assert!(!m.replace("found", &fixture()).unwrap().discovered);
+        m.register("c", &fixture()).expect("c");
+        copy_into(&root.0, "other");
+        assert!(matches!(m.find("other"), Err(LoraError::Busy(..))));
     }
 
     /// Polls `fut` once: `Some` with its output if it completes without waiting.

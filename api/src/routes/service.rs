@@ -373,6 +373,10 @@ pub(crate) async fn put_speculative(
 pub(crate) struct LoadLoraRequest {
     lora_name: String,
     lora_path: String,
+    /// Replace the adapter served under `lora_name`, if any, without a moment when the name
+    /// is missing (vLLM's field; default false: a name already served is refused).
+    #[serde(default)]
+    load_inplace: bool,
 }
 
 /// Longest adapter path accepted, in bytes.
@@ -404,9 +408,14 @@ pub(crate) async fn load_lora(
     }
     let info = state
         .engine
-        .load_lora(body.lora_name, body.lora_path)
+        .load_lora(body.lora_name, body.lora_path, body.load_inplace)
         .await?;
-    tracing::info!(name = %info.name, path = %info.path, "LoRA adapter loaded through the admin API");
+    tracing::info!(
+        name = %info.name,
+        path = %info.path,
+        in_place = body.load_inplace,
+        "LoRA adapter loaded through the admin API"
+    );
     Ok(HttpResponse::Ok().json(info))
 }
 

@@ -255,8 +255,10 @@ impl Reloader {
                     continue;
                 }
                 Some(p) => {
-                    // Loaded through the admin API from another directory: the file's entry
-                    // is what the operator asks SIGHUP to serve.
+                    // Loaded through the admin API (or found in lora.adapter_dirs) from
+                    // another directory: the file's entry is what the operator asks SIGHUP to
+                    // serve. Replaced in place: the name is never missing, and a file that
+                    // does not load leaves the adapter served as it was.
                     tracing::warn!(
                         %name,
                         from = %p.display(),
@@ -264,10 +266,16 @@ impl Reloader {
                         "SIGHUP: LoRA adapter served from another directory; replacing it with \
                          the file's"
                     );
-                    if let Err(e) = engine.unregister_adapter(name.clone()).await {
-                        tracing::error!(%name, error = %e, "SIGHUP: LoRA adapter not replaced");
-                        continue;
+                    match engine.replace_adapter(name.clone(), path.clone()).await {
+                        Ok(info) => {
+                            tracing::info!(name = %info.name, rank = info.rank, "SIGHUP: LoRA adapter replaced");
+                            applied.push((name, path));
+                        }
+                        Err(e) => {
+                            tracing::error!(%name, error = %e, "SIGHUP: LoRA adapter not replaced; the one served stays")
+                        }
                     }
+                    continue;
                 }
                 None => {}
             }
