@@ -511,6 +511,19 @@ lora:
     assert_eq!(cached() - start, 2.0 * reusable);
 }
 
+/// A fresh scratch directory holding a copy of the test adapter under each of `names`.
+fn adapter_copies(tag: &str, names: &[&str]) -> std::path::PathBuf {
+    let root = scratch(tag, "adapters");
+    for name in names {
+        let dir = root.join(name);
+        std::fs::create_dir_all(&dir).expect("dir");
+        for f in ["adapter_config.json", "adapter_model.safetensors"] {
+            std::fs::copy(format!("{}/{f}", lora_fixture_dir()), dir.join(f)).expect("copy");
+        }
+    }
+    root
+}
+
 /// Adapters in `lora.adapter_dirs` are served from the first request naming them (vLLM's
 /// filesystem resolver), with the same weights as when registered, and only to the keys whose
 /// `adapters` patterns match them: to the others they do not exist.
@@ -518,14 +531,7 @@ lora:
 fn adapters_in_a_directory_are_served_on_demand_to_the_keys_that_may_name_them() {
     const ACME: &str = "acme-key-000001";
     const OPS: &str = "ops-key-0000001";
-    let root = scratch("lora-dirs", "adapters");
-    for name in ["acme-tuned", "bob-tuned"] {
-        let dir = root.join(name);
-        std::fs::create_dir_all(&dir).expect("dir");
-        for f in ["adapter_config.json", "adapter_model.safetensors"] {
-            std::fs::copy(format!("{}/{f}", lora_fixture_dir()), dir.join(f)).expect("copy");
-        }
-    }
+    let root = adapter_copies("lora-dirs", &["acme-tuned", "bob-tuned"]);
     let s = &Server::start_with(
         "lora-dirs",
         &format!(
@@ -601,14 +607,7 @@ fn adapters_in_a_directory_are_served_on_demand_to_the_keys_that_may_name_them()
 /// requests name them, and the result file lists the modules.
 #[test]
 fn bench_serve_spreads_its_requests_over_the_lora_modules() {
-    let root = scratch("lora-bench", "adapters");
-    for name in ["a1", "a2"] {
-        let dir = root.join(name);
-        std::fs::create_dir_all(&dir).expect("dir");
-        for f in ["adapter_config.json", "adapter_model.safetensors"] {
-            std::fs::copy(format!("{}/{f}", lora_fixture_dir()), dir.join(f)).expect("copy");
-        }
-    }
+    let root = adapter_copies("lora-bench", &["a1", "a2"]);
     let s = &Server::start(
         "lora-bench",
         &format!(
@@ -678,10 +677,8 @@ fn bench_serve_spreads_its_requests_over_the_lora_modules() {
 #[test]
 fn an_adapter_is_replaced_in_place_while_requests_keep_coming() {
     let s = &server();
-    let zero = scratch("lora-inplace", "zero");
-    for f in ["adapter_config.json", "adapter_model.safetensors"] {
-        std::fs::copy(format!("{}/{f}", lora_fixture_dir()), zero.join(f)).expect("copy");
-    }
+    let root = adapter_copies("lora-inplace", &["zero"]);
+    let zero = root.join("zero");
     let config = std::fs::read_to_string(zero.join("adapter_config.json")).expect("config");
     let scaled = config.replace("\"lora_alpha\": 8.0", "\"lora_alpha\": 0.0");
     assert_ne!(scaled, config);
@@ -735,5 +732,5 @@ fn an_adapter_is_replaced_in_place_while_requests_keep_coming() {
     });
     assert!(statuses.len() >= 3, "{statuses:?}");
     assert!(statuses.iter().all(|&st| st == 200), "{statuses:?}");
-    let _ = std::fs::remove_dir_all(&zero);
+    let _ = std::fs::remove_dir_all(&root);
 }
