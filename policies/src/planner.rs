@@ -97,6 +97,7 @@ fn write_entry(plan: &mut StepPlan, n: usize, seq: &mut Sequence, num_new: usize
         is_prefill: total - computed > 1,
         samples: computed + num_new == total,
         draft_tokens: Vec::new(),
+        lora_adapter: seq.req.lora_adapter,
     };
     match plan.seqs.get_mut(n) {
         Some(slot) => {

@@ -378,6 +378,8 @@ pub struct ScheduledSeq {
     /// backend checks them against its own samples and reports how many it kept
     /// ([`StepOutput::accepted`]). Empty unless speculative decoding proposed some.
     pub draft_tokens: Vec<TokenId>,
+    /// The request's LoRA adapter ([`Request::lora_adapter`]), priced by the cost models.
+    pub lora_adapter: Option<u32>,
 }
 
 /// The work of one step, produced by [`crate::Scheduler::schedule`].
@@ -404,6 +406,8 @@ impl StepPlan {
     /// keys and the keys read are those of its window.
     pub fn shape_within(&self, window: Option<SlidingWindow>) -> StepShape {
         let mut shape = StepShape::default();
+        // The distinct adapters seen, in order (at most `max_loras` of them, a handful).
+        let mut adapters: Vec<u32> = Vec::new();
         for s in &self.seqs {
             shape.add_seq_within(
                 s.num_computed_tokens as u64,
@@ -415,7 +419,14 @@ impl StepPlan {
             if s.samples {
                 shape.num_sampled += s.draft_tokens.len() as u64;
             }
+            if let Some(a) = s.lora_adapter {
+                shape.lora_tokens += s.num_new_tokens as u64;
+                if !adapters.contains(&a) {
+                    adapters.push(a);
+                }
+            }
         }
+        shape.lora_adapters = adapters.len() as u64;
         shape
     }
 }
@@ -439,6 +450,13 @@ pub struct StepShape {
     pub kv_tokens: u64,
     /// Σ over new tokens of the keys each attends to, causal (`A`).
     pub attention_pairs: u64,
+    /// Of the tokens fed, those of sequences with a LoRA adapter: each goes through the
+    /// adapter's low-rank products too (0 in files written before adapters were priced).
+    #[serde(default)]
+    pub lora_tokens: u64,
+    /// Distinct LoRA adapters in the step (their weights are read once each).
+    #[serde(default)]
+    pub lora_adapters: u64,
 }
 
 impl StepShape {
@@ -598,5 +616,62 @@ mod tests {
         assert_eq!(request_priority(Some(-100), Some(2)), 2);
         assert_eq!(request_priority(Some(5), Some(2)), 5);
         assert_eq!(request_priority(Some(i32::MIN), Some(i32::MAX)), i32::MAX);
+    }
+
+    fn entry(id: u64, computed: usize, new: usize, adapter: Option<u32>) -> ScheduledSeq {
+        ScheduledSeq {
+            id: RequestId(id),
+            num_computed_tokens: computed,
+            num_new_tokens: new,
+            first_new_block: 0,
+            new_blocks: Vec::new(),
+            is_prefill: new > 1,
+            samples: true,
+            draft_tokens: Vec::new(),
+            lora_adapter: adapter,
+        }
+    }
+
+    #[test]
+    fn a_steps_shape_counts_the_tokens_and_distinct_adapters_of_adapted_sequences() {
+        let plan = StepPlan {
+            seqs: vec![
+                entry(1, 0, 64, Some(3)),
+                entry(2, 100, 1, None),
+                entry(3, 40, 1, Some(7)),
+                entry(4, 0, 16, Some(3)),
+                entry(5, 0, 32, None),
+            ],
+            preempted: Vec::new(),
+            num_batched_tokens: 114,
+        };
+        let s = plan.shape();
+        assert_eq!((s.num_seqs, s.num_tokens), (5, 114));
+        // 64 + 1 + 16 tokens of adapted sequences, two distinct adapters (3 and 7).
+        assert_eq!((s.lora_tokens, s.lora_adapters), (81, 2));
+        // The rest of the shape is what it is without adapters.
+        let mut base = plan.clone();
+        base.seqs.iter_mut().for_each(|e| e.lora_adapter = None);
+        let b = base.shape();
+        assert_eq!((b.lora_tokens, b.lora_adapters), (0, 0));
+        assert_eq!(
+            StepShape {
+                lora_tokens: 0,
+                lora_adapters: 0,
+                ..s
+            },
+            b
+        );
+        assert_eq!(StepPlan::default().shape(), StepShape::default());
+    }
+
+    #[test]
+    fn step_shapes_written_before_adapters_were_counted_still_load() {
+        let old = "{num_seqs: 1, num_tokens: 16, num_prefill_tokens: 16, num_decode_seqs: 0, \
+                   num_sampled: 1, kv_tokens: 16, attention_pairs: 136}";
+        let s: StepShape = serde_yaml::from_str(old).unwrap();
+        assert_eq!((s.num_tokens, s.lora_tokens, s.lora_adapters), (16, 0, 0));
+        let new: StepShape = serde_yaml::from_str(&serde_yaml::to_string(&s).unwrap()).unwrap();
+        assert_eq!(new, s);
     }
 }
