@@ -1,7 +1,7 @@
 //! Fitting the calibrated step-cost model ([`Calibration`]) to step times measured on the real
 //! engine (`switchyard calibrate` measures them).
 //!
-//! The model is linear in seven features of a step's [`StepShape`] (see [`crate::cost`]), and a
+//! The model is linear in nine features of a step's [`StepShape`] (see [`crate::cost`]), and a
 //! cost cannot be negative, so the fit is a non-negative least-squares problem, solved with
 //! Lawson and Hanson's active-set method ("Solving Least Squares Problems", 1974, ch. 23).
 //! Step times span three orders of magnitude (a decode step of one sequence against a prefill
@@ -19,7 +19,7 @@ use crate::cost::{Calibration, StepShape};
 use serde::{Deserialize, Serialize};
 
 /// Number of coefficients of the linear model.
-pub const NUM_TERMS: usize = 7;
+pub const NUM_TERMS: usize = 9;
 
 /// The coefficients' names, in [`features`] order, as the calibration file spells them.
 pub const TERM_NAMES: [&str; NUM_TERMS] = [
@@ -30,6 +30,8 @@ pub const TERM_NAMES: [&str; NUM_TERMS] = [
     "per_sampled_seq_s",
     "per_kv_token_s",
     "per_attention_pair_s",
+    "per_lora_token_s",
+    "per_adapter_s",
 ];
 
 /// Most samples a fit takes (a sweep of the engine measures a few hundred distinct shapes).
@@ -66,6 +68,8 @@ pub fn features(s: &StepShape, knee: u64) -> [f64; NUM_TERMS] {
         s.num_sampled as f64,
         s.kv_tokens as f64,
         s.attention_pairs as f64,
+        s.lora_tokens as f64,
+        s.lora_adapters as f64,
     ]
 }
 
@@ -136,7 +140,8 @@ const MAX_CONTEXT: u64 = 1 << 24;
 /// other, as [`StepShape::add_seq`] builds them: every sequence feeds at least one token, a
 /// prefilling one prompt tokens, a decoding one its next token and at most 16 drafts; a step
 /// samples at most one row per token; every token fed is in the KV and attends to at least
-/// one key and at most the step's KV tokens. A file edited by hand, or from another program,
+/// one key and at most the step's KV tokens; adapted tokens are tokens fed, and each adapter is
+/// some adapted sequence's. A file edited by hand, or from another program,
 /// is refused here rather than fitted.
 pub fn check_shape(s: &StepShape) -> Result<(), String> {
     let (max_seqs, max_tokens) = (
@@ -199,6 +204,19 @@ pub fn check_shape(s: &StepShape) -> Result<(), String> {
             "attention_pairs {} outside num_tokens..=num_tokens * kv_tokens (every token fed \
              attends to at least one key, and to at most the step's KV tokens)",
             s.attention_pairs
+        ));
+    }
+    if s.lora_tokens > s.num_tokens || s.lora_adapters > s.num_seqs.min(s.lora_tokens) {
+        return Err(format!(
+            "lora_tokens {} and lora_adapters {} must be at most num_tokens {} and the fewer of \
+             num_seqs {} and lora_tokens (each adapter is some adapted sequence's)",
+            s.lora_tokens, s.lora_adapters, s.num_tokens, s.num_seqs
+        ));
+    }
+    if s.lora_tokens > 0 && s.lora_adapters == 0 {
+        return Err(format!(
+            "lora_tokens {} in a step of no adapter",
+            s.lora_tokens
         ));
     }
     Ok(())
@@ -266,6 +284,8 @@ pub fn fit(samples: &[Sample]) -> Result<Fit, FitError> {
         per_sampled_seq_s: c[4],
         per_kv_token_s: c[5],
         per_attention_pair_s: c[6],
+        per_lora_token_s: c[7],
+        per_adapter_s: c[8],
         token_knee: (knee > 0 && c[1] > 0.0).then_some(knee),
         ..Calibration::default()
     };
@@ -480,7 +500,7 @@ mod tests {
     /// Data made by the model itself is fitted exactly, every coefficient recovered.
     #[test]
     fn recovers_the_coefficients_that_made_the_data() {
-        let truth = [2e-3, 5e-6, 1e-6, 3e-5, 4e-5, 2e-8, 1e-10];
+        let truth = [2e-3, 5e-6, 1e-6, 3e-5, 4e-5, 2e-8, 1e-10, 0.0, 0.0];
         let samples: Vec<Sample> = sweep()
             .into_iter()
             .map(|shape| Sample {
@@ -498,6 +518,8 @@ mod tests {
             c.per_sampled_seq_s,
             c.per_kv_token_s,
             c.per_attention_pair_s,
+            c.per_lora_token_s,
+            c.per_adapter_s,
         ];
         for (j, (g, t)) in got.iter().zip(truth).enumerate() {
             assert!((g - t).abs() <= 1e-6 * t, "{}: {g} vs {t}", TERM_NAMES[j]);
@@ -506,11 +528,68 @@ mod tests {
         assert!(c.validate().is_ok());
     }
 
+    /// `shape` with every sequence adapted, over `adapters` distinct adapters.
+    fn adapted(mut s: StepShape, adapters: u64) -> StepShape {
+        s.lora_tokens = s.num_tokens;
+        s.lora_adapters = adapters.min(s.num_seqs);
+        s
+    }
+
+    /// A sweep with steps whose every sequence has an adapter, over 1, 2 and 4 distinct ones
+    /// (`switchyard calibrate --lora`'s), recovers the LoRA terms beside the others.
+    #[test]
+    fn recovers_the_lora_coefficients_that_made_the_data() {
+        let truth = [2e-3, 5e-6, 1e-6, 3e-5, 4e-5, 2e-8, 1e-10, 2e-6, 7e-5];
+        let mut shapes = sweep();
+        for p in [16, 256] {
+            shapes.push(adapted(shape(&[(0, p, true)]), 1));
+        }
+        for n in [1, 2, 4] {
+            shapes.push(adapted(shape(&[(0, 64, true); 4]), n));
+            for b in [4usize, 16] {
+                shapes.push(adapted(shape(&vec![(256, 1, false); b]), n));
+                let mut mixed = vec![(256, 1, false); b];
+                mixed.push((0, 64, true));
+                shapes.push(adapted(shape(&mixed), n));
+            }
+        }
+        shapes.push(adapted(shape(&[(32, 1, false)]), 1));
+        let samples: Vec<Sample> = shapes
+            .into_iter()
+            .map(|shape| Sample {
+                shape,
+                seconds: predict(&truth, 0, &shape),
+            })
+            .collect();
+        let f = fit(&samples).unwrap();
+        let c = &f.calibration;
+        assert!(
+            (c.per_lora_token_s - truth[7]).abs() <= 1e-6 * truth[7],
+            "{}",
+            c.per_lora_token_s
+        );
+        assert!(
+            (c.per_adapter_s - truth[8]).abs() <= 1e-6 * truth[8],
+            "{}",
+            c.per_adapter_s
+        );
+        assert!((c.per_token_s - truth[1]).abs() <= 1e-6 * truth[1]);
+        assert!(f.abs_error_quantile(1.0) < 1e-9);
+        // Without the adapted steps, the LoRA terms stay zero: nothing to fit them on.
+        let base: Vec<Sample> = samples
+            .iter()
+            .filter(|s| s.shape.lora_tokens == 0)
+            .copied()
+            .collect();
+        let b = fit(&base).unwrap().calibration;
+        assert_eq!((b.per_lora_token_s, b.per_adapter_s), (0.0, 0.0));
+    }
+
     /// Data made with a knee (a step pays the per-token cost on at least 64 tokens) is fitted
     /// exactly with that knee; the linear model alone could not.
     #[test]
     fn finds_the_knee_that_made_the_data() {
-        let truth = [2e-3, 5e-6, 1e-6, 3e-5, 4e-5, 2e-8, 1e-10];
+        let truth = [2e-3, 5e-6, 1e-6, 3e-5, 4e-5, 2e-8, 1e-10, 0.0, 0.0];
         let samples: Vec<Sample> = sweep()
             .into_iter()
             .map(|shape| Sample {
@@ -558,7 +637,7 @@ mod tests {
             seconds: 1e-3,
         };
         assert_eq!(fit(&[one; 3]), Err(FitError::TooFewSamples(3)));
-        let mut s = vec![one; 8];
+        let mut s = vec![one; NUM_TERMS + 1];
         s[2].seconds = f64::NAN;
         assert!(matches!(fit(&s), Err(FitError::BadTime { index: 2, .. })));
         s[2].seconds = -1.0;
@@ -592,7 +671,19 @@ mod tests {
         assert!(sweep_checks.iter().all(Result::is_ok), "{sweep_checks:?}");
         let one = shape(&[(0, 16, true)]);
         type Edit = fn(&mut StepShape);
-        let cases: [(Edit, &str); 8] = [
+        let cases: [(Edit, &str); 11] = [
+            (|x| x.lora_tokens = 17, "lora_tokens 17 and lora_adapters 0"),
+            (
+                |x| {
+                    x.lora_tokens = 16;
+                    x.lora_adapters = 2
+                },
+                "lora_tokens 16 and lora_adapters 2",
+            ),
+            (
+                |x| x.lora_tokens = 3,
+                "lora_tokens 3 in a step of no adapter",
+            ),
             (
                 |x| x.num_tokens = 1_000_000_000_000,
                 "num_tokens 1000000000000 outside",
@@ -645,7 +736,7 @@ mod tests {
         /// outwards (the residual cannot fall) along every zero one.
         #[test]
         fn nnls_meets_the_optimality_conditions(
-            rows in prop::collection::vec(prop::array::uniform7(-1.0f64..1.0), 7..40),
+            rows in prop::collection::vec(prop::array::uniform9(-1.0f64..1.0), 9..40),
             b in prop::collection::vec(-1.0f64..1.0, 40),
         ) {
             let b = &b[..rows.len()];

@@ -9,18 +9,28 @@
 //! ```text
 //! step_s = max(flops / (peak_flops * compute_eff), bytes / (bandwidth * memory_eff))
 //!          + step_overhead_s + layers * layer_overhead_s
+//!          + [any adapter] layers * lora_targets * lora_overhead_s
 //! flops  = 2 * T * P_layer * L            (every batched token through every GEMM)
 //!        + 2 * S * hidden * vocab         (lm_head, sampled positions only)
 //!        + 4 * L * q_dim * A              (QK^T and PV; A = Σ keys attended per new token)
+//!        + 2 * T_lora * P_lora * L        (adapted tokens through the low-rank products)
 //! bytes  = W * bytes_per_weight           (weights read once per step)
 //!        + K * kv_bytes_per_token         (K = Σ over sequences of context + new tokens)
+//!        + N_lora * P_lora * L * bytes_per_weight   (each adapter's weights read once)
 //! ```
 //!
 //! with `T` batched tokens, `S` sampled sequences, `P_layer` the matrix
 //! parameters of one layer (Q, K, V, O, gate, up, down), `W` the parameters read
 //! per step (all layers, final norm, lm_head; embedding rows are gathered, not
 //! streamed) and `kv_bytes_per_token = 2 * L * kv_heads * head_dim *
-//! bytes_per_kv`. Activations are ignored (they are small next to weights and
+//! bytes_per_kv`. LoRA (Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", ICLR
+//! 2022; batched as in Punica and S-LoRA): `T_lora` tokens of adapted sequences, `N_lora`
+//! distinct adapters in the step, `P_lora = rank * Σ (in + out)` over the adapted projections
+//! of one layer ([`LoraSpec`]); the kernels a step with an adapter launches per adapted
+//! projection and layer cost `lora_overhead_s` each, which at small batches is nearly all of
+//! it (H200, SmolLM2 at batch 1: 0.54 ms base, 1.08-1.10 ms with a rank-4 adapter on all seven
+//! projections, (1.09 - 0.54) ms / (30 layers * 7) = 2.6 µs; 0.70-0.72 ms on q and v,
+//! 2.7-3.0 µs). Activations are ignored (they are small next to weights and
 //! KV at serving batch sizes). This is the level of detail of DistServe's
 //! latency model (Zhong et al., OSDI'24, §4: prefill is compute-bound and
 //! grows with tokens, decode is bandwidth-bound and grows with batch and
@@ -35,12 +45,14 @@
 //! step_s = intercept_s + per_token_s * max(T, token_knee) + per_prefill_token_s * T_prefill
 //!        + per_decode_seq_s * D + per_sampled_seq_s * S
 //!        + per_kv_token_s * K + per_attention_pair_s * A
+//!        + per_lora_token_s * T_lora + per_adapter_s * N_lora
 //! ```
 //!
 //! loaded from a YAML or JSON file that the engine writes; when given, it
 //! replaces the roofline.
 
 use crate::error::SimError;
+pub use crate::lora_cost::{LoraSpec, Projection, MAX_LORA_RANK};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
@@ -345,6 +357,10 @@ pub struct HardwareSpec {
     pub step_overhead_s: f64,
     /// Fixed cost per layer per step in seconds (kernel launches, syncs).
     pub layer_overhead_s: f64,
+    /// Fixed cost per adapted projection per layer in a step with any LoRA adapter, in
+    /// seconds (the adapters' kernel launches; 0 when left out).
+    #[serde(default)]
+    pub lora_overhead_s: f64,
 }
 
 impl HardwareSpec {
@@ -352,7 +368,9 @@ impl HardwareSpec {
     /// (DESIGN.md GPU notes: bf16 GEMM ~790 TFLOP/s, copy ~4.3 TB/s). The
     /// efficiencies (0.8 compute, 0.9 memory) account for non-GEMM work and
     /// small shapes; the overheads (0.5 ms per step, 5 µs per layer) are
-    /// assumptions until a calibration file replaces them.
+    /// assumptions until a calibration file replaces them. The LoRA overhead, 2.6 µs per
+    /// adapted projection per layer, is measured (gpu/CUDA_NOTES.md v19: SmolLM2 at batch 1,
+    /// 0.54 ms base against 1.09 ms with an adapter on all seven projections of 30 layers).
     pub fn h200() -> Self {
         HardwareSpec {
             name: "h200".into(),
@@ -363,6 +381,7 @@ impl HardwareSpec {
             memory_efficiency: 0.9,
             step_overhead_s: 0.5e-3,
             layer_overhead_s: 5e-6,
+            lora_overhead_s: 2.6e-6,
         }
     }
 
@@ -381,6 +400,7 @@ impl HardwareSpec {
             ("memory_efficiency", self.memory_efficiency, 1e-3, 1.0),
             ("step_overhead_s", self.step_overhead_s, 0.0, 10.0),
             ("layer_overhead_s", self.layer_overhead_s, 0.0, 1.0),
+            ("lora_overhead_s", self.lora_overhead_s, 0.0, 1.0),
         ];
         for (name, v, lo, hi) in checks {
             if !(v.is_finite() && v >= lo && v <= hi) {
@@ -426,6 +446,13 @@ pub struct Calibration {
     /// Cost per attention (query, key) pair.
     #[serde(default)]
     pub per_attention_pair_s: f64,
+    /// Extra cost per token of a sequence with a LoRA adapter (`switchyard calibrate --lora`
+    /// fits it; 0 otherwise).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub per_lora_token_s: f64,
+    /// Extra cost per distinct LoRA adapter in a step.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub per_adapter_s: f64,
     /// The per-token cost is paid on at least this many tokens (the roofline's knee: below
     /// it a step streams the weights whatever it computes). `None`: on the tokens fed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -443,6 +470,10 @@ pub struct Calibration {
     /// sets none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host_overhead_us: Option<f64>,
+}
+
+fn is_zero(v: &f64) -> bool {
+    *v == 0.0
 }
 
 /// Shortest step the calibrated model returns (every coefficient may be zero).
@@ -499,6 +530,8 @@ impl Calibration {
             ("per_sampled_seq_s", self.per_sampled_seq_s),
             ("per_kv_token_s", self.per_kv_token_s),
             ("per_attention_pair_s", self.per_attention_pair_s),
+            ("per_lora_token_s", self.per_lora_token_s),
+            ("per_adapter_s", self.per_adapter_s),
         ];
         for (name, v) in c {
             if !(v.is_finite() && (0.0..3600.0).contains(&v)) {
@@ -538,7 +571,9 @@ impl Calibration {
             + self.per_decode_seq_s * s.num_decode_seqs as f64
             + self.per_sampled_seq_s * s.num_sampled as f64
             + self.per_kv_token_s * s.kv_tokens as f64
-            + self.per_attention_pair_s * s.attention_pairs as f64;
+            + self.per_attention_pair_s * s.attention_pairs as f64
+            + self.per_lora_token_s * s.lora_tokens as f64
+            + self.per_adapter_s * s.lora_adapters as f64;
         t.max(MIN_STEP_S)
     }
 }
@@ -552,6 +587,8 @@ pub enum CostModel {
         model: ModelSpec,
         /// The accelerator.
         hardware: HardwareSpec,
+        /// The LoRA adapters' shape, priced in steps with adapted sequences.
+        lora: LoraSpec,
     },
     /// A linear model fitted on the real engine.
     Calibrated(Calibration),
@@ -576,8 +613,12 @@ impl CostModel {
     /// Seconds one step of this shape takes. An empty step costs only the fixed overheads.
     pub fn step_time(&self, shape: &StepShape) -> f64 {
         match self {
-            CostModel::Roofline { model, hardware } => {
-                let t = roofline_terms(model, hardware, shape);
+            CostModel::Roofline {
+                model,
+                hardware,
+                lora,
+            } => {
+                let t = roofline_terms(model, hardware, lora, shape);
                 t.compute_s.max(t.memory_s) + t.fixed_s
             }
             CostModel::Calibrated(c) => c.step_time(shape),
@@ -585,25 +626,37 @@ impl CostModel {
     }
 }
 
-/// The roofline terms of one step.
-pub fn roofline_terms(model: &ModelSpec, hw: &HardwareSpec, s: &StepShape) -> RooflineTerms {
+/// The roofline terms of one step whose adapted sequences' adapters are of shape `lora`.
+pub fn roofline_terms(
+    model: &ModelSpec,
+    hw: &HardwareSpec,
+    lora: &LoraSpec,
+    s: &StepShape,
+) -> RooflineTerms {
     let layers = model.num_layers as f64;
     let gemm = 2.0 * s.num_tokens as f64 * model.layer_matrix_params() as f64 * layers
         + 2.0 * s.num_sampled as f64 * (model.hidden_size * model.vocab_size) as f64;
     let attention = 4.0 * layers * model.q_dim() as f64 * s.attention_pairs as f64;
-    let flops = gemm + attention;
+    let lora_params = lora.params_per_layer(model) as f64 * layers;
+    let flops = gemm + attention + 2.0 * s.lora_tokens as f64 * lora_params;
     let bytes = if s.num_seqs == 0 {
         0.0
     } else {
         model.streamed_params() as f64 * model.bytes_per_weight
             + s.kv_tokens as f64 * model.kv_bytes_per_token()
+            + s.lora_adapters as f64 * lora_params * model.bytes_per_weight
+    };
+    let lora_fixed = if s.lora_adapters > 0 {
+        layers * lora.targets.len() as f64 * hw.lora_overhead_s
+    } else {
+        0.0
     };
     RooflineTerms {
         flops,
         bytes,
         compute_s: flops / (hw.peak_flops * hw.compute_efficiency),
         memory_s: bytes / (hw.memory_bandwidth * hw.memory_efficiency),
-        fixed_s: hw.step_overhead_s + layers * hw.layer_overhead_s,
+        fixed_s: hw.step_overhead_s + layers * hw.layer_overhead_s + lora_fixed,
     }
 }
 
@@ -649,6 +702,7 @@ mod tests {
             memory_efficiency: 1.0,
             step_overhead_s: 0.5,
             layer_overhead_s: 0.25,
+            lora_overhead_s: 0.0,
         };
         (m, h)
     }
@@ -676,12 +730,13 @@ mod tests {
         let (m, h) = toy();
         let mut s = StepShape::default();
         s.add_seq(0, 3, true, true);
-        let t = roofline_terms(&m, &h, &s);
+        let t = roofline_terms(&m, &h, &LoraSpec::default(), &s);
         assert_eq!(t.flops, 2000.0);
         assert_eq!(t.bytes, 744.0);
         let cost = CostModel::Roofline {
             model: m,
             hardware: h,
+            lora: LoraSpec::default(),
         };
         assert!((cost.step_time(&s) - 8.44).abs() < 1e-12);
         assert_eq!(cost.step_time(&StepShape::default()), 1.0);
@@ -692,20 +747,145 @@ mod tests {
         let (m, h) = (ModelSpec::llama_3_8b(), HardwareSpec::h200());
         let mut decode = StepShape::default();
         decode.add_seq(1000, 1, false, true);
-        let t = roofline_terms(&m, &h, &decode);
+        let t = roofline_terms(&m, &h, &LoraSpec::default(), &decode);
         assert!(t.memory_s > 10.0 * t.compute_s);
         // 7,504,924,672 params * 2 B + 1001 tokens * 128 KiB = 15.141 GB at
         // 0.9 * 4.3 TB/s = 3.912 ms, plus 0.5 + 32 * 0.005 = 0.66 ms fixed.
         let step = CostModel::Roofline {
             model: m.clone(),
             hardware: h.clone(),
+            lora: LoraSpec::default(),
         }
         .step_time(&decode);
         assert!((step - 4.5724e-3).abs() < 0.001e-3, "{step}");
         let mut prefill = StepShape::default();
         prefill.add_seq(0, 4096, true, true);
-        let t = roofline_terms(&m, &h, &prefill);
+        let t = roofline_terms(&m, &h, &LoraSpec::default(), &prefill);
         assert!(t.compute_s > 5.0 * t.memory_s);
+    }
+
+    /// One adapted sequence and one not, in one step.
+    fn lora_step() -> StepShape {
+        let mut s = StepShape::default();
+        s.add_seq(0, 3, true, true);
+        s.add_seq(5, 1, false, true);
+        s.lora_tokens = 3;
+        s.lora_adapters = 1;
+        s
+    }
+
+    #[test]
+    fn roofline_prices_lora_by_hand() {
+        // Toy model, rank 2 on q (4 -> 4) and down (8 -> 4): P_lora = 2 * (8 + 12) = 40 per
+        // layer, 80 over the two layers.
+        let (m, mut h) = toy();
+        h.lora_overhead_s = 0.125;
+        let lora = LoraSpec {
+            rank: 2,
+            targets: vec![Projection::Q, Projection::Down],
+        };
+        assert_eq!(lora.params_per_layer(&m), 40);
+        let s = lora_step();
+        let base = roofline_terms(
+            &m,
+            &h,
+            &lora,
+            &StepShape {
+                lora_tokens: 0,
+                lora_adapters: 0,
+                ..s
+            },
+        );
+        let t = roofline_terms(&m, &h, &lora, &s);
+        // flops: 2 * 3 tokens * 80; bytes: one adapter's 80 weights of 2 bytes; launches:
+        // 2 layers * 2 projections * 0.125 s.
+        assert_eq!(t.flops - base.flops, 480.0);
+        assert_eq!(t.bytes - base.bytes, 160.0);
+        assert_eq!(t.fixed_s - base.fixed_s, 0.5);
+        // A second adapter reads its weights too, launches nothing more.
+        let two = roofline_terms(
+            &m,
+            &h,
+            &lora,
+            &StepShape {
+                lora_adapters: 2,
+                ..s
+            },
+        );
+        assert_eq!(two.bytes - t.bytes, 160.0);
+        assert_eq!(two.fixed_s, t.fixed_s);
+        let cost = CostModel::Roofline {
+            model: m,
+            hardware: h,
+            lora,
+        };
+        let without = StepShape {
+            lora_tokens: 0,
+            lora_adapters: 0,
+            ..s
+        };
+        assert!(cost.step_time(&s) > cost.step_time(&without) + 0.5);
+    }
+
+    /// The H200 preset's LoRA overhead gives the measured batch-1 decode of SmolLM2 with an
+    /// adapter on all seven projections (gpu/CUDA_NOTES.md v19: 0.54 ms base, 1.08-1.10 ms):
+    /// the roofline's own base differs, the LoRA share is what is checked.
+    #[test]
+    fn h200_lora_overhead_matches_the_measured_smollm2_decode() {
+        let (m, h) = (ModelSpec::smollm2_135m(), HardwareSpec::h200());
+        let lora = LoraSpec {
+            rank: 4,
+            targets: Projection::ALL.to_vec(),
+        };
+        let mut s = StepShape::default();
+        s.add_seq(100, 1, false, true);
+        let cost = CostModel::Roofline {
+            model: m,
+            hardware: h,
+            lora,
+        };
+        let base = cost.step_time(&s);
+        s.lora_tokens = 1;
+        s.lora_adapters = 1;
+        let extra = cost.step_time(&s) - base;
+        assert!((0.54e-3..0.57e-3).contains(&extra), "{extra}");
+    }
+
+    #[test]
+    fn calibrated_lora_terms_are_priced_and_old_files_price_as_before() {
+        let dir = std::env::temp_dir().join(format!("sy-cal-lora-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("cal.yaml");
+        let old = "intercept_s: 0.001\nper_token_s: 1.0e-5\nper_kv_token_s: 1.0e-8\n";
+        std::fs::write(&path, old).unwrap();
+        let mut h = HardwareSpec::h200();
+        h.lora_overhead_s = -1e-6;
+        assert!(h.validate().unwrap_err().contains("lora_overhead_s"));
+        let cal = Calibration::load(&path).unwrap();
+        assert_eq!((cal.per_lora_token_s, cal.per_adapter_s), (0.0, 0.0));
+        let s = lora_step();
+        let without = StepShape {
+            lora_tokens: 0,
+            lora_adapters: 0,
+            ..s
+        };
+        // An old file prices an adapted step as the same step without adapters.
+        assert_eq!(cal.step_time(&s), cal.step_time(&without));
+        // Written back, a file without LoRA terms has none.
+        assert!(!serde_yaml::to_string(&cal).unwrap().contains("lora"));
+        std::fs::write(
+            &path,
+            format!("{old}per_lora_token_s: 2.0e-4\nper_adapter_s: 3.0e-3\n"),
+        )
+        .unwrap();
+        let lora = Calibration::load(&path).unwrap();
+        // 3 adapted tokens * 2e-4 + 1 adapter * 3e-3.
+        let extra = lora.step_time(&s) - lora.step_time(&without);
+        assert!((extra - 3.6e-3).abs() < 1e-12, "{extra}");
+        std::fs::write(&path, format!("{old}per_adapter_s: -1.0e-3\n")).unwrap();
+        let err = Calibration::load(&path).unwrap_err().to_string();
+        assert!(err.contains("per_adapter_s = -0.001"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

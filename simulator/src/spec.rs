@@ -12,6 +12,7 @@
 //! calibration: cal.yaml        # optional, from `switchyard calibrate`: replaces the roofline
 //! cache: { block_size: 16, gpu_memory_utilization: 0.9, prefix_caching: true, prefix_sharing: tenant }
 //! scheduler: { max_num_seqs: 256, max_num_batched_tokens: 8192, max_model_len: 8192 }
+//!   # lora: { rank: 16, targets: all }  # the adapters trace records name, for the roofline
 //! policies: [ { name: fcfs }, { name: slo-aware, params: {} } ]
 //! tiers:
 //!   premium: { ttft_ms: 500, tpot_ms: 50, weight: 4, priority: 0 }
@@ -24,7 +25,7 @@
 //!   mix: { tiers: { premium: 0.2, standard: 0.5, batch: 0.3 } }
 //! ```
 
-use crate::cost::{HardwareSpec, ModelSpec};
+use crate::cost::{HardwareSpec, LoraSpec, ModelSpec};
 use crate::error::SimError;
 use crate::trace::{LabelMix, TraceFormat};
 use serde::{Deserialize, Serialize};
@@ -243,6 +244,10 @@ pub struct SchedulerLimits {
     /// Most distinct LoRA adapters among the running requests (trace records may name an
     /// `adapter`), as the server's `lora.max_loras`.
     pub max_loras: usize,
+    /// The adapters' rank and adapted projections, as the roofline prices a step's adapted
+    /// tokens (default rank 16 on all seven projections; a calibration file's LoRA terms
+    /// price them instead).
+    pub lora: LoraSpec,
     /// Speculative decoding, modelled: the simulator has no real tokens to look up, so each
     /// draft is accepted with a fixed probability instead.
     pub speculative: Option<SimSpeculative>,
@@ -282,6 +287,7 @@ impl Default for SchedulerLimits {
             async_scheduling: false,
             host_overhead_us: None,
             max_loras: 4,
+            lora: LoraSpec::default(),
             speculative: None,
         }
     }
@@ -607,6 +613,7 @@ impl SimulationSpec {
         if !(1..=1024).contains(&s.max_loras) {
             return Err("scheduler.max_loras outside 1..=1024".into());
         }
+        s.lora.validate(&self.model_spec()?)?;
         if let Some(sp) = &s.speculative {
             if !(1..=16).contains(&sp.num_speculative_tokens) {
                 return Err("scheduler.speculative.num_speculative_tokens outside 1..=16".into());
@@ -964,6 +971,27 @@ workload:
             (
                 format!("{}\nscheduler: {{ max_loras: 0 }}\n", GOOD.trim_end()),
                 "scheduler.max_loras",
+            ),
+            (
+                format!(
+                    "{}\nscheduler: {{ lora: {{ rank: 0 }} }}\n",
+                    GOOD.trim_end()
+                ),
+                "scheduler.lora.rank = 0",
+            ),
+            (
+                format!(
+                    "{}\nscheduler: {{ lora: {{ targets: [] }} }}\n",
+                    GOOD.trim_end()
+                ),
+                "scheduler.lora.targets is empty",
+            ),
+            (
+                format!(
+                    "{}\nscheduler: {{ lora: {{ targets: qv }} }}\n",
+                    GOOD.trim_end()
+                ),
+                "lora.targets is `all` or a list",
             ),
             (
                 format!(
