@@ -436,7 +436,8 @@ pub struct CalibrateArgs {
     /// The server's YAML configuration: the model, backend, KV cache, prefix caching and batch
     /// limits it names are the engine measured (default: the built-in defaults, the embedded
     /// model). Steps are planned one at a time (the simulator models planning ahead from the
-    /// host time measured), without speculative decoding or LoRA adapters.
+    /// host time measured), without speculative decoding, and without LoRA adapters unless
+    /// `--lora` names one.
     #[arg(long, short)]
     pub config: Option<PathBuf>,
     /// Override a configuration field: `--set model.backend=cuda` (repeatable).
@@ -469,11 +470,17 @@ pub struct CalibrateArgs {
     /// Fit the steps of a file written by an earlier run instead of measuring the engine.
     #[arg(long, value_name = "FILE", conflicts_with_all = [
         "config", "overrides", "dummy", "samples", "max_context", "max_kv_tokens", "repeats", "seed",
+        "lora",
     ])]
     pub from_samples: Option<PathBuf>,
     /// Seed of the random prompts.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// A PEFT LoRA adapter directory for the model calibrated: the sweep adds steps whose
+    /// every sequence runs it, loaded as 1, 2 and 4 distinct adapters, and the fit prices
+    /// adapted tokens and adapters (per_lora_token_s, per_adapter_s; 0 without it).
+    #[arg(long, value_name = "DIR")]
+    pub lora: Option<PathBuf>,
 }
 
 /// `switchyard model ...`.

@@ -272,3 +272,129 @@ fn calibrate_fits_the_engine_and_the_simulator_runs_on_the_fit() {
     assert!(err.contains("bad.json"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `switchyard calibrate --lora DIR` adds steps whose every sequence runs the adapter, loaded as
+/// 1, 2 and 4 distinct adapters; the fit reports them apart and prices them, and the simulator
+/// charges a request naming an adapter the fitted LoRA terms.
+#[test]
+fn calibrate_with_lora_measures_adapted_steps_and_the_simulator_prices_them() {
+    let dir = temp_dir("calibrate-lora");
+    let fixture =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("gpu/tests/fixtures/lora/smollm2-r4");
+    let stdout = succeeds(
+        switchyard()
+            .args(["calibrate", "--repeats", "1", "--max-context", "128"])
+            .args([
+                "--max-kv-tokens",
+                "512",
+                "--set",
+                "scheduler.max_num_seqs=4",
+            ])
+            .args(["--set", "cache.kv_cache_mb=16", "--lora"])
+            .arg(&fixture)
+            .arg("--output")
+            .arg(dir.join("cal.yaml"))
+            .arg("--samples")
+            .arg(dir.join("steps.json")),
+    );
+    for want in [
+        "LoRA steps ran",
+        "rank 4 on q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj",
+        "per_lora_token_s",
+        "per_adapter_s",
+        "LoRA decode",
+        "LoRA prefill",
+        "LoRA mixed",
+    ] {
+        assert!(stdout.contains(want), "{want}: {stdout}");
+    }
+    let steps: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("steps.json")).unwrap()).unwrap();
+    let shapes: Vec<&serde_json::Value> = steps["samples"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| &s["shape"])
+        .collect();
+    let count = |s: &serde_json::Value, k: &str| s[k].as_u64().unwrap();
+    // Adapted steps are wholly adapted, over 1, 2 and 4 distinct adapters (and 3, while a
+    // mixed measurement's prefill has not joined its decodes); the others have none.
+    let mut adapters: Vec<u64> = shapes.iter().map(|s| count(s, "lora_adapters")).collect();
+    adapters.sort_unstable();
+    adapters.dedup();
+    assert!(
+        [0, 1, 2, 4].iter().all(|n| adapters.contains(n)) && adapters.last() == Some(&4),
+        "{adapters:?}"
+    );
+    for s in &shapes {
+        let lora = count(s, "lora_tokens");
+        assert!(lora == 0 || lora == count(s, "num_tokens"), "{s}");
+        assert_eq!(lora == 0, count(s, "lora_adapters") == 0, "{s}");
+    }
+    assert!(
+        shapes
+            .iter()
+            .filter(|s| count(s, "lora_tokens") == 0)
+            .count()
+            > 10
+    );
+    // Refitting the saved steps gives the same coefficients.
+    succeeds(
+        switchyard()
+            .args(["calibrate", "--from-samples"])
+            .arg(dir.join("steps.json"))
+            .arg("--output")
+            .arg(dir.join("refit.yaml")),
+    );
+    let cal = calibration_values(&dir.join("cal.yaml"));
+    assert_eq!(calibration_values(&dir.join("refit.yaml")), cal);
+    // One request of 8 prompt tokens and 2 output tokens naming adapter 3, and the same
+    // without: the adapted one's steps cost the LoRA terms more (0 where the fit left them).
+    let term = |k: &str| cal.get(k).copied().unwrap_or(0.0);
+    let lora_step =
+        |tokens: f64| ((term("per_lora_token_s") * tokens + term("per_adapter_s")) * 1e6).round();
+    let e2e = |adapter: &str| {
+        let one = TWO.lines().next().unwrap().replace('}', adapter);
+        std::fs::write(dir.join("one.jsonl"), one).unwrap();
+        simulate_spec(
+            &dir,
+            "model: smollm2-135m\ncalibration: cal.yaml\npolicies: [{name: fcfs}]\n\
+             workload: {trace: one.jsonl, format: jsonl}\n",
+            "sim",
+        );
+        let record: serde_json::Value = serde_json::from_str(
+            std::fs::read_to_string(dir.join("sim/requests-fcfs.jsonl"))
+                .unwrap()
+                .lines()
+                .next()
+                .unwrap(),
+        )
+        .unwrap();
+        record["e2e_ms"].as_f64().unwrap()
+    };
+    let (base, adapted) = (e2e("}"), e2e(", \"adapter\": 3}"));
+    let want = (lora_step(8.0) + lora_step(1.0)) / 1e3;
+    assert!(
+        (adapted - base - want).abs() < 0.005,
+        "adapted {adapted} ms, base {base} ms: the fit says {want} more"
+    );
+    // --lora measures: it has nothing to add to a refit, and a directory without an adapter is
+    // refused naming the flag.
+    let err = fails(
+        switchyard()
+            .args(["calibrate", "--from-samples"])
+            .arg(dir.join("steps.json"))
+            .arg("--lora")
+            .arg(&fixture),
+    );
+    assert!(err.contains("--lora"), "{err}");
+    let err = fails(
+        switchyard()
+            .args(["calibrate", "--max-context", "128", "--lora"])
+            .arg(&dir)
+            .arg("--output")
+            .arg(dir.join("never.yaml")),
+    );
+    assert!(err.contains("--lora"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -2,7 +2,9 @@
 //! batch shapes (prefills of several lengths, alone and batched, chunked and past cached
 //! prefixes; decodes at several batch sizes and contexts; decodes joined by prefills),
 //! records each step's shape and the backend's time for it, and fits the simulator's
-//! calibrated cost model ([`switchyard_simulator::calibrate`]) to them.
+//! calibrated cost model ([`switchyard_simulator::calibrate`]) to them. With `--lora DIR` the
+//! sweep adds steps whose every sequence runs that adapter, loaded as 1, 2 or 4 distinct
+//! adapters, so that the fit can tell the cost per adapted token from the cost per adapter.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -16,6 +18,7 @@ use serde::{Deserialize, Serialize};
 use switchyard_actors::{CoreEvent, EngineCore, SubmitOptions};
 use switchyard_config::{AsyncSchedulingMode, BackendKind};
 use switchyard_gpu::backend::SamplingParams;
+use switchyard_gpu::LoraAdapter;
 use switchyard_policies::{SamplingLimits, SchedulerConfig, StepShape, Timestamp};
 use switchyard_simulator::calibrate::{self, Fit, Sample};
 use switchyard_simulator::cost::Calibration;
@@ -29,6 +32,8 @@ const MAX_SAMPLES_FILE: u64 = 256 << 20;
 const MAX_REPEATS: usize = 100;
 /// Tokens each decode measurement generates per sequence.
 const DECODE_STEPS: usize = 8;
+/// Most distinct adapters of a `--lora` measurement (the copies of the adapter loaded).
+const LORA_COPIES: usize = 4;
 
 /// The measured steps and the engine they were measured on, as `--samples` writes them.
 #[derive(Debug, Serialize, Deserialize)]
@@ -52,6 +57,9 @@ struct SamplesFile {
     /// The engine's most tokens per step.
     #[serde(default)]
     max_num_batched_tokens: Option<usize>,
+    /// The adapter of `--lora` (its directory, rank and projections), when steps ran it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    lora: Option<String>,
     /// One per distinct step shape.
     samples: Vec<Sample>,
 }
@@ -200,7 +208,23 @@ fn report(m: &SamplesFile, fit: &Fit, c: &Calibration) -> String {
         lo * 1e3,
         hi * 1e3
     );
+    if let Some(lora) = &m.lora {
+        let _ = writeln!(out, "LoRA steps ran {lora}.");
+    }
     let _ = writeln!(out, "Step time = the sum of these terms:");
+    let lora = m.samples.iter().any(|s| s.shape.lora_tokens > 0);
+    let lora_terms = [
+        (
+            "per_lora_token_s",
+            c.per_lora_token_s,
+            "per token of an adapted sequence, more",
+        ),
+        (
+            "per_adapter_s",
+            c.per_adapter_s,
+            "per distinct adapter in the step",
+        ),
+    ];
     let terms = [
         ("intercept_s", c.intercept_s, "per step"),
         ("per_token_s", c.per_token_s, "per token fed"),
@@ -230,7 +254,8 @@ fn report(m: &SamplesFile, fit: &Fit, c: &Calibration) -> String {
             "per (query, key) pair",
         ),
     ];
-    for (name, v, what) in terms {
+    let shown = if lora { &lora_terms[..] } else { &[] };
+    for (name, v, what) in terms.iter().chain(shown) {
         let _ = writeln!(out, "  {name:<22} {v:>11.4e}  {what}");
     }
     if let Some(knee) = c.token_knee {
@@ -249,11 +274,25 @@ fn report(m: &SamplesFile, fit: &Fit, c: &Calibration) -> String {
         100.0 * fit.abs_error_quantile(1.0)
     );
     type Kind = (&'static str, fn(&StepShape) -> bool);
-    let kinds: [Kind; 3] = [
-        ("prefill steps", |s| s.num_decode_seqs == 0),
-        ("decode steps", |s| s.num_prefill_tokens == 0),
+    // Adapted steps apart: their error says how well the LoRA terms price them.
+    let kinds: [Kind; 6] = [
+        ("prefill steps", |s| {
+            s.lora_tokens == 0 && s.num_decode_seqs == 0
+        }),
+        ("decode steps", |s| {
+            s.lora_tokens == 0 && s.num_prefill_tokens == 0
+        }),
         ("mixed steps", |s| {
-            s.num_decode_seqs > 0 && s.num_prefill_tokens > 0
+            s.lora_tokens == 0 && s.num_decode_seqs > 0 && s.num_prefill_tokens > 0
+        }),
+        ("LoRA prefill", |s| {
+            s.lora_tokens > 0 && s.num_decode_seqs == 0
+        }),
+        ("LoRA decode", |s| {
+            s.lora_tokens > 0 && s.num_prefill_tokens == 0
+        }),
+        ("LoRA mixed", |s| {
+            s.lora_tokens > 0 && s.num_decode_seqs > 0 && s.num_prefill_tokens > 0
         }),
     ];
     for (name, is) in kinds {
@@ -313,6 +352,8 @@ struct Scenario {
     first: Vec<Req>,
     later: Vec<Req>,
     later_after: usize,
+    /// Distinct LoRA adapters its requests run, in turn (0: none).
+    adapters: usize,
 }
 
 /// The sweep's limits.
@@ -328,23 +369,35 @@ struct Limits {
     max_num_batched_tokens: usize,
 }
 
+impl Limits {
+    /// Whether the requests of one measurement fit.
+    fn fit(&self, reqs: &[Req]) -> bool {
+        reqs.iter().all(|r| r.prompt + r.output <= self.max_context)
+            && reqs.iter().map(|r| r.prompt + r.output).sum::<usize>() <= self.max_kv_tokens
+            && reqs.len() <= self.max_num_seqs
+    }
+
+    /// Tokens each of `b` sequences of context `c` generates in a decode measurement: the
+    /// prompts take several steps to prefill, and the first to finish theirs decode meanwhile,
+    /// so each generates enough to still be running when the last starts.
+    fn decode_output(&self, b: usize, c: usize) -> usize {
+        DECODE_STEPS + (b * c).div_ceil(self.max_num_batched_tokens.max(1))
+    }
+}
+
 /// The sweep: prefills alone and batched (long ones chunked by the token budget), prompts
 /// extending a cached one, decodes at batch sizes 1, 4, 16, ... at three contexts, and decodes
 /// that prefills join.
 fn sweep(l: Limits) -> Vec<Scenario> {
     let mut out = Vec::new();
-    let fits = |reqs: &[Req]| {
-        reqs.iter().all(|r| r.prompt + r.output <= l.max_context)
-            && reqs.iter().map(|r| r.prompt + r.output).sum::<usize>() <= l.max_kv_tokens
-            && reqs.len() <= l.max_num_seqs
-    };
     let mut push = |first: Vec<Req>, later: Vec<Req>, later_after: usize| {
         let all: Vec<Req> = first.iter().chain(&later).copied().collect();
-        if !first.is_empty() && fits(&all) {
+        if !first.is_empty() && l.fit(&all) {
             out.push(Scenario {
                 first,
                 later,
                 later_after,
+                adapters: 0,
             });
         }
     };
@@ -385,9 +438,7 @@ fn sweep(l: Limits) -> Vec<Scenario> {
     ];
     contexts.dedup();
     for c in contexts.into_iter().filter(|&c| c >= 1) {
-        // The prompts take several steps to prefill, and the first to finish theirs decode
-        // meanwhile: each generates enough tokens to still be running when the last starts.
-        let output = |b: usize| DECODE_STEPS + (b * c).div_ceil(l.max_num_batched_tokens.max(1));
+        let output = |b: usize| l.decode_output(b, c);
         let fits_kv = |b: usize| b * (c + output(b)) <= l.max_kv_tokens;
         let mut most = l.max_num_seqs.min(l.max_kv_tokens / (c + DECODE_STEPS));
         while most > 1 && !fits_kv(most) {
@@ -411,6 +462,44 @@ fn sweep(l: Limits) -> Vec<Scenario> {
                 2,
             );
         }
+    }
+    out
+}
+
+/// The steps of `--lora`: every sequence runs an adapter, the measurement's requests taking 1,
+/// 2 or 4 distinct ones in turn (the same steps with another number of adapters tell the
+/// per-adapter cost from the per-token one): prefills alone and batched, decodes at batches 1
+/// to 16 and a decode joined by a prefill, at a context of 256 or half the longest measured
+/// (its length costs what it costs without an adapter). About a third of the default sweep's
+/// measurements, shorter ones.
+fn lora_sweep(l: Limits) -> Vec<Scenario> {
+    let mut out = Vec::new();
+    let mut push = |first: Vec<Req>, later: Vec<Req>, later_after: usize, adapters: usize| {
+        let all: Vec<Req> = first.iter().chain(&later).copied().collect();
+        if l.fit(&all) && adapters <= all.len() {
+            out.push(Scenario {
+                first,
+                later,
+                later_after,
+                adapters,
+            });
+        }
+    };
+    let c = 256.min(l.max_context / 2);
+    for p in [c / 4, c] {
+        push(vec![Req::new(p, 1)], vec![], 0, 1);
+    }
+    for n in [1, 2, LORA_COPIES] {
+        push(vec![Req::new(c / 4, 1); 4], vec![], 0, n);
+        for b in [1, 4, 16] {
+            push(vec![Req::new(c, l.decode_output(b, c)); b], vec![], 0, n);
+        }
+        push(
+            vec![Req::new(c, 2 * DECODE_STEPS); 3],
+            vec![Req::new(c / 4, 1)],
+            2,
+            n,
+        );
     }
     out
 }
@@ -443,6 +532,31 @@ fn measure(args: &CalibrateArgs) -> anyhow::Result<SamplesFile> {
     let settings = runtime::BackendSettings::from_config(&config);
     let (backend, chosen) = runtime::build_backend(config.model.backend, source, &settings)?;
     drop(loaded);
+    // The adapter loaded as distinct adapters (each load has its own weights' id).
+    let adapters: Vec<Arc<LoraAdapter>> = match &args.lora {
+        None => Vec::new(),
+        Some(dir) => {
+            anyhow::ensure!(
+                backend.lora_slots() >= LORA_COPIES,
+                "--lora: the {} backend runs {} LoRA adapters in a step, the sweep {LORA_COPIES}",
+                backend.name(),
+                backend.lora_slots()
+            );
+            (0..LORA_COPIES)
+                .map(|_| runtime::load_lora(dir, &model_config))
+                .collect::<anyhow::Result<_>>()
+                .with_context(|| format!("--lora {}", dir.display()))?
+        }
+    };
+    let lora = adapters.first().map(|a| {
+        let targets: Vec<&str> = a.targets().iter().map(|t| t.module()).collect();
+        format!(
+            "{} (rank {} on {}) as 1 to {LORA_COPIES} distinct adapters",
+            args.lora.as_deref().unwrap_or(Path::new("")).display(),
+            a.rank(),
+            targets.join(", ")
+        )
+    });
     let num_blocks = backend.num_kv_blocks();
     let hardware = backend.name().to_string();
     let capacity = num_blocks * block_size;
@@ -483,13 +597,16 @@ fn measure(args: &CalibrateArgs) -> anyhow::Result<SamplesFile> {
         max_model_len,
         tiers: Vec::new(),
         max_logit_rows: switchyard_gpu::backend::MAX_LOGIT_ROWS,
-        max_loras: 1,
+        max_loras: LORA_COPIES,
         speculative: None,
         sliding_window: runtime::sliding_window(&model_config, backend.as_ref()),
     };
     // One step at a time, so that each backend time is one planned step's.
     let mut engine = runtime::offline_core(backend, scheduler, AsyncSchedulingMode::Off)?;
-    let scenarios = sweep(limits);
+    let mut scenarios = sweep(limits);
+    if !adapters.is_empty() {
+        scenarios.extend(lora_sweep(limits));
+    }
     let vocab = model_config.vocab_size as u64;
     let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
     let mut steps: Vec<(StepShape, u64, u64)> = Vec::new();
@@ -510,6 +627,7 @@ fn measure(args: &CalibrateArgs) -> anyhow::Result<SamplesFile> {
                 rng: &mut rng,
                 vocab,
             },
+            &adapters,
             &mut next_id,
             start,
             &mut Vec::new(),
@@ -524,6 +642,7 @@ fn measure(args: &CalibrateArgs) -> anyhow::Result<SamplesFile> {
                     rng: &mut rng,
                     vocab,
                 },
+                &adapters,
                 &mut next_id,
                 start,
                 &mut steps,
@@ -544,6 +663,7 @@ fn measure(args: &CalibrateArgs) -> anyhow::Result<SamplesFile> {
         repeats: args.repeats,
         max_num_seqs: Some(config.scheduler.max_num_seqs),
         max_num_batched_tokens: Some(config.scheduler.max_num_batched_tokens),
+        lora,
         samples: medians(&steps),
     })
 }
@@ -594,11 +714,12 @@ impl Prompts<'_> {
 }
 
 /// Runs one measurement to its end, recording every non-empty step's shape, backend time and
-/// host time (microseconds).
+/// host time (microseconds). Its requests run the first `s.adapters` of `adapters` in turn.
 fn run_scenario(
     engine: &mut EngineCore,
     s: &Scenario,
     prompts: &mut Prompts<'_>,
+    adapters: &[Arc<LoraAdapter>],
     next_id: &mut u64,
     start: Instant,
     out: &mut Vec<(StepShape, u64, u64)>,
@@ -622,12 +743,13 @@ fn run_scenario(
             };
             let id = *next_id;
             *next_id += 1;
-            engine.core().add_request(SubmitOptions::offline(
-                id,
-                prompt,
-                limits,
-                sampling.clone(),
-            ))?;
+            let mut submit = SubmitOptions::offline(id, prompt, limits, sampling.clone());
+            // The measurement's requests take its adapters in turn.
+            let turn = (made.len() - 1) % s.adapters.max(1);
+            if let Some(adapter) = adapters.get(turn).filter(|_| s.adapters > 0) {
+                submit = submit.with_adapter(1 + turn as u32, adapter.clone());
+            }
+            engine.core().add_request(submit)?;
             ids.push(id);
         }
         Ok(ids)
@@ -724,6 +846,44 @@ mod tests {
             let all: Vec<&Req> = sc.first.iter().chain(&sc.later).collect();
             assert!(all.iter().all(|r| r.prompt + r.output <= 100) && all.len() <= 4);
         }
+    }
+
+    /// Every `--lora` measurement runs adapters, 1, 2 and 4 of them, never more than it has
+    /// requests, within the limits; prefills, decodes from batch 1 to 16 and mixed steps.
+    #[test]
+    fn the_lora_sweep_runs_each_kind_of_step_over_one_to_four_adapters() {
+        let s = lora_sweep(LIMITS);
+        let mut counts: Vec<usize> = s.iter().map(|sc| sc.adapters).collect();
+        counts.sort_unstable();
+        counts.dedup();
+        assert_eq!(counts, [1, 2, LORA_COPIES]);
+        for sc in &s {
+            let all: Vec<Req> = sc.first.iter().chain(&sc.later).copied().collect();
+            assert!(LIMITS.fit(&all) && sc.adapters <= all.len(), "{sc:?}");
+        }
+        let decode = |b: usize, n: usize| {
+            s.iter().any(|sc| {
+                sc.adapters == n
+                    && sc.later.is_empty()
+                    && sc.first == vec![Req::new(256, LIMITS.decode_output(b, 256)); b]
+            })
+        };
+        assert!(decode(1, 1) && decode(16, 1) && decode(16, 2) && decode(16, 4));
+        assert!(!decode(1, 2), "one request cannot run two adapters");
+        assert!(s
+            .iter()
+            .any(|sc| sc.adapters == 4 && sc.first == vec![Req::new(64, 1); 4]));
+        assert!(s.iter().any(|sc| sc.adapters == 4 && !sc.later.is_empty()));
+        // The base sweep runs none.
+        assert!(sweep(LIMITS).iter().all(|sc| sc.adapters == 0));
+        // A short context shortens the measurements.
+        let short = lora_sweep(Limits {
+            max_context: 128,
+            max_kv_tokens: 512,
+            max_num_seqs: 4,
+            max_num_batched_tokens: 8192,
+        });
+        assert!(short.iter().any(|sc| sc.first == vec![Req::new(64, 9); 4]));
     }
 
     #[test]
