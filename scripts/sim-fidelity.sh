@@ -14,9 +14,16 @@
 # tier (standard) gets those limits on the server and in the simulator, and the table adds the
 # requests each refused (the server's 429s; its initial test request counts against the
 # budget too, the simulator does not see it).
+# With LORA=K (1..16) every request names one of K LoRA adapters: copies of the fixture
+# adapter (gpu/tests/fixtures/lora/smollm2-r4, rank 4 on all seven projections) under OUT's
+# adapters/ that the server finds through lora.adapter_dirs, named by `bench serve
+# --lora-modules` at random; the simulator's trace (JSONL) names adapters 1..K at random too,
+# the calibration is made with `calibrate --lora`, and the table adds the simulator with the
+# calibration refitted without the adapted steps (no LoRA terms: the old calibration).
 # usage: scripts/sim-fidelity.sh [CONFIG]   (default config/examples/default.yaml; needs
-#        target/release/switchyard and python3; OUT, PORT, N and RATE_LIMITS override the
-#        defaults, and KEEP_CALIBRATION=1 reuses OUT's calibration)
+#        target/release/switchyard and python3; OUT, PORT, N, RATE_LIMITS and LORA override the
+#        defaults, TIME_SCALES (default "1 3") the loads, and KEEP_CALIBRATION=1 reuses OUT's
+#        calibration)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 config=${1:-config/examples/default.yaml}
@@ -24,15 +31,18 @@ bin=target/release/switchyard
 out=${OUT:-out/sim-fidelity}
 port=${PORT:-8123}
 n=${N:-40}
+lora=${LORA:-}
+scales=${TIME_SCALES:-1 3}
 mkdir -p "$out"
-python3 - "$n" "$out/trace.csv" <<'PY'
-import csv, datetime, random, sys
-n, path = int(sys.argv[1]), sys.argv[2]
+python3 - "$n" "$out/trace.csv" "$out/trace.jsonl" "${lora:-0}" <<'PY'
+import csv, datetime, json, random, sys
+n, path, jsonl, adapters = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
 random.seed(11)
+pick = random.Random(13)
 src = '../shared/traces/sharegpt_8k_filtered_stats_llama2_tokenizer.csv'
 rows = list(csv.DictReader(open(src, encoding='utf-8-sig')))
 base, t = datetime.datetime(2023, 11, 16, 18, 0, 0), 0.0
-with open(path, 'w') as f:
+with open(path, 'w') as f, open(jsonl, 'w') as j:
     f.write('TIMESTAMP,ContextTokens,GeneratedTokens\n')
     for _ in range(n):
         r = random.choice(rows)
@@ -40,10 +50,47 @@ with open(path, 'w') as f:
         o = max(1, min(int(r['num_decode_tokens']) // 2, 128))
         ts = base + datetime.timedelta(seconds=t)
         f.write(ts.strftime('%Y-%m-%d %H:%M:%S.%f') + '0,%d,%d\n' % (p, o))
+        rec = {'arrival_s': round(t, 6), 'prompt_len': p, 'output_len': o}
+        if adapters:
+            rec['adapter'] = pick.randrange(adapters) + 1
+        j.write(json.dumps(rec) + '\n')
         t += random.expovariate(1.0)
 PY
+lora_cal=()
+lora_serve=()
+lora_bench=()
+sim_trace="trace: trace.csv, format: azure"
+spec_lora=""
+if [ -n "$lora" ]; then
+  [ "$lora" -ge 1 ] && [ "$lora" -le 16 ] || { echo "LORA must be 1..16" >&2; exit 2; }
+  fixture=gpu/tests/fixtures/lora/smollm2-r4
+  rm -rf "$out/adapters"
+  mkdir -p "$out/adapters"
+  for i in $(seq "$lora"); do
+    cp -r "$fixture" "$out/adapters/sim-lora-$i"
+    lora_bench+=("sim-lora-$i")
+  done
+  lora_cal=(--lora "$fixture")
+  lora_serve=(--set lora.enabled=true --set "lora.max_loras=$(( lora < 4 ? 4 : lora ))"
+    --set "lora.adapter_dirs=[$(realpath "$out/adapters")]")
+  lora_bench=(--lora-modules "${lora_bench[@]}")
+  sim_trace="trace: trace.jsonl, format: jsonl"
+  spec_lora="scheduler: {max_loras: $(( lora < 4 ? 4 : lora ))}"
+fi
 if [ -z "${KEEP_CALIBRATION:-}" ] || [ ! -f "$out/cal.yaml" ]; then
-  "$bin" calibrate --config "$config" --output "$out/cal.yaml" --samples "$out/steps.json"
+  "$bin" calibrate --config "$config" --output "$out/cal.yaml" --samples "$out/steps.json" \
+    "${lora_cal[@]}"
+fi
+if [ -n "$lora" ]; then
+  # The same steps without the adapted ones: the calibration made without --lora.
+  python3 - "$out/steps.json" "$out/steps-base.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+d['samples'] = [s for s in d['samples'] if not s['shape'].get('lora_tokens')]
+d.pop('lora', None)
+json.dump(d, open(sys.argv[2], 'w'), indent=1)
+PY
+  "$bin" calibrate --from-samples "$out/steps-base.json" --output "$out/cal-base.yaml" >/dev/null
 fi
 limits=${RATE_LIMITS:-}
 serve_limits=()
@@ -52,45 +99,61 @@ if [ -n "$limits" ]; then
   serve_limits=(--set "tiers={standard: {$limits}}")
   spec_limits="tiers: {standard: {$limits}}"
 fi
-"$bin" serve --config "$config" --set server.port="$port" "${serve_limits[@]}" >"$out/server.log" 2>&1 &
+"$bin" serve --config "$config" --set server.port="$port" "${serve_limits[@]}" \
+  "${lora_serve[@]}" >"$out/server.log" 2>&1 &
 pid=$!
 trap 'kill $pid 2>/dev/null || true' EXIT
 for _ in $(seq 120); do
   curl -sf "http://127.0.0.1:$port/ready" >/dev/null 2>&1 && break
   sleep 1
 done
-for ts in 1 3; do
+first=1
+for ts in $scales; do
   # The server's budgets carry over from the run before: a minute idle fills them again, as
   # the simulator starts.
-  if [ -n "$limits" ] && [ "$ts" != 1 ]; then sleep 61; fi
+  if [ -n "$limits" ] && [ -z "$first" ]; then sleep 61; fi
+  first=
   "$bin" bench serve --base-url "http://127.0.0.1:$port" --dataset trace \
     --dataset-path "$out/trace.csv" --num-prompts "$n" --max-input-len 4096 \
-    --max-output-len 4096 --time-scale "$ts" --result-file "$out/serve-$ts.json" >/dev/null
-  cat >"$out/spec-$ts.yaml" <<YAML
+    --max-output-len 4096 --time-scale "$ts" --result-file "$out/serve-$ts.json" \
+    "${lora_bench[@]}" >/dev/null
+  cals=(cal)
+  [ -n "$lora" ] && cals+=(cal-base)
+  for cal in "${cals[@]}"; do
+    cat >"$out/spec-$cal-$ts.yaml" <<YAML
 model: smollm2-135m
-calibration: cal.yaml
+calibration: $cal.yaml
 policies: [{name: fcfs}]
 $spec_limits
-workload: {trace: trace.csv, format: azure, time_scale: $ts, mix: {tiers: {standard: 1}}}
+$spec_lora
+workload: {$sim_trace, time_scale: $ts, mix: {tiers: {standard: 1}}}
 YAML
-  "$bin" simulate --config "$out/spec-$ts.yaml" --out "$out/sim-$ts" --json >"$out/sim-$ts.json"
+    "$bin" simulate --config "$out/spec-$cal-$ts.yaml" --out "$out/sim-$cal-$ts" --json \
+      >"$out/sim-$cal-$ts.json"
+  done
 done
 [ -n "$limits" ] && curl -s "http://127.0.0.1:$port/metrics" | grep '^switchyard:rate_limited_total'
-python3 - "$out" "$limits" <<'PY'
-import json, sys
-out, limits = sys.argv[1], sys.argv[2]
-print('time scale  figure           server   simulator   sim / server')
-for ts in (1, 3):
+python3 - "$out" "$limits" "$lora" $scales <<'PY'
+import json, os, sys
+out, limits, lora, scales = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+cals = ['cal', 'cal-base'] if lora else ['cal']
+names = {'cal': 'simulator', 'cal-base': 'sim, no LoRA terms'}
+print('time scale  figure           server' + ''.join(f'  {names[c]:>18}  sim / server' for c in cals))
+for ts in scales:
     real = json.load(open(f'{out}/serve-{ts}.json'))
-    sim = json.load(open(f'{out}/sim-{ts}.json'))['policies'][0]
-    pairs = [('req/s', real['request_throughput'], sim['request_throughput']),
-             ('TTFT p50 ms', real['median_ttft_ms'], sim['ttft_ms']['p50']),
-             ('TTFT p99 ms', real['p99_ttft_ms'], sim['ttft_ms']['p99']),
-             ('TPOT p50 ms', real['median_tpot_ms'], sim['tpot_ms']['p50']),
-             ('TPOT p99 ms', real['p99_tpot_ms'], sim['tpot_ms']['p99'])]
+    sims = [json.load(open(f'{out}/sim-{c}-{ts}.json'))['policies'][0] for c in cals]
+    rows = [('req/s', real['request_throughput'], lambda s: s['request_throughput']),
+            ('TTFT p50 ms', real['median_ttft_ms'], lambda s: s['ttft_ms']['p50']),
+            ('TTFT p99 ms', real['p99_ttft_ms'], lambda s: s['ttft_ms']['p99']),
+            ('TPOT p50 ms', real['median_tpot_ms'], lambda s: s['tpot_ms']['p50']),
+            ('TPOT p99 ms', real['p99_tpot_ms'], lambda s: s['tpot_ms']['p99'])]
     if limits:
-        pairs.append(('refused (429)', real['failed'], sim['rate_limited']))
-    for name, r, s in pairs:
-        ratio = f'{s / r:>14.2f}' if r else f'{"n/a":>14}'
-        print(f'{ts:>10}  {name:<14} {r:>8.2f} {s:>11.2f} {ratio}')
+        rows.append(('refused (429)', real['failed'], lambda s: s['rate_limited']))
+    for name, r, get in rows:
+        line = f'{ts:>10}  {name:<14} {r:>8.2f}'
+        for s in sims:
+            v = get(s)
+            ratio = f'{v / r:>12.2f}' if r else f'{"n/a":>12}'
+            line += f'  {v:>18.2f}  {ratio}'
+        print(line)
 PY
