@@ -210,6 +210,7 @@ impl Simulation {
                 tpot_ms: t.tpot_ms,
                 weight: t.weight,
                 preemptible: t.preemptible,
+                max_queue_ms: t.max_queue_ms,
             })
             .collect();
         let scheduler = SchedulerConfig {
