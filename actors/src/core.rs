@@ -22,9 +22,9 @@ use switchyard_gpu::backend::{
 };
 use switchyard_gpu::LoraAdapter;
 use switchyard_policies::{
-    BlockId, BlockPool, FinishReason, IdMap, KvCommit, Policy, Request, RequestId, SamplingLimits,
-    Scheduler, SchedulerConfig, SchedulerStats, SeqEvent, SloTargets, StepOutput, StepPlan,
-    StepShape, Timestamp, TokenId, PENDING_TOKEN, RELEASED_BLOCK,
+    BlockId, BlockPool, FinishReason, IdMap, KvCommit, Policy, QueueTimeout, Request, RequestId,
+    SamplingLimits, Scheduler, SchedulerConfig, SchedulerStats, SeqEvent, SloTargets, StepOutput,
+    StepPlan, StepShape, Timestamp, TokenId, PENDING_TOKEN, RELEASED_BLOCK,
 };
 
 // The scheduler's pending token is the backend's.
@@ -304,6 +304,9 @@ pub struct StepCore {
     spec: SpecDecodeStats,
     /// The scheduler's pool errors already logged and counted ([`StepCore::note_pool_errors`]).
     pool_errors_seen: u64,
+    /// Requests the scheduler ended for waiting past their queue bound, not yet reported
+    /// ([`StepCore::take_timed_out`]).
+    timed_out: Vec<QueueTimeout>,
 }
 
 impl StepCore {
@@ -324,6 +327,7 @@ impl StepCore {
             verifier: None,
             spec: SpecDecodeStats::default(),
             pool_errors_seen: 0,
+            timed_out: Vec::new(),
         })
     }
 
@@ -410,6 +414,31 @@ impl StepCore {
         known
     }
 
+    /// Forgets the requests `plan` timed out in the queue (the scheduler already ended them)
+    /// and keeps them for [`StepCore::take_timed_out`].
+    fn end_timed_out(&mut self, plan: &mut StepPlan) {
+        for t in plan.timed_out.drain(..) {
+            self.scheduler.forget(t.id);
+            if self.live.remove(&t.id).is_some() {
+                self.ended.push(t.id.0);
+            }
+            self.timed_out.push(t);
+        }
+    }
+
+    /// The requests ended since the last call because they waited past their queue bound
+    /// (`tiers.<name>.max_queue_ms`, `scheduler.max_queue_ms`) without being admitted: the
+    /// caller fails their clients' requests.
+    pub fn take_timed_out(&mut self) -> Vec<QueueTimeout> {
+        std::mem::take(&mut self.timed_out)
+    }
+
+    /// When the earliest queue bound of a waiting request runs out, if any bounds one (see
+    /// [`Scheduler::next_queue_deadline`]).
+    pub fn next_queue_deadline(&self) -> Option<Timestamp> {
+        self.scheduler.next_queue_deadline()
+    }
+
     /// Whether block changes wait for a commit to the allocator.
     pub fn has_uncommitted(&self) -> bool {
         self.scheduler.ledger().has_uncommitted()
@@ -461,7 +490,8 @@ impl StepCore {
     /// `None` when there is nothing to run.
     pub fn prepare(&mut self, now: Timestamp) -> Result<Option<PreparedStep>, EngineError> {
         let t0 = Instant::now();
-        let plan = self.scheduler.schedule(now);
+        let mut plan = self.scheduler.schedule(now);
+        self.end_timed_out(&mut plan);
         self.build(plan, now, t0).map_err(|f| f.error)
     }
 
@@ -474,7 +504,10 @@ impl StepCore {
     ) -> Result<Option<Option<PreparedStep>>, EngineError> {
         let t0 = Instant::now();
         match self.scheduler.schedule_ahead(now) {
-            Some(plan) => Ok(Some(self.build(plan, now, t0).map_err(|f| f.error)?)),
+            Some(mut plan) => {
+                self.end_timed_out(&mut plan);
+                Ok(Some(self.build(plan, now, t0).map_err(|f| f.error)?))
+            }
             None => Ok(None),
         }
     }
@@ -538,6 +571,7 @@ impl StepCore {
         let started = Instant::now();
         let mut plan = StepPlan::default();
         let commit = self.scheduler.plan_into(now, &mut plan);
+        self.end_timed_out(&mut plan);
         PlannedStep {
             plan,
             commit,
@@ -552,6 +586,7 @@ impl StepCore {
         let started = Instant::now();
         let mut plan = StepPlan::default();
         let commit = self.scheduler.plan_ahead_into(now, &mut plan)?;
+        self.end_timed_out(&mut plan);
         Some(PlannedStep {
             plan,
             commit,
@@ -913,8 +948,13 @@ impl EngineCore {
         if self.async_scheduling {
             return self.step_async(now);
         }
-        let Some(prepared) = self.core.prepare(now)? else {
-            return Ok(StepReport::default());
+        let prepared = self.core.prepare(now)?;
+        let timed_out = self.timed_out_events();
+        let Some(prepared) = prepared else {
+            return Ok(StepReport {
+                events: timed_out,
+                ..StepReport::default()
+            });
         };
         for id in &prepared.release {
             self.backend.release(*id);
@@ -922,7 +962,8 @@ impl EngineCore {
         let t1 = Instant::now();
         let outputs = self.backend.execute(&prepared.batch)?;
         let t2 = Instant::now();
-        let events = self.core.complete(&prepared.plan, outputs, now);
+        let mut events = timed_out;
+        events.extend(self.core.complete(&prepared.plan, outputs, now));
         self.core.recycle(prepared.batch);
         Ok(StepReport {
             events,
@@ -933,6 +974,18 @@ impl EngineCore {
             apply_us: t2.elapsed().as_micros() as u64,
             shape: self.core.shape(&prepared.plan),
         })
+    }
+
+    /// The requests the last plan timed out in the queue, as their `Finished` events.
+    fn timed_out_events(&mut self) -> Vec<CoreEvent> {
+        self.core
+            .take_timed_out()
+            .into_iter()
+            .map(|t| CoreEvent::Finished {
+                id: t.id,
+                reason: FinishReason::QueueTimeout,
+            })
+            .collect()
     }
 
     fn step_async(&mut self, now: Timestamp) -> Result<StepReport, EngineError> {
@@ -952,6 +1005,7 @@ impl EngineCore {
                 self.core.prepare(now)?
             }
         };
+        events.extend(self.timed_out_events());
         // A held-back preemption: the step after this one is planned in order.
         let wants_order = self.core.take_preemption_wanted();
         let t1 = Instant::now();

@@ -101,12 +101,14 @@ impl Scheduler {
             }
             let waited = now.saturating_sub(seq.req.arrival);
             let (max_queue_ms, tier_bound) = self.queue_bound(&seq.req.tier).unwrap_or_default();
+            let tier = seq.req.tier.clone();
             self.release(slot, RequestState::Finished(FinishReason::QueueTimeout));
             out.push(QueueTimeout {
                 id,
                 waited,
                 max_queue_ms,
                 tier_bound,
+                tier,
             });
             any = true;
         }

@@ -94,6 +94,7 @@ fn a_request_is_timed_out_just_past_its_deadline_and_not_before_with_every_polic
                 waited: 1_001,
                 max_queue_ms: 1,
                 tier_bound: true,
+                tier: "bounded".into(),
             }],
             "{name}"
         );

@@ -414,6 +414,8 @@ pub struct QueueTimeout {
     /// Whether the bound was its tier's ([`TierSpec::max_queue_ms`]) rather than the
     /// scheduler's default ([`SchedulerConfig::max_queue_ms`]).
     pub tier_bound: bool,
+    /// Its tier ([`Request::tier`]).
+    pub tier: String,
 }
 
 /// The work of one step, produced by [`crate::Scheduler::schedule`].

@@ -237,6 +237,10 @@ pub enum SubmitErrorKind {
     /// More choices (prompts × `n`) than a bound on requests in flight ever admits: the
     /// request can never be admitted under it (a 400 naming the bound, not a retryable 503).
     TooManyChoices,
+    /// The request waited in the scheduler's queue past its bound (`tiers.<name>.max_queue_ms`
+    /// or `scheduler.max_queue_ms`) without being admitted, and was ended there (a 503 to
+    /// retry later: load shedding).
+    QueueTimeout,
     /// The engine is shutting down.
     Unavailable,
     /// The structured-output grammar of a choice failed while generating: its output cannot
