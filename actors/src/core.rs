@@ -97,6 +97,9 @@ pub struct SubmitOptions {
     /// The tenant its usage counters carry ([`crate::metric_names::LABEL_TENANT`]): its tenant
     /// where the server's configuration names it, "" otherwise (no tenant label).
     pub metrics_tenant: Arc<str>,
+    /// Whether its tier's queue bound applies (`max_queue_ms`): not to a beam search's steps
+    /// after the first, work of a client request admitted once.
+    pub queue_bound: bool,
 }
 
 impl SubmitOptions {
@@ -129,6 +132,7 @@ impl SubmitOptions {
             queue_times: 1,
             metrics_tier: Arc::from(""),
             metrics_tenant: Arc::from(""),
+            queue_bound: true,
         }
     }
 
@@ -246,8 +250,8 @@ pub struct PreparedStep {
 /// plan comes back so its requests can be failed rather than left waiting.
 #[derive(Debug)]
 pub struct FailedBuild {
-    /// The plan that was not built.
-    pub plan: StepPlan,
+    /// The plan that was not built (boxed: a failure is rare, and the `Result` stays small).
+    pub plan: Box<StepPlan>,
     /// Why.
     pub error: EngineError,
 }
@@ -394,7 +398,11 @@ impl StepCore {
             speculate: submit.request.limits.speculate,
             tier: submit.metrics_tier.clone(),
         };
-        self.scheduler.add_request(submit.request)?;
+        if submit.queue_bound {
+            self.scheduler.add_request(submit.request)?;
+        } else {
+            self.scheduler.add_unbounded_request(submit.request)?;
+        }
         self.live.insert(id, live);
         Ok(())
     }
@@ -687,7 +695,10 @@ impl StepCore {
                     let error = EngineError::UnknownSequence(s.id.0);
                     seqs.truncate(n);
                     self.keep_spare(seqs);
-                    return Err(FailedBuild { plan, error });
+                    return Err(FailedBuild {
+                        plan: Box::new(plan),
+                        error,
+                    });
                 };
                 entry.tokens.push(t);
             }
@@ -1271,6 +1282,7 @@ mod tests {
             max_loras: 4,
             speculative,
             sliding_window: None,
+            max_queue_ms: None,
         };
         let policy = PolicyRegistry::with_builtins()
             .create("fcfs", &serde_yaml::Value::Null, &[])

@@ -87,6 +87,7 @@ fn decoding_scheduler_spec(
         max_loras: 4,
         speculative,
         sliding_window: None,
+        max_queue_ms: None,
     };
     let p = PolicyRegistry::with_builtins()
         .create(policy, &serde_yaml::Value::Null, &tiers())

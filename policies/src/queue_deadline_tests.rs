@@ -154,6 +154,19 @@ fn a_preempted_request_is_never_timed_out() {
     assert_eq!(s.stats().num_free_blocks, 4);
 }
 
+/// A request queued without a bound (a beam search's later step) waits as long as it takes.
+#[test]
+fn an_unbounded_request_is_never_timed_out() {
+    let mut s = Scheduler::new(config(16, 4, Some(1)), Box::new(Fcfs), [1, 2]).unwrap();
+    s.add_request(req(1, "open", 0, vec![1; 8], 50)).unwrap();
+    step(&mut s, 0);
+    s.add_unbounded_request(req(2, "bounded", 0, vec![2; 8], 4))
+        .unwrap();
+    s.add_request(req(3, "bounded", 0, vec![3; 8], 4)).unwrap();
+    assert_eq!(timed_out(&step(&mut s, 1_000_000)), vec![3]);
+    assert_eq!(s.request_state(RequestId(2)), Some(RequestState::Waiting));
+}
+
 /// The scheduler's bound is the default of a tier without its own and of unknown tiers; a
 /// tier's own bound wins over it.
 #[test]

@@ -331,6 +331,17 @@ impl Scheduler {
 
     /// Queues a request after validating its lengths and labels.
     pub fn add_request(&mut self, req: Request) -> Result<(), SchedulerError> {
+        self.add(req, true)
+    }
+
+    /// Like [`Scheduler::add_request`], for a request no queue bound applies to: more work of
+    /// a client request already admitted once (a beam search's later steps), which, as a
+    /// preempted request, is never timed out.
+    pub fn add_unbounded_request(&mut self, req: Request) -> Result<(), SchedulerError> {
+        self.add(req, false)
+    }
+
+    fn add(&mut self, req: Request, bounded: bool) -> Result<(), SchedulerError> {
         let id = req.id;
         let invalid = |field: &'static str, reason: String| SchedulerError::InvalidRequest {
             id,
@@ -424,7 +435,9 @@ impl Scheduler {
         };
         self.index.insert(id, slot);
         self.waiting.push(slot);
-        self.track_deadline(slot);
+        if bounded {
+            self.track_deadline(slot);
+        }
         if let Some(s) = self.seqs[slot as usize].as_ref() {
             self.adapters.arrived(s.req.lora_adapter);
             self.policy.observe(PolicyEvent::Arrived(SeqView::new(s)));

@@ -307,6 +307,13 @@ impl Metering {
             Self::BeamStep { queue_times } => queue_times,
         }
     }
+
+    /// Whether its tier's queue bound applies: to a client's request and to a beam search's
+    /// first step (the client's request waiting: the step whose queue time counts), not to
+    /// the later steps, work of a request admitted once.
+    fn queue_bound(self) -> bool {
+        self.queue_times() > 0
+    }
 }
 
 /// What a request's submission resolved before admission: its prompt tokens, its adapter
@@ -926,6 +933,7 @@ impl Engine {
                 queue_times: metering.queue_times(),
                 metrics_tier: metrics_tier.clone(),
                 metrics_tenant: metrics_tenant.clone(),
+                queue_bound: metering.queue_bound(),
             });
         }
         // The detokenizer queues the request with the scheduler as it registers it, so that
@@ -1143,6 +1151,15 @@ mod tests {
     use super::*;
     use crate::actors::detokenizer::rejection;
     use crate::testing::{abc_tokenizer, CountingBackend};
+
+    /// A client's request and a beam search's first step are bounded by their tier's
+    /// `max_queue_ms`; the search's later steps, work of a request admitted once, are not.
+    #[test]
+    fn only_a_beam_searchs_first_step_is_queue_bounded() {
+        assert!(Metering::Request.queue_bound());
+        assert!(Metering::BeamStep { queue_times: 2 }.queue_bound());
+        assert!(!Metering::BeamStep { queue_times: 0 }.queue_bound());
+    }
 
     /// Records what a request receives.
     struct Recorder {

@@ -216,7 +216,7 @@ impl SchedulerActor {
                 }
                 Err(failed) => {
                     let error = format!("building a batch failed: {}", failed.error);
-                    act.fail_step(failed.plan, &error, ctx);
+                    act.fail_step(*failed.plan, &error, ctx);
                 }
             }
         }));
