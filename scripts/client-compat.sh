@@ -11,7 +11,9 @@
 # zodResponseFormat / zodFunction with .parse), async clients, the framework's exception for a
 # 400, a context overflow, a 401 and a 404, and a 503 with Retry-After (the SDKs wait and retry),
 # a 429 of a tenant's rate limit (the SDK's, LangChain's and LiteLLM's RateLimitError, OpenAI's
-# x-ratelimit-* headers read through the SDK's raw response);
+# x-ratelimit-* headers read through the SDK's raw response), LoRA adapters per key (one found
+# on demand in lora.adapter_dirs through models.retrieve, chat and LangChain; another tenant's
+# adapter a NotFoundError in the SDK and LiteLLM; models.list per key);
 # on /v1/responses: LangChain's use_responses_api=True (invoke, stream, bind_tools with a
 # ToolMessage back, with_structured_output, usage_metadata, async), litellm.responses, the
 # Python SDK's responses.create/stream/parse and the Node SDK's responses.create/stream/parse
@@ -42,11 +44,19 @@ mkdir -p "$dir/node"
 (cd "$dir/node" && { [ -f package.json ] || npm init -y >/dev/null; } && npm install -s $npm_packages)
 cp scripts/client-compat/checks.mjs "$dir/node/"
 
+# Two copies of the test adapter, found by the server as requests name them.
+for name in compat-tuned other-tuned; do
+  mkdir -p "$dir/adapters/$name"
+  cp "$repo"/gpu/tests/fixtures/lora/smollm2-r4/adapter_* "$dir/adapters/$name/"
+done
+
 cat > "$dir/config.yaml" <<YAML
 model: { path: "", served_name: smollm2 }
+lora: { enabled: true, adapter_dirs: ["$dir/adapters"] }
 server:
   host: 127.0.0.1
   api_keys:
+    - { key: sk-compat-lora, tenant: lora, tier: standard, adapters: ["compat-*"] }  # LoRA per key
     - { key: sk-compat-0001, tenant: compat, tier: standard }
     - { key: sk-compat-tiny, tenant: tiny, tier: tiny }   # one request at a time: the 503 checks
     - { key: sk-compat-rate, tenant: rated, tier: rated }  # two requests a minute: the 429 checks
@@ -66,7 +76,8 @@ done
 base=http://127.0.0.1:$port/v1
 rc=0
 LITELLM_LOCAL_MODEL_COST_MAP=True "$dir/venv/bin/python" -W ignore \
-  "$repo/scripts/client-compat/checks.py" "$base" sk-compat-0001 sk-compat-tiny sk-compat-rate || rc=1
+  "$repo/scripts/client-compat/checks.py" "$base" sk-compat-0001 sk-compat-tiny sk-compat-rate \
+  sk-compat-lora || rc=1
 (cd "$dir/node" && node checks.mjs "$base" sk-compat-0001 sk-compat-tiny) || rc=1
 echo "server log: $dir/server.log"
 exit $rc

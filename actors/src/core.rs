@@ -22,9 +22,9 @@ use switchyard_gpu::backend::{
 };
 use switchyard_gpu::LoraAdapter;
 use switchyard_policies::{
-    BlockId, BlockPool, FinishReason, IdMap, KvCommit, Policy, Request, RequestId, SamplingLimits,
-    Scheduler, SchedulerConfig, SchedulerStats, SeqEvent, SloTargets, StepOutput, StepPlan,
-    StepShape, Timestamp, TokenId, PENDING_TOKEN, RELEASED_BLOCK,
+    BlockId, BlockPool, FinishReason, IdMap, KvCommit, Policy, QueueTimeout, Request, RequestId,
+    SamplingLimits, Scheduler, SchedulerConfig, SchedulerStats, SeqEvent, SloTargets, StepOutput,
+    StepPlan, StepShape, Timestamp, TokenId, PENDING_TOKEN, RELEASED_BLOCK,
 };
 
 // The scheduler's pending token is the backend's.
@@ -97,6 +97,9 @@ pub struct SubmitOptions {
     /// The tenant its usage counters carry ([`crate::metric_names::LABEL_TENANT`]): its tenant
     /// where the server's configuration names it, "" otherwise (no tenant label).
     pub metrics_tenant: Arc<str>,
+    /// Whether its tier's queue bound applies (`max_queue_ms`): not to a beam search's steps
+    /// after the first, work of a client request admitted once.
+    pub queue_bound: bool,
 }
 
 impl SubmitOptions {
@@ -129,6 +132,7 @@ impl SubmitOptions {
             queue_times: 1,
             metrics_tier: Arc::from(""),
             metrics_tenant: Arc::from(""),
+            queue_bound: true,
         }
     }
 
@@ -246,8 +250,8 @@ pub struct PreparedStep {
 /// plan comes back so its requests can be failed rather than left waiting.
 #[derive(Debug)]
 pub struct FailedBuild {
-    /// The plan that was not built.
-    pub plan: StepPlan,
+    /// The plan that was not built (boxed: a failure is rare, and the `Result` stays small).
+    pub plan: Box<StepPlan>,
     /// Why.
     pub error: EngineError,
 }
@@ -304,6 +308,9 @@ pub struct StepCore {
     spec: SpecDecodeStats,
     /// The scheduler's pool errors already logged and counted ([`StepCore::note_pool_errors`]).
     pool_errors_seen: u64,
+    /// Requests the scheduler ended for waiting past their queue bound, not yet reported
+    /// ([`StepCore::take_timed_out`]).
+    timed_out: Vec<QueueTimeout>,
 }
 
 impl StepCore {
@@ -324,6 +331,7 @@ impl StepCore {
             verifier: None,
             spec: SpecDecodeStats::default(),
             pool_errors_seen: 0,
+            timed_out: Vec::new(),
         })
     }
 
@@ -390,7 +398,11 @@ impl StepCore {
             speculate: submit.request.limits.speculate,
             tier: submit.metrics_tier.clone(),
         };
-        self.scheduler.add_request(submit.request)?;
+        if submit.queue_bound {
+            self.scheduler.add_request(submit.request)?;
+        } else {
+            self.scheduler.add_unbounded_request(submit.request)?;
+        }
         self.live.insert(id, live);
         Ok(())
     }
@@ -408,6 +420,31 @@ impl StepCore {
             self.ended.push(id.0);
         }
         known
+    }
+
+    /// Forgets the requests `plan` timed out in the queue (the scheduler already ended them)
+    /// and keeps them for [`StepCore::take_timed_out`].
+    fn end_timed_out(&mut self, plan: &mut StepPlan) {
+        for t in plan.timed_out.drain(..) {
+            self.scheduler.forget(t.id);
+            if self.live.remove(&t.id).is_some() {
+                self.ended.push(t.id.0);
+            }
+            self.timed_out.push(t);
+        }
+    }
+
+    /// The requests ended since the last call because they waited past their queue bound
+    /// (`tiers.<name>.max_queue_ms`, `scheduler.max_queue_ms`) without being admitted: the
+    /// caller fails their clients' requests.
+    pub fn take_timed_out(&mut self) -> Vec<QueueTimeout> {
+        std::mem::take(&mut self.timed_out)
+    }
+
+    /// When the earliest queue bound of a waiting request runs out, if any bounds one (see
+    /// [`Scheduler::next_queue_deadline`]).
+    pub fn next_queue_deadline(&self) -> Option<Timestamp> {
+        self.scheduler.next_queue_deadline()
     }
 
     /// Whether block changes wait for a commit to the allocator.
@@ -461,7 +498,8 @@ impl StepCore {
     /// `None` when there is nothing to run.
     pub fn prepare(&mut self, now: Timestamp) -> Result<Option<PreparedStep>, EngineError> {
         let t0 = Instant::now();
-        let plan = self.scheduler.schedule(now);
+        let mut plan = self.scheduler.schedule(now);
+        self.end_timed_out(&mut plan);
         self.build(plan, now, t0).map_err(|f| f.error)
     }
 
@@ -474,7 +512,10 @@ impl StepCore {
     ) -> Result<Option<Option<PreparedStep>>, EngineError> {
         let t0 = Instant::now();
         match self.scheduler.schedule_ahead(now) {
-            Some(plan) => Ok(Some(self.build(plan, now, t0).map_err(|f| f.error)?)),
+            Some(mut plan) => {
+                self.end_timed_out(&mut plan);
+                Ok(Some(self.build(plan, now, t0).map_err(|f| f.error)?))
+            }
             None => Ok(None),
         }
     }
@@ -538,6 +579,7 @@ impl StepCore {
         let started = Instant::now();
         let mut plan = StepPlan::default();
         let commit = self.scheduler.plan_into(now, &mut plan);
+        self.end_timed_out(&mut plan);
         PlannedStep {
             plan,
             commit,
@@ -552,6 +594,7 @@ impl StepCore {
         let started = Instant::now();
         let mut plan = StepPlan::default();
         let commit = self.scheduler.plan_ahead_into(now, &mut plan)?;
+        self.end_timed_out(&mut plan);
         Some(PlannedStep {
             plan,
             commit,
@@ -652,7 +695,10 @@ impl StepCore {
                     let error = EngineError::UnknownSequence(s.id.0);
                     seqs.truncate(n);
                     self.keep_spare(seqs);
-                    return Err(FailedBuild { plan, error });
+                    return Err(FailedBuild {
+                        plan: Box::new(plan),
+                        error,
+                    });
                 };
                 entry.tokens.push(t);
             }
@@ -913,8 +959,13 @@ impl EngineCore {
         if self.async_scheduling {
             return self.step_async(now);
         }
-        let Some(prepared) = self.core.prepare(now)? else {
-            return Ok(StepReport::default());
+        let prepared = self.core.prepare(now)?;
+        let timed_out = self.timed_out_events();
+        let Some(prepared) = prepared else {
+            return Ok(StepReport {
+                events: timed_out,
+                ..StepReport::default()
+            });
         };
         for id in &prepared.release {
             self.backend.release(*id);
@@ -922,7 +973,8 @@ impl EngineCore {
         let t1 = Instant::now();
         let outputs = self.backend.execute(&prepared.batch)?;
         let t2 = Instant::now();
-        let events = self.core.complete(&prepared.plan, outputs, now);
+        let mut events = timed_out;
+        events.extend(self.core.complete(&prepared.plan, outputs, now));
         self.core.recycle(prepared.batch);
         Ok(StepReport {
             events,
@@ -933,6 +985,18 @@ impl EngineCore {
             apply_us: t2.elapsed().as_micros() as u64,
             shape: self.core.shape(&prepared.plan),
         })
+    }
+
+    /// The requests the last plan timed out in the queue, as their `Finished` events.
+    fn timed_out_events(&mut self) -> Vec<CoreEvent> {
+        self.core
+            .take_timed_out()
+            .into_iter()
+            .map(|t| CoreEvent::Finished {
+                id: t.id,
+                reason: FinishReason::QueueTimeout,
+            })
+            .collect()
     }
 
     fn step_async(&mut self, now: Timestamp) -> Result<StepReport, EngineError> {
@@ -952,6 +1016,7 @@ impl EngineCore {
                 self.core.prepare(now)?
             }
         };
+        events.extend(self.timed_out_events());
         // A held-back preemption: the step after this one is planned in order.
         let wants_order = self.core.take_preemption_wanted();
         let t1 = Instant::now();
@@ -1217,6 +1282,7 @@ mod tests {
             max_loras: 4,
             speculative,
             sliding_window: None,
+            max_queue_ms: None,
         };
         let policy = PolicyRegistry::with_builtins()
             .create("fcfs", &serde_yaml::Value::Null, &[])

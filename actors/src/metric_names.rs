@@ -282,6 +282,7 @@ pub const FAILURE_REASONS: &[&str] = &[
     "unknown_model",
     "context_length",
     "overloaded",
+    "queue_timeout",
     "unavailable",
     "structured_output",
     "error",

@@ -773,6 +773,9 @@ pub enum EngineErrorKind {
     /// (`server.max_pending_requests`, `tiers.<name>.max_pending_requests`) ever admits:
     /// retrying cannot help, so it is a client error, not [`Self::Overloaded`].
     TooManyChoices,
+    /// The request waited in the queue past its bound (`tiers.<name>.max_queue_ms`,
+    /// `scheduler.max_queue_ms`) without being admitted (a 503 to retry later).
+    QueueTimeout,
     /// The engine is not ready or is shutting down.
     Unavailable,
     /// The request names a model (LoRA adapter) the server does not serve.
@@ -792,6 +795,7 @@ impl fmt::Display for EngineErrorKind {
             Self::ContextLengthExceeded => "context_length_exceeded",
             Self::Overloaded { .. } => "overloaded",
             Self::TooManyChoices => "too_many_choices",
+            Self::QueueTimeout => "queue_timeout",
             Self::Unavailable => "unavailable",
             Self::NotFound => "not_found",
             Self::StructuredOutput => "structured_output",

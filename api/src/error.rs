@@ -212,6 +212,11 @@ impl ApiError {
                     SERVER_ERROR,
                     Some("unavailable"),
                 ),
+                EngineErrorKind::QueueTimeout => (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    SERVER_ERROR,
+                    Some("queue_timeout"),
+                ),
                 EngineErrorKind::NotFound => (
                     StatusCode::NOT_FOUND,
                     INVALID_REQUEST,
@@ -236,6 +241,8 @@ impl ApiError {
             Self::Engine(e) => match e.kind {
                 EngineErrorKind::Overloaded { retry_after_secs } => Some(retry_after_secs.max(1)),
                 EngineErrorKind::Unavailable => Some(5),
+                // As an overload refusal: the queue was long a moment ago.
+                EngineErrorKind::QueueTimeout => Some(1),
                 _ => None,
             },
             _ => None,
@@ -340,6 +347,22 @@ mod tests {
         assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(response.headers().get(header::RETRY_AFTER).unwrap(), "3");
         assert_eq!(body_json(&e)["error"]["code"], "overloaded");
+    }
+
+    /// A request timed out in the queue: 503 `queue_timeout` with `Retry-After` and the
+    /// engine's message (its wait and its bound).
+    #[test]
+    fn a_queue_timeout_is_503_with_retry_after_and_the_bound() {
+        let message = "The request waited 2.01 s in the queue without being admitted, longer \
+                       than tiers.free.max_queue_ms = 2000: the server is overloaded; retry later.";
+        let e = ApiError::from(EngineError::new(EngineErrorKind::QueueTimeout, message));
+        let response = e.error_response();
+        assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(response.headers().get(header::RETRY_AFTER).unwrap(), "1");
+        let body = body_json(&e);
+        assert_eq!(body["error"]["code"], "queue_timeout");
+        assert_eq!(body["error"]["type"], "server_error");
+        assert_eq!(body["error"]["message"], message);
     }
 
     /// A request larger than a bound on requests in flight can never be admitted: a 400 with

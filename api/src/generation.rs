@@ -182,6 +182,9 @@ impl Generation {
                 EngineEvent::Error(e) => {
                     // Recorded before the receivers drop with `generation`.
                     generation.failure.set(e.kind);
+                    if accepted[prompt] {
+                        generation.refund_timed_out(prompt, e.kind);
+                    }
                     return Err(name_fields(e, fields));
                 }
             }
@@ -241,9 +244,10 @@ impl Generation {
                         self.remaining = 0;
                         return Some(Err(protocol_error("second prompt event")));
                     }
-                    Some((_, EngineEvent::Error(e))) => {
+                    Some((prompt, EngineEvent::Error(e))) => {
                         self.remaining = 0;
                         self.failure.set(e.kind);
+                        self.refund_timed_out(prompt, e.kind);
                         return Some(Err(name_fields(e, self.fields)));
                     }
                     Some((prompt, EngineEvent::Delta(delta))) => (prompt, delta),
@@ -286,6 +290,15 @@ impl Generation {
                 prompt,
                 delta,
             }));
+        }
+    }
+
+    /// Gives the rate limits back the tokens charged for prompt `prompt` when its request
+    /// timed out in the queue: it was never computed (see [`crate::rate_limit`]).
+    fn refund_timed_out(&mut self, prompt: usize, kind: EngineErrorKind) {
+        if kind == EngineErrorKind::QueueTimeout {
+            let tokens = self.prompt_tokens.get(prompt).copied().unwrap_or(0);
+            self.meter.refund(tokens);
         }
     }
 
@@ -401,6 +414,54 @@ mod tests {
         seen.sort();
         let expected = [(0, "a0"), (1, "a1"), (2, ""), (2, "b0"), (3, "b1")];
         assert_eq!(seen, expected.map(|(c, t)| (c, t.to_owned())));
+    }
+
+    /// A prompt whose request timed out in the queue was never computed: its tokens, charged
+    /// when it was accepted, are given back to the tenant's budget (other failures keep them).
+    #[test]
+    fn a_prompt_timed_out_in_the_queue_is_not_charged() {
+        use crate::rate_limit::{RateLimiter, TierLimits};
+        let limiter = RateLimiter::new(std::collections::HashMap::from([(
+            "free".to_owned(),
+            TierLimits {
+                requests_per_minute: None,
+                tokens_per_minute: Some(600),
+            },
+        )]));
+        let who = crate::auth::Principal {
+            tenant: "acme".into(),
+            tier: "free".into(),
+        };
+        let remaining = || {
+            let m = limiter
+                .admit(&who, vec![1], std::time::Instant::now())
+                .unwrap();
+            m.snapshot().unwrap().tokens.unwrap().remaining
+        };
+        for (kind, left) in [
+            (EngineErrorKind::QueueTimeout, 599),
+            (EngineErrorKind::Internal, 299),
+        ] {
+            limiter.reset("free", "acme");
+            let meter = limiter
+                .admit(&who, vec![100], std::time::Instant::now())
+                .unwrap();
+            let rx = channel(vec![
+                prompt(300),
+                EngineEvent::Error(EngineError::new(kind, "x")),
+            ]);
+            let mut g = block_on(Generation::accept(
+                vec![rx],
+                1,
+                fields("prompt"),
+                SiblingFailure::default(),
+                meter,
+            ))
+            .unwrap();
+            assert!(matches!(block_on(g.next()), Some(Err(_))));
+            drop(g);
+            assert_eq!(remaining(), left, "{kind}");
+        }
     }
 
     fn cached(index: u32, tokens: u32, finish: bool) -> EngineEvent {

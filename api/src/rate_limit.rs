@@ -19,7 +19,10 @@
 //!   at most what its requests in flight use after the budget ran out, which the tier's
 //!   `max_pending_requests` bounds. Between admission and tokenization a prompt holds an
 //!   estimate of its tokens (its bytes / 4), settled to the exact count once it is tokenized,
-//!   so that a burst of requests arriving together sees the budget drain.
+//!   so that a burst of requests arriving together sees the budget drain. A prompt whose
+//!   request timed out in the queue (503 `queue_timeout`, never admitted) is given back: the
+//!   tenant pays for no prompt that was not computed (its request still took its one from the
+//!   requests bucket).
 //!
 //! A refusal is a 429 with OpenAI's `rate_limit_exceeded` body and `Retry-After`; every
 //! response of a limited tenant on those routes carries OpenAI's `x-ratelimit-*` headers
@@ -368,6 +371,12 @@ impl Meter {
     pub fn prompt(&mut self, prompt: usize, tokens: u32) {
         let held = self.estimates.get_mut(prompt).map_or(0, std::mem::take);
         self.charge(f64::from(tokens) - held as f64);
+    }
+
+    /// Gives back `tokens` charged for a prompt that was never computed: its request timed
+    /// out in the queue before its first admission.
+    pub fn refund(&self, tokens: u32) {
+        self.charge(-f64::from(tokens));
     }
 
     /// `tokens` more were generated.

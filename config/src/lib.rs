@@ -491,6 +491,32 @@ mod tests {
         );
     }
 
+    /// Queue bounds are optional, 1 ms to an hour, the tier's and the scheduler's default,
+    /// refused at the value's line or naming the override.
+    #[test]
+    fn queue_bounds_are_bounded() {
+        let c = Config::from_yaml_str(
+            "scheduler:\n  max_queue_ms: 30000\ntiers:\n  a: { max_queue_ms: 3600000 }\n  b: {}\n",
+            "t",
+        )
+        .unwrap();
+        assert_eq!(c.scheduler.max_queue_ms, Some(30_000));
+        assert_eq!(c.tiers["a"].max_queue_ms, Some(3_600_000));
+        assert_eq!(c.tiers["b"].max_queue_ms, None);
+        assert_eq!(Config::default().scheduler.max_queue_ms, None);
+        let e = error("tiers:\n  a:\n    max_queue_ms: 0\n", &[]);
+        assert!(
+            e.starts_with("t.yaml:3: tiers.a.max_queue_ms: 0 is out of range"),
+            "{e}"
+        );
+        let e = error("scheduler:\n  max_queue_ms: 3600001\n", &[]);
+        assert!(e.contains("scheduler.max_queue_ms"), "{e}");
+        let e = error("tiers:\n  a: {}\n", &["tiers.a.max_queue_ms=-5".into()]);
+        assert!(e.contains("tiers.a.max_queue_ms"), "{e}");
+        let e = error("", &["scheduler.max_queue_ms=0".into()]);
+        assert!(e.contains("scheduler.max_queue_ms"), "{e}");
+    }
+
     /// A tier's rate limits are optional, requests 1 to 1e9 and tokens 1 to 1e12 per
     /// minute, refused at the value's line or naming the override.
     #[test]

@@ -816,6 +816,12 @@ pub struct SchedulerSection {
     /// with the CUDA backend), `on` or `off`. Outputs are then applied one step late, and a
     /// request that stops costs one extra step of compute.
     pub async_scheduling: AsyncSchedulingMode,
+    /// Longest a request may wait in the queue for its first admission, in milliseconds (1
+    /// to 3,600,000), for requests whose tier sets no `max_queue_ms` (an open API, keys
+    /// without a configured tier included); past it the request fails with 503
+    /// `queue_timeout`. `None` (the default): no bound.
+    #[serde(deserialize_with = "opt_u64_in::<_, 1, 3600000>")]
+    pub max_queue_ms: Option<u64>,
 }
 
 impl Default for SchedulerSection {
@@ -825,6 +831,7 @@ impl Default for SchedulerSection {
             max_num_batched_tokens: 8192,
             policy: PolicySpec::default(),
             async_scheduling: AsyncSchedulingMode::Auto,
+            max_queue_ms: None,
         }
     }
 }
@@ -834,7 +841,7 @@ impl Default for SchedulerSection {
 #[serde(
     deny_unknown_fields,
     expecting = "a mapping (a tier: ttft_ms, tpot_ms, weight, preemptible, priority, \
-                 max_pending_requests, requests_per_minute, tokens_per_minute)"
+                 max_pending_requests, requests_per_minute, tokens_per_minute, max_queue_ms)"
 )]
 pub struct TierConfig {
     /// Time-to-first-token target in milliseconds.
@@ -878,6 +885,12 @@ pub struct TierConfig {
     /// `None` (the default): no such limit.
     #[serde(default, deserialize_with = "opt_u64_in::<_, 1, 1000000000000>")]
     pub tokens_per_minute: Option<u64>,
+    /// Longest a request of this tier may wait in the queue for its first admission, in
+    /// milliseconds (1 to 3,600,000); past it the request fails with 503 `queue_timeout`
+    /// (load shedding: its client has likely given up). A request admitted once, preempted
+    /// later or not, never times out. `None` (the default): `scheduler.max_queue_ms`.
+    #[serde(default, deserialize_with = "opt_u64_in::<_, 1, 3600000>")]
+    pub max_queue_ms: Option<u64>,
 }
 
 fn one() -> f64 {

@@ -22,6 +22,7 @@ fn tiers() -> Vec<TierSpec> {
             tpot_ms: Some(40.0),
             weight: 4.0,
             preemptible: false,
+            max_queue_ms: None,
         },
         TierSpec {
             name: "standard".into(),
@@ -29,6 +30,7 @@ fn tiers() -> Vec<TierSpec> {
             tpot_ms: Some(100.0),
             weight: 1.0,
             preemptible: false,
+            max_queue_ms: None,
         },
         TierSpec {
             name: "batch".into(),
@@ -36,6 +38,7 @@ fn tiers() -> Vec<TierSpec> {
             tpot_ms: None,
             weight: 1.0,
             preemptible: true,
+            max_queue_ms: None,
         },
     ]
 }
@@ -84,6 +87,7 @@ fn decoding_scheduler_spec(
         max_loras: 4,
         speculative,
         sliding_window: None,
+        max_queue_ms: None,
     };
     let p = PolicyRegistry::with_builtins()
         .create(policy, &serde_yaml::Value::Null, &tiers())

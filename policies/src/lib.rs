@@ -50,6 +50,7 @@ mod planner;
 pub mod policy;
 pub mod prefix_hash;
 mod prefix_lookup;
+mod queue_deadline;
 pub mod rate_limit;
 pub mod scheduler;
 pub mod sequence;

@@ -34,7 +34,9 @@
 //! `max_num_seqs + 1` short), plus, for a policy that asks for cached prefixes, at most
 //! `min(prefix_lookups, MAX_PREFIX_LOOKUPS)` hash-chain walks of at most hit length + 1 probes;
 //! adapter slots are counted as sequences start and stop running,
-//! so a check is O(1). Block hashes are computed once per block per request. Plans carry only
+//! so a check is O(1). Queue bounds (`queue_deadline.rs`) cost O(1) per step when no waiting
+//! request's deadline is due, O(log n) per deadline popped and one O(waiting) pass in a step
+//! that times a request out. Block hashes are computed once per block per request. Plans carry only
 //! the blocks each sequence gained since it was last scheduled (vLLM V1's `new_block_ids`).
 
 use std::collections::{HashMap, HashSet};
@@ -316,6 +318,7 @@ impl Scheduler {
 
     fn plan_inner(&mut self, now: Timestamp, plan: &mut StepPlan, ahead: bool) -> Option<KvCommit> {
         plan.preempted.clear();
+        plan.timed_out.clear();
         plan.num_batched_tokens = 0;
         self.last_slots.clear();
         self.release_out_of_window();
@@ -356,6 +359,9 @@ impl Scheduler {
         } else {
             self.schedule_running(now, &mut order, &mut b)
         };
+        // Requests that waited past their queue bound end before anything is admitted (after
+        // the rollback above, so that none is lost with a plan made ahead that is dropped).
+        self.expire_queued(now, &mut b.plan.timed_out);
         let running_before = self.running.len();
         if b.plan.preempted.is_empty() {
             self.admit_waiting(now, &mut order, &mut ranked, &mut b);

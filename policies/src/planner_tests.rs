@@ -20,6 +20,7 @@ fn config(blocks: usize, block_size: usize) -> SchedulerConfig {
         max_loras: 4,
         speculative: None,
         sliding_window: None,
+        max_queue_ms: None,
     }
 }
 
@@ -570,6 +571,7 @@ fn slo_aware_preempts_preemptible_tier_for_feasible_work() {
             tpot_ms: None,
             weight: 1.0,
             preemptible: false,
+            max_queue_ms: None,
         },
         TierSpec {
             name: "batch".into(),
@@ -577,6 +579,7 @@ fn slo_aware_preempts_preemptible_tier_for_feasible_work() {
             tpot_ms: None,
             weight: 1.0,
             preemptible: true,
+            max_queue_ms: None,
         },
     ];
     let p = PolicyRegistry::with_builtins()

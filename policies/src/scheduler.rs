@@ -21,7 +21,7 @@ use crate::prefix_hash::BlockHasher;
 use crate::sequence::{SeqView, Sequence};
 use crate::types::{
     BlockId, FinishReason, Request, RequestId, RequestState, SchedulerConfig, SchedulerStats,
-    SloTargets, Timestamp, TokenId, PENDING_TOKEN,
+    SloTargets, Timestamp, TokenId, MAX_QUEUE_MS, PENDING_TOKEN,
 };
 
 /// Longest tenant or tier label accepted.
@@ -137,6 +137,9 @@ pub struct Scheduler {
     /// Where drafts come from instead of prompt lookup (the simulator's model of a draft
     /// source), if set.
     pub(crate) draft_source: Option<Box<dyn crate::speculative::DraftSource>>,
+    /// Queue bounds of the requests waiting for their first admission (see
+    /// `queue_deadline.rs`).
+    pub(crate) deadlines: crate::queue_deadline::QueueDeadlines,
 }
 
 fn config_err(field: &'static str, reason: String) -> SchedulerError {
@@ -155,6 +158,16 @@ fn check_target(v: Option<f64>) -> Result<(), String> {
         Some(x) if !(x.is_finite() && x > 0.0) => {
             Err(format!("must be a positive number, got {x}"))
         }
+        _ => Ok(()),
+    }
+}
+
+fn check_queue_bound(field: &'static str, v: Option<u64>) -> Result<(), SchedulerError> {
+    match v {
+        Some(ms) if !(1..=MAX_QUEUE_MS).contains(&ms) => Err(config_err(
+            field,
+            format!("must be in 1..={MAX_QUEUE_MS} milliseconds, got {ms}"),
+        )),
         _ => Ok(()),
     }
 }
@@ -194,6 +207,7 @@ pub fn validate_config(c: &SchedulerConfig) -> Result<(), SchedulerError> {
             ));
         }
     }
+    check_queue_bound("max_queue_ms", c.max_queue_ms)?;
     if c.tiers.len() > MAX_TIERS {
         return Err(config_err("tiers", format!("at most {MAX_TIERS} tiers")));
     }
@@ -214,6 +228,13 @@ pub fn validate_config(c: &SchedulerConfig) -> Result<(), SchedulerError> {
             .map_err(|r| config_err("tiers.ttft_ms", format!("tier `{}`: {r}", t.name)))?;
         check_target(t.tpot_ms)
             .map_err(|r| config_err("tiers.tpot_ms", format!("tier `{}`: {r}", t.name)))?;
+        check_queue_bound("tiers.max_queue_ms", t.max_queue_ms).map_err(|e| match e {
+            SchedulerError::InvalidConfig { field, reason } => SchedulerError::InvalidConfig {
+                field,
+                reason: format!("tier `{}`: {reason}", t.name),
+            },
+            other => other,
+        })?;
         if !(t.weight.is_finite() && t.weight > 0.0) {
             return Err(config_err(
                 "tiers.weight",
@@ -268,6 +289,7 @@ impl Scheduler {
             num_preemptions: 0,
             pool_errors: 0,
             draft_source: None,
+            deadlines: Default::default(),
         })
     }
 
@@ -309,6 +331,17 @@ impl Scheduler {
 
     /// Queues a request after validating its lengths and labels.
     pub fn add_request(&mut self, req: Request) -> Result<(), SchedulerError> {
+        self.add(req, true)
+    }
+
+    /// Like [`Scheduler::add_request`], for a request no queue bound applies to: more work of
+    /// a client request already admitted once (a beam search's later steps), which, as a
+    /// preempted request, is never timed out.
+    pub fn add_unbounded_request(&mut self, req: Request) -> Result<(), SchedulerError> {
+        self.add(req, false)
+    }
+
+    fn add(&mut self, req: Request, bounded: bool) -> Result<(), SchedulerError> {
         let id = req.id;
         let invalid = |field: &'static str, reason: String| SchedulerError::InvalidRequest {
             id,
@@ -402,6 +435,9 @@ impl Scheduler {
         };
         self.index.insert(id, slot);
         self.waiting.push(slot);
+        if bounded {
+            self.track_deadline(slot);
+        }
         if let Some(s) = self.seqs[slot as usize].as_ref() {
             self.adapters.arrived(s.req.lora_adapter);
             self.policy.observe(PolicyEvent::Arrived(SeqView::new(s)));

@@ -155,6 +155,10 @@ pub enum FinishReason {
     Eos,
     /// Aborted by the caller.
     Abort,
+    /// Never admitted within its queue bound ([`TierSpec::max_queue_ms`],
+    /// [`SchedulerConfig::max_queue_ms`]): ended by the core while still waiting for its
+    /// first prefill chunk (see [`StepPlan::timed_out`]).
+    QueueTimeout,
 }
 
 impl FinishReason {
@@ -165,6 +169,7 @@ impl FinishReason {
             FinishReason::Stop => "stop",
             FinishReason::Eos => "eos",
             FinishReason::Abort => "abort",
+            FinishReason::QueueTimeout => "queue_timeout",
         }
     }
 
@@ -176,6 +181,7 @@ impl FinishReason {
             FinishReason::Length => "length",
             FinishReason::Stop | FinishReason::Eos => "stop",
             FinishReason::Abort => "abort",
+            FinishReason::QueueTimeout => "queue_timeout",
         }
     }
 }
@@ -216,7 +222,14 @@ pub struct TierSpec {
     pub weight: f64,
     /// Whether running work of this tier may be preempted for other tiers.
     pub preemptible: bool,
+    /// Longest a request of this tier may wait for its first admission, in milliseconds
+    /// (1 to [`MAX_QUEUE_MS`]); `None`: [`SchedulerConfig::max_queue_ms`] applies.
+    #[serde(default)]
+    pub max_queue_ms: Option<u64>,
 }
+
+/// Largest queue bound accepted (`max_queue_ms`): an hour.
+pub const MAX_QUEUE_MS: u64 = 3_600_000;
 
 /// Limits and sizes of one scheduler instance.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -256,6 +269,14 @@ pub struct SchedulerConfig {
     /// default: a sequence keeps every block until it ends).
     #[serde(default)]
     pub sliding_window: Option<SlidingWindow>,
+    /// Longest a request may wait for its first admission, in milliseconds (1 to
+    /// [`MAX_QUEUE_MS`]), for requests whose tier sets no [`TierSpec::max_queue_ms`] (and
+    /// those of no known tier); `None` (the default): no bound. A request still waiting for
+    /// its first prefill chunk past `arrival + bound` is ended with
+    /// [`FinishReason::QueueTimeout`] when the next step is planned; one admitted once
+    /// (preempted ones included) never is.
+    #[serde(default)]
+    pub max_queue_ms: Option<u64>,
 }
 
 /// A sliding window over the KV cache: each query attends to its last `tokens` positions.
@@ -347,6 +368,7 @@ impl Default for SchedulerConfig {
             max_loras: default_max_loras(),
             speculative: None,
             sliding_window: None,
+            max_queue_ms: None,
         }
     }
 }
@@ -382,6 +404,22 @@ pub struct ScheduledSeq {
     pub lora_adapter: Option<u32>,
 }
 
+/// A request ended by its queue bound (see [`StepPlan::timed_out`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct QueueTimeout {
+    /// The request.
+    pub id: RequestId,
+    /// How long it waited, from its arrival to the step that ended it.
+    pub waited: Micros,
+    /// The bound it waited past, in milliseconds.
+    pub max_queue_ms: u64,
+    /// Whether the bound was its tier's ([`TierSpec::max_queue_ms`]) rather than the
+    /// scheduler's default ([`SchedulerConfig::max_queue_ms`]).
+    pub tier_bound: bool,
+    /// Its tier ([`Request::tier`]).
+    pub tier: String,
+}
+
 /// The work of one step, produced by [`crate::Scheduler::schedule`].
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct StepPlan {
@@ -390,6 +428,10 @@ pub struct StepPlan {
     pub seqs: Vec<ScheduledSeq>,
     /// Requests sent back to waiting this step (preemption by recompute).
     pub preempted: Vec<RequestId>,
+    /// Requests ended before this step's planning because they waited past their queue bound
+    /// without being admitted ([`FinishReason::QueueTimeout`]; their state is already freed).
+    /// The caller tells their clients: no `SeqEvent` reports them.
+    pub timed_out: Vec<QueueTimeout>,
     /// Sum of `num_new_tokens` over `seqs`.
     pub num_batched_tokens: usize,
 }

@@ -58,6 +58,8 @@ struct Workload {
     period: u8,
     /// A sliding window: blocks behind it are given back while a request runs.
     window: Option<SlidingWindow>,
+    /// Queue bounds in milliseconds: the scheduler's default, and the `batch` tier's own.
+    max_queue_ms: (Option<u64>, Option<u64>),
 }
 
 fn spec() -> impl Strategy<Value = Spec> {
@@ -115,6 +117,10 @@ fn workload() -> impl Strategy<Value = Workload> {
             prop::sample::select(vec![0u8, 2, 3, 5]),
             prop::option::weighted(0.4, (1usize..24, 0usize..10)),
         ),
+        (
+            prop::option::weighted(0.5, 1u64..200),
+            prop::option::weighted(0.5, 1u64..200),
+        ),
     )
         .prop_map(
             |(
@@ -126,6 +132,7 @@ fn workload() -> impl Strategy<Value = Workload> {
                 reqs,
                 (swap_every, spare_logit_rows, max_loras),
                 (speculative, period, window),
+                max_queue_ms,
             )| Workload {
                 block_size,
                 num_gpu_blocks,
@@ -144,17 +151,23 @@ fn workload() -> impl Strategy<Value = Workload> {
                 }),
                 period,
                 window: window.map(|(tokens, read_slack)| SlidingWindow { tokens, read_slack }),
+                max_queue_ms,
             },
         )
 }
 
-fn tiers() -> Vec<TierSpec> {
+fn tiers(batch_max_queue_ms: Option<u64>) -> Vec<TierSpec> {
     let t = |name: &str, ttft, tpot, preemptible| TierSpec {
         name: name.into(),
         ttft_ms: ttft,
         tpot_ms: tpot,
         weight: 1.0,
         preemptible,
+        max_queue_ms: if preemptible {
+            batch_max_queue_ms
+        } else {
+            None
+        },
     };
     vec![
         t("premium", Some(50.0), Some(10.0), false),
@@ -182,14 +195,14 @@ fn make_policy(name: &str) -> Box<dyn Policy> {
     if name == PREFIX_AWARE_CHUNKED {
         let params = serde_yaml::from_str("{max_wait_ms: 20, lookup_limit: 3, token_budget: 8}");
         return reg
-            .create("prefix-aware", &params.unwrap(), &tiers())
+            .create("prefix-aware", &params.unwrap(), &tiers(None))
             .unwrap();
     }
     if name == PREFIX_AWARE_NO_HOLD_BACK {
         let params =
             serde_yaml::from_str("{max_wait_ms: 20, lookup_limit: 3, hold_back_shared: false}");
         return reg
-            .create("prefix-aware", &params.unwrap(), &tiers())
+            .create("prefix-aware", &params.unwrap(), &tiers(None))
             .unwrap();
     }
     let params: serde_yaml::Value = match name {
@@ -205,7 +218,7 @@ fn make_policy(name: &str) -> Box<dyn Policy> {
         "prefix-aware" => serde_yaml::from_str("{max_wait_ms: 20, lookup_limit: 3}").unwrap(),
         _ => serde_yaml::Value::Null,
     };
-    reg.create(name, &params, &tiers()).unwrap()
+    reg.create(name, &params, &tiers(None)).unwrap()
 }
 
 fn request(i: usize, s: &Spec) -> Request {
@@ -482,11 +495,12 @@ fn run(w: &Workload, first: &str, swaps: &[&str], pipelined: bool) -> Result<End
         num_gpu_blocks: w.num_gpu_blocks,
         enable_prefix_caching: w.caching,
         max_model_len: 4096,
-        tiers: tiers(),
+        tiers: tiers(w.max_queue_ms.1),
         max_logit_rows: w.max_num_seqs + w.spare_logit_rows,
         max_loras: w.max_loras,
         speculative: w.speculative.clone(),
         sliding_window: w.window,
+        max_queue_ms: w.max_queue_ms.0,
     };
     let mut s = Scheduler::new(config, make_policy(first), [7, 9]).unwrap();
     let mut admitted: BTreeMap<RequestId, &Spec> = BTreeMap::new();
@@ -614,6 +628,54 @@ fn run(w: &Workload, first: &str, swaps: &[&str], pipelined: bool) -> Result<End
             }
         };
         want_in_order = s.take_preemption_wanted();
+        // Every request never planned before whose bound ran out before `now` is timed out
+        // by this plan (before anything is admitted).
+        for (id, r) in &admitted {
+            let bound = if r.tier == 2 {
+                w.max_queue_ms.1.or(w.max_queue_ms.0)
+            } else {
+                w.max_queue_ms.0
+            };
+            let due = bound.is_some_and(|ms| r.arrival_step * STEP_US + ms * 1000 < now.0);
+            if due && !first_planned.contains_key(id) && !ended.contains_key(id) {
+                prop_assert!(
+                    plan.timed_out.iter().any(|t| t.id == *id),
+                    "{:?} waited past its bound of {:?} ms",
+                    id,
+                    bound
+                );
+            }
+        }
+        // Requests timed out in the queue: never planned before, past their bound, ended
+        // once, holding nothing (the invariants below check the blocks).
+        for t in &plan.timed_out {
+            prop_assert!(admitted.contains_key(&t.id), "{:?} timed out unknown", t.id);
+            prop_assert!(
+                !first_planned.contains_key(&t.id),
+                "{:?} timed out after its admission",
+                t.id
+            );
+            prop_assert!(
+                t.waited > t.max_queue_ms * 1000,
+                "{:?} timed out early",
+                t.id
+            );
+            let want = if admitted[&t.id].tier == 2 {
+                w.max_queue_ms.1.or(w.max_queue_ms.0)
+            } else {
+                w.max_queue_ms.0
+            };
+            prop_assert_eq!(Some(t.max_queue_ms), want);
+            prop_assert_eq!(
+                s.request_state(t.id),
+                Some(RequestState::Finished(FinishReason::QueueTimeout))
+            );
+            prop_assert!(
+                ended.insert(t.id, FinishReason::QueueTimeout).is_none(),
+                "{:?} ended twice",
+                t.id
+            );
+        }
         check_plan(w, &s, &plan, &mut mirrors)?;
         for q in &plan.seqs {
             first_planned.entry(q.id).or_insert(q.num_computed_tokens);
@@ -754,6 +816,9 @@ proptest! {
         for r in &mut w.reqs {
             r.end_after = None;
         }
+        // Pipelining also shifts when seats free up, so when requests are admitted: queue
+        // bounds are left to the other properties.
+        w.max_queue_ms = (None, None);
         for name in variants() {
             let in_order = run(&w, name, &[], false)
                 .map_err(|e| TestCaseError::fail(format!("policy {name} in order: {e}")))?;

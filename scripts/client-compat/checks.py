@@ -3,9 +3,11 @@ LlamaIndex (llama-index-llms-openai-like) and the OpenAI Python SDK against a ru
 server, on chat/completions, /v1/responses and /v1/embeddings, judged on the protocol (what each client parses
 out of our responses), not on the small model's answers.
 
-usage: python checks.py BASE_URL KEY TINY_KEY RATE_KEY
+usage: python checks.py BASE_URL KEY TINY_KEY RATE_KEY [LORA_KEY]
 (KEY: an API key; TINY_KEY: a key whose tier admits one request at a time, for the 503 checks;
-RATE_KEY: a key whose tier allows two requests a minute, for the 429 checks)
+RATE_KEY: a key whose tier allows two requests a minute, for the 429 checks; LORA_KEY: a key
+that may name the adapters compat-* only, of a server that finds compat-tuned and other-tuned
+in its lora.adapter_dirs)
 Exits 1 if any check fails; prints one line per check.
 """
 import asyncio
@@ -32,6 +34,7 @@ from llama_index.llms.openai_like import OpenAILike
 from pydantic import BaseModel
 
 BASE, KEY, TINY, RATE = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+LORA = sys.argv[5] if len(sys.argv) > 5 else None
 MODEL = "smollm2"
 litellm.suppress_debug_info = True
 failures = []
@@ -755,6 +758,39 @@ def sdk_prompt_logprobs():
 
 check("openai-python prompt_logprobs (extra_body: completions n=2 two prompts, chat, a streamed 400)",
       sdk_prompt_logprobs)
+
+
+# ---------------------------------------------------------------- LoRA adapters per key
+def lora_per_key():
+    # The server finds adapters in lora.adapter_dirs (compat-tuned, other-tuned) on the first
+    # request naming them; LORA's key may name only compat-*.
+    mine = openai.OpenAI(base_url=BASE, api_key=LORA, max_retries=0)
+    card = mine.models.retrieve("compat-tuned")
+    expect(card.id == "compat-tuned" and card.model_extra.get("parent") == MODEL, f"{card}")
+    c = mine.chat.completions.create(model="compat-tuned", messages=[{"role": "user", "content": "Hi"}],
+                                     max_tokens=2)
+    expect(c.model == "compat-tuned" and c.choices[0].message.content is not None, f"{c}")
+    # The unrestricted key finds the other adapter; to LORA's key it stays a model not found.
+    expect(sdk.models.retrieve("other-tuned").id == "other-tuned", "other-tuned not found")
+    e = raises(lambda: mine.chat.completions.create(model="other-tuned", max_tokens=2,
+                                                    messages=[{"role": "user", "content": "Hi"}]),
+               openai.NotFoundError, "other-tuned")
+    raises(lambda: mine.models.retrieve("other-tuned"), openai.NotFoundError, "other-tuned")
+    ids = [m.id for m in mine.models.list()]
+    expect(ids == [MODEL, "compat-tuned"], f"{ids}")
+    everyone = sorted(m.id for m in sdk.models.list())
+    expect(everyone == sorted([MODEL, "compat-tuned", "other-tuned"]), f"{everyone}")
+    lc = ChatOpenAI(base_url=BASE, api_key=LORA, model="compat-tuned", max_tokens=2, max_retries=0).invoke("Hi")
+    expect(lc.response_metadata.get("model_name") == "compat-tuned", f"{lc.response_metadata}")
+    lite = raises(lambda: litellm.completion(model="openai/other-tuned", api_base=BASE, api_key=LORA,
+                                             messages=[{"role": "user", "content": "Hi"}], num_retries=0),
+                  litellm.NotFoundError, "other-tuned")
+    return f"listed {ids}; another tenant's adapter: openai {e}, litellm {lite}"
+
+
+if LORA:
+    check("LoRA per key: an adapter found on demand (models.retrieve, chat, langchain), another's "
+          "NotFoundError (openai-python, litellm), models.list per key", lora_per_key)
 
 
 print(f"python clients: {len(failures)} failed" + (f": {', '.join(failures)}" if failures else ""))

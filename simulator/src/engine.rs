@@ -211,6 +211,7 @@ impl Simulation {
                 tpot_ms: t.tpot_ms,
                 weight: t.weight,
                 preemptible: t.preemptible,
+                max_queue_ms: t.max_queue_ms,
             })
             .collect();
         let scheduler = SchedulerConfig {
@@ -237,6 +238,7 @@ impl Simulation {
                     ..SpeculativeConfig::default()
                 }),
             sliding_window: model.window(),
+            max_queue_ms: spec.scheduler.max_queue_ms,
         };
         switchyard_policies::validate_config(&scheduler)
             .map_err(|e| SimError::Scheduler(e.to_string()))?;
@@ -678,7 +680,7 @@ impl<'a> Loop<'a> {
                 }
             }
             self.sched.schedule_into(Timestamp(now), &mut plan);
-            self.count_preemptions(&plan);
+            finished += self.note_plan(&plan);
             if plan.seqs.is_empty() {
                 now = self.wait(now, next, &mut idle_ticks)?;
                 continue;
@@ -740,7 +742,7 @@ impl<'a> Loop<'a> {
                 },
             };
             in_order = self.sched.take_preemption_wanted();
-            self.count_preemptions(&plan);
+            finished += self.note_plan(&plan);
             if plan.seqs.is_empty() {
                 if let Some((prev, outs, end)) = in_flight.take() {
                     now = now.max(end);
@@ -820,12 +822,21 @@ impl<'a> Loop<'a> {
         true
     }
 
-    fn count_preemptions(&mut self, plan: &StepPlan) {
+    /// Counts the plan's preemptions, and records the requests it timed out in the queue
+    /// (no finish time: they miss their targets); returns how many timed out.
+    fn note_plan(&mut self, plan: &StepPlan) -> usize {
         for id in &plan.preempted {
             if let Some(t) = self.tracks.get_mut(id.0 as usize) {
                 t.preemptions += 1;
             }
         }
+        for q in &plan.timed_out {
+            if let Some(t) = self.tracks.get_mut(q.id.0 as usize) {
+                t.outcome = Outcome::Finished(switchyard_policies::FinishReason::QueueTimeout);
+            }
+            self.sched.forget(q.id);
+        }
+        plan.timed_out.len()
     }
 
     /// Nothing to run at `now`: the time of the next arrival, or one idle tick later (an
@@ -1838,6 +1849,71 @@ policies: [{{name: fcfs}}]
             crate::report::PolicySummary::new("fcfs", &records, &mut [], Default::default());
         assert_eq!(summary.rate_limited, 1);
         assert_eq!(summary.tiers[0].rate_limited, 1);
+    }
+
+    #[test]
+    fn requests_past_their_queue_bound_time_out_and_miss_their_targets() {
+        // One seat, 1 ms steps: request 0 (10 + 50 tokens) holds it for 50 ms. Requests 1 and
+        // 2 (tier `short`, bound 20 ms) and 3 (tier `long`, no bound of its own: the
+        // scheduler's 100 ms) arrive at 0 s behind it; 1 and 2 wait past 20 ms and time out,
+        // 3 is admitted at ~50 ms. With async scheduling too.
+        let yaml = "policies: [{name: fcfs}]\n\
+                    tiers: {short: {ttft_ms: 1000, max_queue_ms: 20}, long: {ttft_ms: 1000}}\n\
+                    scheduler: {max_num_seqs: 1, max_model_len: 100, max_queue_ms: 100}\n\
+                    cache: {num_gpu_blocks: 64}\n\
+                    workload: {trace: unused.csv, format: azure}\n";
+        let rs = vec![
+            req(0.0, 10, 50, "long"),
+            req(0.0, 10, 1, "short"),
+            req(0.0, 10, 1, "short"),
+            req(0.0, 10, 1, "long"),
+        ];
+        for asynchronous in [false, true] {
+            let yaml = yaml.replace(
+                "max_queue_ms: 100}",
+                &format!("max_queue_ms: 100, async_scheduling: {asynchronous}}}"),
+            );
+            let mut sim = Simulation::new(&spec(&yaml)).unwrap();
+            sim.cost = CostModel::Calibrated(Calibration {
+                intercept_s: 1e-3,
+                ..Default::default()
+            });
+            let run = sim
+                .run_policy(&PolicySpec::named("fcfs"), &rs, false)
+                .unwrap();
+            let got: Vec<&str> = run.records.iter().map(|r| r.outcome.as_str()).collect();
+            assert_eq!(
+                got,
+                ["length", "queue_timeout", "queue_timeout", "length"],
+                "async {asynchronous}"
+            );
+            assert_eq!(run.records[1].finish_s, None);
+            assert_eq!(run.records[1].met_ttft, Some(false));
+            let summary = crate::report::PolicySummary::new(
+                "fcfs",
+                &run.records,
+                &mut [],
+                Default::default(),
+            );
+            assert_eq!(summary.queue_timeout, 2);
+            let short = summary.tiers.iter().find(|t| t.tier == "short").unwrap();
+            assert_eq!((short.queue_timeout, short.slo_attainment), (2, Some(0.0)));
+            let long = summary.tiers.iter().find(|t| t.tier == "long").unwrap();
+            assert_eq!((long.queue_timeout, long.slo_attainment), (0, Some(1.0)));
+        }
+        // Without the bounds, every request is served.
+        let yaml = yaml
+            .replace(", max_queue_ms: 20", "")
+            .replace(", max_queue_ms: 100", "");
+        let mut sim = Simulation::new(&spec(&yaml)).unwrap();
+        sim.cost = CostModel::Calibrated(Calibration {
+            intercept_s: 1e-3,
+            ..Default::default()
+        });
+        let run = sim
+            .run_policy(&PolicySpec::named("fcfs"), &rs, false)
+            .unwrap();
+        assert!(run.records.iter().all(|r| r.outcome == "length"));
     }
 
     #[test]

@@ -9,7 +9,8 @@
 //! Percentiles interpolate linearly between order statistics (NumPy's
 //! default). SLO attainment counts only the requests that have a target (their
 //! tier sets `ttft_ms` or `tpot_ms`): the fraction of them meeting every target
-//! they have (rejected, rate-limited and unfinished ones count as misses), `None` (shown as
+//! they have (rejected, rate-limited, queue-timed-out and unfinished ones count as misses),
+//! `None` (shown as
 //! n/a) when no request has one; goodput is the rate of those requests meeting
 //! every target, as defined by DistServe (Zhong et al., OSDI'24), over the run's
 //! duration. Requests without targets count in neither.
@@ -47,7 +48,8 @@ pub struct RequestRecord {
     pub first_token_s: Option<f64>,
     /// Time it finished.
     pub finish_s: Option<f64>,
-    /// Finish reason (`length`, `stop`, ...), `rejected` or `unfinished`.
+    /// Finish reason (`length`, `stop`, `queue_timeout`, ...), `rejected`, `rate_limited` or
+    /// `unfinished`.
     pub outcome: String,
     /// Times it was preempted.
     pub preemptions: u64,
@@ -165,6 +167,9 @@ pub struct TierSummary {
     /// Of which refused by their tenant's rate limits (`rate_limited`).
     #[serde(default)]
     pub rate_limited: u64,
+    /// Of which ended by their queue bound before their first admission (`queue_timeout`).
+    #[serde(default)]
+    pub queue_timeout: u64,
     /// Fraction meeting the TTFT target (`None`: no target).
     pub ttft_attainment: Option<f64>,
     /// Fraction meeting the TPOT target (`None`: no target).
@@ -218,6 +223,11 @@ pub struct PolicySummary {
     /// `tokens_per_minute`: the server's 429).
     #[serde(default)]
     pub rate_limited: u64,
+    /// Requests ended by their queue bound before their first admission
+    /// (`tiers.<name>.max_queue_ms`, `scheduler.max_queue_ms`: the server's 503
+    /// `queue_timeout`).
+    #[serde(default)]
+    pub queue_timeout: u64,
     /// First arrival to last finish, in virtual seconds.
     pub duration_s: f64,
     /// Finished requests per second.
@@ -292,6 +302,10 @@ impl PolicySummary {
             finished,
             rejected: records.iter().filter(|r| r.outcome == "rejected").count() as u64,
             rate_limited: records.iter().filter(|r| r.outcome == RATE_LIMITED).count() as u64,
+            queue_timeout: records
+                .iter()
+                .filter(|r| r.outcome == QUEUE_TIMEOUT)
+                .count() as u64,
             duration_s,
             request_throughput: per_s(finished as f64),
             output_token_throughput: per_s(generated as f64),
@@ -344,6 +358,7 @@ fn tier_summary(tier: &str, rs: &[&RequestRecord], duration_s: f64) -> TierSumma
         requests: rs.len() as u64,
         finished: rs.iter().filter(|r| r.finish_s.is_some()).count() as u64,
         rate_limited: rs.iter().filter(|r| r.outcome == RATE_LIMITED).count() as u64,
+        queue_timeout: rs.iter().filter(|r| r.outcome == QUEUE_TIMEOUT).count() as u64,
         ttft_attainment: attainment(|r| r.met_ttft),
         tpot_attainment: attainment(|r| r.met_tpot),
         slo_attainment: (targeted > 0).then(|| met / targeted as f64),
@@ -355,6 +370,8 @@ fn tier_summary(tier: &str, rs: &[&RequestRecord], duration_s: f64) -> TierSumma
 
 /// The outcome of a request refused by its tenant's rate limits.
 pub const RATE_LIMITED: &str = "rate_limited";
+/// The outcome of a request ended by its queue bound before its first admission.
+pub const QUEUE_TIMEOUT: &str = "queue_timeout";
 
 /// Several policies run on the same workload.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -402,7 +419,8 @@ impl Comparison {
         let _ = writeln!(
             s,
             "slo% and goodput count the requests whose tier sets a ttft_ms or tpot_ms target \
-             (n/a: none has one); rejected, rate-limited and unfinished ones miss\n"
+             (n/a: none has one); rejected, rate-limited, queue-timed-out and unfinished ones \
+             miss\n"
         );
         let pct = |x: Option<f64>| x.map_or("n/a".to_string(), |v| format!("{:.1}", 100.0 * v));
         let _ = writeln!(
@@ -455,6 +473,23 @@ impl Comparison {
                  tokens_per_minute (the server answers them 429 rate_limit_exceeded): {}",
                 p.policy,
                 p.rate_limited,
+                p.requests,
+                by_tier.join(", ")
+            );
+        }
+        for p in self.policies.iter().filter(|p| p.queue_timeout > 0) {
+            let by_tier: Vec<String> = p
+                .tiers
+                .iter()
+                .filter(|t| t.queue_timeout > 0)
+                .map(|t| format!("{} {}", t.tier, t.queue_timeout))
+                .collect();
+            let _ = writeln!(
+                s,
+                "{}: {} of {} requests timed out in the queue, not admitted within their \
+                 max_queue_ms (the server answers them 503 queue_timeout): {}",
+                p.policy,
+                p.queue_timeout,
                 p.requests,
                 by_tier.join(", ")
             );

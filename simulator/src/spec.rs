@@ -251,6 +251,10 @@ pub struct SchedulerLimits {
     /// Speculative decoding, modelled: the simulator has no real tokens to look up, so each
     /// draft is accepted with a fixed probability instead.
     pub speculative: Option<SimSpeculative>,
+    /// The queue bound of requests whose tier sets none, as the server's
+    /// `scheduler.max_queue_ms` (1 to 3,600,000 ms; unset: none): see
+    /// [`TierConf::max_queue_ms`].
+    pub max_queue_ms: Option<u64>,
 }
 
 /// Speculative decoding as the simulator models it: decode steps carry up to
@@ -289,6 +293,7 @@ impl Default for SchedulerLimits {
             max_loras: 4,
             lora: LoraSpec::default(),
             speculative: None,
+            max_queue_ms: None,
         }
     }
 }
@@ -357,6 +362,11 @@ pub struct TierConf {
     /// See [`TierConf::requests_per_minute`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokens_per_minute: Option<u64>,
+    /// The server's queue bound of the tier's requests (`tiers.<name>.max_queue_ms`, 1 to
+    /// 3,600,000): a request not admitted within it of its arrival is ended by the scheduling
+    /// core and reported `queue_timeout`. Unset: `scheduler.max_queue_ms`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_queue_ms: Option<u64>,
 }
 
 impl TierConf {
@@ -610,6 +620,11 @@ impl SimulationSpec {
                 "scheduler.host_overhead_us {us} outside 0..={MAX_HOST_OVERHEAD_US} (microseconds per step)"
             ));
         }
+        if let Some(ms) = s.max_queue_ms.filter(|ms| !(1..=MAX_QUEUE_MS).contains(ms)) {
+            return Err(format!(
+                "scheduler.max_queue_ms {ms} outside 1..={MAX_QUEUE_MS} (milliseconds)"
+            ));
+        }
         if !(1..=1024).contains(&s.max_loras) {
             return Err("scheduler.max_loras outside 1..=1024".into());
         }
@@ -753,6 +768,8 @@ pub fn show_range(r: &std::ops::RangeInclusive<f64>) -> String {
 }
 
 /// Checks tier definitions (a spec's `tiers`, or those of `--tiers FILE`).
+use switchyard_policies::MAX_QUEUE_MS;
+
 fn validate_tiers(tiers: &BTreeMap<String, TierConf>) -> Result<(), String> {
     if tiers.len() > MAX_LABELS {
         return Err(format!("tiers: at most {MAX_LABELS}"));
@@ -769,6 +786,11 @@ fn validate_tiers(tiers: &BTreeMap<String, TierConf>) -> Result<(), String> {
             return Err(format!(
                 "tiers.{name}: targets must be positive and at most an hour (3600000 ms), \
                  the weight positive"
+            ));
+        }
+        if let Some(ms) = t.max_queue_ms.filter(|ms| !(1..=MAX_QUEUE_MS).contains(ms)) {
+            return Err(format!(
+                "tiers.{name}.max_queue_ms {ms} outside 1..={MAX_QUEUE_MS} (milliseconds)"
             ));
         }
     }
@@ -1039,6 +1061,14 @@ workload:
                     GOOD.trim_end()
                 ),
                 "more than the 8192 tokens of context of model smollm2-135m",
+            ),
+            (
+                format!("{}\nscheduler: {{ max_queue_ms: 0 }}\n", GOOD.trim_end()),
+                "scheduler.max_queue_ms 0 outside 1..=3600000",
+            ),
+            (
+                GOOD.replace("priority: 2}", "priority: 2, max_queue_ms: 3600001}"),
+                "tiers.batch.max_queue_ms 3600001 outside 1..=3600000",
             ),
             // The server's bound (switchyard_config::MAX_NUM_SEQS), not a wider one.
             (

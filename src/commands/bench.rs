@@ -291,6 +291,8 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
         max_loras: 4,
         speculative: runtime::speculative_from_args(&args.speculative)?,
         sliding_window: runtime::sliding_window(&config, backend.as_ref()),
+        // Offline work has no client to give up: no queue bound.
+        max_queue_ms: None,
     };
     let mut engine = runtime::offline_core(backend, scheduler, args.async_scheduling)?;
     anyhow::ensure!(

@@ -346,6 +346,7 @@ pub fn tier_specs(config: &Config) -> Vec<TierSpec> {
             tpot_ms: t.tpot_ms,
             weight: t.weight,
             preemptible: t.preemptible,
+            max_queue_ms: t.max_queue_ms,
         })
         .collect()
 }

@@ -92,6 +92,8 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         max_loras: 4,
         speculative: runtime::speculative_from_args(&args.speculative)?,
         sliding_window,
+        // Offline work has no client to give up: no queue bound.
+        max_queue_ms: None,
     };
     let mut engine = runtime::offline_core(backend, scheduler, args.async_scheduling)?;
     let eos = tokenizer.eos_token_ids().to_vec();

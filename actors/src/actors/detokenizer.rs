@@ -112,6 +112,13 @@ impl StepEvents {
             failed: None,
         }
     }
+    /// Requests that failed with `error` outside a step (a queue timeout).
+    pub fn failed_with(ids: Vec<RequestId>, error: SubmitError) -> Self {
+        Self {
+            events: Vec::new(),
+            failed: Some((ids, error)),
+        }
+    }
     /// A step whose execution failed.
     pub fn failed(ids: Vec<RequestId>, message: String) -> Self {
         Self {
@@ -213,6 +220,7 @@ pub(crate) fn failure_label(kind: SubmitErrorKind) -> &'static str {
         SubmitErrorKind::UnknownModel => "unknown_model",
         SubmitErrorKind::ContextLengthExceeded => "context_length",
         SubmitErrorKind::Overloaded => "overloaded",
+        SubmitErrorKind::QueueTimeout => "queue_timeout",
         SubmitErrorKind::Unavailable => "unavailable",
         SubmitErrorKind::StructuredOutput => "structured_output",
         SubmitErrorKind::Internal => "error",

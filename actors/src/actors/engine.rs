@@ -237,6 +237,10 @@ pub enum SubmitErrorKind {
     /// More choices (prompts × `n`) than a bound on requests in flight ever admits: the
     /// request can never be admitted under it (a 400 naming the bound, not a retryable 503).
     TooManyChoices,
+    /// The request waited in the scheduler's queue past its bound (`tiers.<name>.max_queue_ms`
+    /// or `scheduler.max_queue_ms`) without being admitted, and was ended there (a 503 to
+    /// retry later: load shedding).
+    QueueTimeout,
     /// The engine is shutting down.
     Unavailable,
     /// The structured-output grammar of a choice failed while generating: its output cannot
@@ -302,6 +306,13 @@ impl Metering {
             Self::Request => 1,
             Self::BeamStep { queue_times } => queue_times,
         }
+    }
+
+    /// Whether its tier's queue bound applies: to a client's request and to a beam search's
+    /// first step (the client's request waiting: the step whose queue time counts), not to
+    /// the later steps, work of a request admitted once.
+    fn queue_bound(self) -> bool {
+        self.queue_times() > 0
     }
 }
 
@@ -922,6 +933,7 @@ impl Engine {
                 queue_times: metering.queue_times(),
                 metrics_tier: metrics_tier.clone(),
                 metrics_tenant: metrics_tenant.clone(),
+                queue_bound: metering.queue_bound(),
             });
         }
         // The detokenizer queues the request with the scheduler as it registers it, so that
@@ -1165,6 +1177,15 @@ mod tests {
     use super::*;
     use crate::actors::detokenizer::rejection;
     use crate::testing::{abc_tokenizer, CountingBackend};
+
+    /// A client's request and a beam search's first step are bounded by their tier's
+    /// `max_queue_ms`; the search's later steps, work of a request admitted once, are not.
+    #[test]
+    fn only_a_beam_searchs_first_step_is_queue_bounded() {
+        assert!(Metering::Request.queue_bound());
+        assert!(Metering::BeamStep { queue_times: 2 }.queue_bound());
+        assert!(!Metering::BeamStep { queue_times: 0 }.queue_bound());
+    }
 
     /// Records what a request receives.
     struct Recorder {

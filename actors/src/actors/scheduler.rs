@@ -6,13 +6,16 @@
 //! submitted before it are collected and applied, and the next step is planned, committed and
 //! submitted while this one runs.
 
+use std::collections::HashMap;
 use std::time::Instant;
 
 use actix::{Actor, ActorFutureExt, Addr, AsyncContext, Context, Handler, Message, WrapFuture};
 use switchyard_policies::{FinishReason, Policy, RequestId, SchedulerStats, StepPlan, Timestamp};
 
+use super::admission::{Throttle, REFUSAL_LOG_INTERVAL};
 use super::allocator::{Commit, KvAllocatorActor};
 use super::detokenizer::{DetokenizerActor, StepEvents};
+use super::engine::{SubmitError, SubmitErrorKind};
 use super::executor::{
     CollectStep, DiscardSteps, Execute, ExecutorActor, ReleaseSequences, SubmitStep,
 };
@@ -69,6 +72,11 @@ pub struct SchedulerActor {
     in_flight: Option<StepPlan>,
     /// Whether the next step may be planned before `in_flight`'s outputs are in.
     ahead_ok: bool,
+    /// When a wake-up is set to plan a step at a queue deadline while idle.
+    wake_at: Option<Timestamp>,
+    /// Per queue bound (`tiers.<name>.max_queue_ms` or `scheduler.max_queue_ms`: bounded by
+    /// the configured tiers), the throttle of its WARN lines.
+    timeout_logs: HashMap<String, Throttle>,
 }
 
 impl SchedulerActor {
@@ -92,6 +100,8 @@ impl SchedulerActor {
             async_scheduling: false,
             in_flight: None,
             ahead_ok: false,
+            wake_at: None,
+            timeout_logs: HashMap::new(),
         }
     }
 
@@ -155,6 +165,7 @@ impl SchedulerActor {
                 None => return self.collect(step_start, ctx),
             }
         };
+        self.fail_timed_out();
         if planned.plan.seqs.is_empty() && planned.commit.is_empty() {
             if self.in_flight.is_some() {
                 // Collecting now resolves the step in flight, as a held-back preemption
@@ -164,6 +175,7 @@ impl SchedulerActor {
             }
             self.release_ended();
             self.publish_stats();
+            self.wake_at_queue_deadline(ctx);
             return;
         }
         // Until the ids are back, requests may not end (their blocks are in the commit):
@@ -204,10 +216,69 @@ impl SchedulerActor {
                 }
                 Err(failed) => {
                     let error = format!("building a batch failed: {}", failed.error);
-                    act.fail_step(failed.plan, &error, ctx);
+                    act.fail_step(*failed.plan, &error, ctx);
                 }
             }
         }));
+    }
+
+    /// Fails the client requests of the requests the core timed out in the queue: each gets
+    /// the 503 `queue_timeout` naming its wait and its bound (the detokenizer counts it in
+    /// `request_failed_total{reason="queue_timeout"}` and ends its request's other choices),
+    /// and each bound logs a WARN line at most every [`REFUSAL_LOG_INTERVAL`] with the count
+    /// since its last one.
+    fn fail_timed_out(&mut self) {
+        let timed_out = self.core.take_timed_out();
+        if timed_out.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        for t in timed_out {
+            let bound = if t.tier_bound {
+                format!("tiers.{}.max_queue_ms", t.tier)
+            } else {
+                "scheduler.max_queue_ms".to_owned()
+            };
+            let message = format!(
+                "The request waited {:.2} s in the queue without being admitted, longer than \
+                 {bound} = {}: the server is overloaded; retry later.",
+                t.waited as f64 / 1e6,
+                t.max_queue_ms
+            );
+            let throttle = self
+                .timeout_logs
+                .entry(bound.clone())
+                .or_insert_with(|| Throttle::new(REFUSAL_LOG_INTERVAL));
+            if let Some(n) = throttle.hit(now) {
+                tracing::warn!(
+                    bound = %bound,
+                    max_queue_ms = t.max_queue_ms,
+                    timed_out = n,
+                    "requests timed out in the queue: not admitted within their bound"
+                );
+            }
+            let error = SubmitError::new(SubmitErrorKind::QueueTimeout, message);
+            self.detokenizer
+                .do_send(StepEvents::failed_with(vec![t.id], error));
+        }
+    }
+
+    /// With nothing to run, sets a wake-up at the earliest queue deadline, so that a request
+    /// waiting while no step runs is still timed out (a step is planned then).
+    fn wake_at_queue_deadline(&mut self, ctx: &mut Context<Self>) {
+        let Some(at) = self.core.next_queue_deadline() else {
+            return;
+        };
+        if self.wake_at.is_some_and(|w| w <= at) {
+            return;
+        }
+        self.wake_at = Some(at);
+        // Timed out once past the deadline: 1 µs after it.
+        let delay = std::time::Duration::from_micros(at.saturating_sub(self.now()) + 1);
+        ctx.run_later(delay, |act, ctx| {
+            act.wake_at = None;
+            act.kick(ctx);
+        });
     }
 
     /// Ends the requests of a step that cannot run, and carries on with the rest. A step in

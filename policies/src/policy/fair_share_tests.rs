@@ -278,6 +278,7 @@ fn weights_out_of_range_are_refused_naming_the_tenant_or_tier() {
         tpot_ms: None,
         weight: 1e-9,
         preemptible: false,
+        max_queue_ms: None,
     };
     let e = FairShare::create(&serde_yaml::Value::Null, &[tier])
         .err()
@@ -378,6 +379,7 @@ fn tier(name: &str, weight: f64) -> TierSpec {
         tpot_ms: None,
         weight,
         preemptible: false,
+        max_queue_ms: None,
     }
 }
 
