@@ -7,9 +7,9 @@
 # The trace: N requests (40) with ShareGPT lengths from ../shared/traces (prompt / 4, at most
 # 512 tokens; output / 2, at most 128), Poisson arrivals at 1 request/s (seed 11); time
 # scale 1 is a light load for SmolLM2 on 2 CPU cores, 3 is close to saturation.
-# The simulator's spec is written for the default configuration: smollm2-135m, 256 sequences
-# and 8,192 tokens a step, blocks of 16 (the simulator's defaults); another configuration
-# needs its model and limits in the spec below.
+# The simulator's spec is written for the default configuration: smollm2-135m, 64 sequences
+# and 2,048 tokens a step, blocks of 16; another configuration needs its model and limits in
+# the spec below.
 # With RATE_LIMITS (say 'requests_per_minute: 20, tokens_per_minute: 4000') the open API's
 # tier (standard) gets those limits on the server and in the simulator, and the table adds the
 # requests each refused (the server's 429s; its initial test request counts against the
@@ -75,7 +75,7 @@ if [ -n "$lora" ]; then
     --set "lora.adapter_dirs=[$(realpath "$out/adapters")]")
   lora_bench=(--lora-modules "${lora_bench[@]}")
   sim_trace="trace: trace.jsonl, format: jsonl"
-  spec_lora="scheduler: {max_loras: $(( lora < 4 ? 4 : lora ))}"
+  spec_lora=", max_loras: $(( lora < 4 ? 4 : lora ))"
 fi
 if [ -z "${KEEP_CALIBRATION:-}" ] || [ ! -f "$out/cal.yaml" ]; then
   "$bin" calibrate --config "$config" --output "$out/cal.yaml" --samples "$out/steps.json" \
@@ -94,7 +94,7 @@ PY
 fi
 limits=${RATE_LIMITS:-}
 serve_limits=()
-spec_limits=""
+spec_limits="tiers: {standard: {}}"
 if [ -n "$limits" ]; then
   serve_limits=(--set "tiers={standard: {$limits}}")
   spec_limits="tiers: {standard: {$limits}}"
@@ -125,7 +125,7 @@ model: smollm2-135m
 calibration: $cal.yaml
 policies: [{name: fcfs}]
 $spec_limits
-$spec_lora
+scheduler: {max_num_seqs: 64, max_num_batched_tokens: 2048$spec_lora}
 workload: {$sim_trace, time_scale: $ts, mix: {tiers: {standard: 1}}}
 YAML
     "$bin" simulate --config "$out/spec-$cal-$ts.yaml" --out "$out/sim-$cal-$ts" --json \
