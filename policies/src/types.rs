@@ -684,8 +684,8 @@ mod tests {
                 entry(4, 0, 16, Some(3)),
                 entry(5, 0, 32, None),
             ],
-            preempted: Vec::new(),
             num_batched_tokens: 114,
+            ..StepPlan::default()
         };
         let s = plan.shape();
         assert_eq!((s.num_seqs, s.num_tokens), (5, 114));
