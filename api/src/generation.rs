@@ -431,6 +431,7 @@ mod tests {
         let who = crate::auth::Principal {
             tenant: "acme".into(),
             tier: "free".into(),
+            adapters: crate::auth::AdapterAccess::all(),
         };
         let remaining = || {
             let m = limiter
