@@ -169,6 +169,20 @@ fn calibration_values(path: &Path) -> std::collections::HashMap<String, f64> {
         .collect()
 }
 
+/// `switchyard calibrate` of a small engine (4 sequences a step, a 16 MiB KV cache), one run
+/// per step, contexts up to 128, writing `cal.yaml` and `steps.json` in `dir`.
+fn small_calibration(dir: &Path) -> std::process::Command {
+    let mut cmd = switchyard();
+    cmd.args(["calibrate", "--repeats", "1", "--max-context", "128"])
+        .args(["--max-kv-tokens", "512"])
+        .args(["--set", "scheduler.max_num_seqs=4"])
+        .args(["--set", "cache.kv_cache_mb=16", "--output"])
+        .arg(dir.join("cal.yaml"))
+        .arg("--samples")
+        .arg(dir.join("steps.json"));
+    cmd
+}
+
 /// `switchyard calibrate` measures the embedded model on the CPU over a small sweep, writes a
 /// calibration that the simulator runs on (its step times are the fitted model's, plus the
 /// engine's host time; its KV cache is the engine's), and refits the very same coefficients
@@ -176,21 +190,7 @@ fn calibration_values(path: &Path) -> std::collections::HashMap<String, f64> {
 #[test]
 fn calibrate_fits_the_engine_and_the_simulator_runs_on_the_fit() {
     let dir = temp_dir("calibrate");
-    // A small engine: 4 sequences a step, a 16 MiB KV cache.
-    let stdout = succeeds(
-        switchyard()
-            .args(["calibrate", "--repeats", "1", "--max-context", "128"])
-            .args([
-                "--max-kv-tokens",
-                "512",
-                "--set",
-                "scheduler.max_num_seqs=4",
-            ])
-            .args(["--set", "cache.kv_cache_mb=16", "--output"])
-            .arg(dir.join("cal.yaml"))
-            .arg("--samples")
-            .arg(dir.join("steps.json")),
-    );
+    let stdout = succeeds(&mut small_calibration(&dir));
     assert!(stdout.contains("Fit error"), "{stdout}");
     let cal = calibration_values(&dir.join("cal.yaml"));
     // SmolLM2-135M keeps 2 (K, V) x 30 layers x 3 KV heads x 64 dims x 2 bytes (f16) per
@@ -281,22 +281,7 @@ fn calibrate_with_lora_measures_adapted_steps_and_the_simulator_prices_them() {
     let dir = temp_dir("calibrate-lora");
     let fixture =
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("gpu/tests/fixtures/lora/smollm2-r4");
-    let stdout = succeeds(
-        switchyard()
-            .args(["calibrate", "--repeats", "1", "--max-context", "128"])
-            .args([
-                "--max-kv-tokens",
-                "512",
-                "--set",
-                "scheduler.max_num_seqs=4",
-            ])
-            .args(["--set", "cache.kv_cache_mb=16", "--lora"])
-            .arg(&fixture)
-            .arg("--output")
-            .arg(dir.join("cal.yaml"))
-            .arg("--samples")
-            .arg(dir.join("steps.json")),
-    );
+    let stdout = succeeds(small_calibration(&dir).arg("--lora").arg(&fixture));
     for want in [
         "LoRA steps ran",
         "rank 4 on q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj",

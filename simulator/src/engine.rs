@@ -1796,16 +1796,6 @@ policies: [{{name: fcfs}}]
                     scheduler: {max_num_seqs: 8, max_model_len: 100}\ncache: {num_gpu_blocks: 64}\n\
                     workload: {trace: unused.csv, format: azure}\n";
         // Each request's record after a run of 1 ms steps.
-        let outcomes = |yaml: &str, rs: &[TraceRequest]| {
-            let mut sim = Simulation::new(&spec(yaml)).unwrap();
-            sim.cost = CostModel::Calibrated(Calibration {
-                intercept_s: 1e-3,
-                ..Default::default()
-            });
-            sim.run_policy(&PolicySpec::named("fcfs"), rs, false)
-                .unwrap()
-                .records
-        };
         let of = |tenant: &str, r: TraceRequest| TraceRequest {
             tenant: tenant.into(),
             ..r
@@ -1819,7 +1809,7 @@ policies: [{{name: fcfs}}]
             of("a", req(2.0, 10, 1, "free")),
             of("a", req(40.0, 10, 1, "lim")),
         ];
-        let records = outcomes(yaml, &rs);
+        let records = fcfs_records(yaml, &rs);
         let got: Vec<&str> = records.iter().map(|r| r.outcome.as_str()).collect();
         assert_eq!(
             got,
@@ -1842,13 +1832,25 @@ policies: [{{name: fcfs}}]
             of("a", req(0.5, 10, 1, "lim")),
             of("a", req(1.5, 10, 1, "lim")),
         ];
-        let records = outcomes(&yaml, &rs);
+        let records = fcfs_records(&yaml, &rs);
         let got: Vec<&str> = records.iter().map(|r| r.outcome.as_str()).collect();
         assert_eq!(got, ["length", "rate_limited", "length"]);
         let summary =
             crate::report::PolicySummary::new("fcfs", &records, &mut [], Default::default());
         assert_eq!(summary.rate_limited, 1);
         assert_eq!(summary.tiers[0].rate_limited, 1);
+    }
+
+    /// The records of `rs` run under FCFS by the spec `yaml`, every step taking 1 ms.
+    fn fcfs_records(yaml: &str, rs: &[TraceRequest]) -> Vec<RequestRecord> {
+        let mut sim = Simulation::new(&spec(yaml)).unwrap();
+        sim.cost = CostModel::Calibrated(Calibration {
+            intercept_s: 1e-3,
+            ..Default::default()
+        });
+        sim.run_policy(&PolicySpec::named("fcfs"), rs, false)
+            .unwrap()
+            .records
     }
 
     #[test]
@@ -1873,28 +1875,17 @@ policies: [{{name: fcfs}}]
                 "max_queue_ms: 100}",
                 &format!("max_queue_ms: 100, async_scheduling: {asynchronous}}}"),
             );
-            let mut sim = Simulation::new(&spec(&yaml)).unwrap();
-            sim.cost = CostModel::Calibrated(Calibration {
-                intercept_s: 1e-3,
-                ..Default::default()
-            });
-            let run = sim
-                .run_policy(&PolicySpec::named("fcfs"), &rs, false)
-                .unwrap();
-            let got: Vec<&str> = run.records.iter().map(|r| r.outcome.as_str()).collect();
+            let records = fcfs_records(&yaml, &rs);
+            let got: Vec<&str> = records.iter().map(|r| r.outcome.as_str()).collect();
             assert_eq!(
                 got,
                 ["length", "queue_timeout", "queue_timeout", "length"],
                 "async {asynchronous}"
             );
-            assert_eq!(run.records[1].finish_s, None);
-            assert_eq!(run.records[1].met_ttft, Some(false));
-            let summary = crate::report::PolicySummary::new(
-                "fcfs",
-                &run.records,
-                &mut [],
-                Default::default(),
-            );
+            assert_eq!(records[1].finish_s, None);
+            assert_eq!(records[1].met_ttft, Some(false));
+            let summary =
+                crate::report::PolicySummary::new("fcfs", &records, &mut [], Default::default());
             assert_eq!(summary.queue_timeout, 2);
             let short = summary.tiers.iter().find(|t| t.tier == "short").unwrap();
             assert_eq!((short.queue_timeout, short.slo_attainment), (2, Some(0.0)));
@@ -1905,15 +1896,9 @@ policies: [{{name: fcfs}}]
         let yaml = yaml
             .replace(", max_queue_ms: 20", "")
             .replace(", max_queue_ms: 100", "");
-        let mut sim = Simulation::new(&spec(&yaml)).unwrap();
-        sim.cost = CostModel::Calibrated(Calibration {
-            intercept_s: 1e-3,
-            ..Default::default()
-        });
-        let run = sim
-            .run_policy(&PolicySpec::named("fcfs"), &rs, false)
-            .unwrap();
-        assert!(run.records.iter().all(|r| r.outcome == "length"));
+        assert!(fcfs_records(&yaml, &rs)
+            .iter()
+            .all(|r| r.outcome == "length"));
     }
 
     #[test]
