@@ -10,7 +10,7 @@ mod common;
 use std::io::Read;
 use std::time::{Duration, Instant};
 
-use common::{sse_events, Server};
+use common::{api_key_lines, sse_events, Server};
 use serde_json::{json, Value};
 
 const FREE: &str = "Bearer free-tier-queue-bound-key-1";
@@ -18,24 +18,11 @@ const PAID: &str = "Bearer paid-tier-no-queue-bound-k1";
 
 #[test]
 fn a_request_past_its_tiers_queue_bound_gets_a_503_and_others_wait() {
-    let keys = format!(
-        "  api_keys:\n    - {{ key: {}, tenant: acme, tier: free }}\n    \
-         - {{ key: {}, tenant: globex, tier: paid }}\n",
-        &FREE[7..],
-        &PAID[7..]
-    );
+    let keys = api_key_lines(&[(FREE, "acme", "free"), (PAID, "globex", "paid")]);
     let rest = "scheduler:\n  max_num_seqs: 1\n\
                 tiers:\n  free: { max_queue_ms: 300 }\n  paid: {}\n";
     let s = Server::start_with("queue-timeout", &keys, rest);
-    let post = |auth: &str, body: &Value| {
-        s.request(
-            "POST",
-            "/v1/completions",
-            Some(&body.to_string()),
-            &[("authorization", auth)],
-        )
-        .expect("request")
-    };
+    let post = |auth: &str, body: &Value| s.complete_as(auth, body);
 
     // The one seat: a long stream, read to its end on a thread of its own.
     let long = json!({"prompt": "Count:", "max_tokens": 1000, "ignore_eos": true,

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::Server;
+use common::{api_key_lines, Server};
 use serde_json::{json, Value};
 
 const ACME: &str = "Bearer acme-rate-limited-key-01";
@@ -13,24 +13,11 @@ const GLOBEX: &str = "Bearer globex-unlimited-key-001";
 
 #[test]
 fn a_tenant_that_used_its_tokens_per_minute_waits_and_others_do_not() {
-    let keys = format!(
-        "  api_keys:\n    - {{ key: {}, tenant: acme, tier: gold }}\n    \
-         - {{ key: {}, tenant: globex, tier: silver }}\n",
-        &ACME[7..],
-        &GLOBEX[7..]
-    );
+    let keys = api_key_lines(&[(ACME, "acme", "gold"), (GLOBEX, "globex", "silver")]);
     let tiers =
         "tiers:\n  gold: { requests_per_minute: 3, tokens_per_minute: 100 }\n  silver: {}\n";
     let s = Server::start_with("rate-limits", &keys, tiers);
-    let post = |auth: &str, body: &Value| {
-        s.request(
-            "POST",
-            "/v1/completions",
-            Some(&body.to_string()),
-            &[("authorization", auth)],
-        )
-        .expect("request")
-    };
+    let post = |auth: &str, body: &Value| s.complete_as(auth, body);
     let usage = |r: &common::Response| -> f64 {
         let v: Value = serde_json::from_str(&r.body).expect("json");
         v["usage"]["total_tokens"].as_f64().expect("usage")

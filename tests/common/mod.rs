@@ -86,6 +86,19 @@ pub fn golden(name: &str) -> serde_json::Value {
         .unwrap_or_else(|| panic!("no golden generation {name}"))
 }
 
+/// `server.api_keys` lines (indented for `server:`) of `(bearer, tenant, tier)` entries, the
+/// key being the `Authorization` value `bearer` without its `Bearer ` scheme.
+pub fn api_key_lines(keys: &[(&str, &str, &str)]) -> String {
+    let mut lines = String::from("  api_keys:\n");
+    for (bearer, tenant, tier) in keys {
+        let key = bearer.strip_prefix("Bearer ").unwrap_or(bearer);
+        lines.push_str(&format!(
+            "    - {{ key: {key}, tenant: {tenant}, tier: {tier} }}\n"
+        ));
+    }
+    lines
+}
+
 pub fn lora_fixture_dir() -> &'static str {
     concat!(
         env!("CARGO_MANIFEST_DIR"),
@@ -244,6 +257,18 @@ impl Server {
         stream.set_read_timeout(Some(Duration::from_secs(300)))?;
         write_request(&mut stream, method, path, body, headers)?;
         read_response(&mut stream)
+    }
+
+    /// POSTs JSON to `/v1/completions` with the `Authorization` value `auth`; the whole
+    /// response.
+    pub fn complete_as(&self, auth: &str, body: &serde_json::Value) -> Response {
+        self.request(
+            "POST",
+            "/v1/completions",
+            Some(&body.to_string()),
+            &[("authorization", auth)],
+        )
+        .expect("request")
     }
 
     /// POSTs JSON and parses the JSON reply.
