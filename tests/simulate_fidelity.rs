@@ -169,6 +169,18 @@ fn calibration_values(path: &Path) -> std::collections::HashMap<String, f64> {
         .collect()
 }
 
+/// The step shapes a calibration saved in `dir/steps.json`.
+fn saved_shapes(dir: &Path) -> Vec<serde_json::Value> {
+    let steps: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("steps.json")).unwrap()).unwrap();
+    steps["samples"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["shape"].clone())
+        .collect()
+}
+
 /// `switchyard calibrate` of a small engine (4 sequences a step, a 16 MiB KV cache), one run
 /// per step, contexts up to 128, writing `cal.yaml` and `steps.json` in `dir`.
 fn small_calibration(dir: &Path) -> std::process::Command {
@@ -202,14 +214,7 @@ fn calibrate_fits_the_engine_and_the_simulator_runs_on_the_fit() {
     );
     assert!(cal["host_overhead_us"] >= 0.0, "{cal:?}");
     // Decode and prefill steps were measured, none beyond the engine's limits.
-    let steps: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("steps.json")).unwrap()).unwrap();
-    let shapes: Vec<&serde_json::Value> = steps["samples"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| &s["shape"])
-        .collect();
+    let shapes = saved_shapes(&dir);
     assert!(shapes.iter().all(|s| s["num_seqs"].as_u64().unwrap() <= 4));
     assert!(shapes
         .iter()
@@ -293,14 +298,7 @@ fn calibrate_with_lora_measures_adapted_steps_and_the_simulator_prices_them() {
     ] {
         assert!(stdout.contains(want), "{want}: {stdout}");
     }
-    let steps: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("steps.json")).unwrap()).unwrap();
-    let shapes: Vec<&serde_json::Value> = steps["samples"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| &s["shape"])
-        .collect();
+    let shapes = saved_shapes(&dir);
     let count = |s: &serde_json::Value, k: &str| s[k].as_u64().unwrap();
     // Adapted steps are wholly adapted, over 1, 2 and 4 distinct adapters (and 3, while a
     // mixed measurement's prefill has not joined its decodes); the others have none.
