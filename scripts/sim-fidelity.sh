@@ -21,25 +21,28 @@
 # the calibration is made with `calibrate --lora`, and the table adds the simulator with the
 # calibration refitted without the adapted steps (no LoRA terms: the old calibration).
 # usage: scripts/sim-fidelity.sh [CONFIG]   (default config/examples/default.yaml; needs
-#        target/release/switchyard and python3; OUT, PORT, N, RATE_LIMITS and LORA override the
-#        defaults, TIME_SCALES (default "1 3") the loads, and KEEP_CALIBRATION=1 reuses OUT's
-#        calibration)
+#        target/release/switchyard (BIN: another build) and python3; OUT, PORT, N, RATE_LIMITS
+#        and LORA override the defaults, TIME_SCALES (default "1 3") the loads, KEEP_CALIBRATION=1
+#        reuses OUT's calibration, TRACE_SRC another copy of the ShareGPT statistics file (a GPU
+#        host without ../shared), MAX_SEQS and MAX_TOKENS (default 64 and 2048) the simulated
+#        scheduler's limits: give CONFIG the same)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 config=${1:-config/examples/default.yaml}
-bin=target/release/switchyard
+bin=${BIN:-target/release/switchyard}
 out=${OUT:-out/sim-fidelity}
 port=${PORT:-8123}
 n=${N:-40}
 lora=${LORA:-}
 scales=${TIME_SCALES:-1 3}
 mkdir -p "$out"
-python3 - "$n" "$out/trace.csv" "$out/trace.jsonl" "${lora:-0}" <<'PY'
+python3 - "$n" "$out/trace.csv" "$out/trace.jsonl" "${lora:-0}" \
+  "${TRACE_SRC:-../shared/traces/sharegpt_8k_filtered_stats_llama2_tokenizer.csv}" <<'PY'
 import csv, datetime, json, random, sys
 n, path, jsonl, adapters = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
 random.seed(11)
 pick = random.Random(13)
-src = '../shared/traces/sharegpt_8k_filtered_stats_llama2_tokenizer.csv'
+src = sys.argv[5]
 rows = list(csv.DictReader(open(src, encoding='utf-8-sig')))
 base, t = datetime.datetime(2023, 11, 16, 18, 0, 0), 0.0
 with open(path, 'w') as f, open(jsonl, 'w') as j:
@@ -125,7 +128,7 @@ model: smollm2-135m
 calibration: $cal.yaml
 policies: [{name: fcfs}]
 $spec_limits
-scheduler: {max_num_seqs: 64, max_num_batched_tokens: 2048$spec_lora}
+scheduler: {max_num_seqs: ${MAX_SEQS:-64}, max_num_batched_tokens: ${MAX_TOKENS:-2048}$spec_lora}
 workload: {$sim_trace, time_scale: $ts, mix: {tiers: {standard: 1}}}
 YAML
     "$bin" simulate --config "$out/spec-$cal-$ts.yaml" --out "$out/sim-$cal-$ts" --json \

@@ -478,7 +478,8 @@ pub struct CalibrateArgs {
     pub seed: u64,
     /// A PEFT LoRA adapter directory for the model calibrated: the sweep adds steps whose
     /// every sequence runs it, loaded as 1, 2 and 4 distinct adapters, and the fit prices
-    /// adapted tokens and adapters (per_lora_token_s, per_adapter_s; 0 without it).
+    /// adapted tokens, adapters and adapted steps (per_lora_token_s, per_adapter_s,
+    /// per_lora_step_s; 0 without it).
     #[arg(long, value_name = "DIR")]
     pub lora: Option<PathBuf>,
 }

@@ -1,7 +1,7 @@
 //! Fitting the calibrated step-cost model ([`Calibration`]) to step times measured on the real
 //! engine (`switchyard calibrate` measures them).
 //!
-//! The model is linear in nine features of a step's [`StepShape`] (see [`crate::cost`]), and a
+//! The model is linear in ten features of a step's [`StepShape`] (see [`crate::cost`]), and a
 //! cost cannot be negative, so the fit is a non-negative least-squares problem, solved with
 //! Lawson and Hanson's active-set method ("Solving Least Squares Problems", 1974, ch. 23).
 //! Step times span three orders of magnitude (a decode step of one sequence against a prefill
@@ -19,7 +19,7 @@ use crate::cost::{Calibration, StepShape};
 use serde::{Deserialize, Serialize};
 
 /// Number of coefficients of the linear model.
-pub const NUM_TERMS: usize = 9;
+pub const NUM_TERMS: usize = 10;
 
 /// The coefficients' names, in [`features`] order, as the calibration file spells them.
 pub const TERM_NAMES: [&str; NUM_TERMS] = [
@@ -32,6 +32,7 @@ pub const TERM_NAMES: [&str; NUM_TERMS] = [
     "per_attention_pair_s",
     "per_lora_token_s",
     "per_adapter_s",
+    "per_lora_step_s",
 ];
 
 /// Most samples a fit takes (a sweep of the engine measures a few hundred distinct shapes).
@@ -70,6 +71,7 @@ pub fn features(s: &StepShape, knee: u64) -> [f64; NUM_TERMS] {
         s.attention_pairs as f64,
         s.lora_tokens as f64,
         s.lora_adapters as f64,
+        f64::from(u8::from(s.lora_adapters > 0)),
     ]
 }
 
@@ -286,6 +288,7 @@ pub fn fit(samples: &[Sample]) -> Result<Fit, FitError> {
         per_attention_pair_s: c[6],
         per_lora_token_s: c[7],
         per_adapter_s: c[8],
+        per_lora_step_s: c[9],
         token_knee: (knee > 0 && c[1] > 0.0).then_some(knee),
         ..Calibration::default()
     };
@@ -500,7 +503,7 @@ mod tests {
     /// Data made by the model itself is fitted exactly, every coefficient recovered.
     #[test]
     fn recovers_the_coefficients_that_made_the_data() {
-        let truth = [2e-3, 5e-6, 1e-6, 3e-5, 4e-5, 2e-8, 1e-10, 0.0, 0.0];
+        let truth = [2e-3, 5e-6, 1e-6, 3e-5, 4e-5, 2e-8, 1e-10, 0.0, 0.0, 0.0];
         let samples: Vec<Sample> = sweep()
             .into_iter()
             .map(|shape| Sample {
@@ -520,6 +523,7 @@ mod tests {
             c.per_attention_pair_s,
             c.per_lora_token_s,
             c.per_adapter_s,
+            c.per_lora_step_s,
         ];
         for (j, (g, t)) in got.iter().zip(truth).enumerate() {
             assert!((g - t).abs() <= 1e-6 * t, "{}: {g} vs {t}", TERM_NAMES[j]);
@@ -539,7 +543,7 @@ mod tests {
     /// (`switchyard calibrate --lora`'s), recovers the LoRA terms beside the others.
     #[test]
     fn recovers_the_lora_coefficients_that_made_the_data() {
-        let truth = [2e-3, 5e-6, 1e-6, 3e-5, 4e-5, 2e-8, 1e-10, 2e-6, 7e-5];
+        let truth = [2e-3, 5e-6, 1e-6, 3e-5, 4e-5, 2e-8, 1e-10, 2e-6, 7e-5, 4e-4];
         let mut shapes = sweep();
         for p in [16, 256] {
             shapes.push(adapted(shape(&[(0, p, true)]), 1));
@@ -573,6 +577,11 @@ mod tests {
             "{}",
             c.per_adapter_s
         );
+        assert!(
+            (c.per_lora_step_s - truth[9]).abs() <= 1e-6 * truth[9],
+            "{}",
+            c.per_lora_step_s
+        );
         assert!((c.per_token_s - truth[1]).abs() <= 1e-6 * truth[1]);
         assert!(f.abs_error_quantile(1.0) < 1e-9);
         // Without the adapted steps, the LoRA terms stay zero: nothing to fit them on.
@@ -582,14 +591,17 @@ mod tests {
             .copied()
             .collect();
         let b = fit(&base).unwrap().calibration;
-        assert_eq!((b.per_lora_token_s, b.per_adapter_s), (0.0, 0.0));
+        assert_eq!(
+            (b.per_lora_token_s, b.per_adapter_s, b.per_lora_step_s),
+            (0.0, 0.0, 0.0)
+        );
     }
 
     /// Data made with a knee (a step pays the per-token cost on at least 64 tokens) is fitted
     /// exactly with that knee; the linear model alone could not.
     #[test]
     fn finds_the_knee_that_made_the_data() {
-        let truth = [2e-3, 5e-6, 1e-6, 3e-5, 4e-5, 2e-8, 1e-10, 0.0, 0.0];
+        let truth = [2e-3, 5e-6, 1e-6, 3e-5, 4e-5, 2e-8, 1e-10, 0.0, 0.0, 0.0];
         let samples: Vec<Sample> = sweep()
             .into_iter()
             .map(|shape| Sample {
@@ -723,7 +735,7 @@ mod tests {
                 shape: shape(&[(100, 1, false); 4]),
                 seconds: 5e-3,
             };
-            10
+            NUM_TERMS
         ];
         let f = fit(&s).unwrap();
         assert!(f.abs_error_quantile(1.0) < 1e-9, "{:?}", f.relative_errors);
@@ -736,7 +748,7 @@ mod tests {
         /// outwards (the residual cannot fall) along every zero one.
         #[test]
         fn nnls_meets_the_optimality_conditions(
-            rows in prop::collection::vec(prop::array::uniform9(-1.0f64..1.0), 9..40),
+            rows in prop::collection::vec(prop::array::uniform10(-1.0f64..1.0), NUM_TERMS..40),
             b in prop::collection::vec(-1.0f64..1.0, 40),
         ) {
             let b = &b[..rows.len()];

@@ -45,7 +45,7 @@
 //! step_s = intercept_s + per_token_s * max(T, token_knee) + per_prefill_token_s * T_prefill
 //!        + per_decode_seq_s * D + per_sampled_seq_s * S
 //!        + per_kv_token_s * K + per_attention_pair_s * A
-//!        + per_lora_token_s * T_lora + per_adapter_s * N_lora
+//!        + per_lora_token_s * T_lora + per_adapter_s * N_lora + [any adapter] per_lora_step_s
 //! ```
 //!
 //! loaded from a YAML or JSON file that the engine writes; when given, it
@@ -453,6 +453,11 @@ pub struct Calibration {
     /// Extra cost per distinct LoRA adapter in a step.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub per_adapter_s: f64,
+    /// Extra cost of a step that runs any LoRA adapter, whatever its batch: the LoRA kernels
+    /// launched per adapted projection and layer (the roofline's `lora_overhead_s` per
+    /// projection and layer; on the H200 it is most of an adapted decode step's extra time).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub per_lora_step_s: f64,
     /// The per-token cost is paid on at least this many tokens (the roofline's knee: below
     /// it a step streams the weights whatever it computes). `None`: on the tokens fed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -532,6 +537,7 @@ impl Calibration {
             ("per_attention_pair_s", self.per_attention_pair_s),
             ("per_lora_token_s", self.per_lora_token_s),
             ("per_adapter_s", self.per_adapter_s),
+            ("per_lora_step_s", self.per_lora_step_s),
         ];
         for (name, v) in c {
             if !(v.is_finite() && (0.0..3600.0).contains(&v)) {
@@ -573,7 +579,12 @@ impl Calibration {
             + self.per_kv_token_s * s.kv_tokens as f64
             + self.per_attention_pair_s * s.attention_pairs as f64
             + self.per_lora_token_s * s.lora_tokens as f64
-            + self.per_adapter_s * s.lora_adapters as f64;
+            + self.per_adapter_s * s.lora_adapters as f64
+            + if s.lora_adapters > 0 {
+                self.per_lora_step_s
+            } else {
+                0.0
+            };
         t.max(MIN_STEP_S)
     }
 }
@@ -882,6 +893,12 @@ mod tests {
         // 3 adapted tokens * 2e-4 + 1 adapter * 3e-3.
         let extra = lora.step_time(&s) - lora.step_time(&without);
         assert!((extra - 3.6e-3).abs() < 1e-12, "{extra}");
+        // The step term: once per step with any adapter, whatever its counts.
+        std::fs::write(&path, format!("{old}per_lora_step_s: 5.0e-4\n")).unwrap();
+        let step = Calibration::load(&path).unwrap();
+        let extra = step.step_time(&s) - step.step_time(&without);
+        assert!((extra - 5.0e-4).abs() < 1e-12, "{extra}");
+        assert_eq!(step.step_time(&without), cal.step_time(&without));
         std::fs::write(&path, format!("{old}per_adapter_s: -1.0e-3\n")).unwrap();
         let err = Calibration::load(&path).unwrap_err().to_string();
         assert!(err.contains("per_adapter_s = -0.001"), "{err}");

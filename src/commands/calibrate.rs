@@ -224,6 +224,11 @@ fn report(m: &SamplesFile, fit: &Fit, c: &Calibration) -> String {
             c.per_adapter_s,
             "per distinct adapter in the step",
         ),
+        (
+            "per_lora_step_s",
+            c.per_lora_step_s,
+            "per step with any adapter",
+        ),
     ];
     let terms = [
         ("intercept_s", c.intercept_s, "per step"),
