@@ -22,7 +22,19 @@
 //!    otherwise admission stops (no overtaking, so FCFS order is preserved). The one
 //!    exception: a sequence whose LoRA adapter would make more than `max_loras` distinct
 //!    adapters running is passed over, keeping its place, before anything is preempted for
-//!    it, by at most `max_num_seqs` later adapter requests.
+//!    it, by at most `max_num_seqs` later adapter requests. Likewise a sequence whose tier's
+//!    KV quota ([`crate::TierSpec::max_kv_fraction`], see `tier_quota.rs`) cannot hold what
+//!    the tier holds, what its running sequences owe and the candidate's whole remaining
+//!    prefill (its matched blocks included) is passed over, keeping its place, before anything
+//!    is preempted for it, and so are its tier's later requests in that step (no overtaking
+//!    within a tier); other tiers' requests pass it.
+//!
+//! Growth under a quota: when a running sequence's chunk would take its tier over its bound,
+//! the tier's own lowest-ranked running sequence not yet scheduled is preempted (possibly the
+//! one being scheduled), never another tier's, as when the pool runs dry; drafts stop at the
+//! bound. A sequence's charge is the blocks it holds (a block shared through the prefix cache
+//! counts for each holder: conservative, and O(1)); the per-tier counts change with every
+//! block added to or given back from a table, so every quota check is O(1).
 //!
 //! Preemption frees every block (full ones stay cached) and keeps the generated tokens, so
 //! the recompute covers prompt + output. Under a sliding window
