@@ -462,6 +462,17 @@ impl StepCore {
         self.scheduler.stats()
     }
 
+    /// KV blocks held by each configured tier's running requests, with the tier's name (see
+    /// [`Scheduler::tier_kv_blocks`]).
+    pub fn tier_kv_blocks(&self) -> impl Iterator<Item = (&str, usize)> {
+        self.scheduler
+            .config()
+            .tiers
+            .iter()
+            .map(|t| t.name.as_str())
+            .zip(self.scheduler.tier_kv_blocks().iter().copied())
+    }
+
     /// Makes the scheduler's pool errors seen since the last call visible to operators: an
     /// ERROR naming the total, and their number added to `engine_pool_errors_total`. The core
     /// counts them ([`SchedulerStats::pool_errors`]) and goes on, being IO-free; each one is a

@@ -16,6 +16,10 @@ pub const NUM_REQUESTS_RUNNING: &str = "switchyard:num_requests_running";
 pub const NUM_REQUESTS_WAITING: &str = "switchyard:num_requests_waiting";
 /// Gauge: fraction of KV-cache blocks in use, in [0, 1].
 pub const KV_CACHE_USAGE_PERC: &str = "switchyard:kv_cache_usage_perc";
+/// Gauge, label `tier`: KV-cache blocks held by the running requests of each configured tier
+/// (a block shared through the prefix cache counts for each request holding it): what
+/// `tiers.<name>.max_kv_fraction` bounds.
+pub const KV_CACHE_BLOCKS_USED: &str = "switchyard:kv_cache_blocks_used";
 /// Gauge: KV-cache blocks held by the prefix cache only (reusable, evictable).
 pub const KV_CACHE_CACHED_BLOCKS: &str = "switchyard:kv_cache_cached_blocks";
 /// Counter: prompt tokens looked up in the prefix cache.
@@ -259,6 +263,7 @@ pub fn register_tiers(tiers: &[(String, bool, bool)]) {
                 _ => drop(metrics::histogram!(h, labels.clone())),
             }
         }
+        metrics::gauge!(KV_CACHE_BLOCKS_USED, labels.clone()).set(0.0);
         for (target, has) in [("ttft", *ttft), ("tpot", *tpot)] {
             if has {
                 for outcome in ["met", "missed"] {
@@ -294,7 +299,10 @@ pub const FAILURE_REASONS: &[&str] = &[
 /// data, and `rate()` sees the first increment. Call it once the recorder is installed.
 pub fn register_at_zero() {
     for &g in GAUGES {
-        metrics::gauge!(g).set(0.0);
+        // Per tier only (`register_tiers`).
+        if g != KV_CACHE_BLOCKS_USED {
+            metrics::gauge!(g).set(0.0);
+        }
     }
     for &c in COUNTERS {
         match c {
@@ -323,6 +331,7 @@ pub const GAUGES: &[&str] = &[
     NUM_REQUESTS_RUNNING,
     NUM_REQUESTS_WAITING,
     KV_CACHE_USAGE_PERC,
+    KV_CACHE_BLOCKS_USED,
     KV_CACHE_CACHED_BLOCKS,
     ENGINE_BATCH_SIZE,
     LORA_ADAPTERS,

@@ -22,6 +22,8 @@ pub const NUM_REQUESTS_RUNNING: &str = "switchyard:num_requests_running";
 pub const NUM_REQUESTS_WAITING: &str = "switchyard:num_requests_waiting";
 /// Gauge: fraction of KV-cache blocks in use, in [0, 1].
 pub const KV_CACHE_USAGE_PERC: &str = "switchyard:kv_cache_usage_perc";
+/// Gauge, label `tier`: KV-cache blocks held by each configured tier's running requests.
+pub const KV_CACHE_BLOCKS_USED: &str = "switchyard:kv_cache_blocks_used";
 /// Gauge: KV-cache blocks held by the prefix cache only (reusable, evictable).
 pub const KV_CACHE_CACHED_BLOCKS: &str = "switchyard:kv_cache_cached_blocks";
 /// Counter: prompt tokens looked up in the prefix cache.
@@ -363,6 +365,11 @@ pub fn describe_metrics() {
         "Generation requests being served, streams included."
     );
     describe_gauge!(
+        KV_CACHE_BLOCKS_USED,
+        Unit::Count,
+        "KV-cache blocks held by the running requests of each tier (label tier; a block shared through the prefix cache counts for each request holding it): what tiers.<name>.max_kv_fraction bounds."
+    );
+    describe_gauge!(
         KV_CACHE_CACHED_BLOCKS,
         Unit::Count,
         "KV-cache blocks registered in the prefix cache, in use or not (those no request holds are reusable and evicted last-used first)."
@@ -468,6 +475,7 @@ mod tests {
         NUM_REQUESTS_RUNNING,
         NUM_REQUESTS_WAITING,
         KV_CACHE_USAGE_PERC,
+        KV_CACHE_BLOCKS_USED,
         KV_CACHE_CACHED_BLOCKS,
         ENGINE_BATCH_SIZE,
         POLICY_INFO,

@@ -517,6 +517,37 @@ mod tests {
         assert!(e.contains("scheduler.max_queue_ms"), "{e}");
     }
 
+    /// A tier's KV quota is optional, a fraction in (0, 1], refused at the value's line or
+    /// naming the override.
+    #[test]
+    fn kv_fractions_are_in_zero_to_one() {
+        let c = Config::from_yaml_str(
+            "tiers:\n  a: { max_kv_fraction: 0.5 }\n  b: { max_kv_fraction: 1 }\n  c: {}\n",
+            "t",
+        )
+        .unwrap();
+        assert_eq!(c.tiers["a"].max_kv_fraction, Some(0.5));
+        assert_eq!(c.tiers["b"].max_kv_fraction, Some(1.0));
+        assert_eq!(c.tiers["c"].max_kv_fraction, None);
+        let e = error("tiers:\n  a:\n    max_kv_fraction: 0\n", &[]);
+        assert!(
+            e.starts_with("t.yaml:3: tiers.a.max_kv_fraction: 0 must be in (0, 1]"),
+            "{e}"
+        );
+        let e = error("tiers:\n  a: { max_kv_fraction: 1.5 }\n", &[]);
+        assert!(
+            e.contains("tiers.a.max_kv_fraction: 1.5 must be in (0, 1]"),
+            "{e}"
+        );
+        let e = error("tiers:\n  a: { max_kv_fraction: .nan }\n", &[]);
+        assert!(e.contains("tiers.a.max_kv_fraction"), "{e}");
+        let e = error(
+            "tiers:\n  a: {}\n",
+            &["tiers.a.max_kv_fraction=-0.1".into()],
+        );
+        assert!(e.contains("tiers.a.max_kv_fraction"), "{e}");
+    }
+
     /// A tier's rate limits are optional, requests 1 to 1e9 and tokens 1 to 1e12 per
     /// minute, refused at the value's line or naming the override.
     #[test]

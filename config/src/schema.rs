@@ -172,6 +172,19 @@ fn fraction<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
     })
 }
 
+fn opt_fraction<'de, D: Deserializer<'de>>(d: D) -> Result<Option<f64>, D::Error> {
+    d.deserialize_option(OptChecked(Checked {
+        check: |v| {
+            if v > 0.0 && v <= 1.0 {
+                Ok(v)
+            } else {
+                Err(format!("{v} must be in (0, 1]"))
+            }
+        },
+        expecting: "a number in (0, 1]",
+    }))
+}
+
 fn opt_positive_ms<'de, D: Deserializer<'de>>(d: D) -> Result<Option<f64>, D::Error> {
     d.deserialize_option(OptChecked(Checked {
         check: |v| {
@@ -841,7 +854,8 @@ impl Default for SchedulerSection {
 #[serde(
     deny_unknown_fields,
     expecting = "a mapping (a tier: ttft_ms, tpot_ms, weight, preemptible, priority, \
-                 max_pending_requests, requests_per_minute, tokens_per_minute, max_queue_ms)"
+                 max_pending_requests, requests_per_minute, tokens_per_minute, max_queue_ms, \
+                 max_kv_fraction)"
 )]
 pub struct TierConfig {
     /// Time-to-first-token target in milliseconds.
@@ -891,6 +905,19 @@ pub struct TierConfig {
     /// later or not, never times out. `None` (the default): `scheduler.max_queue_ms`.
     #[serde(default, deserialize_with = "opt_u64_in::<_, 1, 3600000>")]
     pub max_queue_ms: Option<u64>,
+    /// Most of the KV cache the tier's running requests may hold at once, as a fraction of its
+    /// blocks in (0, 1] (rounded down, at least one block; a block shared through the prefix
+    /// cache counts for each request holding it), so that one tier's long requests cannot
+    /// fill the cache: a request beyond it waits while other tiers' requests are admitted, and
+    /// a running request that needs a block beyond it preempts its own tier's lowest-ranked
+    /// request. A request the bound could never hold is refused with 400
+    /// `context_length_exceeded`. `None` (the default): only the whole cache bounds the tier.
+    #[serde(
+        default,
+        deserialize_with = "opt_fraction",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub max_kv_fraction: Option<f64>,
 }
 
 fn one() -> f64 {

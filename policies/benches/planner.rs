@@ -23,6 +23,7 @@ fn tiers() -> Vec<TierSpec> {
             weight: 4.0,
             preemptible: false,
             max_queue_ms: None,
+            max_kv_fraction: None,
         },
         TierSpec {
             name: "standard".into(),
@@ -31,6 +32,7 @@ fn tiers() -> Vec<TierSpec> {
             weight: 1.0,
             preemptible: false,
             max_queue_ms: None,
+            max_kv_fraction: None,
         },
         TierSpec {
             name: "batch".into(),
@@ -39,6 +41,7 @@ fn tiers() -> Vec<TierSpec> {
             weight: 1.0,
             preemptible: true,
             max_queue_ms: None,
+            max_kv_fraction: None,
         },
     ]
 }

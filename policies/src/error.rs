@@ -58,6 +58,22 @@ pub enum SchedulerError {
         /// Blocks in the whole pool.
         capacity: usize,
     },
+    /// The request could never fit under its tier's KV quota
+    /// ([`crate::TierSpec::max_kv_fraction`]), even alone.
+    #[error(
+        "request {id:?} needs {needed} KV blocks at its maximum length but tier `{tier}`'s \
+         max_kv_fraction allows {quota}"
+    )]
+    ExceedsTierKvQuota {
+        /// The request.
+        id: RequestId,
+        /// Its tier.
+        tier: String,
+        /// Blocks needed for prompt + max_tokens.
+        needed: usize,
+        /// Blocks the tier's running sequences may hold at once.
+        quota: usize,
+    },
     /// A block id outside the pool was passed to the allocator.
     #[error("block {0} is not part of the pool")]
     UnknownBlock(u32),

@@ -55,6 +55,7 @@ pub mod rate_limit;
 pub mod scheduler;
 pub mod sequence;
 pub mod speculative;
+mod tier_quota;
 pub mod types;
 
 pub use block_ledger::{BlockLedger, KvCommit, PENDING_BLOCK, RELEASED_BLOCK};
@@ -68,4 +69,5 @@ pub use prefix_hash::{BlockHasher, HashExtras, PrefixHash};
 pub use scheduler::{validate_config, IdHasher, IdMap, Scheduler};
 pub use sequence::SeqView;
 pub use speculative::DraftSource;
+pub use tier_quota::tier_kv_blocks;
 pub use types::*;

@@ -22,7 +22,19 @@
 //!    otherwise admission stops (no overtaking, so FCFS order is preserved). The one
 //!    exception: a sequence whose LoRA adapter would make more than `max_loras` distinct
 //!    adapters running is passed over, keeping its place, before anything is preempted for
-//!    it, by at most `max_num_seqs` later adapter requests.
+//!    it, by at most `max_num_seqs` later adapter requests. Likewise a sequence whose tier's
+//!    KV quota ([`crate::TierSpec::max_kv_fraction`], see `tier_quota.rs`) cannot hold what
+//!    the tier holds, what its running sequences owe and the candidate's whole remaining
+//!    prefill (its matched blocks included) is passed over, keeping its place, before anything
+//!    is preempted for it, and so are its tier's later requests in that step (no overtaking
+//!    within a tier); other tiers' requests pass it.
+//!
+//! Growth under a quota: when a running sequence's chunk would take its tier over its bound,
+//! the tier's own lowest-ranked running sequence not yet scheduled is preempted (possibly the
+//! one being scheduled), never another tier's, as when the pool runs dry; drafts stop at the
+//! bound. A sequence's charge is the blocks it holds (a block shared through the prefix cache
+//! counts for each holder: conservative, and O(1)); the per-tier counts change with every
+//! block added to or given back from a table, so every quota check is O(1).
 //!
 //! Preemption frees every block (full ones stay cached) and keeps the generated tokens, so
 //! the recompute covers prompt + output. Under a sliding window
@@ -47,6 +59,7 @@ use crate::policy::{PolicyEvent, StepContext};
 use crate::prefix_hash::BlockHasher;
 use crate::scheduler::{Ranked, Scheduler};
 use crate::sequence::{SeqView, Sequence};
+use crate::tier_quota::{TierQuotas, NO_TIER};
 use crate::types::{
     BlockId, RequestId, RequestState, ScheduledSeq, SeqEvent, StepOutput, StepPlan, Timestamp,
     PENDING_TOKEN,
@@ -130,6 +143,9 @@ struct Shortfall {
     blocks: usize,
     /// Tokens of that chunk.
     num_new: usize,
+    /// Its tier's KV quota, not the pool, is what it lacks: it is passed over, and nothing is
+    /// preempted for it.
+    quota: bool,
 }
 
 /// What admitting a waiting sequence takes (see `admission`).
@@ -447,14 +463,15 @@ impl Scheduler {
                     drafts,
                 ),
             }
-            // As many as the free blocks can hold.
+            // As many as the free blocks (and its tier's KV quota) can hold.
             let have = seq.block_table.len();
+            let room = self.ledger.num_free().min(self.quotas.room(seq.tier));
             while !drafts.is_empty()
                 && self
                     .ledger
                     .blocks_for(seq.num_computed + 1 + drafts.len())
                     .saturating_sub(have)
-                    > self.ledger.num_free()
+                    > room
             {
                 drafts.pop();
             }
@@ -468,7 +485,10 @@ impl Scheduler {
                 .saturating_sub(have);
             for _ in 0..need {
                 match self.ledger.reserve() {
-                    Some(blk) => seq.block_table.push(blk),
+                    Some(blk) => {
+                        seq.block_table.push(blk);
+                        self.quotas.add(seq.tier, 1);
+                    }
                     None => self.pool_errors += 1, // unreachable: checked above
                 }
             }
@@ -521,13 +541,19 @@ impl Scheduler {
                 .ledger
                 .blocks_for(total)
                 .saturating_sub(seq.block_table.len());
-            if num_new > b.budget.min(b.logit_cap(seq)) || need > self.ledger.num_free() {
+            if num_new > b.budget.min(b.logit_cap(seq))
+                || need > self.ledger.num_free()
+                || need > self.quotas.room(seq.tier)
+            {
                 fits = false;
                 break;
             }
             for _ in 0..need {
                 match self.ledger.reserve() {
-                    Some(blk) => seq.block_table.push(blk),
+                    Some(blk) => {
+                        seq.block_table.push(blk);
+                        self.quotas.add(seq.tier, 1);
+                    }
                     None => self.pool_errors += 1,
                 }
             }
@@ -551,6 +577,7 @@ impl Scheduler {
             };
             while seq.block_table.len() > entry.first_new_block {
                 if let Some(blk) = seq.block_table.pop() {
+                    self.quotas.sub(seq.tier, 1);
                     if self.ledger.free(blk).is_err() {
                         self.pool_errors += 1;
                     }
@@ -583,7 +610,7 @@ impl Scheduler {
             let Some((num_new, need)) = self.next_chunk(slot, b) else {
                 continue;
             };
-            if self.ledger.num_free() < need {
+            if self.ledger.num_free() < need || self.quotas.room(self.tier_of(slot)) < need {
                 self.unplan(b, budget, logit_rows);
                 return false;
             }
@@ -614,10 +641,29 @@ impl Scheduler {
             let Some((num_new, need)) = self.next_chunk(slot, b) else {
                 continue;
             };
+            let tier = self.tier_of(slot);
             loop {
                 if self.ledger.num_free() >= need {
-                    self.grow_and_emit(slot, need, num_new, b);
-                    break;
+                    if self.quotas.room(tier) >= need {
+                        self.grow_and_emit(slot, need, num_new, b);
+                        break;
+                    }
+                    // Its tier is at its KV bound: the tier's own lowest-ranked sequence not
+                    // yet scheduled gives way (possibly this one), never another tier's.
+                    let j = (i..end)
+                        .rev()
+                        .find(|&j| self.tier_of(order[j].slot) == tier)
+                        .unwrap_or(i - 1);
+                    let victim = order[j].slot;
+                    order[j..end].rotate_left(1);
+                    end -= 1;
+                    self.preempt(victim, now, b);
+                    if victim == slot {
+                        // The next one moved into its place.
+                        i -= 1;
+                        break;
+                    }
+                    continue;
                 }
                 end -= 1;
                 let victim = order[end].slot;
@@ -628,6 +674,12 @@ impl Scheduler {
             }
         }
         Some(end)
+    }
+
+    /// The tier position of the sequence in `slot` (see `tier_quota.rs`).
+    fn tier_of(&self, slot: u32) -> u8 {
+        self.seq(slot)
+            .map_or(crate::tier_quota::NO_TIER, |q| q.tier)
     }
 
     /// A running sequence's next chunk within what the budget and the logit rows leave, and
@@ -652,7 +704,10 @@ impl Scheduler {
         };
         for _ in 0..need {
             match self.ledger.reserve() {
-                Some(blk) => seq.block_table.push(blk),
+                Some(blk) => {
+                    seq.block_table.push(blk);
+                    self.quotas.add(seq.tier, 1);
+                }
                 None => {
                     // Unreachable: the caller checked num_free.
                     self.pool_errors += 1;
@@ -682,6 +737,7 @@ impl Scheduler {
         let Some(seq) = self.seqs.get_mut(slot as usize).and_then(|s| s.as_mut()) else {
             return;
         };
+        self.quotas.sub(seq.tier, seq.held_blocks().len());
         for &blk in seq.held_blocks().iter().rev() {
             if self.ledger.free(blk).is_err() {
                 self.pool_errors += 1;
@@ -734,6 +790,18 @@ impl Scheduler {
         // it waiting for as long as the traffic lasts.
         let mut slot_waiter: Option<u32> = None;
         let pass_limit = u32::try_from(self.config.max_num_seqs).unwrap_or(u32::MAX);
+        // Tiers (bit = position) one of whose requests was passed over in this step for want
+        // of KV quota: their later requests are passed over too, so that small requests of
+        // a tier cannot keep overtaking a large one (FCFS within the tier). Other tiers'
+        // requests pass: they do not take from its quota.
+        let mut quota_blocked: u64 = 0;
+        let tier_bit = |tier: u8| {
+            if tier == NO_TIER {
+                0
+            } else {
+                1u64.checked_shl(u32::from(tier)).unwrap_or(0)
+            }
+        };
         let mut i = 0;
         while i < worder.len() && b.budget > 0 {
             if i == k {
@@ -765,6 +833,14 @@ impl Scheduler {
                 passed_over = true;
                 continue;
             }
+            // A request its tier's KV quota cannot hold now waits, keeping its place, and
+            // requests of other tiers may pass it; decided (in `admission`) before any
+            // preemption, so nothing is preempted for quota, and only its own tier's
+            // sequences ending (or being preempted) make room.
+            let bit = tier_bit(self.tier_of(cand.slot));
+            if quota_blocked & bit != 0 {
+                continue;
+            }
             if num_running >= self.config.max_num_seqs {
                 let end = *ranked.get_or_insert_with(|| {
                     self.rank_into(&self.running[..step_running], now, order);
@@ -777,9 +853,15 @@ impl Scheduler {
                     Ok(a) => Shortfall {
                         blocks: 0,
                         num_new: a.num_new,
+                        quota: false,
                     },
                     Err(short) => short,
                 };
+                if short.quota {
+                    passed_over = true;
+                    quota_blocked |= bit;
+                    continue;
+                }
                 let admitted =
                     self.preempt_for(cand, short.blocks, &order[..end], now, b, &mut num_running)
                         && self.try_admit(cand.slot, short.num_new, b).is_ok();
@@ -791,6 +873,11 @@ impl Scheduler {
             }
             let admitted = match self.try_admit(cand.slot, usize::MAX, b) {
                 Ok(()) => true,
+                Err(short) if short.quota => {
+                    passed_over = true;
+                    quota_blocked |= bit;
+                    continue;
+                }
                 Err(short) => {
                     let end = *ranked.get_or_insert_with(|| {
                         self.rank_into(&self.running[..step_running], now, order);
@@ -850,6 +937,7 @@ impl Scheduler {
         };
         let bs = self.ledger.block_size();
         let total = seq.num_tokens();
+        let tier = seq.tier;
         self.matched.clear();
         if caching {
             // Leave at least the last token to compute, so that a token can be sampled.
@@ -890,6 +978,19 @@ impl Scheduler {
             Some(owed) => owed,
             None => *b.owed.insert(self.blocks_owed()),
         };
+        if let Some(quota) = self.quotas.cap(tier) {
+            // Its tier's bound: what the tier holds, what its running sequences owe, and
+            // every block this one will hold for its prefill (the matched ones too).
+            let tier_owed = self.tier_owed.get(usize::from(tier)).copied().unwrap_or(0);
+            let want = self.matched.len() + need_all;
+            if self.quotas.held(tier) + tier_owed + want > quota {
+                return Err(Shortfall {
+                    blocks: 0,
+                    num_new,
+                    quota: true,
+                });
+            }
+        }
         let available = self
             .ledger
             .num_free()
@@ -899,6 +1000,7 @@ impl Scheduler {
             return Err(Shortfall {
                 blocks: need_all - available,
                 num_new,
+                quota: false,
             });
         }
         Ok(Admission {
@@ -911,14 +1013,25 @@ impl Scheduler {
 
     /// Blocks the running sequences still need for the tokens they hold (the rest of a prefill
     /// admitted for its first chunk, a token past a full block): O(running), and only when
-    /// something waits.
-    fn blocks_owed(&self) -> usize {
-        self.running
+    /// something waits. Leaves each tier's share in `self.tier_owed`.
+    fn blocks_owed(&mut self) -> usize {
+        let mut tier_owed = std::mem::take(&mut self.tier_owed);
+        tier_owed.iter_mut().for_each(|o| *o = 0);
+        let mut total = 0;
+        for q in self
+            .running
             .iter()
             .filter_map(|&slot| slot_ref(&self.seqs, slot))
             .filter(|q| q.state == RequestState::Running)
-            .map(|q| self.owed_by(q))
-            .sum()
+        {
+            let owed = self.owed_by(q);
+            total += owed;
+            if let Some(o) = tier_owed.get_mut(usize::from(q.tier)) {
+                *o += owed;
+            }
+        }
+        self.tier_owed = tier_owed;
+        total
     }
 
     /// Blocks a running sequence still needs for the tokens it holds: the rest of its table
@@ -978,6 +1091,7 @@ impl Scheduler {
                 if blk == PENDING_BLOCK || self.ledger.free(blk).is_err() {
                     self.pool_errors += 1;
                 }
+                self.quotas.sub(seq.tier, 1);
                 seq.released_blocks += 1;
             }
         }
@@ -1025,6 +1139,9 @@ impl Scheduler {
         // Running now, it owes the rest of its prefill's blocks.
         if let Some(owed) = b.owed.as_mut() {
             *owed += need_all - need_new;
+            if let Some(o) = self.tier_owed.get_mut(usize::from(seq.tier)) {
+                *o += need_all - need_new;
+            }
         }
         for _ in 0..need_new {
             match self.ledger.reserve() {
@@ -1032,6 +1149,7 @@ impl Scheduler {
                 None => self.pool_errors += 1,
             }
         }
+        self.quotas.add(seq.tier, seq.block_table.len());
         seq.num_computed = computed;
         seq.num_cached_blocks = self.matched.len();
         seq.cached_prefix = None;
@@ -1335,7 +1453,12 @@ impl Scheduler {
                         seq.num_computed += accepted.min(end - idx - 1);
                         seq.max_computed = seq.max_computed.max(seq.num_computed);
                         if !drafts.is_empty() {
-                            trim_blocks(&mut self.ledger, seq, &mut self.pool_errors);
+                            trim_blocks(
+                                &mut self.ledger,
+                                &mut self.quotas,
+                                seq,
+                                &mut self.pool_errors,
+                            );
                         }
                         // The resolved tokens may complete blocks.
                         cache_full_blocks(
@@ -1352,7 +1475,12 @@ impl Scheduler {
                         seq.pending = 0;
                         seq.num_computed = seq.num_computed.min(after - 1);
                         if !drafts.is_empty() {
-                            trim_blocks(&mut self.ledger, seq, &mut self.pool_errors);
+                            trim_blocks(
+                                &mut self.ledger,
+                                &mut self.quotas,
+                                seq,
+                                &mut self.pool_errors,
+                            );
                         }
                     }
                 }
@@ -1387,10 +1515,16 @@ impl Scheduler {
 
 /// Gives back the blocks past what a running sequence's tokens need (those reserved for drafts
 /// it did not keep).
-fn trim_blocks(ledger: &mut BlockLedger, seq: &mut Sequence, pool_errors: &mut u64) {
+fn trim_blocks(
+    ledger: &mut BlockLedger,
+    quotas: &mut TierQuotas,
+    seq: &mut Sequence,
+    pool_errors: &mut u64,
+) {
     let keep = ledger.blocks_for(seq.num_tokens());
     while seq.block_table.len() > keep {
         if let Some(blk) = seq.block_table.pop() {
+            quotas.sub(seq.tier, 1);
             if ledger.free(blk).is_err() {
                 *pool_errors += 1;
             }

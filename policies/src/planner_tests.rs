@@ -572,6 +572,7 @@ fn slo_aware_preempts_preemptible_tier_for_feasible_work() {
             weight: 1.0,
             preemptible: false,
             max_queue_ms: None,
+            max_kv_fraction: None,
         },
         TierSpec {
             name: "batch".into(),
@@ -580,6 +581,7 @@ fn slo_aware_preempts_preemptible_tier_for_feasible_work() {
             weight: 1.0,
             preemptible: true,
             max_queue_ms: None,
+            max_kv_fraction: None,
         },
     ];
     let p = PolicyRegistry::with_builtins()

@@ -15,6 +15,7 @@ fn config(blocks: usize, block_size: usize, default_ms: Option<u64>) -> Schedule
         weight: 1.0,
         preemptible: true,
         max_queue_ms,
+        max_kv_fraction: None,
     };
     SchedulerConfig {
         max_num_seqs: 1,

@@ -140,6 +140,11 @@ pub struct Scheduler {
     /// Queue bounds of the requests waiting for their first admission (see
     /// `queue_deadline.rs`).
     pub(crate) deadlines: crate::queue_deadline::QueueDeadlines,
+    /// KV blocks held per tier and the tiers' bounds (see `tier_quota.rs`).
+    pub(crate) quotas: crate::tier_quota::TierQuotas,
+    /// Scratch: blocks the running sequences of each tier still owe their known tokens
+    /// (the per-tier part of the planner's `blocks_owed`), valid while the step's total is.
+    pub(crate) tier_owed: Vec<usize>,
 }
 
 fn config_err(field: &'static str, reason: String) -> SchedulerError {
@@ -235,6 +240,15 @@ pub fn validate_config(c: &SchedulerConfig) -> Result<(), SchedulerError> {
             },
             other => other,
         })?;
+        if let Some(f) = t
+            .max_kv_fraction
+            .filter(|f| !(f.is_finite() && *f > 0.0 && *f <= 1.0))
+        {
+            return Err(config_err(
+                "tiers.max_kv_fraction",
+                format!("tier `{}`: must be a number in (0, 1], got {f}", t.name),
+            ));
+        }
         if !(t.weight.is_finite() && t.weight > 0.0) {
             return Err(config_err(
                 "tiers.weight",
@@ -260,6 +274,8 @@ impl Scheduler {
         validate_config(&config)?;
         let pool = BlockPool::new(config.num_gpu_blocks, config.block_size)?;
         let ledger = BlockLedger::new(config.num_gpu_blocks, config.block_size)?;
+        let quotas = crate::tier_quota::TierQuotas::new(&config.tiers, config.num_gpu_blocks);
+        let tier_owed = vec![0; config.tiers.len()];
         Ok(Self {
             adapters: AdapterSlots::new(config.max_loras),
             config,
@@ -290,6 +306,8 @@ impl Scheduler {
             pool_errors: 0,
             draft_source: None,
             deadlines: Default::default(),
+            quotas,
+            tier_owed,
         })
     }
 
@@ -402,7 +420,28 @@ impl Scheduler {
             });
         }
         // Unknown tiers get no defaults (the engine validates tier names at its edge).
-        let tier = self.config.tiers.iter().find(|t| t.name == req.tier);
+        let tier_pos = self.config.tiers.iter().position(|t| t.name == req.tier);
+        let tier = tier_pos.and_then(|i| self.config.tiers.get(i));
+        let tier_pos = tier_pos.map_or(crate::tier_quota::NO_TIER, |i| i as u8);
+        if let Some(quota) = self.quotas.cap(tier_pos) {
+            // As for the whole cache: a request its tier's bound could never hold, even
+            // alone, would wait (or preempt itself) forever.
+            let c = &self.config;
+            let fits = crate::types::kv_capacity_tokens(
+                quota,
+                c.block_size,
+                c.max_num_batched_tokens,
+                c.sliding_window,
+            );
+            if max_len > fits {
+                return Err(SchedulerError::ExceedsTierKvQuota {
+                    id,
+                    tier: req.tier.clone(),
+                    needed,
+                    quota,
+                });
+            }
+        }
         let slo = SloTargets {
             ttft_ms: req.slo.ttft_ms.or(tier.and_then(|t| t.ttft_ms)),
             tpot_ms: req.slo.tpot_ms.or(tier.and_then(|t| t.tpot_ms)),
@@ -422,7 +461,7 @@ impl Scheduler {
             }
         };
         let preemptible = tier.is_some_and(|t| t.preemptible);
-        let seq = Sequence::new(req, slo, tenant_id, preemptible);
+        let seq = Sequence::new(req, slo, tenant_id, preemptible, tier_pos);
         let slot = match self.free_slots.pop() {
             Some(s) => {
                 self.seqs[s as usize] = Some(seq);
@@ -499,6 +538,7 @@ impl Scheduler {
             self.adapters.stopped(seq.req.lora_adapter);
         }
         self.adapters.ended(seq.req.lora_adapter);
+        self.quotas.sub(seq.tier, seq.held_blocks().len());
         for &b in seq.held_blocks().iter().rev() {
             // Table blocks are referenced by construction; a failure would be a core bug,
             // which check_invariants reports.
@@ -598,6 +638,13 @@ impl Scheduler {
         }
     }
 
+    /// KV blocks held by each configured tier's running sequences, in the order of
+    /// [`SchedulerConfig::tiers`] (a block shared through the prefix cache counts for each
+    /// sequence holding it; see [`crate::TierSpec::max_kv_fraction`]).
+    pub fn tier_kv_blocks(&self) -> &[usize] {
+        self.quotas.all_held()
+    }
+
     /// Block-accounting calls that failed since start ([`SchedulerStats::pool_errors`]).
     pub fn pool_errors(&self) -> u64 {
         self.pool_errors
@@ -676,6 +723,7 @@ impl Scheduler {
         }
         let mut refs = vec![0u32; self.ledger.num_blocks()];
         let mut queued = vec![0u8; self.seqs.len()];
+        let mut tier_held = vec![0usize; self.config.tiers.len()];
         for &slot in &self.running {
             let Some(s) = self.seq(slot) else {
                 return bad(format!("running slot {slot} empty"));
@@ -722,6 +770,9 @@ impl Scheduler {
             } else if s.released_blocks != 0 {
                 return bad(format!("{:?} released blocks without a window", s.req.id));
             }
+            if let Some(h) = tier_held.get_mut(usize::from(s.tier)) {
+                *h += s.held_blocks().len();
+            }
             for &b in s.held_blocks() {
                 match refs.get_mut(b as usize) {
                     Some(r) => *r += 1,
@@ -754,6 +805,9 @@ impl Scheduler {
                 return bad(format!("ended {:?} still holds blocks", s.req.id));
             }
         }
+        self.quotas
+            .check(&tier_held, &self.config.tiers)
+            .map_err(SchedulerError::Invariant)?;
         for (b, &r) in refs.iter().enumerate() {
             let have = self.ledger.ref_count(b as BlockId).unwrap_or(u32::MAX);
             if have != r {

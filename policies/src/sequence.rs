@@ -54,6 +54,9 @@ pub(crate) struct Sequence {
     pub(crate) has_stop_ids: bool,
     /// Whether the request's tier is marked preemptible.
     pub(crate) preemptible: bool,
+    /// Its tier's position among the configured tiers, for the KV quota counts
+    /// (`tier_quota.rs`); [`crate::tier_quota::NO_TIER`] for a tier not configured.
+    pub(crate) tier: u8,
     /// Trailing entries of `output` that are [`PENDING_TOKEN`]s (sampled on the device, not
     /// yet resolved): 0, or 1-2 while steps are in flight.
     pub(crate) pending: u8,
@@ -96,7 +99,13 @@ pub(crate) struct Sequence {
 }
 
 impl Sequence {
-    pub(crate) fn new(req: Request, slo: SloTargets, tenant_id: u32, preemptible: bool) -> Self {
+    pub(crate) fn new(
+        req: Request,
+        slo: SloTargets,
+        tenant_id: u32,
+        preemptible: bool,
+        tier: u8,
+    ) -> Self {
         let l = &req.limits;
         Self {
             state: RequestState::Waiting,
@@ -116,6 +125,7 @@ impl Sequence {
             stop_eos: l.eos_token_id.filter(|_| !l.ignore_eos),
             has_stop_ids: !l.stop_token_ids.is_empty(),
             preemptible,
+            tier,
             tenant_id,
             first_token_at: None,
             last_token_at: None,

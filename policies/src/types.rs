@@ -226,6 +226,11 @@ pub struct TierSpec {
     /// (1 to [`MAX_QUEUE_MS`]); `None`: [`SchedulerConfig::max_queue_ms`] applies.
     #[serde(default)]
     pub max_queue_ms: Option<u64>,
+    /// Most of the KV cache the tier's running sequences may hold at once, as a fraction of
+    /// [`SchedulerConfig::num_gpu_blocks`] in (0, 1] (rounded down to whole blocks, at least
+    /// one); `None`: no bound. See `tier_quota.rs`.
+    #[serde(default)]
+    pub max_kv_fraction: Option<f64>,
 }
 
 /// Largest queue bound accepted (`max_queue_ms`): an hour.

@@ -1,6 +1,8 @@
 //! Property tests over random workloads for every registered policy: no block leaked or
 //! double-freed, refcounts equal block-table references, per-step budgets respected, every
-//! admitted request ends, never more distinct LoRA adapters run than `max_loras`, and hot
+//! admitted request ends, never more distinct LoRA adapters run than `max_loras`, no tier holds
+//! more KV blocks than its `max_kv_fraction` allows (and the per-tier counts match the block
+//! tables), and hot
 //! swaps to every other policy (with speculative decoding switched off and on) lose or
 //! duplicate nothing; planning each step while the
 //! previous one is in flight (`launch` / `resolve`) yields the same outputs as stepping in
@@ -60,6 +62,8 @@ struct Workload {
     window: Option<SlidingWindow>,
     /// Queue bounds in milliseconds: the scheduler's default, and the `batch` tier's own.
     max_queue_ms: (Option<u64>, Option<u64>),
+    /// Each tier's KV quota (`max_kv_fraction`), in `tiers` order.
+    kv_fractions: [Option<f64>; 3],
 }
 
 fn spec() -> impl Strategy<Value = Spec> {
@@ -121,6 +125,7 @@ fn workload() -> impl Strategy<Value = Workload> {
             prop::option::weighted(0.5, 1u64..200),
             prop::option::weighted(0.5, 1u64..200),
         ),
+        prop::array::uniform3(prop::option::weighted(0.4, 0.02f64..=1.0)),
     )
         .prop_map(
             |(
@@ -133,6 +138,7 @@ fn workload() -> impl Strategy<Value = Workload> {
                 (swap_every, spare_logit_rows, max_loras),
                 (speculative, period, window),
                 max_queue_ms,
+                kv_fractions,
             )| Workload {
                 block_size,
                 num_gpu_blocks,
@@ -152,11 +158,12 @@ fn workload() -> impl Strategy<Value = Workload> {
                 period,
                 window: window.map(|(tokens, read_slack)| SlidingWindow { tokens, read_slack }),
                 max_queue_ms,
+                kv_fractions,
             },
         )
 }
 
-fn tiers(batch_max_queue_ms: Option<u64>) -> Vec<TierSpec> {
+fn tiers(batch_max_queue_ms: Option<u64>, kv_fractions: [Option<f64>; 3]) -> Vec<TierSpec> {
     let t = |name: &str, ttft, tpot, preemptible| TierSpec {
         name: name.into(),
         ttft_ms: ttft,
@@ -168,12 +175,54 @@ fn tiers(batch_max_queue_ms: Option<u64>) -> Vec<TierSpec> {
         } else {
             None
         },
+        max_kv_fraction: None,
     };
-    vec![
+    let mut tiers = vec![
         t("premium", Some(50.0), Some(10.0), false),
         t("standard", Some(500.0), None, false),
         t("batch", None, None, true),
-    ]
+    ];
+    for (t, f) in tiers.iter_mut().zip(kv_fractions) {
+        t.max_kv_fraction = f;
+    }
+    tiers
+}
+
+/// The KV blocks each tier may hold: `max_kv_fraction` of the cache, rounded down, at least
+/// one; `usize::MAX` without a bound.
+fn kv_quotas(w: &Workload) -> [usize; 3] {
+    w.kv_fractions.map(|f| {
+        f.map_or(usize::MAX, |f| {
+            ((f * w.num_gpu_blocks as f64).floor() as usize).max(1)
+        })
+    })
+}
+
+/// No tier holds more than its quota, and what the scheduler counts per tier is what the
+/// running requests' block tables hold (less blocks given back behind a window).
+fn check_tier_blocks(
+    w: &Workload,
+    s: &Scheduler,
+    admitted: &BTreeMap<RequestId, &Spec>,
+) -> Result<(), TestCaseError> {
+    let mut held = [0usize; 3];
+    for (id, r) in admitted {
+        if s.request_state(*id) == Some(RequestState::Running) {
+            let table = s.block_table(*id).unwrap_or_default();
+            held[r.tier as usize] += table.iter().filter(|&&b| b != RELEASED_BLOCK).count();
+        }
+    }
+    prop_assert_eq!(s.tier_kv_blocks(), &held[..], "per-tier KV blocks");
+    for (t, (&h, q)) in held.iter().zip(kv_quotas(w)).enumerate() {
+        prop_assert!(
+            h <= q,
+            "tier {} holds {} blocks, over its quota of {}",
+            t,
+            h,
+            q
+        );
+    }
+    Ok(())
 }
 
 /// The registered policies, and `prefix-aware` with chunked steps and without its hold-back
@@ -195,14 +244,14 @@ fn make_policy(name: &str) -> Box<dyn Policy> {
     if name == PREFIX_AWARE_CHUNKED {
         let params = serde_yaml::from_str("{max_wait_ms: 20, lookup_limit: 3, token_budget: 8}");
         return reg
-            .create("prefix-aware", &params.unwrap(), &tiers(None))
+            .create("prefix-aware", &params.unwrap(), &tiers(None, [None; 3]))
             .unwrap();
     }
     if name == PREFIX_AWARE_NO_HOLD_BACK {
         let params =
             serde_yaml::from_str("{max_wait_ms: 20, lookup_limit: 3, hold_back_shared: false}");
         return reg
-            .create("prefix-aware", &params.unwrap(), &tiers(None))
+            .create("prefix-aware", &params.unwrap(), &tiers(None, [None; 3]))
             .unwrap();
     }
     let params: serde_yaml::Value = match name {
@@ -218,7 +267,7 @@ fn make_policy(name: &str) -> Box<dyn Policy> {
         "prefix-aware" => serde_yaml::from_str("{max_wait_ms: 20, lookup_limit: 3}").unwrap(),
         _ => serde_yaml::Value::Null,
     };
-    reg.create(name, &params, &tiers(None)).unwrap()
+    reg.create(name, &params, &tiers(None, [None; 3])).unwrap()
 }
 
 fn request(i: usize, s: &Spec) -> Request {
@@ -495,7 +544,7 @@ fn run(w: &Workload, first: &str, swaps: &[&str], pipelined: bool) -> Result<End
         num_gpu_blocks: w.num_gpu_blocks,
         enable_prefix_caching: w.caching,
         max_model_len: 4096,
-        tiers: tiers(w.max_queue_ms.1),
+        tiers: tiers(w.max_queue_ms.1, w.kv_fractions),
         max_logit_rows: w.max_num_seqs + w.spare_logit_rows,
         max_loras: w.max_loras,
         speculative: w.speculative.clone(),
@@ -532,7 +581,15 @@ fn run(w: &Workload, first: &str, swaps: &[&str], pipelined: bool) -> Result<End
                             usize::MAX
                         }
                         _ => w.num_gpu_blocks * w.block_size,
-                    };
+                    }
+                    // ... and the longest its tier's KV quota holds alone.
+                    && r.prefix_len + r.suffix_len + r.max_tokens as usize
+                        <= kv_capacity_tokens(
+                            kv_quotas(w)[r.tier as usize].min(w.num_gpu_blocks),
+                            w.block_size,
+                            w.max_num_batched_tokens,
+                            w.window,
+                        );
                 match s.add_request(request(i, r)) {
                     Ok(()) => {
                         prop_assert!(fits);
@@ -677,6 +734,7 @@ fn run(w: &Workload, first: &str, swaps: &[&str], pipelined: bool) -> Result<End
             );
         }
         check_plan(w, &s, &plan, &mut mirrors)?;
+        check_tier_blocks(w, &s, &admitted)?;
         for q in &plan.seqs {
             first_planned.entry(q.id).or_insert(q.num_computed_tokens);
         }
@@ -782,6 +840,11 @@ fn run(w: &Workload, first: &str, swaps: &[&str], pipelined: bool) -> Result<End
         st.num_free_blocks,
         w.num_gpu_blocks,
         "blocks leaked at the end"
+    );
+    prop_assert_eq!(
+        s.tier_kv_blocks(),
+        &[0, 0, 0],
+        "tier KV blocks left at the end"
     );
     prop_assert!(st.prefix_hits <= st.prefix_queries);
     Ok(result)

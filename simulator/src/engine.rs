@@ -212,6 +212,7 @@ impl Simulation {
                 weight: t.weight,
                 preemptible: t.preemptible,
                 max_queue_ms: t.max_queue_ms,
+                max_kv_fraction: t.max_kv_fraction,
             })
             .collect();
         let scheduler = SchedulerConfig {
@@ -1899,6 +1900,40 @@ policies: [{{name: fcfs}}]
         assert!(fcfs_records(&yaml, &rs)
             .iter()
             .all(|r| r.outcome == "length"));
+    }
+
+    #[test]
+    fn a_kv_quota_keeps_the_batch_tier_from_starving_the_interactive_one() {
+        // 32 blocks of 16 tokens, no prefix sharing, 1 ms steps. Four batch requests (120 +
+        // 50 tokens: 8 blocks of prompt, 11 at the end) arrive at 0 s and take the whole
+        // cache; an interactive one (10 + 5 tokens) arrives 1 ms later and, under FCFS, waits
+        // until batch work ends (the preempted batch requests are ahead of it). With the batch
+        // tier held to half the cache, two batch requests run, the others wait, and the
+        // interactive request is admitted at once. The batch tier's own work ends in both.
+        let yaml = "policies: [{name: fcfs}]\n\
+                    tiers: {inter: {ttft_ms: 10}, batch: {max_kv_fraction: 0.5}}\n\
+                    scheduler: {max_model_len: 256}\n\
+                    cache: {num_gpu_blocks: 32, prefix_caching: false}\n\
+                    workload: {trace: unused.csv, format: azure}\n";
+        let mut rs: Vec<TraceRequest> = (0..4).map(|_| req(0.0, 120, 50, "batch")).collect();
+        rs.push(req(0.001, 10, 5, "inter"));
+        let ttft = |records: &[RequestRecord]| {
+            assert!(records.iter().all(|r| r.outcome == "length"), "{records:?}");
+            records[4].ttft_ms.unwrap()
+        };
+        let bounded = fcfs_records(yaml, &rs);
+        let unbounded = fcfs_records(&yaml.replace("max_kv_fraction: 0.5", ""), &rs);
+        assert!(ttft(&bounded) < 5.0, "{}", ttft(&bounded));
+        assert!(ttft(&unbounded) > 40.0, "{}", ttft(&unbounded));
+        assert_eq!(bounded[4].met_ttft, Some(true));
+        // The batch tier's requests beyond its quota waited (not admitted at 0 s).
+        assert_eq!(
+            bounded[..4]
+                .iter()
+                .filter(|r| r.first_scheduled_s.is_some_and(|t| t > 0.0))
+                .count(),
+            2
+        );
     }
 
     #[test]

@@ -367,6 +367,11 @@ pub struct TierConf {
     /// core and reported `queue_timeout`. Unset: `scheduler.max_queue_ms`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_queue_ms: Option<u64>,
+    /// The server's KV quota of the tier (`tiers.<name>.max_kv_fraction`, in (0, 1]): the
+    /// most of the simulated KV cache its running requests hold at once, enforced by the
+    /// scheduling core; a request it could never hold is refused (`rejected`). Unset: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_kv_fraction: Option<f64>,
 }
 
 impl TierConf {
@@ -793,6 +798,9 @@ fn validate_tiers(tiers: &BTreeMap<String, TierConf>) -> Result<(), String> {
                 "tiers.{name}.max_queue_ms {ms} outside 1..={MAX_QUEUE_MS} (milliseconds)"
             ));
         }
+        if let Some(f) = t.max_kv_fraction.filter(|f| !(*f > 0.0 && *f <= 1.0)) {
+            return Err(format!("tiers.{name}.max_kv_fraction {f} outside (0, 1]"));
+        }
     }
     Ok(())
 }
@@ -1069,6 +1077,14 @@ workload:
             (
                 GOOD.replace("priority: 2}", "priority: 2, max_queue_ms: 3600001}"),
                 "tiers.batch.max_queue_ms 3600001 outside 1..=3600000",
+            ),
+            (
+                GOOD.replace("priority: 2}", "priority: 2, max_kv_fraction: 0}"),
+                "tiers.batch.max_kv_fraction 0 outside (0, 1]",
+            ),
+            (
+                GOOD.replace("priority: 2}", "priority: 2, max_kv_fraction: 1.01}"),
+                "tiers.batch.max_kv_fraction 1.01 outside (0, 1]",
             ),
             // The server's bound (switchyard_config::MAX_NUM_SEQS), not a wider one.
             (

@@ -347,6 +347,7 @@ pub fn tier_specs(config: &Config) -> Vec<TierSpec> {
             weight: t.weight,
             preemptible: t.preemptible,
             max_queue_ms: t.max_queue_ms,
+            max_kv_fraction: t.max_kv_fraction,
         })
         .collect()
 }

@@ -160,6 +160,18 @@ pub(crate) fn rejection(error: &EngineError) -> SubmitError {
                  {capacity}"
             ),
         ),
+        EngineError::Scheduler(SchedulerError::ExceedsTierKvQuota {
+            tier,
+            needed,
+            quota,
+            ..
+        }) => (
+            K::ContextLengthExceeded,
+            format!(
+                "the prompt and max_tokens need {needed} KV cache blocks; tier `{tier}` may \
+                 hold {quota} (its max_kv_fraction)"
+            ),
+        ),
         EngineError::Scheduler(SchedulerError::InvalidRequest { field, reason, .. }) => {
             (K::InvalidRequest, format!("{field}: {reason}"))
         }

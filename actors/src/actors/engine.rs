@@ -1515,7 +1515,15 @@ mod tests {
             needed: 30,
             capacity: 22,
         });
-        for e in [too_long, too_big] {
+        let over_quota = EngineError::Scheduler(SchedulerError::ExceedsTierKvQuota {
+            id: RequestId(2),
+            tier: "batch".into(),
+            needed: 30,
+            quota: 11,
+        });
+        let r = rejection(&over_quota);
+        assert!(r.message.contains("tier `batch` may hold 11"), "{r}");
+        for e in [too_long, too_big, over_quota] {
             let r = rejection(&e);
             assert_eq!(r.kind, SubmitErrorKind::ContextLengthExceeded, "{r}");
             assert!(!r.message.contains("RequestId"), "{r}");

@@ -77,6 +77,9 @@ pub struct SchedulerActor {
     /// Per queue bound (`tiers.<name>.max_queue_ms` or `scheduler.max_queue_ms`: bounded by
     /// the configured tiers), the throttle of its WARN lines.
     timeout_logs: HashMap<String, Throttle>,
+    /// Per configured tier, its label and the KV blocks last published for it
+    /// ([`names::KV_CACHE_BLOCKS_USED`], set again only when it changes).
+    tier_blocks: Vec<(std::sync::Arc<str>, Option<usize>)>,
 }
 
 impl SchedulerActor {
@@ -87,6 +90,10 @@ impl SchedulerActor {
         executor: Addr<ExecutorActor>,
         detokenizer: Addr<DetokenizerActor>,
     ) -> Self {
+        let tier_blocks = core
+            .tier_kv_blocks()
+            .map(|(name, _)| (name.into(), None))
+            .collect();
         Self {
             core,
             allocator,
@@ -101,6 +108,7 @@ impl SchedulerActor {
             in_flight: None,
             ahead_ok: false,
             wake_at: None,
+            tier_blocks,
             timeout_logs: HashMap::new(),
         }
     }
@@ -122,6 +130,14 @@ impl SchedulerActor {
         metrics::gauge!(names::NUM_REQUESTS_RUNNING).set(s.num_running as f64);
         metrics::gauge!(names::NUM_REQUESTS_WAITING).set(s.num_waiting as f64);
         metrics::gauge!(names::KV_CACHE_USAGE_PERC).set(s.kv_usage);
+        for ((tier, last), (_, held)) in self.tier_blocks.iter_mut().zip(self.core.tier_kv_blocks())
+        {
+            if *last != Some(held) {
+                *last = Some(held);
+                metrics::gauge!(names::KV_CACHE_BLOCKS_USED, names::tier_labels(tier))
+                    .set(held as f64);
+            }
+        }
         metrics::counter!(names::PREFIX_CACHE_QUERIES).absolute(s.prefix_queries);
         metrics::counter!(names::PREFIX_CACHE_HITS).absolute(s.prefix_hits);
         metrics::counter!(names::NUM_PREEMPTIONS).absolute(s.num_preemptions);

@@ -279,6 +279,7 @@ fn weights_out_of_range_are_refused_naming_the_tenant_or_tier() {
         weight: 1e-9,
         preemptible: false,
         max_queue_ms: None,
+        max_kv_fraction: None,
     };
     let e = FairShare::create(&serde_yaml::Value::Null, &[tier])
         .err()
@@ -380,6 +381,7 @@ fn tier(name: &str, weight: f64) -> TierSpec {
         weight,
         preemptible: false,
         max_queue_ms: None,
+        max_kv_fraction: None,
     }
 }
 

@@ -22,7 +22,13 @@ pub(crate) fn seq(id: u64, arrival_us: u64, prompt_len: usize) -> Sequence {
         },
         cache_salt: None,
     };
-    Sequence::new(req, SloTargets::default(), id as u32 % 4, false)
+    Sequence::new(
+        req,
+        SloTargets::default(),
+        id as u32 % 4,
+        false,
+        crate::tier_quota::NO_TIER,
+    )
 }
 
 /// Turns `s` into a running decode that produced `outputs` tokens, the first at `first_us`.
