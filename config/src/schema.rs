@@ -159,30 +159,24 @@ impl<'de> Visitor<'de> for OptChecked {
     }
 }
 
+/// A number in (0, 1].
+const FRACTION: Checked = Checked {
+    check: |v| {
+        if v > 0.0 && v <= 1.0 {
+            Ok(v)
+        } else {
+            Err(format!("{v} must be in (0, 1]"))
+        }
+    },
+    expecting: "a number in (0, 1]",
+};
+
 fn fraction<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
-    d.deserialize_any(Checked {
-        check: |v| {
-            if v > 0.0 && v <= 1.0 {
-                Ok(v)
-            } else {
-                Err(format!("{v} must be in (0, 1]"))
-            }
-        },
-        expecting: "a number in (0, 1]",
-    })
+    d.deserialize_any(FRACTION)
 }
 
 fn opt_fraction<'de, D: Deserializer<'de>>(d: D) -> Result<Option<f64>, D::Error> {
-    d.deserialize_option(OptChecked(Checked {
-        check: |v| {
-            if v > 0.0 && v <= 1.0 {
-                Ok(v)
-            } else {
-                Err(format!("{v} must be in (0, 1]"))
-            }
-        },
-        expecting: "a number in (0, 1]",
-    }))
+    d.deserialize_option(OptChecked(FRACTION))
 }
 
 fn opt_positive_ms<'de, D: Deserializer<'de>>(d: D) -> Result<Option<f64>, D::Error> {

@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use crate::policy::testutil::{request, run_step};
 use crate::policy::{ChunkedPrefill, Fcfs, Policy, PolicyRegistry, PriorityPolicy};
 use crate::types::*;
 use crate::{Scheduler, SchedulerError, RELEASED_BLOCK};
@@ -39,35 +40,12 @@ fn sched(c: SchedulerConfig, p: Box<dyn Policy>) -> Scheduler {
 }
 
 fn req(id: u64, arrival: u64, prompt: Vec<u32>, max_tokens: u32) -> Request {
-    Request {
-        id: RequestId(id),
-        tenant: "t".into(),
-        tier: String::new(),
-        priority: 0,
-        lora_adapter: None,
-        arrival: Timestamp(arrival),
-        slo: SloTargets::default(),
-        prompt: Arc::from(prompt),
-        limits: SamplingLimits {
-            max_tokens,
-            ..SamplingLimits::default()
-        },
-        cache_salt: None,
-    }
+    request(id, "", arrival, prompt, max_tokens)
 }
 
 /// Runs one step, sampling `token` for every sampling entry.
 fn step(s: &mut Scheduler, now: u64, token: u32) -> (StepPlan, Vec<SeqEvent>) {
-    let plan = s.schedule(Timestamp(now));
-    let outs: Vec<StepOutput> = plan
-        .seqs
-        .iter()
-        .filter(|q| q.samples)
-        .map(|q| StepOutput::new(q.id, token))
-        .collect();
-    let ev = s.apply_outputs(&plan, &outs, Timestamp(now));
-    s.check_invariants().unwrap();
-    (plan, ev)
+    run_step(s, now, token)
 }
 
 #[test]

@@ -146,8 +146,8 @@ impl Scheduler {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
 
+    use crate::policy::testutil::{request, run_step};
     use crate::policy::{Fcfs, Policy, PrefixAware};
     use crate::types::*;
     use crate::{Scheduler, SeqView};
@@ -195,34 +195,15 @@ mod tests {
 
     fn add_salted(s: &mut Scheduler, id: u64, arrival: u64, prompt: Vec<u32>, salt: Option<u64>) {
         s.add_request(Request {
-            id: RequestId(id),
-            tenant: String::new(),
-            tier: String::new(),
-            priority: 0,
-            lora_adapter: None,
-            arrival: Timestamp(arrival),
-            slo: SloTargets::default(),
-            prompt: Arc::from(prompt),
-            limits: SamplingLimits {
-                max_tokens: 1,
-                ..SamplingLimits::default()
-            },
             cache_salt: salt,
+            ..request(id, "", arrival, prompt, 1)
         })
         .unwrap();
     }
 
     /// One step at `now`: the (id, cached tokens reused) of each request it admits.
     fn step(s: &mut Scheduler, now: u64) -> Vec<(u64, usize)> {
-        let plan = s.schedule(Timestamp(now));
-        let outs: Vec<StepOutput> = plan
-            .seqs
-            .iter()
-            .filter(|q| q.samples)
-            .map(|q| StepOutput::new(q.id, 7))
-            .collect();
-        s.apply_outputs(&plan, &outs, Timestamp(now));
-        s.check_invariants().unwrap();
+        let (plan, _) = run_step(s, now, 7);
         plan.seqs
             .iter()
             .map(|q| (q.id.0, q.num_computed_tokens))

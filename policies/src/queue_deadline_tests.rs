@@ -1,7 +1,6 @@
 //! Queue bounds: who is timed out, when, and what is left behind.
 
-use std::sync::Arc;
-
+use crate::policy::testutil::{request, run_step};
 use crate::policy::{Fcfs, Policy, PolicyRegistry};
 use crate::types::*;
 use crate::{Scheduler, SchedulerError};
@@ -30,35 +29,12 @@ fn config(blocks: usize, block_size: usize, default_ms: Option<u64>) -> Schedule
 }
 
 fn req(id: u64, tier: &str, arrival: u64, prompt: Vec<u32>, max_tokens: u32) -> Request {
-    Request {
-        id: RequestId(id),
-        tenant: "t".into(),
-        tier: tier.into(),
-        priority: 0,
-        lora_adapter: None,
-        arrival: Timestamp(arrival),
-        slo: SloTargets::default(),
-        prompt: Arc::from(prompt),
-        limits: SamplingLimits {
-            max_tokens,
-            ..SamplingLimits::default()
-        },
-        cache_salt: None,
-    }
+    request(id, tier, arrival, prompt, max_tokens)
 }
 
 /// Runs one step at `now`, sampling token 7 everywhere; checks the invariants.
 fn step(s: &mut Scheduler, now: u64) -> StepPlan {
-    let plan = s.schedule(Timestamp(now));
-    let outs: Vec<StepOutput> = plan
-        .seqs
-        .iter()
-        .filter(|q| q.samples)
-        .map(|q| StepOutput::new(q.id, 7))
-        .collect();
-    s.apply_outputs(&plan, &outs, Timestamp(now));
-    s.check_invariants().unwrap();
-    plan
+    run_step(s, now, 7).0
 }
 
 fn timed_out(p: &StepPlan) -> Vec<u64> {

@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use crate::policy::testutil::{request, run_step};
 use crate::policy::Fcfs;
 use crate::types::*;
 use crate::{Scheduler, SchedulerError};
@@ -39,41 +40,17 @@ fn sched(c: SchedulerConfig) -> Scheduler {
 }
 
 fn req(id: u64, tier: &str, prompt_len: usize, max_tokens: u32) -> Request {
-    Request {
-        id: RequestId(id),
-        tenant: "t".into(),
-        tier: tier.into(),
-        priority: 0,
-        lora_adapter: None,
-        arrival: Timestamp(id),
-        slo: SloTargets::default(),
-        // Distinct tokens per request: no prefix sharing unless a test wants it.
-        prompt: Arc::from(
-            (0..prompt_len as u32)
-                .map(|k| 1 + id as u32 * 1000 + k)
-                .collect::<Vec<_>>(),
-        ),
-        limits: SamplingLimits {
-            max_tokens,
-            ..SamplingLimits::default()
-        },
-        cache_salt: None,
-    }
+    // Distinct tokens per request: no prefix sharing unless a test wants it.
+    let prompt = (0..prompt_len as u32)
+        .map(|k| 1 + id as u32 * 1000 + k)
+        .collect();
+    request(id, tier, id, prompt, max_tokens)
 }
 
 /// Runs one step at `now`, sampling token 7 for every sampling entry; checks the invariants
 /// (a tier over its bound, or a count that disagrees with the block tables, fails them).
 fn step(s: &mut Scheduler, now: u64) -> StepPlan {
-    let plan = s.schedule(Timestamp(now));
-    let outs: Vec<StepOutput> = plan
-        .seqs
-        .iter()
-        .filter(|q| q.samples)
-        .map(|q| StepOutput::new(q.id, 7))
-        .collect();
-    s.apply_outputs(&plan, &outs, Timestamp(now));
-    s.check_invariants().unwrap();
-    plan
+    run_step(s, now, 7).0
 }
 
 fn ids(p: &StepPlan) -> Vec<u64> {
