@@ -287,6 +287,7 @@ pub const FAILURE_REASONS: &[&str] = &[
     "unknown_model",
     "context_length",
     "overloaded",
+    "tenant_busy",
     "queue_timeout",
     "unavailable",
     "structured_output",

@@ -776,6 +776,9 @@ pub enum EngineErrorKind {
     /// The request waited in the queue past its bound (`tiers.<name>.max_queue_ms`,
     /// `scheduler.max_queue_ms`) without being admitted (a 503 to retry later).
     QueueTimeout,
+    /// Its tenant has as many requests in flight as its tier lets one tenant have
+    /// (`tiers.<name>.max_pending_per_tenant`): a 429 to retry when one of them ends.
+    TenantBusy,
     /// The engine is not ready or is shutting down.
     Unavailable,
     /// The request names a model (LoRA adapter) the server does not serve.
@@ -796,6 +799,7 @@ impl fmt::Display for EngineErrorKind {
             Self::Overloaded { .. } => "overloaded",
             Self::TooManyChoices => "too_many_choices",
             Self::QueueTimeout => "queue_timeout",
+            Self::TenantBusy => "tenant_busy",
             Self::Unavailable => "unavailable",
             Self::NotFound => "not_found",
             Self::StructuredOutput => "structured_output",

@@ -217,6 +217,13 @@ impl ApiError {
                     SERVER_ERROR,
                     Some("queue_timeout"),
                 ),
+                // The tenant's own bound, as its rate limits are: OpenAI's 429, which clients
+                // retry after `Retry-After`.
+                EngineErrorKind::TenantBusy => (
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "requests",
+                    Some("rate_limit_exceeded"),
+                ),
                 EngineErrorKind::NotFound => (
                     StatusCode::NOT_FOUND,
                     INVALID_REQUEST,
@@ -243,6 +250,7 @@ impl ApiError {
                 EngineErrorKind::Unavailable => Some(5),
                 // As an overload refusal: the queue was long a moment ago.
                 EngineErrorKind::QueueTimeout => Some(1),
+                EngineErrorKind::TenantBusy => Some(1),
                 _ => None,
             },
             _ => None,
@@ -362,6 +370,22 @@ mod tests {
         let body = body_json(&e);
         assert_eq!(body["error"]["code"], "queue_timeout");
         assert_eq!(body["error"]["type"], "server_error");
+        assert_eq!(body["error"]["message"], message);
+    }
+
+    /// A tenant at its tier's per-tenant bound: OpenAI's 429 `rate_limit_exceeded` with
+    /// `Retry-After` and the engine's message.
+    #[test]
+    fn a_busy_tenant_is_429_with_retry_after() {
+        let message = "tenant `acme` has too many requests in flight for this one's 1 choice \
+                       (n = 1) (tiers.free.max_pending_per_tenant is 2); retry when one ends";
+        let e = ApiError::from(EngineError::new(EngineErrorKind::TenantBusy, message));
+        let response = e.error_response();
+        assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(response.headers().get(header::RETRY_AFTER).unwrap(), "1");
+        let body = body_json(&e);
+        assert_eq!(body["error"]["code"], "rate_limit_exceeded");
+        assert_eq!(body["error"]["type"], "requests");
         assert_eq!(body["error"]["message"], message);
     }
 

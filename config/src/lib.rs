@@ -491,6 +491,29 @@ mod tests {
         );
     }
 
+    /// `tiers.<name>.max_pending_per_tenant` has the same bounds as the tier's own bound.
+    #[test]
+    fn a_per_tenant_pending_bound_is_bounded_and_within_the_server_one() {
+        let c = Config::from_yaml_str("tiers:\n  a: { max_pending_per_tenant: 2 }\n  b: {}\n", "t")
+            .unwrap();
+        assert_eq!(c.tiers["a"].max_pending_per_tenant, Some(2));
+        assert_eq!(c.tiers["b"].max_pending_per_tenant, None);
+        let e = error("tiers:\n  a:\n    max_pending_per_tenant: 0\n", &[]);
+        assert!(
+            e.starts_with("t.yaml:3: tiers.a.max_pending_per_tenant: 0 is out of range"),
+            "{e}"
+        );
+        let e = error(
+            "server:\n  max_pending_requests: 8\ntiers:\n  a:\n    max_pending_per_tenant: 9\n",
+            &[],
+        );
+        assert!(
+            e.contains("tiers.a.max_pending_per_tenant")
+                && e.contains("9 exceeds server.max_pending_requests (8)"),
+            "{e}"
+        );
+    }
+
     /// Queue bounds are optional, 1 ms to an hour, the tier's and the scheduler's default,
     /// refused at the value's line or naming the override.
     #[test]

@@ -848,8 +848,8 @@ impl Default for SchedulerSection {
 #[serde(
     deny_unknown_fields,
     expecting = "a mapping (a tier: ttft_ms, tpot_ms, weight, preemptible, priority, \
-                 max_pending_requests, requests_per_minute, tokens_per_minute, max_queue_ms, \
-                 max_kv_fraction)"
+                 max_pending_requests, max_pending_per_tenant, requests_per_minute, \
+                 tokens_per_minute, max_queue_ms, max_kv_fraction)"
 )]
 pub struct TierConfig {
     /// Time-to-first-token target in milliseconds.
@@ -881,6 +881,14 @@ pub struct TierConfig {
     /// to the other tiers.
     #[serde(default, deserialize_with = "opt_usize_in::<_, 1, 1000000>")]
     pub max_pending_requests: Option<usize>,
+    /// Most requests each tenant of this tier may have in flight at once, counted per choice
+    /// as `max_pending_requests` counts them, 1 to `server.max_pending_requests`: beyond it
+    /// that tenant's requests are refused with 429 `rate_limit_exceeded` (`Retry-After: 1`)
+    /// while the tier's other tenants are admitted, so one tenant's flood cannot take the
+    /// tier's `max_pending_requests` (a request with more choices than this: a 400). An open
+    /// API is one tenant. `None` (the default): no such bound.
+    #[serde(default, deserialize_with = "opt_usize_in::<_, 1, 1000000>")]
+    pub max_pending_per_tenant: Option<usize>,
     /// Requests per minute each tenant of this tier may make on the generation routes
     /// (completions, chat, responses, embeddings), 1 to 1e9; beyond it a 429
     /// `rate_limit_exceeded`. A bucket of a minute's requests that refills continuously.
@@ -1097,18 +1105,23 @@ impl Config {
             }
         }
         for (name, tier) in &self.tiers {
-            match tier.max_pending_requests {
-                Some(n) if n > self.server.max_pending_requests => {
-                    return Err((
-                        format!("tiers.{name}.max_pending_requests"),
-                        format!(
-                            "{n} exceeds server.max_pending_requests ({}), the bound on every \
-                             tier together",
-                            self.server.max_pending_requests
-                        ),
-                    ));
+            for (field, bound) in [
+                ("max_pending_requests", tier.max_pending_requests),
+                ("max_pending_per_tenant", tier.max_pending_per_tenant),
+            ] {
+                match bound {
+                    Some(n) if n > self.server.max_pending_requests => {
+                        return Err((
+                            format!("tiers.{name}.{field}"),
+                            format!(
+                                "{n} exceeds server.max_pending_requests ({}), the bound on \
+                                 every tier together",
+                                self.server.max_pending_requests
+                            ),
+                        ));
+                    }
+                    _ => {}
                 }
-                _ => {}
             }
         }
         for (i, k) in self.server.api_keys.iter().enumerate() {

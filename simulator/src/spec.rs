@@ -354,6 +354,11 @@ pub struct TierConf {
     /// simulator does not model admission, so it changes nothing here.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_pending_requests: Option<usize>,
+    /// The server's bound on each tenant's requests in flight in the tier
+    /// (`tiers.<name>.max_pending_per_tenant`): read, like `max_pending_requests`, so that a
+    /// server configuration's tiers load; not modelled.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_pending_per_tenant: Option<usize>,
     /// The server's rate limits of the tier's tenants (`tiers.<name>.requests_per_minute`,
     /// `tokens_per_minute`): a request its tenant may not send at its arrival is refused, as
     /// the server answers it 429, and reported `rate_limited`.
@@ -1184,6 +1189,7 @@ workload:
         assert_eq!(tiers["premium"].ttft_ms, Some(200.0));
         // The server's admission bound is read (and changes nothing in a simulation).
         assert_eq!(tiers["batch"].max_pending_requests, Some(1024));
+        assert_eq!(tiers["standard"].max_pending_per_tenant, Some(256));
         // So are its rate limits.
         assert_eq!(tiers["standard"].tokens_per_minute, Some(200_000));
         let file = dir.join("t.yaml");

@@ -335,6 +335,15 @@ pub fn tier_pending_limits(config: &Config) -> Vec<(String, usize)> {
         .collect()
 }
 
+/// The configured per-tenant bounds on requests in flight, by tier.
+pub fn tier_pending_per_tenant_limits(config: &Config) -> Vec<(String, usize)> {
+    config
+        .tiers
+        .iter()
+        .filter_map(|(name, t)| Some((name.clone(), t.max_pending_per_tenant?)))
+        .collect()
+}
+
 /// The configured tiers as the scheduling core sees them.
 pub fn tier_specs(config: &Config) -> Vec<TierSpec> {
     config

@@ -294,6 +294,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         tokenizer_threads: 2,
         max_pending_requests: config.server.max_pending_requests,
         tier_max_pending: super::config::tier_pending_limits(&config),
+        tier_max_pending_per_tenant: super::config::tier_pending_per_tenant_limits(&config),
         metrics_tenants: key_tenants.into_iter().map(|(tenant, _)| tenant).collect(),
         tier_slos: tiers
             .iter()
@@ -652,6 +653,7 @@ fn to_port_error(e: SubmitError) -> EngineError {
         },
         SubmitErrorKind::TooManyChoices => EngineErrorKind::TooManyChoices,
         SubmitErrorKind::QueueTimeout => EngineErrorKind::QueueTimeout,
+        SubmitErrorKind::TenantBusy => EngineErrorKind::TenantBusy,
         SubmitErrorKind::Unavailable => EngineErrorKind::Unavailable,
         SubmitErrorKind::StructuredOutput => EngineErrorKind::StructuredOutput,
         SubmitErrorKind::Internal => EngineErrorKind::Internal,
@@ -784,6 +786,7 @@ impl OutputSink for ChannelSink {
             EngineErrorKind::Overloaded { .. } => SubmitErrorKind::Overloaded,
             EngineErrorKind::TooManyChoices => SubmitErrorKind::TooManyChoices,
             EngineErrorKind::QueueTimeout => SubmitErrorKind::QueueTimeout,
+            EngineErrorKind::TenantBusy => SubmitErrorKind::TenantBusy,
             EngineErrorKind::Unavailable => SubmitErrorKind::Unavailable,
             EngineErrorKind::StructuredOutput => SubmitErrorKind::StructuredOutput,
             EngineErrorKind::Internal => SubmitErrorKind::Internal,

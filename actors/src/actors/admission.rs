@@ -26,12 +26,20 @@
 //! that fits the bounds but not what is free now as [`SubmitErrorKind::Overloaded`] (a 503
 //! with `Retry-After`).
 //!
+//! A tier may also bound each of its tenants (`tiers.<name>.max_pending_per_tenant`): a
+//! tenant at its bound is refused as [`SubmitErrorKind::TenantBusy`] (a 429 with
+//! `Retry-After`) while the tier's other tenants are admitted, so that one tenant's flood
+//! cannot take its tier's seats; the tenant's seats are taken first, then the tier's, then
+//! the server's, and all are given back together. Tenants holding no seat have no entry, so
+//! the per-tenant counts never outnumber the requests in flight.
+//!
 //! Refusals are logged at WARN, at most one line per bound and kind per
 //! [`REFUSAL_LOG_INTERVAL`], carrying how many requests that bound refused since its previous
 //! line (a flood writes a line a second, not a line a request); the engine counts the
 //! overloaded ones in `request_failed_total{reason="overloaded"}` (each choice), and not the
 //! others (a 400 before queueing, as every such 400).
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -41,10 +49,12 @@ use super::engine::{SubmitError, SubmitErrorKind};
 /// Least time between two WARN lines about the refusals of one bound.
 pub(crate) const REFUSAL_LOG_INTERVAL: Duration = Duration::from_secs(1);
 
-/// Seats held in the server's count and its tier's; they are given back when the guard drops.
+/// Seats held in the server's count, its tier's and its tenant's; they are given back when
+/// the guard drops.
 pub(crate) struct InFlight {
     all: Arc<AtomicUsize>,
     tier: Option<Arc<AtomicUsize>>,
+    tenant: Option<(Arc<TenantBound>, Arc<str>)>,
     seats: usize,
 }
 
@@ -55,6 +65,7 @@ impl InFlight {
         Self {
             all,
             tier: None,
+            tenant: None,
             seats: 1,
         }
     }
@@ -66,6 +77,7 @@ impl InFlight {
         Self {
             all: self.all.clone(),
             tier: self.tier.clone(),
+            tenant: self.tenant.clone(),
             seats,
         }
     }
@@ -79,6 +91,9 @@ impl Drop for InFlight {
         self.all.fetch_sub(self.seats, Ordering::AcqRel);
         if let Some(tier) = &self.tier {
             tier.fetch_sub(self.seats, Ordering::AcqRel);
+        }
+        if let Some((bound, tenant)) = &self.tenant {
+            bound.give_back(tenant, self.seats);
         }
     }
 }
@@ -179,30 +194,105 @@ impl Bound {
     }
 }
 
-/// One tier's bound.
-struct TierBound {
-    name: String,
-    bound: Bound,
+/// The bound on each tenant's seats in one tier.
+pub(crate) struct TenantBound {
+    limit: usize,
+    /// Seats per tenant holding any (an entry goes when its tenant's last seat is given back).
+    held: parking_lot::Mutex<HashMap<Arc<str>, usize>>,
+    full: Throttle,
+    too_large: Throttle,
 }
 
-/// The server's and the tiers' bounds on choices in flight.
+impl TenantBound {
+    fn new(limit: usize) -> Self {
+        Self {
+            limit,
+            held: parking_lot::Mutex::new(HashMap::new()),
+            full: Throttle::new(REFUSAL_LOG_INTERVAL),
+            too_large: Throttle::new(REFUSAL_LOG_INTERVAL),
+        }
+    }
+
+    /// Takes `seats` for `tenant` if they all fit under the limit now; none otherwise.
+    fn take(&self, tenant: &Arc<str>, seats: usize) -> bool {
+        let mut held = self.held.lock();
+        let now = held.get(tenant).copied().unwrap_or(0);
+        match now.checked_add(seats).filter(|&after| after <= self.limit) {
+            Some(after) => {
+                held.insert(tenant.clone(), after);
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn give_back(&self, tenant: &str, seats: usize) {
+        let mut held = self.held.lock();
+        if let Some(n) = held.get_mut(tenant) {
+            *n = n.saturating_sub(seats);
+            if *n == 0 {
+                held.remove(tenant);
+            }
+        }
+    }
+
+    /// The seats `tenant` holds.
+    #[cfg(test)]
+    fn held(&self, tenant: &str) -> usize {
+        self.held.lock().get(tenant).copied().unwrap_or(0)
+    }
+
+    /// Tenants holding seats.
+    #[cfg(test)]
+    fn tenants(&self) -> usize {
+        self.held.lock().len()
+    }
+}
+
+/// One tier's bounds: on its seats (`max_pending_requests`) and on each of its tenants'
+/// (`max_pending_per_tenant`).
+struct TierBound {
+    name: String,
+    bound: Option<Bound>,
+    per_tenant: Option<Arc<TenantBound>>,
+}
+
+/// The server's, the tiers' and their tenants' bounds on choices in flight.
 pub(crate) struct Admission {
     server: Bound,
     tiers: Vec<TierBound>,
 }
 
 impl Admission {
-    /// Bounds of `limit` choices in all and, for each tier listed, its own.
-    pub(crate) fn new(limit: usize, tiers: &[(String, usize)]) -> Self {
+    /// Bounds of `limit` choices in all and, for each tier listed in `tiers`, its own and, for
+    /// each listed in `per_tenant`, each of its tenants'.
+    pub(crate) fn new(
+        limit: usize,
+        tiers: &[(String, usize)],
+        per_tenant: &[(String, usize)],
+    ) -> Self {
+        let mut bounds: Vec<TierBound> = Vec::new();
+        for (name, limit) in tiers {
+            bounds.push(TierBound {
+                name: name.clone(),
+                bound: Some(Bound::new(*limit)),
+                per_tenant: None,
+            });
+        }
+        for (name, limit) in per_tenant {
+            let tenant = Some(Arc::new(TenantBound::new(*limit)));
+            match bounds.iter_mut().find(|t| &t.name == name) {
+                Some(t) => t.per_tenant = tenant,
+                None => bounds.push(TierBound {
+                    name: name.clone(),
+                    bound: None,
+                    per_tenant: tenant,
+                }),
+            }
+        }
         Self {
             server: Bound::new(limit),
-            tiers: tiers
-                .iter()
-                .map(|(name, limit)| TierBound {
-                    name: name.clone(),
-                    bound: Bound::new(*limit),
-                })
-                .collect(),
+            tiers: bounds,
         }
     }
 
@@ -221,15 +311,38 @@ impl Admission {
     /// [`SubmitErrorKind::TooManyChoices`] when it has more choices than its tier's bound or
     /// the server's ever admits, as [`SubmitErrorKind::Overloaded`] when its tier, or the
     /// server, has not that many seats free now.
-    pub(crate) fn admit(&self, tier: &str, demand: Demand) -> Result<InFlight, SubmitError> {
+    pub(crate) fn admit(
+        &self,
+        tier: &str,
+        tenant: &str,
+        demand: Demand,
+    ) -> Result<InFlight, SubmitError> {
         let seats = demand.choices;
-        let tier_bound = self.tiers.iter().find(|t| t.name == tier);
+        let tier_entry = self.tiers.iter().find(|t| t.name == tier);
+        let per_tenant = tier_entry.and_then(|t| t.per_tenant.as_ref().map(|b| (t, b)));
+        let tier_bound = tier_entry.and_then(|t| t.bound.as_ref().map(|b| (t, b)));
         // Larger than a bound: refused whatever is in flight, before any seat is taken.
-        if let Some(t) = tier_bound.filter(|t| seats > t.bound.limit) {
-            if let Some(refused) = t.bound.too_large.hit(Instant::now()) {
+        if let Some((t, b)) = per_tenant.filter(|(_, b)| seats > b.limit) {
+            if let Some(refused) = b.too_large.hit(Instant::now()) {
                 tracing::warn!(
                     tier = %t.name,
-                    limit = t.bound.limit,
+                    limit = b.limit,
+                    refused,
+                    "requests refused (400): more choices than their tier's \
+                     tiers.<name>.max_pending_per_tenant ever admits"
+                );
+            }
+            return Err(too_many_choices(
+                demand,
+                &format!("tiers.{}.max_pending_per_tenant", t.name),
+                b.limit,
+            ));
+        }
+        if let Some((t, b)) = tier_bound.filter(|(_, b)| seats > b.limit) {
+            if let Some(refused) = b.too_large.hit(Instant::now()) {
+                tracing::warn!(
+                    tier = %t.name,
+                    limit = b.limit,
                     refused,
                     "requests refused (400): more choices than their tier's \
                      tiers.<name>.max_pending_requests ever admits"
@@ -238,7 +351,7 @@ impl Admission {
             return Err(too_many_choices(
                 demand,
                 &format!("tiers.{}.max_pending_requests", t.name),
-                t.bound.limit,
+                b.limit,
             ));
         }
         if seats > self.server.limit {
@@ -256,12 +369,43 @@ impl Admission {
                 self.server.limit,
             ));
         }
-        if let Some(t) = tier_bound {
-            if !t.bound.take(seats) {
-                if let Some(refused) = t.bound.full.hit(Instant::now()) {
+        let tenant: Arc<str> = Arc::from(tenant);
+        if let Some((t, b)) = per_tenant {
+            if !b.take(&tenant, seats) {
+                if let Some(refused) = b.full.hit(Instant::now()) {
                     tracing::warn!(
                         tier = %t.name,
-                        limit = t.bound.limit,
+                        tenant = %tenant,
+                        limit = b.limit,
+                        refused,
+                        "requests refused (429): their tenant is at its tier's \
+                         tiers.<name>.max_pending_per_tenant"
+                    );
+                }
+                return Err(SubmitError::new(
+                    SubmitErrorKind::TenantBusy,
+                    format!(
+                        "tenant `{tenant}` has too many requests in flight for this one's {} \
+                         (tiers.{}.max_pending_per_tenant is {}); retry when one ends",
+                        demand.describe(),
+                        t.name,
+                        b.limit
+                    ),
+                ));
+            }
+        }
+        let give_back_tenant = || {
+            if let Some((_, b)) = per_tenant {
+                b.give_back(&tenant, seats);
+            }
+        };
+        if let Some((t, b)) = tier_bound {
+            if !b.take(seats) {
+                give_back_tenant();
+                if let Some(refused) = b.full.hit(Instant::now()) {
+                    tracing::warn!(
+                        tier = %t.name,
+                        limit = b.limit,
                         refused,
                         "requests refused as overloaded: their tier is at its \
                          tiers.<name>.max_pending_requests"
@@ -275,15 +419,16 @@ impl Admission {
                         t.name,
                         demand.describe(),
                         t.name,
-                        t.bound.limit
+                        b.limit
                     ),
                 ));
             }
         }
         if !self.server.take(seats) {
-            if let Some(t) = tier_bound {
-                t.bound.give_back(seats);
+            if let Some((_, b)) = tier_bound {
+                b.give_back(seats);
             }
+            give_back_tenant();
             if let Some(refused) = self.server.full.hit(Instant::now()) {
                 tracing::warn!(
                     limit = self.server.limit,
@@ -304,7 +449,8 @@ impl Admission {
         }
         Ok(InFlight {
             all: self.server.in_flight.clone(),
-            tier: tier_bound.map(|t| t.bound.in_flight.clone()),
+            tier: tier_bound.map(|(_, b)| b.in_flight.clone()),
+            tenant: per_tenant.map(|(_, b)| (b.clone(), tenant.clone())),
             seats,
         })
     }
@@ -327,7 +473,7 @@ mod tests {
     use super::*;
 
     fn admission() -> Admission {
-        Admission::new(4, &[("batch".into(), 2)])
+        Admission::new(4, &[("batch".into(), 2)], &[])
     }
 
     /// A request of one prompt and one choice.
@@ -348,9 +494,9 @@ mod tests {
     #[test]
     fn a_tier_at_its_bound_is_refused_while_others_are_admitted() {
         let a = admission();
-        let b1 = a.admit("batch", ONE).unwrap();
-        let _b2 = a.admit("batch", ONE).unwrap();
-        let e = a.admit("batch", ONE).err().unwrap();
+        let b1 = a.admit("batch", "t", ONE).unwrap();
+        let _b2 = a.admit("batch", "t", ONE).unwrap();
+        let e = a.admit("batch", "t", ONE).err().unwrap();
         assert_eq!(e.kind, SubmitErrorKind::Overloaded);
         assert!(
             e.message
@@ -358,32 +504,32 @@ mod tests {
             "{e}"
         );
         assert_eq!(a.in_flight(), 2);
-        let p1 = a.admit("premium", ONE).unwrap();
-        let _p2 = a.admit("premium", ONE).unwrap();
-        let e = a.admit("premium", ONE).err().unwrap();
+        let p1 = a.admit("premium", "t", ONE).unwrap();
+        let _p2 = a.admit("premium", "t", ONE).unwrap();
+        let e = a.admit("premium", "t", ONE).err().unwrap();
         assert!(e.message.contains("server.max_pending_requests"), "{e}");
         // Refused by the server's bound, the tier's seat is given back too.
         drop(p1);
         drop(b1);
         assert_eq!(a.in_flight(), 2);
-        let _b3 = a.admit("batch", ONE).unwrap();
-        let _p3 = a.admit("premium", ONE).unwrap();
-        assert!(a.admit("batch", ONE).is_err());
+        let _b3 = a.admit("batch", "t", ONE).unwrap();
+        let _p3 = a.admit("premium", "t", ONE).unwrap();
+        assert!(a.admit("batch", "t", ONE).is_err());
         assert_eq!(a.in_flight(), 4);
     }
 
     /// A request of a bounded tier that the server's bound refuses gives its tier's seat back.
     #[test]
     fn a_refusal_by_the_server_gives_the_tier_seat_back() {
-        let a = Admission::new(3, &[("batch".into(), 2)]);
-        let p1 = a.admit("premium", ONE).unwrap();
-        let p2 = a.admit("premium", ONE).unwrap();
-        let _b1 = a.admit("batch", ONE).unwrap();
-        let e = a.admit("batch", ONE).err().unwrap();
+        let a = Admission::new(3, &[("batch".into(), 2)], &[]);
+        let p1 = a.admit("premium", "t", ONE).unwrap();
+        let p2 = a.admit("premium", "t", ONE).unwrap();
+        let _b1 = a.admit("batch", "t", ONE).unwrap();
+        let e = a.admit("batch", "t", ONE).err().unwrap();
         assert!(e.message.contains("server.max_pending_requests"), "{e}");
         drop((p1, p2));
-        let _b2 = a.admit("batch", ONE).unwrap();
-        let e = a.admit("batch", ONE).err().unwrap();
+        let _b2 = a.admit("batch", "t", ONE).unwrap();
+        let e = a.admit("batch", "t", ONE).err().unwrap();
         assert!(e.message.contains("tiers.batch"), "{e}");
     }
 
@@ -391,11 +537,11 @@ mod tests {
     /// as one prompt with `n = 2` does.
     #[test]
     fn each_choice_takes_a_seat_whether_from_prompts_or_n() {
-        let a = Admission::new(2, &[]);
-        let two_prompts = a.admit("", prompts(2)).unwrap();
+        let a = Admission::new(2, &[], &[]);
+        let two_prompts = a.admit("", "t", prompts(2)).unwrap();
         assert_eq!(a.in_flight(), 2);
         assert_eq!(
-            a.admit("", ONE).err().unwrap().kind,
+            a.admit("", "t", ONE).err().unwrap().kind,
             SubmitErrorKind::Overloaded
         );
         drop(two_prompts);
@@ -403,10 +549,10 @@ mod tests {
             prompts: 1,
             choices: 2,
         };
-        let _n2 = a.admit("", n2).unwrap();
+        let _n2 = a.admit("", "t", n2).unwrap();
         assert_eq!(a.in_flight(), 2);
         assert_eq!(
-            a.admit("", ONE).err().unwrap().kind,
+            a.admit("", "t", ONE).err().unwrap().kind,
             SubmitErrorKind::Overloaded
         );
     }
@@ -415,8 +561,8 @@ mod tests {
     /// and its value, even on an idle server; one that fits but not now is overloaded (a 503).
     #[test]
     fn a_request_larger_than_a_bound_is_refused_as_too_many_choices() {
-        let a = Admission::new(1, &[]);
-        let e = a.admit("", prompts(2)).err().unwrap();
+        let a = Admission::new(1, &[], &[]);
+        let e = a.admit("", "t", prompts(2)).err().unwrap();
         assert_eq!(e.kind, SubmitErrorKind::TooManyChoices);
         assert_eq!(
             e.message,
@@ -428,14 +574,14 @@ mod tests {
             prompts: 1,
             choices: 2,
         };
-        let e = a.admit("", n2).err().unwrap();
+        let e = a.admit("", "t", n2).err().unwrap();
         assert_eq!(e.kind, SubmitErrorKind::TooManyChoices);
         assert!(e.message.contains("2 choices (n = 2)"), "{e}");
         assert_eq!(a.in_flight(), 0);
 
         // A tier's bound, smaller than the server's: its own name and value.
-        let a = Admission::new(8, &[("batch".into(), 3)]);
-        let e = a.admit("batch", prompts(4)).err().unwrap();
+        let a = Admission::new(8, &[("batch".into(), 3)], &[]);
+        let e = a.admit("batch", "t", prompts(4)).err().unwrap();
         assert_eq!(e.kind, SubmitErrorKind::TooManyChoices);
         assert!(
             e.message.contains(
@@ -444,15 +590,15 @@ mod tests {
             "{e}"
         );
         // Other tiers take it (the server's bound is 8); larger than the server's: refused.
-        let held = a.admit("premium", prompts(4)).unwrap();
-        let e = a.admit("premium", prompts(9)).err().unwrap();
+        let held = a.admit("premium", "t", prompts(4)).unwrap();
+        let e = a.admit("premium", "t", prompts(9)).err().unwrap();
         assert_eq!(e.kind, SubmitErrorKind::TooManyChoices);
         assert!(
             e.message.contains("server.max_pending_requests is 8"),
             "{e}"
         );
         // Fits the bounds, not what is free now: overloaded.
-        let e = a.admit("premium", prompts(5)).err().unwrap();
+        let e = a.admit("premium", "t", prompts(5)).err().unwrap();
         assert_eq!(e.kind, SubmitErrorKind::Overloaded);
         assert!(e.message.contains("retry shortly"), "{e}");
         drop(held);
@@ -463,18 +609,19 @@ mod tests {
     /// its tier's), and one admitted holds all of its seats until every part is dropped.
     #[test]
     fn a_refused_request_holds_no_seat() {
-        let a = Admission::new(4, &[("batch".into(), 3)]);
-        let _b = a.admit("batch", prompts(2)).unwrap();
+        let a = Admission::new(4, &[("batch".into(), 3)], &[]);
+        let _b = a.admit("batch", "t", prompts(2)).unwrap();
         // Two more would take the tier past 3: none of them is taken.
-        let e = a.admit("batch", prompts(2)).err().unwrap();
+        let e = a.admit("batch", "t", prompts(2)).err().unwrap();
         assert_eq!(e.kind, SubmitErrorKind::Overloaded);
         assert_eq!(a.in_flight(), 2);
-        let _b1 = a.admit("batch", ONE).unwrap();
+        let _b1 = a.admit("batch", "t", ONE).unwrap();
         drop(_b1);
         // The server has 2 free: a request of 3 takes none of them, nor of its tier's.
         let e = a
             .admit(
                 "batch",
+                "t",
                 Demand {
                     prompts: 1,
                     choices: 3,
@@ -483,22 +630,22 @@ mod tests {
             .err()
             .unwrap();
         assert_eq!(e.kind, SubmitErrorKind::Overloaded);
-        let p = a.admit("premium", prompts(2)).unwrap();
+        let p = a.admit("premium", "t", prompts(2)).unwrap();
         assert_eq!(a.in_flight(), 4);
-        let e = a.admit("batch", ONE).err().unwrap();
+        let e = a.admit("batch", "t", ONE).err().unwrap();
         assert!(e.message.contains("server.max_pending_requests"), "{e}");
         // The tier's seat taken before the server refused is back: one batch request fits
         // once the server has room.
         drop(p);
-        let _b2 = a.admit("batch", ONE).unwrap();
+        let _b2 = a.admit("batch", "t", ONE).unwrap();
         assert_eq!(a.in_flight(), 3);
     }
 
     /// The guard splits into one per prompt; each gives its own seats back.
     #[test]
     fn split_guards_give_their_seats_back_one_by_one() {
-        let a = Admission::new(4, &[("batch".into(), 4)]);
-        let mut all = a.admit("batch", prompts(3)).unwrap();
+        let a = Admission::new(4, &[("batch".into(), 4)], &[]);
+        let mut all = a.admit("batch", "t", prompts(3)).unwrap();
         let first = all.split_off(1);
         let second = all.split_off(1);
         assert_eq!(a.in_flight(), 3);
@@ -507,8 +654,8 @@ mod tests {
         drop(all);
         assert_eq!(a.in_flight(), 1);
         // The tier's count too: 3 more fit in it with `first` held, not 4.
-        assert!(a.admit("batch", prompts(4)).is_err());
-        let _three = a.admit("batch", prompts(3)).unwrap();
+        assert!(a.admit("batch", "t", prompts(4)).is_err());
+        let _three = a.admit("batch", "t", prompts(3)).unwrap();
         drop(first);
         assert_eq!(a.in_flight(), 3);
     }
@@ -524,5 +671,79 @@ mod tests {
         assert_eq!(t.hit(t0 + Duration::from_secs(1)), Some(10));
         assert_eq!(t.hit(t0 + Duration::from_millis(1500)), None);
         assert_eq!(t.hit(t0 + Duration::from_secs(3)), Some(2));
+    }
+
+    /// A tenant at its tier's per-tenant bound is refused (429) while the tier's other
+    /// tenants are admitted; its seats come back with its guards (and its entry goes); a
+    /// refusal by the tier or the server afterwards gives the tenant's seats back too.
+    #[test]
+    fn a_tenant_at_its_bound_is_refused_while_other_tenants_are_admitted() {
+        let a = Admission::new(5, &[("free".into(), 4)], &[("free".into(), 2)]);
+        let bound = a.tiers[0].per_tenant.clone().unwrap();
+        let a1 = a.admit("free", "acme", ONE).unwrap();
+        let _a2 = a.admit("free", "acme", ONE).unwrap();
+        let e = a.admit("free", "acme", ONE).err().unwrap();
+        assert_eq!(e.kind, SubmitErrorKind::TenantBusy);
+        assert!(
+            e.message.contains("tenant `acme`")
+                && e.message
+                    .contains("(tiers.free.max_pending_per_tenant is 2)"),
+            "{e}"
+        );
+        let _b1 = a.admit("free", "beta", ONE).unwrap();
+        // Other tiers have no such bound.
+        let _p = a.admit("premium", "acme", ONE).unwrap();
+        assert_eq!((bound.held("acme"), bound.held("beta")), (2, 1));
+        drop(a1);
+        assert_eq!(bound.held("acme"), 1);
+        let a3 = a.admit("free", "acme", ONE).unwrap();
+        // The tier is now full (4): a tenant with room is refused by the tier (503), and
+        // keeps no seat it took on the way.
+        let _b2 = a.admit("free", "beta", ONE).unwrap();
+        let e = a.admit("free", "gamma", ONE).err().unwrap();
+        assert_eq!(e.kind, SubmitErrorKind::Overloaded);
+        assert_eq!(bound.held("gamma"), 0);
+        assert_eq!(bound.tenants(), 2);
+        // The server full (5 seats) refuses with the tier's and the tenant's seats given back.
+        drop(a3);
+        let _q = a.admit("premium", "x", ONE).unwrap();
+        let e = a.admit("free", "gamma", ONE).err().unwrap();
+        assert_eq!(e.kind, SubmitErrorKind::Overloaded);
+        assert!(e.message.contains("server.max_pending_requests"), "{e}");
+        assert_eq!(bound.held("gamma"), 0);
+        assert_eq!(
+            a.tiers[0]
+                .bound
+                .as_ref()
+                .unwrap()
+                .in_flight
+                .load(Ordering::Acquire),
+            3
+        );
+    }
+
+    /// A request with more choices than the per-tenant bound is a 400 naming it; seats split
+    /// off a guard come back one prompt at a time, and every entry goes with the last.
+    #[test]
+    fn per_tenant_seats_count_choices_and_split_with_the_guard() {
+        let a = Admission::new(8, &[], &[("free".into(), 3)]);
+        let bound = a.tiers[0].per_tenant.clone().unwrap();
+        let e = a.admit("free", "acme", prompts(4)).err().unwrap();
+        assert_eq!(e.kind, SubmitErrorKind::TooManyChoices);
+        assert!(
+            e.message.contains("tiers.free.max_pending_per_tenant is 3"),
+            "{e}"
+        );
+        let mut seats = a.admit("free", "acme", prompts(3)).unwrap();
+        assert_eq!(bound.held("acme"), 3);
+        let first = seats.split_off(1);
+        let second = seats.split_off(1);
+        drop(first);
+        assert_eq!(bound.held("acme"), 2);
+        drop(seats);
+        assert_eq!(bound.held("acme"), 1);
+        drop(second);
+        assert_eq!((bound.held("acme"), bound.tenants()), (0, 0));
+        assert_eq!(a.in_flight(), 0);
     }
 }

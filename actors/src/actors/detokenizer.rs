@@ -232,6 +232,7 @@ pub(crate) fn failure_label(kind: SubmitErrorKind) -> &'static str {
         SubmitErrorKind::UnknownModel => "unknown_model",
         SubmitErrorKind::ContextLengthExceeded => "context_length",
         SubmitErrorKind::Overloaded => "overloaded",
+        SubmitErrorKind::TenantBusy => "tenant_busy",
         SubmitErrorKind::QueueTimeout => "queue_timeout",
         SubmitErrorKind::Unavailable => "unavailable",
         SubmitErrorKind::StructuredOutput => "structured_output",

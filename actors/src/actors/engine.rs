@@ -50,6 +50,10 @@ pub struct EngineConfig {
     /// request of a tier listed here is refused as overloaded while its tier has not room for
     /// its choices, even if the server has ([`super::admission`]).
     pub tier_max_pending: Vec<(String, usize)>,
+    /// Per-tier bounds on each tenant's requests in flight
+    /// (`tiers.<name>.max_pending_per_tenant`), counted as the server's: a tenant of a tier
+    /// listed here is refused (429) while it holds that many ([`super::admission`]).
+    pub tier_max_pending_per_tenant: Vec<(String, usize)>,
     /// Tier SLO targets by tier name.
     pub tier_slos: Vec<(String, SloTargets)>,
     /// The tenants the configuration names (its API keys'): only these label the usage
@@ -234,6 +238,9 @@ pub enum SubmitErrorKind {
     /// Too many requests in flight: the request fits under the bounds on requests in flight,
     /// not under what is free now (a 503 to retry).
     Overloaded,
+    /// Its tenant has as many requests in flight as its tier lets one tenant have
+    /// (`tiers.<name>.max_pending_per_tenant`): a 429 to retry when one of them ends.
+    TenantBusy,
     /// More choices (prompts × `n`) than a bound on requests in flight ever admits: the
     /// request can never be admitted under it (a 400 naming the bound, not a retryable 503).
     TooManyChoices,
@@ -437,6 +444,7 @@ impl Engine {
             admission: Arc::new(Admission::new(
                 config.max_pending_requests,
                 &config.tier_max_pending,
+                &config.tier_max_pending_per_tenant,
             )),
             config: Arc::new(config),
             vocab,
@@ -499,7 +507,8 @@ impl Engine {
             prompts: prompts.len(),
             choices: prompts.iter().map(|(o, _)| o.n.max(1) as usize).sum(),
         };
-        let mut seats = match self.admission.admit(&first.tier, demand) {
+        debug_assert!(prompts.iter().all(|(o, _)| o.tenant == first.tenant));
+        let mut seats = match self.admission.admit(&first.tier, &first.tenant, demand) {
             Ok(seats) => seats,
             Err(e) => {
                 self.refuse_all(prompts, e);
@@ -624,6 +633,7 @@ impl Engine {
     fn refuse(&self, options: &RequestOptions, sink: &mut dyn OutputSink, error: SubmitError) {
         let reason = match error.kind {
             SubmitErrorKind::Overloaded => Some("overloaded"),
+            SubmitErrorKind::TenantBusy => Some("tenant_busy"),
             SubmitErrorKind::Unavailable => Some("unavailable"),
             _ => None,
         };
@@ -1224,6 +1234,7 @@ mod tests {
             tokenizer_threads: 1,
             max_pending_requests: 16,
             tier_max_pending: Vec::new(),
+            tier_max_pending_per_tenant: Vec::new(),
             tier_slos: Vec::new(),
             metrics_tenants: Default::default(),
             async_scheduling: AsyncScheduling::Off,
