@@ -534,6 +534,12 @@ enum Outcome {
     Rejected,
     /// Refused by its tenant's rate limits (the server's 429).
     RateLimited,
+    /// Refused at arrival by its tier's `max_pending_requests` (the server's 503
+    /// `overloaded`).
+    Overloaded,
+    /// Refused at arrival by its tier's `max_pending_per_tenant` (the server's 429, reason
+    /// `tenant_busy`).
+    TenantBusy,
     Finished(switchyard_policies::FinishReason),
 }
 
@@ -564,6 +570,10 @@ struct Loop<'a> {
     budget_index: HashMap<(String, String), usize>,
     /// Per request, the budget its generated tokens are charged to (a limited tier's).
     budget_of: Vec<Option<usize>>,
+    /// Requests in flight under the tiers' admission bounds, and whether each request holds
+    /// a seat there (until it ends).
+    in_flight: crate::in_flight::InFlight,
+    holds_seat: Vec<bool>,
 }
 
 /// The token the simulator invents at position `pos` of request `id`: deterministic in both,
@@ -622,6 +632,8 @@ impl<'a> Loop<'a> {
             budgets: Vec::new(),
             budget_index: HashMap::new(),
             budget_of: vec![None; requests.len()],
+            in_flight: crate::in_flight::InFlight::default(),
+            holds_seat: vec![false; requests.len()],
         }
     }
 
@@ -787,13 +799,44 @@ impl<'a> Loop<'a> {
             if !self.within_rate_limits(*next) {
                 self.tracks[*next].outcome = Outcome::RateLimited;
                 rejected += 1;
+            } else if let Err(refusal) = self.take_seat(*next) {
+                self.tracks[*next].outcome = match refusal {
+                    crate::in_flight::Refusal::TierFull => Outcome::Overloaded,
+                    crate::in_flight::Refusal::TenantBusy => Outcome::TenantBusy,
+                };
+                rejected += 1;
             } else if self.sched.add_request(self.request(*next)).is_err() {
                 self.tracks[*next].outcome = Outcome::Rejected;
+                self.give_back_seat(*next);
                 rejected += 1;
             }
             *next += 1;
         }
         rejected
+    }
+
+    /// Takes request `i`'s seat under its tier's bounds on requests in flight, as the
+    /// server's admission does after its rate limits.
+    fn take_seat(&mut self, i: usize) -> Result<(), crate::in_flight::Refusal> {
+        let r = &self.requests[i];
+        let tier = self.tiers.get(&r.tier);
+        self.in_flight.take(
+            &r.tier,
+            &r.tenant,
+            tier.and_then(|t| t.max_pending_requests),
+            tier.and_then(|t| t.max_pending_per_tenant),
+        )?;
+        self.holds_seat[i] = true;
+        Ok(())
+    }
+
+    /// Gives back request `i`'s seat (once) when it ends.
+    fn give_back_seat(&mut self, i: usize) {
+        if let Some(held) = self.holds_seat.get_mut(i).filter(|h| **h) {
+            *held = false;
+            let r = &self.requests[i];
+            self.in_flight.give_back(&r.tier, &r.tenant);
+        }
     }
 
     /// Whether request `i`'s tenant may send it at its arrival, as the server decides
@@ -835,6 +878,7 @@ impl<'a> Loop<'a> {
             if let Some(t) = self.tracks.get_mut(q.id.0 as usize) {
                 t.outcome = Outcome::Finished(switchyard_policies::FinishReason::QueueTimeout);
             }
+            self.give_back_seat(q.id.0 as usize);
             self.sched.forget(q.id);
         }
         plan.timed_out.len()
@@ -955,6 +999,7 @@ impl<'a> Loop<'a> {
                     t.finish = Some(at.0);
                     t.outcome = Outcome::Finished(reason);
                 }
+                self.give_back_seat(id.0 as usize);
                 self.sched.forget(id);
                 true
             }
@@ -1063,6 +1108,8 @@ fn record(
             Outcome::Unfinished => "unfinished".into(),
             Outcome::Rejected => "rejected".into(),
             Outcome::RateLimited => "rate_limited".into(),
+            Outcome::Overloaded => crate::report::OVERLOADED.into(),
+            Outcome::TenantBusy => crate::report::TENANT_BUSY.into(),
             Outcome::Finished(reason) => reason.as_str().into(),
         },
         preemptions: t.preemptions,
@@ -1840,6 +1887,57 @@ policies: [{{name: fcfs}}]
             crate::report::PolicySummary::new("fcfs", &records, &mut [], Default::default());
         assert_eq!(summary.rate_limited, 1);
         assert_eq!(summary.tiers[0].rate_limited, 1);
+    }
+
+    #[test]
+    fn requests_past_their_tiers_bounds_on_requests_in_flight_are_refused_as_the_server_refuses_them(
+    ) {
+        // Tier free: 2 requests in flight, 1 per tenant; 1 ms steps. At 0 s: a (10 + 50 tokens,
+        // in flight until ~50 ms), a again (refused: tenant_busy), b (admitted: the tier's
+        // second), c (refused: overloaded, the tier full), and d of tier paid (no bounds). At
+        // 0.2 s, their requests ended, a and b are served again and c is refused again (the
+        // tier holds two).
+        let yaml = "policies: [{name: fcfs}]\n\
+                    tiers: {free: {max_pending_requests: 2, max_pending_per_tenant: 1}, paid: {}}\n\
+                    scheduler: {max_num_seqs: 8, max_model_len: 100}\ncache: {num_gpu_blocks: 64}\n\
+                    workload: {trace: unused.csv, format: azure}\n";
+        let of = |tenant: &str, r: TraceRequest| TraceRequest {
+            tenant: tenant.into(),
+            ..r
+        };
+        let rs = vec![
+            of("a", req(0.0, 10, 50, "free")),
+            of("a", req(0.0, 10, 1, "free")),
+            of("b", req(0.0, 10, 1, "free")),
+            of("c", req(0.0, 10, 1, "free")),
+            of("d", req(0.0, 10, 1, "paid")),
+            of("a", req(0.2, 10, 1, "free")),
+            of("b", req(0.2, 10, 1, "free")),
+            of("c", req(0.2, 10, 1, "free")),
+        ];
+        let records = fcfs_records(yaml, &rs);
+        let got: Vec<&str> = records.iter().map(|r| r.outcome.as_str()).collect();
+        assert_eq!(
+            got,
+            [
+                "length",
+                "tenant_busy",
+                "length",
+                "overloaded",
+                "length",
+                "length",
+                "length",
+                "overloaded"
+            ]
+        );
+        let summary =
+            crate::report::PolicySummary::new("fcfs", &records, &mut [], Default::default());
+        assert_eq!((summary.overloaded, summary.tenant_busy), (2, 1));
+        let free = summary.tiers.iter().find(|t| t.tier == "free").unwrap();
+        assert_eq!(
+            (free.overloaded, free.tenant_busy, free.finished),
+            (2, 1, 4)
+        );
     }
 
     /// The records of `rs` run under FCFS by the spec `yaml`, every step taking 1 ms.

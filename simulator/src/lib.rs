@@ -17,6 +17,7 @@ pub mod calibrate;
 pub mod cost;
 pub mod engine;
 pub mod error;
+mod in_flight;
 pub mod lora_cost;
 pub mod outputs;
 pub mod plot;

@@ -9,7 +9,8 @@
 //! Percentiles interpolate linearly between order statistics (NumPy's
 //! default). SLO attainment counts only the requests that have a target (their
 //! tier sets `ttft_ms` or `tpot_ms`): the fraction of them meeting every target
-//! they have (rejected, rate-limited, queue-timed-out and unfinished ones count as misses),
+//! they have (rejected, rate-limited, queue-timed-out, refused and unfinished ones count as
+//! misses),
 //! `None` (shown as
 //! n/a) when no request has one; goodput is the rate of those requests meeting
 //! every target, as defined by DistServe (Zhong et al., OSDI'24), over the run's
@@ -48,8 +49,8 @@ pub struct RequestRecord {
     pub first_token_s: Option<f64>,
     /// Time it finished.
     pub finish_s: Option<f64>,
-    /// Finish reason (`length`, `stop`, `queue_timeout`, ...), `rejected`, `rate_limited` or
-    /// `unfinished`.
+    /// Finish reason (`length`, `stop`, `queue_timeout`, ...), `rejected`, `rate_limited`,
+    /// `overloaded`, `tenant_busy` or `unfinished`.
     pub outcome: String,
     /// Times it was preempted.
     pub preemptions: u64,
@@ -170,6 +171,12 @@ pub struct TierSummary {
     /// Of which ended by their queue bound before their first admission (`queue_timeout`).
     #[serde(default)]
     pub queue_timeout: u64,
+    /// Of which refused at arrival by the tier's `max_pending_requests` (`overloaded`).
+    #[serde(default)]
+    pub overloaded: u64,
+    /// Of which refused at arrival by the tier's `max_pending_per_tenant` (`tenant_busy`).
+    #[serde(default)]
+    pub tenant_busy: u64,
     /// Fraction meeting the TTFT target (`None`: no target).
     pub ttft_attainment: Option<f64>,
     /// Fraction meeting the TPOT target (`None`: no target).
@@ -228,6 +235,14 @@ pub struct PolicySummary {
     /// `queue_timeout`).
     #[serde(default)]
     pub queue_timeout: u64,
+    /// Requests refused at arrival by their tier's bound on requests in flight
+    /// (`tiers.<name>.max_pending_requests`: the server's 503 `overloaded`).
+    #[serde(default)]
+    pub overloaded: u64,
+    /// Requests refused at arrival by their tier's bound on each tenant's requests in flight
+    /// (`tiers.<name>.max_pending_per_tenant`: the server's 429, reason `tenant_busy`).
+    #[serde(default)]
+    pub tenant_busy: u64,
     /// First arrival to last finish, in virtual seconds.
     pub duration_s: f64,
     /// Finished requests per second.
@@ -306,6 +321,8 @@ impl PolicySummary {
                 .iter()
                 .filter(|r| r.outcome == QUEUE_TIMEOUT)
                 .count() as u64,
+            overloaded: records.iter().filter(|r| r.outcome == OVERLOADED).count() as u64,
+            tenant_busy: records.iter().filter(|r| r.outcome == TENANT_BUSY).count() as u64,
             duration_s,
             request_throughput: per_s(finished as f64),
             output_token_throughput: per_s(generated as f64),
@@ -359,6 +376,8 @@ fn tier_summary(tier: &str, rs: &[&RequestRecord], duration_s: f64) -> TierSumma
         finished: rs.iter().filter(|r| r.finish_s.is_some()).count() as u64,
         rate_limited: rs.iter().filter(|r| r.outcome == RATE_LIMITED).count() as u64,
         queue_timeout: rs.iter().filter(|r| r.outcome == QUEUE_TIMEOUT).count() as u64,
+        overloaded: rs.iter().filter(|r| r.outcome == OVERLOADED).count() as u64,
+        tenant_busy: rs.iter().filter(|r| r.outcome == TENANT_BUSY).count() as u64,
         ttft_attainment: attainment(|r| r.met_ttft),
         tpot_attainment: attainment(|r| r.met_tpot),
         slo_attainment: (targeted > 0).then(|| met / targeted as f64),
@@ -372,6 +391,10 @@ fn tier_summary(tier: &str, rs: &[&RequestRecord], duration_s: f64) -> TierSumma
 pub const RATE_LIMITED: &str = "rate_limited";
 /// The outcome of a request ended by its queue bound before its first admission.
 pub const QUEUE_TIMEOUT: &str = "queue_timeout";
+/// The outcome of a request refused at arrival by its tier's `max_pending_requests`.
+pub const OVERLOADED: &str = "overloaded";
+/// The outcome of a request refused at arrival by its tier's `max_pending_per_tenant`.
+pub const TENANT_BUSY: &str = "tenant_busy";
 
 /// Several policies run on the same workload.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -419,8 +442,8 @@ impl Comparison {
         let _ = writeln!(
             s,
             "slo% and goodput count the requests whose tier sets a ttft_ms or tpot_ms target \
-             (n/a: none has one); rejected, rate-limited, queue-timed-out and unfinished ones \
-             miss\n"
+             (n/a: none has one); rejected, rate-limited, queue-timed-out, refused \
+             (overloaded, tenant_busy) and unfinished ones miss\n"
         );
         let pct = |x: Option<f64>| x.map_or("n/a".to_string(), |v| format!("{:.1}", 100.0 * v));
         let _ = writeln!(
@@ -460,39 +483,51 @@ impl Comparison {
                 p.policy, p.rejected, p.requests, self.max_model_len
             );
         }
-        for p in self.policies.iter().filter(|p| p.rate_limited > 0) {
-            let by_tier: Vec<String> = p
-                .tiers
-                .iter()
-                .filter(|t| t.rate_limited > 0)
-                .map(|t| format!("{} {}", t.tier, t.rate_limited))
-                .collect();
-            let _ = writeln!(
-                s,
-                "{}: {} of {} requests rate-limited by their tier's requests_per_minute or \
-                 tokens_per_minute (the server answers them 429 rate_limit_exceeded): {}",
-                p.policy,
-                p.rate_limited,
-                p.requests,
-                by_tier.join(", ")
-            );
-        }
-        for p in self.policies.iter().filter(|p| p.queue_timeout > 0) {
-            let by_tier: Vec<String> = p
-                .tiers
-                .iter()
-                .filter(|t| t.queue_timeout > 0)
-                .map(|t| format!("{} {}", t.tier, t.queue_timeout))
-                .collect();
-            let _ = writeln!(
-                s,
-                "{}: {} of {} requests timed out in the queue, not admitted within their \
-                 max_queue_ms (the server answers them 503 queue_timeout): {}",
-                p.policy,
-                p.queue_timeout,
-                p.requests,
-                by_tier.join(", ")
-            );
+        type Count = fn(&PolicySummary) -> u64;
+        type TierCount = fn(&TierSummary) -> u64;
+        let refusals: [(Count, TierCount, &str); 4] = [
+            (
+                |p| p.rate_limited,
+                |t| t.rate_limited,
+                "rate-limited by their tier's requests_per_minute or tokens_per_minute (the \
+                 server answers them 429 rate_limit_exceeded)",
+            ),
+            (
+                |p| p.queue_timeout,
+                |t| t.queue_timeout,
+                "timed out in the queue, not admitted within their max_queue_ms (the server \
+                 answers them 503 queue_timeout)",
+            ),
+            (
+                |p| p.overloaded,
+                |t| t.overloaded,
+                "refused at arrival, their tier at its max_pending_requests (the server \
+                 answers them 503 overloaded)",
+            ),
+            (
+                |p| p.tenant_busy,
+                |t| t.tenant_busy,
+                "refused at arrival, their tenant at its tier's max_pending_per_tenant (the \
+                 server answers them 429 rate_limit_exceeded)",
+            ),
+        ];
+        for (count, tier_count, what) in refusals {
+            for p in self.policies.iter().filter(|p| count(p) > 0) {
+                let by_tier: Vec<String> = p
+                    .tiers
+                    .iter()
+                    .filter(|t| tier_count(t) > 0)
+                    .map(|t| format!("{} {}", t.tier, tier_count(t)))
+                    .collect();
+                let _ = writeln!(
+                    s,
+                    "{}: {} of {} requests {what}: {}",
+                    p.policy,
+                    count(p),
+                    p.requests,
+                    by_tier.join(", ")
+                );
+            }
         }
         for p in self.policies.iter().filter(|p| p.counters.draft_tokens > 0) {
             let c = &p.counters;

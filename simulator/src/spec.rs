@@ -350,13 +350,15 @@ pub struct TierConf {
     #[serde(default)]
     pub priority: i32,
     /// The server's bound on the tier's requests in flight (`tiers.<name>.max_pending_requests`
-    /// of a server configuration). Read so that a server configuration's tiers load; the
-    /// simulator does not model admission, so it changes nothing here.
+    /// of a server configuration, 1 to 1,000,000): a request arriving while the tier has that
+    /// many in flight (arrived, not ended) is refused, as the server answers it 503
+    /// `overloaded`, and reported `overloaded`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_pending_requests: Option<usize>,
     /// The server's bound on each tenant's requests in flight in the tier
-    /// (`tiers.<name>.max_pending_per_tenant`): read, like `max_pending_requests`, so that a
-    /// server configuration's tiers load; not modelled.
+    /// (`tiers.<name>.max_pending_per_tenant`, 1 to 1,000,000): a request arriving while its
+    /// tenant has that many in flight is refused, as the server answers it 429, and reported
+    /// `tenant_busy`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_pending_per_tenant: Option<usize>,
     /// The server's rate limits of the tier's tenants (`tiers.<name>.requests_per_minute`,
@@ -806,6 +808,15 @@ fn validate_tiers(tiers: &BTreeMap<String, TierConf>) -> Result<(), String> {
         if let Some(f) = t.max_kv_fraction.filter(|f| !(*f > 0.0 && *f <= 1.0)) {
             return Err(format!("tiers.{name}.max_kv_fraction {f} outside (0, 1]"));
         }
+        // The server's bounds (`switchyard_config`: 1 to 1,000,000).
+        for (field, bound) in [
+            ("max_pending_requests", t.max_pending_requests),
+            ("max_pending_per_tenant", t.max_pending_per_tenant),
+        ] {
+            if let Some(n) = bound.filter(|n| !(1..=1_000_000).contains(n)) {
+                return Err(format!("tiers.{name}.{field} {n} outside 1..=1000000"));
+            }
+        }
     }
     Ok(())
 }
@@ -1091,6 +1102,17 @@ workload:
                 GOOD.replace("priority: 2}", "priority: 2, max_kv_fraction: 1.01}"),
                 "tiers.batch.max_kv_fraction 1.01 outside (0, 1]",
             ),
+            (
+                GOOD.replace("priority: 2}", "priority: 2, max_pending_per_tenant: 0}"),
+                "tiers.batch.max_pending_per_tenant 0 outside 1..=1000000",
+            ),
+            (
+                GOOD.replace(
+                    "priority: 2}",
+                    "priority: 2, max_pending_requests: 1000001}",
+                ),
+                "tiers.batch.max_pending_requests 1000001 outside 1..=1000000",
+            ),
             // The server's bound (switchyard_config::MAX_NUM_SEQS), not a wider one.
             (
                 format!("{}\nscheduler: {{ max_num_seqs: 2049 }}\n", GOOD.trim_end()),
@@ -1187,7 +1209,7 @@ workload:
         let names: Vec<&str> = tiers.keys().map(String::as_str).collect();
         assert_eq!(names, ["batch", "premium", "standard"]);
         assert_eq!(tiers["premium"].ttft_ms, Some(200.0));
-        // The server's admission bound is read (and changes nothing in a simulation).
+        // The server's admission bounds are read.
         assert_eq!(tiers["batch"].max_pending_requests, Some(1024));
         assert_eq!(tiers["standard"].max_pending_per_tenant, Some(256));
         // So are its rate limits.
