@@ -957,8 +957,10 @@ impl Scheduler {
             // Under a sliding window its tier's bound may hold a request of any length (see
             // `add_request`), but admission pins every matched block (those behind the window
             // go back a step later): a hit longer than the bound would keep it waiting
-            // forever, so it uses no more of the hit than the bound holds with its first chunk.
-            let chunk = b.budget.min(b.logit_cap(seq)).min(max_new);
+            // forever, so it uses no more of the hit than the bound holds with a first chunk
+            // of the largest size (the same however the step's budget moves, so that the retry
+            // after a preemption plans what the victims were chosen for).
+            let chunk = self.config.max_num_batched_tokens;
             while let Some(k) = self.matched.len().checked_sub(1) {
                 let tokens = (k + 1) * bs;
                 if self.ledger.blocks_for(tokens + (total - tokens).min(chunk)) <= quota {

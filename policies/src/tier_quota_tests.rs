@@ -268,7 +268,8 @@ fn a_long_prefix_hit_under_a_sliding_window_is_admitted_within_the_bound() {
     // a request of any length. Batch 1 (80 tokens, 20 blocks) runs to its end; its blocks
     // behind the window stay in the prefix cache. Batch 2, the same prompt, matches 19 of
     // them: pinning all of them at admission would hold 20 blocks, over the bound, so it
-    // must not wait for that (it would wait forever: nothing else runs to free the tier).
+    // must not wait for that (it would wait forever: nothing else runs to free the tier);
+    // it uses as much of the hit as the bound holds with a first chunk.
     let mut c = config(64, Some(0.125));
     c.max_num_batched_tokens = 8;
     c.sliding_window = Some(SlidingWindow {
@@ -289,5 +290,7 @@ fn a_long_prefix_hit_under_a_sliding_window_is_admitted_within_the_bound() {
         s.request_state(RequestId(2)),
         Some(RequestState::Finished(FinishReason::Length))
     );
+    // It used the hit's first 6 blocks: 24 tokens and a chunk of 8 fill the bound's 32.
+    assert_eq!(s.stats().prefix_hits, 24);
     assert_eq!(s.tier_kv_blocks(), &[0, 0]);
 }
