@@ -1,7 +1,8 @@
 //! KV-cache quotas per tier through the real binary on loopback: with the `batch` tier held to
 //! 1/8 of a 64-block cache (8 blocks of 16 tokens), a batch request that could never fit is
-//! refused with 400 `context_length_exceeded` while the same request of the unbounded tier is
-//! served; two batch requests that fit alone but not together take turns (a preemption, with
+//! refused with 400 `context_length_exceeded` (streamed or not) while the same request of the
+//! unbounded tier is served, and a batch chat request without `max_tokens` is cut to what the
+//! tier holds; two batch requests that fit alone but not together take turns (a preemption, with
 //! 50 blocks of the pool free), and `switchyard:kv_cache_blocks_used{tier}` never shows the
 //! tier above its 8 blocks and is back at 0 at the end.
 
@@ -41,10 +42,32 @@ fn a_tiers_kv_quota_holds_its_requests_back_and_is_reported_per_tier() {
     let v: Value = serde_json::from_str(&r.body).expect("json");
     assert_eq!(v["error"]["code"], "context_length_exceeded", "{v}");
     let message = v["error"]["message"].as_str().unwrap_or_default();
-    assert!(message.contains("tier `batch` may hold 8"), "{v}");
+    assert!(
+        message.contains("this request's tier may hold at most 128 tokens"),
+        "{v}"
+    );
+    assert_eq!(v["error"]["param"], "max_tokens", "{v}");
+    // Streamed, it is refused before the stream opens.
+    let mut streamed = long.clone();
+    streamed["stream"] = json!(true);
+    let r = s.complete_as(BATCH, &streamed);
+    assert_eq!(r.status, 400, "{}", r.body);
     // The unbounded tier is bounded by the whole cache only.
     let r = s.complete_as(INTER, &long);
     assert_eq!(r.status, 200, "{}", r.body);
+    // Without max_tokens a chat request may fill what its tier holds (128 tokens), no more.
+    let chat = json!({"messages": [{"role": "user", "content": "Hi"}], "ignore_eos": true});
+    let r = s
+        .request(
+            "POST",
+            "/v1/chat/completions",
+            Some(&chat.to_string()),
+            &[("authorization", BATCH)],
+        )
+        .expect("request");
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v: Value = serde_json::from_str(&r.body).expect("json");
+    assert_eq!(v["usage"]["total_tokens"], 128, "{v}");
 
     // Two batch requests of ~100 tokens (7 blocks each): one at a time under the quota.
     let preemptions = s.metric("switchyard:num_preemptions_total").unwrap_or(0.0);

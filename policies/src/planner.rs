@@ -953,6 +953,22 @@ impl Scheduler {
             self.ledger
                 .match_prefix(&seq.hashes[..upto], &mut self.matched);
         }
+        if let (Some(quota), Some(_)) = (self.quotas.cap(tier), self.config.sliding_window) {
+            // Under a sliding window its tier's bound may hold a request of any length (see
+            // `add_request`), but admission pins every matched block (those behind the window
+            // go back a step later): a hit longer than the bound would keep it waiting
+            // forever, so it uses no more of the hit than the bound holds with a first chunk
+            // of the largest size (the same however the step's budget moves, so that the retry
+            // after a preemption plans what the victims were chosen for).
+            let chunk = self.config.max_num_batched_tokens;
+            while let Some(k) = self.matched.len().checked_sub(1) {
+                let tokens = (k + 1) * bs;
+                if self.ledger.blocks_for(tokens + (total - tokens).min(chunk)) <= quota {
+                    break;
+                }
+                self.matched.truncate(k);
+            }
+        }
         let computed = self.matched.len() * bs;
         let num_new = (total - computed)
             .min(b.budget)

@@ -20,8 +20,16 @@ pub(crate) const NO_TIER: u8 = u8::MAX;
 /// The blocks a tier with `fraction` of a `num_blocks` cache may hold: rounded down, at least
 /// one.
 pub fn tier_kv_blocks(fraction: f64, num_blocks: usize) -> usize {
-    // `fraction` is validated in (0, 1], so the product is at most `num_blocks`.
-    ((fraction * num_blocks as f64).floor() as usize).clamp(1, num_blocks.max(1))
+    // `fraction` is validated in (0, 1], so the product is at most `num_blocks`. A product
+    // within rounding error below a whole number (0.29 * 100 = 28.999999999999996) is it.
+    let blocks = fraction * num_blocks as f64;
+    let whole = blocks.round();
+    let blocks = if (blocks - whole).abs() <= whole * 1e-12 {
+        whole
+    } else {
+        blocks.floor()
+    };
+    (blocks as usize).clamp(1, num_blocks.max(1))
 }
 
 /// Blocks held per configured tier and each tier's bound.
@@ -130,6 +138,12 @@ mod tests {
         assert_eq!(tier_kv_blocks(1.0, 101), 101);
         assert_eq!(tier_kv_blocks(0.001, 100), 1);
         assert_eq!(tier_kv_blocks(0.3, 10), 3);
+        // Products that f64 leaves a hair below a whole number (0.29 * 100 is
+        // 28.999999999999996) are that number.
+        assert_eq!(tier_kv_blocks(0.29, 100), 29);
+        assert_eq!(tier_kv_blocks(0.57, 200), 114);
+        assert_eq!(tier_kv_blocks(0.58, 50), 29);
+        assert_eq!(tier_kv_blocks(0.999, 100), 99);
     }
 
     #[test]

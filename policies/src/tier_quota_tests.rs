@@ -237,3 +237,37 @@ fn a_fraction_outside_zero_to_one_is_refused_naming_the_field() {
     }
     assert!(Scheduler::new(config(20, Some(1.0)), Box::new(Fcfs), [0, 0]).is_ok());
 }
+
+#[test]
+fn a_long_prefix_hit_under_a_sliding_window_is_admitted_within_the_bound() {
+    // A window of 4 tokens, no read slack, chunks of 8, blocks of 4: a sequence holds at most
+    // (4 + 4 + 8) / 4 + 3 = 7 blocks at once, so batch's bound of 8 blocks (1/8 of 64) holds
+    // a request of any length. Batch 1 (80 tokens, 20 blocks) runs to its end; its blocks
+    // behind the window stay in the prefix cache. Batch 2, the same prompt, matches 19 of
+    // them: pinning all of them at admission would hold 20 blocks, over the bound, so it
+    // must not wait for that (it would wait forever: nothing else runs to free the tier);
+    // it uses as much of the hit as the bound holds with a first chunk.
+    let mut c = config(64, Some(0.125));
+    c.max_num_batched_tokens = 8;
+    c.sliding_window = Some(SlidingWindow {
+        tokens: 4,
+        read_slack: 0,
+    });
+    let mut s = sched(c);
+    let prompt: Arc<[u32]> = Arc::from((1..=80).collect::<Vec<u32>>());
+    let mut a = req(1, "batch", 80, 2);
+    a.prompt = prompt.clone();
+    s.add_request(a).unwrap();
+    assert!(drain(&mut s, 0).is_empty());
+    let mut b = req(2, "batch", 80, 2);
+    b.prompt = prompt;
+    s.add_request(b).unwrap();
+    assert!(drain(&mut s, 100).is_empty());
+    assert_eq!(
+        s.request_state(RequestId(2)),
+        Some(RequestState::Finished(FinishReason::Length))
+    );
+    // It used the hit's first 6 blocks: 24 tokens and a chunk of 8 fill the bound's 32.
+    assert_eq!(s.stats().prefix_hits, 24);
+    assert_eq!(s.tier_kv_blocks(), &[0, 0]);
+}

@@ -11,6 +11,9 @@ pub(crate) struct SequenceLimit {
     max_model_len: usize,
     /// The most tokens the KV cache holds of one sequence.
     kv_tokens: usize,
+    /// The most tokens the request's tier's KV quota (`max_kv_fraction`) holds of one
+    /// sequence (`usize::MAX`: no quota).
+    tier_kv_tokens: usize,
 }
 
 impl SequenceLimit {
@@ -20,6 +23,15 @@ impl SequenceLimit {
         SequenceLimit {
             max_model_len,
             kv_tokens,
+            tier_kv_tokens: usize::MAX,
+        }
+    }
+
+    /// This limit, with the request's tier's KV quota holding `tier_kv_tokens` of one sequence.
+    pub(crate) fn with_tier_kv(self, tier_kv_tokens: usize) -> Self {
+        SequenceLimit {
+            tier_kv_tokens,
+            ..self
         }
     }
 
@@ -30,7 +42,9 @@ impl SequenceLimit {
 
     /// The most tokens one sequence (prompt and output) may hold.
     pub(crate) fn tokens(self) -> usize {
-        self.max_model_len.min(self.kv_tokens)
+        self.max_model_len
+            .min(self.kv_tokens)
+            .min(self.tier_kv_tokens)
     }
 
     /// What bounds a sequence, as a sentence's beginning.
@@ -39,7 +53,13 @@ impl SequenceLimit {
             "This model's maximum context length is {} tokens",
             self.max_model_len
         );
-        if self.kv_tokens < self.max_model_len {
+        if self.tier_kv_tokens < self.max_model_len.min(self.kv_tokens) {
+            format!(
+                "{context}, but this request's tier may hold at most {} tokens of one sequence \
+                 in the KV cache (its max_kv_fraction)",
+                self.tier_kv_tokens
+            )
+        } else if self.kv_tokens < self.max_model_len {
             format!(
                 "{context}, but this server's KV cache holds at most {} tokens of one sequence",
                 self.kv_tokens
@@ -101,6 +121,14 @@ mod tests {
              tokens"
         ));
         assert!(cache.prompt_too_long(5000).contains("at most 4095 tokens"));
+        let tier = cache.with_tier_kv(1024);
+        assert_eq!(tier.tokens(), 1024);
+        assert!(tier.max_tokens_too_large(1000, 100).contains(
+            "but this request's tier may hold at most 1024 tokens of one sequence in the KV \
+             cache (its max_kv_fraction) and your request has 1000 input tokens (100 > 1024 - \
+             1000)"
+        ));
+        assert_eq!(cache.with_tier_kv(5000).tokens(), 4096);
         assert_eq!(
             SequenceLimit::context(16),
             SequenceLimit::new(16, usize::MAX)

@@ -482,6 +482,24 @@ impl Engine {
         self.config.scheduler.kv_capacity_tokens()
     }
 
+    /// The longest sequence the KV quota of `tier` holds (`tiers.<name>.max_kv_fraction`, as
+    /// the scheduler bounds it); `usize::MAX` for a tier without one.
+    fn tier_kv_capacity_tokens(&self, tier: &str) -> usize {
+        let c = &self.config.scheduler;
+        c.tiers
+            .iter()
+            .find(|t| t.name == tier)
+            .and_then(|t| t.max_kv_fraction)
+            .map_or(usize::MAX, |f| {
+                switchyard_policies::kv_capacity_tokens(
+                    switchyard_policies::tier_kv_blocks(f, c.num_gpu_blocks),
+                    c.block_size,
+                    c.max_num_batched_tokens,
+                    c.sliding_window,
+                )
+            })
+    }
+
     /// Requests in flight.
     pub fn in_flight(&self) -> usize {
         self.admission.in_flight()
@@ -828,7 +846,8 @@ impl Engine {
         // A sequence must fit in the context and, alone, in the KV cache: the scheduler
         // refuses one that cannot, which must be found here, before the prompt event opens
         // the response (serve keeps max_model_len within the cache; other callers may not).
-        let sequence = SequenceLimit::new(self.max_model_len(), self.kv_capacity_tokens());
+        let sequence = SequenceLimit::new(self.max_model_len(), self.kv_capacity_tokens())
+            .with_tier_kv(self.tier_kv_capacity_tokens(&options.tier));
         let limit = sequence.tokens();
         // The prompt must leave room for one generated token at least (as vLLM checks).
         if prompt.len() >= limit {
@@ -1182,7 +1201,7 @@ mod tests {
     use std::sync::Mutex;
     use std::time::Duration;
 
-    use switchyard_policies::{PolicyRegistry, SchedulerError};
+    use switchyard_policies::{PolicyRegistry, SchedulerError, TierSpec};
 
     use super::*;
     use crate::actors::detokenizer::rejection;
@@ -1195,6 +1214,60 @@ mod tests {
         assert!(Metering::Request.queue_bound());
         assert!(Metering::BeamStep { queue_times: 2 }.queue_bound());
         assert!(!Metering::BeamStep { queue_times: 0 }.queue_bound());
+    }
+
+    /// A request of a tier whose KV quota (16 of 64 blocks of 4 tokens: 64 tokens) is below
+    /// the context (1024) and the cache (256): a limit the client asked for that only the
+    /// context allows is refused before anything is sent, like one over the cache, and a
+    /// defaulted limit is cut to what the tier's quota holds, not refused.
+    #[actix::test]
+    async fn a_tiers_kv_quota_bounds_max_tokens_before_the_prompt_event() {
+        let tier = |name: &str, max_kv_fraction| TierSpec {
+            name: name.into(),
+            ttft_ms: None,
+            tpot_ms: None,
+            weight: 1.0,
+            preemptible: false,
+            max_queue_ms: None,
+            max_kv_fraction,
+        };
+        let (engine, _) = engine_with_tiers(1024, vec![tier("batch", Some(0.25))]);
+        let batch = |max_tokens| RequestOptions {
+            tier: "batch".into(),
+            ..options(max_tokens)
+        };
+        let (sink, rx) = recorder();
+        let Err((e, _)) = admit_with(&engine, batch(Some(100)), 10, sink) else {
+            panic!("a request over its tier's KV quota was admitted");
+        };
+        assert_eq!(e.kind, SubmitErrorKind::ContextLengthExceeded, "{e}");
+        assert_eq!(e.param, Some("max_tokens"));
+        assert!(e.message.contains("64 tokens"), "{e}");
+        assert!(
+            rx.try_recv().is_err(),
+            "something was sent before the refusal"
+        );
+        let (sink, rx) = recorder();
+        assert!(admit_with(&engine, batch(None), 10, sink).is_ok());
+        assert!(matches!(
+            next_output(&rx).await,
+            EngineOutput::Prompt {
+                prompt_tokens: 10,
+                ..
+            }
+        ));
+        loop {
+            match next_output(&rx).await {
+                EngineOutput::Delta(d) => match d.finish {
+                    Some(finish) => {
+                        assert_eq!(finish, (FinishReason::Length, 54));
+                        break;
+                    }
+                    None => continue,
+                },
+                other => panic!("expected deltas to the end of the tier's quota, got {other:?}"),
+            }
+        }
     }
 
     /// Records what a request receives.
@@ -1221,6 +1294,14 @@ mod tests {
     /// An engine over a [`CountingBackend`] (whose counts come back too) with a context of
     /// `max_model_len` tokens.
     fn engine(max_model_len: usize) -> (Engine, Arc<Mutex<HashMap<u64, usize>>>) {
+        engine_with_tiers(max_model_len, Vec::new())
+    }
+
+    /// [`engine`] with the scheduler's `tiers`.
+    fn engine_with_tiers(
+        max_model_len: usize,
+        tiers: Vec<TierSpec>,
+    ) -> (Engine, Arc<Mutex<HashMap<u64, usize>>>) {
         let tokenizer = abc_tokenizer();
         let fed = Arc::new(Mutex::new(HashMap::new()));
         let config = EngineConfig {
@@ -1228,6 +1309,7 @@ mod tests {
                 num_gpu_blocks: 64,
                 block_size: 4,
                 max_model_len,
+                tiers,
                 ..SchedulerConfig::default()
             },
             hash_key: [1, 2],
@@ -1285,6 +1367,17 @@ mod tests {
         max_tokens: Option<u32>,
         sink: Box<dyn OutputSink>,
     ) -> Result<(), (SubmitError, Box<dyn OutputSink>)> {
+        admit_with(engine, options(max_tokens), prompt_len, sink)
+    }
+
+    /// [`admit`] with the request's options.
+    #[allow(clippy::result_large_err)]
+    fn admit_with(
+        engine: &Engine,
+        options: RequestOptions,
+        prompt_len: usize,
+        sink: Box<dyn OutputSink>,
+    ) -> Result<(), (SubmitError, Box<dyn OutputSink>)> {
         engine.admission.counter().fetch_add(1, Ordering::AcqRel);
         let resolved = Resolved {
             prompt: vec![2; prompt_len],
@@ -1295,7 +1388,7 @@ mod tests {
         };
         let guard = InFlight::new(engine.admission.counter());
         engine.admit(
-            options(max_tokens),
+            options,
             resolved,
             sink,
             guard,
