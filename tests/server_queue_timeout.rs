@@ -7,7 +7,6 @@
 
 mod common;
 
-use std::io::Read;
 use std::time::{Duration, Instant};
 
 use common::{api_key_lines, sse_events, Server};
@@ -25,21 +24,7 @@ fn a_request_past_its_tiers_queue_bound_gets_a_503_and_others_wait() {
     let post = |auth: &str, body: &Value| s.complete_as(auth, body);
 
     // The one seat: a long stream, read to its end on a thread of its own.
-    let long = json!({"prompt": "Count:", "max_tokens": 1000, "ignore_eos": true,
-                      "stream": true})
-    .to_string();
-    let mut stream = s.open_with(
-        "POST",
-        "/v1/completions",
-        Some(&long),
-        &[("authorization", PAID)],
-    );
-    assert_eq!(common::read_status(&mut stream), 200);
-    let reader = std::thread::spawn(move || {
-        let mut rest = String::new();
-        let _ = stream.read_to_string(&mut rest);
-        rest
-    });
+    let reader = s.hold_stream(PAID, 1000);
 
     std::thread::scope(|scope| {
         // A request of the unbounded tier waits behind it and is served.

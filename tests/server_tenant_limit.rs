@@ -7,8 +7,6 @@
 
 mod common;
 
-use std::io::Read;
-
 use common::{api_key_lines, Server};
 use serde_json::{json, Value};
 
@@ -22,21 +20,7 @@ fn a_tenant_at_its_bound_gets_a_429_while_its_tier_neighbour_is_served() {
     let s = Server::start_with("tenant-limit", &keys, rest);
 
     // Acme's one seat: a long stream, read to its end on a thread of its own.
-    let long = json!({"prompt": "Count:", "max_tokens": 400, "ignore_eos": true,
-                      "stream": true})
-    .to_string();
-    let mut stream = s.open_with(
-        "POST",
-        "/v1/completions",
-        Some(&long),
-        &[("authorization", ACME)],
-    );
-    assert_eq!(common::read_status(&mut stream), 200);
-    let reader = std::thread::spawn(move || {
-        let mut rest = String::new();
-        let _ = stream.read_to_string(&mut rest);
-        rest
-    });
+    let reader = s.hold_stream(ACME, 400);
 
     let r = s.complete_as(ACME, &json!({"prompt": "Hi", "max_tokens": 2}));
     assert_eq!(r.status, 429, "{}", r.body);

@@ -1161,6 +1161,20 @@ workload: {trace: unused.csv, format: azure}
         }
     }
 
+    /// [`req`] sent by `tenant`.
+    fn req_of(
+        tenant: &str,
+        arrival_s: f64,
+        prompt: usize,
+        output: u32,
+        tier: &str,
+    ) -> TraceRequest {
+        TraceRequest {
+            tenant: tenant.into(),
+            ..req(arrival_s, prompt, output, tier)
+        }
+    }
+
     /// The same trace with every request naming one of two adapters takes longer than without,
     /// under the roofline (its launches, flops and bytes) and under a calibration with LoRA
     /// terms; a calibration without them prices both alike.
@@ -1844,18 +1858,14 @@ policies: [{{name: fcfs}}]
                     scheduler: {max_num_seqs: 8, max_model_len: 100}\ncache: {num_gpu_blocks: 64}\n\
                     workload: {trace: unused.csv, format: azure}\n";
         // Each request's record after a run of 1 ms steps.
-        let of = |tenant: &str, r: TraceRequest| TraceRequest {
-            tenant: tenant.into(),
-            ..r
-        };
         let rs = vec![
-            of("a", req(0.0, 10, 50, "lim")),
-            of("b", req(0.0, 10, 1, "lim")),
-            of("a", req(1.2, 10, 1, "lim")),
-            of("a", req(2.0, 10, 1, "lim")),
-            of("b", req(2.0, 10, 1, "lim")),
-            of("a", req(2.0, 10, 1, "free")),
-            of("a", req(40.0, 10, 1, "lim")),
+            req_of("a", 0.0, 10, 50, "lim"),
+            req_of("b", 0.0, 10, 1, "lim"),
+            req_of("a", 1.2, 10, 1, "lim"),
+            req_of("a", 2.0, 10, 1, "lim"),
+            req_of("b", 2.0, 10, 1, "lim"),
+            req_of("a", 2.0, 10, 1, "free"),
+            req_of("a", 40.0, 10, 1, "lim"),
         ];
         let records = fcfs_records(yaml, &rs);
         let got: Vec<&str> = records.iter().map(|r| r.outcome.as_str()).collect();
@@ -1876,9 +1886,9 @@ policies: [{{name: fcfs}}]
         // a: 10 + 50 at 0 s, its 50 tokens out by 0.05 s (1 ms steps): at 0.5 s ~0.45 back,
         // refused (it would pass were they not charged); at 1.5 s ~1.45 back: admitted.
         let rs = vec![
-            of("a", req(0.0, 10, 50, "lim")),
-            of("a", req(0.5, 10, 1, "lim")),
-            of("a", req(1.5, 10, 1, "lim")),
+            req_of("a", 0.0, 10, 50, "lim"),
+            req_of("a", 0.5, 10, 1, "lim"),
+            req_of("a", 1.5, 10, 1, "lim"),
         ];
         let records = fcfs_records(&yaml, &rs);
         let got: Vec<&str> = records.iter().map(|r| r.outcome.as_str()).collect();
@@ -1901,19 +1911,15 @@ policies: [{{name: fcfs}}]
                     tiers: {free: {max_pending_requests: 2, max_pending_per_tenant: 1}, paid: {}}\n\
                     scheduler: {max_num_seqs: 8, max_model_len: 100}\ncache: {num_gpu_blocks: 64}\n\
                     workload: {trace: unused.csv, format: azure}\n";
-        let of = |tenant: &str, r: TraceRequest| TraceRequest {
-            tenant: tenant.into(),
-            ..r
-        };
         let rs = vec![
-            of("a", req(0.0, 10, 50, "free")),
-            of("a", req(0.0, 10, 1, "free")),
-            of("b", req(0.0, 10, 1, "free")),
-            of("c", req(0.0, 10, 1, "free")),
-            of("d", req(0.0, 10, 1, "paid")),
-            of("a", req(0.2, 10, 1, "free")),
-            of("b", req(0.2, 10, 1, "free")),
-            of("c", req(0.2, 10, 1, "free")),
+            req_of("a", 0.0, 10, 50, "free"),
+            req_of("a", 0.0, 10, 1, "free"),
+            req_of("b", 0.0, 10, 1, "free"),
+            req_of("c", 0.0, 10, 1, "free"),
+            req_of("d", 0.0, 10, 1, "paid"),
+            req_of("a", 0.2, 10, 1, "free"),
+            req_of("b", 0.2, 10, 1, "free"),
+            req_of("c", 0.2, 10, 1, "free"),
         ];
         let records = fcfs_records(yaml, &rs);
         let got: Vec<&str> = records.iter().map(|r| r.outcome.as_str()).collect();

@@ -287,6 +287,27 @@ impl Server {
         stream
     }
 
+    /// Opens a streamed completion of `max_tokens` tokens (end of sequence ignored) as
+    /// `auth`, checks its 200, and reads it to its end on a thread of its own, which returns
+    /// the rest of the response: a request that holds a seat while a test sends others.
+    pub fn hold_stream(&self, auth: &str, max_tokens: u32) -> std::thread::JoinHandle<String> {
+        let body = serde_json::json!({"prompt": "Count:", "max_tokens": max_tokens,
+                                      "ignore_eos": true, "stream": true})
+        .to_string();
+        let mut stream = self.open_with(
+            "POST",
+            "/v1/completions",
+            Some(&body),
+            &[("authorization", auth)],
+        );
+        assert_eq!(read_status(&mut stream), 200);
+        std::thread::spawn(move || {
+            let mut rest = String::new();
+            let _ = stream.read_to_string(&mut rest);
+            rest
+        })
+    }
+
     /// [`Server::open`] with headers.
     pub fn open_with(
         &self,
