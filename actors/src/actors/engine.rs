@@ -1249,25 +1249,7 @@ mod tests {
         );
         let (sink, rx) = recorder();
         assert!(admit_with(&engine, batch(None), 10, sink).is_ok());
-        assert!(matches!(
-            next_output(&rx).await,
-            EngineOutput::Prompt {
-                prompt_tokens: 10,
-                ..
-            }
-        ));
-        loop {
-            match next_output(&rx).await {
-                EngineOutput::Delta(d) => match d.finish {
-                    Some(finish) => {
-                        assert_eq!(finish, (FinishReason::Length, 54));
-                        break;
-                    }
-                    None => continue,
-                },
-                other => panic!("expected deltas to the end of the tier's quota, got {other:?}"),
-            }
-        }
+        prompt_then_length(&rx, 10, 54).await;
     }
 
     /// Records what a request receives.
@@ -1513,30 +1495,35 @@ mod tests {
         assert!(admit(&engine, 255, Some(1), sink).is_ok());
     }
 
+    /// Expects the prompt event of `prompt_tokens` tokens, then deltas until a finish by
+    /// length after `generated` tokens.
+    async fn prompt_then_length(rx: &Receiver<EngineOutput>, prompt_tokens: u32, generated: u32) {
+        match next_output(rx).await {
+            EngineOutput::Prompt {
+                prompt_tokens: got, ..
+            } => assert_eq!(got, prompt_tokens),
+            other => panic!("expected the prompt event, got {other:?}"),
+        }
+        loop {
+            match next_output(rx).await {
+                EngineOutput::Delta(d) => match d.finish {
+                    Some(finish) => {
+                        assert_eq!(finish, (FinishReason::Length, generated));
+                        break;
+                    }
+                    None => continue,
+                },
+                other => panic!("expected deltas to a finish by length, got {other:?}"),
+            }
+        }
+    }
+
     #[actix::test]
     async fn a_defaulted_max_tokens_is_cut_to_what_the_kv_cache_holds() {
         let (engine, _) = engine(1024);
         let (sink, rx) = recorder();
         assert!(admit(&engine, 10, None, sink).is_ok());
-        assert!(matches!(
-            next_output(&rx).await,
-            EngineOutput::Prompt {
-                prompt_tokens: 10,
-                ..
-            }
-        ));
-        loop {
-            match next_output(&rx).await {
-                EngineOutput::Delta(d) => match d.finish {
-                    Some(finish) => {
-                        assert_eq!(finish, (FinishReason::Length, 246));
-                        break;
-                    }
-                    None => continue,
-                },
-                other => panic!("expected deltas to the end of the cache, got {other:?}"),
-            }
-        }
+        prompt_then_length(&rx, 10, 246).await;
     }
 
     #[actix::test]
