@@ -169,6 +169,17 @@ fn calibration_values(path: &Path) -> std::collections::HashMap<String, f64> {
         .collect()
 }
 
+/// `switchyard calibrate --from-samples steps --output out`: its report.
+fn refit(steps: &Path, out: &Path) -> String {
+    succeeds(
+        switchyard()
+            .args(["calibrate", "--from-samples"])
+            .arg(steps)
+            .arg("--output")
+            .arg(out),
+    )
+}
+
 /// The step shapes a calibration saved in `dir/steps.json`.
 fn saved_shapes(dir: &Path) -> Vec<serde_json::Value> {
     let steps: serde_json::Value =
@@ -223,13 +234,7 @@ fn calibrate_fits_the_engine_and_the_simulator_runs_on_the_fit() {
         .iter()
         .any(|s| s["num_prefill_tokens"].as_u64() == Some(127)));
     // Refitting the saved steps gives the same coefficients.
-    succeeds(
-        switchyard()
-            .args(["calibrate", "--from-samples"])
-            .arg(dir.join("steps.json"))
-            .arg("--output")
-            .arg(dir.join("refit.yaml")),
-    );
+    refit(&dir.join("steps.json"), &dir.join("refit.yaml"));
     assert_eq!(calibration_values(&dir.join("refit.yaml")), cal);
     // One request of 8 prompt tokens and 2 output tokens: a prefill step (8 tokens, 36
     // attention pairs) and a decode step (9 keys), each with the host's time.
@@ -323,13 +328,7 @@ fn calibrate_with_lora_measures_adapted_steps_and_the_simulator_prices_them() {
             > 10
     );
     // Refitting the saved steps gives the same coefficients.
-    succeeds(
-        switchyard()
-            .args(["calibrate", "--from-samples"])
-            .arg(dir.join("steps.json"))
-            .arg("--output")
-            .arg(dir.join("refit.yaml")),
-    );
+    refit(&dir.join("steps.json"), &dir.join("refit.yaml"));
     let cal = calibration_values(&dir.join("cal.yaml"));
     assert_eq!(calibration_values(&dir.join("refit.yaml")), cal);
     // One request of 8 prompt tokens and 2 output tokens naming adapter 3, and the same
@@ -397,13 +396,7 @@ fn refitting_h200_steps_prices_adapted_decodes() {
     let dir = temp_dir("calibrate-h200");
     let steps = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures/calibrate/h200-smollm2-r4.steps.json");
-    let stdout = succeeds(
-        switchyard()
-            .args(["calibrate", "--from-samples"])
-            .arg(&steps)
-            .arg("--output")
-            .arg(dir.join("cal.yaml")),
-    );
+    let stdout = refit(&steps, &dir.join("cal.yaml"));
     // "  LoRA decode      98: median 2.4%, worst 5.8%" -> (2.4, 5.8)
     let errors = |kind: &str| -> (f64, f64) {
         let line = stdout

@@ -322,36 +322,27 @@ impl Admission {
         let per_tenant = tier_entry.and_then(|t| t.per_tenant.as_ref().map(|b| (t, b)));
         let tier_bound = tier_entry.and_then(|t| t.bound.as_ref().map(|b| (t, b)));
         // Larger than a bound: refused whatever is in flight, before any seat is taken.
-        if let Some((t, b)) = per_tenant.filter(|(_, b)| seats > b.limit) {
-            if let Some(refused) = b.too_large.hit(Instant::now()) {
+        let tier_bounds = [
+            per_tenant.map(|(t, b)| (t, "max_pending_per_tenant", b.limit, &b.too_large)),
+            tier_bound.map(|(t, b)| (t, "max_pending_requests", b.limit, &b.too_large)),
+        ];
+        for (t, field, limit, too_large) in tier_bounds.into_iter().flatten() {
+            if seats <= limit {
+                continue;
+            }
+            if let Some(refused) = too_large.hit(Instant::now()) {
                 tracing::warn!(
                     tier = %t.name,
-                    limit = b.limit,
+                    limit,
                     refused,
-                    "requests refused (400): more choices than their tier's \
-                     tiers.<name>.max_pending_per_tenant ever admits"
+                    "requests refused (400): more choices than their tier's tiers.<name>.{field} \
+                     ever admits"
                 );
             }
             return Err(too_many_choices(
                 demand,
-                &format!("tiers.{}.max_pending_per_tenant", t.name),
-                b.limit,
-            ));
-        }
-        if let Some((t, b)) = tier_bound.filter(|(_, b)| seats > b.limit) {
-            if let Some(refused) = b.too_large.hit(Instant::now()) {
-                tracing::warn!(
-                    tier = %t.name,
-                    limit = b.limit,
-                    refused,
-                    "requests refused (400): more choices than their tier's \
-                     tiers.<name>.max_pending_requests ever admits"
-                );
-            }
-            return Err(too_many_choices(
-                demand,
-                &format!("tiers.{}.max_pending_requests", t.name),
-                b.limit,
+                &format!("tiers.{}.{field}", t.name),
+                limit,
             ));
         }
         if seats > self.server.limit {
@@ -369,9 +360,10 @@ impl Admission {
                 self.server.limit,
             ));
         }
-        let tenant: Arc<str> = Arc::from(tenant);
-        if let Some((t, b)) = per_tenant {
-            if !b.take(&tenant, seats) {
+        // The tenant's seat, where its tier bounds tenants (its name is copied only then).
+        let per_tenant = per_tenant.map(|(t, b)| (t, b, Arc::<str>::from(tenant)));
+        if let Some((t, b, tenant)) = &per_tenant {
+            if !b.take(tenant, seats) {
                 if let Some(refused) = b.full.hit(Instant::now()) {
                     tracing::warn!(
                         tier = %t.name,
@@ -395,8 +387,8 @@ impl Admission {
             }
         }
         let give_back_tenant = || {
-            if let Some((_, b)) = per_tenant {
-                b.give_back(&tenant, seats);
+            if let Some((_, b, tenant)) = &per_tenant {
+                b.give_back(tenant, seats);
             }
         };
         if let Some((t, b)) = tier_bound {
@@ -450,7 +442,7 @@ impl Admission {
         Ok(InFlight {
             all: self.server.in_flight.clone(),
             tier: tier_bound.map(|(_, b)| b.in_flight.clone()),
-            tenant: per_tenant.map(|(_, b)| (b.clone(), tenant.clone())),
+            tenant: per_tenant.map(|(_, b, tenant)| (b.clone(), tenant)),
             seats,
         })
     }
