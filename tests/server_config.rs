@@ -939,3 +939,100 @@ fn a_request_larger_than_max_pending_requests_is_a_400_not_a_retryable_503() {
         std::thread::sleep(Duration::from_millis(100));
     }
 }
+
+/// SIGHUP rotates API keys (the keys file read again: a key removed is refused at once, a key
+/// added is served) and applies a tier's new limits to tenants already counted (a raised
+/// requests-per-minute limit frees room at once; a new per-tenant bound counts the request in
+/// flight), with nothing named as taking a restart; a reload that would open the API changes
+/// nothing.
+#[test]
+fn sighup_rotates_api_keys_and_applies_a_tiers_new_limits() {
+    const ACME: &str = "Bearer gold-tenant-acme-key-0001";
+    const BOB: &str = "Bearer gold-tenant-bob-key-00001";
+    const CAROL: &str = "Bearer gold-tenant-carol-key-001";
+    let keys_dir = scratch("config", "rotate-keys-file");
+    let keys_file = keys_dir.join("keys.yaml");
+    let entry = |bearer: &str, tenant: &str| {
+        let key = bearer.strip_prefix("Bearer ").unwrap_or(bearer);
+        format!("- {{ key: {key}, tenant: {tenant}, tier: gold }}\n")
+    };
+    std::fs::write(&keys_file, entry(ACME, "acme") + &entry(BOB, "bob")).expect("keys file");
+    let s = start(
+        "rotate-keys",
+        &format!("  api_keys_file: {}\n", keys_file.display()),
+        "tiers:\n  gold: { requests_per_minute: 2 }\n",
+        &[],
+    );
+    let short = json!({"prompt": "Hi", "max_tokens": 2});
+    for _ in 0..2 {
+        let r = s.complete_as(ACME, &short);
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    let r = s.complete_as(ACME, &short);
+    assert_eq!(r.status, 429, "{}", r.body);
+    assert!(r.body.contains("Limit 2"), "{}", r.body);
+    assert_eq!(s.complete_as(BOB, &short).status, 200);
+
+    // Bob's key revoked, carol's added; gold allows 4 a minute and one request per tenant.
+    std::fs::write(&keys_file, entry(ACME, "acme") + &entry(CAROL, "carol")).expect("keys");
+    edit_config(
+        &s,
+        "gold: { requests_per_minute: 2 }",
+        "gold: { requests_per_minute: 4, max_pending_per_tenant: 1 }",
+    );
+    s.hang_up();
+    s.wait_logged("SIGHUP: reload finished", 1);
+    let log = s.log();
+    assert!(!log.contains("taking a restart"), "{log}");
+    s.assert_logged(&["SIGHUP: API keys reloaded", "added=1", "removed=1"]);
+    s.assert_logged(&["SIGHUP: the tier's rate limits changed", "tier=gold"]);
+    s.assert_logged(&[
+        "SIGHUP: bound on requests in flight changed",
+        "tiers.gold.max_pending_per_tenant: none -> 1",
+    ]);
+    let r = s.complete_as(BOB, &short);
+    assert_eq!(r.status, 401, "{}", r.body);
+    // Acme used 2 of the new 4: two more, then refused at the new limit.
+    for _ in 0..2 {
+        let r = s.complete_as(ACME, &short);
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_eq!(r.header("x-ratelimit-limit-requests"), Some("4"));
+    }
+    let r = s.complete_as(ACME, &short);
+    assert_eq!(r.status, 429, "{}", r.body);
+    assert!(r.body.contains("Limit 4"), "{}", r.body);
+    // Carol's one request in flight is all her tier now allows her.
+    let reader = s.hold_stream(CAROL, 400);
+    let r = s.complete_as(CAROL, &short);
+    assert_eq!(r.status, 429, "{}", r.body);
+    assert!(
+        r.body.contains("(tiers.gold.max_pending_per_tenant is 1)"),
+        "{}",
+        r.body
+    );
+    let rest = reader.join().expect("the long stream");
+    assert!(rest.contains("data: [DONE]"), "the long stream did not end");
+    // Carol's new tenant label is a metrics series of its own.
+    let metrics = s
+        .request("GET", "/metrics", None, &[])
+        .expect("metrics")
+        .body;
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("switchyard:request_success_total{")
+                && l.contains("tenant=\"carol\"")
+                && !l.ends_with(" 0")),
+        "{metrics}"
+    );
+
+    // A keys file left empty would open the API: refused, the keys in force kept.
+    std::fs::write(&keys_file, "[]\n").expect("keys");
+    s.hang_up();
+    s.wait_logged("nothing was reloaded", 1);
+    let r = s.complete_as(CAROL, &short);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let r = s.request("POST", "/v1/completions", Some(&short.to_string()), &[]);
+    assert_eq!(r.expect("request").status, 401);
+    let _ = std::fs::remove_dir_all(&keys_dir);
+}

@@ -293,7 +293,7 @@ fn log_refusal(req: &ServiceRequest, e: &ApiError, throttle: &Throttle, what: &'
 
 fn config_of(req: &ServiceRequest) -> Result<Arc<ApiConfig>, ApiError> {
     req.app_data::<web::Data<ApiState>>()
-        .map(|state| Arc::clone(&state.config))
+        .map(|state| state.config())
         .ok_or_else(|| {
             ApiError::Engine(crate::engine::EngineError::new(
                 crate::engine::EngineErrorKind::Internal,

@@ -53,4 +53,4 @@ pub use engine::Engine;
 pub use error::ApiError;
 pub use response_store::StoreLimits;
 pub use server::{build_server, build_server_on, configure, ServerOptions};
-pub use state::ApiState;
+pub use state::{AccessChange, AccessRefusal, ApiState};

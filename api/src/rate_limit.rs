@@ -176,7 +176,8 @@ impl RateLimited {
 /// The limits of every tier and the state of every tenant limited so far.
 #[derive(Debug)]
 pub struct RateLimiter {
-    tiers: HashMap<String, TierLimits>,
+    /// The limited tiers' limits; replaced whole by [`RateLimiter::set_limits`].
+    tiers: parking_lot::RwLock<HashMap<String, TierLimits>>,
     tenants: Mutex<HashMap<TenantKey, Arc<Mutex<TenantBudget>>>>,
     /// Time zero of the budgets' clock.
     origin: Instant,
@@ -189,15 +190,50 @@ impl RateLimiter {
     /// Limits per tier (tiers without limits may be left out).
     pub fn new(tiers: HashMap<String, TierLimits>) -> Self {
         Self {
-            tiers: tiers.into_iter().filter(|(_, l)| l.any()).collect(),
+            tiers: parking_lot::RwLock::new(Self::limited(tiers)),
             tenants: Mutex::new(HashMap::new()),
             origin: Instant::now(),
         }
     }
 
+    fn limited(tiers: HashMap<String, TierLimits>) -> HashMap<String, TierLimits> {
+        tiers.into_iter().filter(|(_, l)| l.any()).collect()
+    }
+
     /// Whether any tier is limited.
     pub fn enabled(&self) -> bool {
-        !self.tiers.is_empty()
+        !self.tiers.read().is_empty()
+    }
+
+    /// Replaces every tier's limits with `tiers`' (a reload of the configuration) at `now`:
+    /// each tenant's budget of a tier still limited keeps what it used of each limit kept
+    /// (`TenantBudget::set_limits`: a raise frees room at once, a cut below what was used
+    /// refuses until the excess has refilled), a limit new to a tier starts full, and the
+    /// budgets of a tier no longer limited are dropped. Requests admitted before keep charging
+    /// the budget they were admitted under. Returns the tiers whose limits changed.
+    pub fn set_limits(&self, tiers: HashMap<String, TierLimits>, now: Instant) -> Vec<String> {
+        let tiers = Self::limited(tiers);
+        let now_s = now.saturating_duration_since(self.origin).as_secs_f64();
+        let mut in_force = self.tiers.write();
+        let mut changed: Vec<String> = in_force
+            .keys()
+            .chain(tiers.keys())
+            .filter(|t| in_force.get(*t) != tiers.get(*t))
+            .cloned()
+            .collect();
+        changed.sort();
+        changed.dedup();
+        self.tenants.lock().retain(|(tier, _), budget| {
+            let Some(&limits) = tiers.get(tier) else {
+                return false;
+            };
+            if in_force.get(tier) != Some(&limits) {
+                budget.lock().set_limits(limits, now_s);
+            }
+            true
+        });
+        *in_force = tiers;
+        changed
     }
 
     /// Admits a request of `principal` whose prompts are estimated at `estimates` tokens each
@@ -209,18 +245,22 @@ impl RateLimiter {
         estimates: Vec<u64>,
         now: Instant,
     ) -> Result<Meter, Box<RateLimited>> {
-        let Some(&limits) = self.tiers.get(&principal.tier) else {
-            return Ok(Meter::unlimited());
-        };
         let now_s = now.saturating_duration_since(self.origin).as_secs_f64();
-        let budget = {
+        // The tiers' lock is held until the budget is in the map, so that a reload
+        // (`set_limits`, which takes the same locks in the same order) sees it.
+        let (limits, budget) = {
+            let tiers = self.tiers.read();
+            let Some(limits) = tiers.get(&principal.tier).copied() else {
+                return Ok(Meter::unlimited());
+            };
             let mut tenants = self.tenants.lock();
             let key = (principal.tier.clone(), principal.tenant.clone());
-            Arc::clone(
+            let budget = Arc::clone(
                 tenants
                     .entry(key)
                     .or_insert_with(|| Arc::new(Mutex::new(TenantBudget::new(limits, now_s)))),
-            )
+            );
+            (limits, budget)
         };
         let held: u64 = estimates.iter().sum();
         let snapshot = {
@@ -263,7 +303,8 @@ impl RateLimiter {
                 })
             })
         };
-        let mut tiers: Vec<_> = self.tiers.iter().collect();
+        let in_force = self.tiers.read();
+        let mut tiers: Vec<_> = in_force.iter().collect();
         tiers.sort_by(|a, b| a.0.cmp(b.0));
         let tiers: serde_json::Map<String, serde_json::Value> = tiers
             .into_iter()
@@ -302,7 +343,7 @@ impl RateLimiter {
     /// its requests in flight still use are not counted). `None` when the tier has no limits;
     /// `Some(false)` when the tenant had no budget yet (it was full).
     pub fn reset(&self, tier: &str, tenant: &str) -> Option<bool> {
-        if !self.tiers.contains_key(tier) {
+        if !self.tiers.read().contains_key(tier) {
             return None;
         }
         let key = (tier.to_owned(), tenant.to_owned());
@@ -416,6 +457,56 @@ mod tests {
                 tokens_per_minute: tpm,
             },
         )]))
+    }
+
+    #[test]
+    fn new_limits_apply_to_tenants_budgets_and_an_unlimited_tier_forgets_them() {
+        let l = limiter(Some(10), None);
+        let (acme, bob) = (principal("acme", "gold"), principal("bob", "silver"));
+        let t0 = Instant::now();
+        for _ in 0..10 {
+            l.admit(&acme, vec![1], t0).unwrap();
+        }
+        assert!(l.admit(&acme, vec![1], t0).is_err());
+        assert!(l.admit(&bob, vec![1], t0).unwrap().snapshot().is_none());
+        let limits = |rpm| TierLimits {
+            requests_per_minute: Some(rpm),
+            tokens_per_minute: None,
+        };
+        let changed = l.set_limits(
+            HashMap::from([
+                ("gold".to_owned(), limits(20)),
+                ("silver".to_owned(), limits(1)),
+            ]),
+            t0,
+        );
+        assert_eq!(changed, ["gold", "silver"]);
+        // acme used 10 of gold's 20: 10 more now; bob's silver tier is limited from now on.
+        for _ in 0..10 {
+            l.admit(&acme, vec![1], t0).unwrap();
+        }
+        assert_eq!(l.admit(&acme, vec![1], t0).unwrap_err().limit, 20);
+        l.admit(&bob, vec![1], t0).unwrap();
+        assert!(l.admit(&bob, vec![1], t0).is_err());
+        // The same limits again change nothing; a tier left out is no longer limited.
+        let same = HashMap::from([
+            ("gold".to_owned(), limits(20)),
+            ("silver".to_owned(), limits(1)),
+        ]);
+        assert!(l.set_limits(same, t0).is_empty());
+        assert!(l.admit(&acme, vec![1], t0).is_err());
+        assert_eq!(
+            l.set_limits(HashMap::from([("silver".to_owned(), limits(1))]), t0),
+            ["gold"]
+        );
+        assert!(l.admit(&acme, vec![1], t0).unwrap().snapshot().is_none());
+        assert!(l.reset("gold", "acme").is_none());
+        // Limited again later: acme starts with a full budget.
+        l.set_limits(HashMap::from([("gold".to_owned(), limits(2))]), t0);
+        let m = l.admit(&acme, vec![1], t0).unwrap();
+        assert_eq!(m.snapshot().unwrap().requests.unwrap().remaining, 1);
+        assert!(!l.enabled() || l.set_limits(HashMap::new(), t0) == ["gold"]);
+        assert!(!l.enabled());
     }
 
     #[test]

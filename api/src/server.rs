@@ -35,7 +35,8 @@ pub fn configure(cfg: &mut web::ServiceConfig, state: ApiState) {
     // (see `unread_body`). CORS, when configured, sits inside the request id (its answers
     // carry one) and outside the key checks (a preflight carries no key); its refusals become
     // OpenAI error bodies just outside it.
-    let cors = state.config.cors.as_ref();
+    let config = state.config();
+    let cors = config.cors.as_ref();
     let cors = Condition::new(
         cors.is_some(),
         cors.map_or_else(actix_cors::Cors::default, |c| c.middleware()),

@@ -24,8 +24,9 @@ use crate::throttle::Throttle;
 pub struct ApiState {
     /// The engine behind the API.
     pub(crate) engine: Arc<dyn Engine>,
-    /// HTTP settings.
-    pub(crate) config: Arc<ApiConfig>,
+    /// HTTP settings; replaced whole by [`ApiState::reload_access`] (a request reads them
+    /// through [`ApiState::config`], each read seeing one version whole).
+    config: Arc<parking_lot::RwLock<Arc<ApiConfig>>>,
     /// Renders `/metrics`; `None` answers 404 there.
     pub(crate) metrics: Option<PrometheusHandle>,
     /// Drain switch and in-flight count.
@@ -57,7 +58,7 @@ impl ApiState {
         register_rate_limited(&config);
         Self {
             engine,
-            config: Arc::new(config),
+            config: Arc::new(parking_lot::RwLock::new(Arc::new(config))),
             metrics,
             lifecycle: Arc::new(Lifecycle {
                 draining: AtomicBool::new(false),
@@ -67,6 +68,51 @@ impl ApiState {
             responses,
             rate_limiter,
         }
+    }
+
+    /// The HTTP settings in force.
+    pub(crate) fn config(&self) -> Arc<ApiConfig> {
+        Arc::clone(&self.config.read())
+    }
+
+    /// Puts `api_keys` and `rate_limits` in force (a reload of the configuration, SIGHUP):
+    /// requests authenticate against the new keys from now on (a request already past
+    /// authentication goes on as its key's tenant), and each tenant's budget follows its
+    /// tier's new limits ([`RateLimiter::set_limits`]). Authentication is never turned on or
+    /// off here: keys on an open API, or none on one with keys, are refused, changing
+    /// nothing. The new principals' `rate_limited_total` series are created at zero.
+    pub fn reload_access(
+        &self,
+        api_keys: Vec<crate::auth::ApiKeyEntry>,
+        rate_limits: std::collections::HashMap<String, crate::rate_limit::TierLimits>,
+    ) -> Result<AccessChange, AccessRefusal> {
+        let mut config = self.config.write();
+        match (config.api_keys.is_empty(), api_keys.is_empty()) {
+            (true, false) => return Err(AccessRefusal::WouldCloseOpenApi),
+            (false, true) => return Err(AccessRefusal::WouldOpenApi),
+            _ => {}
+        }
+        let secret = |k: &crate::auth::ApiKeyEntry| k.key.clone();
+        let before: std::collections::HashSet<String> =
+            config.api_keys.iter().map(secret).collect();
+        let after: std::collections::HashSet<String> = api_keys.iter().map(secret).collect();
+        let change = AccessChange {
+            keys_added: after.difference(&before).count(),
+            keys_removed: before.difference(&after).count(),
+            keys_changed: api_keys
+                .iter()
+                .filter(|k| config.api_keys.iter().any(|o| o.key == k.key && o != *k))
+                .count(),
+            limits_changed: self
+                .rate_limiter
+                .set_limits(rate_limits.clone(), std::time::Instant::now()),
+        };
+        let mut next = ApiConfig::clone(&config);
+        next.api_keys = api_keys;
+        next.rate_limits = rate_limits;
+        register_rate_limited(&next);
+        *config = Arc::new(next);
+        Ok(change)
     }
 
     /// Stops accepting generation requests: from now on they, and `/ready`, answer 503 with
@@ -115,6 +161,30 @@ impl ApiState {
             lifecycle: Arc::clone(&self.lifecycle),
         })
     }
+}
+
+/// What [`ApiState::reload_access`] changed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AccessChange {
+    /// Keys that were not accepted before.
+    pub keys_added: usize,
+    /// Keys no longer accepted.
+    pub keys_removed: usize,
+    /// Keys kept whose tenant, tier or adapters changed.
+    pub keys_changed: usize,
+    /// The tiers whose rate limits changed ([`RateLimiter::set_limits`]).
+    pub limits_changed: Vec<String>,
+}
+
+/// Why [`ApiState::reload_access`] changed nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum AccessRefusal {
+    /// No key left on an API that has keys.
+    #[error("no API key is left: a reload never opens the API to everyone (that takes a restart)")]
+    WouldOpenApi,
+    /// Keys on an API started open.
+    #[error("the API was started open (no API keys): turning keys on takes a restart")]
+    WouldCloseOpenApi,
 }
 
 /// Creates `switchyard:rate_limited_total` at zero for every limit of a limited tier and the
@@ -186,10 +256,10 @@ impl ApiState {
             }
             Err(refusal) => {
                 let mut labels = vec![metrics::Label::new(LABEL_LIMIT, refusal.kind.as_str())];
-                if self.config.tiers.contains(&principal.tier) {
+                if self.config().tiers.contains(&principal.tier) {
                     labels.push(metrics::Label::new(LABEL_TIER, principal.tier.clone()));
                 }
-                if !self.config.api_keys.is_empty() {
+                if !self.config().api_keys.is_empty() {
                     labels.push(metrics::Label::new(LABEL_TENANT, principal.tenant.clone()));
                 }
                 metrics::counter!(RATE_LIMITED, labels).increment(1);

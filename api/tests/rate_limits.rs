@@ -256,3 +256,100 @@ async fn the_admin_api_shows_each_tenants_budget_and_resets_one() {
     let reply = send(&app, post("/admin/rate_limits", &json!({}))).await;
     assert_eq!(reply.status, 401, "{}", reply.text());
 }
+
+#[actix_web::test]
+async fn a_reload_swaps_the_keys_and_the_tiers_limits_while_serving() {
+    let limits = |rpm| TierLimits {
+        requests_per_minute: Some(rpm),
+        tokens_per_minute: None,
+    };
+    let (state, app) = app(EchoEngine::new(), config(limits(2))).await;
+    let body = json!({"prompt": "abcd", "max_tokens": 2});
+    for _ in 0..2 {
+        let reply = send(&app, post("/v1/completions", &body)).await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+    }
+    send(&app, post("/v1/completions", &body))
+        .await
+        .assert_error(429, "requests", None);
+    // bob's key revoked, dave's added (tier free), acme's kept; premium raised to 5 a minute.
+    let mut keys = api_config().api_keys;
+    keys.push(ApiKeyEntry {
+        key: "sk-test-dave".into(),
+        tenant: "dave".into(),
+        tier: "free".into(),
+        adapters: switchyard_api::AdapterAccess::all(),
+    });
+    keys.push(ApiKeyEntry {
+        key: CAROL.into(),
+        tenant: "carol".into(),
+        tier: "premium".into(),
+        adapters: switchyard_api::AdapterAccess::all(),
+    });
+    let change = state
+        .reload_access(keys, HashMap::from([("premium".to_owned(), limits(5))]))
+        .unwrap();
+    assert_eq!(
+        change,
+        switchyard_api::AccessChange {
+            keys_added: 1,
+            keys_removed: 1,
+            keys_changed: 1,
+            limits_changed: vec!["premium".into()],
+        }
+    );
+    send(&app, as_key(BOB, "/v1/completions", &body))
+        .await
+        .assert_error(401, "invalid_request_error", None);
+    let reply = send(&app, as_key("sk-test-dave", "/v1/completions", &body)).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(header(&reply, "x-ratelimit-limit-requests"), None);
+    // acme used 2 of its 5 now: 3 more, then refused at the new limit.
+    for remaining in ["2", "1", "0"] {
+        let reply = send(&app, post("/v1/completions", &body)).await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+        assert_eq!(header(&reply, "x-ratelimit-limit-requests"), Some("5"));
+        assert_eq!(
+            header(&reply, "x-ratelimit-remaining-requests"),
+            Some(remaining)
+        );
+    }
+    send(&app, post("/v1/completions", &body))
+        .await
+        .assert_error(429, "requests", None);
+    // carol moved to premium: limited from now on, with a budget of her own.
+    let reply = send(&app, as_key(CAROL, "/v1/completions", &body)).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(header(&reply, "x-ratelimit-remaining-requests"), Some("4"));
+    // A reload never opens the API: no keys is refused and changes nothing.
+    assert_eq!(
+        state.reload_access(Vec::new(), HashMap::new()),
+        Err(switchyard_api::AccessRefusal::WouldOpenApi)
+    );
+    let reply = send(&app, as_key("sk-test-dave", "/v1/completions", &body)).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    send(&app, post("/v1/completions", &body))
+        .await
+        .assert_error(429, "requests", None);
+}
+
+#[actix_web::test]
+async fn a_reload_does_not_put_keys_on_an_api_started_open() {
+    let mut open = config(TierLimits::default());
+    open.api_keys.clear();
+    let (state, app) = app(EchoEngine::new(), open).await;
+    let keys = api_config().api_keys;
+    assert_eq!(
+        state.reload_access(keys, HashMap::new()),
+        Err(switchyard_api::AccessRefusal::WouldCloseOpenApi)
+    );
+    let body = json!({"prompt": "abcd", "max_tokens": 2});
+    let reply = send(
+        &app,
+        actix_web::test::TestRequest::post()
+            .uri("/v1/completions")
+            .set_payload(body.to_string()),
+    )
+    .await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+}

@@ -109,6 +109,16 @@ impl TokenBucket {
     pub fn until_full(&self) -> f64 {
         self.wait_for(self.limit as f64)
     }
+
+    /// Changes the limit to `limit` at `now_s`, keeping what was used of it: a bucket that
+    /// had 10 of 100 left has 910 of 1000 after a raise, and -40 (so it waits) after a cut to
+    /// 50. It refills at the new rate from `now_s`.
+    pub fn set_limit(&mut self, limit: u64, now_s: f64) {
+        self.refill(now_s);
+        let used = self.limit as f64 - self.level;
+        self.limit = limit;
+        self.level = limit as f64 - used;
+    }
 }
 
 /// A request refused by a limit.
@@ -150,6 +160,24 @@ impl TenantBudget {
     /// The tokens limit's bucket, if set.
     pub fn tokens(&self) -> Option<&TokenBucket> {
         self.tokens.as_ref()
+    }
+
+    /// Changes the limits to `limits` at `now_s` (a reload of the tier's configuration): a
+    /// limit kept keeps what was used of it ([`TokenBucket::set_limit`]), a new one starts
+    /// full, one removed is gone.
+    pub fn set_limits(&mut self, limits: TierLimits, now_s: f64) {
+        let change = |bucket: &mut Option<TokenBucket>, limit: Option<u64>| {
+            *bucket = match (bucket.take(), limit) {
+                (Some(mut b), Some(l)) => {
+                    b.set_limit(l, now_s);
+                    Some(b)
+                }
+                (None, Some(l)) => Some(TokenBucket::full(l, now_s)),
+                (_, None) => None,
+            };
+        };
+        change(&mut self.requests, limits.requests_per_minute);
+        change(&mut self.tokens, limits.tokens_per_minute);
     }
 
     /// Brings both buckets up to `now_s`.
@@ -246,6 +274,42 @@ mod tests {
             let e = b.admit(start, 0.0).unwrap_err();
             assert!(b.admit(start + e.retry_after_s, 0.0).is_ok(), "{start}");
         }
+    }
+
+    #[test]
+    fn a_changed_limit_keeps_what_was_used_a_new_one_starts_full() {
+        let mut b = budget(Some(100), None);
+        for _ in 0..90 {
+            b.admit(0.0, 0.0).unwrap();
+        }
+        // Raised: 90 used of 1000.
+        b.set_limits(
+            TierLimits {
+                requests_per_minute: Some(1000),
+                tokens_per_minute: Some(500),
+            },
+            0.0,
+        );
+        assert_eq!(b.requests().unwrap().remaining(), 910);
+        assert_eq!(b.requests().unwrap().limit(), 1000);
+        assert_eq!(b.tokens().unwrap().remaining(), 500);
+        // Cut below what was used: refused until the excess has refilled at the new rate.
+        b.set_limits(
+            TierLimits {
+                requests_per_minute: Some(60),
+                tokens_per_minute: None,
+            },
+            0.0,
+        );
+        assert!(b.tokens().is_none());
+        let e = b.admit(0.0, 0.0).unwrap_err();
+        assert_eq!((e.kind, e.limit), (LimitKind::Requests, 60));
+        // 90 used of 60: level -30, one request needs 31 more at one a second.
+        assert!((e.retry_after_s - 31.0).abs() < 1e-9, "{}", e.retry_after_s);
+        assert!(b.admit(31.0, 0.0).is_ok());
+        // Removed: no limit left.
+        b.set_limits(TierLimits::default(), 31.0);
+        assert!(b.requests().is_none() && b.admit(31.0, 1e9).is_ok());
     }
 
     #[test]

@@ -309,6 +309,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             })
             .collect(),
     };
+    let api_is_open = api_keys.is_empty();
     let mut api_config = api_config(&config, api_keys, tools);
     api_config.reasoning = reasoning;
     api_config.reasoning_tokens = reasoning_tokens;
@@ -386,6 +387,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         let reloader = reload::Reloader::new(
             adapter,
             reload::Started {
+                api: state.clone(),
+                open: api_is_open,
                 path: config_path,
                 overrides,
                 config,
@@ -461,19 +464,8 @@ fn api_config(
     keys: Vec<switchyard_config::ApiKeyEntry>,
     tools: ToolSetup,
 ) -> ApiConfig {
-    let api_keys = keys
-        .into_iter()
-        .map(|k| ApiKeyEntry {
-            key: k.key,
-            tenant: k.tenant,
-            tier: k.tier.unwrap_or_else(|| KEY_TIER.into()),
-            adapters: k
-                .adapters
-                .map_or_else(AdapterAccess::all, AdapterAccess::only),
-        })
-        .collect();
     ApiConfig {
-        api_keys,
+        api_keys: api_keys(keys),
         admin_key: config.server.admin_key.clone(),
         max_body_bytes: config.server.max_body_bytes,
         body_timeout: Duration::from_secs(config.server.request_timeout_s),
@@ -490,19 +482,38 @@ fn api_config(
             .cors
             .as_ref()
             .map(super::config::cors_settings),
-        rate_limits: config
-            .tiers
-            .iter()
-            .map(|(name, tier)| {
-                let limits = TierLimits {
-                    requests_per_minute: tier.requests_per_minute,
-                    tokens_per_minute: tier.tokens_per_minute,
-                };
-                (name.clone(), limits)
-            })
-            .collect(),
+        rate_limits: rate_limits(config),
         ..ApiConfig::default()
     }
+}
+
+/// The API keys as the HTTP layer holds them (a key without a tier is of [`KEY_TIER`]).
+fn api_keys(keys: Vec<switchyard_config::ApiKeyEntry>) -> Vec<ApiKeyEntry> {
+    keys.into_iter()
+        .map(|k| ApiKeyEntry {
+            key: k.key,
+            tenant: k.tenant,
+            tier: k.tier.unwrap_or_else(|| KEY_TIER.into()),
+            adapters: k
+                .adapters
+                .map_or_else(AdapterAccess::all, AdapterAccess::only),
+        })
+        .collect()
+}
+
+/// The tiers' rate limits (`requests_per_minute`, `tokens_per_minute`).
+fn rate_limits(config: &Config) -> std::collections::HashMap<String, TierLimits> {
+    config
+        .tiers
+        .iter()
+        .map(|(name, tier)| {
+            let limits = TierLimits {
+                requests_per_minute: tier.requests_per_minute,
+                tokens_per_minute: tier.tokens_per_minute,
+            };
+            (name.clone(), limits)
+        })
+        .collect()
 }
 
 /// A policy's parameters as `GET /admin/policy` shows them: no parameters (`null`) is `{}`,

@@ -159,9 +159,15 @@ impl Demand {
     }
 }
 
+/// The limit of a bound that does not bound: a configured tier without one still counts its
+/// seats, so that a reload that gives it one ([`Admission::set_limits`]) counts the requests
+/// already in flight.
+const UNBOUNDED: usize = usize::MAX;
+
 /// One bound's count and its refusal logs.
 struct Bound {
-    limit: usize,
+    /// Changed by a reload ([`Admission::set_limits`]); [`UNBOUNDED`] for none.
+    limit: AtomicUsize,
     in_flight: Arc<AtomicUsize>,
     /// Refusals of requests that fit under the bound, not now.
     full: Throttle,
@@ -172,19 +178,24 @@ struct Bound {
 impl Bound {
     fn new(limit: usize) -> Self {
         Self {
-            limit,
+            limit: AtomicUsize::new(limit),
             in_flight: Arc::new(AtomicUsize::new(0)),
             full: Throttle::new(REFUSAL_LOG_INTERVAL),
             too_large: Throttle::new(REFUSAL_LOG_INTERVAL),
         }
     }
 
+    fn limit(&self) -> usize {
+        self.limit.load(Ordering::Acquire)
+    }
+
     /// Takes `seats` if they all fit under the limit now; none otherwise (never counting
     /// past the limit, even for a moment).
     fn take(&self, seats: usize) -> bool {
+        let limit = self.limit();
         self.in_flight
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                n.checked_add(seats).filter(|&after| after <= self.limit)
+                n.checked_add(seats).filter(|&after| after <= limit)
             })
             .is_ok()
     }
@@ -196,7 +207,8 @@ impl Bound {
 
 /// The bound on each tenant's seats in one tier.
 pub(crate) struct TenantBound {
-    limit: usize,
+    /// Changed by a reload ([`Admission::set_limits`]); [`UNBOUNDED`] for none.
+    limit: AtomicUsize,
     /// Seats per tenant holding any (an entry goes when its tenant's last seat is given back).
     held: parking_lot::Mutex<HashMap<Arc<str>, usize>>,
     full: Throttle,
@@ -206,18 +218,23 @@ pub(crate) struct TenantBound {
 impl TenantBound {
     fn new(limit: usize) -> Self {
         Self {
-            limit,
+            limit: AtomicUsize::new(limit),
             held: parking_lot::Mutex::new(HashMap::new()),
             full: Throttle::new(REFUSAL_LOG_INTERVAL),
             too_large: Throttle::new(REFUSAL_LOG_INTERVAL),
         }
     }
 
+    fn limit(&self) -> usize {
+        self.limit.load(Ordering::Acquire)
+    }
+
     /// Takes `seats` for `tenant` if they all fit under the limit now; none otherwise.
     fn take(&self, tenant: &Arc<str>, seats: usize) -> bool {
+        let limit = self.limit();
         let mut held = self.held.lock();
         let now = held.get(tenant).copied().unwrap_or(0);
-        match now.checked_add(seats).filter(|&after| after <= self.limit) {
+        match now.checked_add(seats).filter(|&after| after <= limit) {
             Some(after) => {
                 held.insert(tenant.clone(), after);
                 true
@@ -296,6 +313,98 @@ impl Admission {
         }
     }
 
+    /// Counts the seats of each of the tiers `names` (the configured tiers) and of its
+    /// tenants, bounded or not, so that a reload may bound any of them
+    /// ([`Admission::set_limits`]) counting what is already in flight.
+    pub(crate) fn counting(mut self, names: impl IntoIterator<Item = String>) -> Self {
+        for name in names {
+            let t = match self.tiers.iter_mut().find(|t| t.name == name) {
+                Some(t) => t,
+                None => {
+                    self.tiers.push(TierBound {
+                        name,
+                        bound: None,
+                        per_tenant: None,
+                    });
+                    self.tiers.last_mut().expect("just pushed")
+                }
+            };
+            t.bound.get_or_insert_with(|| Bound::new(UNBOUNDED));
+            t.per_tenant
+                .get_or_insert_with(|| Arc::new(TenantBound::new(UNBOUNDED)));
+        }
+        self
+    }
+
+    /// Puts new bounds in force (a reload of the configuration): `limit` for the server and,
+    /// for each tier this admission counts, its bound in `tiers` and its tenants' in
+    /// `per_tenant` (none where a tier is not listed). A tier counted only where it had a
+    /// bound at the start ([`Admission::counting`] counts every configured one) keeps its
+    /// count; a tier this admission does not count is refused, changing nothing, and named in
+    /// the `Err` (a new tier takes a restart). Requests in flight keep their seats: a bound cut below what is in
+    /// flight refuses until enough of them end. Returns the bounds that changed, as
+    /// `server.max_pending_requests: 64 -> 32` (`none` for no bound).
+    pub(crate) fn set_limits(
+        &self,
+        limit: usize,
+        tiers: &[(String, usize)],
+        per_tenant: &[(String, usize)],
+    ) -> Result<Vec<String>, Vec<String>> {
+        let counted = |name: &str, per_tenant: bool| {
+            self.tiers.iter().any(|t| {
+                t.name == name
+                    && if per_tenant {
+                        t.per_tenant.is_some()
+                    } else {
+                        t.bound.is_some()
+                    }
+            })
+        };
+        let unknown: Vec<String> = (tiers.iter().map(|(n, _)| (n, false)))
+            .chain(per_tenant.iter().map(|(n, _)| (n, true)))
+            .filter(|&(name, per_tenant)| !counted(name, per_tenant))
+            .map(|(name, _)| name.clone())
+            .collect();
+        if !unknown.is_empty() {
+            return Err(unknown);
+        }
+        let shown = |n: usize| {
+            if n == UNBOUNDED {
+                "none".to_owned()
+            } else {
+                n.to_string()
+            }
+        };
+        let mut changed = Vec::new();
+        let mut set = |field: String, slot: &AtomicUsize, to: usize| {
+            let from = slot.swap(to, Ordering::AcqRel);
+            if from != to {
+                changed.push(format!("{field}: {} -> {}", shown(from), shown(to)));
+            }
+        };
+        set(
+            "server.max_pending_requests".into(),
+            &self.server.limit,
+            limit,
+        );
+        let find = |list: &[(String, usize)], name: &str| {
+            list.iter()
+                .find(|(n, _)| n == name)
+                .map_or(UNBOUNDED, |&(_, l)| l)
+        };
+        for t in &self.tiers {
+            if let Some(b) = &t.bound {
+                let field = format!("tiers.{}.max_pending_requests", t.name);
+                set(field, &b.limit, find(tiers, &t.name));
+            }
+            if let Some(b) = &t.per_tenant {
+                let field = format!("tiers.{}.max_pending_per_tenant", t.name);
+                set(field, &b.limit, find(per_tenant, &t.name));
+            }
+        }
+        Ok(changed)
+    }
+
     /// Choices in flight in all.
     pub(crate) fn in_flight(&self) -> usize {
         self.server.in_flight.load(Ordering::Acquire)
@@ -323,8 +432,8 @@ impl Admission {
         let tier_bound = tier_entry.and_then(|t| t.bound.as_ref().map(|b| (t, b)));
         // Larger than a bound: refused whatever is in flight, before any seat is taken.
         let tier_bounds = [
-            per_tenant.map(|(t, b)| (t, "max_pending_per_tenant", b.limit, &b.too_large)),
-            tier_bound.map(|(t, b)| (t, "max_pending_requests", b.limit, &b.too_large)),
+            per_tenant.map(|(t, b)| (t, "max_pending_per_tenant", b.limit(), &b.too_large)),
+            tier_bound.map(|(t, b)| (t, "max_pending_requests", b.limit(), &b.too_large)),
         ];
         for (t, field, limit, too_large) in tier_bounds.into_iter().flatten() {
             if seats <= limit {
@@ -345,10 +454,10 @@ impl Admission {
                 limit,
             ));
         }
-        if seats > self.server.limit {
+        if seats > self.server.limit() {
             if let Some(refused) = self.server.too_large.hit(Instant::now()) {
                 tracing::warn!(
-                    limit = self.server.limit,
+                    limit = self.server.limit(),
                     refused,
                     "requests refused (400): more choices than server.max_pending_requests \
                      ever admits"
@@ -357,7 +466,7 @@ impl Admission {
             return Err(too_many_choices(
                 demand,
                 "server.max_pending_requests",
-                self.server.limit,
+                self.server.limit(),
             ));
         }
         // The tenant's seat, where its tier bounds tenants (its name is copied only then).
@@ -368,7 +477,7 @@ impl Admission {
                     tracing::warn!(
                         tier = %t.name,
                         tenant = %tenant,
-                        limit = b.limit,
+                        limit = b.limit(),
                         refused,
                         "requests refused (429): their tenant is at its tier's \
                          tiers.<name>.max_pending_per_tenant"
@@ -381,7 +490,7 @@ impl Admission {
                          (tiers.{}.max_pending_per_tenant is {}); retry when one ends",
                         demand.describe(),
                         t.name,
-                        b.limit
+                        b.limit()
                     ),
                 ));
             }
@@ -397,7 +506,7 @@ impl Admission {
                 if let Some(refused) = b.full.hit(Instant::now()) {
                     tracing::warn!(
                         tier = %t.name,
-                        limit = b.limit,
+                        limit = b.limit(),
                         refused,
                         "requests refused as overloaded: their tier is at its \
                          tiers.<name>.max_pending_requests"
@@ -411,7 +520,7 @@ impl Admission {
                         t.name,
                         demand.describe(),
                         t.name,
-                        b.limit
+                        b.limit()
                     ),
                 ));
             }
@@ -423,7 +532,7 @@ impl Admission {
             give_back_tenant();
             if let Some(refused) = self.server.full.hit(Instant::now()) {
                 tracing::warn!(
-                    limit = self.server.limit,
+                    limit = self.server.limit(),
                     refused,
                     "requests refused as overloaded: the server is at its \
                      server.max_pending_requests"
@@ -435,7 +544,7 @@ impl Admission {
                     "the server has too many requests in flight for this one's {} \
                      (server.max_pending_requests is {}); retry shortly",
                     demand.describe(),
-                    self.server.limit
+                    self.server.limit()
                 ),
             ));
         }
@@ -650,6 +759,69 @@ mod tests {
         let _three = a.admit("batch", "t", prompts(3)).unwrap();
         drop(first);
         assert_eq!(a.in_flight(), 3);
+    }
+
+    /// A reload's bounds apply to the requests already in flight, on tiers that had none at
+    /// the start as on those that had: a cut refuses until enough end, a raise admits at
+    /// once; a tier not counted is refused, changing nothing.
+    #[test]
+    fn new_bounds_count_what_is_in_flight_and_unknown_tiers_change_nothing() {
+        let a = Admission::new(8, &[("batch".into(), 4)], &[])
+            .counting(["batch".to_owned(), "free".to_owned()]);
+        let batch = (0..3)
+            .map(|_| a.admit("batch", "acme", ONE).unwrap())
+            .collect::<Vec<_>>();
+        let free = (0..3)
+            .map(|_| a.admit("free", "acme", ONE).unwrap())
+            .collect::<Vec<_>>();
+        let changed = a
+            .set_limits(
+                6,
+                &[("batch".into(), 2), ("free".into(), 5)],
+                &[("free".into(), 3)],
+            )
+            .unwrap();
+        assert_eq!(
+            changed,
+            [
+                "server.max_pending_requests: 8 -> 6",
+                "tiers.batch.max_pending_requests: 4 -> 2",
+                "tiers.free.max_pending_requests: none -> 5",
+                "tiers.free.max_pending_per_tenant: none -> 3",
+            ]
+        );
+        // batch holds 3 of its new 2, acme 3 of free's 3 per tenant, the server 6 of 6.
+        let e = a.admit("batch", "acme", ONE).err().unwrap();
+        assert!(
+            e.message.contains("tiers.batch.max_pending_requests is 2"),
+            "{e}"
+        );
+        let e = a.admit("free", "acme", ONE).err().unwrap();
+        assert_eq!(e.kind, SubmitErrorKind::TenantBusy);
+        let e = a.admit("free", "beta", ONE).err().unwrap();
+        assert!(
+            e.message.contains("server.max_pending_requests is 6"),
+            "{e}"
+        );
+        drop(batch);
+        let _b = [(); 2].map(|_| a.admit("free", "beta", ONE).unwrap());
+        let e = a.admit("free", "beta", ONE).err().unwrap();
+        assert!(
+            e.message.contains("tiers.free.max_pending_requests is 5"),
+            "{e}"
+        );
+        // Bounds removed: only the server's holds.
+        let changed = a.set_limits(7, &[], &[]).unwrap();
+        assert_eq!(changed.len(), 4, "{changed:?}");
+        let _f = a.admit("free", "acme", ONE).unwrap();
+        let _g = a.admit("batch", "acme", ONE).unwrap();
+        assert_eq!(a.in_flight(), 7);
+        // A tier this admission does not count: refused, nothing changed.
+        let e = a.set_limits(100, &[("gold".into(), 1)], &[]).unwrap_err();
+        assert_eq!(e, ["gold"]);
+        assert!(a.admit("premium", "x", ONE).is_err());
+        drop(free);
+        assert_eq!(a.in_flight(), 4);
     }
 
     #[test]

@@ -344,6 +344,9 @@ pub struct Engine {
     next_id: Arc<AtomicU64>,
     /// The server's and the tiers' bounds on requests in flight.
     admission: Arc<Admission>,
+    /// The tenants whose names label metrics ([`EngineConfig::metrics_tenants`], replaced by
+    /// [`Engine::set_metrics_tenants`]).
+    metrics_tenants: Arc<parking_lot::RwLock<std::collections::BTreeSet<String>>>,
     config: Arc<EngineConfig>,
     /// Token ids a request may name are below this ([`EngineConfig::vocab_size`], or the
     /// tokenizer's vocabulary when larger).
@@ -441,11 +444,15 @@ impl Engine {
             detokenizer,
             tokenizers,
             next_id: Arc::new(AtomicU64::new(1)),
-            admission: Arc::new(Admission::new(
-                config.max_pending_requests,
-                &config.tier_max_pending,
-                &config.tier_max_pending_per_tenant,
-            )),
+            admission: Arc::new(
+                Admission::new(
+                    config.max_pending_requests,
+                    &config.tier_max_pending,
+                    &config.tier_max_pending_per_tenant,
+                )
+                .counting(config.scheduler.tiers.iter().map(|t| t.name.clone())),
+            ),
+            metrics_tenants: Arc::new(parking_lot::RwLock::new(config.metrics_tenants.clone())),
             config: Arc::new(config),
             vocab,
             salts: std::collections::hash_map::RandomState::new(),
@@ -453,6 +460,30 @@ impl Engine {
             closed: Arc::new(AtomicBool::new(false)),
             tokenizer: tokenizer_for_text,
         })
+    }
+
+    /// Puts new bounds on requests in flight in force (a reload of the configuration): the
+    /// server's `max_pending_requests`, and each configured tier's bound (`tiers`) and its
+    /// tenants' (`per_tenant`), none for a tier left out of a list. Requests in flight keep
+    /// their seats (every configured tier's are counted from the start, bounded or not), so a
+    /// bound cut below what is in flight refuses new requests until enough end. Returns the
+    /// bounds that changed, as `tiers.batch.max_pending_requests: 16 -> 32`; a tier not in
+    /// force is refused, changing nothing.
+    pub fn set_admission_limits(
+        &self,
+        max_pending_requests: usize,
+        tiers: &[(String, usize)],
+        per_tenant: &[(String, usize)],
+    ) -> Result<Vec<String>, EngineError> {
+        self.admission
+            .set_limits(max_pending_requests, tiers, per_tenant)
+            .map_err(EngineError::UnknownTiers)
+    }
+
+    /// Replaces the tenants whose names label the request metrics (a reload of the API keys):
+    /// requests submitted from now on are labelled by the new set (any other tenant by none).
+    pub fn set_metrics_tenants(&self, tenants: std::collections::BTreeSet<String>) {
+        *self.metrics_tenants.write() = tenants;
     }
 
     /// Ends every request in flight with an `Unavailable` error carrying `message` (streams
@@ -682,7 +713,7 @@ impl Engine {
     /// The tenant that labels a request's usage counters: a configured tenant's name, any
     /// other none ("").
     fn metrics_tenant(&self, tenant: &str) -> Arc<str> {
-        names::metrics_tenant(&self.config.metrics_tenants, tenant)
+        names::metrics_tenant(&self.metrics_tenants.read(), tenant)
     }
 
     /// The labels of a request's outcome counters (its tier and tenant, as configured).

@@ -27,14 +27,14 @@ pub(crate) async fn chat_completions(
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
     let in_flight = state.admit()?;
-    let body: ChatRequest = read_json(&req, payload, &state.config).await?;
+    let body: ChatRequest = read_json(&req, payload, &state.config()).await?;
     let id = crate::request_id::completion_id(&req, "chatcmpl-");
     body.ignored.warn("/v1/chat/completions");
     let lora = check_model(&state, &principal, body.model.as_deref()).await?;
-    let mut validated = body.validate(state.engine.max_model_len(), state.config.tools)?;
+    let mut validated = body.validate(state.engine.max_model_len(), state.config().tools)?;
     // Reasoning tags that are special tokens stay in the text for the splitter.
-    if state.config.reasoning.is_some() {
-        validated.keep_special_tokens[3..].copy_from_slice(&state.config.reasoning_tokens);
+    if state.config().reasoning.is_some() {
+        validated.keep_special_tokens[3..].copy_from_slice(&state.config().reasoning_tokens);
     }
     let requests = engine_requests(
         &id,
@@ -103,7 +103,7 @@ impl ChatWriter {
         model: String,
         reasoning: bool,
     ) -> Self {
-        let tool_format = state.config.tools.format;
+        let tool_format = state.config().tools.format;
         let free_text = match &validated.structured {
             None | Some(StructuredOutputSpec::ToolCalls(_)) => {
                 !validated.tool_calls.is_some_and(ToolAnswer::calls_only)
@@ -111,7 +111,7 @@ impl ChatWriter {
             // A client's own regex or grammar may write the block (its closing tag in it, escaped
             // or not: Mistral's brackets are escaped in a regex).
             Some(StructuredOutputSpec::Regex(g) | StructuredOutputSpec::Grammar(g)) => state
-                .config
+                .config()
                 .reasoning
                 .is_some_and(|tags| g.replace('\\', "").contains(tags.close)),
             Some(_) => false,
@@ -136,7 +136,7 @@ impl ChatWriter {
             // think: what it writes is the answer, even where the generation prompt opened a
             // <think> block.
             thinking: state
-                .config
+                .config()
                 .reasoning
                 .filter(|_| free_text && reasoning)
                 .map(|tags| {

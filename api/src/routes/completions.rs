@@ -24,7 +24,7 @@ pub(crate) async fn completions(
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
     let in_flight = state.admit()?;
-    let body: CompletionRequest = read_json(&req, payload, &state.config).await?;
+    let body: CompletionRequest = read_json(&req, payload, &state.config()).await?;
     let id = crate::request_id::completion_id(&req, "cmpl-");
     body.ignored.warn("/v1/completions");
     let lora = check_model(&state, &principal, body.model.as_deref()).await?;

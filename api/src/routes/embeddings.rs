@@ -30,7 +30,7 @@ pub(crate) async fn embeddings(
         .engine
         .embedding_size()
         .ok_or(ApiError::EmbeddingsNotServed)?;
-    let body: EmbeddingRequest = read_json(&req, payload, &state.config).await?;
+    let body: EmbeddingRequest = read_json(&req, payload, &state.config()).await?;
     let id = crate::request_id::completion_id(&req, "embd-");
     body.ignored.warn("/v1/embeddings");
     let lora = check_model(&state, &principal, body.model.as_deref()).await?;

@@ -61,7 +61,7 @@ pub(crate) async fn create_response(
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
     let in_flight = state.admit()?;
-    let body: ResponsesRequest = read_json(&req, payload, &state.config).await?;
+    let body: ResponsesRequest = read_json(&req, payload, &state.config()).await?;
     let id = crate::request_id::completion_id(&req, "resp_");
     body.ignored.warn("/v1/responses");
     let parent = match body.previous_response_id()? {
@@ -87,11 +87,11 @@ pub(crate) async fn create_response(
     }
     let lora = check_model(&state, &principal, chat.model.as_deref()).await?;
     let mut validated = chat
-        .validate(state.engine.max_model_len(), state.config.tools)
+        .validate(state.engine.max_model_len(), state.config().tools)
         .map_err(|e| rename_error(e, &sources))?;
     // Reasoning tags that are special tokens stay in the text for the splitter (as on chat).
-    if state.config.reasoning.is_some() {
-        validated.keep_special_tokens[3..].copy_from_slice(&state.config.reasoning_tokens);
+    if state.config().reasoning.is_some() {
+        validated.keep_special_tokens[3..].copy_from_slice(&state.config().reasoning_tokens);
     }
     let requests = engine_requests(&id, &validated, &principal, None, lora.as_deref());
     let fields = RequestFields {

@@ -107,7 +107,7 @@ pub(crate) async fn tokenize(
     req: HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
-    let body: TokenizeRequest = read_json(&req, payload, &state.config).await?;
+    let body: TokenizeRequest = read_json(&req, payload, &state.config()).await?;
     body.ignored.warn("/tokenize");
     check_model(&state, &principal, body.model.as_deref()).await?;
     let input = match (body.prompt, body.messages) {
@@ -123,7 +123,7 @@ pub(crate) async fn tokenize(
         },
         (None, Some(messages)) => {
             let ending = chat_ending(body.add_generation_prompt, body.continue_final_message)?;
-            let setup = state.config.tools;
+            let setup = state.config().tools;
             let tools = ToolUse::parse(
                 body.tools.as_ref(),
                 body.tool_choice.as_ref(),
@@ -178,7 +178,7 @@ pub(crate) async fn detokenize(
     req: HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
-    let body: DetokenizeRequest = read_json(&req, payload, &state.config).await?;
+    let body: DetokenizeRequest = read_json(&req, payload, &state.config()).await?;
     body.ignored.warn("/detokenize");
     check_model(&state, &principal, body.model.as_deref()).await?;
     if body.tokens.len() > MAX_DETOKENIZE_TOKENS {
@@ -242,7 +242,7 @@ pub(crate) async fn put_policy(
     req: HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
-    let spec: PolicySpec = read_json(&req, payload, &state.config).await?;
+    let spec: PolicySpec = read_json(&req, payload, &state.config()).await?;
     if spec.name.is_empty() || spec.name.len() > 64 {
         return Err(ApiError::invalid(
             "name",
@@ -350,7 +350,7 @@ pub(crate) async fn put_speculative(
     req: HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
-    let body: serde_json::Value = read_json(&req, payload, &state.config).await?;
+    let body: serde_json::Value = read_json(&req, payload, &state.config()).await?;
     let settings = match body {
         serde_json::Value::Null => None,
         // Only an object: serde would read an array as the fields in order.
@@ -393,7 +393,7 @@ pub(crate) async fn load_lora(
     req: HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
-    let body: LoadLoraRequest = read_json(&req, payload, &state.config).await?;
+    let body: LoadLoraRequest = read_json(&req, payload, &state.config()).await?;
     if body.lora_path.is_empty() || body.lora_path.len() > MAX_LORA_PATH {
         return Err(ApiError::invalid(
             "lora_path",

@@ -15,11 +15,13 @@
 //! compared with the configuration the server started with, and named (`server.port`,
 //! `server.tls`, `cache.block_size`) in a warning while they differ.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use switchyard_api::tls::CertificateResolver;
-use switchyard_config::{Config, LoraAdapterEntry};
+use switchyard_api::ApiState;
+use switchyard_config::{ApiKeyEntry, Config, LoraAdapterEntry, TierConfig};
 
 use super::EngineAdapter;
 
@@ -33,6 +35,10 @@ pub(super) struct Reloader {
     overrides: Vec<String>,
     /// The certificate new HTTPS connections get; `None` on plain HTTP.
     tls: Option<Arc<CertificateResolver>>,
+    /// The HTTP layer, whose keys and rate limits a reload replaces.
+    api: ApiState,
+    /// Whether the API was started without keys (open): its keys then take a restart.
+    open: bool,
     /// Held for the whole of a reload.
     state: tokio::sync::Mutex<ReloadState>,
 }
@@ -49,6 +55,10 @@ pub(super) struct Started {
     pub file_adapters: Vec<(String, PathBuf)>,
     /// The certificate resolver of an HTTPS server.
     pub tls: Option<Arc<CertificateResolver>>,
+    /// The HTTP layer.
+    pub api: ApiState,
+    /// Whether the API was started without keys.
+    pub open: bool,
 }
 
 /// What one reload leaves for the next.
@@ -62,6 +72,19 @@ struct ReloadState {
     /// The policy the file put in force at the last reload (or the start): one in force that
     /// differs from it was set through `PUT /admin/policy`.
     file_policy: PolicyKey,
+    /// The tiers in force (the set the server started with) with the limits the last reload
+    /// (or the start) put in force.
+    tiers: BTreeMap<String, TierConfig>,
+}
+
+/// The access a reload puts in force, checked whole before anything is applied.
+struct Access {
+    /// The API keys; `None` on an API started open (its keys take a restart).
+    keys: Option<Vec<ApiKeyEntry>>,
+    /// The tiers in force with their new limits.
+    tiers: BTreeMap<String, TierConfig>,
+    /// `server.max_pending_requests`.
+    max_pending: usize,
 }
 
 /// A policy's name and its parameters as `GET /admin/policy` shows them.
@@ -111,8 +134,11 @@ impl Reloader {
             path: started.path,
             overrides: started.overrides,
             tls: started.tls,
+            api: started.api,
+            open: started.open,
             state: tokio::sync::Mutex::new(ReloadState {
                 file_policy: PolicyKey::of(&started.config.scheduler.policy),
+                tiers: started.config.tiers.clone(),
                 started: started.config,
                 file_adapters: started.file_adapters,
             }),
@@ -136,7 +162,7 @@ impl Reloader {
                 return;
             }
         };
-        let restart = restart_fields(&state.started, &cfg);
+        let restart = restart_fields(&state.started, &cfg, self.open);
         if !restart.is_empty() {
             tracing::warn!(
                 "SIGHUP: changed in the file but taking a restart, so not applied: {}",
@@ -171,6 +197,16 @@ impl Reloader {
                 }
             },
             _ => None,
+        };
+        let access = match plan_access(&state.tiers, &cfg, self.open) {
+            Ok(access) => access,
+            Err(why) => {
+                tracing::error!(
+                    error = %why,
+                    "SIGHUP: the API keys or the tiers' limits are refused; nothing was reloaded"
+                );
+                return;
+            }
         };
         let file_policy = PolicyKey::of(spec);
         let in_force = {
@@ -210,12 +246,71 @@ impl Reloader {
                 tracing::info!(chain, "SIGHUP: TLS certificate unchanged");
             }
         }
+        self.apply_access(&mut state, access);
         // A change of lora.enabled is among the fields that take a restart.
         if self.adapter.lora_enabled && cfg.lora.enabled {
             self.reconcile_adapters(&mut state, &cfg.lora.adapters)
                 .await;
         }
         tracing::info!("SIGHUP: reload finished");
+    }
+
+    /// Puts `access` in force: the keys and rate limits in the HTTP layer, the bounds on
+    /// requests in flight and the tenants that label metrics in the engine.
+    fn apply_access(&self, state: &mut ReloadState, access: Access) {
+        let Access {
+            keys,
+            tiers,
+            max_pending,
+        } = access;
+        let mut effective = state.started.clone();
+        effective.tiers = tiers;
+        let api_keys = keys
+            .as_ref()
+            .map_or_else(Vec::new, |k| super::api_keys(k.clone()));
+        let tenants = keys.as_ref().map(|k| super::key_tenants(&state.started, k));
+        match self
+            .api
+            .reload_access(api_keys, super::rate_limits(&effective))
+        {
+            Ok(change) => {
+                if !self.open {
+                    tracing::info!(
+                        added = change.keys_added,
+                        removed = change.keys_removed,
+                        changed = change.keys_changed,
+                        "SIGHUP: API keys reloaded"
+                    );
+                }
+                for tier in change.limits_changed {
+                    tracing::info!(%tier, "SIGHUP: the tier's rate limits changed");
+                }
+            }
+            // Checked before (`plan_access`); said if it ever happens.
+            Err(e) => tracing::error!(error = %e, "SIGHUP: API keys and rate limits not reloaded"),
+        }
+        if let Some(tenants) = tenants {
+            switchyard_actors::metric_names::register_tenants(&tenants);
+            self.adapter
+                .engine
+                .set_metrics_tenants(tenants.into_iter().map(|(t, _)| t).collect());
+        }
+        let bounds = self.adapter.engine.set_admission_limits(
+            max_pending,
+            &crate::commands::config::tier_pending_limits(&effective),
+            &crate::commands::config::tier_pending_per_tenant_limits(&effective),
+        );
+        match bounds {
+            Ok(changed) => {
+                for bound in changed {
+                    tracing::info!(%bound, "SIGHUP: bound on requests in flight changed");
+                }
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "SIGHUP: bounds on requests in flight not reloaded")
+            }
+        }
+        state.tiers = effective.tiers;
     }
 
     /// Brings the served adapters in line with `wanted`, the file's list, against the engine's
@@ -293,16 +388,89 @@ impl Reloader {
     }
 }
 
-/// The fields of `new` that differ from `old` and that a reload does not apply (everything but
-/// `scheduler.policy`, `lora.adapters` and the files of `server.tls`, which is turned on or off
-/// only by a restart), dotted (`server.port`, `server.tls`, `tiers.gold`), in the order of the
-/// schema's sections and fields.
-fn restart_fields(old: &Config, new: &Config) -> Vec<String> {
+/// Checks what `cfg` asks of the API's access against the tiers in force (`in_force`, with the
+/// limits the last reload put in force): the keys (unless the API was started `open`), which
+/// must name tiers in force and leave at least one key, and the tiers' limits (the file's for
+/// each tier in force it still lists; a tier it no longer lists keeps its limits, its removal
+/// taking a restart), whose bounds on requests in flight must stay within the server's.
+fn plan_access(
+    in_force: &BTreeMap<String, TierConfig>,
+    cfg: &Config,
+    open: bool,
+) -> Result<Access, String> {
+    let mut tiers = in_force.clone();
+    for (name, tier) in &mut tiers {
+        if let Some(file) = cfg.tiers.get(name) {
+            tier.requests_per_minute = file.requests_per_minute;
+            tier.tokens_per_minute = file.tokens_per_minute;
+            tier.max_pending_requests = file.max_pending_requests;
+            tier.max_pending_per_tenant = file.max_pending_per_tenant;
+        }
+    }
+    let max_pending = cfg.server.max_pending_requests;
+    for (name, tier) in &tiers {
+        for (field, bound) in [
+            ("max_pending_requests", tier.max_pending_requests),
+            ("max_pending_per_tenant", tier.max_pending_per_tenant),
+        ] {
+            if let Some(bound) = bound.filter(|&b| b > max_pending) {
+                return Err(format!(
+                    "tiers.{name}.{field} ({bound}, kept in force: the file no longer lists                      the tier) is above server.max_pending_requests ({max_pending})"
+                ));
+            }
+        }
+    }
+    let keys = if open {
+        None
+    } else {
+        let keys = cfg.load_api_keys().map_err(|e| e.to_string())?;
+        if keys.is_empty() {
+            return Err(switchyard_api::AccessRefusal::WouldOpenApi.to_string());
+        }
+        for k in &keys {
+            let tier = k.tier.as_deref().unwrap_or(super::KEY_TIER);
+            if cfg.tiers.contains_key(tier) && !tiers.contains_key(tier) {
+                return Err(format!(
+                    "an API key of tenant `{}` names tier `{tier}`, which is not in force (a                      new tier takes a restart)",
+                    k.tenant
+                ));
+            }
+        }
+        Some(keys)
+    };
+    Ok(Access {
+        keys,
+        tiers,
+        max_pending,
+    })
+}
+
+/// The fields of `new` that differ from `old` and that a reload does not apply, dotted
+/// (`server.port`, `server.tls`, `tiers.gold`), in the order of the schema's sections and
+/// fields. A reload applies `scheduler.policy`, `lora.adapters`, the files of `server.tls`
+/// (turned on or off only by a restart), the API keys (`server.api_keys`,
+/// `server.api_keys_file`) unless the API was started `open`, `server.max_pending_requests`,
+/// and the limits of the tiers in force (`requests_per_minute`, `tokens_per_minute`,
+/// `max_pending_requests`, `max_pending_per_tenant`); a tier added or removed takes a restart.
+fn restart_fields(old: &Config, new: &Config, open: bool) -> Vec<String> {
     let mut new = new.clone();
     new.scheduler.policy = old.scheduler.policy.clone();
     new.lora.adapters = old.lora.adapters.clone();
     if old.server.tls.is_some() && new.server.tls.is_some() {
         new.server.tls = old.server.tls.clone();
+    }
+    if !open {
+        new.server.api_keys = old.server.api_keys.clone();
+        new.server.api_keys_file = old.server.api_keys_file.clone();
+    }
+    new.server.max_pending_requests = old.server.max_pending_requests;
+    for (name, tier) in &mut new.tiers {
+        if let Some(o) = old.tiers.get(name) {
+            tier.requests_per_minute = o.requests_per_minute;
+            tier.tokens_per_minute = o.tokens_per_minute;
+            tier.max_pending_requests = o.max_pending_requests;
+            tier.max_pending_per_tenant = o.max_pending_per_tenant;
+        }
     }
     let value = |c: &Config| serde_yaml::to_value(c).unwrap_or(serde_yaml::Value::Null);
     let mut out = Vec::new();
@@ -365,13 +533,13 @@ mod tests {
             "lora: { enabled: true, adapters: [{ name: a, path: /a }] }\n\
              scheduler: { policy: { name: priority } }\n",
         );
-        assert!(restart_fields(&old, &same).is_empty());
+        assert!(restart_fields(&old, &same, true).is_empty());
         let changed = config(
             "lora: { enabled: true, max_loras: 2 }\ncache: { block_size: 32 }\n\
              tiers: { gold: { ttft_ms: 100 } }\nscheduler: { max_num_seqs: 8 }\n",
         );
         assert_eq!(
-            restart_fields(&old, &changed),
+            restart_fields(&old, &changed, true),
             [
                 "cache.block_size",
                 "scheduler.max_num_seqs",
@@ -384,7 +552,7 @@ mod tests {
              server: { port: 9001, api_keys: [{ key: abcdefghijklmnop, tenant: t }] }\n",
         );
         assert_eq!(
-            restart_fields(&old, &moved),
+            restart_fields(&old, &moved, true),
             ["server.port", "server.api_keys"]
         );
         // TLS: other files are reloaded; turning it on or off takes a restart.
@@ -394,11 +562,78 @@ mod tests {
             ))
         };
         let plain = config("");
-        assert!(restart_fields(&tls("/a"), &tls("/b")).is_empty());
-        assert_eq!(restart_fields(&plain, &tls("/a")), ["server.tls"]);
-        assert_eq!(restart_fields(&tls("/a"), &plain), ["server.tls"]);
+        assert!(restart_fields(&tls("/a"), &tls("/b"), true).is_empty());
+        assert_eq!(restart_fields(&plain, &tls("/a"), true), ["server.tls"]);
+        assert_eq!(restart_fields(&tls("/a"), &plain, true), ["server.tls"]);
         let cors = config("server: { cors: { allowed_origins: ['*'] } }\n");
-        assert_eq!(restart_fields(&plain, &cors), ["server.cors"]);
+        assert_eq!(restart_fields(&plain, &cors, true), ["server.cors"]);
+    }
+
+    #[test]
+    fn keys_and_the_limits_of_tiers_in_force_reload_a_new_tier_takes_a_restart() {
+        let old = config(
+            "tiers: { gold: { requests_per_minute: 10 }, free: { max_pending_requests: 4 } }\n\
+             server: { api_keys: [{ key: abcdefghijklmnop, tenant: t, tier: gold }] }\n",
+        );
+        let new = config(
+            "tiers: { gold: { requests_per_minute: 20, tokens_per_minute: 1000, \
+             max_pending_per_tenant: 2 }, free: { ttft_ms: 500 }, silver: {} }\n\
+             server: { max_pending_requests: 64, api_keys: [\
+             { key: abcdefghijklmnop, tenant: t, tier: gold }, \
+             { key: qrstuvwxyz012345, tenant: u, tier: free }] }\n",
+        );
+        assert_eq!(
+            restart_fields(&old, &new, false),
+            ["tiers.free.ttft_ms", "tiers.silver"]
+        );
+        // On an API started open, keys take a restart.
+        assert_eq!(
+            restart_fields(&old, &new, true),
+            ["server.api_keys", "tiers.free.ttft_ms", "tiers.silver"]
+        );
+        let access = plan_access(&old.tiers, &new, false).unwrap();
+        assert_eq!(access.max_pending, 64);
+        assert_eq!(access.keys.as_ref().map(Vec::len), Some(2));
+        assert_eq!(access.tiers.keys().collect::<Vec<_>>(), ["free", "gold"]);
+        let gold = &access.tiers["gold"];
+        assert_eq!(
+            (
+                gold.requests_per_minute,
+                gold.tokens_per_minute,
+                gold.max_pending_per_tenant
+            ),
+            (Some(20), Some(1000), Some(2))
+        );
+        // free's bound is gone with the file's; its ttft_ms (a restart) is not taken.
+        assert_eq!(access.tiers["free"].max_pending_requests, None);
+        assert_eq!(access.tiers["free"].ttft_ms, None);
+        assert!(plan_access(&old.tiers, &new, true).unwrap().keys.is_none());
+    }
+
+    #[test]
+    fn a_reload_refuses_keys_of_a_new_tier_and_bounds_above_the_servers() {
+        let old = config(
+            "tiers: { gold: { max_pending_requests: 100 } }\n\
+             server: { api_keys: [{ key: abcdefghijklmnop, tenant: t, tier: gold }] }\n",
+        );
+        let new_tier = config(
+            "tiers: { gold: {}, silver: {} }\n\
+             server: { api_keys: [{ key: abcdefghijklmnop, tenant: t, tier: silver }] }\n",
+        );
+        let e = plan_access(&old.tiers, &new_tier, false).err().unwrap();
+        assert!(
+            e.contains("names tier `silver`, which is not in force"),
+            "{e}"
+        );
+        // gold is no longer in the file: its bound of 100 stays, above the new server bound.
+        let dropped = config(
+            "server: { max_pending_requests: 50, api_keys: [{ key: abcdefghijklmnop, tenant: t }] }\n",
+        );
+        let e = plan_access(&old.tiers, &dropped, false).err().unwrap();
+        assert!(
+            e.contains("tiers.gold.max_pending_requests (100") && e.contains("(50)"),
+            "{e}"
+        );
     }
 
     fn key(name: &str, params: serde_json::Value) -> PolicyKey {
