@@ -246,8 +246,10 @@ struct RequestSink {
     arrival: Instant,
     /// Scheduler ids of all choices, to abort them together.
     ids: Vec<RequestId>,
-    /// Released with the last choice.
-    _guard: InFlight,
+    /// The request's seats under the admission bounds: given back before its last choice's
+    /// last delta goes out (so that a client that sends its next request as soon as it reads
+    /// the end of this one finds them free), else when the request is dropped.
+    guard: Option<InFlight>,
     /// The prompt while its logprobs are still being computed; `None` once the prompt event
     /// went out.
     pending_prompt: Option<PendingPrompt>,
@@ -525,7 +527,7 @@ impl Handler<Register> for DetokenizerActor {
             sink: msg.sink,
             arrival: msg.arrival,
             ids: msg.ids.clone(),
-            _guard: msg.guard,
+            guard: Some(msg.guard),
             pending_prompt: msg.pending_prompt.clone(),
             labels: names::tier_labels(&tier),
             outcome_labels: names::outcome_labels(&tier, &tenant),
@@ -814,6 +816,10 @@ impl Handler<StepEvents> for DetokenizerActor {
                         reason.metric_label(),
                     ));
                     metrics::counter!(names::REQUEST_SUCCESS, labels).increment(1);
+                }
+                let mut r = request.borrow_mut();
+                if r.ids.iter().all(|i| !self.choices.contains_key(i)) {
+                    r.guard = None;
                 }
             }
             let delivered = request.borrow_mut().sink.send(EngineOutput::Delta(delta));

@@ -1237,3 +1237,53 @@ async fn an_embedding_is_one_delta_with_the_hidden_state_and_no_tokens() {
         "{got:?}"
     );
 }
+
+/// Records, for each finishing delta, how many choices the engine still counts in flight.
+struct InFlightAtEnd {
+    engine: Engine,
+    seen: Arc<Mutex<Vec<usize>>>,
+}
+
+impl OutputSink for InFlightAtEnd {
+    fn send(&mut self, output: EngineOutput) -> bool {
+        if let EngineOutput::Delta(d) = output {
+            if d.finish.is_some() {
+                self.seen.lock().unwrap().push(self.engine.in_flight());
+            }
+        }
+        true
+    }
+    fn is_closed(&self) -> bool {
+        false
+    }
+    fn abandoned_for(&self) -> Option<SubmitErrorKind> {
+        None
+    }
+}
+
+/// A request's seats are given back before its last choice's last delta goes out: a client
+/// that sends its next request as soon as it reads the end of this one (a sequential client
+/// at its tenant's bound of 1) finds its seat free; a choice that ends before its sibling
+/// leaves the seats held.
+#[actix::test]
+async fn seats_are_free_when_the_last_delta_goes_out() {
+    let (engine, _) = start_engine_bounded(false, false, tokenizer(), &[], 4, &[]);
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let sink = InFlightAtEnd {
+        engine: engine.clone(),
+        seen: seen.clone(),
+    };
+    engine.submit(request(1, 3, ignoring_eos()), Box::new(sink));
+    until_idle(&engine).await;
+    assert_eq!(*seen.lock().unwrap(), [0]);
+    // Two choices ending in one step: the first's end still counts both seats (given back
+    // together), the second's none.
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let sink = InFlightAtEnd {
+        engine: engine.clone(),
+        seen: seen.clone(),
+    };
+    engine.submit(request(2, 3, ignoring_eos()), Box::new(sink));
+    until_idle(&engine).await;
+    assert_eq!(*seen.lock().unwrap(), [2, 0]);
+}
