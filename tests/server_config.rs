@@ -941,12 +941,13 @@ fn a_request_larger_than_max_pending_requests_is_a_400_not_a_retryable_503() {
 }
 
 /// SIGHUP rotates API keys (the keys file read again: a key removed is refused at once, a key
-/// added is served) and applies a tier's new limits to tenants already counted (a raised
-/// requests-per-minute limit frees room at once; a new per-tenant bound counts the request in
-/// flight), with nothing named as taking a restart; a reload that would open the API changes
+/// added is served) and applies a tier's new settings: its limits to tenants already counted
+/// (a raised requests-per-minute limit frees room at once; a new per-tenant bound counts the
+/// request in flight) and its SLO target to the requests that follow, with nothing named as
+/// taking a restart; a reload that would open the API changes
 /// nothing.
 #[test]
-fn sighup_rotates_api_keys_and_applies_a_tiers_new_limits() {
+fn sighup_rotates_api_keys_and_applies_a_tiers_new_settings() {
     const ACME: &str = "Bearer gold-tenant-acme-key-0001";
     const BOB: &str = "Bearer gold-tenant-bob-key-00001";
     const CAROL: &str = "Bearer gold-tenant-carol-key-001";
@@ -960,9 +961,29 @@ fn sighup_rotates_api_keys_and_applies_a_tiers_new_limits() {
     let s = start(
         "rotate-keys",
         &format!("  api_keys_file: {}\n", keys_file.display()),
-        "tiers:\n  gold: { requests_per_minute: 2 }\n",
+        "tiers:\n  gold: { requests_per_minute: 2, ttft_ms: 0.01 }\n",
         &[],
     );
+    // The tier's TTFT target counted per request: `(met, missed)` so far.
+    let ttft = || {
+        let metrics = s
+            .request("GET", "/metrics", None, &[])
+            .expect("metrics")
+            .body;
+        let count = |outcome: &str| -> f64 {
+            metrics
+                .lines()
+                .filter(|l| {
+                    l.starts_with("switchyard:slo_attainment_total{")
+                        && l.contains("tier=\"gold\"")
+                        && l.contains("target=\"ttft\"")
+                        && l.contains(&format!("outcome=\"{outcome}\""))
+                })
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum()
+        };
+        (count("met"), count("missed"))
+    };
     let short = json!({"prompt": "Hi", "max_tokens": 2});
     for _ in 0..2 {
         let r = s.complete_as(ACME, &short);
@@ -972,13 +993,15 @@ fn sighup_rotates_api_keys_and_applies_a_tiers_new_limits() {
     assert_eq!(r.status, 429, "{}", r.body);
     assert!(r.body.contains("Limit 2"), "{}", r.body);
     assert_eq!(s.complete_as(BOB, &short).status, 200);
+    // No first token comes within 10 µs.
+    assert_eq!(ttft(), (0.0, 3.0));
 
     // Bob's key revoked, carol's added; gold allows 4 a minute and one request per tenant.
     std::fs::write(&keys_file, entry(ACME, "acme") + &entry(CAROL, "carol")).expect("keys");
     edit_config(
         &s,
-        "gold: { requests_per_minute: 2 }",
-        "gold: { requests_per_minute: 4, max_pending_per_tenant: 1 }",
+        "gold: { requests_per_minute: 2, ttft_ms: 0.01 }",
+        "gold: { requests_per_minute: 4, max_pending_per_tenant: 1, ttft_ms: 600000 }",
     );
     s.hang_up();
     s.wait_logged("SIGHUP: reload finished", 1);
@@ -986,6 +1009,7 @@ fn sighup_rotates_api_keys_and_applies_a_tiers_new_limits() {
     assert!(!log.contains("taking a restart"), "{log}");
     s.assert_logged(&["SIGHUP: API keys reloaded", "added=1", "removed=1"]);
     s.assert_logged(&["SIGHUP: the tier's rate limits changed", "tier=gold"]);
+    s.assert_logged(&["SIGHUP: the tiers' settings changed"]);
     s.assert_logged(&[
         "SIGHUP: bound on requests in flight changed",
         "tiers.gold.max_pending_per_tenant: none -> 1",
@@ -1001,6 +1025,8 @@ fn sighup_rotates_api_keys_and_applies_a_tiers_new_limits() {
     let r = s.complete_as(ACME, &short);
     assert_eq!(r.status, 429, "{}", r.body);
     assert!(r.body.contains("Limit 4"), "{}", r.body);
+    // The new TTFT target (10 minutes) is met by the requests since.
+    assert_eq!(ttft(), (2.0, 3.0));
     // Carol's one request in flight is all her tier now allows her.
     let reader = s.hold_stream(CAROL, 400);
     let r = s.complete_as(CAROL, &short);

@@ -495,6 +495,15 @@ impl StepCore {
         new
     }
 
+    /// Replaces the tiers' settings between two steps (see
+    /// [`switchyard_policies::Scheduler::set_tiers`]).
+    pub fn set_tiers(
+        &mut self,
+        tiers: Vec<switchyard_policies::TierSpec>,
+    ) -> Result<(), EngineError> {
+        Ok(self.scheduler.set_tiers(tiers)?)
+    }
+
     /// Replaces the policy between two steps; returns the old one.
     pub fn swap_policy(&mut self, policy: Box<dyn Policy>) -> Box<dyn Policy> {
         self.scheduler.swap_policy(policy)

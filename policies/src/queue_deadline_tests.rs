@@ -208,3 +208,33 @@ fn bounds_out_of_range_name_the_field() {
     check(c, "tiers.max_queue_ms");
     assert!(Scheduler::new(config(16, 4, Some(MAX_QUEUE_MS)), Box::new(Fcfs), [1, 2]).is_ok());
 }
+
+/// New tier settings (a reload) apply to the requests queued from then on: a bound given to
+/// `open` times its next request out, while a request queued before keeps the bound it was
+/// queued with; a change of the tier set or of a KV quota is refused, changing nothing.
+#[test]
+fn new_tier_settings_apply_to_requests_queued_after_them() {
+    let c = config(16, 4, None);
+    let mut s = Scheduler::new(c.clone(), policy("fcfs", &c.tiers), [1, 2]).unwrap();
+    s.add_request(req(1, "open", 0, vec![1; 8], 50)).unwrap();
+    step(&mut s, 0);
+    // Queued before the change: no bound.
+    s.add_request(req(2, "open", 10, vec![2; 8], 4)).unwrap();
+    let mut tiers = c.tiers.clone();
+    tiers[1].max_queue_ms = Some(2);
+    // Refused: another tier set, another KV quota; nothing changes.
+    let mut renamed = tiers.clone();
+    renamed[1].name = "other".into();
+    assert!(s.set_tiers(renamed).is_err());
+    let mut quota = tiers.clone();
+    quota[1].max_kv_fraction = Some(0.5);
+    assert!(s.set_tiers(quota).is_err());
+    assert_eq!(s.config().tiers, c.tiers);
+    s.set_tiers(tiers.clone()).unwrap();
+    assert_eq!(s.config().tiers, tiers);
+    s.add_request(req(3, "open", 20, vec![3; 8], 4)).unwrap();
+    assert_eq!(s.next_queue_deadline(), Some(Timestamp(2_020)));
+    let p = step(&mut s, 2_021);
+    assert_eq!(timed_out(&p), [3]);
+    assert_eq!(s.request_state(RequestId(2)), Some(RequestState::Waiting));
+}

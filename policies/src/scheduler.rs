@@ -594,6 +594,32 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Replaces the tiers' settings (a reload of the configuration): the same tiers in the
+    /// same order, each with the same `max_kv_fraction` (a change of either takes a restart:
+    /// the KV quotas count what each tier's running requests hold against it). Requests queued
+    /// from now on get the new SLO targets, preemptibility and queue bound; those already
+    /// queued keep theirs. A policy built with the tiers (fair-share's weights) is rebuilt by
+    /// the caller. Refused, changing nothing, when the settings are invalid or the set differs.
+    pub fn set_tiers(&mut self, tiers: Vec<crate::types::TierSpec>) -> Result<(), SchedulerError> {
+        let same_set = tiers.len() == self.config.tiers.len()
+            && tiers.iter().zip(&self.config.tiers).all(|(new, old)| {
+                new.name == old.name && new.max_kv_fraction == old.max_kv_fraction
+            });
+        if !same_set {
+            return Err(config_err(
+                "tiers",
+                "a reload may change the tiers' settings, not which tiers there are or their \
+                 max_kv_fraction (that takes a restart)"
+                    .into(),
+            ));
+        }
+        let mut config = self.config.clone();
+        config.tiers = tiers;
+        validate_config(&config)?;
+        self.config = config;
+        Ok(())
+    }
+
     /// Sets where drafts come from when speculative decoding is on (`None`: prompt lookup, the
     /// default). The simulator uses it to model a draft source without real tokens.
     pub fn set_draft_source(&mut self, source: Option<Box<dyn crate::speculative::DraftSource>>) {

@@ -349,12 +349,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             max_model_len,
             embedding_size,
             ready: AtomicBool::new(true),
-            tiers,
-            tier_priorities: config
-                .tiers
-                .iter()
-                .map(|(name, t)| (name.clone(), t.priority))
-                .collect(),
+            tiers: parking_lot::RwLock::new(tiers),
+            tier_priorities: parking_lot::RwLock::new(tier_priorities(&config)),
             policy: Mutex::new(policy_info),
             speculative: Arc::new(tokio::sync::Mutex::new(config.speculative.as_ref().map(
                 |s| SpeculativeSettings {
@@ -487,6 +483,15 @@ fn api_config(
     }
 }
 
+/// Each tier's priority (`tiers.<name>.priority`).
+fn tier_priorities(config: &Config) -> HashMap<String, i32> {
+    config
+        .tiers
+        .iter()
+        .map(|(name, t)| (name.clone(), t.priority))
+        .collect()
+}
+
 /// The API keys as the HTTP layer holds them (a key without a tier is of [`KEY_TIER`]).
 fn api_keys(keys: Vec<switchyard_config::ApiKeyEntry>) -> Vec<ApiKeyEntry> {
     keys.into_iter()
@@ -552,11 +557,12 @@ struct EngineAdapter {
     /// `server.embeddings: false`.
     embedding_size: Option<usize>,
     ready: AtomicBool,
-    /// The tiers in force (policies are built with them; changing them takes a restart).
-    tiers: Vec<TierSpec>,
+    /// The tiers in force (policies are built with them); written only while `policy` is
+    /// held, so that a policy is always built with the tiers it is swapped in beside.
+    tiers: parking_lot::RwLock<Vec<TierSpec>>,
     /// Each tier's priority (`tiers.<name>.priority`): its requests' unless they ask for a
-    /// later one (`switchyard_policies::request_priority`).
-    tier_priorities: HashMap<String, i32>,
+    /// later one (`switchyard_policies::request_priority`); replaced by SIGHUP.
+    tier_priorities: parking_lot::RwLock<HashMap<String, i32>>,
     /// The policy in force. Held while a swap is queued, so that swaps reach the scheduler in
     /// the order their records are written.
     policy: Mutex<PolicyInfo>,
@@ -579,29 +585,59 @@ impl EngineAdapter {
             name: spec.name.clone(),
             params,
         };
-        let policy = super::config::build_policy(&section, &self.tiers).map_err(policy_error)?;
-        let (policy, changed) = self.install_policy(spec.name, spec.params, policy);
-        Ok(PolicySwap { policy, changed })
+        // Held from the build to the swap: a reload of the tiers waits, so the policy is built
+        // with the tiers in force beside it.
+        let mut info = self.policy.lock();
+        let policy =
+            super::config::build_policy(&section, &self.tiers.read()).map_err(policy_error)?;
+        let changed = self.install_locked(&mut info, spec.name, spec.params, policy, None);
+        Ok(PolicySwap {
+            policy: info.clone(),
+            changed,
+        })
     }
 
-    /// Swaps in `policy` (built from `name` and `params`) and records it, unless it equals the
-    /// policy in force (that would reset its state: fair-share counters, aging). Returns the
+    /// Swaps in `policy` (built from `name` and `params` with `tiers`, or with the tiers in
+    /// force when `None`) and records it, unless it equals the policy in force and the tiers
+    /// are unchanged (a swap would reset its state: fair-share counters, aging). With new
+    /// tiers, the scheduler gets them with the policy (`Engine::set_tiers`). Returns the
     /// policy in force and whether it was swapped.
     fn install_policy(
         &self,
         name: String,
         params: serde_json::Value,
         policy: Box<dyn Policy>,
+        tiers: Option<Vec<TierSpec>>,
     ) -> (PolicyInfo, bool) {
-        let params = json_params(params);
         // Taken before the swap is queued (which does not block): concurrent swaps are queued
         // and recorded in the same order, so `GET /admin/policy` and the policy_info gauge
         // show the policy the scheduler runs.
         let mut info = self.policy.lock();
-        if info.name == name && info.params == params {
-            return (info.clone(), false);
+        let swapped = self.install_locked(&mut info, name, params, policy, tiers);
+        (info.clone(), swapped)
+    }
+
+    /// [`EngineAdapter::install_policy`] with the policy's lock held.
+    fn install_locked(
+        &self,
+        info: &mut PolicyInfo,
+        name: String,
+        params: serde_json::Value,
+        policy: Box<dyn Policy>,
+        tiers: Option<Vec<TierSpec>>,
+    ) -> bool {
+        let params = json_params(params);
+        let tiers = tiers.filter(|t| *t != *self.tiers.read());
+        if info.name == name && info.params == params && tiers.is_none() {
+            return false;
         }
-        self.engine.swap_policy(policy);
+        match tiers {
+            Some(tiers) => {
+                self.engine.set_tiers(tiers.clone(), policy);
+                *self.tiers.write() = tiers;
+            }
+            None => self.engine.swap_policy(policy),
+        }
         metrics::gauge!(switchyard_api::metrics::POLICY_INFO, "policy" => policy_label(&info.name))
             .set(0.0);
         metrics::counter!(switchyard_api::metrics::POLICY_SWAPS).increment(1);
@@ -610,7 +646,7 @@ impl EngineAdapter {
         metrics::gauge!(switchyard_api::metrics::POLICY_INFO, "policy" => policy_label(&info.name))
             .set(1.0);
         tracing::info!(policy = %info.name, "scheduling policy swap requested");
-        (info.clone(), true)
+        true
     }
 }
 
@@ -856,7 +892,7 @@ impl EngineAdapter {
             default_max_tokens: request.max_tokens.filter(|_| request.max_tokens_defaulted),
             priority: switchyard_policies::request_priority(
                 request.priority,
-                self.tier_priorities.get(&request.tier).copied(),
+                self.tier_priorities.read().get(&request.tier).copied(),
             ),
             tier: request.tier,
             tenant: request.tenant,

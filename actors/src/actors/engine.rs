@@ -27,7 +27,7 @@ use super::lora::{
     AdapterInfo, LoraError, LoraHandle, LoraManager, LoraManagerConfig,
     Register as RegisterAdapter, Replace as ReplaceAdapter, Unregister,
 };
-use super::scheduler::{GetStats, SchedulerActor, SetSpeculative, SwapPolicy};
+use super::scheduler::{GetStats, SchedulerActor, SetSpeculative, SetTiers, SwapPolicy};
 use super::tokenizer::{Constrain, Decode, Encode, TokenizerActor};
 use crate::core::{AsyncScheduling, EngineCoreConfig, StepCore, SubmitOptions};
 use crate::metric_names as names;
@@ -347,6 +347,9 @@ pub struct Engine {
     /// The tenants whose names label metrics ([`EngineConfig::metrics_tenants`], replaced by
     /// [`Engine::set_metrics_tenants`]).
     metrics_tenants: Arc<parking_lot::RwLock<std::collections::BTreeSet<String>>>,
+    /// Each tier's SLO targets, given to its requests at submission
+    /// ([`EngineConfig::tier_slos`], replaced by [`Engine::set_tiers`]).
+    tier_slos: Arc<parking_lot::RwLock<Vec<(String, SloTargets)>>>,
     config: Arc<EngineConfig>,
     /// Token ids a request may name are below this ([`EngineConfig::vocab_size`], or the
     /// tokenizer's vocabulary when larger).
@@ -453,6 +456,7 @@ impl Engine {
                 .counting(config.scheduler.tiers.iter().map(|t| t.name.clone())),
             ),
             metrics_tenants: Arc::new(parking_lot::RwLock::new(config.metrics_tenants.clone())),
+            tier_slos: Arc::new(parking_lot::RwLock::new(config.tier_slos.clone())),
             config: Arc::new(config),
             vocab,
             salts: std::collections::hash_map::RandomState::new(),
@@ -930,15 +934,16 @@ impl Engine {
         metering: Metering,
     ) {
         let metrics_tenant = self.metrics_tenant(&options.tenant);
-        let tier = self
-            .config
+        let slo = self
             .tier_slos
+            .read()
             .iter()
-            .find(|(name, _)| *name == options.tier);
-        let slo = tier.map(|(_, s)| s.clone()).unwrap_or(SloTargets {
-            ttft_ms: None,
-            tpot_ms: None,
-        });
+            .find(|(name, _)| *name == options.tier)
+            .map(|(_, s)| s.clone())
+            .unwrap_or(SloTargets {
+                ttft_ms: None,
+                tpot_ms: None,
+            });
         let metrics_tier = self.metrics_tier(&options.tier);
         let shared_salt = self.cache_salt(&options);
         let eos = options.sampling.eos_token_ids.first().copied();
@@ -1126,6 +1131,25 @@ impl Engine {
             .await
             .map(|found| found.is_some())
             .map_err(lora_submit_error)
+    }
+
+    /// Replaces the tiers' settings (a reload of the configuration: the same tiers, each with
+    /// the same `max_kv_fraction`) and the policy, built with them, at the next step
+    /// boundary: requests submitted from then on get the new SLO targets, preemptibility and
+    /// queue bounds. The scheduler checks the settings again and logs a refusal (nothing
+    /// changes there then); the caller checks them first.
+    pub fn set_tiers(&self, tiers: Vec<switchyard_policies::TierSpec>, policy: Box<dyn Policy>) {
+        *self.tier_slos.write() = tiers
+            .iter()
+            .map(|t| {
+                let slo = SloTargets {
+                    ttft_ms: t.ttft_ms,
+                    tpot_ms: t.tpot_ms,
+                };
+                (t.name.clone(), slo)
+            })
+            .collect();
+        self.scheduler.do_send(SetTiers(tiers, policy));
     }
 
     /// Replaces the policy at the next step boundary.

@@ -38,6 +38,12 @@ pub struct Finish(pub Vec<(RequestId, FinishReason)>);
 #[rtype(result = "()")]
 pub struct SwapPolicy(pub Box<dyn Policy>);
 
+/// Replaces the tiers' settings, and with them the policy (built with them), between two
+/// steps; a refusal is logged (nothing changes then).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct SetTiers(pub Vec<switchyard_policies::TierSpec>, pub Box<dyn Policy>);
+
 /// Asks for queue and cache statistics.
 #[derive(Message)]
 #[rtype(result = "SchedulerStats")]
@@ -548,6 +554,18 @@ impl Handler<SwapPolicy> for SchedulerActor {
     type Result = ();
     fn handle(&mut self, msg: SwapPolicy, ctx: &mut Context<Self>) {
         self.pending_swap = Some(msg.0);
+        self.kick(ctx);
+    }
+}
+
+impl Handler<SetTiers> for SchedulerActor {
+    type Result = ();
+    fn handle(&mut self, msg: SetTiers, ctx: &mut Context<Self>) {
+        if let Err(e) = self.core.set_tiers(msg.0) {
+            tracing::error!(error = %e, "the tiers' new settings were refused; the old ones stay");
+            return;
+        }
+        self.pending_swap = Some(msg.1);
         self.kick(ctx);
     }
 }

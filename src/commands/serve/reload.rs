@@ -1,9 +1,11 @@
-//! SIGHUP: the configuration file is read again and its policy and `lora.adapters` applied.
+//! SIGHUP: the configuration file is read again and its policy, `lora.adapters`, API keys and
+//! the settings of the tiers in force applied.
 //!
 //! Reloads run one at a time, in the order of their signals (an async mutex is held for the
 //! whole of one), and each is all or nothing up to the adapters: a file that does not load,
-//! or whose policy the registry refuses, changes nothing. The policy is swapped only when it
-//! differs from the one in force (a swap resets its state). Adapters are reconciled against the
+//! or whose policy the registry refuses, whose keys or tier settings are refused
+//! ([`plan_access`]), changes nothing. The policy is swapped only when it differs from the one
+//! in force or the tiers' settings changed (it is built with them; a swap resets its state). Adapters are reconciled against the
 //! engine's live registry, by name and directory: an adapter the file lists that is not served
 //! (an admin unloaded it, or it failed before) is loaded, and one the file listed before and no
 //! longer lists is unloaded if it is still served from the file's directory. The file's policy
@@ -72,8 +74,8 @@ struct ReloadState {
     /// The policy the file put in force at the last reload (or the start): one in force that
     /// differs from it was set through `PUT /admin/policy`.
     file_policy: PolicyKey,
-    /// The tiers in force (the set the server started with) with the limits the last reload
-    /// (or the start) put in force.
+    /// The tiers in force (the set the server started with) with the settings the last
+    /// reload (or the start) put in force.
     tiers: BTreeMap<String, TierConfig>,
 }
 
@@ -81,7 +83,7 @@ struct ReloadState {
 struct Access {
     /// The API keys; `None` on an API started open (its keys take a restart).
     keys: Option<Vec<ApiKeyEntry>>,
-    /// The tiers in force with their new limits.
+    /// The tiers in force with their new settings.
     tiers: BTreeMap<String, TierConfig>,
     /// `server.max_pending_requests`.
     max_pending: usize,
@@ -169,10 +171,24 @@ impl Reloader {
                 restart.join(", ")
             );
         }
-        // Built (so checked) before anything is applied: a bad policy leaves the adapters
-        // as they are too.
+        let access = match plan_access(&state.tiers, &cfg, self.open) {
+            Ok(access) => access,
+            Err(why) => {
+                tracing::error!(
+                    error = %why,
+                    "SIGHUP: the API keys or the tiers' settings are refused; nothing was \
+                     reloaded"
+                );
+                return;
+            }
+        };
+        let mut effective = state.started.clone();
+        effective.tiers = access.tiers.clone();
+        let tiers = crate::commands::config::tier_specs(&effective);
+        // Built (so checked) with the new tiers before anything is applied: a bad policy
+        // leaves the adapters as they are too.
         let spec = &cfg.scheduler.policy;
-        let policy = match crate::commands::config::build_policy(spec, &self.adapter.tiers) {
+        let policy = match crate::commands::config::build_policy(spec, &tiers) {
             Ok(policy) => policy,
             Err(e) => {
                 tracing::error!(
@@ -198,16 +214,6 @@ impl Reloader {
             },
             _ => None,
         };
-        let access = match plan_access(&state.tiers, &cfg, self.open) {
-            Ok(access) => access,
-            Err(why) => {
-                tracing::error!(
-                    error = %why,
-                    "SIGHUP: the API keys or the tiers' limits are refused; nothing was reloaded"
-                );
-                return;
-            }
-        };
         let file_policy = PolicyKey::of(spec);
         let in_force = {
             let info = self.adapter.policy.lock();
@@ -216,11 +222,20 @@ impl Reloader {
                 params: info.params.clone(),
             }
         };
+        let tiers_changed = *self.adapter.tiers.read() != tiers;
         let (info, swapped) = self.adapter.install_policy(
             file_policy.name.clone(),
             file_policy.params.clone(),
             policy,
+            Some(tiers),
         );
+        if tiers_changed {
+            tracing::info!(
+                policy = %info.name,
+                "SIGHUP: the tiers' settings changed; the policy was swapped for one built with \
+                 them"
+            );
+        }
         if swapped && replaces_admin_policy(&state.file_policy, &in_force, &file_policy) {
             // The documented semantics (the file wins), said out loud.
             tracing::warn!(
@@ -265,6 +280,7 @@ impl Reloader {
         } = access;
         let mut effective = state.started.clone();
         effective.tiers = tiers;
+        *self.adapter.tier_priorities.write() = super::tier_priorities(&effective);
         let api_keys = keys
             .as_ref()
             .map_or_else(Vec::new, |k| super::api_keys(k.clone()));
@@ -389,10 +405,11 @@ impl Reloader {
 }
 
 /// Checks what `cfg` asks of the API's access against the tiers in force (`in_force`, with the
-/// limits the last reload put in force): the keys (unless the API was started `open`), which
-/// must name tiers in force and leave at least one key, and the tiers' limits (the file's for
-/// each tier in force it still lists; a tier it no longer lists keeps its limits, its removal
-/// taking a restart), whose bounds on requests in flight must stay within the server's.
+/// settings the last reload put in force): the keys (unless the API was started `open`), which
+/// must name tiers in force and leave at least one key, and the tiers' settings (the file's,
+/// but for `max_kv_fraction`, for each tier in force it still lists; a tier it no longer lists
+/// keeps its settings, its removal taking a restart), whose bounds on requests in flight must
+/// stay within the server's.
 fn plan_access(
     in_force: &BTreeMap<String, TierConfig>,
     cfg: &Config,
@@ -401,10 +418,9 @@ fn plan_access(
     let mut tiers = in_force.clone();
     for (name, tier) in &mut tiers {
         if let Some(file) = cfg.tiers.get(name) {
-            tier.requests_per_minute = file.requests_per_minute;
-            tier.tokens_per_minute = file.tokens_per_minute;
-            tier.max_pending_requests = file.max_pending_requests;
-            tier.max_pending_per_tenant = file.max_pending_per_tenant;
+            let kv = tier.max_kv_fraction;
+            *tier = file.clone();
+            tier.max_kv_fraction = kv;
         }
     }
     let max_pending = cfg.server.max_pending_requests;
@@ -450,8 +466,8 @@ fn plan_access(
 /// fields. A reload applies `scheduler.policy`, `lora.adapters`, the files of `server.tls`
 /// (turned on or off only by a restart), the API keys (`server.api_keys`,
 /// `server.api_keys_file`) unless the API was started `open`, `server.max_pending_requests`,
-/// and the limits of the tiers in force (`requests_per_minute`, `tokens_per_minute`,
-/// `max_pending_requests`, `max_pending_per_tenant`); a tier added or removed takes a restart.
+/// and the settings of the tiers in force but `max_kv_fraction`; a tier added or removed takes
+/// a restart.
 fn restart_fields(old: &Config, new: &Config, open: bool) -> Vec<String> {
     let mut new = new.clone();
     new.scheduler.policy = old.scheduler.policy.clone();
@@ -466,10 +482,9 @@ fn restart_fields(old: &Config, new: &Config, open: bool) -> Vec<String> {
     new.server.max_pending_requests = old.server.max_pending_requests;
     for (name, tier) in &mut new.tiers {
         if let Some(o) = old.tiers.get(name) {
-            tier.requests_per_minute = o.requests_per_minute;
-            tier.tokens_per_minute = o.tokens_per_minute;
-            tier.max_pending_requests = o.max_pending_requests;
-            tier.max_pending_per_tenant = o.max_pending_per_tenant;
+            let kv = tier.max_kv_fraction;
+            *tier = o.clone();
+            tier.max_kv_fraction = kv;
         }
     }
     let value = |c: &Config| serde_yaml::to_value(c).unwrap_or(serde_yaml::Value::Null);
@@ -570,7 +585,7 @@ mod tests {
     }
 
     #[test]
-    fn keys_and_the_limits_of_tiers_in_force_reload_a_new_tier_takes_a_restart() {
+    fn keys_and_the_settings_of_tiers_in_force_reload_a_new_tier_takes_a_restart() {
         let old = config(
             "tiers: { gold: { requests_per_minute: 10 }, free: { max_pending_requests: 4 } }\n\
              server: { api_keys: [{ key: abcdefghijklmnop, tenant: t, tier: gold }] }\n",
@@ -582,14 +597,11 @@ mod tests {
              { key: abcdefghijklmnop, tenant: t, tier: gold }, \
              { key: qrstuvwxyz012345, tenant: u, tier: free }] }\n",
         );
-        assert_eq!(
-            restart_fields(&old, &new, false),
-            ["tiers.free.ttft_ms", "tiers.silver"]
-        );
+        assert_eq!(restart_fields(&old, &new, false), ["tiers.silver"]);
         // On an API started open, keys take a restart.
         assert_eq!(
             restart_fields(&old, &new, true),
-            ["server.api_keys", "tiers.free.ttft_ms", "tiers.silver"]
+            ["server.api_keys", "tiers.silver"]
         );
         let access = plan_access(&old.tiers, &new, false).unwrap();
         assert_eq!(access.max_pending, 64);
@@ -604,9 +616,24 @@ mod tests {
             ),
             (Some(20), Some(1000), Some(2))
         );
-        // free's bound is gone with the file's; its ttft_ms (a restart) is not taken.
+        // free's bound is gone with the file's; its new ttft_ms is taken.
         assert_eq!(access.tiers["free"].max_pending_requests, None);
-        assert_eq!(access.tiers["free"].ttft_ms, None);
+        assert_eq!(access.tiers["free"].ttft_ms, Some(500.0));
+        // A tier's KV quota takes a restart, and is kept.
+        let kv = config("tiers: { gold: { max_kv_fraction: 0.5, weight: 2 } }\n");
+        let plain = config("tiers: { gold: {} }\n");
+        assert_eq!(
+            restart_fields(&plain, &kv, true),
+            ["tiers.gold.max_kv_fraction"]
+        );
+        let access = plan_access(&plain.tiers, &kv, true).unwrap();
+        assert_eq!(
+            (
+                access.tiers["gold"].max_kv_fraction,
+                access.tiers["gold"].weight
+            ),
+            (None, 2.0)
+        );
         assert!(plan_access(&old.tiers, &new, true).unwrap().keys.is_none());
     }
 
