@@ -966,21 +966,12 @@ fn sighup_rotates_api_keys_and_applies_a_tiers_new_settings() {
     );
     // The tier's TTFT target counted per request: `(met, missed)` so far.
     let ttft = || {
-        let metrics = s
-            .request("GET", "/metrics", None, &[])
-            .expect("metrics")
-            .body;
-        let count = |outcome: &str| -> f64 {
-            metrics
-                .lines()
-                .filter(|l| {
-                    l.starts_with("switchyard:slo_attainment_total{")
-                        && l.contains("tier=\"gold\"")
-                        && l.contains("target=\"ttft\"")
-                        && l.contains(&format!("outcome=\"{outcome}\""))
-                })
-                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-                .sum()
+        let count = |outcome: &str| {
+            let outcome = format!("outcome=\"{outcome}\"");
+            s.labelled_metric(
+                "switchyard:slo_attainment_total",
+                &["tier=\"gold\"", "target=\"ttft\"", &outcome],
+            )
         };
         (count("met"), count("missed"))
     };
@@ -1039,17 +1030,10 @@ fn sighup_rotates_api_keys_and_applies_a_tiers_new_settings() {
     let rest = reader.join().expect("the long stream");
     assert!(rest.contains("data: [DONE]"), "the long stream did not end");
     // Carol's new tenant label is a metrics series of its own.
-    let metrics = s
-        .request("GET", "/metrics", None, &[])
-        .expect("metrics")
-        .body;
-    assert!(
-        metrics
-            .lines()
-            .any(|l| l.starts_with("switchyard:request_success_total{")
-                && l.contains("tenant=\"carol\"")
-                && !l.ends_with(" 0")),
-        "{metrics}"
+    let carol = ["tenant=\"carol\""];
+    assert_eq!(
+        s.labelled_metric("switchyard:request_success_total", &carol),
+        1.0
     );
 
     // A keys file left empty would open the API: refused, the keys in force kept.

@@ -143,16 +143,6 @@ fn client_disconnect_aborts_and_frees_blocks() {
     s.assert_serves();
 }
 
-/// The sum of the samples of `name` whose labels include `label` (such as `reason="unavailable"`).
-fn labelled_metric(s: &Server, name: &str, label: &str) -> f64 {
-    let r = s.request("GET", "/metrics", None, &[]).expect("/metrics");
-    r.body
-        .lines()
-        .filter(|l| l.starts_with(&format!("{name}{{")) && l.contains(label))
-        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
-        .sum()
-}
-
 /// A client that stays connected but stops reading its stream is cut off once the events
 /// waiting for it fill the request's buffer (4096 events in the server): it gets an
 /// `unavailable` error and `[DONE]`, its request ends (KV blocks and seats back), and each of
@@ -197,10 +187,9 @@ fn a_stream_its_client_stops_reading_is_cut_off_and_counted_as_failed() {
         std::thread::sleep(Duration::from_millis(200));
     }
     let failed = |reason: &str| {
-        labelled_metric(
-            &s,
+        s.labelled_metric(
             "switchyard:request_failed_total",
-            &format!("reason=\"{reason}\""),
+            &[&format!("reason=\"{reason}\"")],
         )
     };
     // The detokenizer counts before it lets the request go: wait for the seats too.

@@ -354,6 +354,20 @@ impl Server {
     }
 
     /// Reads a metric from /metrics: the sum of its samples over all their labels.
+    /// The sum of the samples of `name` whose labels include each of `labels` (such as
+    /// `reason="unavailable"`); 0 when none does.
+    pub fn labelled_metric(&self, name: &str, labels: &[&str]) -> f64 {
+        let r = self
+            .request("GET", "/metrics", None, &[])
+            .expect("/metrics");
+        let start = format!("{name}{{");
+        r.body
+            .lines()
+            .filter(|l| l.starts_with(&start) && labels.iter().all(|label| l.contains(label)))
+            .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+            .sum()
+    }
+
     pub fn metric(&self, name: &str) -> Option<f64> {
         let r = self.request("GET", "/metrics", None, &[]).ok()?;
         let values: Vec<f64> = r
