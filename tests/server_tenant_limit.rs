@@ -73,3 +73,124 @@ fn a_tenant_at_its_bound_gets_a_429_while_its_tier_neighbour_is_served() {
         "max_pending_per_tenant",
     ]);
 }
+
+/// Sends `body` to `path` as `auth`; the whole response.
+fn post_as(s: &Server, auth: &str, path: &str, body: &Value) -> common::Response {
+    s.request(
+        "POST",
+        path,
+        Some(&body.to_string()),
+        &[("authorization", auth)],
+    )
+    .expect("request")
+}
+
+/// Opens a long stream of `n` choices as `auth` once the tenant has the seats for it (429s
+/// retried for up to 30 s): a seat that never comes back fails here.
+fn hold_when_free(s: &Server, auth: &str, n: u32) -> std::net::TcpStream {
+    let body = json!({"prompt": "Count:", "max_tokens": 400, "ignore_eos": true, "stream": true,
+                      "n": n})
+    .to_string();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let mut stream = s.open_with(
+            "POST",
+            "/v1/completions",
+            Some(&body),
+            &[("authorization", auth)],
+        );
+        match common::read_status(&mut stream) {
+            200 => return stream,
+            429 if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+            status => panic!("a long stream got {status}; log:\n{}", s.log()),
+        }
+    }
+}
+
+/// Every way a request ends gives its tenant's seats back exactly once: finished by length or
+/// stop with n = 2, several prompts, a stream its client leaves mid-way, a request refused
+/// after its seats were taken (over the context), embeddings of two inputs, beam search and a
+/// background response. Afterwards the tenant holds its whole bound (2) again, and no more.
+#[test]
+fn every_way_a_request_ends_gives_its_tenants_seats_back() {
+    let keys = api_key_lines(&[(ACME, "acme", "free")]);
+    let rest = "tiers:\n  free: { max_pending_per_tenant: 2 }\n";
+    let s = Server::start_with("tenant-release", &keys, rest);
+    let ok = |path: &str, body: Value| {
+        let r = post_as(&s, ACME, path, &body);
+        assert_eq!(r.status, 200, "{path} {body}: {}", r.body);
+        serde_json::from_str::<Value>(&r.body).expect("json")
+    };
+    ok(
+        "/v1/completions",
+        json!({"prompt": "Hi", "max_tokens": 3, "n": 2, "ignore_eos": true}),
+    );
+    ok(
+        "/v1/completions",
+        json!({"prompt": "Hi", "max_tokens": 8, "n": 2, "stop": [" ", "\n", "."]}),
+    );
+    ok(
+        "/v1/completions",
+        json!({"prompt": ["Hi", "Bye"], "max_tokens": 3}),
+    );
+    ok(
+        "/v1/chat/completions",
+        json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}),
+    );
+    // Refused after admission: the prompt fits, max_tokens does not.
+    let r = post_as(
+        &s,
+        ACME,
+        "/v1/completions",
+        &json!({"prompt": "Hi", "max_tokens": 1000000}),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    ok("/v1/embeddings", json!({"input": ["Hi", "Bye"]}));
+    ok(
+        "/v1/completions",
+        json!({"prompt": "Hi", "max_tokens": 3, "n": 2, "use_beam_search": true}),
+    );
+    // A background response, polled until it ends.
+    let v = ok(
+        "/v1/responses",
+        json!({"input": "Hi", "background": true, "max_output_tokens": 4}),
+    );
+    let id = v["id"].as_str().expect("id").to_owned();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let r = s
+            .request(
+                "GET",
+                &format!("/v1/responses/{id}"),
+                None,
+                &[("authorization", ACME)],
+            )
+            .expect("poll");
+        let v: Value = serde_json::from_str(&r.body).expect("json");
+        if v["status"] != "queued" && v["status"] != "in_progress" {
+            assert!(
+                v["status"] == "completed" || v["status"] == "incomplete",
+                "{v}"
+            );
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{v}");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+
+    // A stream of two choices its client leaves after the first bytes.
+    let mut left = hold_when_free(&s, ACME, 2);
+    let mut first = [0u8; 64];
+    let _ = std::io::Read::read(&mut left, &mut first);
+    drop(left);
+
+    // Both seats are free again (the left stream's within the detokenizer's sweep), and the
+    // bound still holds.
+    let a = hold_when_free(&s, ACME, 1);
+    let b = hold_when_free(&s, ACME, 1);
+    let r = s.complete_as(ACME, &json!({"prompt": "Hi", "max_tokens": 2}));
+    assert_eq!(r.status, 429, "{}", r.body);
+    drop((a, b));
+}

@@ -301,7 +301,7 @@ pub fn describe_metrics() {
     describe_counter!(
         REQUEST_FAILED,
         Unit::Count,
-        "Requests (each choice of n > 1 counts) that ended with an error after they were queued, by reason: invalid_request, context_length, unknown_model, overloaded, unavailable (refused, or cut off: at the drain timeout, or a stream its client read too slowly), structured_output (the grammar failed while generating: the output could not complete it), or error (the server's own failure, such as a failed step); and requests refused before they were queued as overloaded (the server's or their tier's bound on requests in flight, or a full grammar compile queue) or unavailable (inside the engine once a drain ended, or an adapter broken on the server). Labelled with the request's tier and tenant where the configuration names them."
+        "Requests (each choice of n > 1 counts) that ended with an error after they were queued, by reason: invalid_request, context_length, unknown_model, overloaded, queue_timeout (waited in the queue past its bound, never admitted), unavailable (refused, or cut off: at the drain timeout, or a stream its client read too slowly), structured_output (the grammar failed while generating: the output could not complete it), or error (the server's own failure, such as a failed step); and requests refused before they were queued as overloaded (the server's or their tier's bound on requests in flight, or a full grammar compile queue), tenant_busy (their tenant at its tier's max_pending_per_tenant) or unavailable (inside the engine once a drain ended, or an adapter broken on the server). Labelled with the request's tier and tenant where the configuration names them."
     );
     describe_counter!(
         ENGINE_FAILED_STEPS,

@@ -902,6 +902,12 @@ mod tests {
         std::fs::write(&path, format!("{old}per_adapter_s: -1.0e-3\n")).unwrap();
         let err = Calibration::load(&path).unwrap_err().to_string();
         assert!(err.contains("per_adapter_s = -0.001"), "{err}");
+        // A hostile step term is refused as the other coefficients are, never priced.
+        for bad in ["-1.0e-3", ".nan", ".inf", "1.0e9"] {
+            std::fs::write(&path, format!("{old}per_lora_step_s: {bad}\n")).unwrap();
+            let err = Calibration::load(&path).unwrap_err().to_string();
+            assert!(err.contains("per_lora_step_s = "), "{bad}: {err}");
+        }
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

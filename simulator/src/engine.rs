@@ -809,6 +809,8 @@ impl<'a> Loop<'a> {
                 self.tracks[*next].outcome = Outcome::Rejected;
                 self.give_back_seat(*next);
                 rejected += 1;
+            } else {
+                self.charge_prompt(*next, 1.0);
             }
             *next += 1;
         }
@@ -840,8 +842,10 @@ impl<'a> Loop<'a> {
     }
 
     /// Whether request `i`'s tenant may send it at its arrival, as the server decides
-    /// (`switchyard_policies::rate_limit`); its prompt's tokens are charged then (the server
-    /// charges them once tokenized, a moment later), its generated tokens as they come.
+    /// (`switchyard_policies::rate_limit`), taking one from its requests budget. Its prompt's
+    /// tokens are charged once it is queued ([`Loop::charge_prompt`]; the server charges them
+    /// once tokenized, a moment later, and gives back the estimate of a request its
+    /// admission refuses or its checks reject), its generated tokens as they come.
     fn within_rate_limits(&mut self, i: usize) -> bool {
         let r = &self.requests[i];
         let Some(limits) = self.tiers.get(&r.tier).map(TierConf::rate_limits) else {
@@ -857,13 +861,23 @@ impl<'a> Loop<'a> {
             budgets.push(TenantBudget::new(limits, at_s));
             budgets.len() - 1
         });
-        if budgets[b].admit(at_s, r.prompt.len() as f64).is_err() {
+        if budgets[b].admit(at_s, 0.0).is_err() {
             return false;
         }
         if limits.tokens_per_minute.is_some() {
             self.budget_of[i] = Some(b);
         }
         true
+    }
+
+    /// Charges request `i`'s prompt tokens, times `sign`, to its tenant's tokens budget (if
+    /// it has one) at its arrival: 1 once it is queued, -1 when it timed out in the queue
+    /// (never computed: the server gives its prompt back).
+    fn charge_prompt(&mut self, i: usize, sign: f64) {
+        if let Some(&Some(b)) = self.budget_of.get(i) {
+            let at_s = self.arrivals_us[i] as f64 / 1e6;
+            self.budgets[b].charge(sign * self.requests[i].prompt.len() as f64, at_s);
+        }
     }
 
     /// Counts the plan's preemptions, and records the requests it timed out in the queue
@@ -879,6 +893,7 @@ impl<'a> Loop<'a> {
                 t.outcome = Outcome::Finished(switchyard_policies::FinishReason::QueueTimeout);
             }
             self.give_back_seat(q.id.0 as usize);
+            self.charge_prompt(q.id.0 as usize, -1.0);
             self.sched.forget(q.id);
         }
         plan.timed_out.len()
@@ -1944,6 +1959,54 @@ policies: [{{name: fcfs}}]
             (free.overloaded, free.tenant_busy, free.finished),
             (2, 1, 4)
         );
+    }
+
+    #[test]
+    fn a_request_refused_or_timed_out_leaves_no_prompt_tokens_charged() {
+        // Tier lim: 600 tokens a minute per tenant (10 a second), one request in flight per
+        // tenant; 1 ms steps. a: 10 + 50 tokens at 0 s (in flight until ~50 ms: 60 charged),
+        // then at 1 ms three of 200 + 1 (tenant_busy) and at 0.1 s one of 1500 + 1, longer
+        // than the context (rejected). The server gives back the estimate of a prompt its
+        // admission refused or its checks rejected: none of them costs a token, and at 1 s a
+        // (540 left) is admitted. Were they charged (2100 more), a would be rate-limited.
+        let yaml = "policies: [{name: fcfs}]\n\
+                    tiers: {lim: {tokens_per_minute: 600, max_pending_per_tenant: 1}}\n\
+                    scheduler: {max_num_seqs: 8, max_model_len: 1000}\n\
+                    cache: {num_gpu_blocks: 128}\n\
+                    workload: {trace: unused.csv, format: azure}\n";
+        let mut rs = vec![req_of("a", 0.0, 10, 50, "lim")];
+        rs.extend((0..3).map(|_| req_of("a", 0.001, 200, 1, "lim")));
+        rs.push(req_of("a", 0.1, 1500, 1, "lim"));
+        rs.push(req_of("a", 1.0, 10, 1, "lim"));
+        let records = fcfs_records(yaml, &rs);
+        let got: Vec<&str> = records.iter().map(|r| r.outcome.as_str()).collect();
+        assert_eq!(
+            got,
+            [
+                "length",
+                "tenant_busy",
+                "tenant_busy",
+                "tenant_busy",
+                "rejected",
+                "length"
+            ]
+        );
+        // A request that timed out in the queue was never computed: the server gives its
+        // prompt back. One seat: a's 10 + 50 holds it until ~50 ms; its 600 + 1 waits past
+        // its tier's 20 ms. At 1 s a has 540 left and is admitted (charged: -50).
+        let yaml = "policies: [{name: fcfs}]\n\
+                    tiers: {lim: {tokens_per_minute: 600, max_queue_ms: 20}}\n\
+                    scheduler: {max_num_seqs: 1, max_model_len: 1000}\n\
+                    cache: {num_gpu_blocks: 128}\n\
+                    workload: {trace: unused.csv, format: azure}\n";
+        let rs = vec![
+            req_of("a", 0.0, 10, 50, "lim"),
+            req_of("a", 0.0, 600, 1, "lim"),
+            req_of("a", 1.0, 10, 1, "lim"),
+        ];
+        let records = fcfs_records(yaml, &rs);
+        let got: Vec<&str> = records.iter().map(|r| r.outcome.as_str()).collect();
+        assert_eq!(got, ["length", "queue_timeout", "length"]);
     }
 
     /// The records of `rs` run under FCFS by the spec `yaml`, every step taking 1 ms.
