@@ -127,7 +127,7 @@ for ts in $scales; do
   # The server's own median time per request from its receipt to its queue, as an operator
   # reads it off /metrics, in microseconds: the simulator's scheduler.front_end_us.
   fe_us=$(curl -s "http://127.0.0.1:$port/metrics" | awk '
-    /^switchyard:request_front_end_seconds\{.*quantile="0.5"/ { printf "%.0f", $2 * 1e6; exit }')
+    /^switchyard:request_front_end_seconds\{.*quantile="0.5"/ && !done { printf "%.0f", $2 * 1e6; done = 1 }')
   fe_us=${fe_us:-0}
   echo "time scale $ts: the server's median front-end time ${fe_us} us" >&2
   cals=(cal)
