@@ -7,8 +7,9 @@
 //! its rate limits and bounds, queues every one whose front-end time has passed, asks the
 //! scheduler for a plan at `now`, costs the plan with the [`CostModel`], advances the clock by
 //! that cost and applies one invented (deterministic) token per sampling sequence at the step's
-//! end time. When nothing can run the clock jumps to the next arrival or queueing. This is the iteration-level structure of Vidur (Agrawal et al.,
-//! MLSys'24) with the scheduler itself, not a model of it, in the loop.
+//! end time. When nothing can run the clock jumps to the next arrival or queueing. This is
+//! the iteration-level structure of Vidur (Agrawal et al., MLSys'24) with the scheduler
+//! itself, not a model of it, in the loop.
 //!
 //! Same inputs and seed give byte-identical outputs: no wall clock, no hash
 //! map iteration, requests identified by their trace index.
