@@ -20,6 +20,10 @@
 # --lora-modules` at random; the simulator's trace (JSONL) names adapters 1..K at random too,
 # the calibration is made with `calibrate --lora`, and the table adds the simulator with the
 # calibration refitted without the adapted steps (no LoRA terms: the old calibration).
+# After each load the server's median front-end time (switchyard:request_front_end_seconds,
+# its receipt of a request to its queue) becomes the simulator's scheduler.front_end_us, as an
+# operator would read it off /metrics (no time per prompt token: bench serve sends token ids);
+# the table adds the simulator without it, as it was before the front-end term.
 # usage: scripts/sim-fidelity.sh [CONFIG]   (default config/examples/default.yaml; needs
 #        target/release/switchyard (BIN: another build) and python3; OUT, PORT, N, RATE_LIMITS
 #        and LORA override the defaults, TIME_SCALES (default "1 3") the loads, KEEP_CALIBRATION=1
@@ -120,15 +124,28 @@ for ts in $scales; do
     --dataset-path "$out/trace.csv" --num-prompts "$n" --max-input-len 4096 \
     --max-output-len 4096 --time-scale "$ts" --result-file "$out/serve-$ts.json" \
     "${lora_bench[@]}" >/dev/null
+  # The server's own median time per request from its receipt to its queue, as an operator
+  # reads it off /metrics, in microseconds: the simulator's scheduler.front_end_us.
+  fe_us=$(curl -s "http://127.0.0.1:$port/metrics" | awk '
+    /^switchyard:request_front_end_seconds\{.*quantile="0.5"/ && !done { printf "%.0f", $2 * 1e6; done = 1 }')
+  fe_us=${fe_us:-0}
+  echo "time scale $ts: the server's median front-end time ${fe_us} us" >&2
   cals=(cal)
   [ -n "$lora" ] && cals+=(cal-base)
+  cals+=(cal-nofe)
   for cal in "${cals[@]}"; do
+    # bench serve sends token ids: no template, no tokenizer, so no time per prompt token
+    # (the calibration's is the tokenizer's on text).
+    front_end=", front_end_us: $fe_us, front_end_per_token_us: 0"
+    if [ "$cal" = cal-nofe ]; then
+      front_end=", front_end_us: 0, front_end_per_token_us: 0"
+    fi
     cat >"$out/spec-$cal-$ts.yaml" <<YAML
 model: smollm2-135m
-calibration: $cal.yaml
+calibration: ${cal%-nofe}.yaml
 policies: [{name: fcfs}]
 $spec_limits
-scheduler: {max_num_seqs: ${MAX_SEQS:-64}, max_num_batched_tokens: ${MAX_TOKENS:-2048}$spec_lora}
+scheduler: {max_num_seqs: ${MAX_SEQS:-64}, max_num_batched_tokens: ${MAX_TOKENS:-2048}$spec_lora$front_end}
 workload: {$sim_trace, time_scale: $ts, mix: {tiers: {standard: 1}}}
 YAML
     "$bin" simulate --config "$out/spec-$cal-$ts.yaml" --out "$out/sim-$cal-$ts" --json \
@@ -140,7 +157,9 @@ python3 - "$out" "$limits" "$lora" $scales <<'PY'
 import json, os, sys
 out, limits, lora, scales = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
 cals = ['cal', 'cal-base'] if lora else ['cal']
-names = {'cal': 'simulator', 'cal-base': 'sim, no LoRA terms'}
+if os.path.exists(f'{out}/sim-cal-nofe-{scales[0]}.json'):
+    cals.append('cal-nofe')
+names = {'cal': 'simulator', 'cal-base': 'sim, no LoRA terms', 'cal-nofe': 'sim, no front end'}
 print('time scale  figure           server' + ''.join(f'  {names[c]:>18}  sim / server' for c in cals))
 for ts in scales:
     real = json.load(open(f'{out}/serve-{ts}.json'))
@@ -149,7 +168,9 @@ for ts in scales:
             ('TTFT p50 ms', real['median_ttft_ms'], lambda s: s['ttft_ms']['p50']),
             ('TTFT p99 ms', real['p99_ttft_ms'], lambda s: s['ttft_ms']['p99']),
             ('TPOT p50 ms', real['median_tpot_ms'], lambda s: s['tpot_ms']['p50']),
-            ('TPOT p99 ms', real['p99_tpot_ms'], lambda s: s['tpot_ms']['p99'])]
+            ('TPOT p99 ms', real['p99_tpot_ms'], lambda s: s['tpot_ms']['p99']),
+            ('E2E p50 ms', real['median_e2el_ms'], lambda s: s['e2e_ms']['p50']),
+            ('E2E p99 ms', real['p99_e2el_ms'], lambda s: s['e2e_ms']['p99'])]
     if limits:
         rows.append(('refused (429)', real['failed'], lambda s: s['rate_limited']))
     for name, r, get in rows:

@@ -672,6 +672,29 @@ fn metrics_are_exported() {
 }
 
 #[test]
+fn each_requests_front_end_time_is_measured() {
+    // From the engine's receipt to the scheduler's queue, once per request (its n choices
+    // together): the figure the simulator's scheduler.front_end_us takes.
+    let s = &server();
+    let count = |s: &Server| s.metric("switchyard:request_front_end_seconds_count");
+    let before = count(s).unwrap_or(0.0);
+    complete(s, "Front end", json!({"max_tokens": 1, "n": 2}));
+    let after = count(s).expect("request_front_end_seconds is exported");
+    assert_eq!(after - before, 1.0, "{before} -> {after}");
+    let sum = s
+        .metric("switchyard:request_front_end_seconds_sum")
+        .unwrap();
+    assert!(sum > 0.0 && sum < 60.0 * after, "{sum} over {after}");
+    let r = s.request("GET", "/metrics", None, &[]).expect("metrics");
+    assert!(
+        r.body
+            .contains("# HELP switchyard:request_front_end_seconds From when the engine received"),
+        "{}",
+        r.body
+    );
+}
+
+#[test]
 fn logprobs_match_the_reference_distribution() {
     let g = golden("raw-count");
     let v = complete(

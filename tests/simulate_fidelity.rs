@@ -68,6 +68,57 @@ fn yaml_and_flag_time_scales_both_divide_arrival_times() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A field of the per-request records of a run.
+fn record_field(out: &Path, field: &str) -> Vec<f64> {
+    std::fs::read_to_string(out.join("requests-fcfs.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v[field].as_f64().unwrap()
+        })
+        .collect()
+}
+
+#[test]
+fn a_front_end_time_adds_to_each_requests_ttft_and_e2e() {
+    // Two requests 4 s apart never meet: each one's TTFT and E2E latency grow by the front
+    // end's 2,500 us plus 10 us for each of its 8 prompt tokens, 2.58 ms.
+    let dir = temp_dir("front-end");
+    std::fs::write(dir.join("two.jsonl"), TWO).unwrap();
+    let base = "model: smollm2-135m\npolicies: [{name: fcfs}]\n\
+                workload: {trace: two.jsonl, format: jsonl}\n";
+    simulate_spec(&dir, base, "without");
+    simulate_spec(
+        &dir,
+        &format!("{base}scheduler: {{front_end_us: 2500, front_end_per_token_us: 10}}\n"),
+        "with",
+    );
+    for field in ["ttft_ms", "e2e_ms"] {
+        let without = record_field(&dir.join("without"), field);
+        let with = record_field(&dir.join("with"), field);
+        assert_eq!(without.len(), 2);
+        for (a, b) in without.iter().zip(&with) {
+            assert!((b - a - 2.58).abs() < 1e-9, "{field}: {a} -> {b}");
+        }
+    }
+    // Out of its bounds, the spec is refused by the field's name.
+    std::fs::write(
+        dir.join("bad.yaml"),
+        format!("{base}scheduler: {{front_end_us: -1}}\n"),
+    )
+    .unwrap();
+    let err = fails(
+        switchyard()
+            .args(["simulate", "--config"])
+            .arg(dir.join("bad.yaml"))
+            .arg("--out")
+            .arg(dir.join("bad")),
+    );
+    assert!(err.contains("scheduler.front_end_us -1 outside"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn inputs_without_requests_or_with_unknown_tiers_are_errors() {
     let dir = temp_dir("inputs");
@@ -224,6 +275,23 @@ fn calibrate_fits_the_engine_and_the_simulator_runs_on_the_fit() {
         "{cal:?}"
     );
     assert!(cal["host_overhead_us"] >= 0.0, "{cal:?}");
+    // The chat template and tokenizer were timed on prompts of 16 to 4,096 tokens (below the
+    // model's 8,192 of context), and fitted into the front end's two parts.
+    let steps: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("steps.json")).unwrap()).unwrap();
+    let timed = steps["front_end"].as_array().expect("front_end timings");
+    let tokens: Vec<u64> = timed.iter().map(|t| t[0].as_u64().unwrap()).collect();
+    assert_eq!(tokens.len(), 5, "{timed:?}");
+    assert!(
+        tokens.windows(2).all(|w| w[0] < w[1]) && tokens[0] >= 16,
+        "{tokens:?}"
+    );
+    assert!(
+        timed.iter().all(|t| t[1].as_f64().unwrap() > 0.0),
+        "{timed:?}"
+    );
+    let front_end_us = |prompt: f64| cal["front_end_us"] + cal["front_end_per_token_us"] * prompt;
+    assert!(front_end_us(1000.0) > 0.0, "{cal:?}");
     // Decode and prefill steps were measured, none beyond the engine's limits.
     let shapes = saved_shapes(&dir);
     assert!(shapes.iter().all(|s| s["num_seqs"].as_u64().unwrap() <= 4));
@@ -256,7 +324,11 @@ fn calibrate_fits_the_engine_and_the_simulator_runs_on_the_fit() {
             + cal["per_attention_pair_s"] * pairs;
         (s * 1e6).round() + cal["host_overhead_us"].round()
     };
-    let want_ms = (step(8.0, 8.0, 0.0, 8.0, 36.0) + step(1.0, 0.0, 1.0, 9.0, 9.0)) / 1e3;
+    // The request reaches the queue after the front end's time for its 8 prompt tokens.
+    let want_ms = (front_end_us(8.0).round()
+        + step(8.0, 8.0, 0.0, 8.0, 36.0)
+        + step(1.0, 0.0, 1.0, 9.0, 9.0))
+        / 1e3;
     let record: serde_json::Value = serde_json::from_str(
         std::fs::read_to_string(dir.join("sim/requests-fcfs.jsonl"))
             .unwrap()

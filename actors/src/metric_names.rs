@@ -75,6 +75,11 @@ pub const TIME_PER_OUTPUT_TOKEN: &str = "switchyard:time_per_output_token_second
 pub const E2E_REQUEST_LATENCY: &str = "switchyard:e2e_request_latency_seconds";
 /// Histogram, seconds: time spent waiting before first being scheduled, per choice.
 pub const REQUEST_QUEUE_TIME: &str = "switchyard:request_queue_time_seconds";
+/// Histogram, seconds: per request, from the engine receiving it (its HTTP body parsed) to
+/// the scheduler queueing it: the chat template and tokenization in the tokenizer pool, its
+/// adapter and grammar, the hops to the detokenizer and the scheduler. The simulator's
+/// `scheduler.front_end_us` is its median.
+pub const REQUEST_FRONT_END: &str = "switchyard:request_front_end_seconds";
 /// Histogram, seconds: the scheduler's planning time per step.
 pub const ENGINE_PLAN: &str = "switchyard:engine_plan_seconds";
 /// Histogram, seconds: the KV-allocator round trip per step (commit sent to block ids back).
@@ -140,6 +145,7 @@ pub const TIERED: &[&str] = &[
     TIME_PER_OUTPUT_TOKEN,
     E2E_REQUEST_LATENCY,
     REQUEST_QUEUE_TIME,
+    REQUEST_FRONT_END,
     REQUEST_SUCCESS,
     REQUEST_ABORTED,
     REQUEST_FAILED,
@@ -367,6 +373,7 @@ pub const HISTOGRAMS: &[&str] = &[
     TIME_PER_OUTPUT_TOKEN,
     E2E_REQUEST_LATENCY,
     REQUEST_QUEUE_TIME,
+    REQUEST_FRONT_END,
     ENGINE_PLAN,
     ENGINE_KV_COMMIT,
     ENGINE_STEP_OVERHEAD,

@@ -71,6 +71,8 @@ pub const E2E_REQUEST_LATENCY: &str = "switchyard:e2e_request_latency_seconds";
 /// Histogram, seconds: from when the request's prompt was encoded (its adapter's lookup and its
 /// grammar's compile included, as vLLM counts them) to first being scheduled, per choice.
 pub const REQUEST_QUEUE_TIME: &str = "switchyard:request_queue_time_seconds";
+/// Histogram: engine receipt to the scheduler's queue, per request (tokenization and hops).
+pub const REQUEST_FRONT_END: &str = "switchyard:request_front_end_seconds";
 /// Histogram, seconds: the scheduler's planning time per step.
 pub const ENGINE_PLAN: &str = "switchyard:engine_plan_seconds";
 /// Histogram, seconds: the KV-allocator round trip per step (commit sent to block ids back).
@@ -343,6 +345,11 @@ pub fn describe_metrics() {
         Unit::Seconds,
         "From when the request's prompt was encoded (its grammar's compile included) to first being scheduled, per request (each choice of n > 1 counts); TTFT runs from its arrival, before the encoding."
     );
+    describe_histogram!(
+        REQUEST_FRONT_END,
+        Unit::Seconds,
+        "From when the engine received the request (its HTTP body parsed) to the scheduler queueing it: the chat template and tokenization in the tokenizer pool, its adapter and grammar, the hops to the detokenizer and the scheduler; once per request. Its median is the simulator's scheduler.front_end_us (in microseconds)."
+    );
     describe_gauge!(POLICY_INFO, "1 for the scheduling policy in force.");
     describe_gauge!(
         TLS_CERTIFICATE_EXPIRY,
@@ -508,6 +515,7 @@ mod tests {
         TIME_PER_OUTPUT_TOKEN,
         E2E_REQUEST_LATENCY,
         REQUEST_QUEUE_TIME,
+        REQUEST_FRONT_END,
         ENGINE_PLAN,
         ENGINE_KV_COMMIT,
         ENGINE_STEP_OVERHEAD,

@@ -475,6 +475,16 @@ pub struct Calibration {
     /// sets none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host_overhead_us: Option<f64>,
+    /// The server's fixed time per request outside the engine's steps, in microseconds
+    /// (`switchyard calibrate` times the tokenizer; the server's
+    /// `switchyard:request_front_end_seconds` measures the whole way to its queue): the
+    /// simulated `scheduler.front_end_us` when the spec sets none ([`crate::front_end`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub front_end_us: Option<f64>,
+    /// The server's time per prompt token outside the engine's steps, in microseconds: the
+    /// simulated `scheduler.front_end_per_token_us` when the spec sets none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub front_end_per_token_us: Option<f64>,
 }
 
 fn is_zero(v: &f64) -> bool {
@@ -566,6 +576,12 @@ impl Calibration {
             return Err(format!(
                 "host_overhead_us outside 0..={max} (microseconds per step)"
             ));
+        }
+        if let Some(us) = self.front_end_us {
+            crate::front_end::check_fixed_us("front_end_us", us)?;
+        }
+        if let Some(us) = self.front_end_per_token_us {
+            crate::front_end::check_per_token_us("front_end_per_token_us", us)?;
         }
         Ok(())
     }
@@ -909,6 +925,50 @@ mod tests {
             assert!(err.contains("per_lora_step_s = "), "{bad}: {err}");
         }
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn front_end_fields_round_trip_and_old_files_have_none() {
+        let old = Calibration {
+            intercept_s: 1e-3,
+            ..Default::default()
+        };
+        let text = serde_yaml::to_string(&old).unwrap();
+        assert!(!text.contains("front_end"), "{text}");
+        let back: Calibration = serde_yaml::from_str(&text).unwrap();
+        assert_eq!(
+            (back.front_end_us, back.front_end_per_token_us),
+            (None, None)
+        );
+        let new = Calibration {
+            front_end_us: Some(412.5),
+            front_end_per_token_us: Some(0.875),
+            ..old
+        };
+        let text = serde_yaml::to_string(&new).unwrap();
+        assert!(
+            text.contains("front_end_us: 412.5") && text.contains("front_end_per_token_us: 0.875"),
+            "{text}"
+        );
+        assert_eq!(serde_yaml::from_str::<Calibration>(&text).unwrap(), new);
+        new.validate().unwrap();
+        // Bounded as a hostile file may not be.
+        for (fixed, per_token, name) in [
+            (Some(-1.0), None, "front_end_us"),
+            (Some(f64::INFINITY), None, "front_end_us"),
+            (Some(2e7), None, "front_end_us"),
+            (None, Some(-0.5), "front_end_per_token_us"),
+            (None, Some(f64::NAN), "front_end_per_token_us"),
+            (None, Some(1e5), "front_end_per_token_us"),
+        ] {
+            let bad = Calibration {
+                front_end_us: fixed,
+                front_end_per_token_us: per_token,
+                ..new.clone()
+            };
+            let err = bad.validate().unwrap_err();
+            assert!(err.starts_with(&format!("{name} ")), "{err}");
+        }
     }
 
     #[test]

@@ -1,26 +1,29 @@
 //! The discrete-event loop: a virtual clock in microseconds drives the real
 //! scheduling core (`switchyard_policies::Scheduler`) step by step.
 //!
-//! Events are request arrivals and step completions. At each step boundary the
-//! loop admits every request that has arrived, asks the scheduler for a plan
-//! at `now`, costs the plan with the [`CostModel`], advances the clock by that
-//! cost and applies one invented (deterministic) token per sampling sequence
-//! at the step's end time. When nothing can run the clock jumps to the next
-//! arrival. This is the iteration-level structure of Vidur (Agrawal et al.,
-//! MLSys'24) with the scheduler itself, not a model of it, in the loop.
+//! Events are request arrivals, requests leaving the front end (the server's time per request
+//! outside its steps, [`crate::front_end`]: 0 unless a spec or calibration sets it) and step
+//! completions. At each step boundary the loop checks every request that has arrived against
+//! its rate limits and bounds, queues every one whose front-end time has passed, asks the
+//! scheduler for a plan at `now`, costs the plan with the [`CostModel`], advances the clock by
+//! that cost and applies one invented (deterministic) token per sampling sequence at the step's
+//! end time. When nothing can run the clock jumps to the next arrival or queueing. This is
+//! the iteration-level structure of Vidur (Agrawal et al., MLSys'24) with the scheduler
+//! itself, not a model of it, in the loop.
 //!
 //! Same inputs and seed give byte-identical outputs: no wall clock, no hash
 //! map iteration, requests identified by their trace index.
 
 use crate::cost::{kv_capacity_blocks, Calibration, CostModel, HardwareSpec, ModelSpec};
 use crate::error::SimError;
+use crate::front_end::FrontEnd;
 use crate::progress::Progress;
 use crate::report::{RequestRecord, RunCounters};
 use crate::spec::{PolicySpec, ProcessKind, SimulationSpec, TierConf};
 use crate::trace::{self, ArrivalProcess, LoadOptions, TraceFormat, TraceRequest};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use switchyard_policies::rate_limit::TenantBudget;
 use switchyard_policies::{
     DraftSource, PolicyRegistry, Request, RequestId, SamplingLimits, Scheduler, SchedulerConfig,
@@ -86,6 +89,9 @@ pub struct Simulation {
     pub scheduler: SchedulerConfig,
     /// The host's time per step in microseconds: the spec's, else the calibration's, else 0.
     pub host_overhead_us: f64,
+    /// Each request's time in the front end before it is queued: the spec's parts, else the
+    /// calibration's, else 0.
+    pub front_end: FrontEnd,
     /// What the spec allows but an operator should know (a calibration fitted on another
     /// model); the command prints them on stderr and the summary keeps them.
     pub warnings: Vec<String>,
@@ -162,6 +168,15 @@ impl Simulation {
             .host_overhead_us
             .or_else(|| calibration.as_ref().and_then(|(_, c)| c.host_overhead_us))
             .unwrap_or(0.0);
+        let cal = calibration.as_ref().map(|(_, c)| c);
+        let front_end = FrontEnd {
+            fixed_us: (spec.scheduler.front_end_us)
+                .or_else(|| cal.and_then(|c| c.front_end_us))
+                .unwrap_or(0.0),
+            per_token_us: (spec.scheduler.front_end_per_token_us)
+                .or_else(|| cal.and_then(|c| c.front_end_per_token_us))
+                .unwrap_or(0.0),
+        };
         let num_gpu_blocks = match (
             c.num_gpu_blocks,
             calibration.as_ref().map(|(p, c)| (p, c.num_gpu_blocks)),
@@ -261,6 +276,7 @@ impl Simulation {
             hardware,
             scheduler,
             host_overhead_us,
+            front_end,
             warnings,
         })
     }
@@ -574,6 +590,9 @@ struct Loop<'a> {
     /// a seat there (until it ends).
     in_flight: crate::in_flight::InFlight,
     holds_seat: Vec<bool>,
+    /// Requests past their arrival's checks and still in the front end, by the time they
+    /// reach the scheduler's queue (then by trace index): (ready time, index).
+    front_end: BTreeSet<(u64, usize)>,
 }
 
 /// The token the simulator invents at position `pos` of request `id`: deterministic in both,
@@ -634,6 +653,7 @@ impl<'a> Loop<'a> {
             budget_of: vec![None; requests.len()],
             in_flight: crate::in_flight::InFlight::default(),
             holds_seat: vec![false; requests.len()],
+            front_end: BTreeSet::new(),
         }
     }
 
@@ -684,8 +704,8 @@ impl<'a> Loop<'a> {
         loop {
             finished += self.admit_arrivals(now, &mut next);
             if !self.sched.has_unfinished() {
-                match self.arrivals_us.get(next) {
-                    Some(&t) => {
+                match self.next_event(next) {
+                    Some(t) => {
                         now = now.max(t);
                         continue;
                     }
@@ -730,8 +750,8 @@ impl<'a> Loop<'a> {
         loop {
             finished += self.admit_arrivals(now, &mut next);
             if !self.sched.has_unfinished() && in_flight.is_none() {
-                match self.arrivals_us.get(next) {
-                    Some(&t) => {
+                match self.next_event(next) {
+                    Some(t) => {
                         now = now.max(t);
                         continue;
                     }
@@ -791,30 +811,60 @@ impl<'a> Loop<'a> {
         Ok(())
     }
 
-    /// Queues the requests that have arrived by `now` (from `next` on); returns how many were
-    /// rejected or rate-limited.
+    /// Checks the requests that have arrived by `now` (from `next` on) against their tenant's
+    /// rate limits and their tier's bounds at their arrival, as the server's HTTP layer does,
+    /// and queues those whose front-end time has passed by `now` with the scheduler, in time
+    /// order (a request leaving the front end before one arriving at the same time, so that
+    /// without a front-end time each request is queued before the next is checked); returns
+    /// how many were rejected or rate-limited.
     fn admit_arrivals(&mut self, now: u64, next: &mut usize) -> usize {
         let mut rejected = 0;
-        while *next < self.requests.len() && self.arrivals_us[*next] <= now {
-            if !self.within_rate_limits(*next) {
-                self.tracks[*next].outcome = Outcome::RateLimited;
-                rejected += 1;
-            } else if let Err(refusal) = self.take_seat(*next) {
-                self.tracks[*next].outcome = match refusal {
-                    crate::in_flight::Refusal::TierFull => Outcome::Overloaded,
-                    crate::in_flight::Refusal::TenantBusy => Outcome::TenantBusy,
-                };
-                rejected += 1;
-            } else if self.sched.add_request(self.request(*next)).is_err() {
-                self.tracks[*next].outcome = Outcome::Rejected;
-                self.give_back_seat(*next);
-                rejected += 1;
-            } else {
-                self.charge_prompt(*next, 1.0);
+        loop {
+            let arriving = self.arrivals_us.get(*next).copied().filter(|&t| t <= now);
+            let ready = self.front_end.first().copied().filter(|r| r.0 <= now);
+            match (arriving, ready) {
+                (Some(t), r) if r.is_none_or(|r| t < r.0) => {
+                    let i = *next;
+                    *next += 1;
+                    if !self.within_rate_limits(i) {
+                        self.tracks[i].outcome = Outcome::RateLimited;
+                        rejected += 1;
+                    } else if let Err(refusal) = self.take_seat(i) {
+                        self.tracks[i].outcome = match refusal {
+                            crate::in_flight::Refusal::TierFull => Outcome::Overloaded,
+                            crate::in_flight::Refusal::TenantBusy => Outcome::TenantBusy,
+                        };
+                        rejected += 1;
+                    } else {
+                        let delay = self.sim.front_end.delay_us(self.requests[i].prompt.len());
+                        self.front_end.insert((t.saturating_add(delay), i));
+                    }
+                }
+                (_, Some(r)) => {
+                    self.front_end.remove(&r);
+                    let i = r.1;
+                    if self.sched.add_request(self.request(i)).is_err() {
+                        self.tracks[i].outcome = Outcome::Rejected;
+                        self.give_back_seat(i);
+                        rejected += 1;
+                    } else {
+                        self.charge_prompt(i, 1.0);
+                    }
+                }
+                (_, None) => break,
             }
-            *next += 1;
         }
         rejected
+    }
+
+    /// When the next request arrives or leaves the front end, if any is left to.
+    fn next_event(&self, next: usize) -> Option<u64> {
+        let arrival = self.arrivals_us.get(next).copied();
+        let ready = self.front_end.first().map(|r| r.0);
+        match (arrival, ready) {
+            (Some(a), Some(r)) => Some(a.min(r)),
+            (a, r) => a.or(r),
+        }
     }
 
     /// Takes request `i`'s seat under its tier's bounds on requests in flight, as the
@@ -899,10 +949,10 @@ impl<'a> Loop<'a> {
         plan.timed_out.len()
     }
 
-    /// Nothing to run at `now`: the time of the next arrival, or one idle tick later (an
+    /// Nothing to run at `now`: the time of the next arrival or queueing, or one idle tick later (an
     /// error once the scheduler has idled too long with work left).
     fn wait(&mut self, now: u64, next: usize, idle_ticks: &mut u32) -> Result<u64, SimError> {
-        if let Some(&t) = self.arrivals_us.get(next) {
+        if let Some(t) = self.next_event(next) {
             return Ok(now.max(t));
         }
         *idle_ticks += 1;
@@ -1373,6 +1423,96 @@ workload: {trace: unused.csv, format: azure}
         let steps = (r.finish_s.unwrap() - r.first_token_s.unwrap()) * 1e3;
         assert_eq!(run.itls_ms.len() as f64, steps.round());
         assert!(run.itls_ms.len() < 9);
+    }
+
+    #[test]
+    fn the_front_end_delays_queueing_without_occupying_the_engine() {
+        // By hand, 1 ms steps, a front end of 0.5 ms plus 0.05 ms per prompt token. Request 0
+        // (10 tokens, at 0) is queued at 1 ms: its first token at 2 ms, its second at 3 ms.
+        // Request 1 (30 tokens, at 1.2 ms) is queued at 1.2 + 2 = 3.2 ms, while request 0's
+        // steps go on; planned at 3.2 ms, its one token comes at 4.2 ms. TTFT and E2E run from
+        // the arrivals.
+        let mut sim = one_ms_steps();
+        sim.front_end = FrontEnd {
+            fixed_us: 500.0,
+            per_token_us: 50.0,
+        };
+        let rs = vec![req(0.0, 10, 2, ""), req(0.0012, 30, 1, "")];
+        for async_scheduling in [false, true] {
+            sim.spec.scheduler.async_scheduling = async_scheduling;
+            let run = sim
+                .run_policy(&PolicySpec::named("fcfs"), &rs, false)
+                .unwrap();
+            let (a, b) = (&run.records[0], &run.records[1]);
+            assert_eq!(
+                (a.first_scheduled_s, a.first_token_s, a.finish_s),
+                (Some(0.001), Some(0.002), Some(0.003)),
+                "async {async_scheduling}"
+            );
+            assert_eq!((a.ttft_ms, a.e2e_ms), (Some(2.0), Some(3.0)));
+            assert_eq!(
+                (b.first_scheduled_s, b.first_token_s),
+                (Some(0.0032), Some(0.0042)),
+                "async {async_scheduling}"
+            );
+            assert_eq!(b.ttft_ms, Some(3.0));
+        }
+        // Without a front end the same trace runs as before: request 0 at once.
+        sim.front_end = FrontEnd::default();
+        sim.spec.scheduler.async_scheduling = false;
+        let run = sim
+            .run_policy(&PolicySpec::named("fcfs"), &rs, false)
+            .unwrap();
+        assert_eq!(run.records[0].first_token_s, Some(0.001));
+    }
+
+    #[test]
+    fn a_front_end_time_comes_from_the_spec_else_the_calibration() {
+        let dir = temp("front-end");
+        let cal = dir.join("cal.yaml");
+        std::fs::write(
+            &cal,
+            "intercept_s: 0.001\nnum_gpu_blocks: 500\nblock_size: 16\nfront_end_us: 800\n\
+             front_end_per_token_us: 1.5\n",
+        )
+        .unwrap();
+        let mut s = spec(SPEC);
+        s.calibration = Some(cal.clone());
+        let plain = s.clone();
+        let got = |s: &SimulationSpec| Simulation::new(s).unwrap().front_end;
+        assert_eq!(
+            got(&s),
+            FrontEnd {
+                fixed_us: 800.0,
+                per_token_us: 1.5
+            }
+        );
+        s.scheduler.front_end_us = Some(120.0);
+        assert_eq!(
+            got(&s),
+            FrontEnd {
+                fixed_us: 120.0,
+                per_token_us: 1.5
+            }
+        );
+        s.scheduler.front_end_per_token_us = Some(0.0);
+        assert_eq!(got(&s).per_token_us, 0.0);
+        // A file from before the front end had none: 0.
+        std::fs::write(
+            &cal,
+            "intercept_s: 0.001\nnum_gpu_blocks: 500\nblock_size: 16\n",
+        )
+        .unwrap();
+        assert!(got(&plain).is_zero());
+        // Out of bounds in the file: refused by name.
+        std::fs::write(
+            &cal,
+            "intercept_s: 0.001\nnum_gpu_blocks: 500\nblock_size: 16\nfront_end_us: -3\n",
+        )
+        .unwrap();
+        let err = Simulation::new(&plain).unwrap_err().to_string();
+        assert!(err.contains("front_end_us -3 outside"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -17,6 +17,7 @@ pub mod calibrate;
 pub mod cost;
 pub mod engine;
 pub mod error;
+pub mod front_end;
 mod in_flight;
 pub mod lora_cost;
 pub mod outputs;

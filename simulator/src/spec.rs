@@ -241,6 +241,15 @@ pub struct SchedulerLimits {
     /// `async_scheduling` is on. Unset: the calibration file's `host_overhead_us` when it has
     /// one, else 0.
     pub host_overhead_us: Option<f64>,
+    /// The front end's fixed time per request in microseconds (HTTP, JSON, chat template,
+    /// tokenization, the hops to the scheduler): a request is queued this long after its
+    /// arrival, without occupying the engine ([`crate::front_end`]). The server's
+    /// `switchyard:request_front_end_seconds` measures it. Unset: the calibration file's
+    /// `front_end_us` when it has one, else 0.
+    pub front_end_us: Option<f64>,
+    /// The front end's time per prompt token in microseconds (tokenization), added to
+    /// `front_end_us`. Unset: the calibration file's `front_end_per_token_us`, else 0.
+    pub front_end_per_token_us: Option<f64>,
     /// Most distinct LoRA adapters among the running requests (trace records may name an
     /// `adapter`), as the server's `lora.max_loras`.
     pub max_loras: usize,
@@ -290,6 +299,8 @@ impl Default for SchedulerLimits {
             max_model_len: None,
             async_scheduling: false,
             host_overhead_us: None,
+            front_end_us: None,
+            front_end_per_token_us: None,
             max_loras: 4,
             lora: LoraSpec::default(),
             speculative: None,
@@ -631,6 +642,12 @@ impl SimulationSpec {
             return Err(format!(
                 "scheduler.host_overhead_us {us} outside 0..={MAX_HOST_OVERHEAD_US} (microseconds per step)"
             ));
+        }
+        if let Some(us) = s.front_end_us {
+            crate::front_end::check_fixed_us("scheduler.front_end_us", us)?;
+        }
+        if let Some(us) = s.front_end_per_token_us {
+            crate::front_end::check_per_token_us("scheduler.front_end_per_token_us", us)?;
         }
         if let Some(ms) = s.max_queue_ms.filter(|ms| !(1..=MAX_QUEUE_MS).contains(ms)) {
             return Err(format!(
@@ -1066,6 +1083,28 @@ workload:
                     GOOD.trim_end()
                 ),
                 "scheduler.host_overhead_us",
+            ),
+            (
+                format!("{}\nscheduler: {{ front_end_us: -1 }}\n", GOOD.trim_end()),
+                "scheduler.front_end_us",
+            ),
+            (
+                format!("{}\nscheduler: {{ front_end_us: 1e20 }}\n", GOOD.trim_end()),
+                "scheduler.front_end_us",
+            ),
+            (
+                format!(
+                    "{}\nscheduler: {{ front_end_per_token_us: .nan }}\n",
+                    GOOD.trim_end()
+                ),
+                "scheduler.front_end_per_token_us",
+            ),
+            (
+                format!(
+                    "{}\nscheduler: {{ front_end_per_token_us: 1e5 }}\n",
+                    GOOD.trim_end()
+                ),
+                "scheduler.front_end_per_token_us",
             ),
             (
                 GOOD.replace("format: azure", "format: azure\n  limit: 0"),

@@ -821,6 +821,7 @@ fn report(
             .collect(),
     );
     let itl = stats(ok.iter().flat_map(|s| s.itl.iter().copied()).collect());
+    let e2el = stats(ok.iter().map(|s| s.latency).collect());
     let d = duration.max(1e-9);
     counted.print_head(duration);
     println!("{:<40}{}", "Total generated tokens:", output);
@@ -843,6 +844,7 @@ fn report(
         ("Time to First Token", "TTFT", ttft),
         ("Time per Output Token (excl. 1st token)", "TPOT", tpot),
         ("Inter-token Latency", "ITL", itl),
+        ("End-to-end Latency", "E2EL", e2el),
     ] {
         println!("{:-^50}", title);
         println!("{:<40}{:.2}", format!("Mean {name} (ms):"), s.0);
@@ -874,6 +876,7 @@ fn report(
             "mean_ttft_ms": ttft.0, "median_ttft_ms": ttft.1, "p99_ttft_ms": ttft.2,
             "mean_tpot_ms": tpot.0, "median_tpot_ms": tpot.1, "p99_tpot_ms": tpot.2,
             "mean_itl_ms": itl.0, "median_itl_ms": itl.1, "p99_itl_ms": itl.2,
+            "mean_e2el_ms": e2el.0, "median_e2el_ms": e2el.1, "p99_e2el_ms": e2el.2,
             "max_concurrency": args.max_concurrency, "request_rate": args.request_rate,
         });
         if let Some(sp) = spec {

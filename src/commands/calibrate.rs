@@ -18,6 +18,7 @@ use serde::{Deserialize, Serialize};
 use switchyard_actors::{CoreEvent, EngineCore, SubmitOptions};
 use switchyard_config::{AsyncSchedulingMode, BackendKind};
 use switchyard_gpu::backend::SamplingParams;
+use switchyard_gpu::model::ChatTemplate;
 use switchyard_gpu::LoraAdapter;
 use switchyard_policies::{SamplingLimits, SchedulerConfig, StepShape, Timestamp};
 use switchyard_simulator::calibrate::{self, Fit, Sample};
@@ -60,6 +61,11 @@ struct SamplesFile {
     /// The adapter of `--lora` (its directory, rank and projections), when steps ran it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     lora: Option<String>,
+    /// The chat template and tokenizer's time on this machine: (prompt tokens, median
+    /// microseconds) per prompt length timed (none with `--dummy`, nor in files written
+    /// before it was measured).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    front_end: Vec<(usize, f64)>,
     /// One per distinct step shape.
     samples: Vec<Sample>,
 }
@@ -91,12 +97,15 @@ pub fn run(args: CalibrateArgs) -> anyhow::Result<()> {
         Some(path) => format!("fitting the step times of {}", path.display()),
         None => "fitting the step times".to_string(),
     })?;
+    let front_end = switchyard_simulator::front_end::fit(&measured.front_end);
     let calibration = Calibration {
         model: Some(measured.model.clone()),
         hardware: Some(measured.hardware.clone()),
         num_gpu_blocks: Some(measured.num_gpu_blocks),
         block_size: Some(measured.block_size),
         host_overhead_us: Some((measured.host_overhead_us * 10.0).round() / 10.0),
+        front_end_us: front_end.map(|f| (f.fixed_us * 10.0).round() / 10.0),
+        front_end_per_token_us: front_end.map(|f| (f.per_token_us * 1e3).round() / 1e3),
         ..fit.calibration.clone()
     };
     calibration
@@ -142,6 +151,15 @@ pub fn run(args: CalibrateArgs) -> anyhow::Result<()> {
         calibration.host_overhead_us.unwrap_or(0.0),
         measured.block_size,
     );
+    if let Some(f) = front_end {
+        println!(
+            "The chat template and tokenizer took {:.1} us plus {:.3} us per prompt token: the \
+             simulator's scheduler.front_end_us and front_end_per_token_us where the spec leaves \
+             them out (the server's switchyard:request_front_end_seconds measures the whole way \
+             from its receipt of a request to its queue, hops included).",
+            f.fixed_us, f.per_token_us
+        );
+    }
     if let (Some(seqs), Some(tokens)) = (measured.max_num_seqs, measured.max_num_batched_tokens) {
         println!(
             "The engine ran at most {seqs} sequences and {tokens} tokens a step: set the spec's \
@@ -536,6 +554,31 @@ fn measure(args: &CalibrateArgs) -> anyhow::Result<SamplesFile> {
     let block_size = config.cache.block_size;
     let settings = runtime::BackendSettings::from_config(&config);
     let (backend, chosen) = runtime::build_backend(config.model.backend, source, &settings)?;
+    // The chat template and tokenizer, timed as the server's tokenizer pool runs them (random
+    // weights have neither).
+    let front_end = match &loaded {
+        None => Vec::new(),
+        Some(m) => {
+            let own = match &config.model.chat_template {
+                Some(file) => Some(
+                    ChatTemplate::from_file(
+                        &runtime::expand_home(Path::new(file)),
+                        m.chat_template.as_ref(),
+                        &m.tokenizer,
+                    )
+                    .with_context(|| format!("model.chat_template `{file}`"))?,
+                ),
+                None => None,
+            };
+            let context = model_config.max_position_embeddings;
+            super::calibrate_front_end::measure(
+                &m.tokenizer,
+                own.as_ref().or(m.chat_template.as_ref()),
+                config.model.max_model_len.unwrap_or(context).min(context),
+            )
+            .context("timing the chat template and tokenizer")?
+        }
+    };
     drop(loaded);
     // The adapter loaded as distinct adapters (each load has its own weights' id).
     let adapters: Vec<Arc<LoraAdapter>> = match &args.lora {
@@ -671,6 +714,7 @@ fn measure(args: &CalibrateArgs) -> anyhow::Result<SamplesFile> {
         max_num_seqs: Some(config.scheduler.max_num_seqs),
         max_num_batched_tokens: Some(config.scheduler.max_num_batched_tokens),
         lora,
+        front_end,
         samples: medians(&steps),
     })
 }

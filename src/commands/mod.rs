@@ -3,6 +3,7 @@
 mod bench;
 mod bench_serve;
 mod calibrate;
+mod calibrate_front_end;
 mod config;
 mod generate;
 mod model;

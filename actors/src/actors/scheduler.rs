@@ -510,6 +510,19 @@ impl Handler<Submit> for SchedulerActor {
         let mut added = Vec::with_capacity(msg.0.len());
         let ids: Vec<RequestId> = msg.0.iter().map(|s| s.request.id).collect();
         let now = self.now();
+        // The request's time from the engine's receipt to this queue, once per request (its
+        // choices come together; a beam search's later steps count not: `queue_times` 0).
+        if let Some((received, submit)) = msg
+            .0
+            .iter()
+            .find_map(|s| s.received.filter(|_| s.queue_times > 0).map(|r| (r, s)))
+        {
+            metrics::histogram!(
+                names::REQUEST_FRONT_END,
+                names::tier_labels(&submit.metrics_tier)
+            )
+            .record(received.elapsed().as_secs_f64());
+        }
         for mut submit in msg.0 {
             // Arrival on the engine clock: policies order, age and set deadlines by it. A
             // request arrived when the engine received it, before its prompt was encoded.
