@@ -512,6 +512,21 @@ mod tests {
                 && e.contains("9 exceeds server.max_pending_requests (8)"),
             "{e}"
         );
+        // Above the tier's own bound, it could never apply; equal to it, it may.
+        let e = error(
+            "tiers:\n  a: { max_pending_requests: 4, max_pending_per_tenant: 5 }\n",
+            &[],
+        );
+        assert!(
+            e.contains("tiers.a.max_pending_per_tenant")
+                && e.contains("5 exceeds tiers.a.max_pending_requests (4)"),
+            "{e}"
+        );
+        Config::from_yaml_str(
+            "tiers:\n  a: { max_pending_requests: 4, max_pending_per_tenant: 4 }\n",
+            "t",
+        )
+        .unwrap();
     }
 
     /// Queue bounds are optional, 1 ms to an hour, the tier's and the scheduler's default,

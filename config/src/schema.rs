@@ -882,7 +882,8 @@ pub struct TierConfig {
     #[serde(default, deserialize_with = "opt_usize_in::<_, 1, 1000000>")]
     pub max_pending_requests: Option<usize>,
     /// Most requests each tenant of this tier may have in flight at once, counted per choice
-    /// as `max_pending_requests` counts them, 1 to `server.max_pending_requests`: beyond it
+    /// as `max_pending_requests` counts them, 1 to `server.max_pending_requests` (and at most
+    /// the tier's own `max_pending_requests`, which it could never reach): beyond it
     /// that tenant's requests are refused with 429 `rate_limit_exceeded` (`Retry-After: 1`)
     /// while the tier's other tenants are admitted, so one tenant's flood cannot take the
     /// tier's `max_pending_requests` (a request with more choices than this: a 400). An open
@@ -1121,6 +1122,19 @@ impl Config {
                         ));
                     }
                     _ => {}
+                }
+            }
+            if let (Some(per_tenant), Some(tier_bound)) =
+                (tier.max_pending_per_tenant, tier.max_pending_requests)
+            {
+                if per_tenant > tier_bound {
+                    return Err((
+                        format!("tiers.{name}.max_pending_per_tenant"),
+                        format!(
+                            "{per_tenant} exceeds tiers.{name}.max_pending_requests \
+                             ({tier_bound}): no tenant could ever reach it"
+                        ),
+                    ));
                 }
             }
         }
