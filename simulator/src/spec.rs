@@ -834,6 +834,14 @@ fn validate_tiers(tiers: &BTreeMap<String, TierConf>) -> Result<(), String> {
                 return Err(format!("tiers.{name}.{field} {n} outside 1..=1000000"));
             }
         }
+        if let (Some(per_tenant), Some(tier)) = (t.max_pending_per_tenant, t.max_pending_requests) {
+            if per_tenant > tier {
+                return Err(format!(
+                    "tiers.{name}.max_pending_per_tenant {per_tenant} exceeds \
+                     tiers.{name}.max_pending_requests {tier}: no tenant could ever reach it"
+                ));
+            }
+        }
     }
     Ok(())
 }
@@ -1144,6 +1152,13 @@ workload:
             (
                 GOOD.replace("priority: 2}", "priority: 2, max_pending_per_tenant: 0}"),
                 "tiers.batch.max_pending_per_tenant 0 outside 1..=1000000",
+            ),
+            (
+                GOOD.replace(
+                    "priority: 2}",
+                    "priority: 2, max_pending_requests: 4, max_pending_per_tenant: 5}",
+                ),
+                "tiers.batch.max_pending_per_tenant 5 exceeds tiers.batch.max_pending_requests 4",
             ),
             (
                 GOOD.replace(
