@@ -476,11 +476,13 @@ impl Admission {
                 if let Some(refused) = b.full.hit(Instant::now()) {
                     tracing::warn!(
                         tier = %t.name,
-                        tenant = %tenant,
+                        latest_tenant = %tenant,
                         limit = b.limit(),
                         refused,
                         "requests refused (429): their tenant is at its tier's \
-                         tiers.<name>.max_pending_per_tenant"
+                         tiers.<name>.max_pending_per_tenant (refused counts the tier's \
+                         tenants' refusals since the previous such line; latest_tenant is \
+                         the one refused now)"
                     );
                 }
                 return Err(SubmitError::new(
