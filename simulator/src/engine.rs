@@ -867,16 +867,19 @@ impl<'a> Loop<'a> {
         }
     }
 
-    /// Takes request `i`'s seat under its tier's bounds on requests in flight, as the
-    /// server's admission does after its rate limits.
+    /// Takes request `i`'s seat under its tier's bounds on requests in flight and the
+    /// server's, as the server's admission does after its rate limits.
     fn take_seat(&mut self, i: usize) -> Result<(), crate::in_flight::Refusal> {
         let r = &self.requests[i];
         let tier = self.tiers.get(&r.tier);
         self.in_flight.take(
             &r.tier,
             &r.tenant,
-            tier.and_then(|t| t.max_pending_requests),
-            tier.and_then(|t| t.max_pending_per_tenant),
+            crate::in_flight::Limits {
+                server: self.sim.spec.scheduler.max_pending_requests,
+                tier: tier.and_then(|t| t.max_pending_requests),
+                tenant: tier.and_then(|t| t.max_pending_per_tenant),
+            },
         )?;
         self.holds_seat[i] = true;
         Ok(())
@@ -2099,6 +2102,27 @@ policies: [{{name: fcfs}}]
             (free.overloaded, free.tenant_busy, free.finished),
             (2, 1, 4)
         );
+    }
+
+    #[test]
+    fn the_servers_bound_on_requests_in_flight_counts_every_tier() {
+        // The server holds 2 in flight in all (scheduler.max_pending_requests), tiers none of
+        // their own: at 0 s a (long) and b of different tiers are admitted, c is refused; at
+        // 0.2 s b's request has ended and c is admitted.
+        let yaml = "policies: [{name: fcfs}]\n\
+                    tiers: {free: {}, paid: {}}\n\
+                    scheduler: {max_num_seqs: 8, max_model_len: 400, max_pending_requests: 2}\n\
+                    cache: {num_gpu_blocks: 64}\n\
+                    workload: {trace: unused.csv, format: azure}\n";
+        let rs = vec![
+            req_of("a", 0.0, 10, 300, "free"),
+            req_of("b", 0.0, 10, 1, "paid"),
+            req_of("c", 0.0, 10, 1, "paid"),
+            req_of("c", 0.2, 10, 1, "paid"),
+        ];
+        let records = fcfs_records(yaml, &rs);
+        let got: Vec<&str> = records.iter().map(|r| r.outcome.as_str()).collect();
+        assert_eq!(got, ["length", "length", "overloaded", "length"]);
     }
 
     #[test]

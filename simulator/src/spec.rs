@@ -250,6 +250,11 @@ pub struct SchedulerLimits {
     /// The front end's time per prompt token in microseconds (tokenization), added to
     /// `front_end_us`. Unset: the calibration file's `front_end_per_token_us`, else 0.
     pub front_end_per_token_us: Option<f64>,
+    /// The server's bound on requests in flight in all (`server.max_pending_requests`: the
+    /// server's default is 4,096), 1 to 1,000,000: a request arriving while that many are in
+    /// flight (queued or running) is refused (`overloaded`), as the server's 503. Unset: no
+    /// bound (the tiers' own bounds still apply).
+    pub max_pending_requests: Option<usize>,
     /// Most distinct LoRA adapters among the running requests (trace records may name an
     /// `adapter`), as the server's `lora.max_loras`.
     pub max_loras: usize,
@@ -300,6 +305,7 @@ impl Default for SchedulerLimits {
             async_scheduling: false,
             host_overhead_us: None,
             front_end_us: None,
+            max_pending_requests: None,
             front_end_per_token_us: None,
             max_loras: 4,
             lora: LoraSpec::default(),
@@ -641,6 +647,14 @@ impl SimulationSpec {
         {
             return Err(format!(
                 "scheduler.host_overhead_us {us} outside 0..={MAX_HOST_OVERHEAD_US} (microseconds per step)"
+            ));
+        }
+        if let Some(n) = s
+            .max_pending_requests
+            .filter(|n| !(1..=1_000_000).contains(n))
+        {
+            return Err(format!(
+                "scheduler.max_pending_requests {n} outside 1..=1000000"
             ));
         }
         if let Some(us) = s.front_end_us {
@@ -1091,6 +1105,13 @@ workload:
                     GOOD.trim_end()
                 ),
                 "scheduler.host_overhead_us",
+            ),
+            (
+                format!(
+                    "{}\nscheduler: {{ max_pending_requests: 0 }}\n",
+                    GOOD.trim_end()
+                ),
+                "scheduler.max_pending_requests 0 outside 1..=1000000",
             ),
             (
                 format!("{}\nscheduler: {{ front_end_us: -1 }}\n", GOOD.trim_end()),
