@@ -2026,7 +2026,7 @@ policies: [{{name: fcfs}}]
             req_of("a", 40.0, 10, 1, "lim"),
         ];
         let records = fcfs_records(yaml, &rs);
-        let got: Vec<&str> = records.iter().map(|r| r.outcome.as_str()).collect();
+        let got = outcomes(&records);
         assert_eq!(
             got,
             [
@@ -2049,7 +2049,7 @@ policies: [{{name: fcfs}}]
             req_of("a", 1.5, 10, 1, "lim"),
         ];
         let records = fcfs_records(&yaml, &rs);
-        let got: Vec<&str> = records.iter().map(|r| r.outcome.as_str()).collect();
+        let got = outcomes(&records);
         assert_eq!(got, ["length", "rate_limited", "length"]);
         let summary =
             crate::report::PolicySummary::new("fcfs", &records, &mut [], Default::default());
@@ -2080,7 +2080,7 @@ policies: [{{name: fcfs}}]
             req_of("c", 0.2, 10, 1, "free"),
         ];
         let records = fcfs_records(yaml, &rs);
-        let got: Vec<&str> = records.iter().map(|r| r.outcome.as_str()).collect();
+        let got = outcomes(&records);
         assert_eq!(
             got,
             [
@@ -2121,7 +2121,7 @@ policies: [{{name: fcfs}}]
             req_of("c", 0.2, 10, 1, "paid"),
         ];
         let records = fcfs_records(yaml, &rs);
-        let got: Vec<&str> = records.iter().map(|r| r.outcome.as_str()).collect();
+        let got = outcomes(&records);
         assert_eq!(got, ["length", "length", "overloaded", "length"]);
     }
 
@@ -2143,7 +2143,7 @@ policies: [{{name: fcfs}}]
         rs.push(req_of("a", 0.1, 1500, 1, "lim"));
         rs.push(req_of("a", 1.0, 10, 1, "lim"));
         let records = fcfs_records(yaml, &rs);
-        let got: Vec<&str> = records.iter().map(|r| r.outcome.as_str()).collect();
+        let got = outcomes(&records);
         assert_eq!(
             got,
             [
@@ -2169,11 +2169,16 @@ policies: [{{name: fcfs}}]
             req_of("a", 1.0, 10, 1, "lim"),
         ];
         let records = fcfs_records(yaml, &rs);
-        let got: Vec<&str> = records.iter().map(|r| r.outcome.as_str()).collect();
+        let got = outcomes(&records);
         assert_eq!(got, ["length", "queue_timeout", "length"]);
     }
 
     /// The records of `rs` run under FCFS by the spec `yaml`, every step taking 1 ms.
+    /// Each record's outcome (`length`, `overloaded`, ...), in the trace's order.
+    fn outcomes(records: &[RequestRecord]) -> Vec<&str> {
+        records.iter().map(|r| r.outcome.as_str()).collect()
+    }
+
     fn fcfs_records(yaml: &str, rs: &[TraceRequest]) -> Vec<RequestRecord> {
         let mut sim = Simulation::new(&spec(yaml)).unwrap();
         sim.cost = CostModel::Calibrated(Calibration {
@@ -2208,7 +2213,7 @@ policies: [{{name: fcfs}}]
                 &format!("max_queue_ms: 100, async_scheduling: {asynchronous}}}"),
             );
             let records = fcfs_records(&yaml, &rs);
-            let got: Vec<&str> = records.iter().map(|r| r.outcome.as_str()).collect();
+            let got = outcomes(&records);
             assert_eq!(
                 got,
                 ["length", "queue_timeout", "queue_timeout", "length"],

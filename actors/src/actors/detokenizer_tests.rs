@@ -880,24 +880,6 @@ fn every_failure_reason_is_registered_at_zero() {
     }
 }
 
-/// Collects a request's text.
-struct TextSink(Arc<Mutex<String>>);
-
-impl OutputSink for TextSink {
-    fn send(&mut self, output: EngineOutput) -> bool {
-        if let EngineOutput::Delta(d) = output {
-            self.0.lock().unwrap().push_str(&d.text);
-        }
-        true
-    }
-    fn is_closed(&self) -> bool {
-        false
-    }
-    fn abandoned_for(&self) -> Option<SubmitErrorKind> {
-        None
-    }
-}
-
 /// With special tokens skipped, the tokens a request keeps (a tool format's markers) keep
 /// their text, and only they; with special tokens not skipped, every token's text is there.
 #[actix::test]
@@ -911,7 +893,13 @@ async fn kept_special_tokens_keep_their_text_and_only_they() {
             options.skip_special_tokens = skip;
             options.keep_special_tokens = keep;
             let text = Arc::new(Mutex::new(String::new()));
-            engine.submit(options, Box::new(TextSink(text.clone())));
+            let into = text.clone();
+            let sink = FnSink(move |output| {
+                if let EngineOutput::Delta(d) = output {
+                    into.lock().unwrap().push_str(&d.text);
+                }
+            });
+            engine.submit(options, Box::new(sink));
             // A hang guard only; nothing here is timed.
             let deadline = std::time::Instant::now() + Duration::from_secs(60);
             while engine.in_flight() > 0 {
@@ -1031,24 +1019,6 @@ async fn aborts_and_failures_carry_the_tenant() {
     );
 }
 
-/// Each delta's choice index, cached prompt tokens and whether it is the choice's last.
-struct CachedSink(Arc<Mutex<Vec<(u32, u32, bool)>>>);
-
-impl OutputSink for CachedSink {
-    fn send(&mut self, output: EngineOutput) -> bool {
-        if let EngineOutput::Delta(d) = output {
-            self.0
-                .lock()
-                .unwrap()
-                .push((d.index, d.cached_prompt_tokens, d.finish.is_some()));
-        }
-        true
-    }
-    fn is_closed(&self) -> bool {
-        false
-    }
-}
-
 /// What the prefix cache served a choice at its first admission rides on every one of its
 /// deltas, and `prompt_tokens_cached_total` counts it once per prompt (its first choice's),
 /// under the tenant, as `usage.prompt_tokens_details.cached_tokens` does.
@@ -1065,7 +1035,7 @@ async fn cached_prompt_tokens_ride_on_the_deltas_and_count_once_per_prompt() {
     let mut seen = Vec::new();
     for _ in 0..2 {
         let deltas = Arc::new(Mutex::new(Vec::new()));
-        engine.submit(options(), Box::new(CachedSink(deltas.clone())));
+        engine.submit(options(), Box::new(cached_sink(&deltas)));
         until_idle(&engine).await;
         let deltas = deltas.lock().unwrap().clone();
         assert_eq!(deltas.iter().filter(|d| d.2).count(), 2, "{deltas:?}");
@@ -1128,7 +1098,7 @@ async fn cached_prompt_tokens_come_only_from_the_request_s_namespace() {
         let deltas = Arc::new(Mutex::new(Vec::new()));
         engine.submit(
             options(tenant, salt, prompt_logprobs),
-            Box::new(CachedSink(deltas.clone())),
+            Box::new(cached_sink(&deltas)),
         );
         until_idle(&engine).await;
         let deltas = deltas.lock().unwrap().clone();
@@ -1176,23 +1146,6 @@ async fn cached_prompt_tokens_count_whether_or_not_the_client_reads_them() {
     }
 }
 
-/// Records every delta and error a request is sent.
-struct DeltaSink(Arc<Mutex<Vec<Result<crate::actors::ChoiceDelta, String>>>>);
-
-impl OutputSink for DeltaSink {
-    fn send(&mut self, output: EngineOutput) -> bool {
-        match output {
-            EngineOutput::Delta(d) => self.0.lock().unwrap().push(Ok(d)),
-            EngineOutput::Error(e) => self.0.lock().unwrap().push(Err(e.message)),
-            EngineOutput::Prompt { .. } => {}
-        }
-        true
-    }
-    fn is_closed(&self) -> bool {
-        false
-    }
-}
-
 /// An embedding request: its one sampled token is not output, its one delta carries the
 /// hidden state the backend reported at the prompt's last token and finishes as `stop` with 0
 /// tokens, whatever the request's own sampling and length settings; it counts as a success
@@ -1206,7 +1159,7 @@ async fn an_embedding_is_one_delta_with_the_hidden_state_and_no_tokens() {
         stop: vec!["t2".into()],
         ..request(1, 7, ignoring_eos())
     };
-    engine.submit(options, Box::new(DeltaSink(out.clone())));
+    engine.submit(options, Box::new(delta_sink(&out)));
     until_idle(&engine).await;
     let deltas = out.lock().unwrap().clone();
     assert_eq!(deltas.len(), 1, "{deltas:?}");
@@ -1229,36 +1182,13 @@ async fn an_embedding_is_one_delta_with_the_hidden_state_and_no_tokens() {
         embed: true,
         ..request(2, 1, ignoring_eos())
     };
-    engine.submit(options, Box::new(DeltaSink(out.clone())));
+    engine.submit(options, Box::new(delta_sink(&out)));
     until_idle(&engine).await;
     let got = out.lock().unwrap().clone();
     assert!(
         matches!(got.as_slice(), [Err(m)] if m.contains("one choice")),
         "{got:?}"
     );
-}
-
-/// Records, for each finishing delta, how many choices the engine still counts in flight.
-struct InFlightAtEnd {
-    engine: Engine,
-    seen: Arc<Mutex<Vec<usize>>>,
-}
-
-impl OutputSink for InFlightAtEnd {
-    fn send(&mut self, output: EngineOutput) -> bool {
-        if let EngineOutput::Delta(d) = output {
-            if d.finish.is_some() {
-                self.seen.lock().unwrap().push(self.engine.in_flight());
-            }
-        }
-        true
-    }
-    fn is_closed(&self) -> bool {
-        false
-    }
-    fn abandoned_for(&self) -> Option<SubmitErrorKind> {
-        None
-    }
 }
 
 /// A request's seats are given back before its last choice's last delta goes out: a client
@@ -1269,21 +1199,65 @@ impl OutputSink for InFlightAtEnd {
 async fn seats_are_free_when_the_last_delta_goes_out() {
     let (engine, _) = start_engine_bounded(false, false, tokenizer(), &[], 4, &[]);
     let seen = Arc::new(Mutex::new(Vec::new()));
-    let sink = InFlightAtEnd {
-        engine: engine.clone(),
-        seen: seen.clone(),
-    };
+    let sink = in_flight_at_end(&engine, &seen);
     engine.submit(request(1, 3, ignoring_eos()), Box::new(sink));
     until_idle(&engine).await;
     assert_eq!(*seen.lock().unwrap(), [0]);
     // Two choices ending in one step: the first's end still counts both seats (given back
     // together), the second's none.
     let seen = Arc::new(Mutex::new(Vec::new()));
-    let sink = InFlightAtEnd {
-        engine: engine.clone(),
-        seen: seen.clone(),
-    };
+    let sink = in_flight_at_end(&engine, &seen);
     engine.submit(request(2, 3, ignoring_eos()), Box::new(sink));
     until_idle(&engine).await;
     assert_eq!(*seen.lock().unwrap(), [2, 0]);
+}
+
+/// A sink that hands every output to its function and always delivers.
+struct FnSink<F>(F);
+
+impl<F: FnMut(EngineOutput) + Send + 'static> OutputSink for FnSink<F> {
+    fn send(&mut self, output: EngineOutput) -> bool {
+        (self.0)(output);
+        true
+    }
+    fn is_closed(&self) -> bool {
+        false
+    }
+}
+
+/// Each delta's (choice index, cached prompt tokens, whether it is the choice's last).
+type CachedRows = Arc<Mutex<Vec<(u32, u32, bool)>>>;
+
+/// Records each delta's row of [`CachedRows`].
+fn cached_sink(into: &CachedRows) -> impl OutputSink {
+    let into = into.clone();
+    FnSink(move |output| {
+        if let EngineOutput::Delta(d) = output {
+            let row = (d.index, d.cached_prompt_tokens, d.finish.is_some());
+            into.lock().unwrap().push(row);
+        }
+    })
+}
+
+/// Records each delta, and each error's message.
+type Deltas = Arc<Mutex<Vec<Result<crate::actors::ChoiceDelta, String>>>>;
+fn delta_sink(into: &Deltas) -> impl OutputSink {
+    let into = into.clone();
+    FnSink(move |output| match output {
+        EngineOutput::Delta(d) => into.lock().unwrap().push(Ok(d)),
+        EngineOutput::Error(e) => into.lock().unwrap().push(Err(e.message)),
+        EngineOutput::Prompt { .. } => {}
+    })
+}
+
+/// Records, for each finishing delta, how many choices `engine` still counts in flight.
+fn in_flight_at_end(engine: &Engine, seen: &Arc<Mutex<Vec<usize>>>) -> impl OutputSink {
+    let (engine, seen) = (engine.clone(), seen.clone());
+    FnSink(move |output| {
+        if let EngineOutput::Delta(d) = output {
+            if d.finish.is_some() {
+                seen.lock().unwrap().push(engine.in_flight());
+            }
+        }
+    })
 }
