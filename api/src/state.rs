@@ -92,17 +92,24 @@ impl ApiState {
             (false, true) => return Err(AccessRefusal::WouldOpenApi),
             _ => {}
         }
-        let secret = |k: &crate::auth::ApiKeyEntry| k.key.clone();
-        let before: std::collections::HashSet<String> =
-            config.api_keys.iter().map(secret).collect();
-        let after: std::collections::HashSet<String> = api_keys.iter().map(secret).collect();
+        // By key, so that a reload of many keys is linear, not a comparison of every pair
+        // (the write lock is held, and requests wait for it to authenticate).
+        let before: std::collections::HashMap<&str, &crate::auth::ApiKeyEntry> = config
+            .api_keys
+            .iter()
+            .map(|k| (k.key.as_str(), k))
+            .collect();
+        let (mut kept, mut changed) = (0, 0);
+        for k in &api_keys {
+            if let Some(old) = before.get(k.key.as_str()) {
+                kept += 1;
+                changed += usize::from(*old != k);
+            }
+        }
         let change = AccessChange {
-            keys_added: after.difference(&before).count(),
-            keys_removed: before.difference(&after).count(),
-            keys_changed: api_keys
-                .iter()
-                .filter(|k| config.api_keys.iter().any(|o| o.key == k.key && o != *k))
-                .count(),
+            keys_added: api_keys.len() - kept,
+            keys_removed: before.len() - kept,
+            keys_changed: changed,
             limits_changed: self
                 .rate_limiter
                 .set_limits(rate_limits.clone(), std::time::Instant::now()),

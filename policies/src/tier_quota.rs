@@ -149,13 +149,8 @@ mod tests {
     #[test]
     fn room_counts_down_and_unbounded_tiers_have_all() {
         let t = |f| TierSpec {
-            name: "t".into(),
-            ttft_ms: None,
-            tpot_ms: None,
-            weight: 1.0,
-            preemptible: false,
-            max_queue_ms: None,
             max_kv_fraction: f,
+            ..TierSpec::named("t")
         };
         let mut q = TierQuotas::new(&[t(Some(0.5)), t(None)], 10);
         assert_eq!(q.cap(0), Some(5));

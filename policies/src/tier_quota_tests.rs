@@ -11,13 +11,8 @@ use crate::{Scheduler, SchedulerError};
 /// `blocks` blocks of 4 tokens; tiers `inter` (no bound) and `batch` (`batch_fraction`).
 fn config(blocks: usize, batch_fraction: Option<f64>) -> SchedulerConfig {
     let tier = |name: &str, max_kv_fraction| TierSpec {
-        name: name.into(),
-        ttft_ms: None,
-        tpot_ms: None,
-        weight: 1.0,
-        preemptible: false,
-        max_queue_ms: None,
         max_kv_fraction,
+        ..TierSpec::named(name)
     };
     SchedulerConfig {
         max_num_seqs: 8,

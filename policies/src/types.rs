@@ -233,6 +233,21 @@ pub struct TierSpec {
     pub max_kv_fraction: Option<f64>,
 }
 
+impl TierSpec {
+    /// A tier named `name` with no SLO targets, weight 1, not preemptible and no bounds.
+    pub fn named(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            ttft_ms: None,
+            tpot_ms: None,
+            weight: 1.0,
+            preemptible: false,
+            max_queue_ms: None,
+            max_kv_fraction: None,
+        }
+    }
+}
+
 /// Largest queue bound accepted (`max_queue_ms`): an hour.
 pub const MAX_QUEUE_MS: u64 = 3_600_000;
 

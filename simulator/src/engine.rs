@@ -2011,10 +2011,11 @@ policies: [{{name: fcfs}}]
         // requests budget is spent, one refills every 30 s), 10 + 1 at 40 s (requests: one
         // refilled; tokens: 60 - 60 - 11 + 40 = 29 left: admitted). Tenant b's requests at
         // 0 s and 2 s have their own budget; tier free's are not limited.
-        let yaml = "policies: [{name: fcfs}]\n\
-                    tiers: {lim: {requests_per_minute: 2, tokens_per_minute: 60}, free: {}}\n\
-                    scheduler: {max_num_seqs: 8, max_model_len: 100}\ncache: {num_gpu_blocks: 64}\n\
-                    workload: {trace: unused.csv, format: azure}\n";
+        let yaml = &fcfs_yaml(
+            "{lim: {requests_per_minute: 2, tokens_per_minute: 60}, free: {}}",
+            "{max_num_seqs: 8, max_model_len: 100}",
+            "{num_gpu_blocks: 64}",
+        );
         // Each request's record after a run of 1 ms steps.
         let rs = vec![
             req_of("a", 0.0, 10, 50, "lim"),
@@ -2065,10 +2066,11 @@ policies: [{{name: fcfs}}]
         // second), c (refused: overloaded, the tier full), and d of tier paid (no bounds). At
         // 0.2 s, their requests ended, a and b are served again and c is refused again (the
         // tier holds two).
-        let yaml = "policies: [{name: fcfs}]\n\
-                    tiers: {free: {max_pending_requests: 2, max_pending_per_tenant: 1}, paid: {}}\n\
-                    scheduler: {max_num_seqs: 8, max_model_len: 100}\ncache: {num_gpu_blocks: 64}\n\
-                    workload: {trace: unused.csv, format: azure}\n";
+        let yaml = &fcfs_yaml(
+            "{free: {max_pending_requests: 2, max_pending_per_tenant: 1}, paid: {}}",
+            "{max_num_seqs: 8, max_model_len: 100}",
+            "{num_gpu_blocks: 64}",
+        );
         let rs = vec![
             req_of("a", 0.0, 10, 50, "free"),
             req_of("a", 0.0, 10, 1, "free"),
@@ -2109,11 +2111,11 @@ policies: [{{name: fcfs}}]
         // The server holds 2 in flight in all (scheduler.max_pending_requests), tiers none of
         // their own: at 0 s a (long) and b of different tiers are admitted, c is refused; at
         // 0.2 s b's request has ended and c is admitted.
-        let yaml = "policies: [{name: fcfs}]\n\
-                    tiers: {free: {}, paid: {}}\n\
-                    scheduler: {max_num_seqs: 8, max_model_len: 400, max_pending_requests: 2}\n\
-                    cache: {num_gpu_blocks: 64}\n\
-                    workload: {trace: unused.csv, format: azure}\n";
+        let yaml = &fcfs_yaml(
+            "{free: {}, paid: {}}",
+            "{max_num_seqs: 8, max_model_len: 400, max_pending_requests: 2}",
+            "{num_gpu_blocks: 64}",
+        );
         let rs = vec![
             req_of("a", 0.0, 10, 300, "free"),
             req_of("b", 0.0, 10, 1, "paid"),
@@ -2133,11 +2135,11 @@ policies: [{{name: fcfs}}]
         // than the context (rejected). The server gives back the estimate of a prompt its
         // admission refused or its checks rejected: none of them costs a token, and at 1 s a
         // (540 left) is admitted. Were they charged (2100 more), a would be rate-limited.
-        let yaml = "policies: [{name: fcfs}]\n\
-                    tiers: {lim: {tokens_per_minute: 600, max_pending_per_tenant: 1}}\n\
-                    scheduler: {max_num_seqs: 8, max_model_len: 1000}\n\
-                    cache: {num_gpu_blocks: 128}\n\
-                    workload: {trace: unused.csv, format: azure}\n";
+        let yaml = &fcfs_yaml(
+            "{lim: {tokens_per_minute: 600, max_pending_per_tenant: 1}}",
+            "{max_num_seqs: 8, max_model_len: 1000}",
+            "{num_gpu_blocks: 128}",
+        );
         let mut rs = vec![req_of("a", 0.0, 10, 50, "lim")];
         rs.extend((0..3).map(|_| req_of("a", 0.001, 200, 1, "lim")));
         rs.push(req_of("a", 0.1, 1500, 1, "lim"));
@@ -2158,11 +2160,11 @@ policies: [{{name: fcfs}}]
         // A request that timed out in the queue was never computed: the server gives its
         // prompt back. One seat: a's 10 + 50 holds it until ~50 ms; its 600 + 1 waits past
         // its tier's 20 ms. At 1 s a has 540 left and is admitted (charged: -50).
-        let yaml = "policies: [{name: fcfs}]\n\
-                    tiers: {lim: {tokens_per_minute: 600, max_queue_ms: 20}}\n\
-                    scheduler: {max_num_seqs: 1, max_model_len: 1000}\n\
-                    cache: {num_gpu_blocks: 128}\n\
-                    workload: {trace: unused.csv, format: azure}\n";
+        let yaml = &fcfs_yaml(
+            "{lim: {tokens_per_minute: 600, max_queue_ms: 20}}",
+            "{max_num_seqs: 1, max_model_len: 1000}",
+            "{num_gpu_blocks: 128}",
+        );
         let rs = vec![
             req_of("a", 0.0, 10, 50, "lim"),
             req_of("a", 0.0, 600, 1, "lim"),
@@ -2174,6 +2176,15 @@ policies: [{{name: fcfs}}]
     }
 
     /// The records of `rs` run under FCFS by the spec `yaml`, every step taking 1 ms.
+    /// A spec of FCFS alone over `tiers`, with `scheduler` limits and `cache` (YAML flow
+    /// mappings), for a trace the test passes in.
+    fn fcfs_yaml(tiers: &str, scheduler: &str, cache: &str) -> String {
+        format!(
+            "policies: [{{name: fcfs}}]\ntiers: {tiers}\nscheduler: {scheduler}\n\
+             cache: {cache}\nworkload: {{trace: unused.csv, format: azure}}\n"
+        )
+    }
+
     /// Each record's outcome (`length`, `overloaded`, ...), in the trace's order.
     fn outcomes(records: &[RequestRecord]) -> Vec<&str> {
         records.iter().map(|r| r.outcome.as_str()).collect()
@@ -2196,11 +2207,11 @@ policies: [{{name: fcfs}}]
         // 2 (tier `short`, bound 20 ms) and 3 (tier `long`, no bound of its own: the
         // scheduler's 100 ms) arrive at 0 s behind it; 1 and 2 wait past 20 ms and time out,
         // 3 is admitted at ~50 ms. With async scheduling too.
-        let yaml = "policies: [{name: fcfs}]\n\
-                    tiers: {short: {ttft_ms: 1000, max_queue_ms: 20}, long: {ttft_ms: 1000}}\n\
-                    scheduler: {max_num_seqs: 1, max_model_len: 100, max_queue_ms: 100}\n\
-                    cache: {num_gpu_blocks: 64}\n\
-                    workload: {trace: unused.csv, format: azure}\n";
+        let yaml = &fcfs_yaml(
+            "{short: {ttft_ms: 1000, max_queue_ms: 20}, long: {ttft_ms: 1000}}",
+            "{max_num_seqs: 1, max_model_len: 100, max_queue_ms: 100}",
+            "{num_gpu_blocks: 64}",
+        );
         let rs = vec![
             req(0.0, 10, 50, "long"),
             req(0.0, 10, 1, "short"),
@@ -2246,11 +2257,11 @@ policies: [{{name: fcfs}}]
         // until batch work ends (the preempted batch requests are ahead of it). With the batch
         // tier held to half the cache, two batch requests run, the others wait, and the
         // interactive request is admitted at once. The batch tier's own work ends in both.
-        let yaml = "policies: [{name: fcfs}]\n\
-                    tiers: {inter: {ttft_ms: 10}, batch: {max_kv_fraction: 0.5}}\n\
-                    scheduler: {max_model_len: 256}\n\
-                    cache: {num_gpu_blocks: 32, prefix_caching: false}\n\
-                    workload: {trace: unused.csv, format: azure}\n";
+        let yaml = &fcfs_yaml(
+            "{inter: {ttft_ms: 10}, batch: {max_kv_fraction: 0.5}}",
+            "{max_model_len: 256}",
+            "{num_gpu_blocks: 32, prefix_caching: false}",
+        );
         let mut rs: Vec<TraceRequest> = (0..4).map(|_| req(0.0, 120, 50, "batch")).collect();
         rs.push(req(0.001, 10, 5, "inter"));
         let ttft = |records: &[RequestRecord]| {

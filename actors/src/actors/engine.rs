@@ -1278,13 +1278,8 @@ mod tests {
     #[actix::test]
     async fn a_tiers_kv_quota_bounds_max_tokens_before_the_prompt_event() {
         let tier = |name: &str, max_kv_fraction| TierSpec {
-            name: name.into(),
-            ttft_ms: None,
-            tpot_ms: None,
-            weight: 1.0,
-            preemptible: false,
-            max_queue_ms: None,
             max_kv_fraction,
+            ..TierSpec::named(name)
         };
         let (engine, _) = engine_with_tiers(1024, vec![tier("batch", Some(0.25))]);
         let batch = |max_tokens| RequestOptions {

@@ -182,8 +182,15 @@ impl Reloader {
                 return;
             }
         };
+        // The configuration in force after this reload, as far as it applies any: the start's,
+        // with the tiers' new settings.
+        let Access {
+            keys,
+            tiers,
+            max_pending,
+        } = access;
         let mut effective = state.started.clone();
-        effective.tiers = access.tiers.clone();
+        effective.tiers = tiers;
         let tiers = crate::commands::config::tier_specs(&effective);
         // Built (so checked) with the new tiers before anything is applied: a bad policy
         // leaves the adapters as they are too.
@@ -261,7 +268,7 @@ impl Reloader {
                 tracing::info!(chain, "SIGHUP: TLS certificate unchanged");
             }
         }
-        self.apply_access(&mut state, access);
+        self.apply_access(&mut state, keys, effective, max_pending);
         // A change of lora.enabled is among the fields that take a restart.
         if self.adapter.lora_enabled && cfg.lora.enabled {
             self.reconcile_adapters(&mut state, &cfg.lora.adapters)
@@ -270,21 +277,19 @@ impl Reloader {
         tracing::info!("SIGHUP: reload finished");
     }
 
-    /// Puts `access` in force: the keys and rate limits in the HTTP layer, the bounds on
+    /// Puts `keys` (none on an API started open), `effective`'s tiers and `max_pending` in
+    /// force: the keys and rate limits in the HTTP layer, the tiers' priorities, the bounds on
     /// requests in flight and the tenants that label metrics in the engine.
-    fn apply_access(&self, state: &mut ReloadState, access: Access) {
-        let Access {
-            keys,
-            tiers,
-            max_pending,
-        } = access;
-        let mut effective = state.started.clone();
-        effective.tiers = tiers;
+    fn apply_access(
+        &self,
+        state: &mut ReloadState,
+        keys: Option<Vec<ApiKeyEntry>>,
+        effective: Config,
+        max_pending: usize,
+    ) {
         *self.adapter.tier_priorities.write() = super::tier_priorities(&effective);
-        let api_keys = keys
-            .as_ref()
-            .map_or_else(Vec::new, |k| super::api_keys(k.clone()));
         let tenants = keys.as_ref().map(|k| super::key_tenants(&state.started, k));
+        let api_keys = keys.map_or_else(Vec::new, super::api_keys);
         match self
             .api
             .reload_access(api_keys, super::rate_limits(&effective))
