@@ -158,7 +158,6 @@ fn start_engine(running: usize) -> (Arc<AtomicU64>, actix::System) {
                     max_pending_requests: running * 4,
                     tier_max_pending: Vec::new(),
                     tier_max_pending_per_tenant: Vec::new(),
-                    tier_slos: Vec::new(),
                     metrics_tenants: Default::default(),
                     async_scheduling: Default::default(),
                     lora: None,

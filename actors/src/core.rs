@@ -500,7 +500,7 @@ impl StepCore {
     pub fn set_tiers(
         &mut self,
         tiers: Vec<switchyard_policies::TierSpec>,
-    ) -> Result<(), EngineError> {
+    ) -> Result<Vec<switchyard_policies::QuotaChange>, EngineError> {
         Ok(self.scheduler.set_tiers(tiers)?)
     }
 

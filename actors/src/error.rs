@@ -18,8 +18,9 @@ pub enum EngineError {
     /// A request's adapter id and adapter weights disagree (one given without the other).
     #[error("request {0}: a LoRA adapter id needs its weights and weights need an id")]
     AdapterMismatch(u64),
-    /// Admission bounds for tiers the engine does not serve (a new tier takes a restart).
-    #[error("no tier {0:?} is in force: a new tier takes a restart")]
+    /// Admission bounds for tiers the engine does not serve (`Engine::set_tiers` puts a new
+    /// tier in force first).
+    #[error("no tier {0:?} is in force")]
     UnknownTiers(Vec<String>),
     /// The engine stopped before it could answer.
     #[error("the engine has shut down")]

@@ -247,7 +247,9 @@ pub fn record_slo(tier: &std::sync::Arc<str>, target: &'static str, met: bool) {
     metrics::counter!(SLO_ATTAINMENT, labels).increment(1);
 }
 
-/// Creates the per-tier series at zero ([`register_at_zero`] creates the untiered ones): for
+/// Creates the per-tier series at zero, leaving those already there as they are (so a reload
+/// may call it again with every tier in force; [`register_at_zero`] creates the untiered
+/// ones): for
 /// each tier (name, whether it has a TTFT target, whether it has a TPOT target), the
 /// [`TIERED`] metrics with its label and [`SLO_ATTAINMENT`] for each target it has.
 pub fn register_tiers(tiers: &[(String, bool, bool)]) {
@@ -269,7 +271,8 @@ pub fn register_tiers(tiers: &[(String, bool, bool)]) {
                 _ => drop(metrics::histogram!(h, labels.clone())),
             }
         }
-        metrics::gauge!(KV_CACHE_BLOCKS_USED, labels.clone()).set(0.0);
+        // Made, not set: a reload registers the tiers in force again.
+        metrics::gauge!(KV_CACHE_BLOCKS_USED, labels.clone()).increment(0.0);
         for (target, has) in [("ttft", *ttft), ("tpot", *tpot)] {
             if has {
                 for outcome in ["met", "missed"] {

@@ -75,16 +75,18 @@ impl ApiState {
         Arc::clone(&self.config.read())
     }
 
-    /// Puts `api_keys` and `rate_limits` in force (a reload of the configuration, SIGHUP):
-    /// requests authenticate against the new keys from now on (a request already past
-    /// authentication goes on as its key's tenant), and each tenant's budget follows its
-    /// tier's new limits ([`RateLimiter::set_limits`]). Authentication is never turned on or
-    /// off here: keys on an open API, or none on one with keys, are refused, changing
-    /// nothing. The new principals' `rate_limited_total` series are created at zero.
+    /// Puts `api_keys`, `rate_limits` and the configured `tiers` (their names) in force (a
+    /// reload of the configuration, SIGHUP): requests authenticate against the new keys from
+    /// now on (a request already past authentication goes on as its key's tenant), and each
+    /// tenant's budget follows its tier's new limits ([`RateLimiter::set_limits`]: a removed
+    /// tier's budgets go, a new tier's start full). Authentication is never turned on or off
+    /// here: keys on an open API, or none on one with keys, are refused, changing nothing.
+    /// The new principals' `rate_limited_total` series are created at zero.
     pub fn reload_access(
         &self,
         api_keys: Vec<crate::auth::ApiKeyEntry>,
         rate_limits: std::collections::HashMap<String, crate::rate_limit::TierLimits>,
+        tiers: Vec<String>,
     ) -> Result<AccessChange, AccessRefusal> {
         let mut config = self.config.write();
         match (config.api_keys.is_empty(), api_keys.is_empty()) {
@@ -117,6 +119,7 @@ impl ApiState {
         let mut next = ApiConfig::clone(&config);
         next.api_keys = api_keys;
         next.rate_limits = rate_limits;
+        next.tiers = tiers;
         register_rate_limited(&next);
         *config = Arc::new(next);
         Ok(change)

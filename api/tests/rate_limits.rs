@@ -287,7 +287,11 @@ async fn a_reload_swaps_the_keys_and_the_tiers_limits_while_serving() {
         adapters: switchyard_api::AdapterAccess::all(),
     });
     let change = state
-        .reload_access(keys, HashMap::from([("premium".to_owned(), limits(5))]))
+        .reload_access(
+            keys,
+            HashMap::from([("premium".to_owned(), limits(5))]),
+            vec!["premium".into(), "free".into()],
+        )
         .unwrap();
     assert_eq!(
         change,
@@ -323,7 +327,7 @@ async fn a_reload_swaps_the_keys_and_the_tiers_limits_while_serving() {
     assert_eq!(header(&reply, "x-ratelimit-remaining-requests"), Some("4"));
     // A reload never opens the API: no keys is refused and changes nothing.
     assert_eq!(
-        state.reload_access(Vec::new(), HashMap::new()),
+        state.reload_access(Vec::new(), HashMap::new(), Vec::new()),
         Err(switchyard_api::AccessRefusal::WouldOpenApi)
     );
     let reply = send(&app, as_key("sk-test-dave", "/v1/completions", &body)).await;
@@ -340,7 +344,7 @@ async fn a_reload_does_not_put_keys_on_an_api_started_open() {
     let (state, app) = app(EchoEngine::new(), open).await;
     let keys = api_config().api_keys;
     assert_eq!(
-        state.reload_access(keys, HashMap::new()),
+        state.reload_access(keys, HashMap::new(), Vec::new()),
         Err(switchyard_api::AccessRefusal::WouldCloseOpenApi)
     );
     let body = json!({"prompt": "abcd", "max_tokens": 2});

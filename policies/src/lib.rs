@@ -69,5 +69,5 @@ pub use prefix_hash::{BlockHasher, HashExtras, PrefixHash};
 pub use scheduler::{validate_config, IdHasher, IdMap, Scheduler};
 pub use sequence::SeqView;
 pub use speculative::DraftSource;
-pub use tier_quota::tier_kv_blocks;
+pub use tier_quota::{tier_kv_blocks, QuotaChange};
 pub use types::*;

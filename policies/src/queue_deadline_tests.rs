@@ -211,7 +211,7 @@ fn bounds_out_of_range_name_the_field() {
 
 /// New tier settings (a reload) apply to the requests queued from then on: a bound given to
 /// `open` times its next request out, while a request queued before keeps the bound it was
-/// queued with; a change of the tier set or of a KV quota is refused, changing nothing.
+/// queued with; invalid settings are refused, changing nothing.
 #[test]
 fn new_tier_settings_apply_to_requests_queued_after_them() {
     let c = config(16, 4, None);
@@ -222,13 +222,13 @@ fn new_tier_settings_apply_to_requests_queued_after_them() {
     s.add_request(req(2, "open", 10, vec![2; 8], 4)).unwrap();
     let mut tiers = c.tiers.clone();
     tiers[1].max_queue_ms = Some(2);
-    // Refused: another tier set, another KV quota; nothing changes.
-    let mut renamed = tiers.clone();
-    renamed[1].name = "other".into();
-    assert!(s.set_tiers(renamed).is_err());
-    let mut quota = tiers.clone();
-    quota[1].max_kv_fraction = Some(0.5);
-    assert!(s.set_tiers(quota).is_err());
+    // Refused: a bound out of range, a tier twice; nothing changes.
+    let mut zero = tiers.clone();
+    zero[1].max_queue_ms = Some(0);
+    assert!(s.set_tiers(zero).is_err());
+    let mut twice = tiers.clone();
+    twice[0].name = twice[1].name.clone();
+    assert!(s.set_tiers(twice).is_err());
     assert_eq!(s.config().tiers, c.tiers);
     s.set_tiers(tiers.clone()).unwrap();
     assert_eq!(s.config().tiers, tiers);

@@ -19,6 +19,7 @@ use crate::error::SchedulerError;
 use crate::policy::{Policy, PolicyEvent, Rank};
 use crate::prefix_hash::BlockHasher;
 use crate::sequence::{SeqView, Sequence};
+use crate::tier_quota::{QuotaChange, TierQuotas, NO_TIER};
 use crate::types::{
     BlockId, FinishReason, Request, RequestId, RequestState, SchedulerConfig, SchedulerStats,
     SloTargets, Timestamp, TokenId, MAX_QUEUE_MS, PENDING_TOKEN,
@@ -145,6 +146,22 @@ pub struct Scheduler {
     /// Scratch: blocks the running sequences of each tier still owe their known tokens
     /// (the per-tier part of the planner's `blocks_owed`), valid while the step's total is.
     pub(crate) tier_owed: Vec<usize>,
+}
+
+/// The fewest KV blocks a tier's bound must allow for `seq` to run to its limit alone (as
+/// [`crate::types::kv_capacity_tokens`] counts a bound's capacity).
+fn quota_need(config: &SchedulerConfig, seq: &Sequence) -> usize {
+    let bs = config.block_size.max(1);
+    let max_len = seq
+        .req
+        .prompt
+        .len()
+        .saturating_add(seq.req.limits.max_tokens as usize);
+    let blocks = max_len.div_ceil(bs);
+    match config.sliding_window {
+        Some(w) => blocks.min(w.blocks_held(bs, config.max_num_batched_tokens)),
+        None => blocks,
+    }
 }
 
 fn config_err(field: &'static str, reason: String) -> SchedulerError {
@@ -274,7 +291,7 @@ impl Scheduler {
         validate_config(&config)?;
         let pool = BlockPool::new(config.num_gpu_blocks, config.block_size)?;
         let ledger = BlockLedger::new(config.num_gpu_blocks, config.block_size)?;
-        let quotas = crate::tier_quota::TierQuotas::new(&config.tiers, config.num_gpu_blocks);
+        let quotas = TierQuotas::new(&config.tiers, config.num_gpu_blocks);
         let tier_owed = vec![0; config.tiers.len()];
         Ok(Self {
             adapters: AdapterSlots::new(config.max_loras),
@@ -423,7 +440,7 @@ impl Scheduler {
         let tier_pos = self.config.tiers.iter().position(|t| t.name == req.tier);
         let tier = tier_pos.and_then(|i| self.config.tiers.get(i));
         let tier_pos = tier_pos.map_or(crate::tier_quota::NO_TIER, |i| i as u8);
-        if let Some(quota) = self.quotas.cap(tier_pos) {
+        if let Some(quota) = self.quotas.configured(tier_pos) {
             // As for the whole cache: a request its tier's bound could never hold, even
             // alone, would wait (or preempt itself) forever.
             let c = &self.config;
@@ -551,8 +568,10 @@ impl Scheduler {
         seq.drop_pending();
         seq.cached_prefix = None;
         seq.state = terminal;
+        let tier = seq.tier;
         self.policy
             .observe(PolicyEvent::Departed(SeqView::new(seq)));
+        self.relax_tier_quota(tier);
     }
 
     /// Forgets an ended request (its outputs and state), so long-running engines do not
@@ -594,30 +613,71 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Replaces the tiers' settings (a reload of the configuration): the same tiers in the
-    /// same order, each with the same `max_kv_fraction` (a change of either takes a restart:
-    /// the KV quotas count what each tier's running requests hold against it). Requests queued
-    /// from now on get the new SLO targets, preemptibility and queue bound; those already
-    /// queued keep theirs. A policy built with the tiers (fair-share's weights) is rebuilt by
-    /// the caller. Refused, changing nothing, when the settings are invalid or the set differs.
-    pub fn set_tiers(&mut self, tiers: Vec<crate::types::TierSpec>) -> Result<(), SchedulerError> {
-        let same_set = tiers.len() == self.config.tiers.len()
-            && tiers.iter().zip(&self.config.tiers).all(|(new, old)| {
-                new.name == old.name && new.max_kv_fraction == old.max_kv_fraction
-            });
-        if !same_set {
-            return Err(config_err(
-                "tiers",
-                "a reload may change the tiers' settings, not which tiers there are or their \
-                 max_kv_fraction (that takes a restart)"
-                    .into(),
-            ));
-        }
+    /// Replaces the tiers (a reload of the configuration): tiers may be added, removed,
+    /// reordered or given new settings. Every live request belongs from now on to the tier of
+    /// its name (`Request::tier`) if one is configured, and to none otherwise (a removed
+    /// tier's requests run on unbounded, a new tier's name counts requests already carrying
+    /// it); requests keep the SLO targets, preemptibility and queue bound they were queued
+    /// with, those queued from now on get the new ones. The KV bounds
+    /// (`max_kv_fraction`) count what each tier's running requests hold now; a bound that
+    /// does not take as asked is in the returned list ([`QuotaChange`]): a tier over its new
+    /// bound gets no block until it has given back the excess, and a bound too small for a
+    /// request queued before is held at what that request needs until it ends. A policy built
+    /// with the tiers (fair-share's weights) is rebuilt by the caller. Refused, changing
+    /// nothing, when the settings are invalid.
+    pub fn set_tiers(
+        &mut self,
+        tiers: Vec<crate::types::TierSpec>,
+    ) -> Result<Vec<QuotaChange>, SchedulerError> {
         let mut config = self.config.clone();
         config.tiers = tiers;
         validate_config(&config)?;
+        let position = |name: &str| {
+            config
+                .tiers
+                .iter()
+                .position(|t| t.name == name)
+                .map_or(NO_TIER, |i| i as u8)
+        };
+        let mut held = vec![0; config.tiers.len()];
+        let mut needs = vec![0; config.tiers.len()];
+        for &slot in self.running.iter().chain(&self.waiting) {
+            let Some(seq) = self.seqs.get_mut(slot as usize).and_then(Option::as_mut) else {
+                continue;
+            };
+            seq.tier = position(&seq.req.tier);
+            let i = usize::from(seq.tier);
+            if let Some(h) = held.get_mut(i) {
+                *h += seq.held_blocks().len();
+            }
+            if let Some(n) = needs.get_mut(i) {
+                *n = (*n).max(quota_need(&config, seq));
+            }
+        }
+        let (quotas, changes) =
+            TierQuotas::replace(&config.tiers, config.num_gpu_blocks, held, &needs);
+        self.quotas = quotas;
+        self.tier_owed = vec![0; config.tiers.len()];
         self.config = config;
-        Ok(())
+        Ok(changes)
+    }
+
+    /// After a request of `tier` ended: lowers the tier's KV bound, held up by a reload for
+    /// requests queued before it ([`QuotaChange::Held`]), to what its live requests need.
+    fn relax_tier_quota(&mut self, tier: u8) {
+        if !self.quotas.is_held_up(tier) {
+            return;
+        }
+        let need = self
+            .running
+            .iter()
+            .chain(&self.waiting)
+            .filter_map(|&slot| self.seq(slot))
+            .filter(|s| s.tier == tier && !s.state.is_terminal())
+            .map(|s| quota_need(&self.config, s))
+            .max()
+            .unwrap_or(0);
+        self.quotas.relax(tier, need);
     }
 
     /// Sets where drafts come from when speculative decoding is on (`None`: prompt lookup, the

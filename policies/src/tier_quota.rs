@@ -37,23 +37,150 @@ pub fn tier_kv_blocks(fraction: f64, num_blocks: usize) -> usize {
 pub(crate) struct TierQuotas {
     /// Blocks held by the running sequences of each tier (same order as the tiers).
     held: Vec<usize>,
-    /// Each tier's bound in blocks (`usize::MAX`: none).
+    /// Each tier's bound in blocks (`usize::MAX`: none): its `max_kv_fraction`'s or, after
+    /// a reload lowered it, at least what the tier's largest request in flight needs alone
+    /// (see [`TierQuotas::replace`]).
     cap: Vec<usize>,
+    /// Each tier's bound as its `max_kv_fraction` sets it (`usize::MAX`: none).
+    configured: Vec<usize>,
+    /// What a tier may hold above its bound: what it held when a reload lowered the bound
+    /// below that, coming down with what it gives back (the planner gives an over-bound tier
+    /// no block, so it only comes down); `0` when not over.
+    over: Vec<usize>,
+}
+
+/// How a reload's new bounds took ([`TierQuotas::replace`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum QuotaChange {
+    /// The tier holds more than its new bound: it gets no block (no admission, no growth
+    /// but by preempting its own) until its requests have given back the excess.
+    Over {
+        /// The tier.
+        tier: String,
+        /// Blocks it holds.
+        held: usize,
+        /// Its new bound.
+        bound: usize,
+    },
+    /// A request of the tier in flight needs more than the new bound alone: the bound is
+    /// held at what the tier's largest such request needs until they end (a request the
+    /// bound could never hold would preempt itself forever).
+    Held {
+        /// The tier.
+        tier: String,
+        /// The bound in force.
+        bound: usize,
+        /// The new bound, in force once they end.
+        configured: usize,
+    },
+}
+
+impl std::fmt::Display for QuotaChange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Over { tier, held, bound } => write!(
+                f,
+                "tier `{tier}` holds {held} KV blocks, over its new bound of {bound}: its \
+                 requests get no block until they have given back the excess"
+            ),
+            Self::Held {
+                tier,
+                bound,
+                configured,
+            } => write!(
+                f,
+                "tier `{tier}`'s KV bound is held at {bound} blocks, not its new {configured}, \
+                 while requests queued before need that many alone"
+            ),
+        }
+    }
 }
 
 impl TierQuotas {
     /// Zero counts for `tiers`, with bounds out of a cache of `num_blocks` blocks.
     pub(crate) fn new(tiers: &[TierSpec], num_blocks: usize) -> Self {
+        let configured: Vec<usize> = tiers
+            .iter()
+            .map(|t| {
+                t.max_kv_fraction
+                    .map_or(usize::MAX, |f| tier_kv_blocks(f, num_blocks))
+            })
+            .collect();
         Self {
             held: vec![0; tiers.len()],
-            cap: tiers
-                .iter()
-                .map(|t| {
-                    t.max_kv_fraction
-                        .map_or(usize::MAX, |f| tier_kv_blocks(f, num_blocks))
-                })
-                .collect(),
+            cap: configured.clone(),
+            over: vec![0; tiers.len()],
+            configured,
         }
+    }
+
+    /// New tiers' bounds (a reload): `held` is what each new tier's running sequences hold
+    /// and `needs` the most blocks one of its live requests needs alone (0 for none). A
+    /// bound below a tier's `needs` is held at its `needs` ([`QuotaChange::Held`], lowered
+    /// by [`TierQuotas::relax`] as those requests end); a tier holding more than its bound
+    /// may keep it ([`QuotaChange::Over`]). Returns what did not take as asked.
+    pub(crate) fn replace(
+        tiers: &[TierSpec],
+        num_blocks: usize,
+        held: Vec<usize>,
+        needs: &[usize],
+    ) -> (Self, Vec<QuotaChange>) {
+        let mut q = Self::new(tiers, num_blocks);
+        q.held = held;
+        let mut changes = Vec::new();
+        for (i, t) in tiers.iter().enumerate() {
+            let need = needs.get(i).copied().unwrap_or(0);
+            if q.configured[i] != usize::MAX && need > q.configured[i] {
+                q.cap[i] = need;
+                changes.push(QuotaChange::Held {
+                    tier: t.name.clone(),
+                    bound: need,
+                    configured: q.configured[i],
+                });
+            }
+            if q.held[i] > q.cap[i] {
+                q.over[i] = q.held[i];
+                changes.push(QuotaChange::Over {
+                    tier: t.name.clone(),
+                    held: q.held[i],
+                    bound: q.cap[i],
+                });
+            }
+        }
+        (q, changes)
+    }
+
+    /// `tier`'s bound as its `max_kv_fraction` sets it, if it has one (what a new request of
+    /// it must fit; [`TierQuotas::cap`] may be held above it for requests queued before).
+    pub(crate) fn configured(&self, tier: u8) -> Option<usize> {
+        self.configured
+            .get(usize::from(tier))
+            .copied()
+            .filter(|&c| c != usize::MAX)
+    }
+
+    /// Whether `tier`'s bound is held above its configured one ([`QuotaChange::Held`]).
+    pub(crate) fn is_held_up(&self, tier: u8) -> bool {
+        let i = usize::from(tier);
+        matches!((self.cap.get(i), self.configured.get(i)), (Some(c), Some(k)) if c > k)
+    }
+
+    /// Lowers `tier`'s held-up bound to what its largest live request now needs (`need`),
+    /// not below its configured one; returns the bound in force when it changed.
+    pub(crate) fn relax(&mut self, tier: u8, need: usize) -> Option<usize> {
+        let i = usize::from(tier);
+        let (cap, configured) = (self.cap.get_mut(i)?, *self.configured.get(i)?);
+        let to = need.max(configured);
+        if to >= *cap {
+            return None;
+        }
+        *cap = to;
+        if let (Some(over), Some(&held)) = (self.over.get_mut(i), self.held.get(i)) {
+            if held > to {
+                *over = (*over).max(held);
+            }
+        }
+        Some(to)
     }
 
     /// `tier`'s bound in blocks, if it has one.
@@ -94,8 +221,13 @@ impl TierQuotas {
     /// go below zero stays at zero, and `check` reports the mismatch.)
     #[inline]
     pub(crate) fn sub(&mut self, tier: u8, n: usize) {
-        if let Some(h) = self.held.get_mut(usize::from(tier)) {
+        let i = usize::from(tier);
+        if let Some(h) = self.held.get_mut(i) {
             *h = h.saturating_sub(n);
+            if let Some(over) = self.over.get_mut(i) {
+                // Over its bound after a reload: what it may hold comes down with it.
+                *over = if *h > self.cap[i] { (*over).min(*h) } else { 0 };
+            }
         }
     }
 
@@ -105,9 +237,11 @@ impl TierQuotas {
     }
 
     /// Checks the counts against `actual` (the blocks the running sequences of each tier hold,
-    /// recounted) and against the bounds.
+    /// recounted) and against the bounds (above which a tier may hold only what it held when a
+    /// reload lowered its bound, coming down).
     pub(crate) fn check(&self, actual: &[usize], names: &[TierSpec]) -> Result<(), String> {
         for (i, ((&held, &cap), &real)) in self.held.iter().zip(&self.cap).zip(actual).enumerate() {
+            let cap = cap.max(self.over.get(i).copied().unwrap_or(0));
             let name = names.get(i).map_or("?", |t| t.name.as_str());
             if held != real {
                 return Err(format!(

@@ -266,3 +266,119 @@ fn a_long_prefix_hit_under_a_sliding_window_is_admitted_within_the_bound() {
     assert_eq!(s.stats().prefix_hits, 24);
     assert_eq!(s.tier_kv_blocks(), &[0, 0]);
 }
+
+/// The tiers of [`config`] with `batch` bounded to `fraction` (a reload's new settings).
+fn with_batch(c: &SchedulerConfig, fraction: Option<f64>) -> Vec<TierSpec> {
+    let mut tiers = c.tiers.clone();
+    tiers[1].max_kv_fraction = fraction;
+    tiers
+}
+
+#[test]
+fn a_bound_lowered_below_what_its_tier_holds_gives_it_no_block_until_it_is_within() {
+    // 20 blocks, batch unbounded. Batch 1 and 2 (24 tokens: 6 blocks each, 8 at their end)
+    // are prefilled: batch holds 12. A reload bounds batch to 8 (0.4 of 20): over by 4, it
+    // may keep them but takes no block. Next step both need a 7th block: batch 2, ranked
+    // lower, gives way (6 back: 6 held), batch 1 grows to 7. Batch 3 (1 block) is not
+    // admitted while batch 1 and its bound leave no room for batch 2 first. Everything ends.
+    let c = config(20, None);
+    let mut s = sched(c.clone());
+    s.add_request(req(1, "batch", 24, 8)).unwrap();
+    s.add_request(req(2, "batch", 24, 8)).unwrap();
+    assert_eq!(ids(&step(&mut s, 10)), vec![1, 2]);
+    assert_eq!(s.tier_kv_blocks(), &[0, 12]);
+    let changes = s.set_tiers(with_batch(&c, Some(0.4))).unwrap();
+    assert_eq!(
+        changes,
+        [crate::QuotaChange::Over {
+            tier: "batch".into(),
+            held: 12,
+            bound: 8,
+        }]
+    );
+    // The invariants hold over the bound (run_step checks them after each step too): what
+    // the tier holds above it only comes down.
+    s.check_invariants().unwrap();
+    s.add_request(req(3, "batch", 4, 1)).unwrap();
+    let p = step(&mut s, 11);
+    assert_eq!(
+        (ids(&p), p.preempted.clone()),
+        (vec![1], vec![RequestId(2)])
+    );
+    assert_eq!(s.tier_kv_blocks(), &[0, 7]);
+    assert_eq!(drain(&mut s, 12), Vec::<u64>::new());
+    for id in 1..=3 {
+        assert_eq!(
+            s.request_state(RequestId(id)),
+            Some(RequestState::Finished(FinishReason::Length)),
+            "{id}"
+        );
+    }
+    assert_eq!(s.tier_kv_blocks(), &[0, 0]);
+    // Raised again: room at once.
+    s.set_tiers(with_batch(&c, Some(1.0))).unwrap();
+    s.add_request(req(4, "batch", 60, 4)).unwrap();
+    assert_eq!(ids(&step(&mut s, 100)), vec![4]);
+}
+
+#[test]
+fn a_bound_lowered_below_a_queued_requests_need_is_held_until_it_ends() {
+    // 20 blocks, batch unbounded. Batch 1 (24 + 16 tokens: 10 blocks at its end) runs and
+    // batch 2 (the same) waits behind it... in the queue as the reload bounds batch to 5
+    // blocks (0.25): they could never run under 5, so the bound is held at 10 until both
+    // have ended; a new request is held to 5 (refused above it).
+    let c = config(20, None);
+    let mut s = sched(c.clone());
+    s.add_request(req(1, "batch", 24, 16)).unwrap();
+    assert_eq!(ids(&step(&mut s, 10)), vec![1]);
+    s.add_request(req(2, "batch", 24, 16)).unwrap();
+    let changes = s.set_tiers(with_batch(&c, Some(0.25))).unwrap();
+    assert_eq!(
+        changes,
+        [crate::QuotaChange::Held {
+            tier: "batch".into(),
+            bound: 10,
+            configured: 5,
+        }]
+    );
+    assert!(matches!(
+        s.add_request(req(3, "batch", 24, 1)),
+        Err(SchedulerError::ExceedsTierKvQuota { quota: 5, .. })
+    ));
+    s.add_request(req(4, "batch", 8, 4)).unwrap();
+    assert_eq!(s.quotas.cap(1), Some(10));
+    assert_eq!(drain(&mut s, 11), Vec::<u64>::new());
+    for id in [1, 2, 4] {
+        assert_eq!(
+            s.request_state(RequestId(id)),
+            Some(RequestState::Finished(FinishReason::Length)),
+            "{id}"
+        );
+    }
+    assert_eq!(s.quotas.cap(1), Some(5), "relaxed once they ended");
+}
+
+#[test]
+fn tiers_added_and_removed_take_the_requests_of_their_names() {
+    // Batch 1 runs bounded (10 of 20 blocks). The reload removes batch and adds gold (0.25:
+    // 5 blocks): batch 1 runs on unbounded, and gold 2, queued before under a name no tier
+    // had, counts in gold from now on; its 2 blocks fit gold's 5.
+    let c = config(20, Some(0.5));
+    let mut s = sched(c.clone());
+    s.add_request(req(1, "batch", 8, 30)).unwrap();
+    s.add_request(req(2, "gold", 8, 4)).unwrap();
+    assert_eq!(ids(&step(&mut s, 10)), vec![1, 2]);
+    assert_eq!(s.tier_kv_blocks(), &[0, 2]);
+    let gold = TierSpec {
+        max_kv_fraction: Some(0.25),
+        ..TierSpec::named("gold")
+    };
+    let changes = s.set_tiers(vec![c.tiers[0].clone(), gold]).unwrap();
+    assert!(changes.is_empty(), "{changes:?}");
+    assert_eq!(s.tier_kv_blocks(), &[0, 2]);
+    step(&mut s, 11);
+    // Gold 2 grew to its 9th token (3 blocks); batch 1's blocks count nowhere.
+    assert_eq!(s.tier_kv_blocks(), &[0, 3]);
+    assert_eq!(drain(&mut s, 12), Vec::<u64>::new());
+    assert_eq!(s.tier_kv_blocks(), &[0, 0]);
+}

@@ -64,6 +64,8 @@ struct Workload {
     max_queue_ms: (Option<u64>, Option<u64>),
     /// Each tier's KV quota (`max_kv_fraction`), in `tiers` order.
     kv_fractions: [Option<f64>; 3],
+    /// A reload of the tiers at this step with these KV quotas (`Scheduler::set_tiers`).
+    reload_kv: Option<(u64, [Option<f64>; 3])>,
 }
 
 fn spec() -> impl Strategy<Value = Spec> {
@@ -125,7 +127,16 @@ fn workload() -> impl Strategy<Value = Workload> {
             prop::option::weighted(0.5, 1u64..200),
             prop::option::weighted(0.5, 1u64..200),
         ),
-        prop::array::uniform3(prop::option::weighted(0.4, 0.02f64..=1.0)),
+        (
+            prop::array::uniform3(prop::option::weighted(0.4, 0.02f64..=1.0)),
+            prop::option::weighted(
+                0.3,
+                (
+                    1u64..40,
+                    prop::array::uniform3(prop::option::weighted(0.5, 0.02f64..=1.0)),
+                ),
+            ),
+        ),
     )
         .prop_map(
             |(
@@ -138,7 +149,7 @@ fn workload() -> impl Strategy<Value = Workload> {
                 (swap_every, spare_logit_rows, max_loras),
                 (speculative, period, window),
                 max_queue_ms,
-                kv_fractions,
+                (kv_fractions, reload_kv),
             )| Workload {
                 block_size,
                 num_gpu_blocks,
@@ -159,6 +170,7 @@ fn workload() -> impl Strategy<Value = Workload> {
                 window: window.map(|(tokens, read_slack)| SlidingWindow { tokens, read_slack }),
                 max_queue_ms,
                 kv_fractions,
+                reload_kv,
             },
         )
 }
@@ -190,20 +202,44 @@ fn tiers(batch_max_queue_ms: Option<u64>, kv_fractions: [Option<f64>; 3]) -> Vec
 
 /// The KV blocks each tier may hold: `max_kv_fraction` of the cache, rounded down, at least
 /// one; `usize::MAX` without a bound.
-fn kv_quotas(w: &Workload) -> [usize; 3] {
-    w.kv_fractions.map(|f| {
+fn kv_quotas(w: &Workload, fractions: [Option<f64>; 3]) -> [usize; 3] {
+    fractions.map(|f| {
         f.map_or(usize::MAX, |f| {
             ((f * w.num_gpu_blocks as f64).floor() as usize).max(1)
         })
     })
 }
 
+/// The fewest blocks a tier's quota must have for `r` to run to its end alone.
+fn quota_need(w: &Workload, r: &Spec) -> usize {
+    let blocks = (r.prefix_len + r.suffix_len + r.max_tokens as usize).div_ceil(w.block_size);
+    match w.window {
+        Some(win) => blocks.min(win.blocks_held(w.block_size, w.max_num_batched_tokens)),
+        None => blocks,
+    }
+}
+
+/// What [`check_tier_blocks`] remembers from one check to the next.
+struct TierCheck {
+    /// The KV quotas in force (`max_kv_fraction`).
+    fractions: [Option<f64>; 3],
+    /// The requests admitted before a reload of the quotas, once there was one.
+    before_reload: Option<BTreeSet<RequestId>>,
+    /// Per tier, the blocks it held and its bound at the previous check.
+    previous: [(usize, usize); 3],
+}
+
 /// No tier holds more than its quota, and what the scheduler counts per tier is what the
-/// running requests' block tables hold (less blocks given back behind a window).
+/// running requests' block tables hold (less blocks given back behind a window). After a
+/// reload lowered a quota, a tier's bound is at least what its largest live request queued
+/// before needs alone, and a tier above its bound never holds more than it held, or than its
+/// bound was, at the previous check (it gets no block while over).
 fn check_tier_blocks(
     w: &Workload,
     s: &Scheduler,
     admitted: &BTreeMap<RequestId, &Spec>,
+    ended: &BTreeMap<RequestId, FinishReason>,
+    check: &mut TierCheck,
 ) -> Result<(), TestCaseError> {
     let mut held = [0usize; 3];
     for (id, r) in admitted {
@@ -213,14 +249,28 @@ fn check_tier_blocks(
         }
     }
     prop_assert_eq!(s.tier_kv_blocks(), &held[..], "per-tier KV blocks");
-    for (t, (&h, q)) in held.iter().zip(kv_quotas(w)).enumerate() {
+    let mut bounds = kv_quotas(w, check.fractions);
+    if let Some(before) = &check.before_reload {
+        for id in before.iter().filter(|id| !ended.contains_key(id)) {
+            let r = admitted[id];
+            let b = &mut bounds[r.tier as usize];
+            if *b != usize::MAX {
+                *b = (*b).max(quota_need(w, r));
+            }
+        }
+    }
+    for (t, (&h, q)) in held.iter().zip(bounds).enumerate() {
+        let (last_held, last_bound) = check.previous[t];
         prop_assert!(
-            h <= q,
-            "tier {} holds {} blocks, over its quota of {}",
+            h <= q || h <= last_held.max(last_bound),
+            "tier {} holds {} blocks, over its quota of {} (held {} of {} before)",
             t,
             h,
-            q
+            q,
+            last_held,
+            last_bound
         );
+        check.previous[t] = (h, q);
     }
     Ok(())
 }
@@ -552,6 +602,11 @@ fn run(w: &Workload, first: &str, swaps: &[&str], pipelined: bool) -> Result<End
         max_queue_ms: w.max_queue_ms.0,
     };
     let mut s = Scheduler::new(config, make_policy(first), [7, 9]).unwrap();
+    let mut tier_check = TierCheck {
+        fractions: w.kv_fractions,
+        before_reload: None,
+        previous: [(0, usize::MAX); 3],
+    };
     let mut admitted: BTreeMap<RequestId, &Spec> = BTreeMap::new();
     let mut ended: BTreeMap<RequestId, FinishReason> = BTreeMap::new();
     let mut outputs_seen: HashMap<RequestId, usize> = HashMap::new();
@@ -585,7 +640,8 @@ fn run(w: &Workload, first: &str, swaps: &[&str], pipelined: bool) -> Result<End
                     // ... and the longest its tier's KV quota holds alone.
                     && r.prefix_len + r.suffix_len + r.max_tokens as usize
                         <= kv_capacity_tokens(
-                            kv_quotas(w)[r.tier as usize].min(w.num_gpu_blocks),
+                            kv_quotas(w, tier_check.fractions)[r.tier as usize]
+                                .min(w.num_gpu_blocks),
                             w.block_size,
                             w.max_num_batched_tokens,
                             w.window,
@@ -624,6 +680,15 @@ fn run(w: &Workload, first: &str, swaps: &[&str], pipelined: bool) -> Result<End
                     check_adapters(w, &s, &admitted)?;
                 }
             }
+        }
+        if let Some((_, fractions)) = w.reload_kv.filter(|&(at, _)| at == step) {
+            // The quotas change between two steps (a step may be in flight): nothing is
+            // lost, and the checks hold from here on with the new ones.
+            s.set_tiers(tiers(w.max_queue_ms.1, fractions)).unwrap();
+            s.check_invariants()
+                .map_err(|e| TestCaseError::fail(e.to_string()))?;
+            tier_check.fractions = fractions;
+            tier_check.before_reload = Some(admitted.keys().copied().collect());
         }
         if step > 0 && step.is_multiple_of(w.swap_every) {
             if let Some(next) = swaps.next() {
@@ -734,7 +799,7 @@ fn run(w: &Workload, first: &str, swaps: &[&str], pipelined: bool) -> Result<End
             );
         }
         check_plan(w, &s, &plan, &mut mirrors)?;
-        check_tier_blocks(w, &s, &admitted)?;
+        check_tier_blocks(w, &s, &admitted, &ended, &mut tier_check)?;
         for q in &plan.seqs {
             first_planned.entry(q.id).or_insert(q.num_computed_tokens);
         }
@@ -880,8 +945,9 @@ proptest! {
             r.end_after = None;
         }
         // Pipelining also shifts when seats free up, so when requests are admitted: queue
-        // bounds are left to the other properties.
+        // bounds and reloads of the KV quotas are left to the other properties.
         w.max_queue_ms = (None, None);
+        w.reload_kv = None;
         for name in variants() {
             let in_order = run(&w, name, &[], false)
                 .map_err(|e| TestCaseError::fail(format!("policy {name} in order: {e}")))?;

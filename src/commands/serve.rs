@@ -42,7 +42,7 @@ use switchyard_gpu::backend::{SamplingParams, MAX_LOGIT_ROWS};
 use switchyard_gpu::model::{ChatEnding, ChatMessage, ChatTemplate, Tokenizer};
 use switchyard_gpu::LoraLimits;
 use switchyard_policies::{
-    FinishReason, Policy, PolicyError, PolicyRegistry, SchedulerConfig, SloTargets, TierSpec,
+    FinishReason, Policy, PolicyError, PolicyRegistry, SchedulerConfig, TierSpec,
 };
 use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::mpsc;
@@ -70,13 +70,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let prometheus = match switchyard_api::metrics::install_prometheus_recorder() {
         Ok(handle) => {
             switchyard_actors::metric_names::register_at_zero();
-            // Tiers change only with a restart: their series are made once.
-            let tiers: Vec<(String, bool, bool)> = config
-                .tiers
-                .iter()
-                .map(|(name, t)| (name.clone(), t.ttft_ms.is_some(), t.tpot_ms.is_some()))
-                .collect();
-            switchyard_actors::metric_names::register_tiers(&tiers);
+            register_tier_series(&config);
             metrics::counter!(switchyard_api::metrics::POLICY_SWAPS).increment(0);
             // The HTTP layer moves it per request: made here so that it is there from the start.
             metrics::gauge!(switchyard_api::metrics::HTTP_IN_FLIGHT).set(0.0);
@@ -296,18 +290,6 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         tier_max_pending: super::config::tier_pending_limits(&config),
         tier_max_pending_per_tenant: super::config::tier_pending_per_tenant_limits(&config),
         metrics_tenants: key_tenants.into_iter().map(|(tenant, _)| tenant).collect(),
-        tier_slos: tiers
-            .iter()
-            .map(|t| {
-                (
-                    t.name.clone(),
-                    SloTargets {
-                        ttft_ms: t.ttft_ms,
-                        tpot_ms: t.tpot_ms,
-                    },
-                )
-            })
-            .collect(),
     };
     let api_is_open = api_keys.is_empty();
     let mut api_config = api_config(&config, api_keys, tools);
@@ -481,6 +463,17 @@ fn api_config(
         rate_limits: rate_limits(config),
         ..ApiConfig::default()
     }
+}
+
+/// Creates the series of the configured tiers at zero (those already there stay as they are:
+/// a reload calls it again for the tiers it puts in force).
+fn register_tier_series(config: &Config) {
+    let tiers: Vec<(String, bool, bool)> = config
+        .tiers
+        .iter()
+        .map(|(name, t)| (name.clone(), t.ttft_ms.is_some(), t.tpot_ms.is_some()))
+        .collect();
+    switchyard_actors::metric_names::register_tiers(&tiers);
 }
 
 /// Each tier's priority (`tiers.<name>.priority`).

@@ -277,7 +277,9 @@ struct TierBound {
 /// The server's, the tiers' and their tenants' bounds on choices in flight.
 pub(crate) struct Admission {
     server: Bound,
-    tiers: Vec<TierBound>,
+    /// Written only by a reload ([`Admission::set_tiers`]); the seats a guard holds are its
+    /// own `Arc`s, so a tier's entry may go while requests of it are in flight.
+    tiers: parking_lot::RwLock<Vec<TierBound>>,
 }
 
 impl Admission {
@@ -309,7 +311,7 @@ impl Admission {
         }
         Self {
             server: Bound::new(limit),
-            tiers: bounds,
+            tiers: parking_lot::RwLock::new(bounds),
         }
     }
 
@@ -317,41 +319,57 @@ impl Admission {
     /// tenants, bounded or not, so that a reload may bound any of them
     /// ([`Admission::set_limits`]) counting what is already in flight.
     pub(crate) fn counting(mut self, names: impl IntoIterator<Item = String>) -> Self {
+        let tiers = self.tiers.get_mut();
         for name in names {
-            let t = match self.tiers.iter_mut().find(|t| t.name == name) {
-                Some(t) => t,
-                None => {
-                    self.tiers.push(TierBound {
-                        name,
-                        bound: None,
-                        per_tenant: None,
-                    });
-                    self.tiers.last_mut().expect("just pushed")
-                }
-            };
-            t.bound.get_or_insert_with(|| Bound::new(UNBOUNDED));
-            t.per_tenant
-                .get_or_insert_with(|| Arc::new(TenantBound::new(UNBOUNDED)));
+            count(tiers, name);
         }
         self
+    }
+
+    /// The configured tiers are now `names` (a reload): a new tier is counted from now on
+    /// (no request of it can be in flight: API keys name configured tiers), and a removed
+    /// one's bounds no longer apply, its entry kept while requests of it hold seats (so a
+    /// tier removed and added back by later reloads counts them) and dropped once idle.
+    pub(crate) fn set_tiers(&self, names: &[String]) {
+        let mut tiers = self.tiers.write();
+        tiers.retain(|t| {
+            if names.contains(&t.name) {
+                return true;
+            }
+            let mut busy = false;
+            if let Some(b) = &t.bound {
+                b.limit.store(UNBOUNDED, Ordering::Release);
+                busy |= b.in_flight.load(Ordering::Acquire) > 0;
+            }
+            if let Some(b) = &t.per_tenant {
+                b.limit.store(UNBOUNDED, Ordering::Release);
+                busy |= !b.held.lock().is_empty();
+            }
+            busy
+        });
+        for name in names {
+            count(&mut tiers, name.clone());
+        }
     }
 
     /// Puts new bounds in force (a reload of the configuration): `limit` for the server and,
     /// for each tier this admission counts, its bound in `tiers` and its tenants' in
     /// `per_tenant` (none where a tier is not listed). A tier counted only where it had a
-    /// bound at the start ([`Admission::counting`] counts every configured one) keeps its
-    /// count; a tier this admission does not count is refused, changing nothing, and named in
-    /// the `Err` (a new tier takes a restart). Requests in flight keep their seats: a bound cut below what is in
-    /// flight refuses until enough of them end. Returns the bounds that changed, as
-    /// `server.max_pending_requests: 64 -> 32` (`none` for no bound).
+    /// bound at the start ([`Admission::counting`] counts every configured one, and
+    /// [`Admission::set_tiers`] a reload's new ones) keeps its count; a tier this admission
+    /// does not count is refused, changing nothing, and named in the `Err`. Requests in flight
+    /// keep their seats: a bound cut below what is in flight refuses until enough of them
+    /// end. Returns the bounds that changed, as `server.max_pending_requests: 64 -> 32`
+    /// (`none` for no bound).
     pub(crate) fn set_limits(
         &self,
         limit: usize,
         tiers: &[(String, usize)],
         per_tenant: &[(String, usize)],
     ) -> Result<Vec<String>, Vec<String>> {
+        let tier_bounds = self.tiers.read();
         let counted = |name: &str, per_tenant: bool| {
-            self.tiers.iter().any(|t| {
+            tier_bounds.iter().any(|t| {
                 t.name == name
                     && if per_tenant {
                         t.per_tenant.is_some()
@@ -392,7 +410,7 @@ impl Admission {
                 .find(|(n, _)| n == name)
                 .map_or(UNBOUNDED, |&(_, l)| l)
         };
-        for t in &self.tiers {
+        for t in tier_bounds.iter() {
             if let Some(b) = &t.bound {
                 let field = format!("tiers.{}.max_pending_requests", t.name);
                 set(field, &b.limit, find(tiers, &t.name));
@@ -427,7 +445,8 @@ impl Admission {
         demand: Demand,
     ) -> Result<InFlight, SubmitError> {
         let seats = demand.choices;
-        let tier_entry = self.tiers.iter().find(|t| t.name == tier);
+        let tiers = self.tiers.read();
+        let tier_entry = tiers.iter().find(|t| t.name == tier);
         let per_tenant = tier_entry.and_then(|t| t.per_tenant.as_ref().map(|b| (t, b)));
         let tier_bound = tier_entry.and_then(|t| t.bound.as_ref().map(|b| (t, b)));
         // Larger than a bound: refused whatever is in flight, before any seat is taken.
@@ -557,6 +576,25 @@ impl Admission {
             seats,
         })
     }
+}
+
+/// Counts the seats of the tier `name` and of its tenants in `tiers`, bounded or not.
+fn count(tiers: &mut Vec<TierBound>, name: String) {
+    let i = match tiers.iter().position(|t| t.name == name) {
+        Some(i) => i,
+        None => {
+            tiers.push(TierBound {
+                name,
+                bound: None,
+                per_tenant: None,
+            });
+            tiers.len() - 1
+        }
+    };
+    let t = &mut tiers[i];
+    t.bound.get_or_insert_with(|| Bound::new(UNBOUNDED));
+    t.per_tenant
+        .get_or_insert_with(|| Arc::new(TenantBound::new(UNBOUNDED)));
 }
 
 /// The refusal of a request larger than the bound `name` (of `limit` choices).
@@ -826,6 +864,39 @@ mod tests {
         assert_eq!(a.in_flight(), 4);
     }
 
+    /// A reload's new tier is counted from then on and may be bounded; a removed tier is no
+    /// longer bounded, its entry kept while its requests hold seats (so a tier added back
+    /// counts them) and dropped once idle.
+    #[test]
+    fn tiers_added_are_counted_and_removed_ones_unbounded_until_idle() {
+        let a = Admission::new(8, &[("batch".into(), 1)], &[("batch".into(), 1)])
+            .counting(["batch".to_owned()]);
+        let held = a.admit("batch", "acme", ONE).unwrap();
+        assert!(a.set_limits(8, &[("gold".into(), 1)], &[]).is_err());
+        a.set_tiers(&["gold".to_owned()]);
+        let changed = a.set_limits(8, &[("gold".into(), 1)], &[]).unwrap();
+        assert_eq!(changed, ["tiers.gold.max_pending_requests: none -> 1"]);
+        let _g = a.admit("gold", "acme", ONE).unwrap();
+        let e = a.admit("gold", "beta", ONE).err().unwrap();
+        assert!(e.message.contains("tiers.gold"), "{e}");
+        // batch, removed, bounds nothing: acme's second and third are admitted.
+        let more = [(); 2].map(|_| a.admit("batch", "acme", ONE).unwrap());
+        assert_eq!(a.tiers.read().len(), 2, "batch kept while it holds seats");
+        // Added back while its requests are in flight: they count against its new bound.
+        a.set_tiers(&["gold".to_owned(), "batch".to_owned()]);
+        a.set_limits(8, &[("batch".into(), 3)], &[]).unwrap();
+        let e = a.admit("batch", "beta", ONE).err().unwrap();
+        assert!(
+            e.message.contains("tiers.batch.max_pending_requests is 3"),
+            "{e}"
+        );
+        a.set_tiers(&["gold".to_owned()]);
+        drop((held, more));
+        a.set_tiers(&["gold".to_owned()]);
+        assert_eq!(a.tiers.read().len(), 1, "batch dropped once idle");
+        assert_eq!(a.in_flight(), 1);
+    }
+
     #[test]
     fn the_throttle_lets_one_event_through_per_interval_with_the_count() {
         let t = Throttle::new(Duration::from_secs(1));
@@ -845,7 +916,7 @@ mod tests {
     #[test]
     fn a_tenant_at_its_bound_is_refused_while_other_tenants_are_admitted() {
         let a = Admission::new(5, &[("free".into(), 4)], &[("free".into(), 2)]);
-        let bound = a.tiers[0].per_tenant.clone().unwrap();
+        let bound = a.tiers.read()[0].per_tenant.clone().unwrap();
         let a1 = a.admit("free", "acme", ONE).unwrap();
         let _a2 = a.admit("free", "acme", ONE).unwrap();
         let e = a.admit("free", "acme", ONE).err().unwrap();
@@ -878,7 +949,7 @@ mod tests {
         assert!(e.message.contains("server.max_pending_requests"), "{e}");
         assert_eq!(bound.held("gamma"), 0);
         assert_eq!(
-            a.tiers[0]
+            a.tiers.read()[0]
                 .bound
                 .as_ref()
                 .unwrap()
@@ -893,7 +964,7 @@ mod tests {
     #[test]
     fn per_tenant_seats_count_choices_and_split_with_the_guard() {
         let a = Admission::new(8, &[], &[("free".into(), 3)]);
-        let bound = a.tiers[0].per_tenant.clone().unwrap();
+        let bound = a.tiers.read()[0].per_tenant.clone().unwrap();
         let e = a.admit("free", "acme", prompts(4)).err().unwrap();
         assert_eq!(e.kind, SubmitErrorKind::TooManyChoices);
         assert!(

@@ -221,12 +221,7 @@ impl Engine {
         if sink.will_deliver() {
             let tier = self.metrics_tier(&options.tier);
             let latency = arrival.elapsed().as_secs_f64();
-            let slo = self
-                .config
-                .tier_slos
-                .iter()
-                .find(|(name, _)| *name == options.tier)
-                .and_then(|(_, s)| s.ttft_ms);
+            let slo = self.tier_slo(&options.tier).ttft_ms;
             for delta in &deltas {
                 let Some((reason, _)) = delta.finish else {
                     continue;

@@ -343,7 +343,6 @@ fn start_engine_sharing(
                 .map(|&(name, limit)| (name.to_owned(), limit))
                 .collect(),
             tier_max_pending_per_tenant: Vec::new(),
-            tier_slos: Vec::new(),
             metrics_tenants: tenants.iter().map(|t| t.to_string()).collect(),
             async_scheduling: crate::AsyncScheduling::Off,
             lora: None,

@@ -54,8 +54,6 @@ pub struct EngineConfig {
     /// (`tiers.<name>.max_pending_per_tenant`), counted as the server's: a tenant of a tier
     /// listed here is refused (429) while it holds that many ([`super::admission`]).
     pub tier_max_pending_per_tenant: Vec<(String, usize)>,
-    /// Tier SLO targets by tier name.
-    pub tier_slos: Vec<(String, SloTargets)>,
     /// The tenants the configuration names (its API keys'): only these label the usage
     /// counters ([`names::LABEL_TENANT`]); a request of any other tenant counts without one.
     pub metrics_tenants: std::collections::BTreeSet<String>,
@@ -347,9 +345,10 @@ pub struct Engine {
     /// The tenants whose names label metrics ([`EngineConfig::metrics_tenants`], replaced by
     /// [`Engine::set_metrics_tenants`]).
     metrics_tenants: Arc<parking_lot::RwLock<std::collections::BTreeSet<String>>>,
-    /// Each tier's SLO targets, given to its requests at submission
-    /// ([`EngineConfig::tier_slos`], replaced by [`Engine::set_tiers`]).
-    tier_slos: Arc<parking_lot::RwLock<Vec<(String, SloTargets)>>>,
+    /// The tiers in force: their SLO targets, given to their requests at submission, their
+    /// KV bounds and the tiers that label metrics (the scheduler's at the start, replaced by
+    /// [`Engine::set_tiers`]).
+    tiers: Arc<parking_lot::RwLock<Vec<switchyard_policies::TierSpec>>>,
     config: Arc<EngineConfig>,
     /// Token ids a request may name are below this ([`EngineConfig::vocab_size`], or the
     /// tokenizer's vocabulary when larger).
@@ -456,7 +455,7 @@ impl Engine {
                 .counting(config.scheduler.tiers.iter().map(|t| t.name.clone())),
             ),
             metrics_tenants: Arc::new(parking_lot::RwLock::new(config.metrics_tenants.clone())),
-            tier_slos: Arc::new(parking_lot::RwLock::new(config.tier_slos.clone())),
+            tiers: Arc::new(parking_lot::RwLock::new(config.scheduler.tiers.clone())),
             config: Arc::new(config),
             vocab,
             salts: std::collections::hash_map::RandomState::new(),
@@ -472,7 +471,7 @@ impl Engine {
     /// their seats (every configured tier's are counted from the start, bounded or not), so a
     /// bound cut below what is in flight refuses new requests until enough end. Returns the
     /// bounds that changed, as `tiers.batch.max_pending_requests: 16 -> 32`; a tier not in
-    /// force is refused, changing nothing.
+    /// force ([`Engine::set_tiers`]) is refused, changing nothing.
     pub fn set_admission_limits(
         &self,
         max_pending_requests: usize,
@@ -521,7 +520,8 @@ impl Engine {
     /// the scheduler bounds it); `usize::MAX` for a tier without one.
     fn tier_kv_capacity_tokens(&self, tier: &str) -> usize {
         let c = &self.config.scheduler;
-        c.tiers
+        self.tiers
+            .read()
             .iter()
             .find(|t| t.name == tier)
             .and_then(|t| t.max_kv_fraction)
@@ -710,8 +710,22 @@ impl Engine {
     /// The tier that labels a request's metrics: a configured tier's name; any other name
     /// (the open API's default tier when no tier of that name is configured) none ("").
     fn metrics_tier(&self, tier: &str) -> Arc<str> {
-        let configured = self.config.tier_slos.iter().any(|(name, _)| name == tier);
+        let configured = self.tiers.read().iter().any(|t| t.name == tier);
         Arc::from(if configured { tier } else { "" })
+    }
+
+    /// The SLO targets of `tier` in force (none for a tier not configured).
+    pub(crate) fn tier_slo(&self, tier: &str) -> SloTargets {
+        self.tiers.read().iter().find(|t| t.name == tier).map_or(
+            SloTargets {
+                ttft_ms: None,
+                tpot_ms: None,
+            },
+            |t| SloTargets {
+                ttft_ms: t.ttft_ms,
+                tpot_ms: t.tpot_ms,
+            },
+        )
     }
 
     /// The tenant that labels a request's usage counters: a configured tenant's name, any
@@ -934,16 +948,7 @@ impl Engine {
         metering: Metering,
     ) {
         let metrics_tenant = self.metrics_tenant(&options.tenant);
-        let slo = self
-            .tier_slos
-            .read()
-            .iter()
-            .find(|(name, _)| *name == options.tier)
-            .map(|(_, s)| s.clone())
-            .unwrap_or(SloTargets {
-                ttft_ms: None,
-                tpot_ms: None,
-            });
+        let slo = self.tier_slo(&options.tier);
         let metrics_tier = self.metrics_tier(&options.tier);
         let shared_salt = self.cache_salt(&options);
         let eos = options.sampling.eos_token_ids.first().copied();
@@ -1133,22 +1138,16 @@ impl Engine {
             .map_err(lora_submit_error)
     }
 
-    /// Replaces the tiers' settings (a reload of the configuration: the same tiers, each with
-    /// the same `max_kv_fraction`) and the policy, built with them, at the next step
-    /// boundary: requests submitted from then on get the new SLO targets, preemptibility and
-    /// queue bounds. The scheduler checks the settings again and logs a refusal (nothing
-    /// changes there then); the caller checks them first.
+    /// Replaces the tiers (a reload of the configuration: tiers added, removed or with new
+    /// settings) and the policy, built with them: requests submitted from now on get the new
+    /// SLO targets, KV bounds and metrics labels, and the scheduler gets the tiers with the
+    /// policy (it checks them again and logs a refusal, changing nothing there then; the
+    /// caller checks them first). Admission counts the new tiers' requests in flight from now
+    /// on, and no longer bounds a removed tier's (see [`Engine::set_admission_limits`]).
     pub fn set_tiers(&self, tiers: Vec<switchyard_policies::TierSpec>, policy: Box<dyn Policy>) {
-        *self.tier_slos.write() = tiers
-            .iter()
-            .map(|t| {
-                let slo = SloTargets {
-                    ttft_ms: t.ttft_ms,
-                    tpot_ms: t.tpot_ms,
-                };
-                (t.name.clone(), slo)
-            })
-            .collect();
+        let names: Vec<String> = tiers.iter().map(|t| t.name.clone()).collect();
+        self.admission.set_tiers(&names);
+        *self.tiers.write() = tiers.clone();
         self.scheduler.do_send(SetTiers(tiers, policy));
     }
 
@@ -1349,7 +1348,6 @@ mod tests {
             max_pending_requests: 16,
             tier_max_pending: Vec::new(),
             tier_max_pending_per_tenant: Vec::new(),
-            tier_slos: Vec::new(),
             metrics_tenants: Default::default(),
             async_scheduling: AsyncScheduling::Off,
             lora: None,

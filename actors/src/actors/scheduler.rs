@@ -574,9 +574,32 @@ impl Handler<SwapPolicy> for SchedulerActor {
 impl Handler<SetTiers> for SchedulerActor {
     type Result = ();
     fn handle(&mut self, msg: SetTiers, ctx: &mut Context<Self>) {
-        if let Err(e) = self.core.set_tiers(msg.0) {
-            tracing::error!(error = %e, "the tiers' new settings were refused; the old ones stay");
-            return;
+        match self.core.set_tiers(msg.0) {
+            Ok(changes) => {
+                for change in changes {
+                    tracing::warn!(%change, "a tier's new KV bound");
+                }
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "the tiers' new settings were refused; the old ones stay");
+                return;
+            }
+        }
+        // A removed tier holds nothing counted any more: its gauge says so; a new one's is
+        // published with the next statistics.
+        let mut last: HashMap<std::sync::Arc<str>, Option<usize>> =
+            std::mem::take(&mut self.tier_blocks).into_iter().collect();
+        self.tier_blocks = self
+            .core
+            .tier_kv_blocks()
+            .map(|(name, _)| {
+                let name: std::sync::Arc<str> = name.into();
+                let held = last.remove(&name).flatten();
+                (name, held)
+            })
+            .collect();
+        for (tier, _) in last {
+            metrics::gauge!(names::KV_CACHE_BLOCKS_USED, names::tier_labels(&tier)).set(0.0);
         }
         self.pending_swap = Some(msg.1);
         self.kick(ctx);

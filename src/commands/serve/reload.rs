@@ -1,11 +1,13 @@
 //! SIGHUP: the configuration file is read again and its policy, `lora.adapters`, API keys and
-//! the settings of the tiers in force applied.
+//! tiers applied.
 //!
 //! Reloads run one at a time, in the order of their signals (an async mutex is held for the
 //! whole of one), and each is all or nothing up to the adapters: a file that does not load,
-//! or whose policy the registry refuses, whose keys or tier settings are refused
-//! ([`plan_access`]), changes nothing. The policy is swapped only when it differs from the one
-//! in force or the tiers' settings changed (it is built with them; a swap resets its state). Adapters are reconciled against the
+//! or whose policy the registry refuses, or whose keys would open the API ([`plan_access`]),
+//! changes nothing. Tiers may be added, removed or changed (`max_kv_fraction` included: the
+//! scheduler counts what each tier holds against its new bound, `Engine::set_tiers`); the
+//! policy is swapped only when it differs from the one in force or the tiers changed (it is
+//! built with them; a swap resets its state). Adapters are reconciled against the
 //! engine's live registry, by name and directory: an adapter the file lists that is not served
 //! (an admin unloaded it, or it failed before) is loaded, and one the file listed before and no
 //! longer lists is unloaded if it is still served from the file's directory. The file's policy
@@ -74,8 +76,7 @@ struct ReloadState {
     /// The policy the file put in force at the last reload (or the start): one in force that
     /// differs from it was set through `PUT /admin/policy`.
     file_policy: PolicyKey,
-    /// The tiers in force (the set the server started with) with the settings the last
-    /// reload (or the start) put in force.
+    /// The tiers the last reload (or the start) put in force.
     tiers: BTreeMap<String, TierConfig>,
 }
 
@@ -83,7 +84,7 @@ struct ReloadState {
 struct Access {
     /// The API keys; `None` on an API started open (its keys take a restart).
     keys: Option<Vec<ApiKeyEntry>>,
-    /// The tiers in force with their new settings.
+    /// The file's tiers.
     tiers: BTreeMap<String, TierConfig>,
     /// `server.max_pending_requests`.
     max_pending: usize,
@@ -171,7 +172,7 @@ impl Reloader {
                 restart.join(", ")
             );
         }
-        let access = match plan_access(&state.tiers, &cfg, self.open) {
+        let access = match plan_access(&cfg, self.open) {
             Ok(access) => access,
             Err(why) => {
                 tracing::error!(
@@ -237,10 +238,12 @@ impl Reloader {
             Some(tiers),
         );
         if tiers_changed {
+            let (added, removed) = tier_set_change(&state.tiers, &effective.tiers);
             tracing::info!(
                 policy = %info.name,
-                "SIGHUP: the tiers' settings changed; the policy was swapped for one built with \
-                 them"
+                added = %added.join(", "),
+                removed = %removed.join(", "),
+                "SIGHUP: the tiers changed; the policy was swapped for one built with them"
             );
         }
         if swapped && replaces_admin_policy(&state.file_policy, &in_force, &file_policy) {
@@ -288,12 +291,14 @@ impl Reloader {
         max_pending: usize,
     ) {
         *self.adapter.tier_priorities.write() = super::tier_priorities(&effective);
-        let tenants = keys.as_ref().map(|k| super::key_tenants(&state.started, k));
+        super::register_tier_series(&effective);
+        let tenants = keys.as_ref().map(|k| super::key_tenants(&effective, k));
         let api_keys = keys.map_or_else(Vec::new, super::api_keys);
-        match self
-            .api
-            .reload_access(api_keys, super::rate_limits(&effective))
-        {
+        match self.api.reload_access(
+            api_keys,
+            super::rate_limits(&effective),
+            effective.tiers.keys().cloned().collect(),
+        ) {
             Ok(change) => {
                 if !self.open {
                     tracing::info!(
@@ -409,38 +414,21 @@ impl Reloader {
     }
 }
 
-/// Checks what `cfg` asks of the API's access against the tiers in force (`in_force`, with the
-/// settings the last reload put in force): the keys (unless the API was started `open`), which
-/// must name tiers in force and leave at least one key, and the tiers' settings (the file's,
-/// but for `max_kv_fraction`, for each tier in force it still lists; a tier it no longer lists
-/// keeps its settings, its removal taking a restart), whose bounds on requests in flight must
-/// stay within the server's.
-fn plan_access(
-    in_force: &BTreeMap<String, TierConfig>,
-    cfg: &Config,
-    open: bool,
-) -> Result<Access, String> {
-    let mut tiers = in_force.clone();
-    for (name, tier) in &mut tiers {
-        if let Some(file) = cfg.tiers.get(name) {
-            let kv = tier.max_kv_fraction;
-            *tier = file.clone();
-            tier.max_kv_fraction = kv;
-        }
-    }
-    let max_pending = cfg.server.max_pending_requests;
-    for (name, tier) in &tiers {
-        for (field, bound) in [
-            ("max_pending_requests", tier.max_pending_requests),
-            ("max_pending_per_tenant", tier.max_pending_per_tenant),
-        ] {
-            if let Some(bound) = bound.filter(|&b| b > max_pending) {
-                return Err(format!(
-                    "tiers.{name}.{field} ({bound}, kept in force: the file no longer lists                      the tier) is above server.max_pending_requests ({max_pending})"
-                ));
-            }
-        }
-    }
+/// The tiers `after` has that `before` has not, and those it no longer has, by name.
+fn tier_set_change(
+    before: &BTreeMap<String, TierConfig>,
+    after: &BTreeMap<String, TierConfig>,
+) -> (Vec<String>, Vec<String>) {
+    let only = |a: &BTreeMap<String, TierConfig>, b: &BTreeMap<String, TierConfig>| {
+        a.keys().filter(|k| !b.contains_key(*k)).cloned().collect()
+    };
+    (only(after, before), only(before, after))
+}
+
+/// Checks what `cfg` asks of the API's access: its keys (unless the API was started `open`),
+/// which must leave at least one key (the file's keys and tiers were checked together when it
+/// loaded: a key names a tier the file configures, a tier's bounds are within the server's).
+fn plan_access(cfg: &Config, open: bool) -> Result<Access, String> {
     let keys = if open {
         None
     } else {
@@ -448,31 +436,21 @@ fn plan_access(
         if keys.is_empty() {
             return Err(switchyard_api::AccessRefusal::WouldOpenApi.to_string());
         }
-        for k in &keys {
-            let tier = k.tier.as_deref().unwrap_or(super::KEY_TIER);
-            if cfg.tiers.contains_key(tier) && !tiers.contains_key(tier) {
-                return Err(format!(
-                    "an API key of tenant `{}` names tier `{tier}`, which is not in force (a                      new tier takes a restart)",
-                    k.tenant
-                ));
-            }
-        }
         Some(keys)
     };
     Ok(Access {
         keys,
-        tiers,
-        max_pending,
+        tiers: cfg.tiers.clone(),
+        max_pending: cfg.server.max_pending_requests,
     })
 }
 
 /// The fields of `new` that differ from `old` and that a reload does not apply, dotted
-/// (`server.port`, `server.tls`, `tiers.gold`), in the order of the schema's sections and
-/// fields. A reload applies `scheduler.policy`, `lora.adapters`, the files of `server.tls`
-/// (turned on or off only by a restart), the API keys (`server.api_keys`,
+/// (`server.port`, `server.tls`, `cache.block_size`), in the order of the schema's sections
+/// and fields. A reload applies `scheduler.policy`, `lora.adapters`, the files of
+/// `server.tls` (turned on or off only by a restart), the API keys (`server.api_keys`,
 /// `server.api_keys_file`) unless the API was started `open`, `server.max_pending_requests`,
-/// and the settings of the tiers in force but `max_kv_fraction`; a tier added or removed takes
-/// a restart.
+/// and `tiers` (added, removed, or with new settings).
 fn restart_fields(old: &Config, new: &Config, open: bool) -> Vec<String> {
     let mut new = new.clone();
     new.scheduler.policy = old.scheduler.policy.clone();
@@ -485,13 +463,7 @@ fn restart_fields(old: &Config, new: &Config, open: bool) -> Vec<String> {
         new.server.api_keys_file = old.server.api_keys_file.clone();
     }
     new.server.max_pending_requests = old.server.max_pending_requests;
-    for (name, tier) in &mut new.tiers {
-        if let Some(o) = old.tiers.get(name) {
-            let kv = tier.max_kv_fraction;
-            *tier = o.clone();
-            tier.max_kv_fraction = kv;
-        }
-    }
+    new.tiers = old.tiers.clone();
     let value = |c: &Config| serde_yaml::to_value(c).unwrap_or(serde_yaml::Value::Null);
     let mut out = Vec::new();
     differing_fields("", &value(old), &value(&new), &mut out);
@@ -563,7 +535,6 @@ mod tests {
             [
                 "cache.block_size",
                 "scheduler.max_num_seqs",
-                "tiers.gold",
                 "lora.max_loras"
             ]
         );
@@ -590,82 +561,55 @@ mod tests {
     }
 
     #[test]
-    fn keys_and_the_settings_of_tiers_in_force_reload_a_new_tier_takes_a_restart() {
+    fn keys_and_tiers_reload_tiers_added_removed_and_their_kv_bounds_included() {
         let old = config(
             "tiers: { gold: { requests_per_minute: 10 }, free: { max_pending_requests: 4 } }\n\
              server: { api_keys: [{ key: abcdefghijklmnop, tenant: t, tier: gold }] }\n",
         );
         let new = config(
             "tiers: { gold: { requests_per_minute: 20, tokens_per_minute: 1000, \
-             max_pending_per_tenant: 2 }, free: { ttft_ms: 500 }, silver: {} }\n\
+             max_pending_per_tenant: 2, max_kv_fraction: 0.5 }, silver: {} }\n\
              server: { max_pending_requests: 64, api_keys: [\
              { key: abcdefghijklmnop, tenant: t, tier: gold }, \
-             { key: qrstuvwxyz012345, tenant: u, tier: free }] }\n",
+             { key: qrstuvwxyz012345, tenant: u, tier: silver }] }\n",
         );
-        assert_eq!(restart_fields(&old, &new, false), ["tiers.silver"]);
+        assert!(restart_fields(&old, &new, false).is_empty());
         // On an API started open, keys take a restart.
-        assert_eq!(
-            restart_fields(&old, &new, true),
-            ["server.api_keys", "tiers.silver"]
-        );
-        let access = plan_access(&old.tiers, &new, false).unwrap();
+        assert_eq!(restart_fields(&old, &new, true), ["server.api_keys"]);
+        let access = plan_access(&new, false).unwrap();
         assert_eq!(access.max_pending, 64);
         assert_eq!(access.keys.as_ref().map(Vec::len), Some(2));
-        assert_eq!(access.tiers.keys().collect::<Vec<_>>(), ["free", "gold"]);
+        assert_eq!(access.tiers.keys().collect::<Vec<_>>(), ["gold", "silver"]);
         let gold = &access.tiers["gold"];
         assert_eq!(
             (
                 gold.requests_per_minute,
                 gold.tokens_per_minute,
-                gold.max_pending_per_tenant
+                gold.max_pending_per_tenant,
+                gold.max_kv_fraction
             ),
-            (Some(20), Some(1000), Some(2))
+            (Some(20), Some(1000), Some(2), Some(0.5))
         );
-        // free's bound is gone with the file's; its new ttft_ms is taken.
-        assert_eq!(access.tiers["free"].max_pending_requests, None);
-        assert_eq!(access.tiers["free"].ttft_ms, Some(500.0));
-        // A tier's KV quota takes a restart, and is kept.
-        let kv = config("tiers: { gold: { max_kv_fraction: 0.5, weight: 2 } }\n");
-        let plain = config("tiers: { gold: {} }\n");
         assert_eq!(
-            restart_fields(&plain, &kv, true),
-            ["tiers.gold.max_kv_fraction"]
+            tier_set_change(&old.tiers, &new.tiers),
+            (vec!["silver".to_owned()], vec!["free".to_owned()])
         );
-        let access = plan_access(&plain.tiers, &kv, true).unwrap();
-        assert_eq!(
-            (
-                access.tiers["gold"].max_kv_fraction,
-                access.tiers["gold"].weight
-            ),
-            (None, 2.0)
-        );
-        assert!(plan_access(&old.tiers, &new, true).unwrap().keys.is_none());
+        assert!(plan_access(&new, true).unwrap().keys.is_none());
     }
 
     #[test]
-    fn a_reload_refuses_keys_of_a_new_tier_and_bounds_above_the_servers() {
-        let old = config(
-            "tiers: { gold: { max_pending_requests: 100 } }\n\
-             server: { api_keys: [{ key: abcdefghijklmnop, tenant: t, tier: gold }] }\n",
-        );
-        let new_tier = config(
-            "tiers: { gold: {}, silver: {} }\n\
+    fn a_reload_that_would_leave_no_key_is_refused() {
+        let keyless = config("tiers: { gold: {} }\n");
+        let e = plan_access(&keyless, false).err().unwrap();
+        assert_eq!(e, switchyard_api::AccessRefusal::WouldOpenApi.to_string());
+        // A key naming a tier the file does not configure never gets this far: the file is
+        // refused when it loads.
+        let unknown = Config::from_yaml_str(
+            "tiers: { gold: {} }\n\
              server: { api_keys: [{ key: abcdefghijklmnop, tenant: t, tier: silver }] }\n",
+            "t.yaml",
         );
-        let e = plan_access(&old.tiers, &new_tier, false).err().unwrap();
-        assert!(
-            e.contains("names tier `silver`, which is not in force"),
-            "{e}"
-        );
-        // gold is no longer in the file: its bound of 100 stays, above the new server bound.
-        let dropped = config(
-            "server: { max_pending_requests: 50, api_keys: [{ key: abcdefghijklmnop, tenant: t }] }\n",
-        );
-        let e = plan_access(&old.tiers, &dropped, false).err().unwrap();
-        assert!(
-            e.contains("tiers.gold.max_pending_requests (100") && e.contains("(50)"),
-            "{e}"
-        );
+        assert!(unknown.is_err());
     }
 
     fn key(name: &str, params: serde_json::Value) -> PolicyKey {
