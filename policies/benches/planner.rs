@@ -236,6 +236,7 @@ fn planner_step(c: &mut Criterion) {
             "prefix-aware",
             "{hold_back_shared: false}",
         ),
+        ("mlfq", "mlfq", "null"),
     ] {
         let params: serde_yaml::Value = serde_yaml::from_str(params).expect("params");
         group.bench_function(label, |b| {

@@ -62,7 +62,7 @@ pub use block_ledger::{BlockLedger, KvCommit, PENDING_BLOCK, RELEASED_BLOCK};
 pub use block_pool::BlockPool;
 pub use error::{PolicyError, SchedulerError};
 pub use policy::{
-    ChunkedPrefill, FairShare, Fcfs, Policy, PolicyEvent, PolicyFactory, PolicyRegistry,
+    ChunkedPrefill, FairShare, Fcfs, Mlfq, Policy, PolicyEvent, PolicyFactory, PolicyRegistry,
     PrefixAware, PriorityPolicy, Rank, SloAware, StepContext, MAX_PREFIX_LOOKUPS,
 };
 pub use prefix_hash::{BlockHasher, HashExtras, PrefixHash};

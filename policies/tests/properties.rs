@@ -315,6 +315,11 @@ fn make_policy(name: &str) -> Box<dyn Policy> {
         "fair-share" => serde_yaml::from_str("{tenant_weights: {t0: 2}}").unwrap(),
         // Aging within a run (4 steps), and fewer lookups than requests wait.
         "prefix-aware" => serde_yaml::from_str("{max_wait_ms: 20, lookup_limit: 3}").unwrap(),
+        // Small quanta and aging within a run, so requests move down and back up.
+        "mlfq" => serde_yaml::from_str(
+            "{levels: 4, quantum_tokens: 2, prompt_tokens_per_level: 8, aging_interval_ms: 20}",
+        )
+        .unwrap(),
         _ => serde_yaml::Value::Null,
     };
     reg.create(name, &params, &tiers(None, [None; 3])).unwrap()

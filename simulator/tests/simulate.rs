@@ -73,6 +73,7 @@ fn every_example_spec_runs_on_its_trace() {
         "sim-mooncake.yaml",
         "sim-sharegpt.yaml",
         "sim-jsonl.yaml",
+        "sim-mlfq.yaml",
     ] {
         let mut spec = SimulationSpec::from_yaml_file(&example(name)).unwrap();
         spec.workload.limit = Some(300);

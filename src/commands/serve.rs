@@ -652,6 +652,7 @@ fn policy_label(name: &str) -> &'static str {
         "chunked-prefill" => "chunked-prefill",
         "fair-share" => "fair-share",
         "prefix-aware" => "prefix-aware",
+        "mlfq" => "mlfq",
         _ => "other",
     }
 }

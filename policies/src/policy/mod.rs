@@ -19,6 +19,7 @@
 mod chunked_prefill;
 mod fair_share;
 mod fcfs;
+mod mlfq;
 mod params;
 mod prefix_aware;
 mod priority;
@@ -27,6 +28,7 @@ mod slo_aware;
 pub use chunked_prefill::ChunkedPrefill;
 pub use fair_share::FairShare;
 pub use fcfs::Fcfs;
+pub use mlfq::Mlfq;
 pub use prefix_aware::PrefixAware;
 pub use priority::PriorityPolicy;
 pub use slo_aware::SloAware;
@@ -149,8 +151,8 @@ impl PolicyRegistry {
         Self::default()
     }
 
-    /// A registry with "fcfs", "priority", "slo-aware", "chunked-prefill", "fair-share" and
-    /// "prefix-aware".
+    /// A registry with "fcfs", "priority", "slo-aware", "chunked-prefill", "fair-share",
+    /// "prefix-aware" and "mlfq".
     pub fn with_builtins() -> Self {
         let entries: Vec<(&'static str, PolicyFactory)> = vec![
             (fcfs::NAME, fcfs::Fcfs::create),
@@ -162,6 +164,7 @@ impl PolicyRegistry {
             ),
             (fair_share::NAME, fair_share::FairShare::create),
             (prefix_aware::NAME, prefix_aware::PrefixAware::create),
+            (mlfq::NAME, mlfq::Mlfq::create),
         ];
         Self { entries }
     }
@@ -219,7 +222,8 @@ mod tests {
                 "slo-aware",
                 "chunked-prefill",
                 "fair-share",
-                "prefix-aware"
+                "prefix-aware",
+                "mlfq"
             ]
         );
         for n in r.names() {
@@ -248,6 +252,11 @@ mod tests {
                 "{input_weight: 1, output_weight: 3, tenant_weights: {a: 2}}",
             ),
             ("prefix-aware", "{max_wait_ms: 2000, lookup_limit: 64}"),
+            (
+                "mlfq",
+                "{levels: 4, quantum_tokens: 16, prompt_tokens_per_level: 512, \
+                 aging_interval_ms: 5000, preempt: false}",
+            ),
         ];
         let r = PolicyRegistry::with_builtins();
         assert_eq!(cases.len(), r.names().len(), "a policy has no case");
