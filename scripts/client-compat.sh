@@ -13,7 +13,8 @@
 # a 429 of a tenant's rate limit (the SDK's, LangChain's and LiteLLM's RateLimitError, OpenAI's
 # x-ratelimit-* headers read through the SDK's raw response), LoRA adapters per key (one found
 # on demand in lora.adapter_dirs through models.retrieve, chat and LangChain; another tenant's
-# adapter a NotFoundError in the SDK and LiteLLM; models.list per key);
+# adapter a NotFoundError in the SDK and LiteLLM; models.list per key, before a request names
+# them);
 # on /v1/responses: LangChain's use_responses_api=True (invoke, stream, bind_tools with a
 # ToolMessage back, with_structured_output, usage_metadata, async), litellm.responses, the
 # Python SDK's responses.create/stream/parse and the Node SDK's responses.create/stream/parse

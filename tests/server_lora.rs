@@ -524,9 +524,10 @@ fn adapter_copies(tag: &str, names: &[&str]) -> std::path::PathBuf {
     root
 }
 
-/// Adapters in `lora.adapter_dirs` are served from the first request naming them (vLLM's
+/// Adapters in `lora.adapter_dirs` are listed in `GET /v1/models` as the directories hold them,
+/// before any request names them, and served from the first request naming them (vLLM's
 /// filesystem resolver), with the same weights as when registered, and only to the keys whose
-/// `adapters` patterns match them: to the others they do not exist.
+/// `adapters` patterns match them: to the others they do not exist, listed or not.
 #[test]
 fn adapters_in_a_directory_are_served_on_demand_to_the_keys_that_may_name_them() {
     const ACME: &str = "acme-key-000001";
@@ -552,22 +553,60 @@ fn adapters_in_a_directory_are_served_on_demand_to_the_keys_that_may_name_them()
             serde_json::from_str(&r.body).unwrap_or(Value::Null),
         )
     };
+    let base = get(OPS, "/v1/models").1["data"][0]["id"].clone();
     let listed = |key: &str| -> Vec<String> {
         let (status, v) = get(key, "/v1/models");
         assert_eq!(status, 200, "{v}");
-        v["data"]
-            .as_array()
-            .expect("data")
+        let cards = v["data"].as_array().expect("data");
+        assert_eq!(cards[0]["id"], base, "{v}");
+        cards
             .iter()
             .skip(1)
-            .map(|m| m["id"].as_str().expect("id").to_owned())
+            .map(|m| {
+                // The same card as a registered adapter's.
+                assert_eq!(m["parent"], base, "{m}");
+                assert_eq!(m["object"], "model", "{m}");
+                assert!(m["max_model_len"].as_u64().is_some(), "{m}");
+                m["id"].as_str().expect("id").to_owned()
+            })
             .collect()
     };
-    // Nothing is registered before a request names it.
-    assert!(listed(ACME).is_empty() && listed(OPS).is_empty());
-    // Found on the first request, and answering as the same adapter registered does.
-    assert_haiku_as(s, Some(ACME), "acme-tuned", "lora_golden.json");
+    // What the directories hold changes the list within the scan's reuse (a second).
+    let await_listed = |key: &str, want: &[&str]| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while listed(key) != want {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{:?}, not {want:?}\n{}",
+                listed(key),
+                s.log()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    };
+    let registered = || -> Vec<String> {
+        let (status, admin) = get("admin-secret-key", "/admin/lora");
+        assert_eq!(status, 200, "{admin}");
+        let adapters = admin["adapters"].as_array().expect("adapters");
+        assert!(adapters.iter().all(|a| a["discovered"] == true), "{admin}");
+        adapters
+            .iter()
+            .map(|a| a["name"].as_str().expect("name").to_owned())
+            .collect()
+    };
+    // Listed before a request names them, each to the keys that may name it; listing loads
+    // and registers nothing.
     assert_eq!(listed(ACME), ["acme-tuned"]);
+    assert_eq!(listed(OPS), ["acme-tuned", "bob-tuned"]);
+    // An adapter dropped into the directory is listed without a request naming it.
+    let late = adapter_copies("lora-dirs-late", &["acme-late"]);
+    std::fs::rename(late.join("acme-late"), root.join("acme-late")).expect("move in");
+    await_listed(ACME, &["acme-late", "acme-tuned"]);
+    assert!(registered().is_empty(), "listing registered adapters");
+    // Found on the first request, and answering as the same adapter registered does; the
+    // registered adapters come first, each name once.
+    assert_haiku_as(s, Some(ACME), "acme-tuned", "lora_golden.json");
+    assert_eq!(listed(ACME), ["acme-tuned", "acme-late"]);
     // Another tenant's adapter is no model to acme, though it is there: the same 404 as one
     // that is not, and nothing is loaded for it.
     for model in ["bob-tuned", "acme-missing"] {
@@ -577,29 +616,29 @@ fn adapters_in_a_directory_are_served_on_demand_to_the_keys_that_may_name_them()
     }
     assert_eq!(get(ACME, "/v1/models/bob-tuned").0, 404);
     assert_eq!(
-        listed(OPS),
+        registered(),
         ["acme-tuned"],
-        "bob-tuned was not loaded for acme"
+        "bob-tuned was loaded for acme"
     );
     // A key without patterns names every adapter; retrieving one finds it too.
     let (status, card) = get(OPS, "/v1/models/bob-tuned");
     assert_eq!(status, 200, "{card}");
-    let base = get(OPS, "/v1/models").1["data"][0]["id"].clone();
     assert_eq!(card["parent"], base);
     assert_haiku_as(s, Some(OPS), "bob-tuned", "lora_golden.json");
-    assert_eq!(listed(OPS), ["acme-tuned", "bob-tuned"]);
-    assert_eq!(listed(ACME), ["acme-tuned"]);
-    let (status, admin) = get("admin-secret-key", "/admin/lora");
-    assert_eq!(status, 200, "{admin}");
-    let adapters = admin["adapters"].as_array().expect("adapters");
-    assert_eq!(adapters.len(), 2, "{admin}");
-    assert!(adapters.iter().all(|a| a["discovered"] == true), "{admin}");
+    assert_eq!(listed(OPS), ["acme-tuned", "bob-tuned", "acme-late"]);
+    assert_eq!(listed(ACME), ["acme-tuned", "acme-late"]);
+    assert_eq!(registered(), ["acme-tuned", "bob-tuned"]);
     s.assert_logged(&[
         "LoRA adapter registered",
         "name=\"bob-tuned\"",
         "discovered=true",
     ]);
+    // An adapter taken out of the directory before a request named it leaves the list.
+    std::fs::remove_dir_all(root.join("acme-late")).expect("remove");
+    await_listed(OPS, &["acme-tuned", "bob-tuned"]);
+    await_listed(ACME, &["acme-tuned"]);
     let _ = std::fs::remove_dir_all(&root);
+    let _ = std::fs::remove_dir_all(&late);
 }
 
 /// `bench serve --lora-modules` names one of the adapters at random in each request (vLLM's

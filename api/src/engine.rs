@@ -146,6 +146,13 @@ pub trait Engine: Send + Sync + 'static {
         Vec::new()
     }
 
+    /// The names of the LoRA adapters an engine that serves adapters from directories on
+    /// demand (`lora.adapter_dirs`) would find there now, registered or not, without loading
+    /// any; the model list shows them beside [`Self::lora_adapters`]. None by default.
+    fn lora_adapters_in_directories(&self) -> EngineFuture<Vec<String>> {
+        Box::pin(async { Ok(Vec::new()) })
+    }
+
     /// Whether requests may name the LoRA adapter `name` (checked per request: an engine
     /// should answer without copying its registry).
     fn has_lora_adapter(&self, name: &str) -> bool {

@@ -207,10 +207,16 @@ async fn unknown_routes_and_methods_get_openai_bodies() {
 /// A key with `adapters` patterns sees only the adapters they match: listed, retrieved and
 /// served; any other is `model_not_found` to it, the same answer as an adapter that does not
 /// exist. The base model stays open to it, and a key without patterns sees every adapter.
+/// The adapters the engine's directories hold are listed after the registered ones, filtered
+/// the same way, each name once (a registration wins; the base model's name is no adapter's).
 #[actix_web::test]
 async fn a_key_names_only_the_adapters_its_patterns_allow() {
     const LIMITED: &str = "sk-limited-key-0001";
     let engine = EchoEngine::new();
+    *engine.lora_in_directories.lock().unwrap() =
+        ["acme-dir", "shared", MODEL, "bob-dir", "acme-sql"]
+            .map(String::from)
+            .to_vec();
     for name in ["acme-sql", "bob-sql", "shared"] {
         engine
             .lora
@@ -245,11 +251,17 @@ async fn a_key_names_only_the_adapters_its_patterns_allow() {
     let listed = send(&app, as_key(LIMITED, TestRequest::get().uri("/v1/models")))
         .await
         .json();
-    assert_eq!(ids(listed), [MODEL, "acme-sql", "shared"]);
+    assert_eq!(ids(listed), [MODEL, "acme-sql", "shared", "acme-dir"]);
     let listed = send(&app, as_key(KEY, TestRequest::get().uri("/v1/models")))
         .await
         .json();
-    assert_eq!(ids(listed), [MODEL, "acme-sql", "bob-sql", "shared"]);
+    assert_eq!(
+        ids(listed.clone()),
+        [MODEL, "acme-sql", "bob-sql", "shared", "acme-dir", "bob-dir"]
+    );
+    // A found adapter's card is a registered one's: the base model is its parent.
+    assert_eq!(listed["data"][4]["parent"], MODEL);
+    assert_eq!(listed["data"][4]["object"], "model");
     let complete = |key: &'static str, model: &str| {
         as_key(
             key,

@@ -762,9 +762,12 @@ check("openai-python prompt_logprobs (extra_body: completions n=2 two prompts, c
 
 # ---------------------------------------------------------------- LoRA adapters per key
 def lora_per_key():
-    # The server finds adapters in lora.adapter_dirs (compat-tuned, other-tuned) on the first
-    # request naming them; LORA's key may name only compat-*.
+    # The server lists the adapters in lora.adapter_dirs (compat-tuned, other-tuned) before a
+    # request names them and finds them on the first request naming them; LORA's key may name
+    # only compat-*.
     mine = openai.OpenAI(base_url=BASE, api_key=LORA, max_retries=0)
+    before = [m.id for m in mine.models.list()]
+    expect(before == [MODEL, "compat-tuned"], f"listed before a request named it: {before}")
     card = mine.models.retrieve("compat-tuned")
     expect(card.id == "compat-tuned" and card.model_extra.get("parent") == MODEL, f"{card}")
     c = mine.chat.completions.create(model="compat-tuned", messages=[{"role": "user", "content": "Hi"}],

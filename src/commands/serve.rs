@@ -1035,6 +1035,11 @@ impl port::Engine for EngineAdapter {
         Box::pin(async move { engine.find_adapter(&name).await.map_err(to_port_error) })
     }
 
+    fn lora_adapters_in_directories(&self) -> EngineFuture<Vec<String>> {
+        let engine = self.engine.clone();
+        Box::pin(async move { Ok(engine.adapters_in_directories().await.to_vec()) })
+    }
+
     fn lora_adapters(&self) -> Vec<LoraAdapterInfo> {
         self.engine
             .adapters()

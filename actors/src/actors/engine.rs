@@ -1125,6 +1125,16 @@ impl Engine {
             .is_some_and(|l| l.registry().contains(name))
     }
 
+    /// The names of the LoRA adapters `lora.adapter_dirs` hold now, registered or not (sorted;
+    /// nothing is loaded): scanned on a thread of their own, bounded per directory, and reused
+    /// for a second. Empty without directories.
+    pub async fn adapters_in_directories(&self) -> Arc<Vec<String>> {
+        match &self.lora {
+            Some(lora) => lora.in_directories().await,
+            None => Arc::default(),
+        }
+    }
+
     /// Whether requests may name the LoRA adapter `name`: registered, or found now in
     /// `lora.adapter_dirs` (and registered by the LoRA manager). A directory's adapter that
     /// does not load, or a full registry of adapters in use, is an `Unavailable` error.

@@ -47,6 +47,8 @@ use parking_lot::RwLock;
 use switchyard_gpu::model::LlamaConfig;
 use switchyard_gpu::{GpuError, LoraAdapter, LoraLimits};
 
+use super::lora_dirs::{check_name, holds_adapter, DirectoryScanner, ListFound};
+
 /// Settings of the LoRA manager.
 #[derive(Clone, Debug)]
 pub struct LoraManagerConfig {
@@ -221,6 +223,8 @@ pub struct LoraHandle {
     registry: LoraRegistry,
     /// Names not registered are looked for in directories (`adapter_dirs`).
     discovers: bool,
+    /// The thread that lists what the directories hold (with `adapter_dirs` only).
+    scanner: Option<Addr<DirectoryScanner>>,
 }
 
 impl LoraHandle {
@@ -229,11 +233,29 @@ impl LoraHandle {
         let registry = LoraRegistry::default();
         let view = registry.clone();
         let discovers = !config.adapter_dirs.is_empty();
+        let scanner = discovers.then(|| {
+            let (dirs, base) = (config.adapter_dirs.clone(), config.base_name.clone());
+            SyncArbiter::start(1, move || DirectoryScanner::new(dirs.clone(), base.clone()))
+        });
         let addr = SyncArbiter::start(1, move || LoraManager::new(config.clone(), view.clone()));
         LoraHandle {
             addr,
             registry,
             discovers,
+            scanner,
+        }
+    }
+
+    /// The names of the adapters `adapter_dirs` hold now (sorted; registered or not, nothing
+    /// loaded), as a request would find them; see [`super::lora_dirs`]. Empty without
+    /// directories, or once the engine is stopping.
+    pub async fn in_directories(&self) -> Arc<Vec<String>> {
+        match &self.scanner {
+            Some(scanner) => scanner
+                .send(ListFound)
+                .await
+                .unwrap_or_else(|_| Arc::default()),
+            None => Arc::default(),
         }
     }
 
@@ -308,11 +330,7 @@ impl LoraManager {
     }
 
     fn check_name(&self, name: &str) -> Result<(), LoraError> {
-        switchyard_config::check_adapter_name(name).map_err(LoraError::BadName)?;
-        if name == self.config.base_name {
-            return Err(LoraError::BadName("that is the base model's name".into()));
-        }
-        Ok(())
+        check_name(name, &self.config.base_name)
     }
 
     fn load(&self, path: &Path) -> Result<Arc<LoraAdapter>, LoraError> {
@@ -413,7 +431,7 @@ impl LoraManager {
             .adapter_dirs
             .iter()
             .map(|dir| dir.join(name))
-            .find(|path| path.join("adapter_config.json").is_file())
+            .find(|path| holds_adapter(path))
         else {
             return Ok(None);
         };
@@ -580,7 +598,7 @@ impl LoraManager {
             Ok(adapter) => adapter,
             Err(e) if info.discovered => {
                 // Found in a directory, so found again (or not) as the directory now says.
-                let gone = !info.path.join("adapter_config.json").is_file();
+                let gone = !holds_adapter(&info.path);
                 tracing::warn!(
                     name,
                     path = %info.path.display(),
@@ -1214,6 +1232,29 @@ mod tests {
             plain.resolve("x").await,
             Err(LoraError::Unknown(_))
         ));
+    }
+
+    /// The handle lists what the directories hold without the manager (whose thread may be
+    /// busy loading) and without registering or loading anything.
+    #[actix::test]
+    async fn the_handle_lists_the_directories_without_the_manager() {
+        let root = AdapterCopy::new("listed");
+        copy_into(&root.0, "b");
+        copy_into(&root.0, "a");
+        let mut c = config(4, 4);
+        c.adapter_dirs = vec![root.0.clone()];
+        let lora = LoraHandle::start(c);
+        let (release, hold) = std::sync::mpsc::channel();
+        lora.addr.do_send(Hold(hold));
+        assert_eq!(*lora.in_directories().await, ["a", "b"]);
+        release.send(()).unwrap();
+        assert!(lora.registry.list().is_empty(), "listing registers nothing");
+        assert!(lora.registry.0.state.read().resident.is_empty());
+        // Without directories there is nothing to list.
+        assert!(LoraHandle::start(config(4, 4))
+            .in_directories()
+            .await
+            .is_empty());
     }
 
     #[test]

@@ -19,6 +19,7 @@ mod detokenizer;
 mod engine;
 mod executor;
 mod lora;
+mod lora_dirs;
 mod scheduler;
 mod tokenizer;
 
@@ -29,3 +30,4 @@ pub use engine::{
     RequestOptions, SubmitError, SubmitErrorKind, TokenLogprobs,
 };
 pub use lora::{AdapterInfo, LoraError, LoraManagerConfig};
+pub use lora_dirs::{FOUND_TTL, MAX_DIR_ENTRIES};

@@ -1,5 +1,7 @@
 //! Models, tokenizer, health, readiness, metrics and admin routes.
 
+use std::collections::HashSet;
+
 use actix_web::http::header;
 use actix_web::{web, HttpRequest, HttpResponse};
 use serde::{Deserialize, Serialize};
@@ -33,20 +35,32 @@ fn model_card(state: &ApiState, id: String, parent: Option<String>) -> ModelCard
 }
 
 /// `GET /v1/models`: the base model, then every LoRA adapter served on it that the caller's
-/// key may name (adapters in `lora.adapter_dirs` once a request has found them).
+/// key may name: the registered ones, in registration order, then those `lora.adapter_dirs`
+/// hold now and a request would find there (sorted by name; nothing is loaded by listing).
 pub(crate) async fn list_models(
     state: web::Data<ApiState>,
     principal: web::ReqData<Principal>,
 ) -> HttpResponse {
     let base = state.engine.model_name().to_owned();
+    let registered = state.engine.lora_adapters();
+    let found = match state.engine.lora_adapters_in_directories().await {
+        Ok(found) => found,
+        Err(e) => {
+            tracing::warn!(error = %e.message, "adapters in lora.adapter_dirs not listed");
+            Vec::new()
+        }
+    };
     let mut data = vec![model_card(&state, base.clone(), None)];
+    // Each name once: a registration wins over a directory's adapter of the same name.
+    let mut names: Vec<String> = registered.into_iter().map(|a| a.name).collect();
+    let mut seen: HashSet<String> = names.iter().cloned().collect();
+    seen.insert(base.clone());
+    names.extend(found.into_iter().filter(|name| seen.insert(name.clone())));
     data.extend(
-        state
-            .engine
-            .lora_adapters()
+        names
             .into_iter()
-            .filter(|a| principal.adapters.allows(&a.name))
-            .map(|a| model_card(&state, a.name, Some(base.clone()))),
+            .filter(|name| principal.adapters.allows(name))
+            .map(|name| model_card(&state, name, Some(base.clone()))),
     );
     HttpResponse::Ok().json(ModelList {
         object: "list",

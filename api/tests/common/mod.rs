@@ -66,6 +66,8 @@ pub struct EchoEngine {
     pub policy: Mutex<PolicyInfo>,
     /// The LoRA adapters served (`Engine::lora_adapters`).
     pub lora: Mutex<Vec<LoraAdapterInfo>>,
+    /// The names `Engine::lora_adapters_in_directories` answers, in this order.
+    pub lora_in_directories: Mutex<Vec<String>>,
     /// Swaps that changed the policy.
     pub policy_swaps: AtomicUsize,
     /// The speculative decoding settings in force (`Engine::speculative`).
@@ -94,6 +96,7 @@ impl EchoEngine {
                 available: vec!["fcfs".into(), "priority".into()],
             }),
             lora: Mutex::new(Vec::new()),
+            lora_in_directories: Mutex::new(Vec::new()),
             policy_swaps: AtomicUsize::new(0),
             speculative: Mutex::new(None),
             embedding_size: Mutex::new(Some(EMBEDDING_SIZE)),
@@ -348,6 +351,11 @@ impl Engine for EchoEngine {
 
     fn lora_adapters(&self) -> Vec<LoraAdapterInfo> {
         self.lora.lock().unwrap().clone()
+    }
+
+    fn lora_adapters_in_directories(&self) -> EngineFuture<Vec<String>> {
+        let found = self.lora_in_directories.lock().unwrap().clone();
+        Box::pin(async move { Ok(found) })
     }
 
     fn embedding_size(&self) -> Option<usize> {
