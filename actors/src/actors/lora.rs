@@ -947,7 +947,10 @@ mod tests {
         let taken = m.register("a", &fixture()).expect_err("the name is taken");
         assert!(matches!(taken, LoraError::Exists(_)));
         // The refusal names the way to replace it (it said only "unload it first").
-        assert!(taken.to_string().contains("\"load_inplace\": true"), "{taken}");
+        assert!(
+            taken.to_string().contains("\"load_inplace\": true"),
+            "{taken}"
+        );
         // `..`, `/`, spaces and percent signs were accepted, and some could then not be
         // unloaded with ordinary clients (curl resolves `..`; `/` needs `%2F`).
         for bad in [

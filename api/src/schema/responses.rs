@@ -1758,7 +1758,8 @@ mod tests {
     fn a_message_naming_a_chat_field_names_the_responses_field() {
         let sources = ["input[0]".to_owned()];
         let message = |param: &str, text: &str| {
-            match rename_error(ApiError::invalid(param, text.to_owned()), &sources) {
+            let renamed = rename_error(ApiError::invalid(param, text.to_owned()), &sources);
+            match renamed {
                 ApiError::InvalidRequest { message, param } => (message, param),
                 other => panic!("not an invalid request: {other:?}"),
             }
