@@ -237,7 +237,7 @@ pub fn install_prometheus_recorder() -> Result<PrometheusHandle, MetricsError> {
     Ok(handle)
 }
 
-fn prometheus_builder() -> Result<PrometheusBuilder, MetricsError> {
+pub(crate) fn prometheus_builder() -> Result<PrometheusBuilder, MetricsError> {
     let mut builder = PrometheusBuilder::new();
     for (name, buckets) in [
         (TIME_TO_FIRST_TOKEN, TTFT_BUCKETS),

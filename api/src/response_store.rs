@@ -199,6 +199,9 @@ impl Inner {
     }
 }
 
+/// The `reason` label's values of `responses_evicted_total`: the store's three bounds.
+const EVICTION_REASONS: [&str; 3] = ["count", "bytes", "age"];
+
 /// A background response running: which run it is, and what aborts it.
 struct Running {
     run: u64,
@@ -225,14 +228,20 @@ impl std::fmt::Debug for ResponseStore {
 }
 
 impl ResponseStore {
-    /// An empty store bounded by `limits`.
+    /// An empty store bounded by `limits`. Its series exist from here on, at zero
+    /// (`responses_evicted_total` of each reason was missing until its first eviction).
     pub fn new(limits: StoreLimits) -> Self {
-        Self {
+        for reason in EVICTION_REASONS {
+            metrics::counter!(RESPONSES_EVICTED, "reason" => reason).increment(0);
+        }
+        let store = Self {
             limits,
             inner: Mutex::new(Inner::default()),
             running: Mutex::new(HashMap::new()),
             next_run: AtomicU64::new(0),
-        }
+        };
+        store.inner.lock().publish();
+        store
     }
 
     /// Its bounds.
@@ -427,6 +436,26 @@ mod tests {
             max_bytes,
             max_age: max_age.map(Duration::from_secs),
         })
+    }
+
+    /// A new store's series are on `/metrics` at once, each eviction reason at zero.
+    #[test]
+    fn a_new_store_exports_its_series_at_zero() {
+        let recorder = crate::metrics::prometheus_builder()
+            .expect("builder")
+            .build_recorder();
+        let handle = recorder.handle();
+        metrics::with_local_recorder(&recorder, || {
+            store(4, 1 << 20, None);
+        });
+        let text = handle.render();
+        for reason in ["count", "bytes", "age"] {
+            let series = format!("{RESPONSES_EVICTED}{{reason=\"{reason}\"}} 0");
+            assert!(text.contains(&series), "{series} missing in\n{text}");
+        }
+        for gauge in [RESPONSES_STORED, RESPONSES_STORED_BYTES] {
+            assert!(text.contains(&format!("{gauge} 0")), "{gauge} missing");
+        }
     }
 
     fn keep(s: &ResponseStore, id: &str, tenant: &str) -> Kept {

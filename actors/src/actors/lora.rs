@@ -91,7 +91,9 @@ pub enum LoraError {
     #[error("no LoRA adapter named '{0}'")]
     Unknown(String),
     /// The name is taken.
-    #[error("a LoRA adapter named '{0}' is already loaded; unload it first")]
+    #[error(
+        "a LoRA adapter named '{0}' is already loaded; unload it first, or send \"load_inplace\": true to replace it"
+    )]
     Exists(String),
     /// The name is not one [`switchyard_config::check_adapter_name`] accepts (1 to 128 ASCII
     /// letters, digits and `.` `_` `-` `:` `@` `+`, not `.` or `..`), or is the base model's.
@@ -960,10 +962,13 @@ mod tests {
     fn registrations_get_fresh_ids_and_names_are_checked() {
         let mut m = manager(3, 3);
         let a = m.register("a", &fixture()).expect("a");
-        assert!(matches!(
-            m.register("a", &fixture()),
-            Err(LoraError::Exists(_))
-        ));
+        let taken = m.register("a", &fixture()).expect_err("the name is taken");
+        assert!(matches!(taken, LoraError::Exists(_)));
+        // The refusal names the way to replace it (it said only "unload it first").
+        assert!(
+            taken.to_string().contains("\"load_inplace\": true"),
+            "{taken}"
+        );
         // `..`, `/`, spaces and percent signs were accepted, and some could then not be
         // unloaded with ordinary clients (curl resolves `..`; `/` needs `%2F`).
         for bad in [

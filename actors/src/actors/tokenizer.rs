@@ -185,9 +185,11 @@ impl Handler<Decode> for TokenizerActor {
     fn handle(&mut self, msg: Decode, _: &mut SyncContext<Self>) -> Self::Result {
         let vocab = self.tokenizer.vocab_size();
         if let Some(bad) = msg.0.iter().find(|&&t| t as usize >= vocab) {
+            // Ids to decode come only from `/detokenize`'s `tokens`.
             return Err(invalid(format!(
                 "token id {bad} is outside the vocabulary (size {vocab})"
-            )));
+            ))
+            .with_param("tokens"));
         }
         self.tokenizer
             .decode(&msg.0, false)
@@ -302,6 +304,26 @@ mod tests {
             .expect_err("an id outside the vocabulary");
         assert_eq!(refused.kind, SubmitErrorKind::InvalidRequest);
         assert_eq!(refused.param, Some("prompt"), "{refused}");
+    }
+
+    /// An id outside the vocabulary sent to `/detokenize` is refused naming `tokens` (it was
+    /// a 400 with `param: null`).
+    #[actix::test]
+    async fn a_detokenize_id_outside_the_vocabulary_names_the_tokens() {
+        let grammars =
+            LazyGrammarCompiler::with_pool(CompilePool::new(1, 8, Duration::from_secs(3600)));
+        let tok = tokenizer();
+        let vocab = u32::try_from(tok.vocab_size()).unwrap();
+        let actors = SyncArbiter::start(1, move || {
+            TokenizerActor::new(tok.clone(), None, grammars.clone(), 1024)
+        });
+        let refused = actors
+            .send(Decode(vec![0, vocab]))
+            .await
+            .expect("mailbox")
+            .expect_err("an id outside the vocabulary");
+        assert_eq!(refused.kind, SubmitErrorKind::InvalidRequest);
+        assert_eq!(refused.param, Some("tokens"), "{refused}");
     }
 
     /// A grammar compiling (here: a compile that waits) holds up no prompt: grammars go to

@@ -331,16 +331,22 @@ impl ResponsesChat {
     }
 }
 
-/// [`ResponsesChat::rename`].
+/// [`ResponsesChat::rename`]. A message that opens with the chat field's name
+/// (`max_completion_tokens must be at least 1`, `tool_call_id "c" answers no ...`) opens
+/// with the Responses field's instead.
 pub fn rename_error(e: ApiError, sources: &[String]) -> ApiError {
     match e {
         ApiError::InvalidRequest {
             message,
             param: Some(param),
-        } => ApiError::InvalidRequest {
-            message,
-            param: Some(rename_param(&param, sources)),
-        },
+        } => {
+            let renamed = rename_param(&param, sources);
+            let message = rename_message(message, &param, &renamed);
+            ApiError::InvalidRequest {
+                message,
+                param: Some(renamed),
+            }
+        }
         ApiError::Engine(mut e) => {
             if let Some(param) = e.param.take() {
                 e.param = Some(rename_param(&param, sources));
@@ -349,6 +355,26 @@ pub fn rename_error(e: ApiError, sources: &[String]) -> ApiError {
         }
         other => other,
     }
+}
+
+/// `message` opening with the field `param` (whole, or its last segment) as opening with
+/// `renamed` (whole, or its last segment); any other message as it is.
+fn rename_message(message: String, param: &str, renamed: &str) -> String {
+    let last = |p: &str| p.rsplit('.').next().unwrap_or(p).to_owned();
+    for (from, to) in [
+        (param.to_owned(), renamed.to_owned()),
+        (last(param), last(renamed)),
+    ] {
+        if from == to {
+            continue;
+        }
+        if let Some(rest) = message.strip_prefix(from.as_str()) {
+            if rest.starts_with(' ') {
+                return format!("{to}{rest}");
+            }
+        }
+    }
+    message
 }
 
 /// `reasoning`: null, or an object of `effort` (null or one of OpenAI's values: checked, and
@@ -1724,5 +1750,51 @@ mod tests {
         ] {
             assert_eq!(rename_param(chat, &sources), responses);
         }
+    }
+
+    /// A message that names chat's field names the Responses field (`max_output_tokens: 0`
+    /// was "max_completion_tokens must be at least 1"); other messages are kept.
+    #[test]
+    fn a_message_naming_a_chat_field_names_the_responses_field() {
+        let sources = ["input[0]".to_owned()];
+        let message = |param: &str, text: &str| {
+            let renamed = rename_error(ApiError::invalid(param, text.to_owned()), &sources);
+            match renamed {
+                ApiError::InvalidRequest { message, param } => (message, param),
+                other => panic!("not an invalid request: {other:?}"),
+            }
+        };
+        assert_eq!(
+            message(
+                "max_completion_tokens",
+                "max_completion_tokens must be at least 1"
+            ),
+            (
+                "max_output_tokens must be at least 1".to_owned(),
+                Some("max_output_tokens".to_owned())
+            )
+        );
+        assert_eq!(
+            message("messages", "messages must not be empty").0,
+            "input must not be empty"
+        );
+        assert_eq!(
+            message(
+                "messages[0].tool_call_id",
+                "tool_call_id \"c1\" answers no tool call of an earlier assistant message"
+            ),
+            (
+                "call_id \"c1\" answers no tool call of an earlier assistant message".to_owned(),
+                Some("input[0].call_id".to_owned())
+            )
+        );
+        assert_eq!(
+            message("max_completion_tokens", "max_completion_tokens_x is odd").0,
+            "max_completion_tokens_x is odd"
+        );
+        assert_eq!(
+            message("temperature", "temperature must be in [0, 2], got 3").0,
+            "temperature must be in [0, 2], got 3"
+        );
     }
 }
