@@ -739,6 +739,7 @@ fn generate_reports_the_prompt_tokens_served_from_the_prefix_cache() {
         p * 14
     );
     assert!(stderr.contains(&summary), "no {summary:?} in {stderr}");
+    assert!(stderr.contains(" tokens for 14 prompts in "), "{stderr}");
 }
 
 #[test]

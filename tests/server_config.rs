@@ -865,6 +865,7 @@ fn a_request_larger_than_max_pending_requests_is_a_400_not_a_retryable_503() {
         let v: Value = serde_json::from_str(&r.body).expect("json");
         assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
         assert_eq!(v["error"]["code"], "too_many_choices", "{v}");
+        assert_eq!(v["error"]["param"], "prompt", "{v}");
         assert_eq!(
             v["error"]["message"],
             "this request has 2 choices (2 prompts × n = 1) but server.max_pending_requests is \
@@ -877,6 +878,7 @@ fn a_request_larger_than_max_pending_requests_is_a_400_not_a_retryable_503() {
     let r = post(&json!({"prompt": "hi", "n": 2, "max_tokens": 3}));
     assert_eq!(r.status, 400, "{}", r.body);
     assert!(r.body.contains("2 choices (n = 2)"), "{}", r.body);
+    assert!(r.body.contains(r#""param":"n""#), "{}", r.body);
     // One choice fits.
     let r = post(&json!({"prompt": ["a"], "max_tokens": 3}));
     assert_eq!(r.status, 200, "{}", r.body);

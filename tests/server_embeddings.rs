@@ -229,6 +229,12 @@ fn refusals_name_the_field() {
         assert_eq!(status, 400, "{v}");
         assert_eq!(v["error"]["param"], "input", "{v}");
         assert_eq!(v["error"]["code"], "context_length_exceeded", "{v}");
+        // The words of an input to embed, not of a prompt that leaves no room for an output.
+        let message = v["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            message.contains("an input to embed may have at most"),
+            "{v}"
+        );
     }
     // A token id outside the vocabulary, found by the engine's tokenizer.
     let (status, v) = s.post_json("/v1/embeddings", &json!({"input": [1, 2, 10_000_000]}));

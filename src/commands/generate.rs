@@ -225,9 +225,9 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         .map(|o| u64::from(o.cached_prompt_tokens))
         .sum();
     eprintln!(
-        "{generated} tokens for {} prompts in {secs:.2} s ({:.1} tok/s); {cached} of \
+        "{generated} tokens for {} in {secs:.2} s ({:.1} tok/s); {cached} of \
          {prompt_tokens} prompt tokens from the prefix cache",
-        outputs.len(),
+        prompt_count(outputs.len()),
         generated as f64 / secs.max(1e-9)
     );
     let spec = engine.core().spec_decode_stats();
@@ -263,4 +263,19 @@ fn structured_spec(args: &GenerateArgs) -> anyhow::Result<Option<StructuredOutpu
         return Ok(Some(StructuredOutput::Choice(args.choice.clone())));
     }
     Ok(None)
+}
+
+/// "1 prompt", "3 prompts".
+fn prompt_count(n: usize) -> String {
+    format!("{n} prompt{}", if n == 1 { "" } else { "s" })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn one_prompt_is_singular() {
+        assert_eq!(super::prompt_count(1), "1 prompt");
+        assert_eq!(super::prompt_count(0), "0 prompts");
+        assert_eq!(super::prompt_count(14), "14 prompts");
+    }
 }

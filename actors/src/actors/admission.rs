@@ -598,6 +598,7 @@ fn count(tiers: &mut Vec<TierBound>, name: String) {
 }
 
 /// The refusal of a request larger than the bound `name` (of `limit` choices).
+/// The field at fault is `n` for a request of one prompt, `prompt` for one of several.
 fn too_many_choices(demand: Demand, name: &str, limit: usize) -> SubmitError {
     SubmitError::new(
         SubmitErrorKind::TooManyChoices,
@@ -607,6 +608,7 @@ fn too_many_choices(demand: Demand, name: &str, limit: usize) -> SubmitError {
             demand.describe()
         ),
     )
+    .with_param(if demand.prompts > 1 { "prompt" } else { "n" })
 }
 
 #[cfg(test)]
@@ -705,6 +707,7 @@ mod tests {
         let a = Admission::new(1, &[], &[]);
         let e = a.admit("", "t", prompts(2)).err().unwrap();
         assert_eq!(e.kind, SubmitErrorKind::TooManyChoices);
+        assert_eq!(e.param, Some("prompt"));
         assert_eq!(
             e.message,
             "this request has 2 choices (2 prompts × n = 1) but server.max_pending_requests \
@@ -718,6 +721,7 @@ mod tests {
         let e = a.admit("", "t", n2).err().unwrap();
         assert_eq!(e.kind, SubmitErrorKind::TooManyChoices);
         assert!(e.message.contains("2 choices (n = 2)"), "{e}");
+        assert_eq!(e.param, Some("n"));
         assert_eq!(a.in_flight(), 0);
 
         // A tier's bound, smaller than the server's: its own name and value.

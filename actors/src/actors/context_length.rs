@@ -80,6 +80,17 @@ impl SequenceLimit {
         )
     }
 
+    /// An input to embed of `input_len` tokens is too long (the engine runs it as a sequence
+    /// with room for one more token, as a prompt).
+    pub(crate) fn input_too_long(self, input_len: usize) -> String {
+        format!(
+            "{}. However, your request has an input of {input_len} tokens (an input to embed \
+             may have at most {} tokens). Please reduce the length of the input.",
+            self.bound(),
+            self.tokens().saturating_sub(1)
+        )
+    }
+
     /// `max_tokens` asks for more than a prompt of `prompt_len` tokens leaves room for.
     pub(crate) fn max_tokens_too_large(self, prompt_len: usize, max_tokens: usize) -> String {
         format!(
@@ -112,6 +123,12 @@ mod tests {
             "'max_tokens' or 'max_completion_tokens' is too large: 500. This model's maximum \
              context length is 8192 tokens and your request has 8001 input tokens (500 > 8192 \
              - 8001)."
+        );
+        assert_eq!(
+            context.input_too_long(8192),
+            "This model's maximum context length is 8192 tokens. However, your request has an \
+             input of 8192 tokens (an input to embed may have at most 8191 tokens). Please \
+             reduce the length of the input."
         );
         let cache = SequenceLimit::new(8192, 4096);
         assert_eq!(cache.tokens(), 4096);

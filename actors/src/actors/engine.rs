@@ -564,6 +564,11 @@ impl Engine {
         let mut seats = match self.admission.admit(&first.tier, &first.tenant, demand) {
             Ok(seats) => seats,
             Err(e) => {
+                // An embeddings request's prompts are its `input` (its `n` is always 1).
+                let e = match e.kind {
+                    SubmitErrorKind::TooManyChoices if first.embed => e.with_param("input"),
+                    _ => e,
+                };
                 self.refuse_all(prompts, e);
                 return;
             }
@@ -900,9 +905,14 @@ impl Engine {
         let limit = sequence.tokens();
         // The prompt must leave room for one generated token at least (as vLLM checks).
         if prompt.len() >= limit {
+            let message = if options.embed {
+                sequence.input_too_long(prompt.len())
+            } else {
+                sequence.prompt_too_long(prompt.len())
+            };
             return Err(SubmitError::new(
                 SubmitErrorKind::ContextLengthExceeded,
-                sequence.prompt_too_long(prompt.len()),
+                message,
             ));
         }
         let room = (limit - prompt.len()) as u32;

@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 
 use super::ignored::IgnoredFields;
 use super::limits::MAX_EMBEDDING_INPUTS;
-use super::request::prompt_too_long;
+use super::request::context_length_exceeded;
 use crate::engine::PromptInput;
 use crate::error::ApiError;
 
@@ -149,7 +149,17 @@ fn token_input(
         return Err(empty_input(index));
     }
     if tokens.len() >= max_model_len {
-        return Err(prompt_too_long("input", tokens.len(), max_model_len));
+        // The engine's words for the same refusal of a text input.
+        return Err(context_length_exceeded(
+            "input",
+            format!(
+                "This model's maximum context length is {max_model_len} tokens. However, your \
+                 request has an input of {} tokens (an input to embed may have at most {} \
+                 tokens). Please reduce the length of the input.",
+                tokens.len(),
+                max_model_len - 1
+            ),
+        ));
     }
     Ok(PromptInput::Tokens(tokens))
 }
@@ -423,7 +433,8 @@ mod tests {
             ),
             (
                 json!([[1], vec![1u32; CONTEXT]]),
-                "However, your request has 16 input tokens",
+                "However, your request has an input of 16 tokens (an input to embed may have at \
+                 most 15 tokens)",
             ),
             // Shapes that are none of the four.
             (json!(5), "`input` must be a string, an array of strings"),

@@ -451,7 +451,7 @@ fn parse_max_tokens(
 /// A request too long for the context (`context_length_exceeded`), `param` at fault. The
 /// words are the engine's for the same refusals (switchyard-actors' `context_length`
 /// module): vLLM's, and a prompt must leave room for one generated token, as vLLM checks.
-fn context_length_exceeded(param: &str, message: String) -> ApiError {
+pub(super) fn context_length_exceeded(param: &str, message: String) -> ApiError {
     ApiError::Engine(
         EngineError::new(EngineErrorKind::ContextLengthExceeded, message).with_param(param),
     )

@@ -349,7 +349,17 @@ pub fn rename_error(e: ApiError, sources: &[String]) -> ApiError {
         }
         ApiError::Engine(mut e) => {
             if let Some(param) = e.param.take() {
-                e.param = Some(rename_param(&param, sources));
+                let renamed = rename_param(&param, sources);
+                // vLLM's words for a length too large name both chat fields.
+                if renamed == "max_output_tokens" {
+                    if let Some(rest) = e
+                        .message
+                        .strip_prefix("'max_tokens' or 'max_completion_tokens' is too large")
+                    {
+                        e.message = format!("'max_output_tokens' is too large{rest}");
+                    }
+                }
+                e.param = Some(renamed);
             }
             ApiError::Engine(e)
         }
@@ -1757,6 +1767,24 @@ mod tests {
     #[test]
     fn a_message_naming_a_chat_field_names_the_responses_field() {
         let sources = ["input[0]".to_owned()];
+        // The engine's refusal of a length too large, in vLLM's words for chat.
+        let engine = crate::engine::EngineError::new(
+            crate::engine::EngineErrorKind::ContextLengthExceeded,
+            "'max_tokens' or 'max_completion_tokens' is too large: 100000. This model's maximum \
+             context length is 8192 tokens",
+        )
+        .with_param("max_completion_tokens");
+        match rename_error(ApiError::Engine(engine), &sources) {
+            ApiError::Engine(e) => assert_eq!(
+                (e.message.as_str(), e.param.as_deref()),
+                (
+                    "'max_output_tokens' is too large: 100000. This model's maximum context \
+                     length is 8192 tokens",
+                    Some("max_output_tokens")
+                )
+            ),
+            other => panic!("not an engine error: {other:?}"),
+        }
         let message = |param: &str, text: &str| {
             let renamed = rename_error(ApiError::invalid(param, text.to_owned()), &sources);
             match renamed {
