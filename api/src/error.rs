@@ -75,6 +75,10 @@ pub enum ApiError {
     /// name is bounded).
     #[error("Tier '{0}' has no rate limits.")]
     TierNotLimited(String),
+    /// `DELETE /admin/rate_limits/{tier}/{tenant}` names no configured tier (404; the name is
+    /// bounded).
+    #[error("No tier '{0}' is configured.")]
+    UnknownTier(String),
     /// The metrics recorder was not handed to the API (404 on `/metrics`).
     #[error("Metrics are not enabled on this server.")]
     MetricsDisabled,
@@ -140,7 +144,9 @@ impl ApiError {
             ),
             Self::RouteNotFound { .. } => (StatusCode::NOT_FOUND, INVALID_REQUEST, None),
             Self::MetricsDisabled => (StatusCode::NOT_FOUND, INVALID_REQUEST, None),
-            Self::TierNotLimited(_) => (StatusCode::NOT_FOUND, INVALID_REQUEST, None),
+            Self::TierNotLimited(_) | Self::UnknownTier(_) => {
+                (StatusCode::NOT_FOUND, INVALID_REQUEST, None)
+            }
             Self::EmbeddingsNotServed => (
                 StatusCode::NOT_FOUND,
                 INVALID_REQUEST,

@@ -252,7 +252,12 @@ async fn the_admin_api_shows_each_tenants_budget_and_resets_one() {
     .await;
     assert_eq!(reply.json()["reset"], false);
     let reply = send(&app, admin(Method::DELETE, "/admin/rate_limits/free/carol")).await;
-    reply.assert_error(404, "invalid_request_error", None);
+    let body = reply.assert_error(404, "invalid_request_error", None);
+    assert_eq!(body["error"]["message"], "Tier 'free' has no rate limits.");
+    // A name no tier has says so.
+    let reply = send(&app, admin(Method::DELETE, "/admin/rate_limits/gold/carol")).await;
+    let body = reply.assert_error(404, "invalid_request_error", None);
+    assert_eq!(body["error"]["message"], "No tier 'gold' is configured.");
     let reply = send(&app, post("/admin/rate_limits", &json!({}))).await;
     assert_eq!(reply.status, 401, "{}", reply.text());
 }

@@ -456,7 +456,12 @@ pub(crate) async fn reset_rate_limit(
 ) -> Result<HttpResponse, ApiError> {
     let (tier, tenant) = path.into_inner();
     let Some(had) = state.rate_limiter.reset(&tier, &tenant) else {
-        return Err(ApiError::TierNotLimited(tier.chars().take(256).collect()));
+        let shown = tier.chars().take(256).collect();
+        return Err(if state.config().tiers.contains(&tier) {
+            ApiError::TierNotLimited(shown)
+        } else {
+            ApiError::UnknownTier(shown)
+        });
     };
     tracing::info!(%tier, %tenant, "rate-limit budget reset through the admin API");
     Ok(HttpResponse::Ok().json(serde_json::json!({
