@@ -51,7 +51,7 @@ fn api_keys_and_admin_policy_swap_under_load() {
         .collect();
     std::thread::sleep(Duration::from_millis(300));
     let admin = [("Authorization", "Bearer admin-secret-key")];
-    for name in ["priority", "prefix-aware", "fcfs"] {
+    for name in ["priority", "prefix-aware", "mlfq", "fcfs"] {
         let body = json!({"name": name, "params": {}}).to_string();
         let r = s
             .request("PUT", "/admin/policy", Some(&body), &admin)

@@ -1099,6 +1099,16 @@ mod tests {
 
     /// Each tenant of the keys comes once per tier its keys' requests carry in the metrics:
     /// a key without a tier has `standard`'s, which is no metrics tier here (not configured).
+    /// Every built-in policy labels `policy_info` by its own name (a policy added to the
+    /// registry and not here would read "other").
+    #[test]
+    fn every_builtin_policy_has_its_own_label() {
+        for name in PolicyRegistry::with_builtins().names() {
+            assert_eq!(policy_label(name), name);
+        }
+        assert_eq!(policy_label("custom"), "other");
+    }
+
     #[test]
     fn key_tenants_pair_each_tenant_with_its_keys_metrics_tiers() {
         let config = Config::from_yaml_str(
