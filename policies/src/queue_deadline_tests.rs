@@ -261,7 +261,8 @@ fn a_timeout_reports_the_bound_its_request_was_queued_with_across_reloads() {
         (1, true)
     );
     s.set_tiers(c.tiers.clone()).unwrap();
-    s.add_request(req(3, "bounded", 2_000, vec![3; 8], 4)).unwrap();
+    s.add_request(req(3, "bounded", 2_000, vec![3; 8], 4))
+        .unwrap();
     s.set_tiers(vec![c.tiers[1].clone()]).unwrap();
     let p = step(&mut s, 3_001);
     assert_eq!(timed_out(&p), [3]);
