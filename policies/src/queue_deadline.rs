@@ -21,13 +21,16 @@ use crate::types::{FinishReason, Micros, QueueTimeout, RequestId, RequestState, 
 /// Entries kept beyond twice the live requests before a compaction.
 const COMPACT_SLACK: usize = 64;
 
+/// A request's deadline: (deadline, request, slot, the bound in milliseconds, whether it is
+/// the tier's own). The bound is the one the request was queued with, which a timeout reports
+/// (a reload may have changed or removed it since).
+type Deadline = (Timestamp, RequestId, u32, u64, bool);
+
 /// Deadlines of requests waiting for their first admission, earliest first.
 #[derive(Default)]
 pub(crate) struct QueueDeadlines {
-    /// (deadline, request, slot, the bound in milliseconds, whether it is the tier's own):
-    /// the bound the request was queued with, which a timeout reports (a reload may have
-    /// changed or removed it since); stale entries are skipped when popped.
-    heap: BinaryHeap<Reverse<(Timestamp, RequestId, u32, u64, bool)>>,
+    /// The deadlines; stale entries are skipped when popped.
+    heap: BinaryHeap<Reverse<Deadline>>,
 }
 
 impl QueueDeadlines {
