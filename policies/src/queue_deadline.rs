@@ -21,17 +21,22 @@ use crate::types::{FinishReason, Micros, QueueTimeout, RequestId, RequestState, 
 /// Entries kept beyond twice the live requests before a compaction.
 const COMPACT_SLACK: usize = 64;
 
+/// A request's deadline: (deadline, request, slot, the bound in milliseconds, whether it is
+/// the tier's own). The bound is the one the request was queued with, which a timeout reports
+/// (a reload may have changed or removed it since).
+type Deadline = (Timestamp, RequestId, u32, u64, bool);
+
 /// Deadlines of requests waiting for their first admission, earliest first.
 #[derive(Default)]
 pub(crate) struct QueueDeadlines {
-    /// (deadline, request, slot); stale entries are skipped when popped.
-    heap: BinaryHeap<Reverse<(Timestamp, RequestId, u32)>>,
+    /// The deadlines; stale entries are skipped when popped.
+    heap: BinaryHeap<Reverse<Deadline>>,
 }
 
 impl QueueDeadlines {
     /// The earliest deadline held (possibly a stale entry's).
     pub(crate) fn earliest(&self) -> Option<Timestamp> {
-        self.heap.peek().map(|Reverse((t, _, _))| *t)
+        self.heap.peek().map(|Reverse((t, ..))| *t)
     }
 
     /// Entries held, stale ones included.
@@ -68,14 +73,20 @@ impl Scheduler {
         let Some(seq) = self.seq(slot) else {
             return;
         };
-        let Some((ms, _)) = self.queue_bound(&seq.req.tier) else {
+        let Some((ms, own)) = self.queue_bound(&seq.req.tier) else {
             return;
         };
-        let entry = (seq.req.arrival.saturating_add(micros(ms)), seq.id, slot);
+        let entry = (
+            seq.req.arrival.saturating_add(micros(ms)),
+            seq.id,
+            slot,
+            ms,
+            own,
+        );
         let live = self.running.len() + self.waiting.len();
         if self.deadlines.heap.len() > 2 * live + COMPACT_SLACK {
             let seqs = &self.seqs;
-            self.deadlines.heap.retain(|Reverse((_, id, s))| {
+            self.deadlines.heap.retain(|Reverse((_, id, s, ..))| {
                 seqs.get(*s as usize)
                     .and_then(Option::as_ref)
                     .is_some_and(|q| q.id == *id && q.state == RequestState::Waiting)
@@ -88,7 +99,9 @@ impl Scheduler {
     /// `now` (it waited longer than its bound), appending them to `out`.
     pub(crate) fn expire_queued(&mut self, now: Timestamp, out: &mut Vec<QueueTimeout>) {
         let mut any = false;
-        while let Some(&Reverse((deadline, id, slot))) = self.deadlines.heap.peek() {
+        while let Some(&Reverse((deadline, id, slot, max_queue_ms, tier_bound))) =
+            self.deadlines.heap.peek()
+        {
             if deadline >= now {
                 break;
             }
@@ -100,7 +113,6 @@ impl Scheduler {
                 continue; // admitted, or ended, since it was queued
             }
             let waited = now.saturating_sub(seq.req.arrival);
-            let (max_queue_ms, tier_bound) = self.queue_bound(&seq.req.tier).unwrap_or_default();
             let tier = seq.req.tier.clone();
             self.release(slot, RequestState::Finished(FinishReason::QueueTimeout));
             out.push(QueueTimeout {

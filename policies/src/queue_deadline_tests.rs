@@ -238,3 +238,38 @@ fn new_tier_settings_apply_to_requests_queued_after_them() {
     assert_eq!(timed_out(&p), [3]);
     assert_eq!(s.request_state(RequestId(2)), Some(RequestState::Waiting));
 }
+
+/// A timeout reports the bound its request was queued with, which a reload may have changed
+/// or removed since: request 2 (tier `bounded`, 1 ms) is timed out at its deadline after a
+/// reload raised the tier's bound to 5 s, and request 3 after one removed the tier; both
+/// name the 1 ms of `tiers.bounded.max_queue_ms` they waited past (the bound now in force
+/// said 5,000 ms, then "scheduler.max_queue_ms = 0", which is not set).
+#[test]
+fn a_timeout_reports_the_bound_its_request_was_queued_with_across_reloads() {
+    let c = config(16, 4, None);
+    let mut s = Scheduler::new(c.clone(), policy("fcfs", &c.tiers), [1, 2]).unwrap();
+    s.add_request(req(1, "open", 0, vec![1; 8], 50)).unwrap();
+    step(&mut s, 0);
+    s.add_request(req(2, "bounded", 10, vec![2; 8], 4)).unwrap();
+    let mut raised = c.tiers.clone();
+    raised[0].max_queue_ms = Some(5_000);
+    s.set_tiers(raised).unwrap();
+    let p = step(&mut s, 1_011);
+    assert_eq!(timed_out(&p), [2]);
+    assert_eq!(
+        (p.timed_out[0].max_queue_ms, p.timed_out[0].tier_bound),
+        (1, true)
+    );
+    s.set_tiers(c.tiers.clone()).unwrap();
+    s.add_request(req(3, "bounded", 2_000, vec![3; 8], 4))
+        .unwrap();
+    s.set_tiers(vec![c.tiers[1].clone()]).unwrap();
+    let p = step(&mut s, 3_001);
+    assert_eq!(timed_out(&p), [3]);
+    let t = &p.timed_out[0];
+    assert_eq!(
+        (t.max_queue_ms, t.tier_bound, t.tier.as_str()),
+        (1, true, "bounded")
+    );
+    assert!(t.waited > t.max_queue_ms * 1000);
+}

@@ -225,8 +225,14 @@ impl TierQuotas {
         if let Some(h) = self.held.get_mut(i) {
             *h = h.saturating_sub(n);
             if let Some(over) = self.over.get_mut(i) {
-                // Over its bound after a reload: what it may hold comes down with it.
-                *over = if *h > self.cap[i] { (*over).min(*h) } else { 0 };
+                // Over its bound after a reload: what it may hold comes down by what it gives
+                // back (not to what it holds: a block taken while over, then one given back,
+                // would leave it at what it held, and `check` blind to the growth).
+                *over = if *h > self.cap[i] {
+                    over.saturating_sub(n)
+                } else {
+                    0
+                };
             }
         }
     }
@@ -306,5 +312,34 @@ mod tests {
         q.sub(0, 6);
         q.sub(1, 7);
         assert_eq!(q.all_held(), &[0, 0]);
+    }
+
+    #[test]
+    fn a_tier_over_its_bound_that_takes_a_block_fails_the_check_though_it_gives_some_back() {
+        // A reload bounds the tier to 8 of 20 blocks while it holds 12: it may keep them, and
+        // what it may hold above the bound comes down with what it gives back.
+        let t = TierSpec {
+            max_kv_fraction: Some(0.4),
+            ..TierSpec::named("t")
+        };
+        let (mut q, _) = TierQuotas::replace(std::slice::from_ref(&t), 20, vec![12], &[0]);
+        assert!(q.check(&[12], &[]).is_ok());
+        q.sub(0, 2);
+        assert!(q.check(&[10], &[]).is_ok());
+        // A planner that gives the over-bound tier a block and then preempts one of its
+        // sequences holding two in the same step: 9 held, above its 8 blocks of
+        // bound and above the 8 it may hold after giving back 4 in all.
+        q.add(0, 1);
+        q.sub(0, 2);
+        let e = q.check(&[9], &[]).unwrap_err();
+        assert!(e.contains("over its bound of 8"), "{e}");
+        // Within its bound again: the bound alone applies from then on.
+        let (mut q, _) = TierQuotas::replace(&[t], 20, vec![12], &[0]);
+        q.sub(0, 5);
+        assert!(q.check(&[7], &[]).is_ok());
+        q.add(0, 1);
+        assert!(q.check(&[8], &[]).is_ok());
+        q.add(0, 1);
+        assert!(q.check(&[9], &[]).is_err());
     }
 }

@@ -2,7 +2,8 @@
 //! double-freed, refcounts equal block-table references, per-step budgets respected, every
 //! admitted request ends, never more distinct LoRA adapters run than `max_loras`, no tier holds
 //! more KV blocks than its `max_kv_fraction` allows (and the per-tier counts match the block
-//! tables), and hot
+//! tables, across reloads of the tiers that change the bounds, reorder the tiers and remove
+//! one), and hot
 //! swaps to every other policy (with speculative decoding switched off and on) lose or
 //! duplicate nothing; planning each step while the
 //! previous one is in flight (`launch` / `resolve`) yields the same outputs as stepping in
@@ -66,6 +67,9 @@ struct Workload {
     kv_fractions: [Option<f64>; 3],
     /// A reload of the tiers at this step with these KV quotas (`Scheduler::set_tiers`).
     reload_kv: Option<(u64, [Option<f64>; 3])>,
+    /// How that reload changes the set of tiers: the order they are listed in (an index into
+    /// [`ORDERS`]) and the tier it removes, if any (`3`: none).
+    reload_set: (usize, usize),
 }
 
 fn spec() -> impl Strategy<Value = Spec> {
@@ -136,6 +140,10 @@ fn workload() -> impl Strategy<Value = Workload> {
                     prop::array::uniform3(prop::option::weighted(0.5, 0.02f64..=1.0)),
                 ),
             ),
+            (
+                0usize..ORDERS.len(),
+                prop::sample::select(vec![0usize, 1, 2, 3, 3, 3]),
+            ),
         ),
     )
         .prop_map(
@@ -149,7 +157,7 @@ fn workload() -> impl Strategy<Value = Workload> {
                 (swap_every, spare_logit_rows, max_loras),
                 (speculative, period, window),
                 max_queue_ms,
-                (kv_fractions, reload_kv),
+                (kv_fractions, reload_kv, reload_set),
             )| Workload {
                 block_size,
                 num_gpu_blocks,
@@ -171,6 +179,7 @@ fn workload() -> impl Strategy<Value = Workload> {
                 max_queue_ms,
                 kv_fractions,
                 reload_kv,
+                reload_set,
             },
         )
 }
@@ -210,6 +219,45 @@ fn kv_quotas(w: &Workload, fractions: [Option<f64>; 3]) -> [usize; 3] {
     })
 }
 
+/// The orders a reload may list the tiers in (positions in [`tiers`]' list).
+const ORDERS: [[usize; 3]; 6] = [
+    [0, 1, 2],
+    [0, 2, 1],
+    [1, 0, 2],
+    [1, 2, 0],
+    [2, 0, 1],
+    [2, 1, 0],
+];
+
+/// The tiers a reload puts in force: [`tiers`]' with `fractions`, listed in `ORDERS[order]`,
+/// less the one at `removed` (none for 3); and, in the same order, their positions in
+/// [`tiers`]' list.
+fn reloaded_tiers(
+    batch_max_queue_ms: Option<u64>,
+    fractions: [Option<f64>; 3],
+    (order, removed): (usize, usize),
+) -> (Vec<TierSpec>, Vec<usize>) {
+    let all = tiers(batch_max_queue_ms, fractions);
+    let in_force: Vec<usize> = ORDERS[order]
+        .iter()
+        .copied()
+        .filter(|&t| t != removed)
+        .collect();
+    (in_force.iter().map(|&t| all[t].clone()).collect(), in_force)
+}
+
+/// Each tier's KV bound in blocks, by its position in [`tiers`]' list: `usize::MAX` for one
+/// without a bound or not in force (its requests count in no tier).
+fn bounds_in_force(w: &Workload, check: &TierCheck) -> [usize; 3] {
+    let mut bounds = kv_quotas(w, check.fractions);
+    for (t, b) in bounds.iter_mut().enumerate() {
+        if !check.in_force.contains(&t) {
+            *b = usize::MAX;
+        }
+    }
+    bounds
+}
+
 /// The fewest blocks a tier's quota must have for `r` to run to its end alone.
 fn quota_need(w: &Workload, r: &Spec) -> usize {
     let blocks = (r.prefix_len + r.suffix_len + r.max_tokens as usize).div_ceil(w.block_size);
@@ -227,6 +275,9 @@ struct TierCheck {
     before_reload: Option<BTreeSet<RequestId>>,
     /// Per tier, the blocks it held and its bound at the previous check.
     previous: [(usize, usize); 3],
+    /// The tiers in force, in the scheduler's order, by their positions in [`tiers`]' list
+    /// (a reload may reorder them and remove one).
+    in_force: Vec<usize>,
 }
 
 /// No tier holds more than its quota, and what the scheduler counts per tier is what the
@@ -248,8 +299,9 @@ fn check_tier_blocks(
             held[r.tier as usize] += table.iter().filter(|&&b| b != RELEASED_BLOCK).count();
         }
     }
-    prop_assert_eq!(s.tier_kv_blocks(), &held[..], "per-tier KV blocks");
-    let mut bounds = kv_quotas(w, check.fractions);
+    let counted: Vec<usize> = check.in_force.iter().map(|&t| held[t]).collect();
+    prop_assert_eq!(s.tier_kv_blocks(), &counted[..], "per-tier KV blocks");
+    let mut bounds = bounds_in_force(w, check);
     if let Some(before) = &check.before_reload {
         for id in before.iter().filter(|id| !ended.contains_key(id)) {
             let r = admitted[id];
@@ -281,6 +333,7 @@ fn variants() -> Vec<&'static str> {
     let mut names = PolicyRegistry::with_builtins().names();
     names.push(PREFIX_AWARE_CHUNKED);
     names.push(PREFIX_AWARE_NO_HOLD_BACK);
+    names.push(MLFQ_PREEMPT);
     names
 }
 
@@ -288,6 +341,9 @@ fn variants() -> Vec<&'static str> {
 const PREFIX_AWARE_CHUNKED: &str = "prefix-aware+token_budget";
 /// `prefix-aware` with `hold_back_shared: false` (a variant of [`variants`]).
 const PREFIX_AWARE_NO_HOLD_BACK: &str = "prefix-aware+hold_back_off";
+/// `mlfq` with `preempt: true` (a variant of [`variants`]): a waiting request of a better
+/// level evicts running work, and aging alike must keep evictions from alternating for ever.
+const MLFQ_PREEMPT: &str = "mlfq+preempt";
 
 fn make_policy(name: &str) -> Box<dyn Policy> {
     let reg = PolicyRegistry::with_builtins();
@@ -295,6 +351,15 @@ fn make_policy(name: &str) -> Box<dyn Policy> {
         let params = serde_yaml::from_str("{max_wait_ms: 20, lookup_limit: 3, token_budget: 8}");
         return reg
             .create("prefix-aware", &params.unwrap(), &tiers(None, [None; 3]))
+            .unwrap();
+    }
+    if name == MLFQ_PREEMPT {
+        let params = serde_yaml::from_str(
+            "{levels: 4, quantum_tokens: 2, prompt_tokens_per_level: 8, aging_interval_ms: 20, \
+             preempt: true}",
+        );
+        return reg
+            .create("mlfq", &params.unwrap(), &tiers(None, [None; 3]))
             .unwrap();
     }
     if name == PREFIX_AWARE_NO_HOLD_BACK {
@@ -611,7 +676,11 @@ fn run(w: &Workload, first: &str, swaps: &[&str], pipelined: bool) -> Result<End
         fractions: w.kv_fractions,
         before_reload: None,
         previous: [(0, usize::MAX); 3],
+        in_force: vec![0, 1, 2],
     };
+    // The queue bound each request was queued with (its tier's, if in force, else the
+    // scheduler's).
+    let mut queue_bounds: HashMap<RequestId, Option<u64>> = HashMap::new();
     let mut admitted: BTreeMap<RequestId, &Spec> = BTreeMap::new();
     let mut ended: BTreeMap<RequestId, FinishReason> = BTreeMap::new();
     let mut outputs_seen: HashMap<RequestId, usize> = HashMap::new();
@@ -645,7 +714,7 @@ fn run(w: &Workload, first: &str, swaps: &[&str], pipelined: bool) -> Result<End
                     // ... and the longest its tier's KV quota holds alone.
                     && r.prefix_len + r.suffix_len + r.max_tokens as usize
                         <= kv_capacity_tokens(
-                            kv_quotas(w, tier_check.fractions)[r.tier as usize]
+                            bounds_in_force(w, &tier_check)[r.tier as usize]
                                 .min(w.num_gpu_blocks),
                             w.block_size,
                             w.max_num_batched_tokens,
@@ -655,6 +724,12 @@ fn run(w: &Workload, first: &str, swaps: &[&str], pipelined: bool) -> Result<End
                     Ok(()) => {
                         prop_assert!(fits);
                         admitted.insert(id, r);
+                        let bound = if r.tier == 2 && tier_check.in_force.contains(&2) {
+                            w.max_queue_ms.1.or(w.max_queue_ms.0)
+                        } else {
+                            w.max_queue_ms.0
+                        };
+                        queue_bounds.insert(id, bound);
                     }
                     Err(e) => {
                         prop_assert!(!fits, "unexpected rejection: {}", e);
@@ -687,9 +762,12 @@ fn run(w: &Workload, first: &str, swaps: &[&str], pipelined: bool) -> Result<End
             }
         }
         if let Some((_, fractions)) = w.reload_kv.filter(|&(at, _)| at == step) {
-            // The quotas change between two steps (a step may be in flight): nothing is
-            // lost, and the checks hold from here on with the new ones.
-            s.set_tiers(tiers(w.max_queue_ms.1, fractions)).unwrap();
+            // The quotas change between two steps (a step may be in flight), and the tiers
+            // may be reordered and one removed (its requests count in no tier from then on):
+            // nothing is lost, and the checks hold from here on with the new ones.
+            let (reloaded, in_force) = reloaded_tiers(w.max_queue_ms.1, fractions, w.reload_set);
+            s.set_tiers(reloaded).unwrap();
+            tier_check.in_force = in_force;
             s.check_invariants()
                 .map_err(|e| TestCaseError::fail(e.to_string()))?;
             tier_check.fractions = fractions;
@@ -758,11 +836,7 @@ fn run(w: &Workload, first: &str, swaps: &[&str], pipelined: bool) -> Result<End
         // Every request never planned before whose bound ran out before `now` is timed out
         // by this plan (before anything is admitted).
         for (id, r) in &admitted {
-            let bound = if r.tier == 2 {
-                w.max_queue_ms.1.or(w.max_queue_ms.0)
-            } else {
-                w.max_queue_ms.0
-            };
+            let bound = queue_bounds[id];
             let due = bound.is_some_and(|ms| r.arrival_step * STEP_US + ms * 1000 < now.0);
             if due && !first_planned.contains_key(id) && !ended.contains_key(id) {
                 prop_assert!(
@@ -787,12 +861,7 @@ fn run(w: &Workload, first: &str, swaps: &[&str], pipelined: bool) -> Result<End
                 "{:?} timed out early",
                 t.id
             );
-            let want = if admitted[&t.id].tier == 2 {
-                w.max_queue_ms.1.or(w.max_queue_ms.0)
-            } else {
-                w.max_queue_ms.0
-            };
-            prop_assert_eq!(Some(t.max_queue_ms), want);
+            prop_assert_eq!(Some(t.max_queue_ms), queue_bounds[&t.id]);
             prop_assert_eq!(
                 s.request_state(t.id),
                 Some(RequestState::Finished(FinishReason::QueueTimeout))
@@ -911,10 +980,10 @@ fn run(w: &Workload, first: &str, swaps: &[&str], pipelined: bool) -> Result<End
         w.num_gpu_blocks,
         "blocks leaked at the end"
     );
-    prop_assert_eq!(
-        s.tier_kv_blocks(),
-        &[0, 0, 0],
-        "tier KV blocks left at the end"
+    prop_assert!(
+        s.tier_kv_blocks().iter().all(|&b| b == 0),
+        "tier KV blocks left at the end: {:?}",
+        s.tier_kv_blocks()
     );
     prop_assert!(st.prefix_hits <= st.prefix_queries);
     Ok(result)

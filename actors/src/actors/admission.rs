@@ -327,7 +327,8 @@ impl Admission {
     }
 
     /// The configured tiers are now `names` (a reload): a new tier is counted from now on
-    /// (no request of it can be in flight: API keys name configured tiers), and a removed
+    /// (requests of its name already in flight, which only keys without a tier and an open
+    /// API's default tier can send, hold none of its seats and are not counted), and a removed
     /// one's bounds no longer apply, its entry kept while requests of it hold seats (so a
     /// tier removed and added back by later reloads counts them) and dropped once idle.
     pub(crate) fn set_tiers(&self, names: &[String]) {

@@ -17,7 +17,8 @@
 //!
 //! *Starvation*: every request rises one level per `aging_interval_ms` since its arrival,
 //! waiting or running alike, so that under a stream of short requests a long one that waits
-//! still runs: it outranks a newcomer of level `k` once it is `k` intervals older. As in the
+//! still runs: it outranks a newcomer `k` levels better than its own once it is `k` intervals
+//! older (a tie goes to the earlier arrival). As in the
 //! `priority` policy, aging alike keeps the order of two requests fixed but for what they are
 //! served (the difference of their aging takes two adjacent values over time), so with the
 //! strict comparison of [`Policy::may_preempt`] two requests never evict each other in turn
