@@ -1020,17 +1020,17 @@ fn sighup_rotates_api_keys_and_applies_a_tiers_new_settings() {
     assert!(r.body.contains("Limit 4"), "{}", r.body);
     // The new TTFT target (10 minutes) is met by the requests since.
     assert_eq!(ttft(), (2.0, 3.0));
+    // While one of `key`'s requests streams, another is refused with `status`, naming `bound`.
+    let refused_beside_a_stream = |key: &str, status: u16, bound: &str| {
+        let reader = s.hold_stream(key, 400);
+        let r = s.complete_as(key, &short);
+        assert_eq!(r.status, status, "{}", r.body);
+        assert!(r.body.contains(bound), "{}", r.body);
+        let rest = reader.join().expect("the long stream");
+        assert!(rest.contains("data: [DONE]"), "the long stream did not end");
+    };
     // Carol's one request in flight is all her tier now allows her.
-    let reader = s.hold_stream(CAROL, 400);
-    let r = s.complete_as(CAROL, &short);
-    assert_eq!(r.status, 429, "{}", r.body);
-    assert!(
-        r.body.contains("(tiers.gold.max_pending_per_tenant is 1)"),
-        "{}",
-        r.body
-    );
-    let rest = reader.join().expect("the long stream");
-    assert!(rest.contains("data: [DONE]"), "the long stream did not end");
+    refused_beside_a_stream(CAROL, 429, "(tiers.gold.max_pending_per_tenant is 1)");
     // Carol's new tenant label is a metrics series of its own.
     let carol = ["tenant=\"carol\""];
     assert_eq!(
@@ -1079,16 +1079,7 @@ fn sighup_rotates_api_keys_and_applies_a_tiers_new_settings() {
         1.0
     );
     // Silver's bound of one request in flight holds.
-    let reader = s.hold_stream(DAVE, 400);
-    let r = s.complete_as(DAVE, &short);
-    assert_eq!(r.status, 503, "{}", r.body);
-    assert!(
-        r.body.contains("(tiers.silver.max_pending_requests is 1)"),
-        "{}",
-        r.body
-    );
-    let rest = reader.join().expect("the long stream");
-    assert!(rest.contains("data: [DONE]"), "the long stream did not end");
+    refused_beside_a_stream(DAVE, 503, "(tiers.silver.max_pending_requests is 1)");
 
     // Gold removed with its keys: acme's key is gone, dave is served.
     std::fs::write(&keys_file, silver(DAVE, "dave")).expect("keys");

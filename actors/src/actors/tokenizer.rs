@@ -284,9 +284,8 @@ mod tests {
         crate::testing::abc_tokenizer()
     }
 
-    /// A token-id prompt with an id outside the vocabulary is refused naming `prompt`.
-    #[actix::test]
-    async fn a_token_prompt_outside_the_vocabulary_names_the_prompt() {
+    /// A tokenizer actor on the test tokenizer, and its vocabulary's size.
+    fn tokenizer_actor() -> (actix::Addr<TokenizerActor>, u32) {
         let grammars =
             LazyGrammarCompiler::with_pool(CompilePool::new(1, 8, Duration::from_secs(3600)));
         let tok = tokenizer();
@@ -294,6 +293,13 @@ mod tests {
         let actors = SyncArbiter::start(1, move || {
             TokenizerActor::new(tok.clone(), None, grammars.clone(), 1024)
         });
+        (actors, vocab)
+    }
+
+    /// A token-id prompt with an id outside the vocabulary is refused naming `prompt`.
+    #[actix::test]
+    async fn a_token_prompt_outside_the_vocabulary_names_the_prompt() {
+        let (actors, vocab) = tokenizer_actor();
         let refused = actors
             .send(Encode {
                 source: PromptSource::Tokens(vec![0, vocab]),
@@ -310,13 +316,7 @@ mod tests {
     /// a 400 with `param: null`).
     #[actix::test]
     async fn a_detokenize_id_outside_the_vocabulary_names_the_tokens() {
-        let grammars =
-            LazyGrammarCompiler::with_pool(CompilePool::new(1, 8, Duration::from_secs(3600)));
-        let tok = tokenizer();
-        let vocab = u32::try_from(tok.vocab_size()).unwrap();
-        let actors = SyncArbiter::start(1, move || {
-            TokenizerActor::new(tok.clone(), None, grammars.clone(), 1024)
-        });
+        let (actors, vocab) = tokenizer_actor();
         let refused = actors
             .send(Decode(vec![0, vocab]))
             .await

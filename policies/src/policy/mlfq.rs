@@ -35,7 +35,7 @@
 //! long answer that is preempted waits behind the short ones until it ages back in.
 
 use crate::error::PolicyError;
-use crate::policy::params::Params;
+use crate::policy::params::{aging_interval_us, Params};
 use crate::policy::{Policy, Rank};
 use crate::sequence::SeqView;
 use crate::types::{TierSpec, Timestamp};
@@ -72,16 +72,11 @@ impl Mlfq {
         aging_interval_ms: f64,
         preempt: bool,
     ) -> Self {
-        let us = (aging_interval_ms * 1e3).round() as u64;
         Self {
             levels: levels.max(1),
             quantum_tokens: quantum_tokens.max(1),
             prompt_tokens_per_level: prompt_tokens_per_level.max(1),
-            aging_interval_us: if aging_interval_ms > 0.0 {
-                us.max(1)
-            } else {
-                0
-            },
+            aging_interval_us: aging_interval_us(aging_interval_ms),
             preempt,
         }
     }
@@ -106,16 +101,7 @@ impl Mlfq {
         let levels = p.u64_in("levels", 6, 1, MAX_LEVELS)? as u32;
         let quantum = p.u64_in("quantum_tokens", 32, 1, 1 << 20)?;
         let prompt_unit = p.u64_in("prompt_tokens_per_level", 1024, 1, 1 << 24)?;
-        let aging = p.f64_in("aging_interval_ms", 10_000.0, 0.0, 1e9)?;
-        if aging > 0.0 && aging < 1e-3 {
-            return Err(PolicyError::InvalidParam {
-                policy: NAME,
-                field: "aging_interval_ms".into(),
-                reason: format!(
-                    "must be 0 (no aging) or at least 0.001 (one microsecond), got {aging}"
-                ),
-            });
-        }
+        let aging = p.aging_interval_ms("aging_interval_ms", 10_000.0)?;
         let preempt = p.bool("preempt", false)?;
         Ok(Box::new(Self::new(
             levels,
@@ -185,7 +171,7 @@ impl Policy for Mlfq {
 mod tests {
     use super::*;
     use crate::policy::testutil::{request, run_step, seq};
-    use crate::types::{RequestId, SchedulerConfig};
+    use crate::types::{RequestId, SchedulerConfig, StepPlan};
     use crate::Scheduler;
 
     fn mlfq() -> Mlfq {
@@ -262,15 +248,16 @@ mod tests {
     /// Through the scheduler: one seat. A long answer (request 1) runs alone and sinks; a
     /// short request arriving later joins level 0, evicts it, and finishes first; the long
     /// one then runs to its end with its output kept.
-    #[test]
-    fn a_short_request_overtakes_a_long_answer_that_has_sunk() {
+    /// One seat; request 1 (a 3-token prompt, up to 40 tokens) has run 10 steps when request 2
+    /// (3 tokens, 3 at most) arrives: the plan of the step it arrives in.
+    fn arrival_beside_a_sunk_answer(preempt: bool) -> (Scheduler, StepPlan) {
         let config = SchedulerConfig {
             max_num_seqs: 1,
             num_gpu_blocks: 64,
             block_size: 4,
             ..SchedulerConfig::default()
         };
-        let aging_off = Mlfq::new(5, 4, 100, 0.0, true);
+        let aging_off = Mlfq::new(5, 4, 100, 0.0, preempt);
         let mut s = Scheduler::new(config, Box::new(aging_off), [1, 2]).unwrap();
         s.add_request(request(1, "", 0, vec![1, 2, 3], 40)).unwrap();
         for t in 0..10 {
@@ -279,6 +266,15 @@ mod tests {
         // 10 tokens: level 1 (4 at level 0, 6 of 8 at level 1).
         s.add_request(request(2, "", 10, vec![4, 5, 6], 3)).unwrap();
         let (plan, _) = run_step(&mut s, 10, 7);
+        (s, plan)
+    }
+
+    /// Through the scheduler: a long answer runs alone and sinks; a short request arriving
+    /// later joins level 0, evicts it, and finishes first; the long one then runs to its end
+    /// with its output kept. Without preemption the short one waits for the seat.
+    #[test]
+    fn a_short_request_overtakes_a_long_answer_that_has_sunk() {
+        let (mut s, plan) = arrival_beside_a_sunk_answer(true);
         assert_eq!(plan.preempted, vec![RequestId(1)]);
         assert_eq!(
             plan.seqs.iter().map(|q| q.id).collect::<Vec<_>>(),
@@ -301,21 +297,7 @@ mod tests {
             assert!(t < 200, "request 1 never finished");
         }
         assert_eq!(s.output_tokens(RequestId(1)).map(<[_]>::len), Some(40));
-        // Without preemption the short one waits for the seat.
-        let config = SchedulerConfig {
-            max_num_seqs: 1,
-            num_gpu_blocks: 64,
-            block_size: 4,
-            ..SchedulerConfig::default()
-        };
-        let no_preempt = Mlfq::new(5, 4, 100, 0.0, false);
-        let mut s = Scheduler::new(config, Box::new(no_preempt), [1, 2]).unwrap();
-        s.add_request(request(1, "", 0, vec![1, 2, 3], 40)).unwrap();
-        for t in 0..10 {
-            run_step(&mut s, t, 7);
-        }
-        s.add_request(request(2, "", 10, vec![4, 5, 6], 3)).unwrap();
-        let (plan, _) = run_step(&mut s, 10, 7);
+        let (_, plan) = arrival_beside_a_sunk_answer(false);
         assert!(plan.preempted.is_empty());
         assert_eq!(
             plan.seqs.iter().map(|q| q.id).collect::<Vec<_>>(),

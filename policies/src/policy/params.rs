@@ -19,6 +19,16 @@ pub(crate) struct Params<'v> {
     map: Option<&'v Mapping>,
 }
 
+/// An aging interval of `ms` milliseconds in whole microseconds: 0 for none, at least one
+/// when it is positive (so aging never switches off by rounding).
+pub(crate) fn aging_interval_us(ms: f64) -> u64 {
+    if ms > 0.0 {
+        ((ms * 1e3).round() as u64).max(1)
+    } else {
+        0
+    }
+}
+
 impl<'v> Params<'v> {
     /// Accepts null or a mapping whose keys are all in `known`.
     pub(crate) fn new(
@@ -93,6 +103,19 @@ impl<'v> Params<'v> {
             return Err(self.err(field, format!("must be in {min}..={max}, got {x}")));
         }
         Ok(x)
+    }
+
+    /// An aging interval in milliseconds (`default` when absent): 0 (no aging) or at least
+    /// 0.001 (one microsecond, the clock's resolution), at most 1e9.
+    pub(crate) fn aging_interval_ms(&self, field: &str, default: f64) -> Result<f64, PolicyError> {
+        let ms = self.f64_in(field, default, 0.0, 1e9)?;
+        if ms > 0.0 && ms < 1e-3 {
+            return Err(self.err(
+                field,
+                format!("must be 0 (no aging) or at least 0.001 (one microsecond), got {ms}"),
+            ));
+        }
+        Ok(ms)
     }
 
     /// An integer in `min..=max`, or `default` when absent.

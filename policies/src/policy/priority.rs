@@ -20,7 +20,7 @@
 //! [`Policy::may_preempt`] two requests can never preempt each other in turn.
 
 use crate::error::PolicyError;
-use crate::policy::params::Params;
+use crate::policy::params::{aging_interval_us, Params};
 use crate::policy::{Policy, Rank};
 use crate::sequence::SeqView;
 use crate::types::{TierSpec, Timestamp};
@@ -44,13 +44,8 @@ impl PriorityPolicy {
     /// to whole microseconds, at least one when it is positive (so aging never switches off
     /// by rounding).
     pub fn new(aging_interval_ms: f64, preempt: bool, boost_cap: u32) -> Self {
-        let us = (aging_interval_ms * 1e3).round() as u64;
         Self {
-            aging_interval_us: if aging_interval_ms > 0.0 {
-                us.max(1)
-            } else {
-                0
-            },
+            aging_interval_us: aging_interval_us(aging_interval_ms),
             preempt,
             boost_cap,
         }
@@ -68,16 +63,7 @@ impl PriorityPolicy {
             params,
             &["aging_interval_ms", "preempt", "preempted_boost_cap"],
         )?;
-        let aging = p.f64_in("aging_interval_ms", 10_000.0, 0.0, 1e9)?;
-        if aging > 0.0 && aging < 1e-3 {
-            return Err(PolicyError::InvalidParam {
-                policy: NAME,
-                field: "aging_interval_ms".into(),
-                reason: format!(
-                    "must be 0 (no aging) or at least 0.001 (one microsecond), got {aging}"
-                ),
-            });
-        }
+        let aging = p.aging_interval_ms("aging_interval_ms", 10_000.0)?;
         let preempt = p.bool("preempt", true)?;
         let cap = p.u64_in("preempted_boost_cap", 3, 0, 1000)? as u32;
         Ok(Box::new(Self::new(aging, preempt, cap)))
