@@ -159,6 +159,11 @@ impl Demand {
     }
 }
 
+/// Most tier names counted: the configured tiers (at most 32) and the names of tiers not
+/// configured that requests carry (their API keys' tier, or the open API's default), which the
+/// configuration bounds too; a name beyond is not counted (nothing bounds it anyway).
+const MAX_COUNTED_TIERS: usize = 256;
+
 /// The limit of a bound that does not bound: a configured tier without one still counts its
 /// seats, so that a reload that gives it one ([`Admission::set_limits`]) counts the requests
 /// already in flight.
@@ -326,11 +331,12 @@ impl Admission {
         self
     }
 
-    /// The configured tiers are now `names` (a reload): a new tier is counted from now on
-    /// (requests of its name already in flight, which only keys without a tier and an open
-    /// API's default tier can send, hold none of its seats and are not counted), and a removed
-    /// one's bounds no longer apply, its entry kept while requests of it hold seats (so a
-    /// tier removed and added back by later reloads counts them) and dropped once idle.
+    /// The configured tiers are now `names` (a reload): a new tier is counted from now on, and
+    /// requests of its name already in flight (keys without a tier, an open API's default)
+    /// count in it too, since [`Admission::admit`] counts every tier name it admits; a
+    /// removed one's bounds no longer apply, its entry kept while requests of it hold seats
+    /// (so a tier removed and added back by later reloads counts them) and dropped once idle,
+    /// as is an idle name no tier has.
     pub(crate) fn set_tiers(&self, names: &[String]) {
         let mut tiers = self.tiers.write();
         tiers.retain(|t| {
@@ -446,6 +452,14 @@ impl Admission {
         demand: Demand,
     ) -> Result<InFlight, SubmitError> {
         let seats = demand.choices;
+        if !self.tiers.read().iter().any(|t| t.name == tier) {
+            // A tier not configured (keys without a tier, an open API's default) is counted
+            // too, unbounded, so that a reload configuring it counts what is in flight.
+            let mut tiers = self.tiers.write();
+            if tiers.len() < MAX_COUNTED_TIERS && !tiers.iter().any(|t| t.name == tier) {
+                count(&mut tiers, tier.to_owned());
+            }
+        }
         let tiers = self.tiers.read();
         let tier_entry = tiers.iter().find(|t| t.name == tier);
         let per_tenant = tier_entry.and_then(|t| t.per_tenant.as_ref().map(|b| (t, b)));
@@ -900,6 +914,24 @@ mod tests {
         a.set_tiers(&["gold".to_owned()]);
         assert_eq!(a.tiers.read().len(), 1, "batch dropped once idle");
         assert_eq!(a.in_flight(), 1);
+    }
+
+    /// A tier name no tier has is counted from its first request, so that a reload that
+    /// configures it (a tier named as keys without one send) bounds what is in flight.
+    #[test]
+    fn a_tier_configured_by_a_reload_counts_its_requests_already_in_flight() {
+        let a = Admission::new(8, &[], &[]).counting(["gold".to_owned()]);
+        let held = [(); 2].map(|_| a.admit("standard", "acme", ONE).unwrap());
+        a.set_tiers(&["gold".to_owned(), "standard".to_owned()]);
+        a.set_limits(8, &[("standard".into(), 2)], &[]).unwrap();
+        let e = a.admit("standard", "beta", ONE).err().unwrap();
+        assert!(
+            e.message
+                .contains("tiers.standard.max_pending_requests is 2"),
+            "{e}"
+        );
+        drop(held);
+        let _again = a.admit("standard", "beta", ONE).unwrap();
     }
 
     #[test]
