@@ -721,16 +721,14 @@ impl Engine {
 
     /// The SLO targets of `tier` in force (none for a tier not configured).
     pub(crate) fn tier_slo(&self, tier: &str) -> SloTargets {
-        self.tiers.read().iter().find(|t| t.name == tier).map_or(
-            SloTargets {
-                ttft_ms: None,
-                tpot_ms: None,
-            },
-            |t| SloTargets {
+        self.tiers
+            .read()
+            .iter()
+            .find(|t| t.name == tier)
+            .map_or_else(SloTargets::default, |t| SloTargets {
                 ttft_ms: t.ttft_ms,
                 tpot_ms: t.tpot_ms,
-            },
-        )
+            })
     }
 
     /// The tenant that labels a request's usage counters: a configured tenant's name, any

@@ -35,7 +35,7 @@
 //! long answer that is preempted waits behind the short ones until it ages back in.
 
 use crate::error::PolicyError;
-use crate::policy::params::{aging_interval_us, Params};
+use crate::policy::params::{aged_levels, aging_interval_us, Params};
 use crate::policy::{Policy, Rank};
 use crate::sequence::SeqView;
 use crate::types::{TierSpec, Timestamp};
@@ -142,10 +142,7 @@ impl Mlfq {
     /// interval since its arrival; lower is served first (it may go below 0).
     pub fn effective_level(&self, seq: SeqView<'_>, now: Timestamp) -> i64 {
         let level = self.level_after(self.join_level(seq.prompt_len()), seq.num_output_tokens());
-        let lift = match self.aging_interval_us {
-            0 => 0,
-            i => (now.saturating_sub(seq.arrival()) / i) as i64,
-        };
+        let lift = aged_levels(self.aging_interval_us, seq.arrival(), now);
         i64::from(level) - lift
     }
 }

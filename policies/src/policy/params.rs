@@ -29,6 +29,19 @@ pub(crate) fn aging_interval_us(ms: f64) -> u64 {
     }
 }
 
+/// The levels a request arrived at `arrival` has risen by `now` under an aging interval of
+/// `interval_us` microseconds ([`aging_interval_us`]; 0: none): one per whole interval.
+pub(crate) fn aged_levels(
+    interval_us: u64,
+    arrival: crate::types::Timestamp,
+    now: crate::types::Timestamp,
+) -> i64 {
+    match interval_us {
+        0 => 0,
+        i => (now.saturating_sub(arrival) / i) as i64,
+    }
+}
+
 impl<'v> Params<'v> {
     /// Accepts null or a mapping whose keys are all in `known`.
     pub(crate) fn new(

@@ -20,7 +20,7 @@
 //! [`Policy::may_preempt`] two requests can never preempt each other in turn.
 
 use crate::error::PolicyError;
-use crate::policy::params::{aging_interval_us, Params};
+use crate::policy::params::{aged_levels, aging_interval_us, Params};
 use crate::policy::{Policy, Rank};
 use crate::sequence::SeqView;
 use crate::types::{TierSpec, Timestamp};
@@ -71,10 +71,7 @@ impl PriorityPolicy {
 
     /// Priority after aging: one level better per full interval waited since arrival.
     pub fn effective_priority(&self, seq: SeqView<'_>, now: Timestamp) -> i64 {
-        let levels = match self.aging_interval_us {
-            0 => 0,
-            i => (now.saturating_sub(seq.arrival()) / i) as i64,
-        };
+        let levels = aged_levels(self.aging_interval_us, seq.arrival(), now);
         i64::from(seq.priority()) - levels
     }
 }
