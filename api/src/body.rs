@@ -90,11 +90,17 @@ fn json_error(e: serde_path_to_error::Error<serde_json::Error>) -> ApiError {
             param: None,
         };
     }
-    // Only data errors (wrong type, missing field) belong to a field; serde_path_to_error
-    // writes "." for the root and "?" where it lost track.
+    // Data errors (wrong type, missing field) belong to a field, and so does a number too
+    // large for any type (serde_json's lexer refuses it, as a syntax error, while reading
+    // that field's value); serde_path_to_error writes "." for the root and "?" where it lost
+    // track.
+    use serde_json::error::Category;
+    let out_of_range = message.starts_with("number out of range");
     let param = match (e.inner().classify(), path.as_str()) {
-        (serde_json::error::Category::Data, ".") => missing_field(&message),
-        (serde_json::error::Category::Data, p) if !p.contains('?') => Some(path),
+        (Category::Data, ".") => missing_field(&message),
+        (_, "." | "") => None,
+        (Category::Data, p) if !p.contains('?') => Some(path),
+        (Category::Syntax, p) if out_of_range && !p.contains('?') => Some(path),
         _ => None,
     };
     ApiError::InvalidRequest {
@@ -129,6 +135,23 @@ mod tests {
         );
         assert_eq!(param(r#"{"prompt":"x","n":-1}"#).as_deref(), Some("n"));
         assert_eq!(param(r#"{"prompt":{"a":1}}"#).as_deref(), Some("prompt"));
+    }
+
+    /// serde_json's lexer refuses a number beyond an f64's range as a syntax error; it is
+    /// still the field's value at fault, so the field is named (it was `null`).
+    #[test]
+    fn a_number_out_of_range_names_its_field() {
+        assert_eq!(
+            param(r#"{"prompt":"x","temperature":1e400}"#).as_deref(),
+            Some("temperature")
+        );
+        assert_eq!(
+            param(r#"{"prompt":"x","logit_bias":{"5":-1e400}}"#).as_deref(),
+            Some("logit_bias.5")
+        );
+        assert!(message(r#"{"prompt":"x","top_p":1e999}"#).contains("number out of range"));
+        // Other syntax errors inside a field's value still name none.
+        assert_eq!(param(r#"{"prompt":"x","temperature":1e}"#), None);
     }
 
     /// The message of a body that does not parse.
