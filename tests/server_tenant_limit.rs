@@ -3,7 +3,8 @@
 //! `rate_limit_exceeded` (with `Retry-After`) for a second one, while another tenant of the
 //! same tier is served; the refusal is counted in
 //! `request_failed_total{reason="tenant_busy"}` and logged at WARN, and the tenant is served
-//! again once its request ends.
+//! again once its request ends; a refused request takes nothing from the tenant's
+//! `requests_per_minute`.
 
 mod common;
 
@@ -16,7 +17,9 @@ const BETA: &str = "Bearer free-tier-tenant-beta-key-01";
 #[test]
 fn a_tenant_at_its_bound_gets_a_429_while_its_tier_neighbour_is_served() {
     let keys = api_key_lines(&[(ACME, "acme", "free"), (BETA, "beta", "free")]);
-    let rest = "tiers:\n  free: { max_pending_per_tenant: 1 }\n";
+    // Two requests a minute per tenant: acme's stream takes one; the refusal for want of
+    // room takes none (given back), so its request after the stream takes the second.
+    let rest = "tiers:\n  free: { max_pending_per_tenant: 1, requests_per_minute: 2 }\n";
     let s = Server::start_with("tenant-limit", &keys, rest);
 
     // Acme's one seat: a long stream, read to its end on a thread of its own.
@@ -43,9 +46,11 @@ fn a_tenant_at_its_bound_gets_a_429_while_its_tier_neighbour_is_served() {
 
     let rest = reader.join().expect("the long stream");
     assert!(rest.contains("data: [DONE]"), "the long stream did not end");
-    // Its request ended, acme is served again.
+    // Its request ended, acme is served again: the second of its two requests a minute
+    // (a 429 rate_limit_exceeded on requests per min were the refused one charged).
     let r = s.complete_as(ACME, &json!({"prompt": "Hi", "max_tokens": 2}));
     assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.header("x-ratelimit-limit-requests"), Some("2"));
 
     let metrics = s
         .request("GET", "/metrics", None, &[])

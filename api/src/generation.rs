@@ -85,6 +85,18 @@ pub(crate) struct Generation {
     charged: Vec<u32>,
 }
 
+/// Whether an error before a request's prompt event is the server refusing it for want of
+/// room (its bounds on requests in flight, a full compile queue, a drain): the request used
+/// nothing, and its rate limit's request is given back ([`crate::rate_limit`]).
+fn refused_for_room(kind: EngineErrorKind) -> bool {
+    matches!(
+        kind,
+        EngineErrorKind::Overloaded { .. }
+            | EngineErrorKind::TenantBusy
+            | EngineErrorKind::Unavailable
+    )
+}
+
 /// A breach of the port's request protocol by the engine: a 500 whose detail is logged.
 pub(crate) fn protocol_error(message: &str) -> ApiError {
     ApiError::Engine(EngineError::new(
@@ -114,8 +126,12 @@ impl Generation {
             })
             .collect();
         // All prompts at once: the engine admits them together or refuses them all.
+        let mut meter = meter;
         let receivers = engine.submit(requests).map_err(|e| {
             failure.set(e.kind);
+            if refused_for_room(e.kind) {
+                meter.refused_before_queueing();
+            }
             name_fields(e, fields)
         })?;
         Self::accept(receivers, n, fields, failure, meter).await
@@ -184,6 +200,10 @@ impl Generation {
                     generation.failure.set(e.kind);
                     if accepted[prompt] {
                         generation.refund_timed_out(prompt, e.kind);
+                    } else if refused_for_room(e.kind) && !accepted.contains(&true) {
+                        // The engine admits a request's prompts together or refuses them
+                        // all: none was queued.
+                        generation.meter.refused_before_queueing();
                     }
                     return Err(name_fields(e, fields));
                 }
@@ -462,6 +482,58 @@ mod tests {
             assert!(matches!(block_on(g.next()), Some(Err(_))));
             drop(g);
             assert_eq!(remaining(), left, "{kind}");
+        }
+    }
+
+    /// A request the server refused for want of room before queueing it (overloaded,
+    /// tenant_busy, unavailable: an error before any prompt event) gives its tenant's
+    /// request back; one refused for its own fault, or failing once queued, keeps it.
+    #[test]
+    fn a_request_refused_for_room_before_queueing_takes_no_request() {
+        use crate::rate_limit::{RateLimiter, TierLimits};
+        let limiter = RateLimiter::new(std::collections::HashMap::from([(
+            "free".to_owned(),
+            TierLimits {
+                requests_per_minute: Some(10),
+                tokens_per_minute: None,
+            },
+        )]));
+        let who = crate::auth::Principal {
+            tenant: "acme".into(),
+            tier: "free".into(),
+            adapters: crate::auth::AdapterAccess::all(),
+        };
+        let error = |kind| EngineEvent::Error(EngineError::new(kind, "x"));
+        let overloaded = EngineErrorKind::Overloaded {
+            retry_after_secs: 1,
+        };
+        for (events, left) in [
+            (vec![error(overloaded)], 10),
+            (vec![error(EngineErrorKind::TenantBusy)], 10),
+            (vec![error(EngineErrorKind::Unavailable)], 10),
+            (vec![error(EngineErrorKind::InvalidRequest)], 9),
+            (vec![error(EngineErrorKind::ContextLengthExceeded)], 9),
+            (vec![prompt(3), error(EngineErrorKind::Unavailable)], 9),
+        ] {
+            limiter.reset("free", "acme");
+            let meter = limiter
+                .admit(&who, vec![1], std::time::Instant::now())
+                .unwrap();
+            let kind = format!("{events:?}");
+            let result = block_on(Generation::accept(
+                vec![channel(events)],
+                1,
+                fields("prompt"),
+                SiblingFailure::default(),
+                meter,
+            ));
+            match result {
+                Err(_) => {}
+                Ok(mut g) => assert!(matches!(block_on(g.next()), Some(Err(_)))),
+            }
+            let report = limiter.report(std::time::Instant::now());
+            let remaining = report["tenants"][0]["requests"]["remaining"].as_u64();
+            assert_eq!(remaining, Some(left), "{kind}");
         }
     }
 

@@ -7,8 +7,11 @@
 //! refills continuously (a tenant idle for a minute may send a minute's requests at once, and
 //! in the long run no more than the limit per minute).
 //!
-//! - **Requests**: a request takes one from its tenant's bucket when it is admitted, whatever
-//!   becomes of it later; with none left it is refused.
+//! - **Requests**: a request takes one from its tenant's bucket when it is admitted; with none
+//!   left it is refused. It keeps it whatever becomes of it, unless the server refuses it for
+//!   want of room before queueing it (`overloaded`, `tenant_busy`, `unavailable`): then it used
+//!   nothing and its one is given back, so that retries during an overload, as `Retry-After`
+//!   asks, do not leave the tenant rate-limited once it ends.
 //! - **Tokens** are taken as they are used, as `usage` counts them: each prompt's tokens (once
 //!   per prompt, whatever its `n`; prefix-cache hits included) and each token generated (an
 //!   embedding's prompt only). A request is admitted while its tenant's token budget is not
@@ -278,11 +281,13 @@ impl RateLimiter {
             snapshot(&b)
         };
         Ok(Meter {
-            budget: limits.tokens_per_minute.is_some().then_some(budget),
+            tokens_limited: limits.tokens_per_minute.is_some(),
+            budget: Some(budget),
             origin: self.origin,
             estimates,
             snapshot: Some(snapshot),
             generated: true,
+            request_given_back: false,
         })
     }
 }
@@ -366,8 +371,12 @@ pub fn estimate_prompt_tokens(prompt: &PromptInput) -> u64 {
 /// estimates of prompts never tokenized when dropped.
 #[derive(Debug)]
 pub struct Meter {
-    /// The tenant's budget; `None` when no token limit applies.
+    /// The tenant's budget; `None` when no limit applies.
     budget: Option<Arc<Mutex<TenantBudget>>>,
+    /// Whether the budget has a token limit (else there are no tokens to charge).
+    tokens_limited: bool,
+    /// Whether the request's one was given back ([`Meter::refused_before_queueing`]).
+    request_given_back: bool,
     /// Time zero of the budget's clock.
     origin: Instant,
     /// Per prompt, the estimate still held (0 once settled).
@@ -383,6 +392,8 @@ impl Meter {
     pub fn unlimited() -> Self {
         Self {
             budget: None,
+            tokens_limited: false,
+            request_given_back: false,
             origin: Instant::now(),
             estimates: Vec::new(),
             snapshot: None,
@@ -402,9 +413,22 @@ impl Meter {
     }
 
     fn charge(&self, tokens: f64) {
-        if let Some(b) = &self.budget {
+        if let Some(b) = self.budget.as_ref().filter(|_| self.tokens_limited) {
             let now_s = self.origin.elapsed().as_secs_f64();
             b.lock().charge(tokens, now_s);
+        }
+    }
+
+    /// The server refused the request for want of room before queueing it: its one from the
+    /// requests budget is given back (once; its prompts' estimates are given back when the
+    /// meter drops, as for any prompt never tokenized).
+    pub fn refused_before_queueing(&mut self) {
+        if std::mem::replace(&mut self.request_given_back, true) {
+            return;
+        }
+        if let Some(b) = &self.budget {
+            let now_s = self.origin.elapsed().as_secs_f64();
+            b.lock().give_back_request(now_s);
         }
     }
 

@@ -96,6 +96,13 @@ impl TokenBucket {
         self.level -= amount;
     }
 
+    /// Gives back `amount` at `now_s`, never above the limit (what was taken for something
+    /// that then used nothing).
+    pub fn give_back(&mut self, amount: f64, now_s: f64) {
+        self.refill(now_s);
+        self.level = (self.level + amount).min(self.limit as f64);
+    }
+
     /// Whole units left (0 when spent or below zero), as of the last refill.
     pub fn remaining(&self) -> u64 {
         if self.level >= 1.0 {
@@ -218,6 +225,17 @@ impl TenantBudget {
         Ok(())
     }
 
+    /// Gives back at `now_s` the request [`Self::admit`] took: the server refused it for want
+    /// of room before queueing it (`overloaded`, `tenant_busy`, `unavailable`), so it used
+    /// nothing. The server's own state is no client's doing: a tenant whose retries of
+    /// refused requests took its budget would be rate-limited after an overload ended for
+    /// requests never served.
+    pub fn give_back_request(&mut self, now_s: f64) {
+        if let Some(r) = self.requests.as_mut() {
+            r.give_back(1.0, now_s);
+        }
+    }
+
     /// Charges `tokens` used at `now_s` (a negative amount gives back).
     pub fn charge(&mut self, tokens: f64, now_s: f64) {
         if let Some(t) = self.tokens.as_mut() {
@@ -255,6 +273,31 @@ mod tests {
         assert!(b.admit(0.9, 0.0).is_err());
         assert!(b.admit(1.0, 0.0).is_ok());
         assert!(b.admit(1.5, 0.0).is_err());
+    }
+
+    #[test]
+    fn a_request_given_back_is_admitted_again_and_never_above_the_limit() {
+        let mut b = budget(Some(2), Some(100));
+        b.admit(0.0, 40.0).unwrap();
+        b.admit(0.0, 40.0).unwrap();
+        assert!(b.admit(0.0, 0.0).is_err());
+        // The second was refused by the server before it was queued: its request comes
+        // back (its tokens are the caller's to give back), and one more is admitted.
+        b.give_back_request(0.0);
+        assert_eq!(b.requests().unwrap().remaining(), 1);
+        assert_eq!(b.tokens().unwrap().remaining(), 20);
+        b.admit(0.0, 0.0).unwrap();
+        assert!(b.admit(0.0, 0.0).is_err());
+        // Given back once refilled, the bucket stays at its limit.
+        b.give_back_request(120.0);
+        assert_eq!(b.requests().unwrap().remaining(), 2);
+        b.admit(120.0, 0.0).unwrap();
+        b.admit(120.0, 0.0).unwrap();
+        assert!(b.admit(120.0, 0.0).is_err());
+        // A budget without a requests limit has nothing to give back.
+        let mut t = budget(None, Some(10));
+        t.give_back_request(0.0);
+        assert!(t.requests().is_none());
     }
 
     #[test]

@@ -830,6 +830,7 @@ impl<'a> Loop<'a> {
                         self.tracks[i].outcome = Outcome::RateLimited;
                         rejected += 1;
                     } else if let Err(refusal) = self.take_seat(i) {
+                        self.give_back_request(i);
                         self.tracks[i].outcome = match refusal {
                             crate::in_flight::Refusal::TierFull => Outcome::Overloaded,
                             crate::in_flight::Refusal::TenantBusy => Outcome::TenantBusy,
@@ -921,6 +922,17 @@ impl<'a> Loop<'a> {
             self.budget_of[i] = Some(b);
         }
         true
+    }
+
+    /// Gives request `i`'s one back to its tenant's requests budget (if it has one) at its
+    /// arrival: its tier's bounds on requests in flight refused it before it was queued, and
+    /// the server gives back a request it refuses for want of room.
+    fn give_back_request(&mut self, i: usize) {
+        let r = &self.requests[i];
+        if let Some(&b) = self.budget_index.get(&(r.tier.clone(), r.tenant.clone())) {
+            let at_s = self.arrivals_us[i] as f64 / 1e6;
+            self.budgets[b].give_back_request(at_s);
+        }
     }
 
     /// Charges request `i`'s prompt tokens, times `sign`, to its tenant's tokens budget (if
@@ -2125,6 +2137,37 @@ policies: [{{name: fcfs}}]
         let records = fcfs_records(yaml, &rs);
         let got = outcomes(&records);
         assert_eq!(got, ["length", "length", "overloaded", "length"]);
+    }
+
+    #[test]
+    fn a_request_refused_for_room_takes_no_request_from_its_tenants_budget() {
+        // Tier lim: 2 requests a minute per tenant, one in flight per tenant; 1 ms steps.
+        // a: 10 + 50 at 0 s (in flight until ~50 ms), three more at 1 ms (tenant_busy: refused
+        // for want of room, their requests given back, as the server gives them back), then
+        // one at 0.1 s: admitted with the budget's second request. Were the refused ones
+        // charged, it would be rate-limited; one more at 0.2 s is (both requests used).
+        let yaml = &fcfs_yaml(
+            "{lim: {requests_per_minute: 2, max_pending_per_tenant: 1}}",
+            "{max_num_seqs: 8, max_model_len: 1000}",
+            "{num_gpu_blocks: 128}",
+        );
+        let mut rs = vec![req_of("a", 0.0, 10, 50, "lim")];
+        rs.extend((0..3).map(|_| req_of("a", 0.001, 10, 1, "lim")));
+        rs.push(req_of("a", 0.1, 10, 1, "lim"));
+        rs.push(req_of("a", 0.2, 10, 1, "lim"));
+        let records = fcfs_records(yaml, &rs);
+        let got = outcomes(&records);
+        assert_eq!(
+            got,
+            [
+                "length",
+                "tenant_busy",
+                "tenant_busy",
+                "tenant_busy",
+                "length",
+                "rate_limited"
+            ]
+        );
     }
 
     #[test]
