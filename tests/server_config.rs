@@ -1050,7 +1050,11 @@ fn sighup_rotates_api_keys_and_applies_a_tiers_new_settings() {
     // A tier added: silver, one request in flight and half the KV cache, with dave's key.
     const DAVE: &str = "Bearer silver-tenant-dave-key-001";
     let silver = |bearer: &str, tenant: &str| entry(bearer, tenant).replace("gold", "silver");
-    std::fs::write(&keys_file, entry(ACME, "acme") + &silver(DAVE, "dave")).expect("keys");
+    std::fs::write(
+        &keys_file,
+        entry(ACME, "acme") + &entry(CAROL, "carol") + &silver(DAVE, "dave"),
+    )
+    .expect("keys");
     edit_config(
         &s,
         "gold: { requests_per_minute: 4, max_pending_per_tenant: 1, ttft_ms: 600000 }",
@@ -1081,7 +1085,19 @@ fn sighup_rotates_api_keys_and_applies_a_tiers_new_settings() {
     // Silver's bound of one request in flight holds.
     refused_beside_a_stream(DAVE, 503, "(tiers.silver.max_pending_requests is 1)");
 
-    // Gold removed with its keys: acme's key is gone, dave is served.
+    // Gold removed with its keys while one of carol's streams runs: acme's key is gone, dave
+    // is served, and gold's KV gauge reads 0 though carol's request still holds its blocks
+    // (it belongs to no configured tier from the reload on).
+    let gold_blocks = || s.labelled_metric("switchyard:kv_cache_blocks_used", &["tier=\"gold\""]);
+    let carol_stream = s.hold_stream(CAROL, 2000);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while gold_blocks() == 0.0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "gold's gauge never rose"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
     std::fs::write(&keys_file, silver(DAVE, "dave")).expect("keys");
     edit_config(
         &s,
@@ -1092,6 +1108,11 @@ fn sighup_rotates_api_keys_and_applies_a_tiers_new_settings() {
     s.wait_logged("SIGHUP: reload finished", 3);
     assert!(!s.log().contains("taking a restart"), "{}", s.log());
     s.assert_logged(&["SIGHUP: the tiers changed", "removed=gold"]);
+    assert_eq!(gold_blocks(), 0.0, "a removed tier's gauge reads 0");
+    assert!(
+        !carol_stream.is_finished(),
+        "carol's stream ended before the check: make it longer"
+    );
     let r = s.complete_as(ACME, &short);
     assert_eq!(r.status, 401, "{}", r.body);
     let r = s.complete_as(DAVE, &short);
