@@ -3,8 +3,10 @@
 //!
 //! Events are request arrivals, requests leaving the front end (the server's time per request
 //! outside its steps, [`crate::front_end`]: 0 unless a spec or calibration sets it) and step
-//! completions. At each step boundary the loop checks every request that has arrived against
-//! its rate limits and bounds, queues every one whose front-end time has passed, asks the
+//! completions. The requests that arrive during a step are checked against their rate limits
+//! and bounds before the step's outputs are applied (the seats its finished requests hold are
+//! theirs until it ends, as on the server); at each step boundary the loop checks every
+//! request that has arrived since, queues every one whose front-end time has passed, asks the
 //! scheduler for a plan at `now`, costs the plan with the [`CostModel`], advances the clock by
 //! that cost and applies one invented (deterministic) token per sampling sequence at the step's
 //! end time. When nothing can run the clock jumps to the next arrival or queueing. This is
@@ -721,6 +723,9 @@ impl<'a> Loop<'a> {
             idle_ticks = 0;
             let dt = self.start_step(&plan, now, &mut outputs);
             now = self.check_clock(now.saturating_add(dt).saturating_add(self.host_us()))?;
+            // Requests arriving during the step find the seats as it holds them: those of
+            // the requests it ends are given back at its end, as the server gives them back.
+            finished += self.admit_arrivals(now.saturating_sub(1), &mut next);
             self.steps += 1;
             for ev in self.sched.apply_outputs(&plan, &outputs, Timestamp(now)) {
                 finished += usize::from(self.on_event(ev));
@@ -768,7 +773,7 @@ impl<'a> Loop<'a> {
                     // Plan in order: once the step in flight has ended.
                     Some((prev, outs, end)) => {
                         now = now.max(end);
-                        finished += self.resolve(&prev, &outs, end);
+                        finished += self.resolve(&prev, &outs, end, &mut next);
                         continue;
                     }
                     None => self.sched.schedule(Timestamp(now)),
@@ -779,7 +784,7 @@ impl<'a> Loop<'a> {
             if plan.seqs.is_empty() {
                 if let Some((prev, outs, end)) = in_flight.take() {
                     now = now.max(end);
-                    finished += self.resolve(&prev, &outs, end);
+                    finished += self.resolve(&prev, &outs, end, &mut next);
                 } else {
                     now = self.wait(now, next, &mut idle_ticks)?;
                 }
@@ -800,7 +805,7 @@ impl<'a> Loop<'a> {
             self.steps += 1;
             // The step before this one ends as this one starts.
             if let Some((prev, outs, prev_end)) = in_flight.replace((plan, outputs, end)) {
-                finished += self.resolve(&prev, &outs, prev_end);
+                finished += self.resolve(&prev, &outs, prev_end, &mut next);
             }
             now = start;
             if self.steps & 0xff == 0 {
@@ -1031,9 +1036,17 @@ impl<'a> Loop<'a> {
         self.sim.host_overhead_us.max(0.0).round() as u64
     }
 
-    /// Applies a launched step's outputs at time `at`; returns how many requests finished.
-    fn resolve(&mut self, plan: &StepPlan, outputs: &[StepOutput], at: u64) -> usize {
-        let mut finished = 0;
+    /// Applies a launched step's outputs at time `at`, after checking the requests that
+    /// arrived before it (from `next` on); returns how many requests finished or were refused.
+    fn resolve(
+        &mut self,
+        plan: &StepPlan,
+        outputs: &[StepOutput],
+        at: u64,
+        next: &mut usize,
+    ) -> usize {
+        // Requests arriving during the step find the seats as it holds them (see `run`).
+        let mut finished = self.admit_arrivals(at.saturating_sub(1), next);
         for ev in self.sched.resolve(plan, outputs, Timestamp(at)) {
             finished += usize::from(self.on_event(ev));
         }
@@ -2137,6 +2150,37 @@ policies: [{{name: fcfs}}]
         let records = fcfs_records(yaml, &rs);
         let got = outcomes(&records);
         assert_eq!(got, ["length", "length", "overloaded", "length"]);
+    }
+
+    #[test]
+    fn a_request_arriving_during_a_step_sees_the_seats_held_until_that_step_ends() {
+        // Tier free: one request in flight; 1 ms steps. a (10 + 5 tokens) runs from 0 s to the
+        // end of its fifth step at 5 ms, holding the seat until then. b arrives at 4.5 ms,
+        // during that step: the server refuses it (overloaded), a's seat still held; it was
+        // checked at the step's end, after a gave its seat back, and admitted. c at 5.5 ms
+        // finds the seat free. With async scheduling too.
+        let rs = vec![
+            req_of("a", 0.0, 10, 5, "free"),
+            req_of("b", 0.0045, 10, 1, "free"),
+            req_of("c", 0.0055, 10, 1, "free"),
+        ];
+        for asynchronous in [false, true] {
+            let yaml = &fcfs_yaml(
+                "{free: {max_pending_requests: 1}}",
+                &format!(
+                    "{{max_num_seqs: 8, max_model_len: 100, async_scheduling: {asynchronous}}}"
+                ),
+                "{num_gpu_blocks: 64}",
+            );
+            let records = fcfs_records(yaml, &rs);
+            let finish = records[0].finish_s.unwrap();
+            assert!((0.0046..0.0055).contains(&finish), "{finish}");
+            assert_eq!(
+                outcomes(&records),
+                ["length", "overloaded", "length"],
+                "async {asynchronous}"
+            );
+        }
     }
 
     #[test]
