@@ -164,6 +164,10 @@ pub struct GenerateArgs {
     /// Weight quantization at load: none, or fp8 (CUDA backend only).
     #[arg(long, default_value = "none")]
     pub quantization: switchyard_config::Quantization,
+    /// The CPU backend's activation precision: auto (mixed with AVX-512 VNNI, precise with
+    /// AVX2), int8 (fastest), mixed, or precise (closest to float32, slowest).
+    #[arg(long, default_value = "auto")]
+    pub cpu_precision: switchyard_config::CpuPrecision,
     /// KV cache storage: auto (bf16 on CUDA, f16 on the CPU), or fp8 (CUDA backend only: e4m3 with a
     /// scale per token and KV head).
     #[arg(long, default_value = "auto")]
@@ -400,6 +404,10 @@ pub struct ThroughputArgs {
     /// with a scale per output channel).
     #[arg(long, default_value = "none")]
     pub quantization: switchyard_config::Quantization,
+    /// The CPU backend's activation precision: auto (mixed with AVX-512 VNNI, precise with
+    /// AVX2), int8 (fastest), mixed, or precise (closest to float32, slowest).
+    #[arg(long, default_value = "auto")]
+    pub cpu_precision: switchyard_config::CpuPrecision,
     /// KV cache storage: auto (bf16 on CUDA, f16 on the CPU), or fp8 (CUDA backend only: e4m3 with a
     /// scale per token and KV head, about half the bytes per cached token).
     #[arg(long, default_value = "auto")]

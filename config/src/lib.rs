@@ -302,6 +302,29 @@ mod tests {
     }
 
     #[test]
+    fn the_cpu_precision_is_one_of_four_and_auto_by_default() {
+        let c = Config::from_yaml_str("model: {}", "t").unwrap();
+        assert_eq!(c.model.cpu_precision, CpuPrecision::Auto);
+        for (text, p) in [
+            ("auto", CpuPrecision::Auto),
+            ("int8", CpuPrecision::Int8),
+            ("mixed", CpuPrecision::Mixed),
+            ("precise", CpuPrecision::Precise),
+        ] {
+            let c = Config::from_yaml_str(&format!("model: {{ cpu_precision: {text} }}"), "t");
+            assert_eq!(c.unwrap().model.cpu_precision, p);
+            assert_eq!(text.parse::<CpuPrecision>(), Ok(p));
+        }
+        let e = error("model:\n  cpu_precision: f32\n", &[]);
+        assert!(e.starts_with("t.yaml:2: model.cpu_precision"), "{e}");
+        assert!(e.contains("precise"), "{e}");
+        assert!("fp32"
+            .parse::<CpuPrecision>()
+            .unwrap_err()
+            .contains("auto, int8, mixed, precise"));
+    }
+
+    #[test]
     fn an_architecture_without_dummy_weights_and_a_host_name_are_refused() {
         let e = error("model:\n  architecture: llama-3-8b\n", &[]);
         assert!(e.starts_with("t.yaml:2: model.architecture"), "{e}");

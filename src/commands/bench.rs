@@ -269,6 +269,7 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
         max_num_seqs,
         quantization: args.quantization,
         kv_cache_dtype: args.kv_cache_dtype,
+        cpu_precision: args.cpu_precision,
     };
     let (backend, chosen) = runtime::build_backend(kind, source, &settings)?;
     anyhow::ensure!(

@@ -66,6 +66,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         max_num_seqs: 256,
         quantization: args.quantization,
         kv_cache_dtype: args.kv_cache_dtype,
+        cpu_precision: args.cpu_precision,
     };
     let (backend, _) = runtime::build_backend(
         runtime::parse_backend(&args.backend)?,

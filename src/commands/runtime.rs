@@ -5,9 +5,9 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use switchyard_actors::{AsyncScheduling, EngineCore, EngineCoreConfig};
-use switchyard_config::{BackendKind, KvCacheDtype, Quantization};
+use switchyard_config::{BackendKind, CpuPrecision, KvCacheDtype, Quantization};
 use switchyard_gpu::backend::{Backend, CpuBackend, CpuBackendConfig};
-use switchyard_gpu::cpu::llama::LlamaModel;
+use switchyard_gpu::cpu::llama::{ActivationPrecision, LlamaModel};
 use switchyard_gpu::model::{fetch, LlamaConfig, LoadedModel, ModelWeights};
 use switchyard_policies::{PolicyRegistry, SchedulerConfig};
 
@@ -76,6 +76,18 @@ pub struct CpuSettings {
     pub threads: usize,
     /// Most tokens per step.
     pub max_batch_tokens: usize,
+    /// Activation precision of the quantized products.
+    pub precision: CpuPrecision,
+}
+
+/// The CPU backend's precision for a setting (`auto`: the default for this machine's kernels).
+fn activation_precision(p: CpuPrecision) -> ActivationPrecision {
+    match p {
+        CpuPrecision::Auto => ActivationPrecision::default(),
+        CpuPrecision::Int8 => ActivationPrecision::Int8,
+        CpuPrecision::Mixed => ActivationPrecision::Mixed,
+        CpuPrecision::Precise => ActivationPrecision::Precise,
+    }
 }
 
 /// Builds the CPU backend over a model.
@@ -85,6 +97,7 @@ pub fn cpu_backend_for(model: LlamaModel, s: &CpuSettings) -> anyhow::Result<Box
         block_size: s.block_size,
         threads: s.threads,
         max_batch_tokens: s.max_batch_tokens,
+        precision: activation_precision(s.precision),
         ..CpuBackendConfig::default()
     };
     if let Some(w) = oversubscribed(s.threads, std::thread::available_parallelism().ok()) {
@@ -99,6 +112,7 @@ pub fn cpu_backend_for(model: LlamaModel, s: &CpuSettings) -> anyhow::Result<Box
     tracing::info!(
         backend = backend.name(),
         blocks = s.num_blocks,
+        precision = ?cfg.precision,
         "backend ready"
     );
     Ok(Box::new(backend))
@@ -161,6 +175,8 @@ pub struct BackendSettings {
     pub quantization: Quantization,
     /// KV cache storage (fp8: the CUDA backend only).
     pub kv_cache_dtype: KvCacheDtype,
+    /// The CPU backend's activation precision (anything but `auto`: the CPU backend only).
+    pub cpu_precision: CpuPrecision,
 }
 
 impl BackendSettings {
@@ -177,6 +193,7 @@ impl BackendSettings {
             max_num_seqs: config.scheduler.max_num_seqs,
             quantization: config.model.quantization,
             kv_cache_dtype: config.cache.kv_cache_dtype,
+            cpu_precision: config.model.cpu_precision,
         }
     }
 }
@@ -284,6 +301,18 @@ pub fn build_backend(
     let backend = match chosen {
         BackendKind::Cuda => {
             check_cuda_batch_tokens(s.max_batch_tokens, s.max_batch_tokens_setting, kind)?;
+            if s.cpu_precision != CpuPrecision::Auto {
+                anyhow::ensure!(
+                    kind == BackendKind::Auto,
+                    "cpu_precision {:?} applies to the CPU backend only (the CUDA backend \
+                     computes in bf16): leave it at auto, or run on the CPU backend",
+                    s.cpu_precision
+                );
+                tracing::warn!(
+                    cpu_precision = ?s.cpu_precision,
+                    "backend auto chose the GPU: cpu_precision, for the CPU backend, is not used"
+                );
+            }
             cuda_backend(source, s)?
         }
         _ => {
@@ -307,6 +336,7 @@ pub fn build_backend(
                 block_size: s.block_size,
                 threads: s.threads,
                 max_batch_tokens: s.max_batch_tokens,
+                precision: s.cpu_precision,
             };
             cpu_backend_for(model, &settings)?
         }
