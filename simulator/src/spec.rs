@@ -926,6 +926,23 @@ impl SimulationSpec {
                 ));
             }
         }
+        // Named as the flags were given, not as the spec fields they fill.
+        if o.limit == Some(0) {
+            return Err(SimError::spec(
+                cli,
+                "--limit 0: replay at least 1 request (leave it out to replay every one)",
+            ));
+        }
+        if o.policies.iter().any(|p| p.trim().is_empty()) {
+            return Err(SimError::spec(
+                cli,
+                format!(
+                    "--policies `{}` has an empty name: give registered names separated by \
+                     commas (fcfs,priority), or `all`",
+                    o.policies.join(",")
+                ),
+            ));
+        }
         if o.format == TraceFormat::Sharegpt && o.rate.is_none() && o.load.is_none() {
             return Err(SimError::spec(
                 cli,
@@ -1406,6 +1423,20 @@ workload:
                     ..o.clone()
                 },
                 "<cli>: --load 0 outside",
+            ),
+            (
+                CliOptions {
+                    limit: Some(0),
+                    ..o.clone()
+                },
+                "<cli>: --limit 0: replay at least 1 request",
+            ),
+            (
+                CliOptions {
+                    policies: vec!["fcfs".into(), "".into()],
+                    ..o.clone()
+                },
+                "<cli>: --policies `fcfs,` has an empty name",
             ),
         ];
         for (opts, want) in cases {
