@@ -317,7 +317,10 @@ impl Default for SchedulerLimits {
 
 /// One policy to run, with its YAML parameters.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a policy as a mapping, `{name: fcfs}` or `{name: priority, params: {...}, label: ...}`"
+)]
 pub struct PolicySpec {
     /// Registered policy name.
     pub name: String,

@@ -127,6 +127,20 @@ fn malformed_spec_and_trace_are_reported_with_locations() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("spec.yaml:3:") && err.contains("sed"), "{err}");
+    // A bare name is told the mapping it should be, not a Rust type's name.
+    std::fs::write(
+        &spec_path,
+        "policies: [fcfs]\nworkload: {trace: bad.jsonl, format: jsonl}\n",
+    )
+    .unwrap();
+    let err = SimulationSpec::from_yaml_file(&spec_path)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("spec.yaml:1:")
+            && err.contains("expected a policy as a mapping, `{name: fcfs}`"),
+        "{err}"
+    );
     std::fs::write(
         &spec_path,
         "policies: [{name: lifo}]\nworkload: {trace: bad.jsonl, format: jsonl}\n",
