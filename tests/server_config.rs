@@ -1003,6 +1003,12 @@ fn sighup_rotates_api_keys_and_applies_a_tiers_new_settings() {
     s.assert_logged(&["SIGHUP: API keys reloaded", "added=1", "removed=1"]);
     s.assert_logged(&["SIGHUP: the tier's rate limits changed", "tier=gold"]);
     s.assert_logged(&["SIGHUP: the tiers changed"]);
+    // A changed SLO target is named, as a changed bound is.
+    s.assert_logged(&[
+        "SIGHUP: the tiers changed",
+        "tiers.gold.ttft_ms: 0.01 -> 600000",
+        "tiers.gold.requests_per_minute: 2 -> 4",
+    ]);
     s.assert_logged(&[
         "SIGHUP: bound on requests in flight changed",
         "tiers.gold.max_pending_per_tenant: none -> 1",

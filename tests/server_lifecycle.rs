@@ -91,6 +91,9 @@ fn api_keys_and_admin_policy_swap_under_load() {
         );
     }
     assert!(s.metric("switchyard:policy_swaps_total").unwrap_or(0.0) >= 2.0);
+    // The log names both ends of a swap (it once named only the policy swapped out).
+    s.wait_logged("scheduling policy swapped", 1);
+    s.assert_logged(&["scheduling policy swapped", "from=", "to="]);
 }
 
 #[test]

@@ -497,7 +497,16 @@ const MIN_STEP_S: f64 = 1e-6;
 impl Calibration {
     /// Loads a calibration file (YAML or JSON).
     pub fn load(path: &Path) -> Result<Self, SimError> {
-        let text = crate::spec::read_text(path, crate::spec::MAX_SPEC_BYTES)?;
+        // Named as a calibration, as its other errors are: a bare "No such file" did not say
+        // which of the spec's files was missing.
+        let text =
+            crate::spec::read_text(path, crate::spec::MAX_SPEC_BYTES).map_err(|e| match e {
+                SimError::Io { path, error } => SimError::Calibration {
+                    path,
+                    message: error.to_string(),
+                },
+                other => other,
+            })?;
         let cal: Calibration = serde_yaml::from_str(&text).map_err(|e| {
             let at = e
                 .location()
@@ -703,6 +712,18 @@ pub fn kv_capacity_blocks(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A missing calibration file is named as the spec's calibration, as its other errors are.
+    #[test]
+    fn a_missing_calibration_file_is_named_as_one() {
+        let err = Calibration::load(Path::new("/nonexistent/cal.yaml"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with("/nonexistent/cal.yaml: calibration: "),
+            "{err}"
+        );
+    }
 
     fn toy() -> (ModelSpec, HardwareSpec) {
         let m = ModelSpec {

@@ -56,6 +56,17 @@ pub fn simulate(
         (Some(a), Some(b)) if b.arrival_s > a.arrival_s => b.arrival_s - a.arrival_s,
         _ => 0.0,
     };
+    let mut warnings = sim.warnings.clone();
+    if !spec.tiers.is_empty() && requests.iter().all(|r| r.tier.is_empty()) {
+        // Else the tier table is missing and every slo% n/a, with no word why.
+        let names: Vec<&str> = spec.tiers.keys().map(String::as_str).collect();
+        warnings.push(format!(
+            "tiers are defined ({}) but no request has one, so no SLO is measured (slo% n/a): \
+             only jsonl traces name a tier; assign them with workload.mix.tiers in a \
+             simulation spec (`simulate --config`)",
+            names.join(", ")
+        ));
+    }
     let comparison = Comparison {
         model: sim.model.name.clone(),
         calibrated: matches!(sim.cost, cost::CostModel::Calibrated(_)),
@@ -69,7 +80,7 @@ pub fn simulate(
             },
             cost::CostModel::Roofline { .. } => sim.hardware.name.clone(),
         },
-        warnings: sim.warnings.clone(),
+        warnings,
         requests: requests.len() as u64,
         arrival_rate: if span > 0.0 {
             (requests.len() - 1) as f64 / span
@@ -80,7 +91,12 @@ pub fn simulate(
         max_model_len: sim.scheduler.max_model_len as u64,
         policies: runs
             .iter_mut()
-            .map(|r| PolicySummary::new(&r.label, &r.records, &mut r.itls_ms, r.counters.clone()))
+            .map(|r| {
+                let mut s =
+                    PolicySummary::new(&r.label, &r.records, &mut r.itls_ms, r.counters.clone());
+                s.set_tier_targets(&spec.tiers);
+                s
+            })
             .collect(),
     };
     Ok((comparison, runs))

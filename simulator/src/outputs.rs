@@ -144,6 +144,15 @@ fn write_manifest(dir: &Path, files: &BTreeSet<String>) -> Result<(), SimError> 
 /// them. Returns the removed names; call [`finish`] once every file is written.
 pub fn prepare(dir: &Path, files: &BTreeSet<String>) -> Result<Vec<String>, SimError> {
     debug_assert!(files.iter().all(|n| is_output_name(n)));
+    if dir.exists() && !dir.is_dir() {
+        // create_dir_all's own answer, "File exists", reads as if the directory were in the way.
+        return Err(SimError::io(
+            dir,
+            std::io::Error::other(
+                "not a directory (the outputs go into the directory --out names)",
+            ),
+        ));
+    }
     std::fs::create_dir_all(dir).map_err(|e| SimError::io(dir, e))?;
     let earlier = earlier_files(dir)?;
     write_manifest(dir, &earlier.union(files).cloned().collect())?;
@@ -180,6 +189,19 @@ mod tests {
         let _ = std::fs::remove_dir_all(&d);
         std::fs::create_dir_all(&d).unwrap();
         d
+    }
+
+    /// `--out` naming a file is refused as not a directory, not as "File exists".
+    #[test]
+    fn an_out_path_that_is_a_file_is_named_as_not_a_directory() {
+        let d = dir("out-file");
+        let file = d.join("summary");
+        std::fs::write(&file, "keep").unwrap();
+        let err = prepare(&file, &names(&["summary.txt"]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("summary: not a directory"), "{err}");
+        assert_eq!(std::fs::read_to_string(&file).unwrap(), "keep");
     }
 
     fn names(list: &[&str]) -> BTreeSet<String> {

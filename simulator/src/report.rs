@@ -20,6 +20,7 @@
 //! so `3.7` rather than `3.6999999999999997`; they are computed unrounded.
 
 use crate::error::SimError;
+use crate::spec::TierConf;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -177,6 +178,12 @@ pub struct TierSummary {
     /// Of which refused at arrival by the tier's `max_pending_per_tenant` (`tenant_busy`).
     #[serde(default)]
     pub tenant_busy: u64,
+    /// The tier's TTFT target in ms (`tiers.<name>.ttft_ms`; `None`: no target).
+    #[serde(default)]
+    pub ttft_target_ms: Option<f64>,
+    /// The tier's TPOT target in ms (`tiers.<name>.tpot_ms`; `None`: no target).
+    #[serde(default)]
+    pub tpot_target_ms: Option<f64>,
     /// Fraction meeting the TTFT target (`None`: no target).
     pub ttft_attainment: Option<f64>,
     /// Fraction meeting the TPOT target (`None`: no target).
@@ -346,6 +353,18 @@ impl PolicySummary {
     }
 }
 
+impl PolicySummary {
+    /// Records each tier's targets (`tiers.<name>.ttft_ms`, `tpot_ms`) beside its results,
+    /// so that a reader of the summary sees what the attainments were measured against.
+    pub fn set_tier_targets(&mut self, tiers: &BTreeMap<String, TierConf>) {
+        for t in &mut self.tiers {
+            let conf = tiers.get(&t.tier);
+            t.ttft_target_ms = conf.and_then(|c| c.ttft_ms);
+            t.tpot_target_ms = conf.and_then(|c| c.tpot_ms);
+        }
+    }
+}
+
 fn ratio(a: f64, b: f64) -> f64 {
     if b > 0.0 {
         a / b
@@ -378,6 +397,9 @@ fn tier_summary(tier: &str, rs: &[&RequestRecord], duration_s: f64) -> TierSumma
         queue_timeout: rs.iter().filter(|r| r.outcome == QUEUE_TIMEOUT).count() as u64,
         overloaded: rs.iter().filter(|r| r.outcome == OVERLOADED).count() as u64,
         tenant_busy: rs.iter().filter(|r| r.outcome == TENANT_BUSY).count() as u64,
+        // Filled in from the spec's tiers by `PolicySummary::set_tier_targets`.
+        ttft_target_ms: None,
+        tpot_target_ms: None,
         ttft_attainment: attainment(|r| r.met_ttft),
         tpot_attainment: attainment(|r| r.met_tpot),
         slo_attainment: (targeted > 0).then(|| met / targeted as f64),
@@ -443,9 +465,17 @@ impl Comparison {
             s,
             "slo% and goodput count the requests whose tier sets a ttft_ms or tpot_ms target \
              (n/a: none has one); rejected, rate-limited, queue-timed-out, refused \
-             (overloaded, tenant_busy) and unfinished ones miss\n"
+             (overloaded, tenant_busy) and unfinished ones miss"
+        );
+        let _ = writeln!(
+            s,
+            "latencies in ms; req/s and goodput: requests/s (goodput: those meeting every \
+             target of their tier); tok/s: output tokens/s; ttft%, tpot%, slo%: share meeting \
+             the tier's ttft_ms, tpot_ms, both (ttft tgt, tpot tgt: those targets, - for none); \
+             preempt: preemptions; hit%: prefix-cache hit rate; kv%: mean KV cache use\n"
         );
         let pct = |x: Option<f64>| x.map_or("n/a".to_string(), |v| format!("{:.1}", 100.0 * v));
+        let target = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v}"));
         let _ = writeln!(
             s,
             "{:<18} {:>8} {:>8} {:>9} {:>9} {:>9} {:>8} {:>8} {:>9} {:>9} {:>7} {:>6} {:>6} {:>6}",
@@ -547,10 +577,12 @@ impl Comparison {
         if tiered {
             let _ = writeln!(
                 s,
-                "\n{:<18} {:<10} {:>6} {:>7} {:>7} {:>7} {:>9} {:>9} {:>9}",
+                "\n{:<18} {:<10} {:>6} {:>8} {:>8} {:>7} {:>7} {:>7} {:>9} {:>9} {:>9}",
                 "policy",
                 "tier",
                 "reqs",
+                "ttft tgt",
+                "tpot tgt",
                 "ttft%",
                 "tpot%",
                 "slo%",
@@ -562,10 +594,12 @@ impl Comparison {
                 for t in &p.tiers {
                     let _ = writeln!(
                         s,
-                        "{:<18} {:<10} {:>6} {:>7} {:>7} {:>7} {:>9} {:>9} {:>9}",
+                        "{:<18} {:<10} {:>6} {:>8} {:>8} {:>7} {:>7} {:>7} {:>9} {:>9} {:>9}",
                         p.policy,
                         t.tier,
                         t.requests,
+                        target(t.ttft_target_ms),
+                        target(t.tpot_target_ms),
                         pct(t.ttft_attainment),
                         pct(t.tpot_attainment),
                         pct(t.slo_attainment),
@@ -699,6 +733,47 @@ mod tests {
         assert!(text.contains("1 of 4 requests rejected"), "{text}");
     }
 
+    /// The table says its units, and each tier's row the targets its attainments were
+    /// measured against (it once showed bare numbers, ms or s, against unnamed targets).
+    #[test]
+    fn tier_rows_show_their_targets_and_the_table_its_units() {
+        let rs = vec![
+            rec("premium", 0.0, Some(1.0), Some(true)),
+            rec2("batch", 0.0, Some(1.0), None, None),
+        ];
+        let mut s = PolicySummary::new("fcfs", &rs, &mut [], RunCounters::default());
+        let tiers: BTreeMap<String, TierConf> =
+            serde_yaml::from_str("{premium: {ttft_ms: 200, tpot_ms: 40.5}, batch: {}}").unwrap();
+        s.set_tier_targets(&tiers);
+        let premium = s.tiers.iter().find(|t| t.tier == "premium").unwrap();
+        assert_eq!(
+            (premium.ttft_target_ms, premium.tpot_target_ms),
+            (Some(200.0), Some(40.5))
+        );
+        let json = serde_json::to_value(&s).unwrap();
+        assert_eq!(json["tiers"][1]["ttft_target_ms"], serde_json::json!(200.0));
+        let text = Comparison {
+            policies: vec![s],
+            ..Default::default()
+        }
+        .to_text();
+        assert!(text.contains("latencies in ms;"), "{text}");
+        let header = text.lines().find(|l| l.contains("ttft tgt")).unwrap();
+        assert!(header.contains("tpot tgt"), "{header}");
+        let row = |tier: &str| {
+            text.lines()
+                .find(|l| l.starts_with("fcfs") && l.contains(tier))
+                .unwrap()
+                .split_whitespace()
+                .skip(3)
+                .take(2)
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        assert_eq!(row("premium"), "200 40.5");
+        assert_eq!(row("batch"), "- -");
+    }
+
     #[test]
     fn rate_limited_requests_are_counted_per_tier_and_miss_their_targets() {
         let limited = |tier: &str, arrival: f64| RequestRecord {
@@ -749,7 +824,7 @@ mod tests {
             policies: vec![s],
             ..Default::default()
         };
-        let row = c.to_text().lines().nth(4).unwrap().to_string();
+        let row = c.to_text().lines().nth(5).unwrap().to_string();
         assert!(row.starts_with("fcfs") && row.ends_with("n/a"), "{row}");
     }
 

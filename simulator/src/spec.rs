@@ -317,7 +317,10 @@ impl Default for SchedulerLimits {
 
 /// One policy to run, with its YAML parameters.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a policy as a mapping, `{name: fcfs}` or `{name: priority, params: {...}, label: ...}`"
+)]
 pub struct PolicySpec {
     /// Registered policy name.
     pub name: String,
@@ -926,6 +929,23 @@ impl SimulationSpec {
                 ));
             }
         }
+        // Named as the flags were given, not as the spec fields they fill.
+        if o.limit == Some(0) {
+            return Err(SimError::spec(
+                cli,
+                "--limit 0: replay at least 1 request (leave it out to replay every one)",
+            ));
+        }
+        if o.policies.iter().any(|p| p.trim().is_empty()) {
+            return Err(SimError::spec(
+                cli,
+                format!(
+                    "--policies `{}` has an empty name: give registered names separated by \
+                     commas (fcfs,priority), or `all`",
+                    o.policies.join(",")
+                ),
+            ));
+        }
         if o.format == TraceFormat::Sharegpt && o.rate.is_none() && o.load.is_none() {
             return Err(SimError::spec(
                 cli,
@@ -1406,6 +1426,20 @@ workload:
                     ..o.clone()
                 },
                 "<cli>: --load 0 outside",
+            ),
+            (
+                CliOptions {
+                    limit: Some(0),
+                    ..o.clone()
+                },
+                "<cli>: --limit 0: replay at least 1 request",
+            ),
+            (
+                CliOptions {
+                    policies: vec!["fcfs".into(), "".into()],
+                    ..o.clone()
+                },
+                "<cli>: --policies `fcfs,` has an empty name",
             ),
         ];
         for (opts, want) in cases {

@@ -127,6 +127,20 @@ fn malformed_spec_and_trace_are_reported_with_locations() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("spec.yaml:3:") && err.contains("sed"), "{err}");
+    // A bare name is told the mapping it should be, not a Rust type's name.
+    std::fs::write(
+        &spec_path,
+        "policies: [fcfs]\nworkload: {trace: bad.jsonl, format: jsonl}\n",
+    )
+    .unwrap();
+    let err = SimulationSpec::from_yaml_file(&spec_path)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("spec.yaml:1:")
+            && err.contains("expected a policy as a mapping, `{name: fcfs}`"),
+        "{err}"
+    );
     std::fs::write(
         &spec_path,
         "policies: [{name: lifo}]\nworkload: {trace: bad.jsonl, format: jsonl}\n",
@@ -263,4 +277,44 @@ fn a_calibration_of_another_model_warns_and_is_named_in_the_header() {
     let same = cal("SmolLM2 135M Instruct");
     assert!(same.warnings.is_empty(), "{:?}", same.warnings);
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Tiers given to a trace none of whose requests has one (an Azure trace with `--tiers`)
+/// measure no SLO: the run says so instead of leaving every slo% n/a unexplained.
+#[test]
+fn tiers_that_no_request_has_are_warned_about() {
+    let dir = temp_dir("untiered");
+    std::fs::create_dir_all(&dir).unwrap();
+    let spec_for = |trace: &str| {
+        std::fs::write(dir.join("t.jsonl"), trace).unwrap();
+        let spec_path = dir.join("spec.yaml");
+        std::fs::write(
+            &spec_path,
+            "model: smollm2-135m\npolicies: [{name: fcfs}]\n\
+             tiers: {premium: {ttft_ms: 200}, batch: {}}\n\
+             workload: {trace: t.jsonl, format: jsonl}\n",
+        )
+        .unwrap();
+        let spec = SimulationSpec::from_yaml_file(&spec_path).unwrap();
+        switchyard_simulator::simulate(&spec, false).unwrap().0
+    };
+    let untiered = spec_for(
+        "{\"arrival_s\": 0, \"prompt_len\": 16, \"output_len\": 2}\n\
+         {\"arrival_s\": 1, \"prompt_len\": 16, \"output_len\": 2}\n",
+    );
+    assert_eq!(untiered.policies[0].slo_attainment, None);
+    assert_eq!(untiered.warnings.len(), 1, "{:?}", untiered.warnings);
+    assert!(
+        untiered.warnings[0].starts_with(
+            "tiers are defined (batch, premium) but no request has one, so no SLO is measured"
+        ),
+        "{:?}",
+        untiered.warnings
+    );
+    let tiered = spec_for(
+        "{\"arrival_s\": 0, \"prompt_len\": 16, \"output_len\": 2, \"tier\": \"premium\"}\n\
+         {\"arrival_s\": 1, \"prompt_len\": 16, \"output_len\": 2}\n",
+    );
+    assert!(tiered.warnings.is_empty(), "{:?}", tiered.warnings);
+    assert!(tiered.policies[0].slo_attainment.is_some());
 }

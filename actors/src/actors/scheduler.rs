@@ -165,8 +165,9 @@ impl SchedulerActor {
             return;
         }
         if let Some(policy) = self.pending_swap.take() {
+            let to = policy.name().to_string();
             let old = self.core.swap_policy(policy);
-            tracing::info!(from = old.name(), "scheduling policy swapped");
+            tracing::info!(from = old.name(), to, "scheduling policy swapped");
         }
         if !self.core.has_unfinished() && !self.core.has_uncommitted() && self.in_flight.is_none() {
             self.release_ended();

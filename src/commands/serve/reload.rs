@@ -243,6 +243,7 @@ impl Reloader {
                 policy = %info.name,
                 added = %added.join(", "),
                 removed = %removed.join(", "),
+                changed = %tier_field_changes(&state.tiers, &effective.tiers).join(", "),
                 "SIGHUP: the tiers changed; the policy was swapped for one built with them"
             );
         }
@@ -423,6 +424,44 @@ fn tier_set_change(
         a.keys().filter(|k| !b.contains_key(*k)).cloned().collect()
     };
     (only(after, before), only(before, after))
+}
+
+/// The settings of the tiers kept whose value changed, as `tiers.gold.ttft_ms: 200 -> 300`
+/// (`none` for a setting left out), so that a changed SLO target or weight is named in the
+/// log as a changed bound is.
+fn tier_field_changes(
+    before: &BTreeMap<String, TierConfig>,
+    after: &BTreeMap<String, TierConfig>,
+) -> Vec<String> {
+    let fields = |t: &TierConfig| match serde_json::to_value(t) {
+        Ok(serde_json::Value::Object(m)) => m,
+        _ => serde_json::Map::new(),
+    };
+    let shown = |v: Option<&serde_json::Value>| match v {
+        None | Some(serde_json::Value::Null) => "none".to_string(),
+        Some(v) => v.to_string(),
+    };
+    let mut changed = Vec::new();
+    for (name, old) in before {
+        let Some(new) = after.get(name) else {
+            continue;
+        };
+        let (old, new) = (fields(old), fields(new));
+        let mut keys: Vec<&String> = old.keys().chain(new.keys()).collect();
+        keys.sort_unstable();
+        keys.dedup();
+        for key in keys {
+            let (from, to) = (old.get(key), new.get(key));
+            if shown(from) != shown(to) {
+                changed.push(format!(
+                    "tiers.{name}.{key}: {} -> {}",
+                    shown(from),
+                    shown(to)
+                ));
+            }
+        }
+    }
+    changed
 }
 
 /// Checks what `cfg` asks of the API's access: its keys (unless the API was started `open`),
