@@ -230,6 +230,18 @@ pub fn check_shape(s: &StepShape) -> Result<(), String> {
 /// it, usually zero: the predictions of the samples are what the fit answers for. Without
 /// speculative decoding every decode feeds one token, so the tokens of a step are its prompt
 /// tokens plus its decodes and the per-token cost is shared out between the other two.
+/// The longest context a sequence of `samples`' steps had, at least: each step's KV tokens
+/// (context plus new tokens, summed over its sequences) over its sequences, rounded up: exact
+/// for a step of one sequence, the mean for a batch.
+pub fn longest_context(samples: &[Sample]) -> u64 {
+    samples
+        .iter()
+        .filter(|s| s.shape.num_seqs > 0)
+        .map(|s| s.shape.kv_tokens.div_ceil(s.shape.num_seqs))
+        .max()
+        .unwrap_or(0)
+}
+
 pub fn fit(samples: &[Sample]) -> Result<Fit, FitError> {
     if samples.len() < NUM_TERMS {
         return Err(FitError::TooFewSamples(samples.len()));
@@ -498,6 +510,23 @@ mod tests {
             }
         }
         out
+    }
+
+    /// The longest context is exact for a step of one sequence, the mean (rounded up) for a
+    /// batch, the largest over the samples.
+    #[test]
+    fn the_longest_context_measured() {
+        let sample = |shape| Sample {
+            shape,
+            seconds: 1e-3,
+        };
+        assert_eq!(longest_context(&[]), 0);
+        let one = sample(shape(&[(1000, 24, true)]));
+        let batch = sample(shape(&[(2000, 1, false), (10, 1, false)]));
+        assert_eq!(longest_context(std::slice::from_ref(&one)), 1024);
+        // (2001 + 11) / 2.
+        assert_eq!(longest_context(std::slice::from_ref(&batch)), 1006);
+        assert_eq!(longest_context(&[batch, one]), 1024);
     }
 
     /// Data made by the model itself is fitted exactly, every coefficient recovered.

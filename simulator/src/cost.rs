@@ -485,6 +485,12 @@ pub struct Calibration {
     /// simulated `scheduler.front_end_per_token_us` when the spec sets none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub front_end_per_token_us: Option<f64>,
+    /// The longest context (tokens in KV plus new ones) a measured step's sequence had
+    /// ([`crate::calibrate::longest_context`]): the simulator warns of requests beyond it,
+    /// whose steps the fit prices by extrapolation (its attention term grows with the square
+    /// of the context). `None` in files written before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_context: Option<u64>,
 }
 
 fn is_zero(v: &f64) -> bool {

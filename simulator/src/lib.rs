@@ -38,6 +38,25 @@ pub use trace::TraceFormat;
 use report::PolicySummary;
 use std::path::Path;
 
+/// A warning when requests of `requests` reach a context (prompt plus output) longer than
+/// any `c` measured: their steps' times are the fit's extrapolation (its attention term grows
+/// with the square of the context, so a short calibration can price a long prompt far off).
+fn beyond_calibration(c: &cost::Calibration, requests: &[trace::TraceRequest]) -> Option<String> {
+    let max = c.max_context?;
+    let context = |r: &trace::TraceRequest| r.prompt.len() as u64 + u64::from(r.output_len);
+    let beyond = requests.iter().filter(|r| context(r) > max).count();
+    let longest = requests.iter().map(context).max()?;
+    (beyond > 0).then(|| {
+        format!(
+            "{beyond} of {} requests reach a context (prompt + output) beyond the {max} tokens \
+             the calibration measured (the longest: {longest}): their steps' times are \
+             extrapolated from the fit; calibrate with a --max-context of at least {longest} \
+             (within the model's and the KV cache's) to measure them",
+            requests.len()
+        )
+    })
+}
+
 /// Runs every policy of `spec` on its workload without writing files.
 /// With `progress`, each policy's run reports its progress on stderr: a bar on a terminal,
 /// else a plain line every [`progress::LINE_INTERVAL`] and one when it ends.
@@ -66,6 +85,11 @@ pub fn simulate(
              simulation spec (`simulate --config`)",
             names.join(", ")
         ));
+    }
+    if let cost::CostModel::Calibrated(c) = &sim.cost {
+        if let Some(w) = beyond_calibration(c, requests) {
+            warnings.push(w);
+        }
     }
     let comparison = Comparison {
         model: sim.model.name.clone(),
@@ -178,4 +202,41 @@ pub fn write_outputs(
     let mut written: Vec<String> = files.into_iter().collect();
     written.push(outputs::MANIFEST.to_string());
     Ok(OutputFiles { written, removed })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_beyond_the_calibrations_longest_context_are_warned_of() {
+        let request = |prompt: usize, output: u32| trace::TraceRequest {
+            arrival_s: 0.0,
+            prompt: vec![7u32; prompt].into(),
+            output_len: output,
+            tenant: String::new(),
+            tier: String::new(),
+            priority: None,
+            adapter: None,
+        };
+        let rs = [request(40, 10), request(100, 50), request(290, 10)];
+        let mut c = cost::Calibration::default();
+        // A file written before the field: no warning.
+        assert_eq!(beyond_calibration(&c, &rs), None);
+        c.max_context = Some(100);
+        let w = beyond_calibration(&c, &rs).expect("a warning");
+        assert!(
+            w.starts_with(
+                "2 of 3 requests reach a context (prompt + output) beyond the 100 tokens"
+            ),
+            "{w}"
+        );
+        assert!(
+            w.contains("the longest: 300") && w.contains("--max-context of at least 300"),
+            "{w}"
+        );
+        assert!(!w.contains("  "), "one line of prose: {w}");
+        c.max_context = Some(300);
+        assert_eq!(beyond_calibration(&c, &rs), None);
+    }
 }

@@ -106,6 +106,7 @@ pub fn run(args: CalibrateArgs) -> anyhow::Result<()> {
         host_overhead_us: Some((measured.host_overhead_us * 10.0).round() / 10.0),
         front_end_us: front_end.map(|f| (f.fixed_us * 10.0).round() / 10.0),
         front_end_per_token_us: front_end.map(|f| (f.per_token_us * 1e3).round() / 1e3),
+        max_context: Some(calibrate::longest_context(&measured.samples)).filter(|&c| c > 0),
         ..fit.calibration.clone()
     };
     calibration
