@@ -376,6 +376,11 @@ impl ResponseStore {
         Some(run)
     }
 
+    /// Whether background response `id` of `tenant` is running now.
+    pub fn is_running(&self, tenant: &str, id: &str) -> bool {
+        self.running.lock().contains_key(&key(tenant, id))
+    }
+
     /// Background run `run` of response `id` ended by itself: whether it was still registered
     /// (false: it was cancelled meanwhile, and its end is not to be stored).
     pub fn finish_background(&self, tenant: &str, id: &str, run: u64) -> bool {

@@ -85,6 +85,18 @@ pub(crate) async fn create_response(
              (server.responses.max_stored is 0), so a background response could not be read back",
         ));
     }
+    // A stored foreground response would replace the `queued` one of a background response of
+    // its name (X-Request-Id) still running, whose end would then replace it in turn.
+    if storing && !echo.background && state.responses.is_running(&principal.tenant, &id) {
+        return Err(ApiError::invalid(
+            "store",
+            format!(
+                "a background response with the id {} is still running (X-Request-Id names \
+                 responses): wait for it or cancel it, send another X-Request-Id, or store = false",
+                shown(&id)
+            ),
+        ));
+    }
     let lora = check_model(&state, &principal, chat.model.as_deref()).await?;
     let mut validated = chat
         .validate(state.engine.max_model_len(), state.config().tools)
