@@ -1156,4 +1156,36 @@ fn a_foreground_response_cannot_take_the_name_of_a_running_background_one() {
     let r = s.request("GET", &path, None, &[]).expect("GET");
     let stored: Value = serde_json::from_str(&r.body).expect("json");
     assert_eq!(stored["background"], false, "{stored}");
+
+    // The other way round: while a stored foreground response of a name streams, a background
+    // one of that name is refused (it would be replaced by the foreground's end, then replace
+    // it); once the foreground one has ended, it is served.
+    let body = json!({"input": "Count from 1 to 1000, one number per line.",
+                      "max_output_tokens": 300, "stream": true})
+    .to_string();
+    let mut streaming = s.open_with(
+        "POST",
+        "/v1/responses",
+        Some(&body),
+        &[("x-request-id", "reused-name-2")],
+    );
+    assert_eq!(common::read_status(&mut streaming), 200);
+    let background = |s: &common::Server| {
+        s.request(
+            "POST",
+            "/v1/responses",
+            Some(&json!({"input": "Hi", "background": true, "max_output_tokens": 2}).to_string()),
+            &[("x-request-id", "reused-name-2")],
+        )
+        .expect("POST")
+    };
+    let r = background(&s);
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.body.contains("still running"), "{}", r.body);
+    let mut rest = String::new();
+    let _ = std::io::Read::read_to_string(&mut streaming, &mut rest);
+    assert!(rest.contains("response.completed") || rest.contains("response.incomplete"));
+    let r = background(&s);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(poll(&s, "resp_reused-name-2")["background"], true);
 }
