@@ -1096,3 +1096,96 @@ fn a_background_response_is_polled_and_can_be_cancelled() {
         .expect("cancel");
     assert_eq!(r.status, 400, "{}", r.body);
 }
+
+/// A foreground response named (X-Request-Id) like a background response of its tenant still
+/// running is refused: it overwrote the stored `queued` one (GET read the foreground answer, a
+/// cancel stored the foreground object as `cancelled`), and the background run's end then
+/// overwrote the foreground response in turn. Unstored (`store: false`) it keeps nothing and
+/// is served; once the background one has ended, the name may be reused.
+#[test]
+fn a_foreground_response_cannot_take_the_name_of_a_running_background_one() {
+    let s = server();
+    let named = |body: Value| {
+        s.request(
+            "POST",
+            "/v1/responses",
+            Some(&body.to_string()),
+            &[("x-request-id", "reused-name-1")],
+        )
+        .expect("POST")
+    };
+    let r = named(
+        json!({"input": "Count from 1 to 1000, one number per line.",
+                         "background": true, "max_output_tokens": 2000}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let background: Value = serde_json::from_str(&r.body).expect("json");
+    let id = background["id"].as_str().expect("id").to_owned();
+
+    let r = named(json!({"input": "Hi", "max_output_tokens": 2}));
+    assert_eq!(r.status, 400, "{}", r.body);
+    let e: Value = serde_json::from_str(&r.body).expect("json");
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("still running"),
+        "{e}"
+    );
+    let r = named(json!({"input": "Hi", "max_output_tokens": 2, "store": false}));
+    assert_eq!(r.status, 200, "{}", r.body);
+
+    // The stored one is still the background response, and cancelling it stores it so.
+    let path = format!("/v1/responses/{id}");
+    let r = s.request("GET", &path, None, &[]).expect("GET");
+    let stored: Value = serde_json::from_str(&r.body).expect("json");
+    assert_eq!(stored["background"], true, "{stored}");
+    let r = s
+        .request("POST", &format!("{path}/cancel"), None, &[])
+        .expect("cancel");
+    assert_eq!(r.status, 200, "{}", r.body);
+    let cancelled: Value = serde_json::from_str(&r.body).expect("json");
+    assert_eq!(
+        (&cancelled["status"], &cancelled["background"]),
+        (&json!("cancelled"), &json!(true)),
+        "{cancelled}"
+    );
+    // Ended: the name is free again, and the new response replaces the cancelled one.
+    let r = named(json!({"input": "Hi", "max_output_tokens": 2}));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let r = s.request("GET", &path, None, &[]).expect("GET");
+    let stored: Value = serde_json::from_str(&r.body).expect("json");
+    assert_eq!(stored["background"], false, "{stored}");
+
+    // The other way round: while a stored foreground response of a name streams, a background
+    // one of that name is refused (it would be replaced by the foreground's end, then replace
+    // it); once the foreground one has ended, it is served.
+    let body = json!({"input": "Count from 1 to 1000, one number per line.",
+                      "max_output_tokens": 300, "stream": true})
+    .to_string();
+    let mut streaming = s.open_with(
+        "POST",
+        "/v1/responses",
+        Some(&body),
+        &[("x-request-id", "reused-name-2")],
+    );
+    assert_eq!(common::read_status(&mut streaming), 200);
+    let background = |s: &common::Server| {
+        s.request(
+            "POST",
+            "/v1/responses",
+            Some(&json!({"input": "Hi", "background": true, "max_output_tokens": 2}).to_string()),
+            &[("x-request-id", "reused-name-2")],
+        )
+        .expect("POST")
+    };
+    let r = background(&s);
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.body.contains("still running"), "{}", r.body);
+    let mut rest = String::new();
+    let _ = std::io::Read::read_to_string(&mut streaming, &mut rest);
+    assert!(rest.contains("response.completed") || rest.contains("response.incomplete"));
+    let r = background(&s);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(poll(&s, "resp_reused-name-2")["background"], true);
+}

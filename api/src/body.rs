@@ -96,7 +96,16 @@ fn json_error(e: serde_path_to_error::Error<serde_json::Error>) -> ApiError {
     // track.
     use serde_json::error::Category;
     let out_of_range = message.starts_with("number out of range");
+    let duplicate = duplicate_field(&message);
     let param = match (e.inner().classify(), path.as_str()) {
+        // serde refuses a key given twice at the object that holds it: the path names the
+        // object, the message the key.
+        (Category::Data, p) if !p.contains('?') && duplicate.is_some() => {
+            duplicate.map(|field| match p {
+                "." | "" => field.to_owned(),
+                _ => format!("{p}.{field}"),
+            })
+        }
         (Category::Data, ".") => missing_field(&message),
         (_, "." | "") => None,
         (Category::Data, p) if !p.contains('?') => Some(path),
@@ -107,6 +116,11 @@ fn json_error(e: serde_path_to_error::Error<serde_json::Error>) -> ApiError {
         message: format!("Invalid JSON body: {message}"),
         param,
     }
+}
+
+/// The field named by serde's "duplicate field `x`" message.
+fn duplicate_field(message: &str) -> Option<&str> {
+    message.strip_prefix("duplicate field `")?.split('`').next()
 }
 
 /// The field named by serde's "missing field `x`" message.
@@ -185,6 +199,24 @@ mod tests {
             "{m}"
         );
         assert!(!m.contains("recursion"), "{m}");
+    }
+
+    /// A key given twice is refused by serde as a data error at the object holding it, not at
+    /// the key: the param named that object (`null` at the top level) rather than the field.
+    #[test]
+    fn a_duplicate_key_names_its_field() {
+        assert_eq!(
+            param(r#"{"prompt":"x","max_tokens":2,"max_tokens":100000}"#).as_deref(),
+            Some("max_tokens")
+        );
+        assert!(message(r#"{"prompt":"x","n":1,"n":2}"#).contains("duplicate field `n`"));
+        let chat = r#"{"messages":[{"role":"user","content":"a","content":"b"}]}"#;
+        match parse_json::<crate::schema::ChatRequest>(chat.as_bytes()) {
+            Err(ApiError::InvalidRequest { param, .. }) => {
+                assert_eq!(param.as_deref(), Some("messages[0].content"))
+            }
+            other => panic!("expected invalid request, got {other:?}"),
+        }
     }
 
     #[test]

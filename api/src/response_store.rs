@@ -208,11 +208,31 @@ struct Running {
     abort: AbortHandle,
 }
 
+/// A stored foreground response's claim on its name, given back when dropped.
+pub struct ForegroundName {
+    store: Arc<ResponseStore>,
+    key: Key,
+}
+
+impl Drop for ForegroundName {
+    fn drop(&mut self) {
+        let mut foreground = self.store.foreground.lock();
+        if let Some(n) = foreground.get_mut(&self.key) {
+            *n -= 1;
+            if *n == 0 {
+                foreground.remove(&self.key);
+            }
+        }
+    }
+}
+
 /// The bounded, tenant-scoped store of responses, and the background responses running now.
 pub struct ResponseStore {
     limits: StoreLimits,
     inner: Mutex<Inner>,
     running: Mutex<HashMap<Key, Running>>,
+    /// Stored foreground responses in flight, by name: how many (locked after `running`).
+    foreground: Mutex<HashMap<Key, usize>>,
     next_run: AtomicU64,
 }
 
@@ -238,6 +258,7 @@ impl ResponseStore {
             limits,
             inner: Mutex::new(Inner::default()),
             running: Mutex::new(HashMap::new()),
+            foreground: Mutex::new(HashMap::new()),
             next_run: AtomicU64::new(0),
         };
         store.inner.lock().publish();
@@ -367,13 +388,34 @@ impl ResponseStore {
     /// running already (the caller drops its own).
     pub fn start_background(&self, tenant: &str, id: &str, abort: AbortHandle) -> Option<u64> {
         let mut running = self.running.lock();
-        let entry = running.entry(key(tenant, id));
+        let key = key(tenant, id);
+        if self.foreground.lock().contains_key(&key) {
+            return None;
+        }
+        let entry = running.entry(key);
         if matches!(entry, Entry_::Occupied(_)) {
             return None;
         }
         let run = self.next_run.fetch_add(1, Ordering::Relaxed);
         entry.or_insert(Running { run, abort });
         Some(run)
+    }
+
+    /// Claims the name `id` of `tenant` for a stored foreground response until the claim drops,
+    /// or `None` while a background response of that name runs: either would replace the
+    /// other's entry and then be replaced by it. Foreground responses may share a name (the
+    /// last to end is kept), and no background response takes a claimed one.
+    pub fn claim_foreground(self: &Arc<Self>, tenant: &str, id: &str) -> Option<ForegroundName> {
+        let running = self.running.lock();
+        let key = key(tenant, id);
+        if running.contains_key(&key) {
+            return None;
+        }
+        *self.foreground.lock().entry(key.clone()).or_insert(0) += 1;
+        Some(ForegroundName {
+            store: Arc::clone(self),
+            key,
+        })
     }
 
     /// Background run `run` of response `id` ended by itself: whether it was still registered
@@ -602,6 +644,32 @@ mod tests {
         // Bob's run is untouched, and ends by itself.
         assert!(s.finish_background("bob", "r1", bobs));
         assert!(!s.cancel_background("bob", "r1"));
+    }
+
+    /// A name is a background response's or stored foreground responses' at a time: each would
+    /// replace the other's entry, then be replaced by the other's end. Foreground ones share.
+    #[test]
+    fn a_name_is_background_or_foreground_at_a_time() {
+        let s = Arc::new(store(10, 1 << 20, None));
+        let first = s.claim_foreground("alice", "r1").expect("free");
+        let second = s.claim_foreground("alice", "r1").expect("shared");
+        let (abort, _r) = AbortHandle::new_pair();
+        assert_eq!(s.start_background("alice", "r1", abort.clone()), None);
+        let bobs = s
+            .start_background("bob", "r1", abort.clone())
+            .expect("bob's own");
+        assert!(s.claim_foreground("bob", "r1").is_none());
+        drop(first);
+        assert_eq!(s.start_background("alice", "r1", abort.clone()), None);
+        drop(second);
+        let run = s
+            .start_background("alice", "r1", abort)
+            .expect("free again");
+        assert!(s.claim_foreground("alice", "r1").is_none());
+        assert!(s.finish_background("alice", "r1", run));
+        assert!(s.finish_background("bob", "r1", bobs));
+        assert!(s.claim_foreground("alice", "r1").is_some());
+        assert!(s.foreground.lock().is_empty());
     }
 
     /// A tenant choosing another's id (a client's X-Request-Id names its response) stores its

@@ -44,7 +44,9 @@ use crate::body::read_json;
 use crate::engine::FinishReason;
 use crate::error::ApiError;
 use crate::generation::{ChoiceDelta, Generation, RequestFields};
-use crate::response_store::{Kept, ResponseStore, StoredResponse, Turn, MAX_CHAIN_DEPTH};
+use crate::response_store::{
+    ForegroundName, Kept, ResponseStore, StoredResponse, Turn, MAX_CHAIN_DEPTH,
+};
 use crate::schema::responses::{
     rename_error, IncompleteDetails, OutputItem, OutputLogprob, OutputText, ReasoningText,
     ResponseObject, ResponseUsage, ResponsesChat, ResponsesRequest,
@@ -85,6 +87,24 @@ pub(crate) async fn create_response(
              (server.responses.max_stored is 0), so a background response could not be read back",
         ));
     }
+    // A stored foreground response would replace the `queued` one of a background response of
+    // its name (X-Request-Id) still running, whose end would then replace it in turn.
+    let name = if storing && !echo.background {
+        let claim = state.responses.claim_foreground(&principal.tenant, &id);
+        if claim.is_none() {
+            return Err(ApiError::invalid(
+                "store",
+                format!(
+                    "a background response with the id {} is still running (X-Request-Id names \
+                 responses): wait for it or cancel it, send another X-Request-Id, or store = false",
+                    shown(&id)
+                ),
+            ));
+        }
+        claim
+    } else {
+        None
+    };
     let lora = check_model(&state, &principal, chat.model.as_deref()).await?;
     let mut validated = chat
         .validate(state.engine.max_model_len(), state.config().tools)
@@ -111,6 +131,7 @@ pub(crate) async fn create_response(
         tenant: principal.tenant.clone(),
         input: input_items,
         parent,
+        _name: name,
     });
     let reader = ChatWriter::new(
         &state,
@@ -190,8 +211,8 @@ fn run_in_background(
         return ApiError::invalid(
             "background",
             format!(
-                "a background response with the id {} is still running (X-Request-Id names \
-                 responses): cancel it or send another X-Request-Id",
+                "a response with the id {} is still running (X-Request-Id names responses): \
+                 wait for it, cancel it (background) or send another X-Request-Id",
                 template.id
             ),
         )
@@ -473,6 +494,8 @@ struct Keep {
     input: Vec<Value>,
     /// The conversation it continued.
     parent: Option<Arc<Turn>>,
+    /// A stored foreground response's claim on its name until it is kept or dropped.
+    _name: Option<ForegroundName>,
 }
 
 impl Keep {
@@ -483,6 +506,7 @@ impl Keep {
             tenant: self.tenant.clone(),
             input: self.input.clone(),
             parent: self.parent.clone(),
+            _name: None,
         }
         .keep(response);
     }
