@@ -104,10 +104,10 @@ pub struct SimulateArgs {
     #[arg(long, default_value = "h200")]
     pub hardware: String,
     /// Offered load as a fraction of the estimated capacity (instead of --rate).
-    #[arg(long, conflicts_with = "rate")]
+    #[arg(long, conflicts_with = "rate", allow_negative_numbers = true)]
     pub load: Option<f64>,
     /// Divide the trace's arrival times by this factor (2 = replay twice as fast; finite, > 0).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub time_scale: Option<f64>,
     /// Output directory for the summary, per-request JSONL and SVG plots.
     #[arg(long, default_value = "out/sim")]
@@ -116,7 +116,7 @@ pub struct SimulateArgs {
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Arrival rate in requests/s (a rescaled trace; ShareGPT needs this or --load).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub rate: Option<f64>,
     /// Replay only the first N requests.
     #[arg(long)]
@@ -304,7 +304,7 @@ pub struct ServeBenchArgs {
     pub num_prompts: usize,
     /// Poisson arrival rate in requests/s (> 0); without it, or with `inf`, every request is
     /// sent at once, as in vLLM. The trace dataset keeps its own arrival times.
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub request_rate: Option<f64>,
     /// Start a run whose arrivals are expected to span more than 24 hours ((--num-prompts - 1)
     /// / --request-rate, or the trace's times over --time-scale). Without it such a run is
@@ -317,7 +317,7 @@ pub struct ServeBenchArgs {
     #[arg(long)]
     pub max_concurrency: Option<usize>,
     /// Divide the trace's arrival times by this factor (2 = replay twice as fast; finite, > 0).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     pub time_scale: f64,
     /// Generate exactly the requested output lengths.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]

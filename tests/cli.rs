@@ -420,6 +420,14 @@ fn simulate_refuses_flags_its_config_would_ignore_and_a_bad_time_scale() {
             "{scale}: {err}"
         );
     }
+    // A negative number as its own argument is the flag's value, refused by its range (it
+    // was clap's "unexpected argument '-2'", as if it were a flag).
+    let err = fails(
+        switchyard()
+            .args(["simulate", "--trace", "missing.csv", "--format", "azure"])
+            .args(["--time-scale", "-2"]),
+    );
+    assert!(err.contains("--time-scale -2 outside [1e-6, 1e6]"), "{err}");
 }
 
 #[test]
