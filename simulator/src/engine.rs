@@ -2229,7 +2229,9 @@ policies: [{{name: fcfs}}]
                 "max_model_len: 1000",
                 &format!("max_model_len: 1000, async_scheduling: {asynchronous}"),
             );
-            let runs: Vec<Vec<(Option<f64>, Option<f64>, String)>> = [0.4, 1.0]
+            // Per request: first scheduled and finish (us), outcome.
+            type Row = (Option<f64>, Option<f64>, String);
+            let runs: Vec<Vec<Row>> = [0.4, 1.0]
                 .into_iter()
                 .map(|offset| {
                     let mut sim = Simulation::new(&spec(&yaml)).unwrap();
