@@ -200,9 +200,14 @@ impl Generation {
                     generation.failure.set(e.kind);
                     if accepted[prompt] {
                         generation.refund_timed_out(prompt, e.kind);
-                    } else if refused_for_room(e.kind) && !accepted.contains(&true) {
-                        // The engine admits a request's prompts together or refuses them
-                        // all: none was queued.
+                    } else if refused_for_room(e.kind)
+                        && !accepted.contains(&true)
+                        && !generation.prompt_event_waiting()
+                    {
+                        // No prompt was queued: the engine admits a request's prompts
+                        // together or refuses them all, and a prompt refused after admission
+                        // (a full compile queue) may end before a sibling's prompt event was
+                        // read, which the sibling's channel then holds.
                         generation.meter.refused_before_queueing();
                     }
                     return Err(name_fields(e, fields));
@@ -210,6 +215,15 @@ impl Generation {
             }
         }
         Ok(generation)
+    }
+
+    /// Whether a prompt's channel holds its prompt event, unread (the prompt was queued):
+    /// reads what the channels hold now, for a generation about to fail.
+    fn prompt_event_waiting(&mut self) -> bool {
+        self.events.iter_mut().any(|t| {
+            std::iter::from_fn(|| t.rx.try_recv().ok())
+                .any(|e| matches!(e, EngineEvent::Prompt { .. }))
+        })
     }
 
     /// Records that the request failed with `kind` for a reason of the route's own (an
@@ -534,6 +548,55 @@ mod tests {
             let report = limiter.report(std::time::Instant::now());
             let remaining = report["tenants"][0]["requests"]["remaining"].as_u64();
             assert_eq!(remaining, Some(left), "{kind}");
+        }
+    }
+
+    /// A request of two prompts, one refused for want of room (a full compile queue, after
+    /// admission) while the other was queued (its prompt event sent, whichever the generation
+    /// reads first): the request keeps its rate limit's request. Refused both, it gives it back.
+    #[test]
+    fn a_request_with_a_prompt_queued_keeps_its_request_whatever_is_read_first() {
+        use crate::rate_limit::{RateLimiter, TierLimits};
+        let limiter = RateLimiter::new(std::collections::HashMap::from([(
+            "free".to_owned(),
+            TierLimits {
+                requests_per_minute: Some(10),
+                tokens_per_minute: None,
+            },
+        )]));
+        let who = crate::auth::Principal {
+            tenant: "acme".into(),
+            tier: "free".into(),
+            adapters: crate::auth::AdapterAccess::all(),
+        };
+        let busy = || {
+            EngineEvent::Error(EngineError::new(
+                EngineErrorKind::Overloaded {
+                    retry_after_secs: 1,
+                },
+                "compile queue full",
+            ))
+        };
+        for (prompts, left) in [
+            (vec![vec![busy()], vec![prompt(3)]], 9),
+            (vec![vec![prompt(3)], vec![busy()]], 9),
+            (vec![vec![busy()], vec![busy()]], 10),
+        ] {
+            limiter.reset("free", "acme");
+            let meter = limiter
+                .admit(&who, vec![1, 1], std::time::Instant::now())
+                .unwrap();
+            let result = block_on(Generation::accept(
+                prompts.into_iter().map(channel).collect(),
+                1,
+                fields("prompt"),
+                SiblingFailure::default(),
+                meter,
+            ));
+            assert!(result.is_err());
+            let report = limiter.report(std::time::Instant::now());
+            let remaining = report["tenants"][0]["requests"]["remaining"].as_u64();
+            assert_eq!(remaining, Some(left));
         }
     }
 

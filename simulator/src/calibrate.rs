@@ -224,12 +224,6 @@ pub fn check_shape(s: &StepShape) -> Result<(), String> {
     Ok(())
 }
 
-/// Fits the calibrated model to `samples`, minimising the squared relative errors with every
-/// coefficient at least zero. A term the samples cannot tell apart from the others (a feature
-/// that is zero everywhere, or a combination of others) gets what the active-set method gives
-/// it, usually zero: the predictions of the samples are what the fit answers for. Without
-/// speculative decoding every decode feeds one token, so the tokens of a step are its prompt
-/// tokens plus its decodes and the per-token cost is shared out between the other two.
 /// The longest context a sequence of `samples`' steps had, at least: each step's KV tokens
 /// (context plus new tokens, summed over its sequences) over its sequences, rounded up: exact
 /// for a step of one sequence, the mean for a batch.
@@ -242,6 +236,12 @@ pub fn longest_context(samples: &[Sample]) -> u64 {
         .unwrap_or(0)
 }
 
+/// Fits the calibrated model to `samples`, minimising the squared relative errors with every
+/// coefficient at least zero. A term the samples cannot tell apart from the others (a feature
+/// that is zero everywhere, or a combination of others) gets what the active-set method gives
+/// it, usually zero: the predictions of the samples are what the fit answers for. Without
+/// speculative decoding every decode feeds one token, so the tokens of a step are its prompt
+/// tokens plus its decodes and the per-token cost is shared out between the other two.
 pub fn fit(samples: &[Sample]) -> Result<Fit, FitError> {
     if samples.len() < NUM_TERMS {
         return Err(FitError::TooFewSamples(samples.len()));

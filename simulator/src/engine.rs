@@ -725,7 +725,8 @@ impl<'a> Loop<'a> {
             now = self.check_clock(now.saturating_add(dt).saturating_add(self.host_us()))?;
             // Requests arriving during the step find the seats as it holds them: those of
             // the requests it ends are given back at its end, as the server gives them back.
-            finished += self.admit_arrivals(now.saturating_sub(1), &mut next);
+            // They are queued once its outputs are applied, as before.
+            finished += self.check_arrivals(now.saturating_sub(1), &mut next);
             self.steps += 1;
             for ev in self.sched.apply_outputs(&plan, &outputs, Timestamp(now)) {
                 finished += usize::from(self.on_event(ev));
@@ -823,10 +824,22 @@ impl<'a> Loop<'a> {
     /// without a front-end time each request is queued before the next is checked); returns
     /// how many were rejected or rate-limited.
     fn admit_arrivals(&mut self, now: u64, next: &mut usize) -> usize {
+        self.arrivals(now, next, true)
+    }
+
+    /// As [`Loop::admit_arrivals`] for the requests arriving during a step, before its outputs
+    /// are applied: checks them against their rate limits and bounds, and queues none (they
+    /// are queued after the step's outputs, so that the scheduler and its policy see the
+    /// step's end first, as without bounds before the check moved into the step).
+    fn check_arrivals(&mut self, now: u64, next: &mut usize) -> usize {
+        self.arrivals(now, next, false)
+    }
+
+    fn arrivals(&mut self, now: u64, next: &mut usize, queue: bool) -> usize {
         let mut rejected = 0;
         loop {
             let arriving = self.arrivals_us.get(*next).copied().filter(|&t| t <= now);
-            let ready = self.front_end.first().copied().filter(|r| r.0 <= now);
+            let ready = (self.front_end.first().copied()).filter(|r| queue && r.0 <= now);
             match (arriving, ready) {
                 (Some(t), r) if r.is_none_or(|r| t < r.0) => {
                     let i = *next;
@@ -1046,7 +1059,7 @@ impl<'a> Loop<'a> {
         next: &mut usize,
     ) -> usize {
         // Requests arriving during the step find the seats as it holds them (see `run`).
-        let mut finished = self.admit_arrivals(at.saturating_sub(1), next);
+        let mut finished = self.check_arrivals(at.saturating_sub(1), next);
         for ev in self.sched.resolve(plan, outputs, Timestamp(at)) {
             finished += usize::from(self.on_event(ev));
         }
@@ -2180,6 +2193,64 @@ policies: [{{name: fcfs}}]
                 ["length", "overloaded", "length"],
                 "async {asynchronous}"
             );
+        }
+    }
+
+    #[test]
+    fn without_bounds_a_request_arriving_during_a_step_is_queued_at_its_end() {
+        // Without bounds or rate limits, the check of arrivals during a step changes nothing:
+        // a request arriving during a step is queued once its outputs are applied, as one
+        // arriving at its end is. 1 ms steps, kept busy from 0 s by `bg`'s long request; the
+        // others (three tenants, fair-share, which the step's tokens and ends move) arrive
+        // 0.4 ms into a step, or at its end: every request is scheduled and ends alike.
+        // Queued before the step's outputs were applied, fair-share's counters differed.
+        let yaml = &fcfs_yaml(
+            "{}",
+            "{max_num_seqs: 3, max_model_len: 1000}",
+            "{num_gpu_blocks: 512}",
+        );
+        let trace = |offset_ms: f64| {
+            let mut rs = vec![req_of("bg", 0.0, 10, 400, "")];
+            let mut x = 7u64;
+            for k in 1..120u64 {
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                let tenant = ["x", "y", "z"][(x >> 33) as usize % 3];
+                let prompt = 4 + (x >> 40) as usize % 60;
+                let output = 1 + (x >> 50) as u32 % 6;
+                let at = (2 * k) as f64 + offset_ms;
+                rs.push(req_of(tenant, at / 1e3, prompt, output, ""));
+            }
+            rs
+        };
+        for asynchronous in [false, true] {
+            let yaml = yaml.replace(
+                "max_model_len: 1000",
+                &format!("max_model_len: 1000, async_scheduling: {asynchronous}"),
+            );
+            // Per request: first scheduled and finish (us), outcome.
+            type Row = (Option<f64>, Option<f64>, String);
+            let runs: Vec<Vec<Row>> = [0.4, 1.0]
+                .into_iter()
+                .map(|offset| {
+                    let mut sim = Simulation::new(&spec(&yaml)).unwrap();
+                    sim.cost = CostModel::Calibrated(Calibration {
+                        intercept_s: 1e-3,
+                        ..Default::default()
+                    });
+                    let records = sim
+                        .run_policy(&PolicySpec::named("fair-share"), &trace(offset), false)
+                        .unwrap()
+                        .records;
+                    let us = |s: Option<f64>| s.map(|s| (s * 1e6).round());
+                    records
+                        .iter()
+                        .map(|r| (us(r.first_scheduled_s), us(r.finish_s), r.outcome.clone()))
+                        .collect()
+                })
+                .collect();
+            assert_eq!(runs[0], runs[1], "async {asynchronous}");
         }
     }
 

@@ -41,9 +41,18 @@ use std::path::Path;
 /// A warning when requests of `requests` reach a context (prompt plus output) longer than
 /// any `c` measured: their steps' times are the fit's extrapolation (its attention term grows
 /// with the square of the context, so a short calibration can price a long prompt far off).
-fn beyond_calibration(c: &cost::Calibration, requests: &[trace::TraceRequest]) -> Option<String> {
+/// With a sliding `window` a step reads at most the window's keys, on the server that measured
+/// the calibration as in the simulator, so a context counts up to the window.
+fn beyond_calibration(
+    c: &cost::Calibration,
+    requests: &[trace::TraceRequest],
+    window: Option<u64>,
+) -> Option<String> {
     let max = c.max_context?;
-    let context = |r: &trace::TraceRequest| r.prompt.len() as u64 + u64::from(r.output_len);
+    let context = |r: &trace::TraceRequest| {
+        let context = r.prompt.len() as u64 + u64::from(r.output_len);
+        window.map_or(context, |w| context.min(w))
+    };
     let beyond = requests.iter().filter(|r| context(r) > max).count();
     let longest = requests.iter().map(context).max()?;
     (beyond > 0).then(|| {
@@ -87,7 +96,7 @@ pub fn simulate(
         ));
     }
     if let cost::CostModel::Calibrated(c) = &sim.cost {
-        if let Some(w) = beyond_calibration(c, requests) {
+        if let Some(w) = beyond_calibration(c, requests, sim.model.sliding_window) {
             warnings.push(w);
         }
     }
@@ -222,9 +231,9 @@ mod tests {
         let rs = [request(40, 10), request(100, 50), request(290, 10)];
         let mut c = cost::Calibration::default();
         // A file written before the field: no warning.
-        assert_eq!(beyond_calibration(&c, &rs), None);
+        assert_eq!(beyond_calibration(&c, &rs, None), None);
         c.max_context = Some(100);
-        let w = beyond_calibration(&c, &rs).expect("a warning");
+        let w = beyond_calibration(&c, &rs, None).expect("a warning");
         assert!(
             w.starts_with(
                 "2 of 3 requests reach a context (prompt + output) beyond the 100 tokens"
@@ -237,6 +246,13 @@ mod tests {
         );
         assert!(!w.contains("  "), "one line of prose: {w}");
         c.max_context = Some(300);
-        assert_eq!(beyond_calibration(&c, &rs), None);
+        assert_eq!(beyond_calibration(&c, &rs, None), None);
+        // A sliding window of 128: a calibration that reached it measured every context's
+        // steps (they read no more than the window's keys); one short of it did not.
+        c.max_context = Some(128);
+        assert_eq!(beyond_calibration(&c, &rs, Some(128)), None);
+        c.max_context = Some(100);
+        let w = beyond_calibration(&c, &rs, Some(128)).expect("a warning");
+        assert!(w.contains("the longest: 128"), "{w}");
     }
 }

@@ -80,6 +80,27 @@ pub struct CpuSettings {
     pub precision: CpuPrecision,
 }
 
+/// Refuses a `cpu_precision` other than `auto` on a CUDA backend asked for by name, and warns
+/// of one the `auto` backend will not use, naming it as the config and the flag spell it.
+fn check_cpu_precision_on_cuda(p: CpuPrecision, kind: BackendKind) -> anyhow::Result<()> {
+    let name = match p {
+        CpuPrecision::Auto => return Ok(()),
+        CpuPrecision::Int8 => "int8",
+        CpuPrecision::Mixed => "mixed",
+        CpuPrecision::Precise => "precise",
+    };
+    anyhow::ensure!(
+        kind == BackendKind::Auto,
+        "cpu_precision {name} applies to the CPU backend only (the CUDA backend computes in \
+         bf16): leave it at auto, or run on the CPU backend"
+    );
+    tracing::warn!(
+        cpu_precision = name,
+        "backend auto chose the GPU: cpu_precision, for the CPU backend, is not used"
+    );
+    Ok(())
+}
+
 /// The CPU backend's precision for a setting (`auto`: the default for this machine's kernels).
 fn activation_precision(p: CpuPrecision) -> ActivationPrecision {
     match p {
@@ -301,18 +322,7 @@ pub fn build_backend(
     let backend = match chosen {
         BackendKind::Cuda => {
             check_cuda_batch_tokens(s.max_batch_tokens, s.max_batch_tokens_setting, kind)?;
-            if s.cpu_precision != CpuPrecision::Auto {
-                anyhow::ensure!(
-                    kind == BackendKind::Auto,
-                    "cpu_precision {:?} applies to the CPU backend only (the CUDA backend \
-                     computes in bf16): leave it at auto, or run on the CPU backend",
-                    s.cpu_precision
-                );
-                tracing::warn!(
-                    cpu_precision = ?s.cpu_precision,
-                    "backend auto chose the GPU: cpu_precision, for the CPU backend, is not used"
-                );
-            }
+            check_cpu_precision_on_cuda(s.cpu_precision, kind)?;
             cuda_backend(source, s)?
         }
         _ => {
@@ -502,6 +512,24 @@ mod tests {
             assert_eq!(super::oversubscribed(ok, cores), None, "{ok}");
         }
         assert_eq!(super::oversubscribed(1000, None), None);
+    }
+
+    /// A CPU precision on the CUDA backend asked for by name is refused, named as the config
+    /// and the flag spell it; with backend auto, or at auto, it is no error.
+    #[test]
+    fn a_cpu_precision_on_the_cuda_backend_is_named_as_written() {
+        use switchyard_config::{BackendKind, CpuPrecision};
+        let e = super::check_cpu_precision_on_cuda(CpuPrecision::Int8, BackendKind::Cuda)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("cpu_precision int8 applies to the CPU backend only"),
+            "{e}"
+        );
+        assert!(
+            super::check_cpu_precision_on_cuda(CpuPrecision::Precise, BackendKind::Auto).is_ok()
+        );
+        assert!(super::check_cpu_precision_on_cuda(CpuPrecision::Auto, BackendKind::Cuda).is_ok());
     }
 
     /// Every architecture the configuration names for dummy weights has a preset, and an
