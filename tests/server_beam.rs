@@ -50,9 +50,9 @@ fn score(choice: &Value, prompt_tokens: usize, penalty: f64) -> f64 {
 /// Runs the reference's beam searches (`gpu/tests/fixtures/smollm2_beam_search.json`:
 /// vLLM's algorithm over transformers' float32 logprobs of the same GGUF) on `s`: those marked
 /// `end_to_end`, or with `min_margin` those whose best beams' scores are at least that far
-/// from the first that would change the answer (the fixture's `margin`), and checks each answer beam for beam (text, each
-/// beam's cumulative logprob within 0.3 nats, its end token's included, finish reason);
-/// returns how many were compared.
+/// from the first that would change the answer (the fixture's `margin`), and checks each
+/// answer beam for beam (text, each beam's cumulative logprob within 0.3 nats, its end
+/// token's included, finish reason); returns how many were compared.
 fn compare_with_transformers(s: &Server, min_margin: Option<f64>) -> usize {
     let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
