@@ -66,6 +66,29 @@ fn beyond_calibration(
     })
 }
 
+/// The window over which [`peak_rate`] counts arrivals, in seconds.
+pub const PEAK_WINDOW_S: f64 = 10.0;
+
+/// The most requests arriving within any [`PEAK_WINDOW_S`] of the trace, per second; `None`
+/// for a trace spanning less than two windows (its mean says as much). A bursty trace's peak
+/// is many times its mean, which a load given as a fraction of capacity (the mean) hides.
+fn peak_rate(requests: &[trace::TraceRequest], span: f64) -> Option<f64> {
+    if span < 2.0 * PEAK_WINDOW_S {
+        return None;
+    }
+    let mut times: Vec<f64> = requests.iter().map(|r| r.arrival_s).collect();
+    times.sort_by(f64::total_cmp);
+    let mut start = 0;
+    let mut most = 0;
+    for (end, &t) in times.iter().enumerate() {
+        while times[start] <= t - PEAK_WINDOW_S {
+            start += 1;
+        }
+        most = most.max(end + 1 - start);
+    }
+    Some(most as f64 / PEAK_WINDOW_S)
+}
+
 /// Runs every policy of `spec` on its workload without writing files.
 /// With `progress`, each policy's run reports its progress on stderr: a bar on a terminal,
 /// else a plain line every [`progress::LINE_INTERVAL`] and one when it ends.
@@ -121,6 +144,7 @@ pub fn simulate(
             0.0
         },
         estimated_capacity_rps: workload.estimated_capacity_rps,
+        peak_rate: peak_rate(requests, span),
         max_model_len: sim.scheduler.max_model_len as u64,
         policies: runs
             .iter_mut()
@@ -216,6 +240,28 @@ pub fn write_outputs(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_peak_rate_counts_the_busiest_window() {
+        let at = |arrival_s: f64| trace::TraceRequest {
+            arrival_s,
+            prompt: vec![7u32; 4].into(),
+            output_len: 1,
+            tenant: String::new(),
+            tier: String::new(),
+            priority: None,
+            adapter: None,
+        };
+        // One a second for 60 s, and a burst of 50 within [30, 31).
+        let mut rs: Vec<_> = (0..=60).map(|i| at(f64::from(i))).collect();
+        rs.extend((0..50).map(|i| at(30.0 + f64::from(i) / 50.0)));
+        // The busiest 10 s: the burst and 10 of the others (a window (t - 10, t]).
+        assert_eq!(peak_rate(&rs, 60.0), Some(6.0));
+        // Too short a span for a window to say more than the mean.
+        assert_eq!(peak_rate(&rs[..15], 14.0), None);
+        let even: Vec<_> = (0..=60).map(|i| at(f64::from(i))).collect();
+        assert_eq!(peak_rate(&even, 60.0), Some(1.0));
+    }
 
     #[test]
     fn requests_beyond_the_calibrations_longest_context_are_warned_of() {

@@ -439,6 +439,10 @@ pub struct Comparison {
     pub arrival_rate: f64,
     /// Estimated capacity in requests/s when a load was asked for.
     pub estimated_capacity_rps: Option<f64>,
+    /// The most requests arriving within any 10 s, per second (`None` for a trace spanning
+    /// less than 20 s): how far a bursty trace's peaks stand above its mean.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peak_rate: Option<f64>,
     /// Longest prompt plus output served; longer requests are rejected.
     #[serde(default)]
     pub max_model_len: u64,
@@ -454,11 +458,15 @@ impl Comparison {
             .estimated_capacity_rps
             .map(|c| format!(", estimated capacity {c:.2} req/s"))
             .unwrap_or_default();
+        let peak = self
+            .peak_rate
+            .map(|p| format!(" (peak {p:.2} req/s over 10 s)"))
+            .unwrap_or_default();
         // "llama-3-8b on h200", or "smollm2-135m, calibrated (file's model ... on cpu)".
         let on = if self.calibrated { ", " } else { " on " };
         let _ = writeln!(
             s,
-            "{}{on}{}: {} requests at {:.2} req/s{cap}, max_model_len {}",
+            "{}{on}{}: {} requests at {:.2} req/s{peak}{cap}, max_model_len {}",
             self.model, self.hardware, self.requests, self.arrival_rate, self.max_model_len
         );
         let _ = writeln!(
