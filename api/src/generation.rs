@@ -450,16 +450,17 @@ mod tests {
         assert_eq!(seen, expected.map(|(c, t)| (c, t.to_owned())));
     }
 
-    /// A prompt whose request timed out in the queue was never computed: its tokens, charged
-    /// when it was accepted, are given back to the tenant's budget (other failures keep them).
-    #[test]
-    fn a_prompt_timed_out_in_the_queue_is_not_charged() {
+    /// A rate limiter whose tier `free` has these limits, and tenant acme of that tier.
+    fn limited(
+        rpm: Option<u64>,
+        tpm: Option<u64>,
+    ) -> (crate::rate_limit::RateLimiter, crate::auth::Principal) {
         use crate::rate_limit::{RateLimiter, TierLimits};
         let limiter = RateLimiter::new(std::collections::HashMap::from([(
             "free".to_owned(),
             TierLimits {
-                requests_per_minute: None,
-                tokens_per_minute: Some(600),
+                requests_per_minute: rpm,
+                tokens_per_minute: tpm,
             },
         )]));
         let who = crate::auth::Principal {
@@ -467,6 +468,14 @@ mod tests {
             tier: "free".into(),
             adapters: crate::auth::AdapterAccess::all(),
         };
+        (limiter, who)
+    }
+
+    /// A prompt whose request timed out in the queue was never computed: its tokens, charged
+    /// when it was accepted, are given back to the tenant's budget (other failures keep them).
+    #[test]
+    fn a_prompt_timed_out_in_the_queue_is_not_charged() {
+        let (limiter, who) = limited(None, Some(600));
         let remaining = || {
             let m = limiter
                 .admit(&who, vec![1], std::time::Instant::now())
@@ -504,19 +513,7 @@ mod tests {
     /// request back; one refused for its own fault, or failing once queued, keeps it.
     #[test]
     fn a_request_refused_for_room_before_queueing_takes_no_request() {
-        use crate::rate_limit::{RateLimiter, TierLimits};
-        let limiter = RateLimiter::new(std::collections::HashMap::from([(
-            "free".to_owned(),
-            TierLimits {
-                requests_per_minute: Some(10),
-                tokens_per_minute: None,
-            },
-        )]));
-        let who = crate::auth::Principal {
-            tenant: "acme".into(),
-            tier: "free".into(),
-            adapters: crate::auth::AdapterAccess::all(),
-        };
+        let (limiter, who) = limited(Some(10), None);
         let error = |kind| EngineEvent::Error(EngineError::new(kind, "x"));
         let overloaded = EngineErrorKind::Overloaded {
             retry_after_secs: 1,
@@ -556,19 +553,7 @@ mod tests {
     /// reads first): the request keeps its rate limit's request. Refused both, it gives it back.
     #[test]
     fn a_request_with_a_prompt_queued_keeps_its_request_whatever_is_read_first() {
-        use crate::rate_limit::{RateLimiter, TierLimits};
-        let limiter = RateLimiter::new(std::collections::HashMap::from([(
-            "free".to_owned(),
-            TierLimits {
-                requests_per_minute: Some(10),
-                tokens_per_minute: None,
-            },
-        )]));
-        let who = crate::auth::Principal {
-            tenant: "acme".into(),
-            tier: "free".into(),
-            adapters: crate::auth::AdapterAccess::all(),
-        };
+        let (limiter, who) = limited(Some(10), None);
         let busy = || {
             EngineEvent::Error(EngineError::new(
                 EngineErrorKind::Overloaded {
