@@ -162,6 +162,7 @@ fn start_engine(running: usize) -> (Arc<AtomicU64>, actix::System) {
                     async_scheduling: Default::default(),
                     lora: None,
                     prefix_sharing_by_tenant: false,
+                    message_tokens_as_text: true,
                     vocab_size: 0,
                 },
                 Box::new(InstantBackend {

@@ -325,6 +325,20 @@ mod tests {
     }
 
     #[test]
+    fn message_special_tokens_are_text_by_default_or_tokens() {
+        let c = Config::from_yaml_str("model: {}", "t").unwrap();
+        assert_eq!(c.model.message_special_tokens, MessageSpecialTokens::Text);
+        let c = Config::from_yaml_str("model: { message_special_tokens: tokens }", "t").unwrap();
+        assert_eq!(c.model.message_special_tokens, MessageSpecialTokens::Tokens);
+        let e = error("model:\n  message_special_tokens: escape\n", &[]);
+        assert!(
+            e.starts_with("t.yaml:2: model.message_special_tokens"),
+            "{e}"
+        );
+        assert!(e.contains("text") && e.contains("tokens"), "{e}");
+    }
+
+    #[test]
     fn an_architecture_without_dummy_weights_and_a_host_name_are_refused() {
         let e = error("model:\n  architecture: llama-3-8b\n", &[]);
         assert!(e.starts_with("t.yaml:2: model.architecture"), "{e}");

@@ -378,6 +378,22 @@ pub enum CpuPrecision {
 
 choice_from_str!(CpuPrecision { "auto" => Auto, "int8" => Int8, "mixed" => Mixed, "precise" => Precise });
 
+/// How the added tokens' text written in a chat's messages is encoded (`<|im_end|>` in a
+/// user's message).
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum MessageSpecialTokens {
+    /// As text, as OpenAI's API encodes it: a message cannot write the control tokens of the
+    /// conversation around it (close its turn, open a system turn). The tokens escaped are
+    /// the special ones and the other added tokens the chat template writes itself.
+    #[default]
+    Text,
+    /// As the tokens they name, as Hugging Face's `apply_chat_template` and vLLM encode it.
+    Tokens,
+}
+
+choice_from_str!(MessageSpecialTokens { "text" => Text, "tokens" => Tokens });
+
 /// The format the model writes tool calls in (chat completions with `tools`).
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
@@ -517,6 +533,8 @@ pub struct ModelSection {
     pub threads: usize,
     /// The CPU backend's activation precision (`auto`, `int8`, `mixed`, `precise`).
     pub cpu_precision: CpuPrecision,
+    /// How added tokens' text in chat messages is encoded (`text`, `tokens`).
+    pub message_special_tokens: MessageSpecialTokens,
 }
 
 impl Default for ModelSection {
@@ -535,6 +553,7 @@ impl Default for ModelSection {
             reasoning_parser: ReasoningParser::Auto,
             threads: 0,
             cpu_precision: CpuPrecision::Auto,
+            message_special_tokens: MessageSpecialTokens::Text,
         }
     }
 }

@@ -283,6 +283,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         vocab_size,
         prefix_sharing_by_tenant: config.cache.prefix_sharing
             == switchyard_config::PrefixSharing::Tenant,
+        message_tokens_as_text: config.model.message_special_tokens
+            == switchyard_config::MessageSpecialTokens::Text,
         hash_key: runtime::random_hash_key(),
         async_scheduling: runtime::async_mode(config.scheduler.async_scheduling),
         tokenizer_threads: 2,

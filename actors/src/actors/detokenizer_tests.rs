@@ -347,6 +347,7 @@ fn start_engine_sharing(
             async_scheduling: crate::AsyncScheduling::Off,
             lora: None,
             prefix_sharing_by_tenant: by_tenant,
+            message_tokens_as_text: true,
             vocab_size: 0,
         },
         Box::new(CycleBackend {

@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use actix::{Actor, Addr, SyncArbiter};
 use switchyard_gpu::backend::{Backend, SamplingParams};
+use switchyard_gpu::model::content_escape::ContentEscaper;
 use switchyard_gpu::model::{ChatEnding, ChatMessage, ChatTemplate, Tokenizer};
 use switchyard_gpu::{Constraint, GpuError, LoraAdapter};
 use switchyard_policies::{
@@ -67,6 +68,9 @@ pub struct EngineConfig {
     /// Cached prefix blocks are shared only among a tenant's requests (each tenant's
     /// requests hash their blocks with a salt of their own).
     pub prefix_sharing_by_tenant: bool,
+    /// The added tokens' text written in chat messages is encoded as text, not as the tokens
+    /// (`model.message_special_tokens: text`; see `switchyard_gpu::model::content_escape`).
+    pub message_tokens_as_text: bool,
 }
 
 /// A prompt as the client gave it.
@@ -414,6 +418,18 @@ impl Engine {
         let tokenizer_for_text = tokenizer.clone();
         let grammars = LazyGrammarCompiler::default();
         let max_model_len = config.scheduler.max_model_len;
+        let escaper = match &template {
+            Some(t) if config.message_tokens_as_text => {
+                ContentEscaper::new(&tok, t.source()).map(Arc::new)
+            }
+            _ => None,
+        };
+        if let Some(e) = &escaper {
+            tracing::info!(
+                tokens = e.len(),
+                "added tokens written in chat messages are encoded as text"
+            );
+        }
         let tokenizers = SyncArbiter::start(config.tokenizer_threads.max(1), move || {
             TokenizerActor::new(
                 tok.clone(),
@@ -421,6 +437,7 @@ impl Engine {
                 grammars.clone(),
                 max_model_len,
             )
+            .escaping(escaper.clone())
         });
         // The detokenizer gets a thread of its own so that text work and client sends never
         // delay the scheduler's next step.
@@ -1371,6 +1388,7 @@ mod tests {
             lora: None,
             vocab_size: 3,
             prefix_sharing_by_tenant: true,
+            message_tokens_as_text: true,
         };
         let policy = PolicyRegistry::with_builtins()
             .create("fcfs", &serde_yaml::Value::Null, &[])

@@ -7,7 +7,8 @@ use std::sync::Arc;
 
 use actix::dev::{MessageResponse, OneshotSender};
 use actix::{Actor, Handler, Message, SyncContext};
-use switchyard_gpu::model::{ChatTemplate, Tokenizer};
+use switchyard_gpu::model::content_escape::ContentEscaper;
+use switchyard_gpu::model::{ChatEnding, ChatMessage, ChatTemplate, Tokenizer};
 use switchyard_gpu::{Constraint, GpuError};
 
 use super::engine::{PromptSource, SubmitError, SubmitErrorKind};
@@ -71,6 +72,9 @@ pub struct TokenizerActor {
     max_model_len: usize,
     /// Longest prompt text that could fit `max_model_len` tokens: longer is refused unencoded.
     max_text_len: usize,
+    /// Encodes the added tokens' text written in chat messages as text
+    /// (`model.message_special_tokens: text`); `None`: as tokens.
+    escaper: Option<Arc<ContentEscaper>>,
 }
 
 impl TokenizerActor {
@@ -89,12 +93,29 @@ impl TokenizerActor {
             grammars,
             max_model_len,
             max_text_len,
+            escaper: None,
         }
+    }
+
+    /// Encodes the added tokens' text that chat messages write as text, as `escaper` finds it.
+    #[must_use]
+    pub fn escaping(mut self, escaper: Option<Arc<ContentEscaper>>) -> Self {
+        self.escaper = escaper;
+        self
     }
 
     /// Encodes prompt text, refusing as `ContextLengthExceeded`, without encoding it, a text
     /// too long to fit in the context whatever its tokens.
     fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>, SubmitError> {
+        self.check_text_len(text)?;
+        self.tokenizer
+            .encode(text, add_special)
+            .map_err(|e| invalid(e.to_string()))
+    }
+
+    /// Refuses as `ContextLengthExceeded` a text too long to fit in the context whatever its
+    /// tokens.
+    fn check_text_len(&self, text: &str) -> Result<(), SubmitError> {
         if text.len() > self.max_text_len {
             return Err(SubmitError::new(
                 SubmitErrorKind::ContextLengthExceeded,
@@ -107,9 +128,61 @@ impl TokenizerActor {
                 ),
             ));
         }
-        self.tokenizer
-            .encode(text, add_special)
-            .map_err(|e| invalid(e.to_string()))
+        Ok(())
+    }
+
+    /// Renders a chat and encodes it; with an escaper, the added tokens' text the messages
+    /// (and the template's variables) write is encoded as text.
+    fn encode_chat(
+        &self,
+        template: &ChatTemplate,
+        messages: &[ChatMessage],
+        ending: ChatEnding,
+        template_kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<Encoded, SubmitError> {
+        let escaped = self.escaper.as_ref().and_then(|e| {
+            let messages = e.escape_messages(messages);
+            let kwargs = e.escape_variables(template_kwargs);
+            (messages.is_some() || kwargs.is_some()).then_some((e, messages, kwargs))
+        });
+        let (render_messages, render_kwargs) = match &escaped {
+            Some((_, m, k)) => (
+                m.as_deref().unwrap_or(messages),
+                k.as_ref().unwrap_or(template_kwargs),
+            ),
+            None => (messages, template_kwargs),
+        };
+        // The rendering stops as it passes the longest text that could fit.
+        let text = template
+            .render_within(render_messages, ending, render_kwargs, self.max_text_len)
+            .map_err(|e| match e {
+                GpuError::ChatTemplateTooLong { limit } => SubmitError::new(
+                    SubmitErrorKind::ContextLengthExceeded,
+                    format!(
+                        "the chat prompt renders to more than {limit} bytes: it cannot \
+                         fit in this model's context of {} tokens",
+                        self.max_model_len
+                    ),
+                ),
+                e => invalid(e.to_string()),
+            })?;
+        // Read before the escaped text is put back: a message's `<think>` opens nothing.
+        let opens_thinking = ends_inside_think(&text);
+        // The template already wrote the special tokens it wants.
+        let ids = match escaped {
+            None => self.encode(&text, false)?,
+            Some((e, ..)) => {
+                let restored = e.restore(&text);
+                self.check_text_len(&restored.text)?;
+                self.tokenizer
+                    .encode_with_text_spans(&restored.text, &restored.as_text)
+                    .map_err(|e| invalid(e.to_string()))?
+            }
+        };
+        Ok(Encoded {
+            ids,
+            opens_thinking,
+        })
     }
 }
 
@@ -155,25 +228,7 @@ impl Handler<Encode> for TokenizerActor {
                 let template = self.template.as_ref().ok_or_else(|| {
                     invalid("this model has no chat template; use /v1/completions".into())
                 })?;
-                // The rendering stops as it passes the longest text that could fit.
-                let text = template
-                    .render_within(&messages, ending, &template_kwargs, self.max_text_len)
-                    .map_err(|e| match e {
-                        GpuError::ChatTemplateTooLong { limit } => SubmitError::new(
-                            SubmitErrorKind::ContextLengthExceeded,
-                            format!(
-                                "the chat prompt renders to more than {limit} bytes: it cannot \
-                                 fit in this model's context of {} tokens",
-                                self.max_model_len
-                            ),
-                        ),
-                        e => invalid(e.to_string()),
-                    })?;
-                // The template already wrote the special tokens it wants.
-                self.encode(&text, false).map(|ids| Encoded {
-                    ids,
-                    opens_thinking: ends_inside_think(&text),
-                })
+                self.encode_chat(template, &messages, ending, &template_kwargs)
             }
         }
     }

@@ -53,6 +53,7 @@ pub(crate) fn read_bounded(path: &Path, max: u64) -> Result<String, GpuError> {
 
 pub mod chat_template;
 pub mod config;
+pub mod content_escape;
 pub mod dequant;
 pub mod fetch;
 pub mod gguf;

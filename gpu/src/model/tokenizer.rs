@@ -370,6 +370,92 @@ impl Tokenizer {
         Ok(ids)
     }
 
+    /// The added tokens (special or not, matched in text before the model's own split): each
+    /// one's id, text and whether it is special (a control token).
+    pub fn added_tokens(&self) -> Vec<(u32, String, bool)> {
+        let mut added: Vec<(u32, String, bool)> = self
+            .inner
+            .get_added_tokens_decoder()
+            .into_iter()
+            .map(|(id, t)| (id, t.content, t.special))
+            .collect();
+        added.sort_unstable_by_key(|a| a.0);
+        added
+    }
+
+    /// Encodes `text` as [`Tokenizer::encode`] does without `add_special`, except that no
+    /// added token is matched where it overlaps one of the byte ranges `as_text` (sorted, not
+    /// overlapping): that text is encoded as ordinary text, as Hugging Face's
+    /// `split_special_tokens` encodes the whole of a text. The rest is encoded exactly as
+    /// `encode` encodes it: the added tokens outside the ranges are the ones `encode` finds,
+    /// and what lies between them is normalized, pre-tokenized and split by the model as one
+    /// piece of the whole text (its offsets kept, so a SentencePiece prefix space goes only
+    /// where the text starts).
+    pub fn encode_with_text_spans(
+        &self,
+        text: &str,
+        as_text: &[std::ops::Range<usize>],
+    ) -> Result<Vec<u32>, GpuError> {
+        use tokenizers::tokenizer::normalizer::Range as Span;
+        use tokenizers::{Model, Normalizer, OffsetType, PreTokenizedString, PreTokenizer, Token};
+        if as_text.is_empty() {
+            return self.encode(text, false);
+        }
+        if text.len() > MAX_ENCODE_LEN {
+            return Err(tok_err(format!("text of {} bytes is too long", text.len())));
+        }
+        // The added tokens `encode` matches (with byte offsets), less those over `as_text`.
+        let found = self.inner.encode(text, false).map_err(tok_err)?;
+        let added = self.inner.get_added_tokens_decoder();
+        let overlaps = |(a, b): (usize, usize)| as_text.iter().any(|r| a < r.end && r.start < b);
+        let kept: Vec<(usize, usize, u32)> = found
+            .get_ids()
+            .iter()
+            .zip(found.get_offsets())
+            .filter(|(id, &span)| added.contains_key(id) && !overlaps(span))
+            .map(|(&id, &(a, b))| (a, b, id))
+            .collect();
+        let mut pre = PreTokenizedString::from(text);
+        pre.split(|_, whole| {
+            let mut pieces = Vec::with_capacity(2 * kept.len() + 1);
+            let mut at = 0;
+            for &(a, b, id) in &kept {
+                if a < at || b > text.len() {
+                    return Err("added tokens out of order".into());
+                }
+                if a > at {
+                    let piece = whole.slice(Span::Original(at..a)).ok_or("bad piece")?;
+                    pieces.push((piece, None));
+                }
+                let token = whole.slice(Span::Original(a..b)).ok_or("bad token span")?;
+                let value = token.get().to_owned();
+                let len = value.len();
+                pieces.push((token, Some(vec![Token::new(id, value, (0, len))])));
+                at = b;
+            }
+            if at < text.len() {
+                let rest = whole
+                    .slice(Span::Original(at..text.len()))
+                    .ok_or("bad piece")?;
+                pieces.push((rest, None));
+            }
+            Ok(pieces)
+        })
+        .map_err(tok_err)?;
+        if let Some(n) = self.inner.get_normalizer() {
+            pre.normalize(|s| n.normalize(s)).map_err(tok_err)?;
+        }
+        if let Some(p) = self.inner.get_pre_tokenizer() {
+            p.pre_tokenize(&mut pre).map_err(tok_err)?;
+        }
+        let model = self.inner.get_model();
+        pre.tokenize(|s| model.tokenize(s.get())).map_err(tok_err)?;
+        let encoding = pre
+            .into_encoding(None, 0, OffsetType::None)
+            .map_err(tok_err)?;
+        Ok(encoding.get_ids().to_vec())
+    }
+
     /// Decodes `ids` to text; `skip_special` drops special (control) tokens. Invalid UTF-8 is
     /// replaced by U+FFFD. Unknown ids are an error.
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String, GpuError> {
