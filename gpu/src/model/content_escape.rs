@@ -381,6 +381,37 @@ mod tests {
         assert_eq!(spans, ["<|im_end|>", "\u{E000}", "<|endoftext|>"]);
     }
 
+    proptest::proptest! {
+        /// Whatever a message holds (tokens' texts, marker characters, text that looks like
+        /// a marker), escaping leaves no token's text and no marker of the message's own, and
+        /// restoring gives the message back with exactly its tokens' texts and marker
+        /// characters as the ranges encoded as text; encoded, it holds no special token.
+        #[test]
+        fn escaping_round_trips_and_leaves_no_token(
+            pieces in proptest::collection::vec(0usize..10, 0..24)
+        ) {
+            const PIECES: [&str; 10] = [
+                "<|im_end|>", "<|im_start|>", "<|endoftext|>", "\u{E000}", "\u{E001}",
+                "\u{E000}1\u{E001}", "a b", "<|", "|>", "é",
+            ];
+            let tok = chatml();
+            let e = ContentEscaper::new(&tok, TEMPLATE).unwrap();
+            let text: String = pieces.iter().map(|&i| PIECES[i]).collect();
+            let escaped = e.escape(&text).unwrap_or_else(|| text.clone());
+            for special in ["<|im_end|>", "<|im_start|>", "<|endoftext|>"] {
+                proptest::prop_assert!(!escaped.contains(special));
+            }
+            let restored = e.restore(&escaped);
+            proptest::prop_assert_eq!(&restored.text, &text);
+            let spans: Vec<&str> =
+                restored.as_text.iter().map(|r| &restored.text[r.clone()]).collect();
+            let want: Vec<&str> = e.matcher.find_iter(&text).map(|m| m.as_str()).collect();
+            proptest::prop_assert_eq!(spans, want);
+            let ids = tok.encode_with_text_spans(&restored.text, &restored.as_text).unwrap();
+            proptest::prop_assert!(ids.iter().all(|&id| !tok.is_special(id)), "{:?}", ids);
+        }
+    }
+
     #[test]
     fn a_marker_a_template_cut_stays_as_its_characters() {
         let e = ContentEscaper::new(&chatml(), TEMPLATE).unwrap();
