@@ -376,16 +376,16 @@ impl Scheduler {
         self.add(req, false)
     }
 
-    fn add(&mut self, req: Request, bounded: bool) -> Result<(), SchedulerError> {
+    /// Whether [`Scheduler::add_request`] would accept `req` as far as the request alone
+    /// says (its fields and lengths, the context, the KV cache and its tier's KV bound); not
+    /// the scheduler's state (a duplicate id, one tenant too many).
+    pub fn check_request(&self, req: &Request) -> Result<(), SchedulerError> {
         let id = req.id;
         let invalid = |field: &'static str, reason: String| SchedulerError::InvalidRequest {
             id,
             field,
             reason,
         };
-        if self.index.contains_key(&id) {
-            return Err(SchedulerError::DuplicateRequest(id));
-        }
         if req.prompt.is_empty() {
             return Err(invalid("prompt", "must contain at least one token".into()));
         }
@@ -436,9 +436,7 @@ impl Scheduler {
                 capacity: self.ledger.num_blocks(),
             });
         }
-        // Unknown tiers get no defaults (the engine validates tier names at its edge).
         let tier_pos = self.config.tiers.iter().position(|t| t.name == req.tier);
-        let tier = tier_pos.and_then(|i| self.config.tiers.get(i));
         let tier_pos = tier_pos.map_or(crate::tier_quota::NO_TIER, |i| i as u8);
         if let Some(quota) = self.quotas.configured(tier_pos) {
             // As for the whole cache: a request its tier's bound could never hold, even
@@ -459,6 +457,24 @@ impl Scheduler {
                 });
             }
         }
+        Ok(())
+    }
+
+    fn add(&mut self, req: Request, bounded: bool) -> Result<(), SchedulerError> {
+        let id = req.id;
+        if self.index.contains_key(&id) {
+            return Err(SchedulerError::DuplicateRequest(id));
+        }
+        self.check_request(&req)?;
+        // Unknown tiers get no defaults (the engine validates tier names at its edge).
+        let tier_pos = self.config.tiers.iter().position(|t| t.name == req.tier);
+        let tier = tier_pos.and_then(|i| self.config.tiers.get(i));
+        let tier_pos = tier_pos.map_or(crate::tier_quota::NO_TIER, |i| i as u8);
+        let invalid = |field: &'static str, reason: String| SchedulerError::InvalidRequest {
+            id,
+            field,
+            reason,
+        };
         let slo = SloTargets {
             ttft_ms: req.slo.ttft_ms.or(tier.and_then(|t| t.ttft_ms)),
             tpot_ms: req.slo.tpot_ms.or(tier.and_then(|t| t.tpot_ms)),

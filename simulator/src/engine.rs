@@ -595,6 +595,11 @@ struct Loop<'a> {
     /// Requests past their arrival's checks and still in the front end, by the time they
     /// reach the scheduler's queue (then by trace index): (ready time, index).
     front_end: BTreeSet<(u64, usize)>,
+    /// As `front_end`, the requests the scheduler refuses (too long for the context, the
+    /// cache or their tier's KV bound): refused as they leave the front end, during a step
+    /// too, as the server's engine refuses them once their prompt is encoded, giving their
+    /// seats back then.
+    refused_at_queue: BTreeSet<(u64, usize)>,
 }
 
 /// The token the simulator invents at position `pos` of request `id`: deterministic in both,
@@ -656,6 +661,7 @@ impl<'a> Loop<'a> {
             in_flight: crate::in_flight::InFlight::default(),
             holds_seat: vec![false; requests.len()],
             front_end: BTreeSet::new(),
+            refused_at_queue: BTreeSet::new(),
         }
     }
 
@@ -839,7 +845,14 @@ impl<'a> Loop<'a> {
         let mut rejected = 0;
         loop {
             let arriving = self.arrivals_us.get(*next).copied().filter(|&t| t <= now);
-            let ready = (self.front_end.first().copied()).filter(|r| queue && r.0 <= now);
+            // During a step only a refusal leaves the front end; the others are queued after
+            // the step's outputs.
+            let refused = self.refused_at_queue.first().copied();
+            let ready = match self.front_end.first().copied().filter(|_| queue) {
+                Some(q) if refused.is_none_or(|r| q < r) => Some(q),
+                _ => refused,
+            }
+            .filter(|r| r.0 <= now);
             match (arriving, ready) {
                 (Some(t), r) if r.is_none_or(|r| t < r.0) => {
                     let i = *next;
@@ -856,11 +869,18 @@ impl<'a> Loop<'a> {
                         rejected += 1;
                     } else {
                         let delay = self.sim.front_end.delay_us(self.requests[i].prompt.len());
-                        self.front_end.insert((t.saturating_add(delay), i));
+                        let leaves = (t.saturating_add(delay), i);
+                        if self.sched.check_request(&self.request(i)).is_ok() {
+                            self.front_end.insert(leaves);
+                        } else {
+                            self.refused_at_queue.insert(leaves);
+                        }
                     }
                 }
                 (_, Some(r)) => {
-                    self.front_end.remove(&r);
+                    if !self.front_end.remove(&r) {
+                        self.refused_at_queue.remove(&r);
+                    }
                     let i = r.1;
                     if self.sched.add_request(self.request(i)).is_err() {
                         self.tracks[i].outcome = Outcome::Rejected;
@@ -879,7 +899,10 @@ impl<'a> Loop<'a> {
     /// When the next request arrives or leaves the front end, if any is left to.
     fn next_event(&self, next: usize) -> Option<u64> {
         let arrival = self.arrivals_us.get(next).copied();
-        let ready = self.front_end.first().map(|r| r.0);
+        let ready = match (self.front_end.first(), self.refused_at_queue.first()) {
+            (Some(q), Some(r)) => Some(q.0.min(r.0)),
+            (q, r) => q.or(r).map(|x| x.0),
+        };
         match (arrival, ready) {
             (Some(a), Some(r)) => Some(a.min(r)),
             (a, r) => a.or(r),
@@ -2191,6 +2214,35 @@ policies: [{{name: fcfs}}]
             assert_eq!(
                 outcomes(&records),
                 ["length", "overloaded", "length"],
+                "async {asynchronous}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_request_refused_as_too_long_during_a_step_gives_its_seat_back_then() {
+        // Tier free: two requests in flight; 1 ms steps. a runs from 0 s to past 20 ms. r
+        // arrives at 4.2 ms with a prompt the context cannot hold: the server refuses it
+        // once its prompt is encoded (here at once), its seat free again, so s at 4.6 ms, in
+        // the same step, is admitted. r held its seat to the step's end, and s was refused
+        // (overloaded). With async scheduling too.
+        let rs = vec![
+            req_of("a", 0.0, 10, 20, "free"),
+            req_of("r", 0.0042, 200, 1, "free"),
+            req_of("s", 0.0046, 10, 1, "free"),
+        ];
+        for asynchronous in [false, true] {
+            let yaml = &fcfs_yaml(
+                "{free: {max_pending_requests: 2}}",
+                &format!(
+                    "{{max_num_seqs: 8, max_model_len: 100, async_scheduling: {asynchronous}}}"
+                ),
+                "{num_gpu_blocks: 64}",
+            );
+            let records = fcfs_records(yaml, &rs);
+            assert_eq!(
+                outcomes(&records),
+                ["length", "rejected", "length"],
                 "async {asynchronous}"
             );
         }
