@@ -241,8 +241,20 @@ pub fn write_outputs(
         "End-to-end latency (CDF)",
         &cdf(|r| r.e2e_ms),
     )?;
+    // Every run has one record per trace request, in trace order: the indices of each
+    // tier's requests are the same in all of them, found once.
+    let mut by_tier: std::collections::BTreeMap<&str, Vec<usize>> = Default::default();
+    for (i, r) in runs
+        .first()
+        .map_or(&[][..], |r| &r.records)
+        .iter()
+        .enumerate()
+    {
+        by_tier.entry(r.tier.as_str()).or_default().push(i);
+    }
     for t in &comparison.tier_plots {
-        write_tier_plots(out_dir, t, runs)?;
+        let indices = by_tier.get(t.tier.as_str()).map_or(&[][..], Vec::as_slice);
+        write_tier_plots(out_dir, t, indices, runs)?;
     }
     let series = |f: fn(&engine::StepSample) -> f64| -> Vec<(String, Vec<(f64, f64)>)> {
         runs.iter()
@@ -272,19 +284,21 @@ pub fn write_outputs(
     Ok(OutputFiles { written, removed })
 }
 
-/// Writes the TTFT and TPOT plots of the tier `t`: a CDF per policy of its requests'
-/// latencies, its targets as vertical lines.
+/// Writes the TTFT and TPOT plots of the tier `t`, whose requests are the records at
+/// `indices` of each run: a CDF per policy of their latencies, the tier's targets as
+/// vertical lines.
 fn write_tier_plots(
     out_dir: &Path,
     t: &report::TierPlots,
+    indices: &[usize],
     runs: &[PolicyRun],
 ) -> Result<(), SimError> {
     let cdf = |f: fn(&report::RequestRecord) -> Option<f64>| -> Vec<(String, Vec<(f64, f64)>)> {
         runs.iter()
             .map(|r| {
-                let mut v: Vec<f64> = r
-                    .records
+                let mut v: Vec<f64> = indices
                     .iter()
+                    .filter_map(|&i| r.records.get(i))
                     .filter(|q| q.tier == t.tier)
                     .filter_map(f)
                     .collect();
