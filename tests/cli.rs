@@ -199,6 +199,13 @@ fn simulate_into_the_same_out_keeps_only_this_runs_files_and_the_users() {
             "simulate-manifest.json",
             "summary.json",
             "summary.txt",
+            // The plots of the trace's three tiers (multi-tenant.yaml's, in name order).
+            "tpot_cdf-tier0-batch.svg",
+            "tpot_cdf-tier1-premium.svg",
+            "tpot_cdf-tier2-standard.svg",
+            "ttft_cdf-tier0-batch.svg",
+            "ttft_cdf-tier1-premium.svg",
+            "ttft_cdf-tier2-standard.svg",
             "ttft_cdf.svg",
         ]
     );

@@ -355,6 +355,78 @@ fn calibrate_fits_the_engine_and_the_simulator_runs_on_the_fit() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `switchyard calibrate` prints and records the `slo-aware` parameters its fit implies: for
+/// steps measured as exactly 2 ms + 10 us per token + 5 us more per prompt token, a decode
+/// step of 32 sequences takes 2.32 ms and a prompt token costs 15 us at the margin.
+#[test]
+fn calibrate_prints_and_records_the_slo_aware_parameters_its_fit_implies() {
+    let dir = temp_dir("slo-params");
+    let mut samples = Vec::new();
+    let shape = |seqs: u64, tokens: u64, prefill: u64, context: u64| {
+        serde_json::json!({
+            "num_seqs": seqs, "num_tokens": tokens, "num_prefill_tokens": prefill,
+            "num_decode_seqs": seqs - u64::from(prefill > 0), "num_sampled": seqs,
+            "kv_tokens": context + tokens, "attention_pairs": (context + 1) * tokens,
+        })
+    };
+    for (seqs, prefill, context) in [
+        (1, 0, 64),
+        (4, 0, 512),
+        (16, 0, 256),
+        (64, 0, 1024),
+        (1, 128, 0),
+        (1, 512, 0),
+        (2, 256, 128),
+        (8, 1024, 64),
+        (3, 2048, 0),
+        (32, 64, 2048),
+    ] {
+        let tokens = prefill + seqs - u64::from(prefill > 0);
+        let seconds = 2e-3 + 10e-6 * tokens as f64 + 5e-6 * prefill as f64;
+        samples.push(
+            serde_json::json!({"shape": shape(seqs, tokens, prefill, context), "seconds": seconds}),
+        );
+    }
+    let file = serde_json::json!({
+        "model": "test", "hardware": "test", "num_gpu_blocks": 100, "block_size": 16,
+        "host_overhead_us": 0.0, "repeats": 1, "samples": samples,
+    });
+    std::fs::write(dir.join("steps.json"), file.to_string()).unwrap();
+    let stdout = refit(&dir.join("steps.json"), &dir.join("cal.yaml"));
+    assert!(
+        stdout.contains(
+            "The fit implies the slo-aware policy's step_overhead_ms 2.32 (a decode step of 32 \
+             sequences at 1024 tokens of context) and prefill_us_per_token 15 (the marginal \
+             cost of a 512-token prompt chunk joining it)"
+        ),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("params: {step_overhead_ms: 2.32, prefill_us_per_token: 15}"),
+        "{stdout}"
+    );
+    let cal = std::fs::read_to_string(dir.join("cal.yaml")).unwrap();
+    assert!(
+        cal.contains("slo_aware:\n  step_overhead_ms: 2.32\n  prefill_us_per_token: 15.0\n"),
+        "{cal}"
+    );
+    // The simulator takes them for a slo-aware policy that leaves them unset.
+    std::fs::write(dir.join("one.jsonl"), TWO.lines().next().unwrap()).unwrap();
+    simulate_spec(
+        &dir,
+        "model: smollm2-135m\ncalibration: cal.yaml\npolicies: [{name: slo-aware}]\n\
+         workload: {trace: one.jsonl, format: jsonl}\n",
+        "sim",
+    );
+    let summary = std::fs::read_to_string(dir.join("sim/summary.txt")).unwrap();
+    assert!(
+        summary
+            .contains("slo-aware: step_overhead_ms 2.32, prefill_us_per_token 15 from calibration"),
+        "{summary}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// `switchyard calibrate --lora DIR` adds steps whose every sequence runs the adapter, loaded as
 /// 1, 2 and 4 distinct adapters; the fit reports them apart and prices them, and the simulator
 /// charges a request naming an adapter the fitted LoRA terms.

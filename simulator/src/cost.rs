@@ -491,6 +491,12 @@ pub struct Calibration {
     /// of the context). `None` in files written before it was recorded.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_context: Option<u64>,
+    /// The `slo-aware` policy's step-cost parameters the fit implies, as `switchyard
+    /// calibrate` derived them ([`crate::slo_params`]), to copy into a server's
+    /// `scheduler.policy.params`. Informational: the simulator derives them from the
+    /// coefficients above, so an edit here changes nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slo_aware: Option<crate::slo_params::SloAwareParams>,
 }
 
 fn is_zero(v: &f64) -> bool {

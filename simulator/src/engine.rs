@@ -21,6 +21,7 @@ use crate::error::SimError;
 use crate::front_end::FrontEnd;
 use crate::progress::Progress;
 use crate::report::{RequestRecord, RunCounters};
+use crate::slo_params::{ParamsFromCalibration, SloAwareParams};
 use crate::spec::{PolicySpec, ProcessKind, SimulationSpec, TierConf};
 use crate::trace::{self, ArrivalProcess, LoadOptions, TraceFormat, TraceRequest};
 use rand::{Rng, SeedableRng};
@@ -74,6 +75,9 @@ pub struct PolicyRun {
     pub samples: Vec<StepSample>,
     /// Scheduler counters.
     pub counters: RunCounters,
+    /// The `slo-aware` parameters the run took from the calibration, where its spec left
+    /// them unset ([`crate::slo_params`]).
+    pub params_from_calibration: Option<ParamsFromCalibration>,
 }
 
 /// A spec resolved into the pieces the loop needs.
@@ -97,6 +101,9 @@ pub struct Simulation {
     /// What the spec allows but an operator should know (a calibration fitted on another
     /// model); the command prints them on stderr and the summary keeps them.
     pub warnings: Vec<String>,
+    /// With a calibration: its file, as the spec names it, and the `slo-aware` parameters
+    /// its fit implies, for a `slo-aware` policy whose spec leaves them unset.
+    pub slo_aware: Option<(String, SloAwareParams)>,
 }
 
 /// A loaded workload.
@@ -260,11 +267,18 @@ impl Simulation {
         };
         switchyard_policies::validate_config(&scheduler)
             .map_err(|e| SimError::Scheduler(e.to_string()))?;
+        let slo_aware = calibration.as_ref().map(|(path, c)| {
+            (
+                path.display().to_string(),
+                SloAwareParams::from_calibration(c),
+            )
+        });
         // Fail on an unknown policy or bad parameters before any trace is read.
         let registry = PolicyRegistry::with_builtins();
         for p in &spec.policies {
+            let (params, _) = policy_params(p, slo_aware.as_ref());
             registry
-                .create(&p.name, &p.params, &scheduler.tiers)
+                .create(&p.name, &params, &scheduler.tiers)
                 .map_err(|e| SimError::Policy {
                     path: spec.source().to_path_buf(),
                     name: p.name.clone(),
@@ -280,6 +294,7 @@ impl Simulation {
             host_overhead_us,
             front_end,
             warnings,
+            slo_aware,
         })
     }
 
@@ -418,8 +433,9 @@ impl Simulation {
         progress: bool,
     ) -> Result<PolicyRun, SimError> {
         let registry = PolicyRegistry::with_builtins();
+        let (params, params_from_calibration) = policy_params(policy, self.slo_aware.as_ref());
         let boxed = registry
-            .create(&policy.name, &policy.params, &self.scheduler.tiers)
+            .create(&policy.name, &params, &self.scheduler.tiers)
             .map_err(|e| SimError::Policy {
                 path: self.spec.source().to_path_buf(),
                 name: policy.name.clone(),
@@ -441,7 +457,23 @@ impl Simulation {
         };
         result?;
         progress.finish();
-        Ok(lp.into_run())
+        Ok(PolicyRun {
+            params_from_calibration,
+            ..lp.into_run()
+        })
+    }
+}
+
+/// The parameters `policy` runs with: its spec's, with the `slo-aware` parameters it leaves
+/// unset taken from the calibration's `slo_aware` (its file and the parameters its fit
+/// implies), and what was taken.
+fn policy_params(
+    policy: &PolicySpec,
+    slo_aware: Option<&(String, SloAwareParams)>,
+) -> (serde_yaml::Value, Option<ParamsFromCalibration>) {
+    match slo_aware.and_then(|(path, p)| crate::slo_params::fill_in(policy, p, path)) {
+        Some((params, taken)) => (params, Some(taken)),
+        None => (policy.params.clone(), None),
     }
 }
 
@@ -1196,6 +1228,7 @@ impl<'a> Loop<'a> {
             itls_ms: self.itls_ms,
             samples: self.samples,
             counters,
+            params_from_calibration: None,
         }
     }
 }

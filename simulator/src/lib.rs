@@ -24,6 +24,7 @@ pub mod outputs;
 pub mod plot;
 pub mod progress;
 pub mod report;
+pub mod slo_params;
 pub mod spec;
 pub mod trace;
 
@@ -89,6 +90,28 @@ fn peak_rate(requests: &[trace::TraceRequest], span: f64) -> Option<f64> {
     Some(most as f64 / PEAK_WINDOW_S)
 }
 
+/// The per-tier plots of a run: one entry per tier of `tiers` that some request of
+/// `requests` has, its files named by its place among `tiers` (in name order).
+fn tier_plots(
+    tiers: &std::collections::BTreeMap<String, spec::TierConf>,
+    requests: &[trace::TraceRequest],
+) -> Vec<report::TierPlots> {
+    let present: std::collections::BTreeSet<&str> =
+        requests.iter().map(|r| r.tier.as_str()).collect();
+    tiers
+        .iter()
+        .enumerate()
+        .filter(|(_, (name, _))| present.contains(name.as_str()))
+        .map(|(i, (name, t))| report::TierPlots {
+            tier: name.clone(),
+            ttft_target_ms: t.ttft_ms,
+            tpot_target_ms: t.tpot_ms,
+            ttft_cdf: outputs::tier_plot_file(outputs::TierMetric::Ttft, i, name),
+            tpot_cdf: outputs::tier_plot_file(outputs::TierMetric::Tpot, i, name),
+        })
+        .collect()
+}
+
 /// Runs every policy of `spec` on its workload without writing files.
 /// With `progress`, each policy's run reports its progress on stderr: a bar on a terminal,
 /// else a plain line every [`progress::LINE_INTERVAL`] and one when it ends.
@@ -124,6 +147,7 @@ pub fn simulate(
         }
     }
     let comparison = Comparison {
+        tier_plots: tier_plots(&spec.tiers, requests),
         model: sim.model.name.clone(),
         calibrated: matches!(sim.cost, cost::CostModel::Calibrated(_)),
         hardware: match sim.cost {
@@ -152,6 +176,7 @@ pub fn simulate(
                 let mut s =
                     PolicySummary::new(&r.label, &r.records, &mut r.itls_ms, r.counters.clone());
                 s.set_tier_targets(&spec.tiers);
+                s.params_from_calibration = r.params_from_calibration.clone();
                 s
             })
             .collect(),
@@ -161,7 +186,8 @@ pub fn simulate(
 
 /// Runs every policy of `spec` and writes into `out_dir` (created if needed):
 /// `summary.json`, `summary.txt`, `requests-<policy>.jsonl` per policy, the
-/// plots `ttft_cdf.svg`, `e2e_cdf.svg`, `queue.svg`, `kv_usage.svg` and
+/// plots `ttft_cdf.svg`, `e2e_cdf.svg`, `queue.svg`, `kv_usage.svg`, with tiers a TTFT and a
+/// TPOT plot per tier (`Comparison::tier_plots` names them), and
 /// `simulate-manifest.json`; an earlier run's files it does not rewrite are removed
 /// (see [`outputs`]).
 pub fn run(
@@ -185,6 +211,12 @@ pub fn write_outputs(
         .iter()
         .map(|f| f.to_string())
         .chain(runs.iter().map(|r| outputs::requests_file(&r.label)))
+        .chain(
+            comparison
+                .tier_plots
+                .iter()
+                .flat_map(|t| [t.ttft_cdf.clone(), t.tpot_cdf.clone()]),
+        )
         .collect();
     let removed = outputs::prepare(out_dir, &files)?;
     comparison.write(out_dir)?;
@@ -209,6 +241,21 @@ pub fn write_outputs(
         "End-to-end latency (CDF)",
         &cdf(|r| r.e2e_ms),
     )?;
+    // Every run has one record per trace request, in trace order: the indices of each
+    // tier's requests are the same in all of them, found once.
+    let mut by_tier: std::collections::BTreeMap<&str, Vec<usize>> = Default::default();
+    for (i, r) in runs
+        .first()
+        .map_or(&[][..], |r| &r.records)
+        .iter()
+        .enumerate()
+    {
+        by_tier.entry(r.tier.as_str()).or_default().push(i);
+    }
+    for t in &comparison.tier_plots {
+        let indices = by_tier.get(t.tier.as_str()).map_or(&[][..], Vec::as_slice);
+        write_tier_plots(out_dir, t, indices, runs)?;
+    }
     let series = |f: fn(&engine::StepSample) -> f64| -> Vec<(String, Vec<(f64, f64)>)> {
         runs.iter()
             .map(|r| {
@@ -235,6 +282,49 @@ pub fn write_outputs(
     let mut written: Vec<String> = files.into_iter().collect();
     written.push(outputs::MANIFEST.to_string());
     Ok(OutputFiles { written, removed })
+}
+
+/// Writes the TTFT and TPOT plots of the tier `t`, whose requests are the records at
+/// `indices` of each run: a CDF per policy of their latencies, the tier's targets as
+/// vertical lines.
+fn write_tier_plots(
+    out_dir: &Path,
+    t: &report::TierPlots,
+    indices: &[usize],
+    runs: &[PolicyRun],
+) -> Result<(), SimError> {
+    let cdf = |f: fn(&report::RequestRecord) -> Option<f64>| -> Vec<(String, Vec<(f64, f64)>)> {
+        runs.iter()
+            .map(|r| {
+                let mut v: Vec<f64> = indices
+                    .iter()
+                    .filter_map(|&i| r.records.get(i))
+                    .filter(|q| q.tier == t.tier)
+                    .filter_map(f)
+                    .collect();
+                (r.label.clone(), plot::cdf_points(&mut v))
+            })
+            .collect()
+    };
+    let target = |what: &str, ms: Option<f64>| {
+        ms.map(|ms| plot::Target {
+            ms,
+            label: format!("{what} target {ms} ms"),
+        })
+    };
+    // Debug quotes the name and escapes what a title should not hold (a newline).
+    plot::plot_cdfs_with_target(
+        &out_dir.join(&t.ttft_cdf),
+        &format!("Tier {:?}: time to first token (CDF)", t.tier),
+        &cdf(|r| r.ttft_ms),
+        target("ttft", t.ttft_target_ms).as_ref(),
+    )?;
+    plot::plot_cdfs_with_target(
+        &out_dir.join(&t.tpot_cdf),
+        &format!("Tier {:?}: time per output token (CDF)", t.tier),
+        &cdf(|r| r.tpot_ms),
+        target("tpot", t.tpot_target_ms).as_ref(),
+    )
 }
 
 #[cfg(test)]

@@ -56,14 +56,80 @@ pub fn requests_file(label: &str) -> String {
     format!("requests-{label}.jsonl")
 }
 
-/// Whether `name` is a file name a run writes: one of [`FIXED_FILES`] or a
-/// [`requests_file`] of a valid policy label.
+/// The latency a per-tier plot shows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TierMetric {
+    /// Time to first token.
+    Ttft,
+    /// Time per output token.
+    Tpot,
+}
+
+impl TierMetric {
+    /// The file name's prefix.
+    fn prefix(self) -> &'static str {
+        match self {
+            TierMetric::Ttft => "ttft_cdf-tier",
+            TierMetric::Tpot => "tpot_cdf-tier",
+        }
+    }
+}
+
+/// Most characters of a tier's name a per-tier plot's file name repeats.
+pub const TIER_SLUG_CHARS: usize = 32;
+
+/// The per-tier plot of `metric` for the tier `name`, the `index`th (from 0) of the spec's
+/// tiers in name order: `ttft_cdf-tier<index>-<slug>.svg` (or `tpot_cdf-...`), the slug the
+/// name's first [`TIER_SLUG_CHARS`] characters with each one outside `[A-Za-z0-9_-]`
+/// replaced by `_`. Tier names are free-form labels of up to 64 bytes in a simulation spec
+/// (`/`, `..`, spaces, any Unicode), so the name alone could not be a file name: the index
+/// makes it unique and the slug readable, and `summary.json`'s `tier_plots` maps each file
+/// to its tier.
+pub fn tier_plot_file(metric: TierMetric, index: usize, name: &str) -> String {
+    let slug: String = name
+        .chars()
+        .take(TIER_SLUG_CHARS)
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    format!("{}{index}-{slug}.svg", metric.prefix())
+}
+
+/// Whether `name` is one a [`tier_plot_file`] can be, of a tier index below
+/// `crate::spec::MAX_LABELS`.
+fn is_tier_plot_name(name: &str) -> bool {
+    [TierMetric::Ttft, TierMetric::Tpot].iter().any(|m| {
+        name.strip_prefix(m.prefix())
+            .and_then(|n| n.strip_suffix(".svg"))
+            .and_then(|n| n.split_once('-'))
+            .is_some_and(|(index, slug)| {
+                (1..=3).contains(&index.len())
+                    && index.bytes().all(|b| b.is_ascii_digit())
+                    && index.parse::<usize>().is_ok_and(|i| {
+                        i < crate::spec::MAX_LABELS && (i == 0 || !index.starts_with('0'))
+                    })
+                    && (1..=TIER_SLUG_CHARS).contains(&slug.len())
+                    && slug
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+            })
+    })
+}
+
+/// Whether `name` is a file name a run writes: one of [`FIXED_FILES`], a
+/// [`requests_file`] of a valid policy label or a [`tier_plot_file`].
 fn is_output_name(name: &str) -> bool {
     FIXED_FILES.contains(&name)
         || name
             .strip_prefix("requests-")
             .and_then(|n| n.strip_suffix(".jsonl"))
             .is_some_and(crate::spec::valid_label)
+        || is_tier_plot_name(name)
 }
 
 /// The manifest's contents.
@@ -271,6 +337,59 @@ mod tests {
         assert_eq!(run(&d, &names(&["summary.txt"])), ["requests-a.jsonl"]);
         assert!(d.join("notes.txt").exists() && d.join("requests-a b.jsonl").exists());
         assert!(d.join("queue.svg").is_dir());
+    }
+
+    /// Tier names are free-form in a spec: the plots' file names stay plain, bounded and
+    /// distinct whatever they are, and a later run recognises them as its own.
+    #[test]
+    fn tier_plot_names_are_safe_for_hostile_tier_names() {
+        let long = "x".repeat(64);
+        let cases = [
+            (0, "premium", "ttft_cdf-tier0-premium.svg"),
+            (1, "../../etc/passwd", "ttft_cdf-tier1-______etc_passwd.svg"),
+            (2, "a/b", "ttft_cdf-tier2-a_b.svg"),
+            (3, "a b", "ttft_cdf-tier3-a_b.svg"),
+            (4, "..", "ttft_cdf-tier4-__.svg"),
+            (5, "<script>&\"'", "ttft_cdf-tier5-_script____.svg"),
+            (6, "gold\n\0", "ttft_cdf-tier6-gold__.svg"),
+            (7, "prémium 🚀", "ttft_cdf-tier7-pr_mium__.svg"),
+            (8, "-rf", "ttft_cdf-tier8--rf.svg"),
+            (
+                255,
+                &long,
+                "ttft_cdf-tier255-xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx.svg",
+            ),
+        ];
+        let mut seen = BTreeSet::new();
+        for (index, tier, want) in cases {
+            let name = tier_plot_file(TierMetric::Ttft, index, tier);
+            assert_eq!(name, want, "{tier:?}");
+            assert!(is_output_name(&name), "{name}");
+            let tpot = tier_plot_file(TierMetric::Tpot, index, tier);
+            assert_eq!(tpot, want.replacen("ttft", "tpot", 1));
+            assert!(is_output_name(&tpot), "{tpot}");
+            assert!(name.len() <= "ttft_cdf-tier255-".len() + TIER_SLUG_CHARS + 4);
+            assert!(seen.insert(name));
+        }
+        // "a/b" and "a b" share a slug; their indices tell them apart.
+        assert_ne!(
+            tier_plot_file(TierMetric::Ttft, 2, "a/b"),
+            tier_plot_file(TierMetric::Ttft, 3, "a b")
+        );
+        for not_ours in [
+            "ttft_cdf-tier-premium.svg",
+            "ttft_cdf-tier256-premium.svg",
+            "ttft_cdf-tier01-premium.svg",
+            "ttft_cdf-tier1-.svg",
+            "ttft_cdf-tier1-a.b.svg",
+            "ttft_cdf-tier1-a/b.svg",
+            "ttft_cdf-tier1-premium.svg.bak",
+            "e2e_cdf-tier1-premium.svg",
+        ] {
+            assert!(!is_output_name(not_ours), "{not_ours}");
+        }
+        let too_long = format!("ttft_cdf-tier1-{}.svg", "x".repeat(TIER_SLUG_CHARS + 1));
+        assert!(!is_output_name(&too_long));
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! SVG plots with plotters (SVG backend only, no font files needed): latency
-//! CDFs per policy on a log axis, and time series (queue length, KV usage).
+//! CDFs per policy on a log axis, optionally with a target marked as a vertical line (a
+//! tier's TTFT or TPOT target), and time series (queue length, KV usage).
 //! Series are thinned to at most [`MAX_POINTS`] points so files stay small.
 
 use crate::error::SimError;
@@ -68,13 +69,47 @@ fn cdf_axis(series: &[(String, Vec<(f64, f64)>)]) -> (f64, f64) {
     }
 }
 
+/// The colour of a target line (the series take theirs from `Palette99`, which has no black).
+pub const TARGET_COLOR: RGBColor = BLACK;
+
+/// A latency to mark on a CDF plot: a vertical line at `ms`, labelled `label` in the legend
+/// and beside its top.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Target {
+    /// Where, in ms.
+    pub ms: f64,
+    /// What it is, e.g. "target 200 ms".
+    pub label: String,
+}
+
+/// [`cdf_axis`] widened to hold `target` with the same margin.
+fn cdf_axis_with(series: &[(String, Vec<(f64, f64)>)], target: Option<f64>) -> (f64, f64) {
+    let (lo, hi) = cdf_axis(series);
+    match target.filter(|t| *t > 0.0 && t.is_finite()) {
+        Some(t) => (lo.min(t * 0.9), hi.max(t * 1.1)),
+        None => (lo, hi),
+    }
+}
+
 /// Draws CDFs of latencies (ms) for each labelled series on a log x axis.
 pub fn plot_cdfs(
     path: &Path,
     title: &str,
     series: &[(String, Vec<(f64, f64)>)],
 ) -> Result<(), SimError> {
-    let (lo, hi) = cdf_axis(series);
+    plot_cdfs_with_target(path, title, series, None)
+}
+
+/// [`plot_cdfs`] with `target` (if any, and positive) drawn as a black vertical line across
+/// the plot, within the x axis, so a curve left of it at a height meets it for that share.
+pub fn plot_cdfs_with_target(
+    path: &Path,
+    title: &str,
+    series: &[(String, Vec<(f64, f64)>)],
+    target: Option<&Target>,
+) -> Result<(), SimError> {
+    let target = target.filter(|t| t.ms > 0.0 && t.ms.is_finite());
+    let (lo, hi) = cdf_axis_with(series, target.map(|t| t.ms));
     let root = SVGBackend::new(path, SIZE).into_drawing_area();
     root.fill(&WHITE).map_err(|e| plot_err(path, e))?;
     let mut chart = ChartBuilder::on(&root)
@@ -100,6 +135,25 @@ pub fn plot_cdfs(
             .legend(move |(x, y)| {
                 PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
             });
+    }
+    if let Some(t) = target {
+        let style = TARGET_COLOR.stroke_width(2);
+        chart
+            .draw_series(LineSeries::new(vec![(t.ms, 0.0), (t.ms, 1.0)], style))
+            .map_err(|e| plot_err(path, e))?
+            .label(t.label.as_str())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], style));
+        chart
+            .draw_series(std::iter::once(
+                // 5 pixels right of the line's top.
+                EmptyElement::at((t.ms, 0.97))
+                    + Text::new(
+                        t.label.clone(),
+                        (5, 0),
+                        ("sans-serif", 14).into_font().color(&TARGET_COLOR),
+                    ),
+            ))
+            .map_err(|e| plot_err(path, e))?;
     }
     finish(chart, root, path, SeriesLabelPosition::LowerRight)
 }
@@ -198,6 +252,120 @@ mod tests {
         assert!(lo < 2.0 && 40.0 < hi, "{lo}..{hi}");
         assert_eq!(cdf_axis(&one(vec![])), (0.1, 10.0));
         assert_eq!(cdf_axis(&one(vec![0.0])), (0.1, 10.0));
+    }
+
+    /// The polylines of an SVG plotters wrote: (stroke colour and width, points).
+    fn polylines(svg: &str) -> Vec<(String, Vec<(i32, i32)>)> {
+        let attr = |tag: &str, name: &str| -> String {
+            let start = tag.find(&format!(" {name}=\"")).unwrap() + name.len() + 3;
+            tag[start..].split('"').next().unwrap().to_string()
+        };
+        svg.split("<polyline")
+            .skip(1)
+            .map(|rest| {
+                let tag = rest.split("/>").next().unwrap();
+                let points = attr(tag, "points")
+                    .split_whitespace()
+                    .map(|p| {
+                        let (x, y) = p.split_once(',').unwrap();
+                        (x.parse().unwrap(), y.parse().unwrap())
+                    })
+                    .collect();
+                let stroke = format!("{} {}", attr(tag, "stroke"), attr(tag, "stroke-width"));
+                (stroke, points)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_target_is_a_vertical_line_where_the_curves_reach_its_latency() {
+        let dir = std::env::temp_dir().join(format!("sy-plot-target-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // fcfs has a request at exactly the 200 ms target; slo-aware's are all below 100.
+        let series = vec![
+            ("fcfs".to_string(), cdf_points(&mut [100.0, 200.0, 400.0])),
+            ("slo-aware".to_string(), cdf_points(&mut [20.0, 40.0, 80.0])),
+        ];
+        let target = Target {
+            ms: 200.0,
+            label: "ttft target 200 ms".into(),
+        };
+        let p = dir.join("tier.svg");
+        plot_cdfs_with_target(&p, "Tier \"premium\"", &series, Some(&target)).unwrap();
+        let svg = std::fs::read_to_string(&p).unwrap();
+        assert!(svg.contains("ttft target 200 ms"), "the label is shown");
+        assert!(
+            svg.contains("fcfs") && svg.contains("slo-aware"),
+            "a legend entry each"
+        );
+        let lines = polylines(&svg);
+        // The axes and ticks are black too, 1 pixel wide.
+        let black = format!("{} 2", make_color(&TARGET_COLOR));
+        // The target: one vertical black line 2 pixels wide, from y = 0 to y = 1 (the
+        // legend's sample of it is horizontal).
+        let vertical: Vec<&Vec<(i32, i32)>> = lines
+            .iter()
+            .filter(|(c, pts)| *c == black && pts.len() == 2 && pts[0].0 == pts[1].0)
+            .map(|(_, pts)| pts)
+            .collect();
+        assert_eq!(vertical.len(), 1, "{lines:?}");
+        let x = vertical[0][0].0;
+        // fcfs's curve passes through (200 ms, 2/3): its second point sits on the line.
+        let fcfs = &lines
+            .iter()
+            .find(|(c, pts)| {
+                *c == format!("{} 2", make_color(&Palette99::pick(0))) && pts.len() == 3
+            })
+            .expect("fcfs's curve")
+            .1;
+        assert_eq!(fcfs[1].0, x, "{fcfs:?} against x = {x}");
+        assert!(fcfs[0].0 < x && x < fcfs[2].0);
+        // slo-aware's curve lies wholly left of it: it meets the target for every request.
+        let slo = &lines
+            .iter()
+            .find(|(c, pts)| {
+                *c == format!("{} 2", make_color(&Palette99::pick(1))) && pts.len() == 3
+            })
+            .expect("slo-aware's curve")
+            .1;
+        assert!(slo.iter().all(|pt| pt.0 < x), "{slo:?}");
+        // The line spans the plot: its ends are the curves' heights of 0 and 1.
+        let (top, bottom) = (
+            vertical[0][0].1.min(vertical[0][1].1),
+            vertical[0][0].1.max(vertical[0][1].1),
+        );
+        assert_eq!(fcfs[2].1, top);
+        assert!(bottom > fcfs[0].1);
+        // A target beyond every latency widens the axis to show it.
+        let far = Target {
+            ms: 5000.0,
+            label: "tpot target 5000 ms".into(),
+        };
+        plot_cdfs_with_target(&p, "far", &series, Some(&far)).unwrap();
+        let lines = polylines(&std::fs::read_to_string(&p).unwrap());
+        let far_x = lines
+            .iter()
+            .find(|(c, pts)| *c == black && pts.len() == 2 && pts[0].0 == pts[1].0)
+            .expect("the far target's line")
+            .1[0]
+            .0;
+        let curves = lines.iter().filter(|(c, p)| *c != black && p.len() == 3);
+        assert_eq!(curves.clone().count(), 2);
+        assert!(curves
+            .clone()
+            .all(|(_, pts)| pts.iter().all(|pt| pt.0 < far_x)));
+        assert!(f64::from(far_x) < f64::from(SIZE.0));
+        // Without a target, no black line.
+        plot_cdfs_with_target(&p, "none", &series, None).unwrap();
+        let lines = polylines(&std::fs::read_to_string(&p).unwrap());
+        assert!(lines.iter().all(|(c, _)| *c != black));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// `#rrggbb`, as the SVG backend writes a colour.
+    fn make_color(c: &impl Color) -> String {
+        let (r, g, b) = c.to_rgba().rgb();
+        format!("#{r:02X}{g:02X}{b:02X}")
     }
 
     #[test]

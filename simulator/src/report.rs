@@ -280,6 +280,10 @@ pub struct PolicySummary {
     pub counters: RunCounters,
     /// Per-tier SLO results, by tier name.
     pub tiers: Vec<TierSummary>,
+    /// The `slo-aware` step-cost parameters taken from the calibration file, where the spec's
+    /// `params` leave them unset (`crate::slo_params`); absent when none was.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub params_from_calibration: Option<crate::slo_params::ParamsFromCalibration>,
 }
 
 impl PolicySummary {
@@ -349,6 +353,7 @@ impl PolicySummary {
             goodput_rps: (slo_requests > 0).then(|| per_s(met)),
             counters,
             tiers,
+            params_from_calibration: None,
         }
     }
 }
@@ -448,6 +453,26 @@ pub struct Comparison {
     pub max_model_len: u64,
     /// One summary per policy, in spec order.
     pub policies: Vec<PolicySummary>,
+    /// The per-tier plots, one entry per tier some request has (none without tiers): which
+    /// files show which tier, and the targets marked in them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tier_plots: Vec<TierPlots>,
+}
+
+/// The plots of one tier: a CDF per policy of its requests' TTFT and of their TPOT, the
+/// tier's target (if it sets one) a vertical line.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct TierPlots {
+    /// The tier's name, as the spec spells it.
+    pub tier: String,
+    /// Its TTFT target in ms (`None`: no target, no line).
+    pub ttft_target_ms: Option<f64>,
+    /// Its TPOT target in ms (`None`: no target, no line).
+    pub tpot_target_ms: Option<f64>,
+    /// The TTFT plot's file name in the output directory.
+    pub ttft_cdf: String,
+    /// The TPOT plot's file name in the output directory.
+    pub tpot_cdf: String,
 }
 
 impl Comparison {
@@ -566,6 +591,27 @@ impl Comparison {
                     by_tier.join(", ")
                 );
             }
+        }
+        for p in &self.policies {
+            let Some(taken) = &p.params_from_calibration else {
+                continue;
+            };
+            let values: Vec<String> = [
+                ("step_overhead_ms", taken.step_overhead_ms),
+                ("prefill_us_per_token", taken.prefill_us_per_token),
+            ]
+            .iter()
+            .filter_map(|(k, v)| v.map(|v| format!("{k} {v}")))
+            .collect();
+            let _ = writeln!(
+                s,
+                "{}: {} from calibration {} (derived from its fit; the spec's params leave \
+                 {} unset)",
+                p.policy,
+                values.join(", "),
+                taken.calibration,
+                if values.len() > 1 { "them" } else { "it" }
+            );
         }
         for p in self.policies.iter().filter(|p| p.counters.draft_tokens > 0) {
             let c = &p.counters;

@@ -318,3 +318,227 @@ fn tiers_that_no_request_has_are_warned_about() {
     assert!(tiered.warnings.is_empty(), "{:?}", tiered.warnings);
     assert!(tiered.policies[0].slo_attainment.is_some());
 }
+
+/// With tiers, each tier some request has gets a TTFT and a TPOT plot: a curve per policy,
+/// its target a labelled vertical line, file names safe whatever the tier's name, and
+/// `summary.json` says which file shows which tier. A run without tiers writes none, and
+/// removes an earlier run's.
+#[test]
+fn each_tier_gets_plots_with_its_targets_whatever_its_name() {
+    let dir = temp_dir("tierplots");
+    std::fs::create_dir_all(&dir).unwrap();
+    let tiers = ["../../etc/passwd", "<b>&\"gold\"", "premium", "spare"];
+    let mut trace = String::new();
+    for i in 0..12 {
+        // Nobody is in `spare`.
+        let tier = tiers[i % 3];
+        let line = serde_json::json!({
+            "arrival_s": 0.01 * i as f64, "prompt_len": 64, "output_len": 8, "tier": tier,
+        });
+        trace.push_str(&format!("{line}\n"));
+    }
+    std::fs::write(dir.join("t.jsonl"), trace).unwrap();
+    let spec_path = dir.join("spec.yaml");
+    let write_spec = |tiers_yaml: &str| {
+        std::fs::write(
+            &spec_path,
+            format!(
+                "model: smollm2-135m\nhardware: h200\n\
+                 policies: [{{name: fcfs}}, {{name: slo-aware}}]\n{tiers_yaml}\
+                 workload: {{trace: t.jsonl, format: jsonl}}\n"
+            ),
+        )
+        .unwrap();
+        SimulationSpec::from_yaml_file(&spec_path).unwrap()
+    };
+    let spec = write_spec(
+        "tiers:\n  \"../../etc/passwd\": {ttft_ms: 250, tpot_ms: 12.5}\n  \
+         \"<b>&\\\"gold\\\"\": {ttft_ms: 40}\n  premium: {tpot_ms: 30}\n  spare: {ttft_ms: 1}\n",
+    );
+    let out = dir.join("out");
+    let (comparison, written) = run(&spec, &out, false).unwrap();
+    // In name order: "../../etc/passwd" (0), "<b>&\"gold\"" (1), premium (2), spare (3).
+    let plots = &comparison.tier_plots;
+    let names: Vec<(&str, &str, &str)> = plots
+        .iter()
+        .map(|t| (t.tier.as_str(), t.ttft_cdf.as_str(), t.tpot_cdf.as_str()))
+        .collect();
+    assert_eq!(
+        names,
+        [
+            (
+                "../../etc/passwd",
+                "ttft_cdf-tier0-______etc_passwd.svg",
+                "tpot_cdf-tier0-______etc_passwd.svg"
+            ),
+            (
+                "<b>&\"gold\"",
+                "ttft_cdf-tier1-_b___gold_.svg",
+                "tpot_cdf-tier1-_b___gold_.svg"
+            ),
+            (
+                "premium",
+                "ttft_cdf-tier2-premium.svg",
+                "tpot_cdf-tier2-premium.svg"
+            ),
+        ]
+    );
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["tier_plots"][0]["tier"], "../../etc/passwd");
+    assert_eq!(summary["tier_plots"][0]["ttft_target_ms"], 250.0);
+    assert_eq!(summary["tier_plots"][0]["tpot_target_ms"], 12.5);
+    assert_eq!(
+        summary["tier_plots"][1]["ttft_cdf"],
+        "ttft_cdf-tier1-_b___gold_.svg"
+    );
+    assert!(summary["tier_plots"][2]["ttft_target_ms"].is_null());
+    // Every file is in the directory itself (nothing reached ../../etc) and in the manifest.
+    let listing: Vec<String> = files(&out).into_iter().map(|f| f.0).collect();
+    for t in plots {
+        for f in [&t.ttft_cdf, &t.tpot_cdf] {
+            assert!(listing.contains(f), "{f} missing from {listing:?}");
+            assert!(written.written.contains(f), "{f} not recorded");
+            let svg = std::fs::read_to_string(out.join(f)).unwrap();
+            assert!(svg.starts_with("<svg"), "{f}");
+            // A legend entry and a curve per policy (the palette's first two colours; a
+            // curve, and its sample in the legend).
+            for (policy, colour) in [("fcfs", "#E6194B"), ("slo-aware", "#3CB44B")] {
+                assert!(
+                    svg.contains(&format!(">\n{policy}\n</text>")),
+                    "{f}: no {policy}"
+                );
+                let stroke = format!("<polyline fill=\"none\" opacity=\"1\" stroke=\"{colour}\"");
+                assert_eq!(svg.matches(&stroke).count(), 2, "{f}: {policy}'s curve");
+            }
+        }
+    }
+    let read = |f: &str| std::fs::read_to_string(out.join(f)).unwrap();
+    // The targets are marked where the tier sets them; the names are escaped in the titles.
+    let first = read("ttft_cdf-tier0-______etc_passwd.svg");
+    assert!(first.contains("ttft target 250 ms"), "{first}");
+    assert!(first.contains("Tier &quot;../../etc/passwd&quot;: time to first token"));
+    assert!(read("tpot_cdf-tier0-______etc_passwd.svg").contains("tpot target 12.5 ms"));
+    let gold = read("ttft_cdf-tier1-_b___gold_.svg");
+    assert!(gold.contains("ttft target 40 ms"));
+    assert!(
+        !gold.contains("<b>") && gold.contains("&lt;b&gt;&amp;"),
+        "escaped"
+    );
+    assert!(!read("tpot_cdf-tier1-_b___gold_.svg").contains("target"));
+    assert!(!read("ttft_cdf-tier2-premium.svg").contains("target"));
+    assert!(read("tpot_cdf-tier2-premium.svg").contains("tpot target 30 ms"));
+    assert!(!listing.iter().any(|f| f.contains("spare")), "{listing:?}");
+    // The same run without tiers (its trace's tiers dropped): no tier plots, the earlier
+    // ones removed, and summary.json without the key.
+    let mut untiered = String::new();
+    for i in 0..12 {
+        let line =
+            serde_json::json!({"arrival_s": 0.01 * i as f64, "prompt_len": 64, "output_len": 8});
+        untiered.push_str(&format!("{line}\n"));
+    }
+    std::fs::write(dir.join("t.jsonl"), untiered).unwrap();
+    let (comparison, second) = run(&write_spec(""), &out, false).unwrap();
+    assert!(comparison.tier_plots.is_empty());
+    assert_eq!(second.removed.len(), 6, "{:?}", second.removed);
+    assert!(!std::fs::read_to_string(out.join("summary.json"))
+        .unwrap()
+        .contains("tier_plots"));
+    let listing: Vec<String> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert!(!listing.iter().any(|f| f.contains("-tier")), "{listing:?}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A `slo-aware` policy whose spec leaves its step-cost parameters unset takes those the
+/// calibration's fit implies (and says so in the summary); parameters the spec sets win.
+#[test]
+fn slo_aware_takes_its_step_costs_from_the_calibration_unless_the_spec_sets_them() {
+    let dir = temp_dir("sloparams");
+    std::fs::create_dir_all(&dir).unwrap();
+    // 1 ms a step and 1 ms more per prompt token: the fit implies step_overhead_ms 1 (a
+    // decode step) and prefill_us_per_token 1000.
+    std::fs::write(
+        dir.join("cal.yaml"),
+        "intercept_s: 0.001\nper_prefill_token_s: 0.001\nnum_gpu_blocks: 100\nblock_size: 16\n",
+    )
+    .unwrap();
+    // One seat. `long` (100 prompt tokens, gold: TTFT 80 ms) and `short` (4 tokens, silver:
+    // 150 ms) arrive together. At 1 ms a prompt token `long` cannot make its 80 ms, so it is
+    // relegated and `short` runs first; with the defaults (8 ms, 25 us) `long` has the
+    // least slack and runs first.
+    std::fs::write(
+        dir.join("t.jsonl"),
+        "{\"arrival_s\": 0, \"prompt_len\": 100, \"output_len\": 2, \"tier\": \"gold\"}\n\
+         {\"arrival_s\": 0, \"prompt_len\": 4, \"output_len\": 2, \"tier\": \"silver\"}\n",
+    )
+    .unwrap();
+    let spec_path = dir.join("spec.yaml");
+    std::fs::write(
+        &spec_path,
+        "model: smollm2-135m\ncalibration: cal.yaml\nscheduler: {max_num_seqs: 1}\n\
+         policies:\n\
+         - {name: slo-aware}\n\
+         - {name: slo-aware, label: explicit, params: {step_overhead_ms: 1, prefill_us_per_token: 1000}}\n\
+         - {name: slo-aware, label: defaults, params: {step_overhead_ms: 8, prefill_us_per_token: 25}}\n\
+         - {name: slo-aware, label: half, params: {prefill_us_per_token: 25}}\n\
+         tiers: {gold: {ttft_ms: 80}, silver: {ttft_ms: 150}}\n\
+         workload: {trace: t.jsonl, format: jsonl}\n",
+    )
+    .unwrap();
+    let spec = SimulationSpec::from_yaml_file(&spec_path).unwrap();
+    let (comparison, runs) = switchyard_simulator::simulate(&spec, false).unwrap();
+    let taken: Vec<_> = comparison
+        .policies
+        .iter()
+        .map(|p| p.params_from_calibration.clone())
+        .collect();
+    let cal = taken[0].as_ref().expect("slo-aware took the calibration's");
+    assert!(cal.calibration.ends_with("cal.yaml"), "{cal:?}");
+    assert_eq!(
+        (cal.step_overhead_ms, cal.prefill_us_per_token),
+        (Some(1.0), Some(1000.0))
+    );
+    assert_eq!((&taken[1], &taken[2]), (&None, &None), "the spec's own win");
+    let half = taken[3].as_ref().expect("the one it leaves unset");
+    assert_eq!(
+        (half.step_overhead_ms, half.prefill_us_per_token),
+        (Some(1.0), None)
+    );
+    // It ran with them: as with the same values given explicitly, not as with the defaults.
+    let first_scheduled = |i: usize| -> Vec<Option<f64>> {
+        runs[i]
+            .records
+            .iter()
+            .map(|r| r.first_scheduled_s)
+            .collect()
+    };
+    assert_eq!(runs[0].records, runs[1].records);
+    assert_eq!(first_scheduled(0)[1], Some(0.0), "short first");
+    assert_eq!(
+        first_scheduled(2)[0],
+        Some(0.0),
+        "long first with the defaults"
+    );
+    assert_ne!(runs[0].records, runs[2].records);
+    // The summary says which values came from where.
+    let text = comparison.to_text();
+    assert!(
+        text.contains("slo-aware: step_overhead_ms 1, prefill_us_per_token 1000 from calibration ")
+            && text.contains("(derived from its fit; the spec's params leave them unset)"),
+        "{text}"
+    );
+    assert!(
+        text.contains("half: step_overhead_ms 1 from calibration"),
+        "{text}"
+    );
+    let json = serde_json::to_value(&comparison).unwrap();
+    assert_eq!(
+        json["policies"][0]["params_from_calibration"]["prefill_us_per_token"],
+        1000.0
+    );
+    assert!(json["policies"][1].get("params_from_calibration").is_none());
+    std::fs::remove_dir_all(&dir).unwrap();
+}

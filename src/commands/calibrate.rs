@@ -23,6 +23,7 @@ use switchyard_gpu::LoraAdapter;
 use switchyard_policies::{SamplingLimits, SchedulerConfig, StepShape, Timestamp};
 use switchyard_simulator::calibrate::{self, Fit, Sample};
 use switchyard_simulator::cost::Calibration;
+use switchyard_simulator::slo_params::{self, SloAwareParams};
 
 use super::runtime;
 use crate::cli::CalibrateArgs;
@@ -109,6 +110,11 @@ pub fn run(args: CalibrateArgs) -> anyhow::Result<()> {
         max_context: Some(calibrate::longest_context(&measured.samples)).filter(|&c| c > 0),
         ..fit.calibration.clone()
     };
+    let slo_aware = SloAwareParams::from_calibration(&calibration);
+    let calibration = Calibration {
+        slo_aware: Some(slo_aware),
+        ..calibration
+    };
     calibration
         .validate()
         .map_err(|why| anyhow::anyhow!("the fitted model is not usable: {why}"))?;
@@ -161,6 +167,20 @@ pub fn run(args: CalibrateArgs) -> anyhow::Result<()> {
             f.fixed_us, f.per_token_us
         );
     }
+    println!(
+        "The fit implies the slo-aware policy's step_overhead_ms {} (a decode step of {} \
+         sequences at {} tokens of context) and prefill_us_per_token {} (the marginal cost of a \
+         {}-token prompt chunk joining it): the simulator uses them for a slo-aware policy \
+         whose params leave them unset; for a server, copy them into scheduler.policy.params \
+         (`policy: {{name: slo-aware, params: {{step_overhead_ms: {}, prefill_us_per_token: {}}}}}`).",
+        slo_aware.step_overhead_ms,
+        slo_params::DECODE_BATCH,
+        slo_params::DECODE_CONTEXT,
+        slo_aware.prefill_us_per_token,
+        slo_params::PREFILL_CHUNK,
+        slo_aware.step_overhead_ms,
+        slo_aware.prefill_us_per_token,
+    );
     if let (Some(seqs), Some(tokens)) = (measured.max_num_seqs, measured.max_num_batched_tokens) {
         println!(
             "The engine ran at most {seqs} sequences and {tokens} tokens a step: set the spec's \
