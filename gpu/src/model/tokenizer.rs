@@ -397,23 +397,30 @@ impl Tokenizer {
         as_text: &[std::ops::Range<usize>],
     ) -> Result<Vec<u32>, GpuError> {
         use tokenizers::tokenizer::normalizer::Range as Span;
-        use tokenizers::{Model, Normalizer, OffsetType, PreTokenizedString, PreTokenizer, Token};
+        use tokenizers::{
+            Model, Normalizer, OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer,
+            Token,
+        };
         if as_text.is_empty() {
             return self.encode(text, false);
         }
         if text.len() > MAX_ENCODE_LEN {
             return Err(tok_err(format!("text of {} bytes is too long", text.len())));
         }
-        // The added tokens `encode` matches (with byte offsets), less those over `as_text`.
-        let found = self.inner.encode(text, false).map_err(tok_err)?;
-        let added = self.inner.get_added_tokens_decoder();
+        // The added tokens `encode` matches (their byte offsets in `text`), less those over
+        // `as_text`: `encode`'s first pass, without the model's.
+        let found = self
+            .inner
+            .get_added_vocabulary()
+            .extract_and_normalize(self.inner.get_normalizer(), text);
         let overlaps = |(a, b): (usize, usize)| as_text.iter().any(|r| a < r.end && r.start < b);
         let kept: Vec<(usize, usize, u32)> = found
-            .get_ids()
-            .iter()
-            .zip(found.get_offsets())
-            .filter(|(id, &span)| added.contains_key(id) && !overlaps(span))
-            .map(|(&id, &(a, b))| (a, b, id))
+            .get_splits(OffsetReferential::Original, OffsetType::Byte)
+            .into_iter()
+            .filter_map(|(_, span, tokens)| match tokens.as_deref() {
+                Some([token]) if !overlaps(span) => Some((span.0, span.1, token.id)),
+                _ => None,
+            })
             .collect();
         let mut pre = PreTokenizedString::from(text);
         pre.split(|_, whole| {
