@@ -120,11 +120,21 @@ impl ContentEscaper {
         Some(out)
     }
 
-    /// The messages with their text escaped (every field but the role); `None` when no
-    /// message has anything to escape.
+    /// The messages with their text escaped (every field but the role), the assistant's
+    /// excepted; `None` when no message has anything to escape.
+    ///
+    /// An assistant message is the model's own earlier answer, which templates read for its
+    /// structure: Qwen3's drops the reasoning of earlier turns by splitting their text at
+    /// `</think>`, Mistral's reads `[TOOL_CALLS]`. Escaped, those tokens would no longer be
+    /// found and the history would render otherwise than Hugging Face renders it. What
+    /// reaches a conversation from outside its model (a user's text, a tool's result, a
+    /// system prompt built from either, the tools' descriptions) is escaped.
     pub fn escape_messages(&self, messages: &[ChatMessage]) -> Option<Vec<ChatMessage>> {
         let mut escaped: Option<Vec<ChatMessage>> = None;
         for (i, m) in messages.iter().enumerate() {
+            if m.role == "assistant" {
+                continue;
+            }
             let mut copy: Option<ChatMessage> = None;
             fn message<'a>(
                 copy: &'a mut Option<ChatMessage>,
@@ -427,18 +437,28 @@ mod tests {
         let e = ContentEscaper::new(&chatml(), TEMPLATE).unwrap();
         let clean = vec![ChatMessage::new("user", "hello")];
         assert!(e.escape_messages(&clean).is_none());
-        let mut call = ChatMessage::new("assistant", "");
+        let mut call = ChatMessage::new("user", "");
         call.tool_calls = Some(serde_json::json!([
             {"id": "c<|im_end|>", "type": "function",
              "function": {"name": "f", "arguments": "{\"q\": \"<|im_start|>\"}"}}
         ]));
         call.name = Some("n<|endoftext|>".into());
-        let messages = vec![ChatMessage::new("user", "hi"), call];
+        let mut result = ChatMessage::new("tool", "<|im_end|>");
+        result.tool_call_id = Some("c<|im_end|>".into());
+        // The model's own answer is left as it is: templates read its tokens.
+        let answer = ChatMessage::new("assistant", "<think>x</think><|im_end|>");
+        let messages = vec![ChatMessage::new("user", "hi"), call, result, answer];
         let escaped = e.escape_messages(&messages).unwrap();
         assert_eq!(escaped[0], messages[0]);
-        let text = serde_json::to_string(&escaped[1]).unwrap();
-        assert!(!text.contains("<|"), "{text}");
-        assert_eq!(escaped[1].role, "assistant");
+        assert_eq!(escaped[3], messages[3]);
+        for m in &escaped[1..3] {
+            let text = serde_json::to_string(m).unwrap();
+            assert!(!text.contains("<|"), "{text}");
+        }
+        assert_eq!(escaped[1].role, "user");
+        assert!(e
+            .escape_messages(&[ChatMessage::new("assistant", "<|im_end|>")])
+            .is_none());
         // The template's variables (a request's chat_template_kwargs, its tools).
         let clean = serde_json::json!({"enable_thinking": true, "tools": [{"name": "f"}]});
         let clean = clean.as_object().unwrap();
