@@ -1128,7 +1128,9 @@ fn add_to_system(messages: &mut Vec<ChatMessage>, text: &str) {
 }
 
 /// Validates `chat_template_kwargs`: an object of at most [`MAX_TEMPLATE_KWARGS`] entries, none
-/// named as a variable the server sets itself.
+/// named as a variable the server sets itself; `tools`, which a chat template writes into the
+/// prompt as it would the request's `tools`, meets `tools`' bounds
+/// ([`super::tools::check_template_tools`]).
 pub fn parse_template_kwargs(v: Option<serde_json::Value>) -> Result<TemplateKwargs, ApiError> {
     const PARAM: &str = "chat_template_kwargs";
     let map = match v {
@@ -1167,6 +1169,9 @@ pub fn parse_template_kwargs(v: Option<serde_json::Value>) -> Result<TemplateKwa
                 format!("{name:?} is set by the server, not by chat_template_kwargs"),
             ));
         }
+    }
+    if let Some(tools) = map.get("tools") {
+        super::tools::check_template_tools("chat_template_kwargs.tools", tools)?;
     }
     Ok(map)
 }
@@ -1760,6 +1765,74 @@ mod tests {
                 param_of(chat(bad.clone())).as_deref(),
                 Some("chat_template_kwargs"),
                 "{bad}"
+            );
+        }
+    }
+
+    /// Tools handed to the chat template through `chat_template_kwargs` (no top-level `tools`)
+    /// meet the bounds of `tools`: count, names, schemas' size, strict schemas' depth.
+    #[test]
+    fn chat_template_kwargs_tools_meet_the_bounds_of_tools() {
+        use serde_json::json;
+        let chat = |tools: serde_json::Value| {
+            let req: ChatRequest = serde_json::from_value(json!({
+                "messages": [{"role": "user", "content": "hi"}],
+                "chat_template_kwargs": {"tools": tools}}))
+            .unwrap();
+            req.validate(128, ToolFormat::Hermes.into())
+        };
+        let tool = |name: &str| json!({"type": "function", "function": {"name": name}});
+        let v = chat(json!([tool("f"), tool("g")])).unwrap();
+        let PromptInput::Chat {
+            template_kwargs, ..
+        } = &v.prompts[0]
+        else {
+            panic!("{v:?}")
+        };
+        assert_eq!(template_kwargs["tools"][1]["function"]["name"], "g");
+        assert!(chat(serde_json::Value::Null).is_ok());
+        use super::super::tools::{MAX_TOOLS, MAX_TOOL_NAME};
+        let many: Vec<_> = (0..=MAX_TOOLS).map(|i| tool(&format!("f{i}"))).collect();
+        let mut deep = json!({"type": "object", "properties": {}, "additionalProperties": false});
+        for _ in 0..=super::super::strict::MAX_STRICT_DEPTH {
+            deep = json!({"type": "object", "properties": {"a": deep}, "required": ["a"],
+                "additionalProperties": false});
+        }
+        let huge = json!({"type": "object",
+            "description": "x".repeat(MAX_STRUCTURED_BYTES)});
+        for (tools, param) in [
+            (json!("f"), "chat_template_kwargs.tools"),
+            (json!(many), "chat_template_kwargs.tools"),
+            (
+                json!([tool(&"f".repeat(MAX_TOOL_NAME + 1))]),
+                "chat_template_kwargs.tools[0].function.name",
+            ),
+            (
+                json!([tool("f"), tool("a b")]),
+                "chat_template_kwargs.tools[1].function.name",
+            ),
+            (
+                json!([tool("f"), tool("f")]),
+                "chat_template_kwargs.tools[1].function.name",
+            ),
+            (
+                json!([{"type": "retrieval"}]),
+                "chat_template_kwargs.tools[0].type",
+            ),
+            (
+                json!([{"type": "function", "function": {"name": "f", "parameters": huge}}]),
+                "chat_template_kwargs.tools",
+            ),
+            (
+                json!([{"type": "function", "function": {"name": "f", "parameters": deep,
+                "strict": true}}]),
+                "chat_template_kwargs.tools[0].function.parameters",
+            ),
+        ] {
+            assert_eq!(
+                param_of(chat(tools.clone())).as_deref(),
+                Some(param),
+                "{tools}"
             );
         }
     }
