@@ -969,6 +969,7 @@ impl ChatRequest {
         let mut messages = parse_messages(self.messages, setup)?;
         check_continued(&messages, ending)?;
         let mut template_kwargs = parse_template_kwargs(self.chat_template_kwargs)?;
+        let client_kwargs = template_kwargs.keys().cloned().collect();
         offer_tools(tools.as_ref(), setup, &mut messages, &mut template_kwargs)?;
         if let Some(tools) = &tools {
             if structured.is_some() {
@@ -1034,6 +1035,7 @@ impl ChatRequest {
             prompts: vec![PromptInput::Chat {
                 messages,
                 template_kwargs,
+                client_kwargs,
                 ending,
             }],
             sampling,
@@ -1742,13 +1744,19 @@ mod tests {
         };
         let v = chat(serde_json::json!({"enable_thinking": false, "x": [1, {"y": "z"}]})).unwrap();
         let PromptInput::Chat {
-            template_kwargs, ..
+            template_kwargs,
+            client_kwargs,
+            ..
         } = &v.prompts[0]
         else {
             panic!("{v:?}")
         };
         assert_eq!(template_kwargs["enable_thinking"], false);
         assert_eq!(template_kwargs["x"][1]["y"], "z");
+        // The server's own `tools` (none) is not the client's: a template error it causes
+        // does not name chat_template_kwargs.
+        assert!(template_kwargs["tools"].is_null());
+        assert_eq!(client_kwargs, &["enable_thinking", "x"]);
         assert!(chat(serde_json::Value::Null).is_ok());
         let many: serde_json::Map<String, serde_json::Value> = (0..=MAX_TEMPLATE_KWARGS)
             .map(|i| (format!("k{i}"), serde_json::Value::Null))
@@ -1852,6 +1860,7 @@ mod tests {
             vec![PromptInput::Chat {
                 messages: vec![ChatMessage::text(ChatRole::User, "hi")],
                 template_kwargs: without_tools(),
+                client_kwargs: Vec::new(),
                 ending: ChatEnding::GenerationPrompt,
             }]
         );
@@ -1906,6 +1915,7 @@ mod tests {
             vec![PromptInput::Chat {
                 messages: vec![ChatMessage::text(ChatRole::User, "time?")],
                 template_kwargs: without_tools(),
+                client_kwargs: Vec::new(),
                 ending: ChatEnding::GenerationPrompt,
             }]
         );
