@@ -76,8 +76,8 @@ pub(crate) fn from_value<T: DeserializeOwned>(value: serde_json::Value) -> Resul
 }
 
 /// The 400 of a body that does not deserialize: data errors (wrong type, missing field) name
-/// their field, and so do the syntax errors that are a field's value's own (see
-/// [`bad_value`]); a body nested past serde_json's recursion limit says so rather than
+/// their field, and so do the syntax errors that are a field's value's own ([`bad_string`],
+/// [`not_a_json_number`]); a body nested past serde_json's recursion limit says so rather than
 /// reading like malformed JSON. `body` is the text parsed (empty for a parsed value).
 fn json_error(e: serde_path_to_error::Error<serde_json::Error>, body: &[u8]) -> ApiError {
     let path = e.path().to_string();
@@ -143,7 +143,7 @@ fn bad_string(message: &str) -> bool {
 /// JSON has not; serde_json reads "expected value" or, after a `-`, "invalid number"): a
 /// field's value at fault. serde_json's column counts bytes from 1 on its line.
 fn not_a_json_number(e: &serde_json::Error, body: &[u8]) -> bool {
-    if e.line() == 0 || e.column() == 0 {
+    if !e.is_syntax() || e.line() == 0 || e.column() == 0 {
         return false;
     }
     let line_start = if e.line() == 1 {

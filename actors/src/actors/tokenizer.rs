@@ -117,22 +117,27 @@ impl TokenizerActor {
 const CHAT_TEMPLATE_KWARGS: &str = "chat_template_kwargs";
 
 impl TokenizerActor {
-    /// Whether a chat rendering that failed with the client's variables (`client_kwargs`, not
-    /// empty) renders with `without` them (or stops only at the length bound): then they are
-    /// at fault, not the conversation. Run only for a failed rendering, and bounded as it is.
-    fn fails_only_with(
+    /// Whether a chat rendering that failed with `template_kwargs` renders without the
+    /// client's own of them (`client_kwargs`, not empty), or stops only at the length bound:
+    /// then they are at fault, not the conversation. Run only for a failed rendering, and
+    /// bounded as it is.
+    fn fails_for_client_kwargs(
         &self,
         template: &ChatTemplate,
         messages: &[switchyard_gpu::model::ChatMessage],
         ending: switchyard_gpu::model::ChatEnding,
-        without: &serde_json::Map<String, serde_json::Value>,
+        template_kwargs: &serde_json::Map<String, serde_json::Value>,
         client_kwargs: &[String],
     ) -> bool {
-        !client_kwargs.is_empty()
-            && matches!(
-                template.render_within(messages, ending, without, self.max_text_len),
-                Ok(_) | Err(GpuError::ChatTemplateTooLong { .. })
-            )
+        if client_kwargs.is_empty() {
+            return false;
+        }
+        let mut without = template_kwargs.clone();
+        without.retain(|name, _| !client_kwargs.contains(name));
+        matches!(
+            template.render_within(messages, ending, &without, self.max_text_len),
+            Ok(_) | Err(GpuError::ChatTemplateTooLong { .. })
+        )
     }
 }
 
@@ -193,13 +198,11 @@ impl Handler<Encode> for TokenizerActor {
                         ),
                         e => {
                             let error = invalid(e.to_string());
-                            let mut without = template_kwargs.clone();
-                            without.retain(|name, _| !client_kwargs.contains(name));
-                            if self.fails_only_with(
+                            if self.fails_for_client_kwargs(
                                 template,
                                 &messages,
                                 ending,
-                                &without,
+                                &template_kwargs,
                                 &client_kwargs,
                             ) {
                                 error.with_param(CHAT_TEMPLATE_KWARGS)
