@@ -2219,9 +2219,15 @@ mod tests {
         assert_eq!(kwargs(v)["tools"], serde_json::Value::Null);
         let v = chat(serde_json::json!({})).unwrap();
         assert_eq!(kwargs(v)["tools"], serde_json::Value::Null);
-        // Without tools a client may set the variable itself; with them it is the server's.
-        let v = chat(serde_json::json!({"chat_template_kwargs": {"tools": [1]}})).unwrap();
-        assert_eq!(kwargs(v)["tools"], serde_json::json!([1]));
+        // Without tools a client may set the variable itself (tools as `tools` bounds them);
+        // with them it is the server's.
+        let v = chat(serde_json::json!({"chat_template_kwargs": {"tools": tools}})).unwrap();
+        assert_eq!(kwargs(v)["tools"], tools);
+        let e = chat(serde_json::json!({"chat_template_kwargs": {"tools": [1]}}));
+        assert_eq!(
+            param_of(e).as_deref(),
+            Some("chat_template_kwargs.tools[0]")
+        );
         let e = chat(serde_json::json!({"tools": tools, "chat_template_kwargs": {"tools": []}}));
         assert_eq!(param_of(e).as_deref(), Some("chat_template_kwargs"));
     }
