@@ -327,8 +327,8 @@ pub async fn require_api_key(
     let snapshot = response
         .request()
         .extensions()
-        .get::<crate::rate_limit::Snapshot>()
-        .copied();
+        .get::<crate::rate_limit::SharedSnapshot>()
+        .map(crate::rate_limit::SharedSnapshot::get);
     if let Some(snapshot) = snapshot {
         let headers = response.headers_mut();
         for (name, value) in snapshot.headers() {

@@ -62,7 +62,7 @@ pub(crate) const MAX_JSON_DEPTH: usize = 127;
 /// Parses JSON, naming the offending field in the error.
 pub(crate) fn parse_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     let mut de = serde_json::Deserializer::from_slice(body);
-    let value = serde_path_to_error::deserialize(&mut de).map_err(json_error)?;
+    let value = serde_path_to_error::deserialize(&mut de).map_err(|e| json_error(e, body))?;
     de.end().map_err(|e| ApiError::InvalidRequest {
         message: format!("Invalid JSON body: {e}"),
         param: None,
@@ -72,15 +72,16 @@ pub(crate) fn parse_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError
 
 /// Reads an already parsed body as `T`, with [`parse_json`]'s errors.
 pub(crate) fn from_value<T: DeserializeOwned>(value: serde_json::Value) -> Result<T, ApiError> {
-    serde_path_to_error::deserialize(value).map_err(json_error)
+    serde_path_to_error::deserialize(value).map_err(|e| json_error(e, &[]))
 }
 
 /// The 400 of a body that does not deserialize: data errors (wrong type, missing field) name
-/// their field; a body nested past serde_json's recursion limit says so rather than reading
-/// like malformed JSON.
-fn json_error(e: serde_path_to_error::Error<serde_json::Error>) -> ApiError {
+/// their field, and so do the syntax errors that are a field's value's own ([`bad_string`],
+/// [`not_a_json_number`]); a body nested past serde_json's recursion limit says so rather than
+/// reading like malformed JSON. `body` is the text parsed (empty for a parsed value).
+fn json_error(e: serde_path_to_error::Error<serde_json::Error>, body: &[u8]) -> ApiError {
     let path = e.path().to_string();
-    let message = e.inner().to_string();
+    let mut message = e.inner().to_string();
     if let Some(at) = message.strip_prefix("recursion limit exceeded") {
         return ApiError::InvalidRequest {
             message: format!(
@@ -96,6 +97,11 @@ fn json_error(e: serde_path_to_error::Error<serde_json::Error>) -> ApiError {
     // track.
     use serde_json::error::Category;
     let out_of_range = message.starts_with("number out of range");
+    let not_a_number = not_a_json_number(e.inner(), body);
+    if not_a_number {
+        message.push_str(" (NaN and Infinity are not JSON numbers)");
+    }
+    let bad_value = out_of_range || not_a_number || bad_string(&message);
     let duplicate = duplicate_field(&message);
     let param = match (e.inner().classify(), path.as_str()) {
         // serde refuses a key given twice at the object that holds it: the path names the
@@ -109,13 +115,51 @@ fn json_error(e: serde_path_to_error::Error<serde_json::Error>) -> ApiError {
         (Category::Data, ".") => missing_field(&message),
         (_, "." | "") => None,
         (Category::Data, p) if !p.contains('?') => Some(path),
-        (Category::Syntax, p) if out_of_range && !p.contains('?') => Some(path),
+        (Category::Syntax, p) if bad_value && !p.contains('?') => Some(path),
         _ => None,
     };
     ApiError::InvalidRequest {
         message: format!("Invalid JSON body: {message}"),
         param,
     }
+}
+
+/// Whether serde_json refused a string for what it holds (a lone UTF-16 surrogate escape
+/// such as `"\ud800"`, an unknown escape, a raw control character): the string, and so the
+/// field it is the value of, is at fault, not the body's structure.
+fn bad_string(message: &str) -> bool {
+    [
+        "lone leading surrogate in hex escape",
+        "unexpected end of hex escape",
+        "invalid escape",
+        "invalid unicode code point",
+        "control character (\\u0000-\\u001F) found while parsing a string",
+    ]
+    .iter()
+    .any(|m| message.starts_with(m))
+}
+
+/// Whether the syntax error `e` stands at a `NaN` or `Infinity` literal (JavaScript's, which
+/// JSON has not; serde_json reads "expected value" or, after a `-`, "invalid number"): a
+/// field's value at fault. serde_json's column counts bytes from 1 on its line.
+fn not_a_json_number(e: &serde_json::Error, body: &[u8]) -> bool {
+    if !e.is_syntax() || e.line() == 0 || e.column() == 0 {
+        return false;
+    }
+    let line_start = if e.line() == 1 {
+        Some(0)
+    } else {
+        body.iter()
+            .enumerate()
+            .filter(|(_, &b)| b == b'\n')
+            .nth(e.line() - 2)
+            .map(|(i, _)| i + 1)
+    };
+    let Some(at) = line_start.and_then(|s| s.checked_add(e.column() - 1)) else {
+        return false;
+    };
+    let rest = body.get(at..).unwrap_or_default();
+    rest.starts_with(b"NaN") || rest.starts_with(b"Infinity")
 }
 
 /// The field named by serde's "duplicate field `x`" message.
@@ -166,6 +210,54 @@ mod tests {
         assert!(message(r#"{"prompt":"x","top_p":1e999}"#).contains("number out of range"));
         // Other syntax errors inside a field's value still name none.
         assert_eq!(param(r#"{"prompt":"x","temperature":1e}"#), None);
+    }
+
+    /// A string with a lone UTF-16 surrogate escape (which no UTF-8 text can hold), a bad
+    /// escape or a raw control character, and JavaScript's `NaN` and `Infinity`, are refused
+    /// by serde_json's lexer as syntax errors inside a field's value: the field is named. A
+    /// key of that kind, or a structural error between fields, names none.
+    #[test]
+    fn a_bad_string_or_a_non_number_names_its_field() {
+        for (body, want) in [
+            (r#"{"prompt":"\ud800"}"#, Some("prompt")),
+            (r#"{"prompt":"\udc00x"}"#, Some("prompt")),
+            (r#"{"prompt":"x","user":"\ud800\u0041"}"#, Some("user")),
+            (r#"{"prompt":"x","user":"\q"}"#, Some("user")),
+            ("{\"prompt\":\"x\",\"user\":\"a\u{1}\"}", Some("user")),
+            (r#"{"prompt":"x","temperature":NaN}"#, Some("temperature")),
+            (
+                r#"{"prompt":"x","temperature":Infinity}"#,
+                Some("temperature"),
+            ),
+            (r#"{"prompt":"x","top_p":-Infinity}"#, Some("top_p")),
+            (
+                r#"{"prompt":"x","logit_bias":{"5":NaN}}"#,
+                Some("logit_bias.5"),
+            ),
+            (
+                "{\"prompt\":\"x\",\n \"temperature\":\n NaN}",
+                Some("temperature"),
+            ),
+            (r#"{"prompt":"x","stop":["\ud800"]}"#, Some("stop[0]")),
+            (
+                r#"{"prompt":"x","ignored_field":[1,NaN]}"#,
+                Some("ignored_field[1]"),
+            ),
+            (r#"{"prompt":"x","temperature":}"#, None),
+            (r#"{"prompt":"x","temperature":Nope}"#, None),
+            (r#"{"prompt":"x" "n":1}"#, None),
+            (r#"{"prompt":"x","\ud800":1}"#, None),
+        ] {
+            assert_eq!(param(body).as_deref(), want, "{body}");
+        }
+        assert!(message(r#"{"prompt":"x","temperature":NaN}"#).contains("not JSON numbers"));
+        let chat = r#"{"messages":[{"role":"user","content":"\ud800"}]}"#;
+        match parse_json::<crate::schema::ChatRequest>(chat.as_bytes()) {
+            Err(ApiError::InvalidRequest { param, .. }) => {
+                assert_eq!(param.as_deref(), Some("messages[0].content"))
+            }
+            other => panic!("expected invalid request, got {other:?}"),
+        }
     }
 
     /// The message of a body that does not parse.

@@ -354,6 +354,9 @@ pub enum PromptInput {
         /// More variables for the template (`chat_template_kwargs`, such as Qwen3's
         /// `enable_thinking`).
         template_kwargs: TemplateKwargs,
+        /// The names of `template_kwargs` the client set (`chat_template_kwargs`; the server
+        /// sets `tools`): a template error they cause names that field.
+        client_kwargs: Vec<String>,
         /// How the rendering ends (vLLM's `add_generation_prompt` and
         /// `continue_final_message`).
         ending: ChatEnding,
@@ -613,6 +616,8 @@ pub enum TokenizeInput {
         ending: ChatEnding,
         /// More variables for the template.
         template_kwargs: TemplateKwargs,
+        /// The names of `template_kwargs` the client set (`chat_template_kwargs`).
+        client_kwargs: Vec<String>,
     },
 }
 

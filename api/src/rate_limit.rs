@@ -82,8 +82,9 @@ pub struct LimitState {
     pub reset: Duration,
 }
 
-/// A tenant's limits as they stood when a request was admitted or refused; the route's
-/// response carries them as headers.
+/// A tenant's limits as they stood when a request was admitted or refused (or, for one the
+/// server refused for want of room before queueing it, after its request and estimates were
+/// given back); the route's response carries them as headers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Snapshot {
     /// The requests limit, if the tier sets one.
@@ -111,6 +112,19 @@ impl Snapshot {
             headers.push((format!("x-ratelimit-reset-{k}"), openai_duration(s.reset)));
         }
         headers
+    }
+}
+
+/// An admitted request's [`Snapshot`], shared by its [`Meter`] and its response (the route
+/// leaves it in the request's extensions for the headers): a refusal for want of room before
+/// queueing updates it after the give-back ([`Meter::refused_before_queueing`]).
+#[derive(Debug, Clone)]
+pub struct SharedSnapshot(Arc<Mutex<Snapshot>>);
+
+impl SharedSnapshot {
+    /// The limits as they stand for the request now.
+    pub fn get(&self) -> Snapshot {
+        *self.0.lock()
     }
 }
 
@@ -285,7 +299,7 @@ impl RateLimiter {
             budget: Some(budget),
             origin: self.origin,
             estimates,
-            snapshot: Some(snapshot),
+            snapshot: Some(SharedSnapshot(Arc::new(Mutex::new(snapshot)))),
             generated: true,
             request_given_back: false,
         })
@@ -381,8 +395,9 @@ pub struct Meter {
     origin: Instant,
     /// Per prompt, the estimate still held (0 once settled).
     estimates: Vec<u64>,
-    /// The limits at admission, for the response's headers; `None` when none applies.
-    snapshot: Option<Snapshot>,
+    /// The limits at admission (after a give-back, [`Meter::refused_before_queueing`]), for
+    /// the response's headers; `None` when none applies.
+    snapshot: Option<SharedSnapshot>,
     /// Whether generated tokens count (not for embeddings).
     generated: bool,
 }
@@ -407,9 +422,16 @@ impl Meter {
         self
     }
 
-    /// The limits at admission, if any applies.
+    /// The limits at admission (after a give-back, [`Meter::refused_before_queueing`]), if
+    /// any applies.
     pub fn snapshot(&self) -> Option<Snapshot> {
-        self.snapshot
+        self.snapshot.as_ref().map(SharedSnapshot::get)
+    }
+
+    /// [`Meter::snapshot`] as the response's headers read it, once the request's fate is
+    /// known.
+    pub fn shared_snapshot(&self) -> Option<SharedSnapshot> {
+        self.snapshot.clone()
     }
 
     fn charge(&self, tokens: f64) {
@@ -420,15 +442,23 @@ impl Meter {
     }
 
     /// The server refused the request for want of room before queueing it: its one from the
-    /// requests budget is given back (once; its prompts' estimates are given back when the
-    /// meter drops, as for any prompt never tokenized).
+    /// requests budget is given back (once), and so are its prompts' estimates (no prompt was
+    /// tokenized); the response's snapshot then reports the budget as it stands after that.
     pub fn refused_before_queueing(&mut self) {
         if std::mem::replace(&mut self.request_given_back, true) {
             return;
         }
+        let held: u64 = self.estimates.iter_mut().map(std::mem::take).sum();
         if let Some(b) = &self.budget {
             let now_s = self.origin.elapsed().as_secs_f64();
-            b.lock().give_back_request(now_s);
+            let mut b = b.lock();
+            b.give_back_request(now_s);
+            if self.tokens_limited && held > 0 {
+                b.charge(-(held as f64), now_s);
+            }
+            if let Some(shared) = &self.snapshot {
+                *shared.0.lock() = snapshot(&b);
+            }
         }
     }
 

@@ -259,7 +259,7 @@ impl ApiState {
             .admit(principal, estimates, std::time::Instant::now())
         {
             Ok(meter) => {
-                if let Some(snapshot) = meter.snapshot() {
+                if let Some(snapshot) = meter.shared_snapshot() {
                     req.extensions_mut().insert(snapshot);
                 }
                 Ok(meter)

@@ -362,3 +362,27 @@ async fn a_reload_does_not_put_keys_on_an_api_started_open() {
     .await;
     assert_eq!(reply.status, 200, "{}", reply.text());
 }
+
+/// A request the server refuses for want of room before queueing it (503 overloaded) gives
+/// its request and its prompt's estimate back; the refusal's headers say what is left after
+/// that, not what was left at its admission (one request and its estimate fewer).
+#[actix_web::test]
+async fn a_refusal_for_room_reports_the_budget_after_the_give_back() {
+    let limits = TierLimits {
+        requests_per_minute: Some(3),
+        tokens_per_minute: Some(100),
+    };
+    let engine = EchoEngine::new();
+    engine
+        .overloaded
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let (_, app) = app(engine, config(limits)).await;
+    // 80 bytes: an estimate of 20 tokens.
+    let body = json!({"prompt": "abcd".repeat(20), "max_tokens": 1});
+    for _ in 0..2 {
+        let reply = send(&app, post("/v1/completions", &body)).await;
+        reply.assert_error(503, "server_error", None);
+        assert_eq!(header(&reply, "x-ratelimit-remaining-requests"), Some("3"));
+        assert_eq!(header(&reply, "x-ratelimit-remaining-tokens"), Some("100"));
+    }
+}

@@ -664,6 +664,7 @@ fn policy_label(name: &str) -> &'static str {
 fn chat_source(
     messages: Vec<port::ChatMessage>,
     template_kwargs: port::TemplateKwargs,
+    client_kwargs: Vec<String>,
     ending: port::ChatEnding,
 ) -> PromptSource {
     PromptSource::Chat {
@@ -678,6 +679,7 @@ fn chat_source(
             })
             .collect(),
         template_kwargs,
+        client_kwargs,
         ending: match ending {
             port::ChatEnding::GenerationPrompt => ChatEnding::GenerationPrompt,
             port::ChatEnding::Closed => ChatEnding::Closed,
@@ -872,8 +874,9 @@ impl EngineAdapter {
             port::PromptInput::Chat {
                 messages,
                 template_kwargs,
+                client_kwargs,
                 ending,
-            } => chat_source(messages, template_kwargs, ending),
+            } => chat_source(messages, template_kwargs, client_kwargs, ending),
         };
         let (tx, rx) = mpsc::channel(CHANNEL_CAPACITY);
         let options = RequestOptions {
@@ -969,7 +972,11 @@ impl port::Engine for EngineAdapter {
                     messages,
                     ending,
                     template_kwargs,
-                } => (chat_source(messages, template_kwargs, ending), true),
+                    client_kwargs,
+                } => (
+                    chat_source(messages, template_kwargs, client_kwargs, ending),
+                    true,
+                ),
             };
             engine
                 .tokenize(source, add_special)

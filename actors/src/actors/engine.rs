@@ -87,6 +87,10 @@ pub enum PromptSource {
         messages: Vec<ChatMessage>,
         /// More variables for the template.
         template_kwargs: serde_json::Map<String, serde_json::Value>,
+        /// The names of `template_kwargs` the client set (the HTTP API's
+        /// `chat_template_kwargs`; the server sets `tools`): a rendering that fails with them
+        /// and not without them names that field.
+        client_kwargs: Vec<String>,
         /// How the rendering ends: a generation prompt (the default), the last message
         /// closed, or the last message left open for the model to continue.
         ending: ChatEnding,

@@ -139,6 +139,7 @@ impl TokenizerActor {
         messages: &[ChatMessage],
         ending: ChatEnding,
         template_kwargs: &serde_json::Map<String, serde_json::Value>,
+        client_kwargs: &[String],
     ) -> Result<Encoded, SubmitError> {
         let escaped = self.escaper.as_ref().and_then(|e| {
             let messages = e.escape_messages(messages);
@@ -164,7 +165,20 @@ impl TokenizerActor {
                         self.max_model_len
                     ),
                 ),
-                e => invalid(e.to_string()),
+                e => {
+                    let error = invalid(e.to_string());
+                    if self.fails_for_client_kwargs(
+                        template,
+                        render_messages,
+                        ending,
+                        render_kwargs,
+                        client_kwargs,
+                    ) {
+                        error.with_param(CHAT_TEMPLATE_KWARGS)
+                    } else {
+                        error
+                    }
+                }
             })?;
         // Read before the escaped text is put back: a message's `<think>` opens nothing.
         let opens_thinking = ends_inside_think(&text);
@@ -183,6 +197,34 @@ impl TokenizerActor {
             ids,
             opens_thinking,
         })
+    }
+}
+
+/// The HTTP API's field for a request's own chat template variables.
+const CHAT_TEMPLATE_KWARGS: &str = "chat_template_kwargs";
+
+impl TokenizerActor {
+    /// Whether a chat rendering that failed with `template_kwargs` renders without the
+    /// client's own of them (`client_kwargs`, not empty), or stops only at the length bound:
+    /// then they are at fault, not the conversation. Run only for a failed rendering, and
+    /// bounded as it is.
+    fn fails_for_client_kwargs(
+        &self,
+        template: &ChatTemplate,
+        messages: &[switchyard_gpu::model::ChatMessage],
+        ending: switchyard_gpu::model::ChatEnding,
+        template_kwargs: &serde_json::Map<String, serde_json::Value>,
+        client_kwargs: &[String],
+    ) -> bool {
+        if client_kwargs.is_empty() {
+            return false;
+        }
+        let mut without = template_kwargs.clone();
+        without.retain(|name, _| !client_kwargs.contains(name));
+        matches!(
+            template.render_within(messages, ending, &without, self.max_text_len),
+            Ok(_) | Err(GpuError::ChatTemplateTooLong { .. })
+        )
     }
 }
 
@@ -223,12 +265,19 @@ impl Handler<Encode> for TokenizerActor {
             PromptSource::Chat {
                 messages,
                 template_kwargs,
+                client_kwargs,
                 ending,
             } => {
                 let template = self.template.as_ref().ok_or_else(|| {
                     invalid("this model has no chat template; use /v1/completions".into())
                 })?;
-                self.encode_chat(template, &messages, ending, &template_kwargs)
+                self.encode_chat(
+                    template,
+                    &messages,
+                    ending,
+                    &template_kwargs,
+                    &client_kwargs,
+                )
             }
         }
     }
@@ -482,6 +531,7 @@ mod tests {
         let chat = |content: String| PromptSource::Chat {
             messages: vec![switchyard_gpu::model::ChatMessage::new("user", content)],
             template_kwargs: Default::default(),
+            client_kwargs: Vec::new(),
             ending: switchyard_gpu::model::ChatEnding::Closed,
         };
         let e = text(chat(at_bound.clone()))
@@ -498,6 +548,85 @@ mod tests {
             .ids;
         // "b", "ab" ..., "b".
         assert_eq!(ids.len(), bound / 2 + 1);
+    }
+
+    /// A chat template error that the client's own variables cause (the rendering succeeds
+    /// without them) names `chat_template_kwargs`; one the conversation causes, or the
+    /// server's variables (`tools`), names none, whatever variables the client sent.
+    #[actix::test]
+    async fn a_template_error_the_clients_variables_cause_names_them() {
+        let json = r#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],
+            "normalizer":null,"pre_tokenizer":null,"post_processor":null,"decoder":null,
+            "model":{"type":"BPE","vocab":{"a":0,"b":1,"ab":2},"merges":[["a","b"]]}}"#;
+        let tok = Arc::new(Tokenizer::from_json_bytes(json.as_bytes()).expect("tokenizer"));
+        let source =
+            "{% if strict is defined and strict %}{{ raise_exception('strict') }}{% endif %}\
+            {% if tools %}{{ raise_exception('tools') }}{% endif %}\
+            {% if messages[0].content == 'bb' %}{{ raise_exception('bb') }}{% endif %}\
+            {{ messages[0].content }}";
+        let template = Arc::new(ChatTemplate::new(source, "", "").expect("template"));
+        let actors = SyncArbiter::start(1, move || {
+            TokenizerActor::new(
+                tok.clone(),
+                Some(template.clone()),
+                LazyGrammarCompiler::default(),
+                100,
+            )
+        });
+        let render = |content: &str, kwargs: serde_json::Value, client: &[&str]| {
+            let serde_json::Value::Object(template_kwargs) = kwargs else {
+                panic!("{kwargs}")
+            };
+            actors.send(Encode {
+                source: PromptSource::Chat {
+                    messages: vec![switchyard_gpu::model::ChatMessage::new("user", content)],
+                    template_kwargs,
+                    client_kwargs: client.iter().map(|s| (*s).to_owned()).collect(),
+                    ending: switchyard_gpu::model::ChatEnding::Closed,
+                },
+                add_special_tokens: false,
+            })
+        };
+        let tools = serde_json::json!([{"type": "function"}]);
+        for (content, kwargs, client, param) in [
+            // The client's variable: named.
+            (
+                "ab",
+                serde_json::json!({"strict": true}),
+                &["strict"][..],
+                Some("chat_template_kwargs"),
+            ),
+            (
+                "ab",
+                serde_json::json!({"tools": tools, "x": 1}),
+                &["tools", "x"],
+                Some("chat_template_kwargs"),
+            ),
+            // The conversation: not named, though the client sent variables.
+            (
+                "bb",
+                serde_json::json!({"strict": false}),
+                &["strict"],
+                None,
+            ),
+            ("bb", serde_json::json!({}), &[], None),
+            // The server's `tools`: not named.
+            (
+                "ab",
+                serde_json::json!({"tools": tools, "x": 1}),
+                &["x"],
+                None,
+            ),
+        ] {
+            let e = render(content, kwargs.clone(), client)
+                .await
+                .expect("mailbox")
+                .expect_err("refused");
+            assert_eq!(e.kind, SubmitErrorKind::InvalidRequest, "{e}");
+            assert_eq!(e.param, param, "{content} {kwargs}: {e}");
+        }
+        let ok = render("ab", serde_json::json!({"strict": false}), &["strict"]);
+        assert_eq!(ok.await.expect("mailbox").expect("rendered").ids, vec![2]);
     }
 
     /// A specification that does not compile is the request's error, naming the field that

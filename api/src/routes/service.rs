@@ -147,11 +147,13 @@ pub(crate) async fn tokenize(
             let mut messages = parse_messages(messages, setup)?;
             check_continued(&messages, ending)?;
             let mut template_kwargs = parse_template_kwargs(body.chat_template_kwargs)?;
+            let client_kwargs = template_kwargs.keys().cloned().collect();
             offer_tools(tools.as_ref(), setup, &mut messages, &mut template_kwargs)?;
             TokenizeInput::Chat {
                 messages,
                 ending,
                 template_kwargs,
+                client_kwargs,
             }
         }
         _ => {

@@ -969,6 +969,7 @@ impl ChatRequest {
         let mut messages = parse_messages(self.messages, setup)?;
         check_continued(&messages, ending)?;
         let mut template_kwargs = parse_template_kwargs(self.chat_template_kwargs)?;
+        let client_kwargs = template_kwargs.keys().cloned().collect();
         offer_tools(tools.as_ref(), setup, &mut messages, &mut template_kwargs)?;
         if let Some(tools) = &tools {
             if structured.is_some() {
@@ -1034,6 +1035,7 @@ impl ChatRequest {
             prompts: vec![PromptInput::Chat {
                 messages,
                 template_kwargs,
+                client_kwargs,
                 ending,
             }],
             sampling,
@@ -1128,7 +1130,9 @@ fn add_to_system(messages: &mut Vec<ChatMessage>, text: &str) {
 }
 
 /// Validates `chat_template_kwargs`: an object of at most [`MAX_TEMPLATE_KWARGS`] entries, none
-/// named as a variable the server sets itself.
+/// named as a variable the server sets itself; `tools`, which a chat template writes into the
+/// prompt as it would the request's `tools`, meets `tools`' bounds
+/// ([`super::tools::check_template_tools`]).
 pub fn parse_template_kwargs(v: Option<serde_json::Value>) -> Result<TemplateKwargs, ApiError> {
     const PARAM: &str = "chat_template_kwargs";
     let map = match v {
@@ -1167,6 +1171,9 @@ pub fn parse_template_kwargs(v: Option<serde_json::Value>) -> Result<TemplateKwa
                 format!("{name:?} is set by the server, not by chat_template_kwargs"),
             ));
         }
+    }
+    if let Some(tools) = map.get("tools") {
+        super::tools::check_template_tools("chat_template_kwargs.tools", tools)?;
     }
     Ok(map)
 }
@@ -1737,13 +1744,19 @@ mod tests {
         };
         let v = chat(serde_json::json!({"enable_thinking": false, "x": [1, {"y": "z"}]})).unwrap();
         let PromptInput::Chat {
-            template_kwargs, ..
+            template_kwargs,
+            client_kwargs,
+            ..
         } = &v.prompts[0]
         else {
             panic!("{v:?}")
         };
         assert_eq!(template_kwargs["enable_thinking"], false);
         assert_eq!(template_kwargs["x"][1]["y"], "z");
+        // The server's own `tools` (none) is not the client's: a template error it causes
+        // does not name chat_template_kwargs.
+        assert!(template_kwargs["tools"].is_null());
+        assert_eq!(client_kwargs, &["enable_thinking", "x"]);
         assert!(chat(serde_json::Value::Null).is_ok());
         let many: serde_json::Map<String, serde_json::Value> = (0..=MAX_TEMPLATE_KWARGS)
             .map(|i| (format!("k{i}"), serde_json::Value::Null))
@@ -1764,6 +1777,74 @@ mod tests {
         }
     }
 
+    /// Tools handed to the chat template through `chat_template_kwargs` (no top-level `tools`)
+    /// meet the bounds of `tools`: count, names, schemas' size, strict schemas' depth.
+    #[test]
+    fn chat_template_kwargs_tools_meet_the_bounds_of_tools() {
+        use serde_json::json;
+        let chat = |tools: serde_json::Value| {
+            let req: ChatRequest = serde_json::from_value(json!({
+                "messages": [{"role": "user", "content": "hi"}],
+                "chat_template_kwargs": {"tools": tools}}))
+            .unwrap();
+            req.validate(128, ToolFormat::Hermes.into())
+        };
+        let tool = |name: &str| json!({"type": "function", "function": {"name": name}});
+        let v = chat(json!([tool("f"), tool("g")])).unwrap();
+        let PromptInput::Chat {
+            template_kwargs, ..
+        } = &v.prompts[0]
+        else {
+            panic!("{v:?}")
+        };
+        assert_eq!(template_kwargs["tools"][1]["function"]["name"], "g");
+        assert!(chat(serde_json::Value::Null).is_ok());
+        use super::super::tools::{MAX_TOOLS, MAX_TOOL_NAME};
+        let many: Vec<_> = (0..=MAX_TOOLS).map(|i| tool(&format!("f{i}"))).collect();
+        let mut deep = json!({"type": "object", "properties": {}, "additionalProperties": false});
+        for _ in 0..=super::super::strict::MAX_STRICT_DEPTH {
+            deep = json!({"type": "object", "properties": {"a": deep}, "required": ["a"],
+                "additionalProperties": false});
+        }
+        let huge = json!({"type": "object",
+            "description": "x".repeat(MAX_STRUCTURED_BYTES)});
+        for (tools, param) in [
+            (json!("f"), "chat_template_kwargs.tools"),
+            (json!(many), "chat_template_kwargs.tools"),
+            (
+                json!([tool(&"f".repeat(MAX_TOOL_NAME + 1))]),
+                "chat_template_kwargs.tools[0].function.name",
+            ),
+            (
+                json!([tool("f"), tool("a b")]),
+                "chat_template_kwargs.tools[1].function.name",
+            ),
+            (
+                json!([tool("f"), tool("f")]),
+                "chat_template_kwargs.tools[1].function.name",
+            ),
+            (
+                json!([{"type": "retrieval"}]),
+                "chat_template_kwargs.tools[0].type",
+            ),
+            (
+                json!([{"type": "function", "function": {"name": "f", "parameters": huge}}]),
+                "chat_template_kwargs.tools",
+            ),
+            (
+                json!([{"type": "function", "function": {"name": "f", "parameters": deep,
+                "strict": true}}]),
+                "chat_template_kwargs.tools[0].function.parameters",
+            ),
+        ] {
+            assert_eq!(
+                param_of(chat(tools.clone())).as_deref(),
+                Some(param),
+                "{tools}"
+            );
+        }
+    }
+
     #[test]
     fn chat_maps_logprobs_and_max_completion_tokens() {
         let req: ChatRequest = serde_json::from_value(serde_json::json!({
@@ -1779,6 +1860,7 @@ mod tests {
             vec![PromptInput::Chat {
                 messages: vec![ChatMessage::text(ChatRole::User, "hi")],
                 template_kwargs: without_tools(),
+                client_kwargs: Vec::new(),
                 ending: ChatEnding::GenerationPrompt,
             }]
         );
@@ -1833,6 +1915,7 @@ mod tests {
             vec![PromptInput::Chat {
                 messages: vec![ChatMessage::text(ChatRole::User, "time?")],
                 template_kwargs: without_tools(),
+                client_kwargs: Vec::new(),
                 ending: ChatEnding::GenerationPrompt,
             }]
         );
@@ -2136,9 +2219,15 @@ mod tests {
         assert_eq!(kwargs(v)["tools"], serde_json::Value::Null);
         let v = chat(serde_json::json!({})).unwrap();
         assert_eq!(kwargs(v)["tools"], serde_json::Value::Null);
-        // Without tools a client may set the variable itself; with them it is the server's.
-        let v = chat(serde_json::json!({"chat_template_kwargs": {"tools": [1]}})).unwrap();
-        assert_eq!(kwargs(v)["tools"], serde_json::json!([1]));
+        // Without tools a client may set the variable itself (tools as `tools` bounds them);
+        // with them it is the server's.
+        let v = chat(serde_json::json!({"chat_template_kwargs": {"tools": tools}})).unwrap();
+        assert_eq!(kwargs(v)["tools"], tools);
+        let e = chat(serde_json::json!({"chat_template_kwargs": {"tools": [1]}}));
+        assert_eq!(
+            param_of(e).as_deref(),
+            Some("chat_template_kwargs.tools[0]")
+        );
         let e = chat(serde_json::json!({"tools": tools, "chat_template_kwargs": {"tools": []}}));
         assert_eq!(param_of(e).as_deref(), Some("chat_template_kwargs"));
     }

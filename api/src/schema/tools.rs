@@ -326,8 +326,9 @@ fn check_name(param: &str, name: &str) -> Result<(), ApiError> {
     }
 }
 
-fn parse_tool(i: usize, v: &Value) -> Result<Tool, ApiError> {
-    let at = |field: &str| format!("tools[{i}]{field}");
+/// Reads tool `i` of the list `list_param` names (`tools`, `chat_template_kwargs.tools`).
+fn parse_tool(list_param: &str, i: usize, v: &Value) -> Result<Tool, ApiError> {
+    let at = |field: &str| format!("{list_param}[{i}]{field}");
     let obj = v
         .as_object()
         .ok_or_else(|| invalid(at(""), "a tool is an object"))?;
@@ -404,6 +405,56 @@ fn parse_tool(i: usize, v: &Value) -> Result<Tool, ApiError> {
     })
 }
 
+/// Reads a list of tools at `param` (absent or `null`: none): at most [`MAX_TOOLS`], each a
+/// function of a distinct, valid name with an object schema ([`parse_tool`]).
+fn parse_tools(param: &str, tools: Option<&Value>) -> Result<Vec<Tool>, ApiError> {
+    let list = match tools {
+        None | Some(Value::Null) => &[][..],
+        Some(Value::Array(list)) => list.as_slice(),
+        Some(_) => return Err(invalid(param, format!("{param} is a list"))),
+    };
+    if list.len() > MAX_TOOLS {
+        return Err(invalid(
+            param,
+            format!("at most {MAX_TOOLS} tools are allowed"),
+        ));
+    }
+    let mut parsed: Vec<Tool> = Vec::with_capacity(list.len());
+    for (i, v) in list.iter().enumerate() {
+        let tool = parse_tool(param, i, v)?;
+        if parsed.iter().any(|t| t.name == tool.name) {
+            return Err(invalid(
+                format!("{param}[{i}].function.name"),
+                format!("two tools are named {:?}", tool.name),
+            ));
+        }
+        parsed.push(tool);
+    }
+    Ok(parsed)
+}
+
+/// Checks the tools a client hands the chat template itself through
+/// `chat_template_kwargs.tools` (the server hands the template a request's `tools`, and then
+/// refuses that variable): they meet the bounds of `tools` ([`parse_tools`]; their schemas,
+/// as JSON, at most [`MAX_STRUCTURED_BYTES`] together, as the grammar built from `tools`'
+/// schemas is bounded), `param` naming the variable.
+pub fn check_template_tools(param: &str, tools: &Value) -> Result<(), ApiError> {
+    let parsed = parse_tools(param, Some(tools))?;
+    let mut bytes = 0usize;
+    for t in &parsed {
+        bytes = bytes.saturating_add(json_dumps(&t.parameters).len());
+    }
+    if bytes > MAX_STRUCTURED_BYTES {
+        return Err(invalid(
+            param,
+            format!(
+                "the tools' schemas take {bytes} bytes; at most {MAX_STRUCTURED_BYTES} are allowed"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 impl ToolUse {
     /// Reads the request's tool fields; `None` when it has no tools (then `tool_choice` may
     /// only be `none`).
@@ -414,28 +465,7 @@ impl ToolUse {
         setup: impl Into<ToolSetup>,
     ) -> Result<Option<ToolUse>, ApiError> {
         let setup = setup.into();
-        let list = match tools {
-            None | Some(Value::Null) => &[][..],
-            Some(Value::Array(list)) => list.as_slice(),
-            Some(_) => return Err(invalid("tools", "tools is a list")),
-        };
-        if list.len() > MAX_TOOLS {
-            return Err(invalid(
-                "tools",
-                format!("at most {MAX_TOOLS} tools are allowed"),
-            ));
-        }
-        let mut parsed: Vec<Tool> = Vec::with_capacity(list.len());
-        for (i, v) in list.iter().enumerate() {
-            let tool = parse_tool(i, v)?;
-            if parsed.iter().any(|t| t.name == tool.name) {
-                return Err(invalid(
-                    format!("tools[{i}].function.name"),
-                    format!("two tools are named {:?}", tool.name),
-                ));
-            }
-            parsed.push(tool);
-        }
+        let parsed = parse_tools("tools", tools)?;
         let choice = match tool_choice {
             None | Some(Value::Null) => {
                 if parsed.is_empty() {
