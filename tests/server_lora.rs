@@ -219,13 +219,17 @@ fn adapters_load_and_unload_at_run_time_through_the_admin_api() {
         let v: Value = serde_json::from_str(&r.body).unwrap_or(Value::Null);
         (r.status, v)
     };
-    let body = json!({"lora_name": "second", "lora_path": lora_fixture_dir()});
+    let body = json!({"lora_name": "second", "lora_path": lora_fixture_dir(), "pinned": true});
     assert_eq!(load(&body, &[]).0, 401, "the admin key is required");
     let (status, v) = load(&body, &[ADMIN]);
     assert_eq!(status, 200, "{v}");
     assert_eq!(
-        (v["name"].as_str(), v["rank"].as_u64()),
-        (Some("second"), Some(4))
+        (
+            v["name"].as_str(),
+            v["rank"].as_u64(),
+            v["pinned"].as_bool()
+        ),
+        (Some("second"), Some(4), Some(true))
     );
     let (status, v) = load(&body, &[ADMIN]);
     assert_eq!(status, 400, "a name is loaded once: {v}");
@@ -276,13 +280,13 @@ fn adapters_load_and_unload_at_run_time_through_the_admin_api() {
         .request("GET", "/admin/lora", None, &[ADMIN])
         .expect("list");
     let listed: Value = serde_json::from_str(&listed.body).expect("json");
-    let names: Vec<&str> = listed["adapters"]
+    let names: Vec<(&str, bool)> = listed["adapters"]
         .as_array()
         .expect("adapters")
         .iter()
-        .filter_map(|a| a["name"].as_str())
+        .filter_map(|a| Some((a["name"].as_str()?, a["pinned"].as_bool()?)))
         .collect();
-    assert_eq!(names, ["tuned", "second"]);
+    assert_eq!(names, [("tuned", false), ("second", true)]);
 
     assert_haiku(s, "second", "lora_golden.json");
     assert_eq!(s.metric("switchyard:lora_adapters"), Some(2.0));
@@ -335,6 +339,45 @@ fn sighup_brings_the_configured_adapters_in_line_with_the_file() {
     }
     assert_haiku(s, "renamed", "lora_golden.json");
     assert_eq!(haiku(s, "tuned").0, 404);
+
+    // Pinned in the file, then the same adapter: its pinning changes, nothing else.
+    let pinned = |s: &Server| -> Vec<(String, bool)> {
+        let r = s
+            .request("GET", "/admin/lora", None, &[ADMIN])
+            .expect("list");
+        let v: Value = serde_json::from_str(&r.body).expect("json");
+        v["adapters"]
+            .as_array()
+            .expect("adapters")
+            .iter()
+            .map(|a| (a["name"].as_str().unwrap().to_owned(), a["pinned"] == true))
+            .collect()
+    };
+    let loads = s.metric("switchyard:lora_adapter_loads_total");
+    let text = std::fs::read_to_string(&config).expect("config");
+    let text = text.replace("- name: renamed\n", "- name: renamed\n      pinned: true\n");
+    std::fs::write(&config, text).expect("write config");
+    assert!(std::process::Command::new("kill")
+        .args(["-HUP", &pid])
+        .status()
+        .expect("kill")
+        .success());
+    let want = [("runtime".to_owned(), false), ("renamed".to_owned(), true)];
+    while pinned(s) != want {
+        assert!(
+            std::time::Instant::now() < deadline + std::time::Duration::from_secs(20),
+            "pinning not reloaded: {:?}\n{}",
+            pinned(s),
+            s.log()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert_eq!(
+        s.metric("switchyard:lora_adapter_loads_total"),
+        loads,
+        "not loaded again"
+    );
+    assert_haiku(s, "renamed", "lora_golden.json");
 }
 
 #[test]

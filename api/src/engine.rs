@@ -179,8 +179,9 @@ pub trait Engine: Send + Sync + 'static {
         name: String,
         path: String,
         in_place: bool,
+        pinned: bool,
     ) -> EngineFuture<LoraAdapterInfo> {
-        let _ = (name, path, in_place);
+        let _ = (name, path, in_place, pinned);
         Box::pin(async { Err(lora_disabled()) })
     }
 
@@ -212,6 +213,8 @@ pub struct LoraAdapterInfo {
     /// Found in one of `lora.adapter_dirs` on a request (rather than registered by the
     /// configuration or an admin).
     pub discovered: bool,
+    /// Kept in memory while served, never evicted.
+    pub pinned: bool,
 }
 
 /// Shared by the prompts of one HTTP request. When one of them fails, the HTTP layer records

@@ -311,6 +311,7 @@ async fn a_lora_adapter_is_a_model_and_an_unknown_model_is_404() {
         path: "/srv/sql".into(),
         rank: 8,
         discovered: false,
+        pinned: false,
     });
     let (_, app) = app(engine.clone(), api_config()).await;
     let reply = send(

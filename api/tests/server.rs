@@ -227,6 +227,7 @@ async fn a_key_names_only_the_adapters_its_patterns_allow() {
                 path: format!("/srv/{name}"),
                 rank: 8,
                 discovered: false,
+                pinned: false,
             });
     }
     let mut config = api_config();
@@ -331,6 +332,7 @@ async fn a_model_is_retrieved_as_listed() {
             path: "/srv/sql".into(),
             rank: 8,
             discovered: false,
+            pinned: false,
         });
     let (_, app) = app(engine, api_config()).await;
     let get = |uri: &str| {

@@ -325,6 +325,33 @@ mod tests {
     }
 
     #[test]
+    fn at_most_max_cpu_loras_adapters_are_pinned() {
+        let adapters = |pins: [bool; 3]| {
+            let mut y = String::from("lora:\n  enabled: true\n  max_cpu_loras: 2\n  adapters:\n");
+            for (i, pinned) in pins.into_iter().enumerate() {
+                y.push_str(&format!(
+                    "    - {{ name: a{i}, path: /x/{i}, pinned: {pinned} }}\n"
+                ));
+            }
+            y
+        };
+        let c = Config::from_yaml_str(&adapters([true, false, true]), "t").unwrap();
+        let pins: Vec<bool> = c.lora.adapters.iter().map(|a| a.pinned).collect();
+        assert_eq!(pins, [true, false, true]);
+        let e = error(&adapters([true, true, true]), &[]);
+        assert!(e.starts_with("t.yaml:7: lora.adapters[2].pinned"), "{e}");
+        assert!(e.contains("at most lora.max_cpu_loras (2)"), "{e}");
+        // Unset: not pinned, and not written out.
+        let c = Config::from_yaml_str(
+            "lora:\n  enabled: true\n  adapters: [{ name: a, path: /x }]\n",
+            "t",
+        );
+        let c = c.unwrap();
+        assert!(!c.lora.adapters[0].pinned);
+        assert!(!serde_yaml::to_string(&c.lora).unwrap().contains("pinned"));
+    }
+
+    #[test]
     fn message_special_tokens_are_text_by_default_or_tokens() {
         let c = Config::from_yaml_str("model: {}", "t").unwrap();
         assert_eq!(c.model.message_special_tokens, MessageSpecialTokens::Text);

@@ -1057,13 +1057,17 @@ impl Default for LoraSection {
 
 /// One adapter of `lora.adapters`.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields, expecting = "a mapping of name and path")]
+#[serde(deny_unknown_fields, expecting = "a mapping of name, path and pinned")]
 pub struct LoraAdapterEntry {
     /// The name requests use as `model`.
     pub name: String,
     /// The PEFT adapter directory (`adapter_config.json`, `adapter_model.safetensors`);
     /// relative paths are taken from the server's working directory, `~/` is expanded.
     pub path: String,
+    /// Kept in memory while served, never evicted to make room for another adapter (at most
+    /// `max_cpu_loras` adapters are pinned): its requests never wait for its files to load.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub pinned: bool,
 }
 
 /// The architecture presets of random (dummy) weights, as `switchyard bench throughput --dummy`
@@ -1315,6 +1319,16 @@ impl Config {
                 return Err((
                     format!("lora.adapters[{i}].path"),
                     "paths are 1-4096 bytes".into(),
+                ));
+            }
+            let pinned_before = self.lora.adapters[..i].iter().filter(|b| b.pinned).count();
+            if a.pinned && pinned_before >= self.lora.max_cpu_loras {
+                return Err((
+                    format!("lora.adapters[{i}].pinned"),
+                    format!(
+                        "at most lora.max_cpu_loras ({}) adapters may be pinned in memory",
+                        self.lora.max_cpu_loras
+                    ),
                 ));
             }
         }

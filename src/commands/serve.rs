@@ -320,10 +320,10 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         for a in &config.lora.adapters {
             let path = switchyard_config::expand_home(&a.path);
             let info = engine
-                .register_adapter(a.name.clone(), path.clone())
+                .register_adapter(a.name.clone(), path.clone(), a.pinned)
                 .await
                 .map_err(|e| anyhow::anyhow!("lora.adapters `{}`: {e}", a.name))?;
-            tracing::info!(name = %info.name, rank = info.rank, "LoRA adapter served");
+            tracing::info!(name = %info.name, rank = info.rank, pinned = info.pinned, "LoRA adapter served");
             file_adapters.push((a.name.clone(), path));
         }
         let adapter = Arc::new(EngineAdapter {
@@ -1062,14 +1062,15 @@ impl port::Engine for EngineAdapter {
         name: String,
         path: String,
         in_place: bool,
+        pinned: bool,
     ) -> EngineFuture<LoraAdapterInfo> {
         let engine = self.engine.clone();
         Box::pin(async move {
             let path = switchyard_config::expand_home(&path);
             let loaded = if in_place {
-                engine.replace_adapter(name, path).await
+                engine.replace_adapter(name, path, pinned).await
             } else {
-                engine.register_adapter(name, path).await
+                engine.register_adapter(name, path, pinned).await
             };
             loaded.map(port_adapter).map_err(to_port_error)
         })
@@ -1087,6 +1088,7 @@ fn port_adapter(a: AdapterInfo) -> LoraAdapterInfo {
         path: a.path.display().to_string(),
         rank: a.rank,
         discovered: a.discovered,
+        pinned: a.pinned,
     }
 }
 

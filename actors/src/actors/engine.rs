@@ -26,7 +26,7 @@ use super::detokenizer::{
 use super::executor::ExecutorActor;
 use super::lora::{
     AdapterInfo, LoraError, LoraHandle, LoraManager, LoraManagerConfig,
-    Register as RegisterAdapter, Replace as ReplaceAdapter, Unregister,
+    Register as RegisterAdapter, Replace as ReplaceAdapter, SetPinned, Unregister,
 };
 use super::scheduler::{GetStats, SchedulerActor, SetSpeculative, SetTiers, SwapPolicy};
 use super::tokenizer::{Constrain, Decode, Encode, TokenizerActor};
@@ -1087,13 +1087,23 @@ impl Engine {
         lora.resolve(name).await.map_err(lora_submit_error)
     }
 
-    /// Registers a LoRA adapter under `name` (loads it to check it).
+    /// Registers a LoRA adapter under `name` (loads it to check it), pinned in memory or not.
     pub async fn register_adapter(
         &self,
         name: String,
         path: PathBuf,
+        pinned: bool,
     ) -> Result<AdapterInfo, SubmitError> {
-        self.ask_lora(RegisterAdapter { name, path }).await
+        self.ask_lora(RegisterAdapter { name, path, pinned }).await
+    }
+
+    /// Pins a registered adapter in memory (loading it if it was evicted) or unpins it.
+    pub async fn pin_adapter(
+        &self,
+        name: String,
+        pinned: bool,
+    ) -> Result<AdapterInfo, SubmitError> {
+        self.ask_lora(SetPinned { name, pinned }).await
     }
 
     /// Serves the adapter at `path` under `name` in place of the one registered under it (a
@@ -1103,8 +1113,9 @@ impl Engine {
         &self,
         name: String,
         path: PathBuf,
+        pinned: bool,
     ) -> Result<AdapterInfo, SubmitError> {
-        self.ask_lora(ReplaceAdapter { name, path }).await
+        self.ask_lora(ReplaceAdapter { name, path, pinned }).await
     }
 
     /// Unregisters a LoRA adapter; requests using it finish with it.
@@ -1229,6 +1240,7 @@ fn lora_submit_error(e: LoraError) -> SubmitError {
         | LoraError::Exists(_)
         | LoraError::BadName(_)
         | LoraError::Full(_)
+        | LoraError::PinLimit(_)
         | LoraError::Load(_) => SubmitErrorKind::InvalidRequest,
         LoraError::Reload(_) | LoraError::Busy(..) | LoraError::Stopped => {
             SubmitErrorKind::Unavailable
@@ -1238,6 +1250,7 @@ fn lora_submit_error(e: LoraError) -> SubmitError {
     let param = match e {
         LoraError::BadName(_) | LoraError::Exists(_) => Some("lora_name"),
         LoraError::Load(_) => Some("lora_path"),
+        LoraError::PinLimit(_) => Some("pinned"),
         _ => None,
     };
     let error = SubmitError::new(kind, e.to_string());

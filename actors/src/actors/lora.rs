@@ -31,7 +31,8 @@
 //! Memory. At most `max_adapters` names are registered and at most `max_loaded` adapters are
 //! kept in memory, those in use included; beyond that, the least recently used adapter that no
 //! request holds is dropped and loaded again on its next request. Adapters in use are never
-//! dropped, so while more than `max_loaded` are in use all of them stay (memory is then bounded
+//! dropped, nor are pinned ones (at most `max_loaded` are pinned), so while more than
+//! `max_loaded` are in use all of them stay (memory is then bounded
 //! by `max_adapters` adapters of at most `max_lora_rank`), and the excess is dropped once they
 //! are released: by the manager's next load, or on the next request for an adapter in memory,
 //! which asks the manager to evict again. How many different adapters run in one step is the
@@ -82,6 +83,9 @@ pub struct AdapterInfo {
     /// Found in one of the `adapter_dirs` on a request, rather than registered by the
     /// configuration or an admin: unregistered to make room for another found one.
     pub discovered: bool,
+    /// Kept in memory while registered, never evicted (at most `max_loaded` adapters are):
+    /// its requests never wait for its files to load again.
+    pub pinned: bool,
 }
 
 /// What can go wrong with adapters.
@@ -120,6 +124,12 @@ pub enum LoraError {
     /// LoRA is not enabled in this server.
     #[error("LoRA adapters are not enabled on this server (lora.enabled)")]
     Disabled,
+    /// Pinning the adapter would pin more adapters than may be kept in memory.
+    #[error(
+        "{0} LoRA adapters are pinned, as many as are kept in memory (lora.max_cpu_loras); \
+         unpin one first"
+    )]
+    PinLimit(usize),
     /// The manager is gone (the engine is shutting down).
     #[error("the engine is shutting down")]
     Stopped,
@@ -367,9 +377,20 @@ impl LoraManager {
         drop(old);
     }
 
-    /// Registers `name` at `path`, loading the adapter to check it.
+    /// Registers `name` at `path`, loading the adapter to check it (not pinned).
+    #[cfg(test)]
     pub fn register(&mut self, name: &str, path: &Path) -> Result<AdapterInfo, LoraError> {
-        self.register_as(name, path, false)
+        self.register_as(name, path, false, false)
+    }
+
+    /// Registers `name` at `path`, pinned in memory or not.
+    pub fn register_pinned(
+        &mut self,
+        name: &str,
+        path: &Path,
+        pinned: bool,
+    ) -> Result<AdapterInfo, LoraError> {
+        self.register_as(name, path, false, pinned)
     }
 
     /// Registers `name` at `path`, found in a directory (`discovered`) or not.
@@ -378,6 +399,7 @@ impl LoraManager {
         name: &str,
         path: &Path,
         discovered: bool,
+        pinned: bool,
     ) -> Result<AdapterInfo, LoraError> {
         self.check_name(name)?;
         if self.registry.contains(name) {
@@ -386,6 +408,7 @@ impl LoraManager {
         if self.registry.0.state.read().adapters.len() >= self.config.max_adapters {
             return Err(LoraError::Full(self.config.max_adapters));
         }
+        self.check_pin_room(name, pinned)?;
         let adapter = self.load(path)?;
         let info = AdapterInfo {
             name: name.to_owned(),
@@ -393,6 +416,7 @@ impl LoraManager {
             path: path.to_path_buf(),
             rank: adapter.rank(),
             discovered,
+            pinned,
         };
         self.fingerprints
             .insert(name.to_owned(), adapter.fingerprint());
@@ -409,7 +433,63 @@ impl LoraManager {
         }
         self.evict();
         self.publish();
-        tracing::info!(name, id = info.id, discovered, "LoRA adapter registered");
+        tracing::info!(
+            name,
+            id = info.id,
+            discovered,
+            pinned,
+            "LoRA adapter registered"
+        );
+        Ok(info)
+    }
+
+    /// Refuses to pin `name` (when `pinned`) if as many other adapters as may be kept in
+    /// memory are pinned already.
+    fn check_pin_room(&self, name: &str, pinned: bool) -> Result<(), LoraError> {
+        if !pinned {
+            return Ok(());
+        }
+        let others = self
+            .registry
+            .0
+            .state
+            .read()
+            .adapters
+            .iter()
+            .filter(|a| a.pinned && a.name != name)
+            .count();
+        if others >= self.config.max_loaded {
+            return Err(LoraError::PinLimit(others));
+        }
+        Ok(())
+    }
+
+    /// Pins `name` in memory (loading it now if it was evicted) or unpins it (then it is
+    /// evicted as any other when memory is short).
+    pub fn set_pinned(&mut self, name: &str, pinned: bool) -> Result<AdapterInfo, LoraError> {
+        let info = self
+            .registry
+            .info(name)
+            .ok_or_else(|| LoraError::Unknown(name.to_owned()))?;
+        if info.pinned == pinned {
+            return Ok(info);
+        }
+        self.check_pin_room(name, pinned)?;
+        if pinned && matches!(self.registry.lookup(name), Lookup::Evicted) {
+            self.reload(name)?;
+        }
+        let info = {
+            let mut state = self.registry.0.state.write();
+            let a = state
+                .adapters
+                .iter_mut()
+                .find(|a| a.name == name)
+                .ok_or_else(|| LoraError::Unknown(name.to_owned()))?;
+            a.pinned = pinned;
+            a.clone()
+        };
+        self.evict();
+        tracing::info!(name, pinned, "LoRA adapter pinning changed");
         Ok(info)
     }
 
@@ -438,7 +518,7 @@ impl LoraManager {
             return Ok(None);
         };
         self.make_room(name)?;
-        match self.register_as(name, &path, true) {
+        match self.register_as(name, &path, true, false) {
             Ok(info) => Ok(Some(info)),
             Err(LoraError::Load(e)) => {
                 tracing::warn!(
@@ -495,11 +575,23 @@ impl LoraManager {
     /// no request ever finds the name missing; requests already running finish with the old
     /// weights, which they hold. Other weights get a fresh id (a new prefix-cache key); the
     /// same weights (an unchanged fingerprint) keep theirs, and their cached blocks.
+    #[cfg(test)]
     pub fn replace(&mut self, name: &str, path: &Path) -> Result<AdapterInfo, LoraError> {
+        self.replace_pinned(name, path, false)
+    }
+
+    /// [`LoraManager::replace`], the new adapter pinned in memory or not.
+    pub fn replace_pinned(
+        &mut self,
+        name: &str,
+        path: &Path,
+        pinned: bool,
+    ) -> Result<AdapterInfo, LoraError> {
         self.check_name(name)?;
         let Some(old) = self.registry.info(name) else {
-            return self.register(name, path);
+            return self.register_pinned(name, path, pinned);
         };
+        self.check_pin_room(name, pinned)?;
         let adapter = self.load(path)?;
         let fingerprint = adapter.fingerprint();
         let id = if self.fingerprints.get(name) == Some(&fingerprint) {
@@ -514,6 +606,7 @@ impl LoraManager {
             rank: adapter.rank(),
             // An admin's from now on, never unregistered to make room.
             discovered: false,
+            pinned,
         };
         let resident = Resident {
             id,
@@ -660,13 +753,19 @@ impl LoraManager {
         }
         let mut dropped = Vec::new();
         let mut state = shared.state.write();
+        let pinned: Vec<String> = state
+            .adapters
+            .iter()
+            .filter(|a| a.pinned)
+            .map(|a| a.name.clone())
+            .collect();
         while state.resident.len() > max {
             // Only the registry holds an unused adapter's weights; readers clone them only
             // under the read lock, so none can start using a victim while this lock is held.
             let victim = state
                 .resident
                 .iter()
-                .filter(|(_, r)| Arc::strong_count(&r.adapter) == 1)
+                .filter(|(name, r)| Arc::strong_count(&r.adapter) == 1 && !pinned.contains(name))
                 .min_by_key(|(_, r)| r.last_used.load(Ordering::Relaxed))
                 .map(|(name, _)| name.clone());
             let Some(name) = victim else { break };
@@ -706,12 +805,31 @@ pub struct Register {
     pub name: String,
     /// The adapter's directory.
     pub path: PathBuf,
+    /// Kept in memory while registered.
+    pub pinned: bool,
 }
 
 impl Handler<Register> for LoraManager {
     type Result = Result<AdapterInfo, LoraError>;
     fn handle(&mut self, msg: Register, _: &mut Self::Context) -> Self::Result {
-        self.register(&msg.name, &msg.path)
+        self.register_pinned(&msg.name, &msg.path, msg.pinned)
+    }
+}
+
+/// Pins an adapter in memory or unpins it ([`LoraManager::set_pinned`]).
+#[derive(Message)]
+#[rtype(result = "Result<AdapterInfo, LoraError>")]
+pub struct SetPinned {
+    /// The adapter's name.
+    pub name: String,
+    /// Pinned or not.
+    pub pinned: bool,
+}
+
+impl Handler<SetPinned> for LoraManager {
+    type Result = Result<AdapterInfo, LoraError>;
+    fn handle(&mut self, msg: SetPinned, _: &mut Self::Context) -> Self::Result {
+        self.set_pinned(&msg.name, msg.pinned)
     }
 }
 
@@ -723,12 +841,14 @@ pub struct Replace {
     pub name: String,
     /// The new adapter's directory.
     pub path: PathBuf,
+    /// Kept in memory while registered.
+    pub pinned: bool,
 }
 
 impl Handler<Replace> for LoraManager {
     type Result = Result<AdapterInfo, LoraError>;
     fn handle(&mut self, msg: Replace, _: &mut Self::Context) -> Self::Result {
-        self.replace(&msg.name, &msg.path)
+        self.replace_pinned(&msg.name, &msg.path, msg.pinned)
     }
 }
 
@@ -1040,6 +1160,53 @@ mod tests {
     }
 
     #[test]
+    fn a_pinned_adapter_stays_in_memory_and_pins_are_bounded_by_what_memory_keeps() {
+        let mut m = manager(8, 2);
+        let p = m.register_pinned("p", &fixture(), true).expect("p");
+        assert!(p.pinned);
+        m.register("a", &fixture()).expect("a");
+        m.register("b", &fixture()).expect("b");
+        // Two kept in memory: the pinned one and the most recent; a went, p never does.
+        assert_eq!(m.loaded(), ["p", "b"]);
+        m.resolve("a").expect("a");
+        assert_eq!(m.loaded(), ["p", "a"]);
+        // A second pin fits (two kept in memory), a third does not, whichever way it comes.
+        m.set_pinned("b", true).expect("b pinned, loaded again");
+        assert_eq!(m.loaded(), ["p", "b"]);
+        assert!(matches!(
+            m.register_pinned("c", &fixture(), true),
+            Err(LoraError::PinLimit(2))
+        ));
+        assert!(!m.registry.contains("c"));
+        assert!(matches!(
+            m.set_pinned("a", true),
+            Err(LoraError::PinLimit(2))
+        ));
+        assert!(matches!(
+            m.replace_pinned("a", &fixture(), true),
+            Err(LoraError::PinLimit(2))
+        ));
+        // Replacing a pinned adapter may keep its pin; unpinned, it goes as any other.
+        assert!(m.replace_pinned("b", &fixture(), true).expect("b").pinned);
+        let b = m.set_pinned("b", false).expect("b unpinned");
+        assert!(!b.pinned);
+        m.resolve("a").expect("a");
+        assert_eq!(m.loaded(), ["p", "a"]);
+        let listed: Vec<(String, bool)> = m
+            .registry
+            .list()
+            .into_iter()
+            .map(|a| (a.name, a.pinned))
+            .collect();
+        let want = [("p", true), ("a", false), ("b", false)].map(|(n, p)| (n.to_string(), p));
+        assert_eq!(listed, want);
+        assert!(matches!(
+            m.set_pinned("x", true),
+            Err(LoraError::Unknown(_))
+        ));
+    }
+
+    #[test]
     fn an_adapter_whose_files_changed_while_evicted_comes_back_under_a_new_id() {
         let dir = AdapterCopy::new("changed");
         let mut m = manager(4, 1);
@@ -1332,6 +1499,7 @@ mod tests {
         let register = |name: &str| Register {
             name: name.into(),
             path: fixture(),
+            pinned: false,
         };
         let a = lora.ask(register("a")).await.expect("a");
         let b = lora.ask(register("b")).await.expect("b");
@@ -1363,6 +1531,7 @@ mod tests {
         let register = |name: &str| Register {
             name: name.into(),
             path: fixture(),
+            pinned: false,
         };
         lora.ask(register("a")).await.expect("a");
         let (_, held_a) = lora.resolve("a").await.expect("a");

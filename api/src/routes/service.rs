@@ -393,6 +393,11 @@ pub(crate) struct LoadLoraRequest {
     /// is missing (vLLM's field; default false: a name already served is refused).
     #[serde(default)]
     load_inplace: bool,
+    /// Keep the adapter in memory while it is served, never evicted to make room for
+    /// another (at most `lora.max_cpu_loras` are pinned; default false). With
+    /// `load_inplace`, sets the pinning of an adapter already served.
+    #[serde(default)]
+    pinned: bool,
 }
 
 /// Longest adapter path accepted, in bytes.
@@ -424,12 +429,18 @@ pub(crate) async fn load_lora(
     }
     let info = state
         .engine
-        .load_lora(body.lora_name, body.lora_path, body.load_inplace)
+        .load_lora(
+            body.lora_name,
+            body.lora_path,
+            body.load_inplace,
+            body.pinned,
+        )
         .await?;
     tracing::info!(
         name = %info.name,
         path = %info.path,
         in_place = body.load_inplace,
+        pinned = body.pinned,
         "LoRA adapter loaded through the admin API"
     );
     Ok(HttpResponse::Ok().json(info))

@@ -349,17 +349,23 @@ impl Reloader {
                 .adapters()
                 .into_iter()
                 .find(|a| a.name == name)
-                .map(|a| a.path)
+                .map(|a| (a.path, a.pinned))
         };
-        let wanted: Vec<(String, PathBuf)> = wanted
+        let wanted: Vec<(String, PathBuf, bool)> = wanted
             .iter()
-            .map(|a| (a.name.clone(), switchyard_config::expand_home(&a.path)))
+            .map(|a| {
+                (
+                    a.name.clone(),
+                    switchyard_config::expand_home(&a.path),
+                    a.pinned,
+                )
+            })
             .collect();
         // The file's adapters it no longer lists (or lists elsewhere), when still served from
         // the file's directory (one replaced through the admin API since is the admin's).
         for (name, path) in &state.file_adapters {
-            if wanted.contains(&(name.clone(), path.clone())) || served(name).as_ref() != Some(path)
-            {
+            let listed = wanted.iter().any(|(n, p, _)| n == name && p == path);
+            if listed || served(name).map(|s| s.0).as_ref() != Some(path) {
                 continue;
             }
             match engine.unregister_adapter(name.clone()).await {
@@ -370,13 +376,23 @@ impl Reloader {
             }
         }
         let mut applied = Vec::new();
-        for (name, path) in wanted {
+        for (name, path, pinned) in wanted {
             match served(&name) {
-                Some(p) if p == path => {
+                Some((p, was_pinned)) if p == path => {
+                    if was_pinned != pinned {
+                        match engine.pin_adapter(name.clone(), pinned).await {
+                            Ok(_) => {
+                                tracing::info!(%name, pinned, "SIGHUP: LoRA adapter pinning changed")
+                            }
+                            Err(e) => {
+                                tracing::error!(%name, pinned, error = %e, "SIGHUP: LoRA adapter pinning not changed")
+                            }
+                        }
+                    }
                     applied.push((name, path));
                     continue;
                 }
-                Some(p) => {
+                Some((p, _)) => {
                     // Loaded through the admin API (or found in lora.adapter_dirs) from
                     // another directory: the file's entry is what the operator asks SIGHUP to
                     // serve. Replaced in place: the name is never missing, and a file that
@@ -388,7 +404,10 @@ impl Reloader {
                         "SIGHUP: LoRA adapter served from another directory; replacing it with \
                          the file's"
                     );
-                    match engine.replace_adapter(name.clone(), path.clone()).await {
+                    match engine
+                        .replace_adapter(name.clone(), path.clone(), pinned)
+                        .await
+                    {
                         Ok(info) => {
                             tracing::info!(name = %info.name, rank = info.rank, "SIGHUP: LoRA adapter replaced");
                             applied.push((name, path));
@@ -401,7 +420,10 @@ impl Reloader {
                 }
                 None => {}
             }
-            match engine.register_adapter(name.clone(), path.clone()).await {
+            match engine
+                .register_adapter(name.clone(), path.clone(), pinned)
+                .await
+            {
                 Ok(info) => {
                     tracing::info!(name = %info.name, rank = info.rank, "SIGHUP: LoRA adapter loaded");
                     applied.push((name, path));
