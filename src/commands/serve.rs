@@ -1112,7 +1112,8 @@ mod tests {
     #[test]
     fn a_chat_source_keeps_the_servers_text() {
         let mut m = port::ChatMessage::text(port::ChatRole::User, "[TOOL_RESULTS] 1");
-        m.server_text = vec![0..15];
+        let marker = 0.."[TOOL_RESULTS] ".len();
+        m.server_text = vec![marker.clone()];
         let source = chat_source(
             vec![m],
             Default::default(),
@@ -1122,7 +1123,7 @@ mod tests {
         let PromptSource::Chat { messages, .. } = source else {
             panic!("{source:?}")
         };
-        assert_eq!(messages[0].server_text, vec![0..15]);
+        assert_eq!(messages[0].server_text, vec![marker]);
         assert_eq!(messages[0].content, "[TOOL_RESULTS] 1");
     }
 

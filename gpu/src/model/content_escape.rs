@@ -463,8 +463,8 @@ mod tests {
         let cut = content.find('é').unwrap() + 1;
         for bad in [
             vec![kept[1].clone(), kept[0].clone()],
-            vec![0..content.len() + 1],
-            vec![cut..cut + 2],
+            std::iter::once(0..content.len() + 1).collect(),
+            std::iter::once(cut..cut + 2).collect(),
             vec![
                 kept[0].start..kept[0].start + 3,
                 kept[0].start + 2..kept[0].end,
