@@ -403,6 +403,12 @@ pub struct ChatMessage {
     /// The author's name, as the client gave it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
+    /// Byte ranges of `content` the server wrote itself, in order: the markers of the tool
+    /// prompt and tool results it writes where the chat template does not (Mistral's
+    /// `[AVAILABLE_TOOLS]`, `[TOOL_RESULTS]`), whose added tokens stay tokens where the
+    /// client's are text (`model.message_special_tokens: text`).
+    #[serde(skip)]
+    pub server_text: Vec<std::ops::Range<usize>>,
 }
 
 impl ChatMessage {
@@ -414,7 +420,26 @@ impl ChatMessage {
             tool_calls: None,
             tool_call_id: None,
             name: None,
+            server_text: Vec::new(),
         }
+    }
+
+    /// Appends `text`, of which the byte ranges `server` are the server's own
+    /// ([`ChatMessage::server_text`]).
+    pub fn push_marked(&mut self, text: &str, server: &[std::ops::Range<usize>]) {
+        let at = self.content.len();
+        self.content.push_str(text);
+        self.server_text
+            .extend(server.iter().map(|r| r.start + at..r.end + at));
+    }
+
+    /// Puts `text` at the head of the content, of which the byte ranges `server` are the
+    /// server's own ([`ChatMessage::server_text`]).
+    pub fn prepend_marked(&mut self, text: &str, server: &[std::ops::Range<usize>]) {
+        self.content.insert_str(0, text);
+        let by = text.len();
+        let shifted = self.server_text.iter().map(|r| r.start + by..r.end + by);
+        self.server_text = server.iter().cloned().chain(shifted).collect();
     }
 }
 

@@ -676,6 +676,7 @@ fn chat_source(
                 tool_calls: m.tool_calls,
                 tool_call_id: m.tool_call_id,
                 name: m.name,
+                server_text: m.server_text,
             })
             .collect(),
         template_kwargs,
@@ -1106,6 +1107,26 @@ mod tests {
             cached_prompt_tokens: 0,
             embedding: None,
         })
+    }
+
+    /// The engine's chat message keeps the ranges of its text the API's server wrote (its
+    /// tool markers, which stay tokens where the client's text is escaped).
+    #[test]
+    fn a_chat_source_keeps_the_servers_text() {
+        let mut m = port::ChatMessage::text(port::ChatRole::User, "[TOOL_RESULTS] 1");
+        let marker = 0.."[TOOL_RESULTS] ".len();
+        m.server_text = vec![marker.clone()];
+        let source = chat_source(
+            vec![m],
+            Default::default(),
+            Vec::new(),
+            port::ChatEnding::Closed,
+        );
+        let PromptSource::Chat { messages, .. } = source else {
+            panic!("{source:?}")
+        };
+        assert_eq!(messages[0].server_text, vec![marker]);
+        assert_eq!(messages[0].content, "[TOOL_RESULTS] 1");
     }
 
     /// Each tenant of the keys comes once per tier its keys' requests carry in the metrics:

@@ -37,6 +37,9 @@
 mod mistral;
 mod mistral_v11;
 
+use std::borrow::Cow;
+use std::ops::Range;
+
 use serde_json::{Map, Value};
 
 use super::held::{partial_tag, trim_space_end, MAX_HELD_SPACE};
@@ -563,6 +566,14 @@ impl ToolUse {
     /// What the prompt gains: the callable tools and how to call them; `None` when no tool
     /// may be called.
     pub fn prompt(&self) -> Option<ToolPrompt> {
+        self.prompt_marked().map(|(prompt, _)| prompt)
+    }
+
+    /// [`ToolUse::prompt`], and the byte ranges of its text the server writes itself: all but
+    /// the tools' listing (the client's names, descriptions and schemas), whose added tokens
+    /// are text where the server's (Mistral's `[AVAILABLE_TOOLS]`) stay tokens
+    /// ([`crate::engine::ChatMessage::server_text`]).
+    pub fn prompt_marked(&self) -> Option<(ToolPrompt, Vec<Range<usize>>)> {
         if !self.active() {
             return None;
         }
@@ -582,6 +593,7 @@ impl ToolUse {
             ToolFormat::Mistral => mistral::TOOLS_OPEN,
             ToolFormat::MistralV11 => mistral_v11::TOOLS_OPEN,
         });
+        let listing_start = out.len();
         for (i, t) in self.callable().enumerate() {
             let mut function = Map::new();
             function.insert("name".into(), Value::String(t.name.clone()));
@@ -610,6 +622,7 @@ impl ToolUse {
                 }
             }
         }
+        let listing_end = out.len();
         // How several calls are written; Mistral's list needs no words.
         let several = match self.format {
             ToolFormat::Hermes => {
@@ -647,21 +660,33 @@ impl ToolUse {
             }
             (_, false) => Some("Call at most one function.".to_owned()),
         };
+        // Llama 3's listing lost its last blank line; the ask names a tool by its checked
+        // name only.
+        let listing_end = listing_end.min(out.len());
+        let written = |out: &String| {
+            [0..listing_start, listing_end..out.len()]
+                .into_iter()
+                .filter(|r| !r.is_empty())
+                .collect()
+        };
         Some(match self.format {
             ToolFormat::Hermes => {
                 out.push_str(&format!("\n\n{}", ask.unwrap_or_default()));
-                ToolPrompt::System(out)
+                let server = written(&out);
+                (ToolPrompt::System(out), server)
             }
             ToolFormat::Llama3Json => {
                 out.push_str(&format!("\n\n{}\n\n", ask.unwrap_or_default()));
-                ToolPrompt::FirstUser(out)
+                let server = written(&out);
+                (ToolPrompt::FirstUser(out), server)
             }
             // The user's text follows the block directly, as it follows it in Mistral's prompts.
             ToolFormat::Mistral | ToolFormat::MistralV11 => {
                 if let Some(ask) = ask {
                     out.push_str(&format!("{ask}\n\n"));
                 }
-                ToolPrompt::FirstUser(out)
+                let server = written(&out);
+                (ToolPrompt::FirstUser(out), server)
             }
         })
     }
@@ -1071,19 +1096,49 @@ pub fn template_call_id(id: &str, format: ToolFormat) -> String {
 
 /// A tool's result as a Hermes model reads it, in a user turn.
 pub fn render_response(content: &str) -> String {
-    format!("<tool_response>\n{content}\n</tool_response>")
+    format!("{RESPONSE_OPEN}{content}{RESPONSE_CLOSE}")
 }
+
+/// Opens a tool's result as a Hermes model reads it.
+const RESPONSE_OPEN: &str = "<tool_response>\n";
+/// Closes it.
+const RESPONSE_CLOSE: &str = "\n</tool_response>";
 
 /// A tool's result as a model of `format` reads it: Hermes' `<tool_response>` block (in a user
 /// turn), Mistral's `[TOOL_RESULTS]` block naming the call it answers (`tool_call_id`, made
 /// one of Mistral's ids as the call's is), or Llama 3's `tool` message text as it is.
 pub fn render_result(format: ToolFormat, content: &str, tool_call_id: Option<&str>) -> String {
-    match format {
-        ToolFormat::Hermes => render_response(content),
-        ToolFormat::Llama3Json => content.to_owned(),
-        ToolFormat::Mistral => mistral::result_block(content, tool_call_id),
-        ToolFormat::MistralV11 => mistral_v11::result_block(content),
-    }
+    render_result_marked(format, content, tool_call_id).0
+}
+
+/// [`render_result`], and the byte ranges of it the server writes itself (the format's
+/// markers around the result, not the client's text): their added tokens stay tokens where
+/// the client's are text ([`crate::engine::ChatMessage::server_text`]).
+pub fn render_result_marked(
+    format: ToolFormat,
+    content: &str,
+    tool_call_id: Option<&str>,
+) -> (String, Vec<Range<usize>>) {
+    let (open, body, close) = match format {
+        ToolFormat::Hermes => (RESPONSE_OPEN, Cow::Borrowed(content), RESPONSE_CLOSE),
+        ToolFormat::Llama3Json => ("", Cow::Borrowed(content), ""),
+        ToolFormat::Mistral => (
+            mistral::RESULTS_OPEN,
+            Cow::Owned(mistral::result_json(content, tool_call_id)),
+            mistral::RESULTS_CLOSE,
+        ),
+        ToolFormat::MistralV11 => (
+            mistral_v11::RESULTS_OPEN,
+            Cow::Borrowed(content),
+            mistral_v11::RESULTS_CLOSE,
+        ),
+    };
+    let text = format!("{open}{body}{close}");
+    let server = [0..open.len(), text.len() - close.len()..text.len()]
+        .into_iter()
+        .filter(|r| !r.is_empty())
+        .collect();
+    (text, server)
 }
 
 /// What [`ToolStream`] makes of generated text.

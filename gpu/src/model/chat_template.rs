@@ -52,6 +52,12 @@ pub struct ChatMessage {
     /// The author's name (a tool message's function).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
+    /// Byte ranges of `content` the server wrote itself (the markers of the tool prompt and
+    /// tool results it writes where the template does not, Mistral's `[AVAILABLE_TOOLS]`):
+    /// their added tokens stay tokens where the rest of the message's are text
+    /// ([`super::content_escape::ContentEscaper::escape_messages`]). Not a template field.
+    #[serde(skip)]
+    pub server_text: Vec<std::ops::Range<usize>>,
 }
 
 impl ChatMessage {

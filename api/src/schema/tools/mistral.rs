@@ -95,9 +95,15 @@ pub fn new_call_id() -> String {
         .collect()
 }
 
-/// A tool's result as Mistral's models read it (mistral-common's v3 rendering): its content as
-/// JSON when it parses, else as a JSON string, and the id of the call it answers.
-pub(super) fn result_block(content: &str, tool_call_id: Option<&str>) -> String {
+/// Opens a tool's result (a special token of Mistral's tokenizers).
+pub(super) const RESULTS_OPEN: &str = "[TOOL_RESULTS] ";
+/// Closes a tool's result.
+pub(super) const RESULTS_CLOSE: &str = "[/TOOL_RESULTS]";
+
+/// A tool's result as Mistral's models read it (mistral-common's v3 rendering) between
+/// [`RESULTS_OPEN`] and [`RESULTS_CLOSE`]: its content as JSON when it parses, else as a JSON
+/// string, and the id of the call it answers.
+pub(super) fn result_json(content: &str, tool_call_id: Option<&str>) -> String {
     let content = serde_json::from_str::<Value>(content)
         .unwrap_or_else(|_| Value::String(content.to_owned()));
     let mut result = Map::new();
@@ -105,10 +111,7 @@ pub(super) fn result_block(content: &str, tool_call_id: Option<&str>) -> String 
     if let Some(id) = tool_call_id {
         result.insert("call_id".into(), Value::String(call_id(id)));
     }
-    format!(
-        "[TOOL_RESULTS] {}[/TOOL_RESULTS]",
-        json_dumps(&Value::Object(result))
-    )
+    json_dumps(&Value::Object(result))
 }
 
 /// The grammar's start: text without `[TOOL_CALLS]`, or any text up to the marker and the

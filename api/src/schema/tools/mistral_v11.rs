@@ -138,10 +138,10 @@ pub(super) fn render_call(name: &str, arguments: &str) -> String {
     format!("{TOOL_CALLS}{name}{ARGS}{arguments}")
 }
 
-/// A tool's result as these templates write it: its text as it is, between the markers.
-pub(super) fn result_block(content: &str) -> String {
-    format!("[TOOL_RESULTS]{content}[/TOOL_RESULTS]")
-}
+/// Opens a tool's result as these templates write it, its text as it is after it.
+pub(super) const RESULTS_OPEN: &str = "[TOOL_RESULTS]";
+/// Closes a tool's result.
+pub(super) const RESULTS_CLOSE: &str = "[/TOOL_RESULTS]";
 
 #[cfg(test)]
 mod tests {
