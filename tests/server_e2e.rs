@@ -1392,4 +1392,26 @@ fn control_tokens_written_in_a_message_are_text_unless_configured_as_tokens() {
         assert_eq!(status, 200, "{v}");
     }
     assert_eq!(rendered[0], rendered[1]);
+    as_text.assert_logged(&["encoded as text", "tokens=17"]);
+
+    // A chat template that writes the marker characters itself cannot be escaped: said at
+    // start, and the messages' control tokens stay tokens.
+    let dir = common::scratch("e2e", "marker-template");
+    let template = dir.join("chat.jinja");
+    std::fs::write(
+        &template,
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}\u{E000}",
+    )
+    .expect("template");
+    let marked = &Server::start_full(
+        "e2e-marker-template",
+        &format!("  chat_template: {}\n", template.display()),
+        "",
+        "",
+    );
+    marked.assert_logged(&["WARN", "U+E000", "encoded as the tokens they name"]);
+    let (status, v) = marked.post_json("/tokenize", &body);
+    assert_eq!(status, 200, "{v}");
+    let ids = v["tokens"].as_array().expect("tokens").clone();
+    assert_eq!((count(&ids, 1), count(&ids, 2)), (2, 2), "{ids:?}");
 }

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use actix::{Actor, Addr, SyncArbiter};
 use switchyard_gpu::backend::{Backend, SamplingParams};
-use switchyard_gpu::model::content_escape::ContentEscaper;
+use switchyard_gpu::model::content_escape::{ContentEscaper, NoEscaper};
 use switchyard_gpu::model::{ChatEnding, ChatMessage, ChatTemplate, Tokenizer};
 use switchyard_gpu::{Constraint, GpuError, LoraAdapter};
 use switchyard_policies::{
@@ -423,17 +423,30 @@ impl Engine {
         let grammars = LazyGrammarCompiler::default();
         let max_model_len = config.scheduler.max_model_len;
         let escaper = match &template {
-            Some(t) if config.message_tokens_as_text => {
-                ContentEscaper::new(&tok, t.source()).map(Arc::new)
-            }
+            Some(t) if config.message_tokens_as_text => match ContentEscaper::new(&tok, t.source())
+            {
+                Ok(e) => {
+                    tracing::info!(
+                        tokens = e.len(),
+                        "added tokens written in chat messages are encoded as text"
+                    );
+                    Some(Arc::new(e))
+                }
+                Err(why @ NoEscaper::NothingToEscape) => {
+                    tracing::info!(%why, "chat messages have no control tokens to encode as text");
+                    None
+                }
+                Err(why) => {
+                    tracing::warn!(
+                        %why,
+                        "model.message_special_tokens is text, but control tokens written in chat \
+                         messages are encoded as the tokens they name"
+                    );
+                    None
+                }
+            },
             _ => None,
         };
-        if let Some(e) = &escaper {
-            tracing::info!(
-                tokens = e.len(),
-                "added tokens written in chat messages are encoded as text"
-            );
-        }
         let tokenizers = SyncArbiter::start(config.tokenizer_threads.max(1), move || {
             TokenizerActor::new(
                 tok.clone(),

@@ -37,6 +37,23 @@ const CLOSE: char = '\u{E001}';
 /// Most texts escaped (added tokens are at most the vocabulary; this bounds the matcher).
 const MAX_ESCAPED: usize = 1 << 16;
 
+/// Why a tokenizer and chat template get no [`ContentEscaper`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NoEscaper {
+    /// No special token, and no other added token the template writes.
+    #[error("the tokenizer has no special token and the chat template writes no added token")]
+    NothingToEscape,
+    /// The template writes a marker character itself.
+    #[error("the chat template writes U+E000 or U+E001, the characters that mark escaped text")]
+    TemplateWritesMarkers,
+    /// More texts than [`MAX_ESCAPED`].
+    #[error("{0} added tokens to escape, more than {MAX_ESCAPED}")]
+    TooMany(usize),
+    /// The matcher could not be built.
+    #[error("the matcher of the added tokens' texts could not be built: {0}")]
+    Matcher(String),
+}
+
 /// Escapes added-token texts in chat messages and finds them again after rendering.
 #[derive(Debug)]
 pub struct ContentEscaper {
@@ -57,11 +74,11 @@ pub struct Restored {
 
 impl ContentEscaper {
     /// The escaper of `tokenizer`'s special tokens and of its other added tokens whose text
-    /// `template_source` contains; `None` when there is nothing to escape (no such token) or
-    /// when the template itself writes a marker character.
-    pub fn new(tokenizer: &Tokenizer, template_source: &str) -> Option<Self> {
+    /// `template_source` contains, or why there is none (nothing to escape, a template that
+    /// writes a marker character itself, ...).
+    pub fn new(tokenizer: &Tokenizer, template_source: &str) -> Result<Self, NoEscaper> {
         if template_source.contains([OPEN, CLOSE]) {
-            return None;
+            return Err(NoEscaper::TemplateWritesMarkers);
         }
         let mut texts: Vec<String> = tokenizer
             .added_tokens()
@@ -73,8 +90,11 @@ impl ContentEscaper {
             .collect();
         texts.sort_unstable();
         texts.dedup();
-        if texts.is_empty() || texts.len() > MAX_ESCAPED {
-            return None;
+        if texts.is_empty() {
+            return Err(NoEscaper::NothingToEscape);
+        }
+        if texts.len() > MAX_ESCAPED {
+            return Err(NoEscaper::TooMany(texts.len()));
         }
         texts.insert(0, OPEN.to_string());
         // Longest first: at a position, the alternation takes the first that matches.
@@ -88,8 +108,8 @@ impl ContentEscaper {
         let matcher = regex::RegexBuilder::new(&pattern)
             .size_limit(64 << 20)
             .build()
-            .ok()?;
-        Some(Self { texts, matcher })
+            .map_err(|e| NoEscaper::Matcher(e.to_string()))?;
+        Ok(Self { texts, matcher })
     }
 
     /// How many token texts are escaped.
@@ -97,7 +117,7 @@ impl ContentEscaper {
         self.texts.len() - 1
     }
 
-    /// Whether no token text is escaped (never: [`ContentEscaper::new`] gives `None` then).
+    /// Whether no token text is escaped (never: [`ContentEscaper::new`] refuses it).
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -110,7 +130,10 @@ impl ContentEscaper {
         let mut at = 0;
         for m in matches {
             out.push_str(&text[at..m.start()]);
-            let index = self.texts.iter().position(|t| t == m.as_str()).unwrap_or(0);
+            // `texts[1..]` is sorted; the one text not in it is the marker character's.
+            let index = self.texts[1..]
+                .binary_search_by(|t| t.as_str().cmp(m.as_str()))
+                .map_or(0, |i| i + 1);
             out.push(OPEN);
             out.push_str(&index.to_string());
             out.push(CLOSE);
@@ -583,6 +606,9 @@ mod tests {
             ContentEscaper::new(&tok, "{{ messages }}").unwrap().len(),
             3
         );
-        assert!(ContentEscaper::new(&tok, "\u{E000}{{ messages }}").is_none());
+        assert_eq!(
+            ContentEscaper::new(&tok, "\u{E000}{{ messages }}").unwrap_err(),
+            NoEscaper::TemplateWritesMarkers
+        );
     }
 }
