@@ -314,11 +314,24 @@ mod tests {
     use crate::model::chat_template::ChatTemplate;
 
     fn chatml() -> Tokenizer {
+        chatml_with(&[])
+    }
+
+    /// The ChatML fixture's tokenizer with `added` tokens more: (id, text, special).
+    fn chatml_with(added: &[(u32, &str, bool)]) -> Tokenizer {
         let path = concat!(
             env!("CARGO_MANIFEST_DIR"),
             "/tests/fixtures/qwen3/tokenizer.json"
         );
-        Tokenizer::from_file(std::path::Path::new(path)).unwrap()
+        let mut json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        for &(id, content, special) in added {
+            json["added_tokens"].as_array_mut().unwrap().push(
+                serde_json::json!({"id": id, "content": content, "single_word": false,
+                    "lstrip": false, "rstrip": false, "normalized": false, "special": special}),
+            );
+        }
+        Tokenizer::from_json_bytes(json.to_string().as_bytes()).unwrap()
     }
 
     const TEMPLATE: &str =
@@ -406,16 +419,7 @@ mod tests {
     /// write Qwen's `<think>`.
     #[test]
     fn a_non_special_token_the_template_writes_is_text_in_a_message() {
-        let path = concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/tests/fixtures/qwen3/tokenizer.json"
-        );
-        let mut json: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-        let think = serde_json::json!({"id": 320, "content": "<think>", "single_word": false,
-            "lstrip": false, "rstrip": false, "normalized": false, "special": false});
-        json["added_tokens"].as_array_mut().unwrap().push(think);
-        let tok = Tokenizer::from_json_bytes(json.to_string().as_bytes()).unwrap();
+        let tok = chatml_with(&[(320, "<think>", false)]);
         let source = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n<think>\n";
         let template = ChatTemplate::new(source, "", "").unwrap();
         let messages = [ChatMessage::new("user", "a <think> b")];
@@ -440,21 +444,10 @@ mod tests {
     /// character, are none: the whole message is escaped, without a panic.
     #[test]
     fn the_servers_own_text_in_a_message_keeps_its_tokens() {
-        let path = concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/tests/fixtures/qwen3/tokenizer.json"
-        );
-        let mut json: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-        for (id, text) in [(320, "[TOOL_RESULTS]"), (321, "[/TOOL_RESULTS]")] {
-            json["added_tokens"]
-                .as_array_mut()
-                .unwrap()
-                .push(serde_json::json!({"id": id,
-                "content": text, "single_word": false, "lstrip": false, "rstrip": false,
-                "normalized": false, "special": true}));
-        }
-        let tok = Tokenizer::from_json_bytes(json.to_string().as_bytes()).unwrap();
+        let tok = chatml_with(&[
+            (320, "[TOOL_RESULTS]", true),
+            (321, "[/TOOL_RESULTS]", true),
+        ]);
         let template = ChatTemplate::new(TEMPLATE, "", "").unwrap();
         let e = ContentEscaper::new(&tok, TEMPLATE).unwrap();
         let (open, close) = ("[TOOL_RESULTS] ", "[/TOOL_RESULTS]");
