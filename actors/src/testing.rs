@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use switchyard_gpu::backend::{Backend, Batch, SeqOutput};
+use switchyard_gpu::backend::{Backend, Batch, PromptLogprob, SeqOutput};
 use switchyard_gpu::model::Tokenizer;
 use switchyard_gpu::GpuError;
 
@@ -24,6 +24,11 @@ pub(crate) struct CountingBackend(pub(crate) Arc<Mutex<HashMap<u64, usize>>>);
 
 /// The key under which [`CountingBackend`] counts empty batches.
 pub(crate) const EMPTY_BATCHES: u64 = u64::MAX;
+
+/// The key under which [`CountingBackend`] counts the logit rows it computed for sequences
+/// asking for prompt logprobs (one per token fed; it reports each prompt position past the
+/// first with logprob 0, rank 1).
+pub(crate) const PROMPT_LOGPROB_ROWS: u64 = u64::MAX - 1;
 
 impl Backend for CountingBackend {
     fn name(&self) -> &str {
@@ -48,13 +53,30 @@ impl Backend for CountingBackend {
             .iter()
             .map(|s| {
                 *fed.entry(s.seq_id).or_default() += s.tokens.len();
+                let prompt_logprobs: Vec<_> = match s.sampling.prompt_logprobs {
+                    Some(_) => (s.num_computed_tokens.max(1)
+                        ..s.num_computed_tokens + s.tokens.len())
+                        .map(|position| PromptLogprob {
+                            position,
+                            token: s.tokens[position - s.num_computed_tokens],
+                            logprob: 0.0,
+                            rank: 1,
+                            top_logprobs: Vec::new(),
+                        })
+                        .collect(),
+                    None => Vec::new(),
+                };
+                if s.sampling.prompt_logprobs.is_some() {
+                    // A backend computes a logit row for every token of such a sequence.
+                    *fed.entry(PROMPT_LOGPROB_ROWS).or_default() += s.tokens.len();
+                }
                 SeqOutput {
                     seq_id: s.seq_id,
                     accepted: Vec::new(),
                     token: s.sample.then_some(1),
                     logprob: None,
                     top_logprobs: Vec::new(),
-                    prompt_logprobs: Vec::new(),
+                    prompt_logprobs,
                     hidden: None,
                 }
             })

@@ -551,7 +551,12 @@ impl Handler<Register> for DetokenizerActor {
                     first_at: None,
                     last_at: None,
                     request: request.clone(),
-                    prompt_logprobs: vec![None; prompt_len],
+                    // Only the first choice computes the prompt's logprobs (Engine::admit).
+                    prompt_logprobs: if index == 0 {
+                        vec![None; prompt_len]
+                    } else {
+                        Vec::new()
+                    },
                     constraint: constraints.get(index).cloned().flatten(),
                     embed,
                     embedding: None,

@@ -1002,7 +1002,11 @@ impl Engine {
             let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
             let mut sampling = options.sampling.clone();
             sampling.seed = options.sampling.seed.map(|s| s.wrapping_add(u64::from(i)));
-            sampling.prompt_logprobs = options.prompt_logprobs;
+            // The prompt's logprobs are the same for every choice: the first computes them
+            // (and the detokenizer hands them to the request), the others share the prefix
+            // cache as choices without them do.
+            let prompt_logprobs = options.prompt_logprobs.filter(|_| i == 0);
+            sampling.prompt_logprobs = prompt_logprobs;
             sampling.constraint = constraints.get(i as usize).cloned();
             ids.push(id);
             submits.push(SubmitOptions {
@@ -1025,13 +1029,13 @@ impl Engine {
                         },
                         eos_token_id: eos,
                         ignore_eos: options.sampling.ignore_eos,
-                        prompt_logits: options.prompt_logprobs.is_some(),
+                        prompt_logits: prompt_logprobs.is_some(),
                         // The core narrows it to what the backend verifies.
                         speculate: true,
                     },
                     // Prompt logprobs need every prompt position computed: a salt of its own
                     // keeps the request off shared prefix blocks.
-                    cache_salt: match options.prompt_logprobs {
+                    cache_salt: match prompt_logprobs {
                         Some(_) => Some(prompt_logprob_salt(id)),
                         None => shared_salt,
                     },
@@ -1324,7 +1328,7 @@ mod tests {
 
     use super::*;
     use crate::actors::detokenizer::rejection;
-    use crate::testing::{abc_tokenizer, CountingBackend};
+    use crate::testing::{abc_tokenizer, CountingBackend, PROMPT_LOGPROB_ROWS};
 
     /// A client's request and a beam search's first step are bounded by their tier's
     /// `max_queue_ms`; the search's later steps, work of a request admitted once, are not.
@@ -1638,6 +1642,55 @@ mod tests {
         let (sink, rx) = recorder();
         assert!(admit(&engine, 10, None, sink).is_ok());
         prompt_then_length(&rx, 10, 246).await;
+    }
+
+    /// The prompt's logprobs are the same for every choice: with `n` = 3 only one choice
+    /// computes them (the backend's logit rows for prompt-logprob sequences are one prompt's,
+    /// not three), and the request still gets every position's entry.
+    #[actix::test]
+    async fn prompt_logprobs_of_several_choices_are_computed_once() {
+        let (engine, fed) = engine(1024);
+        let (sink, rx) = recorder();
+        let options = RequestOptions {
+            n: 3,
+            prompt_logprobs: Some(1),
+            ..options(Some(1))
+        };
+        assert!(admit_with(&engine, options, 10, sink).is_ok());
+        match next_output(&rx).await {
+            EngineOutput::Prompt {
+                prompt_tokens: 10,
+                prompt_logprobs: Some(list),
+                ..
+            } => {
+                assert_eq!(list.len(), 10);
+                assert!(list[0].logprob.is_none(), "{:?}", list[0]);
+                assert!(
+                    list[1..]
+                        .iter()
+                        .all(|e| e.token == 2 && e.logprob == Some(0.0)),
+                    "{list:?}"
+                );
+            }
+            other => panic!("expected the prompt event with its logprobs, got {other:?}"),
+        }
+        let mut finished = Vec::new();
+        while finished.len() < 3 {
+            match next_output(&rx).await {
+                EngineOutput::Delta(d) => {
+                    if let Some(finish) = d.finish {
+                        finished.push((d.index, finish));
+                    }
+                }
+                other => panic!("expected deltas, got {other:?}"),
+            }
+        }
+        finished.sort_by_key(|(index, _)| *index);
+        let length = (FinishReason::Length, 1);
+        assert_eq!(finished, [(0, length), (1, length), (2, length)]);
+        wait_idle(&engine).await;
+        let rows = fed.lock().unwrap().get(&PROMPT_LOGPROB_ROWS).copied();
+        assert_eq!(rows, Some(10), "logit rows of prompt-logprob sequences");
     }
 
     #[actix::test]
