@@ -107,9 +107,10 @@ pub struct Simulation {
     /// With a calibration: its file, as the spec names it, and the `slo-aware` parameters
     /// its fit implies, for a `slo-aware` policy whose spec leaves them unset.
     pub slo_aware: Option<(String, SloAwareParams)>,
-    /// The LoRA adapters' host memory (`scheduler.lora_memory`); `None`: every adapter is
-    /// always in memory.
-    pub lora_memory: Option<MemoryConfig>,
+    /// The LoRA adapters' host memory (`scheduler.lora_memory`) and where its load time
+    /// came from ("the spec", or "calibration FILE"); `None`: every adapter is always in
+    /// memory.
+    pub lora_memory: Option<(MemoryConfig, String)>,
 }
 
 /// A loaded workload.
@@ -291,12 +292,33 @@ impl Simulation {
                     message: e.to_string(),
                 })?;
         }
-        let lora_memory = spec.scheduler.lora_memory.as_ref().map(|m| MemoryConfig {
-            max_cpu_loras: m.max_cpu_loras,
-            pinned: m.pinned.iter().copied().collect(),
-            // Validated within 0..=600,000 ms.
-            load_us: (m.load_ms * 1e3).round() as u64,
-        });
+        let lora_memory = match &spec.scheduler.lora_memory {
+            None => None,
+            Some(m) => {
+                let (load_ms, from) = match (m.load_ms, &calibration) {
+                    (Some(ms), _) => (ms, "the spec".to_string()),
+                    (None, Some((path, c))) if c.lora_load_ms.is_some() => (
+                        c.lora_load_ms.unwrap_or(0.0),
+                        format!("calibration {}", path.display()),
+                    ),
+                    _ => {
+                        return Err(SimError::spec(
+                            cli,
+                            "scheduler.lora_memory.load_ms: set the time to read one adapter \
+                             from its files, or give a calibration with lora_load_ms \
+                             (`switchyard calibrate --lora DIR` measures it)",
+                        ))
+                    }
+                };
+                let config = MemoryConfig {
+                    max_cpu_loras: m.max_cpu_loras,
+                    pinned: m.pinned.iter().copied().collect(),
+                    // Validated within 0..=600,000 ms.
+                    load_us: (load_ms * 1e3).round() as u64,
+                };
+                Some((config, from))
+            }
+        };
         Ok(Simulation {
             lora_memory,
             spec: spec.clone(),
@@ -481,7 +503,10 @@ impl Simulation {
         let progress = policy_progress(progress, requests.len(), policy.label());
         let mut lp = Loop::new(self, sched, requests, policy.label());
         if lora_memory {
-            lp.memory = self.lora_memory.clone().map(LoraMemory::new);
+            lp.memory = self
+                .lora_memory
+                .as_ref()
+                .map(|m| LoraMemory::new(m.0.clone()));
         }
         let result = if self.spec.scheduler.async_scheduling {
             lp.run_async(&progress)
@@ -1360,7 +1385,8 @@ impl<'a> Loop<'a> {
                 rec.adapter = r.adapter;
                 rec.adapter_wait_ms = wait.map(|us| us as f64 / 1e3);
             }
-            crate::report::LoraMemorySummary::new(&records, m.config(), m.counters())
+            let from = self.sim.lora_memory.as_ref().map_or("", |m| m.1.as_str());
+            crate::report::LoraMemorySummary::new(&records, m.config(), m.counters(), from)
         });
         PolicyRun {
             label: self.label,

@@ -27,7 +27,7 @@ fn sim(memory: Option<MemoryConfig>) -> Simulation {
         fixed_us: 500.0,
         per_token_us: 0.0,
     };
-    sim.lora_memory = memory;
+    sim.lora_memory = memory.map(|m| (m, "the spec".to_string()));
     sim
 }
 
@@ -208,5 +208,48 @@ workload: {{trace: {}, format: azure, adapters: {{count: 20, s: 1.1}}}}
     assert!(runs[0].records.iter().all(|r| r.adapter.is_some()));
     assert!(cmp
         .to_text()
-        .contains("fcfs: LoRA memory (max_cpu_loras 2, 1 pinned, 50 ms a load)"));
+        .contains("fcfs: LoRA memory (max_cpu_loras 2, 1 pinned, 50 ms a load from the spec)"));
+    assert_eq!(m.load_ms_from, "the spec");
+}
+
+#[test]
+fn the_load_time_comes_from_the_spec_else_the_calibration() {
+    let dir = std::env::temp_dir().join(format!("sy-simlora-cal-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cal = dir.join("cal.yaml");
+    let base = "intercept_s: 0.001\nnum_gpu_blocks: 500\nblock_size: 16\n";
+    std::fs::write(&cal, format!("{base}lora_load_ms: 37.5\n")).unwrap();
+    let yaml = |memory: &str| {
+        format!(
+            "policies: [{{name: fcfs}}]
+calibration: {}
+scheduler: {{lora_memory: {memory}}}
+workload: {{trace: unused.csv, format: azure}}
+",
+            cal.display()
+        )
+    };
+    let got = |memory: &str| {
+        let spec = SimulationSpec::from_yaml_str(&yaml(memory), Path::new("t.yaml")).unwrap();
+        Simulation::new(&spec).map(|s| s.lora_memory.unwrap())
+    };
+    let (m, from) = got("{max_cpu_loras: 2}").unwrap();
+    assert_eq!(
+        (m.load_us, from),
+        (37_500, format!("calibration {}", cal.display()))
+    );
+    let (m, from) = got("{load_ms: 5}").unwrap();
+    assert_eq!((m.load_us, from.as_str()), (5_000, "the spec"));
+    // Neither: refused by name.
+    std::fs::write(&cal, base).unwrap();
+    let err = got("{max_cpu_loras: 2}").unwrap_err().to_string();
+    assert!(
+        err.contains("scheduler.lora_memory.load_ms: set the time"),
+        "{err}"
+    );
+    // Out of bounds in the file: refused by name.
+    std::fs::write(&cal, format!("{base}lora_load_ms: -1\n")).unwrap();
+    let err = got("{load_ms: 5}").unwrap_err().to_string();
+    assert!(err.contains("lora_load_ms -1 outside"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
 }

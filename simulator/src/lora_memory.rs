@@ -31,6 +31,19 @@ pub const MAX_CPU_LORAS: usize = 4096;
 /// Longest time to read one adapter's files, in milliseconds (10 minutes).
 pub const MAX_LOAD_MS: f64 = 600_000.0;
 
+/// Checks a time to read one adapter, in milliseconds (`what` names it in the message).
+pub fn check_load_ms(what: &str, ms: f64) -> Result<(), String> {
+    if (0.0..=MAX_LOAD_MS).contains(&ms) {
+        Ok(())
+    } else {
+        Err(format!(
+            "{what} {} outside 0..={MAX_LOAD_MS} (milliseconds to read one adapter from its \
+             files)",
+            crate::spec::short_number(ms)
+        ))
+    }
+}
+
 /// The settings of the model.
 #[derive(Clone, Debug, PartialEq)]
 pub struct MemoryConfig {

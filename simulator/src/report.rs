@@ -310,6 +310,8 @@ pub struct LoraMemorySummary {
     pub pinned: u64,
     /// Time to read one adapter, in ms.
     pub load_ms: f64,
+    /// Where `load_ms` came from: "the spec" or "calibration FILE".
+    pub load_ms_from: String,
     /// Adapters read from their files.
     pub loads: u64,
     /// Adapters dropped from memory.
@@ -333,6 +335,7 @@ impl LoraMemorySummary {
         records: &[RequestRecord],
         config: &crate::lora_memory::MemoryConfig,
         counters: crate::lora_memory::MemoryCounters,
+        load_ms_from: &str,
     ) -> Self {
         let waits: Vec<f64> = records.iter().filter_map(|r| r.adapter_wait_ms).collect();
         let mut waited: Vec<f64> = waits.iter().copied().filter(|w| *w > 0.0).collect();
@@ -342,6 +345,7 @@ impl LoraMemorySummary {
             max_cpu_loras: config.max_cpu_loras as u64,
             pinned: config.pinned.len() as u64,
             load_ms: config.load_us as f64 / 1e3,
+            load_ms_from: load_ms_from.to_string(),
             loads: counters.loads,
             evictions: counters.evictions,
             adapter_requests: waits.len() as u64,
@@ -696,13 +700,14 @@ impl Comparison {
             let Some(m) = &p.lora_memory else { continue };
             let _ = writeln!(
                 s,
-                "{}: LoRA memory (max_cpu_loras {}, {} pinned, {} ms a load): {} loads, {} \
+                "{}: LoRA memory (max_cpu_loras {}, {} pinned, {} ms a load from {}): {} loads, {} \
                  evictions; {} of {} adapter requests waited for a load (wait p50 {} p99 {}); \
                  ttft p50/p99 pinned {}/{}, not pinned {}/{}",
                 p.policy,
                 m.max_cpu_loras,
                 m.pinned,
                 m.load_ms,
+                m.load_ms_from,
                 m.loads,
                 m.evictions,
                 m.waited,

@@ -291,8 +291,10 @@ pub struct LoraMemorySpec {
     #[serde(default)]
     pub pinned: Vec<u32>,
     /// Time to read one adapter from its files, in milliseconds (0 to 600,000): the server
-    /// logs it per load ("LoRA adapter loaded", `ms`).
-    pub load_ms: f64,
+    /// logs it per load ("LoRA adapter loaded", `ms`). Unset: the calibration file's
+    /// `lora_load_ms` (`switchyard calibrate --lora` measures it); one of them is needed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub load_ms: Option<f64>,
 }
 
 fn default_max_cpu_loras() -> usize {
@@ -349,13 +351,8 @@ impl LoraMemorySpec {
                 ));
             }
         }
-        let max_ms = crate::lora_memory::MAX_LOAD_MS;
-        if !(0.0..=max_ms).contains(&self.load_ms) {
-            return Err(format!(
-                "scheduler.lora_memory.load_ms {} outside 0..={max_ms} (milliseconds to read \
-                 one adapter from its files)",
-                short_number(self.load_ms)
-            ));
+        if let Some(ms) = self.load_ms {
+            crate::lora_memory::check_load_ms("scheduler.lora_memory.load_ms", ms)?;
         }
         Ok(())
     }
@@ -1623,7 +1620,10 @@ workload:
         ))
         .unwrap();
         let m = s.scheduler.lora_memory.unwrap();
-        assert_eq!((m.max_cpu_loras, m.pinned.len(), m.load_ms), (8, 0, 40.0));
+        assert_eq!(
+            (m.max_cpu_loras, m.pinned.len(), m.load_ms),
+            (8, 0, Some(40.0))
+        );
         let a = s.workload.adapters.unwrap();
         assert_eq!(
             (a.popularity, a.s, a.fraction),
@@ -1655,10 +1655,6 @@ workload:
             (
                 with("lora_memory: {load_ms: .nan}", ""),
                 "scheduler.lora_memory.load_ms NaN outside",
-            ),
-            (
-                with("lora_memory: {max_cpu_loras: 2}", ""),
-                "missing field `load_ms`",
             ),
             (
                 with("max_loras: 4", "adapters: {count: 0}"),
