@@ -253,3 +253,19 @@ workload: {{trace: unused.csv, format: azure}}
     assert!(err.contains("lora_load_ms -1 outside"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn a_request_refused_as_too_long_resolves_its_adapter_first_and_gives_it_back() {
+    // The server resolves the adapter before its engine refuses the prompt: the load happens,
+    // the refusal comes once it is done, and the adapter is free to be evicted after.
+    let too_long = TraceRequest {
+        prompt: Arc::from(vec![1u32; 200]),
+        ..req(0.0, Some(1))
+    };
+    let r = run(&sim(memory(1, &[], 10)), &[too_long, req(20.0, Some(2))]);
+    assert_eq!(r.records[0].outcome, "rejected");
+    assert_eq!(r.records[0].adapter_wait_ms, Some(10.0));
+    assert_eq!(r.records[1].ttft_ms, Some(11.5));
+    let m = r.lora_memory.unwrap();
+    assert_eq!((m.loads, m.evictions), (2, 1));
+}
