@@ -445,6 +445,7 @@ fn calibrate_with_lora_measures_adapted_steps_and_the_simulator_prices_them() {
         "LoRA decode",
         "LoRA prefill",
         "LoRA mixed",
+        "Loading the --lora adapter from its directory took",
     ] {
         assert!(stdout.contains(want), "{want}: {stdout}");
     }
@@ -503,6 +504,38 @@ fn calibrate_with_lora_measures_adapted_steps_and_the_simulator_prices_them() {
         record["e2e_ms"].as_f64().unwrap()
     };
     let (base, adapted) = (e2e("}"), e2e(", \"adapter\": 3}"));
+    // The adapter's load time, measured, is the simulator's where a spec's lora_memory sets
+    // none: the one request waits for its adapter that long.
+    let load_ms = term("lora_load_ms");
+    assert!(load_ms > 0.0, "{cal:?}");
+    let one = TWO
+        .lines()
+        .next()
+        .unwrap()
+        .replace('}', ", \"adapter\": 3}");
+    std::fs::write(dir.join("one.jsonl"), one).unwrap();
+    simulate_spec(
+        &dir,
+        "model: smollm2-135m\ncalibration: cal.yaml\npolicies: [{name: fcfs}]\n\
+         scheduler: {lora_memory: {max_cpu_loras: 1}}\n\
+         workload: {trace: one.jsonl, format: jsonl}\n",
+        "sim-memory",
+    );
+    let summary: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("sim-memory/summary.json")).unwrap(),
+    )
+    .unwrap();
+    let memory = &summary["policies"][0]["lora_memory"];
+    assert_eq!(memory["load_ms"].as_f64(), Some(load_ms), "{memory}");
+    assert_eq!(memory["loads"].as_u64(), Some(1), "{memory}");
+    assert_eq!(memory["wait_ms"]["p50"].as_f64(), Some(load_ms), "{memory}");
+    assert!(
+        memory["load_ms_from"]
+            .as_str()
+            .unwrap()
+            .starts_with("calibration "),
+        "{memory}"
+    );
     let want = (lora_step(8.0) + lora_step(1.0)) / 1e3;
     assert!(
         (adapted - base - want).abs() < 0.005,

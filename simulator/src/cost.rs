@@ -497,6 +497,11 @@ pub struct Calibration {
     /// coefficients above, so an edit here changes nothing.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub slo_aware: Option<crate::slo_params::SloAwareParams>,
+    /// The time to read the adapter of `switchyard calibrate --lora` from its directory, in
+    /// milliseconds (the median of its loads through the server's loader): the simulated
+    /// `scheduler.lora_memory.load_ms` when the spec sets none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora_load_ms: Option<f64>,
 }
 
 fn is_zero(v: &f64) -> bool {
@@ -603,6 +608,9 @@ impl Calibration {
         }
         if let Some(us) = self.front_end_per_token_us {
             crate::front_end::check_per_token_us("front_end_per_token_us", us)?;
+        }
+        if let Some(ms) = self.lora_load_ms {
+            crate::lora_memory::check_load_ms("lora_load_ms", ms)?;
         }
         Ok(())
     }

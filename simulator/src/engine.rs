@@ -19,6 +19,7 @@
 use crate::cost::{kv_capacity_blocks, Calibration, CostModel, HardwareSpec, ModelSpec};
 use crate::error::SimError;
 use crate::front_end::FrontEnd;
+use crate::lora_memory::{LoraMemory, MemoryConfig};
 use crate::progress::Progress;
 use crate::report::{RequestRecord, RunCounters};
 use crate::slo_params::{ParamsFromCalibration, SloAwareParams};
@@ -78,6 +79,8 @@ pub struct PolicyRun {
     /// The `slo-aware` parameters the run took from the calibration, where its spec left
     /// them unset ([`crate::slo_params`]).
     pub params_from_calibration: Option<ParamsFromCalibration>,
+    /// What the LoRA adapters' host memory did (`scheduler.lora_memory`; `None` without it).
+    pub lora_memory: Option<crate::report::LoraMemorySummary>,
 }
 
 /// A spec resolved into the pieces the loop needs.
@@ -104,6 +107,10 @@ pub struct Simulation {
     /// With a calibration: its file, as the spec names it, and the `slo-aware` parameters
     /// its fit implies, for a `slo-aware` policy whose spec leaves them unset.
     pub slo_aware: Option<(String, SloAwareParams)>,
+    /// The LoRA adapters' host memory (`scheduler.lora_memory`) and where its load time
+    /// came from ("the spec", or "calibration FILE"); `None`: every adapter is always in
+    /// memory.
+    pub lora_memory: Option<(MemoryConfig, String)>,
 }
 
 /// A loaded workload.
@@ -285,7 +292,35 @@ impl Simulation {
                     message: e.to_string(),
                 })?;
         }
+        let lora_memory = match &spec.scheduler.lora_memory {
+            None => None,
+            Some(m) => {
+                let (load_ms, from) = match (m.load_ms, &calibration) {
+                    (Some(ms), _) => (ms, "the spec".to_string()),
+                    (None, Some((path, c))) if c.lora_load_ms.is_some() => (
+                        c.lora_load_ms.unwrap_or(0.0),
+                        format!("calibration {}", path.display()),
+                    ),
+                    _ => {
+                        return Err(SimError::spec(
+                            cli,
+                            "scheduler.lora_memory.load_ms: set the time to read one adapter \
+                             from its files, or give a calibration with lora_load_ms \
+                             (`switchyard calibrate --lora DIR` measures it)",
+                        ))
+                    }
+                };
+                let config = MemoryConfig {
+                    max_cpu_loras: m.max_cpu_loras,
+                    pinned: m.pinned.iter().copied().collect(),
+                    // Validated within 0..=600,000 ms.
+                    load_us: (load_ms * 1e3).round() as u64,
+                };
+                Some((config, from))
+            }
+        };
         Ok(Simulation {
+            lora_memory,
             spec: spec.clone(),
             cost,
             model,
@@ -359,6 +394,10 @@ impl Simulation {
             self.spec.seed,
         )
         .map_err(|m| SimError::spec(self.spec.source(), format!("workload.mix.{m}")))?;
+        if let Some(a) = &w.adapters {
+            trace::assign_adapters(&mut requests, &a.weights(), a.fraction, self.spec.seed)
+                .map_err(|m| SimError::spec(self.spec.source(), format!("workload.{m}")))?;
+        }
         if let Some(f) = w.time_scale {
             // Divides, as `simulate --time-scale` and `bench serve --time-scale`: 2 replays
             // the trace twice as fast.
@@ -402,7 +441,8 @@ impl Simulation {
                 ..r.clone()
             })
             .collect();
-        let run = self.run_policy(&PolicySpec::named("fcfs"), &sample, false)?;
+        // The engine's capacity: adapters all in memory (loads are no step's work).
+        let run = self.run_policy_with(&PolicySpec::named("fcfs"), &sample, false, false)?;
         if sample.is_empty() {
             return Err(SimError::Scheduler(
                 "capacity estimate: the trace has no requests".into(),
@@ -432,6 +472,18 @@ impl Simulation {
         requests: &[TraceRequest],
         progress: bool,
     ) -> Result<PolicyRun, SimError> {
+        self.run_policy_with(policy, requests, progress, true)
+    }
+
+    /// [`Simulation::run_policy`], the LoRA adapters' host memory modelled (`lora_memory`,
+    /// when the spec sets it) or every adapter in memory.
+    fn run_policy_with(
+        &self,
+        policy: &PolicySpec,
+        requests: &[TraceRequest],
+        progress: bool,
+        lora_memory: bool,
+    ) -> Result<PolicyRun, SimError> {
         let registry = PolicyRegistry::with_builtins();
         let (params, params_from_calibration) = policy_params(policy, self.slo_aware.as_ref());
         let boxed = registry
@@ -450,6 +502,12 @@ impl Simulation {
         sched.set_draft_source(Some(Box::new(InventedDrafts)));
         let progress = policy_progress(progress, requests.len(), policy.label());
         let mut lp = Loop::new(self, sched, requests, policy.label());
+        if lora_memory {
+            lp.memory = self
+                .lora_memory
+                .as_ref()
+                .map(|m| LoraMemory::new(m.0.clone()));
+        }
         let result = if self.spec.scheduler.async_scheduling {
             lp.run_async(&progress)
         } else {
@@ -632,6 +690,22 @@ struct Loop<'a> {
     /// too, as the server's engine refuses them once their prompt is encoded, giving their
     /// seats back then.
     refused_at_queue: BTreeSet<(u64, usize)>,
+    /// The LoRA adapters' host memory and its loader (`scheduler.lora_memory`; `None`: every
+    /// adapter is always in memory).
+    memory: Option<LoraMemory>,
+    /// As `front_end`, the requests that leave the front end then and ask for their adapter
+    /// (with `memory` only); once they hold it they go on to `front_end`, or to
+    /// `refused_at_queue` where `to_refuse` says so (the server resolves the adapter of a
+    /// request it then refuses too).
+    resolving: BTreeSet<(u64, usize)>,
+    to_refuse: Vec<bool>,
+    /// Per request: when it asked for its adapter, and whether it holds it (until it ends).
+    asked_at: Vec<Option<u64>>,
+    holds_adapter: Vec<bool>,
+    /// Per request, its wait for its adapter in microseconds, once it holds it.
+    adapter_wait: Vec<Option<u64>>,
+    /// The requests the memory serves, reused.
+    served: Vec<(u64, usize)>,
 }
 
 /// The token the simulator invents at position `pos` of request `id`: deterministic in both,
@@ -694,6 +768,13 @@ impl<'a> Loop<'a> {
             holds_seat: vec![false; requests.len()],
             front_end: BTreeSet::new(),
             refused_at_queue: BTreeSet::new(),
+            memory: None,
+            resolving: BTreeSet::new(),
+            to_refuse: vec![false; requests.len()],
+            asked_at: vec![None; requests.len()],
+            holds_adapter: vec![false; requests.len()],
+            adapter_wait: vec![None; requests.len()],
+            served: Vec::new(),
         }
     }
 
@@ -877,6 +958,21 @@ impl<'a> Loop<'a> {
         let mut rejected = 0;
         loop {
             let arriving = self.arrivals_us.get(*next).copied().filter(|&t| t <= now);
+            // A request asking for its adapter, or the loader ending a load, goes first at
+            // its time (a request leaving the front end then goes before one arriving).
+            if let Some(t) = self.lora_event().filter(|&t| t <= now) {
+                let before_ready = [
+                    self.front_end.first().filter(|_| queue),
+                    self.refused_at_queue.first(),
+                ]
+                .into_iter()
+                .flatten()
+                .all(|r| t <= r.0);
+                if arriving.is_none_or(|a| t <= a) && before_ready {
+                    self.on_lora_event(t);
+                    continue;
+                }
+            }
             // During a step only a refusal leaves the front end; the others are queued after
             // the step's outputs.
             let refused = self.refused_at_queue.first().copied();
@@ -902,7 +998,11 @@ impl<'a> Loop<'a> {
                     } else {
                         let delay = self.sim.front_end.delay_us(self.requests[i].prompt.len());
                         let leaves = (t.saturating_add(delay), i);
-                        if self.sched.check_request(&self.request(i)).is_ok() {
+                        let refused = self.sched.check_request(&self.request(i)).is_err();
+                        if self.memory.is_some() && self.requests[i].adapter.is_some() {
+                            self.to_refuse[i] = refused;
+                            self.resolving.insert(leaves);
+                        } else if !refused {
                             self.front_end.insert(leaves);
                         } else {
                             self.refused_at_queue.insert(leaves);
@@ -928,13 +1028,61 @@ impl<'a> Loop<'a> {
         rejected
     }
 
-    /// When the next request arrives or leaves the front end, if any is left to.
+    /// When the next request asks for its adapter or the loader ends a load, if either is
+    /// left to.
+    fn lora_event(&self) -> Option<u64> {
+        let load = self.memory.as_ref().and_then(LoraMemory::next_event);
+        let ask = self.resolving.first().map(|r| r.0);
+        match (load, ask) {
+            (Some(l), Some(a)) => Some(l.min(a)),
+            (l, a) => l.or(a),
+        }
+    }
+
+    /// Handles the LoRA event at `t`: the loader's load ending (first), else a request asking
+    /// for its adapter; the requests that get their adapter go on to the scheduler's queue
+    /// (or their refusal) at the time they got it.
+    fn on_lora_event(&mut self, t: u64) {
+        let Some(memory) = self.memory.as_mut() else {
+            return;
+        };
+        let mut served = std::mem::take(&mut self.served);
+        served.clear();
+        if memory.next_event() == Some(t) {
+            while memory.advance(t, &mut served) {}
+        } else if let Some((at, i)) = self.resolving.pop_first() {
+            self.asked_at[i] = Some(at);
+            if let Some(adapter) = self.requests[i].adapter {
+                if memory.request(at, adapter, i, &mut served) {
+                    served.push((at, i));
+                }
+            }
+        }
+        for &(at, i) in &served {
+            self.holds_adapter[i] = true;
+            let asked = self.asked_at[i].unwrap_or(at);
+            self.adapter_wait[i] = Some(at.saturating_sub(asked));
+            if self.to_refuse[i] {
+                self.refused_at_queue.insert((at, i));
+            } else {
+                self.front_end.insert((at, i));
+            }
+        }
+        self.served = served;
+    }
+
+    /// When the next request arrives or leaves the front end, or the next LoRA event comes,
+    /// if any is left to.
     fn next_event(&self, next: usize) -> Option<u64> {
         let arrival = self.arrivals_us.get(next).copied();
-        let ready = match (self.front_end.first(), self.refused_at_queue.first()) {
-            (Some(q), Some(r)) => Some(q.0.min(r.0)),
-            (q, r) => q.or(r).map(|x| x.0),
-        };
+        let ready = [
+            self.front_end.first().map(|q| q.0),
+            self.refused_at_queue.first().map(|r| r.0),
+            self.lora_event(),
+        ]
+        .into_iter()
+        .flatten()
+        .min();
         match (arrival, ready) {
             (Some(a), Some(r)) => Some(a.min(r)),
             (a, r) => a.or(r),
@@ -959,8 +1107,14 @@ impl<'a> Loop<'a> {
         Ok(())
     }
 
-    /// Gives back request `i`'s seat (once) when it ends.
+    /// Gives back request `i`'s seat (once) when it ends, and its adapter if it holds one.
     fn give_back_seat(&mut self, i: usize) {
+        if let Some(held) = self.holds_adapter.get_mut(i).filter(|h| **h) {
+            *held = false;
+            if let (Some(m), Some(a)) = (self.memory.as_mut(), self.requests[i].adapter) {
+                m.release(a);
+            }
+        }
         if let Some(held) = self.holds_seat.get_mut(i).filter(|h| **h) {
             *held = false;
             let r = &self.requests[i];
@@ -1221,7 +1375,19 @@ impl<'a> Loop<'a> {
             .zip(&self.arrivals_us)
             .enumerate()
             .map(|(i, ((t, r), &a))| record(i, t, a, r, self.tiers.get(&r.tier)))
-            .collect();
+            .collect::<Vec<_>>();
+        let mut records = records;
+        let lora_memory = self.memory.as_ref().map(|m| {
+            for (rec, (wait, r)) in records
+                .iter_mut()
+                .zip(self.adapter_wait.iter().zip(self.requests))
+            {
+                rec.adapter = r.adapter;
+                rec.adapter_wait_ms = wait.map(|us| us as f64 / 1e3);
+            }
+            let from = self.sim.lora_memory.as_ref().map_or("", |m| m.1.as_str());
+            crate::report::LoraMemorySummary::new(&records, m.config(), m.counters(), from)
+        });
         PolicyRun {
             label: self.label,
             records,
@@ -1229,6 +1395,7 @@ impl<'a> Loop<'a> {
             samples: self.samples,
             counters,
             params_from_calibration: None,
+            lora_memory,
         }
     }
 }
@@ -1281,6 +1448,8 @@ fn record(
         e2e_ms,
         met_ttft: met(tier.and_then(|c| c.ttft_ms), ttft_ms),
         met_tpot: met(tier.and_then(|c| c.tpot_ms), tpot_ms),
+        adapter: None,
+        adapter_wait_ms: None,
     }
 }
 
@@ -2590,3 +2759,7 @@ policies: [{{name: fcfs}}]
         }
     }
 }
+
+#[cfg(test)]
+#[path = "engine_lora_tests.rs"]
+mod lora_tests;

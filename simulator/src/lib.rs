@@ -20,6 +20,7 @@ pub mod error;
 pub mod front_end;
 mod in_flight;
 pub mod lora_cost;
+pub mod lora_memory;
 pub mod outputs;
 pub mod plot;
 pub mod progress;
@@ -177,6 +178,7 @@ pub fn simulate(
                     PolicySummary::new(&r.label, &r.records, &mut r.itls_ms, r.counters.clone());
                 s.set_tier_targets(&spec.tiers);
                 s.params_from_calibration = r.params_from_calibration.clone();
+                s.lora_memory = r.lora_memory.clone();
                 s
             })
             .collect(),

@@ -71,6 +71,18 @@ pub struct RequestRecord {
     pub met_ttft: Option<bool>,
     /// Whether the tier's TPOT target was met (`None`: no target).
     pub met_tpot: Option<bool>,
+    /// Its LoRA adapter, with `scheduler.lora_memory` (absent otherwise, or without one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adapter: Option<u32>,
+    /// With `scheduler.lora_memory`, the time it waited for its adapter to be read from its
+    /// files, in ms (0: it was in memory); absent without an adapter, or for a request that
+    /// never left the front end.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        serialize_with = "round_opt"
+    )]
+    pub adapter_wait_ms: Option<f64>,
 }
 
 impl RequestRecord {
@@ -284,6 +296,65 @@ pub struct PolicySummary {
     /// `params` leave them unset (`crate::slo_params`); absent when none was.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub params_from_calibration: Option<crate::slo_params::ParamsFromCalibration>,
+    /// The LoRA adapters in host memory (`scheduler.lora_memory`); absent without it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora_memory: Option<LoraMemorySummary>,
+}
+
+/// What the LoRA adapters' host memory did in a run (`scheduler.lora_memory`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct LoraMemorySummary {
+    /// Most adapters kept in memory (`max_cpu_loras`).
+    pub max_cpu_loras: u64,
+    /// Adapters pinned.
+    pub pinned: u64,
+    /// Time to read one adapter, in ms.
+    pub load_ms: f64,
+    /// Where `load_ms` came from: "the spec" or "calibration FILE".
+    pub load_ms_from: String,
+    /// Adapters read from their files.
+    pub loads: u64,
+    /// Adapters dropped from memory.
+    pub evictions: u64,
+    /// Requests that named an adapter and left the front end.
+    pub adapter_requests: u64,
+    /// Of which waited for a load.
+    pub waited: u64,
+    /// The wait of those that waited.
+    pub wait_ms: LatencyStats,
+    /// TTFT of the finished requests of a pinned adapter.
+    pub pinned_ttft_ms: LatencyStats,
+    /// TTFT of the finished requests of an adapter not pinned.
+    pub unpinned_ttft_ms: LatencyStats,
+}
+
+impl LoraMemorySummary {
+    /// The figures of `records` (a run's, with their adapters and waits) under `config`,
+    /// with the memory's `counters`.
+    pub fn new(
+        records: &[RequestRecord],
+        config: &crate::lora_memory::MemoryConfig,
+        counters: crate::lora_memory::MemoryCounters,
+        load_ms_from: &str,
+    ) -> Self {
+        let waits: Vec<f64> = records.iter().filter_map(|r| r.adapter_wait_ms).collect();
+        let mut waited: Vec<f64> = waits.iter().copied().filter(|w| *w > 0.0).collect();
+        let pinned = |r: &&RequestRecord| r.adapter.is_some_and(|a| config.pinned.contains(&a));
+        let unpinned = |r: &&RequestRecord| r.adapter.is_some_and(|a| !config.pinned.contains(&a));
+        LoraMemorySummary {
+            max_cpu_loras: config.max_cpu_loras as u64,
+            pinned: config.pinned.len() as u64,
+            load_ms: config.load_us as f64 / 1e3,
+            load_ms_from: load_ms_from.to_string(),
+            loads: counters.loads,
+            evictions: counters.evictions,
+            adapter_requests: waits.len() as u64,
+            waited: waited.len() as u64,
+            wait_ms: LatencyStats::from_values(&mut waited),
+            pinned_ttft_ms: stats_of(records.iter().filter(pinned), |r| r.ttft_ms),
+            unpinned_ttft_ms: stats_of(records.iter().filter(unpinned), |r| r.ttft_ms),
+        }
+    }
 }
 
 impl PolicySummary {
@@ -354,6 +425,7 @@ impl PolicySummary {
             counters,
             tiers,
             params_from_calibration: None,
+            lora_memory: None,
         }
     }
 }
@@ -622,6 +694,30 @@ impl Comparison {
                 c.accepted_tokens,
                 c.draft_tokens,
                 100.0 * c.accepted_tokens as f64 / c.draft_tokens as f64
+            );
+        }
+        for p in &self.policies {
+            let Some(m) = &p.lora_memory else { continue };
+            let _ = writeln!(
+                s,
+                "{}: LoRA memory (max_cpu_loras {}, {} pinned, {} ms a load from {}): {} loads, {} \
+                 evictions; {} of {} adapter requests waited for a load (wait p50 {} p99 {}); \
+                 ttft p50/p99 pinned {}/{}, not pinned {}/{}",
+                p.policy,
+                m.max_cpu_loras,
+                m.pinned,
+                m.load_ms,
+                m.load_ms_from,
+                m.loads,
+                m.evictions,
+                m.waited,
+                m.adapter_requests,
+                fmt_ms(m.wait_ms.p50, 1),
+                fmt_ms(m.wait_ms.p99, 1),
+                fmt_ms(m.pinned_ttft_ms.p50, 1),
+                fmt_ms(m.pinned_ttft_ms.p99, 1),
+                fmt_ms(m.unpinned_ttft_ms.p50, 1),
+                fmt_ms(m.unpinned_ttft_ms.p99, 1),
             );
         }
         let tiered = self

@@ -13,6 +13,7 @@
 //! cache: { block_size: 16, gpu_memory_utilization: 0.9, prefix_caching: true, prefix_sharing: tenant }
 //! scheduler: { max_num_seqs: 256, max_num_batched_tokens: 8192, max_model_len: 8192 }
 //!   # lora: { rank: 16, targets: all }  # the adapters trace records name, for the roofline
+//!   # lora_memory: { max_cpu_loras: 8, pinned: [1, 2], load_ms: 40 }  # adapters in host memory
 //! policies: [ { name: fcfs }, { name: slo-aware, params: {} } ]
 //! tiers:
 //!   premium: { ttft_ms: 500, tpot_ms: 50, weight: 4, priority: 0 }
@@ -23,6 +24,7 @@
 //!   time_scale: 2              # optional: divides arrival times (2 = twice as fast)
 //!   arrival: { load: 0.9 }     # or { rate: 20 }; sharegpt: { process: gamma, cv: 2, rate: 5 }
 //!   mix: { tiers: { premium: 0.2, standard: 0.5, batch: 0.3 } }
+//!   # adapters: { count: 200, popularity: zipf, s: 1.1, fraction: 1.0 }  # LoRA adapters drawn
 //! ```
 
 use crate::cost::{HardwareSpec, LoraSpec, ModelSpec};
@@ -269,6 +271,34 @@ pub struct SchedulerLimits {
     /// `scheduler.max_queue_ms` (1 to 3,600,000 ms; unset: none): see
     /// [`TierConf::max_queue_ms`].
     pub max_queue_ms: Option<u64>,
+    /// The LoRA adapters kept in host memory, as the server's `lora.max_cpu_loras` and pinned
+    /// adapters keep them ([`crate::lora_memory`]): a request whose adapter is not in memory
+    /// waits for it to be read from its files. Unset: every adapter is always in memory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora_memory: Option<LoraMemorySpec>,
+}
+
+/// `scheduler.lora_memory`: the server's host memory for LoRA adapters.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LoraMemorySpec {
+    /// Most adapters kept in memory, those in use included (the server's
+    /// `lora.max_cpu_loras`, default 8, 0 to 4,096).
+    #[serde(default = "default_max_cpu_loras")]
+    pub max_cpu_loras: usize,
+    /// Adapter ids (as trace records and `workload.adapters` name them) never evicted, in
+    /// memory from the start (the server's `lora.adapters[].pinned`): at most `max_cpu_loras`.
+    #[serde(default)]
+    pub pinned: Vec<u32>,
+    /// Time to read one adapter from its files, in milliseconds (0 to 600,000): the server
+    /// logs it per load ("LoRA adapter loaded", `ms`). Unset: the calibration file's
+    /// `lora_load_ms` (`switchyard calibrate --lora` measures it); one of them is needed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub load_ms: Option<f64>,
+}
+
+fn default_max_cpu_loras() -> usize {
+    8
 }
 
 /// Speculative decoding as the simulator models it: decode steps carry up to
@@ -296,6 +326,38 @@ pub struct SimSpeculative {
     pub max_running: usize,
 }
 
+impl LoraMemorySpec {
+    /// Checks the bounds, naming the field.
+    fn validate(&self) -> Result<(), String> {
+        let max = crate::lora_memory::MAX_CPU_LORAS;
+        if self.max_cpu_loras > max {
+            return Err(format!(
+                "scheduler.lora_memory.max_cpu_loras {} outside 0..={max} (the server's bound)",
+                self.max_cpu_loras
+            ));
+        }
+        if self.pinned.len() > self.max_cpu_loras {
+            return Err(format!(
+                "scheduler.lora_memory.pinned: {} adapters, but at most max_cpu_loras ({}) \
+                 may be pinned in memory (the server refuses more)",
+                self.pinned.len(),
+                self.max_cpu_loras
+            ));
+        }
+        for (i, a) in self.pinned.iter().enumerate() {
+            if self.pinned[..i].contains(a) {
+                return Err(format!(
+                    "scheduler.lora_memory.pinned[{i}]: adapter {a} is listed twice"
+                ));
+            }
+        }
+        if let Some(ms) = self.load_ms {
+            crate::lora_memory::check_load_ms("scheduler.lora_memory.load_ms", ms)?;
+        }
+        Ok(())
+    }
+}
+
 impl Default for SchedulerLimits {
     fn default() -> Self {
         SchedulerLimits {
@@ -311,6 +373,7 @@ impl Default for SchedulerLimits {
             lora: LoraSpec::default(),
             speculative: None,
             max_queue_ms: None,
+            lora_memory: None,
         }
     }
 }
@@ -442,6 +505,88 @@ pub struct WorkloadSpec {
     /// Tier and tenant mixes for requests without labels.
     #[serde(default)]
     pub mix: MixSpec,
+    /// LoRA adapters drawn for the requests that name none (every trace but a JSONL one
+    /// naming `adapter`s): see [`AdapterMix`]. Unset: requests keep the trace's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adapters: Option<AdapterMix>,
+}
+
+/// Most adapters `workload.adapters.count` draws from.
+pub const MAX_WORKLOAD_ADAPTERS: u32 = 4096;
+/// Largest zipf exponent `workload.adapters.s`.
+pub const MAX_ZIPF_S: f64 = 10.0;
+
+/// `workload.adapters`: each request without an adapter is given one, drawn from the spec's
+/// seed (the same requests get the same adapters in every run and policy): with probability
+/// `fraction` one of the adapters `1..=count`, by `popularity`; else none.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdapterMix {
+    /// Adapters drawn from, ids `1..=count` (1 to 4,096).
+    pub count: u32,
+    /// `zipf` (default: adapter `k` drawn in proportion to `1 / k^s`, so 1 is the most
+    /// popular) or `uniform`.
+    #[serde(default)]
+    pub popularity: Popularity,
+    /// The zipf exponent (0 to 10, default 1; 0 is uniform); `zipf` only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub s: Option<f64>,
+    /// Share of the requests given an adapter (0 to 1, default 1).
+    #[serde(default = "one")]
+    pub fraction: f64,
+}
+
+/// How `workload.adapters` picks among its adapters.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Popularity {
+    /// Adapter `k` in proportion to `1 / k^s`.
+    #[default]
+    Zipf,
+    /// Each alike.
+    Uniform,
+}
+
+impl AdapterMix {
+    /// Each adapter's weight, adapter `k` (from 1) at index `k - 1`.
+    pub fn weights(&self) -> Vec<f64> {
+        let s = match self.popularity {
+            Popularity::Zipf => self.s.unwrap_or(1.0),
+            Popularity::Uniform => 0.0,
+        };
+        (1..=self.count).map(|k| f64::from(k).powf(-s)).collect()
+    }
+
+    /// Checks the bounds, naming the field.
+    fn validate(&self) -> Result<(), String> {
+        if !(1..=MAX_WORKLOAD_ADAPTERS).contains(&self.count) {
+            return Err(format!(
+                "workload.adapters.count {} outside 1..={MAX_WORKLOAD_ADAPTERS}",
+                self.count
+            ));
+        }
+        if let Some(s) = self.s {
+            if self.popularity == Popularity::Uniform {
+                return Err("workload.adapters.s is the zipf exponent: remove it for \
+                            `popularity: uniform`"
+                    .into());
+            }
+            if !(0.0..=MAX_ZIPF_S).contains(&s) {
+                return Err(format!(
+                    "workload.adapters.s {} outside 0..={MAX_ZIPF_S} (the zipf exponent)",
+                    short_number(s)
+                ));
+            }
+        }
+        if !(0.0..=1.0).contains(&self.fraction) {
+            return Err(format!(
+                "workload.adapters.fraction {} outside 0..=1 (the share of requests given an \
+                 adapter)",
+                short_number(self.fraction)
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// Arrival shaping: a rate or a load fraction of the estimated capacity.
@@ -675,6 +820,9 @@ impl SimulationSpec {
             return Err("scheduler.max_loras outside 1..=1024".into());
         }
         s.lora.validate(&self.model_spec()?)?;
+        if let Some(m) = &s.lora_memory {
+            m.validate()?;
+        }
         if let Some(sp) = &s.speculative {
             if !(1..=16).contains(&sp.num_speculative_tokens) {
                 return Err("scheduler.speculative.num_speculative_tokens outside 1..=16".into());
@@ -706,6 +854,9 @@ impl SimulationSpec {
 
     fn validate_workload(&self) -> Result<(), String> {
         let w = &self.workload;
+        if let Some(a) = &w.adapters {
+            a.validate()?;
+        }
         if w.format == TraceFormat::Sharegpt && (w.start_s.is_some() || w.end_s.is_some()) {
             return Err("workload: start_s/end_s need timestamps; use `limit` for sharegpt".into());
         }
@@ -985,6 +1136,7 @@ impl SimulationSpec {
                 time_scale: o.time_scale,
                 arrival,
                 mix: MixSpec::default(),
+                adapters: None,
             },
             source: cli.to_path_buf(),
         };
@@ -1450,5 +1602,91 @@ workload:
             SimulationSpec::from_cli(&o).unwrap().source(),
             Path::new("<cli>")
         );
+    }
+
+    /// `scheduler.lora_memory` and `workload.adapters`: the defaults, and each bound refused
+    /// naming its field.
+    #[test]
+    fn lora_memory_and_drawn_adapters_are_checked_by_field() {
+        let with = |scheduler: &str, adapters: &str| {
+            GOOD.replace(
+                "workload:\n",
+                &format!("scheduler: {{{scheduler}}}\nworkload:\n  {adapters}\n"),
+            )
+        };
+        let s = parse(&with(
+            "lora_memory: {load_ms: 40}",
+            "adapters: {count: 200}",
+        ))
+        .unwrap();
+        let m = s.scheduler.lora_memory.unwrap();
+        assert_eq!(
+            (m.max_cpu_loras, m.pinned.len(), m.load_ms),
+            (8, 0, Some(40.0))
+        );
+        let a = s.workload.adapters.unwrap();
+        assert_eq!(
+            (a.popularity, a.s, a.fraction),
+            (Popularity::Zipf, None, 1.0)
+        );
+        // Zipf with s = 1 by default: 1, 1/2, 1/3, ...
+        assert_eq!(&a.weights()[..3], &[1.0, 0.5, 1.0 / 3.0]);
+        assert!(parse(GOOD).unwrap().scheduler.lora_memory.is_none());
+        let cases = [
+            (
+                with("lora_memory: {max_cpu_loras: 4097, load_ms: 1}", ""),
+                "scheduler.lora_memory.max_cpu_loras 4097 outside 0..=4096",
+            ),
+            (
+                with(
+                    "lora_memory: {max_cpu_loras: 2, pinned: [1, 2, 3], load_ms: 1}",
+                    "",
+                ),
+                "scheduler.lora_memory.pinned: 3 adapters, but at most max_cpu_loras (2)",
+            ),
+            (
+                with("lora_memory: {pinned: [4, 5, 4], load_ms: 1}", ""),
+                "scheduler.lora_memory.pinned[2]: adapter 4 is listed twice",
+            ),
+            (
+                with("lora_memory: {load_ms: -1}", ""),
+                "scheduler.lora_memory.load_ms -1 outside 0..=600000",
+            ),
+            (
+                with("lora_memory: {load_ms: .nan}", ""),
+                "scheduler.lora_memory.load_ms NaN outside",
+            ),
+            (
+                with("max_loras: 4", "adapters: {count: 0}"),
+                "workload.adapters.count 0 outside 1..=4096",
+            ),
+            (
+                with("max_loras: 4", "adapters: {count: 5000}"),
+                "workload.adapters.count 5000 outside 1..=4096",
+            ),
+            (
+                with("max_loras: 4", "adapters: {count: 5, s: 11}"),
+                "workload.adapters.s 11 outside 0..=10",
+            ),
+            (
+                with(
+                    "max_loras: 4",
+                    "adapters: {count: 5, popularity: uniform, s: 1}",
+                ),
+                "workload.adapters.s is the zipf exponent",
+            ),
+            (
+                with("max_loras: 4", "adapters: {count: 5, fraction: 1.5}"),
+                "workload.adapters.fraction 1.5 outside 0..=1",
+            ),
+            (
+                with("max_loras: 4", "adapters: {count: 5, popularity: pareto}"),
+                "unknown variant `pareto`",
+            ),
+        ];
+        for (text, want) in cases {
+            let err = parse(&text).unwrap_err().to_string();
+            assert!(err.contains(want), "want {want}: {err}");
+        }
     }
 }

@@ -74,6 +74,7 @@ fn every_example_spec_runs_on_its_trace() {
         "sim-sharegpt.yaml",
         "sim-jsonl.yaml",
         "sim-mlfq.yaml",
+        "sim-lora-pinning.yaml",
     ] {
         let mut spec = SimulationSpec::from_yaml_file(&example(name)).unwrap();
         spec.workload.limit = Some(300);
@@ -95,6 +96,17 @@ fn every_example_spec_runs_on_its_trace() {
                 "{name} {}",
                 p.policy
             );
+            // Its adapters are loaded, some requests wait, and the pinned ones are served.
+            if name == "sim-lora-pinning.yaml" {
+                let m = p.lora_memory.as_ref().expect("lora_memory");
+                assert!(m.loads > 0 && m.waited > 0, "{m:?}");
+                assert!(
+                    m.pinned_ttft_ms.count > 0 && m.unpinned_ttft_ms.count > 0,
+                    "{m:?}"
+                );
+            } else {
+                assert!(p.lora_memory.is_none());
+            }
         }
         std::fs::remove_dir_all(dir).unwrap();
     }

@@ -62,6 +62,10 @@ struct SamplesFile {
     /// The adapter of `--lora` (its directory, rank and projections), when steps ran it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     lora: Option<String>,
+    /// The median time to load the adapter of `--lora` from its directory, in milliseconds
+    /// (its loads through the server's loader, `LoraAdapter::load`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    lora_load_ms: Option<f64>,
     /// The chat template and tokenizer's time on this machine: (prompt tokens, median
     /// microseconds) per prompt length timed (none with `--dummy`, nor in files written
     /// before it was measured).
@@ -108,6 +112,7 @@ pub fn run(args: CalibrateArgs) -> anyhow::Result<()> {
         front_end_us: front_end.map(|f| (f.fixed_us * 10.0).round() / 10.0),
         front_end_per_token_us: front_end.map(|f| (f.per_token_us * 1e3).round() / 1e3),
         max_context: Some(calibrate::longest_context(&measured.samples)).filter(|&c| c > 0),
+        lora_load_ms: measured.lora_load_ms.map(|ms| (ms * 1e3).round() / 1e3),
         ..fit.calibration.clone()
     };
     let slo_aware = SloAwareParams::from_calibration(&calibration);
@@ -181,6 +186,13 @@ pub fn run(args: CalibrateArgs) -> anyhow::Result<()> {
         slo_aware.step_overhead_ms,
         slo_aware.prefill_us_per_token,
     );
+    if let Some(ms) = calibration.lora_load_ms {
+        println!(
+            "Loading the --lora adapter from its directory took {ms} ms (the median of \
+             {LORA_COPIES} loads, its files in the page cache after the first): the simulator's \
+             scheduler.lora_memory.load_ms where the spec leaves it out."
+        );
+    }
     if let (Some(seqs), Some(tokens)) = (measured.max_num_seqs, measured.max_num_batched_tokens) {
         println!(
             "The engine ran at most {seqs} sequences and {tokens} tokens a step: set the spec's \
@@ -601,7 +613,9 @@ fn measure(args: &CalibrateArgs) -> anyhow::Result<SamplesFile> {
         }
     };
     drop(loaded);
-    // The adapter loaded as distinct adapters (each load has its own weights' id).
+    // The adapter loaded as distinct adapters (each load has its own weights' id), each load
+    // timed: the server's LoRA manager loads an adapter with the same `LoraAdapter::load`.
+    let mut load_ms = Vec::with_capacity(LORA_COPIES);
     let adapters: Vec<Arc<LoraAdapter>> = match &args.lora {
         None => Vec::new(),
         Some(dir) => {
@@ -612,7 +626,12 @@ fn measure(args: &CalibrateArgs) -> anyhow::Result<SamplesFile> {
                 backend.lora_slots()
             );
             (0..LORA_COPIES)
-                .map(|_| runtime::load_lora(dir, &model_config))
+                .map(|_| {
+                    let t0 = Instant::now();
+                    let adapter = runtime::load_lora(dir, &model_config);
+                    load_ms.push(t0.elapsed().as_secs_f64() * 1e3);
+                    adapter
+                })
                 .collect::<anyhow::Result<_>>()
                 .with_context(|| format!("--lora {}", dir.display()))?
         }
@@ -735,9 +754,17 @@ fn measure(args: &CalibrateArgs) -> anyhow::Result<SamplesFile> {
         max_num_seqs: Some(config.scheduler.max_num_seqs),
         max_num_batched_tokens: Some(config.scheduler.max_num_batched_tokens),
         lora,
+        lora_load_ms: median_load_ms(&mut load_ms),
         front_end,
         samples: medians(&steps),
     })
+}
+
+/// The median of the adapter's load times (the lower middle one of an even count, as the
+/// steps' medians); `None` without loads.
+fn median_load_ms(ms: &mut [f64]) -> Option<f64> {
+    ms.sort_by(f64::total_cmp);
+    ms.get(ms.len().checked_sub(1)? / 2).copied()
 }
 
 /// Each distinct shape once, with the median of its backend times (the lower one of an even

@@ -373,6 +373,32 @@ pub fn assign_mix(
     Ok(())
 }
 
+/// Gives each request of `requests` without an adapter one of the adapters `1..=weights.len()`
+/// (adapter `k` in proportion to `weights[k - 1]`) with probability `fraction`, drawn from
+/// `seed` (its own stream: the tier and tenant mixes draw the same as without). A request
+/// naming its own adapter keeps it; its draws are made all the same, so the other requests'
+/// adapters do not depend on it.
+pub fn assign_adapters(
+    requests: &mut [TraceRequest],
+    weights: &[f64],
+    fraction: f64,
+    seed: u64,
+) -> Result<(), String> {
+    let dist = WeightedIndex::new(weights)
+        .map_err(|_| "adapters: weights must add up to a finite number > 0".to_string())?;
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    rng.set_stream(3);
+    for r in requests.iter_mut() {
+        // A draw whatever the fraction: the adapters drawn do not depend on it.
+        let given = rand::Rng::random::<f64>(&mut rng) < fraction;
+        let pick = dist.sample(&mut rng) as u32 + 1;
+        if given && r.adapter.is_none() {
+            r.adapter = Some(pick);
+        }
+    }
+    Ok(())
+}
+
 fn kind(is_tier: bool) -> &'static str {
     if is_tier {
         "tiers"
@@ -463,6 +489,47 @@ mod tests {
             priority: None,
             adapter: None,
         }
+    }
+
+    /// Drawn adapters follow their weights (zipf s = 1 over 3 adapters: 6/11, 3/11, 2/11),
+    /// are the same for the same seed, leave a request's own adapter as it is, and `fraction`
+    /// leaves the rest without one.
+    #[test]
+    fn adapters_are_drawn_by_weight_from_the_seed() {
+        let n = 22_000;
+        let mut rs: Vec<TraceRequest> = (0..n).map(|i| req(i as f64)).collect();
+        rs[5].adapter = Some(99);
+        let weights = [1.0, 0.5, 1.0 / 3.0];
+        assign_adapters(&mut rs, &weights, 1.0, 7).unwrap();
+        assert_eq!(rs[5].adapter, Some(99));
+        let share = |rs: &[TraceRequest], a: u32| {
+            rs.iter().filter(|r| r.adapter == Some(a)).count() as f64 / n as f64
+        };
+        for (a, p) in [(1, 6.0 / 11.0), (2, 3.0 / 11.0), (3, 2.0 / 11.0)] {
+            assert!(
+                (share(&rs, a) - p).abs() < 0.01,
+                "adapter {a}: {}",
+                share(&rs, a)
+            );
+        }
+        let mut again: Vec<TraceRequest> = (0..n).map(|i| req(i as f64)).collect();
+        again[5].adapter = Some(99);
+        assign_adapters(&mut again, &weights, 1.0, 7).unwrap();
+        assert_eq!(again, rs);
+        let mut other: Vec<TraceRequest> = (0..n).map(|i| req(i as f64)).collect();
+        assign_adapters(&mut other, &weights, 1.0, 8).unwrap();
+        assert_ne!(other[..50], rs[..50]);
+        let mut some: Vec<TraceRequest> = (0..n).map(|i| req(i as f64)).collect();
+        assign_adapters(&mut some, &weights, 0.25, 7).unwrap();
+        let given = some.iter().filter(|r| r.adapter.is_some()).count() as f64 / n as f64;
+        assert!((given - 0.25).abs() < 0.01, "{given}");
+        // The same requests, where they get one, get the same adapter as with fraction 1.
+        assert!(some
+            .iter()
+            .zip(&rs)
+            .skip(6)
+            .all(|(s, r)| s.adapter.is_none() || s.adapter == r.adapter));
+        assert!(assign_adapters(&mut some, &[0.0], 1.0, 7).is_err());
     }
 
     #[test]

@@ -1,0 +1,271 @@
+//! The LoRA adapters' host memory in the loop (`scheduler.lora_memory`): where a request's
+//! wait for its adapter falls, and what the run reports. Step costs are 1 ms each and the
+//! front end 0.5 ms, so every expected time below is counted by hand.
+
+use super::*;
+use crate::cost::Calibration;
+use crate::lora_memory::MemoryConfig;
+use std::path::Path;
+use std::sync::Arc;
+
+const SPEC: &str = "
+policies: [{name: fcfs}]
+scheduler: {max_num_seqs: 4, max_model_len: 100}
+cache: {num_gpu_blocks: 64}
+workload: {trace: unused.csv, format: azure}
+";
+
+/// Steps of 1 ms, a front end of 0.5 ms, adapters in memory as `memory` says.
+fn sim(memory: Option<MemoryConfig>) -> Simulation {
+    let spec = SimulationSpec::from_yaml_str(SPEC, Path::new("t.yaml")).unwrap();
+    let mut sim = Simulation::new(&spec).unwrap();
+    sim.cost = CostModel::Calibrated(Calibration {
+        intercept_s: 1e-3,
+        ..Default::default()
+    });
+    sim.front_end = FrontEnd {
+        fixed_us: 500.0,
+        per_token_us: 0.0,
+    };
+    sim.lora_memory = memory.map(|m| (m, "the spec".to_string()));
+    sim
+}
+
+fn memory(max: usize, pinned: &[u32], load_ms: u64) -> Option<MemoryConfig> {
+    Some(MemoryConfig {
+        max_cpu_loras: max,
+        pinned: pinned.iter().copied().collect(),
+        load_us: load_ms * 1000,
+    })
+}
+
+/// A one-token request of `adapter` arriving at `at_ms`.
+fn req(at_ms: f64, adapter: Option<u32>) -> TraceRequest {
+    TraceRequest {
+        arrival_s: at_ms / 1e3,
+        prompt: Arc::from(vec![1u32; 8]),
+        output_len: 1,
+        tenant: String::new(),
+        tier: String::new(),
+        priority: None,
+        adapter,
+    }
+}
+
+fn run(sim: &Simulation, rs: &[TraceRequest]) -> PolicyRun {
+    sim.run_policy(&PolicySpec::named("fcfs"), rs, false)
+        .unwrap()
+}
+
+fn ttfts(run: &PolicyRun) -> Vec<f64> {
+    run.records.iter().map(|r| r.ttft_ms.unwrap()).collect()
+}
+
+#[test]
+fn a_request_waits_for_its_adapters_load_after_the_front_end() {
+    // Off: 0.5 ms front end + one 1 ms step.
+    assert_eq!(ttfts(&run(&sim(None), &[req(0.0, Some(1))])), vec![1.5]);
+    // Not in memory: the load (10 ms) starts as the request leaves the front end.
+    let r = run(&sim(memory(1, &[], 10)), &[req(0.0, Some(1))]);
+    assert_eq!(ttfts(&r), vec![11.5]);
+    assert_eq!(r.records[0].adapter_wait_ms, Some(10.0));
+    assert_eq!(r.records[0].adapter, Some(1));
+    let m = r.lora_memory.unwrap();
+    assert_eq!(
+        (m.loads, m.evictions, m.waited, m.adapter_requests),
+        (1, 0, 1, 1)
+    );
+    // Pinned: in memory from the start, no wait.
+    let r = run(&sim(memory(1, &[1], 10)), &[req(0.0, Some(1))]);
+    assert_eq!(ttfts(&r), vec![1.5]);
+    assert_eq!(r.records[0].adapter_wait_ms, Some(0.0));
+    assert_eq!(r.lora_memory.unwrap().loads, 0);
+    // A request without an adapter never waits.
+    let r = run(&sim(memory(1, &[], 10)), &[req(0.0, None)]);
+    assert_eq!(ttfts(&r), vec![1.5]);
+    assert_eq!(r.records[0].adapter_wait_ms, None);
+}
+
+#[test]
+fn a_second_request_for_an_adapter_being_loaded_waits_for_the_same_load() {
+    let r = run(
+        &sim(memory(4, &[], 10)),
+        &[req(0.0, Some(1)), req(2.0, Some(1))],
+    );
+    // Both get the adapter at 10.5 ms and run in the step 10.5..11.5.
+    assert_eq!(ttfts(&r), vec![11.5, 9.5]);
+    let waits: Vec<_> = r.records.iter().map(|x| x.adapter_wait_ms).collect();
+    assert_eq!(waits, vec![Some(10.0), Some(8.0)]);
+    assert_eq!(r.lora_memory.unwrap().loads, 1);
+}
+
+#[test]
+fn loads_of_different_adapters_are_serialized() {
+    let r = run(
+        &sim(memory(4, &[], 10)),
+        &[req(0.0, Some(1)), req(0.0, Some(2)), req(0.0, Some(3))],
+    );
+    // Loads end at 10.5, 20.5 and 30.5 ms; each request runs in the step that follows.
+    assert_eq!(ttfts(&r), vec![11.5, 21.5, 31.5]);
+    assert_eq!(r.lora_memory.unwrap().loads, 3);
+}
+
+#[test]
+fn an_adapter_evicted_for_another_is_loaded_again() {
+    let rs = [req(0.0, Some(1)), req(20.0, Some(2)), req(40.0, Some(1))];
+    let r = run(&sim(memory(1, &[], 10)), &rs);
+    assert_eq!(ttfts(&r), vec![11.5, 11.5, 11.5]);
+    let m = r.lora_memory.unwrap();
+    assert_eq!((m.loads, m.evictions, m.waited), (3, 2, 3));
+    // Room for both: the third finds adapter 1 in memory.
+    let r = run(&sim(memory(2, &[], 10)), &rs);
+    assert_eq!(ttfts(&r), vec![11.5, 11.5, 1.5]);
+    let m = r.lora_memory.unwrap();
+    assert_eq!((m.loads, m.evictions, m.waited), (2, 0, 2));
+    assert_eq!(m.unpinned_ttft_ms.p50, Some(11.5));
+    // Adapter 1 pinned: it stays while 2 comes and goes.
+    let r = run(&sim(memory(1, &[1], 10)), &rs);
+    assert_eq!(ttfts(&r), vec![1.5, 11.5, 1.5]);
+    let m = r.lora_memory.unwrap();
+    // Adapter 2 stays while its request holds it, and goes when the third request finds
+    // memory over its limit (the server's next eviction).
+    assert_eq!((m.loads, m.evictions), (1, 1));
+    assert_eq!(m.pinned_ttft_ms.count, 2);
+}
+
+#[test]
+fn an_adapter_in_use_stays_in_memory_beyond_the_limit() {
+    // Two long requests hold adapters 1 and 2 at once, with room for one: neither is
+    // evicted while they run, so the third (adapter 1, during them) finds it in memory.
+    let long = |at_ms: f64, a: u32| TraceRequest {
+        output_len: 40,
+        ..req(at_ms, Some(a))
+    };
+    let rs = [long(0.0, 1), long(11.0, 2), req(25.0, Some(1))];
+    let r = run(&sim(memory(1, &[], 10)), &rs);
+    assert_eq!(r.records[2].adapter_wait_ms, Some(0.0));
+    let m = r.lora_memory.unwrap();
+    assert_eq!((m.loads, m.evictions), (2, 0));
+}
+
+#[test]
+fn without_lora_memory_a_run_is_as_before_and_an_ample_one_changes_no_time() {
+    let rs: Vec<TraceRequest> = (0..40)
+        .map(|i| TraceRequest {
+            output_len: 1 + i % 7,
+            ..req(f64::from(i) * 0.7, (i % 3 != 0).then_some(i % 5))
+        })
+        .collect();
+    let off = run(&sim(None), &rs);
+    assert!(off.lora_memory.is_none());
+    assert!(off
+        .records
+        .iter()
+        .all(|r| r.adapter.is_none() && r.adapter_wait_ms.is_none()));
+    // Every adapter pinned and loads free: the same times, request by request.
+    let on = run(&sim(memory(8, &[0, 1, 2, 3, 4], 0)), &rs);
+    let strip = |run: &PolicyRun| -> Vec<RequestRecord> {
+        run.records
+            .iter()
+            .map(|r| RequestRecord {
+                adapter: None,
+                adapter_wait_ms: None,
+                ..r.clone()
+            })
+            .collect()
+    };
+    assert_eq!(strip(&on), strip(&off));
+    assert_eq!(on.lora_memory.unwrap().loads, 0);
+}
+
+#[test]
+fn a_spec_with_lora_memory_and_drawn_adapters_runs_them() {
+    let dir = std::env::temp_dir().join(format!("sy-simlora-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let trace = dir.join("t.csv");
+    let mut csv = String::from("TIMESTAMP,ContextTokens,GeneratedTokens\n");
+    for i in 0..50 {
+        csv.push_str(&format!("2023-11-16 18:15:{:02}.000000,32,4\n", i));
+    }
+    std::fs::write(&trace, csv).unwrap();
+    let yaml = format!(
+        "policies: [{{name: fcfs}}]
+scheduler: {{lora_memory: {{max_cpu_loras: 2, pinned: [1], load_ms: 50}}}}
+workload: {{trace: {}, format: azure, adapters: {{count: 20, s: 1.1}}}}
+",
+        trace.display()
+    );
+    let spec = SimulationSpec::from_yaml_str(&yaml, Path::new("t.yaml")).unwrap();
+    let (cmp, runs) = crate::simulate(&spec, false).unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+    let m = cmp.policies[0]
+        .lora_memory
+        .as_ref()
+        .expect("a lora_memory summary");
+    assert_eq!((m.max_cpu_loras, m.pinned, m.load_ms), (2, 1, 50.0));
+    assert_eq!(m.adapter_requests, 50);
+    assert!(m.loads > 0 && m.waited > 0, "{m:?}");
+    assert!(runs[0].records.iter().all(|r| r.adapter.is_some()));
+    assert!(cmp
+        .to_text()
+        .contains("fcfs: LoRA memory (max_cpu_loras 2, 1 pinned, 50 ms a load from the spec)"));
+    assert_eq!(m.load_ms_from, "the spec");
+}
+
+#[test]
+fn the_load_time_comes_from_the_spec_else_the_calibration() {
+    let dir = std::env::temp_dir().join(format!("sy-simlora-cal-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cal = dir.join("cal.yaml");
+    let base = "intercept_s: 0.001\nnum_gpu_blocks: 500\nblock_size: 16\n";
+    std::fs::write(&cal, format!("{base}lora_load_ms: 37.5\n")).unwrap();
+    let yaml = |memory: &str| {
+        format!(
+            "policies: [{{name: fcfs}}]
+calibration: {}
+scheduler: {{lora_memory: {memory}}}
+workload: {{trace: unused.csv, format: azure}}
+",
+            cal.display()
+        )
+    };
+    let got = |memory: &str| {
+        let spec = SimulationSpec::from_yaml_str(&yaml(memory), Path::new("t.yaml")).unwrap();
+        Simulation::new(&spec).map(|s| s.lora_memory.unwrap())
+    };
+    let (m, from) = got("{max_cpu_loras: 2}").unwrap();
+    assert_eq!(
+        (m.load_us, from),
+        (37_500, format!("calibration {}", cal.display()))
+    );
+    let (m, from) = got("{load_ms: 5}").unwrap();
+    assert_eq!((m.load_us, from.as_str()), (5_000, "the spec"));
+    // Neither: refused by name.
+    std::fs::write(&cal, base).unwrap();
+    let err = got("{max_cpu_loras: 2}").unwrap_err().to_string();
+    assert!(
+        err.contains("scheduler.lora_memory.load_ms: set the time"),
+        "{err}"
+    );
+    // Out of bounds in the file: refused by name.
+    std::fs::write(&cal, format!("{base}lora_load_ms: -1\n")).unwrap();
+    let err = got("{load_ms: 5}").unwrap_err().to_string();
+    assert!(err.contains("lora_load_ms -1 outside"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_request_refused_as_too_long_resolves_its_adapter_first_and_gives_it_back() {
+    // The server resolves the adapter before its engine refuses the prompt: the load happens,
+    // the refusal comes once it is done, and the adapter is free to be evicted after.
+    let too_long = TraceRequest {
+        prompt: Arc::from(vec![1u32; 200]),
+        ..req(0.0, Some(1))
+    };
+    let r = run(&sim(memory(1, &[], 10)), &[too_long, req(20.0, Some(2))]);
+    assert_eq!(r.records[0].outcome, "rejected");
+    assert_eq!(r.records[0].adapter_wait_ms, Some(10.0));
+    assert_eq!(r.records[1].ttft_ms, Some(11.5));
+    let m = r.lora_memory.unwrap();
+    assert_eq!((m.loads, m.evictions), (2, 1));
+}
