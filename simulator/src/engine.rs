@@ -1368,15 +1368,14 @@ impl<'a> Loop<'a> {
             draft_tokens: self.draft_tokens,
             accepted_tokens: self.accepted_tokens,
         };
-        let records = self
+        let mut records: Vec<_> = self
             .tracks
             .iter()
             .zip(self.requests)
             .zip(&self.arrivals_us)
             .enumerate()
             .map(|(i, ((t, r), &a))| record(i, t, a, r, self.tiers.get(&r.tier)))
-            .collect::<Vec<_>>();
-        let mut records = records;
+            .collect();
         let lora_memory = self.memory.as_ref().map(|m| {
             for (rec, (wait, r)) in records
                 .iter_mut()
