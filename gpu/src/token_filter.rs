@@ -206,9 +206,11 @@ impl TokenConstraint for Intersection {
 
     fn rollback(&mut self, n: usize) -> bool {
         // Every part takes back its commits, whatever another answers.
-        self.parts
-            .iter_mut()
-            .fold(true, |ok, part| part.rollback(n) && ok)
+        let mut all = true;
+        for part in &mut self.parts {
+            all &= part.rollback(n);
+        }
+        all
     }
 
     fn failure(&self) -> Option<String> {

@@ -167,6 +167,21 @@ impl PromptLogprobs {
     }
 }
 
+/// vLLM's `return_tokens_as_token_ids`: each token string of `logprobs`, the token's and its
+/// alternatives', becomes `token_id:{id}`, and its bytes that string's, as vLLM renders them
+/// (completions' `tokens` and `top_logprobs` keys, whose `text_offset`s then count these
+/// strings, as vLLM's do; chat's `token` and `bytes`, top alternatives included).
+pub fn render_token_ids(logprobs: &mut [TokenLogprob]) {
+    for lp in logprobs {
+        lp.token = format!("token_id:{}", lp.token_id);
+        lp.bytes = lp.token.as_bytes().to_vec();
+        for top in &mut lp.top {
+            top.token = format!("token_id:{}", top.token_id);
+            top.bytes = top.token.as_bytes().to_vec();
+        }
+    }
+}
+
 /// The legacy completions logprobs object.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct CompletionLogprobs {
