@@ -344,3 +344,46 @@ fn bad_values_are_refused_naming_the_field() {
     );
     assert!(!s.log().contains("\"bad_words\""), "{}", s.log());
 }
+
+/// With structured output the grammar and the allowed ids must both allow a token: a choice
+/// list under ids of its other choice's text gives that choice (the end of sequence, not in
+/// the list, ends it all the same: where nothing is left in common, the end ids are). Only
+/// the structured requests count as structured output.
+#[test]
+fn allowed_token_ids_narrow_a_structured_choice() {
+    let s = server();
+    let metric = "switchyard:structured_output_requests_total";
+    let options = ["purple elephant", "green giraffe"];
+    let body = |extra: Value| {
+        let mut b = json!({"prompt": "My favourite animal is the", "max_tokens": 8,
+                           "temperature": 0, "guided_choice": options});
+        b.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        b
+    };
+    let free = ok(&s, "/v1/completions", body(json!({})));
+    let pick = free["choices"][0]["text"]
+        .as_str()
+        .expect("text")
+        .to_owned();
+    let other = options
+        .iter()
+        .find(|o| **o != pick)
+        .unwrap_or_else(|| panic!("{pick:?} is not a choice"));
+    let v = ok(
+        &s,
+        "/v1/completions",
+        body(json!({"allowed_token_ids": tokenize(&s, other)})),
+    );
+    assert_eq!(v["choices"][0]["text"], *other, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    assert_eq!(s.metric(metric), Some(2.0));
+    ok(
+        &s,
+        "/v1/completions",
+        json!({"prompt": PROMPT, "max_tokens": 2, "bad_words": ["Paris"],
+               "allowed_token_ids": [1, 2, 3]}),
+    );
+    assert_eq!(s.metric(metric), Some(2.0));
+}
