@@ -1,6 +1,6 @@
 //! End-to-end tests of speculative decoding: the real binary, SmolLM2 on the CPU, HTTP on
 //! loopback. A server with `speculative:` must answer exactly as one without it (greedy and
-//! seeded sampling, logprobs, streaming, structured output), while its metrics show drafts
+//! seeded sampling, logprobs, streaming, structured output, bad words), while its metrics show drafts
 //! proposed and accepted.
 
 mod common;
@@ -42,6 +42,13 @@ fn requests() -> Vec<(&'static str, Value)> {
             "/v1/completions",
             json!({"prompt": "Numbers: 1 2 3 4 5 6 7 8 9 10 11 12", "max_tokens": 24, "temperature": 0,
                    "structured_outputs": {"regex": "( [0-9]+)+"}}),
+        ),
+        // Bad words the drafts (the prompt's own words) propose: rejected drafts are taken
+        // back from each choice's bad-words state.
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": format!("Repeat the following text exactly:\n{text}")}],
+                   "max_tokens": 48, "temperature": 0, "n": 2, "bad_words": ["stone", "mill and"]}),
         ),
     ]
 }

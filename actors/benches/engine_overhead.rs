@@ -108,6 +108,7 @@ fn request() -> RequestOptions {
         beam: None,
         lora: None,
         structured: None,
+        filters: switchyard_actors::token_filters::TokenFilters::default(),
     }
 }
 

@@ -11,6 +11,7 @@ pub mod metric_names;
 pub mod structured;
 #[cfg(test)]
 mod testing;
+pub mod token_filters;
 
 pub use crate::beam::MAX_BEAM_WIDTH;
 pub use crate::core::{

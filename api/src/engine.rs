@@ -499,6 +499,15 @@ pub struct SamplingOptions {
     pub min_tokens: u32,
     /// Keep generating past EOS (benchmarking).
     pub ignore_eos: bool,
+    /// vLLM's `allowed_token_ids`: only these tokens may be sampled (non-empty, at most
+    /// [`crate::schema::MAX_ALLOWED_TOKEN_IDS`]; the engine refuses ids outside the vocabulary
+    /// with a 400 naming the field). End-of-sequence tokens are not added, as in vLLM.
+    pub allowed_token_ids: Option<Vec<u32>>,
+    /// vLLM's `bad_words` (at most [`crate::schema::MAX_BAD_WORDS`] of 1 to
+    /// [`crate::schema::MAX_BAD_WORD_BYTES`] bytes, each with a non-space character): the
+    /// engine tokenizes each as vLLM does and bans, at each step, the last token of a word
+    /// whose other tokens end the output so far.
+    pub bad_words: Vec<String>,
 }
 
 impl Default for SamplingOptions {
@@ -516,6 +525,8 @@ impl Default for SamplingOptions {
             stop_token_ids: Vec::new(),
             min_tokens: 0,
             ignore_eos: false,
+            allowed_token_ids: None,
+            bad_words: Vec::new(),
         }
     }
 }

@@ -1,5 +1,6 @@
 //! Structured output on the sampler's side: a sequence may carry a [`TokenConstraint`] (a
-//! grammar, a JSON schema, a regular expression) that says before each sampled token which
+//! grammar, a JSON schema, a regular expression; vLLM's `allowed_token_ids` and `bad_words`,
+//! see [`crate::token_filter`]) that says before each sampled token which
 //! tokens may come next and is told the token that was sampled. Backends apply the allowed
 //! set after the sampler's own logit edits (bias, `min_tokens`, penalties) and before the
 //! draw, so a constrained request samples from the model's distribution restricted to what
@@ -15,9 +16,10 @@ use parking_lot::Mutex;
 /// What a sequence may sample next.
 pub trait TokenConstraint: Send {
     /// Sets the bits of the tokens allowed next in `allowed`: token `t` is bit `t % 32` of
-    /// word `t / 32`. `allowed` arrives cleared and covers the model's whole vocabulary
-    /// (tokens past the tokenizer's are never allowed). Never leaves it empty: a constraint
-    /// that has failed or finished allows only its end-of-sequence tokens.
+    /// word `t / 32`. `allowed` arrives cleared and covers the model's whole vocabulary (a
+    /// grammar never allows tokens past the tokenizer's; `bad_words` leaves them as they are
+    /// without it). Never leaves it empty: a constraint that has failed or finished allows
+    /// only its end-of-sequence tokens.
     fn fill_allowed(&mut self, allowed: &mut [u32]);
     /// Records the token sampled from the last allowed set.
     fn commit(&mut self, token: u32);
@@ -60,6 +62,11 @@ impl Constraint {
             }
         }
         words
+    }
+
+    /// Runs `f` on the constraint, under its lock.
+    pub(crate) fn with<R>(&self, f: impl FnOnce(&mut dyn TokenConstraint) -> R) -> R {
+        f(self.0.lock().as_mut())
     }
 
     /// Records a sampled token.

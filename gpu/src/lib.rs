@@ -16,6 +16,7 @@ pub mod cuda;
 pub mod lora;
 mod lora_targets;
 pub mod sampler;
+pub mod token_filter;
 pub use backend::{
     Backend, Batch, CpuBackend, CpuBackendConfig, SeqInput, SeqOutput, CUDA_MAX_BATCH_TOKENS,
     CUDA_WINDOW_READ_SLACK,
@@ -24,3 +25,4 @@ pub use constraint::{Constraint, TokenConstraint};
 pub use cpu::llama::ActivationPrecision;
 pub use lora::{LoraAdapter, LoraLimits, LoraTarget};
 pub use sampler::SamplingParams;
+pub use token_filter::{AllowedTokens, BadWords, Intersection};

@@ -49,7 +49,10 @@ use switchyard_gpu::model::gguf::GgufFile;
 use switchyard_gpu::model::DType;
 use switchyard_gpu::model::{LlamaConfig, ModelWeights};
 use switchyard_gpu::sampler::log_softmax;
-use switchyard_gpu::{Constraint, LoraAdapter, LoraLimits, LoraTarget, TokenConstraint};
+use switchyard_gpu::{
+    AllowedTokens, BadWords, Constraint, Intersection, LoraAdapter, LoraLimits, LoraTarget,
+    TokenConstraint,
+};
 
 #[path = "common/drafts.rs"]
 mod drafts;
@@ -1748,6 +1751,61 @@ fn constrained_drafts_are_kept_exactly_where_one_token_per_step_agrees() {
     let mut b = CudaBackend::new(&c, WeightSource::Loaded(&w), &cfg(256, true)).expect("backend");
     let reference = drafts::one_per_step(&mut b, &ps, &params(), 20, 0);
     let (out, accepted) = drafts::with_drafts(&mut b, &ps, &params(), &reference, 4, vocab, 10);
+    assert_eq!(out, reference);
+    assert!(accepted >= 10, "{accepted} drafts accepted");
+}
+
+/// vLLM's bad words and allowed ids with drafts on the GPU: each draft's row gets the set
+/// after the drafts before it (committed to each choice's bad-words state, then taken back),
+/// so filtered sequences (greedy and seeded) decode with drafts exactly as one token per step.
+#[test]
+fn token_filters_with_drafts_decode_as_one_token_per_step() {
+    if !gpu() {
+        return;
+    }
+    let (c, w, temperature) = smollm2_or_dummy();
+    let ps = prompts(c.vocab_size);
+    let vocab = c.vocab_size as u32;
+    let mut b = CudaBackend::new(&c, WeightSource::Loaded(&w), &cfg(256, true)).expect("backend");
+    let free = drafts::one_per_step(
+        &mut b,
+        &ps,
+        &greedy_and_seeded(ps.len(), temperature, None),
+        20,
+        0,
+    );
+    // Pairs of tokens of the free answers, and one token, banned.
+    let words: Arc<[Vec<u32>]> = vec![
+        free[0][2..4].to_vec(),
+        free[1][5..7].to_vec(),
+        vec![free[0][8]],
+    ]
+    .into();
+    let allowed: Vec<u32> = (0..vocab).filter(|t| t % 7 != 3).collect();
+    let params = || -> Vec<Arc<SamplingParams>> {
+        let filtered = || {
+            let parts: Vec<Box<dyn TokenConstraint>> = vec![
+                Box::new(BadWords::new(words.clone())),
+                Box::new(AllowedTokens::new(&allowed, vocab as usize)),
+            ];
+            Some(Constraint::new(Intersection::new(parts, Arc::from([0u32]))))
+        };
+        let mut p = greedy_and_seeded(ps.len(), temperature, None);
+        p[0] = Arc::new(SamplingParams {
+            constraint: filtered(),
+            ..SamplingParams::greedy()
+        });
+        p[1] = Arc::new(SamplingParams {
+            constraint: filtered(),
+            temperature,
+            seed: Some(5),
+            ..SamplingParams::default()
+        });
+        p
+    };
+    let reference = drafts::one_per_step(&mut b, &ps, &params(), 20, 20);
+    assert_ne!(reference[0], free[0]);
+    let (out, accepted) = drafts::with_drafts(&mut b, &ps, &params(), &reference, 4, vocab, 40);
     assert_eq!(out, reference);
     assert!(accepted >= 10, "{accepted} drafts accepted");
 }

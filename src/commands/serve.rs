@@ -25,6 +25,7 @@ use switchyard_actors::actors::{
     TokenLogprobs,
 };
 use switchyard_actors::structured::StructuredOutput;
+use switchyard_actors::token_filters::TokenFilters;
 use switchyard_api::engine::{
     self as port, Delta, EngineError, EngineErrorKind, EngineEvent, EngineFuture, Finish,
     GenerateRequest, LoraAdapterInfo, PolicyInfo, PolicySpec, PolicySwap, SpeculativeMethod,
@@ -903,6 +904,10 @@ impl EngineAdapter {
                 length_penalty: b.length_penalty,
             }),
             lora: request.lora,
+            filters: TokenFilters {
+                allowed_token_ids: s.allowed_token_ids.clone().map(Arc::from),
+                bad_words: s.bad_words.clone(),
+            },
             structured: request.structured.map(|s| match s {
                 port::StructuredOutputSpec::JsonObject => StructuredOutput::JsonObject,
                 port::StructuredOutputSpec::JsonSchema(v) => StructuredOutput::JsonSchema(v),

@@ -293,6 +293,7 @@ impl Engine {
                 prompt_logprobs: None,
                 lora: options.lora.clone(),
                 structured: None,
+                filters: crate::token_filters::TokenFilters::default(),
                 cache_salt: options.cache_salt.clone(),
                 embed: false,
                 beam: None,

@@ -383,6 +383,7 @@ fn request(n: u32, max_tokens: u32, sampling: SamplingParams) -> RequestOptions 
         beam: None,
         lora: None,
         structured: None,
+        filters: crate::token_filters::TokenFilters::default(),
     }
 }
 

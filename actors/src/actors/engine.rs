@@ -29,10 +29,11 @@ use super::lora::{
     Register as RegisterAdapter, Replace as ReplaceAdapter, SetPinned, Unregister,
 };
 use super::scheduler::{GetStats, SchedulerActor, SetSpeculative, SetTiers, SwapPolicy};
-use super::tokenizer::{Constrain, Decode, Encode, TokenizerActor};
+use super::tokenizer::{Constrain, Decode, Encode, EncodeBadWords, TokenizerActor};
 use crate::core::{AsyncScheduling, EngineCoreConfig, StepCore, SubmitOptions};
 use crate::metric_names as names;
 use crate::structured::{LazyGrammarCompiler, StructuredOutput};
+use crate::token_filters::{choice_constraints, TokenFilters};
 use crate::EngineError;
 
 /// What the engine needs beyond the model.
@@ -133,6 +134,9 @@ pub struct RequestOptions {
     pub lora: Option<String>,
     /// Structured output: what the generated text must follow; `None` for free text.
     pub structured: Option<StructuredOutput>,
+    /// vLLM's `allowed_token_ids` and `bad_words`, sampled as constraints (with the grammar,
+    /// when there is one); refused with beam search.
+    pub filters: TokenFilters,
     /// vLLM's `cache_salt`: requests share cached prefix blocks only with requests of the same
     /// salt (and, with [`EngineConfig::prefix_sharing_by_tenant`], the same tenant).
     pub cache_salt: Option<String>,
@@ -696,6 +700,13 @@ impl Engine {
                         }
                     }
                 };
+                let constraints = match this.filtered(&options, constraints).await {
+                    Ok(c) => c,
+                    Err(e) => {
+                        this.refuse(&options, sink.as_mut(), e);
+                        return;
+                    }
+                };
                 let resolved = Resolved {
                     prompt: encoded.ids,
                     opens_thinking: encoded.opens_thinking,
@@ -717,6 +728,55 @@ impl Engine {
             },
             span,
         ));
+    }
+
+    /// The constraints of a request's choices with its token filters ([`TokenFilters`]):
+    /// its bad words tokenized on the tokenizer pool, then each choice's grammar (`grammar`,
+    /// one per choice or none), allowed ids and bad words intersected.
+    async fn filtered(
+        &self,
+        options: &RequestOptions,
+        grammar: Vec<Constraint>,
+    ) -> Result<Vec<Constraint>, SubmitError> {
+        let filters = &options.filters;
+        if filters.is_empty() {
+            return Ok(grammar);
+        }
+        if options.beam.is_some() {
+            let param = if filters.allowed_token_ids.is_some() {
+                "allowed_token_ids"
+            } else {
+                "bad_words"
+            };
+            return Err(SubmitError::new(
+                SubmitErrorKind::InvalidRequest,
+                format!("{param} cannot be combined with beam search"),
+            )
+            .with_param(param));
+        }
+        let bad_words = if filters.bad_words.is_empty() {
+            None
+        } else {
+            let words = self
+                .ask_tokenizers(EncodeBadWords(filters.bad_words.clone()))
+                .await?;
+            Some(Arc::from(words))
+        };
+        let end_ids: Arc<[u32]> = options
+            .sampling
+            .eos_token_ids
+            .iter()
+            .chain(&options.sampling.stop_token_ids)
+            .copied()
+            .collect();
+        Ok(choice_constraints(
+            filters,
+            grammar,
+            bad_words,
+            options.n.max(1) as usize,
+            self.vocab,
+            end_ids,
+        ))
     }
 
     /// Answers a request with `error` before it is queued; one refused as overloaded or
@@ -918,7 +978,20 @@ impl Engine {
                 e.to_string(),
             )),
             Ok(()) => outside("logit_bias", &bias)
-                .or_else(|| outside("stop_token_ids", &options.sampling.stop_token_ids)),
+                .or_else(|| outside("stop_token_ids", &options.sampling.stop_token_ids))
+                .or_else(|| {
+                    let allowed = options.filters.allowed_token_ids.as_deref()?;
+                    if allowed.is_empty() {
+                        return Some(
+                            SubmitError::new(
+                                SubmitErrorKind::InvalidRequest,
+                                "allowed_token_ids is empty",
+                            )
+                            .with_param("allowed_token_ids"),
+                        );
+                    }
+                    outside("allowed_token_ids", allowed)
+                }),
         };
         if let Some(error) = check {
             return Err(error);
@@ -1452,6 +1525,7 @@ mod tests {
             prompt_logprobs: None,
             lora: None,
             structured: None,
+            filters: TokenFilters::default(),
             cache_salt: None,
             embed: false,
             beam: None,

@@ -51,6 +51,12 @@ pub struct Encode {
 #[rtype(result = "Result<String, SubmitError>")]
 pub struct Decode(pub Vec<u32>);
 
+/// Tokenizes a request's `bad_words` as vLLM does
+/// ([`crate::token_filters::bad_word_sequences`]).
+#[derive(Message)]
+#[rtype(result = "Result<Vec<Vec<u32>>, SubmitError>")]
+pub struct EncodeBadWords(pub Vec<String>);
+
 /// Compiles a structured-output specification into one constraint per choice.
 #[derive(Message)]
 #[rtype(result = "Result<Vec<Constraint>, SubmitError>")]
@@ -280,6 +286,15 @@ impl Handler<Encode> for TokenizerActor {
                 )
             }
         }
+    }
+}
+
+impl Handler<EncodeBadWords> for TokenizerActor {
+    type Result = Result<Vec<Vec<u32>>, SubmitError>;
+
+    fn handle(&mut self, msg: EncodeBadWords, _: &mut SyncContext<Self>) -> Self::Result {
+        crate::token_filters::bad_word_sequences(&msg.0, |text| self.tokenizer.encode(text, false))
+            .map_err(|e| invalid(e.to_string()).with_param("bad_words"))
     }
 }
 

@@ -12,9 +12,9 @@ use crate::generation::{ChoiceDelta, Generation, RequestFields};
 use crate::schema::reasoning::{ThinkSplitter, ThinkStart};
 use crate::schema::tools::{new_call_id, ToolAnswer, ToolFormat, ToolPiece, ToolStream};
 use crate::schema::{
-    ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatLogprobs, ChatRequest, ChatResponse,
-    ChatResponseMessage, FunctionCall, FunctionCallDelta, PromptLogprobs, ToolCall, ToolCallDelta,
-    Usage, Validated,
+    render_token_ids, ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatLogprobs, ChatRequest,
+    ChatResponse, ChatResponseMessage, FunctionCall, FunctionCallDelta, PromptLogprobs, ToolCall,
+    ToolCallDelta, Usage, Validated,
 };
 use crate::sse::{chunk_usage, frame, sse_response, ChunkWriter, RunningUsage};
 use crate::state::{request_id, unix_now, ApiState};
@@ -90,6 +90,8 @@ pub(super) struct ChatWriter {
     named: bool,
     /// The model's call format, whose ids the calls get.
     call_format: ToolFormat,
+    /// vLLM's `return_tokens_as_token_ids`: logprobs name tokens `token_id:{id}`.
+    token_ids: bool,
 }
 
 impl ChatWriter {
@@ -154,6 +156,7 @@ impl ChatWriter {
             calls_only: validated.tool_calls.is_some_and(ToolAnswer::calls_only),
             named: validated.tool_calls == Some(ToolAnswer::Named),
             call_format: tool_format,
+            token_ids: validated.return_tokens_as_token_ids,
         }
     }
 }
@@ -187,6 +190,9 @@ impl ChatWriter {
         finished: bool,
     ) -> Reading {
         let at = usize::try_from(choice).unwrap_or(usize::MAX);
+        if self.token_ids {
+            render_token_ids(&mut logprobs);
+        }
         let (reasoning, text) = match self.thinking.as_mut().and_then(|t| t.get_mut(at)) {
             Some(splitter) => {
                 let mut split = splitter.push(&text);

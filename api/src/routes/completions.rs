@@ -10,8 +10,8 @@ use crate::engine::PromptInput;
 use crate::error::ApiError;
 use crate::generation::{ChoiceDelta, Generation, RequestFields};
 use crate::schema::{
-    CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, PromptLogprobs,
-    Usage,
+    render_token_ids, CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
+    PromptLogprobs, Usage,
 };
 use crate::sse::{chunk_usage, frame, sse_response, ChunkWriter, RunningUsage};
 use crate::state::{unix_now, ApiState};
@@ -69,6 +69,7 @@ pub(crate) async fn completions(
         echo: echo_texts,
         logprobs: validated.logprobs,
         prompt_logprobs: validated.prompt_logprobs,
+        token_ids: validated.return_tokens_as_token_ids,
         offsets: vec![0; generation.choices()],
         usage_field: validated.include_usage.then_some(None),
         running: validated
@@ -99,6 +100,9 @@ struct CompletionWriter {
     logprobs: Option<u32>,
     /// Alternatives per prompt token in vLLM's `prompt_logprobs` field, when asked.
     prompt_logprobs: Option<u32>,
+    /// vLLM's `return_tokens_as_token_ids`: `logprobs` name tokens `token_id:{id}` (the echoed
+    /// prompt's too; vLLM's `prompt_logprobs` field keeps its decoded tokens).
+    token_ids: bool,
     /// Per choice, where the next token's text starts (for `text_offset`): the characters of
     /// the tokens reported so far.
     offsets: Vec<u32>,
@@ -144,6 +148,11 @@ impl CompletionWriter {
             for lp in prompt_logprobs.iter_mut().flatten() {
                 lp.top.truncate(k);
             }
+            if self.token_ids {
+                if let Some(list) = prompt_logprobs.as_mut() {
+                    render_token_ids(list);
+                }
+            }
             for i in 0..n {
                 let index = u32::try_from(prompt)
                     .unwrap_or(u32::MAX)
@@ -182,7 +191,13 @@ impl CompletionWriter {
         let logprobs = match offset {
             Some(offset) if self.logprobs.is_some() => {
                 let mut lp = CompletionLogprobs::default();
-                *offset = lp.extend(&delta.delta.logprobs, *offset);
+                if self.token_ids {
+                    let mut rendered = delta.delta.logprobs.clone();
+                    render_token_ids(&mut rendered);
+                    *offset = lp.extend(&rendered, *offset);
+                } else {
+                    *offset = lp.extend(&delta.delta.logprobs, *offset);
+                }
                 Some(lp)
             }
             _ => None,

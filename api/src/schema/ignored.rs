@@ -125,6 +125,16 @@ mod tests {
             "reasoning_effort": "low", "service_tier": "auto", "store": true});
         let request: ChatRequest = serde_json::from_value(body).unwrap();
         assert_eq!(request.ignored.names(), ["store"]);
+        // vLLM's sampling extras are read, not ignored.
+        let body = json!({"prompt": "x", "allowed_token_ids": [1], "bad_words": ["a"],
+            "return_tokens_as_token_ids": true});
+        let request: CompletionRequest = serde_json::from_value(body).unwrap();
+        assert_eq!(request.ignored.summary(), None);
+        assert_eq!(request.return_tokens_as_token_ids, Some(true));
+        let body = json!({"messages": [], "allowed_token_ids": [1], "bad_words": ["a"],
+            "return_tokens_as_token_ids": false});
+        let request: ChatRequest = serde_json::from_value(body).unwrap();
+        assert_eq!(request.ignored.summary(), None);
         let body = json!({"messages": [], "max_tokens": 1});
         let request: ChatRequest = serde_json::from_value(body).unwrap();
         assert_eq!(request.ignored.summary(), None);

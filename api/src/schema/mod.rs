@@ -58,6 +58,12 @@ pub mod limits {
     pub const MAX_STOP_TOKEN_IDS: usize = 64;
     /// Most `logit_bias` entries.
     pub const MAX_LOGIT_BIAS: usize = 300;
+    /// Most `allowed_token_ids` (vLLM sets no bound; this is more than a 64k vocabulary).
+    pub const MAX_ALLOWED_TOKEN_IDS: usize = 65_536;
+    /// Most `bad_words`.
+    pub const MAX_BAD_WORDS: usize = 128;
+    /// Longest bad word, in bytes.
+    pub const MAX_BAD_WORD_BYTES: usize = 256;
     /// Most alternatives per token (`logprobs`, `top_logprobs`).
     pub const MAX_LOGPROBS: u32 = 20;
     /// Beams of a beam search (`n` with `use_beam_search`): each step asks for `2 × n`

@@ -133,6 +133,12 @@ pub struct CompletionRequest {
     pub min_tokens: Option<u32>,
     /// `ignore_eos`.
     pub ignore_eos: Option<bool>,
+    /// vLLM's `allowed_token_ids`: only these tokens may be sampled.
+    pub allowed_token_ids: Option<Vec<u32>>,
+    /// vLLM's `bad_words`: words the output may not contain (as tokens).
+    pub bad_words: Option<Vec<String>>,
+    /// vLLM's `return_tokens_as_token_ids`: logprobs' token strings read `token_id:{id}`.
+    pub return_tokens_as_token_ids: Option<bool>,
     /// vLLM's `cache_salt`: cached prefixes are shared only with requests of the same salt.
     pub cache_salt: Option<String>,
     /// vLLM's `include_stop_str_in_output`: keep a matched stop string (or the text of the stop
@@ -225,6 +231,12 @@ pub struct ChatRequest {
     pub min_tokens: Option<u32>,
     /// `ignore_eos`.
     pub ignore_eos: Option<bool>,
+    /// vLLM's `allowed_token_ids`: only these tokens may be sampled.
+    pub allowed_token_ids: Option<Vec<u32>>,
+    /// vLLM's `bad_words`: words the output may not contain (as tokens).
+    pub bad_words: Option<Vec<String>>,
+    /// vLLM's `return_tokens_as_token_ids`: logprobs' token strings read `token_id:{id}`.
+    pub return_tokens_as_token_ids: Option<bool>,
     /// vLLM's `cache_salt`: cached prefixes are shared only with requests of the same salt.
     pub cache_salt: Option<String>,
     /// vLLM's `include_stop_str_in_output`: keep a matched stop string (or the text of the stop
@@ -304,6 +316,8 @@ macro_rules! sampler_fields {
             stop_token_ids: $req.stop_token_ids.clone(),
             min_tokens: $req.min_tokens,
             ignore_eos: $req.ignore_eos,
+            allowed_token_ids: $req.allowed_token_ids.clone(),
+            bad_words: $req.bad_words.clone(),
         }
     };
 }
@@ -356,6 +370,9 @@ pub struct Validated {
     pub beam_search: Option<BeamSearch>,
     /// Keep matched stop strings and stop tokens' text.
     pub include_stop_str_in_output: bool,
+    /// vLLM's `return_tokens_as_token_ids`: every token string of the logprobs (completions'
+    /// `tokens` and `top_logprobs` keys, chat's `token` and its `bytes`) reads `token_id:{id}`.
+    pub return_tokens_as_token_ids: bool,
     /// Leave special tokens' text out.
     pub skip_special_tokens: bool,
     /// Special tokens whose text is kept though special tokens are skipped (the tool-call
@@ -651,6 +668,8 @@ impl BeamFields<'_> {
             ("frequency_penalty", s.frequency_penalty != 0.0),
             ("repetition_penalty", s.repetition_penalty != 1.0),
             ("logit_bias", !s.logit_bias.is_empty()),
+            ("allowed_token_ids", s.allowed_token_ids.is_some()),
+            ("bad_words", !s.bad_words.is_empty()),
         ];
         if let Some((field, _)) = shaping.iter().find(|(_, set)| *set) {
             return Err(ApiError::invalid(
@@ -877,6 +896,7 @@ impl CompletionRequest {
             tool_calls: None,
             cache_salt: parse_cache_salt(self.cache_salt)?,
             include_stop_str_in_output: self.include_stop_str_in_output.unwrap_or(false),
+            return_tokens_as_token_ids: self.return_tokens_as_token_ids.unwrap_or(false),
             skip_special_tokens: self.skip_special_tokens.unwrap_or(true),
             keep_special_tokens: KeptTokens::default(),
         })
@@ -1058,6 +1078,7 @@ impl ChatRequest {
             tool_calls: tools.as_ref().and_then(ToolUse::answer),
             cache_salt: parse_cache_salt(self.cache_salt)?,
             include_stop_str_in_output: self.include_stop_str_in_output.unwrap_or(false),
+            return_tokens_as_token_ids: self.return_tokens_as_token_ids.unwrap_or(false),
             skip_special_tokens: self.skip_special_tokens.unwrap_or(true),
             // A marker that is a special token must reach the tool reader (vLLM turns
             // skipping off altogether for Mistral's tool parser; only the marker is kept here,

@@ -167,6 +167,21 @@ impl PromptLogprobs {
     }
 }
 
+/// vLLM's `return_tokens_as_token_ids`: each token string of `logprobs`, the token's and its
+/// alternatives', becomes `token_id:{id}`, and its bytes that string's, as vLLM renders them
+/// (completions' `tokens` and `top_logprobs` keys, whose `text_offset`s then count these
+/// strings, as vLLM's do; chat's `token` and `bytes`, top alternatives included).
+pub fn render_token_ids(logprobs: &mut [TokenLogprob]) {
+    for lp in logprobs {
+        lp.token = format!("token_id:{}", lp.token_id);
+        lp.bytes = lp.token.as_bytes().to_vec();
+        for top in &mut lp.top {
+            top.token = format!("token_id:{}", top.token_id);
+            top.bytes = top.token.as_bytes().to_vec();
+        }
+    }
+}
+
 /// The legacy completions logprobs object.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct CompletionLogprobs {
@@ -582,6 +597,37 @@ mod tests {
             serde_json::to_string(&out.top_logprobs).unwrap(),
             format!(r#"[{{" \"":-2.0,"Max":-14.8}},{{"a":-0.1}},{{"{replacement}":-0.2}}]"#)
         );
+    }
+
+    /// vLLM's `return_tokens_as_token_ids`: every string is `token_id:{id}`, so two byte
+    /// tokens that read alike keep a key each, offsets count the rendered strings, and chat's
+    /// bytes are those of the string.
+    #[test]
+    fn token_ids_replace_every_token_string() {
+        let r = "\u{FFFD}";
+        let mut first = lp(r, Some(-3.0), &[(r, -0.25), (r, -3.0)]);
+        first.token_id = 7;
+        first.top[0].token_id = 12;
+        first.top[1].token_id = 7;
+        let mut second = lp("ab", Some(-0.5), &[]);
+        second.token_id = 1234;
+        let mut list = vec![first, second];
+        render_token_ids(&mut list);
+        let mut out = CompletionLogprobs::default();
+        assert_eq!(out.extend(&list, 2), 2 + 10 + 13);
+        assert_eq!(
+            serde_json::to_value(&out).unwrap(),
+            serde_json::json!({"tokens": ["token_id:7", "token_id:1234"],
+                "token_logprobs": [-3.0, -0.5],
+                "top_logprobs": [{"token_id:12": -0.25, "token_id:7": -3.0},
+                                 {"token_id:1234": -0.5}],
+                "text_offset": [2, 12]})
+        );
+        let chat = ChatLogprobs::from_engine(&list);
+        assert_eq!(chat.content[0].token, "token_id:7");
+        assert_eq!(chat.content[0].bytes, b"token_id:7");
+        assert_eq!(chat.content[0].top_logprobs[0].token, "token_id:12");
+        assert_eq!(chat.content[0].top_logprobs[0].bytes, b"token_id:12");
     }
 
     #[test]

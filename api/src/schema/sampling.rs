@@ -3,7 +3,9 @@
 
 use std::collections::HashMap;
 
-use super::limits::{MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS};
+use super::limits::{
+    MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORDS, MAX_BAD_WORD_BYTES, MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS,
+};
 use crate::engine::SamplingOptions;
 use crate::error::ApiError;
 
@@ -34,6 +36,10 @@ pub struct SamplerFields {
     pub min_tokens: Option<u32>,
     /// `ignore_eos` (vLLM).
     pub ignore_eos: Option<bool>,
+    /// `allowed_token_ids` (vLLM).
+    pub allowed_token_ids: Option<Vec<u32>>,
+    /// `bad_words` (vLLM).
+    pub bad_words: Option<Vec<String>>,
 }
 
 fn check_range(param: &str, value: Option<f32>, lo: f32, hi: f32) -> Result<(), ApiError> {
@@ -80,6 +86,8 @@ impl SamplerFields {
                 format!("at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed"),
             ));
         }
+        let allowed_token_ids = parse_allowed_token_ids(self.allowed_token_ids)?;
+        let bad_words = parse_bad_words(self.bad_words)?;
         let defaults = SamplingOptions::default();
         Ok(SamplingOptions {
             temperature: self.temperature.unwrap_or(defaults.temperature),
@@ -95,8 +103,51 @@ impl SamplerFields {
             stop_token_ids,
             min_tokens: self.min_tokens.unwrap_or(0),
             ignore_eos: self.ignore_eos.unwrap_or(false),
+            allowed_token_ids,
+            bad_words,
         })
     }
+}
+
+/// vLLM's `allowed_token_ids`: non-empty (vLLM refuses an empty list), at most
+/// [`MAX_ALLOWED_TOKEN_IDS`]; the engine checks them against the vocabulary.
+fn parse_allowed_token_ids(ids: Option<Vec<u32>>) -> Result<Option<Vec<u32>>, ApiError> {
+    match ids {
+        Some(ids) if ids.is_empty() => Err(ApiError::invalid(
+            "allowed_token_ids",
+            "allowed_token_ids must not be empty",
+        )),
+        Some(ids) if ids.len() > MAX_ALLOWED_TOKEN_IDS => Err(ApiError::invalid(
+            "allowed_token_ids",
+            format!("at most {MAX_ALLOWED_TOKEN_IDS} allowed_token_ids are allowed"),
+        )),
+        other => Ok(other),
+    }
+}
+
+/// vLLM's `bad_words`: at most [`MAX_BAD_WORDS`], each 1 to [`MAX_BAD_WORD_BYTES`] bytes with
+/// a character that is not whitespace (vLLM strips the leading whitespace and fails on what
+/// is then empty).
+fn parse_bad_words(words: Option<Vec<String>>) -> Result<Vec<String>, ApiError> {
+    let words = words.unwrap_or_default();
+    if words.len() > MAX_BAD_WORDS {
+        return Err(ApiError::invalid(
+            "bad_words",
+            format!("at most {MAX_BAD_WORDS} bad_words are allowed"),
+        ));
+    }
+    for word in &words {
+        if word.len() > MAX_BAD_WORD_BYTES || word.trim().is_empty() {
+            return Err(ApiError::invalid(
+                "bad_words",
+                format!(
+                    "bad_words must be 1 to {MAX_BAD_WORD_BYTES} bytes long, with a character \
+                     that is not whitespace"
+                ),
+            ));
+        }
+    }
+    Ok(words)
 }
 
 fn parse_logit_bias(raw: Option<HashMap<String, f32>>) -> Result<Vec<(u32, f32)>, ApiError> {
@@ -227,5 +278,40 @@ mod tests {
             ..SamplerFields::default()
         };
         assert_eq!(fields.validate().unwrap().seed, Some(u64::MAX - 1));
+    }
+
+    /// One case per refusal, each naming its field.
+    #[test]
+    fn allowed_token_ids_and_bad_words_are_bounded() {
+        let allowed = |ids: Vec<u32>| SamplerFields {
+            allowed_token_ids: Some(ids),
+            ..SamplerFields::default()
+        };
+        let bad = |words: Vec<String>| SamplerFields {
+            bad_words: Some(words),
+            ..SamplerFields::default()
+        };
+        let too_many_ids = vec![1; MAX_ALLOWED_TOKEN_IDS + 1];
+        let too_many_words = vec!["x".to_owned(); MAX_BAD_WORDS + 1];
+        let cases = [
+            (allowed(Vec::new()), "allowed_token_ids"),
+            (allowed(too_many_ids), "allowed_token_ids"),
+            (bad(too_many_words), "bad_words"),
+            (bad(vec!["ok".into(), String::new()]), "bad_words"),
+            (bad(vec![" \t\n".into()]), "bad_words"),
+            (bad(vec!["y".repeat(MAX_BAD_WORD_BYTES + 1)]), "bad_words"),
+        ];
+        for (fields, param) in cases {
+            let what = format!("{fields:?}");
+            assert_eq!(param_of(fields).as_deref(), Some(param), "{what:.80}");
+        }
+        let fields = SamplerFields {
+            allowed_token_ids: Some(vec![3, 1, 3]),
+            bad_words: Some(vec![" Paris".into(), "y".repeat(MAX_BAD_WORD_BYTES)]),
+            ..SamplerFields::default()
+        };
+        let options = fields.validate().unwrap();
+        assert_eq!(options.allowed_token_ids, Some(vec![3, 1, 3]));
+        assert_eq!(options.bad_words.len(), 2);
     }
 }
