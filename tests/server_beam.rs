@@ -201,6 +201,23 @@ fn beams_come_best_first_with_usage_and_metrics_counted_once() {
     assert_eq!(prompt_tokens, 3.0 * tok["count"].as_f64().unwrap());
     let tokens = s.metric("switchyard:generation_tokens_total").unwrap() - generated;
     assert!(tokens > 0.0 && tokens <= 3.0 * 4.0 * 8.0, "{tokens}");
+    // vLLM's per-request histograms: each beam a finished request of the prompt's length,
+    // its tokens and max_tokens 8; the request's width (its n) and longest beam once each; no
+    // prefill, decode or inference time (the steps are engine requests of their own).
+    let per_prompt = tok["count"].as_f64().unwrap();
+    for (name, want) in [
+        ("switchyard:request_prompt_tokens_count", 12.0),
+        ("switchyard:request_prompt_tokens_sum", 12.0 * per_prompt),
+        ("switchyard:request_generation_tokens_count", 12.0),
+        ("switchyard:request_generation_tokens_sum", tokens),
+        ("switchyard:request_params_max_tokens_sum", 12.0 * 8.0),
+        ("switchyard:request_params_n_count", 3.0),
+        ("switchyard:request_params_n_sum", 12.0),
+        ("switchyard:request_max_num_generation_tokens_count", 3.0),
+        ("switchyard:request_prefill_time_seconds_count", 0.0),
+    ] {
+        assert_eq!(s.metric(name), Some(want), "{name}");
+    }
     // Without include_stop_str_in_output an end token is not listed, and usage still counts it.
     let v = complete(
         &s,

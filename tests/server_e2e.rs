@@ -644,6 +644,10 @@ fn metrics_are_exported() {
         "switchyard:e2e_request_latency_seconds_count 0",
         "switchyard:policy_swaps_total 0",
         "switchyard:http_requests_in_flight 0",
+        "switchyard:request_prompt_tokens_count 0",
+        "switchyard:request_params_n_count 0",
+        "switchyard:iteration_tokens_total_count 0",
+        "switchyard:request_decode_time_seconds_count 0",
     ] {
         assert!(
             fresh.body.lines().any(|l| l == line),
@@ -651,9 +655,61 @@ fn metrics_are_exported() {
             fresh.body
         );
     }
-    complete(s, "Metrics", json!({"max_tokens": 3, "ignore_eos": true}));
+    let v = complete(s, "Metrics", json!({"max_tokens": 3, "ignore_eos": true}));
+    let prompt = v["usage"]["prompt_tokens"].as_f64().expect("usage");
     let r = s.request("GET", "/metrics", None, &[]).expect("metrics");
     assert_eq!(r.status, 200);
+    // vLLM's per-request histograms, for the one request: its prompt's length (as its usage
+    // counts it), its 3 tokens, max_tokens 3, n 1, and one prefill, decode and inference time.
+    for (name, want) in [
+        ("switchyard:request_prompt_tokens_count", 1.0),
+        ("switchyard:request_prompt_tokens_sum", prompt),
+        ("switchyard:request_generation_tokens_count", 1.0),
+        ("switchyard:request_generation_tokens_sum", 3.0),
+        ("switchyard:request_max_num_generation_tokens_sum", 3.0),
+        ("switchyard:request_params_max_tokens_sum", 3.0),
+        ("switchyard:request_params_n_count", 1.0),
+        ("switchyard:request_params_n_sum", 1.0),
+        ("switchyard:request_prefill_time_seconds_count", 1.0),
+        ("switchyard:request_decode_time_seconds_count", 1.0),
+        ("switchyard:request_inference_time_seconds_count", 1.0),
+        // The prompt in one step (nothing cached yet), then one decode a step for the 2nd
+        // and 3rd tokens.
+        ("switchyard:iteration_tokens_total_sum", prompt + 2.0),
+        ("switchyard:iteration_tokens_total_count", 3.0),
+    ] {
+        assert_eq!(s.metric(name), Some(want), "{name} in\n{}", r.body);
+    }
+    for bucket in [
+        // vLLM's bucket bounds: n in 1, 2, 5, 10, 20; token counts 1, 2, 5, 10, ….
+        "switchyard:request_params_n_bucket{le=\"1\"} 1",
+        "switchyard:request_generation_tokens_bucket{le=\"2\"} 0",
+        "switchyard:request_generation_tokens_bucket{le=\"5\"} 1",
+    ] {
+        assert!(r.body.lines().any(|l| l == bucket), "missing {bucket}");
+    }
+    // The KV cache's configuration, as labels of a gauge at 1 (the test config's defaults).
+    let info = r
+        .body
+        .lines()
+        .find(|l| l.starts_with("switchyard:cache_config_info{"))
+        .unwrap_or_else(|| panic!("no cache_config_info in\n{}", r.body));
+    assert!(info.ends_with("} 1"), "{info}");
+    for label in [
+        "block_size=\"16\"",
+        "cache_dtype=\"auto\"",
+        "enable_prefix_caching=\"true\"",
+        "prefix_sharing=\"tenant\"",
+    ] {
+        assert!(info.contains(label), "{label} not in {info}");
+    }
+    let blocks: u64 = info
+        .split("num_gpu_blocks=\"")
+        .nth(1)
+        .and_then(|rest| rest.split('"').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no num_gpu_blocks in {info}"));
+    assert!(blocks > 0, "{info}");
     for name in [
         "switchyard:generation_tokens_total",
         "switchyard:prompt_tokens_total",

@@ -244,6 +244,9 @@ pub struct PreparedStep {
     /// Queue times (queued to first scheduled, microseconds) of requests scheduled for the first
     /// time in this step, with each one's tier ("" for none).
     pub queue_times_us: Vec<(Arc<str>, u64)>,
+    /// The requests scheduled for the first time in this step (their prefill and inference
+    /// times run from this step's planning).
+    pub first_scheduled: Vec<RequestId>,
 }
 
 /// A committed plan that could not be turned into a batch (a core bug, never user input): the
@@ -657,6 +660,7 @@ impl StepCore {
         let mut seqs = self.spare.pop().unwrap_or_default();
         let mut n = 0;
         let mut queue_times_us = Vec::new();
+        let mut first_scheduled = Vec::new();
         for s in &plan.seqs {
             let Some(live) = self.live.get_mut(&s.id) else {
                 continue;
@@ -664,6 +668,7 @@ impl StepCore {
             let first_step = !live.started;
             if first_step {
                 live.started = true;
+                first_scheduled.push(s.id);
                 let waited = now.saturating_sub(live.queued);
                 for _ in 0..live.queue_times {
                     queue_times_us.push((live.tier.clone(), waited));
@@ -746,6 +751,7 @@ impl StepCore {
         let release = std::mem::take(&mut self.ended);
         Ok(Some(PreparedStep {
             queue_times_us,
+            first_scheduled,
             plan,
             batch: Batch { seqs },
             release,

@@ -80,6 +80,39 @@ pub const REQUEST_QUEUE_TIME: &str = "switchyard:request_queue_time_seconds";
 /// adapter and grammar, the hops to the detokenizer and the scheduler. The simulator's
 /// `scheduler.front_end_us` is its median.
 pub const REQUEST_FRONT_END: &str = "switchyard:request_front_end_seconds";
+/// Histogram, tokens: the prompt's length, per finished choice (vLLM's
+/// `request_prompt_tokens`: each child request of `n > 1` counts, each with the whole prompt).
+pub const REQUEST_PROMPT_TOKENS: &str = "switchyard:request_prompt_tokens";
+/// Histogram, tokens: tokens generated, per finished choice (vLLM's
+/// `request_generation_tokens`; 0 for an embedding).
+pub const REQUEST_GENERATION_TOKENS: &str = "switchyard:request_generation_tokens";
+/// Histogram, tokens: the most tokens any choice of a request generated, once per request when
+/// its last choice finishes (vLLM's `request_max_num_generation_tokens`: the parent request of
+/// `n > 1`).
+pub const REQUEST_MAX_NUM_GENERATION_TOKENS: &str = "switchyard:request_max_num_generation_tokens";
+/// Histogram: the request's `n` (its beam width for a beam search), once per request when its
+/// last choice finishes (vLLM's `request_params_n`).
+pub const REQUEST_PARAMS_N: &str = "switchyard:request_params_n";
+/// Histogram, tokens: the `max_tokens` the request ran under (the client's, else the server's
+/// default: what is left of the context), per finished choice (vLLM's
+/// `request_params_max_tokens`); not for an embedding, which has none.
+pub const REQUEST_PARAMS_MAX_TOKENS: &str = "switchyard:request_params_max_tokens";
+/// Histogram, seconds: from a choice's first scheduling to its last token, preemptions
+/// included, per finished choice (vLLM's `request_inference_time_seconds`: first SCHEDULED to
+/// last NEW_TOKEN). Queue time plus this is the engine's share of the E2E latency.
+pub const REQUEST_INFERENCE_TIME: &str = "switchyard:request_inference_time_seconds";
+/// Histogram, seconds: from a choice's first scheduling to its first token (its prefill, the
+/// chunks of a chunked prefill and any preemption meanwhile included), per finished choice
+/// (vLLM's `request_prefill_time_seconds`).
+pub const REQUEST_PREFILL_TIME: &str = "switchyard:request_prefill_time_seconds";
+/// Histogram, seconds: from a choice's first token to its last, per finished choice (vLLM's
+/// `request_decode_time_seconds`; 0 for a choice of one token).
+pub const REQUEST_DECODE_TIME: &str = "switchyard:request_decode_time_seconds";
+/// Histogram, tokens: the tokens each engine step ran (prefill chunks, decodes and draft
+/// tokens: the batch's `num_batched_tokens`). vLLM's `iteration_tokens_total` counts a prompt
+/// whole in the step its prefill completes rather than chunk by chunk; the two agree without
+/// chunked prefill, prefix-cache hits or drafts.
+pub const ITERATION_TOKENS: &str = "switchyard:iteration_tokens_total";
 /// Histogram, seconds: the scheduler's planning time per step.
 pub const ENGINE_PLAN: &str = "switchyard:engine_plan_seconds";
 /// Histogram, seconds: the KV-allocator round trip per step (commit sent to block ids back).
@@ -146,6 +179,14 @@ pub const TIERED: &[&str] = &[
     E2E_REQUEST_LATENCY,
     REQUEST_QUEUE_TIME,
     REQUEST_FRONT_END,
+    REQUEST_PROMPT_TOKENS,
+    REQUEST_GENERATION_TOKENS,
+    REQUEST_MAX_NUM_GENERATION_TOKENS,
+    REQUEST_PARAMS_N,
+    REQUEST_PARAMS_MAX_TOKENS,
+    REQUEST_INFERENCE_TIME,
+    REQUEST_PREFILL_TIME,
+    REQUEST_DECODE_TIME,
     REQUEST_SUCCESS,
     REQUEST_ABORTED,
     REQUEST_FAILED,
@@ -377,6 +418,15 @@ pub const HISTOGRAMS: &[&str] = &[
     E2E_REQUEST_LATENCY,
     REQUEST_QUEUE_TIME,
     REQUEST_FRONT_END,
+    REQUEST_PROMPT_TOKENS,
+    REQUEST_GENERATION_TOKENS,
+    REQUEST_MAX_NUM_GENERATION_TOKENS,
+    REQUEST_PARAMS_N,
+    REQUEST_PARAMS_MAX_TOKENS,
+    REQUEST_INFERENCE_TIME,
+    REQUEST_PREFILL_TIME,
+    REQUEST_DECODE_TIME,
+    ITERATION_TOKENS,
     ENGINE_PLAN,
     ENGINE_KV_COMMIT,
     ENGINE_STEP_OVERHEAD,

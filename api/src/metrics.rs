@@ -73,6 +73,41 @@ pub const E2E_REQUEST_LATENCY: &str = "switchyard:e2e_request_latency_seconds";
 pub const REQUEST_QUEUE_TIME: &str = "switchyard:request_queue_time_seconds";
 /// Histogram: engine receipt to the scheduler's queue, per request (tokenization and hops).
 pub const REQUEST_FRONT_END: &str = "switchyard:request_front_end_seconds";
+/// Histogram, tokens, label `tier`: the prompt's length, per finished request (each choice of
+/// `n > 1` counts).
+pub const REQUEST_PROMPT_TOKENS: &str = "switchyard:request_prompt_tokens";
+/// Histogram, tokens, label `tier`: tokens generated, per finished request (each choice counts).
+pub const REQUEST_GENERATION_TOKENS: &str = "switchyard:request_generation_tokens";
+/// Histogram, tokens, label `tier`: the most tokens a choice of the request generated, once
+/// per request.
+pub const REQUEST_MAX_NUM_GENERATION_TOKENS: &str = "switchyard:request_max_num_generation_tokens";
+/// Histogram, label `tier`: the request's `n` (a beam search's width), once per request.
+pub const REQUEST_PARAMS_N: &str = "switchyard:request_params_n";
+/// Histogram, tokens, label `tier`: the `max_tokens` a finished request ran under.
+pub const REQUEST_PARAMS_MAX_TOKENS: &str = "switchyard:request_params_max_tokens";
+/// Histogram, seconds, label `tier`: first scheduled to last token, per finished request.
+pub const REQUEST_INFERENCE_TIME: &str = "switchyard:request_inference_time_seconds";
+/// Histogram, seconds, label `tier`: first scheduled to first token, per finished request.
+pub const REQUEST_PREFILL_TIME: &str = "switchyard:request_prefill_time_seconds";
+/// Histogram, seconds, label `tier`: first token to last token, per finished request.
+pub const REQUEST_DECODE_TIME: &str = "switchyard:request_decode_time_seconds";
+/// Histogram, tokens: the tokens each engine step ran.
+pub const ITERATION_TOKENS: &str = "switchyard:iteration_tokens_total";
+/// Gauge, set to 1, labels [`CACHE_CONFIG_LABELS`]: the KV cache's configuration (vLLM's
+/// `cache_config_info`), set once the model is loaded and the cache sized.
+pub const CACHE_CONFIG_INFO: &str = "switchyard:cache_config_info";
+/// The label keys of [`CACHE_CONFIG_INFO`]: `block_size` (tokens per KV block,
+/// `cache.block_size`), `num_gpu_blocks` (blocks the backend holds, on the GPU or, for the CPU
+/// backend, in memory), `cache_dtype` (`cache.kv_cache_dtype`: `auto` or `fp8`),
+/// `enable_prefix_caching` (`cache.prefix_caching`: `true` or `false`) and `prefix_sharing`
+/// (`cache.prefix_sharing`: `global` or `tenant`). Bounded: the configuration's values.
+pub const CACHE_CONFIG_LABELS: &[&str] = &[
+    "block_size",
+    "num_gpu_blocks",
+    "cache_dtype",
+    "enable_prefix_caching",
+    "prefix_sharing",
+];
 /// Histogram, seconds: the scheduler's planning time per step.
 pub const ENGINE_PLAN: &str = "switchyard:engine_plan_seconds";
 /// Histogram, seconds: the KV-allocator round trip per step (commit sent to block ids back).
@@ -131,6 +166,25 @@ pub const BACKEND_INFO: &str = "switchyard:backend_info";
 /// Gauge, seconds since the Unix epoch: the `notAfter` of the TLS certificate in force (set
 /// when it is loaded, at start and on SIGHUP; absent without `server.tls`).
 pub const TLS_CERTIFICATE_EXPIRY: &str = "switchyard:tls_certificate_expiry_timestamp_seconds";
+
+/// The metrics the server records itself, outside the engine (whose names
+/// `switchyard_actors::metric_names` lists), by kind: with the engine's, every series
+/// `/metrics` exports (README's Metrics section and the Grafana dashboard are checked against
+/// the two).
+pub const SERVER_GAUGES: &[&str] = &[
+    POLICY_INFO,
+    BACKEND_INFO,
+    CACHE_CONFIG_INFO,
+    HTTP_IN_FLIGHT,
+    RESPONSES_STORED,
+    RESPONSES_STORED_BYTES,
+    TLS_CERTIFICATE_EXPIRY,
+];
+/// Counters among [`SERVER_GAUGES`]' kin.
+pub const SERVER_COUNTERS: &[&str] =
+    &[POLICY_SWAPS, HTTP_REQUESTS, RESPONSES_EVICTED, RATE_LIMITED];
+/// Histograms among [`SERVER_GAUGES`]' kin.
+pub const SERVER_HISTOGRAMS: &[&str] = &[HTTP_REQUEST_DURATION];
 
 /// The status [`HTTP_REQUESTS`] counts for a request whose client went away before its
 /// response was ready (actix dropped the handler, as it does when the connection closes):
@@ -213,6 +267,37 @@ const REQUEST_LATENCY_BUCKETS: &[f64] = &[
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
     480.0, 960.0, 1920.0, 7680.0,
 ];
+/// vLLM's token-count buckets (`request_prompt_tokens`, `request_generation_tokens`,
+/// `request_max_num_generation_tokens`, `request_params_max_tokens`): 1, 2, 5 times the powers
+/// of ten. vLLM's stop at the model's `max_model_len`; these go to 1,000,000 whatever the
+/// model (the recorder is installed before the model's context is known).
+const TOKEN_COUNT_BUCKETS: &[f64] = &[
+    1.0,
+    2.0,
+    5.0,
+    10.0,
+    20.0,
+    50.0,
+    100.0,
+    200.0,
+    500.0,
+    1_000.0,
+    2_000.0,
+    5_000.0,
+    10_000.0,
+    20_000.0,
+    50_000.0,
+    100_000.0,
+    200_000.0,
+    500_000.0,
+    1_000_000.0,
+];
+/// vLLM's `request_params_n` buckets.
+const PARAMS_N_BUCKETS: &[f64] = &[1.0, 2.0, 5.0, 10.0, 20.0];
+/// vLLM's `iteration_tokens_total` buckets.
+const ITERATION_TOKEN_BUCKETS: &[f64] = &[
+    1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0,
+];
 /// Buckets for the HTTP layer's own latency, in seconds.
 const HTTP_BUCKETS: &[f64] = &[
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
@@ -245,6 +330,15 @@ pub(crate) fn prometheus_builder() -> Result<PrometheusBuilder, MetricsError> {
         (TIME_PER_OUTPUT_TOKEN, ITL_BUCKETS),
         (E2E_REQUEST_LATENCY, REQUEST_LATENCY_BUCKETS),
         (REQUEST_QUEUE_TIME, REQUEST_LATENCY_BUCKETS),
+        (REQUEST_INFERENCE_TIME, REQUEST_LATENCY_BUCKETS),
+        (REQUEST_PREFILL_TIME, REQUEST_LATENCY_BUCKETS),
+        (REQUEST_DECODE_TIME, REQUEST_LATENCY_BUCKETS),
+        (REQUEST_PROMPT_TOKENS, TOKEN_COUNT_BUCKETS),
+        (REQUEST_GENERATION_TOKENS, TOKEN_COUNT_BUCKETS),
+        (REQUEST_MAX_NUM_GENERATION_TOKENS, TOKEN_COUNT_BUCKETS),
+        (REQUEST_PARAMS_MAX_TOKENS, TOKEN_COUNT_BUCKETS),
+        (REQUEST_PARAMS_N, PARAMS_N_BUCKETS),
+        (ITERATION_TOKENS, ITERATION_TOKEN_BUCKETS),
         (HTTP_REQUEST_DURATION, HTTP_BUCKETS),
     ] {
         builder = builder.set_buckets_for_metric(Matcher::Full(name.to_owned()), buckets)?;
@@ -349,6 +443,55 @@ pub fn describe_metrics() {
         REQUEST_FRONT_END,
         Unit::Seconds,
         "From when the engine received the request (its HTTP body parsed) to the scheduler queueing it: the chat template and tokenization in the tokenizer pool, its adapter and grammar, the hops to the detokenizer and the scheduler; once per request. Its median is the simulator's scheduler.front_end_us (in microseconds)."
+    );
+    describe_histogram!(
+        REQUEST_PROMPT_TOKENS,
+        Unit::Count,
+        "Prompt tokens per finished request (each choice of n > 1 counts, with the whole prompt; a beam search's answers each count)."
+    );
+    describe_histogram!(
+        REQUEST_GENERATION_TOKENS,
+        Unit::Count,
+        "Tokens generated per finished request (each choice of n > 1 counts; 0 for an embedding)."
+    );
+    describe_histogram!(
+        REQUEST_MAX_NUM_GENERATION_TOKENS,
+        Unit::Count,
+        "The most tokens any choice of a request generated, once per request when its last choice finishes."
+    );
+    describe_histogram!(
+        REQUEST_PARAMS_N,
+        Unit::Count,
+        "The n request parameter (a beam search's width), once per request when its last choice finishes."
+    );
+    describe_histogram!(
+        REQUEST_PARAMS_MAX_TOKENS,
+        Unit::Count,
+        "The max_tokens a finished request ran under (the client's, else the server's default), per request (each choice of n > 1 counts); embeddings have none."
+    );
+    describe_histogram!(
+        REQUEST_INFERENCE_TIME,
+        Unit::Seconds,
+        "Time from a request's first scheduling to its last token (prefill and decode, preemptions included), per finished request (each choice of n > 1 counts)."
+    );
+    describe_histogram!(
+        REQUEST_PREFILL_TIME,
+        Unit::Seconds,
+        "Time from a request's first scheduling to its first token (every prefill chunk, preemptions included), per finished request (each choice of n > 1 counts)."
+    );
+    describe_histogram!(
+        REQUEST_DECODE_TIME,
+        Unit::Seconds,
+        "Time from a request's first token to its last, per finished request (each choice of n > 1 counts)."
+    );
+    describe_histogram!(
+        ITERATION_TOKENS,
+        Unit::Count,
+        "Tokens per engine step: prefill chunks, decodes and draft tokens of the batch."
+    );
+    describe_gauge!(
+        CACHE_CONFIG_INFO,
+        "The KV cache's configuration, in its labels (block_size, num_gpu_blocks, cache_dtype, enable_prefix_caching, prefix_sharing); always 1."
     );
     describe_gauge!(POLICY_INFO, "1 for the scheduling policy in force.");
     describe_gauge!(
@@ -488,6 +631,7 @@ mod tests {
         POLICY_INFO,
         HTTP_IN_FLIGHT,
         BACKEND_INFO,
+        CACHE_CONFIG_INFO,
         RESPONSES_STORED,
         RESPONSES_STORED_BYTES,
     ];
@@ -516,6 +660,15 @@ mod tests {
         E2E_REQUEST_LATENCY,
         REQUEST_QUEUE_TIME,
         REQUEST_FRONT_END,
+        REQUEST_PROMPT_TOKENS,
+        REQUEST_GENERATION_TOKENS,
+        REQUEST_MAX_NUM_GENERATION_TOKENS,
+        REQUEST_PARAMS_N,
+        REQUEST_PARAMS_MAX_TOKENS,
+        REQUEST_INFERENCE_TIME,
+        REQUEST_PREFILL_TIME,
+        REQUEST_DECODE_TIME,
+        ITERATION_TOKENS,
         ENGINE_PLAN,
         ENGINE_KV_COMMIT,
         ENGINE_STEP_OVERHEAD,
@@ -575,8 +728,28 @@ mod tests {
             describe_metrics();
             metrics::histogram!(TIME_TO_FIRST_TOKEN).record(0.03);
             metrics::counter!(REQUEST_SUCCESS, LABEL_FINISHED_REASON => "stop").increment(2);
+            metrics::histogram!(REQUEST_PARAMS_N).record(3.0);
+            metrics::histogram!(ITERATION_TOKENS).record(100.0);
+            metrics::histogram!(REQUEST_PROMPT_TOKENS).record(7.0);
+            metrics::histogram!(REQUEST_PREFILL_TIME).record(0.9);
         });
         let text = handle.render();
+        // vLLM's buckets (v1/metrics/loggers.py): n in 1, 2, 5, 10, 20; tokens per step in
+        // 1, 8, 16, …, 16384; token counts 1-2-5; phase times the request-latency buckets.
+        for line in [
+            "switchyard:request_params_n_bucket{le=\"2\"} 0",
+            "switchyard:request_params_n_bucket{le=\"5\"} 1",
+            "switchyard:request_params_n_bucket{le=\"20\"} 1",
+            "switchyard:iteration_tokens_total_bucket{le=\"64\"} 0",
+            "switchyard:iteration_tokens_total_bucket{le=\"128\"} 1",
+            "switchyard:request_prompt_tokens_bucket{le=\"5\"} 0",
+            "switchyard:request_prompt_tokens_bucket{le=\"10\"} 1",
+            "switchyard:request_prompt_tokens_bucket{le=\"1000000\"} 1",
+            "switchyard:request_prefill_time_seconds_bucket{le=\"0.8\"} 0",
+            "switchyard:request_prefill_time_seconds_bucket{le=\"1\"} 1",
+        ] {
+            assert!(text.contains(line), "{line} missing from {text}");
+        }
         assert!(text.contains("switchyard:time_to_first_token_seconds_bucket{le=\"0.04\"} 1"));
         assert!(text.contains("switchyard:time_to_first_token_seconds_bucket{le=\"0.02\"} 0"));
         assert!(text.contains("switchyard:request_success_total{finished_reason=\"stop\"} 2"));

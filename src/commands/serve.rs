@@ -246,6 +246,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         config.scheduler.max_num_batched_tokens,
         sliding_window,
     )?;
+    if prometheus.is_some() {
+        cache_config_info(&config.cache, block_size, num_blocks);
+    }
     let lora = config.lora.enabled.then(|| LoraManagerConfig {
         model: model.config.clone(),
         base_name: model_name.clone(),
@@ -1096,6 +1099,37 @@ fn port_adapter(a: AdapterInfo) -> LoraAdapterInfo {
         discovered: a.discovered,
         pinned: a.pinned,
     }
+}
+
+/// Sets `switchyard:cache_config_info` (vLLM's `cache_config_info`): 1, with the KV cache's
+/// configuration in its labels ([`switchyard_api::metrics::CACHE_CONFIG_LABELS`]), once the
+/// backend has sized the cache.
+fn cache_config_info(
+    cache: &switchyard_config::CacheSection,
+    block_size: usize,
+    num_blocks: usize,
+) {
+    let dtype = match cache.kv_cache_dtype {
+        switchyard_config::KvCacheDtype::Auto => "auto",
+        switchyard_config::KvCacheDtype::Fp8 => "fp8",
+    };
+    let sharing = match cache.prefix_sharing {
+        switchyard_config::PrefixSharing::Tenant => "tenant",
+        switchyard_config::PrefixSharing::Global => "global",
+    };
+    let values = [
+        block_size.to_string(),
+        num_blocks.to_string(),
+        dtype.to_owned(),
+        cache.prefix_caching.to_string(),
+        sharing.to_owned(),
+    ];
+    let labels: Vec<metrics::Label> = switchyard_api::metrics::CACHE_CONFIG_LABELS
+        .iter()
+        .zip(values)
+        .map(|(&k, v)| metrics::Label::new(k, v))
+        .collect();
+    metrics::gauge!(switchyard_api::metrics::CACHE_CONFIG_INFO, labels).set(1.0);
 }
 
 #[cfg(test)]

@@ -240,6 +240,29 @@ impl Engine {
                 ));
                 metrics::counter!(names::REQUEST_SUCCESS, outcome).increment(1);
             }
+            // Its per-request histograms: each answer a finished request, as its TTFT and E2E
+            // latency count, the request's width and longest answer once. No prefill, decode
+            // or inference time: its steps are engine requests of their own, one per token.
+            let tier_labels = names::tier_labels(&tier);
+            let mut longest = 0;
+            for delta in &deltas {
+                let Some((_, n)) = delta.finish else {
+                    continue;
+                };
+                longest = longest.max(n);
+                metrics::histogram!(names::REQUEST_PROMPT_TOKENS, tier_labels.clone())
+                    .record(resolved.prompt.len() as f64);
+                metrics::histogram!(names::REQUEST_GENERATION_TOKENS, tier_labels.clone())
+                    .record(f64::from(n));
+                metrics::histogram!(names::REQUEST_PARAMS_MAX_TOKENS, tier_labels.clone())
+                    .record(max_tokens as f64);
+            }
+            metrics::histogram!(
+                names::REQUEST_MAX_NUM_GENERATION_TOKENS,
+                tier_labels.clone()
+            )
+            .record(f64::from(longest));
+            metrics::histogram!(names::REQUEST_PARAMS_N, tier_labels).record(f64::from(width));
             let generated: u64 = deltas
                 .iter()
                 .map(|d| u64::from(d.finish.map_or(0, |(_, n)| n)))

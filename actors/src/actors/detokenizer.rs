@@ -267,6 +267,13 @@ struct RequestSink {
     span: tracing::Span,
     /// [`Register::quiet`].
     quiet: bool,
+    /// The prompt's length, `max_tokens` (none for an embedding) and `n`, and the most tokens
+    /// a finished choice generated so far: its per-request histograms
+    /// ([`names::REQUEST_PROMPT_TOKENS`] and the others).
+    prompt_tokens: u32,
+    max_tokens: Option<u32>,
+    n: u32,
+    max_generated: u32,
 }
 
 struct ChoiceState {
@@ -282,6 +289,9 @@ struct ChoiceState {
     /// as vLLM counts the child requests of `n > 1`).
     first_at: Option<Instant>,
     last_at: Option<Instant>,
+    /// When the scheduler first put the choice in a step ([`Scheduled`]): its prefill and
+    /// inference times run from then.
+    scheduled_at: Option<Instant>,
     request: Rc<RefCell<RequestSink>>,
     /// Prompt logprobs by position (1..), filled as the prompt is computed; positions may
     /// arrive again after a preemption and are then overwritten.
@@ -494,6 +504,11 @@ impl Handler<Register> for DetokenizerActor {
                     )
                 },
             );
+        // What the per-request histograms record of it, taken before the submits go.
+        let (prompt_tokens, max_tokens) = msg.submits.first().map_or((0, None), |s| {
+            let len = u32::try_from(s.request.prompt.len()).unwrap_or(u32::MAX);
+            (len, (!embed).then_some(s.request.limits.max_tokens))
+        });
         let shutting_down = || {
             Some(SubmitError::new(
                 SubmitErrorKind::Unavailable,
@@ -536,6 +551,10 @@ impl Handler<Register> for DetokenizerActor {
             slo,
             span: msg.span,
             quiet: msg.quiet,
+            prompt_tokens,
+            max_tokens,
+            n: u32::try_from(msg.ids.len()).unwrap_or(u32::MAX),
+            max_generated: 0,
         }));
         let prompt_len = msg.pending_prompt.as_ref().map_or(0, |p| p.tokens.len());
         for (index, id) in msg.ids.into_iter().enumerate() {
@@ -550,6 +569,7 @@ impl Handler<Register> for DetokenizerActor {
                     cached_prompt_tokens: 0,
                     first_at: None,
                     last_at: None,
+                    scheduled_at: None,
                     request: request.clone(),
                     // Only the first choice computes the prompt's logprobs (Engine::admit).
                     prompt_logprobs: if index == 0 {
@@ -794,7 +814,11 @@ impl Handler<StepEvents> for DetokenizerActor {
                     .sink
                     .will_deliver()
                     .then(|| self.choices.remove(&id));
+                let removed_here = matches!(removed, Some(Some(_)));
                 if let Some(removed) = removed.filter(|_| !request.borrow().quiet) {
+                    if let Some(c) = &removed {
+                        record_finished_choice(&mut request.borrow_mut(), c, now);
+                    }
                     if let Some(ChoiceState {
                         tokens,
                         first_at: Some(first),
@@ -825,6 +849,17 @@ impl Handler<StepEvents> for DetokenizerActor {
                 let mut r = request.borrow_mut();
                 if r.ids.iter().all(|i| !self.choices.contains_key(i)) {
                     r.guard = None;
+                    // The request's last choice finished (a failed or aborted one would have
+                    // taken its siblings with it): once per request, as vLLM's parent request.
+                    if !r.quiet && removed_here {
+                        metrics::histogram!(
+                            names::REQUEST_MAX_NUM_GENERATION_TOKENS,
+                            r.labels.clone()
+                        )
+                        .record(f64::from(r.max_generated));
+                        metrics::histogram!(names::REQUEST_PARAMS_N, r.labels.clone())
+                            .record(f64::from(r.n));
+                    }
                 }
             }
             let delivered = request.borrow_mut().sink.send(EngineOutput::Delta(delta));
@@ -835,6 +870,57 @@ impl Handler<StepEvents> for DetokenizerActor {
         for r in gone {
             let ended = EndedEarly::of_closed(&*r.borrow().sink);
             self.abort_request(&r, ended);
+        }
+    }
+}
+
+/// Records a finished choice's per-request histograms (vLLM's, per child request): its prompt
+/// and generated tokens, its `max_tokens`, and its timeline from its first scheduling: prefill
+/// (to its first token), decode (first to last token) and inference (to its last token). An
+/// embedding has no `max_tokens` and no token timeline; a choice never scheduled (none such
+/// finishes) would have no timeline either. Notes its tokens for the request's
+/// [`names::REQUEST_MAX_NUM_GENERATION_TOKENS`].
+fn record_finished_choice(r: &mut RequestSink, c: &ChoiceState, now: Instant) {
+    r.max_generated = r.max_generated.max(c.tokens);
+    let labels = &r.labels;
+    metrics::histogram!(names::REQUEST_PROMPT_TOKENS, labels.clone())
+        .record(f64::from(r.prompt_tokens));
+    metrics::histogram!(names::REQUEST_GENERATION_TOKENS, labels.clone())
+        .record(f64::from(c.tokens));
+    if let Some(max_tokens) = r.max_tokens {
+        metrics::histogram!(names::REQUEST_PARAMS_MAX_TOKENS, labels.clone())
+            .record(f64::from(max_tokens));
+    }
+    if let (Some(scheduled), Some(first), Some(last)) = (c.scheduled_at, c.first_at, c.last_at) {
+        let last = last.min(now);
+        metrics::histogram!(names::REQUEST_PREFILL_TIME, labels.clone())
+            .record(first.saturating_duration_since(scheduled).as_secs_f64());
+        metrics::histogram!(names::REQUEST_DECODE_TIME, labels.clone())
+            .record(last.saturating_duration_since(first).as_secs_f64());
+        metrics::histogram!(names::REQUEST_INFERENCE_TIME, labels.clone())
+            .record(last.saturating_duration_since(scheduled).as_secs_f64());
+    }
+}
+
+/// The choices the scheduler put in a step for the first time, and when that step was planned
+/// (vLLM's SCHEDULED event): their prefill and inference times run from then. Sent before that
+/// step's [`StepEvents`], so it arrives before their first token.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Scheduled {
+    /// The choices first scheduled.
+    pub ids: Vec<RequestId>,
+    /// When the step's planning began.
+    pub at: Instant,
+}
+
+impl Handler<Scheduled> for DetokenizerActor {
+    type Result = ();
+    fn handle(&mut self, msg: Scheduled, _: &mut Context<Self>) {
+        for id in msg.ids {
+            if let Some(c) = self.choices.get_mut(&id) {
+                c.scheduled_at.get_or_insert(msg.at);
+            }
         }
     }
 }

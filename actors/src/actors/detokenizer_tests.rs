@@ -143,6 +143,12 @@ impl Snapshot {
     fn count(&self, histogram: &str) -> usize {
         self.histograms.get(histogram).map_or(0, Vec::len)
     }
+    /// The values `histogram` (no labels) recorded, in ascending order.
+    fn values(&self, histogram: &str) -> Vec<f64> {
+        let mut v = self.histograms.get(histogram).cloned().unwrap_or_default();
+        v.sort_by(f64::total_cmp);
+        v
+    }
     /// The counters of `name`, with their labels, that are not 0.
     fn counters_of(&self, name: &str) -> Vec<(String, u64)> {
         let mut v: Vec<(String, u64)> = self
@@ -687,6 +693,91 @@ async fn each_choice_of_n_is_a_request_with_one_itl_per_step() {
     assert_eq!(m.counter(names::GENERATION_TOKENS), 44);
 }
 
+/// vLLM's per-request histograms: per finished choice its prompt length, tokens generated,
+/// max_tokens and its prefill, decode and inference times (first scheduled to first token,
+/// first to last token, first scheduled to last token); once per request its n and its
+/// longest choice.
+#[actix::test]
+async fn each_choice_records_its_lengths_and_phases_and_the_request_its_n_once() {
+    let (engine, _) = start_engine(false, false);
+    let errors = run(&engine, request(3, 6, ignoring_eos()), Client::Stays).await;
+    assert!(errors.is_empty(), "{errors:?}");
+    let m = Snapshot::take();
+    assert_eq!(m.values(names::REQUEST_PROMPT_TOKENS), [10.0; 3]);
+    assert_eq!(m.values(names::REQUEST_GENERATION_TOKENS), [6.0; 3]);
+    assert_eq!(m.values(names::REQUEST_PARAMS_MAX_TOKENS), [6.0; 3]);
+    assert_eq!(m.values(names::REQUEST_PARAMS_N), [3.0]);
+    assert_eq!(m.values(names::REQUEST_MAX_NUM_GENERATION_TOKENS), [6.0]);
+    let prefill = &m.histograms[names::REQUEST_PREFILL_TIME];
+    let decode = &m.histograms[names::REQUEST_DECODE_TIME];
+    let inference = &m.histograms[names::REQUEST_INFERENCE_TIME];
+    assert_eq!((prefill.len(), decode.len(), inference.len()), (3, 3, 3));
+    // Recorded together per choice: inference is prefill plus decode, each at least 0.
+    for i in 0..3 {
+        assert!(
+            prefill[i] >= 0.0 && decode[i] >= 0.0,
+            "{prefill:?} {decode:?}"
+        );
+        assert!(
+            (inference[i] - (prefill[i] + decode[i])).abs() < 1e-9,
+            "{inference:?} != {prefill:?} + {decode:?}"
+        );
+    }
+
+    // A choice that stops early: the longest choice is what the request records once.
+    let sampling = SamplingParams {
+        eos_token_ids: vec![CYCLE - 1],
+        ..SamplingParams::default()
+    };
+    let errors = run(&engine, request(1, 10, sampling), Client::Stays).await;
+    assert!(errors.is_empty(), "{errors:?}");
+    let m = Snapshot::take();
+    assert_eq!(
+        m.values(names::REQUEST_GENERATION_TOKENS),
+        [2.0, 6.0, 6.0, 6.0]
+    );
+    assert_eq!(
+        m.values(names::REQUEST_MAX_NUM_GENERATION_TOKENS),
+        [2.0, 6.0]
+    );
+    assert_eq!(m.values(names::REQUEST_PARAMS_N), [1.0, 3.0]);
+    assert_eq!(
+        m.values(names::REQUEST_PARAMS_MAX_TOKENS),
+        [6.0, 6.0, 6.0, 10.0]
+    );
+}
+
+/// Tokens per engine step: the prompt's 10 in the first, then one decode a step.
+#[actix::test]
+async fn each_step_records_the_tokens_it_ran() {
+    let (engine, _) = start_engine(false, false);
+    let errors = run(&engine, request(1, 5, ignoring_eos()), Client::Stays).await;
+    assert!(errors.is_empty(), "{errors:?}");
+    let m = Snapshot::take();
+    assert_eq!(
+        m.values(names::ITERATION_TOKENS),
+        [1.0, 1.0, 1.0, 1.0, 10.0]
+    );
+}
+
+/// An aborted or failed request records none of the per-request histograms.
+#[actix::test]
+async fn requests_that_do_not_finish_record_no_lengths() {
+    let (engine, _) = start_engine(true, false);
+    let errors = run(&engine, request(2, 8, ignoring_eos()), Client::Stays).await;
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    let m = Snapshot::take();
+    for h in [
+        names::REQUEST_PROMPT_TOKENS,
+        names::REQUEST_GENERATION_TOKENS,
+        names::REQUEST_PARAMS_N,
+        names::REQUEST_MAX_NUM_GENERATION_TOKENS,
+        names::REQUEST_PREFILL_TIME,
+    ] {
+        assert_eq!(m.count(h), 0, "{h}");
+    }
+}
+
 #[actix::test]
 async fn a_speculative_step_is_one_inter_token_latency() {
     let (engine, sampled_steps) = start_engine(false, true);
@@ -1177,6 +1268,20 @@ async fn an_embedding_is_one_delta_with_the_hidden_state_and_no_tokens() {
         m.counters_of(names::REQUEST_SUCCESS),
         vec![(success("stop"), 1)]
     );
+    // A finished request of its prompt's length, no tokens and no max_tokens, and no token
+    // timeline (it has no first token).
+    assert_eq!(m.values(names::REQUEST_PROMPT_TOKENS), [10.0]);
+    assert_eq!(m.values(names::REQUEST_GENERATION_TOKENS), [0.0]);
+    assert_eq!(m.values(names::REQUEST_MAX_NUM_GENERATION_TOKENS), [0.0]);
+    assert_eq!(m.values(names::REQUEST_PARAMS_N), [1.0]);
+    for none in [
+        names::REQUEST_PARAMS_MAX_TOKENS,
+        names::REQUEST_PREFILL_TIME,
+        names::REQUEST_DECODE_TIME,
+        names::REQUEST_INFERENCE_TIME,
+    ] {
+        assert_eq!(m.count(none), 0, "{none}");
+    }
 
     let out = Arc::new(Mutex::new(Vec::new()));
     let options = RequestOptions {

@@ -14,7 +14,7 @@ use switchyard_policies::{FinishReason, Policy, RequestId, SchedulerStats, StepP
 
 use super::admission::{Throttle, REFUSAL_LOG_INTERVAL};
 use super::allocator::{Commit, KvAllocatorActor};
-use super::detokenizer::{DetokenizerActor, StepEvents};
+use super::detokenizer::{DetokenizerActor, Scheduled, StepEvents};
 use super::engine::{SubmitError, SubmitErrorKind};
 use super::executor::{
     CollectStep, DiscardSteps, Execute, ExecutorActor, ReleaseSequences, SubmitStep,
@@ -353,8 +353,9 @@ impl SchedulerActor {
 
     /// Submits a committed batch (asynchronous scheduling), then collects the outputs of the
     /// step submitted before it, if any; the next step is planned once those are applied.
-    fn submit(&mut self, prepared: PreparedStep, step_start: Instant, ctx: &mut Context<Self>) {
+    fn submit(&mut self, mut prepared: PreparedStep, step_start: Instant, ctx: &mut Context<Self>) {
         record_plan(&prepared);
+        self.note_scheduled(&mut prepared, step_start);
         let wants_order = self.core.take_preemption_wanted();
         self.ahead_ok = self.core.launch(&prepared.plan) && !wants_order;
         let plan = prepared.plan;
@@ -378,6 +379,18 @@ impl SchedulerActor {
                 }
             }
         }));
+    }
+
+    /// Tells the detokenizer which requests this step schedules for the first time, and when
+    /// the step began (their prefill and inference times run from then): before the step's
+    /// events, which the same mailbox carries after it.
+    fn note_scheduled(&mut self, prepared: &mut PreparedStep, step_start: Instant) {
+        if !prepared.first_scheduled.is_empty() {
+            self.detokenizer.do_send(Scheduled {
+                ids: std::mem::take(&mut prepared.first_scheduled),
+                at: step_start,
+            });
+        }
     }
 
     /// Collects and applies the step in flight, then carries on.
@@ -422,8 +435,14 @@ impl SchedulerActor {
     }
 
     /// Sends a committed batch to the executor and applies its outputs.
-    fn execute(&mut self, prepared: PreparedStep, step_start: Instant, ctx: &mut Context<Self>) {
+    fn execute(
+        &mut self,
+        mut prepared: PreparedStep,
+        step_start: Instant,
+        ctx: &mut Context<Self>,
+    ) {
         record_plan(&prepared);
+        self.note_scheduled(&mut prepared, step_start);
         let plan = prepared.plan;
         let fut = self.executor.send(Execute {
             batch: prepared.batch,
@@ -452,8 +471,9 @@ impl SchedulerActor {
     }
 }
 
-/// Records a prepared step's queue times and planning time.
+/// Records a prepared step's queue times, planning time and tokens.
 fn record_plan(prepared: &PreparedStep) {
+    metrics::histogram!(names::ITERATION_TOKENS).record(prepared.plan.num_batched_tokens as f64);
     for (tier, q) in &prepared.queue_times_us {
         metrics::histogram!(names::REQUEST_QUEUE_TIME, names::tier_labels(tier))
             .record(*q as f64 / 1e6);
