@@ -361,7 +361,10 @@ impl DetokenizerActor {
     /// Ends the request of choice `id`, whose grammar failed while generating, with an error:
     /// its output cannot complete the structured output asked for, so it is no answer (the
     /// choice ended through its end tokens, which is all a failed grammar allows). The text of
-    /// its last step goes out first, then the error; its other choices are aborted.
+    /// its last step goes out first, then the error; its other choices are aborted. A choice
+    /// past the first that fails before the prompt event went out (its deltas were held for
+    /// the first choice's prompt logprobs) sends only the error: no delta may precede the
+    /// prompt event, and the request is refused as a whole.
     fn fail_constrained(
         &mut self,
         id: RequestId,
@@ -374,7 +377,7 @@ impl DetokenizerActor {
         self.choices.remove(&id);
         ended.count(1, &request.borrow().outcome_labels);
         let mut r = request.borrow_mut();
-        if !delta.token_ids.is_empty() {
+        if !delta.token_ids.is_empty() && r.pending_prompt.is_none() {
             r.sink.send(EngineOutput::Delta(delta));
         }
         r.sink.send(EngineOutput::Error(SubmitError::new(
