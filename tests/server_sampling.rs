@@ -206,8 +206,8 @@ fn bad_words_change_the_greedy_answer_where_the_word_was() {
 }
 
 /// vLLM's shapes: completions' `tokens` and `top_logprobs` keys read `token_id:{id}`, their
-/// `text_offset`s counting those strings; chat's `token` and `bytes` (its alternatives' too);
-/// streamed and not.
+/// `text_offset`s counting those strings; chat's `token`s and its alternatives' `bytes` (the
+/// sampled token's bytes stay its own); streamed and not.
 #[test]
 fn return_tokens_as_token_ids_renders_every_token_string() {
     let s = server();
@@ -258,37 +258,51 @@ fn return_tokens_as_token_ids_renders_every_token_string() {
     assert!(!first.starts_with("token_id:"), "{plain}");
     assert_eq!(tokenize(&s, first), [id_of(tokens[0])], "{plain} vs {v}");
 
-    // Chat, streamed: every token and alternative, its bytes those of the string.
-    let events = s.post_stream(
-        "/v1/chat/completions",
-        &json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
-                "temperature": 0, "stream": true, "logprobs": true, "top_logprobs": 2,
-                "return_tokens_as_token_ids": true}),
-    );
-    let mut seen = 0;
-    for e in &events {
-        let chunk: Value = serde_json::from_str(e).expect("a JSON chunk");
-        for lp in chunk["choices"][0]["logprobs"]["content"]
+    // Chat, streamed: every token and alternative reads `token_id:{id}`; an alternative's
+    // bytes are those of the string, the sampled token's its own (vLLM's `bytes` of the
+    // decoded token): those the same request gets without the field.
+    let chat = |token_ids: bool| {
+        s.post_stream(
+            "/v1/chat/completions",
+            &json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+                    "temperature": 0, "stream": true, "logprobs": true, "top_logprobs": 2,
+                    "return_tokens_as_token_ids": token_ids}),
+        )
+    };
+    let bytes_of = |entry: &Value| -> Vec<u8> {
+        entry["bytes"]
             .as_array()
-            .into_iter()
-            .flatten()
-        {
-            seen += 1;
-            let entries = std::iter::once(lp).chain(lp["top_logprobs"].as_array().unwrap());
-            for entry in entries {
-                let token = entry["token"].as_str().unwrap();
-                id_of(token);
-                let bytes: Vec<u8> = entry["bytes"]
-                    .as_array()
-                    .unwrap()
-                    .iter()
-                    .map(|b| b.as_u64().unwrap() as u8)
-                    .collect();
-                assert_eq!(bytes, token.as_bytes(), "{chunk}");
+            .unwrap()
+            .iter()
+            .map(|b| b.as_u64().unwrap() as u8)
+            .collect()
+    };
+    let sampled_bytes = |events: &[String], token_ids: bool| -> Vec<Vec<u8>> {
+        let mut sampled = Vec::new();
+        for e in events {
+            let chunk: Value = serde_json::from_str(e).expect("a JSON chunk");
+            for lp in chunk["choices"][0]["logprobs"]["content"]
+                .as_array()
+                .into_iter()
+                .flatten()
+            {
+                if token_ids {
+                    id_of(lp["token"].as_str().unwrap());
+                    for top in lp["top_logprobs"].as_array().unwrap() {
+                        let token = top["token"].as_str().unwrap();
+                        id_of(token);
+                        assert_eq!(bytes_of(top), token.as_bytes(), "{chunk}");
+                    }
+                }
+                sampled.push(bytes_of(lp));
             }
         }
-    }
-    assert_eq!(seen, 4, "{events:?}");
+        sampled
+    };
+    let events = chat(true);
+    let rendered = sampled_bytes(&events, true);
+    assert_eq!(rendered.len(), 4, "{events:?}");
+    assert_eq!(rendered, sampled_bytes(&chat(false), false), "{events:?}");
     // Not streamed, echo: the prompt's tokens too.
     let v = ok(
         &s,

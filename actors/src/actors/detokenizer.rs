@@ -253,6 +253,11 @@ struct RequestSink {
     /// The prompt while its logprobs are still being computed; `None` once the prompt event
     /// went out.
     pending_prompt: Option<PendingPrompt>,
+    /// Deltas of the choices past the first that came while the prompt event waited for the
+    /// first choice's prompt logprobs (only the first computes them, and the others, on the
+    /// prefix cache or outside the logit-row bound of prompt chunks, may sample first): they
+    /// go out right after the prompt event, in order.
+    held: Vec<ChoiceDelta>,
     /// Its metrics' tier ([`SubmitOptions::metrics_tier`]), the labels that puts on the per-tier metrics
     /// ([`names::TIERED`]) and the tier's SLO targets ([`names::SLO_ATTAINMENT`]).
     tier: Arc<str>,
@@ -356,13 +361,20 @@ impl DetokenizerActor {
                 opens_thinking,
                 prompt_logprobs: Some(list),
             });
+            // A sink that refuses one now is closed: the step's own deltas find it so.
+            for delta in std::mem::take(&mut request.held) {
+                request.sink.send(EngineOutput::Delta(delta));
+            }
         }
     }
 
     /// Ends the request of choice `id`, whose grammar failed while generating, with an error:
     /// its output cannot complete the structured output asked for, so it is no answer (the
     /// choice ended through its end tokens, which is all a failed grammar allows). The text of
-    /// its last step goes out first, then the error; its other choices are aborted.
+    /// its last step goes out first, then the error; its other choices are aborted. A choice
+    /// past the first that fails before the prompt event went out (its deltas were held for
+    /// the first choice's prompt logprobs) sends only the error: no delta may precede the
+    /// prompt event, and the request is refused as a whole.
     fn fail_constrained(
         &mut self,
         id: RequestId,
@@ -375,7 +387,7 @@ impl DetokenizerActor {
         self.choices.remove(&id);
         ended.count(1, &request.borrow().outcome_labels);
         let mut r = request.borrow_mut();
-        if !delta.token_ids.is_empty() {
+        if !delta.token_ids.is_empty() && r.pending_prompt.is_none() {
             r.sink.send(EngineOutput::Delta(delta));
         }
         r.sink.send(EngineOutput::Error(SubmitError::new(
@@ -544,6 +556,7 @@ impl Handler<Register> for DetokenizerActor {
             ids: msg.ids.clone(),
             guard: Some(msg.guard),
             pending_prompt: msg.pending_prompt.clone(),
+            held: Vec::new(),
             labels: names::tier_labels(&tier),
             outcome_labels: names::outcome_labels(&tier, &tenant),
             tier,
@@ -654,8 +667,11 @@ impl Handler<StepEvents> for DetokenizerActor {
                     let Some(c) = self.choices.get_mut(&id) else {
                         continue;
                     };
-                    // The prompt event always precedes a choice's first delta.
-                    Self::flush_prompt(&mut c.request.borrow_mut(), &c.prompt_logprobs);
+                    // The prompt event always precedes a choice's first delta; only the first
+                    // choice knows the prompt's logprobs (the others' deltas wait for it).
+                    if c.index == 0 {
+                        Self::flush_prompt(&mut c.request.borrow_mut(), &c.prompt_logprobs);
+                    }
                     // An embedding's token only carried its hidden state: no text, no count.
                     if c.detok.is_stopped() || c.embed {
                         continue;
@@ -736,7 +752,7 @@ impl Handler<StepEvents> for DetokenizerActor {
                         }
                     }
                     // The first choice whose prompt is complete releases the prompt event.
-                    if c.prompt_logprobs.iter().skip(1).all(Option::is_some) {
+                    if c.index == 0 && c.prompt_logprobs.iter().skip(1).all(Option::is_some) {
                         Self::flush_prompt(&mut c.request.borrow_mut(), &c.prompt_logprobs);
                     }
                 }
@@ -768,6 +784,11 @@ impl Handler<StepEvents> for DetokenizerActor {
                     if c.detok.is_stopped() {
                         continue;
                     }
+                    // A first choice that ends without a token (such as a queue timeout)
+                    // still releases the prompt event, and the deltas held behind it.
+                    if c.index == 0 {
+                        Self::flush_prompt(&mut c.request.borrow_mut(), &c.prompt_logprobs);
+                    }
                     if c.embed {
                         // Done once its prompt ran: it stopped, whatever ended its one token.
                         let d = deltas.of(id, c.index);
@@ -794,6 +815,7 @@ impl Handler<StepEvents> for DetokenizerActor {
             };
             delta.cached_prompt_tokens = c.cached_prompt_tokens;
             let request = c.request.clone();
+            let index = c.index;
             let failure = finished
                 .and_then(|_| c.constraint.as_ref()?.failure())
                 .filter(|_| !request.borrow().sink.is_closed());
@@ -861,6 +883,11 @@ impl Handler<StepEvents> for DetokenizerActor {
                             .record(f64::from(r.n));
                     }
                 }
+            }
+            // Held until the first choice's prompt logprobs release the prompt event.
+            if index != 0 && request.borrow().pending_prompt.is_some() {
+                request.borrow_mut().held.push(delta);
+                continue;
             }
             let delivered = request.borrow_mut().sink.send(EngineOutput::Delta(delta));
             if !delivered && !gone.iter().any(|g| Rc::ptr_eq(g, &request)) {

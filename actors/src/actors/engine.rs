@@ -1475,16 +1475,23 @@ mod tests {
         max_model_len: usize,
         tiers: Vec<TierSpec>,
     ) -> (Engine, Arc<Mutex<HashMap<u64, usize>>>) {
+        engine_with_scheduler(SchedulerConfig {
+            num_gpu_blocks: 64,
+            block_size: 4,
+            max_model_len,
+            tiers,
+            ..SchedulerConfig::default()
+        })
+    }
+
+    /// [`engine`] with the scheduler's whole configuration.
+    fn engine_with_scheduler(
+        scheduler: SchedulerConfig,
+    ) -> (Engine, Arc<Mutex<HashMap<u64, usize>>>) {
         let tokenizer = abc_tokenizer();
         let fed = Arc::new(Mutex::new(HashMap::new()));
         let config = EngineConfig {
-            scheduler: SchedulerConfig {
-                num_gpu_blocks: 64,
-                block_size: 4,
-                max_model_len,
-                tiers,
-                ..SchedulerConfig::default()
-            },
+            scheduler,
             hash_key: [1, 2],
             tokenizer_threads: 1,
             max_pending_requests: 16,
@@ -1723,7 +1730,98 @@ mod tests {
     /// not three), and the request still gets every position's entry.
     #[actix::test]
     async fn prompt_logprobs_of_several_choices_are_computed_once() {
-        let (engine, fed) = engine(1024);
+        several_choices_get_the_prompt_logprobs_once(engine(1024)).await;
+    }
+
+    /// The other choices may sample before the first has computed the prompt's logprobs: here
+    /// the first's prompt goes in chunks of 2 logit rows (5 steps for 10 tokens) while the
+    /// others prefill at once and end in the first step. Their deltas wait for the prompt
+    /// event, which still carries every position's logprob.
+    #[actix::test]
+    async fn prompt_logprobs_reach_a_request_whose_other_choices_end_first() {
+        let bounded = engine_with_scheduler(SchedulerConfig {
+            num_gpu_blocks: 64,
+            block_size: 4,
+            max_model_len: 1024,
+            max_num_seqs: 4,
+            max_logit_rows: 6,
+            ..SchedulerConfig::default()
+        });
+        several_choices_get_the_prompt_logprobs_once(bounded).await;
+    }
+
+    /// A grammar that allows every token and reports `failure` (the detokenizer reads it when
+    /// the choice ends).
+    struct Grammar(Option<&'static str>);
+
+    impl switchyard_gpu::TokenConstraint for Grammar {
+        fn fill_allowed(&mut self, allowed: &mut [u32]) {
+            allowed.fill(u32::MAX);
+        }
+        fn commit(&mut self, _: u32) {}
+        fn failure(&self) -> Option<String> {
+            self.0.map(str::to_owned)
+        }
+    }
+
+    /// The second choice's grammar fails at its end, in the first step, while the first
+    /// choice still computes the prompt's logprobs (in chunks of 2 logit rows): the request
+    /// ends with the structured-output error before any delta, not with a delta before the
+    /// prompt event (which the HTTP layer takes for an internal error).
+    #[actix::test]
+    async fn a_later_choice_failing_before_the_prompt_event_refuses_the_request() {
+        let (engine, _) = engine_with_scheduler(SchedulerConfig {
+            num_gpu_blocks: 64,
+            block_size: 4,
+            max_model_len: 1024,
+            max_num_seqs: 4,
+            max_logit_rows: 6,
+            ..SchedulerConfig::default()
+        });
+        let (sink, rx) = recorder();
+        let options = RequestOptions {
+            n: 2,
+            prompt_logprobs: Some(1),
+            ..options(Some(1))
+        };
+        engine.admission.counter().fetch_add(1, Ordering::AcqRel);
+        let resolved = Resolved {
+            prompt: vec![2; 10],
+            opens_thinking: false,
+            adapter: None,
+            constraints: vec![
+                Constraint::new(Grammar(None)),
+                Constraint::new(Grammar(Some("the test grammar"))),
+            ],
+            encoded: Instant::now(),
+        };
+        let guard = InFlight::new(engine.admission.counter());
+        let admitted = engine.admit(
+            options,
+            resolved,
+            sink,
+            guard,
+            Instant::now(),
+            Metering::Request,
+        );
+        assert!(admitted.is_ok());
+        match next_output(&rx).await {
+            EngineOutput::Error(e) => {
+                assert_eq!(e.kind, SubmitErrorKind::StructuredOutput, "{e:?}");
+                assert!(e.message.contains("the test grammar"), "{e:?}");
+            }
+            other => panic!("expected the grammar's error first, got {other:?}"),
+        }
+        wait_idle(&engine).await;
+        assert!(rx.try_recv().is_err(), "nothing after the error");
+    }
+
+    /// A request of 3 choices asking for prompt logprobs gets the prompt event first, with
+    /// every position's logprob, then each choice's end; the backend computed one prompt's
+    /// logit rows.
+    async fn several_choices_get_the_prompt_logprobs_once(
+        (engine, fed): (Engine, Arc<Mutex<HashMap<u64, usize>>>),
+    ) {
         let (sink, rx) = recorder();
         let options = RequestOptions {
             n: 3,

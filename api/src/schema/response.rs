@@ -168,13 +168,14 @@ impl PromptLogprobs {
 }
 
 /// vLLM's `return_tokens_as_token_ids`: each token string of `logprobs`, the token's and its
-/// alternatives', becomes `token_id:{id}`, and its bytes that string's, as vLLM renders them
-/// (completions' `tokens` and `top_logprobs` keys, whose `text_offset`s then count these
-/// strings, as vLLM's do; chat's `token` and `bytes`, top alternatives included).
+/// alternatives', becomes `token_id:{id}`, as vLLM renders them (completions' `tokens` and
+/// `top_logprobs` keys, whose `text_offset`s then count these strings, as vLLM's do; chat's
+/// `token`s). On chat an alternative's `bytes` become those of its string too, but the
+/// sampled token's stay its own: vLLM's `_create_chat_logprobs` encodes the token's decoded
+/// text there, and only its `_get_top_logprobs` the rendered string.
 pub fn render_token_ids(logprobs: &mut [TokenLogprob]) {
     for lp in logprobs {
         lp.token = format!("token_id:{}", lp.token_id);
-        lp.bytes = lp.token.as_bytes().to_vec();
         for top in &mut lp.top {
             top.token = format!("token_id:{}", top.token_id);
             top.bytes = top.token.as_bytes().to_vec();
@@ -601,7 +602,7 @@ mod tests {
 
     /// vLLM's `return_tokens_as_token_ids`: every string is `token_id:{id}`, so two byte
     /// tokens that read alike keep a key each, offsets count the rendered strings, and chat's
-    /// bytes are those of the string.
+    /// alternatives' bytes are those of the string while the sampled token's stay its own.
     #[test]
     fn token_ids_replace_every_token_string() {
         let r = "\u{FFFD}";
@@ -625,7 +626,8 @@ mod tests {
         );
         let chat = ChatLogprobs::from_engine(&list);
         assert_eq!(chat.content[0].token, "token_id:7");
-        assert_eq!(chat.content[0].bytes, b"token_id:7");
+        assert_eq!(chat.content[0].bytes, r.as_bytes());
+        assert_eq!(chat.content[1].bytes, b"ab");
         assert_eq!(chat.content[0].top_logprobs[0].token, "token_id:12");
         assert_eq!(chat.content[0].top_logprobs[0].bytes, b"token_id:12");
     }
