@@ -673,16 +673,9 @@ impl Engine {
                 let constraints = match &options.structured {
                     None => Vec::new(),
                     Some(spec) => {
-                        let end_ids = options
-                            .sampling
-                            .eos_token_ids
-                            .iter()
-                            .chain(&options.sampling.stop_token_ids)
-                            .copied()
-                            .collect();
                         let compile = this.ask_tokenizers(Constrain {
                             spec: spec.clone(),
-                            end_ids,
+                            end_ids: end_ids(&options.sampling),
                             n: options.n.max(1) as usize,
                         });
                         // A client that leaves while its grammar waits for the compile pool drops
@@ -762,20 +755,13 @@ impl Engine {
                 .await?;
             Some(Arc::from(words))
         };
-        let end_ids: Arc<[u32]> = options
-            .sampling
-            .eos_token_ids
-            .iter()
-            .chain(&options.sampling.stop_token_ids)
-            .copied()
-            .collect();
         Ok(choice_constraints(
             filters,
             grammar,
             bad_words,
             options.n.max(1) as usize,
             self.vocab,
-            end_ids,
+            end_ids(&options.sampling).into(),
         ))
     }
 
@@ -1379,6 +1365,17 @@ async fn unless_gone<F: std::future::Future>(fut: F, sink: &dyn OutputSink) -> O
             None => {}
         }
     }
+}
+
+/// The tokens that end a request: its end-of-sequence tokens, then its `stop_token_ids` (what
+/// a grammar, or token filters with nothing left to allow, end through).
+fn end_ids(sampling: &SamplingParams) -> Vec<u32> {
+    sampling
+        .eos_token_ids
+        .iter()
+        .chain(&sampling.stop_token_ids)
+        .copied()
+        .collect()
 }
 
 /// The prefix-cache salt of a request that asks for prompt logprobs: its own, so that no
