@@ -306,6 +306,67 @@ fn adapters_load_and_unload_at_run_time_through_the_admin_api() {
     assert_eq!(haiku(s, "tuned").0, 200);
 }
 
+/// vLLM's routes for runtime LoRA updates (`/v1/load_lora_adapter`, `/v1/unload_lora_adapter`)
+/// load and unload as the admin API does, behind the admin key, and answer as vLLM's do: a 200
+/// whose body is the text `Success: LoRA adapter 'NAME' added successfully.` (`removed` for an
+/// unload), errors as JSON (vLLM's messages: serving_models.py).
+#[test]
+fn vllm_lora_routes_load_and_unload_behind_the_admin_key() {
+    let s = &server();
+    let post = |path: &str, body: &Value, headers: &[(&str, &str)]| {
+        s.request("POST", path, Some(&body.to_string()), headers)
+            .expect("request")
+    };
+    let error = |r: &common::Response| -> Value {
+        serde_json::from_str(&r.body).unwrap_or_else(|_| panic!("not JSON: {}", r.body))
+    };
+    let load = json!({"lora_name": "vl", "lora_path": lora_fixture_dir()});
+    assert_eq!(post("/v1/load_lora_adapter", &load, &[]).status, 401);
+    let r = post("/v1/load_lora_adapter", &load, &[ADMIN]);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.body, "Success: LoRA adapter 'vl' added successfully.");
+    let content_type = r
+        .headers
+        .iter()
+        .find(|(k, _)| k.eq_ignore_ascii_case("content-type"))
+        .map(|(_, v)| v.as_str());
+    assert_eq!(content_type, Some("text/plain; charset=utf-8"));
+    assert_haiku(s, "vl", "lora_golden.json");
+    let r = post("/v1/load_lora_adapter", &load, &[ADMIN]);
+    assert_eq!(r.status, 400, "a name is loaded once: {}", r.body);
+    assert!(
+        error(&r)["error"]["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("already"),
+        "{}",
+        r.body
+    );
+
+    let unload = json!({"lora_name": "vl"});
+    assert_eq!(post("/v1/unload_lora_adapter", &unload, &[]).status, 401);
+    let r = post("/v1/unload_lora_adapter", &unload, &[ADMIN]);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.body, "Success: LoRA adapter 'vl' removed successfully.");
+    assert_eq!(haiku(s, "vl").0, 404, "unloaded");
+    let r = post("/v1/unload_lora_adapter", &unload, &[ADMIN]);
+    assert_eq!(r.status, 404, "{}", r.body);
+    // vLLM's other way to name an adapter, an id its server gave out, names none here.
+    let r = post(
+        "/v1/unload_lora_adapter",
+        &json!({"lora_int_id": 1}),
+        &[ADMIN],
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(error(&r)["error"]["param"], "lora_name", "{}", r.body);
+    let r = s
+        .request("GET", "/v1/load_lora_adapter", None, &[ADMIN])
+        .expect("request");
+    assert_eq!(r.status, 405, "{}", r.body);
+    // The adapter the configuration names still serves.
+    assert_eq!(haiku(s, "tuned").0, 200);
+}
+
 #[test]
 fn sighup_brings_the_configured_adapters_in_line_with_the_file() {
     let s = &server();

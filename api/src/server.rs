@@ -46,6 +46,22 @@ pub fn configure(cfg: &mut web::ServiceConfig, state: ApiState) {
         .wrap(from_fn(crate::cors::json_refusals))
         .wrap(from_fn(add_request_id))
         .wrap(from_fn(hold_request_body))
+        // vLLM's routes for the admin API's LoRA loads (the admin key, not an API key), ahead
+        // of the `/v1` scope that would take them for its own.
+        .service(
+            web::resource("/v1/load_lora_adapter")
+                .wrap(from_fn(require_admin_key))
+                .wrap(from_fn(record_http))
+                .route(web::post().to(routes::vllm_load_lora))
+                .default_service(method_not_allowed("POST")),
+        )
+        .service(
+            web::resource("/v1/unload_lora_adapter")
+                .wrap(from_fn(require_admin_key))
+                .wrap(from_fn(record_http))
+                .route(web::post().to(routes::vllm_unload_lora))
+                .default_service(method_not_allowed("POST")),
+        )
         .service(
             web::scope("/v1")
                 .wrap(from_fn(require_api_key))

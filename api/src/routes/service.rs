@@ -415,6 +415,74 @@ pub(crate) async fn load_lora(
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
     let body: LoadLoraRequest = read_json(&req, payload, &state.config()).await?;
+    let info = load_lora_as(&state, body, "the admin API").await?;
+    Ok(HttpResponse::Ok().json(info))
+}
+
+/// `POST /v1/load_lora_adapter`: vLLM's route for `POST /admin/lora` (the same body, the
+/// admin key), answered as vLLM answers it: a 200 whose body is the text `Success: LoRA
+/// adapter 'NAME' added successfully.`, errors as every other route's.
+pub(crate) async fn vllm_load_lora(
+    state: web::Data<ApiState>,
+    req: HttpRequest,
+    payload: web::Payload,
+) -> Result<HttpResponse, ApiError> {
+    let body: LoadLoraRequest = read_json(&req, payload, &state.config()).await?;
+    let info = load_lora_as(&state, body, "vLLM's /v1/load_lora_adapter").await?;
+    Ok(vllm_success(format!(
+        "Success: LoRA adapter '{}' added successfully.",
+        info.name
+    )))
+}
+
+/// Body of `POST /v1/unload_lora_adapter` (vLLM's fields).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct UnloadLoraRequest {
+    lora_name: Option<String>,
+    /// vLLM's alternative to the name: an id its server gave out. This server's ids are its
+    /// own, so an adapter is unloaded by name; the field is accepted beside one.
+    #[serde(default)]
+    #[allow(dead_code)]
+    lora_int_id: Option<i64>,
+}
+
+/// `POST /v1/unload_lora_adapter`: vLLM's route for `DELETE /admin/lora/{name}` (the admin
+/// key), answered as vLLM answers it: a 200 whose body is the text `Success: LoRA adapter
+/// 'NAME' removed successfully.`
+pub(crate) async fn vllm_unload_lora(
+    state: web::Data<ApiState>,
+    req: HttpRequest,
+    payload: web::Payload,
+) -> Result<HttpResponse, ApiError> {
+    let body: UnloadLoraRequest = read_json(&req, payload, &state.config()).await?;
+    let Some(name) = body.lora_name.filter(|n| !n.is_empty()) else {
+        return Err(ApiError::invalid(
+            "lora_name",
+            "lora_name is required: adapters are unloaded by name (this server does not give \
+             out vLLM's lora_int_id)",
+        ));
+    };
+    state.engine.unload_lora(name.clone()).await?;
+    tracing::info!(%name, "LoRA adapter unloaded through vLLM's /v1/unload_lora_adapter");
+    Ok(vllm_success(format!(
+        "Success: LoRA adapter '{name}' removed successfully."
+    )))
+}
+
+/// vLLM's answer to a LoRA route that succeeded: 200, its message as plain text.
+fn vllm_success(message: String) -> HttpResponse {
+    HttpResponse::Ok()
+        .content_type("text/plain; charset=utf-8")
+        .body(message)
+}
+
+/// Loads the adapter `body` names (through `route`, for the log) and returns what it serves.
+async fn load_lora_as(
+    state: &ApiState,
+    body: LoadLoraRequest,
+    route: &str,
+) -> Result<crate::engine::LoraAdapterInfo, ApiError> {
     if body.lora_path.is_empty() || body.lora_path.len() > MAX_LORA_PATH {
         return Err(ApiError::invalid(
             "lora_path",
@@ -441,9 +509,9 @@ pub(crate) async fn load_lora(
         path = %info.path,
         in_place = body.load_inplace,
         pinned = body.pinned,
-        "LoRA adapter loaded through the admin API"
+        "LoRA adapter loaded through {route}"
     );
-    Ok(HttpResponse::Ok().json(info))
+    Ok(info)
 }
 
 /// `DELETE /admin/lora/{name}`: stops serving an adapter.
