@@ -253,6 +253,50 @@ fn a_missing_model_path_is_refused_naming_the_key_and_its_line() {
     assert!(ok, "the example's empty model.path was refused: {err}");
 }
 
+/// An entry of `lora.adapters` whose path is not a PEFT directory (missing, a file, a directory
+/// without the adapter's files) is refused by `config check`, naming its index and what is
+/// wrong, as `serve` refuses it before the model loads; the fixture's adapter passes.
+#[test]
+fn lora_adapters_paths_are_checked_before_the_model_loads() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let fixture = root.join("gpu/tests/fixtures/lora/smollm2-r4");
+    let empty =
+        std::env::temp_dir().join(format!("switchyard-empty-adapter-{}", std::process::id()));
+    std::fs::create_dir_all(&empty).expect("temp dir");
+    let set = |path: &Path| {
+        vec![
+            "--set".to_owned(),
+            "lora.enabled=true".into(),
+            "--set".into(),
+            format!(
+                "lora.adapters=[{{name: good, path: {}}}, {{name: tuned, path: {}}}]",
+                fixture.display(),
+                path.display()
+            ),
+        ]
+    };
+    let cases = [
+        (
+            PathBuf::from("/nonexistent/adapters/sql"),
+            "lora.adapters[1].path: cannot read `/nonexistent/adapters/sql`: no such file",
+        ),
+        (fixture.join("adapter_config.json"), "is not a directory"),
+        (empty.clone(), "adapter_config.json: no such file"),
+    ];
+    for (path, expected) in cases {
+        let args = set(&path);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let err = refused(Path::new(EXAMPLE), &args, &[]);
+        assert!(err.contains(expected), "{}: {err}", path.display());
+        assert!(err.contains("lora.adapters[1].path"), "{err}");
+    }
+    let args = set(&fixture);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (ok, err) = check(Path::new(EXAMPLE), &args, &[]);
+    assert!(ok, "{err}");
+    let _ = std::fs::remove_dir(&empty);
+}
+
 /// An entry of `lora.adapter_dirs` that is not a directory is refused before the model loads,
 /// naming its index and what it is.
 #[test]

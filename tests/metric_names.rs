@@ -194,6 +194,12 @@ fn the_grafana_dashboard_names_only_exported_series() {
         for series in series_in(e) {
             named += 1;
             assert!(is_exported(series), "{series} (in {e}) is not exported");
+            // An info gauge is 1 whatever its labels say: drawn, it is a line at 1 (the
+            // cache's size is `cache_config_info`'s num_gpu_blocks label, not its value).
+            assert!(
+                !series.ends_with("_info"),
+                "{series} (in {e}) is always 1: its labels are not a quantity to plot"
+            );
         }
     }
     assert!(

@@ -477,12 +477,24 @@ fn an_evicted_adapter_whose_files_broke_is_the_servers_503_without_its_path() {
     assert_eq!(complete("two").0, 200);
     std::fs::remove_file(one.join("adapter_model.safetensors")).expect("break one");
 
+    let failed = |reason: &str| {
+        s.labelled_metric(
+            "switchyard:request_failed_total",
+            &[&format!("reason=\"{reason}\"")],
+        )
+    };
+    assert_eq!(failed("unavailable"), 0.0);
     let (status, v) = complete("one");
     assert_eq!(status, 503, "{v}\n{}", s.log());
     assert_eq!(
         v["error"]["message"],
         "LoRA adapter 'one' could not be loaded"
     );
+    // The server's failure counts as one (README, Metrics: refused as `unavailable`); a name
+    // no adapter has is the client's 404, in `http_requests_total` only.
+    assert_eq!(failed("unavailable"), 1.0, "{}", s.log());
+    assert_eq!(complete("nothing-here").0, 404);
+    assert_eq!(failed("unknown_model"), 0.0);
     let shown = one.display().to_string();
     assert!(!v.to_string().contains(&shown), "the path leaked: {v}");
     // The detail is the operator's, in the log.

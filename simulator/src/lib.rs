@@ -40,6 +40,34 @@ pub use trace::TraceFormat;
 use report::PolicySummary;
 use std::path::Path;
 
+/// A warning when `scheduler.lora_memory.pinned` names adapters that no request of
+/// `requests` names: each holds one of `max_cpu_loras`' places for nothing (adapter ids are
+/// `1..=workload.adapters.count`, or a jsonl record's own `adapter`; a `0`, or an id past the
+/// count, is a likely slip).
+fn unused_pinned(pinned: &[u32], requests: &[trace::TraceRequest]) -> Option<String> {
+    let named: std::collections::BTreeSet<u32> =
+        requests.iter().filter_map(|r| r.adapter).collect();
+    let unused: Vec<String> = pinned
+        .iter()
+        .filter(|a| !named.contains(a))
+        .map(u32::to_string)
+        .collect();
+    if unused.is_empty() {
+        return None;
+    }
+    Some(format!(
+        "scheduler.lora_memory.pinned: no request names adapter {} (adapters are the ids \
+         1..=workload.adapters.count, or a jsonl record's own `adapter`): pinned, {} \
+         one of max_cpu_loras' places for nothing",
+        unused.join(", "),
+        if unused.len() == 1 {
+            "it holds"
+        } else {
+            "each holds"
+        }
+    ))
+}
+
 /// A warning when requests of `requests` reach a context (prompt plus output) longer than
 /// any `c` measured: their steps' times are the fit's extrapolation (its attention term grows
 /// with the square of the context, so a short calibration can price a long prompt far off).
@@ -141,6 +169,14 @@ pub fn simulate(
              simulation spec (`simulate --config`)",
             names.join(", ")
         ));
+    }
+    if let Some(w) = spec
+        .scheduler
+        .lora_memory
+        .as_ref()
+        .and_then(|m| unused_pinned(&m.pinned, requests))
+    {
+        warnings.push(w);
     }
     if let cost::CostModel::Calibrated(c) = &sim.cost {
         if let Some(w) = beyond_calibration(c, requests, sim.model.sliding_window) {
@@ -353,6 +389,35 @@ mod tests {
         assert_eq!(peak_rate(&rs[..15], 14.0), None);
         let even: Vec<_> = (0..=60).map(|i| at(f64::from(i))).collect();
         assert_eq!(peak_rate(&even, 60.0), Some(1.0));
+    }
+
+    #[test]
+    fn pinned_adapters_no_request_names_are_warned_of() {
+        let request = |adapter: Option<u32>| trace::TraceRequest {
+            arrival_s: 0.0,
+            prompt: vec![7u32; 4].into(),
+            output_len: 1,
+            tenant: String::new(),
+            tier: String::new(),
+            priority: None,
+            adapter,
+        };
+        let rs = [request(Some(1)), request(None), request(Some(3))];
+        assert_eq!(unused_pinned(&[], &rs), None);
+        assert_eq!(unused_pinned(&[3, 1], &rs), None);
+        // Ids are 1-based: a 0 (and an id past the trace's adapters) pins nothing used.
+        let w = unused_pinned(&[0, 1], &rs).expect("a warning");
+        assert!(
+            w.starts_with("scheduler.lora_memory.pinned: no request names adapter 0 "),
+            "{w}"
+        );
+        assert!(w.contains("it holds one of max_cpu_loras"), "{w}");
+        let w = unused_pinned(&[0, 2, 3], &rs).expect("a warning");
+        assert!(
+            w.contains("adapter 0, 2 ") && w.contains("each holds"),
+            "{w}"
+        );
+        assert!(!w.contains("  "), "one line of prose: {w}");
     }
 
     #[test]

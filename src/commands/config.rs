@@ -93,6 +93,10 @@ pub fn load_checked(file: &std::path::Path, cli_overrides: &[String]) -> anyhow:
         for (i, dir) in config.lora.adapter_dirs.iter().enumerate() {
             adapter_dir_readable(dir).map_err(|why| (format!("lora.adapter_dirs[{i}]"), why))?;
         }
+        for (i, a) in config.lora.adapters.iter().enumerate() {
+            adapter_files_present(&a.path)
+                .map_err(|why| (format!("lora.adapters[{i}].path"), why))?;
+        }
         let spec = &config.scheduler.policy;
         build_policy(spec, &tier_specs(config))
             .map(drop)
@@ -274,6 +278,43 @@ fn adapter_dir_readable(dir: &str) -> Result<(), String> {
             io_reason(&e)
         )),
     }
+}
+
+/// Refuses a `lora.adapters` entry whose path (`~` expanded) is not a directory holding
+/// `adapter_config.json` and `adapter_model.safetensors` as regular files, as the adapter
+/// loader refuses it once the model has loaded; the files' contents (the rank, the modules
+/// against the model's) are checked as the adapter loads. Nothing is opened.
+fn adapter_files_present(path: &str) -> Result<(), String> {
+    let full = switchyard_config::expand_home(path);
+    match std::fs::metadata(&full) {
+        Ok(m) if !m.is_dir() => {
+            return Err(format!(
+                "`{}` is not a directory (a PEFT adapter is one)",
+                full.display()
+            ))
+        }
+        Ok(_) => {}
+        Err(e) => {
+            return Err(format!(
+                "cannot read `{}`: {}",
+                full.display(),
+                io_reason(&e)
+            ))
+        }
+    }
+    for name in ["adapter_config.json", "adapter_model.safetensors"] {
+        match std::fs::metadata(full.join(name)) {
+            Ok(m) if m.is_file() => {}
+            Ok(_) => {
+                return Err(format!(
+                    "`{}`: {name} is not a regular file",
+                    full.display()
+                ))
+            }
+            Err(e) => return Err(format!("`{}`: {name}: {}", full.display(), io_reason(&e))),
+        }
+    }
+    Ok(())
 }
 
 /// An I/O error's reason as a message part: lower case, without the OS error number.

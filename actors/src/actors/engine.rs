@@ -665,7 +665,9 @@ impl Engine {
                     Some(name) => match this.resolve_adapter(name).await {
                         Ok(a) => Some(a),
                         Err(e) => {
-                            sink.send(EngineOutput::Error(e));
+                            // A broken or busy adapter (503) counts as `unavailable`; an
+                            // unknown one (404) or a bad name (400) only in the HTTP counts.
+                            this.refuse(&options, sink.as_mut(), e);
                             return;
                         }
                     },
