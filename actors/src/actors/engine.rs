@@ -1738,15 +1738,21 @@ mod tests {
     /// event, which still carries every position's logprob.
     #[actix::test]
     async fn prompt_logprobs_reach_a_request_whose_other_choices_end_first() {
-        let bounded = engine_with_scheduler(SchedulerConfig {
+        let bounded = engine_with_two_logit_rows_a_chunk();
+        several_choices_get_the_prompt_logprobs_once(bounded).await;
+    }
+
+    /// An engine whose prompt-logprob prefill goes in chunks of 2 logit rows (at most 6 rows a
+    /// step, 4 sequences), so that a 10-token prompt takes 5 steps.
+    fn engine_with_two_logit_rows_a_chunk() -> (Engine, Arc<Mutex<HashMap<u64, usize>>>) {
+        engine_with_scheduler(SchedulerConfig {
             num_gpu_blocks: 64,
             block_size: 4,
             max_model_len: 1024,
             max_num_seqs: 4,
             max_logit_rows: 6,
             ..SchedulerConfig::default()
-        });
-        several_choices_get_the_prompt_logprobs_once(bounded).await;
+        })
     }
 
     /// A grammar that allows every token and reports `failure` (the detokenizer reads it when
@@ -1769,14 +1775,7 @@ mod tests {
     /// prompt event (which the HTTP layer takes for an internal error).
     #[actix::test]
     async fn a_later_choice_failing_before_the_prompt_event_refuses_the_request() {
-        let (engine, _) = engine_with_scheduler(SchedulerConfig {
-            num_gpu_blocks: 64,
-            block_size: 4,
-            max_model_len: 1024,
-            max_num_seqs: 4,
-            max_logit_rows: 6,
-            ..SchedulerConfig::default()
-        });
+        let (engine, _) = engine_with_two_logit_rows_a_chunk();
         let (sink, rx) = recorder();
         let options = RequestOptions {
             n: 2,
