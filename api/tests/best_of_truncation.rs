@@ -127,10 +127,22 @@ async fn truncate_prompt_tokens_keeps_the_end_of_a_long_prompt() {
     assert_eq!(reply.status, 200, "{}", reply.text());
     assert_eq!(reply.json()["usage"]["prompt_tokens"], 63);
 
-    // A short prompt is left as it is.
+    // A short prompt is left as it is; `echo` shows a cut prompt's kept tokens.
     let body = json!({"prompt": "abc", "max_tokens": 1, "truncate_prompt_tokens": 6});
     let reply = send(&app, post("/v1/completions", &body)).await;
     assert_eq!(reply.json()["usage"]["prompt_tokens"], 3);
+    assert_eq!(
+        engine.last_request().prompt,
+        PromptInput::Text("abc".into())
+    );
+    let body = json!({"prompt": long, "max_tokens": 1, "truncate_prompt_tokens": 6,
+        "echo": true});
+    let reply = send(&app, post("/v1/completions", &body)).await;
+    let text = reply.json()["choices"][0]["text"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(text.starts_with("xxtail"), "{text}");
 
     for (path, body) in [
         (

@@ -52,8 +52,9 @@ pub fn keep_last(mut tokens: Vec<u32>, keep: usize) -> Vec<u32> {
 
 /// Cuts every prompt of `prompts` to its last `keep` tokens. Token prompts are cut as they
 /// are; a text or chat prompt is tokenized by the engine (a chat one through its template) and
-/// replaced by its last `keep` tokens when it has more, else left as it is (a chat prompt then
-/// keeps what the engine learns from its rendering, such as an open reasoning block). `field`
+/// replaced by its last `keep` tokens when it has more, else left as it is (so `echo` shows a
+/// text prompt as sent, and a chat prompt keeps what the engine learns from its rendering,
+/// such as an open reasoning block). `field`
 /// is the request's prompt field, named by an error of the engine's tokenizer that names none.
 pub(crate) async fn truncate_prompts(
     engine: &dyn Engine,
@@ -88,7 +89,7 @@ pub(crate) async fn truncate_prompts(
             .tokenize(input)
             .await
             .map_err(|e| name_prompt(e, field))?;
-        if tokens.len() > keep || matches!(prompt, PromptInput::Text(_)) {
+        if tokens.len() > keep {
             *prompt = PromptInput::Tokens(keep_last(tokens, keep));
         }
     }
