@@ -212,7 +212,7 @@ async fn bad_fields_are_400_naming_them() {
         (json!({"input": "a", "dimensions": 4}), "dimensions"),
         (json!({"input": "a", "dimensions": 0}), "dimensions"),
         (
-            json!({"input": "a", "truncate_prompt_tokens": 3}),
+            json!({"input": "a", "truncate_prompt_tokens": 0}),
             "truncate_prompt_tokens",
         ),
         (

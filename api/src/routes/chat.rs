@@ -11,6 +11,7 @@ use crate::error::ApiError;
 use crate::generation::{ChoiceDelta, Generation, RequestFields};
 use crate::schema::reasoning::{ThinkSplitter, ThinkStart};
 use crate::schema::tools::{new_call_id, ToolAnswer, ToolFormat, ToolPiece, ToolStream};
+use crate::schema::truncation::truncate_prompts;
 use crate::schema::{
     render_token_ids, ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatLogprobs, ChatRequest,
     ChatResponse, ChatResponseMessage, FunctionCall, FunctionCallDelta, PromptLogprobs, ToolCall,
@@ -32,6 +33,9 @@ pub(crate) async fn chat_completions(
     body.ignored.warn("/v1/chat/completions");
     let lora = check_model(&state, &principal, body.model.as_deref()).await?;
     let mut validated = body.validate(state.engine.max_model_len(), state.config().tools)?;
+    if let Some(keep) = validated.truncate_prompt_tokens {
+        truncate_prompts(&*state.engine, &mut validated.prompts, keep, "messages").await?;
+    }
     // Reasoning tags that are special tokens stay in the text for the splitter.
     if state.config().reasoning.is_some() {
         validated.keep_special_tokens[3..].copy_from_slice(&state.config().reasoning_tokens);

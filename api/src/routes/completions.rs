@@ -9,6 +9,8 @@ use crate::body::read_json;
 use crate::engine::PromptInput;
 use crate::error::ApiError;
 use crate::generation::{ChoiceDelta, Generation, RequestFields};
+use crate::schema::best_of::{best, CandidateScore};
+use crate::schema::truncation::truncate_prompts;
 use crate::schema::{
     render_token_ids, CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
     PromptLogprobs, Usage,
@@ -28,7 +30,10 @@ pub(crate) async fn completions(
     let id = crate::request_id::completion_id(&req, "cmpl-");
     body.ignored.warn("/v1/completions");
     let lora = check_model(&state, &principal, body.model.as_deref()).await?;
-    let validated = body.validate(state.engine.max_model_len())?;
+    let mut validated = body.validate(state.engine.max_model_len())?;
+    if let Some(keep) = validated.truncate_prompt_tokens {
+        truncate_prompts(&*state.engine, &mut validated.prompts, keep, "prompt").await?;
+    }
 
     let echo_texts = if validated.echo {
         let mut texts = Vec::with_capacity(validated.prompts.len());
@@ -60,14 +65,19 @@ pub(crate) async fn completions(
     };
     let meter = state.rate_limit(&principal, &req, &requests)?;
     let generation =
-        Generation::start(&*state.engine, requests, validated.n, fields, meter).await?;
+        Generation::start(&*state.engine, requests, validated.best_of, fields, meter).await?;
+    // `best_of` candidates beyond `n` are ranked on their logprobs, asked for or not.
+    let ranking = (validated.best_of > validated.n).then_some(Ranking {
+        n: validated.n,
+        keep_logprobs: validated.logprobs.is_some(),
+    });
 
     let writer = CompletionWriter {
         id,
         created: unix_now(),
         model: lora.unwrap_or_else(|| state.engine.model_name().to_owned()),
         echo: echo_texts,
-        logprobs: validated.logprobs,
+        logprobs: validated.logprobs.or(ranking.map(|_| 0)),
         prompt_logprobs: validated.prompt_logprobs,
         token_ids: validated.return_tokens_as_token_ids,
         offsets: vec![0; generation.choices()],
@@ -84,7 +94,7 @@ pub(crate) async fn completions(
             in_flight,
         ));
     }
-    let response = collect(generation, writer).await?;
+    let response = collect(generation, writer, ranking).await?;
     drop(in_flight);
     Ok(HttpResponse::Ok().json(response))
 }
@@ -238,10 +248,21 @@ impl ChunkWriter for CompletionWriter {
     }
 }
 
-/// Waits for every choice and assembles the non-streaming response.
+/// How a request with `best_of` above `n` keeps its best candidates ([`crate::schema::best_of`]).
+#[derive(Debug, Clone, Copy)]
+struct Ranking {
+    /// Choices kept per prompt.
+    n: u32,
+    /// The client asked for logprobs (else the ones that ranked the candidates are dropped).
+    keep_logprobs: bool,
+}
+
+/// Waits for every choice and assembles the non-streaming response; with `ranking`, every
+/// prompt's candidates are cut to its `n` best, numbered `prompt × n + i`, best first.
 async fn collect(
     mut generation: Generation,
     mut writer: CompletionWriter,
+    ranking: Option<Ranking>,
 ) -> Result<CompletionResponse, ApiError> {
     let mut choices: Vec<CompletionChoice> = writer.echo_choices(&generation);
     if choices.is_empty() {
@@ -268,8 +289,18 @@ async fn collect(
         }
     }
     let mut completion_tokens = 0u32;
+    // Each choice's generated tokens' logprobs (never the echoed prompt's).
+    let mut scores = vec![CandidateScore::default(); choices.len()];
     while let Some(delta) = generation.next().await {
         let delta = delta?;
+        if let Some(score) = usize::try_from(delta.choice)
+            .ok()
+            .and_then(|i| scores.get_mut(i))
+        {
+            for lp in &delta.delta.logprobs {
+                score.add(lp.logprob);
+            }
+        }
         let part = writer.delta_choice(&delta);
         let Some(choice) = usize::try_from(delta.choice)
             .ok()
@@ -289,10 +320,45 @@ async fn collect(
             completion_tokens = completion_tokens.saturating_add(finish.completion_tokens);
         }
     }
+    // Usage counts every candidate's tokens, kept or not: all were generated (and charged).
     let usage = Usage::new(
         generation.total_prompt_tokens(),
         generation.total_cached_prompt_tokens(),
         completion_tokens,
     );
+    if let Some(ranking) = ranking {
+        choices = keep_best(choices, &scores, generation.n(), ranking);
+    }
     Ok(writer.response(choices, Some(Some(usage))))
+}
+
+/// Every prompt's `ranking.n` best of its `candidates` choices (`choices` holds them prompt
+/// after prompt), best first and numbered `prompt × n + i`; their logprobs dropped unless the
+/// client asked for them.
+fn keep_best(
+    choices: Vec<CompletionChoice>,
+    scores: &[CandidateScore],
+    candidates: u32,
+    ranking: Ranking,
+) -> Vec<CompletionChoice> {
+    let per_prompt = usize::try_from(candidates).unwrap_or(usize::MAX).max(1);
+    let n = usize::try_from(ranking.n).unwrap_or(usize::MAX);
+    let mut slots: Vec<Option<CompletionChoice>> = choices.into_iter().map(Some).collect();
+    let mut kept = Vec::new();
+    for (prompt, scores) in scores.chunks(per_prompt).enumerate() {
+        for best in best(scores, n) {
+            let Some(mut choice) = slots
+                .get_mut(prompt * per_prompt + best)
+                .and_then(Option::take)
+            else {
+                continue;
+            };
+            choice.index = u32::try_from(kept.len()).unwrap_or(u32::MAX);
+            if !ranking.keep_logprobs {
+                choice.logprobs = None;
+            }
+            kept.push(choice);
+        }
+    }
+    kept
 }

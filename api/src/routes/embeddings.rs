@@ -15,6 +15,7 @@ use crate::schema::embeddings::{
     l2_normalize, EmbeddingData, EmbeddingJob, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage,
     EmbeddingVector,
 };
+use crate::schema::truncation::truncate_prompts;
 use crate::state::{unix_now, ApiState};
 
 /// Handles `POST /v1/embeddings`.
@@ -34,7 +35,10 @@ pub(crate) async fn embeddings(
     let id = crate::request_id::completion_id(&req, "embd-");
     body.ignored.warn("/v1/embeddings");
     let lora = check_model(&state, &principal, body.model.as_deref()).await?;
-    let job = body.validate(state.engine.max_model_len(), size)?;
+    let mut job = body.validate(state.engine.max_model_len(), size)?;
+    if let Some(keep) = job.truncate_prompt_tokens {
+        truncate_prompts(&*state.engine, &mut job.inputs, keep, "input").await?;
+    }
     let requests = embedding_requests(&id, &job, &principal, lora.as_deref());
     // A too-long input is named `input`, whatever the engine names (its one token's
     // `max_tokens` cannot fail otherwise).

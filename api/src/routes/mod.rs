@@ -57,7 +57,9 @@ fn prompt_request_id(id: &str, i: usize, prompts: usize) -> String {
     }
 }
 
-/// One engine request per prompt; ids are `id` (one prompt) or `id-<prompt>`.
+/// One engine request per prompt, each generating the request's `best_of` candidates (its `n`
+/// unless completions' `best_of` asks for more, then with their logprobs, which rank them);
+/// ids are `id` (one prompt) or `id-<prompt>`.
 pub(crate) fn engine_requests(
     id: &str,
     validated: &Validated,
@@ -75,10 +77,13 @@ pub(crate) fn engine_requests(
             prompt: prompt.clone(),
             sampling: validated.sampling.clone(),
             stop: validated.stop.clone(),
-            n: validated.n,
+            // Every candidate of `best_of`, with the logprobs that rank them.
+            n: validated.best_of,
             max_tokens: validated.max_tokens,
             max_tokens_defaulted: validated.max_tokens_defaulted,
-            logprobs: validated.logprobs,
+            logprobs: validated
+                .logprobs
+                .or((validated.best_of > validated.n).then_some(0)),
             prompt_logprobs,
             priority: validated.priority,
             tier: principal.tier.clone(),

@@ -8,8 +8,8 @@
 //! Each input is one engine request; the engine gives the final hidden state at the input's
 //! last token, not normalized ([`crate::engine::Delta::embedding`]). Fields follow OpenAI's API
 //! reference and vLLM's `EmbeddingCompletionRequest`: `normalize` (default true) and `priority`
-//! are honoured; vLLM's fields this server cannot honour (`truncate_prompt_tokens`,
-//! `add_special_tokens: false`, an `embed_dtype` other than `float32`, a big-endian
+//! and `truncate_prompt_tokens` ([`super::truncation`]) are honoured; vLLM's fields this
+//! server cannot honour (`add_special_tokens: false`, an `embed_dtype` other than `float32`, a big-endian
 //! `endianness`) are refused with a 400 naming them rather than silently ignored. Other unknown
 //! fields are accepted and named in a warning, as on the other routes ([`IgnoredFields`]).
 
@@ -19,6 +19,7 @@ use serde::{Deserialize, Serialize};
 use super::ignored::IgnoredFields;
 use super::limits::MAX_EMBEDDING_INPUTS;
 use super::request::context_length_exceeded;
+use super::truncation::{keep_last, parse_truncate_prompt_tokens};
 use crate::engine::PromptInput;
 use crate::error::ApiError;
 
@@ -68,9 +69,9 @@ pub struct EmbeddingRequest {
     pub priority: Option<i32>,
     /// vLLM's `normalize`: scale each vector to unit length (default true).
     pub normalize: Option<bool>,
-    /// vLLM's left truncation of long inputs; not supported, only `null` is accepted (a too
-    /// long input is refused).
-    pub truncate_prompt_tokens: Option<serde_json::Value>,
+    /// vLLM's `truncate_prompt_tokens`: keep only the last this many tokens of each input (-1:
+    /// as many as the context takes; see [`super::truncation`]).
+    pub truncate_prompt_tokens: Option<i64>,
     /// vLLM's `add_special_tokens` (default true); only `true` is accepted.
     pub add_special_tokens: Option<bool>,
     /// vLLM's element type of base64 vectors; only `float32` is accepted.
@@ -94,6 +95,9 @@ pub struct EmbeddingJob {
     pub normalize: bool,
     /// Scheduling priority; `None` when the request set none (its tier's applies).
     pub priority: Option<i32>,
+    /// Input tokens kept, the last ones (`truncate_prompt_tokens`); `None`: all. Token inputs
+    /// are already cut, text ones are cut once tokenized.
+    pub truncate_prompt_tokens: Option<usize>,
 }
 
 /// Refuses a vLLM field set to what this server cannot do.
@@ -202,13 +206,12 @@ impl EmbeddingRequest {
                 ),
             ));
         }
-        refuse(
-            "truncate_prompt_tokens",
-            self.truncate_prompt_tokens
-                .as_ref()
-                .is_some_and(|v| !v.is_null()),
-            "(other than null)",
-        )?;
+        let truncate = parse_truncate_prompt_tokens(self.truncate_prompt_tokens, max_model_len)?;
+        // Token inputs are cut before their length is checked; text ones once tokenized.
+        let cut = |tokens: Vec<u32>| match truncate {
+            Some(keep) => keep_last(tokens, keep),
+            None => tokens,
+        };
         refuse(
             "add_special_tokens",
             self.add_special_tokens == Some(false),
@@ -228,7 +231,7 @@ impl EmbeddingRequest {
         )?;
         let inputs = match self.input {
             EmbeddingInput::Text(text) => vec![text_input(text, None)?],
-            EmbeddingInput::Tokens(tokens) => vec![token_input(tokens, None, max_model_len)?],
+            EmbeddingInput::Tokens(tokens) => vec![token_input(cut(tokens), None, max_model_len)?],
             EmbeddingInput::Texts(texts) => {
                 check_input_count(texts.len())?;
                 texts
@@ -242,7 +245,7 @@ impl EmbeddingRequest {
                 lists
                     .into_iter()
                     .enumerate()
-                    .map(|(i, tokens)| token_input(tokens, Some(i), max_model_len))
+                    .map(|(i, tokens)| token_input(cut(tokens), Some(i), max_model_len))
                     .collect::<Result<_, _>>()?
             }
         };
@@ -255,6 +258,7 @@ impl EmbeddingRequest {
             encoding,
             normalize: self.normalize.unwrap_or(true),
             priority: self.priority,
+            truncate_prompt_tokens: truncate,
         })
     }
 }
@@ -495,9 +499,9 @@ mod tests {
             (json!({"dimensions": -8}), "dimensions", "got -8"),
             (json!({"dimensions": "8"}), "dimensions", ""),
             (
-                json!({"truncate_prompt_tokens": 4}),
+                json!({"truncate_prompt_tokens": 0}),
                 "truncate_prompt_tokens",
-                "not supported",
+                "must be -1",
             ),
             (
                 json!({"add_special_tokens": false}),
@@ -522,6 +526,30 @@ mod tests {
             assert_eq!(param, field, "{extra}: {message}");
             assert!(message.contains(expected), "{extra}: {message}");
         }
+    }
+
+    /// A token input past the context (16 tokens) is refused, unless `truncate_prompt_tokens`
+    /// keeps its end: the last k, or with -1 the 15 the context takes.
+    #[test]
+    fn truncate_prompt_tokens_keeps_the_end_of_a_token_input() {
+        let long: Vec<u32> = (0..20).collect();
+        assert_eq!(refused(json!({"input": long})).0, "input");
+        let job = validate(json!({"input": long, "truncate_prompt_tokens": 3})).unwrap();
+        assert_eq!(job.inputs, vec![PromptInput::Tokens(vec![17, 18, 19])]);
+        let job = validate(json!({"input": [long, [4]], "truncate_prompt_tokens": -1})).unwrap();
+        assert_eq!(
+            job.inputs,
+            vec![
+                PromptInput::Tokens((5..20).collect()),
+                PromptInput::Tokens(vec![4])
+            ]
+        );
+        let job = validate(json!({"input": "text", "truncate_prompt_tokens": 2})).unwrap();
+        assert_eq!(job.truncate_prompt_tokens, Some(2));
+        assert_eq!(
+            refused(json!({"input": "x", "truncate_prompt_tokens": 17})).0,
+            "truncate_prompt_tokens"
+        );
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! OpenAI wire types: request bodies with their validation, response bodies and stream chunks.
 
+pub mod best_of;
 mod chat_extras;
 pub mod embeddings;
 mod held;
@@ -12,6 +13,7 @@ mod sampling;
 mod strict;
 mod structured;
 pub mod tools;
+pub mod truncation;
 
 pub use chat_extras::ChatExtras;
 pub use ignored::IgnoredFields;

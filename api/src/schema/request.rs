@@ -5,9 +5,10 @@
 //! extensions (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`,
 //! `stop_token_ids`, `priority`, `include_stop_str_in_output`, `skip_special_tokens`). Unknown
 //! fields are ignored, as OpenAI and vLLM do, and named in a warning (see
-//! [`IgnoredFields`]); known fields this server cannot honour (`suffix`, `best_of`, and on chat
-//! `echo`) are rejected with a 400 naming them when set to anything but their default, rather
-//! than silently ignored. vLLM's `prompt_logprobs` is read as vLLM reads it
+//! [`IgnoredFields`]); known fields this server cannot honour (`suffix`, and on chat `echo`)
+//! are rejected with a 400 naming them when set to anything but their default, rather than
+//! silently ignored. Completions take OpenAI's `best_of` ([`super::best_of`]); both endpoints
+//! take vLLM's `truncate_prompt_tokens` ([`super::truncation`]). vLLM's `prompt_logprobs` is read as vLLM reads it
 //! (`parse_prompt_logprobs`). Chat takes vLLM's `add_generation_prompt` and
 //! `continue_final_message` (see [`chat_ending`]). Tool calling is in [`super::tools`]. A
 //! `developer` message is read as the system message (see [`parse_messages`]).
@@ -17,6 +18,7 @@ use std::ops::Range;
 
 use serde::Deserialize;
 
+use super::best_of::{parse_best_of, BEST_OF};
 use super::chat_extras::ChatExtras;
 use super::ignored::IgnoredFields;
 use super::limits::*;
@@ -26,6 +28,7 @@ use super::tools::{
     render_calls, render_result_marked, template_call_id, template_calls, KeptTokens, ToolAnswer,
     ToolFormat, ToolPrompt, ToolSetup, ToolUse, MAX_TOOL_CALL_ID,
 };
+use super::truncation::{keep_last, parse_truncate_prompt_tokens};
 use crate::engine::{
     BeamSearch, ChatEnding, ChatMessage, ChatRole, EngineError, EngineErrorKind, PromptInput,
     SamplingOptions, StructuredOutputSpec, TemplateKwargs,
@@ -93,8 +96,12 @@ pub struct CompletionRequest {
     pub stream: Option<bool>,
     /// Streaming options.
     pub stream_options: Option<StreamOptions>,
-    /// Not supported (server-side best-of); only `best_of == n` is accepted.
+    /// Candidates generated per prompt, of which the `n` best are returned (see
+    /// [`super::best_of`]); `n` when absent.
     pub best_of: Option<u32>,
+    /// vLLM's `truncate_prompt_tokens`: keep only the last this many prompt tokens (-1: as
+    /// many as the context takes; see [`super::truncation`]).
+    pub truncate_prompt_tokens: Option<i64>,
     /// Not supported (insertion); only empty is accepted.
     pub suffix: Option<String>,
     /// vLLM's beam search: `n` beams instead of `n` samples.
@@ -196,6 +203,9 @@ pub struct ChatRequest {
     pub continue_final_message: Option<bool>,
     /// vLLM's chat `echo` (prepend the last message); only `false` is accepted.
     pub echo: Option<bool>,
+    /// vLLM's `truncate_prompt_tokens`: keep only the last this many tokens of the rendered
+    /// conversation (-1: as many as the context takes; see [`super::truncation`]).
+    pub truncate_prompt_tokens: Option<i64>,
     /// vLLM's beam search: `n` beams instead of `n` samples.
     pub use_beam_search: Option<bool>,
     /// vLLM's beam score: the cumulative logprob over `length ^ length_penalty` (default 1).
@@ -333,6 +343,13 @@ pub struct Validated {
     pub stop: Vec<String>,
     /// Choices per prompt.
     pub n: u32,
+    /// Candidates generated per prompt (completions' `best_of`; `n` elsewhere), of which the
+    /// `n` best are returned; above `n`, never with `stream` or beam search.
+    pub best_of: u32,
+    /// Prompt tokens kept, the last ones (vLLM's `truncate_prompt_tokens`); `None`: all.
+    /// Token prompts are already cut; text and chat prompts are cut once tokenized
+    /// ([`super::truncation::truncate_prompts`]).
+    pub truncate_prompt_tokens: Option<usize>,
     /// Completion length limit; `None` (chat only) means up to the context window.
     pub max_tokens: Option<u32>,
     /// `max_tokens` is the endpoint's default, not the client's: cut to the room the prompt
@@ -795,12 +812,15 @@ impl CompletionRequest {
             None => (None, None),
         };
         let n = parse_n(self.n)?;
-        if self.best_of.is_some_and(|b| b != n) {
-            return Err(ApiError::invalid(
-                "best_of",
-                "best_of is not supported (only best_of equal to n)",
-            ));
-        }
+        let stream = self.stream.unwrap_or(false);
+        let best_of = parse_best_of(self.best_of, n, stream, self.use_beam_search == Some(true))?;
+        let candidates_field = if best_of > n { BEST_OF } else { "n" };
+        let truncate = parse_truncate_prompt_tokens(self.truncate_prompt_tokens, max_model_len)?;
+        // Token prompts are cut before their length is checked; text ones once tokenized.
+        let cut = |tokens: Vec<u32>| match truncate {
+            Some(keep) => keep_last(tokens, keep),
+            None => tokens,
+        };
         if self.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
             return Err(ApiError::invalid("suffix", "suffix is not supported"));
         }
@@ -812,25 +832,25 @@ impl CompletionRequest {
         }
         let prompts = match self.prompt {
             PromptField::Text(text) => vec![check_text_prompt(text)?],
-            PromptField::Tokens(tokens) => vec![check_token_prompt(tokens, max_model_len)?],
+            PromptField::Tokens(tokens) => vec![check_token_prompt(cut(tokens), max_model_len)?],
             PromptField::Texts(texts) => {
-                check_prompt_count(texts.len(), n)?;
+                check_prompt_count(texts.len(), best_of, candidates_field)?;
                 texts
                     .into_iter()
                     .map(check_text_prompt)
                     .collect::<Result<_, _>>()?
             }
             PromptField::TokenLists(lists) => {
-                check_prompt_count(lists.len(), n)?;
+                check_prompt_count(lists.len(), best_of, candidates_field)?;
                 lists
                     .into_iter()
-                    .map(|t| check_token_prompt(t, max_model_len))
+                    .map(|t| check_token_prompt(cut(t), max_model_len))
                     .collect::<Result<_, _>>()?
             }
         };
         let echo = self.echo.unwrap_or(false);
         if let Some(k) = self.logprobs.filter(|_| echo) {
-            check_echo_logprobs(prompts.len(), n, k)?;
+            check_echo_logprobs(prompts.len(), best_of, k)?;
         }
         let (limit_name, max_tokens) =
             match parse_max_tokens("max_tokens", self.max_tokens, max_model_len)? {
@@ -847,12 +867,18 @@ impl CompletionRequest {
             Some((limit_name, max_tokens)),
             max_model_len,
         )?;
-        let stream = self.stream.unwrap_or(false);
-        if let Some(k) = self.logprobs.filter(|_| !stream) {
+        // Candidates beyond n are ranked by their logprobs, computed whether or not asked.
+        let generated_logprobs = self.logprobs.or((best_of > n).then_some(0));
+        if let Some(k) = generated_logprobs.filter(|_| !stream) {
             let choices = prompts
                 .len()
-                .saturating_mul(usize::try_from(n).unwrap_or(usize::MAX));
-            check_generated_logprobs("logprobs", choices, Some(max_tokens), k, max_model_len)?;
+                .saturating_mul(usize::try_from(best_of).unwrap_or(usize::MAX));
+            let param = if self.logprobs.is_some() {
+                "logprobs"
+            } else {
+                BEST_OF
+            };
+            check_generated_logprobs(param, choices, Some(max_tokens), k, max_model_len)?;
         }
         let prompt_logprobs = parse_prompt_logprobs(
             self.prompt_logprobs,
@@ -861,7 +887,7 @@ impl CompletionRequest {
                 PromptInput::Tokens(tokens) => tokens.len(),
                 _ => max_model_len.saturating_sub(1),
             }),
-            n,
+            best_of,
         )?;
         let stop = parse_stop(self.stop)?;
         let beam_search = BeamFields {
@@ -881,6 +907,8 @@ impl CompletionRequest {
             stop,
             beam_search,
             n,
+            best_of,
+            truncate_prompt_tokens: truncate,
             max_tokens: Some(max_tokens),
             max_tokens_defaulted: self.max_tokens.is_none(),
             max_tokens_field: "max_tokens",
@@ -903,7 +931,9 @@ impl CompletionRequest {
     }
 }
 
-fn check_prompt_count(count: usize, n: u32) -> Result<(), ApiError> {
+/// Bounds a list of `count` prompts, each generating `n` candidates (the request's `field`:
+/// `n`, or `best_of` when more).
+fn check_prompt_count(count: usize, n: u32, field: &str) -> Result<(), ApiError> {
     if count == 0 {
         return Err(ApiError::invalid("prompt", "prompt must not be empty"));
     }
@@ -917,10 +947,10 @@ fn check_prompt_count(count: usize, n: u32) -> Result<(), ApiError> {
     let choices = count.saturating_mul(usize::try_from(n).unwrap_or(usize::MAX));
     if choices > MAX_CHOICES {
         return Err(ApiError::invalid(
-            "n",
+            field,
             format!(
-                "a request may have at most {MAX_CHOICES} choices (prompts × n), got {count} \
-                 prompts × n {n} = {choices}"
+                "a request may have at most {MAX_CHOICES} choices (prompts × {field}), got \
+                 {count} prompts × {field} {n} = {choices}"
             ),
         ));
     }
@@ -1063,6 +1093,11 @@ impl ChatRequest {
             stop,
             beam_search,
             n,
+            best_of: n,
+            truncate_prompt_tokens: parse_truncate_prompt_tokens(
+                self.truncate_prompt_tokens,
+                max_model_len,
+            )?,
             max_tokens,
             max_tokens_defaulted: false,
             max_tokens_field: limit_name,
@@ -1757,7 +1792,27 @@ mod tests {
             (serde_json::json!({"prompt": ""}), "prompt"),
             (serde_json::json!({"prompt": []}), "prompt"),
             (serde_json::json!({"prompt": vec![1u32; 129]}), "prompt"),
-            (serde_json::json!({"prompt": "x", "best_of": 3}), "best_of"),
+            (
+                serde_json::json!({"prompt": "x", "n": 2, "best_of": 1}),
+                "best_of",
+            ),
+            (serde_json::json!({"prompt": "x", "best_of": 17}), "best_of"),
+            (
+                serde_json::json!({"prompt": "x", "best_of": 2, "stream": true}),
+                "best_of",
+            ),
+            (
+                serde_json::json!({"prompt": "x", "best_of": 2, "use_beam_search": true}),
+                "best_of",
+            ),
+            (
+                serde_json::json!({"prompt": ["a", "b", "c", "d", "e"], "best_of": 16}),
+                "best_of",
+            ),
+            (
+                serde_json::json!({"prompt": "x", "truncate_prompt_tokens": 0}),
+                "truncate_prompt_tokens",
+            ),
             (
                 serde_json::json!({"prompt": "x", "stream_options": {"include_usage": true}}),
                 "stream_options",

@@ -280,6 +280,7 @@ impl ResponsesRequest {
             add_generation_prompt: None,
             continue_final_message: None,
             echo: None,
+            truncate_prompt_tokens: None,
             use_beam_search: None,
             length_penalty: None,
             prompt_logprobs: None,
