@@ -224,7 +224,7 @@ pub enum BenchCommand {
     Throughput(ThroughputArgs),
     /// Load against a running OpenAI-compatible server, as `vllm bench serve`.
     #[command(
-        after_help = "Examples:\n  switchyard bench serve --base-url http://127.0.0.1:8000 --max-concurrency 32 --num-prompts 64 --input-len 128 --output-len 128\n  switchyard bench serve --base-url https://localhost:8443 --cacert ca.pem --num-prompts 64\n  switchyard bench serve --base-url http://127.0.0.1:8000 --dataset sharegpt --dataset-path ../shared/traces/sharegpt_8k_filtered_stats_llama2_tokenizer.csv --request-rate 4\n  switchyard bench serve --base-url http://127.0.0.1:8000 --endpoint embeddings --embedding-batch 16 --max-concurrency 16 --num-prompts 256 --input-len 128\n  switchyard bench serve --base-url http://127.0.0.1:8000 --lora-modules sql-expert support-bot --max-concurrency 8 --num-prompts 64"
+        after_help = "Examples:\n  switchyard bench serve --base-url http://127.0.0.1:8000 --max-concurrency 32 --num-prompts 64 --input-len 128 --output-len 128\n  switchyard bench serve --base-url https://localhost:8443 --cacert ca.pem --num-prompts 64\n  switchyard bench serve --base-url http://127.0.0.1:8000 --dataset sharegpt --dataset-path ../shared/traces/sharegpt_8k_filtered_stats_llama2_tokenizer.csv --request-rate 4\n  switchyard bench serve --base-url http://127.0.0.1:8000 --endpoint embeddings --embedding-batch 16 --max-concurrency 16 --num-prompts 256 --input-len 128\n  switchyard bench serve --base-url http://127.0.0.1:8000 --dataset mooncake --dataset-path ../shared/traces/synthetic_trace.jsonl --mooncake-block-tokens 16 --max-input-len 256 --max-output-len 8 --num-prompts 200\n  switchyard bench serve --base-url http://127.0.0.1:8000 --lora-modules sql-expert support-bot --max-concurrency 8 --num-prompts 64"
     )]
     Serve(ServeBenchArgs),
 }
@@ -294,7 +294,7 @@ pub struct ServeBenchArgs {
     /// Tokens of one prompt block of the mooncake dataset, one per hash id (1..=4096; the
     /// trace's own is 512). A smaller block scales the trace down for a small-context model
     /// and keeps its sharing pattern: every row keeps its blocks, its length scaled by
-    /// blocks/512 (64 tokens a block: 1/8 the length, a 40,160-token row 5,020 tokens). The
+    /// N/512 (64 tokens a block: 1/8 the length, a 40,160-token row 5,020 tokens). The
     /// block of hash id h is drawn from a stream seeded by (--seed, h) within --token-offset
     /// and --token-range, so equal ids give identical blocks in every request and run.
     #[arg(long, default_value_t = 512, value_name = "N")]
