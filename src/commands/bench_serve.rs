@@ -468,6 +468,7 @@ fn row_shape(args: &ServeBenchArgs) -> RowShape {
         max_input: args.max_input_len,
         max_output: args.max_output_len,
         max_row_tokens: MAX_REQUEST_TOKENS,
+        max_total_ids: mooncake::MAX_TOTAL_HASH_IDS,
     }
 }
 

@@ -36,6 +36,9 @@ use switchyard_simulator::trace::{MAX_ARRIVAL_S, MAX_LINE_BYTES, MAX_REQUESTS as
 pub(super) const TRACE_BLOCK_TOKENS: usize = 512;
 /// Largest `--mooncake-block-tokens`.
 pub(super) const MAX_BLOCK_TOKENS: usize = 8 * TRACE_BLOCK_TOKENS;
+/// Most hash ids held for one run, over all its rows (128 MiB of ids; the shipped trace has
+/// 121,877): a file of 1 GiB could otherwise hold half a billion.
+pub(super) const MAX_TOTAL_HASH_IDS: usize = 1 << 24;
 /// Mixed into every block's seed, so a block's stream is no other stream of the run.
 const BLOCK_DOMAIN: u128 = 0x6d6f_6f6e_6361_6b65_2d62_6c6f_636b_0001;
 
@@ -63,6 +66,8 @@ pub(super) struct RowShape {
     pub(super) max_output: usize,
     /// Longest `input_length` or `output_length` a row may state.
     pub(super) max_row_tokens: usize,
+    /// Most hash ids of all the rows read.
+    pub(super) max_total_ids: usize,
 }
 
 /// Where a block's token ids are drawn: `[offset, offset + range)`, from the stream of
@@ -98,6 +103,7 @@ pub(super) fn read_rows(
     let mut rows = Vec::new();
     let mut first_ms: Option<f64> = None;
     let mut prev_ms = f64::NEG_INFINITY;
+    let mut total_ids = 0usize;
     for (i, raw) in text.lines().enumerate() {
         if rows.len() >= limit {
             break;
@@ -158,6 +164,14 @@ pub(super) fn read_rows(
                  prompt that shares nothing)",
                 at("hash_ids"),
                 ids.len()
+            );
+            total_ids += ids.len();
+            anyhow::ensure!(
+                total_ids <= shape.max_total_ids,
+                "{}: more than {} hash ids in the rows up to here: read fewer rows \
+                 (--num-prompts)",
+                at("hash_ids"),
+                shape.max_total_ids
             );
         }
         rows.push(MooncakeRow {
@@ -278,6 +292,7 @@ mod tests {
         max_input: 1 << 20,
         max_output: 1 << 20,
         max_row_tokens: 1 << 20,
+        max_total_ids: 1 << 24,
     };
     const TOKENS: TokenSpace = TokenSpace {
         seed: 7,
@@ -430,6 +445,18 @@ mod tests {
                 &bad[..bad.len().min(80)]
             );
         }
+        // The ids of all the rows are bounded: 3 + 2 of at most 4 ids fail on line 2.
+        let few = RowShape {
+            max_total_ids: 4,
+            ..SHAPE
+        };
+        let text = r#"{"timestamp": 0, "input_length": 1100, "output_length": 1, "hash_ids": [1, 2, 3]}
+{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1, 9]}"#;
+        let e = format!("{:#}", read(text, few).unwrap_err());
+        assert!(
+            e.starts_with("mc.jsonl:2: field hash_ids: more than 4 hash ids"),
+            "{e}"
+        );
         let e = read("\n\n", SHAPE).unwrap_err();
         assert_eq!(e.to_string(), "mc.jsonl has no rows");
     }
