@@ -1309,6 +1309,7 @@ mod tests {
             speculative,
             sliding_window: None,
             max_queue_ms: None,
+            num_host_blocks: 0,
         };
         let policy = PolicyRegistry::with_builtins()
             .create("fcfs", &serde_yaml::Value::Null, &[])

@@ -127,6 +127,16 @@ pub const CUDA_WINDOW_READ_SLACK: usize = 128;
 /// sampling decode entry. Never a real token id.
 pub const PENDING_TOKEN: u32 = u32::MAX;
 
+/// One KV block copied between the device cache and the backend's host tier
+/// ([`Backend::copy_kv`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvCopy {
+    /// The block of the KV cache (`0..num_kv_blocks`).
+    pub device: u32,
+    /// The block of the host tier (`0..num_host_kv_blocks`).
+    pub host: u32,
+}
+
 pub trait Backend: Send {
     /// A short description ("cpu (avx512-vnni, 2 threads)").
     fn name(&self) -> &str;
@@ -176,6 +186,23 @@ pub trait Backend: Send {
     /// caller's thread gains nothing from it.
     fn overlaps_host(&self) -> bool {
         false
+    }
+    /// Blocks of the host KV tier this backend holds (0: none), each the size of a KV block.
+    fn num_host_kv_blocks(&self) -> usize {
+        0
+    }
+    /// Copies KV blocks between the cache and the host tier: first every `offloads` entry
+    /// (cache → host), then every `loads` entry (host → cache); after every step submitted or
+    /// executed before the call, before every one after it. A block id out of range is an
+    /// error, and so is any copy on a backend without a host tier.
+    fn copy_kv(&mut self, offloads: &[KvCopy], loads: &[KvCopy]) -> Result<(), GpuError> {
+        if offloads.is_empty() && loads.is_empty() {
+            return Ok(());
+        }
+        Err(GpuError::BadBatch(format!(
+            "the {} backend has no host KV tier",
+            self.name()
+        )))
     }
     /// Starts a step; the next [`Backend::collect`] returns its outputs (steps are collected
     /// in submission order, at most one submitted ahead of the oldest uncollected one). A

@@ -670,6 +670,7 @@ fn run(w: &Workload, first: &str, swaps: &[&str], pipelined: bool) -> Result<End
         speculative: w.speculative.clone(),
         sliding_window: w.window,
         max_queue_ms: w.max_queue_ms.0,
+        num_host_blocks: 0,
     };
     let mut s = Scheduler::new(config, make_policy(first), [7, 9]).unwrap();
     let mut tier_check = TierCheck {

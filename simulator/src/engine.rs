@@ -271,6 +271,8 @@ impl Simulation {
                 }),
             sliding_window: model.window(),
             max_queue_ms: spec.scheduler.max_queue_ms,
+            // The host tier is the simulator's to model (not yet).
+            num_host_blocks: 0,
         };
         switchyard_policies::validate_config(&scheduler)
             .map_err(|e| SimError::Scheduler(e.to_string()))?;

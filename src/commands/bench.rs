@@ -294,6 +294,7 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
         sliding_window: runtime::sliding_window(&config, backend.as_ref()),
         // Offline work has no client to give up: no queue bound.
         max_queue_ms: None,
+        num_host_blocks: 0,
     };
     let mut engine = runtime::offline_core(backend, scheduler, args.async_scheduling)?;
     anyhow::ensure!(

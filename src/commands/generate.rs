@@ -95,6 +95,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         sliding_window,
         // Offline work has no client to give up: no queue bound.
         max_queue_ms: None,
+        num_host_blocks: 0,
     };
     let mut engine = runtime::offline_core(backend, scheduler, args.async_scheduling)?;
     let eos = tokenizer.eos_token_ids().to_vec();

@@ -282,6 +282,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             speculative: runtime::speculative_from_config(config.speculative.as_ref())?,
             sliding_window,
             max_queue_ms: config.scheduler.max_queue_ms,
+            num_host_blocks: 0,
         },
         lora,
         vocab_size,
