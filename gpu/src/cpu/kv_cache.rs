@@ -53,7 +53,7 @@ fn zeroed_f16(n: usize) -> Option<Vec<f16>> {
 
 /// Bytes of memory this process may still use, where the system says (Linux: `MemAvailable`
 /// of /proc/meminfo, and a cgroup v2 limit's headroom when one is set); `None` elsewhere.
-fn available_memory() -> Option<usize> {
+pub(crate) fn available_memory() -> Option<usize> {
     let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
     let kib: usize = meminfo
         .lines()
