@@ -117,6 +117,11 @@ pub struct BlockLedger {
     reserved: usize,
     /// Changes since the last commit.
     log: KvCommit,
+    /// Whether [`BlockLedger::assign`] records the cached blocks it evicts (for a host tier).
+    track_evictions: bool,
+    /// Cached blocks evicted by allocations, with the prefix each held, since the last
+    /// [`BlockLedger::take_evicted`].
+    evicted: Vec<(BlockId, PrefixHash)>,
 }
 
 impl BlockLedger {
@@ -131,6 +136,8 @@ impl BlockLedger {
             num_free: num_blocks,
             reserved: 0,
             log: KvCommit::default(),
+            track_evictions: false,
+            evicted: Vec::new(),
         })
     }
 
@@ -332,11 +339,27 @@ impl BlockLedger {
                 if self.cache.get(&h) == Some(&b) {
                     self.cache.remove(&h);
                     self.cache_drops += 1;
+                    if self.track_evictions {
+                        self.evicted.push((b, h));
+                    }
                 }
             }
         }
         self.reserved = 0;
         Ok(())
+    }
+
+    /// Makes [`BlockLedger::assign`] record the cached blocks it evicts (for
+    /// [`BlockLedger::take_evicted`]).
+    pub fn track_evictions(&mut self, on: bool) {
+        self.track_evictions = on;
+        self.evicted.clear();
+    }
+
+    /// Moves to `out` the cached blocks evicted (with the prefix each held, in allocation
+    /// order) since the last call; recorded only with [`BlockLedger::track_evictions`] on.
+    pub fn take_evicted(&mut self, out: &mut Vec<(BlockId, PrefixHash)>) {
+        out.append(&mut self.evicted);
     }
 
     /// Checks the ledger against the pool it mirrors (between steps, after a commit).

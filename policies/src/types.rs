@@ -672,6 +672,22 @@ pub struct SchedulerStats {
     /// fails while it is not 0, and the engine logs and counts its growth.
     #[serde(default)]
     pub pool_errors: u64,
+    /// Blocks of the host KV tier holding a cached block (0 without a host tier,
+    /// [`SchedulerConfig::num_host_blocks`]).
+    #[serde(default)]
+    pub num_host_blocks_used: usize,
+    /// Blocks copied from the device cache to the host tier since start
+    /// ([`StepPlan::kv_offloads`]).
+    #[serde(default)]
+    pub num_kv_offloaded_blocks: u64,
+    /// Blocks copied from the host tier back to the device since start
+    /// ([`StepPlan::kv_loads`]).
+    #[serde(default)]
+    pub num_kv_loaded_blocks: u64,
+    /// Prompt tokens served from the host tier at admission since start (counted in
+    /// `prefix_hits` too).
+    #[serde(default)]
+    pub num_host_hit_tokens: u64,
 }
 
 /// The scheduling priority of a request (lower = more urgent) from its own `priority` field and
