@@ -1241,6 +1241,14 @@ impl Config {
                 ));
             }
         }
+        if self.cache.kv_offloading_size > 0.0 && !self.cache.prefix_caching {
+            return Err((
+                "cache.kv_offloading_size".into(),
+                "the host KV tier keeps blocks of the prefix cache: it needs \
+                 cache.prefix_caching: true (or kv_offloading_size: 0)"
+                    .into(),
+            ));
+        }
         if let Some(n) = self.model.max_model_len {
             if n == 0 || n > 1 << 22 {
                 return Err((

@@ -270,6 +270,8 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
         quantization: args.quantization,
         kv_cache_dtype: args.kv_cache_dtype,
         cpu_precision: args.cpu_precision,
+        // Offline work keeps no prefix across runs worth a host tier.
+        host_kv_bytes: 0,
     };
     let (backend, chosen) = runtime::build_backend(kind, source, &settings)?;
     anyhow::ensure!(

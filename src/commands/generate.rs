@@ -67,6 +67,8 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         quantization: args.quantization,
         kv_cache_dtype: args.kv_cache_dtype,
         cpu_precision: args.cpu_precision,
+        // Offline work keeps no prefix across runs worth a host tier.
+        host_kv_bytes: 0,
     };
     let (backend, _) = runtime::build_backend(
         runtime::parse_backend(&args.backend)?,
