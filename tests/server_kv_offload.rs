@@ -19,11 +19,17 @@ const BLOCK: u64 = 16;
 /// is 30 layers x 3 KV heads x 64 x 16 slots x 2 (keys, values) x 2 bytes = 368,640 bytes, so
 /// 0.01 GiB holds 29 blocks.
 fn server(name: &str, host_gib: f64) -> Server {
+    server_with(name, host_gib, "off")
+}
+
+/// [`server`] with `scheduler.async_scheduling` set to `async_scheduling`.
+fn server_with(name: &str, host_gib: f64, async_scheduling: &str) -> Server {
     Server::start(
         name,
         &format!(
             "cache:\n  block_size: {BLOCK}\n  num_blocks: 24\n  kv_offloading_size: {host_gib}\n\
-             scheduler:\n  max_num_seqs: 4\n  max_num_batched_tokens: 512\n"
+             scheduler:\n  max_num_seqs: 4\n  max_num_batched_tokens: 512\n  \
+             async_scheduling: {async_scheduling}\n"
         ),
     )
 }
@@ -99,6 +105,20 @@ fn a_prefix_evicted_from_the_cache_is_served_from_the_host_tier() {
     );
 }
 
+/// The same with each step planned and submitted while the one before runs: the copies go
+/// with the submitted step, after the one in flight.
+#[test]
+fn the_host_tier_serves_the_same_with_pipelined_steps() {
+    let s = server_with("kv-offload-async", 0.01, "on");
+    let (first, again, cached) = a_after_evictions(&s);
+    assert_eq!(cached, 80);
+    assert_eq!(again, first);
+    assert_eq!(
+        s.metric("switchyard:kv_offload_loaded_blocks_total"),
+        Some(5.0)
+    );
+}
+
 /// A size refused at start names the setting: more than the limit, and (through `config
 /// check` too) with prefix caching off.
 #[test]
@@ -129,4 +149,41 @@ fn bad_offloading_sizes_are_refused_naming_the_field() {
         assert!(!out.status.success(), "{yaml} accepted");
         assert!(err.contains(expect), "{yaml}: {err}");
     }
+}
+
+/// A tier larger than the memory available is refused at start, naming the setting (1024 GiB,
+/// the largest size accepted, is more than any machine this runs on has free).
+#[test]
+fn serve_refuses_a_tier_larger_than_the_memory_available() {
+    let dir = common::scratch("kv-offload", "too-big");
+    let config = dir.join("config.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "model:\n  path: {}\n  threads: 2\nserver:\n  host: 127.0.0.1\n  port: {}\n\
+             cache:\n  kv_offloading_size: 1024\n",
+            common::model_path().display(),
+            common::free_port()
+        ),
+    )
+    .expect("write config");
+    let log = std::fs::File::create(dir.join("server.log")).expect("log file");
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_switchyard"))
+        .args(["serve", "--config"])
+        .arg(&config)
+        .stdout(std::process::Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("start switchyard serve");
+    let status = common::wait_exit(
+        &mut child,
+        std::time::Duration::from_secs(120),
+        "serve did not refuse the host tier",
+    );
+    let log = std::fs::read_to_string(dir.join("server.log")).unwrap_or_default();
+    assert!(!status.success(), "serve started:\n{log}");
+    assert!(
+        log.contains("cache.kv_offloading_size") && log.contains("of memory is available"),
+        "{log}"
+    );
 }

@@ -1970,6 +1970,45 @@ mod tests {
         assert_eq!(prepared.release, vec![1]);
     }
 
+    /// The host-tier copies of a plan that builds to no batch (its only request ended
+    /// between plan and build) are not lost: the next batch carries them, before its own.
+    #[test]
+    fn the_kv_copies_of_a_plan_left_without_a_batch_go_with_the_next_one() {
+        use switchyard_policies::BlockCopy;
+        let mut e = engine(NextTokenBackend::default());
+        let mut pool = e.core().detach_allocator().expect("the core's pool");
+        e.core()
+            .add_request(request(1, (0..5).collect(), 100, None))
+            .unwrap();
+        let mut planned = plan_committed(&mut e, &mut pool, Timestamp(0));
+        planned.plan.kv_offloads = vec![BlockCopy { device: 3, host: 1 }];
+        assert!(e.core().finish(RequestId(1), FinishReason::Abort));
+        assert!(e.core().build_step(planned).unwrap().is_none());
+        e.core().add_request(request(2, vec![7], 1, None)).unwrap();
+        let mut planned = plan_committed(&mut e, &mut pool, Timestamp(1));
+        planned.plan.kv_loads = vec![BlockCopy { device: 2, host: 1 }];
+        let prepared = e.core().build_step(planned).unwrap().expect("a batch");
+        let copy = |device, host| KvCopy { device, host };
+        assert_eq!(
+            prepared.kv_copies,
+            [
+                KvCopies {
+                    offloads: vec![copy(3, 1)],
+                    loads: Vec::new()
+                },
+                KvCopies {
+                    offloads: Vec::new(),
+                    loads: vec![copy(2, 1)]
+                },
+            ]
+        );
+        // Carried once.
+        e.core().add_request(request(3, vec![8], 1, None)).unwrap();
+        let planned = plan_committed(&mut e, &mut pool, Timestamp(2));
+        let prepared = e.core().build_step(planned).unwrap().expect("a batch");
+        assert!(prepared.kv_copies.is_empty());
+    }
+
     /// A request's queue time runs from when it was queued (its prompt encoded), as vLLM's
     /// time spent waiting to be scheduled, not from its arrival; without a queueing time, from
     /// its arrival.

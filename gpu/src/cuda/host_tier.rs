@@ -59,22 +59,25 @@ impl HostKvTier {
         let total = num_blocks * per_block;
         let refuse = |why: String| {
             GpuError::InvalidConfig(format!(
-                "cache.kv_offloading_size: the host KV tier of {} MiB {why}",
+                "cache.kv_offloading_size: the host KV tier needs {} MiB {why}",
                 total >> 20
             ))
         };
         if let Some(available) = crate::cpu::kv_cache::available_memory() {
             if total > available {
                 return Err(refuse(format!(
-                    "is more than the {} MiB of memory available",
+                    "but only {} MiB of memory is available",
                     available >> 20
                 )));
             }
         }
         // SAFETY: bytes, read back only after the DMA of an offload wrote them (the scheduler
         // loads only blocks it offloaded).
-        let mem = unsafe { gpu.ctx.alloc_pinned_with_flags::<u8>(total, 0) }
-            .map_err(|e| refuse(format!("cannot be page-locked: {e:?}")))?;
+        let mem = unsafe { gpu.ctx.alloc_pinned_with_flags::<u8>(total, 0) }.map_err(|e| {
+            refuse(format!(
+                "of page-locked memory, which the driver refused: {e:?}"
+            ))
+        })?;
         let values = if kv_fp8 {
             c.num_kv_heads * c.head_dim
         } else {
