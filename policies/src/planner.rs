@@ -50,6 +50,12 @@
 //! request's deadline is due, O(log n) per deadline popped and one O(waiting) pass in a step
 //! that times a request out. Block hashes are computed once per block per request. Plans carry only
 //! the blocks each sequence gained since it was last scheduled (vLLM V1's `new_block_ids`).
+//!
+//! With a host KV tier (`host_tier.rs`), admission's prefix match goes on in the tier where
+//! the device's ends: those blocks count as computed (and cached), their device blocks are
+//! reserved with the chunk's, and once the plan's blocks have ids (`assign_blocks`) the plan
+//! gets their loads, then the offloads of the cached blocks its allocations evicted. The tier
+//! changes only there, so no rollback of the planner touches it.
 
 use std::collections::{HashMap, HashSet};
 
