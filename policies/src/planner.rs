@@ -256,19 +256,29 @@ impl Scheduler {
     }
 
     /// Writes the ids the allocator gave this step's reserved blocks into the block tables
-    /// and the plan's block deltas. `plan` is the one [`Scheduler::plan_into`] just built.
+    /// and the plan's block deltas, and with a host KV tier adds the plan's copies
+    /// (`kv_loads`, `kv_offloads`). `plan` is the one [`Scheduler::plan_into`] just built.
     pub fn assign_blocks(
         &mut self,
         plan: &mut StepPlan,
         ids: &[BlockId],
     ) -> Result<(), SchedulerError> {
-        self.ledger.assign(ids)?;
+        if let Err(e) = self.ledger.assign(ids) {
+            // A core bug: evictions recorded before the error must not be offloaded by a
+            // later plan, whose steps may have overwritten those blocks.
+            let mut stale = std::mem::take(&mut self.evicted);
+            self.ledger.take_evicted(&mut stale);
+            stale.clear();
+            self.evicted = stale;
+            return Err(e);
+        }
         if ids.is_empty() {
             return Ok(());
         }
-        self.fill_tables(plan, ids)?;
+        let filled = self.fill_tables(plan, ids);
+        // The evictions happened whatever the tables: their offloads belong to this plan.
         self.host_copies(plan);
-        Ok(())
+        filled
     }
 
     /// Writes `ids` into the reserved entries of the tables of the plan's sequences.
