@@ -18,7 +18,8 @@
 //! order makes the commit infallible: pins come before the allocations that could evict a
 //! matched block, frees before the allocations that counted on them, and the planner never
 //! reserves more than the ledger's free count, which equals the pool's. The ledger learns the
-//! evictions from the ids it gets back (an allocated block loses its cached prefix).
+//! evictions from the ids it gets back (an allocated block loses its cached prefix), and with a
+//! host KV tier records them for its offloads ([`BlockLedger::take_evicted`]).
 
 use std::collections::HashMap;
 use std::hash::BuildHasherDefault;

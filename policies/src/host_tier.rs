@@ -488,6 +488,56 @@ mod planner_tests {
     }
 
     #[test]
+    fn a_preempted_requests_blocks_come_back_by_copy() {
+        // L (priority 5, 17 tokens) runs; H (priority 0, 20 tokens: 5 blocks) arrives: the
+        // pool (1 block free) cannot hold it, so L is preempted (its 4 full blocks stay
+        // cached, freed back to front) and H's 5 blocks take the unused one, L's partial one
+        // and the 3 least recently freed of L's cached ones (L's blocks 3, 2, 1), copied out.
+        // H ends after its token; L comes back with 18 tokens, finds its block 0 on the
+        // device and blocks 1 to 3 in the host tier: 16 tokens cached, 12 loaded, 2 computed.
+        let c = SchedulerConfig {
+            block_size: 4,
+            num_gpu_blocks: 6,
+            max_model_len: 1024,
+            enable_prefix_caching: true,
+            num_host_blocks: 16,
+            ..SchedulerConfig::default()
+        };
+        let p = crate::policy::PriorityPolicy::new(0.0, true, 3);
+        let mut s = Scheduler::new(c, Box::new(p), [5, 6]).unwrap();
+        let with_priority = |id, prompt, max_tokens, priority| Request {
+            priority,
+            ..request(id, "", id, prompt, max_tokens)
+        };
+        s.add_request(with_priority(0, a(), 4, 5)).unwrap();
+        let (p0, _) = run_step(&mut s, 0, 7);
+        let l_full = p0.seqs[0].new_blocks[..4].to_vec();
+        s.add_request(with_priority(1, unique(1)[..20].to_vec(), 1, 0))
+            .unwrap();
+        let (p1, _) = run_step(&mut s, 1, 7);
+        assert_eq!(p1.preempted, [RequestId(0)]);
+        let out: BTreeSet<_> = p1.kv_offloads.iter().map(|c| c.device).collect();
+        assert_eq!(out, l_full[1..].iter().copied().collect());
+        let (p2, _) = run_step(&mut s, 2, 7);
+        let q = &p2.seqs[0];
+        assert_eq!(
+            (q.id, q.num_computed_tokens, q.num_new_tokens),
+            (RequestId(0), 16, 2)
+        );
+        assert_eq!(q.new_blocks[0], l_full[0]);
+        assert_eq!(hosts(&p2.kv_loads), hosts(&p1.kv_offloads));
+        for (k, l) in p2.kv_loads.iter().enumerate() {
+            assert_eq!(l.device, q.new_blocks[k + 1]);
+            // Block k + 1 of L went out from l_full[k + 1] and comes back to L's block k + 1.
+            let went = p1.kv_offloads.iter().find(|c| c.host == l.host).unwrap();
+            assert_eq!(went.device, l_full[k + 1]);
+        }
+        assert_eq!(s.stats().num_host_hit_tokens, 12);
+        assert_eq!(s.stats().num_preemptions, 1);
+        s.check_invariants().unwrap();
+    }
+
+    #[test]
     fn num_host_blocks_is_bounded() {
         let c = SchedulerConfig {
             num_host_blocks: crate::scheduler::MAX_HOST_BLOCKS + 1,

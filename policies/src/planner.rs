@@ -50,6 +50,12 @@
 //! request's deadline is due, O(log n) per deadline popped and one O(waiting) pass in a step
 //! that times a request out. Block hashes are computed once per block per request. Plans carry only
 //! the blocks each sequence gained since it was last scheduled (vLLM V1's `new_block_ids`).
+//!
+//! With a host KV tier (`host_tier.rs`), admission's prefix match goes on in the tier where
+//! the device's ends: those blocks count as computed (and cached), their device blocks are
+//! reserved with the chunk's, and once the plan's blocks have ids (`assign_blocks`) the plan
+//! gets their loads, then the offloads of the cached blocks its allocations evicted. The tier
+//! changes only there, so no rollback of the planner touches it.
 
 use std::collections::{HashMap, HashSet};
 
@@ -250,19 +256,29 @@ impl Scheduler {
     }
 
     /// Writes the ids the allocator gave this step's reserved blocks into the block tables
-    /// and the plan's block deltas. `plan` is the one [`Scheduler::plan_into`] just built.
+    /// and the plan's block deltas, and with a host KV tier adds the plan's copies
+    /// (`kv_loads`, `kv_offloads`). `plan` is the one [`Scheduler::plan_into`] just built.
     pub fn assign_blocks(
         &mut self,
         plan: &mut StepPlan,
         ids: &[BlockId],
     ) -> Result<(), SchedulerError> {
-        self.ledger.assign(ids)?;
+        if let Err(e) = self.ledger.assign(ids) {
+            // A core bug: evictions recorded before the error must not be offloaded by a
+            // later plan, whose steps may have overwritten those blocks.
+            let mut stale = std::mem::take(&mut self.evicted);
+            self.ledger.take_evicted(&mut stale);
+            stale.clear();
+            self.evicted = stale;
+            return Err(e);
+        }
         if ids.is_empty() {
             return Ok(());
         }
-        self.fill_tables(plan, ids)?;
+        let filled = self.fill_tables(plan, ids);
+        // The evictions happened whatever the tables: their offloads belong to this plan.
         self.host_copies(plan);
-        Ok(())
+        filled
     }
 
     /// Writes `ids` into the reserved entries of the tables of the plan's sequences.
