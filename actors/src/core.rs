@@ -17,8 +17,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use switchyard_gpu::backend::{
-    takes_pending_tokens, Backend, Batch, DraftVerifier, PromptLogprob, SamplingParams, SeqInput,
-    SeqOutput,
+    takes_pending_tokens, Backend, Batch, DraftVerifier, KvCopy, PromptLogprob, SamplingParams,
+    SeqInput, SeqOutput,
 };
 use switchyard_gpu::LoraAdapter;
 use switchyard_policies::{
@@ -235,6 +235,9 @@ pub struct StepReport {
 pub struct PreparedStep {
     /// The plan, needed again to apply the outputs.
     pub plan: StepPlan,
+    /// The KV copies between the cache and the host tier to make, in order, before the batch
+    /// runs ([`Backend::copy_kv`]): those of plans that left nothing to run, then this plan's.
+    pub kv_copies: Vec<KvCopies>,
     /// The backend's input.
     pub batch: Batch,
     /// Sequences whose backend state (sampler history, RNG) must be dropped before the batch runs.
@@ -247,6 +250,44 @@ pub struct PreparedStep {
     /// The requests scheduled for the first time in this step (their prefill and inference
     /// times run from this step's planning).
     pub first_scheduled: Vec<RequestId>,
+}
+
+/// The KV copies of one plan in the backend's terms ([`StepPlan::kv_offloads`] and
+/// [`StepPlan::kv_loads`]), made by one [`Backend::copy_kv`] call.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct KvCopies {
+    /// Cache → host tier, made first.
+    pub offloads: Vec<KvCopy>,
+    /// Host tier → cache, made after the offloads.
+    pub loads: Vec<KvCopy>,
+}
+
+impl KvCopies {
+    /// The copies `plan` asks for.
+    pub fn of(plan: &StepPlan) -> Self {
+        let kv = |c: &switchyard_policies::BlockCopy| KvCopy {
+            device: c.device,
+            host: c.host,
+        };
+        Self {
+            offloads: plan.kv_offloads.iter().map(kv).collect(),
+            loads: plan.kv_loads.iter().map(kv).collect(),
+        }
+    }
+
+    /// Whether there is nothing to copy.
+    pub fn is_empty(&self) -> bool {
+        self.offloads.is_empty() && self.loads.is_empty()
+    }
+
+    /// Makes the copies of `all` on `backend`, in order.
+    pub fn run_all(
+        all: &[KvCopies],
+        backend: &mut dyn Backend,
+    ) -> Result<(), switchyard_gpu::GpuError> {
+        all.iter()
+            .try_for_each(|c| backend.copy_kv(&c.offloads, &c.loads))
+    }
 }
 
 /// A committed plan that could not be turned into a batch (a core bug, never user input): the
@@ -314,6 +355,10 @@ pub struct StepCore {
     /// Requests the scheduler ended for waiting past their queue bound, not yet reported
     /// ([`StepCore::take_timed_out`]).
     timed_out: Vec<QueueTimeout>,
+    /// The KV copies of plans that left nothing to run (every sequence ended between the
+    /// plan and the batch): made before the next batch, which the host tier's contents
+    /// (and the blocks those plans took) are planned after.
+    stray_copies: Vec<KvCopies>,
 }
 
 impl StepCore {
@@ -335,6 +380,7 @@ impl StepCore {
             spec: SpecDecodeStats::default(),
             pool_errors_seen: 0,
             timed_out: Vec::new(),
+            stray_copies: Vec::new(),
         })
     }
 
@@ -463,6 +509,11 @@ impl StepCore {
     /// Queue lengths, KV usage, prefix-cache and preemption counters.
     pub fn stats(&self) -> SchedulerStats {
         self.scheduler.stats()
+    }
+
+    /// Blocks of the host KV tier (0: none).
+    pub fn num_host_blocks(&self) -> usize {
+        self.scheduler.config().num_host_blocks
     }
 
     /// KV blocks held by each configured tier's running requests, with the tier's name (see
@@ -652,6 +703,10 @@ impl StepCore {
         t0: Instant,
     ) -> Result<Option<PreparedStep>, FailedBuild> {
         self.note_pool_errors();
+        let copies = KvCopies::of(&plan);
+        if !copies.is_empty() {
+            self.stray_copies.push(copies);
+        }
         if plan.seqs.is_empty() {
             return Ok(None);
         }
@@ -750,6 +805,7 @@ impl StepCore {
         }
         let release = std::mem::take(&mut self.ended);
         Ok(Some(PreparedStep {
+            kv_copies: std::mem::take(&mut self.stray_copies),
             queue_times_us,
             first_scheduled,
             plan,
@@ -997,6 +1053,7 @@ impl EngineCore {
             self.backend.release(*id);
         }
         let t1 = Instant::now();
+        KvCopies::run_all(&prepared.kv_copies, self.backend.as_mut())?;
         let outputs = self.backend.execute(&prepared.batch)?;
         let t2 = Instant::now();
         let mut events = timed_out;
@@ -1052,6 +1109,7 @@ impl EngineCore {
                     self.backend.release(*id);
                 }
                 self.ahead_ok = self.core.launch(&p.plan) && !wants_order;
+                KvCopies::run_all(&p.kv_copies, self.backend.as_mut())?;
                 self.backend.submit(&p.batch)?;
                 (
                     p.plan.seqs.len(),
@@ -1309,6 +1367,7 @@ mod tests {
             speculative,
             sliding_window: None,
             max_queue_ms: None,
+            num_host_blocks: 0,
         };
         let policy = PolicyRegistry::with_builtins()
             .create("fcfs", &serde_yaml::Value::Null, &[])
@@ -1909,6 +1968,45 @@ mod tests {
         let prepared = e.core().build_step(planned).unwrap().expect("a batch");
         assert_eq!(prepared.batch.seqs.len(), 1);
         assert_eq!(prepared.release, vec![1]);
+    }
+
+    /// The host-tier copies of a plan that builds to no batch (its only request ended
+    /// between plan and build) are not lost: the next batch carries them, before its own.
+    #[test]
+    fn the_kv_copies_of_a_plan_left_without_a_batch_go_with_the_next_one() {
+        use switchyard_policies::BlockCopy;
+        let mut e = engine(NextTokenBackend::default());
+        let mut pool = e.core().detach_allocator().expect("the core's pool");
+        e.core()
+            .add_request(request(1, (0..5).collect(), 100, None))
+            .unwrap();
+        let mut planned = plan_committed(&mut e, &mut pool, Timestamp(0));
+        planned.plan.kv_offloads = vec![BlockCopy { device: 3, host: 1 }];
+        assert!(e.core().finish(RequestId(1), FinishReason::Abort));
+        assert!(e.core().build_step(planned).unwrap().is_none());
+        e.core().add_request(request(2, vec![7], 1, None)).unwrap();
+        let mut planned = plan_committed(&mut e, &mut pool, Timestamp(1));
+        planned.plan.kv_loads = vec![BlockCopy { device: 2, host: 1 }];
+        let prepared = e.core().build_step(planned).unwrap().expect("a batch");
+        let copy = |device, host| KvCopy { device, host };
+        assert_eq!(
+            prepared.kv_copies,
+            [
+                KvCopies {
+                    offloads: vec![copy(3, 1)],
+                    loads: Vec::new()
+                },
+                KvCopies {
+                    offloads: Vec::new(),
+                    loads: vec![copy(2, 1)]
+                },
+            ]
+        );
+        // Carried once.
+        e.core().add_request(request(3, vec![8], 1, None)).unwrap();
+        let planned = plan_committed(&mut e, &mut pool, Timestamp(2));
+        let prepared = e.core().build_step(planned).unwrap().expect("a batch");
+        assert!(prepared.kv_copies.is_empty());
     }
 
     /// A request's queue time runs from when it was queued (its prompt encoded), as vLLM's

@@ -15,8 +15,8 @@ pub mod token_filters;
 
 pub use crate::beam::MAX_BEAM_WIDTH;
 pub use crate::core::{
-    AsyncScheduling, CoreEvent, EngineCore, EngineCoreConfig, PreparedStep, StepCore, StepReport,
-    SubmitOptions,
+    AsyncScheduling, CoreEvent, EngineCore, EngineCoreConfig, KvCopies, PreparedStep, StepCore,
+    StepReport, SubmitOptions,
 };
 pub use crate::detokenizer::{Detokenized, IncrementalDetokenizer};
 pub use crate::error::EngineError;

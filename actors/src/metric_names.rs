@@ -26,6 +26,17 @@ pub const KV_CACHE_CACHED_BLOCKS: &str = "switchyard:kv_cache_cached_blocks";
 pub const PREFIX_CACHE_QUERIES: &str = "switchyard:prefix_cache_queries_total";
 /// Counter: prompt tokens found in the prefix cache.
 pub const PREFIX_CACHE_HITS: &str = "switchyard:prefix_cache_hits_total";
+/// Gauge: fraction of the host KV tier's blocks holding a cached block, in [0, 1]
+/// (`cache.kv_offloading_size`; 0 without a tier).
+pub const KV_OFFLOAD_USAGE_PERC: &str = "switchyard:kv_offload_usage_perc";
+/// Counter: KV blocks copied from the KV cache to the host tier (full cached blocks the cache
+/// evicted).
+pub const KV_OFFLOAD_STORED_BLOCKS: &str = "switchyard:kv_offload_stored_blocks_total";
+/// Counter: KV blocks copied from the host tier back to the KV cache (prefix hits there).
+pub const KV_OFFLOAD_LOADED_BLOCKS: &str = "switchyard:kv_offload_loaded_blocks_total";
+/// Counter: prompt tokens found in the host tier at admission (counted in
+/// [`PREFIX_CACHE_HITS`] too).
+pub const KV_OFFLOAD_PREFIX_HITS: &str = "switchyard:kv_offload_prefix_hits_total";
 /// Counter: preemptions (a running request sent back to waiting).
 pub const NUM_PREEMPTIONS: &str = "switchyard:num_preemptions_total";
 /// Counter, label `tenant`: prompt tokens of the requests the engine accepted, counted when a
@@ -384,6 +395,7 @@ pub const GAUGES: &[&str] = &[
     KV_CACHE_USAGE_PERC,
     KV_CACHE_BLOCKS_USED,
     KV_CACHE_CACHED_BLOCKS,
+    KV_OFFLOAD_USAGE_PERC,
     ENGINE_BATCH_SIZE,
     LORA_ADAPTERS,
     LORA_RUNNING_ADAPTERS,
@@ -393,6 +405,9 @@ pub const GAUGES: &[&str] = &[
 pub const COUNTERS: &[&str] = &[
     PREFIX_CACHE_QUERIES,
     PREFIX_CACHE_HITS,
+    KV_OFFLOAD_STORED_BLOCKS,
+    KV_OFFLOAD_LOADED_BLOCKS,
+    KV_OFFLOAD_PREFIX_HITS,
     NUM_PREEMPTIONS,
     PROMPT_TOKENS,
     PROMPT_TOKENS_CACHED,

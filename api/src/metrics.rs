@@ -30,6 +30,14 @@ pub const KV_CACHE_CACHED_BLOCKS: &str = "switchyard:kv_cache_cached_blocks";
 pub const PREFIX_CACHE_QUERIES: &str = "switchyard:prefix_cache_queries_total";
 /// Counter: prompt tokens found in the prefix cache.
 pub const PREFIX_CACHE_HITS: &str = "switchyard:prefix_cache_hits_total";
+/// Gauge: fraction of the host KV tier's blocks holding a cached block.
+pub const KV_OFFLOAD_USAGE_PERC: &str = "switchyard:kv_offload_usage_perc";
+/// Counter: KV blocks copied from the KV cache to the host tier.
+pub const KV_OFFLOAD_STORED_BLOCKS: &str = "switchyard:kv_offload_stored_blocks_total";
+/// Counter: KV blocks copied from the host tier back to the KV cache.
+pub const KV_OFFLOAD_LOADED_BLOCKS: &str = "switchyard:kv_offload_loaded_blocks_total";
+/// Counter: prompt tokens found in the host tier at admission.
+pub const KV_OFFLOAD_PREFIX_HITS: &str = "switchyard:kv_offload_prefix_hits_total";
 /// Counter: preemptions (a running request sent back to waiting).
 pub const NUM_PREEMPTIONS: &str = "switchyard:num_preemptions_total";
 /// Counter, label `tenant`: prompt tokens of the requests the engine accepted, counted when
@@ -368,6 +376,26 @@ pub fn describe_metrics() {
         Unit::Count,
         "Prompt tokens found in the prefix cache."
     );
+    describe_gauge!(
+        KV_OFFLOAD_USAGE_PERC,
+        Unit::Percent,
+        "Host KV tier usage (cache.kv_offloading_size): 1 means every host block holds a cached block; 0 without a tier."
+    );
+    describe_counter!(
+        KV_OFFLOAD_STORED_BLOCKS,
+        Unit::Count,
+        "KV blocks copied from the KV cache to the host tier (full cached blocks the cache evicted)."
+    );
+    describe_counter!(
+        KV_OFFLOAD_LOADED_BLOCKS,
+        Unit::Count,
+        "KV blocks copied from the host tier back to the KV cache instead of recomputed."
+    );
+    describe_counter!(
+        KV_OFFLOAD_PREFIX_HITS,
+        Unit::Count,
+        "Prompt tokens found in the host KV tier at admission (counted in prefix_cache_hits_total too)."
+    );
     describe_counter!(NUM_PREEMPTIONS, Unit::Count, "Preemptions.");
     describe_counter!(
         PROMPT_TOKENS,
@@ -627,6 +655,7 @@ mod tests {
         KV_CACHE_USAGE_PERC,
         KV_CACHE_BLOCKS_USED,
         KV_CACHE_CACHED_BLOCKS,
+        KV_OFFLOAD_USAGE_PERC,
         ENGINE_BATCH_SIZE,
         POLICY_INFO,
         HTTP_IN_FLIGHT,
@@ -638,6 +667,9 @@ mod tests {
     const COUNTERS: &[&str] = &[
         PREFIX_CACHE_QUERIES,
         PREFIX_CACHE_HITS,
+        KV_OFFLOAD_STORED_BLOCKS,
+        KV_OFFLOAD_LOADED_BLOCKS,
+        KV_OFFLOAD_PREFIX_HITS,
         NUM_PREEMPTIONS,
         PROMPT_TOKENS,
         PROMPT_TOKENS_CACHED,

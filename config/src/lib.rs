@@ -497,6 +497,24 @@ mod tests {
             e.starts_with("t.yaml:3: cache.gpu_memory_utilization: 1.5 must be in (0, 1]"),
             "{e}"
         );
+        // The host KV tier's size: finite, not negative, bounded; named by its path.
+        for bad in ["-1", ".inf", ".nan", "1024.5"] {
+            let e = error(&format!("cache:\n  kv_offloading_size: {bad}\n"), &[]);
+            assert!(
+                e.starts_with("t.yaml:2: cache.kv_offloading_size: ")
+                    && e.contains("must be a size in GiB in 0..=1024"),
+                "{bad}: {e}"
+            );
+        }
+        let c = Config::from_yaml_str("cache: { kv_offloading_size: 1.5 }\n", "t").unwrap();
+        assert_eq!(c.cache.kv_offloading_bytes(), 3 << 29);
+        assert_eq!(Config::default().cache.kv_offloading_bytes(), 0);
+        let mut off = Config::default();
+        off.cache.kv_offloading_size = 1.0;
+        off.cache.prefix_caching = false;
+        let (field, why) = off.validate().expect_err("needs prefix caching");
+        assert_eq!(field, "cache.kv_offloading_size");
+        assert!(why.contains("cache.prefix_caching: true"), "{why}");
         // Values in range, integers for floats and nulls are still read.
         let c = Config::from_yaml_str(
             "cache: { gpu_memory_utilization: 1 }\ntiers:\n  a: { ttft_ms: ~, tpot_ms: 50, weight: 2 }\nserver: { port: 0x1F90 }\n",

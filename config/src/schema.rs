@@ -194,6 +194,24 @@ fn opt_positive_ms<'de, D: Deserializer<'de>>(d: D) -> Result<Option<f64>, D::Er
     }))
 }
 
+/// Most GiB of host memory `cache.kv_offloading_size` may ask for.
+pub const MAX_KV_OFFLOADING_GIB: f64 = 1024.0;
+
+fn offloading_gib<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+    d.deserialize_any(Checked {
+        check: |v| {
+            if v.is_finite() && (0.0..=MAX_KV_OFFLOADING_GIB).contains(&v) {
+                Ok(v)
+            } else {
+                Err(format!(
+                    "{v} must be a size in GiB in 0..={MAX_KV_OFFLOADING_GIB} (0: no host tier)"
+                ))
+            }
+        },
+        expecting: "a size in GiB in 0..=1024",
+    })
+}
+
 fn weight<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
     d.deserialize_any(Checked {
         check: |v| {
@@ -795,6 +813,18 @@ pub struct CacheSection {
     /// How keys and values are stored: `auto` (the backend's own) or `fp8` (CUDA backend
     /// only).
     pub kv_cache_dtype: KvCacheDtype,
+    /// GiB of host memory for a second tier of the prefix cache (vLLM's
+    /// `kv_offloading_size`): full cached blocks evicted from the KV cache are copied there,
+    /// and a prefix found there is copied back instead of recomputed. 0 (the default): off.
+    #[serde(deserialize_with = "offloading_gib")]
+    pub kv_offloading_size: f64,
+}
+
+impl CacheSection {
+    /// Bytes of host memory `kv_offloading_size` asks for (0: no host tier).
+    pub fn kv_offloading_bytes(&self) -> usize {
+        (self.kv_offloading_size * f64::from(1u32 << 30)) as usize
+    }
 }
 
 impl Default for CacheSection {
@@ -807,6 +837,7 @@ impl Default for CacheSection {
             prefix_caching: true,
             prefix_sharing: PrefixSharing::Tenant,
             kv_cache_dtype: KvCacheDtype::Auto,
+            kv_offloading_size: 0.0,
         }
     }
 }
@@ -1209,6 +1240,14 @@ impl Config {
                     format!("{n} is out of range 1..=16777216"),
                 ));
             }
+        }
+        if self.cache.kv_offloading_size > 0.0 && !self.cache.prefix_caching {
+            return Err((
+                "cache.kv_offloading_size".into(),
+                "the host KV tier keeps blocks of the prefix cache: it needs \
+                 cache.prefix_caching: true (or kv_offloading_size: 0)"
+                    .into(),
+            ));
         }
         if let Some(n) = self.model.max_model_len {
             if n == 0 || n > 1 << 22 {

@@ -11,7 +11,7 @@ use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
 use crate::cpu::attention::QueryPos;
-use crate::cpu::kv_cache::KvCache;
+use crate::cpu::kv_cache::{HostKvTier, KvCache};
 use crate::cpu::llama::{ActivationPrecision, LlamaModel, StepInput};
 use crate::error::GpuError;
 use crate::lora::LoraAdapter;
@@ -127,6 +127,16 @@ pub const CUDA_WINDOW_READ_SLACK: usize = 128;
 /// sampling decode entry. Never a real token id.
 pub const PENDING_TOKEN: u32 = u32::MAX;
 
+/// One KV block copied between the device cache and the backend's host tier
+/// ([`Backend::copy_kv`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvCopy {
+    /// The block of the KV cache (`0..num_kv_blocks`).
+    pub device: u32,
+    /// The block of the host tier (`0..num_host_kv_blocks`).
+    pub host: u32,
+}
+
 pub trait Backend: Send {
     /// A short description ("cpu (avx512-vnni, 2 threads)").
     fn name(&self) -> &str;
@@ -177,6 +187,23 @@ pub trait Backend: Send {
     fn overlaps_host(&self) -> bool {
         false
     }
+    /// Blocks of the host KV tier this backend holds (0: none), each the size of a KV block.
+    fn num_host_kv_blocks(&self) -> usize {
+        0
+    }
+    /// Copies KV blocks between the cache and the host tier: first every `offloads` entry
+    /// (cache → host), then every `loads` entry (host → cache); after every step submitted or
+    /// executed before the call, before every one after it. A block id out of range is an
+    /// error, and so is any copy on a backend without a host tier.
+    fn copy_kv(&mut self, offloads: &[KvCopy], loads: &[KvCopy]) -> Result<(), GpuError> {
+        if offloads.is_empty() && loads.is_empty() {
+            return Ok(());
+        }
+        Err(GpuError::BadBatch(format!(
+            "the {} backend has no host KV tier",
+            self.name()
+        )))
+    }
     /// Starts a step; the next [`Backend::collect`] returns its outputs (steps are collected
     /// in submission order, at most one submitted ahead of the oldest uncollected one). A
     /// sampling decode entry may feed [`PENDING_TOKEN`]: the token the previous submitted
@@ -226,6 +253,11 @@ pub struct CpuBackendConfig {
     pub seed: u64,
     /// Precision of the activations entering the quantized matrix multiplies.
     pub precision: ActivationPrecision,
+    /// Bytes of the host KV tier (`cache.kv_offloading_size`; 0: none), whole blocks of the
+    /// cache's layout ([`Backend::num_host_kv_blocks`]). On this backend it is ordinary memory
+    /// like the cache itself: worth it where a larger cache cannot be had, and it makes the
+    /// feature testable without a GPU.
+    pub host_kv_bytes: usize,
 }
 
 impl Default for CpuBackendConfig {
@@ -237,6 +269,7 @@ impl Default for CpuBackendConfig {
             max_batch_tokens: 8192,
             seed: 0,
             precision: ActivationPrecision::default(),
+            host_kv_bytes: 0,
         }
     }
 }
@@ -269,6 +302,8 @@ struct SeqState {
 pub struct CpuBackend {
     model: LlamaModel,
     cache: KvCache,
+    /// The host tier of the prefix cache, if configured.
+    host: Option<HostKvTier>,
     pool: rayon::ThreadPool,
     states: HashMap<u64, SeqState>,
     seeds: ChaCha8Rng,
@@ -290,6 +325,7 @@ impl CpuBackend {
             c.num_kv_heads,
             c.head_dim,
         )?;
+        let host = cache.host_tier(cfg.host_kv_bytes)?;
         if cfg.max_batch_tokens == 0 || cfg.max_batch_tokens > 1 << 20 {
             return Err(GpuError::InvalidConfig(
                 "max_batch_tokens must be in 1..=1048576".into(),
@@ -310,6 +346,7 @@ impl CpuBackend {
         Ok(CpuBackend {
             model,
             cache,
+            host,
             pool,
             states: HashMap::new(),
             seeds: ChaCha8Rng::seed_from_u64(cfg.seed),
@@ -525,6 +562,31 @@ impl Backend for CpuBackend {
 
     fn pipelines(&self) -> bool {
         true
+    }
+
+    fn num_host_kv_blocks(&self) -> usize {
+        self.host.as_ref().map_or(0, |h| h.num_blocks)
+    }
+
+    /// Steps run to their end inside `submit`, so copies made now come after every step
+    /// submitted before and before every one after.
+    fn copy_kv(&mut self, offloads: &[KvCopy], loads: &[KvCopy]) -> Result<(), GpuError> {
+        if offloads.is_empty() && loads.is_empty() {
+            return Ok(());
+        }
+        let Some(host) = self.host.as_mut() else {
+            return Err(GpuError::BadBatch(format!(
+                "the {} backend has no host KV tier",
+                self.name
+            )));
+        };
+        let pairs = |c: &[KvCopy]| -> Vec<(usize, usize)> {
+            c.iter()
+                .map(|c| (c.device as usize, c.host as usize))
+                .collect()
+        };
+        self.cache
+            .copy_blocks(host, &pairs(offloads), &pairs(loads))
     }
 
     fn submit(&mut self, batch: &Batch) -> Result<(), GpuError> {
@@ -796,6 +858,10 @@ fn step_sequence(
     }
     out
 }
+
+#[cfg(test)]
+#[path = "backend_host_tier_tests.rs"]
+mod host_tier_tests;
 
 #[cfg(test)]
 mod tests {

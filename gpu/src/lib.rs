@@ -18,8 +18,8 @@ mod lora_targets;
 pub mod sampler;
 pub mod token_filter;
 pub use backend::{
-    Backend, Batch, CpuBackend, CpuBackendConfig, SeqInput, SeqOutput, CUDA_MAX_BATCH_TOKENS,
-    CUDA_WINDOW_READ_SLACK,
+    Backend, Batch, CpuBackend, CpuBackendConfig, KvCopy, SeqInput, SeqOutput,
+    CUDA_MAX_BATCH_TOKENS, CUDA_WINDOW_READ_SLACK,
 };
 pub use constraint::{Constraint, TokenConstraint};
 pub use cpu::llama::ActivationPrecision;

@@ -3515,3 +3515,80 @@ fn embeddings_agree_with_cpu_and_transformers() {
         );
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// The host KV tier (`cache.kv_offloading_size`).
+
+/// One run of the host tier's round trip with a bf16 or an fp8 cache: prefill a prompt,
+/// offload its blocks (in two runs of consecutive blocks and a lone one), overwrite them with
+/// another sequence, load them back into other blocks and decode. The logits equal the
+/// uninterrupted run's bit for bit (the same step over the same bytes), and differ without the
+/// load.
+fn host_tier_round_trip(kv_fp8: bool) {
+    let (c, w, _) = smollm2_or_dummy();
+    let block_bytes = 2 * c.num_layers * 16 * c.num_kv_heads * {
+        if kv_fp8 {
+            c.head_dim + 4
+        } else {
+            2 * c.head_dim
+        }
+    };
+    let mut cuda = CudaBackend::new(
+        &c,
+        WeightSource::Loaded(&w),
+        &CudaBackendConfig {
+            kv_fp8,
+            host_kv_bytes: 8 * block_bytes + block_bytes / 2,
+            ..cfg(32, true)
+        },
+    )
+    .expect("backend");
+    assert_eq!(cuda.num_host_kv_blocks(), 8);
+    let vocab = c.vocab_size as u32;
+    let mut rng = ChaCha8Rng::seed_from_u64(17);
+    let prompt: Vec<u32> = (0..52).map(|_| rng.random_range(300..vocab)).collect();
+    let other: Vec<u32> = (0..64).map(|_| rng.random_range(300..vocab)).collect();
+    let p = Arc::new(SamplingParams::greedy());
+    let logits = |cuda: &mut CudaBackend, tokens: &[u32], at: usize, table: &[u32]| {
+        let seq = one_seq(1, at, tokens.to_vec(), table.to_vec(), &p);
+        cuda.logits(&Batch { seqs: vec![seq] }).expect("forward")
+    };
+    let kv = |pairs: &[(u32, u32)]| -> Vec<switchyard_gpu::KvCopy> {
+        pairs
+            .iter()
+            .map(|&(device, host)| switchyard_gpu::KvCopy { device, host })
+            .collect()
+    };
+    let (first, moved) = ([0u32, 1, 2, 3], [20u32, 21, 9, 30]);
+    logits(&mut cuda, &prompt, 0, &first);
+    let uninterrupted = logits(&mut cuda, &[400], prompt.len(), &first);
+    logits(&mut cuda, &prompt, 0, &first);
+    cuda.copy_kv(&kv(&[(0, 5), (1, 6), (2, 0), (3, 1)]), &[])
+        .expect("offload");
+    logits(&mut cuda, &other, 0, &first);
+    let unloaded = logits(&mut cuda, &[400], prompt.len(), &moved);
+    assert_ne!(unloaded, uninterrupted, "fp8 {kv_fp8}: nothing loaded yet");
+    cuda.copy_kv(&[], &kv(&[(20, 5), (21, 6), (9, 0), (30, 1)]))
+        .expect("load");
+    let reloaded = logits(&mut cuda, &[400], prompt.len(), &moved);
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert!(
+        bits(&reloaded) == bits(&uninterrupted),
+        "fp8 {kv_fp8}: the reloaded prefix decodes differently"
+    );
+    for (off, load) in [(kv(&[(32, 0)]), vec![]), (vec![], kv(&[(0, 8)]))] {
+        let e = cuda.copy_kv(&off, &load).expect_err("out of range");
+        assert!(e.to_string().contains("out of range"), "{e}");
+    }
+}
+
+#[test]
+fn a_prefix_offloaded_to_the_host_tier_and_loaded_elsewhere_decodes_as_before() {
+    if !gpu() {
+        return;
+    }
+    host_tier_round_trip(false);
+    if fp8_gpu() {
+        host_tier_round_trip(true);
+    }
+}

@@ -91,6 +91,7 @@ fn decoding_scheduler_spec(
         speculative,
         sliding_window: None,
         max_queue_ms: None,
+        num_host_blocks: 0,
     };
     let p = PolicyRegistry::with_builtins()
         .create(policy, &serde_yaml::Value::Null, &tiers())

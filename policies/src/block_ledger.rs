@@ -18,7 +18,8 @@
 //! order makes the commit infallible: pins come before the allocations that could evict a
 //! matched block, frees before the allocations that counted on them, and the planner never
 //! reserves more than the ledger's free count, which equals the pool's. The ledger learns the
-//! evictions from the ids it gets back (an allocated block loses its cached prefix).
+//! evictions from the ids it gets back (an allocated block loses its cached prefix), and with a
+//! host KV tier records them for its offloads ([`BlockLedger::take_evicted`]).
 
 use std::collections::HashMap;
 use std::hash::BuildHasherDefault;
@@ -117,6 +118,11 @@ pub struct BlockLedger {
     reserved: usize,
     /// Changes since the last commit.
     log: KvCommit,
+    /// Whether [`BlockLedger::assign`] records the cached blocks it evicts (for a host tier).
+    track_evictions: bool,
+    /// Cached blocks evicted by allocations, with the prefix each held, since the last
+    /// [`BlockLedger::take_evicted`].
+    evicted: Vec<(BlockId, PrefixHash)>,
 }
 
 impl BlockLedger {
@@ -131,6 +137,8 @@ impl BlockLedger {
             num_free: num_blocks,
             reserved: 0,
             log: KvCommit::default(),
+            track_evictions: false,
+            evicted: Vec::new(),
         })
     }
 
@@ -332,11 +340,27 @@ impl BlockLedger {
                 if self.cache.get(&h) == Some(&b) {
                     self.cache.remove(&h);
                     self.cache_drops += 1;
+                    if self.track_evictions {
+                        self.evicted.push((b, h));
+                    }
                 }
             }
         }
         self.reserved = 0;
         Ok(())
+    }
+
+    /// Makes [`BlockLedger::assign`] record the cached blocks it evicts (for
+    /// [`BlockLedger::take_evicted`]).
+    pub fn track_evictions(&mut self, on: bool) {
+        self.track_evictions = on;
+        self.evicted.clear();
+    }
+
+    /// Moves to `out` the cached blocks evicted (with the prefix each held, in allocation
+    /// order) since the last call; recorded only with [`BlockLedger::track_evictions`] on.
+    pub fn take_evicted(&mut self, out: &mut Vec<(BlockId, PrefixHash)>) {
+        out.append(&mut self.evicted);
     }
 
     /// Checks the ledger against the pool it mirrors (between steps, after a commit).

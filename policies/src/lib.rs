@@ -46,6 +46,7 @@ mod adapter_slots;
 pub mod block_ledger;
 pub mod block_pool;
 pub mod error;
+pub mod host_tier;
 mod planner;
 pub mod policy;
 pub mod prefix_hash;
@@ -61,6 +62,7 @@ pub mod types;
 pub use block_ledger::{BlockLedger, KvCommit, PENDING_BLOCK, RELEASED_BLOCK};
 pub use block_pool::BlockPool;
 pub use error::{PolicyError, SchedulerError};
+pub use host_tier::HostTier;
 pub use policy::{
     ChunkedPrefill, FairShare, Fcfs, Mlfq, Policy, PolicyEvent, PolicyFactory, PolicyRegistry,
     PrefixAware, PriorityPolicy, Rank, SloAware, StepContext, MAX_PREFIX_LOOKUPS,

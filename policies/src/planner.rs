@@ -50,6 +50,12 @@
 //! request's deadline is due, O(log n) per deadline popped and one O(waiting) pass in a step
 //! that times a request out. Block hashes are computed once per block per request. Plans carry only
 //! the blocks each sequence gained since it was last scheduled (vLLM V1's `new_block_ids`).
+//!
+//! With a host KV tier (`host_tier.rs`), admission's prefix match goes on in the tier where
+//! the device's ends: those blocks count as computed (and cached), their device blocks are
+//! reserved with the chunk's, and once the plan's blocks have ids (`assign_blocks`) the plan
+//! gets their loads, then the offloads of the cached blocks its allocations evicted. The tier
+//! changes only there, so no rollback of the planner touches it.
 
 use std::collections::{HashMap, HashSet};
 
@@ -61,8 +67,8 @@ use crate::scheduler::{Ranked, Scheduler};
 use crate::sequence::{SeqView, Sequence};
 use crate::tier_quota::{TierQuotas, NO_TIER};
 use crate::types::{
-    BlockId, RequestId, RequestState, ScheduledSeq, SeqEvent, StepOutput, StepPlan, Timestamp,
-    PENDING_TOKEN,
+    BlockCopy, BlockId, RequestId, RequestState, ScheduledSeq, SeqEvent, StepOutput, StepPlan,
+    Timestamp, PENDING_TOKEN,
 };
 
 /// Registers the leading full, computed blocks of `seq` in the prefix cache (never a block
@@ -231,6 +237,8 @@ impl Scheduler {
             self.pool_errors += 1;
             plan.seqs.clear();
             plan.preempted.clear();
+            plan.kv_offloads.clear();
+            plan.kv_loads.clear();
             plan.num_batched_tokens = 0;
             return;
         }
@@ -248,16 +256,33 @@ impl Scheduler {
     }
 
     /// Writes the ids the allocator gave this step's reserved blocks into the block tables
-    /// and the plan's block deltas. `plan` is the one [`Scheduler::plan_into`] just built.
+    /// and the plan's block deltas, and with a host KV tier adds the plan's copies
+    /// (`kv_loads`, `kv_offloads`). `plan` is the one [`Scheduler::plan_into`] just built.
     pub fn assign_blocks(
         &mut self,
         plan: &mut StepPlan,
         ids: &[BlockId],
     ) -> Result<(), SchedulerError> {
-        self.ledger.assign(ids)?;
+        if let Err(e) = self.ledger.assign(ids) {
+            // A core bug: evictions recorded before the error must not be offloaded by a
+            // later plan, whose steps may have overwritten those blocks.
+            let mut stale = std::mem::take(&mut self.evicted);
+            self.ledger.take_evicted(&mut stale);
+            stale.clear();
+            self.evicted = stale;
+            return Err(e);
+        }
         if ids.is_empty() {
             return Ok(());
         }
+        let filled = self.fill_tables(plan, ids);
+        // The evictions happened whatever the tables: their offloads belong to this plan.
+        self.host_copies(plan);
+        filled
+    }
+
+    /// Writes `ids` into the reserved entries of the tables of the plan's sequences.
+    fn fill_tables(&mut self, plan: &mut StepPlan, ids: &[BlockId]) -> Result<(), SchedulerError> {
         if self.last_slots.len() != plan.seqs.len() {
             return Err(SchedulerError::Invariant(
                 "plan does not match the last step".into(),
@@ -287,6 +312,53 @@ impl Scheduler {
             ));
         }
         Ok(())
+    }
+
+    /// With a host tier, once the plan's blocks have their ids: the loads of the prefixes its
+    /// admissions found in the host tier (their sources pinned for the plan first), then the
+    /// offloads of the cached blocks its allocations evicted (see `host_tier.rs`).
+    fn host_copies(&mut self, plan: &mut StepPlan) {
+        let Some(host) = self.host.as_mut() else {
+            return;
+        };
+        host.begin_plan();
+        for &slot in &self.last_slots {
+            let Some(seq) = self.seqs.get_mut(slot as usize).and_then(|s| s.as_mut()) else {
+                continue;
+            };
+            if seq.host_loads.is_empty() {
+                continue;
+            }
+            for (k, &src) in seq.host_loads.iter().enumerate() {
+                match seq.block_table.get(seq.load_at + k) {
+                    Some(&dst)
+                        if dst != PENDING_BLOCK
+                            && dst != RELEASED_BLOCK
+                            && host.pin(src).is_ok() =>
+                    {
+                        plan.kv_loads.push(BlockCopy {
+                            device: dst,
+                            host: src,
+                        });
+                        self.kv_loaded += 1;
+                    }
+                    // Unreachable: the host tier only changes here, and the admission
+                    // reserved the blocks.
+                    _ => self.pool_errors += 1,
+                }
+            }
+            seq.host_loads.clear();
+        }
+        let mut evicted = std::mem::take(&mut self.evicted);
+        evicted.clear();
+        self.ledger.take_evicted(&mut evicted);
+        for &(device, hash) in &evicted {
+            if let Some(dst) = host.offload(hash) {
+                plan.kv_offloads.push(BlockCopy { device, host: dst });
+                self.kv_offloaded += 1;
+            }
+        }
+        self.evicted = evicted;
     }
 
     /// Plans the next step against the ledger and returns the block changes to commit to the
@@ -335,6 +407,8 @@ impl Scheduler {
     fn plan_inner(&mut self, now: Timestamp, plan: &mut StepPlan, ahead: bool) -> Option<KvCommit> {
         plan.preempted.clear();
         plan.timed_out.clear();
+        plan.kv_offloads.clear();
+        plan.kv_loads.clear();
         plan.num_batched_tokens = 0;
         self.last_slots.clear();
         self.release_out_of_window();
@@ -939,6 +1013,7 @@ impl Scheduler {
         let total = seq.num_tokens();
         let tier = seq.tier;
         self.matched.clear();
+        self.host_matched.clear();
         if caching {
             // Leave at least the last token to compute, so that a token can be sampled.
             let max_blocks = (total - 1) / bs;
@@ -952,6 +1027,11 @@ impl Scheduler {
             let upto = max_blocks.min(seq.hashes.len());
             self.ledger
                 .match_prefix(&seq.hashes[..upto], &mut self.matched);
+            // The chain goes on in the host tier: those blocks are copied back, not computed.
+            if let Some(host) = self.host.as_ref() {
+                let start = self.matched.len().min(upto);
+                host.match_prefix(&seq.hashes[start..upto], &mut self.host_matched);
+            }
         }
         if let (Some(quota), Some(_)) = (self.quotas.cap(tier), self.config.sliding_window) {
             // Under a sliding window its tier's bound may hold a request of any length (see
@@ -961,15 +1041,17 @@ impl Scheduler {
             // of the largest size (the same however the step's budget moves, so that the retry
             // after a preemption plans what the victims were chosen for).
             let chunk = self.config.max_num_batched_tokens;
-            while let Some(k) = self.matched.len().checked_sub(1) {
+            while let Some(k) = (self.matched.len() + self.host_matched.len()).checked_sub(1) {
                 let tokens = (k + 1) * bs;
                 if self.ledger.blocks_for(tokens + (total - tokens).min(chunk)) <= quota {
                     break;
                 }
-                self.matched.truncate(k);
+                if self.host_matched.pop().is_none() {
+                    self.matched.truncate(k);
+                }
             }
         }
-        let computed = self.matched.len() * bs;
+        let computed = (self.matched.len() + self.host_matched.len()) * bs;
         let num_new = (total - computed)
             .min(b.budget)
             .min(b.logit_cap(seq))
@@ -1125,7 +1207,7 @@ impl Scheduler {
         let Admission {
             mut computed,
             num_new,
-            need_new,
+            mut need_new,
             mut need_all,
         } = self.admission(slot, max_new, b)?;
         let caching = self.config.enable_prefix_caching;
@@ -1151,6 +1233,9 @@ impl Scheduler {
             computed = pinned * self.ledger.block_size();
             need_all += self.matched.len() - pinned;
             self.matched.truncate(pinned);
+            // The host hits no longer follow the pinned prefix: computed too.
+            self.host_matched.clear();
+            need_new = self.ledger.blocks_for(computed + num_new) - pinned;
         }
         // Running now, it owes the rest of its prefill's blocks.
         if let Some(owed) = b.owed.as_mut() {
@@ -1166,6 +1251,13 @@ impl Scheduler {
             }
         }
         self.quotas.add(seq.tier, seq.block_table.len());
+        if !self.host_matched.is_empty() {
+            // Copied in with this plan (`host_copies`), and registered in the device cache
+            // when launched, as the blocks it computes.
+            seq.load_at = self.matched.len();
+            seq.host_loads.extend_from_slice(&self.host_matched);
+            self.host_hit_tokens += (self.host_matched.len() * self.ledger.block_size()) as u64;
+        }
         seq.num_computed = computed;
         seq.num_cached_blocks = self.matched.len();
         seq.cached_prefix = None;

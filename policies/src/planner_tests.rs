@@ -22,6 +22,7 @@ fn config(blocks: usize, block_size: usize) -> SchedulerConfig {
         speculative: None,
         sliding_window: None,
         max_queue_ms: None,
+        num_host_blocks: 0,
     }
 }
 

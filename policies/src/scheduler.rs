@@ -37,6 +37,8 @@ pub const MAX_BLOCK_SIZE: usize = 4096;
 pub const MAX_TENANTS: usize = 1 << 16;
 /// Largest `max_num_seqs`, `max_num_batched_tokens` and `max_model_len` accepted.
 pub const MAX_LIMIT: usize = 1 << 24;
+/// Largest host KV tier ([`SchedulerConfig::num_host_blocks`]), in blocks.
+pub const MAX_HOST_BLOCKS: usize = 1 << 26;
 /// Largest `max_loras` accepted.
 pub const MAX_LORAS: usize = 1024;
 
@@ -146,6 +148,18 @@ pub struct Scheduler {
     /// Scratch: blocks the running sequences of each tier still owe their known tokens
     /// (the per-tier part of the planner's `blocks_owed`), valid while the step's total is.
     pub(crate) tier_owed: Vec<usize>,
+    /// The host KV tier, with `config.num_host_blocks > 0`.
+    pub(crate) host: Option<crate::host_tier::HostTier>,
+    /// Scratch: host-tier blocks continuing the candidate's device prefix match.
+    pub(crate) host_matched: Vec<BlockId>,
+    /// Scratch: cached blocks the last commit evicted.
+    pub(crate) evicted: Vec<(BlockId, crate::prefix_hash::PrefixHash)>,
+    /// Blocks copied to the host tier since start.
+    pub(crate) kv_offloaded: u64,
+    /// Blocks copied back from the host tier since start.
+    pub(crate) kv_loaded: u64,
+    /// Prompt tokens found in the host tier at admission since start.
+    pub(crate) host_hit_tokens: u64,
 }
 
 /// The fewest KV blocks a tier's bound must allow for `seq` to run to its limit alone (as
@@ -204,6 +218,12 @@ pub fn validate_config(c: &SchedulerConfig) -> Result<(), SchedulerError> {
     )?;
     check_limit("block_size", c.block_size, MAX_BLOCK_SIZE)?;
     check_limit("num_gpu_blocks", c.num_gpu_blocks, MAX_BLOCKS)?;
+    if c.num_host_blocks > MAX_HOST_BLOCKS {
+        return Err(config_err(
+            "num_host_blocks",
+            format!("at most {MAX_HOST_BLOCKS}, got {}", c.num_host_blocks),
+        ));
+    }
     check_limit("max_model_len", c.max_model_len, MAX_LIMIT)?;
     check_limit("max_loras", c.max_loras, MAX_LORAS)?;
     // Every seat keeps a row of logits (a step may sample every running sequence).
@@ -290,7 +310,12 @@ impl Scheduler {
     ) -> Result<Self, SchedulerError> {
         validate_config(&config)?;
         let pool = BlockPool::new(config.num_gpu_blocks, config.block_size)?;
-        let ledger = BlockLedger::new(config.num_gpu_blocks, config.block_size)?;
+        let mut ledger = BlockLedger::new(config.num_gpu_blocks, config.block_size)?;
+        let host = match config.num_host_blocks {
+            0 => None,
+            n => Some(crate::host_tier::HostTier::new(n)?),
+        };
+        ledger.track_evictions(host.is_some());
         let quotas = TierQuotas::new(&config.tiers, config.num_gpu_blocks);
         let tier_owed = vec![0; config.tiers.len()];
         Ok(Self {
@@ -325,6 +350,12 @@ impl Scheduler {
             deadlines: Default::default(),
             quotas,
             tier_owed,
+            host,
+            host_matched: Vec::new(),
+            evicted: Vec::new(),
+            kv_offloaded: 0,
+            kv_loaded: 0,
+            host_hit_tokens: 0,
         })
     }
 
@@ -354,6 +385,16 @@ impl Scheduler {
     /// launched may not hold their KV, so no later request may match them.
     pub fn clear_prefix_cache(&mut self) {
         self.ledger.clear_cache();
+        // The failed step's copies may not have been made either: the host tier's blocks
+        // are not trusted more than the device's.
+        if let Some(host) = self.host.as_mut() {
+            host.clear();
+        }
+    }
+
+    /// The host KV tier, with [`SchedulerConfig::num_host_blocks`] > 0 (read-only).
+    pub fn host_tier(&self) -> Option<&crate::host_tier::HostTier> {
+        self.host.as_ref()
     }
 
     /// Hands the block pool to an external allocator (the engine's allocator actor). From
@@ -737,6 +778,10 @@ impl Scheduler {
             num_running_adapters: self.adapters.num_running_adapters(),
             num_waiting_adapter_requests: self.adapters.num_waiting_requests(),
             pool_errors: self.pool_errors,
+            num_host_blocks_used: self.host.as_ref().map_or(0, |h| h.num_used()),
+            num_kv_offloaded_blocks: self.kv_offloaded,
+            num_kv_loaded_blocks: self.kv_loaded,
+            num_host_hit_tokens: self.host_hit_tokens,
         }
     }
 
@@ -797,6 +842,9 @@ impl Scheduler {
     pub fn check_invariants(&self) -> Result<(), SchedulerError> {
         let bad = |m: String| Err(SchedulerError::Invariant(m));
         self.ledger.check_invariants()?;
+        if let Some(host) = &self.host {
+            host.check_invariants()?;
+        }
         if let Some(pool) = &self.allocator {
             pool.check_invariants()?;
             if !self.ledger.has_uncommitted() {

@@ -96,6 +96,11 @@ pub(crate) struct Sequence {
     /// `num_cached_tokens`, set once: an admission after a preemption does not change it);
     /// `None` until first admitted.
     pub(crate) first_cached: Option<u32>,
+    /// Host-tier blocks ([`crate::HostTier`]) to copy into `block_table[load_at..]` with the
+    /// plan that admitted it (taken when its blocks get their ids); empty otherwise.
+    pub(crate) host_loads: Vec<BlockId>,
+    /// Table index of the first block `host_loads` fills.
+    pub(crate) load_at: usize,
 }
 
 impl Sequence {
@@ -118,6 +123,8 @@ impl Sequence {
             prompt_len: req.prompt.len(),
             block_table: Vec::new(),
             released_blocks: 0,
+            host_loads: Vec::new(),
+            load_at: 0,
             id: req.id,
             output: Vec::new(),
             max_computed: 0,
@@ -154,6 +161,7 @@ impl Sequence {
         self.released_blocks = 0;
         self.blocks_sent = 0;
         self.num_cached_blocks = 0;
+        self.host_loads.clear();
     }
 
     /// Prompt plus output tokens.

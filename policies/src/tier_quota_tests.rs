@@ -27,6 +27,7 @@ fn config(blocks: usize, batch_fraction: Option<f64>) -> SchedulerConfig {
         speculative: None,
         sliding_window: None,
         max_queue_ms: None,
+        num_host_blocks: 0,
     }
 }
 

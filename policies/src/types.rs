@@ -297,6 +297,12 @@ pub struct SchedulerConfig {
     /// (preempted ones included) never is.
     #[serde(default)]
     pub max_queue_ms: Option<u64>,
+    /// Blocks of the host KV tier (the server's `cache.kv_offloading_size`): full cached
+    /// blocks evicted from the device cache are copied there ([`StepPlan::kv_offloads`]), and
+    /// a prefix found there is copied back ([`StepPlan::kv_loads`]) instead of recomputed.
+    /// 0 (the default): no host tier.
+    #[serde(default)]
+    pub num_host_blocks: usize,
 }
 
 /// A sliding window over the KV cache: each query attends to its last `tokens` positions.
@@ -389,6 +395,7 @@ impl Default for SchedulerConfig {
             speculative: None,
             sliding_window: None,
             max_queue_ms: None,
+            num_host_blocks: 0,
         }
     }
 }
@@ -440,6 +447,16 @@ pub struct QueueTimeout {
     pub tier: String,
 }
 
+/// One KV block copied between the device cache and the host tier
+/// ([`SchedulerConfig::num_host_blocks`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct BlockCopy {
+    /// The block of the device cache (`0..num_gpu_blocks`).
+    pub device: BlockId,
+    /// The block of the host tier (`0..num_host_blocks`).
+    pub host: BlockId,
+}
+
 /// The work of one step, produced by [`crate::Scheduler::schedule`].
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct StepPlan {
@@ -454,6 +471,13 @@ pub struct StepPlan {
     pub timed_out: Vec<QueueTimeout>,
     /// Sum of `num_new_tokens` over `seqs`.
     pub num_batched_tokens: usize,
+    /// Device → host copies made before anything else of this step: full cached blocks this
+    /// plan evicts from the device cache, kept in the host tier. Empty without a host tier.
+    pub kv_offloads: Vec<BlockCopy>,
+    /// Host → device copies made after the offloads and before this step's compute: cached
+    /// blocks of a prefix found in the host tier, copied into the device blocks this plan
+    /// gives them. Empty without a host tier.
+    pub kv_loads: Vec<BlockCopy>,
 }
 
 impl StepPlan {
@@ -648,6 +672,22 @@ pub struct SchedulerStats {
     /// fails while it is not 0, and the engine logs and counts its growth.
     #[serde(default)]
     pub pool_errors: u64,
+    /// Blocks of the host KV tier holding a cached block (0 without a host tier,
+    /// [`SchedulerConfig::num_host_blocks`]).
+    #[serde(default)]
+    pub num_host_blocks_used: usize,
+    /// Blocks copied from the device cache to the host tier since start
+    /// ([`StepPlan::kv_offloads`]).
+    #[serde(default)]
+    pub num_kv_offloaded_blocks: u64,
+    /// Blocks copied from the host tier back to the device since start
+    /// ([`StepPlan::kv_loads`]).
+    #[serde(default)]
+    pub num_kv_loaded_blocks: u64,
+    /// Prompt tokens served from the host tier at admission since start (counted in
+    /// `prefix_hits` too).
+    #[serde(default)]
+    pub num_host_hit_tokens: u64,
 }
 
 /// The scheduling priority of a request (lower = more urgent) from its own `priority` field and

@@ -7,7 +7,9 @@
 //! swaps to every other policy (with speculative decoding switched off and on) lose or
 //! duplicate nothing; planning each step while the
 //! previous one is in flight (`launch` / `resolve`) yields the same outputs as stepping in
-//! order.
+//! order. With a host KV tier (some workloads), a shadow of every block's contents replayed
+//! from the plans' copies and compute shows each scheduled request's blocks hold its own KV
+//! over its computed tokens, and the copies respect the rules of `host_tier.rs`.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
@@ -70,6 +72,8 @@ struct Workload {
     /// How that reload changes the set of tiers: the order they are listed in (an index into
     /// [`ORDERS`]) and the tier it removes, if any (`3`: none).
     reload_set: (usize, usize),
+    /// Blocks of the host KV tier (0: none).
+    host_blocks: usize,
 }
 
 fn spec() -> impl Strategy<Value = Spec> {
@@ -145,6 +149,7 @@ fn workload() -> impl Strategy<Value = Workload> {
                 prop::sample::select(vec![0usize, 1, 2, 3, 3, 3]),
             ),
         ),
+        prop::sample::select(vec![0usize, 0, 1, 3, 16]),
     )
         .prop_map(
             |(
@@ -158,6 +163,7 @@ fn workload() -> impl Strategy<Value = Workload> {
                 (speculative, period, window),
                 max_queue_ms,
                 (kv_fractions, reload_kv, reload_set),
+                host_blocks,
             )| Workload {
                 block_size,
                 num_gpu_blocks,
@@ -180,6 +186,7 @@ fn workload() -> impl Strategy<Value = Workload> {
                 kv_fractions,
                 reload_kv,
                 reload_set,
+                host_blocks,
             },
         )
 }
@@ -570,6 +577,135 @@ fn check_plan(
     Ok(())
 }
 
+/// What the device's KV blocks and the host tier's hold, replayed from the plans alone, in
+/// the order a backend executes them (each plan's offloads, then its loads, then its compute;
+/// plans in the order made, a plan made ahead after the step in flight). A block's content is
+/// `Some(c)` once it holds a whole block of KV computed from known tokens, `c` a digest of
+/// its request's namespace (adapter, cache salt) and every token up to the block's end: the
+/// same for any request that may share it.
+struct Shadow {
+    device: Vec<Option<u64>>,
+    host: Vec<Option<u64>>,
+}
+
+/// The digest of block `k` of request `id` (see [`Shadow`]), from the workload alone.
+fn content(w: &Workload, id: RequestId, k: usize) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let i = id.0 as usize;
+    let r = &w.reqs[i];
+    let prompt = request(i, r).prompt;
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (r.adapter, r.salted.then_some(r.tenant)).hash(&mut h);
+    for p in 0..(k + 1) * w.block_size {
+        let t = match prompt.get(p) {
+            Some(&t) => t,
+            None => token(w, id, p),
+        };
+        t.hash(&mut h);
+    }
+    h.finish()
+}
+
+/// Applies `plan`'s copies to the shadow and checks them (ids in range, no block written twice,
+/// no load source overwritten by an offload, only whole computed blocks copied), then that
+/// every scheduled request's table holds its own KV over its computed tokens (prefix hits
+/// from the device cache and from the host tier alike), then applies the plan's compute.
+fn check_contents(
+    w: &Workload,
+    s: &Scheduler,
+    plan: &StepPlan,
+    mirrors: &HashMap<RequestId, Vec<BlockId>>,
+    shadow: &mut Shadow,
+) -> Result<(), TestCaseError> {
+    if w.host_blocks == 0 {
+        prop_assert!(plan.kv_offloads.is_empty() && plan.kv_loads.is_empty());
+    }
+    let mut written_host = BTreeSet::new();
+    let mut written_device = BTreeSet::new();
+    for c in &plan.kv_offloads {
+        prop_assert!((c.device as usize) < w.num_gpu_blocks && (c.host as usize) < w.host_blocks);
+        prop_assert!(
+            written_host.insert(c.host),
+            "host block {} written twice",
+            c.host
+        );
+        let held = shadow.device[c.device as usize];
+        prop_assert!(
+            held.is_some(),
+            "offload of device block {} holding no whole block",
+            c.device
+        );
+        shadow.host[c.host as usize] = held;
+    }
+    for c in &plan.kv_loads {
+        prop_assert!((c.device as usize) < w.num_gpu_blocks && (c.host as usize) < w.host_blocks);
+        prop_assert!(
+            !written_host.contains(&c.host),
+            "host block {} is an offload destination and a load source of one plan",
+            c.host
+        );
+        prop_assert!(
+            written_device.insert(c.device),
+            "device block {} loaded twice",
+            c.device
+        );
+        let held = shadow.host[c.host as usize];
+        prop_assert!(
+            held.is_some(),
+            "load from host block {} holding nothing",
+            c.host
+        );
+        shadow.device[c.device as usize] = held;
+    }
+    let st = s.stats();
+    prop_assert!(
+        st.num_host_blocks_used <= w.host_blocks,
+        "host blocks over capacity"
+    );
+    let bs = w.block_size;
+    for q in &plan.seqs {
+        let table = &mirrors[&q.id];
+        let released = s
+            .block_table(q.id)
+            .unwrap_or(&[])
+            .iter()
+            .take_while(|&&b| b == RELEASED_BLOCK)
+            .count();
+        let computed = (q.num_computed_tokens / bs).min(table.len());
+        for (k, &blk) in table.iter().enumerate().take(computed).skip(released) {
+            prop_assert_eq!(
+                shadow.device[blk as usize],
+                Some(content(w, q.id, k)),
+                "{:?}: block {} (device {}) does not hold its KV at {} computed",
+                q.id,
+                k,
+                blk,
+                q.num_computed_tokens
+            );
+        }
+    }
+    // The compute: every block the step writes holds its KV once all its positions were fed
+    // the request's own tokens (a wrong draft spoils its position and every later one).
+    for q in &plan.seqs {
+        let table = &mirrors[&q.id];
+        let start = q.num_computed_tokens;
+        let end = start + q.num_new_tokens;
+        let known = end - q.draft_tokens.len();
+        let right = q
+            .draft_tokens
+            .iter()
+            .enumerate()
+            .take_while(|&(j, &d)| d == token(w, q.id, known + j))
+            .count();
+        let written = end.div_ceil(bs).min(table.len());
+        for (k, &blk) in table.iter().enumerate().take(written).skip(start / bs) {
+            let whole = (k + 1) * bs <= known + right;
+            shadow.device[blk as usize] = whole.then(|| content(w, q.id, k));
+        }
+    }
+    Ok(())
+}
+
 /// The running set never holds more than `max_loras` distinct adapters (recounted from the
 /// requests' states, not from the scheduler's own counts), and the stats agree.
 /// A request's reported cached prompt tokens (`SeqEvent::FirstToken`): what its first
@@ -670,8 +806,13 @@ fn run(w: &Workload, first: &str, swaps: &[&str], pipelined: bool) -> Result<End
         speculative: w.speculative.clone(),
         sliding_window: w.window,
         max_queue_ms: w.max_queue_ms.0,
+        num_host_blocks: w.host_blocks,
     };
     let mut s = Scheduler::new(config, make_policy(first), [7, 9]).unwrap();
+    let mut shadow = Shadow {
+        device: vec![None; w.num_gpu_blocks],
+        host: vec![None; w.host_blocks],
+    };
     let mut tier_check = TierCheck {
         fractions: w.kv_fractions,
         before_reload: None,
@@ -873,6 +1014,7 @@ fn run(w: &Workload, first: &str, swaps: &[&str], pipelined: bool) -> Result<End
             );
         }
         check_plan(w, &s, &plan, &mut mirrors)?;
+        check_contents(w, &s, &plan, &mirrors, &mut shadow)?;
         check_tier_blocks(w, &s, &admitted, &ended, &mut tier_check)?;
         for q in &plan.seqs {
             first_planned.entry(q.id).or_insert(q.num_computed_tokens);

@@ -81,6 +81,8 @@ pub struct PolicyRun {
     pub params_from_calibration: Option<ParamsFromCalibration>,
     /// What the LoRA adapters' host memory did (`scheduler.lora_memory`; `None` without it).
     pub lora_memory: Option<crate::report::LoraMemorySummary>,
+    /// What the host KV tier did (`cache.kv_offloading_size`; `None` without one).
+    pub host_kv: Option<crate::report::HostKvSummary>,
 }
 
 /// A spec resolved into the pieces the loop needs.
@@ -111,7 +113,13 @@ pub struct Simulation {
     /// came from ("the spec", or "calibration FILE"); `None`: every adapter is always in
     /// memory.
     pub lora_memory: Option<(MemoryConfig, String)>,
+    /// Device time of one block's copy between the device and the host KV tier, in
+    /// microseconds (`block_bytes / cache.host_bandwidth_gb_s`).
+    pub host_copy_us_per_block: f64,
 }
+
+/// Bytes in a GiB (`cache.kv_offloading_size`).
+const GIB: f64 = (1u64 << 30) as f64;
 
 /// A loaded workload.
 #[derive(Clone, Debug, PartialEq)]
@@ -225,6 +233,34 @@ impl Simulation {
                     .min(1 << 26)
             }
         };
+        // The host KV tier: the model's KV bytes per block give its blocks and a copy's time.
+        let block_bytes = model.kv_bytes_per_token() * c.block_size as f64;
+        let num_host_blocks = match c.num_host_blocks {
+            Some(n) => n,
+            None if c.kv_offloading_size > 0.0 => {
+                if block_bytes.is_nan() || block_bytes <= 0.0 {
+                    return Err(SimError::spec(
+                        cli,
+                        format!(
+                            "cache.kv_offloading_size: the model `{}` has no KV bytes per \
+                             block to size the host tier with; set cache.num_host_blocks",
+                            model.name
+                        ),
+                    ));
+                }
+                ((c.kv_offloading_size * GIB / block_bytes).floor() as usize)
+                    .min(switchyard_policies::scheduler::MAX_HOST_BLOCKS)
+            }
+            None => 0,
+        };
+        if num_host_blocks > 0 && !c.prefix_caching {
+            warnings.push(
+                "cache.kv_offloading_size / num_host_blocks: prefix caching is off, so no \
+                 block is ever cached, offloaded or found in the host tier"
+                    .into(),
+            );
+        }
+        let host_copy_us_per_block = block_bytes / (c.host_bandwidth_gb_s * 1e9) * 1e6;
         let max_model_len = fit_max_model_len(
             spec.scheduler.max_model_len,
             &model,
@@ -271,6 +307,7 @@ impl Simulation {
                 }),
             sliding_window: model.window(),
             max_queue_ms: spec.scheduler.max_queue_ms,
+            num_host_blocks,
         };
         switchyard_policies::validate_config(&scheduler)
             .map_err(|e| SimError::Scheduler(e.to_string()))?;
@@ -330,6 +367,7 @@ impl Simulation {
             front_end,
             warnings,
             slo_aware,
+            host_copy_us_per_block,
         })
     }
 
@@ -673,6 +711,8 @@ struct Loop<'a> {
     accept_p: Vec<f64>,
     draft_tokens: u64,
     accepted_tokens: u64,
+    /// Device time of the steps' copies to and from the host KV tier, in microseconds.
+    host_copy_us: f64,
     /// The tenants' rate-limit budgets, as the server keeps them per (tier, tenant).
     budgets: Vec<TenantBudget>,
     budget_index: HashMap<(String, String), usize>,
@@ -761,6 +801,7 @@ impl<'a> Loop<'a> {
             ),
             draft_tokens: 0,
             accepted_tokens: 0,
+            host_copy_us: 0.0,
             budgets: Vec::new(),
             budget_index: HashMap::new(),
             budget_of: vec![None; requests.len()],
@@ -1238,7 +1279,12 @@ impl<'a> Loop<'a> {
                 });
             }
         }
-        ((self.sim.cost.step_time(&shape) * 1e6).round() as u64).max(1)
+        // The host tier's copies come before the step's compute (offloads, then loads),
+        // one block after another at the host link's rate, not overlapped with it.
+        let copies = plan.kv_offloads.len() + plan.kv_loads.len();
+        let copy_us = copies as f64 * self.sim.host_copy_us_per_block;
+        self.host_copy_us += copy_us;
+        ((self.sim.cost.step_time(&shape) * 1e6 + copy_us).round() as u64).max(1)
     }
 
     /// The host's time per step, in whole microseconds (at most 1e7: the spec bounds it).
@@ -1387,6 +1433,15 @@ impl<'a> Loop<'a> {
             let from = self.sim.lora_memory.as_ref().map_or("", |m| m.1.as_str());
             crate::report::LoraMemorySummary::new(&records, m.config(), m.counters(), from)
         });
+        let host_blocks = self.sim.scheduler.num_host_blocks;
+        let host_kv = (host_blocks > 0).then(|| crate::report::HostKvSummary {
+            host_blocks: host_blocks as u64,
+            bandwidth_gb_s: self.sim.spec.cache.host_bandwidth_gb_s,
+            offloaded_blocks: stats.num_kv_offloaded_blocks,
+            loaded_blocks: stats.num_kv_loaded_blocks,
+            host_hit_tokens: stats.num_host_hit_tokens,
+            copy_s: self.host_copy_us / 1e6,
+        });
         PolicyRun {
             label: self.label,
             records,
@@ -1395,6 +1450,7 @@ impl<'a> Loop<'a> {
             counters,
             params_from_calibration: None,
             lora_memory,
+            host_kv,
         }
     }
 }
@@ -1917,6 +1973,90 @@ workload: {trace: unused.csv, format: azure}
 
     fn spec(yaml: &str) -> SimulationSpec {
         SimulationSpec::from_yaml_str(yaml, Path::new("t.yaml")).unwrap()
+    }
+
+    /// A (320 tokens), then B (600 other tokens: the 40-block cache's room evicts A's
+    /// prefix), then A again, one at a time (1 ms steps, no copy cost unless asked).
+    fn a_b_a(cache: &str) -> PolicyRun {
+        let yaml = format!(
+            "policies: [{{name: fcfs}}]\nscheduler: {{max_num_seqs: 1, max_model_len: 640}}\n\
+             cache: {{num_gpu_blocks: 40, block_size: 16{cache}}}\n\
+             workload: {{trace: unused.csv, format: azure}}\n"
+        );
+        let mut sim = Simulation::new(&spec(&yaml)).unwrap();
+        sim.cost = CostModel::Calibrated(Calibration {
+            intercept_s: 1e-3,
+            ..Default::default()
+        });
+        let a: Vec<u32> = (1..=320).collect();
+        let b: Vec<u32> = (1000..1600).collect();
+        let rs = vec![
+            TraceRequest {
+                prompt: Arc::from(a.clone()),
+                ..req(0.0, 0, 1, "")
+            },
+            TraceRequest {
+                prompt: Arc::from(b),
+                ..req(1.0, 0, 1, "")
+            },
+            TraceRequest {
+                prompt: Arc::from(a),
+                ..req(2.0, 0, 1, "")
+            },
+        ];
+        sim.run_policy(&PolicySpec::named("fcfs"), &rs, false)
+            .unwrap()
+    }
+
+    #[test]
+    fn a_prefix_evicted_to_the_host_tier_is_loaded_back_and_its_copies_cost_time() {
+        // Without the tier A's second run finds 2 blocks (32 tokens): B's 38 blocks evicted
+        // the rest of A's prefix (see below).
+        let off = a_b_a("");
+        assert_eq!(off.host_kv, None);
+        assert_eq!(off.records[2].cached_prompt_tokens, 32);
+        // With 64 host blocks. A holds 20 full blocks (its one output needs no block). B's
+        // 38 (600 tokens): the 20 never used and 18 of A's 20 cached ones, evicted last freed
+        // first (A frees its table back to front): A's blocks 19..2 are copied out, 0 and 1
+        // stay. A's second run (320 tokens, the last recomputed: 19 blocks to find) matches 2
+        // blocks on the device and the next 17 in the host tier (272 tokens), loaded back;
+        // its 18 fresh blocks are B's partial one and 17 of B's 37 cached full blocks, copied
+        // out too.
+        let on = a_b_a(", num_host_blocks: 64");
+        assert_eq!(on.records[2].cached_prompt_tokens, 304);
+        let h = on.host_kv.clone().unwrap();
+        assert_eq!(
+            (
+                h.host_blocks,
+                h.offloaded_blocks,
+                h.loaded_blocks,
+                h.host_hit_tokens
+            ),
+            (64, 18 + 17, 17, 272)
+        );
+        // Llama-3-8B's KV: 2 (K, V) * 32 layers * 8 KV heads * 128 dims * 2 bytes = 131,072
+        // bytes a token, 2 MiB a 16-token block; 52 copies at 50 GB/s.
+        let expect = 52.0 * 2_097_152.0 / 50e9;
+        assert!((h.copy_s - expect).abs() < 1e-9, "{} vs {expect}", h.copy_s);
+        assert_eq!(on.counters.prefix_hits, 304);
+    }
+
+    #[test]
+    fn kv_offloading_size_is_converted_with_the_models_kv_bytes_per_block() {
+        // 1 GiB of 2 MiB blocks (see above): 512.
+        let s = spec(
+            "policies: [{name: fcfs}]\ncache: {kv_offloading_size: 1}\n\
+             workload: {trace: t.csv, format: azure}\n",
+        );
+        let sim = Simulation::new(&s).unwrap();
+        assert_eq!(sim.scheduler.num_host_blocks, 512);
+        let both = "policies: [{name: fcfs}]\ncache: {kv_offloading_size: 1, num_host_blocks: 4}\n\
+                    workload: {trace: t.csv, format: azure}\n";
+        let err = SimulationSpec::from_yaml_str(both, Path::new("t.yaml")).unwrap_err();
+        assert!(
+            err.to_string().contains("both size the host KV tier"),
+            "{err}"
+        );
     }
 
     #[test]

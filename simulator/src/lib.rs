@@ -215,6 +215,7 @@ pub fn simulate(
                 s.set_tier_targets(&spec.tiers);
                 s.params_from_calibration = r.params_from_calibration.clone();
                 s.lora_memory = r.lora_memory.clone();
+                s.host_kv = r.host_kv.clone();
                 s
             })
             .collect(),

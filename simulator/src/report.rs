@@ -299,6 +299,27 @@ pub struct PolicySummary {
     /// The LoRA adapters in host memory (`scheduler.lora_memory`); absent without it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lora_memory: Option<LoraMemorySummary>,
+    /// The host KV tier (`cache.kv_offloading_size` or `cache.num_host_blocks`); absent
+    /// without one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_kv: Option<HostKvSummary>,
+}
+
+/// What the host KV tier did in a run.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct HostKvSummary {
+    /// Blocks of the host tier.
+    pub host_blocks: u64,
+    /// The copy rate assumed, GB/s per direction (`cache.host_bandwidth_gb_s`).
+    pub bandwidth_gb_s: f64,
+    /// Blocks copied from the device to the host tier (evicted cached blocks).
+    pub offloaded_blocks: u64,
+    /// Blocks copied back (prefixes found in the host tier).
+    pub loaded_blocks: u64,
+    /// Prompt tokens served from the host tier (counted in the prefix-cache hits too).
+    pub host_hit_tokens: u64,
+    /// Device time of those copies, in seconds.
+    pub copy_s: f64,
 }
 
 /// What the LoRA adapters' host memory did in a run (`scheduler.lora_memory`).
@@ -426,6 +447,7 @@ impl PolicySummary {
             tiers,
             params_from_calibration: None,
             lora_memory: None,
+            host_kv: None,
         }
     }
 }
@@ -683,6 +705,27 @@ impl Comparison {
                 values.join(", "),
                 taken.calibration,
                 if values.len() > 1 { "them" } else { "it" }
+            );
+        }
+        for p in &self.policies {
+            let Some(h) = &p.host_kv else { continue };
+            let _ = writeln!(
+                s,
+                "{}: host KV tier ({} blocks, {} GB/s assumed): {} blocks offloaded, {} \
+                 loaded back, {} prompt tokens found there ({:.1}% of those looked up), \
+                 {:.3} s of copies",
+                p.policy,
+                h.host_blocks,
+                h.bandwidth_gb_s,
+                h.offloaded_blocks,
+                h.loaded_blocks,
+                h.host_hit_tokens,
+                if p.counters.prefix_queries > 0 {
+                    100.0 * h.host_hit_tokens as f64 / p.counters.prefix_queries as f64
+                } else {
+                    0.0
+                },
+                h.copy_s
             );
         }
         for p in self.policies.iter().filter(|p| p.counters.draft_tokens > 0) {

@@ -11,6 +11,8 @@
 //! hardware: h200               # a preset name, or the fields of `HardwareSpec`
 //! calibration: cal.yaml        # optional, from `switchyard calibrate`: replaces the roofline
 //! cache: { block_size: 16, gpu_memory_utilization: 0.9, prefix_caching: true, prefix_sharing: tenant }
+//!   # kv_offloading_size: 64   # GiB of host KV tier (or num_host_blocks: N); 0: none
+//!   # host_bandwidth_gb_s: 50  # host <-> device copy rate per direction (assumed default)
 //! scheduler: { max_num_seqs: 256, max_num_batched_tokens: 8192, max_model_len: 8192 }
 //!   # lora: { rank: 16, targets: all }  # the adapters trace records name, for the roofline
 //!   # lora_memory: { max_cpu_loras: 8, pinned: [1, 2], load_ms: 40 }  # adapters in host memory
@@ -28,6 +30,9 @@
 //! ```
 
 use crate::cost::{HardwareSpec, LoraSpec, ModelSpec};
+
+/// Largest `cache.kv_offloading_size`, in GiB (64 TiB).
+pub const MAX_OFFLOADING_GIB: f64 = 65_536.0;
 use crate::error::SimError;
 use crate::trace::{LabelMix, TraceFormat};
 use serde::{Deserialize, Serialize};
@@ -206,6 +211,33 @@ pub struct CacheSection {
     /// Whose requests share cached prefixes, as the server's `cache.prefix_sharing`:
     /// `tenant` (the server's default) or `global`.
     pub prefix_sharing: switchyard_config::PrefixSharing,
+    /// GiB of host memory for the host KV tier, as the server's `cache.kv_offloading_size`:
+    /// full cached blocks evicted from the device are copied there and a prefix found there
+    /// is copied back instead of recomputed. 0 (the default): none. Converted to blocks with
+    /// the model's KV bytes per block.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub kv_offloading_size: f64,
+    /// The host KV tier in blocks, instead of `kv_offloading_size` (both set: an error).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub num_host_blocks: Option<usize>,
+    /// The rate of a copy between the device and the host tier, in GB/s (10^9 bytes) per
+    /// direction. Default 50: an assumption (PCIe Gen5 x16 from pinned host memory, about
+    /// 64 GB/s raw per direction, less protocol overhead), not a measurement. A step's copies
+    /// cost `blocks * block_bytes / bandwidth` on top of its compute.
+    #[serde(skip_serializing_if = "is_default_host_bandwidth")]
+    pub host_bandwidth_gb_s: f64,
+}
+
+/// The assumed host <-> device copy rate, GB/s per direction (see
+/// [`CacheSection::host_bandwidth_gb_s`]).
+pub const DEFAULT_HOST_BANDWIDTH_GB_S: f64 = 50.0;
+
+fn is_zero(v: &f64) -> bool {
+    *v == 0.0
+}
+
+fn is_default_host_bandwidth(v: &f64) -> bool {
+    *v == DEFAULT_HOST_BANDWIDTH_GB_S
 }
 
 impl Default for CacheSection {
@@ -216,6 +248,9 @@ impl Default for CacheSection {
             gpu_memory_utilization: 0.9,
             prefix_caching: true,
             prefix_sharing: switchyard_config::PrefixSharing::Tenant,
+            kv_offloading_size: 0.0,
+            num_host_blocks: None,
+            host_bandwidth_gb_s: DEFAULT_HOST_BANDWIDTH_GB_S,
         }
     }
 }
@@ -755,6 +790,34 @@ impl SimulationSpec {
         }
         if !(c.gpu_memory_utilization > 0.0 && c.gpu_memory_utilization <= 1.0) {
             return Err("cache.gpu_memory_utilization must be in (0, 1]".into());
+        }
+        if !(c.kv_offloading_size.is_finite()
+            && (0.0..=MAX_OFFLOADING_GIB).contains(&c.kv_offloading_size))
+        {
+            return Err(format!(
+                "cache.kv_offloading_size must be a number of GiB in 0..={MAX_OFFLOADING_GIB}, got {}",
+                c.kv_offloading_size
+            ));
+        }
+        if c.num_host_blocks.is_some() && c.kv_offloading_size > 0.0 {
+            return Err(
+                "cache.num_host_blocks and cache.kv_offloading_size both size the host KV tier: \
+                 set one"
+                    .into(),
+            );
+        }
+        let max_host = switchyard_policies::scheduler::MAX_HOST_BLOCKS;
+        if c.num_host_blocks.is_some_and(|n| n > max_host) {
+            return Err(format!("cache.num_host_blocks outside 0..={max_host}"));
+        }
+        if !(c.host_bandwidth_gb_s.is_finite()
+            && c.host_bandwidth_gb_s > 0.0
+            && c.host_bandwidth_gb_s <= 1e6)
+        {
+            return Err(format!(
+                "cache.host_bandwidth_gb_s must be a number of GB/s in (0, 1000000], got {}",
+                c.host_bandwidth_gb_s
+            ));
         }
         let s = &self.scheduler;
         // The server's bounds: a spec outside them describes a server that cannot be deployed.

@@ -187,6 +187,36 @@ fn mooncake_reuse_reaches_the_prefix_cache() {
     assert!((hit - 0.646).abs() < 0.002, "hit rate {hit}");
 }
 
+/// `sim-kv-offload.yaml`'s host KV tier: prefixes its small device cache evicts are found
+/// there and loaded back, for every policy; the same spec with the tier off reports none.
+#[test]
+fn the_host_kv_tier_example_loads_evicted_prefixes_back() {
+    let mut spec = SimulationSpec::from_yaml_file(&example("sim-kv-offload.yaml")).unwrap();
+    spec.workload.limit = Some(400);
+    let (on, _) = switchyard_simulator::simulate(&spec, false).unwrap();
+    spec.cache.kv_offloading_size = 0.0;
+    let (off, _) = switchyard_simulator::simulate(&spec, false).unwrap();
+    for (a, b) in on.policies.iter().zip(&off.policies) {
+        let h = a.host_kv.as_ref().expect("host_kv");
+        // 64 GiB of Llama-3.1-8B's 2 MiB blocks.
+        assert_eq!(h.host_blocks, 32_768);
+        assert!(
+            h.offloaded_blocks > 0 && h.loaded_blocks > 0,
+            "{}: {h:?}",
+            a.policy
+        );
+        assert_eq!(h.host_hit_tokens, 16 * h.loaded_blocks, "{}", a.policy);
+        assert!(b.host_kv.is_none());
+        assert!(
+            a.counters.prefix_hits > b.counters.prefix_hits,
+            "{}: {} hits with the tier, {} without",
+            a.policy,
+            a.counters.prefix_hits,
+            b.counters.prefix_hits
+        );
+    }
+}
+
 /// Speculative decoding, modelled with a fixed acceptance rate: the same requests end with the
 /// same tokens; at low load (decode steps bound by memory) accepted drafts cut the time per
 /// output token; drafts that are never accepted only add work; runs are reproducible.

@@ -270,6 +270,8 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
         quantization: args.quantization,
         kv_cache_dtype: args.kv_cache_dtype,
         cpu_precision: args.cpu_precision,
+        // Offline work keeps no prefix across runs worth a host tier.
+        host_kv_bytes: 0,
     };
     let (backend, chosen) = runtime::build_backend(kind, source, &settings)?;
     anyhow::ensure!(
@@ -294,6 +296,7 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
         sliding_window: runtime::sliding_window(&config, backend.as_ref()),
         // Offline work has no client to give up: no queue bound.
         max_queue_ms: None,
+        num_host_blocks: 0,
     };
     let mut engine = runtime::offline_core(backend, scheduler, args.async_scheduling)?;
     anyhow::ensure!(

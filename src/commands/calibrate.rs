@@ -585,7 +585,11 @@ fn measure(args: &CalibrateArgs) -> anyhow::Result<SamplesFile> {
     };
     let model_config = source.config().clone();
     let block_size = config.cache.block_size;
-    let settings = runtime::BackendSettings::from_config(&config);
+    let settings = runtime::BackendSettings {
+        // The steps timed here copy nothing to or from a host KV tier: none is held.
+        host_kv_bytes: 0,
+        ..runtime::BackendSettings::from_config(&config)
+    };
     let (backend, chosen) = runtime::build_backend(config.model.backend, source, &settings)?;
     // The chat template and tokenizer, timed as the server's tokenizer pool runs them (random
     // weights have neither).
@@ -690,6 +694,7 @@ fn measure(args: &CalibrateArgs) -> anyhow::Result<SamplesFile> {
         sliding_window: runtime::sliding_window(&model_config, backend.as_ref()),
         // Offline work has no client to give up: no queue bound.
         max_queue_ms: None,
+        num_host_blocks: 0,
     };
     // One step at a time, so that each backend time is one planned step's.
     let mut engine = runtime::offline_core(backend, scheduler, AsyncSchedulingMode::Off)?;

@@ -67,6 +67,8 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         quantization: args.quantization,
         kv_cache_dtype: args.kv_cache_dtype,
         cpu_precision: args.cpu_precision,
+        // Offline work keeps no prefix across runs worth a host tier.
+        host_kv_bytes: 0,
     };
     let (backend, _) = runtime::build_backend(
         runtime::parse_backend(&args.backend)?,
@@ -95,6 +97,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         sliding_window,
         // Offline work has no client to give up: no queue bound.
         max_queue_ms: None,
+        num_host_blocks: 0,
     };
     let mut engine = runtime::offline_core(backend, scheduler, args.async_scheduling)?;
     let eos = tokenizer.eos_token_ids().to_vec();

@@ -78,6 +78,8 @@ pub struct CpuSettings {
     pub max_batch_tokens: usize,
     /// Activation precision of the quantized products.
     pub precision: CpuPrecision,
+    /// Bytes of the host KV tier (`cache.kv_offloading_size`; 0: none).
+    pub host_kv_bytes: usize,
 }
 
 /// Refuses a `cpu_precision` other than `auto` on a CUDA backend asked for by name, and warns
@@ -119,6 +121,7 @@ pub fn cpu_backend_for(model: LlamaModel, s: &CpuSettings) -> anyhow::Result<Box
         threads: s.threads,
         max_batch_tokens: s.max_batch_tokens,
         precision: activation_precision(s.precision),
+        host_kv_bytes: s.host_kv_bytes,
         ..CpuBackendConfig::default()
     };
     if let Some(w) = oversubscribed(s.threads, std::thread::available_parallelism().ok()) {
@@ -198,6 +201,8 @@ pub struct BackendSettings {
     pub kv_cache_dtype: KvCacheDtype,
     /// The CPU backend's activation precision (anything but `auto`: the CPU backend only).
     pub cpu_precision: CpuPrecision,
+    /// Bytes of the host KV tier (`cache.kv_offloading_size`; 0: none).
+    pub host_kv_bytes: usize,
 }
 
 impl BackendSettings {
@@ -215,6 +220,7 @@ impl BackendSettings {
             quantization: config.model.quantization,
             kv_cache_dtype: config.cache.kv_cache_dtype,
             cpu_precision: config.model.cpu_precision,
+            host_kv_bytes: config.cache.kv_offloading_bytes(),
         }
     }
 }
@@ -347,6 +353,7 @@ pub fn build_backend(
                 threads: s.threads,
                 max_batch_tokens: s.max_batch_tokens,
                 precision: s.cpu_precision,
+                host_kv_bytes: s.host_kv_bytes,
             };
             cpu_backend_for(model, &settings)?
         }
@@ -366,6 +373,7 @@ fn cuda_backend(source: ModelSource<'_>, s: &BackendSettings) -> anyhow::Result<
         cuda_graphs: std::env::var_os("SWITCHYARD_NO_CUDA_GRAPHS").is_none(),
         fp8: s.quantization == Quantization::Fp8,
         kv_fp8: s.kv_cache_dtype == KvCacheDtype::Fp8,
+        host_kv_bytes: s.host_kv_bytes,
         ..CudaBackendConfig::default()
     };
     let started = std::time::Instant::now();

@@ -229,6 +229,31 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     // The scheduler plans with the blocks the backend actually holds, and a sequence of
     // max_model_len tokens must fit in them (else such requests could never run).
     let num_blocks = backend.num_kv_blocks();
+    let num_host_blocks = backend.num_host_kv_blocks();
+    if config.cache.kv_offloading_size > 0.0 {
+        anyhow::ensure!(
+            num_host_blocks > 0,
+            "cache.kv_offloading_size: {} GiB holds no whole KV block of this model",
+            config.cache.kv_offloading_size
+        );
+        // The scheduler bounds the blocks it tracks: a refusal names the setting.
+        let probe = SchedulerConfig {
+            num_host_blocks,
+            ..SchedulerConfig::default()
+        };
+        if let Err(e) = switchyard_policies::validate_config(&probe) {
+            anyhow::bail!(
+                "cache.kv_offloading_size: {} GiB makes {num_host_blocks} host KV blocks of \
+                 this model: {e}",
+                config.cache.kv_offloading_size
+            );
+        }
+        tracing::info!(
+            host_blocks = num_host_blocks,
+            gib = config.cache.kv_offloading_size,
+            "host KV tier (cache.kv_offloading_size): evicted cached blocks are kept there"
+        );
+    }
     let sliding_window = runtime::sliding_window(&model.config, backend.as_ref());
     if let Some(w) = sliding_window {
         tracing::info!(
@@ -282,6 +307,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             speculative: runtime::speculative_from_config(config.speculative.as_ref())?,
             sliding_window,
             max_queue_ms: config.scheduler.max_queue_ms,
+            num_host_blocks,
         },
         lora,
         vocab_size,

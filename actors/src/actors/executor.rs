@@ -7,6 +7,8 @@ use actix::{Actor, Handler, Message, SyncContext};
 use switchyard_gpu::backend::{Backend, Batch, SeqOutput};
 use switchyard_gpu::GpuError;
 
+use crate::core::KvCopies;
+
 /// A batch's outputs and the time the backend took, so the scheduler can tell its own
 /// overhead from model time.
 pub struct Executed {
@@ -26,6 +28,9 @@ pub struct Execute {
     pub batch: Batch,
     /// Sequences whose per-sequence backend state must be released first.
     pub release: Vec<u64>,
+    /// KV copies between the cache and the host tier, made in order before the batch; a
+    /// failed copy fails the step.
+    pub kv_copies: Vec<KvCopies>,
 }
 
 /// Starts a batch without waiting for its outputs (asynchronous scheduling, backends that
@@ -37,6 +42,9 @@ pub struct SubmitStep {
     pub batch: Batch,
     /// Sequences whose per-sequence backend state must be released first.
     pub release: Vec<u64>,
+    /// KV copies between the cache and the host tier, made in order before the batch is
+    /// submitted (after the steps submitted before it); a failed copy fails the step.
+    pub kv_copies: Vec<KvCopies>,
 }
 
 /// A submitted batch, returned for reuse.
@@ -114,6 +122,14 @@ impl ExecutorActor {
         result
     }
 
+    /// Makes a step's KV copies (cache ↔ host tier), in order.
+    fn copy_kv(&mut self, copies: &[KvCopies]) -> Result<(), GpuError> {
+        if copies.iter().all(KvCopies::is_empty) {
+            return Ok(());
+        }
+        self.call("copy_kv", |b| KvCopies::run_all(copies, b))
+    }
+
     /// Frees the state of the finished sequences in `release` (every batch message carries
     /// them, to be released before the batch runs). A failure here is logged, not the step's.
     fn release(&mut self, release: Vec<u64>) {
@@ -177,6 +193,7 @@ impl Handler<Execute> for ExecutorActor {
     fn handle(&mut self, msg: Execute, _: &mut SyncContext<Self>) -> Self::Result {
         self.release(msg.release);
         let start = std::time::Instant::now();
+        self.copy_kv(&msg.kv_copies)?;
         let outputs = self.call("execute", |b| b.execute(&msg.batch))?;
         Ok(Executed {
             outputs,
@@ -192,6 +209,7 @@ impl Handler<SubmitStep> for ExecutorActor {
     fn handle(&mut self, msg: SubmitStep, _: &mut SyncContext<Self>) -> Self::Result {
         self.release(msg.release);
         let start = std::time::Instant::now();
+        self.copy_kv(&msg.kv_copies)?;
         self.call("submit", |b| b.submit(&msg.batch))?;
         self.submitted += 1;
         Ok(Submitted {
@@ -306,6 +324,55 @@ mod tests {
         }
     }
 
+    /// A step's KV copies run before its batch, and a failed copy fails the step (the batch
+    /// does not run): here a backend without a host tier is asked for one.
+    #[actix::test]
+    async fn a_failed_kv_copy_fails_its_step_before_the_batch_runs() {
+        let executor = SyncArbiter::start(1, || {
+            ExecutorActor::new(Some(Box::new(PanicsOnce {
+                panicked: true,
+                recovers: true,
+            })))
+        });
+        let copies = |n: u32| KvCopies {
+            offloads: vec![switchyard_gpu::KvCopy { device: n, host: 0 }],
+            loads: Vec::new(),
+        };
+        for kv_copies in [vec![copies(1)], vec![KvCopies::default(), copies(2)]] {
+            let r = executor
+                .send(Execute {
+                    batch: batch(),
+                    release: Vec::new(),
+                    kv_copies: kv_copies.clone(),
+                })
+                .await
+                .expect("the executor answers");
+            match r {
+                Err(e) => assert!(e.to_string().contains("no host KV tier"), "{e}"),
+                Ok(_) => panic!("a step whose copy failed ran"),
+            }
+            let r = executor
+                .send(SubmitStep {
+                    batch: batch(),
+                    release: Vec::new(),
+                    kv_copies,
+                })
+                .await
+                .expect("the executor answers");
+            assert!(r.is_err(), "a submit whose copy failed went ahead");
+        }
+        // No copies: the step runs.
+        let ok = executor
+            .send(Execute {
+                batch: batch(),
+                release: Vec::new(),
+                kv_copies: vec![KvCopies::default()],
+            })
+            .await
+            .expect("the executor answers");
+        assert!(ok.is_ok());
+    }
+
     #[actix::test]
     async fn a_backend_panic_fails_its_step_and_the_executor_goes_on() {
         let executor = SyncArbiter::start(1, || {
@@ -318,6 +385,7 @@ mod tests {
             .send(Execute {
                 batch: batch(),
                 release: Vec::new(),
+                kv_copies: Vec::new(),
             })
             .await
             .expect("the executor answers");
@@ -330,6 +398,7 @@ mod tests {
             .send(Execute {
                 batch: batch(),
                 release: Vec::new(),
+                kv_copies: Vec::new(),
             })
             .await
             .expect("the executor still answers")
@@ -358,6 +427,7 @@ mod tests {
                 .send(Execute {
                     batch: batch(),
                     release: vec![1],
+                    kv_copies: Vec::new(),
                 })
                 .await
                 .expect("the executor answers");

@@ -146,6 +146,14 @@ impl SchedulerActor {
         }
         metrics::counter!(names::PREFIX_CACHE_QUERIES).absolute(s.prefix_queries);
         metrics::counter!(names::PREFIX_CACHE_HITS).absolute(s.prefix_hits);
+        let host_blocks = self.core.num_host_blocks();
+        if host_blocks > 0 {
+            metrics::gauge!(names::KV_OFFLOAD_USAGE_PERC)
+                .set(s.num_host_blocks_used as f64 / host_blocks as f64);
+            metrics::counter!(names::KV_OFFLOAD_STORED_BLOCKS).absolute(s.num_kv_offloaded_blocks);
+            metrics::counter!(names::KV_OFFLOAD_LOADED_BLOCKS).absolute(s.num_kv_loaded_blocks);
+            metrics::counter!(names::KV_OFFLOAD_PREFIX_HITS).absolute(s.num_host_hit_tokens);
+        }
         metrics::counter!(names::NUM_PREEMPTIONS).absolute(s.num_preemptions);
         metrics::gauge!(names::LORA_RUNNING_ADAPTERS).set(s.num_running_adapters as f64);
         metrics::gauge!(names::LORA_WAITING_REQUESTS).set(s.num_waiting_adapter_requests as f64);
@@ -362,6 +370,7 @@ impl SchedulerActor {
         let fut = self.executor.send(SubmitStep {
             batch: prepared.batch,
             release: prepared.release,
+            kv_copies: prepared.kv_copies,
         });
         ctx.spawn(fut.into_actor(self).map(move |result, act, ctx| {
             let submitted = match reply(result) {
@@ -447,6 +456,7 @@ impl SchedulerActor {
         let fut = self.executor.send(Execute {
             batch: prepared.batch,
             release: prepared.release,
+            kv_copies: prepared.kv_copies,
         });
         ctx.spawn(fut.into_actor(self).map(move |result, act, ctx| {
             let executed = match reply(result) {

@@ -53,7 +53,7 @@ fn zeroed_f16(n: usize) -> Option<Vec<f16>> {
 
 /// Bytes of memory this process may still use, where the system says (Linux: `MemAvailable`
 /// of /proc/meminfo, and a cgroup v2 limit's headroom when one is set); `None` elsewhere.
-fn available_memory() -> Option<usize> {
+pub(crate) fn available_memory() -> Option<usize> {
     let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
     let kib: usize = meminfo
         .lines()
@@ -167,6 +167,109 @@ impl KvCache {
     }
 }
 
+/// The host tier of the prefix cache (`cache.kv_offloading_size`): `num_blocks` blocks in the
+/// cache's own per-layer block layout, so a block moves between the two as one contiguous run
+/// of keys and one of values per layer. On the CPU backend both live in ordinary memory: the
+/// tier is worth it where a larger cache cannot be had (it is not pre-checked against a
+/// bound of its own), and it makes the feature testable without a GPU.
+#[derive(Debug)]
+pub struct HostKvTier {
+    /// Number of blocks.
+    pub num_blocks: usize,
+    /// Keys and values of one block in one layer (`kv_heads * head_dim * block_size` each).
+    block_len: usize,
+    k: Vec<f16>,
+    v: Vec<f16>,
+}
+
+impl KvCache {
+    /// Bytes one block takes across all layers (keys and values).
+    pub fn block_bytes(&self) -> usize {
+        self.layers * self.kv_heads * self.head_dim * self.block_size * 4
+    }
+
+    /// A host tier of `bytes / block_bytes` blocks for this cache (none below one block);
+    /// fails, naming `cache.kv_offloading_size`, when the memory is not available.
+    pub fn host_tier(&self, bytes: usize) -> Result<Option<HostKvTier>, GpuError> {
+        let num_blocks = bytes / self.block_bytes().max(1);
+        if num_blocks == 0 {
+            return Ok(None);
+        }
+        let block_len = self.kv_heads * self.head_dim * self.block_size;
+        let n = num_blocks
+            .checked_mul(block_len)
+            .and_then(|n| n.checked_mul(self.layers))
+            .filter(|n| n.checked_mul(4).is_some())
+            .ok_or_else(|| {
+                GpuError::InvalidConfig("cache.kv_offloading_size: the host tier overflows".into())
+            })?;
+        let too_big = |available: usize| {
+            GpuError::InvalidConfig(format!(
+                "cache.kv_offloading_size: the host KV tier needs {} MiB but only {} MiB of \
+                 memory is available",
+                (n * 4) >> 20,
+                available >> 20
+            ))
+        };
+        if let Some(available) = available_memory() {
+            if n * 4 > available {
+                return Err(too_big(available));
+            }
+        }
+        let alloc = || zeroed_f16(n).ok_or_else(|| too_big(0));
+        Ok(Some(HostKvTier {
+            num_blocks,
+            block_len,
+            k: alloc()?,
+            v: alloc()?,
+        }))
+    }
+
+    /// Copies blocks between the cache and `tier`: first every `offloads` pair (cache block,
+    /// tier block) from the cache to the tier, then every `loads` pair from the tier to the
+    /// cache, each block's keys and values of every layer. Every id is checked before anything
+    /// is copied.
+    pub fn copy_blocks(
+        &mut self,
+        tier: &mut HostKvTier,
+        offloads: &[(usize, usize)],
+        loads: &[(usize, usize)],
+    ) -> Result<(), GpuError> {
+        for &(device, host) in offloads.iter().chain(loads) {
+            if device >= self.num_blocks || host >= tier.num_blocks {
+                return Err(GpuError::BadBatch(format!(
+                    "KV copy between cache block {device} and host block {host}: out of range \
+                     ({} cache blocks, {} host blocks)",
+                    self.num_blocks, tier.num_blocks
+                )));
+            }
+        }
+        let len = tier.block_len;
+        let at = |blocks: usize, layer: usize, block: usize| (layer * blocks + block) * len;
+        for layer in 0..self.layers {
+            for &(device, host) in offloads {
+                let (d, h) = (
+                    at(self.num_blocks, layer, device),
+                    at(tier.num_blocks, layer, host),
+                );
+                tier.k[h..h + len].copy_from_slice(&self.k[d..d + len]);
+                tier.v[h..h + len].copy_from_slice(&self.v[d..d + len]);
+            }
+        }
+        for layer in 0..self.layers {
+            for &(device, host) in loads {
+                let (d, h) = (
+                    at(self.num_blocks, layer, device),
+                    at(tier.num_blocks, layer, host),
+                );
+                self.k[d..d + len].copy_from_slice(&tier.k[h..h + len]);
+                self.v[d..d + len].copy_from_slice(&tier.v[h..h + len]);
+            }
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
 
@@ -213,6 +316,66 @@ mod tests {
         assert_eq!(vals, [-1.0, -2.0, -3.0]);
         assert!(c.keys(0, 2, 1).iter().all(|&x| f(x) == 0.0));
         assert!(c.keys(1, 1, 1).iter().all(|&x| f(x) == 0.0));
+    }
+
+    /// A block offloaded, overwritten in the cache and loaded into another block reads as it
+    /// was, in every layer, keys and values; other blocks are untouched.
+    #[test]
+    fn blocks_go_to_the_host_tier_and_back() {
+        let mut c = KvCache::new(2, 4, 2, 2, 3).unwrap();
+        assert_eq!(c.block_bytes(), 2 * 2 * 3 * 2 * 4);
+        let mut t = c.host_tier(3 * c.block_bytes() + 1).unwrap().unwrap();
+        assert_eq!(t.num_blocks, 3);
+        let kv = |x: f32| ([x, x + 1.0, x + 2.0, x + 3.0, x + 4.0, x + 5.0], [-x; 6]);
+        for layer in 0..2 {
+            for slot in 0..2 {
+                let (k, v) = kv((10 * layer + slot) as f32 + 1.0);
+                c.write(layer, 1, slot, &k, &v);
+            }
+        }
+        let before: Vec<Vec<f16>> = (0..2)
+            .flat_map(|l| (0..2).map(move |h| (l, h)))
+            .flat_map(|(l, h)| [c.keys(l, 1, h).to_vec(), c.values(l, 1, h).to_vec()])
+            .collect();
+        c.copy_blocks(&mut t, &[(1, 2)], &[]).unwrap();
+        let (k, v) = kv(99.0);
+        for layer in 0..2 {
+            for slot in 0..2 {
+                c.write(layer, 1, slot, &k, &v);
+            }
+        }
+        c.copy_blocks(&mut t, &[], &[(3, 2)]).unwrap();
+        let after: Vec<Vec<f16>> = (0..2)
+            .flat_map(|l| (0..2).map(move |h| (l, h)))
+            .flat_map(|(l, h)| [c.keys(l, 3, h).to_vec(), c.values(l, 3, h).to_vec()])
+            .collect();
+        assert_eq!(before, after);
+        assert!(c.keys(1, 1, 1).iter().all(|x| x.to_f32() != 0.0));
+        assert!(c.keys(0, 0, 0).iter().all(|x| x.to_bits() == 0));
+        assert!(c.values(1, 2, 1).iter().all(|x| x.to_bits() == 0));
+    }
+
+    #[test]
+    fn host_tier_ids_out_of_range_are_errors_and_copy_nothing() {
+        let mut c = KvCache::new(1, 2, 2, 1, 2).unwrap();
+        let mut t = c.host_tier(2 * c.block_bytes()).unwrap().unwrap();
+        c.write(0, 0, 0, &[1.0, 2.0], &[3.0, 4.0]);
+        for (off, load) in [
+            (vec![(2, 0)], vec![]),
+            (vec![(0, 2)], vec![]),
+            (vec![], vec![(0, 2)]),
+            (vec![(0, 0)], vec![(5, 0)]),
+        ] {
+            let e = c
+                .copy_blocks(&mut t, &off, &load)
+                .expect_err("out of range");
+            assert!(e.to_string().contains("out of range"), "{e}");
+        }
+        // The valid offload before the bad load was not made either.
+        assert!(t.k.iter().all(|x| x.to_bits() == 0));
+        assert!(c.host_tier(c.block_bytes() - 1).unwrap().is_none());
+        let e = c.host_tier(usize::MAX).expect_err("too big").to_string();
+        assert!(e.contains("cache.kv_offloading_size"), "{e}");
     }
 
     #[test]

@@ -18,6 +18,7 @@
 
 pub mod device;
 mod forward;
+mod host_tier;
 mod lora;
 mod lt;
 mod sampling;
@@ -36,7 +37,7 @@ use rayon::prelude::*;
 
 use crate::backend::{
     logit_rows_of, prompt_logprobs, takes_pending_tokens, validate_batch, AcceptedDraft, Backend,
-    Batch, DraftVerifier, SamplingParams, SeqInput, SeqOutput, CUDA_MAX_BATCH_TOKENS,
+    Batch, DraftVerifier, KvCopy, SamplingParams, SeqInput, SeqOutput, CUDA_MAX_BATCH_TOKENS,
     MAX_LOGIT_ROWS, PENDING_TOKEN,
 };
 use crate::error::GpuError;
@@ -80,6 +81,9 @@ pub struct CudaBackendConfig {
     /// max |x| / 448, so no calibration is needed; attention reads the e4m3 rows from shared
     /// memory and widens them to bf16 in registers, just before each product.
     pub kv_fp8: bool,
+    /// Bytes of the host KV tier (`cache.kv_offloading_size`; 0: none): page-locked host
+    /// memory of whole KV blocks ([`Backend::num_host_kv_blocks`]), see `host_tier`.
+    pub host_kv_bytes: usize,
 }
 
 impl Default for CudaBackendConfig {
@@ -95,6 +99,7 @@ impl Default for CudaBackendConfig {
             seed: 0,
             fp8: false,
             kv_fp8: false,
+            host_kv_bytes: 0,
         }
     }
 }
@@ -137,6 +142,8 @@ pub struct CudaBackend {
     deferred: Option<StepTail>,
     weights: GpuWeights,
     timing: Option<timing::StepTiming>,
+    /// The host tier of the prefix cache, if configured.
+    host_tier: Option<host_tier::HostKvTier>,
     gpu: Gpu,
     config: LlamaConfig,
     block_size: usize,
@@ -475,6 +482,8 @@ impl CudaBackend {
             num_blocks,
             if cfg.kv_fp8 { "fp8" } else { "bf16" }
         );
+        let host_tier =
+            host_tier::HostKvTier::new(&gpu, config, bs, cfg.kv_fp8, cfg.host_kv_bytes)?;
         let timing = timing::StepTiming::from_env(&gpu.ctx)?;
         let argmax = if device::env_switch("SWITCHYARD_CUDA_SPLIT_ARGMAX", true) {
             Some(sampling::ArgmaxScratch::new(&gpu, max_rows)?)
@@ -495,6 +504,7 @@ impl CudaBackend {
             deferred: None,
             weights,
             timing,
+            host_tier,
             gpu,
             config: config.clone(),
             block_size: bs,
@@ -738,6 +748,26 @@ impl Backend for CudaBackend {
 
     fn overlaps_host(&self) -> bool {
         true
+    }
+
+    fn num_host_kv_blocks(&self) -> usize {
+        self.host_tier.as_ref().map_or(0, |t| t.num_blocks)
+    }
+
+    /// The copies go on the compute stream: after the forward passes of every step submitted
+    /// before (a step's sampling held back for the tokens of the one before it reads no KV
+    /// block), before every step submitted after.
+    fn copy_kv(&mut self, offloads: &[KvCopy], loads: &[KvCopy]) -> Result<(), GpuError> {
+        if offloads.is_empty() && loads.is_empty() {
+            return Ok(());
+        }
+        let Some(tier) = self.host_tier.as_mut() else {
+            return Err(GpuError::BadBatch(format!(
+                "the {} backend has no host KV tier",
+                self.name
+            )));
+        };
+        tier.copy(&self.gpu, &self.buf, self.num_blocks, offloads, loads)
     }
 
     fn submit(&mut self, batch: &Batch) -> Result<(), GpuError> {

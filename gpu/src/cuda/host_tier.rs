@@ -1,0 +1,203 @@
+//! The host tier of the prefix cache on the CUDA backend (`cache.kv_offloading_size`, vLLM's
+//! CPU KV offloading, SGLang's HiCache): page-locked host memory holding whole KV blocks,
+//! copied to and from the paged cache by DMA on the compute stream, so each copy is ordered
+//! after every step enqueued before it and before every step enqueued after it, and the host
+//! never waits for one.
+//!
+//! Layout: the cache's own, per layer and per part (keys, values), over the tier's blocks:
+//! `[layer][keys | values][block][slot]` with, for an fp8 cache, the part's e4m3 values of
+//! every block followed by their f32 scales (as [`super::forward::Buffers`] lays out the
+//! cache). A run of consecutive blocks on both sides is then one contiguous range per layer
+//! and part: one copy (two with fp8 scales) per layer, part and run.
+
+use std::sync::Arc;
+
+use cudarc::driver::{sys, CudaStream, PinnedHostSlice};
+
+use super::device::{cuda_err, Gpu};
+use super::forward::Buffers;
+use crate::backend::KvCopy;
+use crate::error::GpuError;
+use crate::model::LlamaConfig;
+
+/// The block geometry shared by the cache and the tier.
+#[derive(Clone, Copy, Debug)]
+struct Geometry {
+    layers: usize,
+    /// Bytes of one block's keys (or values) of one layer, scales excluded.
+    values: usize,
+    /// Bytes of one block's fp8 scales of one layer's keys (or values); 0 for bf16.
+    scales: usize,
+}
+
+/// The host tier: `num_blocks` blocks of page-locked memory.
+pub(crate) struct HostKvTier {
+    mem: PinnedHostSlice<u8>,
+    /// The compute stream, synchronised before the memory is freed.
+    stream: Arc<CudaStream>,
+    geometry: Geometry,
+    /// Number of blocks.
+    pub num_blocks: usize,
+}
+
+impl HostKvTier {
+    /// A tier of `bytes / block_bytes` blocks for the cache of `c` (`block_size` slots a
+    /// block, `kv_fp8`: e4m3 with scales); `None` below one block. Refused, naming
+    /// `cache.kv_offloading_size`, when the host memory is not available or cannot be locked.
+    pub fn new(
+        gpu: &Gpu,
+        c: &LlamaConfig,
+        block_size: usize,
+        kv_fp8: bool,
+        bytes: usize,
+    ) -> Result<Option<Self>, GpuError> {
+        let per_block = super::forward::kv_block_bytes(c, block_size, kv_fp8);
+        let num_blocks = bytes / per_block.max(1);
+        if num_blocks == 0 {
+            return Ok(None);
+        }
+        let total = num_blocks * per_block;
+        let refuse = |why: String| {
+            GpuError::InvalidConfig(format!(
+                "cache.kv_offloading_size: the host KV tier needs {} MiB {why}",
+                total >> 20
+            ))
+        };
+        if let Some(available) = crate::cpu::kv_cache::available_memory() {
+            if total > available {
+                return Err(refuse(format!(
+                    "but only {} MiB of memory is available",
+                    available >> 20
+                )));
+            }
+        }
+        // SAFETY: bytes, read back only after the DMA of an offload wrote them (the scheduler
+        // loads only blocks it offloaded).
+        let mem = unsafe { gpu.ctx.alloc_pinned_with_flags::<u8>(total, 0) }.map_err(|e| {
+            refuse(format!(
+                "of page-locked memory, which the driver refused: {e:?}"
+            ))
+        })?;
+        let values = if kv_fp8 {
+            c.num_kv_heads * c.head_dim
+        } else {
+            c.num_kv_heads * c.head_dim * 2
+        } * block_size;
+        let scales = if kv_fp8 {
+            c.num_kv_heads * 4 * block_size
+        } else {
+            0
+        };
+        Ok(Some(HostKvTier {
+            mem,
+            stream: gpu.stream.clone(),
+            geometry: Geometry {
+                layers: c.num_layers,
+                values,
+                scales,
+            },
+            num_blocks,
+        }))
+    }
+
+    /// Enqueues the copies on the compute stream: every `offloads` block from the cache to the
+    /// tier, then every `loads` block from the tier to the cache. Every id is checked (against
+    /// the cache's `cache_blocks` and the tier's blocks) before anything is enqueued.
+    pub fn copy(
+        &mut self,
+        gpu: &Gpu,
+        buf: &Buffers,
+        cache_blocks: usize,
+        offloads: &[KvCopy],
+        loads: &[KvCopy],
+    ) -> Result<(), GpuError> {
+        for c in offloads.iter().chain(loads) {
+            if c.device as usize >= cache_blocks || c.host as usize >= self.num_blocks {
+                return Err(GpuError::BadBatch(format!(
+                    "KV copy between cache block {} and host block {}: out of range ({} cache \
+                     blocks, {} host blocks)",
+                    c.device, c.host, cache_blocks, self.num_blocks
+                )));
+            }
+        }
+        gpu.bind()?;
+        let host = self
+            .mem
+            .as_mut_ptr()
+            .map_err(|e| cuda_err("host KV tier", e))?;
+        let g = self.geometry;
+        let host_part = self.num_blocks * (g.values + g.scales);
+        let host_values = self.num_blocks * g.values;
+        for (to_host, copies) in [(true, offloads), (false, loads)] {
+            for (device, hb, n) in runs(copies) {
+                for part in 0..2 * g.layers {
+                    let dev = buf.kv.ptr() + (part * buf.kv_layer_bytes) as u64;
+                    let at = part * host_part;
+                    let mut ranges = vec![(
+                        dev + (device * g.values) as u64,
+                        at + hb * g.values,
+                        n * g.values,
+                    )];
+                    if let Some(scales_at) = buf.kv_scales_at {
+                        ranges.push((
+                            dev + (scales_at + device * g.scales) as u64,
+                            at + host_values + hb * g.scales,
+                            n * g.scales,
+                        ));
+                    }
+                    for (d, h, len) in ranges {
+                        // SAFETY: the ids were checked above, so the device range lies inside
+                        // the cache's part and the host range inside the tier, which lives
+                        // until the stream is synchronised (`Drop`) and which the host never
+                        // reads or writes itself.
+                        unsafe {
+                            let h = host.add(h);
+                            if to_host {
+                                sys::cuMemcpyDtoHAsync_v2(h.cast(), d, len, gpu.stream.cu_stream())
+                            } else {
+                                sys::cuMemcpyHtoDAsync_v2(d, h.cast(), len, gpu.stream.cu_stream())
+                            }
+                        }
+                        .result()
+                        .map_err(|e| cuda_err("host KV tier copy", e))?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for HostKvTier {
+    fn drop(&mut self) {
+        // Copies still queued may not outlive the memory.
+        let _ = self.stream.synchronize();
+    }
+}
+
+/// Copies as runs (first cache block, first tier block, length) of blocks consecutive on both
+/// sides, in order.
+fn runs(copies: &[KvCopy]) -> Vec<(usize, usize, usize)> {
+    let mut out: Vec<(usize, usize, usize)> = Vec::new();
+    for c in copies {
+        let (d, h) = (c.device as usize, c.host as usize);
+        match out.last_mut() {
+            Some((d0, h0, n)) if *d0 + *n == d && *h0 + *n == h => *n += 1,
+            _ => out.push((d, h, 1)),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn consecutive_copies_on_both_sides_make_one_run() {
+        let c = |device, host| KvCopy { device, host };
+        let got = runs(&[c(4, 0), c(5, 1), c(6, 2), c(7, 9), c(9, 10), c(1, 1)]);
+        assert_eq!(got, [(4, 0, 3), (7, 9, 1), (9, 10, 1), (1, 1, 1)]);
+        assert!(runs(&[]).is_empty());
+    }
+}
