@@ -106,7 +106,8 @@ pub struct SimulateArgs {
     /// Offered load as a fraction of the estimated capacity (instead of --rate).
     #[arg(long, conflicts_with = "rate", allow_negative_numbers = true)]
     pub load: Option<f64>,
-    /// Divide the trace's arrival times by this factor (2 = replay twice as fast; finite, > 0).
+    /// Divide the trace's (or mooncake's) arrival times by this factor (2 = replay twice as
+    /// fast; finite, > 0).
     #[arg(long, allow_negative_numbers = true)]
     pub time_scale: Option<f64>,
     /// Output directory for the summary, per-request JSONL and SVG plots.
@@ -223,7 +224,7 @@ pub enum BenchCommand {
     Throughput(ThroughputArgs),
     /// Load against a running OpenAI-compatible server, as `vllm bench serve`.
     #[command(
-        after_help = "Examples:\n  switchyard bench serve --base-url http://127.0.0.1:8000 --max-concurrency 32 --num-prompts 64 --input-len 128 --output-len 128\n  switchyard bench serve --base-url https://localhost:8443 --cacert ca.pem --num-prompts 64\n  switchyard bench serve --base-url http://127.0.0.1:8000 --dataset sharegpt --dataset-path ../shared/traces/sharegpt_8k_filtered_stats_llama2_tokenizer.csv --request-rate 4\n  switchyard bench serve --base-url http://127.0.0.1:8000 --endpoint embeddings --embedding-batch 16 --max-concurrency 16 --num-prompts 256 --input-len 128\n  switchyard bench serve --base-url http://127.0.0.1:8000 --lora-modules sql-expert support-bot --max-concurrency 8 --num-prompts 64"
+        after_help = "Examples:\n  switchyard bench serve --base-url http://127.0.0.1:8000 --max-concurrency 32 --num-prompts 64 --input-len 128 --output-len 128\n  switchyard bench serve --base-url https://localhost:8443 --cacert ca.pem --num-prompts 64\n  switchyard bench serve --base-url http://127.0.0.1:8000 --dataset sharegpt --dataset-path ../shared/traces/sharegpt_8k_filtered_stats_llama2_tokenizer.csv --request-rate 4\n  switchyard bench serve --base-url http://127.0.0.1:8000 --endpoint embeddings --embedding-batch 16 --max-concurrency 16 --num-prompts 256 --input-len 128\n  switchyard bench serve --base-url http://127.0.0.1:8000 --dataset mooncake --dataset-path ../shared/traces/synthetic_trace.jsonl --mooncake-block-tokens 16 --max-input-len 256 --max-output-len 8 --num-prompts 200\n  switchyard bench serve --base-url http://127.0.0.1:8000 --lora-modules sql-expert support-bot --max-concurrency 8 --num-prompts 64"
     )]
     Serve(ServeBenchArgs),
 }
@@ -237,6 +238,10 @@ pub enum ServeDataset {
     Sharegpt,
     /// Replay an Azure LLM trace CSV with its own arrival times.
     Trace,
+    /// Replay a Mooncake trace JSONL (`timestamp` ms, `input_length`, `output_length`,
+    /// `hash_ids`) with its own arrival times and its shared prefix blocks: equal hash ids are
+    /// sent as identical token blocks (see --mooncake-block-tokens).
+    Mooncake,
 }
 
 /// The API `bench serve` loads.
@@ -283,9 +288,17 @@ pub struct ServeBenchArgs {
     /// Dataset of prompt/output lengths.
     #[arg(long, value_enum, default_value = "random")]
     pub dataset: ServeDataset,
-    /// CSV file for sharegpt and trace datasets.
+    /// The dataset's file: CSV for sharegpt and trace, JSONL for mooncake (at most 1 GiB).
     #[arg(long)]
     pub dataset_path: Option<PathBuf>,
+    /// Tokens of one prompt block of the mooncake dataset, one per hash id (1..=4096; the
+    /// trace's own is 512). A smaller block scales the trace down for a small-context model
+    /// and keeps its sharing pattern: every row keeps its blocks, its length scaled by
+    /// N/512 (64 tokens a block: 1/8 the length, a 40,160-token row 5,020 tokens). The
+    /// block of hash id h is drawn from a stream seeded by (--seed, h) within --token-offset
+    /// and --token-range, so equal ids give identical blocks in every request and run.
+    #[arg(long, default_value_t = 512, value_name = "N")]
+    pub mooncake_block_tokens: usize,
     /// Prompt tokens (random dataset; 1..=1048576).
     #[arg(long, default_value_t = 128)]
     pub input_len: usize,
@@ -303,7 +316,7 @@ pub struct ServeBenchArgs {
     #[arg(long, default_value_t = 64)]
     pub num_prompts: usize,
     /// Poisson arrival rate in requests/s (> 0); without it, or with `inf`, every request is
-    /// sent at once, as in vLLM. The trace dataset keeps its own arrival times.
+    /// sent at once, as in vLLM. The trace and mooncake datasets keep their own arrival times.
     #[arg(long, allow_negative_numbers = true)]
     pub request_rate: Option<f64>,
     /// Start a run whose arrivals are expected to span more than 24 hours ((--num-prompts - 1)
@@ -316,7 +329,8 @@ pub struct ServeBenchArgs {
     /// 1024 are busy waits for the first to finish.
     #[arg(long)]
     pub max_concurrency: Option<usize>,
-    /// Divide the trace's arrival times by this factor (2 = replay twice as fast; finite, > 0).
+    /// Divide the trace's (or mooncake's) arrival times by this factor (2 = replay twice as
+    /// fast; finite, > 0).
     #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     pub time_scale: f64,
     /// Generate exactly the requested output lengths.

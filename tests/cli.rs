@@ -493,6 +493,11 @@ fn bench_serve_reports_vllm_labels_against_a_live_server() {
     assert_eq!(v["completed"], 6);
     assert_eq!(v["total_output_tokens"], 48);
     assert!(!stdout.contains("Speculative Decoding"), "{stdout}");
+    // The server reports its prefix cache on any dataset: random prompts share nothing, and
+    // only the mooncake dataset has a trace's own reuse to set beside it.
+    assert!(stdout.contains("Cached prompt tokens:"), "{stdout}");
+    assert_eq!(v["total_cached_prompt_tokens"], 0, "{v}");
+    assert!(!stdout.contains("Trace's reusable"), "{stdout}");
     // A run whose test request fails stops there with the server's reason.
     let err = fails(
         switchyard()

@@ -10,9 +10,11 @@
 
 mod embeddings;
 mod http;
+mod mooncake;
 
 use std::io::Read;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -27,6 +29,7 @@ use switchyard_simulator::trace::{MAX_ARRIVAL_S, MAX_REQUESTS as MAX_ROWS};
 
 use self::embeddings::MAX_EMBEDDING_BATCH;
 use self::http::{first_model, one_request, parse_url, Target, MAX_SMALL_RESPONSE_BYTES};
+use self::mooncake::{MooncakeRow, RowShape, TokenSpace, TraceReuse, MAX_BLOCK_TOKENS};
 use crate::cli::{ServeBenchArgs, ServeDataset, ServeEndpoint};
 
 /// Most prompts in one run.
@@ -64,6 +67,9 @@ struct Sample {
     inputs: usize,
     /// The length of the vectors of a successful embeddings request.
     dimension: usize,
+    /// The prompt tokens the server's prefix cache served, where its `usage` says
+    /// (`prompt_tokens_details.cached_tokens`).
+    cached_tokens: Option<usize>,
 }
 
 /// The results of a run so far, counted on its progress (bar or lines).
@@ -172,6 +178,11 @@ fn validate(args: &ServeBenchArgs) -> anyhow::Result<()> {
         show_range(&TIME_SCALE_RANGE)
     );
     anyhow::ensure!(
+        (1..=MAX_BLOCK_TOKENS).contains(&args.mooncake_block_tokens),
+        "--mooncake-block-tokens must be 1..={MAX_BLOCK_TOKENS}, not {}",
+        args.mooncake_block_tokens
+    );
+    anyhow::ensure!(
         args.token_offset.checked_add(args.token_range).is_some(),
         "--token-offset + --token-range must not exceed {} (token ids are u32)",
         u32::MAX
@@ -189,7 +200,9 @@ fn validate(args: &ServeBenchArgs) -> anyhow::Result<()> {
         // The longest prompt times the prompts of a request: the ids one request carries.
         let (name, longest) = match args.dataset {
             ServeDataset::Random => ("--input-len", args.input_len),
-            ServeDataset::Sharegpt | ServeDataset::Trace => ("--max-input-len", args.max_input_len),
+            ServeDataset::Sharegpt | ServeDataset::Trace | ServeDataset::Mooncake => {
+                ("--max-input-len", args.max_input_len)
+            }
         };
         anyhow::ensure!(
             b.saturating_mul(longest) <= MAX_REQUEST_TOKENS,
@@ -211,20 +224,76 @@ struct Planned {
     output: usize,
     /// Seconds after the first arrival of the dataset, if it has times.
     at: Option<f64>,
+    /// Each prompt's hash ids, where its tokens are the trace's blocks (the mooncake
+    /// dataset); `None`: random tokens.
+    blocks: Vec<Option<Arc<[u64]>>>,
+}
+
+impl Planned {
+    /// The same request with random prompts of the same lengths: the test request's and the
+    /// warmups', which must not put the run's blocks in the server's cache.
+    fn unshared(&self) -> Planned {
+        Planned {
+            blocks: vec![None; self.inputs.len()],
+            ..self.clone()
+        }
+    }
+}
+
+/// One prompt of the workload.
+#[derive(Debug, Clone, PartialEq)]
+struct Row {
+    /// Prompt tokens.
+    input: usize,
+    /// Output tokens.
+    output: usize,
+    /// Seconds after the first arrival of the dataset, if it has times.
+    at: Option<f64>,
+    /// The hash ids of its blocks (the mooncake dataset; `None`: random tokens).
+    blocks: Option<Arc<[u64]>>,
+}
+
+impl Row {
+    /// A prompt of random tokens.
+    fn random(input: usize, output: usize, at: Option<f64>) -> Row {
+        Row {
+            input,
+            output,
+            at,
+            blocks: None,
+        }
+    }
+}
+
+impl From<MooncakeRow> for Row {
+    fn from(r: MooncakeRow) -> Row {
+        Row {
+            input: r.input,
+            output: r.output,
+            at: Some(r.at),
+            blocks: r.hash_ids,
+        }
+    }
 }
 
 /// The run's requests: the workload's prompts one a request, or for embeddings in groups
 /// of `--embedding-batch` (the last one smaller where it does not divide). A group arrives
 /// with its last prompt: a client that batches sends once it holds the whole batch.
-fn plan(args: &ServeBenchArgs, work: &[(usize, usize, Option<f64>)]) -> Vec<Planned> {
+fn plan(args: &ServeBenchArgs, work: &[Row]) -> Vec<Planned> {
     // `validate` keeps the batch at 1 or more, so `chunks` cannot panic.
     work.chunks(args.embedding_batch.unwrap_or(1).max(1))
         .map(|group| Planned {
-            inputs: group.iter().map(|w| w.0).collect(),
-            output: group[0].1,
-            at: group.iter().filter_map(|w| w.2).reduce(f64::max),
+            inputs: group.iter().map(|w| w.input).collect(),
+            output: group[0].output,
+            at: group.iter().filter_map(|w| w.at).reduce(f64::max),
+            blocks: group.iter().map(|w| w.blocks.clone()).collect(),
         })
         .collect()
+}
+
+/// Whether the dataset replays its own arrival times.
+fn replays_times(dataset: ServeDataset) -> bool {
+    matches!(dataset, ServeDataset::Trace | ServeDataset::Mooncake)
 }
 
 /// The time over which the run's requests are expected to arrive, in seconds: the trace's
@@ -246,7 +315,7 @@ fn check_arrival_span(args: &ServeBenchArgs, span_s: f64) -> anyhow::Result<()> 
     if span_s <= MAX_ARRIVAL_SPAN_S || args.allow_long_run {
         return Ok(());
     }
-    let (what, fix) = if args.dataset == ServeDataset::Trace {
+    let (what, fix) = if replays_times(args.dataset) {
         (
             format!(
                 "the trace's first {} arrivals at --time-scale {} span",
@@ -294,14 +363,21 @@ pub(super) fn read_bounded(path: &Path, max: u64) -> anyhow::Result<String> {
     Ok(text)
 }
 
-/// (prompt token count, output tokens, arrival offset in seconds if the dataset has one).
-fn workload(
-    args: &ServeBenchArgs,
-    rng: &mut ChaCha8Rng,
-) -> anyhow::Result<Vec<(usize, usize, Option<f64>)>> {
+/// The run's prompts: their lengths, outputs, arrival offsets (if the dataset has them) and
+/// blocks (mooncake).
+fn workload(args: &ServeBenchArgs, rng: &mut ChaCha8Rng) -> anyhow::Result<Vec<Row>> {
     let n = args.num_prompts;
     match args.dataset {
-        ServeDataset::Random => Ok(vec![(args.input_len, args.output_len, None); n]),
+        ServeDataset::Random => Ok(vec![Row::random(args.input_len, args.output_len, None); n]),
+        ServeDataset::Mooncake => {
+            let path = args
+                .dataset_path
+                .clone()
+                .context("--dataset-path is required for the mooncake dataset")?;
+            let text = read_bounded(&path, MAX_DATASET_BYTES)?;
+            let rows = mooncake::read_rows(&path, &text, row_shape(args), n)?;
+            Ok(rows.into_iter().map(Row::from).collect())
+        }
         ServeDataset::Sharegpt | ServeDataset::Trace => {
             let path = args
                 .dataset_path
@@ -368,7 +444,7 @@ fn workload(
             let rows: Vec<_> = rows
                 .into_iter()
                 .map(|(p, o, t)| {
-                    (
+                    Row::random(
                         p.clamp(1, args.max_input_len),
                         o.clamp(1, args.max_output_len),
                         t,
@@ -379,9 +455,29 @@ fn workload(
                 return Ok(rows);
             }
             Ok((0..n)
-                .map(|_| rows[rng.random_range(0..rows.len())])
+                .map(|_| rows[rng.random_range(0..rows.len())].clone())
                 .collect())
         }
+    }
+}
+
+/// How the mooncake dataset's rows become requests, from the arguments.
+fn row_shape(args: &ServeBenchArgs) -> RowShape {
+    RowShape {
+        block_tokens: args.mooncake_block_tokens,
+        max_input: args.max_input_len,
+        max_output: args.max_output_len,
+        max_row_tokens: MAX_REQUEST_TOKENS,
+        max_total_ids: mooncake::MAX_TOTAL_HASH_IDS,
+    }
+}
+
+/// Where the mooncake dataset's block tokens are drawn, from the arguments.
+fn token_space(args: &ServeBenchArgs) -> TokenSpace {
+    TokenSpace {
+        seed: args.seed,
+        offset: args.token_offset,
+        range: args.token_range,
     }
 }
 
@@ -445,7 +541,13 @@ fn job(
     let prompts: Vec<Vec<u32>> = planned
         .inputs
         .iter()
-        .map(|&n| random_prompt(args, n, rng))
+        .zip(&planned.blocks)
+        .map(|(&n, blocks)| match blocks {
+            Some(ids) => {
+                mooncake::block_prompt(ids, n, args.mooncake_block_tokens, token_space(args), rng)
+            }
+            None => random_prompt(args, n, rng),
+        })
         .collect();
     let body = match args.endpoint {
         ServeEndpoint::Completions => request_body(model, &prompts[0], planned.output, args),
@@ -512,7 +614,10 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
     target.trust(args.cacert.as_deref())?;
     // The workload first: a run that would last days is refused before anything is sent.
     let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
-    let work = plan(&args, &workload(&args, &mut rng)?);
+    let rows = workload(&args, &mut rng)?;
+    let trace_reuse =
+        (args.dataset == ServeDataset::Mooncake).then(|| TraceReuse::of(&args, &rows));
+    let work = plan(&args, &rows);
     let span = arrival_span_s(&args, &work);
     check_arrival_span(&args, span)?;
     if span >= ANNOUNCED_ARRIVAL_SPAN_S {
@@ -553,8 +658,14 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
     // seed), so the run's prompts are the same with or without them and none is cached.
     let mut warm_rng = ChaCha8Rng::seed_from_u64(args.seed ^ WARMUP_SEED);
     eprintln!("Starting initial single prompt test run...");
-    jobs.send(job(&args, &model_for(), &work[0], &mut warm_rng, None))
-        .context("benchmark threads vanished")?;
+    jobs.send(job(
+        &args,
+        &model_for(),
+        &work[0].unshared(),
+        &mut warm_rng,
+        None,
+    ))
+    .context("benchmark threads vanished")?;
     let test = rx.recv().context("benchmark threads vanished")?;
     anyhow::ensure!(
         test.ok,
@@ -568,8 +679,8 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
         eprintln!("Warming up with {} requests...", args.num_warmups);
         let mut failed = 0;
         for i in 0..args.num_warmups {
-            let planned = &work[i % work.len()];
-            jobs.send(job(&args, &model_for(), planned, &mut warm_rng, dimension))
+            let planned = work[i % work.len()].unshared();
+            jobs.send(job(&args, &model_for(), &planned, &mut warm_rng, dimension))
                 .context("benchmark threads vanished")?;
         }
         for _ in 0..args.num_warmups {
@@ -648,7 +759,17 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
         &samples,
         duration,
         spec.filter(|s| s.draft_tokens > 0.0),
+        trace_reuse,
     )
+}
+
+/// `part` of `whole` in percent (0 of nothing).
+fn percent(part: usize, whole: usize) -> f64 {
+    if whole == 0 {
+        0.0
+    } else {
+        100.0 * part as f64 / whole as f64
+    }
 }
 
 /// Mixed into the seed for the test request's and the warmups' prompts.
@@ -805,6 +926,7 @@ fn report(
     samples: &[Sample],
     duration: f64,
     spec: Option<SpecCounters>,
+    trace_reuse: Option<TraceReuse>,
 ) -> anyhow::Result<()> {
     let counted = Counted::of(samples);
     let ok = &counted.ok;
@@ -867,6 +989,31 @@ fn report(
         println!("{:<40}{}", "Draft tokens:", sp.draft_tokens);
         println!("{:<40}{}", "Accepted tokens:", sp.accepted);
     }
+    // The server's prefix cache, where its usage says (the successful requests that carried
+    // `prompt_tokens_details`), and the trace's own reuse.
+    let cached = ok
+        .iter()
+        .filter_map(|s| s.cached_tokens)
+        .reduce(usize::saturating_add);
+    if cached.is_some() || trace_reuse.is_some() {
+        println!("{:-^50}", "Prefix Reuse");
+    }
+    if let Some(c) = cached {
+        println!("{:<40}{}", "Cached prompt tokens:", c);
+        println!(
+            "{:<40}{:.2}",
+            "Cached of input tokens (%):",
+            percent(c, input)
+        );
+    }
+    if let Some(t) = trace_reuse {
+        println!("{:<40}{}", "Trace's reusable prompt tokens:", t.reusable);
+        println!(
+            "{:<40}{:.2}",
+            "Trace's reusable of its tokens (%):",
+            percent(t.reusable, t.input)
+        );
+    }
     close_report(args, samples, &counted, || {
         let mut result = json!({
             "completed": ok.len(), "failed": failed, "duration": duration,
@@ -884,6 +1031,15 @@ fn report(
             result["spec_decode_num_drafts"] = json!(sp.drafts);
             result["spec_decode_num_draft_tokens"] = json!(sp.draft_tokens);
             result["spec_decode_num_accepted_tokens"] = json!(sp.accepted);
+        }
+        if let Some(c) = cached {
+            result["total_cached_prompt_tokens"] = json!(c);
+            result["cached_prompt_token_fraction"] = json!(percent(c, input) / 100.0);
+        }
+        if let Some(t) = trace_reuse {
+            result["trace_reusable_prompt_tokens"] = json!(t.reusable);
+            result["trace_prompt_tokens"] = json!(t.input);
+            result["trace_reusable_fraction"] = json!(percent(t.reusable, t.input) / 100.0);
         }
         result
     })
@@ -1016,7 +1172,13 @@ mod tests {
             path.display()
         ));
         let work = workload(&args, &mut ChaCha8Rng::seed_from_u64(0)).unwrap();
-        assert_eq!(work, vec![(100, 7, Some(0.0)), (200, 9, Some(1.5))]);
+        assert_eq!(
+            work,
+            vec![
+                Row::random(100, 7, Some(0.0)),
+                Row::random(200, 9, Some(1.5))
+            ]
+        );
         // A timestamp years after the first would have the replay sleep that long: refused.
         std::fs::write(
             &path,
@@ -1032,7 +1194,7 @@ mod tests {
             path.display()
         ));
         let work = workload(&args, &mut ChaCha8Rng::seed_from_u64(0)).unwrap();
-        assert_eq!(work, vec![(50, 5, None)]);
+        assert_eq!(work, vec![Row::random(50, 5, None)]);
         std::fs::write(&path, "a,b\n1,2\n").unwrap();
         let e = workload(&args, &mut ChaCha8Rng::seed_from_u64(0)).unwrap_err();
         assert!(
@@ -1072,6 +1234,8 @@ mod tests {
             "--max-concurrency 0",
             "--max-concurrency 16385",
             "--num-prompts 0",
+            "--mooncake-block-tokens 0",
+            "--mooncake-block-tokens 4097",
             "--endpoint embeddings --embedding-batch 0",
             "--endpoint embeddings --embedding-batch 2049",
             // 2048 prompts of 1024 tokens: 2^21 ids in one request.
@@ -1128,7 +1292,11 @@ mod tests {
             let args = serve_args(extra);
             assert_eq!(plan(&args, &work).len(), 10, "{extra}");
         }
-        let timed = [(5, 1, Some(0.0)), (6, 1, Some(2.0)), (7, 1, Some(3.0))];
+        let timed = [
+            Row::random(5, 1, Some(0.0)),
+            Row::random(6, 1, Some(2.0)),
+            Row::random(7, 1, Some(3.0)),
+        ];
         let args = serve_args("--endpoint embeddings --embedding-batch 2");
         let planned = plan(&args, &timed);
         assert_eq!(
@@ -1137,12 +1305,14 @@ mod tests {
                 Planned {
                     inputs: vec![5, 6],
                     output: 1,
-                    at: Some(2.0)
+                    at: Some(2.0),
+                    blocks: vec![None, None],
                 },
                 Planned {
                     inputs: vec![7],
                     output: 1,
-                    at: Some(3.0)
+                    at: Some(3.0),
+                    blocks: vec![None],
                 }
             ]
         );

@@ -376,6 +376,8 @@ struct StreamTimer {
     chunks: usize,
     /// `usage.completion_tokens`, the latest the server sent.
     usage_tokens: Option<usize>,
+    /// `usage.prompt_tokens_details.cached_tokens`, the latest the server sent.
+    cached_tokens: Option<usize>,
 }
 
 impl StreamTimer {
@@ -387,6 +389,14 @@ impl StreamTimer {
             .and_then(|c| c.as_u64())
         {
             self.usage_tokens = Some(u as usize);
+        }
+        if let Some(c) = v
+            .get("usage")
+            .and_then(|u| u.get("prompt_tokens_details"))
+            .and_then(|d| d.get("cached_tokens"))
+            .and_then(|c| c.as_u64())
+        {
+            self.cached_tokens = Some(usize::try_from(c).unwrap_or(usize::MAX));
         }
         // A usage-only chunk (`choices: []`) is not a token.
         if v.get("choices").and_then(|c| c.get(0)).is_none() {
@@ -406,6 +416,7 @@ impl StreamTimer {
     fn finish(&self, sample: &mut Sample) {
         sample.output_tokens = self.usage_tokens.unwrap_or(self.chunks);
         sample.usage_missing = self.usage_tokens.is_none();
+        sample.cached_tokens = self.cached_tokens;
     }
 }
 
@@ -734,6 +745,8 @@ mod tests {
         let usage = serde_json::json!({"choices": [], "usage": {"completion_tokens": 4}});
         timer.on_chunk(&usage, ms(11), t0, &mut sample);
         timer.finish(&mut sample);
+        // A usage without `prompt_tokens_details` says nothing of the prefix cache.
+        assert_eq!(sample.cached_tokens, None);
         assert_eq!(sample.ttft, 0.001);
         let itl: Vec<u128> = sample
             .itl
@@ -742,6 +755,21 @@ mod tests {
             .collect();
         assert_eq!(itl, vec![2000, 3000, 4000]);
         assert_eq!((sample.output_tokens, sample.usage_missing), (4, false));
+    }
+
+    /// The server's `usage.prompt_tokens_details.cached_tokens` (OpenAI's and vLLM's shape,
+    /// in the final usage chunk of a stream) is kept on the sample.
+    #[test]
+    fn cached_prompt_tokens_are_read_from_the_streamed_usage() {
+        let t0 = Instant::now();
+        let mut timer = StreamTimer::default();
+        let mut sample = Sample::default();
+        timer.on_chunk(&text_chunk("a"), t0, t0, &mut sample);
+        let usage = serde_json::json!({"choices": [], "usage": {"prompt_tokens": 40,
+            "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 32}}});
+        timer.on_chunk(&usage, t0, t0, &mut sample);
+        timer.finish(&mut sample);
+        assert_eq!(sample.cached_tokens, Some(32));
     }
 
     /// The plain-HTTP target on a loopback port.

@@ -1,0 +1,481 @@
+//! The Mooncake trace as a `bench serve` dataset (Qin et al., "Mooncake: A KVCache-centric
+//! Architecture for Serving LLM Chatbot", FAST'25): one JSON object a line with `timestamp`
+//! (ms), `input_length`, `output_length` and `hash_ids`, one id per 512-token prompt block,
+//! equal ids meaning the same prefix block.
+//!
+//! A row's prompt is made of its blocks: the block of hash id `h` is
+//! `--mooncake-block-tokens` token ids drawn from a ChaCha8 stream seeded by (`--seed`, `h`)
+//! within the random dataset's token range, so equal ids give identical blocks across the
+//! requests of a run and across runs, and a server's prefix cache sees exactly the reuse the
+//! trace encodes. A block size below 512 keeps every row's blocks (and so the sharing pattern)
+//! at that fraction of the length: the row's `input_length` is scaled by
+//! `block_tokens / 512` (rounded up, so the block count stays the same), its last block cut to
+//! it. `--max-input-len` then cuts a prompt's tail. A row without `hash_ids` shares nothing:
+//! its prompt is random, as the random dataset's.
+//!
+//! The simulator reads the same files (`simulator::trace::load_mooncake`) but keeps only the
+//! prompts it synthesises from the ids (at the trace's 512 tokens a block, token ids outside
+//! any vocabulary); this reader keeps the ids, so a prompt can be drawn in a model's range at
+//! any block size. It follows the simulator's rules for a row: one id per block exactly, sorted
+//! timestamps, bounded lengths.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::Context;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::Deserialize;
+
+use super::Row;
+use crate::cli::ServeBenchArgs;
+use switchyard_simulator::trace::{MAX_ARRIVAL_S, MAX_LINE_BYTES, MAX_REQUESTS as MAX_ROWS};
+
+/// Tokens a hash id covers in the published trace.
+pub(super) const TRACE_BLOCK_TOKENS: usize = 512;
+/// Largest `--mooncake-block-tokens`.
+pub(super) const MAX_BLOCK_TOKENS: usize = 8 * TRACE_BLOCK_TOKENS;
+/// Most hash ids held for one run, over all its rows (128 MiB of ids; the shipped trace has
+/// 121,877): a file of 1 GiB could otherwise hold half a billion.
+pub(super) const MAX_TOTAL_HASH_IDS: usize = 1 << 24;
+/// Mixed into every block's seed, so a block's stream is no other stream of the run.
+const BLOCK_DOMAIN: u128 = 0x6d6f_6f6e_6361_6b65_2d62_6c6f_636b_0001;
+
+/// One row of a Mooncake trace as the benchmark sends it.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) struct MooncakeRow {
+    /// Prompt tokens sent: `input_length` scaled to the block size, cut at `--max-input-len`.
+    pub(super) input: usize,
+    /// Output tokens asked for: `output_length` clamped to `1..=--max-output-len`.
+    pub(super) output: usize,
+    /// Seconds after the first row's timestamp.
+    pub(super) at: f64,
+    /// The row's hash ids, one per block (`None`: the row has none and shares nothing).
+    pub(super) hash_ids: Option<Arc<[u64]>>,
+}
+
+/// How rows become requests: the limits and the scale applied while reading.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct RowShape {
+    /// Tokens of one block of the prompt (`--mooncake-block-tokens`).
+    pub(super) block_tokens: usize,
+    /// Longest prompt sent (`--max-input-len`).
+    pub(super) max_input: usize,
+    /// Longest output asked for (`--max-output-len`).
+    pub(super) max_output: usize,
+    /// Longest `input_length` or `output_length` a row may state.
+    pub(super) max_row_tokens: usize,
+    /// Most hash ids of all the rows read.
+    pub(super) max_total_ids: usize,
+}
+
+/// Where a block's token ids are drawn: `[offset, offset + range)`, from the stream of
+/// (`seed`, hash id).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct TokenSpace {
+    /// `--seed`.
+    pub(super) seed: u64,
+    /// `--token-offset`.
+    pub(super) offset: u32,
+    /// `--token-range` (0 is taken as 1).
+    pub(super) range: u32,
+}
+
+/// One line of the file, as the format defines it (other fields are ignored).
+#[derive(Deserialize)]
+struct Line {
+    timestamp: f64,
+    input_length: u64,
+    output_length: u64,
+    #[serde(default)]
+    hash_ids: Option<Vec<u64>>,
+}
+
+/// Reads the first `limit` rows of the Mooncake trace `text` (the contents of `path`).
+pub(super) fn read_rows(
+    path: &Path,
+    text: &str,
+    shape: RowShape,
+    limit: usize,
+) -> anyhow::Result<Vec<MooncakeRow>> {
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
+    let mut rows = Vec::new();
+    let mut first_ms: Option<f64> = None;
+    let mut prev_ms = f64::NEG_INFINITY;
+    let mut total_ids = 0usize;
+    for (i, raw) in text.lines().enumerate() {
+        if rows.len() >= limit {
+            break;
+        }
+        let at = |field: &str| format!("{}:{}: field {field}", path.display(), i + 1);
+        if raw.trim().is_empty() {
+            continue;
+        }
+        anyhow::ensure!(
+            raw.len() <= MAX_LINE_BYTES,
+            "{}: longer than {MAX_LINE_BYTES} bytes",
+            at("<line>")
+        );
+        anyhow::ensure!(
+            rows.len() < MAX_ROWS,
+            "{}: more than {MAX_ROWS} rows",
+            path.display()
+        );
+        let line: Line = serde_json::from_str(raw).with_context(|| at("<json>"))?;
+        let ms = line.timestamp;
+        anyhow::ensure!(
+            ms.is_finite() && ms >= 0.0,
+            "{}: {ms} is not a non-negative number of milliseconds",
+            at("timestamp")
+        );
+        anyhow::ensure!(
+            ms >= prev_ms,
+            "{}: {ms} is earlier than the row before ({prev_ms}): timestamps must be sorted",
+            at("timestamp")
+        );
+        prev_ms = ms;
+        let since = (ms - *first_ms.get_or_insert(ms)) / 1000.0;
+        anyhow::ensure!(
+            since <= MAX_ARRIVAL_S,
+            "{}: {since:.0} s after the first row's; at most a year ({MAX_ARRIVAL_S:.0} s) is \
+             replayed",
+            at("timestamp")
+        );
+        let max = shape.max_row_tokens as u64;
+        for (name, v) in [
+            ("input_length", line.input_length),
+            ("output_length", line.output_length),
+        ] {
+            anyhow::ensure!(
+                (1..=max).contains(&v),
+                "{}: {v} is outside 1..={max}",
+                at(name)
+            );
+        }
+        // Bounded above, so these fit in a usize.
+        let (input, output) = (line.input_length as usize, line.output_length as usize);
+        let blocks = input.div_ceil(TRACE_BLOCK_TOKENS);
+        if let Some(ids) = &line.hash_ids {
+            anyhow::ensure!(
+                ids.len() == blocks,
+                "{}: {} ids for {input} tokens: the format has one per \
+                 {TRACE_BLOCK_TOKENS}-token block, {blocks} here (leave `hash_ids` out for a \
+                 prompt that shares nothing)",
+                at("hash_ids"),
+                ids.len()
+            );
+            total_ids += ids.len();
+            anyhow::ensure!(
+                total_ids <= shape.max_total_ids,
+                "{}: more than {} hash ids in the rows up to here: read fewer rows \
+                 (--num-prompts)",
+                at("hash_ids"),
+                shape.max_total_ids
+            );
+        }
+        rows.push(MooncakeRow {
+            input: scaled_len(input, shape.block_tokens).min(shape.max_input),
+            output: output.min(shape.max_output),
+            at: since,
+            hash_ids: line.hash_ids.map(Arc::from),
+        });
+    }
+    anyhow::ensure!(!rows.is_empty(), "{} has no rows", path.display());
+    Ok(rows)
+}
+
+/// A row of `input` trace tokens at `block_tokens` tokens a block rather than 512: scaled and
+/// rounded up, so it spans as many blocks as the row has ids (the last one partial as in the
+/// trace). Both are bounded (`input` by the row limit, `block_tokens` by
+/// [`MAX_BLOCK_TOKENS`]), so the product cannot overflow.
+pub(super) fn scaled_len(input: usize, block_tokens: usize) -> usize {
+    (input * block_tokens).div_ceil(TRACE_BLOCK_TOKENS)
+}
+
+/// The prompt of `len` tokens made of the blocks of `ids`, `block_tokens` each (the last one
+/// cut to the length); tokens past the ids' blocks (none for a row read by [`read_rows`]) come
+/// from `rest`.
+pub(super) fn block_prompt(
+    ids: &[u64],
+    len: usize,
+    block_tokens: usize,
+    tokens: TokenSpace,
+    rest: &mut ChaCha8Rng,
+) -> Vec<u32> {
+    let block_tokens = block_tokens.max(1);
+    let range = tokens.range.max(1);
+    let mut prompt = Vec::with_capacity(len);
+    let mut ids = ids.iter();
+    while prompt.len() < len {
+        let n = block_tokens.min(len - prompt.len());
+        match ids.next() {
+            Some(&h) => {
+                let mut block = block_stream(tokens.seed, h);
+                prompt.extend((0..n).map(|_| tokens.offset + block.random_range(0..range)));
+            }
+            None => prompt.extend((0..n).map(|_| tokens.offset + rest.random_range(0..range))),
+        }
+    }
+    prompt
+}
+
+/// The stream the block of hash id `h` is drawn from, in a run seeded with `seed`: the whole
+/// 256-bit ChaCha key holds both, so no two (seed, id) pairs share a stream.
+fn block_stream(seed: u64, h: u64) -> ChaCha8Rng {
+    let mut key = [0u8; 32];
+    key[..8].copy_from_slice(&seed.to_le_bytes());
+    key[8..16].copy_from_slice(&h.to_le_bytes());
+    key[16..].copy_from_slice(&BLOCK_DOMAIN.to_le_bytes());
+    ChaCha8Rng::from_seed(key)
+}
+
+/// The prompt tokens of `prompts` (each its length and its blocks' hash ids, in the order
+/// sent) that lie in blocks whose hash id an earlier prompt sent, up to the tokens of that
+/// block it sent: what a prefix cache that never evicts could serve (an upper bound; a server
+/// also recomputes a prompt's last token and reuses whole KV blocks only).
+pub(super) fn reusable_tokens<'a>(
+    prompts: impl IntoIterator<Item = (usize, &'a [u64])>,
+    block_tokens: usize,
+) -> usize {
+    let block_tokens = block_tokens.max(1);
+    // The most tokens of each id's block an earlier prompt sent.
+    let mut sent: HashMap<u64, usize> = HashMap::new();
+    let mut reusable = 0;
+    for (len, ids) in prompts {
+        let blocks = ids.iter().enumerate().map(|(k, &h)| {
+            let start = k.saturating_mul(block_tokens);
+            (h, block_tokens.min(len.saturating_sub(start)))
+        });
+        let blocks: Vec<(u64, usize)> = blocks.filter(|&(_, n)| n > 0).collect();
+        for &(h, n) in &blocks {
+            reusable += n.min(sent.get(&h).copied().unwrap_or(0));
+        }
+        for (h, n) in blocks {
+            let most = sent.entry(h).or_insert(0);
+            *most = (*most).max(n);
+        }
+    }
+    reusable
+}
+
+/// The prefix reuse a trace itself holds (the mooncake dataset): what the run's report sets
+/// beside the cached tokens the server reported.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) struct TraceReuse {
+    /// Prompt tokens in blocks an earlier prompt of the run sent (see
+    /// [`reusable_tokens`]).
+    pub(super) reusable: usize,
+    /// Prompt tokens of all the run's prompts.
+    pub(super) input: usize,
+}
+
+impl TraceReuse {
+    /// The reuse of the run's prompts `rows`, in the order they are sent.
+    pub(super) fn of(args: &ServeBenchArgs, rows: &[Row]) -> TraceReuse {
+        let prompts = rows
+            .iter()
+            .filter_map(|r| Some((r.input, r.blocks.as_deref()?)));
+        TraceReuse {
+            reusable: reusable_tokens(prompts, args.mooncake_block_tokens),
+            input: rows.iter().map(|r| r.input).sum(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SHAPE: RowShape = RowShape {
+        block_tokens: 512,
+        max_input: 1 << 20,
+        max_output: 1 << 20,
+        max_row_tokens: 1 << 20,
+        max_total_ids: 1 << 24,
+    };
+    const TOKENS: TokenSpace = TokenSpace {
+        seed: 7,
+        offset: 1000,
+        range: 20_000,
+    };
+
+    fn read(text: &str, shape: RowShape) -> anyhow::Result<Vec<MooncakeRow>> {
+        read_rows(Path::new("mc.jsonl"), text, shape, usize::MAX)
+    }
+
+    fn prompt(ids: &[u64], len: usize, block: usize, tokens: TokenSpace) -> Vec<u32> {
+        block_prompt(ids, len, block, tokens, &mut ChaCha8Rng::seed_from_u64(99))
+    }
+
+    #[test]
+    fn equal_hash_ids_give_equal_blocks_and_different_ids_differ() {
+        let a = prompt(&[1, 2, 3], 1100, 512, TOKENS);
+        let b = prompt(&[1, 9], 600, 512, TOKENS);
+        assert_eq!((a.len(), b.len()), (1100, 600));
+        assert_eq!(a[..512], b[..512], "the shared first block");
+        assert_ne!(a[512..600], b[512..600], "a different second block");
+        // A cut last block is the start of the whole block of that id.
+        let c = prompt(&[5, 2], 700, 512, TOKENS);
+        assert_eq!(c[512..700], a[512..700]);
+        // The same in another request and another run (a fresh generator for the rest).
+        assert_eq!(prompt(&[1, 2, 3], 1100, 512, TOKENS), a);
+        // Another --seed draws other blocks; every id in [offset, offset + range).
+        let other = TokenSpace { seed: 8, ..TOKENS };
+        assert_ne!(prompt(&[1], 512, 512, other)[..], a[..512]);
+        assert!(a.iter().all(|t| (1000..21_000).contains(t)));
+        // Smaller blocks: block k is the first `block` ids of the full block of that id.
+        let small = prompt(&[1, 2, 3], 130, 64, TOKENS);
+        assert_eq!(small[..64], a[..64]);
+        assert_eq!(small[64..128], a[512..576]);
+        assert_eq!(small[128..130], a[1024..1026]);
+    }
+
+    #[test]
+    fn rows_scale_cut_and_keep_their_times() {
+        let text = r#"{"timestamp": 1000, "input_length": 1100, "output_length": 30, "hash_ids": [1, 2, 3]}
+{"timestamp": 2500, "input_length": 600, "output_length": 1, "hash_ids": [1, 9], "x": 0}
+
+{"timestamp": 2500, "input_length": 10, "output_length": 4}"#;
+        let rows = read(text, SHAPE).unwrap();
+        let view: Vec<_> = rows
+            .iter()
+            .map(|r| {
+                (
+                    r.input,
+                    r.output,
+                    r.at,
+                    r.hash_ids.as_ref().map(|h| h.len()),
+                )
+            })
+            .collect();
+        assert_eq!(
+            view,
+            vec![
+                (1100, 30, 0.0, Some(3)),
+                (600, 1, 1.5, Some(2)),
+                (10, 4, 1.5, None)
+            ]
+        );
+        // 64 tokens a block: 1/8 the length, rounded up, as many blocks as ids; then the cuts.
+        let small = RowShape {
+            block_tokens: 64,
+            max_input: 100,
+            max_output: 8,
+            ..SHAPE
+        };
+        let rows = read(text, small).unwrap();
+        let view: Vec<_> = rows.iter().map(|r| (r.input, r.output)).collect();
+        assert_eq!(view, vec![(100, 8), (75, 1), (2, 4)]);
+        assert_eq!(scaled_len(1100, 64), 138);
+        assert_eq!(scaled_len(1024, 64).div_ceil(64), 2);
+        assert_eq!(scaled_len(1025, 64).div_ceil(64), 3);
+        // Only the first rows are read: a bad row after them is never seen.
+        let rows = read_rows(
+            Path::new("mc.jsonl"),
+            &format!("{text}\nnot json"),
+            SHAPE,
+            2,
+        );
+        assert_eq!(rows.unwrap().len(), 2);
+    }
+
+    #[test]
+    fn bad_rows_name_the_file_line_and_field() {
+        let ok = r#"{"timestamp": 5, "input_length": 10, "output_length": 1, "hash_ids": [1]}"#;
+        let long = format!(
+            r#"{{"timestamp": 5, "input_length": 10, "output_length": 1, "pad": "{}"}}"#,
+            "x".repeat(MAX_LINE_BYTES)
+        );
+        let cases = [
+            (
+                r#"{"timestamp": 5, "input_length": 10}"#,
+                "mc.jsonl:2: field <json>",
+            ),
+            (
+                r#"{"timestamp": -1, "input_length": 10, "output_length": 1}"#,
+                "mc.jsonl:2: field timestamp",
+            ),
+            (
+                r#"{"timestamp": 4, "input_length": 10, "output_length": 1}"#,
+                "mc.jsonl:2: field timestamp: 4 is earlier than the row before (5)",
+            ),
+            (
+                r#"{"timestamp": 1e14, "input_length": 10, "output_length": 1}"#,
+                "mc.jsonl:2: field timestamp",
+            ),
+            (
+                r#"{"timestamp": 5, "input_length": 0, "output_length": 1}"#,
+                "mc.jsonl:2: field input_length: 0 is outside 1..=1048576",
+            ),
+            (
+                r#"{"timestamp": 5, "input_length": 1048577, "output_length": 1}"#,
+                "mc.jsonl:2: field input_length",
+            ),
+            (
+                r#"{"timestamp": 5, "input_length": 10, "output_length": 99999999999}"#,
+                "mc.jsonl:2: field output_length",
+            ),
+            (
+                r#"{"timestamp": 5, "input_length": "10", "output_length": 1}"#,
+                "mc.jsonl:2: field <json>",
+            ),
+            (
+                r#"{"timestamp": 5, "input_length": 5000, "output_length": 1, "hash_ids": [1]}"#,
+                "mc.jsonl:2: field hash_ids: 1 ids for 5000 tokens: the format has one per \
+                 512-token block, 10 here",
+            ),
+            (
+                r#"{"timestamp": 5, "input_length": 10, "output_length": 1, "hash_ids": []}"#,
+                "mc.jsonl:2: field hash_ids: 0 ids",
+            ),
+            (
+                r#"{"timestamp": 5, "input_length": 10, "output_length": 1, "hash_ids": [-1]}"#,
+                "mc.jsonl:2: field <json>",
+            ),
+            ("[1, 2]", "mc.jsonl:2: field <json>"),
+            (&long, "mc.jsonl:2: field <line>: longer than 1048576 bytes"),
+        ];
+        for (bad, want) in cases {
+            let e = read(&format!("{ok}\n{bad}\n"), SHAPE).unwrap_err();
+            let e = format!("{e:#}");
+            assert!(
+                e.starts_with(want),
+                "{}: got {e}",
+                &bad[..bad.len().min(80)]
+            );
+        }
+        // The ids of all the rows are bounded: 3 + 2 of at most 4 ids fail on line 2.
+        let few = RowShape {
+            max_total_ids: 4,
+            ..SHAPE
+        };
+        let text = r#"{"timestamp": 0, "input_length": 1100, "output_length": 1, "hash_ids": [1, 2, 3]}
+{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1, 9]}"#;
+        let e = format!("{:#}", read(text, few).unwrap_err());
+        assert!(
+            e.starts_with("mc.jsonl:2: field hash_ids: more than 4 hash ids"),
+            "{e}"
+        );
+        let e = read("\n\n", SHAPE).unwrap_err();
+        assert_eq!(e.to_string(), "mc.jsonl has no rows");
+    }
+
+    #[test]
+    fn reusable_tokens_count_blocks_an_earlier_row_sent() {
+        let rows: [(usize, &[u64]); 3] = [
+            // 2 blocks of 4 and 2 tokens: nothing earlier.
+            (6, &[1, 2]),
+            // Block 1 again (4 tokens), block 2 whole now (but only 2 of its tokens were sent
+            // before), block 3 new.
+            (10, &[1, 2, 3]),
+            // Block 1 cut to 3 tokens by the prompt's length; block 9 past the length is not
+            // sent.
+            (3, &[1, 9]),
+        ];
+        assert_eq!(reusable_tokens(rows, 4), 4 + 2 + 3);
+        assert_eq!(reusable_tokens(rows.into_iter().take(1), 4), 0);
+        // The same id twice in one prompt counts from the next prompt on.
+        assert_eq!(reusable_tokens([(8, &[5u64, 5][..])], 4), 0);
+    }
+}
