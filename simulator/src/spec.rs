@@ -31,8 +31,6 @@
 
 use crate::cost::{HardwareSpec, LoraSpec, ModelSpec};
 
-/// Largest `cache.kv_offloading_size`, in GiB (64 TiB).
-pub const MAX_OFFLOADING_GIB: f64 = 65_536.0;
 use crate::error::SimError;
 use crate::trace::{LabelMix, TraceFormat};
 use serde::{Deserialize, Serialize};
@@ -791,11 +789,11 @@ impl SimulationSpec {
         if !(c.gpu_memory_utilization > 0.0 && c.gpu_memory_utilization <= 1.0) {
             return Err("cache.gpu_memory_utilization must be in (0, 1]".into());
         }
-        if !(c.kv_offloading_size.is_finite()
-            && (0.0..=MAX_OFFLOADING_GIB).contains(&c.kv_offloading_size))
-        {
+        // The server's bound, so that a spec describes a tier the server would accept.
+        let max_gib = switchyard_config::MAX_KV_OFFLOADING_GIB;
+        if !(c.kv_offloading_size.is_finite() && (0.0..=max_gib).contains(&c.kv_offloading_size)) {
             return Err(format!(
-                "cache.kv_offloading_size must be a number of GiB in 0..={MAX_OFFLOADING_GIB}, got {}",
+                "cache.kv_offloading_size must be a number of GiB in 0..={max_gib}, got {}",
                 c.kv_offloading_size
             ));
         }
