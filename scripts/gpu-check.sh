@@ -10,7 +10,7 @@
 #   BIN=dir-with-switchyard-and-cuda_backend MODEL=path/to/SmolLM2-135M-Instruct.Q4_1.gguf \
 #     OUT=results-dir scripts/gpu-check.sh
 # SECTIONS picks parts (default: all but ab): tests gemv ref dummy variants profile model serve
-# hf ab.
+# kvoffload hf ab.
 #   tests     the cuda_backend test binary (GGUF-dependent tests skip without MODEL; TEST_FILTER:
 #             a test-name filter)
 #   gemv      GEMV kernels against cuBLAS, time per product at every projection shape
@@ -41,6 +41,13 @@
 #             `bench serve` with those arguments (`--endpoint embeddings ...`);
 #             SERVE_SETS: config overrides, e.g. "scheduler.async_scheduling=off"
 #   hf        gpu/reference/hf_bench.py (HF_ARGS): transformers on the same shapes
+#   kvoffload `serve` on MODEL (backend SERVE_BACKEND) with a KV cache of KV_BLOCKS blocks:
+#             prompt A, three prompts that evict it, A again, with a host KV tier
+#             (`cache.kv_offloading_size`) and without (cached tokens, same answer, the
+#             kv_offload metrics); then `bench serve --dataset mooncake` (KV_BENCH_ARGS) on
+#             the trace at TRACE (default ../shared/traces/synthetic_trace.jsonl, else
+#             shared/traces/...) against a cache of KV_BENCH_BLOCKS blocks, with a tier of
+#             KV_BENCH_GIB GiB and without
 #   ab        builds against each other, interleaved: AB_BINS="DIR DIR ..." (each a folder with a
 #             switchyard build, or DIR@VAR=VALUE,VAR=VALUE: that build with those environment
 #             variables, e.g. "b b@SWITCHYARD_CUDA_PDL=0"), AB_SPECS (name=arguments, commas for spaces; default Llama and
@@ -53,7 +60,7 @@ cd "$(dirname "$0")/.."
 BIN=${BIN:-target/release}
 OUT=${OUT:-gpu-check-out}
 MODEL=${MODEL:-}
-SECTIONS=${SECTIONS:-"tests gemv ref dummy variants offline profile model serve hf"}
+SECTIONS=${SECTIONS:-"tests gemv ref dummy variants offline profile model serve kvoffload hf"}
 mkdir -p "$OUT"
 # Binaries packed by scripts/devbench-pack.sh arrive gzip-compressed.
 for f in "$BIN"/*.gz; do
@@ -357,6 +364,78 @@ PY
     note "serve did not come up"; tail -5 "$OUT/serve.log" | tee -a "$summary"
   fi
   kill "$spid" 2>/dev/null; wait "$spid" 2>/dev/null
+fi
+
+if has kvoffload && [ -n "$MODEL" ] && [ -f "$MODEL" ]; then
+  kv_serve() { # name, host GiB, blocks, extra YAML line
+    cat >"$OUT/kv-$1.yaml" <<YAML
+model: { path: $MODEL, backend: ${SERVE_BACKEND:-cuda} }
+server: { host: 127.0.0.1, port: 18432 }
+cache: { block_size: 16, num_blocks: $3, kv_offloading_size: $2 }
+$4
+YAML
+    "$SY" serve --config "$OUT/kv-$1.yaml" >"$OUT/kv-$1.log" 2>&1 &
+    kpid=$!
+    for _ in $(seq 1 120); do
+      curl -sf http://127.0.0.1:18432/health >/dev/null 2>&1 && return 0
+      sleep 0.5
+    done
+    note "kvoffload: serve $1 did not come up"; tail -5 "$OUT/kv-$1.log" | tee -a "$summary"
+    kill "$kpid" 2>/dev/null; wait "$kpid" 2>/dev/null
+    return 1
+  }
+  kv_stop() { kill "$kpid" 2>/dev/null; wait "$kpid" 2>/dev/null; }
+  # Prompt A, three prompts that evict its blocks from a cache of KV_BLOCKS, A again.
+  for gib in 0.01 0; do
+    if kv_serve "a-$gib" "$gib" "${KV_BLOCKS:-24}" "scheduler: { max_num_seqs: 4, max_num_batched_tokens: 512 }"; then
+      note "kvoffload (tier $gib GiB, ${KV_BLOCKS:-24} blocks): $(python3 - <<'PY' 2>&1 | tail -2
+import json, urllib.request
+base = "http://127.0.0.1:18432"
+mid = json.load(urllib.request.urlopen(base + "/v1/models"))["data"][0]["id"]
+def complete(ids):
+    body = json.dumps({"model": mid, "prompt": ids, "max_tokens": 8, "temperature": 0}).encode()
+    req = urllib.request.Request(base + "/v1/completions", body, {"content-type": "application/json"})
+    r = json.load(urllib.request.urlopen(req))
+    return r["choices"][0]["text"], r["usage"]["prompt_tokens_details"]["cached_tokens"]
+a = list(range(2000, 2096))
+first, _ = complete(a)
+for k in range(3):
+    complete([5000 + 1000 * k + i for i in range(160)])
+again, cached = complete(a)
+m = [l for l in urllib.request.urlopen(base + "/metrics").read().decode().splitlines()
+     if l.startswith("switchyard:kv_offload")]
+print(f"A again: cached_tokens {cached} (80 = every whole block but the last), same answer "
+      f"{first == again} ({first!r}); {'; '.join(m)}")
+PY
+)"
+      kv_stop
+    fi
+  done
+  # The Mooncake trace's prefix reuse through HTTP, with a host tier and without.
+  trace=${TRACE:-../shared/traces/synthetic_trace.jsonl}
+  [ -f "$trace" ] || trace=shared/traces/synthetic_trace.jsonl
+  if [ -f "$trace" ]; then
+    for gib in "${KV_BENCH_GIB:-4}" 0; do
+      if kv_serve "bench-$gib" "$gib" "${KV_BENCH_BLOCKS:-2048}" ""; then
+        # shellcheck disable=SC2086
+        timeout "${BENCH_TIMEOUT:-240}" "$SY" bench serve --base-url http://127.0.0.1:18432 \
+          --dataset mooncake --dataset-path "$trace" \
+          ${KV_BENCH_ARGS:---mooncake-block-tokens 64 --num-prompts 1000 --max-output-len 32 --max-concurrency 32} \
+          --result-file "$OUT/kv-bench-$gib.json" >"$OUT/kv-bench-$gib.txt" 2>&1
+        rc=$?
+        note "kvoffload bench (tier $gib GiB, ${KV_BENCH_BLOCKS:-2048} blocks) rc=$rc: $(python3 -c "
+import json; d = json.load(open('$OUT/kv-bench-$gib.json'))
+keys = ['completed', 'failed', 'duration', 'request_throughput', 'output_throughput',
+        'total_token_throughput', 'median_ttft_ms', 'p99_ttft_ms', 'median_tpot_ms',
+        'total_input_tokens', 'total_cached_prompt_tokens', 'cached_prompt_token_fraction',
+        'trace_reusable_fraction']
+print({k: d.get(k) for k in keys})" 2>&1 | head -c 900); $(curl -s http://127.0.0.1:18432/metrics | grep -E '^switchyard:kv_offload|^switchyard:prefix_cache_(hits|queries)_total' | tr '\n' ' ')"
+        kv_stop
+      fi
+    done
+  else
+    note "kvoffload bench: no trace at $trace"
+  fi
 fi
 
 if has ab; then
