@@ -321,3 +321,61 @@ fn lines_are_read_within_their_bound() {
     assert_eq!(buf, b"ij");
     assert_eq!(read_line(&mut r, &mut buf, 4).unwrap(), Ok(None));
 }
+
+/// A write that fails (a full disk: /dev/full) is counted, not fatal, and the next record
+/// starts on a fresh line so that a half-written one cannot swallow it.
+#[test]
+fn a_failed_write_is_counted_and_the_next_record_starts_a_new_line() {
+    let Ok(full) = OpenOptions::new().write(true).open("/dev/full") else {
+        return;
+    };
+    let dir = TempDir::new();
+    std::fs::create_dir_all(&dir.0).unwrap();
+    let lock = File::create(dir.0.join(LOCK_FILE)).unwrap();
+    let mut writer = Writer {
+        dir: dir.0.clone(),
+        file: Some(full),
+        written: HashSet::new(),
+        next_turn: 0,
+        broken_line: false,
+        file_bytes: Arc::new(AtomicU64::new(0)),
+        compacting: Arc::new(AtomicBool::new(false)),
+        _lock: lock,
+    };
+    let recorder = crate::metrics::prometheus_builder()
+        .expect("builder")
+        .build_recorder();
+    let handle = recorder.handle();
+    let put = || PutOp {
+        tenant: "t".into(),
+        id: "r1".into(),
+        at_ms: 0,
+        response: json!({}),
+        turn: turn("lost", None),
+    };
+    metrics::with_local_recorder(&recorder, || {
+        writer.apply(Op::Put(put()));
+    });
+    assert!(writer.broken_line);
+    assert!(
+        writer.written.is_empty(),
+        "a turn not written is not marked written"
+    );
+    assert!(
+        handle
+            .render()
+            .contains(&format!("{RESPONSES_JOURNAL_ERRORS} 1")),
+        "{}",
+        handle.render()
+    );
+    // The disk has room again: the record is written after a newline.
+    writer.file = Some(File::create(dir.log()).unwrap());
+    writer.apply(Op::Put(put()));
+    assert!(!writer.broken_line);
+    assert!(
+        dir.log_text().starts_with("\n{\"op\":\"put\""),
+        "{}",
+        dir.log_text()
+    );
+    assert!(dir.log_text().contains("\"lost\""));
+}
