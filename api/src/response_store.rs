@@ -319,54 +319,9 @@ impl ResponseStore {
     fn maybe_compact(&self, inner: &Inner) {
         if let Some(journal) = &self.journal {
             if journal.wants_compaction(inner.bytes) {
-                journal.send(journal::Op::Compact(snapshot(inner)));
+                journal.send(journal::Op::Compact(journal::snapshot(inner)));
             }
         }
-    }
-
-    /// The live responses, least recently used first, as the journal writes them.
-    fn snapshot(&self) -> Vec<journal::PutOp> {
-        snapshot(&self.inner.lock())
-    }
-
-    /// Inserts a response read from the journal (stored at `at`, `at_ms`), not journaling it.
-    fn insert_loaded(
-        &self,
-        id: &str,
-        tenant: &str,
-        response: Value,
-        turn: Arc<Turn>,
-        at: Instant,
-        at_ms: u64,
-    ) {
-        self.insert_at(id, tenant, response, turn, at, at_ms);
-    }
-
-    /// Removes a response the journal says was deleted.
-    fn remove_loaded(&self, tenant: &str, id: &str) {
-        let mut inner = self.inner.lock();
-        inner.remove(&key(tenant, id));
-        inner.publish();
-    }
-
-    /// Lets every response past the age limit go (after loading, where the recency order is
-    /// not the age order).
-    fn expire_all(&self, now: Instant) {
-        let Some(max_age) = self.limits.max_age else {
-            return;
-        };
-        let mut inner = self.inner.lock();
-        let expired: Vec<Key> = inner
-            .entries
-            .iter()
-            .filter(|(_, e)| now.saturating_duration_since(e.at) > max_age)
-            .map(|(k, _)| k.clone())
-            .collect();
-        for key in expired {
-            inner.remove(&key);
-            metrics::counter!(RESPONSES_EVICTED, "reason" => "age").increment(1);
-        }
-        inner.publish();
     }
 
     /// Its bounds.
@@ -593,28 +548,6 @@ impl ResponseStore {
     pub fn bytes(&self) -> usize {
         self.inner.lock().bytes
     }
-}
-
-/// `inner`'s responses, least recently used first, as the journal writes them.
-fn snapshot(inner: &Inner) -> Vec<journal::PutOp> {
-    inner
-        .order
-        .values()
-        .filter_map(|key| {
-            let e = inner.entries.get(key)?;
-            let running = matches!(
-                e.stored.response["status"].as_str(),
-                Some("queued" | "in_progress")
-            );
-            (!running).then(|| journal::PutOp {
-                tenant: key.0.clone(),
-                id: key.1.clone(),
-                at_ms: e.at_ms,
-                response: e.stored.response.clone(),
-                turn: Arc::clone(&e.stored.turn),
-            })
-        })
-        .collect()
 }
 
 #[cfg(test)]
