@@ -61,6 +61,9 @@ const MAX_HEADER: usize = 4096;
 pub const RECORD_ENVELOPE: usize = 64 << 10;
 /// The log is compacted once it is larger than twice the live bytes and this.
 pub const COMPACT_FLOOR: u64 = 1 << 20;
+/// Largest turn id read: a file's ids above it are refused, so that the ids this process gives
+/// after the largest read can never overflow.
+pub const MAX_TURN_ID: u64 = 1 << 48;
 /// A start reads at most this many times the byte bound of the log.
 pub const MAX_READ_FACTOR: u64 = 4;
 
@@ -444,8 +447,17 @@ fn load(path: &Path, store: &ResponseStore) -> Result<u64, JournalError> {
                 response,
             } => {
                 let mut missing = None;
+                if let Some(bad) = new.iter().map(|t| t.id).find(|&id| id > MAX_TURN_ID) {
+                    tracing::warn!(
+                        path = %path.display(),
+                        line,
+                        turn = bad,
+                        "a turn id above {MAX_TURN_ID}: the stored response is skipped"
+                    );
+                    continue;
+                }
                 for t in new {
-                    next_turn = next_turn.max(t.id.saturating_add(1));
+                    next_turn = next_turn.max(t.id + 1);
                     if turns.contains_key(&t.id) {
                         continue;
                     }

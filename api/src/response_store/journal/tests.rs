@@ -290,7 +290,8 @@ fn unknown_versions_and_files_are_refused() {
     assert!(matches!(e, JournalError::NotADirectory(_)), "{e}");
 }
 
-/// A put whose conversation is not in the log (a hand-edited or damaged file) is skipped.
+/// A put whose conversation is not in the log (a hand-edited or damaged file), or with a turn
+/// id too large to count on from, is skipped.
 #[test]
 fn a_put_without_its_conversation_is_skipped() {
     let dir = TempDir::new();
@@ -302,9 +303,19 @@ fn a_put_without_its_conversation_is_skipped() {
         "turns": [{"id": 2, "parent": 1, "input": [], "output": []}], "response": {}});
     let fine = json!({"op": "put", "tenant": "t", "id": "r3", "at_ms": unix_ms(), "turn": 0,
         "turns": [{"id": 0, "parent": null, "input": ["x"], "output": []}], "response": {}});
-    std::fs::write(dir.log(), format!("{header}\n{orphan}\n{child}\n{fine}\n")).unwrap();
+    let huge_id = json!({"op": "put", "tenant": "t", "id": "r4", "at_ms": unix_ms(),
+        "turn": u64::MAX, "turns": [{"id": u64::MAX, "parent": null, "input": [], "output": []}],
+        "response": {}});
+    std::fs::write(
+        dir.log(),
+        format!("{header}\n{orphan}\n{child}\n{fine}\n{huge_id}\n"),
+    )
+    .unwrap();
     let s = open(&dir, limits(10, 1 << 20, None));
     assert_eq!(s.len(), 1);
+    // New turns get ids after those read, without overflow.
+    s.insert("r5", "t", done("r5"), turn("new", None));
+    s.sync();
     assert_eq!(s.get("t", "r3").unwrap().turn.items(), vec![json!("x")]);
 }
 
