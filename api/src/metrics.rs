@@ -166,6 +166,9 @@ pub const RESPONSES_STORED_BYTES: &str = "switchyard:responses_stored_bytes";
 /// Counter, label `reason` (`count`, `bytes`, `age`): stored responses let go to keep the
 /// store within its bounds.
 pub const RESPONSES_EVICTED: &str = "switchyard:responses_evicted_total";
+/// Counter: changes to the stored responses that could not be written to their journal
+/// (`server.responses.path`; a full disk): they may be lost at a restart.
+pub const RESPONSES_JOURNAL_ERRORS: &str = "switchyard:responses_journal_errors_total";
 /// Counter, labels `limit` (`requests`, `tokens`), `tier`, `tenant`: requests refused with a
 /// 429 by their tenant's rate limits ([`crate::rate_limit`]).
 pub const RATE_LIMITED: &str = "switchyard:rate_limited_total";
@@ -189,8 +192,13 @@ pub const SERVER_GAUGES: &[&str] = &[
     TLS_CERTIFICATE_EXPIRY,
 ];
 /// Counters among [`SERVER_GAUGES`]' kin.
-pub const SERVER_COUNTERS: &[&str] =
-    &[POLICY_SWAPS, HTTP_REQUESTS, RESPONSES_EVICTED, RATE_LIMITED];
+pub const SERVER_COUNTERS: &[&str] = &[
+    POLICY_SWAPS,
+    HTTP_REQUESTS,
+    RESPONSES_EVICTED,
+    RESPONSES_JOURNAL_ERRORS,
+    RATE_LIMITED,
+];
 /// Histograms among [`SERVER_GAUGES`]' kin.
 pub const SERVER_HISTOGRAMS: &[&str] = &[HTTP_REQUEST_DURATION];
 
@@ -640,6 +648,10 @@ pub fn describe_metrics() {
         "Stored responses let go to keep the store within its bounds (label reason: count, bytes, age)."
     );
     describe_counter!(
+        RESPONSES_JOURNAL_ERRORS,
+        "Changes to the stored responses that could not be written to their journal (server.responses.path): they may be lost at a restart."
+    );
+    describe_counter!(
         RATE_LIMITED,
         "Requests refused with a 429 by their tenant's rate limits (tiers.<name>.requests_per_minute, tokens_per_minute), by limit (requests, tokens), tier and tenant (one the API keys name)."
     );
@@ -683,6 +695,7 @@ mod tests {
         POLICY_SWAPS,
         HTTP_REQUESTS,
         RESPONSES_EVICTED,
+        RESPONSES_JOURNAL_ERRORS,
         RATE_LIMITED,
     ];
     const HISTOGRAMS: &[&str] = &[

@@ -16,18 +16,31 @@
 //! Responses are kept per tenant: a response is found only by requests of the tenant that
 //! created it (an open server is one tenant), and another tenant's id reads as unknown, so
 //! nothing tells one tenant what another stored.
+//!
+//! With a directory (`server.responses.path`) the store is journaled there ([`journal`]): each
+//! change is sent, under the store's lock, to a writer thread that appends it to a log, and a
+//! start replays the log within the same bounds, so stored responses and their conversations
+//! survive a restart. A background response is journaled once it has ended (a `queued` one
+//! would never end after a restart).
 
 use std::collections::hash_map::Entry as Entry_;
 use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use futures_util::future::AbortHandle;
 use parking_lot::Mutex;
 use serde_json::Value;
 
-use crate::metrics::{RESPONSES_EVICTED, RESPONSES_STORED, RESPONSES_STORED_BYTES};
+use crate::metrics::{
+    RESPONSES_EVICTED, RESPONSES_JOURNAL_ERRORS, RESPONSES_STORED, RESPONSES_STORED_BYTES,
+};
+
+pub mod journal;
+
+pub use journal::{ensure_directory, JournalError};
 
 /// Most turns in one conversation chained by `previous_response_id`.
 pub const MAX_CHAIN_DEPTH: usize = 1024;
@@ -73,6 +86,8 @@ pub struct Turn {
     depth: usize,
     /// Serialized bytes of this turn's items and its ancestors'.
     chain_bytes: usize,
+    /// Its id in the journal, once written there (or read from there).
+    journal_id: OnceLock<u64>,
 }
 
 impl Turn {
@@ -86,6 +101,7 @@ impl Turn {
             parent,
             depth: depth + 1,
             chain_bytes: before.saturating_add(own),
+            journal_id: OnceLock::new(),
         }
     }
 
@@ -162,6 +178,8 @@ struct Entry {
     stored: StoredResponse,
     bytes: usize,
     at: Instant,
+    /// When it was stored, in milliseconds since the Unix epoch (the journal's clock).
+    at_ms: u64,
     /// Its key in the recency order.
     tick: u64,
 }
@@ -234,6 +252,8 @@ pub struct ResponseStore {
     /// Stored foreground responses in flight, by name: how many (locked after `running`).
     foreground: Mutex<HashMap<Key, usize>>,
     next_run: AtomicU64,
+    /// Where changes are journaled, with a directory.
+    journal: Option<journal::Journal>,
 }
 
 impl std::fmt::Debug for ResponseStore {
@@ -260,9 +280,48 @@ impl ResponseStore {
             running: Mutex::new(HashMap::new()),
             foreground: Mutex::new(HashMap::new()),
             next_run: AtomicU64::new(0),
+            journal: None,
         };
         store.inner.lock().publish();
         store
+    }
+
+    /// A store bounded by `limits`, journaled in `dir` when given (see [`journal`]): what the
+    /// directory's log holds is loaded within the bounds, and the directory is locked against
+    /// another server for as long as the store lives.
+    pub fn open(limits: StoreLimits, dir: Option<&Path>) -> Result<Self, JournalError> {
+        metrics::counter!(RESPONSES_JOURNAL_ERRORS).increment(0);
+        let mut store = Self::new(limits);
+        if let Some(dir) = dir {
+            journal::open(dir, &mut store)?;
+        }
+        Ok(store)
+    }
+
+    /// Blocks until every change so far is in the journal and synced (at once without one).
+    pub fn sync(&self) {
+        if let Some(journal) = &self.journal {
+            journal.sync();
+        }
+    }
+
+    /// Journals the removal of `key` (deleted, evicted or expired).
+    fn journal_delete(&self, key: &Key) {
+        if let Some(journal) = &self.journal {
+            journal.send(journal::Op::Delete {
+                tenant: key.0.clone(),
+                id: key.1.clone(),
+            });
+        }
+    }
+
+    /// Asks the journal's writer to compact its log when dead records outweigh the live ones.
+    fn maybe_compact(&self, inner: &Inner) {
+        if let Some(journal) = &self.journal {
+            if journal.wants_compaction(inner.bytes) {
+                journal.send(journal::Op::Compact(journal::snapshot(inner)));
+            }
+        }
     }
 
     /// Its bounds.
@@ -274,7 +333,14 @@ impl ResponseStore {
     /// the tenant's `id` held, and lets the least recently used responses go while a bound is
     /// passed.
     pub fn insert(&self, id: &str, tenant: &str, response: Value, turn: Arc<Turn>) -> Kept {
-        self.insert_at(id, tenant, response, turn, Instant::now())
+        self.insert_at(
+            id,
+            tenant,
+            response,
+            turn,
+            Instant::now(),
+            journal::unix_ms(),
+        )
     }
 
     fn insert_at(
@@ -284,6 +350,7 @@ impl ResponseStore {
         response: Value,
         turn: Arc<Turn>,
         now: Instant,
+        now_ms: u64,
     ) -> Kept {
         if !self.limits.enabled() {
             return Kept::Disabled;
@@ -311,7 +378,23 @@ impl ResponseStore {
             };
             let oldest = oldest.clone();
             inner.remove(&oldest);
+            self.journal_delete(&oldest);
             metrics::counter!(RESPONSES_EVICTED, "reason" => reason).increment(1);
+        }
+        if let Some(journal) = &self.journal {
+            // A response still running is not journaled: after a restart it would never end.
+            // Its name's earlier response, replaced in memory, is deleted from the log.
+            if matches!(response["status"].as_str(), Some("queued" | "in_progress")) {
+                self.journal_delete(&key);
+            } else {
+                journal.send(journal::Op::Put(journal::PutOp {
+                    tenant: tenant.to_owned(),
+                    id: id.to_owned(),
+                    at_ms: now_ms,
+                    response: response.clone(),
+                    turn: Arc::clone(&turn),
+                }));
+            }
         }
         let tick = inner.next_tick;
         inner.next_tick += 1;
@@ -323,10 +406,12 @@ impl ResponseStore {
                 stored: StoredResponse { response, turn },
                 bytes,
                 at: now,
+                at_ms: now_ms,
                 tick,
             },
         );
         inner.publish();
+        self.maybe_compact(&inner);
         Kept::Yes
     }
 
@@ -346,6 +431,7 @@ impl ResponseStore {
             }
             let key = key.clone();
             inner.remove(&key);
+            self.journal_delete(&key);
             metrics::counter!(RESPONSES_EVICTED, "reason" => "age").increment(1);
         }
     }
@@ -366,6 +452,7 @@ impl ResponseStore {
             .is_some_and(|max| now.saturating_duration_since(entry.at) > max)
         {
             inner.remove(&key);
+            self.journal_delete(&key);
             metrics::counter!(RESPONSES_EVICTED, "reason" => "age").increment(1);
             inner.publish();
             return None;
@@ -377,8 +464,13 @@ impl ResponseStore {
 
     /// Deletes the response `id` of `tenant`; whether there was one.
     pub fn remove(&self, tenant: &str, id: &str) -> bool {
+        let key = key(tenant, id);
         let mut inner = self.inner.lock();
-        let removed = inner.remove(&key(tenant, id)).is_some();
+        let removed = inner.remove(&key).is_some();
+        if removed {
+            self.journal_delete(&key);
+            self.maybe_compact(&inner);
+        }
         inner.publish();
         removed
     }
@@ -571,13 +663,14 @@ mod tests {
     fn responses_past_the_age_limit_are_gone() {
         let s = store(10, 1 << 20, Some(60));
         let t0 = Instant::now();
-        s.insert_at("old", "t", json!({}), turn("old", None), t0);
+        s.insert_at("old", "t", json!({}), turn("old", None), t0, 0);
         s.insert_at(
             "new",
             "t",
             json!({}),
             turn("new", None),
             t0 + Duration::from_secs(50),
+            0,
         );
         assert!(s.get_at("t", "old", t0 + Duration::from_secs(59)).is_some());
         assert!(s.get_at("t", "old", t0 + Duration::from_secs(61)).is_none());
@@ -589,6 +682,7 @@ mod tests {
             json!({}),
             turn("later", None),
             t0 + Duration::from_secs(200),
+            0,
         );
         assert_eq!(s.len(), 1);
     }

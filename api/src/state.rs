@@ -70,6 +70,14 @@ impl ApiState {
         }
     }
 
+    /// This state with `store` as its store of responses (one opened on a journal,
+    /// [`ResponseStore::open`]) instead of the empty in-memory one [`ApiState::new`] made;
+    /// before the state is cloned.
+    pub fn with_response_store(mut self, store: Arc<ResponseStore>) -> Self {
+        self.responses = store;
+        self
+    }
+
     /// The HTTP settings in force.
     pub(crate) fn config(&self) -> Arc<ApiConfig> {
         Arc::clone(&self.config.read())

@@ -716,8 +716,9 @@ pub struct ServerSection {
     pub cors: Option<crate::CorsSection>,
 }
 
-/// `server.responses`: bounds of the store of responses, kept in memory per tenant; the least
-/// recently used response leaves first when a bound would be passed.
+/// `server.responses`: bounds of the store of responses, kept in memory per tenant (and
+/// journaled in `path`, when set, to survive a restart); the least recently used response
+/// leaves first when a bound would be passed.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(
     deny_unknown_fields,
@@ -735,6 +736,10 @@ pub struct ResponsesSection {
     /// Seconds a response is kept after it was stored (0: no age limit).
     #[serde(deserialize_with = "int_in::<_, 0, 31536000>")]
     pub max_age_s: u64,
+    /// A directory where the stored responses are journaled, so that they survive a restart
+    /// (created if missing; one server at a time); absent, they are kept in memory only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
 }
 
 impl Default for ResponsesSection {
@@ -743,6 +748,7 @@ impl Default for ResponsesSection {
             max_stored: 10_000,
             max_stored_mb: 256,
             max_age_s: 86_400,
+            path: None,
         }
     }
 }

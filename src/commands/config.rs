@@ -107,6 +107,12 @@ pub fn load_checked(file: &std::path::Path, cli_overrides: &[String]) -> anyhow:
                 .map_err(|(field, why)| (format!("server.cors.{field}"), why))?;
         }
         tls = tls_certificate(config)?;
+        if let Some(dir) = &config.server.responses.path {
+            switchyard_api::response_store::journal::check_directory(
+                &switchyard_config::expand_home(dir),
+            )
+            .map_err(|why| ("server.responses.path".to_string(), why))?;
+        }
         Ok(())
     })?;
     Ok(Checked { config, tls })

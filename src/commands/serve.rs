@@ -32,6 +32,7 @@ use switchyard_api::engine::{
     SpeculativeSettings, TokenLogprob, TokenizeInput, TopLogprob,
 };
 use switchyard_api::rate_limit::TierLimits;
+use switchyard_api::response_store::ResponseStore;
 use switchyard_api::schema::{
     reasoning,
     tools::{writes_call_ids, MarkerTokens, ToolFormat, ToolSetup},
@@ -107,6 +108,21 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let policy = super::config::build_policy(&config.scheduler.policy, &tiers)
         .with_context(|| format!("{}: scheduler.policy", args.config.display()))?;
     let api_keys = config.load_api_keys()?;
+    // The stored responses' journal is locked and read now: a second server on its directory
+    // fails before the model loads.
+    let responses = Arc::new(
+        ResponseStore::open(
+            store_limits(&config),
+            config
+                .server
+                .responses
+                .path
+                .as_deref()
+                .map(switchyard_config::expand_home)
+                .as_deref(),
+        )
+        .context("server.responses.path")?,
+    );
     // The tenants the keys name label the usage counters (no other value does); like the
     // tiers, they change only with a restart, and their series are made once.
     let key_tenants = key_tenants(&config, &api_keys);
@@ -380,7 +396,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             lora_enabled: config.lora.enabled,
         });
         metrics::gauge!(switchyard_api::metrics::POLICY_INFO, "policy" => policy_label(&adapter.policy.lock().name)).set(1.0);
-        let state = ApiState::new(adapter.clone(), api_config, prometheus);
+        let state = ApiState::new(adapter.clone(), api_config, prometheus)
+            .with_response_store(Arc::clone(&responses));
         // With TLS, new connections get the certificate the resolver holds: SIGHUP replaces it.
         let tls = certificate.map(|key| Arc::new(CertificateResolver::new(key)));
         let (server, addrs) = switchyard_api::build_server_on(
@@ -417,6 +434,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         };
         actix_web::rt::spawn(shutdown::handle_signals(hangup, reloader, shutdown));
         server.await?;
+        // Background responses that ended during the drain are in the journal before exit.
+        responses.sync();
         tracing::info!("stopped");
         anyhow::Ok(())
     })
@@ -481,12 +500,7 @@ fn api_config(
         body_timeout: Duration::from_secs(config.server.request_timeout_s),
         tools,
         tiers: config.tiers.keys().cloned().collect(),
-        responses_store: StoreLimits {
-            max_responses: config.server.responses.max_stored,
-            max_bytes: config.server.responses.max_stored_mb << 20,
-            max_age: (config.server.responses.max_age_s > 0)
-                .then(|| Duration::from_secs(config.server.responses.max_age_s)),
-        },
+        responses_store: store_limits(config),
         cors: config
             .server
             .cors
@@ -494,6 +508,16 @@ fn api_config(
             .map(super::config::cors_settings),
         rate_limits: rate_limits(config),
         ..ApiConfig::default()
+    }
+}
+
+/// The bounds of the store of responses (`server.responses`).
+fn store_limits(config: &Config) -> StoreLimits {
+    StoreLimits {
+        max_responses: config.server.responses.max_stored,
+        max_bytes: config.server.responses.max_stored_mb << 20,
+        max_age: (config.server.responses.max_age_s > 0)
+            .then(|| Duration::from_secs(config.server.responses.max_age_s)),
     }
 }
 

@@ -29,6 +29,12 @@
 //! item before the answer's, with one `reasoning_text` part: streamed, its item's
 //! `response.output_item.added`, `response.content_part.added`, `response.reasoning_text.delta`s,
 //! `response.reasoning_text.done`, `response.content_part.done`, `response.output_item.done`.
+//!
+//! `truncation: "auto"` fits an input (the conversation after the template) longer than the
+//! context less `max_output_tokens` (less one token without it) by dropping its oldest whole
+//! messages after the system ones, as OpenAI drops the oldest items; only a last message that
+//! alone is too long is cut to its last tokens, as vLLM's `truncate_prompt_tokens` cuts
+//! ([`drop_oldest_messages`]). The stored conversation keeps every item.
 
 use std::sync::Arc;
 
@@ -51,6 +57,7 @@ use crate::schema::responses::{
     rename_error, IncompleteDetails, OutputItem, OutputLogprob, OutputText, ReasoningText,
     ResponseObject, ResponseUsage, ResponsesChat, ResponsesRequest,
 };
+use crate::schema::truncation::{drop_oldest_messages, Fitted};
 use crate::schema::{ToolCallDelta, Usage};
 use crate::sse::{event_frame, sse_response, ChunkWriter};
 use crate::state::{request_id, unix_now, ApiState, InFlight};
@@ -109,6 +116,17 @@ pub(crate) async fn create_response(
     let mut validated = chat
         .validate(state.engine.max_model_len(), state.config().tools)
         .map_err(|e| rename_error(e, &sources))?;
+    if echo.truncation == "auto" {
+        // Room for the output asked for (at least one token, as vLLM's -1 leaves).
+        let room = echo.max_output_tokens.map_or(1, |m| m as usize);
+        let keep = state.engine.max_model_len().saturating_sub(room).max(1);
+        for prompt in validated.prompts.iter_mut() {
+            let fitted = drop_oldest_messages(&*state.engine, prompt, keep, "input").await?;
+            if fitted != Fitted::Whole {
+                tracing::debug!(?fitted, keep, "truncation auto: the input was fitted");
+            }
+        }
+    }
     // Reasoning tags that are special tokens stay in the text for the splitter (as on chat).
     if state.config().reasoning.is_some() {
         validated.keep_special_tokens[3..].copy_from_slice(&state.config().reasoning_tokens);
@@ -162,7 +180,7 @@ pub(crate) async fn create_response(
         tool_choice: echo.tool_choice,
         tools: echo.tools,
         top_p: validated.sampling.top_p,
-        truncation: "disabled",
+        truncation: echo.truncation,
         usage: None,
         user: echo.user,
         metadata: echo.metadata,

@@ -20,7 +20,9 @@
 //! summaries are written; `reasoning.effort` is checked against OpenAI's values and read by no
 //! model, as chat's `reasoning_effort`), `include` entries other than
 //! `message.output_text.logprobs` (the answer text's token logprobs, with `top_logprobs`
-//! alternatives), `top_logprobs` without it and `truncation: "auto"`.
+//! alternatives) and `top_logprobs` without it. `truncation: "auto"` fits an input longer than
+//! the context by dropping the conversation's oldest messages (see the route and
+//! [`super::truncation::drop_oldest_messages`]); `"disabled"` (the default) refuses it.
 
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
@@ -144,6 +146,9 @@ pub struct Echo {
     pub previous_response_id: Option<String>,
     /// `background`: answer at once (`queued`) and run the response, read back by `GET`.
     pub background: bool,
+    /// `truncation`: `"auto"` (an input longer than the context loses its oldest messages)
+    /// or `"disabled"` (the default: it is refused).
+    pub truncation: &'static str,
 }
 
 fn invalid(param: impl Into<String>, message: impl Into<String>) -> ApiError {
@@ -222,17 +227,18 @@ impl ResponsesRequest {
                 format!("top_logprobs needs include: [{INCLUDE_LOGPROBS:?}]"),
             ));
         }
-        match &self.truncation {
-            None | Some(Value::Null) => {}
-            Some(Value::String(s)) if s == "disabled" => {}
+        let truncation = match &self.truncation {
+            None | Some(Value::Null) => "disabled",
+            Some(Value::String(s)) if s == "disabled" => "disabled",
+            Some(Value::String(s)) if s == "auto" => "auto",
             Some(_) => {
                 return Err(invalid(
                     "truncation",
-                    "only truncation \"disabled\" is supported: an input too long for the \
-                     context is refused, not cut",
+                    "truncation is \"auto\" (an input too long for the context loses its \
+                     oldest items) or \"disabled\" (it is refused)",
                 ))
             }
-        }
+        };
         if let Some(options) = &self.stream_options {
             if !(options.is_null() || options.is_object()) {
                 return Err(invalid("stream_options", "stream_options is an object"));
@@ -260,6 +266,7 @@ impl ResponsesRequest {
             reasoning: self.reasoning.clone().filter(|r| !r.is_null()),
             previous_response_id,
             background,
+            truncation,
         };
         let stream = self.stream.unwrap_or(false);
         let chat = ChatRequest {
@@ -1293,7 +1300,7 @@ pub struct ResponseObject {
     pub tools: Vec<Value>,
     /// The top_p used.
     pub top_p: f32,
-    /// `disabled`.
+    /// The request's `truncation`: `disabled` or `auto`.
     pub truncation: &'static str,
     /// Null until the response is done.
     pub usage: Option<ResponseUsage>,
@@ -1639,7 +1646,8 @@ mod tests {
             ),
             (json!({"input": "x", "include": "x"}), "include"),
             (json!({"input": "x", "top_logprobs": 2}), "top_logprobs"),
-            (json!({"input": "x", "truncation": "auto"}), "truncation"),
+            (json!({"input": "x", "truncation": "middle"}), "truncation"),
+            (json!({"input": "x", "truncation": true}), "truncation"),
             (
                 json!({"input": "x", "tools": [{"type": "web_search"}]}),
                 "tools[0].type",

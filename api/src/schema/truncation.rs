@@ -12,7 +12,7 @@
 //! A chat prompt is cut after its chat template is applied (vLLM's order): the kept tokens are
 //! the end of the rendered conversation.
 
-use crate::engine::{Engine, EngineError, PromptInput, TokenizeInput};
+use crate::engine::{ChatMessage, ChatRole, Engine, EngineError, PromptInput, TokenizeInput};
 use crate::error::ApiError;
 
 /// The request field.
@@ -94,6 +94,103 @@ pub(crate) async fn truncate_prompts(
         }
     }
     Ok(())
+}
+
+/// How a chat prompt was fitted by [`drop_oldest_messages`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Fitted {
+    /// It fit as it was.
+    Whole,
+    /// This many of its oldest messages after the leading system ones were dropped.
+    Dropped(usize),
+    /// Even its last message did not fit: it was cut to its last tokens (vLLM's way).
+    Cut,
+}
+
+/// Fits a chat prompt into `keep` tokens, as OpenAI's Responses `truncation: "auto"` does: its
+/// oldest whole messages are dropped (never the leading system ones, `instructions` and a tool
+/// prompt, and never the last), with a `tool` result left first by the cut dropped too (its
+/// call went before it). Whole messages keep the template's structure valid, which a cut
+/// through a turn's tokens does not; only when even the last message with the system ones is
+/// longer than `keep` is the rendering cut to its last `keep` tokens, as
+/// [`truncate_prompts`] does. The rendered prompt's length is found by the engine's tokenizer,
+/// a binary search over the number dropped: O(log n) renderings of an n-message conversation.
+/// A prompt that is not a chat is cut as [`truncate_prompts`] cuts it.
+pub(crate) async fn drop_oldest_messages(
+    engine: &dyn Engine,
+    prompt: &mut PromptInput,
+    keep: usize,
+    field: &'static str,
+) -> Result<Fitted, ApiError> {
+    let PromptInput::Chat {
+        messages,
+        template_kwargs,
+        client_kwargs,
+        ending,
+    } = prompt
+    else {
+        truncate_prompts(engine, std::slice::from_mut(prompt), keep, field).await?;
+        return Ok(Fitted::Cut);
+    };
+    let render = |messages: Vec<ChatMessage>| TokenizeInput::Chat {
+        messages,
+        ending: *ending,
+        template_kwargs: template_kwargs.clone(),
+        client_kwargs: client_kwargs.clone(),
+    };
+    let length = |messages: Vec<ChatMessage>| async {
+        engine
+            .tokenize(render(messages))
+            .await
+            .map(|t| t.len())
+            .map_err(|e| name_prompt(e, field))
+    };
+    if length(messages.clone()).await? <= keep {
+        return Ok(Fitted::Whole);
+    }
+    let head = messages
+        .iter()
+        .take_while(|m| matches!(m.role, ChatRole::System | ChatRole::Developer))
+        .count();
+    let body = messages.len() - head;
+    // The conversation without the first `dropped` messages after the head (and the tool
+    // results that would then come first).
+    let window = |dropped: usize| -> (usize, Vec<ChatMessage>) {
+        let mut from = head + dropped;
+        while from + 1 < messages.len() && messages[from].role == ChatRole::Tool {
+            from += 1;
+        }
+        let kept = messages[..head]
+            .iter()
+            .chain(&messages[from..])
+            .cloned()
+            .collect();
+        (from - head, kept)
+    };
+    // The fewest dropped that fit, between 1 and all but the last message.
+    let (mut low, mut high) = (1, body.saturating_sub(1));
+    let mut best = None;
+    while low <= high && body > 1 {
+        let mid = low + (high - low) / 2;
+        let (dropped, kept) = window(mid);
+        if length(kept.clone()).await? <= keep {
+            best = Some((dropped, kept));
+            high = mid - 1;
+        } else {
+            low = mid + 1;
+        }
+    }
+    if let Some((dropped, kept)) = best {
+        *messages = kept;
+        return Ok(Fitted::Dropped(dropped));
+    }
+    let (_, last) = window(body.saturating_sub(1));
+    let tokens = engine
+        .tokenize(render(last))
+        .await
+        .map_err(|e| name_prompt(e, field))?;
+    *prompt = PromptInput::Tokens(keep_last(tokens, keep));
+    Ok(Fitted::Cut)
 }
 
 /// A tokenizer error naming the request's prompt field where it names none.
@@ -180,6 +277,136 @@ mod tests {
         );
         assert_eq!(text.prompts, vec![PromptInput::Text("hello".into())]);
         assert_eq!(text.truncate_prompt_tokens, Some(3));
+    }
+
+    /// An engine whose "template" renders each message as one token for its role then one
+    /// per word (`u`ser, `a`ssistant, `s`ystem, `t`ool as the role's first letter's code), so
+    /// that the tests can count.
+    struct WordEngine;
+
+    impl Engine for WordEngine {
+        fn model_name(&self) -> &str {
+            "words"
+        }
+        fn max_model_len(&self) -> usize {
+            100
+        }
+        fn is_ready(&self) -> bool {
+            true
+        }
+        fn submit(
+            &self,
+            _: Vec<crate::engine::GenerateRequest>,
+        ) -> Result<Vec<tokio::sync::mpsc::Receiver<crate::engine::EngineEvent>>, EngineError>
+        {
+            unreachable!("only tokenize is called")
+        }
+        fn tokenize(&self, input: TokenizeInput) -> crate::engine::EngineFuture<Vec<u32>> {
+            let words = |text: &str| text.split_whitespace().map(|w| w.len() as u32).collect();
+            let tokens = match input {
+                TokenizeInput::Text { text, .. } => words(&text),
+                TokenizeInput::Chat { messages, .. } => messages
+                    .iter()
+                    .flat_map(|m| {
+                        let role = u32::from(m.role.as_str().as_bytes()[0]);
+                        std::iter::once(role).chain(words(&m.content))
+                    })
+                    .collect::<Vec<u32>>(),
+            };
+            Box::pin(async move { Ok(tokens) })
+        }
+        fn detokenize(&self, _: Vec<u32>) -> crate::engine::EngineFuture<String> {
+            unreachable!("only tokenize is called")
+        }
+        fn policy(&self) -> crate::engine::EngineFuture<crate::engine::PolicyInfo> {
+            unreachable!("only tokenize is called")
+        }
+        fn swap_policy(
+            &self,
+            _: crate::engine::PolicySpec,
+        ) -> crate::engine::EngineFuture<crate::engine::PolicySwap> {
+            unreachable!("only tokenize is called")
+        }
+    }
+
+    fn chat(messages: &[(ChatRole, &str)]) -> PromptInput {
+        PromptInput::Chat {
+            messages: messages
+                .iter()
+                .map(|(role, text)| ChatMessage::text(*role, *text))
+                .collect(),
+            template_kwargs: Default::default(),
+            client_kwargs: Vec::new(),
+            ending: Default::default(),
+        }
+    }
+
+    /// Fits `messages` into `keep` tokens: how, and the contents kept (or the tokens).
+    fn fit(messages: &[(ChatRole, &str)], keep: usize) -> (Fitted, Result<Vec<String>, usize>) {
+        let mut prompt = chat(messages);
+        let fitted = futures_util::FutureExt::now_or_never(drop_oldest_messages(
+            &WordEngine,
+            &mut prompt,
+            keep,
+            "input",
+        ))
+        .expect("ready")
+        .expect("fits");
+        let kept = match prompt {
+            PromptInput::Chat { messages, .. } => {
+                Ok(messages.into_iter().map(|m| m.content).collect())
+            }
+            PromptInput::Tokens(t) => Err(t.len()),
+            PromptInput::Text(_) => unreachable!(),
+        };
+        (fitted, kept)
+    }
+
+    /// The fewest oldest messages go, the system ones and the last stay; a tool result whose
+    /// call went goes with it; a last message too long alone is cut to its last tokens.
+    #[test]
+    fn the_oldest_whole_messages_are_dropped() {
+        use ChatRole::{Assistant, System, Tool, User};
+        let conversation = [
+            (System, "be brief"),     // 3 tokens
+            (User, "one two three"),  // 4
+            (Assistant, "four five"), // 3
+            (User, "six"),            // 2
+        ];
+        // 12 tokens in all: nothing to drop.
+        assert_eq!(fit(&conversation, 12).0, Fitted::Whole);
+        // 11 and 8: the first user message goes (3 + 3 + 2).
+        for keep in [11, 8] {
+            assert_eq!(
+                fit(&conversation, keep),
+                (
+                    Fitted::Dropped(1),
+                    Ok(vec!["be brief".into(), "four five".into(), "six".into()])
+                )
+            );
+        }
+        // 7 and 5: the assistant's too.
+        assert_eq!(
+            fit(&conversation, 5),
+            (
+                Fitted::Dropped(2),
+                Ok(vec!["be brief".into(), "six".into()])
+            )
+        );
+        // 4: the system message and the last do not fit: the rendering's last 4 tokens.
+        assert_eq!(fit(&conversation, 4), (Fitted::Cut, Err(4)));
+        // A tool result left first by the cut goes too (11 tokens; without the first message,
+        // 8).
+        let with_tool = [
+            (User, "call it"),
+            (Assistant, ""),
+            (Tool, "result is long text"),
+            (User, "thanks"),
+        ];
+        assert_eq!(
+            fit(&with_tool, 7),
+            (Fitted::Dropped(3), Ok(vec!["thanks".into()]))
+        );
     }
 
     #[test]

@@ -1,0 +1,777 @@
+//! The store's journal on disk (`server.responses.path`): stored responses survive a restart.
+//!
+//! One directory holds `responses.jsonl`, an append-only log of JSON lines, and `lock`, held
+//! with `flock` by the server that owns the directory (a second server on it is refused at
+//! start). The log opens with a header line naming its format and version, then one record a
+//! line:
+//!
+//! - `{"op":"put","tenant":..,"id":..,"at_ms":..,"turn":K,"turns":[..],"response":{..}}`: a
+//!   stored response, its conversation's last turn `K`, and the turns of its conversation not
+//!   yet in the file (each `{"id","parent","input","output"}`, oldest first). A turn is
+//!   written once per file however many responses continue it, so a long conversation costs
+//!   its new items per turn, not its whole history.
+//! - `{"op":"delete","tenant":..,"id":..}`: a response deleted, evicted or expired.
+//!
+//! Writes are off the HTTP workers: the store sends each change down a channel, under its
+//! lock, so the log's order is the store's; one thread appends them, one `write` a record, and
+//! `fdatasync`s whenever the channel is empty (group commit). A crash of the process loses
+//! nothing written; a power loss, at most the records since the last sync. A failed write
+//! (disk full) is logged at ERROR and counted in `responses_journal_errors_total`; the client's
+//! response is already sent, and the next record starts on a fresh line.
+//!
+//! The log is compacted (rewritten from the store's live responses into a temporary file,
+//! synced, renamed over the log) at start and whenever it grows past twice the bytes the store
+//! holds plus [`COMPACT_FLOOR`], so dead records never outweigh live ones for long, and a
+//! restart reads at most about twice the store's byte bound.
+//!
+//! The files are untrusted input. A line longer than the store's byte bound (plus
+//! [`RECORD_ENVELOPE`]) is skipped with a WARN without being held, as is a line that is not a
+//! record (a torn last line after a crash among them) or a put whose turns are missing; the
+//! whole read stops with a WARN after [`MAX_READ_FACTOR`] times the byte bound. A header of
+//! another format or version refuses the start. Loading replays the records into the store,
+//! which applies its bounds as it goes (the oldest leave first) and drops what is past
+//! `max_age`, keeping each response's tenant.
+
+use std::collections::{HashMap, HashSet};
+use std::fs::{File, OpenOptions};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use super::{key, Inner, Key, ResponseStore, Turn};
+use crate::metrics::RESPONSES_EVICTED;
+use crate::metrics::RESPONSES_JOURNAL_ERRORS;
+
+/// The log's file name in the directory.
+pub const LOG_FILE: &str = "responses.jsonl";
+/// The lock file's name in the directory.
+pub const LOCK_FILE: &str = "lock";
+/// The header's `format`.
+const FORMAT: &str = "switchyard-responses";
+/// The header's `version` this build reads and writes.
+pub const VERSION: u64 = 1;
+/// Longest header line read.
+const MAX_HEADER: usize = 4096;
+/// Bytes a record may take beyond the store's byte bound (its keys and numbers).
+pub const RECORD_ENVELOPE: usize = 64 << 10;
+/// The log is compacted once it is larger than twice the live bytes and this.
+pub const COMPACT_FLOOR: u64 = 1 << 20;
+/// Largest turn id read: a file's ids above it are refused, so that the ids this process gives
+/// after the largest read can never overflow.
+pub const MAX_TURN_ID: u64 = 1 << 48;
+/// A start reads at most this many times the byte bound of the log.
+pub const MAX_READ_FACTOR: u64 = 4;
+
+/// Why the journal could not be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum JournalError {
+    /// A file operation failed.
+    #[error("server.responses.path `{path}`: {what}: {source}")]
+    Io {
+        /// The file or directory.
+        path: PathBuf,
+        /// What was being done.
+        what: &'static str,
+        /// The failure.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The path is not a directory.
+    #[error("server.responses.path `{0}` is not a directory")]
+    NotADirectory(PathBuf),
+    /// Another process holds the directory's lock.
+    #[error(
+        "server.responses.path `{0}` is in use by another server (its lock file is held): \
+         two servers cannot share one store of responses"
+    )]
+    Locked(PathBuf),
+    /// The log is of another format or version.
+    #[error(
+        "server.responses.path `{path}`: `{LOG_FILE}` is {found}, not a log this server reads \
+         (format {FORMAT} version {VERSION}); move it away or point the path elsewhere"
+    )]
+    UnknownVersion {
+        /// The log file.
+        path: PathBuf,
+        /// What its header says.
+        found: String,
+    },
+}
+
+fn io(path: &Path, what: &'static str) -> impl FnOnce(std::io::Error) -> JournalError {
+    let path = path.to_owned();
+    move |source| JournalError::Io { path, what, source }
+}
+
+/// Checks that `dir` is a directory, or creates it (`config check` and the start).
+pub fn ensure_directory(dir: &Path) -> Result<(), JournalError> {
+    if dir.exists() && !dir.is_dir() {
+        return Err(JournalError::NotADirectory(dir.to_owned()));
+    }
+    std::fs::create_dir_all(dir).map_err(io(dir, "cannot create the directory"))
+}
+
+/// Longest `server.responses.path`, in bytes.
+pub const MAX_PATH_BYTES: usize = 4096;
+
+/// Why `dir` cannot hold the journal, without creating anything (`config check`): it must be
+/// a directory, or be creatable in the nearest directory above it that exists, which must not
+/// be read-only.
+pub fn check_directory(dir: &Path) -> Result<(), String> {
+    if dir.as_os_str().is_empty() || dir.as_os_str().len() > MAX_PATH_BYTES {
+        return Err(format!("a path of 1-{MAX_PATH_BYTES} bytes is required"));
+    }
+    let mut at = Some(dir);
+    while let Some(p) = at {
+        match std::fs::metadata(p) {
+            Ok(m) if m.is_dir() => {
+                return if m.permissions().readonly() {
+                    Err(format!("`{}` is read-only", p.display()))
+                } else {
+                    Ok(())
+                };
+            }
+            Ok(_) => return Err(format!("`{}` is not a directory", p.display())),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => at = p.parent(),
+            Err(e) => return Err(format!("`{}`: {e}", p.display())),
+        }
+        if at.is_some_and(|p| p.as_os_str().is_empty()) {
+            // A relative path whose first part is missing: created in the working directory.
+            at = Some(Path::new("."));
+        }
+    }
+    Ok(())
+}
+
+#[derive(Serialize, Deserialize)]
+struct Header {
+    format: String,
+    version: u64,
+}
+
+#[derive(Serialize, Deserialize)]
+struct TurnRecord {
+    id: u64,
+    parent: Option<u64>,
+    input: Vec<Value>,
+    output: Vec<Value>,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "lowercase", deny_unknown_fields)]
+enum Record {
+    Put {
+        tenant: String,
+        id: String,
+        at_ms: u64,
+        turn: u64,
+        turns: Vec<TurnRecord>,
+        response: Value,
+    },
+    Delete {
+        tenant: String,
+        id: String,
+    },
+}
+
+/// A stored response, as the writer writes it.
+pub(super) struct PutOp {
+    pub(super) tenant: String,
+    pub(super) id: String,
+    pub(super) at_ms: u64,
+    pub(super) response: Value,
+    pub(super) turn: Arc<Turn>,
+}
+
+/// What the store sends its writer.
+pub(super) enum Op {
+    Put(PutOp),
+    Delete {
+        tenant: String,
+        id: String,
+    },
+    /// Rewrite the log as these responses, least recently used first.
+    Compact(Vec<PutOp>),
+    /// Answer once everything before is written and synced.
+    Sync(mpsc::Sender<()>),
+}
+
+/// The store's end of the journal: the channel to its writer. Dropped, it lets the writer
+/// finish what was sent and waits for it (the lock goes with it).
+pub(super) struct Journal {
+    tx: mpsc::Sender<Op>,
+    writer: Option<std::thread::JoinHandle<()>>,
+    /// The log's size now, as the writer last saw it.
+    file_bytes: Arc<AtomicU64>,
+    /// A compaction was asked for and is not done.
+    compacting: Arc<AtomicBool>,
+}
+
+impl Drop for Journal {
+    fn drop(&mut self) {
+        let (closed, _) = mpsc::channel();
+        drop(std::mem::replace(&mut self.tx, closed));
+        if let Some(writer) = self.writer.take() {
+            let _ = writer.join();
+        }
+    }
+}
+
+impl Journal {
+    pub(super) fn send(&self, op: Op) {
+        // The writer lives as long as the store (it ends when the sender drops).
+        if self.tx.send(op).is_err() {
+            tracing::error!("the responses journal's writer is gone: the change is not saved");
+            metrics::counter!(RESPONSES_JOURNAL_ERRORS).increment(1);
+        }
+    }
+
+    /// Whether the log outweighs `live` bytes enough to compact it, marking the compaction
+    /// asked for (the caller sends it).
+    pub(super) fn wants_compaction(&self, live: usize) -> bool {
+        let file = self.file_bytes.load(Ordering::Relaxed);
+        file > (live as u64)
+            .saturating_mul(2)
+            .saturating_add(COMPACT_FLOOR)
+            && !self.compacting.swap(true, Ordering::AcqRel)
+    }
+
+    /// Blocks until every change sent so far is written and synced.
+    pub(super) fn sync(&self) {
+        let (tx, rx) = mpsc::channel();
+        self.send(Op::Sync(tx));
+        let _ = rx.recv();
+    }
+}
+
+/// Milliseconds since the Unix epoch.
+pub(super) fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Opens the journal in `dir` for `store` (just made, empty): takes the lock, replays the log
+/// into the store, compacts it and starts the writer.
+pub(super) fn open(dir: &Path, store: &mut ResponseStore) -> Result<(), JournalError> {
+    ensure_directory(dir)?;
+    let lock_path = dir.join(LOCK_FILE);
+    let lock = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+        .map_err(io(&lock_path, "cannot open the lock file"))?;
+    match lock.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => return Err(JournalError::Locked(dir.to_owned())),
+        Err(std::fs::TryLockError::Error(e)) => {
+            return Err(io(&lock_path, "cannot lock the lock file")(e))
+        }
+    }
+    let log = dir.join(LOG_FILE);
+    let next_turn = load(&log, store)?;
+    let snapshot = store.snapshot();
+    let mut writer = Writer {
+        dir: dir.to_owned(),
+        file: None,
+        written: HashSet::new(),
+        next_turn,
+        broken_line: false,
+        file_bytes: Arc::new(AtomicU64::new(0)),
+        compacting: Arc::new(AtomicBool::new(false)),
+        _lock: lock,
+    };
+    writer
+        .compact(snapshot)
+        .map_err(io(&log, "cannot rewrite the log"))?;
+    let (tx, rx) = mpsc::channel();
+    let file_bytes = Arc::clone(&writer.file_bytes);
+    let compacting = Arc::clone(&writer.compacting);
+    let thread = std::thread::Builder::new()
+        .name("responses-journal".into())
+        .spawn(move || writer.run(rx))
+        .map_err(io(dir, "cannot start the journal's writer"))?;
+    store.journal = Some(Journal {
+        tx,
+        writer: Some(thread),
+        file_bytes,
+        compacting,
+    });
+    Ok(())
+}
+
+/// Reads one line of at most `max` bytes (its newline included) into `buf`: `Ok(None)` at the
+/// end, `Ok(Some(true))` for a whole line, `Ok(Some(false))` for one cut by the end of the file
+/// (a torn last line), and a longer line is skipped to its end, unread, as `Err(len)`.
+fn read_line(
+    reader: &mut impl BufRead,
+    buf: &mut Vec<u8>,
+    max: usize,
+) -> std::io::Result<Result<Option<bool>, u64>> {
+    buf.clear();
+    let n = reader.by_ref().take(max as u64).read_until(b'\n', buf)?;
+    if n == 0 {
+        return Ok(Ok(None));
+    }
+    if buf.last() == Some(&b'\n') {
+        buf.pop();
+        return Ok(Ok(Some(true)));
+    }
+    if n < max {
+        return Ok(Ok(Some(false)));
+    }
+    // Longer than `max`: skip to the newline without holding it.
+    let mut len = n as u64;
+    loop {
+        let chunk = reader.fill_buf()?;
+        if chunk.is_empty() {
+            break;
+        }
+        match chunk.iter().position(|&b| b == b'\n') {
+            Some(at) => {
+                reader.consume(at + 1);
+                len += at as u64 + 1;
+                break;
+            }
+            None => {
+                let all = chunk.len();
+                reader.consume(all);
+                len += all as u64;
+            }
+        }
+    }
+    buf.clear();
+    Ok(Err(len))
+}
+
+/// Replays the log at `path` (if any) into `store`; the next free turn id.
+fn load(path: &Path, store: &ResponseStore) -> Result<u64, JournalError> {
+    let file = match File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+        Err(e) => return Err(io(path, "cannot open the log")(e)),
+    };
+    let max_bytes = store.limits.max_bytes;
+    let budget = (max_bytes as u64)
+        .saturating_mul(MAX_READ_FACTOR)
+        .saturating_add(COMPACT_FLOOR);
+    let mut reader = BufReader::new(file.take(budget));
+    let mut buf = Vec::new();
+    let read = |r: &mut BufReader<_>, b: &mut Vec<u8>, max| {
+        read_line(r, b, max).map_err(io(path, "cannot read the log"))
+    };
+    match read(&mut reader, &mut buf, MAX_HEADER)? {
+        Ok(None) => return Ok(0),
+        Ok(Some(_)) => match serde_json::from_slice::<Header>(&buf) {
+            Ok(h) if h.format == FORMAT && h.version == VERSION => {}
+            Ok(h) => {
+                return Err(JournalError::UnknownVersion {
+                    path: path.to_owned(),
+                    found: format!("format {} version {}", h.format, h.version),
+                })
+            }
+            Err(_) => {
+                return Err(JournalError::UnknownVersion {
+                    path: path.to_owned(),
+                    found: "a file without a header".into(),
+                })
+            }
+        },
+        Err(_) => {
+            return Err(JournalError::UnknownVersion {
+                path: path.to_owned(),
+                found: "a file without a header".into(),
+            })
+        }
+    }
+    let max_line = max_bytes.saturating_add(RECORD_ENVELOPE);
+    let mut turns: HashMap<u64, Arc<Turn>> = HashMap::new();
+    let mut next_turn = 0u64;
+    let mut line = 1u64;
+    let (now, now_ms) = (Instant::now(), unix_ms());
+    let mut bytes_read = 0u64;
+    loop {
+        line += 1;
+        let whole = match read(&mut reader, &mut buf, max_line)? {
+            Ok(None) => break,
+            Ok(Some(whole)) => whole,
+            Err(len) => {
+                tracing::warn!(
+                    path = %path.display(),
+                    line,
+                    bytes = len,
+                    max = max_line,
+                    "a stored response's record is larger than server.responses.max_stored_mb \
+                     allows: skipped"
+                );
+                bytes_read += len;
+                continue;
+            }
+        };
+        bytes_read += buf.len() as u64 + 1;
+        if !whole {
+            tracing::warn!(
+                path = %path.display(),
+                line,
+                "the log's last line is cut short (the server stopped while writing it): \
+                 skipped"
+            );
+            break;
+        }
+        if buf.is_empty() {
+            continue;
+        }
+        let record: Record = match serde_json::from_slice(&buf) {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!(path = %path.display(), line, error = %e, "not a record of the log: skipped");
+                continue;
+            }
+        };
+        match record {
+            Record::Delete { tenant, id } => {
+                store.remove_loaded(&tenant, &id);
+            }
+            Record::Put {
+                tenant,
+                id,
+                at_ms,
+                turn,
+                turns: new,
+                response,
+            } => {
+                let mut missing = None;
+                if let Some(bad) = new.iter().map(|t| t.id).find(|&id| id > MAX_TURN_ID) {
+                    tracing::warn!(
+                        path = %path.display(),
+                        line,
+                        turn = bad,
+                        "a turn id above {MAX_TURN_ID}: the stored response is skipped"
+                    );
+                    continue;
+                }
+                for t in new {
+                    next_turn = next_turn.max(t.id + 1);
+                    if turns.contains_key(&t.id) {
+                        continue;
+                    }
+                    let parent = match t.parent {
+                        None => None,
+                        Some(p) => match turns.get(&p) {
+                            Some(p) => Some(Arc::clone(p)),
+                            None => {
+                                missing = Some(p);
+                                break;
+                            }
+                        },
+                    };
+                    let made = Turn::new(t.input, t.output, parent);
+                    let _ = made.journal_id.set(t.id);
+                    turns.insert(t.id, Arc::new(made));
+                }
+                let found = turns.get(&turn).filter(|_| missing.is_none());
+                let Some(found) = found else {
+                    tracing::warn!(
+                        path = %path.display(),
+                        line,
+                        turn = missing.unwrap_or(turn),
+                        "a stored response's conversation is not in the log: skipped"
+                    );
+                    continue;
+                };
+                let age = Duration::from_millis(now_ms.saturating_sub(at_ms));
+                if store.limits.max_age.is_some_and(|max| age > max) {
+                    store.remove_loaded(&tenant, &id);
+                    continue;
+                }
+                // Younger than the process's clock can tell (its `Instant` starts near boot):
+                // counted from now.
+                let at = now.checked_sub(age).unwrap_or(now);
+                store.insert_loaded(&id, &tenant, response, Arc::clone(found), at, at_ms);
+            }
+        }
+    }
+    if bytes_read >= budget {
+        tracing::warn!(
+            path = %path.display(),
+            read = bytes_read,
+            "the log is larger than a store within server.responses.max_stored_mb writes: \
+             the rest is skipped"
+        );
+    }
+    store.expire_all(now);
+    tracing::info!(
+        path = %path.display(),
+        responses = store.len(),
+        bytes = store.bytes(),
+        "stored responses loaded"
+    );
+    Ok(next_turn)
+}
+
+/// The store's side of loading and compacting.
+impl ResponseStore {
+    /// The live responses, least recently used first, as the journal writes them.
+    fn snapshot(&self) -> Vec<PutOp> {
+        snapshot(&self.inner.lock())
+    }
+
+    /// Inserts a response read from the journal (stored at `at`, `at_ms`), not journaling it.
+    fn insert_loaded(
+        &self,
+        id: &str,
+        tenant: &str,
+        response: Value,
+        turn: Arc<Turn>,
+        at: Instant,
+        at_ms: u64,
+    ) {
+        self.insert_at(id, tenant, response, turn, at, at_ms);
+    }
+
+    /// Removes a response the journal says was deleted.
+    fn remove_loaded(&self, tenant: &str, id: &str) {
+        let mut inner = self.inner.lock();
+        inner.remove(&key(tenant, id));
+        inner.publish();
+    }
+
+    /// Lets every response past the age limit go (after loading, where the recency order is
+    /// not the age order).
+    fn expire_all(&self, now: Instant) {
+        let Some(max_age) = self.limits.max_age else {
+            return;
+        };
+        let mut inner = self.inner.lock();
+        let expired: Vec<Key> = inner
+            .entries
+            .iter()
+            .filter(|(_, e)| now.saturating_duration_since(e.at) > max_age)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for key in expired {
+            inner.remove(&key);
+            metrics::counter!(RESPONSES_EVICTED, "reason" => "age").increment(1);
+        }
+        inner.publish();
+    }
+}
+
+/// `inner`'s responses, least recently used first, as the journal writes them.
+pub(super) fn snapshot(inner: &Inner) -> Vec<PutOp> {
+    inner
+        .order
+        .values()
+        .filter_map(|key| {
+            let e = inner.entries.get(key)?;
+            let running = matches!(
+                e.stored.response["status"].as_str(),
+                Some("queued" | "in_progress")
+            );
+            (!running).then(|| PutOp {
+                tenant: key.0.clone(),
+                id: key.1.clone(),
+                at_ms: e.at_ms,
+                response: e.stored.response.clone(),
+                turn: Arc::clone(&e.stored.turn),
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests;
+
+/// The thread that writes the log.
+struct Writer {
+    dir: PathBuf,
+    /// The log, open for appending (`None` only before the first compaction).
+    file: Option<File>,
+    /// Turns in the log now.
+    written: HashSet<u64>,
+    next_turn: u64,
+    /// The last write failed, perhaps halfway: the next record starts on a new line.
+    broken_line: bool,
+    file_bytes: Arc<AtomicU64>,
+    compacting: Arc<AtomicBool>,
+    /// Held as long as the writer runs (the process, in a server).
+    _lock: File,
+}
+
+impl Writer {
+    fn run(mut self, rx: mpsc::Receiver<Op>) {
+        while let Ok(op) = rx.recv() {
+            let mut dirty = self.apply(op);
+            while let Ok(op) = rx.try_recv() {
+                dirty |= self.apply(op);
+            }
+            if dirty {
+                if let Some(file) = &self.file {
+                    if let Err(e) = file.sync_data() {
+                        self.failed("cannot sync the log", &e);
+                    }
+                }
+            }
+        }
+        if let Some(file) = &self.file {
+            let _ = file.sync_data();
+        }
+    }
+
+    fn failed(&mut self, what: &str, e: &dyn std::fmt::Display) {
+        tracing::error!(
+            path = %self.dir.join(LOG_FILE).display(),
+            error = %e,
+            "{what}: stored responses changed since may be lost at a restart"
+        );
+        metrics::counter!(RESPONSES_JOURNAL_ERRORS).increment(1);
+    }
+
+    /// Applies one op; whether it wrote to the log.
+    fn apply(&mut self, op: Op) -> bool {
+        match op {
+            Op::Put(put) => {
+                let (record, new) = put_record(&mut self.next_turn, &self.written, put);
+                let ok = self.append(&record);
+                if ok {
+                    self.written.extend(new);
+                }
+                true
+            }
+            Op::Delete { tenant, id } => {
+                self.append(&Record::Delete { tenant, id });
+                true
+            }
+            Op::Compact(snapshot) => {
+                if let Err(e) = self.compact(snapshot) {
+                    self.failed("cannot compact the log", &e);
+                }
+                self.compacting.store(false, Ordering::Release);
+                false
+            }
+            Op::Sync(reply) => {
+                if let Some(file) = &self.file {
+                    if let Err(e) = file.sync_data() {
+                        self.failed("cannot sync the log", &e);
+                    }
+                }
+                let _ = reply.send(());
+                false
+            }
+        }
+    }
+
+    /// Appends `record` as one line; whether it was written.
+    fn append(&mut self, record: &Record) -> bool {
+        let mut line = Vec::new();
+        if self.broken_line {
+            line.push(b'\n');
+        }
+        if let Err(e) = serde_json::to_writer(&mut line, record) {
+            self.failed("cannot write a record", &e);
+            return false;
+        }
+        line.push(b'\n');
+        let Some(file) = self.file.as_mut() else {
+            self.failed("cannot write a record", &"the log is not open");
+            return false;
+        };
+        match file.write_all(&line) {
+            Ok(()) => {
+                self.broken_line = false;
+                self.file_bytes
+                    .fetch_add(line.len() as u64, Ordering::Relaxed);
+                true
+            }
+            Err(e) => {
+                self.broken_line = true;
+                self.failed("cannot write a record", &e);
+                false
+            }
+        }
+    }
+
+    /// Rewrites the log as `snapshot` into a temporary file, synced, then renamed over it.
+    fn compact(&mut self, snapshot: Vec<PutOp>) -> std::io::Result<()> {
+        let log = self.dir.join(LOG_FILE);
+        let tmp = self.dir.join(format!("{LOG_FILE}.tmp"));
+        let mut out = std::io::BufWriter::new(File::create(&tmp)?);
+        let header = Header {
+            format: FORMAT.into(),
+            version: VERSION,
+        };
+        serde_json::to_writer(&mut out, &header)?;
+        out.write_all(b"\n")?;
+        let mut bytes = 0u64;
+        // Swapped in only once the new log is in place: the old one stays in use otherwise.
+        let mut written = HashSet::new();
+        for put in snapshot {
+            let (record, new) = put_record(&mut self.next_turn, &written, put);
+            let mut line = serde_json::to_vec(&record)?;
+            line.push(b'\n');
+            out.write_all(&line)?;
+            bytes += line.len() as u64;
+            written.extend(new);
+        }
+        let file = out.into_inner().map_err(|e| e.into_error())?;
+        file.sync_all()?;
+        drop(file);
+        std::fs::rename(&tmp, &log)?;
+        // The rename itself is durable once the directory is synced.
+        File::open(&self.dir)?.sync_all()?;
+        let file = OpenOptions::new().append(true).open(&log)?;
+        let len = file.metadata()?.len();
+        self.file = Some(file);
+        self.written = written;
+        self.broken_line = false;
+        self.file_bytes.store(len.max(bytes), Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+/// The record of `put`, with the turns of its conversation not in `written` (their ids given
+/// now from `next_turn` if they had none), and those turns' ids.
+fn put_record(next_turn: &mut u64, written: &HashSet<u64>, put: PutOp) -> (Record, Vec<u64>) {
+    let mut chain = Vec::new();
+    let mut at = Some(&*put.turn);
+    while let Some(t) = at {
+        if t.journal_id.get().is_some_and(|id| written.contains(id)) {
+            break;
+        }
+        chain.push(t);
+        at = t.parent.as_deref();
+    }
+    let mut ids = Vec::with_capacity(chain.len());
+    let mut turns = Vec::with_capacity(chain.len());
+    for t in chain.into_iter().rev() {
+        let id = *t.journal_id.get_or_init(|| {
+            let id = *next_turn;
+            *next_turn += 1;
+            id
+        });
+        let parent = t.parent.as_ref().and_then(|p| p.journal_id.get().copied());
+        ids.push(id);
+        turns.push(TurnRecord {
+            id,
+            parent,
+            input: t.input.clone(),
+            output: t.output.clone(),
+        });
+    }
+    let turn = *put.turn.journal_id.get().unwrap_or(&0);
+    let record = Record::Put {
+        tenant: put.tenant,
+        id: put.id,
+        at_ms: put.at_ms,
+        turn,
+        turns,
+        response: put.response,
+    };
+    (record, ids)
+}

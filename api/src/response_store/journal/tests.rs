@@ -1,0 +1,392 @@
+use std::sync::atomic::AtomicUsize;
+
+use serde_json::json;
+
+use super::*;
+use crate::response_store::{Kept, StoreLimits};
+
+/// A fresh directory under the system's temporary one, removed when dropped.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new() -> Self {
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "switchyard-journal-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        Self(dir)
+    }
+
+    fn log(&self) -> PathBuf {
+        self.0.join(LOG_FILE)
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(self.log()).expect("the log")
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn limits(max_responses: usize, max_bytes: usize, max_age_s: Option<u64>) -> StoreLimits {
+    StoreLimits {
+        max_responses,
+        max_bytes,
+        max_age: max_age_s.map(Duration::from_secs),
+    }
+}
+
+fn open(dir: &TempDir, limits: StoreLimits) -> ResponseStore {
+    ResponseStore::open(limits, Some(&dir.0)).expect("opens")
+}
+
+fn turn(text: &str, parent: Option<Arc<Turn>>) -> Arc<Turn> {
+    Arc::new(Turn::new(
+        vec![json!({"type": "message", "role": "user", "content": text})],
+        vec![json!({"type": "message", "role": "assistant", "content": format!("re: {text}")})],
+        parent,
+    ))
+}
+
+fn done(id: &str) -> Value {
+    json!({"id": id, "status": "completed"})
+}
+
+/// Responses, a conversation continued across them, two tenants and a delete all read back
+/// after a restart as they were.
+#[test]
+fn stored_responses_survive_a_restart() {
+    let dir = TempDir::new();
+    {
+        let s = open(&dir, limits(10, 1 << 20, None));
+        let first = turn("first turn", None);
+        s.insert("r1", "alice", done("r1"), Arc::clone(&first));
+        s.insert("r2", "alice", done("r2"), turn("second turn", Some(first)));
+        s.insert("r1", "bob", json!({"who": "bob"}), turn("bob's", None));
+        s.insert("gone", "alice", done("gone"), turn("deleted", None));
+        assert!(s.remove("alice", "gone"));
+    }
+    let s = open(&dir, limits(10, 1 << 20, None));
+    assert_eq!(s.len(), 3);
+    let r2 = s.get("alice", "r2").expect("r2");
+    assert_eq!(r2.response, done("r2"));
+    let items = r2.turn.items();
+    assert_eq!(items.len(), 4);
+    assert_eq!(items[0]["content"], "first turn");
+    assert_eq!(items[3]["content"], "re: second turn");
+    assert_eq!(r2.turn.input[0]["content"], "second turn");
+    assert_eq!(s.get("alice", "r1").expect("r1").turn.items().len(), 2);
+    assert_eq!(s.get("bob", "r1").expect("bob's").response["who"], "bob");
+    assert!(s.get("alice", "gone").is_none());
+    assert!(
+        s.get("bob", "r2").is_none(),
+        "alice's response is not bob's"
+    );
+    // The shared turn is in the log once (the restart's compaction kept it so).
+    assert_eq!(s.bytes(), {
+        let fresh = ResponseStore::new(limits(10, 1 << 20, None));
+        let first = turn("first turn", None);
+        fresh.insert("r1", "alice", done("r1"), Arc::clone(&first));
+        fresh.insert("r2", "alice", done("r2"), turn("second turn", Some(first)));
+        fresh.insert("r1", "bob", json!({"who": "bob"}), turn("bob's", None));
+        fresh.bytes()
+    });
+    drop(s);
+    assert_eq!(dir.log_text().matches("\"first turn\"").count(), 1);
+}
+
+/// The writer gives turns ids once: a conversation continued twice writes each turn once.
+#[test]
+fn a_turn_is_written_once_however_many_responses_continue_it() {
+    let dir = TempDir::new();
+    let s = open(&dir, limits(10, 1 << 20, None));
+    let root = turn("shared root", None);
+    let mid = turn("middle", Some(Arc::clone(&root)));
+    s.insert("a", "t", done("a"), Arc::clone(&root));
+    s.insert("b", "t", done("b"), Arc::clone(&mid));
+    s.insert("c", "t", done("c"), turn("branch", Some(mid)));
+    s.sync();
+    let text = dir.log_text();
+    assert_eq!(text.matches("\"shared root\"").count(), 1, "{text}");
+    assert_eq!(text.matches("\"middle\"").count(), 1, "{text}");
+}
+
+/// A restart after a crash mid-write skips the torn last line and loads the rest; the start's
+/// compaction leaves a clean log.
+#[test]
+fn a_torn_last_line_is_skipped() {
+    let dir = TempDir::new();
+    {
+        let s = open(&dir, limits(10, 1 << 20, None));
+        s.insert("r1", "t", done("r1"), turn("kept", None));
+    }
+    let mut log = OpenOptions::new().append(true).open(dir.log()).unwrap();
+    log.write_all(br#"{"op":"put","tenant":"t","id":"r2","at_ms":1,"tu"#)
+        .unwrap();
+    drop(log);
+    let s = open(&dir, limits(10, 1 << 20, None));
+    assert_eq!(s.len(), 1);
+    assert!(s.get("t", "r1").is_some());
+    drop(s);
+    assert!(dir.log_text().ends_with('\n'));
+    assert!(!dir.log_text().contains("\"r2\""));
+}
+
+/// A line longer than the byte bound is skipped without being held; the records after it load.
+#[test]
+fn a_line_larger_than_the_bound_is_skipped() {
+    let dir = TempDir::new();
+    let bound = limits(10, 4096, None);
+    {
+        let s = open(&dir, bound);
+        assert_eq!(
+            s.insert("r1", "t", done("r1"), turn("small", None)),
+            Kept::Yes
+        );
+    }
+    let text = dir.log_text();
+    let (header, rest) = text.split_once('\n').unwrap();
+    let huge = format!(
+        "{{\"op\":\"delete\",\"tenant\":\"t\",\"id\":\"r1\",\"pad\":\"{}\"}}\n",
+        "x".repeat(4096 + RECORD_ENVELOPE)
+    );
+    // A line of garbage and the oversized delete before the put, another after it: only the
+    // oversized one could remove r1, and it is skipped.
+    std::fs::write(
+        dir.log(),
+        format!("{header}\nnot json\n{rest}{huge}{{\"op\":\"frob\"}}\n"),
+    )
+    .unwrap();
+    let s = open(&dir, bound);
+    assert!(s.get("t", "r1").is_some());
+}
+
+/// Replacing one response many times grows the log with dead records until it is compacted to
+/// about the live ones; what it holds then is the last version.
+#[test]
+fn the_log_is_compacted_when_dead_records_outweigh_live_ones() {
+    let dir = TempDir::new();
+    let s = open(&dir, limits(10, 8 << 20, None));
+    let big = "y".repeat(100 << 10);
+    for i in 0..40 {
+        s.insert("r1", "t", json!({"v": i, "pad": big}), turn("t", None));
+        s.sync();
+    }
+    let written = 40 * (100 << 10) as u64;
+    let len = std::fs::metadata(dir.log()).unwrap().len();
+    assert!(
+        len <= 2 * (100 << 10) + COMPACT_FLOOR + (200 << 10),
+        "{len} of {written} written"
+    );
+    drop(s);
+    let s = open(&dir, limits(10, 8 << 20, None));
+    assert_eq!(s.get("t", "r1").unwrap().response["v"], 39);
+}
+
+/// A restart drops what is past `max_age` by the time it was stored, and keeps the rest.
+#[test]
+fn responses_past_their_age_are_not_loaded() {
+    let dir = TempDir::new();
+    {
+        let s = open(&dir, limits(10, 1 << 20, None));
+        let now = Instant::now();
+        let ms = unix_ms();
+        s.insert_at("old", "t", done("old"), turn("o", None), now, ms - 120_000);
+        s.insert_at("new", "t", done("new"), turn("n", None), now, ms - 10_000);
+    }
+    let s = open(&dir, limits(10, 1 << 20, Some(60)));
+    assert!(s.get("t", "old").is_none());
+    assert!(s.get("t", "new").is_some());
+}
+
+/// A restart with smaller bounds keeps the most recently used responses.
+#[test]
+fn a_restart_applies_the_bounds_oldest_first() {
+    let dir = TempDir::new();
+    {
+        let s = open(&dir, limits(10, 1 << 20, None));
+        for id in ["r1", "r2", "r3"] {
+            s.insert(id, "t", done(id), turn(id, None));
+        }
+    }
+    let s = open(&dir, limits(2, 1 << 20, None));
+    assert_eq!(s.len(), 2);
+    assert!(s.get("t", "r1").is_none());
+    assert!(s.get("t", "r2").is_some() && s.get("t", "r3").is_some());
+}
+
+/// Evictions are journaled: a response the store let go does not come back at a restart.
+#[test]
+fn an_evicted_response_stays_gone() {
+    let dir = TempDir::new();
+    {
+        let s = open(&dir, limits(2, 1 << 20, None));
+        s.insert("r1", "t", done("r1"), turn("1", None));
+        s.insert("r2", "t", done("r2"), turn("2", None));
+        // Reading r1 makes r2 the least recently used: it leaves, not r1.
+        assert!(s.get("t", "r1").is_some());
+        s.insert("r3", "t", done("r3"), turn("3", None));
+    }
+    let s = open(&dir, limits(10, 1 << 20, None));
+    assert!(s.get("t", "r2").is_none());
+    assert!(s.get("t", "r1").is_some() && s.get("t", "r3").is_some());
+}
+
+/// A background response still running is not journaled; once ended, it is.
+#[test]
+fn only_ended_responses_are_journaled() {
+    let dir = TempDir::new();
+    {
+        let s = open(&dir, limits(10, 1 << 20, None));
+        s.insert("bg", "t", json!({"status": "queued"}), turn("q", None));
+        s.insert("bg2", "t", json!({"status": "completed"}), turn("q", None));
+        s.insert("bg2", "t", json!({"status": "queued"}), turn("q", None));
+        assert_eq!(s.len(), 2);
+    }
+    let s = open(&dir, limits(10, 1 << 20, None));
+    assert!(s.is_empty(), "{s:?}");
+}
+
+/// A second store on a directory in use is refused, naming it; once the first is gone the
+/// directory is free.
+#[test]
+fn a_second_store_on_one_directory_is_refused() {
+    let dir = TempDir::new();
+    let first = open(&dir, limits(10, 1 << 20, None));
+    let e = ResponseStore::open(limits(10, 1 << 20, None), Some(&dir.0)).unwrap_err();
+    assert!(matches!(e, JournalError::Locked(_)), "{e}");
+    assert!(e.to_string().contains(&dir.0.display().to_string()), "{e}");
+    drop(first);
+    open(&dir, limits(10, 1 << 20, None));
+}
+
+/// A log of another version, or not a log at all, refuses the start rather than being lost
+/// by the start's compaction; a path that is a file is refused.
+#[test]
+fn unknown_versions_and_files_are_refused() {
+    let dir = TempDir::new();
+    std::fs::create_dir_all(&dir.0).unwrap();
+    for text in [
+        "{\"format\":\"switchyard-responses\",\"version\":99}\n",
+        "{\"format\":\"other\",\"version\":1}\n",
+        "hello\n",
+        "hello",
+    ] {
+        std::fs::write(dir.log(), text).unwrap();
+        let e = ResponseStore::open(limits(10, 1 << 20, None), Some(&dir.0)).unwrap_err();
+        assert!(matches!(e, JournalError::UnknownVersion { .. }), "{e}");
+        assert_eq!(std::fs::read_to_string(dir.log()).unwrap(), text);
+    }
+    let file = dir.0.join("a-file");
+    std::fs::write(&file, "").unwrap();
+    let e = ResponseStore::open(limits(10, 1 << 20, None), Some(&file)).unwrap_err();
+    assert!(matches!(e, JournalError::NotADirectory(_)), "{e}");
+}
+
+/// A put whose conversation is not in the log (a hand-edited or damaged file), or with a turn
+/// id too large to count on from, is skipped.
+#[test]
+fn a_put_without_its_conversation_is_skipped() {
+    let dir = TempDir::new();
+    std::fs::create_dir_all(&dir.0).unwrap();
+    let header = json!({"format": "switchyard-responses", "version": 1});
+    let orphan = json!({"op": "put", "tenant": "t", "id": "r1", "at_ms": unix_ms(),
+        "turn": 7, "turns": [], "response": {}});
+    let child = json!({"op": "put", "tenant": "t", "id": "r2", "at_ms": unix_ms(), "turn": 2,
+        "turns": [{"id": 2, "parent": 1, "input": [], "output": []}], "response": {}});
+    let fine = json!({"op": "put", "tenant": "t", "id": "r3", "at_ms": unix_ms(), "turn": 0,
+        "turns": [{"id": 0, "parent": null, "input": ["x"], "output": []}], "response": {}});
+    let huge_id = json!({"op": "put", "tenant": "t", "id": "r4", "at_ms": unix_ms(),
+        "turn": u64::MAX, "turns": [{"id": u64::MAX, "parent": null, "input": [], "output": []}],
+        "response": {}});
+    std::fs::write(
+        dir.log(),
+        format!("{header}\n{orphan}\n{child}\n{fine}\n{huge_id}\n"),
+    )
+    .unwrap();
+    let s = open(&dir, limits(10, 1 << 20, None));
+    assert_eq!(s.len(), 1);
+    // New turns get ids after those read, without overflow.
+    s.insert("r5", "t", done("r5"), turn("new", None));
+    s.sync();
+    assert_eq!(s.get("t", "r3").unwrap().turn.items(), vec![json!("x")]);
+}
+
+#[test]
+fn lines_are_read_within_their_bound() {
+    let text = b"ab\ncdefgh\nij";
+    let mut r = BufReader::new(&text[..]);
+    let mut buf = Vec::new();
+    assert_eq!(read_line(&mut r, &mut buf, 4).unwrap(), Ok(Some(true)));
+    assert_eq!(buf, b"ab");
+    assert_eq!(read_line(&mut r, &mut buf, 4).unwrap(), Err(7));
+    assert!(buf.is_empty());
+    assert_eq!(read_line(&mut r, &mut buf, 4).unwrap(), Ok(Some(false)));
+    assert_eq!(buf, b"ij");
+    assert_eq!(read_line(&mut r, &mut buf, 4).unwrap(), Ok(None));
+}
+
+/// A write that fails (a full disk: /dev/full) is counted, not fatal, and the next record
+/// starts on a fresh line so that a half-written one cannot swallow it.
+#[test]
+fn a_failed_write_is_counted_and_the_next_record_starts_a_new_line() {
+    let Ok(full) = OpenOptions::new().write(true).open("/dev/full") else {
+        return;
+    };
+    let dir = TempDir::new();
+    std::fs::create_dir_all(&dir.0).unwrap();
+    let lock = File::create(dir.0.join(LOCK_FILE)).unwrap();
+    let mut writer = Writer {
+        dir: dir.0.clone(),
+        file: Some(full),
+        written: HashSet::new(),
+        next_turn: 0,
+        broken_line: false,
+        file_bytes: Arc::new(AtomicU64::new(0)),
+        compacting: Arc::new(AtomicBool::new(false)),
+        _lock: lock,
+    };
+    let recorder = crate::metrics::prometheus_builder()
+        .expect("builder")
+        .build_recorder();
+    let handle = recorder.handle();
+    let put = || PutOp {
+        tenant: "t".into(),
+        id: "r1".into(),
+        at_ms: 0,
+        response: json!({}),
+        turn: turn("lost", None),
+    };
+    metrics::with_local_recorder(&recorder, || {
+        writer.apply(Op::Put(put()));
+    });
+    assert!(writer.broken_line);
+    assert!(
+        writer.written.is_empty(),
+        "a turn not written is not marked written"
+    );
+    assert!(
+        handle
+            .render()
+            .contains(&format!("{RESPONSES_JOURNAL_ERRORS} 1")),
+        "{}",
+        handle.render()
+    );
+    // The disk has room again: the record is written after a newline.
+    writer.file = Some(File::create(dir.log()).unwrap());
+    writer.apply(Op::Put(put()));
+    assert!(!writer.broken_line);
+    assert!(
+        dir.log_text().starts_with("\n{\"op\":\"put\""),
+        "{}",
+        dir.log_text()
+    );
+    assert!(dir.log_text().contains("\"lost\""));
+}
