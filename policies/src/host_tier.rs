@@ -450,6 +450,50 @@ mod planner_tests {
         s.check_invariants().unwrap();
     }
 
+    /// Copies as runs of blocks consecutive on both sides, as the CUDA backend batches them.
+    fn runs(c: &[BlockCopy]) -> usize {
+        let mut runs = 0;
+        for (k, x) in c.iter().enumerate() {
+            let joins = k > 0 && {
+                let p = c[k - 1];
+                p.device + 1 == x.device && p.host + 1 == x.host
+            };
+            if !joins {
+                runs += 1;
+            }
+        }
+        runs
+    }
+
+    /// A plan's offloads come in device order with the host blocks given in turn, so a
+    /// request's blocks evicted together go out as one run consecutive on both sides (the
+    /// allocator evicts a freed table back to front: in eviction order, every block would be
+    /// a transfer of its own on the GPU).
+    #[test]
+    fn blocks_evicted_together_are_offloaded_as_one_run() {
+        let c = SchedulerConfig {
+            block_size: 4,
+            num_gpu_blocks: 40,
+            max_model_len: 1024,
+            enable_prefix_caching: true,
+            num_host_blocks: 64,
+            ..SchedulerConfig::default()
+        };
+        let mut s = Scheduler::new(c, Box::new(Fcfs), [5, 6]).unwrap();
+        // Three prompts of 70 tokens, 18 blocks each: the first two take 35 of the 40 blocks
+        // (they share none), the third the 5 left and 13 of the first's, 12 of them cached
+        // (consecutive ids: the first's table was the cache's first blocks, in order).
+        let mut offloads = Vec::new();
+        for id in 0..3u64 {
+            let prompt = (0..70).map(|k| 1000 * id as u32 + k).collect();
+            offloads = one(&mut s, id, prompt).kv_offloads;
+        }
+        assert_eq!(offloads.len(), 12, "{offloads:?}");
+        assert!(offloads.windows(2).all(|w| w[0].device < w[1].device));
+        assert_eq!(runs(&offloads), 1, "{offloads:?}");
+        s.check_invariants().unwrap();
+    }
+
     #[test]
     fn a_host_tier_full_of_the_plans_load_sources_takes_no_offload() {
         // 4 host blocks: A's. C loads all 4 (pinned), so the 4 blocks C's allocations evict

@@ -316,7 +316,8 @@ impl Scheduler {
 
     /// With a host tier, once the plan's blocks have their ids: the loads of the prefixes its
     /// admissions found in the host tier (their sources pinned for the plan first), then the
-    /// offloads of the cached blocks its allocations evicted (see `host_tier.rs`).
+    /// offloads of the cached blocks its allocations evicted, in device order (see
+    /// `host_tier.rs`).
     fn host_copies(&mut self, plan: &mut StepPlan) {
         let Some(host) = self.host.as_mut() else {
             return;
@@ -352,6 +353,11 @@ impl Scheduler {
         let mut evicted = std::mem::take(&mut self.evicted);
         evicted.clear();
         self.ledger.take_evicted(&mut evicted);
+        // In device order, so that host blocks given in turn pair a run of consecutive device
+        // blocks with one of host blocks, which a backend copies as one transfer (a request's
+        // table is freed back to front, so the allocator evicts it in descending order: one
+        // transfer a block). The offloads are independent: their order is free.
+        evicted.sort_unstable_by_key(|&(device, _)| device);
         for &(device, hash) in &evicted {
             if let Some(dst) = host.offload(hash) {
                 plan.kv_offloads.push(BlockCopy { device, host: dst });

@@ -26,9 +26,11 @@
 //!
 //! The files are untrusted input. A line longer than the store's byte bound (plus
 //! [`RECORD_ENVELOPE`]) is skipped with a WARN without being held, as is a line that is not a
-//! record (a torn last line after a crash among them) or a put whose turns are missing; the
-//! whole read stops with a WARN after [`MAX_READ_FACTOR`] times the byte bound. A header of
-//! another format or version refuses the start. Loading replays the records into the store,
+//! record (a torn last line after a crash among them) or a put whose turns are missing. A log
+//! larger than [`MAX_READ_FACTOR`] times the byte bound (plus [`COMPACT_FLOOR`]) refuses the
+//! start, as a header of another format or version does: this server never writes one (it
+//! compacts at twice the live bytes), and reading only its start would lose its latest
+//! records, deletions included, so that responses deleted since would come back. Loading replays the records into the store,
 //! which applies its bounds as it goes (the oldest leave first) and drops what is past
 //! `max_age`, keeping each response's tenant.
 
@@ -90,6 +92,23 @@ pub enum JournalError {
          two servers cannot share one store of responses"
     )]
     Locked(PathBuf),
+    /// The log is larger than a store within the byte bound writes (the bound was lowered,
+    /// or the file is not this server's).
+    #[error(
+        "server.responses.path `{path}`: `{LOG_FILE}` holds {bytes} bytes, more than the \
+         {limit} a store within server.responses.max_stored_mb writes ({MAX_READ_FACTOR} times \
+         the bound and 1 MiB; was the bound lowered?): reading only its start would lose its \
+         latest changes and bring back responses deleted since. Raise \
+         server.responses.max_stored_mb, or move the log away"
+    )]
+    TooLarge {
+        /// The log file.
+        path: PathBuf,
+        /// Its size.
+        bytes: u64,
+        /// The most read.
+        limit: u64,
+    },
     /// The log is of another format or version.
     #[error(
         "server.responses.path `{path}`: `{LOG_FILE}` is {found}, not a log this server reads \
@@ -361,6 +380,18 @@ fn load(path: &Path, store: &ResponseStore) -> Result<u64, JournalError> {
     let budget = (max_bytes as u64)
         .saturating_mul(MAX_READ_FACTOR)
         .saturating_add(COMPACT_FLOOR);
+    let bytes = file
+        .metadata()
+        .map_err(io(path, "cannot read the log"))?
+        .len();
+    // A store that keeps nothing loads nothing: its start's compaction empties the log.
+    if bytes > budget && store.limits.enabled() {
+        return Err(JournalError::TooLarge {
+            path: path.to_owned(),
+            bytes,
+            limit: budget,
+        });
+    }
     let mut reader = BufReader::new(file.take(budget));
     let mut buf = Vec::new();
     let read = |r: &mut BufReader<_>, b: &mut Vec<u8>, max| {

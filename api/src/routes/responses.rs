@@ -32,7 +32,8 @@
 //!
 //! `truncation: "auto"` fits an input (the conversation after the template) longer than the
 //! context less `max_output_tokens` (less one token without it) by dropping its oldest whole
-//! messages after the system ones, as OpenAI drops the oldest items; only a last message that
+//! messages after the system ones, up to a user message, as OpenAI drops the oldest items;
+//! only a last message that
 //! alone is too long is cut to its last tokens, as vLLM's `truncate_prompt_tokens` cuts
 //! ([`drop_oldest_messages`]). The stored conversation keeps every item.
 

@@ -109,9 +109,11 @@ pub(crate) enum Fitted {
 
 /// Fits a chat prompt into `keep` tokens, as OpenAI's Responses `truncation: "auto"` does: its
 /// oldest whole messages are dropped (never the leading system ones, `instructions` and a tool
-/// prompt, and never the last), with a `tool` result left first by the cut dropped too (its
-/// call went before it). Whole messages keep the template's structure valid, which a cut
-/// through a turn's tokens does not; only when even the last message with the system ones is
+/// prompt, and never the last), up to a user message: what is kept after the system ones
+/// opens with a user turn where one is left, as templates that require alternating roles
+/// (Gemma's, Mistral's) demand, and otherwise with no `tool` result whose call went. Whole
+/// turns keep the template's structure valid, which a cut through a turn's tokens does not;
+/// only when even the last message with the system ones is
 /// longer than `keep` is the rendering cut to its last `keep` tokens, as
 /// [`truncate_prompts`] does. The rendered prompt's length is found by the engine's tokenizer,
 /// a binary search over the number dropped: O(log n) renderings of an n-message conversation.
@@ -153,12 +155,23 @@ pub(crate) async fn drop_oldest_messages(
         .take_while(|m| matches!(m.role, ChatRole::System | ChatRole::Developer))
         .count();
     let body = messages.len() - head;
-    // The conversation without the first `dropped` messages after the head (and the tool
-    // results that would then come first).
+    // The conversation without the first `dropped` messages after the head and up to the
+    // next user message: templates that require the roles to alternate from a user turn
+    // (Gemma's, Mistral's, Llama 2's) refuse a conversation opening with the assistant. With
+    // no user message left, the last message is kept, and only tool results whose call went
+    // are dropped before it. Dropping more never keeps more, so the search below can halve.
     let window = |dropped: usize| -> (usize, Vec<ChatMessage>) {
         let mut from = head + dropped;
-        while from + 1 < messages.len() && messages[from].role == ChatRole::Tool {
-            from += 1;
+        match messages
+            .get(from..)
+            .and_then(|rest| rest.iter().position(|m| m.role == ChatRole::User))
+        {
+            Some(k) => from += k,
+            None => {
+                while from + 1 < messages.len() && messages[from].role == ChatRole::Tool {
+                    from += 1;
+                }
+            }
         }
         let kept = messages[..head]
             .iter()
@@ -281,8 +294,11 @@ mod tests {
 
     /// An engine whose "template" renders each message as one token for its role then one
     /// per word (`u`ser, `a`ssistant, `s`ystem, `t`ool as the role's first letter's code), so
-    /// that the tests can count.
-    struct WordEngine;
+    /// that the tests can count; `strict`, it refuses a conversation whose first message after
+    /// the system ones is not the user's, as Gemma's and Mistral's templates do.
+    struct WordEngine {
+        strict: bool,
+    }
 
     impl Engine for WordEngine {
         fn model_name(&self) -> &str {
@@ -303,6 +319,17 @@ mod tests {
         }
         fn tokenize(&self, input: TokenizeInput) -> crate::engine::EngineFuture<Vec<u32>> {
             let words = |text: &str| text.split_whitespace().map(|w| w.len() as u32).collect();
+            if let TokenizeInput::Chat { messages, .. } = &input {
+                let first = messages.iter().find(|m| m.role != ChatRole::System);
+                if self.strict && first.is_some_and(|m| m.role != ChatRole::User) {
+                    return Box::pin(async {
+                        Err(EngineError::new(
+                            crate::engine::EngineErrorKind::InvalidRequest,
+                            "Conversation roles must alternate user/assistant/user/assistant/...",
+                        ))
+                    });
+                }
+            }
             let tokens = match input {
                 TokenizeInput::Text { text, .. } => words(&text),
                 TokenizeInput::Chat { messages, .. } => messages
@@ -343,9 +370,18 @@ mod tests {
 
     /// Fits `messages` into `keep` tokens: how, and the contents kept (or the tokens).
     fn fit(messages: &[(ChatRole, &str)], keep: usize) -> (Fitted, Result<Vec<String>, usize>) {
+        fit_on(&WordEngine { strict: false }, messages, keep)
+    }
+
+    /// [`fit`] on `engine`.
+    fn fit_on(
+        engine: &WordEngine,
+        messages: &[(ChatRole, &str)],
+        keep: usize,
+    ) -> (Fitted, Result<Vec<String>, usize>) {
         let mut prompt = chat(messages);
         let fitted = futures_util::FutureExt::now_or_never(drop_oldest_messages(
-            &WordEngine,
+            engine,
             &mut prompt,
             keep,
             "input",
@@ -362,8 +398,9 @@ mod tests {
         (fitted, kept)
     }
 
-    /// The fewest oldest messages go, the system ones and the last stay; a tool result whose
-    /// call went goes with it; a last message too long alone is cut to its last tokens.
+    /// The fewest oldest turns go, the system messages and the last stay; what is kept opens
+    /// with a user message (a tool result whose call went goes too); a last message too long
+    /// alone is cut to its last tokens.
     #[test]
     fn the_oldest_whole_messages_are_dropped() {
         use ChatRole::{Assistant, System, Tool, User};
@@ -375,22 +412,48 @@ mod tests {
         ];
         // 12 tokens in all: nothing to drop.
         assert_eq!(fit(&conversation, 12).0, Fitted::Whole);
-        // 11 and 8: the first user message goes (3 + 3 + 2).
-        for keep in [11, 8] {
+        // 11 to 5: the first turn goes, the user's message and the assistant's answer (3 + 2):
+        // what is left may not open with the assistant.
+        for keep in [11, 8, 5] {
             assert_eq!(
                 fit(&conversation, keep),
                 (
-                    Fitted::Dropped(1),
-                    Ok(vec!["be brief".into(), "four five".into(), "six".into()])
+                    Fitted::Dropped(2),
+                    Ok(vec!["be brief".into(), "six".into()])
                 )
             );
         }
-        // 7 and 5: the assistant's too.
+        // Longer: the turns go one at a time, the oldest first.
+        let turns = [
+            (User, "a"),      // 2
+            (Assistant, "b"), // 2
+            (User, "c"),      // 2
+            (Assistant, "d"), // 2
+            (User, "e"),      // 2
+        ];
         assert_eq!(
-            fit(&conversation, 5),
+            fit(&turns, 7),
             (
                 Fitted::Dropped(2),
-                Ok(vec!["be brief".into(), "six".into()])
+                Ok(vec!["c".into(), "d".into(), "e".into()])
+            )
+        );
+        assert_eq!(fit(&turns, 5), (Fitted::Dropped(4), Ok(vec!["e".into()])));
+        // Without a user message after the cut (an agent's tool loop) the fewest messages go,
+        // and not a tool result first: 14 tokens; 7 keeps the last call and its result.
+        let agent = [
+            (User, "go"),        // 2
+            (Assistant, "call"), // 2
+            (Tool, "out one"),   // 3
+            (Assistant, "call"), // 2
+            (Tool, "out two"),   // 3
+            (Assistant, "done"), // 2
+        ];
+        assert_eq!(
+            fit(&agent, 7),
+            (
+                Fitted::Dropped(3),
+                Ok(vec!["call".into(), "out two".into(), "done".into()])
             )
         );
         // 4: the system message and the last do not fit: the rendering's last 4 tokens.
@@ -406,6 +469,37 @@ mod tests {
         assert_eq!(
             fit(&with_tool, 7),
             (Fitted::Dropped(3), Ok(vec!["thanks".into()]))
+        );
+    }
+
+    /// On a template that refuses a conversation opening with the assistant (Gemma's), the
+    /// fitted conversation opens with the user's message: dropping only the oldest message
+    /// would leave the assistant's answer first, which that template refuses.
+    #[test]
+    fn a_fitted_conversation_opens_with_a_user_turn() {
+        use ChatRole::{Assistant, System, User};
+        let strict = WordEngine { strict: true };
+        let conversation = [
+            (User, "one two three"), // 4 tokens
+            (Assistant, "four"),     // 2
+            (User, "five six"),      // 3
+        ];
+        for keep in [7, 5, 3] {
+            assert_eq!(
+                fit_on(&strict, &conversation, keep),
+                (Fitted::Dropped(2), Ok(vec!["five six".into()])),
+                "{keep}"
+            );
+        }
+        // The same after instructions (3 tokens).
+        let mut with_system = vec![(System, "be brief")];
+        with_system.extend(conversation);
+        assert_eq!(
+            fit_on(&strict, &with_system, 8),
+            (
+                Fitted::Dropped(2),
+                Ok(vec!["be brief".into(), "five six".into()])
+            )
         );
     }
 

@@ -390,3 +390,34 @@ fn a_failed_write_is_counted_and_the_next_record_starts_a_new_line() {
     );
     assert!(dir.log_text().contains("\"lost\""));
 }
+
+/// A log larger than a store within the byte bound writes (the bound was lowered since it was
+/// written) refuses the start and is left as it is: reading only its start would bring back a
+/// response deleted at its end. Under the bound it was written with, the response stays gone.
+#[test]
+fn a_log_past_the_read_bound_refuses_the_start() {
+    let dir = TempDir::new();
+    let wide = limits(10_000, 8 << 20, None);
+    {
+        let s = open(&dir, wide);
+        s.insert("r1", "t", done("r1"), turn("first", None));
+        // Each about 4 KiB: more than the lowered bound below keeps, so none evicts r1.
+        let big = "x".repeat(2048);
+        for i in 0..300 {
+            let id = format!("pad{i}");
+            s.insert(&id, "t", done(&id), turn(&big, None));
+        }
+        assert!(s.remove("t", "r1"));
+        s.sync();
+    }
+    let before = dir.log_text();
+    let narrow = limits(10_000, 1024, None);
+    assert!(before.len() as u64 > 1024 * MAX_READ_FACTOR + COMPACT_FLOOR);
+    let e = ResponseStore::open(narrow, Some(&dir.0)).expect_err("a log past the bound");
+    assert!(matches!(e, JournalError::TooLarge { .. }), "{e}");
+    assert!(e.to_string().contains("max_stored_mb"), "{e}");
+    assert_eq!(dir.log_text(), before, "the log is untouched");
+    let s = open(&dir, wide);
+    assert!(s.get("t", "r1").is_none());
+    assert_eq!(s.len(), 300);
+}
