@@ -752,17 +752,17 @@ impl Writer {
         }
         let file = out.into_inner().map_err(|e| e.into_error())?;
         file.sync_all()?;
-        drop(file);
         std::fs::rename(&tmp, &log)?;
-        // The rename itself is durable once the directory is synced.
-        File::open(&self.dir)?.sync_all()?;
-        let file = OpenOptions::new().append(true).open(&log)?;
-        let len = file.metadata()?.len();
+        // The renamed file is the log now: records go on through this handle (its offset is at
+        // its end), so none can go to the replaced file, whatever fails below.
+        let len = file.metadata().map_or(bytes, |m| m.len());
         self.file = Some(file);
         self.written = written;
         self.broken_line = false;
         self.file_bytes.store(len.max(bytes), Ordering::Relaxed);
-        Ok(())
+        // The rename itself is durable once the directory is synced; failing that, the log
+        // in use is still whole (only whether the rename survives a power loss is in doubt).
+        File::open(&self.dir)?.sync_all()
     }
 }
 
