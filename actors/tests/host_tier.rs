@@ -14,25 +14,11 @@ use switchyard_policies::{PolicyRegistry, SamplingLimits, SchedulerConfig, Times
 const BLOCK: usize = 4;
 const BLOCKS: usize = 12;
 
-/// A small random model: 2 layers, hidden 64, 4 query heads and 2 KV heads of 16.
-fn tiny() -> LlamaConfig {
-    let mut c = LlamaConfig::smollm2_135m();
-    c.num_layers = 2;
-    c.hidden_size = 64;
-    c.num_heads = 4;
-    c.num_kv_heads = 2;
-    c.head_dim = 16;
-    c.rotary_dim = 16;
-    c.intermediate_size = 96;
-    c.vocab_size = 256;
-    c
-}
-
 /// An engine over a cache of 12 blocks of 4 tokens and a host tier of `host_blocks`.
 fn engine(host_blocks: usize, mode: AsyncScheduling) -> EngineCore {
     let block_bytes = 2 * 2 * 2 * 16 * BLOCK * 2;
     let backend = CpuBackend::new(
-        LlamaModel::dummy(&tiny(), 5).expect("model"),
+        LlamaModel::dummy(&LlamaConfig::tiny(), 5).expect("model"),
         &CpuBackendConfig {
             num_kv_blocks: BLOCKS,
             block_size: BLOCK,

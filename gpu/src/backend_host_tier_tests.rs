@@ -8,20 +8,6 @@ use crate::model::LlamaConfig;
 
 const BLOCK: usize = 4;
 
-/// A small model: 2 layers, hidden 64, 4 query heads and 2 KV heads of 16, FFN 96.
-fn tiny() -> LlamaConfig {
-    let mut c = LlamaConfig::smollm2_135m();
-    c.num_layers = 2;
-    c.hidden_size = 64;
-    c.num_heads = 4;
-    c.num_kv_heads = 2;
-    c.head_dim = 16;
-    c.rotary_dim = 16;
-    c.intermediate_size = 96;
-    c.vocab_size = 256;
-    c
-}
-
 /// Bytes of one KV block of [`tiny`]: keys and values (f16) of every layer.
 fn block_bytes() -> usize {
     2 * 2 * 2 * 16 * BLOCK * 2
@@ -35,7 +21,11 @@ fn backend(host_kv_bytes: usize) -> CpuBackend {
         host_kv_bytes,
         ..CpuBackendConfig::default()
     };
-    CpuBackend::new(LlamaModel::dummy(&tiny(), 7).expect("model"), &cfg).expect("backend")
+    CpuBackend::new(
+        LlamaModel::dummy(&LlamaConfig::tiny(), 7).expect("model"),
+        &cfg,
+    )
+    .expect("backend")
 }
 
 /// The logits of the last of `tokens`, fed from position `at` with block table `table`.

@@ -647,20 +647,6 @@ pub fn dummy_weights(c: &LlamaConfig, seed: u64) -> Result<ModelWeights, GpuErro
 mod tests {
     use super::*;
 
-    /// A small model: 2 layers, hidden 64, 4 query heads and 2 KV heads of 16, FFN 96.
-    fn tiny() -> LlamaConfig {
-        let mut c = LlamaConfig::smollm2_135m();
-        c.num_layers = 2;
-        c.hidden_size = 64;
-        c.num_heads = 4;
-        c.num_kv_heads = 2;
-        c.head_dim = 16;
-        c.rotary_dim = 16;
-        c.intermediate_size = 96;
-        c.vocab_size = 256;
-        c
-    }
-
     /// A rank-2 adapter on every projection with values of about 0.1.
     fn adapter(c: &LlamaConfig) -> LoraAdapter {
         let mut k = 0u32;
@@ -747,7 +733,7 @@ mod tests {
     /// for them, the others what `Mixed` computes alone, whatever they are batched with.
     #[test]
     fn mixed_precision_runs_adapter_rows_precisely_and_the_rest_as_mixed() {
-        let c = tiny();
+        let c = LlamaConfig::tiny();
         let mut model = LlamaModel::dummy(&c, 7).expect("model");
         let a = adapter(&c);
         let p0: Vec<u32> = (0..21).map(|i| (i * 37 + 5) % 256).collect();

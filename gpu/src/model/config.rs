@@ -91,6 +91,22 @@ const MAX_CONTEXT: usize = 1 << 24;
 pub(crate) const MAX_EOS_IDS: usize = 64;
 
 impl LlamaConfig {
+    /// A small shape for tests on random weights: SmolLM2-135M's settings with 2 layers, hidden
+    /// 64, 4 query heads and 2 KV heads of 16, an FFN of 96 and a vocabulary of 256.
+    pub fn tiny() -> Self {
+        LlamaConfig {
+            num_layers: 2,
+            hidden_size: 64,
+            num_heads: 4,
+            num_kv_heads: 2,
+            head_dim: 16,
+            rotary_dim: 16,
+            intermediate_size: 96,
+            vocab_size: 256,
+            ..Self::smollm2_135m()
+        }
+    }
+
     /// SmolLM2-135M(-Instruct) as shipped in GGUF (interleaved RoPE).
     pub fn smollm2_135m() -> Self {
         LlamaConfig {
