@@ -10,7 +10,7 @@
 #   BIN=dir-with-switchyard-and-cuda_backend MODEL=path/to/SmolLM2-135M-Instruct.Q4_1.gguf \
 #     OUT=results-dir scripts/gpu-check.sh
 # SECTIONS picks parts (default: all but ab): tests gemv ref dummy variants profile model serve
-# kvoffload hf ab.
+# kvoffload kvcopy hf ab.
 #   tests     the cuda_backend test binary (GGUF-dependent tests skip without MODEL; TEST_FILTER:
 #             a test-name filter)
 #   gemv      GEMV kernels against cuBLAS, time per product at every projection shape
@@ -48,6 +48,8 @@
 #             the trace at TRACE (default ../shared/traces/synthetic_trace.jsonl, else
 #             shared/traces/...) against a cache of KV_BENCH_BLOCKS blocks, with a tier of
 #             KV_BENCH_GIB GiB and without
+#   kvcopy    the cuda_kv_copy benchmark (its binary in BIN): offloads and loads of 16 and 256
+#             blocks, in runs and scattered, Llama-3-8B and SmolLM2 shapes
 #   ab        builds against each other, interleaved: AB_BINS="DIR DIR ..." (each a folder with a
 #             switchyard build, or DIR@VAR=VALUE,VAR=VALUE: that build with those environment
 #             variables, e.g. "b b@SWITCHYARD_CUDA_PDL=0"), AB_SPECS (name=arguments, commas for spaces; default Llama and
@@ -60,7 +62,7 @@ cd "$(dirname "$0")/.."
 BIN=${BIN:-target/release}
 OUT=${OUT:-gpu-check-out}
 MODEL=${MODEL:-}
-SECTIONS=${SECTIONS:-"tests gemv ref dummy variants offline profile model serve kvoffload hf"}
+SECTIONS=${SECTIONS:-"tests gemv ref dummy variants offline profile model serve kvoffload kvcopy hf"}
 mkdir -p "$OUT"
 # Binaries packed by scripts/devbench-pack.sh arrive gzip-compressed.
 for f in "$BIN"/*.gz; do
@@ -435,6 +437,18 @@ print({k: d.get(k) for k in keys})" 2>&1 | head -c 900); $(curl -s http://127.0.
     done
   else
     note "kvoffload bench: no trace at $trace"
+  fi
+fi
+
+if has kvcopy; then
+  # Copies between the KV cache and the host tier (gpu/benches/cuda_kv_copy.rs: cargo bench
+  # --features cuda -p switchyard-gpu --bench cuda_kv_copy --no-run, its binary in BIN).
+  kvb=$(ls "$BIN"/cuda_kv_copy* 2>/dev/null | grep -v '\.d$' | grep -v '\.gz$' | head -1)
+  if [ -n "$kvb" ]; then
+    timeout "${KVCOPY_TIMEOUT:-300}" "$kvb" --bench >"$OUT/kvcopy.log" 2>&1
+    note "kvcopy rc=$?: $(grep -E '^kv_copy|thrpt' "$OUT/kvcopy.log" | paste - - | sed -E 's/ +/ /g' | tr '\n' ';')"
+  else
+    note "kvcopy: no cuda_kv_copy binary in $BIN"
   fi
 fi
 

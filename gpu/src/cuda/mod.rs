@@ -544,6 +544,16 @@ impl CudaBackend {
         self.loras.len()
     }
 
+    /// Waits for everything enqueued on the compute stream so far (the copies of
+    /// [`Backend::copy_kv`] included); for benchmarks that time asynchronous work.
+    pub fn synchronize(&self) -> Result<(), GpuError> {
+        self.gpu.bind()?;
+        self.gpu
+            .stream
+            .synchronize()
+            .map_err(|e| device::cuda_err("synchronizing the stream", e))
+    }
+
     /// Runs the forward pass only and returns the logits of the last token of every sequence
     /// (`seqs.len() * vocab_size`), touching no sampler state; for tests and benchmarks.
     pub fn logits(&mut self, batch: &Batch) -> Result<Vec<f32>, GpuError> {
