@@ -152,7 +152,9 @@ fn bad_offloading_sizes_are_refused_naming_the_field() {
 }
 
 /// A tier larger than the memory available is refused at start, naming the setting (1024 GiB,
-/// the largest size accepted, is more than any machine this runs on has free).
+/// the largest size accepted, is more than any machine this runs on has free), before the
+/// backend is built: the refusal names the blocks worked out from the model's geometry
+/// (1024 GiB / 368,640 bytes = 2,982,616 of SmolLM2's), and no backend came up.
 #[test]
 fn serve_refuses_a_tier_larger_than_the_memory_available() {
     let dir = common::scratch("kv-offload", "too-big");
@@ -186,4 +188,6 @@ fn serve_refuses_a_tier_larger_than_the_memory_available() {
         log.contains("cache.kv_offloading_size") && log.contains("of memory is available"),
         "{log}"
     );
+    assert!(log.contains("2982616 host KV blocks"), "{log}");
+    assert!(!log.contains("backend ready"), "{log}");
 }

@@ -13,6 +13,7 @@ pub mod constraint;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod kv_size;
 pub mod lora;
 mod lora_targets;
 pub mod sampler;
@@ -23,6 +24,7 @@ pub use backend::{
 };
 pub use constraint::{Constraint, TokenConstraint};
 pub use cpu::llama::ActivationPrecision;
+pub use kv_size::{KvGeometry, KvStorage};
 pub use lora::{LoraAdapter, LoraLimits, LoraTarget};
 pub use sampler::SamplingParams;
 pub use token_filter::{AllowedTokens, BadWords, Intersection};

@@ -12,6 +12,16 @@
 //! ([`crate::BlockLedger::cache_drops`]): registrations only grow in between, so the blocks it
 //! found are still there, and a request waiting many steps costs about one probe a step.
 //!
+//! With a host KV tier (`host_tier.rs`) the walk goes on there where the device cache's hit
+//! ends, as admission's match does, with the same cap: those blocks would be copied back
+//! rather than computed, so they count as cached (a copy over PCIe, or a memcpy on the CPU,
+//! costs far less than the prefill it saves). Only the device part resumes; the host part
+//! is walked afresh from the device hit's end at each lookup. That is the simpler of the two
+//! correct choices: the tier evicts on every offload that finds it full (and loses a block
+//! to nothing else), so a resumed host part would need a drop count of its own kept beside
+//! `cache_drops`, whereas a fresh walk over hashes already computed costs host hit + 1 map
+//! probes and cannot be stale.
+//!
 //! The same lookup makes SGLang's in-batch prefix check (`_compute_prefix_matches` in
 //! `python/sglang/srt/managers/schedule_policy.py`, which matches the waiting requests with
 //! little cached against a temporary radix tree of those before them): the miss that ends a
@@ -28,16 +38,17 @@
 //!
 //! Per step that is O(waiting) to pick the earliest arrivals, O(running) to collect the first
 //! uncomputed block of each running prefill, and, for at most [`MAX_PREFIX_LOOKUPS`] sequences,
-//! sorted by arrival (O(L log L)), a walk of at most hit length + 1 probes and one set probe.
+//! sorted by arrival (O(L log L)), a walk of at most hit length + 1 probes (device and host
+//! hits together; only the device part amortises across steps) and one set probe.
 
 use std::collections::HashSet;
 use std::hash::BuildHasherDefault;
 
 use crate::block_pool::PassThroughHasher;
 use crate::policy::MAX_PREFIX_LOOKUPS;
-use crate::prefix_hash::PrefixHash;
+use crate::prefix_hash::{BlockHasher, PrefixHash};
 use crate::scheduler::Scheduler;
-use crate::sequence::PrefixLookup;
+use crate::sequence::{PrefixLookup, Sequence};
 use crate::types::RequestState;
 
 /// Block hashes that a request ahead in the current step is to compute.
@@ -113,7 +124,8 @@ impl Scheduler {
 
     /// Leading blocks of a waiting sequence found in the prefix cache, at most those before
     /// its last token (admission always computes that one), hashing blocks as the walk
-    /// reaches them.
+    /// reaches them: the device cache's hit, then, with a host tier, the blocks after it held
+    /// there (admission's match, which loads them).
     fn cached_prefix_blocks(&mut self, slot: u32) -> usize {
         let bs = self.ledger.block_size();
         let Some(seq) = self.seqs.get_mut(slot as usize).and_then(Option::as_mut) else {
@@ -127,21 +139,43 @@ impl Scheduler {
             _ => 0,
         };
         while n < max_blocks {
-            if seq.hashes.len() <= n {
-                let extras = seq.hash_extras();
-                let mut hashes = std::mem::take(&mut seq.hashes);
-                self.hasher
-                    .extend_chain(&mut hashes, seq.tokens(), bs, n + 1, extras);
-                seq.hashes = hashes;
-            }
-            match seq.hashes.get(n) {
-                Some(&h) if self.ledger.is_cached(h) => n += 1,
+            match hash_of_block(&mut self.hasher, seq, bs, n) {
+                Some(h) if self.ledger.is_cached(h) => n += 1,
                 _ => break,
             }
         }
+        // Only the device part resumes: the host tier's part is walked afresh each time.
         seq.prefix_walk = (drops, u32::try_from(n).unwrap_or(u32::MAX));
+        // The chain goes on in the host tier, as admission's match does: those blocks would be
+        // copied back, not computed.
+        let Some(host) = self.host.as_ref() else {
+            return n;
+        };
+        while n < max_blocks {
+            match hash_of_block(&mut self.hasher, seq, bs, n) {
+                Some(h) if host.lookup(h).is_some() => n += 1,
+                _ => break,
+            }
+        }
         n
     }
+}
+
+/// The hash of block `n` of `seq`'s chain (`None` past its full blocks), computing the chain
+/// up to it if the sequence has not yet.
+fn hash_of_block(
+    hasher: &mut BlockHasher,
+    seq: &mut Sequence,
+    bs: usize,
+    n: usize,
+) -> Option<PrefixHash> {
+    if seq.hashes.len() <= n {
+        let extras = seq.hash_extras();
+        let mut hashes = std::mem::take(&mut seq.hashes);
+        hasher.extend_chain(&mut hashes, seq.tokens(), bs, n + 1, extras);
+        seq.hashes = hashes;
+    }
+    seq.hashes.get(n).copied()
 }
 
 #[cfg(test)]
@@ -294,6 +328,69 @@ mod tests {
             mixed(Box::new(PrefixAware::new(5_000.0, 128)), true),
             [0, 3, 1, 5, 2, 4]
         );
+    }
+
+    /// Blocks of 4 tokens, 6 on the device and `host` in the host tier, one seat: request 0
+    /// puts `shared()` in the device cache, then request 1 (23 tokens of its own: the whole
+    /// device cache with its output) evicts those 4 blocks, copied to the host tier (so
+    /// `host_tier.rs` tests); 2 (arrival 10, a prompt of its own) and 3 (arrival 20,
+    /// `shared()` and one token) wait.
+    fn host_tier_then_two(policy: Box<dyn Policy>, host: usize) -> Scheduler {
+        let c = SchedulerConfig {
+            max_num_seqs: 1,
+            block_size: 4,
+            num_gpu_blocks: 6,
+            max_model_len: 1024,
+            enable_prefix_caching: true,
+            num_host_blocks: host,
+            ..SchedulerConfig::default()
+        };
+        let mut s = Scheduler::new(c, policy, [3, 4]).unwrap();
+        add(&mut s, 0, 0, shared_then(&[99]));
+        assert_eq!(step(&mut s, 0), [(0, 0)]);
+        add(&mut s, 1, 1, (0..23).map(|k| 5_000 + k).collect());
+        assert_eq!(step(&mut s, 1), [(1, 0)]);
+        add(&mut s, 2, 10, unique(2));
+        add(&mut s, 3, 20, shared_then(&[50]));
+        s
+    }
+
+    #[test]
+    fn a_prefix_only_in_the_host_tier_ranks_as_cached() {
+        // 3's 4 leading blocks are only in the host tier: the lookup counts them, so 3 goes
+        // before 2 (which arrived first) and admission loads them (16 tokens computed).
+        let mut s = host_tier_then_two(Box::new(PrefixAware::new(5_000.0, 128)), 16);
+        s.look_up_cached_prefixes();
+        assert_eq!((looked_up(&s, 2), looked_up(&s, 3)), (Some(0), Some(16)));
+        assert_eq!(step(&mut s, 100), [(3, 16)]);
+        assert_eq!(step(&mut s, 101), [(2, 0)]);
+        // FCFS: 2 first, and 3 still loads its prefix from the tier.
+        let mut s = host_tier_then_two(Box::new(Fcfs), 16);
+        assert_eq!(step(&mut s, 100), [(2, 0)]);
+        assert_eq!(step(&mut s, 101), [(3, 16)]);
+    }
+
+    #[test]
+    fn a_host_hit_evicted_from_the_tier_is_not_counted_again() {
+        // A tier of 4 blocks holds 3's prefix; the lookup finds it. Then 4 other blocks are
+        // offloaded (the LRU evicts 3's): the next lookup, with no device drop in between
+        // (so the device walk resumes), finds nothing in the tier.
+        let mut s = host_tier_then_two(Box::new(PrefixAware::new(5_000.0, 128)), 4);
+        s.look_up_cached_prefixes();
+        assert_eq!(looked_up(&s, 3), Some(16));
+        let drops = s.ledger.cache_drops();
+        let host = s.host.as_mut().expect("a host tier");
+        host.begin_plan();
+        for k in 0..4 {
+            assert!(host
+                .offload(crate::prefix_hash::PrefixHash(1 << 100 | k))
+                .is_some());
+        }
+        assert_eq!(s.ledger.cache_drops(), drops);
+        s.look_up_cached_prefixes();
+        assert_eq!(looked_up(&s, 3), Some(0));
+        // Ranked as uncached now: 2 goes first by arrival.
+        assert_eq!(step(&mut s, 100), [(2, 0)]);
     }
 
     #[test]

@@ -9,6 +9,7 @@ use switchyard_config::{BackendKind, CpuPrecision, KvCacheDtype, Quantization};
 use switchyard_gpu::backend::{Backend, CpuBackend, CpuBackendConfig};
 use switchyard_gpu::cpu::llama::{ActivationPrecision, LlamaModel};
 use switchyard_gpu::model::{fetch, LlamaConfig, LoadedModel, ModelWeights};
+use switchyard_gpu::{KvGeometry, KvStorage};
 use switchyard_policies::{PolicyRegistry, SchedulerConfig};
 
 /// The embedded default model.
@@ -61,9 +62,73 @@ pub fn load(path: &Path) -> anyhow::Result<LoadedModel> {
 /// KV blocks that fit in `kv_mb` MiB for this model on the CPU backend (keys and values of
 /// every layer, stored as f16).
 pub fn cpu_kv_blocks(config: &LlamaConfig, block_size: usize, kv_mb: usize) -> usize {
-    let per_block =
-        (2 * config.num_layers * config.num_kv_heads * config.head_dim * block_size * 2).max(1);
-    ((kv_mb << 20) / per_block).max(1)
+    KvGeometry::of(config, block_size, KvStorage::Half)
+        .blocks_in(kv_mb << 20)
+        .max(1)
+}
+
+/// KV cache blocks of the CPU backend for `s`: `num_blocks`, else what `kv_cache_mb` holds.
+fn cpu_num_blocks(config: &LlamaConfig, s: &BackendSettings) -> usize {
+    s.num_blocks
+        .unwrap_or_else(|| cpu_kv_blocks(config, s.block_size, s.kv_cache_mb))
+}
+
+/// The blocks of the host KV tier that `s.host_kv_bytes` makes for the model `config` on the
+/// backend `chosen` (0: none), worked out before the backend is built, with the arithmetic the
+/// backends size their tier with ([`KvGeometry`]). Refused, naming `cache.kv_offloading_size`,
+/// when the size holds no whole block, makes more blocks than the scheduler tracks
+/// ([`switchyard_policies::scheduler::MAX_HOST_BLOCKS`]), or (given the memory `available`)
+/// is more than the memory there is: on the CPU backend with the KV cache beside it, which
+/// lives in the same memory.
+pub fn host_kv_blocks(
+    chosen: BackendKind,
+    config: &LlamaConfig,
+    s: &BackendSettings,
+    available: Option<usize>,
+) -> anyhow::Result<usize> {
+    if s.host_kv_bytes == 0 {
+        return Ok(0);
+    }
+    let gib = s.host_kv_bytes as f64 / f64::from(1u32 << 30);
+    let cpu = chosen != BackendKind::Cuda;
+    let storage = if cpu {
+        KvStorage::Half
+    } else {
+        KvStorage::from_fp8(s.kv_cache_dtype == KvCacheDtype::Fp8)
+    };
+    let geometry = KvGeometry::of(config, s.block_size, storage);
+    let blocks = geometry.blocks_in(s.host_kv_bytes);
+    let block_bytes = geometry.block_bytes();
+    anyhow::ensure!(
+        blocks > 0,
+        "cache.kv_offloading_size: {gib:.2} GiB holds no whole KV block of this model \
+         ({block_bytes} bytes a block)"
+    );
+    let max = switchyard_policies::scheduler::MAX_HOST_BLOCKS;
+    anyhow::ensure!(
+        blocks <= max,
+        "cache.kv_offloading_size: {gib:.2} GiB makes {blocks} host KV blocks of \
+         {block_bytes} bytes for this model, more than the {max} the scheduler tracks: at most \
+         {:.2} GiB for this model",
+        (max as f64 * block_bytes as f64) / f64::from(1u32 << 30)
+    );
+    let cache_bytes = if cpu {
+        cpu_num_blocks(config, s).saturating_mul(block_bytes)
+    } else {
+        0
+    };
+    switchyard_gpu::kv_size::check_host_memory(blocks * block_bytes, cache_bytes, available)
+        .map_err(|e| {
+            let e = match e {
+                switchyard_gpu::GpuError::InvalidConfig(why) => why,
+                e => e.to_string(),
+            };
+            anyhow::anyhow!(
+                "{e} ({gib:.2} GiB makes {blocks} host KV blocks of {block_bytes} bytes for \
+                 this model)"
+            )
+        })?;
+    Ok(blocks)
 }
 
 /// Settings of a CPU backend.
@@ -325,6 +390,14 @@ pub fn build_backend(
         switchyard_api::metrics::LABEL_BACKEND => label
     )
     .set(1.0);
+    // The host tier is refused here, before anything is allocated, rather than by the
+    // scheduler once the backend holds it.
+    let host_blocks = host_kv_blocks(
+        chosen,
+        source.config(),
+        s,
+        switchyard_gpu::cpu::kv_cache::available_memory(),
+    )?;
     let backend = match chosen {
         BackendKind::Cuda => {
             check_cuda_batch_tokens(s.max_batch_tokens, s.max_batch_tokens_setting, kind)?;
@@ -346,9 +419,7 @@ pub fn build_backend(
                 ModelSource::Dummy(c, seed) => LlamaModel::dummy(&c, seed)?,
             };
             let settings = CpuSettings {
-                num_blocks: s
-                    .num_blocks
-                    .unwrap_or_else(|| cpu_kv_blocks(&config, s.block_size, s.kv_cache_mb)),
+                num_blocks: cpu_num_blocks(&config, s),
                 block_size: s.block_size,
                 threads: s.threads,
                 max_batch_tokens: s.max_batch_tokens,
@@ -358,6 +429,12 @@ pub fn build_backend(
             cpu_backend_for(model, &settings)?
         }
     };
+    anyhow::ensure!(
+        backend.num_host_kv_blocks() == host_blocks,
+        "cache.kv_offloading_size: the backend holds {} host KV blocks, {host_blocks} were \
+         worked out for it",
+        backend.num_host_kv_blocks()
+    );
     Ok((backend, chosen))
 }
 
@@ -507,6 +584,87 @@ pub fn random_hash_key() -> [u64; 2] {
 
 #[cfg(test)]
 mod tests {
+    use switchyard_config::{BackendKind, KvCacheDtype};
+    use switchyard_gpu::model::LlamaConfig;
+
+    /// The default server settings with a host tier of `bytes` and a cache of `num_blocks`.
+    fn settings(bytes: usize, num_blocks: usize) -> super::BackendSettings {
+        let mut s = super::BackendSettings::from_config(&switchyard_config::Config::default());
+        s.host_kv_bytes = bytes;
+        s.num_blocks = Some(num_blocks);
+        s
+    }
+
+    /// The tier's blocks are worked out before any backend is built; one too large for the
+    /// scheduler is refused then, naming the setting, the blocks and the bound.
+    #[test]
+    fn the_host_tier_is_sized_and_bounded_before_the_backend_is_built() {
+        let smol = LlamaConfig::smollm2_135m();
+        let gib = 1usize << 30;
+        let blocks = |kind, s: &super::BackendSettings| super::host_kv_blocks(kind, &smol, s, None);
+        // No tier: nothing to check.
+        assert_eq!(blocks(BackendKind::Cpu, &settings(0, 24)).unwrap(), 0);
+        // 368,640 bytes a block (2 x 30 x 3 x 64 x 16 x 2): 1 GiB holds 2,912.
+        assert_eq!(blocks(BackendKind::Cpu, &settings(gib, 24)).unwrap(), 2_912);
+        assert_eq!(
+            blocks(BackendKind::Cuda, &settings(gib, 24)).unwrap(),
+            2_912
+        );
+        // fp8 on the GPU: 195,840 bytes a block (2 x 30 x 16 x 3 x (64 + 4)), 5,482 a GiB.
+        let mut fp8 = settings(gib, 24);
+        fp8.kv_cache_dtype = KvCacheDtype::Fp8;
+        assert_eq!(blocks(BackendKind::Cuda, &fp8).unwrap(), 5_482);
+        let e = blocks(BackendKind::Cpu, &settings(368_639, 24))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("cache.kv_offloading_size") && e.contains("no whole KV block"),
+            "{e}"
+        );
+        // The tiny model's blocks are 4,096 bytes (2 x 2 layers x 2 heads x 16 x 16 x 2):
+        // 1024 GiB makes 2^28 of them, four times the scheduler's 2^26.
+        let e = super::host_kv_blocks(
+            BackendKind::Cpu,
+            &LlamaConfig::tiny(),
+            &settings(1024 * gib, 24),
+            None,
+        )
+        .unwrap_err()
+        .to_string();
+        for part in [
+            "cache.kv_offloading_size: 1024.00 GiB",
+            "268435456 host KV blocks",
+            "more than the 67108864",
+            "at most 256.00 GiB",
+        ] {
+            assert!(e.contains(part), "{part}: {e}");
+        }
+    }
+
+    /// On the CPU backend the tier and the KV cache share the memory: both are counted.
+    #[test]
+    fn the_cpu_tier_is_refused_when_it_and_the_cache_exceed_the_memory() {
+        let smol = LlamaConfig::smollm2_135m();
+        // 100 blocks of tier (36,864,000 bytes) and 200 of cache (73,728,000): 105 MiB in all.
+        let s = settings(100 * 368_640, 200);
+        let fits = Some(110 << 20);
+        assert_eq!(
+            super::host_kv_blocks(BackendKind::Cpu, &smol, &s, fits).unwrap(),
+            100
+        );
+        let e = super::host_kv_blocks(BackendKind::Cpu, &smol, &s, Some(100 << 20))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("cache.kv_offloading_size")
+                && e.contains("KV cache beside it")
+                && e.contains("100 host KV blocks"),
+            "{e}"
+        );
+        // The GPU's cache is not in host memory: the tier alone fits in 100 MiB.
+        assert!(super::host_kv_blocks(BackendKind::Cuda, &smol, &s, Some(100 << 20)).is_ok());
+    }
+
     /// More threads than cores is warned about; up to the cores, or all of them (0), is not.
     #[test]
     fn threads_beyond_the_cores_are_warned_about() {

@@ -245,25 +245,10 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     // The scheduler plans with the blocks the backend actually holds, and a sequence of
     // max_model_len tokens must fit in them (else such requests could never run).
     let num_blocks = backend.num_kv_blocks();
+    // `build_backend` refused a tier too large for the scheduler or the memory before
+    // building anything (`runtime::host_kv_blocks`).
     let num_host_blocks = backend.num_host_kv_blocks();
-    if config.cache.kv_offloading_size > 0.0 {
-        anyhow::ensure!(
-            num_host_blocks > 0,
-            "cache.kv_offloading_size: {} GiB holds no whole KV block of this model",
-            config.cache.kv_offloading_size
-        );
-        // The scheduler bounds the blocks it tracks: a refusal names the setting.
-        let probe = SchedulerConfig {
-            num_host_blocks,
-            ..SchedulerConfig::default()
-        };
-        if let Err(e) = switchyard_policies::validate_config(&probe) {
-            anyhow::bail!(
-                "cache.kv_offloading_size: {} GiB makes {num_host_blocks} host KV blocks of \
-                 this model: {e}",
-                config.cache.kv_offloading_size
-            );
-        }
+    if num_host_blocks > 0 {
         tracing::info!(
             host_blocks = num_host_blocks,
             gib = config.cache.kv_offloading_size,

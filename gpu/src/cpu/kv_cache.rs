@@ -53,7 +53,7 @@ fn zeroed_f16(n: usize) -> Option<Vec<f16>> {
 
 /// Bytes of memory this process may still use, where the system says (Linux: `MemAvailable`
 /// of /proc/meminfo, and a cgroup v2 limit's headroom when one is set); `None` elsewhere.
-pub(crate) fn available_memory() -> Option<usize> {
+pub fn available_memory() -> Option<usize> {
     let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
     let kib: usize = meminfo
         .lines()
@@ -183,15 +183,28 @@ pub struct HostKvTier {
 }
 
 impl KvCache {
+    /// The shape of this cache's blocks (`f16` values).
+    pub fn geometry(&self) -> crate::KvGeometry {
+        crate::KvGeometry {
+            layers: self.layers,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            block_size: self.block_size,
+            storage: crate::KvStorage::Half,
+        }
+    }
+
     /// Bytes one block takes across all layers (keys and values).
     pub fn block_bytes(&self) -> usize {
-        self.layers * self.kv_heads * self.head_dim * self.block_size * 4
+        self.geometry().block_bytes()
     }
 
     /// A host tier of `bytes / block_bytes` blocks for this cache (none below one block);
-    /// fails, naming `cache.kv_offloading_size`, when the memory is not available.
+    /// fails, naming `cache.kv_offloading_size`, when the tier and this cache together are
+    /// more than the memory available (the cache's pages are committed only as it fills, so
+    /// the memory available now does not count it yet) or the tier cannot be allocated.
     pub fn host_tier(&self, bytes: usize) -> Result<Option<HostKvTier>, GpuError> {
-        let num_blocks = bytes / self.block_bytes().max(1);
+        let num_blocks = self.geometry().blocks_in(bytes);
         if num_blocks == 0 {
             return Ok(None);
         }
@@ -203,20 +216,15 @@ impl KvCache {
             .ok_or_else(|| {
                 GpuError::InvalidConfig("cache.kv_offloading_size: the host tier overflows".into())
             })?;
-        let too_big = |available: usize| {
-            GpuError::InvalidConfig(format!(
-                "cache.kv_offloading_size: the host KV tier needs {} MiB but only {} MiB of \
-                 memory is available",
-                (n * 4) >> 20,
-                available >> 20
-            ))
+        crate::kv_size::check_host_memory(n * 4, self.bytes(), available_memory())?;
+        let alloc = || {
+            zeroed_f16(n).ok_or_else(|| {
+                GpuError::InvalidConfig(format!(
+                    "cache.kv_offloading_size: cannot allocate the host KV tier ({} MiB)",
+                    (n * 4) >> 20
+                ))
+            })
         };
-        if let Some(available) = available_memory() {
-            if n * 4 > available {
-                return Err(too_big(available));
-            }
-        }
-        let alloc = || zeroed_f16(n).ok_or_else(|| too_big(0));
         Ok(Some(HostKvTier {
             num_blocks,
             block_len,

@@ -100,19 +100,16 @@ impl Fp8Buffers {
 }
 
 /// Bytes of one token slot's keys (or values) in one layer: bf16 values, or (`fp8`) e4m3
-/// values and an f32 scale per KV head.
+/// values and an f32 scale per KV head ([`crate::KvGeometry::slot_bytes`]).
 fn kv_slot_bytes(c: &LlamaConfig, fp8: bool) -> usize {
-    if fp8 {
-        c.num_kv_heads * (c.head_dim + 4)
-    } else {
-        c.num_kv_heads * c.head_dim * 2
-    }
+    crate::KvGeometry::of(c, 1, crate::KvStorage::from_fp8(fp8)).slot_bytes()
 }
 
 /// Bytes of KV cache per block (`fp8`: `kv_cache_dtype: fp8`), without
-/// [`kv_part_layout`]'s alignment padding (at most 512 bytes per layer's keys or values).
+/// [`kv_part_layout`]'s alignment padding (at most 512 bytes per layer's keys or values):
+/// the host tier's arithmetic ([`crate::KvGeometry::block_bytes`]), so the two cannot disagree.
 pub(crate) fn kv_block_bytes(c: &LlamaConfig, block_size: usize, fp8: bool) -> usize {
-    2 * c.num_layers * block_size * kv_slot_bytes(c, fp8)
+    crate::KvGeometry::of(c, block_size, crate::KvStorage::from_fp8(fp8)).block_bytes()
 }
 
 /// One layer's keys (or values) in a cache of `slots` token slots: (offset of the fp8 scales,

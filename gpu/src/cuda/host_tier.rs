@@ -51,26 +51,21 @@ impl HostKvTier {
         kv_fp8: bool,
         bytes: usize,
     ) -> Result<Option<Self>, GpuError> {
-        let per_block = super::forward::kv_block_bytes(c, block_size, kv_fp8);
-        let num_blocks = bytes / per_block.max(1);
+        // The arithmetic `serve` checks the tier with before any backend is built.
+        let geometry = crate::KvGeometry::of(c, block_size, crate::KvStorage::from_fp8(kv_fp8));
+        let num_blocks = geometry.blocks_in(bytes);
         if num_blocks == 0 {
             return Ok(None);
         }
-        let total = num_blocks * per_block;
+        let total = num_blocks * geometry.block_bytes();
         let refuse = |why: String| {
             GpuError::InvalidConfig(format!(
                 "cache.kv_offloading_size: the host KV tier needs {} MiB {why}",
                 total >> 20
             ))
         };
-        if let Some(available) = crate::cpu::kv_cache::available_memory() {
-            if total > available {
-                return Err(refuse(format!(
-                    "but only {} MiB of memory is available",
-                    available >> 20
-                )));
-            }
-        }
+        // The device cache is not in host memory: only the tier counts.
+        crate::kv_size::check_host_memory(total, 0, crate::cpu::kv_cache::available_memory())?;
         // SAFETY: bytes, read back only after the DMA of an offload wrote them (the scheduler
         // loads only blocks it offloaded).
         let mem = unsafe { gpu.ctx.alloc_pinned_with_flags::<u8>(total, 0) }.map_err(|e| {

@@ -34,6 +34,10 @@
 //! | 2 | waiting, not looked up (beyond `lookup_limit`, or prefix caching off) | 0 |
 //! | 3 | waiting, looked up, held back (`hold_back_shared`) | minus the cached prefix tokens |
 //!
+//! The cached prefix counts the blocks held in the host KV tier (`cache.kv_offloading_size`)
+//! after the device cache's hit ends: admission copies those back instead of computing them,
+//! and a copy costs far less than the prefill it saves, so they rank as cached.
+//!
 //! Running requests rank by arrival, as under FCFS: the newest is the preemption victim,
 //! and nothing waiting may preempt. With `token_budget` set, steps are chunked as under
 //! `chunked-prefill` (Sarathi-Serve's stall-free batching): each step holds at most that many
@@ -44,8 +48,9 @@
 //!
 //! Cost per step: the planner's O(waiting) selection of the earliest arrivals plus, for each
 //! of at most `lookup_limit`, a walk down its block-hash chain of at most hit length + 1
-//! probes, resumed where its previous walk stopped while nothing was evicted from the cache
-//! (each block of a request is hashed once over its life); for the hold-back, sorting those
+//! probes, its device part resumed where its previous walk stopped while nothing was evicted
+//! from the cache, its host-tier part walked afresh (each block of a request is hashed once
+//! over its life); for the hold-back, sorting those
 //! by arrival, one probe each in a set of blocks to compute, and O(running) to fill it.
 //!
 //! When to use it: prompts that share long prefixes (system prompts, documents, multi-turn
