@@ -2,15 +2,15 @@
 //! of [`Backend::copy_kv`] for offloads (device to host) and loads (host to device), for runs
 //! of consecutive blocks (one DMA per layer, part and run) and for scattered blocks (every
 //! other device block: one DMA per layer, part and block), on random weights of Llama-3-8B
-//! (2 MiB blocks of 16 tokens in bf16) and SmolLM2-135M (360 KiB blocks). Criterion reports
-//! bytes per second. Needs a GPU (`cargo bench --features cuda -p switchyard-gpu --bench
+//! (2 MiB blocks of 16 tokens in bf16) and SmolLM2-135M (360 KiB blocks), each by DMA and by
+//! the `kv_tier_copy` kernel ([`KvCopyEngine`]). Criterion reports bytes per second. Needs a GPU (`cargo bench --features cuda -p switchyard-gpu --bench
 //! cuda_kv_copy`); without one it says so and measures nothing.
 
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use switchyard_gpu::backend::{Backend, KvCopy};
-use switchyard_gpu::cuda::{probe, CudaBackend, CudaBackendConfig, WeightSource};
+use switchyard_gpu::cuda::{probe, CudaBackend, CudaBackendConfig, KvCopyEngine, WeightSource};
 use switchyard_gpu::model::LlamaConfig;
 
 const BLOCK_SIZE: usize = 16;
@@ -19,7 +19,13 @@ fn block_bytes(c: &LlamaConfig) -> usize {
     2 * c.num_layers * BLOCK_SIZE * c.num_kv_heads * c.head_dim * 2
 }
 
-fn bench_model(cr: &mut Criterion, name: &str, c: &LlamaConfig, copies: &[usize]) {
+fn bench_model(
+    cr: &mut Criterion,
+    name: &str,
+    c: &LlamaConfig,
+    copies: &[usize],
+    engine: KvCopyEngine,
+) {
     let per_block = block_bytes(c);
     let most = copies.iter().copied().max().unwrap_or(1);
     let mut cuda = CudaBackend::new(
@@ -28,6 +34,7 @@ fn bench_model(cr: &mut Criterion, name: &str, c: &LlamaConfig, copies: &[usize]
         &CudaBackendConfig {
             num_kv_blocks: Some(2 * most + 2),
             host_kv_bytes: most * per_block,
+            host_kv_copy: Some(engine),
             cuda_graphs: false,
             max_batch_tokens: 256,
             ..CudaBackendConfig::default()
@@ -35,7 +42,11 @@ fn bench_model(cr: &mut Criterion, name: &str, c: &LlamaConfig, copies: &[usize]
     )
     .expect("backend");
     assert_eq!(cuda.num_host_kv_blocks(), most);
-    let mut g = cr.benchmark_group(format!("kv_copy/{name}"));
+    let engine_name = match engine {
+        KvCopyEngine::Dma => "dma",
+        KvCopyEngine::Kernel => "kernel",
+    };
+    let mut g = cr.benchmark_group(format!("kv_copy/{name}/{engine_name}"));
     g.sample_size(20).measurement_time(Duration::from_secs(3));
     for &n in copies {
         g.throughput(Throughput::Bytes((n * per_block) as u64));
@@ -74,8 +85,22 @@ fn kv_copy(cr: &mut Criterion) {
         eprintln!("no usable CUDA device ({e}): nothing measured");
         return;
     }
-    bench_model(cr, "llama-3-8b", &LlamaConfig::llama3_8b(), &[16, 256]);
-    bench_model(cr, "smollm2-135m", &LlamaConfig::smollm2_135m(), &[16, 256]);
+    for engine in [KvCopyEngine::Dma, KvCopyEngine::Kernel] {
+        bench_model(
+            cr,
+            "llama-3-8b",
+            &LlamaConfig::llama3_8b(),
+            &[16, 256],
+            engine,
+        );
+        bench_model(
+            cr,
+            "smollm2-135m",
+            &LlamaConfig::smollm2_135m(),
+            &[16, 256],
+            engine,
+        );
+    }
 }
 
 criterion_group!(benches, kv_copy);

@@ -174,6 +174,40 @@ extern "C" __global__ void fill_f32(float* p, u64 n, float v) {
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) p[i] = v;
 }
 
+// ---- The host KV tier (gpu/src/cuda/host_tier.rs, `SWITCHYARD_CUDA_KV_COPY=kernel`) ----
+// Copies whole KV blocks between the paged cache and the tier's page-locked host memory, which
+// the kernel reads or writes through its device mapping: one launch for a whole list instead
+// of one DMA per layer, part and run of blocks. Block (i, part) copies pair i's block of one
+// layer's keys or values (part = 2 layer + {0 keys, 1 values}): `values` bytes at
+// dev + part dev_part + d values <-> host + part host_part + h values, and with an fp8 cache
+// its `scales` bytes at dev_scales_at / host_scales_at within the part. `pairs` (in mapped host
+// memory) holds (device block, host block) for each i.
+__device__ __forceinline__ void copy_bytes(unsigned char* dst, const unsigned char* src, u64 len) {
+    if ((((u64)dst | (u64)src | len) & 15) == 0) {
+        const uint4* s = (const uint4*)src;
+        uint4* d = (uint4*)dst;
+        for (u64 i = threadIdx.x; i < len / 16; i += blockDim.x) d[i] = s[i];
+    } else {
+        for (u64 i = threadIdx.x; i < len; i += blockDim.x) dst[i] = src[i];
+    }
+}
+
+extern "C" __global__ void kv_tier_copy(unsigned char* dev, u64 dev_part, u64 dev_scales_at,
+                                        unsigned char* host, u64 host_part, u64 host_scales_at,
+                                        const u32* pairs, int to_host, u64 values, u64 scales) {
+    PDL_ENTER();
+    u64 d = pairs[2 * blockIdx.x], h = pairs[2 * blockIdx.x + 1];
+    u64 part = blockIdx.y;
+    unsigned char* dv = dev + part * dev_part + d * values;
+    unsigned char* hv = host + part * host_part + h * values;
+    if (to_host) copy_bytes(hv, dv, values); else copy_bytes(dv, hv, values);
+    if (scales > 0) {
+        unsigned char* ds = dev + part * dev_part + dev_scales_at + d * scales;
+        unsigned char* hs = host + part * host_part + host_scales_at + h * scales;
+        if (to_host) copy_bytes(hs, ds, scales); else copy_bytes(ds, hs, scales);
+    }
+}
+
 // ---- fp8 (e4m3) quantization (`quantization: fp8`) ----
 // A bf16 matrix x [rows, k] (k a multiple of 8, x 16-byte aligned) becomes q = e4m3(x / s),
 // rounded to nearest even and saturated, so that x ~ s q, with s = amax / 448 (448: e4m3's

@@ -3523,8 +3523,8 @@ fn embeddings_agree_with_cpu_and_transformers() {
 /// offload its blocks (in two runs of consecutive blocks and a lone one), overwrite them with
 /// another sequence, load them back into other blocks and decode. The logits equal the
 /// uninterrupted run's bit for bit (the same step over the same bytes), and differ without the
-/// load.
-fn host_tier_round_trip(kv_fp8: bool) {
+/// load. `engine`: DMA or the `kv_tier_copy` kernel.
+fn host_tier_round_trip(kv_fp8: bool, engine: switchyard_gpu::cuda::KvCopyEngine) {
     let (c, w, _) = smollm2_or_dummy();
     let block_bytes = 2 * c.num_layers * 16 * c.num_kv_heads * {
         if kv_fp8 {
@@ -3539,6 +3539,7 @@ fn host_tier_round_trip(kv_fp8: bool) {
         &CudaBackendConfig {
             kv_fp8,
             host_kv_bytes: 8 * block_bytes + block_bytes / 2,
+            host_kv_copy: Some(engine),
             ..cfg(32, true)
         },
     )
@@ -3567,14 +3568,17 @@ fn host_tier_round_trip(kv_fp8: bool) {
         .expect("offload");
     logits(&mut cuda, &other, 0, &first);
     let unloaded = logits(&mut cuda, &[400], prompt.len(), &moved);
-    assert_ne!(unloaded, uninterrupted, "fp8 {kv_fp8}: nothing loaded yet");
+    assert_ne!(
+        unloaded, uninterrupted,
+        "fp8 {kv_fp8} {engine:?}: nothing loaded yet"
+    );
     cuda.copy_kv(&[], &kv(&[(20, 5), (21, 6), (9, 0), (30, 1)]))
         .expect("load");
     let reloaded = logits(&mut cuda, &[400], prompt.len(), &moved);
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     assert!(
         bits(&reloaded) == bits(&uninterrupted),
-        "fp8 {kv_fp8}: the reloaded prefix decodes differently"
+        "fp8 {kv_fp8} {engine:?}: the reloaded prefix decodes differently"
     );
     for (off, load) in [(kv(&[(32, 0)]), vec![]), (vec![], kv(&[(0, 8)]))] {
         let e = cuda.copy_kv(&off, &load).expect_err("out of range");
@@ -3587,8 +3591,11 @@ fn a_prefix_offloaded_to_the_host_tier_and_loaded_elsewhere_decodes_as_before() 
     if !gpu() {
         return;
     }
-    host_tier_round_trip(false);
-    if fp8_gpu() {
-        host_tier_round_trip(true);
+    use switchyard_gpu::cuda::KvCopyEngine;
+    for engine in [KvCopyEngine::Dma, KvCopyEngine::Kernel] {
+        host_tier_round_trip(false, engine);
+        if fp8_gpu() {
+            host_tier_round_trip(true, engine);
+        }
     }
 }

@@ -490,6 +490,8 @@ pub(crate) fn attention_kernel_index(head_dim: usize) -> Option<usize> {
 pub(crate) struct Kernels {
     pub init_uniform_bf16: CudaFunction,
     pub fill_f32: CudaFunction,
+    /// Block copies between the KV cache and the host tier (`host_tier.rs`).
+    pub kv_tier_copy: CudaFunction,
     pub fp8_quant_rows: CudaFunction,
     pub fp8_amax: CudaFunction,
     pub fp8_quant_tensor: CudaFunction,
@@ -689,6 +691,7 @@ impl Gpu {
         let k = Kernels {
             init_uniform_bf16: f("init_uniform_bf16")?,
             fill_f32: f("fill_f32")?,
+            kv_tier_copy: f("kv_tier_copy")?,
             fp8_quant_rows: f("fp8_quant_rows")?,
             fp8_amax: f("fp8_amax")?,
             fp8_quant_tensor: f("fp8_quant_tensor")?,

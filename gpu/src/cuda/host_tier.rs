@@ -9,12 +9,20 @@
 //! every block followed by their f32 scales (as [`super::forward::Buffers`] lays out the
 //! cache). A run of consecutive blocks on both sides is then one contiguous range per layer
 //! and part: one copy (two with fp8 scales) per layer, part and run.
+//!
+//! Two ways to copy ([`KvCopyEngine`]): DMA (`cuMemcpy{DtoH,HtoD}Async`, one per layer, part
+//! and run: 64 for one Llama-3-8B block, each a driver call of a few microseconds, so
+//! scattered blocks cost the host far more than the bytes cost the bus), or one launch of the
+//! `kv_tier_copy` kernel per list, which reads and writes the tier through its device mapping
+//! (the memory is allocated mapped). The kernel reads its (cache block, tier block) pairs from
+//! mapped host memory too: two staging buffers used in turn, each reused only once the event
+//! recorded after the launches that read it has completed.
 
 use std::sync::Arc;
 
-use cudarc::driver::{sys, CudaStream, PinnedHostSlice};
+use cudarc::driver::{sys, CudaEvent, CudaStream, PinnedHostSlice};
 
-use super::device::{cuda_err, Gpu};
+use super::device::{cuda_err, Arg, Gpu};
 use super::forward::Buffers;
 use crate::backend::KvCopy;
 use crate::error::GpuError;
@@ -30,9 +38,48 @@ struct Geometry {
     scales: usize,
 }
 
+/// How the tier's copies run (`SWITCHYARD_CUDA_KV_COPY`: `dma` or `kernel`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvCopyEngine {
+    /// `cuMemcpy{DtoH,HtoD}Async`, one per layer, part and run of consecutive blocks.
+    Dma,
+    /// One `kv_tier_copy` launch per list, through the tier's device mapping.
+    Kernel,
+}
+
+impl KvCopyEngine {
+    /// `SWITCHYARD_CUDA_KV_COPY`, else DMA; an unknown value is refused naming the variable.
+    pub fn from_env() -> Result<Self, GpuError> {
+        match std::env::var("SWITCHYARD_CUDA_KV_COPY").as_deref() {
+            Err(_) | Ok("dma") => Ok(KvCopyEngine::Dma),
+            Ok("kernel") => Ok(KvCopyEngine::Kernel),
+            Ok(v) => Err(GpuError::InvalidConfig(format!(
+                "SWITCHYARD_CUDA_KV_COPY: {v:?} is not one of dma, kernel"
+            ))),
+        }
+    }
+}
+
+/// The kernel's (cache block, tier block) pairs: mapped page-locked memory, written by the
+/// host, read by one call's launches.
+struct PairStaging {
+    pairs: PinnedHostSlice<u32>,
+    /// The device address of `pairs`.
+    dev: u64,
+    /// Recorded after the last launches that read `pairs`.
+    read: Option<CudaEvent>,
+}
+
 /// The host tier: `num_blocks` blocks of page-locked memory.
 pub(crate) struct HostKvTier {
     mem: PinnedHostSlice<u8>,
+    /// The device address of `mem` (its mapping; 0 with DMA, which does not use it).
+    mem_dev: u64,
+    engine: KvCopyEngine,
+    /// The kernel's pair buffers, used in turn (empty with DMA).
+    staging: Vec<PairStaging>,
+    /// The next of `staging` to use.
+    turn: usize,
     /// The compute stream, synchronised before the memory is freed.
     stream: Arc<CudaStream>,
     geometry: Geometry,
@@ -50,6 +97,8 @@ impl HostKvTier {
         block_size: usize,
         kv_fp8: bool,
         bytes: usize,
+        cache_blocks: usize,
+        engine: KvCopyEngine,
     ) -> Result<Option<Self>, GpuError> {
         // The arithmetic `serve` checks the tier with before any backend is built.
         let geometry = crate::KvGeometry::of(c, block_size, crate::KvStorage::from_fp8(kv_fp8));
@@ -68,11 +117,38 @@ impl HostKvTier {
         crate::kv_size::check_host_memory(total, 0, crate::cpu::kv_cache::available_memory())?;
         // SAFETY: bytes, read back only after the DMA of an offload wrote them (the scheduler
         // loads only blocks it offloaded).
-        let mem = unsafe { gpu.ctx.alloc_pinned_with_flags::<u8>(total, 0) }.map_err(|e| {
+        let mut mem = unsafe {
+            gpu.ctx
+                .alloc_pinned_with_flags::<u8>(total, sys::CU_MEMHOSTALLOC_DEVICEMAP)
+        }
+        .map_err(|e| {
             refuse(format!(
                 "of page-locked memory, which the driver refused: {e:?}"
             ))
         })?;
+        let mem_dev = match engine {
+            KvCopyEngine::Kernel => mapped(&mut mem)?,
+            KvCopyEngine::Dma => 0,
+        };
+        // A list holds each cache block at most once and each tier block at most once.
+        let most = cache_blocks.min(num_blocks);
+        let mut staging = Vec::new();
+        if engine == KvCopyEngine::Kernel {
+            for _ in 0..2 {
+                // SAFETY: written by the host before each launch that reads it.
+                let mut pairs = unsafe {
+                    gpu.ctx
+                        .alloc_pinned_with_flags::<u32>(4 * most, sys::CU_MEMHOSTALLOC_DEVICEMAP)
+                }
+                .map_err(|e| cuda_err("host KV tier copy lists", e))?;
+                let dev = mapped(&mut pairs)?;
+                staging.push(PairStaging {
+                    pairs,
+                    dev,
+                    read: None,
+                });
+            }
+        }
         let values = if kv_fp8 {
             c.num_kv_heads * c.head_dim
         } else {
@@ -85,6 +161,10 @@ impl HostKvTier {
         };
         Ok(Some(HostKvTier {
             mem,
+            mem_dev,
+            engine,
+            staging,
+            turn: 0,
             stream: gpu.stream.clone(),
             geometry: Geometry {
                 layers: c.num_layers,
@@ -116,6 +196,9 @@ impl HostKvTier {
             }
         }
         gpu.bind()?;
+        if self.engine == KvCopyEngine::Kernel {
+            return self.copy_by_kernel(gpu, buf, offloads, loads);
+        }
         let host = self
             .mem
             .as_mut_ptr()
@@ -161,6 +244,102 @@ impl HostKvTier {
         }
         Ok(())
     }
+}
+
+impl HostKvTier {
+    /// The copies as `kv_tier_copy` launches: the offloads, then the loads, each list one
+    /// launch of a block per (pair, layer part). The ids were checked by [`Self::copy`].
+    fn copy_by_kernel(
+        &mut self,
+        gpu: &Gpu,
+        buf: &Buffers,
+        offloads: &[KvCopy],
+        loads: &[KvCopy],
+    ) -> Result<(), GpuError> {
+        let turn = self.turn;
+        self.turn = (turn + 1) % self.staging.len().max(1);
+        let Some(st) = self.staging.get_mut(turn) else {
+            return Err(GpuError::Internal("host KV tier: no copy lists".into()));
+        };
+        let cap = st.pairs.len() / 2;
+        if offloads.len() > cap || loads.len() > cap {
+            return Err(GpuError::BadBatch(format!(
+                "KV copies of {} and {} blocks exceed the {cap} a list can hold",
+                offloads.len(),
+                loads.len()
+            )));
+        }
+        // The launches that last read this buffer must be done before it is written again.
+        if let Some(e) = &st.read {
+            e.synchronize()
+                .map_err(|e| cuda_err("host KV tier copy lists", e))?;
+        }
+        let pairs = st
+            .pairs
+            .as_mut_slice()
+            .map_err(|e| cuda_err("host KV tier copy lists", e))?;
+        for (i, c) in offloads.iter().enumerate() {
+            pairs[2 * i] = c.device;
+            pairs[2 * i + 1] = c.host;
+        }
+        for (i, c) in loads.iter().enumerate() {
+            pairs[2 * (cap + i)] = c.device;
+            pairs[2 * (cap + i) + 1] = c.host;
+        }
+        let g = self.geometry;
+        let host_part = self.num_blocks * (g.values + g.scales);
+        let host_values = self.num_blocks * g.values;
+        for (to_host, n, at) in [(true, offloads.len(), 0), (false, loads.len(), cap)] {
+            if n == 0 {
+                continue;
+            }
+            let grid_x = u32::try_from(n)
+                .map_err(|_| GpuError::BadBatch(format!("{n} KV copies in one list")))?;
+            gpu.launch(
+                &gpu.k.kv_tier_copy,
+                (grid_x, (2 * g.layers) as u32, 1),
+                256,
+                &[
+                    Arg::Ptr(buf.kv.ptr()),
+                    Arg::U64(buf.kv_layer_bytes as u64),
+                    Arg::U64(buf.kv_scales_at.unwrap_or(0) as u64),
+                    Arg::Ptr(self.mem_dev),
+                    Arg::U64(host_part as u64),
+                    Arg::U64(host_values as u64),
+                    Arg::Ptr(st.dev + (2 * at * std::mem::size_of::<u32>()) as u64),
+                    Arg::I32(i32::from(to_host)),
+                    Arg::U64(g.values as u64),
+                    Arg::U64(g.scales as u64),
+                ],
+            )?;
+        }
+        let event = match st.read.take() {
+            Some(e) => e,
+            None => gpu
+                .ctx
+                .new_event(None)
+                .map_err(|e| cuda_err("host KV tier event", e))?,
+        };
+        event
+            .record(&gpu.stream)
+            .map_err(|e| cuda_err("host KV tier event", e))?;
+        st.read = Some(event);
+        Ok(())
+    }
+}
+
+/// The device address of mapped page-locked memory.
+fn mapped<T>(mem: &mut PinnedHostSlice<T>) -> Result<u64, GpuError>
+where
+    T: cudarc::driver::ValidAsZeroBits,
+{
+    let host = mem.as_mut_ptr().map_err(|e| cuda_err("host KV tier", e))?;
+    let mut dev: sys::CUdeviceptr = 0;
+    // SAFETY: `host` is the start of a live page-locked allocation made with DEVICEMAP.
+    unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, host.cast(), 0) }
+        .result()
+        .map_err(|e| cuda_err("mapping the host KV tier", e))?;
+    Ok(dev)
 }
 
 impl Drop for HostKvTier {

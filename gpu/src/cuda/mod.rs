@@ -46,6 +46,7 @@ use crate::sampler::{log_softmax, top_n};
 use device::Gpu;
 pub use device::{probe, DeviceInfo, Fp8Scaling};
 use forward::{bucket_for, bucket_launch, Buffers, Graphs, Launch, GRAPH_BUCKETS};
+pub use host_tier::KvCopyEngine;
 use sampling::{Edits, SampleArrays, SeqState, TokenMasks};
 use step::{grid_splits, Layout, SampleRow};
 use weights::GpuWeights;
@@ -84,6 +85,9 @@ pub struct CudaBackendConfig {
     /// Bytes of the host KV tier (`cache.kv_offloading_size`; 0: none): page-locked host
     /// memory of whole KV blocks ([`Backend::num_host_kv_blocks`]), see `host_tier`.
     pub host_kv_bytes: usize,
+    /// How the host tier's copies run; `None`: `SWITCHYARD_CUDA_KV_COPY` (`dma`, `kernel`),
+    /// else DMA.
+    pub host_kv_copy: Option<KvCopyEngine>,
 }
 
 impl Default for CudaBackendConfig {
@@ -100,6 +104,7 @@ impl Default for CudaBackendConfig {
             fp8: false,
             kv_fp8: false,
             host_kv_bytes: 0,
+            host_kv_copy: None,
         }
     }
 }
@@ -482,8 +487,19 @@ impl CudaBackend {
             num_blocks,
             if cfg.kv_fp8 { "fp8" } else { "bf16" }
         );
-        let host_tier =
-            host_tier::HostKvTier::new(&gpu, config, bs, cfg.kv_fp8, cfg.host_kv_bytes)?;
+        let copy_engine = match cfg.host_kv_copy {
+            Some(e) => e,
+            None => host_tier::KvCopyEngine::from_env()?,
+        };
+        let host_tier = host_tier::HostKvTier::new(
+            &gpu,
+            config,
+            bs,
+            cfg.kv_fp8,
+            cfg.host_kv_bytes,
+            num_blocks,
+            copy_engine,
+        )?;
         let timing = timing::StepTiming::from_env(&gpu.ctx)?;
         let argmax = if device::env_switch("SWITCHYARD_CUDA_SPLIT_ARGMAX", true) {
             Some(sampling::ArgmaxScratch::new(&gpu, max_rows)?)
