@@ -299,6 +299,11 @@ pub struct ServeBenchArgs {
     /// and --token-range, so equal ids give identical blocks in every request and run.
     #[arg(long, default_value_t = 512, value_name = "N")]
     pub mooncake_block_tokens: usize,
+    /// Rows of the mooncake trace skipped before the first one sent (0..=10000000, the most
+    /// rows a trace holds), to run another slice of it: --skip-rows 200 --num-prompts 200 sends rows
+    /// 201 to 400, their arrival times counted from row 201's. The rows skipped are not read.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub skip_rows: usize,
     /// Prompt tokens (random dataset; 1..=1048576).
     #[arg(long, default_value_t = 128)]
     pub input_len: usize,

@@ -333,13 +333,21 @@ fn an_input_served_from_the_prefix_cache_gives_the_same_vector() {
     // 100 token ids: 6 whole blocks before the last token are reusable, 96 tokens.
     let ids: Vec<u64> = (1000..1100).collect();
     let before = cached(s);
-    let first = one_vector(s, json!(ids));
+    let answer = embed(s, json!({"model": s.model_id(), "input": ids}));
+    let first = vectors(&answer).remove(0);
     assert_eq!(cached(s), before, "nothing was cached the first time");
-    let second = one_vector(s, json!(ids));
+    assert_eq!(answer["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let answer = embed(s, json!({"model": s.model_id(), "input": ids}));
+    let second = vectors(&answer).remove(0);
+    let reused = (ids.len() - 1) / BLOCK * BLOCK;
     assert_eq!(
         cached(s) - before,
-        ((ids.len() - 1) / BLOCK * BLOCK) as f64,
+        reused as f64,
         "the second time, the whole blocks before the last token came from the cache"
+    );
+    assert_eq!(
+        answer["usage"]["prompt_tokens_details"]["cached_tokens"], reused,
+        "the answer's usage says so as completions' does: {answer}"
     );
     let diff = max_difference(&first, &second);
     eprintln!(

@@ -18,9 +18,11 @@
 //! nothing tells one tenant what another stored.
 //!
 //! With a directory (`server.responses.path`) the store is journaled there ([`journal`]): each
-//! change is sent, under the store's lock, to a writer thread that appends it to a log, and a
-//! start replays the log within the same bounds, so stored responses and their conversations
-//! survive a restart. A background response is journaled once it has ended (a `queued` one
+//! change (reads too, as recency) is queued, under the store's lock, for a writer thread that
+//! appends it to a log, and a start replays the log within the same bounds, so stored
+//! responses, their conversations and their recency order survive a restart. The queue is
+//! bounded and never waited on: a change that finds it full is dropped, and the writer
+//! rewrites the log from the store once it has caught up. A background response is journaled once it has ended (a `queued` one
 //! would never end after a restart).
 
 use std::collections::hash_map::Entry as Entry_;
@@ -246,14 +248,17 @@ impl Drop for ForegroundName {
 
 /// The bounded, tenant-scoped store of responses, and the background responses running now.
 pub struct ResponseStore {
+    /// Where changes are journaled, with a directory. Declared first so that it drops first:
+    /// its writer finishes (rewriting the log from `inner` if a record was dropped) while the
+    /// store is still there.
+    journal: Option<journal::Journal>,
     limits: StoreLimits,
-    inner: Mutex<Inner>,
+    /// The responses; shared only with the journal's writer, which reads it to rewrite the log.
+    inner: Arc<Mutex<Inner>>,
     running: Mutex<HashMap<Key, Running>>,
     /// Stored foreground responses in flight, by name: how many (locked after `running`).
     foreground: Mutex<HashMap<Key, usize>>,
     next_run: AtomicU64,
-    /// Where changes are journaled, with a directory.
-    journal: Option<journal::Journal>,
 }
 
 impl std::fmt::Debug for ResponseStore {
@@ -276,7 +281,7 @@ impl ResponseStore {
         }
         let store = Self {
             limits,
-            inner: Mutex::new(Inner::default()),
+            inner: Arc::new(Mutex::new(Inner::default())),
             running: Mutex::new(HashMap::new()),
             foreground: Mutex::new(HashMap::new()),
             next_run: AtomicU64::new(0),
@@ -298,7 +303,8 @@ impl ResponseStore {
         Ok(store)
     }
 
-    /// Blocks until every change so far is in the journal and synced (at once without one).
+    /// Blocks until every change so far is in the journal and synced (at once without one); a
+    /// log that missed a dropped record is rewritten from the store first.
     pub fn sync(&self) {
         if let Some(journal) = &self.journal {
             journal.sync();
@@ -308,10 +314,13 @@ impl ResponseStore {
     /// Journals the removal of `key` (deleted, evicted or expired).
     fn journal_delete(&self, key: &Key) {
         if let Some(journal) = &self.journal {
-            journal.send(journal::Op::Delete {
-                tenant: key.0.clone(),
-                id: key.1.clone(),
-            });
+            journal.offer(
+                journal::Op::Delete {
+                    tenant: key.0.clone(),
+                    id: key.1.clone(),
+                },
+                0,
+            );
         }
     }
 
@@ -319,7 +328,7 @@ impl ResponseStore {
     fn maybe_compact(&self, inner: &Inner) {
         if let Some(journal) = &self.journal {
             if journal.wants_compaction(inner.bytes) {
-                journal.send(journal::Op::Compact(journal::snapshot(inner)));
+                journal.compact(journal::snapshot(inner));
             }
         }
     }
@@ -387,13 +396,16 @@ impl ResponseStore {
             if matches!(response["status"].as_str(), Some("queued" | "in_progress")) {
                 self.journal_delete(&key);
             } else {
-                journal.send(journal::Op::Put(journal::PutOp {
+                let put = journal::PutOp {
                     tenant: tenant.to_owned(),
                     id: id.to_owned(),
                     at_ms: now_ms,
                     response: response.clone(),
                     turn: Arc::clone(&turn),
-                }));
+                };
+                // What the queued record keeps alive: its object and, should the store let the
+                // response go meanwhile, its conversation.
+                journal.offer(journal::Op::Put(put), bytes);
             }
         }
         let tick = inner.next_tick;
@@ -458,7 +470,25 @@ impl ResponseStore {
             return None;
         }
         let stored = entry.stored.clone();
+        let latest = entry.tick + 1 == inner.next_tick;
+        let running = matches!(
+            stored.response["status"].as_str(),
+            Some("queued" | "in_progress")
+        );
         inner.touch(&key);
+        // The journal follows the recency order (not for one already the most recent, as a
+        // poll of one response reads it again and again, nor for one still running, which is
+        // not in the log): a restart's first eviction leaves the response read here alone.
+        if let Some(journal) = self.journal.as_ref().filter(|_| !latest && !running) {
+            journal.offer(
+                journal::Op::Touch {
+                    tenant: key.0.clone(),
+                    id: key.1.clone(),
+                },
+                0,
+            );
+            self.maybe_compact(&inner);
+        }
         Some(stored)
     }
 

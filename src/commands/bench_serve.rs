@@ -178,6 +178,17 @@ fn validate(args: &ServeBenchArgs) -> anyhow::Result<()> {
         show_range(&TIME_SCALE_RANGE)
     );
     anyhow::ensure!(
+        args.skip_rows <= mooncake::MAX_SKIP_ROWS,
+        "--skip-rows must be 0..={}, not {}",
+        mooncake::MAX_SKIP_ROWS,
+        args.skip_rows
+    );
+    anyhow::ensure!(
+        args.skip_rows == 0 || args.dataset == ServeDataset::Mooncake,
+        "--skip-rows needs --dataset mooncake (the rows of the trace skipped before the first \
+         one sent)"
+    );
+    anyhow::ensure!(
         (1..=MAX_BLOCK_TOKENS).contains(&args.mooncake_block_tokens),
         "--mooncake-block-tokens must be 1..={MAX_BLOCK_TOKENS}, not {}",
         args.mooncake_block_tokens
@@ -375,7 +386,7 @@ fn workload(args: &ServeBenchArgs, rng: &mut ChaCha8Rng) -> anyhow::Result<Vec<R
                 .clone()
                 .context("--dataset-path is required for the mooncake dataset")?;
             let text = read_bounded(&path, MAX_DATASET_BYTES)?;
-            let rows = mooncake::read_rows(&path, &text, row_shape(args), n)?;
+            let rows = mooncake::read_rows(&path, &text, row_shape(args), args.skip_rows, n)?;
             Ok(rows.into_iter().map(Row::from).collect())
         }
         ServeDataset::Sharegpt | ServeDataset::Trace => {
@@ -1236,6 +1247,8 @@ mod tests {
             "--num-prompts 0",
             "--mooncake-block-tokens 0",
             "--mooncake-block-tokens 4097",
+            "--skip-rows 3",
+            "--dataset mooncake --skip-rows 10000001",
             "--endpoint embeddings --embedding-batch 0",
             "--endpoint embeddings --embedding-batch 2049",
             // 2048 prompts of 1024 tokens: 2^21 ids in one request.

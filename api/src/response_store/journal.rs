@@ -11,18 +11,37 @@
 //!   written once per file however many responses continue it, so a long conversation costs
 //!   its new items per turn, not its whole history.
 //! - `{"op":"delete","tenant":..,"id":..}`: a response deleted, evicted or expired.
+//! - `{"op":"touch","tenant":..,"id":..}` (version 2): a response read (`GET`, or continued by
+//!   `previous_response_id`), so it is the most recently used. Not written for a read of the
+//!   response already the most recently used (a client polling one response writes nothing
+//!   more), nor synced on its own (losing one loses no response, only its recency).
 //!
-//! Writes are off the HTTP workers: the store sends each change down a channel, under its
-//! lock, so the log's order is the store's; one thread appends them, one `write` a record, and
-//! `fdatasync`s whenever the channel is empty (group commit). A crash of the process loses
+//! Writes are off the HTTP workers: the store queues each change, under its lock, so the log's
+//! order is the store's; one thread ([`writer`]) appends them, one `write` a record, and
+//! `fdatasync`s whenever the queue is empty (group commit). A crash of the process loses
 //! nothing written; a power loss, at most the records since the last sync. A failed write
 //! (disk full) is logged at ERROR and counted in `responses_journal_errors_total`; the client's
 //! response is already sent, and the next record starts on a fresh line.
 //!
-//! The log is compacted (rewritten from the store's live responses into a temporary file,
-//! synced, renamed over the log) at start and whenever it grows past twice the bytes the store
-//! holds plus [`COMPACT_FLOOR`], so dead records never outweigh live ones for long, and a
-//! restart reads at most about twice the store's byte bound.
+//! The queue is bounded, so a slow disk cannot grow the server's memory: at most
+//! [`QUEUE_RECORDS`] records, counting at most the store's byte bound (a put counts its
+//! response's bytes in the store: its object and conversation, which it keeps alive). The
+//! request path never waits on it: a record that finds it full is dropped, counted in
+//! `responses_journal_errors_total` and WARNed at most once per [`DROP_WARN_INTERVAL`]. A
+//! dropped put or delete leaves the log saying something the store does not (a deleted
+//! response, or an older version of a replaced one, would come back at a restart), so it marks
+//! the log lost: once the writer has caught up, it takes the store's lock (under which every
+//! record is queued), discards what is still queued (sent before, so in the store already) and
+//! rewrites the log from the store's live responses, before it answers a sync. Until then a
+//! crash loses what the queue held, as it would with a queue of any size; a graceful stop
+//! waits for the rewrite. A dropped touch costs only its recency and marks nothing.
+//!
+//! The log is compacted (rewritten from the store's live responses, least recently used first,
+//! into a temporary file, synced, renamed over the log) at start and whenever it grows past
+//! twice the bytes the store holds plus [`COMPACT_FLOOR`], so dead records never outweigh live
+//! ones for long, and a restart reads at most about twice the store's byte bound. A reload
+//! inserts the responses in the file's order and applies its touches, so the recency order
+//! survives a restart: compacted, or as puts and touches since.
 //!
 //! The files are untrusted input. A line longer than the store's byte bound (plus
 //! [`RECORD_ENVELOPE`]) is skipped with a WARN without being held, as is a line that is not a
@@ -34,11 +53,11 @@
 //! which applies its bounds as it goes (the oldest leave first) and drops what is past
 //! `max_age`, keeping each response's tenant.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -49,14 +68,18 @@ use super::{key, Inner, Key, ResponseStore, Turn};
 use crate::metrics::RESPONSES_EVICTED;
 use crate::metrics::RESPONSES_JOURNAL_ERRORS;
 
+mod writer;
+use writer::{Queued, Writer};
+
 /// The log's file name in the directory.
 pub const LOG_FILE: &str = "responses.jsonl";
 /// The lock file's name in the directory.
 pub const LOCK_FILE: &str = "lock";
 /// The header's `format`.
 const FORMAT: &str = "switchyard-responses";
-/// The header's `version` this build reads and writes.
-pub const VERSION: u64 = 1;
+/// The header's `version` this build writes; it reads this one and version 1 (which has no
+/// `touch` records).
+pub const VERSION: u64 = 2;
 /// Longest header line read.
 const MAX_HEADER: usize = 4096;
 /// Bytes a record may take beyond the store's byte bound (its keys and numbers).
@@ -68,6 +91,13 @@ pub const COMPACT_FLOOR: u64 = 1 << 20;
 pub const MAX_TURN_ID: u64 = 1 << 48;
 /// A start reads at most this many times the byte bound of the log.
 pub const MAX_READ_FACTOR: u64 = 4;
+/// Most records queued for the writer. The request path never waits on the disk: a record
+/// that finds the queue full (or the queued records holding the store's byte bound already)
+/// is dropped, counted in `responses_journal_errors_total`, and the writer rewrites the log
+/// from the store once it has caught up (see [`writer`]).
+pub const QUEUE_RECORDS: usize = 4096;
+/// At most one WARN this often about dropped records (each is counted).
+pub const DROP_WARN_INTERVAL: Duration = Duration::from_secs(10);
 
 /// Why the journal could not be opened.
 #[derive(Debug, thiserror::Error)]
@@ -112,7 +142,7 @@ pub enum JournalError {
     /// The log is of another format or version.
     #[error(
         "server.responses.path `{path}`: `{LOG_FILE}` is {found}, not a log this server reads \
-         (format {FORMAT} version {VERSION}); move it away or point the path elsewhere"
+         (format {FORMAT} version 1 to {VERSION}); move it away or point the path elsewhere"
     )]
     UnknownVersion {
         /// The log file.
@@ -196,6 +226,11 @@ enum Record {
         tenant: String,
         id: String,
     },
+    /// The response was read: it is the most recently used.
+    Touch {
+        tenant: String,
+        id: String,
+    },
 }
 
 /// A stored response, as the writer writes it.
@@ -214,26 +249,54 @@ pub(super) enum Op {
         tenant: String,
         id: String,
     },
+    /// The response was read (recency only: dropped without harm).
+    Touch {
+        tenant: String,
+        id: String,
+    },
     /// Rewrite the log as these responses, least recently used first.
     Compact(Vec<PutOp>),
     /// Answer once everything before is written and synced.
     Sync(mpsc::Sender<()>),
+    /// Stall the writer, once it says so on `entered`, until `release` sends or drops (a slow
+    /// disk, for tests).
+    #[cfg(test)]
+    Hold {
+        entered: mpsc::Sender<()>,
+        release: mpsc::Receiver<()>,
+    },
 }
 
-/// The store's end of the journal: the channel to its writer. Dropped, it lets the writer
+/// What the store's end and the writer share.
+#[derive(Default)]
+pub(super) struct Shared {
+    /// The log's size now, as the writer last saw it.
+    file_bytes: AtomicU64,
+    /// A compaction was asked for and is not done.
+    compacting: AtomicBool,
+    /// A put or delete was dropped: the log no longer says what the store holds until the
+    /// writer rewrites it from the store.
+    lost: AtomicBool,
+    /// Bytes the queued records count (a put: its response's bytes in the store).
+    queued_bytes: AtomicUsize,
+}
+
+/// The store's end of the journal: the bounded queue to its writer. Dropped, it lets the writer
 /// finish what was sent and waits for it (the lock goes with it).
 pub(super) struct Journal {
-    tx: mpsc::Sender<Op>,
+    tx: mpsc::SyncSender<Queued>,
     writer: Option<std::thread::JoinHandle<()>>,
-    /// The log's size now, as the writer last saw it.
-    file_bytes: Arc<AtomicU64>,
-    /// A compaction was asked for and is not done.
-    compacting: Arc<AtomicBool>,
+    shared: Arc<Shared>,
+    /// Most bytes the queued records may count: the store's byte bound, so that the queue keeps
+    /// at most one more store's worth alive.
+    max_queued_bytes: usize,
+    /// Records dropped since the last WARN, and when that was.
+    dropped: parking_lot::Mutex<(u64, Option<Instant>)>,
 }
 
 impl Drop for Journal {
     fn drop(&mut self) {
-        let (closed, _) = mpsc::channel();
+        let (closed, _) = mpsc::sync_channel(0);
         drop(std::mem::replace(&mut self.tx, closed));
         if let Some(writer) = self.writer.take() {
             let _ = writer.join();
@@ -242,29 +305,92 @@ impl Drop for Journal {
 }
 
 impl Journal {
-    pub(super) fn send(&self, op: Op) {
-        // The writer lives as long as the store (it ends when the sender drops).
-        if self.tx.send(op).is_err() {
-            tracing::error!("the responses journal's writer is gone: the change is not saved");
-            metrics::counter!(RESPONSES_JOURNAL_ERRORS).increment(1);
+    /// Queues `op`, counting `weight` bytes, without waiting: dropped when the queue is full
+    /// (a put or delete marks the log for a rewrite from the store; a touch is only recency).
+    pub(super) fn offer(&self, op: Op, weight: usize) {
+        let recency_only = matches!(op, Op::Touch { .. });
+        let queued = self.shared.queued_bytes.fetch_add(weight, Ordering::AcqRel);
+        // One record is always let in, whatever it weighs (the store holds it within its bound).
+        let sent = if queued > 0 && queued.saturating_add(weight) > self.max_queued_bytes {
+            false
+        } else {
+            match self.tx.try_send((op, weight)) {
+                Ok(()) => true,
+                Err(mpsc::TrySendError::Full(_)) => false,
+                Err(mpsc::TrySendError::Disconnected(_)) => {
+                    tracing::error!(
+                        "the responses journal's writer is gone: the change is not saved"
+                    );
+                    metrics::counter!(RESPONSES_JOURNAL_ERRORS).increment(1);
+                    return;
+                }
+            }
+        };
+        if !sent {
+            self.shared.queued_bytes.fetch_sub(weight, Ordering::AcqRel);
+            self.dropped(recency_only);
+        }
+    }
+
+    /// Counts a dropped record, marks the log for a rewrite unless it was `recency_only`, and
+    /// WARNs at most once per [`DROP_WARN_INTERVAL`].
+    fn dropped(&self, recency_only: bool) {
+        if !recency_only {
+            self.shared.lost.store(true, Ordering::Release);
+        }
+        metrics::counter!(RESPONSES_JOURNAL_ERRORS).increment(1);
+        let mut dropped = self.dropped.lock();
+        dropped.0 += 1;
+        let now = Instant::now();
+        if dropped
+            .1
+            .is_none_or(|at| now.duration_since(at) >= DROP_WARN_INTERVAL)
+        {
+            tracing::warn!(
+                dropped = dropped.0,
+                queue = QUEUE_RECORDS,
+                queued_bytes = self.shared.queued_bytes.load(Ordering::Relaxed),
+                "the responses journal's writer is behind (a slow disk): changes to stored \
+                 responses are dropped from its queue rather than waiting; its log is \
+                 rewritten from the store once it catches up"
+            );
+            *dropped = (0, Some(now));
+        }
+    }
+
+    /// Queues a compaction to `snapshot` if there is room (it is asked for again later if not).
+    pub(super) fn compact(&self, snapshot: Vec<PutOp>) {
+        if self.tx.try_send((Op::Compact(snapshot), 0)).is_err() {
+            self.shared.compacting.store(false, Ordering::Release);
         }
     }
 
     /// Whether the log outweighs `live` bytes enough to compact it, marking the compaction
     /// asked for (the caller sends it).
     pub(super) fn wants_compaction(&self, live: usize) -> bool {
-        let file = self.file_bytes.load(Ordering::Relaxed);
+        let file = self.shared.file_bytes.load(Ordering::Relaxed);
         file > (live as u64)
             .saturating_mul(2)
             .saturating_add(COMPACT_FLOOR)
-            && !self.compacting.swap(true, Ordering::AcqRel)
+            && !self.shared.compacting.swap(true, Ordering::AcqRel)
     }
 
-    /// Blocks until every change sent so far is written and synced.
+    /// Blocks until every change sent so far is written and synced (off the request path: it
+    /// waits for room in the queue).
     pub(super) fn sync(&self) {
         let (tx, rx) = mpsc::channel();
-        self.send(Op::Sync(tx));
-        let _ = rx.recv();
+        if self.tx.send((Op::Sync(tx), 0)).is_ok() {
+            let _ = rx.recv();
+        }
+    }
+
+    /// Stalls the writer until `release` sends or drops; returns once it is stalled, its queue
+    /// empty.
+    #[cfg(test)]
+    fn hold(&self, release: mpsc::Receiver<()>) {
+        let (entered, stalled) = mpsc::channel();
+        let _ = self.tx.send((Op::Hold { entered, release }, 0));
+        let _ = stalled.recv();
     }
 }
 
@@ -278,6 +404,11 @@ pub(super) fn unix_ms() -> u64 {
 /// Opens the journal in `dir` for `store` (just made, empty): takes the lock, replays the log
 /// into the store, compacts it and starts the writer.
 pub(super) fn open(dir: &Path, store: &mut ResponseStore) -> Result<(), JournalError> {
+    open_with(dir, store, QUEUE_RECORDS)
+}
+
+/// [`open`], with a queue of `queue` records.
+fn open_with(dir: &Path, store: &mut ResponseStore, queue: usize) -> Result<(), JournalError> {
     ensure_directory(dir)?;
     let lock_path = dir.join(LOCK_FILE);
     let lock = OpenOptions::new()
@@ -296,22 +427,18 @@ pub(super) fn open(dir: &Path, store: &mut ResponseStore) -> Result<(), JournalE
     let log = dir.join(LOG_FILE);
     let next_turn = load(&log, store)?;
     let snapshot = store.snapshot();
-    let mut writer = Writer {
-        dir: dir.to_owned(),
-        file: None,
-        written: HashSet::new(),
+    let shared = Arc::new(Shared::default());
+    let mut writer = Writer::new(
+        dir.to_owned(),
+        lock,
         next_turn,
-        broken_line: false,
-        file_bytes: Arc::new(AtomicU64::new(0)),
-        compacting: Arc::new(AtomicBool::new(false)),
-        _lock: lock,
-    };
+        Arc::clone(&shared),
+        Arc::downgrade(&store.inner),
+    );
     writer
         .compact(snapshot)
         .map_err(io(&log, "cannot rewrite the log"))?;
-    let (tx, rx) = mpsc::channel();
-    let file_bytes = Arc::clone(&writer.file_bytes);
-    let compacting = Arc::clone(&writer.compacting);
+    let (tx, rx) = mpsc::sync_channel(queue);
     let thread = std::thread::Builder::new()
         .name("responses-journal".into())
         .spawn(move || writer.run(rx))
@@ -319,8 +446,9 @@ pub(super) fn open(dir: &Path, store: &mut ResponseStore) -> Result<(), JournalE
     store.journal = Some(Journal {
         tx,
         writer: Some(thread),
-        file_bytes,
-        compacting,
+        shared,
+        max_queued_bytes: store.limits.max_bytes,
+        dropped: parking_lot::Mutex::new((0, None)),
     });
     Ok(())
 }
@@ -400,7 +528,7 @@ fn load(path: &Path, store: &ResponseStore) -> Result<u64, JournalError> {
     match read(&mut reader, &mut buf, MAX_HEADER)? {
         Ok(None) => return Ok(0),
         Ok(Some(_)) => match serde_json::from_slice::<Header>(&buf) {
-            Ok(h) if h.format == FORMAT && h.version == VERSION => {}
+            Ok(h) if h.format == FORMAT && (1..=VERSION).contains(&h.version) => {}
             Ok(h) => {
                 return Err(JournalError::UnknownVersion {
                     path: path.to_owned(),
@@ -468,6 +596,9 @@ fn load(path: &Path, store: &ResponseStore) -> Result<u64, JournalError> {
         match record {
             Record::Delete { tenant, id } => {
                 store.remove_loaded(&tenant, &id);
+            }
+            Record::Touch { tenant, id } => {
+                store.inner.lock().touch(&key(&tenant, &id));
             }
             Record::Put {
                 tenant,
@@ -618,191 +749,3 @@ pub(super) fn snapshot(inner: &Inner) -> Vec<PutOp> {
 
 #[cfg(test)]
 mod tests;
-
-/// The thread that writes the log.
-struct Writer {
-    dir: PathBuf,
-    /// The log, open for appending (`None` only before the first compaction).
-    file: Option<File>,
-    /// Turns in the log now.
-    written: HashSet<u64>,
-    next_turn: u64,
-    /// The last write failed, perhaps halfway: the next record starts on a new line.
-    broken_line: bool,
-    file_bytes: Arc<AtomicU64>,
-    compacting: Arc<AtomicBool>,
-    /// Held as long as the writer runs (the process, in a server).
-    _lock: File,
-}
-
-impl Writer {
-    fn run(mut self, rx: mpsc::Receiver<Op>) {
-        while let Ok(op) = rx.recv() {
-            let mut dirty = self.apply(op);
-            while let Ok(op) = rx.try_recv() {
-                dirty |= self.apply(op);
-            }
-            if dirty {
-                if let Some(file) = &self.file {
-                    if let Err(e) = file.sync_data() {
-                        self.failed("cannot sync the log", &e);
-                    }
-                }
-            }
-        }
-        if let Some(file) = &self.file {
-            let _ = file.sync_data();
-        }
-    }
-
-    fn failed(&mut self, what: &str, e: &dyn std::fmt::Display) {
-        tracing::error!(
-            path = %self.dir.join(LOG_FILE).display(),
-            error = %e,
-            "{what}: stored responses changed since may be lost at a restart"
-        );
-        metrics::counter!(RESPONSES_JOURNAL_ERRORS).increment(1);
-    }
-
-    /// Applies one op; whether it wrote to the log.
-    fn apply(&mut self, op: Op) -> bool {
-        match op {
-            Op::Put(put) => {
-                let (record, new) = put_record(&mut self.next_turn, &self.written, put);
-                let ok = self.append(&record);
-                if ok {
-                    self.written.extend(new);
-                }
-                true
-            }
-            Op::Delete { tenant, id } => {
-                self.append(&Record::Delete { tenant, id });
-                true
-            }
-            Op::Compact(snapshot) => {
-                if let Err(e) = self.compact(snapshot) {
-                    self.failed("cannot compact the log", &e);
-                }
-                self.compacting.store(false, Ordering::Release);
-                false
-            }
-            Op::Sync(reply) => {
-                if let Some(file) = &self.file {
-                    if let Err(e) = file.sync_data() {
-                        self.failed("cannot sync the log", &e);
-                    }
-                }
-                let _ = reply.send(());
-                false
-            }
-        }
-    }
-
-    /// Appends `record` as one line; whether it was written.
-    fn append(&mut self, record: &Record) -> bool {
-        let mut line = Vec::new();
-        if self.broken_line {
-            line.push(b'\n');
-        }
-        if let Err(e) = serde_json::to_writer(&mut line, record) {
-            self.failed("cannot write a record", &e);
-            return false;
-        }
-        line.push(b'\n');
-        let Some(file) = self.file.as_mut() else {
-            self.failed("cannot write a record", &"the log is not open");
-            return false;
-        };
-        match file.write_all(&line) {
-            Ok(()) => {
-                self.broken_line = false;
-                self.file_bytes
-                    .fetch_add(line.len() as u64, Ordering::Relaxed);
-                true
-            }
-            Err(e) => {
-                self.broken_line = true;
-                self.failed("cannot write a record", &e);
-                false
-            }
-        }
-    }
-
-    /// Rewrites the log as `snapshot` into a temporary file, synced, then renamed over it.
-    fn compact(&mut self, snapshot: Vec<PutOp>) -> std::io::Result<()> {
-        let log = self.dir.join(LOG_FILE);
-        let tmp = self.dir.join(format!("{LOG_FILE}.tmp"));
-        let mut out = std::io::BufWriter::new(File::create(&tmp)?);
-        let header = Header {
-            format: FORMAT.into(),
-            version: VERSION,
-        };
-        serde_json::to_writer(&mut out, &header)?;
-        out.write_all(b"\n")?;
-        let mut bytes = 0u64;
-        // Swapped in only once the new log is in place: the old one stays in use otherwise.
-        let mut written = HashSet::new();
-        for put in snapshot {
-            let (record, new) = put_record(&mut self.next_turn, &written, put);
-            let mut line = serde_json::to_vec(&record)?;
-            line.push(b'\n');
-            out.write_all(&line)?;
-            bytes += line.len() as u64;
-            written.extend(new);
-        }
-        let file = out.into_inner().map_err(|e| e.into_error())?;
-        file.sync_all()?;
-        std::fs::rename(&tmp, &log)?;
-        // The renamed file is the log now: records go on through this handle (its offset is at
-        // its end), so none can go to the replaced file, whatever fails below.
-        let len = file.metadata().map_or(bytes, |m| m.len());
-        self.file = Some(file);
-        self.written = written;
-        self.broken_line = false;
-        self.file_bytes.store(len.max(bytes), Ordering::Relaxed);
-        // The rename itself is durable once the directory is synced; failing that, the log
-        // in use is still whole (only whether the rename survives a power loss is in doubt).
-        File::open(&self.dir)?.sync_all()
-    }
-}
-
-/// The record of `put`, with the turns of its conversation not in `written` (their ids given
-/// now from `next_turn` if they had none), and those turns' ids.
-fn put_record(next_turn: &mut u64, written: &HashSet<u64>, put: PutOp) -> (Record, Vec<u64>) {
-    let mut chain = Vec::new();
-    let mut at = Some(&*put.turn);
-    while let Some(t) = at {
-        if t.journal_id.get().is_some_and(|id| written.contains(id)) {
-            break;
-        }
-        chain.push(t);
-        at = t.parent.as_deref();
-    }
-    let mut ids = Vec::with_capacity(chain.len());
-    let mut turns = Vec::with_capacity(chain.len());
-    for t in chain.into_iter().rev() {
-        let id = *t.journal_id.get_or_init(|| {
-            let id = *next_turn;
-            *next_turn += 1;
-            id
-        });
-        let parent = t.parent.as_ref().and_then(|p| p.journal_id.get().copied());
-        ids.push(id);
-        turns.push(TurnRecord {
-            id,
-            parent,
-            input: t.input.clone(),
-            output: t.output.clone(),
-        });
-    }
-    let turn = *put.turn.journal_id.get().unwrap_or(&0);
-    let record = Record::Put {
-        tenant: put.tenant,
-        id: put.id,
-        at_ms: put.at_ms,
-        turn,
-        turns,
-        response: put.response,
-    };
-    (record, ids)
-}

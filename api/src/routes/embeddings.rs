@@ -16,6 +16,7 @@ use crate::schema::embeddings::{
     EmbeddingVector,
 };
 use crate::schema::truncation::truncate_prompts;
+use crate::schema::PromptTokensDetails;
 use crate::state::{unix_now, ApiState};
 
 /// Handles `POST /v1/embeddings`.
@@ -52,7 +53,7 @@ pub(crate) async fn embeddings(
         .prompts_only();
     let generation = Generation::start(&*state.engine, requests, 1, fields, meter).await?;
     let created = unix_now();
-    let (vectors, prompt_tokens) = collect(generation, size).await?;
+    let (vectors, prompt_tokens, cached_tokens) = collect(generation, size).await?;
     let data = vectors
         .into_iter()
         .enumerate()
@@ -77,6 +78,7 @@ pub(crate) async fn embeddings(
         usage: EmbeddingUsage {
             prompt_tokens,
             total_tokens: prompt_tokens,
+            prompt_tokens_details: PromptTokensDetails { cached_tokens },
         },
     }))
 }
@@ -123,13 +125,13 @@ fn embedding_requests(
 }
 
 /// Waits for every input's vector (on its one finishing delta; `size` finite values) and
-/// returns them in input order with the inputs' tokens summed. A vector missing or of another
+/// returns them in input order with the inputs' tokens and cached tokens summed. A vector missing or of another
 /// length breaks the port's protocol, one with a value that is not finite is a backend
 /// failure: either is a 500, and the other inputs end as failed.
 async fn collect(
     mut generation: Generation,
     size: usize,
-) -> Result<(Vec<Vec<f32>>, u32), ApiError> {
+) -> Result<(Vec<Vec<f32>>, u32, u32), ApiError> {
     let mut vectors: Vec<Option<Vec<f32>>> = vec![None; generation.choices()];
     while let Some(delta) = generation.next().await {
         let delta = delta?;
@@ -168,5 +170,9 @@ async fn collect(
         .into_iter()
         .collect::<Option<Vec<_>>>()
         .ok_or_else(|| protocol_error("an embedding request ended without its embedding"))?;
-    Ok((vectors, generation.total_prompt_tokens()))
+    Ok((
+        vectors,
+        generation.total_prompt_tokens(),
+        generation.total_cached_prompt_tokens(),
+    ))
 }

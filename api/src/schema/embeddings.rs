@@ -19,6 +19,7 @@ use serde::{Deserialize, Serialize};
 use super::ignored::IgnoredFields;
 use super::limits::MAX_EMBEDDING_INPUTS;
 use super::request::context_length_exceeded;
+use super::response::PromptTokensDetails;
 use super::truncation::{keep_last, parse_truncate_prompt_tokens};
 use crate::engine::PromptInput;
 use crate::error::ApiError;
@@ -342,6 +343,10 @@ pub struct EmbeddingUsage {
     pub prompt_tokens: u32,
     /// The same.
     pub total_tokens: u32,
+    /// What of the inputs' tokens the prefix cache served (an embedding request runs its
+    /// input's prefill as a generation's, so it reuses cached blocks), summed over the inputs,
+    /// as completions' `usage` has it.
+    pub prompt_tokens_details: PromptTokensDetails,
 }
 
 #[cfg(test)]

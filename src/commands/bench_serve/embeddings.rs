@@ -55,6 +55,18 @@ struct EmbeddingUsage {
     /// The inputs' tokens.
     #[serde(default)]
     prompt_tokens: Option<usize>,
+    /// What of them the server's prefix cache served (Switchyard's; vLLM's only with
+    /// `--enable-prompt-tokens-details`).
+    #[serde(default)]
+    prompt_tokens_details: Option<PromptTokensDetails>,
+}
+
+/// `usage.prompt_tokens_details` of an embeddings answer.
+#[derive(Deserialize)]
+struct PromptTokensDetails {
+    /// Prompt tokens the prefix cache served.
+    #[serde(default)]
+    cached_tokens: Option<usize>,
 }
 
 /// What a checked answer holds.
@@ -64,6 +76,8 @@ struct Checked {
     prompt_tokens: usize,
     /// The server sent no `usage.prompt_tokens`.
     usage_missing: bool,
+    /// `usage.prompt_tokens_details.cached_tokens`, where the server sent it.
+    cached_tokens: Option<usize>,
     /// The length of every vector.
     dimension: usize,
 }
@@ -102,10 +116,15 @@ fn check_answer(body: &[u8], job: &Job) -> Result<Checked, String> {
             "vectors of {dimension} floats, where the test request's had {expected}"
         ));
     }
+    let cached_tokens = list
+        .usage
+        .as_ref()
+        .and_then(|u| u.prompt_tokens_details.as_ref()?.cached_tokens);
     let usage = list.usage.and_then(|u| u.prompt_tokens);
     Ok(Checked {
         prompt_tokens: usage.unwrap_or(job.input),
         usage_missing: usage.is_none(),
+        cached_tokens,
         dimension,
     })
 }
@@ -135,6 +154,7 @@ pub(super) fn one_request(
             sample.ok = true;
             sample.prompt_tokens = c.prompt_tokens;
             sample.usage_missing = c.usage_missing;
+            sample.cached_tokens = c.cached_tokens;
             sample.dimension = c.dimension;
         }
         Err(e) => sample.error = e,
@@ -251,8 +271,19 @@ mod tests {
             Ok(Checked {
                 prompt_tokens: 9,
                 usage_missing: false,
+                cached_tokens: None,
                 dimension: 2
             })
+        );
+        // The prefix cache's share, where the server reports it.
+        let cached = json!({
+            "data": [{"embedding": [0.5]}],
+            "usage": {"prompt_tokens": 40, "total_tokens": 40,
+                      "prompt_tokens_details": {"cached_tokens": 32}},
+        });
+        assert_eq!(
+            check(cached, &job(1, 40, None)).unwrap().cached_tokens,
+            Some(32)
         );
         let without = json!({"data": [{"embedding": [0.5, -0.25, 1e-3]}]});
         assert_eq!(
@@ -260,6 +291,7 @@ mod tests {
             Ok(Checked {
                 prompt_tokens: 8,
                 usage_missing: true,
+                cached_tokens: None,
                 dimension: 3
             })
         );

@@ -39,6 +39,8 @@ pub(super) const MAX_BLOCK_TOKENS: usize = 8 * TRACE_BLOCK_TOKENS;
 /// Most hash ids held for one run, over all its rows (128 MiB of ids; the shipped trace has
 /// 121,877): a file of 1 GiB could otherwise hold half a billion.
 pub(super) const MAX_TOTAL_HASH_IDS: usize = 1 << 24;
+/// Largest `--skip-rows`: a file holds at most this many rows.
+pub(super) const MAX_SKIP_ROWS: usize = MAX_ROWS;
 /// Mixed into every block's seed, so a block's stream is no other stream of the run.
 const BLOCK_DOMAIN: u128 = 0x6d6f_6f6e_6361_6b65_2d62_6c6f_636b_0001;
 
@@ -92,11 +94,14 @@ struct Line {
     hash_ids: Option<Vec<u64>>,
 }
 
-/// Reads the first `limit` rows of the Mooncake trace `text` (the contents of `path`).
+/// Reads `limit` rows of the Mooncake trace `text` (the contents of `path`) after its first
+/// `skip` rows (`--skip-rows`: a slice of the trace; the rows skipped are counted, not read,
+/// and times count from the first row read).
 pub(super) fn read_rows(
     path: &Path,
     text: &str,
     shape: RowShape,
+    skip: usize,
     limit: usize,
 ) -> anyhow::Result<Vec<MooncakeRow>> {
     let text = text.strip_prefix('\u{feff}').unwrap_or(text);
@@ -104,12 +109,17 @@ pub(super) fn read_rows(
     let mut first_ms: Option<f64> = None;
     let mut prev_ms = f64::NEG_INFINITY;
     let mut total_ids = 0usize;
+    let mut skipped = 0usize;
     for (i, raw) in text.lines().enumerate() {
         if rows.len() >= limit {
             break;
         }
         let at = |field: &str| format!("{}:{}: field {field}", path.display(), i + 1);
         if raw.trim().is_empty() {
+            continue;
+        }
+        if skipped < skip {
+            skipped += 1;
             continue;
         }
         anyhow::ensure!(
@@ -181,7 +191,16 @@ pub(super) fn read_rows(
             hash_ids: line.hash_ids.map(Arc::from),
         });
     }
-    anyhow::ensure!(!rows.is_empty(), "{} has no rows", path.display());
+    anyhow::ensure!(
+        !rows.is_empty(),
+        "{} has no rows{}",
+        path.display(),
+        if skip > 0 {
+            format!(" after the {skipped} that --skip-rows {skip} skips")
+        } else {
+            String::new()
+        }
+    );
     Ok(rows)
 }
 
@@ -301,7 +320,7 @@ mod tests {
     };
 
     fn read(text: &str, shape: RowShape) -> anyhow::Result<Vec<MooncakeRow>> {
-        read_rows(Path::new("mc.jsonl"), text, shape, usize::MAX)
+        read_rows(Path::new("mc.jsonl"), text, shape, 0, usize::MAX)
     }
 
     fn prompt(ids: &[u64], len: usize, block: usize, tokens: TokenSpace) -> Vec<u32> {
@@ -375,9 +394,37 @@ mod tests {
             Path::new("mc.jsonl"),
             &format!("{text}\nnot json"),
             SHAPE,
+            0,
             2,
         );
         assert_eq!(rows.unwrap().len(), 2);
+    }
+
+    /// `--skip-rows`: a slice of the trace, its times counted from its own first row; rows
+    /// skipped are not read (a bad one there is never seen); a skip past the end is refused.
+    #[test]
+    fn skipped_rows_start_the_slice_later() {
+        let text = r#"not json, skipped unread
+
+{"timestamp": 1000, "input_length": 1100, "output_length": 30, "hash_ids": [1, 2, 3]}
+{"timestamp": 2500, "input_length": 600, "output_length": 1, "hash_ids": [1, 9]}
+{"timestamp": 4000, "input_length": 10, "output_length": 4}"#;
+        let slice = |skip, limit| read_rows(Path::new("mc.jsonl"), text, SHAPE, skip, limit);
+        let all = slice(1, usize::MAX).unwrap();
+        assert_eq!(all.len(), 3);
+        let rows = slice(2, 1).unwrap();
+        assert_eq!(rows.len(), 1);
+        assert_eq!(rows[0].input, 600);
+        assert_eq!(rows[0].hash_ids.as_deref(), Some(&[1u64, 9][..]));
+        assert_eq!(rows[0].at, 0.0, "times count from the slice's first row");
+        let rows = slice(3, 5).unwrap();
+        assert_eq!((rows.len(), rows[0].input), (1, 10));
+        let e = slice(4, 5).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "mc.jsonl has no rows after the 4 that --skip-rows 4 skips"
+        );
+        assert!(slice(0, 5).is_err(), "the first line is not a row");
     }
 
     #[test]

@@ -1,3 +1,4 @@
+use std::io::Write;
 use std::sync::atomic::AtomicUsize;
 
 use serde_json::json;
@@ -343,16 +344,14 @@ fn a_failed_write_is_counted_and_the_next_record_starts_a_new_line() {
     let dir = TempDir::new();
     std::fs::create_dir_all(&dir.0).unwrap();
     let lock = File::create(dir.0.join(LOCK_FILE)).unwrap();
-    let mut writer = Writer {
-        dir: dir.0.clone(),
-        file: Some(full),
-        written: HashSet::new(),
-        next_turn: 0,
-        broken_line: false,
-        file_bytes: Arc::new(AtomicU64::new(0)),
-        compacting: Arc::new(AtomicBool::new(false)),
-        _lock: lock,
-    };
+    let mut writer = Writer::new(
+        dir.0.clone(),
+        lock,
+        0,
+        Arc::new(Shared::default()),
+        std::sync::Weak::new(),
+    );
+    writer.file = Some(full);
     let recorder = crate::metrics::prometheus_builder()
         .expect("builder")
         .build_recorder();
@@ -365,7 +364,7 @@ fn a_failed_write_is_counted_and_the_next_record_starts_a_new_line() {
         turn: turn("lost", None),
     };
     metrics::with_local_recorder(&recorder, || {
-        writer.apply(Op::Put(put()));
+        writer.apply(Op::Put(put()), &mut Vec::new());
     });
     assert!(writer.broken_line);
     assert!(
@@ -381,7 +380,7 @@ fn a_failed_write_is_counted_and_the_next_record_starts_a_new_line() {
     );
     // The disk has room again: the record is written after a newline.
     writer.file = Some(File::create(dir.log()).unwrap());
-    writer.apply(Op::Put(put()));
+    writer.apply(Op::Put(put()), &mut Vec::new());
     assert!(!writer.broken_line);
     assert!(
         dir.log_text().starts_with("\n{\"op\":\"put\""),
@@ -420,4 +419,126 @@ fn a_log_past_the_read_bound_refuses_the_start() {
     let s = open(&dir, wide);
     assert!(s.get("t", "r1").is_none());
     assert_eq!(s.len(), 300);
+}
+
+/// The journaled errors counter as `handle` renders it.
+fn errors(handle: &metrics_exporter_prometheus::PrometheusHandle) -> u64 {
+    let text = handle.render();
+    text.lines()
+        .find_map(|l| l.strip_prefix(&format!("{RESPONSES_JOURNAL_ERRORS} ")))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// A writer stalled by a slow disk holds at most its queue: records past it are dropped and
+/// counted, and the request path does not wait. Once the writer catches up it rewrites the log
+/// from the store, so a dropped delete does not bring its response back at a restart, nor a
+/// dropped put the response's older version.
+#[test]
+fn a_stalled_writer_drops_records_and_the_log_stays_true() {
+    let dir = TempDir::new();
+    let bound = limits(100, 1 << 20, None);
+    let mut s = ResponseStore::new(bound);
+    open_with(&dir.0, &mut s, 4).expect("opens");
+    s.insert(
+        "gone",
+        "t",
+        done("gone"),
+        turn("deleted while stalled", None),
+    );
+    s.insert("v", "t", json!({"v": 1}), turn("v", None));
+    s.sync();
+    let (release, held) = mpsc::channel();
+    s.journal.as_ref().unwrap().hold(held);
+    let recorder = crate::metrics::prometheus_builder()
+        .expect("builder")
+        .build_recorder();
+    let handle = recorder.handle();
+    metrics::with_local_recorder(&recorder, || {
+        for i in 0..4 {
+            let id = format!("fill{i}");
+            s.insert(&id, "t", done(&id), turn(&id, None));
+        }
+        assert_eq!(errors(&handle), 0, "the queue holds four");
+        // Dropped: the queue is full, and nothing waits for the writer.
+        assert!(s.remove("t", "gone"));
+        s.insert("v", "t", json!({"v": 2}), turn("v", None));
+        for i in 4..10 {
+            let id = format!("fill{i}");
+            s.insert(&id, "t", done(&id), turn(&id, None));
+        }
+        assert_eq!(errors(&handle), 8, "{}", handle.render());
+    });
+    drop(release);
+    s.sync();
+    assert!(!dir.log_text().contains("deleted while stalled"));
+    drop(s);
+    let s = open(&dir, bound);
+    assert!(
+        s.get("t", "gone").is_none(),
+        "a dropped delete stays deleted"
+    );
+    assert_eq!(s.get("t", "v").expect("v").response["v"], 2);
+    assert_eq!(s.len(), 11);
+}
+
+/// The queued records count at most the store's byte bound (one record is always let in).
+#[test]
+fn the_queue_holds_at_most_the_stores_bytes() {
+    let dir = TempDir::new();
+    let one = {
+        let s = ResponseStore::new(limits(100, 1 << 20, None));
+        s.insert("r0", "t", done("r0"), turn(&"x".repeat(1000), None));
+        s.bytes()
+    };
+    let bound = limits(100, one * 5 / 2, None);
+    let mut s = ResponseStore::new(bound);
+    open_with(&dir.0, &mut s, 100).expect("opens");
+    let (release, held) = mpsc::channel();
+    s.journal.as_ref().unwrap().hold(held);
+    let recorder = crate::metrics::prometheus_builder()
+        .expect("builder")
+        .build_recorder();
+    let handle = recorder.handle();
+    metrics::with_local_recorder(&recorder, || {
+        for i in 0..3 {
+            let id = format!("r{i}");
+            s.insert(&id, "t", done(&id), turn(&"x".repeat(1000), None));
+        }
+        // Two fit in 2.5 responses' bytes; the third is dropped (its eviction of r0 is not).
+        assert_eq!(errors(&handle), 1, "{}", handle.render());
+    });
+    drop(release);
+    drop(s);
+    let s = open(&dir, bound);
+    assert!(s.get("t", "r0").is_none());
+    assert!(s.get("t", "r1").is_some() && s.get("t", "r2").is_some());
+}
+
+/// A response read just before a restart is the most recently used after it, whether its
+/// reads are in the log as `touch` records or the log was compacted since (written least
+/// recently used first): the first eviction after the restart takes the one not read.
+#[test]
+fn recency_survives_a_restart_and_a_compaction() {
+    let dir = TempDir::new();
+    let bound = limits(3, 1 << 20, None);
+    {
+        let s = open(&dir, bound);
+        for id in ["A", "B", "C"] {
+            s.insert(id, "t", done(id), turn(id, None));
+        }
+        // Read three times: one record (a response already the latest is not touched again).
+        for _ in 0..3 {
+            assert!(s.get("t", "A").is_some());
+        }
+        s.sync();
+        assert_eq!(dir.log_text().matches("\"op\":\"touch\"").count(), 1);
+    }
+    // The first restart replays the touch; its compaction writes A last.
+    drop(open(&dir, bound));
+    assert_eq!(dir.log_text().matches("\"op\":\"touch\"").count(), 0);
+    let s = open(&dir, bound);
+    s.insert("D", "t", done("D"), turn("D", None));
+    assert!(s.get("t", "B").is_none(), "B was the least recently used");
+    assert!(s.get("t", "A").is_some() && s.get("t", "C").is_some());
 }
