@@ -110,19 +110,16 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let api_keys = config.load_api_keys()?;
     // The stored responses' journal is locked and read now: a second server on its directory
     // fails before the model loads.
-    let responses = Arc::new(
-        ResponseStore::open(
-            store_limits(&config),
-            config
-                .server
-                .responses
-                .path
-                .as_deref()
-                .map(switchyard_config::expand_home)
-                .as_deref(),
-        )
-        .context("server.responses.path")?,
-    );
+    let responses = Arc::new(ResponseStore::open(
+        store_limits(&config),
+        config
+            .server
+            .responses
+            .path
+            .as_deref()
+            .map(switchyard_config::expand_home)
+            .as_deref(),
+    )?);
     // The tenants the keys name label the usage counters (no other value does); like the
     // tiers, they change only with a restart, and their series are made once.
     let key_tenants = key_tenants(&config, &api_keys);

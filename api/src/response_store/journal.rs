@@ -75,6 +75,9 @@ use writer::{Queued, Writer};
 pub const LOG_FILE: &str = "responses.jsonl";
 /// The lock file's name in the directory.
 pub const LOCK_FILE: &str = "lock";
+
+/// The file a compaction writes before renaming it over the log.
+pub const TMP_FILE: &str = "responses.jsonl.tmp";
 /// The header's `format`.
 const FORMAT: &str = "switchyard-responses";
 /// The header's `version` this build writes; it reads this one and version 1 (which has no
@@ -103,7 +106,7 @@ pub const DROP_WARN_INTERVAL: Duration = Duration::from_secs(10);
 #[derive(Debug, thiserror::Error)]
 pub enum JournalError {
     /// A file operation failed.
-    #[error("server.responses.path `{path}`: {what}: {source}")]
+    #[error("server.responses.path `{path}`: {what}")]
     Io {
         /// The file or directory.
         path: PathBuf,
@@ -116,6 +119,13 @@ pub enum JournalError {
     /// The path is not a directory.
     #[error("server.responses.path `{0}` is not a directory")]
     NotADirectory(PathBuf),
+    /// The lock file, the log or the log's temporary file is there but not a regular file (a
+    /// FIFO would block the start forever, a directory cannot be written).
+    #[error(
+        "server.responses.path: `{0}` is not a regular file: the journal keeps its lock and \
+         log there as plain files; move it away"
+    )]
+    NotAFile(PathBuf),
     /// Another process holds the directory's lock.
     #[error(
         "server.responses.path `{0}` is in use by another server (its lock file is held): \
@@ -163,6 +173,15 @@ pub fn ensure_directory(dir: &Path) -> Result<(), JournalError> {
         return Err(JournalError::NotADirectory(dir.to_owned()));
     }
     std::fs::create_dir_all(dir).map_err(io(dir, "cannot create the directory"))
+}
+
+/// Refuses `path` when it is there but is not a regular file (or a link to one): opening a
+/// FIFO blocks until a writer comes, and a device or directory is not the journal's.
+pub(super) fn refuse_special(path: &Path) -> Result<(), JournalError> {
+    match std::fs::metadata(path) {
+        Ok(m) if !m.is_file() => Err(JournalError::NotAFile(path.to_owned())),
+        _ => Ok(()),
+    }
 }
 
 /// Longest `server.responses.path`, in bytes.
@@ -411,6 +430,10 @@ pub(super) fn open(dir: &Path, store: &mut ResponseStore) -> Result<(), JournalE
 fn open_with(dir: &Path, store: &mut ResponseStore, queue: usize) -> Result<(), JournalError> {
     ensure_directory(dir)?;
     let lock_path = dir.join(LOCK_FILE);
+    let log = dir.join(LOG_FILE);
+    for path in [&lock_path, &log, &dir.join(TMP_FILE)] {
+        refuse_special(path)?;
+    }
     let lock = OpenOptions::new()
         .create(true)
         .truncate(false)
@@ -424,7 +447,6 @@ fn open_with(dir: &Path, store: &mut ResponseStore, queue: usize) -> Result<(), 
             return Err(io(&lock_path, "cannot lock the lock file")(e))
         }
     }
-    let log = dir.join(LOG_FILE);
     let next_turn = load(&log, store)?;
     let snapshot = store.snapshot();
     let shared = Arc::new(Shared::default());

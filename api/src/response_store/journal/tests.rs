@@ -542,3 +542,38 @@ fn recency_survives_a_restart_and_a_compaction() {
     assert!(s.get("t", "B").is_none(), "B was the least recently used");
     assert!(s.get("t", "A").is_some() && s.get("t", "C").is_some());
 }
+
+/// A lock file, log or compaction file that is there but is not a regular file refuses the
+/// start, naming it: a FIFO would block the open until a writer came (the start hung), a
+/// directory is not a log. Opened on a thread so that a hang fails the test instead of
+/// stalling it.
+#[test]
+fn a_journal_file_that_is_not_a_regular_file_is_refused() {
+    for name in [LOCK_FILE, LOG_FILE, TMP_FILE] {
+        for fifo in [true, false] {
+            let dir = TempDir::new();
+            std::fs::create_dir_all(&dir.0).unwrap();
+            let path = dir.0.join(name);
+            if fifo {
+                let made = std::process::Command::new("mkfifo")
+                    .arg(&path)
+                    .status()
+                    .expect("mkfifo runs");
+                assert!(made.success());
+            } else {
+                std::fs::create_dir(&path).unwrap();
+            }
+            let (tx, rx) = mpsc::channel();
+            let at = dir.0.clone();
+            std::thread::spawn(move || {
+                let _ = tx.send(ResponseStore::open(limits(10, 1 << 20, None), Some(&at)).err());
+            });
+            let e = rx
+                .recv_timeout(Duration::from_secs(60))
+                .unwrap_or_else(|_| panic!("{name} (fifo {fifo}): the open hangs"))
+                .unwrap_or_else(|| panic!("{name} (fifo {fifo}): opened"));
+            assert!(matches!(e, JournalError::NotAFile(_)), "{name}: {e}");
+            assert!(e.to_string().contains(&path.display().to_string()), "{e}");
+        }
+    }
+}

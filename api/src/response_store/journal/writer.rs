@@ -13,7 +13,9 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use super::{snapshot, Header, Op, PutOp, Record, Shared, TurnRecord, FORMAT, LOG_FILE, VERSION};
+use super::{
+    snapshot, Header, Op, PutOp, Record, Shared, TurnRecord, FORMAT, LOG_FILE, TMP_FILE, VERSION,
+};
 use crate::metrics::RESPONSES_JOURNAL_ERRORS;
 use crate::response_store::Inner;
 
@@ -248,7 +250,14 @@ impl Writer {
     /// the recency order) into a temporary file, synced, then renamed over it.
     pub(super) fn compact(&mut self, snapshot: Vec<PutOp>) -> std::io::Result<()> {
         let log = self.dir.join(LOG_FILE);
-        let tmp = self.dir.join(format!("{LOG_FILE}.tmp"));
+        let tmp = self.dir.join(TMP_FILE);
+        // A FIFO put there since the start would block this thread for good.
+        if std::fs::metadata(&tmp).is_ok_and(|m| !m.is_file()) {
+            return Err(std::io::Error::other(format!(
+                "`{}` is not a regular file",
+                tmp.display()
+            )));
+        }
         let mut out = std::io::BufWriter::new(File::create(&tmp)?);
         let header = Header {
             format: FORMAT.into(),
