@@ -140,7 +140,23 @@ mod tests {
         // 16 candidates × 20,000 tokens × 1 entry is past the bound of 2^18 entries.
         let big = serde_json::json!({"prompt": "x", "best_of": 16, "max_tokens": 20_000});
         let e = completion(big).unwrap_err();
-        assert_eq!(param_of(e).as_deref(), Some(BEST_OF));
+        assert_eq!(param_of(e.clone()).as_deref(), Some(BEST_OF));
+        // The way out is fewer candidates, never streaming (refused with best_of above n).
+        let ApiError::InvalidRequest { message, .. } = e else {
+            panic!("{e:?}")
+        };
+        assert!(message.contains("lower best_of"), "{message}");
+        assert!(!message.contains("stream to true"), "{message}");
+        // Asked for, the logprobs name the field, with the same advice.
+        let asked = serde_json::json!(
+            {"prompt": "x", "best_of": 16, "max_tokens": 4000, "logprobs": 20}
+        );
+        let e = completion(asked).unwrap_err();
+        assert_eq!(param_of(e.clone()).as_deref(), Some("logprobs"));
+        let ApiError::InvalidRequest { message, .. } = e else {
+            panic!("{e:?}")
+        };
+        assert!(message.contains("lower best_of"), "{message}");
         let small = serde_json::json!({"prompt": "x", "best_of": 16, "max_tokens": 16_000});
         assert!(completion(small).is_ok());
     }

@@ -563,6 +563,7 @@ fn check_generated_logprobs(
     max_tokens: Option<u32>,
     logprobs: u32,
     max_model_len: usize,
+    ranked: bool,
 ) -> Result<(), ApiError> {
     let length = max_tokens.map_or(max_model_len.saturating_sub(1), |m| {
         usize::try_from(m).unwrap_or(usize::MAX)
@@ -575,15 +576,25 @@ fn check_generated_logprobs(
         } else {
             "max_tokens (absent: the context length less one)"
         };
-        return Err(ApiError::invalid(
-            param,
+        // Candidates ranked by best_of hold their logprobs whether or not asked, and cannot
+        // be streamed: the way out is fewer of them.
+        let message = if ranked {
+            format!(
+                "best_of ranks its candidates by their logprobs (computed whether or not \
+                 asked), which holds candidates (prompts × best_of) × {length_name} × (top \
+                 logprobs + 1) entries, at most {MAX_GENERATED_LOGPROB_ENTRIES}; got {choices} \
+                 × {length} × {per_token} = {entries}. best_of above n cannot be streamed: \
+                 lower best_of, max_tokens or the number of top logprobs"
+            )
+        } else {
             format!(
                 "a response with logprobs holds choices × {length_name} × (top logprobs + 1) \
                  entries, at most {MAX_GENERATED_LOGPROB_ENTRIES} unless streamed; got \
                  {choices} × {length} × {per_token} = {entries}. Set stream to true, or lower \
                  n, max_tokens or the number of top logprobs"
-            ),
-        ));
+            )
+        };
+        return Err(ApiError::invalid(param, message));
     }
     Ok(())
 }
@@ -878,7 +889,14 @@ impl CompletionRequest {
             } else {
                 BEST_OF
             };
-            check_generated_logprobs(param, choices, Some(max_tokens), k, max_model_len)?;
+            check_generated_logprobs(
+                param,
+                choices,
+                Some(max_tokens),
+                k,
+                max_model_len,
+                best_of > n,
+            )?;
         }
         let prompt_logprobs = parse_prompt_logprobs(
             self.prompt_logprobs,
@@ -1059,7 +1077,7 @@ impl ChatRequest {
         let stream = self.stream.unwrap_or(false);
         if let Some(k) = logprobs.filter(|_| !stream) {
             let choices = usize::try_from(n).unwrap_or(usize::MAX);
-            check_generated_logprobs("logprobs", choices, max_tokens, k, max_model_len)?;
+            check_generated_logprobs("logprobs", choices, max_tokens, k, max_model_len, false)?;
         }
         // One list at the response's top level (vLLM's place), whatever `n`.
         let prompt_logprobs = parse_prompt_logprobs(
