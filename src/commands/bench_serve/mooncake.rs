@@ -195,7 +195,9 @@ pub(super) fn read_rows(
         !rows.is_empty(),
         "{} has no rows{}",
         path.display(),
-        if skip > 0 {
+        if skipped < skip {
+            format!(": it ends after {skipped}, before the {skip} that --skip-rows skips")
+        } else if skip > 0 {
             format!(" after the {skipped} that --skip-rows {skip} skips")
         } else {
             String::new()
@@ -423,6 +425,12 @@ mod tests {
         assert_eq!(
             e,
             "mc.jsonl has no rows after the 4 that --skip-rows 4 skips"
+        );
+        // A skip past the end says how many rows there were, not that it skipped them all.
+        let e = slice(9, 5).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "mc.jsonl has no rows: it ends after 4, before the 9 that --skip-rows skips"
         );
         assert!(slice(0, 5).is_err(), "the first line is not a row");
     }
