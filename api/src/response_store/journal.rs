@@ -189,7 +189,8 @@ pub const MAX_PATH_BYTES: usize = 4096;
 
 /// Why `dir` cannot hold the journal, without creating anything (`config check`): it must be
 /// a directory, or be creatable in the nearest directory above it that exists, which must not
-/// be read-only.
+/// be read-only; an existing directory's lock, log and compaction file must be regular files or
+/// absent.
 pub fn check_directory(dir: &Path) -> Result<(), String> {
     if dir.as_os_str().is_empty() || dir.as_os_str().len() > MAX_PATH_BYTES {
         return Err(format!("a path of 1-{MAX_PATH_BYTES} bytes is required"));
@@ -198,11 +199,23 @@ pub fn check_directory(dir: &Path) -> Result<(), String> {
     while let Some(p) = at {
         match std::fs::metadata(p) {
             Ok(m) if m.is_dir() => {
-                return if m.permissions().readonly() {
-                    Err(format!("`{}` is read-only", p.display()))
-                } else {
-                    Ok(())
-                };
+                if m.permissions().readonly() {
+                    return Err(format!("`{}` is read-only", p.display()));
+                }
+                if p != dir {
+                    return Ok(());
+                }
+                // The journal's own files, where the directory is there already (as the start
+                // checks them: a FIFO would block it).
+                return [LOCK_FILE, LOG_FILE, TMP_FILE]
+                    .iter()
+                    .try_for_each(|name| refuse_special(&p.join(name)))
+                    .map_err(|e| match e {
+                        JournalError::NotAFile(path) => {
+                            format!("`{}` is not a regular file", path.display())
+                        }
+                        e => e.to_string(),
+                    });
             }
             Ok(_) => return Err(format!("`{}` is not a directory", p.display())),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => at = p.parent(),

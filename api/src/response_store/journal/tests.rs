@@ -574,6 +574,9 @@ fn a_journal_file_that_is_not_a_regular_file_is_refused() {
                 .unwrap_or_else(|| panic!("{name} (fifo {fifo}): opened"));
             assert!(matches!(e, JournalError::NotAFile(_)), "{name}: {e}");
             assert!(e.to_string().contains(&path.display().to_string()), "{e}");
+            // `config check` says so too.
+            let why = check_directory(&dir.0).unwrap_err();
+            assert!(why.contains(&path.display().to_string()), "{why}");
         }
     }
 }
