@@ -174,7 +174,7 @@ extern "C" __global__ void fill_f32(float* p, u64 n, float v) {
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) p[i] = v;
 }
 
-// ---- The host KV tier (gpu/src/cuda/host_tier.rs, `SWITCHYARD_CUDA_KV_COPY=kernel`) ----
+// ---- The host KV tier (gpu/src/cuda/host_tier.rs; the default copy engine) ----
 // Copies whole KV blocks between the paged cache and the tier's page-locked host memory, which
 // the kernel reads or writes through its device mapping: one launch for a whole list instead
 // of one DMA per layer, part and run of blocks. Block (i, part) copies pair i's block of one

@@ -86,7 +86,7 @@ pub struct CudaBackendConfig {
     /// memory of whole KV blocks ([`Backend::num_host_kv_blocks`]), see `host_tier`.
     pub host_kv_bytes: usize,
     /// How the host tier's copies run; `None`: `SWITCHYARD_CUDA_KV_COPY` (`dma`, `kernel`),
-    /// else DMA.
+    /// else the kernel.
     pub host_kv_copy: Option<KvCopyEngine>,
 }
 
