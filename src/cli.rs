@@ -297,8 +297,8 @@ pub struct ServeBenchArgs {
     /// N/512 (64 tokens a block: 1/8 the length, a 40,160-token row 5,020 tokens). The
     /// block of hash id h is drawn from a stream seeded by (--seed, h) within --token-offset
     /// and --token-range, so equal ids give identical blocks in every request and run.
-    #[arg(long, default_value_t = 512, value_name = "N")]
-    pub mooncake_block_tokens: usize,
+    #[arg(long, value_name = "N")]
+    pub mooncake_block_tokens: Option<usize>,
     /// Rows of the mooncake trace skipped before the first one sent (0..=10000000, the most
     /// rows a trace holds), to run another slice of it: --skip-rows 200 --num-prompts 200 sends rows
     /// 201 to 400, their arrival times counted from row 201's. The rows skipped are not read.
@@ -359,6 +359,13 @@ pub struct ServeBenchArgs {
     /// Write the result as JSON to this file.
     #[arg(long)]
     pub result_file: Option<PathBuf>,
+}
+
+impl ServeBenchArgs {
+    /// The mooncake dataset's tokens a block: `--mooncake-block-tokens`, else the trace's 512.
+    pub fn mooncake_block_tokens(&self) -> usize {
+        self.mooncake_block_tokens.unwrap_or(512)
+    }
 }
 
 /// Datasets for the offline benchmark.

@@ -189,9 +189,13 @@ fn validate(args: &ServeBenchArgs) -> anyhow::Result<()> {
          one sent)"
     );
     anyhow::ensure!(
-        (1..=MAX_BLOCK_TOKENS).contains(&args.mooncake_block_tokens),
+        (1..=MAX_BLOCK_TOKENS).contains(&args.mooncake_block_tokens()),
         "--mooncake-block-tokens must be 1..={MAX_BLOCK_TOKENS}, not {}",
-        args.mooncake_block_tokens
+        args.mooncake_block_tokens()
+    );
+    anyhow::ensure!(
+        args.mooncake_block_tokens.is_none() || args.dataset == ServeDataset::Mooncake,
+        "--mooncake-block-tokens needs --dataset mooncake (the tokens of one of its prompt blocks)"
     );
     anyhow::ensure!(
         args.token_offset.checked_add(args.token_range).is_some(),
@@ -475,7 +479,7 @@ fn workload(args: &ServeBenchArgs, rng: &mut ChaCha8Rng) -> anyhow::Result<Vec<R
 /// How the mooncake dataset's rows become requests, from the arguments.
 fn row_shape(args: &ServeBenchArgs) -> RowShape {
     RowShape {
-        block_tokens: args.mooncake_block_tokens,
+        block_tokens: args.mooncake_block_tokens(),
         max_input: args.max_input_len,
         max_output: args.max_output_len,
         max_row_tokens: MAX_REQUEST_TOKENS,
@@ -555,7 +559,7 @@ fn job(
         .zip(&planned.blocks)
         .map(|(&n, blocks)| match blocks {
             Some(ids) => {
-                mooncake::block_prompt(ids, n, args.mooncake_block_tokens, token_space(args), rng)
+                mooncake::block_prompt(ids, n, args.mooncake_block_tokens(), token_space(args), rng)
             }
             None => random_prompt(args, n, rng),
         })
@@ -1245,8 +1249,10 @@ mod tests {
             "--max-concurrency 0",
             "--max-concurrency 16385",
             "--num-prompts 0",
-            "--mooncake-block-tokens 0",
-            "--mooncake-block-tokens 4097",
+            "--dataset mooncake --mooncake-block-tokens 0",
+            "--dataset mooncake --mooncake-block-tokens 4097",
+            // Only the mooncake dataset has blocks to size.
+            "--mooncake-block-tokens 64",
             "--skip-rows 3",
             "--dataset mooncake --skip-rows 10000001",
             "--endpoint embeddings --embedding-batch 0",
@@ -1261,6 +1267,7 @@ mod tests {
             "--endpoint embeddings",
             "--endpoint embeddings --embedding-batch 2048 --input-len 512",
             "--endpoint embeddings --embedding-batch 512 --dataset sharegpt",
+            "--dataset mooncake --mooncake-block-tokens 64",
         ] {
             assert!(validate(&serve_args(good)).is_ok(), "{good:?} was refused");
         }

@@ -298,7 +298,7 @@ impl TraceReuse {
             .iter()
             .filter_map(|r| Some((r.input, r.blocks.as_deref()?)));
         TraceReuse {
-            reusable: reusable_tokens(prompts, args.mooncake_block_tokens),
+            reusable: reusable_tokens(prompts, args.mooncake_block_tokens()),
             input: rows.iter().map(|r| r.input).sum(),
         }
     }
