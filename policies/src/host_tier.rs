@@ -581,6 +581,36 @@ mod planner_tests {
         s.check_invariants().unwrap();
     }
 
+    /// Two requests admitted in one step with the same prefix held in the host tier both load
+    /// it (a loaded block is registered in the device cache only once launched): one plan's
+    /// loads name each tier block twice, so a plan can load more blocks than the tier holds.
+    /// A backend must size its copy lists by the device blocks, not the tier's
+    /// (`gpu/src/cuda/host_tier.rs`).
+    #[test]
+    fn one_plan_may_load_a_tier_block_twice() {
+        let c = SchedulerConfig {
+            block_size: 4,
+            num_gpu_blocks: 12,
+            max_model_len: 1024,
+            enable_prefix_caching: true,
+            num_host_blocks: 4,
+            ..SchedulerConfig::default()
+        };
+        let mut s = Scheduler::new(c, Box::new(Fcfs), [5, 6]).unwrap();
+        one(&mut s, 0, a());
+        // 47 tokens and its one output: the whole device cache, A's 4 blocks offloaded.
+        let pb = one(&mut s, 1, (0..47).map(|k| 5_000 + k).collect());
+        assert_eq!(pb.kv_offloads.len(), 4);
+        s.add_request(request(2, "", 2, a(), 1)).unwrap();
+        s.add_request(request(3, "", 3, a(), 1)).unwrap();
+        let (p, _) = run_step(&mut s, 4, 7);
+        assert_eq!(p.seqs.len(), 2);
+        assert_eq!(p.kv_loads.len(), 8, "{:?}", p.kv_loads);
+        assert_eq!(hosts(&p.kv_loads).len(), 4);
+        let devices: BTreeSet<BlockId> = p.kv_loads.iter().map(|c| c.device).collect();
+        assert_eq!(devices.len(), 8, "each load fills a block of its own");
+    }
+
     #[test]
     fn num_host_blocks_is_bounded() {
         let c = SchedulerConfig {
