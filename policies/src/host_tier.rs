@@ -354,9 +354,14 @@ mod planner_tests {
 
     /// Blocks of 4 tokens, 6 on the device, `host` in the host tier.
     fn sched(host: usize) -> Scheduler {
+        sched_with(6, host)
+    }
+
+    /// Blocks of 4 tokens, `device` on the device, `host` in the host tier.
+    fn sched_with(device: usize, host: usize) -> Scheduler {
         let c = SchedulerConfig {
             block_size: 4,
-            num_gpu_blocks: 6,
+            num_gpu_blocks: device,
             max_model_len: 1024,
             enable_prefix_caching: true,
             num_host_blocks: host,
@@ -588,15 +593,7 @@ mod planner_tests {
     /// (`gpu/src/cuda/host_tier.rs`).
     #[test]
     fn one_plan_may_load_a_tier_block_twice() {
-        let c = SchedulerConfig {
-            block_size: 4,
-            num_gpu_blocks: 12,
-            max_model_len: 1024,
-            enable_prefix_caching: true,
-            num_host_blocks: 4,
-            ..SchedulerConfig::default()
-        };
-        let mut s = Scheduler::new(c, Box::new(Fcfs), [5, 6]).unwrap();
+        let mut s = sched_with(12, 4);
         one(&mut s, 0, a());
         // 47 tokens and its one output: the whole device cache, A's 4 blocks offloaded.
         let pb = one(&mut s, 1, (0..47).map(|k| 5_000 + k).collect());
