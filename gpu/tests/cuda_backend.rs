@@ -3580,6 +3580,23 @@ fn host_tier_round_trip(kv_fp8: bool, engine: switchyard_gpu::cuda::KvCopyEngine
         bits(&reloaded) == bits(&uninterrupted),
         "fp8 {kv_fp8} {engine:?}: the reloaded prefix decodes differently"
     );
+    // Two requests admitted in one step with the same prefix in the tier both load it: one
+    // list names each tier block more than once, and may be longer than the tier (12 loads
+    // from a tier of 8 blocks). Each copy decodes as the uninterrupted run.
+    let sets = [[10u32, 11, 12, 13], [14, 15, 16, 17], [22, 23, 24, 25]];
+    let thrice: Vec<(u32, u32)> = sets
+        .iter()
+        .flat_map(|set| set.iter().zip([5u32, 6, 0, 1]).map(|(&d, h)| (d, h)))
+        .collect();
+    cuda.copy_kv(&[], &kv(&thrice))
+        .unwrap_or_else(|e| panic!("fp8 {kv_fp8} {engine:?}: 12 loads of 4 tier blocks: {e}"));
+    for set in &sets {
+        let again = logits(&mut cuda, &[400], prompt.len(), set);
+        assert!(
+            bits(&again) == bits(&uninterrupted),
+            "fp8 {kv_fp8} {engine:?}: the prefix loaded into {set:?} decodes differently"
+        );
+    }
     for (off, load) in [(kv(&[(32, 0)]), vec![]), (vec![], kv(&[(0, 8)]))] {
         let e = cuda.copy_kv(&off, &load).expect_err("out of range");
         assert!(e.to_string().contains("out of range"), "{e}");

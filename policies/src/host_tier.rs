@@ -354,9 +354,14 @@ mod planner_tests {
 
     /// Blocks of 4 tokens, 6 on the device, `host` in the host tier.
     fn sched(host: usize) -> Scheduler {
+        sched_with(6, host)
+    }
+
+    /// Blocks of 4 tokens, `device` on the device, `host` in the host tier.
+    fn sched_with(device: usize, host: usize) -> Scheduler {
         let c = SchedulerConfig {
             block_size: 4,
-            num_gpu_blocks: 6,
+            num_gpu_blocks: device,
             max_model_len: 1024,
             enable_prefix_caching: true,
             num_host_blocks: host,
@@ -579,6 +584,28 @@ mod planner_tests {
         assert_eq!(s.stats().num_host_hit_tokens, 12);
         assert_eq!(s.stats().num_preemptions, 1);
         s.check_invariants().unwrap();
+    }
+
+    /// Two requests admitted in one step with the same prefix held in the host tier both load
+    /// it (a loaded block is registered in the device cache only once launched): one plan's
+    /// loads name each tier block twice, so a plan can load more blocks than the tier holds.
+    /// A backend must size its copy lists by the device blocks, not the tier's
+    /// (`gpu/src/cuda/host_tier.rs`).
+    #[test]
+    fn one_plan_may_load_a_tier_block_twice() {
+        let mut s = sched_with(12, 4);
+        one(&mut s, 0, a());
+        // 47 tokens and its one output: the whole device cache, A's 4 blocks offloaded.
+        let pb = one(&mut s, 1, (0..47).map(|k| 5_000 + k).collect());
+        assert_eq!(pb.kv_offloads.len(), 4);
+        s.add_request(request(2, "", 2, a(), 1)).unwrap();
+        s.add_request(request(3, "", 3, a(), 1)).unwrap();
+        let (p, _) = run_step(&mut s, 4, 7);
+        assert_eq!(p.seqs.len(), 2);
+        assert_eq!(p.kv_loads.len(), 8, "{:?}", p.kv_loads);
+        assert_eq!(hosts(&p.kv_loads).len(), 4);
+        let devices: BTreeSet<BlockId> = p.kv_loads.iter().map(|c| c.device).collect();
+        assert_eq!(devices.len(), 8, "each load fills a block of its own");
     }
 
     #[test]

@@ -38,8 +38,8 @@
 //!
 //! Per step that is O(waiting) to pick the earliest arrivals, O(running) to collect the first
 //! uncomputed block of each running prefill, and, for at most [`MAX_PREFIX_LOOKUPS`] sequences,
-//! sorted by arrival (O(L log L)), a walk of at most hit length + 1 probes (device and host
-//! hits together; only the device part amortises across steps) and one set probe.
+//! sorted by arrival (O(L log L)), a walk of at most hit length + 1 probes (+ 2 with a host
+//! tier: the device miss, then the tier's; only the device part amortises across steps) and one set probe.
 
 use std::collections::HashSet;
 use std::hash::BuildHasherDefault;

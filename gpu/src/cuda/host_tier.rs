@@ -1,8 +1,9 @@
 //! The host tier of the prefix cache on the CUDA backend (`cache.kv_offloading_size`, vLLM's
 //! CPU KV offloading, SGLang's HiCache): page-locked host memory holding whole KV blocks,
-//! copied to and from the paged cache by DMA on the compute stream, so each copy is ordered
-//! after every step enqueued before it and before every step enqueued after it, and the host
-//! never waits for one.
+//! copied to and from the paged cache on the compute stream, so each copy is ordered after
+//! every step enqueued before it and before every step enqueued after it. The host waits for
+//! no DMA; with the kernel it waits, before writing a staging buffer, for the launches that
+//! last read it (those of the copy call two before, normally long done).
 //!
 //! Layout: the cache's own, per layer and per part (keys, values), over the tier's blocks:
 //! `[layer][keys | values][block][slot]` with, for an fp8 cache, the part's e4m3 values of
@@ -134,8 +135,11 @@ impl HostKvTier {
             KvCopyEngine::Kernel => mapped(&mut mem)?,
             KvCopyEngine::Dma => 0,
         };
-        // A list holds each cache block at most once and each tier block at most once.
-        let most = cache_blocks.min(num_blocks);
+        // A list names each cache block at most once (an offload's source, a load's
+        // destination), but a tier block may be a load's source more than once: two requests
+        // admitted in one plan with the same prefix in the tier both load it (the scheduler's
+        // `one_plan_may_load_a_tier_block_twice`). So a list holds at most `cache_blocks`.
+        let most = cache_blocks;
         let mut staging = Vec::new();
         if engine == KvCopyEngine::Kernel {
             for _ in 0..2 {
@@ -294,42 +298,54 @@ impl HostKvTier {
         let g = self.geometry;
         let host_part = self.num_blocks * (g.values + g.scales);
         let host_values = self.num_blocks * g.values;
-        for (to_host, n, at) in [(true, offloads.len(), 0), (false, loads.len(), cap)] {
-            if n == 0 {
-                continue;
+        let mem_dev = self.mem_dev;
+        let mut enqueue = || -> Result<(), GpuError> {
+            for (to_host, n, at) in [(true, offloads.len(), 0), (false, loads.len(), cap)] {
+                if n == 0 {
+                    continue;
+                }
+                let grid_x = u32::try_from(n)
+                    .map_err(|_| GpuError::BadBatch(format!("{n} KV copies in one list")))?;
+                gpu.launch(
+                    &gpu.k.kv_tier_copy,
+                    (grid_x, (2 * g.layers) as u32, 1),
+                    256,
+                    &[
+                        Arg::Ptr(buf.kv.ptr()),
+                        Arg::U64(buf.kv_layer_bytes as u64),
+                        Arg::U64(buf.kv_scales_at.unwrap_or(0) as u64),
+                        Arg::Ptr(mem_dev),
+                        Arg::U64(host_part as u64),
+                        Arg::U64(host_values as u64),
+                        Arg::Ptr(st.dev + (2 * at * std::mem::size_of::<u32>()) as u64),
+                        Arg::I32(i32::from(to_host)),
+                        Arg::U64(g.values as u64),
+                        Arg::U64(g.scales as u64),
+                    ],
+                )?;
             }
-            let grid_x = u32::try_from(n)
-                .map_err(|_| GpuError::BadBatch(format!("{n} KV copies in one list")))?;
-            gpu.launch(
-                &gpu.k.kv_tier_copy,
-                (grid_x, (2 * g.layers) as u32, 1),
-                256,
-                &[
-                    Arg::Ptr(buf.kv.ptr()),
-                    Arg::U64(buf.kv_layer_bytes as u64),
-                    Arg::U64(buf.kv_scales_at.unwrap_or(0) as u64),
-                    Arg::Ptr(self.mem_dev),
-                    Arg::U64(host_part as u64),
-                    Arg::U64(host_values as u64),
-                    Arg::Ptr(st.dev + (2 * at * std::mem::size_of::<u32>()) as u64),
-                    Arg::I32(i32::from(to_host)),
-                    Arg::U64(g.values as u64),
-                    Arg::U64(g.scales as u64),
-                ],
-            )?;
-        }
-        let event = match st.read.take() {
-            Some(e) => e,
-            None => gpu
-                .ctx
-                .new_event(None)
-                .map_err(|e| cuda_err("host KV tier event", e))?,
+            let event = match st.read.take() {
+                Some(e) => e,
+                None => gpu
+                    .ctx
+                    .new_event(None)
+                    .map_err(|e| cuda_err("host KV tier event", e))?,
+            };
+            event
+                .record(&gpu.stream)
+                .map_err(|e| cuda_err("host KV tier event", e))?;
+            st.read = Some(event);
+            Ok(())
         };
-        event
-            .record(&gpu.stream)
-            .map_err(|e| cuda_err("host KV tier event", e))?;
-        st.read = Some(event);
-        Ok(())
+        let enqueued = enqueue();
+        if enqueued.is_err() {
+            // The offloads' launch may be queued when the loads' fails, or both when the event
+            // cannot be recorded: no event guards this buffer then, and its next use (two
+            // calls on) would rewrite the pairs under a launch still reading them. Wait for
+            // the stream instead.
+            let _ = gpu.stream.synchronize();
+        }
+        enqueued
     }
 }
 

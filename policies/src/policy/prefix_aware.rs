@@ -48,7 +48,7 @@
 //!
 //! Cost per step: the planner's O(waiting) selection of the earliest arrivals plus, for each
 //! of at most `lookup_limit`, a walk down its block-hash chain of at most hit length + 1
-//! probes, its device part resumed where its previous walk stopped while nothing was evicted
+//! probes (+ 2 with a host tier), its device part resumed where its previous walk stopped while nothing was evicted
 //! from the cache, its host-tier part walked afresh (each block of a request is hashed once
 //! over its life); for the hold-back, sorting those
 //! by arrival, one probe each in a set of blocks to compute, and O(running) to fill it.
