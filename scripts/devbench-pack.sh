@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Packs what a run on a remote GPU host needs into folders git ignores, small enough for a
 # transfer limit of 64 MiB per call (such as this workplace's device tool):
-#   .devbench/NAME/  switchyard and the cuda_backend test binary, gzip-compressed (about 9 MB;
+#   .devbench/NAME/  switchyard, the cuda_backend test binary and the cuda_kv_copy benchmark,
+#                    gzip-compressed (about 16 MB;
 #                    scripts/gpu-check.sh unpacks *.gz found in BIN)
 #   .devmodel/part1, .devmodel/part2 (with MODEL_SPLIT=1)
 #                    the SmolLM2 GGUF (98 MB) in two pieces (50 + 48 MB, so each fits a call
@@ -26,10 +27,20 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("target", {}).get("name") == "cuda_backend" and m.get("executable"):
         print(m["executable"])')
 [ -x "$test_bin" ] || { echo "no cuda_backend test binary" >&2; exit 1; }
+# The host KV tier's copy benchmark (gpu-check.sh section kvcopy).
+kv_bin=$(cargo bench --features cuda -p switchyard-gpu --bench cuda_kv_copy --no-run \
+  --message-format=json 2>/dev/null | python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("target", {}).get("name") == "cuda_kv_copy" and m.get("executable"):
+        print(m["executable"])')
+[ -x "$kv_bin" ] || { echo "no cuda_kv_copy benchmark binary" >&2; exit 1; }
 out=.devbench/$name
 rm -rf "$out" && mkdir -p "$out"
 gzip -c target/release/switchyard >"$out/switchyard.gz"
 gzip -c "$test_bin" >"$out/$(basename "$test_bin").gz"
+gzip -c "$kv_bin" >"$out/$(basename "$kv_bin").gz"
 echo "$out: $(du -sh "$out" | cut -f1) ($(git rev-parse --short HEAD))"
 if [ "${MODEL_SPLIT:-0}" = 1 ]; then
   gguf=${MODEL:-$HOME/.cache/switchyard/models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf}

@@ -12,11 +12,12 @@ use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use switchyard_gpu::backend::{Backend, KvCopy};
 use switchyard_gpu::cuda::{probe, CudaBackend, CudaBackendConfig, KvCopyEngine, WeightSource};
 use switchyard_gpu::model::LlamaConfig;
+use switchyard_gpu::{KvGeometry, KvStorage};
 
 const BLOCK_SIZE: usize = 16;
 
 fn block_bytes(c: &LlamaConfig) -> usize {
-    2 * c.num_layers * BLOCK_SIZE * c.num_kv_heads * c.head_dim * 2
+    KvGeometry::of(c, BLOCK_SIZE, KvStorage::Half).block_bytes()
 }
 
 fn bench_model(
