@@ -22,6 +22,8 @@ use crate::response_store::Inner;
 /// How long the writer waits for a record before it looks again whether the log must be
 /// rewritten (a record dropped while it was catching up).
 const IDLE_CHECK: Duration = Duration::from_secs(1);
+/// Records applied between two syncs of the log at most (a quarter of the queue's bound).
+const BATCH_RECORDS: usize = super::QUEUE_RECORDS / 4;
 /// After a rewrite from the store failed (a full disk), the next try waits this long.
 const RESYNC_RETRY: Duration = Duration::from_secs(10);
 
@@ -82,7 +84,10 @@ impl Writer {
             let mut dirty = false;
             if let Some(q) = first {
                 dirty |= self.take(q, &mut replies);
-                while let Ok(q) = rx.try_recv() {
+                // At most a batch between syncs: under a queue that never empties, the log is
+                // still synced and the syncs asked for answered every BATCH_RECORDS records.
+                for _ in 1..BATCH_RECORDS {
+                    let Ok(q) = rx.try_recv() else { break };
                     dirty |= self.take(q, &mut replies);
                 }
             }
