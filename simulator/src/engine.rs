@@ -113,13 +113,28 @@ pub struct Simulation {
     /// came from ("the spec", or "calibration FILE"); `None`: every adapter is always in
     /// memory.
     pub lora_memory: Option<(MemoryConfig, String)>,
-    /// Device time of one block's copy between the device and the host KV tier, in
+    /// Device time of one block's copy from the device to the host KV tier, in
     /// microseconds (`block_bytes / cache.host_bandwidth_gb_s`).
-    pub host_copy_us_per_block: f64,
+    pub host_offload_us_per_block: f64,
+    /// Device time of one block's copy from the host KV tier back to the device, in
+    /// microseconds (`block_bytes / cache.host_load_bandwidth_gb_s`, which defaults to
+    /// `host_bandwidth_gb_s`).
+    pub host_load_us_per_block: f64,
 }
 
 /// Bytes in a GiB (`cache.kv_offloading_size`).
 const GIB: f64 = (1u64 << 30) as f64;
+
+/// A step's copies to and from the host KV tier, in microseconds of device time.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct HostCopyUs {
+    /// To the host tier.
+    offload: f64,
+    /// Back to the device.
+    load: f64,
+    /// Both: the time added to the step.
+    total: f64,
+}
 
 /// A loaded workload.
 #[derive(Clone, Debug, PartialEq)]
@@ -131,6 +146,26 @@ pub struct Workload {
 }
 
 impl Simulation {
+    /// The device time of a step's `offloads` and `loads` (blocks) to and from the host tier.
+    fn host_copies_us(&self, offloads: usize, loads: usize) -> HostCopyUs {
+        let (off, load) = (self.host_offload_us_per_block, self.host_load_us_per_block);
+        let split = HostCopyUs {
+            offload: offloads as f64 * off,
+            load: loads as f64 * load,
+            total: 0.0,
+        };
+        // One rate for both directions (the default): the sum of the blocks times the rate,
+        // which is how it was computed before the rates were split, so that a spec without
+        // `host_load_bandwidth_gb_s` times its steps to the same microsecond as then
+        // (`a * x + b * x` may differ from `(a + b) * x` in the last bit).
+        let total = if off == load {
+            (offloads + loads) as f64 * off
+        } else {
+            split.offload + split.load
+        };
+        HostCopyUs { total, ..split }
+    }
+
     /// Resolves presets, the calibration file and the KV capacity.
     pub fn new(spec: &SimulationSpec) -> Result<Self, SimError> {
         // Errors below name the spec's file ("<cli>" for flags).
@@ -260,7 +295,8 @@ impl Simulation {
                     .into(),
             );
         }
-        let host_copy_us_per_block = block_bytes / (c.host_bandwidth_gb_s * 1e9) * 1e6;
+        let host_offload_us_per_block = block_bytes / (c.host_bandwidth_gb_s * 1e9) * 1e6;
+        let host_load_us_per_block = block_bytes / (c.host_load_bandwidth() * 1e9) * 1e6;
         let max_model_len = fit_max_model_len(
             spec.scheduler.max_model_len,
             &model,
@@ -367,7 +403,8 @@ impl Simulation {
             front_end,
             warnings,
             slo_aware,
-            host_copy_us_per_block,
+            host_offload_us_per_block,
+            host_load_us_per_block,
         })
     }
 
@@ -713,6 +750,10 @@ struct Loop<'a> {
     accepted_tokens: u64,
     /// Device time of the steps' copies to and from the host KV tier, in microseconds.
     host_copy_us: f64,
+    /// The part of `host_copy_us` spent copying to the host tier (offloads) and back
+    /// (loads).
+    host_offload_us: f64,
+    host_load_us: f64,
     /// The tenants' rate-limit budgets, as the server keeps them per (tier, tenant).
     budgets: Vec<TenantBudget>,
     budget_index: HashMap<(String, String), usize>,
@@ -802,6 +843,8 @@ impl<'a> Loop<'a> {
             draft_tokens: 0,
             accepted_tokens: 0,
             host_copy_us: 0.0,
+            host_offload_us: 0.0,
+            host_load_us: 0.0,
             budgets: Vec::new(),
             budget_index: HashMap::new(),
             budget_of: vec![None; requests.len()],
@@ -1280,10 +1323,14 @@ impl<'a> Loop<'a> {
             }
         }
         // The host tier's copies come before the step's compute (offloads, then loads),
-        // one block after another at the host link's rate, not overlapped with it.
-        let copies = plan.kv_offloads.len() + plan.kv_loads.len();
-        let copy_us = copies as f64 * self.sim.host_copy_us_per_block;
-        self.host_copy_us += copy_us;
+        // one block after another at each direction's rate, not overlapped with it.
+        let copy_us = self
+            .sim
+            .host_copies_us(plan.kv_offloads.len(), plan.kv_loads.len());
+        self.host_copy_us += copy_us.total;
+        self.host_offload_us += copy_us.offload;
+        self.host_load_us += copy_us.load;
+        let copy_us = copy_us.total;
         ((self.sim.cost.step_time(&shape) * 1e6 + copy_us).round() as u64).max(1)
     }
 
@@ -1437,10 +1484,13 @@ impl<'a> Loop<'a> {
         let host_kv = (host_blocks > 0).then(|| crate::report::HostKvSummary {
             host_blocks: host_blocks as u64,
             bandwidth_gb_s: self.sim.spec.cache.host_bandwidth_gb_s,
+            load_bandwidth_gb_s: self.sim.spec.cache.host_load_bandwidth(),
             offloaded_blocks: stats.num_kv_offloaded_blocks,
             loaded_blocks: stats.num_kv_loaded_blocks,
             host_hit_tokens: stats.num_host_hit_tokens,
             copy_s: self.host_copy_us / 1e6,
+            offload_copy_s: self.host_offload_us / 1e6,
+            load_copy_s: self.host_load_us / 1e6,
         });
         PolicyRun {
             label: self.label,
@@ -2039,6 +2089,44 @@ workload: {trace: unused.csv, format: azure}
         let expect = 52.0 * 2_097_152.0 / 50e9;
         assert!((h.copy_s - expect).abs() < 1e-9, "{} vs {expect}", h.copy_s);
         assert_eq!(on.counters.prefix_hits, 304);
+        // One rate, both ways (no `host_load_bandwidth_gb_s`): 35 blocks out, 17 back.
+        assert_eq!((h.bandwidth_gb_s, h.load_bandwidth_gb_s), (50.0, 50.0));
+        let (out, back) = (35.0 * 2_097_152.0 / 50e9, 17.0 * 2_097_152.0 / 50e9);
+        assert!((h.offload_copy_s - out).abs() < 1e-12, "{h:?}");
+        assert!((h.load_copy_s - back).abs() < 1e-12, "{h:?}");
+    }
+
+    #[test]
+    fn host_tier_copies_are_timed_at_each_directions_rate() {
+        // The same run with loads at 20 GB/s and offloads at 40: 35 blocks of 2 MiB out,
+        // 73,400,320 bytes / 40e9 = 1.835008 ms; 17 back, 35,651,584 / 20e9 = 1.7825792 ms.
+        let on =
+            a_b_a(", num_host_blocks: 64, host_bandwidth_gb_s: 40, host_load_bandwidth_gb_s: 20");
+        let h = on.host_kv.clone().unwrap();
+        assert_eq!((h.offloaded_blocks, h.loaded_blocks), (35, 17));
+        assert_eq!((h.bandwidth_gb_s, h.load_bandwidth_gb_s), (40.0, 20.0));
+        assert!((h.offload_copy_s - 1.835008e-3).abs() < 1e-12, "{h:?}");
+        assert!((h.load_copy_s - 1.7825792e-3).abs() < 1e-12, "{h:?}");
+        assert!((h.copy_s - 3.6175872e-3).abs() < 1e-12, "{h:?}");
+        // A step's cost: 2 MiB at 40 GB/s is 52.4288 us a block out, at 20 GB/s 104.8576 us
+        // back; 3 out and 2 back, 157.2864 + 209.7152 = 367.0016 us.
+        let yaml = "policies: [{name: fcfs}]\n\
+                    cache: {num_gpu_blocks: 40, num_host_blocks: 8, host_bandwidth_gb_s: 40, \
+                    host_load_bandwidth_gb_s: 20}\nworkload: {trace: t.csv, format: azure}\n";
+        let sim = Simulation::new(&spec(yaml)).unwrap();
+        let c = sim.host_copies_us(3, 2);
+        assert!((c.offload - 157.2864).abs() < 1e-9, "{c:?}");
+        assert!((c.load - 209.7152).abs() < 1e-9, "{c:?}");
+        assert!((c.total - 367.0016).abs() < 1e-9, "{c:?}");
+        // Without a load rate both directions take the offload rate: 5 blocks at 40 GB/s,
+        // computed as one product, bit for bit as before the rates were split.
+        let yaml = yaml.replace(", host_load_bandwidth_gb_s: 20", "");
+        let sim = Simulation::new(&spec(&yaml)).unwrap();
+        assert_eq!(sim.host_load_us_per_block, sim.host_offload_us_per_block);
+        let c = sim.host_copies_us(3, 2);
+        assert_eq!(c.total, 5.0 * sim.host_offload_us_per_block);
+        assert!((c.total - 262.144).abs() < 1e-9, "{c:?}");
+        assert!((c.load - 104.8576).abs() < 1e-9, "{c:?}");
     }
 
     #[test]

@@ -310,8 +310,13 @@ pub struct PolicySummary {
 pub struct HostKvSummary {
     /// Blocks of the host tier.
     pub host_blocks: u64,
-    /// The copy rate assumed, GB/s per direction (`cache.host_bandwidth_gb_s`).
+    /// The copy rate assumed to the host tier (offloads), GB/s (`cache.host_bandwidth_gb_s`).
     pub bandwidth_gb_s: f64,
+    /// The copy rate assumed back to the device (loads), GB/s
+    /// (`cache.host_load_bandwidth_gb_s`, by default `host_bandwidth_gb_s`); 0 in a summary
+    /// written before the rates were split.
+    #[serde(default)]
+    pub load_bandwidth_gb_s: f64,
     /// Blocks copied from the device to the host tier (evicted cached blocks).
     pub offloaded_blocks: u64,
     /// Blocks copied back (prefixes found in the host tier).
@@ -320,6 +325,12 @@ pub struct HostKvSummary {
     pub host_hit_tokens: u64,
     /// Device time of those copies, in seconds.
     pub copy_s: f64,
+    /// The part of `copy_s` spent offloading (to the host tier), in seconds.
+    #[serde(default)]
+    pub offload_copy_s: f64,
+    /// The part of `copy_s` spent loading (back to the device), in seconds.
+    #[serde(default)]
+    pub load_copy_s: f64,
 }
 
 /// What the LoRA adapters' host memory did in a run (`scheduler.lora_memory`).
@@ -711,12 +722,13 @@ impl Comparison {
             let Some(h) = &p.host_kv else { continue };
             let _ = writeln!(
                 s,
-                "{}: host KV tier ({} blocks, {} GB/s assumed): {} blocks offloaded, {} \
-                 loaded back, {} prompt tokens found there ({:.1}% of those looked up), \
-                 {:.3} s of copies",
+                "{}: host KV tier ({} blocks, {} GB/s to the host and {} GB/s back assumed): {} \
+                 blocks offloaded, {} loaded back, {} prompt tokens found there ({:.1}% of \
+                 those looked up), {:.3} s of copies ({:.3} s offloading, {:.3} s loading)",
                 p.policy,
                 h.host_blocks,
                 h.bandwidth_gb_s,
+                h.load_bandwidth_gb_s,
                 h.offloaded_blocks,
                 h.loaded_blocks,
                 h.host_hit_tokens,
@@ -725,7 +737,9 @@ impl Comparison {
                 } else {
                     0.0
                 },
-                h.copy_s
+                h.copy_s,
+                h.offload_copy_s,
+                h.load_copy_s
             );
         }
         for p in self.policies.iter().filter(|p| p.counters.draft_tokens > 0) {

@@ -12,7 +12,8 @@
 //! calibration: cal.yaml        # optional, from `switchyard calibrate`: replaces the roofline
 //! cache: { block_size: 16, gpu_memory_utilization: 0.9, prefix_caching: true, prefix_sharing: tenant }
 //!   # kv_offloading_size: 64   # GiB of host KV tier (or num_host_blocks: N); 0: none
-//!   # host_bandwidth_gb_s: 50  # host <-> device copy rate per direction (assumed default)
+//!   # host_bandwidth_gb_s: 50  # device -> host copy rate, GB/s (assumed default), and
+//!   # host_load_bandwidth_gb_s: 50  # host -> device (default: host_bandwidth_gb_s)
 //! scheduler: { max_num_seqs: 256, max_num_batched_tokens: 8192, max_model_len: 8192 }
 //!   # lora: { rank: 16, targets: all }  # the adapters trace records name, for the roofline
 //!   # lora_memory: { max_cpu_loras: 8, pinned: [1, 2], load_ms: 40 }  # adapters in host memory
@@ -218,12 +219,27 @@ pub struct CacheSection {
     /// The host KV tier in blocks, instead of `kv_offloading_size` (both set: an error).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub num_host_blocks: Option<usize>,
-    /// The rate of a copy between the device and the host tier, in GB/s (10^9 bytes) per
-    /// direction. Default 50: an assumption (PCIe Gen5 x16 from pinned host memory, about
-    /// 64 GB/s raw per direction, less protocol overhead), not a measurement. A step's copies
-    /// cost `blocks * block_bytes / bandwidth` on top of its compute.
+    /// The rate of a copy from the device to the host tier (an offload), in GB/s (10^9
+    /// bytes), and of a copy back too unless `host_load_bandwidth_gb_s` is set. Default 50:
+    /// an assumption (PCIe Gen5 x16 from pinned host memory, about 64 GB/s raw per
+    /// direction, less protocol overhead), not a measurement. A step's copies cost
+    /// `blocks * block_bytes / bandwidth` on top of its compute, each direction at its rate.
     #[serde(skip_serializing_if = "is_default_host_bandwidth")]
     pub host_bandwidth_gb_s: f64,
+    /// The rate of a copy from the host tier back to the device (a load), in GB/s; absent:
+    /// `host_bandwidth_gb_s`. The CUDA backend's copy kernel is asymmetric: on an H100 it
+    /// moved 48.8 GiB/s (52.4 GB/s) to the host and 32.2 GiB/s (34.6 GB/s) back.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub host_load_bandwidth_gb_s: Option<f64>,
+}
+
+impl CacheSection {
+    /// The host tier's load (host to device) rate in GB/s: `host_load_bandwidth_gb_s`, else
+    /// `host_bandwidth_gb_s`.
+    pub fn host_load_bandwidth(&self) -> f64 {
+        self.host_load_bandwidth_gb_s
+            .unwrap_or(self.host_bandwidth_gb_s)
+    }
 }
 
 /// The assumed host <-> device copy rate, GB/s per direction (see
@@ -249,6 +265,7 @@ impl Default for CacheSection {
             kv_offloading_size: 0.0,
             num_host_blocks: None,
             host_bandwidth_gb_s: DEFAULT_HOST_BANDWIDTH_GB_S,
+            host_load_bandwidth_gb_s: None,
         }
     }
 }
@@ -808,14 +825,16 @@ impl SimulationSpec {
         if c.num_host_blocks.is_some_and(|n| n > max_host) {
             return Err(format!("cache.num_host_blocks outside 0..={max_host}"));
         }
-        if !(c.host_bandwidth_gb_s.is_finite()
-            && c.host_bandwidth_gb_s > 0.0
-            && c.host_bandwidth_gb_s <= 1e6)
-        {
-            return Err(format!(
-                "cache.host_bandwidth_gb_s must be a number of GB/s in (0, 1000000], got {}",
-                c.host_bandwidth_gb_s
-            ));
+        let rates = [
+            ("host_bandwidth_gb_s", Some(c.host_bandwidth_gb_s)),
+            ("host_load_bandwidth_gb_s", c.host_load_bandwidth_gb_s),
+        ];
+        for (field, rate) in rates {
+            if let Some(r) = rate.filter(|r| !(r.is_finite() && *r > 0.0 && *r <= 1e6)) {
+                return Err(format!(
+                    "cache.{field} must be a number of GB/s in (0, 1000000], got {r}"
+                ));
+            }
         }
         let s = &self.scheduler;
         // The server's bounds: a spec outside them describes a server that cannot be deployed.
@@ -1556,6 +1575,40 @@ workload:
             (s.scheduler.host_overhead_us, s.workload.limit),
             (Some(1e7), Some(1))
         );
+    }
+
+    #[test]
+    fn the_host_load_rate_defaults_to_the_offload_rate_and_is_checked_by_field() {
+        let with = |cache: &str| format!("{}\ncache: {{ {cache} }}\n", GOOD.trim_end());
+        let s = parse(GOOD).unwrap();
+        assert_eq!(s.cache.host_load_bandwidth_gb_s, None);
+        assert_eq!(s.cache.host_load_bandwidth(), DEFAULT_HOST_BANDWIDTH_GB_S);
+        let s = parse(&with("host_bandwidth_gb_s: 52.4")).unwrap();
+        assert_eq!(s.cache.host_load_bandwidth(), 52.4);
+        let s = parse(&with(
+            "host_bandwidth_gb_s: 52.4, host_load_bandwidth_gb_s: 34.6",
+        ))
+        .unwrap();
+        assert_eq!(
+            (s.cache.host_bandwidth_gb_s, s.cache.host_load_bandwidth()),
+            (52.4, 34.6)
+        );
+        // Unset, it is not written back (a spec echoed stays as it was).
+        let echo = serde_yaml::to_string(&parse(GOOD).unwrap().cache).unwrap();
+        assert!(!echo.contains("host_load"), "{echo}");
+        assert!(parse(&with("host_load_bandwidth_gb_s: 1e6")).is_ok());
+        for field in ["host_bandwidth_gb_s", "host_load_bandwidth_gb_s"] {
+            for bad in ["0", "-1", ".nan", ".inf", "1.5e6"] {
+                let err = parse(&with(&format!("{field}: {bad}")))
+                    .unwrap_err()
+                    .to_string();
+                assert!(
+                    err.starts_with("sim.yaml")
+                        && err.contains(&format!("cache.{field} must be a number of GB/s")),
+                    "{field}: {bad}: {err}"
+                );
+            }
+        }
     }
 
     #[test]
