@@ -5,7 +5,10 @@
 //! ([`crate::StepPlan::kv_offloads`]) under the same [`PrefixHash`] as the device cache, and a
 //! prefix found here past the end of the device match is copied back
 //! ([`crate::StepPlan::kv_loads`]) instead of recomputed. The tier is inclusive: a block loaded
-//! back stays here too, so evicting it again copies nothing.
+//! back stays here too, so evicting it again copies nothing. A plan loads each block at most
+//! once: requests admitted after the one whose admission decided a load share its device
+//! block (found in the scheduler's `plan_loads` after their device match), and count its
+//! tokens as device hits; the tier's hit tokens (`num_host_hit_tokens`) count once.
 //!
 //! Blocks holding a cached block sit in one doubly linked LRU list (indices into a `Vec`, the
 //! least recently used at the head); unused ones in a stack. Every operation is O(1) but

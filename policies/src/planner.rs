@@ -55,7 +55,9 @@
 //! the device's ends: those blocks count as computed (and cached), their device blocks are
 //! reserved with the chunk's, and once the plan's blocks have ids (`assign_blocks`) the plan
 //! gets their loads, then the offloads of the cached blocks its allocations evicted. The tier
-//! changes only there, so no rollback of the planner touches it.
+//! changes only there, so no rollback of the planner touches it. A later admission of the same
+//! plan finds those loads (`plan_loads`) where its device match ends and shares the loaded
+//! blocks, as device hits, so a plan loads each tier block at most once.
 
 use std::collections::{HashMap, HashSet};
 use std::hash::BuildHasherDefault;
