@@ -119,6 +119,57 @@ fn the_host_tier_serves_the_same_with_pipelined_steps() {
     );
 }
 
+/// Two sequences admitted together (`n: 2`) that find the same prefix in the host tier: the
+/// prefix is loaded once (5 blocks, not 10: the second shares the first's loaded blocks as a
+/// device cache hit), and both answers are the one A got when computed.
+#[test]
+fn a_prefix_wanted_twice_at_once_is_loaded_from_the_host_tier_once() {
+    for mode in ["off", "on"] {
+        wanted_twice(mode);
+    }
+}
+
+/// [`a_prefix_wanted_twice_at_once_is_loaded_from_the_host_tier_once`] with
+/// `scheduler.async_scheduling` `mode`; then a prompt that needs all 24 blocks is served, so
+/// the shared blocks were all given back.
+fn wanted_twice(mode: &str) {
+    let s = server_with(&format!("kv-offload-twice-{mode}"), 0.01, mode);
+    let a: Vec<u32> = (2000..2096).collect();
+    let (first, _, _) = complete(&s, &a);
+    for k in 0..3u32 {
+        let other: Vec<u32> = (0..160).map(|i| 5000 + 1000 * k + i).collect();
+        complete(&s, &other);
+    }
+    let body = json!({"model": s.model_id(), "prompt": &a, "n": 2, "max_tokens": 8,
+        "temperature": 0});
+    let (status, v) = s.post_json("/v1/completions", &body);
+    assert_eq!(status, 200, "{v}");
+    let choices = v["choices"].as_array().expect("choices");
+    assert_eq!(choices.len(), 2, "{v}");
+    for c in choices {
+        assert_eq!(c["text"].as_str(), Some(first.as_str()), "{mode}: {v}");
+    }
+    // The prompt is counted once in `usage`, as vLLM does for `n`.
+    assert_eq!(
+        v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(),
+        Some(80),
+        "{v}"
+    );
+    assert_eq!(
+        s.metric("switchyard:kv_offload_loaded_blocks_total"),
+        Some(5.0),
+        "{mode}: A's 5 blocks loaded once"
+    );
+    assert_eq!(
+        s.metric("switchyard:kv_offload_prefix_hits_total"),
+        Some(80.0),
+        "{mode}: the tier's tokens counted once"
+    );
+    let whole: Vec<u32> = (0..370).map(|i| 9000 + i).collect();
+    let (_, n, _) = complete(&s, &whole);
+    assert_eq!(n, 370, "{mode}: a prompt of the whole cache");
+}
+
 /// A size refused at start names the setting: more than the limit, and (through `config
 /// check` too) with prefix caching off.
 #[test]

@@ -37,6 +37,12 @@ pub const PENDING_BLOCK: BlockId = BlockId::MAX;
 /// plan (only blocks past those already sent are), and never an id of the pool.
 pub const RELEASED_BLOCK: BlockId = BlockId::MAX - 1;
 
+/// A table entry, while a plan is built, for a block another sequence admitted in the same
+/// plan loads from the host tier: the two share it, and [`crate::Scheduler::assign_blocks`]
+/// replaces the entry with that block's id (and adds this sequence's reference). Never in a
+/// plan handed out, and never an id of the pool.
+pub(crate) const SHARED_LOAD_BLOCK: BlockId = BlockId::MAX - 2;
+
 /// One step's changes to the block pool, in the order the allocator applies them.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct KvCommit {

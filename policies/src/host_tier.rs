@@ -5,7 +5,10 @@
 //! ([`crate::StepPlan::kv_offloads`]) under the same [`PrefixHash`] as the device cache, and a
 //! prefix found here past the end of the device match is copied back
 //! ([`crate::StepPlan::kv_loads`]) instead of recomputed. The tier is inclusive: a block loaded
-//! back stays here too, so evicting it again copies nothing.
+//! back stays here too, so evicting it again copies nothing. A plan loads each block at most
+//! once: requests admitted after the one whose admission decided a load share its device
+//! block (found in the scheduler's `plan_loads` after their device match), and count its
+//! tokens as device hits; the tier's hit tokens (`num_host_hit_tokens`) count once.
 //!
 //! Blocks holding a cached block sit in one doubly linked LRU list (indices into a `Vec`, the
 //! least recently used at the head); unused ones in a stack. Every operation is O(1) but
@@ -586,13 +589,12 @@ mod planner_tests {
         s.check_invariants().unwrap();
     }
 
-    /// Two requests admitted in one step with the same prefix held in the host tier both load
-    /// it (a loaded block is registered in the device cache only once launched): one plan's
-    /// loads name each tier block twice, so a plan can load more blocks than the tier holds.
-    /// A backend must size its copy lists by the device blocks, not the tier's
-    /// (`gpu/src/cuda/host_tier.rs`).
+    /// Two requests admitted in one step with the same prefix held in the host tier: the first
+    /// loads it, the second finds those loads (`Scheduler::plan_loads`) after its device match
+    /// and shares the loaded blocks, as a device cache hit. The plan names each tier block
+    /// once; it used to load it for each request, into blocks of their own (8 loads).
     #[test]
-    fn one_plan_may_load_a_tier_block_twice() {
+    fn one_plan_loads_a_tier_block_once_for_every_request_that_needs_it() {
         let mut s = sched_with(12, 4);
         one(&mut s, 0, a());
         // 47 tokens and its one output: the whole device cache, A's 4 blocks offloaded.
@@ -600,12 +602,51 @@ mod planner_tests {
         assert_eq!(pb.kv_offloads.len(), 4);
         s.add_request(request(2, "", 2, a(), 1)).unwrap();
         s.add_request(request(3, "", 3, a(), 1)).unwrap();
-        let (p, _) = run_step(&mut s, 4, 7);
+        let p = s.schedule(Timestamp(4));
         assert_eq!(p.seqs.len(), 2);
-        assert_eq!(p.kv_loads.len(), 8, "{:?}", p.kv_loads);
-        assert_eq!(hosts(&p.kv_loads).len(), 4);
-        let devices: BTreeSet<BlockId> = p.kv_loads.iter().map(|c| c.device).collect();
-        assert_eq!(devices.len(), 8, "each load fills a block of its own");
+        assert_eq!(p.kv_loads.len(), 4, "{:?}", p.kv_loads);
+        assert_eq!(hosts(&p.kv_loads), (0..4).collect());
+        // Both tables start with the 4 loaded blocks, in load order; each request then has
+        // a block of its own for its last token.
+        let (c, d) = (&p.seqs[0], &p.seqs[1]);
+        let loaded: Vec<BlockId> = p.kv_loads.iter().map(|l| l.device).collect();
+        assert_eq!(c.new_blocks[..4], loaded[..]);
+        assert_eq!(d.new_blocks[..4], loaded[..]);
+        assert_eq!((c.new_blocks.len(), d.new_blocks.len()), (5, 5));
+        assert_ne!(c.new_blocks[4], d.new_blocks[4]);
+        assert_eq!((c.num_computed_tokens, d.num_computed_tokens), (16, 16));
+        for &blk in &loaded {
+            assert_eq!(
+                s.ledger().ref_count(blk),
+                Some(2),
+                "shared like a cache hit"
+            );
+        }
+        // 4 + 2 blocks taken of the 12, not 8 + 2.
+        assert_eq!(s.ledger().num_free(), 6);
+        s.check_invariants().unwrap();
+        // Both report 16 cached tokens; the tier's 16 count once, the second's as device hits.
+        let out = [
+            StepOutput::new(RequestId(2), 7),
+            StepOutput::new(RequestId(3), 7),
+        ];
+        let ev = s.apply_outputs(&p, &out, Timestamp(5));
+        for id in [2, 3] {
+            assert!(ev.contains(&SeqEvent::FirstToken {
+                id: RequestId(id),
+                at: Timestamp(5),
+                cached_prompt_tokens: 16,
+            }));
+        }
+        let st = s.stats();
+        assert_eq!((st.num_kv_loaded_blocks, st.num_host_hit_tokens), (4, 16));
+        assert_eq!(st.prefix_hits, 32);
+        assert!(!s.has_unfinished());
+        // Once both ended, the loaded blocks are cached on the device, unreferenced.
+        for &blk in &loaded {
+            assert_eq!(s.ledger().ref_count(blk), Some(0));
+        }
+        s.check_invariants().unwrap();
     }
 
     #[test]

@@ -55,14 +55,20 @@
 //! the device's ends: those blocks count as computed (and cached), their device blocks are
 //! reserved with the chunk's, and once the plan's blocks have ids (`assign_blocks`) the plan
 //! gets their loads, then the offloads of the cached blocks its allocations evicted. The tier
-//! changes only there, so no rollback of the planner touches it.
+//! changes only there, so no rollback of the planner touches it. A later admission of the same
+//! plan finds those loads (`plan_loads`) where its device match ends and shares the loaded
+//! blocks, as device hits, so a plan loads each tier block at most once.
 
 use std::collections::{HashMap, HashSet};
+use std::hash::BuildHasherDefault;
 
-use crate::block_ledger::{BlockLedger, KvCommit, PENDING_BLOCK, RELEASED_BLOCK};
+use crate::block_ledger::{
+    BlockLedger, KvCommit, PENDING_BLOCK, RELEASED_BLOCK, SHARED_LOAD_BLOCK,
+};
+use crate::block_pool::PassThroughHasher;
 use crate::error::SchedulerError;
 use crate::policy::{PolicyEvent, StepContext};
-use crate::prefix_hash::BlockHasher;
+use crate::prefix_hash::{BlockHasher, PrefixHash};
 use crate::scheduler::{Ranked, Scheduler};
 use crate::sequence::{SeqView, Sequence};
 use crate::tier_quota::{TierQuotas, NO_TIER};
@@ -70,6 +76,28 @@ use crate::types::{
     BlockCopy, BlockId, RequestId, RequestState, ScheduledSeq, SeqEvent, StepOutput, StepPlan,
     Timestamp, PENDING_TOKEN,
 };
+
+/// The host-tier loads decided in the plan being built: for each prefix loaded, the slot of
+/// the sequence whose admission decided the load and the index in its table of the device
+/// block it fills ([`Scheduler`]'s `plan_loads`).
+pub(crate) type PlanLoads = HashMap<PrefixHash, (u32, u32), BuildHasherDefault<PassThroughHasher>>;
+
+/// A table entry of the plan being built that shares a block another sequence admitted in
+/// the same plan loads from the host tier (a [`SHARED_LOAD_BLOCK`] until the plan's blocks
+/// get their ids).
+#[derive(Copy, Clone, Debug)]
+pub(crate) struct PlanShare {
+    /// The sharing sequence's entry in the plan.
+    entry: u32,
+    /// The sharing sequence's slot.
+    slot: u32,
+    /// The entry's index in the sharing sequence's table.
+    at: u32,
+    /// The loading sequence's slot.
+    owner: u32,
+    /// The loaded block's index in the loading sequence's table.
+    owner_at: u32,
+}
 
 /// Registers the leading full, computed blocks of `seq` in the prefix cache (never a block
 /// holding a pending token: its hash needs the real one); nothing without prefix caching
@@ -249,10 +277,25 @@ impl Scheduler {
             Some(pool) => pool.commit(&commit, &mut ids).is_ok(),
             None => false,
         };
-        if !committed || self.assign_blocks(plan, &ids).is_err() {
+        if !committed || self.assign_blocks(plan, &ids).is_err() || !self.commit_shares() {
             self.pool_errors += 1;
         }
         self.assigned = ids;
+    }
+
+    /// With the scheduler's own pool: commits at once the references [`Scheduler::assign_blocks`]
+    /// added for the blocks sequences of the plan share as they are loaded (an allocator
+    /// actor gets them with the next commit instead). False when the pool refuses them.
+    fn commit_shares(&mut self) -> bool {
+        if !self.ledger.has_uncommitted() {
+            return true;
+        }
+        let c = self.ledger.take_commit();
+        let mut none = Vec::new();
+        match self.allocator.as_mut() {
+            Some(pool) => pool.commit(&c, &mut none).is_ok() && none.is_empty(),
+            None => false,
+        }
     }
 
     /// Writes the ids the allocator gave this step's reserved blocks into the block tables
@@ -270,15 +313,62 @@ impl Scheduler {
             self.ledger.take_evicted(&mut stale);
             stale.clear();
             self.evicted = stale;
+            self.plan_shares.clear();
+            self.plan_loads.clear();
             return Err(e);
         }
         if ids.is_empty() {
+            // A share needs a load, and a load a reserved block: no share to resolve.
+            self.plan_shares.clear();
+            self.plan_loads.clear();
             return Ok(());
         }
-        let filled = self.fill_tables(plan, ids);
+        let filled = self
+            .fill_tables(plan, ids)
+            .and_then(|()| self.resolve_shares(plan));
         // The evictions happened whatever the tables: their offloads belong to this plan.
         self.host_copies(plan);
         filled
+    }
+
+    /// Gives every table entry that shares a block loaded in this plan (see
+    /// [`Scheduler::assign_blocks`]'s `plan_shares`) that block's id, now in the loading
+    /// sequence's table, and a reference of its own: the ledger records it now, the
+    /// allocator's pool with the next commit (pins come first there, so the pool never
+    /// frees the block early).
+    fn resolve_shares(&mut self, plan: &mut StepPlan) -> Result<(), SchedulerError> {
+        let mut shares = std::mem::take(&mut self.plan_shares);
+        let mut result = Ok(());
+        for sh in &shares {
+            let dev = slot_ref(&self.seqs, sh.owner)
+                .and_then(|q| q.block_table.get(sh.owner_at as usize).copied())
+                .filter(|&d| self.ledger.ref_count(d).is_some_and(|r| r > 0) && d != PENDING_BLOCK);
+            let target = self
+                .seqs
+                .get_mut(sh.slot as usize)
+                .and_then(|s| s.as_mut())
+                .and_then(|q| q.block_table.get_mut(sh.at as usize))
+                .filter(|e| **e == SHARED_LOAD_BLOCK);
+            let (Some(dev), Some(target)) = (dev, target) else {
+                result = Err(SchedulerError::Invariant(
+                    "a shared load's block is gone".into(),
+                ));
+                continue;
+            };
+            *target = dev;
+            if let Some(entry) = plan.seqs.get_mut(sh.entry as usize) {
+                let k = (sh.at as usize).wrapping_sub(entry.first_new_block);
+                if let Some(e) = entry.new_blocks.get_mut(k) {
+                    *e = dev;
+                }
+            }
+            if let Err(e) = self.ledger.touch(dev) {
+                result = Err(e);
+            }
+        }
+        shares.clear();
+        self.plan_shares = shares;
+        result
     }
 
     /// Writes `ids` into the reserved entries of the tables of the plan's sequences.
@@ -335,6 +425,7 @@ impl Scheduler {
                     Some(&dst)
                         if dst != PENDING_BLOCK
                             && dst != RELEASED_BLOCK
+                            && dst != SHARED_LOAD_BLOCK
                             && host.pin(src).is_ok() =>
                     {
                         plan.kv_loads.push(BlockCopy {
@@ -350,6 +441,7 @@ impl Scheduler {
             }
             seq.host_loads.clear();
         }
+        self.plan_loads.clear();
         let mut evicted = std::mem::take(&mut self.evicted);
         evicted.clear();
         self.ledger.take_evicted(&mut evicted);
@@ -391,7 +483,7 @@ impl Scheduler {
             Some(pool) => pool.commit(&commit, &mut ids).is_ok(),
             None => false,
         };
-        if !committed || self.assign_blocks(&mut plan, &ids).is_err() {
+        if !committed || self.assign_blocks(&mut plan, &ids).is_err() || !self.commit_shares() {
             self.pool_errors += 1;
         }
         self.assigned = ids;
@@ -417,6 +509,8 @@ impl Scheduler {
         plan.kv_loads.clear();
         plan.num_batched_tokens = 0;
         self.last_slots.clear();
+        self.plan_loads.clear();
+        self.plan_shares.clear();
         self.release_out_of_window();
         let ctx = StepContext {
             now,
@@ -1019,6 +1113,7 @@ impl Scheduler {
         let total = seq.num_tokens();
         let tier = seq.tier;
         self.matched.clear();
+        self.shared_matched.clear();
         self.host_matched.clear();
         if caching {
             // Leave at least the last token to compute, so that a token can be sampled.
@@ -1034,9 +1129,25 @@ impl Scheduler {
             self.ledger
                 .match_prefix(&seq.hashes[..upto], &mut self.matched);
             // The chain goes on in the host tier: those blocks are copied back, not computed.
+            // First among the loads an earlier admission of this plan decided (shared: the
+            // copy runs before the step's compute), then in the tier itself, up to a block
+            // this plan loads already (unreachable: a plan's loads of one chain start where
+            // the device match ends, the same for every request on it).
             if let Some(host) = self.host.as_ref() {
-                let start = self.matched.len().min(upto);
-                host.match_prefix(&seq.hashes[start..upto], &mut self.host_matched);
+                let mut at = self.matched.len().min(upto);
+                while let Some(&owner) = seq.hashes[..upto]
+                    .get(at)
+                    .and_then(|h| self.plan_loads.get(h))
+                {
+                    self.shared_matched.push(owner);
+                    at += 1;
+                }
+                for h in &seq.hashes[at..upto] {
+                    match host.lookup(*h) {
+                        Some(b) if !self.plan_loads.contains_key(h) => self.host_matched.push(b),
+                        _ => break,
+                    }
+                }
             }
         }
         if let (Some(quota), Some(_)) = (self.quotas.cap(tier), self.config.sliding_window) {
@@ -1047,28 +1158,34 @@ impl Scheduler {
             // of the largest size (the same however the step's budget moves, so that the retry
             // after a preemption plans what the victims were chosen for).
             let chunk = self.config.max_num_batched_tokens;
-            while let Some(k) = (self.matched.len() + self.host_matched.len()).checked_sub(1) {
+            while let Some(k) =
+                (self.matched.len() + self.shared_matched.len() + self.host_matched.len())
+                    .checked_sub(1)
+            {
                 let tokens = (k + 1) * bs;
                 if self.ledger.blocks_for(tokens + (total - tokens).min(chunk)) <= quota {
                     break;
                 }
-                if self.host_matched.pop().is_none() {
+                if self.host_matched.pop().is_none() && self.shared_matched.pop().is_none() {
                     self.matched.truncate(k);
                 }
             }
         }
-        let computed = (self.matched.len() + self.host_matched.len()) * bs;
+        // Blocks it holds without reserving them: those the device cache holds and those an
+        // earlier admission of this plan loads.
+        let held = self.matched.len() + self.shared_matched.len();
+        let computed = (held + self.host_matched.len()) * bs;
         let num_new = (total - computed)
             .min(b.budget)
             .min(b.logit_cap(seq))
             .min(max_new);
 
-        let need_new = self.ledger.blocks_for(computed + num_new) - self.matched.len();
-        let mut need_all = self.ledger.blocks_for(total) - self.matched.len();
+        let need_new = self.ledger.blocks_for(computed + num_new) - held;
+        let mut need_all = self.ledger.blocks_for(total) - held;
         if let Some(cap) = self.window_cap() {
             // Under a sliding window the prefill holds at most `cap` blocks at once (the
             // matched ones count: the first steps give back those behind the window).
-            need_all = need_all.min(cap.saturating_sub(self.matched.len()).max(need_new));
+            need_all = need_all.min(cap.saturating_sub(held).max(need_new));
         }
         // Matched blocks nobody references are counted free but are pinned, not allocated.
         let evictable = self
@@ -1086,7 +1203,7 @@ impl Scheduler {
             // Its tier's bound: what the tier holds, what its running sequences owe, and
             // every block this one will hold for its prefill (the matched ones too).
             let tier_owed = self.tier_owed.get(usize::from(tier)).copied().unwrap_or(0);
-            let want = self.matched.len() + need_all;
+            let want = held + need_all;
             if self.quotas.held(tier) + tier_owed + want > quota {
                 return Err(Shortfall {
                     blocks: 0,
@@ -1239,9 +1356,23 @@ impl Scheduler {
             computed = pinned * self.ledger.block_size();
             need_all += self.matched.len() - pinned;
             self.matched.truncate(pinned);
-            // The host hits no longer follow the pinned prefix: computed too.
+            // The host hits (loaded here or by another admission) no longer follow the
+            // pinned prefix: computed too.
+            need_all += self.shared_matched.len();
+            self.shared_matched.clear();
             self.host_matched.clear();
             need_new = self.ledger.blocks_for(computed + num_new) - pinned;
+        }
+        // Blocks another admission of this plan loads: shared, resolved with the block ids.
+        for &(owner, owner_at) in &self.shared_matched {
+            self.plan_shares.push(PlanShare {
+                entry: b.len as u32,
+                slot,
+                at: seq.block_table.len() as u32,
+                owner,
+                owner_at,
+            });
+            seq.block_table.push(SHARED_LOAD_BLOCK);
         }
         // Running now, it owes the rest of its prefill's blocks.
         if let Some(owed) = b.owed.as_mut() {
@@ -1259,9 +1390,17 @@ impl Scheduler {
         self.quotas.add(seq.tier, seq.block_table.len());
         if !self.host_matched.is_empty() {
             // Copied in with this plan (`host_copies`), and registered in the device cache
-            // when launched, as the blocks it computes.
-            seq.load_at = self.matched.len();
+            // when launched, as the blocks it computes. Until then the plan's later
+            // admissions find them in `plan_loads` and share them. The tier's tokens count
+            // once, for the admission that loads them (a sharer's are device hits).
+            seq.load_at = self.matched.len() + self.shared_matched.len();
             seq.host_loads.extend_from_slice(&self.host_matched);
+            for k in 0..self.host_matched.len() {
+                let at = seq.load_at + k;
+                if let Some(&h) = seq.hashes.get(at) {
+                    self.plan_loads.insert(h, (slot, at as u32));
+                }
+            }
             self.host_hit_tokens += (self.host_matched.len() * self.ledger.block_size()) as u64;
         }
         seq.num_computed = computed;

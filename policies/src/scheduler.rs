@@ -152,6 +152,17 @@ pub struct Scheduler {
     pub(crate) host: Option<crate::host_tier::HostTier>,
     /// Scratch: host-tier blocks continuing the candidate's device prefix match.
     pub(crate) host_matched: Vec<BlockId>,
+    /// Scratch: blocks continuing the candidate's device prefix match that an earlier
+    /// admission of the plan being built loads from the host tier (owner slot, table index).
+    pub(crate) shared_matched: Vec<(u32, u32)>,
+    /// The host-tier loads decided in the plan being built, by prefix: the admitted sequence
+    /// (slot) and table index of the device block each fills. A later admission of the same
+    /// plan finds them here, after its device match, and shares the block instead of loading
+    /// it again (see `host_tier.rs`). Emptied when each plan starts.
+    pub(crate) plan_loads: crate::planner::PlanLoads,
+    /// Table entries of the plan being built that share a block another sequence of the
+    /// plan loads, resolved when the plan's blocks get their ids.
+    pub(crate) plan_shares: Vec<crate::planner::PlanShare>,
     /// Scratch: cached blocks the last commit evicted.
     pub(crate) evicted: Vec<(BlockId, crate::prefix_hash::PrefixHash)>,
     /// Blocks copied to the host tier since start.
@@ -352,6 +363,9 @@ impl Scheduler {
             tier_owed,
             host,
             host_matched: Vec::new(),
+            shared_matched: Vec::new(),
+            plan_loads: Default::default(),
+            plan_shares: Vec::new(),
             evicted: Vec::new(),
             kv_offloaded: 0,
             kv_loaded: 0,

@@ -685,7 +685,8 @@ pub struct SchedulerStats {
     #[serde(default)]
     pub num_kv_loaded_blocks: u64,
     /// Prompt tokens served from the host tier at admission since start (counted in
-    /// `prefix_hits` too).
+    /// `prefix_hits` too). A block loaded once for several requests of one plan counts once,
+    /// for the request whose admission loads it; the others' are device hits.
     #[serde(default)]
     pub num_host_hit_tokens: u64,
 }

@@ -191,6 +191,25 @@ fn workload() -> impl Strategy<Value = Workload> {
         )
 }
 
+/// A popular prefix coming back from the host tier: prefix caching and a tier always, every
+/// request in bursts (arrivals at 4 steps only) of two shared-prefix groups, in one cache
+/// namespace (no adapter, no salt), so requests with a prefix the tier holds are often admitted
+/// in one plan.
+fn burst_workload() -> impl Strategy<Value = Workload> {
+    (workload(), prop::sample::select(vec![2usize, 4, 16])).prop_map(|(mut w, host_blocks)| {
+        w.caching = true;
+        w.host_blocks = host_blocks;
+        for r in &mut w.reqs {
+            r.arrival_step = (r.arrival_step % 4) * 12;
+            r.group %= 2;
+            r.prefix_len += 8;
+            r.adapter = None;
+            r.salted = false;
+        }
+        w
+    })
+}
+
 fn tiers(batch_max_queue_ms: Option<u64>, kv_fractions: [Option<f64>; 3]) -> Vec<TierSpec> {
     let t = |name: &str, ttft, tpot, preemptible| TierSpec {
         name: name.into(),
@@ -607,9 +626,10 @@ fn content(w: &Workload, id: RequestId, k: usize) -> u64 {
 }
 
 /// Applies `plan`'s copies to the shadow and checks them (ids in range, no block written twice,
-/// no load source overwritten by an offload, only whole computed blocks copied), then that
-/// every scheduled request's table holds its own KV over its computed tokens (prefix hits
-/// from the device cache and from the host tier alike), then applies the plan's compute.
+/// no tier block loaded twice, no load source overwritten by an offload, only whole computed
+/// blocks copied), then that every scheduled request's table holds its own KV over its
+/// computed tokens (prefix hits from the device cache and from the host tier alike), then
+/// applies the plan's compute.
 fn check_contents(
     w: &Workload,
     s: &Scheduler,
@@ -622,6 +642,7 @@ fn check_contents(
     }
     let mut written_host = BTreeSet::new();
     let mut written_device = BTreeSet::new();
+    let mut loaded_host = BTreeSet::new();
     for c in &plan.kv_offloads {
         prop_assert!((c.device as usize) < w.num_gpu_blocks && (c.host as usize) < w.host_blocks);
         prop_assert!(
@@ -648,6 +669,12 @@ fn check_contents(
             written_device.insert(c.device),
             "device block {} loaded twice",
             c.device
+        );
+        // Requests admitted together with the same prefix in the tier share its loads.
+        prop_assert!(
+            loaded_host.insert(c.host),
+            "host block {} loaded twice by one plan",
+            c.host
         );
         let held = shadow.host[c.host as usize];
         prop_assert!(
@@ -1139,6 +1166,16 @@ proptest! {
         for name in variants() {
             run(&w, name, &[], false)
                 .map_err(|e| TestCaseError::fail(format!("policy {name}: {e}")))?;
+        }
+    }
+
+    #[test]
+    fn a_prefix_back_from_the_host_tier_is_loaded_once_per_plan(w in burst_workload()) {
+        for name in variants() {
+            run(&w, name, &[], false)
+                .map_err(|e| TestCaseError::fail(format!("policy {name}: {e}")))?;
+            run(&w, name, &[], true)
+                .map_err(|e| TestCaseError::fail(format!("policy {name} pipelined: {e}")))?;
         }
     }
 

@@ -136,9 +136,9 @@ impl HostKvTier {
             KvCopyEngine::Dma => 0,
         };
         // A list names each cache block at most once (an offload's source, a load's
-        // destination), but a tier block may be a load's source more than once: two requests
-        // admitted in one plan with the same prefix in the tier both load it (the scheduler's
-        // `one_plan_may_load_a_tier_block_twice`). So a list holds at most `cache_blocks`.
+        // destination). The scheduler also loads each tier block at most once a plan
+        // (`one_plan_loads_a_tier_block_once_for_every_request_that_needs_it`), but the
+        // bound by cache blocks does not rely on it: a list holds at most `cache_blocks`.
         let most = cache_blocks;
         let mut staging = Vec::new();
         if engine == KvCopyEngine::Kernel {
