@@ -21,10 +21,7 @@
 //! evictions from the ids it gets back (an allocated block loses its cached prefix), and with a
 //! host KV tier records them for its offloads ([`BlockLedger::take_evicted`]).
 
-use std::collections::HashMap;
-use std::hash::BuildHasherDefault;
-
-use crate::block_pool::{BlockGeometry, BlockPool, PassThroughHasher};
+use crate::block_pool::{match_cached_prefix, BlockGeometry, BlockPool, CacheMap};
 use crate::error::SchedulerError;
 use crate::prefix_hash::PrefixHash;
 use crate::types::BlockId;
@@ -105,8 +102,6 @@ impl BlockPool {
         Ok(())
     }
 }
-
-type CacheMap = HashMap<PrefixHash, BlockId, BuildHasherDefault<PassThroughHasher>>;
 
 /// Refcounts, prefix index and free count of the allocator's pool, as of the last commit
 /// plus the changes recorded since (see the module docs).
@@ -302,14 +297,7 @@ impl BlockLedger {
 
     /// Appends to `out` the cached blocks of the longest cached prefix of `hashes`.
     pub fn match_prefix(&self, hashes: &[PrefixHash], out: &mut Vec<BlockId>) -> usize {
-        let start = out.len();
-        for h in hashes {
-            match self.cache.get(h) {
-                Some(&b) => out.push(b),
-                None => break,
-            }
-        }
-        out.len() - start
+        match_cached_prefix(&self.cache, hashes, out)
     }
 
     /// The changes since the last commit, for the allocator; the reserved blocks stay

@@ -41,7 +41,25 @@ impl Hasher for PassThroughHasher {
     }
 }
 
-type CacheMap = HashMap<PrefixHash, BlockId, BuildHasherDefault<PassThroughHasher>>;
+/// A map from block hash to the block holding it (the device cache's, the ledger's, the host
+/// tier's).
+pub(crate) type CacheMap = HashMap<PrefixHash, BlockId, BuildHasherDefault<PassThroughHasher>>;
+
+/// Appends to `out` the blocks `cache` holds for the longest prefix of `hashes`; how many.
+pub(crate) fn match_cached_prefix(
+    cache: &CacheMap,
+    hashes: &[PrefixHash],
+    out: &mut Vec<BlockId>,
+) -> usize {
+    let start = out.len();
+    for h in hashes {
+        match cache.get(h) {
+            Some(&b) => out.push(b),
+            None => break,
+        }
+    }
+    out.len() - start
+}
 
 /// Block size arithmetic shared by the pool and the ledger (divisions are on the hot path, so
 /// a power-of-two size uses shifts).
@@ -305,14 +323,7 @@ impl BlockPool {
     ///
     /// Does not take references; call [`BlockPool::touch`] on the blocks to pin them.
     pub fn match_prefix(&self, hashes: &[PrefixHash], out: &mut Vec<BlockId>) -> usize {
-        let start = out.len();
-        for h in hashes {
-            match self.cache.get(h) {
-                Some(&b) => out.push(b),
-                None => break,
-            }
-        }
-        out.len() - start
+        match_cached_prefix(&self.cache, hashes, out)
     }
 
     /// Verifies the free list, refcounts and cache map against each other.

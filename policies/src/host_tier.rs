@@ -16,15 +16,10 @@
 //! (load sources and blocks already written by that plan, both moved to the tail, so the
 //! walk is O(1) unless the pins fill the whole tier).
 
-use std::collections::HashMap;
-use std::hash::BuildHasherDefault;
-
-use crate::block_pool::PassThroughHasher;
+use crate::block_pool::{match_cached_prefix, CacheMap};
 use crate::error::SchedulerError;
 use crate::prefix_hash::PrefixHash;
 use crate::types::BlockId;
-
-type CacheMap = HashMap<PrefixHash, BlockId, BuildHasherDefault<PassThroughHasher>>;
 
 /// Per-block state. `prev`/`next` link the LRU list; meaningless for an unused block.
 #[derive(Clone, Debug)]
@@ -105,14 +100,7 @@ impl HostTier {
 
     /// Appends to `out` the blocks of the longest prefix of `hashes` held here.
     pub fn match_prefix(&self, hashes: &[PrefixHash], out: &mut Vec<BlockId>) -> usize {
-        let start = out.len();
-        for h in hashes {
-            match self.cache.get(h) {
-                Some(&b) => out.push(b),
-                None => break,
-            }
-        }
-        out.len() - start
+        match_cached_prefix(&self.cache, hashes, out)
     }
 
     fn unlink(&mut self, b: u32) {
