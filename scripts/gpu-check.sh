@@ -49,7 +49,8 @@
 #             shared/traces/...) against a cache of KV_BENCH_BLOCKS blocks, with a tier of
 #             KV_BENCH_GIB GiB and without
 #   kvcopy    the cuda_kv_copy benchmark (its binary in BIN): offloads and loads of 16 and 256
-#             blocks, in runs and scattered, Llama-3-8B and SmolLM2 shapes
+#             blocks, in one run, in runs of 8 and scattered, Llama-3-8B and SmolLM2 shapes, by
+#             DMA, by the kernel and by the default mix (auto)
 #   ab        builds against each other, interleaved: AB_BINS="DIR DIR ..." (each a folder with a
 #             switchyard build, or DIR@VAR=VALUE,VAR=VALUE: that build with those environment
 #             variables, e.g. "b b@SWITCHYARD_CUDA_PDL=0"), AB_SPECS (name=arguments, commas for spaces; default Llama and

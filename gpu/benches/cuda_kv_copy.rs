@@ -1,9 +1,11 @@
 //! Copies between the CUDA KV cache and its host tier (`cache.kv_offloading_size`): the rate
 //! of [`Backend::copy_kv`] for offloads (device to host) and loads (host to device), for runs
-//! of consecutive blocks (one DMA per layer, part and run) and for scattered blocks (every
-//! other device block: one DMA per layer, part and block), on random weights of Llama-3-8B
-//! (2 MiB blocks of 16 tokens in bf16) and SmolLM2-135M (360 KiB blocks), each by DMA and by
-//! the `kv_tier_copy` kernel ([`KvCopyEngine`]). Criterion reports bytes per second. Needs a GPU (`cargo bench --features cuda -p switchyard-gpu --bench
+//! of consecutive blocks (one DMA per layer, part and run), for runs of 8 blocks apart, and for
+//! scattered blocks (every other device block: one DMA per layer, part and block), on random
+//! weights of Llama-3-8B (2 MiB blocks of 16 tokens in bf16, 32 KiB a layer part) and
+//! SmolLM2-135M (360 KiB blocks, 6 KiB a layer part), each by DMA, by the `kv_tier_copy`
+//! kernel and by the default mix of both ([`KvCopyEngine::AUTO`]: a load run of 8 Llama-3-8B
+//! blocks goes by DMA, one of 8 SmolLM2 blocks by the kernel). Criterion reports bytes per second. Needs a GPU (`cargo bench --features cuda -p switchyard-gpu --bench
 //! cuda_kv_copy`); without one it says so and measures nothing.
 
 use std::time::{Duration, Instant};
@@ -33,7 +35,7 @@ fn bench_model(
         c,
         WeightSource::Dummy(7),
         &CudaBackendConfig {
-            num_kv_blocks: Some(2 * most + 2),
+            num_kv_blocks: Some(2 * most + most / 8 + 2),
             host_kv_bytes: most * per_block,
             host_kv_copy: Some(engine),
             cuda_graphs: false,
@@ -46,9 +48,12 @@ fn bench_model(
     let engine_name = match engine {
         KvCopyEngine::Dma => "dma",
         KvCopyEngine::Kernel => "kernel",
+        _ => "auto",
     };
     let mut g = cr.benchmark_group(format!("kv_copy/{name}/{engine_name}"));
-    g.sample_size(20).measurement_time(Duration::from_secs(3));
+    g.sample_size(20)
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(2));
     for &n in copies {
         g.throughput(Throughput::Bytes((n * per_block) as u64));
         let runs: Vec<KvCopy> = (0..n as u32)
@@ -60,7 +65,14 @@ fn bench_model(
                 host: i,
             })
             .collect();
-        for (layout, list) in [("run", &runs), ("scattered", &scattered)] {
+        // Runs of 8 with a gap of one cache block between them.
+        let run8: Vec<KvCopy> = (0..n as u32)
+            .map(|i| KvCopy {
+                device: i + i / 8,
+                host: i,
+            })
+            .collect();
+        for (layout, list) in [("run", &runs), ("run8", &run8), ("scattered", &scattered)] {
             for (dir, offload) in [("offload", true), ("load", false)] {
                 g.bench_function(format!("{dir}/{layout}/{n}"), |b| {
                     b.iter_custom(|iters| {
@@ -86,7 +98,7 @@ fn kv_copy(cr: &mut Criterion) {
         eprintln!("no usable CUDA device ({e}): nothing measured");
         return;
     }
-    for engine in [KvCopyEngine::Dma, KvCopyEngine::Kernel] {
+    for engine in [KvCopyEngine::Dma, KvCopyEngine::Kernel, KvCopyEngine::AUTO] {
         bench_model(
             cr,
             "llama-3-8b",

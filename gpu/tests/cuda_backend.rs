@@ -3520,12 +3520,25 @@ fn embeddings_agree_with_cpu_and_transformers() {
 // The host KV tier (`cache.kv_offloading_size`).
 
 /// One run of the host tier's round trip with a bf16 or an fp8 cache: prefill a prompt,
-/// offload its blocks (in two runs of consecutive blocks and a lone one), overwrite them with
-/// another sequence, load them back into other blocks and decode. The logits equal the
+/// offload its blocks (two runs of two consecutive blocks), overwrite them with another
+/// sequence, load them back into other blocks (a run of two and two lone blocks) and decode. The logits equal the
 /// uninterrupted run's bit for bit (the same step over the same bytes), and differ without the
-/// load. `engine`: DMA or the `kv_tier_copy` kernel.
-fn host_tier_round_trip(kv_fp8: bool, engine: switchyard_gpu::cuda::KvCopyEngine) {
+/// load. `engine`: DMA, the `kv_tier_copy` kernel, the default mix, or (`None`) a mix that
+/// takes runs of two blocks by DMA and lone blocks by the kernel.
+fn host_tier_round_trip(kv_fp8: bool, engine: Option<switchyard_gpu::cuda::KvCopyEngine>) {
     let (c, w, _) = smollm2_or_dummy();
+    // Bytes a DMA call moves per block of a run (fp8: the values' call and the scales').
+    let per_call = 16
+        * c.num_kv_heads
+        * if kv_fp8 {
+            (c.head_dim + 4) / 2
+        } else {
+            2 * c.head_dim
+        };
+    let engine = engine.unwrap_or(switchyard_gpu::cuda::KvCopyEngine::Hybrid {
+        offload_dma_min: 2 * per_call,
+        load_dma_min: 2 * per_call,
+    });
     let block_bytes = 2 * c.num_layers * 16 * c.num_kv_heads * {
         if kv_fp8 {
             c.head_dim + 4
@@ -3609,7 +3622,13 @@ fn a_prefix_offloaded_to_the_host_tier_and_loaded_elsewhere_decodes_as_before() 
         return;
     }
     use switchyard_gpu::cuda::KvCopyEngine;
-    for engine in [KvCopyEngine::Dma, KvCopyEngine::Kernel] {
+    // `None`: runs of 2 blocks by DMA, lone blocks by the kernel, in one call.
+    for engine in [
+        Some(KvCopyEngine::Dma),
+        Some(KvCopyEngine::Kernel),
+        Some(KvCopyEngine::AUTO),
+        None,
+    ] {
         host_tier_round_trip(false, engine);
         if fp8_gpu() {
             host_tier_round_trip(true, engine);

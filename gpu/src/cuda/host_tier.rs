@@ -11,16 +11,19 @@
 //! cache). A run of consecutive blocks on both sides is then one contiguous range per layer
 //! and part: one copy (two with fp8 scales) per layer, part and run.
 //!
-//! Two ways to copy ([`KvCopyEngine`]): DMA (`cuMemcpy{DtoH,HtoD}Async`, one per layer, part
-//! and run: 64 for one Llama-3-8B block, each a driver call of about 2.3 us, so scattered
-//! blocks cost the host far more than the bytes cost the bus), or, the default, one launch of
-//! the `kv_tier_copy` kernel per list, which reads and writes the tier through its device
-//! mapping (the memory is allocated mapped). Measured on an H100 (gpu/CUDA_NOTES.md v51,
+//! Two ways to copy, and a mix of both ([`KvCopyEngine`]): DMA (`cuMemcpy{DtoH,HtoD}Async`, one
+//! per layer, part and run: 64 for one Llama-3-8B block, each a driver call of about 2.3 us, so
+//! scattered blocks cost the host far more than the bytes cost the bus), and one launch of the
+//! `kv_tier_copy` kernel per list, which reads and writes the tier through its device mapping
+//! (the memory is allocated mapped). Measured on an H100 (gpu/CUDA_NOTES.md v51,
 //! `benches/cuda_kv_copy.rs`): the kernel offloads at 48.8 GiB/s and loads at 32.2 GiB/s
 //! whatever the blocks' layout; DMA moves runs of 256 blocks at 50.6 GiB/s but scattered
-//! Llama-3-8B blocks at 10.3 / 9.4 GiB/s and scattered SmolLM2 blocks at 2.4 / 2.1 GiB/s. The kernel reads its (cache block, tier block) pairs from
-//! mapped host memory too: two staging buffers used in turn, each reused only once the event
-//! recorded after the launches that read it has completed.
+//! Llama-3-8B blocks at 10.3 / 9.4 GiB/s and scattered SmolLM2 blocks at 2.4 / 2.1 GiB/s. The
+//! default ([`KvCopyEngine::AUTO`]) takes each run of consecutive blocks by DMA when it moves
+//! enough bytes a call to pay the call (loads from 256 KiB, offloads from 4 MiB) and the rest
+//! by the kernel. The kernel reads its (cache block, tier block) pairs from mapped host memory
+//! too: two staging buffers used in turn, each reused only once the event recorded after the
+//! launches that read it has completed.
 
 use std::sync::Arc;
 
@@ -42,25 +45,56 @@ struct Geometry {
     scales: usize,
 }
 
-/// How the tier's copies run (`SWITCHYARD_CUDA_KV_COPY`: `dma` or `kernel`).
+/// How the tier's copies run (`SWITCHYARD_CUDA_KV_COPY`: `auto`, `dma` or `kernel`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KvCopyEngine {
     /// `cuMemcpy{DtoH,HtoD}Async`, one per layer, part and run of consecutive blocks.
     Dma,
-    /// One `kv_tier_copy` launch per list, through the tier's device mapping (the default).
+    /// One `kv_tier_copy` launch per list, through the tier's device mapping.
     Kernel,
+    /// By run: a run of consecutive blocks whose bytes per DMA call reach its direction's
+    /// bound goes by DMA, every other block by one kernel launch per list. [`Self::AUTO`] (the
+    /// default) sets the bounds where the two cost the same on an H100.
+    Hybrid {
+        /// Bytes per DMA call from which an offload run goes by DMA.
+        offload_dma_min: usize,
+        /// Bytes per DMA call from which a load run goes by DMA.
+        load_dma_min: usize,
+    },
 }
 
 impl KvCopyEngine {
-    /// `SWITCHYARD_CUDA_KV_COPY`, else the kernel; an unknown value is refused naming the
+    /// The default. A DMA call costs the host ~2.3 us (gpu/CUDA_NOTES.md v51, H100), after
+    /// which it moves 50.6 GiB/s; the kernel loads at 32.2 GiB/s and offloads at 48.8 GiB/s
+    /// with no cost per run. So a load run pays by DMA from ~220 KB a call (2.3 us over the
+    /// 10.5 ps a byte the kernel is slower), an offload run only from ~3.4 MB (0.7 ps a byte).
+    pub const AUTO: KvCopyEngine = KvCopyEngine::Hybrid {
+        offload_dma_min: 4 << 20,
+        load_dma_min: 256 << 10,
+    };
+
+    /// `SWITCHYARD_CUDA_KV_COPY`, else [`Self::AUTO`]; an unknown value is refused naming the
     /// variable.
     pub fn from_env() -> Result<Self, GpuError> {
         match std::env::var("SWITCHYARD_CUDA_KV_COPY").as_deref() {
             Ok("dma") => Ok(KvCopyEngine::Dma),
-            Err(_) | Ok("kernel") => Ok(KvCopyEngine::Kernel),
+            Ok("kernel") => Ok(KvCopyEngine::Kernel),
+            Err(_) | Ok("auto") => Ok(KvCopyEngine::AUTO),
             Ok(v) => Err(GpuError::InvalidConfig(format!(
-                "SWITCHYARD_CUDA_KV_COPY: {v:?} is not one of dma, kernel"
+                "SWITCHYARD_CUDA_KV_COPY: {v:?} is not one of auto, dma, kernel"
             ))),
+        }
+    }
+
+    /// The bytes per DMA call from which a run goes by DMA: (offloads, loads).
+    fn dma_min(self) -> (usize, usize) {
+        match self {
+            KvCopyEngine::Dma => (0, 0),
+            KvCopyEngine::Kernel => (usize::MAX, usize::MAX),
+            KvCopyEngine::Hybrid {
+                offload_dma_min,
+                load_dma_min,
+            } => (offload_dma_min, load_dma_min),
         }
     }
 }
@@ -132,8 +166,8 @@ impl HostKvTier {
             ))
         })?;
         let mem_dev = match engine {
-            KvCopyEngine::Kernel => mapped(&mut mem)?,
             KvCopyEngine::Dma => 0,
+            _ => mapped(&mut mem)?,
         };
         // A list names each cache block at most once (an offload's source, a load's
         // destination). The scheduler also loads each tier block at most once a plan
@@ -141,7 +175,7 @@ impl HostKvTier {
         // bound by cache blocks does not rely on it: a list holds at most `cache_blocks`.
         let most = cache_blocks;
         let mut staging = Vec::new();
-        if engine == KvCopyEngine::Kernel {
+        if engine != KvCopyEngine::Dma {
             for _ in 0..2 {
                 // SAFETY: written by the host before each launch that reads it.
                 let mut pairs = unsafe {
@@ -204,8 +238,37 @@ impl HostKvTier {
             }
         }
         gpu.bind()?;
-        if self.engine == KvCopyEngine::Kernel {
-            return self.copy_by_kernel(gpu, buf, offloads, loads);
+        let g = self.geometry;
+        // Bytes a DMA call moves per block of a run, on average: a part's values, and with
+        // fp8 its scales by a call of their own.
+        let per_call = if g.scales > 0 {
+            (g.values + g.scales) / 2
+        } else {
+            g.values
+        };
+        let (offload_min, load_min) = self.engine.dma_min();
+        let (offload_runs, offload_pairs) = split_runs(offloads, per_call, offload_min);
+        let (load_runs, load_pairs) = split_runs(loads, per_call, load_min);
+        // Every offload before every load (one stream): DMA offloads, the kernel's offloads
+        // and loads, DMA loads.
+        self.copy_by_dma(gpu, buf, true, &offload_runs)?;
+        if !offload_pairs.is_empty() || !load_pairs.is_empty() {
+            self.copy_by_kernel(gpu, buf, &offload_pairs, &load_pairs)?;
+        }
+        self.copy_by_dma(gpu, buf, false, &load_runs)
+    }
+
+    /// `runs` (first cache block, first tier block, length) as one DMA per layer, part and
+    /// run (two with fp8 scales). The ids were checked by [`Self::copy`].
+    fn copy_by_dma(
+        &mut self,
+        gpu: &Gpu,
+        buf: &Buffers,
+        to_host: bool,
+        runs: &[(usize, usize, usize)],
+    ) -> Result<(), GpuError> {
+        if runs.is_empty() {
+            return Ok(());
         }
         let host = self
             .mem
@@ -214,39 +277,37 @@ impl HostKvTier {
         let g = self.geometry;
         let host_part = self.num_blocks * (g.values + g.scales);
         let host_values = self.num_blocks * g.values;
-        for (to_host, copies) in [(true, offloads), (false, loads)] {
-            for (device, hb, n) in runs(copies) {
-                for part in 0..2 * g.layers {
-                    let dev = buf.kv.ptr() + (part * buf.kv_layer_bytes) as u64;
-                    let at = part * host_part;
-                    let mut ranges = vec![(
-                        dev + (device * g.values) as u64,
-                        at + hb * g.values,
-                        n * g.values,
-                    )];
-                    if let Some(scales_at) = buf.kv_scales_at {
-                        ranges.push((
-                            dev + (scales_at + device * g.scales) as u64,
-                            at + host_values + hb * g.scales,
-                            n * g.scales,
-                        ));
-                    }
-                    for (d, h, len) in ranges {
-                        // SAFETY: the ids were checked above, so the device range lies inside
-                        // the cache's part and the host range inside the tier, which lives
-                        // until the stream is synchronised (`Drop`) and which the host never
-                        // reads or writes itself.
-                        unsafe {
-                            let h = host.add(h);
-                            if to_host {
-                                sys::cuMemcpyDtoHAsync_v2(h.cast(), d, len, gpu.stream.cu_stream())
-                            } else {
-                                sys::cuMemcpyHtoDAsync_v2(d, h.cast(), len, gpu.stream.cu_stream())
-                            }
+        for &(device, hb, n) in runs {
+            for part in 0..2 * g.layers {
+                let dev = buf.kv.ptr() + (part * buf.kv_layer_bytes) as u64;
+                let at = part * host_part;
+                let mut ranges = vec![(
+                    dev + (device * g.values) as u64,
+                    at + hb * g.values,
+                    n * g.values,
+                )];
+                if let Some(scales_at) = buf.kv_scales_at {
+                    ranges.push((
+                        dev + (scales_at + device * g.scales) as u64,
+                        at + host_values + hb * g.scales,
+                        n * g.scales,
+                    ));
+                }
+                for (d, h, len) in ranges {
+                    // SAFETY: the ids were checked by `copy`, so the device range lies inside
+                    // the cache's part and the host range inside the tier, which lives until
+                    // the stream is synchronised (`Drop`) and which the host never reads or
+                    // writes itself.
+                    unsafe {
+                        let h = host.add(h);
+                        if to_host {
+                            sys::cuMemcpyDtoHAsync_v2(h.cast(), d, len, gpu.stream.cu_stream())
+                        } else {
+                            sys::cuMemcpyHtoDAsync_v2(d, h.cast(), len, gpu.stream.cu_stream())
                         }
-                        .result()
-                        .map_err(|e| cuda_err("host KV tier copy", e))?;
                     }
+                    .result()
+                    .map_err(|e| cuda_err("host KV tier copy", e))?;
                 }
             }
         }
@@ -370,6 +431,29 @@ impl Drop for HostKvTier {
     }
 }
 
+/// `copies` split by run: the runs (first cache block, first tier block, length) of blocks
+/// consecutive on both sides that move at least `dma_min` bytes per DMA call (`per_block` a
+/// block), and the blocks of the others, in order.
+fn split_runs(
+    copies: &[KvCopy],
+    per_block: usize,
+    dma_min: usize,
+) -> (Vec<(usize, usize, usize)>, Vec<KvCopy>) {
+    let mut dma = Vec::new();
+    let mut single = Vec::new();
+    for (device, host, n) in runs(copies) {
+        if n.saturating_mul(per_block) >= dma_min {
+            dma.push((device, host, n));
+        } else {
+            single.extend((0..n).map(|i| KvCopy {
+                device: (device + i) as u32,
+                host: (host + i) as u32,
+            }));
+        }
+    }
+    (dma, single)
+}
+
 /// Copies as runs (first cache block, first tier block, length) of blocks consecutive on both
 /// sides, in order.
 fn runs(copies: &[KvCopy]) -> Vec<(usize, usize, usize)> {
@@ -394,5 +478,37 @@ mod tests {
         let got = runs(&[c(4, 0), c(5, 1), c(6, 2), c(7, 9), c(9, 10), c(1, 1)]);
         assert_eq!(got, [(4, 0, 3), (7, 9, 1), (9, 10, 1), (1, 1, 1)]);
         assert!(runs(&[]).is_empty());
+    }
+
+    #[test]
+    fn runs_that_move_enough_bytes_a_call_go_by_dma_the_rest_by_the_kernel() {
+        let c = |device, host| KvCopy { device, host };
+        let list = [
+            c(4, 0),
+            c(5, 1),
+            c(6, 2),
+            c(7, 9),
+            c(9, 10),
+            c(10, 11),
+            c(1, 1),
+        ];
+        // Runs of 3, 1, 2 and 1 blocks of 100 bytes: from 200 bytes a call, the runs of 3
+        // and 2 by DMA.
+        let (dma, single) = split_runs(&list, 100, 200);
+        assert_eq!(dma, [(4, 0, 3), (9, 10, 2)]);
+        assert_eq!(single, [c(7, 9), c(1, 1)]);
+        let (dma, single) = split_runs(&list, 100, 301);
+        assert!(dma.is_empty());
+        assert_eq!(single, list);
+        // The DMA engine's bound (0) and the kernel's (usize::MAX), a huge block included.
+        assert_eq!(split_runs(&list, 100, 0).0.len(), 4);
+        assert!(split_runs(&list, 100, usize::MAX).0.is_empty());
+    }
+
+    #[test]
+    fn each_engine_sends_runs_by_dma_from_its_bound() {
+        assert_eq!(KvCopyEngine::Dma.dma_min(), (0, 0));
+        assert_eq!(KvCopyEngine::Kernel.dma_min(), (usize::MAX, usize::MAX));
+        assert_eq!(KvCopyEngine::AUTO.dma_min(), (4 << 20, 256 << 10));
     }
 }

@@ -85,8 +85,8 @@ pub struct CudaBackendConfig {
     /// Bytes of the host KV tier (`cache.kv_offloading_size`; 0: none): page-locked host
     /// memory of whole KV blocks ([`Backend::num_host_kv_blocks`]), see `host_tier`.
     pub host_kv_bytes: usize,
-    /// How the host tier's copies run; `None`: `SWITCHYARD_CUDA_KV_COPY` (`dma`, `kernel`),
-    /// else the kernel.
+    /// How the host tier's copies run; `None`: `SWITCHYARD_CUDA_KV_COPY` (`auto`, `dma`,
+    /// `kernel`), else [`KvCopyEngine::AUTO`].
     pub host_kv_copy: Option<KvCopyEngine>,
 }
 
