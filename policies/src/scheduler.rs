@@ -3,7 +3,7 @@
 //!
 //! This file holds construction, validation, the public queries and the life-cycle
 //! operations that can happen at any time (finish, abort, policy swap); the per-step planner
-//! (`schedule`, `apply_outputs`) lives in `planner.rs`.
+//! (`schedule`, `apply_outputs`) lives in `planner/`.
 //!
 //! Every operation checks its own budgets and invariants, so a policy can only reorder work:
 //! it cannot leak a block, exceed a limit or lose a request. [`Scheduler::check_invariants`]

@@ -1,0 +1,190 @@
+//! The planner's KV part, once a plan is built: the ids the allocator gave the plan's reserved
+//! blocks go into the block tables and the plan's block deltas (`assign_blocks`,
+//! `fill_tables`), the table entries that share a block the same plan loads get its id
+//! (`resolve_shares`, `commit_shares`), and with a host KV tier the plan gets its loads and
+//! offloads (`host_copies`, see `host_tier.rs`).
+
+use crate::block_ledger::{PENDING_BLOCK, RELEASED_BLOCK, SHARED_LOAD_BLOCK};
+use crate::error::SchedulerError;
+use crate::scheduler::Scheduler;
+use crate::types::{BlockCopy, BlockId, StepPlan};
+
+use super::slot_ref;
+
+impl Scheduler {
+    /// With the scheduler's own pool: commits at once the references [`Scheduler::assign_blocks`]
+    /// added for the blocks sequences of the plan share as they are loaded (an allocator
+    /// actor gets them with the next commit instead). False when the pool refuses them.
+    pub(super) fn commit_shares(&mut self) -> bool {
+        if !self.ledger.has_uncommitted() {
+            return true;
+        }
+        let c = self.ledger.take_commit();
+        let mut none = Vec::new();
+        match self.allocator.as_mut() {
+            Some(pool) => pool.commit(&c, &mut none).is_ok() && none.is_empty(),
+            None => false,
+        }
+    }
+
+    /// Writes the ids the allocator gave this step's reserved blocks into the block tables
+    /// and the plan's block deltas, and with a host KV tier adds the plan's copies
+    /// (`kv_loads`, `kv_offloads`). `plan` is the one [`Scheduler::plan_into`] just built.
+    pub fn assign_blocks(
+        &mut self,
+        plan: &mut StepPlan,
+        ids: &[BlockId],
+    ) -> Result<(), SchedulerError> {
+        if let Err(e) = self.ledger.assign(ids) {
+            // A core bug: evictions recorded before the error must not be offloaded by a
+            // later plan, whose steps may have overwritten those blocks.
+            let mut stale = std::mem::take(&mut self.evicted);
+            self.ledger.take_evicted(&mut stale);
+            stale.clear();
+            self.evicted = stale;
+            self.plan_shares.clear();
+            self.plan_loads.clear();
+            return Err(e);
+        }
+        if ids.is_empty() {
+            // A share needs a load, and a load a reserved block: no share to resolve.
+            self.plan_shares.clear();
+            self.plan_loads.clear();
+            return Ok(());
+        }
+        let filled = self
+            .fill_tables(plan, ids)
+            .and_then(|()| self.resolve_shares(plan));
+        // The evictions happened whatever the tables: their offloads belong to this plan.
+        self.host_copies(plan);
+        filled
+    }
+
+    /// Gives every table entry that shares a block loaded in this plan (see
+    /// [`Scheduler::assign_blocks`]'s `plan_shares`) that block's id, now in the loading
+    /// sequence's table, and a reference of its own: the ledger records it now, the
+    /// allocator's pool with the next commit (pins come first there, so the pool never
+    /// frees the block early).
+    fn resolve_shares(&mut self, plan: &mut StepPlan) -> Result<(), SchedulerError> {
+        let mut shares = std::mem::take(&mut self.plan_shares);
+        let mut result = Ok(());
+        for sh in &shares {
+            let dev = slot_ref(&self.seqs, sh.owner)
+                .and_then(|q| q.block_table.get(sh.owner_at as usize).copied())
+                .filter(|&d| self.ledger.ref_count(d).is_some_and(|r| r > 0) && d != PENDING_BLOCK);
+            let target = self
+                .seqs
+                .get_mut(sh.slot as usize)
+                .and_then(|s| s.as_mut())
+                .and_then(|q| q.block_table.get_mut(sh.at as usize))
+                .filter(|e| **e == SHARED_LOAD_BLOCK);
+            let (Some(dev), Some(target)) = (dev, target) else {
+                result = Err(SchedulerError::Invariant(
+                    "a shared load's block is gone".into(),
+                ));
+                continue;
+            };
+            *target = dev;
+            if let Some(entry) = plan.seqs.get_mut(sh.entry as usize) {
+                let k = (sh.at as usize).wrapping_sub(entry.first_new_block);
+                if let Some(e) = entry.new_blocks.get_mut(k) {
+                    *e = dev;
+                }
+            }
+            if let Err(e) = self.ledger.touch(dev) {
+                result = Err(e);
+            }
+        }
+        shares.clear();
+        self.plan_shares = shares;
+        result
+    }
+
+    /// Writes `ids` into the reserved entries of the tables of the plan's sequences.
+    fn fill_tables(&mut self, plan: &mut StepPlan, ids: &[BlockId]) -> Result<(), SchedulerError> {
+        if self.last_slots.len() != plan.seqs.len() {
+            return Err(SchedulerError::Invariant(
+                "plan does not match the last step".into(),
+            ));
+        }
+        let mut next = ids.iter();
+        for (entry, &slot) in plan.seqs.iter_mut().zip(&self.last_slots) {
+            let Some(seq) = self.seqs.get_mut(slot as usize).and_then(|s| s.as_mut()) else {
+                continue;
+            };
+            let first = entry.first_new_block.min(seq.block_table.len());
+            for b in &mut seq.block_table[first..] {
+                if *b == PENDING_BLOCK {
+                    *b = *next.next().ok_or_else(|| {
+                        SchedulerError::Invariant("fewer ids than reserved blocks".into())
+                    })?;
+                }
+            }
+            entry.new_blocks.clear();
+            entry
+                .new_blocks
+                .extend_from_slice(&seq.block_table[first..]);
+        }
+        if next.next().is_some() {
+            return Err(SchedulerError::Invariant(
+                "more ids than reserved blocks".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// With a host tier, once the plan's blocks have their ids: the loads of the prefixes its
+    /// admissions found in the host tier (their sources pinned for the plan first), then the
+    /// offloads of the cached blocks its allocations evicted, in device order (see
+    /// `host_tier.rs`).
+    fn host_copies(&mut self, plan: &mut StepPlan) {
+        let Some(host) = self.host.as_mut() else {
+            return;
+        };
+        host.begin_plan();
+        for &slot in &self.last_slots {
+            let Some(seq) = self.seqs.get_mut(slot as usize).and_then(|s| s.as_mut()) else {
+                continue;
+            };
+            if seq.host_loads.is_empty() {
+                continue;
+            }
+            for (k, &src) in seq.host_loads.iter().enumerate() {
+                match seq.block_table.get(seq.load_at + k) {
+                    Some(&dst)
+                        if dst != PENDING_BLOCK
+                            && dst != RELEASED_BLOCK
+                            && dst != SHARED_LOAD_BLOCK
+                            && host.pin(src).is_ok() =>
+                    {
+                        plan.kv_loads.push(BlockCopy {
+                            device: dst,
+                            host: src,
+                        });
+                        self.kv_loaded += 1;
+                    }
+                    // Unreachable: the host tier only changes here, and the admission
+                    // reserved the blocks.
+                    _ => self.pool_errors += 1,
+                }
+            }
+            seq.host_loads.clear();
+        }
+        self.plan_loads.clear();
+        let mut evicted = std::mem::take(&mut self.evicted);
+        evicted.clear();
+        self.ledger.take_evicted(&mut evicted);
+        // In device order, so that host blocks given in turn pair a run of consecutive device
+        // blocks with one of host blocks, which a backend copies as one transfer (a request's
+        // table is freed back to front, so the allocator evicts it in descending order: one
+        // transfer a block). The offloads are independent: their order is free.
+        evicted.sort_unstable_by_key(|&(device, _)| device);
+        for &(device, hash) in &evicted {
+            if let Some(dst) = host.offload(hash) {
+                plan.kv_offloads.push(BlockCopy { device, host: dst });
+                self.kv_offloaded += 1;
+            }
+        }
+        self.evicted = evicted;
+    }
+}
