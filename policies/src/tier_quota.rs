@@ -49,7 +49,7 @@ pub(crate) struct TierQuotas {
     over: Vec<usize>,
 }
 
-/// How a reload's new bounds took ([`TierQuotas::replace`]).
+/// How a reload's new bounds took (what the scheduler's quota reload reports).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum QuotaChange {
     /// The tier holds more than its new bound: it gets no block (no admission, no growth
