@@ -9,30 +9,11 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::Server;
+use common::{choice_texts, Server};
 use serde_json::{json, Value};
 
 fn server(name: &str) -> Server {
     Server::start(name, "")
-}
-
-fn complete(s: &Server, body: Value) -> Value {
-    let (status, v) = s.post_json("/v1/completions", &body);
-    assert_eq!(status, 200, "{body}: {v}\nlog:\n{}", s.log());
-    v
-}
-
-fn texts(v: &Value) -> Vec<String> {
-    v["choices"]
-        .as_array()
-        .expect("choices")
-        .iter()
-        .enumerate()
-        .map(|(i, c)| {
-            assert_eq!(c["index"], i, "{v}");
-            c["text"].as_str().expect("text").to_owned()
-        })
-        .collect()
 }
 
 /// vLLM's score of a choice: its cumulative logprob over `(prompt + generated) ^ penalty`.
@@ -68,14 +49,14 @@ fn compare_with_transformers(s: &Server, min_margin: Option<f64>) -> usize {
         if !chosen {
             continue;
         }
-        let v = complete(
-            s,
-            json!({"prompt": case["prompt_ids"], "n": case["width"],
+        let v = s.post_ok(
+            "/v1/completions",
+            &json!({"prompt": case["prompt_ids"], "n": case["width"],
                    "max_tokens": case["max_tokens"], "use_beam_search": true,
                    "length_penalty": case["length_penalty"], "ignore_eos": case["ignore_eos"],
                    "logprobs": 0, "include_stop_str_in_output": true}),
         );
-        let ours = texts(&v);
+        let ours = choice_texts(&v);
         for (i, beam) in case["beams"].as_array().unwrap().iter().enumerate() {
             let (status, d) = s.post_json("/detokenize", &json!({"tokens": beam["tokens"]}));
             assert_eq!(status, 200, "{d}");
@@ -136,9 +117,9 @@ fn beams_come_best_first_with_usage_and_metrics_counted_once() {
     let e2e = before("switchyard:e2e_request_latency_seconds_count");
     let queued = before("switchyard:request_queue_time_seconds_count");
     for penalty in [0.0, 1.0, 2.0] {
-        let v = complete(
-            &s,
-            json!({"prompt": "The three primary colors are", "n": 4, "max_tokens": 8,
+        let v = s.post_ok(
+            "/v1/completions",
+            &json!({"prompt": "The three primary colors are", "n": 4, "max_tokens": 8,
                    "use_beam_search": true, "length_penalty": penalty, "logprobs": 1,
                    "include_stop_str_in_output": true}),
         );
@@ -154,7 +135,7 @@ fn beams_come_best_first_with_usage_and_metrics_counted_once() {
             "penalty {penalty}: not best first: {scores:?}"
         );
         // Four distinct answers.
-        let mut t = texts(&v);
+        let mut t = choice_texts(&v);
         t.sort();
         t.dedup();
         assert_eq!(t.len(), 4, "{v}");
@@ -219,9 +200,9 @@ fn beams_come_best_first_with_usage_and_metrics_counted_once() {
         assert_eq!(s.metric(name), Some(want), "{name}");
     }
     // Without include_stop_str_in_output an end token is not listed, and usage still counts it.
-    let v = complete(
-        &s,
-        json!({"prompt": "The three primary colors are", "n": 4, "max_tokens": 8,
+    let v = s.post_ok(
+        "/v1/completions",
+        &json!({"prompt": "The three primary colors are", "n": 4, "max_tokens": 8,
                "use_beam_search": true, "logprobs": 0}),
     );
     let listed: usize = v["choices"]
@@ -248,15 +229,12 @@ fn one_beam_is_greedy_decoding() {
         "def add(a, b):",
         "Once upon a time",
     ] {
-        let beam = complete(
-            &s,
-            json!({"prompt": prompt, "max_tokens": 16, "use_beam_search": true, "ignore_eos": true}),
+        let beam = s.post_ok("/v1/completions", &json!({"prompt": prompt, "max_tokens": 16, "use_beam_search": true, "ignore_eos": true}));
+        let greedy = s.post_ok(
+            "/v1/completions",
+            &json!({"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": true}),
         );
-        let greedy = complete(
-            &s,
-            json!({"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": true}),
-        );
-        assert_eq!(texts(&beam), texts(&greedy), "{prompt}");
+        assert_eq!(choice_texts(&beam), choice_texts(&greedy), "{prompt}");
         assert_eq!(beam["usage"], greedy["usage"]);
     }
 }

@@ -9,17 +9,11 @@
 
 mod common;
 
-use common::Server;
+use common::{choice_texts, Server};
 use serde_json::{json, Value};
 
 fn server(name: &str) -> Server {
     Server::start_full(name, "  max_model_len: 64\n", "", "")
-}
-
-fn complete(s: &Server, body: &Value) -> Value {
-    let (status, v) = s.post_json("/v1/completions", body);
-    assert_eq!(status, 200, "{body}: {v}\nlog:\n{}", s.log());
-    v
 }
 
 /// A choice's mean logprob per generated token, from its returned `token_logprobs`.
@@ -44,19 +38,6 @@ fn top(scores: &[f64], n: usize) -> Vec<usize> {
     order
 }
 
-fn texts(v: &Value) -> Vec<String> {
-    v["choices"]
-        .as_array()
-        .expect("choices")
-        .iter()
-        .enumerate()
-        .map(|(i, c)| {
-            assert_eq!(c["index"], i, "{v}");
-            c["text"].as_str().expect("text").to_owned()
-        })
-        .collect()
-}
-
 #[test]
 fn best_of_returns_the_best_candidates_by_logprob_per_token() {
     let s = server("best-of");
@@ -66,7 +47,7 @@ fn best_of_returns_the_best_candidates_by_logprob_per_token() {
         body.as_object_mut()
             .unwrap()
             .extend(extra.as_object().unwrap().clone());
-        complete(&s, &body)
+        s.post_ok("/v1/completions", &body)
     };
     // A seed whose four samples' best two are not the first two in order: a server that
     // returned candidates in generation order would fail below.
@@ -84,13 +65,13 @@ fn best_of_returns_the_best_candidates_by_logprob_per_token() {
         })
         .expect("a seed whose best two samples are not the first two");
     let candidates = all["choices"].as_array().unwrap();
-    let all_texts = texts(&all);
+    let all_texts = choice_texts(&all);
 
     let ranked = sampled(seed, json!({"n": 2, "best_of": 4, "logprobs": 0}));
     let choices = ranked["choices"].as_array().unwrap();
     assert_eq!(choices.len(), 2, "{ranked}");
     assert_eq!(
-        texts(&ranked),
+        choice_texts(&ranked),
         best.iter()
             .map(|&i| all_texts[i].clone())
             .collect::<Vec<_>>(),
@@ -114,7 +95,7 @@ fn best_of_returns_the_best_candidates_by_logprob_per_token() {
     // a request in the metrics, as each choice of n > 1 does.
     let success = s.metric("switchyard:request_success_total").unwrap_or(0.0);
     let plain = sampled(seed, json!({"n": 2, "best_of": 4}));
-    assert_eq!(texts(&plain), texts(&ranked), "{plain}");
+    assert_eq!(choice_texts(&plain), choice_texts(&ranked), "{plain}");
     for c in plain["choices"].as_array().unwrap() {
         assert!(c["logprobs"].is_null(), "{plain}");
     }
@@ -161,8 +142,8 @@ fn truncate_prompt_tokens_serves_a_prompt_longer_than_the_context() {
 
     // Served on the last 10 tokens, text or ids, as the prompt of those 10 tokens is.
     let greedy = |prompt: Value, truncate: Value| {
-        complete(
-            &s,
+        s.post_ok(
+            "/v1/completions",
             &json!({"prompt": prompt, "max_tokens": 4, "temperature": 0.0,
                     "truncate_prompt_tokens": truncate}),
         )
@@ -171,11 +152,15 @@ fn truncate_prompt_tokens_serves_a_prompt_longer_than_the_context() {
     for prompt in [json!(text), json!(ids)] {
         let v = greedy(prompt, json!(10));
         assert_eq!(v["usage"]["prompt_tokens"], 10, "{v}");
-        assert_eq!(texts(&v), texts(&reference), "{v}\n{reference}");
+        assert_eq!(
+            choice_texts(&v),
+            choice_texts(&reference),
+            "{v}\n{reference}"
+        );
     }
     // -1: as many as the context takes, leaving one token for the answer.
-    let v = complete(
-        &s,
+    let v = s.post_ok(
+        "/v1/completions",
         &json!({"prompt": text, "max_tokens": 1, "truncate_prompt_tokens": -1}),
     );
     assert_eq!(v["usage"]["prompt_tokens"], 63, "{v}");

@@ -30,12 +30,6 @@ fn server(name: &str, prefix_caching: bool) -> Server {
     )
 }
 
-fn post(s: &Server, path: &str, body: &Value) -> Value {
-    let (status, v) = s.post_json(path, body);
-    assert_eq!(status, 200, "{v}");
-    v
-}
-
 /// `usage`'s prompt tokens and cached prompt tokens.
 fn counts(usage: &Value) -> (u64, u64) {
     (
@@ -69,9 +63,9 @@ fn completions_report_the_prompt_tokens_the_prefix_cache_served() {
     let p100: Vec<u32> = (1000..1100).collect();
     let mut reported = 0;
 
-    let first = post(s, "/v1/completions", &completion(s, json!(p96), json!({})));
+    let first = s.post_ok("/v1/completions", &completion(s, json!(p96), json!({})));
     assert_eq!(counts(&first["usage"]), (96, 0), "{first}");
-    let second = post(s, "/v1/completions", &completion(s, json!(p96), json!({})));
+    let second = s.post_ok("/v1/completions", &completion(s, json!(p96), json!({})));
     // 96 tokens, 6 full blocks: the 6th holds the last token, so 5 are reused.
     assert_eq!(reusable(96), 80);
     assert_eq!(counts(&second["usage"]), (96, 80), "{second}");
@@ -89,7 +83,7 @@ fn completions_report_the_prompt_tokens_the_prefix_cache_served() {
     assert_eq!(details.and_then(|d| d.cached_tokens), Some(80));
 
     // 100 tokens extending the 96: all 6 blocks of the 96 are reused.
-    let longer = post(s, "/v1/completions", &completion(s, json!(p100), json!({})));
+    let longer = s.post_ok("/v1/completions", &completion(s, json!(p100), json!({})));
     assert_eq!(counts(&longer["usage"]), (100, reusable(100)), "{longer}");
     assert_eq!(reusable(100), 96);
     reported += 96;
@@ -113,13 +107,12 @@ fn completions_report_the_prompt_tokens_the_prefix_cache_served() {
     }
     assert_eq!(counts(&last["usage"]), (100, 96), "{last}");
     reported += 96;
-    let plain = post(s, "/v1/completions", &completion(s, json!(p100), json!({})));
+    let plain = s.post_ok("/v1/completions", &completion(s, json!(p100), json!({})));
     assert_eq!(counts(&plain["usage"]), counts(&last["usage"]), "{plain}");
     reported += 96;
 
     // n = 2 shares one prompt: counted once, as prompt_tokens.
-    let two = post(
-        s,
+    let two = s.post_ok(
         "/v1/completions",
         &completion(
             s,
@@ -130,8 +123,7 @@ fn completions_report_the_prompt_tokens_the_prefix_cache_served() {
     assert_eq!(counts(&two["usage"]), (96, 80), "{two}");
     reported += 80;
     // Two prompts add up.
-    let both = post(
-        s,
+    let both = s.post_ok(
         "/v1/completions",
         &completion(s, json!([p96, p100]), json!({})),
     );
@@ -151,13 +143,13 @@ fn without_prefix_caching_nothing_is_reported_cached() {
     let s = &server("cached-off", false);
     let p96: Vec<u32> = (1000..1096).collect();
     for _ in 0..2 {
-        let v = post(s, "/v1/completions", &completion(s, json!(p96), json!({})));
+        let v = s.post_ok("/v1/completions", &completion(s, json!(p96), json!({})));
         assert_eq!(counts(&v["usage"]), (96, 0), "{v}");
     }
     let chat = json!({"model": s.model_id(), "max_tokens": 2, "temperature": 0,
         "messages": [{"role": "user", "content": "Hello there"}]});
     for _ in 0..2 {
-        let v = post(s, "/v1/chat/completions", &chat);
+        let v = s.post_ok("/v1/chat/completions", &chat);
         assert_eq!(counts(&v["usage"]).1, 0, "{v}");
     }
     assert_eq!(s.metric("switchyard:prompt_tokens_cached_total"), Some(0.0));
@@ -171,11 +163,11 @@ fn chat_and_responses_report_cached_prompt_tokens() {
     let text = "The quick brown fox jumps over the lazy dog near the quiet river bank. ".repeat(8);
     let chat = json!({"model": s.model_id(), "max_tokens": 2, "temperature": 0,
         "messages": [{"role": "user", "content": text}]});
-    let first = post(s, "/v1/chat/completions", &chat);
+    let first = s.post_ok("/v1/chat/completions", &chat);
     let (p, cached) = counts(&first["usage"]);
     assert!(p > 4 * BLOCK, "a prompt of several blocks: {first}");
     assert_eq!(cached, 0, "{first}");
-    let second = post(s, "/v1/chat/completions", &chat);
+    let second = s.post_ok("/v1/chat/completions", &chat);
     assert_eq!(counts(&second["usage"]), (p, reusable(p)), "{second}");
     let typed: async_openai::types::chat::CreateChatCompletionResponse =
         serde_json::from_value(second.clone()).expect("an OpenAI chat completion");
@@ -203,10 +195,10 @@ fn chat_and_responses_report_cached_prompt_tokens() {
                 .expect("input_tokens_details.cached_tokens"),
         )
     };
-    let first = post(s, "/v1/responses", &body);
+    let first = s.post_ok("/v1/responses", &body);
     let (p, _) = input(&first);
     assert!(p > 4 * BLOCK, "{first}");
-    let second = post(s, "/v1/responses", &body);
+    let second = s.post_ok("/v1/responses", &body);
     assert_eq!(input(&second), (p, reusable(p)), "{second}");
     let typed: async_openai::types::responses::Response =
         serde_json::from_value(second.clone()).expect("an OpenAI response");

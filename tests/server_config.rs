@@ -4,12 +4,13 @@
 
 mod common;
 
-use common::{free_port, lora_fixture_dir, model_path, scratch, switchyard, wait_exit, Server};
+use common::{
+    free_port, lora_fixture_dir, model_path, scratch, serve, switchyard, wait_exit, Server,
+};
 use serde_json::{json, Value};
 use std::ffi::OsString;
 use std::os::unix::ffi::OsStringExt;
 use std::path::Path;
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 const ADMIN: (&str, &str) = ("Authorization", "Bearer admin-secret-key");
@@ -25,13 +26,7 @@ fn config_yaml(port: u16, model_lines: &str, server_lines: &str, extra: &str) ->
 /// Starts `serve` on `config.yaml` in `dir` with extra environment variables, its stderr in
 /// `server.log`.
 fn spawn(dir: &Path, env: &[(OsString, OsString)]) -> std::process::Child {
-    let log = std::fs::File::create(dir.join("server.log")).expect("log file");
-    let mut cmd = switchyard();
-    cmd.args(["serve", "--config"])
-        .arg(dir.join("config.yaml"))
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::null())
-        .stderr(log);
+    let mut cmd = serve(&dir.join("config.yaml"), dir);
     for (k, v) in env {
         cmd.env(k, v);
     }
@@ -830,11 +825,8 @@ fn failed_authentication_is_logged_rate_limited_without_the_key() {
 fn a_request_larger_than_max_pending_requests_is_a_400_not_a_retryable_503() {
     let dir = scratch("config", "admission-too-large");
     let port = free_port();
-    let log = std::fs::File::create(dir.join("server.log")).expect("log file");
     let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/examples/default.yaml");
-    let child = switchyard()
-        .args(["serve", "--config"])
-        .arg(example)
+    let child = serve(&example, &dir)
         .args([
             "--set",
             &format!("model.path={}", model_path().display()),
@@ -845,9 +837,6 @@ fn a_request_larger_than_max_pending_requests_is_a_400_not_a_retryable_503() {
             "--set",
             "server.max_pending_requests=1",
         ])
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::null())
-        .stderr(log)
         .spawn()
         .expect("start switchyard serve");
     let mut s = Server { port, child, dir };

@@ -220,12 +220,7 @@ fn serve_refuses_a_tier_larger_than_the_memory_available() {
         ),
     )
     .expect("write config");
-    let log = std::fs::File::create(dir.join("server.log")).expect("log file");
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_switchyard"))
-        .args(["serve", "--config"])
-        .arg(&config)
-        .stdout(std::process::Stdio::null())
-        .stderr(log)
+    let mut child = common::serve(&config, &dir)
         .spawn()
         .expect("start switchyard serve");
     let status = common::wait_exit(

@@ -14,12 +14,6 @@ fn server(name: &str) -> Server {
     Server::start(name, "")
 }
 
-fn post(s: &Server, path: &str, body: &Value) -> Value {
-    let (status, v) = s.post_json(path, body);
-    assert_eq!(status, 200, "{body}: {v}\nlog:\n{}", s.log());
-    v
-}
-
 fn ids(v: &Value) -> Vec<u64> {
     v.as_array()
         .expect("token ids")
@@ -98,8 +92,7 @@ fn own_logprobs(list: &Value) -> Vec<f64> {
 
 /// `echo` with `logprobs` on the same token ids: the prompt tokens' logprobs (past the first).
 fn echoed_logprobs(s: &Server, prompt: &[u64], k: usize) -> Vec<f64> {
-    let v = post(
-        s,
+    let v = s.post_ok(
         "/v1/completions",
         &json!({"prompt": prompt, "max_tokens": 1, "temperature": 0, "echo": true,
                 "logprobs": k}),
@@ -126,8 +119,7 @@ fn prompt_logprobs_match_the_reference_teacher_forced_and_echo() {
     let mut prompt = ids(&g["prompt_ids"]);
     prompt.extend(&ids(&g["tokens"])[..generated]);
     let k = 5;
-    let v = post(
-        &s,
+    let v = s.post_ok(
         "/v1/completions",
         &json!({"prompt": prompt, "max_tokens": 1, "temperature": 0, "prompt_logprobs": k}),
     );
@@ -187,14 +179,9 @@ fn each_choice_carries_its_own_prompts_logprobs() {
     let long = ids(&golden("raw-long-text")["prompt_ids"]);
     // Cache the long prompt's blocks first.
     for _ in 0..2 {
-        post(
-            &s,
-            "/v1/completions",
-            &json!({"prompt": long, "max_tokens": 1}),
-        );
+        s.post_ok("/v1/completions", &json!({"prompt": long, "max_tokens": 1}));
     }
-    let v = post(
-        &s,
+    let v = s.post_ok(
         "/v1/completions",
         &json!({"prompt": [a, long], "n": 2, "max_tokens": 2, "temperature": 0.8, "seed": 1,
                 "prompt_logprobs": 1}),
@@ -216,11 +203,7 @@ fn each_choice_carries_its_own_prompts_logprobs() {
         }
     }
     // Not asked: no field.
-    let v = post(
-        &s,
-        "/v1/completions",
-        &json!({"prompt": a, "max_tokens": 1}),
-    );
+    let v = s.post_ok("/v1/completions", &json!({"prompt": a, "max_tokens": 1}));
     assert!(v["choices"][0].get("prompt_logprobs").is_none(), "{v}");
 }
 
@@ -231,10 +214,9 @@ fn chat_prompt_logprobs_are_the_rendered_prompts_at_the_top_level() {
     let s = server("plp-chat");
     let messages = json!([{"role": "system", "content": "Be brief."},
                           {"role": "user", "content": "Name a color."}]);
-    let tokens = post(&s, "/tokenize", &json!({"messages": messages}));
+    let tokens = s.post_ok("/tokenize", &json!({"messages": messages}));
     let prompt = ids(&tokens["tokens"]);
-    let v = post(
-        &s,
+    let v = s.post_ok(
         "/v1/chat/completions",
         &json!({"messages": messages, "n": 2, "max_tokens": 3, "prompt_logprobs": 2}),
     );
@@ -246,8 +228,7 @@ fn chat_prompt_logprobs_are_the_rendered_prompts_at_the_top_level() {
         own_logprobs(&v["prompt_logprobs"]),
         echoed_logprobs(&s, &prompt, 2)
     );
-    let v = post(
-        &s,
+    let v = s.post_ok(
         "/v1/chat/completions",
         &json!({"messages": messages, "max_tokens": 1}),
     );

@@ -652,12 +652,7 @@ const BOB: &str = "Bearer bob-key-000000001";
 
 /// One request as `key`'s tenant: the status and the JSON body.
 fn call(s: &Server, method: &str, path: &str, body: Option<&Value>, key: &str) -> (u16, Value) {
-    let text = body.map(Value::to_string);
-    let r = s
-        .request(method, path, text.as_deref(), &[("authorization", key)])
-        .expect(path);
-    let v = serde_json::from_str(&r.body).unwrap_or_else(|_| Value::String(r.body.clone()));
-    (r.status, v)
+    s.call_json(method, path, body, &[("authorization", key)])
 }
 
 /// A response created as `key`'s tenant, read into async-openai's type too.

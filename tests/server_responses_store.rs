@@ -28,23 +28,8 @@ fn start(name: &str, dir: &std::path::Path) -> Server {
     Server::start_with(name, &server_lines(dir), "")
 }
 
-fn call(
-    s: &Server,
-    method: &str,
-    path: &str,
-    body: Option<&Value>,
-    who: (&str, &str),
-) -> (u16, Value) {
-    let body = body.map(Value::to_string);
-    let r = s
-        .request(method, path, body.as_deref(), &[who])
-        .expect("request");
-    let v = serde_json::from_str(&r.body).unwrap_or(Value::String(r.body.clone()));
-    (r.status, v)
-}
-
 fn create(s: &Server, body: &Value, who: (&str, &str)) -> Value {
-    let (status, v) = call(s, "POST", "/v1/responses", Some(body), who);
+    let (status, v) = s.call_json("POST", "/v1/responses", Some(body), &[who]);
     assert_eq!(status, 200, "{v}");
     v
 }
@@ -88,14 +73,13 @@ fn stored_responses_survive_a_restart_and_a_second_server_is_refused() {
         ALICE,
     );
     let deleted_path = format!("/v1/responses/{}", deleted["id"].as_str().expect("id"));
-    assert_eq!(call(&s, "DELETE", &deleted_path, None, ALICE).0, 200);
+    assert_eq!(s.call_json("DELETE", &deleted_path, None, &[ALICE]).0, 200);
     let bobs = create(&s, &json!({"input": "Hi.", "max_output_tokens": 2}), BOB);
-    let (_, items_before) = call(
-        &s,
+    let (_, items_before) = s.call_json(
         "GET",
         &format!("/v1/responses/{id2}/input_items"),
         None,
-        ALICE,
+        &[ALICE],
     );
 
     // A second server on the directory in use is refused before it loads its model.
@@ -161,25 +145,28 @@ fn stored_responses_survive_a_restart_and_a_second_server_is_refused() {
     // Every response is back as it was sent, with its tenant; the deleted one stays deleted.
     for (id, sent, who) in [(&id1, &first, ALICE), (&id2, &second, ALICE)] {
         assert_eq!(
-            call(&s, "GET", &format!("/v1/responses/{id}"), None, who),
+            s.call_json("GET", &format!("/v1/responses/{id}"), None, &[who]),
             (200, sent.clone())
         );
     }
     let bobs_path = format!("/v1/responses/{}", bobs["id"].as_str().expect("id"));
-    assert_eq!(call(&s, "GET", &bobs_path, None, BOB), (200, bobs.clone()));
-    assert_eq!(call(&s, "GET", &bobs_path, None, ALICE).0, 404);
     assert_eq!(
-        call(&s, "GET", &format!("/v1/responses/{id1}"), None, BOB).0,
+        s.call_json("GET", &bobs_path, None, &[BOB]),
+        (200, bobs.clone())
+    );
+    assert_eq!(s.call_json("GET", &bobs_path, None, &[ALICE]).0, 404);
+    assert_eq!(
+        s.call_json("GET", &format!("/v1/responses/{id1}"), None, &[BOB])
+            .0,
         404
     );
-    assert_eq!(call(&s, "GET", &deleted_path, None, ALICE).0, 404);
+    assert_eq!(s.call_json("GET", &deleted_path, None, &[ALICE]).0, 404);
     assert_eq!(
-        call(
-            &s,
+        s.call_json(
             "GET",
             &format!("/v1/responses/{id2}/input_items"),
             None,
-            ALICE
+            &[ALICE]
         ),
         (200, items_before)
     );

@@ -16,12 +16,6 @@ fn server() -> Server {
     )
 }
 
-fn ok(server: &Server, path: &str, body: Value) -> Value {
-    let (status, v) = server.post_json(path, &body);
-    assert_eq!(status, 200, "{v}");
-    v
-}
-
 /// The id of a `token_id:{id}` string.
 fn id_of(token: &str) -> u64 {
     token
@@ -41,10 +35,9 @@ fn completion_ids(v: &Value, choice: usize) -> Vec<u64> {
 }
 
 fn tokenize(server: &Server, text: &str) -> Vec<u64> {
-    let v = ok(
-        server,
+    let v = server.post_ok(
         "/tokenize",
-        json!({"prompt": text, "add_special_tokens": false}),
+        &json!({"prompt": text, "add_special_tokens": false}),
     );
     v["tokens"]
         .as_array()
@@ -71,19 +64,17 @@ fn error_param(server: &Server, path: &str, body: Value) -> String {
 #[test]
 fn allowed_token_ids_bound_every_sampled_token() {
     let s = server();
-    let greedy = ok(
-        &s,
+    let greedy = s.post_ok(
         "/v1/completions",
-        json!({"prompt": PROMPT, "max_tokens": 1, "temperature": 0, "logprobs": 1,
+        &json!({"prompt": PROMPT, "max_tokens": 1, "temperature": 0, "logprobs": 1,
                "return_tokens_as_token_ids": true}),
     );
     let top = completion_ids(&greedy, 0)[0];
     let allowed = tokenize(&s, " the big red cat sat on a mat and");
     assert!(!allowed.contains(&top), "{allowed:?} holds {top}");
-    let v = ok(
-        &s,
+    let v = s.post_ok(
         "/v1/completions",
-        json!({"prompt": PROMPT, "max_tokens": 12, "temperature": 1.0, "seed": 7, "n": 2,
+        &json!({"prompt": PROMPT, "max_tokens": 12, "temperature": 1.0, "seed": 7, "n": 2,
                "logprobs": 1, "return_tokens_as_token_ids": true,
                "allowed_token_ids": allowed}),
     );
@@ -138,7 +129,7 @@ fn bad_words_change_the_greedy_answer_where_the_word_was() {
             .extend(extra.as_object().unwrap().clone());
         b
     };
-    let greedy = ok(&s, "/v1/completions", body(json!({})));
+    let greedy = s.post_ok("/v1/completions", &body(json!({})));
     let text = greedy["choices"][0]["text"]
         .as_str()
         .expect("text")
@@ -157,7 +148,7 @@ fn bad_words_change_the_greedy_answer_where_the_word_was() {
         })
         .unwrap_or_else(|| panic!("no word of {text:?} found in {g:?}"));
     let plain = tokenize(&s, &word);
-    let banned = ok(&s, "/v1/completions", body(json!({"bad_words": [word]})));
+    let banned = s.post_ok("/v1/completions", &body(json!({"bad_words": [word]})));
     let b = completion_ids(&banned, 0);
     let last = at + spaced.len() - 1;
     assert_eq!(b[..last], g[..last], "{text:?} vs {banned}");
@@ -173,7 +164,7 @@ fn bad_words_change_the_greedy_answer_where_the_word_was() {
         b.as_object_mut()
             .unwrap()
             .extend(extra.as_object().unwrap().clone());
-        ok(&s, "/v1/chat/completions", b)
+        s.post_ok("/v1/chat/completions", &b)
     };
     let chat_ids = |v: &Value, i: usize| -> Vec<u64> {
         v["choices"][i]["logprobs"]["content"]
@@ -211,10 +202,9 @@ fn bad_words_change_the_greedy_answer_where_the_word_was() {
 #[test]
 fn return_tokens_as_token_ids_renders_every_token_string() {
     let s = server();
-    let v = ok(
-        &s,
+    let v = s.post_ok(
         "/v1/completions",
-        json!({"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": 2,
+        &json!({"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": 2,
                "return_tokens_as_token_ids": true}),
     );
     let lp = &v["choices"][0]["logprobs"];
@@ -247,10 +237,9 @@ fn return_tokens_as_token_ids_renders_every_token_string() {
         }
     }
     // Without the field, the token texts (the answer's first token is " Paris").
-    let plain = ok(
-        &s,
+    let plain = s.post_ok(
         "/v1/completions",
-        json!({"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": 2}),
+        &json!({"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": 2}),
     );
     let first = plain["choices"][0]["logprobs"]["tokens"][0]
         .as_str()
@@ -304,10 +293,9 @@ fn return_tokens_as_token_ids_renders_every_token_string() {
     assert_eq!(rendered.len(), 4, "{events:?}");
     assert_eq!(rendered, sampled_bytes(&chat(false), false), "{events:?}");
     // Not streamed, echo: the prompt's tokens too.
-    let v = ok(
-        &s,
+    let v = s.post_ok(
         "/v1/completions",
-        json!({"prompt": PROMPT, "max_tokens": 1, "temperature": 0, "logprobs": 0,
+        &json!({"prompt": PROMPT, "max_tokens": 1, "temperature": 0, "logprobs": 0,
                "echo": true, "return_tokens_as_token_ids": true}),
     );
     let ids = completion_ids(&v, 0);
@@ -350,10 +338,9 @@ fn bad_values_are_refused_naming_the_field() {
         }
     }
     // Not named in the ignored-fields warning.
-    ok(
-        &s,
+    s.post_ok(
         "/v1/completions",
-        json!({"prompt": PROMPT, "max_tokens": 1, "bad_words": ["x"],
+        &json!({"prompt": PROMPT, "max_tokens": 1, "bad_words": ["x"],
                "allowed_token_ids": [1, 2], "return_tokens_as_token_ids": false}),
     );
     assert!(!s.log().contains("\"bad_words\""), "{}", s.log());
@@ -376,7 +363,7 @@ fn allowed_token_ids_narrow_a_structured_choice() {
             .extend(extra.as_object().unwrap().clone());
         b
     };
-    let free = ok(&s, "/v1/completions", body(json!({})));
+    let free = s.post_ok("/v1/completions", &body(json!({})));
     let pick = free["choices"][0]["text"]
         .as_str()
         .expect("text")
@@ -385,18 +372,16 @@ fn allowed_token_ids_narrow_a_structured_choice() {
         .iter()
         .find(|o| **o != pick)
         .unwrap_or_else(|| panic!("{pick:?} is not a choice"));
-    let v = ok(
-        &s,
+    let v = s.post_ok(
         "/v1/completions",
-        body(json!({"allowed_token_ids": tokenize(&s, other)})),
+        &body(json!({"allowed_token_ids": tokenize(&s, other)})),
     );
     assert_eq!(v["choices"][0]["text"], *other, "{v}");
     assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
     assert_eq!(s.metric(metric), Some(2.0));
-    ok(
-        &s,
+    s.post_ok(
         "/v1/completions",
-        json!({"prompt": PROMPT, "max_tokens": 2, "bad_words": ["Paris"],
+        &json!({"prompt": PROMPT, "max_tokens": 2, "bad_words": ["Paris"],
                "allowed_token_ids": [1, 2, 3]}),
     );
     assert_eq!(s.metric(metric), Some(2.0));

@@ -11,12 +11,6 @@ use serde_json::{json, Value};
 const SPECULATIVE: &str =
     "speculative:\n  num_speculative_tokens: 4\n  prompt_lookup_min: 2\n  prompt_lookup_max: 4\n";
 
-fn ok(server: &Server, path: &str, body: &Value) -> Value {
-    let (status, v) = server.post_json(path, body);
-    assert_eq!(status, 200, "{v}");
-    v
-}
-
 /// Requests whose answers repeat their prompts (prompt lookup finds drafts) and one that
 /// does not.
 fn requests() -> Vec<(&'static str, Value)> {
@@ -81,13 +75,13 @@ fn speculative_answers_equal_plain_ones_and_drafts_are_accepted() {
     let plain = Server::start("spec-plain", "");
     let spec = Server::start("spec-on", SPECULATIVE);
     for (path, body) in requests() {
-        let a = answer(&ok(&plain, path, &body));
-        let b = answer(&ok(&spec, path, &body));
+        let a = answer(&plain.post_ok(path, &body));
+        let b = answer(&spec.post_ok(path, &body));
         assert_eq!(a, b, "{path} {body}");
     }
     // Streaming through the speculative server: the same text, token by token.
     let (path, body) = &requests()[0];
-    let whole = answer(&ok(&spec, path, body))["choices"][0]["text"].clone();
+    let whole = answer(&spec.post_ok(path, body))["choices"][0]["text"].clone();
     let mut streamed = body.clone();
     streamed["stream"] = json!(true);
     let r = spec
@@ -140,7 +134,7 @@ fn speculative_decoding_is_set_through_the_admin_api() {
             .unwrap_or(0.0)
     };
     let (path, body) = &requests()[0];
-    let before = answer(&ok(&s, path, body));
+    let before = answer(&s.post_ok(path, body));
     assert_eq!(call("GET", None), (200, Value::Null));
     assert_eq!(drafted(), 0.0);
     // On.
@@ -154,7 +148,7 @@ fn speculative_decoding_is_set_through_the_admin_api() {
     assert_eq!(v["num_speculative_tokens"], 3);
     assert_eq!(v["prompt_lookup_min"], 2);
     assert_eq!(call("GET", None).1, v);
-    assert_eq!(answer(&ok(&s, path, body)), before);
+    assert_eq!(answer(&s.post_ok(path, body)), before);
     let after_on = drafted();
     assert!(after_on > 0.0);
     // Refused: out of range, unknown field; nothing changes.
@@ -181,6 +175,6 @@ fn speculative_decoding_is_set_through_the_admin_api() {
     assert_eq!(r.status, 401);
     // Off.
     assert_eq!(call("PUT", Some("null")), (200, Value::Null));
-    assert_eq!(answer(&ok(&s, path, body)), before);
+    assert_eq!(answer(&s.post_ok(path, body)), before);
     assert_eq!(drafted(), after_on);
 }

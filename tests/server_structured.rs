@@ -15,12 +15,6 @@ fn server() -> Server {
     )
 }
 
-fn ok(server: &Server, path: &str, body: Value) -> Value {
-    let (status, v) = server.post_json(path, &body);
-    assert_eq!(status, 200, "{v}");
-    v
-}
-
 fn error_param(server: &Server, body: Value) -> String {
     let (status, v) = server.post_json("/v1/completions", &body);
     assert_eq!(status, 400, "{v}");
@@ -42,10 +36,9 @@ fn json_schema_choice_and_regex_are_followed() {
         "required": ["city", "population_millions", "landmarks"],
         "additionalProperties": false
     });
-    let v = ok(
-        &s,
+    let v = s.post_ok(
         "/v1/chat/completions",
-        json!({
+        &json!({
             "messages": [{"role": "user", "content": "Describe Paris."}],
             "max_tokens": 120,
             "temperature": 0,
@@ -73,10 +66,9 @@ fn json_schema_choice_and_regex_are_followed() {
     // A choice the model would not write by itself, two sampled choices.
     let options = ["purple elephant", "green giraffe"];
     let prompt = "My favourite animal is the";
-    let free = ok(
-        &s,
+    let free = s.post_ok(
         "/v1/completions",
-        json!({"prompt": prompt, "max_tokens": 8, "temperature": 0}),
+        &json!({"prompt": prompt, "max_tokens": 8, "temperature": 0}),
     );
     let free_text = free["choices"][0]["text"]
         .as_str()
@@ -84,10 +76,9 @@ fn json_schema_choice_and_regex_are_followed() {
         .trim()
         .to_string();
     assert!(!options.contains(&free_text.as_str()), "{free_text:?}");
-    let v = ok(
-        &s,
+    let v = s.post_ok(
         "/v1/completions",
-        json!({"prompt": prompt, "max_tokens": 8, "temperature": 1.0, "seed": 7, "n": 2,
+        &json!({"prompt": prompt, "max_tokens": 8, "temperature": 1.0, "seed": 7, "n": 2,
                "guided_choice": options}),
     );
     for c in v["choices"].as_array().expect("choices") {
@@ -165,10 +156,9 @@ fn bad_structured_requests_are_refused_and_the_server_keeps_serving() {
         let message = v["error"]["message"].as_str().unwrap_or("");
         assert!(message.contains("structured output"), "{message}");
     }
-    let v = ok(
-        &s,
+    let v = s.post_ok(
         "/v1/completions",
-        base(
+        &base(
             json!({"response_format": {"type": "json_object"}, "max_tokens": 64, "temperature": 0}),
         ),
     );
@@ -221,10 +211,9 @@ fn grammars_beyond_the_bounds_or_that_cannot_start_are_refused() {
         json!({"prompt": "x", "max_tokens": 4, "guided_regex": "(.{1,1000}){1,1000}"}),
         "fails at the first token",
     );
-    let v = ok(
-        &s,
+    let v = s.post_ok(
         "/v1/completions",
-        json!({"prompt": "Hello", "max_tokens": 2}),
+        &json!({"prompt": "Hello", "max_tokens": 2}),
     );
     assert_eq!(v["usage"]["completion_tokens"], 2, "{v}");
 }
@@ -233,19 +222,17 @@ fn grammars_beyond_the_bounds_or_that_cannot_start_are_refused() {
 fn an_end_token_ends_a_finished_grammar_before_min_tokens() {
     let s = server();
     // 104 is `x`: the prompt makes the model want it; the grammar holds the output to "abc".
-    let v = ok(
-        &s,
+    let v = s.post_ok(
         "/v1/completions",
-        json!({"prompt": "abcxabcxabcxabcxabcxabcx", "guided_regex": "abc",
+        &json!({"prompt": "abcxabcxabcxabcxabcxabcx", "guided_regex": "abc",
                "stop_token_ids": [104], "min_tokens": 6, "temperature": 0}),
     );
     assert_eq!(v["choices"][0]["text"], "abc", "{v}");
     assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
     // The end of sequence only, special tokens shown: none of them follows the five letters.
-    let v = ok(
-        &s,
+    let v = s.post_ok(
         "/v1/completions",
-        json!({"prompt": "abcxabcxabcxabcxabcxabcx", "guided_regex": "[a-z]{5}",
+        &json!({"prompt": "abcxabcxabcxabcxabcxabcx", "guided_regex": "[a-z]{5}",
                "min_tokens": 8, "temperature": 0, "skip_special_tokens": false}),
     );
     let text = v["choices"][0]["text"].as_str().unwrap_or("");
@@ -266,10 +253,9 @@ fn vllm_json_options_are_accepted_with_their_meaning() {
     let ask = |options: Value| {
         let mut so = options;
         so["json"] = schema.clone();
-        let v = ok(
-            &s,
+        let v = s.post_ok(
             "/v1/completions",
-            json!({"prompt": "Paris, as JSON:", "max_tokens": 48, "temperature": 0,
+            &json!({"prompt": "Paris, as JSON:", "max_tokens": 48, "temperature": 0,
                    "structured_outputs": so}),
         );
         let text = v["choices"][0]["text"].as_str().unwrap_or("").to_string();

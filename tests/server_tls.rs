@@ -11,7 +11,9 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{free_port, model_path, read_response_from, switchyard, wait_exit, Response, Server};
+use common::{
+    free_port, model_path, read_response_from, serve, switchyard, wait_exit, Response, Server,
+};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 
@@ -144,13 +146,7 @@ fn tls_lines(cert: &Path, key: &Path) -> String {
 
 /// Starts `serve` on `dir`'s `config.yaml` and waits until `/ready` answers 200 over HTTPS.
 fn start(dir: PathBuf, port: u16) -> Server {
-    let log = std::fs::File::create(dir.join("server.log")).expect("log file");
-    let child = switchyard()
-        .args(["serve", "--config"])
-        .arg(dir.join("config.yaml"))
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::null())
-        .stderr(log)
+    let child = serve(&dir.join("config.yaml"), &dir)
         .spawn()
         .expect("start switchyard serve");
     let mut server = Server { port, child, dir };
@@ -219,12 +215,7 @@ fn a_key_of_another_certificate_is_refused_at_start_naming_the_field() {
         free_port(),
         &tls_lines(&fixture("server.pem"), &fixture("rotated.key")),
     );
-    let log = std::fs::File::create(dir.join("server.log")).expect("log file");
-    let mut child = switchyard()
-        .args(["serve", "--config"])
-        .arg(dir.join("config.yaml"))
-        .stdout(Stdio::null())
-        .stderr(log)
+    let mut child = serve(&dir.join("config.yaml"), &dir)
         .spawn()
         .expect("run serve");
     let status = wait_exit(

@@ -5,7 +5,7 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -169,13 +169,7 @@ impl Server {
             model.display()
         );
         std::fs::write(&config, yaml).expect("write config");
-        let log = std::fs::File::create(dir.join("server.log")).expect("log file");
-        let child = Command::new(env!("CARGO_BIN_EXE_switchyard"))
-            .args(["serve", "--config"])
-            .arg(&config)
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(log)
+        let child = serve(&config, &dir)
             .spawn()
             .expect("start switchyard serve");
         let mut server = Server { port, child, dir };
@@ -273,11 +267,32 @@ impl Server {
 
     /// POSTs JSON and parses the JSON reply.
     pub fn post_json(&self, path: &str, body: &serde_json::Value) -> (u16, serde_json::Value) {
+        self.call_json("POST", path, Some(body), &[])
+    }
+
+    /// Sends one request (`body` as JSON) with `headers`; the status and the JSON answer (its
+    /// text as a JSON string where it is not JSON).
+    pub fn call_json(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&serde_json::Value>,
+        headers: &[(&str, &str)],
+    ) -> (u16, serde_json::Value) {
+        let text = body.map(serde_json::Value::to_string);
         let r = self
-            .request("POST", path, Some(&body.to_string()), &[])
-            .expect("request");
+            .request(method, path, text.as_deref(), headers)
+            .unwrap_or_else(|e| panic!("{method} {path}: {e}"));
         let v = serde_json::from_str(&r.body).unwrap_or(serde_json::Value::String(r.body.clone()));
         (r.status, v)
+    }
+
+    /// POSTs JSON, asserts a 200 (naming the request, the answer and the log) and returns the
+    /// JSON answer.
+    pub fn post_ok(&self, path: &str, body: &serde_json::Value) -> serde_json::Value {
+        let (status, v) = self.post_json(path, body);
+        assert_eq!(status, 200, "{path} {body}: {v}\nlog:\n{}", self.log());
+        v
     }
 
     /// Opens a connection, sends a request and returns the stream without reading.
@@ -547,9 +562,37 @@ pub fn sse_events(body: &str) -> Vec<String> {
         .collect()
 }
 
+/// The texts of a completion's choices, in order (each choice's `index` checked).
+pub fn choice_texts(v: &serde_json::Value) -> Vec<String> {
+    v["choices"]
+        .as_array()
+        .expect("choices")
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            assert_eq!(c["index"], i, "{v}");
+            c["text"].as_str().expect("text").to_owned()
+        })
+        .collect()
+}
+
 /// The `switchyard` binary, as a command to add arguments to.
 pub fn switchyard() -> Command {
     Command::new(env!("CARGO_BIN_EXE_switchyard"))
+}
+
+/// `switchyard serve --config {config}`, its stdout dropped and its stderr (at `RUST_LOG=info`)
+/// written to `server.log` in `dir`, where [`Server::log`] reads it: add arguments or
+/// variables, then spawn it.
+pub fn serve(config: &Path, dir: &Path) -> Command {
+    let log = std::fs::File::create(dir.join("server.log")).expect("log file");
+    let mut cmd = switchyard();
+    cmd.args(["serve", "--config"])
+        .arg(config)
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(log);
+    cmd
 }
 
 /// Runs a command that must succeed; returns its stdout.

@@ -1,6 +1,7 @@
 use std::io::Write;
 use std::sync::atomic::AtomicUsize;
 
+use metrics_exporter_prometheus::{PrometheusHandle, PrometheusRecorder};
 use serde_json::json;
 
 use super::*;
@@ -352,10 +353,7 @@ fn a_failed_write_is_counted_and_the_next_record_starts_a_new_line() {
         std::sync::Weak::new(),
     );
     writer.file = Some(full);
-    let recorder = crate::metrics::prometheus_builder()
-        .expect("builder")
-        .build_recorder();
-    let handle = recorder.handle();
+    let (recorder, handle) = local_recorder();
     let put = || PutOp {
         tenant: "t".into(),
         id: "r1".into(),
@@ -421,8 +419,26 @@ fn a_log_past_the_read_bound_refuses_the_start() {
     assert_eq!(s.len(), 300);
 }
 
+/// A recorder of this thread's metrics (for `metrics::with_local_recorder`) and its handle.
+fn local_recorder() -> (PrometheusRecorder, PrometheusHandle) {
+    let recorder = crate::metrics::prometheus_builder()
+        .expect("builder")
+        .build_recorder();
+    let handle = recorder.handle();
+    (recorder, handle)
+}
+
+/// Stalls the writer of `s`'s journal until the returned sender is dropped, with a local
+/// recorder (and its handle) to count the records dropped meanwhile.
+fn stall(s: &ResponseStore) -> (mpsc::Sender<()>, PrometheusRecorder, PrometheusHandle) {
+    let (release, held) = mpsc::channel();
+    s.journal.as_ref().expect("a journal").hold(held);
+    let (recorder, handle) = local_recorder();
+    (release, recorder, handle)
+}
+
 /// The journaled errors counter as `handle` renders it.
-fn errors(handle: &metrics_exporter_prometheus::PrometheusHandle) -> u64 {
+fn errors(handle: &PrometheusHandle) -> u64 {
     let text = handle.render();
     text.lines()
         .find_map(|l| l.strip_prefix(&format!("{RESPONSES_JOURNAL_ERRORS} ")))
@@ -448,12 +464,7 @@ fn a_stalled_writer_drops_records_and_the_log_stays_true() {
     );
     s.insert("v", "t", json!({"v": 1}), turn("v", None));
     s.sync();
-    let (release, held) = mpsc::channel();
-    s.journal.as_ref().unwrap().hold(held);
-    let recorder = crate::metrics::prometheus_builder()
-        .expect("builder")
-        .build_recorder();
-    let handle = recorder.handle();
+    let (release, recorder, handle) = stall(&s);
     metrics::with_local_recorder(&recorder, || {
         for i in 0..4 {
             let id = format!("fill{i}");
@@ -494,12 +505,7 @@ fn the_queue_holds_at_most_the_stores_bytes() {
     let bound = limits(100, one * 5 / 2, None);
     let mut s = ResponseStore::new(bound);
     open_with(&dir.0, &mut s, 100).expect("opens");
-    let (release, held) = mpsc::channel();
-    s.journal.as_ref().unwrap().hold(held);
-    let recorder = crate::metrics::prometheus_builder()
-        .expect("builder")
-        .build_recorder();
-    let handle = recorder.handle();
+    let (release, recorder, handle) = stall(&s);
     metrics::with_local_recorder(&recorder, || {
         for i in 0..3 {
             let id = format!("r{i}");
