@@ -580,3 +580,32 @@ fn a_journal_file_that_is_not_a_regular_file_is_refused() {
         }
     }
 }
+
+/// A symbolic link to a missing target as the path, or as a directory above it, is refused
+/// naming the link and its target, by the start and by `config check` (create_dir_all said
+/// only "File exists").
+#[cfg(unix)]
+#[test]
+fn a_dangling_symbolic_link_is_refused_naming_it() {
+    let dir = TempDir::new();
+    std::fs::create_dir_all(&dir.0).unwrap();
+    let link = dir.0.join("link");
+    let target = dir.0.join("missing");
+    std::os::unix::fs::symlink(&target, &link).unwrap();
+    for path in [link.clone(), link.join("sub")] {
+        let e = ResponseStore::open(limits(10, 1 << 20, None), Some(&path)).unwrap_err();
+        assert!(matches!(e, JournalError::DanglingLink { .. }), "{e}");
+        let why = check_directory(&path).unwrap_err();
+        for text in [e.to_string(), why] {
+            assert!(text.contains("symbolic link"), "{text}");
+            assert!(text.contains(&link.display().to_string()), "{text}");
+            assert!(text.contains(&target.display().to_string()), "{text}");
+        }
+        assert!(e.to_string().starts_with("server.responses.path"), "{e}");
+    }
+    // Once the target is there, the link is a directory like any other.
+    std::fs::create_dir(&target).unwrap();
+    check_directory(&link.join("sub")).unwrap();
+    drop(ResponseStore::open(limits(10, 1 << 20, None), Some(&link.join("sub"))).unwrap());
+    assert!(target.join("sub").join(LOG_FILE).is_file());
+}
