@@ -255,6 +255,52 @@ fn only_ended_responses_are_journaled() {
     assert!(s.is_empty(), "{s:?}");
 }
 
+/// A background response's life (stored `queued`, then `in_progress`, then ended) writes one
+/// `put` and no `delete`: the log held nothing of that name to delete. A running response that
+/// replaces an ended one of its name deletes that one, once.
+#[test]
+fn a_background_response_journals_one_put_and_no_delete() {
+    let dir = TempDir::new();
+    let s = open(&dir, limits(10, 1 << 20, None));
+    s.sync();
+    let records = |text: &str, op: &str| text.matches(&format!("\"op\":\"{op}\"")).count();
+    for status in ["queued", "in_progress", "in_progress"] {
+        s.insert("bg", "t", json!({"status": status}), turn("q", None));
+    }
+    s.insert("bg", "t", done("bg"), turn("q", None));
+    s.sync();
+    let text = dir.log_text();
+    assert_eq!(
+        (records(&text, "put"), records(&text, "delete")),
+        (1, 0),
+        "{text}"
+    );
+    // Run again under the same name: the ended one is deleted from the log once, then put.
+    s.insert("bg", "t", json!({"status": "queued"}), turn("q2", None));
+    s.insert(
+        "bg",
+        "t",
+        json!({"status": "in_progress"}),
+        turn("q2", None),
+    );
+    s.sync();
+    let text = dir.log_text();
+    assert_eq!(
+        (records(&text, "put"), records(&text, "delete")),
+        (1, 1),
+        "{text}"
+    );
+    s.insert(
+        "bg",
+        "t",
+        json!({"id": "bg", "status": "incomplete"}),
+        turn("q2", None),
+    );
+    drop(s);
+    let s = open(&dir, limits(10, 1 << 20, None));
+    assert_eq!(s.get("t", "bg").unwrap().response["status"], "incomplete");
+}
+
 /// A second store on a directory in use is refused, naming it; once the first is gone the
 /// directory is free.
 #[test]
