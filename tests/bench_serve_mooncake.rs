@@ -60,11 +60,17 @@ fn server(name: &str, prefix_caching: bool) -> Server {
 /// request at a time (so a row's predecessors are finished and cached), writing `result`;
 /// returns stdout.
 fn bench(server: &Server, path: &Path, result: &Path) -> String {
+    bench_slice(server, path, result, &["--num-prompts", "10"], 4)
+}
+
+/// [`bench`] with `args` choosing the rows, checking that `rows` requests were sent.
+fn bench_slice(server: &Server, path: &Path, result: &Path, args: &[&str], rows: usize) -> String {
     let out = switchyard()
         .args(["bench", "serve", "--dataset", "mooncake", "--dataset-path"])
         .arg(path)
         .args(["--mooncake-block-tokens", &BLOCK.to_string()])
-        .args(["--num-prompts", "10", "--max-concurrency", "1"])
+        .args(args)
+        .args(["--max-concurrency", "1"])
         .args(["--num-warmups", "2"])
         .arg("--base-url")
         .arg(format!("http://127.0.0.1:{}", server.port))
@@ -76,7 +82,7 @@ fn bench(server: &Server, path: &Path, result: &Path) -> String {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}\nlog:\n{}", server.log());
     assert!(
-        stderr.contains("bench serve: 4/4 requests (0 failed)"),
+        stderr.contains(&format!("bench serve: {rows}/{rows} requests (0 failed)")),
         "{stderr}"
     );
     stdout
@@ -137,6 +143,53 @@ fn bench_serve_mooncake_sends_shared_blocks_the_prefix_cache_serves() {
     let v = read_json(&result);
     assert_eq!(v["total_cached_prompt_tokens"], 0, "{v}");
     assert_eq!(v["trace_reusable_prompt_tokens"], TRACE_REUSABLE, "{v}");
+}
+
+/// `--skip-rows 2 --num-prompts 3` sends rows 3 to 5 alone: the skipped rows are not read (row
+/// 2 is one the run would refuse, as is row 6 after the slice), and reuse counts within the
+/// slice (row 4 repeats row 1, which was skipped, so it is neither the trace's reusable
+/// tokens nor in the server's cache). With `--mooncake-block-tokens 16`:
+/// - row 3: id 9, 512 tokens: 16 sent;
+/// - row 4: ids 1, 2, 3, 1536 tokens: 48 sent, nothing of the slice before it;
+/// - row 5: ids 9, 10, 1024 tokens: 32 sent, its first 16 row 3's, which the cache serves
+///   (`min(16, (32 - 1) / 16 * 16)`).
+#[test]
+fn bench_serve_mooncake_skip_rows_sends_the_slice_alone() {
+    let dir = temp_dir("skip");
+    let trace = dir.join("trace.jsonl");
+    let bad = r#"{"timestamp": 100, "input_length": 5000, "output_length": 2, "hash_ids": [4]}"#;
+    std::fs::write(
+        &trace,
+        format!(
+            r#"{{"timestamp": 0, "input_length": 1536, "output_length": 2, "hash_ids": [1, 2, 3]}}
+{bad}
+{{"timestamp": 200, "input_length": 512, "output_length": 2, "hash_ids": [9]}}
+{{"timestamp": 300, "input_length": 1536, "output_length": 2, "hash_ids": [1, 2, 3]}}
+{{"timestamp": 400, "input_length": 1024, "output_length": 2, "hash_ids": [9, 10]}}
+{bad}
+"#
+        ),
+    )
+    .unwrap();
+    let input = 16 + 48 + 32;
+    let on = server("bench-mooncake-skip", true);
+    let result = dir.join("skip.json");
+    let args = ["--skip-rows", "2", "--num-prompts", "3"];
+    let stdout = bench_slice(&on, &trace, &result, &args, 3);
+    assert_eq!(value(&stdout, "Total input tokens:"), input.to_string());
+    assert_eq!(
+        value(&stdout, "Cached prompt tokens:"),
+        "16",
+        "{stdout}\nlog:\n{}",
+        on.log()
+    );
+    assert_eq!(value(&stdout, "Trace's reusable prompt tokens:"), "16");
+    let v = read_json(&result);
+    assert_eq!(v["completed"], 3, "{v}");
+    assert_eq!(v["total_input_tokens"], input, "{v}");
+    assert_eq!(v["trace_prompt_tokens"], input, "{v}");
+    assert_eq!(v["trace_reusable_prompt_tokens"], 16, "{v}");
+    assert_eq!(v["total_cached_prompt_tokens"], 16, "{v}");
 }
 
 /// A bad row stops the run before any request (nothing listens at the URL: a run that went

@@ -63,8 +63,8 @@ pub const REQUEST_ABORTED: &str = "switchyard:request_aborted_total";
 /// `structured_output` (the grammar failed while generating)
 /// or `error` (the server's own failure, such as a failed step); and requests refused before
 /// they were queued as `overloaded` (the server's or their tier's bound on requests in flight,
-/// or a full grammar compile queue) or `unavailable` (inside the engine once a drain ended, or
-/// an adapter broken on the server). Other refusals before queueing (a 400) are not counted;
+/// or a full grammar compile queue) or `unavailable` (inside the engine once a drain ended, the
+/// tokenizer pool gone as the engine stops, or an adapter broken on the server). Other refusals before queueing (a 400) are not counted;
 /// the HTTP layer's own 503s while draining count only in `http_requests_total`.
 pub const REQUEST_FAILED: &str = "switchyard:request_failed_total";
 /// Counter: engine steps that failed (a backend error or panic, or a lost executor or

@@ -219,6 +219,12 @@ impl Inner {
     }
 }
 
+/// Whether `response` is still running (`queued` or `in_progress`): not journaled, as after a
+/// restart it would never end.
+fn running(response: &Value) -> bool {
+    matches!(response["status"].as_str(), Some("queued" | "in_progress"))
+}
+
 /// The `reason` label's values of `responses_evicted_total`: the store's three bounds.
 const EVICTION_REASONS: [&str; 3] = ["count", "bytes", "age"];
 
@@ -372,7 +378,7 @@ impl ResponseStore {
         }
         let key = key(tenant, id);
         let mut inner = self.inner.lock();
-        inner.remove(&key);
+        let replaced = inner.remove(&key);
         self.expire(&mut inner, now);
         while inner.entries.len() >= self.limits.max_responses
             || inner.bytes + bytes > self.limits.max_bytes
@@ -392,9 +398,13 @@ impl ResponseStore {
         }
         if let Some(journal) = &self.journal {
             // A response still running is not journaled: after a restart it would never end.
-            // Its name's earlier response, replaced in memory, is deleted from the log.
-            if matches!(response["status"].as_str(), Some("queued" | "in_progress")) {
-                self.journal_delete(&key);
+            // Its name's earlier response, replaced in memory, is deleted from the log if the
+            // log holds it (not if it was running too: a background response's `queued` and
+            // `in_progress` states write nothing, and its end one put).
+            if running(&response) {
+                if replaced.is_some_and(|e| !running(&e.stored.response)) {
+                    self.journal_delete(&key);
+                }
             } else {
                 let put = journal::PutOp {
                     tenant: tenant.to_owned(),

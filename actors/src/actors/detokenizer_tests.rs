@@ -584,6 +584,25 @@ async fn refusals_after_a_drain_count_as_unavailable() {
     );
 }
 
+/// Requests refused because the tokenizer pool is gone (the engine shutting down) count each
+/// choice in `request_failed_total{reason="unavailable"}`, as other refusals after admission do.
+#[actix::test]
+async fn a_tokenizer_pool_gone_at_shutdown_counts_as_unavailable() {
+    let (engine, _) = start_engine_bounded(false, false, tokenizer(), &[], 8, &[]);
+    let engine = engine.with_tokenizers_gone();
+    let refused = submit_prompts(&engine, 2, 2, "");
+    until_idle(&engine).await;
+    for e in errors_of(&refused) {
+        assert_eq!(e.len(), 1, "{e:?}");
+        assert!(e[0].contains("shutting down"), "{e:?}");
+    }
+    let m = Snapshot::take();
+    assert_eq!(
+        m.counters_of(names::REQUEST_FAILED),
+        vec![(failed("unavailable"), 4)]
+    );
+}
+
 /// The bounds on requests in flight count choices, prompts × n alike. A request with more
 /// than a bound ever admits is refused on every prompt as too many choices, naming the bound
 /// (the server's or its tier's) and its value, on an idle server, and is not counted as

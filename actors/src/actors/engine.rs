@@ -649,7 +649,9 @@ impl Engine {
                 let encoded = match encoded {
                     Ok(e) => e,
                     Err(e) => {
-                        sink.send(EngineOutput::Error(e));
+                        // The pool gone (shutting down) counts as `unavailable`, as every
+                        // refusal after admission does; a prompt it refuses (400) does not.
+                        this.refuse(&options, sink.as_mut(), e);
                         return;
                     }
                 };
@@ -1199,6 +1201,15 @@ impl Engine {
     /// Unregisters a LoRA adapter; requests using it finish with it.
     pub async fn unregister_adapter(&self, name: String) -> Result<(), SubmitError> {
         self.ask_lora(Unregister(name)).await
+    }
+
+    /// This engine with its tokenizer pool gone, as at shutdown: its mailbox is closed.
+    #[cfg(test)]
+    pub(crate) fn with_tokenizers_gone(mut self) -> Self {
+        let (tx, rx) = actix::dev::channel::channel::<TokenizerActor>(1);
+        drop(rx);
+        self.tokenizers = Addr::new(tx);
+        self
     }
 
     /// Sends `msg` to the tokenizer pool; a pool that is gone means the engine is stopping.

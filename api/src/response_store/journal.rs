@@ -119,6 +119,15 @@ pub enum JournalError {
     /// The path is not a directory.
     #[error("server.responses.path `{0}` is not a directory")]
     NotADirectory(PathBuf),
+    /// The path, or a directory above it, is a symbolic link whose target does not exist
+    /// (creating the directory there fails with only "File exists").
+    #[error("server.responses.path: {}", dangling_text(.link, .target))]
+    DanglingLink {
+        /// The link.
+        link: PathBuf,
+        /// What it points to.
+        target: PathBuf,
+    },
     /// The lock file, the log or the log's temporary file is there but not a regular file (a
     /// FIFO would block the start forever, a directory cannot be written).
     #[error(
@@ -172,7 +181,40 @@ pub fn ensure_directory(dir: &Path) -> Result<(), JournalError> {
     if dir.exists() && !dir.is_dir() {
         return Err(JournalError::NotADirectory(dir.to_owned()));
     }
+    if let Some((link, target)) = dangling_link(dir) {
+        return Err(JournalError::DanglingLink { link, target });
+    }
     std::fs::create_dir_all(dir).map_err(io(dir, "cannot create the directory"))
+}
+
+/// The first of `dir` and the directories above it that is a symbolic link to a missing
+/// target, with its target, found before an existing directory: `create_dir_all` would answer
+/// only "File exists" there.
+fn dangling_link(dir: &Path) -> Option<(PathBuf, PathBuf)> {
+    let mut at = Some(dir);
+    while let Some(p) = at {
+        match std::fs::metadata(p) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                if std::fs::symlink_metadata(p).is_ok_and(|m| m.is_symlink()) {
+                    let target = std::fs::read_link(p).unwrap_or_default();
+                    return Some((p.to_owned(), target));
+                }
+                at = p.parent();
+            }
+            _ => return None,
+        }
+    }
+    None
+}
+
+/// How a [`dangling_link`] is told.
+fn dangling_text(link: &Path, target: &Path) -> String {
+    format!(
+        "`{}` is a symbolic link to `{}`, which does not exist; create the target directory \
+         or point the path elsewhere",
+        link.display(),
+        target.display()
+    )
 }
 
 /// Refuses `path` when it is there but is not a regular file (or a link to one): opening a
@@ -194,6 +236,9 @@ pub const MAX_PATH_BYTES: usize = 4096;
 pub fn check_directory(dir: &Path) -> Result<(), String> {
     if dir.as_os_str().is_empty() || dir.as_os_str().len() > MAX_PATH_BYTES {
         return Err(format!("a path of 1-{MAX_PATH_BYTES} bytes is required"));
+    }
+    if let Some((link, target)) = dangling_link(dir) {
+        return Err(dangling_text(&link, &target));
     }
     let mut at = Some(dir);
     while let Some(p) = at {

@@ -256,6 +256,52 @@ fn only_ended_responses_are_journaled() {
     assert!(s.is_empty(), "{s:?}");
 }
 
+/// A background response's life (stored `queued`, then `in_progress`, then ended) writes one
+/// `put` and no `delete`: the log held nothing of that name to delete. A running response that
+/// replaces an ended one of its name deletes that one, once.
+#[test]
+fn a_background_response_journals_one_put_and_no_delete() {
+    let dir = TempDir::new();
+    let s = open(&dir, limits(10, 1 << 20, None));
+    s.sync();
+    let records = |text: &str, op: &str| text.matches(&format!("\"op\":\"{op}\"")).count();
+    for status in ["queued", "in_progress", "in_progress"] {
+        s.insert("bg", "t", json!({"status": status}), turn("q", None));
+    }
+    s.insert("bg", "t", done("bg"), turn("q", None));
+    s.sync();
+    let text = dir.log_text();
+    assert_eq!(
+        (records(&text, "put"), records(&text, "delete")),
+        (1, 0),
+        "{text}"
+    );
+    // Run again under the same name: the ended one is deleted from the log once, then put.
+    s.insert("bg", "t", json!({"status": "queued"}), turn("q2", None));
+    s.insert(
+        "bg",
+        "t",
+        json!({"status": "in_progress"}),
+        turn("q2", None),
+    );
+    s.sync();
+    let text = dir.log_text();
+    assert_eq!(
+        (records(&text, "put"), records(&text, "delete")),
+        (1, 1),
+        "{text}"
+    );
+    s.insert(
+        "bg",
+        "t",
+        json!({"id": "bg", "status": "incomplete"}),
+        turn("q2", None),
+    );
+    drop(s);
+    let s = open(&dir, limits(10, 1 << 20, None));
+    assert_eq!(s.get("t", "bg").unwrap().response["status"], "incomplete");
+}
+
 /// A second store on a directory in use is refused, naming it; once the first is gone the
 /// directory is free.
 #[test]
@@ -585,4 +631,33 @@ fn a_journal_file_that_is_not_a_regular_file_is_refused() {
             assert!(why.contains(&path.display().to_string()), "{why}");
         }
     }
+}
+
+/// A symbolic link to a missing target as the path, or as a directory above it, is refused
+/// naming the link and its target, by the start and by `config check` (create_dir_all said
+/// only "File exists").
+#[cfg(unix)]
+#[test]
+fn a_dangling_symbolic_link_is_refused_naming_it() {
+    let dir = TempDir::new();
+    std::fs::create_dir_all(&dir.0).unwrap();
+    let link = dir.0.join("link");
+    let target = dir.0.join("missing");
+    std::os::unix::fs::symlink(&target, &link).unwrap();
+    for path in [link.clone(), link.join("sub")] {
+        let e = ResponseStore::open(limits(10, 1 << 20, None), Some(&path)).unwrap_err();
+        assert!(matches!(e, JournalError::DanglingLink { .. }), "{e}");
+        let why = check_directory(&path).unwrap_err();
+        for text in [e.to_string(), why] {
+            assert!(text.contains("symbolic link"), "{text}");
+            assert!(text.contains(&link.display().to_string()), "{text}");
+            assert!(text.contains(&target.display().to_string()), "{text}");
+        }
+        assert!(e.to_string().starts_with("server.responses.path"), "{e}");
+    }
+    // Once the target is there, the link is a directory like any other.
+    std::fs::create_dir(&target).unwrap();
+    check_directory(&link.join("sub")).unwrap();
+    drop(ResponseStore::open(limits(10, 1 << 20, None), Some(&link.join("sub"))).unwrap());
+    assert!(target.join("sub").join(LOG_FILE).is_file());
 }
