@@ -379,6 +379,13 @@ pub enum BenchDataset {
     /// through the model's chat template, cycled to --num-prompts; outputs end at the model's
     /// end of sequence or at --output-len (needs a model with a tokenizer: not --dummy).
     Prompts,
+    /// A Mooncake trace JSONL (`timestamp`, `input_length`, `output_length`, `hash_ids`):
+    /// the first --num-prompts rows (after --skip-rows), in file order, all submitted at the
+    /// start (offline: the timestamps are ignored). Equal hash ids are identical token
+    /// blocks (see --mooncake-block-tokens), as `bench serve --dataset mooncake` sends them,
+    /// so the prefix cache (and a host tier, --kv-offloading-size) sees the trace's reuse.
+    /// Outputs run to each row's `output_length` (at most --max-output-len), ignoring EOS.
+    Mooncake,
 }
 
 /// `switchyard bench throughput`.
@@ -398,9 +405,44 @@ pub struct ThroughputArgs {
     #[arg(long, value_enum, default_value = "random")]
     pub dataset: BenchDataset,
     /// The dataset's file: ShareGPT lengths (default: the ShareGPT file of ../shared/traces,
-    /// relative to the current directory), or the prompts JSONL.
+    /// relative to the current directory), the prompts JSONL, or the Mooncake trace
+    /// (default: ../shared/traces/synthetic_trace.jsonl, relative to the current directory).
     #[arg(long)]
     pub dataset_path: Option<PathBuf>,
+    /// Tokens of one prompt block of the mooncake dataset, one per hash id (1..=4096; the
+    /// trace's own is 512). A smaller block scales the trace down and keeps its sharing
+    /// pattern: every row keeps its blocks, its length scaled by N/512. The block of hash id
+    /// h is drawn from a stream seeded by (--seed, h), as `bench serve` draws it.
+    #[arg(long, value_name = "N")]
+    pub mooncake_block_tokens: Option<usize>,
+    /// Rows of the mooncake trace skipped before the first one run (0..=10000000): --skip-rows
+    /// 200 --num-prompts 200 runs rows 201 to 400. The rows skipped are not read.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub skip_rows: usize,
+    /// Longest prompt taken from the mooncake dataset (longer ones are cut at their tail;
+    /// 1..=1048576) [default: 1536].
+    #[arg(long, value_name = "N")]
+    pub max_input_len: Option<usize>,
+    /// Longest output taken from the mooncake dataset (a row's `output_length` is clamped to
+    /// it; 1..=1048576) [default: 512].
+    #[arg(long, value_name = "N")]
+    pub max_output_len: Option<usize>,
+    /// KV cache blocks (16 tokens each), as the server's cache.num_blocks (1..=16777216):
+    /// a small cache forces evictions. Default: what the CPU backend's 2 GiB of KV holds, or
+    /// what --gpu-memory-utilization leaves on the GPU.
+    #[arg(long, value_name = "N")]
+    pub num_kv_blocks: Option<usize>,
+    /// GiB of host memory for a second tier of the prefix cache, as the server's
+    /// cache.kv_offloading_size (0..=1024; 0: none): full cached blocks evicted from the KV
+    /// cache are copied there, and a prefix found there is copied back instead of
+    /// recomputed. The report counts the blocks stored and loaded.
+    #[arg(
+        long,
+        default_value_t = 0.0,
+        value_name = "GIB",
+        allow_negative_numbers = true
+    )]
+    pub kv_offloading_size: f64,
     /// Prompt length in tokens (random dataset).
     #[arg(long, default_value_t = 128)]
     pub input_len: usize,
@@ -462,6 +504,23 @@ pub struct ThroughputArgs {
     /// Print the result as JSON.
     #[arg(long)]
     pub json: bool,
+}
+
+impl ThroughputArgs {
+    /// The mooncake dataset's tokens a block: `--mooncake-block-tokens`, else the trace's 512.
+    pub fn mooncake_block_tokens(&self) -> usize {
+        self.mooncake_block_tokens.unwrap_or(512)
+    }
+
+    /// `--max-input-len`, else `bench serve`'s default.
+    pub fn max_input_len(&self) -> usize {
+        self.max_input_len.unwrap_or(1536)
+    }
+
+    /// `--max-output-len`, else `bench serve`'s default.
+    pub fn max_output_len(&self) -> usize {
+        self.max_output_len.unwrap_or(512)
+    }
 }
 
 /// `switchyard calibrate`.

@@ -194,6 +194,9 @@ fn opt_positive_ms<'de, D: Deserializer<'de>>(d: D) -> Result<Option<f64>, D::Er
     }))
 }
 
+/// Most KV blocks `cache.num_blocks` may name.
+pub const MAX_NUM_BLOCKS: usize = 1 << 24;
+
 /// Most GiB of host memory `cache.kv_offloading_size` may ask for.
 pub const MAX_KV_OFFLOADING_GIB: f64 = 1024.0;
 
@@ -1240,10 +1243,10 @@ impl Config {
             }
         }
         if let Some(n) = self.cache.num_blocks {
-            if n == 0 || n > 1 << 24 {
+            if n == 0 || n > MAX_NUM_BLOCKS {
                 return Err((
                     "cache.num_blocks".into(),
-                    format!("{n} is out of range 1..=16777216"),
+                    format!("{n} is out of range 1..={MAX_NUM_BLOCKS}"),
                 ));
             }
         }

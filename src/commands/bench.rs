@@ -14,6 +14,8 @@ use switchyard_config::BackendKind;
 use switchyard_gpu::backend::SamplingParams;
 use switchyard_policies::{SamplingLimits, SchedulerConfig, Timestamp};
 
+use super::bench_serve::{read_bounded, MAX_DATASET_BYTES, MAX_REQUEST_TOKENS};
+use super::mooncake::{self, RowShape, TokenSpace, TraceReuse};
 use super::runtime;
 use crate::cli::{BenchCommand, BenchDataset, ThroughputArgs};
 
@@ -21,6 +23,13 @@ use crate::cli::{BenchCommand, BenchDataset, ThroughputArgs};
 const MAX_PROMPTS: usize = 100_000;
 /// CPU KV cache budget for the benchmark, MiB.
 const KV_MB: usize = 2048;
+/// The mooncake dataset's default file, relative to the current directory.
+const MOONCAKE_DEFAULT_PATH: &str = "../shared/traces/synthetic_trace.jsonl";
+/// The first token id of the mooncake dataset's blocks and how many ids they are drawn from:
+/// `bench serve`'s defaults (--token-offset, --token-range), so both send the same prompts
+/// for a row and a seed; the range is narrowed to a smaller vocabulary.
+const MOONCAKE_TOKEN_OFFSET: u32 = 1000;
+const MOONCAKE_TOKEN_RANGE: u32 = 20_000;
 
 pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
@@ -144,11 +153,120 @@ fn check_batch_flags(
     Ok(())
 }
 
+/// Refuses the dataset and cache flags the run cannot honour, before the model loads: the
+/// mooncake flags as `bench serve` bounds them, --num-kv-blocks and --kv-offloading-size as
+/// the configuration bounds cache.num_blocks and cache.kv_offloading_size. Returns the host
+/// tier's bytes (0: none).
+fn validate(args: &ThroughputArgs) -> anyhow::Result<usize> {
+    let is_mooncake = args.dataset == BenchDataset::Mooncake;
+    mooncake::check_flags(
+        is_mooncake,
+        args.mooncake_block_tokens,
+        args.skip_rows,
+        &[
+            ("--max-input-len", args.max_input_len.is_some()),
+            ("--max-output-len", args.max_output_len.is_some()),
+        ],
+    )?;
+    for (name, v) in [
+        ("--max-input-len", args.max_input_len()),
+        ("--max-output-len", args.max_output_len()),
+    ] {
+        anyhow::ensure!(
+            (1..=MAX_REQUEST_TOKENS).contains(&v),
+            "{name} must be 1..={MAX_REQUEST_TOKENS}, not {v}"
+        );
+    }
+    if let Some(n) = args.num_kv_blocks {
+        let max = switchyard_config::MAX_NUM_BLOCKS;
+        anyhow::ensure!(
+            (1..=max).contains(&n),
+            "--num-kv-blocks must be 1..={max} (the server's cache.num_blocks), not {n}"
+        );
+    }
+    let gib = args.kv_offloading_size;
+    let max = switchyard_config::MAX_KV_OFFLOADING_GIB;
+    anyhow::ensure!(
+        gib.is_finite() && (0.0..=max).contains(&gib),
+        "--kv-offloading-size {gib} must be a size in GiB in 0..={max} (the server's \
+         cache.kv_offloading_size; 0: no host tier)"
+    );
+    let cache = switchyard_config::CacheSection {
+        kv_offloading_size: gib,
+        ..switchyard_config::CacheSection::default()
+    };
+    Ok(cache.kv_offloading_bytes())
+}
+
+/// One mooncake row to run: its (input, output) lengths and its blocks' hash ids (`None`:
+/// random tokens).
+type MooncakeRun = ((usize, usize), Option<Arc<[u64]>>);
+
+/// The mooncake dataset's rows as (input, output) lengths and each row's hash ids, read from
+/// --dataset-path (default [`MOONCAKE_DEFAULT_PATH`]) as `bench serve` reads them. Each
+/// prompt and its output must fit the model's context `max_model_len`.
+fn mooncake_rows(args: &ThroughputArgs, max_model_len: usize) -> anyhow::Result<Vec<MooncakeRun>> {
+    let path = args
+        .dataset_path
+        .clone()
+        .unwrap_or_else(|| MOONCAKE_DEFAULT_PATH.into());
+    let text = read_bounded(&path, MAX_DATASET_BYTES).with_context(|| {
+        format!(
+            "the mooncake dataset {} (pass another with --dataset-path)",
+            path.display()
+        )
+    })?;
+    let shape = RowShape {
+        block_tokens: args.mooncake_block_tokens(),
+        max_input: args.max_input_len(),
+        max_output: args.max_output_len(),
+        max_row_tokens: MAX_REQUEST_TOKENS,
+        max_total_ids: mooncake::MAX_TOTAL_HASH_IDS,
+    };
+    let rows = mooncake::read_rows(&path, &text, shape, args.skip_rows, args.num_prompts)?;
+    let mut out = Vec::with_capacity(rows.len());
+    for (i, r) in rows.into_iter().enumerate() {
+        // Both are at most 2^20, so the sum cannot overflow.
+        anyhow::ensure!(
+            r.input + r.output <= max_model_len,
+            "{}: row {} (after --skip-rows {}) has {} prompt tokens and {} output tokens, more \
+             than the model's context ({max_model_len}): lower --max-input-len or \
+             --max-output-len",
+            path.display(),
+            i + 1,
+            args.skip_rows,
+            r.input,
+            r.output
+        );
+        out.push(((r.input, r.output), r.hash_ids));
+    }
+    Ok(out)
+}
+
+/// Refuses requests that could never run in a KV cache of `num_blocks` blocks of
+/// `block_size` tokens: the longest `(input, output)` of `lengths` must fit in it.
+fn check_fits_cache(
+    lengths: &[(usize, usize)],
+    num_blocks: usize,
+    block_size: usize,
+) -> anyhow::Result<()> {
+    let longest = lengths.iter().map(|&(i, o)| i + o).max().unwrap_or(0);
+    let capacity = num_blocks.saturating_mul(block_size);
+    anyhow::ensure!(
+        longest <= capacity,
+        "a request of {longest} tokens (prompt and output) does not fit in the KV cache's \
+         {capacity} tokens ({num_blocks} blocks of {block_size}): raise --num-kv-blocks or \
+         lower --max-input-len / --input-len"
+    );
+    Ok(())
+}
+
 fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
     anyhow::ensure!(
         (1..=MAX_PROMPTS).contains(&args.num_prompts),
         "--num-prompts must be 1..={MAX_PROMPTS}"
     );
+    let host_kv_bytes = validate(&args)?;
     let kind = runtime::parse_backend(&args.backend)?;
     check_batch_flags(kind, args.max_num_seqs, args.max_num_batched_tokens)?;
     if let Some(b) = args.decode_batch {
@@ -194,6 +312,8 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
     let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
     // Tokenized prompts of the `prompts` dataset (the others are random ids).
     let mut texts: Vec<Vec<u32>> = Vec::new();
+    // The hash ids of each mooncake row's blocks (`None`: random tokens).
+    let mut blocks: Vec<Option<Arc<[u64]>>> = Vec::new();
     let lengths: Vec<(usize, usize)> = match args.dataset {
         BenchDataset::Random => {
             anyhow::ensure!(
@@ -251,6 +371,31 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
             texts = (0..n).map(|i| all[i % all.len()].clone()).collect();
             texts.iter().map(|t| (t.len(), out)).collect()
         }
+        BenchDataset::Mooncake => {
+            anyhow::ensure!(
+                args.decode_batch.is_none(),
+                "--decode-batch runs prompts of one length: use the random or prompts dataset"
+            );
+            let rows = mooncake_rows(&args, max_model_len)?;
+            blocks = rows.iter().map(|(_, ids)| ids.clone()).collect();
+            rows.into_iter().map(|(lengths, _)| lengths).collect()
+        }
+    };
+    let trace_reuse = (args.dataset == BenchDataset::Mooncake).then(|| {
+        let prompts = lengths
+            .iter()
+            .zip(&blocks)
+            .map(|(&(input, _), ids)| (input, ids.as_deref()));
+        TraceReuse::of(prompts, args.mooncake_block_tokens())
+    });
+    let token_space = TokenSpace {
+        seed: args.seed,
+        offset: MOONCAKE_TOKEN_OFFSET,
+        range: MOONCAKE_TOKEN_RANGE.min(
+            u32::try_from(vocab.saturating_sub(u64::from(MOONCAKE_TOKEN_OFFSET)))
+                .unwrap_or(u32::MAX)
+                .max(1),
+        ),
     };
     let eos = loaded
         .as_ref()
@@ -258,8 +403,12 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
         .unwrap_or_default();
     let block_size = 16;
     let max_num_seqs = args.decode_batch.unwrap_or(args.max_num_seqs);
+    if let Some(n) = args.num_kv_blocks {
+        // Before the backend is built: a cache too small for the run is known now.
+        check_fits_cache(&lengths, n, block_size)?;
+    }
     let settings = runtime::BackendSettings {
-        num_blocks: None,
+        num_blocks: args.num_kv_blocks,
         kv_cache_mb: KV_MB,
         gpu_memory_utilization: args.gpu_memory_utilization,
         block_size,
@@ -270,8 +419,7 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
         quantization: args.quantization,
         kv_cache_dtype: args.kv_cache_dtype,
         cpu_precision: args.cpu_precision,
-        // Offline work keeps no prefix across runs worth a host tier.
-        host_kv_bytes: 0,
+        host_kv_bytes,
     };
     let (backend, chosen) = runtime::build_backend(kind, source, &settings)?;
     anyhow::ensure!(
@@ -281,6 +429,9 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
     );
     drop(loaded);
     let num_blocks = backend.num_kv_blocks();
+    check_fits_cache(&lengths, num_blocks, block_size)?;
+    // `build_backend` refused a tier too large for the scheduler or the memory.
+    let num_host_blocks = backend.num_host_kv_blocks();
     let backend_name = backend.name().to_string();
     let scheduler = SchedulerConfig {
         max_num_seqs,
@@ -296,7 +447,7 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
         sliding_window: runtime::sliding_window(&config, backend.as_ref()),
         // Offline work has no client to give up: no queue bound.
         max_queue_ms: None,
-        num_host_blocks: 0,
+        num_host_blocks,
     };
     let mut engine = runtime::offline_core(backend, scheduler, args.async_scheduling)?;
     anyhow::ensure!(
@@ -333,10 +484,18 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
                 ..SamplingLimits::default()
             },
         };
-        // Random ids away from the first 256 (special and byte tokens), unique per prompt.
-        let prompt: Vec<u32> = match texts.get(i) {
-            Some(t) => t.clone(),
-            None => (0..input)
+        // Random ids away from the first 256 (special and byte tokens), unique per prompt; a
+        // mooncake row's blocks as `bench serve` builds them.
+        let prompt: Vec<u32> = match (texts.get(i), blocks.get(i)) {
+            (Some(t), _) => t.clone(),
+            (None, Some(Some(ids))) => mooncake::block_prompt(
+                ids,
+                input,
+                args.mooncake_block_tokens(),
+                token_space,
+                &mut rng,
+            ),
+            (None, _) => (0..input)
                 .map(|_| (256 + rng.random_range(0..vocab.saturating_sub(256).max(1))) as u32)
                 .collect(),
         };
@@ -372,6 +531,9 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
     let mut decode_steps: Vec<(u64, usize)> = Vec::new();
     // The most KV blocks in use after any step.
     let mut peak_blocks = 0usize;
+    // Prompt tokens the prefix cache served, over the requests (each counted once, at its
+    // first token, as a response's `cached_tokens`).
+    let mut cached_tokens = 0u64;
     while engine.core().has_unfinished() {
         let all_started = first_token.len() == lengths.len();
         let t0 = Instant::now();
@@ -393,9 +555,8 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
                     bar.inc(1);
                     finished_now = true;
                 }
-                CoreEvent::PromptLogprobs { .. }
-                | CoreEvent::PromptCached { .. }
-                | CoreEvent::Hidden { .. } => {}
+                CoreEvent::PromptCached { tokens, .. } => cached_tokens += u64::from(*tokens),
+                CoreEvent::PromptLogprobs { .. } | CoreEvent::Hidden { .. } => {}
             }
         }
         if all_started && !finished_any && !finished_now {
@@ -432,7 +593,20 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
         "kv_cache_blocks": num_blocks,
         "kv_blocks_used_max": peak_blocks,
         "preemptions": engine.core().stats().num_preemptions,
+        "cached_prompt_tokens": cached_tokens,
+        "cached_prompt_fraction": fraction(cached_tokens, prompt_tokens),
     });
+    let stats = engine.core().stats();
+    if num_host_blocks > 0 {
+        result["kv_offload_blocks"] = num_host_blocks.into();
+        result["kv_offload_stored_blocks"] = stats.num_kv_offloaded_blocks.into();
+        result["kv_offload_loaded_blocks"] = stats.num_kv_loaded_blocks.into();
+        result["kv_offload_prefix_hit_tokens"] = stats.num_host_hit_tokens.into();
+    }
+    if let Some(t) = trace_reuse {
+        result["trace_reusable_prompt_tokens"] = t.reusable.into();
+        result["trace_reusable_fraction"] = fraction(t.reusable as u64, t.input).into();
+    }
     let spec = engine.core().spec_decode_stats();
     if spec.num_drafts > 0 {
         result["spec_decode_num_drafts"] = spec.num_drafts.into();
@@ -466,6 +640,26 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
              preemptions",
             engine.core().stats().num_preemptions
         );
+        println!(
+            "Prompt tokens from the prefix cache: {cached_tokens} ({:.1}% of the prompt tokens)",
+            100.0 * fraction(cached_tokens, prompt_tokens)
+        );
+        if let Some(t) = trace_reuse {
+            println!(
+                "Trace's reusable prompt tokens: {} ({:.1}% of its tokens)",
+                t.reusable,
+                100.0 * fraction(t.reusable as u64, t.input)
+            );
+        }
+        if num_host_blocks > 0 {
+            println!(
+                "Host KV tier: {num_host_blocks} blocks; {} stored, {} loaded; {} prompt tokens \
+                 found there",
+                stats.num_kv_offloaded_blocks,
+                stats.num_kv_loaded_blocks,
+                stats.num_host_hit_tokens
+            );
+        }
         if spec.num_drafts > 0 {
             println!(
                 "Speculative decoding: {} of {} draft tokens accepted ({:.1}%), {:.2} per draft",
@@ -483,6 +677,15 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// `part` of `whole` as a fraction (0 of nothing).
+fn fraction(part: u64, whole: usize) -> f64 {
+    if whole == 0 {
+        0.0
+    } else {
+        part as f64 / whole as f64
+    }
 }
 
 /// Decode throughput over the measured steps, `(microseconds, tokens produced)` each: their
@@ -544,6 +747,98 @@ mod tests {
             "--max-num-batched-tokens 65537 is more than the CUDA backend runs in one step, at \
              most 65536: lower it, or run on the CPU backend"
         );
+    }
+
+    fn throughput_args(extra: &str) -> ThroughputArgs {
+        use clap::Parser;
+        let argv = ["switchyard", "bench", "throughput"]
+            .into_iter()
+            .chain(extra.split_whitespace());
+        match crate::cli::Cli::try_parse_from(argv)
+            .expect("parses")
+            .command
+        {
+            crate::cli::Command::Bench(BenchCommand::Throughput(a)) => a,
+            other => panic!("parsed {other:?}"),
+        }
+    }
+
+    /// The mooncake flags are bounded and refused as `bench serve` refuses them, the cache
+    /// flags as the configuration bounds cache.num_blocks and cache.kv_offloading_size, all
+    /// before the model loads.
+    #[test]
+    fn dataset_and_cache_flags_are_refused_out_of_range() {
+        let ok = |extra: &str| validate(&throughput_args(extra));
+        assert_eq!(ok("").unwrap(), 0);
+        assert_eq!(ok("--kv-offloading-size 1").unwrap(), 1 << 30);
+        assert_eq!(ok("--kv-offloading-size 0.5").unwrap(), 1 << 29);
+        assert_eq!(ok("--kv-offloading-size 1024").unwrap(), 1 << 40);
+        ok("--num-kv-blocks 1").unwrap();
+        ok("--num-kv-blocks 16777216").unwrap();
+        ok(
+            "--dataset mooncake --mooncake-block-tokens 4096 --skip-rows 10000000 \
+            --max-input-len 1048576 --max-output-len 1",
+        )
+        .unwrap();
+        let cases = [
+            ("--num-kv-blocks 0", "--num-kv-blocks must be 1..=16777216 (the server's cache.num_blocks), not 0"),
+            ("--num-kv-blocks 16777217", "--num-kv-blocks must be 1..=16777216"),
+            ("--kv-offloading-size -1", "--kv-offloading-size -1 must be a size in GiB in 0..=1024 (the server's cache.kv_offloading_size; 0: no host tier)"),
+            ("--kv-offloading-size 1024.5", "--kv-offloading-size 1024.5 must be"),
+            ("--kv-offloading-size nan", "--kv-offloading-size NaN must be"),
+            ("--kv-offloading-size inf", "--kv-offloading-size inf must be"),
+            ("--dataset mooncake --mooncake-block-tokens 0", "--mooncake-block-tokens must be 1..=4096, not 0"),
+            ("--dataset mooncake --mooncake-block-tokens 4097", "--mooncake-block-tokens must be 1..=4096, not 4097"),
+            ("--dataset mooncake --skip-rows 10000001", "--skip-rows must be 0..=10000000, not 10000001"),
+            ("--dataset mooncake --max-input-len 0", "--max-input-len must be 1..=1048576, not 0"),
+            ("--dataset mooncake --max-output-len 1048577", "--max-output-len must be 1..=1048576, not 1048577"),
+            // Only the mooncake dataset has blocks, rows to skip and rows to bound.
+            ("--mooncake-block-tokens 64", "--mooncake-block-tokens needs --dataset mooncake"),
+            ("--dataset sharegpt --skip-rows 1", "--skip-rows needs --dataset mooncake"),
+            ("--max-input-len 64", "--max-input-len needs --dataset mooncake"),
+            ("--dataset prompts --max-output-len 4", "--max-output-len needs --dataset mooncake"),
+        ];
+        for (extra, want) in cases {
+            let e = ok(extra).unwrap_err().to_string();
+            assert!(e.starts_with(want), "{extra}: got {e}");
+        }
+    }
+
+    /// A request longer than the whole KV cache could never run: refused, naming the flag.
+    #[test]
+    fn requests_must_fit_the_kv_cache() {
+        check_fits_cache(&[(60, 4), (100, 28)], 8, 16).unwrap();
+        let e = check_fits_cache(&[(60, 4), (100, 29)], 8, 16)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("a request of 129 tokens (prompt and output) does not fit in the KV cache's 128 tokens (8 blocks of 16): raise --num-kv-blocks"),
+            "{e}"
+        );
+        check_fits_cache(&[], 1, 16).unwrap();
+    }
+
+    /// The mooncake dataset's default file is the shipped trace beside the repository;
+    /// missing, the error names it and the flag to pass another.
+    #[test]
+    fn the_mooncake_default_file_is_named_when_missing() {
+        let mut args = throughput_args("--dataset mooncake");
+        args.dataset_path = None;
+        let cwd_has_it = Path::new(MOONCAKE_DEFAULT_PATH).exists();
+        match mooncake_rows(&args, 1 << 20) {
+            Ok(rows) => {
+                assert!(cwd_has_it);
+                assert_eq!(rows.len(), 32, "--num-prompts' default rows");
+            }
+            Err(e) => {
+                assert!(!cwd_has_it);
+                let e = format!("{e:#}");
+                assert!(
+                    e.contains(MOONCAKE_DEFAULT_PATH) && e.contains("--dataset-path"),
+                    "{e}"
+                );
+            }
+        }
     }
 
     #[test]

@@ -10,7 +10,6 @@
 
 mod embeddings;
 mod http;
-mod mooncake;
 
 use std::io::Read;
 use std::path::Path;
@@ -29,7 +28,7 @@ use switchyard_simulator::trace::{MAX_ARRIVAL_S, MAX_REQUESTS as MAX_ROWS};
 
 use self::embeddings::MAX_EMBEDDING_BATCH;
 use self::http::{first_model, one_request, parse_url, Target, MAX_SMALL_RESPONSE_BYTES};
-use self::mooncake::{MooncakeRow, RowShape, TokenSpace, TraceReuse, MAX_BLOCK_TOKENS};
+use super::mooncake::{self, MooncakeRow, RowShape, TokenSpace, TraceReuse};
 use crate::cli::{ServeBenchArgs, ServeDataset, ServeEndpoint};
 
 /// Most prompts in one run.
@@ -37,7 +36,7 @@ const MAX_PROMPTS: usize = 1_000_000;
 /// Most warmup requests.
 const MAX_WARMUPS: usize = 10_000;
 /// Longest prompt or output of one request, in tokens (`--input-len`, `--max-input-len`, ...).
-const MAX_REQUEST_TOKENS: usize = 1 << 20;
+pub(super) const MAX_REQUEST_TOKENS: usize = 1 << 20;
 /// Requests in flight (threads) without `--max-concurrency`.
 const DEFAULT_IN_FLIGHT: usize = 1024;
 /// Largest `--max-concurrency`.
@@ -177,26 +176,12 @@ fn validate(args: &ServeBenchArgs) -> anyhow::Result<()> {
         short_number(args.time_scale),
         show_range(&TIME_SCALE_RANGE)
     );
-    anyhow::ensure!(
-        args.skip_rows <= mooncake::MAX_SKIP_ROWS,
-        "--skip-rows must be 0..={}, not {}",
-        mooncake::MAX_SKIP_ROWS,
-        args.skip_rows
-    );
-    anyhow::ensure!(
-        args.skip_rows == 0 || args.dataset == ServeDataset::Mooncake,
-        "--skip-rows needs --dataset mooncake (the rows of the trace skipped before the first \
-         one sent)"
-    );
-    anyhow::ensure!(
-        (1..=MAX_BLOCK_TOKENS).contains(&args.mooncake_block_tokens()),
-        "--mooncake-block-tokens must be 1..={MAX_BLOCK_TOKENS}, not {}",
-        args.mooncake_block_tokens()
-    );
-    anyhow::ensure!(
-        args.mooncake_block_tokens.is_none() || args.dataset == ServeDataset::Mooncake,
-        "--mooncake-block-tokens needs --dataset mooncake (the tokens of one of its prompt blocks)"
-    );
+    mooncake::check_flags(
+        args.dataset == ServeDataset::Mooncake,
+        args.mooncake_block_tokens,
+        args.skip_rows,
+        &[],
+    )?;
     anyhow::ensure!(
         args.token_offset.checked_add(args.token_range).is_some(),
         "--token-offset + --token-range must not exceed {} (token ids are u32)",
@@ -630,8 +615,10 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
     // The workload first: a run that would last days is refused before anything is sent.
     let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
     let rows = workload(&args, &mut rng)?;
-    let trace_reuse =
-        (args.dataset == ServeDataset::Mooncake).then(|| TraceReuse::of(&args, &rows));
+    let trace_reuse = (args.dataset == ServeDataset::Mooncake).then(|| {
+        let prompts = rows.iter().map(|r| (r.input, r.blocks.as_deref()));
+        TraceReuse::of(prompts, args.mooncake_block_tokens())
+    });
     let work = plan(&args, &rows);
     let span = arrival_span_s(&args, &work);
     check_arrival_span(&args, span)?;

@@ -7,6 +7,7 @@ mod calibrate_front_end;
 mod config;
 mod generate;
 mod model;
+mod mooncake;
 mod runtime;
 mod serve;
 mod simulate;

@@ -1,4 +1,4 @@
-//! The Mooncake trace as a `bench serve` dataset (Qin et al., "Mooncake: A KVCache-centric
+//! The Mooncake trace as a dataset of `bench serve` and `bench throughput` (Qin et al., "Mooncake: A KVCache-centric
 //! Architecture for Serving LLM Chatbot", FAST'25): one JSON object a line with `timestamp`
 //! (ms), `input_length`, `output_length` and `hash_ids`, one id per 512-token prompt block,
 //! equal ids meaning the same prefix block.
@@ -12,6 +12,11 @@
 //! `block_tokens / 512` (rounded up, so the block count stays the same), its last block cut to
 //! it. `--max-input-len` then cuts a prompt's tail. A row without `hash_ids` shares nothing:
 //! its prompt is random, as the random dataset's.
+//!
+//! Both benchmarks read rows and build prompts here (one reader, one prompt builder), so a
+//! row's prompt is the same token ids in `bench serve` and `bench throughput` given the same
+//! seed and token range; `bench throughput` ignores the timestamps (all rows are submitted at
+//! once).
 //!
 //! The simulator reads the same files (`simulator::trace::load_mooncake`) but keeps only the
 //! prompts it synthesises from the ids (at the trace's 512 tokens a block, token ids outside
@@ -28,8 +33,6 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Deserialize;
 
-use super::Row;
-use crate::cli::ServeBenchArgs;
 use switchyard_simulator::trace::{MAX_ARRIVAL_S, MAX_LINE_BYTES, MAX_REQUESTS as MAX_ROWS};
 
 /// Tokens a hash id covers in the published trace.
@@ -43,6 +46,44 @@ pub(super) const MAX_TOTAL_HASH_IDS: usize = 1 << 24;
 pub(super) const MAX_SKIP_ROWS: usize = MAX_ROWS;
 /// Mixed into every block's seed, so a block's stream is no other stream of the run.
 const BLOCK_DOMAIN: u128 = 0x6d6f_6f6e_6361_6b65_2d62_6c6f_636b_0001;
+
+/// The trace's block size, unless `--mooncake-block-tokens` names another.
+pub(super) const DEFAULT_BLOCK_TOKENS: usize = TRACE_BLOCK_TOKENS;
+
+/// Refuses the mooncake flags out of range, or given without `--dataset mooncake`
+/// (`mooncake`: whether it is the dataset), before anything is read: `--mooncake-block-tokens`
+/// (`None`: not given), `--skip-rows`, and the flags of `only_mooncake` (name, given), which
+/// mean something for this dataset only. The same refusals in `bench serve` and `bench
+/// throughput`.
+pub(super) fn check_flags(
+    mooncake: bool,
+    block_tokens: Option<usize>,
+    skip_rows: usize,
+    only_mooncake: &[(&str, bool)],
+) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        skip_rows <= MAX_SKIP_ROWS,
+        "--skip-rows must be 0..={MAX_SKIP_ROWS}, not {skip_rows}"
+    );
+    anyhow::ensure!(
+        skip_rows == 0 || mooncake,
+        "--skip-rows needs --dataset mooncake (the rows of the trace skipped before the first \
+         one sent)"
+    );
+    let n = block_tokens.unwrap_or(DEFAULT_BLOCK_TOKENS);
+    anyhow::ensure!(
+        (1..=MAX_BLOCK_TOKENS).contains(&n),
+        "--mooncake-block-tokens must be 1..={MAX_BLOCK_TOKENS}, not {n}"
+    );
+    anyhow::ensure!(
+        block_tokens.is_none() || mooncake,
+        "--mooncake-block-tokens needs --dataset mooncake (the tokens of one of its prompt blocks)"
+    );
+    if let Some((name, _)) = only_mooncake.iter().find(|&&(_, given)| given && !mooncake) {
+        anyhow::bail!("{name} needs --dataset mooncake (it bounds that dataset's rows)");
+    }
+    Ok(())
+}
 
 /// One row of a Mooncake trace as the benchmark sends it.
 #[derive(Debug, Clone, PartialEq)]
@@ -292,14 +333,17 @@ pub(super) struct TraceReuse {
 }
 
 impl TraceReuse {
-    /// The reuse of the run's prompts `rows`, in the order they are sent.
-    pub(super) fn of(args: &ServeBenchArgs, rows: &[Row]) -> TraceReuse {
-        let prompts = rows
-            .iter()
-            .filter_map(|r| Some((r.input, r.blocks.as_deref()?)));
+    /// The reuse of the run's prompts, each its length and its blocks' hash ids (`None`:
+    /// random tokens), in the order they are sent, at `block_tokens` tokens a block.
+    pub(super) fn of<'a>(
+        prompts: impl IntoIterator<Item = (usize, Option<&'a [u64]>)>,
+        block_tokens: usize,
+    ) -> TraceReuse {
+        let prompts: Vec<(usize, Option<&[u64]>)> = prompts.into_iter().collect();
+        let shared = prompts.iter().filter_map(|&(n, ids)| Some((n, ids?)));
         TraceReuse {
-            reusable: reusable_tokens(prompts, args.mooncake_block_tokens()),
-            input: rows.iter().map(|r| r.input).sum(),
+            reusable: reusable_tokens(shared, block_tokens),
+            input: prompts.iter().map(|&(n, _)| n).sum(),
         }
     }
 }
@@ -532,5 +576,18 @@ mod tests {
         assert_eq!(reusable_tokens(rows.into_iter().take(1), 4), 0);
         // The same id twice in one prompt counts from the next prompt on.
         assert_eq!(reusable_tokens([(8, &[5u64, 5][..])], 4), 0);
+        // A run's reuse: its rows with ids, over all its prompt tokens (random ones too).
+        let run = [
+            (6, Some(&[1u64, 2][..])),
+            (5, None),
+            (10, Some(&[1, 2, 3][..])),
+        ];
+        assert_eq!(
+            TraceReuse::of(run, 4),
+            TraceReuse {
+                reusable: 4 + 2,
+                input: 21
+            }
+        );
     }
 }
