@@ -38,7 +38,7 @@ for line in sys.stdin:
 [ -x "$kv_bin" ] || { echo "no cuda_kv_copy benchmark binary" >&2; exit 1; }
 out=.devbench/$name
 rm -rf "$out" && mkdir -p "$out"
-gzip -c target/release/switchyard >"$out/switchyard.gz"
+gzip -c "${CARGO_TARGET_DIR:-target}/release/switchyard" >"$out/switchyard.gz"
 gzip -c "$test_bin" >"$out/$(basename "$test_bin").gz"
 gzip -c "$kv_bin" >"$out/$(basename "$kv_bin").gz"
 echo "$out: $(du -sh "$out" | cut -f1) ($(git rev-parse --short HEAD))"
