@@ -10,7 +10,7 @@
 #   BIN=dir-with-switchyard-and-cuda_backend MODEL=path/to/SmolLM2-135M-Instruct.Q4_1.gguf \
 #     OUT=results-dir scripts/gpu-check.sh
 # SECTIONS picks parts (default: all but ab): tests gemv ref dummy variants profile model serve
-# kvoffload kvcopy hf ab.
+# kvoffload kvbench kvcopy hf ab.
 #   tests     the cuda_backend test binary (GGUF-dependent tests skip without MODEL; TEST_FILTER:
 #             a test-name filter)
 #   gemv      GEMV kernels against cuBLAS, time per product at every projection shape
@@ -48,6 +48,9 @@
 #             the trace at TRACE (default ../shared/traces/synthetic_trace.jsonl, else
 #             shared/traces/...) against a cache of KV_BENCH_BLOCKS blocks, with a tier of
 #             KV_BENCH_GIB GiB and without
+#   kvbench   the host tier offline on random Llama-3-8B weights: `bench throughput --dataset
+#             mooncake` (TRACE, else BIN/synthetic_trace.jsonl) with a cache of KVB_BLOCKS (2048)
+#             blocks and a tier of each of KVB_GIB (default "0 32") GiB (KVB_ARGS: the rows)
 #   kvcopy    the cuda_kv_copy benchmark (its binary in BIN): offloads and loads of 16 and 256
 #             blocks, in one run, in runs of 8 and scattered, Llama-3-8B and SmolLM2 shapes, by
 #             DMA, by the kernel and by the default mix (auto)
@@ -439,6 +442,30 @@ print({k: d.get(k) for k in keys})" 2>&1 | head -c 900); $(curl -s http://127.0.
   else
     note "kvoffload bench: no trace at $trace"
   fi
+fi
+
+if has kvbench; then
+  # The host tier offline on a large model: `bench throughput --dataset mooncake` on random
+  # Llama-3-8B weights (KVB_MODEL) with a cache of KVB_BLOCKS blocks, a tier of each KVB_GIB
+  # (0: none), KVB_ARGS rows.
+  trace=${TRACE:-../shared/traces/synthetic_trace.jsonl}
+  [ -f "$trace" ] || trace=shared/traces/synthetic_trace.jsonl
+  [ -f "$trace" ] || trace="$BIN/synthetic_trace.jsonl"
+  for gib in ${KVB_GIB:-0 32}; do
+    name="kvbench-${gib}gib"
+    t0=$SECONDS
+    # shellcheck disable=SC2086
+    timeout "${KVB_TIMEOUT:-280}" "$SY" bench throughput --backend cuda --json --dummy "${KVB_MODEL:-llama-3-8b}" \
+      --dataset mooncake --dataset-path "$trace" --num-kv-blocks "${KVB_BLOCKS:-2048}" \
+      --kv-offloading-size "$gib" ${KVB_ARGS:---num-prompts 2000 --mooncake-block-tokens 64 --max-input-len 1536 --max-output-len 16} \
+      >"$OUT/$name.json" 2>"$OUT/$name.log"
+    rc=$?
+    j="$OUT/$name.json"
+    note "$(printf '%-18s rc=%s %4ss elapsed_s=%s total_tok/s=%s cached=%s of reusable=%s loaded=%s stored=%s' "$name" "$rc" \
+      $((SECONDS - t0)) "$(field "$j" elapsed_time)" "$(field "$j" tokens_per_second)" "$(field "$j" cached_prompt_fraction)" \
+      "$(field "$j" trace_reusable_fraction)" "$(field "$j" kv_offload_loaded_blocks)" "$(field "$j" kv_offload_stored_blocks)")"
+    [ $rc -ne 0 ] && tail -5 "$OUT/$name.log" | tee -a "$summary"
+  done
 fi
 
 if has kvcopy; then
