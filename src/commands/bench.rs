@@ -420,6 +420,10 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
         kv_cache_dtype: args.kv_cache_dtype,
         cpu_precision: args.cpu_precision,
         host_kv_bytes,
+        kv_setting_names: switchyard_gpu::KvSettingNames {
+            tier: "--kv-offloading-size",
+            cache: "--num-kv-blocks",
+        },
     };
     let (backend, chosen) = runtime::build_backend(kind, source, &settings)?;
     anyhow::ensure!(
