@@ -808,6 +808,39 @@ mod tests {
         }
     }
 
+    /// A negative count is refused naming its flag (clap would otherwise take `-3` for an
+    /// unknown option and name no flag), in `bench throughput` and in `bench serve`.
+    #[test]
+    fn negative_counts_are_refused_naming_their_flag() {
+        use clap::Parser;
+        let flags = [
+            "--num-kv-blocks",
+            "--mooncake-block-tokens",
+            "--skip-rows",
+            "--max-input-len",
+            "--max-output-len",
+        ];
+        for (command, flags) in [
+            (&["bench", "throughput"][..], &flags[..]),
+            (
+                &["bench", "serve", "--base-url", "http://localhost:1"][..],
+                &flags[1..],
+            ),
+        ] {
+            for flag in flags {
+                let tail = ["--dataset", "mooncake", flag, "-3"];
+                let argv = ["switchyard"].iter().chain(command).chain(&tail);
+                let e = crate::cli::Cli::try_parse_from(argv)
+                    .expect_err("a negative count")
+                    .to_string();
+                assert!(
+                    e.contains(&format!("invalid value '-3' for '{flag} <")),
+                    "{command:?} {flag}: {e}"
+                );
+            }
+        }
+    }
+
     /// A request longer than the whole KV cache could never run: refused, naming the flag.
     #[test]
     fn requests_must_fit_the_kv_cache() {
