@@ -297,12 +297,17 @@ pub struct ServeBenchArgs {
     /// N/512 (64 tokens a block: 1/8 the length, a 40,160-token row 5,020 tokens). The
     /// block of hash id h is drawn from a stream seeded by (--seed, h) within --token-offset
     /// and --token-range, so equal ids give identical blocks in every request and run.
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", allow_negative_numbers = true)]
     pub mooncake_block_tokens: Option<usize>,
     /// Rows of the mooncake trace skipped before the first one sent (0..=10000000, the most
     /// rows a trace holds), to run another slice of it: --skip-rows 200 --num-prompts 200 sends rows
     /// 201 to 400, their arrival times counted from row 201's. The rows skipped are not read.
-    #[arg(long, default_value_t = 0, value_name = "N")]
+    #[arg(
+        long,
+        default_value_t = 0,
+        value_name = "N",
+        allow_negative_numbers = true
+    )]
     pub skip_rows: usize,
     /// Prompt tokens (random dataset; 1..=1048576).
     #[arg(long, default_value_t = 128)]
@@ -311,10 +316,10 @@ pub struct ServeBenchArgs {
     #[arg(long, default_value_t = 128)]
     pub output_len: usize,
     /// Longest prompt taken from a dataset (longer ones are truncated; 1..=1048576).
-    #[arg(long, default_value_t = 1536)]
+    #[arg(long, default_value_t = 1536, allow_negative_numbers = true)]
     pub max_input_len: usize,
     /// Longest output taken from a dataset (1..=1048576).
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = 512, allow_negative_numbers = true)]
     pub max_output_len: usize,
     /// Number of prompts: the requests of a completions run, the inputs of an embeddings run
     /// (see --embedding-batch; 1..=1000000).
@@ -413,24 +418,29 @@ pub struct ThroughputArgs {
     /// trace's own is 512). A smaller block scales the trace down and keeps its sharing
     /// pattern: every row keeps its blocks, its length scaled by N/512. The block of hash id
     /// h is drawn from a stream seeded by (--seed, h), as `bench serve` draws it.
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", allow_negative_numbers = true)]
     pub mooncake_block_tokens: Option<usize>,
     /// Rows of the mooncake trace skipped before the first one run (0..=10000000): --skip-rows
     /// 200 --num-prompts 200 runs rows 201 to 400. The rows skipped are not read.
-    #[arg(long, default_value_t = 0, value_name = "N")]
+    #[arg(
+        long,
+        default_value_t = 0,
+        value_name = "N",
+        allow_negative_numbers = true
+    )]
     pub skip_rows: usize,
     /// Longest prompt taken from the mooncake dataset (longer ones are cut at their tail;
     /// 1..=1048576) [default: 1536].
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", allow_negative_numbers = true)]
     pub max_input_len: Option<usize>,
     /// Longest output taken from the mooncake dataset (a row's `output_length` is clamped to
     /// it; 1..=1048576) [default: 512].
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", allow_negative_numbers = true)]
     pub max_output_len: Option<usize>,
     /// KV cache blocks (16 tokens each), as the server's cache.num_blocks (1..=16777216):
     /// a small cache forces evictions. Default: what the CPU backend's 2 GiB of KV holds, or
     /// what --gpu-memory-utilization leaves on the GPU.
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", allow_negative_numbers = true)]
     pub num_kv_blocks: Option<usize>,
     /// GiB of host memory for a second tier of the prefix cache, as the server's
     /// cache.kv_offloading_size (0..=1024; 0: none): full cached blocks evicted from the KV

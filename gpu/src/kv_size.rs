@@ -84,15 +84,44 @@ impl KvGeometry {
     }
 }
 
+/// The settings a refusal of the host KV tier names: where the user set the tier's size and
+/// the KV cache's (a configuration's fields, or a command's flags).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvSettingNames {
+    /// The tier's size (`cache.kv_offloading_size`).
+    pub tier: &'static str,
+    /// The KV cache's size (`cache.kv_cache_mb or cache.num_blocks`).
+    pub cache: &'static str,
+}
+
+impl KvSettingNames {
+    /// The server configuration's fields.
+    pub const CONFIG: KvSettingNames = KvSettingNames {
+        tier: "cache.kv_offloading_size",
+        cache: "cache.kv_cache_mb or cache.num_blocks",
+    };
+}
+
 /// Refuses a host tier of `tier_bytes` beside a KV cache of `cache_bytes` in the same memory
 /// (the CPU backend's cache; 0 where the cache is on a device) when together they are more
 /// than `available` ([`crate::cpu::kv_cache::available_memory`]; `None`: unknown, allowed).
 /// The cache's pages are committed only as it fills, so the memory available when the tier is
-/// allocated does not yet count the cache: it is counted here.
+/// allocated does not yet count the cache: it is counted here. The refusal names the
+/// configuration's fields ([`check_host_memory_named`] names others).
 pub fn check_host_memory(
     tier_bytes: usize,
     cache_bytes: usize,
     available: Option<usize>,
+) -> Result<(), GpuError> {
+    check_host_memory_named(tier_bytes, cache_bytes, available, KvSettingNames::CONFIG)
+}
+
+/// [`check_host_memory`], its refusal naming the settings `names`.
+pub fn check_host_memory_named(
+    tier_bytes: usize,
+    cache_bytes: usize,
+    available: Option<usize>,
+    names: KvSettingNames,
 ) -> Result<(), GpuError> {
     let Some(available) = available else {
         return Ok(());
@@ -103,17 +132,18 @@ pub fn check_host_memory(
     }
     Err(GpuError::InvalidConfig(if cache_bytes == 0 {
         format!(
-            "cache.kv_offloading_size: the host KV tier needs {} MiB but only {} MiB of memory \
-             is available",
+            "{}: the host KV tier needs {} MiB but only {} MiB of memory is available",
+            names.tier,
             tier_bytes >> 20,
             available >> 20
         )
     } else {
         format!(
-            "cache.kv_offloading_size: the host KV tier needs {} MiB and the KV cache beside it \
-             (cache.kv_cache_mb or cache.num_blocks) {} MiB, {} MiB in all, but only {} MiB of \
-             memory is available",
+            "{}: the host KV tier needs {} MiB and the KV cache beside it ({}) {} MiB, {} MiB \
+             in all, but only {} MiB of memory is available",
+            names.tier,
             tier_bytes >> 20,
+            names.cache,
             cache_bytes >> 20,
             total >> 20,
             available >> 20

@@ -24,7 +24,7 @@ pub use backend::{
 };
 pub use constraint::{Constraint, TokenConstraint};
 pub use cpu::llama::ActivationPrecision;
-pub use kv_size::{KvGeometry, KvStorage};
+pub use kv_size::{KvGeometry, KvSettingNames, KvStorage};
 pub use lora::{LoraAdapter, LoraLimits, LoraTarget};
 pub use sampler::SamplingParams;
 pub use token_filter::{AllowedTokens, BadWords, Intersection};

@@ -420,6 +420,10 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
         kv_cache_dtype: args.kv_cache_dtype,
         cpu_precision: args.cpu_precision,
         host_kv_bytes,
+        kv_setting_names: switchyard_gpu::KvSettingNames {
+            tier: "--kv-offloading-size",
+            cache: "--num-kv-blocks",
+        },
     };
     let (backend, chosen) = runtime::build_backend(kind, source, &settings)?;
     anyhow::ensure!(
@@ -801,6 +805,39 @@ mod tests {
         for (extra, want) in cases {
             let e = ok(extra).unwrap_err().to_string();
             assert!(e.starts_with(want), "{extra}: got {e}");
+        }
+    }
+
+    /// A negative count is refused naming its flag (clap would otherwise take `-3` for an
+    /// unknown option and name no flag), in `bench throughput` and in `bench serve`.
+    #[test]
+    fn negative_counts_are_refused_naming_their_flag() {
+        use clap::Parser;
+        let flags = [
+            "--num-kv-blocks",
+            "--mooncake-block-tokens",
+            "--skip-rows",
+            "--max-input-len",
+            "--max-output-len",
+        ];
+        for (command, flags) in [
+            (&["bench", "throughput"][..], &flags[..]),
+            (
+                &["bench", "serve", "--base-url", "http://localhost:1"][..],
+                &flags[1..],
+            ),
+        ] {
+            for flag in flags {
+                let tail = ["--dataset", "mooncake", flag, "-3"];
+                let argv = ["switchyard"].iter().chain(command).chain(&tail);
+                let e = crate::cli::Cli::try_parse_from(argv)
+                    .expect_err("a negative count")
+                    .to_string();
+                assert!(
+                    e.contains(&format!("invalid value '-3' for '{flag} <")),
+                    "{command:?} {flag}: {e}"
+                );
+            }
         }
     }
 

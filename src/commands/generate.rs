@@ -69,6 +69,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         cpu_precision: args.cpu_precision,
         // Offline work keeps no prefix across runs worth a host tier.
         host_kv_bytes: 0,
+        kv_setting_names: switchyard_gpu::KvSettingNames::CONFIG,
     };
     let (backend, _) = runtime::build_backend(
         runtime::parse_backend(&args.backend)?,

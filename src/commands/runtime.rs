@@ -9,7 +9,7 @@ use switchyard_config::{BackendKind, CpuPrecision, KvCacheDtype, Quantization};
 use switchyard_gpu::backend::{Backend, CpuBackend, CpuBackendConfig};
 use switchyard_gpu::cpu::llama::{ActivationPrecision, LlamaModel};
 use switchyard_gpu::model::{fetch, LlamaConfig, LoadedModel, ModelWeights};
-use switchyard_gpu::{KvGeometry, KvStorage};
+use switchyard_gpu::{KvGeometry, KvSettingNames, KvStorage};
 use switchyard_policies::{PolicyRegistry, SchedulerConfig};
 
 /// The embedded default model.
@@ -75,8 +75,8 @@ fn cpu_num_blocks(config: &LlamaConfig, s: &BackendSettings) -> usize {
 
 /// The blocks of the host KV tier that `s.host_kv_bytes` makes for the model `config` on the
 /// backend `chosen` (0: none), worked out before the backend is built, with the arithmetic the
-/// backends size their tier with ([`KvGeometry`]). Refused, naming `cache.kv_offloading_size`,
-/// when the size holds no whole block, makes more blocks than the scheduler tracks
+/// backends size their tier with ([`KvGeometry`]). Refused, naming the tier's setting
+/// (`s.kv_setting_names`: `cache.kv_offloading_size`, or the flag that set it), when the size holds no whole block, makes more blocks than the scheduler tracks
 /// ([`switchyard_policies::scheduler::MAX_HOST_BLOCKS`]), or (given the memory `available`)
 /// is more than the memory there is: on the CPU backend with the KV cache beside it, which
 /// lives in the same memory.
@@ -90,6 +90,7 @@ pub fn host_kv_blocks(
         return Ok(0);
     }
     let gib = s.host_kv_bytes as f64 / f64::from(1u32 << 30);
+    let setting = s.kv_setting_names.tier;
     let cpu = chosen != BackendKind::Cuda;
     let storage = if cpu {
         KvStorage::Half
@@ -101,13 +102,13 @@ pub fn host_kv_blocks(
     let block_bytes = geometry.block_bytes();
     anyhow::ensure!(
         blocks > 0,
-        "cache.kv_offloading_size: {gib:.2} GiB holds no whole KV block of this model \
+        "{setting}: {gib:.2} GiB holds no whole KV block of this model \
          ({block_bytes} bytes a block)"
     );
     let max = switchyard_policies::scheduler::MAX_HOST_BLOCKS;
     anyhow::ensure!(
         blocks <= max,
-        "cache.kv_offloading_size: {gib:.2} GiB makes {blocks} host KV blocks of \
+        "{setting}: {gib:.2} GiB makes {blocks} host KV blocks of \
          {block_bytes} bytes for this model, more than the {max} the scheduler tracks: at most \
          {:.2} GiB for this model",
         (max as f64 * block_bytes as f64) / f64::from(1u32 << 30)
@@ -117,18 +118,48 @@ pub fn host_kv_blocks(
     } else {
         0
     };
-    switchyard_gpu::kv_size::check_host_memory(blocks * block_bytes, cache_bytes, available)
-        .map_err(|e| {
-            let e = match e {
-                switchyard_gpu::GpuError::InvalidConfig(why) => why,
-                e => e.to_string(),
-            };
-            anyhow::anyhow!(
-                "{e} ({gib:.2} GiB makes {blocks} host KV blocks of {block_bytes} bytes for \
+    switchyard_gpu::kv_size::check_host_memory_named(
+        blocks * block_bytes,
+        cache_bytes,
+        available,
+        s.kv_setting_names,
+    )
+    .map_err(|e| {
+        let e = match e {
+            switchyard_gpu::GpuError::InvalidConfig(why) => why,
+            e => e.to_string(),
+        };
+        anyhow::anyhow!(
+            "{e} ({gib:.2} GiB makes {blocks} host KV blocks of {block_bytes} bytes for \
                  this model)"
-            )
-        })?;
+        )
+    })?;
     Ok(blocks)
+}
+
+/// Refuses a CPU backend's KV cache (`cpu_num_blocks`) larger than the memory `available`
+/// (`None`: unknown, allowed), naming where the user set its size (`s.kv_setting_names`): the
+/// backend's own check would name `cache.kv_cache_mb` whatever set it.
+pub fn check_cpu_cache_memory(
+    config: &LlamaConfig,
+    s: &BackendSettings,
+    available: Option<usize>,
+) -> anyhow::Result<()> {
+    let Some(available) = available else {
+        return Ok(());
+    };
+    let blocks = cpu_num_blocks(config, s);
+    let bytes = KvGeometry::of(config, s.block_size, KvStorage::Half)
+        .block_bytes()
+        .saturating_mul(blocks);
+    anyhow::ensure!(
+        bytes <= available,
+        "{}: the KV cache of {blocks} blocks needs {} MiB but only {} MiB of memory is available",
+        s.kv_setting_names.cache,
+        bytes >> 20,
+        available >> 20
+    );
+    Ok(())
 }
 
 /// Settings of a CPU backend.
@@ -268,6 +299,9 @@ pub struct BackendSettings {
     pub cpu_precision: CpuPrecision,
     /// Bytes of the host KV tier (`cache.kv_offloading_size`; 0: none).
     pub host_kv_bytes: usize,
+    /// Where the user set the host tier's size and the KV cache's, named when the memory
+    /// cannot hold them.
+    pub kv_setting_names: KvSettingNames,
 }
 
 impl BackendSettings {
@@ -286,6 +320,7 @@ impl BackendSettings {
             kv_cache_dtype: config.cache.kv_cache_dtype,
             cpu_precision: config.model.cpu_precision,
             host_kv_bytes: config.cache.kv_offloading_bytes(),
+            kv_setting_names: KvSettingNames::CONFIG,
         }
     }
 }
@@ -414,6 +449,11 @@ pub fn build_backend(
                 "kv_cache_dtype fp8 runs on the CUDA backend only (the CPU backend keeps its cache in f16)"
             );
             let config = source.config().clone();
+            check_cpu_cache_memory(
+                &config,
+                s,
+                switchyard_gpu::cpu::kv_cache::available_memory(),
+            )?;
             let model = match source {
                 ModelSource::Loaded(c, w) => LlamaModel::from_weights(c, w)?,
                 ModelSource::Dummy(c, seed) => LlamaModel::dummy(&c, seed)?,
@@ -431,8 +471,8 @@ pub fn build_backend(
     };
     anyhow::ensure!(
         backend.num_host_kv_blocks() == host_blocks,
-        "cache.kv_offloading_size: the backend holds {} host KV blocks, {host_blocks} were \
-         worked out for it",
+        "{}: the backend holds {} host KV blocks, {host_blocks} were worked out for it",
+        s.kv_setting_names.tier,
         backend.num_host_kv_blocks()
     );
     Ok((backend, chosen))
@@ -663,6 +703,54 @@ mod tests {
         );
         // The GPU's cache is not in host memory: the tier alone fits in 100 MiB.
         assert!(super::host_kv_blocks(BackendKind::Cuda, &smol, &s, Some(100 << 20)).is_ok());
+    }
+
+    /// `bench throughput` sets the tier and the cache by its flags: a refusal names the flag
+    /// the user typed, not the configuration's field.
+    #[test]
+    fn refusals_name_the_flags_that_set_the_tier_and_the_cache() {
+        let smol = LlamaConfig::smollm2_135m();
+        let flags = switchyard_gpu::KvSettingNames {
+            tier: "--kv-offloading-size",
+            cache: "--num-kv-blocks",
+        };
+        let mut s = settings(100 * 368_640, 200);
+        s.kv_setting_names = flags;
+        let e = super::host_kv_blocks(BackendKind::Cpu, &smol, &s, Some(100 << 20))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("--kv-offloading-size: the host KV tier needs 35 MiB and the KV cache beside it (--num-kv-blocks) 70 MiB")
+                && !e.contains("cache."),
+            "{e}"
+        );
+        s.host_kv_bytes = 368_639;
+        let e = super::host_kv_blocks(BackendKind::Cpu, &smol, &s, None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("--kv-offloading-size: 0.00 GiB holds no whole KV block"),
+            "{e}"
+        );
+        // The cache alone: 200 blocks of 368,640 bytes are 70 MiB.
+        super::check_cpu_cache_memory(&smol, &s, Some(71 << 20)).unwrap();
+        super::check_cpu_cache_memory(&smol, &s, None).unwrap();
+        let e = super::check_cpu_cache_memory(&smol, &s, Some(64 << 20))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e,
+            "--num-kv-blocks: the KV cache of 200 blocks needs 70 MiB but only 64 MiB of memory \
+             is available"
+        );
+        // The server's configuration names its fields.
+        let e = super::check_cpu_cache_memory(&smol, &settings(0, 200), Some(1 << 20))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("cache.kv_cache_mb or cache.num_blocks: "),
+            "{e}"
+        );
     }
 
     /// More threads than cores is warned about; up to the cores, or all of them (0), is not.
