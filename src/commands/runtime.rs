@@ -102,8 +102,9 @@ pub fn host_kv_blocks(
     let block_bytes = geometry.block_bytes();
     anyhow::ensure!(
         blocks > 0,
-        "{setting}: {gib:.2} GiB holds no whole KV block of this model \
-         ({block_bytes} bytes a block)"
+        "{setting}: {} bytes ({gib:.2} GiB) hold no whole KV block of this model \
+         ({block_bytes} bytes a block)",
+        s.host_kv_bytes
     );
     let max = switchyard_policies::scheduler::MAX_HOST_BLOCKS;
     anyhow::ensure!(
@@ -729,7 +730,10 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(
-            e.starts_with("--kv-offloading-size: 0.00 GiB holds no whole KV block"),
+            e.starts_with(
+                "--kv-offloading-size: 368639 bytes (0.00 GiB) hold no whole KV block of this \
+                 model (368640 bytes a block)"
+            ),
             "{e}"
         );
         // The cache alone: 200 blocks of 368,640 bytes are 70 MiB.
