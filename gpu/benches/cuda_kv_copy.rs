@@ -5,8 +5,9 @@
 //! weights of Llama-3-8B (2 MiB blocks of 16 tokens in bf16, 32 KiB a layer part) and
 //! SmolLM2-135M (360 KiB blocks, 6 KiB a layer part), each by DMA, by the `kv_tier_copy`
 //! kernel and by the default mix of both ([`KvCopyEngine::AUTO`]: a load run of 8 Llama-3-8B
-//! blocks goes by DMA, one of 8 SmolLM2 blocks by the kernel). Criterion reports bytes per second. Needs a GPU (`cargo bench --features cuda -p switchyard-gpu --bench
-//! cuda_kv_copy`); without one it says so and measures nothing.
+//! blocks goes by DMA, one of 8 SmolLM2 blocks by the kernel). Criterion reports bytes per
+//! second. Needs a GPU (`cargo bench --features cuda -p switchyard-gpu --bench cuda_kv_copy`);
+//! without one it says so and measures nothing.
 
 use std::time::{Duration, Instant};
 

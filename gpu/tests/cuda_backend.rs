@@ -3521,9 +3521,9 @@ fn embeddings_agree_with_cpu_and_transformers() {
 
 /// One run of the host tier's round trip with a bf16 or an fp8 cache: prefill a prompt,
 /// offload its blocks (two runs of two consecutive blocks), overwrite them with another
-/// sequence, load them back into other blocks (a run of two and two lone blocks) and decode. The logits equal the
-/// uninterrupted run's bit for bit (the same step over the same bytes), and differ without the
-/// load. `engine`: DMA, the `kv_tier_copy` kernel, the default mix, or (`None`) a mix that
+/// sequence, load them back into other blocks (a run of two and two lone blocks) and decode.
+/// The logits equal the uninterrupted run's bit for bit (the same step over the same bytes),
+/// and differ without the load. `engine`: DMA, the `kv_tier_copy` kernel, the default mix, or (`None`) a mix that
 /// takes runs of two blocks by DMA and lone blocks by the kernel.
 fn host_tier_round_trip(kv_fp8: bool, engine: Option<switchyard_gpu::cuda::KvCopyEngine>) {
     let (c, w, _) = smollm2_or_dummy();

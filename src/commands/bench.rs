@@ -244,19 +244,27 @@ fn mooncake_rows(args: &ThroughputArgs, max_model_len: usize) -> anyhow::Result<
 }
 
 /// Refuses requests that could never run in a KV cache of `num_blocks` blocks of
-/// `block_size` tokens: the longest `(input, output)` of `lengths` must fit in it.
+/// `block_size` tokens: the longest `(input, output)` of `lengths` (requests of `dataset`)
+/// must fit in it. The refusal names the flags that shorten that dataset's requests.
 fn check_fits_cache(
     lengths: &[(usize, usize)],
     num_blocks: usize,
     block_size: usize,
+    dataset: BenchDataset,
 ) -> anyhow::Result<()> {
     let longest = lengths.iter().map(|&(i, o)| i + o).max().unwrap_or(0);
     let capacity = num_blocks.saturating_mul(block_size);
+    let shorter = match dataset {
+        BenchDataset::Random => " or lower --input-len / --output-len",
+        BenchDataset::Prompts => " or lower --output-len (or pass shorter prompts)",
+        BenchDataset::Mooncake => " or lower --max-input-len / --max-output-len",
+        // The rows' lengths are the file's: no flag shortens them.
+        BenchDataset::Sharegpt => "",
+    };
     anyhow::ensure!(
         longest <= capacity,
         "a request of {longest} tokens (prompt and output) does not fit in the KV cache's \
-         {capacity} tokens ({num_blocks} blocks of {block_size}): raise --num-kv-blocks or \
-         lower --max-input-len / --input-len"
+         {capacity} tokens ({num_blocks} blocks of {block_size}): raise --num-kv-blocks{shorter}"
     );
     Ok(())
 }
@@ -405,7 +413,7 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
     let max_num_seqs = args.decode_batch.unwrap_or(args.max_num_seqs);
     if let Some(n) = args.num_kv_blocks {
         // Before the backend is built: a cache too small for the run is known now.
-        check_fits_cache(&lengths, n, block_size)?;
+        check_fits_cache(&lengths, n, block_size, args.dataset)?;
     }
     let settings = runtime::BackendSettings {
         num_blocks: args.num_kv_blocks,
@@ -433,7 +441,7 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
     );
     drop(loaded);
     let num_blocks = backend.num_kv_blocks();
-    check_fits_cache(&lengths, num_blocks, block_size)?;
+    check_fits_cache(&lengths, num_blocks, block_size, args.dataset)?;
     // `build_backend` refused a tier too large for the scheduler or the memory.
     let num_host_blocks = backend.num_host_kv_blocks();
     let backend_name = backend.name().to_string();
@@ -841,18 +849,35 @@ mod tests {
         }
     }
 
-    /// A request longer than the whole KV cache could never run: refused, naming the flag.
+    /// A request longer than the whole KV cache could never run: refused, naming the flags
+    /// that shorten the dataset's requests (the random dataset's --input-len, not the mooncake
+    /// dataset's --max-input-len, which is refused with it).
     #[test]
     fn requests_must_fit_the_kv_cache() {
-        check_fits_cache(&[(60, 4), (100, 28)], 8, 16).unwrap();
-        let e = check_fits_cache(&[(60, 4), (100, 29)], 8, 16)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.starts_with("a request of 129 tokens (prompt and output) does not fit in the KV cache's 128 tokens (8 blocks of 16): raise --num-kv-blocks"),
-            "{e}"
-        );
-        check_fits_cache(&[], 1, 16).unwrap();
+        let too_long = |dataset| {
+            check_fits_cache(&[(60, 4), (100, 29)], 8, 16, dataset)
+                .unwrap_err()
+                .to_string()
+        };
+        check_fits_cache(&[(60, 4), (100, 28)], 8, 16, BenchDataset::Random).unwrap();
+        let head =
+            "a request of 129 tokens (prompt and output) does not fit in the KV cache's 128 \
+                    tokens (8 blocks of 16): raise --num-kv-blocks";
+        for (dataset, tail) in [
+            (BenchDataset::Random, " or lower --input-len / --output-len"),
+            (
+                BenchDataset::Mooncake,
+                " or lower --max-input-len / --max-output-len",
+            ),
+            (
+                BenchDataset::Prompts,
+                " or lower --output-len (or pass shorter prompts)",
+            ),
+            (BenchDataset::Sharegpt, ""),
+        ] {
+            assert_eq!(too_long(dataset), format!("{head}{tail}"), "{dataset:?}");
+        }
+        check_fits_cache(&[], 1, 16, BenchDataset::Mooncake).unwrap();
     }
 
     /// The mooncake dataset's default file is the shipped trace beside the repository;

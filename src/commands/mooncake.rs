@@ -1,7 +1,7 @@
-//! The Mooncake trace as a dataset of `bench serve` and `bench throughput` (Qin et al., "Mooncake: A KVCache-centric
-//! Architecture for Serving LLM Chatbot", FAST'25): one JSON object a line with `timestamp`
-//! (ms), `input_length`, `output_length` and `hash_ids`, one id per 512-token prompt block,
-//! equal ids meaning the same prefix block.
+//! The Mooncake trace as a dataset of `bench serve` and `bench throughput` (Qin et al.,
+//! "Mooncake: A KVCache-centric Architecture for Serving LLM Chatbot", FAST'25): one JSON
+//! object a line with `timestamp` (ms), `input_length`, `output_length` and `hash_ids`, one id
+//! per 512-token prompt block, equal ids meaning the same prefix block.
 //!
 //! A row's prompt is made of its blocks: the block of hash id `h` is
 //! `--mooncake-block-tokens` token ids drawn from a ChaCha8 stream seeded by (`--seed`, `h`)

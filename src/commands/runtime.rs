@@ -76,7 +76,8 @@ fn cpu_num_blocks(config: &LlamaConfig, s: &BackendSettings) -> usize {
 /// The blocks of the host KV tier that `s.host_kv_bytes` makes for the model `config` on the
 /// backend `chosen` (0: none), worked out before the backend is built, with the arithmetic the
 /// backends size their tier with ([`KvGeometry`]). Refused, naming the tier's setting
-/// (`s.kv_setting_names`: `cache.kv_offloading_size`, or the flag that set it), when the size holds no whole block, makes more blocks than the scheduler tracks
+/// (`s.kv_setting_names`: `cache.kv_offloading_size`, or the flag that set it), when the size
+/// holds no whole block, makes more blocks than the scheduler tracks
 /// ([`switchyard_policies::scheduler::MAX_HOST_BLOCKS`]), or (given the memory `available`)
 /// is more than the memory there is: on the CPU backend with the KV cache beside it, which
 /// lives in the same memory.
