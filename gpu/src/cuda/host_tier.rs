@@ -433,7 +433,7 @@ impl Drop for HostKvTier {
 
 /// `copies` split by run: the runs (first cache block, first tier block, length) of blocks
 /// consecutive on both sides that move at least `dma_min` bytes per DMA call (`per_block` a
-/// block), and the blocks of the others, in order.
+/// block; a `dma_min` of `usize::MAX`: none), and the blocks of the others, in order.
 fn split_runs(
     copies: &[KvCopy],
     per_block: usize,
@@ -442,7 +442,8 @@ fn split_runs(
     let mut dma = Vec::new();
     let mut single = Vec::new();
     for (device, host, n) in runs(copies) {
-        if n.saturating_mul(per_block) >= dma_min {
+        // `usize::MAX` (the kernel engine's bound): never, however large the run.
+        if dma_min != usize::MAX && n.saturating_mul(per_block) >= dma_min {
             dma.push((device, host, n));
         } else {
             single.extend((0..n).map(|i| KvCopy {
@@ -503,6 +504,7 @@ mod tests {
         // The DMA engine's bound (0) and the kernel's (usize::MAX), a huge block included.
         assert_eq!(split_runs(&list, 100, 0).0.len(), 4);
         assert!(split_runs(&list, 100, usize::MAX).0.is_empty());
+        assert!(split_runs(&list, usize::MAX, usize::MAX).0.is_empty());
     }
 
     #[test]
