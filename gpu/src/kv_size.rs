@@ -92,6 +92,8 @@ pub struct KvSettingNames {
     pub tier: &'static str,
     /// The KV cache's size (`cache.kv_cache_mb or cache.num_blocks`).
     pub cache: &'static str,
+    /// The KV cache's block count where it is given as one (`cache.num_blocks`).
+    pub blocks: &'static str,
 }
 
 impl KvSettingNames {
@@ -99,6 +101,7 @@ impl KvSettingNames {
     pub const CONFIG: KvSettingNames = KvSettingNames {
         tier: "cache.kv_offloading_size",
         cache: "cache.kv_cache_mb or cache.num_blocks",
+        blocks: "cache.num_blocks",
     };
 }
 

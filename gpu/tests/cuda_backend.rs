@@ -3635,3 +3635,39 @@ fn a_prefix_offloaded_to_the_host_tier_and_loaded_elsewhere_decodes_as_before() 
         }
     }
 }
+
+/// A KV block count the GPU's free memory cannot hold is refused before anything is allocated
+/// for it, naming the setting that asked for it (the configuration's field, or a command's
+/// flag) and the most blocks that fit, not with the driver's out-of-memory error.
+#[test]
+fn a_kv_cache_larger_than_the_gpu_is_refused_naming_its_setting() {
+    if !gpu() {
+        return;
+    }
+    let c = LlamaConfig::smollm2_135m();
+    // 100 M blocks of 16 SmolLM2 tokens (360 KiB each): ~34 TiB.
+    let refused = |names: switchyard_gpu::KvSettingNames| match CudaBackend::new(
+        &c,
+        WeightSource::Dummy(3),
+        &CudaBackendConfig {
+            setting_names: names,
+            ..cfg(100_000_000, false)
+        },
+    ) {
+        Ok(_) => panic!("100 M KV blocks were allocated"),
+        Err(e) => e.to_string(),
+    };
+    let e = refused(switchyard_gpu::KvSettingNames::CONFIG);
+    assert!(
+        e.contains("cache.num_blocks: 100000000 KV blocks of 368640 bytes")
+            && e.contains("MiB are free after the weights")
+            && e.contains("at most"),
+        "{e}"
+    );
+    let e = refused(switchyard_gpu::KvSettingNames {
+        tier: "--kv-offloading-size",
+        cache: "--num-kv-blocks",
+        blocks: "--num-kv-blocks",
+    });
+    assert!(e.contains("--num-kv-blocks: 100000000 KV blocks"), "{e}");
+}

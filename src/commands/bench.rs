@@ -431,6 +431,7 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
         kv_setting_names: switchyard_gpu::KvSettingNames {
             tier: "--kv-offloading-size",
             cache: "--num-kv-blocks",
+            blocks: "--num-kv-blocks",
         },
     };
     let (backend, chosen) = runtime::build_backend(kind, source, &settings)?;

@@ -493,6 +493,7 @@ fn cuda_backend(source: ModelSource<'_>, s: &BackendSettings) -> anyhow::Result<
         fp8: s.quantization == Quantization::Fp8,
         kv_fp8: s.kv_cache_dtype == KvCacheDtype::Fp8,
         host_kv_bytes: s.host_kv_bytes,
+        setting_names: s.kv_setting_names,
         ..CudaBackendConfig::default()
     };
     let started = std::time::Instant::now();
@@ -715,6 +716,7 @@ mod tests {
         let flags = switchyard_gpu::KvSettingNames {
             tier: "--kv-offloading-size",
             cache: "--num-kv-blocks",
+            blocks: "--num-kv-blocks",
         };
         let mut s = settings(100 * 368_640, 200);
         s.kv_setting_names = flags;

@@ -126,19 +126,32 @@ pub(crate) struct HostKvTier {
     pub num_blocks: usize,
 }
 
+/// The tier a backend is asked for: `bytes` of host memory, copied by `engine`; `names`: where
+/// the user set its size, for refusals.
+pub(crate) struct TierRequest {
+    pub bytes: usize,
+    pub engine: KvCopyEngine,
+    pub names: crate::KvSettingNames,
+}
+
 impl HostKvTier {
     /// A tier of `bytes / block_bytes` blocks for the cache of `c` (`block_size` slots a
-    /// block, `kv_fp8`: e4m3 with scales); `None` below one block. Refused, naming
-    /// `cache.kv_offloading_size`, when the host memory is not available or cannot be locked.
+    /// block, `kv_fp8`: e4m3 with scales); `None` below one block. Refused, naming the tier's
+    /// setting (`cache.kv_offloading_size` or the flag that set it), when the host memory is
+    /// not available or cannot be locked.
     pub fn new(
         gpu: &Gpu,
         c: &LlamaConfig,
         block_size: usize,
         kv_fp8: bool,
-        bytes: usize,
         cache_blocks: usize,
-        engine: KvCopyEngine,
+        req: TierRequest,
     ) -> Result<Option<Self>, GpuError> {
+        let TierRequest {
+            bytes,
+            engine,
+            names,
+        } = req;
         // The arithmetic `serve` checks the tier with before any backend is built.
         let geometry = crate::KvGeometry::of(c, block_size, crate::KvStorage::from_fp8(kv_fp8));
         let num_blocks = geometry.blocks_in(bytes);
@@ -148,12 +161,18 @@ impl HostKvTier {
         let total = num_blocks * geometry.block_bytes();
         let refuse = |why: String| {
             GpuError::InvalidConfig(format!(
-                "cache.kv_offloading_size: the host KV tier needs {} MiB {why}",
+                "{}: the host KV tier needs {} MiB {why}",
+                names.tier,
                 total >> 20
             ))
         };
         // The device cache is not in host memory: only the tier counts.
-        crate::kv_size::check_host_memory(total, 0, crate::cpu::kv_cache::available_memory())?;
+        crate::kv_size::check_host_memory_named(
+            total,
+            0,
+            crate::cpu::kv_cache::available_memory(),
+            names,
+        )?;
         // SAFETY: bytes, read back only after the DMA of an offload wrote them (the scheduler
         // loads only blocks it offloaded).
         let mut mem = unsafe {

@@ -88,6 +88,9 @@ pub struct CudaBackendConfig {
     /// How the host tier's copies run; `None`: `SWITCHYARD_CUDA_KV_COPY` (`auto`, `dma`,
     /// `kernel`), else [`KvCopyEngine::AUTO`].
     pub host_kv_copy: Option<KvCopyEngine>,
+    /// Where the user set the KV cache's blocks and the tier's size, for refusals (the
+    /// configuration's fields, or a command's flags).
+    pub setting_names: crate::KvSettingNames,
 }
 
 impl Default for CudaBackendConfig {
@@ -105,6 +108,7 @@ impl Default for CudaBackendConfig {
             kv_fp8: false,
             host_kv_bytes: 0,
             host_kv_copy: None,
+            setting_names: crate::KvSettingNames::CONFIG,
         }
     }
 }
@@ -436,7 +440,26 @@ impl CudaBackend {
         let act = Buffers::activation_bytes(config, (max_tokens, max_seqs), max_rows, bs, cfg.fp8)
             + sampling::ArgmaxScratch::bytes(max_rows);
         let num_blocks = match cfg.num_kv_blocks {
-            Some(n) => n,
+            Some(n) => {
+                // A count the free memory cannot hold would fail in the allocation with the
+                // driver's bare out-of-memory error: refuse it naming where it was set.
+                let (free, _) = gpu.mem_info()?;
+                let need = n.saturating_mul(per_block).saturating_add(act);
+                if need > free {
+                    return Err(GpuError::InvalidConfig(format!(
+                        "{}: {n} KV blocks of {per_block} bytes and {} MiB of step buffers need \
+                         {} MiB of GPU memory, but {} MiB are free after the weights ({} MiB): \
+                         at most {} blocks",
+                        cfg.setting_names.blocks,
+                        act >> 20,
+                        need >> 20,
+                        free >> 20,
+                        weights.bytes() >> 20,
+                        free.saturating_sub(act) / per_block.max(1)
+                    )));
+                }
+                n
+            }
             None => {
                 let (free, total) = gpu.mem_info()?;
                 let allowed = (total as f64 * cfg.gpu_memory_utilization) as usize;
@@ -496,9 +519,12 @@ impl CudaBackend {
             config,
             bs,
             cfg.kv_fp8,
-            cfg.host_kv_bytes,
             num_blocks,
-            copy_engine,
+            host_tier::TierRequest {
+                bytes: cfg.host_kv_bytes,
+                engine: copy_engine,
+                names: cfg.setting_names,
+            },
         )?;
         let timing = timing::StepTiming::from_env(&gpu.ctx)?;
         let argmax = if device::env_switch("SWITCHYARD_CUDA_SPLIT_ARGMAX", true) {
