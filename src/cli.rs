@@ -291,24 +291,9 @@ pub struct ServeBenchArgs {
     /// The dataset's file: CSV for sharegpt and trace, JSONL for mooncake (at most 1 GiB).
     #[arg(long)]
     pub dataset_path: Option<PathBuf>,
-    /// Tokens of one prompt block of the mooncake dataset, one per hash id (1..=4096; the
-    /// trace's own is 512). A smaller block scales the trace down for a small-context model
-    /// and keeps its sharing pattern: every row keeps its blocks, its length scaled by
-    /// N/512 (64 tokens a block: 1/8 the length, a 40,160-token row 5,020 tokens). The
-    /// block of hash id h is drawn from a stream seeded by (--seed, h) within --token-offset
-    /// and --token-range, so equal ids give identical blocks in every request and run.
-    #[arg(long, value_name = "N", allow_negative_numbers = true)]
-    pub mooncake_block_tokens: Option<usize>,
-    /// Rows of the mooncake trace skipped before the first one sent (0..=10000000, the most
-    /// rows a trace holds), to run another slice of it: --skip-rows 200 --num-prompts 200 sends rows
-    /// 201 to 400, their arrival times counted from row 201's. The rows skipped are not read.
-    #[arg(
-        long,
-        default_value_t = 0,
-        value_name = "N",
-        allow_negative_numbers = true
-    )]
-    pub skip_rows: usize,
+    /// The mooncake dataset's block size and slice.
+    #[command(flatten)]
+    pub mooncake: MooncakeSlice,
     /// Prompt tokens (random dataset; 1..=1048576).
     #[arg(long, default_value_t = 128)]
     pub input_len: usize,
@@ -366,9 +351,35 @@ pub struct ServeBenchArgs {
     pub result_file: Option<PathBuf>,
 }
 
-impl ServeBenchArgs {
-    /// The mooncake dataset's tokens a block: `--mooncake-block-tokens`, else the trace's 512.
-    pub fn mooncake_block_tokens(&self) -> usize {
+/// The mooncake dataset's block size and slice, the same flags for `bench serve` and `bench
+/// throughput` (refused with other datasets by `mooncake::check_flags`).
+#[derive(Debug, Args)]
+pub struct MooncakeSlice {
+    /// Tokens of one prompt block of the mooncake dataset, one per hash id (1..=4096; the
+    /// trace's own is 512). A smaller block scales the trace down for a small-context model
+    /// and keeps its sharing pattern: every row keeps its blocks, its length scaled by
+    /// N/512 (64 tokens a block: 1/8 the length, a 40,160-token row 5,020 tokens). The
+    /// block of hash id h is drawn from a stream seeded by (--seed, h) within the token range
+    /// (`bench serve`'s --token-offset and --token-range), so equal ids give identical blocks
+    /// in every request and run, and both benchmarks send the same prompt for a row.
+    #[arg(long, value_name = "N", allow_negative_numbers = true)]
+    pub mooncake_block_tokens: Option<usize>,
+    /// Rows of the mooncake trace skipped before the first one taken (0..=10000000, the most
+    /// rows a trace holds), to run another slice of it: --skip-rows 200 --num-prompts 200
+    /// takes rows 201 to 400 (`bench serve` counts their arrival times from row 201's). The
+    /// rows skipped are not read.
+    #[arg(
+        long,
+        default_value_t = 0,
+        value_name = "N",
+        allow_negative_numbers = true
+    )]
+    pub skip_rows: usize,
+}
+
+impl MooncakeSlice {
+    /// `--mooncake-block-tokens`, else the trace's 512.
+    pub fn block_tokens(&self) -> usize {
         self.mooncake_block_tokens.unwrap_or(512)
     }
 }
@@ -414,21 +425,9 @@ pub struct ThroughputArgs {
     /// (default: ../shared/traces/synthetic_trace.jsonl, relative to the current directory).
     #[arg(long)]
     pub dataset_path: Option<PathBuf>,
-    /// Tokens of one prompt block of the mooncake dataset, one per hash id (1..=4096; the
-    /// trace's own is 512). A smaller block scales the trace down and keeps its sharing
-    /// pattern: every row keeps its blocks, its length scaled by N/512. The block of hash id
-    /// h is drawn from a stream seeded by (--seed, h), as `bench serve` draws it.
-    #[arg(long, value_name = "N", allow_negative_numbers = true)]
-    pub mooncake_block_tokens: Option<usize>,
-    /// Rows of the mooncake trace skipped before the first one run (0..=10000000): --skip-rows
-    /// 200 --num-prompts 200 runs rows 201 to 400. The rows skipped are not read.
-    #[arg(
-        long,
-        default_value_t = 0,
-        value_name = "N",
-        allow_negative_numbers = true
-    )]
-    pub skip_rows: usize,
+    /// The mooncake dataset's block size and slice.
+    #[command(flatten)]
+    pub mooncake: MooncakeSlice,
     /// Longest prompt taken from the mooncake dataset (longer ones are cut at their tail;
     /// 1..=1048576) [default: 1536].
     #[arg(long, value_name = "N", allow_negative_numbers = true)]
@@ -517,11 +516,6 @@ pub struct ThroughputArgs {
 }
 
 impl ThroughputArgs {
-    /// The mooncake dataset's tokens a block: `--mooncake-block-tokens`, else the trace's 512.
-    pub fn mooncake_block_tokens(&self) -> usize {
-        self.mooncake_block_tokens.unwrap_or(512)
-    }
-
     /// `--max-input-len`, else `bench serve`'s default.
     pub fn max_input_len(&self) -> usize {
         self.max_input_len.unwrap_or(1536)

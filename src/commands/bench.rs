@@ -161,8 +161,8 @@ fn validate(args: &ThroughputArgs) -> anyhow::Result<usize> {
     let is_mooncake = args.dataset == BenchDataset::Mooncake;
     mooncake::check_flags(
         is_mooncake,
-        args.mooncake_block_tokens,
-        args.skip_rows,
+        args.mooncake.mooncake_block_tokens,
+        args.mooncake.skip_rows,
         &[
             ("--max-input-len", args.max_input_len.is_some()),
             ("--max-output-len", args.max_output_len.is_some()),
@@ -217,13 +217,19 @@ fn mooncake_rows(args: &ThroughputArgs, max_model_len: usize) -> anyhow::Result<
         )
     })?;
     let shape = RowShape {
-        block_tokens: args.mooncake_block_tokens(),
+        block_tokens: args.mooncake.block_tokens(),
         max_input: args.max_input_len(),
         max_output: args.max_output_len(),
         max_row_tokens: MAX_REQUEST_TOKENS,
         max_total_ids: mooncake::MAX_TOTAL_HASH_IDS,
     };
-    let rows = mooncake::read_rows(&path, &text, shape, args.skip_rows, args.num_prompts)?;
+    let rows = mooncake::read_rows(
+        &path,
+        &text,
+        shape,
+        args.mooncake.skip_rows,
+        args.num_prompts,
+    )?;
     let mut out = Vec::with_capacity(rows.len());
     for (i, r) in rows.into_iter().enumerate() {
         // Both are at most 2^20, so the sum cannot overflow.
@@ -234,7 +240,7 @@ fn mooncake_rows(args: &ThroughputArgs, max_model_len: usize) -> anyhow::Result<
              --max-output-len",
             path.display(),
             i + 1,
-            args.skip_rows,
+            args.mooncake.skip_rows,
             r.input,
             r.output
         );
@@ -394,7 +400,7 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
             .iter()
             .zip(&blocks)
             .map(|(&(input, _), ids)| (input, ids.as_deref()));
-        TraceReuse::of(prompts, args.mooncake_block_tokens())
+        TraceReuse::of(prompts, args.mooncake.block_tokens())
     });
     let token_space = TokenSpace {
         seed: args.seed,
@@ -504,7 +510,7 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
             (None, Some(Some(ids))) => mooncake::block_prompt(
                 ids,
                 input,
-                args.mooncake_block_tokens(),
+                args.mooncake.block_tokens(),
                 token_space,
                 &mut rng,
             ),

@@ -178,8 +178,8 @@ fn validate(args: &ServeBenchArgs) -> anyhow::Result<()> {
     );
     mooncake::check_flags(
         args.dataset == ServeDataset::Mooncake,
-        args.mooncake_block_tokens,
-        args.skip_rows,
+        args.mooncake.mooncake_block_tokens,
+        args.mooncake.skip_rows,
         &[],
     )?;
     anyhow::ensure!(
@@ -375,7 +375,8 @@ fn workload(args: &ServeBenchArgs, rng: &mut ChaCha8Rng) -> anyhow::Result<Vec<R
                 .clone()
                 .context("--dataset-path is required for the mooncake dataset")?;
             let text = read_bounded(&path, MAX_DATASET_BYTES)?;
-            let rows = mooncake::read_rows(&path, &text, row_shape(args), args.skip_rows, n)?;
+            let rows =
+                mooncake::read_rows(&path, &text, row_shape(args), args.mooncake.skip_rows, n)?;
             Ok(rows.into_iter().map(Row::from).collect())
         }
         ServeDataset::Sharegpt | ServeDataset::Trace => {
@@ -464,7 +465,7 @@ fn workload(args: &ServeBenchArgs, rng: &mut ChaCha8Rng) -> anyhow::Result<Vec<R
 /// How the mooncake dataset's rows become requests, from the arguments.
 fn row_shape(args: &ServeBenchArgs) -> RowShape {
     RowShape {
-        block_tokens: args.mooncake_block_tokens(),
+        block_tokens: args.mooncake.block_tokens(),
         max_input: args.max_input_len,
         max_output: args.max_output_len,
         max_row_tokens: MAX_REQUEST_TOKENS,
@@ -544,7 +545,7 @@ fn job(
         .zip(&planned.blocks)
         .map(|(&n, blocks)| match blocks {
             Some(ids) => {
-                mooncake::block_prompt(ids, n, args.mooncake_block_tokens(), token_space(args), rng)
+                mooncake::block_prompt(ids, n, args.mooncake.block_tokens(), token_space(args), rng)
             }
             None => random_prompt(args, n, rng),
         })
@@ -617,7 +618,7 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
     let rows = workload(&args, &mut rng)?;
     let trace_reuse = (args.dataset == ServeDataset::Mooncake).then(|| {
         let prompts = rows.iter().map(|r| (r.input, r.blocks.as_deref()));
-        TraceReuse::of(prompts, args.mooncake_block_tokens())
+        TraceReuse::of(prompts, args.mooncake.block_tokens())
     });
     let work = plan(&args, &rows);
     let span = arrival_span_s(&args, &work);
