@@ -253,13 +253,16 @@ pub struct PreparedStep {
 }
 
 /// The KV copies of one plan in the backend's terms ([`StepPlan::kv_offloads`] and
-/// [`StepPlan::kv_loads`]), made by one [`Backend::copy_kv`] call.
+/// [`StepPlan::kv_loads`], made by one [`Backend::copy_kv`] call, then
+/// [`StepPlan::kv_stores`], by one [`Backend::store_kv`] call).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct KvCopies {
     /// Cache → host tier, made first.
     pub offloads: Vec<KvCopy>,
     /// Host tier → cache, made after the offloads.
     pub loads: Vec<KvCopy>,
+    /// Cache → host tier ahead of eviction, made last (alongside the next step).
+    pub stores: Vec<KvCopy>,
 }
 
 impl KvCopies {
@@ -272,21 +275,36 @@ impl KvCopies {
         Self {
             offloads: plan.kv_offloads.iter().map(kv).collect(),
             loads: plan.kv_loads.iter().map(kv).collect(),
+            stores: plan.kv_stores.iter().map(kv).collect(),
         }
     }
 
     /// Whether there is nothing to copy.
     pub fn is_empty(&self) -> bool {
-        self.offloads.is_empty() && self.loads.is_empty()
+        self.offloads.is_empty() && self.loads.is_empty() && self.stores.is_empty()
     }
 
-    /// Makes the copies of `all` on `backend`, in order.
+    /// Makes the copies of `all` (plans in order, the last one's step next) on `backend`, in
+    /// order.
     pub fn run_all(
         all: &[KvCopies],
         backend: &mut dyn Backend,
     ) -> Result<(), switchyard_gpu::GpuError> {
-        all.iter()
-            .try_for_each(|c| backend.copy_kv(&c.offloads, &c.loads))
+        let last = all.len().saturating_sub(1);
+        all.iter().enumerate().try_for_each(|(i, c)| {
+            if !(c.offloads.is_empty() && c.loads.is_empty()) {
+                backend.copy_kv(&c.offloads, &c.loads)?;
+            }
+            if c.stores.is_empty() {
+                Ok(())
+            } else if i == last {
+                backend.store_kv(&c.stores)
+            } else {
+                // A plan that left nothing to run: the step after its stores is a later
+                // plan's, which may evict (and write) their blocks, so they are made at once.
+                backend.copy_kv(&c.stores, &[])
+            }
+        })
     }
 }
 
@@ -1368,6 +1386,7 @@ mod tests {
             sliding_window: None,
             max_queue_ms: None,
             num_host_blocks: 0,
+            kv_offload_ahead: true,
         };
         let policy = PolicyRegistry::with_builtins()
             .create("fcfs", &serde_yaml::Value::Null, &[])
@@ -1973,6 +1992,65 @@ mod tests {
     /// The host-tier copies of a plan that builds to no batch (its only request ended
     /// between plan and build) are not lost: the next batch carries them, before its own.
     #[test]
+    fn stores_of_a_plan_left_without_a_batch_are_made_at_once_and_the_last_ones_alongside() {
+        /// Records the copy calls (`store_kv` is the backend's own, not the default).
+        #[derive(Default)]
+        struct Calls(Vec<(&'static str, Vec<KvCopy>, Vec<KvCopy>)>);
+        impl Backend for Calls {
+            fn name(&self) -> &str {
+                "calls"
+            }
+            fn num_kv_blocks(&self) -> usize {
+                8
+            }
+            fn block_size(&self) -> usize {
+                4
+            }
+            fn max_batch_tokens(&self) -> usize {
+                8
+            }
+            fn execute(&mut self, _: &Batch) -> Result<Vec<SeqOutput>, GpuError> {
+                Ok(Vec::new())
+            }
+            fn release(&mut self, _: u64) {}
+            fn copy_kv(&mut self, o: &[KvCopy], l: &[KvCopy]) -> Result<(), GpuError> {
+                self.0.push(("copy", o.to_vec(), l.to_vec()));
+                Ok(())
+            }
+            fn store_kv(&mut self, s: &[KvCopy]) -> Result<(), GpuError> {
+                self.0.push(("store", s.to_vec(), Vec::new()));
+                Ok(())
+            }
+        }
+        let copy = |device, host| KvCopy { device, host };
+        let all = [
+            KvCopies {
+                offloads: vec![copy(3, 1)],
+                loads: Vec::new(),
+                stores: vec![copy(4, 2)],
+            },
+            KvCopies::default(),
+            KvCopies {
+                offloads: Vec::new(),
+                loads: vec![copy(2, 1)],
+                stores: vec![copy(5, 3)],
+            },
+        ];
+        let mut b = Calls::default();
+        KvCopies::run_all(&all, &mut b).unwrap();
+        assert_eq!(
+            b.0,
+            [
+                ("copy", vec![copy(3, 1)], vec![]),
+                // The next step is a later plan's, which may write block 4: made at once.
+                ("copy", vec![copy(4, 2)], vec![]),
+                ("copy", vec![], vec![copy(2, 1)]),
+                ("store", vec![copy(5, 3)], vec![]),
+            ]
+        );
+    }
+
+    #[test]
     fn the_kv_copies_of_a_plan_left_without_a_batch_go_with_the_next_one() {
         use switchyard_policies::BlockCopy;
         let mut e = engine(NextTokenBackend::default());
@@ -1982,6 +2060,7 @@ mod tests {
             .unwrap();
         let mut planned = plan_committed(&mut e, &mut pool, Timestamp(0));
         planned.plan.kv_offloads = vec![BlockCopy { device: 3, host: 1 }];
+        planned.plan.kv_stores = vec![BlockCopy { device: 4, host: 2 }];
         assert!(e.core().finish(RequestId(1), FinishReason::Abort));
         assert!(e.core().build_step(planned).unwrap().is_none());
         e.core().add_request(request(2, vec![7], 1, None)).unwrap();
@@ -1994,11 +2073,13 @@ mod tests {
             [
                 KvCopies {
                     offloads: vec![copy(3, 1)],
-                    loads: Vec::new()
+                    loads: Vec::new(),
+                    stores: vec![copy(4, 2)],
                 },
                 KvCopies {
                     offloads: Vec::new(),
-                    loads: vec![copy(2, 1)]
+                    loads: vec![copy(2, 1)],
+                    stores: Vec::new(),
                 },
             ]
         );

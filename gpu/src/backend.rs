@@ -204,6 +204,15 @@ pub trait Backend: Send {
             self.name()
         )))
     }
+    /// Copies cache blocks to the host tier ahead of their eviction (cache → host, as
+    /// offloads). The caller promises that the step submitted or executed next writes none of
+    /// their cache blocks and that no [`Backend::copy_kv`] before that step names their cache
+    /// or host blocks; the backend may then make them alongside that step, but after every
+    /// step submitted or executed before the call and before every copy and step after the
+    /// next one. By default they are made at once, as offloads.
+    fn store_kv(&mut self, stores: &[KvCopy]) -> Result<(), GpuError> {
+        self.copy_kv(stores, &[])
+    }
     /// Starts a step; the next [`Backend::collect`] returns its outputs (steps are collected
     /// in submission order, at most one submitted ahead of the oldest uncollected one). A
     /// sampling decode entry may feed [`PENDING_TOKEN`]: the token the previous submitted

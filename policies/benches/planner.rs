@@ -92,6 +92,7 @@ fn decoding_scheduler_spec(
         sliding_window: None,
         max_queue_ms: None,
         num_host_blocks: 0,
+        kv_offload_ahead: true,
     };
     let p = PolicyRegistry::with_builtins()
         .create(policy, &serde_yaml::Value::Null, &tiers())

@@ -124,6 +124,25 @@ pub struct BlockLedger {
     /// Cached blocks evicted by allocations, with the prefix each held, since the last
     /// [`BlockLedger::take_evicted`].
     evicted: Vec<(BlockId, PrefixHash)>,
+    /// Times each block was allocated (wrapping): a block that kept its generation since a
+    /// moment still holds what it held then, unless its registration was dropped.
+    gens: Vec<u32>,
+    /// Whether [`BlockLedger::free`] records the cached blocks that lose their last reference.
+    track_frees: bool,
+    /// Cached blocks that lost their last reference since the last
+    /// [`BlockLedger::take_freed_cached`], with their prefix and generation.
+    freed_cached: Vec<FreedBlock>,
+}
+
+/// A cached block that lost its last reference ([`BlockLedger::take_freed_cached`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FreedBlock {
+    /// The block.
+    pub block: BlockId,
+    /// The prefix it held.
+    pub hash: PrefixHash,
+    /// Its generation then ([`BlockLedger::holds`]).
+    pub gen: u32,
 }
 
 impl BlockLedger {
@@ -138,6 +157,9 @@ impl BlockLedger {
             num_free: num_blocks,
             reserved: 0,
             log: KvCommit::default(),
+            gens: vec![0; num_blocks],
+            track_frees: false,
+            freed_cached: Vec::new(),
             track_evictions: false,
             evicted: Vec::new(),
         })
@@ -240,6 +262,16 @@ impl BlockLedger {
         *r -= 1;
         if *r == 0 {
             self.num_free += 1;
+            if self.track_frees {
+                let i = block as usize;
+                if let Some(hash) = self.hashes[i].filter(|h| self.cache.get(h) == Some(&block)) {
+                    self.freed_cached.push(FreedBlock {
+                        block,
+                        hash,
+                        gen: self.gens[i],
+                    });
+                }
+            }
         }
         self.log.free.push(block);
         Ok(())
@@ -330,6 +362,7 @@ impl BlockLedger {
                 None => return Err(SchedulerError::UnknownBlock(b)),
             }
             self.refs[i] = 1;
+            self.gens[i] = self.gens[i].wrapping_add(1);
             if let Some(h) = self.hashes[i].take() {
                 if self.cache.get(&h) == Some(&b) {
                     self.cache.remove(&h);
@@ -355,6 +388,30 @@ impl BlockLedger {
     /// order) since the last call; recorded only with [`BlockLedger::track_evictions`] on.
     pub fn take_evicted(&mut self, out: &mut Vec<(BlockId, PrefixHash)>) {
         out.append(&mut self.evicted);
+    }
+
+    /// Makes [`BlockLedger::free`] record the cached blocks that lose their last reference
+    /// (for [`BlockLedger::take_freed_cached`]: a host tier's stores ahead of eviction).
+    pub fn track_frees(&mut self, on: bool) {
+        self.track_frees = on;
+        self.freed_cached.clear();
+    }
+
+    /// Moves to `out` the cached blocks that lost their last reference since the last call, in
+    /// that order (the pool's eviction order); recorded only with
+    /// [`BlockLedger::track_frees`] on. A block freed twice (matched again in between) is
+    /// listed twice.
+    pub fn take_freed_cached(&mut self, out: &mut Vec<FreedBlock>) {
+        out.append(&mut self.freed_cached);
+    }
+
+    /// Whether `f.block` still holds the cached prefix it held when it was freed: not
+    /// allocated since (so not evicted or overwritten) and still registered.
+    pub fn holds(&self, f: &FreedBlock) -> bool {
+        let i = f.block as usize;
+        self.gens.get(i) == Some(&f.gen)
+            && self.hashes[i] == Some(f.hash)
+            && self.cache.get(&f.hash) == Some(&f.block)
     }
 
     /// Checks the ledger against the pool it mirrors (between steps, after a commit).

@@ -446,6 +446,111 @@ mod planner_tests {
         s.check_invariants().unwrap();
     }
 
+    /// A short request of its own (one block, none full: nothing cached, nothing evicted
+    /// while 2 of the device's 6 blocks hold nothing).
+    fn small(s: &mut Scheduler, id: u64) -> StepPlan {
+        one(s, id, vec![9000 + id as u32, 9001])
+    }
+
+    #[test]
+    fn freed_blocks_are_stored_ahead_so_their_eviction_copies_nothing() {
+        let mut s = sched(16);
+        let pa = one(&mut s, 0, a());
+        let a_full = pa.seqs[0].new_blocks[..4].to_vec();
+        // A's blocks lose their last reference when A ends; the first plan after queues them
+        // (its step may still be writing blocks freed while it was planned), the next one
+        // stores them, in device order, to host blocks given in turn.
+        let p1 = small(&mut s, 1);
+        assert!(p1.kv_stores.is_empty() && p1.kv_offloads.is_empty());
+        let p2 = small(&mut s, 2);
+        let mut stored = p2.kv_stores.clone();
+        stored.sort_by_key(|c| c.device);
+        assert_eq!(stored, p2.kv_stores);
+        let devs: BTreeSet<_> = stored.iter().map(|c| c.device).collect();
+        assert_eq!(devs, a_full.iter().copied().collect());
+        assert_eq!(hosts(&stored), (0..4).collect());
+        assert!(p2.kv_offloads.is_empty() && p2.kv_loads.is_empty());
+        let st = s.stats();
+        assert_eq!(
+            (st.num_kv_offloaded_blocks, st.num_kv_stored_ahead_blocks),
+            (4, 4)
+        );
+        // B evicts A's blocks: the tier holds them already, so nothing is copied; the small
+        // requests' blocks held no whole block.
+        let pb = one(&mut s, 3, unique(3));
+        assert!(pb.kv_offloads.is_empty(), "{:?}", pb.kv_offloads);
+        // C = A's prompt loads the 4 blocks the stores wrote.
+        s.add_request(request(4, "", 4, a(), 1)).unwrap();
+        let (pc, _) = run_step(&mut s, 4, 7);
+        assert_eq!(pc.seqs[0].num_computed_tokens, 16);
+        let by_host = |h| stored.iter().find(|c| c.host == h).unwrap().device;
+        assert_eq!(pc.kv_loads.len(), 4);
+        for (k, l) in pc.kv_loads.iter().enumerate() {
+            assert_eq!(by_host(l.host), a_full[k]);
+        }
+        // C takes B's partial block and 4 of its 5 cached ones, freed when B ended: queued
+        // by C's plan, not yet stored, so they are offloaded by their eviction.
+        assert_eq!(pc.kv_offloads.len(), 4);
+        assert!(pc.kv_stores.is_empty());
+        let st = s.stats();
+        assert_eq!(
+            (st.num_kv_offloaded_blocks, st.num_kv_stored_ahead_blocks),
+            (8, 4)
+        );
+        s.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn without_stores_ahead_blocks_reach_the_tier_when_evicted() {
+        let c = SchedulerConfig {
+            block_size: 4,
+            num_gpu_blocks: 6,
+            max_model_len: 1024,
+            enable_prefix_caching: true,
+            num_host_blocks: 16,
+            kv_offload_ahead: false,
+            ..SchedulerConfig::default()
+        };
+        let mut s = Scheduler::new(c, Box::new(Fcfs), [5, 6]).unwrap();
+        one(&mut s, 0, a());
+        for id in 1..4 {
+            let p = small(&mut s, id);
+            assert!(p.kv_stores.is_empty() && p.kv_offloads.is_empty());
+        }
+        let pb = one(&mut s, 9, unique(9));
+        assert_eq!(pb.kv_offloads.len(), 4);
+        assert!(pb.kv_stores.is_empty());
+        assert_eq!(s.stats().num_kv_stored_ahead_blocks, 0);
+    }
+
+    /// A block stored ahead and then matched again (a prefix hit on the device) is not stored
+    /// twice, and one evicted before its turn is offloaded by its eviction instead.
+    #[test]
+    fn a_block_is_stored_once_and_an_evicted_one_not_at_all() {
+        let mut s = sched(16);
+        one(&mut s, 0, a());
+        small(&mut s, 1);
+        let p2 = small(&mut s, 2);
+        assert_eq!(p2.kv_stores.len(), 4);
+        // A again: a device hit on the 4 blocks, freed again when it ends; queued again, but
+        // the tier has them: no copy.
+        one(&mut s, 3, a());
+        for id in 4..7 {
+            let p = small(&mut s, id);
+            assert!(p.kv_stores.is_empty(), "{id}: {:?}", p.kv_stores);
+        }
+        assert_eq!(s.stats().num_kv_stored_ahead_blocks, 4);
+        // D's 5 full blocks are queued when D ends, and E evicts them in the plan that would
+        // store them: its offloads copy them, its stores skip them.
+        one(&mut s, 7, unique(7));
+        let pe = one(&mut s, 8, unique(8));
+        let stored: BTreeSet<_> = pe.kv_stores.iter().map(|c| c.device).collect();
+        let offloaded: BTreeSet<_> = pe.kv_offloads.iter().map(|c| c.device).collect();
+        assert!(stored.is_disjoint(&offloaded));
+        assert_eq!(offloaded.len(), 5, "{:?}", pe.kv_offloads);
+        s.check_invariants().unwrap();
+    }
+
     /// Copies as runs of blocks consecutive on both sides, as the CUDA backend batches them.
     fn runs(c: &[BlockCopy]) -> usize {
         let mut runs = 0;

@@ -165,8 +165,17 @@ pub struct Scheduler {
     pub(crate) plan_shares: Vec<crate::planner::PlanShare>,
     /// Scratch: cached blocks the last commit evicted.
     pub(crate) evicted: Vec<(BlockId, crate::prefix_hash::PrefixHash)>,
+    /// Cached blocks to copy to the host tier ahead of their eviction, in the order they
+    /// lost their last reference; each is taken from the ledger one plan after it was freed
+    /// (so every step that wrote it was launched before its copy), and checked before its
+    /// copy (see `planner/kv.rs`).
+    pub(crate) store_queue: std::collections::VecDeque<crate::block_ledger::FreedBlock>,
+    /// Scratch: blocks freed since the last plan's copies, and this plan's stores.
+    pub(crate) freed: Vec<crate::block_ledger::FreedBlock>,
     /// Blocks copied to the host tier since start.
     pub(crate) kv_offloaded: u64,
+    /// Of `kv_offloaded`, those copied ahead of eviction.
+    pub(crate) kv_stored_ahead: u64,
     /// Blocks copied back from the host tier since start.
     pub(crate) kv_loaded: u64,
     /// Prompt tokens found in the host tier at admission since start.
@@ -327,6 +336,7 @@ impl Scheduler {
             n => Some(crate::host_tier::HostTier::new(n)?),
         };
         ledger.track_evictions(host.is_some());
+        ledger.track_frees(host.is_some() && config.kv_offload_ahead);
         let quotas = TierQuotas::new(&config.tiers, config.num_gpu_blocks);
         let tier_owed = vec![0; config.tiers.len()];
         Ok(Self {
@@ -367,7 +377,10 @@ impl Scheduler {
             plan_loads: Default::default(),
             plan_shares: Vec::new(),
             evicted: Vec::new(),
+            store_queue: Default::default(),
+            freed: Vec::new(),
             kv_offloaded: 0,
+            kv_stored_ahead: 0,
             kv_loaded: 0,
             host_hit_tokens: 0,
         })
@@ -404,6 +417,7 @@ impl Scheduler {
         if let Some(host) = self.host.as_mut() {
             host.clear();
         }
+        self.store_queue.clear();
     }
 
     /// The host KV tier, with [`SchedulerConfig::num_host_blocks`] > 0 (read-only).
@@ -794,6 +808,7 @@ impl Scheduler {
             pool_errors: self.pool_errors,
             num_host_blocks_used: self.host.as_ref().map_or(0, |h| h.num_used()),
             num_kv_offloaded_blocks: self.kv_offloaded,
+            num_kv_stored_ahead_blocks: self.kv_stored_ahead,
             num_kv_loaded_blocks: self.kv_loaded,
             num_host_hit_tokens: self.host_hit_tokens,
         }

@@ -28,6 +28,7 @@ fn config(blocks: usize, batch_fraction: Option<f64>) -> SchedulerConfig {
         sliding_window: None,
         max_queue_ms: None,
         num_host_blocks: 0,
+        kv_offload_ahead: true,
     }
 }
 

@@ -303,6 +303,18 @@ pub struct SchedulerConfig {
     /// 0 (the default): no host tier.
     #[serde(default)]
     pub num_host_blocks: usize,
+    /// With a host tier: copy cached blocks there ahead of their eviction
+    /// ([`StepPlan::kv_stores`]), in the order they lose their last reference (the device
+    /// cache's eviction order), so that the step that evicts one finds it in the tier and
+    /// copies nothing. A backend makes these copies alongside the next step (the CUDA backend
+    /// on a stream of its own) where eviction-time copies hold up the step that evicts. The
+    /// server's `cache.kv_offloading_ahead` (default on).
+    #[serde(default = "default_true")]
+    pub kv_offload_ahead: bool,
+}
+
+fn default_true() -> bool {
+    true
 }
 
 /// A sliding window over the KV cache: each query attends to its last `tokens` positions.
@@ -396,6 +408,7 @@ impl Default for SchedulerConfig {
             sliding_window: None,
             max_queue_ms: None,
             num_host_blocks: 0,
+            kv_offload_ahead: true,
         }
     }
 }
@@ -478,6 +491,13 @@ pub struct StepPlan {
     /// blocks of a prefix found in the host tier, copied into the device blocks this plan
     /// gives them. Empty without a host tier.
     pub kv_loads: Vec<BlockCopy>,
+    /// Device → host copies of cached blocks ahead of their eviction
+    /// ([`SchedulerConfig::kv_offload_ahead`]): blocks with no reference left (or matched
+    /// again), whose KV every step launched before this one has written, registered in the
+    /// host tier now. No other copy of this plan names their device or host blocks, and this
+    /// step writes none of them, so a backend may make them alongside this step; it must have
+    /// made them before the next step's copies and compute. Empty without a host tier.
+    pub kv_stores: Vec<BlockCopy>,
 }
 
 impl StepPlan {
@@ -689,6 +709,10 @@ pub struct SchedulerStats {
     /// for the request whose admission loads it; the others' are device hits.
     #[serde(default)]
     pub num_host_hit_tokens: u64,
+    /// Of `num_kv_offloaded_blocks`, those copied ahead of their eviction
+    /// ([`StepPlan::kv_stores`]).
+    #[serde(default)]
+    pub num_kv_stored_ahead_blocks: u64,
 }
 
 /// The scheduling priority of a request (lower = more urgent) from its own `priority` field and

@@ -74,6 +74,9 @@ struct Workload {
     reload_set: (usize, usize),
     /// Blocks of the host KV tier (0: none).
     host_blocks: usize,
+    /// With a tier: cached blocks are stored there ahead of eviction
+    /// ([`SchedulerConfig::kv_offload_ahead`]).
+    ahead: bool,
 }
 
 fn spec() -> impl Strategy<Value = Spec> {
@@ -149,7 +152,10 @@ fn workload() -> impl Strategy<Value = Workload> {
                 prop::sample::select(vec![0usize, 1, 2, 3, 3, 3]),
             ),
         ),
-        prop::sample::select(vec![0usize, 0, 1, 3, 16]),
+        (
+            prop::sample::select(vec![0usize, 0, 1, 3, 16]),
+            any::<bool>(),
+        ),
     )
         .prop_map(
             |(
@@ -163,7 +169,7 @@ fn workload() -> impl Strategy<Value = Workload> {
                 (speculative, period, window),
                 max_queue_ms,
                 (kv_fractions, reload_kv, reload_set),
-                host_blocks,
+                (host_blocks, ahead),
             )| Workload {
                 block_size,
                 num_gpu_blocks,
@@ -187,6 +193,7 @@ fn workload() -> impl Strategy<Value = Workload> {
                 reload_kv,
                 reload_set,
                 host_blocks,
+                ahead,
             },
         )
 }
@@ -597,8 +604,9 @@ fn check_plan(
 }
 
 /// What the device's KV blocks and the host tier's hold, replayed from the plans alone, in
-/// the order a backend executes them (each plan's offloads, then its loads, then its compute;
-/// plans in the order made, a plan made ahead after the step in flight). A block's content is
+/// the order a backend executes them (each plan's offloads, then its loads, then its stores
+/// ahead of eviction, then its compute, which may run alongside them; plans in the order
+/// made, a plan made ahead after the step in flight). A block's content is
 /// `Some(c)` once it holds a whole block of KV computed from known tokens, `c` a digest of
 /// its request's namespace (adapter, cache salt) and every token up to the block's end: the
 /// same for any request that may share it.
@@ -639,6 +647,9 @@ fn check_contents(
 ) -> Result<(), TestCaseError> {
     if w.host_blocks == 0 {
         prop_assert!(plan.kv_offloads.is_empty() && plan.kv_loads.is_empty());
+    }
+    if w.host_blocks == 0 || !w.ahead {
+        prop_assert!(plan.kv_stores.is_empty());
     }
     let mut written_host = BTreeSet::new();
     let mut written_device = BTreeSet::new();
@@ -684,6 +695,37 @@ fn check_contents(
         );
         shadow.device[c.device as usize] = held;
     }
+    // Stores run alongside the step: they touch no block another copy of the plan touches,
+    // read whole blocks (written by steps launched before: this plan's step, which the
+    // shadow has not applied yet, must not be the one that fills them), and the step writes
+    // none of them (checked after its compute below).
+    let offloaded: BTreeSet<_> = plan.kv_offloads.iter().map(|c| c.device).collect();
+    let mut stored_device = BTreeSet::new();
+    for c in &plan.kv_stores {
+        prop_assert!((c.device as usize) < w.num_gpu_blocks && (c.host as usize) < w.host_blocks);
+        prop_assert!(
+            written_host.insert(c.host) && !loaded_host.contains(&c.host),
+            "host block {} stored to and copied otherwise in one plan",
+            c.host
+        );
+        prop_assert!(
+            !written_device.contains(&c.device) && !offloaded.contains(&c.device),
+            "device block {} stored and copied otherwise in one plan",
+            c.device
+        );
+        prop_assert!(
+            stored_device.insert(c.device),
+            "device block {} stored twice",
+            c.device
+        );
+        let held = shadow.device[c.device as usize];
+        prop_assert!(
+            held.is_some(),
+            "store of device block {} holding no whole block",
+            c.device
+        );
+        shadow.host[c.host as usize] = held;
+    }
     let st = s.stats();
     prop_assert!(
         st.num_host_blocks_used <= w.host_blocks,
@@ -726,6 +768,12 @@ fn check_contents(
             .count();
         let written = end.div_ceil(bs).min(table.len());
         for (k, &blk) in table.iter().enumerate().take(written).skip(start / bs) {
+            prop_assert!(
+                !stored_device.contains(&blk),
+                "{:?}: the step writes device block {}, which its plan stores",
+                q.id,
+                blk
+            );
             let whole = (k + 1) * bs <= known + right;
             shadow.device[blk as usize] = whole.then(|| content(w, q.id, k));
         }
@@ -834,6 +882,7 @@ fn run(w: &Workload, first: &str, swaps: &[&str], pipelined: bool) -> Result<End
         sliding_window: w.window,
         max_queue_ms: w.max_queue_ms.0,
         num_host_blocks: w.host_blocks,
+        kv_offload_ahead: w.ahead,
     };
     let mut s = Scheduler::new(config, make_policy(first), [7, 9]).unwrap();
     let mut shadow = Shadow {

@@ -343,6 +343,8 @@ impl Simulation {
                 }),
             sliding_window: model.window(),
             max_queue_ms: spec.scheduler.max_queue_ms,
+            // Stores ahead of eviction are not priced yet: the simulator offloads at eviction.
+            kv_offload_ahead: false,
             num_host_blocks,
         };
         switchyard_policies::validate_config(&scheduler)

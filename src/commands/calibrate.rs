@@ -695,6 +695,7 @@ fn measure(args: &CalibrateArgs) -> anyhow::Result<SamplesFile> {
         // Offline work has no client to give up: no queue bound.
         max_queue_ms: None,
         num_host_blocks: 0,
+        kv_offload_ahead: true,
     };
     // One step at a time, so that each backend time is one planned step's.
     let mut engine = runtime::offline_core(backend, scheduler, AsyncSchedulingMode::Off)?;

@@ -99,6 +99,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         // Offline work has no client to give up: no queue bound.
         max_queue_ms: None,
         num_host_blocks: 0,
+        kv_offload_ahead: true,
     };
     let mut engine = runtime::offline_core(backend, scheduler, args.async_scheduling)?;
     let eos = tokenizer.eos_token_ids().to_vec();

@@ -337,6 +337,7 @@ mod tests {
         let copies = |n: u32| KvCopies {
             offloads: vec![switchyard_gpu::KvCopy { device: n, host: 0 }],
             loads: Vec::new(),
+            stores: Vec::new(),
         };
         for kv_copies in [vec![copies(1)], vec![KvCopies::default(), copies(2)]] {
             let r = executor

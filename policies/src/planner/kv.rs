@@ -50,13 +50,14 @@ impl Scheduler {
             // A share needs a load, and a load a reserved block: no share to resolve.
             self.plan_shares.clear();
             self.plan_loads.clear();
+            self.host_copies(plan, 0);
             return Ok(());
         }
         let filled = self
             .fill_tables(plan, ids)
             .and_then(|()| self.resolve_shares(plan));
         // The evictions happened whatever the tables: their offloads belong to this plan.
-        self.host_copies(plan);
+        self.host_copies(plan, ids.len());
         filled
     }
 
@@ -133,11 +134,11 @@ impl Scheduler {
         Ok(())
     }
 
-    /// With a host tier, once the plan's blocks have their ids: the loads of the prefixes its
-    /// admissions found in the host tier (their sources pinned for the plan first), then the
-    /// offloads of the cached blocks its allocations evicted, in device order (see
-    /// `host_tier.rs`).
-    fn host_copies(&mut self, plan: &mut StepPlan) {
+    /// With a host tier, once the plan's blocks have their ids (`allocated` of them): the
+    /// loads of the prefixes its admissions found in the host tier (their sources pinned for
+    /// the plan first), then the offloads of the cached blocks its allocations evicted, in
+    /// device order, then the stores ahead of eviction (see `host_tier.rs`).
+    fn host_copies(&mut self, plan: &mut StepPlan, allocated: usize) {
         let Some(host) = self.host.as_mut() else {
             return;
         };
@@ -186,5 +187,64 @@ impl Scheduler {
             }
         }
         self.evicted = evicted;
+        if self.config.kv_offload_ahead {
+            self.host_stores(plan, allocated);
+        }
+    }
+
+    /// The plan's stores ahead of eviction: cached blocks freed before the previous plan's
+    /// copies, oldest first (the device cache evicts in that order), that still hold their
+    /// prefix and that the host tier lacks, at most [`STORES_PER_PLAN`] plus twice the
+    /// blocks this plan allocated (so stores keep ahead of the allocations that evict, and a
+    /// burst of frees is spread over several steps). Then the blocks freed since join the
+    /// queue for the next plan: this plan's step may still write a block freed (and
+    /// registered) while it was planned, and its copy must come after that step.
+    fn host_stores(&mut self, plan: &mut StepPlan, allocated: usize) {
+        let Some(host) = self.host.as_mut() else {
+            return;
+        };
+        let budget = STORES_PER_PLAN.saturating_add(allocated.saturating_mul(2));
+        let mut chosen = std::mem::take(&mut self.freed);
+        chosen.clear();
+        while chosen.len() < budget {
+            let Some(f) = self.store_queue.pop_front() else {
+                break;
+            };
+            // Evicted since (its eviction offloaded it), or already in the tier (stored by an
+            // earlier free, or offloaded and loaded back): nothing to copy.
+            if self.ledger.holds(&f) && host.lookup(f.hash).is_none() {
+                chosen.push(f);
+            }
+        }
+        // In device order, as the offloads: consecutive blocks pair with consecutive host
+        // blocks given in turn, one transfer a run.
+        chosen.sort_unstable_by_key(|f| f.block);
+        chosen.dedup_by_key(|f| f.block);
+        for f in &chosen {
+            if let Some(dst) = host.offload(f.hash) {
+                plan.kv_stores.push(BlockCopy {
+                    device: f.block,
+                    host: dst,
+                });
+                self.kv_offloaded += 1;
+                self.kv_stored_ahead += 1;
+            }
+        }
+        chosen.clear();
+        self.ledger.take_freed_cached(&mut chosen);
+        self.store_queue.extend(chosen.drain(..));
+        // A block is queued again each time it is freed: past one entry a block, the oldest
+        // are the likeliest evicted already.
+        let most = self.ledger.num_blocks();
+        if self.store_queue.len() > most {
+            let extra = self.store_queue.len() - most;
+            self.store_queue.drain(..extra);
+        }
+        self.freed = chosen;
     }
 }
+
+/// Stores ahead of eviction a plan makes at least (when that many wait), whatever it
+/// allocates: a decode step allocates few blocks, and a step's copies of a few blocks take
+/// microseconds beside its compute.
+pub(crate) const STORES_PER_PLAN: usize = 32;

@@ -222,6 +222,7 @@ impl Scheduler {
             plan.preempted.clear();
             plan.kv_offloads.clear();
             plan.kv_loads.clear();
+            plan.kv_stores.clear();
             plan.num_batched_tokens = 0;
             return;
         }
@@ -287,6 +288,7 @@ impl Scheduler {
         plan.timed_out.clear();
         plan.kv_offloads.clear();
         plan.kv_loads.clear();
+        plan.kv_stores.clear();
         plan.num_batched_tokens = 0;
         self.last_slots.clear();
         self.plan_loads.clear();

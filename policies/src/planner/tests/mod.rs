@@ -30,6 +30,7 @@ fn config(blocks: usize, block_size: usize) -> SchedulerConfig {
         sliding_window: None,
         max_queue_ms: None,
         num_host_blocks: 0,
+        kv_offload_ahead: true,
     }
 }
 
