@@ -452,6 +452,11 @@ pub struct ThroughputArgs {
         allow_negative_numbers = true
     )]
     pub kv_offloading_size: f64,
+    /// With --kv-offloading-size: copy each cached block to the host tier when the KV cache
+    /// evicts it, on the step that evicts it, instead of ahead of its eviction (the server's
+    /// cache.kv_offloading_ahead: false).
+    #[arg(long)]
+    pub kv_offloading_on_eviction: bool,
     /// Prompt length in tokens (random dataset).
     #[arg(long, default_value_t = 128)]
     pub input_len: usize,

@@ -827,6 +827,11 @@ pub struct CacheSection {
     /// and a prefix found there is copied back instead of recomputed. 0 (the default): off.
     #[serde(deserialize_with = "offloading_gib")]
     pub kv_offloading_size: f64,
+    /// With a host tier: copy cached blocks there once no request holds them, ahead of their
+    /// eviction (on a copy stream of its own on the CUDA backend, alongside the next step),
+    /// so that evicting them copies nothing; off: copy each when the KV cache evicts it, on
+    /// the step that evicts it.
+    pub kv_offloading_ahead: bool,
 }
 
 impl CacheSection {
@@ -847,6 +852,7 @@ impl Default for CacheSection {
             prefix_sharing: PrefixSharing::Tenant,
             kv_cache_dtype: KvCacheDtype::Auto,
             kv_offloading_size: 0.0,
+            kv_offloading_ahead: true,
         }
     }
 }

@@ -467,6 +467,7 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
         // Offline work has no client to give up: no queue bound.
         max_queue_ms: None,
         num_host_blocks,
+        kv_offload_ahead: !args.kv_offloading_on_eviction,
     };
     let mut engine = runtime::offline_core(backend, scheduler, args.async_scheduling)?;
     anyhow::ensure!(

@@ -306,6 +306,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             sliding_window,
             max_queue_ms: config.scheduler.max_queue_ms,
             num_host_blocks,
+            kv_offload_ahead: config.cache.kv_offloading_ahead,
         },
         lora,
         vocab_size,
