@@ -150,6 +150,42 @@ fn mooncake_rows_hit_the_prefix_cache_and_the_host_tier() {
     );
     assert!(count(&tier, "kv_offload_stored_blocks") >= 4, "{tier}");
     assert!(count(&tier, "kv_offload_blocks") > 0, "{tier}");
+    // The same with every block copied at its eviction instead of ahead of it: the same
+    // blocks come back, none was stored ahead.
+    let evicting = bench(
+        &path,
+        &[
+            "--kv-offloading-size",
+            "0.01",
+            "--kv-offloading-on-eviction",
+        ],
+    );
+    assert_eq!(
+        count(&evicting, "cached_prompt_tokens"),
+        CACHED_TIER as u64,
+        "{evicting}"
+    );
+    assert_eq!(
+        count(&evicting, "kv_offload_loaded_blocks"),
+        3,
+        "{evicting}"
+    );
+    assert_eq!(
+        count(&evicting, "kv_offload_stored_ahead_blocks"),
+        0,
+        "{evicting}"
+    );
+    assert!(
+        count(&evicting, "kv_offload_stored_blocks") >= 4,
+        "{evicting}"
+    );
+    // By default the rows' blocks are stored ahead once they end (the 8-block cache evicts
+    // most of them later).
+    let ahead = count(&tier, "kv_offload_stored_ahead_blocks");
+    assert!(
+        ahead > 0 && ahead <= count(&tier, "kv_offload_stored_blocks"),
+        "{tier}"
+    );
     let _ = std::fs::remove_dir_all(path.parent().expect("dir"));
 }
 

@@ -29,9 +29,12 @@ pub const PREFIX_CACHE_HITS: &str = "switchyard:prefix_cache_hits_total";
 /// Gauge: fraction of the host KV tier's blocks holding a cached block, in [0, 1]
 /// (`cache.kv_offloading_size`; 0 without a tier).
 pub const KV_OFFLOAD_USAGE_PERC: &str = "switchyard:kv_offload_usage_perc";
-/// Counter: KV blocks copied from the KV cache to the host tier (full cached blocks the cache
-/// evicted).
+/// Counter: KV blocks copied from the KV cache to the host tier (full cached blocks, ahead of
+/// their eviction or when the cache evicted them).
 pub const KV_OFFLOAD_STORED_BLOCKS: &str = "switchyard:kv_offload_stored_blocks_total";
+/// Counter: of [`KV_OFFLOAD_STORED_BLOCKS`], those copied ahead of their eviction
+/// (`cache.kv_offloading_ahead`).
+pub const KV_OFFLOAD_STORED_AHEAD_BLOCKS: &str = "switchyard:kv_offload_stored_ahead_blocks_total";
 /// Counter: KV blocks copied from the host tier back to the KV cache (prefix hits there).
 pub const KV_OFFLOAD_LOADED_BLOCKS: &str = "switchyard:kv_offload_loaded_blocks_total";
 /// Counter: prompt tokens found in the host tier at admission (counted in
@@ -406,6 +409,7 @@ pub const COUNTERS: &[&str] = &[
     PREFIX_CACHE_QUERIES,
     PREFIX_CACHE_HITS,
     KV_OFFLOAD_STORED_BLOCKS,
+    KV_OFFLOAD_STORED_AHEAD_BLOCKS,
     KV_OFFLOAD_LOADED_BLOCKS,
     KV_OFFLOAD_PREFIX_HITS,
     NUM_PREEMPTIONS,

@@ -36,6 +36,8 @@ pub const KV_OFFLOAD_USAGE_PERC: &str = "switchyard:kv_offload_usage_perc";
 pub const KV_OFFLOAD_STORED_BLOCKS: &str = "switchyard:kv_offload_stored_blocks_total";
 /// Counter: KV blocks copied from the host tier back to the KV cache.
 pub const KV_OFFLOAD_LOADED_BLOCKS: &str = "switchyard:kv_offload_loaded_blocks_total";
+/// Counter: of the stored blocks, those copied ahead of their eviction.
+pub const KV_OFFLOAD_STORED_AHEAD_BLOCKS: &str = "switchyard:kv_offload_stored_ahead_blocks_total";
 /// Counter: prompt tokens found in the host tier at admission.
 pub const KV_OFFLOAD_PREFIX_HITS: &str = "switchyard:kv_offload_prefix_hits_total";
 /// Counter: preemptions (a running request sent back to waiting).
@@ -392,7 +394,12 @@ pub fn describe_metrics() {
     describe_counter!(
         KV_OFFLOAD_STORED_BLOCKS,
         Unit::Count,
-        "KV blocks copied from the KV cache to the host tier (full cached blocks the cache evicted)."
+        "KV blocks copied from the KV cache to the host tier (full cached blocks, ahead of or at their eviction)."
+    );
+    describe_counter!(
+        KV_OFFLOAD_STORED_AHEAD_BLOCKS,
+        Unit::Count,
+        "Of the KV blocks stored in the host tier, those copied ahead of their eviction (cache.kv_offloading_ahead)."
     );
     describe_counter!(
         KV_OFFLOAD_LOADED_BLOCKS,
@@ -680,6 +687,7 @@ mod tests {
         PREFIX_CACHE_QUERIES,
         PREFIX_CACHE_HITS,
         KV_OFFLOAD_STORED_BLOCKS,
+        KV_OFFLOAD_STORED_AHEAD_BLOCKS,
         KV_OFFLOAD_LOADED_BLOCKS,
         KV_OFFLOAD_PREFIX_HITS,
         NUM_PREEMPTIONS,

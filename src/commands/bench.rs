@@ -620,6 +620,7 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
     if num_host_blocks > 0 {
         result["kv_offload_blocks"] = num_host_blocks.into();
         result["kv_offload_stored_blocks"] = stats.num_kv_offloaded_blocks.into();
+        result["kv_offload_stored_ahead_blocks"] = stats.num_kv_stored_ahead_blocks.into();
         result["kv_offload_loaded_blocks"] = stats.num_kv_loaded_blocks.into();
         result["kv_offload_prefix_hit_tokens"] = stats.num_host_hit_tokens.into();
     }
@@ -673,9 +674,10 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
         }
         if num_host_blocks > 0 {
             println!(
-                "Host KV tier: {num_host_blocks} blocks; {} stored, {} loaded; {} prompt tokens \
-                 found there",
+                "Host KV tier: {num_host_blocks} blocks; {} stored ({} ahead of eviction), {} \
+                 loaded; {} prompt tokens found there",
                 stats.num_kv_offloaded_blocks,
+                stats.num_kv_stored_ahead_blocks,
                 stats.num_kv_loaded_blocks,
                 stats.num_host_hit_tokens
             );

@@ -151,6 +151,8 @@ impl SchedulerActor {
             metrics::gauge!(names::KV_OFFLOAD_USAGE_PERC)
                 .set(s.num_host_blocks_used as f64 / host_blocks as f64);
             metrics::counter!(names::KV_OFFLOAD_STORED_BLOCKS).absolute(s.num_kv_offloaded_blocks);
+            metrics::counter!(names::KV_OFFLOAD_STORED_AHEAD_BLOCKS)
+                .absolute(s.num_kv_stored_ahead_blocks);
             metrics::counter!(names::KV_OFFLOAD_LOADED_BLOCKS).absolute(s.num_kv_loaded_blocks);
             metrics::counter!(names::KV_OFFLOAD_PREFIX_HITS).absolute(s.num_host_hit_tokens);
         }
