@@ -50,7 +50,8 @@
 #             KV_BENCH_GIB GiB and without
 #   kvbench   the host tier offline on random Llama-3-8B weights: `bench throughput --dataset
 #             mooncake` (TRACE, else BIN/synthetic_trace.jsonl) with a cache of KVB_BLOCKS (2048)
-#             blocks and a tier of each of KVB_GIB (default "0 32") GiB (KVB_ARGS: the rows)
+#             blocks and a tier of each of KVB_GIB (default "0 32 32:evict") GiB, `:evict` with
+#             --kv-offloading-on-eviction (no stores ahead) (KVB_ARGS: the rows)
 #   kvcopy    the cuda_kv_copy benchmark (its binary in BIN): offloads and loads of 16 and 256
 #             blocks, in one run, in runs of 8 and scattered, Llama-3-8B and SmolLM2 shapes, by
 #             DMA, by the kernel and by the default mix (auto)
@@ -447,23 +448,30 @@ fi
 if has kvbench; then
   # The host tier offline on a large model: `bench throughput --dataset mooncake` on random
   # Llama-3-8B weights (KVB_MODEL) with a cache of KVB_BLOCKS blocks, a tier of each KVB_GIB
-  # (0: none), KVB_ARGS rows.
+  # (0: none; GIB:evict copies at eviction only), KVB_ARGS rows.
   trace=${TRACE:-../shared/traces/synthetic_trace.jsonl}
   [ -f "$trace" ] || trace=shared/traces/synthetic_trace.jsonl
   [ -f "$trace" ] || trace="$BIN/synthetic_trace.jsonl"
-  for gib in ${KVB_GIB:-0 32}; do
+  for spec in ${KVB_GIB:-0 32 32:evict}; do
+    gib=${spec%%:*}
+    mode=()
     name="kvbench-${gib}gib"
+    if [ "$spec" != "$gib" ]; then
+      mode=(--kv-offloading-on-eviction)
+      name="$name-evict"
+    fi
     t0=$SECONDS
     # shellcheck disable=SC2086
     timeout "${KVB_TIMEOUT:-280}" "$SY" bench throughput --backend cuda --json --dummy "${KVB_MODEL:-llama-3-8b}" \
       --dataset mooncake --dataset-path "$trace" --num-kv-blocks "${KVB_BLOCKS:-2048}" \
-      --kv-offloading-size "$gib" ${KVB_ARGS:---num-prompts 2000 --mooncake-block-tokens 64 --max-input-len 1536 --max-output-len 16} \
+      --kv-offloading-size "$gib" "${mode[@]}" ${KVB_ARGS:---num-prompts 2000 --mooncake-block-tokens 64 --max-input-len 1536 --max-output-len 16} \
       >"$OUT/$name.json" 2>"$OUT/$name.log"
     rc=$?
     j="$OUT/$name.json"
-    note "$(printf '%-18s rc=%s %4ss elapsed_s=%s total_tok/s=%s cached=%s of reusable=%s loaded=%s stored=%s' "$name" "$rc" \
+    note "$(printf '%-24s rc=%s %4ss elapsed_s=%s total_tok/s=%s cached=%s of reusable=%s loaded=%s stored=%s ahead=%s' "$name" "$rc" \
       $((SECONDS - t0)) "$(field "$j" elapsed_time)" "$(field "$j" tokens_per_second)" "$(field "$j" cached_prompt_fraction)" \
-      "$(field "$j" trace_reusable_fraction)" "$(field "$j" kv_offload_loaded_blocks)" "$(field "$j" kv_offload_stored_blocks)")"
+      "$(field "$j" trace_reusable_fraction)" "$(field "$j" kv_offload_loaded_blocks)" "$(field "$j" kv_offload_stored_blocks)" \
+      "$(field "$j" kv_offload_stored_ahead_blocks)")"
     [ $rc -ne 0 ] && tail -5 "$OUT/$name.log" | tee -a "$summary"
   done
 fi
