@@ -31,6 +31,19 @@ const MOONCAKE_DEFAULT_PATH: &str = "../shared/traces/synthetic_trace.jsonl";
 const MOONCAKE_TOKEN_OFFSET: u32 = 1000;
 const MOONCAKE_TOKEN_RANGE: u32 = 20_000;
 
+/// The first id and the number of ids the mooncake dataset's blocks draw from for a model of
+/// `vocab` ids: `bench serve`'s defaults narrowed to the vocabulary, and for a vocabulary of
+/// [`MOONCAKE_TOKEN_OFFSET`] ids or fewer, all of it (every id must be one the model has).
+fn mooncake_token_ids(vocab: u64) -> (u32, u32) {
+    let offset = u64::from(MOONCAKE_TOKEN_OFFSET);
+    if vocab > offset {
+        let above = u32::try_from(vocab - offset).unwrap_or(u32::MAX);
+        (MOONCAKE_TOKEN_OFFSET, MOONCAKE_TOKEN_RANGE.min(above))
+    } else {
+        (0, u32::try_from(vocab).unwrap_or(u32::MAX).max(1))
+    }
+}
+
 pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
         BenchCommand::Throughput(args) => throughput(args),
@@ -402,14 +415,11 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
             .map(|(&(input, _), ids)| (input, ids.as_deref()));
         TraceReuse::of(prompts, args.mooncake.block_tokens())
     });
+    let (offset, range) = mooncake_token_ids(vocab);
     let token_space = TokenSpace {
         seed: args.seed,
-        offset: MOONCAKE_TOKEN_OFFSET,
-        range: MOONCAKE_TOKEN_RANGE.min(
-            u32::try_from(vocab.saturating_sub(u64::from(MOONCAKE_TOKEN_OFFSET)))
-                .unwrap_or(u32::MAX)
-                .max(1),
-        ),
+        offset,
+        range,
     };
     let eos = loaded
         .as_ref()
@@ -723,6 +733,27 @@ fn decode_tokens_per_second(steps: &[(u64, usize)]) -> Option<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every id drawn is below the vocabulary: `offset + range <= vocab`, and at least one id.
+    #[test]
+    fn mooncake_token_ids_stay_in_the_vocabulary() {
+        // SmolLM2 (49,152 ids) and Llama-3 (128,256): bench serve's defaults.
+        assert_eq!(mooncake_token_ids(49_152), (1000, 20_000));
+        assert_eq!(mooncake_token_ids(128_256), (1000, 20_000));
+        // Narrowed above the offset, the whole vocabulary at or below it.
+        assert_eq!(mooncake_token_ids(1500), (1000, 500));
+        assert_eq!(mooncake_token_ids(1001), (1000, 1));
+        assert_eq!(mooncake_token_ids(1000), (0, 1000));
+        assert_eq!(mooncake_token_ids(256), (0, 256));
+        assert_eq!(mooncake_token_ids(0), (0, 1));
+        for vocab in [2u64, 999, 1000, 1001, 1002, 20_999, 21_000, 21_001, 1 << 40] {
+            let (o, r) = mooncake_token_ids(vocab);
+            assert!(
+                r >= 1 && u64::from(o) + u64::from(r) <= vocab.max(1),
+                "{vocab}"
+            );
+        }
+    }
 
     /// ShareGPT lengths are read by column name, as `bench serve` and the simulator read them.
     #[test]
