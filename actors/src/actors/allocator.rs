@@ -80,4 +80,43 @@ mod tests {
             .unwrap();
         assert!(err.is_err(), "freeing an unreferenced block must fail");
     }
+
+    /// A block one sequence gives up while another takes a reference in the same commit (a
+    /// block loaded from the host tier and shared by a request admitted in the same plan,
+    /// whose loader ended): the block keeps one reference and no allocation of that commit
+    /// takes it. (The pool would also revive it were the free applied first: its pins come
+    /// first anyway, see `BlockPool::commit`.)
+    #[actix::test]
+    async fn a_pin_and_a_free_of_one_block_in_one_commit_keep_it() {
+        let addr = KvAllocatorActor::new(BlockPool::new(4, 16).unwrap()).start();
+        let first = addr
+            .send(Commit(KvCommit {
+                allocate: 1,
+                ..KvCommit::default()
+            }))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(first, vec![0]);
+        let ids = addr
+            .send(Commit(KvCommit {
+                pin: vec![0],
+                free: vec![0],
+                allocate: 3,
+                ..KvCommit::default()
+            }))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(ids, vec![1, 2, 3]);
+        // Block 0 kept one reference: freeing it once works, twice does not.
+        let free = |b| {
+            addr.send(Commit(KvCommit {
+                free: vec![b],
+                ..KvCommit::default()
+            }))
+        };
+        assert!(free(0).await.unwrap().is_ok());
+        assert!(free(0).await.unwrap().is_err());
+    }
 }
