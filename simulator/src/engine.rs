@@ -136,6 +136,48 @@ struct HostCopyUs {
     total: f64,
 }
 
+/// The copy engine of the stores ahead of eviction ([`StepPlan::kv_stores`],
+/// `cache.kv_offloading_ahead`), as the CUDA backend's stream of its own: a step's stores
+/// start once its own copies are done and run alongside its compute; the next step (its
+/// copies and compute) starts once they are done. Times are whole microseconds on the
+/// loop's clock.
+#[derive(Clone, Debug, Default)]
+struct StoreEngine {
+    /// When the last step's stores are done (0: none yet).
+    busy_until: u64,
+    /// Device time of all stores, in microseconds.
+    busy_us: f64,
+    /// Time steps waited for the stores of the step before, in microseconds.
+    stall_us: u64,
+    /// Stores of plans that ran no step, made before the next step's copies and priced with
+    /// them (the server's engine makes them at once: a later plan may evict their blocks).
+    carried: usize,
+}
+
+impl StoreEngine {
+    /// When a step ready at `ready` starts: once the stores of the step before are done;
+    /// the wait past `ready` is a stall.
+    fn wait(&mut self, ready: u64) -> u64 {
+        let start = ready.max(self.busy_until);
+        self.stall_us += start - ready;
+        start
+    }
+
+    /// Starts the stores of a step starting at `start` whose own copies take `copy_us`:
+    /// `store_us` of them.
+    fn start(&mut self, start: u64, copy_us: f64, store_us: f64) {
+        if store_us > 0.0 {
+            self.busy_until = start.saturating_add((copy_us + store_us).round() as u64);
+            self.busy_us += store_us;
+        }
+    }
+
+    /// Keeps the stores of a plan that runs no step for the next step.
+    fn carry(&mut self, plan: &StepPlan) {
+        self.carried += plan.kv_stores.len();
+    }
+}
+
 /// A loaded workload.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Workload {
@@ -343,8 +385,8 @@ impl Simulation {
                 }),
             sliding_window: model.window(),
             max_queue_ms: spec.scheduler.max_queue_ms,
-            // Stores ahead of eviction are not priced yet: the simulator offloads at eviction.
-            kv_offload_ahead: false,
+            // Priced on a copy engine of their own (`Loop::start_step`).
+            kv_offload_ahead: c.kv_offloading_ahead,
             num_host_blocks,
         };
         switchyard_policies::validate_config(&scheduler)
@@ -756,6 +798,8 @@ struct Loop<'a> {
     /// (loads).
     host_offload_us: f64,
     host_load_us: f64,
+    /// The copy engine that makes the stores ahead of eviction ([`StepPlan::kv_stores`]).
+    stores: StoreEngine,
     /// The tenants' rate-limit budgets, as the server keeps them per (tier, tenant).
     budgets: Vec<TenantBudget>,
     budget_index: HashMap<(String, String), usize>,
@@ -847,6 +891,7 @@ impl<'a> Loop<'a> {
             host_copy_us: 0.0,
             host_offload_us: 0.0,
             host_load_us: 0.0,
+            stores: StoreEngine::default(),
             budgets: Vec::new(),
             budget_index: HashMap::new(),
             budget_of: vec![None; requests.len()],
@@ -922,12 +967,15 @@ impl<'a> Loop<'a> {
             self.sched.schedule_into(Timestamp(now), &mut plan);
             finished += self.note_plan(&plan);
             if plan.seqs.is_empty() {
+                self.stores.carry(&plan);
                 now = self.wait(now, next, &mut idle_ticks)?;
                 continue;
             }
             idle_ticks = 0;
-            let dt = self.start_step(&plan, now, &mut outputs);
-            now = self.check_clock(now.saturating_add(dt).saturating_add(self.host_us()))?;
+            // The device starts once the stores of the step before are done.
+            let start = self.stores.wait(now);
+            let dt = self.start_step(&plan, start, &mut outputs);
+            now = self.check_clock(start.saturating_add(dt).saturating_add(self.host_us()))?;
             // Requests arriving during the step find the seats as it holds them: those of
             // the requests it ends are given back at its end, as the server gives them back.
             // They are queued once its outputs are applied, as before.
@@ -988,6 +1036,7 @@ impl<'a> Loop<'a> {
             in_order = self.sched.take_preemption_wanted();
             finished += self.note_plan(&plan);
             if plan.seqs.is_empty() {
+                self.stores.carry(&plan);
                 if let Some((prev, outs, end)) = in_flight.take() {
                     now = now.max(end);
                     finished += self.resolve(&prev, &outs, end, &mut next);
@@ -1002,9 +1051,12 @@ impl<'a> Loop<'a> {
             // followed by a step planned in order (drafts follow the known tokens).
             in_order |=
                 self.sched.drafts_enabled() || plan.seqs.iter().any(|s| !s.draft_tokens.is_empty());
-            // The host plans from `now`; the device starts once it is done and free.
+            // The host plans from `now`; the device starts once it is done and free, and the
+            // stores of the step before are done.
             let ready = now.saturating_add(self.host_us());
-            let start = in_flight.as_ref().map_or(ready, |f| ready.max(f.2));
+            let start = self
+                .stores
+                .wait(in_flight.as_ref().map_or(ready, |f| ready.max(f.2)));
             let mut outputs = Vec::with_capacity(plan.seqs.len());
             let end = start.saturating_add(self.start_step(&plan, start, &mut outputs));
             let end = self.check_clock(end)?;
@@ -1325,14 +1377,20 @@ impl<'a> Loop<'a> {
             }
         }
         // The host tier's copies come before the step's compute (offloads, then loads),
-        // one block after another at each direction's rate, not overlapped with it.
+        // one block after another at each direction's rate, not overlapped with it. The
+        // stores of plans that ran no step come first, with the offloads: the server makes
+        // them at once, before the next step's copies.
+        let carried = std::mem::take(&mut self.stores.carried);
         let copy_us = self
             .sim
-            .host_copies_us(plan.kv_offloads.len(), plan.kv_loads.len());
+            .host_copies_us(plan.kv_offloads.len() + carried, plan.kv_loads.len());
         self.host_copy_us += copy_us.total;
         self.host_offload_us += copy_us.offload;
         self.host_load_us += copy_us.load;
         let copy_us = copy_us.total;
+        // Then the plan's stores start on their copy engine, alongside the compute.
+        let store_us = plan.kv_stores.len() as f64 * self.sim.host_offload_us_per_block;
+        self.stores.start(start, copy_us, store_us);
         ((self.sim.cost.step_time(&shape) * 1e6 + copy_us).round() as u64).max(1)
     }
 
@@ -1493,6 +1551,9 @@ impl<'a> Loop<'a> {
             copy_s: self.host_copy_us / 1e6,
             offload_copy_s: self.host_offload_us / 1e6,
             load_copy_s: self.host_load_us / 1e6,
+            stored_ahead_blocks: stats.num_kv_stored_ahead_blocks,
+            store_copy_s: self.stores.busy_us / 1e6,
+            store_stall_s: self.stores.stall_us as f64 / 1e6,
         });
         PolicyRun {
             label: self.label,
@@ -2025,128 +2086,6 @@ workload: {trace: unused.csv, format: azure}
 
     fn spec(yaml: &str) -> SimulationSpec {
         SimulationSpec::from_yaml_str(yaml, Path::new("t.yaml")).unwrap()
-    }
-
-    /// A (320 tokens), then B (600 other tokens: the 40-block cache's room evicts A's
-    /// prefix), then A again, one at a time (1 ms steps, no copy cost unless asked).
-    fn a_b_a(cache: &str) -> PolicyRun {
-        let yaml = format!(
-            "policies: [{{name: fcfs}}]\nscheduler: {{max_num_seqs: 1, max_model_len: 640}}\n\
-             cache: {{num_gpu_blocks: 40, block_size: 16{cache}}}\n\
-             workload: {{trace: unused.csv, format: azure}}\n"
-        );
-        let mut sim = Simulation::new(&spec(&yaml)).unwrap();
-        sim.cost = CostModel::Calibrated(Calibration {
-            intercept_s: 1e-3,
-            ..Default::default()
-        });
-        let a: Vec<u32> = (1..=320).collect();
-        let b: Vec<u32> = (1000..1600).collect();
-        let rs = vec![
-            TraceRequest {
-                prompt: Arc::from(a.clone()),
-                ..req(0.0, 0, 1, "")
-            },
-            TraceRequest {
-                prompt: Arc::from(b),
-                ..req(1.0, 0, 1, "")
-            },
-            TraceRequest {
-                prompt: Arc::from(a),
-                ..req(2.0, 0, 1, "")
-            },
-        ];
-        sim.run_policy(&PolicySpec::named("fcfs"), &rs, false)
-            .unwrap()
-    }
-
-    #[test]
-    fn a_prefix_evicted_to_the_host_tier_is_loaded_back_and_its_copies_cost_time() {
-        // Without the tier A's second run finds 2 blocks (32 tokens): B's 38 blocks evicted
-        // the rest of A's prefix (see below).
-        let off = a_b_a("");
-        assert_eq!(off.host_kv, None);
-        assert_eq!(off.records[2].cached_prompt_tokens, 32);
-        // With 64 host blocks. A holds 20 full blocks (its one output needs no block). B's
-        // 38 (600 tokens): the 20 never used and 18 of A's 20 cached ones, evicted last freed
-        // first (A frees its table back to front): A's blocks 19..2 are copied out, 0 and 1
-        // stay. A's second run (320 tokens, the last recomputed: 19 blocks to find) matches 2
-        // blocks on the device and the next 17 in the host tier (272 tokens), loaded back;
-        // its 18 fresh blocks are B's partial one and 17 of B's 37 cached full blocks, copied
-        // out too.
-        let on = a_b_a(", num_host_blocks: 64");
-        assert_eq!(on.records[2].cached_prompt_tokens, 304);
-        let h = on.host_kv.clone().unwrap();
-        assert_eq!(
-            (
-                h.host_blocks,
-                h.offloaded_blocks,
-                h.loaded_blocks,
-                h.host_hit_tokens
-            ),
-            (64, 18 + 17, 17, 272)
-        );
-        // Llama-3-8B's KV: 2 (K, V) * 32 layers * 8 KV heads * 128 dims * 2 bytes = 131,072
-        // bytes a token, 2 MiB a 16-token block; 52 copies at 50 GB/s.
-        let expect = 52.0 * 2_097_152.0 / 50e9;
-        assert!((h.copy_s - expect).abs() < 1e-9, "{} vs {expect}", h.copy_s);
-        assert_eq!(on.counters.prefix_hits, 304);
-        // One rate, both ways (no `host_load_bandwidth_gb_s`): 35 blocks out, 17 back.
-        assert_eq!((h.bandwidth_gb_s, h.load_bandwidth_gb_s), (50.0, 50.0));
-        let (out, back) = (35.0 * 2_097_152.0 / 50e9, 17.0 * 2_097_152.0 / 50e9);
-        assert!((h.offload_copy_s - out).abs() < 1e-12, "{h:?}");
-        assert!((h.load_copy_s - back).abs() < 1e-12, "{h:?}");
-    }
-
-    #[test]
-    fn host_tier_copies_are_timed_at_each_directions_rate() {
-        // The same run with loads at 20 GB/s and offloads at 40: 35 blocks of 2 MiB out,
-        // 73,400,320 bytes / 40e9 = 1.835008 ms; 17 back, 35,651,584 / 20e9 = 1.7825792 ms.
-        let on =
-            a_b_a(", num_host_blocks: 64, host_bandwidth_gb_s: 40, host_load_bandwidth_gb_s: 20");
-        let h = on.host_kv.clone().unwrap();
-        assert_eq!((h.offloaded_blocks, h.loaded_blocks), (35, 17));
-        assert_eq!((h.bandwidth_gb_s, h.load_bandwidth_gb_s), (40.0, 20.0));
-        assert!((h.offload_copy_s - 1.835008e-3).abs() < 1e-12, "{h:?}");
-        assert!((h.load_copy_s - 1.7825792e-3).abs() < 1e-12, "{h:?}");
-        assert!((h.copy_s - 3.6175872e-3).abs() < 1e-12, "{h:?}");
-        // A step's cost: 2 MiB at 40 GB/s is 52.4288 us a block out, at 20 GB/s 104.8576 us
-        // back; 3 out and 2 back, 157.2864 + 209.7152 = 367.0016 us.
-        let yaml = "policies: [{name: fcfs}]\n\
-                    cache: {num_gpu_blocks: 40, num_host_blocks: 8, host_bandwidth_gb_s: 40, \
-                    host_load_bandwidth_gb_s: 20}\nworkload: {trace: t.csv, format: azure}\n";
-        let sim = Simulation::new(&spec(yaml)).unwrap();
-        let c = sim.host_copies_us(3, 2);
-        assert!((c.offload - 157.2864).abs() < 1e-9, "{c:?}");
-        assert!((c.load - 209.7152).abs() < 1e-9, "{c:?}");
-        assert!((c.total - 367.0016).abs() < 1e-9, "{c:?}");
-        // Without a load rate both directions take the offload rate: 5 blocks at 40 GB/s,
-        // computed as one product, bit for bit as before the rates were split.
-        let yaml = yaml.replace(", host_load_bandwidth_gb_s: 20", "");
-        let sim = Simulation::new(&spec(&yaml)).unwrap();
-        assert_eq!(sim.host_load_us_per_block, sim.host_offload_us_per_block);
-        let c = sim.host_copies_us(3, 2);
-        assert_eq!(c.total, 5.0 * sim.host_offload_us_per_block);
-        assert!((c.total - 262.144).abs() < 1e-9, "{c:?}");
-        assert!((c.load - 104.8576).abs() < 1e-9, "{c:?}");
-    }
-
-    #[test]
-    fn kv_offloading_size_is_converted_with_the_models_kv_bytes_per_block() {
-        // 1 GiB of 2 MiB blocks (see above): 512.
-        let s = spec(
-            "policies: [{name: fcfs}]\ncache: {kv_offloading_size: 1}\n\
-             workload: {trace: t.csv, format: azure}\n",
-        );
-        let sim = Simulation::new(&s).unwrap();
-        assert_eq!(sim.scheduler.num_host_blocks, 512);
-        let both = "policies: [{name: fcfs}]\ncache: {kv_offloading_size: 1, num_host_blocks: 4}\n\
-                    workload: {trace: t.csv, format: azure}\n";
-        let err = SimulationSpec::from_yaml_str(both, Path::new("t.yaml")).unwrap_err();
-        assert!(
-            err.to_string().contains("both size the host KV tier"),
-            "{err}"
-        );
     }
 
     #[test]
@@ -2992,3 +2931,7 @@ policies: [{{name: fcfs}}]
 #[cfg(test)]
 #[path = "engine_lora_tests.rs"]
 mod lora_tests;
+
+#[cfg(test)]
+#[path = "engine_host_kv_tests.rs"]
+mod host_kv_tests;

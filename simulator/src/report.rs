@@ -317,20 +317,38 @@ pub struct HostKvSummary {
     /// written before the rates were split.
     #[serde(default)]
     pub load_bandwidth_gb_s: f64,
-    /// Blocks copied from the device to the host tier (evicted cached blocks).
+    /// Blocks copied from the device to the host tier: evicted cached blocks, and those
+    /// stored ahead of their eviction (`stored_ahead_blocks`).
     pub offloaded_blocks: u64,
     /// Blocks copied back (prefixes found in the host tier).
     pub loaded_blocks: u64,
     /// Prompt tokens served from the host tier (counted in the prefix-cache hits too).
     pub host_hit_tokens: u64,
-    /// Device time of those copies, in seconds.
+    /// Device time of the copies that hold up the steps (made before their compute), in
+    /// seconds: `offload_copy_s` plus `load_copy_s`. The stores ahead of eviction, made
+    /// alongside the steps, are `store_copy_s`.
     pub copy_s: f64,
-    /// The part of `copy_s` spent offloading (to the host tier), in seconds.
+    /// The part of `copy_s` spent offloading (to the host tier) the blocks the steps evict,
+    /// and the stores of plans that ran no step (made at once, as the server makes them),
+    /// in seconds.
     #[serde(default)]
     pub offload_copy_s: f64,
     /// The part of `copy_s` spent loading (back to the device), in seconds.
     #[serde(default)]
     pub load_copy_s: f64,
+    /// Of `offloaded_blocks`, those stored ahead of their eviction (`cache.kv_offloading_ahead`,
+    /// the scheduler's `num_kv_stored_ahead_blocks`); 0 with it off.
+    #[serde(default)]
+    pub stored_ahead_blocks: u64,
+    /// Device time of the stores ahead of eviction on their copy engine, alongside the steps,
+    /// in seconds (at `bandwidth_gb_s`); it adds to the run's time only through
+    /// `store_stall_s`.
+    #[serde(default)]
+    pub store_copy_s: f64,
+    /// Time steps waited for the stores of the step before them (stores that outlast a
+    /// step delay the next one), in seconds.
+    #[serde(default)]
+    pub store_stall_s: f64,
 }
 
 /// What the LoRA adapters' host memory did in a run (`scheduler.lora_memory`).
@@ -723,13 +741,16 @@ impl Comparison {
             let _ = writeln!(
                 s,
                 "{}: host KV tier ({} blocks, {} GB/s to the host and {} GB/s back assumed): {} \
-                 blocks offloaded, {} loaded back, {} prompt tokens found there ({:.1}% of \
-                 those looked up), {:.3} s of copies ({:.3} s offloading, {:.3} s loading)",
+                 blocks offloaded ({} of them stored ahead of eviction), {} loaded back, {} \
+                 prompt tokens found there ({:.1}% of those looked up), {:.3} s of copies in \
+                 the steps ({:.3} s offloading, {:.3} s loading), {:.3} s of stores alongside \
+                 them ({:.3} s of steps waiting for them)",
                 p.policy,
                 h.host_blocks,
                 h.bandwidth_gb_s,
                 h.load_bandwidth_gb_s,
                 h.offloaded_blocks,
+                h.stored_ahead_blocks,
                 h.loaded_blocks,
                 h.host_hit_tokens,
                 if p.counters.prefix_queries > 0 {
@@ -739,7 +760,9 @@ impl Comparison {
                 },
                 h.copy_s,
                 h.offload_copy_s,
-                h.load_copy_s
+                h.load_copy_s,
+                h.store_copy_s,
+                h.store_stall_s
             );
         }
         for p in self.policies.iter().filter(|p| p.counters.draft_tokens > 0) {

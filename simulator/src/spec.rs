@@ -14,6 +14,8 @@
 //!   # kv_offloading_size: 64   # GiB of host KV tier (or num_host_blocks: N); 0: none
 //!   # host_bandwidth_gb_s: 50  # device -> host copy rate, GB/s (assumed default), and
 //!   # host_load_bandwidth_gb_s: 50  # host -> device (default: host_bandwidth_gb_s)
+//!   # kv_offloading_ahead: true  # store freed cached blocks alongside the next step (the
+//!   #                            # server's default); false: copy each at its eviction
 //! scheduler: { max_num_seqs: 256, max_num_batched_tokens: 8192, max_model_len: 8192 }
 //!   # lora: { rank: 16, targets: all }  # the adapters trace records name, for the roofline
 //!   # lora_memory: { max_cpu_loras: 8, pinned: [1, 2], load_ms: 40 }  # adapters in host memory
@@ -222,8 +224,10 @@ pub struct CacheSection {
     /// The rate of a copy from the device to the host tier (an offload), in GB/s (10^9
     /// bytes), and of a copy back too unless `host_load_bandwidth_gb_s` is set. Default 50:
     /// an assumption (PCIe Gen5 x16 from pinned host memory, about 64 GB/s raw per
-    /// direction, less protocol overhead), not a measurement. A step's copies cost
-    /// `blocks * block_bytes / bandwidth` on top of its compute, each direction at its rate.
+    /// direction, less protocol overhead), not a measurement. A step's offloads at eviction
+    /// and loads cost `blocks * block_bytes / bandwidth` on top of its compute, each
+    /// direction at its rate; stores ahead of eviction (`kv_offloading_ahead`) take as long
+    /// alongside it.
     #[serde(skip_serializing_if = "is_default_host_bandwidth")]
     pub host_bandwidth_gb_s: f64,
     /// The rate of a copy from the host tier back to the device (a load), in GB/s; absent:
@@ -231,6 +235,15 @@ pub struct CacheSection {
     /// moved 48.8 GiB/s (52.4 GB/s) to the host and 32.2 GiB/s (34.6 GB/s) back.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub host_load_bandwidth_gb_s: Option<f64>,
+    /// With a host tier, as the server's `cache.kv_offloading_ahead` (default on): cached
+    /// blocks that no request holds any more are copied to the tier ahead of their eviction,
+    /// on a copy engine of their own alongside the next step, so that evicting them copies
+    /// nothing. A step's stores take `blocks * block_bytes / host_bandwidth_gb_s` from its
+    /// start (after its own copies); the step after it waits for them, so stores that
+    /// outlast a step delay the next one (a stall). Off: each block is copied when it is
+    /// evicted, in the time of the step that evicts it.
+    #[serde(skip_serializing_if = "is_true")]
+    pub kv_offloading_ahead: bool,
 }
 
 impl CacheSection {
@@ -250,6 +263,10 @@ fn is_zero(v: &f64) -> bool {
     *v == 0.0
 }
 
+fn is_true(v: &bool) -> bool {
+    *v
+}
+
 fn is_default_host_bandwidth(v: &f64) -> bool {
     *v == DEFAULT_HOST_BANDWIDTH_GB_S
 }
@@ -266,6 +283,7 @@ impl Default for CacheSection {
             num_host_blocks: None,
             host_bandwidth_gb_s: DEFAULT_HOST_BANDWIDTH_GB_S,
             host_load_bandwidth_gb_s: None,
+            kv_offloading_ahead: true,
         }
     }
 }
@@ -1609,6 +1627,30 @@ workload:
                 );
             }
         }
+    }
+
+    #[test]
+    fn stores_ahead_of_eviction_are_on_by_default_as_the_servers() {
+        let with = |cache: &str| format!("{}\ncache: {{ {cache} }}\n", GOOD.trim_end());
+        let s = parse(GOOD).unwrap();
+        assert!(s.cache.kv_offloading_ahead);
+        assert_eq!(
+            switchyard_config::CacheSection::default().kv_offloading_ahead,
+            s.cache.kv_offloading_ahead
+        );
+        let echo = serde_yaml::to_string(&s.cache).unwrap();
+        assert!(!echo.contains("kv_offloading_ahead"), "{echo}");
+        let off = parse(&with("kv_offloading_ahead: false")).unwrap();
+        assert!(!off.cache.kv_offloading_ahead);
+        let echo = serde_yaml::to_string(&off.cache).unwrap();
+        assert!(echo.contains("kv_offloading_ahead: false"), "{echo}");
+        let err = parse(&with("kv_offloading_ahead: 1"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with("sim.yaml") && err.contains("kv_offloading_ahead"),
+            "{err}"
+        );
     }
 
     #[test]

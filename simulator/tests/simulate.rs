@@ -189,11 +189,35 @@ fn mooncake_reuse_reaches_the_prefix_cache() {
 
 /// `sim-kv-offload.yaml`'s host KV tier: prefixes its small device cache evicts are found
 /// there and loaded back, for every policy; the same spec with the tier off reports none.
+/// Its blocks are stored ahead of their eviction (the default): with the copies made at
+/// eviction instead, the evictions copy more.
 #[test]
 fn the_host_kv_tier_example_loads_evicted_prefixes_back() {
     let mut spec = SimulationSpec::from_yaml_file(&example("sim-kv-offload.yaml")).unwrap();
     spec.workload.limit = Some(400);
     let (on, _) = switchyard_simulator::simulate(&spec, false).unwrap();
+    spec.cache.kv_offloading_ahead = false;
+    let (at_eviction, _) = switchyard_simulator::simulate(&spec, false).unwrap();
+    let text = on.to_text();
+    for (a, e) in on.policies.iter().zip(&at_eviction.policies) {
+        let (h, he) = (a.host_kv.as_ref().unwrap(), e.host_kv.as_ref().unwrap());
+        assert!(h.stored_ahead_blocks > 0, "{}: {h:?}", a.policy);
+        assert_eq!(he.stored_ahead_blocks, 0);
+        assert!(
+            h.offload_copy_s < he.offload_copy_s,
+            "{}: {h:?} against {he:?}",
+            a.policy
+        );
+        assert!(
+            text.contains(&format!(
+                "{}: host KV tier (32768 blocks, 50 GB/s to the host and 50 GB/s back \
+                 assumed): {} blocks offloaded ({} of them stored ahead of eviction)",
+                a.policy, h.offloaded_blocks, h.stored_ahead_blocks
+            )),
+            "{text}"
+        );
+    }
+    spec.cache.kv_offloading_ahead = true;
     spec.cache.kv_offloading_size = 0.0;
     let (off, _) = switchyard_simulator::simulate(&spec, false).unwrap();
     for (a, b) in on.policies.iter().zip(&off.policies) {
