@@ -1,5 +1,7 @@
 //! Copies between the CUDA KV cache and its host tier (`cache.kv_offloading_size`): the rate
-//! of [`Backend::copy_kv`] for offloads (device to host) and loads (host to device), for runs
+//! of [`Backend::copy_kv`] for offloads (device to host) and loads (host to device), and of
+//! [`Backend::store_kv`] for stores (device to host on the tier's copy stream; the time until
+//! both streams are done, as nothing runs beside them here), for runs
 //! of consecutive blocks (one DMA per layer, part and run), for runs of 8 blocks apart, and for
 //! scattered blocks (every other device block: one DMA per layer, part and block), on random
 //! weights of Llama-3-8B (2 MiB blocks of 16 tokens in bf16, 32 KiB a layer part) and
@@ -74,16 +76,21 @@ fn bench_model(
             })
             .collect();
         for (layout, list) in [("run", &runs), ("run8", &run8), ("scattered", &scattered)] {
-            for (dir, offload) in [("offload", true), ("load", false)] {
+            for dir in ["offload", "load", "store"] {
                 g.bench_function(format!("{dir}/{layout}/{n}"), |b| {
                     b.iter_custom(|iters| {
                         cuda.synchronize().expect("sync");
                         let t = Instant::now();
                         for _ in 0..iters {
-                            let (o, l): (&[KvCopy], &[KvCopy]) =
-                                if offload { (list, &[]) } else { (&[], list) };
-                            cuda.copy_kv(o, l).expect("copy");
+                            match dir {
+                                "offload" => cuda.copy_kv(list, &[]),
+                                "load" => cuda.copy_kv(&[], list),
+                                _ => cuda.store_kv(list),
+                            }
+                            .expect("copy");
                         }
+                        // Both streams: the compute stream's copies and the copy stream's
+                        // stores.
                         cuda.synchronize().expect("sync");
                         t.elapsed()
                     })

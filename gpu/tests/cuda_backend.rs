@@ -3614,6 +3614,95 @@ fn host_tier_round_trip(kv_fp8: bool, engine: Option<switchyard_gpu::cuda::KvCop
         let e = cuda.copy_kv(&off, &load).expect_err("out of range");
         assert!(e.to_string().contains("out of range"), "{e}");
     }
+    host_tier_stores(&mut cuda, &prompt, &other, &uninterrupted, kv_fp8, engine);
+}
+
+/// The round trip by stores ([`Backend::store_kv`], on the tier's copy stream): the prompt's
+/// blocks stored (a run of two, two lone blocks) into tier blocks nothing wrote before while
+/// its prefill may still run, a step over other blocks (which may run with the stores), a step
+/// that overwrites the stored blocks (it waits for them), then the tier blocks loaded
+/// elsewhere decode as `uninterrupted` bit for bit. A store with an id out of range is
+/// refused with nothing copied; a store, a step, then a load of the stored tier blocks (the
+/// load waits for the stores) decodes as before too.
+fn host_tier_stores(
+    cuda: &mut CudaBackend,
+    prompt: &[u32],
+    other: &[u32],
+    uninterrupted: &[f32],
+    kv_fp8: bool,
+    engine: switchyard_gpu::cuda::KvCopyEngine,
+) {
+    let p = Arc::new(SamplingParams::greedy());
+    let logits = |cuda: &mut CudaBackend, tokens: &[u32], at: usize, table: &[u32]| {
+        let seq = one_seq(1, at, tokens.to_vec(), table.to_vec(), &p);
+        cuda.logits(&Batch { seqs: vec![seq] }).expect("forward")
+    };
+    let kv = |pairs: &[(u32, u32)]| -> Vec<switchyard_gpu::KvCopy> {
+        pairs
+            .iter()
+            .map(|&(device, host)| switchyard_gpu::KvCopy { device, host })
+            .collect()
+    };
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let (first, elsewhere, moved) = ([0u32, 1, 2, 3], [26u32, 27, 28, 29], [20u32, 21, 9, 30]);
+    // Tier blocks 2, 3, 7 and 4: written by no copy before.
+    let stores = kv(&[(0, 2), (1, 3), (2, 7), (3, 4)]);
+    let loads = kv(&[(20, 2), (21, 3), (9, 7), (30, 4)]);
+    // The prefill is submitted, not run: the stores wait for it on the device.
+    cuda.submit(&Batch {
+        seqs: vec![one_seq(2, 0, prompt.to_vec(), first.to_vec(), &p)],
+    })
+    .expect("prefill");
+    cuda.store_kv(&stores)
+        .unwrap_or_else(|e| panic!("fp8 {kv_fp8} {engine:?}: store: {e}"));
+    cuda.submit(&Batch {
+        seqs: vec![one_seq(3, 0, other.to_vec(), elsewhere.to_vec(), &p)],
+    })
+    .expect("a step over other blocks");
+    cuda.collect().expect("prefill's outputs");
+    cuda.collect().expect("the other step's outputs");
+    cuda.release(2);
+    cuda.release(3);
+    // Overwrites the stored blocks: ordered after the stores.
+    logits(cuda, other, 0, &first);
+    cuda.copy_kv(&[], &loads).expect("load the stored blocks");
+    let reloaded = logits(cuda, &[400], prompt.len(), &moved);
+    assert!(
+        bits(&reloaded) == bits(uninterrupted),
+        "fp8 {kv_fp8} {engine:?}: the stored prefix decodes differently"
+    );
+    // Refused before anything is enqueued: the first pair (cache block 26 holds `other`'s
+    // keys) is not copied into tier block 2.
+    let e = cuda
+        .store_kv(&kv(&[(26, 2), (32, 3)]))
+        .expect_err("out of range");
+    assert!(e.to_string().contains("out of range"), "{e}");
+    let e = cuda
+        .store_kv(&kv(&[(26, 2), (0, 8)]))
+        .expect_err("out of range");
+    assert!(e.to_string().contains("out of range"), "{e}");
+    cuda.synchronize().expect("synchronize");
+    cuda.copy_kv(&[], &loads).expect("load again");
+    let again = logits(cuda, &[400], prompt.len(), &moved);
+    assert!(
+        bits(&again) == bits(uninterrupted),
+        "fp8 {kv_fp8} {engine:?}: a refused store changed the tier"
+    );
+    // Tier blocks 2, 3, 7 and 4 get `other`'s keys (offloaded); the prefix in `moved` is
+    // stored over them, a step runs elsewhere, and the load that follows (into `first`, which
+    // holds `other`'s keys too) waits for the stores.
+    cuda.copy_kv(&kv(&[(26, 2), (27, 3), (28, 7), (29, 4)]), &[])
+        .expect("offload other keys");
+    cuda.store_kv(&kv(&[(20, 2), (21, 3), (9, 7), (30, 4)]))
+        .expect("store the moved prefix");
+    logits(cuda, other, 0, &elsewhere);
+    cuda.copy_kv(&[], &kv(&[(0, 2), (1, 3), (2, 7), (3, 4)]))
+        .expect("load after a store");
+    let last = logits(cuda, &[400], prompt.len(), &first);
+    assert!(
+        bits(&last) == bits(uninterrupted),
+        "fp8 {kv_fp8} {engine:?}: a prefix loaded after its store decodes differently"
+    );
 }
 
 #[test]

@@ -866,9 +866,23 @@ impl Gpu {
             .map_err(|e| cuda_err("cuMemGetInfo", e))
     }
 
-    /// Launches `f` on the stream.
+    /// Launches `f` on the stream (with programmatic dependent launch when [`Self::pdl`]).
     pub fn launch(
         &self,
+        f: &CudaFunction,
+        grid: (u32, u32, u32),
+        block: u32,
+        args: &[Arg],
+    ) -> Result<(), GpuError> {
+        self.launch_on(&self.stream, self.pdl, f, grid, block, args)
+    }
+
+    /// Launches `f` on `stream` (one of this context's), with programmatic dependent launch
+    /// when `pdl` (which only [`Self::pdl`] allows: every kernel waits for its predecessor).
+    pub fn launch_on(
+        &self,
+        stream: &CudaStream,
+        pdl: bool,
         f: &CudaFunction,
         grid: (u32, u32, u32),
         block: u32,
@@ -893,7 +907,7 @@ impl Gpu {
             .iter_mut()
             .map(|v| v.as_mut_ptr() as *mut c_void)
             .collect();
-        if self.pdl {
+        if pdl && self.pdl {
             // SAFETY: a zeroed attribute is valid plain data; id and value are set below.
             let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
             attr.id =
@@ -907,7 +921,7 @@ impl Gpu {
                 blockDimY: 1,
                 blockDimZ: 1,
                 sharedMemBytes: 0,
-                hStream: self.stream.cu_stream(),
+                hStream: stream.cu_stream(),
                 attrs: &mut attr,
                 numAttrs: 1,
             };
@@ -932,7 +946,7 @@ impl Gpu {
                 grid,
                 (block, 1, 1),
                 0,
-                self.stream.cu_stream(),
+                stream.cu_stream(),
                 &mut params,
             )
         }

@@ -586,14 +586,28 @@ impl CudaBackend {
         self.loras.len()
     }
 
-    /// Waits for everything enqueued on the compute stream so far (the copies of
-    /// [`Backend::copy_kv`] included); for benchmarks that time asynchronous work.
+    /// Waits for everything enqueued so far: the compute stream (the copies of
+    /// [`Backend::copy_kv`] included) and the host tier's copy stream (those of
+    /// [`Backend::store_kv`]); for benchmarks and tests that time or check asynchronous work.
     pub fn synchronize(&self) -> Result<(), GpuError> {
         self.gpu.bind()?;
         self.gpu
             .stream
             .synchronize()
-            .map_err(|e| device::cuda_err("synchronizing the stream", e))
+            .map_err(|e| device::cuda_err("synchronizing the stream", e))?;
+        match &self.host_tier {
+            Some(t) => t.synchronize_stores(),
+            None => Ok(()),
+        }
+    }
+
+    /// Before a step is enqueued on the compute stream: it waits for the host tier's stores
+    /// that the step before it may have run with (see `host_tier`).
+    fn before_step(&mut self) -> Result<(), GpuError> {
+        match &mut self.host_tier {
+            Some(t) => t.before_step(),
+            None => Ok(()),
+        }
     }
 
     /// Runs the forward pass only and returns the logits of the last token of every sequence
@@ -630,6 +644,7 @@ impl CudaBackend {
         let lora = self
             .loras
             .prepare(&self.gpu, &self.config, batch, d.tokens.len(), n, None)?;
+        self.before_step()?;
         self.upload_step(n, &d, &[], &launch)?;
         self.enqueue(&launch, lora.as_ref().map(|l| &l.0))?;
         let vocab = self.config.vocab_size;
@@ -735,9 +750,13 @@ impl CudaBackend {
 impl Drop for CudaBackend {
     fn drop(&mut self) {
         // Queued work may still read the buffers, graphs and adapters freed after this (a
-        // backend retired after a failed step): let it finish first.
+        // backend retired after a failed step): let it finish first, the host tier's stores
+        // (which read the KV cache, freed before the tier) included.
         if let Err(e) = self.gpu.sync() {
             tracing::warn!(error = %e, "CUDA backend dropped with the device in error");
+        }
+        if let Some(Err(e)) = self.host_tier.as_ref().map(|t| t.synchronize_stores()) {
+            tracing::warn!(error = %e, "CUDA backend dropped with its KV stores in error");
         }
         if let Some(report) = self.gpu.profile_report() {
             eprintln!("{report}");
@@ -808,7 +827,9 @@ impl Backend for CudaBackend {
 
     /// The copies go on the compute stream: after the forward passes of every step submitted
     /// before (a step's sampling held back for the tokens of the one before it reads no KV
-    /// block), before every step submitted after.
+    /// block), before every step submitted after. The stream first waits for every store
+    /// enqueued before ([`Backend::store_kv`]): a copy after the step that follows a store may
+    /// name its cache or host block.
     fn copy_kv(&mut self, offloads: &[KvCopy], loads: &[KvCopy]) -> Result<(), GpuError> {
         if offloads.is_empty() && loads.is_empty() {
             return Ok(());
@@ -820,6 +841,33 @@ impl Backend for CudaBackend {
             )));
         };
         tier.copy(&self.gpu, &self.buf, self.num_blocks, offloads, loads)
+    }
+
+    /// The stores go on the host tier's own copy stream, so that they run alongside the next
+    /// step rather than before it (by DMA and the `kv_tier_copy` kernel as offloads are):
+    ///
+    /// - on the copy stream they wait for an event recorded on the compute stream now: the
+    ///   steps and copies enqueued before, which wrote the stored blocks, are done first;
+    /// - the step after the next one waits (on the compute stream, before its upload) for an
+    ///   event recorded after them: it may evict and rewrite their cache blocks;
+    /// - so does the next [`Backend::copy_kv`] (before its copies): it may name their cache
+    ///   or host blocks once the next step is enqueued.
+    ///
+    /// The next step itself does not wait: the caller promised it writes none of their cache
+    /// blocks. Every id is checked before anything is enqueued; a failure after that waits for
+    /// the copy stream before it returns. [`CudaBackend::synchronize`] waits for the stores
+    /// too.
+    fn store_kv(&mut self, stores: &[KvCopy]) -> Result<(), GpuError> {
+        if stores.is_empty() {
+            return Ok(());
+        }
+        let Some(tier) = self.host_tier.as_mut() else {
+            return Err(GpuError::BadBatch(format!(
+                "the {} backend has no host KV tier",
+                self.name
+            )));
+        };
+        tier.store(&self.gpu, &self.buf, self.num_blocks, stores)
     }
 
     fn submit(&mut self, batch: &Batch) -> Result<(), GpuError> {
@@ -1125,6 +1173,11 @@ impl CudaBackend {
         )?;
         let bucket = bucket.filter(|_| lora.as_ref().is_none_or(|l| l.1));
         let lora = lora.map(|l| l.0);
+        // The step's first operation on the compute stream (its upload) waits for the stores
+        // it must not run with (`before_step`, by field: `c` borrows the configuration).
+        if let Some(t) = &mut self.host_tier {
+            t.before_step()?;
+        }
         let mut ran_graph = false;
         let mut launch = self.eager_launch(&d);
         if let Some(b) = bucket {
