@@ -52,7 +52,8 @@
 #             mooncake` (TRACE, else BIN/synthetic_trace.jsonl) with a cache of KVB_BLOCKS (2048)
 #             blocks and a tier of each of KVB_GIB (default "0 32 32:evict") GiB, `:evict` with
 #             --kv-offloading-on-eviction (no stores ahead), `:dmastore` with stores by DMA
-#             (SWITCHYARD_CUDA_KV_STORE=dma) (KVB_ARGS: the rows)
+#             (SWITCHYARD_CUDA_KV_STORE=dma), `:sbN` with store launches of at most N thread
+#             blocks (SWITCHYARD_CUDA_KV_STORE_BLOCKS=N) (KVB_ARGS: the rows)
 #   kvcopy    the cuda_kv_copy benchmark (its binary in BIN): offloads and loads of 16 and 256
 #             blocks, in one run, in runs of 8 and scattered, Llama-3-8B and SmolLM2 shapes, by
 #             DMA, by the kernel and by the default mix (auto)
@@ -457,14 +458,16 @@ if has kvbench; then
     gib=${spec%%:*}
     mode=()
     store=auto
+    sb=()
     name="kvbench-${gib}gib"
     case "$spec" in
       *:evict) mode=(--kv-offloading-on-eviction); name="$name-evict" ;;
       *:dmastore) store=dma; name="$name-dmastore" ;;
+      *:sb*) sb=("SWITCHYARD_CUDA_KV_STORE_BLOCKS=${spec##*:sb}"); name="$name-sb${spec##*:sb}" ;;
     esac
     t0=$SECONDS
     # shellcheck disable=SC2086
-    SWITCHYARD_CUDA_KV_STORE=$store timeout "${KVB_TIMEOUT:-280}" "$SY" bench throughput --backend cuda --json --dummy "${KVB_MODEL:-llama-3-8b}" \
+    env SWITCHYARD_CUDA_KV_STORE=$store "${sb[@]}" timeout "${KVB_TIMEOUT:-280}" "$SY" bench throughput --backend cuda --json --dummy "${KVB_MODEL:-llama-3-8b}" \
       --dataset mooncake --dataset-path "$trace" --num-kv-blocks "${KVB_BLOCKS:-2048}" \
       --kv-offloading-size "$gib" "${mode[@]}" ${KVB_ARGS:---num-prompts 2000 --mooncake-block-tokens 64 --max-input-len 1536 --max-output-len 16} \
       >"$OUT/$name.json" 2>"$OUT/$name.log"

@@ -194,17 +194,24 @@ __device__ __forceinline__ void copy_bytes(unsigned char* dst, const unsigned ch
 
 extern "C" __global__ void kv_tier_copy(unsigned char* dev, u64 dev_part, u64 dev_scales_at,
                                         unsigned char* host, u64 host_part, u64 host_scales_at,
-                                        const u32* pairs, int to_host, u64 values, u64 scales) {
+                                        const u32* pairs, int to_host, u64 values, u64 scales,
+                                        int n_pairs, int parts) {
     PDL_ENTER();
-    u64 d = pairs[2 * blockIdx.x], h = pairs[2 * blockIdx.x + 1];
-    u64 part = blockIdx.y;
-    unsigned char* dv = dev + part * dev_part + d * values;
-    unsigned char* hv = host + part * host_part + h * values;
-    if (to_host) copy_bytes(hv, dv, values); else copy_bytes(dv, hv, values);
-    if (scales > 0) {
-        unsigned char* ds = dev + part * dev_part + dev_scales_at + d * scales;
-        unsigned char* hs = host + part * host_part + host_scales_at + h * scales;
-        if (to_host) copy_bytes(hs, ds, scales); else copy_bytes(ds, hs, scales);
+    // Items (pair, part), n_pairs * parts of them, over however many blocks the grid has: one
+    // each with a grid of (n_pairs, parts), several each with fewer (stores beside a step).
+    u64 items = (u64)n_pairs * (u64)parts;
+    u64 stride = (u64)gridDim.x * gridDim.y;
+    for (u64 w = blockIdx.x + (u64)blockIdx.y * gridDim.x; w < items; w += stride) {
+        u64 pair = w / parts, part = w % parts;
+        u64 d = pairs[2 * pair], h = pairs[2 * pair + 1];
+        unsigned char* dv = dev + part * dev_part + d * values;
+        unsigned char* hv = host + part * host_part + h * values;
+        if (to_host) copy_bytes(hv, dv, values); else copy_bytes(dv, hv, values);
+        if (scales > 0) {
+            unsigned char* ds = dev + part * dev_part + dev_scales_at + d * scales;
+            unsigned char* hs = host + part * host_part + host_scales_at + h * scales;
+            if (to_host) copy_bytes(hs, ds, scales); else copy_bytes(ds, hs, scales);
+        }
     }
 }
 

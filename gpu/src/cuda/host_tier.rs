@@ -130,6 +130,29 @@ fn stores_by_dma() -> Result<bool, GpuError> {
     }
 }
 
+/// The most thread blocks a store's `kv_tier_copy` launch takes by default. Stores run beside
+/// a step, and a launch of a block per (pair, layer part) fills SMs the step could use while
+/// they wait on PCIe writes: on an H100 (gpu/CUDA_NOTES.md v53, Llama-3-8B on the Mooncake
+/// trace, 82,110 blocks stored), 4 blocks took the run from 39.74 s to 38.62 s (16: 39.02 s),
+/// and 4 blocks move the 4 GiB/s the run's stores need.
+const STORE_BLOCKS: u32 = 4;
+
+/// `SWITCHYARD_CUDA_KV_STORE_BLOCKS`: the most thread blocks a store's `kv_tier_copy` launch
+/// takes (1..=65535, or `all`: one per block and layer part, as offloads and loads); unset:
+/// [`STORE_BLOCKS`].
+fn store_blocks() -> Result<Option<u32>, GpuError> {
+    match std::env::var("SWITCHYARD_CUDA_KV_STORE_BLOCKS").as_deref() {
+        Err(_) => Ok(Some(STORE_BLOCKS)),
+        Ok("all") => Ok(None),
+        Ok(v) => match v.parse::<u32>() {
+            Ok(n) if (1..=65_535).contains(&n) => Ok(Some(n)),
+            _ => Err(GpuError::InvalidConfig(format!(
+                "SWITCHYARD_CUDA_KV_STORE_BLOCKS: {v:?} is not a count in 1..=65535 or all"
+            ))),
+        },
+    }
+}
+
 /// The kernel's (cache block, tier block) pairs: mapped page-locked memory, written by the
 /// host, read by one call's launches.
 struct PairStaging {
@@ -152,6 +175,10 @@ struct Lane {
     staging: Vec<PairStaging>,
     /// The next of `staging` to use.
     turn: usize,
+    /// Most thread blocks a `kv_tier_copy` launch takes (`None`: one per block and layer
+    /// part). The copy stream's (`SWITCHYARD_CUDA_KV_STORE_BLOCKS`) leaves the other SMs to
+    /// the step its stores run beside.
+    max_blocks: Option<u32>,
 }
 
 impl Lane {
@@ -185,6 +212,7 @@ impl Lane {
             pdl,
             staging,
             turn: 0,
+            max_blocks: None,
         })
     }
 }
@@ -302,7 +330,8 @@ impl HostKvTier {
             .ctx
             .new_stream()
             .map_err(|e| cuda_err("creating the host KV tier's copy stream", e))?;
-        let stores = Lane::new(gpu, copy_stream, false, engine, most)?;
+        let mut stores = Lane::new(gpu, copy_stream, false, engine, most)?;
+        stores.max_blocks = store_blocks()?;
         let enqueued = gpu.event()?;
         let values = if kv_fp8 {
             c.num_kv_heads * c.head_dim
@@ -588,19 +617,27 @@ impl Lane {
         let g = tier.geometry;
         let host_part = tier.num_blocks * (g.values + g.scales);
         let host_values = tier.num_blocks * g.values;
-        let (stream, pdl) = (&self.stream, self.pdl);
+        let (stream, pdl, max_blocks) = (&self.stream, self.pdl, self.max_blocks);
         let mut enqueue = || -> Result<(), GpuError> {
             for (to_host, n, at) in [(true, offloads.len(), 0), (false, loads.len(), cap)] {
                 if n == 0 {
                     continue;
                 }
-                let grid_x = u32::try_from(n)
+                let n_pairs = i32::try_from(n)
                     .map_err(|_| GpuError::BadBatch(format!("{n} KV copies in one list")))?;
+                let parts = i32::try_from(2 * g.layers)
+                    .map_err(|_| GpuError::Internal("host KV tier: too many layers".into()))?;
+                // A block per (pair, part), or at most `max_blocks` looping over them.
+                let items = n as u64 * (2 * g.layers) as u64;
+                let grid = match max_blocks {
+                    Some(m) => (items.min(u64::from(m)).max(1) as u32, 1, 1),
+                    None => (n_pairs as u32, parts as u32, 1),
+                };
                 gpu.launch_on(
                     stream,
                     pdl,
                     &gpu.k.kv_tier_copy,
-                    (grid_x, (2 * g.layers) as u32, 1),
+                    grid,
                     256,
                     &[
                         Arg::Ptr(buf.kv.ptr()),
@@ -613,6 +650,8 @@ impl Lane {
                         Arg::I32(i32::from(to_host)),
                         Arg::U64(g.values as u64),
                         Arg::U64(g.scales as u64),
+                        Arg::I32(n_pairs),
+                        Arg::I32(parts),
                     ],
                 )?;
             }
