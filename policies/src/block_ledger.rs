@@ -127,19 +127,19 @@ pub struct BlockLedger {
     /// Times each block was allocated (wrapping): a block that kept its generation since a
     /// moment still holds what it held then, unless its registration was dropped.
     gens: Vec<u32>,
-    /// Whether [`BlockLedger::free`] records the cached blocks that lose their last reference.
-    track_frees: bool,
-    /// Cached blocks that lost their last reference since the last
-    /// [`BlockLedger::take_freed_cached`], with their prefix and generation.
-    freed_cached: Vec<FreedBlock>,
+    /// Whether [`BlockLedger::cache_block`] records the blocks it registers.
+    track_registrations: bool,
+    /// Blocks registered in the prefix cache since the last [`BlockLedger::take_registered`],
+    /// with their prefix and generation.
+    registered: Vec<CachedBlock>,
 }
 
-/// A cached block that lost its last reference ([`BlockLedger::take_freed_cached`]).
+/// A block registered in the prefix cache ([`BlockLedger::take_registered`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct FreedBlock {
+pub struct CachedBlock {
     /// The block.
     pub block: BlockId,
-    /// The prefix it held.
+    /// The prefix it holds.
     pub hash: PrefixHash,
     /// Its generation then ([`BlockLedger::holds`]).
     pub gen: u32,
@@ -158,8 +158,8 @@ impl BlockLedger {
             reserved: 0,
             log: KvCommit::default(),
             gens: vec![0; num_blocks],
-            track_frees: false,
-            freed_cached: Vec::new(),
+            track_registrations: false,
+            registered: Vec::new(),
             track_evictions: false,
             evicted: Vec::new(),
         })
@@ -262,16 +262,6 @@ impl BlockLedger {
         *r -= 1;
         if *r == 0 {
             self.num_free += 1;
-            if self.track_frees {
-                let i = block as usize;
-                if let Some(hash) = self.hashes[i].filter(|h| self.cache.get(h) == Some(&block)) {
-                    self.freed_cached.push(FreedBlock {
-                        block,
-                        hash,
-                        gen: self.gens[i],
-                    });
-                }
-            }
         }
         self.log.free.push(block);
         Ok(())
@@ -290,6 +280,13 @@ impl BlockLedger {
         self.cache.insert(hash, block);
         self.hashes[i] = Some(hash);
         self.log.cache.push((block, hash));
+        if self.track_registrations {
+            self.registered.push(CachedBlock {
+                block,
+                hash,
+                gen: self.gens[i],
+            });
+        }
         true
     }
 
@@ -390,24 +387,24 @@ impl BlockLedger {
         out.append(&mut self.evicted);
     }
 
-    /// Makes [`BlockLedger::free`] record the cached blocks that lose their last reference
-    /// (for [`BlockLedger::take_freed_cached`]: a host tier's stores ahead of eviction).
-    pub fn track_frees(&mut self, on: bool) {
-        self.track_frees = on;
-        self.freed_cached.clear();
+    /// Makes [`BlockLedger::cache_block`] record the blocks it registers (for
+    /// [`BlockLedger::take_registered`]: a host tier's stores ahead of eviction).
+    pub fn track_registrations(&mut self, on: bool) {
+        self.track_registrations = on;
+        self.registered.clear();
     }
 
-    /// Moves to `out` the cached blocks that lost their last reference since the last call, in
-    /// that order (the pool's eviction order); recorded only with
-    /// [`BlockLedger::track_frees`] on. A block freed twice (matched again in between) is
-    /// listed twice.
-    pub fn take_freed_cached(&mut self, out: &mut Vec<FreedBlock>) {
-        out.append(&mut self.freed_cached);
+    /// Moves to `out` the blocks registered in the prefix cache since the last call, in that
+    /// order; recorded only with [`BlockLedger::track_registrations`] on. A registration is
+    /// made when the plan whose step computes the block is built: the block holds its KV once
+    /// that step has run.
+    pub fn take_registered(&mut self, out: &mut Vec<CachedBlock>) {
+        out.append(&mut self.registered);
     }
 
-    /// Whether `f.block` still holds the cached prefix it held when it was freed: not
+    /// Whether `f.block` still holds the cached prefix it held when it was recorded: not
     /// allocated since (so not evicted or overwritten) and still registered.
-    pub fn holds(&self, f: &FreedBlock) -> bool {
+    pub fn holds(&self, f: &CachedBlock) -> bool {
         let i = f.block as usize;
         self.gens.get(i) == Some(&f.gen)
             && self.hashes[i] == Some(f.hash)

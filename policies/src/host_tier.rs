@@ -348,7 +348,8 @@ mod planner_tests {
         sched_with(6, host)
     }
 
-    /// Blocks of 4 tokens, `device` on the device, `host` in the host tier.
+    /// Blocks of 4 tokens, `device` on the device, `host` in the host tier; cached blocks
+    /// copied there when evicted only (the tests of stores ahead use [`sched_ahead`]).
     fn sched_with(device: usize, host: usize) -> Scheduler {
         let c = SchedulerConfig {
             block_size: 4,
@@ -356,6 +357,7 @@ mod planner_tests {
             max_model_len: 1024,
             enable_prefix_caching: true,
             num_host_blocks: host,
+            kv_offload_ahead: false,
             ..SchedulerConfig::default()
         };
         Scheduler::new(c, Box::new(Fcfs), [5, 6]).unwrap()
@@ -452,33 +454,47 @@ mod planner_tests {
         one(s, id, vec![9000 + id as u32, 9001])
     }
 
+    /// As [`sched`], storing cached blocks ahead of their eviction.
+    fn sched_ahead(host: usize) -> Scheduler {
+        let c = SchedulerConfig {
+            block_size: 4,
+            num_gpu_blocks: 6,
+            max_model_len: 1024,
+            enable_prefix_caching: true,
+            num_host_blocks: host,
+            kv_offload_ahead: true,
+            ..SchedulerConfig::default()
+        };
+        Scheduler::new(c, Box::new(Fcfs), [5, 6]).unwrap()
+    }
+
     #[test]
-    fn freed_blocks_are_stored_ahead_so_their_eviction_copies_nothing() {
-        let mut s = sched(16);
+    fn computed_blocks_are_stored_ahead_so_their_eviction_copies_nothing() {
+        let mut s = sched_ahead(16);
         let pa = one(&mut s, 0, a());
+        // A's plan computes its blocks: none can be stored before its step ran.
+        assert!(pa.kv_stores.is_empty());
         let a_full = pa.seqs[0].new_blocks[..4].to_vec();
-        // A's blocks lose their last reference when A ends; the first plan after queues them
-        // (its step may still be writing blocks freed while it was planned), the next one
-        // stores them, in device order, to host blocks given in turn.
+        // The next plan stores A's 4 full blocks (registered once A's step ran), in device
+        // order, to host blocks given in turn.
         let p1 = small(&mut s, 1);
-        assert!(p1.kv_stores.is_empty() && p1.kv_offloads.is_empty());
-        let p2 = small(&mut s, 2);
-        let mut stored = p2.kv_stores.clone();
+        let mut stored = p1.kv_stores.clone();
         stored.sort_by_key(|c| c.device);
-        assert_eq!(stored, p2.kv_stores);
+        assert_eq!(stored, p1.kv_stores);
         let devs: BTreeSet<_> = stored.iter().map(|c| c.device).collect();
         assert_eq!(devs, a_full.iter().copied().collect());
         assert_eq!(hosts(&stored), (0..4).collect());
-        assert!(p2.kv_offloads.is_empty() && p2.kv_loads.is_empty());
+        assert!(p1.kv_offloads.is_empty() && p1.kv_loads.is_empty());
         let st = s.stats();
         assert_eq!(
             (st.num_kv_offloaded_blocks, st.num_kv_stored_ahead_blocks),
             (4, 4)
         );
-        // B evicts A's blocks: the tier holds them already, so nothing is copied; the small
-        // requests' blocks held no whole block.
+        // B evicts A's blocks: the tier holds them already, so nothing is copied (the small
+        // request's block held no whole block).
         let pb = one(&mut s, 3, unique(3));
         assert!(pb.kv_offloads.is_empty(), "{:?}", pb.kv_offloads);
+        let b_full = pb.seqs[0].new_blocks[..5].to_vec();
         // C = A's prompt loads the 4 blocks the stores wrote.
         s.add_request(request(4, "", 4, a(), 1)).unwrap();
         let (pc, _) = run_step(&mut s, 4, 7);
@@ -488,30 +504,26 @@ mod planner_tests {
         for (k, l) in pc.kv_loads.iter().enumerate() {
             assert_eq!(by_host(l.host), a_full[k]);
         }
-        // C takes B's partial block and 4 of its 5 cached ones, freed when B ended: queued
-        // by C's plan, not yet stored, so they are offloaded by their eviction.
+        // C takes B's partial block and 4 of its 5 cached ones: those are offloaded by their
+        // eviction (decided before the plan's stores); the fifth, still cached, is stored.
         assert_eq!(pc.kv_offloads.len(), 4);
-        assert!(pc.kv_stores.is_empty());
+        assert_eq!(pc.kv_stores.len(), 1, "{:?}", pc.kv_stores);
+        let kept = pc.kv_stores[0].device;
+        assert!(b_full.contains(&kept));
+        assert!(!pc.kv_offloads.iter().any(|c| c.device == kept));
+        assert!(hosts(&pc.kv_stores).is_disjoint(&hosts(&pc.kv_offloads)));
+        assert!(hosts(&pc.kv_stores).is_disjoint(&hosts(&pc.kv_loads)));
         let st = s.stats();
         assert_eq!(
             (st.num_kv_offloaded_blocks, st.num_kv_stored_ahead_blocks),
-            (8, 4)
+            (9, 5)
         );
         s.check_invariants().unwrap();
     }
 
     #[test]
     fn without_stores_ahead_blocks_reach_the_tier_when_evicted() {
-        let c = SchedulerConfig {
-            block_size: 4,
-            num_gpu_blocks: 6,
-            max_model_len: 1024,
-            enable_prefix_caching: true,
-            num_host_blocks: 16,
-            kv_offload_ahead: false,
-            ..SchedulerConfig::default()
-        };
-        let mut s = Scheduler::new(c, Box::new(Fcfs), [5, 6]).unwrap();
+        let mut s = sched(16);
         one(&mut s, 0, a());
         for id in 1..4 {
             let p = small(&mut s, id);
@@ -524,30 +536,26 @@ mod planner_tests {
     }
 
     /// A block stored ahead and then matched again (a prefix hit on the device) is not stored
-    /// twice, and one evicted before its turn is offloaded by its eviction instead.
+    /// again, and one evicted before its turn is offloaded by its eviction instead.
     #[test]
     fn a_block_is_stored_once_and_an_evicted_one_not_at_all() {
-        let mut s = sched(16);
+        let mut s = sched_ahead(16);
         one(&mut s, 0, a());
-        small(&mut s, 1);
-        let p2 = small(&mut s, 2);
-        assert_eq!(p2.kv_stores.len(), 4);
-        // A again: a device hit on the 4 blocks, freed again when it ends; queued again, but
-        // the tier has them: no copy.
+        assert_eq!(small(&mut s, 1).kv_stores.len(), 4);
+        // A again: a device hit on the 4 blocks, which it computes no block of again.
         one(&mut s, 3, a());
         for id in 4..7 {
             let p = small(&mut s, id);
             assert!(p.kv_stores.is_empty(), "{id}: {:?}", p.kv_stores);
         }
         assert_eq!(s.stats().num_kv_stored_ahead_blocks, 4);
-        // D's 5 full blocks are queued when D ends, and E evicts them in the plan that would
+        // D computes 5 full blocks; E's allocations evict all of them in the plan that would
         // store them: its offloads copy them, its stores skip them.
         one(&mut s, 7, unique(7));
         let pe = one(&mut s, 8, unique(8));
-        let stored: BTreeSet<_> = pe.kv_stores.iter().map(|c| c.device).collect();
-        let offloaded: BTreeSet<_> = pe.kv_offloads.iter().map(|c| c.device).collect();
-        assert!(stored.is_disjoint(&offloaded));
-        assert_eq!(offloaded.len(), 5, "{:?}", pe.kv_offloads);
+        assert!(pe.kv_stores.is_empty(), "{:?}", pe.kv_stores);
+        assert_eq!(pe.kv_offloads.len(), 5, "{:?}", pe.kv_offloads);
+        assert_eq!(s.stats().num_kv_stored_ahead_blocks, 4);
         s.check_invariants().unwrap();
     }
 
@@ -578,6 +586,7 @@ mod planner_tests {
             max_model_len: 1024,
             enable_prefix_caching: true,
             num_host_blocks: 64,
+            kv_offload_ahead: false,
             ..SchedulerConfig::default()
         };
         let mut s = Scheduler::new(c, Box::new(Fcfs), [5, 6]).unwrap();

@@ -165,13 +165,11 @@ pub struct Scheduler {
     pub(crate) plan_shares: Vec<crate::planner::PlanShare>,
     /// Scratch: cached blocks the last commit evicted.
     pub(crate) evicted: Vec<(BlockId, crate::prefix_hash::PrefixHash)>,
-    /// Cached blocks to copy to the host tier ahead of their eviction, in the order they
-    /// lost their last reference; each is taken from the ledger one plan after it was freed
-    /// (so every step that wrote it was launched before its copy), and checked before its
-    /// copy (see `planner/kv.rs`).
-    pub(crate) store_queue: std::collections::VecDeque<crate::block_ledger::FreedBlock>,
-    /// Scratch: blocks freed since the last plan's copies, and this plan's stores.
-    pub(crate) freed: Vec<crate::block_ledger::FreedBlock>,
+    /// Cached blocks to copy to the host tier ahead of their eviction, in the order they were
+    /// registered, each checked before its copy (see `planner/kv.rs`).
+    pub(crate) store_queue: std::collections::VecDeque<crate::block_ledger::CachedBlock>,
+    /// Scratch: this plan's stores.
+    pub(crate) store_scratch: Vec<crate::block_ledger::CachedBlock>,
     /// Blocks copied to the host tier since start.
     pub(crate) kv_offloaded: u64,
     /// Of `kv_offloaded`, those copied ahead of eviction.
@@ -336,7 +334,7 @@ impl Scheduler {
             n => Some(crate::host_tier::HostTier::new(n)?),
         };
         ledger.track_evictions(host.is_some());
-        ledger.track_frees(host.is_some() && config.kv_offload_ahead);
+        ledger.track_registrations(host.is_some() && config.kv_offload_ahead);
         let quotas = TierQuotas::new(&config.tiers, config.num_gpu_blocks);
         let tier_owed = vec![0; config.tiers.len()];
         Ok(Self {
@@ -378,7 +376,7 @@ impl Scheduler {
             plan_shares: Vec::new(),
             evicted: Vec::new(),
             store_queue: Default::default(),
-            freed: Vec::new(),
+            store_scratch: Vec::new(),
             kv_offloaded: 0,
             kv_stored_ahead: 0,
             kv_loaded: 0,

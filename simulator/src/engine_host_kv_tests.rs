@@ -125,17 +125,26 @@ fn a_prefix_evicted_to_the_host_tier_is_loaded_back_and_its_copies_cost_time() {
 #[test]
 fn in_a_b_a_stores_ahead_copy_only_the_blocks_no_step_evicts() {
     // With stores ahead (the default) the same run copies the same blocks at eviction, in
-    // the same time: A's blocks are freed after its step and queued when B's plan is made,
-    // to be stored by the plan after it, but B's own plan evicts 18 of them. A's second plan
-    // stores the 2 left (blocks 0 and 1, which it then matches), on the copy engine,
-    // alongside its step; B's blocks queue behind them and no plan is left to store them.
+    // the same time, and stores the rest beside the steps. A block is queued once it is
+    // registered in the prefix cache (in order, when its step's outputs are applied) and
+    // stored by the next plan. A's 20 blocks are registered after its step; B's plan evicts
+    // 18 of them (blocks 19..2, offloaded as before), then stores the 2 left (blocks 0 and
+    // 1, which A's second run then matches on the device). B's 37 full blocks (its partial
+    // one is never registered) are registered after its step; A's second plan evicts 17 of
+    // them with the partial one for its 18 fresh blocks (17 offloads, 17 loads, as before),
+    // then stores the 20 left. 35 + 2 + 20 blocks copied, 22 of them ahead, on the copy
+    // engine: 2 and 20 * 41.94 = 838.9 us, each within its 1 ms step, so nothing waits.
     let ahead = a_b_a(", num_host_blocks: 64");
     let at_eviction = a_b_a(&format!(", num_host_blocks: 64{AT_EVICTION}"));
     let (h, e) = (ahead.host_kv.clone().unwrap(), at_eviction.host_kv.unwrap());
-    assert_eq!((h.offloaded_blocks, h.stored_ahead_blocks), (35 + 2, 2));
+    assert_eq!(
+        (h.offloaded_blocks, h.stored_ahead_blocks),
+        (35 + 2 + 20, 2 + 20)
+    );
+    assert_eq!(e.offloaded_blocks, 35);
     assert_eq!((h.loaded_blocks, h.host_hit_tokens), (17, 272));
     assert_eq!((h.copy_s, h.offload_copy_s), (e.copy_s, e.offload_copy_s));
-    assert!((h.store_copy_s - blocks_s(2, 50.0)).abs() < 1e-12, "{h:?}");
+    assert!((h.store_copy_s - blocks_s(22, 50.0)).abs() < 1e-12, "{h:?}");
     assert_eq!(h.store_stall_s, 0.0);
     assert_eq!(ahead.records, at_eviction.records);
 }
@@ -156,12 +165,10 @@ fn blocks_stored_ahead_are_not_copied_at_their_eviction() {
             (e.offload_copy_s - blocks_s(39, 50.0)).abs() < 1e-12,
             "{e:?}"
         );
-        // Ahead: A's 20 blocks are stored during the first short request's decode steps and
-        // B's 37 during the second's (and a short prompt's block), so no eviction copies
+        // Ahead: every block is stored once computed, before any step evicts it: A's 20,
+        // each short prompt's 1 and B's 37 full ones, 59 in all, so no eviction copies
         // anything; the same prefixes are found and loaded back.
-        assert!(h.stored_ahead_blocks > 0, "{h:?}");
-        assert_eq!(h.offloaded_blocks, h.stored_ahead_blocks);
-        assert!(h.offload_copy_s < e.offload_copy_s, "{h:?} {e:?}");
+        assert_eq!((h.offloaded_blocks, h.stored_ahead_blocks), (59, 59));
         assert_eq!((h.loaded_blocks, h.host_hit_tokens), (19, 304));
         for (a, b) in ahead.records.iter().zip(&at_eviction.records) {
             assert!(
@@ -177,38 +184,50 @@ fn blocks_stored_ahead_are_not_copied_at_their_eviction() {
         );
         assert_eq!(at_eviction.records[2].e2e_ms, Some(1.797));
     }
-    // In order, by hand: 58 blocks stored (A's 20, B's 37, a short prompt's 1), none copied
-    // at eviction. The second short request's first decode plan stores 32 + 2 * 1 (the block
-    // it allocates) of B's: 34 blocks, 1,426.06 us beside its 1 ms step, so its next step
-    // waits 426 us and the request takes 4.426 ms (4.042 at eviction: its prefill evicted a
-    // block).
+    // In order, by hand: blocks are registered when their step's outputs are applied, and
+    // the next plan (which runs a step) stores them. The first short request's prefill plan
+    // stores A's 20 and its first decode plan its own block; B's step stores nothing (its
+    // plan came before its blocks were computed); the second short request's prefill plan
+    // stores 32 + 2 * 1 (the block it allocates) of B's 37: 34 blocks, 1,426.06 us beside
+    // its 1 ms step, so its next step waits 426 us; that one stores B's last 3 and its own
+    // block. All 59 on the copy engine, none in a step: the second short request takes
+    // 4.426 ms (4.042 at eviction: its prefill evicted a block).
     let ahead = a_c_b_c_a(", num_host_blocks: 64", false);
     let h = ahead.host_kv.clone().unwrap();
-    assert_eq!((h.offloaded_blocks, h.stored_ahead_blocks), (58, 58));
     assert_eq!((h.offload_copy_s, h.copy_s), (0.0, h.load_copy_s));
-    assert!((h.store_copy_s - blocks_s(58, 50.0)).abs() < 1e-12, "{h:?}");
+    assert!((h.store_copy_s - blocks_s(59, 50.0)).abs() < 1e-12, "{h:?}");
     assert!((h.store_stall_s - 426e-6).abs() < 1e-12, "{h:?}");
     assert_eq!(ahead.records[3].e2e_ms, Some(4.426));
+    assert_eq!(ahead.records[1].e2e_ms, Some(4.0));
+    // Planned ahead, by hand: a step's blocks are registered at its launch, and the plan
+    // made while it is in flight stores them. When that step is the last of the only
+    // running request (A's prefill, B's), that plan runs no step; its stores (A's 20; 32 of
+    // B's 37, the budget of a plan that allocates nothing) are made in the next step's
+    // time, as the server makes the copies of a plan with nothing to run (`KvCopies::run_all`
+    // copies them at once, before the next batch's). So 52 blocks are copied in the steps,
+    // more than the 39 at eviction, and 7 beside them (each short prompt's block, B's last
+    // 5). The first short request's prefill takes 1 ms + 20 * 41.94 us (1.839 ms): 4.839
+    // ms in all (4.0 at eviction); the second's takes 1 ms + 32 * 41.94 us (2.342 ms): 5.342
+    // ms (4.042 at eviction). Nothing waits for the copy engine.
+    let ahead = a_c_b_c_a(", num_host_blocks: 64", true);
+    let h = ahead.host_kv.clone().unwrap();
+    assert!(
+        (h.offload_copy_s - blocks_s(52, 50.0)).abs() < 1e-12,
+        "{h:?}"
+    );
+    assert!((h.store_copy_s - blocks_s(7, 50.0)).abs() < 1e-12, "{h:?}");
+    assert_eq!(h.store_stall_s, 0.0);
+    assert_eq!(ahead.records[1].e2e_ms, Some(4.839));
+    assert_eq!(ahead.records[3].e2e_ms, Some(5.342));
 }
 
 #[test]
 fn stores_that_outlast_a_step_delay_the_next_one() {
     // A, then a short request decoding 4 tokens, at 0.1 GB/s: a block takes 20,971.52 us.
-    // Its first decode plan stores A's 20 freed blocks: 419,430 us from its step's start,
-    // so the step after it starts 418,430 us after the 1 ms step ends, and the request
-    // takes 4 ms of steps plus that stall. At eviction nothing is evicted or copied.
+    // At eviction nothing is evicted or copied: the short request takes its 4 1 ms steps.
     let rs = [request(0.0, 1..321, 1), request(0.5, 2000..2016, 4)];
     let slow = ", num_host_blocks: 64, host_bandwidth_gb_s: 0.1";
     for async_scheduling in [false, true] {
-        let ahead = run(slow, &rs, async_scheduling);
-        let h = ahead.host_kv.clone().unwrap();
-        assert_eq!((h.offloaded_blocks, h.stored_ahead_blocks), (20, 20));
-        assert!((h.store_copy_s - blocks_s(20, 0.1)).abs() < 1e-12, "{h:?}");
-        assert!((h.store_stall_s - 0.41843).abs() < 1e-12, "{h:?}");
-        assert_eq!(h.copy_s, 0.0);
-        let c = &ahead.records[1];
-        assert_eq!((c.first_token_s, c.generated), (Some(0.501), 4));
-        assert_eq!((c.e2e_ms, c.finish_s), (Some(4.0 + 418.43), Some(0.92243)));
         let at_eviction = run(&format!("{slow}{AT_EVICTION}"), &rs, async_scheduling);
         let e = at_eviction.host_kv.unwrap();
         assert_eq!(
@@ -217,6 +236,45 @@ fn stores_that_outlast_a_step_delay_the_next_one() {
         );
         assert_eq!(at_eviction.records[1].e2e_ms, Some(4.0));
     }
+    // In order: A's 20 blocks, registered after its step, are stored by the short request's
+    // prefill plan: 419,430 us from its step's start (500,000), so its next step, ready at
+    // 501,000, starts at 919,430 (a 418,430 us stall). That plan stores the short prompt's
+    // block, registered after the prefill: 20,972 us, to 940,402, so the step after it,
+    // ready at 920,430, waits 19,972 us more. 438,402 us of stalls; the request ends at
+    // 942,402 us, 442.402 ms after its arrival.
+    let ahead = run(slow, &rs, false);
+    let h = ahead.host_kv.clone().unwrap();
+    assert_eq!((h.offloaded_blocks, h.stored_ahead_blocks), (21, 21));
+    assert!((h.store_copy_s - blocks_s(21, 0.1)).abs() < 1e-12, "{h:?}");
+    assert!((h.store_stall_s - 0.438402).abs() < 1e-12, "{h:?}");
+    assert_eq!(h.copy_s, 0.0);
+    let c = &ahead.records[1];
+    assert_eq!((c.first_token_s, c.generated), (Some(0.501), 4));
+    assert_eq!(
+        (c.e2e_ms, c.finish_s),
+        (Some(4.0 + 418.43 + 19.972), Some(0.942402))
+    );
+    // Planned ahead: A's blocks are registered at its step's launch and stored by the plan
+    // made while that step is in flight, which runs no step (A ends with it): they are
+    // copied in the short request's prefill, which takes 1 ms + 419,430.4 us and ends at
+    // 920,430 (its first token). Its block, registered at that step's launch, is stored by
+    // the plan made then, beside its first decode step (920,430 to 921,430) until 941,402:
+    // the next step waits 19,972 us, and the request ends at 943,402 us.
+    let ahead = run(slow, &rs, true);
+    let h = ahead.host_kv.clone().unwrap();
+    assert_eq!((h.offloaded_blocks, h.stored_ahead_blocks), (21, 21));
+    assert!(
+        (h.offload_copy_s - blocks_s(20, 0.1)).abs() < 1e-12,
+        "{h:?}"
+    );
+    assert!((h.store_copy_s - blocks_s(1, 0.1)).abs() < 1e-12, "{h:?}");
+    assert!((h.store_stall_s - 0.019972).abs() < 1e-12, "{h:?}");
+    let c = &ahead.records[1];
+    assert_eq!((c.first_token_s, c.generated), (Some(0.92043), 4));
+    assert_eq!(
+        (c.e2e_ms, c.finish_s),
+        (Some(4.0 + 419.43 + 19.972), Some(0.943402))
+    );
 }
 
 #[test]

@@ -14,7 +14,7 @@
 //!   # kv_offloading_size: 64   # GiB of host KV tier (or num_host_blocks: N); 0: none
 //!   # host_bandwidth_gb_s: 50  # device -> host copy rate, GB/s (assumed default), and
 //!   # host_load_bandwidth_gb_s: 50  # host -> device (default: host_bandwidth_gb_s)
-//!   # kv_offloading_ahead: true  # store freed cached blocks alongside the next step (the
+//!   # kv_offloading_ahead: true  # store cached blocks once computed, beside a step (the
 //!   #                            # server's default); false: copy each at its eviction
 //! scheduler: { max_num_seqs: 256, max_num_batched_tokens: 8192, max_model_len: 8192 }
 //!   # lora: { rank: 16, targets: all }  # the adapters trace records name, for the roofline
@@ -236,11 +236,11 @@ pub struct CacheSection {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub host_load_bandwidth_gb_s: Option<f64>,
     /// With a host tier, as the server's `cache.kv_offloading_ahead` (default on): cached
-    /// blocks that no request holds any more are copied to the tier ahead of their eviction,
-    /// on a copy engine of their own alongside the next step, so that evicting them copies
-    /// nothing. A step's stores take `blocks * block_bytes / host_bandwidth_gb_s` from its
-    /// start (after its own copies); the step after it waits for them, so stores that
-    /// outlast a step delay the next one (a stall). Off: each block is copied when it is
+    /// blocks are copied to the tier ahead of their eviction once computed (registered in the
+    /// prefix cache), on a copy engine of their own alongside the next step, so that evicting
+    /// them copies nothing. A step's stores take `blocks * block_bytes / host_bandwidth_gb_s`
+    /// from its start (after its own copies); the step after it waits for them, so stores
+    /// that outlast a step delay the next one (a stall). Off: each block is copied when it is
     /// evicted, in the time of the step that evicts it.
     #[serde(skip_serializing_if = "is_true")]
     pub kv_offloading_ahead: bool,
