@@ -304,9 +304,8 @@ pub struct SchedulerConfig {
     #[serde(default)]
     pub num_host_blocks: usize,
     /// With a host tier: copy cached blocks there ahead of their eviction
-    /// ([`StepPlan::kv_stores`]), in the order they lose their last reference (the device
-    /// cache's eviction order), so that the step that evicts one finds it in the tier and
-    /// copies nothing. A backend makes these copies alongside the next step (the CUDA backend
+    /// ([`StepPlan::kv_stores`]), once computed, in the order they are registered, so that the
+    /// step that evicts one finds it in the tier and copies nothing. A backend makes these copies alongside the next step (the CUDA backend
     /// on a stream of its own) where eviction-time copies hold up the step that evicts. The
     /// server's `cache.kv_offloading_ahead` (default on).
     #[serde(default = "default_true")]
