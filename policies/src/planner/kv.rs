@@ -187,7 +187,10 @@ impl Scheduler {
             }
         }
         self.evicted = evicted;
-        if self.config.kv_offload_ahead {
+        // A plan that runs nothing (the last step of the last request, planned while it runs)
+        // leaves its stores queued: a backend would make them before the next step's copies,
+        // on the critical path, while the next plan that runs a step makes them beside it.
+        if self.config.kv_offload_ahead && !plan.seqs.is_empty() {
             self.host_stores(plan, allocated);
         }
     }
