@@ -179,7 +179,7 @@ fn mooncake_rows_hit_the_prefix_cache_and_the_host_tier() {
         count(&evicting, "kv_offload_stored_blocks") >= 4,
         "{evicting}"
     );
-    // By default the rows' blocks are stored ahead once they end (the 8-block cache evicts
+    // By default the rows' blocks are stored ahead once computed (the 8-block cache evicts
     // most of them later).
     let ahead = count(&tier, "kv_offload_stored_ahead_blocks");
     assert!(

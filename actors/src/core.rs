@@ -722,7 +722,8 @@ impl StepCore {
     ) -> Result<Option<PreparedStep>, FailedBuild> {
         self.note_pool_errors();
         let copies = KvCopies::of(&plan);
-        if !copies.is_empty() {
+        let own_copies = !copies.is_empty();
+        if own_copies {
             self.stray_copies.push(copies);
         }
         if plan.seqs.is_empty() {
@@ -822,6 +823,12 @@ impl StepCore {
             return Ok(None);
         }
         let release = std::mem::take(&mut self.ended);
+        if !own_copies && !self.stray_copies.is_empty() {
+            // The last entry must be this plan's (empty here): `KvCopies::run_all` makes the
+            // last entry's stores alongside this batch, and an earlier plan's stores may read
+            // blocks this batch writes (its evictions copy nothing once they are stored).
+            self.stray_copies.push(KvCopies::default());
+        }
         Ok(Some(PreparedStep {
             kv_copies: std::mem::take(&mut self.stray_copies),
             queue_times_us,
@@ -2088,6 +2095,32 @@ mod tests {
         let planned = plan_committed(&mut e, &mut pool, Timestamp(2));
         let prepared = e.core().build_step(planned).unwrap().expect("a batch");
         assert!(prepared.kv_copies.is_empty());
+        // A stray plan's stores followed by a plan that copies nothing (its evictions found
+        // those blocks stored): the batch's own empty entry comes last, so the stray stores
+        // are made at once rather than alongside a step that may write their blocks.
+        assert!(e.core().finish(RequestId(2), FinishReason::Abort));
+        assert!(e.core().finish(RequestId(3), FinishReason::Abort));
+        e.core()
+            .add_request(request(4, (0..5).collect(), 100, None))
+            .unwrap();
+        let mut planned = plan_committed(&mut e, &mut pool, Timestamp(3));
+        planned.plan.kv_stores = vec![BlockCopy { device: 4, host: 2 }];
+        assert!(e.core().finish(RequestId(4), FinishReason::Abort));
+        assert!(e.core().build_step(planned).unwrap().is_none());
+        e.core().add_request(request(5, vec![9], 1, None)).unwrap();
+        let planned = plan_committed(&mut e, &mut pool, Timestamp(4));
+        let prepared = e.core().build_step(planned).unwrap().expect("a batch");
+        assert_eq!(
+            prepared.kv_copies,
+            [
+                KvCopies {
+                    offloads: Vec::new(),
+                    loads: Vec::new(),
+                    stores: vec![copy(4, 2)],
+                },
+                KvCopies::default(),
+            ]
+        );
     }
 
     /// A request's queue time runs from when it was queued (its prompt encoded), as vLLM's

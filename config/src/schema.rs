@@ -827,10 +827,10 @@ pub struct CacheSection {
     /// and a prefix found there is copied back instead of recomputed. 0 (the default): off.
     #[serde(deserialize_with = "offloading_gib")]
     pub kv_offloading_size: f64,
-    /// With a host tier: copy cached blocks there once no request holds them, ahead of their
-    /// eviction (on a copy stream of its own on the CUDA backend, alongside the next step),
-    /// so that evicting them copies nothing; off: copy each when the KV cache evicts it, on
-    /// the step that evicts it.
+    /// With a host tier: copy cached blocks there once computed (registered in the prefix
+    /// cache), ahead of their eviction (on a copy stream of its own on the CUDA backend,
+    /// alongside the next step), so that evicting them copies nothing; off: copy each when the
+    /// KV cache evicts it, on the step that evicts it.
     pub kv_offloading_ahead: bool,
 }
 

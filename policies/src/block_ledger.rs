@@ -301,6 +301,9 @@ impl BlockLedger {
         self.hashes.fill(None);
         self.log.cache.clear();
         self.log.clear_cache = true;
+        // Those registrations are no longer ones to store ahead (`BlockLedger::holds` would
+        // refuse them anyway).
+        self.registered.clear();
     }
 
     /// Prefix-cache registrations dropped so far (evicted by an allocation or cleared). While

@@ -351,13 +351,19 @@ mod planner_tests {
     /// Blocks of 4 tokens, `device` on the device, `host` in the host tier; cached blocks
     /// copied there when evicted only (the tests of stores ahead use [`sched_ahead`]).
     fn sched_with(device: usize, host: usize) -> Scheduler {
+        sched_config(device, host, false)
+    }
+
+    /// Blocks of 4 tokens, `device` on the device, `host` in the host tier, stores ahead of
+    /// eviction when `ahead`.
+    fn sched_config(device: usize, host: usize, ahead: bool) -> Scheduler {
         let c = SchedulerConfig {
             block_size: 4,
             num_gpu_blocks: device,
             max_model_len: 1024,
             enable_prefix_caching: true,
             num_host_blocks: host,
-            kv_offload_ahead: false,
+            kv_offload_ahead: ahead,
             ..SchedulerConfig::default()
         };
         Scheduler::new(c, Box::new(Fcfs), [5, 6]).unwrap()
@@ -456,16 +462,7 @@ mod planner_tests {
 
     /// As [`sched`], storing cached blocks ahead of their eviction.
     fn sched_ahead(host: usize) -> Scheduler {
-        let c = SchedulerConfig {
-            block_size: 4,
-            num_gpu_blocks: 6,
-            max_model_len: 1024,
-            enable_prefix_caching: true,
-            num_host_blocks: host,
-            kv_offload_ahead: true,
-            ..SchedulerConfig::default()
-        };
-        Scheduler::new(c, Box::new(Fcfs), [5, 6]).unwrap()
+        sched_config(6, host, true)
     }
 
     #[test]

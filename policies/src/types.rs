@@ -305,9 +305,10 @@ pub struct SchedulerConfig {
     pub num_host_blocks: usize,
     /// With a host tier: copy cached blocks there ahead of their eviction
     /// ([`StepPlan::kv_stores`]), once computed, in the order they are registered, so that the
-    /// step that evicts one finds it in the tier and copies nothing. A backend makes these copies alongside the next step (the CUDA backend
-    /// on a stream of its own) where eviction-time copies hold up the step that evicts. The
-    /// server's `cache.kv_offloading_ahead` (default on).
+    /// step that evicts one finds it in the tier and copies nothing. A backend makes these
+    /// copies alongside the next step (the CUDA backend on a stream of its own) where
+    /// eviction-time copies hold up the step that evicts. The server's
+    /// `cache.kv_offloading_ahead` (default on).
     #[serde(default = "default_true")]
     pub kv_offload_ahead: bool,
 }
@@ -491,9 +492,9 @@ pub struct StepPlan {
     /// gives them. Empty without a host tier.
     pub kv_loads: Vec<BlockCopy>,
     /// Device → host copies of cached blocks ahead of their eviction
-    /// ([`SchedulerConfig::kv_offload_ahead`]): blocks with no reference left (or matched
-    /// again), whose KV every step launched before this one has written, registered in the
-    /// host tier now. No other copy of this plan names their device or host blocks, and this
+    /// ([`SchedulerConfig::kv_offload_ahead`]): blocks registered in the prefix cache since
+    /// earlier plans (requests may still hold them), computed by steps launched before this
+    /// one, registered in the host tier now. No other copy of this plan names their device or host blocks, and this
     /// step writes none of them, so a backend may make them alongside this step; it must have
     /// made them before the next step's copies and compute. Empty without a host tier.
     pub kv_stores: Vec<BlockCopy>,

@@ -56,7 +56,7 @@ fn a_b_a(cache: &str) -> PolicyRun {
 }
 
 /// As [`a_b_a`], with a short request decoding between A and B and another between B and
-/// A's second run: steps during which the blocks A and B free can be stored ahead.
+/// A's second run: steps during which the blocks A and B computed can be stored ahead.
 fn a_c_b_c_a(cache: &str, async_scheduling: bool) -> PolicyRun {
     let rs = [
         request(0.0, 1..321, 1),

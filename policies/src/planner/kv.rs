@@ -29,7 +29,7 @@ impl Scheduler {
 
     /// Writes the ids the allocator gave this step's reserved blocks into the block tables
     /// and the plan's block deltas, and with a host KV tier adds the plan's copies
-    /// (`kv_loads`, `kv_offloads`). `plan` is the one [`Scheduler::plan_into`] just built.
+    /// (`kv_loads`, `kv_offloads`, `kv_stores`). `plan` is the one [`Scheduler::plan_into`] just built.
     pub fn assign_blocks(
         &mut self,
         plan: &mut StepPlan,
