@@ -809,6 +809,27 @@ fn ids(v: &Value) -> Vec<u32> {
         .collect()
 }
 
+/// The last token's logits of one greedy sequence fed `tokens` from position `at` over the
+/// block `table` (the host-tier round trips).
+fn tier_logits(
+    cuda: &mut CudaBackend,
+    p: &Arc<SamplingParams>,
+    tokens: &[u32],
+    at: usize,
+    table: &[u32],
+) -> Vec<f32> {
+    let seq = one_seq(1, at, tokens.to_vec(), table.to_vec(), p);
+    cuda.logits(&Batch { seqs: vec![seq] }).expect("forward")
+}
+
+/// (cache block, tier block) pairs as host-tier copies.
+fn kv_pairs(pairs: &[(u32, u32)]) -> Vec<switchyard_gpu::KvCopy> {
+    pairs
+        .iter()
+        .map(|&(device, host)| switchyard_gpu::KvCopy { device, host })
+        .collect()
+}
+
 fn one_seq(
     id: u64,
     computed: usize,
@@ -3564,15 +3585,9 @@ fn host_tier_round_trip(kv_fp8: bool, engine: Option<switchyard_gpu::cuda::KvCop
     let other: Vec<u32> = (0..64).map(|_| rng.random_range(300..vocab)).collect();
     let p = Arc::new(SamplingParams::greedy());
     let logits = |cuda: &mut CudaBackend, tokens: &[u32], at: usize, table: &[u32]| {
-        let seq = one_seq(1, at, tokens.to_vec(), table.to_vec(), &p);
-        cuda.logits(&Batch { seqs: vec![seq] }).expect("forward")
+        tier_logits(cuda, &p, tokens, at, table)
     };
-    let kv = |pairs: &[(u32, u32)]| -> Vec<switchyard_gpu::KvCopy> {
-        pairs
-            .iter()
-            .map(|&(device, host)| switchyard_gpu::KvCopy { device, host })
-            .collect()
-    };
+    let kv = kv_pairs;
     let (first, moved) = ([0u32, 1, 2, 3], [20u32, 21, 9, 30]);
     logits(&mut cuda, &prompt, 0, &first);
     let uninterrupted = logits(&mut cuda, &[400], prompt.len(), &first);
@@ -3634,15 +3649,9 @@ fn host_tier_stores(
 ) {
     let p = Arc::new(SamplingParams::greedy());
     let logits = |cuda: &mut CudaBackend, tokens: &[u32], at: usize, table: &[u32]| {
-        let seq = one_seq(1, at, tokens.to_vec(), table.to_vec(), &p);
-        cuda.logits(&Batch { seqs: vec![seq] }).expect("forward")
+        tier_logits(cuda, &p, tokens, at, table)
     };
-    let kv = |pairs: &[(u32, u32)]| -> Vec<switchyard_gpu::KvCopy> {
-        pairs
-            .iter()
-            .map(|&(device, host)| switchyard_gpu::KvCopy { device, host })
-            .collect()
-    };
+    let kv = kv_pairs;
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     let (first, elsewhere, moved) = ([0u32, 1, 2, 3], [26u32, 27, 28, 29], [20u32, 21, 9, 30]);
     // Tier blocks 2, 3, 7 and 4: written by no copy before.
