@@ -249,6 +249,10 @@ pub(crate) struct HostKvTier {
     pending: Option<CudaEvent>,
     /// After the stores the next step waits for: those enqueued before the step before it.
     due: Option<CudaEvent>,
+    /// Events `pending` and `due` no longer hold, recorded again by later stores (a wait
+    /// enqueued before takes the event as it was then), so a store creates none once the
+    /// tier has made two or three.
+    spare: Vec<CudaEvent>,
     geometry: Geometry,
     /// Number of blocks.
     pub num_blocks: usize,
@@ -353,6 +357,7 @@ impl HostKvTier {
             enqueued,
             pending: None,
             due: None,
+            spare: Vec::new(),
             geometry: Geometry {
                 layers: c.num_layers,
                 values,
@@ -397,8 +402,8 @@ impl HostKvTier {
                 .wait(e)
                 .map_err(|e| cuda_err("host KV tier: waiting for the stores", e))?;
         }
-        self.pending = None;
-        self.due = None;
+        self.spare.extend(self.pending.take());
+        self.spare.extend(self.due.take());
         self.enqueue(gpu, buf, false, offloads, loads)
     }
 
@@ -419,7 +424,10 @@ impl HostKvTier {
             return Ok(());
         }
         gpu.bind()?;
-        let done = gpu.event()?;
+        let done = match self.spare.pop() {
+            Some(event) => event,
+            None => gpu.event()?,
+        };
         // The steps that wrote the stored blocks are on the compute stream, before this point.
         self.enqueued
             .record(&self.compute.stream)
@@ -436,9 +444,11 @@ impl HostKvTier {
             // Some of the stores may be queued with no event after them for a step to wait
             // for: let them finish now.
             let _ = self.stores.stream.synchronize();
+            self.spare.push(done);
             return Err(e);
         }
-        self.pending = Some(done);
+        // An earlier call's event, if any, is behind this one on the copy stream.
+        self.spare.extend(self.pending.replace(done));
         Ok(())
     }
 
@@ -453,7 +463,8 @@ impl HostKvTier {
                 .wait(e)
                 .map_err(|e| cuda_err("host KV tier: waiting for the stores", e))?;
         }
-        self.due = self.pending.take();
+        self.spare
+            .extend(std::mem::replace(&mut self.due, self.pending.take()));
         Ok(())
     }
 
