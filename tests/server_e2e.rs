@@ -476,6 +476,51 @@ fn bad_inputs_get_openai_errors_and_the_server_keeps_serving() {
     complete(s, "Still alive?", json!({"max_tokens": 2}));
 }
 
+/// A body sent in a content coding the server does not decode (`Content-Encoding: gzip`, as
+/// some HTTP clients and proxies compress request bodies) is a 415 naming the coding, with
+/// `Accept-Encoding: identity`, on every route that reads a body; it was read as JSON, so a
+/// compressed body was "Invalid JSON" and a mislabelled plain one was served. `identity` is
+/// read as no coding.
+#[test]
+fn a_body_in_a_content_coding_is_refused_naming_it() {
+    let s = &server();
+    let body = json!({"prompt": "hi", "max_tokens": 1, "input": "hi",
+                      "messages": [{"role": "user", "content": "hi"}]})
+    .to_string();
+    for path in [
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/embeddings",
+        "/v1/responses",
+        "/tokenize",
+    ] {
+        let r = s
+            .request("POST", path, Some(&body), &[("content-encoding", "gzip")])
+            .expect("request");
+        assert_eq!(r.status, 415, "{path}: {r:?}");
+        let v: Value = serde_json::from_str(&r.body).expect("JSON error body");
+        assert_eq!(v["error"]["code"], "unsupported_content_encoding", "{v}");
+        assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap_or("")
+                .contains("gzip"),
+            "{v}"
+        );
+        assert_eq!(r.header("accept-encoding"), Some("identity"), "{r:?}");
+    }
+    let r = s
+        .request(
+            "POST",
+            "/v1/completions",
+            Some(&json!({"prompt": "hi", "max_tokens": 1}).to_string()),
+            &[("content-encoding", "identity")],
+        )
+        .expect("request");
+    assert_eq!(r.status, 200, "{r:?}");
+}
+
 #[test]
 fn context_length_is_enforced_with_its_code() {
     let s = &server();

@@ -58,6 +58,13 @@ pub enum ApiError {
         /// The limit in bytes.
         limit: usize,
     },
+    /// The body was sent in a content coding (`Content-Encoding`) other than `identity`,
+    /// which the server does not decode (415; the coding's name is bounded).
+    #[error(
+        "Content-Encoding `{0}` is not supported: send the body uncompressed \
+         (Content-Encoding identity or none)."
+    )]
+    UnsupportedContentEncoding(String),
     /// The body did not arrive within the configured time (408).
     #[error("The request body did not arrive within {} seconds.", .0.as_secs_f64())]
     BodyTimeout(std::time::Duration),
@@ -175,6 +182,11 @@ impl ApiError {
                 StatusCode::PAYLOAD_TOO_LARGE,
                 INVALID_REQUEST,
                 Some("request_too_large"),
+            ),
+            Self::UnsupportedContentEncoding(_) => (
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                INVALID_REQUEST,
+                Some("unsupported_content_encoding"),
             ),
             Self::BodyTimeout(_) => (
                 StatusCode::REQUEST_TIMEOUT,
@@ -319,6 +331,9 @@ impl ResponseError for ApiError {
             for header in r.snapshot.headers() {
                 response.insert_header(header);
             }
+        }
+        if let Self::UnsupportedContentEncoding(_) = self {
+            response.insert_header((header::ACCEPT_ENCODING, "identity"));
         }
         if matches!(self, Self::BodyTimeout(_)) {
             // The rest of the body may still come: the connection cannot be reused.
