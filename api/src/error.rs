@@ -332,6 +332,10 @@ impl ResponseError for ApiError {
                 response.insert_header(header);
             }
         }
+        if let Self::Unauthorized(_) = self {
+            // RFC 9110, 15.5.2: a 401 carries the challenge of the scheme the key goes in.
+            response.insert_header((header::WWW_AUTHENTICATE, "Bearer"));
+        }
         if let Self::UnsupportedContentEncoding(_) = self {
             response.insert_header((header::ACCEPT_ENCODING, "identity"));
         }
@@ -376,6 +380,20 @@ mod tests {
         assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(response.headers().get(header::RETRY_AFTER).unwrap(), "3");
         assert_eq!(body_json(&e)["error"]["code"], "overloaded");
+    }
+
+    /// A missing or wrong key is OpenAI's 401 `invalid_api_key` with the `Bearer` challenge
+    /// RFC 9110 requires of a 401 (it had none).
+    #[test]
+    fn unauthorized_is_401_with_a_bearer_challenge() {
+        let e = ApiError::Unauthorized("Incorrect API key provided.");
+        let response = e.error_response();
+        assert_eq!(response.status(), StatusCode::UNAUTHORIZED);
+        assert_eq!(
+            response.headers().get(header::WWW_AUTHENTICATE).unwrap(),
+            "Bearer"
+        );
+        assert_eq!(body_json(&e)["error"]["code"], "invalid_api_key");
     }
 
     /// A request timed out in the queue: 503 `queue_timeout` with `Retry-After` and the
