@@ -776,6 +776,8 @@ fn failed_authentication_is_logged_rate_limited_without_the_key() {
             )
             .expect("request");
         assert_eq!(r.status, 401, "{}", r.body);
+        // RFC 9110, 15.5.2: a 401 names the scheme the key goes in.
+        assert_eq!(r.header("www-authenticate"), Some("Bearer"), "{r:?}");
     }
     let r = s
         .request(
@@ -786,6 +788,7 @@ fn failed_authentication_is_logged_rate_limited_without_the_key() {
         )
         .expect("request");
     assert_eq!(r.status, 401, "{}", r.body);
+    assert_eq!(r.header("www-authenticate"), Some("Bearer"), "{r:?}");
     let log = s.log();
     assert!(
         !log.contains("wrong-guess") && !log.contains("not-the-admin"),

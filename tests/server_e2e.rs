@@ -476,6 +476,101 @@ fn bad_inputs_get_openai_errors_and_the_server_keeps_serving() {
     complete(s, "Still alive?", json!({"max_tokens": 2}));
 }
 
+/// A body sent in a content coding the server does not decode (`Content-Encoding: gzip`, as
+/// some HTTP clients and proxies compress request bodies) is a 415 naming the coding, with
+/// `Accept-Encoding: identity`, on every route that reads a body; it was read as JSON, so a
+/// compressed body was "Invalid JSON" and a mislabelled plain one was served. `identity` is
+/// read as no coding.
+#[test]
+fn a_body_in_a_content_coding_is_refused_naming_it() {
+    let s = &server();
+    let body = json!({"prompt": "hi", "max_tokens": 1, "input": "hi",
+                      "messages": [{"role": "user", "content": "hi"}]})
+    .to_string();
+    for path in [
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/embeddings",
+        "/v1/responses",
+        "/tokenize",
+    ] {
+        let r = s
+            .request("POST", path, Some(&body), &[("content-encoding", "gzip")])
+            .expect("request");
+        assert_eq!(r.status, 415, "{path}: {r:?}");
+        let v: Value = serde_json::from_str(&r.body).expect("JSON error body");
+        assert_eq!(v["error"]["code"], "unsupported_content_encoding", "{v}");
+        assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap_or("")
+                .contains("gzip"),
+            "{v}"
+        );
+        assert_eq!(r.header("accept-encoding"), Some("identity"), "{r:?}");
+    }
+    let r = s
+        .request(
+            "POST",
+            "/v1/completions",
+            Some(&json!({"prompt": "hi", "max_tokens": 1}).to_string()),
+            &[("content-encoding", "identity")],
+        )
+        .expect("request");
+    assert_eq!(r.status, 200, "{r:?}");
+}
+
+/// A streamed answer to an HTTP/1.0 request is not chunked (HTTP/1.0 has no chunked coding: its
+/// client reads the chunk sizes as part of the body): the SSE frames come as they are, and the
+/// connection's close ends the body. actix-http chunked it whatever the version. An HTTP/1.1
+/// stream is still chunked.
+#[test]
+fn a_stream_to_an_http10_client_is_not_chunked() {
+    use std::io::{Read, Write};
+    let s = &server();
+    let body = json!({"prompt": "hi", "max_tokens": 3, "stream": true}).to_string();
+    let send = |version: &str| {
+        let mut stream = std::net::TcpStream::connect(("127.0.0.1", s.port)).expect("connect");
+        stream
+            .set_read_timeout(Some(std::time::Duration::from_secs(120)))
+            .unwrap();
+        write!(
+            stream,
+            "POST /v1/completions {version}\r\nHost: x\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .expect("send");
+        stream
+    };
+    let mut stream = send("HTTP/1.0");
+    // Read to the end: the server closes the connection after the last frame.
+    let mut raw = String::new();
+    stream
+        .read_to_string(&mut raw)
+        .expect("the whole answer, then a close");
+    let (head, sse) = raw.split_once("\r\n\r\n").expect("a head");
+    assert!(head.starts_with("HTTP/1.0 200"), "{head}");
+    assert!(
+        !head.to_ascii_lowercase().contains("transfer-encoding"),
+        "{head}"
+    );
+    assert!(sse.starts_with("data: {"), "{sse:?}");
+    assert!(sse.ends_with("data: [DONE]\n\n"), "{sse:?}");
+    let events = sse_events(sse);
+    assert!(events.len() >= 2, "{sse:?}");
+    for event in &events[..events.len() - 1] {
+        let v: Value = serde_json::from_str(event).expect("a JSON frame");
+        assert_eq!(v["object"], "text_completion", "{v}");
+    }
+
+    let mut stream = send("HTTP/1.1");
+    let r = common::read_response(&mut stream).expect("an answer");
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(r.header("transfer-encoding"), Some("chunked"), "{r:?}");
+}
+
 #[test]
 fn context_length_is_enforced_with_its_code() {
     let s = &server();

@@ -691,6 +691,20 @@ fn stored_responses_continue_are_retrieved_and_stay_with_their_tenant() {
     // Retrieved as it was sent; another tenant gets the unknown id's 404.
     let path1 = format!("/v1/responses/{id1}");
     assert_eq!(call(&s, "GET", &path1, None, ALICE), (200, first.clone()));
+    // `stream=false` is the object; `stream=true` (the openai SDK's `retrieve(id, stream=True)`,
+    // which would read the object as a stream of no events) and the other parameters OpenAI
+    // takes are refused naming themselves.
+    let query = |q: &str| call(&s, "GET", &format!("{path1}?{q}"), None, ALICE);
+    assert_eq!(query("stream=false"), (200, first.clone()));
+    for (q, param) in [
+        ("stream=true", "stream"),
+        ("stream=true&starting_after=2", "stream"),
+        ("include[]=message.output_text.logprobs", "include[]"),
+    ] {
+        let (status, v) = query(q);
+        assert_eq!(status, 400, "{q}: {v}");
+        assert_eq!(v["error"]["param"], param, "{q}: {v}");
+    }
     let (status, theirs) = call(&s, "GET", &path1, None, BOB);
     let (_, unknown) = call(&s, "GET", "/v1/responses/resp_unknown", None, BOB);
     assert_eq!(status, 404, "{theirs}");

@@ -18,12 +18,35 @@ pub(crate) async fn read_json<T: DeserializeOwned>(
     payload: web::Payload,
     config: &ApiConfig,
 ) -> Result<T, ApiError> {
+    check_content_encoding(req)?;
     let timeout = config.body_timeout;
     let body =
         actix_web::rt::time::timeout(timeout, read_body(req, payload, config.max_body_bytes))
             .await
             .map_err(|_| ApiError::BodyTimeout(timeout))??;
     parse_json(&body)
+}
+
+/// Refuses a body sent in a content coding (`Content-Encoding: gzip`, ...): the server decodes
+/// none, and parsing the coded bytes as JSON would answer "Invalid JSON body" about a body the
+/// client wrote as valid JSON. A 415 names the coding and says that only `identity` is read
+/// (RFC 9110, 15.5.16: the response's `Accept-Encoding` says so too).
+fn check_content_encoding(req: &HttpRequest) -> Result<(), ApiError> {
+    for value in req.headers().get_all(header::CONTENT_ENCODING) {
+        let Ok(value) = value.to_str() else {
+            return Err(ApiError::UnsupportedContentEncoding(
+                "(not visible ASCII)".to_owned(),
+            ));
+        };
+        for coding in value.split(',').map(str::trim) {
+            if !coding.is_empty() && !coding.eq_ignore_ascii_case("identity") {
+                return Err(ApiError::UnsupportedContentEncoding(
+                    coding.chars().take(64).collect(),
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Reads the whole body, at most `limit` bytes (else 413).
@@ -177,6 +200,40 @@ fn missing_field(message: &str) -> Option<String> {
 mod tests {
     use super::*;
     use crate::schema::CompletionRequest;
+
+    fn encoded(values: &[&str]) -> Result<(), ApiError> {
+        let mut req = actix_web::test::TestRequest::default();
+        for v in values {
+            req = req.append_header((header::CONTENT_ENCODING, *v));
+        }
+        check_content_encoding(&req.to_http_request())
+    }
+
+    /// A body in a content coding is refused naming the coding (the first one not `identity`);
+    /// none, or `identity` alone, is read.
+    #[test]
+    fn a_coded_body_is_refused_naming_its_coding() {
+        for ok in [
+            &[][..],
+            &["identity"],
+            &["Identity"],
+            &["identity, identity"],
+        ] {
+            assert_eq!(encoded(ok), Ok(()), "{ok:?}");
+        }
+        for (values, coding) in [
+            (&["gzip"][..], "gzip"),
+            (&["br"], "br"),
+            (&["identity, deflate"], "deflate"),
+            (&["identity", "zstd"], "zstd"),
+        ] {
+            assert_eq!(
+                encoded(values),
+                Err(ApiError::UnsupportedContentEncoding(coding.to_owned())),
+                "{values:?}"
+            );
+        }
+    }
 
     fn param(body: &str) -> Option<String> {
         match parse_json::<CompletionRequest>(body.as_bytes()) {

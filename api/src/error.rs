@@ -58,6 +58,13 @@ pub enum ApiError {
         /// The limit in bytes.
         limit: usize,
     },
+    /// The body was sent in a content coding (`Content-Encoding`) other than `identity`,
+    /// which the server does not decode (415; the coding's name is bounded).
+    #[error(
+        "Content-Encoding `{0}` is not supported: send the body uncompressed \
+         (Content-Encoding identity or none)."
+    )]
+    UnsupportedContentEncoding(String),
     /// The body did not arrive within the configured time (408).
     #[error("The request body did not arrive within {} seconds.", .0.as_secs_f64())]
     BodyTimeout(std::time::Duration),
@@ -175,6 +182,11 @@ impl ApiError {
                 StatusCode::PAYLOAD_TOO_LARGE,
                 INVALID_REQUEST,
                 Some("request_too_large"),
+            ),
+            Self::UnsupportedContentEncoding(_) => (
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                INVALID_REQUEST,
+                Some("unsupported_content_encoding"),
             ),
             Self::BodyTimeout(_) => (
                 StatusCode::REQUEST_TIMEOUT,
@@ -320,6 +332,13 @@ impl ResponseError for ApiError {
                 response.insert_header(header);
             }
         }
+        if let Self::Unauthorized(_) = self {
+            // RFC 9110, 15.5.2: a 401 carries the challenge of the scheme the key goes in.
+            response.insert_header((header::WWW_AUTHENTICATE, "Bearer"));
+        }
+        if let Self::UnsupportedContentEncoding(_) = self {
+            response.insert_header((header::ACCEPT_ENCODING, "identity"));
+        }
         if matches!(self, Self::BodyTimeout(_)) {
             // The rest of the body may still come: the connection cannot be reused.
             response.force_close();
@@ -361,6 +380,20 @@ mod tests {
         assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(response.headers().get(header::RETRY_AFTER).unwrap(), "3");
         assert_eq!(body_json(&e)["error"]["code"], "overloaded");
+    }
+
+    /// A missing or wrong key is OpenAI's 401 `invalid_api_key` with the `Bearer` challenge
+    /// RFC 9110 requires of a 401 (it had none).
+    #[test]
+    fn unauthorized_is_401_with_a_bearer_challenge() {
+        let e = ApiError::Unauthorized("Incorrect API key provided.");
+        let response = e.error_response();
+        assert_eq!(response.status(), StatusCode::UNAUTHORIZED);
+        assert_eq!(
+            response.headers().get(header::WWW_AUTHENTICATE).unwrap(),
+            "Bearer"
+        );
+        assert_eq!(body_json(&e)["error"]["code"], "invalid_api_key");
     }
 
     /// A request timed out in the queue: 503 `queue_timeout` with `Retry-After` and the

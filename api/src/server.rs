@@ -4,8 +4,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use actix_web::body::MessageBody;
+use actix_web::body::{BodySize, MessageBody};
 use actix_web::dev::{Server, ServiceRequest, ServiceResponse};
+use actix_web::http::{ConnectionType, Version};
 use actix_web::middleware::{from_fn, Condition, Next};
 use actix_web::{web, App, HttpRequest, HttpServer};
 
@@ -46,6 +47,7 @@ pub fn configure(cfg: &mut web::ServiceConfig, state: ApiState) {
         .wrap(from_fn(crate::cors::json_refusals))
         .wrap(from_fn(add_request_id))
         .wrap(from_fn(hold_request_body))
+        .wrap(from_fn(unchunked_for_http10))
         // vLLM's routes for the admin API's LoRA loads (the admin key, not an API key), ahead
         // of the `/v1` scope that would take them for its own.
         .service(
@@ -188,6 +190,25 @@ pub fn configure(cfg: &mut web::ServiceConfig, state: ApiState) {
     cfg.app_data(web::Data::new(state))
         .service(all)
         .default_service(web::to(routes::not_found));
+}
+
+/// HTTP/1.0 has no chunked transfer coding (a server must not send one to an HTTP/1.0
+/// client, RFC 9112, 6.1 and 7: the client would read the chunk sizes as part of the body), but
+/// actix-http frames every body of unknown length in chunks whatever the request's version. A
+/// streamed response (the SSE of `stream: true`) to an HTTP/1.0 request is sent as it is,
+/// delimited by closing the connection, as HTTP/1.0 delimits a body of unknown length.
+async fn unchunked_for_http10(
+    req: ServiceRequest,
+    next: Next<impl MessageBody + 'static>,
+) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
+    let http10 = req.version() < Version::HTTP_11;
+    let mut res = next.call(req).await?;
+    if http10 && res.response().body().size() == BodySize::Stream {
+        let head = res.response_mut().head_mut();
+        head.no_chunking(true);
+        head.set_connection_type(ConnectionType::Close);
+    }
+    Ok(res)
 }
 
 /// Counts responses by route template and status, and times them. A request whose handler is

@@ -345,9 +345,46 @@ pub(crate) async fn retrieve_response(
     state: web::Data<ApiState>,
     principal: web::ReqData<Principal>,
     id: web::Path<String>,
+    req: HttpRequest,
 ) -> Result<HttpResponse, ApiError> {
+    check_retrieve_query(req.query_string())?;
     let stored = find(&state, &principal, &id)?;
     Ok(HttpResponse::Ok().json(stored.response))
+}
+
+/// `GET /v1/responses/{id}`'s query: OpenAI's `stream=true` (the response's events replayed,
+/// or followed while it runs in the background, from `starting_after`) is not served, nor its
+/// `include` (the stored object is returned as it was sent): a 400 naming the parameter, rather
+/// than a JSON body where the client waits for events (the openai SDK's
+/// `responses.retrieve(id, stream=True)` would read it as a stream of no events). `stream=false`
+/// is what is served.
+fn check_retrieve_query(query: &str) -> Result<(), ApiError> {
+    let pairs = web::Query::<Vec<(String, String)>>::from_query(query)
+        .map_err(|_| ApiError::invalid("query", "the query string is not valid"))?
+        .into_inner();
+    for (name, value) in pairs {
+        match name.as_str() {
+            "stream" if value == "false" => {}
+            "stream" => {
+                return Err(ApiError::invalid(
+                    "stream",
+                    "streaming a stored response (stream=true) is not supported: GET it without \
+                     stream for the response object",
+                ))
+            }
+            other => {
+                let shown: String = other.chars().take(64).collect();
+                return Err(ApiError::invalid(
+                    shown.clone(),
+                    format!(
+                        "the query parameter {shown:?} is not supported: only stream=false \
+                         (the response object as it was sent)"
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Handles `DELETE /v1/responses/{id}`. Responses that continue it keep their conversation.
@@ -1045,6 +1082,29 @@ mod tests {
                 name: name.map(str::to_owned),
                 arguments: arguments.to_owned(),
             },
+        }
+    }
+
+    /// Retrieval serves the stored object only: `stream=true` and the other query parameters
+    /// OpenAI takes are refused naming themselves, `stream=false` and none are served.
+    #[test]
+    fn retrieval_refuses_streaming_and_other_parameters() {
+        for query in ["", "stream=false"] {
+            assert_eq!(check_retrieve_query(query), Ok(()), "{query}");
+        }
+        for (query, param) in [
+            ("stream=true", "stream"),
+            ("stream=1", "stream"),
+            ("stream=false&starting_after=3", "starting_after"),
+            ("include[]=message.output_text.logprobs", "include[]"),
+            ("include_obfuscation=false", "include_obfuscation"),
+        ] {
+            match check_retrieve_query(query) {
+                Err(ApiError::InvalidRequest { param: p, .. }) => {
+                    assert_eq!(p.as_deref(), Some(param), "{query}")
+                }
+                other => panic!("{query}: {other:?}"),
+            }
         }
     }
 
