@@ -121,7 +121,7 @@ pub fn progress(label: &str, len: u64, unit: &str) -> Progress {
     }
     let bar = indicatif::ProgressBar::new(len);
     let style = indicatif::ProgressStyle::with_template(&format!(
-        "{{bar:40}} {{pos}}/{{len}} {unit} ({{elapsed}} elapsed, eta {{eta}})"
+        "{{wide_bar}} {{pos}}/{{len}} {unit}{{msg}} ({{elapsed}} elapsed, eta {{eta}})"
     ))
     .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar());
     bar.set_style(style);
