@@ -173,7 +173,7 @@ pub struct GenerateArgs {
     /// scale per token and KV head).
     #[arg(long, default_value = "auto")]
     pub kv_cache_dtype: switchyard_config::KvCacheDtype,
-    /// CPU threads (0 = all cores).
+    /// CPU threads (0 = all cores; at most 1024, as model.threads).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
     /// Print JSON lines instead of text.
@@ -472,7 +472,7 @@ pub struct ThroughputArgs {
     /// Most tokens per step.
     #[arg(long, default_value_t = 8192)]
     pub max_num_batched_tokens: usize,
-    /// CPU threads (0 = all cores).
+    /// CPU threads (0 = all cores; at most 1024, as model.threads).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
     /// Decode latency at a fixed batch: run exactly this many prompts together and report the

@@ -137,6 +137,97 @@ fn bench_serve_embeddings_reports_vllm_labels_tokens_and_the_vectors_length() {
     assert_eq!(v["embedding_batch"], 4, "{v}");
 }
 
+/// The prompt tokens the server's prefix cache served (its answers' `usage`) and, with the
+/// mooncake dataset, the trace's own reuse are reported for embeddings as for completions:
+/// the `Prefix Reuse` section and its `--result-file` fields (they used to be left out of an
+/// embeddings run's report).
+#[test]
+fn bench_serve_embeddings_reports_the_prefix_cache_and_the_traces_reuse() {
+    let server = Server::start("bench-embed-reuse", "");
+    let dir = temp_dir("reuse");
+    let cached = || {
+        server
+            .metric("switchyard:prompt_tokens_cached_total")
+            .expect("prompt_tokens_cached_total")
+    };
+    let args = [
+        "--num-prompts",
+        "4",
+        "--input-len",
+        "48",
+        "--max-concurrency",
+        "1",
+    ];
+    // Four random prompts, none seen before; then the same four again, each served from the
+    // cache but for its last block: 32 of its 48 tokens. The server also counts the test
+    // request, the same one in both runs (its own prompt, not in the report).
+    for (name, expected, test_request) in [("first", 0u64, 0u64), ("again", 4 * 32, 32)] {
+        let result = dir.join(format!("{name}.json"));
+        let before = cached();
+        let (ok, stdout, stderr) = bench(&server, &args, &result);
+        assert!(ok, "{stderr}");
+        assert!(stdout.contains("Prefix Reuse"), "{stdout}");
+        assert!(
+            stdout.contains(&format!(
+                "Cached prompt tokens:                   {expected}\n"
+            )),
+            "{stdout}"
+        );
+        let v = read_json(&result);
+        assert_eq!(v["total_cached_prompt_tokens"], expected, "{v}");
+        let fraction = v["cached_prompt_token_fraction"]
+            .as_f64()
+            .expect("fraction");
+        assert!(
+            (fraction - expected as f64 / (4.0 * 48.0)).abs() < 1e-9,
+            "{v}"
+        );
+        assert_eq!(
+            cached() - before,
+            (expected + test_request) as f64,
+            "the server's counter"
+        );
+    }
+
+    // A mooncake slice: row 2 repeats row 1's block (16 tokens a block), which the trace
+    // could reuse and the server's cache serves.
+    let trace = dir.join("trace.jsonl");
+    std::fs::write(
+        &trace,
+        "{\"timestamp\": 0, \"input_length\": 512, \"output_length\": 1, \"hash_ids\": [71]}\n\
+         {\"timestamp\": 10, \"input_length\": 1024, \"output_length\": 1, \"hash_ids\": [71, 72]}\n",
+    )
+    .expect("write the trace");
+    let result = dir.join("mooncake.json");
+    let trace_arg = trace.display().to_string();
+    let (ok, stdout, stderr) = bench(
+        &server,
+        &[
+            "--dataset",
+            "mooncake",
+            "--dataset-path",
+            &trace_arg,
+            "--mooncake-block-tokens",
+            "16",
+            "--num-prompts",
+            "2",
+            "--max-concurrency",
+            "1",
+        ],
+        &result,
+    );
+    assert!(ok, "{stderr}");
+    assert!(
+        stdout.contains("Trace's reusable prompt tokens:"),
+        "{stdout}"
+    );
+    let v = read_json(&result);
+    assert_eq!(v["total_input_tokens"], 16 + 32, "{v}");
+    assert_eq!(v["trace_prompt_tokens"], 16 + 32, "{v}");
+    assert_eq!(v["trace_reusable_prompt_tokens"], 16, "{v}");
+    assert_eq!(v["total_cached_prompt_tokens"], 16, "{v}");
+}
+
 /// Prompts longer than the server's context are refused (400): those requests count as
 /// failed, with the server's reason; a test request that fails stops the run before it starts.
 #[test]

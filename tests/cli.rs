@@ -377,6 +377,63 @@ fn a_spec_and_a_server_configuration_given_to_the_wrong_command_say_which_they_a
 
 /// `--policies` naming one policy twice says what to do instead (the command line has no
 /// labels).
+/// A configuration path that is a FIFO (which no one writes) is refused as not a regular file,
+/// at once: the read checks the kind before opening it, and the hint that follows a refusal
+/// (is it the other kind of file?) used to open it again and block forever.
+#[test]
+fn config_check_and_serve_refuse_a_fifo_at_once() {
+    let dir = temp_dir("fifo");
+    let fifo = dir.join("config.yaml");
+    let made = Command::new("mkfifo").arg(&fifo).status().expect("mkfifo");
+    assert!(made.success(), "mkfifo failed");
+    for args in [&["config", "check"][..], &["serve", "--config"][..]] {
+        let mut child = switchyard()
+            .args(args)
+            .arg(&fifo)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("run switchyard");
+        let status = common::wait_exit(
+            &mut child,
+            std::time::Duration::from_secs(20),
+            &format!("switchyard {} on a FIFO", args.join(" ")),
+        );
+        let mut err = String::new();
+        std::io::Read::read_to_string(&mut child.stderr.take().expect("stderr"), &mut err)
+            .expect("read stderr");
+        assert!(!status.success(), "{err}");
+        assert!(err.contains("not a regular file"), "{err}");
+    }
+}
+
+/// `--threads` is bounded as `model.threads` is (0..=1024), before the model loads: each is an
+/// OS thread, and `bench throughput --threads 100000` used to run the machine out of memory (a
+/// panic in the thread spawner, then the process killed) rather than refuse the flag.
+#[test]
+fn threads_beyond_what_model_threads_takes_are_refused() {
+    for args in [
+        &[
+            "bench",
+            "throughput",
+            "--num-prompts",
+            "1",
+            "--input-len",
+            "4",
+            "--output-len",
+            "1",
+        ][..],
+        &["generate", "--prompt", "hi", "--max-tokens", "1"][..],
+    ] {
+        let err = fails(switchyard().args(args).args(["--threads", "1025"]));
+        assert!(
+            err.contains("--threads must be 0..=1024") && !err.contains("loading model"),
+            "{}: {err}",
+            args.join(" ")
+        );
+    }
+}
+
 #[test]
 fn simulate_refuses_a_policy_named_twice_on_the_command_line() {
     let err = fails(switchyard().args([
@@ -552,6 +609,39 @@ fn bench_serve_refuses_a_run_that_would_last_days_unless_allowed() {
         err.contains("arrive over about 11 d 13 h") && err.contains("/v1/models"),
         "{err}"
     );
+}
+
+/// A `--result-file` that cannot be written (its directory missing, or a directory itself) is
+/// refused before anything is sent, as `calibrate --output` is, instead of failing to write
+/// it once the whole run is over.
+#[test]
+fn bench_serve_refuses_a_result_file_it_cannot_write_before_the_run() {
+    let dir = temp_dir("result-file");
+    for (path, why) in [
+        (dir.join("missing/result.json"), "is not a directory"),
+        (dir.clone(), "it is a directory"),
+    ] {
+        let err = fails(
+            switchyard()
+                .args([
+                    "bench",
+                    "serve",
+                    "--base-url",
+                    "http://127.0.0.1:1",
+                    "--num-prompts",
+                    "4",
+                    "--result-file",
+                ])
+                .arg(&path),
+        );
+        assert!(
+            err.contains("--result-file")
+                && err.contains(&format!("cannot write {}", path.display()))
+                && err.contains(why)
+                && !err.contains("/v1/models"),
+            "{err}"
+        );
+    }
 }
 
 #[test]

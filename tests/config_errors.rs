@@ -253,6 +253,87 @@ fn a_missing_model_path_is_refused_naming_the_key_and_its_line() {
     assert!(ok, "the example's empty model.path was refused: {err}");
 }
 
+/// An error about an item of a list written in flow style on one line (`api_keys: [{...}]`)
+/// names the line of that list, as one about a `- ` item names the item's line (it used to
+/// name no line at all).
+#[test]
+fn an_item_of_a_one_line_flow_list_is_located() {
+    let file = edited(
+        "flow-list",
+        "  # api_keys_file: /etc/switchyard/keys.yaml",
+        "  api_keys: [{ key: sk-12345678, tenant: acme, tier: gold }]",
+    );
+    let err = refused(&file, &[], &[]);
+    assert!(
+        err.starts_with(&format!(
+            "error: {}:{}: server.api_keys[0].tier: unknown tier `gold`",
+            file.display(),
+            line_of("  # api_keys_file: /etc/switchyard/keys.yaml")
+        )),
+        "{err}"
+    );
+}
+
+/// A `model.chat_template` that is missing or does not compile is refused by `config check`
+/// naming the key and its line, and by `serve` before the model loads (it used to pass the
+/// check and fail `serve` only once the model had loaded, without the file's line); a
+/// template that compiles passes.
+#[test]
+fn a_chat_template_that_cannot_be_read_or_compiled_is_refused_before_the_model_loads() {
+    let commented = "  # chat_template: /srv/templates/chat.jinja";
+    let file = edited(
+        "missing-template",
+        commented,
+        "  chat_template: /nonexistent/chat.jinja",
+    );
+    let err = refused(&file, &[], &[]);
+    assert!(
+        err.starts_with(&format!(
+            "error: {}:{}: model.chat_template: ",
+            file.display(),
+            line_of(commented)
+        )) && err.contains("/nonexistent/chat.jinja"),
+        "{err}"
+    );
+    let serve = Command::new(env!("CARGO_BIN_EXE_switchyard"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .args(["serve", "--set", "server.port=0", "--config"])
+        .arg(&file)
+        .output()
+        .expect("run switchyard serve");
+    let log = String::from_utf8_lossy(&serve.stderr);
+    assert!(!serve.status.success(), "{log}");
+    assert!(
+        log.contains("model.chat_template") && !log.contains("loading model"),
+        "serve did not refuse the template before loading the model: {log}"
+    );
+
+    let dir = file.parent().expect("the edited file's directory");
+    let broken = dir.join("broken.jinja");
+    std::fs::write(&broken, "{% for m in messages %}{{ m.content }}").expect("write");
+    let err = refused(
+        Path::new(EXAMPLE),
+        &[
+            "--set",
+            &format!("model.chat_template={}", broken.display()),
+        ],
+        &[],
+    );
+    assert!(
+        err.starts_with("error: override `--set model.chat_template=")
+            && err.contains("model.chat_template: "),
+        "{err}"
+    );
+
+    let good = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen3.jinja");
+    let (ok, err) = check(
+        Path::new(EXAMPLE),
+        &["--set", &format!("model.chat_template={}", good.display())],
+        &[],
+    );
+    assert!(ok, "a template that compiles was refused: {err}");
+}
+
 /// An entry of `lora.adapters` whose path is not a PEFT directory (missing, a file, a directory
 /// without the adapter's files) is refused by `config check`, naming its index and what is
 /// wrong, as `serve` refuses it before the model loads; the fixture's adapter passes.

@@ -6,7 +6,33 @@
 /// line (`policy: { name: fcfs }`); `None` when it cannot be found (a flow mapping over several
 /// lines, or a field that was left to its default).
 pub fn locate(text: &str, path: &str) -> Option<usize> {
-    locate_block(text, path).or_else(|| locate_in_flow(text, path))
+    locate_block(text, path)
+        .or_else(|| locate_in_flow(text, path))
+        .or_else(|| locate_in_flow_list(text, path))
+}
+
+/// The line of an item's field of a list written in flow style on one line (`api_keys: [{key:
+/// k, tenant: a, tier: gold}]`, `adapter_dirs: [/srv/a, /srv/b]`), which has no `- ` items for
+/// [`locate_block`] to count: the line of the list's key, when its `[` is on that line and the
+/// rest of the path's keys are written after it, in order.
+fn locate_in_flow_list(text: &str, path: &str) -> Option<usize> {
+    let segments: Vec<&str> = path.split('.').collect();
+    let at = segments.iter().position(|s| s.contains('['))?;
+    let mut list = segments[..at].to_vec();
+    list.push(segments[at].split('[').next().unwrap_or(segments[at]));
+    let list = list.join(".");
+    let line = locate_block(text, &list).or_else(|| locate_in_flow(text, &list))?;
+    let written = text.lines().nth(line - 1)?;
+    let written = written.split(" #").next().unwrap_or(written);
+    let key = list.rsplit('.').next().unwrap_or(&list);
+    let after_key = &written[find_key(written, key)? + key.len() + 1..];
+    let mut rest = &after_key[after_key.find('[')?..];
+    for seg in &segments[at + 1..] {
+        let key = seg.split('[').next().unwrap_or(seg);
+        let i = find_key(rest, key)?;
+        rest = &rest[i + key.len()..];
+    }
+    Some(line)
 }
 
 /// The line of the nearest enclosing field of `path` written in block style, when the rest of
@@ -142,6 +168,19 @@ mod tests {
         assert_eq!(locate(text, "scheduler.policy.params.aging"), None);
         assert_eq!(locate(text, "lora.max_lora_rank"), None);
         assert_eq!(locate(text, "scheduler.policy.me"), None);
+    }
+
+    #[test]
+    fn finds_fields_of_items_of_one_line_flow_lists() {
+        let text = "server:\n  api_keys: [{key: aaaaaaaa, tenant: a}, {key: bbbbbbbb, tier: gold}]\nlora:\n  adapter_dirs: [/srv/a, /srv/b]  # c\n  adapters: [{name: x, path: /p}]\n";
+        assert_eq!(locate(text, "server.api_keys[1].tier"), Some(2));
+        assert_eq!(locate(text, "server.api_keys[0].key"), Some(2));
+        assert_eq!(locate(text, "lora.adapter_dirs[1]"), Some(4));
+        assert_eq!(locate(text, "lora.adapters[0].path"), Some(5));
+        // A field no item writes, and a list whose `[` is on another line: no line.
+        assert_eq!(locate(text, "server.api_keys[0].adapters"), None);
+        let text = "server:\n  api_keys:\n    [{key: aaaaaaaa, tier: gold}]\n";
+        assert_eq!(locate(text, "server.api_keys[0].tier"), None);
     }
 
     #[test]

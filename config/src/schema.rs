@@ -200,6 +200,11 @@ pub const MAX_NUM_BLOCKS: usize = 1 << 24;
 /// Most GiB of host memory `cache.kv_offloading_size` may ask for.
 pub const MAX_KV_OFFLOADING_GIB: f64 = 1024.0;
 
+/// Most CPU threads the CPU backend takes (`model.threads`, and the `--threads` flag of
+/// `generate` and `bench throughput`): each is an OS thread with its own stack, so an
+/// unbounded count exhausts memory before the backend starts.
+pub const MAX_CPU_THREADS: usize = 1024;
+
 fn offloading_gib<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
     d.deserialize_any(Checked {
         check: |v| {
@@ -549,7 +554,7 @@ pub struct ModelSection {
     pub tool_prompt: ToolPrompt,
     /// Whether the reasoning of chat answers is read apart.
     pub reasoning_parser: ReasoningParser,
-    /// CPU threads for the CPU backend (0 = all cores).
+    /// CPU threads for the CPU backend (0 = all cores; at most [`MAX_CPU_THREADS`]).
     #[serde(deserialize_with = "usize_in::<_, 0, 1024>")]
     pub threads: usize,
     /// The CPU backend's activation precision (`auto`, `int8`, `mixed`, `precise`).

@@ -121,9 +121,14 @@ impl Progress {
         }
     }
 
-    /// Makes the plain lines say how many items failed (`412/1000 requests (3 failed)`).
+    /// Makes the plain lines say how many items failed (`412/1000 requests (3 failed)`), and
+    /// the bar too, through its message (`{msg}` in the caller's style), so that failures
+    /// show while the task runs on a terminal as they do in a log.
     pub fn counting_failures(self) -> Self {
         self.counts.show_failed.store(true, Ordering::Relaxed);
+        if let Show::Bar(bar) = &self.show {
+            bar.set_message(failed_message(0));
+        }
         self
     }
 
@@ -137,8 +142,13 @@ impl Progress {
 
     /// Counts one more item finished, and failed.
     pub fn inc_failed(&self) {
-        self.counts.failed.fetch_add(1, Ordering::Relaxed);
+        let failed = self.counts.failed.fetch_add(1, Ordering::Relaxed) + 1;
         self.inc(1);
+        if let Show::Bar(bar) = &self.show {
+            if self.counts.show_failed.load(Ordering::Relaxed) {
+                bar.set_message(failed_message(failed));
+            }
+        }
     }
 
     /// Sets the number of items finished.
@@ -163,6 +173,11 @@ impl Progress {
             Show::Lines(ticker) => ticker.stop(true),
         }
     }
+}
+
+/// The bar's message once it counts failures, as the plain lines say it: ` (3 failed)`.
+fn failed_message(failed: u64) -> String {
+    format!(" ({failed} failed)")
 }
 
 /// The thread writing plain lines, and how to stop it.
@@ -351,6 +366,32 @@ mod tests {
 
     fn counts(done: u64, len: u64, failed: Option<u64>) -> Snapshot {
         Snapshot { done, len, failed }
+    }
+
+    /// On a terminal the bar says how many failed as the lines do (it used to say nothing of
+    /// failures until the run's report).
+    #[test]
+    fn a_bar_counting_failures_says_how_many_failed() {
+        let bar = indicatif::ProgressBar::hidden();
+        let progress = Progress {
+            counts: Arc::default(),
+            show: Show::Bar(bar.clone()),
+        }
+        .counting_failures();
+        assert_eq!(bar.message(), " (0 failed)");
+        progress.inc(1);
+        progress.inc_failed();
+        progress.inc_failed();
+        assert_eq!(bar.message(), " (2 failed)");
+        assert_eq!(bar.position(), 3);
+        // A bar that keeps no failure count says none.
+        let bar = indicatif::ProgressBar::hidden();
+        let progress = Progress {
+            counts: Arc::default(),
+            show: Show::Bar(bar.clone()),
+        };
+        progress.inc_failed();
+        assert_eq!(bar.message(), "");
     }
 
     #[test]

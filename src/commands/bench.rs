@@ -171,6 +171,7 @@ fn check_batch_flags(
 /// the configuration bounds cache.num_blocks and cache.kv_offloading_size. Returns the host
 /// tier's bytes (0: none).
 fn validate(args: &ThroughputArgs) -> anyhow::Result<usize> {
+    super::check_threads(args.threads)?;
     let is_mooncake = args.dataset == BenchDataset::Mooncake;
     mooncake::check_flags(
         is_mooncake,

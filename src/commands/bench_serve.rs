@@ -611,6 +611,10 @@ fn spawn_workers(
 
 pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
     validate(&args)?;
+    // Where the result goes is checked before the run, not after it.
+    if let Some(path) = &args.result_file {
+        super::writable(path).context("--result-file")?;
+    }
     let mut target = parse_url(&args.base_url)?;
     target.trust(args.cacert.as_deref())?;
     // The workload first: a run that would last days is refused before anything is sent.
@@ -746,7 +750,7 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
     let samples = done.samples;
     let duration = start.elapsed().as_secs_f64();
     if args.endpoint == ServeEndpoint::Embeddings {
-        return embeddings::report(&args, &samples, duration);
+        return embeddings::report(&args, &samples, duration, trace_reuse);
     }
     let spec = match (spec_before, spec_counters(&target)) {
         (Some(a), Some(b)) => Some(SpecCounters {
@@ -899,6 +903,71 @@ impl<'a> Counted<'a> {
     }
 }
 
+/// The `Prefix Reuse` section of a report on either endpoint: the prompt tokens the server's
+/// prefix cache served, where its `usage` says (the successful requests that carried
+/// `prompt_tokens_details`), of the successful requests' input tokens, and what the trace
+/// itself could reuse (the mooncake dataset).
+struct PrefixReuse {
+    /// Cached prompt tokens summed over the successful requests that reported them; `None`
+    /// when none did.
+    cached: Option<usize>,
+    /// Prompt tokens of the successful requests.
+    input: usize,
+    /// The trace's own reuse.
+    trace: Option<TraceReuse>,
+}
+
+impl PrefixReuse {
+    fn of(counted: &Counted, trace: Option<TraceReuse>) -> Self {
+        let cached = counted
+            .ok
+            .iter()
+            .filter_map(|s| s.cached_tokens)
+            .reduce(usize::saturating_add);
+        Self {
+            cached,
+            input: counted.input,
+            trace,
+        }
+    }
+
+    /// Prints the section (nothing when there is nothing to say).
+    fn print(&self) {
+        if self.cached.is_some() || self.trace.is_some() {
+            println!("{:-^50}", "Prefix Reuse");
+        }
+        if let Some(c) = self.cached {
+            println!("{:<40}{}", "Cached prompt tokens:", c);
+            println!(
+                "{:<40}{:.2}",
+                "Cached of input tokens (%):",
+                percent(c, self.input)
+            );
+        }
+        if let Some(t) = self.trace {
+            println!("{:<40}{}", "Trace's reusable prompt tokens:", t.reusable);
+            println!(
+                "{:<40}{:.2}",
+                "Trace's reusable of its tokens (%):",
+                percent(t.reusable, t.input)
+            );
+        }
+    }
+
+    /// Adds the section's figures to `--result-file`'s object.
+    fn add_to(&self, result: &mut serde_json::Value) {
+        if let Some(c) = self.cached {
+            result["total_cached_prompt_tokens"] = json!(c);
+            result["cached_prompt_token_fraction"] = json!(percent(c, self.input) / 100.0);
+        }
+        if let Some(t) = self.trace {
+            result["trace_reusable_prompt_tokens"] = json!(t.reusable);
+            result["trace_prompt_tokens"] = json!(t.input);
+            result["trace_reusable_fraction"] = json!(percent(t.reusable, t.input) / 100.0);
+        }
+    }
+}
+
 /// Ends a report on either endpoint: the closing rule, the first failure on stderr and the
 /// result file (`result`, built only when `--result-file` asks for it); fails when no request
 /// succeeded.
@@ -992,31 +1061,8 @@ fn report(
         println!("{:<40}{}", "Draft tokens:", sp.draft_tokens);
         println!("{:<40}{}", "Accepted tokens:", sp.accepted);
     }
-    // The server's prefix cache, where its usage says (the successful requests that carried
-    // `prompt_tokens_details`), and the trace's own reuse.
-    let cached = ok
-        .iter()
-        .filter_map(|s| s.cached_tokens)
-        .reduce(usize::saturating_add);
-    if cached.is_some() || trace_reuse.is_some() {
-        println!("{:-^50}", "Prefix Reuse");
-    }
-    if let Some(c) = cached {
-        println!("{:<40}{}", "Cached prompt tokens:", c);
-        println!(
-            "{:<40}{:.2}",
-            "Cached of input tokens (%):",
-            percent(c, input)
-        );
-    }
-    if let Some(t) = trace_reuse {
-        println!("{:<40}{}", "Trace's reusable prompt tokens:", t.reusable);
-        println!(
-            "{:<40}{:.2}",
-            "Trace's reusable of its tokens (%):",
-            percent(t.reusable, t.input)
-        );
-    }
+    let reuse = PrefixReuse::of(&counted, trace_reuse);
+    reuse.print();
     close_report(args, samples, &counted, || {
         let mut result = json!({
             "completed": ok.len(), "failed": failed, "duration": duration,
@@ -1035,15 +1081,7 @@ fn report(
             result["spec_decode_num_draft_tokens"] = json!(sp.draft_tokens);
             result["spec_decode_num_accepted_tokens"] = json!(sp.accepted);
         }
-        if let Some(c) = cached {
-            result["total_cached_prompt_tokens"] = json!(c);
-            result["cached_prompt_token_fraction"] = json!(percent(c, input) / 100.0);
-        }
-        if let Some(t) = trace_reuse {
-            result["trace_reusable_prompt_tokens"] = json!(t.reusable);
-            result["trace_prompt_tokens"] = json!(t.input);
-            result["trace_reusable_fraction"] = json!(percent(t.reusable, t.input) / 100.0);
-        }
+        reuse.add_to(&mut result);
         result
     })
 }

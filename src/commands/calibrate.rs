@@ -77,7 +77,7 @@ struct SamplesFile {
 
 pub fn run(args: CalibrateArgs) -> anyhow::Result<()> {
     // Where the results go is checked before minutes of measuring.
-    writable(&args.output)?;
+    super::writable(&args.output)?;
     let samples_path = args
         .samples
         .clone()
@@ -85,7 +85,7 @@ pub fn run(args: CalibrateArgs) -> anyhow::Result<()> {
     let measured = match &args.from_samples {
         Some(path) => read_samples(path)?,
         None => {
-            writable(&samples_path)?;
+            super::writable(&samples_path)?;
             let m = measure(&args)?;
             // Written before the fit, so that no measurement is lost to a failed one.
             let json = serde_json::to_string_pretty(&m)?;
@@ -204,26 +204,6 @@ pub fn run(args: CalibrateArgs) -> anyhow::Result<()> {
 
 /// A median error above which the fit is reported as poor.
 const POOR_FIT: f64 = 0.25;
-
-/// Fails unless `path` names a file in an existing directory (it may exist).
-fn writable(path: &Path) -> anyhow::Result<()> {
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
-    anyhow::ensure!(
-        dir.is_dir(),
-        "cannot write {}: {} is not a directory",
-        path.display(),
-        dir.display()
-    );
-    anyhow::ensure!(
-        !path.is_dir(),
-        "cannot write {}: it is a directory",
-        path.display()
-    );
-    Ok(())
-}
 
 fn read_samples(path: &Path) -> anyhow::Result<SamplesFile> {
     let text = super::bench_serve::read_bounded(path, MAX_SAMPLES_FILE)?;

@@ -13,8 +13,8 @@ pub fn run(cmd: ConfigCommand) -> anyhow::Result<()> {
         ConfigCommand::Check { file, overrides } => {
             // What `serve` checks before it loads the model, so that a configuration that
             // passes here does not fail there: the policy and its parameters (by the registry
-            // that will run them), that `model.path` can be read, the TLS certificate and key,
-            // and the API keys file.
+            // that will run them), that `model.path` can be read, that `model.chat_template`
+            // reads and compiles, the TLS certificate and key, and the API keys file.
             let Checked { config, tls } = load_checked(&file, &overrides)?;
             let keys = config.load_api_keys()?;
             // Keys are secrets: the printed configuration leaves them out.
@@ -90,6 +90,11 @@ pub fn load_checked(file: &std::path::Path, cli_overrides: &[String]) -> anyhow:
     let mut tls = None;
     let config = load_with(file, cli_overrides, |config| {
         model_path_readable(&config.model.path).map_err(|why| ("model.path".to_string(), why))?;
+        if let Some(file) = &config.model.chat_template {
+            let file = switchyard_config::expand_home(file);
+            switchyard_gpu::model::chat_template::ChatTemplate::check_file(&file)
+                .map_err(|e| ("model.chat_template".to_string(), format!("{e}")))?;
+        }
         for (i, dir) in config.lora.adapter_dirs.iter().enumerate() {
             adapter_dir_readable(dir).map_err(|why| (format!("lora.adapter_dirs[{i}]"), why))?;
         }
@@ -209,13 +214,11 @@ const KIND_HINT_MAX_BYTES: u64 = 1 << 20;
 /// When `file`, read as `expected` and refused, is the other kind of file (by a top-level key
 /// only that kind has), what to run instead. Reads the file again: on the error path only.
 pub fn kind_hint(file: &std::path::Path, expected: FileKind) -> Option<String> {
-    use std::io::Read;
-    let mut text = String::new();
-    std::fs::File::open(file)
-        .ok()?
-        .take(KIND_HINT_MAX_BYTES)
-        .read_to_string(&mut text)
-        .ok()?;
+    // Read as the configuration was: a regular file only, its kind checked before it is
+    // opened (opening a FIFO that no one writes blocks, and the hint would hang the command
+    // after its read refused the FIFO).
+    let bytes = switchyard_config::read_bytes(file, KIND_HINT_MAX_BYTES).ok()?;
+    let text = String::from_utf8(bytes).ok()?;
     let top: serde_yaml::Mapping = serde_yaml::from_str(&text).ok()?;
     let has = |keys: &[&'static str]| {
         keys.iter()

@@ -30,6 +30,7 @@ struct Output {
 }
 
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
+    super::check_threads(args.threads)?;
     let structured = structured_spec(&args)?;
     let path = runtime::resolve_model_path(args.model.as_deref())?;
     let model = runtime::load(&path)?;

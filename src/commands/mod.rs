@@ -30,6 +30,40 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     }
 }
 
+/// Fails unless `path` names a file in an existing directory (it may exist): what a command
+/// checks of a file it writes at its end (`calibrate --output`, `bench serve --result-file`)
+/// before minutes of work, rather than failing to write it after them.
+pub fn writable(path: &std::path::Path) -> anyhow::Result<()> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => std::path::Path::new("."),
+    };
+    anyhow::ensure!(
+        dir.is_dir(),
+        "cannot write {}: {} is not a directory",
+        path.display(),
+        dir.display()
+    );
+    anyhow::ensure!(
+        !path.is_dir(),
+        "cannot write {}: it is a directory",
+        path.display()
+    );
+    Ok(())
+}
+
+/// Refuses a `--threads` beyond what `model.threads` takes ([`switchyard_config::MAX_CPU_THREADS`]):
+/// each is an OS thread, and 100,000 of them ran the machine out of memory (a panic in the
+/// thread spawner, then a process killed) instead of an error.
+pub fn check_threads(threads: usize) -> anyhow::Result<()> {
+    let max = switchyard_config::MAX_CPU_THREADS;
+    anyhow::ensure!(
+        threads <= max,
+        "--threads must be 0..={max} (0: one per core, as model.threads), not {threads}"
+    );
+    Ok(())
+}
+
 /// Installs the tracing subscriber once, honouring `RUST_LOG` over the configured level.
 /// `level` comes from a validated configuration (`logging.level`, see
 /// [`switchyard_config::check_log_filter`]): tracing reads a bare word it does not know as a
@@ -87,7 +121,7 @@ pub fn progress(label: &str, len: u64, unit: &str) -> Progress {
     }
     let bar = indicatif::ProgressBar::new(len);
     let style = indicatif::ProgressStyle::with_template(&format!(
-        "{{bar:40}} {{pos}}/{{len}} {unit} ({{elapsed}} elapsed, eta {{eta}})"
+        "{{wide_bar}} {{pos}}/{{len}} {unit}{{msg}} ({{elapsed}} elapsed, eta {{eta}})"
     ))
     .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar());
     bar.set_style(style);

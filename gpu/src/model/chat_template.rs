@@ -161,6 +161,15 @@ impl ChatTemplate {
             })
     }
 
+    /// Reads and compiles the Jinja template file at `path` as [`ChatTemplate::from_file`]
+    /// does, without a model (`bos_token` and `eos_token` empty): what `config check` and
+    /// `serve` check of `model.chat_template` before the model loads, so that a missing file
+    /// or a syntax error is refused at once rather than after a long load.
+    pub fn check_file(path: &Path) -> Result<(), GpuError> {
+        let source = super::read_bounded(path, MAX_TEMPLATE_LEN as u64)?;
+        Self::new(&source, "", "").map(drop)
+    }
+
     /// Reads a Jinja template file (at most [`MAX_TEMPLATE_LEN`] bytes) to replace `model`'s
     /// template, taking the texts of `bos_token` and `eos_token` from it (a Hugging Face
     /// model's `tokenizer_config.json` names the end of a turn there), or from `tokenizer`

@@ -12,8 +12,9 @@ use serde::Deserialize;
 use serde_json::json;
 
 use super::http::{post, Target};
-use super::{close_report, stats, Counted, Job, Sample};
+use super::{close_report, stats, Counted, Job, PrefixReuse, Sample};
 use crate::cli::ServeBenchArgs;
+use crate::commands::mooncake::TraceReuse;
 
 /// Most prompts in one `/v1/embeddings` request (`--embedding-batch`), OpenAI's bound on
 /// `input`.
@@ -176,11 +177,13 @@ pub(super) fn usage_warning(ok: &[&Sample]) -> Option<String> {
 }
 
 /// Prints the run's figures (vLLM's labels for an embeddings run, then the inputs and the
-/// vectors' length) and writes `--result-file`.
+/// vectors' length, and the prefix reuse as a completions run reports it) and writes
+/// `--result-file`.
 pub(super) fn report(
     args: &ServeBenchArgs,
     samples: &[Sample],
     duration: f64,
+    trace_reuse: Option<TraceReuse>,
 ) -> anyhow::Result<()> {
     let counted = Counted::of(samples);
     let ok = &counted.ok;
@@ -215,8 +218,10 @@ pub(super) fn report(
     println!("{:<40}{:.2}", "Mean E2EL (ms):", e2el.0);
     println!("{:<40}{:.2}", "Median E2EL (ms):", e2el.1);
     println!("{:<40}{:.2}", "P99 E2EL (ms):", e2el.2);
+    let reuse = PrefixReuse::of(&counted, trace_reuse);
+    reuse.print();
     close_report(args, samples, &counted, || {
-        json!({
+        let mut result = json!({
             "endpoint": "embeddings", "embedding_batch": args.embedding_batch.unwrap_or(1),
             "completed": ok.len(), "failed": failed, "duration": duration,
             "total_input_tokens": input, "completed_inputs": inputs,
@@ -224,7 +229,9 @@ pub(super) fn report(
             "input_throughput": inputs as f64 / d, "embedding_dimension": dimension,
             "mean_e2el_ms": e2el.0, "median_e2el_ms": e2el.1, "p99_e2el_ms": e2el.2,
             "max_concurrency": args.max_concurrency, "request_rate": args.request_rate,
-        })
+        });
+        reuse.add_to(&mut result);
+        result
     })
 }
 
