@@ -335,8 +335,8 @@ pub struct ServeBenchArgs {
     /// fit in a u32.
     #[arg(long, default_value_t = 1000)]
     pub token_offset: u32,
-    /// See --token-offset.
-    #[arg(long, default_value_t = 20000)]
+    /// See --token-offset (at least 1).
+    #[arg(long, default_value_t = 20000, value_parser = clap::value_parser!(u32).range(1..))]
     pub token_range: u32,
     /// Seed for prompts and arrivals.
     #[arg(long, default_value_t = 0)]

@@ -434,6 +434,32 @@ fn threads_beyond_what_model_threads_takes_are_refused() {
     }
 }
 
+/// An empty range of random prompt ids is refused before anything is sent (it was taken as a
+/// range of one id without a word).
+#[test]
+fn bench_serve_refuses_an_empty_token_range() {
+    let err = fails(switchyard().args([
+        "bench",
+        "serve",
+        "--base-url",
+        "http://127.0.0.1:9",
+        "--num-prompts",
+        "1",
+        "--input-len",
+        "4",
+        "--output-len",
+        "1",
+        "--max-concurrency",
+        "1",
+        "--token-range",
+        "0",
+    ]));
+    assert!(
+        err.contains("--token-range") && err.contains("0 is not in 1..="),
+        "{err}"
+    );
+}
+
 #[test]
 fn simulate_refuses_a_policy_named_twice_on_the_command_line() {
     let err = fails(switchyard().args([

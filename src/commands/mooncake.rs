@@ -121,7 +121,7 @@ pub(super) struct TokenSpace {
     pub(super) seed: u64,
     /// `--token-offset`.
     pub(super) offset: u32,
-    /// `--token-range` (0 is taken as 1).
+    /// `--token-range` (at least 1 from the command line; 0 is taken as 1).
     pub(super) range: u32,
 }
 
