@@ -8,8 +8,8 @@
 //! reading (a max-heap on arrival evicts the latest), so memory stays bounded.
 
 use super::{
-    add_total, check_output_len, check_prompt_len, for_each_line, unique_prompt, LoadOptions,
-    TraceRequest, MAX_ARRIVAL_S, MAX_LABEL_BYTES, MAX_PROMPT_TOKENS,
+    add_total, check_output_len, check_prompt_len, for_each_line, json_object_line, unique_prompt,
+    LoadOptions, TraceRequest, MAX_ARRIVAL_S, MAX_LABEL_BYTES, MAX_PROMPT_TOKENS,
 };
 use crate::error::SimError;
 use serde_json::{Map, Value};
@@ -74,11 +74,7 @@ pub fn load_jsonl(
     let mut seq = 0u64;
     let mut total = 0usize;
     for_each_line(reader, path, |line, text| {
-        let v: Value = serde_json::from_str(text)
-            .map_err(|e| SimError::trace(path, line, "<json>", e.to_string()))?;
-        let obj = v
-            .as_object()
-            .ok_or_else(|| SimError::trace(path, line, "<json>", "expected a JSON object"))?;
+        let obj = &json_object_line(path, line, text, "jsonl")?;
         let r = parse_row(obj, path, line, seq)?;
         options.check_tier(path, line, &r.tier)?;
         if !options.in_window(r.arrival_s) {

@@ -194,6 +194,33 @@ pub fn load_trace(
     }
 }
 
+/// Parses one line of a JSON Lines trace (`format`: its `--format` name) as a JSON object. A
+/// line that is not one says which format expected it, so a CSV given as a JSON Lines trace
+/// reads as the wrong format, not as a syntax error deep in the file.
+pub(crate) fn json_object_line(
+    path: &Path,
+    line: usize,
+    text: &str,
+    format: &str,
+) -> Result<serde_json::Map<String, serde_json::Value>, SimError> {
+    let wrong = |detail: String| {
+        SimError::trace(
+            path,
+            line,
+            "<json>",
+            format!(
+                "not a JSON object ({detail}): a `{format}` trace has one JSON object per line \
+                 (is --format right for this file?)"
+            ),
+        )
+    };
+    match serde_json::from_str(text) {
+        Ok(serde_json::Value::Object(obj)) => Ok(obj),
+        Ok(_) => Err(wrong("another JSON value".to_owned())),
+        Err(e) => Err(wrong(e.to_string())),
+    }
+}
+
 /// Reads `reader` line by line with a bounded line length, calling `f` with
 /// the 1-based line number and the line without its terminator. Blank lines
 /// are skipped, and a UTF-8 byte order mark at the start of the file is dropped (spreadsheet
@@ -478,6 +505,32 @@ pub fn mean_lengths(requests: &[TraceRequest]) -> (f64, f64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A line that is not a JSON object names the format that wanted one and asks whether
+    /// --format is right (a CSV read as a Mooncake trace said only "expected value").
+    #[test]
+    fn a_line_that_is_not_a_json_object_names_the_format() {
+        let p = Path::new("t.csv");
+        let csv = json_object_line(p, 1, "TIMESTAMP,ContextTokens,GeneratedTokens", "mooncake")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            csv.starts_with("t.csv:1: field `<json>`: not a JSON object (expected value")
+                && csv.contains("a `mooncake` trace has one JSON object per line")
+                && csv.contains("--format"),
+            "{csv}"
+        );
+        let array = json_object_line(p, 2, "[1, 2]", "jsonl")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            array.contains("not a JSON object (another JSON value)")
+                && array.contains("a `jsonl` trace"),
+            "{array}"
+        );
+        let obj = json_object_line(p, 3, r#"{"timestamp": 1}"#, "mooncake").unwrap();
+        assert_eq!(obj["timestamp"], 1);
+    }
 
     fn req(arrival_s: f64) -> TraceRequest {
         TraceRequest {

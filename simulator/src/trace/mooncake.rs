@@ -13,7 +13,8 @@
 //! (absent or null) declares no reuse: its prompt is unique to the request.
 
 use super::{
-    add_total, check_output_len, check_prompt_len, for_each_line, mix64, LoadOptions, TraceRequest,
+    add_total, check_output_len, check_prompt_len, for_each_line, json_object_line, mix64,
+    LoadOptions, TraceRequest,
 };
 use crate::error::SimError;
 use serde_json::Value;
@@ -38,11 +39,7 @@ pub fn load_mooncake(
     let mut prev = f64::NEG_INFINITY;
     let mut total = 0usize;
     for_each_line(reader, path, |line, text| {
-        let v: Value = serde_json::from_str(text)
-            .map_err(|e| SimError::trace(path, line, "<json>", e.to_string()))?;
-        let obj = v
-            .as_object()
-            .ok_or_else(|| SimError::trace(path, line, "<json>", "expected a JSON object"))?;
+        let obj = &json_object_line(path, line, text, "mooncake")?;
         let ms = obj
             .get("timestamp")
             .and_then(Value::as_f64)
