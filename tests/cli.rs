@@ -375,8 +375,6 @@ fn a_spec_and_a_server_configuration_given_to_the_wrong_command_say_which_they_a
     );
 }
 
-/// `--policies` naming one policy twice says what to do instead (the command line has no
-/// labels).
 /// A configuration path that is a FIFO (which no one writes) is refused as not a regular file,
 /// at once: the read checks the kind before opening it, and the hint that follows a refusal
 /// (is it the other kind of file?) used to open it again and block forever.
@@ -460,6 +458,8 @@ fn bench_serve_refuses_an_empty_token_range() {
     );
 }
 
+/// `--policies` naming one policy twice says what to do instead (the command line has no
+/// labels).
 #[test]
 fn simulate_refuses_a_policy_named_twice_on_the_command_line() {
     let err = fails(switchyard().args([

@@ -536,9 +536,9 @@ fn a_body_that_stops_arriving_is_answered_408_and_its_connection_closed() {
 }
 
 /// A chunked body answered before it ended (a 413 for going past `server.max_body_bytes`, a
-/// 401 for want of a key) closes its connection even though the client goes on sending nothing
-/// (or more); a chunked body read to its end leaves the connection open for the next request,
-/// pipelined ones included.
+/// 401 for want of a key, a 415 for a content coding) closes its connection even though the
+/// client goes on sending nothing (or more); a chunked body read to its end leaves the
+/// connection open for the next request, pipelined ones included.
 #[test]
 fn a_chunked_body_answered_early_closes_its_connection() {
     let s = Server::start_with(
@@ -560,6 +560,12 @@ fn a_chunked_body_answered_early_closes_its_connection() {
              5\r\n{\"pro\r\n"
                 .to_owned(),
             401,
+        ),
+        (
+            "POST /tokenize HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer tenant-a-key-0001\r\n\
+             Content-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{\"pro\r\n"
+                .to_owned(),
+            415,
         ),
     ];
     for (request, status) in requests {

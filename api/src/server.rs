@@ -31,9 +31,9 @@ pub fn configure(cfg: &mut web::ServiceConfig, state: ApiState) {
     };
     // One outer scope, so that every response (errors, 404s and the key checks' refusals
     // included) passes the request-id middleware; unmatched paths reach the app's default
-    // service through the innermost scope `""`. Outermost, the request's body is kept until
-    // its response is written: one answered before the body ended closes its connection
-    // (see `unread_body`). CORS, when configured, sits inside the request id (its answers
+    // service through the innermost scope `""`. Outermost but for the HTTP/1.0 framing of a
+    // stream (`unchunked_for_http10`), the request's body is kept until its response is
+    // written: one answered before the body ended closes its connection (see `unread_body`). CORS, when configured, sits inside the request id (its answers
     // carry one) and outside the key checks (a preflight carries no key); its refusals become
     // OpenAI error bodies just outside it.
     let config = state.config();

@@ -301,6 +301,22 @@ mod tests {
         }
     }
 
+    /// `model.threads` takes what the `--threads` flags take (`MAX_CPU_THREADS`), one bound
+    /// for both.
+    #[test]
+    fn model_threads_are_bounded_by_max_cpu_threads() {
+        let threads = |n: usize| Config::from_yaml_str(&format!("model: {{ threads: {n} }}"), "t");
+        assert_eq!(
+            threads(MAX_CPU_THREADS).unwrap().model.threads,
+            MAX_CPU_THREADS
+        );
+        let e = threads(MAX_CPU_THREADS + 1).unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("out of range 0..={MAX_CPU_THREADS}")),
+            "{e}"
+        );
+    }
+
     #[test]
     fn the_cpu_precision_is_one_of_four_and_auto_by_default() {
         let c = Config::from_yaml_str("model: {}", "t").unwrap();

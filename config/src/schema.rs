@@ -555,7 +555,7 @@ pub struct ModelSection {
     /// Whether the reasoning of chat answers is read apart.
     pub reasoning_parser: ReasoningParser,
     /// CPU threads for the CPU backend (0 = all cores; at most [`MAX_CPU_THREADS`]).
-    #[serde(deserialize_with = "usize_in::<_, 0, 1024>")]
+    #[serde(deserialize_with = "usize_in::<_, 0, { MAX_CPU_THREADS as u64 }>")]
     pub threads: usize,
     /// The CPU backend's activation precision (`auto`, `int8`, `mixed`, `precise`).
     pub cpu_precision: CpuPrecision,

@@ -373,18 +373,24 @@ fn check_retrieve_query(query: &str) -> Result<(), ApiError> {
                 ))
             }
             other => {
-                let shown: String = other.chars().take(64).collect();
-                return Err(ApiError::invalid(
-                    shown.clone(),
-                    format!(
-                        "the query parameter {shown:?} is not supported: only stream=false \
-                         (the response object as it was sent)"
-                    ),
-                ));
+                return Err(unsupported_query_parameter(
+                    other,
+                    "only stream=false (the response object as it was sent)",
+                ))
             }
         }
     }
     Ok(())
+}
+
+/// The 400 of a query parameter a route does not take, naming it (its first 64 characters)
+/// and saying which it takes (`supported`).
+fn unsupported_query_parameter(name: &str, supported: &str) -> ApiError {
+    let shown: String = name.chars().take(64).collect();
+    ApiError::invalid(
+        shown.clone(),
+        format!("the query parameter {shown:?} is not supported: {supported}"),
+    )
 }
 
 /// Handles `DELETE /v1/responses/{id}`. Responses that continue it keep their conversation.
@@ -485,16 +491,7 @@ impl ItemsPage {
                     }
                 }
                 "after" => page.after = Some(value),
-                other => {
-                    let shown: String = other.chars().take(64).collect();
-                    return Err(ApiError::invalid(
-                        shown.clone(),
-                        format!(
-                            "the query parameter {shown:?} is not supported: limit, order and \
-                             after"
-                        ),
-                    ));
-                }
+                other => return Err(unsupported_query_parameter(other, "limit, order and after")),
             }
         }
         Ok(page)
