@@ -12,7 +12,8 @@
 # SECTIONS picks parts (default: all but ab): tests gemv ref dummy variants profile model serve
 # kvoffload kvbench kvcopy hf ab.
 #   tests     the cuda_backend test binary (GGUF-dependent tests skip without MODEL; TEST_FILTER:
-#             a test-name filter)
+#             test-name filters; bounded by TEST_TIMEOUT, default 480 s here: the whole suite
+#             with the GGUF takes ~310 s on an H100, so leave room for nothing else in a call)
 #   gemv      GEMV kernels against cuBLAS, time per product at every projection shape
 #   ref       gpu/reference/ref_logits.py (for each of REF_LAYERS, default "4 8": that many
 #             layers at full width) and the test comparing the CUDA backend's logits with
@@ -111,7 +112,7 @@ if has tests && [ -n "$TESTBIN" ]; then
     note "warning: the GGUF tests look for SmolLM2-135M-Instruct.Q4_1.gguf beside MODEL; they will skip"
   fi
   SWITCHYARD_MODEL_DIR=$( [ -n "$MODEL" ] && dirname "$MODEL" || echo /nonexistent ) \
-    timeout "${TEST_TIMEOUT:-300}" "$TESTBIN" ${TEST_FILTER:-} --test-threads=1 --nocapture >"$OUT/tests.log" 2>&1
+    timeout "${TEST_TIMEOUT:-480}" "$TESTBIN" ${TEST_FILTER:-} --test-threads=1 --nocapture >"$OUT/tests.log" 2>&1
   note "cuda tests rc=$?"
   grep -E "^test |test result|top-1|relative logit|max \|error\|" "$OUT/tests.log" | sed 's/^/  /' | tail -40 | tee -a "$summary" >/dev/null
 fi
