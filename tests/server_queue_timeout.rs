@@ -2,7 +2,8 @@
 //! request, a request of a tier with `max_queue_ms: 300` fails with 503 `queue_timeout`
 //! (a streamed one with the error event, then `[DONE]`; one of two prompts as a whole),
 //! counted in
-//! `request_failed_total{reason="queue_timeout"}` and logged at WARN, while a request of a
+//! `request_failed_total{reason="queue_timeout"}` (its prompt not in its tenant's
+//! `prompt_tokens_total`: never computed) and logged at WARN, while a request of a
 //! tier without a bound waits for the seat and is served.
 
 mod common;
@@ -101,6 +102,18 @@ fn a_request_past_its_tiers_queue_bound_gets_a_503_and_others_wait() {
     let paid = failed("paid", "globex");
     assert_eq!(paid.len(), 1, "{metrics}");
     assert!(paid[0].ends_with(" 0"), "{}", paid[0]);
+    // No prompt of the free tier was computed, so none counts in its tenant's usage (as its
+    // token budget gets them back); the paid tier's served prompts do.
+    let prompt_tokens = |tenant: &str| -> f64 {
+        let line = format!("switchyard:prompt_tokens_total{{tenant=\"{tenant}\"}} ");
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(line.as_str()))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no {line}in {metrics}"))
+    };
+    assert_eq!(prompt_tokens("acme"), 0.0, "{metrics}");
+    assert!(prompt_tokens("globex") > 0.0, "{metrics}");
     s.assert_logged(&[
         "WARN",
         "requests timed out in the queue",

@@ -42,10 +42,11 @@ pub const KV_OFFLOAD_LOADED_BLOCKS: &str = "switchyard:kv_offload_loaded_blocks_
 pub const KV_OFFLOAD_PREFIX_HITS: &str = "switchyard:kv_offload_prefix_hits_total";
 /// Counter: preemptions (a running request sent back to waiting).
 pub const NUM_PREEMPTIONS: &str = "switchyard:num_preemptions_total";
-/// Counter, label `tenant`: prompt tokens of the requests the engine accepted, counted when a
-/// request is queued (one whose client leaves before its prefill counts too; prefix-cache hits
-/// count, as in vLLM's `prompt_tokens_total`): once per prompt, whatever its `n`, as a
-/// response's `usage.prompt_tokens` counts it.
+/// Counter, label `tenant`: prompt tokens of the requests the engine computed, counted at a
+/// prompt's first token, as vLLM's `prompt_tokens_total` counts them (prefix-cache hits
+/// count; a request that timed out in the queue, or whose client left before its prefill,
+/// does not): once per prompt, whatever its `n`, as a response's `usage.prompt_tokens`
+/// counts it.
 pub const PROMPT_TOKENS: &str = "switchyard:prompt_tokens_total";
 /// Counter, label `tenant`: prompt tokens whose KV came from the prefix cache at a request's
 /// first admission, counted at its first token, once per prompt whatever its `n` (its first

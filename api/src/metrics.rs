@@ -42,8 +42,8 @@ pub const KV_OFFLOAD_STORED_AHEAD_BLOCKS: &str = "switchyard:kv_offload_stored_a
 pub const KV_OFFLOAD_PREFIX_HITS: &str = "switchyard:kv_offload_prefix_hits_total";
 /// Counter: preemptions (a running request sent back to waiting).
 pub const NUM_PREEMPTIONS: &str = "switchyard:num_preemptions_total";
-/// Counter, label `tenant`: prompt tokens of the requests the engine accepted, counted when
-/// queued (once per prompt, as `usage.prompt_tokens`).
+/// Counter, label `tenant`: prompt tokens of the requests the engine computed, counted at the
+/// prompt's first token (once per prompt, as `usage.prompt_tokens`).
 pub const PROMPT_TOKENS: &str = "switchyard:prompt_tokens_total";
 /// Counter, label `tenant`: prompt tokens the prefix cache served at the requests' first
 /// admission (once per prompt, as `usage.prompt_tokens_details.cached_tokens`).
@@ -415,7 +415,7 @@ pub fn describe_metrics() {
     describe_counter!(
         PROMPT_TOKENS,
         Unit::Count,
-        "Prompt tokens of the requests the engine accepted (counted when queued, once per prompt whatever its n, as usage.prompt_tokens; prefix-cache hits included), by tenant (one the API keys name; others have no tenant label)."
+        "Prompt tokens the engine computed (counted at the prompt's first token, as vLLM counts them: not a request that timed out in the queue or whose client left before its prefill; once per prompt whatever its n, as usage.prompt_tokens; prefix-cache hits included), by tenant (one the API keys name; others have no tenant label)."
     );
     describe_counter!(
         PROMPT_TOKENS_CACHED,

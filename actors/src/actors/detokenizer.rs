@@ -763,13 +763,16 @@ impl Handler<StepEvents> for DetokenizerActor {
                     c.cached_prompt_tokens = tokens;
                     // Once per prompt, whatever its `n`, as `usage.cached_tokens` counts it:
                     // the first choice's.
+                    // The prompt counts from here, computed, as vLLM counts it (not when
+                    // queued: a request timed out in the queue or left before its prefill
+                    // used none of it, as its tenant's token budget is told).
                     if c.index == 0 && !c.request.borrow().quiet {
-                        let tenant = &c.request.borrow().tenant;
-                        metrics::counter!(
-                            names::PROMPT_TOKENS_CACHED,
-                            names::tenant_labels(tenant)
-                        )
-                        .increment(u64::from(tokens));
+                        let r = c.request.borrow();
+                        let labels = names::tenant_labels(&r.tenant);
+                        metrics::counter!(names::PROMPT_TOKENS, labels.clone())
+                            .increment(u64::from(r.prompt_tokens));
+                        metrics::counter!(names::PROMPT_TOKENS_CACHED, labels)
+                            .increment(u64::from(tokens));
                     }
                 }
                 CoreEvent::Hidden { id, values } => {

@@ -912,11 +912,9 @@ impl Engine {
             }
             return Ok(());
         }
-        let metrics_tenant = self.metrics_tenant(&options.tenant);
-        if !quiet {
-            metrics::counter!(names::PROMPT_TOKENS, names::tenant_labels(&metrics_tenant))
-                .increment(prompt.len() as u64);
-        }
+        // The prompt's tokens count in `prompt_tokens_total` once it is computed (the
+        // detokenizer, at its first token), as vLLM counts them: one that times out in the
+        // queue, or whose client leaves before its prefill, was never computed.
         // With prompt logprobs the detokenizer sends the prompt event once they are computed.
         if options.prompt_logprobs.is_none()
             && !sink.send(EngineOutput::Prompt {
