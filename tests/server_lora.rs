@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{lora_fixture_dir, scratch, Server};
+use common::{lora_fixture_dir, read_status, scratch, Server};
 use serde_json::{json, Value};
 
 const ADMIN: (&str, &str) = ("Authorization", "Bearer admin-secret-key");
@@ -755,6 +755,83 @@ fn adapters_in_a_directory_are_served_on_demand_to_the_keys_that_may_name_them()
     await_listed(ACME, &["acme-tuned"]);
     let _ = std::fs::remove_dir_all(&root);
     let _ = std::fs::remove_dir_all(&late);
+}
+
+/// Regressions. With `lora.max_cpu_loras` adapters in memory and in use, a request naming an
+/// adapter of `lora.adapter_dirs` not yet registered got a 404 `model_not_found`: the adapter
+/// was registered, then dropped from memory at once (the only one no request held) before the
+/// request took its weights. And with the registry full of found adapters that no request
+/// used, `POST /admin/lora` was refused ("unload one first"), though a found adapter could go
+/// (and unloading one only let the next request find it again).
+#[test]
+fn found_adapters_are_served_while_memory_is_full_and_make_room_for_an_operators() {
+    let root = adapter_copies("lora-full", &["found"]);
+    let s = &Server::start_with(
+        "lora-full",
+        "  admin_key: admin-secret-key\n",
+        &format!(
+            "scheduler:\n  max_num_seqs: 16\n  max_num_batched_tokens: 1024\nlora:\n  enabled: true\n  max_cpu_loras: 1\n  max_adapters: 2\n  adapter_dirs: [{}]\n  adapters:\n    - {{ name: tuned, path: {} }}\n",
+            root.display(),
+            lora_fixture_dir()
+        ),
+    );
+    // tuned in use by a long stream (its first token read): memory, one adapter, is full of
+    // adapters in use.
+    let body = json!({"model": "tuned", "prompt": "Count:", "max_tokens": 4000,
+                      "ignore_eos": true, "stream": true})
+    .to_string();
+    let mut held = s.open("POST", "/v1/completions", Some(&body));
+    assert_eq!(read_status(&mut held), 200);
+    let mut seen = Vec::new();
+    let mut byte = [0u8; 1];
+    while !String::from_utf8_lossy(&seen).contains("data:") {
+        use std::io::Read;
+        assert_eq!(held.read(&mut byte).expect("stream"), 1, "stream ended");
+        seen.push(byte[0]);
+    }
+    assert_haiku(s, "found", "lora_golden.json");
+    drop(held);
+    // The registry (two) holds tuned and found, which no request uses now: an operator's
+    // adapter takes found's place.
+    let admin_lora = |method: &str, path: &str, body: Option<Value>| -> (u16, Value) {
+        let body = body.map(|b| b.to_string());
+        let r = s
+            .request(method, path, body.as_deref(), &[ADMIN])
+            .expect("request");
+        (
+            r.status,
+            serde_json::from_str(&r.body).unwrap_or(Value::Null),
+        )
+    };
+    let registered = || -> Vec<String> {
+        let (status, v) = admin_lora("GET", "/admin/lora", None);
+        assert_eq!(status, 200, "{v}");
+        v["adapters"]
+            .as_array()
+            .expect("adapters")
+            .iter()
+            .map(|a| a["name"].as_str().expect("name").to_owned())
+            .collect()
+    };
+    assert_eq!(registered(), ["tuned", "found"]);
+    let load = json!({"lora_name": "ops", "lora_path": lora_fixture_dir()});
+    let (status, v) = admin_lora("POST", "/admin/lora", Some(load));
+    assert_eq!(status, 200, "{v}\n{}", s.log());
+    assert_eq!(registered(), ["tuned", "ops"]);
+    assert_haiku(s, "ops", "lora_golden.json");
+    // No found adapter left to go: the next is refused, found adapters too.
+    let load = json!({"lora_name": "more", "lora_path": lora_fixture_dir()});
+    let (status, v) = admin_lora("POST", "/admin/lora", Some(load));
+    assert_eq!(status, 400, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("lora.max_adapters")),
+        "{v}"
+    );
+    let (status, v) = haiku(s, "found");
+    assert_eq!(status, 503, "{v}");
+    let _ = std::fs::remove_dir_all(&root);
 }
 
 /// `bench serve --lora-modules` names one of the adapters at random in each request (vLLM's
