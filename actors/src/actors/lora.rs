@@ -554,9 +554,11 @@ impl LoraManager {
         else {
             return Ok(None);
         };
-        self.make_room(name)?;
+        // Room is made (another found adapter unregistered) only once this one has loaded:
+        // a request naming a broken adapter unregisters nothing.
         match self.register_held(name, &path, true, false, hold) {
             Ok(found) => Ok(Some(found)),
+            Err(LoraError::Full(max)) => Err(LoraError::Busy(name.to_owned(), max)),
             Err(LoraError::Load(e)) => {
                 tracing::warn!(
                     name,
@@ -1448,6 +1450,24 @@ mod tests {
             .register("third", &fixture())
             .expect_err("no found adapter left");
         assert!(matches!(e, LoraError::Full(2)), "{e:?}");
+    }
+
+    /// Regression: room was made before a found adapter was loaded, so each request naming
+    /// a broken adapter of a directory unregistered a working one (loaded again on its next
+    /// request) and then failed.
+    #[test]
+    fn a_broken_found_adapter_unregisters_nothing() {
+        let root = AdapterCopy::new("room-broken");
+        copy_into(&root.0, "d1");
+        copy_into(&root.0, "broken");
+        std::fs::write(root.0.join("broken/adapter_config.json"), "{not json").unwrap();
+        let mut m = finder(2, 2, &[&root.0]);
+        m.register("configured", &fixture()).expect("configured");
+        m.find("d1").unwrap().unwrap();
+        let e = m.resolve("broken").expect_err("broken");
+        assert!(matches!(&e, LoraError::Reload(n) if n == "broken"), "{e:?}");
+        let names: Vec<String> = m.registry.list().into_iter().map(|a| a.name).collect();
+        assert_eq!(names, ["configured", "d1"]);
     }
 
     #[test]
