@@ -441,6 +441,63 @@ fn sighup_brings_the_configured_adapters_in_line_with_the_file() {
     assert_haiku(s, "renamed", "lora_golden.json");
 }
 
+/// Regression: a SIGHUP after the file moved one of its adapters to another directory
+/// unloaded it, then loaded the new directory: requests found the name missing meanwhile, and
+/// when the new files did not load the adapter was gone (404) until the next SIGHUP. It is
+/// replaced in place now, as `load_inplace` does: new files that do not load leave it served.
+#[test]
+fn sighup_replaces_an_adapter_the_file_moved_in_place() {
+    let s = &server();
+    let root = adapter_copies("lora-moved", &["moved", "broken"]);
+    std::fs::write(root.join("broken/adapter_config.json"), r#"{"r": 0}"#).expect("write");
+    let config = s.dir.join("config.yaml");
+    let original = std::fs::read_to_string(&config).expect("config");
+    let entry = format!(
+        "  adapters:\n    - name: tuned\n      path: {}\n",
+        lora_fixture_dir()
+    );
+    assert!(original.contains(&entry), "{original}");
+    let reload = |text: String, n: usize| {
+        std::fs::write(&config, text).expect("write config");
+        let pid = s.child.id().to_string();
+        assert!(std::process::Command::new("kill")
+            .args(["-HUP", &pid])
+            .status()
+            .expect("kill")
+            .success());
+        s.wait_logged("SIGHUP: reload finished", n);
+    };
+    let moved_to =
+        |dir: &str| original.replace(lora_fixture_dir(), &root.join(dir).display().to_string());
+    let served_path = || -> String {
+        let r = s
+            .request("GET", "/admin/lora", None, &[ADMIN])
+            .expect("list");
+        let v: Value = serde_json::from_str(&r.body).expect("json");
+        assert_eq!(v["adapters"].as_array().map(Vec::len), Some(1), "{v}");
+        v["adapters"][0]["path"].as_str().expect("path").to_owned()
+    };
+    // Files that do not load: the adapter stays served from where it was.
+    reload(moved_to("broken"), 1);
+    s.assert_logged(&["SIGHUP: LoRA adapter not replaced", "rank 0"]);
+    assert_eq!(served_path(), lora_fixture_dir());
+    assert_haiku(s, "tuned", "lora_golden.json");
+    // Files that load take its place.
+    reload(moved_to("moved"), 2);
+    assert_eq!(served_path(), root.join("moved").display().to_string());
+    assert_haiku(s, "tuned", "lora_golden.json");
+    assert!(
+        !s.log().contains("SIGHUP: LoRA adapter unloaded"),
+        "{}",
+        s.log()
+    );
+    // Still the file's adapter: a file that no longer lists it unloads it.
+    reload(original.replace(&entry, "  adapters: []\n"), 3);
+    s.assert_logged(&["SIGHUP: LoRA adapter unloaded", "tuned"]);
+    assert_eq!(haiku(s, "tuned").0, 404);
+    let _ = std::fs::remove_dir_all(&root);
+}
+
 #[test]
 fn an_evicted_adapter_whose_files_broke_is_the_servers_503_without_its_path() {
     // One adapter in memory at a time: using one evicts the other once it is unused.
