@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{lora_fixture_dir, scratch, Server};
+use common::{lora_fixture_dir, read_status, scratch, Server};
 use serde_json::{json, Value};
 
 const ADMIN: (&str, &str) = ("Authorization", "Bearer admin-secret-key");
@@ -441,6 +441,63 @@ fn sighup_brings_the_configured_adapters_in_line_with_the_file() {
     assert_haiku(s, "renamed", "lora_golden.json");
 }
 
+/// Regression: a SIGHUP after the file moved one of its adapters to another directory
+/// unloaded it, then loaded the new directory: requests found the name missing meanwhile, and
+/// when the new files did not load the adapter was gone (404) until the next SIGHUP. It is
+/// replaced in place now, as `load_inplace` does: new files that do not load leave it served.
+#[test]
+fn sighup_replaces_an_adapter_the_file_moved_in_place() {
+    let s = &server();
+    let root = adapter_copies("lora-moved", &["moved", "broken"]);
+    std::fs::write(root.join("broken/adapter_config.json"), r#"{"r": 0}"#).expect("write");
+    let config = s.dir.join("config.yaml");
+    let original = std::fs::read_to_string(&config).expect("config");
+    let entry = format!(
+        "  adapters:\n    - name: tuned\n      path: {}\n",
+        lora_fixture_dir()
+    );
+    assert!(original.contains(&entry), "{original}");
+    let reload = |text: String, n: usize| {
+        std::fs::write(&config, text).expect("write config");
+        let pid = s.child.id().to_string();
+        assert!(std::process::Command::new("kill")
+            .args(["-HUP", &pid])
+            .status()
+            .expect("kill")
+            .success());
+        s.wait_logged("SIGHUP: reload finished", n);
+    };
+    let moved_to =
+        |dir: &str| original.replace(lora_fixture_dir(), &root.join(dir).display().to_string());
+    let served_path = || -> String {
+        let r = s
+            .request("GET", "/admin/lora", None, &[ADMIN])
+            .expect("list");
+        let v: Value = serde_json::from_str(&r.body).expect("json");
+        assert_eq!(v["adapters"].as_array().map(Vec::len), Some(1), "{v}");
+        v["adapters"][0]["path"].as_str().expect("path").to_owned()
+    };
+    // Files that do not load: the adapter stays served from where it was.
+    reload(moved_to("broken"), 1);
+    s.assert_logged(&["SIGHUP: LoRA adapter not replaced", "rank 0"]);
+    assert_eq!(served_path(), lora_fixture_dir());
+    assert_haiku(s, "tuned", "lora_golden.json");
+    // Files that load take its place.
+    reload(moved_to("moved"), 2);
+    assert_eq!(served_path(), root.join("moved").display().to_string());
+    assert_haiku(s, "tuned", "lora_golden.json");
+    assert!(
+        !s.log().contains("SIGHUP: LoRA adapter unloaded"),
+        "{}",
+        s.log()
+    );
+    // Still the file's adapter: a file that no longer lists it unloads it.
+    reload(original.replace(&entry, "  adapters: []\n"), 3);
+    s.assert_logged(&["SIGHUP: LoRA adapter unloaded", "tuned"]);
+    assert_eq!(haiku(s, "tuned").0, 404);
+    let _ = std::fs::remove_dir_all(&root);
+}
+
 #[test]
 fn an_evicted_adapter_whose_files_broke_is_the_servers_503_without_its_path() {
     // One adapter in memory at a time: using one evicts the other once it is unused.
@@ -755,6 +812,83 @@ fn adapters_in_a_directory_are_served_on_demand_to_the_keys_that_may_name_them()
     await_listed(ACME, &["acme-tuned"]);
     let _ = std::fs::remove_dir_all(&root);
     let _ = std::fs::remove_dir_all(&late);
+}
+
+/// Regressions. With `lora.max_cpu_loras` adapters in memory and in use, a request naming an
+/// adapter of `lora.adapter_dirs` not yet registered got a 404 `model_not_found`: the adapter
+/// was registered, then dropped from memory at once (the only one no request held) before the
+/// request took its weights. And with the registry full of found adapters that no request
+/// used, `POST /admin/lora` was refused ("unload one first"), though a found adapter could go
+/// (and unloading one only let the next request find it again).
+#[test]
+fn found_adapters_are_served_while_memory_is_full_and_make_room_for_an_operators() {
+    let root = adapter_copies("lora-full", &["found"]);
+    let s = &Server::start_with(
+        "lora-full",
+        "  admin_key: admin-secret-key\n",
+        &format!(
+            "scheduler:\n  max_num_seqs: 16\n  max_num_batched_tokens: 1024\nlora:\n  enabled: true\n  max_cpu_loras: 1\n  max_adapters: 2\n  adapter_dirs: [{}]\n  adapters:\n    - {{ name: tuned, path: {} }}\n",
+            root.display(),
+            lora_fixture_dir()
+        ),
+    );
+    // tuned in use by a long stream (its first token read): memory, one adapter, is full of
+    // adapters in use.
+    let body = json!({"model": "tuned", "prompt": "Count:", "max_tokens": 4000,
+                      "ignore_eos": true, "stream": true})
+    .to_string();
+    let mut held = s.open("POST", "/v1/completions", Some(&body));
+    assert_eq!(read_status(&mut held), 200);
+    let mut seen = Vec::new();
+    let mut byte = [0u8; 1];
+    while !String::from_utf8_lossy(&seen).contains("data:") {
+        use std::io::Read;
+        assert_eq!(held.read(&mut byte).expect("stream"), 1, "stream ended");
+        seen.push(byte[0]);
+    }
+    assert_haiku(s, "found", "lora_golden.json");
+    drop(held);
+    // The registry (two) holds tuned and found, which no request uses now: an operator's
+    // adapter takes found's place.
+    let admin_lora = |method: &str, path: &str, body: Option<Value>| -> (u16, Value) {
+        let body = body.map(|b| b.to_string());
+        let r = s
+            .request(method, path, body.as_deref(), &[ADMIN])
+            .expect("request");
+        (
+            r.status,
+            serde_json::from_str(&r.body).unwrap_or(Value::Null),
+        )
+    };
+    let registered = || -> Vec<String> {
+        let (status, v) = admin_lora("GET", "/admin/lora", None);
+        assert_eq!(status, 200, "{v}");
+        v["adapters"]
+            .as_array()
+            .expect("adapters")
+            .iter()
+            .map(|a| a["name"].as_str().expect("name").to_owned())
+            .collect()
+    };
+    assert_eq!(registered(), ["tuned", "found"]);
+    let load = json!({"lora_name": "ops", "lora_path": lora_fixture_dir()});
+    let (status, v) = admin_lora("POST", "/admin/lora", Some(load));
+    assert_eq!(status, 200, "{v}\n{}", s.log());
+    assert_eq!(registered(), ["tuned", "ops"]);
+    assert_haiku(s, "ops", "lora_golden.json");
+    // No found adapter left to go: the next is refused, found adapters too.
+    let load = json!({"lora_name": "more", "lora_path": lora_fixture_dir()});
+    let (status, v) = admin_lora("POST", "/admin/lora", Some(load));
+    assert_eq!(status, 400, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("lora.max_adapters")),
+        "{v}"
+    );
+    let (status, v) = haiku(s, "found");
+    assert_eq!(status, 503, "{v}");
+    let _ = std::fs::remove_dir_all(&root);
 }
 
 /// `bench serve --lora-modules` names one of the adapters at random in each request (vLLM's

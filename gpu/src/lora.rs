@@ -130,6 +130,28 @@ impl Default for LoraLimits {
 pub const MAX_LORA_RANK: usize = 1024;
 /// Largest `adapter_config.json` read, in bytes.
 const MAX_CONFIG_JSON: u64 = 1 << 20;
+/// Room in `adapter_model.safetensors` for its header (tensor names, `__metadata__`) beside
+/// the tensors' bytes.
+const HEADER_ALLOWANCE: u64 = 16 << 20;
+
+/// The largest `adapter_model.safetensors` an adapter of rank `rank` for `c` can be: every
+/// projection of every layer adapted, `A` and `B` in f32 (the widest type read), and a header.
+/// A larger file is refused before it is read, rather than read whole (up to
+/// [`LoraLimits::max_file_bytes`]) only to be refused for its tensors.
+fn largest_adapter_file(c: &LlamaConfig, rank: usize) -> u64 {
+    let per_layer: u64 = LoraTarget::ALL
+        .iter()
+        .map(|t| {
+            let (din, dout) = t.dims(c);
+            (din + dout) as u64
+        })
+        .sum();
+    per_layer
+        .saturating_mul(c.num_layers as u64)
+        .saturating_mul(rank as u64)
+        .saturating_mul(4)
+        .saturating_add(HEADER_ALLOWANCE)
+}
 
 /// One adapted projection: `A` (`rank x in`) and `scale * B` (`out x rank`), row-major f32,
 /// and `scale * B` transposed (`rank x out`) for the CPU's update loop.
@@ -500,7 +522,21 @@ impl LoraAdapter {
         // Read, not mapped: the bytes parsed and fingerprinted are the bytes read once, whatever
         // happens to the file meanwhile (a mapping would show later writes, or fault on a
         // truncation).
-        let bytes = read_regular_file(&path, limits.max_file_bytes)?;
+        let largest = largest_adapter_file(c, cfg.rank);
+        if let Ok(m) = std::fs::metadata(&path) {
+            if m.len() > largest && largest < limits.max_file_bytes {
+                return Err(invalid(
+                    &path,
+                    format!(
+                        "is {} bytes, more than an adapter of rank {} for this model holds \
+                         ({largest} bytes: every projection adapted, in f32)",
+                        m.len(),
+                        cfg.rank
+                    ),
+                ));
+            }
+        }
+        let bytes = read_regular_file(&path, limits.max_file_bytes.min(largest))?;
         Self::from_safetensors(&path, &bytes, &cfg, c)
     }
 
@@ -1097,6 +1133,35 @@ mod tests {
         let rescaled = LoraAdapter::load(&d, &c, &limits).expect("adapter");
         assert_ne!(a.fingerprint(), rescaled.fingerprint(), "another scale");
         std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// A file larger than any adapter of its rank for the model is refused before it is
+    /// read (it was read whole, up to `max_file_bytes`, 4 GiB, before its tensors were
+    /// checked); the test adapter's file is well within the bound.
+    #[test]
+    fn a_file_larger_than_any_adapter_of_its_rank_is_refused_unread() {
+        let c = tiny(RopeStyle::Halves);
+        // Per layer: q 32+32, k and v 32+16, o 32+32, gate and up 32+48, down 48+32.
+        let largest = largest_adapter_file(&c, 2);
+        assert_eq!(largest, 464 * 2 * 2 * 4 + HEADER_ALLOWANCE);
+        let d = scratch("largest");
+        std::fs::write(d.join("adapter_config.json"), CONFIG).unwrap();
+        let f = std::fs::File::create(d.join("adapter_model.safetensors")).unwrap();
+        f.set_len(largest + 1).unwrap();
+        let e = LoraAdapter::load(&d, &c, &LoraLimits::default())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(&format!("is {} bytes", largest + 1))
+                && e.contains("more than an adapter of rank 2"),
+            "{e}"
+        );
+        std::fs::remove_dir_all(&d).unwrap();
+        let smollm2 = LlamaConfig::smollm2_135m();
+        let fixture = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/lora/smollm2-r4/adapter_model.safetensors");
+        let len = std::fs::metadata(fixture).unwrap().len();
+        assert!(len < largest_adapter_file(&smollm2, 4), "{len}");
     }
 
     #[test]

@@ -23,9 +23,10 @@
 //! holds an `adapter_config.json` there: the manager registers it (*discovered*) on that first
 //! request, and it is then served as any other. The name passed the same check as every
 //! registration (one path segment, never `.` or `..`), so the path stays inside the directory.
-//! Discovered adapters make room for one another: when the registry is full, the least
-//! recently used discovered adapter no request holds is unregistered (it is found again on its
-//! next request); a discovered adapter whose files are gone or broken when it is loaded again
+//! Discovered adapters make room for one another and for an operator's registrations: when
+//! the registry is full, the least recently used discovered adapter no request holds is
+//! unregistered (it is found again on its next request); a request that registers one gets its
+//! weights even when the eviction that follows would drop them from memory at once; a discovered adapter whose files are gone or broken when it is loaded again
 //! is unregistered, so it is found again, or not, as its directory then says.
 //!
 //! Memory. At most `max_adapters` names are registered and at most `max_loaded` adapters are
@@ -315,6 +316,9 @@ impl LoraHandle {
     }
 }
 
+/// A registration, with the adapter's weights when the registering caller holds them.
+type Registered = (AdapterInfo, Option<Arc<LoraAdapter>>);
+
 /// The LoRA manager actor.
 pub struct LoraManager {
     config: LoraManagerConfig,
@@ -401,15 +405,40 @@ impl LoraManager {
         discovered: bool,
         pinned: bool,
     ) -> Result<AdapterInfo, LoraError> {
+        self.register_held(name, path, discovered, pinned, false)
+            .map(|(info, _)| info)
+    }
+
+    /// [`Self::register_as`], also returning the weights when `hold`, taken before the
+    /// eviction that follows the registration: a request that registers an adapter (found in
+    /// a directory) gets its weights even when memory is full of adapters in use, where the
+    /// eviction would otherwise drop the new adapter, the only one no request holds, at once.
+    fn register_held(
+        &mut self,
+        name: &str,
+        path: &Path,
+        discovered: bool,
+        pinned: bool,
+        hold: bool,
+    ) -> Result<Registered, LoraError> {
         self.check_name(name)?;
         if self.registry.contains(name) {
             return Err(LoraError::Exists(name.to_owned()));
         }
-        if self.registry.0.state.read().adapters.len() >= self.config.max_adapters {
-            return Err(LoraError::Full(self.config.max_adapters));
+        // A full registry takes one more when an adapter found in a directory can go for it
+        // (found again on its next request): otherwise found adapters, which come and go with
+        // the traffic, would keep an operator's adapters out.
+        let max = self.config.max_adapters;
+        let full = || self.registry.0.state.read().adapters.len() >= max;
+        if full() && self.room_victim().is_none() {
+            return Err(LoraError::Full(max));
         }
         self.check_pin_room(name, pinned)?;
         let adapter = self.load(path)?;
+        // Room made once the adapter loaded, so a refused one unregisters nothing.
+        if let Err(LoraError::Busy(..)) = self.make_room(name) {
+            return Err(LoraError::Full(max));
+        }
         let info = AdapterInfo {
             name: name.to_owned(),
             id: self.fresh_id(),
@@ -421,6 +450,7 @@ impl LoraManager {
         self.fingerprints
             .insert(name.to_owned(), adapter.fingerprint());
         // Listed and in memory at once: no reader sees a registered name without its weights.
+        let held = hold.then(|| adapter.clone());
         let resident = Resident {
             id: info.id,
             adapter,
@@ -440,7 +470,7 @@ impl LoraManager {
             pinned,
             "LoRA adapter registered"
         );
-        Ok(info)
+        Ok((info, held))
     }
 
     /// Refuses to pin `name` (when `pinned`) if as many other adapters as may be kept in
@@ -503,6 +533,13 @@ impl LoraManager {
         if let Some(info) = self.registry.info(name) {
             return Ok(Some(info));
         }
+        Ok(self.discover(name, false)?.map(|(info, _)| info))
+    }
+
+    /// The adapter in `<dir>/<name>/` of the first of `adapter_dirs` that holds one, for a
+    /// name not registered: registered now, with its weights when `hold`
+    /// ([`Self::register_held`]).
+    fn discover(&mut self, name: &str, hold: bool) -> Result<Option<Registered>, LoraError> {
         // A name no registration could take is no directory's either: it is one path
         // segment, never `.` or `..`, before it is joined to a directory.
         if self.config.adapter_dirs.is_empty() || self.check_name(name).is_err() {
@@ -517,9 +554,11 @@ impl LoraManager {
         else {
             return Ok(None);
         };
-        self.make_room(name)?;
-        match self.register_as(name, &path, true, false) {
-            Ok(info) => Ok(Some(info)),
+        // Room is made (another found adapter unregistered) only once this one has loaded:
+        // a request naming a broken adapter unregisters nothing.
+        match self.register_held(name, &path, true, false, hold) {
+            Ok(found) => Ok(Some(found)),
+            Err(LoraError::Full(max)) => Err(LoraError::Busy(name.to_owned(), max)),
             Err(LoraError::Load(e)) => {
                 tracing::warn!(
                     name,
@@ -540,23 +579,7 @@ impl LoraManager {
     fn make_room(&mut self, name: &str) -> Result<(), LoraError> {
         let max = self.config.max_adapters;
         while self.registry.0.state.read().adapters.len() >= max {
-            let victim = {
-                let state = self.registry.0.state.read();
-                state
-                    .adapters
-                    .iter()
-                    .filter(|a| a.discovered)
-                    .filter_map(|a| match state.resident.get(&a.name) {
-                        None => Some((0, &a.name)),
-                        Some(r) if Arc::strong_count(&r.adapter) == 1 => {
-                            Some((r.last_used.load(Ordering::Relaxed), &a.name))
-                        }
-                        Some(_) => None,
-                    })
-                    .min_by_key(|(used, _)| *used)
-                    .map(|(_, name)| name.clone())
-            };
-            let Some(victim) = victim else {
+            let Some(victim) = self.room_victim() else {
                 return Err(LoraError::Busy(name.to_owned(), max));
             };
             tracing::info!(
@@ -566,6 +589,25 @@ impl LoraManager {
             self.unregister(&victim)?;
         }
         Ok(())
+    }
+
+    /// The discovered adapter [`Self::make_room`] unregisters next: the least recently used
+    /// one no request holds, those not in memory first.
+    fn room_victim(&self) -> Option<String> {
+        let state = self.registry.0.state.read();
+        state
+            .adapters
+            .iter()
+            .filter(|a| a.discovered)
+            .filter_map(|a| match state.resident.get(&a.name) {
+                None => Some((0, &a.name)),
+                Some(r) if Arc::strong_count(&r.adapter) == 1 => {
+                    Some((r.last_used.load(Ordering::Relaxed), &a.name))
+                }
+                Some(_) => None,
+            })
+            .min_by_key(|(used, _)| *used)
+            .map(|(_, name)| name.clone())
     }
 
     /// Serves the adapter at `path` under `name` in place of the one registered under it, if
@@ -668,13 +710,11 @@ impl LoraManager {
         let resolved = match self.registry.lookup(name) {
             Lookup::Resident(id, adapter) => Ok((id, adapter)),
             Lookup::Evicted => self.reload(name),
-            Lookup::Unknown => match self.find(name) {
-                // Registered just now, and so in memory.
-                Ok(Some(_)) => match self.registry.lookup(name) {
-                    Lookup::Resident(id, adapter) => Ok((id, adapter)),
-                    _ => Err(LoraError::Unknown(name.to_owned())),
-                },
-                Ok(None) => Err(LoraError::Unknown(name.to_owned())),
+            // Registered just now, with the weights held: the eviction that followed the
+            // registration could not drop them.
+            Lookup::Unknown => match self.discover(name, true) {
+                Ok(Some((info, Some(adapter)))) => Ok((info.id, adapter)),
+                Ok(Some((_, None)) | None) => Err(LoraError::Unknown(name.to_owned())),
                 Err(e) => Err(e),
             },
         };
@@ -1350,6 +1390,84 @@ mod tests {
             ["d1", "d3", "d4"],
             "d2, out of memory and older, went"
         );
+    }
+
+    /// Regression: a request naming an adapter of a directory while memory held as many
+    /// adapters in use as it keeps (`max_loaded`) got a 404 `model_not_found`: the eviction
+    /// after the registration dropped the new adapter, the only one no request held, before
+    /// the request took its weights, and the request then found it "not in memory".
+    #[test]
+    fn an_adapter_found_while_memory_is_full_of_adapters_in_use_is_served() {
+        let root = AdapterCopy::new("found-full");
+        copy_into(&root.0, "d1");
+        let mut m = finder(4, 1, &[&root.0]);
+        m.register("configured", &fixture()).expect("configured");
+        let (_, held) = m.resolve("configured").expect("configured");
+        let (id, adapter) = m.resolve("d1").expect("found while memory is full");
+        assert_eq!(adapter.rank(), 4);
+        assert!(m
+            .registry
+            .list()
+            .iter()
+            .any(|a| a.name == "d1" && a.id == id && a.discovered));
+        // Both in use: both stay in memory, over the limit, until released.
+        assert_eq!(m.loaded(), ["configured", "d1"]);
+        drop((held, adapter));
+    }
+
+    /// Regression: with the registry full of adapters found in directories, `POST
+    /// /admin/lora` was refused ("unload one first") although a found adapter no request used
+    /// could go, and unloading one only let the next request find it again.
+    #[test]
+    fn found_adapters_make_room_for_an_operators_adapter_unless_all_are_in_use() {
+        let root = AdapterCopy::new("room-admin");
+        for name in ["d1", "d2"] {
+            copy_into(&root.0, name);
+        }
+        let mut m = finder(2, 2, &[&root.0]);
+        m.find("d1").unwrap().unwrap();
+        m.find("d2").unwrap().unwrap();
+        let names = |m: &LoraManager| -> Vec<String> {
+            m.registry.list().into_iter().map(|a| a.name).collect()
+        };
+        // An adapter that does not load unregisters nothing.
+        let e = m
+            .register("admin", &root.0.join("missing"))
+            .expect_err("no such adapter");
+        assert!(matches!(e, LoraError::Load(_)), "{e:?}");
+        assert_eq!(names(&m), ["d1", "d2"]);
+        // d1, the least recently used, makes room.
+        m.register("admin", &fixture()).expect("room made");
+        assert_eq!(names(&m), ["d2", "admin"]);
+        // d2 in use, the others an operator's: full.
+        let (_, held) = m.resolve("d2").expect("d2");
+        let e = m.register("other", &fixture()).expect_err("full");
+        assert!(matches!(e, LoraError::Full(2)), "{e:?}");
+        drop(held);
+        m.register("other", &fixture()).expect("d2 released");
+        assert_eq!(names(&m), ["admin", "other"]);
+        let e = m
+            .register("third", &fixture())
+            .expect_err("no found adapter left");
+        assert!(matches!(e, LoraError::Full(2)), "{e:?}");
+    }
+
+    /// Regression: room was made before a found adapter was loaded, so each request naming
+    /// a broken adapter of a directory unregistered a working one (loaded again on its next
+    /// request) and then failed.
+    #[test]
+    fn a_broken_found_adapter_unregisters_nothing() {
+        let root = AdapterCopy::new("room-broken");
+        copy_into(&root.0, "d1");
+        copy_into(&root.0, "broken");
+        std::fs::write(root.0.join("broken/adapter_config.json"), "{not json").unwrap();
+        let mut m = finder(2, 2, &[&root.0]);
+        m.register("configured", &fixture()).expect("configured");
+        m.find("d1").unwrap().unwrap();
+        let e = m.resolve("broken").expect_err("broken");
+        assert!(matches!(&e, LoraError::Reload(n) if n == "broken"), "{e:?}");
+        let names: Vec<String> = m.registry.list().into_iter().map(|a| a.name).collect();
+        assert_eq!(names, ["configured", "d1"]);
     }
 
     #[test]

@@ -361,10 +361,12 @@ impl Reloader {
                 )
             })
             .collect();
-        // The file's adapters it no longer lists (or lists elsewhere), when still served from
-        // the file's directory (one replaced through the admin API since is the admin's).
+        // The file's adapters it no longer lists, when still served from the file's directory
+        // (one replaced through the admin API since is the admin's). One it lists in another
+        // directory is replaced in place below, never unloaded first: its name is never
+        // missing, and new files that do not load leave it served.
         for (name, path) in &state.file_adapters {
-            let listed = wanted.iter().any(|(n, p, _)| n == name && p == path);
+            let listed = wanted.iter().any(|(n, _, _)| n == name);
             if listed || served(name).map(|s| s.0).as_ref() != Some(path) {
                 continue;
             }
@@ -393,17 +395,31 @@ impl Reloader {
                     continue;
                 }
                 Some((p, _)) => {
-                    // Loaded through the admin API (or found in lora.adapter_dirs) from
-                    // another directory: the file's entry is what the operator asks SIGHUP to
-                    // serve. Replaced in place: the name is never missing, and a file that
-                    // does not load leaves the adapter served as it was.
-                    tracing::warn!(
-                        %name,
-                        from = %p.display(),
-                        to = %path.display(),
-                        "SIGHUP: LoRA adapter served from another directory; replacing it with \
-                         the file's"
-                    );
+                    // Moved in the file, or loaded through the admin API (or found in
+                    // lora.adapter_dirs) from another directory: the file's entry is what the
+                    // operator asks SIGHUP to serve. Replaced in place: the name is never
+                    // missing, and a file that does not load leaves the adapter served as it
+                    // was.
+                    let the_files = state
+                        .file_adapters
+                        .iter()
+                        .any(|(n, fp)| *n == name && *fp == p);
+                    if the_files {
+                        tracing::info!(
+                            %name,
+                            from = %p.display(),
+                            to = %path.display(),
+                            "SIGHUP: LoRA adapter moved in the file; replacing it in place"
+                        );
+                    } else {
+                        tracing::warn!(
+                            %name,
+                            from = %p.display(),
+                            to = %path.display(),
+                            "SIGHUP: LoRA adapter served from another directory; replacing it \
+                             with the file's"
+                        );
+                    }
                     match engine
                         .replace_adapter(name.clone(), path.clone(), pinned)
                         .await
@@ -413,7 +429,12 @@ impl Reloader {
                             applied.push((name, path));
                         }
                         Err(e) => {
-                            tracing::error!(%name, error = %e, "SIGHUP: LoRA adapter not replaced; the one served stays")
+                            tracing::error!(%name, error = %e, "SIGHUP: LoRA adapter not replaced; the one served stays");
+                            // Still the file's adapter, from its former directory: a later
+                            // SIGHUP that no longer lists it unloads it.
+                            if the_files {
+                                applied.push((name, p));
+                            }
                         }
                     }
                     continue;
