@@ -113,8 +113,6 @@ impl Engine {
             return;
         }
         let tenant = self.metrics_tenant(&options.tenant);
-        metrics::counter!(names::PROMPT_TOKENS, names::tenant_labels(&tenant))
-            .increment(resolved.prompt.len() as u64);
         if !sink.send(EngineOutput::Prompt {
             prompt_tokens: resolved.prompt.len() as u32,
             opens_thinking: resolved.opens_thinking,
@@ -153,6 +151,13 @@ impl Engine {
                     return;
                 }
                 Some(Ok(step)) => {
+                    if cached.is_none() {
+                        // The prompt counts once computed, by the first step, as the
+                        // detokenizer counts other requests' (not one that timed out in
+                        // the queue or whose client left before it).
+                        metrics::counter!(names::PROMPT_TOKENS, names::tenant_labels(&tenant))
+                            .increment(resolved.prompt.len() as u64);
+                    }
                     cached.get_or_insert(step.cached_prompt_tokens);
                     search.advance(&step.alternatives);
                 }
