@@ -327,6 +327,46 @@ fn simulate_reports_progress_in_plain_lines_when_stderr_is_not_a_terminal() {
     }
 }
 
+/// Every YAML file in config/examples is one of two kinds: a server configuration that
+/// `config check` passes as shipped (the check `serve` makes before it loads the model), or a
+/// simulation spec (`sim-*.yaml`, which the simulator's own test runs) that `config check`
+/// refuses with the command that runs it. A new example of neither kind, or a server
+/// example that rots, fails here.
+#[test]
+fn every_shipped_example_passes_config_check_or_is_named_a_simulation_spec() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let mut names: Vec<String> = std::fs::read_dir(PathBuf::from(root).join("config/examples"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".yaml"))
+        .collect();
+    names.sort();
+    assert!(
+        names.iter().any(|n| n == "default.yaml") && names.iter().any(|n| n == "multi-tenant.yaml"),
+        "{names:?}"
+    );
+    for name in &names {
+        let path = format!("config/examples/{name}");
+        let mut check = switchyard();
+        check.args(["config", "check", &path]).current_dir(root);
+        if name.starts_with("sim-") {
+            let err = fails(&mut check);
+            assert!(
+                err.contains(&format!(
+                    "hint: {path} is a simulation spec (it has `seed`): run it with \
+                     `switchyard simulate --config {path}`"
+                )),
+                "{name}: {err}"
+            );
+        } else {
+            let out = check.output().unwrap();
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert!(out.status.success(), "{name}: {stderr}");
+            assert!(stderr.contains(&format!("{path}: ok")), "{name}: {stderr}");
+        }
+    }
+}
+
 /// A simulation spec given where a server configuration goes (and the reverse) is named as
 /// such, with the command that runs it; a `model` that is neither a preset nor a mapping
 /// says what it may be, not serde's untagged-enum message.

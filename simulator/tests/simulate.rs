@@ -608,3 +608,38 @@ fn slo_aware_takes_its_step_costs_from_the_calibration_unless_the_spec_sets_them
     assert!(json["policies"][1].get("params_from_calibration").is_none());
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Every simulation spec shipped in config/examples (`sim-*.yaml`, the ones the README and
+/// `config check`'s hint send users to) loads and runs with each of its policies on the
+/// first requests of its trace, so an example cannot rot unnoticed when the schema, a
+/// policy's parameters or a trace reader change.
+#[test]
+fn every_shipped_simulation_spec_loads_and_runs() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../config/examples");
+    let mut names: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("sim-") && n.ends_with(".yaml"))
+        .collect();
+    names.sort();
+    assert!(names.len() >= 10, "examples went missing: {names:?}");
+    for name in &names {
+        let mut spec = SimulationSpec::from_yaml_file(&example(name))
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(
+            spec.workload.trace.is_file(),
+            "{name}: trace {} is missing",
+            spec.workload.trace.display()
+        );
+        spec.workload.limit = Some(40);
+        let out = temp_dir(&format!("example-{name}"));
+        let (comparison, _) = run(&spec, &out, false).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(
+            comparison.policies.len(),
+            spec.policies.len(),
+            "{name}: a policy did not run"
+        );
+        assert!(out.join("summary.json").is_file(), "{name}: no summary");
+        std::fs::remove_dir_all(&out).unwrap();
+    }
+}

@@ -1,0 +1,183 @@
+//! The documents' checkable claims against the code: every command line of README.md uses
+//! only flags its subcommand's `--help` lists, and ARCHITECTURE.md's dependency table explains
+//! every dependency the workspace's manifests declare, and nothing else.
+
+mod common;
+
+use common::{succeeds, switchyard};
+use std::collections::BTreeSet;
+use std::path::Path;
+
+fn read(rel: &str) -> String {
+    std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(rel))
+        .unwrap_or_else(|e| panic!("{rel}: {e}"))
+}
+
+/// The `--flags` a text names.
+fn flags(text: &str) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    let mut rest = text;
+    while let Some(i) = rest.find("--") {
+        let name: String = rest[i + 2..]
+            .chars()
+            .take_while(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '-')
+            .collect();
+        if name.starts_with(|c: char| c.is_ascii_lowercase()) {
+            out.insert(format!("--{name}"));
+        }
+        rest = &rest[i + 2 + name.len()..];
+    }
+    out
+}
+
+#[test]
+fn every_readme_command_line_uses_flags_its_subcommand_has() {
+    // Subcommands, longest first so that `bench serve` is not read as `serve`.
+    const SUBCOMMANDS: [&str; 8] = [
+        "bench throughput",
+        "bench serve",
+        "config check",
+        "model fetch",
+        "calibrate",
+        "generate",
+        "simulate",
+        "serve",
+    ];
+    // A table cell's escaped pipes (`random\|sharegpt`) and a shell line's continuations.
+    let readme = read("README.md").replace("\\|", "/").replace("\\\n", " ");
+    let mut seen = BTreeSet::new();
+    let mut wrong = Vec::new();
+    for sub in SUBCOMMANDS {
+        let help = succeeds(switchyard().args(sub.split(' ')).arg("--help"));
+        let known = flags(&help);
+        let needle = format!("switchyard {sub}");
+        let mut at = 0;
+        while let Some(i) = readme[at..].find(&needle) {
+            let start = at + i;
+            at = start + needle.len();
+            // The word must end there (`serve` is not `server`), and a longer subcommand
+            // (`bench serve`) has had its turn.
+            if readme[at..].starts_with(|c: char| c.is_ascii_alphanumeric() || c == '-')
+                || !seen.insert(start + needle.len())
+            {
+                continue;
+            }
+            // The command line: up to the end of its code span, table cell or line.
+            let end = readme[at..]
+                .find(['`', '|', '\n'])
+                .map_or(readme.len(), |e| at + e);
+            for flag in flags(&readme[at..end]) {
+                if !known.contains(&flag) {
+                    wrong.push(format!("`{}`: {flag}", &readme[start..end]));
+                }
+            }
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "README command lines name flags their subcommand does not have:\n{}",
+        wrong.join("\n")
+    );
+    assert!(
+        seen.len() > 20,
+        "too few command lines found: {}",
+        seen.len()
+    );
+}
+
+/// The dependency names a Cargo.toml declares in `[dependencies]`, `[dev-dependencies]` and
+/// `[build-dependencies]` (`workspace` true: the table `[workspace.dependencies]`), less the
+/// workspace's own crates.
+fn declared(manifest: &str, workspace: bool) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    let mut inside = false;
+    for line in manifest.lines() {
+        let line = line.trim();
+        if line.starts_with('[') {
+            inside = if workspace {
+                line == "[workspace.dependencies]"
+            } else {
+                matches!(
+                    line,
+                    "[dependencies]" | "[dev-dependencies]" | "[build-dependencies]"
+                )
+            };
+            continue;
+        }
+        if !inside || line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let name: String = line
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '-' || *c == '_')
+            .collect();
+        if !name.is_empty() && !name.starts_with("switchyard") {
+            out.insert(name);
+        }
+    }
+    out
+}
+
+#[test]
+fn architecture_explains_every_dependency_and_only_those() {
+    let root = read("Cargo.toml");
+    let members = ["config", "policies", "simulator", "gpu", "actors", "api"];
+    let mut used = declared(&root, false);
+    for m in members {
+        used.extend(declared(&read(&format!("{m}/Cargo.toml")), false));
+    }
+    assert!(
+        root.contains(&format!("members = {members:?}")),
+        "the workspace's members changed: update this test"
+    );
+    let pinned = declared(&root, true);
+    let unused: Vec<&String> = pinned.difference(&used).collect();
+    assert!(
+        unused.is_empty(),
+        "[workspace.dependencies] pins crates no member uses: {unused:?}"
+    );
+
+    let arch = read("ARCHITECTURE.md");
+    let table = arch
+        .split("## Why each dependency is there")
+        .nth(1)
+        .expect("ARCHITECTURE.md has its dependency table");
+    let mut explained = BTreeSet::new();
+    for row in table.lines().filter(|l| l.starts_with("| ")).skip(1) {
+        let cell = row.split('|').nth(1).unwrap_or_default();
+        // `tokio (sync, time; ...)`, `thiserror / anyhow`, `actix-web's `rustls-0_23``: the
+        // crate names are the words before any parenthesis, apostrophe or space.
+        let mut depth = 0;
+        let bare: String = cell
+            .chars()
+            .filter(|&c| {
+                match c {
+                    '(' => depth += 1,
+                    ')' => depth -= 1,
+                    _ => return depth == 0,
+                }
+                false
+            })
+            .collect();
+        for part in bare.split([',', '/']) {
+            let name: String = part
+                .trim()
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '-' || *c == '_')
+                .collect();
+            if !name.is_empty() {
+                explained.insert(name);
+            }
+        }
+    }
+    let unexplained: Vec<&String> = used.difference(&explained).collect();
+    let gone: Vec<&String> = explained.difference(&used).collect();
+    assert!(
+        unexplained.is_empty(),
+        "dependencies ARCHITECTURE.md does not explain: {unexplained:?}"
+    );
+    assert!(
+        gone.is_empty(),
+        "ARCHITECTURE.md explains crates no manifest declares: {gone:?}"
+    );
+}
