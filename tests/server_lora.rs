@@ -891,6 +891,63 @@ fn found_adapters_are_served_while_memory_is_full_and_make_room_for_an_operators
     let _ = std::fs::remove_dir_all(&root);
 }
 
+/// Regression: a SIGHUP whose file lists an adapter at the directory a request found it in
+/// (`lora.adapter_dirs`) left it a found adapter, so the next registration that needed room
+/// unregistered it, although adapters of `lora.adapters` never go: it is the file's from
+/// then on (the same weights, served all along).
+#[test]
+fn sighup_takes_a_found_adapter_the_file_lists_as_the_files() {
+    let root = adapter_copies("lora-adopt", &["found"]);
+    let dirs = format!("  adapter_dirs: [{}]\n", root.display());
+    let s = &Server::start_with(
+        "lora-adopt",
+        "  admin_key: admin-secret-key\n",
+        &format!("lora:\n  enabled: true\n  max_adapters: 2\n{dirs}"),
+    );
+    assert_haiku(s, "found", "lora_golden.json");
+    let listed = |name: &str| -> Option<Value> {
+        let r = s
+            .request("GET", "/admin/lora", None, &[ADMIN])
+            .expect("list");
+        let v: Value = serde_json::from_str(&r.body).expect("json");
+        v["adapters"]
+            .as_array()
+            .expect("adapters")
+            .iter()
+            .find(|a| a["name"] == name)
+            .cloned()
+    };
+    assert_eq!(listed("found").expect("found")["discovered"], true);
+    let config = s.dir.join("config.yaml");
+    let original = std::fs::read_to_string(&config).expect("config");
+    assert!(original.contains(&dirs), "{original}");
+    let entry = format!(
+        "  adapters:\n    - {{ name: found, path: {} }}\n",
+        root.join("found").display()
+    );
+    std::fs::write(&config, original.replace(&dirs, &format!("{dirs}{entry}"))).expect("write");
+    let pid = s.child.id().to_string();
+    assert!(std::process::Command::new("kill")
+        .args(["-HUP", &pid])
+        .status()
+        .expect("kill")
+        .success());
+    s.wait_logged("SIGHUP: reload finished", 1);
+    assert_eq!(listed("found").expect("found")["discovered"], false);
+    // Two operator's loads: the second finds no found adapter to make room, and the file's
+    // stays.
+    for (name, status) in [("ops", 200), ("more", 400)] {
+        let body = json!({"lora_name": name, "lora_path": lora_fixture_dir()}).to_string();
+        let r = s
+            .request("POST", "/admin/lora", Some(&body), &[ADMIN])
+            .expect("load");
+        assert_eq!(r.status, status, "{name}: {}", r.body);
+    }
+    assert!(listed("found").is_some());
+    assert_haiku(s, "found", "lora_golden.json");
+    let _ = std::fs::remove_dir_all(&root);
+}
+
 /// `bench serve --lora-modules` names one of the adapters at random in each request (vLLM's
 /// flag): every request succeeds, the adapters found in the directory are registered as the
 /// requests name them, and the result file lists the modules.

@@ -24,8 +24,8 @@
 //! request, and it is then served as any other. The name passed the same check as every
 //! registration (one path segment, never `.` or `..`), so the path stays inside the directory.
 //! Discovered adapters make room for one another and for an operator's registrations: when
-//! the registry is full, the least recently used discovered adapter no request holds is
-//! unregistered (it is found again on its next request), once the new adapter has loaded; a
+//! the registry is full, the least recently used discovered adapter that no request holds
+//! and that is not pinned is unregistered (it is found again on its next request), once the new adapter has loaded; a
 //! request that registers one gets its weights even when the eviction that follows would drop
 //! them from memory at once; a discovered adapter whose files are gone or broken when it is
 //! loaded again is unregistered, so it is found again, or not, as its directory then says.
@@ -83,7 +83,8 @@ pub struct AdapterInfo {
     /// Its rank.
     pub rank: usize,
     /// Found in one of the `adapter_dirs` on a request, rather than registered by the
-    /// configuration or an admin: unregistered to make room for another found one.
+    /// configuration or an admin: unregistered to make room for another registration
+    /// (unless pinned).
     pub discovered: bool,
     /// Kept in memory while registered, never evicted (at most `max_loaded` adapters are):
     /// its requests never wait for its files to load again.
@@ -579,27 +580,46 @@ impl LoraManager {
     /// none can go.
     fn make_room(&mut self, name: &str) -> Result<(), LoraError> {
         let max = self.config.max_adapters;
-        while self.registry.0.state.read().adapters.len() >= max {
-            let Some(victim) = self.room_victim() else {
-                return Err(LoraError::Busy(name.to_owned(), max));
+        loop {
+            // Chosen and unregistered under one write lock: requests clone an adapter's weights
+            // only under the read lock, so none can start using the victim in between (it
+            // would run on weights no longer registered, outside the memory accounting).
+            let (victim, dropped) = {
+                let mut state = self.registry.0.state.write();
+                if state.adapters.len() < max {
+                    return Ok(());
+                }
+                let Some(victim) = Self::room_victim_in(&state) else {
+                    return Err(LoraError::Busy(name.to_owned(), max));
+                };
+                state.adapters.retain(|a| a.name != victim);
+                let dropped = state.resident.remove(&victim);
+                (victim, dropped)
             };
+            // The weights are freed outside the lock.
+            drop(dropped);
+            self.fingerprints.remove(&victim);
+            self.publish();
             tracing::info!(
                 name = %victim,
                 "LoRA adapter found in a directory unregistered to make room for another"
             );
-            self.unregister(&victim)?;
         }
-        Ok(())
     }
 
     /// The discovered adapter [`Self::make_room`] unregisters next: the least recently used
-    /// one no request holds, those not in memory first.
+    /// one no request holds, those not in memory first; never a pinned one (an operator
+    /// pinned it, through the configuration file's entry for its directory).
     fn room_victim(&self) -> Option<String> {
-        let state = self.registry.0.state.read();
+        Self::room_victim_in(&self.registry.0.state.read())
+    }
+
+    /// [`Self::room_victim`] in a locked `state`.
+    fn room_victim_in(state: &RegistryState) -> Option<String> {
         state
             .adapters
             .iter()
-            .filter(|a| a.discovered)
+            .filter(|a| a.discovered && !a.pinned)
             .filter_map(|a| match state.resident.get(&a.name) {
                 None => Some((0, &a.name)),
                 Some(r) if Arc::strong_count(&r.adapter) == 1 => {
@@ -1469,6 +1489,34 @@ mod tests {
         assert!(matches!(&e, LoraError::Reload(n) if n == "broken"), "{e:?}");
         let names: Vec<String> = m.registry.list().into_iter().map(|a| a.name).collect();
         assert_eq!(names, ["configured", "d1"]);
+    }
+
+    /// Regression: a found adapter pinned (the configuration file naming its directory
+    /// with `pinned: true`, which SIGHUP applies with `set_pinned`) was unregistered to make
+    /// room for another registration as any found adapter, so a pinned adapter vanished.
+    #[test]
+    fn a_pinned_found_adapter_is_never_unregistered_to_make_room() {
+        let root = AdapterCopy::new("room-pinned");
+        for name in ["d1", "d2"] {
+            copy_into(&root.0, name);
+        }
+        let mut m = finder(2, 2, &[&root.0]);
+        m.find("d1").unwrap().unwrap();
+        m.find("d2").unwrap().unwrap();
+        // d1, the least recently used, is pinned: d2 goes instead.
+        m.set_pinned("d1", true).expect("pinned");
+        m.register("admin", &fixture()).expect("room made");
+        let names: Vec<String> = m.registry.list().into_iter().map(|a| a.name).collect();
+        assert_eq!(names, ["d1", "admin"]);
+        let e = m.register("other", &fixture()).expect_err("d1 pinned");
+        assert!(matches!(e, LoraError::Full(2)), "{e:?}");
+        let e = m.resolve("d2").expect_err("no found adapter may go");
+        assert!(matches!(&e, LoraError::Busy(n, 2) if n == "d2"), "{e:?}");
+        // Unpinned, it goes as any found adapter.
+        m.set_pinned("d1", false).expect("unpinned");
+        m.resolve("d2").expect("d1 made room");
+        let names: Vec<String> = m.registry.list().into_iter().map(|a| a.name).collect();
+        assert_eq!(names, ["admin", "d2"]);
     }
 
     #[test]

@@ -349,7 +349,7 @@ impl Reloader {
                 .adapters()
                 .into_iter()
                 .find(|a| a.name == name)
-                .map(|a| (a.path, a.pinned))
+                .map(|a| (a.path, a.pinned, a.discovered))
         };
         let wanted: Vec<(String, PathBuf, bool)> = wanted
             .iter()
@@ -380,7 +380,10 @@ impl Reloader {
         let mut applied = Vec::new();
         for (name, path, pinned) in wanted {
             match served(&name) {
-                Some((p, was_pinned)) if p == path => {
+                // Found by a request in lora.adapter_dirs at the file's path: still taken
+                // as the file's below (replaced in place, the same weights keeping their id),
+                // or it would stay a found adapter, unregistered to make room for others.
+                Some((p, was_pinned, false)) if p == path => {
                     if was_pinned != pinned {
                         match engine.pin_adapter(name.clone(), pinned).await {
                             Ok(_) => {
@@ -394,7 +397,7 @@ impl Reloader {
                     applied.push((name, path));
                     continue;
                 }
-                Some((p, _)) => {
+                Some((p, _, discovered)) => {
                     // Moved in the file, or loaded through the admin API (or found in
                     // lora.adapter_dirs) from another directory: the file's entry is what the
                     // operator asks SIGHUP to serve. Replaced in place: the name is never
@@ -404,7 +407,13 @@ impl Reloader {
                         .file_adapters
                         .iter()
                         .any(|(n, fp)| *n == name && *fp == p);
-                    if the_files {
+                    if discovered && p == path {
+                        tracing::info!(
+                            %name,
+                            path = %path.display(),
+                            "SIGHUP: LoRA adapter found in lora.adapter_dirs is now the file's"
+                        );
+                    } else if the_files {
                         tracing::info!(
                             %name,
                             from = %p.display(),
