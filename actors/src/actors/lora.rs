@@ -25,10 +25,11 @@
 //! registration (one path segment, never `.` or `..`), so the path stays inside the directory.
 //! Discovered adapters make room for one another and for an operator's registrations: when
 //! the registry is full, the least recently used discovered adapter that no request holds
-//! and that is not pinned is unregistered (it is found again on its next request), once the new adapter has loaded; a
-//! request that registers one gets its weights even when the eviction that follows would drop
-//! them from memory at once; a discovered adapter whose files are gone or broken when it is
-//! loaded again is unregistered, so it is found again, or not, as its directory then says.
+//! and that is not pinned is unregistered (it is found again on its next request), once the
+//! new adapter has loaded; a request that registers one gets its weights even when the
+//! eviction that follows would drop them from memory at once; a discovered adapter whose files
+//! are gone or broken when it is loaded again is unregistered, so it is found again, or not,
+//! as its directory then says.
 //!
 //! Memory. At most `max_adapters` names are registered and at most `max_loaded` adapters are
 //! kept in memory, those in use included; beyond that, the least recently used adapter that no
