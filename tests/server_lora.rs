@@ -72,6 +72,15 @@ fn completion_steps(v: &Value) -> Vec<Step> {
 
 /// Greedy chat answer of `model` to the haiku prompt of both fixtures, with each token's two
 /// most likely alternatives.
+/// The adapters `GET /admin/lora` lists.
+fn admin_adapters(s: &Server) -> Vec<Value> {
+    let r = s
+        .request("GET", "/admin/lora", None, &[ADMIN])
+        .expect("list");
+    let v: Value = serde_json::from_str(&r.body).expect("json");
+    v["adapters"].as_array().expect("adapters").clone()
+}
+
 fn haiku(s: &Server, model: &str) -> (u16, Value) {
     haiku_as(s, None, model)
 }
@@ -276,13 +285,8 @@ fn adapters_load_and_unload_at_run_time_through_the_admin_api() {
         assert_eq!(v["error"]["param"], "lora_name", "{name:?}: {v}");
     }
 
-    let listed = s
-        .request("GET", "/admin/lora", None, &[ADMIN])
-        .expect("list");
-    let listed: Value = serde_json::from_str(&listed.body).expect("json");
-    let names: Vec<(&str, bool)> = listed["adapters"]
-        .as_array()
-        .expect("adapters")
+    let listed = admin_adapters(s);
+    let names: Vec<(&str, bool)> = listed
         .iter()
         .filter_map(|a| Some((a["name"].as_str()?, a["pinned"].as_bool()?)))
         .collect();
@@ -381,12 +385,7 @@ fn sighup_brings_the_configured_adapters_in_line_with_the_file() {
         .expect("config")
         .replace("- name: tuned", "- name: renamed");
     std::fs::write(&config, text).expect("write config");
-    let pid = s.child.id().to_string();
-    assert!(std::process::Command::new("kill")
-        .args(["-HUP", &pid])
-        .status()
-        .expect("kill")
-        .success());
+    s.hang_up();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
     // The file's adapter is replaced; the one loaded through the admin API stays.
     while s.served_adapters() != ["runtime", "renamed"] {
@@ -403,13 +402,7 @@ fn sighup_brings_the_configured_adapters_in_line_with_the_file() {
 
     // Pinned in the file, then the same adapter: its pinning changes, nothing else.
     let pinned = |s: &Server| -> Vec<(String, bool)> {
-        let r = s
-            .request("GET", "/admin/lora", None, &[ADMIN])
-            .expect("list");
-        let v: Value = serde_json::from_str(&r.body).expect("json");
-        v["adapters"]
-            .as_array()
-            .expect("adapters")
+        admin_adapters(s)
             .iter()
             .map(|a| (a["name"].as_str().unwrap().to_owned(), a["pinned"] == true))
             .collect()
@@ -418,11 +411,7 @@ fn sighup_brings_the_configured_adapters_in_line_with_the_file() {
     let text = std::fs::read_to_string(&config).expect("config");
     let text = text.replace("- name: renamed\n", "- name: renamed\n      pinned: true\n");
     std::fs::write(&config, text).expect("write config");
-    assert!(std::process::Command::new("kill")
-        .args(["-HUP", &pid])
-        .status()
-        .expect("kill")
-        .success());
+    s.hang_up();
     let want = [("runtime".to_owned(), false), ("renamed".to_owned(), true)];
     while pinned(s) != want {
         assert!(
@@ -459,23 +448,15 @@ fn sighup_replaces_an_adapter_the_file_moved_in_place() {
     assert!(original.contains(&entry), "{original}");
     let reload = |text: String, n: usize| {
         std::fs::write(&config, text).expect("write config");
-        let pid = s.child.id().to_string();
-        assert!(std::process::Command::new("kill")
-            .args(["-HUP", &pid])
-            .status()
-            .expect("kill")
-            .success());
+        s.hang_up();
         s.wait_logged("SIGHUP: reload finished", n);
     };
     let moved_to =
         |dir: &str| original.replace(lora_fixture_dir(), &root.join(dir).display().to_string());
     let served_path = || -> String {
-        let r = s
-            .request("GET", "/admin/lora", None, &[ADMIN])
-            .expect("list");
-        let v: Value = serde_json::from_str(&r.body).expect("json");
-        assert_eq!(v["adapters"].as_array().map(Vec::len), Some(1), "{v}");
-        v["adapters"][0]["path"].as_str().expect("path").to_owned()
+        let adapters = admin_adapters(s);
+        assert_eq!(adapters.len(), 1, "{adapters:?}");
+        adapters[0]["path"].as_str().expect("path").to_owned()
     };
     // Files that do not load: the adapter stays served from where it was.
     reload(moved_to("broken"), 1);
@@ -905,18 +886,8 @@ fn sighup_takes_a_found_adapter_the_file_lists_as_the_files() {
         &format!("lora:\n  enabled: true\n  max_adapters: 2\n{dirs}"),
     );
     assert_haiku(s, "found", "lora_golden.json");
-    let listed = |name: &str| -> Option<Value> {
-        let r = s
-            .request("GET", "/admin/lora", None, &[ADMIN])
-            .expect("list");
-        let v: Value = serde_json::from_str(&r.body).expect("json");
-        v["adapters"]
-            .as_array()
-            .expect("adapters")
-            .iter()
-            .find(|a| a["name"] == name)
-            .cloned()
-    };
+    let listed =
+        |name: &str| -> Option<Value> { admin_adapters(s).into_iter().find(|a| a["name"] == name) };
     assert_eq!(listed("found").expect("found")["discovered"], true);
     let config = s.dir.join("config.yaml");
     let original = std::fs::read_to_string(&config).expect("config");
@@ -926,12 +897,7 @@ fn sighup_takes_a_found_adapter_the_file_lists_as_the_files() {
         root.join("found").display()
     );
     std::fs::write(&config, original.replace(&dirs, &format!("{dirs}{entry}"))).expect("write");
-    let pid = s.child.id().to_string();
-    assert!(std::process::Command::new("kill")
-        .args(["-HUP", &pid])
-        .status()
-        .expect("kill")
-        .success());
+    s.hang_up();
     s.wait_logged("SIGHUP: reload finished", 1);
     assert_eq!(listed("found").expect("found")["discovered"], false);
     // Two operator's loads: the second finds no found adapter to make room, and the file's

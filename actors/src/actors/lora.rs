@@ -159,6 +159,16 @@ struct RegistryState {
     resident: HashMap<String, Resident>,
 }
 
+impl RegistryState {
+    /// Removes `name`'s registration: `None` when it has none, else its weights in memory if
+    /// they were (for the caller to drop once the lock is released).
+    fn remove(&mut self, name: &str) -> Option<Option<Resident>> {
+        let i = self.adapters.iter().position(|a| a.name == name)?;
+        self.adapters.remove(i);
+        Some(self.resident.remove(name))
+    }
+}
+
 /// What a [`LoraRegistry`] shares between its clones.
 #[derive(Default)]
 struct SharedRegistry {
@@ -593,14 +603,10 @@ impl LoraManager {
                 let Some(victim) = Self::room_victim_in(&state) else {
                     return Err(LoraError::Busy(name.to_owned(), max));
                 };
-                state.adapters.retain(|a| a.name != victim);
-                let dropped = state.resident.remove(&victim);
+                let dropped = state.remove(&victim).flatten();
                 (victim, dropped)
             };
-            // The weights are freed outside the lock.
-            drop(dropped);
-            self.fingerprints.remove(&victim);
-            self.publish();
+            self.forget(&victim, dropped);
             tracing::info!(
                 name = %victim,
                 "LoRA adapter found in a directory unregistered to make room for another"
@@ -709,22 +715,25 @@ impl LoraManager {
 
     /// Forgets `name`; requests already using it finish with its weights.
     pub fn unregister(&mut self, name: &str) -> Result<(), LoraError> {
-        let dropped = {
-            let mut state = self.registry.0.state.write();
-            let i = state
-                .adapters
-                .iter()
-                .position(|a| a.name == name)
-                .ok_or_else(|| LoraError::Unknown(name.to_owned()))?;
-            state.adapters.remove(i);
-            state.resident.remove(name)
-        };
-        // The weights go (unless a request holds them) outside the lock.
+        let dropped = self
+            .registry
+            .0
+            .state
+            .write()
+            .remove(name)
+            .ok_or_else(|| LoraError::Unknown(name.to_owned()))?;
+        self.forget(name, dropped);
+        tracing::info!(name, "LoRA adapter unregistered");
+        Ok(())
+    }
+
+    /// What follows a registration's removal from the registry ([`RegistryState::remove`]):
+    /// its weights go (unless a request holds them), outside the lock, with its fingerprint,
+    /// and the new set is published.
+    fn forget(&mut self, name: &str, dropped: Option<Resident>) {
         drop(dropped);
         self.fingerprints.remove(name);
         self.publish();
-        tracing::info!(name, "LoRA adapter unregistered");
-        Ok(())
     }
 
     /// The id and weights of `name`, loading them if they were evicted.
