@@ -394,7 +394,7 @@ impl Simulation {
         let slo_aware = calibration.as_ref().map(|(path, c)| {
             (
                 path.display().to_string(),
-                SloAwareParams::from_calibration(c),
+                SloAwareParams::from_calibration(c, spec.scheduler.max_num_seqs),
             )
         });
         // Fail on an unknown policy or bad parameters before any trace is read.
