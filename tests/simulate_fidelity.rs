@@ -357,7 +357,8 @@ fn calibrate_fits_the_engine_and_the_simulator_runs_on_the_fit() {
 
 /// `switchyard calibrate` prints and records the `slo-aware` parameters its fit implies: for
 /// steps measured as exactly 2 ms + 10 us per token + 5 us more per prompt token, a decode
-/// step of 32 sequences takes 2.32 ms and a prompt token costs 15 us at the margin.
+/// step of 32 sequences takes 2.32 ms (of 8, for an engine of 8 sequences, 2.08 ms) and a
+/// prompt token costs 15 us at the margin.
 #[test]
 fn calibrate_prints_and_records_the_slo_aware_parameters_its_fit_implies() {
     let dir = temp_dir("slo-params");
@@ -422,6 +423,33 @@ fn calibrate_prints_and_records_the_slo_aware_parameters_its_fit_implies() {
     assert!(
         summary
             .contains("slo-aware: step_overhead_ms 2.32, prefill_us_per_token 15 from calibration"),
+        "{summary}"
+    );
+    // An engine of 8 sequences never runs a decode step of 32: its reference step is one of 8,
+    // 2 ms + 8 x 10 us = 2.08 ms, in calibrate (the samples' max_num_seqs) and in the
+    // simulator (the spec's).
+    let mut file = file;
+    file["max_num_seqs"] = 8.into();
+    file["max_num_batched_tokens"] = 2048.into();
+    std::fs::write(dir.join("steps8.json"), file.to_string()).unwrap();
+    let stdout = refit(&dir.join("steps8.json"), &dir.join("cal8.yaml"));
+    assert!(
+        stdout.contains(
+            "The fit implies the slo-aware policy's step_overhead_ms 2.08 (a decode step of 8 \
+             sequences at 1024 tokens of context) and prefill_us_per_token 15"
+        ),
+        "{stdout}"
+    );
+    simulate_spec(
+        &dir,
+        "model: smollm2-135m\ncalibration: cal.yaml\npolicies: [{name: slo-aware}]\n\
+         scheduler: {max_num_seqs: 8}\nworkload: {trace: one.jsonl, format: jsonl}\n",
+        "sim8",
+    );
+    let summary = std::fs::read_to_string(dir.join("sim8/summary.txt")).unwrap();
+    assert!(
+        summary
+            .contains("slo-aware: step_overhead_ms 2.08, prefill_us_per_token 15 from calibration"),
         "{summary}"
     );
     std::fs::remove_dir_all(&dir).unwrap();

@@ -394,7 +394,7 @@ impl Simulation {
         let slo_aware = calibration.as_ref().map(|(path, c)| {
             (
                 path.display().to_string(),
-                SloAwareParams::from_calibration(c),
+                SloAwareParams::from_calibration(c, spec.scheduler.max_num_seqs),
             )
         });
         // Fail on an unknown policy or bad parameters before any trace is read.
@@ -557,6 +557,8 @@ impl Simulation {
             .step_by(stride)
             .map(|r| TraceRequest {
                 arrival_s: 0.0,
+                // All at once: no client waits for its requests before.
+                client: String::new(),
                 ..r.clone()
             })
             .collect();
@@ -774,7 +776,17 @@ struct Loop<'a> {
     sim: &'a Simulation,
     sched: Scheduler,
     requests: &'a [TraceRequest],
+    /// Per request, its arrival: the trace's, or for a client's request after its first, the
+    /// later of that and the end of the client's request before it (set then).
     arrivals_us: Vec<u64>,
+    /// Per request, the next request of its client (a trace's `client`), released when this
+    /// one ends, and whether it waits so for one before it.
+    successor: Vec<Option<usize>>,
+    chained: Vec<bool>,
+    /// The requests released by the end of their client's request before them and not arrived
+    /// yet: (arrival, index). The others arrive in trace order (the cursor `next` of the
+    /// loops, which skips the chained ones).
+    released: BTreeSet<(u64, usize)>,
     tiers: &'a BTreeMap<String, TierConf>,
     label: String,
     tracks: Vec<Track>,
@@ -859,6 +871,19 @@ impl<'a> Loop<'a> {
         requests: &'a [TraceRequest],
         label: &str,
     ) -> Self {
+        // A client's requests in arrival order: each after the one before it.
+        let mut successor = vec![None; requests.len()];
+        let mut chained = vec![false; requests.len()];
+        let mut last: HashMap<&str, usize> = HashMap::new();
+        for (i, r) in requests.iter().enumerate() {
+            if r.client.is_empty() {
+                continue;
+            }
+            if let Some(before) = last.insert(r.client.as_str(), i) {
+                successor[before] = Some(i);
+                chained[i] = true;
+            }
+        }
         Loop {
             sim,
             sched,
@@ -867,6 +892,9 @@ impl<'a> Loop<'a> {
                 .iter()
                 .map(|r| Timestamp::from_secs_f64(r.arrival_s).0)
                 .collect(),
+            successor,
+            chained,
+            released: BTreeSet::new(),
             tiers: &sim.spec.tiers,
             label: label.to_string(),
             tracks: vec![Track::default(); requests.len()],
@@ -965,7 +993,7 @@ impl<'a> Loop<'a> {
                 }
             }
             self.sched.schedule_into(Timestamp(now), &mut plan);
-            finished += self.note_plan(&plan);
+            finished += self.note_plan(&plan, now);
             if plan.seqs.is_empty() {
                 self.stores.carry(&plan);
                 now = self.wait(now, next, &mut idle_ticks)?;
@@ -1034,7 +1062,7 @@ impl<'a> Loop<'a> {
                 },
             };
             in_order = self.sched.take_preemption_wanted();
-            finished += self.note_plan(&plan);
+            finished += self.note_plan(&plan, now);
             if plan.seqs.is_empty() {
                 self.stores.carry(&plan);
                 if let Some((prev, outs, end)) = in_flight.take() {
@@ -1095,7 +1123,7 @@ impl<'a> Loop<'a> {
     fn arrivals(&mut self, now: u64, next: &mut usize, queue: bool) -> usize {
         let mut rejected = 0;
         loop {
-            let arriving = self.arrivals_us.get(*next).copied().filter(|&t| t <= now);
+            let arriving = self.next_arrival(*next).filter(|a| a.0 <= now);
             // A request asking for its adapter, or the loader ending a load, goes first at
             // its time (a request leaving the front end then goes before one arriving).
             if let Some(t) = self.lora_event().filter(|&t| t <= now) {
@@ -1106,7 +1134,7 @@ impl<'a> Loop<'a> {
                 .into_iter()
                 .flatten()
                 .all(|r| t <= r.0);
-                if arriving.is_none_or(|a| t <= a) && before_ready {
+                if arriving.is_none_or(|a| t <= a.0) && before_ready {
                     self.on_lora_event(t);
                     continue;
                 }
@@ -1120,11 +1148,11 @@ impl<'a> Loop<'a> {
             }
             .filter(|r| r.0 <= now);
             match (arriving, ready) {
-                (Some(t), r) if r.is_none_or(|r| t < r.0) => {
-                    let i = *next;
-                    *next += 1;
+                (Some((t, i)), r) if r.is_none_or(|r| t < r.0) => {
+                    self.take_arrival(next, (t, i));
                     if !self.within_rate_limits(i) {
                         self.tracks[i].outcome = Outcome::RateLimited;
+                        self.ended(i, t);
                         rejected += 1;
                     } else if let Err(refusal) = self.take_seat(i) {
                         self.give_back_request(i);
@@ -1132,6 +1160,7 @@ impl<'a> Loop<'a> {
                             crate::in_flight::Refusal::TierFull => Outcome::Overloaded,
                             crate::in_flight::Refusal::TenantBusy => Outcome::TenantBusy,
                         };
+                        self.ended(i, t);
                         rejected += 1;
                     } else {
                         let delay = self.sim.front_end.delay_us(self.requests[i].prompt.len());
@@ -1155,6 +1184,7 @@ impl<'a> Loop<'a> {
                     if self.sched.add_request(self.request(i)).is_err() {
                         self.tracks[i].outcome = Outcome::Rejected;
                         self.give_back_seat(i);
+                        self.ended(i, r.0);
                         rejected += 1;
                     } else {
                         self.charge_prompt(i, 1.0);
@@ -1212,7 +1242,7 @@ impl<'a> Loop<'a> {
     /// When the next request arrives or leaves the front end, or the next LoRA event comes,
     /// if any is left to.
     fn next_event(&self, next: usize) -> Option<u64> {
-        let arrival = self.arrivals_us.get(next).copied();
+        let arrival = self.next_arrival(next).map(|a| a.0);
         let ready = [
             self.front_end.first().map(|q| q.0),
             self.refused_at_queue.first().map(|r| r.0),
@@ -1224,6 +1254,40 @@ impl<'a> Loop<'a> {
         match (arrival, ready) {
             (Some(a), Some(r)) => Some(a.min(r)),
             (a, r) => a.or(r),
+        }
+    }
+
+    /// The next request to arrive, (arrival, index): the cursor `next`'s (the trace's requests
+    /// in arrival order) or the earliest released by its client's request before it,
+    /// whichever comes first (the lower index at the same time).
+    fn next_arrival(&self, next: usize) -> Option<(u64, usize)> {
+        let cursor = self.arrivals_us.get(next).map(|&t| (t, next));
+        match (cursor, self.released.first().copied()) {
+            (Some(c), Some(r)) => Some(c.min(r)),
+            (c, r) => c.or(r),
+        }
+    }
+
+    /// Takes `arrival` ([`Loop::next_arrival`]'s): out of the released requests, or past it
+    /// with the cursor, which then skips the requests that wait for their client's request
+    /// before them.
+    fn take_arrival(&mut self, next: &mut usize, arrival: (u64, usize)) {
+        if self.released.remove(&arrival) {
+            return;
+        }
+        *next += 1;
+        while self.chained.get(*next) == Some(&true) {
+            *next += 1;
+        }
+    }
+
+    /// Request `i` ended at `at` (finished, refused or timed out): its client's next request
+    /// arrives then, or at its own arrival in the trace if that is later.
+    fn ended(&mut self, i: usize, at: u64) {
+        if let Some(j) = self.successor.get(i).copied().flatten() {
+            let t = self.arrivals_us[j].max(at);
+            self.arrivals_us[j] = t;
+            self.released.insert((t, j));
         }
     }
 
@@ -1312,7 +1376,7 @@ impl<'a> Loop<'a> {
 
     /// Counts the plan's preemptions, and records the requests it timed out in the queue
     /// (no finish time: they miss their targets); returns how many timed out.
-    fn note_plan(&mut self, plan: &StepPlan) -> usize {
+    fn note_plan(&mut self, plan: &StepPlan, now: u64) -> usize {
         for id in &plan.preempted {
             if let Some(t) = self.tracks.get_mut(id.0 as usize) {
                 t.preemptions += 1;
@@ -1325,6 +1389,7 @@ impl<'a> Loop<'a> {
             self.give_back_seat(q.id.0 as usize);
             self.charge_prompt(q.id.0 as usize, -1.0);
             self.sched.forget(q.id);
+            self.ended(q.id.0 as usize, now);
         }
         plan.timed_out.len()
     }
@@ -1469,6 +1534,7 @@ impl<'a> Loop<'a> {
                 }
                 self.give_back_seat(id.0 as usize);
                 self.sched.forget(id);
+                self.ended(id.0 as usize, at.0);
                 true
             }
         }
@@ -1657,6 +1723,7 @@ workload: {trace: unused.csv, format: azure}
             tier: tier.into(),
             priority: None,
             adapter: None,
+            client: String::new(),
         }
     }
 
@@ -1785,6 +1852,68 @@ workload: {trace: unused.csv, format: azure}
         assert_eq!((b.met_ttft, b.met_tpot), (None, None));
         assert_eq!(run.itls_ms, vec![1.0, 1.0]);
         assert_eq!(run.counters.steps, 4);
+    }
+
+    #[test]
+    fn a_clients_requests_are_sent_one_at_a_time() {
+        // Client c's requests a (at 0, 3 tokens out), b (at 0) and e (at 10 ms), and d (at
+        // 0, no client). By hand, in order: step [0, 1] ms prefills a and d (d ends at 1 ms,
+        // b waits for a), a decodes at 2 and 3 ms and ends, b arrives then (3 ms) and ends
+        // after its step at 4 ms; e arrives at its own 10 ms, which is later.
+        let sim = one_ms_steps();
+        let client = |r: TraceRequest| TraceRequest {
+            client: "c".into(),
+            ..r
+        };
+        let rs = vec![
+            client(req(0.0, 32, 3, "")),
+            client(req(0.0, 8, 1, "")),
+            req(0.0, 8, 1, ""),
+            client(req(0.010, 8, 1, "")),
+        ];
+        let times = |r: &RequestRecord| (r.arrival_s, r.first_scheduled_s, r.finish_s);
+        let run = sim
+            .run_policy(&PolicySpec::named("fcfs"), &rs, false)
+            .unwrap();
+        let got: Vec<_> = run.records.iter().map(times).collect();
+        assert_eq!(
+            got,
+            vec![
+                (0.0, Some(0.0), Some(0.003)),
+                (0.003, Some(0.003), Some(0.004)),
+                (0.0, Some(0.0), Some(0.001)),
+                (0.010, Some(0.010), Some(0.011)),
+            ]
+        );
+        assert_eq!(
+            run.records[1].ttft_ms,
+            Some(1.0),
+            "from its arrival at 3 ms"
+        );
+        // Without clients b is in the first step with a and d.
+        let open: Vec<_> = rs
+            .iter()
+            .map(|r| TraceRequest {
+                client: String::new(),
+                ..r.clone()
+            })
+            .collect();
+        let run = sim
+            .run_policy(&PolicySpec::named("fcfs"), &open, false)
+            .unwrap();
+        assert_eq!(times(&run.records[1]), (0.0, Some(0.0), Some(0.001)));
+        // Planned ahead: each of c's requests still arrives when the one before it ends (or
+        // at its own time if later), and is scheduled no sooner.
+        let mut sim = sim;
+        sim.spec.scheduler.async_scheduling = true;
+        let run = sim
+            .run_policy(&PolicySpec::named("fcfs"), &rs, false)
+            .unwrap();
+        let r = &run.records;
+        assert_eq!(r[1].arrival_s, r[0].finish_s.unwrap());
+        assert_eq!(r[3].arrival_s, r[1].finish_s.unwrap().max(0.010));
+        assert!(r[1].first_scheduled_s.unwrap() >= r[0].finish_s.unwrap());
+        assert!(r.iter().all(|r| r.outcome == "length"), "{r:?}");
     }
 
     #[test]

@@ -23,6 +23,7 @@ fn request(arrival_s: f64, prompt: std::ops::Range<u32>, output: u32) -> TraceRe
         tier: String::new(),
         priority: None,
         adapter: None,
+        client: String::new(),
     }
 }
 

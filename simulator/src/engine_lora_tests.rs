@@ -49,6 +49,7 @@ fn req(at_ms: f64, adapter: Option<u32>) -> TraceRequest {
         tier: String::new(),
         priority: None,
         adapter,
+        client: String::new(),
     }
 }
 

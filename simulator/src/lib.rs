@@ -380,6 +380,7 @@ mod tests {
             tier: String::new(),
             priority: None,
             adapter: None,
+            client: String::new(),
         };
         // One a second for 60 s, and a burst of 50 within [30, 31).
         let mut rs: Vec<_> = (0..=60).map(|i| at(f64::from(i))).collect();
@@ -402,6 +403,7 @@ mod tests {
             tier: String::new(),
             priority: None,
             adapter,
+            client: String::new(),
         };
         let rs = [request(Some(1)), request(None), request(Some(3))];
         assert_eq!(unused_pinned(&[], &rs), None);
@@ -431,6 +433,7 @@ mod tests {
             tier: String::new(),
             priority: None,
             adapter: None,
+            client: String::new(),
         };
         let rs = [request(40, 10), request(100, 50), request(290, 10)];
         let mut c = cost::Calibration::default();

@@ -10,10 +10,12 @@
 //! numbers are read off it at a reference point, with the very `step_time` the simulator
 //! prices steps with (so the token knee, the KV and attention terms count as they do there):
 //!
-//! * `step_overhead_ms` is the time of a typical decode step: [`DECODE_BATCH`] sequences,
-//!   each with [`DECODE_CONTEXT`] tokens of context, one new token each, every one sampled.
-//!   This is the time until a running request's next token, which is what the policy adds
-//!   to every request's work.
+//! * `step_overhead_ms` is the time of a typical decode step: [`DECODE_BATCH`] sequences, or
+//!   the engine's `max_num_seqs` where that is fewer (a step it cannot run is no estimate of
+//!   its steps: a CPU engine of 8 sequences was priced at a 32-sequence step, 8 times its
+//!   own), each with [`DECODE_CONTEXT`] tokens of context, one new token each, every one
+//!   sampled. This is the time until a running request's next token, which is what the
+//!   policy adds to every request's work.
 //! * `prefill_us_per_token` is the fit's marginal cost of a prefill token: the time that
 //!   step takes more when a prompt chunk of [`PREFILL_CHUNK`] tokens (from the start of its
 //!   prompt, no logits sampled) joins it, divided by the chunk's tokens. It includes the
@@ -56,9 +58,10 @@ pub struct SloAwareParams {
 }
 
 impl SloAwareParams {
-    /// The parameters `c` implies (see the module's documentation for the derivation).
-    pub fn from_calibration(c: &Calibration) -> Self {
-        let decode = reference_decode();
+    /// The parameters `c` implies for an engine that runs at most `max_num_seqs` sequences a
+    /// step (see the module's documentation for the derivation).
+    pub fn from_calibration(c: &Calibration, max_num_seqs: usize) -> Self {
+        let decode = reference_decode(max_num_seqs);
         let mut with_chunk = decode;
         with_chunk.add_seq(0, PREFILL_CHUNK, true, false);
         let decode_s = c.step_time(&decode);
@@ -75,10 +78,16 @@ impl SloAwareParams {
     }
 }
 
-/// The reference decode step: [`DECODE_BATCH`] sequences at [`DECODE_CONTEXT`] tokens.
-fn reference_decode() -> StepShape {
+/// The sequences of the reference decode step for an engine of `max_num_seqs`:
+/// [`DECODE_BATCH`], at most `max_num_seqs` and at least one.
+pub fn decode_batch(max_num_seqs: usize) -> u64 {
+    DECODE_BATCH.min(max_num_seqs as u64).max(1)
+}
+
+/// The reference decode step: [`decode_batch`] sequences at [`DECODE_CONTEXT`] tokens.
+fn reference_decode(max_num_seqs: usize) -> StepShape {
     let mut s = StepShape::default();
-    for _ in 0..DECODE_BATCH {
+    for _ in 0..decode_batch(max_num_seqs) {
         s.add_seq(DECODE_CONTEXT, 1, false, true);
     }
     s
@@ -170,9 +179,35 @@ mod tests {
         // The chunk of 512 adds 512 x (10 + 5) us + 512 KV tokens x 1 ns
         // + 512 x 513 / 2 pairs x 0.1 ns, per token 15 + 0.001 + 0.02565 us = 15.02665 us,
         // rounded to the nanosecond.
-        let p = SloAwareParams::from_calibration(&known_fit());
+        let p = SloAwareParams::from_calibration(&known_fit(), 256);
         assert_eq!(p.step_overhead_ms, 3.09208);
         assert_eq!(p.prefill_us_per_token, 15.027);
+    }
+
+    #[test]
+    fn the_decode_step_has_no_more_sequences_than_the_engine_runs() {
+        // An engine of 8 sequences: 2 ms + 8 x (10 + 20 + 3) us + 8 x 1025 KV tokens x 1 ns
+        // + 8 x 1025 pairs x 0.1 ns = 2 + 0.264 + 0.0082 + 0.00082 ms = 2.27302 ms (32
+        // sequences, which it never runs, gave 3.09208). The chunk's marginal cost is the
+        // same: no term of the fit couples it with the decodes.
+        let p = SloAwareParams::from_calibration(&known_fit(), 8);
+        assert_eq!(p.step_overhead_ms, 2.27302);
+        assert_eq!(p.prefill_us_per_token, 15.027);
+        // 32 and more: the reference step of 32.
+        for seqs in [32, 33, 2048] {
+            let p = SloAwareParams::from_calibration(&known_fit(), seqs);
+            assert_eq!(p.step_overhead_ms, 3.09208, "{seqs}");
+        }
+        // 2: 2 ms + 2 x 33 us + 2 x 1.025 us + 2 x 0.1025 us = 2.068255 ms.
+        assert_eq!(
+            SloAwareParams::from_calibration(&known_fit(), 2).step_overhead_ms,
+            2.068255
+        );
+        // 0 (which the scheduler's validation refuses) is taken as one sequence.
+        assert_eq!(
+            SloAwareParams::from_calibration(&known_fit(), 0),
+            SloAwareParams::from_calibration(&known_fit(), 1)
+        );
     }
 
     #[test]
@@ -187,7 +222,7 @@ mod tests {
             token_knee: Some(1024),
             ..Default::default()
         };
-        let p = SloAwareParams::from_calibration(&c);
+        let p = SloAwareParams::from_calibration(&c, 256);
         assert_eq!(p.step_overhead_ms, 2.024);
         assert_eq!(p.prefill_us_per_token, 2.0);
     }
@@ -198,7 +233,7 @@ mod tests {
             intercept_s: 5e-3,
             ..Default::default()
         };
-        let p = SloAwareParams::from_calibration(&c);
+        let p = SloAwareParams::from_calibration(&c, 256);
         assert_eq!((p.step_overhead_ms, p.prefill_us_per_token), (5.0, 0.001));
         let (params, _) = fill_in(&PolicySpec::named(SLO_AWARE), &p, "cal.yaml").unwrap();
         switchyard_policies::PolicyRegistry::with_builtins()
@@ -212,7 +247,7 @@ mod tests {
             per_attention_pair_s: 3599.0,
             ..Default::default()
         };
-        let p = SloAwareParams::from_calibration(&huge);
+        let p = SloAwareParams::from_calibration(&huge, 256);
         let (params, _) = fill_in(&PolicySpec::named(SLO_AWARE), &p, "cal.yaml").unwrap();
         switchyard_policies::PolicyRegistry::with_builtins()
             .create(SLO_AWARE, &params, &[])

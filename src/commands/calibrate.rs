@@ -115,7 +115,9 @@ pub fn run(args: CalibrateArgs) -> anyhow::Result<()> {
         lora_load_ms: measured.lora_load_ms.map(|ms| (ms * 1e3).round() / 1e3),
         ..fit.calibration.clone()
     };
-    let slo_aware = SloAwareParams::from_calibration(&calibration);
+    // An old samples file without the engine's limit: the reference step of 32 sequences.
+    let decode_seqs = measured.max_num_seqs.unwrap_or(usize::MAX);
+    let slo_aware = SloAwareParams::from_calibration(&calibration, decode_seqs);
     let calibration = Calibration {
         slo_aware: Some(slo_aware),
         ..calibration
@@ -179,7 +181,7 @@ pub fn run(args: CalibrateArgs) -> anyhow::Result<()> {
          whose params leave them unset; for a server, copy them into scheduler.policy.params \
          (`policy: {{name: slo-aware, params: {{step_overhead_ms: {}, prefill_us_per_token: {}}}}}`).",
         slo_aware.step_overhead_ms,
-        slo_params::DECODE_BATCH,
+        slo_params::decode_batch(decode_seqs),
         slo_params::DECODE_CONTEXT,
         slo_aware.prefill_us_per_token,
         slo_params::PREFILL_CHUNK,

@@ -80,6 +80,7 @@ pub fn load_azure(
             tier: String::new(),
             priority: None,
             adapter: None,
+            client: String::new(),
         });
         Ok(!options.full(out.len()))
     })?;

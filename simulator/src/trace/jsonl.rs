@@ -1,7 +1,9 @@
 //! Switchyard's own trace JSONL: one object per line with `arrival_s`
 //! (seconds), `prompt_len` or `prompt_tokens` (explicit ids, so prefix reuse can
 //! be written down exactly), `output_len`, and optional `tenant`, `tier`,
-//! `priority` (lower is more urgent) and `adapter`. Unknown fields are errors
+//! `priority` (lower is more urgent), `adapter` and `client` (a closed-loop client: its
+//! requests are sent one at a time, each once the one before it has ended, and not before
+//! its `arrival_s`). Unknown fields are errors
 //! (they are usually typos). Lines may come in any order; requests are sorted
 //! by arrival, ties kept in file order, and a `limit` keeps the first requests
 //! by arrival (not by line): the loader holds at most `limit` of them while
@@ -19,7 +21,7 @@ use std::io::BufRead;
 use std::path::Path;
 use std::sync::Arc;
 
-const FIELDS: [&str; 8] = [
+const FIELDS: [&str; 9] = [
     "arrival_s",
     "prompt_len",
     "prompt_tokens",
@@ -28,6 +30,7 @@ const FIELDS: [&str; 8] = [
     "tier",
     "priority",
     "adapter",
+    "client",
 ];
 
 /// A request held while reading, ordered by arrival then by position in the file, so the
@@ -192,6 +195,7 @@ fn parse_row(
         tier: label("tier")?,
         priority,
         adapter,
+        client: label("client")?,
     })
 }
 
@@ -209,7 +213,7 @@ mod tests {
 
     #[test]
     fn parses_all_fields_and_sorts() {
-        let text = r#"{"arrival_s": 2.5, "prompt_tokens": [1, 2, 3], "output_len": 4, "tenant": "acme", "tier": "premium", "priority": -1, "adapter": 7}
+        let text = r#"{"arrival_s": 2.5, "prompt_tokens": [1, 2, 3], "output_len": 4, "tenant": "acme", "tier": "premium", "priority": -1, "adapter": 7, "client": "p16"}
 {"arrival_s": 1.0, "prompt_len": 20, "output_len": 2}"#;
         let rs = load(text).unwrap();
         assert_eq!(rs.len(), 2);
@@ -223,6 +227,16 @@ mod tests {
             (4, "acme", "premium")
         );
         assert_eq!((r.priority, r.adapter), (Some(-1), Some(7)));
+        assert_eq!((r.client.as_str(), rs[0].client.as_str()), ("p16", ""));
+        // A client is a label as a tenant is: a string of at most 64 bytes.
+        for bad in [
+            r#""client": 3"#,
+            &format!(r#""client": "{}""#, "c".repeat(65)),
+        ] {
+            let line = format!(r#"{{"arrival_s": 0, "prompt_len": 1, "output_len": 1, {bad}}}"#);
+            let e = load(&line).unwrap_err().to_string();
+            assert!(e.contains("client"), "{e}");
+        }
     }
 
     fn arrivals(text: &str, limit: Option<usize>) -> Vec<f64> {

@@ -71,6 +71,10 @@ pub struct TraceRequest {
     pub priority: Option<i32>,
     /// LoRA adapter id, if any.
     pub adapter: Option<u32>,
+    /// Client label ("" = none): the requests of one client are sent one at a time, as a
+    /// closed-loop client sends them, each at its `arrival_s` or once the client's request
+    /// before it (by arrival) has ended, whichever is later.
+    pub client: String,
 }
 
 /// Trace file formats understood by [`load_trace`].
@@ -541,6 +545,7 @@ mod tests {
             tier: String::new(),
             priority: None,
             adapter: None,
+            client: String::new(),
         }
     }
 

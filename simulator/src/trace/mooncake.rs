@@ -125,6 +125,7 @@ pub fn load_mooncake(
             tier: String::new(),
             priority: None,
             adapter: None,
+            client: String::new(),
         });
         Ok(!options.full(out.len()))
     })?;

@@ -145,6 +145,7 @@ pub fn load_sharegpt(
             tier: String::new(),
             priority: None,
             adapter: None,
+            client: String::new(),
         });
         Ok(!options.full(out.len()))
     })?;
