@@ -4,20 +4,14 @@
 
 mod common;
 
-use common::{fails, succeeds, switchyard, Server};
-use std::path::{Path, PathBuf};
+use common::{fails, succeeds, switchyard, Server, TempDir};
+use std::path::Path;
 
 /// SmolLM2-135M's hidden size: the length of its embeddings.
 const HIDDEN_SIZE: u64 = 576;
 
-fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!(
-        "switchyard-bench-embed-{name}-{}",
-        std::process::id()
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    dir
+fn temp_dir(name: &str) -> TempDir {
+    common::temp_dir("bench-embed", name)
 }
 
 /// Runs `bench serve --endpoint embeddings` with `extra` against `server`, writing

@@ -10,20 +10,14 @@
 
 mod common;
 
-use common::{fails, switchyard, Server};
-use std::path::{Path, PathBuf};
+use common::{fails, switchyard, Server, TempDir};
+use std::path::Path;
 
 /// Tokens per KV block of the servers below, and per trace block of the runs.
 const BLOCK: usize = 16;
 
-fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!(
-        "switchyard-bench-mooncake-{name}-{}",
-        std::process::id()
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    dir
+fn temp_dir(name: &str) -> TempDir {
+    common::temp_dir("bench-mooncake", name)
 }
 
 /// A Mooncake trace of four rows at the format's 512 tokens a hash id, which

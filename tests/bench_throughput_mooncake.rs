@@ -13,7 +13,7 @@
 
 mod common;
 
-use common::{fails, switchyard};
+use common::{fails, switchyard, TempDir};
 use std::path::PathBuf;
 
 /// Tokens per KV block of the benchmark, and per trace block of the runs.
@@ -52,16 +52,13 @@ const CACHED_NO_TIER: usize = 48 + WHOLE;
 /// With a tier: row 7 also finds row 1's three whole blocks there and loads them.
 const CACHED_TIER: usize = CACHED_NO_TIER + WHOLE;
 
-fn trace_file() -> PathBuf {
-    let dir = std::env::temp_dir().join(format!(
-        "switchyard-bench-throughput-mooncake-{}",
-        std::process::id()
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("temp dir");
+/// [`TRACE`] written to a file: the file, in the directory that holds it (removed when
+/// dropped).
+fn trace_file() -> (TempDir, PathBuf) {
+    let dir = common::temp_dir("bench-throughput-mooncake", "trace");
     let path = dir.join("trace.jsonl");
     std::fs::write(&path, TRACE).expect("write the trace");
-    path
+    (dir, path)
 }
 
 /// Runs the trace through `bench throughput --dataset mooncake --json` with `extra`
@@ -109,7 +106,7 @@ fn count(report: &serde_json::Value, key: &str) -> u64 {
 
 #[test]
 fn mooncake_rows_hit_the_prefix_cache_and_the_host_tier() {
-    let path = trace_file();
+    let (_dir, path) = trace_file();
     let plain = bench(&path, &[]);
     let tier = bench(&path, &["--kv-offloading-size", "0.01"]);
     for r in [&plain, &tier] {
@@ -186,7 +183,6 @@ fn mooncake_rows_hit_the_prefix_cache_and_the_host_tier() {
         ahead > 0 && ahead <= count(&tier, "kv_offload_stored_blocks"),
         "{tier}"
     );
-    let _ = std::fs::remove_dir_all(path.parent().expect("dir"));
 }
 
 /// The cache flags are refused before the model loads, naming the flag and the setting.

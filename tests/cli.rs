@@ -3,15 +3,12 @@
 
 mod common;
 
-use common::{fails, succeeds, switchyard, Server};
+use common::{fails, succeeds, switchyard, Server, TempDir};
 use std::path::PathBuf;
 use std::process::Command;
 
-fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("switchyard-cli-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    dir
+fn temp_dir(name: &str) -> TempDir {
+    common::temp_dir("cli", name)
 }
 
 #[test]
@@ -291,7 +288,6 @@ fn model_fetch_off_a_terminal_writes_plain_progress_lines() {
         std::fs::read(&fetched).expect("fetched"),
         std::fs::read(&model).expect("model")
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Off a terminal (stderr to a pipe here, to a log file under nohup or in CI) a run reports
@@ -685,7 +681,7 @@ fn bench_serve_refuses_a_result_file_it_cannot_write_before_the_run() {
     let dir = temp_dir("result-file");
     for (path, why) in [
         (dir.join("missing/result.json"), "is not a directory"),
-        (dir.clone(), "it is a directory"),
+        (dir.to_path_buf(), "it is a directory"),
     ] {
         let err = fails(
             switchyard()

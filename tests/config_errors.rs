@@ -1,6 +1,9 @@
 //! `switchyard config check`'s errors as an operator reads them: the file and the line of the
 //! value at fault, or the override that set it, and the field. The real binary; no model.
 
+mod common;
+
+use common::{temp_dir, TempDir};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -30,16 +33,16 @@ fn refused(file: &Path, args: &[&str], env: &[(&str, &str)]) -> String {
     err
 }
 
-/// The example file with `find` replaced by `replace` (which must occur), written apart.
-fn edited(name: &str, find: &str, replace: &str) -> PathBuf {
+/// The example file with `find` replaced by `replace` (which must occur), written apart: the
+/// file, in the directory that holds it (removed when dropped).
+fn edited(name: &str, find: &str, replace: &str) -> (TempDir, PathBuf) {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let text = std::fs::read_to_string(root.join(EXAMPLE)).expect("the example");
     assert!(text.contains(find), "`{find}` is not in the example");
-    let dir = std::env::temp_dir().join(format!("switchyard-config-errors-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
+    let dir = temp_dir("config-errors", name);
     let path = dir.join(format!("{name}.yaml"));
     std::fs::write(&path, text.replacen(find, replace, 1)).expect("write");
-    path
+    (dir, path)
 }
 
 /// The line of the example that holds `find` (1-based): the example changes, the errors'
@@ -77,7 +80,7 @@ fn a_value_out_of_range_names_its_own_field_and_line() {
             "scheduler.max_num_batched_tokens: 0 is out of range 1..=1048576 at line",
         ),
     ] {
-        let file = edited("range", find, replace);
+        let (_dir, file) = edited("range", find, replace);
         let err = refused(&file, &[], &[]);
         let line = line_of(find);
         assert!(
@@ -114,7 +117,7 @@ fn a_policy_error_names_the_override_that_set_it_or_the_files_line() {
         "{err}"
     );
     // Set by the file (a flow mapping): the file's line.
-    let file = edited("policy", "{ name: fcfs }", "{ name: nope }");
+    let (_dir, file) = edited("policy", "{ name: fcfs }", "{ name: nope }");
     let err = refused(&file, &[], &[]);
     assert!(
         err.starts_with(&format!(
@@ -165,7 +168,7 @@ fn a_policy_error_names_the_override_that_set_it_or_the_files_line() {
 
 #[test]
 fn dummy_weights_are_refused_as_serve_refuses_them() {
-    let file = edited(
+    let (_dir, file) = edited(
         "dummy",
         "  backend: auto",
         "  load_format: dummy\n  architecture: foo\n  backend: auto",
@@ -223,7 +226,7 @@ fn a_missing_file_and_a_section_set_to_a_scalar_are_said_once_and_in_words() {
 /// its line (or its override); the empty path (the embedded model, fetched later) is not.
 #[test]
 fn a_missing_model_path_is_refused_naming_the_key_and_its_line() {
-    let file = edited(
+    let (_dir, file) = edited(
         "missing-model",
         "  path: \"\"",
         "  path: /nonexistent/model.gguf",
@@ -258,7 +261,7 @@ fn a_missing_model_path_is_refused_naming_the_key_and_its_line() {
 /// name no line at all).
 #[test]
 fn an_item_of_a_one_line_flow_list_is_located() {
-    let file = edited(
+    let (_dir, file) = edited(
         "flow-list",
         "  # api_keys_file: /etc/switchyard/keys.yaml",
         "  api_keys: [{ key: sk-12345678, tenant: acme, tier: gold }]",
@@ -281,7 +284,7 @@ fn an_item_of_a_one_line_flow_list_is_located() {
 #[test]
 fn a_chat_template_that_cannot_be_read_or_compiled_is_refused_before_the_model_loads() {
     let commented = "  # chat_template: /srv/templates/chat.jinja";
-    let file = edited(
+    let (_dir, file) = edited(
         "missing-template",
         commented,
         "  chat_template: /nonexistent/chat.jinja",
@@ -341,9 +344,7 @@ fn a_chat_template_that_cannot_be_read_or_compiled_is_refused_before_the_model_l
 fn lora_adapters_paths_are_checked_before_the_model_loads() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let fixture = root.join("gpu/tests/fixtures/lora/smollm2-r4");
-    let empty =
-        std::env::temp_dir().join(format!("switchyard-empty-adapter-{}", std::process::id()));
-    std::fs::create_dir_all(&empty).expect("temp dir");
+    let empty = temp_dir("config-errors", "empty-adapter");
     let set = |path: &Path| {
         vec![
             "--set".to_owned(),
@@ -362,7 +363,7 @@ fn lora_adapters_paths_are_checked_before_the_model_loads() {
             "lora.adapters[1].path: cannot read `/nonexistent/adapters/sql`: no such file",
         ),
         (fixture.join("adapter_config.json"), "is not a directory"),
-        (empty.clone(), "adapter_config.json: no such file"),
+        (empty.to_path_buf(), "adapter_config.json: no such file"),
     ];
     for (path, expected) in cases {
         let args = set(&path);
@@ -375,7 +376,6 @@ fn lora_adapters_paths_are_checked_before_the_model_loads() {
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let (ok, err) = check(Path::new(EXAMPLE), &args, &[]);
     assert!(ok, "{err}");
-    let _ = std::fs::remove_dir(&empty);
 }
 
 /// An entry of `lora.adapter_dirs` that is not a directory is refused before the model loads,
@@ -409,4 +409,21 @@ fn lora_adapter_dirs_must_be_directories() {
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let (ok, err) = check(Path::new(EXAMPLE), &args, &[]);
     assert!(ok, "{err}");
+}
+
+/// A test's scratch directory goes with the test, failed as well as passed: the guard removes
+/// it, and all it holds, as the panic unwinds.
+#[test]
+fn a_scratch_directory_is_removed_when_its_test_fails() {
+    let mut kept = None;
+    let failed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let dir = temp_dir("config-errors", "failing-test");
+        std::fs::create_dir_all(dir.join("nested")).expect("nested dir");
+        std::fs::write(dir.join("nested/file"), "x").expect("file");
+        kept = Some(dir.to_path_buf());
+        panic!("the test fails");
+    }));
+    assert!(failed.is_err());
+    let dir = kept.expect("the directory was made");
+    assert!(!dir.exists(), "{} is left behind", dir.display());
 }

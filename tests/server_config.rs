@@ -5,7 +5,7 @@
 mod common;
 
 use common::{
-    free_port, lora_fixture_dir, model_path, scratch, serve, switchyard, wait_exit, Server,
+    free_port, lora_fixture_dir, model_path, serve, switchyard, temp_dir, wait_exit, Server,
 };
 use serde_json::{json, Value};
 use std::ffi::OsString;
@@ -36,7 +36,7 @@ fn spawn(dir: &Path, env: &[(OsString, OsString)]) -> std::process::Child {
 /// Starts a server (configuration as [`config_yaml`]) with extra environment variables and
 /// waits until it is ready.
 fn start(name: &str, server_lines: &str, extra: &str, env: &[(OsString, OsString)]) -> Server {
-    let dir = scratch("config", name);
+    let dir = temp_dir("config", name);
     let port = free_port();
     std::fs::write(
         dir.join("config.yaml"),
@@ -44,14 +44,18 @@ fn start(name: &str, server_lines: &str, extra: &str, env: &[(OsString, OsString
     )
     .expect("write config");
     let child = spawn(&dir, env);
-    let mut server = Server { port, child, dir };
+    let mut server = Server {
+        port,
+        child,
+        dir: dir.keep(),
+    };
     server.wait_ready();
     server
 }
 
 /// Runs `serve` on a configuration that must be refused; returns its stderr.
 fn serve_refuses(name: &str, model_lines: &str, server_lines: &str, extra: &str) -> String {
-    let dir = scratch("config", name);
+    let dir = temp_dir("config", name);
     std::fs::write(
         dir.join("config.yaml"),
         config_yaml(free_port(), model_lines, server_lines, extra),
@@ -64,7 +68,6 @@ fn serve_refuses(name: &str, model_lines: &str, server_lines: &str, extra: &str)
         "serve did not refuse the configuration",
     );
     let log = std::fs::read_to_string(dir.join("server.log")).unwrap_or_default();
-    let _ = std::fs::remove_dir_all(&dir);
     assert!(
         !status.success(),
         "serve accepted the configuration:\n{log}"
@@ -109,7 +112,7 @@ fn edit_config(s: &Server, from: &str, to: &str) {
 
 #[test]
 fn an_api_keys_file_without_keys_is_refused_before_the_model_loads() {
-    let dir = scratch("config", "emptykeys");
+    let dir = temp_dir("config", "emptykeys");
     for (i, body) in ["", "# keys: none yet\n", "[]\n"].iter().enumerate() {
         let keys = dir.join(format!("keys-{i}.yaml"));
         std::fs::write(&keys, body).expect("keys file");
@@ -142,7 +145,6 @@ fn an_api_keys_file_without_keys_is_refused_before_the_model_loads() {
         log.contains("binary.yaml") && log.contains("UTF-8"),
         "{log}"
     );
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
@@ -163,7 +165,7 @@ fn a_variable_that_is_not_utf8_is_ignored_and_an_open_api_is_logged() {
         "the open API was not logged:\n{log}"
     );
     // One that is an override is refused, named.
-    let dir = scratch("config", "envutf8-check");
+    let dir = temp_dir("config", "envutf8-check");
     let file = dir.join("c.yaml");
     std::fs::write(&file, "").unwrap();
     let out = switchyard()
@@ -178,7 +180,6 @@ fn a_variable_that_is_not_utf8_is_ignored_and_an_open_api_is_logged() {
         err.contains("SWITCHYARD__SERVER__HOST") && err.contains("UTF-8"),
         "{err}"
     );
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
@@ -277,11 +278,15 @@ fn sighup_restores_an_adapter_an_admin_deleted_and_hangups_in_a_row_agree() {
 
 #[test]
 fn sighup_during_the_model_load_does_not_stop_the_server() {
-    let dir = scratch("config", "early-hup");
+    let dir = temp_dir("config", "early-hup");
     let port = free_port();
     std::fs::write(dir.join("config.yaml"), config_yaml(port, "", "", "")).unwrap();
     let child = spawn(&dir, &[]);
-    let mut s = Server { port, child, dir };
+    let mut s = Server {
+        port,
+        child,
+        dir: dir.keep(),
+    };
     let deadline = Instant::now() + Duration::from_secs(60);
     while !s.log().contains("loading model") {
         assert!(Instant::now() < deadline, "no model load:\n{}", s.log());
@@ -393,7 +398,7 @@ fn max_model_len_is_kept_within_what_the_kv_cache_holds() {
 
 #[test]
 fn config_check_refuses_a_misspelt_log_level_and_hides_keys() {
-    let dir = scratch("config", "check");
+    let dir = temp_dir("config", "check");
     let file = dir.join("c.yaml");
     let check = |file: &Path| {
         switchyard()
@@ -442,7 +447,6 @@ fn config_check_refuses_a_misspelt_log_level_and_hides_keys() {
         !out.status.success() && err.contains("not a regular file"),
         "{err}"
     );
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// `tiers.<name>.priority` is the priority of the tier's requests, and the most urgent they may
@@ -724,7 +728,7 @@ fn a_tier_flooding_its_bound_does_not_lock_out_the_other_tiers() {
     drop(flood);
 
     // `config check` shows the bound and refuses one above the server's.
-    let dir = scratch("config", "tier-admission-check");
+    let dir = temp_dir("config", "tier-admission-check");
     let file = dir.join("c.yaml");
     let check = |yaml: &str| {
         std::fs::write(&file, yaml).unwrap();
@@ -755,7 +759,6 @@ fn a_tier_flooding_its_bound_does_not_lock_out_the_other_tiers() {
         !out.status.success() && err.contains("max_pending_requests"),
         "{err}"
     );
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// A missing or wrong API key or admin key is logged at WARN with the route and the peer
@@ -826,7 +829,7 @@ fn failed_authentication_is_logged_rate_limited_without_the_key() {
 /// `Retry-After` as before.
 #[test]
 fn a_request_larger_than_max_pending_requests_is_a_400_not_a_retryable_503() {
-    let dir = scratch("config", "admission-too-large");
+    let dir = temp_dir("config", "admission-too-large");
     let port = free_port();
     let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/examples/default.yaml");
     let child = serve(&example, &dir)
@@ -842,7 +845,11 @@ fn a_request_larger_than_max_pending_requests_is_a_400_not_a_retryable_503() {
         ])
         .spawn()
         .expect("start switchyard serve");
-    let mut s = Server { port, child, dir };
+    let mut s = Server {
+        port,
+        child,
+        dir: dir.keep(),
+    };
     s.wait_ready();
     let post = |body: &Value| {
         s.request("POST", "/v1/completions", Some(&body.to_string()), &[])
@@ -945,7 +952,7 @@ fn sighup_rotates_api_keys_and_applies_a_tiers_new_settings() {
     const ACME: &str = "Bearer gold-tenant-acme-key-0001";
     const BOB: &str = "Bearer gold-tenant-bob-key-00001";
     const CAROL: &str = "Bearer gold-tenant-carol-key-001";
-    let keys_dir = scratch("config", "rotate-keys-file");
+    let keys_dir = temp_dir("config", "rotate-keys-file");
     let keys_file = keys_dir.join("keys.yaml");
     let entry = |bearer: &str, tenant: &str| {
         let key = bearer.strip_prefix("Bearer ").unwrap_or(bearer);
@@ -1115,5 +1122,4 @@ fn sighup_rotates_api_keys_and_applies_a_tiers_new_settings() {
     assert_eq!(r.status, 401, "{}", r.body);
     let r = s.complete_as(DAVE, &short);
     assert_eq!(r.status, 200, "{}", r.body);
-    let _ = std::fs::remove_dir_all(&keys_dir);
 }

@@ -1547,7 +1547,7 @@ fn control_tokens_written_in_a_message_are_text_unless_configured_as_tokens() {
 
     // A chat template that writes the marker characters itself cannot be escaped: said at
     // start, and the messages' control tokens stay tokens.
-    let dir = common::scratch("e2e", "marker-template");
+    let dir = common::temp_dir("e2e", "marker-template");
     let template = dir.join("chat.jinja");
     std::fs::write(
         &template,

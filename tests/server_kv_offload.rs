@@ -175,7 +175,7 @@ fn wanted_twice(mode: &str) {
 /// check` too) with prefix caching off.
 #[test]
 fn bad_offloading_sizes_are_refused_naming_the_field() {
-    let dir = common::scratch("kv-offload", "bad");
+    let dir = common::temp_dir("kv-offload", "bad");
     for (yaml, expect) in [
         (
             "cache:\n  kv_offloading_size: 2000\n",
@@ -209,7 +209,7 @@ fn bad_offloading_sizes_are_refused_naming_the_field() {
 /// (1024 GiB / 368,640 bytes = 2,982,616 of SmolLM2's), and no backend came up.
 #[test]
 fn serve_refuses_a_tier_larger_than_the_memory_available() {
-    let dir = common::scratch("kv-offload", "too-big");
+    let dir = common::temp_dir("kv-offload", "too-big");
     let config = dir.join("config.yaml");
     std::fs::write(
         &config,

@@ -9,7 +9,7 @@ mod common;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::{free_port, model_path, scratch, wait_exit, Server};
+use common::{free_port, model_path, temp_dir, wait_exit, Server};
 use serde_json::{json, Value};
 
 const ALICE: (&str, &str) = ("Authorization", "Bearer alice-key-00000001");
@@ -51,7 +51,8 @@ fn stop(mut s: Server) {
 
 #[test]
 fn stored_responses_survive_a_restart_and_a_second_server_is_refused() {
-    let store = scratch("responses-store", "restart").join("store");
+    let scratch = temp_dir("responses-store", "restart");
+    let store = scratch.join("store");
     let s = start("store-a", &store);
     let first = create(
         &s,
@@ -83,7 +84,7 @@ fn stored_responses_survive_a_restart_and_a_second_server_is_refused() {
     );
 
     // A second server on the directory in use is refused before it loads its model.
-    let dir = scratch("responses-store", "second");
+    let dir = temp_dir("responses-store", "second");
     let config = dir.join("config.yaml");
     std::fs::write(
         &config,
@@ -184,8 +185,6 @@ fn stored_responses_survive_a_restart_and_a_second_server_is_refused() {
         "{third}"
     );
     stop(s);
-    let _ = std::fs::remove_dir_all(store.parent().expect("scratch"));
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// With a 64-token context, a conversation of about twice that is refused with truncation

@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use common::{
     free_port, model_path, read_response_from, serve, switchyard, wait_exit, Response, Server,
+    TempDir,
 };
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
@@ -145,11 +146,15 @@ fn tls_lines(cert: &Path, key: &Path) -> String {
 }
 
 /// Starts `serve` on `dir`'s `config.yaml` and waits until `/ready` answers 200 over HTTPS.
-fn start(dir: PathBuf, port: u16) -> Server {
-    let child = serve(&dir.join("config.yaml"), &dir)
+fn start(dir: &Path, port: u16) -> Server {
+    let child = serve(&dir.join("config.yaml"), dir)
         .spawn()
         .expect("start switchyard serve");
-    let mut server = Server { port, child, dir };
+    let mut server = Server {
+        port,
+        child,
+        dir: dir.to_path_buf(),
+    };
     server.wait_ready_by(|s| {
         https(s.port, "GET", "/ready", None).is_ok_and(|a| a.response.status == 200)
     });
@@ -157,8 +162,8 @@ fn start(dir: PathBuf, port: u16) -> Server {
 }
 
 /// A scratch directory for one test.
-fn scratch(name: &str) -> PathBuf {
-    common::scratch("tls", name)
+fn temp_dir(name: &str) -> TempDir {
+    common::temp_dir("tls", name)
 }
 
 /// Asserts that a 4-token completion is served over HTTPS.
@@ -172,14 +177,14 @@ fn assert_serves_https(s: &Server) {
 
 #[test]
 fn https_serves_completions_and_plain_http_to_the_port_fails_cleanly() {
-    let dir = scratch("serve");
+    let dir = temp_dir("serve");
     let port = free_port();
     write_config(
         &dir,
         port,
         &tls_lines(&fixture("server.pem"), &fixture("server.key")),
     );
-    let s = start(dir, port);
+    let s = start(&dir, port);
     s.assert_logged(&["serving", &format!("https://127.0.0.1:{port}")]);
     assert_serves_https(&s);
     let a = https(port, "GET", "/health", None).expect("HTTPS");
@@ -209,7 +214,7 @@ fn https_serves_completions_and_plain_http_to_the_port_fails_cleanly() {
 
 #[test]
 fn a_key_of_another_certificate_is_refused_at_start_naming_the_field() {
-    let dir = scratch("mismatch");
+    let dir = temp_dir("mismatch");
     write_config(
         &dir,
         free_port(),
@@ -273,12 +278,11 @@ fn a_key_of_another_certificate_is_refused_at_start_naming_the_field() {
     // An expired certificate is served (the operator decides), and said to be expired.
     let (ok, e) = check(&tls_lines(&fixture("expired.pem"), &fixture("expired.key")));
     assert!(ok && e.contains("EXPIRED at 2001-01-01T00:00:00Z"), "{e}");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn sighup_serves_a_new_certificate_to_new_connections_and_keeps_it_through_a_bad_one() {
-    let dir = scratch("rotate");
+    let dir = temp_dir("rotate");
     let (cert, key) = (dir.join("cert.pem"), dir.join("key.pem"));
     let put = |c: &str, k: &str| {
         std::fs::copy(fixture(c), &cert).expect("copy cert");
@@ -287,7 +291,7 @@ fn sighup_serves_a_new_certificate_to_new_connections_and_keeps_it_through_a_bad
     put("server.pem", "server.key");
     let port = free_port();
     write_config(&dir, port, &tls_lines(&cert, &key));
-    let s = start(dir.clone(), port);
+    let s = start(&dir, port);
     assert_leaf(
         &https(port, "GET", "/health", None).unwrap().leaf,
         "server.pem",
@@ -347,7 +351,7 @@ fn not_after(name: &str) -> f64 {
 
 #[test]
 fn the_certificate_expiry_is_exported_and_an_expired_one_is_logged_and_still_served() {
-    let dir = scratch("expiry");
+    let dir = temp_dir("expiry");
     let (cert, key) = (dir.join("cert.pem"), dir.join("key.pem"));
     let put = |name: &str| {
         std::fs::copy(fixture(&format!("{name}.pem")), &cert).expect("copy cert");
@@ -356,7 +360,7 @@ fn the_certificate_expiry_is_exported_and_an_expired_one_is_logged_and_still_ser
     put("server");
     let port = free_port();
     write_config(&dir, port, &tls_lines(&cert, &key));
-    let s = start(dir.clone(), port);
+    let s = start(&dir, port);
     // 2126: no warning, the gauge at its notAfter.
     assert_eq!(expiry_gauge(client(), port), Some(not_after("server.pem")));
     assert!(!s.log().contains("TLS: the certificate"), "{}", s.log());
@@ -418,14 +422,14 @@ fn bench_serve(args: &[&str]) -> (bool, String) {
 
 #[test]
 fn bench_serve_runs_over_https_with_cacert_and_names_a_ca_that_did_not_sign() {
-    let dir = scratch("bench");
+    let dir = temp_dir("bench");
     let port = free_port();
     write_config(
         &dir,
         port,
         &tls_lines(&fixture("server.pem"), &fixture("server.key")),
     );
-    let s = start(dir.clone(), port);
+    let s = start(&dir, port);
     let url = format!("https://localhost:{port}");
     let ca = fixture("ca.pem");
     let result = dir.join("result.json");

@@ -1034,7 +1034,8 @@ fn a_mistral_v11_template_gets_each_call_after_the_marker() {
         "tool['function']['name'] + '[CALL_ID]' + tool['id'] + '[ARGS]'",
     );
     assert_ne!(with_ids, source);
-    let file = std::env::temp_dir().join(format!("mistral-v11-ids-{}.jinja", std::process::id()));
+    let dir = common::temp_dir("tools", "mistral-v11-ids");
+    let file = dir.join("template.jinja");
     std::fs::write(&file, with_ids).expect("template");
     let s = Server::start_full(
         "tools-mistral-v11-ids",
@@ -1056,7 +1057,6 @@ fn a_mistral_v11_template_gets_each_call_after_the_marker() {
         "{written:?}"
     );
     s.assert_serves();
-    let _ = std::fs::remove_file(file);
 }
 
 /// A template that asks for Mistral's `[THINK]...[/THINK]` (Magistral's): found at start, and

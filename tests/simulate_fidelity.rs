@@ -4,14 +4,11 @@
 
 mod common;
 
-use common::{fails, succeeds, switchyard};
+use common::{fails, succeeds, switchyard, TempDir};
 use std::path::{Path, PathBuf};
 
-fn temp_dir(tag: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("sy-fidelity-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+fn temp_dir(tag: &str) -> TempDir {
+    common::temp_dir("fidelity", tag)
 }
 
 /// Writes `spec` as `dir/spec.yaml` and simulates it into `dir/out`.
@@ -65,7 +62,6 @@ fn yaml_and_flag_time_scales_both_divide_arrival_times() {
         "2 = twice as fast"
     );
     assert_eq!(arrivals(&dir.join("flag")), vec![0.0, 2.0]);
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// A field of the per-request records of a run.
@@ -116,7 +112,6 @@ fn a_front_end_time_adds_to_each_requests_ttft_and_e2e() {
             .arg(dir.join("bad")),
     );
     assert!(err.contains("scheduler.front_end_us -1 outside"), "{err}");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
@@ -173,7 +168,6 @@ fn inputs_without_requests_or_with_unknown_tiers_are_errors() {
     let err = fails(&mut simulate("sg.csv", "sharegpt"));
     assert!(err.contains("--rate") && err.contains("--load"), "{err}");
     succeeds(simulate("sg.csv", "sharegpt").args(["--rate", "2"]));
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
@@ -206,7 +200,6 @@ fn exported_csv_and_iso_timestamps_are_read_and_long_requests_refused() {
         (Some(1), Some(1))
     );
     assert!(p["slo_attainment"].is_null(), "no tier has targets: {p}");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// The `key: number` lines of a calibration file.
@@ -352,7 +345,6 @@ fn calibrate_fits_the_engine_and_the_simulator_runs_on_the_fit() {
             .arg(dir.join("bad.json")),
     );
     assert!(err.contains("bad.json"), "{err}");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// `switchyard calibrate` prints and records the `slo-aware` parameters its fit implies: for
@@ -452,7 +444,6 @@ fn calibrate_prints_and_records_the_slo_aware_parameters_its_fit_implies() {
             .contains("slo-aware: step_overhead_ms 2.08, prefill_us_per_token 15 from calibration"),
         "{summary}"
     );
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// `switchyard calibrate --lora DIR` adds steps whose every sequence runs the adapter, loaded as
@@ -587,7 +578,6 @@ fn calibrate_with_lora_measures_adapted_steps_and_the_simulator_prices_them() {
             .arg(dir.join("never.yaml")),
     );
     assert!(err.contains("--lora"), "{err}");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// Steps measured on the H200 (`switchyard calibrate --dummy smollm2-135m --lora
@@ -621,5 +611,4 @@ fn refitting_h200_steps_prices_adapted_decodes() {
     // per-adapter and per-token shares the fit gives the rest of it.
     let step = cal["per_lora_step_s"];
     assert!((3.5e-4..6.5e-4).contains(&step), "per_lora_step_s {step}");
-    std::fs::remove_dir_all(&dir).unwrap();
 }

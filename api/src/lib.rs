@@ -44,7 +44,6 @@ pub mod schema;
 mod server;
 mod sse;
 mod state;
-mod throttle;
 pub mod tls;
 mod unread_body;
 

@@ -14,95 +14,25 @@
 use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
-// The engine's metrics (recorded by switchyard-actors, whose `metric_names` holds the same
-// names; the binary's tests check that every one of those is described here).
-/// Gauge: requests currently in a running batch.
-pub const NUM_REQUESTS_RUNNING: &str = "switchyard:num_requests_running";
-/// Gauge: requests waiting to be scheduled (including preempted ones).
-pub const NUM_REQUESTS_WAITING: &str = "switchyard:num_requests_waiting";
-/// Gauge: fraction of KV-cache blocks in use, in [0, 1].
-pub const KV_CACHE_USAGE_PERC: &str = "switchyard:kv_cache_usage_perc";
-/// Gauge, label `tier`: KV-cache blocks held by each configured tier's running requests.
-pub const KV_CACHE_BLOCKS_USED: &str = "switchyard:kv_cache_blocks_used";
-/// Gauge: KV-cache blocks held by the prefix cache only (reusable, evictable).
-pub const KV_CACHE_CACHED_BLOCKS: &str = "switchyard:kv_cache_cached_blocks";
-/// Counter: prompt tokens looked up in the prefix cache.
-pub const PREFIX_CACHE_QUERIES: &str = "switchyard:prefix_cache_queries_total";
-/// Counter: prompt tokens found in the prefix cache.
-pub const PREFIX_CACHE_HITS: &str = "switchyard:prefix_cache_hits_total";
-/// Gauge: fraction of the host KV tier's blocks holding a cached block.
-pub const KV_OFFLOAD_USAGE_PERC: &str = "switchyard:kv_offload_usage_perc";
-/// Counter: KV blocks copied from the KV cache to the host tier.
-pub const KV_OFFLOAD_STORED_BLOCKS: &str = "switchyard:kv_offload_stored_blocks_total";
-/// Counter: KV blocks copied from the host tier back to the KV cache.
-pub const KV_OFFLOAD_LOADED_BLOCKS: &str = "switchyard:kv_offload_loaded_blocks_total";
-/// Counter: of the stored blocks, those copied ahead of their eviction.
-pub const KV_OFFLOAD_STORED_AHEAD_BLOCKS: &str = "switchyard:kv_offload_stored_ahead_blocks_total";
-/// Counter: prompt tokens found in the host tier at admission.
-pub const KV_OFFLOAD_PREFIX_HITS: &str = "switchyard:kv_offload_prefix_hits_total";
-/// Counter: preemptions (a running request sent back to waiting).
-pub const NUM_PREEMPTIONS: &str = "switchyard:num_preemptions_total";
-/// Counter, label `tenant`: prompt tokens of the requests the engine computed, counted at the
-/// prompt's first token (once per prompt, as `usage.prompt_tokens`).
-pub const PROMPT_TOKENS: &str = "switchyard:prompt_tokens_total";
-/// Counter, label `tenant`: prompt tokens the prefix cache served at the requests' first
-/// admission (once per prompt, as `usage.prompt_tokens_details.cached_tokens`).
-pub const PROMPT_TOKENS_CACHED: &str = "switchyard:prompt_tokens_cached_total";
-/// Counter, label `tenant`: tokens generated (as `usage.completion_tokens`).
-pub const GENERATION_TOKENS: &str = "switchyard:generation_tokens_total";
-/// Counter, labels `finished_reason` (`stop`, `length`), `tier`, `tenant`: requests that
-/// finished.
-pub const REQUEST_SUCCESS: &str = "switchyard:request_success_total";
-/// Counter, labels `tier`, `tenant`: requests aborted because their client went away.
-pub const REQUEST_ABORTED: &str = "switchyard:request_aborted_total";
-/// Counter, labels `reason`, `tier`, `tenant`: requests that ended with an error after they were queued, by kind:
-/// `invalid_request`, `context_length`, `unknown_model`, `overloaded`, `unavailable` (refused),
-/// `structured_output` (the grammar failed while generating), or `error` (the server's own
-/// failure, such as a failed step); and requests refused as `overloaded` before they were
-/// queued.
-pub const REQUEST_FAILED: &str = "switchyard:request_failed_total";
-/// Counter: engine steps that failed; their requests ended with an error.
-pub const ENGINE_FAILED_STEPS: &str = "switchyard:engine_failed_steps_total";
-/// Counter: failed block-accounting calls the scheduling core absorbed (a bug; each logged).
-pub const ENGINE_POOL_ERRORS: &str = "switchyard:engine_pool_errors_total";
-/// Counter, labels `tier`, `target` (`ttft`, `tpot`), `outcome` (`met`, `missed`): choices of a
-/// tier's requests with that SLO target, by whether they met it.
-pub const SLO_ATTAINMENT: &str = "switchyard:slo_attainment_total";
-/// Histogram, seconds: arrival to first generated token, per choice.
-pub const TIME_TO_FIRST_TOKEN: &str = "switchyard:time_to_first_token_seconds";
-/// Histogram, seconds: between the engine steps that bring a choice tokens, one per step after
-/// its first (vLLM's definition: the tokens of a speculative step come together).
-pub const INTER_TOKEN_LATENCY: &str = "switchyard:inter_token_latency_seconds";
-/// Histogram, seconds: mean time per output token after the first, per finished choice (TPOT;
-/// a choice of `n > 1` counts as its own sequence, as in vLLM).
-pub const TIME_PER_OUTPUT_TOKEN: &str = "switchyard:time_per_output_token_seconds";
-/// Histogram, seconds: arrival to finish, per finished choice.
-pub const E2E_REQUEST_LATENCY: &str = "switchyard:e2e_request_latency_seconds";
-/// Histogram, seconds: from when the request's prompt was encoded (its adapter's lookup and its
-/// grammar's compile included, as vLLM counts them) to first being scheduled, per choice.
-pub const REQUEST_QUEUE_TIME: &str = "switchyard:request_queue_time_seconds";
-/// Histogram: engine receipt to the scheduler's queue, per request (tokenization and hops).
-pub const REQUEST_FRONT_END: &str = "switchyard:request_front_end_seconds";
-/// Histogram, tokens, label `tier`: the prompt's length, per finished request (each choice of
-/// `n > 1` counts).
-pub const REQUEST_PROMPT_TOKENS: &str = "switchyard:request_prompt_tokens";
-/// Histogram, tokens, label `tier`: tokens generated, per finished request (each choice counts).
-pub const REQUEST_GENERATION_TOKENS: &str = "switchyard:request_generation_tokens";
-/// Histogram, tokens, label `tier`: the most tokens a choice of the request generated, once
-/// per request.
-pub const REQUEST_MAX_NUM_GENERATION_TOKENS: &str = "switchyard:request_max_num_generation_tokens";
-/// Histogram, label `tier`: the request's `n` (a beam search's width), once per request.
-pub const REQUEST_PARAMS_N: &str = "switchyard:request_params_n";
-/// Histogram, tokens, label `tier`: the `max_tokens` a finished request ran under.
-pub const REQUEST_PARAMS_MAX_TOKENS: &str = "switchyard:request_params_max_tokens";
-/// Histogram, seconds, label `tier`: first scheduled to last token, per finished request.
-pub const REQUEST_INFERENCE_TIME: &str = "switchyard:request_inference_time_seconds";
-/// Histogram, seconds, label `tier`: first scheduled to first token, per finished request.
-pub const REQUEST_PREFILL_TIME: &str = "switchyard:request_prefill_time_seconds";
-/// Histogram, seconds, label `tier`: first token to last token, per finished request.
-pub const REQUEST_DECODE_TIME: &str = "switchyard:request_decode_time_seconds";
-/// Histogram, tokens: the tokens each engine step ran.
-pub const ITERATION_TOKENS: &str = "switchyard:iteration_tokens_total";
+// The engine's metrics (recorded by switchyard-actors) and their label keys, named once in
+// `switchyard_policies::metric_names`, the one crate the engine and this one both depend on.
+pub use switchyard_policies::metric_names::{
+    E2E_REQUEST_LATENCY, ENGINE_BATCH_SIZE, ENGINE_FAILED_STEPS, ENGINE_KV_COMMIT, ENGINE_PLAN,
+    ENGINE_POOL_ERRORS, ENGINE_STEP_OVERHEAD, GENERATION_TOKENS, INTER_TOKEN_LATENCY,
+    ITERATION_TOKENS, KV_CACHE_BLOCKS_USED, KV_CACHE_CACHED_BLOCKS, KV_CACHE_USAGE_PERC,
+    KV_OFFLOAD_LOADED_BLOCKS, KV_OFFLOAD_PREFIX_HITS, KV_OFFLOAD_STORED_AHEAD_BLOCKS,
+    KV_OFFLOAD_STORED_BLOCKS, KV_OFFLOAD_USAGE_PERC, LABEL_FINISHED_REASON, LABEL_REASON,
+    LABEL_TENANT, LABEL_TIER, LORA_ADAPTERS, LORA_LOADS, LORA_RUNNING_ADAPTERS,
+    LORA_WAITING_REQUESTS, NUM_PREEMPTIONS, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING,
+    PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES, PROMPT_TOKENS, PROMPT_TOKENS_CACHED, REQUEST_ABORTED,
+    REQUEST_DECODE_TIME, REQUEST_FAILED, REQUEST_FRONT_END, REQUEST_GENERATION_TOKENS,
+    REQUEST_INFERENCE_TIME, REQUEST_MAX_NUM_GENERATION_TOKENS, REQUEST_PARAMS_MAX_TOKENS,
+    REQUEST_PARAMS_N, REQUEST_PREFILL_TIME, REQUEST_PROMPT_TOKENS, REQUEST_QUEUE_TIME,
+    REQUEST_SUCCESS, SLO_ATTAINMENT, SPEC_DECODE_ACCEPTED_TOKENS, SPEC_DECODE_DRAFTS,
+    SPEC_DECODE_DRAFT_TOKENS, STRUCTURED_COMPILE, STRUCTURED_FAILURES, STRUCTURED_REQUESTS,
+    TIME_PER_OUTPUT_TOKEN, TIME_TO_FIRST_TOKEN,
+};
+
 /// Gauge, set to 1, labels [`CACHE_CONFIG_LABELS`]: the KV cache's configuration (vLLM's
 /// `cache_config_info`), set once the model is loaded and the cache sized.
 pub const CACHE_CONFIG_INFO: &str = "switchyard:cache_config_info";
@@ -118,37 +48,6 @@ pub const CACHE_CONFIG_LABELS: &[&str] = &[
     "enable_prefix_caching",
     "prefix_sharing",
 ];
-/// Histogram, seconds: the scheduler's planning time per step.
-pub const ENGINE_PLAN: &str = "switchyard:engine_plan_seconds";
-/// Histogram, seconds: the KV-allocator round trip per step (commit sent to block ids back).
-pub const ENGINE_KV_COMMIT: &str = "switchyard:engine_kv_commit_seconds";
-/// Histogram, seconds: engine time per step outside the model (planning, the allocator commit,
-/// messages to the executor and detokenizer, applying outputs).
-pub const ENGINE_STEP_OVERHEAD: &str = "switchyard:engine_step_overhead_seconds";
-/// Gauge: sequences in the last step's batch.
-pub const ENGINE_BATCH_SIZE: &str = "switchyard:engine_batch_size";
-/// Gauge: LoRA adapters registered (servable by name).
-pub const LORA_ADAPTERS: &str = "switchyard:lora_adapters";
-/// Counter: LoRA adapters loaded from disk (registrations and reloads after eviction).
-pub const LORA_LOADS: &str = "switchyard:lora_adapter_loads_total";
-/// Gauge: distinct LoRA adapters among the running requests.
-pub const LORA_RUNNING_ADAPTERS: &str = "switchyard:lora_running_adapters";
-/// Gauge: waiting requests that name a LoRA adapter.
-pub const LORA_WAITING_REQUESTS: &str = "switchyard:lora_waiting_requests";
-
-/// Counter, label `kind`: requests with structured output, by kind of specification.
-pub const STRUCTURED_REQUESTS: &str = "switchyard:structured_output_requests_total";
-/// Counter: constrained sequences whose grammar failed while generating (ended early).
-pub const STRUCTURED_FAILURES: &str = "switchyard:structured_output_failures_total";
-/// Histogram, seconds: compiling a request's structured-output specification.
-pub const STRUCTURED_COMPILE: &str = "switchyard:structured_output_compile_seconds";
-
-/// Counter: sequence steps fed draft tokens (speculative decoding).
-pub const SPEC_DECODE_DRAFTS: &str = "switchyard:spec_decode_num_drafts_total";
-/// Counter: draft tokens fed (speculative decoding).
-pub const SPEC_DECODE_DRAFT_TOKENS: &str = "switchyard:spec_decode_num_draft_tokens_total";
-/// Counter: draft tokens accepted (speculative decoding).
-pub const SPEC_DECODE_ACCEPTED_TOKENS: &str = "switchyard:spec_decode_num_accepted_tokens_total";
 
 /// Gauge, label `policy`: 1 for the scheduling policy in force, 0 for the others seen.
 pub const POLICY_INFO: &str = "switchyard:policy_info";
@@ -254,21 +153,12 @@ impl Drop for HttpRecord {
     }
 }
 
-/// Label key of [`REQUEST_SUCCESS`].
-pub const LABEL_FINISHED_REASON: &str = "finished_reason";
-/// Label key of [`REQUEST_FAILED`].
-pub const LABEL_REASON: &str = "reason";
 /// Label key of [`BACKEND_INFO`].
 pub const LABEL_BACKEND: &str = "backend";
 /// Label key of [`POLICY_INFO`].
 pub const LABEL_POLICY: &str = "policy";
 /// Label key of [`RATE_LIMITED`]: the limit that refused (`requests`, `tokens`).
 pub const LABEL_LIMIT: &str = "limit";
-/// Label key for a request's tier.
-pub const LABEL_TIER: &str = "tier";
-/// Label key for a request's tenant (a tenant the API keys name; any other counts without
-/// it), on the token counters and the request outcome counters.
-pub const LABEL_TENANT: &str = "tenant";
 
 /// vLLM's TTFT buckets, in seconds.
 const TTFT_BUCKETS: &[f64] = &[

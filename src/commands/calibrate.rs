@@ -695,12 +695,11 @@ fn measure(args: &CalibrateArgs) -> anyhow::Result<SamplesFile> {
     );
     let mut next_id = 0u64;
     let start = Instant::now();
-    // A warm-up, not recorded: the first steps of a process pay for page faults, caches and
-    // (on a GPU) kernel loads.
-    if let Some(first) = scenarios.iter().find(|s| s.later.is_empty()) {
+    // Runs `s`, its steps' times added to `times`.
+    let mut run = |s: &Scenario, times: &mut Vec<(StepShape, u64, u64)>| {
         run_scenario(
             &mut engine,
-            first,
+            s,
             &mut Prompts {
                 rng: &mut rng,
                 vocab,
@@ -708,23 +707,17 @@ fn measure(args: &CalibrateArgs) -> anyhow::Result<SamplesFile> {
             &adapters,
             &mut next_id,
             start,
-            &mut Vec::new(),
-        )?;
+            times,
+        )
+    };
+    // A warm-up, not recorded: the first steps of a process pay for page faults, caches and
+    // (on a GPU) kernel loads.
+    if let Some(first) = scenarios.iter().find(|s| s.later.is_empty()) {
+        run(first, &mut Vec::new())?;
     }
     for _ in 0..args.repeats {
         for s in &scenarios {
-            run_scenario(
-                &mut engine,
-                s,
-                &mut Prompts {
-                    rng: &mut rng,
-                    vocab,
-                },
-                &adapters,
-                &mut next_id,
-                start,
-                &mut steps,
-            )?;
+            run(s, &mut steps)?;
             bar.inc(1);
         }
     }

@@ -2022,6 +2022,13 @@ mod reading_tests {
             assert_eq!(&ToolStream::read_all(format, text), want, "{text:?} whole");
         }
     }
+
+    /// [`check`]s each `(text, content, calls)` of `cases` in `format`, with text allowed.
+    pub(super) fn check_cases(format: ToolFormat, cases: Vec<(&str, &str, Vec<ParsedCall>)>) {
+        for (text, content, calls) in cases {
+            check(format, false, text, &(content.to_owned(), calls));
+        }
+    }
 }
 
 #[cfg(test)]

@@ -5,7 +5,7 @@
 //! request (the trace carries no content, so no prefix reuse is invented).
 
 use super::{
-    add_total, check_output_len, check_prompt_len, for_each_line, unique_prompt, LoadOptions,
+    add_total, check_output_len, check_prompt_len, for_each_line, unique_prompt, LoadOptions, Row,
     TraceRequest,
 };
 use crate::error::SimError;
@@ -60,28 +60,17 @@ pub fn load_azure(
         let prompt_len = check_prompt_len(path, line, COLUMNS[1], prompt_len)?;
         let output_len = parse_u64(get(2)?, path, line, COLUMNS[2])?;
         let output_len = check_output_len(path, line, COLUMNS[2], output_len)?;
-        if options.end_s.is_some_and(|e| arrival_s >= e) {
-            return Ok(false);
-        }
-        if !options.in_window(arrival_s) {
-            return Ok(true);
-        }
-        if options.full(out.len()) {
-            // Reached only with a limit of 0: otherwise reading stops right after the push
-            // that fills the trace.
-            return Ok(false);
+        match options.row(arrival_s, out.len()) {
+            Row::Keep => {}
+            Row::Skip => return Ok(true),
+            Row::Stop => return Ok(false),
         }
         add_total(&mut total, prompt_len, path, line)?;
-        out.push(TraceRequest {
+        out.push(TraceRequest::untagged(
             arrival_s,
-            prompt: unique_prompt(out.len() as u64, prompt_len),
+            unique_prompt(out.len() as u64, prompt_len),
             output_len,
-            tenant: String::new(),
-            tier: String::new(),
-            priority: None,
-            adapter: None,
-            client: String::new(),
-        });
+        ));
         Ok(!options.full(out.len()))
     })?;
     if cols.is_none() {

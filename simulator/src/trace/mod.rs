@@ -77,6 +77,23 @@ pub struct TraceRequest {
     pub client: String,
 }
 
+impl TraceRequest {
+    /// A request of no tenant, the default tier and priority, and no adapter: a row of a
+    /// trace format that carries none of them.
+    pub(crate) fn untagged(arrival_s: f64, prompt: Arc<[u32]>, output_len: u32) -> Self {
+        Self {
+            arrival_s,
+            prompt,
+            output_len,
+            tenant: String::new(),
+            tier: String::new(),
+            priority: None,
+            adapter: None,
+            client: String::new(),
+        }
+    }
+}
+
 /// Trace file formats understood by [`load_trace`].
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -176,6 +193,34 @@ impl LoadOptions {
     pub(crate) fn full(&self, count: usize) -> bool {
         count >= self.cap()
     }
+
+    /// What becomes of a row arriving at `arrival_s` of a file in arrival order, `kept`
+    /// requests kept before it.
+    pub(crate) fn row(&self, arrival_s: f64, kept: usize) -> Row {
+        if self.end_s.is_some_and(|e| arrival_s >= e) {
+            return Row::Stop;
+        }
+        if !self.in_window(arrival_s) {
+            return Row::Skip;
+        }
+        if self.full(kept) {
+            // Reached only with a limit of 0: otherwise reading stops right after the push
+            // that fills the trace.
+            return Row::Stop;
+        }
+        Row::Keep
+    }
+}
+
+/// [`LoadOptions::row`]'s verdict on a row of a file in arrival order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Row {
+    /// Kept.
+    Keep,
+    /// Left out (before the window); the rows after it are read.
+    Skip,
+    /// Left out, and reading stops: the window has ended or the limit is reached.
+    Stop,
 }
 
 /// Loads a timestamped trace (`azure`, `mooncake`, `jsonl`) from `path`.
@@ -537,16 +582,7 @@ mod tests {
     }
 
     fn req(arrival_s: f64) -> TraceRequest {
-        TraceRequest {
-            arrival_s,
-            prompt: unique_prompt(0, 4),
-            output_len: 1,
-            tenant: String::new(),
-            tier: String::new(),
-            priority: None,
-            adapter: None,
-            client: String::new(),
-        }
+        TraceRequest::untagged(arrival_s, unique_prompt(0, 4), 1)
     }
 
     /// Drawn adapters follow their weights (zipf s = 1 over 3 adapters: 6/11, 3/11, 2/11),

@@ -14,7 +14,7 @@
 
 use super::{
     add_total, check_output_len, check_prompt_len, for_each_line, json_object_line, mix64,
-    LoadOptions, TraceRequest,
+    LoadOptions, Row, TraceRequest,
 };
 use crate::error::SimError;
 use serde_json::Value;
@@ -105,28 +105,17 @@ pub fn load_mooncake(
                 ),
             ));
         }
-        if options.end_s.is_some_and(|e| arrival_s >= e) {
-            return Ok(false);
-        }
-        if !options.in_window(arrival_s) {
-            return Ok(true);
-        }
-        if options.full(out.len()) {
-            // Reached only with a limit of 0: otherwise reading stops right after the push
-            // that fills the trace.
-            return Ok(false);
+        match options.row(arrival_s, out.len()) {
+            Row::Keep => {}
+            Row::Skip => return Ok(true),
+            Row::Stop => return Ok(false),
         }
         add_total(&mut total, input, path, line)?;
-        out.push(TraceRequest {
+        out.push(TraceRequest::untagged(
             arrival_s,
-            prompt: block_prompt(&ids, input, out.len() as u64),
-            output_len: output,
-            tenant: String::new(),
-            tier: String::new(),
-            priority: None,
-            adapter: None,
-            client: String::new(),
-        });
+            block_prompt(&ids, input, out.len() as u64),
+            output,
+        ));
         Ok(!options.full(out.len()))
     })?;
     Ok(out)

@@ -137,16 +137,11 @@ pub fn load_sharegpt(
             return Ok(false);
         }
         add_total(&mut total, p, path, line)?;
-        out.push(TraceRequest {
-            arrival_s: 0.0,
-            prompt: unique_prompt(out.len() as u64, p),
-            output_len: o,
-            tenant: String::new(),
-            tier: String::new(),
-            priority: None,
-            adapter: None,
-            client: String::new(),
-        });
+        out.push(TraceRequest::untagged(
+            0.0,
+            unique_prompt(out.len() as u64, p),
+            o,
+        ));
         Ok(!options.full(out.len()))
     })?;
     if cols.is_none() {

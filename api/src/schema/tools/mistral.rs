@@ -206,7 +206,7 @@ pub(super) fn after_arguments(b: &[u8]) -> After {
 
 #[cfg(test)]
 mod tests {
-    use super::super::reading_tests::{call, check};
+    use super::super::reading_tests::{call, check, check_cases};
     use super::super::*;
     use super::*;
     use serde_json::json;
@@ -307,14 +307,7 @@ mod tests {
                 vec![call("now", "{}"), call("f", "{}")],
             ),
         ];
-        for (text, content, calls) in cases {
-            check(
-                ToolFormat::Mistral,
-                false,
-                text,
-                &(content.to_owned(), calls),
-            );
-        }
+        check_cases(ToolFormat::Mistral, cases);
     }
 
     #[test]
@@ -388,14 +381,7 @@ mod tests {
                 vec![call("f", "{\"a\": [\"b}")],
             ),
         ];
-        for (text, content, calls) in cases {
-            check(
-                ToolFormat::Mistral,
-                false,
-                text,
-                &(content.to_owned(), calls),
-            );
-        }
+        check_cases(ToolFormat::Mistral, cases);
         // Calls only: an opening cut short is no content.
         for text in [
             "[TOOL_CA",

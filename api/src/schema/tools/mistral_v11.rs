@@ -145,7 +145,7 @@ pub(super) const RESULTS_CLOSE: &str = "[/TOOL_RESULTS]";
 
 #[cfg(test)]
 mod tests {
-    use super::super::reading_tests::{call, check};
+    use super::super::reading_tests::{call, check, check_cases};
     use super::super::*;
     use serde_json::json;
 
@@ -204,14 +204,7 @@ mod tests {
                 vec![call("now", "{}")],
             ),
         ];
-        for (text, content, calls) in cases {
-            check(
-                ToolFormat::MistralV11,
-                false,
-                text,
-                &(content.to_owned(), calls),
-            );
-        }
+        check_cases(ToolFormat::MistralV11, cases);
     }
 
     #[test]
@@ -254,14 +247,7 @@ mod tests {
                 vec![call("f", "{\"a\": [\"b}")],
             ),
         ];
-        for (text, content, calls) in cases {
-            check(
-                ToolFormat::MistralV11,
-                false,
-                text,
-                &(content.to_owned(), calls),
-            );
-        }
+        check_cases(ToolFormat::MistralV11, cases);
         // Calls only: an opening cut short is no content.
         for text in ["[TOOL_CA", "[TOOL_CALLS]", "[TOOL_CALLS]now[ARG"] {
             check(ToolFormat::MistralV11, true, text, &(String::new(), vec![]));
