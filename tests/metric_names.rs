@@ -50,27 +50,6 @@ fn every_engine_metric_is_described_by_the_api() {
     }
 }
 
-#[test]
-fn request_outcome_names_and_label_keys_agree_between_the_crates() {
-    use switchyard_actors::metric_names as engine;
-    use switchyard_api::metrics as api;
-    for (e, a) in [
-        (engine::REQUEST_SUCCESS, api::REQUEST_SUCCESS),
-        (engine::REQUEST_ABORTED, api::REQUEST_ABORTED),
-        (engine::REQUEST_FAILED, api::REQUEST_FAILED),
-        (engine::SLO_ATTAINMENT, api::SLO_ATTAINMENT),
-        (engine::LABEL_FINISHED_REASON, api::LABEL_FINISHED_REASON),
-        (engine::LABEL_REASON, api::LABEL_REASON),
-        (engine::LABEL_TIER, api::LABEL_TIER),
-        (engine::LABEL_TENANT, api::LABEL_TENANT),
-        (engine::PROMPT_TOKENS, api::PROMPT_TOKENS),
-        (engine::PROMPT_TOKENS_CACHED, api::PROMPT_TOKENS_CACHED),
-        (engine::GENERATION_TOKENS, api::GENERATION_TOKENS),
-    ] {
-        assert_eq!(e, a);
-    }
-}
-
 /// The series of the configured tenants exist at zero from the start, as `/metrics` renders
 /// them: the token counters per tenant, the outcome counters per tenant and tier (none when
 /// its keys' tier is not configured), each value of their own label included.

@@ -17,7 +17,7 @@ use crate::error::ApiError;
 use crate::schema::reasoning::ThinkTags;
 use crate::schema::tools::ToolSetup;
 use crate::state::ApiState;
-use switchyard_policies::Throttle;
+use crate::throttle::Throttle;
 
 /// HTTP-layer settings, filled from the YAML config by the binary.
 #[derive(Clone, PartialEq)]

@@ -44,6 +44,7 @@ pub mod schema;
 mod server;
 mod sse;
 mod state;
+mod throttle;
 pub mod tls;
 mod unread_body;
 

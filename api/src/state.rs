@@ -17,7 +17,7 @@ use crate::error::ApiError;
 use crate::metrics::{HTTP_IN_FLIGHT, LABEL_LIMIT, LABEL_TENANT, LABEL_TIER, RATE_LIMITED};
 use crate::rate_limit::{estimate_prompt_tokens, Meter, RateLimiter};
 use crate::response_store::ResponseStore;
-use switchyard_policies::Throttle;
+use crate::throttle::Throttle;
 
 /// Everything the routes share. Cheap to clone; one clone per HTTP worker.
 #[derive(Clone)]

@@ -57,7 +57,6 @@ pub mod rate_limit;
 pub mod scheduler;
 pub mod sequence;
 pub mod speculative;
-pub mod throttle;
 mod tier_quota;
 pub mod types;
 
@@ -73,6 +72,5 @@ pub use prefix_hash::{BlockHasher, HashExtras, PrefixHash};
 pub use scheduler::{validate_config, IdHasher, IdMap, Scheduler};
 pub use sequence::SeqView;
 pub use speculative::DraftSource;
-pub use throttle::Throttle;
 pub use tier_quota::{tier_kv_blocks, QuotaChange};
 pub use types::*;

@@ -1,23 +1,19 @@
-//! A log line per interval, not per event: for events that can come in floods (failed
-//! authentication, refused or timed-out requests), so that a flood writes a line an interval
-//! carrying its count. Shared by the engine's admission and scheduler and the HTTP layer. Time
-//! is passed in.
+//! A log line per interval, not per event: for events a client can repeat at will (failed
+//! authentication), so that a flood of them writes a line a second carrying their count.
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// Lets one event of many through per interval, with the count of those held back: the first
 /// event passes at once, later ones once `every` has passed since the last one that passed.
-/// Shared through `&self` (a `static`, or a bound several threads count against).
-pub struct Throttle {
+pub(crate) struct Throttle {
     every: Duration,
     /// When an event last passed, and the events counted since then.
     state: Mutex<(Option<Instant>, u64)>,
 }
 
 impl Throttle {
-    /// A throttle letting one event through per `every`.
-    pub const fn new(every: Duration) -> Self {
+    pub(crate) const fn new(every: Duration) -> Self {
         Self {
             every,
             state: Mutex::new((None, 0)),
@@ -26,8 +22,7 @@ impl Throttle {
 
     /// Counts one event at `now`; `Some(n)` when it passes, `n` the events counted since the
     /// last one that passed, this one included.
-    pub fn hit(&self, now: Instant) -> Option<u64> {
-        // The state is two numbers, whole after any panic: a poisoned lock is used as it is.
+    pub(crate) fn hit(&self, now: Instant) -> Option<u64> {
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
         state.1 += 1;
         let due = state
