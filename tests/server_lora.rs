@@ -371,6 +371,63 @@ fn vllm_lora_routes_load_and_unload_behind_the_admin_key() {
     assert_eq!(haiku(s, "tuned").0, 200);
 }
 
+/// Regression: the LoRA load and unload bodies refused fields they do not read (400), where
+/// vLLM's (pydantic models that ignore extra fields) accept them, so a client of a newer or
+/// patched vLLM (`is_3d_lora_weight`) could not load an adapter. They are accepted, as vLLM
+/// accepts them, and named in one warning per request, as the OpenAI routes name theirs; so on
+/// `POST /admin/lora`, which takes the same body.
+#[test]
+fn lora_routes_accept_fields_they_do_not_read_and_warn_once() {
+    let s = &server();
+    let post = |path: &str, body: Value| {
+        let r = s
+            .request("POST", path, Some(&body.to_string()), &[ADMIN])
+            .expect("request");
+        assert_eq!(r.status, 200, "{path}: {}", r.body);
+    };
+    let warned = |route: &str, field: &str| {
+        s.assert_logged(&[
+            "WARN",
+            "fields were present in the request but ignored",
+            &format!("\"{route}\""),
+            &format!("\"{field}\""),
+        ]);
+    };
+    post(
+        "/v1/load_lora_adapter",
+        json!({"lora_name": "xa", "lora_path": lora_fixture_dir(), "load_inplace": false,
+               "is_3d_lora_weight": false, "nothing": null}),
+    );
+    warned("/v1/load_lora_adapter", "is_3d_lora_weight");
+    post(
+        "/admin/lora",
+        json!({"lora_name": "xb", "lora_path": lora_fixture_dir(), "lora_int_id": 7}),
+    );
+    warned("/admin/lora", "lora_int_id");
+    post(
+        "/v1/unload_lora_adapter",
+        json!({"lora_name": "xa", "lora_path": "/elsewhere"}),
+    );
+    warned("/v1/unload_lora_adapter", "lora_path");
+    // A field sent as null is one not set: not named.
+    assert!(!s.log().contains("\"nothing\""), "{}", s.log());
+    // One warning per request.
+    assert_eq!(
+        s.log()
+            .matches("fields were present in the request but ignored")
+            .count(),
+        3,
+        "{}",
+        s.log()
+    );
+    let names: Vec<Value> = admin_adapters(s)
+        .iter()
+        .map(|a| a["name"].clone())
+        .collect();
+    assert_eq!(names, ["tuned", "xb"]);
+    assert_haiku(s, "xb", "lora_golden.json");
+}
+
 #[test]
 fn sighup_brings_the_configured_adapters_in_line_with_the_file() {
     let s = &server();
