@@ -855,7 +855,8 @@ fn adapters_in_a_directory_are_served_on_demand_to_the_keys_that_may_name_them()
 /// Regressions. With `lora.max_cpu_loras` adapters in memory and in use, a request naming an
 /// adapter of `lora.adapter_dirs` not yet registered got a 404 `model_not_found`: the adapter
 /// was registered, then dropped from memory at once (the only one no request held) before the
-/// request took its weights. And with the registry full of found adapters that no request
+/// request took its weights; then it was served, but its files read twice (by the name check
+/// that registered it, and again by the request). And with the registry full of found adapters that no request
 /// used, `POST /admin/lora` was refused ("unload one first"), though a found adapter could go
 /// (and unloading one only let the next request find it again).
 #[test]
@@ -885,6 +886,15 @@ fn found_adapters_are_served_while_memory_is_full_and_make_room_for_an_operators
         seen.push(byte[0]);
     }
     assert_haiku(s, "found", "lora_golden.json");
+    // Read once: the request's name check registered it, and the request took the weights
+    // the check read (they were dropped from memory at once, and read again, before).
+    let found_dir = root.join("found").display().to_string();
+    let reads = s
+        .log()
+        .lines()
+        .filter(|l| l.contains("LoRA adapter loaded") && l.contains(&found_dir))
+        .count();
+    assert_eq!(reads, 1, "{}", s.log());
     drop(held);
     // The registry (two) holds tuned and found, which no request uses now: an operator's
     // adapter takes found's place.
@@ -1101,5 +1111,50 @@ fn an_adapter_is_replaced_in_place_while_requests_keep_coming() {
     });
     assert!(statuses.len() >= 3, "{statuses:?}");
     assert!(statuses.iter().all(|&st| st == 200), "{statuses:?}");
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// An adapter whose `adapter_config.json` names another base model than the one served (its
+/// shapes fitting) is served, as vLLM serves it, with one warning naming both, and `GET
+/// /admin/lora` says so; the test adapter, trained on the served model (another hub id than
+/// the served name, which is the model file's stem), is not flagged.
+#[test]
+fn an_adapter_trained_on_another_base_model_is_served_with_a_warning() {
+    let s = &server();
+    let root = adapter_copies("lora-other-base", &["other"]);
+    let file = root.join("other/adapter_config.json");
+    let mut config: Value =
+        serde_json::from_str(&std::fs::read_to_string(&file).expect("config")).expect("json");
+    config["base_model_name_or_path"] = json!("HuggingFaceTB/SmolLM2-135M");
+    std::fs::write(&file, config.to_string()).expect("write");
+    let load = json!({"lora_name": "other", "lora_path": root.join("other")});
+    let r = s
+        .request("POST", "/admin/lora", Some(&load.to_string()), &[ADMIN])
+        .expect("load");
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_haiku(s, "other", "lora_golden.json");
+    s.assert_logged(&[
+        "WARN",
+        "names another base model",
+        "name=\"other\"",
+        "adapter_base_model=\"HuggingFaceTB/SmolLM2-135M\"",
+        "SmolLM2-135M-Instruct.Q4_1",
+    ]);
+    let adapters = admin_adapters(s);
+    let field = |name: &str, key: &str| -> Value {
+        adapters
+            .iter()
+            .find(|a| a["name"] == name)
+            .unwrap_or_else(|| panic!("{name}: {adapters:?}"))[key]
+            .clone()
+    };
+    assert_eq!(field("other", "base_model"), "HuggingFaceTB/SmolLM2-135M");
+    assert_eq!(field("other", "base_model_differs"), true);
+    assert_eq!(
+        field("tuned", "base_model"),
+        "HuggingFaceTB/SmolLM2-135M-Instruct"
+    );
+    assert_eq!(field("tuned", "base_model_differs"), false);
+    assert_eq!(s.log().matches("names another base model").count(), 1);
     let _ = std::fs::remove_dir_all(&root);
 }
