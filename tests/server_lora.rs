@@ -371,6 +371,63 @@ fn vllm_lora_routes_load_and_unload_behind_the_admin_key() {
     assert_eq!(haiku(s, "tuned").0, 200);
 }
 
+/// Regression: the LoRA load and unload bodies refused fields they do not read (400), where
+/// vLLM's (pydantic models that ignore extra fields) accept them, so a client of a newer or
+/// patched vLLM (`is_3d_lora_weight`) could not load an adapter. They are accepted, as vLLM
+/// accepts them, and named in one warning per request, as the OpenAI routes name theirs; so on
+/// `POST /admin/lora`, which takes the same body.
+#[test]
+fn lora_routes_accept_fields_they_do_not_read_and_warn_once() {
+    let s = &server();
+    let post = |path: &str, body: Value| {
+        let r = s
+            .request("POST", path, Some(&body.to_string()), &[ADMIN])
+            .expect("request");
+        assert_eq!(r.status, 200, "{path}: {}", r.body);
+    };
+    let warned = |route: &str, field: &str| {
+        s.assert_logged(&[
+            "WARN",
+            "fields were present in the request but ignored",
+            &format!("\"{route}\""),
+            &format!("\"{field}\""),
+        ]);
+    };
+    post(
+        "/v1/load_lora_adapter",
+        json!({"lora_name": "xa", "lora_path": lora_fixture_dir(), "load_inplace": false,
+               "is_3d_lora_weight": false, "nothing": null}),
+    );
+    warned("/v1/load_lora_adapter", "is_3d_lora_weight");
+    post(
+        "/admin/lora",
+        json!({"lora_name": "xb", "lora_path": lora_fixture_dir(), "lora_int_id": 7}),
+    );
+    warned("/admin/lora", "lora_int_id");
+    post(
+        "/v1/unload_lora_adapter",
+        json!({"lora_name": "xa", "lora_path": "/elsewhere"}),
+    );
+    warned("/v1/unload_lora_adapter", "lora_path");
+    // A field sent as null is one not set: not named.
+    assert!(!s.log().contains("\"nothing\""), "{}", s.log());
+    // One warning per request.
+    assert_eq!(
+        s.log()
+            .matches("fields were present in the request but ignored")
+            .count(),
+        3,
+        "{}",
+        s.log()
+    );
+    let names: Vec<Value> = admin_adapters(s)
+        .iter()
+        .map(|a| a["name"].clone())
+        .collect();
+    assert_eq!(names, ["tuned", "xb"]);
+    assert_haiku(s, "xb", "lora_golden.json");
+}
+
 #[test]
 fn sighup_brings_the_configured_adapters_in_line_with_the_file() {
     let s = &server();
@@ -798,7 +855,8 @@ fn adapters_in_a_directory_are_served_on_demand_to_the_keys_that_may_name_them()
 /// Regressions. With `lora.max_cpu_loras` adapters in memory and in use, a request naming an
 /// adapter of `lora.adapter_dirs` not yet registered got a 404 `model_not_found`: the adapter
 /// was registered, then dropped from memory at once (the only one no request held) before the
-/// request took its weights. And with the registry full of found adapters that no request
+/// request took its weights; then it was served, but its files read twice (by the name check
+/// that registered it, and again by the request). And with the registry full of found adapters that no request
 /// used, `POST /admin/lora` was refused ("unload one first"), though a found adapter could go
 /// (and unloading one only let the next request find it again).
 #[test]
@@ -828,6 +886,15 @@ fn found_adapters_are_served_while_memory_is_full_and_make_room_for_an_operators
         seen.push(byte[0]);
     }
     assert_haiku(s, "found", "lora_golden.json");
+    // Read once: the request's name check registered it, and the request took the weights
+    // the check read (they were dropped from memory at once, and read again, before).
+    let found_dir = root.join("found").display().to_string();
+    let reads = s
+        .log()
+        .lines()
+        .filter(|l| l.contains("LoRA adapter loaded") && l.contains(&found_dir))
+        .count();
+    assert_eq!(reads, 1, "{}", s.log());
     drop(held);
     // The registry (two) holds tuned and found, which no request uses now: an operator's
     // adapter takes found's place.
@@ -1044,5 +1111,50 @@ fn an_adapter_is_replaced_in_place_while_requests_keep_coming() {
     });
     assert!(statuses.len() >= 3, "{statuses:?}");
     assert!(statuses.iter().all(|&st| st == 200), "{statuses:?}");
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// An adapter whose `adapter_config.json` names another base model than the one served (its
+/// shapes fitting) is served, as vLLM serves it, with one warning naming both, and `GET
+/// /admin/lora` says so; the test adapter, trained on the served model (another hub id than
+/// the served name, which is the model file's stem), is not flagged.
+#[test]
+fn an_adapter_trained_on_another_base_model_is_served_with_a_warning() {
+    let s = &server();
+    let root = adapter_copies("lora-other-base", &["other"]);
+    let file = root.join("other/adapter_config.json");
+    let mut config: Value =
+        serde_json::from_str(&std::fs::read_to_string(&file).expect("config")).expect("json");
+    config["base_model_name_or_path"] = json!("HuggingFaceTB/SmolLM2-135M");
+    std::fs::write(&file, config.to_string()).expect("write");
+    let load = json!({"lora_name": "other", "lora_path": root.join("other")});
+    let r = s
+        .request("POST", "/admin/lora", Some(&load.to_string()), &[ADMIN])
+        .expect("load");
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_haiku(s, "other", "lora_golden.json");
+    s.assert_logged(&[
+        "WARN",
+        "names another base model",
+        "name=\"other\"",
+        "adapter_base_model=\"HuggingFaceTB/SmolLM2-135M\"",
+        "SmolLM2-135M-Instruct.Q4_1",
+    ]);
+    let adapters = admin_adapters(s);
+    let field = |name: &str, key: &str| -> Value {
+        adapters
+            .iter()
+            .find(|a| a["name"] == name)
+            .unwrap_or_else(|| panic!("{name}: {adapters:?}"))[key]
+            .clone()
+    };
+    assert_eq!(field("other", "base_model"), "HuggingFaceTB/SmolLM2-135M");
+    assert_eq!(field("other", "base_model_differs"), true);
+    assert_eq!(
+        field("tuned", "base_model"),
+        "HuggingFaceTB/SmolLM2-135M-Instruct"
+    );
+    assert_eq!(field("tuned", "base_model_differs"), false);
+    assert_eq!(s.log().matches("names another base model").count(), 1);
     let _ = std::fs::remove_dir_all(&root);
 }

@@ -580,6 +580,27 @@ fn calibrate_with_lora_measures_adapted_steps_and_the_simulator_prices_them() {
     assert!(err.contains("--lora"), "{err}");
 }
 
+/// Regression: `calibrate --lora` took an adapter of any rank up to the largest any
+/// configuration allows, though the server it calibrates refuses ranks past its
+/// `lora.max_lora_rank`; such an adapter is refused, the message naming the flag and the bound,
+/// and nothing is written.
+#[test]
+fn calibrate_refuses_an_adapter_past_the_configured_max_lora_rank() {
+    let dir = temp_dir("calibrate-lora-rank");
+    let fixture =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("gpu/tests/fixtures/lora/smollm2-r4");
+    let stderr = fails(
+        small_calibration(&dir)
+            .args(["--set", "lora.max_lora_rank=2", "--lora"])
+            .arg(&fixture),
+    );
+    for want in ["--lora", "lora.max_lora_rank, 2", "rank 4 is outside 1..=2"] {
+        assert!(stderr.contains(want), "{want}: {stderr}");
+    }
+    assert!(!dir.join("cal.yaml").exists());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// Steps measured on the H200 (`switchyard calibrate --dummy smollm2-135m --lora
 /// gpu/tests/fixtures/lora/smollm2-r4 --repeats 2` with `model.backend: cuda`, 363 distinct
 /// steps): an adapted decode costs ~0.55 ms more than a plain one at batch 1, 4 and 16 alike

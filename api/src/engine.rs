@@ -215,6 +215,12 @@ pub struct LoraAdapterInfo {
     pub discovered: bool,
     /// Kept in memory while served, never evicted.
     pub pinned: bool,
+    /// The model it was trained on, as its `adapter_config.json` names it
+    /// (`base_model_name_or_path`; `null` when it names none).
+    pub base_model: Option<String>,
+    /// `base_model` names another model than the one served (by none of its names): served
+    /// all the same, its shapes fitting, with a warning in the log.
+    pub base_model_differs: bool,
 }
 
 /// Shared by the prompts of one HTTP request. When one of them fails, the HTTP layer records

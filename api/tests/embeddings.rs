@@ -312,6 +312,8 @@ async fn a_lora_adapter_is_a_model_and_an_unknown_model_is_404() {
         rank: 8,
         discovered: false,
         pinned: false,
+        base_model: None,
+        base_model_differs: false,
     });
     let (_, app) = app(engine.clone(), api_config()).await;
     let reply = send(

@@ -228,6 +228,8 @@ async fn a_key_names_only_the_adapters_its_patterns_allow() {
                 rank: 8,
                 discovered: false,
                 pinned: false,
+                base_model: None,
+                base_model_differs: false,
             });
     }
     let mut config = api_config();
@@ -333,6 +335,8 @@ async fn a_model_is_retrieved_as_listed() {
             rank: 8,
             discovered: false,
             pinned: false,
+            base_model: None,
+            base_model_differs: false,
         });
     let (_, app) = app(engine, api_config()).await;
     let get = |uri: &str| {

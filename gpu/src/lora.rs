@@ -276,7 +276,13 @@ pub struct LoraAdapter {
     layers: Vec<[Option<LoraPair>; 7]>,
     /// Shape of the base model: layers, hidden, q width, kv width, intermediate, rope style.
     shape: (usize, usize, usize, usize, usize, RopeStyle),
+    /// `base_model_name_or_path` of its `adapter_config.json`, if a non-empty string (cut to
+    /// [`MAX_BASE_MODEL_CHARS`]).
+    base_model: Option<String>,
 }
+
+/// Longest `base_model_name_or_path` kept, in characters (longer ones are cut).
+pub const MAX_BASE_MODEL_CHARS: usize = 256;
 
 /// The shape fields of `c` an adapter depends on.
 fn shape_of(c: &LlamaConfig) -> (usize, usize, usize, usize, usize, RopeStyle) {
@@ -296,6 +302,8 @@ struct AdapterConfig {
     scale: f32,
     /// The modules `target_modules`, `layers_to_transform` and `exclude_modules` select.
     modules: ModuleSelection,
+    /// `base_model_name_or_path`, if a non-empty string (cut to [`MAX_BASE_MODEL_CHARS`]).
+    base_model: Option<String>,
 }
 
 fn invalid(path: &Path, reason: impl Into<String>) -> GpuError {
@@ -414,10 +422,18 @@ fn parse_config(path: &Path, text: &str, limits: &LoraLimits) -> Result<AdapterC
         alpha / rank as f64
     };
     let modules = ModuleSelection::parse(obj).map_err(|m| invalid(path, m))?;
+    // What the adapter was trained on, as PEFT records it: informative only (a hub id, a
+    // mirror's or a local path), never checked here.
+    let base_model = obj
+        .get("base_model_name_or_path")
+        .and_then(|b| b.as_str())
+        .filter(|b| !b.trim().is_empty())
+        .map(|b| b.chars().take(MAX_BASE_MODEL_CHARS).collect());
     Ok(AdapterConfig {
         rank,
         scale: scale as f32,
         modules,
+        base_model,
     })
 }
 
@@ -661,6 +677,7 @@ impl LoraAdapter {
             scale: cfg.scale,
             layers,
             shape: shape_of(c),
+            base_model: cfg.base_model.clone(),
         })
     }
 
@@ -704,6 +721,7 @@ impl LoraAdapter {
             scale,
             layers,
             shape: shape_of(c),
+            base_model: None,
         })
     }
 
@@ -729,6 +747,12 @@ impl LoraAdapter {
     /// `lora_alpha / r` (or `/ sqrt(r)` with rsLoRA).
     pub fn scale(&self) -> f32 {
         self.scale
+    }
+
+    /// The model the adapter was trained on, as its `adapter_config.json` names it
+    /// (`base_model_name_or_path`: a hub id, or a path); `None` when it names none.
+    pub fn base_model(&self) -> Option<&str> {
+        self.base_model.as_deref()
     }
 
     /// Bytes of weights held.

@@ -333,7 +333,7 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
     let adapter = args
         .lora
         .as_deref()
-        .map(|dir| runtime::load_lora(dir, &config))
+        .map(|dir| runtime::load_lora(dir, &config, switchyard_gpu::lora::MAX_LORA_RANK))
         .transpose()?;
     let vocab = config.vocab_size as u64;
     let max_model_len = config.max_position_embeddings;

@@ -611,15 +611,24 @@ fn measure(args: &CalibrateArgs) -> anyhow::Result<SamplesFile> {
                 backend.name(),
                 backend.lora_slots()
             );
+            // Bounded as the server bounds the adapters it serves: a rank past the
+            // configuration's lora.max_lora_rank is one the server would refuse.
+            let max_rank = config.lora.max_lora_rank;
             (0..LORA_COPIES)
                 .map(|_| {
                     let t0 = Instant::now();
-                    let adapter = runtime::load_lora(dir, &model_config);
+                    let adapter = runtime::load_lora(dir, &model_config, max_rank);
                     load_ms.push(t0.elapsed().as_secs_f64() * 1e3);
                     adapter
                 })
                 .collect::<anyhow::Result<_>>()
-                .with_context(|| format!("--lora {}", dir.display()))?
+                .with_context(|| {
+                    format!(
+                        "--lora {}: the adapter must be one the configuration serves (ranks up \
+                         to lora.max_lora_rank, {max_rank})",
+                        dir.display()
+                    )
+                })?
         }
     };
     let lora = adapters.first().map(|a| {

@@ -38,7 +38,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let adapter = args
         .lora
         .as_deref()
-        .map(|dir| runtime::load_lora(dir, &model.config))
+        .map(|dir| runtime::load_lora(dir, &model.config, switchyard_gpu::lora::MAX_LORA_RANK))
         .transpose()?;
     let mut prompts = Vec::with_capacity(args.prompt.len());
     for p in &args.prompt {

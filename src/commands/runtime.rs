@@ -31,13 +31,15 @@ pub fn resolve_model_path(path: Option<&Path>) -> anyhow::Result<PathBuf> {
     }
 }
 
-/// Loads the LoRA adapter in `dir` for a model of `config` (ranks up to the largest allowed).
+/// Loads the LoRA adapter in `dir` for a model of `config`, of rank at most `max_rank` (never
+/// more than [`switchyard_gpu::lora::MAX_LORA_RANK`], the largest any configuration allows).
 pub fn load_lora(
     dir: &Path,
     config: &switchyard_gpu::model::LlamaConfig,
+    max_rank: usize,
 ) -> anyhow::Result<std::sync::Arc<switchyard_gpu::LoraAdapter>> {
     let limits = switchyard_gpu::LoraLimits {
-        max_rank: switchyard_gpu::lora::MAX_LORA_RANK,
+        max_rank: max_rank.min(switchyard_gpu::lora::MAX_LORA_RANK),
         ..Default::default()
     };
     let adapter = switchyard_gpu::LoraAdapter::load(&expand_home(dir), config, &limits)?;

@@ -287,6 +287,19 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             .iter()
             .map(|d| switchyard_config::expand_home(d))
             .collect(),
+        // What an adapter's base_model_name_or_path may call the model: its served name, its
+        // own (GGUF `general.name`, or its directory's), and its file's or directory's (not
+        // the directory holding a file: `model fetch`'s is a package name, such as
+        // `smollm2-135m` for the Instruct model, another model's name).
+        model_names: [
+            Some(model_name.clone()),
+            Some(model.name.clone()),
+            path.file_stem().map(|s| s.to_string_lossy().into_owned()),
+        ]
+        .into_iter()
+        .flatten()
+        .filter(|n| !n.is_empty())
+        .collect(),
     });
     let vocab_size = model.config.vocab_size;
     let embedding_size = config.server.embeddings.then_some(model.config.hidden_size);
@@ -1131,6 +1144,8 @@ fn port_adapter(a: AdapterInfo) -> LoraAdapterInfo {
         rank: a.rank,
         discovered: a.discovered,
         pinned: a.pinned,
+        base_model: a.base_model,
+        base_model_differs: a.base_model_differs,
     }
 }
 

@@ -279,6 +279,9 @@ struct RequestSink {
     max_tokens: Option<u32>,
     n: u32,
     max_generated: u32,
+    /// The prompt counted in [`names::PROMPT_TOKENS`] (at the first token of whichever choice
+    /// got one first).
+    prompt_counted: bool,
 }
 
 struct ChoiceState {
@@ -568,6 +571,7 @@ impl Handler<Register> for DetokenizerActor {
             max_tokens,
             n: u32::try_from(msg.ids.len()).unwrap_or(u32::MAX),
             max_generated: 0,
+            prompt_counted: false,
         }));
         let prompt_len = msg.pending_prompt.as_ref().map_or(0, |p| p.tokens.len());
         for (index, id) in msg.ids.into_iter().enumerate() {
@@ -761,16 +765,26 @@ impl Handler<StepEvents> for DetokenizerActor {
                         continue;
                     };
                     c.cached_prompt_tokens = tokens;
-                    // Once per prompt, whatever its `n`, as `usage.cached_tokens` counts it:
-                    // the first choice's.
+                    let mut r = c.request.borrow_mut();
+                    if r.quiet {
+                        continue;
+                    }
                     // The prompt counts from here, computed, as vLLM counts it (not when
                     // queued: a request timed out in the queue or left before its prefill
-                    // used none of it, as its tenant's token budget is told).
-                    if c.index == 0 && !c.request.borrow().quiet {
-                        let r = c.request.borrow();
-                        let labels = names::tenant_labels(&r.tenant);
+                    // used none of it, as its tenant's token budget is told); once per prompt,
+                    // whatever its `n`, at the first token of whichever choice has one first:
+                    // the first choice may have been preempted, or still be computing prompt
+                    // logprobs, and its client may leave before it gets one.
+                    let labels = names::tenant_labels(&r.tenant);
+                    if !r.prompt_counted {
+                        r.prompt_counted = true;
                         metrics::counter!(names::PROMPT_TOKENS, labels.clone())
                             .increment(u64::from(r.prompt_tokens));
+                    }
+                    // The cached part as `usage.cached_tokens` counts it: the first choice's
+                    // (another choice may have found more of the prompt cached, the first
+                    // choice's own blocks).
+                    if c.index == 0 {
                         metrics::counter!(names::PROMPT_TOKENS_CACHED, labels)
                             .increment(u64::from(tokens));
                     }

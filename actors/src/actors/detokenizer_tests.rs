@@ -1386,3 +1386,118 @@ fn in_flight_at_end(engine: &Engine, seen: &Arc<Mutex<Vec<usize>>>) -> impl Outp
         }
     })
 }
+
+/// The detokenizer alone (no scheduler), holding one request of `n` choices, ids `0..n`,
+/// of the 10-token prompt of [`request`], its output going to `client`.
+fn detokenizer_holding(n: u64, client: Client) -> super::DetokenizerActor {
+    use super::{ChoiceState, DetokenizerActor, RequestSink, TextOptions};
+    use crate::detokenizer::IncrementalDetokenizer;
+    use std::cell::RefCell;
+    use std::rc::Rc;
+    use switchyard_policies::RequestId;
+    let mut actor = DetokenizerActor::new(tokenizer());
+    let ids: Vec<RequestId> = (0..n).map(RequestId).collect();
+    let tier: Arc<str> = Arc::from("");
+    let tenant: Arc<str> = Arc::from("");
+    let request = Rc::new(RefCell::new(RequestSink {
+        sink: Box::new(Sink {
+            client,
+            gone: false,
+            deltas: 0,
+            cut_off: false,
+            errors: Arc::default(),
+            abandoned_for: None,
+        }),
+        arrival: std::time::Instant::now(),
+        ids: ids.clone(),
+        guard: None,
+        pending_prompt: None,
+        held: Vec::new(),
+        labels: names::tier_labels(&tier),
+        outcome_labels: names::outcome_labels(&tier, &tenant),
+        tier,
+        tenant,
+        slo: Default::default(),
+        span: tracing::Span::none(),
+        quiet: false,
+        prompt_tokens: 10,
+        max_tokens: Some(8),
+        n: n as u32,
+        max_generated: 0,
+        prompt_counted: false,
+    }));
+    for (index, id) in ids.into_iter().enumerate() {
+        actor.choices.insert(
+            id,
+            ChoiceState {
+                index: index as u32,
+                detok: IncrementalDetokenizer::new(Vec::new()),
+                text: TextOptions::default(),
+                tokens: 0,
+                cached_prompt_tokens: 0,
+                first_at: None,
+                last_at: None,
+                scheduled_at: None,
+                request: request.clone(),
+                prompt_logprobs: Vec::new(),
+                constraint: None,
+                embed: false,
+                embedding: None,
+            },
+        );
+    }
+    actor
+}
+
+/// Choice `id`'s first token (with what the prefix cache served of its prompt, `cached`).
+fn first_token(id: u64, cached: u32) -> Vec<crate::core::CoreEvent> {
+    use crate::core::CoreEvent;
+    use switchyard_policies::RequestId;
+    vec![
+        CoreEvent::PromptCached {
+            id: RequestId(id),
+            tokens: cached,
+        },
+        CoreEvent::Token {
+            id: RequestId(id),
+            token: 1,
+            logprob: None,
+            top_logprobs: Vec::new(),
+            stops: false,
+        },
+    ]
+}
+
+/// Regression: with `n > 1`, the prompt counted in `prompt_tokens_total` at the first
+/// choice's first token only, so a prompt whose other choice got a token first (the first
+/// choice preempted, or computing prompt logprobs) and whose client then left was never
+/// counted. It counts at whichever choice's first token comes first, once; the cached part
+/// stays the first choice's, as `usage.cached_tokens` reports it.
+#[actix::test]
+async fn a_prompt_counts_at_the_first_token_of_whichever_choice_comes_first() {
+    use super::StepEvents;
+    use actix::Actor;
+    install_recorder();
+    // The second choice samples first and the client leaves at its delta: the first choice
+    // never gets a token.
+    let gone = detokenizer_holding(2, Client::LeavesAtFirstDelta).start();
+    gone.send(StepEvents::new(first_token(1, 16)))
+        .await
+        .unwrap();
+    let m = Snapshot::take();
+    assert_eq!(m.counter(names::PROMPT_TOKENS), 10);
+    assert_eq!(m.counter(names::REQUEST_ABORTED), 2, "both choices, open");
+    assert_eq!(m.counter(names::PROMPT_TOKENS_CACHED), 0);
+    // Every choice gets its first token, the first one last: the prompt counts once, its
+    // cached part as the first choice found it.
+    let stays = detokenizer_holding(3, Client::Stays).start();
+    for id in [2, 1, 0] {
+        stays
+            .send(StepEvents::new(first_token(id, 8 * (id as u32 + 1))))
+            .await
+            .unwrap();
+    }
+    let m = Snapshot::take();
+    assert_eq!(m.counter(names::PROMPT_TOKENS), 20);
+    assert_eq!(m.counter(names::PROMPT_TOKENS_CACHED), 8);
+}

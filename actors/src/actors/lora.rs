@@ -27,7 +27,9 @@
 //! the registry is full, the least recently used discovered adapter that no request holds
 //! and that is not pinned is unregistered (it is found again on its next request), once the
 //! new adapter has loaded; a request that registers one gets its weights even when the
-//! eviction that follows would drop them from memory at once; a discovered adapter whose files
+//! eviction that follows would drop them from memory at once, and so does the request whose
+//! name check registered it (the weights are kept for it until it resolves the name, one
+//! adapter at a time), so its files are read once; a discovered adapter whose files
 //! are gone or broken when it is loaded again is unregistered, so it is found again, or not,
 //! as its directory then says.
 //!
@@ -70,6 +72,10 @@ pub struct LoraManagerConfig {
     /// Directories searched, in order, for an adapter a request names that is not registered
     /// (`<dir>/<name>/`); empty: none is.
     pub adapter_dirs: Vec<PathBuf>,
+    /// The names the served model goes by (its served name first, then its own and its
+    /// file's or directory's), which an adapter's `base_model_name_or_path` is compared with
+    /// ([`names_served_model`]); empty: none is.
+    pub model_names: Vec<String>,
 }
 
 /// A registered adapter.
@@ -90,6 +96,40 @@ pub struct AdapterInfo {
     /// Kept in memory while registered, never evicted (at most `max_loaded` adapters are):
     /// its requests never wait for its files to load again.
     pub pinned: bool,
+    /// The model it was trained on, as its `adapter_config.json` names it
+    /// (`base_model_name_or_path`), if it does.
+    pub base_model: Option<String>,
+    /// `base_model` names none of the served model's names ([`names_served_model`]): served
+    /// all the same (its shapes fit, and names differ across mirrors and local paths), with a
+    /// warning logged when it was loaded.
+    pub base_model_differs: bool,
+}
+
+/// Whether `base`, an adapter's `base_model_name_or_path` (a hub id such as
+/// `HuggingFaceTB/SmolLM2-135M-Instruct`, or a local path), names the model known by `names`:
+/// its last path segment is one of them (or one's part before its first `.`, as a file name's
+/// quantization suffix, `SmolLM2-135M-Instruct.Q4_1`), compared by letters and digits alone,
+/// without case. Without names, or without letters or digits in `base`, nothing is compared
+/// (true).
+pub fn names_served_model(base: &str, names: &[String]) -> bool {
+    fn key(s: &str) -> String {
+        s.chars()
+            .filter(|c| c.is_alphanumeric())
+            .flat_map(char::to_lowercase)
+            .collect()
+    }
+    fn last_segment(s: &str) -> &str {
+        let s = s.trim_end_matches(['/', '\\']);
+        s.rsplit(['/', '\\']).next().unwrap_or(s)
+    }
+    let want = key(last_segment(base));
+    if want.is_empty() || names.is_empty() {
+        return true;
+    }
+    names
+        .iter()
+        .map(|n| last_segment(n))
+        .any(|n| key(n) == want || n.split_once('.').is_some_and(|(stem, _)| key(stem) == want))
 }
 
 /// What can go wrong with adapters.
@@ -179,6 +219,14 @@ struct SharedRegistry {
     /// Set when the manager left more than `max_loaded` adapters in memory because they were
     /// in use; the next request served from memory takes it and asks the manager to evict.
     over_limit: AtomicBool,
+    /// The weights of the adapter a request's name check registered last
+    /// ([`LoraManager::find`]), kept for the request that follows the check: they count as in
+    /// use, so no eviction drops them (memory full of adapters in use would drop them at once,
+    /// the only ones no request holds) before that request resolves the name, which releases
+    /// them (the request then holds them); else the request would read the files again. One
+    /// at a time: the next name check's registration releases them, as do the adapter's
+    /// unregistration and replacement. Locked after `state` when both are.
+    reserved: parking_lot::Mutex<Option<(String, Arc<LoraAdapter>)>>,
 }
 
 /// The registered adapters and the weights of those in memory, as other threads see them:
@@ -208,18 +256,48 @@ impl LoraRegistry {
         self.0.state.read().adapters.iter().any(|a| a.name == name)
     }
 
-    /// The id and weights of `name` if they are in memory, marking it used.
+    /// The id and weights of `name` if they are in memory, marking it used (and releasing
+    /// them if they were reserved for this request: it holds them now).
     fn lookup(&self, name: &str) -> Lookup {
-        let state = self.0.state.read();
-        if let Some(r) = state.resident.get(name) {
-            r.last_used.store(self.tick(), Ordering::Relaxed);
-            return Lookup::Resident(r.id, r.adapter.clone());
+        let found = {
+            let state = self.0.state.read();
+            if let Some(r) = state.resident.get(name) {
+                r.last_used.store(self.tick(), Ordering::Relaxed);
+                Lookup::Resident(r.id, r.adapter.clone())
+            } else if state.adapters.iter().any(|a| a.name == name) {
+                Lookup::Evicted
+            } else {
+                Lookup::Unknown
+            }
+        };
+        if matches!(found, Lookup::Resident(..)) {
+            self.release(Some(name));
         }
-        if state.adapters.iter().any(|a| a.name == name) {
-            Lookup::Evicted
-        } else {
-            Lookup::Unknown
-        }
+        found
+    }
+
+    /// Releases the weights reserved for a request ([`SharedRegistry::reserved`]) if they are
+    /// `name`'s (whosever they are: `None`).
+    fn release(&self, name: Option<&str>) {
+        let mut slot = self.0.reserved.lock();
+        let theirs = match (slot.as_ref(), name) {
+            (None, _) => false,
+            (Some(_), None) => true,
+            (Some((reserved, _)), Some(name)) => reserved == name,
+        };
+        let released = if theirs { slot.take() } else { None };
+        drop(slot);
+        // Freed (if no request holds them either) outside the lock.
+        drop(released);
+    }
+
+    /// The name whose weights are reserved for a request, if any.
+    fn reserved_name(&self) -> Option<String> {
+        self.0
+            .reserved
+            .lock()
+            .as_ref()
+            .map(|(name, _)| name.clone())
     }
 
     /// The registration of `name`.
@@ -332,6 +410,18 @@ impl LoraHandle {
 /// A registration, with the adapter's weights when the registering caller holds them.
 type Registered = (AdapterInfo, Option<Arc<LoraAdapter>>);
 
+/// Who keeps a new registration's weights from the eviction that follows it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Keep {
+    /// No one (the configuration's and an admin's registrations).
+    Nobody,
+    /// The caller, which gets them (a request resolving a name it found).
+    Caller,
+    /// The request whose name check found the adapter, until it resolves the name
+    /// ([`SharedRegistry::reserved`]).
+    NextRequest,
+}
+
 /// The LoRA manager actor.
 pub struct LoraManager {
     config: LoraManagerConfig,
@@ -418,25 +508,30 @@ impl LoraManager {
         discovered: bool,
         pinned: bool,
     ) -> Result<AdapterInfo, LoraError> {
-        self.register_held(name, path, discovered, pinned, false)
+        self.register_held(name, path, discovered, pinned, Keep::Nobody)
             .map(|(info, _)| info)
     }
 
-    /// [`Self::register_as`], also returning the weights when `hold`, taken before the
-    /// eviction that follows the registration: a request that registers an adapter (found in
-    /// a directory) gets its weights even when memory is full of adapters in use, where the
-    /// eviction would otherwise drop the new adapter, the only one no request holds, at once.
+    /// [`Self::register_as`], the weights kept from the eviction that follows the
+    /// registration as `hold` says (and returned with [`Keep::Caller`]): a request that
+    /// registers an adapter (found in a directory), or whose name check did, gets these weights
+    /// even when memory is full of adapters in use, where the eviction would otherwise drop the
+    /// new adapter, the only one no request holds, at once (and the request read it again).
     fn register_held(
         &mut self,
         name: &str,
         path: &Path,
         discovered: bool,
         pinned: bool,
-        hold: bool,
+        hold: Keep,
     ) -> Result<Registered, LoraError> {
         self.check_name(name)?;
         if self.registry.contains(name) {
             return Err(LoraError::Exists(name.to_owned()));
+        }
+        if hold == Keep::NextRequest {
+            // One reservation at a time: the last name check's.
+            self.registry.release(None);
         }
         // A full registry takes one more when an adapter found in a directory can go for it
         // (found again on its next request): otherwise found adapters, which come and go with
@@ -452,6 +547,7 @@ impl LoraManager {
         if let Err(LoraError::Busy(..)) = self.make_room(name) {
             return Err(LoraError::Full(max));
         }
+        let (base_model, base_model_differs) = self.base_model_of(name, path, &adapter);
         let info = AdapterInfo {
             name: name.to_owned(),
             id: self.fresh_id(),
@@ -459,11 +555,14 @@ impl LoraManager {
             rank: adapter.rank(),
             discovered,
             pinned,
+            base_model,
+            base_model_differs,
         };
         self.fingerprints
             .insert(name.to_owned(), adapter.fingerprint());
         // Listed and in memory at once: no reader sees a registered name without its weights.
-        let held = hold.then(|| adapter.clone());
+        let held = (hold == Keep::Caller).then(|| adapter.clone());
+        let reserved = (hold == Keep::NextRequest).then(|| adapter.clone());
         let resident = Resident {
             id: info.id,
             adapter,
@@ -473,6 +572,9 @@ impl LoraManager {
             let mut state = self.registry.0.state.write();
             state.adapters.push(info.clone());
             state.resident.insert(name.to_owned(), resident);
+        }
+        if let Some(adapter) = reserved {
+            *self.registry.0.reserved.lock() = Some((name.to_owned(), adapter));
         }
         self.evict();
         self.publish();
@@ -484,6 +586,33 @@ impl LoraManager {
             "LoRA adapter registered"
         );
         Ok((info, held))
+    }
+
+    /// `adapter`'s base model as its `adapter_config.json` names it, and whether that names
+    /// another model than the one served ([`names_served_model`]), logged then: served all
+    /// the same, as vLLM serves it (the shapes fit; names differ across mirrors and paths).
+    fn base_model_of(
+        &self,
+        name: &str,
+        path: &Path,
+        adapter: &LoraAdapter,
+    ) -> (Option<String>, bool) {
+        let Some(base) = adapter.base_model() else {
+            return (None, false);
+        };
+        let differs = !names_served_model(base, &self.config.model_names);
+        if differs {
+            tracing::warn!(
+                name,
+                path = %path.display(),
+                adapter_base_model = base,
+                served_model = %self.config.model_names.join(", "),
+                "LoRA adapter's adapter_config.json names another base model \
+                 (base_model_name_or_path) than the one served; it fits the served model's \
+                 shapes and is served, but may not have been trained on it"
+            );
+        }
+        (Some(base.to_owned()), differs)
     }
 
     /// Refuses to pin `name` (when `pinned`) if as many other adapters as may be kept in
@@ -546,13 +675,16 @@ impl LoraManager {
         if let Some(info) = self.registry.info(name) {
             return Ok(Some(info));
         }
-        Ok(self.discover(name, false)?.map(|(info, _)| info))
+        // Its weights are kept for the request whose check this is ([`Keep::NextRequest`]).
+        Ok(self
+            .discover(name, Keep::NextRequest)?
+            .map(|(info, _)| info))
     }
 
     /// The adapter in `<dir>/<name>/` of the first of `adapter_dirs` that holds one, for a
-    /// name not registered: registered now, with its weights when `hold`
+    /// name not registered: registered now, its weights kept as `hold` says
     /// ([`Self::register_held`]).
-    fn discover(&mut self, name: &str, hold: bool) -> Result<Option<Registered>, LoraError> {
+    fn discover(&mut self, name: &str, hold: Keep) -> Result<Option<Registered>, LoraError> {
         // A name no registration could take is no directory's either: it is one path
         // segment, never `.` or `..`, before it is joined to a directory.
         if self.config.adapter_dirs.is_empty() || self.check_name(name).is_err() {
@@ -600,7 +732,8 @@ impl LoraManager {
                 if state.adapters.len() < max {
                     return Ok(());
                 }
-                let Some(victim) = Self::room_victim_in(&state) else {
+                let reserved = self.registry.reserved_name();
+                let Some(victim) = Self::room_victim_in(&state, reserved.as_deref()) else {
                     return Err(LoraError::Busy(name.to_owned(), max));
                 };
                 let dropped = state.remove(&victim).flatten();
@@ -616,20 +749,29 @@ impl LoraManager {
 
     /// The discovered adapter [`Self::make_room`] unregisters next: the least recently used
     /// one no request holds, those not in memory first; never a pinned one (an operator
-    /// pinned it, through the configuration file's entry for its directory).
+    /// pinned it, through the configuration file's entry for its directory). One whose
+    /// weights are only reserved for a request ([`SharedRegistry::reserved`]) may go: a
+    /// request that never came would otherwise keep an operator's registration out.
     fn room_victim(&self) -> Option<String> {
-        Self::room_victim_in(&self.registry.0.state.read())
+        let state = self.registry.0.state.read();
+        let reserved = self.registry.reserved_name();
+        Self::room_victim_in(&state, reserved.as_deref())
     }
 
-    /// [`Self::room_victim`] in a locked `state`.
-    fn room_victim_in(state: &RegistryState) -> Option<String> {
+    /// [`Self::room_victim`] in a locked `state`, `reserved` the name whose weights are
+    /// reserved for a request (read under the lock: a request that took them since holds
+    /// another reference).
+    fn room_victim_in(state: &RegistryState, reserved: Option<&str>) -> Option<String> {
         state
             .adapters
             .iter()
             .filter(|a| a.discovered && !a.pinned)
             .filter_map(|a| match state.resident.get(&a.name) {
                 None => Some((0, &a.name)),
-                Some(r) if Arc::strong_count(&r.adapter) == 1 => {
+                Some(r)
+                    if Arc::strong_count(&r.adapter)
+                        == 1 + usize::from(reserved == Some(a.name.as_str())) =>
+                {
                     Some((r.last_used.load(Ordering::Relaxed), &a.name))
                 }
                 Some(_) => None,
@@ -669,6 +811,7 @@ impl LoraManager {
         } else {
             self.fresh_id()
         };
+        let (base_model, base_model_differs) = self.base_model_of(name, path, &adapter);
         let info = AdapterInfo {
             name: name.to_owned(),
             id,
@@ -677,6 +820,8 @@ impl LoraManager {
             // An admin's from now on, never unregistered to make room.
             discovered: false,
             pinned,
+            base_model,
+            base_model_differs,
         };
         let resident = Resident {
             id,
@@ -690,8 +835,10 @@ impl LoraManager {
             }
             state.resident.insert(name.to_owned(), resident)
         };
-        // The old weights go (unless a request holds them) outside the lock.
+        // The old weights go (unless a request holds them) outside the lock, reserved for a
+        // request or not: it resolves the new ones.
         drop(replaced);
+        self.registry.release(Some(name));
         self.fingerprints.insert(name.to_owned(), fingerprint);
         self.evict();
         self.publish();
@@ -732,6 +879,7 @@ impl LoraManager {
     /// and the new set is published.
     fn forget(&mut self, name: &str, dropped: Option<Resident>) {
         drop(dropped);
+        self.registry.release(Some(name));
         self.fingerprints.remove(name);
         self.publish();
     }
@@ -743,7 +891,7 @@ impl LoraManager {
             Lookup::Evicted => self.reload(name),
             // Registered just now, with the weights held: the eviction that followed the
             // registration could not drop them.
-            Lookup::Unknown => match self.discover(name, true) {
+            Lookup::Unknown => match self.discover(name, Keep::Caller) {
                 Ok(Some((info, Some(adapter)))) => Ok((info.id, adapter)),
                 Ok(Some((_, None)) | None) => Err(LoraError::Unknown(name.to_owned())),
                 Err(e) => Err(e),
@@ -803,10 +951,13 @@ impl LoraManager {
             );
             self.fingerprints
                 .insert(name.to_owned(), adapter.fingerprint());
+            let (base_model, differs) = self.base_model_of(name, &info.path, &adapter);
             let mut state = self.registry.0.state.write();
             if let Some(a) = state.adapters.iter_mut().find(|a| a.name == name) {
                 a.id = id;
                 a.rank = adapter.rank();
+                a.base_model = base_model;
+                a.base_model_differs = differs;
             }
         }
         self.make_resident(name, id, adapter.clone());
@@ -1001,6 +1152,7 @@ mod tests {
             max_adapters,
             max_loaded,
             adapter_dirs: Vec::new(),
+            model_names: Vec::new(),
         }
     }
 
@@ -1444,6 +1596,136 @@ mod tests {
         // Both in use: both stay in memory, over the limit, until released.
         assert_eq!(m.loaded(), ["configured", "d1"]);
         drop((held, adapter));
+    }
+
+    /// The process-unique id of the copy of `name`'s weights in memory (a read of its files
+    /// makes a new one), without marking it used.
+    fn resident_uid(m: &LoraManager, name: &str) -> Option<u64> {
+        let state = m.registry.0.state.read();
+        state.resident.get(name).map(|r| r.adapter.uid())
+    }
+
+    /// Regression: an adapter of a directory that a request's name check registered
+    /// (`find`) while memory held as many adapters in use as it keeps was dropped from memory
+    /// by the eviction that followed the registration (the only adapter no request held), so
+    /// the request read its files a second time. Its weights are kept for that request, which
+    /// takes them from memory; once it let them go they are evicted as any others.
+    #[test]
+    fn an_adapter_a_name_check_found_while_memory_is_full_is_read_once() {
+        let root = AdapterCopy::new("found-check-full");
+        copy_into(&root.0, "d1");
+        let mut m = finder(4, 1, &[&root.0]);
+        m.register("configured", &fixture()).expect("configured");
+        let (_, held) = m.resolve("configured").expect("configured");
+        m.find("d1").unwrap().unwrap();
+        assert_eq!(m.loaded(), ["configured", "d1"], "d1 dropped at once");
+        let loaded = resident_uid(&m, "d1");
+        // Another request's eviction (one served from memory) keeps them too.
+        m.evict();
+        assert_eq!(m.loaded(), ["configured", "d1"]);
+        // The request resolves the name from memory: the copy the check read.
+        let (_, adapter) = m.resolve("d1").expect("d1");
+        assert_eq!(Some(adapter.uid()), loaded, "d1 read again");
+        // Released by the request, the reservation gone: evicted as any other.
+        drop(adapter);
+        m.evict();
+        assert_eq!(m.loaded(), ["configured"]);
+        drop(held);
+    }
+
+    /// One adapter at a time is kept for its name check's request: the next check's
+    /// registration releases it (a check whose request never came, such as `GET
+    /// /v1/models/{name}`, keeps nothing in memory for long), and a full registry unregisters
+    /// one kept so to make room for an operator's adapter.
+    #[test]
+    fn the_weights_kept_for_a_name_checks_request_are_one_adapter_s_and_make_room() {
+        let root = AdapterCopy::new("found-check-one");
+        for name in ["d1", "d2"] {
+            copy_into(&root.0, name);
+        }
+        let mut m = finder(3, 1, &[&root.0]);
+        m.register("configured", &fixture()).expect("configured");
+        let (_, held) = m.resolve("configured").expect("configured");
+        m.find("d1").unwrap().unwrap();
+        m.find("d2").unwrap().unwrap();
+        assert_eq!(m.loaded(), ["configured", "d2"]);
+        // Full (3): d2, kept for a request that has not come, goes for an operator's adapter
+        // (d1, out of memory, went first).
+        m.register("ops", &fixture()).expect("room made");
+        m.register("ops2", &fixture()).expect("room made");
+        let names: Vec<String> = m.registry.list().into_iter().map(|a| a.name).collect();
+        assert_eq!(names, ["configured", "ops", "ops2"]);
+        assert!(m.registry.reserved_name().is_none());
+        drop(held);
+    }
+
+    /// An adapter's `base_model_name_or_path` names the served model when its last path
+    /// segment is one of the model's names, or one's stem, by letters and digits without
+    /// case; a hub id, a mirror's and a local path of the same model all do.
+    #[test]
+    fn base_model_names_are_compared_by_their_last_segment() {
+        let names = |n: &[&str]| -> Vec<String> { n.iter().map(|s| s.to_string()).collect() };
+        let served = names(&[
+            "smollm2",
+            "SmolLM2 135M Instruct",
+            "SmolLM2-135M-Instruct.Q4_1",
+        ]);
+        for same in [
+            "HuggingFaceTB/SmolLM2-135M-Instruct",
+            "mirror-org/smollm2-135m-instruct",
+            "/srv/models/SmolLM2-135M-Instruct/",
+            "C:\\models\\SmolLM2_135M_Instruct",
+            "smollm2-135m-instruct",
+            "",
+            "/",
+        ] {
+            assert!(names_served_model(same, &served), "{same:?}");
+        }
+        for other in [
+            "HuggingFaceTB/SmolLM2-135M",
+            "meta-llama/Llama-3.2-1B",
+            "SmolLM2-135M-Instruct-v2",
+        ] {
+            assert!(!names_served_model(other, &served), "{other:?}");
+        }
+        assert!(names_served_model("anything", &[]));
+    }
+
+    /// An adapter whose `adapter_config.json` names another base model than the one served
+    /// is registered and served all the same, its registration saying so; one naming the
+    /// served model, or none, says nothing.
+    #[test]
+    fn an_adapter_for_another_base_model_is_served_and_flagged() {
+        let mut c = config(4, 4);
+        c.model_names = vec!["smollm2".into(), "SmolLM2-135M-Instruct.Q4_1".into()];
+        let mut m = LoraManager::new(c, LoraRegistry::default());
+        let same = m.register("same", &fixture()).expect("same");
+        assert_eq!(
+            same.base_model.as_deref(),
+            Some("HuggingFaceTB/SmolLM2-135M-Instruct")
+        );
+        assert!(!same.base_model_differs);
+        let other = AdapterCopy::new("other-base-model");
+        let file = other.0.join("adapter_config.json");
+        let mut json: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
+        json["base_model_name_or_path"] = "HuggingFaceTB/SmolLM2-135M".into();
+        std::fs::write(&file, json.to_string()).unwrap();
+        let info = m.register("other", &other.0).expect("served all the same");
+        assert_eq!(
+            info.base_model.as_deref(),
+            Some("HuggingFaceTB/SmolLM2-135M")
+        );
+        assert!(info.base_model_differs);
+        // Replaced in place by the served model's adapter: no longer flagged.
+        let replaced = m.replace("other", &fixture()).expect("replaced");
+        assert!(!replaced.base_model_differs);
+        json.as_object_mut()
+            .unwrap()
+            .remove("base_model_name_or_path");
+        std::fs::write(&file, json.to_string()).unwrap();
+        let none = m.register("none", &other.0).expect("none");
+        assert_eq!((none.base_model, none.base_model_differs), (None, false));
     }
 
     /// Regression: with the registry full of adapters found in directories, `POST

@@ -383,9 +383,9 @@ pub(crate) async fn put_speculative(
     Ok(HttpResponse::Ok().json(info))
 }
 
-/// Body of `POST /admin/lora` (vLLM's `/v1/load_lora_adapter` fields).
+/// Body of `POST /admin/lora` and vLLM's `POST /v1/load_lora_adapter` (vLLM's fields and
+/// `pinned`). Other fields are accepted, as vLLM accepts them, and named in one warning.
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub(crate) struct LoadLoraRequest {
     lora_name: String,
     lora_path: String,
@@ -398,6 +398,9 @@ pub(crate) struct LoadLoraRequest {
     /// `load_inplace`, sets the pinning of an adapter already served.
     #[serde(default)]
     pinned: bool,
+    /// Fields no one reads (a newer vLLM's, or misspelt), named in the request's warning.
+    #[serde(flatten)]
+    ignored: IgnoredFields,
 }
 
 /// Longest adapter path accepted, in bytes.
@@ -415,6 +418,7 @@ pub(crate) async fn load_lora(
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
     let body: LoadLoraRequest = read_json(&req, payload, &state.config()).await?;
+    body.ignored.warn("/admin/lora");
     let info = load_lora_as(&state, body, "the admin API").await?;
     Ok(HttpResponse::Ok().json(info))
 }
@@ -428,6 +432,7 @@ pub(crate) async fn vllm_load_lora(
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
     let body: LoadLoraRequest = read_json(&req, payload, &state.config()).await?;
+    body.ignored.warn("/v1/load_lora_adapter");
     let info = load_lora_as(&state, body, "vLLM's /v1/load_lora_adapter").await?;
     Ok(vllm_success(format!(
         "Success: LoRA adapter '{}' added successfully.",
@@ -435,9 +440,9 @@ pub(crate) async fn vllm_load_lora(
     )))
 }
 
-/// Body of `POST /v1/unload_lora_adapter` (vLLM's fields).
+/// Body of `POST /v1/unload_lora_adapter` (vLLM's fields; others are accepted, as vLLM
+/// accepts them, and named in one warning).
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub(crate) struct UnloadLoraRequest {
     lora_name: Option<String>,
     /// vLLM's alternative to the name: an id its server gave out. This server's ids are its
@@ -445,6 +450,9 @@ pub(crate) struct UnloadLoraRequest {
     #[serde(default)]
     #[allow(dead_code)]
     lora_int_id: Option<i64>,
+    /// Fields no one reads, named in the request's warning.
+    #[serde(flatten)]
+    ignored: IgnoredFields,
 }
 
 /// `POST /v1/unload_lora_adapter`: vLLM's route for `DELETE /admin/lora/{name}` (the admin
@@ -456,6 +464,7 @@ pub(crate) async fn vllm_unload_lora(
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
     let body: UnloadLoraRequest = read_json(&req, payload, &state.config()).await?;
+    body.ignored.warn("/v1/unload_lora_adapter");
     let Some(name) = body.lora_name.filter(|n| !n.is_empty()) else {
         return Err(ApiError::invalid(
             "lora_name",
