@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{lora_fixture_dir, read_status, scratch, Server};
+use common::{lora_fixture_dir, read_status, temp_dir, Server, TempDir};
 use serde_json::{json, Value};
 
 const ADMIN: (&str, &str) = ("Authorization", "Bearer admin-secret-key");
@@ -533,7 +533,6 @@ fn sighup_replaces_an_adapter_the_file_moved_in_place() {
     reload(original.replace(&entry, "  adapters: []\n"), 3);
     s.assert_logged(&["SIGHUP: LoRA adapter unloaded", "tuned"]);
     assert_eq!(haiku(s, "tuned").0, 404);
-    let _ = std::fs::remove_dir_all(&root);
 }
 
 #[test]
@@ -722,9 +721,10 @@ lora:
     assert_eq!(cached() - start, 2.0 * reusable);
 }
 
-/// A fresh scratch directory holding a copy of the test adapter under each of `names`.
-fn adapter_copies(tag: &str, names: &[&str]) -> std::path::PathBuf {
-    let root = scratch(tag, "adapters");
+/// A fresh scratch directory holding a copy of the test adapter under each of `names`, removed
+/// when dropped.
+fn adapter_copies(tag: &str, names: &[&str]) -> TempDir {
+    let root = temp_dir(tag, "adapters");
     for name in names {
         let dir = root.join(name);
         std::fs::create_dir_all(&dir).expect("dir");
@@ -848,8 +848,6 @@ fn adapters_in_a_directory_are_served_on_demand_to_the_keys_that_may_name_them()
     std::fs::remove_dir_all(root.join("acme-late")).expect("remove");
     await_listed(OPS, &["acme-tuned", "bob-tuned"]);
     await_listed(ACME, &["acme-tuned"]);
-    let _ = std::fs::remove_dir_all(&root);
-    let _ = std::fs::remove_dir_all(&late);
 }
 
 /// Regressions. With `lora.max_cpu_loras` adapters in memory and in use, a request naming an
@@ -936,7 +934,6 @@ fn found_adapters_are_served_while_memory_is_full_and_make_room_for_an_operators
     );
     let (status, v) = haiku(s, "found");
     assert_eq!(status, 503, "{v}");
-    let _ = std::fs::remove_dir_all(&root);
 }
 
 /// Regression: a SIGHUP whose file lists an adapter at the directory a request found it in
@@ -978,7 +975,6 @@ fn sighup_takes_a_found_adapter_the_file_lists_as_the_files() {
     }
     assert!(listed("found").is_some());
     assert_haiku(s, "found", "lora_golden.json");
-    let _ = std::fs::remove_dir_all(&root);
 }
 
 /// `bench serve --lora-modules` names one of the adapters at random in each request (vLLM's
@@ -1046,7 +1042,6 @@ fn bench_serve_spreads_its_requests_over_the_lora_modules() {
         !out.status.success() && stderr.contains("--lora-modules: `` is not a model name"),
         "{stderr}"
     );
-    let _ = std::fs::remove_dir_all(&root);
 }
 
 /// `POST /admin/lora` with `load_inplace` (vLLM's field) replaces the adapter served under a
@@ -1111,7 +1106,6 @@ fn an_adapter_is_replaced_in_place_while_requests_keep_coming() {
     });
     assert!(statuses.len() >= 3, "{statuses:?}");
     assert!(statuses.iter().all(|&st| st == 200), "{statuses:?}");
-    let _ = std::fs::remove_dir_all(&root);
 }
 
 /// An adapter whose `adapter_config.json` names another base model than the one served (its
@@ -1156,5 +1150,4 @@ fn an_adapter_trained_on_another_base_model_is_served_with_a_warning() {
     );
     assert_eq!(field("tuned", "base_model_differs"), false);
     assert_eq!(s.log().matches("names another base model").count(), 1);
-    let _ = std::fs::remove_dir_all(&root);
 }

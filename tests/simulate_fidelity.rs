@@ -598,7 +598,6 @@ fn calibrate_refuses_an_adapter_past_the_configured_max_lora_rank() {
         assert!(stderr.contains(want), "{want}: {stderr}");
     }
     assert!(!dir.join("cal.yaml").exists());
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// Steps measured on the H200 (`switchyard calibrate --dummy smollm2-135m --lora

@@ -96,12 +96,6 @@ pub fn temp_dir(kind: &str, name: &str) -> TempDir {
     TempDir(dir)
 }
 
-/// [`temp_dir`]'s directory, kept: the caller removes it (only `server_lora.rs`'s adapter
-/// copies still use it; a test that fails before its own removal leaves it behind).
-pub fn scratch(kind: &str, name: &str) -> PathBuf {
-    temp_dir(kind, name).keep()
-}
-
 /// Waits for `child` to exit, at most `within` (then kills it and fails naming `what`, the
 /// exit the test waited for); returns its status.
 pub fn wait_exit(child: &mut Child, within: Duration, what: &str) -> std::process::ExitStatus {
