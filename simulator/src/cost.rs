@@ -471,8 +471,9 @@ pub struct Calibration {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub block_size: Option<usize>,
     /// The engine's host time per step in microseconds (planning and applying outputs,
-    /// outside the backend's time): the simulated `scheduler.host_overhead_us` when the spec
-    /// sets none.
+    /// outside the backend's time, measured in one thread: the server's actor hand-offs are
+    /// not in it, see README): the simulated `scheduler.host_overhead_us` when the spec sets
+    /// none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host_overhead_us: Option<f64>,
     /// The server's fixed time per request outside the engine's steps, in microseconds

@@ -309,7 +309,8 @@ pub struct SchedulerLimits {
     /// applying outputs; `SWITCHYARD_CUDA_STEP_TIMING` shows the GPU idle this long between
     /// steps): added to every step in order, overlapped with the step before when
     /// `async_scheduling` is on. Unset: the calibration file's `host_overhead_us` when it has
-    /// one, else 0.
+    /// one (the engine's own work, without the server's actor hand-offs that its
+    /// `switchyard:engine_step_overhead_seconds` also counts: README), else 0.
     pub host_overhead_us: Option<f64>,
     /// The front end's fixed time per request in microseconds (HTTP, JSON, chat template,
     /// tokenization, the hops to the scheduler): a request is queued this long after its

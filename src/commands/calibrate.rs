@@ -49,7 +49,8 @@ struct SamplesFile {
     num_gpu_blocks: usize,
     /// Tokens per block.
     block_size: usize,
-    /// Median host time per step (planning and applying outputs), microseconds.
+    /// Median host time per step (planning and applying outputs in the calling thread, as
+    /// `EngineCore::step` reports them; without the server's actor hand-offs), microseconds.
     host_overhead_us: f64,
     /// Runs of the sweep the samples' times are medians of.
     repeats: usize,
@@ -355,7 +356,9 @@ fn report(m: &SamplesFile, fit: &Fit, c: &Calibration) -> String {
     }
     let _ = writeln!(
         out,
-        "Host time per step (planning and applying outputs, outside the backend): median {:.1} us",
+        "Host time per step (the engine's planning and applying outputs in one thread, outside \
+         the backend; the server's switchyard:engine_step_overhead_seconds adds its actors' \
+         hand-offs, README): median {:.1} us",
         m.host_overhead_us
     );
     out

@@ -11,8 +11,15 @@
 //! * Relegation: a request whose slack is negative can no longer make it; it moves behind
 //!   every feasible request (earliest deadline first among the relegated), so one late
 //!   request does not make others late too. Requests without targets follow, FCFS.
-//! * Tiers marked `preemptible` in the scheduler's config go last, and a feasible request may preempt their running
-//!   work when admission is blocked.
+//! * Tiers marked `preemptible` in the scheduler's config go last, and any request of a tier
+//!   that is not preemptible may preempt their running work when admission is blocked,
+//!   relegated or untargeted ones included. Relegation orders the requests that are owed
+//!   something among themselves (a lost cause goes behind every request that can still make
+//!   its target, so it never takes their seats: the planner admits in rank order and stops at
+//!   the first request it cannot seat); it does not hand a preemptible tier's seats back to
+//!   that tier. A request already past its TTFT target when it arrives (a prompt whose
+//!   prefill alone outlasts the target) would otherwise wait for a batch request to finish,
+//!   later than under `priority`, which preempts.
 //! * Slack-sized chunks: the step's token budget is what the tightest running decode can
 //!   afford before its next token is due (at least one TPOT, so a late decode keeps the
 //!   target pace), so prefill chunks grow when decodes have slack and shrink when they do
@@ -154,8 +161,11 @@ impl Policy for SloAware {
         }
     }
 
-    fn may_preempt(&self, waiting: SeqView<'_>, running: SeqView<'_>, now: Timestamp) -> bool {
-        running.preemptible() && !waiting.preemptible() && self.rank(waiting, now).class == FEASIBLE
+    /// Running work of a preemptible tier yields to any request of a tier that is not: the
+    /// waiting request's slack does not matter (see the module's notes on relegation).
+    /// Nothing else is ever preempted, so two requests never preempt each other in turn.
+    fn may_preempt(&self, waiting: SeqView<'_>, running: SeqView<'_>, _now: Timestamp) -> bool {
+        running.preemptible() && !waiting.preemptible()
     }
 
     fn token_budget(&self, ctx: &StepContext<'_>) -> usize {
@@ -265,16 +275,84 @@ mod tests {
     }
 
     #[test]
-    fn feasible_work_may_preempt_only_preemptible_tiers() {
+    fn any_request_of_a_tier_that_is_not_preemptible_may_preempt_preemptible_tiers() {
         let p = policy();
-        let now = Timestamp(0);
-        let urgent = with_slo(seq(1, 0, 1), Some(100.0), None);
-        let mut batch = decoding(seq(2, 0, 1), 1, 0);
+        let now = Timestamp(50_000);
+        // Feasible: due at 100 ms, 1 ms of work (a step; its one token is not prefill).
+        let feasible = with_slo(seq(1, 0, 1), Some(100.0), None);
+        // Relegated: 128 prompt tokens at 10 us each and 1 ms a step outlast its 2 ms TTFT
+        // from arrival (a premium prompt whose prefill alone is longer than the target).
+        let relegated = with_slo(seq(2, 50_000, 128), Some(2.0), None);
+        let untargeted = seq(3, 0, 1);
+        assert_eq!(p.rank(SeqView::new(&feasible), now).class, FEASIBLE);
+        assert_eq!(p.rank(SeqView::new(&relegated), now).class, RELEGATED);
+        assert_eq!(p.rank(SeqView::new(&untargeted), now).class, NO_TARGET);
+        let mut batch = decoding(seq(4, 0, 1), 1, 0);
         batch.preemptible = true;
-        let other = with_slo(decoding(seq(3, 0, 1), 1, 0), None, Some(1000.0));
-        assert!(p.may_preempt(SeqView::new(&urgent), SeqView::new(&batch), now));
-        assert!(!p.may_preempt(SeqView::new(&urgent), SeqView::new(&other), now));
-        assert!(!p.may_preempt(SeqView::new(&batch), SeqView::new(&batch), now));
+        // A running request of a tier that is not preemptible, with a target or without.
+        let other = with_slo(decoding(seq(5, 0, 1), 1, 0), None, Some(1000.0));
+        let plain = decoding(seq(6, 0, 1), 1, 0);
+        for w in [&feasible, &relegated, &untargeted] {
+            let w = SeqView::new(w);
+            assert!(p.may_preempt(w, SeqView::new(&batch), now));
+            assert!(!p.may_preempt(w, SeqView::new(&other), now));
+            assert!(!p.may_preempt(w, SeqView::new(&plain), now));
+        }
+        // A preemptible tier's waiting work preempts nothing, its own tier's included.
+        let mut waiting_batch = with_slo(seq(7, 0, 1), Some(100.0), None);
+        waiting_batch.preemptible = true;
+        for r in [&batch, &other, &plain] {
+            assert!(!p.may_preempt(SeqView::new(&waiting_batch), SeqView::new(r), now));
+        }
+    }
+
+    proptest::proptest! {
+        /// Whatever the targets, arrivals, progress and clock: a request may preempt exactly
+        /// the running work of a preemptible tier when its own tier is not preemptible, such
+        /// a victim always ranks after it (the planner only takes victims that rank after the
+        /// waiting request), and no two requests may preempt each other.
+        #[test]
+        fn preemption_follows_the_tier_flag_and_the_rank(
+            specs in proptest::collection::vec(
+                (
+                    proptest::bool::ANY,
+                    proptest::option::of(1u32..5_000),
+                    proptest::option::of(1u32..500),
+                    0u64..10_000_000,
+                    1usize..4096,
+                    proptest::option::of((0usize..64, 0u64..10_000_000)),
+                ),
+                2..8,
+            ),
+            now in 0u64..20_000_000,
+        ) {
+            let p = policy();
+            let now = Timestamp(now);
+            let seqs: Vec<Sequence> = specs
+                .iter()
+                .enumerate()
+                .map(|(i, &(preemptible, ttft, tpot, arrival, prompt, progress))| {
+                    let s = seq(i as u64 + 1, arrival, prompt);
+                    let mut s = match progress {
+                        Some((outputs, first)) => decoding(s, outputs + 1, arrival + first),
+                        None => s,
+                    };
+                    s.preemptible = preemptible;
+                    with_slo(s, ttft.map(f64::from), tpot.map(f64::from))
+                })
+                .collect();
+            for w in &seqs {
+                for r in &seqs {
+                    let (wv, rv) = (SeqView::new(w), SeqView::new(r));
+                    let may = p.may_preempt(wv, rv, now);
+                    proptest::prop_assert_eq!(may, r.preemptible && !w.preemptible);
+                    if may {
+                        proptest::prop_assert!(p.rank(wv, now) < p.rank(rv, now));
+                        proptest::prop_assert!(!p.may_preempt(rv, wv, now));
+                    }
+                }
+            }
+        }
     }
 
     #[test]

@@ -287,6 +287,63 @@ fn slo_aware_preempts_preemptible_tier_for_feasible_work() {
     assert_eq!(s.request_state(RequestId(1)), Some(RequestState::Preempted));
 }
 
+/// A request already past its TTFT target (slo-aware's default costs, 8 ms a step, exceed a
+/// 5 ms target from arrival) still preempts a preemptible tier, as `priority` would; a
+/// request that can still make its target goes first and takes the seat when both wait.
+#[test]
+fn slo_aware_preempts_preemptible_tier_for_relegated_work_after_feasible_work() {
+    let tier = |name: &str, ttft_ms: Option<f64>, preemptible: bool| TierSpec {
+        name: name.into(),
+        ttft_ms,
+        tpot_ms: None,
+        weight: 1.0,
+        preemptible,
+        max_queue_ms: None,
+        max_kv_fraction: None,
+    };
+    let setup = || {
+        let mut c = config(64, 4);
+        c.max_num_seqs = 1;
+        c.tiers = vec![
+            tier("premium", Some(5.0), false),
+            tier("gold", Some(10_000.0), false),
+            tier("batch", None, true),
+        ];
+        let p = PolicyRegistry::with_builtins()
+            .create("slo-aware", &serde_yaml::Value::Null, &c.tiers)
+            .unwrap();
+        let mut s = sched(c, p);
+        let mut batch = req(1, 0, vec![1; 4], 50);
+        batch.tier = "batch".into();
+        s.add_request(batch).unwrap();
+        step(&mut s, 0, 3);
+        s
+    };
+    let premium = || {
+        let mut r = req(2, 1_000, vec![2; 4], 5);
+        r.tier = "premium".into();
+        r
+    };
+    // Alone, the relegated premium request preempts the batch request.
+    let mut s = setup();
+    s.add_request(premium()).unwrap();
+    let (p, _) = step(&mut s, 2_000, 3);
+    assert_eq!(p.preempted, vec![RequestId(1)]);
+    assert_eq!(ids(&p), vec![2]);
+    assert_eq!(s.request_state(RequestId(1)), Some(RequestState::Preempted));
+    // With a feasible gold request waiting too (arrived later), gold ranks first: it takes
+    // the one seat and the relegated request waits.
+    let mut s = setup();
+    s.add_request(premium()).unwrap();
+    let mut gold = req(3, 1_500, vec![3; 4], 5);
+    gold.tier = "gold".into();
+    s.add_request(gold).unwrap();
+    let (p, _) = step(&mut s, 2_000, 3);
+    assert_eq!(p.preempted, vec![RequestId(1)]);
+    assert_eq!(ids(&p), vec![3]);
+    assert_eq!(s.request_state(RequestId(2)), Some(RequestState::Waiting));
+}
+
 /// Regression: blocks of a victim that the waiting request matched in the prefix cache do not
 /// count as freed for it. Preempting the victim only makes them evictable, and admission
 /// pins such blocks rather than counting them as available, so counting them preempted the
