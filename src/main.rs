@@ -3,6 +3,8 @@
 
 mod cli;
 mod commands;
+#[cfg(test)]
+mod scratch;
 
 use clap::Parser;
 use std::process::ExitCode;

@@ -68,9 +68,7 @@ mod tests {
 
     #[test]
     fn reads_up_to_the_bound_and_refuses_devices_directories_and_binary() {
-        let dir = std::env::temp_dir().join(format!("sy-config-read-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = crate::scratch::ScratchDir::new("config-read");
         let p = dir.join("a.yaml");
         std::fs::write(&p, "0123456789").unwrap();
         assert_eq!(read_text(&p, 10).unwrap(), "0123456789");
@@ -88,7 +86,6 @@ mod tests {
             read_text(&dir.join("missing"), 10),
             Err(ReadError::Io(_))
         ));
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -110,18 +110,10 @@ impl Config {
 mod tests {
     use super::*;
 
-    /// A scratch directory for one test.
-    fn scratch(tag: &str) -> std::path::PathBuf {
-        let d = std::env::temp_dir().join(format!("sy-keys-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        d
-    }
-
     /// The configuration `yaml` with `server.api_keys_file` pointing at a file holding
     /// `keys`; returns what loading the keys gives.
     fn load(tag: &str, yaml: &str, keys: &[u8]) -> Result<Vec<ApiKeyEntry>, ConfigError> {
-        let d = scratch(tag);
+        let d = crate::scratch::ScratchDir::new(&format!("keys-{tag}"));
         let f = d.join("keys.yaml");
         std::fs::write(&f, keys).unwrap();
         let cfg = Config::from_yaml_str(
@@ -129,9 +121,7 @@ mod tests {
             "t.yaml",
         )
         .unwrap();
-        let r = cfg.load_api_keys();
-        std::fs::remove_dir_all(&d).unwrap();
-        r
+        cfg.load_api_keys()
     }
 
     #[test]

@@ -18,6 +18,8 @@ mod locate;
 mod log_filter;
 mod overrides;
 mod schema;
+#[cfg(test)]
+mod scratch;
 mod tls;
 
 pub use cors::{CorsSection, MAX_CORS_ENTRIES, MAX_CORS_ENTRY_BYTES};

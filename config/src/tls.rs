@@ -119,9 +119,7 @@ mod tests {
 
     #[test]
     fn files_are_read_to_a_bound_and_errors_name_the_field_and_path() {
-        let dir = std::env::temp_dir().join(format!("sy-tls-read-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = crate::scratch::ScratchDir::new("tls-read");
         let cert = dir.join("c.pem");
         std::fs::write(&cert, b"cert bytes").unwrap();
         let key = dir.join("k.pem");
@@ -152,6 +150,5 @@ mod tests {
         let (field, why) = with(&cert, &key).unwrap_err();
         assert_eq!(field, "server.tls.cert_file");
         assert!(why.contains("too large"), "{why}");
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -17,6 +17,8 @@ pub mod kv_size;
 pub mod lora;
 mod lora_targets;
 pub mod sampler;
+#[cfg(test)]
+mod scratch;
 pub mod token_filter;
 pub use backend::{
     Backend, Batch, CpuBackend, CpuBackendConfig, KvCopy, SeqInput, SeqOutput,

@@ -1110,11 +1110,8 @@ mod tests {
     }
 
     /// A scratch directory for one test.
-    fn scratch(tag: &str) -> std::path::PathBuf {
-        let d = std::env::temp_dir().join(format!("sy-lora-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        d
+    fn scratch(tag: &str) -> crate::scratch::ScratchDir {
+        crate::scratch::ScratchDir::new(&format!("lora-{tag}"))
     }
 
     /// An adapter file is read only if it is a regular file (a directory, a link to
@@ -1132,7 +1129,6 @@ mod tests {
         assert_eq!(read_regular_file(&p, 10).unwrap(), b"0123456789");
         let e = read_regular_file(&p, 9).unwrap_err().to_string();
         assert!(e.contains("more than 9 bytes"), "{e}");
-        std::fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]
@@ -1156,7 +1152,6 @@ mod tests {
         std::fs::write(d.join("adapter_config.json"), alpha).unwrap();
         let rescaled = LoraAdapter::load(&d, &c, &limits).expect("adapter");
         assert_ne!(a.fingerprint(), rescaled.fingerprint(), "another scale");
-        std::fs::remove_dir_all(&d).unwrap();
     }
 
     /// A file larger than any adapter of its rank for the model is refused before it is
@@ -1180,7 +1175,6 @@ mod tests {
                 && e.contains("more than an adapter of rank 2"),
             "{e}"
         );
-        std::fs::remove_dir_all(&d).unwrap();
         let smollm2 = LlamaConfig::smollm2_135m();
         let fixture = Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("tests/fixtures/lora/smollm2-r4/adapter_model.safetensors");

@@ -922,8 +922,7 @@ mod tests {
 
     #[test]
     fn calibrated_lora_terms_are_priced_and_old_files_price_as_before() {
-        let dir = std::env::temp_dir().join(format!("sy-cal-lora-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = crate::scratch::ScratchDir::new("cal-lora");
         let path = dir.join("cal.yaml");
         let old = "intercept_s: 0.001\nper_token_s: 1.0e-5\nper_kv_token_s: 1.0e-8\n";
         std::fs::write(&path, old).unwrap();
@@ -966,7 +965,6 @@ mod tests {
             let err = Calibration::load(&path).unwrap_err().to_string();
             assert!(err.contains("per_lora_step_s = "), "{bad}: {err}");
         }
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
@@ -1015,8 +1013,7 @@ mod tests {
 
     #[test]
     fn calibration_overrides_and_rejects_bad_files() {
-        let dir = std::env::temp_dir().join(format!("sy-cal-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = crate::scratch::ScratchDir::new("cal");
         let good = dir.join("cal.json");
         std::fs::write(
             &good,
@@ -1044,7 +1041,6 @@ mod tests {
             err.contains("bad.yaml") && err.contains("per_kv_token_s = -0.000000002"),
             "{err}"
         );
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -2075,7 +2075,6 @@ workload: {trace: unused.csv, format: azure}
         .unwrap();
         let err = Simulation::new(&plain).unwrap_err().to_string();
         assert!(err.contains("front_end_us -3 outside"), "{err}");
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
@@ -2128,8 +2127,7 @@ workload: {trace: unused.csv, format: azure}
 
     #[test]
     fn shaping_that_pushes_arrivals_past_the_clock_or_has_no_span_is_an_error() {
-        let dir = std::env::temp_dir().join(format!("sy-engine-shape-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = temp("shape");
         let jsonl = dir.join("t.jsonl");
         let rows = |times: &[f64]| -> String {
             times
@@ -2178,7 +2176,6 @@ workload: {trace: unused.csv, format: azure}
         });
         let err = sim.load_workload().unwrap_err().to_string();
         assert!(err.contains("no time span"), "{err}");
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     /// Every output token is simulated and its latency kept: a trace asking for more than
@@ -2204,13 +2201,10 @@ workload: {trace: unused.csv, format: azure}
         std::fs::write(&jsonl, rows(most + 1)).unwrap();
         let err = sim.load_workload().unwrap_err().to_string();
         assert!(err.contains("output tokens"), "{err}");
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
-    fn temp(tag: &str) -> std::path::PathBuf {
-        let dir = std::env::temp_dir().join(format!("sy-engine-{tag}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        dir
+    fn temp(tag: &str) -> crate::scratch::ScratchDir {
+        crate::scratch::ScratchDir::new(&format!("engine-{tag}"))
     }
 
     fn spec(yaml: &str) -> SimulationSpec {
@@ -2360,7 +2354,6 @@ policies: [{{name: fcfs}}]
         s.cache.block_size = 32;
         let err = Simulation::new(&s).unwrap_err().to_string();
         assert!(err.contains("set cache.block_size to 16"), "{err}");
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     /// Errors found after parsing name the spec's file (not "<spec>"), and a policy's error
@@ -2400,7 +2393,6 @@ policies: [{{name: fcfs}}]
             err.starts_with("t.yaml: workload.mix.tiers: weights must be non-negative"),
             "{err}"
         );
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
@@ -2456,7 +2448,6 @@ policies: [{{name: fcfs}}]
         });
         let err = sim.load_workload().unwrap_err().to_string();
         assert!(err.contains("the trace has no requests"), "{err}");
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
@@ -2481,7 +2472,6 @@ policies: [{{name: fcfs}}]
             .map(|r| r.arrival_s)
             .collect();
         assert_eq!(times, vec![0.0, 1.5], "2 = twice as fast");
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -181,8 +181,7 @@ fn without_lora_memory_a_run_is_as_before_and_an_ample_one_changes_no_time() {
 
 #[test]
 fn a_spec_with_lora_memory_and_drawn_adapters_runs_them() {
-    let dir = std::env::temp_dir().join(format!("sy-simlora-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = crate::scratch::ScratchDir::new("simlora");
     let trace = dir.join("t.csv");
     let mut csv = String::from("TIMESTAMP,ContextTokens,GeneratedTokens\n");
     for i in 0..50 {
@@ -198,7 +197,6 @@ workload: {{trace: {}, format: azure, adapters: {{count: 20, s: 1.1}}}}
     );
     let spec = SimulationSpec::from_yaml_str(&yaml, Path::new("t.yaml")).unwrap();
     let (cmp, runs) = crate::simulate(&spec, false).unwrap();
-    std::fs::remove_dir_all(&dir).unwrap();
     let m = cmp.policies[0]
         .lora_memory
         .as_ref()
@@ -215,8 +213,7 @@ workload: {{trace: {}, format: azure, adapters: {{count: 20, s: 1.1}}}}
 
 #[test]
 fn the_load_time_comes_from_the_spec_else_the_calibration() {
-    let dir = std::env::temp_dir().join(format!("sy-simlora-cal-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = crate::scratch::ScratchDir::new("simlora-cal");
     let cal = dir.join("cal.yaml");
     let base = "intercept_s: 0.001\nnum_gpu_blocks: 500\nblock_size: 16\n";
     std::fs::write(&cal, format!("{base}lora_load_ms: 37.5\n")).unwrap();
@@ -252,7 +249,6 @@ workload: {{trace: unused.csv, format: azure}}
     std::fs::write(&cal, format!("{base}lora_load_ms: -1\n")).unwrap();
     let err = got("{load_ms: 5}").unwrap_err().to_string();
     assert!(err.contains("lora_load_ms -1 outside"), "{err}");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]

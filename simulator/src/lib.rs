@@ -25,6 +25,8 @@ pub mod outputs;
 pub mod plot;
 pub mod progress;
 pub mod report;
+#[cfg(test)]
+mod scratch;
 pub mod slo_params;
 pub mod spec;
 pub mod trace;

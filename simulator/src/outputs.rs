@@ -250,11 +250,8 @@ pub fn finish(dir: &Path, files: &BTreeSet<String>) -> Result<(), SimError> {
 mod tests {
     use super::*;
 
-    fn dir(tag: &str) -> std::path::PathBuf {
-        let d = std::env::temp_dir().join(format!("sy-outputs-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        d
+    fn dir(tag: &str) -> crate::scratch::ScratchDir {
+        crate::scratch::ScratchDir::new(&format!("outputs-{tag}"))
     }
 
     /// `--out` naming a file is refused as not a directory, not as "File exists".

@@ -279,8 +279,7 @@ mod tests {
 
     #[test]
     fn a_target_is_a_vertical_line_where_the_curves_reach_its_latency() {
-        let dir = std::env::temp_dir().join(format!("sy-plot-target-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = crate::scratch::ScratchDir::new("plot-target");
         // fcfs has a request at exactly the 200 ms target; slo-aware's are all below 100.
         let series = vec![
             ("fcfs".to_string(), cdf_points(&mut [100.0, 200.0, 400.0])),
@@ -359,7 +358,6 @@ mod tests {
         plot_cdfs_with_target(&p, "none", &series, None).unwrap();
         let lines = polylines(&std::fs::read_to_string(&p).unwrap());
         assert!(lines.iter().all(|(c, _)| *c != black));
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     /// `#rrggbb`, as the SVG backend writes a colour.
@@ -370,8 +368,7 @@ mod tests {
 
     #[test]
     fn writes_svg_files() {
-        let dir = std::env::temp_dir().join(format!("sy-plot-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = crate::scratch::ScratchDir::new("plot");
         let mut a: Vec<f64> = (1..200).map(f64::from).collect();
         let series = vec![("fcfs".to_string(), cdf_points(&mut a))];
         let p = dir.join("cdf.svg");
@@ -387,6 +384,5 @@ mod tests {
         )
         .unwrap();
         assert!(std::fs::read_to_string(&q).unwrap().contains("<polyline"));
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -1546,8 +1546,7 @@ workload:
 
     #[test]
     fn tiers_come_from_the_tiers_section_of_any_yaml_file() {
-        let dir = std::env::temp_dir().join(format!("sy-spec-tiers-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = crate::scratch::ScratchDir::new("spec-tiers");
         // The server's example configuration: its other sections are not read.
         let server =
             Path::new(env!("CARGO_MANIFEST_DIR")).join("../config/examples/multi-tenant.yaml");
@@ -1579,7 +1578,6 @@ workload:
             err.starts_with("t.yaml:2:") || err.contains("t.yaml:2:"),
             "{err}"
         );
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -11,10 +11,35 @@ fn example(name: &str) -> PathBuf {
     path
 }
 
-fn temp_dir(tag: &str) -> PathBuf {
+/// A test's output directory, `sy-sim-{tag}-{pid}` in the temporary directory: not there
+/// when made (a run creates it), removed with all it holds when dropped, so that a test leaves
+/// nothing behind whether it passes or fails (a failing assertion's panic unwinds through the
+/// drop). It reads as the [`Path`] it is.
+struct TempDir(PathBuf);
+
+impl std::ops::Deref for TempDir {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for TempDir {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn temp_dir(tag: &str) -> TempDir {
     let dir = std::env::temp_dir().join(format!("sy-sim-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    dir
+    TempDir(dir)
 }
 
 fn files(dir: &Path) -> Vec<(String, Vec<u8>)> {
@@ -61,9 +86,6 @@ fn same_spec_and_seed_give_byte_identical_outputs() {
     let c = temp_dir("det-c");
     run(&spec, &c, false).unwrap();
     assert_ne!(files(&c), fa);
-    for d in [a, b, c] {
-        std::fs::remove_dir_all(d).unwrap();
-    }
 }
 
 #[test]
@@ -108,7 +130,6 @@ fn every_example_spec_runs_on_its_trace() {
                 assert!(p.lora_memory.is_none());
             }
         }
-        std::fs::remove_dir_all(dir).unwrap();
     }
 }
 
@@ -166,7 +187,6 @@ fn malformed_spec_and_trace_are_reported_with_locations() {
     let spec = SimulationSpec::from_yaml_file(&spec_path).unwrap();
     let err = run(&spec, &dir.join("out"), false).unwrap_err().to_string();
     assert!(err.contains("lifo") && err.contains("fair-share"), "{err}");
-    std::fs::remove_dir_all(dir).unwrap();
 }
 
 #[test]
@@ -342,7 +362,6 @@ fn a_calibration_of_another_model_warns_and_is_named_in_the_header() {
     // Its own model, however the file spells it: no warning.
     let same = cal("SmolLM2 135M Instruct");
     assert!(same.warnings.is_empty(), "{:?}", same.warnings);
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// Tiers given to a trace none of whose requests has one (an Azure trace with `--tiers`)
@@ -515,7 +534,6 @@ fn each_tier_gets_plots_with_its_targets_whatever_its_name() {
         .map(|e| e.unwrap().file_name().into_string().unwrap())
         .collect();
     assert!(!listing.iter().any(|f| f.contains("-tier")), "{listing:?}");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// A `slo-aware` policy whose spec leaves its step-cost parameters unset takes those the
@@ -606,7 +624,6 @@ fn slo_aware_takes_its_step_costs_from_the_calibration_unless_the_spec_sets_them
         1000.0
     );
     assert!(json["policies"][1].get("params_from_calibration").is_none());
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// Every simulation spec shipped in config/examples (`sim-*.yaml`, the ones the README and
@@ -640,6 +657,5 @@ fn every_shipped_simulation_spec_loads_and_runs() {
             "{name}: a policy did not run"
         );
         assert!(out.join("summary.json").is_file(), "{name}: no summary");
-        std::fs::remove_dir_all(&out).unwrap();
     }
 }

@@ -759,7 +759,8 @@ mod tests {
     /// ShareGPT lengths are read by column name, as `bench serve` and the simulator read them.
     #[test]
     fn sharegpt_columns_are_read_by_name() {
-        let path = std::env::temp_dir().join(format!("switchyard-sg-{}.csv", std::process::id()));
+        let dir = crate::scratch::ScratchDir::new("bench-sharegpt");
+        let path = dir.join("d.csv");
         std::fs::write(
             &path,
             "\u{feff}num_decode_tokens,pd_ratio,num_prefill_tokens\n5,0.1,50\n",
@@ -772,7 +773,6 @@ mod tests {
             format!("{e:#}").contains("no column num_prefill_tokens"),
             "{e:#}"
         );
-        let _ = std::fs::remove_file(&path);
     }
 
     #[test]

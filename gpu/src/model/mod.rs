@@ -78,12 +78,13 @@ pub use tokenizer::Tokenizer;
 pub(crate) mod testing {
     use std::path::PathBuf;
 
+    use crate::scratch::ScratchDir;
+
     /// A fresh scratch directory holding paths that are not regular files: a directory, a link
     /// to `/dev/zero` and, where mkfifo(1) exists (no libc in this crate), a FIFO. Returns the
-    /// directory (for the caller to remove) and the paths.
-    pub(crate) fn irregular_paths(tag: &str) -> (PathBuf, Vec<PathBuf>) {
-        let d = std::env::temp_dir().join(format!("sy-irregular-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
+    /// directory (removed when dropped) and the paths.
+    pub(crate) fn irregular_paths(tag: &str) -> (ScratchDir, Vec<PathBuf>) {
+        let d = ScratchDir::new(&format!("irregular-{tag}"));
         std::fs::create_dir_all(d.join("dir")).unwrap();
         std::os::unix::fs::symlink("/dev/zero", d.join("zero")).unwrap();
         let mut paths = vec![d.join("dir"), d.join("zero")];
@@ -103,7 +104,8 @@ pub(crate) mod testing {
 mod tests {
     #[test]
     fn read_bounded_takes_up_to_the_bound_and_refuses_more() {
-        let p = std::env::temp_dir().join(format!("sy-bounded-{}", std::process::id()));
+        let dir = crate::scratch::ScratchDir::new("bounded");
+        let p = dir.join("f");
         std::fs::write(&p, "0123456789").unwrap();
         assert_eq!(super::read_bounded(&p, 10).unwrap(), "0123456789");
         let e = super::read_bounded(&p, 9).unwrap_err().to_string();
@@ -116,12 +118,11 @@ mod tests {
         let e = super::read_bounded(&p, 10).unwrap_err().to_string();
         assert!(e.contains("UTF-8"), "{e}");
         // A directory, a link to /dev/zero, a FIFO: refused before they are read (or opened).
-        let (d, irregular) = super::testing::irregular_paths("bounded");
+        let (_d, irregular) = super::testing::irregular_paths("bounded");
         for q in irregular {
             let e = super::read_bounded(&q, 10).unwrap_err().to_string();
             assert!(e.contains("not a regular file"), "{}: {e}", q.display());
         }
-        std::fs::remove_dir_all(&d).unwrap();
         std::fs::remove_file(&p).unwrap();
         assert!(super::read_bounded(&p, 10).is_err());
     }

@@ -212,11 +212,8 @@ mod tests {
         v.iter().flat_map(|x| x.to_le_bytes()).collect()
     }
 
-    fn scratch(tag: &str) -> PathBuf {
-        let d = std::env::temp_dir().join(format!("sy-st-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        d
+    fn scratch(tag: &str) -> crate::scratch::ScratchDir {
+        crate::scratch::ScratchDir::new(&format!("st-{tag}"))
     }
 
     #[test]
@@ -287,7 +284,6 @@ mod tests {
         );
         let tied = load_safetensors_dir(&d, true).unwrap();
         assert!(!tied.contains("output.weight"));
-        std::fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]
@@ -323,7 +319,6 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("bad shard name"));
-        std::fs::remove_dir_all(&d).unwrap();
     }
 
     /// Regression: the shards named by the index were opened and mapped whatever they were;
@@ -356,6 +351,5 @@ mod tests {
             };
             assert!(e.contains(want), "{name}: {e}");
         }
-        std::fs::remove_dir_all(&d).unwrap();
     }
 }

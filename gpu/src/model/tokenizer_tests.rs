@@ -389,7 +389,6 @@ fn tokenizer_json_must_be_a_regular_file() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("I/O error"), "{e}");
-    std::fs::remove_dir_all(&d).unwrap();
 }
 
 #[test]

@@ -193,9 +193,7 @@ mod tests {
 
     #[test]
     fn a_load_format_must_match_what_the_path_holds() {
-        let dir = std::env::temp_dir().join(format!("sy-serve-format-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = crate::scratch::ScratchDir::new("serve-format");
         let gguf = dir.join("m.gguf");
         std::fs::write(&gguf, b"GGUF").unwrap();
         assert!(load_format(LoadFormat::Gguf, &gguf).is_ok());
@@ -213,7 +211,6 @@ mod tests {
         assert!(e.contains("holds a safetensors model"), "{e}");
         // A missing path is the loader's to report.
         assert!(load_format(LoadFormat::Gguf, &dir.join("missing")).is_ok());
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
