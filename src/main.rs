@@ -4,6 +4,7 @@
 mod cli;
 mod commands;
 #[cfg(test)]
+#[path = "../testsupport/scratch.rs"]
 mod scratch;
 
 use clap::Parser;

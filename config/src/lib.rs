@@ -19,6 +19,7 @@ mod log_filter;
 mod overrides;
 mod schema;
 #[cfg(test)]
+#[path = "../../testsupport/scratch.rs"]
 mod scratch;
 mod tls;
 

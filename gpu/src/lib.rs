@@ -18,6 +18,7 @@ pub mod lora;
 mod lora_targets;
 pub mod sampler;
 #[cfg(test)]
+#[path = "../../testsupport/scratch.rs"]
 mod scratch;
 pub mod token_filter;
 pub use backend::{

@@ -26,6 +26,7 @@ pub mod plot;
 pub mod progress;
 pub mod report;
 #[cfg(test)]
+#[path = "../../testsupport/scratch.rs"]
 mod scratch;
 pub mod slo_params;
 pub mod spec;

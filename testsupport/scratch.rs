@@ -1,6 +1,11 @@
 //! A unit test's scratch directory, removed with all it holds when its guard drops, so that a
 //! test leaves nothing in the temporary directory whether it passes or fails (a failing
 //! assertion's panic unwinds through the drop).
+//!
+//! One file for every crate whose unit tests write files (config, gpu, simulator and the
+//! binary), each including it as a test-only module by its path (`#[path]`): no crate of the
+//! workspace lies below all of them, and a crate of its own for one guard would be more
+//! build than code.
 
 use std::path::{Path, PathBuf};
 
