@@ -2,25 +2,45 @@
 //! test leaves nothing in the temporary directory whether it passes or fails (a failing
 //! assertion's panic unwinds through the drop).
 //!
-//! One file for every crate whose unit tests write files (config, gpu, simulator and the
-//! binary), each including it as a test-only module by its path (`#[path]`): no crate of the
-//! workspace lies below all of them, and a crate of its own for one guard would be more
-//! build than code.
+//! One file for every crate whose tests write files (the unit tests of config, gpu, simulator
+//! and the binary, the end-to-end tests' `tests/common` and `simulator/tests/simulate.rs`),
+//! each including it as a test-only module by its path (`#[path]`): no crate of the workspace
+//! lies below all of them, and a crate of its own for one guard would be more build than code.
+
+// Each includer uses part of it.
+#![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
 
-/// A fresh, empty directory `sy-{name}-{pid}` in the temporary directory, removed when
+/// A directory `sy-{name}-{pid}` in the temporary directory, removed with all it holds when
 /// dropped. It reads as the [`Path`] it is.
-pub(crate) struct ScratchDir(PathBuf);
+pub struct ScratchDir(PathBuf);
 
 impl ScratchDir {
-    /// Creates the directory (after removing what a killed earlier run of this process id
-    /// left there).
-    pub(crate) fn new(name: &str) -> Self {
+    /// Creates the directory, fresh and empty (after removing what a killed earlier run of
+    /// this process id left there).
+    pub fn new(name: &str) -> Self {
+        let dir = Self::unmade(name);
+        std::fs::create_dir_all(&dir.0).expect("a scratch directory");
+        dir
+    }
+
+    /// The directory's path, not made (for a writer that creates it itself), removed when
+    /// dropped all the same.
+    pub fn unmade(name: &str) -> Self {
         let dir = std::env::temp_dir().join(format!("sy-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("a scratch directory");
         Self(dir)
+    }
+
+    /// The directory.
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+
+    /// The directory, no longer removed by this guard: for an owner that removes it itself.
+    pub fn keep(mut self) -> PathBuf {
+        std::mem::take(&mut self.0)
     }
 }
 
@@ -37,9 +57,18 @@ impl AsRef<Path> for ScratchDir {
     }
 }
 
+impl AsRef<std::ffi::OsStr> for ScratchDir {
+    fn as_ref(&self) -> &std::ffi::OsStr {
+        self.0.as_os_str()
+    }
+}
+
 impl Drop for ScratchDir {
     fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
+        // Empty once kept.
+        if !self.0.as_os_str().is_empty() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
     }
 }
 

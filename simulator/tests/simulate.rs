@@ -11,35 +11,14 @@ fn example(name: &str) -> PathBuf {
     path
 }
 
+#[path = "../../testsupport/scratch.rs"]
+mod scratch;
+
 /// A test's output directory, `sy-sim-{tag}-{pid}` in the temporary directory: not there
 /// when made (a run creates it), removed with all it holds when dropped, so that a test leaves
-/// nothing behind whether it passes or fails (a failing assertion's panic unwinds through the
-/// drop). It reads as the [`Path`] it is.
-struct TempDir(PathBuf);
-
-impl std::ops::Deref for TempDir {
-    type Target = Path;
-    fn deref(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl AsRef<Path> for TempDir {
-    fn as_ref(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn temp_dir(tag: &str) -> TempDir {
-    let dir = std::env::temp_dir().join(format!("sy-sim-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    TempDir(dir)
+/// nothing behind whether it passes or fails.
+fn temp_dir(tag: &str) -> scratch::ScratchDir {
+    scratch::ScratchDir::unmade(&format!("sim-{tag}"))
 }
 
 fn files(dir: &Path) -> Vec<(String, Vec<u8>)> {

@@ -41,59 +41,17 @@ pub fn free_port() -> u16 {
         .expect("a free port")
 }
 
+#[path = "../../testsupport/scratch.rs"]
+mod scratch;
 /// A test's scratch directory, removed with all it holds when dropped, so that a test leaves
 /// nothing in the temporary directory whether it passes or fails (a panic unwinds through the
 /// drop). It reads as the [`Path`] it is.
-pub struct TempDir(PathBuf);
+pub use scratch::ScratchDir as TempDir;
 
-impl TempDir {
-    /// The directory.
-    pub fn path(&self) -> &Path {
-        &self.0
-    }
-
-    /// The directory, no longer removed by this guard: for an owner that removes it itself
-    /// (a [`Server`] built around it).
-    pub fn keep(mut self) -> PathBuf {
-        std::mem::take(&mut self.0)
-    }
-}
-
-impl std::ops::Deref for TempDir {
-    type Target = Path;
-    fn deref(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl AsRef<Path> for TempDir {
-    fn as_ref(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl AsRef<std::ffi::OsStr> for TempDir {
-    fn as_ref(&self) -> &std::ffi::OsStr {
-        self.0.as_os_str()
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        // Empty once kept.
-        if !self.0.as_os_str().is_empty() {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
-}
-
-/// A fresh, empty scratch directory for one test, `switchyard-{kind}-{name}-{pid}` in the
-/// temporary directory, removed when the returned guard drops.
+/// A fresh, empty scratch directory for one test, `sy-{kind}-{name}-{pid}` in the temporary
+/// directory, removed when the returned guard drops.
 pub fn temp_dir(kind: &str, name: &str) -> TempDir {
-    let dir = std::env::temp_dir().join(format!("switchyard-{kind}-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    TempDir(dir)
+    TempDir::new(&format!("{kind}-{name}"))
 }
 
 /// Waits for `child` to exit, at most `within` (then kills it and fails naming `what`, the
