@@ -595,7 +595,8 @@ pub struct Comparison {
     pub clients: u64,
     /// What `arrival_rate` and `peak_rate` count: [`RATE_OF_SENT`] (`sent`: no closed-loop
     /// client, the trace's arrivals are when the requests were sent, in every policy's run)
-    /// or [`RATE_OF_TRACE`] (`trace`: the trace's `arrival_s`, the earliest each client's
+    /// or [`RATE_OF_TRACE`] (`trace`: the trace's `arrival_s`, once shaped and jittered
+    /// (`workload.clients.start_jitter_s`), the earliest each client's
     /// request may be sent; when each run sent them is its policy's `offered_rate`).
     #[serde(default = "rate_of_sent")]
     pub arrival_rate_of: String,
