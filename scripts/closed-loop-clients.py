@@ -2,14 +2,17 @@
 """Closed-loop clients against a running Switchyard server (standard library only).
 
 Each client sends a streamed completion (a prompt of random token ids, `ignore_eos`, so its
-lengths are exact), reads it to the end, and sends the next at once, until `--duration`
-seconds have passed; groups of clients have their own API key (so tenant and tier), prompt
-and output lengths. Writes one JSON line per request (`--out`): client, tier, tenant, its send
-time (seconds from the start), TTFT and E2E (s), the times of its chunks, its lengths, or its
-HTTP status and error. With `--trace FILE` it also writes the successful requests as a
-simulator JSONL trace naming each request's `client`, their send times as `arrival_s`, so that
-`switchyard simulate` sends each client's requests one at a time as the server received them
-(README, "What the simulator models").
+lengths are exact), reads it to the end, pauses (`--think`: exponential think times of that
+mean, 0 by default) and sends the next, until `--duration` seconds have passed; groups of
+clients have their own API key (so tenant and tier), prompt and output lengths. Writes one JSON
+line per request (`--out`): client, tier, tenant, its send time and end time (seconds from the
+start), TTFT and E2E (s), the times of its chunks, its lengths, or its HTTP status and error.
+With `--trace FILE` it also writes the successful requests as a simulator JSONL trace naming
+each request's `client`, their send times as `arrival_s` and, after a client's first, its
+`think_s`: the time from the end of the client's request before it in the trace (a failed
+request in between counts in it) to its sending, so that `switchyard simulate` sends each
+client's requests one at a time as the server received them, each its think time after the one
+before it ended (README, "What the simulator models").
 
   scripts/closed-loop-clients.py --port 8000 --duration 20 --out load.jsonl --trace trace.jsonl \\
     --group b:16:BATCH_KEY:batch:initech:256:32 --group p:2:PREMIUM_KEY:premium:acme:128:16
@@ -32,6 +35,8 @@ ap.add_argument('--port', type=int, default=8000)
 ap.add_argument('--model', default='SmolLM2-135M-Instruct.Q4_1')
 ap.add_argument('--duration', type=float, default=20.0, help='seconds during which clients send')
 ap.add_argument('--seed', type=int, default=1)
+ap.add_argument('--think', type=float, default=0.0,
+                help="mean seconds a client pauses after a response (exponential; 0: none)")
 ap.add_argument('--out', required=True, help='per-request records (JSON lines)')
 ap.add_argument('--trace', help='the successful requests as a simulator JSONL trace')
 ap.add_argument('--group', action='append', required=True,
@@ -39,6 +44,8 @@ ap.add_argument('--group', action='append', required=True,
 a = ap.parse_args()
 if not 0 < a.duration <= 3600:
     sys.exit('--duration must be in (0, 3600] seconds')
+if not 0 <= a.think <= 600:
+    sys.exit('--think must be in [0, 600] seconds')
 
 groups = []
 for g in a.group:
@@ -98,8 +105,11 @@ def client(cid, key, tier, tenant, plen, olen, rng):
             rec.update(status=-1, err=str(e))
             conn.close()
             conn = http.client.HTTPConnection(a.host, a.port, timeout=600)
+        rec['end'] = time.monotonic() - t0
         with lock:
             records.append(rec)
+        if a.think > 0:
+            time.sleep(rng.expovariate(1.0 / a.think))
 
 
 seeds = random.Random(a.seed)
@@ -121,11 +131,16 @@ with open(a.out, 'w') as f:
     for r in records:
         f.write(json.dumps(r) + '\n')
 if a.trace:
+    ended = {}  # client -> when its request before, in the trace, ended
     with open(a.trace, 'w') as f:
         for r in records:
             if r['status'] == 200:
-                f.write(json.dumps({'arrival_s': round(r['send'], 6), 'prompt_len': r['prompt_len'],
-                                    'output_len': r['output_len'], 'tenant': r['tenant'],
-                                    'tier': r['tier'], 'client': r['client']}) + '\n')
+                row = {'arrival_s': round(r['send'], 6), 'prompt_len': r['prompt_len'],
+                       'output_len': r['output_len'], 'tenant': r['tenant'], 'tier': r['tier'],
+                       'client': r['client']}
+                if r['client'] in ended:
+                    row['think_s'] = round(max(0.0, r['send'] - ended[r['client']]), 6)
+                ended[r['client']] = r['end']
+                f.write(json.dumps(row) + '\n')
 failed = sum(r['status'] != 200 for r in records)
 print(f'{len(records)} requests, {failed} failed', file=sys.stderr)

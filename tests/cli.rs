@@ -556,6 +556,122 @@ fn simulate_refuses_flags_its_config_would_ignore_and_a_bad_time_scale() {
     assert!(err.contains("--time-scale -2 outside [1e-6, 1e6]"), "{err}");
 }
 
+/// A trace that is not a regular file is read as a stream, piped into `/dev/stdin` or from a
+/// named pipe, and gives what the same trace in a file gives; a directory is refused at once.
+/// The summary of a trace of closed-loop clients says its arrival rate is the trace's and
+/// gives each policy's rate of requests sent (their think times spreading them out).
+#[test]
+fn simulate_reads_a_trace_from_a_pipe_or_a_named_pipe_as_from_a_file() {
+    let dir = temp_dir("simulate-stream");
+    // 3 clients of 4 requests each, arriving within 11 ms (1,000 req/s in the trace); each
+    // request after a client's first is sent 50 ms after the one before it ended.
+    let trace: String = (0..12)
+        .map(|i| {
+            let think = if i >= 3 { r#", "think_s": 0.05"# } else { "" };
+            format!(
+                "{{\"arrival_s\": {}, \"prompt_len\": 16, \"output_len\": 4, \
+                 \"client\": \"c{}\"{think}}}\n",
+                f64::from(i) / 1000.0,
+                i % 3
+            )
+        })
+        .collect();
+    let file = dir.join("t.jsonl");
+    std::fs::write(&file, &trace).unwrap();
+    let simulate = |input: &std::path::Path, out: &str| {
+        let mut cmd = switchyard();
+        cmd.args([
+            "simulate",
+            "--format",
+            "jsonl",
+            "--policies",
+            "fcfs,priority",
+        ])
+        .arg("--trace")
+        .arg(input)
+        .arg("--out")
+        .arg(dir.join(out));
+        cmd
+    };
+    let summary = |out: &str| -> serde_json::Value {
+        let text = std::fs::read_to_string(dir.join(out).join("summary.json")).unwrap();
+        serde_json::from_str(&text).unwrap()
+    };
+    let table = succeeds(&mut simulate(&file, "file"));
+    let from_file = summary("file");
+
+    // Piped into /dev/stdin.
+    let mut child = simulate(std::path::Path::new("/dev/stdin"), "stdin")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run switchyard");
+    std::io::Write::write_all(&mut child.stdin.take().expect("stdin"), trace.as_bytes())
+        .expect("write the trace");
+    let out = child.wait_with_output().expect("wait");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("reading the trace /dev/stdin as a stream"),
+        "{err}"
+    );
+    assert_eq!(summary("stdin")["policies"], from_file["policies"]);
+
+    // From a named pipe, written once the simulator has opened it.
+    let fifo = dir.join("trace.fifo");
+    let made = Command::new("mkfifo").arg(&fifo).status().expect("mkfifo");
+    assert!(made.success(), "mkfifo failed");
+    let mut child = simulate(&fifo, "fifo")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run switchyard");
+    // Opening a FIFO for writing waits for its reader, the simulator: in a thread, so that
+    // a simulator that never opens it fails the test rather than hanging it.
+    let writer = {
+        let (fifo, trace) = (fifo.clone(), trace.clone());
+        std::thread::spawn(move || std::fs::write(&fifo, trace))
+    };
+    let status = common::wait_exit(
+        &mut child,
+        std::time::Duration::from_secs(60),
+        "switchyard simulate on a named pipe",
+    );
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().expect("stderr"), &mut err)
+        .expect("read stderr");
+    assert!(status.success(), "{err}");
+    writer
+        .join()
+        .expect("writer thread")
+        .expect("write the named pipe");
+    assert_eq!(summary("fifo")["policies"], from_file["policies"]);
+
+    // The rates: the trace's, said to be, and what each policy's run sent.
+    assert_eq!(from_file["clients"], 3);
+    assert_eq!(from_file["arrival_rate_of"], "trace");
+    let trace_rate = from_file["arrival_rate"].as_f64().unwrap();
+    assert!((trace_rate - 1000.0).abs() < 1e-6, "{trace_rate}");
+    for p in from_file["policies"].as_array().unwrap() {
+        let sent = p["offered_rate"].as_f64().unwrap();
+        // At least 3 think times of 50 ms between a client's first and last sending.
+        assert!(sent > 0.0 && sent < 11.0 / 0.15, "{p}");
+    }
+    assert!(
+        table.contains(
+            "12 requests of 3 closed-loop clients, their trace's arrival_s at 1000.00 req/s"
+        ) && table.contains(
+            "sent (each after the client's request before it ended, and its think time): fcfs "
+        ),
+        "{table}"
+    );
+
+    // A directory, refused at once.
+    let err = fails(&mut simulate(&dir, "dir"));
+    assert!(err.contains("is a directory, not a trace"), "{err}");
+}
+
 #[test]
 fn bench_serve_reports_vllm_labels_against_a_live_server() {
     let server = Server::start("bench", "");

@@ -635,3 +635,106 @@ fn refitting_h200_steps_prices_adapted_decodes() {
     let step = cal["per_lora_step_s"];
     assert!((3.5e-4..6.5e-4).contains(&step), "per_lora_step_s {step}");
 }
+
+/// Closed-loop clients started together send in step unless their think times or start
+/// jitter spread them: a record's `think_s` delays a client's next request after the one
+/// before it ended (scaled with the arrivals by `time_scale`), and `workload.clients` draws
+/// think times and start jitter from the seed; a think time out of bounds is refused.
+#[test]
+fn closed_loop_clients_think_and_start_apart() {
+    let dir = temp_dir("clients");
+    // 4 clients of 3 requests each, all at 0 s; c0's last request with its own think time.
+    let mut trace = String::new();
+    for i in 0..3 {
+        for c in 0..4 {
+            let think = if (c, i) == (0, 2) {
+                r#", "think_s": 2"#
+            } else {
+                ""
+            };
+            trace.push_str(&format!(
+                "{{\"arrival_s\": 0, \"prompt_len\": 8, \"output_len\": 2, \
+                 \"client\": \"c{c}\"{think}}}\n"
+            ));
+        }
+    }
+    std::fs::write(dir.join("clients.jsonl"), trace).unwrap();
+    let spec = |extra: &str| {
+        format!(
+            "seed: 5\nmodel: smollm2-135m\npolicies: [{{name: fcfs}}]\n\
+             workload: {{trace: clients.jsonl, format: jsonl{extra}}}\n"
+        )
+    };
+    simulate_spec(&dir, &spec(""), "plain");
+    let plain = arrivals(&dir.join("plain"));
+    // The clients' i-th requests go together, c0's last 2 s after its second ended.
+    for i in 0..3 {
+        let first = if i == 2 { 1 } else { 0 };
+        let group = &plain[4 * i + first..4 * i + 4];
+        assert!(group.iter().all(|&t| t == group[0]), "{plain:?}");
+    }
+    assert!(plain[8] >= plain[4] + 2.0, "{plain:?}");
+    // Half as fast: the think time doubles with the trace's timeline.
+    simulate_spec(&dir, &spec(", time_scale: 0.5"), "slow");
+    let slow = arrivals(&dir.join("slow"));
+    assert!(slow[8] >= slow[4] + 4.0, "{slow:?}");
+
+    simulate_spec(
+        &dir,
+        &spec(", clients: {think_s: 0.5, start_jitter_s: 3}"),
+        "spread",
+    );
+    let spread = arrivals(&dir.join("spread"));
+    let mut distinct = spread.clone();
+    distinct.sort_by(f64::total_cmp);
+    distinct.dedup();
+    assert_eq!(distinct.len(), 12, "{spread:?}");
+    assert!(
+        spread[..4].iter().all(|t| (0.0..3.0).contains(t)),
+        "{spread:?}"
+    );
+    let summary: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("spread").join("summary.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(summary["arrival_rate_of"], "trace");
+    assert!(summary["policies"][0]["offered_rate"].as_f64().unwrap() > 0.0);
+
+    for (bad, want) in [
+        (
+            ", clients: {think_s: -1}",
+            "workload.clients.think_s -1 outside [0, 3600]",
+        ),
+        (
+            ", clients: {start_jitter_s: .nan}",
+            "workload.clients.start_jitter_s NaN outside",
+        ),
+    ] {
+        std::fs::write(dir.join("bad.yaml"), spec(bad)).unwrap();
+        let err = fails(
+            switchyard()
+                .args(["simulate", "--config"])
+                .arg(dir.join("bad.yaml"))
+                .arg("--out")
+                .arg(dir.join("bad")),
+        );
+        assert!(err.contains(want), "{err}");
+    }
+    std::fs::write(
+        dir.join("huge.jsonl"),
+        "{\"arrival_s\": 0, \"prompt_len\": 8, \"output_len\": 2, \"client\": \"c\", \
+         \"think_s\": 1e300}\n",
+    )
+    .unwrap();
+    let err = fails(
+        switchyard()
+            .args(["simulate", "--format", "jsonl", "--trace"])
+            .arg(dir.join("huge.jsonl"))
+            .arg("--out")
+            .arg(dir.join("huge")),
+    );
+    assert!(
+        err.contains("huge.jsonl:1: field `think_s`: expected seconds between 0 and 3600"),
+        "{err}"
+    );
+}

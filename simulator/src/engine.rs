@@ -476,9 +476,8 @@ impl Simulation {
                     cv: arrival.cv.unwrap_or(1.0),
                 },
             };
-            let file = std::fs::File::open(&w.trace).map_err(|e| SimError::io(&w.trace, e))?;
             trace::load_sharegpt(
-                std::io::BufReader::new(file),
+                trace::open_trace(&w.trace)?,
                 &w.trace,
                 &options,
                 &process,
@@ -542,6 +541,16 @@ impl Simulation {
         // A tiny rate or load, or a huge time scale, can push arrivals past what the clock
         // holds.
         trace::check_arrivals(&requests).map_err(shape_err)?;
+        // In the simulation's seconds, after the shaping: the spec's think times and start
+        // jitter are no part of the trace's timeline.
+        if let Some(c) = &w.clients {
+            let draws = trace::ClientDraws {
+                think_s: c.think_s,
+                constant: c.think == crate::spec::ThinkKind::Constant,
+                start_jitter_s: c.start_jitter_s,
+            };
+            trace::assign_clients(&mut requests, &draws, self.spec.seed);
+        }
         Ok(Workload {
             requests,
             estimated_capacity_rps,
@@ -780,8 +789,10 @@ struct Loop<'a> {
     /// later of that and the end of the client's request before it (set then).
     arrivals_us: Vec<u64>,
     /// Per request, the next request of its client (a trace's `client`), released when this
-    /// one ends, and whether it waits so for one before it.
+    /// one ends (after the next one's think time), and whether it waits so for one before it.
     successor: Vec<Option<usize>>,
+    /// Per request, its think time in microseconds (0 where it has none).
+    think_us: Vec<u64>,
     chained: Vec<bool>,
     /// The requests released by the end of their client's request before them and not arrived
     /// yet: (arrival, index). The others arrive in trace order (the cursor `next` of the
@@ -893,6 +904,10 @@ impl<'a> Loop<'a> {
                 .map(|r| Timestamp::from_secs_f64(r.arrival_s).0)
                 .collect(),
             successor,
+            think_us: requests
+                .iter()
+                .map(|r| Timestamp::from_secs_f64(r.think_s.unwrap_or(0.0)).0)
+                .collect(),
             chained,
             released: BTreeSet::new(),
             tiers: &sim.spec.tiers,
@@ -1282,10 +1297,11 @@ impl<'a> Loop<'a> {
     }
 
     /// Request `i` ended at `at` (finished, refused or timed out): its client's next request
-    /// arrives then, or at its own arrival in the trace if that is later.
+    /// arrives once its think time has passed, or at its own arrival in the trace if that is
+    /// later.
     fn ended(&mut self, i: usize, at: u64) {
         if let Some(j) = self.successor.get(i).copied().flatten() {
-            let t = self.arrivals_us[j].max(at);
+            let t = self.arrivals_us[j].max(at.saturating_add(self.think_us[j]));
             self.arrivals_us[j] = t;
             self.released.insert((t, j));
         }
@@ -1724,6 +1740,7 @@ workload: {trace: unused.csv, format: azure}
             priority: None,
             adapter: None,
             client: String::new(),
+            think_s: None,
         }
     }
 
@@ -1914,6 +1931,152 @@ workload: {trace: unused.csv, format: azure}
         assert_eq!(r[3].arrival_s, r[1].finish_s.unwrap().max(0.010));
         assert!(r[1].first_scheduled_s.unwrap() >= r[0].finish_s.unwrap());
         assert!(r.iter().all(|r| r.outcome == "length"), "{r:?}");
+    }
+
+    #[test]
+    fn a_clients_next_request_waits_its_think_time() {
+        // Client c's a (0 s, 3 tokens out: ends at 3 ms), b (0 s, think 5 ms: sent at 8 ms,
+        // ends at 9), e (0 s, think 0.5 ms: sent at 9.5 ms, ends at 10.5). A think time on
+        // a client's first request (a's) is not read: nothing came before it.
+        let sim = one_ms_steps();
+        let with = |r: TraceRequest, think_s: Option<f64>| TraceRequest {
+            client: "c".into(),
+            think_s,
+            ..r
+        };
+        let rs = vec![
+            with(req(0.0, 32, 3, ""), Some(1.0)),
+            with(req(0.0, 8, 1, ""), Some(0.005)),
+            with(req(0.0, 8, 1, ""), Some(0.0005)),
+        ];
+        let times = |r: &RequestRecord| (r.arrival_s, r.finish_s);
+        let run = sim
+            .run_policy(&PolicySpec::named("fcfs"), &rs, false)
+            .unwrap();
+        let got: Vec<_> = run.records.iter().map(times).collect();
+        assert_eq!(
+            got,
+            vec![
+                (0.0, Some(0.003)),
+                (0.008, Some(0.009)),
+                (0.0095, Some(0.0105)),
+            ]
+        );
+        // The trace's own arrival still wins where it is later.
+        let mut late = rs.clone();
+        late[1].arrival_s = 0.020;
+        late[2].arrival_s = 0.020;
+        let run = sim
+            .run_policy(&PolicySpec::named("fcfs"), &late, false)
+            .unwrap();
+        let got: Vec<_> = run.records.iter().map(times).collect();
+        assert_eq!(got[1], (0.020, Some(0.021)));
+        assert_eq!(got[2], (0.0215, Some(0.0225)));
+    }
+
+    /// `workload.clients` draws think times for the requests without one and delays each
+    /// client's requests by a start jitter, from the seed: clients that start together no
+    /// longer send in step.
+    #[test]
+    fn the_specs_think_times_and_start_jitter_spread_the_clients() {
+        let dir = crate::scratch::ScratchDir::new("engine-clients");
+        let jsonl = dir.path().join("t.jsonl");
+        // 4 clients of 5 requests each, all at 0 s; client c0's third request has its own
+        // think time.
+        let mut text = String::new();
+        for i in 0..5 {
+            for c in 0..4 {
+                let think = if (c, i) == (0, 2) {
+                    ", \"think_s\": 0.25"
+                } else {
+                    ""
+                };
+                text.push_str(&format!(
+                    "{{\"arrival_s\": 0, \"prompt_len\": 8, \"output_len\": 2, \
+                     \"client\": \"c{c}\"{think}}}\n"
+                ));
+            }
+        }
+        std::fs::write(&jsonl, text).unwrap();
+        let mut sim = one_ms_steps();
+        sim.spec.workload.trace = jsonl;
+        sim.spec.workload.format = TraceFormat::Jsonl;
+        let lockstep = sim.load_workload().unwrap().requests;
+        assert!(lockstep.iter().all(|r| r.arrival_s == 0.0));
+        let sent = |sim: &Simulation, requests: &[TraceRequest]| -> Vec<f64> {
+            let run = sim
+                .run_policy(&PolicySpec::named("fcfs"), requests, false)
+                .unwrap();
+            run.records.iter().map(|r| r.arrival_s).collect()
+        };
+        // Without: the clients' i-th requests are all sent at the same time (c0's after its
+        // own think time, from its third on).
+        let base = sent(&sim, &lockstep);
+        for i in 0..5 {
+            let same = if i < 2 { 0 } else { 1 };
+            assert!(
+                base[4 * i + same..4 * i + 4]
+                    .iter()
+                    .all(|&t| t == base[4 * i + 3]),
+                "{base:?}"
+            );
+        }
+        sim.spec.workload.clients = Some(crate::spec::ClientsSpec {
+            think_s: Some(0.010),
+            think: crate::spec::ThinkKind::Exponential,
+            start_jitter_s: Some(0.050),
+        });
+        let drawn = sim.load_workload().unwrap().requests;
+        // The record's own think time is kept; the others are drawn, with about the mean.
+        let own: Vec<_> = drawn
+            .iter()
+            .filter(|r| r.think_s == Some(0.25))
+            .map(|r| r.client.as_str())
+            .collect();
+        assert_eq!(own, vec!["c0"]);
+        let thinks: Vec<f64> = drawn.iter().filter_map(|r| r.think_s).collect();
+        assert_eq!(thinks.len(), 20);
+        assert!(thinks.iter().all(|t| (0.0..0.5).contains(t)), "{thinks:?}");
+        // Each client starts at its own draw in [0, 50 ms), its requests all moved alike.
+        let mut starts: Vec<f64> = (0..4)
+            .map(|c| {
+                let name = format!("c{c}");
+                let mine: Vec<f64> = drawn
+                    .iter()
+                    .filter(|r| r.client == name)
+                    .map(|r| r.arrival_s)
+                    .collect();
+                assert!(mine.iter().all(|&t| t == mine[0]), "{mine:?}");
+                mine[0]
+            })
+            .collect();
+        assert!(
+            starts.iter().all(|t| (0.0..0.050).contains(t)),
+            "{starts:?}"
+        );
+        starts.sort_by(f64::total_cmp);
+        starts.dedup();
+        assert_eq!(starts.len(), 4, "one draw per client");
+        // Sorted by arrival still.
+        assert!(drawn.windows(2).all(|w| w[0].arrival_s <= w[1].arrival_s));
+        // The same seed draws the same; the clients are sent out of step.
+        assert_eq!(sim.load_workload().unwrap().requests, drawn);
+        let spread = sent(&sim, &drawn);
+        let mut distinct = spread.clone();
+        distinct.sort_by(f64::total_cmp);
+        distinct.dedup();
+        assert_eq!(distinct.len(), 20, "{spread:?}");
+        // Constant: every drawn pause is the mean; a record's own stays its own.
+        sim.spec.workload.clients = Some(crate::spec::ClientsSpec {
+            think_s: Some(0.010),
+            think: crate::spec::ThinkKind::Constant,
+            start_jitter_s: None,
+        });
+        let constant = sim.load_workload().unwrap().requests;
+        assert!(constant
+            .iter()
+            .all(|r| r.think_s == Some(0.010) || r.think_s == Some(0.25)));
+        assert!(constant.iter().all(|r| r.arrival_s == 0.0));
     }
 
     #[test]

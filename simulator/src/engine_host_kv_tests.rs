@@ -24,6 +24,7 @@ fn request(arrival_s: f64, prompt: std::ops::Range<u32>, output: u32) -> TraceRe
         priority: None,
         adapter: None,
         client: String::new(),
+        think_s: None,
     }
 }
 

@@ -50,6 +50,7 @@ fn req(at_ms: f64, adapter: Option<u32>) -> TraceRequest {
         priority: None,
         adapter,
         client: String::new(),
+        think_s: None,
     }
 }
 

@@ -102,14 +102,15 @@ fn beyond_calibration(
 /// The window over which [`peak_rate`] counts arrivals, in seconds.
 pub const PEAK_WINDOW_S: f64 = 10.0;
 
-/// The most requests arriving within any [`PEAK_WINDOW_S`] of the trace, per second; `None`
-/// for a trace spanning less than two windows (its mean says as much). A bursty trace's peak
-/// is many times its mean, which a load given as a fraction of capacity (the mean) hides.
-fn peak_rate(requests: &[trace::TraceRequest], span: f64) -> Option<f64> {
+/// The most requests arriving within any [`PEAK_WINDOW_S`] of `times` (arrival or send times
+/// in seconds, in any order), per second; `None` for times spanning less than two windows
+/// (their mean says as much). A bursty trace's peak is many times its mean, which a load
+/// given as a fraction of capacity (the mean) hides.
+fn peak_rate(times: &[f64], span: f64) -> Option<f64> {
     if span < 2.0 * PEAK_WINDOW_S {
         return None;
     }
-    let mut times: Vec<f64> = requests.iter().map(|r| r.arrival_s).collect();
+    let mut times = times.to_vec();
     times.sort_by(f64::total_cmp);
     let mut start = 0;
     let mut most = 0;
@@ -120,6 +121,20 @@ fn peak_rate(requests: &[trace::TraceRequest], span: f64) -> Option<f64> {
         most = most.max(end + 1 - start);
     }
     Some(most as f64 / PEAK_WINDOW_S)
+}
+
+/// The mean rate of `times` (requests/s over their span: 0 for less than two distinct
+/// times) and their [`peak_rate`].
+fn rates(times: &[f64]) -> (f64, Option<f64>) {
+    let first = times.iter().copied().fold(f64::INFINITY, f64::min);
+    let last = times.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let span = if last > first { last - first } else { 0.0 };
+    let mean = if span > 0.0 {
+        (times.len() - 1) as f64 / span
+    } else {
+        0.0
+    };
+    (mean, peak_rate(times, span))
 }
 
 /// The per-tier plots of a run: one entry per tier of `tiers` that some request of
@@ -158,10 +173,14 @@ pub fn simulate(
     for policy in &spec.policies {
         runs.push(sim.run_policy(policy, requests, progress)?);
     }
-    let span = match (requests.first(), requests.last()) {
-        (Some(a), Some(b)) if b.arrival_s > a.arrival_s => b.arrival_s - a.arrival_s,
-        _ => 0.0,
-    };
+    let arrivals: Vec<f64> = requests.iter().map(|r| r.arrival_s).collect();
+    let (arrival_rate, peak) = rates(&arrivals);
+    let clients = requests
+        .iter()
+        .filter(|r| !r.client.is_empty())
+        .map(|r| r.client.as_str())
+        .collect::<std::collections::BTreeSet<_>>()
+        .len() as u64;
     let mut warnings = sim.warnings.clone();
     if !spec.tiers.is_empty() && requests.iter().all(|r| r.tier.is_empty()) {
         // Else the tier table is missing and every slo% n/a, with no word why.
@@ -202,13 +221,16 @@ pub fn simulate(
         },
         warnings,
         requests: requests.len() as u64,
-        arrival_rate: if span > 0.0 {
-            (requests.len() - 1) as f64 / span
+        clients,
+        arrival_rate_of: if clients > 0 {
+            report::RATE_OF_TRACE
         } else {
-            0.0
-        },
+            report::RATE_OF_SENT
+        }
+        .into(),
+        arrival_rate,
         estimated_capacity_rps: workload.estimated_capacity_rps,
-        peak_rate: peak_rate(requests, span),
+        peak_rate: peak,
         max_model_len: sim.scheduler.max_model_len as u64,
         policies: runs
             .iter_mut()
@@ -219,6 +241,10 @@ pub fn simulate(
                 s.params_from_calibration = r.params_from_calibration.clone();
                 s.lora_memory = r.lora_memory.clone();
                 s.host_kv = r.host_kv.clone();
+                // When each request was sent in this run: its trace arrival, or for a
+                // closed-loop client's, its release.
+                let sent: Vec<f64> = r.records.iter().map(|r| r.arrival_s).collect();
+                (s.offered_rate, s.offered_peak_rate) = rates(&sent);
                 s
             })
             .collect(),
@@ -375,25 +401,21 @@ mod tests {
 
     #[test]
     fn the_peak_rate_counts_the_busiest_window() {
-        let at = |arrival_s: f64| trace::TraceRequest {
-            arrival_s,
-            prompt: vec![7u32; 4].into(),
-            output_len: 1,
-            tenant: String::new(),
-            tier: String::new(),
-            priority: None,
-            adapter: None,
-            client: String::new(),
-        };
         // One a second for 60 s, and a burst of 50 within [30, 31).
-        let mut rs: Vec<_> = (0..=60).map(|i| at(f64::from(i))).collect();
-        rs.extend((0..50).map(|i| at(30.0 + f64::from(i) / 50.0)));
+        let mut ts: Vec<f64> = (0..=60).map(f64::from).collect();
+        ts.extend((0..50).map(|i| 30.0 + f64::from(i) / 50.0));
         // The busiest 10 s: the burst and 10 of the others (a window (t - 10, t]).
-        assert_eq!(peak_rate(&rs, 60.0), Some(6.0));
+        assert_eq!(peak_rate(&ts, 60.0), Some(6.0));
+        // In any order.
+        ts.reverse();
+        assert_eq!(peak_rate(&ts, 60.0), Some(6.0));
         // Too short a span for a window to say more than the mean.
-        assert_eq!(peak_rate(&rs[..15], 14.0), None);
-        let even: Vec<_> = (0..=60).map(|i| at(f64::from(i))).collect();
+        let even: Vec<f64> = (0..=60).map(f64::from).collect();
+        assert_eq!(peak_rate(&even[..15], 14.0), None);
         assert_eq!(peak_rate(&even, 60.0), Some(1.0));
+        assert_eq!(rates(&even), (1.0, Some(1.0)));
+        assert_eq!(rates(&[3.0, 3.0]), (0.0, None));
+        assert_eq!(rates(&[]), (0.0, None));
     }
 
     #[test]
@@ -407,6 +429,7 @@ mod tests {
             priority: None,
             adapter,
             client: String::new(),
+            think_s: None,
         };
         let rs = [request(Some(1)), request(None), request(Some(3))];
         assert_eq!(unused_pinned(&[], &rs), None);
@@ -437,6 +460,7 @@ mod tests {
             priority: None,
             adapter: None,
             client: String::new(),
+            think_s: None,
         };
         let rs = [request(40, 10), request(100, 50), request(290, 10)];
         let mut c = cost::Calibration::default();

@@ -262,6 +262,15 @@ pub struct PolicySummary {
     /// (`tiers.<name>.max_pending_per_tenant`: the server's 429, reason `tenant_busy`).
     #[serde(default)]
     pub tenant_busy: u64,
+    /// Requests sent per second in this run, over the span from the first sending to the
+    /// last: the trace's arrival rate, unless closed-loop clients sent their requests later
+    /// (each once the one before it ended).
+    #[serde(default)]
+    pub offered_rate: f64,
+    /// The most requests sent within any 10 s of this run, per second (`None` for sendings
+    /// spanning less than 20 s).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub offered_peak_rate: Option<f64>,
     /// First arrival to last finish, in virtual seconds.
     pub duration_s: f64,
     /// Finished requests per second.
@@ -455,6 +464,9 @@ impl PolicySummary {
                 .count() as u64,
             overloaded: records.iter().filter(|r| r.outcome == OVERLOADED).count() as u64,
             tenant_busy: records.iter().filter(|r| r.outcome == TENANT_BUSY).count() as u64,
+            // Set by `crate::simulate`, which computes the trace's rates alike.
+            offered_rate: 0.0,
+            offered_peak_rate: None,
             duration_s,
             request_throughput: per_s(finished as f64),
             output_token_throughput: per_s(generated as f64),
@@ -546,6 +558,20 @@ pub const OVERLOADED: &str = "overloaded";
 /// The outcome of a request refused at arrival by its tier's `max_pending_per_tenant`.
 pub const TENANT_BUSY: &str = "tenant_busy";
 
+/// `Comparison::arrival_rate_of` when the rates count when the requests were sent.
+pub const RATE_OF_SENT: &str = "sent";
+/// `Comparison::arrival_rate_of` when the rates count the trace's `arrival_s`, which
+/// closed-loop clients' requests may be sent after.
+pub const RATE_OF_TRACE: &str = "trace";
+
+fn rate_of_sent() -> String {
+    RATE_OF_SENT.into()
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
 /// Several policies run on the same workload.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Comparison {
@@ -563,7 +589,18 @@ pub struct Comparison {
     pub warnings: Vec<String>,
     /// Requests in the workload.
     pub requests: u64,
-    /// Arrival rate of the workload (requests/s over its span).
+    /// Closed-loop clients in the workload (its records' `client`s); 0: none, every request
+    /// is sent at its trace arrival.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub clients: u64,
+    /// What `arrival_rate` and `peak_rate` count: [`RATE_OF_SENT`] (`sent`: no closed-loop
+    /// client, the trace's arrivals are when the requests were sent, in every policy's run)
+    /// or [`RATE_OF_TRACE`] (`trace`: the trace's `arrival_s`, once shaped and jittered
+    /// (`workload.clients.start_jitter_s`), the earliest each client's
+    /// request may be sent; when each run sent them is its policy's `offered_rate`).
+    #[serde(default = "rate_of_sent")]
+    pub arrival_rate_of: String,
+    /// Arrival rate of the workload (requests/s over its span): see `arrival_rate_of`.
     pub arrival_rate: f64,
     /// Estimated capacity in requests/s when a load was asked for.
     pub estimated_capacity_rps: Option<f64>,
@@ -612,11 +649,38 @@ impl Comparison {
             .unwrap_or_default();
         // "llama-3-8b on h200", or "smollm2-135m, calibrated (file's model ... on cpu)".
         let on = if self.calibrated { ", " } else { " on " };
-        let _ = writeln!(
-            s,
-            "{}{on}{}: {} requests at {:.2} req/s{peak}{cap}, max_model_len {}",
-            self.model, self.hardware, self.requests, self.arrival_rate, self.max_model_len
-        );
+        if self.arrival_rate_of == RATE_OF_TRACE {
+            let sent: Vec<String> = self
+                .policies
+                .iter()
+                .map(|p| {
+                    let peak = p
+                        .offered_peak_rate
+                        .map(|r| format!(" (peak {r:.2} over 10 s)"))
+                        .unwrap_or_default();
+                    format!("{} {:.2} req/s{peak}", p.policy, p.offered_rate)
+                })
+                .collect();
+            let _ = writeln!(
+                s,
+                "{}{on}{}: {} requests of {} closed-loop clients, their trace's arrival_s at \
+                 {:.2} req/s{peak}{cap}, max_model_len {}; sent (each after the client's \
+                 request before it ended, and its think time): {}",
+                self.model,
+                self.hardware,
+                self.requests,
+                self.clients,
+                self.arrival_rate,
+                self.max_model_len,
+                sent.join(", ")
+            );
+        } else {
+            let _ = writeln!(
+                s,
+                "{}{on}{}: {} requests at {:.2} req/s{peak}{cap}, max_model_len {}",
+                self.model, self.hardware, self.requests, self.arrival_rate, self.max_model_len
+            );
+        }
         let _ = writeln!(
             s,
             "slo% and goodput count the requests whose tier sets a ttft_ms or tpot_ms target \
@@ -1104,5 +1168,56 @@ mod tests {
         let mut v = [0.1, 0.2, 0.3 + 0.4 + 1e-13];
         let stats = serde_json::to_string(&LatencyStats::from_values(&mut v)).unwrap();
         assert!(!stats.contains("0000000"), "{stats}");
+    }
+
+    /// The first line gives the rate of requests sent: the trace's without clients; with them
+    /// the trace's named as such, then each policy's own; an older summary without
+    /// `arrival_rate_of` reads as one without clients.
+    #[test]
+    fn the_rates_said_are_those_of_the_requests_sent() {
+        let policy = |name: &str, rate: f64| PolicySummary {
+            policy: name.into(),
+            offered_rate: rate,
+            offered_peak_rate: Some(rate + 1.0),
+            ..Default::default()
+        };
+        let open = Comparison {
+            model: "m".into(),
+            hardware: "h".into(),
+            requests: 10,
+            arrival_rate: 5.0,
+            arrival_rate_of: RATE_OF_SENT.into(),
+            policies: vec![policy("fcfs", 5.0)],
+            ..Default::default()
+        };
+        let first = open.to_text().lines().next().unwrap().to_string();
+        assert_eq!(first, "m on h: 10 requests at 5.00 req/s, max_model_len 0");
+        let json = serde_json::to_value(&open).unwrap();
+        assert!(json.get("clients").is_none(), "{json}");
+        assert_eq!(json["arrival_rate_of"], "sent");
+        let closed = Comparison {
+            clients: 3,
+            arrival_rate_of: RATE_OF_TRACE.into(),
+            policies: vec![policy("fcfs", 2.0), policy("priority", 2.5)],
+            ..open.clone()
+        };
+        let first = closed.to_text().lines().next().unwrap().to_string();
+        assert_eq!(
+            first,
+            "m on h: 10 requests of 3 closed-loop clients, their trace's arrival_s at 5.00 \
+             req/s, max_model_len 0; sent (each after the client's request before it ended, \
+             and its think time): fcfs 2.00 req/s (peak 3.00 over 10 s), priority 2.50 req/s \
+             (peak 3.50 over 10 s)"
+        );
+        let json = serde_json::to_value(&closed).unwrap();
+        assert_eq!(
+            (&json["clients"], &json["arrival_rate_of"]),
+            (&3.into(), &"trace".into())
+        );
+        assert_eq!(json["policies"][1]["offered_rate"], 2.5);
+        let mut old = serde_json::to_value(&open).unwrap();
+        old.as_object_mut().unwrap().remove("arrival_rate_of");
+        let old: Comparison = serde_json::from_value(old).unwrap();
+        assert_eq!(old.arrival_rate_of, RATE_OF_SENT);
     }
 }

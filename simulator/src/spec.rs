@@ -90,6 +90,10 @@ pub const RATE_RANGE: std::ops::RangeInclusive<f64> = 1e-6..=1e6;
 pub const LOAD_RANGE: std::ops::RangeInclusive<f64> = 1e-3..=100.0;
 /// Accepted `workload.arrival.cv`: the gamma gaps' coefficient of variation (1 is Poisson's).
 pub const CV_RANGE: std::ops::RangeInclusive<f64> = 1e-3..=100.0;
+/// Accepted `workload.clients.think_s`, in seconds (a trace record's own `think_s` too).
+pub const THINK_RANGE: std::ops::RangeInclusive<f64> = 0.0..=crate::trace::MAX_THINK_S;
+/// Accepted `workload.clients.start_jitter_s`, in seconds (one day).
+pub const START_JITTER_RANGE: std::ops::RangeInclusive<f64> = 0.0..=86_400.0;
 
 /// A complete simulation description.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -578,6 +582,76 @@ pub struct WorkloadSpec {
     /// naming `adapter`s): see [`AdapterMix`]. Unset: requests keep the trace's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub adapters: Option<AdapterMix>,
+    /// How the trace's closed-loop clients (its records' `client`) pause between requests
+    /// and start: see [`ClientsSpec`]. Unset: no pause but a record's own `think_s`, and
+    /// each client starts at its first request's `arrival_s`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clients: Option<ClientsSpec>,
+}
+
+/// `workload.clients`: what the simulator draws, from the spec's seed (the same draws in every
+/// policy's run), for the closed-loop clients a JSONL trace names.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClientsSpec {
+    /// The mean pause, in seconds, between the end of a client's request and the sending of
+    /// its next one (0 to 3,600), for each request whose record gives no `think_s` of its own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub think_s: Option<f64>,
+    /// How the pauses are drawn around `think_s`: `exponential` (default; memoryless, as a
+    /// user's) or `constant` (every pause `think_s`).
+    #[serde(default)]
+    pub think: ThinkKind,
+    /// Each client's requests are all sent later by one draw, uniform in `[0,
+    /// start_jitter_s)` seconds (0 to 86,400), so that clients starting together do not send
+    /// in step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_jitter_s: Option<f64>,
+}
+
+/// How `workload.clients` draws think times.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ThinkKind {
+    /// Exponentially distributed with mean `think_s`.
+    #[default]
+    Exponential,
+    /// Always `think_s`.
+    Constant,
+}
+
+impl ClientsSpec {
+    /// Checks the bounds, naming the field; `format` is the trace's.
+    fn validate(&self, format: TraceFormat) -> Result<(), String> {
+        if format != TraceFormat::Jsonl {
+            return Err(format!(
+                "workload.clients: only a jsonl trace names clients (a record's `client`); \
+                 the {} trace has none",
+                format.name()
+            ));
+        }
+        if let Some(t) = self.think_s.filter(|t| !THINK_RANGE.contains(t)) {
+            return Err(format!(
+                "workload.clients.think_s {} outside {} (seconds)",
+                short_number(t),
+                show_range(&THINK_RANGE)
+            ));
+        }
+        if self.think == ThinkKind::Constant && self.think_s.is_none() {
+            return Err("workload.clients.think: `constant` needs `think_s`".into());
+        }
+        if let Some(j) = self
+            .start_jitter_s
+            .filter(|j| !START_JITTER_RANGE.contains(j))
+        {
+            return Err(format!(
+                "workload.clients.start_jitter_s {} outside {} (seconds)",
+                short_number(j),
+                show_range(&START_JITTER_RANGE)
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// Most adapters `workload.adapters.count` draws from.
@@ -956,6 +1030,9 @@ impl SimulationSpec {
         if let Some(a) = &w.adapters {
             a.validate()?;
         }
+        if let Some(c) = &w.clients {
+            c.validate(w.format)?;
+        }
         if w.format == TraceFormat::Sharegpt && (w.start_s.is_some() || w.end_s.is_some()) {
             return Err("workload: start_s/end_s need timestamps; use `limit` for sharegpt".into());
         }
@@ -1236,6 +1313,7 @@ impl SimulationSpec {
                 arrival,
                 mix: MixSpec::default(),
                 adapters: None,
+                clients: None,
             },
             source: cli.to_path_buf(),
         };
@@ -1838,6 +1916,64 @@ workload:
                 with("max_loras: 4", "adapters: {count: 5, popularity: pareto}"),
                 "unknown variant `pareto`",
             ),
+        ];
+        for (text, want) in cases {
+            let err = parse(&text).unwrap_err().to_string();
+            assert!(err.contains(want), "want {want}: {err}");
+        }
+    }
+
+    /// `workload.clients` is bounded by field (NaN, negative, huge refused) and needs a
+    /// trace that names clients.
+    #[test]
+    fn clients_think_times_and_start_jitter_are_checked_by_field() {
+        let with = |format: &str, clients: &str| {
+            GOOD.replace("format: azure", &format!("format: {format}"))
+                .replace("workload:\n", &format!("workload:\n  clients: {clients}\n"))
+        };
+        let s = parse(&with("jsonl", "{think_s: 1.5, start_jitter_s: 10}")).unwrap();
+        assert_eq!(
+            s.workload.clients,
+            Some(ClientsSpec {
+                think_s: Some(1.5),
+                think: ThinkKind::Exponential,
+                start_jitter_s: Some(10.0),
+            })
+        );
+        let s = parse(&with("jsonl", "{think_s: 0, think: constant}")).unwrap();
+        assert_eq!(s.workload.clients.unwrap().think, ThinkKind::Constant);
+        assert!(parse(GOOD).unwrap().workload.clients.is_none());
+        let cases = [
+            (
+                with("azure", "{think_s: 1}"),
+                "workload.clients: only a jsonl trace names clients",
+            ),
+            (
+                with("jsonl", "{think_s: -1}"),
+                "workload.clients.think_s -1 outside [0, 3600]",
+            ),
+            (
+                with("jsonl", "{think_s: .nan}"),
+                "workload.clients.think_s NaN outside",
+            ),
+            (
+                with("jsonl", "{think_s: 1e300}"),
+                "workload.clients.think_s 1e300 outside",
+            ),
+            (
+                with("jsonl", "{think: constant}"),
+                "workload.clients.think: `constant` needs `think_s`",
+            ),
+            (
+                with("jsonl", "{start_jitter_s: .inf}"),
+                "workload.clients.start_jitter_s inf outside [0, 86400]",
+            ),
+            (
+                with("jsonl", "{start_jitter_s: -0.5}"),
+                "workload.clients.start_jitter_s -0.5 outside",
+            ),
+            (with("jsonl", "{think: gamma}"), "unknown variant `gamma`"),
+            (with("jsonl", "{thinks: 1}"), "unknown field `thinks`"),
         ];
         for (text, want) in cases {
             let err = parse(&text).unwrap_err().to_string();

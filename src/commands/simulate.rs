@@ -37,6 +37,16 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
         }
         (None, None) => anyhow::bail!("give --config FILE, or --trace FILE --format F"),
     };
+    // A pipe is read as it comes (a named pipe's open waits for its writer): said first, so
+    // that a wait for a writer that never comes is not a silent hang.
+    let trace = &spec.workload.trace;
+    if std::fs::metadata(trace).is_ok_and(|m| !m.is_file() && !m.is_dir()) {
+        eprintln!(
+            "reading the trace {} as a stream (not a regular file: at most {} bytes)",
+            trace.display(),
+            switchyard_simulator::trace::MAX_STREAM_BYTES
+        );
+    }
     let (comparison, files) = switchyard_simulator::run(&spec, &args.out, true)?;
     for w in &comparison.warnings {
         eprintln!("warning: {w}");

@@ -1,9 +1,10 @@
 //! Switchyard's own trace JSONL: one object per line with `arrival_s`
 //! (seconds), `prompt_len` or `prompt_tokens` (explicit ids, so prefix reuse can
 //! be written down exactly), `output_len`, and optional `tenant`, `tier`,
-//! `priority` (lower is more urgent), `adapter` and `client` (a closed-loop client: its
+//! `priority` (lower is more urgent), `adapter`, `client` (a closed-loop client: its
 //! requests are sent one at a time, each once the one before it has ended, and not before
-//! its `arrival_s`). Unknown fields are errors
+//! its `arrival_s`) and `think_s` (with a `client`: its pause, in seconds, between the end of
+//! its request before this one and this one's sending). Unknown fields are errors
 //! (they are usually typos). Lines may come in any order; requests are sorted
 //! by arrival, ties kept in file order, and a `limit` keeps the first requests
 //! by arrival (not by line): the loader holds at most `limit` of them while
@@ -11,7 +12,7 @@
 
 use super::{
     add_total, check_output_len, check_prompt_len, for_each_line, json_object_line, unique_prompt,
-    LoadOptions, TraceRequest, MAX_ARRIVAL_S, MAX_LABEL_BYTES, MAX_PROMPT_TOKENS,
+    LoadOptions, TraceRequest, MAX_ARRIVAL_S, MAX_LABEL_BYTES, MAX_PROMPT_TOKENS, MAX_THINK_S,
 };
 use crate::error::SimError;
 use serde_json::{Map, Value};
@@ -21,7 +22,7 @@ use std::io::BufRead;
 use std::path::Path;
 use std::sync::Arc;
 
-const FIELDS: [&str; 9] = [
+const FIELDS: [&str; 10] = [
     "arrival_s",
     "prompt_len",
     "prompt_tokens",
@@ -31,6 +32,7 @@ const FIELDS: [&str; 9] = [
     "priority",
     "adapter",
     "client",
+    "think_s",
 ];
 
 /// A request held while reading, ordered by arrival then by position in the file, so the
@@ -187,6 +189,26 @@ fn parse_row(
                 .ok_or_else(|| err("adapter", "expected a u32 adapter id"))?,
         ),
     };
+    let client = label("client")?;
+    let think_s = match obj.get("think_s") {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(
+            v.as_f64()
+                .filter(|t| (0.0..=MAX_THINK_S).contains(t))
+                .ok_or_else(|| {
+                    err(
+                        "think_s",
+                        &format!("expected seconds between 0 and {MAX_THINK_S}"),
+                    )
+                })?,
+        ),
+    };
+    if think_s.is_some() && client.is_empty() {
+        return Err(err(
+            "think_s",
+            "a client's pause between its requests: give the record its `client`",
+        ));
+    }
     Ok(TraceRequest {
         arrival_s,
         prompt,
@@ -195,7 +217,8 @@ fn parse_row(
         tier: label("tier")?,
         priority,
         adapter,
-        client: label("client")?,
+        client,
+        think_s,
     })
 }
 
@@ -228,6 +251,7 @@ mod tests {
         );
         assert_eq!((r.priority, r.adapter), (Some(-1), Some(7)));
         assert_eq!((r.client.as_str(), rs[0].client.as_str()), ("p16", ""));
+        assert_eq!((r.think_s, rs[0].think_s), (None, None));
         // A client is a label as a tenant is: a string of at most 64 bytes.
         for bad in [
             r#""client": 3"#,
@@ -237,6 +261,19 @@ mod tests {
             let e = load(&line).unwrap_err().to_string();
             assert!(e.contains("client"), "{e}");
         }
+    }
+
+    #[test]
+    fn a_clients_think_time_is_read() {
+        let rs = load(
+            r#"{"arrival_s": 0, "prompt_len": 1, "output_len": 1, "client": "c", "think_s": 0.25}
+{"arrival_s": 1, "prompt_len": 1, "output_len": 1, "client": "c", "think_s": 0}
+{"arrival_s": 2, "prompt_len": 1, "output_len": 1, "client": "c", "think_s": 3600}
+{"arrival_s": 3, "prompt_len": 1, "output_len": 1, "client": "c", "think_s": null}"#,
+        )
+        .unwrap();
+        let thinks: Vec<Option<f64>> = rs.iter().map(|r| r.think_s).collect();
+        assert_eq!(thinks, vec![Some(0.25), Some(0.0), Some(3600.0), None]);
     }
 
     fn arrivals(text: &str, limit: Option<usize>) -> Vec<f64> {
@@ -318,6 +355,28 @@ mod tests {
             (
                 r#"{"arrival_s": "soon", "prompt_len": 1, "output_len": 1}"#,
                 "field `arrival_s`",
+            ),
+            // A think time is bounded (JSON has no NaN or infinity; serde_json refuses 1e999
+            // as a number out of range) and needs a client.
+            (
+                r#"{"arrival_s": 0, "prompt_len": 1, "output_len": 1, "client": "c", "think_s": -0.5}"#,
+                "field `think_s`: expected seconds between 0 and 3600",
+            ),
+            (
+                r#"{"arrival_s": 0, "prompt_len": 1, "output_len": 1, "client": "c", "think_s": 3600.5}"#,
+                "field `think_s`",
+            ),
+            (
+                r#"{"arrival_s": 0, "prompt_len": 1, "output_len": 1, "client": "c", "think_s": 1e300}"#,
+                "field `think_s`",
+            ),
+            (
+                r#"{"arrival_s": 0, "prompt_len": 1, "output_len": 1, "client": "c", "think_s": "1"}"#,
+                "field `think_s`",
+            ),
+            (
+                r#"{"arrival_s": 0, "prompt_len": 1, "output_len": 1, "think_s": 1}"#,
+                "field `think_s`: a client's pause",
             ),
         ];
         for (bad, want) in cases {

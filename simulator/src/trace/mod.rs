@@ -53,6 +53,13 @@ pub const MAX_LABEL_BYTES: usize = 64;
 /// workload is shaped (time scale, rate, load), so the virtual clock in microseconds stays
 /// far from overflowing.
 pub const MAX_ARRIVAL_S: f64 = 366.0 * 86_400.0;
+/// Longest think time accepted, in seconds (one hour), from a trace record's `think_s` or
+/// the spec's mean: a client idle longer starts a new session, which its `arrival_s` says.
+pub const MAX_THINK_S: f64 = 3_600.0;
+/// Most bytes read from a trace that is not a regular file (a pipe, `/dev/stdin`): a stream
+/// has no size to check, and a JSON Lines trace is read to its end whatever the limit
+/// (its lines may come in any order), so an endless one would never be done.
+pub const MAX_STREAM_BYTES: u64 = 1 << 32;
 
 /// One request of a trace, ready to be turned into a scheduler request.
 #[derive(Clone, Debug, PartialEq)]
@@ -73,8 +80,12 @@ pub struct TraceRequest {
     pub adapter: Option<u32>,
     /// Client label ("" = none): the requests of one client are sent one at a time, as a
     /// closed-loop client sends them, each at its `arrival_s` or once the client's request
-    /// before it (by arrival) has ended, whichever is later.
+    /// before it (by arrival) has ended (plus its think time), whichever is later.
     pub client: String,
+    /// A client's pause between the end of its request before this one and this one's
+    /// sending, in seconds (0 to [`MAX_THINK_S`]; `None`: none given, the spec's
+    /// `workload.clients.think_s` draws one). Read only for a client's request after its first.
+    pub think_s: Option<f64>,
 }
 
 impl TraceRequest {
@@ -90,6 +101,7 @@ impl TraceRequest {
             priority: None,
             adapter: None,
             client: String::new(),
+            think_s: None,
         }
     }
 }
@@ -223,15 +235,88 @@ pub(crate) enum Row {
     Stop,
 }
 
-/// Loads a timestamped trace (`azure`, `mooncake`, `jsonl`) from `path`.
+/// A trace being read: a regular file, or a stream bounded to [`MAX_STREAM_BYTES`].
+pub type TraceReader = std::io::BufReader<Bounded<std::fs::File>>;
+
+/// Opens the trace at `path`: a regular file is read as it is; anything else that can be
+/// read (a pipe, a named pipe, `/dev/stdin`) as a stream of at most [`MAX_STREAM_BYTES`],
+/// past which reading fails rather than never ending. A directory, and a terminal (a trace
+/// typed by hand is never what was meant: `/dev/stdin` with nothing piped in), are refused
+/// at once. Opening a named pipe waits for its writer, as every reader of one does.
+pub fn open_trace(path: &Path) -> Result<TraceReader, SimError> {
+    let meta = std::fs::metadata(path).map_err(|e| SimError::io(path, e))?;
+    if meta.is_dir() {
+        return Err(SimError::spec(
+            path,
+            "is a directory, not a trace: give the trace file in it",
+        ));
+    }
+    let file = std::fs::File::open(path).map_err(|e| SimError::io(path, e))?;
+    let limit = if meta.is_file() {
+        u64::MAX
+    } else {
+        if std::io::IsTerminal::is_terminal(&file) {
+            return Err(SimError::spec(
+                path,
+                "is a terminal: pipe a trace into it (`... | switchyard simulate --trace \
+                 /dev/stdin`) or give a file",
+            ));
+        }
+        MAX_STREAM_BYTES
+    };
+    Ok(std::io::BufReader::new(Bounded::new(file, limit)))
+}
+
+/// A reader that fails once more than `limit` bytes have come from `inner`: a stream's bound
+/// is an error, never a trace silently cut short.
+#[derive(Debug)]
+pub struct Bounded<R> {
+    inner: R,
+    left: u64,
+    limit: u64,
+}
+
+impl<R> Bounded<R> {
+    /// `inner`, of which at most `limit` bytes may be read.
+    pub fn new(inner: R, limit: u64) -> Self {
+        Self {
+            inner,
+            left: limit,
+            limit,
+        }
+    }
+}
+
+impl<R: Read> Read for Bounded<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        // One byte past the bound is asked for, so that a stream of exactly `limit` bytes
+        // ends cleanly and a longer one is told.
+        let max = usize::try_from(self.left.saturating_add(1)).unwrap_or(usize::MAX);
+        let max = buf.len().min(max);
+        let n = self.inner.read(&mut buf[..max])?;
+        if n as u64 > self.left {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!(
+                    "a trace read from a stream (not a regular file) may hold at most {} \
+                     bytes: write it to a file, or cut it shorter before the pipe",
+                    self.limit
+                ),
+            ));
+        }
+        self.left -= n as u64;
+        Ok(n)
+    }
+}
+
+/// Loads a timestamped trace (`azure`, `mooncake`, `jsonl`) from `path` (see [`open_trace`]).
 /// ShareGPT needs an arrival process: use [`load_sharegpt`].
 pub fn load_trace(
     path: &Path,
     format: TraceFormat,
     options: &LoadOptions,
 ) -> Result<Vec<TraceRequest>, SimError> {
-    let file = std::fs::File::open(path).map_err(|e| SimError::io(path, e))?;
-    let reader = std::io::BufReader::new(file);
+    let reader = open_trace(path)?;
     match format {
         TraceFormat::Azure => load_azure(reader, path, options),
         TraceFormat::Mooncake => load_mooncake(reader, path, options),
@@ -475,6 +560,56 @@ pub fn assign_adapters(
     Ok(())
 }
 
+/// What [`assign_clients`] draws for a trace's closed-loop clients.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ClientDraws {
+    /// Mean think time in seconds, for the requests whose record gives none; `None`: none
+    /// drawn.
+    pub think_s: Option<f64>,
+    /// Every think time is `think_s` (else exponential with that mean).
+    pub constant: bool,
+    /// Each client's requests are all delayed by one draw uniform in `[0, start_jitter_s)`.
+    pub start_jitter_s: Option<f64>,
+}
+
+/// Gives the requests of a client (`client` not empty) without a `think_s` one drawn as
+/// `draws` says, and delays each client's requests by its start jitter, from `seed` (streams
+/// of their own: the mixes and adapters draw the same as without); the requests are then
+/// sorted by arrival again (ties in their order before), a client's in the same order. A
+/// draw is made for each client's request whatever its record gives, so the others' draws
+/// do not depend on it. A drawn think time is at most about 37 times the mean (an
+/// exponential draw from a 53-bit uniform).
+pub fn assign_clients(requests: &mut [TraceRequest], draws: &ClientDraws, seed: u64) {
+    if let Some(mean) = draws.think_s {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        rng.set_stream(4);
+        for r in requests.iter_mut().filter(|r| !r.client.is_empty()) {
+            let u: f64 = rand::Rng::random(&mut rng);
+            let drawn = if draws.constant {
+                mean
+            } else {
+                // 1 - u lies in (0, 1]: the logarithm is finite.
+                -mean * (1.0 - u).ln()
+            };
+            r.think_s.get_or_insert(drawn);
+        }
+    }
+    if let Some(jitter) = draws.start_jitter_s.filter(|&j| j > 0.0) {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        rng.set_stream(5);
+        // One draw per client, in the order of their first requests.
+        let mut offsets: std::collections::HashMap<String, f64> = Default::default();
+        for r in requests.iter_mut().filter(|r| !r.client.is_empty()) {
+            let offset = *offsets
+                .entry(r.client.clone())
+                .or_insert_with(|| jitter * rand::Rng::random::<f64>(&mut rng));
+            r.arrival_s += offset;
+        }
+        // Stable: a client's requests, all moved alike, keep their order.
+        requests.sort_by(|a, b| a.arrival_s.total_cmp(&b.arrival_s));
+    }
+}
+
 fn kind(is_tier: bool) -> &'static str {
     if is_tier {
         "tiers"
@@ -513,30 +648,45 @@ pub fn rescale_to_rate(requests: &mut [TraceRequest], rate: f64) -> Result<(), S
     Ok(())
 }
 
-/// Checks that every arrival (after shaping) is a finite time in `0..=MAX_ARRIVAL_S`;
-/// otherwise names the first request out of bounds.
+/// Checks that every arrival (after shaping) is a finite time in `0..=MAX_ARRIVAL_S`, and
+/// every think time in `0..=MAX_THINK_S`; otherwise names the first request out of bounds.
 pub fn check_arrivals(requests: &[TraceRequest]) -> Result<(), String> {
-    match requests
+    if let Some(i) = requests
         .iter()
         .position(|r| !(0.0..=MAX_ARRIVAL_S).contains(&r.arrival_s))
     {
-        None => Ok(()),
-        Some(i) => Err(format!(
+        return Err(format!(
             "request {i} arrives at {} s once the workload is shaped (time_scale, rate, load), \
              past the bound of {MAX_ARRIVAL_S} s (one year): raise the rate or the load, or \
              lower time_scale",
             requests[i].arrival_s
-        )),
+        ));
     }
+    if let Some((i, t)) = requests.iter().enumerate().find_map(|(i, r)| {
+        r.think_s
+            .filter(|t| !(0.0..=MAX_THINK_S).contains(t))
+            .map(|t| (i, t))
+    }) {
+        return Err(format!(
+            "request {i}'s think time is {t} s once the workload is shaped (time_scale, rate, \
+             load scale the trace's think_s with its arrivals), past the bound of {MAX_THINK_S} \
+             s: raise the rate or the load, or lower time_scale"
+        ));
+    }
+    Ok(())
 }
 
-/// Multiplies every arrival time (relative to the first) by `factor`.
+/// Multiplies every arrival time (relative to the first) and every think time of the trace
+/// by `factor`: the trace's timeline is scaled as a whole.
 pub fn scale_time(requests: &mut [TraceRequest], factor: f64) {
     let Some(t0) = requests.first().map(|r| r.arrival_s) else {
         return;
     };
     for r in requests.iter_mut() {
         r.arrival_s = (r.arrival_s - t0) * factor;
+        if let Some(t) = &mut r.think_s {
+            *t *= factor;
+        }
     }
 }
 
@@ -714,6 +864,124 @@ mod tests {
         let mut slow: Vec<TraceRequest> = (0..3).map(|i| req(f64::from(i))).collect();
         rescale_to_rate(&mut slow, 1e-10).unwrap();
         assert!(check_arrivals(&slow).is_err());
+    }
+
+    /// A stream's bound is an error once passed, never a trace silently cut short; a stream
+    /// of exactly the bound reads whole.
+    #[test]
+    fn a_stream_past_its_bound_fails() {
+        let text = b"{\"arrival_s\": 0}\n".repeat(10);
+        let mut whole = Vec::new();
+        Bounded::new(&text[..], text.len() as u64)
+            .read_to_end(&mut whole)
+            .unwrap();
+        assert_eq!(whole, text);
+        let mut cut = Vec::new();
+        let err = Bounded::new(&text[..], text.len() as u64 - 1)
+            .read_to_end(&mut cut)
+            .unwrap_err();
+        assert!(
+            err.to_string()
+                .contains(&format!("at most {} bytes", text.len() - 1)),
+            "{err}"
+        );
+        // Through the line reader, as a loader reads: the error names the path.
+        let reader = std::io::BufReader::new(Bounded::new(&text[..], 40));
+        let mut lines = 0;
+        let err = for_each_line(reader, Path::new("/dev/stdin"), |_, _| {
+            lines += 1;
+            Ok(true)
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(err.starts_with("/dev/stdin: "), "{err}");
+        assert!(lines <= 2, "{lines}");
+        // An endless stream ends at the bound.
+        let err = std::io::BufReader::new(Bounded::new(std::io::repeat(b'\n'), 1 << 20))
+            .read_to_end(&mut Vec::new())
+            .unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::InvalidData);
+    }
+
+    #[test]
+    fn a_directory_is_refused_as_a_trace_and_a_file_is_read_whole() {
+        let dir = crate::scratch::ScratchDir::new("trace-open");
+        let err = open_trace(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("is a directory, not a trace"), "{err}");
+        let file = dir.path().join("t.jsonl");
+        std::fs::write(&file, "x\n").unwrap();
+        let mut text = String::new();
+        open_trace(&file)
+            .unwrap()
+            .read_to_string(&mut text)
+            .unwrap();
+        assert_eq!(text, "x\n");
+        assert!(open_trace(&dir.path().join("missing")).is_err());
+    }
+
+    /// A think time is scaled with the arrivals (time_scale, rate, load) and bounded after.
+    #[test]
+    fn think_times_scale_with_the_trace_and_are_bounded() {
+        let mut rs: Vec<TraceRequest> = (0..3).map(|i| req(f64::from(i))).collect();
+        rs[1].think_s = Some(2.0);
+        scale_time(&mut rs, 0.5);
+        assert_eq!(rs[1].think_s, Some(1.0));
+        assert_eq!(rs[2].arrival_s, 1.0);
+        check_arrivals(&rs).unwrap();
+        scale_time(&mut rs, 1e4);
+        let err = check_arrivals(&rs).unwrap_err();
+        assert!(
+            err.starts_with("request 1's think time is 10000 s"),
+            "{err}"
+        );
+    }
+
+    /// Drawn think times fill only the clients' requests without one, exponential about the
+    /// mean; the start jitter moves a client's requests together.
+    #[test]
+    fn client_draws_fill_what_the_trace_leaves() {
+        let mut rs: Vec<TraceRequest> = (0..20_000)
+            .map(|i| TraceRequest {
+                client: format!("c{}", i % 100),
+                ..req(f64::from(i / 100))
+            })
+            .collect();
+        rs[7].think_s = Some(9.0);
+        rs[8].client.clear();
+        let draws = ClientDraws {
+            think_s: Some(2.0),
+            constant: false,
+            start_jitter_s: None,
+        };
+        assign_clients(&mut rs, &draws, 3);
+        assert_eq!((rs[7].think_s, rs[8].think_s), (Some(9.0), None));
+        let drawn: Vec<f64> = rs.iter().filter_map(|r| r.think_s).collect();
+        let mean = drawn.iter().sum::<f64>() / drawn.len() as f64;
+        assert!((mean - 2.0).abs() < 0.1, "{mean}");
+        let above = drawn.iter().filter(|&&t| t > 2.0).count() as f64 / drawn.len() as f64;
+        assert!((above - (-1.0f64).exp()).abs() < 0.02, "{above}");
+        let before: Vec<(String, f64)> =
+            rs.iter().map(|r| (r.client.clone(), r.arrival_s)).collect();
+        let jitter = ClientDraws {
+            think_s: None,
+            constant: false,
+            start_jitter_s: Some(5.0),
+        };
+        assign_clients(&mut rs, &jitter, 3);
+        assert!(rs.windows(2).all(|w| w[0].arrival_s <= w[1].arrival_s));
+        let shift = |c: &str, rs: &[(String, f64)]| -> Vec<f64> {
+            rs.iter().filter(|r| r.0 == c).map(|r| r.1).collect()
+        };
+        let after: Vec<(String, f64)> =
+            rs.iter().map(|r| (r.client.clone(), r.arrival_s)).collect();
+        for c in ["c1", "c50"] {
+            let (b, a) = (shift(c, &before), shift(c, &after));
+            let d = a[0] - b[0];
+            assert!((0.0..5.0).contains(&d), "{d}");
+            assert!(a.iter().zip(&b).all(|(a, b)| (a - b - d).abs() < 1e-9));
+        }
+        // The request without a client is not moved.
+        assert!(after.contains(&(String::new(), 0.0)));
     }
 
     #[test]
