@@ -110,6 +110,9 @@ pub struct Scheduler {
     pub(crate) order: Vec<Ranked>,
     /// Scratch: waiting sequences ranked for the current step.
     pub(crate) wait_order: Vec<Ranked>,
+    /// Scratch: the planned prefill chunks a waiting request may take budget back from,
+    /// lowest-ranked first (`planner/running.rs`, `reclaimable` and `settle`).
+    pub(crate) reclaim_order: Vec<Ranked>,
     /// (arrival, id, slot) of the waiting sequences looked up in the prefix cache by the latest
     /// lookup (see `prefix_lookup.rs`); scratch while it picks them.
     pub(crate) lookups: Vec<(Timestamp, RequestId, u32)>,
@@ -353,6 +356,7 @@ impl Scheduler {
             waiting: Vec::new(),
             order: Vec::new(),
             wait_order: Vec::new(),
+            reclaim_order: Vec::new(),
             lookups: Vec::new(),
             pending_blocks: Default::default(),
             matched: Vec::new(),

@@ -49,7 +49,8 @@ impl Scheduler {
         ranked: &mut Option<usize>,
         b: &mut Building<'_>,
     ) {
-        if self.waiting.is_empty() || b.budget == 0 {
+        // With the budget spent, only running prefill chunks can lend some.
+        if self.waiting.is_empty() || (b.budget == 0 && !b.may_lend()) {
             return;
         }
         let step_running = self.running.len();
@@ -86,7 +87,12 @@ impl Scheduler {
             }
         };
         let mut i = 0;
-        while i < worder.len() && b.budget > 0 {
+        let mut lent = 0;
+        while i < worder.len() {
+            self.settle(std::mem::take(&mut lent), b);
+            if b.budget == 0 && !b.may_lend() {
+                break;
+            }
             if i == k {
                 if !passed_over {
                     break;
@@ -124,6 +130,14 @@ impl Scheduler {
             if quota_blocked & bit != 0 {
                 continue;
             }
+            // The budget goes in rank order: planned prefill chunks of running sequences that
+            // rank after this one lend it what its first chunk lacks, taken from them (`settle`)
+            // only if it is admitted, so a request that cannot be seated takes nothing.
+            lent = self.reclaimable(cand, now, b);
+            if b.budget + lent == 0 {
+                break;
+            }
+            b.budget += lent;
             if num_running >= self.config.max_num_seqs {
                 let end = *ranked.get_or_insert_with(|| {
                     self.rank_into(&self.running[..step_running], now, order);
@@ -179,6 +193,7 @@ impl Scheduler {
             }
             self.admitted(cand.slot, passes, &mut num_running);
         }
+        self.settle(lent, b);
         self.wait_order = worder;
     }
 

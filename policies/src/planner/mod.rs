@@ -10,6 +10,10 @@
 //!    running sequence not yet scheduled is preempted (possibly the one being scheduled).
 //!    If anything was preempted, nothing is admitted.
 //! 3. Waiting sequences, in rank order, are admitted while seats, budget and blocks last
+//!    (the budget goes in rank order: the prefill chunks planned in step 2 for running
+//!    sequences that rank after a waiting one lend it what its first chunk lacks, taken from
+//!    them, lowest-ranked first, only once it is admitted; decodes keep their token; see
+//!    `running.rs`, `reclaimable` and `settle`)
 //!    (a policy that ranks by cached prefixes first gets the longest cached prefix of up to
 //!    [`crate::Policy::prefix_lookups`] of them, the earliest arrivals; see `prefix_lookup.rs`):
 //!    their longest cached prefix is pinned (at least the last token is always recomputed,
@@ -157,6 +161,12 @@ struct Building<'p> {
     len: usize,
     /// Tokens left in the budget.
     budget: usize,
+    /// The step's whole budget (the policy's, clamped): the most a waiting request's first
+    /// chunk takes back from lower-ranked running prefills (`reclaimable` and `settle`).
+    step_budget: usize,
+    /// Entries of sequences that were running before this step's admissions (the plan's
+    /// first ones): the only chunks that lend budget to a waiting sequence.
+    running_len: usize,
     /// Logit rows left beyond the one every seat keeps: the rest of the prompt-logprob
     /// chunks' rows, and the drafts'.
     logit_rows: usize,
@@ -188,6 +198,14 @@ impl Building<'_> {
         } else {
             0
         }
+    }
+
+    /// Whether a running sequence's planned prefill chunk could lend budget to a waiting one
+    /// (`Scheduler::reclaimable`): O(running).
+    fn may_lend(&self) -> bool {
+        self.plan.seqs[..self.running_len]
+            .iter()
+            .any(|e| e.is_prefill && e.num_new_tokens > 0)
     }
 
     /// Charges a scheduled chunk to the budgets.
@@ -309,6 +327,8 @@ impl Scheduler {
             plan,
             len: 0,
             budget,
+            step_budget: budget,
+            running_len: 0,
             logit_rows: self
                 .config
                 .max_logit_rows
@@ -331,6 +351,7 @@ impl Scheduler {
         } else {
             self.schedule_running(now, &mut order, &mut b)
         };
+        b.running_len = b.len;
         // Requests that waited past their queue bound end before anything is admitted (after
         // the rollback above, so that none is lost with a plan made ahead that is dropped).
         self.expire_queued(now, &mut b.plan.timed_out);

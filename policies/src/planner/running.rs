@@ -321,6 +321,9 @@ impl Scheduler {
             let removed = b.plan.seqs[pos].num_new_tokens;
             b.plan.seqs[pos..b.len].rotate_left(1);
             b.len -= 1;
+            if pos < b.running_len {
+                b.running_len -= 1;
+            }
             if let Some(seq) = slot_ref(&self.seqs, slot) {
                 b.refund(seq, removed);
             }
@@ -348,5 +351,133 @@ impl Scheduler {
         b.plan.preempted.push(seq.id);
         self.policy
             .observe(PolicyEvent::Preempted(SeqView::new(seq)));
+    }
+}
+
+impl Scheduler {
+    /// Hands the step's budget out in rank order across running and waiting sequences: what
+    /// the prefill chunks planned for running sequences that rank after the waiting sequence
+    /// `cand` can lend it, up to what the budget left lacks for its remaining tokens (at most
+    /// the step's whole budget), with those sequences left in `reclaim_order`, lowest-ranked
+    /// first. Decodes lend nothing (stall-free batching). Admission adds the loan to the budget
+    /// and [`Scheduler::settle`]s it once the candidate is admitted or not.
+    ///
+    /// Running sequences are planned before waiting ones (their chunks must be known before
+    /// admission counts the free blocks), so without the loan a policy that shrinks the step's
+    /// budget (`slo-aware`'s slack-sized chunks) would have a waiting request that outranks
+    /// a running prefill wait for that prefill's chunks. O(planned) per call, plus the
+    /// ranking of the planned prefill chunks when the budget falls short.
+    pub(super) fn reclaimable(&mut self, cand: Ranked, now: Timestamp, b: &Building<'_>) -> usize {
+        let mut victims = std::mem::take(&mut self.reclaim_order);
+        victims.clear();
+        let want = self.seq(cand.slot).map_or(0, |seq| {
+            (seq.num_tokens() - seq.num_computed)
+                .min(b.step_budget)
+                .min(b.logit_cap(seq))
+        });
+        let mut lendable = 0usize;
+        if b.budget < want {
+            // Not a sequence admitted in this step: it ranks before the candidate (admission
+            // goes in rank order), and its chunk is its first, with its prefix match.
+            for (entry, &slot) in b.plan.seqs[..b.running_len].iter().zip(&self.last_slots) {
+                if !entry.is_prefill || !entry.draft_tokens.is_empty() {
+                    continue;
+                }
+                if let Some(s) = self.seq(slot) {
+                    let r = Ranked {
+                        rank: self.policy.rank(SeqView::new(s), now),
+                        arrival: s.req.arrival,
+                        id: s.id,
+                        slot,
+                    };
+                    if r > cand {
+                        victims.push(r);
+                        lendable += entry.num_new_tokens;
+                    }
+                }
+            }
+            // Lowest-ranked first.
+            victims.sort_unstable_by(|x, y| y.cmp(x));
+        }
+        self.reclaim_order = victims;
+        lendable.min(want.saturating_sub(b.budget))
+    }
+
+    /// Settles a loan of `lent` tokens that [`Scheduler::reclaimable`] added to the budget:
+    /// what the admission left of the budget pays it back, and the rest is taken from the
+    /// lenders' planned chunks, lowest-ranked first. (Lenders preempted in the meantime gave
+    /// back their whole chunks, so what is left of the others covers the rest.)
+    pub(super) fn settle(&mut self, lent: usize, b: &mut Building<'_>) {
+        if b.budget >= lent {
+            b.budget -= lent;
+            return;
+        }
+        let mut owed = lent - b.budget;
+        b.budget = 0;
+        let victims = std::mem::take(&mut self.reclaim_order);
+        for v in &victims {
+            if owed == 0 {
+                break;
+            }
+            owed -= self.shrink_chunk(v.slot, owed, b);
+        }
+        self.reclaim_order = victims;
+        if owed > 0 {
+            self.pool_errors += 1; // unreachable: see above
+        }
+    }
+
+    /// Takes up to `tokens` back from the planned prefill chunk of the running sequence in
+    /// `slot` (returning how many), giving back the blocks reserved for them; a chunk left
+    /// empty leaves the plan (the sequence stays running and gets its next chunk in a later
+    /// step).
+    fn shrink_chunk(&mut self, slot: u32, tokens: usize, b: &mut Building<'_>) -> usize {
+        let Some(pos) = self.last_slots.iter().position(|&s| s == slot) else {
+            return 0;
+        };
+        let Some(seq) = self.seqs.get_mut(slot as usize).and_then(|s| s.as_mut()) else {
+            return 0;
+        };
+        let entry = &mut b.plan.seqs[pos];
+        let old = entry.num_new_tokens;
+        let take = tokens.min(old);
+        let new = old - take;
+        let keep = self
+            .ledger
+            .blocks_for(entry.num_computed_tokens + new)
+            .max(entry.first_new_block);
+        while seq.block_table.len() > keep {
+            if let Some(blk) = seq.block_table.pop() {
+                self.quotas.sub(seq.tier, 1);
+                if self.ledger.free(blk).is_err() {
+                    self.pool_errors += 1;
+                }
+            }
+        }
+        seq.blocks_sent = seq.block_table.len();
+        let first = entry.first_new_block.min(seq.block_table.len());
+        entry.new_blocks.clear();
+        entry
+            .new_blocks
+            .extend_from_slice(&seq.block_table[first..]);
+        entry.num_new_tokens = new;
+        // It no longer reaches the last known token.
+        entry.samples &= take == 0;
+        b.logit_rows += Building::logit_charge(seq, old) - Building::logit_charge(seq, new);
+        b.plan.num_batched_tokens -= take;
+        b.owed = None;
+        if new == 0 {
+            b.plan.seqs[pos..b.len].rotate_left(1);
+            b.len -= 1;
+            b.running_len -= 1;
+            self.last_slots.remove(pos);
+            // Entries behind it moved up one place.
+            for sh in &mut self.plan_shares {
+                if sh.entry as usize > pos {
+                    sh.entry -= 1;
+                }
+            }
+        }
+        take
     }
 }

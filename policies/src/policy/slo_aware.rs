@@ -11,6 +11,13 @@
 //! * Relegation: a request whose slack is negative can no longer make it; it moves behind
 //!   every feasible request (earliest deadline first among the relegated), so one late
 //!   request does not make others late too. Requests without targets follow, FCFS.
+//! * Tier priority (a request's `priority`, lower first) orders each class but the feasible
+//!   one: relegated requests by priority, then deadline; untargeted ones and preemptible
+//!   tiers by priority, then arrival. Among requests that can still make their targets the
+//!   slack alone decides (Niyama: a deadline is the tier's promise, whatever its priority).
+//!   Running work that cannot make its target (or has none) yields to a waiting request of a
+//!   strictly more urgent priority that ranks before it, as under `priority`; work that can
+//!   still make its target is never preempted but by the tier flag below.
 //! * Tiers marked `preemptible` in the scheduler's config go last, and any request of a tier
 //!   that is not preemptible may preempt their running work when admission is blocked,
 //!   relegated or untargeted ones included. Relegation orders the requests that are owed
@@ -23,7 +30,9 @@
 //! * Slack-sized chunks: the step's token budget is what the tightest running decode can
 //!   afford before its next token is due (at least one TPOT, so a late decode keeps the
 //!   target pace), so prefill chunks grow when decodes have slack and shrink when they do
-//!   not (never below `min_chunk_tokens` of prefill).
+//!   not (never below `min_chunk_tokens` of prefill). The planner hands that budget out in
+//!   rank order, waiting requests included, so a shrunk budget slows the lower-ranked
+//!   prefills, not a waiting request ranked above them.
 
 use crate::error::PolicyError;
 use crate::policy::params::Params;
@@ -42,6 +51,20 @@ const RELEGATED: i64 = 1;
 const NO_TARGET: i64 = 2;
 /// Rank class of preemptible tiers.
 const PREEMPTIBLE: i64 = 3;
+
+/// Bits of a rank's class below the class itself: the request's priority, offset to be
+/// non-negative (every `i32` fits in 33 bits), orders the classes but the feasible one.
+const CLASS_SHIFT: u32 = 33;
+
+/// A rank's class: `class` first, then the priority (lower first).
+fn class_with_priority(class: i64, priority: i32) -> i64 {
+    (class << CLASS_SHIFT) + (i64::from(priority) - i64::from(i32::MIN))
+}
+
+/// The class (`FEASIBLE` to `PREEMPTIBLE`) of a rank this policy gave.
+fn class_of(rank: Rank) -> i64 {
+    rank.class >> CLASS_SHIFT
+}
 
 /// Niyama-style deadline scheduling with relegation and slack-sized chunks.
 #[derive(Clone, Debug)]
@@ -139,33 +162,45 @@ impl Policy for SloAware {
     }
 
     fn rank(&self, seq: SeqView<'_>, now: Timestamp) -> Rank {
+        let priority = seq.priority();
         if seq.preemptible() {
             return Rank {
-                class: PREEMPTIBLE,
+                class: class_with_priority(PREEMPTIBLE, priority),
                 key: 0,
             };
         }
         match (self.slack_us(seq, now), self.deadline(seq)) {
             (Some(slack), _) if slack >= 0 => Rank {
-                class: FEASIBLE,
+                class: FEASIBLE << CLASS_SHIFT,
                 key: slack,
             },
             (Some(_), Some(d)) => Rank {
-                class: RELEGATED,
+                class: class_with_priority(RELEGATED, priority),
                 key: d.0 as i64,
             },
             _ => Rank {
-                class: NO_TARGET,
+                class: class_with_priority(NO_TARGET, priority),
                 key: 0,
             },
         }
     }
 
     /// Running work of a preemptible tier yields to any request of a tier that is not: the
-    /// waiting request's slack does not matter (see the module's notes on relegation).
-    /// Nothing else is ever preempted, so two requests never preempt each other in turn.
-    fn may_preempt(&self, waiting: SeqView<'_>, running: SeqView<'_>, _now: Timestamp) -> bool {
-        running.preemptible() && !waiting.preemptible()
+    /// waiting request's slack does not matter (see the module's notes on relegation). Running
+    /// work that cannot make its target (or has none) yields to a request of a strictly more
+    /// urgent priority that ranks before it. A request that can still make its target is
+    /// never a victim but of a preemptible tier, and since both rules need the waiting request
+    /// to be the more urgent one (by tier flag or by priority), two requests never preempt
+    /// each other in turn.
+    fn may_preempt(&self, waiting: SeqView<'_>, running: SeqView<'_>, now: Timestamp) -> bool {
+        if running.preemptible() && !waiting.preemptible() {
+            return true;
+        }
+        if waiting.priority() >= running.priority() {
+            return false;
+        }
+        let r = self.rank(running, now);
+        class_of(r) != FEASIBLE && self.rank(waiting, now) < r
     }
 
     fn token_budget(&self, ctx: &StepContext<'_>) -> usize {
@@ -250,27 +285,11 @@ mod tests {
             .iter()
             .map(|s| p.rank(SeqView::new(s), now))
             .collect();
-        assert_eq!(
-            ranks[0],
-            Rank {
-                class: FEASIBLE,
-                key: 2_000
-            }
-        );
-        assert_eq!(
-            ranks[1],
-            Rank {
-                class: FEASIBLE,
-                key: 39_000
-            }
-        );
-        assert_eq!(
-            ranks[2],
-            Rank {
-                class: RELEGATED,
-                key: 5_000
-            }
-        );
+        assert_eq!((class_of(ranks[0]), ranks[0].key), (FEASIBLE, 2_000));
+        assert_eq!((class_of(ranks[1]), ranks[1].key), (FEASIBLE, 39_000));
+        assert_eq!((class_of(ranks[2]), ranks[2].key), (RELEGATED, 5_000));
+        assert_eq!(class_of(ranks[3]), NO_TARGET);
+        assert_eq!(class_of(ranks[4]), PREEMPTIBLE);
         assert!(ranks.windows(2).all(|w| w[0] < w[1]), "{ranks:?}");
     }
 
@@ -284,9 +303,9 @@ mod tests {
         // from arrival (a premium prompt whose prefill alone is longer than the target).
         let relegated = with_slo(seq(2, 50_000, 128), Some(2.0), None);
         let untargeted = seq(3, 0, 1);
-        assert_eq!(p.rank(SeqView::new(&feasible), now).class, FEASIBLE);
-        assert_eq!(p.rank(SeqView::new(&relegated), now).class, RELEGATED);
-        assert_eq!(p.rank(SeqView::new(&untargeted), now).class, NO_TARGET);
+        assert_eq!(class_of(p.rank(SeqView::new(&feasible), now)), FEASIBLE);
+        assert_eq!(class_of(p.rank(SeqView::new(&relegated), now)), RELEGATED);
+        assert_eq!(class_of(p.rank(SeqView::new(&untargeted), now)), NO_TARGET);
         let mut batch = decoding(seq(4, 0, 1), 1, 0);
         batch.preemptible = true;
         // A running request of a tier that is not preemptible, with a target or without.
@@ -307,10 +326,11 @@ mod tests {
     }
 
     proptest::proptest! {
-        /// Whatever the targets, arrivals, progress and clock: a request may preempt exactly
-        /// the running work of a preemptible tier when its own tier is not preemptible, such
-        /// a victim always ranks after it (the planner only takes victims that rank after the
-        /// waiting request), and no two requests may preempt each other.
+        /// Whatever the targets, priorities, arrivals, progress and clock: a request may preempt
+        /// exactly the running work of a preemptible tier when its own tier is not preemptible,
+        /// and running work without a feasible target of a strictly worse priority that ranks
+        /// after it; a victim always ranks after it (the planner only takes victims that rank
+        /// after the waiting request), and no two requests may preempt each other.
         #[test]
         fn preemption_follows_the_tier_flag_and_the_rank(
             specs in proptest::collection::vec(
@@ -321,6 +341,7 @@ mod tests {
                     0u64..10_000_000,
                     1usize..4096,
                     proptest::option::of((0usize..64, 0u64..10_000_000)),
+                    -2i32..3,
                 ),
                 2..8,
             ),
@@ -331,13 +352,14 @@ mod tests {
             let seqs: Vec<Sequence> = specs
                 .iter()
                 .enumerate()
-                .map(|(i, &(preemptible, ttft, tpot, arrival, prompt, progress))| {
+                .map(|(i, &(preemptible, ttft, tpot, arrival, prompt, progress, priority))| {
                     let s = seq(i as u64 + 1, arrival, prompt);
                     let mut s = match progress {
                         Some((outputs, first)) => decoding(s, outputs + 1, arrival + first),
                         None => s,
                     };
                     s.preemptible = preemptible;
+                    s.req.priority = priority;
                     with_slo(s, ttft.map(f64::from), tpot.map(f64::from))
                 })
                 .collect();
@@ -345,7 +367,18 @@ mod tests {
                 for r in &seqs {
                     let (wv, rv) = (SeqView::new(w), SeqView::new(r));
                     let may = p.may_preempt(wv, rv, now);
-                    proptest::prop_assert_eq!(may, r.preemptible && !w.preemptible);
+                    let (wr, rr) = (p.rank(wv, now), p.rank(rv, now));
+                    let by_priority = w.req.priority < r.req.priority
+                        && class_of(rr) != FEASIBLE
+                        && wr < rr;
+                    proptest::prop_assert_eq!(
+                        may,
+                        (r.preemptible && !w.preemptible) || by_priority
+                    );
+                    if class_of(rr) == FEASIBLE && !r.preemptible {
+                        // Work that can still make its target is never a victim.
+                        proptest::prop_assert!(!may);
+                    }
                     if may {
                         proptest::prop_assert!(p.rank(wv, now) < p.rank(rv, now));
                         proptest::prop_assert!(!p.may_preempt(rv, wv, now));
@@ -353,6 +386,92 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn tier_priority_orders_every_class_but_the_feasible_one() {
+        let p = policy();
+        let now = Timestamp(10_000);
+        let with_priority = |mut s: Sequence, priority: i32| {
+            s.req.priority = priority;
+            s
+        };
+        // Feasible: slack decides, whatever the priority.
+        let tight_low = with_priority(with_slo(seq(1, 0, 1), Some(13.0), None), 5);
+        let loose_high = with_priority(with_slo(seq(2, 0, 1), Some(50.0), None), 0);
+        // Relegated: priority first, then the deadline.
+        let late_high = with_priority(with_slo(seq(3, 0, 1), Some(8.0), None), 0);
+        let later_low = with_priority(with_slo(seq(4, 0, 1), Some(5.0), None), 1);
+        // Untargeted and preemptible: priority, then arrival (the planner's tie-break).
+        let none_high = with_priority(seq(5, 9_000, 1), 0);
+        let none_low = with_priority(seq(6, 0, 1), 1);
+        let mut batch_high = with_priority(seq(7, 9_000, 1), 2);
+        batch_high.preemptible = true;
+        let mut batch_low = with_priority(seq(8, 0, 1), 3);
+        batch_low.preemptible = true;
+        let order = [
+            &tight_low,
+            &loose_high,
+            &late_high,
+            &later_low,
+            &none_high,
+            &none_low,
+            &batch_high,
+            &batch_low,
+        ];
+        let ranks: Vec<Rank> = order.iter().map(|s| p.rank(SeqView::new(s), now)).collect();
+        assert!(ranks.windows(2).all(|w| w[0] < w[1]), "{ranks:?}");
+        let classes: Vec<i64> = ranks.iter().map(|&r| class_of(r)).collect();
+        assert_eq!(
+            classes,
+            [
+                FEASIBLE,
+                FEASIBLE,
+                RELEGATED,
+                RELEGATED,
+                NO_TARGET,
+                NO_TARGET,
+                PREEMPTIBLE,
+                PREEMPTIBLE
+            ]
+        );
+        // The most and least urgent priorities keep the classes apart.
+        let extreme = |priority, preemptible| {
+            let mut s = with_priority(seq(9, 0, 1), priority);
+            s.preemptible = preemptible;
+            p.rank(SeqView::new(&s), now)
+        };
+        assert!(extreme(i32::MAX, false) < extreme(i32::MIN, true));
+        let relegated_worst = with_priority(with_slo(seq(10, 0, 1), Some(5.0), None), i32::MAX);
+        assert!(p.rank(SeqView::new(&relegated_worst), now) < extreme(i32::MIN, false));
+    }
+
+    #[test]
+    fn a_more_urgent_tier_preempts_late_or_untargeted_work_never_feasible_work() {
+        let p = policy();
+        let now = Timestamp(50_000);
+        let with_priority = |mut s: Sequence, priority: i32| {
+            s.req.priority = priority;
+            s
+        };
+        // Waiting premium (priority 0), relegated: its 2 ms target is past.
+        let premium = with_priority(with_slo(seq(1, 40_000, 128), Some(2.0), None), 0);
+        // Running standard-tier work (priority 1, not preemptible): untargeted, relegated
+        // (its next token was due at 20 ms) and feasible (due at 1 s).
+        let untargeted = with_priority(decoding(seq(2, 0, 1), 1, 0), 1);
+        let late = with_priority(with_slo(decoding(seq(3, 0, 1), 2, 0), None, Some(10.0)), 1);
+        let feasible = with_priority(
+            with_slo(decoding(seq(4, 0, 1), 1, 0), None, Some(1000.0)),
+            1,
+        );
+        let w = SeqView::new(&premium);
+        assert!(p.may_preempt(w, SeqView::new(&untargeted), now));
+        assert!(p.may_preempt(w, SeqView::new(&late), now));
+        assert!(!p.may_preempt(w, SeqView::new(&feasible), now));
+        // The same priority preempts nothing, nor does a less urgent one.
+        let peer = with_priority(with_slo(seq(5, 40_000, 128), Some(2.0), None), 1);
+        assert!(!p.may_preempt(SeqView::new(&peer), SeqView::new(&untargeted), now));
+        assert!(!p.may_preempt(SeqView::new(&untargeted), SeqView::new(&premium), now));
     }
 
     #[test]

@@ -13,6 +13,7 @@ mod drafts;
 mod lifecycle;
 mod preemption;
 mod prefix_cache;
+mod rank_budget;
 mod window;
 
 fn config(blocks: usize, block_size: usize) -> SchedulerConfig {

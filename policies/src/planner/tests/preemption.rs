@@ -397,3 +397,46 @@ fn preemption_for_admission_does_not_count_blocks_the_candidate_reuses() {
     let q = &p.seqs[1];
     assert_eq!((q.num_computed_tokens, q.num_new_tokens), (8, 8));
 }
+
+/// Under `slo-aware`, a request of a more urgent priority preempts running work of a tier
+/// that is not preemptible when that work has no target (or can no longer make it); with the
+/// same priority it waits for the seat.
+#[test]
+fn slo_aware_preempts_a_less_urgent_untargeted_tier_by_priority() {
+    let tier = |name: &str, ttft_ms: Option<f64>| TierSpec {
+        name: name.into(),
+        ttft_ms,
+        tpot_ms: None,
+        weight: 1.0,
+        preemptible: false,
+        max_queue_ms: None,
+        max_kv_fraction: None,
+    };
+    let run = |premium_priority: i32| {
+        let mut c = config(64, 4);
+        c.max_num_seqs = 1;
+        c.tiers = vec![tier("premium", Some(5.0)), tier("standard", None)];
+        let p = PolicyRegistry::with_builtins()
+            .create("slo-aware", &serde_yaml::Value::Null, &c.tiers)
+            .unwrap();
+        let mut s = sched(c, p);
+        let mut standard = with_adapter(req(1, 0, vec![1; 4], 50), None, 1);
+        standard.tier = "standard".into();
+        s.add_request(standard).unwrap();
+        step(&mut s, 0, 3);
+        // Relegated from its arrival: 8 ms a step (the default) outlasts its 5 ms target.
+        let mut premium = with_adapter(req(2, 1_000, vec![2; 4], 5), None, premium_priority);
+        premium.tier = "premium".into();
+        s.add_request(premium).unwrap();
+        let (p, _) = step(&mut s, 2_000, 3);
+        (p, s)
+    };
+    let (p, s) = run(0);
+    assert_eq!(p.preempted, vec![RequestId(1)]);
+    assert_eq!(ids(&p), vec![2]);
+    assert_eq!(s.request_state(RequestId(1)), Some(RequestState::Preempted));
+    let (p, s) = run(1);
+    assert!(p.preempted.is_empty());
+    assert_eq!(ids(&p), vec![1]);
+    assert_eq!(s.request_state(RequestId(2)), Some(RequestState::Waiting));
+}
