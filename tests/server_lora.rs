@@ -884,8 +884,8 @@ fn found_adapters_are_served_while_memory_is_full_and_make_room_for_an_operators
         seen.push(byte[0]);
     }
     assert_haiku(s, "found", "lora_golden.json");
-    // Read once: the request's name check registered it, and the request took the weights
-    // the check read (they were dropped from memory at once, and read again, before).
+    // Read once, by the request (its name check reads nothing; it once registered the
+    // adapter, whose weights were then dropped from memory at once and read again).
     let found_dir = root.join("found").display().to_string();
     let reads = s
         .log()

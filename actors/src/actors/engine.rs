@@ -1262,17 +1262,15 @@ impl Engine {
         }
     }
 
-    /// Whether requests may name the LoRA adapter `name`: registered, or found now in
-    /// `lora.adapter_dirs` (and registered by the LoRA manager). A directory's adapter that
-    /// does not load, or a full registry of adapters in use, is an `Unavailable` error.
+    /// Whether requests may name the LoRA adapter `name`: registered, or held now by one of
+    /// `lora.adapter_dirs`. Nothing is loaded: the request that follows loads a directory's
+    /// adapter when it resolves the name (a broken one, or a full registry of adapters in use,
+    /// is then its `Unavailable` error).
     pub async fn find_adapter(&self, name: &str) -> Result<bool, SubmitError> {
         let Some(lora) = &self.lora else {
             return Ok(false);
         };
-        lora.find(name)
-            .await
-            .map(|found| found.is_some())
-            .map_err(lora_submit_error)
+        lora.find(name).await.map_err(lora_submit_error)
     }
 
     /// Replaces the tiers (a reload of the configuration: tiers added, removed or with new

@@ -26,12 +26,14 @@
 //! Discovered adapters make room for one another and for an operator's registrations: when
 //! the registry is full, the least recently used discovered adapter that no request holds
 //! and that is not pinned is unregistered (it is found again on its next request), once the
-//! new adapter has loaded; a request that registers one gets its weights even when the
-//! eviction that follows would drop them from memory at once, and so does the request whose
-//! name check registered it (the weights are kept for it until it resolves the name, one
-//! adapter at a time), so its files are read once; a discovered adapter whose files
-//! are gone or broken when it is loaded again is unregistered, so it is found again, or not,
-//! as its directory then says.
+//! new adapter has loaded; the request that registers one gets its weights even when the
+//! eviction that follows would drop them from memory at once, so its files are read once. A
+//! request's name check ([`LoraHandle::find`]) only looks in the directories (on the
+//! directory scanner's thread): it reads, registers and keeps nothing, so any number of
+//! checks of new adapters in flight at once never read an adapter twice nor hold memory; the
+//! request that follows reads the adapter (once) when it resolves the name. A discovered
+//! adapter whose files are gone or broken when it is loaded again is unregistered, so it is
+//! found again, or not, as its directory then says.
 //!
 //! Memory. At most `max_adapters` names are registered and at most `max_loaded` adapters are
 //! kept in memory, those in use included; beyond that, the least recently used adapter that no
@@ -53,7 +55,7 @@ use parking_lot::RwLock;
 use switchyard_gpu::model::LlamaConfig;
 use switchyard_gpu::{GpuError, LoraAdapter, LoraLimits};
 
-use super::lora_dirs::{check_name, holds_adapter, DirectoryScanner, ListFound};
+use super::lora_dirs::{check_name, holds_adapter, locate, DirectoryScanner, Holds, ListFound};
 
 /// Settings of the LoRA manager.
 #[derive(Clone, Debug)]
@@ -219,14 +221,6 @@ struct SharedRegistry {
     /// Set when the manager left more than `max_loaded` adapters in memory because they were
     /// in use; the next request served from memory takes it and asks the manager to evict.
     over_limit: AtomicBool,
-    /// The weights of the adapter a request's name check registered last
-    /// ([`LoraManager::find`]), kept for the request that follows the check: they count as in
-    /// use, so no eviction drops them (memory full of adapters in use would drop them at once,
-    /// the only ones no request holds) before that request resolves the name, which releases
-    /// them (the request then holds them); else the request would read the files again. One
-    /// at a time: the next name check's registration releases them, as do the adapter's
-    /// unregistration and replacement. Locked after `state` when both are.
-    reserved: parking_lot::Mutex<Option<(String, Arc<LoraAdapter>)>>,
 }
 
 /// The registered adapters and the weights of those in memory, as other threads see them:
@@ -256,48 +250,17 @@ impl LoraRegistry {
         self.0.state.read().adapters.iter().any(|a| a.name == name)
     }
 
-    /// The id and weights of `name` if they are in memory, marking it used (and releasing
-    /// them if they were reserved for this request: it holds them now).
+    /// The id and weights of `name` if they are in memory, marking it used.
     fn lookup(&self, name: &str) -> Lookup {
-        let found = {
-            let state = self.0.state.read();
-            if let Some(r) = state.resident.get(name) {
-                r.last_used.store(self.tick(), Ordering::Relaxed);
-                Lookup::Resident(r.id, r.adapter.clone())
-            } else if state.adapters.iter().any(|a| a.name == name) {
-                Lookup::Evicted
-            } else {
-                Lookup::Unknown
-            }
-        };
-        if matches!(found, Lookup::Resident(..)) {
-            self.release(Some(name));
+        let state = self.0.state.read();
+        if let Some(r) = state.resident.get(name) {
+            r.last_used.store(self.tick(), Ordering::Relaxed);
+            Lookup::Resident(r.id, r.adapter.clone())
+        } else if state.adapters.iter().any(|a| a.name == name) {
+            Lookup::Evicted
+        } else {
+            Lookup::Unknown
         }
-        found
-    }
-
-    /// Releases the weights reserved for a request ([`SharedRegistry::reserved`]) if they are
-    /// `name`'s (whosever they are: `None`).
-    fn release(&self, name: Option<&str>) {
-        let mut slot = self.0.reserved.lock();
-        let theirs = match (slot.as_ref(), name) {
-            (None, _) => false,
-            (Some(_), None) => true,
-            (Some((reserved, _)), Some(name)) => reserved == name,
-        };
-        let released = if theirs { slot.take() } else { None };
-        drop(slot);
-        // Freed (if no request holds them either) outside the lock.
-        drop(released);
-    }
-
-    /// The name whose weights are reserved for a request, if any.
-    fn reserved_name(&self) -> Option<String> {
-        self.0
-            .reserved
-            .lock()
-            .as_ref()
-            .map(|(name, _)| name.clone())
     }
 
     /// The registration of `name`.
@@ -363,16 +326,21 @@ impl LoraHandle {
         }
     }
 
-    /// Whether requests may name `name`: registered, or found now in `adapter_dirs` (and then
-    /// registered, by the manager). `None` when no adapter of that name exists.
-    pub async fn find(&self, name: &str) -> Result<Option<AdapterInfo>, LoraError> {
-        if let Some(info) = self.registry.info(name) {
-            return Ok(Some(info));
+    /// Whether requests may name `name`: registered, or held now by one of `adapter_dirs`
+    /// (looked for on the directory scanner's thread, never behind the manager's loads).
+    /// Nothing is read, registered or kept: the request that follows reads the adapter once,
+    /// when it resolves the name, and holds it.
+    pub async fn find(&self, name: &str) -> Result<bool, LoraError> {
+        if self.registry.contains(name) {
+            return Ok(true);
         }
-        if !self.discovers {
-            return Ok(None);
+        match &self.scanner {
+            Some(scanner) => scanner
+                .send(Holds(name.to_owned()))
+                .await
+                .map_err(|_| LoraError::Stopped),
+            None => Ok(false),
         }
-        self.ask(Find(name.to_owned())).await
     }
 
     /// The registered adapters.
@@ -417,9 +385,6 @@ enum Keep {
     Nobody,
     /// The caller, which gets them (a request resolving a name it found).
     Caller,
-    /// The request whose name check found the adapter, until it resolves the name
-    /// ([`SharedRegistry::reserved`]).
-    NextRequest,
 }
 
 /// The LoRA manager actor.
@@ -430,6 +395,8 @@ pub struct LoraManager {
     next_id: u32,
     /// What the manager publishes; it is the only writer.
     registry: LoraRegistry,
+    /// Adapters read from disk since the start (`lora_adapter_loads_total`, per manager).
+    reads: u64,
 }
 
 impl LoraManager {
@@ -440,6 +407,7 @@ impl LoraManager {
             fingerprints: HashMap::new(),
             next_id: 1,
             registry,
+            reads: 0,
         }
     }
 
@@ -452,8 +420,9 @@ impl LoraManager {
         check_name(name, &self.config.base_name)
     }
 
-    fn load(&self, path: &Path) -> Result<Arc<LoraAdapter>, LoraError> {
+    fn load(&mut self, path: &Path) -> Result<Arc<LoraAdapter>, LoraError> {
         let t0 = std::time::Instant::now();
+        self.reads += 1;
         let adapter = LoraAdapter::load(path, &self.config.model, &self.config.limits)?;
         metrics::counter!(crate::metric_names::LORA_LOADS).increment(1);
         tracing::info!(
@@ -514,9 +483,9 @@ impl LoraManager {
 
     /// [`Self::register_as`], the weights kept from the eviction that follows the
     /// registration as `hold` says (and returned with [`Keep::Caller`]): a request that
-    /// registers an adapter (found in a directory), or whose name check did, gets these weights
-    /// even when memory is full of adapters in use, where the eviction would otherwise drop the
-    /// new adapter, the only one no request holds, at once (and the request read it again).
+    /// registers an adapter (found in a directory) gets these weights even when memory is full
+    /// of adapters in use, where the eviction would otherwise drop the new adapter, the only
+    /// one no request holds, at once (and the request read it again).
     fn register_held(
         &mut self,
         name: &str,
@@ -528,10 +497,6 @@ impl LoraManager {
         self.check_name(name)?;
         if self.registry.contains(name) {
             return Err(LoraError::Exists(name.to_owned()));
-        }
-        if hold == Keep::NextRequest {
-            // One reservation at a time: the last name check's.
-            self.registry.release(None);
         }
         // A full registry takes one more when an adapter found in a directory can go for it
         // (found again on its next request): otherwise found adapters, which come and go with
@@ -562,7 +527,6 @@ impl LoraManager {
             .insert(name.to_owned(), adapter.fingerprint());
         // Listed and in memory at once: no reader sees a registered name without its weights.
         let held = (hold == Keep::Caller).then(|| adapter.clone());
-        let reserved = (hold == Keep::NextRequest).then(|| adapter.clone());
         let resident = Resident {
             id: info.id,
             adapter,
@@ -572,9 +536,6 @@ impl LoraManager {
             let mut state = self.registry.0.state.write();
             state.adapters.push(info.clone());
             state.resident.insert(name.to_owned(), resident);
-        }
-        if let Some(adapter) = reserved {
-            *self.registry.0.reserved.lock() = Some((name.to_owned(), adapter));
         }
         self.evict();
         self.publish();
@@ -665,20 +626,12 @@ impl LoraManager {
         Ok(info)
     }
 
-    /// The registration of `name`, or, where it has none, the adapter in `<dir>/<name>/` of
-    /// the first of `adapter_dirs` that holds an `adapter_config.json` there, registered now
-    /// (making room by unregistering the least recently used discovered adapter no request
-    /// holds, if the registry is full). `None`: no such adapter. A directory's adapter that
-    /// does not load is the server's fault: logged with its path and reason, and reported
-    /// without them.
-    pub fn find(&mut self, name: &str) -> Result<Option<AdapterInfo>, LoraError> {
-        if let Some(info) = self.registry.info(name) {
-            return Ok(Some(info));
-        }
-        // Its weights are kept for the request whose check this is ([`Keep::NextRequest`]).
-        Ok(self
-            .discover(name, Keep::NextRequest)?
-            .map(|(info, _)| info))
+    /// Whether requests may name `name`: registered, or held by one of `adapter_dirs` now
+    /// ([`LoraHandle::find`]'s test, run here in tests); nothing is read or registered.
+    #[cfg(test)]
+    pub fn find(&mut self, name: &str) -> Result<bool, LoraError> {
+        Ok(self.registry.contains(name)
+            || locate(&self.config.adapter_dirs, name, &self.config.base_name).is_some())
     }
 
     /// The adapter in `<dir>/<name>/` of the first of `adapter_dirs` that holds one, for a
@@ -687,16 +640,7 @@ impl LoraManager {
     fn discover(&mut self, name: &str, hold: Keep) -> Result<Option<Registered>, LoraError> {
         // A name no registration could take is no directory's either: it is one path
         // segment, never `.` or `..`, before it is joined to a directory.
-        if self.config.adapter_dirs.is_empty() || self.check_name(name).is_err() {
-            return Ok(None);
-        }
-        let Some(path) = self
-            .config
-            .adapter_dirs
-            .iter()
-            .map(|dir| dir.join(name))
-            .find(|path| holds_adapter(path))
-        else {
+        let Some(path) = locate(&self.config.adapter_dirs, name, &self.config.base_name) else {
             return Ok(None);
         };
         // Room is made (another found adapter unregistered) only once this one has loaded:
@@ -732,8 +676,7 @@ impl LoraManager {
                 if state.adapters.len() < max {
                     return Ok(());
                 }
-                let reserved = self.registry.reserved_name();
-                let Some(victim) = Self::room_victim_in(&state, reserved.as_deref()) else {
+                let Some(victim) = Self::room_victim_in(&state) else {
                     return Err(LoraError::Busy(name.to_owned(), max));
                 };
                 let dropped = state.remove(&victim).flatten();
@@ -749,29 +692,20 @@ impl LoraManager {
 
     /// The discovered adapter [`Self::make_room`] unregisters next: the least recently used
     /// one no request holds, those not in memory first; never a pinned one (an operator
-    /// pinned it, through the configuration file's entry for its directory). One whose
-    /// weights are only reserved for a request ([`SharedRegistry::reserved`]) may go: a
-    /// request that never came would otherwise keep an operator's registration out.
+    /// pinned it, through the configuration file's entry for its directory).
     fn room_victim(&self) -> Option<String> {
-        let state = self.registry.0.state.read();
-        let reserved = self.registry.reserved_name();
-        Self::room_victim_in(&state, reserved.as_deref())
+        Self::room_victim_in(&self.registry.0.state.read())
     }
 
-    /// [`Self::room_victim`] in a locked `state`, `reserved` the name whose weights are
-    /// reserved for a request (read under the lock: a request that took them since holds
-    /// another reference).
-    fn room_victim_in(state: &RegistryState, reserved: Option<&str>) -> Option<String> {
+    /// [`Self::room_victim`] in a locked `state`.
+    fn room_victim_in(state: &RegistryState) -> Option<String> {
         state
             .adapters
             .iter()
             .filter(|a| a.discovered && !a.pinned)
             .filter_map(|a| match state.resident.get(&a.name) {
                 None => Some((0, &a.name)),
-                Some(r)
-                    if Arc::strong_count(&r.adapter)
-                        == 1 + usize::from(reserved == Some(a.name.as_str())) =>
-                {
+                Some(r) if Arc::strong_count(&r.adapter) == 1 => {
                     Some((r.last_used.load(Ordering::Relaxed), &a.name))
                 }
                 Some(_) => None,
@@ -835,10 +769,8 @@ impl LoraManager {
             }
             state.resident.insert(name.to_owned(), resident)
         };
-        // The old weights go (unless a request holds them) outside the lock, reserved for a
-        // request or not: it resolves the new ones.
+        // The old weights go (unless a request holds them) outside the lock.
         drop(replaced);
-        self.registry.release(Some(name));
         self.fingerprints.insert(name.to_owned(), fingerprint);
         self.evict();
         self.publish();
@@ -879,7 +811,6 @@ impl LoraManager {
     /// and the new set is published.
     fn forget(&mut self, name: &str, dropped: Option<Resident>) {
         drop(dropped);
-        self.registry.release(Some(name));
         self.fingerprints.remove(name);
         self.publish();
     }
@@ -1083,18 +1014,6 @@ impl Handler<Unregister> for LoraManager {
     type Result = Result<(), LoraError>;
     fn handle(&mut self, msg: Unregister, _: &mut Self::Context) -> Self::Result {
         self.unregister(&msg.0)
-    }
-}
-
-/// Finds an adapter a request names: registered, or in `adapter_dirs` (then registered).
-#[derive(Message)]
-#[rtype(result = "Result<Option<AdapterInfo>, LoraError>")]
-struct Find(String);
-
-impl Handler<Find> for LoraManager {
-    type Result = Result<Option<AdapterInfo>, LoraError>;
-    fn handle(&mut self, msg: Find, _: &mut Self::Context) -> Self::Result {
-        self.find(&msg.0)
     }
 }
 
@@ -1489,6 +1408,15 @@ mod tests {
         }
     }
 
+    /// A request for `name`, an adapter of a directory: resolved (registered and read on the
+    /// first), its weights let go at once; its registration.
+    fn found(m: &mut LoraManager, name: &str) -> Result<AdapterInfo, LoraError> {
+        m.resolve(name)?;
+        m.registry
+            .info(name)
+            .ok_or_else(|| LoraError::Unknown(name.into()))
+    }
+
     #[test]
     fn adapters_in_the_directories_are_found_on_demand() {
         let first = AdapterCopy::new("dirs-first");
@@ -1502,12 +1430,15 @@ mod tests {
         let missing = Path::new("/nonexistent/adapters");
         let mut m = finder(8, 8, &[missing, &first.0, &second.0]);
         m.register("taken", &fixture()).expect("registered");
-        let found = m.find("found").expect("found").expect("an adapter");
-        assert!(found.discovered && found.path == second.0.join("found"));
+        // A name check reads and registers nothing; a request does.
+        assert!(m.find("found").expect("found"));
+        assert!(!m.registry.contains("found") && m.reads == 1);
+        let info = found(&mut m, "found").unwrap();
+        assert!(info.discovered && info.path == second.0.join("found"));
         // The first directory that has it wins; a registration wins over every directory.
-        let both = m.find("both").unwrap().unwrap();
+        let both = found(&mut m, "both").unwrap();
         assert_eq!(both.path, first.0.join("both"));
-        let taken = m.find("taken").unwrap().unwrap();
+        let taken = found(&mut m, "taken").unwrap();
         assert!(!taken.discovered && taken.path == fixture());
         // Names that are no adapter's, or no single path segment, find nothing.
         for name in [
@@ -1520,7 +1451,11 @@ mod tests {
             "",
             "base",
         ] {
-            assert!(m.find(name).unwrap().is_none(), "{name:?}");
+            assert!(!m.find(name).unwrap(), "{name:?}");
+            assert!(
+                matches!(m.resolve(name), Err(LoraError::Unknown(_))),
+                "{name:?}"
+            );
         }
         // A request resolves a name it finds, and it is listed from then on.
         copy_into(&first.0, "late");
@@ -1534,7 +1469,7 @@ mod tests {
         assert!(matches!(m.resolve("nobody"), Err(LoraError::Unknown(_))));
         // Without directories nothing is found.
         let mut plain = manager(8, 8);
-        assert!(plain.find("found").unwrap().is_none());
+        assert!(!plain.find("found").unwrap());
     }
 
     #[test]
@@ -1545,29 +1480,29 @@ mod tests {
         }
         let mut m = finder(2, 2, &[&root.0]);
         m.register("configured", &fixture()).expect("configured");
-        m.find("d1").unwrap().unwrap();
+        found(&mut m, "d1").unwrap();
         // Full: d1, found and unused, makes room; the configured adapter never does.
-        m.find("d2").unwrap().unwrap();
+        found(&mut m, "d2").unwrap();
         let names = |m: &LoraManager| -> Vec<String> {
             m.registry.list().into_iter().map(|a| a.name).collect()
         };
         assert_eq!(names(&m), ["configured", "d2"]);
         // d2 in use: nothing can go.
         let (_, held) = m.resolve("d2").expect("d2");
-        let e = m.find("d3").expect_err("full of adapters in use");
+        let e = found(&mut m, "d3").expect_err("full of adapters in use");
         assert!(matches!(&e, LoraError::Busy(n, 2) if n == "d3"), "{e:?}");
         assert_eq!(names(&m), ["configured", "d2"]);
         drop(held);
-        m.find("d3").unwrap().unwrap();
+        found(&mut m, "d3").unwrap();
         assert_eq!(names(&m), ["configured", "d3"]);
         // The least recently used goes first, those evicted from memory before any other.
         let mut m = finder(3, 1, &[&root.0]);
-        m.find("d1").unwrap().unwrap();
-        m.find("d2").unwrap().unwrap();
-        m.find("d3").unwrap().unwrap();
+        found(&mut m, "d1").unwrap();
+        found(&mut m, "d2").unwrap();
+        found(&mut m, "d3").unwrap();
         m.resolve("d1").expect("d1");
         copy_into(&root.0, "d4");
-        m.find("d4").unwrap().unwrap();
+        found(&mut m, "d4").unwrap();
         assert_eq!(
             names(&m),
             ["d1", "d3", "d4"],
@@ -1598,65 +1533,32 @@ mod tests {
         drop((held, adapter));
     }
 
-    /// The process-unique id of the copy of `name`'s weights in memory (a read of its files
-    /// makes a new one), without marking it used.
-    fn resident_uid(m: &LoraManager, name: &str) -> Option<u64> {
-        let state = m.registry.0.state.read();
-        state.resident.get(name).map(|r| r.adapter.uid())
-    }
-
-    /// Regression: an adapter of a directory that a request's name check registered
-    /// (`find`) while memory held as many adapters in use as it keeps was dropped from memory
-    /// by the eviction that followed the registration (the only adapter no request held), so
-    /// the request read its files a second time. Its weights are kept for that request, which
-    /// takes them from memory; once it let them go they are evicted as any others.
+    /// Regression: two requests' name checks of two adapters of a directory, while memory
+    /// held as many adapters in use as it keeps (`max_cpu_loras`): each check read its
+    /// adapter and kept it for its request in the one reservation slot, the second check
+    /// releasing the first's, whose adapter the eviction then dropped, so its request read
+    /// it a second time. A check reads nothing; each request reads its adapter once.
     #[test]
-    fn an_adapter_a_name_check_found_while_memory_is_full_is_read_once() {
-        let root = AdapterCopy::new("found-check-full");
-        copy_into(&root.0, "d1");
-        let mut m = finder(4, 1, &[&root.0]);
-        m.register("configured", &fixture()).expect("configured");
-        let (_, held) = m.resolve("configured").expect("configured");
-        m.find("d1").unwrap().unwrap();
-        assert_eq!(m.loaded(), ["configured", "d1"], "d1 dropped at once");
-        let loaded = resident_uid(&m, "d1");
-        // Another request's eviction (one served from memory) keeps them too.
-        m.evict();
-        assert_eq!(m.loaded(), ["configured", "d1"]);
-        // The request resolves the name from memory: the copy the check read.
-        let (_, adapter) = m.resolve("d1").expect("d1");
-        assert_eq!(Some(adapter.uid()), loaded, "d1 read again");
-        // Released by the request, the reservation gone: evicted as any other.
-        drop(adapter);
-        m.evict();
-        assert_eq!(m.loaded(), ["configured"]);
-        drop(held);
-    }
-
-    /// One adapter at a time is kept for its name check's request: the next check's
-    /// registration releases it (a check whose request never came, such as `GET
-    /// /v1/models/{name}`, keeps nothing in memory for long), and a full registry unregisters
-    /// one kept so to make room for an operator's adapter.
-    #[test]
-    fn the_weights_kept_for_a_name_checks_request_are_one_adapter_s_and_make_room() {
-        let root = AdapterCopy::new("found-check-one");
+    fn two_name_checks_of_found_adapters_while_memory_is_full_read_each_adapter_once() {
+        let root = AdapterCopy::new("found-two-checks");
         for name in ["d1", "d2"] {
             copy_into(&root.0, name);
         }
-        let mut m = finder(3, 1, &[&root.0]);
+        let mut m = finder(8, 1, &[&root.0]);
         m.register("configured", &fixture()).expect("configured");
         let (_, held) = m.resolve("configured").expect("configured");
-        m.find("d1").unwrap().unwrap();
-        m.find("d2").unwrap().unwrap();
-        assert_eq!(m.loaded(), ["configured", "d2"]);
-        // Full (3): d2, kept for a request that has not come, goes for an operator's adapter
-        // (d1, out of memory, went first).
-        m.register("ops", &fixture()).expect("room made");
-        m.register("ops2", &fixture()).expect("room made");
-        let names: Vec<String> = m.registry.list().into_iter().map(|a| a.name).collect();
-        assert_eq!(names, ["configured", "ops", "ops2"]);
-        assert!(m.registry.reserved_name().is_none());
-        drop(held);
+        assert!(m.find("d1").unwrap());
+        assert!(m.find("d2").unwrap());
+        assert_eq!(m.loaded(), ["configured"], "memory over max_cpu_loras");
+        let (_, a1) = m.resolve("d1").expect("d1");
+        let (_, a2) = m.resolve("d2").expect("d2");
+        assert_eq!(m.reads, 3, "an adapter read twice");
+        // All three in use: all stay; released, memory is back to max_cpu_loras.
+        assert_eq!(m.loaded(), ["configured", "d1", "d2"]);
+        drop((held, a1, a2));
+        m.evict();
+        assert_eq!(m.loaded().len(), 1);
+        assert_eq!(m.reads, 3);
     }
 
     /// An adapter's `base_model_name_or_path` names the served model when its last path
@@ -1738,8 +1640,8 @@ mod tests {
             copy_into(&root.0, name);
         }
         let mut m = finder(2, 2, &[&root.0]);
-        m.find("d1").unwrap().unwrap();
-        m.find("d2").unwrap().unwrap();
+        found(&mut m, "d1").unwrap();
+        found(&mut m, "d2").unwrap();
         let names = |m: &LoraManager| -> Vec<String> {
             m.registry.list().into_iter().map(|a| a.name).collect()
         };
@@ -1776,7 +1678,7 @@ mod tests {
         std::fs::write(root.0.join("broken/adapter_config.json"), "{not json").unwrap();
         let mut m = finder(2, 2, &[&root.0]);
         m.register("configured", &fixture()).expect("configured");
-        m.find("d1").unwrap().unwrap();
+        found(&mut m, "d1").unwrap();
         let e = m.resolve("broken").expect_err("broken");
         assert!(matches!(&e, LoraError::Reload(n) if n == "broken"), "{e:?}");
         let names: Vec<String> = m.registry.list().into_iter().map(|a| a.name).collect();
@@ -1793,8 +1695,8 @@ mod tests {
             copy_into(&root.0, name);
         }
         let mut m = finder(2, 2, &[&root.0]);
-        m.find("d1").unwrap().unwrap();
-        m.find("d2").unwrap().unwrap();
+        found(&mut m, "d1").unwrap();
+        found(&mut m, "d2").unwrap();
         // d1, the least recently used, is pinned: d2 goes instead.
         m.set_pinned("d1", true).expect("pinned");
         m.register("admin", &fixture()).expect("room made");
@@ -1818,9 +1720,9 @@ mod tests {
             copy_into(&root.0, name);
         }
         let mut m = finder(8, 1, &[&root.0]);
-        m.find("d1").unwrap().unwrap();
-        m.find("d2").unwrap().unwrap();
-        m.find("d3").unwrap().unwrap();
+        found(&mut m, "d1").unwrap();
+        found(&mut m, "d2").unwrap();
+        found(&mut m, "d3").unwrap();
         assert_eq!(m.loaded(), ["d3"]);
         // Removed while out of memory: unregistered on its next request, which is a 404's.
         std::fs::remove_dir_all(root.0.join("d1")).unwrap();
@@ -1832,11 +1734,11 @@ mod tests {
         let e = m.resolve("d2").expect_err("broken");
         assert_eq!(e.to_string(), "LoRA adapter 'd2' could not be loaded");
         assert!(!m.registry.contains("d2"));
-        let e = m.find("d2").expect_err("still broken");
+        let e = found(&mut m, "d2").expect_err("still broken");
         assert!(matches!(&e, LoraError::Reload(n) if n == "d2"), "{e:?}");
         // Fixed: found again.
         copy_into(&root.0, "d2");
-        assert!(m.find("d2").unwrap().unwrap().discovered);
+        assert!(found(&mut m, "d2").unwrap().discovered);
     }
 
     #[actix::test]
@@ -1846,11 +1748,14 @@ mod tests {
         let mut c = config(4, 4);
         c.adapter_dirs = vec![root.0.clone()];
         let lora = LoraHandle::start(c);
-        assert!(lora.find("nobody").await.unwrap().is_none());
-        let info = lora.find("found").await.unwrap().unwrap();
-        assert!(info.discovered);
+        assert!(!lora.find("nobody").await.unwrap());
+        assert!(lora.find("found").await.unwrap());
         let (id, _) = lora.resolve("found").await.expect("found");
-        assert_eq!(id, info.id);
+        let info = lora
+            .registry
+            .info("found")
+            .expect("registered by the request");
+        assert!(info.discovered && info.id == id);
         // Resolved directly too, without a find first.
         copy_into(&root.0, "direct");
         lora.resolve("direct").await.expect("direct");
@@ -1858,7 +1763,7 @@ mod tests {
         // Without directories, an unknown name never reaches the manager.
         let plain = LoraHandle::start(config(4, 4));
         copy_into(&root.0, "x");
-        assert!(plain.find("x").await.unwrap().is_none());
+        assert!(!plain.find("x").await.unwrap());
         assert!(matches!(
             plain.resolve("x").await,
             Err(LoraError::Unknown(_))
@@ -1878,6 +1783,8 @@ mod tests {
         let (release, hold) = std::sync::mpsc::channel();
         lora.addr.do_send(Hold(hold));
         assert_eq!(*lora.in_directories().await, ["a", "b"]);
+        // A request's name check does not wait for the manager either (it reads nothing).
+        assert!(lora.find("a").await.unwrap() && !lora.find("c").await.unwrap());
         release.send(()).unwrap();
         assert!(lora.registry.list().is_empty(), "listing registers nothing");
         assert!(lora.registry.0.state.read().resident.is_empty());
@@ -1936,11 +1843,11 @@ mod tests {
         let root = AdapterCopy::new("replace-found");
         copy_into(&root.0, "found");
         let mut m = finder(2, 2, &[&root.0]);
-        assert!(m.find("found").unwrap().unwrap().discovered);
+        assert!(found(&mut m, "found").unwrap().discovered);
         assert!(!m.replace("found", &fixture()).unwrap().discovered);
         m.register("c", &fixture()).expect("c");
         copy_into(&root.0, "other");
-        assert!(matches!(m.find("other"), Err(LoraError::Busy(..))));
+        assert!(matches!(found(&mut m, "other"), Err(LoraError::Busy(..))));
     }
 
     /// Polls `fut` once: `Some` with its output if it completes without waiting.
