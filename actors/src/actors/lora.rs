@@ -44,6 +44,17 @@
 //! are released: by the manager's next load, or on the next request for an adapter in memory,
 //! which asks the manager to evict again. How many different adapters run in one step is the
 //! scheduler's limit (`max_loras`).
+//!
+//! Tenants' shares. An adapter read into memory for a request is charged to the request's
+//! tenant ([`Charge`]); an operator's registrations and pinned adapters to no one. A tier may
+//! bound what each of its tenants is charged (`tiers.<name>.max_cpu_loras_per_tenant`,
+//! [`LoraHandle::set_tenant_shares`]): a load for a tenant whose charged adapters fill its
+//! share first drops the tenant's own least recently used one that no request holds (chosen
+//! and dropped under one write lock, as every eviction), and is refused
+//! ([`LoraError::TenantShare`], a 429) when every one is in use. So a tenant naming many
+//! adapters recycles its own slots once its share is full and displaces at most its share of
+//! the other tenants' adapters; an adapter in memory still serves every tenant, whoever it is
+//! charged to.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -78,6 +89,19 @@ pub struct LoraManagerConfig {
     /// file's or directory's), which an adapter's `base_model_name_or_path` is compared with
     /// ([`names_served_model`]); empty: none is.
     pub model_names: Vec<String>,
+    /// Per tier, most adapters each of its tenants may be charged for in memory
+    /// (`tiers.<name>.max_cpu_loras_per_tenant`); tiers not listed bound none.
+    pub tenant_shares: Vec<(String, usize)>,
+}
+
+/// Who a request's adapter load is charged to: its tenant, within its tier's share of memory
+/// (`tiers.<name>.max_cpu_loras_per_tenant`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Charge {
+    /// The request's tenant.
+    pub tenant: Arc<str>,
+    /// The request's tier.
+    pub tier: Arc<str>,
 }
 
 /// A registered adapter.
@@ -170,6 +194,18 @@ pub enum LoraError {
     /// LoRA is not enabled in this server.
     #[error("LoRA adapters are not enabled on this server (lora.enabled)")]
     Disabled,
+    /// The request's tenant is charged for as many adapters in memory as its tier's share
+    /// allows, all in use, and its adapter is not in memory.
+    #[error(
+        "your LoRA adapters fill your share of adapter memory (tiers.{tier}.max_cpu_loras_per_tenant: \
+         {limit}) and all are in use; retry when a request using one of them ends"
+    )]
+    TenantShare {
+        /// The request's tier.
+        tier: String,
+        /// Its share.
+        limit: usize,
+    },
     /// Pinning the adapter would pin more adapters than may be kept in memory.
     #[error(
         "{0} LoRA adapters are pinned, as many as are kept in memory (lora.max_cpu_loras); \
@@ -190,6 +226,9 @@ struct Resident {
     /// When a request last resolved it (the registry's clock), for least-recently-used
     /// eviction; readers update it under the read lock.
     last_used: AtomicU64,
+    /// The tenant whose request read it into memory (its share, `Charge`); `None`: an
+    /// operator's registration or replacement.
+    owner: Option<Arc<str>>,
 }
 
 /// The contents of a [`LoraRegistry`].
@@ -221,6 +260,8 @@ struct SharedRegistry {
     /// Set when the manager left more than `max_loaded` adapters in memory because they were
     /// in use; the next request served from memory takes it and asks the manager to evict.
     over_limit: AtomicBool,
+    /// Per tier, the most adapters each of its tenants may be charged for in memory.
+    shares: RwLock<HashMap<String, usize>>,
 }
 
 /// The registered adapters and the weights of those in memory, as other threads see them:
@@ -348,9 +389,21 @@ impl LoraHandle {
         &self.registry
     }
 
+    /// Puts the tiers' shares of adapter memory per tenant in force (a reload): loads from
+    /// now on are bounded by them; adapters already charged stay until their tenant's next
+    /// load makes room (a tenant over a lowered share drops its unused ones then).
+    pub fn set_tenant_shares(&self, shares: &[(String, usize)]) {
+        *self.registry.0.shares.write() = shares.iter().cloned().collect();
+    }
+
     /// The id and weights of `name`: from the registry when they are in memory (without
-    /// waiting for the manager, whatever it is doing), else loaded again by the manager.
-    pub async fn resolve(&self, name: &str) -> Result<(u32, Arc<LoraAdapter>), LoraError> {
+    /// waiting for the manager, whatever it is doing), else loaded by the manager, charged
+    /// to `charge`'s tenant (none: an uncharged load).
+    pub async fn resolve(
+        &self,
+        name: &str,
+        charge: Option<&Charge>,
+    ) -> Result<(u32, Arc<LoraAdapter>), LoraError> {
         match self.registry.lookup(name) {
             Lookup::Resident(id, adapter) => {
                 if self.registry.take_over_limit() {
@@ -358,8 +411,10 @@ impl LoraHandle {
                 }
                 Ok((id, adapter))
             }
-            Lookup::Evicted => self.ask(Resolve(name.to_owned())).await,
-            Lookup::Unknown if self.discovers => self.ask(Resolve(name.to_owned())).await,
+            Lookup::Evicted => self.ask(Resolve(name.to_owned(), charge.cloned())).await,
+            Lookup::Unknown if self.discovers => {
+                self.ask(Resolve(name.to_owned(), charge.cloned())).await
+            }
             Lookup::Unknown => Err(LoraError::Unknown(name.to_owned())),
         }
     }
@@ -397,17 +452,21 @@ pub struct LoraManager {
     registry: LoraRegistry,
     /// Adapters read from disk since the start (`lora_adapter_loads_total`, per manager).
     reads: u64,
+    /// Logs of refusals for a full tenant's share, at most one line a second.
+    share_refusals: super::admission::Throttle,
 }
 
 impl LoraManager {
     /// A manager with no adapters, publishing to `registry`.
     pub fn new(config: LoraManagerConfig, registry: LoraRegistry) -> Self {
+        *registry.0.shares.write() = config.tenant_shares.iter().cloned().collect();
         LoraManager {
             config,
             fingerprints: HashMap::new(),
             next_id: 1,
             registry,
             reads: 0,
+            share_refusals: super::admission::Throttle::new(super::admission::REFUSAL_LOG_INTERVAL),
         }
     }
 
@@ -435,12 +494,19 @@ impl LoraManager {
         Ok(Arc::new(adapter))
     }
 
-    /// Puts `adapter` in memory under `name` and `id`.
-    fn make_resident(&self, name: &str, id: u32, adapter: Arc<LoraAdapter>) {
+    /// Puts `adapter` in memory under `name` and `id`, charged to `owner`.
+    fn make_resident(
+        &self,
+        name: &str,
+        id: u32,
+        adapter: Arc<LoraAdapter>,
+        owner: Option<Arc<str>>,
+    ) {
         let resident = Resident {
             id,
             adapter,
             last_used: AtomicU64::new(self.registry.tick()),
+            owner,
         };
         let old = self
             .registry
@@ -477,7 +543,7 @@ impl LoraManager {
         discovered: bool,
         pinned: bool,
     ) -> Result<AdapterInfo, LoraError> {
-        self.register_held(name, path, discovered, pinned, Keep::Nobody)
+        self.register_held(name, path, discovered, pinned, Keep::Nobody, None)
             .map(|(info, _)| info)
     }
 
@@ -485,7 +551,8 @@ impl LoraManager {
     /// registration as `hold` says (and returned with [`Keep::Caller`]): a request that
     /// registers an adapter (found in a directory) gets these weights even when memory is full
     /// of adapters in use, where the eviction would otherwise drop the new adapter, the only
-    /// one no request holds, at once (and the request read it again).
+    /// one no request holds, at once (and the request read it again). The weights in memory
+    /// are charged to `charge`'s tenant, whose share has room made first.
     fn register_held(
         &mut self,
         name: &str,
@@ -493,6 +560,7 @@ impl LoraManager {
         discovered: bool,
         pinned: bool,
         hold: Keep,
+        charge: Option<&Charge>,
     ) -> Result<Registered, LoraError> {
         self.check_name(name)?;
         if self.registry.contains(name) {
@@ -507,6 +575,7 @@ impl LoraManager {
             return Err(LoraError::Full(max));
         }
         self.check_pin_room(name, pinned)?;
+        self.make_share_room(charge)?;
         let adapter = self.load(path)?;
         // Room made once the adapter loaded, so a refused one unregisters nothing.
         if let Err(LoraError::Busy(..)) = self.make_room(name) {
@@ -531,6 +600,7 @@ impl LoraManager {
             id: info.id,
             adapter,
             last_used: AtomicU64::new(self.registry.tick()),
+            owner: charge.map(|c| c.tenant.clone()),
         };
         {
             let mut state = self.registry.0.state.write();
@@ -609,7 +679,7 @@ impl LoraManager {
         }
         self.check_pin_room(name, pinned)?;
         if pinned && matches!(self.registry.lookup(name), Lookup::Evicted) {
-            self.reload(name)?;
+            self.reload(name, None)?;
         }
         let info = {
             let mut state = self.registry.0.state.write();
@@ -637,7 +707,12 @@ impl LoraManager {
     /// The adapter in `<dir>/<name>/` of the first of `adapter_dirs` that holds one, for a
     /// name not registered: registered now, its weights kept as `hold` says
     /// ([`Self::register_held`]).
-    fn discover(&mut self, name: &str, hold: Keep) -> Result<Option<Registered>, LoraError> {
+    fn discover(
+        &mut self,
+        name: &str,
+        hold: Keep,
+        charge: Option<&Charge>,
+    ) -> Result<Option<Registered>, LoraError> {
         // A name no registration could take is no directory's either: it is one path
         // segment, never `.` or `..`, before it is joined to a directory.
         let Some(path) = locate(&self.config.adapter_dirs, name, &self.config.base_name) else {
@@ -645,7 +720,7 @@ impl LoraManager {
         };
         // Room is made (another found adapter unregistered) only once this one has loaded:
         // a request naming a broken adapter unregisters nothing.
-        match self.register_held(name, &path, true, false, hold) {
+        match self.register_held(name, &path, true, false, hold, charge) {
             Ok(found) => Ok(Some(found)),
             Err(LoraError::Full(max)) => Err(LoraError::Busy(name.to_owned(), max)),
             Err(LoraError::Load(e)) => {
@@ -761,6 +836,7 @@ impl LoraManager {
             id,
             adapter,
             last_used: AtomicU64::new(self.registry.tick()),
+            owner: None,
         };
         let replaced = {
             let mut state = self.registry.0.state.write();
@@ -815,14 +891,25 @@ impl LoraManager {
         self.publish();
     }
 
-    /// The id and weights of `name`, loading them if they were evicted.
+    /// The id and weights of `name`, loading them if they were evicted (uncharged).
+    #[cfg(test)]
     pub fn resolve(&mut self, name: &str) -> Result<(u32, Arc<LoraAdapter>), LoraError> {
+        self.resolve_for(name, None)
+    }
+
+    /// The id and weights of `name` for a request, loading them, charged to `charge`'s
+    /// tenant, if they are not in memory.
+    pub fn resolve_for(
+        &mut self,
+        name: &str,
+        charge: Option<&Charge>,
+    ) -> Result<(u32, Arc<LoraAdapter>), LoraError> {
         let resolved = match self.registry.lookup(name) {
             Lookup::Resident(id, adapter) => Ok((id, adapter)),
-            Lookup::Evicted => self.reload(name),
+            Lookup::Evicted => self.reload(name, charge),
             // Registered just now, with the weights held: the eviction that followed the
             // registration could not drop them.
-            Lookup::Unknown => match self.discover(name, Keep::Caller) {
+            Lookup::Unknown => match self.discover(name, Keep::Caller, charge) {
                 Ok(Some((info, Some(adapter)))) => Ok((info.id, adapter)),
                 Ok(Some((_, None)) | None) => Err(LoraError::Unknown(name.to_owned())),
                 Err(e) => Err(e),
@@ -832,13 +919,21 @@ impl LoraManager {
         resolved
     }
 
-    /// Loads an evicted adapter again. Its files are the server's, not the client's: a failure
-    /// is logged with its detail and reported without it.
-    fn reload(&mut self, name: &str) -> Result<(u32, Arc<LoraAdapter>), LoraError> {
+    /// Loads an evicted adapter again, charged to `charge`'s tenant (room made in its share
+    /// first). Its files are the server's, not the client's: a failure is logged with its
+    /// detail and reported without it.
+    fn reload(
+        &mut self,
+        name: &str,
+        charge: Option<&Charge>,
+    ) -> Result<(u32, Arc<LoraAdapter>), LoraError> {
         let info = self
             .registry
             .info(name)
             .ok_or_else(|| LoraError::Unknown(name.to_owned()))?;
+        // A pinned adapter is no tenant's (reloaded when pinned).
+        let charge = charge.filter(|_| !info.pinned);
+        self.make_share_room(charge)?;
         let adapter = match self.load(&info.path) {
             Ok(adapter) => adapter,
             Err(e) if info.discovered => {
@@ -891,8 +986,74 @@ impl LoraManager {
                 a.base_model_differs = differs;
             }
         }
-        self.make_resident(name, id, adapter.clone());
+        self.make_resident(name, id, adapter.clone(), charge.map(|c| c.tenant.clone()));
         Ok((id, adapter))
+    }
+
+    /// Makes room for one more adapter in the share of memory of `charge`'s tenant (its
+    /// tier's `max_cpu_loras_per_tenant`; nothing without a charge or a share): while the
+    /// adapters charged to it (pinned ones aside) fill the share, its least recently used one
+    /// that no request holds is dropped; when every one is in use, the load is refused
+    /// ([`LoraError::TenantShare`]). Never another tenant's adapter.
+    fn make_share_room(&mut self, charge: Option<&Charge>) -> Result<(), LoraError> {
+        let Some(charge) = charge else {
+            return Ok(());
+        };
+        let Some(limit) = self.registry.0.shares.read().get(&*charge.tier).copied() else {
+            return Ok(());
+        };
+        let labels = crate::metric_names::tier_labels(&charge.tier);
+        loop {
+            let dropped = {
+                // Chosen and dropped under one write lock: readers clone weights only under
+                // the read lock, so none can take up the victim in between.
+                let mut state = self.registry.0.state.write();
+                let pinned: Vec<&str> = state
+                    .adapters
+                    .iter()
+                    .filter(|a| a.pinned)
+                    .map(|a| a.name.as_str())
+                    .collect();
+                let theirs = state.resident.iter().filter(|(name, r)| {
+                    r.owner.as_deref() == Some(&*charge.tenant) && !pinned.contains(&name.as_str())
+                });
+                let charged = theirs.clone().count();
+                if charged < limit {
+                    return Ok(());
+                }
+                let victim = theirs
+                    .filter(|(_, r)| Arc::strong_count(&r.adapter) == 1)
+                    .min_by_key(|(_, r)| r.last_used.load(Ordering::Relaxed))
+                    .map(|(name, _)| name.clone());
+                let Some(victim) = victim else {
+                    drop(state);
+                    metrics::counter!(crate::metric_names::LORA_SHARE_REFUSALS, labels.clone())
+                        .increment(1);
+                    if let Some(refused) = self.share_refusals.hit(std::time::Instant::now()) {
+                        tracing::warn!(
+                            tier = %charge.tier,
+                            latest_tenant = %charge.tenant,
+                            limit,
+                            refused,
+                            "requests refused (429): their tenant's LoRA adapters in memory \
+                             fill its tier's tiers.<name>.max_cpu_loras_per_tenant and all are \
+                             in use (refused counts the refusals since the previous such line)"
+                        );
+                    }
+                    return Err(LoraError::TenantShare {
+                        tier: charge.tier.to_string(),
+                        limit,
+                    });
+                };
+                tracing::debug!(name = %victim, tenant = %charge.tenant,
+                    "LoRA adapter evicted from memory to make room in its tenant's share");
+                state.resident.remove(&victim)
+            };
+            metrics::counter!(crate::metric_names::LORA_SHARE_EVICTIONS, labels.clone())
+                .increment(1);
+            // The weights are freed outside the lock.
+            drop(dropped);
+        }
     }
 
     /// Drops least recently used adapters that no request holds while more than `max_loaded`
@@ -1020,12 +1181,12 @@ impl Handler<Unregister> for LoraManager {
 /// Resolves an adapter name for a request (one the registry did not have in memory).
 #[derive(Message)]
 #[rtype(result = "Result<(u32, Arc<LoraAdapter>), LoraError>")]
-struct Resolve(String);
+struct Resolve(String, Option<Charge>);
 
 impl Handler<Resolve> for LoraManager {
     type Result = Result<(u32, Arc<LoraAdapter>), LoraError>;
     fn handle(&mut self, msg: Resolve, _: &mut Self::Context) -> Self::Result {
-        self.resolve(&msg.0)
+        self.resolve_for(&msg.0, msg.1.as_ref())
     }
 }
 
@@ -1072,6 +1233,7 @@ mod tests {
             max_loaded,
             adapter_dirs: Vec::new(),
             model_names: Vec::new(),
+            tenant_shares: Vec::new(),
         }
     }
 
@@ -1561,6 +1723,74 @@ mod tests {
         assert_eq!(m.reads, 3);
     }
 
+    /// A tenant's share of adapter memory (`tiers.<name>.max_cpu_loras_per_tenant`): once the
+    /// adapters read for it fill the share, its next load drops its own least recently used
+    /// adapter that no request holds, never another tenant's; with all of its adapters in
+    /// use it is refused and nothing is dropped; an adapter in memory serves it whoever was
+    /// charged; a lowered share is applied at the tenant's next load.
+    #[test]
+    fn a_tenant_s_loads_recycle_its_own_share_and_never_evict_another_tenant_s_adapters() {
+        let root = AdapterCopy::new("share");
+        for name in ["a1", "a2", "a3", "b1"] {
+            copy_into(&root.0, name);
+        }
+        let mut c = config(16, 8);
+        c.adapter_dirs = vec![root.0.clone()];
+        c.tenant_shares = vec![("gold".into(), 2)];
+        let mut m = LoraManager::new(c, LoraRegistry::default());
+        let charge = |tenant: &str| Charge {
+            tenant: tenant.into(),
+            tier: "gold".into(),
+        };
+        let (acme, bob) = (charge("acme"), charge("bob"));
+        let serve = |m: &mut LoraManager, name: &str, who: &Charge| {
+            m.resolve_for(name, Some(who)).map(|(_, a)| a)
+        };
+        serve(&mut m, "b1", &bob).expect("b1");
+        serve(&mut m, "a1", &acme).expect("a1");
+        serve(&mut m, "a2", &acme).expect("a2");
+        // acme's share is full: its next load drops a1, its least recently used, not b1.
+        serve(&mut m, "a3", &acme).expect("a3");
+        assert_eq!(m.loaded(), ["b1", "a2", "a3"]);
+        // All of acme's adapters in use: refused, nothing dropped or read.
+        let held = (serve(&mut m, "a2", &acme), serve(&mut m, "a3", &acme));
+        let reads = m.reads;
+        let e = serve(&mut m, "a1", &acme).expect_err("share full of adapters in use");
+        assert!(
+            matches!(&e, LoraError::TenantShare { tier, limit: 2 } if tier == "gold"),
+            "{e:?}"
+        );
+        assert!(
+            e.to_string()
+                .contains("tiers.gold.max_cpu_loras_per_tenant: 2"),
+            "{e}"
+        );
+        assert_eq!((m.loaded().len(), m.reads), (3, reads));
+        // bob's adapter in memory serves acme, uncharged; bob's own loads are not bounded by
+        // acme's.
+        serve(&mut m, "b1", &acme).expect("b1 for acme");
+        serve(&mut m, "a1", &bob).expect("a1 for bob");
+        assert_eq!(m.loaded(), ["b1", "a1", "a2", "a3"]);
+        drop(held);
+        // A share lowered to one (a reload): acme's next load drops both of its adapters.
+        *m.registry.0.shares.write() = [("gold".to_string(), 1)].into();
+        m.unregister("a1").expect("a1");
+        serve(&mut m, "a1", &acme).expect("a1");
+        assert_eq!(m.loaded(), ["b1", "a1"]);
+        // Without a charge, or in a tier without a share, nothing is bounded.
+        serve(
+            &mut m,
+            "a2",
+            &Charge {
+                tenant: "acme".into(),
+                tier: "free".into(),
+            },
+        )
+        .expect("a2");
+        m.resolve("a3").expect("a3");
+        assert_eq!(m.loaded(), ["b1", "a2", "a3", "a1"]);
+    }
+
     /// An adapter's `base_model_name_or_path` names the served model when its last path
     /// segment is one of the model's names, or one's stem, by letters and digits without
     /// case; a hub id, a mirror's and a local path of the same model all do.
@@ -1750,7 +1980,7 @@ mod tests {
         let lora = LoraHandle::start(c);
         assert!(!lora.find("nobody").await.unwrap());
         assert!(lora.find("found").await.unwrap());
-        let (id, _) = lora.resolve("found").await.expect("found");
+        let (id, _) = lora.resolve("found", None).await.expect("found");
         let info = lora
             .registry
             .info("found")
@@ -1758,14 +1988,14 @@ mod tests {
         assert!(info.discovered && info.id == id);
         // Resolved directly too, without a find first.
         copy_into(&root.0, "direct");
-        lora.resolve("direct").await.expect("direct");
+        lora.resolve("direct", None).await.expect("direct");
         assert!(lora.registry.contains("direct"));
         // Without directories, an unknown name never reaches the manager.
         let plain = LoraHandle::start(config(4, 4));
         copy_into(&root.0, "x");
         assert!(!plain.find("x").await.unwrap());
         assert!(matches!(
-            plain.resolve("x").await,
+            plain.resolve("x", None).await,
             Err(LoraError::Unknown(_))
         ));
     }
@@ -1873,18 +2103,18 @@ mod tests {
         let (release, hold) = std::sync::mpsc::channel();
         lora.addr.do_send(Hold(hold));
         // b is in memory: resolved from the registry, without waiting for the manager.
-        let resolve_b = std::pin::pin!(lora.resolve("b"));
+        let resolve_b = std::pin::pin!(lora.resolve("b", None));
         let (id, _) = poll_once(resolve_b)
             .expect("resolved without the manager")
             .expect("b");
         assert_eq!(id, b.id);
-        let unknown = std::pin::pin!(lora.resolve("nobody"));
+        let unknown = std::pin::pin!(lora.resolve("nobody", None));
         assert!(matches!(
             poll_once(unknown),
             Some(Err(LoraError::Unknown(_)))
         ));
         // a was evicted (max_loaded 1): only its reload waits for the manager.
-        let mut resolve_a = std::pin::pin!(lora.resolve("a"));
+        let mut resolve_a = std::pin::pin!(lora.resolve("a", None));
         assert!(poll_once(resolve_a.as_mut()).is_none(), "a reload waits");
         release.send(()).unwrap();
         let (id, _) = resolve_a.await.expect("a");
@@ -1900,19 +2130,19 @@ mod tests {
             pinned: false,
         };
         lora.ask(register("a")).await.expect("a");
-        let (_, held_a) = lora.resolve("a").await.expect("a");
+        let (_, held_a) = lora.resolve("a", None).await.expect("a");
         // b, unused, makes way at once for a, in use.
         lora.ask(register("b")).await.expect("b");
         let in_memory = || lora.registry.0.state.read().resident.len();
         assert_eq!(in_memory(), 1);
         // Reloaded for a request while a is in use: two in memory, over the limit of one.
-        let (_, held_b) = lora.resolve("b").await.expect("b");
+        let (_, held_b) = lora.resolve("b", None).await.expect("b");
         assert_eq!(in_memory(), 2);
         drop((held_a, held_b));
         // The next request served from memory asks the manager to evict again: a, unused and
         // the least recently used, goes. A message sent after that request's returns once the
         // manager has handled it.
-        lora.resolve("b").await.expect("b");
+        lora.resolve("b", None).await.expect("b");
         let (release, hold) = std::sync::mpsc::channel();
         release.send(()).unwrap();
         lora.addr.send(Hold(hold)).await.unwrap();
