@@ -884,8 +884,8 @@ fn found_adapters_are_served_while_memory_is_full_and_make_room_for_an_operators
         seen.push(byte[0]);
     }
     assert_haiku(s, "found", "lora_golden.json");
-    // Read once: the request's name check registered it, and the request took the weights
-    // the check read (they were dropped from memory at once, and read again, before).
+    // Read once, by the request (its name check reads nothing; it once registered the
+    // adapter, whose weights were then dropped from memory at once and read again).
     let found_dir = root.join("found").display().to_string();
     let reads = s
         .log()
@@ -1150,4 +1150,115 @@ fn an_adapter_trained_on_another_base_model_is_served_with_a_warning() {
     );
     assert_eq!(field("tuned", "base_model_differs"), false);
     assert_eq!(s.log().matches("names another base model").count(), 1);
+}
+
+/// A tenant's share of adapter memory (`tiers.<name>.max_cpu_loras_per_tenant`): with its one
+/// adapter in use and its share full, another adapter is refused to it with a 429
+/// `rate_limit_exceeded` (`Retry-After`), while another tenant of the tier is served its own;
+/// once its request ended, its next adapter takes its own slot (the other tenant's adapter
+/// stays in memory: not read again); a SIGHUP that raises the share lets it keep two.
+#[test]
+fn a_tenant_s_adapters_are_bounded_by_its_share_and_never_evict_another_tenant_s() {
+    const ACME: &str = "acme-key-000001";
+    const BOB: &str = "bob-key-0000001";
+    let root = adapter_copies("lora-share", &["acme-1", "acme-2", "bob-1"]);
+    let s = &Server::start_with(
+        "lora-share",
+        &format!(
+            "  api_keys:\n    - {{ key: {ACME}, tenant: acme, tier: gold }}\n    - {{ key: {BOB}, tenant: bob, tier: gold }}\n"
+        ),
+        &format!(
+            "scheduler:\n  max_num_seqs: 16\n  max_num_batched_tokens: 1024\ntiers:\n  gold: {{ max_cpu_loras_per_tenant: 1 }}\nlora:\n  enabled: true\n  max_loras: 4\n  max_cpu_loras: 4\n  adapter_dirs: [{}]\n",
+            root.display()
+        ),
+    );
+    let loads = || {
+        s.metric("switchyard:lora_adapter_loads_total")
+            .unwrap_or(0.0)
+    };
+    let share = |what: &str| {
+        s.labelled_metric(
+            &format!("switchyard:lora_tenant_share_{what}_total"),
+            &["tier=\"gold\""],
+        )
+    };
+    let ask = |key: &str, model: &str| -> common::Response {
+        let body = json!({"model": model, "prompt": "Hi", "max_tokens": 2}).to_string();
+        let auth = format!("Bearer {key}");
+        s.request(
+            "POST",
+            "/v1/completions",
+            Some(&body),
+            &[("Authorization", auth.as_str())],
+        )
+        .expect("request")
+    };
+    // acme's one adapter in use by a long stream (its first token read).
+    let body = json!({"model": "acme-1", "prompt": "Count:", "max_tokens": 4000,
+                      "ignore_eos": true, "stream": true})
+    .to_string();
+    let auth = format!("Bearer {ACME}");
+    let mut held = s.open_with(
+        "POST",
+        "/v1/completions",
+        Some(&body),
+        &[("Authorization", auth.as_str())],
+    );
+    assert_eq!(read_status(&mut held), 200);
+    let mut seen = Vec::new();
+    let mut byte = [0u8; 1];
+    while !String::from_utf8_lossy(&seen).contains("data:") {
+        use std::io::Read;
+        assert_eq!(held.read(&mut byte).expect("stream"), 1, "stream ended");
+        seen.push(byte[0]);
+    }
+    assert_eq!(share("refusals"), 0.0);
+    // Its share (one) is full of adapters in use: a second is refused, and nothing read.
+    let r = ask(ACME, "acme-2");
+    assert_eq!(r.status, 429, "{}", r.body);
+    assert_eq!(r.header("retry-after"), Some("1"));
+    let v: Value = serde_json::from_str(&r.body).expect("json");
+    assert_eq!(v["error"]["code"], "rate_limit_exceeded", "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("tiers.gold.max_cpu_loras_per_tenant: 1")),
+        "{v}"
+    );
+    assert_eq!((share("refusals"), loads()), (1.0, 1.0));
+    // bob, of the same tier, is served its own adapter.
+    let r = ask(BOB, "bob-1");
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(loads(), 2.0);
+    // acme's request ends: its next adapter takes the place of its own (once the first is
+    // released, which follows the client's leaving).
+    drop(held);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let r = ask(ACME, "acme-2");
+        if r.status == 200 {
+            break;
+        }
+        assert_eq!(r.status, 429, "{}", r.body);
+        assert!(std::time::Instant::now() < deadline, "{}", s.log());
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert_eq!((share("evictions"), loads()), (1.0, 3.0));
+    // bob's adapter was not dropped for acme's: served without a read.
+    assert_eq!(ask(BOB, "bob-1").status, 200);
+    assert_eq!(loads(), 3.0);
+    // A SIGHUP raising the share to two: acme keeps both of its adapters.
+    let config = s.dir.join("config.yaml");
+    let original = std::fs::read_to_string(&config).expect("config");
+    let raised = original.replace("max_cpu_loras_per_tenant: 1", "max_cpu_loras_per_tenant: 2");
+    assert_ne!(raised, original);
+    std::fs::write(&config, raised).expect("write");
+    s.hang_up();
+    s.wait_logged("SIGHUP: reload finished", 1);
+    s.assert_logged(&["SIGHUP: tenants' shares of LoRA adapter memory changed"]);
+    for model in ["acme-1", "acme-2", "acme-1"] {
+        let r = ask(ACME, model);
+        assert_eq!(r.status, 200, "{model}: {}", r.body);
+    }
+    assert_eq!((share("evictions"), loads()), (1.0, 4.0));
 }

@@ -159,11 +159,9 @@ pub trait Engine: Send + Sync + 'static {
         self.lora_adapters().iter().any(|a| a.name == name)
     }
 
-    /// Whether requests may name the LoRA adapter `name`, once the engine has made it
-    /// servable: an engine that serves adapters from directories on demand
-    /// (`lora.adapter_dirs`) registers the one it finds there. `false`: there is no such
-    /// adapter. An adapter found that cannot be served now is an
-    /// [`EngineErrorKind::Unavailable`].
+    /// Whether requests may name the LoRA adapter `name`: registered, or, for an engine that
+    /// serves adapters from directories on demand (`lora.adapter_dirs`), held by one of them
+    /// now (the request that follows loads it). `false`: there is no such adapter.
     fn find_lora_adapter(&self, name: String) -> EngineFuture<bool> {
         let found = self.has_lora_adapter(&name);
         Box::pin(async move { Ok(found) })

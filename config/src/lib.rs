@@ -630,6 +630,40 @@ mod tests {
         .unwrap();
     }
 
+    /// `tiers.<name>.max_cpu_loras_per_tenant` is 1 to 4,096 and at most `lora.max_cpu_loras`
+    /// (a share larger than the whole could never bind).
+    #[test]
+    fn a_tenant_s_share_of_adapter_memory_is_bounded_by_the_whole() {
+        let c = Config::from_yaml_str(
+            "lora:\n  max_cpu_loras: 8\ntiers:\n  a: { max_cpu_loras_per_tenant: 8 }\n  b: {}\n",
+            "t",
+        )
+        .unwrap();
+        assert_eq!(c.tiers["a"].max_cpu_loras_per_tenant, Some(8));
+        assert_eq!(c.tiers["b"].max_cpu_loras_per_tenant, None);
+        let e = error("tiers:\n  a:\n    max_cpu_loras_per_tenant: 0\n", &[]);
+        assert!(
+            e.starts_with("t.yaml:3: tiers.a.max_cpu_loras_per_tenant: 0 is out of range"),
+            "{e}"
+        );
+        let e = error("tiers:\n  a: { max_cpu_loras_per_tenant: 4097 }\n", &[]);
+        assert!(e.contains("tiers.a.max_cpu_loras_per_tenant"), "{e}");
+        let e = error(
+            "lora:\n  max_cpu_loras: 2\ntiers:\n  a: { max_cpu_loras_per_tenant: 3 }\n",
+            &[],
+        );
+        assert!(
+            e.contains("tiers.a.max_cpu_loras_per_tenant")
+                && e.contains("3 exceeds lora.max_cpu_loras (2)"),
+            "{e}"
+        );
+        let e = error(
+            "tiers:\n  a: { max_cpu_loras_per_tenant: 2 }\n",
+            &["lora.max_cpu_loras=1".into()],
+        );
+        assert!(e.contains("2 exceeds lora.max_cpu_loras (1)"), "{e}");
+    }
+
     /// Queue bounds are optional, 1 ms to an hour, the tier's and the scheduler's default,
     /// refused at the value's line or naming the override.
     #[test]

@@ -941,7 +941,7 @@ impl Default for SchedulerSection {
     deny_unknown_fields,
     expecting = "a mapping (a tier: ttft_ms, tpot_ms, weight, preemptible, priority, \
                  max_pending_requests, max_pending_per_tenant, requests_per_minute, \
-                 tokens_per_minute, max_queue_ms, max_kv_fraction)"
+                 tokens_per_minute, max_queue_ms, max_kv_fraction, max_cpu_loras_per_tenant)"
 )]
 pub struct TierConfig {
     /// Time-to-first-token target in milliseconds.
@@ -1013,6 +1013,22 @@ pub struct TierConfig {
         skip_serializing_if = "Option::is_none"
     )]
     pub max_kv_fraction: Option<f64>,
+    /// Most LoRA adapters each tenant of this tier may have loaded into adapter memory and
+    /// kept there at once (its share of `lora.max_cpu_loras`), 1 to `lora.max_cpu_loras`: an
+    /// adapter in memory is charged to the tenant whose request read it from disk, and once a
+    /// tenant's loads fill its share, its next load drops its own least recently used adapter
+    /// that no request uses (never another tenant's); when every one of them is in use, the
+    /// request is refused with 429 `rate_limit_exceeded` (`Retry-After: 1`). So one tenant
+    /// naming many adapters displaces at most this many of the others'. Adapters an operator
+    /// loaded (`lora.adapters`, the admin API) and pinned ones are charged to no tenant, and
+    /// an adapter in memory serves every key that may name it, whoever it is charged to.
+    /// `None` (the default): no share; a tenant's loads may evict any adapter no request uses.
+    #[serde(
+        default,
+        deserialize_with = "opt_usize_in::<_, 1, 4096>",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub max_cpu_loras_per_tenant: Option<usize>,
 }
 
 fn one() -> f64 {
@@ -1219,6 +1235,18 @@ impl Config {
                     }
                     _ => {}
                 }
+            }
+            match tier.max_cpu_loras_per_tenant {
+                Some(n) if n > self.lora.max_cpu_loras => {
+                    return Err((
+                        format!("tiers.{name}.max_cpu_loras_per_tenant"),
+                        format!(
+                            "{n} exceeds lora.max_cpu_loras ({}), the adapters kept in memory                              for every tenant together",
+                            self.lora.max_cpu_loras
+                        ),
+                    ));
+                }
+                _ => {}
             }
             if let (Some(per_tenant), Some(tier_bound)) =
                 (tier.max_pending_per_tenant, tier.max_pending_requests)

@@ -144,6 +144,12 @@ pub const ENGINE_BATCH_SIZE: &str = "switchyard:engine_batch_size";
 pub const LORA_ADAPTERS: &str = "switchyard:lora_adapters";
 /// Counter: LoRA adapters loaded from disk (registrations and reloads after eviction).
 pub const LORA_LOADS: &str = "switchyard:lora_adapter_loads_total";
+/// Counter, label `tier`: adapters of a tenant dropped from memory to make room in its share
+/// (`tiers.<name>.max_cpu_loras_per_tenant`) for another of its adapters.
+pub const LORA_SHARE_EVICTIONS: &str = "switchyard:lora_tenant_share_evictions_total";
+/// Counter, label `tier`: requests refused (429) because their tenant's share of adapter
+/// memory (`tiers.<name>.max_cpu_loras_per_tenant`) was full of adapters in use.
+pub const LORA_SHARE_REFUSALS: &str = "switchyard:lora_tenant_share_refusals_total";
 /// Gauge: distinct LoRA adapters among the running requests.
 pub const LORA_RUNNING_ADAPTERS: &str = "switchyard:lora_running_adapters";
 /// Gauge: waiting requests that name a LoRA adapter.
@@ -269,6 +275,8 @@ pub const COUNTERS: &[&str] = &[
     ENGINE_FAILED_STEPS,
     ENGINE_POOL_ERRORS,
     LORA_LOADS,
+    LORA_SHARE_EVICTIONS,
+    LORA_SHARE_REFUSALS,
     STRUCTURED_REQUESTS,
     STRUCTURED_FAILURES,
     SPEC_DECODE_DRAFTS,

@@ -436,6 +436,16 @@ impl Simulation {
                 Some((config, from))
             }
         };
+        if lora_memory.is_some() {
+            for (name, t) in &spec.tiers {
+                if t.max_cpu_loras_per_tenant.is_some() {
+                    warnings.push(format!(
+                        "tiers.{name}.max_cpu_loras_per_tenant is not modelled: every tenant's \
+                         adapter loads share scheduler.lora_memory.max_cpu_loras"
+                    ));
+                }
+            }
+        }
         Ok(Simulation {
             lora_memory,
             spec: spec.clone(),

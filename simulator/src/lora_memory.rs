@@ -21,8 +21,10 @@
 //! registers them); every other adapter is loaded on its first request, as the server loads
 //! one found in `lora.adapter_dirs`, or one of `lora.adapters` evicted at start. What the
 //! model leaves out: the registry's own bound (`lora.max_adapters`, which unregisters found
-//! adapters to make room for others, each found again at the cost of one load), and an
-//! adapter's first lookup in `lora.adapter_dirs`, which the server does before the front end.
+//! adapters to make room for others, each found again at the cost of one load), the tiers'
+//! shares of memory per tenant (`tiers.<name>.max_cpu_loras_per_tenant`, read with a server
+//! configuration's tiers and named in a warning), and a request's name check in `lora.adapter_dirs` before the front end
+//! (a look at the directories that reads nothing: the load is the one modelled here).
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 

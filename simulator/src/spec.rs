@@ -535,6 +535,12 @@ pub struct TierConf {
     /// scheduling core; a request it could never hold is refused (`rejected`). Unset: none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_kv_fraction: Option<f64>,
+    /// The server's share of LoRA adapter memory per tenant
+    /// (`tiers.<name>.max_cpu_loras_per_tenant`, 1 to 4,096): read, so that a server
+    /// configuration's tiers load, but not modelled (a run with `scheduler.lora_memory` warns
+    /// that every tenant's loads share its `max_cpu_loras`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_cpu_loras_per_tenant: Option<usize>,
 }
 
 impl TierConf {
@@ -1169,6 +1175,12 @@ fn validate_tiers(tiers: &BTreeMap<String, TierConf>) -> Result<(), String> {
         if let Some(f) = t.max_kv_fraction.filter(|f| !(*f > 0.0 && *f <= 1.0)) {
             return Err(format!("tiers.{name}.max_kv_fraction {f} outside (0, 1]"));
         }
+        let max_share = crate::lora_memory::MAX_CPU_LORAS;
+        if let Some(n) = (t.max_cpu_loras_per_tenant).filter(|n| !(1..=max_share).contains(n)) {
+            return Err(format!(
+                "tiers.{name}.max_cpu_loras_per_tenant {n} outside 1..={max_share}"
+            ));
+        }
         // The server's bounds (`switchyard_config`: 1 to 1,000,000).
         for (field, bound) in [
             ("max_pending_requests", t.max_pending_requests),
@@ -1635,8 +1647,9 @@ workload:
         // The server's admission bounds are read.
         assert_eq!(tiers["batch"].max_pending_requests, Some(1024));
         assert_eq!(tiers["standard"].max_pending_per_tenant, Some(256));
-        // So are its rate limits.
+        // So are its rate limits, and its share of adapter memory per tenant (not modelled).
         assert_eq!(tiers["standard"].tokens_per_minute, Some(200_000));
+        assert_eq!(tiers["standard"].max_cpu_loras_per_tenant, Some(2));
         let file = dir.join("t.yaml");
         std::fs::write(&file, "server: {port: 1}\n").unwrap();
         let err = SimulationSpec::tiers_from_file(&file)

@@ -394,6 +394,16 @@ pub fn tier_pending_per_tenant_limits(config: &Config) -> Vec<(String, usize)> {
         .collect()
 }
 
+/// The configured shares of LoRA adapter memory per tenant (`max_cpu_loras_per_tenant`), by
+/// tier.
+pub fn tier_lora_share_limits(config: &Config) -> Vec<(String, usize)> {
+    config
+        .tiers
+        .iter()
+        .filter_map(|(name, t)| Some((name.clone(), t.max_cpu_loras_per_tenant?)))
+        .collect()
+}
+
 /// The configured tiers as the scheduling core sees them.
 pub fn tier_specs(config: &Config) -> Vec<TierSpec> {
     config

@@ -300,6 +300,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         .flatten()
         .filter(|n| !n.is_empty())
         .collect(),
+        tenant_shares: super::config::tier_lora_share_limits(&config),
     });
     let vocab_size = model.config.vocab_size;
     let embedding_size = config.server.embeddings.then_some(model.config.hidden_size);

@@ -25,7 +25,7 @@ use super::detokenizer::{
 };
 use super::executor::ExecutorActor;
 use super::lora::{
-    AdapterInfo, LoraError, LoraHandle, LoraManager, LoraManagerConfig,
+    AdapterInfo, Charge, LoraError, LoraHandle, LoraManager, LoraManagerConfig,
     Register as RegisterAdapter, Replace as ReplaceAdapter, SetPinned, Unregister,
 };
 use super::scheduler::{GetStats, SchedulerActor, SetSpeculative, SetTiers, SwapPolicy};
@@ -664,7 +664,7 @@ impl Engine {
                 }
                 let adapter = match &options.lora {
                     None => None,
-                    Some(name) => match this.resolve_adapter(name).await {
+                    Some(name) => match this.resolve_adapter(name, &options).await {
                         Ok(a) => Some(a),
                         Err(e) => {
                             // A broken or busy adapter (503) counts as `unavailable`; an
@@ -1157,12 +1157,31 @@ impl Engine {
         self.ask_tokenizers(Decode(ids)).await
     }
 
-    /// The id and weights of a registered adapter: read from the registry when they are in
-    /// memory, loaded again by the LoRA manager if they were evicted.
-    async fn resolve_adapter(&self, name: &str) -> Result<(u32, Arc<LoraAdapter>), SubmitError> {
+    /// The id and weights of a registered adapter for the request `options`: read from the
+    /// registry when they are in memory, loaded by the LoRA manager if they are not (charged
+    /// to the request's tenant, within its tier's share, `tiers.<name>.max_cpu_loras_per_tenant`).
+    async fn resolve_adapter(
+        &self,
+        name: &str,
+        options: &RequestOptions,
+    ) -> Result<(u32, Arc<LoraAdapter>), SubmitError> {
         let lora = self.lora.as_ref().ok_or(LoraError::Disabled);
         let lora = lora.map_err(lora_submit_error)?;
-        lora.resolve(name).await.map_err(lora_submit_error)
+        let charge = Charge {
+            tenant: options.tenant.as_str().into(),
+            tier: options.tier.as_str().into(),
+        };
+        lora.resolve(name, Some(&charge))
+            .await
+            .map_err(lora_submit_error)
+    }
+
+    /// Puts the tiers' shares of LoRA adapter memory per tenant in force
+    /// (`tiers.<name>.max_cpu_loras_per_tenant`, a reload); nothing without LoRA.
+    pub fn set_lora_tenant_shares(&self, shares: &[(String, usize)]) {
+        if let Some(lora) = &self.lora {
+            lora.set_tenant_shares(shares);
+        }
     }
 
     /// Registers a LoRA adapter under `name` (loads it to check it), pinned in memory or not.
@@ -1262,17 +1281,15 @@ impl Engine {
         }
     }
 
-    /// Whether requests may name the LoRA adapter `name`: registered, or found now in
-    /// `lora.adapter_dirs` (and registered by the LoRA manager). A directory's adapter that
-    /// does not load, or a full registry of adapters in use, is an `Unavailable` error.
+    /// Whether requests may name the LoRA adapter `name`: registered, or held now by one of
+    /// `lora.adapter_dirs`. Nothing is loaded: the request that follows loads a directory's
+    /// adapter when it resolves the name (a broken one, or a full registry of adapters in use,
+    /// is then its `Unavailable` error).
     pub async fn find_adapter(&self, name: &str) -> Result<bool, SubmitError> {
         let Some(lora) = &self.lora else {
             return Ok(false);
         };
-        lora.find(name)
-            .await
-            .map(|found| found.is_some())
-            .map_err(lora_submit_error)
+        lora.find(name).await.map_err(lora_submit_error)
     }
 
     /// Replaces the tiers (a reload of the configuration: tiers added, removed or with new
@@ -1332,6 +1349,9 @@ fn lora_submit_error(e: LoraError) -> SubmitError {
         LoraError::Reload(_) | LoraError::Busy(..) | LoraError::Stopped => {
             SubmitErrorKind::Unavailable
         }
+        // The tenant's own share, full of its adapters in use: retry once one of its requests
+        // ends, as for its bound on requests in flight.
+        LoraError::TenantShare { .. } => SubmitErrorKind::TenantBusy,
     };
     // Names and paths come only from a registration (`POST /admin/lora`'s fields).
     let param = match e {

@@ -26,12 +26,14 @@
 //! Discovered adapters make room for one another and for an operator's registrations: when
 //! the registry is full, the least recently used discovered adapter that no request holds
 //! and that is not pinned is unregistered (it is found again on its next request), once the
-//! new adapter has loaded; a request that registers one gets its weights even when the
-//! eviction that follows would drop them from memory at once, and so does the request whose
-//! name check registered it (the weights are kept for it until it resolves the name, one
-//! adapter at a time), so its files are read once; a discovered adapter whose files
-//! are gone or broken when it is loaded again is unregistered, so it is found again, or not,
-//! as its directory then says.
+//! new adapter has loaded; the request that registers one gets its weights even when the
+//! eviction that follows would drop them from memory at once, so its files are read once. A
+//! request's name check ([`LoraHandle::find`]) only looks in the directories (on the
+//! directory scanner's thread): it reads, registers and keeps nothing, so any number of
+//! checks of new adapters in flight at once never read an adapter twice nor hold memory; the
+//! request that follows reads the adapter (once) when it resolves the name. A discovered
+//! adapter whose files are gone or broken when it is loaded again is unregistered, so it is
+//! found again, or not, as its directory then says.
 //!
 //! Memory. At most `max_adapters` names are registered and at most `max_loaded` adapters are
 //! kept in memory, those in use included; beyond that, the least recently used adapter that no
@@ -42,6 +44,17 @@
 //! are released: by the manager's next load, or on the next request for an adapter in memory,
 //! which asks the manager to evict again. How many different adapters run in one step is the
 //! scheduler's limit (`max_loras`).
+//!
+//! Tenants' shares. An adapter read into memory for a request is charged to the request's
+//! tenant ([`Charge`]); an operator's registrations and pinned adapters to no one. A tier may
+//! bound what each of its tenants is charged (`tiers.<name>.max_cpu_loras_per_tenant`,
+//! [`LoraHandle::set_tenant_shares`]): a load for a tenant whose charged adapters fill its
+//! share first drops the tenant's own least recently used one that no request holds (chosen
+//! and dropped under one write lock, as every eviction), and is refused
+//! ([`LoraError::TenantShare`], a 429) when every one is in use. So a tenant naming many
+//! adapters recycles its own slots once its share is full and displaces at most its share of
+//! the other tenants' adapters; an adapter in memory still serves every tenant, whoever it is
+//! charged to.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -53,7 +66,7 @@ use parking_lot::RwLock;
 use switchyard_gpu::model::LlamaConfig;
 use switchyard_gpu::{GpuError, LoraAdapter, LoraLimits};
 
-use super::lora_dirs::{check_name, holds_adapter, DirectoryScanner, ListFound};
+use super::lora_dirs::{check_name, holds_adapter, locate, DirectoryScanner, Holds, ListFound};
 
 /// Settings of the LoRA manager.
 #[derive(Clone, Debug)]
@@ -76,6 +89,19 @@ pub struct LoraManagerConfig {
     /// file's or directory's), which an adapter's `base_model_name_or_path` is compared with
     /// ([`names_served_model`]); empty: none is.
     pub model_names: Vec<String>,
+    /// Per tier, most adapters each of its tenants may be charged for in memory
+    /// (`tiers.<name>.max_cpu_loras_per_tenant`); tiers not listed bound none.
+    pub tenant_shares: Vec<(String, usize)>,
+}
+
+/// Who a request's adapter load is charged to: its tenant, within its tier's share of memory
+/// (`tiers.<name>.max_cpu_loras_per_tenant`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Charge {
+    /// The request's tenant.
+    pub tenant: Arc<str>,
+    /// The request's tier.
+    pub tier: Arc<str>,
 }
 
 /// A registered adapter.
@@ -168,6 +194,18 @@ pub enum LoraError {
     /// LoRA is not enabled in this server.
     #[error("LoRA adapters are not enabled on this server (lora.enabled)")]
     Disabled,
+    /// The request's tenant is charged for as many adapters in memory as its tier's share
+    /// allows, all in use, and its adapter is not in memory.
+    #[error(
+        "your LoRA adapters fill your share of adapter memory (tiers.{tier}.max_cpu_loras_per_tenant: \
+         {limit}) and all are in use; retry when a request using one of them ends"
+    )]
+    TenantShare {
+        /// The request's tier.
+        tier: String,
+        /// Its share.
+        limit: usize,
+    },
     /// Pinning the adapter would pin more adapters than may be kept in memory.
     #[error(
         "{0} LoRA adapters are pinned, as many as are kept in memory (lora.max_cpu_loras); \
@@ -188,6 +226,9 @@ struct Resident {
     /// When a request last resolved it (the registry's clock), for least-recently-used
     /// eviction; readers update it under the read lock.
     last_used: AtomicU64,
+    /// The tenant whose request read it into memory (its share, `Charge`); `None`: an
+    /// operator's registration or replacement.
+    owner: Option<Arc<str>>,
 }
 
 /// The contents of a [`LoraRegistry`].
@@ -219,14 +260,8 @@ struct SharedRegistry {
     /// Set when the manager left more than `max_loaded` adapters in memory because they were
     /// in use; the next request served from memory takes it and asks the manager to evict.
     over_limit: AtomicBool,
-    /// The weights of the adapter a request's name check registered last
-    /// ([`LoraManager::find`]), kept for the request that follows the check: they count as in
-    /// use, so no eviction drops them (memory full of adapters in use would drop them at once,
-    /// the only ones no request holds) before that request resolves the name, which releases
-    /// them (the request then holds them); else the request would read the files again. One
-    /// at a time: the next name check's registration releases them, as do the adapter's
-    /// unregistration and replacement. Locked after `state` when both are.
-    reserved: parking_lot::Mutex<Option<(String, Arc<LoraAdapter>)>>,
+    /// Per tier, the most adapters each of its tenants may be charged for in memory.
+    shares: RwLock<HashMap<String, usize>>,
 }
 
 /// The registered adapters and the weights of those in memory, as other threads see them:
@@ -256,48 +291,17 @@ impl LoraRegistry {
         self.0.state.read().adapters.iter().any(|a| a.name == name)
     }
 
-    /// The id and weights of `name` if they are in memory, marking it used (and releasing
-    /// them if they were reserved for this request: it holds them now).
+    /// The id and weights of `name` if they are in memory, marking it used.
     fn lookup(&self, name: &str) -> Lookup {
-        let found = {
-            let state = self.0.state.read();
-            if let Some(r) = state.resident.get(name) {
-                r.last_used.store(self.tick(), Ordering::Relaxed);
-                Lookup::Resident(r.id, r.adapter.clone())
-            } else if state.adapters.iter().any(|a| a.name == name) {
-                Lookup::Evicted
-            } else {
-                Lookup::Unknown
-            }
-        };
-        if matches!(found, Lookup::Resident(..)) {
-            self.release(Some(name));
+        let state = self.0.state.read();
+        if let Some(r) = state.resident.get(name) {
+            r.last_used.store(self.tick(), Ordering::Relaxed);
+            Lookup::Resident(r.id, r.adapter.clone())
+        } else if state.adapters.iter().any(|a| a.name == name) {
+            Lookup::Evicted
+        } else {
+            Lookup::Unknown
         }
-        found
-    }
-
-    /// Releases the weights reserved for a request ([`SharedRegistry::reserved`]) if they are
-    /// `name`'s (whosever they are: `None`).
-    fn release(&self, name: Option<&str>) {
-        let mut slot = self.0.reserved.lock();
-        let theirs = match (slot.as_ref(), name) {
-            (None, _) => false,
-            (Some(_), None) => true,
-            (Some((reserved, _)), Some(name)) => reserved == name,
-        };
-        let released = if theirs { slot.take() } else { None };
-        drop(slot);
-        // Freed (if no request holds them either) outside the lock.
-        drop(released);
-    }
-
-    /// The name whose weights are reserved for a request, if any.
-    fn reserved_name(&self) -> Option<String> {
-        self.0
-            .reserved
-            .lock()
-            .as_ref()
-            .map(|(name, _)| name.clone())
     }
 
     /// The registration of `name`.
@@ -363,16 +367,21 @@ impl LoraHandle {
         }
     }
 
-    /// Whether requests may name `name`: registered, or found now in `adapter_dirs` (and then
-    /// registered, by the manager). `None` when no adapter of that name exists.
-    pub async fn find(&self, name: &str) -> Result<Option<AdapterInfo>, LoraError> {
-        if let Some(info) = self.registry.info(name) {
-            return Ok(Some(info));
+    /// Whether requests may name `name`: registered, or held now by one of `adapter_dirs`
+    /// (looked for on the directory scanner's thread, never behind the manager's loads).
+    /// Nothing is read, registered or kept: the request that follows reads the adapter once,
+    /// when it resolves the name, and holds it.
+    pub async fn find(&self, name: &str) -> Result<bool, LoraError> {
+        if self.registry.contains(name) {
+            return Ok(true);
         }
-        if !self.discovers {
-            return Ok(None);
+        match &self.scanner {
+            Some(scanner) => scanner
+                .send(Holds(name.to_owned()))
+                .await
+                .map_err(|_| LoraError::Stopped),
+            None => Ok(false),
         }
-        self.ask(Find(name.to_owned())).await
     }
 
     /// The registered adapters.
@@ -380,9 +389,21 @@ impl LoraHandle {
         &self.registry
     }
 
+    /// Puts the tiers' shares of adapter memory per tenant in force (a reload): loads from
+    /// now on are bounded by them; adapters already charged stay until their tenant's next
+    /// load makes room (a tenant over a lowered share drops its unused ones then).
+    pub fn set_tenant_shares(&self, shares: &[(String, usize)]) {
+        *self.registry.0.shares.write() = shares.iter().cloned().collect();
+    }
+
     /// The id and weights of `name`: from the registry when they are in memory (without
-    /// waiting for the manager, whatever it is doing), else loaded again by the manager.
-    pub async fn resolve(&self, name: &str) -> Result<(u32, Arc<LoraAdapter>), LoraError> {
+    /// waiting for the manager, whatever it is doing), else loaded by the manager, charged
+    /// to `charge`'s tenant (none: an uncharged load).
+    pub async fn resolve(
+        &self,
+        name: &str,
+        charge: Option<&Charge>,
+    ) -> Result<(u32, Arc<LoraAdapter>), LoraError> {
         match self.registry.lookup(name) {
             Lookup::Resident(id, adapter) => {
                 if self.registry.take_over_limit() {
@@ -390,8 +411,10 @@ impl LoraHandle {
                 }
                 Ok((id, adapter))
             }
-            Lookup::Evicted => self.ask(Resolve(name.to_owned())).await,
-            Lookup::Unknown if self.discovers => self.ask(Resolve(name.to_owned())).await,
+            Lookup::Evicted => self.ask(Resolve(name.to_owned(), charge.cloned())).await,
+            Lookup::Unknown if self.discovers => {
+                self.ask(Resolve(name.to_owned(), charge.cloned())).await
+            }
             Lookup::Unknown => Err(LoraError::Unknown(name.to_owned())),
         }
     }
@@ -417,9 +440,6 @@ enum Keep {
     Nobody,
     /// The caller, which gets them (a request resolving a name it found).
     Caller,
-    /// The request whose name check found the adapter, until it resolves the name
-    /// ([`SharedRegistry::reserved`]).
-    NextRequest,
 }
 
 /// The LoRA manager actor.
@@ -430,16 +450,23 @@ pub struct LoraManager {
     next_id: u32,
     /// What the manager publishes; it is the only writer.
     registry: LoraRegistry,
+    /// Adapters read from disk since the start (`lora_adapter_loads_total`, per manager).
+    reads: u64,
+    /// Logs of refusals for a full tenant's share, at most one line a second.
+    share_refusals: super::admission::Throttle,
 }
 
 impl LoraManager {
     /// A manager with no adapters, publishing to `registry`.
     pub fn new(config: LoraManagerConfig, registry: LoraRegistry) -> Self {
+        *registry.0.shares.write() = config.tenant_shares.iter().cloned().collect();
         LoraManager {
             config,
             fingerprints: HashMap::new(),
             next_id: 1,
             registry,
+            reads: 0,
+            share_refusals: super::admission::Throttle::new(super::admission::REFUSAL_LOG_INTERVAL),
         }
     }
 
@@ -452,8 +479,9 @@ impl LoraManager {
         check_name(name, &self.config.base_name)
     }
 
-    fn load(&self, path: &Path) -> Result<Arc<LoraAdapter>, LoraError> {
+    fn load(&mut self, path: &Path) -> Result<Arc<LoraAdapter>, LoraError> {
         let t0 = std::time::Instant::now();
+        self.reads += 1;
         let adapter = LoraAdapter::load(path, &self.config.model, &self.config.limits)?;
         metrics::counter!(crate::metric_names::LORA_LOADS).increment(1);
         tracing::info!(
@@ -466,12 +494,19 @@ impl LoraManager {
         Ok(Arc::new(adapter))
     }
 
-    /// Puts `adapter` in memory under `name` and `id`.
-    fn make_resident(&self, name: &str, id: u32, adapter: Arc<LoraAdapter>) {
+    /// Puts `adapter` in memory under `name` and `id`, charged to `owner`.
+    fn make_resident(
+        &self,
+        name: &str,
+        id: u32,
+        adapter: Arc<LoraAdapter>,
+        owner: Option<Arc<str>>,
+    ) {
         let resident = Resident {
             id,
             adapter,
             last_used: AtomicU64::new(self.registry.tick()),
+            owner,
         };
         let old = self
             .registry
@@ -508,15 +543,16 @@ impl LoraManager {
         discovered: bool,
         pinned: bool,
     ) -> Result<AdapterInfo, LoraError> {
-        self.register_held(name, path, discovered, pinned, Keep::Nobody)
+        self.register_held(name, path, discovered, pinned, Keep::Nobody, None)
             .map(|(info, _)| info)
     }
 
     /// [`Self::register_as`], the weights kept from the eviction that follows the
     /// registration as `hold` says (and returned with [`Keep::Caller`]): a request that
-    /// registers an adapter (found in a directory), or whose name check did, gets these weights
-    /// even when memory is full of adapters in use, where the eviction would otherwise drop the
-    /// new adapter, the only one no request holds, at once (and the request read it again).
+    /// registers an adapter (found in a directory) gets these weights even when memory is full
+    /// of adapters in use, where the eviction would otherwise drop the new adapter, the only
+    /// one no request holds, at once (and the request read it again). The weights in memory
+    /// are charged to `charge`'s tenant, whose share has room made first.
     fn register_held(
         &mut self,
         name: &str,
@@ -524,14 +560,11 @@ impl LoraManager {
         discovered: bool,
         pinned: bool,
         hold: Keep,
+        charge: Option<&Charge>,
     ) -> Result<Registered, LoraError> {
         self.check_name(name)?;
         if self.registry.contains(name) {
             return Err(LoraError::Exists(name.to_owned()));
-        }
-        if hold == Keep::NextRequest {
-            // One reservation at a time: the last name check's.
-            self.registry.release(None);
         }
         // A full registry takes one more when an adapter found in a directory can go for it
         // (found again on its next request): otherwise found adapters, which come and go with
@@ -542,6 +575,7 @@ impl LoraManager {
             return Err(LoraError::Full(max));
         }
         self.check_pin_room(name, pinned)?;
+        self.make_share_room(charge)?;
         let adapter = self.load(path)?;
         // Room made once the adapter loaded, so a refused one unregisters nothing.
         if let Err(LoraError::Busy(..)) = self.make_room(name) {
@@ -562,19 +596,16 @@ impl LoraManager {
             .insert(name.to_owned(), adapter.fingerprint());
         // Listed and in memory at once: no reader sees a registered name without its weights.
         let held = (hold == Keep::Caller).then(|| adapter.clone());
-        let reserved = (hold == Keep::NextRequest).then(|| adapter.clone());
         let resident = Resident {
             id: info.id,
             adapter,
             last_used: AtomicU64::new(self.registry.tick()),
+            owner: charge.map(|c| c.tenant.clone()),
         };
         {
             let mut state = self.registry.0.state.write();
             state.adapters.push(info.clone());
             state.resident.insert(name.to_owned(), resident);
-        }
-        if let Some(adapter) = reserved {
-            *self.registry.0.reserved.lock() = Some((name.to_owned(), adapter));
         }
         self.evict();
         self.publish();
@@ -648,7 +679,7 @@ impl LoraManager {
         }
         self.check_pin_room(name, pinned)?;
         if pinned && matches!(self.registry.lookup(name), Lookup::Evicted) {
-            self.reload(name)?;
+            self.reload(name, None)?;
         }
         let info = {
             let mut state = self.registry.0.state.write();
@@ -665,43 +696,31 @@ impl LoraManager {
         Ok(info)
     }
 
-    /// The registration of `name`, or, where it has none, the adapter in `<dir>/<name>/` of
-    /// the first of `adapter_dirs` that holds an `adapter_config.json` there, registered now
-    /// (making room by unregistering the least recently used discovered adapter no request
-    /// holds, if the registry is full). `None`: no such adapter. A directory's adapter that
-    /// does not load is the server's fault: logged with its path and reason, and reported
-    /// without them.
-    pub fn find(&mut self, name: &str) -> Result<Option<AdapterInfo>, LoraError> {
-        if let Some(info) = self.registry.info(name) {
-            return Ok(Some(info));
-        }
-        // Its weights are kept for the request whose check this is ([`Keep::NextRequest`]).
-        Ok(self
-            .discover(name, Keep::NextRequest)?
-            .map(|(info, _)| info))
+    /// Whether requests may name `name`: registered, or held by one of `adapter_dirs` now
+    /// ([`LoraHandle::find`]'s test, run here in tests); nothing is read or registered.
+    #[cfg(test)]
+    pub fn find(&mut self, name: &str) -> Result<bool, LoraError> {
+        Ok(self.registry.contains(name)
+            || locate(&self.config.adapter_dirs, name, &self.config.base_name).is_some())
     }
 
     /// The adapter in `<dir>/<name>/` of the first of `adapter_dirs` that holds one, for a
     /// name not registered: registered now, its weights kept as `hold` says
     /// ([`Self::register_held`]).
-    fn discover(&mut self, name: &str, hold: Keep) -> Result<Option<Registered>, LoraError> {
+    fn discover(
+        &mut self,
+        name: &str,
+        hold: Keep,
+        charge: Option<&Charge>,
+    ) -> Result<Option<Registered>, LoraError> {
         // A name no registration could take is no directory's either: it is one path
         // segment, never `.` or `..`, before it is joined to a directory.
-        if self.config.adapter_dirs.is_empty() || self.check_name(name).is_err() {
-            return Ok(None);
-        }
-        let Some(path) = self
-            .config
-            .adapter_dirs
-            .iter()
-            .map(|dir| dir.join(name))
-            .find(|path| holds_adapter(path))
-        else {
+        let Some(path) = locate(&self.config.adapter_dirs, name, &self.config.base_name) else {
             return Ok(None);
         };
         // Room is made (another found adapter unregistered) only once this one has loaded:
         // a request naming a broken adapter unregisters nothing.
-        match self.register_held(name, &path, true, false, hold) {
+        match self.register_held(name, &path, true, false, hold, charge) {
             Ok(found) => Ok(Some(found)),
             Err(LoraError::Full(max)) => Err(LoraError::Busy(name.to_owned(), max)),
             Err(LoraError::Load(e)) => {
@@ -732,8 +751,7 @@ impl LoraManager {
                 if state.adapters.len() < max {
                     return Ok(());
                 }
-                let reserved = self.registry.reserved_name();
-                let Some(victim) = Self::room_victim_in(&state, reserved.as_deref()) else {
+                let Some(victim) = Self::room_victim_in(&state) else {
                     return Err(LoraError::Busy(name.to_owned(), max));
                 };
                 let dropped = state.remove(&victim).flatten();
@@ -749,29 +767,20 @@ impl LoraManager {
 
     /// The discovered adapter [`Self::make_room`] unregisters next: the least recently used
     /// one no request holds, those not in memory first; never a pinned one (an operator
-    /// pinned it, through the configuration file's entry for its directory). One whose
-    /// weights are only reserved for a request ([`SharedRegistry::reserved`]) may go: a
-    /// request that never came would otherwise keep an operator's registration out.
+    /// pinned it, through the configuration file's entry for its directory).
     fn room_victim(&self) -> Option<String> {
-        let state = self.registry.0.state.read();
-        let reserved = self.registry.reserved_name();
-        Self::room_victim_in(&state, reserved.as_deref())
+        Self::room_victim_in(&self.registry.0.state.read())
     }
 
-    /// [`Self::room_victim`] in a locked `state`, `reserved` the name whose weights are
-    /// reserved for a request (read under the lock: a request that took them since holds
-    /// another reference).
-    fn room_victim_in(state: &RegistryState, reserved: Option<&str>) -> Option<String> {
+    /// [`Self::room_victim`] in a locked `state`.
+    fn room_victim_in(state: &RegistryState) -> Option<String> {
         state
             .adapters
             .iter()
             .filter(|a| a.discovered && !a.pinned)
             .filter_map(|a| match state.resident.get(&a.name) {
                 None => Some((0, &a.name)),
-                Some(r)
-                    if Arc::strong_count(&r.adapter)
-                        == 1 + usize::from(reserved == Some(a.name.as_str())) =>
-                {
+                Some(r) if Arc::strong_count(&r.adapter) == 1 => {
                     Some((r.last_used.load(Ordering::Relaxed), &a.name))
                 }
                 Some(_) => None,
@@ -827,6 +836,7 @@ impl LoraManager {
             id,
             adapter,
             last_used: AtomicU64::new(self.registry.tick()),
+            owner: None,
         };
         let replaced = {
             let mut state = self.registry.0.state.write();
@@ -835,10 +845,8 @@ impl LoraManager {
             }
             state.resident.insert(name.to_owned(), resident)
         };
-        // The old weights go (unless a request holds them) outside the lock, reserved for a
-        // request or not: it resolves the new ones.
+        // The old weights go (unless a request holds them) outside the lock.
         drop(replaced);
-        self.registry.release(Some(name));
         self.fingerprints.insert(name.to_owned(), fingerprint);
         self.evict();
         self.publish();
@@ -879,19 +887,29 @@ impl LoraManager {
     /// and the new set is published.
     fn forget(&mut self, name: &str, dropped: Option<Resident>) {
         drop(dropped);
-        self.registry.release(Some(name));
         self.fingerprints.remove(name);
         self.publish();
     }
 
-    /// The id and weights of `name`, loading them if they were evicted.
+    /// The id and weights of `name`, loading them if they were evicted (uncharged).
+    #[cfg(test)]
     pub fn resolve(&mut self, name: &str) -> Result<(u32, Arc<LoraAdapter>), LoraError> {
+        self.resolve_for(name, None)
+    }
+
+    /// The id and weights of `name` for a request, loading them, charged to `charge`'s
+    /// tenant, if they are not in memory.
+    pub fn resolve_for(
+        &mut self,
+        name: &str,
+        charge: Option<&Charge>,
+    ) -> Result<(u32, Arc<LoraAdapter>), LoraError> {
         let resolved = match self.registry.lookup(name) {
             Lookup::Resident(id, adapter) => Ok((id, adapter)),
-            Lookup::Evicted => self.reload(name),
+            Lookup::Evicted => self.reload(name, charge),
             // Registered just now, with the weights held: the eviction that followed the
             // registration could not drop them.
-            Lookup::Unknown => match self.discover(name, Keep::Caller) {
+            Lookup::Unknown => match self.discover(name, Keep::Caller, charge) {
                 Ok(Some((info, Some(adapter)))) => Ok((info.id, adapter)),
                 Ok(Some((_, None)) | None) => Err(LoraError::Unknown(name.to_owned())),
                 Err(e) => Err(e),
@@ -901,13 +919,21 @@ impl LoraManager {
         resolved
     }
 
-    /// Loads an evicted adapter again. Its files are the server's, not the client's: a failure
-    /// is logged with its detail and reported without it.
-    fn reload(&mut self, name: &str) -> Result<(u32, Arc<LoraAdapter>), LoraError> {
+    /// Loads an evicted adapter again, charged to `charge`'s tenant (room made in its share
+    /// first). Its files are the server's, not the client's: a failure is logged with its
+    /// detail and reported without it.
+    fn reload(
+        &mut self,
+        name: &str,
+        charge: Option<&Charge>,
+    ) -> Result<(u32, Arc<LoraAdapter>), LoraError> {
         let info = self
             .registry
             .info(name)
             .ok_or_else(|| LoraError::Unknown(name.to_owned()))?;
+        // A pinned adapter is no tenant's (reloaded when pinned).
+        let charge = charge.filter(|_| !info.pinned);
+        self.make_share_room(charge)?;
         let adapter = match self.load(&info.path) {
             Ok(adapter) => adapter,
             Err(e) if info.discovered => {
@@ -960,8 +986,74 @@ impl LoraManager {
                 a.base_model_differs = differs;
             }
         }
-        self.make_resident(name, id, adapter.clone());
+        self.make_resident(name, id, adapter.clone(), charge.map(|c| c.tenant.clone()));
         Ok((id, adapter))
+    }
+
+    /// Makes room for one more adapter in the share of memory of `charge`'s tenant (its
+    /// tier's `max_cpu_loras_per_tenant`; nothing without a charge or a share): while the
+    /// adapters charged to it (pinned ones aside) fill the share, its least recently used one
+    /// that no request holds is dropped; when every one is in use, the load is refused
+    /// ([`LoraError::TenantShare`]). Never another tenant's adapter.
+    fn make_share_room(&mut self, charge: Option<&Charge>) -> Result<(), LoraError> {
+        let Some(charge) = charge else {
+            return Ok(());
+        };
+        let Some(limit) = self.registry.0.shares.read().get(&*charge.tier).copied() else {
+            return Ok(());
+        };
+        let labels = crate::metric_names::tier_labels(&charge.tier);
+        loop {
+            let dropped = {
+                // Chosen and dropped under one write lock: readers clone weights only under
+                // the read lock, so none can take up the victim in between.
+                let mut state = self.registry.0.state.write();
+                let pinned: Vec<&str> = state
+                    .adapters
+                    .iter()
+                    .filter(|a| a.pinned)
+                    .map(|a| a.name.as_str())
+                    .collect();
+                let theirs = state.resident.iter().filter(|(name, r)| {
+                    r.owner.as_deref() == Some(&*charge.tenant) && !pinned.contains(&name.as_str())
+                });
+                let charged = theirs.clone().count();
+                if charged < limit {
+                    return Ok(());
+                }
+                let victim = theirs
+                    .filter(|(_, r)| Arc::strong_count(&r.adapter) == 1)
+                    .min_by_key(|(_, r)| r.last_used.load(Ordering::Relaxed))
+                    .map(|(name, _)| name.clone());
+                let Some(victim) = victim else {
+                    drop(state);
+                    metrics::counter!(crate::metric_names::LORA_SHARE_REFUSALS, labels.clone())
+                        .increment(1);
+                    if let Some(refused) = self.share_refusals.hit(std::time::Instant::now()) {
+                        tracing::warn!(
+                            tier = %charge.tier,
+                            latest_tenant = %charge.tenant,
+                            limit,
+                            refused,
+                            "requests refused (429): their tenant's LoRA adapters in memory \
+                             fill its tier's tiers.<name>.max_cpu_loras_per_tenant and all are \
+                             in use (refused counts the refusals since the previous such line)"
+                        );
+                    }
+                    return Err(LoraError::TenantShare {
+                        tier: charge.tier.to_string(),
+                        limit,
+                    });
+                };
+                tracing::debug!(name = %victim, tenant = %charge.tenant,
+                    "LoRA adapter evicted from memory to make room in its tenant's share");
+                state.resident.remove(&victim)
+            };
+            metrics::counter!(crate::metric_names::LORA_SHARE_EVICTIONS, labels.clone())
+                .increment(1);
+            // The weights are freed outside the lock.
+            drop(dropped);
+        }
     }
 
     /// Drops least recently used adapters that no request holds while more than `max_loaded`
@@ -1086,27 +1178,15 @@ impl Handler<Unregister> for LoraManager {
     }
 }
 
-/// Finds an adapter a request names: registered, or in `adapter_dirs` (then registered).
-#[derive(Message)]
-#[rtype(result = "Result<Option<AdapterInfo>, LoraError>")]
-struct Find(String);
-
-impl Handler<Find> for LoraManager {
-    type Result = Result<Option<AdapterInfo>, LoraError>;
-    fn handle(&mut self, msg: Find, _: &mut Self::Context) -> Self::Result {
-        self.find(&msg.0)
-    }
-}
-
 /// Resolves an adapter name for a request (one the registry did not have in memory).
 #[derive(Message)]
 #[rtype(result = "Result<(u32, Arc<LoraAdapter>), LoraError>")]
-struct Resolve(String);
+struct Resolve(String, Option<Charge>);
 
 impl Handler<Resolve> for LoraManager {
     type Result = Result<(u32, Arc<LoraAdapter>), LoraError>;
     fn handle(&mut self, msg: Resolve, _: &mut Self::Context) -> Self::Result {
-        self.resolve(&msg.0)
+        self.resolve_for(&msg.0, msg.1.as_ref())
     }
 }
 
@@ -1153,6 +1233,7 @@ mod tests {
             max_loaded,
             adapter_dirs: Vec::new(),
             model_names: Vec::new(),
+            tenant_shares: Vec::new(),
         }
     }
 
@@ -1489,6 +1570,15 @@ mod tests {
         }
     }
 
+    /// A request for `name`, an adapter of a directory: resolved (registered and read on the
+    /// first), its weights let go at once; its registration.
+    fn found(m: &mut LoraManager, name: &str) -> Result<AdapterInfo, LoraError> {
+        m.resolve(name)?;
+        m.registry
+            .info(name)
+            .ok_or_else(|| LoraError::Unknown(name.into()))
+    }
+
     #[test]
     fn adapters_in_the_directories_are_found_on_demand() {
         let first = AdapterCopy::new("dirs-first");
@@ -1502,12 +1592,15 @@ mod tests {
         let missing = Path::new("/nonexistent/adapters");
         let mut m = finder(8, 8, &[missing, &first.0, &second.0]);
         m.register("taken", &fixture()).expect("registered");
-        let found = m.find("found").expect("found").expect("an adapter");
-        assert!(found.discovered && found.path == second.0.join("found"));
+        // A name check reads and registers nothing; a request does.
+        assert!(m.find("found").expect("found"));
+        assert!(!m.registry.contains("found") && m.reads == 1);
+        let info = found(&mut m, "found").unwrap();
+        assert!(info.discovered && info.path == second.0.join("found"));
         // The first directory that has it wins; a registration wins over every directory.
-        let both = m.find("both").unwrap().unwrap();
+        let both = found(&mut m, "both").unwrap();
         assert_eq!(both.path, first.0.join("both"));
-        let taken = m.find("taken").unwrap().unwrap();
+        let taken = found(&mut m, "taken").unwrap();
         assert!(!taken.discovered && taken.path == fixture());
         // Names that are no adapter's, or no single path segment, find nothing.
         for name in [
@@ -1520,7 +1613,11 @@ mod tests {
             "",
             "base",
         ] {
-            assert!(m.find(name).unwrap().is_none(), "{name:?}");
+            assert!(!m.find(name).unwrap(), "{name:?}");
+            assert!(
+                matches!(m.resolve(name), Err(LoraError::Unknown(_))),
+                "{name:?}"
+            );
         }
         // A request resolves a name it finds, and it is listed from then on.
         copy_into(&first.0, "late");
@@ -1534,7 +1631,7 @@ mod tests {
         assert!(matches!(m.resolve("nobody"), Err(LoraError::Unknown(_))));
         // Without directories nothing is found.
         let mut plain = manager(8, 8);
-        assert!(plain.find("found").unwrap().is_none());
+        assert!(!plain.find("found").unwrap());
     }
 
     #[test]
@@ -1545,29 +1642,29 @@ mod tests {
         }
         let mut m = finder(2, 2, &[&root.0]);
         m.register("configured", &fixture()).expect("configured");
-        m.find("d1").unwrap().unwrap();
+        found(&mut m, "d1").unwrap();
         // Full: d1, found and unused, makes room; the configured adapter never does.
-        m.find("d2").unwrap().unwrap();
+        found(&mut m, "d2").unwrap();
         let names = |m: &LoraManager| -> Vec<String> {
             m.registry.list().into_iter().map(|a| a.name).collect()
         };
         assert_eq!(names(&m), ["configured", "d2"]);
         // d2 in use: nothing can go.
         let (_, held) = m.resolve("d2").expect("d2");
-        let e = m.find("d3").expect_err("full of adapters in use");
+        let e = found(&mut m, "d3").expect_err("full of adapters in use");
         assert!(matches!(&e, LoraError::Busy(n, 2) if n == "d3"), "{e:?}");
         assert_eq!(names(&m), ["configured", "d2"]);
         drop(held);
-        m.find("d3").unwrap().unwrap();
+        found(&mut m, "d3").unwrap();
         assert_eq!(names(&m), ["configured", "d3"]);
         // The least recently used goes first, those evicted from memory before any other.
         let mut m = finder(3, 1, &[&root.0]);
-        m.find("d1").unwrap().unwrap();
-        m.find("d2").unwrap().unwrap();
-        m.find("d3").unwrap().unwrap();
+        found(&mut m, "d1").unwrap();
+        found(&mut m, "d2").unwrap();
+        found(&mut m, "d3").unwrap();
         m.resolve("d1").expect("d1");
         copy_into(&root.0, "d4");
-        m.find("d4").unwrap().unwrap();
+        found(&mut m, "d4").unwrap();
         assert_eq!(
             names(&m),
             ["d1", "d3", "d4"],
@@ -1598,65 +1695,100 @@ mod tests {
         drop((held, adapter));
     }
 
-    /// The process-unique id of the copy of `name`'s weights in memory (a read of its files
-    /// makes a new one), without marking it used.
-    fn resident_uid(m: &LoraManager, name: &str) -> Option<u64> {
-        let state = m.registry.0.state.read();
-        state.resident.get(name).map(|r| r.adapter.uid())
-    }
-
-    /// Regression: an adapter of a directory that a request's name check registered
-    /// (`find`) while memory held as many adapters in use as it keeps was dropped from memory
-    /// by the eviction that followed the registration (the only adapter no request held), so
-    /// the request read its files a second time. Its weights are kept for that request, which
-    /// takes them from memory; once it let them go they are evicted as any others.
+    /// Regression: two requests' name checks of two adapters of a directory, while memory
+    /// held as many adapters in use as it keeps (`max_cpu_loras`): each check read its
+    /// adapter and kept it for its request in the one reservation slot, the second check
+    /// releasing the first's, whose adapter the eviction then dropped, so its request read
+    /// it a second time. A check reads nothing; each request reads its adapter once.
     #[test]
-    fn an_adapter_a_name_check_found_while_memory_is_full_is_read_once() {
-        let root = AdapterCopy::new("found-check-full");
-        copy_into(&root.0, "d1");
-        let mut m = finder(4, 1, &[&root.0]);
-        m.register("configured", &fixture()).expect("configured");
-        let (_, held) = m.resolve("configured").expect("configured");
-        m.find("d1").unwrap().unwrap();
-        assert_eq!(m.loaded(), ["configured", "d1"], "d1 dropped at once");
-        let loaded = resident_uid(&m, "d1");
-        // Another request's eviction (one served from memory) keeps them too.
-        m.evict();
-        assert_eq!(m.loaded(), ["configured", "d1"]);
-        // The request resolves the name from memory: the copy the check read.
-        let (_, adapter) = m.resolve("d1").expect("d1");
-        assert_eq!(Some(adapter.uid()), loaded, "d1 read again");
-        // Released by the request, the reservation gone: evicted as any other.
-        drop(adapter);
-        m.evict();
-        assert_eq!(m.loaded(), ["configured"]);
-        drop(held);
-    }
-
-    /// One adapter at a time is kept for its name check's request: the next check's
-    /// registration releases it (a check whose request never came, such as `GET
-    /// /v1/models/{name}`, keeps nothing in memory for long), and a full registry unregisters
-    /// one kept so to make room for an operator's adapter.
-    #[test]
-    fn the_weights_kept_for_a_name_checks_request_are_one_adapter_s_and_make_room() {
-        let root = AdapterCopy::new("found-check-one");
+    fn two_name_checks_of_found_adapters_while_memory_is_full_read_each_adapter_once() {
+        let root = AdapterCopy::new("found-two-checks");
         for name in ["d1", "d2"] {
             copy_into(&root.0, name);
         }
-        let mut m = finder(3, 1, &[&root.0]);
+        let mut m = finder(8, 1, &[&root.0]);
         m.register("configured", &fixture()).expect("configured");
         let (_, held) = m.resolve("configured").expect("configured");
-        m.find("d1").unwrap().unwrap();
-        m.find("d2").unwrap().unwrap();
-        assert_eq!(m.loaded(), ["configured", "d2"]);
-        // Full (3): d2, kept for a request that has not come, goes for an operator's adapter
-        // (d1, out of memory, went first).
-        m.register("ops", &fixture()).expect("room made");
-        m.register("ops2", &fixture()).expect("room made");
-        let names: Vec<String> = m.registry.list().into_iter().map(|a| a.name).collect();
-        assert_eq!(names, ["configured", "ops", "ops2"]);
-        assert!(m.registry.reserved_name().is_none());
+        assert!(m.find("d1").unwrap());
+        assert!(m.find("d2").unwrap());
+        assert_eq!(m.loaded(), ["configured"], "memory over max_cpu_loras");
+        let (_, a1) = m.resolve("d1").expect("d1");
+        let (_, a2) = m.resolve("d2").expect("d2");
+        assert_eq!(m.reads, 3, "an adapter read twice");
+        // All three in use: all stay; released, memory is back to max_cpu_loras.
+        assert_eq!(m.loaded(), ["configured", "d1", "d2"]);
+        drop((held, a1, a2));
+        m.evict();
+        assert_eq!(m.loaded().len(), 1);
+        assert_eq!(m.reads, 3);
+    }
+
+    /// A tenant's share of adapter memory (`tiers.<name>.max_cpu_loras_per_tenant`): once the
+    /// adapters read for it fill the share, its next load drops its own least recently used
+    /// adapter that no request holds, never another tenant's; with all of its adapters in
+    /// use it is refused and nothing is dropped; an adapter in memory serves it whoever was
+    /// charged; a lowered share is applied at the tenant's next load.
+    #[test]
+    fn a_tenant_s_loads_recycle_its_own_share_and_never_evict_another_tenant_s_adapters() {
+        let root = AdapterCopy::new("share");
+        for name in ["a1", "a2", "a3", "b1"] {
+            copy_into(&root.0, name);
+        }
+        let mut c = config(16, 8);
+        c.adapter_dirs = vec![root.0.clone()];
+        c.tenant_shares = vec![("gold".into(), 2)];
+        let mut m = LoraManager::new(c, LoraRegistry::default());
+        let charge = |tenant: &str| Charge {
+            tenant: tenant.into(),
+            tier: "gold".into(),
+        };
+        let (acme, bob) = (charge("acme"), charge("bob"));
+        let serve = |m: &mut LoraManager, name: &str, who: &Charge| {
+            m.resolve_for(name, Some(who)).map(|(_, a)| a)
+        };
+        serve(&mut m, "b1", &bob).expect("b1");
+        serve(&mut m, "a1", &acme).expect("a1");
+        serve(&mut m, "a2", &acme).expect("a2");
+        // acme's share is full: its next load drops a1, its least recently used, not b1.
+        serve(&mut m, "a3", &acme).expect("a3");
+        assert_eq!(m.loaded(), ["b1", "a2", "a3"]);
+        // All of acme's adapters in use: refused, nothing dropped or read.
+        let held = (serve(&mut m, "a2", &acme), serve(&mut m, "a3", &acme));
+        let reads = m.reads;
+        let e = serve(&mut m, "a1", &acme).expect_err("share full of adapters in use");
+        assert!(
+            matches!(&e, LoraError::TenantShare { tier, limit: 2 } if tier == "gold"),
+            "{e:?}"
+        );
+        assert!(
+            e.to_string()
+                .contains("tiers.gold.max_cpu_loras_per_tenant: 2"),
+            "{e}"
+        );
+        assert_eq!((m.loaded().len(), m.reads), (3, reads));
+        // bob's adapter in memory serves acme, uncharged; bob's own loads are not bounded by
+        // acme's.
+        serve(&mut m, "b1", &acme).expect("b1 for acme");
+        serve(&mut m, "a1", &bob).expect("a1 for bob");
+        assert_eq!(m.loaded(), ["b1", "a1", "a2", "a3"]);
         drop(held);
+        // A share lowered to one (a reload): acme's next load drops both of its adapters.
+        *m.registry.0.shares.write() = [("gold".to_string(), 1)].into();
+        m.unregister("a1").expect("a1");
+        serve(&mut m, "a1", &acme).expect("a1");
+        assert_eq!(m.loaded(), ["b1", "a1"]);
+        // Without a charge, or in a tier without a share, nothing is bounded.
+        serve(
+            &mut m,
+            "a2",
+            &Charge {
+                tenant: "acme".into(),
+                tier: "free".into(),
+            },
+        )
+        .expect("a2");
+        m.resolve("a3").expect("a3");
+        assert_eq!(m.loaded(), ["b1", "a2", "a3", "a1"]);
     }
 
     /// An adapter's `base_model_name_or_path` names the served model when its last path
@@ -1738,8 +1870,8 @@ mod tests {
             copy_into(&root.0, name);
         }
         let mut m = finder(2, 2, &[&root.0]);
-        m.find("d1").unwrap().unwrap();
-        m.find("d2").unwrap().unwrap();
+        found(&mut m, "d1").unwrap();
+        found(&mut m, "d2").unwrap();
         let names = |m: &LoraManager| -> Vec<String> {
             m.registry.list().into_iter().map(|a| a.name).collect()
         };
@@ -1776,7 +1908,7 @@ mod tests {
         std::fs::write(root.0.join("broken/adapter_config.json"), "{not json").unwrap();
         let mut m = finder(2, 2, &[&root.0]);
         m.register("configured", &fixture()).expect("configured");
-        m.find("d1").unwrap().unwrap();
+        found(&mut m, "d1").unwrap();
         let e = m.resolve("broken").expect_err("broken");
         assert!(matches!(&e, LoraError::Reload(n) if n == "broken"), "{e:?}");
         let names: Vec<String> = m.registry.list().into_iter().map(|a| a.name).collect();
@@ -1793,8 +1925,8 @@ mod tests {
             copy_into(&root.0, name);
         }
         let mut m = finder(2, 2, &[&root.0]);
-        m.find("d1").unwrap().unwrap();
-        m.find("d2").unwrap().unwrap();
+        found(&mut m, "d1").unwrap();
+        found(&mut m, "d2").unwrap();
         // d1, the least recently used, is pinned: d2 goes instead.
         m.set_pinned("d1", true).expect("pinned");
         m.register("admin", &fixture()).expect("room made");
@@ -1818,9 +1950,9 @@ mod tests {
             copy_into(&root.0, name);
         }
         let mut m = finder(8, 1, &[&root.0]);
-        m.find("d1").unwrap().unwrap();
-        m.find("d2").unwrap().unwrap();
-        m.find("d3").unwrap().unwrap();
+        found(&mut m, "d1").unwrap();
+        found(&mut m, "d2").unwrap();
+        found(&mut m, "d3").unwrap();
         assert_eq!(m.loaded(), ["d3"]);
         // Removed while out of memory: unregistered on its next request, which is a 404's.
         std::fs::remove_dir_all(root.0.join("d1")).unwrap();
@@ -1832,11 +1964,11 @@ mod tests {
         let e = m.resolve("d2").expect_err("broken");
         assert_eq!(e.to_string(), "LoRA adapter 'd2' could not be loaded");
         assert!(!m.registry.contains("d2"));
-        let e = m.find("d2").expect_err("still broken");
+        let e = found(&mut m, "d2").expect_err("still broken");
         assert!(matches!(&e, LoraError::Reload(n) if n == "d2"), "{e:?}");
         // Fixed: found again.
         copy_into(&root.0, "d2");
-        assert!(m.find("d2").unwrap().unwrap().discovered);
+        assert!(found(&mut m, "d2").unwrap().discovered);
     }
 
     #[actix::test]
@@ -1846,21 +1978,24 @@ mod tests {
         let mut c = config(4, 4);
         c.adapter_dirs = vec![root.0.clone()];
         let lora = LoraHandle::start(c);
-        assert!(lora.find("nobody").await.unwrap().is_none());
-        let info = lora.find("found").await.unwrap().unwrap();
-        assert!(info.discovered);
-        let (id, _) = lora.resolve("found").await.expect("found");
-        assert_eq!(id, info.id);
+        assert!(!lora.find("nobody").await.unwrap());
+        assert!(lora.find("found").await.unwrap());
+        let (id, _) = lora.resolve("found", None).await.expect("found");
+        let info = lora
+            .registry
+            .info("found")
+            .expect("registered by the request");
+        assert!(info.discovered && info.id == id);
         // Resolved directly too, without a find first.
         copy_into(&root.0, "direct");
-        lora.resolve("direct").await.expect("direct");
+        lora.resolve("direct", None).await.expect("direct");
         assert!(lora.registry.contains("direct"));
         // Without directories, an unknown name never reaches the manager.
         let plain = LoraHandle::start(config(4, 4));
         copy_into(&root.0, "x");
-        assert!(plain.find("x").await.unwrap().is_none());
+        assert!(!plain.find("x").await.unwrap());
         assert!(matches!(
-            plain.resolve("x").await,
+            plain.resolve("x", None).await,
             Err(LoraError::Unknown(_))
         ));
     }
@@ -1878,6 +2013,8 @@ mod tests {
         let (release, hold) = std::sync::mpsc::channel();
         lora.addr.do_send(Hold(hold));
         assert_eq!(*lora.in_directories().await, ["a", "b"]);
+        // A request's name check does not wait for the manager either (it reads nothing).
+        assert!(lora.find("a").await.unwrap() && !lora.find("c").await.unwrap());
         release.send(()).unwrap();
         assert!(lora.registry.list().is_empty(), "listing registers nothing");
         assert!(lora.registry.0.state.read().resident.is_empty());
@@ -1936,11 +2073,11 @@ mod tests {
         let root = AdapterCopy::new("replace-found");
         copy_into(&root.0, "found");
         let mut m = finder(2, 2, &[&root.0]);
-        assert!(m.find("found").unwrap().unwrap().discovered);
+        assert!(found(&mut m, "found").unwrap().discovered);
         assert!(!m.replace("found", &fixture()).unwrap().discovered);
         m.register("c", &fixture()).expect("c");
         copy_into(&root.0, "other");
-        assert!(matches!(m.find("other"), Err(LoraError::Busy(..))));
+        assert!(matches!(found(&mut m, "other"), Err(LoraError::Busy(..))));
     }
 
     /// Polls `fut` once: `Some` with its output if it completes without waiting.
@@ -1966,18 +2103,18 @@ mod tests {
         let (release, hold) = std::sync::mpsc::channel();
         lora.addr.do_send(Hold(hold));
         // b is in memory: resolved from the registry, without waiting for the manager.
-        let resolve_b = std::pin::pin!(lora.resolve("b"));
+        let resolve_b = std::pin::pin!(lora.resolve("b", None));
         let (id, _) = poll_once(resolve_b)
             .expect("resolved without the manager")
             .expect("b");
         assert_eq!(id, b.id);
-        let unknown = std::pin::pin!(lora.resolve("nobody"));
+        let unknown = std::pin::pin!(lora.resolve("nobody", None));
         assert!(matches!(
             poll_once(unknown),
             Some(Err(LoraError::Unknown(_)))
         ));
         // a was evicted (max_loaded 1): only its reload waits for the manager.
-        let mut resolve_a = std::pin::pin!(lora.resolve("a"));
+        let mut resolve_a = std::pin::pin!(lora.resolve("a", None));
         assert!(poll_once(resolve_a.as_mut()).is_none(), "a reload waits");
         release.send(()).unwrap();
         let (id, _) = resolve_a.await.expect("a");
@@ -1993,19 +2130,19 @@ mod tests {
             pinned: false,
         };
         lora.ask(register("a")).await.expect("a");
-        let (_, held_a) = lora.resolve("a").await.expect("a");
+        let (_, held_a) = lora.resolve("a", None).await.expect("a");
         // b, unused, makes way at once for a, in use.
         lora.ask(register("b")).await.expect("b");
         let in_memory = || lora.registry.0.state.read().resident.len();
         assert_eq!(in_memory(), 1);
         // Reloaded for a request while a is in use: two in memory, over the limit of one.
-        let (_, held_b) = lora.resolve("b").await.expect("b");
+        let (_, held_b) = lora.resolve("b", None).await.expect("b");
         assert_eq!(in_memory(), 2);
         drop((held_a, held_b));
         // The next request served from memory asks the manager to evict again: a, unused and
         // the least recently used, goes. A message sent after that request's returns once the
         // manager has handled it.
-        lora.resolve("b").await.expect("b");
+        lora.resolve("b", None).await.expect("b");
         let (release, hold) = std::sync::mpsc::channel();
         release.send(()).unwrap();
         lora.addr.send(Hold(hold)).await.unwrap();

@@ -39,6 +39,17 @@ pub(crate) fn holds_adapter(dir: &Path) -> bool {
     dir.join("adapter_config.json").is_file()
 }
 
+/// The directory of the adapter `name` in the first of `dirs` that holds one (`<dir>/<name>/`
+/// with an `adapter_config.json`, [`holds_adapter`]); `None` for a name no registration could
+/// take (one path segment, never `.` or `..`: checked before it is joined to a directory) or
+/// that no directory holds. Nothing is read but the directories' entries.
+pub(crate) fn locate(dirs: &[PathBuf], name: &str, base_name: &str) -> Option<PathBuf> {
+    check_name(name, base_name).ok()?;
+    dirs.iter()
+        .map(|dir| dir.join(name))
+        .find(|path| holds_adapter(path))
+}
+
 /// Whether a registration may take `name`: the configuration's check (one path segment, never
 /// `.` or `..`), and not the base model's name.
 pub(crate) fn check_name(name: &str, base_name: &str) -> Result<(), LoraError> {
@@ -163,6 +174,19 @@ impl Handler<ListFound> for DirectoryScanner {
         let names = Arc::new(self.scan.scan());
         self.last = Some((Instant::now(), names.clone()));
         names
+    }
+}
+
+/// Whether a request may name the adapter `name` of the directories: one of them holds it now
+/// ([`locate`]; a stat per directory, nothing read or loaded).
+#[derive(Message)]
+#[rtype(result = "bool")]
+pub(crate) struct Holds(pub String);
+
+impl Handler<Holds> for DirectoryScanner {
+    type Result = bool;
+    fn handle(&mut self, msg: Holds, _: &mut Self::Context) -> bool {
+        locate(&self.scan.dirs, &msg.0, &self.scan.base_name).is_some()
     }
 }
 

@@ -69,8 +69,8 @@ pub(crate) async fn list_models(
 }
 
 /// `GET /v1/models/{id}` (the OpenAI SDK's `models.retrieve`): the model as a request naming
-/// it would be served (an adapter of `lora.adapter_dirs` is found, as a completion finds it),
-/// or 404 `model_not_found`.
+/// it would be served (an adapter of `lora.adapter_dirs` is found as a completion's name check
+/// finds it, without loading it), or 404 `model_not_found`.
 pub(crate) async fn retrieve_model(
     state: web::Data<ApiState>,
     principal: web::ReqData<Principal>,

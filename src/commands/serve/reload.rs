@@ -283,7 +283,8 @@ impl Reloader {
 
     /// Puts `keys` (none on an API started open), `effective`'s tiers and `max_pending` in
     /// force: the keys and rate limits in the HTTP layer, the tiers' priorities, the bounds on
-    /// requests in flight and the tenants that label metrics in the engine.
+    /// requests in flight, the tenants' shares of LoRA adapter memory and the tenants that
+    /// label metrics in the engine.
     fn apply_access(
         &self,
         state: &mut ReloadState,
@@ -322,6 +323,17 @@ impl Reloader {
                 .engine
                 .set_metrics_tenants(tenants.into_iter().map(|(t, _)| t).collect());
         }
+        let shares = crate::commands::config::tier_lora_share_limits(&effective);
+        let before: Vec<(String, usize)> = (state.tiers.iter())
+            .filter_map(|(name, t)| Some((name.clone(), t.max_cpu_loras_per_tenant?)))
+            .collect();
+        if shares != before {
+            tracing::info!(
+                ?shares,
+                "SIGHUP: tenants' shares of LoRA adapter memory changed"
+            );
+        }
+        self.adapter.engine.set_lora_tenant_shares(&shares);
         let bounds = self.adapter.engine.set_admission_limits(
             max_pending,
             &crate::commands::config::tier_pending_limits(&effective),
