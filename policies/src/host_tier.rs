@@ -748,6 +748,65 @@ mod planner_tests {
         s.check_invariants().unwrap();
     }
 
+    /// Two requests admitted in one step share a tier load; a third, admitted after them,
+    /// preempts a running request planned earlier in the step, so the sharer's plan entry
+    /// moves up one place. The share must follow it: it used to keep the old index, so the
+    /// loaded blocks' ids went into the third request's entry (over its own new blocks) and
+    /// the sharer's entry kept placeholders instead of block ids.
+    #[test]
+    fn a_share_follows_its_entry_when_an_admission_preempts_a_running_request() {
+        let c = crate::types::SchedulerConfig {
+            block_size: 4,
+            num_gpu_blocks: 16,
+            max_model_len: 1024,
+            enable_prefix_caching: true,
+            num_host_blocks: 32,
+            kv_offload_ahead: false,
+            ..crate::types::SchedulerConfig::default()
+        };
+        let p = crate::policy::PriorityPolicy::new(0.0, true, 3);
+        let mut s = Scheduler::new(c, Box::new(p), [5, 6]).unwrap();
+        one(&mut s, 0, a());
+        // 63 tokens and the output: the whole device; A's 4 cached blocks go to the tier.
+        let pb = one(&mut s, 1, (0..63).map(|k| 5_000 + k).collect());
+        assert_eq!(pb.kv_offloads.len(), 4);
+        let with_priority = |id, prompt, max_tokens, priority| Request {
+            priority,
+            ..request(id, "", id, prompt, max_tokens)
+        };
+        // L (priority 5) decodes in one block.
+        s.add_request(with_priority(2, vec![7_000, 7_001], 50, 5))
+            .unwrap();
+        run_step(&mut s, 2, 7);
+        run_step(&mut s, 3, 7);
+        // C loads A's 4 blocks (5 blocks in all), D shares them (1 of its own): 16 - 1 - 6 =
+        // 9 left. E's 40 tokens need 10: L is preempted for it.
+        s.add_request(with_priority(3, a(), 1, 0)).unwrap();
+        s.add_request(with_priority(4, a(), 1, 0)).unwrap();
+        s.add_request(with_priority(5, (0..40).map(|k| 9_000 + k).collect(), 1, 0))
+            .unwrap();
+        let p = s.schedule(Timestamp(4));
+        assert_eq!(p.preempted, [RequestId(2)]);
+        let ids: Vec<u64> = p.seqs.iter().map(|q| q.id.0).collect();
+        assert_eq!(ids, [3, 4, 5]);
+        let loaded: Vec<BlockId> = p.kv_loads.iter().map(|l| l.device).collect();
+        assert_eq!(loaded.len(), 4);
+        let (c, d, e) = (&p.seqs[0], &p.seqs[1], &p.seqs[2]);
+        assert_eq!(c.new_blocks[..4], loaded[..]);
+        assert_eq!(
+            d.new_blocks[..4],
+            loaded[..],
+            "the sharer gets the loaded blocks"
+        );
+        assert_eq!(e.new_blocks.len(), 10);
+        assert!(
+            e.new_blocks.iter().all(|b| !loaded.contains(b)),
+            "E's own blocks: {:?}, loaded {loaded:?}",
+            e.new_blocks
+        );
+        s.check_invariants().unwrap();
+    }
+
     #[test]
     fn num_host_blocks_is_bounded() {
         let c = SchedulerConfig {
