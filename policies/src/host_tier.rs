@@ -748,6 +748,140 @@ mod planner_tests {
         s.check_invariants().unwrap();
     }
 
+    /// Two requests admitted in one step share a tier load; a third, admitted after them,
+    /// preempts a running request planned earlier in the step, so the sharer's plan entry
+    /// moves up one place. The share must follow it: it used to keep the old index, so the
+    /// loaded blocks' ids went into the third request's entry (over its own new blocks) and
+    /// the sharer's entry kept placeholders instead of block ids.
+    #[test]
+    fn a_share_follows_its_entry_when_an_admission_preempts_a_running_request() {
+        let c = crate::types::SchedulerConfig {
+            block_size: 4,
+            num_gpu_blocks: 16,
+            max_model_len: 1024,
+            enable_prefix_caching: true,
+            num_host_blocks: 32,
+            kv_offload_ahead: false,
+            ..crate::types::SchedulerConfig::default()
+        };
+        let p = crate::policy::PriorityPolicy::new(0.0, true, 3);
+        let mut s = Scheduler::new(c, Box::new(p), [5, 6]).unwrap();
+        one(&mut s, 0, a());
+        // 63 tokens and the output: the whole device; A's 4 cached blocks go to the tier.
+        let pb = one(&mut s, 1, (0..63).map(|k| 5_000 + k).collect());
+        assert_eq!(pb.kv_offloads.len(), 4);
+        let with_priority = |id, prompt, max_tokens, priority| Request {
+            priority,
+            ..request(id, "", id, prompt, max_tokens)
+        };
+        // L (priority 5) decodes in one block.
+        s.add_request(with_priority(2, vec![7_000, 7_001], 50, 5))
+            .unwrap();
+        run_step(&mut s, 2, 7);
+        run_step(&mut s, 3, 7);
+        // C loads A's 4 blocks (5 blocks in all), D shares them (1 of its own): 16 - 1 - 6 =
+        // 9 left. E's 40 tokens need 10: L is preempted for it.
+        s.add_request(with_priority(3, a(), 1, 0)).unwrap();
+        s.add_request(with_priority(4, a(), 1, 0)).unwrap();
+        s.add_request(with_priority(5, (0..40).map(|k| 9_000 + k).collect(), 1, 0))
+            .unwrap();
+        let p = s.schedule(Timestamp(4));
+        assert_eq!(p.preempted, [RequestId(2)]);
+        let ids: Vec<u64> = p.seqs.iter().map(|q| q.id.0).collect();
+        assert_eq!(ids, [3, 4, 5]);
+        let loaded: Vec<BlockId> = p.kv_loads.iter().map(|l| l.device).collect();
+        assert_eq!(loaded.len(), 4);
+        let (c, d, e) = (&p.seqs[0], &p.seqs[1], &p.seqs[2]);
+        assert_eq!(c.new_blocks[..4], loaded[..]);
+        assert_eq!(
+            d.new_blocks[..4],
+            loaded[..],
+            "the sharer gets the loaded blocks"
+        );
+        assert_eq!(e.new_blocks.len(), 10);
+        assert!(
+            e.new_blocks.iter().all(|b| !loaded.contains(b)),
+            "E's own blocks: {:?}, loaded {loaded:?}",
+            e.new_blocks
+        );
+        s.check_invariants().unwrap();
+    }
+
+    /// The step's budget lent by a running prefill (`planner/running.rs`, `reclaimable`):
+    /// C loads a prefix from the tier and D shares it, both outranking R, whose planned chunk
+    /// they take, the last of it after D's admission. R's entry leaves the plan ahead of D's,
+    /// so D's share moves with it (else D's entry would keep placeholders); R gives back its
+    /// chunk's blocks and goes on from where it was.
+    #[test]
+    fn a_share_follows_its_entry_when_a_lenders_chunk_leaves_the_plan() {
+        let c = crate::types::SchedulerConfig {
+            block_size: 4,
+            num_gpu_blocks: 24,
+            max_model_len: 1024,
+            max_num_batched_tokens: 16,
+            enable_prefix_caching: true,
+            num_host_blocks: 64,
+            kv_offload_ahead: false,
+            ..crate::types::SchedulerConfig::default()
+        };
+        let p = crate::policy::PriorityPolicy::new(0.0, false, 3);
+        let mut s = Scheduler::new(c, Box::new(p), [5, 6]).unwrap();
+        let with_priority = |id, prompt, max_tokens, priority| Request {
+            priority,
+            ..request(id, "", id, prompt, max_tokens)
+        };
+        // A, then 95 tokens and the output (the whole device), each in 16-token chunks: A's
+        // 4 cached blocks go to the tier.
+        s.add_request(with_priority(0, a(), 1, 0)).unwrap();
+        let mut t = 0;
+        while s.has_unfinished() {
+            run_step(&mut s, t, 7);
+            t += 1;
+        }
+        s.add_request(with_priority(1, (0..95).map(|k| 5_000 + k).collect(), 1, 0))
+            .unwrap();
+        while s.has_unfinished() {
+            run_step(&mut s, t, 7);
+            t += 1;
+        }
+        assert_eq!(s.stats().num_host_blocks_used, 4);
+        // R (priority 5): 40 tokens, 16 a step.
+        s.add_request(with_priority(2, (0..40).map(|k| 7_000 + k).collect(), 4, 5))
+            .unwrap();
+        let (p, _) = run_step(&mut s, t, 7);
+        assert_eq!(p.seqs[0].num_new_tokens, 16);
+        // C = A (1 token to compute: 16 loaded) and D = A's 16 tokens and 15 of its own.
+        s.add_request(with_priority(3, a(), 1, 0)).unwrap();
+        let mut d_prompt: Vec<u32> = a()[..16].to_vec();
+        d_prompt.extend(8_000..8_015);
+        s.add_request(with_priority(4, d_prompt, 1, 0)).unwrap();
+        let p = s.schedule(Timestamp(t + 1));
+        let chunks: Vec<(u64, usize, usize)> = p
+            .seqs
+            .iter()
+            .map(|q| (q.id.0, q.num_computed_tokens, q.num_new_tokens))
+            .collect();
+        assert_eq!(chunks, [(3, 16, 1), (4, 16, 15)]);
+        assert_eq!(p.num_batched_tokens, 16);
+        let loaded: Vec<BlockId> = p.kv_loads.iter().map(|l| l.device).collect();
+        assert_eq!(loaded.len(), 4);
+        assert_eq!(p.seqs[0].new_blocks[..4], loaded[..]);
+        assert_eq!(p.seqs[1].new_blocks[..4], loaded[..], "the sharer's blocks");
+        assert_eq!(p.seqs[1].new_blocks.len(), 8);
+        // R holds its first chunk's 4 blocks again.
+        assert_eq!(s.block_table(RequestId(2)).map(<[_]>::len), Some(4));
+        s.check_invariants().unwrap();
+        let out = [
+            StepOutput::new(RequestId(3), 7),
+            StepOutput::new(RequestId(4), 7),
+        ];
+        s.apply_outputs(&p, &out, Timestamp(t + 1));
+        let (p, _) = run_step(&mut s, t + 2, 7);
+        let r = p.seqs.iter().find(|q| q.id == RequestId(2)).unwrap();
+        assert_eq!((r.num_computed_tokens, r.num_new_tokens), (16, 16));
+        assert_eq!(r.first_new_block, 4);
+    }
+
     #[test]
     fn num_host_blocks_is_bounded() {
         let c = SchedulerConfig {

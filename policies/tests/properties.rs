@@ -217,6 +217,36 @@ fn burst_workload() -> impl Strategy<Value = Workload> {
     })
 }
 
+/// [`burst_workload`] under preemption: every other request arrives first, of a less urgent
+/// priority, a prefix of its own and a long output, so that it runs while the others, of the
+/// two shared prefixes, come (a first few at step 1, whose blocks the tier may get back as
+/// they are evicted, the rest at steps 3 and 4); an admission of the later ones then often
+/// preempts a running one after others of the same plan shared a block loaded from the tier
+/// (the case that once sent the sharer's entry placeholders and another entry its blocks).
+fn preempting_burst_workload() -> impl Strategy<Value = Workload> {
+    burst_workload().prop_map(|mut w| {
+        for (i, r) in w.reqs.iter_mut().enumerate() {
+            if i % 2 == 0 {
+                r.arrival_step = 0;
+                r.priority = 2;
+                r.group = 2;
+                r.max_tokens += 20;
+                r.end_after = None;
+            } else {
+                // Bursts at steps 2 to 8: before aging (20 ms, 4 steps a level) raises the
+                // running ones to their priority.
+                r.arrival_step = if i % 4 == 1 {
+                    1
+                } else {
+                    3 + r.arrival_step % 2
+                };
+                r.priority = -2;
+            }
+        }
+        w
+    })
+}
+
 fn tiers(batch_max_queue_ms: Option<u64>, kv_fractions: [Option<f64>; 3]) -> Vec<TierSpec> {
     let t = |name: &str, ttft, tpot, preemptible| TierSpec {
         name: name.into(),
@@ -1266,6 +1296,21 @@ proptest! {
             let others: Vec<&str> = names.iter().copied().filter(|n| n != first).collect();
             run(&w, first, &others, true)
                 .map_err(|e| TestCaseError::fail(format!("policy {first} pipelined: {e}")))?;
+        }
+    }
+}
+
+proptest! {
+    // Cheap cases (short runs), and the case it covers needs several things in one plan.
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+    #[test]
+    fn a_plans_shared_tier_loads_survive_preemptions_for_admission(
+        w in preempting_burst_workload()
+    ) {
+        for name in variants() {
+            run(&w, name, &[], false)
+                .map_err(|e| TestCaseError::fail(format!("policy {name}: {e}")))?;
         }
     }
 }

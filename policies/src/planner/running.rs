@@ -319,16 +319,11 @@ impl Scheduler {
         b.owed = None;
         if let Some(pos) = self.last_slots.iter().position(|&s| s == slot) {
             let removed = b.plan.seqs[pos].num_new_tokens;
-            b.plan.seqs[pos..b.len].rotate_left(1);
-            b.len -= 1;
-            if pos < b.running_len {
-                b.running_len -= 1;
-            }
+            self.remove_entry(pos, b);
             if let Some(seq) = slot_ref(&self.seqs, slot) {
                 b.refund(seq, removed);
             }
             b.plan.num_batched_tokens -= removed;
-            self.last_slots.remove(pos);
         }
         let Some(seq) = self.seqs.get_mut(slot as usize).and_then(|s| s.as_mut()) else {
             return;
@@ -467,17 +462,29 @@ impl Scheduler {
         b.plan.num_batched_tokens -= take;
         b.owed = None;
         if new == 0 {
-            b.plan.seqs[pos..b.len].rotate_left(1);
-            b.len -= 1;
-            b.running_len -= 1;
-            self.last_slots.remove(pos);
-            // Entries behind it moved up one place.
-            for sh in &mut self.plan_shares {
-                if sh.entry as usize > pos {
-                    sh.entry -= 1;
-                }
-            }
+            self.remove_entry(pos, b);
         }
         take
+    }
+
+    /// Takes entry `pos` out of the plan being built (with its place in `last_slots`): the
+    /// entries behind it move up one place, and so do the plan's shares of loaded blocks that
+    /// name them (`plan_shares`, resolved by entry once the blocks have ids; a share left
+    /// naming the old place would give the loaded blocks' ids to the next entry, over its own
+    /// blocks, and leave the sharer's entry with placeholders). Budgets are the caller's.
+    fn remove_entry(&mut self, pos: usize, b: &mut Building<'_>) {
+        b.plan.seqs[pos..b.len].rotate_left(1);
+        b.len -= 1;
+        if pos < b.running_len {
+            b.running_len -= 1;
+        }
+        self.last_slots.remove(pos);
+        // (Shares are of sequences admitted in this step, which are neither preempted nor
+        // shrunk in it: none names `pos`.)
+        for sh in &mut self.plan_shares {
+            if sh.entry as usize > pos {
+                sh.entry -= 1;
+            }
+        }
     }
 }
