@@ -88,9 +88,13 @@ impl Scheduler {
         };
         let mut i = 0;
         let mut lent = 0;
+        // Whether running prefill chunks can still lend (`Building::may_lend`, a pass over
+        // the plan), known until the plan changes: candidates passed over for an adapter slot
+        // or a quota change nothing, so a queue of them costs one pass, not one each.
+        let mut can_lend: Option<bool> = None;
         while i < worder.len() {
             self.settle(std::mem::take(&mut lent), b);
-            if b.budget == 0 && !b.may_lend() {
+            if b.budget == 0 && !*can_lend.get_or_insert_with(|| b.may_lend()) {
                 break;
             }
             if i == k {
@@ -133,6 +137,8 @@ impl Scheduler {
             // The budget goes in rank order: planned prefill chunks of running sequences that
             // rank after this one lend it what its first chunk lacks, taken from them (`settle`)
             // only if it is admitted, so a request that cannot be seated takes nothing.
+            // What follows may admit it, preempt for it or take chunks back for it.
+            can_lend = None;
             lent = self.reclaimable(cand, now, b);
             if b.budget + lent == 0 {
                 break;

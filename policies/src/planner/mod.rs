@@ -47,7 +47,9 @@
 //! admission asks for at most the blocks a sequence holds at once. Per step the planner does O(running) work
 //! (O(running · log running) when constrained) plus O(waiting) ranking when something waits
 //! (O(waiting · log waiting) when candidates passed over for adapter slots leave the first
-//! `max_num_seqs + 1` short), plus, for a policy that asks for cached prefixes, at most
+//! `max_num_seqs + 1` short), plus, for each admission whose first chunk borrows budget from
+//! lower-ranked running prefill chunks (`Scheduler::reclaimable`), one pass over the plan and
+//! a sort of its lenders (O(running · log running)), plus, for a policy that asks for cached prefixes, at most
 //! `min(prefix_lookups, MAX_PREFIX_LOOKUPS)` hash-chain walks of at most hit length + 1 probes;
 //! adapter slots are counted as sequences start and stop running,
 //! so a check is O(1). Queue bounds (`queue_deadline.rs`) cost O(1) per step when no waiting
