@@ -1,0 +1,933 @@
+//! Tests of the LoRA manager (`lora.rs`): registration, memory, found adapters, tenants'
+//! shares, against the SmolLM2 fixture adapter.
+
+use super::*;
+
+fn fixture() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../gpu/tests/fixtures/lora/smollm2-r4")
+}
+
+fn config(max_adapters: usize, max_loaded: usize) -> LoraManagerConfig {
+    LoraManagerConfig {
+        model: LlamaConfig::smollm2_135m(),
+        base_name: "base".into(),
+        limits: LoraLimits::default(),
+        max_adapters,
+        max_loaded,
+        adapter_dirs: Vec::new(),
+        model_names: Vec::new(),
+        tenant_shares: Vec::new(),
+    }
+}
+
+fn manager(max_adapters: usize, max_loaded: usize) -> LoraManager {
+    LoraManager::new(config(max_adapters, max_loaded), LoraRegistry::default())
+}
+
+/// A copy of the test adapter in a directory of its own, removed on drop.
+struct AdapterCopy(PathBuf);
+
+impl AdapterCopy {
+    fn new(tag: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("sy-lora-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for f in ["adapter_config.json", "adapter_model.safetensors"] {
+            std::fs::copy(fixture().join(f), dir.join(f)).unwrap();
+        }
+        AdapterCopy(dir)
+    }
+}
+
+impl Drop for AdapterCopy {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The reason registering `path` gives.
+fn refusal(path: &Path) -> String {
+    match manager(2, 2).register("x", path) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("{} registered", path.display()),
+    }
+}
+
+/// A path that is a file, a device, or a directory whose `adapter_config.json` is a FIFO or
+/// a link to a device was refused as "no adapter_config.json in the directory"; the refusal
+/// stays (nothing of the kind is opened), the message says what is wrong.
+#[test]
+fn adapter_paths_that_are_no_directory_or_hold_no_regular_file_say_so() {
+    let cases = |dir: &Path| {
+        vec![
+            (fixture().join("adapter_config.json"), "is not a directory"),
+            (PathBuf::from("/dev/zero"), "is not a directory"),
+            (dir.join("missing"), "does not exist"),
+            (
+                dir.join("fifo"),
+                "adapter_config.json is not a regular file",
+            ),
+            (
+                dir.join("device"),
+                "adapter_config.json is not a regular file",
+            ),
+            (
+                dir.join("subdir"),
+                "adapter_config.json is not a regular file",
+            ),
+            (dir.join("empty"), "no adapter_config.json in the directory"),
+        ]
+    };
+    let root = AdapterCopy::new("paths");
+    for d in ["fifo", "device", "subdir", "empty"] {
+        std::fs::create_dir_all(root.0.join(d)).unwrap();
+    }
+    let fifo = root.0.join("fifo/adapter_config.json");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap();
+    assert!(made.success());
+    std::os::unix::fs::symlink("/dev/zero", root.0.join("device/adapter_config.json")).unwrap();
+    std::fs::create_dir_all(root.0.join("subdir/adapter_config.json")).unwrap();
+    for (path, says) in cases(&root.0) {
+        let reason = refusal(&path);
+        assert!(reason.contains(says), "{}: {reason}", path.display());
+    }
+}
+
+/// A copy of the test adapter whose `adapter_config.json` has `fields` set, registered; the
+/// copy is returned so that it outlives the check.
+fn with_config(
+    tag: &str,
+    fields: serde_json::Value,
+) -> (AdapterCopy, Result<Arc<LoraAdapter>, String>) {
+    let copy = AdapterCopy::new(tag);
+    let file = copy.0.join("adapter_config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
+    for (k, v) in fields.as_object().unwrap() {
+        config[k] = v.clone();
+    }
+    std::fs::write(&file, config.to_string()).unwrap();
+    let mut m = manager(2, 2);
+    let loaded = m
+        .register("x", &copy.0)
+        .map_err(|e| e.to_string())
+        .and_then(|_| m.resolve("x").map(|(_, a)| a).map_err(|e| e.to_string()));
+    (copy, loaded)
+}
+
+/// The test adapter adapts all seven projections of every layer. An `adapter_config.json`
+/// that selects fewer (`target_modules`, `layers_to_transform`) was loaded with every
+/// tensor applied; PEFT builds only the selected modules, so only those are applied.
+#[test]
+fn only_the_modules_adapter_config_selects_are_applied_as_peft_does() {
+    use switchyard_gpu::LoraTarget::{self, *};
+    let targets = |fields: serde_json::Value| -> Vec<LoraTarget> {
+        let (_copy, adapter) = with_config("targets", fields.clone());
+        adapter
+            .unwrap_or_else(|e| panic!("{fields}: {e}"))
+            .targets()
+    };
+    assert_eq!(targets(serde_json::json!({})), LoraTarget::ALL);
+    assert_eq!(
+        targets(serde_json::json!({"target_modules": ["q_proj", "v_proj"]})),
+        [Q, V]
+    );
+    assert_eq!(
+        targets(serde_json::json!({"target_modules": "all-linear"})),
+        LoraTarget::ALL
+    );
+    assert_eq!(
+        targets(serde_json::json!({"target_modules": ".*\\.mlp\\.(up|down)_proj"})),
+        [Up, Down]
+    );
+    let (_copy, adapter) = with_config(
+        "layers",
+        serde_json::json!({"target_modules": ["q_proj"], "layers_to_transform": [0, 2]}),
+    );
+    let adapter = adapter.unwrap();
+    assert_eq!(adapter.targets(), [Q]);
+    let layers: Vec<bool> = (0..4).map(|l| adapter.pair(l, Q).is_some()).collect();
+    assert_eq!(layers, [true, false, true, false]);
+    let (_copy, refused) = with_config("none", serde_json::json!({"target_modules": ["lm_head"]}));
+    let reason = refused.err().unwrap();
+    assert!(reason.contains("select none of its tensors"), "{reason}");
+    let (_copy, refused) = with_config(
+        "regex-layers",
+        serde_json::json!({"target_modules": ".*q_proj", "layers_to_transform": 1}),
+    );
+    let reason = refused.err().unwrap();
+    assert!(
+        reason.contains("layers_to_transform cannot be used"),
+        "{reason}"
+    );
+}
+
+#[test]
+fn registrations_get_fresh_ids_and_names_are_checked() {
+    let mut m = manager(3, 3);
+    let a = m.register("a", &fixture()).expect("a");
+    let taken = m.register("a", &fixture()).expect_err("the name is taken");
+    assert!(matches!(taken, LoraError::Exists(_)));
+    // The refusal names the way to replace it (it said only "unload it first").
+    assert!(
+        taken.to_string().contains("\"load_inplace\": true"),
+        "{taken}"
+    );
+    // `..`, `/`, spaces and percent signs were accepted, and some could then not be
+    // unloaded with ordinary clients (curl resolves `..`; `/` needs `%2F`).
+    for bad in [
+        "",
+        "base",
+        "x\ny",
+        &"n".repeat(switchyard_config::MAX_ADAPTER_NAME + 1),
+        "..",
+        ".",
+        "a/b",
+        "a b",
+        "a%2Fb",
+        " a",
+        "a ",
+    ] {
+        assert!(
+            matches!(m.register(bad, &fixture()), Err(LoraError::BadName(_))),
+            "{bad:?}"
+        );
+    }
+    assert!(matches!(
+        m.register("missing", Path::new("/nonexistent/adapter")),
+        Err(LoraError::Load(_))
+    ));
+    assert!(m.registry.contains("a") && !m.registry.contains("missing"));
+    m.unregister("a").expect("unregister");
+    assert!(matches!(m.resolve("a"), Err(LoraError::Unknown(_))));
+    assert!(!m.registry.contains("a"));
+    let again = m.register("a", &fixture()).expect("a again");
+    assert_ne!(
+        a.id, again.id,
+        "a new registration is a new prefix-cache key"
+    );
+    assert_eq!(m.registry.list(), vec![again]);
+}
+
+#[test]
+fn the_registry_is_bounded() {
+    let mut m = manager(2, 2);
+    m.register("a", &fixture()).expect("a");
+    m.register("b", &fixture()).expect("b");
+    assert!(matches!(
+        m.register("c", &fixture()),
+        Err(LoraError::Full(2))
+    ));
+}
+
+#[test]
+fn unused_adapters_are_evicted_least_recently_used_first_and_reloaded() {
+    let mut m = manager(4, 1);
+    m.register("a", &fixture()).expect("a");
+    m.register("b", &fixture()).expect("b");
+    assert_eq!(m.loaded(), ["b"]);
+    // A request holds a's weights: a stays loaded past the limit while held.
+    let (id_a, held) = m.resolve("a").expect("a");
+    assert_eq!(m.loaded(), ["a"]);
+    let (_, b) = m.resolve("b").expect("b");
+    assert_eq!(m.loaded(), ["a", "b"]);
+    drop(b);
+    m.register("c", &fixture()).expect("c");
+    assert_eq!(m.loaded(), ["a"], "b and c unused, a held");
+    drop(held);
+    let (id, _) = m.resolve("a").expect("a");
+    assert_eq!(id, id_a);
+    // Unregistering a held adapter leaves the holder's weights alone.
+    let (_, c) = m.resolve("c").expect("c");
+    m.unregister("c").expect("unregister");
+    assert!(c.rank() == 4);
+}
+
+#[test]
+fn a_pinned_adapter_stays_in_memory_and_pins_are_bounded_by_what_memory_keeps() {
+    let mut m = manager(8, 2);
+    let p = m.register_pinned("p", &fixture(), true).expect("p");
+    assert!(p.pinned);
+    m.register("a", &fixture()).expect("a");
+    m.register("b", &fixture()).expect("b");
+    // Two kept in memory: the pinned one and the most recent; a went, p never does.
+    assert_eq!(m.loaded(), ["p", "b"]);
+    m.resolve("a").expect("a");
+    assert_eq!(m.loaded(), ["p", "a"]);
+    // A second pin fits (two kept in memory), a third does not, whichever way it comes.
+    m.set_pinned("b", true).expect("b pinned, loaded again");
+    assert_eq!(m.loaded(), ["p", "b"]);
+    assert!(matches!(
+        m.register_pinned("c", &fixture(), true),
+        Err(LoraError::PinLimit(2))
+    ));
+    assert!(!m.registry.contains("c"));
+    assert!(matches!(
+        m.set_pinned("a", true),
+        Err(LoraError::PinLimit(2))
+    ));
+    assert!(matches!(
+        m.replace_pinned("a", &fixture(), true),
+        Err(LoraError::PinLimit(2))
+    ));
+    // Replacing a pinned adapter may keep its pin; unpinned, it goes as any other.
+    assert!(m.replace_pinned("b", &fixture(), true).expect("b").pinned);
+    let b = m.set_pinned("b", false).expect("b unpinned");
+    assert!(!b.pinned);
+    m.resolve("a").expect("a");
+    assert_eq!(m.loaded(), ["p", "a"]);
+    let listed: Vec<(String, bool)> = m
+        .registry
+        .list()
+        .into_iter()
+        .map(|a| (a.name, a.pinned))
+        .collect();
+    let want = [("p", true), ("a", false), ("b", false)].map(|(n, p)| (n.to_string(), p));
+    assert_eq!(listed, want);
+    assert!(matches!(
+        m.set_pinned("x", true),
+        Err(LoraError::Unknown(_))
+    ));
+}
+
+#[test]
+fn an_adapter_whose_files_changed_while_evicted_comes_back_under_a_new_id() {
+    let dir = AdapterCopy::new("changed");
+    let mut m = manager(4, 1);
+    let a = m.register("a", &dir.0).expect("a");
+    m.register("b", &fixture()).expect("b");
+    assert_eq!(m.loaded(), ["b"]);
+    // Reloaded from unchanged files: the same weights, the same id.
+    assert_eq!(m.resolve("a").expect("a").0, a.id);
+    m.resolve("b").expect("b");
+    assert_eq!(m.loaded(), ["b"]);
+    // Reloaded after the files changed (another scale): a new id, listed as such.
+    let config = std::fs::read_to_string(dir.0.join("adapter_config.json")).unwrap();
+    let changed = config.replace("\"lora_alpha\": 8.0", "\"lora_alpha\": 16.0");
+    assert_ne!(changed, config);
+    std::fs::write(dir.0.join("adapter_config.json"), changed).unwrap();
+    let (id, _) = m.resolve("a").expect("a");
+    assert_ne!(
+        id, a.id,
+        "other weights never share the old id's cached blocks"
+    );
+    assert!(m
+        .registry
+        .list()
+        .iter()
+        .any(|i| i.name == "a" && i.id == id));
+}
+
+#[test]
+fn a_failed_reload_names_the_adapter_but_not_its_files() {
+    let dir = AdapterCopy::new("broken");
+    let mut m = manager(4, 1);
+    m.register("a", &dir.0).expect("a");
+    m.register("b", &fixture()).expect("b");
+    std::fs::remove_file(dir.0.join("adapter_model.safetensors")).unwrap();
+    let e = m.resolve("a").expect_err("the files are gone");
+    assert!(matches!(&e, LoraError::Reload(n) if n == "a"), "{e:?}");
+    let message = e.to_string();
+    assert_eq!(message, "LoRA adapter 'a' could not be loaded");
+    // Still registered; the adapter in memory is untouched.
+    assert!(m.registry.contains("a"));
+    assert_eq!(m.loaded(), ["b"]);
+}
+
+/// A manager that looks for adapters in `dirs`.
+fn finder(max_adapters: usize, max_loaded: usize, dirs: &[&Path]) -> LoraManager {
+    let mut c = config(max_adapters, max_loaded);
+    c.adapter_dirs = dirs.iter().map(|d| d.to_path_buf()).collect();
+    LoraManager::new(c, LoraRegistry::default())
+}
+
+/// Copies the test adapter to `root/name`.
+fn copy_into(root: &Path, name: &str) {
+    let dir = root.join(name);
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in ["adapter_config.json", "adapter_model.safetensors"] {
+        std::fs::copy(fixture().join(f), dir.join(f)).unwrap();
+    }
+}
+
+/// A request for `name`, an adapter of a directory: resolved (registered and read on the
+/// first), its weights let go at once; its registration.
+fn found(m: &mut LoraManager, name: &str) -> Result<AdapterInfo, LoraError> {
+    m.resolve(name)?;
+    m.registry
+        .info(name)
+        .ok_or_else(|| LoraError::Unknown(name.into()))
+}
+
+#[test]
+fn adapters_in_the_directories_are_found_on_demand() {
+    let first = AdapterCopy::new("dirs-first");
+    let second = AdapterCopy::new("dirs-second");
+    copy_into(&second.0, "found");
+    copy_into(&first.0, "both");
+    copy_into(&second.0, "both");
+    copy_into(&second.0, "taken");
+    // A directory without adapter_config.json holds no adapter.
+    std::fs::create_dir_all(second.0.join("empty")).unwrap();
+    let missing = Path::new("/nonexistent/adapters");
+    let mut m = finder(8, 8, &[missing, &first.0, &second.0]);
+    m.register("taken", &fixture()).expect("registered");
+    // A name check reads and registers nothing; a request does.
+    assert!(m.find("found").expect("found"));
+    assert!(!m.registry.contains("found") && m.reads == 1);
+    let info = found(&mut m, "found").unwrap();
+    assert!(info.discovered && info.path == second.0.join("found"));
+    // The first directory that has it wins; a registration wins over every directory.
+    let both = found(&mut m, "both").unwrap();
+    assert_eq!(both.path, first.0.join("both"));
+    let taken = found(&mut m, "taken").unwrap();
+    assert!(!taken.discovered && taken.path == fixture());
+    // Names that are no adapter's, or no single path segment, find nothing.
+    for name in [
+        "nobody",
+        "empty",
+        "..",
+        ".",
+        "found/../found",
+        "/found",
+        "",
+        "base",
+    ] {
+        assert!(!m.find(name).unwrap(), "{name:?}");
+        assert!(
+            matches!(m.resolve(name), Err(LoraError::Unknown(_))),
+            "{name:?}"
+        );
+    }
+    // A request resolves a name it finds, and it is listed from then on.
+    copy_into(&first.0, "late");
+    let (id, adapter) = m.resolve("late").expect("late");
+    assert_eq!(adapter.rank(), 4);
+    assert!(m
+        .registry
+        .list()
+        .iter()
+        .any(|a| a.name == "late" && a.id == id));
+    assert!(matches!(m.resolve("nobody"), Err(LoraError::Unknown(_))));
+    // Without directories nothing is found.
+    let mut plain = manager(8, 8);
+    assert!(!plain.find("found").unwrap());
+}
+
+#[test]
+fn found_adapters_make_room_for_each_other_but_not_for_adapters_in_use() {
+    let root = AdapterCopy::new("room");
+    for name in ["d1", "d2", "d3"] {
+        copy_into(&root.0, name);
+    }
+    let mut m = finder(2, 2, &[&root.0]);
+    m.register("configured", &fixture()).expect("configured");
+    found(&mut m, "d1").unwrap();
+    // Full: d1, found and unused, makes room; the configured adapter never does.
+    found(&mut m, "d2").unwrap();
+    let names = |m: &LoraManager| -> Vec<String> {
+        m.registry.list().into_iter().map(|a| a.name).collect()
+    };
+    assert_eq!(names(&m), ["configured", "d2"]);
+    // d2 in use: nothing can go.
+    let (_, held) = m.resolve("d2").expect("d2");
+    let e = found(&mut m, "d3").expect_err("full of adapters in use");
+    assert!(matches!(&e, LoraError::Busy(n, 2) if n == "d3"), "{e:?}");
+    assert_eq!(names(&m), ["configured", "d2"]);
+    drop(held);
+    found(&mut m, "d3").unwrap();
+    assert_eq!(names(&m), ["configured", "d3"]);
+    // The least recently used goes first, those evicted from memory before any other.
+    let mut m = finder(3, 1, &[&root.0]);
+    found(&mut m, "d1").unwrap();
+    found(&mut m, "d2").unwrap();
+    found(&mut m, "d3").unwrap();
+    m.resolve("d1").expect("d1");
+    copy_into(&root.0, "d4");
+    found(&mut m, "d4").unwrap();
+    assert_eq!(
+        names(&m),
+        ["d1", "d3", "d4"],
+        "d2, out of memory and older, went"
+    );
+}
+
+/// Regression: a request naming an adapter of a directory while memory held as many
+/// adapters in use as it keeps (`max_loaded`) got a 404 `model_not_found`: the eviction
+/// after the registration dropped the new adapter, the only one no request held, before
+/// the request took its weights, and the request then found it "not in memory".
+#[test]
+fn an_adapter_found_while_memory_is_full_of_adapters_in_use_is_served() {
+    let root = AdapterCopy::new("found-full");
+    copy_into(&root.0, "d1");
+    let mut m = finder(4, 1, &[&root.0]);
+    m.register("configured", &fixture()).expect("configured");
+    let (_, held) = m.resolve("configured").expect("configured");
+    let (id, adapter) = m.resolve("d1").expect("found while memory is full");
+    assert_eq!(adapter.rank(), 4);
+    assert!(m
+        .registry
+        .list()
+        .iter()
+        .any(|a| a.name == "d1" && a.id == id && a.discovered));
+    // Both in use: both stay in memory, over the limit, until released.
+    assert_eq!(m.loaded(), ["configured", "d1"]);
+    drop((held, adapter));
+}
+
+/// Regression: two requests' name checks of two adapters of a directory, while memory
+/// held as many adapters in use as it keeps (`max_cpu_loras`): each check read its
+/// adapter and kept it for its request in the one reservation slot, the second check
+/// releasing the first's, whose adapter the eviction then dropped, so its request read
+/// it a second time. A check reads nothing; each request reads its adapter once.
+#[test]
+fn two_name_checks_of_found_adapters_while_memory_is_full_read_each_adapter_once() {
+    let root = AdapterCopy::new("found-two-checks");
+    for name in ["d1", "d2"] {
+        copy_into(&root.0, name);
+    }
+    let mut m = finder(8, 1, &[&root.0]);
+    m.register("configured", &fixture()).expect("configured");
+    let (_, held) = m.resolve("configured").expect("configured");
+    assert!(m.find("d1").unwrap());
+    assert!(m.find("d2").unwrap());
+    assert_eq!(m.loaded(), ["configured"], "memory over max_cpu_loras");
+    let (_, a1) = m.resolve("d1").expect("d1");
+    let (_, a2) = m.resolve("d2").expect("d2");
+    assert_eq!(m.reads, 3, "an adapter read twice");
+    // All three in use: all stay; released, memory is back to max_cpu_loras.
+    assert_eq!(m.loaded(), ["configured", "d1", "d2"]);
+    drop((held, a1, a2));
+    m.evict();
+    assert_eq!(m.loaded().len(), 1);
+    assert_eq!(m.reads, 3);
+}
+
+/// A tenant's share of adapter memory (`tiers.<name>.max_cpu_loras_per_tenant`): once the
+/// adapters read for it fill the share, its next load drops its own least recently used
+/// adapter that no request holds, never another tenant's; with all of its adapters in
+/// use it is refused and nothing is dropped; an adapter in memory serves it whoever was
+/// charged; a lowered share is applied at the tenant's next load.
+#[test]
+fn a_tenant_s_loads_recycle_its_own_share_and_never_evict_another_tenant_s_adapters() {
+    let root = AdapterCopy::new("share");
+    for name in ["a1", "a2", "a3", "b1"] {
+        copy_into(&root.0, name);
+    }
+    let mut c = config(16, 8);
+    c.adapter_dirs = vec![root.0.clone()];
+    c.tenant_shares = vec![("gold".into(), 2)];
+    let mut m = LoraManager::new(c, LoraRegistry::default());
+    let charge = |tenant: &str| Charge {
+        tenant: tenant.into(),
+        tier: "gold".into(),
+    };
+    let (acme, bob) = (charge("acme"), charge("bob"));
+    let serve = |m: &mut LoraManager, name: &str, who: &Charge| {
+        m.resolve_for(name, Some(who)).map(|(_, a)| a)
+    };
+    serve(&mut m, "b1", &bob).expect("b1");
+    serve(&mut m, "a1", &acme).expect("a1");
+    serve(&mut m, "a2", &acme).expect("a2");
+    // acme's share is full: its next load drops a1, its least recently used, not b1.
+    serve(&mut m, "a3", &acme).expect("a3");
+    assert_eq!(m.loaded(), ["b1", "a2", "a3"]);
+    // All of acme's adapters in use: refused, nothing dropped or read.
+    let held = (serve(&mut m, "a2", &acme), serve(&mut m, "a3", &acme));
+    let reads = m.reads;
+    let e = serve(&mut m, "a1", &acme).expect_err("share full of adapters in use");
+    assert!(
+        matches!(&e, LoraError::TenantShare { tier, limit: 2 } if tier == "gold"),
+        "{e:?}"
+    );
+    assert!(
+        e.to_string()
+            .contains("tiers.gold.max_cpu_loras_per_tenant: 2"),
+        "{e}"
+    );
+    assert_eq!((m.loaded().len(), m.reads), (3, reads));
+    // bob's adapter in memory serves acme, uncharged; bob's own loads are not bounded by
+    // acme's.
+    serve(&mut m, "b1", &acme).expect("b1 for acme");
+    serve(&mut m, "a1", &bob).expect("a1 for bob");
+    assert_eq!(m.loaded(), ["b1", "a1", "a2", "a3"]);
+    drop(held);
+    // A share lowered to one (a reload): acme's next load drops both of its adapters.
+    *m.registry.0.shares.write() = [("gold".to_string(), 1)].into();
+    m.unregister("a1").expect("a1");
+    serve(&mut m, "a1", &acme).expect("a1");
+    assert_eq!(m.loaded(), ["b1", "a1"]);
+    // Without a charge, or in a tier without a share, nothing is bounded.
+    serve(
+        &mut m,
+        "a2",
+        &Charge {
+            tenant: "acme".into(),
+            tier: "free".into(),
+        },
+    )
+    .expect("a2");
+    m.resolve("a3").expect("a3");
+    assert_eq!(m.loaded(), ["b1", "a2", "a3", "a1"]);
+}
+
+/// An adapter's `base_model_name_or_path` names the served model when its last path
+/// segment is one of the model's names, or one's stem, by letters and digits without
+/// case; a hub id, a mirror's and a local path of the same model all do.
+#[test]
+fn base_model_names_are_compared_by_their_last_segment() {
+    let names = |n: &[&str]| -> Vec<String> { n.iter().map(|s| s.to_string()).collect() };
+    let served = names(&[
+        "smollm2",
+        "SmolLM2 135M Instruct",
+        "SmolLM2-135M-Instruct.Q4_1",
+    ]);
+    for same in [
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "mirror-org/smollm2-135m-instruct",
+        "/srv/models/SmolLM2-135M-Instruct/",
+        "C:\\models\\SmolLM2_135M_Instruct",
+        "smollm2-135m-instruct",
+        "",
+        "/",
+    ] {
+        assert!(names_served_model(same, &served), "{same:?}");
+    }
+    for other in [
+        "HuggingFaceTB/SmolLM2-135M",
+        "meta-llama/Llama-3.2-1B",
+        "SmolLM2-135M-Instruct-v2",
+    ] {
+        assert!(!names_served_model(other, &served), "{other:?}");
+    }
+    assert!(names_served_model("anything", &[]));
+}
+
+/// An adapter whose `adapter_config.json` names another base model than the one served
+/// is registered and served all the same, its registration saying so; one naming the
+/// served model, or none, says nothing.
+#[test]
+fn an_adapter_for_another_base_model_is_served_and_flagged() {
+    let mut c = config(4, 4);
+    c.model_names = vec!["smollm2".into(), "SmolLM2-135M-Instruct.Q4_1".into()];
+    let mut m = LoraManager::new(c, LoraRegistry::default());
+    let same = m.register("same", &fixture()).expect("same");
+    assert_eq!(
+        same.base_model.as_deref(),
+        Some("HuggingFaceTB/SmolLM2-135M-Instruct")
+    );
+    assert!(!same.base_model_differs);
+    let other = AdapterCopy::new("other-base-model");
+    let file = other.0.join("adapter_config.json");
+    let mut json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
+    json["base_model_name_or_path"] = "HuggingFaceTB/SmolLM2-135M".into();
+    std::fs::write(&file, json.to_string()).unwrap();
+    let info = m.register("other", &other.0).expect("served all the same");
+    assert_eq!(
+        info.base_model.as_deref(),
+        Some("HuggingFaceTB/SmolLM2-135M")
+    );
+    assert!(info.base_model_differs);
+    // Replaced in place by the served model's adapter: no longer flagged.
+    let replaced = m.replace("other", &fixture()).expect("replaced");
+    assert!(!replaced.base_model_differs);
+    json.as_object_mut()
+        .unwrap()
+        .remove("base_model_name_or_path");
+    std::fs::write(&file, json.to_string()).unwrap();
+    let none = m.register("none", &other.0).expect("none");
+    assert_eq!((none.base_model, none.base_model_differs), (None, false));
+}
+
+/// Regression: with the registry full of adapters found in directories, `POST
+/// /admin/lora` was refused ("unload one first") although a found adapter no request used
+/// could go, and unloading one only let the next request find it again.
+#[test]
+fn found_adapters_make_room_for_an_operators_adapter_unless_all_are_in_use() {
+    let root = AdapterCopy::new("room-admin");
+    for name in ["d1", "d2"] {
+        copy_into(&root.0, name);
+    }
+    let mut m = finder(2, 2, &[&root.0]);
+    found(&mut m, "d1").unwrap();
+    found(&mut m, "d2").unwrap();
+    let names = |m: &LoraManager| -> Vec<String> {
+        m.registry.list().into_iter().map(|a| a.name).collect()
+    };
+    // An adapter that does not load unregisters nothing.
+    let e = m
+        .register("admin", &root.0.join("missing"))
+        .expect_err("no such adapter");
+    assert!(matches!(e, LoraError::Load(_)), "{e:?}");
+    assert_eq!(names(&m), ["d1", "d2"]);
+    // d1, the least recently used, makes room.
+    m.register("admin", &fixture()).expect("room made");
+    assert_eq!(names(&m), ["d2", "admin"]);
+    // d2 in use, the others an operator's: full.
+    let (_, held) = m.resolve("d2").expect("d2");
+    let e = m.register("other", &fixture()).expect_err("full");
+    assert!(matches!(e, LoraError::Full(2)), "{e:?}");
+    drop(held);
+    m.register("other", &fixture()).expect("d2 released");
+    assert_eq!(names(&m), ["admin", "other"]);
+    let e = m
+        .register("third", &fixture())
+        .expect_err("no found adapter left");
+    assert!(matches!(e, LoraError::Full(2)), "{e:?}");
+}
+
+/// Regression: room was made before a found adapter was loaded, so each request naming
+/// a broken adapter of a directory unregistered a working one (loaded again on its next
+/// request) and then failed.
+#[test]
+fn a_broken_found_adapter_unregisters_nothing() {
+    let root = AdapterCopy::new("room-broken");
+    copy_into(&root.0, "d1");
+    copy_into(&root.0, "broken");
+    std::fs::write(root.0.join("broken/adapter_config.json"), "{not json").unwrap();
+    let mut m = finder(2, 2, &[&root.0]);
+    m.register("configured", &fixture()).expect("configured");
+    found(&mut m, "d1").unwrap();
+    let e = m.resolve("broken").expect_err("broken");
+    assert!(matches!(&e, LoraError::Reload(n) if n == "broken"), "{e:?}");
+    let names: Vec<String> = m.registry.list().into_iter().map(|a| a.name).collect();
+    assert_eq!(names, ["configured", "d1"]);
+}
+
+/// Regression: a found adapter pinned (the configuration file naming its directory
+/// with `pinned: true`, which SIGHUP applies with `set_pinned`) was unregistered to make
+/// room for another registration as any found adapter, so a pinned adapter vanished.
+#[test]
+fn a_pinned_found_adapter_is_never_unregistered_to_make_room() {
+    let root = AdapterCopy::new("room-pinned");
+    for name in ["d1", "d2"] {
+        copy_into(&root.0, name);
+    }
+    let mut m = finder(2, 2, &[&root.0]);
+    found(&mut m, "d1").unwrap();
+    found(&mut m, "d2").unwrap();
+    // d1, the least recently used, is pinned: d2 goes instead.
+    m.set_pinned("d1", true).expect("pinned");
+    m.register("admin", &fixture()).expect("room made");
+    let names: Vec<String> = m.registry.list().into_iter().map(|a| a.name).collect();
+    assert_eq!(names, ["d1", "admin"]);
+    let e = m.register("other", &fixture()).expect_err("d1 pinned");
+    assert!(matches!(e, LoraError::Full(2)), "{e:?}");
+    let e = m.resolve("d2").expect_err("no found adapter may go");
+    assert!(matches!(&e, LoraError::Busy(n, 2) if n == "d2"), "{e:?}");
+    // Unpinned, it goes as any found adapter.
+    m.set_pinned("d1", false).expect("unpinned");
+    m.resolve("d2").expect("d1 made room");
+    let names: Vec<String> = m.registry.list().into_iter().map(|a| a.name).collect();
+    assert_eq!(names, ["admin", "d2"]);
+}
+
+#[test]
+fn a_found_adapter_whose_files_went_is_found_again_as_its_directory_says() {
+    let root = AdapterCopy::new("gone");
+    for name in ["d1", "d2", "d3"] {
+        copy_into(&root.0, name);
+    }
+    let mut m = finder(8, 1, &[&root.0]);
+    found(&mut m, "d1").unwrap();
+    found(&mut m, "d2").unwrap();
+    found(&mut m, "d3").unwrap();
+    assert_eq!(m.loaded(), ["d3"]);
+    // Removed while out of memory: unregistered on its next request, which is a 404's.
+    std::fs::remove_dir_all(root.0.join("d1")).unwrap();
+    assert!(matches!(m.resolve("d1"), Err(LoraError::Unknown(_))));
+    assert!(!m.registry.contains("d1"));
+    // Broken: the server's 503, without the path, unregistered, and still refused while
+    // its files stay broken.
+    std::fs::remove_file(root.0.join("d2/adapter_model.safetensors")).unwrap();
+    let e = m.resolve("d2").expect_err("broken");
+    assert_eq!(e.to_string(), "LoRA adapter 'd2' could not be loaded");
+    assert!(!m.registry.contains("d2"));
+    let e = found(&mut m, "d2").expect_err("still broken");
+    assert!(matches!(&e, LoraError::Reload(n) if n == "d2"), "{e:?}");
+    // Fixed: found again.
+    copy_into(&root.0, "d2");
+    assert!(found(&mut m, "d2").unwrap().discovered);
+}
+
+#[actix::test]
+async fn the_handle_finds_adapters_through_the_manager() {
+    let root = AdapterCopy::new("handle");
+    copy_into(&root.0, "found");
+    let mut c = config(4, 4);
+    c.adapter_dirs = vec![root.0.clone()];
+    let lora = LoraHandle::start(c);
+    assert!(!lora.find("nobody").await.unwrap());
+    assert!(lora.find("found").await.unwrap());
+    let (id, _) = lora.resolve("found", None).await.expect("found");
+    let info = lora
+        .registry
+        .info("found")
+        .expect("registered by the request");
+    assert!(info.discovered && info.id == id);
+    // Resolved directly too, without a find first.
+    copy_into(&root.0, "direct");
+    lora.resolve("direct", None).await.expect("direct");
+    assert!(lora.registry.contains("direct"));
+    // Without directories, an unknown name never reaches the manager.
+    let plain = LoraHandle::start(config(4, 4));
+    copy_into(&root.0, "x");
+    assert!(!plain.find("x").await.unwrap());
+    assert!(matches!(
+        plain.resolve("x", None).await,
+        Err(LoraError::Unknown(_))
+    ));
+}
+
+/// The handle lists what the directories hold without the manager (whose thread may be
+/// busy loading) and without registering or loading anything.
+#[actix::test]
+async fn the_handle_lists_the_directories_without_the_manager() {
+    let root = AdapterCopy::new("listed");
+    copy_into(&root.0, "b");
+    copy_into(&root.0, "a");
+    let mut c = config(4, 4);
+    c.adapter_dirs = vec![root.0.clone()];
+    let lora = LoraHandle::start(c);
+    let (release, hold) = std::sync::mpsc::channel();
+    lora.addr.do_send(Hold(hold));
+    assert_eq!(*lora.in_directories().await, ["a", "b"]);
+    // A request's name check does not wait for the manager either (it reads nothing).
+    assert!(lora.find("a").await.unwrap() && !lora.find("c").await.unwrap());
+    release.send(()).unwrap();
+    assert!(lora.registry.list().is_empty(), "listing registers nothing");
+    assert!(lora.registry.0.state.read().resident.is_empty());
+    // Without directories there is nothing to list.
+    assert!(LoraHandle::start(config(4, 4))
+        .in_directories()
+        .await
+        .is_empty());
+}
+
+#[test]
+fn an_adapter_replaced_in_place_is_never_missing_and_a_bad_replacement_changes_nothing() {
+    let other = AdapterCopy::new("replace");
+    let config = std::fs::read_to_string(other.0.join("adapter_config.json")).unwrap();
+    let changed = config.replace("\"lora_alpha\": 8.0", "\"lora_alpha\": 16.0");
+    assert_ne!(changed, config);
+    std::fs::write(other.0.join("adapter_config.json"), changed).unwrap();
+    let mut m = manager(4, 4);
+    let first = m.register("a", &fixture()).expect("a");
+    let (_, held) = m.resolve("a").expect("a");
+    // Other weights: a fresh id, the new path; a request running keeps the old weights.
+    let second = m.replace("a", &other.0).expect("replaced");
+    assert_ne!(second.id, first.id);
+    assert_eq!(second.path, other.0);
+    let (id, now) = m.resolve("a").expect("a");
+    assert_eq!(id, second.id);
+    assert!(
+        !Arc::ptr_eq(&held, &now),
+        "new requests get the new weights"
+    );
+    assert_eq!(m.registry.list(), vec![second.clone()]);
+    // The same weights again (a copy elsewhere): the id, and its cached blocks, stay.
+    let copy = AdapterCopy::new("replace-same");
+    std::fs::copy(
+        other.0.join("adapter_config.json"),
+        copy.0.join("adapter_config.json"),
+    )
+    .unwrap();
+    let third = m.replace("a", &copy.0).expect("same weights");
+    assert_eq!(third.id, second.id);
+    // A replacement that does not load leaves the adapter served as it was.
+    let e = m
+        .replace("a", Path::new("/nonexistent/adapter"))
+        .expect_err("missing");
+    assert!(matches!(e, LoraError::Load(_)), "{e:?}");
+    assert_eq!(m.registry.list(), vec![third.clone()]);
+    assert_eq!(m.resolve("a").expect("a").0, third.id);
+    // A name not registered is registered; a bad name is refused.
+    let b = m.replace("b", &fixture()).expect("b");
+    assert!(m.registry.contains("b") && b.id != third.id);
+    assert!(matches!(
+        m.replace("..", &fixture()),
+        Err(LoraError::BadName(_))
+    ));
+    // A found adapter replaced by an admin is the admin's: it never makes room.
+    let root = AdapterCopy::new("replace-found");
+    copy_into(&root.0, "found");
+    let mut m = finder(2, 2, &[&root.0]);
+    assert!(found(&mut m, "found").unwrap().discovered);
+    assert!(!m.replace("found", &fixture()).unwrap().discovered);
+    m.register("c", &fixture()).expect("c");
+    copy_into(&root.0, "other");
+    assert!(matches!(found(&mut m, "other"), Err(LoraError::Busy(..))));
+}
+
+/// Polls `fut` once: `Some` with its output if it completes without waiting.
+fn poll_once<F: std::future::Future>(fut: std::pin::Pin<&mut F>) -> Option<F::Output> {
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    match fut.poll(&mut cx) {
+        std::task::Poll::Ready(out) => Some(out),
+        std::task::Poll::Pending => None,
+    }
+}
+
+#[actix::test]
+async fn adapters_in_memory_resolve_while_the_manager_is_busy() {
+    let lora = LoraHandle::start(config(4, 1));
+    let register = |name: &str| Register {
+        name: name.into(),
+        path: fixture(),
+        pinned: false,
+    };
+    let a = lora.ask(register("a")).await.expect("a");
+    let b = lora.ask(register("b")).await.expect("b");
+    // The manager's thread is taken (as by an admin load of a large adapter).
+    let (release, hold) = std::sync::mpsc::channel();
+    lora.addr.do_send(Hold(hold));
+    // b is in memory: resolved from the registry, without waiting for the manager.
+    let resolve_b = std::pin::pin!(lora.resolve("b", None));
+    let (id, _) = poll_once(resolve_b)
+        .expect("resolved without the manager")
+        .expect("b");
+    assert_eq!(id, b.id);
+    let unknown = std::pin::pin!(lora.resolve("nobody", None));
+    assert!(matches!(
+        poll_once(unknown),
+        Some(Err(LoraError::Unknown(_)))
+    ));
+    // a was evicted (max_loaded 1): only its reload waits for the manager.
+    let mut resolve_a = std::pin::pin!(lora.resolve("a", None));
+    assert!(poll_once(resolve_a.as_mut()).is_none(), "a reload waits");
+    release.send(()).unwrap();
+    let (id, _) = resolve_a.await.expect("a");
+    assert_eq!(id, a.id);
+}
+
+#[actix::test]
+async fn adapters_released_over_the_limit_are_evicted_on_the_next_request() {
+    let lora = LoraHandle::start(config(4, 1));
+    let register = |name: &str| Register {
+        name: name.into(),
+        path: fixture(),
+        pinned: false,
+    };
+    lora.ask(register("a")).await.expect("a");
+    let (_, held_a) = lora.resolve("a", None).await.expect("a");
+    // b, unused, makes way at once for a, in use.
+    lora.ask(register("b")).await.expect("b");
+    let in_memory = || lora.registry.0.state.read().resident.len();
+    assert_eq!(in_memory(), 1);
+    // Reloaded for a request while a is in use: two in memory, over the limit of one.
+    let (_, held_b) = lora.resolve("b", None).await.expect("b");
+    assert_eq!(in_memory(), 2);
+    drop((held_a, held_b));
+    // The next request served from memory asks the manager to evict again: a, unused and
+    // the least recently used, goes. A message sent after that request's returns once the
+    // manager has handled it.
+    lora.resolve("b", None).await.expect("b");
+    let (release, hold) = std::sync::mpsc::channel();
+    release.send(()).unwrap();
+    lora.addr.send(Hold(hold)).await.unwrap();
+    let state = lora.registry.0.state.read();
+    assert_eq!(state.resident.keys().collect::<Vec<_>>(), ["b"]);
+}
