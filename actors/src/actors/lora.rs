@@ -49,9 +49,10 @@
 //! tenant ([`Charge`]); an operator's registrations and pinned adapters to no one. A tier may
 //! bound what each of its tenants is charged (`tiers.<name>.max_cpu_loras_per_tenant`,
 //! [`LoraHandle::set_tenant_shares`]): a load for a tenant whose charged adapters fill its
-//! share first drops the tenant's own least recently used one that no request holds (chosen
-//! and dropped under one write lock, as every eviction), and is refused
-//! ([`LoraError::TenantShare`], a 429) when every one is in use. So a tenant naming many
+//! share drops the tenant's own least recently used one that no request holds once the new
+//! one has loaded (so a load that fails drops nothing; chosen and dropped under one write
+//! lock, as every eviction), and is refused before any read ([`LoraError::TenantShare`], a
+//! 429) when every one is in use. So a tenant naming many
 //! adapters recycles its own slots once its share is full and displaces at most its share of
 //! the other tenants' adapters; an adapter in memory still serves every tenant, whoever it is
 //! charged to.
@@ -442,6 +443,15 @@ enum Keep {
     Caller,
 }
 
+/// What [`LoraManager::make_share_room`] does in a tenant's full share.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ShareRoom {
+    /// Only decides: refuses when every adapter of the share is in use, drops nothing.
+    Check,
+    /// Drops the tenant's least recently used unused adapters until the share has room.
+    Make,
+}
+
 /// The LoRA manager actor.
 pub struct LoraManager {
     config: LoraManagerConfig,
@@ -575,8 +585,11 @@ impl LoraManager {
             return Err(LoraError::Full(max));
         }
         self.check_pin_room(name, pinned)?;
-        self.make_share_room(charge)?;
+        // A full share of adapters in use refuses before any read; room in it is made once
+        // the adapter has loaded, so a load that fails drops none of the tenant's adapters.
+        self.make_share_room(charge, ShareRoom::Check)?;
         let adapter = self.load(path)?;
+        self.make_share_room(charge, ShareRoom::Make)?;
         // Room made once the adapter loaded, so a refused one unregisters nothing.
         if let Err(LoraError::Busy(..)) = self.make_room(name) {
             return Err(LoraError::Full(max));
@@ -933,7 +946,8 @@ impl LoraManager {
             .ok_or_else(|| LoraError::Unknown(name.to_owned()))?;
         // A pinned adapter is no tenant's (reloaded when pinned).
         let charge = charge.filter(|_| !info.pinned);
-        self.make_share_room(charge)?;
+        // As in `register_held`: refused before the read, room made after it.
+        self.make_share_room(charge, ShareRoom::Check)?;
         let adapter = match self.load(&info.path) {
             Ok(adapter) => adapter,
             Err(e) if info.discovered => {
@@ -964,6 +978,7 @@ impl LoraManager {
                 return Err(LoraError::Reload(name.to_owned()));
             }
         };
+        self.make_share_room(charge, ShareRoom::Make)?;
         let mut id = info.id;
         if self.fingerprints.get(name) != Some(&adapter.fingerprint()) {
             // The files changed since they were loaded: other weights, so another prefix-cache
@@ -994,8 +1009,13 @@ impl LoraManager {
     /// tier's `max_cpu_loras_per_tenant`; nothing without a charge or a share): while the
     /// adapters charged to it (pinned ones aside) fill the share, its least recently used one
     /// that no request holds is dropped; when every one is in use, the load is refused
-    /// ([`LoraError::TenantShare`]). Never another tenant's adapter.
-    fn make_share_room(&mut self, charge: Option<&Charge>) -> Result<(), LoraError> {
+    /// ([`LoraError::TenantShare`]). Never another tenant's adapter. With
+    /// [`ShareRoom::Check`] nothing is dropped: only the refusal is decided (before a read).
+    fn make_share_room(
+        &mut self,
+        charge: Option<&Charge>,
+        room: ShareRoom,
+    ) -> Result<(), LoraError> {
         let Some(charge) = charge else {
             return Ok(());
         };
@@ -1025,6 +1045,9 @@ impl LoraManager {
                     .filter(|(_, r)| Arc::strong_count(&r.adapter) == 1)
                     .min_by_key(|(_, r)| r.last_used.load(Ordering::Relaxed))
                     .map(|(name, _)| name.clone());
+                if victim.is_some() && room == ShareRoom::Check {
+                    return Ok(());
+                }
                 let Some(victim) = victim else {
                     drop(state);
                     metrics::counter!(crate::metric_names::LORA_SHARE_REFUSALS, labels.clone())

@@ -573,6 +573,39 @@ fn a_tenant_s_loads_recycle_its_own_share_and_never_evict_another_tenant_s_adapt
     assert_eq!(m.loaded(), ["b1", "a2", "a3", "a1"]);
 }
 
+/// Regression: a load for a tenant whose share was full dropped the tenant's least recently
+/// used adapter before reading the new one, so a load that failed (broken files) dropped it
+/// for nothing. Room in the share is made once the adapter has loaded; a share full of
+/// adapters in use is still refused before any read.
+#[test]
+fn a_failed_load_drops_none_of_the_tenant_s_adapters() {
+    let root = AdapterCopy::new("share-fail");
+    for name in ["a1", "a2", "bad"] {
+        copy_into(&root.0, name);
+    }
+    std::fs::write(
+        root.0.join("bad/adapter_model.safetensors"),
+        b"not safetensors",
+    )
+    .unwrap();
+    let mut c = config(16, 8);
+    c.adapter_dirs = vec![root.0.clone()];
+    c.tenant_shares = vec![("gold".into(), 1)];
+    let mut m = LoraManager::new(c, LoraRegistry::default());
+    let acme = Charge {
+        tenant: "acme".into(),
+        tier: "gold".into(),
+    };
+    m.resolve_for("a1", Some(&acme)).expect("a1");
+    let reads = m.reads;
+    m.resolve_for("bad", Some(&acme)).expect_err("broken files");
+    assert_eq!(m.reads, reads + 1, "the broken adapter was read");
+    assert_eq!(m.loaded(), ["a1"], "a1 kept: the failed load made no room");
+    // A load that succeeds makes its room: a1 goes, a2 comes.
+    m.resolve_for("a2", Some(&acme)).expect("a2");
+    assert_eq!(m.loaded(), ["a2"]);
+}
+
 /// An adapter's `base_model_name_or_path` names the served model when its last path
 /// segment is one of the model's names, or one's stem, by letters and digits without
 /// case; a hub id, a mirror's and a local path of the same model all do.
