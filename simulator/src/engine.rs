@@ -436,16 +436,6 @@ impl Simulation {
                 Some((config, from))
             }
         };
-        if lora_memory.is_some() {
-            for (name, t) in &spec.tiers {
-                if t.max_cpu_loras_per_tenant.is_some() {
-                    warnings.push(format!(
-                        "tiers.{name}.max_cpu_loras_per_tenant is not modelled: every tenant's \
-                         adapter loads share scheduler.lora_memory.max_cpu_loras"
-                    ));
-                }
-            }
-        }
         Ok(Simulation {
             lora_memory,
             spec: spec.clone(),
@@ -785,8 +775,9 @@ enum Outcome {
     /// Refused at arrival by its tier's `max_pending_requests` (the server's 503
     /// `overloaded`).
     Overloaded,
-    /// Refused at arrival by its tier's `max_pending_per_tenant` (the server's 429, reason
-    /// `tenant_busy`).
+    /// Refused at arrival by its tier's `max_pending_per_tenant`, or as it asked for its
+    /// adapter by its tenant's share of adapter memory full of adapters in use
+    /// (`max_cpu_loras_per_tenant`): the server's 429, reason `tenant_busy`.
     TenantBusy,
     Finished(switchyard_policies::FinishReason),
 }
@@ -864,8 +855,8 @@ struct Loop<'a> {
     holds_adapter: Vec<bool>,
     /// Per request, its wait for its adapter in microseconds, once it holds it.
     adapter_wait: Vec<Option<u64>>,
-    /// The requests the memory serves, reused.
-    served: Vec<(u64, usize)>,
+    /// The requests the memory serves or refuses, reused.
+    answers: crate::lora_memory::Answers,
 }
 
 /// The token the simulator invents at position `pos` of request `id`: deterministic in both,
@@ -958,7 +949,7 @@ impl<'a> Loop<'a> {
             asked_at: vec![None; requests.len()],
             holds_adapter: vec![false; requests.len()],
             adapter_wait: vec![None; requests.len()],
-            served: Vec::new(),
+            answers: Default::default(),
         }
     }
 
@@ -1160,7 +1151,7 @@ impl<'a> Loop<'a> {
                 .flatten()
                 .all(|r| t <= r.0);
                 if arriving.is_none_or(|a| t <= a.0) && before_ready {
-                    self.on_lora_event(t);
+                    rejected += self.on_lora_event(t);
                     continue;
                 }
             }
@@ -1234,24 +1225,38 @@ impl<'a> Loop<'a> {
 
     /// Handles the LoRA event at `t`: the loader's load ending (first), else a request asking
     /// for its adapter; the requests that get their adapter go on to the scheduler's queue
-    /// (or their refusal) at the time they got it.
-    fn on_lora_event(&mut self, t: u64) {
+    /// (or their refusal) at the time they got it, and those their tenant's full share of
+    /// adapter memory refuses end then (`tenant_busy`). Returns how many were refused.
+    fn on_lora_event(&mut self, t: u64) -> usize {
         let Some(memory) = self.memory.as_mut() else {
-            return;
+            return 0;
         };
-        let mut served = std::mem::take(&mut self.served);
-        served.clear();
+        let mut answers = std::mem::take(&mut self.answers);
+        answers.clear();
         if memory.next_event() == Some(t) {
-            while memory.advance(t, &mut served) {}
+            while memory.advance(t, &mut answers) {}
         } else if let Some((at, i)) = self.resolving.pop_first() {
             self.asked_at[i] = Some(at);
-            if let Some(adapter) = self.requests[i].adapter {
-                if memory.request(at, adapter, i, &mut served) {
-                    served.push((at, i));
+            let r = &self.requests[i];
+            if let Some(adapter) = r.adapter {
+                let share = self
+                    .tiers
+                    .get(&r.tier)
+                    .and_then(|t| t.max_cpu_loras_per_tenant);
+                if memory.request(at, adapter, i, (&r.tenant, share), &mut answers) {
+                    answers.served.push((at, i));
                 }
             }
         }
-        for &(at, i) in &served {
+        for &(at, i) in &answers.refused {
+            // Refused for want of room before queueing: the server gives back its one from
+            // the requests budget, as for a refusal at arrival.
+            self.give_back_request(i);
+            self.tracks[i].outcome = Outcome::TenantBusy;
+            self.give_back_seat(i);
+            self.ended(i, at);
+        }
+        for &(at, i) in &answers.served {
             self.holds_adapter[i] = true;
             let asked = self.asked_at[i].unwrap_or(at);
             self.adapter_wait[i] = Some(at.saturating_sub(asked));
@@ -1261,7 +1266,9 @@ impl<'a> Loop<'a> {
                 self.front_end.insert((at, i));
             }
         }
-        self.served = served;
+        let refused = answers.refused.len();
+        self.answers = answers;
+        refused
     }
 
     /// When the next request arrives or leaves the front end, or the next LoRA event comes,

@@ -17,7 +17,12 @@ workload: {trace: unused.csv, format: azure}
 
 /// Steps of 1 ms, a front end of 0.5 ms, adapters in memory as `memory` says.
 fn sim(memory: Option<MemoryConfig>) -> Simulation {
-    let spec = SimulationSpec::from_yaml_str(SPEC, Path::new("t.yaml")).unwrap();
+    sim_of(SPEC, memory)
+}
+
+/// [`sim`] of the spec `yaml`.
+fn sim_of(yaml: &str, memory: Option<MemoryConfig>) -> Simulation {
+    let spec = SimulationSpec::from_yaml_str(yaml, Path::new("t.yaml")).unwrap();
     let mut sim = Simulation::new(&spec).unwrap();
     sim.cost = CostModel::Calibrated(Calibration {
         intercept_s: 1e-3,
@@ -266,4 +271,132 @@ fn a_request_refused_as_too_long_resolves_its_adapter_first_and_gives_it_back() 
     assert_eq!(r.records[1].ttft_ms, Some(11.5));
     let m = r.lora_memory.unwrap();
     assert_eq!((m.loads, m.evictions), (2, 1));
+}
+
+#[test]
+fn a_tenant_s_share_refuses_its_loads_while_full_of_adapters_in_use_and_drops_its_own() {
+    // Tenant a of gold (a share of `share`, two requests in flight at most): a long request
+    // holds adapter 1 (loaded 0.5..10.5 ms, running until ~50 ms); at 20 ms a asks for
+    // adapter 2 and b for 2 too, and a again for 1 at 21 ms; at 60 ms, 1 released, a asks
+    // for 3.
+    let spec =
+        |share: &str| format!("{SPEC}tiers: {{gold: {{max_pending_per_tenant: 2{share}}}}}\n");
+    let of = |tenant: &str, r: TraceRequest| TraceRequest {
+        tenant: tenant.into(),
+        tier: "gold".into(),
+        ..r
+    };
+    let rs = [
+        of(
+            "a",
+            TraceRequest {
+                output_len: 40,
+                ..req(0.0, Some(1))
+            },
+        ),
+        of("a", req(20.0, Some(2))),
+        of("b", req(20.0, Some(2))),
+        of("a", req(21.0, Some(1))),
+        of("a", req(60.0, Some(3))),
+    ];
+    let outcomes =
+        |r: &PolicyRun| -> Vec<String> { r.records.iter().map(|x| x.outcome.clone()).collect() };
+    let waits = |r: &PolicyRun| -> Vec<Option<f64>> {
+        r.records.iter().map(|x| x.adapter_wait_ms).collect()
+    };
+    // A share of 1: a's request for 2 is refused as it asks (20.5 ms), reading nothing, and
+    // gives back its seat (a's request at 21 ms is admitted, served from memory); b loads
+    // 2 itself; a's load of 3 drops its own 1 (unused by then), not b's 2.
+    let r = run(
+        &sim_of(&spec(", max_cpu_loras_per_tenant: 1"), memory(8, &[], 10)),
+        &rs,
+    );
+    assert_eq!(
+        outcomes(&r),
+        ["length", "tenant_busy", "length", "length", "length"]
+    );
+    assert_eq!(
+        waits(&r),
+        [Some(10.0), None, Some(10.0), Some(0.0), Some(10.0)]
+    );
+    assert_eq!(r.records[1].ttft_ms, None);
+    let m = r.lora_memory.clone().unwrap();
+    assert_eq!(
+        (m.loads, m.evictions, m.share_evictions, m.share_refusals),
+        (3, 1, 1, 1)
+    );
+    assert_eq!(m.adapter_requests, 4);
+    // Without a share: a loads 2, which b's request, queued behind, finds in memory; a's
+    // request at 21 ms finds both of a's seats held (by the long one and the one waiting
+    // for 2) and is refused at arrival.
+    let r = run(&sim_of(&spec(""), memory(8, &[], 10)), &rs);
+    assert_eq!(
+        outcomes(&r),
+        ["length", "length", "length", "tenant_busy", "length"]
+    );
+    assert_eq!(
+        waits(&r),
+        [Some(10.0), Some(10.0), Some(10.0), None, Some(10.0)]
+    );
+    let m = r.lora_memory.unwrap();
+    assert_eq!(
+        (m.loads, m.evictions, m.share_evictions, m.share_refusals),
+        (3, 0, 0, 0)
+    );
+}
+
+#[test]
+fn a_spec_s_tier_shares_are_modelled_and_summarized() {
+    // The requests of the test above (the last one later), as a JSONL trace under a spec
+    // whose gold tier gives each tenant a share of 1: one refusal (tenant_busy, counted with the tier's), one
+    // eviction in a's share, and no warning that shares are not modelled.
+    let dir = crate::scratch::ScratchDir::new("simlora-share");
+    let trace = dir.join("t.jsonl");
+    let line = |at_s: f64, out: u32, tenant: &str, adapter: u32| {
+        format!(
+            "{{\"arrival_s\": {at_s}, \"prompt_len\": 8, \"output_len\": {out}, \
+             \"tenant\": \"{tenant}\", \"tier\": \"gold\", \"adapter\": {adapter}}}\n"
+        )
+    };
+    let lines = [
+        line(0.0, 40, "a", 1),
+        line(0.02, 1, "a", 2),
+        line(0.02, 1, "b", 2),
+        line(0.021, 1, "a", 1),
+        // Long after the first ended, whatever the steps' cost.
+        line(30.0, 1, "a", 3),
+    ];
+    std::fs::write(&trace, lines.concat()).unwrap();
+    let yaml = format!(
+        "policies: [{{name: fcfs}}]
+tiers: {{gold: {{max_cpu_loras_per_tenant: 1}}}}
+scheduler: {{lora_memory: {{max_cpu_loras: 8, load_ms: 10}}}}
+workload: {{trace: {}, format: jsonl}}
+",
+        trace.display()
+    );
+    let spec = SimulationSpec::from_yaml_str(&yaml, Path::new("t.yaml")).unwrap();
+    let (cmp, runs) = crate::simulate(&spec, false).unwrap();
+    assert!(
+        cmp.warnings
+            .iter()
+            .all(|w| !w.contains("max_cpu_loras_per_tenant")),
+        "{:?}",
+        cmp.warnings
+    );
+    let p = &cmp.policies[0];
+    let m = p.lora_memory.as_ref().expect("a lora_memory summary");
+    assert_eq!((m.loads, m.share_evictions, m.share_refusals), (3, 1, 1));
+    assert_eq!(p.tenant_busy, 1);
+    let gold = p.tiers.iter().find(|t| t.tier == "gold").unwrap();
+    assert_eq!(gold.tenant_busy, 1);
+    assert_eq!(runs[0].records[1].outcome, "tenant_busy");
+    assert!(
+        cmp.to_text().contains(
+            "3 loads, 1 evictions (1 to make room in a tenant's share), 1 requests refused \
+             by a tenant's full share"
+        ),
+        "{}",
+        cmp.to_text()
+    );
 }

@@ -17,14 +17,26 @@
 //! server's registry flags it). "Recently used" is the registry's clock: it ticks when a
 //! request takes an adapter from memory and when a load puts one there.
 //!
+//! A load is charged to the tenant of the request whose message started it, within the
+//! share of its tier (`tiers.<name>.max_cpu_loras_per_tenant`), as the server's manager
+//! charges it (`make_share_room`): when the adapters charged to the tenant fill its share and
+//! every one of them is in use, the request is refused before the read (the server's 429,
+//! outcome `tenant_busy`); else, once the adapter has been read, the tenant's least recently
+//! used adapter that no request holds is dropped (never another tenant's) to make room, and
+//! should its adapters have all come into use during the read, the request is refused then
+//! (the adapter read and not kept). An adapter in memory serves every request, whoever it is
+//! charged to, and a request taking one from memory is charged nothing. Pinned adapters,
+//! never loaded, are no tenant's. A tenant is its name, whatever its tier; each load uses its request's tier's
+//! share (a load in a tier without one is charged all the same).
+//!
 //! At the start only the pinned adapters are in memory (the server loads them as it
 //! registers them); every other adapter is loaded on its first request, as the server loads
-//! one found in `lora.adapter_dirs`, or one of `lora.adapters` evicted at start. What the
-//! model leaves out: the registry's own bound (`lora.max_adapters`, which unregisters found
-//! adapters to make room for others, each found again at the cost of one load), the tiers'
-//! shares of memory per tenant (`tiers.<name>.max_cpu_loras_per_tenant`, read with a server
-//! configuration's tiers and named in a warning), and a request's name check in `lora.adapter_dirs` before the front end
-//! (a look at the directories that reads nothing: the load is the one modelled here).
+//! one found in `lora.adapter_dirs`, or one of `lora.adapters` evicted at start (charged to
+//! its request's tenant either way, as the server charges a reload). What the model leaves
+//! out: the registry's own bound (`lora.max_adapters`, which unregisters found adapters to
+//! make room for others, each found again at the cost of one load), and a request's name
+//! check in `lora.adapter_dirs` before the front end (a look at the directories that reads
+//! nothing: the load is the one modelled here).
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
@@ -57,11 +69,24 @@ pub struct MemoryConfig {
     pub load_us: u64,
 }
 
+/// The tenant a load is charged to (its id in [`LoraMemory`]'s table) and the share of its
+/// request's tier (`None`: unbounded; the load is charged all the same, as on the server).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Charge {
+    tenant: u32,
+    share: Option<usize>,
+}
+
 /// A message to the manager's thread.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Message {
-    /// Request `req` needs `adapter`, which was not in memory when it asked.
-    Resolve { adapter: u32, req: usize },
+    /// Request `req` needs `adapter`, which was not in memory when it asked; a load is
+    /// charged to `charge`.
+    Resolve {
+        adapter: u32,
+        req: usize,
+        charge: Charge,
+    },
     /// Evict again (the registry was left over the limit).
     Evict,
 }
@@ -75,6 +100,38 @@ struct Load {
     adapter: u32,
     /// The request whose message started it.
     req: usize,
+    /// Who it is charged to.
+    charge: Charge,
+}
+
+/// Where a tenant's share stands before one more load.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ShareRoom {
+    /// The share has room (or there is no share).
+    Room,
+    /// The share is full; this adapter of the tenant's, the least recently used that no
+    /// request holds, would go.
+    Drop(u32),
+    /// The share is full of adapters in use: the request is refused.
+    Full,
+}
+
+/// What the memory answered, at the times it did: the requests that got their adapter and
+/// those refused by their tenant's full share (`tenant_busy`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Answers {
+    /// (time, request) of the requests that now hold their adapter.
+    pub served: Vec<(u64, usize)>,
+    /// (time, request) of the requests refused.
+    pub refused: Vec<(u64, usize)>,
+}
+
+impl Answers {
+    /// Empties both lists.
+    pub fn clear(&mut self) {
+        self.served.clear();
+        self.refused.clear();
+    }
 }
 
 /// The figures of a run.
@@ -82,8 +139,12 @@ struct Load {
 pub struct MemoryCounters {
     /// Adapters read from their files.
     pub loads: u64,
-    /// Adapters dropped from memory.
+    /// Adapters dropped from memory (those of `share_evictions` included).
     pub evictions: u64,
+    /// Of which dropped to make room in their tenant's share.
+    pub share_evictions: u64,
+    /// Requests refused because their tenant's share was full of adapters in use.
+    pub share_refusals: u64,
 }
 
 /// The adapters in memory and the manager's thread.
@@ -94,6 +155,10 @@ pub struct LoraMemory {
     resident: BTreeMap<u32, u64>,
     /// Requests holding each adapter (entries go with their last request).
     in_use: BTreeMap<u32, u32>,
+    /// The tenant each adapter in memory is charged to (pinned ones are no tenant's).
+    owner: BTreeMap<u32, u32>,
+    /// Tenants' ids, by name.
+    tenants: BTreeMap<String, u32>,
     /// The registry's clock.
     clock: u64,
     /// Set when an eviction left more than `max_cpu_loras` in memory.
@@ -121,6 +186,8 @@ impl LoraMemory {
             config,
             resident,
             in_use: BTreeMap::new(),
+            owner: BTreeMap::new(),
+            tenants: BTreeMap::new(),
             clock,
             over_limit: false,
             queue: VecDeque::new(),
@@ -154,25 +221,40 @@ impl LoraMemory {
         self.in_use.keys().copied().collect()
     }
 
-    /// Request `req` asks for `adapter` at `now` (its prompt encoded): `true` when it took the
-    /// adapter from memory at once; else it waits, and [`LoraMemory::advance`] reports when it
-    /// has it. Requests the manager serves at once (it was idle and the adapter came into
-    /// memory since) are reported in `resolved` at `now`.
+    /// Request `req` of `tenant` asks for `adapter` at `now` (its prompt encoded), its tier's
+    /// share being `share` (`max_cpu_loras_per_tenant`; `None`: unbounded): `true` when it
+    /// took the adapter from memory at once; else it waits, and [`LoraMemory::advance`]
+    /// reports when it has it or is refused. Requests the manager answers at once (it was
+    /// idle) are reported in `out` at `now`.
     pub fn request(
         &mut self,
         now: u64,
         adapter: u32,
         req: usize,
-        resolved: &mut Vec<(u64, usize)>,
+        (tenant, share): (&str, Option<usize>),
+        out: &mut Answers,
     ) -> bool {
         if self.resident.contains_key(&adapter) {
             self.take(adapter);
             if std::mem::take(&mut self.over_limit) {
-                self.send(now, Message::Evict, resolved);
+                self.send(now, Message::Evict, out);
             }
             return true;
         }
-        self.send(now, Message::Resolve { adapter, req }, resolved);
+        let next = self.tenants.len() as u32;
+        let charge = Charge {
+            tenant: *self.tenants.entry(tenant.to_owned()).or_insert(next),
+            share,
+        };
+        self.send(
+            now,
+            Message::Resolve {
+                adapter,
+                req,
+                charge,
+            },
+            out,
+        );
         false
     }
 
@@ -192,33 +274,40 @@ impl LoraMemory {
     }
 
     /// Ends the load in progress if it ends by `now`, and handles the messages queued behind
-    /// it that need no load; the requests served, with the time they were, go to `resolved`.
-    /// Returns whether a load ended.
-    pub fn advance(&mut self, now: u64, resolved: &mut Vec<(u64, usize)>) -> bool {
+    /// it that need no load; the requests served or refused, with the time they were, go to
+    /// `out`. Returns whether a load ended.
+    pub fn advance(&mut self, now: u64, out: &mut Answers) -> bool {
         let Some(load) = self.loading.filter(|l| l.end <= now) else {
             return false;
         };
         self.loading = None;
         self.counters.loads += 1;
-        self.clock += 1;
-        self.resident.insert(load.adapter, self.clock);
-        *self.in_use.entry(load.adapter).or_default() += 1;
+        // Room in the share is made once the adapter has been read.
+        if !self.make_share_room(load.charge) {
+            self.counters.share_refusals += 1;
+            out.refused.push((load.end, load.req));
+        } else {
+            self.clock += 1;
+            self.resident.insert(load.adapter, self.clock);
+            self.owner.insert(load.adapter, load.charge.tenant);
+            *self.in_use.entry(load.adapter).or_default() += 1;
+            out.served.push((load.end, load.req));
+        }
         self.evict();
-        resolved.push((load.end, load.req));
-        self.run_queue(load.end, resolved);
+        self.run_queue(load.end, out);
         true
     }
 
     /// Queues `msg` sent at `now`, handling it at once if the manager is idle.
-    fn send(&mut self, now: u64, msg: Message, resolved: &mut Vec<(u64, usize)>) {
+    fn send(&mut self, now: u64, msg: Message, out: &mut Answers) {
         self.queue.push_back((now, msg));
         if self.loading.is_none() {
-            self.run_queue(now, resolved);
+            self.run_queue(now, out);
         }
     }
 
     /// The idle manager handles its queued messages from `now` until one needs a load.
-    fn run_queue(&mut self, now: u64, resolved: &mut Vec<(u64, usize)>) {
+    fn run_queue(&mut self, now: u64, out: &mut Answers) {
         while self.loading.is_none() {
             let Some((sent, msg)) = self.queue.pop_front() else {
                 return;
@@ -226,16 +315,29 @@ impl LoraMemory {
             let at = now.max(sent);
             match msg {
                 Message::Evict => self.evict(),
-                Message::Resolve { adapter, req } if self.resident.contains_key(&adapter) => {
+                Message::Resolve { adapter, req, .. } if self.resident.contains_key(&adapter) => {
                     self.take(adapter);
                     self.evict();
-                    resolved.push((at, req));
+                    out.served.push((at, req));
                 }
-                Message::Resolve { adapter, req } => {
+                // Refused before the read: the tenant's share is full of adapters in use.
+                Message::Resolve { req, charge, .. }
+                    if self.share_room(charge) == ShareRoom::Full =>
+                {
+                    self.counters.share_refusals += 1;
+                    self.evict();
+                    out.refused.push((at, req));
+                }
+                Message::Resolve {
+                    adapter,
+                    req,
+                    charge,
+                } => {
                     self.loading = Some(Load {
                         end: at.saturating_add(self.config.load_us),
                         adapter,
                         req,
+                        charge,
                     });
                 }
             }
@@ -247,6 +349,44 @@ impl LoraMemory {
         self.clock += 1;
         self.resident.insert(adapter, self.clock);
         *self.in_use.entry(adapter).or_default() += 1;
+    }
+
+    /// Where `charge`'s tenant's share stands: the adapters in memory charged to it against
+    /// its share (pinned adapters, never loaded, are no tenant's).
+    fn share_room(&self, charge: Charge) -> ShareRoom {
+        let Some(share) = charge.share else {
+            return ShareRoom::Room;
+        };
+        let theirs = self
+            .owner
+            .iter()
+            .filter(|(_, t)| **t == charge.tenant)
+            .map(|(a, _)| *a);
+        if theirs.clone().count() < share {
+            return ShareRoom::Room;
+        }
+        theirs
+            .filter(|a| !self.in_use.contains_key(a))
+            .min_by_key(|a| self.resident.get(a).copied().unwrap_or(0))
+            .map_or(ShareRoom::Full, ShareRoom::Drop)
+    }
+
+    /// Drops `charge`'s tenant's least recently used adapters that no request holds until
+    /// its share has room for one more; `false` (the request refused) when every one left
+    /// is in use.
+    fn make_share_room(&mut self, charge: Charge) -> bool {
+        loop {
+            match self.share_room(charge) {
+                ShareRoom::Room => return true,
+                ShareRoom::Full => return false,
+                ShareRoom::Drop(victim) => {
+                    self.resident.remove(&victim);
+                    self.owner.remove(&victim);
+                    self.counters.evictions += 1;
+                    self.counters.share_evictions += 1;
+                }
+            }
+        }
     }
 
     /// Drops the least recently used adapters that no request holds and that are not pinned
@@ -261,6 +401,7 @@ impl LoraMemory {
                 .map(|(a, _)| *a);
             let Some(victim) = victim else { break };
             self.resident.remove(&victim);
+            self.owner.remove(&victim);
             self.counters.evictions += 1;
         }
         self.over_limit = self.resident.len() > self.config.max_cpu_loras;
@@ -282,16 +423,38 @@ mod tests {
         })
     }
 
-    /// Asks for `adapter` for `req` at `now`; the requests served at once.
+    /// Asks for `adapter` for `req` at `now`, of a tenant without a share; the requests
+    /// served at once.
     fn ask(m: &mut LoraMemory, now: u64, adapter: u32, req: usize) -> (bool, Vec<(u64, usize)>) {
-        let mut out = Vec::new();
-        let now_resident = m.request(now, adapter, req, &mut out);
+        let (now_resident, out) = ask_as(m, now, adapter, req, ("", None));
+        assert!(out.refused.is_empty());
+        (now_resident, out.served)
+    }
+
+    /// Asks for `adapter` for `req` of `tenant` (with its share) at `now`; the answers given
+    /// at once.
+    fn ask_as(
+        m: &mut LoraMemory,
+        now: u64,
+        adapter: u32,
+        req: usize,
+        tenant: (&str, Option<usize>),
+    ) -> (bool, Answers) {
+        let mut out = Answers::default();
+        let now_resident = m.request(now, adapter, req, tenant, &mut out);
         (now_resident, out)
     }
 
     /// Runs the manager up to `now`; the requests served.
     fn run_to(m: &mut LoraMemory, now: u64) -> Vec<(u64, usize)> {
-        let mut out = Vec::new();
+        let out = answers_to(m, now);
+        assert!(out.refused.is_empty());
+        out.served
+    }
+
+    /// Runs the manager up to `now`; its answers.
+    fn answers_to(m: &mut LoraMemory, now: u64) -> Answers {
+        let mut out = Answers::default();
         while m.advance(now, &mut out) {}
         out
     }
@@ -314,7 +477,8 @@ mod tests {
             m.counters(),
             MemoryCounters {
                 loads: 3,
-                evictions: 1
+                evictions: 1,
+                ..MemoryCounters::default()
             }
         );
     }
@@ -391,17 +555,120 @@ mod tests {
         );
     }
 
+    #[test]
+    fn a_full_share_drops_the_tenant_s_own_least_recently_used_adapter_never_another_s() {
+        let mut m = memory(8, &[]);
+        let (a, b) = (("a", Some(2)), ("b", Some(2)));
+        // b's 10 is the oldest in memory, then a's 1 and 2; a uses 1 again.
+        for (t, (adapter, tenant)) in [(10, b), (1, a), (2, a)].into_iter().enumerate() {
+            let t = t as u64 * LOAD;
+            assert!(!ask_as(&mut m, t, adapter, adapter as usize, tenant).0);
+            assert_eq!(run_to(&mut m, t + LOAD), vec![(t + LOAD, adapter as usize)]);
+            m.release(adapter);
+        }
+        assert!(ask_as(&mut m, 3 * LOAD, 1, 20, a).0);
+        m.release(1);
+        // a's share is full: its own least recently used (2) goes, once 3 has been read,
+        // though memory has room and b's 10 is older.
+        assert!(!ask_as(&mut m, 3 * LOAD, 3, 21, a).0);
+        assert_eq!(m.resident(), vec![1, 2, 10]);
+        assert_eq!(run_to(&mut m, 4 * LOAD), vec![(4 * LOAD, 21)]);
+        assert_eq!(m.resident(), vec![1, 3, 10]);
+        assert_eq!(
+            m.counters(),
+            MemoryCounters {
+                loads: 4,
+                evictions: 1,
+                share_evictions: 1,
+                share_refusals: 0
+            }
+        );
+        // In a tier without a share, a's load drops nothing, yet is charged to a: its next
+        // load within the share of 2 drops two of its three, the least recently used that
+        // no request holds (1, then 4; 3 is still held by request 21).
+        assert!(!ask_as(&mut m, 4 * LOAD, 4, 22, ("a", None)).0);
+        run_to(&mut m, 5 * LOAD);
+        assert_eq!(m.resident(), vec![1, 3, 4, 10]);
+        m.release(4);
+        assert!(!ask_as(&mut m, 5 * LOAD, 5, 23, a).0);
+        run_to(&mut m, 6 * LOAD);
+        assert_eq!(m.resident(), vec![3, 5, 10]);
+        assert_eq!(m.counters().share_evictions, 3);
+    }
+
+    #[test]
+    fn a_share_full_of_adapters_in_use_is_refused_before_the_read() {
+        let mut m = memory(8, &[]);
+        let a = ("a", Some(1));
+        assert!(!ask_as(&mut m, 0, 1, 0, a).0);
+        run_to(&mut m, LOAD);
+        // 1 is held: a's next load is refused when its message is handled, reading nothing.
+        let (now_resident, out) = ask_as(&mut m, LOAD, 2, 1, a);
+        assert!(!now_resident);
+        assert_eq!(out.refused, vec![(LOAD, 1)]);
+        assert!(out.served.is_empty());
+        assert_eq!(m.next_event(), None);
+        // Another tenant loads 2; in memory, it serves a too, uncharged.
+        assert!(!ask_as(&mut m, LOAD, 2, 2, ("b", Some(1))).0);
+        assert_eq!(run_to(&mut m, 2 * LOAD), vec![(2 * LOAD, 2)]);
+        assert!(ask_as(&mut m, 2 * LOAD, 2, 3, a).0);
+        // Behind a load, a refusal comes when the manager reaches the message.
+        assert!(!ask_as(&mut m, 2 * LOAD, 3, 4, ("b", None)).0);
+        assert!(!ask_as(&mut m, 2 * LOAD + 1, 4, 5, a).0);
+        let out = answers_to(&mut m, 3 * LOAD);
+        assert_eq!(
+            (out.served, out.refused),
+            (vec![(3 * LOAD, 4)], vec![(3 * LOAD, 5)])
+        );
+        // Once 1 is released, a's load drops it from its share.
+        m.release(1);
+        assert!(!ask_as(&mut m, 3 * LOAD, 5, 6, a).0);
+        assert_eq!(run_to(&mut m, 4 * LOAD), vec![(4 * LOAD, 6)]);
+        assert_eq!(m.resident(), vec![2, 3, 5]);
+        assert_eq!(
+            m.counters(),
+            MemoryCounters {
+                loads: 4,
+                evictions: 1,
+                share_evictions: 1,
+                share_refusals: 2
+            }
+        );
+    }
+
+    #[test]
+    fn a_share_whose_adapters_came_into_use_during_the_read_is_refused_after_it() {
+        let mut m = memory(8, &[]);
+        let a = ("a", Some(1));
+        assert!(!ask_as(&mut m, 0, 1, 0, a).0);
+        run_to(&mut m, LOAD);
+        m.release(1);
+        // 1 is unused when the message is handled: 2 is read...
+        assert!(!ask_as(&mut m, LOAD, 2, 1, a).0);
+        assert_eq!(m.next_event(), Some(2 * LOAD));
+        // ...but a request takes 1 from memory meanwhile: nothing of a's can go, so the
+        // request is refused once the read ends, and 2 is not kept.
+        assert!(ask_as(&mut m, LOAD + 1, 1, 2, ("b", Some(1))).0);
+        let out = answers_to(&mut m, 2 * LOAD);
+        assert_eq!((out.served, out.refused), (vec![], vec![(2 * LOAD, 1)]));
+        assert_eq!(m.resident(), vec![1]);
+        assert_eq!(m.counters().loads, 2);
+        assert_eq!(m.counters().share_refusals, 1);
+        assert_eq!(m.counters().evictions, 0);
+    }
+
     /// An operation of the property test.
     #[derive(Clone, Debug)]
     enum Op {
-        Ask(u32),
+        /// An adapter, for a tenant.
+        Ask(u32, usize),
         Release(usize),
         Wait(u64),
     }
 
     fn op() -> impl Strategy<Value = Op> {
         prop_oneof![
-            (0u32..12).prop_map(Op::Ask),
+            (0u32..12, 0usize..3).prop_map(|(a, t)| Op::Ask(a, t)),
             (0usize..64).prop_map(Op::Release),
             (0u64..3 * LOAD).prop_map(Op::Wait),
         ]
@@ -409,29 +676,35 @@ mod tests {
 
     proptest! {
         /// After every manager message, memory holds at most `max_cpu_loras` adapters or the
-        /// adapters held and pinned; pinned and held adapters are always in memory; every
-        /// request is served once.
+        /// adapters held and pinned; pinned and held adapters are always in memory; no
+        /// tenant has more adapters charged to it than its share; every request is served
+        /// or refused once, refused only with a share.
         #[test]
         fn memory_stays_within_its_bound(
             max in 0usize..5,
             pinned in proptest::collection::btree_set(0u32..12, 0..3),
+            shares in proptest::collection::vec(proptest::option::of(1usize..3), 3),
             ops in proptest::collection::vec(op(), 1..200),
         ) {
+            let names = ["t0", "t1", "t2"];
             let pinned: Vec<u32> = pinned.into_iter().take(max).collect();
             let mut m = memory(max, &pinned);
             let mut now = 0;
             let mut next_req = 0;
             let mut asked: BTreeMap<usize, u32> = BTreeMap::new();
             let mut holding: Vec<(usize, u32)> = Vec::new();
-            let mut served = BTreeSet::new();
-            let mut out = Vec::new();
+            let mut answered = BTreeSet::new();
+            let mut tenant_of: BTreeMap<usize, usize> = BTreeMap::new();
+            let mut refusals = 0;
+            let mut out = Answers::default();
             for op in ops {
                 out.clear();
                 match op {
-                    Op::Ask(a) => {
+                    Op::Ask(a, t) => {
                         asked.insert(next_req, a);
-                        if m.request(now, a, next_req, &mut out) {
-                            out.push((now, next_req));
+                        tenant_of.insert(next_req, t);
+                        if m.request(now, a, next_req, (names[t], shares[t]), &mut out) {
+                            out.served.push((now, next_req));
                         }
                         next_req += 1;
                     }
@@ -445,10 +718,22 @@ mod tests {
                         while m.advance(now, &mut out) {}
                     }
                 }
-                for &(at, req) in &out {
-                    prop_assert!(at <= now && served.insert(req));
+                for &(at, req) in &out.served {
+                    prop_assert!(at <= now && answered.insert(req));
                     holding.push((req, asked[&req]));
                 }
+                for &(at, req) in &out.refused {
+                    prop_assert!(at <= now && answered.insert(req));
+                    prop_assert!(shares[tenant_of[&req]].is_some());
+                    refusals += 1;
+                }
+                prop_assert_eq!(m.counters().share_refusals, refusals);
+                for (t, share) in shares.iter().enumerate() {
+                    let Some(&id) = m.tenants.get(names[t]) else { continue };
+                    let charged = m.owner.values().filter(|&&o| o == id).count();
+                    prop_assert!(charged <= share.unwrap_or(usize::MAX), "t{t}: {charged}");
+                }
+                prop_assert!(m.owner.keys().all(|a| m.is_resident(*a)));
                 let held: BTreeSet<u32> = holding.iter().map(|h| h.1).collect();
                 let kept: BTreeSet<u32> = held.iter().chain(&pinned).copied().collect();
                 for a in &kept {

@@ -187,7 +187,8 @@ pub struct TierSummary {
     /// Of which refused at arrival by the tier's `max_pending_requests` (`overloaded`).
     #[serde(default)]
     pub overloaded: u64,
-    /// Of which refused at arrival by the tier's `max_pending_per_tenant` (`tenant_busy`).
+    /// Of which refused by the tier's `max_pending_per_tenant` at arrival or its
+    /// `max_cpu_loras_per_tenant` (`tenant_busy`).
     #[serde(default)]
     pub tenant_busy: u64,
     /// The tier's TTFT target in ms (`tiers.<name>.ttft_ms`; `None`: no target).
@@ -259,7 +260,9 @@ pub struct PolicySummary {
     #[serde(default)]
     pub overloaded: u64,
     /// Requests refused at arrival by their tier's bound on each tenant's requests in flight
-    /// (`tiers.<name>.max_pending_per_tenant`: the server's 429, reason `tenant_busy`).
+    /// (`tiers.<name>.max_pending_per_tenant`), or as they asked for their adapter by their
+    /// tenant's share of adapter memory full of adapters in use
+    /// (`tiers.<name>.max_cpu_loras_per_tenant`): the server's 429, reason `tenant_busy`.
     #[serde(default)]
     pub tenant_busy: u64,
     /// Requests sent per second in this run, over the span from the first sending to the
@@ -373,9 +376,19 @@ pub struct LoraMemorySummary {
     pub load_ms_from: String,
     /// Adapters read from their files.
     pub loads: u64,
-    /// Adapters dropped from memory.
+    /// Adapters dropped from memory (`share_evictions` included).
     pub evictions: u64,
-    /// Requests that named an adapter and left the front end.
+    /// Of which dropped to make room in their tenant's share
+    /// (`tiers.<name>.max_cpu_loras_per_tenant`; 0 in a summary written before shares were
+    /// modelled).
+    #[serde(default)]
+    pub share_evictions: u64,
+    /// Requests refused (`tenant_busy`, counted there too) because their tenant's share was
+    /// full of adapters in use.
+    #[serde(default)]
+    pub share_refusals: u64,
+    /// Requests that named an adapter, left the front end and got it (those refused by
+    /// their tenant's share aside).
     pub adapter_requests: u64,
     /// Of which waited for a load.
     pub waited: u64,
@@ -407,6 +420,8 @@ impl LoraMemorySummary {
             load_ms_from: load_ms_from.to_string(),
             loads: counters.loads,
             evictions: counters.evictions,
+            share_evictions: counters.share_evictions,
+            share_refusals: counters.share_refusals,
             adapter_requests: waits.len() as u64,
             waited: waited.len() as u64,
             wait_ms: LatencyStats::from_values(&mut waited),
@@ -845,7 +860,8 @@ impl Comparison {
             let _ = writeln!(
                 s,
                 "{}: LoRA memory (max_cpu_loras {}, {} pinned, {} ms a load from {}): {} loads, {} \
-                 evictions; {} of {} adapter requests waited for a load (wait p50 {} p99 {}); \
+                 evictions ({} to make room in a tenant's share), {} requests refused by a \
+                 tenant's full share; {} of {} adapter requests waited for a load (wait p50 {} p99 {}); \
                  ttft p50/p99 pinned {}/{}, not pinned {}/{}",
                 p.policy,
                 m.max_cpu_loras,
@@ -854,6 +870,8 @@ impl Comparison {
                 m.load_ms_from,
                 m.loads,
                 m.evictions,
+                m.share_evictions,
+                m.share_refusals,
                 m.waited,
                 m.adapter_requests,
                 fmt_ms(m.wait_ms.p50, 1),

@@ -536,9 +536,8 @@ pub struct TierConf {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_kv_fraction: Option<f64>,
     /// The server's share of LoRA adapter memory per tenant
-    /// (`tiers.<name>.max_cpu_loras_per_tenant`, 1 to 4,096): read, so that a server
-    /// configuration's tiers load, but not modelled (a run with `scheduler.lora_memory` warns
-    /// that every tenant's loads share its `max_cpu_loras`).
+    /// (`tiers.<name>.max_cpu_loras_per_tenant`, 1 to 4,096): with `scheduler.lora_memory`,
+    /// each load is charged to its request's tenant within it ([`crate::lora_memory`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_cpu_loras_per_tenant: Option<usize>,
 }
@@ -1647,7 +1646,7 @@ workload:
         // The server's admission bounds are read.
         assert_eq!(tiers["batch"].max_pending_requests, Some(1024));
         assert_eq!(tiers["standard"].max_pending_per_tenant, Some(256));
-        // So are its rate limits, and its share of adapter memory per tenant (not modelled).
+        // So are its rate limits, and its share of adapter memory per tenant.
         assert_eq!(tiers["standard"].tokens_per_minute, Some(200_000));
         assert_eq!(tiers["standard"].max_cpu_loras_per_tenant, Some(2));
         let file = dir.join("t.yaml");
