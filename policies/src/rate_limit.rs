@@ -7,6 +7,9 @@
 //! least one token left, so the token level may go below zero (the tenant then waits until it
 //! has refilled). Time is passed in, as seconds from an origin of the caller's choosing (a
 //! time before the last one seen refills nothing).
+//!
+//! [`LogThrottle`] limits log lines rather than requests: the server's refusal lines, one per
+//! interval carrying the count of the events it stands for.
 
 /// How far below one unit a bucket may be and still admit: times are differences of floats,
 /// so a client that waits exactly the time it was told must not miss by a rounding error.
@@ -246,6 +249,46 @@ impl TenantBudget {
     }
 }
 
+/// Lets one event of many through per interval, with the count of those held back: the first
+/// event passes at once, later ones once `every` has passed since the last one that passed.
+/// For log lines of events a client can repeat at will (refusals, failed authentication), so
+/// that a flood of them writes a line an interval carrying their count. Time is passed in;
+/// callers that share one across threads hold it behind their own lock.
+#[derive(Debug, Clone)]
+pub struct LogThrottle {
+    every: std::time::Duration,
+    /// When an event last passed.
+    last: Option<std::time::Instant>,
+    /// Events counted since then.
+    count: u64,
+}
+
+impl LogThrottle {
+    /// A throttle letting one event through per `every`.
+    pub const fn new(every: std::time::Duration) -> Self {
+        Self {
+            every,
+            last: None,
+            count: 0,
+        }
+    }
+
+    /// Counts one event at `now`; `Some(n)` when it passes, `n` the events counted since the
+    /// last one that passed, this one included.
+    pub fn hit(&mut self, now: std::time::Instant) -> Option<u64> {
+        self.count += 1;
+        let due = self
+            .last
+            .is_none_or(|last| now.saturating_duration_since(last) >= self.every);
+        if !due {
+            return None;
+        }
+        let n = self.count;
+        (self.last, self.count) = (Some(now), 0);
+        Some(n)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -460,5 +503,19 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn the_log_throttle_lets_one_event_through_per_interval_with_the_count() {
+        use std::time::{Duration, Instant};
+        let mut t = LogThrottle::new(Duration::from_secs(1));
+        let t0 = Instant::now();
+        assert_eq!(t.hit(t0), Some(1));
+        for i in 0..9 {
+            assert_eq!(t.hit(t0 + Duration::from_millis(100 * i)), None);
+        }
+        assert_eq!(t.hit(t0 + Duration::from_secs(1)), Some(10));
+        assert_eq!(t.hit(t0 + Duration::from_millis(1500)), None);
+        assert_eq!(t.hit(t0 + Duration::from_secs(3)), Some(2));
     }
 }

@@ -44,6 +44,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use switchyard_policies::rate_limit::LogThrottle;
+
 use super::engine::{SubmitError, SubmitErrorKind};
 
 /// Least time between two WARN lines about the refusals of one bound.
@@ -98,36 +100,18 @@ impl Drop for InFlight {
     }
 }
 
-/// Lets one event of many through per interval, with the count of those held back: the first
-/// event passes at once, later ones once `every` has passed since the last one that passed.
-pub(crate) struct Throttle {
-    every: Duration,
-    /// When an event last passed, and the events counted since then.
-    state: parking_lot::Mutex<(Option<Instant>, u64)>,
-}
+/// A [`LogThrottle`] behind a lock, for the refusal lines of admission's bounds, which HTTP
+/// workers hit concurrently.
+pub(crate) struct Throttle(parking_lot::Mutex<LogThrottle>);
 
 impl Throttle {
     pub(crate) fn new(every: Duration) -> Self {
-        Self {
-            every,
-            state: parking_lot::Mutex::new((None, 0)),
-        }
+        Self(parking_lot::Mutex::new(LogThrottle::new(every)))
     }
 
-    /// Counts one event at `now`; `Some(n)` when it passes, `n` the events counted since the
-    /// last one that passed, this one included.
+    /// [`LogThrottle::hit`].
     pub(crate) fn hit(&self, now: Instant) -> Option<u64> {
-        let mut state = self.state.lock();
-        state.1 += 1;
-        let due = state
-            .0
-            .is_none_or(|last| now.saturating_duration_since(last) >= self.every);
-        if !due {
-            return None;
-        }
-        let n = state.1;
-        *state = (Some(now), 0);
-        Some(n)
+        self.0.lock().hit(now)
     }
 }
 
@@ -932,19 +916,6 @@ mod tests {
         );
         drop(held);
         let _again = a.admit("standard", "beta", ONE).unwrap();
-    }
-
-    #[test]
-    fn the_throttle_lets_one_event_through_per_interval_with_the_count() {
-        let t = Throttle::new(Duration::from_secs(1));
-        let t0 = Instant::now();
-        assert_eq!(t.hit(t0), Some(1));
-        for i in 0..9 {
-            assert_eq!(t.hit(t0 + Duration::from_millis(100 * i)), None);
-        }
-        assert_eq!(t.hit(t0 + Duration::from_secs(1)), Some(10));
-        assert_eq!(t.hit(t0 + Duration::from_millis(1500)), None);
-        assert_eq!(t.hit(t0 + Duration::from_secs(3)), Some(2));
     }
 
     /// A tenant at its tier's per-tenant bound is refused (429) while the tier's other

@@ -463,7 +463,7 @@ pub struct LoraManager {
     /// Adapters read from disk since the start (`lora_adapter_loads_total`, per manager).
     reads: u64,
     /// Logs of refusals for a full tenant's share, at most one line a second.
-    share_refusals: super::admission::Throttle,
+    share_refusals: switchyard_policies::rate_limit::LogThrottle,
 }
 
 impl LoraManager {
@@ -476,7 +476,9 @@ impl LoraManager {
             next_id: 1,
             registry,
             reads: 0,
-            share_refusals: super::admission::Throttle::new(super::admission::REFUSAL_LOG_INTERVAL),
+            share_refusals: switchyard_policies::rate_limit::LogThrottle::new(
+                super::admission::REFUSAL_LOG_INTERVAL,
+            ),
         }
     }
 

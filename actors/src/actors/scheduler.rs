@@ -12,7 +12,7 @@ use std::time::Instant;
 use actix::{Actor, ActorFutureExt, Addr, AsyncContext, Context, Handler, Message, WrapFuture};
 use switchyard_policies::{FinishReason, Policy, RequestId, SchedulerStats, StepPlan, Timestamp};
 
-use super::admission::{Throttle, REFUSAL_LOG_INTERVAL};
+use super::admission::REFUSAL_LOG_INTERVAL;
 use super::allocator::{Commit, KvAllocatorActor};
 use super::detokenizer::{DetokenizerActor, Scheduled, StepEvents};
 use super::engine::{SubmitError, SubmitErrorKind};
@@ -22,6 +22,7 @@ use super::executor::{
 use crate::core::{PreparedStep, StepCore, SubmitOptions};
 use crate::metric_names as names;
 use crate::EngineError;
+use switchyard_policies::rate_limit::LogThrottle;
 
 /// Queues requests (all choices of one client request together).
 #[derive(Message)]
@@ -82,7 +83,7 @@ pub struct SchedulerActor {
     wake_at: Option<Timestamp>,
     /// Per queue bound (`tiers.<name>.max_queue_ms` or `scheduler.max_queue_ms`: bounded by
     /// the configured tiers), the throttle of its WARN lines.
-    timeout_logs: HashMap<String, Throttle>,
+    timeout_logs: HashMap<String, LogThrottle>,
     /// Per configured tier, its label and the KV blocks last published for it
     /// ([`names::KV_CACHE_BLOCKS_USED`], set again only when it changes).
     tier_blocks: Vec<(std::sync::Arc<str>, Option<usize>)>,
@@ -281,7 +282,7 @@ impl SchedulerActor {
             let throttle = self
                 .timeout_logs
                 .entry(bound.clone())
-                .or_insert_with(|| Throttle::new(REFUSAL_LOG_INTERVAL));
+                .or_insert_with(|| LogThrottle::new(REFUSAL_LOG_INTERVAL));
             if let Some(n) = throttle.hit(now) {
                 tracing::warn!(
                     bound = %bound,
