@@ -18,7 +18,9 @@
 //! block's shadow content is keyed by its namespace and its exact tokens, not by request: a block
 //! in two tables of one plan holds the same tokens for both and is computed for both. With a
 //! detached pool (the engine's allocator actor), the pool gets the commits as the engine sends
-//! them and must equal the ledger after each.
+//! them and must equal the ledger after each. With failed steps (the engine's `fail_step`: their
+//! requests and those of the step in flight aborted, the prefix cache cleared), nothing the
+//! failed steps were to write is read by a request that goes on.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
@@ -92,6 +94,8 @@ struct Workload {
     ahead: bool,
     /// Each request's prompt, built from the specs by [`fill_prompts`].
     prompts: Vec<Vec<TokenId>>,
+    /// Every this many steps, the step fails on the device (see [`with_failures`]).
+    fail_every: Option<u64>,
 }
 
 fn spec() -> impl Strategy<Value = Spec> {
@@ -211,6 +215,7 @@ fn workload() -> impl Strategy<Value = Workload> {
                 host_blocks,
                 ahead,
                 prompts: Vec::new(),
+                fail_every: None,
             },
         )
         .prop_map(fill_prompts)
@@ -266,6 +271,18 @@ fn fill_prompts(mut w: Workload) -> Workload {
         w.prompts.push(prompt);
     }
     w
+}
+
+/// `workloads` where a step fails on the device now and then, as the engine's `fail_step`
+/// handles it: every request of that step and of the step in flight beside it is aborted, the
+/// launched steps are forgotten and the prefix cache is cleared; nothing those steps were to
+/// write or copy holds anything after (the shadow forgets it), and no request that goes on may
+/// read it.
+fn with_failures(workloads: impl Strategy<Value = Workload>) -> impl Strategy<Value = Workload> {
+    (workloads, 3u64..16).prop_map(|(mut w, k)| {
+        w.fail_every = Some(k);
+        w
+    })
 }
 
 /// `workloads` with continuations: more than half the requests continue an earlier one (of
@@ -808,6 +825,35 @@ fn content(w: &Workload, id: RequestId, k: usize) -> u64 {
     h.finish()
 }
 
+/// A failed step's effects on the shadow: every block its copies and its compute were to write
+/// holds nothing known (the device may have written part of it, or nothing).
+fn forget_writes(
+    shadow: &mut Shadow,
+    plan: &StepPlan,
+    mirrors: &HashMap<RequestId, Vec<BlockId>>,
+    block_size: usize,
+) {
+    for c in plan.kv_offloads.iter().chain(&plan.kv_stores) {
+        shadow.host[c.host as usize] = None;
+    }
+    for c in &plan.kv_loads {
+        shadow.device[c.device as usize] = None;
+    }
+    for q in &plan.seqs {
+        let Some(table) = mirrors.get(&q.id) else {
+            continue;
+        };
+        let end = (q.num_computed_tokens + q.num_new_tokens).div_ceil(block_size);
+        for &b in table
+            .iter()
+            .take(end)
+            .skip(q.num_computed_tokens / block_size)
+        {
+            shadow.device[b as usize] = None;
+        }
+    }
+}
+
 /// Applies `plan`'s copies to the shadow and checks them (ids in range, no block written twice,
 /// no tier block loaded twice, no load source overwritten by an offload, only whole computed
 /// blocks copied), then that every scheduled request's table holds its own KV over its
@@ -1339,7 +1385,30 @@ fn run_with(
         s.check_invariants()
             .map_err(|e| TestCaseError::fail(e.to_string()))?;
         check_adapters(w, &s, &admitted)?;
-        if pipelined {
+        let fails = !plan.seqs.is_empty() && w.fail_every.is_some_and(|k| step % k == k - 1);
+        if fails {
+            // Launched (so its blocks are registered), then it fails with the one in flight.
+            if pipelined {
+                s.launch(&plan);
+            }
+            let failed: Vec<StepPlan> = in_flight.take().into_iter().chain([plan]).collect();
+            for p in &failed {
+                forget_writes(&mut shadow, p, &mirrors, w.block_size);
+                for q in &p.seqs {
+                    if s.abort(q.id) {
+                        prop_assert!(
+                            ended.insert(q.id, FinishReason::Abort).is_none(),
+                            "{:?} ended twice",
+                            q.id
+                        );
+                    }
+                }
+            }
+            s.forget_launched();
+            s.clear_prefix_cache();
+            s.check_invariants()
+                .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        } else if pipelined {
             s.launch(&plan);
             s.check_invariants()
                 .map_err(|e| TestCaseError::fail(e.to_string()))?;
@@ -1589,6 +1658,28 @@ proptest! {
             run_with(&w, name, &[], false, true).map_err(|e| {
                 TestCaseError::fail(format!("policy {name} detached, in order: {e}"))
             })?;
+        }
+    }
+
+    #[test]
+    fn a_failed_step_leaves_nothing_another_request_reads(
+        w in with_failures(with_continuations(workload()))
+    ) {
+        for name in variants() {
+            run(&w, name, &[], false)
+                .map_err(|e| TestCaseError::fail(format!("policy {name}: {e}")))?;
+            run_with(&w, name, &[], true, true)
+                .map_err(|e| TestCaseError::fail(format!("policy {name} pipelined: {e}")))?;
+        }
+    }
+
+    #[test]
+    fn a_failed_step_loses_nothing_from_the_host_tier(
+        w in with_failures(with_continuations(burst_workload()))
+    ) {
+        for name in variants() {
+            run(&w, name, &[], true)
+                .map_err(|e| TestCaseError::fail(format!("policy {name} pipelined: {e}")))?;
         }
     }
 
